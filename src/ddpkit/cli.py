@@ -1,0 +1,42 @@
+"""The ``ddpkit`` command: ``ddpkit run`` launches a job, ``ddpkit env`` describes the machine."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from ddpkit.errors import ConfigError
+
+USAGE = """usage: ddpkit {run,env} ...
+
+  ddpkit run [--nproc N] [--max-restarts N] [--all-ranks] script.py [args...]
+                 launch one process per GPU (or CPU share) with torchrun's agent
+  ddpkit env     versions, devices, the choices `run` would make, and a live all-reduce check
+
+`ddpkit run -h` lists every option."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    try:
+        if command == "run":
+            from ddpkit.launcher import main as run_main
+
+            return run_main(rest)
+        if command == "env":
+            from ddpkit.envinfo import main as env_main
+
+            return env_main(rest)
+    except ConfigError as err:
+        print(f"ddpkit {command}: error: {err}", file=sys.stderr)
+        return 2
+    print(f"ddpkit: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""Reading the launcher's environment: torchrun (and ``ddpkit run``), SLURM ``srun``, or nothing.
+
+This is the only module that reads rank variables from ``os.environ``. It is pure logic (no process group, no
+torch), so every branch is tested with a mocked environment.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ddpkit.errors import ConfigError
+
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Where this process sits in the job, as the launcher described it."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    launcher: str = "none"
+    """``"torchrun"`` (also ``ddpkit run`` and ``ddpkit.spawn``), ``"slurm"``, or ``"none"`` (plain python)."""
+    master_addr: str | None = None
+    master_port: int | None = None
+
+
+def _int(env: Mapping[str, str], name: str) -> int:
+    value = env[name]
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"{name}={value!r} is not an integer; fix or unset {name}") from None
+
+
+def _check(info: LaunchEnv) -> LaunchEnv:
+    source = {"torchrun": "torchrun/ddpkit run", "slurm": "SLURM"}.get(info.launcher, info.launcher)
+    if info.world_size < 1:
+        raise ConfigError(f"world size {info.world_size} from {source} must be >= 1")
+    if not 0 <= info.rank < info.world_size:
+        raise ConfigError(
+            f"rank {info.rank} is outside the world of {info.world_size} processes set by {source}; "
+            "each rank must be in [0, world size)"
+        )
+    if not 1 <= info.local_world_size <= info.world_size:
+        raise ConfigError(
+            f"{info.local_world_size} processes on this node but {info.world_size} in the whole job "
+            f"({source}); the local world size must be between 1 and the world size"
+        )
+    if not 0 <= info.local_rank < info.local_world_size:
+        raise ConfigError(
+            f"local rank {info.local_rank} is outside the {info.local_world_size} processes of this node "
+            f"set by {source}"
+        )
+    return info
+
+
+def expand_hostlist(hostlist: str) -> list[str]:
+    """Expand a SLURM node list such as ``gpu[01-03,07],login1`` into host names.
+
+    Written here because the alternative, ``scontrol show hostnames``, needs SLURM's binaries inside the job.
+    """
+    hosts: list[str] = []
+    for match in re.finditer(r"([^,\[]+)(?:\[([^\]]+)\])?([^,]*)", hostlist):
+        prefix, ranges, suffix = match.groups()
+        if not ranges:
+            hosts.append(prefix + suffix)
+            continue
+        for part in ranges.split(","):
+            lo, _, hi = part.partition("-")
+            for n in range(int(lo), int(hi or lo) + 1):
+                hosts.append(f"{prefix}{n:0{len(lo)}d}{suffix}")
+    return hosts
+
+
+def _tasks_on_node(tasks_per_node: str, node_id: int) -> int:
+    # SLURM writes e.g. "2(x3),1": two tasks on each of three nodes, then one.
+    counts: list[int] = []
+    for item in tasks_per_node.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", item.strip())
+        if not m:
+            raise ConfigError(f"cannot read SLURM_TASKS_PER_NODE={tasks_per_node!r}")
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts[min(node_id, len(counts) - 1)]
+
+
+def _slurm_env(env: Mapping[str, str]) -> LaunchEnv:
+    world_size = _int(env, "SLURM_NTASKS") if "SLURM_STEP_NUM_TASKS" not in env else _int(
+        env, "SLURM_STEP_NUM_TASKS"
+    )
+    node_id = int(env.get("SLURM_NODEID", "0"))
+    per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or str(world_size)
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not nodelist:
+        raise ConfigError("SLURM_PROCID is set but no SLURM node list is: launch the job with srun")
+    if "MASTER_PORT" in env:
+        port = _int(env, "MASTER_PORT")
+    else:
+        # Every task of the job must agree on a port without talking to each other first: derive it from
+        # the job id (so two jobs on one node differ) unless MASTER_PORT says otherwise.
+        port = 15000 + int(env.get("SLURM_JOB_ID", "0")) % 20000
+    return _check(
+        LaunchEnv(
+            rank=_int(env, "SLURM_PROCID"),
+            local_rank=_int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
+            world_size=world_size,
+            local_world_size=_tasks_on_node(per_node, node_id),
+            launcher="slurm",
+            master_addr=env.get("MASTER_ADDR") or expand_hostlist(nodelist)[0],
+            master_port=port,
+        )
+    )
+
+
+def _is_slurm_task(env: Mapping[str, str]) -> bool:
+    # Inside an allocation, a shell (salloc, `srun --pty bash`) or a batch script also carries SLURM_NTASKS;
+    # only a task started by srun for this step has SLURM_STEP_ID and a job name that is not a shell.
+    return (
+        "SLURM_PROCID" in env
+        and "SLURM_NTASKS" in env
+        and "SLURM_STEP_ID" in env
+        and env.get("SLURM_JOB_NAME") not in ("bash", "interactive", "sh", "zsh")
+    )
+
+
+def read_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
+    """Read rank, world size and rendezvous address from the launcher's environment variables."""
+    env = os.environ if env is None else env
+    present = [name for name in _TORCHRUN_VARS if name in env]
+    if present:
+        missing = [name for name in _TORCHRUN_VARS if name not in env]
+        if missing:
+            raise ConfigError(
+                f"{', '.join(present)} set but {', '.join(missing)} not: launch with `ddpkit run` or torchrun, "
+                f"or unset {', '.join(present)} to run as a single process"
+            )
+        world_size = _int(env, "WORLD_SIZE")
+        for name in ("MASTER_ADDR", "MASTER_PORT"):
+            if name not in env:
+                raise ConfigError(
+                    f"RANK and WORLD_SIZE are set but {name} is not: launch with `ddpkit run` or torchrun, "
+                    f"which set it, or export {name}"
+                )
+        return _check(
+            LaunchEnv(
+                rank=_int(env, "RANK"),
+                local_rank=_int(env, "LOCAL_RANK"),
+                world_size=world_size,
+                local_world_size=_int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else world_size,
+                launcher="torchrun",
+                master_addr=env["MASTER_ADDR"],
+                master_port=_int(env, "MASTER_PORT"),
+            )
+        )
+    if _is_slurm_task(env):
+        return _slurm_env(env)
+    return LaunchEnv()
+
+
+def cpu_count(env: Mapping[str, str] | None = None) -> int:
+    """Cores this process may use: the scheduler's grant (SGE ``NSLOTS``, ``SLURM_CPUS_ON_NODE``) or affinity."""
+    env = os.environ if env is None else env
+    for name in ("NSLOTS", "SLURM_CPUS_ON_NODE"):
+        if env.get(name, "").isdigit() and int(env[name]) > 0:
+            return int(env[name])
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def scheduler(env: Mapping[str, str] | None = None) -> str | None:
+    """The batch scheduler this process runs under, if any."""
+    env = os.environ if env is None else env
+    if "SLURM_JOB_ID" in env:
+        return "slurm"
+    if "SGE_TASK_ID" in env or "NSLOTS" in env or "JOB_ID" in env and "SGE_ROOT" in env:
+        return "sge"
+    return None

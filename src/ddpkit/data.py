@@ -1,0 +1,202 @@
+"""Sharded data: a global sample order that does not depend on the world size, and exact evaluation shards.
+
+Training (:class:`ShardedBatchSampler`). The permutation of epoch ``e`` is a pure function of ``(seed, e)``.
+It is cut into global batches of ``batch_size * world_size`` samples and rank ``r`` takes the ``r``-th slice of
+each. Concatenating the ranks' slices of a step gives the same global batch at 1, 2 or 8 ranks, so a run can
+resume at another world size with the same global batch and see the same samples in the same steps.
+
+Evaluation (:class:`EvalShardSampler`). ``DistributedSampler`` pads the dataset to a multiple of the world size
+by repeating samples, so every metric counts some samples twice (pytorch/pytorch#25162). Here each rank takes
+a contiguous, unpadded share; shares differ by at most one sample and every sample is counted exactly once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sized
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from ddpkit.cluster import cpu_count
+from ddpkit.collectives import rank as _rank
+from ddpkit.collectives import world_size as _world_size
+from ddpkit.errors import ConfigError
+from ddpkit.runtime import get_runtime
+
+
+def epoch_permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
+    """The order of the ``n`` samples in ``epoch``: a function of ``(seed, epoch)`` alone."""
+    g = torch.Generator()
+    g.manual_seed(((seed & 0xFFFFFFFF) << 32) | (epoch & 0xFFFFFFFF))
+    return torch.randperm(n, generator=g)
+
+
+def shard_bounds(n: int, parts: int, index: int) -> tuple[int, int]:
+    """``[start, end)`` of part ``index`` when ``n`` items are cut into ``parts`` contiguous parts.
+
+    The first ``n % parts`` parts hold one item more; a part may be empty when ``n < parts``.
+    """
+    base, extra = divmod(n, parts)
+    start = index * base + min(index, extra)
+    return start, start + base + (1 if index < extra else 0)
+
+
+class ShardedBatchSampler(Sampler[list[int]]):
+    """Yields this rank's indices for each step of an epoch; the epoch advances by itself.
+
+    Each ``iter()`` is a new epoch (no ``set_epoch`` to forget), so ``for batch in loader`` in an epoch loop
+    reshuffles. :meth:`set_position` moves to a global sample ``cursor`` inside an epoch, for resuming.
+
+    With ``drop_last=True`` (default) a last global batch smaller than ``batch_size * world_size`` is dropped,
+    so every step has the same size at every world size. With ``drop_last=False`` it is split as evenly as
+    possible over the ranks (sizes differ by at most one); if it has fewer samples than ranks it is dropped,
+    since a rank without a sample cannot take a DDP step.
+    """
+
+    def __init__(
+        self,
+        dataset: Sized | int,
+        batch_size: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = True,
+        group: Any = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        self.num_samples = dataset if isinstance(dataset, int) else len(dataset)
+        if batch_size < 1:
+            raise ConfigError(f"batch_size={batch_size}: the per-rank batch size must be >= 1")
+        self.batch_size = batch_size
+        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        self.rank = _rank(group) if rank is None else rank
+        self.world_size = _world_size(group) if world_size is None else world_size
+        self.global_batch_size = batch_size * self.world_size
+        if self.steps_per_epoch == 0:
+            raise ConfigError(
+                f"{self.num_samples} samples make no global batch of {self.global_batch_size} "
+                f"({batch_size} per rank x {self.world_size} ranks): lower batch_size or pass drop_last=False"
+            )
+        self.epoch = 0
+        """The epoch the next ``iter()`` yields."""
+        self._cursor = 0
+
+    @property
+    def steps_per_epoch(self) -> int:
+        full, tail = divmod(self.num_samples, self.global_batch_size)
+        return full + (0 if self.drop_last or tail < self.world_size else 1)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Choose the epoch the next ``iter()`` yields (``DistributedSampler``'s method, kept for scripts)."""
+        self.set_position(epoch, 0)
+
+    def set_position(self, epoch: int, cursor: int) -> None:
+        """Make the next ``iter()`` yield ``epoch`` from global sample ``cursor`` (samples already trained on)."""
+        if cursor % self.global_batch_size and cursor != self.num_samples:
+            raise ConfigError(
+                f"cursor {cursor} is not a whole number of global batches of {self.global_batch_size}: resume "
+                "with the same global batch size (per-rank batch x world size) as the run that saved it"
+            )
+        self.epoch, self._cursor = epoch, cursor
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch - self._cursor // self.global_batch_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        epoch, first_step = self.epoch, self._cursor // self.global_batch_size
+        self.epoch, self._cursor = epoch + 1, 0
+        n, gbs = self.num_samples, self.global_batch_size
+        order = epoch_permutation(n, self.seed, epoch) if self.shuffle else torch.arange(n)
+        for step in range(first_step, self.steps_per_epoch):
+            batch = order[step * gbs : min((step + 1) * gbs, n)]
+            lo, hi = shard_bounds(len(batch), self.world_size, self.rank)
+            yield batch[lo:hi].tolist()
+
+
+class EvalShardSampler(Sampler[int]):
+    """This rank's contiguous, unpadded share of ``range(n)``: every sample on exactly one rank."""
+
+    def __init__(self, dataset: Sized | int, *, group: Any = None) -> None:
+        n = dataset if isinstance(dataset, int) else len(dataset)
+        self.start, self.end = shard_bounds(n, _world_size(group), _rank(group))
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.start, self.end))
+
+
+def default_num_workers(local_world_size: int | None = None) -> int:
+    """Loader workers per rank: the cores of each rank minus one (for the rank itself)."""
+    procs = local_world_size or get_runtime().local_world_size
+    return max(0, cpu_count() // procs - 1)
+
+
+def _loader_kwargs(num_workers: int | None, pin_memory: bool | None) -> dict[str, Any]:
+    workers = default_num_workers() if num_workers is None else num_workers
+    pin = get_runtime().device.type == "cuda" if pin_memory is None else pin_memory
+    return {"num_workers": workers, "pin_memory": pin, "persistent_workers": workers > 0}
+
+
+def build_loader(
+    dataset: Dataset,
+    batch_size: int,
+    *,
+    shuffle: bool = True,
+    seed: int = 0,
+    drop_last: bool = True,
+    num_workers: int | None = None,
+    pin_memory: bool | None = None,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    group: Any = None,
+) -> DataLoader:
+    """A training loader over this rank's shard; ``batch_size`` is per rank.
+
+    The loader gets its own ``torch.Generator``: without one, every ``iter()`` draws the workers' base seed
+    from the global RNG, which shifts dropout masks and any other draw that follows.
+    """
+    sampler = ShardedBatchSampler(dataset, batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last, group=group)
+    generator = torch.Generator()
+    generator.manual_seed(seed + 7919 * sampler.rank)  # per-rank worker seeds: ranks augment differently
+    return DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        collate_fn=collate_fn,
+        generator=generator,
+        **_loader_kwargs(num_workers, pin_memory),
+    )
+
+
+def build_eval_loader(
+    dataset: Dataset,
+    batch_size: int,
+    *,
+    num_workers: int | None = None,
+    pin_memory: bool | None = None,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    group: Any = None,
+) -> DataLoader:
+    """An evaluation loader over this rank's exact share: no padding, no sample on two ranks."""
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=EvalShardSampler(dataset, group=group),
+        collate_fn=collate_fn,
+        generator=torch.Generator(),
+        **_loader_kwargs(num_workers, pin_memory),
+    )
+
+
+def to_device(batch: Any, device: torch.device, non_blocking: bool = True) -> Any:
+    """Move every tensor in a (nested) batch of tuples, lists and dicts to ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=non_blocking and device.type == "cuda")
+    if isinstance(batch, dict):
+        return {k: to_device(v, device, non_blocking) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        moved = [to_device(v, device, non_blocking) for v in batch]
+        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
+    return batch

@@ -1,0 +1,77 @@
+"""Exact distributed evaluation: every sample counted once, metrics reduced as sums and counts.
+
+Ranks hold shares that differ by up to one sample (see :mod:`ddpkit.data`), so they run different numbers of
+batches. Nothing collective may happen per batch: evaluation calls the unwrapped module (a DDP forward can
+broadcast buffers, a collective a rank with fewer batches would never join) and reduces once at the end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from ddpkit.collectives import MetricSums
+from ddpkit.data import build_eval_loader, to_device
+from ddpkit.model import unwrap
+from ddpkit.runtime import get_runtime
+
+MetricFn = Callable[[nn.Module, Any], Mapping[str, torch.Tensor]]
+"""``metric_fn(model, batch)`` returns named per-sample values (shape ``[batch]``); their means are reported."""
+
+
+def classification_metrics(model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+    """Per-sample cross-entropy ``loss`` and ``accuracy`` for an ``(input, class index)`` batch."""
+    inputs, targets = batch
+    logits = model(inputs)
+    return {
+        "loss": F.cross_entropy(logits, targets, reduction="none"),
+        "accuracy": (logits.argmax(dim=1) == targets).float(),
+    }
+
+
+def regression_metrics(model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+    """Per-sample mean squared error ``loss`` (averaged over output features) for an ``(input, target)`` batch."""
+    inputs, targets = batch
+    err = (model(inputs) - targets).pow(2)
+    return {"loss": err.reshape(err.shape[0], -1).mean(dim=1)}
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    data: Dataset | Iterable[Any],
+    metric_fn: MetricFn = classification_metrics,
+    *,
+    batch_size: int = 256,
+    group: Any = None,
+    autocast: Callable[[], Any] | None = None,
+) -> dict[str, float]:
+    """Means of ``metric_fn``'s per-sample values over every sample of ``data``, on every rank.
+
+    ``data`` is a dataset (sharded here with no padding) or a loader that is already sharded without padding,
+    such as one from :func:`~ddpkit.build_eval_loader`. Every rank of ``group`` must call this.
+    """
+    loader = data if isinstance(data, (DataLoader, list)) else build_eval_loader(data, batch_size, group=group)
+    module = unwrap(model)
+    device = get_runtime().device
+    was_training = module.training
+    module.eval()
+    sums = MetricSums()
+    try:
+        for batch in loader:
+            batch = to_device(batch, device)
+            if autocast is not None:
+                with autocast():
+                    values = metric_fn(module, batch)
+            else:
+                values = metric_fn(module, batch)
+            for name, per_sample in values.items():
+                sums.update(name, per_sample.float())
+    finally:
+        module.train(was_training)
+    return sums.compute(group)

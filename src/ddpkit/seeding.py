@@ -1,0 +1,52 @@
+"""Seeding and RNG state: identical model initialisation on every rank, and states a snapshot can restore."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+
+from ddpkit.collectives import rank as _rank
+
+try:  # numpy is optional: seed and save it only when it is installed
+    import numpy as np
+except ImportError:  # pragma: no cover
+    np = None  # type: ignore[assignment]
+
+
+def seed_everything(seed: int, per_rank: bool = False, group: Any = None) -> int:
+    """Seed python, numpy and torch (CPU and every CUDA device); return the seed used.
+
+    The same seed on every rank makes model initialisation identical everywhere (DDP also broadcasts rank 0's
+    weights when it wraps a model, but buffers created later and any randomness before wrapping still need it).
+    ``per_rank=True`` adds the rank to the seed, so ranks draw different random streams: for reinforcement
+    learning environments or per-rank augmentation.
+    """
+    if per_rank:
+        seed = seed + _rank(group)
+    random.seed(seed)
+    if np is not None:
+        np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+    return seed
+
+
+def rng_state() -> dict[str, Any]:
+    """The RNG states of this process: python, numpy, torch CPU and each CUDA device."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if np is not None:
+        state["numpy"] = np.random.get_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore states saved by :func:`rng_state`."""
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"].cpu())
+    if np is not None and "numpy" in state:
+        np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
