@@ -28,6 +28,8 @@ class LaunchEnv:
     """``"torchrun"`` (also ``ddpkit run`` and ``ddpkit.spawn``), ``"slurm"``, or ``"none"`` (plain python)."""
     master_addr: str | None = None
     master_port: int | None = None
+    restart_count: int = 0
+    """How many times torchrun's agent has restarted the workers (``TORCHELASTIC_RESTART_COUNT``)."""
 
 
 def _int(env: Mapping[str, str], name: str) -> int:
@@ -155,6 +157,7 @@ def read_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
                 launcher="torchrun",
                 master_addr=env["MASTER_ADDR"],
                 master_port=_int(env, "MASTER_PORT"),
+                restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT") if "TORCHELASTIC_RESTART_COUNT" in env else 0,
             )
         )
     if _is_slurm_task(env):

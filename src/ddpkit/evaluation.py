@@ -20,8 +20,9 @@ from ddpkit.data import build_eval_loader, to_device
 from ddpkit.model import unwrap
 from ddpkit.runtime import get_runtime
 
-MetricFn = Callable[[nn.Module, Any], Mapping[str, torch.Tensor]]
-"""``metric_fn(model, batch)`` returns named per-sample values (shape ``[batch]``); their means are reported."""
+MetricFn = Callable[[nn.Module, Any], Mapping[str, Any]]
+"""``metric_fn(model, batch)`` returns named per-sample values (shape ``[batch]``), or ``(sum, count)`` pairs;
+the means over all samples are reported."""
 
 
 def classification_metrics(model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
@@ -70,8 +71,11 @@ def evaluate(
                     values = metric_fn(module, batch)
             else:
                 values = metric_fn(module, batch)
-            for name, per_sample in values.items():
-                sums.update(name, per_sample.float())
+            for name, value in values.items():
+                if isinstance(value, tuple):
+                    sums.update(name, value[0], count=int(value[1]))
+                else:
+                    sums.update(name, value.float())
     finally:
         module.train(was_training)
     return sums.compute(group)

@@ -29,6 +29,8 @@ class Runtime:
     backend: str | None
     """The process group's backend, or None for a world of one run as plain ``python`` (no process group)."""
     launcher: str = "none"
+    restart_count: int = 0
+    """How many times the launcher has restarted this job's workers after a failure."""
 
     @property
     def is_main(self) -> bool:
@@ -122,7 +124,14 @@ def init(
         except (RuntimeError, dist.DistError) as err:
             raise _explain_init_error(err, launch) from err
     _runtime = Runtime(
-        launch.rank, launch.local_rank, launch.world_size, launch.local_world_size, dev, pg_backend, launch.launcher
+        launch.rank,
+        launch.local_rank,
+        launch.world_size,
+        launch.local_world_size,
+        dev,
+        pg_backend,
+        launch.launcher,
+        launch.restart_count,
     )
     return _runtime
 

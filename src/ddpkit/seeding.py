@@ -36,7 +36,9 @@ def rng_state() -> dict[str, Any]:
     """The RNG states of this process: python, numpy, torch CPU and each CUDA device."""
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if np is not None:
-        state["numpy"] = np.random.get_state()
+        # As plain values and a tensor, so a snapshot loads with torch.load(weights_only=True).
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        state["numpy"] = (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss))
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -47,6 +49,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"].cpu())
     if np is not None and "numpy" in state:
-        np.random.set_state(state["numpy"])
+        kind, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])

@@ -1,0 +1,98 @@
+"""What the main rank writes about a run: metrics as JSON lines and CSV, TensorBoard if asked, and progress."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+class MetricsWriter:
+    """Appends records to ``run_dir/metrics.jsonl``, epoch summaries to ``run_dir/epochs.csv``.
+
+    Only the main rank writes; other ranks get a writer that does nothing, so call sites need no rank test.
+    Files are opened in append mode: a resumed run continues the same files.
+    """
+
+    def __init__(self, run_dir: str | Path, enabled: bool, tensorboard: bool = False) -> None:
+        self.enabled = enabled
+        self.run_dir = Path(run_dir)
+        self._tb = None
+        if not enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as err:  # pragma: no cover - depends on the optional extra
+                raise ImportError("tensorboard=True needs `pip install 'ddpkit[tensorboard]'`") from err
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+
+    def log(self, kind: str, step: int, values: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        record = {"kind": kind, "step": step, "time": round(time.time(), 3), **values}
+        self._jsonl.write(json.dumps(record, default=float) + "\n")
+        if self._tb is not None:
+            for key, value in values.items():
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    self._tb.add_scalar(key, value, step)
+
+    def epoch_row(self, values: dict[str, Any]) -> None:
+        """One CSV row per epoch; the columns are those of the first row written to the file."""
+        if not self.enabled:
+            return
+        path = self.run_dir / "epochs.csv"
+        new = not path.exists() or path.stat().st_size == 0
+        if new:
+            self._columns = list(values)
+        else:
+            with open(path, newline="") as f:
+                self._columns = next(csv.reader(f))
+        with open(path, "a", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=self._columns, extrasaction="ignore")
+            if new:
+                writer.writeheader()
+            writer.writerow(values)
+
+    def close(self) -> None:
+        if self.enabled:
+            self._jsonl.close()
+            if self._tb is not None:
+                self._tb.close()
+
+
+class Progress:
+    """A tqdm bar on the main rank when stdout is a terminal; plain lines every ``every`` steps otherwise."""
+
+    def __init__(self, enabled: bool, total: int, desc: str, every: int, initial: int = 0) -> None:
+        self.enabled, self.every, self.total, self.desc = enabled, max(1, every), total, desc
+        self.count = initial
+        self._bar = None
+        if enabled and sys.stdout.isatty():
+            try:
+                from tqdm.auto import tqdm
+
+                self._bar = tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, leave=False)
+            except ImportError:
+                pass
+
+    def update(self, postfix: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self.count += 1
+        text = " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in postfix.items())
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix_str(text, refresh=False)
+        elif self.count % self.every == 0 or self.count == self.total:
+            print(f"{self.desc} {self.count}/{self.total} {text}", flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()

@@ -1,0 +1,537 @@
+"""The Trainer: DDP epochs with exact metrics, atomic snapshots, and resume that continues bit for bit.
+
+Built on the same primitives a hand-written loop uses (:func:`~ddpkit.prepare_model`,
+:class:`~ddpkit.ShardedBatchSampler`, :func:`~ddpkit.evaluate`, :mod:`ddpkit.snapshot`); nothing here is
+needed to write a loop by hand.
+
+One optimizer step, on every rank:
+
+1. ``grad_accum_steps`` micro-batches; all but the last run under DDP's ``no_sync()``, so gradients are
+   all-reduced once per step; each loss is divided by the number of micro-batches (gradients add up, and the
+   step should follow the mean).
+2. One all-reduce of ``[loss sum, sample count, non-finite flag, stop flag]``: the exact training loss, and the
+   same decision everywhere when a rank saw a NaN or received SIGTERM/SIGUSR1. Without it one rank would skip a
+   step or stop while the others wait in the next collective.
+3. Clipping, ``optimizer.step()``, the scheduler (if stepped per step), a snapshot every N steps.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import time
+from collections.abc import Callable, Mapping
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+from ddpkit.collectives import all_reduce, gather_object, print0
+from ddpkit.data import ShardedBatchSampler, _loader_kwargs, build_eval_loader, shard_bounds, to_device
+from ddpkit.dropout import BatchLayout, batch_layout, convert_dropout
+from ddpkit.errors import ConfigError
+from ddpkit.evaluation import classification_metrics, evaluate
+from ddpkit.logging_utils import MetricsWriter, Progress
+from ddpkit.model import prepare_model, unwrap
+from ddpkit.runtime import Runtime, get_runtime
+from ddpkit.seeding import rng_state, set_rng_state
+from ddpkit.snapshot import load_latest, save_snapshot
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+BatchLossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    """How to train. Written to ``run_dir/config.json`` with the run's world size and versions."""
+
+    run_dir: str = "runs/default"
+    """Folder for snapshots, metrics and the resolved config; a run resumes from the snapshots found here."""
+    epochs: int = 1
+    max_steps: int | None = None
+    """Stop after this many optimizer steps in all (a snapshot is taken first)."""
+    batch_size: int | None = None
+    """Samples per rank per micro-batch. Give this or ``global_batch_size``."""
+    global_batch_size: int | None = None
+    """Samples per optimizer step over all ranks; fixed across world sizes, so a resume at another world size
+    sees the same batches. Must divide by world size x ``grad_accum_steps``."""
+    eval_batch_size: int = 256
+    seed: int = 0
+    """Seeds the sample order; the model's initial weights are the script's business (seed before building)."""
+    shuffle: bool = True
+    drop_last: bool = True
+    num_workers: int | None = None
+    """Loader workers per rank; default: cores per rank minus one."""
+    grad_accum_steps: int = 1
+    clip_grad_norm: float | None = None
+    precision: str = "fp32"
+    """``fp32``, ``bf16`` (autocast, CUDA or CPU), or ``fp16`` (autocast with a GradScaler, CUDA only)."""
+    sync_batchnorm: bool = False
+    global_batch_dropout: bool = False
+    """Replace ``nn.Dropout`` by :class:`~ddpkit.dropout.GlobalBatchDropout`, whose masks do not depend on the
+    world size: with ``sync_batchnorm``, N ranks then train the same model as one process, and a resume at
+    another world size continues with the same masks."""
+    scheduler_interval: str = "epoch"
+    """Step the LR scheduler every ``epoch`` (after validation) or every optimizer ``step``."""
+    on_nonfinite: str = "stop"
+    """A NaN/inf loss on any rank: ``stop`` (every rank raises at that step) or ``skip`` the step everywhere."""
+    snapshot_every_steps: int | None = None
+    snapshot_every_epochs: int = 1
+    """0 turns epoch-end snapshots off."""
+    keep_snapshots: int = 2
+    resume: bool = True
+    early_stopping_metric: str | None = None
+    """A validation metric such as ``val/loss``; training stops when it has not improved for ``patience`` epochs."""
+    early_stopping_mode: str = "min"
+    early_stopping_patience: int = 5
+    log_every_steps: int = 20
+    progress: bool = True
+    tensorboard: bool = False
+    ddp_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if (self.batch_size is None) == (self.global_batch_size is None):
+            raise ConfigError("give exactly one of batch_size (per rank) and global_batch_size")
+        checks = {
+            "epochs": self.epochs >= 1,
+            "grad_accum_steps": self.grad_accum_steps >= 1,
+            "keep_snapshots": self.keep_snapshots >= 1,
+            "precision": self.precision in ("fp32", "bf16", "fp16"),
+            "scheduler_interval": self.scheduler_interval in ("epoch", "step"),
+            "on_nonfinite": self.on_nonfinite in ("stop", "skip"),
+            "early_stopping_mode": self.early_stopping_mode in ("min", "max"),
+            "snapshot_every_steps": self.snapshot_every_steps is None or self.snapshot_every_steps >= 1,
+            "max_steps": self.max_steps is None or self.max_steps >= 1,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise ConfigError(f"{name}={getattr(self, name)!r} is not valid: see TrainerConfig.{name}")
+
+    def per_rank_batch(self, world_size: int) -> int:
+        if self.batch_size is not None:
+            return self.batch_size
+        assert self.global_batch_size is not None
+        parts = world_size * self.grad_accum_steps
+        if self.global_batch_size % parts:
+            raise ConfigError(
+                f"global_batch_size={self.global_batch_size} does not divide over {world_size} ranks x "
+                f"{self.grad_accum_steps} accumulation steps: pick a multiple of {parts}"
+            )
+        return self.global_batch_size // parts
+
+
+def _mix(*values: int) -> int:
+    """A deterministic 63-bit seed from integers (Python's hash of a tuple of ints is stable across runs)."""
+    return hash(values) % 2**63
+
+
+def _batch_len(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0]
+    if isinstance(batch, Mapping):
+        return _batch_len(next(iter(batch.values())))
+    if isinstance(batch, (list, tuple)):
+        return _batch_len(batch[0])
+    raise TypeError(f"cannot tell the batch size of a {type(batch).__name__}; batches hold tensors")
+
+
+class Trainer:
+    """DDP training of ``model`` with ``optimizer`` on ``train_data``; see :class:`TrainerConfig`.
+
+    The loss is ``loss_fn(model(inputs), targets)`` for ``(inputs, targets)`` batches (cross-entropy by
+    default), or ``batch_loss_fn(model, batch)`` for any other batch. Validation reports the means of
+    ``metric_fn(model, batch)``'s per-sample values (loss and accuracy for classification by default).
+    """
+
+    # What the Trainer holds, and what a snapshot restores:
+    config: TrainerConfig
+    runtime: Runtime
+    model: nn.Module  # inside DDP when there is a process group
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scaler: torch.amp.GradScaler | None
+    epoch: int  # epochs completed
+    step: int  # optimizer steps taken
+    cursor: int  # samples of the current epoch already trained on, over all ranks
+    best: float | None  # best value of the early-stopping metric
+    bad_epochs: int  # epochs since it improved
+    skipped_steps: int  # steps skipped for a non-finite loss
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        train_data: Dataset,
+        config: TrainerConfig,
+        *,
+        val_data: Dataset | None = None,
+        scheduler: Any = None,
+        loss_fn: LossFn | None = None,
+        batch_loss_fn: BatchLossFn | None = None,
+        metric_fn: Callable[[nn.Module, Any], Mapping[str, Any]] | None = None,
+    ) -> None:
+        if loss_fn is not None and batch_loss_fn is not None:
+            raise ConfigError("pass loss_fn (for (inputs, targets) batches) or batch_loss_fn, not both")
+        self.config, self.runtime = config, get_runtime()
+        rt = self.runtime
+        if config.precision == "fp16" and rt.device.type != "cuda":
+            raise ConfigError("precision='fp16' needs CUDA (GradScaler); on CPU use precision='bf16'")
+        if config.global_batch_dropout:
+            convert_dropout(model)
+        self.model = prepare_model(model, sync_batchnorm=config.sync_batchnorm, **config.ddp_kwargs)
+        # Scripts seed every rank alike so that models start identical; DDP has now made them identical, and
+        # with one seed everywhere ranks would also draw identical dropout masks and augmentations.
+        torch.manual_seed(_mix(config.seed, rt.rank, 0x5EED))
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.scaler = torch.amp.GradScaler("cuda") if config.precision == "fp16" else None
+        self.loss_fn = loss_fn or F.cross_entropy
+        self.batch_loss_fn = batch_loss_fn
+        self.metric_fn = metric_fn or (classification_metrics if loss_fn is None and batch_loss_fn is None else None)
+        self.train_data, self.val_data = train_data, val_data
+        batch = config.per_rank_batch(rt.world_size)
+        self.sampler = ShardedBatchSampler(
+            train_data, batch, shuffle=config.shuffle, seed=config.seed, drop_last=config.drop_last
+        )
+        self.generator = torch.Generator()
+        self.generator.manual_seed(config.seed + 7919 * rt.rank)
+        self.loader = torch.utils.data.DataLoader(
+            train_data,
+            batch_sampler=self.sampler,
+            generator=self.generator,
+            **_loader_kwargs(config.num_workers, None),
+        )
+        self.epoch = self.step = self.cursor = self.bad_epochs = self.skipped_steps = 0
+        self.best = None
+        self.run_dir = Path(config.run_dir)
+        self.writer = MetricsWriter(self.run_dir, enabled=rt.is_main, tensorboard=config.tensorboard)
+        self._stop_signal = 0
+        self._saved_at: tuple[int, int, int] | None = None
+        self.stopped_by: str | None = None
+        self.resumed_from: int | None = None
+
+    # -- the loop -----------------------------------------------------------------------------------------
+
+    def fit(self) -> dict[str, float]:
+        """Train until ``epochs`` (or ``max_steps``, early stopping, or a stop signal); return the last metrics."""
+        cfg, rt = self.config, self.runtime
+        if not (cfg.resume and self.resume()):
+            self.writer.log("event", self.step, {"event": "start", "restart_count": rt.restart_count})
+        self._write_config()
+        handlers = self._install_signal_handlers()
+        last: dict[str, float] = {}
+        try:
+            if cfg.early_stopping_metric is not None and self.bad_epochs >= cfg.early_stopping_patience:
+                self.stopped_by = "early_stopping"  # a finished run, resumed: nothing left to train
+            while self.epoch < cfg.epochs and self.stopped_by is None:
+                self.sampler.set_position(self.epoch, self.cursor)
+                if not self._train_epoch():
+                    break
+                last = self._end_epoch()
+        except BaseException as err:
+            err.add_note(f"ddpkit: rank {rt.rank} failed in epoch {self.epoch}, at optimizer step {self.step}")
+            raise
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+        if self.stopped_by in ("max_steps", "signal"):
+            self.save()
+        self.writer.log("event", self.step, {"event": "stop", "reason": self.stopped_by or "epochs"})
+        return last
+
+    def _train_epoch(self) -> bool:
+        """Train on the rest of the current epoch; False when training must stop before its end."""
+        cfg, rt = self.config, self.runtime
+        accum, micro_gbs = cfg.grad_accum_steps, self.sampler.global_batch_size
+        remaining = len(self.sampler)
+        first_micro = self.cursor // micro_gbs
+        progress = Progress(
+            rt.is_main and cfg.progress,
+            total=self.sampler.steps_per_epoch,
+            desc=f"epoch {self.epoch + 1}/{cfg.epochs}",
+            every=cfg.log_every_steps,
+            initial=first_micro,
+        )
+        loss_sum = torch.zeros((), dtype=torch.float64, device=rt.device)
+        count = nonfinite = 0
+        t0 = time.perf_counter()
+        for i, batch in enumerate(self.loader):
+            group_size = min(accum, remaining - (i // accum) * accum)
+            last_in_group = i % accum == group_size - 1
+            batch = to_device(batch, rt.device)
+            sync = nullcontext() if last_in_group or not rt.distributed else self.model.no_sync()
+            with sync:
+                with self._autocast(), batch_layout(self._layout(first_micro + i)):
+                    loss = self._loss(batch)
+                # Micro-batch gradients add up; dividing by their number makes the sum a mean.
+                scaled = loss / group_size
+                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+            n = _batch_len(batch)
+            detached = loss.detach().double()
+            nonfinite |= not bool(torch.isfinite(detached))  # host sync: the decision is needed now
+            loss_sum += detached * n
+            count += n
+            if not last_in_group:
+                continue
+            train_loss = self._finish_step(loss_sum, count, nonfinite)
+            self.cursor = min((first_micro + i + 1) * micro_gbs, self.sampler.num_samples)
+            dt = time.perf_counter() - t0
+            progress.update({"loss": train_loss, "ms/step": 1000 * dt})
+            if self.step % cfg.log_every_steps == 0:
+                self.writer.log("train", self.step, {"epoch": self.epoch, "train/loss": train_loss, "lr": self._lr()})
+            loss_sum.zero_()
+            count = nonfinite = 0
+            end_of_epoch = i + 1 == remaining
+            if cfg.max_steps is not None and self.step >= cfg.max_steps:
+                self.stopped_by = "max_steps"
+            elif self._stop_signal:
+                self.stopped_by = "signal"
+            if self.stopped_by is not None and not end_of_epoch:
+                progress.close()
+                return False
+            # An epoch-end snapshot follows the last step of an epoch; do not write that step twice.
+            if cfg.snapshot_every_steps and self.step % cfg.snapshot_every_steps == 0:
+                if not (end_of_epoch and cfg.snapshot_every_epochs):
+                    self.save()
+            t0 = time.perf_counter()
+        progress.close()
+        return True
+
+    def _finish_step(self, loss_sum: torch.Tensor, count: int, nonfinite: bool) -> float:
+        """Agree across ranks on the step (non-finite? stop?), then take it. Returns the global mean loss."""
+        cfg = self.config
+        flags = torch.stack(
+            [loss_sum, loss_sum.new_tensor(count), loss_sum.new_tensor(float(nonfinite)),
+             loss_sum.new_tensor(float(self._stop_signal))]
+        )
+        total, n, bad_ranks, stop = all_reduce(flags).tolist()
+        if stop:
+            self._stop_signal = self._stop_signal or 1  # every rank stops after this step
+        if bad_ranks:
+            self.optimizer.zero_grad(set_to_none=True)
+            if cfg.on_nonfinite == "stop":
+                raise FloatingPointError(
+                    f"non-finite loss on {int(bad_ranks)} rank(s) at optimizer step {self.step} "
+                    f"(epoch {self.epoch}); every rank stops here. Lower the learning rate, clip gradients "
+                    "(clip_grad_norm), or pass on_nonfinite='skip'"
+                )
+            self.skipped_steps += 1
+            self.writer.log("event", self.step, {"event": "skipped_nonfinite", "skipped": self.skipped_steps})
+            return float("nan")
+        if cfg.clip_grad_norm is not None:
+            if self.scaler:
+                self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip_grad_norm)
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scheduler is not None and cfg.scheduler_interval == "step":
+            self.scheduler.step()
+        self.step += 1
+        return total / n
+
+    def _end_epoch(self) -> dict[str, float]:
+        cfg = self.config
+        self.epoch += 1
+        self.cursor = 0
+        if self.scheduler is not None and cfg.scheduler_interval == "epoch":
+            self.scheduler.step()
+        metrics: dict[str, float] = {"epoch": self.epoch, "step": self.step, "lr": self._lr()}
+        if self.val_data is not None:
+            metrics |= self.evaluate(self.val_data, prefix="val")
+        if cfg.early_stopping_metric is not None:
+            if cfg.early_stopping_metric not in metrics:
+                raise ConfigError(
+                    f"early_stopping_metric={cfg.early_stopping_metric!r} is not among {sorted(metrics)}"
+                )
+            value = metrics[cfg.early_stopping_metric]
+            better = self.best is None or (value < self.best if cfg.early_stopping_mode == "min" else value > self.best)
+            self.best, self.bad_epochs = (value, 0) if better else (self.best, self.bad_epochs + 1)
+            if self.bad_epochs >= cfg.early_stopping_patience:
+                self.stopped_by = "early_stopping"
+        if self._stop_signal and self.stopped_by is None:
+            self.stopped_by = "signal"
+        if cfg.snapshot_every_epochs and self.epoch % cfg.snapshot_every_epochs == 0 or self.stopped_by:
+            self.save()
+        self.writer.log("epoch", self.step, metrics)
+        self.writer.epoch_row(metrics)
+        print0(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
+        return metrics
+
+    def evaluate(self, data: Dataset, prefix: str = "test") -> dict[str, float]:
+        """Exact metrics over every sample of ``data`` (each counted once), named ``prefix/metric``."""
+        loader = build_eval_loader(data, self.config.eval_batch_size, num_workers=self.config.num_workers)
+        results = evaluate(self.model, loader, self._metric_fn, autocast=self._autocast)
+        out = {f"{prefix}/{k}": v for k, v in results.items()}
+        if prefix != "val":
+            self.writer.log(prefix, self.step, out)
+        return out
+
+    # -- pieces -------------------------------------------------------------------------------------------
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        if self.batch_loss_fn is not None:
+            return self.batch_loss_fn(self.model, batch)
+        inputs, targets = batch
+        return self.loss_fn(self.model(inputs), targets)
+
+    def _metric_fn(self, model: nn.Module, batch: Any) -> Mapping[str, Any]:
+        if self.metric_fn is not None:
+            return self.metric_fn(model, batch)
+        # A custom loss without a metric_fn: report the loss, weighted by batch size (exact for mean losses).
+        loss = self.batch_loss_fn(model, batch) if self.batch_loss_fn else self.loss_fn(model(batch[0]), batch[1])
+        n = _batch_len(batch)
+        return {"loss": (loss.detach().double() * n, n)}
+
+    def _layout(self, micro: int) -> BatchLayout:
+        """This rank's place in the global batch of the optimizer step that micro-batch ``micro`` belongs to.
+
+        Keyed by the step, not the micro-batch, so :class:`GlobalBatchDropout` draws the same masks with or
+        without gradient accumulation: sample ``p`` of a step's global batch gets row ``p`` of its mask.
+        """
+        gbs, n, accum = self.sampler.global_batch_size, self.sampler.num_samples, self.config.grad_accum_steps
+        step_in_epoch = micro // accum
+        step_start = step_in_epoch * gbs * accum
+        micro_size = min(gbs, n - micro * gbs)
+        rank_offset, _ = shard_bounds(micro_size, self.runtime.world_size, self.runtime.rank)
+        return BatchLayout(
+            global_size=min(gbs * accum, n - step_start),
+            offset=micro * gbs - step_start + rank_offset,
+            key=_mix(self.config.seed, self.epoch, step_in_epoch),
+        )
+
+    def _autocast(self) -> Any:
+        if self.config.precision == "fp32":
+            return nullcontext()
+        dtype = torch.bfloat16 if self.config.precision == "bf16" else torch.float16
+        return torch.autocast(self.runtime.device.type, dtype=dtype)
+
+    def _lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def _install_signal_handlers(self) -> dict[int, Any]:
+        # SLURM (--signal) and other schedulers warn with SIGUSR1 or SIGTERM before pre-emption. The handler
+        # only raises a flag: the next step's all-reduce spreads it, and every rank saves and stops together.
+        def handler(signum: int, frame: Any) -> None:
+            self._stop_signal = signum
+
+        previous = {}
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            try:
+                previous[sig] = signal.signal(sig, handler)
+            except ValueError:  # not the main thread: leave signals alone
+                break
+        return previous
+
+    def _write_config(self) -> None:
+        if not self.runtime.is_main:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        resolved = asdict(self.config) | {
+            "world_size": self.runtime.world_size,
+            "per_rank_batch": self.sampler.batch_size,
+            "backend": self.runtime.backend,
+            "device": str(self.runtime.device),
+            "torch": torch.__version__,
+        }
+        (self.run_dir / "config.json").write_text(json.dumps(resolved, indent=2, default=str) + "\n")
+
+    # -- snapshots ----------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the next step needs. Collective: every rank calls it (RNG states are gathered)."""
+        per_rank = {"rng": rng_state(), "loader_generator": self.generator.get_state()}
+        return {
+            "model": unwrap(self.model).state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "trainer": {
+                "epoch": self.epoch,
+                "step": self.step,
+                "cursor": self.cursor,
+                "best": self.best,
+                "bad_epochs": self.bad_epochs,
+                "skipped_steps": self.skipped_steps,
+            },
+            "ranks": gather_object(per_rank),
+            "world_size": self.runtime.world_size,
+            "global_micro_batch": self.sampler.global_batch_size,
+            "config": json.loads(json.dumps(asdict(self.config), default=str)),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        rt = self.runtime
+        if state["global_micro_batch"] != self.sampler.global_batch_size:
+            raise ConfigError(
+                f"the snapshot was taken with {state['global_micro_batch']} samples per global micro-batch, this "
+                f"run has {self.sampler.global_batch_size}: keep global_batch_size (or batch_size x world size) "
+                "and grad_accum_steps as they were to resume"
+            )
+        unwrap(self.model).load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and state["scaler"] is not None:
+            self.scaler.load_state_dict(state["scaler"])
+        t = state["trainer"]
+        self.epoch, self.step, self.cursor = t["epoch"], t["step"], t["cursor"]
+        self.best, self.bad_epochs, self.skipped_steps = t["best"], t["bad_epochs"], t["skipped_steps"]
+        if state["world_size"] == rt.world_size:
+            mine = state["ranks"][rt.rank]
+            set_rng_state(mine["rng"])
+            self.generator.set_state(mine["loader_generator"])
+        else:
+            # Another world size: rank r's random stream has no counterpart in the old run. Reseed from
+            # (seed, step, rank) so the run stays reproducible; results then match within tolerance, not bitwise.
+            seed = _mix(self.config.seed, self.step, rt.rank)
+            torch.manual_seed(seed)
+            self.generator.manual_seed(seed)
+            print0(
+                f"ddpkit: resuming a {state['world_size']}-rank snapshot on {rt.world_size} ranks: same samples "
+                "in the same steps; random streams (dropout, augmentation) are reseeded"
+            )
+
+    def save(self) -> None:
+        """Write a snapshot of this step (rank 0 writes; every rank must call it)."""
+        position = (self.epoch, self.step, self.cursor)
+        if position == self._saved_at:
+            return
+        self._saved_at = position
+        state = self.state_dict()
+        if self.runtime.is_main:
+            t0 = time.perf_counter()
+            info = save_snapshot(self.run_dir / "snapshots", self.step, state, keep_last=self.config.keep_snapshots)
+            self.writer.log(
+                "event",
+                self.step,
+                {"event": "snapshot", "file": info.path.name, "seconds": round(time.perf_counter() - t0, 4)},
+            )
+
+    def resume(self) -> bool:
+        """Load the newest whole snapshot of ``run_dir``, if any; True if training resumes from one."""
+        rt = self.runtime
+        found = load_latest(self.run_dir / "snapshots", map_location=rt.device, warn=print0)
+        if found is None:
+            return False
+        info, state = found
+        self.load_state_dict(state)
+        self.resumed_from = info.step
+        print0(f"ddpkit: resumed from {info.path} (epoch {self.epoch}, step {self.step}, restart {rt.restart_count})")
+        self.writer.log(
+            "event",
+            self.step,
+            {"event": "resume", "file": info.path.name, "epoch": self.epoch, "cursor": self.cursor,
+             "restart_count": rt.restart_count, "world_size": rt.world_size},
+        )
+        return True

@@ -1,0 +1,206 @@
+"""The job the resume tests train: an MLP with BatchNorm and dropout, Adam, a per-step LR schedule.
+
+Runs under ``ddpkit run`` (``python train_job.py RUN_DIR [options]``) or inside ``ddpkit.spawn`` via
+:func:`train`. Test hooks live here, not in ddpkit: killing this process at a step or inside a snapshot write,
+logging every sample it trains on, and leaving a part of the snapshot out on restore (the controls).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import ddpkit
+import ddpkit.snapshot
+from ddpkit.trainer import Trainer, TrainerConfig
+
+N_SAMPLES, N_FEATURES = 240, 8
+
+
+class IndexedData(torch.utils.data.Dataset):
+    """A fixed classification set whose batches carry their sample indices."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(1234)
+        self.x = torch.randn(N_SAMPLES, N_FEATURES, generator=g)
+        self.y = (self.x[:, :2].sum(1) + 0.3 * torch.randn(N_SAMPLES, generator=g) > 0).long()
+
+    def __len__(self) -> int:
+        return N_SAMPLES
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i], i
+
+
+def build_model(batchnorm: bool = True) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        # No bias before BatchNorm: its gradient is zero up to rounding, which Adam would amplify to full steps.
+        nn.Linear(N_FEATURES, 32, bias=False),
+        nn.BatchNorm1d(32) if batchnorm else nn.Identity(),
+        nn.ReLU(),
+        nn.Dropout(0.2),
+        nn.Linear(32, 2),
+    )
+
+
+class SabotagedTrainer(Trainer):
+    """Leaves one part of the snapshot out when resuming: what a test must catch."""
+
+    drop: str | None = None
+
+    def load_state_dict(self, state):
+        rng_before = ddpkit.rng_state()
+        super().load_state_dict(state)
+        if self.drop == "rng":
+            ddpkit.set_rng_state(rng_before)
+        elif self.drop == "cursor":
+            self.cursor = 0
+        elif self.drop == "scheduler":
+            self.scheduler.load_state_dict(torch.optim.lr_scheduler.StepLR(self.optimizer, 4, 0.7).state_dict())
+            for group in self.optimizer.param_groups:
+                group["lr"] = 0.05
+
+
+def _kill_inside_snapshot_write(call_to_kill: int) -> None:
+    calls = {"n": 0}
+    write = ddpkit.snapshot._write_atomic
+
+    def dying_write(path, data):
+        calls["n"] += 1
+        if calls["n"] == call_to_kill:
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_bytes(data[: len(data) // 2])  # half a file, then gone
+            os.kill(os.getpid(), signal.SIGKILL)
+        write(path, data)
+
+    ddpkit.snapshot._write_atomic = dying_write
+
+
+def train(
+    run_dir: str,
+    *,
+    global_batch: int = 24,
+    epochs: int = 3,
+    max_steps: int | None = None,
+    kill_rank: int | None = None,
+    kill_step: int | None = None,
+    kill_in_snapshot: int | None = None,
+    drop: str | None = None,
+    sample_log: str | None = None,
+    sync_batchnorm: bool = True,
+    dropout: bool = True,
+    global_dropout: bool = False,
+    batchnorm: bool = True,
+    grad_accum: int = 1,
+    precision: str = "fp32",
+    on_nonfinite: str = "stop",
+    event: tuple[str, int, int] | None = None,
+    early_stopping_patience: int | None = None,
+    snapshot_every_steps: int | None = 3,
+    out: str | None = None,
+    trainer_hook=None,
+) -> dict:
+    """Train the job; ``event=(what, rank, step)`` makes ``rank`` produce a NaN loss (``nan``), raise
+    (``raise``, on the first attempt only) or receive SIGUSR1 (``signal``) when it reaches ``step``."""
+    rt = ddpkit.init()
+    model = build_model(batchnorm)
+    if not dropout:
+        model[3].p = 0.0
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.7)
+    config = TrainerConfig(
+        run_dir=run_dir,
+        epochs=epochs,
+        max_steps=max_steps,
+        global_batch_size=global_batch,
+        sync_batchnorm=sync_batchnorm,
+        global_batch_dropout=global_dropout,
+        scheduler_interval="step",
+        snapshot_every_steps=snapshot_every_steps,
+        keep_snapshots=3,
+        progress=False,
+        grad_accum_steps=grad_accum,
+        precision=precision,
+        on_nonfinite=on_nonfinite,
+        early_stopping_metric="val/loss" if early_stopping_patience else None,
+        early_stopping_patience=early_stopping_patience or 1,
+    )
+    attempt = rt.restart_count
+    if kill_in_snapshot is not None and attempt == 0 and rt.rank == 0:
+        _kill_inside_snapshot_write(kill_in_snapshot)
+    log = open(Path(sample_log) / f"rank{rt.rank}.jsonl", "a", buffering=1) if sample_log else None
+
+    fired: list[bool] = []
+
+    def batch_loss(model, batch):
+        x, y, idx = batch
+        if kill_step is not None and attempt == 0 and rt.rank == kill_rank and trainer.step == kill_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if log is not None:
+            log.write(json.dumps({"attempt": attempt, "epoch": trainer.epoch, "step": trainer.step,
+                                  "idx": idx.tolist()}) + "\n")
+        loss = nn.functional.cross_entropy(model(x), y)
+        if event is not None and rt.rank == event[1] and trainer.step == event[2]:
+            if event[0] == "nan" and not fired:
+                fired.append(True)
+                loss = loss * float("nan")
+            elif event[0] == "raise" and attempt == 0:
+                raise RuntimeError(f"planned failure in user code on rank {rt.rank}")
+            elif event[0] == "signal" and not trainer._stop_signal:
+                os.kill(os.getpid(), signal.SIGUSR1)
+        return loss
+
+    def metrics(model, batch):
+        x, y, _ = batch
+        logits = model(x)
+        return {"loss": nn.functional.cross_entropy(logits, y, reduction="none"),
+                "accuracy": (logits.argmax(1) == y).float()}
+
+    SabotagedTrainer.drop = drop
+    trainer = SabotagedTrainer(
+        model, optimizer, IndexedData(), config, val_data=IndexedData() if early_stopping_patience else None,
+        scheduler=scheduler, batch_loss_fn=batch_loss, metric_fn=metrics,
+    )
+    if trainer_hook is not None:
+        trainer_hook(trainer)
+    trainer.fit()
+    final = {
+        "model": {k: v.clone() for k, v in ddpkit.unwrap(trainer.model).state_dict().items()},
+        "optimizer": trainer.optimizer.state_dict(),
+        "scheduler": trainer.scheduler.state_dict(),
+        "step": trainer.step,
+        "resumed_from": trainer.resumed_from,
+        "attempt": attempt,
+        "epoch": trainer.epoch,
+        "stopped_by": trainer.stopped_by,
+        "skipped_steps": trainer.skipped_steps,
+    }
+    if out and rt.is_main:
+        torch.save(final, out)
+    return final
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("run_dir")
+    p.add_argument("--global-batch", type=int, default=24)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument("--kill-rank", type=int, default=None)
+    p.add_argument("--kill-step", type=int, default=None)
+    p.add_argument("--kill-in-snapshot", type=int, default=None)
+    p.add_argument("--sample-log", default=None)
+    p.add_argument("--raise-at", type=int, nargs=2, metavar=("RANK", "STEP"), default=None)
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    train(a.run_dir, global_batch=a.global_batch, epochs=a.epochs, max_steps=a.max_steps, kill_rank=a.kill_rank,
+          kill_step=a.kill_step, kill_in_snapshot=a.kill_in_snapshot, sample_log=a.sample_log, out=a.out,
+          event=("raise", *a.raise_at) if a.raise_at else None)
+    ddpkit.shutdown()

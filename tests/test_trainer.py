@@ -1,0 +1,187 @@
+"""The Trainer in real gloo jobs: N ranks equal one process, exact resume, and the controls that must fail."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ddpkit
+from ddpkit.errors import ConfigError
+from ddpkit.trainer import TrainerConfig
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from train_job import N_SAMPLES, train  # noqa: E402
+from trainer_checks import (  # noqa: E402
+    assert_each_sample_once,
+    bitwise_equal,
+    max_rel_diff,
+    samples_per_epoch,
+)
+
+
+def run(world: int, run_dir: Path, **kwargs) -> dict:
+    """Train the test job on ``world`` ranks; rank 0's final state."""
+    return ddpkit.spawn(functools.partial(train, str(run_dir), **kwargs), world)[0]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    """Uninterrupted 2-rank runs, with the same hooks as the runs compared against them."""
+    base = tmp_path_factory.mktemp("reference")
+    (base / "log").mkdir()
+    return {
+        "plain": run(2, base / "plain", sample_log=str(base / "log")),
+        "global_dropout": run(2, base / "global", global_dropout=True),
+        "log": base / "log",
+    }
+
+
+def test_n_ranks_train_the_same_model_as_one_process(tmp_path):
+    # SyncBatchNorm and global-batch dropout make every rank's share of the work the same as one process's.
+    one = run(1, tmp_path / "w1", global_dropout=True)
+    for world in (2, 3):
+        diff = max_rel_diff(run(world, tmp_path / f"w{world}", global_dropout=True), one)
+        print(f"{world} ranks vs 1 process: largest relative weight difference {diff:.2e}")
+        assert diff < 1e-5
+    # Controls: BatchNorm over each rank's slice, or dropout masks drawn per rank, give another model.
+    assert max_rel_diff(run(2, tmp_path / "no_sync", global_dropout=True, sync_batchnorm=False), one) > 1e-2
+    assert max_rel_diff(run(2, tmp_path / "rank_dropout"), one) > 1e-2
+
+
+def test_stop_and_resume_is_bitwise_and_trains_each_sample_once(tmp_path, reference):
+    log = tmp_path / "log"
+    log.mkdir()
+    first = run(2, tmp_path / "run", max_steps=13, sample_log=str(log))
+    assert first["step"] == 13 and first["stopped_by"] == "max_steps"
+    final = run(2, tmp_path / "run", sample_log=str(log))
+    assert final["resumed_from"] == 13
+    assert bitwise_equal(final, reference["plain"])
+    # Both runs are attempt 0: the first stopped cleanly at step 13 and the second took over there.
+    assert_each_sample_once(samples_per_epoch(log, {0: 0}), N_SAMPLES, 3)
+
+
+@pytest.mark.parametrize("drop", ["rng", "cursor", "scheduler"])
+def test_controls_a_resume_missing_state_is_caught(tmp_path, reference, drop):
+    log = tmp_path / "log"
+    log.mkdir()
+    run(2, tmp_path / "run", max_steps=13, sample_log=str(log))
+    final = run(2, tmp_path / "run", drop=drop, sample_log=str(log))
+    assert final["resumed_from"] == 13
+    assert not bitwise_equal(final, reference["plain"]), f"leaving out {drop} went unnoticed"
+    if drop == "cursor":  # the epoch restarts: its first steps' samples are trained on twice
+        with pytest.raises(AssertionError, match="samples twice"):
+            assert_each_sample_once(samples_per_epoch(log, {0: 0}), N_SAMPLES, 3)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_resume_at_another_world_size(tmp_path, reference, world):
+    run(2, tmp_path / "run", max_steps=13, global_dropout=True)
+    final = run(world, tmp_path / "run", global_dropout=True)
+    assert final["resumed_from"] == 13 and final["step"] == reference["global_dropout"]["step"]
+    diff = max_rel_diff(final, reference["global_dropout"])
+    print(f"stopped at 2 ranks, resumed at {world}: largest relative weight difference {diff:.2e}")
+    assert diff < 1e-5
+
+
+def test_resume_refuses_another_global_batch(tmp_path):
+    run(2, tmp_path / "run", max_steps=4)
+    with pytest.raises(Exception, match="global_batch_size"):
+        run(2, tmp_path / "run", global_batch=12)
+
+
+def test_nonfinite_loss_stops_every_rank_at_the_same_step(tmp_path):
+    with pytest.raises(Exception, match=r"non-finite loss on 1 rank\(s\) at optimizer step 5"):
+        run(2, tmp_path / "stop", event=("nan", 1, 5))
+
+
+def test_nonfinite_loss_skip_skips_the_step_everywhere(tmp_path):
+    out = ddpkit.spawn(functools.partial(train, str(tmp_path / "skip"), event=("nan", 1, 5), on_nonfinite="skip"), 2)
+    for rank_out in out:  # the same decision on both ranks
+        assert rank_out["skipped_steps"] == 1 and rank_out["step"] == 29
+        assert all(torch.isfinite(v).all() for v in rank_out["model"].values())
+    assert bitwise_equal(out[0], out[1])
+
+
+def test_signal_on_one_rank_saves_and_stops_all_then_resumes_bitwise(tmp_path, reference):
+    stopped = ddpkit.spawn(functools.partial(train, str(tmp_path / "run"), event=("signal", 1, 7)), 2)
+    assert [o["stopped_by"] for o in stopped] == ["signal", "signal"]
+    assert [o["step"] for o in stopped] == [8, 8]  # both stop after the step in which rank 1 got the signal
+    assert (tmp_path / "run" / "snapshots" / "step-00000008.json").exists()
+    final = run(2, tmp_path / "run")
+    assert final["resumed_from"] == 8 and bitwise_equal(final, reference["plain"])
+
+
+def _count_gradient_allreduces(counter: list[int]):
+    def hook_into(trainer) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        def counting_hook(state, bucket):
+            counter.append(1)
+            return allreduce_hook(state, bucket)
+
+        trainer.model.register_comm_hook(None, counting_hook)
+
+    return hook_into
+
+
+def _accumulation_job(run_dir: str, grad_accum: int) -> tuple[dict, int]:
+    counter: list[int] = []
+    out = train(run_dir, grad_accum=grad_accum, batchnorm=False, global_dropout=True, epochs=1,
+                snapshot_every_steps=None, trainer_hook=_count_gradient_allreduces(counter))
+    return out, len(counter)
+
+
+def test_gradient_accumulation_matches_a_larger_batch_and_syncs_once_per_step(tmp_path):
+    # 24 samples per step either way: one micro-batch of 12 per rank, or four of 3 under no_sync.
+    (big, syncs_big), _ = ddpkit.spawn(functools.partial(_accumulation_job, str(tmp_path / "a"), 1), 2)
+    (acc, syncs_acc), _ = ddpkit.spawn(functools.partial(_accumulation_job, str(tmp_path / "b"), 4), 2)
+    assert big["step"] == acc["step"] == 10
+    assert max_rel_diff(acc, big) < 1e-5
+    assert syncs_acc == syncs_big  # gradients all-reduced once per optimizer step, not once per micro-batch
+
+
+def test_bf16_trains_on_cpu_and_fp16_needs_cuda(tmp_path):
+    out = run(2, tmp_path / "bf16", precision="bf16", epochs=1)
+    assert out["step"] == 10 and all(torch.isfinite(v).all() for v in out["model"].values())
+    with pytest.raises(Exception, match="fp16.*needs CUDA"):
+        run(1, tmp_path / "fp16", precision="fp16", epochs=1)
+
+
+def test_early_stopping_and_run_directory(tmp_path):
+    out = run(2, tmp_path / "run", epochs=30, early_stopping_patience=1, snapshot_every_steps=None)
+    assert out["stopped_by"] == "early_stopping" and out["epoch"] < 30
+    rundir = tmp_path / "run"
+    config = json.loads((rundir / "config.json").read_text())
+    assert config["world_size"] == 2 and config["per_rank_batch"] == 12 and config["early_stopping_patience"] == 1
+    kinds = [json.loads(line)["kind"] for line in (rundir / "metrics.jsonl").read_text().splitlines()]
+    assert kinds.count("epoch") == out["epoch"]
+    rows = (rundir / "epochs.csv").read_text().splitlines()
+    assert rows[0].split(",")[:3] == ["epoch", "step", "lr"] and len(rows) == out["epoch"] + 1
+    # a rerun resumes the finished state and trains no further
+    again = run(2, tmp_path / "run", epochs=30, early_stopping_patience=1, snapshot_every_steps=None)
+    assert again["step"] == out["step"] and bitwise_equal(again, out)
+
+
+@pytest.mark.parametrize(
+    "kwargs, flag",
+    [
+        ({}, "batch_size"),
+        ({"batch_size": 4, "global_batch_size": 8}, "batch_size"),
+        ({"batch_size": 4, "precision": "fp8"}, "precision"),
+        ({"batch_size": 4, "grad_accum_steps": 0}, "grad_accum_steps"),
+        ({"batch_size": 4, "on_nonfinite": "ignore"}, "on_nonfinite"),
+    ],
+)
+def test_config_errors_name_the_option(kwargs, flag):
+    with pytest.raises(ConfigError, match=flag):
+        TrainerConfig(**kwargs)
+
+
+def test_global_batch_must_divide(tmp_path):
+    with pytest.raises(ConfigError, match="pick a multiple of 6"):
+        TrainerConfig(global_batch_size=20, grad_accum_steps=2).per_rank_batch(3)

@@ -1,0 +1,72 @@
+"""Comparisons shared by the Trainer tests: final states, and the samples a run really trained on."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+
+def bitwise_equal(a: dict, b: dict) -> bool:
+    """Model, optimizer and scheduler states identical to the bit."""
+    if a["model"].keys() != b["model"].keys():
+        return False
+    if not all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"]):
+        return False
+    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+    if sa.keys() != sb.keys() or any(
+        not torch.equal(torch.as_tensor(sa[i][k]), torch.as_tensor(sb[i][k])) for i in sa for k in sa[i]
+    ):
+        return False
+    return a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"] and a["scheduler"] == b["scheduler"]
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    return max((a["model"][k].double() - b["model"][k].double()).abs().max().item() for k in a["model"])
+
+
+def max_rel_diff(a: dict, b: dict) -> float:
+    """Largest relative difference (norm of difference / norm) over the model's float tensors."""
+    out = 0.0
+    for k, ref in b["model"].items():
+        if ref.is_floating_point():
+            diff = (a["model"][k].double() - ref.double()).norm() / ref.double().norm().clamp(min=1e-12)
+            out = max(out, diff.item())
+    return out
+
+
+def resume_steps(run_dir: str | Path) -> dict[int, int]:
+    """Attempt number -> optimizer step it resumed from, read from the run's event log."""
+    steps = {}
+    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("event") in ("start", "resume"):  # "start": no snapshot yet, so from step 0
+            steps[rec["restart_count"]] = rec["step"]
+    return steps
+
+
+def samples_per_epoch(log_dir: str | Path, resumed: dict[int, int]) -> dict[int, list[int]]:
+    """Samples trained on in each epoch by the work that counted.
+
+    Work of attempt ``a`` at or after the step that attempt ``a + 1`` resumed from was lost with the crash
+    and redone, so it is left out; what remains is what the final weights were trained on.
+    """
+    per_epoch: dict[int, list[int]] = defaultdict(list)
+    for path in sorted(Path(log_dir).glob("rank*.jsonl")):
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            nxt = resumed.get(rec["attempt"] + 1)
+            if nxt is not None and rec["step"] >= nxt:
+                continue
+            per_epoch[rec["epoch"]] += rec["idx"]
+    return dict(per_epoch)
+
+
+def assert_each_sample_once(per_epoch: dict[int, list[int]], n_samples: int, epochs: int) -> None:
+    assert sorted(per_epoch) == list(range(epochs)), f"epochs trained: {sorted(per_epoch)}"
+    for epoch, idx in per_epoch.items():
+        repeated = len(idx) - len(set(idx))
+        missing = n_samples - len(set(idx))
+        assert repeated == 0 and missing == 0, f"epoch {epoch}: {repeated} samples twice, {missing} never"
