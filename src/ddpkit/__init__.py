@@ -37,12 +37,14 @@ from ddpkit.data import (
     epoch_permutation,
     to_device,
 )
+from ddpkit.dropout import GlobalBatchDropout
 from ddpkit.errors import ConfigError
 from ddpkit.evaluation import classification_metrics, evaluate, regression_metrics
 from ddpkit.model import prepare_model, unwrap
 from ddpkit.runtime import Runtime, get_runtime, init, shutdown
 from ddpkit.seeding import rng_state, seed_everything, set_rng_state
 from ddpkit.spawn import spawn
+from ddpkit.trainer import Trainer, TrainerConfig
 
 __version__ = "0.1.0"
 
@@ -53,6 +55,8 @@ __all__ = [
     "MetricSums",
     "Runtime",
     "ShardedBatchSampler",
+    "Trainer",
+    "TrainerConfig",
     "all_reduce",
     "barrier",
     "broadcast_object",
@@ -63,6 +67,7 @@ __all__ = [
     "default_num_workers",
     "epoch_permutation",
     "evaluate",
+    "GlobalBatchDropout",
     "gather_object",
     "gather_tensors",
     "get_logger",

@@ -50,8 +50,9 @@ class CPUSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
-        use_batch_stats = self.training or not self.track_running_stats
-        if not use_batch_stats or not _live(self.process_group) or dist.get_world_size(self.process_group) == 1:
+        # Only training syncs (as torch's SyncBatchNorm): evaluation runs on uneven shares, where a collective
+        # per forward would leave the rank with the extra batch waiting for the others.
+        if not self.training or not _live(self.process_group) or dist.get_world_size(self.process_group) == 1:
             return super().forward(input)
         factor = self._momentum_factor()
         dims = [0, *range(2, input.dim())]

@@ -63,20 +63,30 @@ def _check(info: LaunchEnv) -> LaunchEnv:
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
-    """Expand a SLURM node list such as ``gpu[01-03,07],login1`` into host names.
+    """Expand a SLURM node list such as ``gpu[01-03,07],login1`` or ``rack[1-2]-n[01-02]`` into host names.
 
     Written here because the alternative, ``scontrol show hostnames``, needs SLURM's binaries inside the job.
     """
-    hosts: list[str] = []
-    for match in re.finditer(r"([^,\[]+)(?:\[([^\]]+)\])?([^,]*)", hostlist):
-        prefix, ranges, suffix = match.groups()
-        if not ranges:
-            hosts.append(prefix + suffix)
-            continue
-        for part in ranges.split(","):
-            lo, _, hi = part.partition("-")
-            for n in range(int(lo), int(hi or lo) + 1):
-                hosts.append(f"{prefix}{n:0{len(lo)}d}{suffix}")
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(hostlist + ","):
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            items.append(hostlist[start:i])
+            start = i + 1
+    return [host for item in items if item for host in _expand_one(item)]
+
+
+def _expand_one(name: str) -> list[str]:
+    m = re.match(r"([^\[]*)\[([^\]]+)\](.*)$", name)
+    if not m:
+        return [name]
+    prefix, ranges, rest = m.groups()
+    tails = _expand_one(rest)
+    hosts = []
+    for part in ranges.split(","):
+        lo, _, hi = part.partition("-")
+        for n in range(int(lo), int(hi or lo) + 1):
+            hosts += [f"{prefix}{n:0{len(lo)}d}{tail}" for tail in tails]
     return hosts
 
 
@@ -95,7 +105,7 @@ def _slurm_env(env: Mapping[str, str]) -> LaunchEnv:
     world_size = _int(env, "SLURM_NTASKS") if "SLURM_STEP_NUM_TASKS" not in env else _int(
         env, "SLURM_STEP_NUM_TASKS"
     )
-    node_id = int(env.get("SLURM_NODEID", "0"))
+    node_id = _int(env, "SLURM_NODEID") if "SLURM_NODEID" in env else 0
     per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or str(world_size)
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
     if not nodelist:
@@ -105,7 +115,7 @@ def _slurm_env(env: Mapping[str, str]) -> LaunchEnv:
     else:
         # Every task of the job must agree on a port without talking to each other first: derive it from
         # the job id (so two jobs on one node differ) unless MASTER_PORT says otherwise.
-        port = 15000 + int(env.get("SLURM_JOB_ID", "0")) % 20000
+        port = 15000 + (_int(env, "SLURM_JOB_ID") if "SLURM_JOB_ID" in env else 0) % 20000
     return _check(
         LaunchEnv(
             rank=_int(env, "SLURM_PROCID"),

@@ -27,13 +27,18 @@ def _live(group: Any = None) -> bool:
 
 
 def rank(group: Any = None) -> int:
-    """This process's rank within ``group`` (the whole job by default)."""
-    return dist.get_rank(group) if _live(group) else 0
+    """This process's rank within ``group`` (the whole job by default); -1 if it is not a member."""
+    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
 
 
 def world_size(group: Any = None) -> int:
-    """Number of processes in ``group`` (the whole job by default)."""
-    return dist.get_world_size(group) if _live(group) else 1
+    """Number of processes in ``group`` (the whole job by default); -1 if this process is not a member."""
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def shard_position(group: Any = None) -> tuple[int, int]:
+    """(rank, world size) to shard data by; a process outside ``group`` works alone, as a world of one."""
+    return (dist.get_rank(group), dist.get_world_size(group)) if _live(group) else (0, 1)
 
 
 def is_main(group: Any = None) -> bool:
@@ -110,7 +115,7 @@ def main_first(local: bool = False, group: Any = None) -> Iterator[None]:
 def _flatten(values: Mapping[str, Any]) -> tuple[torch.Tensor, list[tuple[str, Any, torch.Size]]]:
     parts, layout = [], []
     for key, value in values.items():
-        t = value.detach() if isinstance(value, torch.Tensor) else torch.tensor(value)
+        t = value.detach() if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=torch.float64)
         layout.append((key, value, t.shape))
         # float64 keeps integer counts exact up to 2**53 and sums of float32 values without loss.
         parts.append(t.reshape(-1).to("cpu", torch.float64))
@@ -214,7 +219,11 @@ class MetricSums:
             if not isinstance(values, torch.Tensor):
                 raise ValueError(f"metric {name!r}: give per-sample values as a tensor, or pass count=")
             count = values.numel()
-        total = values.detach().double().sum() if isinstance(values, torch.Tensor) else torch.tensor(float(values))
+        total = (
+            values.detach().double().sum()
+            if isinstance(values, torch.Tensor)
+            else torch.tensor(float(values), dtype=torch.float64)
+        )
         self.sums[name] = self.sums[name] + total if name in self.sums else total
         self.counts[name] = self.counts.get(name, 0) + int(count)
 

@@ -19,16 +19,16 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ddpkit.cluster import cpu_count
-from ddpkit.collectives import rank as _rank
-from ddpkit.collectives import world_size as _world_size
+from ddpkit.collectives import shard_position
 from ddpkit.errors import ConfigError
 from ddpkit.runtime import get_runtime
+from ddpkit.seeding import mix_seed
 
 
 def epoch_permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
     """The order of the ``n`` samples in ``epoch``: a function of ``(seed, epoch)`` alone."""
     g = torch.Generator()
-    g.manual_seed(((seed & 0xFFFFFFFF) << 32) | (epoch & 0xFFFFFFFF))
+    g.manual_seed(mix_seed(seed, epoch))
     return torch.randperm(n, generator=g)
 
 
@@ -71,8 +71,9 @@ class ShardedBatchSampler(Sampler[list[int]]):
             raise ConfigError(f"batch_size={batch_size}: the per-rank batch size must be >= 1")
         self.batch_size = batch_size
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
-        self.rank = _rank(group) if rank is None else rank
-        self.world_size = _world_size(group) if world_size is None else world_size
+        group_rank, group_size = shard_position(group)
+        self.rank = group_rank if rank is None else rank
+        self.world_size = group_size if world_size is None else world_size
         self.global_batch_size = batch_size * self.world_size
         if self.steps_per_epoch == 0:
             raise ConfigError(
@@ -101,11 +102,15 @@ class ShardedBatchSampler(Sampler[list[int]]):
             )
         self.epoch, self._cursor = epoch, cursor
 
+    def _first_step(self) -> int:
+        # Rounded up: a cursor of num_samples (after a last, partial batch) means the epoch is done.
+        return -(-self._cursor // self.global_batch_size)
+
     def __len__(self) -> int:
-        return self.steps_per_epoch - self._cursor // self.global_batch_size
+        return max(0, self.steps_per_epoch - self._first_step())
 
     def __iter__(self) -> Iterator[list[int]]:
-        epoch, first_step = self.epoch, self._cursor // self.global_batch_size
+        epoch, first_step = self.epoch, self._first_step()
         self.epoch, self._cursor = epoch + 1, 0
         n, gbs = self.num_samples, self.global_batch_size
         order = epoch_permutation(n, self.seed, epoch) if self.shuffle else torch.arange(n)
@@ -120,7 +125,8 @@ class EvalShardSampler(Sampler[int]):
 
     def __init__(self, dataset: Sized | int, *, group: Any = None) -> None:
         n = dataset if isinstance(dataset, int) else len(dataset)
-        self.start, self.end = shard_bounds(n, _world_size(group), _rank(group))
+        rank, size = shard_position(group)
+        self.start, self.end = shard_bounds(n, size, rank)
 
     def __len__(self) -> int:
         return self.end - self.start
@@ -160,7 +166,7 @@ def build_loader(
     """
     sampler = ShardedBatchSampler(dataset, batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last, group=group)
     generator = torch.Generator()
-    generator.manual_seed(seed + 7919 * sampler.rank)  # per-rank worker seeds: ranks augment differently
+    generator.manual_seed(mix_seed(seed, sampler.rank))  # per-rank worker seeds: ranks augment differently
     return DataLoader(
         dataset,
         batch_sampler=sampler,

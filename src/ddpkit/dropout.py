@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ddpkit.seeding import mix_seed
+
 
 @dataclass(frozen=True)
 class BatchLayout:
@@ -59,9 +61,7 @@ class GlobalBatchDropout(nn.Dropout):
         call = _calls.get(self.layer_id, 0)  # a layer applied twice in one forward draws two masks
         _calls[self.layer_id] = call + 1
         g = torch.Generator(device=input.device)
-        # 64-bit mix of (key, layer, call); any fixed injective-enough function works, it only has to agree
-        # across ranks.
-        g.manual_seed((layout.key * 1_000_003 + self.layer_id * 7919 + call) % 2**63)
+        g.manual_seed(mix_seed(layout.key, self.layer_id, call))  # the same on every rank
         shape = (layout.global_size, *input.shape[1:])
         keep = torch.rand(shape, generator=g, device=input.device)[layout.offset : layout.offset + input.shape[0]]
         return input * (keep >= self.p).to(input.dtype) / (1 - self.p)

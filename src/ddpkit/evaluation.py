@@ -11,8 +11,10 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
 from ddpkit.collectives import MetricSums
@@ -59,8 +61,9 @@ def evaluate(
     """
     loader = data if isinstance(data, (DataLoader, list)) else build_eval_loader(data, batch_size, group=group)
     module = unwrap(model)
+    _sync_buffers(model)
     device = get_runtime().device
-    was_training = module.training
+    modes = [(m, m.training) for m in module.modules()]  # a frozen BatchNorm stays in eval mode afterwards
     module.eval()
     sums = MetricSums()
     try:
@@ -75,7 +78,22 @@ def evaluate(
                 if isinstance(value, tuple):
                     sums.update(name, value[0], count=int(value[1]))
                 else:
-                    sums.update(name, value.float())
+                    sums.update(name, value)
     finally:
-        module.train(was_training)
+        for m, training in modes:
+            m.training = training
     return sums.compute(group)
+
+
+def _sync_buffers(model: nn.Module) -> None:
+    """Give every rank rank 0's buffers (BatchNorm running statistics), as DDP's next forward would.
+
+    After a training step each rank's running statistics hold its own last update; DDP copies rank 0's at the
+    start of the next forward, but evaluation calls the unwrapped module, so without this each rank would
+    evaluate a slightly different model and the metrics would describe none of them.
+    """
+    if isinstance(model, DDP) and model.broadcast_buffers:
+        group = model.process_group
+        src = dist.get_global_rank(group, 0)
+        for buffer in model.module.buffers():
+            dist.broadcast(buffer.data, src=src, group=group)

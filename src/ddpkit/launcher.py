@@ -171,6 +171,7 @@ def exit_code(err: BaseException) -> int:
 def launch(cfg: LaunchConfig) -> int:
     """Run ``cfg`` under torchrun's agent; return the process exit code."""
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     nproc = resolve_nproc(cfg.nproc)
@@ -181,6 +182,9 @@ def launch(cfg: LaunchConfig) -> int:
     except ChildFailedError as err:
         print(summarize_failure(err), file=sys.stderr, flush=True)
         return exit_code(err)
+    except SignalException as err:  # Ctrl-C or a scheduler's SIGTERM to the agent: workers were stopped
+        print(f"ddpkit run: stopped by {err.sigval.name}; the workers were stopped too", file=sys.stderr)
+        return 128 + int(err.sigval)
     return 0
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -49,6 +51,7 @@ class Runtime:
 
 
 _runtime: Runtime | None = None
+_generation = 0  # process groups this process has created, for their store prefixes
 
 
 def _pick_device(launch: LaunchEnv, device: str | torch.device | None) -> torch.device:
@@ -113,16 +116,22 @@ def init(
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
+        global _generation
         try:
+            store, _, _ = next(dist.rendezvous(_init_method(launch), launch.rank, launch.world_size, timeout=timeout))
+            # The rendezvous store outlives a destroyed group, and torch reuses its key prefix: a second init in
+            # the same processes would read the first group's addresses. A prefix per init keeps them apart.
+            _generation += 1
             dist.init_process_group(
                 pg_backend,
-                init_method=_init_method(launch),
+                store=dist.PrefixStore(f"ddpkit/{_generation}", store),
                 rank=launch.rank,
                 world_size=launch.world_size,
                 timeout=timeout,
             )
         except (RuntimeError, dist.DistError) as err:
             raise _explain_init_error(err, launch) from err
+        atexit.register(_destroy_at_exit)
     _runtime = Runtime(
         launch.rank,
         launch.local_rank,
@@ -163,5 +172,16 @@ def shutdown() -> None:
     """Destroy the process group (if any) and forget the runtime, so :func:`init` may be called again."""
     global _runtime
     if dist.is_initialized():
+        # After a collective returns, a gloo worker thread can still hold the work and its tensors for a moment.
+        # If the interpreter is finalising when it lets go, releasing a tensor needs the GIL and the process
+        # aborts ("terminate called without an active exception", seen in ~1 of 10 exits; pytorch#179291).
+        # There is no handle to wait on, so let the workers settle before tearing down.
+        time.sleep(0.1)
         dist.destroy_process_group()
     _runtime = None
+
+
+def _destroy_at_exit() -> None:
+    # Runs while the interpreter is still whole, for scripts that do not call shutdown() themselves.
+    if dist.is_initialized():
+        shutdown()

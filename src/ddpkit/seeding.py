@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import random
 from typing import Any
 
@@ -13,6 +14,16 @@ try:  # numpy is optional: seed and save it only when it is installed
     import numpy as np
 except ImportError:  # pragma: no cover
     np = None  # type: ignore[assignment]
+
+
+def mix_seed(*values: int) -> int:
+    """A seed from several integers (e.g. seed, epoch, rank), different for every combination.
+
+    ``torch.Generator.manual_seed`` keeps only the low 32 bits of its argument, so packing ``(seed, epoch)`` as
+    ``seed << 32 | epoch`` would ignore the seed; a hash spreads every input over those 32 bits.
+    """
+    digest = hashlib.blake2b(",".join(map(str, values)).encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little")
 
 
 def seed_everything(seed: int, per_rank: bool = False, group: Any = None) -> int:

@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 
 from ddpkit import runtime
 from ddpkit.cluster import cpu_count
+from ddpkit.errors import ConfigError
 
 
 def _worker(
@@ -59,13 +60,25 @@ def spawn(
     raises, the others are stopped and the exception is raised here with that rank's traceback.
     ``start_method`` defaults to ``"fork"`` where it is safe (POSIX, CUDA not yet initialised in this process),
     so a function defined in a notebook cell works; else ``"spawn"``, which needs ``fn`` importable.
+
+    Forked processes run one intra-op thread each: OpenMP's thread pool does not survive ``fork``, and a forked
+    child that starts a parallel region with more threads waits forever for workers that do not exist. For
+    more threads per process, pass ``start_method="spawn"``.
     """
     if nprocs < 1:
         raise ValueError(f"nprocs={nprocs}: spawn needs at least one process")
     if start_method is None:
         forkable = "fork" in mp.get_all_start_methods() and not torch.cuda.is_initialized()
         start_method = "fork" if forkable else "spawn"
-    threads = threads_per_process or max(1, cpu_count() // nprocs)
+    if start_method == "fork":
+        if threads_per_process not in (None, 1):
+            raise ConfigError(
+                f"threads_per_process={threads_per_process} with start_method='fork' would hang in OpenMP: "
+                "pass start_method='spawn' for more than one thread per process"
+            )
+        threads = 1
+    else:
+        threads = threads_per_process or max(1, cpu_count() // nprocs)
     # A store opened here on port 0 gets a free port from the OS and keeps it: no window in which another
     # job could take the port between choosing and binding it.
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -77,18 +90,23 @@ def spawn(
             r, payload = results.get()
             out[r] = pickle.loads(payload)
 
+    context = mp.start_processes(
+        _worker,
+        args=(fn, args, nprocs, store.port, threads, results),
+        nprocs=nprocs,
+        join=False,
+        start_method=start_method,
+    )
     try:
-        context = mp.start_processes(
-            _worker,
-            args=(fn, args, nprocs, store.port, threads, results),
-            nprocs=nprocs,
-            join=False,
-            start_method=start_method,
-        )
         # Drain results while waiting: a child blocked on a full pipe would otherwise never exit.
         while not context.join(timeout=0.05):
             drain()
         drain()
         return out
     finally:
+        # Interrupted (Ctrl-C in a notebook, a test's timeout) or failed: leave no process behind.
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+                process.join()
         del store

@@ -42,7 +42,7 @@ from ddpkit.evaluation import classification_metrics, evaluate
 from ddpkit.logging_utils import MetricsWriter, Progress
 from ddpkit.model import prepare_model, unwrap
 from ddpkit.runtime import Runtime, get_runtime
-from ddpkit.seeding import rng_state, set_rng_state
+from ddpkit.seeding import mix_seed, rng_state, set_rng_state
 from ddpkit.snapshot import load_latest, save_snapshot
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -128,11 +128,6 @@ class TrainerConfig:
         return self.global_batch_size // parts
 
 
-def _mix(*values: int) -> int:
-    """A deterministic 63-bit seed from integers (Python's hash of a tuple of ints is stable across runs)."""
-    return hash(values) % 2**63
-
-
 def _batch_len(batch: Any) -> int:
     if isinstance(batch, torch.Tensor):
         return batch.shape[0]
@@ -189,7 +184,7 @@ class Trainer:
         self.model = prepare_model(model, sync_batchnorm=config.sync_batchnorm, **config.ddp_kwargs)
         # Scripts seed every rank alike so that models start identical; DDP has now made them identical, and
         # with one seed everywhere ranks would also draw identical dropout masks and augmentations.
-        torch.manual_seed(_mix(config.seed, rt.rank, 0x5EED))
+        torch.manual_seed(mix_seed(config.seed, rt.rank, 1))
         self.optimizer, self.scheduler = optimizer, scheduler
         self.scaler = torch.amp.GradScaler("cuda") if config.precision == "fp16" else None
         self.loss_fn = loss_fn or F.cross_entropy
@@ -201,7 +196,7 @@ class Trainer:
             train_data, batch, shuffle=config.shuffle, seed=config.seed, drop_last=config.drop_last
         )
         self.generator = torch.Generator()
-        self.generator.manual_seed(config.seed + 7919 * rt.rank)
+        self.generator.manual_seed(mix_seed(config.seed, rt.rank))
         self.loader = torch.utils.data.DataLoader(
             train_data,
             batch_sampler=self.sampler,
@@ -236,7 +231,9 @@ class Trainer:
                     break
                 last = self._end_epoch()
         except BaseException as err:
-            err.add_note(f"ddpkit: rank {rt.rank} failed in epoch {self.epoch}, at optimizer step {self.step}")
+            # The launcher's failure summary shows the end of the traceback, notes included (Python >= 3.11).
+            if hasattr(err, "add_note"):
+                err.add_note(f"ddpkit: rank {rt.rank} failed in epoch {self.epoch}, at optimizer step {self.step}")
             raise
         finally:
             for sig, handler in handlers.items():
@@ -407,7 +404,7 @@ class Trainer:
         return BatchLayout(
             global_size=min(gbs * accum, n - step_start),
             offset=micro * gbs - step_start + rank_offset,
-            key=_mix(self.config.seed, self.epoch, step_in_epoch),
+            key=mix_seed(self.config.seed, self.epoch, step_in_epoch),
         )
 
     def _autocast(self) -> Any:
@@ -494,7 +491,7 @@ class Trainer:
         else:
             # Another world size: rank r's random stream has no counterpart in the old run. Reseed from
             # (seed, step, rank) so the run stays reproducible; results then match within tolerance, not bitwise.
-            seed = _mix(self.config.seed, self.step, rt.rank)
+            seed = mix_seed(self.config.seed, self.step, rt.rank)
             torch.manual_seed(seed)
             self.generator.manual_seed(seed)
             print0(

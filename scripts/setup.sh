@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Create .venv with ddpkit (editable) and a torch build that fits this machine.
+#   bash scripts/setup.sh            # ddpkit + what the examples need
+#   bash scripts/setup.sh dev        # + what the tests need
+# Without an NVIDIA GPU it asks for the CPU build pinned below; an unpinned `torch` would pull several GB of
+# CUDA libraries that a CPU-only machine cannot use. Re-running it installs nothing new.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="${1:-examples}"
+[ -x .venv/bin/python ] || python3 -m venv .venv
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  torch_req="torch>=2.4"     # the default wheel carries CUDA
+else
+  torch_req="torch==2.13.0"  # the CPU build (+cpu) where pip's index offers it, as on our CI machines
+fi
+.venv/bin/python -m pip install --quiet --disable-pip-version-check "$torch_req" -e ".[$extras]"

@@ -1,0 +1,289 @@
+"""Reading the launcher's environment: pure logic, tested with mocked environments (no process is started)."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+from ddpkit import ConfigError
+from ddpkit.cluster import LaunchEnv, cpu_count, expand_hostlist, read_launch_env, scheduler
+
+TORCHRUN_CORE = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+TORCHRUN = {
+    "RANK": "3",
+    "WORLD_SIZE": "8",
+    "LOCAL_RANK": "1",
+    "LOCAL_WORLD_SIZE": "2",
+    "MASTER_ADDR": "node7",
+    "MASTER_PORT": "29511",
+}
+
+
+def torchrun(**changes: str | None) -> dict[str, str]:
+    env = dict(TORCHRUN)
+    for key, value in changes.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env
+
+
+# ----------------------------------------------------------------------------------------------- torchrun
+
+
+def test_torchrun_variables_are_read():
+    info = read_launch_env(TORCHRUN)
+    assert info == LaunchEnv(
+        rank=3,
+        local_rank=1,
+        world_size=8,
+        local_world_size=2,
+        launcher="torchrun",
+        master_addr="node7",
+        master_port=29511,
+    )
+
+
+def test_torchrun_restart_count():
+    assert read_launch_env(TORCHRUN).restart_count == 0
+    assert read_launch_env(torchrun(TORCHELASTIC_RESTART_COUNT="2")).restart_count == 2
+    with pytest.raises(ConfigError, match="TORCHELASTIC_RESTART_COUNT='x' is not an integer"):
+        read_launch_env(torchrun(TORCHELASTIC_RESTART_COUNT="x"))
+
+
+def test_torchrun_without_local_world_size_means_one_node():
+    info = read_launch_env(torchrun(LOCAL_WORLD_SIZE=None, LOCAL_RANK="3"))
+    assert info.local_world_size == 8
+    assert info.local_rank == 3
+
+
+@pytest.mark.parametrize(
+    "present, missing",
+    [
+        (("RANK",), ("WORLD_SIZE", "LOCAL_RANK")),
+        (("RANK", "WORLD_SIZE"), ("LOCAL_RANK",)),
+        (("WORLD_SIZE", "LOCAL_RANK"), ("RANK",)),
+        (("LOCAL_RANK",), ("RANK", "WORLD_SIZE")),
+    ],
+)
+def test_partial_torchrun_set_names_the_missing_variables(present, missing):
+    env = {name: TORCHRUN[name] for name in present} | {"MASTER_ADDR": "a", "MASTER_PORT": "1"}
+    with pytest.raises(ConfigError) as err:
+        read_launch_env(env)
+    # "<present> set but <missing> not: ..." -- the part naming what is absent lists exactly the missing ones.
+    absent_part = str(err.value).split("set but", 1)[1].split(":", 1)[0]
+    for name in TORCHRUN_CORE:
+        assert bool(re.search(rf"\b{name}\b", absent_part)) == (name in missing), (name, str(err.value))
+
+
+@pytest.mark.parametrize("name", ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"])
+@pytest.mark.parametrize("value", ["two", "1.5", ""])
+def test_non_integer_variable_is_named(name, value):
+    with pytest.raises(ConfigError, match=rf"{name}=.*not an integer"):
+        read_launch_env(torchrun(**{name: value}))
+
+
+@pytest.mark.parametrize("rank", ["8", "9", "-1"])
+def test_rank_outside_world(rank):
+    with pytest.raises(ConfigError, match=rf"rank {rank} is outside the world of 8"):
+        read_launch_env(torchrun(RANK=rank))
+
+
+def test_rank_equal_to_world_size_minus_one_is_fine():
+    # Control for the check above: the boundary itself is a valid rank.
+    assert read_launch_env(torchrun(RANK="7")).rank == 7
+
+
+@pytest.mark.parametrize("local_rank", ["2", "5"])
+def test_local_rank_outside_local_world(local_rank):
+    with pytest.raises(ConfigError, match=rf"local rank {local_rank} is outside the 2 processes"):
+        read_launch_env(torchrun(LOCAL_RANK=local_rank))
+
+
+def test_local_world_larger_than_world():
+    with pytest.raises(ConfigError, match="local world size must be between 1 and the world size"):
+        read_launch_env(torchrun(LOCAL_WORLD_SIZE="16"))
+
+
+def test_world_size_zero():
+    with pytest.raises(ConfigError, match="world size 0"):
+        read_launch_env(torchrun(WORLD_SIZE="0", RANK="0"))
+
+
+@pytest.mark.parametrize("name", ["MASTER_ADDR", "MASTER_PORT"])
+def test_missing_rendezvous_address(name):
+    with pytest.raises(ConfigError, match=rf"{name} is not"):
+        read_launch_env(torchrun(**{name: None}))
+
+
+def test_torchrun_wins_over_slurm():
+    env = TORCHRUN | SLURM
+    assert read_launch_env(env).launcher == "torchrun"
+
+
+# --------------------------------------------------------------------------------------------------- SLURM
+
+SLURM = {
+    "SLURM_PROCID": "5",
+    "SLURM_NTASKS": "7",
+    "SLURM_LOCALID": "1",
+    "SLURM_STEP_ID": "0",
+    "SLURM_JOB_ID": "123456",
+    "SLURM_JOB_NAME": "train",
+    "SLURM_JOB_NODELIST": "gpu[01-03],cpu7",
+    "SLURM_TASKS_PER_NODE": "2(x3),1",
+    "SLURM_NODEID": "2",
+}
+
+
+def slurm(**changes: str | None) -> dict[str, str]:
+    env = dict(SLURM)
+    for key, value in changes.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env
+
+
+def test_slurm_task_is_read():
+    info = read_launch_env(SLURM)
+    assert info == LaunchEnv(
+        rank=5,
+        local_rank=1,
+        world_size=7,
+        local_world_size=2,
+        launcher="slurm",
+        master_addr="gpu01",  # the first host of the expanded node list
+        master_port=15000 + 123456 % 20000,
+    )
+
+
+def test_slurm_tasks_per_node_repeat_syntax_last_node():
+    # "2(x3),1": nodes 0-2 run two tasks each, node 3 runs one.
+    info = read_launch_env(slurm(SLURM_PROCID="6", SLURM_LOCALID="0", SLURM_NODEID="3"))
+    assert info.local_world_size == 1
+    for node in range(3):
+        assert read_launch_env(slurm(SLURM_NODEID=str(node), SLURM_LOCALID="0")).local_world_size == 2
+
+
+def test_slurm_local_rank_outside_node():
+    with pytest.raises(ConfigError, match="local rank 1 is outside the 1 processes"):
+        read_launch_env(slurm(SLURM_PROCID="6", SLURM_NODEID="3"))
+
+
+def test_slurm_port_from_job_id_differs_between_jobs_and_master_port_overrides():
+    a = read_launch_env(slurm(SLURM_JOB_ID="1000")).master_port
+    b = read_launch_env(slurm(SLURM_JOB_ID="1001")).master_port
+    assert a == 16000 and b == 16001
+    assert 15000 <= read_launch_env(slurm(SLURM_JOB_ID="987654321")).master_port < 35000
+    assert read_launch_env(slurm(MASTER_PORT="29999")).master_port == 29999
+    assert read_launch_env(slurm(MASTER_ADDR="head")).master_addr == "head"
+
+
+def test_slurm_step_variables_take_precedence():
+    info = read_launch_env(
+        slurm(
+            SLURM_STEP_NUM_TASKS="4",
+            SLURM_STEP_TASKS_PER_NODE="3,1",
+            SLURM_STEP_NODELIST="step[5-6]",
+            SLURM_NODEID="0",
+            SLURM_PROCID="2",
+        )
+    )
+    assert (info.world_size, info.local_world_size, info.master_addr) == (4, 3, "step5")
+
+
+def test_slurm_without_node_list():
+    env = slurm(SLURM_JOB_NODELIST=None)
+    with pytest.raises(ConfigError, match="no SLURM node list"):
+        read_launch_env(env)
+
+
+def test_slurm_bad_tasks_per_node():
+    with pytest.raises(ConfigError, match="SLURM_TASKS_PER_NODE"):
+        read_launch_env(slurm(SLURM_TASKS_PER_NODE="two"))
+
+
+def test_slurm_rank_outside_world():
+    with pytest.raises(ConfigError, match="rank 7 is outside the world of 7 processes set by SLURM"):
+        read_launch_env(slurm(SLURM_PROCID="7"))
+
+
+@pytest.mark.parametrize("name", ["bash", "interactive", "sh", "zsh"])
+def test_slurm_interactive_shell_is_a_world_of_one(name):
+    assert read_launch_env(slurm(SLURM_JOB_NAME=name)) == LaunchEnv()
+
+
+def test_slurm_without_step_id_is_a_world_of_one():
+    # A batch script or salloc shell carries SLURM_PROCID/SLURM_NTASKS but is no srun task.
+    assert read_launch_env(slurm(SLURM_STEP_ID=None)) == LaunchEnv()
+    # Control: the same variables with the step id are a SLURM task.
+    assert read_launch_env(SLURM).launcher == "slurm"
+
+
+def test_no_variables_is_a_world_of_one():
+    info = read_launch_env({})
+    assert info == LaunchEnv()
+    assert (info.rank, info.local_rank, info.world_size, info.local_world_size) == (0, 0, 1, 1)
+    assert (info.launcher, info.master_addr, info.master_port) == ("none", None, None)
+    # Unrelated variables change nothing.
+    assert read_launch_env({"PATH": "/bin", "SLURM_JOB_ID": "5", "OMP_NUM_THREADS": "4"}) == LaunchEnv()
+
+
+# ------------------------------------------------------------------------------------------- host lists
+
+
+@pytest.mark.parametrize(
+    "hostlist, hosts",
+    [
+        ("gpu[01-03,07],login1", ["gpu01", "gpu02", "gpu03", "gpu07", "login1"]),
+        ("node1", ["node1"]),
+        ("a,b,c", ["a", "b", "c"]),
+        ("n[8-11]", ["n8", "n9", "n10", "n11"]),
+        ("n[098-101]", ["n098", "n099", "n100", "n101"]),
+        ("cn[0001-0002]", ["cn0001", "cn0002"]),
+        ("rack-a[1,3]-ib,head-0", ["rack-a1-ib", "rack-a3-ib", "head-0"]),
+        ("x[5]", ["x5"]),
+    ],
+)
+def test_expand_hostlist(hostlist, hosts):
+    assert expand_hostlist(hostlist) == hosts
+
+
+# ------------------------------------------------------------------------------------- cores, scheduler
+
+
+def test_cpu_count_scheduler_grant():
+    assert cpu_count({"NSLOTS": "6"}) == 6
+    assert cpu_count({"SLURM_CPUS_ON_NODE": "12"}) == 12
+    assert cpu_count({"NSLOTS": "3", "SLURM_CPUS_ON_NODE": "12"}) == 3
+
+
+@pytest.mark.parametrize("bad", ["0", "", "four", "-2"])
+def test_cpu_count_ignores_unusable_grant(bad):
+    assert cpu_count({"NSLOTS": bad}) == len(os.sched_getaffinity(0))
+
+
+def test_cpu_count_default_is_affinity():
+    assert cpu_count({}) == len(os.sched_getaffinity(0))
+
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({}, None),
+        ({"SLURM_JOB_ID": "17"}, "slurm"),
+        ({"SLURM_JOB_ID": "17", "NSLOTS": "4"}, "slurm"),
+        ({"NSLOTS": "4"}, "sge"),
+        ({"SGE_TASK_ID": "2"}, "sge"),
+        ({"JOB_ID": "9", "SGE_ROOT": "/opt/sge"}, "sge"),
+        ({"JOB_ID": "9"}, None),
+        ({"SGE_ROOT": "/opt/sge"}, None),
+    ],
+)
+def test_scheduler(env, expected):
+    assert scheduler(env) == expected

@@ -1,0 +1,315 @@
+"""Sharded training order independent of the world size, exact evaluation shards, and loaders."""
+
+from __future__ import annotations
+
+import os
+from collections import namedtuple
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import ddpkit
+from ddpkit import ConfigError, EvalShardSampler, ShardedBatchSampler, default_num_workers, epoch_permutation
+
+GLOBAL_BATCH = 12
+LAYOUTS = [(12, 1), (6, 2), (4, 3), (3, 4)]  # (per-rank batch, world size): the same global batch
+
+
+def make_samplers(n: int, per_rank: int, world: int, **kwargs) -> list[ShardedBatchSampler]:
+    return [ShardedBatchSampler(n, per_rank, rank=r, world_size=world, **kwargs) for r in range(world)]
+
+
+def one_epoch(samplers: list[ShardedBatchSampler]) -> list[list[int]]:
+    """The global batches of the next epoch: each step's rank batches concatenated in rank order."""
+    per_rank = [list(s) for s in samplers]
+    steps = len(per_rank[0])
+    assert all(len(batches) == steps for batches in per_rank), "ranks must take the same number of steps"
+    return [[i for batches in per_rank for i in batches[step]] for step in range(steps)]
+
+
+# ---------------------------------------------------------------------------- world-size independence
+
+
+@pytest.mark.parametrize("n, drop_last", [(54, True), (54, False), (48, True), (48, False), (50, True)])
+def test_global_batches_do_not_depend_on_world_size(n, drop_last):
+    per_layout = []
+    for per_rank, world in LAYOUTS:
+        samplers = make_samplers(n, per_rank, world, seed=7, drop_last=drop_last)
+        per_layout.append([one_epoch(samplers) for _epoch in range(3)])
+    for epochs in per_layout[1:]:
+        assert epochs == per_layout[0]
+    # And they are the epoch's permutation cut into global batches.
+    for epoch, batches in enumerate(per_layout[0]):
+        order = epoch_permutation(n, 7, epoch).tolist()
+        kept = len(order) if not drop_last else n - n % GLOBAL_BATCH
+        assert [i for b in batches for i in b] == order[:kept]
+        assert all(len(b) == GLOBAL_BATCH for b in batches[: n // GLOBAL_BATCH])
+
+
+def test_control_distributed_sampler_batches_depend_on_world_size():
+    # Control for the test above: the usual DistributedSampler + per-rank batches reshuffles the data
+    # differently for each world size, so a run cannot resume at another world size with the same batches.
+    def global_batches_of(per_rank: int, world: int) -> list[list[int]]:
+        per = [list(DistributedSampler(range(48), num_replicas=world, rank=r, seed=7)) for r in range(world)]
+        return [sum((p[s : s + per_rank] for p in per), []) for s in range(0, len(per[0]), per_rank)]
+
+    assert global_batches_of(6, 2) != global_batches_of(4, 3)
+
+
+def test_full_batches_are_per_rank_size_and_tail_split_evenly():
+    samplers = make_samplers(54, 3, 4, drop_last=False)  # tail of 6 samples over 4 ranks
+    per_rank = [list(s) for s in samplers]
+    assert all(len(batch) == 3 for batches in per_rank for batch in batches[:-1])
+    assert [len(batches[-1]) for batches in per_rank] == [2, 2, 1, 1]
+
+
+# ------------------------------------------------------------------------------- coverage of an epoch
+
+
+@pytest.mark.parametrize("per_rank, world", LAYOUTS)
+def test_epoch_covers_every_sample_once_without_drop_last(per_rank, world):
+    n = 12 * 4 + 5  # tail of 5 >= every world size here
+    batches = one_epoch(make_samplers(n, per_rank, world, drop_last=False, seed=3))
+    seen = [i for b in batches for i in b]
+    assert sorted(seen) == list(range(n))
+
+
+@pytest.mark.parametrize("per_rank, world", LAYOUTS)
+def test_drop_last_drops_only_the_tail(per_rank, world):
+    n = 12 * 4 + 5
+    batches = one_epoch(make_samplers(n, per_rank, world, drop_last=True, seed=3))
+    seen = [i for b in batches for i in b]
+    assert len(seen) == len(set(seen)) == 48
+    order = epoch_permutation(n, 3, 0).tolist()
+    assert set(range(n)) - set(seen) == set(order[48:])
+
+
+def test_tail_smaller_than_world_is_dropped_even_without_drop_last():
+    # Documented: a rank without a sample cannot take a DDP step.
+    samplers = make_samplers(49, 3, 4, drop_last=False)  # tail of 1 sample, 4 ranks
+    assert [len(s) for s in samplers] == [4] * 4
+    assert sum(len(b) for b in one_epoch(samplers)) == 48
+
+
+@pytest.mark.parametrize(
+    "n, per_rank, world, drop_last, steps",
+    [
+        (48, 3, 4, True, 4),
+        (53, 3, 4, True, 4),
+        (53, 3, 4, False, 5),
+        (49, 3, 4, False, 4),
+        (13, 6, 2, False, 1),
+        (14, 6, 2, False, 2),
+    ],
+)
+def test_len_is_the_number_of_steps(n, per_rank, world, drop_last, steps):
+    samplers = make_samplers(n, per_rank, world, drop_last=drop_last)
+    assert [len(s) for s in samplers] == [steps] * world
+    assert len(one_epoch(samplers)) == steps
+
+
+# -------------------------------------------------------------------------------------- epochs, seeds
+
+
+def test_epochs_differ_and_same_seed_epoch_repeats():
+    s = ShardedBatchSampler(40, 5, rank=1, world_size=2, seed=11)
+    assert s.epoch == 0
+    epochs = [list(s) for _ in range(3)]  # each iter() is the next epoch, with no set_epoch
+    assert s.epoch == 3
+    assert epochs[0] != epochs[1] != epochs[2] != epochs[0]
+    for e, batches in enumerate(epochs):
+        fresh = ShardedBatchSampler(40, 5, rank=1, world_size=2, seed=11)
+        fresh.set_epoch(e)
+        assert list(fresh) == batches
+
+
+def test_seed_changes_the_order():
+    # build_loader(seed=...) and ShardedBatchSampler(seed=...) promise an order that is a function of
+    # (seed, epoch): two runs with different seeds must not see the same sample order.
+    orders = {seed: list(ShardedBatchSampler(40, 5, rank=0, world_size=2, seed=seed)) for seed in (0, 1, 11, 12)}
+    assert len({str(o) for o in orders.values()}) == 4, orders
+    perms = {seed: tuple(epoch_permutation(100, seed, 3).tolist()) for seed in (0, 1, -5, 2**40)}
+    assert len(set(perms.values())) == 4
+
+
+def test_no_shuffle_is_in_order_every_epoch():
+    s = ShardedBatchSampler(10, 2, rank=0, world_size=2, shuffle=False, drop_last=False)
+    assert list(s) == [[0, 1], [4, 5], [8]] == list(s)
+
+
+def test_epoch_permutation_is_a_pure_function():
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    perms = {(seed, e): epoch_permutation(100, seed, e) for seed in (0, -5, 2**40) for e in (0, 1, 2)}
+    assert torch.equal(torch.rand(3), expected)  # the global RNG was not touched
+    for (seed, e), p in perms.items():
+        assert sorted(p.tolist()) == list(range(100))
+        assert torch.equal(epoch_permutation(100, seed, e), p)
+    for seed in (0, -5, 2**40):
+        assert len({tuple(perms[seed, e].tolist()) for e in (0, 1, 2)}) == 3  # epochs differ
+
+
+# ---------------------------------------------------------------------------------------- resuming
+
+
+def _resume_cases():
+    for drop_last in (True, False):
+        for save_world, resume_world in ((2, 2), (2, 3), (3, 1), (1, 4)):
+            yield drop_last, save_world, resume_world
+
+
+@pytest.mark.parametrize("drop_last, save_world, resume_world", list(_resume_cases()))
+def test_set_position_resumes_mid_epoch(drop_last, save_world, resume_world):
+    n, epoch = 12 * 5 + 7, 3
+    save = make_samplers(n, GLOBAL_BATCH // save_world, save_world, drop_last=drop_last, seed=5)
+    for s in save:
+        s.set_epoch(epoch)
+    full = one_epoch(save)
+    assert len(full) == (5 if drop_last else 6)
+    for done_steps in range(n // GLOBAL_BATCH + 1):  # every cursor that is a whole number of global batches
+        cursor = done_steps * GLOBAL_BATCH
+        resumed = make_samplers(n, GLOBAL_BATCH // resume_world, resume_world, drop_last=drop_last, seed=5)
+        for s in resumed:
+            s.set_position(epoch, cursor)
+        assert [len(s) for s in resumed] == [len(full) - done_steps] * resume_world
+        assert one_epoch(resumed) == full[done_steps:], (cursor, drop_last)
+        # The epoch after the resumed one starts from its beginning.
+        assert one_epoch(resumed) == one_epoch(_epoch_at(n, drop_last, epoch + 1))
+
+
+def _epoch_at(n: int, drop_last: bool, epoch: int) -> list[ShardedBatchSampler]:
+    s = ShardedBatchSampler(n, GLOBAL_BATCH, rank=0, world_size=1, drop_last=drop_last, seed=5)
+    s.set_epoch(epoch)
+    return [s]
+
+
+@pytest.mark.parametrize("resume_world", [2, 3])
+def test_resume_after_the_last_partial_batch_yields_nothing(resume_world):
+    # drop_last=False: the last step trains the 7-sample tail, so a checkpoint after it saves cursor == n,
+    # which set_position accepts. Resuming there must not train the tail a second time.
+    n, epoch = 12 * 5 + 7, 2
+    samplers = make_samplers(n, GLOBAL_BATCH // resume_world, resume_world, drop_last=False, seed=5)
+    for s in samplers:
+        s.set_position(epoch, n)
+    assert [len(s) for s in samplers] == [0] * resume_world
+    assert one_epoch(samplers) == []
+
+
+def test_cursor_must_be_whole_global_batches():
+    s = ShardedBatchSampler(100, 6, rank=0, world_size=2)
+    with pytest.raises(ConfigError, match="cursor 18 is not a whole number of global batches of 12"):
+        s.set_position(1, 18)  # saved by a run with a global batch of 9 or 18
+    s.set_position(1, 24)  # control: whole global batches are fine
+    assert len(s) == 100 // 12 - 2
+
+
+def test_too_few_samples_and_bad_batch_size():
+    with pytest.raises(ConfigError, match="10 samples make no global batch of 12"):
+        ShardedBatchSampler(10, 6, rank=0, world_size=2)
+    with pytest.raises(ConfigError, match="10 samples make no global batch"):
+        ShardedBatchSampler(list(range(10)), 3, rank=1, world_size=4)  # a sized dataset works the same
+    with pytest.raises(ConfigError, match="no global batch"):
+        ShardedBatchSampler(1, 4, rank=0, world_size=2, drop_last=False)  # 1 sample, 2 ranks
+    with pytest.raises(ConfigError, match="batch_size=0"):
+        ShardedBatchSampler(100, 0, rank=0, world_size=1)
+    # Control: without drop_last, fewer samples than a global batch still make one (smaller) step.
+    assert len(ShardedBatchSampler(10, 6, rank=0, world_size=2, drop_last=False)) == 1
+
+
+# ------------------------------------------------------------------------------- loaders under spawn
+
+
+def _loader_worker(n: int, per_rank: int) -> dict:
+    rt = ddpkit.init()
+    dataset = TensorDataset(torch.arange(n))
+    loader = ddpkit.build_loader(dataset, per_rank, drop_last=False, seed=4, num_workers=0)
+    out = {"len": len(loader), "epochs": []}
+    for _ in range(2):
+        mine = [batch[0].tolist() for batch in loader]
+        out["epochs"].append(ddpkit.gather_object(mine))
+
+    # The loader has its own generator: iterating it leaves the global RNG where it was.
+    torch.manual_seed(123)
+    for _ in loader:
+        pass
+    after_loader = torch.rand(4)
+    torch.manual_seed(123)
+    untouched = torch.rand(4)
+    # Control: a plain shuffling DataLoader without a generator draws from the global RNG.
+    plain = DataLoader(dataset, batch_size=per_rank, shuffle=True)
+    torch.manual_seed(123)
+    for _ in plain:
+        pass
+    after_plain = torch.rand(4)
+    out["rng"] = (torch.equal(after_loader, untouched), torch.equal(after_plain, untouched))
+
+    os.environ["NSLOTS"] = "8"
+    out["default_workers"] = (default_num_workers(), rt.local_world_size)
+    return out
+
+
+def test_build_loader_covers_each_epoch_once_and_keeps_global_rng():
+    n, per_rank, world = 26, 4, 2  # global batch 8, tail of 2 samples
+    results = ddpkit.spawn(_loader_worker, world, (n, per_rank))
+    reference = ShardedBatchSampler(n, per_rank * world, rank=0, world_size=1, drop_last=False, seed=4)
+    for out in results:
+        assert out["len"] == 4
+        assert out["rng"] == (True, False)
+        assert out["default_workers"] == (8 // 2 - 1, 2)
+    epochs = results[0]["epochs"]
+    assert all(out["epochs"] == epochs for out in results)  # gather_object gives every rank the same view
+    for ranks_batches in epochs:
+        seen = [i for batches in ranks_batches for b in batches for i in b]
+        assert sorted(seen) == list(range(n))  # every sample exactly once per epoch, over both ranks
+        steps = zip(*ranks_batches)
+        assert [[i for b in step for i in b] for step in steps] == list(reference)  # same as one process
+    assert epochs[0] != epochs[1]
+
+
+def test_default_num_workers(monkeypatch):
+    monkeypatch.setenv("NSLOTS", "8")
+    assert [default_num_workers(p) for p in (1, 2, 3, 4, 8, 16)] == [7, 3, 1, 1, 0, 0]
+    assert default_num_workers() == 7  # no init: a world of one
+    monkeypatch.delenv("NSLOTS")
+    monkeypatch.delenv("SLURM_CPUS_ON_NODE", raising=False)
+    assert default_num_workers(1) == max(0, len(os.sched_getaffinity(0)) - 1)
+
+
+def _eval_shard_worker(sizes: list[int]) -> dict:
+    ddpkit.init()
+    out = {}
+    for n in sizes:
+        sampler = EvalShardSampler(n)
+        loader = ddpkit.build_eval_loader(TensorDataset(torch.arange(n)), batch_size=2, num_workers=0)
+        out[n] = (list(sampler), len(sampler), [i for (batch,) in loader for i in batch.tolist()])
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_eval_shards_cover_every_sample_exactly_once(world):
+    sizes = list(range(11))
+    results = ddpkit.spawn(_eval_shard_worker, world, (sizes,))
+    for n in sizes:
+        shares = [out[n][0] for out in results]
+        assert [i for share in shares for i in share] == list(range(n)), n
+        assert [out[n][1] for out in results] == [len(s) for s in shares]
+        assert max(map(len, shares)) - min(map(len, shares)) <= 1
+        assert [out[n][2] for out in results] == shares  # the eval loader reads exactly that share
+        # Control: DistributedSampler pads to a multiple of the world size by repeating samples.
+        padded = [list(DistributedSampler(range(n), num_replicas=world, rank=r, shuffle=False)) for r in range(world)]
+        total = sum(map(len, padded))
+        if n % world:
+            assert total > n and len({i for p in padded for i in p}) == n
+        else:
+            assert total == n
+
+
+def test_to_device_keeps_structure():
+    Pair = namedtuple("Pair", "x y")
+    batch = {"a": [torch.ones(2), (torch.zeros(1), "label")], "p": Pair(torch.arange(3), 5)}
+    moved = ddpkit.to_device(batch, torch.device("cpu"))
+    assert isinstance(moved["a"], list) and isinstance(moved["a"][1], tuple) and isinstance(moved["p"], Pair)
+    assert moved["a"][1][1] == "label" and moved["p"].y == 5
+    assert torch.equal(moved["p"].x, torch.arange(3)) and torch.equal(moved["a"][0], torch.ones(2))
