@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 import pickle
+import socket
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ddpkit import runtime
@@ -32,11 +32,9 @@ def _worker(
         LOCAL_WORLD_SIZE=str(nprocs),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
-        # The parent holds the rendezvous store (see spawn), so every rank connects to it as a client, the
-        # way torchrun's workers connect to their agent's store.
-        TORCHELASTIC_USE_AGENT_STORE="True",
         OMP_NUM_THREADS=str(threads),
     )
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # rank 0 hosts the store, as with a static rendezvous
     torch.set_num_threads(threads)
     runtime._runtime = None  # a forked child must not inherit the parent's runtime
     try:
@@ -79,9 +77,11 @@ def spawn(
         threads = 1
     else:
         threads = threads_per_process or max(1, cpu_count() // nprocs)
-    # A store opened here on port 0 gets a free port from the OS and keeps it: no window in which another
-    # job could take the port between choosing and binding it.
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    # Rank 0 hosts the rendezvous store, not this process: a store here runs a server thread that resolves
+    # peer names (getnameinfo) as ranks connect, and a child forked while it holds glibc's resolver lock
+    # inherits the lock held and hangs in its own connect. The port is free now; if another program takes
+    # it before rank 0 binds it, init() says so.
+    port = _free_port()
     results = mp.get_context(start_method).SimpleQueue()
     out: list[Any] = [None] * nprocs
 
@@ -92,7 +92,7 @@ def spawn(
 
     context = mp.start_processes(
         _worker,
-        args=(fn, args, nprocs, store.port, threads, results),
+        args=(fn, args, nprocs, port, threads, results),
         nprocs=nprocs,
         join=False,
         start_method=start_method,
@@ -109,4 +109,9 @@ def spawn(
             if process.is_alive():
                 process.kill()
                 process.join()
-        del store
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
