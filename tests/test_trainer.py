@@ -185,3 +185,21 @@ def test_config_errors_name_the_option(kwargs, flag):
 def test_global_batch_must_divide(tmp_path):
     with pytest.raises(ConfigError, match="pick a multiple of 6"):
         TrainerConfig(global_batch_size=20, grad_accum_steps=2).per_rank_batch(3)
+
+
+def test_plain_python_trainer_clips_gradients(tmp_path):
+    # A world of one with no process group, as under `python train.py`; SGD so the update is lr x gradient.
+    def one_step(clip):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        start = [p.detach().clone() for p in model.parameters()]
+        data = torch.utils.data.TensorDataset(torch.randn(8, 4) * 100, torch.randn(8, 1))
+        config = TrainerConfig(run_dir=str(tmp_path / f"clip{clip}"), batch_size=8, max_steps=1, clip_grad_norm=clip,
+                               progress=False, num_workers=0)
+        trainer = ddpkit.Trainer(model, torch.optim.SGD(model.parameters(), lr=1.0), data, config,
+                                 loss_fn=torch.nn.functional.mse_loss)
+        trainer.fit()
+        return torch.cat([(p.detach() - s).flatten() for p, s in zip(model.parameters(), start)]).norm().item()
+
+    assert one_step(None) > 1.0  # control: the raw gradient is large
+    assert one_step(1e-3) == pytest.approx(1e-3, rel=1e-4)

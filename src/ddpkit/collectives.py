@@ -46,7 +46,8 @@ def is_main(group: Any = None) -> bool:
     return rank(group) == 0
 
 
-def _comm_device(group: Any = None) -> torch.device:
+def comm_device(group: Any = None) -> torch.device:
+    """Where tensors must be for a collective on ``group``: CUDA for nccl, the CPU otherwise."""
     # nccl moves only CUDA tensors, gloo prefers CPU ones; the backend decides where a reduction runs.
     if _live(group) and dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -154,7 +155,7 @@ def all_reduce(value: T, op: str = "sum", group: Any = None) -> T:
     values = value if isinstance(value, Mapping) else {"_": value}
     flat, layout = _flatten(values)
     if _live(group):
-        flat = flat.to(_comm_device(group))
+        flat = flat.to(comm_device(group))
         dist.all_reduce(flat, op=_OPS[op], group=group)
         flat = flat.cpu()
     out = _unflatten(flat, layout)
@@ -168,7 +169,7 @@ def gather_tensors(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
     """
     if not _live(group):
         return tensor
-    device = _comm_device(group)
+    device = comm_device(group)
     local = tensor.detach().to(device)
     sizes = torch.tensor([local.shape[0]], device=device)
     all_sizes = [torch.zeros_like(sizes) for _ in range(world_size(group))]

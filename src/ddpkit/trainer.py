@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from ddpkit.collectives import all_reduce, gather_object, print0
+from ddpkit.collectives import comm_device, gather_object, print0
 from ddpkit.data import ShardedBatchSampler, _loader_kwargs, build_eval_loader, shard_bounds, to_device
 from ddpkit.dropout import BatchLayout, batch_layout, convert_dropout
 from ddpkit.errors import ConfigError
@@ -256,8 +256,10 @@ class Trainer:
             every=cfg.log_every_steps,
             initial=first_micro,
         )
+        # Accumulated on the device: no host sync per micro-batch.
         loss_sum = torch.zeros((), dtype=torch.float64, device=rt.device)
-        count = nonfinite = 0
+        nonfinite = torch.zeros((), dtype=torch.float64, device=rt.device)
+        count = 0
         t0 = time.perf_counter()
         for i, batch in enumerate(self.loader):
             group_size = min(accum, remaining - (i // accum) * accum)
@@ -267,24 +269,25 @@ class Trainer:
             with sync:
                 with self._autocast(), batch_layout(self._layout(first_micro + i)):
                     loss = self._loss(batch)
+                detached = loss.detach().double()
+                loss_sum += detached * _batch_len(batch)
+                nonfinite += (~torch.isfinite(detached)).double()
+                count += _batch_len(batch)
+                agreement = self._start_agreement(loss_sum, count, nonfinite) if last_in_group else None
                 # Micro-batch gradients add up; dividing by their number makes the sum a mean.
                 scaled = loss / group_size
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-            n = _batch_len(batch)
-            detached = loss.detach().double()
-            nonfinite |= not bool(torch.isfinite(detached))  # host sync: the decision is needed now
-            loss_sum += detached * n
-            count += n
-            if not last_in_group:
+            if agreement is None:
                 continue
-            train_loss = self._finish_step(loss_sum, count, nonfinite)
+            train_loss = self._finish_step(*agreement)
             self.cursor = min((first_micro + i + 1) * micro_gbs, self.sampler.num_samples)
             dt = time.perf_counter() - t0
             progress.update({"loss": train_loss, "ms/step": 1000 * dt})
             if self.step % cfg.log_every_steps == 0:
                 self.writer.log("train", self.step, {"epoch": self.epoch, "train/loss": train_loss, "lr": self._lr()})
             loss_sum.zero_()
-            count = nonfinite = 0
+            nonfinite.zero_()
+            count = 0
             end_of_epoch = i + 1 == remaining
             if cfg.max_steps is not None and self.step >= cfg.max_steps:
                 self.stopped_by = "max_steps"
@@ -301,14 +304,28 @@ class Trainer:
         progress.close()
         return True
 
-    def _finish_step(self, loss_sum: torch.Tensor, count: int, nonfinite: bool) -> float:
-        """Agree across ranks on the step (non-finite? stop?), then take it. Returns the global mean loss."""
-        cfg = self.config
+    def _start_agreement(
+        self, loss_sum: torch.Tensor, count: int, nonfinite: torch.Tensor
+    ) -> tuple[torch.Tensor, Any]:
+        """Start the all-reduce of ``[loss sum, samples, non-finite ranks, stop]`` for this step.
+
+        Everything in it is known once the last micro-batch's loss is, so it is started before ``backward()``
+        and its latency hides behind the backward pass instead of adding to every step.
+        """
         flags = torch.stack(
-            [loss_sum, loss_sum.new_tensor(count), loss_sum.new_tensor(float(nonfinite)),
-             loss_sum.new_tensor(float(self._stop_signal))]
+            [loss_sum, loss_sum.new_tensor(count), nonfinite.clamp(max=1), loss_sum.new_tensor(float(self._stop_signal))]
         )
-        total, n, bad_ranks, stop = all_reduce(flags).tolist()
+        if not self.runtime.distributed:
+            return flags, None
+        flags = flags.to(comm_device())
+        return flags, dist.all_reduce(flags, async_op=True)
+
+    def _finish_step(self, flags: torch.Tensor, work: Any) -> float:
+        """Take the step the ranks agreed on (or skip it, or stop); return the global mean loss."""
+        cfg = self.config
+        if work is not None:
+            work.wait()
+        total, n, bad_ranks, stop = flags.tolist()
         if stop:
             self._stop_signal = self._stop_signal or 1  # every rank stops after this step
         if bad_ranks:
