@@ -88,6 +88,15 @@ def test_resume_at_another_world_size(tmp_path, reference, world):
     assert diff < 1e-5
 
 
+def test_rerun_with_the_same_max_steps_trains_no_further(tmp_path):
+    first = run(2, tmp_path / "run", max_steps=4)
+    again = run(2, tmp_path / "run", max_steps=4)
+    assert again["resumed_from"] == 4 and again["step"] == 4 and bitwise_equal(again, first)
+    assert sorted(p.name for p in (tmp_path / "run" / "snapshots").glob("*.json")) == [
+        "step-00000003.json", "step-00000004.json"
+    ]
+
+
 def test_resume_refuses_another_global_batch(tmp_path):
     run(2, tmp_path / "run", max_steps=4)
     with pytest.raises(Exception, match="global_batch_size"):

@@ -223,8 +223,11 @@ class Trainer:
         handlers = self._install_signal_handlers()
         last: dict[str, float] = {}
         try:
+            # A finished run, resumed: nothing left to train.
             if cfg.early_stopping_metric is not None and self.bad_epochs >= cfg.early_stopping_patience:
-                self.stopped_by = "early_stopping"  # a finished run, resumed: nothing left to train
+                self.stopped_by = "early_stopping"
+            if cfg.max_steps is not None and self.step >= cfg.max_steps:
+                self.stopped_by = "max_steps"
             while self.epoch < cfg.epochs and self.stopped_by is None:
                 self.sampler.set_position(self.epoch, self.cursor)
                 if not self._train_epoch():
@@ -541,6 +544,7 @@ class Trainer:
         info, state = found
         self.load_state_dict(state)
         self.resumed_from = info.step
+        self._saved_at = (self.epoch, self.step, self.cursor)  # already on disk
         print0(f"ddpkit: resumed from {info.path} (epoch {self.epoch}, step {self.step}, restart {rt.restart_count})")
         self.writer.log(
             "event",
