@@ -35,7 +35,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ddpkit.collectives import comm_device, gather_object, print0
-from ddpkit.data import ShardedBatchSampler, _loader_kwargs, build_eval_loader, shard_bounds, to_device
+from ddpkit.data import ShardedBatchSampler, build_eval_loader, build_loader, shard_bounds, to_device
 from ddpkit.dropout import BatchLayout, batch_layout, convert_dropout
 from ddpkit.errors import ConfigError
 from ddpkit.evaluation import classification_metrics, evaluate
@@ -191,18 +191,17 @@ class Trainer:
         self.batch_loss_fn = batch_loss_fn
         self.metric_fn = metric_fn or (classification_metrics if loss_fn is None and batch_loss_fn is None else None)
         self.train_data, self.val_data = train_data, val_data
-        batch = config.per_rank_batch(rt.world_size)
-        self.sampler = ShardedBatchSampler(
-            train_data, batch, shuffle=config.shuffle, seed=config.seed, drop_last=config.drop_last
-        )
-        self.generator = torch.Generator()
-        self.generator.manual_seed(mix_seed(config.seed, rt.rank))
-        self.loader = torch.utils.data.DataLoader(
+        self.loader = build_loader(
             train_data,
-            batch_sampler=self.sampler,
-            generator=self.generator,
-            **_loader_kwargs(config.num_workers, None),
+            config.per_rank_batch(rt.world_size),
+            shuffle=config.shuffle,
+            seed=config.seed,
+            drop_last=config.drop_last,
+            num_workers=config.num_workers,
         )
+        # The sampler's position and the loader's generator are part of every snapshot.
+        self.sampler: ShardedBatchSampler = self.loader.batch_sampler
+        self.generator: torch.Generator = self.loader.generator
         self.epoch = self.step = self.cursor = self.bad_epochs = self.skipped_steps = 0
         self.best = None
         self.run_dir = Path(config.run_dir)
@@ -271,7 +270,7 @@ class Trainer:
             sync = nullcontext() if last_in_group or not rt.distributed else self.model.no_sync()
             with sync:
                 with self._autocast(), batch_layout(self._layout(first_micro + i)):
-                    loss = self._loss(batch)
+                    loss = self._loss(self.model, batch)
                 detached = loss.detach().double()
                 loss_sum += detached * _batch_len(batch)
                 nonfinite += (~torch.isfinite(detached)).double()
@@ -396,17 +395,17 @@ class Trainer:
 
     # -- pieces -------------------------------------------------------------------------------------------
 
-    def _loss(self, batch: Any) -> torch.Tensor:
+    def _loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         if self.batch_loss_fn is not None:
-            return self.batch_loss_fn(self.model, batch)
+            return self.batch_loss_fn(model, batch)
         inputs, targets = batch
-        return self.loss_fn(self.model(inputs), targets)
+        return self.loss_fn(model(inputs), targets)
 
     def _metric_fn(self, model: nn.Module, batch: Any) -> Mapping[str, Any]:
         if self.metric_fn is not None:
             return self.metric_fn(model, batch)
         # A custom loss without a metric_fn: report the loss, weighted by batch size (exact for mean losses).
-        loss = self.batch_loss_fn(model, batch) if self.batch_loss_fn else self.loss_fn(model(batch[0]), batch[1])
+        loss = self._loss(model, batch)
         n = _batch_len(batch)
         return {"loss": (loss.detach().double() * n, n)}
 
