@@ -2,25 +2,36 @@
 
 Both loops train the seeds' MNIST CNN (two conv+BatchNorm blocks, one linear layer) on MNIST-shaped synthetic
 data, with the same per-rank batch, in the same job, in interleaved rounds (hand, trainer, trainer, hand, ...)
-so that noise from other work on the machine falls on both. Per round: wall time of a whole epoch / steps;
-reported: the median over rounds, and the ratio trainer / hand. Target: ratio <= 1.02 at ~20 ms steps.
+so that noise from other work on the machine falls on both. A round is one epoch of each loop. Each rank is
+pinned to its own core(s) when there are enough, and glibc malloc's thresholds are fixed (see steady_malloc;
+``--default-malloc`` leaves them adaptive).
 
-    python bench/trainer_overhead.py                  # 2 ranks, gloo, batch 64 per rank
-    python bench/trainer_overhead.py --nproc 2 --steps 60 --rounds 16 --batch-size 64
+Two measures, both on rank 0:
+- step time: the time between consecutive optimizer steps (a post-step hook on each loop's optimizer), so a
+  step is everything between two updates (data, forward, backward and its all-reduce, update, bookkeeping).
+  Per round, the median step; reported: the median over rounds of the paired ratio trainer / hand, with a
+  distribution-free 95% interval. Target: <= 1.02 at ~20 ms steps.
+- epoch time: barrier to barrier, divided by the steps, so that the Trainer's once-per-epoch and
+  every-N-steps work (loss agreement, logging, the end of the epoch) is in it too.
+
+    python bench/trainer_overhead.py                      # 2 ranks, gloo, batch 64 per rank
+    python bench/trainer_overhead.py --batch-size 24      # ~20 ms steps on a 2-core machine
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
 import functools
+import math
+import os
 import platform
 import statistics
 import tempfile
 import time
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -55,9 +66,33 @@ def hand_loop(model: nn.Module, optimizer, loader: DataLoader, sampler: Distribu
         optimizer.step()
 
 
-def bench(steps: int, rounds: int, batch_size: int) -> dict:
+def steady_malloc() -> bool:
+    """Fix glibc malloc's thresholds in this process, so that the loops are compared and not allocator luck.
+
+    glibc serves large blocks (a batch's activations) with mmap, and raises its mmap and trim thresholds as
+    such blocks are freed; whether a step's tensors come from reused heap memory or from fresh pages (page
+    faults, zeroing) then depends on the history of the process, and flips between rounds by up to ~15% of a
+    step. Fixed thresholds make every step reuse the heap, for both loops alike.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc
+        return False
+    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
+    big = 1 << 30
+    return all(libc.mallopt(opt, big) == 1 for opt in (m_mmap_threshold, m_trim_threshold, m_top_pad))
+
+
+def bench(steps: int, rounds: int, batch_size: int, default_malloc: bool = False) -> dict:
     rt = ddpkit.init()
     world = rt.world_size
+    # A rank that migrates between cores adds noise to both loops; give each rank cores of its own if it can.
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    threads = torch.get_num_threads()
+    pinned = len(cores) >= world * threads
+    if pinned:
+        os.sched_setaffinity(0, set(cores[rt.rank * threads : (rt.rank + 1) * threads]))
+    steady = not default_malloc and steady_malloc()
     g = torch.Generator().manual_seed(0)
     n = steps * batch_size * world
     data = TensorDataset(torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g))
@@ -77,12 +112,19 @@ def bench(steps: int, rounds: int, batch_size: int) -> dict:
     )
     trainer = Trainer(net, torch.optim.SGD(net.parameters(), lr=1e-3), data, config)
 
-    def timed(fn) -> float:
+    stamps: list[float] = []  # perf_counter at the end of every optimizer step of the loop being timed
+    for opt in (hand_opt, trainer.optimizer):
+        opt.register_step_post_hook(lambda *_: stamps.append(time.perf_counter()))
+
+    def timed(fn) -> tuple[float, float]:
+        """(median step, epoch time / steps) of one epoch of ``fn``."""
+        stamps.clear()
         ddpkit.barrier()
         start = time.perf_counter()
         fn()
         ddpkit.barrier()
-        return (time.perf_counter() - start) / steps
+        epoch = (time.perf_counter() - start) / steps
+        return statistics.median(b - a for a, b in zip(stamps, stamps[1:])), epoch
 
     def trainer_epoch() -> None:
         trainer.epoch = trainer.cursor = 0  # the same single epoch again
@@ -106,32 +148,45 @@ def bench(steps: int, rounds: int, batch_size: int) -> dict:
         trainer.save()
         ddpkit.barrier()  # the others wait for rank 0 at the next collective; measure that wait
         stalls.append(time.perf_counter() - start)
-    return {"hand": hand, "trainer": mine, "stall": stalls, "world": world}
+    return {"hand": hand, "trainer": mine, "stall": stalls, "pinned": pinned, "threads": threads,
+            "steady_malloc": steady}
+
+
+def median_interval(xs: list[float]) -> tuple[float, float]:
+    """A distribution-free 95% confidence interval for the median of sorted ``xs`` (normal approximation to the
+    binomial: the median lies between these order statistics with probability ~0.95)."""
+    n = len(xs)
+    half = 1.96 * math.sqrt(n) / 2
+    return xs[max(0, math.floor(n / 2 - half))], xs[min(n - 1, math.ceil(n / 2 + half) - 1)]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--steps", type=int, default=60, help="steps per timed epoch")
-    p.add_argument("--rounds", type=int, default=16)
+    p.add_argument("--steps", type=int, default=20, help="steps per timed epoch")
+    p.add_argument("--rounds", type=int, default=120)
     p.add_argument("--batch-size", type=int, default=64, help="per rank")
+    p.add_argument("--default-malloc", action="store_true", help="leave glibc malloc's thresholds adaptive")
     a = p.parse_args()
-    res = ddpkit.spawn(functools.partial(bench, a.steps, a.rounds, a.batch_size), a.nproc)[0]
-    hand_ms = statistics.median(res["hand"]) * 1000
-    trainer_ms = statistics.median(res["trainer"]) * 1000
+    res = ddpkit.spawn(functools.partial(bench, a.steps, a.rounds, a.batch_size, a.default_malloc), a.nproc)[0]
     print(f"date {datetime.date.today()}  machine {platform.machine()} {platform.processor() or ''}, "
           f"{ddpkit.cluster.cpu_count()} cores  python {platform.python_version()}  torch {torch.__version__}")
-    print(f"config: {a.nproc} ranks (gloo, CPU, {max(1, ddpkit.cluster.cpu_count() // a.nproc)} thread(s) each), "
-          f"seeds' CNN, batch {a.batch_size}/rank, {a.steps} steps x {a.rounds} interleaved rounds, warm-up excluded")
-    print(f"hand-written DDP loop : median {hand_ms:7.2f} ms/step  (rounds: "
-          + " ".join(f"{x * 1000:.1f}" for x in res["hand"]) + ")")
-    print(f"ddpkit Trainer        : median {trainer_ms:7.2f} ms/step  (rounds: "
-          + " ".join(f"{x * 1000:.1f}" for x in res["trainer"]) + ")")
-    pairs = sorted(t / h for t, h in zip(res["trainer"], res["hand"]))
-    print(f"ratio trainer / hand  : {statistics.median(pairs):.3f} median of per-round pairs "
-          f"(run back to back; spread {pairs[0]:.3f}-{pairs[-1]:.3f}), {trainer_ms / hand_ms:.3f} of medians; "
-          "target <= 1.02")
-    print(f"snapshot stall        : median {statistics.median(res['stall']) * 1000:.1f} ms "
+    print(f"config: {a.nproc} ranks (gloo, CPU, {res['threads']} thread(s) each, "
+          f"{'each pinned to its core' if res['pinned'] else 'not pinned'}, "
+          f"{'fixed' if res['steady_malloc'] else 'adaptive'} malloc thresholds), seeds' CNN, "
+          f"batch {a.batch_size}/rank, {a.steps} steps x {a.rounds} interleaved rounds, warm-up excluded")
+    for i, what in enumerate(("step", "epoch")):
+        hand = [h[i] * 1000 for h in res["hand"]]
+        mine = [t[i] * 1000 for t in res["trainer"]]
+        pairs = sorted(t / h for t, h in zip(mine, hand))
+        lo, hi = median_interval(pairs)
+        extra = statistics.median(t - h for t, h in zip(mine, hand))
+        print(f"{what} time ({'median step per round' if i == 0 else 'epoch / steps'}):")
+        print(f"  hand-written DDP loop {statistics.median(hand):7.2f} ms/step   ddpkit Trainer "
+              f"{statistics.median(mine):7.2f} ms/step   (medians over rounds)")
+        print(f"  ratio trainer / hand  {statistics.median(pairs):.3f}, 95% interval {lo:.3f}-{hi:.3f} "
+              f"(median of per-round pairs; all pairs {pairs[0]:.3f}-{pairs[-1]:.3f}); extra {extra:+.3f} ms/step")
+    print(f"snapshot stall: median {statistics.median(res['stall']) * 1000:.1f} ms "
           f"(gather RNG states + rank 0 writes {sum(p.numel() for p in Net().parameters()) * 4 / 1e6:.2f} MB "
           "of weights with optimizer state, fsync, rename, manifest)")
 

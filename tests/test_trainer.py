@@ -12,7 +12,7 @@ import torch
 
 import ddpkit
 from ddpkit.errors import ConfigError
-from ddpkit.trainer import TrainerConfig
+from ddpkit.trainer import TrainerConfig, _all_finite, _LossWindow, _nan_gradient_if_nonfinite
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from train_job import N_SAMPLES, train  # noqa: E402
@@ -103,9 +103,59 @@ def test_resume_refuses_another_global_batch(tmp_path):
         run(2, tmp_path / "run", global_batch=12)
 
 
-def test_nonfinite_loss_stops_every_rank_at_the_same_step(tmp_path):
+@pytest.mark.parametrize("what, precision", [("nan", "fp32"), ("inf", "fp32"), ("nan", "fp16")])
+def test_nonfinite_loss_stops_every_rank_at_the_same_step(tmp_path, what, precision):
+    # "inf": rank 1's loss is infinite but its gradients are finite; rank 0 must learn of it all the same.
+    # fp16: the GradScaler sees inf/NaN gradients at every overflow; a NaN loss must not pass for one.
     with pytest.raises(Exception, match=r"non-finite loss on 1 rank\(s\) at optimizer step 5"):
-        run(2, tmp_path / "stop", event=("nan", 1, 5))
+        run(2, tmp_path / "stop", event=(what, 1, 5), precision=precision)
+
+
+@pytest.mark.parametrize("on_host", [True, False])
+def test_a_nonfinite_loss_gets_nan_gradients_and_a_finite_one_is_untouched(on_host):
+    # on_host=False is the accelerator path (no read of the value); both must agree on the CPU.
+    w = torch.tensor([1.0, 2.0], requires_grad=True)
+    _nan_gradient_if_nonfinite((w * 3).sum(), on_host).backward()
+    assert torch.equal(w.grad, torch.tensor([3.0, 3.0]))
+    w.grad = None
+    ((w * 3).sum() + float("inf")).backward()
+    assert torch.isfinite(w.grad).all()  # control: an infinite loss can have finite gradients
+    w.grad = None
+    _nan_gradient_if_nonfinite((w * 3).sum() + float("inf"), on_host).backward()
+    assert torch.isnan(w.grad).all()
+
+
+def test_all_finite_reads_every_tensor_of_every_dtype_and_changes_none():
+    tensors = [torch.randn(5), torch.randn(3, dtype=torch.bfloat16), torch.randn(2, dtype=torch.float64)]
+    before = [t.clone() for t in tensors]
+    assert _all_finite(tensors) and all(torch.equal(a, b) for a, b in zip(tensors, before))
+    for i, bad in [(0, float("nan")), (1, float("inf")), (2, float("-inf"))]:
+        broken = [t.clone() for t in tensors]
+        broken[i][-1] = bad
+        assert not _all_finite(broken)
+
+
+def test_loss_window_keeps_taken_steps_and_drops_skipped_ones():
+    window = _LossWindow()
+    window.add(torch.tensor(2.0), 4)  # step 1: two micro-batches, taken
+    window.add(torch.tensor(1.0), 2)
+    window.end_step(taken=True)
+    window.add(torch.tensor(float("nan")), 3)  # step 2: skipped
+    assert not window.step_is_finite()
+    window.end_step(taken=False)
+    window.add(torch.tensor(0.5), 4)  # step 3: taken
+    assert window.step_is_finite()
+    window.end_step(taken=True)
+    assert window.steps == 2 and sum(window.sizes) == 10
+    assert window.local_sum(torch.device("cpu")).item() == 2.0 * 4 + 1.0 * 2 + 0.5 * 4
+
+
+def test_control_an_infinite_loss_with_finite_gradients_needs_the_nan_gradient(tmp_path, monkeypatch):
+    # Without turning a non-finite loss's gradients NaN, the all-reduced gradients look healthy and every
+    # rank trains on through rank 1's infinite loss. (spawn forks, so the children see the patch.)
+    monkeypatch.setattr(ddpkit.trainer, "_nan_gradient_if_nonfinite", lambda loss, on_host: loss)
+    out = run(2, tmp_path / "run", event=("inf", 1, 5), epochs=1)
+    assert out["step"] == 10 and out["skipped_steps"] == 0
 
 
 def test_nonfinite_loss_skip_skips_the_step_everywhere(tmp_path):
@@ -117,9 +167,11 @@ def test_nonfinite_loss_skip_skips_the_step_everywhere(tmp_path):
 
 
 def test_signal_on_one_rank_saves_and_stops_all_then_resumes_bitwise(tmp_path, reference):
-    stopped = ddpkit.spawn(functools.partial(train, str(tmp_path / "run"), event=("signal", 1, 7)), 2)
+    # Rank 1 gets SIGUSR1 during step 6; ranks agree every 4 steps, so both save and stop after step 8.
+    job = functools.partial(train, str(tmp_path / "run"), event=("signal", 1, 5), log_every_steps=4)
+    stopped = ddpkit.spawn(job, 2)
     assert [o["stopped_by"] for o in stopped] == ["signal", "signal"]
-    assert [o["step"] for o in stopped] == [8, 8]  # both stop after the step in which rank 1 got the signal
+    assert [o["step"] for o in stopped] == [8, 8]
     assert (tmp_path / "run" / "snapshots" / "step-00000008.json").exists()
     final = run(2, tmp_path / "run")
     assert final["resumed_from"] == 8 and bitwise_equal(final, reference["plain"])
@@ -154,11 +206,33 @@ def test_gradient_accumulation_matches_a_larger_batch_and_syncs_once_per_step(tm
     assert syncs_acc == syncs_big  # gradients all-reduced once per optimizer step, not once per micro-batch
 
 
-def test_bf16_trains_on_cpu_and_fp16_needs_cuda(tmp_path):
+def test_bf16_trains_on_cpu(tmp_path):
     out = run(2, tmp_path / "bf16", precision="bf16", epochs=1)
     assert out["step"] == 10 and all(torch.isfinite(v).all() for v in out["model"].values())
-    with pytest.raises(Exception, match="fp16.*needs CUDA"):
-        run(1, tmp_path / "fp16", precision="fp16", epochs=1)
+
+
+def _start_scale(scale: float):
+    def hook(trainer) -> None:
+        trainer.scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+
+    return hook
+
+
+def test_fp16_overflow_steps_are_skipped_alike_on_every_rank_and_resume_bitwise(tmp_path):
+    # A start scale of 2**20 overflows fp16 gradients: the scaler lowers it and those steps are not taken, on
+    # both ranks alike, without being mistaken for a non-finite loss.
+    job = functools.partial(train, precision="fp16", epochs=2, trainer_hook=_start_scale(2.0**20))
+    whole = ddpkit.spawn(functools.partial(job, str(tmp_path / "whole")), 2)
+    records = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    overflows = [r for r in records if r.get("event") == "fp16_overflow"]
+    assert 0 < len(overflows) < 10 and whole[0]["skipped_steps"] == 0
+    assert whole[0]["step"] == 20 - len(overflows) and whole[0]["scale"] < 2.0**20
+    assert bitwise_equal(whole[0], whole[1])
+    # Stopped and resumed, the scale and its growth tracker come back with the snapshot.
+    run(2, tmp_path / "resumed", max_steps=8, precision="fp16", epochs=2, trainer_hook=_start_scale(2.0**20))
+    resumed = run(2, tmp_path / "resumed", precision="fp16", epochs=2, trainer_hook=_start_scale(2.0**20))
+    assert resumed["resumed_from"] == 8 and resumed["scale"] == whole[0]["scale"]
+    assert bitwise_equal(resumed, whole[0])
 
 
 def test_early_stopping_and_run_directory(tmp_path):

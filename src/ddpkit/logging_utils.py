@@ -68,10 +68,14 @@ class MetricsWriter:
 
 
 class Progress:
-    """A tqdm bar on the main rank when stdout is a terminal; plain lines every ``every`` steps otherwise."""
+    """A tqdm bar on the main rank when stdout is a terminal; otherwise a plain line each time there is news.
 
-    def __init__(self, enabled: bool, total: int, desc: str, every: int, initial: int = 0) -> None:
-        self.enabled, self.every, self.total, self.desc = enabled, max(1, every), total, desc
+    ``update()`` is called once per optimizer step; ``postfix`` (loss, speed) comes only every so many steps,
+    when the ranks have agreed on it, and a plain line is printed then.
+    """
+
+    def __init__(self, enabled: bool, total: int, desc: str, initial: int = 0) -> None:
+        self.enabled, self.total, self.desc = enabled, total, desc
         self.count = initial
         self._bar = None
         if enabled and sys.stdout.isatty():
@@ -82,15 +86,16 @@ class Progress:
             except ImportError:
                 pass
 
-    def update(self, postfix: dict[str, Any]) -> None:
+    def update(self, postfix: dict[str, Any] | None = None) -> None:
         if not self.enabled:
             return
         self.count += 1
-        text = " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in postfix.items())
+        text = " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in (postfix or {}).items())
         if self._bar is not None:
             self._bar.update(1)
-            self._bar.set_postfix_str(text, refresh=False)
-        elif self.count % self.every == 0 or self.count == self.total:
+            if postfix:
+                self._bar.set_postfix_str(text, refresh=False)
+        elif postfix:
             print(f"{self.desc} {self.count}/{self.total} {text}", flush=True)
 
     def close(self) -> None:

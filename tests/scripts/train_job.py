@@ -104,11 +104,13 @@ def train(
     event: tuple[str, int, int] | None = None,
     early_stopping_patience: int | None = None,
     snapshot_every_steps: int | None = 3,
+    log_every_steps: int = 20,
     out: str | None = None,
     trainer_hook=None,
 ) -> dict:
-    """Train the job; ``event=(what, rank, step)`` makes ``rank`` produce a NaN loss (``nan``), raise
-    (``raise``, on the first attempt only) or receive SIGUSR1 (``signal``) when it reaches ``step``."""
+    """Train the job; ``event=(what, rank, step)`` makes ``rank`` produce a NaN loss (``nan``), an infinite
+    loss whose gradients are finite (``inf``), raise (``raise``, on the first attempt only) or receive SIGUSR1
+    (``signal``) when it reaches ``step``."""
     rt = ddpkit.init()
     model = build_model(batchnorm)
     if not dropout:
@@ -124,6 +126,7 @@ def train(
         global_batch_dropout=global_dropout,
         scheduler_interval="step",
         snapshot_every_steps=snapshot_every_steps,
+        log_every_steps=log_every_steps,
         keep_snapshots=3,
         progress=False,
         grad_accum_steps=grad_accum,
@@ -151,6 +154,9 @@ def train(
             if event[0] == "nan" and not fired:
                 fired.append(True)
                 loss = loss * float("nan")
+            elif event[0] == "inf" and not fired:
+                fired.append(True)
+                loss = loss + float("inf")  # the value is inf, the gradient that of the finite loss
             elif event[0] == "raise" and attempt == 0:
                 raise RuntimeError(f"planned failure in user code on rank {rt.rank}")
             elif event[0] == "signal" and not trainer._stop_signal:
@@ -181,6 +187,7 @@ def train(
         "epoch": trainer.epoch,
         "stopped_by": trainer.stopped_by,
         "skipped_steps": trainer.skipped_steps,
+        "scale": trainer.scaler.get_scale() if trainer.scaler is not None else None,
     }
     if out and rt.is_main:
         torch.save(final, out)
