@@ -286,3 +286,17 @@ def test_plain_python_trainer_clips_gradients(tmp_path):
 
     assert one_step(None) > 1.0  # control: the raw gradient is large
     assert one_step(1e-3) == pytest.approx(1e-3, rel=1e-4)
+
+
+def test_tensorboard_gets_the_training_and_validation_scalars(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run(1, tmp_path / "run", epochs=2, early_stopping_patience=5, snapshot_every_steps=None, tensorboard=True)
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    scalars = events.Tags()["scalars"]
+    assert {"train/loss", "lr", "ms_per_step", "val/loss", "val/accuracy"} == set(scalars)  # no events, no axes
+    assert [e.step for e in events.Scalars("val/loss")] == [10, 20]  # one per epoch, at its last step
+    jsonl = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [r["train/loss"] for r in jsonl if r["kind"] == "train"]
+    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx(train)

@@ -38,10 +38,15 @@ class MetricsWriter:
             return
         record = {"kind": kind, "step": step, "time": round(time.time(), 3), **values}
         self._jsonl.write(json.dumps(record, default=float) + "\n")
-        if self._tb is not None:
-            for key, value in values.items():
-                if isinstance(value, (int, float)) and math.isfinite(value):
+        if self._tb is not None and kind != "event":
+            for key, value in values.items():  # epoch and step are the x-axes, not curves
+                if key not in ("epoch", "step") and isinstance(value, (int, float)) and math.isfinite(value):
                     self._tb.add_scalar(key, value, step)
+
+    def flush(self) -> None:
+        """Push TensorBoard's buffered events to disk (it writes every two minutes otherwise)."""
+        if self._tb is not None:
+            self._tb.flush()
 
     def epoch_row(self, values: dict[str, Any]) -> None:
         """One CSV row per epoch; the columns are those of the first row written to the file."""

@@ -326,6 +326,7 @@ class Trainer:
         if self.stopped_by in ("max_steps", "signal"):
             self.save()
         self.writer.log("event", self.step, {"event": "stop", "reason": self.stopped_by or "epochs"})
+        self.writer.flush()
         return last
 
     def _train_epoch(self) -> bool:
@@ -457,7 +458,7 @@ class Trainer:
         })
         if total["stop"] and self.stopped_by is None:
             self.stopped_by = "signal"
-        return total["loss"] / total["samples"] if total["samples"] else float("nan")
+        return float(total["loss"] / total["samples"]) if total["samples"] else float("nan")
 
     def _end_epoch(self) -> dict[str, float]:
         cfg = self.config
@@ -482,6 +483,7 @@ class Trainer:
             self.save()
         self.writer.log("epoch", self.step, metrics)
         self.writer.epoch_row(metrics)
+        self.writer.flush()
         print0(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
         return metrics
 

@@ -105,6 +105,7 @@ def train(
     early_stopping_patience: int | None = None,
     snapshot_every_steps: int | None = 3,
     log_every_steps: int = 20,
+    tensorboard: bool = False,
     out: str | None = None,
     trainer_hook=None,
 ) -> dict:
@@ -127,6 +128,7 @@ def train(
         scheduler_interval="step",
         snapshot_every_steps=snapshot_every_steps,
         log_every_steps=log_every_steps,
+        tensorboard=tensorboard,
         keep_snapshots=3,
         progress=False,
         grad_accum_steps=grad_accum,
