@@ -12,7 +12,13 @@ import torch
 
 import ddpkit
 from ddpkit.errors import ConfigError
-from ddpkit.trainer import TrainerConfig, _all_finite, _LossWindow, _nan_gradient_if_nonfinite
+from ddpkit.trainer import (
+    TrainerConfig,
+    _all_finite,
+    _LossWindow,
+    _nan_gradient_if_nonfinite,
+    _stepped_parameters,
+)
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from train_job import N_SAMPLES, train  # noqa: E402
@@ -103,26 +109,51 @@ def test_resume_refuses_another_global_batch(tmp_path):
         run(2, tmp_path / "run", global_batch=12)
 
 
-@pytest.mark.parametrize("what, precision", [("nan", "fp32"), ("inf", "fp32"), ("nan", "fp16")])
-def test_nonfinite_loss_stops_every_rank_at_the_same_step(tmp_path, what, precision):
-    # "inf": rank 1's loss is infinite but its gradients are finite; rank 0 must learn of it all the same.
-    # fp16: the GradScaler sees inf/NaN gradients at every overflow; a NaN loss must not pass for one.
-    with pytest.raises(Exception, match=r"non-finite loss on 1 rank\(s\) at optimizer step 5"):
-        run(2, tmp_path / "stop", event=(what, 1, 5), precision=precision)
+def _error_of(run_dir: str, **kwargs) -> str:
+    try:
+        train(run_dir, **kwargs)
+    except FloatingPointError as err:
+        return str(err)
+    return "trained to the end"
+
+
+@pytest.mark.parametrize(
+    "what, options",
+    [
+        ("nan", {}),
+        ("inf", {}),  # rank 1's loss is infinite but its gradients are finite
+        ("ignored", {}),  # NaN loss, zero gradients: the NaN cannot travel down through the graph
+        ("nan", {"precision": "fp16"}),  # the GradScaler sees inf/NaN at every overflow: no overflow, this
+        ("nan", {"grad_accum": 2}),  # in the first of two micro-batches, under no_sync
+        ("inf", {"clip_grad_norm": 1.0}),  # the check reads the norm that clipping computes
+    ],
+)
+def test_nonfinite_loss_stops_every_rank_at_the_same_step(tmp_path, what, options):
+    errors = ddpkit.spawn(functools.partial(_error_of, str(tmp_path / "stop"), event=(what, 1, 5), **options), 2)
+    for error in errors:  # both ranks raise, at the same step, knowing that it was rank 1's loss
+        assert "non-finite loss on 1 rank(s) at optimizer step 5" in error
 
 
 @pytest.mark.parametrize("on_host", [True, False])
-def test_a_nonfinite_loss_gets_nan_gradients_and_a_finite_one_is_untouched(on_host):
+def test_a_nonfinite_loss_puts_a_nan_into_the_anchor_gradient_and_a_finite_one_changes_nothing(on_host):
     # on_host=False is the accelerator path (no read of the value); both must agree on the CPU.
     w = torch.tensor([1.0, 2.0], requires_grad=True)
-    _nan_gradient_if_nonfinite((w * 3).sum(), on_host).backward()
-    assert torch.equal(w.grad, torch.tensor([3.0, 3.0]))
-    w.grad = None
-    ((w * 3).sum() + float("inf")).backward()
-    assert torch.isfinite(w.grad).all()  # control: an infinite loss can have finite gradients
-    w.grad = None
-    _nan_gradient_if_nonfinite((w * 3).sum() + float("inf"), on_host).backward()
-    assert torch.isnan(w.grad).all()
+    anchor = torch.tensor([[5.0, 6.0]], requires_grad=True)
+
+    def grads(loss):
+        w.grad = anchor.grad = None
+        loss.backward()
+        return w.grad, anchor.grad
+
+    gw, ga = grads(_nan_gradient_if_nonfinite((w * 3).sum() * anchor.sum(), anchor, on_host))
+    assert torch.equal(gw, torch.tensor([33.0, 33.0])) and torch.equal(ga, torch.tensor([[9.0, 9.0]]))
+    # Controls: a non-finite loss can have finite gradients (inf added; NaN behind a ReLU that masks it).
+    assert torch.isfinite(grads((w * 3).sum() + float("inf"))[0]).all()
+    masked = torch.relu(-w).sum() * float("nan")
+    assert torch.isfinite(grads(masked)[0]).all()
+    for bad in ((w * 3).sum() + float("inf"), torch.relu(-w).sum() * float("nan")):
+        _, ga = grads(_nan_gradient_if_nonfinite(bad, anchor, on_host))
+        assert torch.isnan(ga[0, 0])
 
 
 def test_all_finite_reads_every_tensor_of_every_dtype_and_changes_none():
@@ -150,11 +181,12 @@ def test_loss_window_keeps_taken_steps_and_drops_skipped_ones():
     assert window.local_sum(torch.device("cpu")).item() == 2.0 * 4 + 1.0 * 2 + 0.5 * 4
 
 
-def test_control_an_infinite_loss_with_finite_gradients_needs_the_nan_gradient(tmp_path, monkeypatch):
-    # Without turning a non-finite loss's gradients NaN, the all-reduced gradients look healthy and every
-    # rank trains on through rank 1's infinite loss. (spawn forks, so the children see the patch.)
-    monkeypatch.setattr(ddpkit.trainer, "_nan_gradient_if_nonfinite", lambda loss, on_host: loss)
-    out = run(2, tmp_path / "run", event=("inf", 1, 5), epochs=1)
+@pytest.mark.parametrize("what", ["inf", "ignored"])
+def test_control_a_nonfinite_loss_with_finite_gradients_needs_the_nan_gradient(tmp_path, monkeypatch, what):
+    # Without the NaN put into a gradient, the all-reduced gradients look healthy and every rank trains on
+    # through rank 1's non-finite loss. (spawn forks, so the children see the patch.)
+    monkeypatch.setattr(ddpkit.trainer, "_nan_gradient_if_nonfinite", lambda loss, anchor, on_host: loss)
+    out = run(2, tmp_path / "run", event=(what, 1, 5), epochs=1)
     assert out["step"] == 10 and out["skipped_steps"] == 0
 
 
@@ -300,3 +332,20 @@ def test_tensorboard_gets_the_training_and_validation_scalars(tmp_path):
     jsonl = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     train = [r["train/loss"] for r in jsonl if r["kind"] == "train"]
     assert [e.value for e in events.Scalars("train/loss")] == pytest.approx(train)
+
+
+def _stepped_names() -> list[str]:
+    ddpkit.init()
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    model[0].bias.requires_grad_(False)
+    torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ["1.weight"])
+    optimizer = torch.optim.SGD([*model[0].parameters(), *model[1].parameters(), model[2].weight], lr=0.1)
+    wrapped = ddpkit.prepare_model(model)
+    assert isinstance(wrapped, torch.nn.parallel.DistributedDataParallel)
+    names = {id(p): name for name, p in model.named_parameters()}
+    return [names[id(p)] for p in _stepped_parameters(wrapped, optimizer)]
+
+
+def test_the_step_verdict_reads_only_parameters_that_are_stepped_and_all_reduced():
+    # Left out: a frozen bias, a weight DDP ignores (each rank's own gradient), one outside the optimizer.
+    assert ddpkit.spawn(_stepped_names, 1) == [["0.weight", "1.bias", "2.weight"]]

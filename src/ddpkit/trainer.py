@@ -135,20 +135,27 @@ class TrainerConfig:
         return self.global_batch_size // parts
 
 
-def _nan_gradient_if_nonfinite(loss: torch.Tensor, on_host: bool) -> torch.Tensor:
-    """``loss``, whose gradient is NaN if its value is not finite (and unchanged, bit for bit, if it is).
+def _nan_gradient_if_nonfinite(loss: torch.Tensor, anchor: torch.Tensor | None, on_host: bool) -> torch.Tensor:
+    """``loss``, made to give ``anchor`` (a parameter DDP all-reduces) a NaN gradient if its value is not finite.
 
-    A loss of inf can have finite gradients (``loss + inf``, or a log-probability of -inf whose softmax
-    gradient is bounded); the rank that computed it would know and the others would not. A NaN gradient
-    cannot stay on one rank: DDP's all-reduce puts it into every rank's gradients, so the verdict each rank
-    reads from its own gradients covers every rank's loss.
+    A non-finite loss can have finite gradients: ``loss + inf``, or a cross-entropy whose targets are all
+    ``ignore_index`` (0/0 = NaN, with zero gradients); the rank that computed it would know and the others
+    would not. Multiplying the loss by NaN is not enough, as masking ops (ReLU, ignored targets) turn the NaN
+    back into zeros on its way down. So the NaN goes straight into the gradient of one element of ``anchor``;
+    DDP's all-reduce then puts it into every rank's gradients, and the verdict each rank reads from its own
+    gradients covers every rank's loss.
 
-    ``on_host`` (CPU): reading the value is free and a tensor op is not, so only a bad loss is touched. On an
-    accelerator a read would wait for the device, so the factor (1 or NaN) is computed there instead.
+    ``on_host`` (CPU): reading the value is free and a tensor op is not, so a finite loss is returned untouched.
+    On an accelerator a read would wait for the device, so the term is always added, as ``0 x anchor`` for a
+    finite loss: the loss keeps its value, and the anchor's gradient gets ``+0.0``.
     """
+    if anchor is None:
+        return loss
+    element = anchor.reshape(-1)[0]
     if on_host:
-        return loss if math.isfinite(loss.item()) else loss * float("nan")
-    return loss * torch.where(torch.isfinite(loss.detach()), 1.0, float("nan")).to(loss.dtype)
+        return loss if math.isfinite(loss.item()) else loss + element * float("nan")
+    bad = torch.where(torch.isfinite(loss.detach()), 0.0, float("nan")).to(element.dtype)
+    return loss + element * bad
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> bool:
@@ -160,8 +167,10 @@ def _all_finite(tensors: list[torch.Tensor]) -> bool:
     """
     found: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]] = {}
     for t in tensors:
-        if t.is_sparse:  # e.g. nn.Embedding(sparse=True): check the stored values
-            t = t.coalesce().values()
+        if t.is_sparse:  # e.g. nn.Embedding(sparse=True): the stored values, uncoalesced (summing could overflow)
+            t = t._values()
+        if t.is_complex():
+            t = torch.view_as_real(t)
         key = (t.device, t.dtype)
         if key not in found:
             found[key] = (torch.zeros(1, device=t.device), torch.ones(1, device=t.device), [])
@@ -182,6 +191,7 @@ class _LossWindow:
         self.losses: list[torch.Tensor] = []
         self.sizes: list[int] = []
         self.steps = 0  # steps taken
+        self.tried = 0  # steps taken or skipped
         self._step_start = 0
 
     def add(self, loss: torch.Tensor, size: int) -> None:
@@ -192,6 +202,7 @@ class _LossWindow:
         return all(bool(torch.isfinite(loss)) for loss in self.losses[self._step_start :])
 
     def end_step(self, taken: bool) -> None:
+        self.tried += 1
         if taken:
             self.steps += 1
         else:
@@ -206,7 +217,18 @@ class _LossWindow:
         return torch.stack([loss.reshape(()).to(torch.float64) for loss in self.losses]) @ sizes
 
     def clear(self) -> None:
-        self.losses, self.sizes, self.steps, self._step_start = [], [], 0, 0
+        self.losses, self.sizes, self.steps, self.tried, self._step_start = [], [], 0, 0, 0
+
+
+def _stepped_parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The parameters whose gradients decide whether a step is taken: those the optimizer updates, that need
+    gradients, and that DDP all-reduces (identical on every rank, so every rank reaches the same verdict).
+    Parameters DDP was told to ignore are left out: their gradients are each rank's own."""
+    ignored = {
+        id(p) for name, p in unwrap(model).named_parameters() if name in getattr(model, "parameters_to_ignore", ())
+    }
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    return [p for p in model.parameters() if p.requires_grad and id(p) in stepped and id(p) not in ignored]
 
 
 def _batch_len(batch: Any) -> int:
@@ -239,7 +261,7 @@ class Trainer:
     cursor: int  # samples of the current epoch already trained on, over all ranks
     best: float | None  # best value of the early-stopping metric
     bad_epochs: int  # epochs since it improved
-    skipped_steps: int  # steps skipped for a non-finite loss
+    skipped_steps: int  # steps skipped for a non-finite loss or non-finite gradients (not fp16 overflows)
 
     def __init__(
         self,
@@ -265,7 +287,7 @@ class Trainer:
         # with one seed everywhere ranks would also draw identical dropout masks and augmentations.
         torch.manual_seed(mix_seed(config.seed, rt.rank, 1))
         self.optimizer, self.scheduler = optimizer, scheduler
-        self._params = [p for p in self.model.parameters() if p.requires_grad]
+        self._params = _stepped_parameters(self.model, optimizer)
         self._global_dropout = any(isinstance(m, GlobalBatchDropout) for m in self.model.modules())
         self._grad_norm: torch.Tensor | None = None  # known when clipping
         self._on_cpu = rt.device.type == "cpu"
@@ -337,7 +359,7 @@ class Trainer:
         first_micro = self.cursor // micro_gbs
         progress = Progress(
             rt.is_main and cfg.progress,
-            total=self.sampler.steps_per_epoch,
+            total=-(-self.sampler.steps_per_epoch // accum),  # optimizer steps: micro-batches / accum, rounded up
             desc=f"epoch {self.epoch + 1}/{cfg.epochs}",
             initial=first_micro // accum,
         )
@@ -355,7 +377,7 @@ class Trainer:
                 with self._autocast(), layout:
                     loss = self._loss(self.model, batch)
                 window.add(loss, n)
-                scaled = _nan_gradient_if_nonfinite(loss, self._on_cpu)
+                scaled = _nan_gradient_if_nonfinite(loss, self._params[0] if self._params else None, self._on_cpu)
                 if group_size > 1:  # micro-batch gradients add up; dividing by their number makes the sum a mean
                     scaled = scaled / group_size
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
@@ -371,12 +393,13 @@ class Trainer:
             # Every rank reaches the same decision here: steps are taken or skipped everywhere alike.
             if end_of_epoch or self.stopped_by or (taken and self.step % cfg.log_every_steps == 0):
                 train_loss = self._agree(window)
-                ms = 1000 * (time.perf_counter() - t0) / max(window.steps, 1)
+                ms = 1000 * (time.perf_counter() - t0) / max(window.tried, 1)
                 postfix = {"loss": train_loss, "ms/step": ms}
                 if window.steps:
-                    record = {"epoch": self.epoch, "train/loss": train_loss, "lr": self._lr(), "ms_per_step": round(ms, 3)}
+                    record = {"epoch": self.epoch, "train/loss": train_loss, "lr": self._lr(),
+                              "ms_per_step": round(ms, 3)}
                     if self._grad_norm is not None:
-                        record["grad_norm"] = float(self._grad_norm)  # before clipping
+                        record["grad_norm"] = float(self._grad_norm)  # of the last step taken, before clipping
                     self.writer.log("train", self.step, record)
                 window.clear()
                 t0 = time.perf_counter()
@@ -428,6 +451,7 @@ class Trainer:
         """Every rank is here at the same step (the gradients said so); find out why, then skip or stop."""
         cfg = self.config
         self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)  # also parameters outside the optimizer: no NaN may stay behind
         # Rare, and entered by every rank together, so a collective is safe: how many ranks had a bad loss?
         bad_ranks = int(all_reduce(float(not window.step_is_finite())))
         if self.scaler is not None:

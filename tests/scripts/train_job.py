@@ -106,12 +106,14 @@ def train(
     snapshot_every_steps: int | None = 3,
     log_every_steps: int = 20,
     tensorboard: bool = False,
+    clip_grad_norm: float | None = None,
     out: str | None = None,
     trainer_hook=None,
 ) -> dict:
     """Train the job; ``event=(what, rank, step)`` makes ``rank`` produce a NaN loss (``nan``), an infinite
-    loss whose gradients are finite (``inf``), raise (``raise``, on the first attempt only) or receive SIGUSR1
-    (``signal``) when it reaches ``step``."""
+    loss whose gradients are finite (``inf``), a NaN loss whose gradients are zero (``ignored``: every target
+    is ``ignore_index``), raise (``raise``, on the first attempt only) or receive SIGUSR1 (``signal``) when it
+    reaches ``step``."""
     rt = ddpkit.init()
     model = build_model(batchnorm)
     if not dropout:
@@ -129,6 +131,7 @@ def train(
         snapshot_every_steps=snapshot_every_steps,
         log_every_steps=log_every_steps,
         tensorboard=tensorboard,
+        clip_grad_norm=clip_grad_norm,
         keep_snapshots=3,
         progress=False,
         grad_accum_steps=grad_accum,
@@ -151,7 +154,8 @@ def train(
         if log is not None:
             log.write(json.dumps({"attempt": attempt, "epoch": trainer.epoch, "step": trainer.step,
                                   "idx": idx.tolist()}) + "\n")
-        loss = nn.functional.cross_entropy(model(x), y)
+        logits = model(x)  # one forward per micro-batch: sync BatchNorm is a collective
+        loss = nn.functional.cross_entropy(logits, y)
         if event is not None and rt.rank == event[1] and trainer.step == event[2]:
             if event[0] == "nan" and not fired:
                 fired.append(True)
@@ -159,6 +163,9 @@ def train(
             elif event[0] == "inf" and not fired:
                 fired.append(True)
                 loss = loss + float("inf")  # the value is inf, the gradient that of the finite loss
+            elif event[0] == "ignored" and not fired:
+                fired.append(True)
+                loss = nn.functional.cross_entropy(logits, torch.full_like(y, -100))  # mean over none: NaN
             elif event[0] == "raise" and attempt == 0:
                 raise RuntimeError(f"planned failure in user code on rank {rt.rank}")
             elif event[0] == "signal" and not trainer._stop_signal:
