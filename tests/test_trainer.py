@@ -166,19 +166,21 @@ def test_all_finite_reads_every_tensor_of_every_dtype_and_changes_none():
         assert not _all_finite(broken)
 
 
-def test_loss_window_keeps_taken_steps_and_drops_skipped_ones():
-    window = _LossWindow()
+@pytest.mark.parametrize("on_host", [True, False])
+def test_loss_window_keeps_taken_steps_and_drops_skipped_ones(on_host):
+    window = _LossWindow(on_host)
     window.add(torch.tensor(2.0), 4)  # step 1: two micro-batches, taken
-    window.add(torch.tensor(1.0), 2)
+    window.add(torch.tensor([1.0]), 2)
     window.end_step(taken=True)
     window.add(torch.tensor(float("nan")), 3)  # step 2: skipped
     assert not window.step_is_finite()
     window.end_step(taken=False)
-    window.add(torch.tensor(0.5), 4)  # step 3: taken
+    window.add(torch.tensor(0.5, dtype=torch.bfloat16), 4)  # step 3: taken
     assert window.step_is_finite()
     window.end_step(taken=True)
-    assert window.steps == 2 and sum(window.sizes) == 10
-    assert window.local_sum(torch.device("cpu")).item() == 2.0 * 4 + 1.0 * 2 + 0.5 * 4
+    assert window.steps == 2 and window.tried == 3 and sum(window.sizes) == 10
+    total = window.local_sum(torch.device("cpu"))
+    assert total.dtype == torch.float64 and total.item() == 2.0 * 4 + 1.0 * 2 + 0.5 * 4
 
 
 @pytest.mark.parametrize("what", ["inf", "ignored"])

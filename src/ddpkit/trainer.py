@@ -181,25 +181,27 @@ def _all_finite(tensors: list[torch.Tensor]) -> bool:
 
 
 class _LossWindow:
-    """This rank's training losses since the ranks last agreed on the mean.
+    """This rank's training losses since the ranks last agreed on the mean; a skipped step's are dropped.
 
-    Kept as the tensors they are and summed only when the ranks agree: adding them up as they come would
-    cost a tensor op (or a wait for the device) per micro-batch. The losses of a skipped step are dropped.
+    On an accelerator the losses stay tensors until the ranks agree: reading each would wait for the device.
+    On the CPU (``on_host``) their values are read at once: a read is free there, and keeping the tiny tensors
+    alive between steps fragments the heap the next steps' activations are allocated from.
     """
 
-    def __init__(self) -> None:
-        self.losses: list[torch.Tensor] = []
+    def __init__(self, on_host: bool) -> None:
+        self.on_host = on_host
+        self.losses: list[torch.Tensor | float] = []
         self.sizes: list[int] = []
         self.steps = 0  # steps taken
         self.tried = 0  # steps taken or skipped
         self._step_start = 0
 
     def add(self, loss: torch.Tensor, size: int) -> None:
-        self.losses.append(loss.detach())
+        self.losses.append(loss.item() if self.on_host else loss.detach())
         self.sizes.append(size)
 
     def step_is_finite(self) -> bool:
-        return all(bool(torch.isfinite(loss)) for loss in self.losses[self._step_start :])
+        return all(math.isfinite(float(loss)) for loss in self.losses[self._step_start :])
 
     def end_step(self, taken: bool) -> None:
         self.tried += 1
@@ -211,8 +213,9 @@ class _LossWindow:
 
     def local_sum(self, device: torch.device) -> torch.Tensor:
         """Sum of loss x samples over this rank's micro-batches, in float64."""
-        if not self.losses:
-            return torch.zeros((), dtype=torch.float64, device=device)
+        if self.on_host or not self.losses:
+            total = math.fsum(float(loss) * size for loss, size in zip(self.losses, self.sizes))
+            return torch.tensor(total, dtype=torch.float64, device=device)
         sizes = torch.tensor(self.sizes, dtype=torch.float64, device=device)
         return torch.stack([loss.reshape(()).to(torch.float64) for loss in self.losses]) @ sizes
 
@@ -363,7 +366,7 @@ class Trainer:
             desc=f"epoch {self.epoch + 1}/{cfg.epochs}",
             initial=first_micro // accum,
         )
-        window = _LossWindow()
+        window = _LossWindow(on_host=self._on_cpu)
         t0 = time.perf_counter()
         for i, batch in enumerate(self.loader):
             group_size = min(accum, remaining - (i // accum) * accum)
