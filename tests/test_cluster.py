@@ -21,14 +21,19 @@ TORCHRUN = {
 }
 
 
-def torchrun(**changes: str | None) -> dict[str, str]:
-    env = dict(TORCHRUN)
+def changed(base: dict[str, str], **changes: str | None) -> dict[str, str]:
+    """``base`` with variables set, or removed where the value is None."""
+    env = dict(base)
     for key, value in changes.items():
         if value is None:
             env.pop(key, None)
         else:
             env[key] = value
     return env
+
+
+def torchrun(**changes: str | None) -> dict[str, str]:
+    return changed(TORCHRUN, **changes)
 
 
 # ----------------------------------------------------------------------------------------------- torchrun
@@ -140,13 +145,7 @@ SLURM = {
 
 
 def slurm(**changes: str | None) -> dict[str, str]:
-    env = dict(SLURM)
-    for key, value in changes.items():
-        if value is None:
-            env.pop(key, None)
-        else:
-            env[key] = value
-    return env
+    return changed(SLURM, **changes)
 
 
 def test_slurm_task_is_read():

@@ -95,12 +95,14 @@ class Progress:
         if not self.enabled:
             return
         self.count += 1
-        text = " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in (postfix or {}).items())
         if self._bar is not None:
             self._bar.update(1)
-            if postfix:
-                self._bar.set_postfix_str(text, refresh=False)
-        elif postfix:
+        if not postfix:
+            return
+        text = " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in postfix.items())
+        if self._bar is not None:
+            self._bar.set_postfix_str(text, refresh=False)
+        else:
             print(f"{self.desc} {self.count}/{self.total} {text}", flush=True)
 
     def close(self) -> None:

@@ -291,6 +291,7 @@ class Trainer:
         torch.manual_seed(mix_seed(config.seed, rt.rank, 1))
         self.optimizer, self.scheduler = optimizer, scheduler
         self._params = _stepped_parameters(self.model, optimizer)
+        self._anchor = self._params[0] if self._params else None  # where a non-finite loss puts its NaN
         self._global_dropout = any(isinstance(m, GlobalBatchDropout) for m in self.model.modules())
         self._grad_norm: torch.Tensor | None = None  # known when clipping
         self._on_cpu = rt.device.type == "cpu"
@@ -380,7 +381,7 @@ class Trainer:
                 with self._autocast(), layout:
                     loss = self._loss(self.model, batch)
                 window.add(loss, n)
-                scaled = _nan_gradient_if_nonfinite(loss, self._params[0] if self._params else None, self._on_cpu)
+                scaled = _nan_gradient_if_nonfinite(loss, self._anchor, self._on_cpu)
                 if group_size > 1:  # micro-batch gradients add up; dividing by their number makes the sum a mean
                     scaled = scaled / group_size
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
