@@ -23,7 +23,7 @@ from ddpkit.datasets import digits, mnist
 
 
 class Net(nn.Module):
-    def __init__(self, image_size: int, num_classes: int = 10):
+    def __init__(self, image_size: int, num_classes: int = 10, channels: int = 16, dropout: float = 0.0):
         super().__init__()
 
         def block(c_in, c_out):
@@ -31,12 +31,13 @@ class Net(nn.Module):
                 nn.Conv2d(c_in, c_out, kernel_size=5, padding=2), nn.BatchNorm2d(c_out), nn.ReLU(), nn.MaxPool2d(2)
             )
 
-        self.features = nn.Sequential(block(1, 16), block(16, 32))
+        self.features = nn.Sequential(block(1, channels), block(channels, 2 * channels))
         side = image_size // 2 // 2  # each max-pool halves the side: 28 -> 7, 8 -> 2
-        self.fc = nn.Linear(32 * side * side, num_classes)
+        self.dropout = nn.Dropout(dropout)
+        self.fc = nn.Linear(2 * channels * side * side, num_classes)
 
     def forward(self, x):
-        return self.fc(self.features(x).flatten(1))
+        return self.fc(self.dropout(self.features(x).flatten(1)))
 
 
 def main():
