@@ -148,7 +148,7 @@ def _sampler(cfg: SearchConfig, distributions: dict[str, Any], group_index: int 
 
 def _pruner(cfg: SearchConfig) -> optuna.pruners.BasePruner:
     return {
-        "median": lambda: optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=1),
+        "median": lambda: optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=2),
         "halving": optuna.pruners.SuccessiveHalvingPruner,
         "hyperband": optuna.pruners.HyperbandPruner,
         "none": optuna.pruners.NopPruner,
