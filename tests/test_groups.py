@@ -17,23 +17,11 @@ from ddpkit.groups import group_runtime, split_world
 from ddpkit.trainer import Trainer, TrainerConfig
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from search_job import Data  # noqa: E402
 from trainer_checks import bitwise_equal  # noqa: E402
 
 # Each group's candidate: its learning rate and epoch count (unequal, so one group finishes first).
 CANDIDATES = [(0.05, 2), (0.2, 3)]
-
-
-class Data(torch.utils.data.Dataset):
-    def __init__(self, n: int = 120, seed: int = 7) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.x = torch.randn(n, 6, generator=g)
-        self.y = (self.x[:, 0] - self.x[:, 1] > 0).long()
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int):
-        return self.x[i], self.y[i]
 
 
 def _train(run_root: str, candidate: int, group=None) -> dict:
@@ -42,7 +30,7 @@ def _train(run_root: str, candidate: int, group=None) -> dict:
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.1), nn.Linear(16, 2))
     config = TrainerConfig(run_dir=f"{run_root}/candidate{candidate}", epochs=epochs, global_batch_size=12,
                            snapshot_every_steps=4, progress=False, log_every_steps=3)
-    trainer = Trainer(model, torch.optim.Adam(model.parameters(), lr=lr), Data(), config, val_data=Data(37, 8),
+    trainer = Trainer(model, torch.optim.Adam(model.parameters(), lr=lr), Data(120, 7), config, val_data=Data(37, 8),
                       group=group)
     metrics = trainer.fit()
     return {
