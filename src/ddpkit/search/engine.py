@@ -159,7 +159,6 @@ def _storage(cfg: SearchConfig) -> Any:
     if cfg.storage is None:
         from optuna.storages.journal import JournalFileBackend, JournalStorage
 
-        Path(cfg.search_dir).mkdir(parents=True, exist_ok=True)
         return JournalStorage(JournalFileBackend(str(Path(cfg.search_dir) / "study.journal")))
     return optuna.storages.RDBStorage(cfg.storage, engine_kwargs={"pool_pre_ping": True})
 
@@ -233,6 +232,7 @@ def search(
             f"divisor of {rt.world_size}, or launch a multiple of {config.group_size} processes"
         )
     search_dir = Path(config.search_dir)
+    search_dir.mkdir(parents=True, exist_ok=True)
     # One rank creates the study (and the search id) before the others open it; an unreachable storage is an
     # error on every rank rather than a hang on those waiting.
     error, search_id = None, None
@@ -258,7 +258,6 @@ def search(
     mine = leftover[grt.group_index :: n_groups]
     if leftover:
         print0(f"ddpkit search: resuming {len(leftover)} trial(s) a stopped job left running: {leftover}")
-    done = 0
     while True:
         trial = _next_trial(study, config, distributions, search_id, mine, search_dir) if grt.is_main else None
         payload = broadcast_object(None if trial is None else (trial.number, trial.params), group=grt.group)
@@ -271,7 +270,6 @@ def search(
             if error:
                 trial.set_user_attr("error", error[-2000:])
             study.tell(number, value if state == TrialState.COMPLETE else None, state=state)
-            done += 1
             _progress(study, config, search_id, candidate, state, value, error)
     _wait_for_every_group()
     if rt.is_main:
