@@ -205,6 +205,7 @@ def test_signal_on_one_rank_saves_and_stops_all_then_resumes_bitwise(tmp_path, r
     job = functools.partial(train, str(tmp_path / "run"), event=("signal", 1, 5), log_every_steps=4)
     stopped = ddpkit.spawn(job, 2)
     assert [o["stopped_by"] for o in stopped] == ["signal", "signal"]
+    assert [o["preempted"] for o in stopped] == [75, 75]  # fit() raised ddpkit.Preempted on both ranks
     assert [o["step"] for o in stopped] == [8, 8]
     assert (tmp_path / "run" / "snapshots" / "step-00000008.json").exists()
     final = run(2, tmp_path / "run")

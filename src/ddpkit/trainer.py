@@ -32,17 +32,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
 from ddpkit import callbacks as callbacks_lib
+from ddpkit import run_dir as run_dir_lib
 from ddpkit.collectives import all_reduce, gather_object, print0
 from ddpkit.data import ShardedBatchSampler, build_eval_loader, build_loader, shard_bounds, to_device
 from ddpkit.dropout import BatchLayout, GlobalBatchDropout, batch_layout, convert_dropout
-from ddpkit.errors import ConfigError
+from ddpkit.errors import ConfigError, Preempted
 from ddpkit.evaluation import classification_metrics, evaluate
 from ddpkit.logging_utils import MetricsWriter, Progress
+from ddpkit.losses import cross_entropy
 from ddpkit.model import prepare_model, unwrap
 from ddpkit.groups import group_runtime
 from ddpkit.runtime import Runtime
@@ -104,6 +105,10 @@ class TrainerConfig:
     SIGTERM/SIGUSR1 received by any rank: a stop signal is acted on within this many steps."""
     progress: bool = True
     tensorboard: bool = False
+    raise_on_stop_signal: bool = True
+    """After a SIGTERM/SIGUSR1 stopped training and the snapshot is saved, ``fit()`` raises
+    :class:`ddpkit.Preempted` (uncaught: exit code 75, "pre-empted, requeue me"), so a script cannot go on as if
+    training were complete. False: ``fit()`` returns, with ``trainer.stopped_by == "signal"``."""
     ddp_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -123,10 +128,24 @@ class TrainerConfig:
             "early_stopping_mode": self.early_stopping_mode in ("min", "max"),
             "snapshot_every_steps": self.snapshot_every_steps is None or self.snapshot_every_steps >= 1,
             "max_steps": self.max_steps is None or self.max_steps >= 1,
+            "batch_size": self.batch_size is None or self.batch_size >= 1,
+            "global_batch_size": self.global_batch_size is None or self.global_batch_size >= 1,
+            "eval_batch_size": self.eval_batch_size >= 1,
+            "num_workers": self.num_workers is None or self.num_workers >= 0,
+            "log_every_steps": self.log_every_steps >= 1,
+            "snapshot_every_epochs": self.snapshot_every_epochs >= 0,
+            "early_stopping_patience": self.early_stopping_patience >= 1,
         }
         for name, ok in checks.items():
             if not ok:
                 raise ConfigError(f"{name}={getattr(self, name)!r} is not valid: see TrainerConfig.{name}")
+        # The world size is known only when the Trainer is built; the accumulation steps are known now.
+        if self.global_batch_size is not None and self.global_batch_size % self.grad_accum_steps:
+            raise ConfigError(
+                f"global_batch_size={self.global_batch_size} does not divide into grad_accum_steps="
+                f"{self.grad_accum_steps} micro-batches: pick a multiple of {self.grad_accum_steps} (times the "
+                "world size)"
+            )
 
     def per_rank_batch(self, world_size: int) -> int:
         if self.batch_size is not None:
@@ -311,7 +330,8 @@ class Trainer:
         self._grad_norm: torch.Tensor | None = None  # known when clipping
         self._on_cpu = rt.device.type == "cpu"
         self.scaler = torch.amp.GradScaler(rt.device.type) if config.precision == "fp16" else None
-        self.loss_fn = loss_fn or F.cross_entropy
+        self.loss_fn = loss_fn or cross_entropy
+        self._hparams = run_dir_lib.optimizer_hparams(optimizer)  # as asked, before any scheduler step
         self.batch_loss_fn = batch_loss_fn
         self.metric_fn = metric_fn or (classification_metrics if loss_fn is None and batch_loss_fn is None else None)
         self.train_data, self.val_data = train_data, val_data
@@ -339,7 +359,20 @@ class Trainer:
     # -- the loop -----------------------------------------------------------------------------------------
 
     def fit(self) -> dict[str, float]:
-        """Train until ``epochs`` (or ``max_steps``, early stopping, or a stop signal); return the last metrics."""
+        """Train until ``epochs`` (or ``max_steps``, early stopping, or a stop signal); return the last metrics.
+
+        ``run_dir`` is locked for the duration (a second job on it is refused, naming this one). A stop signal
+        raises :class:`~ddpkit.Preempted` once the snapshot is saved, unless ``raise_on_stop_signal=False``.
+        """
+        lock = run_dir_lib.claim(self.run_dir, is_main=self.runtime.is_main, fresh=not self.config.resume,
+                                 group=self.group)
+        try:
+            return self._fit()
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _fit(self) -> dict[str, float]:
         cfg, rt = self.config, self.runtime
         if not (cfg.resume and self.resume()):
             self.writer.log("event", self.step, {"event": "start", "restart_count": rt.restart_count})
@@ -371,6 +404,9 @@ class Trainer:
         self.writer.log("event", self.step, {"event": "stop", "reason": self.stopped_by or "epochs"})
         self.writer.flush()
         callbacks_lib.call(self.callbacks, "on_fit_end", self)
+        if self.stopped_by == "signal" and cfg.raise_on_stop_signal:
+            received = signal.Signals(self._stop_signal).name if self._stop_signal else "a signal to another rank"
+            raise Preempted(self.step, received)
         return last
 
     def _train_epoch(self) -> bool:
@@ -642,10 +678,13 @@ class Trainer:
             "world_size": self.runtime.world_size,
             "global_micro_batch": self.sampler.global_batch_size,
             "config": json.loads(json.dumps(asdict(self.config), default=str)),
+            "optimizer_hparams": self._hparams,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], source: str = "the snapshot") -> None:
         rt = self.runtime
+        run_dir_lib.check_resumable(state, json.loads(json.dumps(asdict(self.config), default=str)),
+                                    unwrap(self.model).state_dict(), self._hparams, source)
         if state["global_micro_batch"] != self.sampler.global_batch_size:
             raise ConfigError(
                 f"the snapshot was taken with {state['global_micro_batch']} samples per global micro-batch, this "
@@ -699,7 +738,7 @@ class Trainer:
         if found is None:
             return False
         info, state = found
-        self.load_state_dict(state)
+        self.load_state_dict(state, source=str(info.path))
         self.resumed_from = info.step
         self._saved_at = (self.epoch, self.step, self.cursor)  # already on disk
         self._print0(f"ddpkit: resumed from {info.path} (epoch {self.epoch}, step {self.step}, restart {rt.restart_count})")

@@ -56,9 +56,9 @@ class SabotagedTrainer(Trainer):
 
     drop: str | None = None
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state, source="the snapshot"):
         rng_before = rng_state()
-        super().load_state_dict(state)
+        super().load_state_dict(state, source)
         if self.drop == "rng":
             set_rng_state(rng_before)
         elif self.drop == "cursor":
@@ -186,8 +186,13 @@ def train(
     )
     if trainer_hook is not None:
         trainer_hook(trainer)
-    trainer.fit()
+    preempted = None
+    try:
+        trainer.fit()
+    except ddpkit.Preempted as stop:  # the default on a stop signal, once the snapshot is saved
+        preempted = stop.code
     final = {
+        "preempted": preempted,
         "model": {k: v.clone() for k, v in ddpkit.unwrap(trainer.model).state_dict().items()},
         "optimizer": trainer.optimizer.state_dict(),
         "scheduler": trainer.scheduler.state_dict(),
