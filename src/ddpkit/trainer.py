@@ -406,6 +406,8 @@ class Trainer:
         callbacks_lib.call(self.callbacks, "on_fit_end", self)
         if self.stopped_by == "signal" and cfg.raise_on_stop_signal:
             received = signal.Signals(self._stop_signal).name if self._stop_signal else "a signal to another rank"
+            self._print0(f"ddpkit: stopped by {received} after optimizer step {self.step}; the snapshot is saved; "
+                         f"raising ddpkit.Preempted (exit code {Preempted(0, '').code}: pre-empted, resume me)")
             raise Preempted(self.step, received)
         return last
 
