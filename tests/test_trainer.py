@@ -352,3 +352,89 @@ def _stepped_names() -> list[str]:
 def test_the_step_verdict_reads_only_parameters_that_are_stepped_and_all_reduced():
     # Left out: a frozen bias, a weight DDP ignores (each rank's own gradient), one outside the optimizer.
     assert ddpkit.spawn(_stepped_names, 1) == [["0.weight", "1.bias", "2.weight"]]
+
+
+# ------------------------------------------------------------------------------- stop signals: pre-empted, not done
+
+JOB = str(Path(__file__).parent / "scripts" / "train_job.py")
+
+
+def test_a_stop_signal_exits_75_after_the_snapshot_unless_the_script_asks_for_a_return(tmp_path, run_python):
+    # Plain `python train_job.py` (a world of one), SIGUSR1 at step 5, agreed at the end of epoch 1: uncaught Preempted.
+    code = f"import runpy, sys; sys.argv = {[JOB, str(tmp_path / 'run'), '--signal-at', '0', '5']!r}; " \
+           "runpy.run_path(sys.argv[0], run_name='__main__')"
+    stopped = run_python(code)
+    assert stopped.returncode == 75, stopped.stderr[-2000:]  # PREEMPTED_EXIT_CODE: "pre-empted, requeue me"
+    assert "Traceback" not in stopped.stderr
+    assert "stopped by SIGUSR1 after optimizer step 10; the snapshot is saved" in stopped.stdout
+    assert (tmp_path / "run" / "snapshots" / "step-00000010.json").exists()
+    # Control: asked for, fit() returns as before, and the script ends with 0 as if training were complete.
+    code = code.replace("'5']", "'5', '--no-raise-on-stop-signal']")
+    returned = run_python(code.replace(str(tmp_path / "run"), str(tmp_path / "run2")))
+    assert returned.returncode == 0, returned.stderr[-2000:]
+
+
+# ------------------------------------------------------------------------------- mistakes that trained nothing
+
+
+def _regression_trainer(tmp_path, **kwargs):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 3), torch.randn(32, 1))
+    config = TrainerConfig(run_dir=str(tmp_path / "run"), batch_size=8, epochs=1, progress=False, num_workers=0)
+    return model, data, ddpkit.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, config, **kwargs)
+
+
+def test_the_default_loss_refuses_a_regression_model(tmp_path):
+    model, data, trainer = _regression_trainer(tmp_path)
+    with pytest.raises(ConfigError, match=r"shape \(8, 1\).*loss_fn=torch.nn.functional.mse_loss and "
+                                          r"metric_fn=ddpkit.regression_metrics"):
+        trainer.fit()
+    with pytest.raises(ConfigError, match=r"classification_metrics .*pass metric_fn=ddpkit.regression_metrics"):
+        ddpkit.evaluate(model, data)
+    assert set(ddpkit.evaluate(model, data, ddpkit.regression_metrics)) == {"loss"}
+    # Control: plain cross-entropy takes it without a word, and trains nothing (loss 0, weights unchanged).
+    model, _, trainer = _regression_trainer(tmp_path / "control", loss_fn=torch.nn.functional.cross_entropy,
+                                            metric_fn=ddpkit.regression_metrics)
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer.fit()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_the_default_loss_refuses_float_targets_and_a_dict_output(tmp_path):
+    from ddpkit.losses import cross_entropy
+
+    scores = torch.randn(4, 3)
+    with pytest.raises(ConfigError, match="targets are float32 of shape \\(4,\\)"):
+        cross_entropy(scores, torch.randn(4))
+    with pytest.raises(ConfigError, match="returned a dict \\(logits\\): pass batch_loss_fn"):
+        cross_entropy({"logits": scores}, torch.zeros(4, dtype=torch.long))
+    # Controls: class indices, and class probabilities shaped like the scores, are what cross-entropy takes.
+    assert cross_entropy(scores, torch.tensor([0, 2, 1, 0])).item() > 0
+    assert cross_entropy(scores, torch.softmax(torch.randn(4, 3), 1)).item() > 0
+
+
+def test_an_iterable_dataset_is_refused_saying_what_is_supported(tmp_path):
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter([(torch.zeros(3), 0)] * 8)
+
+    config = TrainerConfig(run_dir=str(tmp_path / "run"), batch_size=4, progress=False, num_workers=0)
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(ConfigError, match="Stream is not a map-style dataset .* hand-written loop"):
+        ddpkit.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), Stream(), config)
+
+
+@pytest.mark.parametrize(
+    "kwargs, flag",
+    [
+        ({"batch_size": 0}, "batch_size=0"),
+        ({"global_batch_size": 0}, "global_batch_size=0"),
+        ({"global_batch_size": 10, "grad_accum_steps": 3}, "does not divide into grad_accum_steps=3"),
+        ({"batch_size": 4, "log_every_steps": 0}, "log_every_steps"),
+        ({"batch_size": 4, "num_workers": -1}, "num_workers"),
+    ],
+)
+def test_batch_sizes_that_cannot_work_are_refused_by_the_config(kwargs, flag):
+    with pytest.raises(ConfigError, match=flag):
+        TrainerConfig(**kwargs)
