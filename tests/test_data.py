@@ -315,3 +315,49 @@ def test_to_device_keeps_structure():
     assert isinstance(moved["a"], list) and isinstance(moved["a"][1], tuple) and isinstance(moved["p"], Pair)
     assert moved["a"][1][1] == "label" and moved["p"].y == 5
     assert torch.equal(moved["p"].x, torch.arange(3)) and torch.equal(moved["a"][0], torch.ones(2))
+
+
+# ------------------------------------------------------------------------------- a sample's random draws
+
+
+class Noisy(torch.utils.data.Dataset):
+    """Each read draws from torch, numpy and python's random, as an augmentation would."""
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int):
+        import random
+
+        import numpy as np
+
+        return i, torch.rand(()).item(), float(np.random.rand()), random.random()
+
+
+def _draws(num_workers: int, seed_samples: bool) -> dict:
+    ddpkit.init()
+    loader = ddpkit.build_loader(Noisy(), 3, seed=5, num_workers=num_workers, seed_samples=seed_samples)
+    torch.manual_seed(123)
+    draws = {}
+    for epoch in range(2):
+        for idx, *values in loader:
+            for k, i in enumerate(idx.tolist()):
+                draws[(epoch, i)] = tuple(v[k].item() for v in values)
+    main_rng_kept = torch.equal(torch.rand(4), torch.manual_seed(123) and torch.rand(4))
+    merged = {k: v for part in ddpkit.gather_object(draws) for k, v in part.items()}
+    return {"draws": merged, "main_rng_kept": main_rng_kept}
+
+
+def test_each_sample_draws_the_same_whatever_the_world_size_and_workers():
+    one = ddpkit.spawn(_draws, 1, (0, True))[0]
+    assert len(one["draws"]) == 48 and one["main_rng_kept"]  # loading left the training stream alone
+    two = ddpkit.spawn(_draws, 2, (2, True))[0]  # 2 ranks x 2 workers
+    assert two["draws"] == one["draws"]
+    epochs = [[one["draws"][(e, i)] for i in range(24)] for e in (0, 1)]
+    assert epochs[0] != epochs[1]  # a new epoch, new draws
+    # Controls: left to each process's own stream, the draws depend on the workers, and without workers
+    # loading moves the training stream (dropout masks would shift).
+    plain_main = ddpkit.spawn(_draws, 1, (0, False))[0]
+    plain_workers = ddpkit.spawn(_draws, 1, (2, False))[0]
+    assert plain_main["draws"] != plain_workers["draws"] and not plain_main["main_rng_kept"]
+
