@@ -330,7 +330,9 @@ def test_tensorboard_gets_the_training_and_validation_scalars(tmp_path):
     events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
     events.Reload()
     scalars = events.Tags()["scalars"]
-    assert {"train/loss", "lr", "ms_per_step", "val/loss", "val/accuracy"} == set(scalars)  # no events, no axes
+    assert {"train/loss", "lr", "ms_per_step", "train/epoch_loss", "epoch_seconds", "val/loss", "val/accuracy"} == set(
+        scalars
+    )  # no events, no axes
     assert [e.step for e in events.Scalars("val/loss")] == [10, 20]  # one per epoch, at its last step
     jsonl = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     train = [r["train/loss"] for r in jsonl if r["kind"] == "train"]
@@ -438,3 +440,27 @@ def test_an_iterable_dataset_is_refused_saying_what_is_supported(tmp_path):
 def test_batch_sizes_that_cannot_work_are_refused_by_the_config(kwargs, flag):
     with pytest.raises(ConfigError, match=flag):
         TrainerConfig(**kwargs)
+
+
+def test_the_best_weights_are_kept_apart_and_load_outside_ddpkit(tmp_path, capfd):
+    out = run(2, tmp_path / "run", epochs=30, early_stopping_patience=2, snapshot_every_steps=None)
+    rows = [line.split(",") for line in (tmp_path / "run" / "epochs.csv").read_text().splitlines()]
+    header, rows = rows[0], rows[1:]
+    losses = [float(r[header.index("val/loss")]) for r in rows]
+    best_epoch = 1 + losses.index(min(losses))
+    assert best_epoch == out["epoch"] - 2  # two epochs without improvement, then early stopping
+    # The one-liner of the README, with torch alone:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32, bias=False), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
+                                torch.nn.Dropout(0.2), torch.nn.Linear(32, 2))
+    model.load_state_dict(torch.load(tmp_path / "run" / "best.pt", weights_only=True)["model"])
+    best = torch.load(tmp_path / "run" / "best.pt", weights_only=True)
+    assert best["epoch"] == best_epoch and best["metric"] == "val/loss" and best["value"] == pytest.approx(min(losses))
+    # They are the weights of the best epoch's end (its snapshot, still among the newest 3), not the last ones.
+    snapshot = torch.load(tmp_path / "run" / "snapshots" / f"step-{10 * best_epoch:08d}.pt", weights_only=True)
+    assert all(torch.equal(best["model"][k], snapshot["model"][k]) for k in snapshot["model"])
+    assert not all(torch.equal(best["model"][k], out["model"][k]) for k in out["model"])  # control
+    # The summary at the end says which epoch was best and where its weights are.
+    printed = capfd.readouterr().out
+    assert f"best val/loss {min(losses):.4g} at epoch {best_epoch}: weights in {tmp_path / 'run' / 'best.pt'}" in printed
+    assert f"done (early_stopping) after {out['epoch']} epoch(s)" in printed
+    assert header[:5] == ["epoch", "step", "lr", "train/epoch_loss", "val/accuracy"] and "epoch_seconds" in header

@@ -87,7 +87,8 @@ class Progress:
             try:
                 from tqdm.auto import tqdm
 
-                self._bar = tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, leave=False)
+                # Kept on screen when done: one line per epoch, with its time; tqdm shows the ETA while running.
+                self._bar = tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, leave=True)
             except ImportError:
                 pass
 
@@ -108,3 +109,22 @@ class Progress:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+
+
+def format_metrics(metrics: dict[str, Any]) -> str:
+    return " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
+
+
+def run_summary(reason: str, epoch: int, step: int, last: dict[str, Any], best: Any, run_dir: Path) -> str:
+    """The end of a run in a few lines: why it stopped, the best epoch, the final metrics, where the weights are.
+
+    ``best`` is the run's :class:`~ddpkit.best.BestWeights` (read on the main rank, which prints this).
+    """
+    lines = [f"ddpkit: done ({reason}) after {epoch} epoch(s), {step} optimizer steps"]
+    if best.enabled and best.value is not None:
+        lines.append(f"  best {best.metric} {best.value:.4g} at epoch {best.epoch}: weights in {best.path}")
+    if last:
+        final = {k: v for k, v in last.items() if k not in ("epoch", "step")}
+        lines.append(f"  final: {format_metrics(final)}")
+    lines.append(f"  run directory {run_dir}: snapshots/, metrics.jsonl, epochs.csv")
+    return "\n".join(lines)

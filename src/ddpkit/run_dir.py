@@ -30,7 +30,7 @@ from ddpkit.errors import ConfigError
 RESUMABLE_CHANGES = frozenset({
     "run_dir", "resume", "epochs", "max_steps", "progress", "log_every_steps", "keep_snapshots", "num_workers",
     "tensorboard", "eval_batch_size", "snapshot_every_steps", "snapshot_every_epochs", "early_stopping_patience",
-    "raise_on_stop_signal", "loggers", "keep_best", "ddp_kwargs",
+    "raise_on_stop_signal", "loggers", "best_metric", "ddp_kwargs",
 })  # fmt: skip
 """TrainerConfig fields a resume may change: when and how the run stops, records and saves, not what the next
 step computes. (``batch_size`` and ``global_batch_size`` are checked as the global batch they make, which may
@@ -108,10 +108,14 @@ def claim(run_dir: str | os.PathLike, *, is_main: bool, fresh: bool, group: Any 
 def _set_aside_snapshots(run_dir: Path) -> None:
     # Left in place, an old run's snapshots of later steps would be "newer" than this run's and be pruned last
     # or resumed first; deleting them would destroy what the user may still want.
-    old = run_dir / "snapshots"
-    if old.is_dir() and any(old.iterdir()):
+    old, best = run_dir / "snapshots", run_dir / "best.pt"
+    if (old.is_dir() and any(old.iterdir())) or best.exists():
         aside = run_dir / f"snapshots.replaced-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-        old.rename(aside)
+        if old.is_dir():
+            old.rename(aside)
+        aside.mkdir(exist_ok=True)
+        if best.exists():
+            best.rename(aside / best.name)
         print(f"ddpkit: resume=False: the snapshots already in {run_dir} were moved to {aside}", flush=True)
 
 

@@ -37,12 +37,13 @@ from torch.utils.data import Dataset
 
 from ddpkit import callbacks as callbacks_lib
 from ddpkit import run_dir as run_dir_lib
+from ddpkit.best import BestWeights
 from ddpkit.collectives import all_reduce, gather_object, print0
 from ddpkit.data import ShardedBatchSampler, build_eval_loader, build_loader, shard_bounds, to_device
 from ddpkit.dropout import BatchLayout, GlobalBatchDropout, batch_layout, convert_dropout
 from ddpkit.errors import ConfigError, Preempted
 from ddpkit.evaluation import classification_metrics, evaluate
-from ddpkit.logging_utils import MetricsWriter, Progress
+from ddpkit.logging_utils import MetricsWriter, Progress, run_summary
 from ddpkit.losses import cross_entropy
 from ddpkit.model import prepare_model, unwrap
 from ddpkit.groups import group_runtime
@@ -99,7 +100,11 @@ class TrainerConfig:
     early_stopping_metric: str | None = None
     """A validation metric such as ``val/loss``; training stops when it has not improved for ``patience`` epochs."""
     early_stopping_mode: str = "min"
+    """``min`` or ``max``: the direction in which ``early_stopping_metric`` and ``best_metric`` improve."""
     early_stopping_patience: int = 5
+    best_metric: str | None = None
+    """Keep the weights of the epoch where this validation metric was best in ``run_dir/best.pt``, apart from
+    the snapshots (which keep only the newest). Default: ``early_stopping_metric``."""
     log_every_steps: int = 20
     """How often ranks agree (one small all-reduce) on the mean training loss, which is then logged, and on a
     SIGTERM/SIGUSR1 received by any rank: a stop signal is acted on within this many steps."""
@@ -351,6 +356,10 @@ class Trainer:
         self.best = None
         self.run_dir = Path(config.run_dir)
         self.writer = MetricsWriter(self.run_dir, enabled=rt.is_main, tensorboard=config.tensorboard)
+        self.best_weights = BestWeights(self.run_dir / "best.pt", config.best_metric or config.early_stopping_metric,
+                                        config.early_stopping_mode, enabled=rt.is_main)
+        self._epoch_loss = [0.0, 0.0]  # agreed sum of loss x samples, and samples, in this epoch
+        self._epoch_start = time.perf_counter()
         self._stop_signal = 0
         self._saved_at: tuple[int, int, int] | None = None
         self.stopped_by: str | None = None
@@ -404,6 +413,9 @@ class Trainer:
         self.writer.log("event", self.step, {"event": "stop", "reason": self.stopped_by or "epochs"})
         self.writer.flush()
         callbacks_lib.call(self.callbacks, "on_fit_end", self)
+        if self.stopped_by != "signal":
+            self._print0(run_summary(self.stopped_by or "epochs", self.epoch, self.step, last, self.best_weights,
+                                     self.run_dir))
         if self.stopped_by == "signal" and cfg.raise_on_stop_signal:
             received = signal.Signals(self._stop_signal).name if self._stop_signal else "a signal to another rank"
             self._print0(f"ddpkit: stopped by {received} after optimizer step {self.step}; the snapshot is saved; "
@@ -424,7 +436,7 @@ class Trainer:
             initial=first_micro // accum,
         )
         window = _LossWindow(on_host=self._on_cpu)
-        t0 = time.perf_counter()
+        t0 = self._epoch_start = time.perf_counter()
         for i, batch in enumerate(self.loader):
             group_size = min(accum, remaining - (i // accum) * accum)
             last_in_group = i % accum == group_size - 1
@@ -542,6 +554,8 @@ class Trainer:
             "samples": sum(window.sizes),
             "stop": float(bool(self._stop_signal)),
         }, group=self.group)
+        self._epoch_loss[0] += float(total["loss"])
+        self._epoch_loss[1] += float(total["samples"])
         if total["stop"] and self.stopped_by is None:
             self.stopped_by = "signal"
         return float(total["loss"] / total["samples"]) if total["samples"] else float("nan")
@@ -553,8 +567,13 @@ class Trainer:
         if self.scheduler is not None and cfg.scheduler_interval == "epoch":
             self.scheduler.step()
         metrics: dict[str, float] = {"epoch": self.epoch, "step": self.step, "lr": self._lr()}
+        # The mean over the epoch's steps trained by this process (after a resume mid-epoch: since the resume).
+        loss_sum, samples = self._epoch_loss
+        metrics["train/epoch_loss"] = loss_sum / samples if samples else float("nan")
+        self._epoch_loss = [0.0, 0.0]
         if self.val_data is not None:
             metrics |= self.evaluate(self.val_data, prefix="val")
+        metrics["epoch_seconds"] = round(time.perf_counter() - self._epoch_start, 3)  # training and validation
         if cfg.early_stopping_metric is not None:
             if cfg.early_stopping_metric not in metrics:
                 raise ConfigError(
@@ -565,6 +584,9 @@ class Trainer:
             self.best, self.bad_epochs = (value, 0) if better else (self.best, self.bad_epochs + 1)
             if self.bad_epochs >= cfg.early_stopping_patience:
                 self.stopped_by = "early_stopping"
+        if self.best_weights.update(metrics, unwrap(self.model), self.epoch, self.step):
+            self.writer.log("event", self.step, {"event": "best", "file": "best.pt",
+                                                 self.best_weights.metric: self.best_weights.value})
         if cfg.snapshot_every_epochs and self.epoch % cfg.snapshot_every_epochs == 0 or self.stopped_by:
             self.save()
         self.writer.log("epoch", self.step, metrics)
