@@ -464,3 +464,44 @@ def test_the_best_weights_are_kept_apart_and_load_outside_ddpkit(tmp_path, capfd
     assert f"best val/loss {min(losses):.4g} at epoch {best_epoch}: weights in {tmp_path / 'run' / 'best.pt'}" in printed
     assert f"done (early_stopping) after {out['epoch']} epoch(s)" in printed
     assert header[:5] == ["epoch", "step", "lr", "train/epoch_loss", "val/accuracy"] and "epoch_seconds" in header
+
+
+class _Recorder:
+    """Records every hook the Trainer calls; ends training after epoch 2 by setting ``stopped_by``."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def on_fit_start(self, trainer) -> None:
+        self.calls.append(("fit_start", trainer.epoch, trainer.step))
+
+    def on_step_end(self, trainer, taken: bool) -> None:
+        self.calls.append(("step_end", trainer.step, taken))
+
+    def on_epoch_end(self, trainer, metrics) -> None:
+        self.calls.append(("epoch_end", metrics["epoch"], metrics["step"], metrics["train/epoch_loss"]))
+        if metrics["epoch"] == 2:
+            trainer.stopped_by = "callback"
+
+    def on_fit_end(self, trainer) -> None:
+        self.calls.append(("fit_end", trainer.step, trainer.stopped_by))
+
+
+def _hooked(run_dir: str, max_steps: int | None) -> list[tuple]:
+    recorder = _Recorder()
+    train(run_dir, epochs=3, max_steps=max_steps, callbacks=[recorder])
+    return recorder.calls
+
+
+def test_each_callback_hook_is_called_on_every_rank_in_order(tmp_path):
+    calls = ddpkit.spawn(functools.partial(_hooked, str(tmp_path / "run"), 4), 2)
+    assert calls[0] == calls[1]  # the same hooks, with the same values, on both ranks
+    assert calls[0] == [("fit_start", 0, 0), *[("step_end", s, True) for s in range(1, 5)], ("fit_end", 4, "max_steps")]
+    # Resumed at step 4: on_fit_start sees the restored position; a callback ends training after epoch 2.
+    calls = ddpkit.spawn(functools.partial(_hooked, str(tmp_path / "run"), None), 2)
+    assert calls[0] == calls[1]
+    kinds = [c[0] for c in calls[0]]
+    assert calls[0][0] == ("fit_start", 0, 4) and kinds.count("step_end") == 16
+    epochs = [c for c in calls[0] if c[0] == "epoch_end"]
+    assert [(e[1], e[2]) for e in epochs] == [(1, 10), (2, 20)] and all(e[3] > 0 for e in epochs)
+    assert calls[0][-1] == ("fit_end", 20, "callback")  # not trained to epoch 3
