@@ -110,6 +110,9 @@ class TrainerConfig:
     SIGTERM/SIGUSR1 received by any rank: a stop signal is acted on within this many steps."""
     progress: bool = True
     tensorboard: bool = False
+    loggers: tuple[str, ...] = ()
+    """Also send the records to ``"mlflow"`` and/or ``"wandb"`` (optional extras; local file store / offline
+    without a server or an account): see :mod:`ddpkit.loggers`."""
     raise_on_stop_signal: bool = True
     """After a SIGTERM/SIGUSR1 stopped training and the snapshot is saved, ``fit()`` raises
     :class:`ddpkit.Preempted` (uncaught: exit code 75, "pre-empted, requeue me"), so a script cannot go on as if
@@ -140,6 +143,7 @@ class TrainerConfig:
             "log_every_steps": self.log_every_steps >= 1,
             "snapshot_every_epochs": self.snapshot_every_epochs >= 0,
             "early_stopping_patience": self.early_stopping_patience >= 1,
+            "loggers": set(self.loggers) <= {"mlflow", "wandb"} and not isinstance(self.loggers, str),
         }
         for name, ok in checks.items():
             if not ok:
@@ -355,7 +359,8 @@ class Trainer:
         self.epoch = self.step = self.cursor = self.bad_epochs = self.skipped_steps = 0
         self.best = None
         self.run_dir = Path(config.run_dir)
-        self.writer = MetricsWriter(self.run_dir, enabled=rt.is_main, tensorboard=config.tensorboard)
+        self.writer = MetricsWriter(self.run_dir, enabled=rt.is_main, tensorboard=config.tensorboard,
+                                    loggers=config.loggers, params=asdict(config))
         self.best_weights = BestWeights(self.run_dir / "best.pt", config.best_metric or config.early_stopping_metric,
                                         config.early_stopping_mode, enabled=rt.is_main)
         self._epoch_loss = [0.0, 0.0]  # agreed sum of loss x samples, and samples, in this epoch

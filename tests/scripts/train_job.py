@@ -133,6 +133,7 @@ def train(
     raise_on_stop_signal: bool = True,
     catch_preempted: bool = True,
     callbacks=(),
+    loggers: tuple[str, ...] = (),
 ) -> dict:
     """Train the job; ``event=(what, rank, step)`` makes ``rank`` produce a NaN loss (``nan``), an infinite
     loss whose gradients are finite (``inf``), a NaN loss whose gradients are zero (``ignored``: every target
@@ -170,6 +171,7 @@ def train(
         resume=resume,
         num_workers=num_workers,
         raise_on_stop_signal=raise_on_stop_signal,
+        loggers=loggers,
     )
     attempt = rt.restart_count
     if kill_in_snapshot is not None and attempt == 0 and rt.rank == 0:
