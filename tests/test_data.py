@@ -348,6 +348,14 @@ def _draws(num_workers: int, seed_samples: bool) -> dict:
     return {"draws": merged, "main_rng_kept": main_rng_kept}
 
 
+def test_only_datasets_that_may_draw_are_wrapped():
+    from ddpkit.data import SeededSamples
+
+    assert isinstance(ddpkit.build_loader(Noisy(), 3, num_workers=0).dataset, SeededSamples)
+    tensors = TensorDataset(torch.arange(24))  # indexing draws nothing: not worth ~10 us a sample
+    assert ddpkit.build_loader(tensors, 3, num_workers=0).dataset is tensors
+
+
 def test_each_sample_draws_the_same_whatever_the_world_size_and_workers():
     one = ddpkit.spawn(_draws, 1, (0, True))[0]
     assert len(one["draws"]) == 48 and one["main_rng_kept"]  # loading left the training stream alone

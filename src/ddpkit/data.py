@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Sized
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, get_worker_info
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, TensorDataset, get_worker_info
 
 from ddpkit.cluster import cpu_count
 from ddpkit.collectives import shard_position
@@ -156,8 +156,9 @@ class SeededSamples(Dataset):
     Python's ``random``, numpy's global generator and torch's CPU generator are seeded before each
     ``dataset[index]`` (not CUDA's: loading runs on the CPU). In the main process (``num_workers=0``) their
     states are saved before a batch and restored after it, so loading leaves the training stream (dropout)
-    where it was. Cost, measured on the CPU CI machine: ~8 us per sample, plus ~0.15 ms per batch in the main
-    process (numpy's state is the dear part); see ``bench/sample_seeding.py``.
+    where it was. Cost in the main process on the 2-core CI machine: 11 to 26 us per sample (seeding, the
+    first draw of each freshly seeded generator, and ~0.12 ms per batch to save and restore the states, numpy's
+    being the dear one); see ``bench/sample_seeding.py``.
     """
 
     def __init__(self, dataset: Dataset, seed: int) -> None:
@@ -224,9 +225,12 @@ def build_loader(
     The loader gets its own ``torch.Generator``: without one, every ``iter()`` draws the workers' base seed
     from the global RNG, which shifts dropout masks and any other draw that follows. ``seed_samples``: each
     sample is loaded with the RNGs seeded from ``(seed, epoch, index)`` (see :class:`SeededSamples`); False
-    leaves the draws to each worker's own stream (or the main process's), as a plain DataLoader does.
+    leaves the draws to each worker's own stream (or the main process's), as a plain DataLoader does. A
+    ``TensorDataset`` is never wrapped: it draws nothing.
     """
     check_map_style(dataset)
+    # A TensorDataset only indexes tensors: it draws nothing, and seeding would cost ~10 us a sample for nothing.
+    seed_samples = seed_samples and type(dataset) is not TensorDataset
     sampler = ShardedBatchSampler(
         dataset, batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last, group=group, keyed=seed_samples
     )

@@ -41,7 +41,7 @@ from ddpkit.best import BestWeights
 from ddpkit.collectives import all_reduce, gather_object, print0
 from ddpkit.data import ShardedBatchSampler, build_eval_loader, build_loader, shard_bounds, to_device
 from ddpkit.dropout import BatchLayout, GlobalBatchDropout, batch_layout, convert_dropout
-from ddpkit.errors import ConfigError, Preempted
+from ddpkit.errors import PREEMPTED_EXIT_CODE, ConfigError, Preempted
 from ddpkit.evaluation import classification_metrics, evaluate
 from ddpkit.logging_utils import MetricsWriter, Progress, run_summary
 from ddpkit.losses import cross_entropy
@@ -424,7 +424,7 @@ class Trainer:
         if self.stopped_by == "signal" and cfg.raise_on_stop_signal:
             received = signal.Signals(self._stop_signal).name if self._stop_signal else "a signal to another rank"
             self._print0(f"ddpkit: stopped by {received} after optimizer step {self.step}; the snapshot is saved; "
-                         f"raising ddpkit.Preempted (exit code {Preempted(0, '').code}: pre-empted, resume me)")
+                         f"raising ddpkit.Preempted (exit code {PREEMPTED_EXIT_CODE}: pre-empted, resume me)")
             raise Preempted(self.step, received)
         return last
 
