@@ -94,6 +94,7 @@ WORKER_KILLS = {"mid-epoch": (14, 12), "epoch boundary": (10, 10)}
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # five jobs of 2 ranks x 3 processes on 2 cores: about 2 minutes, more under load
 def test_sigkill_with_two_loader_workers_per_rank_resumes_bitwise(tmp_path, clean_env):
     # Augmentation in __getitem__ (torch, numpy, python draws) in 2 persistent workers per rank: each sample's
     # draws are a function of (seed, epoch, index), so the restarted job augments as the uninterrupted one.

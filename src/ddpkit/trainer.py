@@ -578,7 +578,7 @@ class Trainer:
         self._epoch_loss = [0.0, 0.0]
         if self.val_data is not None:
             metrics |= self.evaluate(self.val_data, prefix="val")
-        metrics["epoch_seconds"] = round(time.perf_counter() - self._epoch_start, 3)  # training and validation
+        seconds = round(time.perf_counter() - self._epoch_start, 3)  # training and validation
         if cfg.early_stopping_metric is not None:
             if cfg.early_stopping_metric not in metrics:
                 raise ConfigError(
@@ -594,11 +594,13 @@ class Trainer:
                                                  self.best_weights.metric: self.best_weights.value})
         if cfg.snapshot_every_epochs and self.epoch % cfg.snapshot_every_epochs == 0 or self.stopped_by:
             self.save()
-        self.writer.log("epoch", self.step, metrics)
-        self.writer.epoch_row(metrics)
+        # The records and callbacks get the epoch's time too; fit() returns only what the training determines.
+        timed = metrics | {"epoch_seconds": seconds}
+        self.writer.log("epoch", self.step, timed)
+        self.writer.epoch_row(timed)
         self.writer.flush()
-        self._print0(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
-        callbacks_lib.call(self.callbacks, "on_epoch_end", self, metrics)
+        self._print0(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in timed.items()))
+        callbacks_lib.call(self.callbacks, "on_epoch_end", self, timed)
         return metrics
 
     def evaluate(self, data: Dataset, prefix: str = "test") -> dict[str, float]:
