@@ -411,6 +411,21 @@ def test_the_default_loss_refuses_float_targets_and_a_dict_output(tmp_path):
         cross_entropy(scores, torch.randn(4))
     with pytest.raises(ConfigError, match="returned a dict \\(logits\\): pass batch_loss_fn"):
         cross_entropy({"logits": scores}, torch.zeros(4, dtype=torch.long))
+    # The same through the Trainer: a model whose forward returns a dict is pointed to batch_loss_fn.
+    class DictNet(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(3, 2)
+
+        def forward(self, x):
+            return {"logits": self.linear(x)}
+
+    model = DictNet()
+    data = torch.utils.data.TensorDataset(torch.randn(16, 3), torch.randint(0, 2, (16,)))
+    config = TrainerConfig(run_dir=str(tmp_path / "dict"), batch_size=8, progress=False, num_workers=0)
+    trainer = ddpkit.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, config)
+    with pytest.raises(ConfigError, match="returned a dict \\(logits\\): pass batch_loss_fn"):
+        trainer.fit()
     # Controls: class indices, and class probabilities shaped like the scores, are what cross-entropy takes.
     assert cross_entropy(scores, torch.tensor([0, 2, 1, 0])).item() > 0
     assert cross_entropy(scores, torch.softmax(torch.randn(4, 3), 1)).item() > 0
