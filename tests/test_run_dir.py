@@ -19,7 +19,6 @@ from ddpkit.run_dir import RunDirLock
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from train_job import train  # noqa: E402
-from trainer_checks import bitwise_equal  # noqa: E402
 
 LOCK_JOB = str(Path(__file__).parent / "scripts" / "lock_job.py")
 
