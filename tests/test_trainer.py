@@ -520,3 +520,17 @@ def test_each_callback_hook_is_called_on_every_rank_in_order(tmp_path):
     epochs = [c for c in calls[0] if c[0] == "epoch_end"]
     assert [(e[1], e[2]) for e in epochs] == [(1, 10), (2, 20)] and all(e[3] > 0 for e in epochs)
     assert calls[0][-1] == ("fit_end", 20, "callback")  # not trained to epoch 3
+
+
+def test_a_fresh_run_replaces_a_stale_best_and_a_resumed_one_keeps_it(tmp_path):
+    from ddpkit.best import BestWeights
+
+    path = tmp_path / "best.pt"
+    model = torch.nn.Linear(2, 2)
+    BestWeights(path, "val/loss", "min", enabled=True).update({"val/loss": 0.1}, model, 3, 30)
+    fresh = BestWeights(path, "val/loss", "min", enabled=True)  # a new run, no snapshot to resume
+    assert fresh.update({"val/loss": 0.5}, model, 1, 10)
+    assert torch.load(path, weights_only=True)["value"] == 0.5
+    resumed = BestWeights(path, "val/loss", "min", enabled=True)
+    resumed.load()  # resumed: 0.5 is the best so far; 0.5 again (an epoch redone after a crash) is not better
+    assert not resumed.update({"val/loss": 0.5}, model, 1, 10) and resumed.update({"val/loss": 0.4}, model, 2, 20)

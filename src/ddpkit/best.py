@@ -8,7 +8,8 @@ ddpkit::
 
 The file also records ``epoch``, ``step``, ``metric`` and ``value``. A resumed run reads the best value from it,
 so nothing of this lives in the snapshots; an epoch retrained after a crash gives the same value again, and an
-equal value does not replace the file.
+equal value does not replace the file. A run that starts afresh ignores a file left by an earlier run and
+replaces it at its first epoch.
 """
 
 from __future__ import annotations
@@ -32,9 +33,12 @@ class BestWeights:
         self.enabled = enabled and metric is not None
         self.value: float | None = None
         self.epoch: int | None = None
+
+    def load(self) -> None:
+        """Take the best so far from the file: for a resumed run only (a fresh one replaces a stale file)."""
         if self.enabled and self.path.exists():
             saved = torch.load(self.path, weights_only=True)
-            if saved.get("metric") == metric:
+            if saved.get("metric") == self.metric:
                 self.value, self.epoch = saved["value"], saved["epoch"]
 
     def update(self, metrics: Mapping[str, Any], model: nn.Module, epoch: int, step: int) -> bool:

@@ -390,6 +390,8 @@ class Trainer:
         cfg, rt = self.config, self.runtime
         if not (cfg.resume and self.resume()):
             self.writer.log("event", self.step, {"event": "start", "restart_count": rt.restart_count})
+        else:
+            self.best_weights.load()
         self._write_config()
         callbacks_lib.call(self.callbacks, "on_fit_start", self)
         handlers = self._install_signal_handlers()
