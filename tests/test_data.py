@@ -211,8 +211,9 @@ def test_too_few_samples_and_bad_batch_size():
         ShardedBatchSampler(10, 6, rank=0, world_size=2)
     with pytest.raises(ConfigError, match="10 samples make no global batch"):
         ShardedBatchSampler(list(range(10)), 3, rank=1, world_size=4)  # a sized dataset works the same
-    with pytest.raises(ConfigError, match="no global batch"):
+    with pytest.raises(ConfigError, match="1 samples are fewer than the 2 ranks") as refused:
         ShardedBatchSampler(1, 4, rank=0, world_size=2, drop_last=False)  # 1 sample, 2 ranks
+    assert "drop_last" not in str(refused.value)  # already passed: suggesting it again would not help
     with pytest.raises(ConfigError, match="batch_size=0"):
         ShardedBatchSampler(100, 0, rank=0, world_size=1)
     # Control: without drop_last, fewer samples than a global batch still make one (smaller) step.
@@ -314,3 +315,57 @@ def test_to_device_keeps_structure():
     assert isinstance(moved["a"], list) and isinstance(moved["a"][1], tuple) and isinstance(moved["p"], Pair)
     assert moved["a"][1][1] == "label" and moved["p"].y == 5
     assert torch.equal(moved["p"].x, torch.arange(3)) and torch.equal(moved["a"][0], torch.ones(2))
+
+
+# ------------------------------------------------------------------------------- a sample's random draws
+
+
+class Noisy(torch.utils.data.Dataset):
+    """Each read draws from torch, numpy and python's random, as an augmentation would."""
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int):
+        import random
+
+        import numpy as np
+
+        return i, torch.rand(()).item(), float(np.random.rand()), random.random()
+
+
+def _draws(num_workers: int, seed_samples: bool) -> dict:
+    ddpkit.init()
+    loader = ddpkit.build_loader(Noisy(), 3, seed=5, num_workers=num_workers, seed_samples=seed_samples)
+    torch.manual_seed(123)
+    draws = {}
+    for epoch in range(2):
+        for idx, *values in loader:
+            for k, i in enumerate(idx.tolist()):
+                draws[(epoch, i)] = tuple(v[k].item() for v in values)
+    main_rng_kept = torch.equal(torch.rand(4), torch.manual_seed(123) and torch.rand(4))
+    merged = {k: v for part in ddpkit.gather_object(draws) for k, v in part.items()}
+    return {"draws": merged, "main_rng_kept": main_rng_kept}
+
+
+def test_only_datasets_that_may_draw_are_wrapped():
+    from ddpkit.data import SeededSamples
+
+    assert isinstance(ddpkit.build_loader(Noisy(), 3, num_workers=0).dataset, SeededSamples)
+    tensors = TensorDataset(torch.arange(24))  # indexing draws nothing: not worth ~10 us a sample
+    assert ddpkit.build_loader(tensors, 3, num_workers=0).dataset is tensors
+
+
+def test_each_sample_draws_the_same_whatever_the_world_size_and_workers():
+    one = ddpkit.spawn(_draws, 1, (0, True))[0]
+    assert len(one["draws"]) == 48 and one["main_rng_kept"]  # loading left the training stream alone
+    two = ddpkit.spawn(_draws, 2, (2, True))[0]  # 2 ranks x 2 workers
+    assert two["draws"] == one["draws"]
+    epochs = [[one["draws"][(e, i)] for i in range(24)] for e in (0, 1)]
+    assert epochs[0] != epochs[1]  # a new epoch, new draws
+    # Controls: left to each process's own stream, the draws depend on the workers, and without workers
+    # loading moves the training stream (dropout masks would shift).
+    plain_main = ddpkit.spawn(_draws, 1, (0, False))[0]
+    plain_workers = ddpkit.spawn(_draws, 1, (2, False))[0]
+    assert plain_main["draws"] != plain_workers["draws"] and not plain_main["main_rng_kept"]
+

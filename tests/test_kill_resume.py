@@ -86,3 +86,36 @@ def test_a_failing_rank_stops_the_job_fast_and_restart_resumes(tmp_path, clean_e
     final, _ = launch(tmp_path, "restarted", "--raise-at", "1", "7", clean_env=clean_env)
     assert final["attempt"] == 1 and final["resumed_from"] == 6
     assert bitwise_equal(final, reference)
+
+
+# The step a kill lands on, and the snapshot the restarted job resumes from (snapshots every 3 steps and at
+# epoch ends; 10 steps per epoch): mid-epoch, and at the boundary of epochs 1 and 2.
+WORKER_KILLS = {"mid-epoch": (14, 12), "epoch boundary": (10, 10)}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # five jobs of 2 ranks x 3 processes on 2 cores: about 2 minutes, more under load
+def test_sigkill_with_two_loader_workers_per_rank_resumes_bitwise(tmp_path, clean_env):
+    # Augmentation in __getitem__ (torch, numpy, python draws) in 2 persistent workers per rank: each sample's
+    # draws are a function of (seed, epoch, index), so the restarted job augments as the uninterrupted one.
+    workers = ["--augment", "--workers", "2"]
+    reference, _ = launch(tmp_path, "reference", *workers, clean_env=clean_env)
+    for what, (kill_step, resumed_from) in WORKER_KILLS.items():
+        name = what.replace(" ", "-")
+        final, stderr = launch(tmp_path, name, *workers, "--kill-rank", "1", "--kill-step", str(kill_step),
+                               clean_env=clean_env)
+        assert "exitcode: -9" in stderr and final["attempt"] == 1 and final["resumed_from"] == resumed_from, what
+        assert_each_sample_once(samples_per_epoch(tmp_path / f"{name}-log", resume_steps(tmp_path / name)),
+                                N_SAMPLES, 3)
+        print(f"\n{what}: killed at step {kill_step}, resumed from {resumed_from}: max |dw| "
+              f"{max_abs_diff(final, reference):.1e}")
+        assert bitwise_equal(final, reference), what
+    # Control: left to the workers' own streams (how loaders draw without ddpkit's seeding), the same kill at
+    # the epoch boundary ends elsewhere: the restarted workers' streams start afresh.
+    unseeded = [*workers, "--unseeded-samples"]
+    plain_reference, _ = launch(tmp_path, "plain-reference", *unseeded, clean_env=clean_env)
+    plain, _ = launch(tmp_path, "plain-killed", *unseeded, "--kill-rank", "1", "--kill-step", "10",
+                      clean_env=clean_env)
+    assert plain["resumed_from"] == 10
+    print(f"control, unseeded samples: max |dw| {max_abs_diff(plain, plain_reference):.1e}")
+    assert not bitwise_equal(plain, plain_reference)

@@ -205,6 +205,7 @@ def test_signal_on_one_rank_saves_and_stops_all_then_resumes_bitwise(tmp_path, r
     job = functools.partial(train, str(tmp_path / "run"), event=("signal", 1, 5), log_every_steps=4)
     stopped = ddpkit.spawn(job, 2)
     assert [o["stopped_by"] for o in stopped] == ["signal", "signal"]
+    assert [o["preempted"] for o in stopped] == [75, 75]  # fit() raised ddpkit.Preempted on both ranks
     assert [o["step"] for o in stopped] == [8, 8]
     assert (tmp_path / "run" / "snapshots" / "step-00000008.json").exists()
     final = run(2, tmp_path / "run")
@@ -329,7 +330,9 @@ def test_tensorboard_gets_the_training_and_validation_scalars(tmp_path):
     events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
     events.Reload()
     scalars = events.Tags()["scalars"]
-    assert {"train/loss", "lr", "ms_per_step", "val/loss", "val/accuracy"} == set(scalars)  # no events, no axes
+    assert {"train/loss", "lr", "ms_per_step", "train/epoch_loss", "epoch_seconds", "val/loss", "val/accuracy"} == set(
+        scalars
+    )  # no events, no axes
     assert [e.step for e in events.Scalars("val/loss")] == [10, 20]  # one per epoch, at its last step
     jsonl = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     train = [r["train/loss"] for r in jsonl if r["kind"] == "train"]
@@ -351,3 +354,183 @@ def _stepped_names() -> list[str]:
 def test_the_step_verdict_reads_only_parameters_that_are_stepped_and_all_reduced():
     # Left out: a frozen bias, a weight DDP ignores (each rank's own gradient), one outside the optimizer.
     assert ddpkit.spawn(_stepped_names, 1) == [["0.weight", "1.bias", "2.weight"]]
+
+
+# ------------------------------------------------------------------------------- stop signals: pre-empted, not done
+
+JOB = str(Path(__file__).parent / "scripts" / "train_job.py")
+
+
+def test_a_stop_signal_exits_75_after_the_snapshot_unless_the_script_asks_for_a_return(tmp_path, run_python):
+    # Plain `python train_job.py` (a world of one), SIGUSR1 at step 5, agreed at the end of epoch 1: uncaught Preempted.
+    code = f"import runpy, sys; sys.argv = {[JOB, str(tmp_path / 'run'), '--signal-at', '0', '5']!r}; " \
+           "runpy.run_path(sys.argv[0], run_name='__main__')"
+    stopped = run_python(code)
+    assert stopped.returncode == 75, stopped.stderr[-2000:]  # PREEMPTED_EXIT_CODE: "pre-empted, requeue me"
+    assert "Traceback" not in stopped.stderr
+    assert "stopped by SIGUSR1 after optimizer step 10; the snapshot is saved" in stopped.stdout
+    assert (tmp_path / "run" / "snapshots" / "step-00000010.json").exists()
+    # Control: asked for, fit() returns as before, and the script ends with 0 as if training were complete.
+    code = code.replace("'5']", "'5', '--no-raise-on-stop-signal']")
+    returned = run_python(code.replace(str(tmp_path / "run"), str(tmp_path / "run2")))
+    assert returned.returncode == 0, returned.stderr[-2000:]
+
+
+# ------------------------------------------------------------------------------- mistakes that trained nothing
+
+
+def _regression_trainer(tmp_path, **kwargs):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 3), torch.randn(32, 1))
+    config = TrainerConfig(run_dir=str(tmp_path / "run"), batch_size=8, epochs=1, progress=False, num_workers=0)
+    return model, data, ddpkit.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, config, **kwargs)
+
+
+def test_the_default_loss_refuses_a_regression_model(tmp_path):
+    model, data, trainer = _regression_trainer(tmp_path)
+    with pytest.raises(ConfigError, match=r"shape \(8, 1\).*loss_fn=torch.nn.functional.mse_loss and "
+                                          r"metric_fn=ddpkit.regression_metrics"):
+        trainer.fit()
+    with pytest.raises(ConfigError, match=r"classification_metrics .*pass metric_fn=ddpkit.regression_metrics"):
+        ddpkit.evaluate(model, data)
+    assert set(ddpkit.evaluate(model, data, ddpkit.regression_metrics)) == {"loss"}
+    # Control: plain cross-entropy takes it without a word, and trains nothing (loss 0, weights unchanged).
+    model, _, trainer = _regression_trainer(tmp_path / "control", loss_fn=torch.nn.functional.cross_entropy,
+                                            metric_fn=ddpkit.regression_metrics)
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer.fit()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_the_default_loss_refuses_float_targets_and_a_dict_output(tmp_path):
+    from ddpkit.losses import cross_entropy
+
+    scores = torch.randn(4, 3)
+    with pytest.raises(ConfigError, match="targets are float32 of shape \\(4,\\)"):
+        cross_entropy(scores, torch.randn(4))
+    with pytest.raises(ConfigError, match="returned a dict \\(logits\\): pass batch_loss_fn"):
+        cross_entropy({"logits": scores}, torch.zeros(4, dtype=torch.long))
+    # The same through the Trainer: a model whose forward returns a dict is pointed to batch_loss_fn.
+    class DictNet(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(3, 2)
+
+        def forward(self, x):
+            return {"logits": self.linear(x)}
+
+    model = DictNet()
+    data = torch.utils.data.TensorDataset(torch.randn(16, 3), torch.randint(0, 2, (16,)))
+    config = TrainerConfig(run_dir=str(tmp_path / "dict"), batch_size=8, progress=False, num_workers=0)
+    trainer = ddpkit.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, config)
+    with pytest.raises(ConfigError, match="returned a dict \\(logits\\): pass batch_loss_fn"):
+        trainer.fit()
+    # Controls: class indices, and class probabilities shaped like the scores, are what cross-entropy takes.
+    assert cross_entropy(scores, torch.tensor([0, 2, 1, 0])).item() > 0
+    assert cross_entropy(scores, torch.softmax(torch.randn(4, 3), 1)).item() > 0
+
+
+def test_an_iterable_dataset_is_refused_saying_what_is_supported(tmp_path):
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter([(torch.zeros(3), 0)] * 8)
+
+    config = TrainerConfig(run_dir=str(tmp_path / "run"), batch_size=4, progress=False, num_workers=0)
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(ConfigError, match="Stream is not a map-style dataset .* hand-written loop"):
+        ddpkit.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), Stream(), config)
+
+
+@pytest.mark.parametrize(
+    "kwargs, flag",
+    [
+        ({"batch_size": 0}, "batch_size=0"),
+        ({"global_batch_size": 0}, "global_batch_size=0"),
+        ({"global_batch_size": 10, "grad_accum_steps": 3}, "does not divide into grad_accum_steps=3"),
+        ({"batch_size": 4, "log_every_steps": 0}, "log_every_steps"),
+        ({"batch_size": 4, "num_workers": -1}, "num_workers"),
+    ],
+)
+def test_batch_sizes_that_cannot_work_are_refused_by_the_config(kwargs, flag):
+    with pytest.raises(ConfigError, match=flag):
+        TrainerConfig(**kwargs)
+
+
+def test_the_best_weights_are_kept_apart_and_load_outside_ddpkit(tmp_path, capfd):
+    out = run(2, tmp_path / "run", epochs=30, early_stopping_patience=2, snapshot_every_steps=None)
+    rows = [line.split(",") for line in (tmp_path / "run" / "epochs.csv").read_text().splitlines()]
+    header, rows = rows[0], rows[1:]
+    losses = [float(r[header.index("val/loss")]) for r in rows]
+    best_epoch = 1 + losses.index(min(losses))
+    assert best_epoch == out["epoch"] - 2  # two epochs without improvement, then early stopping
+    # The one-liner of the README, with torch alone:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32, bias=False), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
+                                torch.nn.Dropout(0.2), torch.nn.Linear(32, 2))
+    model.load_state_dict(torch.load(tmp_path / "run" / "best.pt", weights_only=True)["model"])
+    best = torch.load(tmp_path / "run" / "best.pt", weights_only=True)
+    assert best["epoch"] == best_epoch and best["metric"] == "val/loss" and best["value"] == pytest.approx(min(losses))
+    # They are the weights of the best epoch's end (its snapshot, still among the newest 3), not the last ones.
+    snapshot = torch.load(tmp_path / "run" / "snapshots" / f"step-{10 * best_epoch:08d}.pt", weights_only=True)
+    assert all(torch.equal(best["model"][k], snapshot["model"][k]) for k in snapshot["model"])
+    assert not all(torch.equal(best["model"][k], out["model"][k]) for k in out["model"])  # control
+    # The summary at the end says which epoch was best and where its weights are.
+    printed = capfd.readouterr().out
+    assert f"best val/loss {min(losses):.4g} at epoch {best_epoch}: weights in {tmp_path / 'run' / 'best.pt'}" in printed
+    assert f"done (early_stopping) after {out['epoch']} epoch(s)" in printed
+    assert header[:5] == ["epoch", "step", "lr", "train/epoch_loss", "val/accuracy"] and "epoch_seconds" in header
+
+
+class _Recorder:
+    """Records every hook the Trainer calls; ends training after epoch 2 by setting ``stopped_by``."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def on_fit_start(self, trainer) -> None:
+        self.calls.append(("fit_start", trainer.epoch, trainer.step))
+
+    def on_step_end(self, trainer, taken: bool) -> None:
+        self.calls.append(("step_end", trainer.step, taken))
+
+    def on_epoch_end(self, trainer, metrics) -> None:
+        self.calls.append(("epoch_end", metrics["epoch"], metrics["step"], metrics["train/epoch_loss"]))
+        if metrics["epoch"] == 2:
+            trainer.stopped_by = "callback"
+
+    def on_fit_end(self, trainer) -> None:
+        self.calls.append(("fit_end", trainer.step, trainer.stopped_by))
+
+
+def _hooked(run_dir: str, max_steps: int | None) -> list[tuple]:
+    recorder = _Recorder()
+    train(run_dir, epochs=3, max_steps=max_steps, callbacks=[recorder])
+    return recorder.calls
+
+
+def test_each_callback_hook_is_called_on_every_rank_in_order(tmp_path):
+    calls = ddpkit.spawn(functools.partial(_hooked, str(tmp_path / "run"), 4), 2)
+    assert calls[0] == calls[1]  # the same hooks, with the same values, on both ranks
+    assert calls[0] == [("fit_start", 0, 0), *[("step_end", s, True) for s in range(1, 5)], ("fit_end", 4, "max_steps")]
+    # Resumed at step 4: on_fit_start sees the restored position; a callback ends training after epoch 2.
+    calls = ddpkit.spawn(functools.partial(_hooked, str(tmp_path / "run"), None), 2)
+    assert calls[0] == calls[1]
+    kinds = [c[0] for c in calls[0]]
+    assert calls[0][0] == ("fit_start", 0, 4) and kinds.count("step_end") == 16
+    epochs = [c for c in calls[0] if c[0] == "epoch_end"]
+    assert [(e[1], e[2]) for e in epochs] == [(1, 10), (2, 20)] and all(e[3] > 0 for e in epochs)
+    assert calls[0][-1] == ("fit_end", 20, "callback")  # not trained to epoch 3
+
+
+def test_a_fresh_run_replaces_a_stale_best_and_a_resumed_one_keeps_it(tmp_path):
+    from ddpkit.best import BestWeights
+
+    path = tmp_path / "best.pt"
+    model = torch.nn.Linear(2, 2)
+    BestWeights(path, "val/loss", "min", enabled=True).update({"val/loss": 0.1}, model, 3, 30)
+    fresh = BestWeights(path, "val/loss", "min", enabled=True)  # a new run, no snapshot to resume
+    assert fresh.update({"val/loss": 0.5}, model, 1, 10)
+    assert torch.load(path, weights_only=True)["value"] == 0.5
+    resumed = BestWeights(path, "val/loss", "min", enabled=True)
+    resumed.load()  # resumed: 0.5 is the best so far; 0.5 again (an epoch redone after a crash) is not better
+    assert not resumed.update({"val/loss": 0.5}, model, 1, 10) and resumed.update({"val/loss": 0.4}, model, 2, 20)

@@ -7,11 +7,13 @@ from collections.abc import Sequence
 
 from ddpkit.errors import ConfigError
 
-USAGE = """usage: ddpkit {run,env} ...
+USAGE = """usage: ddpkit {run,env,plot} ...
 
   ddpkit run [--nproc N] [--max-restarts N] [--all-ranks] script.py [args...]
                  launch one process per GPU (or CPU share) with torchrun's agent
   ddpkit env     versions, devices, the choices `run` would make, and a live all-reduce check
+  ddpkit plot RUN_DIR
+                 a Trainer run's training and validation curves to RUN_DIR/curves.png
 
 `ddpkit run -h` lists every option."""
 
@@ -31,6 +33,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from ddpkit.envinfo import main as env_main
 
             return env_main(rest)
+        if command == "plot":
+            from ddpkit.plot import main as plot_main
+
+            return plot_main(rest)
     except ConfigError as err:
         print(f"ddpkit {command}: error: {err}", file=sys.stderr)
         return 2

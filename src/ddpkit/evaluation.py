@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ddpkit.collectives import MetricSums
 from ddpkit.data import build_eval_loader, to_device
+from ddpkit.losses import check_classification
 from ddpkit.model import unwrap
 from ddpkit.runtime import get_runtime
 
@@ -28,9 +29,13 @@ the means over all samples are reported."""
 
 
 def classification_metrics(model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
-    """Per-sample cross-entropy ``loss`` and ``accuracy`` for an ``(input, class index)`` batch."""
+    """Per-sample cross-entropy ``loss`` and ``accuracy`` for an ``(input, class index)`` batch.
+
+    Refuses a model with one output column or float targets (a regression model): both would report numbers
+    that mean nothing (a loss of 0, an accuracy of 0); use :func:`regression_metrics` there."""
     inputs, targets = batch
     logits = model(inputs)
+    check_classification(logits, targets, "classification_metrics (evaluate's default metric_fn)", indices_only=True)
     return {
         "loss": F.cross_entropy(logits, targets, reduction="none"),
         "accuracy": (logits.argmax(dim=1) == targets).float(),

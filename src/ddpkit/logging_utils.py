@@ -5,8 +5,10 @@ from __future__ import annotations
 import csv
 import json
 import math
+import multiprocessing.util
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +20,18 @@ class MetricsWriter:
     Files are opened in append mode: a resumed run continues the same files.
     """
 
-    def __init__(self, run_dir: str | Path, enabled: bool, tensorboard: bool = False) -> None:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        enabled: bool,
+        tensorboard: bool = False,
+        loggers: Sequence[str] = (),
+        params: dict[str, Any] | None = None,
+    ) -> None:
         self.enabled = enabled
         self.run_dir = Path(run_dir)
         self._tb = None
+        self._loggers: list[Any] = []
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -32,16 +42,30 @@ class MetricsWriter:
             except ImportError as err:  # pragma: no cover - depends on the optional extra
                 raise ImportError("tensorboard=True needs `pip install 'ddpkit[tensorboard]'`") from err
             self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+        if loggers:
+            from ddpkit.loggers import build
+
+            self._loggers = build(loggers, self.run_dir, params or {})
+            # Closed at exit, also in a process started by multiprocessing (ddpkit.spawn), where atexit hooks
+            # do not run; or when the writer is collected.
+            multiprocessing.util.Finalize(self, _close_all, args=(self._loggers,), exitpriority=10)
 
     def log(self, kind: str, step: int, values: dict[str, Any]) -> None:
         if not self.enabled:
             return
         record = {"kind": kind, "step": step, "time": round(time.time(), 3), **values}
         self._jsonl.write(json.dumps(record, default=float) + "\n")
-        if self._tb is not None and kind != "event":
-            for key, value in values.items():  # epoch and step are the x-axes, not curves
-                if key not in ("epoch", "step") and isinstance(value, (int, float)) and math.isfinite(value):
-                    self._tb.add_scalar(key, value, step)
+        if kind == "event" or not (self._tb is not None or self._loggers):
+            return
+        scalars = {  # epoch and step are the x-axes, not curves
+            k: float(v) for k, v in values.items()
+            if k not in ("epoch", "step") and isinstance(v, (int, float)) and math.isfinite(v)
+        }
+        if self._tb is not None:
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, step)
+        for logger in self._loggers:
+            logger.log(step, scalars)
 
     def flush(self) -> None:
         """Push TensorBoard's buffered events to disk (it writes every two minutes otherwise)."""
@@ -87,7 +111,8 @@ class Progress:
             try:
                 from tqdm.auto import tqdm
 
-                self._bar = tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, leave=False)
+                # Kept on screen when done: one line per epoch, with its time; tqdm shows the ETA while running.
+                self._bar = tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, leave=True)
             except ImportError:
                 pass
 
@@ -108,3 +133,27 @@ class Progress:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+
+
+def format_metrics(metrics: dict[str, Any]) -> str:
+    return " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
+
+
+def run_summary(reason: str, epoch: int, step: int, last: dict[str, Any], best: Any, run_dir: Path) -> str:
+    """The end of a run in a few lines: why it stopped, the best epoch, the final metrics, where the weights are.
+
+    ``best`` is the run's :class:`~ddpkit.best.BestWeights` (read on the main rank, which prints this).
+    """
+    lines = [f"ddpkit: done ({reason}) after {epoch} epoch(s), {step} optimizer steps"]
+    if best.enabled and best.value is not None:
+        lines.append(f"  best {best.metric} {best.value:.4g} at epoch {best.epoch}: weights in {best.path}")
+    if last:
+        final = {k: v for k, v in last.items() if k not in ("epoch", "step")}
+        lines.append(f"  final: {format_metrics(final)}")
+    lines.append(f"  run directory {run_dir}: snapshots/, metrics.jsonl, epochs.csv")
+    return "\n".join(lines)
+
+
+def _close_all(loggers: list[Any]) -> None:
+    for logger in loggers:
+        logger.close()

@@ -126,3 +126,12 @@ def _prune(folder: Path, keep_last: int) -> None:
             path.unlink(missing_ok=True)  # orphan of a write killed before its manifest
     for tmp in folder.glob(".step-*.tmp"):
         tmp.unlink(missing_ok=True)
+
+
+def save_weights(path: str | os.PathLike, weights: dict[str, Any]) -> None:
+    """Write ``weights`` (a dict of tensors and plain values) to ``path`` atomically: whole, or the old file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    buffer = io.BytesIO()
+    torch.save(weights, buffer)
+    _write_atomic(path, buffer.getvalue())

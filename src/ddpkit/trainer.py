@@ -32,17 +32,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
 from ddpkit import callbacks as callbacks_lib
+from ddpkit import run_dir as run_dir_lib
+from ddpkit.best import BestWeights
 from ddpkit.collectives import all_reduce, gather_object, print0
 from ddpkit.data import ShardedBatchSampler, build_eval_loader, build_loader, shard_bounds, to_device
 from ddpkit.dropout import BatchLayout, GlobalBatchDropout, batch_layout, convert_dropout
-from ddpkit.errors import ConfigError
+from ddpkit.errors import PREEMPTED_EXIT_CODE, ConfigError, Preempted
 from ddpkit.evaluation import classification_metrics, evaluate
-from ddpkit.logging_utils import MetricsWriter, Progress
+from ddpkit.logging_utils import MetricsWriter, Progress, run_summary
+from ddpkit.losses import cross_entropy
 from ddpkit.model import prepare_model, unwrap
 from ddpkit.groups import group_runtime
 from ddpkit.runtime import Runtime
@@ -98,12 +100,23 @@ class TrainerConfig:
     early_stopping_metric: str | None = None
     """A validation metric such as ``val/loss``; training stops when it has not improved for ``patience`` epochs."""
     early_stopping_mode: str = "min"
+    """``min`` or ``max``: the direction in which ``early_stopping_metric`` and ``best_metric`` improve."""
     early_stopping_patience: int = 5
+    best_metric: str | None = None
+    """Keep the weights of the epoch where this validation metric was best in ``run_dir/best.pt``, apart from
+    the snapshots (which keep only the newest). Default: ``early_stopping_metric``."""
     log_every_steps: int = 20
     """How often ranks agree (one small all-reduce) on the mean training loss, which is then logged, and on a
     SIGTERM/SIGUSR1 received by any rank: a stop signal is acted on within this many steps."""
     progress: bool = True
     tensorboard: bool = False
+    loggers: tuple[str, ...] = ()
+    """Also send the records to ``"mlflow"`` and/or ``"wandb"`` (optional extras; local file store / offline
+    without a server or an account): see :mod:`ddpkit.loggers`."""
+    raise_on_stop_signal: bool = True
+    """After a SIGTERM/SIGUSR1 stopped training and the snapshot is saved, ``fit()`` raises
+    :class:`ddpkit.Preempted` (uncaught: exit code 75, "pre-empted, requeue me"), so a script cannot go on as if
+    training were complete. False: ``fit()`` returns, with ``trainer.stopped_by == "signal"``."""
     ddp_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -123,10 +136,25 @@ class TrainerConfig:
             "early_stopping_mode": self.early_stopping_mode in ("min", "max"),
             "snapshot_every_steps": self.snapshot_every_steps is None or self.snapshot_every_steps >= 1,
             "max_steps": self.max_steps is None or self.max_steps >= 1,
+            "batch_size": self.batch_size is None or self.batch_size >= 1,
+            "global_batch_size": self.global_batch_size is None or self.global_batch_size >= 1,
+            "eval_batch_size": self.eval_batch_size >= 1,
+            "num_workers": self.num_workers is None or self.num_workers >= 0,
+            "log_every_steps": self.log_every_steps >= 1,
+            "snapshot_every_epochs": self.snapshot_every_epochs >= 0,
+            "early_stopping_patience": self.early_stopping_patience >= 1,
+            "loggers": set(self.loggers) <= {"mlflow", "wandb"} and not isinstance(self.loggers, str),
         }
         for name, ok in checks.items():
             if not ok:
                 raise ConfigError(f"{name}={getattr(self, name)!r} is not valid: see TrainerConfig.{name}")
+        # The world size is known only when the Trainer is built; the accumulation steps are known now.
+        if self.global_batch_size is not None and self.global_batch_size % self.grad_accum_steps:
+            raise ConfigError(
+                f"global_batch_size={self.global_batch_size} does not divide into grad_accum_steps="
+                f"{self.grad_accum_steps} micro-batches: pick a multiple of {self.grad_accum_steps} (times the "
+                "world size)"
+            )
 
     def per_rank_batch(self, world_size: int) -> int:
         if self.batch_size is not None:
@@ -311,7 +339,8 @@ class Trainer:
         self._grad_norm: torch.Tensor | None = None  # known when clipping
         self._on_cpu = rt.device.type == "cpu"
         self.scaler = torch.amp.GradScaler(rt.device.type) if config.precision == "fp16" else None
-        self.loss_fn = loss_fn or F.cross_entropy
+        self.loss_fn = loss_fn or cross_entropy
+        self._hparams = run_dir_lib.optimizer_hparams(optimizer)  # as asked, before any scheduler step
         self.batch_loss_fn = batch_loss_fn
         self.metric_fn = metric_fn or (classification_metrics if loss_fn is None and batch_loss_fn is None else None)
         self.train_data, self.val_data = train_data, val_data
@@ -330,7 +359,12 @@ class Trainer:
         self.epoch = self.step = self.cursor = self.bad_epochs = self.skipped_steps = 0
         self.best = None
         self.run_dir = Path(config.run_dir)
-        self.writer = MetricsWriter(self.run_dir, enabled=rt.is_main, tensorboard=config.tensorboard)
+        self.writer = MetricsWriter(self.run_dir, enabled=rt.is_main, tensorboard=config.tensorboard,
+                                    loggers=config.loggers, params=asdict(config))
+        self.best_weights = BestWeights(self.run_dir / "best.pt", config.best_metric or config.early_stopping_metric,
+                                        config.early_stopping_mode, enabled=rt.is_main)
+        self._epoch_loss = [0.0, 0.0]  # agreed sum of loss x samples, and samples, in this epoch
+        self._epoch_start = time.perf_counter()
         self._stop_signal = 0
         self._saved_at: tuple[int, int, int] | None = None
         self.stopped_by: str | None = None
@@ -339,10 +373,25 @@ class Trainer:
     # -- the loop -----------------------------------------------------------------------------------------
 
     def fit(self) -> dict[str, float]:
-        """Train until ``epochs`` (or ``max_steps``, early stopping, or a stop signal); return the last metrics."""
+        """Train until ``epochs`` (or ``max_steps``, early stopping, or a stop signal); return the last metrics.
+
+        ``run_dir`` is locked for the duration (a second job on it is refused, naming this one). A stop signal
+        raises :class:`~ddpkit.Preempted` once the snapshot is saved, unless ``raise_on_stop_signal=False``.
+        """
+        lock = run_dir_lib.claim(self.run_dir, is_main=self.runtime.is_main, fresh=not self.config.resume,
+                                 group=self.group)
+        try:
+            return self._fit()
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _fit(self) -> dict[str, float]:
         cfg, rt = self.config, self.runtime
         if not (cfg.resume and self.resume()):
             self.writer.log("event", self.step, {"event": "start", "restart_count": rt.restart_count})
+        else:
+            self.best_weights.load()
         self._write_config()
         callbacks_lib.call(self.callbacks, "on_fit_start", self)
         handlers = self._install_signal_handlers()
@@ -371,6 +420,14 @@ class Trainer:
         self.writer.log("event", self.step, {"event": "stop", "reason": self.stopped_by or "epochs"})
         self.writer.flush()
         callbacks_lib.call(self.callbacks, "on_fit_end", self)
+        if self.stopped_by != "signal":
+            self._print0(run_summary(self.stopped_by or "epochs", self.epoch, self.step, last, self.best_weights,
+                                     self.run_dir))
+        if self.stopped_by == "signal" and cfg.raise_on_stop_signal:
+            received = signal.Signals(self._stop_signal).name if self._stop_signal else "a signal to another rank"
+            self._print0(f"ddpkit: stopped by {received} after optimizer step {self.step}; the snapshot is saved; "
+                         f"raising ddpkit.Preempted (exit code {PREEMPTED_EXIT_CODE}: pre-empted, resume me)")
+            raise Preempted(self.step, received)
         return last
 
     def _train_epoch(self) -> bool:
@@ -386,7 +443,7 @@ class Trainer:
             initial=first_micro // accum,
         )
         window = _LossWindow(on_host=self._on_cpu)
-        t0 = time.perf_counter()
+        t0 = self._epoch_start = time.perf_counter()
         for i, batch in enumerate(self.loader):
             group_size = min(accum, remaining - (i // accum) * accum)
             last_in_group = i % accum == group_size - 1
@@ -504,6 +561,8 @@ class Trainer:
             "samples": sum(window.sizes),
             "stop": float(bool(self._stop_signal)),
         }, group=self.group)
+        self._epoch_loss[0] += float(total["loss"])
+        self._epoch_loss[1] += float(total["samples"])
         if total["stop"] and self.stopped_by is None:
             self.stopped_by = "signal"
         return float(total["loss"] / total["samples"]) if total["samples"] else float("nan")
@@ -515,8 +574,13 @@ class Trainer:
         if self.scheduler is not None and cfg.scheduler_interval == "epoch":
             self.scheduler.step()
         metrics: dict[str, float] = {"epoch": self.epoch, "step": self.step, "lr": self._lr()}
+        # The mean over the epoch's steps trained by this process (after a resume mid-epoch: since the resume).
+        loss_sum, samples = self._epoch_loss
+        metrics["train/epoch_loss"] = loss_sum / samples if samples else float("nan")
+        self._epoch_loss = [0.0, 0.0]
         if self.val_data is not None:
             metrics |= self.evaluate(self.val_data, prefix="val")
+        seconds = round(time.perf_counter() - self._epoch_start, 3)  # training and validation
         if cfg.early_stopping_metric is not None:
             if cfg.early_stopping_metric not in metrics:
                 raise ConfigError(
@@ -527,13 +591,18 @@ class Trainer:
             self.best, self.bad_epochs = (value, 0) if better else (self.best, self.bad_epochs + 1)
             if self.bad_epochs >= cfg.early_stopping_patience:
                 self.stopped_by = "early_stopping"
+        if self.best_weights.update(metrics, unwrap(self.model), self.epoch, self.step):
+            self.writer.log("event", self.step, {"event": "best", "file": "best.pt",
+                                                 self.best_weights.metric: self.best_weights.value})
         if cfg.snapshot_every_epochs and self.epoch % cfg.snapshot_every_epochs == 0 or self.stopped_by:
             self.save()
-        self.writer.log("epoch", self.step, metrics)
-        self.writer.epoch_row(metrics)
+        # The records and callbacks get the epoch's time too; fit() returns only what the training determines.
+        timed = metrics | {"epoch_seconds": seconds}
+        self.writer.log("epoch", self.step, timed)
+        self.writer.epoch_row(timed)
         self.writer.flush()
-        self._print0(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
-        callbacks_lib.call(self.callbacks, "on_epoch_end", self, metrics)
+        self._print0(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in timed.items()))
+        callbacks_lib.call(self.callbacks, "on_epoch_end", self, timed)
         return metrics
 
     def evaluate(self, data: Dataset, prefix: str = "test") -> dict[str, float]:
@@ -642,10 +711,13 @@ class Trainer:
             "world_size": self.runtime.world_size,
             "global_micro_batch": self.sampler.global_batch_size,
             "config": json.loads(json.dumps(asdict(self.config), default=str)),
+            "optimizer_hparams": self._hparams,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], source: str = "the snapshot") -> None:
         rt = self.runtime
+        run_dir_lib.check_resumable(state, json.loads(json.dumps(asdict(self.config), default=str)),
+                                    unwrap(self.model).state_dict(), self._hparams, source)
         if state["global_micro_batch"] != self.sampler.global_batch_size:
             raise ConfigError(
                 f"the snapshot was taken with {state['global_micro_batch']} samples per global micro-batch, this "
@@ -699,7 +771,7 @@ class Trainer:
         if found is None:
             return False
         info, state = found
-        self.load_state_dict(state)
+        self.load_state_dict(state, source=str(info.path))
         self.resumed_from = info.step
         self._saved_at = (self.epoch, self.step, self.cursor)  # already on disk
         self._print0(f"ddpkit: resumed from {info.path} (epoch {self.epoch}, step {self.step}, restart {rt.restart_count})")

@@ -8,16 +8,21 @@ logging every sample it trains on, and leaving a part of the snapshot out on res
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
+import random
 import signal
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
 import ddpkit
+import ddpkit.data
 import ddpkit.snapshot
+import ddpkit.trainer
 from ddpkit.seeding import rng_state, set_rng_state
 from ddpkit.trainer import Trainer, TrainerConfig
 
@@ -39,15 +44,23 @@ class IndexedData(torch.utils.data.Dataset):
         return self.x[i], self.y[i], i
 
 
-def build_model(batchnorm: bool = True) -> nn.Module:
+class AugmentedData(IndexedData):
+    """The same set, each read perturbed with torch, numpy and python random draws (augmentation)."""
+
+    def __getitem__(self, i: int):
+        noise = 0.3 * torch.randn(N_FEATURES) + float(np.random.normal(0, 0.1)) + random.uniform(-0.1, 0.1)
+        return self.x[i] + noise, self.y[i], i
+
+
+def build_model(batchnorm: bool = True, hidden: int = 32) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
         # No bias before BatchNorm: its gradient is zero up to rounding, which Adam would amplify to full steps.
-        nn.Linear(N_FEATURES, 32, bias=False),
-        nn.BatchNorm1d(32) if batchnorm else nn.Identity(),
+        nn.Linear(N_FEATURES, hidden, bias=False),
+        nn.BatchNorm1d(hidden) if batchnorm else nn.Identity(),
         nn.ReLU(),
         nn.Dropout(0.2),
-        nn.Linear(32, 2),
+        nn.Linear(hidden, 2),
     )
 
 
@@ -56,9 +69,9 @@ class SabotagedTrainer(Trainer):
 
     drop: str | None = None
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state, source="the snapshot"):
         rng_before = rng_state()
-        super().load_state_dict(state)
+        super().load_state_dict(state, source)
         if self.drop == "rng":
             set_rng_state(rng_before)
         elif self.drop == "cursor":
@@ -110,16 +123,30 @@ def train(
     clip_grad_norm: float | None = None,
     out: str | None = None,
     trainer_hook=None,
+    lr: float = 0.05,
+    hidden: int = 32,
+    seed: int = 0,
+    resume: bool = True,
+    augment: bool = False,
+    num_workers: int = 0,
+    unseeded_samples: bool = False,
+    raise_on_stop_signal: bool = True,
+    catch_preempted: bool = True,
+    callbacks=(),
+    loggers: tuple[str, ...] = (),
 ) -> dict:
     """Train the job; ``event=(what, rank, step)`` makes ``rank`` produce a NaN loss (``nan``), an infinite
     loss whose gradients are finite (``inf``), a NaN loss whose gradients are zero (``ignored``: every target
     is ``ignore_index``), raise (``raise``, on the first attempt only) or receive SIGUSR1 (``signal``) when it
-    reaches ``step``."""
+    reaches ``step``. ``unseeded_samples``: the loader leaves augmentation to each worker's own stream (the
+    behaviour before samples were seeded from (seed, epoch, index)), for the controls."""
     rt = ddpkit.init()
-    model = build_model(batchnorm)
+    if unseeded_samples:
+        ddpkit.trainer.build_loader = functools.partial(ddpkit.data.build_loader, seed_samples=False)
+    model = build_model(batchnorm, hidden)
     if not dropout:
         model[3].p = 0.0
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.7)
     config = TrainerConfig(
         run_dir=run_dir,
@@ -140,6 +167,11 @@ def train(
         on_nonfinite=on_nonfinite,
         early_stopping_metric="val/loss" if early_stopping_patience else None,
         early_stopping_patience=early_stopping_patience or 1,
+        seed=seed,
+        resume=resume,
+        num_workers=num_workers,
+        raise_on_stop_signal=raise_on_stop_signal,
+        loggers=loggers,
     )
     attempt = rt.restart_count
     if kill_in_snapshot is not None and attempt == 0 and rt.rank == 0:
@@ -181,13 +213,21 @@ def train(
 
     SabotagedTrainer.drop = drop
     trainer = SabotagedTrainer(
-        model, optimizer, IndexedData(), config, val_data=IndexedData() if early_stopping_patience else None,
-        scheduler=scheduler, batch_loss_fn=batch_loss, metric_fn=metrics,
+        model, optimizer, AugmentedData() if augment else IndexedData(), config,
+        val_data=IndexedData() if early_stopping_patience else None,
+        scheduler=scheduler, batch_loss_fn=batch_loss, metric_fn=metrics, callbacks=callbacks,
     )
     if trainer_hook is not None:
         trainer_hook(trainer)
-    trainer.fit()
+    preempted = None
+    try:
+        trainer.fit()
+    except ddpkit.Preempted as stop:  # the default on a stop signal, once the snapshot is saved
+        if not catch_preempted:
+            raise
+        preempted = stop.code
     final = {
+        "preempted": preempted,
         "model": {k: v.clone() for k, v in ddpkit.unwrap(trainer.model).state_dict().items()},
         "optimizer": trainer.optimizer.state_dict(),
         "scheduler": trainer.scheduler.state_dict(),
@@ -215,9 +255,17 @@ if __name__ == "__main__":
     p.add_argument("--kill-in-snapshot", type=int, default=None)
     p.add_argument("--sample-log", default=None)
     p.add_argument("--raise-at", type=int, nargs=2, metavar=("RANK", "STEP"), default=None)
+    p.add_argument("--signal-at", type=int, nargs=2, metavar=("RANK", "STEP"), default=None)
+    p.add_argument("--no-raise-on-stop-signal", action="store_true")
+    p.add_argument("--augment", action="store_true")
+    p.add_argument("--workers", type=int, default=0)
+    p.add_argument("--unseeded-samples", action="store_true")
+    p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--out", default=None)
     a = p.parse_args()
+    event = ("raise", *a.raise_at) if a.raise_at else ("signal", *a.signal_at) if a.signal_at else None
     train(a.run_dir, global_batch=a.global_batch, epochs=a.epochs, max_steps=a.max_steps, kill_rank=a.kill_rank,
           kill_step=a.kill_step, kill_in_snapshot=a.kill_in_snapshot, sample_log=a.sample_log, out=a.out,
-          event=("raise", *a.raise_at) if a.raise_at else None)
+          event=event, raise_on_stop_signal=not a.no_raise_on_stop_signal, catch_preempted=False,
+          augment=a.augment, num_workers=a.workers, unseeded_samples=a.unseeded_samples, lr=a.lr)
     ddpkit.shutdown()

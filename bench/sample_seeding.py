@@ -1,0 +1,76 @@
+"""What seeding each sample from (seed, epoch, index) costs when a batch is loaded.
+
+``build_loader`` wraps the dataset in :class:`ddpkit.data.SeededSamples`: before each ``dataset[index]`` it
+seeds python's ``random``, numpy's global generator and torch's CPU generator, and in the main process
+(``num_workers=0``) it saves their states before a batch and restores them after. This loads the same batches
+with and without the wrapper, in interleaved rounds within one process, and reports per round the time to
+fetch one batch (``__getitems__`` of the keys, as the DataLoader's fetcher calls it), then the median over
+rounds of the difference and of the ratio seeded / plain.
+
+Two datasets: the seeds' case of tensors in memory (indexing is almost free, so the ratio is the worst case),
+and an 8x8 image with a light augmentation (a random shift and noise, as the digits would get).
+
+    python bench/sample_seeding.py                  # batch 64, 200 rounds
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import statistics
+import time
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, TensorDataset
+
+from ddpkit.data import SeededSamples
+
+
+class Augmented(Dataset):
+    def __init__(self, n: int) -> None:
+        self.x = torch.randn(n, 1, 8, 8)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        shift = int(torch.randint(-1, 2, ()))
+        return torch.roll(self.x[i], shift, dims=2) + 0.1 * torch.randn(1, 8, 8), i
+
+
+def fetch_time(fetch, repeats: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fetch()
+    return (time.perf_counter() - t0) / repeats
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=200)
+    p.add_argument("--repeats", type=int, default=20, help="batches per round and loader")
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    print(f"{datetime.date.today()} {platform.node()} python {platform.python_version()} torch {torch.__version__} "
+          f"numpy {np.__version__}; batch {a.batch_size}, {a.rounds} rounds of {a.repeats} batches; main process")
+    for name, data in [("tensors in memory", TensorDataset(torch.randn(4096, 64))), ("8x8 + augmentation",
+                                                                                     Augmented(4096))]:
+        seeded = SeededSamples(data, seed=0)
+        keys = [(0, i) for i in range(a.batch_size)]
+        plain_ms, seeded_ms = [], []
+        for r in range(a.rounds):
+            pair = [("plain", lambda: [data[i] for _, i in keys]), ("seeded", lambda: seeded.__getitems__(keys))]
+            for label, fetch in pair if r % 2 == 0 else pair[::-1]:  # alternate the order: drift falls on both
+                (plain_ms if label == "plain" else seeded_ms).append(1e3 * fetch_time(fetch, a.repeats))
+        extra = statistics.median(s - p for s, p in zip(seeded_ms, plain_ms))
+        ratio = statistics.median(s / p for s, p in zip(seeded_ms, plain_ms))
+        print(f"  {name:20s} plain {statistics.median(plain_ms):.3f} ms/batch, seeded "
+              f"{statistics.median(seeded_ms):.3f} ms/batch: +{extra * 1e3:.0f} us per batch "
+              f"({extra * 1e3 / a.batch_size:.1f} us per sample), ratio {ratio:.2f}")
+
+
+if __name__ == "__main__":
+    main()

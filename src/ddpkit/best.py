@@ -1,0 +1,57 @@
+"""The best model of a run: the weights of the epoch where a validation metric was best, kept apart.
+
+Snapshots are the newest ``keep_snapshots`` only, so the best epoch's weights are usually pruned by the time
+early stopping ends a run. ``run_dir/best.pt`` holds them, whatever is pruned, in a form that loads without
+ddpkit::
+
+    model.load_state_dict(torch.load("runs/digits/best.pt", weights_only=True)["model"])
+
+The file also records ``epoch``, ``step``, ``metric`` and ``value``. A resumed run reads the best value from it,
+so nothing of this lives in the snapshots; an epoch retrained after a crash gives the same value again, and an
+equal value does not replace the file. A run that starts afresh ignores a file left by an earlier run and
+replaces it at its first epoch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddpkit.errors import ConfigError
+from ddpkit.snapshot import save_weights
+
+
+class BestWeights:
+    """Writes ``path`` when ``metric`` improves (``mode`` ``min`` or ``max``); only where ``enabled`` (rank 0)."""
+
+    def __init__(self, path: str | Path, metric: str | None, mode: str, enabled: bool) -> None:
+        self.path, self.metric, self.mode = Path(path), metric, mode
+        self.enabled = enabled and metric is not None
+        self.value: float | None = None
+        self.epoch: int | None = None
+
+    def load(self) -> None:
+        """Take the best so far from the file: for a resumed run only (a fresh one replaces a stale file)."""
+        if self.enabled and self.path.exists():
+            saved = torch.load(self.path, weights_only=True)
+            if saved.get("metric") == self.metric:
+                self.value, self.epoch = saved["value"], saved["epoch"]
+
+    def update(self, metrics: Mapping[str, Any], model: nn.Module, epoch: int, step: int) -> bool:
+        """Save ``model``'s weights if ``metrics[metric]`` beats the best so far; True if it did."""
+        if not self.enabled:
+            return False
+        if self.metric not in metrics:
+            raise ConfigError(f"best_metric={self.metric!r} is not among the epoch's metrics {sorted(metrics)}")
+        value = float(metrics[self.metric])
+        if self.value is not None and not (value < self.value if self.mode == "min" else value > self.value):
+            return False
+        self.value, self.epoch = value, epoch
+        weights = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        save_weights(self.path, {"model": weights, "epoch": epoch, "step": step, "metric": self.metric,
+                                 "value": value})
+        return True
