@@ -29,7 +29,8 @@ class Callback:
         training after this epoch; raising ends it at once, on every rank that raises."""
 
     def on_fit_end(self, trainer: Trainer) -> None:
-        """When ``fit()`` returns normally (epochs done, max_steps, early stopping or a stop signal)."""
+        """When training ends without an error: epochs done, max_steps, early stopping, or a stop signal (then
+        just before ``fit()`` raises :class:`~ddpkit.Preempted`)."""
 
 
 _ambient: list[Any] = []
