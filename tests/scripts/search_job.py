@@ -1,7 +1,8 @@
 """The search the tests run: a tiny classifier on the Trainer, one candidate per group of ranks.
 
-``python search_job.py SEARCH_DIR --trials N --group-size K [--kill TRIAL EPOCH]`` under ``ddpkit run``; with
-``--kill``, global rank 1 SIGKILLs itself on the first attempt when candidate TRIAL reaches epoch EPOCH.
+``python search_job.py SEARCH_DIR --trials N --group-size K [--kill EPOCH]`` under ``ddpkit run``; with
+``--kill``, global rank 1 SIGKILLs itself on the first attempt when its first candidate reaches epoch EPOCH,
+having written that candidate's number to ``SEARCH_DIR/killed_trial``.
 """
 
 from __future__ import annotations
@@ -32,14 +33,16 @@ class Data(torch.utils.data.Dataset):
 
 
 class KillAt:
-    """SIGKILLs global rank 1 on the first attempt at the end of an epoch of one candidate."""
+    """SIGKILLs global rank 1 on the first attempt at the end of an epoch of its first candidate."""
 
-    def __init__(self, trial: int, epoch: int) -> None:
-        self.trial, self.epoch = trial, epoch
+    def __init__(self, search_dir: str, epoch: int) -> None:
+        self.search_dir, self.epoch = search_dir, epoch
 
     def on_epoch_end(self, trainer, metrics) -> None:
         rt = ddpkit.get_runtime()
-        if rt.restart_count == 0 and rt.rank == 1 and self.number == self.trial and trainer.epoch == self.epoch:
+        if rt.restart_count == 0 and rt.rank == 1 and trainer.epoch == self.epoch:
+            with open(f"{self.search_dir}/killed_trial", "w") as f:
+                f.write(str(self.number))
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -49,10 +52,10 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=4)
     p.add_argument("--group-size", type=int, default=1)
     p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--kill", type=int, nargs=2, default=None)
+    p.add_argument("--kill", type=int, default=None, metavar="EPOCH")
     a = p.parse_args()
     ddpkit.init()
-    killer = KillAt(*a.kill) if a.kill else None
+    killer = KillAt(a.search_dir, a.kill) if a.kill else None
 
     def objective(candidate):
         torch.manual_seed(0)
