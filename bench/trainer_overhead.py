@@ -36,20 +36,8 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import ddpkit
+from ddpkit.tools.models import DigitsCNN
 from ddpkit.trainer import Trainer, TrainerConfig
-
-
-class Net(nn.Module):
-    """The seeds' MNIST CNN."""
-
-    def __init__(self, num_classes: int = 10) -> None:
-        super().__init__()
-        self.layer1 = nn.Sequential(nn.Conv2d(1, 16, 5, padding=2), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2))
-        self.layer2 = nn.Sequential(nn.Conv2d(16, 32, 5, padding=2), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2))
-        self.fc = nn.Linear(7 * 7 * 32, num_classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(self.layer2(self.layer1(x)).flatten(1))
 
 
 def hand_loop(model: nn.Module, optimizer, loader: DataLoader, sampler: DistributedSampler, epoch: int) -> None:
@@ -98,13 +86,13 @@ def bench(steps: int, rounds: int, batch_size: int, default_malloc: bool = False
     data = TensorDataset(torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g))
 
     torch.manual_seed(0)
-    hand_model = ddpkit.prepare_model(Net())
+    hand_model = ddpkit.prepare_model(DigitsCNN(28))
     hand_opt = torch.optim.SGD(hand_model.parameters(), lr=1e-3)
     sampler = DistributedSampler(data)
     loader = DataLoader(data, batch_size=batch_size, sampler=sampler)
 
     torch.manual_seed(0)
-    net = Net()
+    net = DigitsCNN(28)
     run_dir = tempfile.mkdtemp(prefix="ddpkit-bench-") if rt.is_main else ""
     config = TrainerConfig(
         run_dir=ddpkit.broadcast_object(run_dir), batch_size=batch_size, epochs=1, num_workers=0,
@@ -187,7 +175,7 @@ def main() -> None:
         print(f"  ratio trainer / hand  {statistics.median(pairs):.3f}, 95% interval {lo:.3f}-{hi:.3f} "
               f"(median of per-round pairs; all pairs {pairs[0]:.3f}-{pairs[-1]:.3f}); extra {extra:+.3f} ms/step")
     print(f"snapshot stall: median {statistics.median(res['stall']) * 1000:.1f} ms "
-          f"(gather RNG states + rank 0 writes {sum(p.numel() for p in Net().parameters()) * 4 / 1e6:.2f} MB "
+          f"(gather RNG states + rank 0 writes {sum(p.numel() for p in DigitsCNN(28).parameters()) * 4 / 1e6:.2f} MB "
           "of weights with optimizer state, fsync, rename, manifest)")
 
 
