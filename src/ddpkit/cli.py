@@ -7,11 +7,13 @@ from collections.abc import Sequence
 
 from ddpkit.errors import ConfigError
 
-USAGE = """usage: ddpkit {run,env} ...
+USAGE = """usage: ddpkit {run,env,bench,check} ...
 
   ddpkit run [--nproc N] [--max-restarts N] [--all-ranks] script.py [args...]
                  launch one process per GPU (or CPU share) with torchrun's agent
   ddpkit env     versions, devices, the choices `run` would make, and a live all-reduce check
+  ddpkit bench [script.py]   step time at 1..N ranks, all-reduce sweep, prediction at larger world sizes
+  ddpkit check [script.py]   one process against N ranks, step by step; names the cause of a difference
 
 `ddpkit run -h` lists every option."""
 
@@ -31,6 +33,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             from ddpkit.envinfo import main as env_main
 
             return env_main(rest)
+        if command == "bench":
+            from ddpkit.tools.bench import main as bench_main
+
+            return bench_main(rest)
+        if command == "check":
+            from ddpkit.tools.check import main as check_main
+
+            return check_main(rest)
     except ConfigError as err:
         print(f"ddpkit {command}: error: {err}", file=sys.stderr)
         return 2

@@ -348,7 +348,10 @@ def _check(cfg: CheckConfig) -> tuple[int, list[str]]:
     verdicts = []
     for fixes, dist_run in zip(setups, ranks):
         one = train_steps(cfg.script, fixes, cfg.steps, global_batch, cfg.seed)
-        again = train_steps(cfg.script, fixes, cfg.steps, global_batch, cfg.seed)
+        # The repeat finds non-determinism; with deterministic algorithms on (all but two set-ups) it can only
+        # agree, unless deterministic mode does not cure it, which the all-on set-up shows.
+        repeat = "nondeterminism" not in fixes or fixes == frozenset(_KEYS)
+        again = train_steps(cfg.script, fixes, cfg.steps, global_batch, cfg.seed) if repeat else one
         verdicts.append(Verdict(compare(dist_run, one), compare(again, one)))
         if fixes == frozenset():
             base_one, base_ranks = one, dist_run
