@@ -341,6 +341,10 @@ def run_check(cfg: CheckConfig) -> tuple[int, list[str]]:
 
 
 def _check(cfg: CheckConfig) -> tuple[int, list[str]]:
+    # DDP's constructor imports torch._dynamo, which takes seconds; imported once here, before ddpkit.spawn
+    # forks, every rank of every job inherits it.
+    import torch._dynamo  # noqa: F401
+
     setups = _setups()
     ranks = spawn(functools.partial(_ranks_run, cfg.script, setups, cfg.steps, cfg.seed), cfg.nproc)[0]
     w = load_workload(cfg.script)

@@ -1,0 +1,459 @@
+"""``ddpkit bench``: will more GPUs help? Step time at 1..N ranks, the all-reduce on its own, and a prediction.
+
+1. The workload's DDP step at 1, 2, ... N ranks on this machine (one job per world size, world sizes
+   interleaved over rounds so that other load on the machine falls on all of them), broken into data,
+   forward, backward, the exposed all-reduce and the optimizer step (see :mod:`ddpkit.tools.steptime`).
+2. The backend's all-reduce alone over message sizes at 2..N ranks: an alpha-beta fit and nccl-tests' bus
+   bandwidth (:mod:`ddpkit.tools.allreduce`).
+3. Predicted step times: at 2..N ranks here, from the 1-rank step and the all-reduce fit alone, next to the
+   measured ones (the predictor's error); and at larger world sizes over a given interconnect
+   (:mod:`ddpkit.tools.predict`).
+4. DDP's knobs, each tried on its own at N ranks, and the best combination.
+5. DataParallel and one GPU against DDP, where there are GPUs.
+
+Writes a table to stdout, ``bench.json`` and (with matplotlib, ``pip install 'ddpkit[plot]'``) ``bench.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import platform
+import statistics
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ddpkit.errors import ConfigError
+from ddpkit.spawn import spawn
+from ddpkit.tools import allreduce, predict
+from ddpkit.tools.steptime import Knobs, cores, measure_steps, single_process_steps
+from ddpkit.tools.workload import HOOK, load_workload
+
+MS = 1e3
+
+
+@dataclass(kw_only=True)
+class BenchConfig:
+    """What ``ddpkit bench`` measures and predicts."""
+
+    script: str | None = None
+    """A training script defining ``ddpkit_workload()``; None for the seeds' CNN on sklearn digits."""
+    nproc: int = 2
+    """Largest world size measured on this machine (one GPU per rank, or CPU processes over gloo)."""
+    steps: int = 60
+    """Timed steps per job (as many untimed no_sync steps are interleaved to split off the all-reduce)."""
+    warmup: int = 10
+    rounds: int = 3
+    """Jobs per world size; medians over rounds. World sizes are interleaved round by round."""
+    predict_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    gpus_per_node: int = 8
+    """Ranks per node for the prediction: beyond it, the ring crosses nodes over ``interconnect``."""
+    intra: str = "measured"
+    """The link within a node for the prediction: ``measured`` (this machine's all-reduce) or a preset."""
+    interconnect: str = "infiniband"
+    """The link between nodes: ``nvlink``, ``infiniband`` or ``ethernet`` (see ddpkit.tools.predict.PRESETS)."""
+    bandwidth_gbps: float | None = None
+    """Bus bandwidth of the link between nodes in GB/s, replacing the preset's."""
+    latency_us: float | None = None
+    """Latency of one ring step between nodes in microseconds, replacing the preset's."""
+    knobs: bool = True
+    """Try DDP's and the loader's knobs at ``nproc`` ranks."""
+    out: str = "ddpkit-bench"
+    """Folder for bench.json and bench.png."""
+
+    def __post_init__(self) -> None:
+        if self.nproc < 2:
+            raise ConfigError(f"--nproc {self.nproc}: measure at least 2 ranks, or there is nothing to scale")
+        for name in ("steps", "rounds", "gpus_per_node"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be >= 1")
+        if self.interconnect not in predict.PRESETS:
+            raise ConfigError(f"--interconnect {self.interconnect!r}: choose one of {', '.join(predict.PRESETS)}")
+        if self.intra != "measured" and self.intra not in predict.PRESETS:
+            raise ConfigError(f"--intra {self.intra!r}: choose measured or one of {', '.join(predict.PRESETS)}")
+        if self.bandwidth_gbps is not None and self.bandwidth_gbps <= 0:
+            raise ConfigError(f"--bandwidth {self.bandwidth_gbps}: give a bus bandwidth in GB/s, > 0")
+        gpus = torch.cuda.device_count()
+        if gpus and self.nproc > gpus:
+            raise ConfigError(f"--nproc {self.nproc}: this machine has {gpus} GPU(s), one per rank: lower --nproc")
+
+    def inter_link(self) -> predict.Interconnect:
+        link = predict.PRESETS[self.interconnect]
+        if self.bandwidth_gbps is not None:
+            link = replace(link, busbw_bytes_per_s=self.bandwidth_gbps * 1e9, note=link.note + " (bandwidth given)")
+        if self.latency_us is not None:
+            link = replace(link, hop_latency_s=self.latency_us * 1e-6, note=link.note + " (latency given)")
+        return link
+
+
+# -- measuring ----------------------------------------------------------------------------------------------
+
+
+def _median_parts(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """Median over rounds of each part's per-job median (rank 0's; ranks wait for each other in the all-reduce)."""
+    parts = runs[0]["medians"].keys()
+    return {p: statistics.median(r["medians"][p] for r in runs) for p in parts if runs[0]["medians"][p] is not None}
+
+
+def measure_scaling(cfg: BenchConfig, log: Any) -> dict[int, dict[str, Any]]:
+    runs: dict[int, list[dict[str, Any]]] = {n: [] for n in range(1, cfg.nproc + 1)}
+    job = functools.partial(measure_steps, cfg.script, Knobs(), cfg.steps, cfg.warmup, True)
+    for r in range(cfg.rounds):
+        for n in runs:
+            runs[n].append(spawn(job, n)[0])
+            log(f"  round {r + 1}/{cfg.rounds}, {n} rank(s): step {runs[n][-1]['medians']['step'] * MS:.2f} ms")
+    return {n: {"parts": _median_parts(rs), "rounds_step_s": [x["medians"]["step"] for x in rs],
+                "pinned": rs[0]["pinned"], "threads": rs[0]["threads"], "device": rs[0]["device"], "backend": rs[0]["backend"],
+                "param_bytes": rs[0]["param_bytes"], "batch_size": rs[0]["batch_size"]} for n, rs in runs.items()}
+
+
+def measure_allreduce(cfg: BenchConfig, extra_sizes: tuple[int, ...]) -> dict[int, allreduce.AllReduceFit]:
+    sizes = tuple(sorted(set(allreduce.DEFAULT_SIZES) | set(extra_sizes)))
+    fits = {}
+    for n in range(2, cfg.nproc + 1):
+        points = spawn(functools.partial(_sweep_at, sizes), n)[0]
+        fits[n] = allreduce.fit_alpha_beta(n, points)
+    return fits
+
+
+def _sweep_at(sizes: tuple[int, ...]) -> list[tuple[int, float]]:
+    from ddpkit.runtime import init
+
+    init()
+    return allreduce.measure(sizes)
+
+
+KNOB_TRIALS = (
+    Knobs(bucket_cap_mb=1.0),
+    Knobs(bucket_cap_mb=100.0),
+    Knobs(gradient_as_bucket_view=True),
+    Knobs(static_graph=True),
+    Knobs(num_workers=1),
+)
+
+
+def measure_knobs(cfg: BenchConfig, log: Any) -> dict[str, Any]:
+    """Each knob changed on its own from the defaults at ``nproc`` ranks, rounds interleaved; then the best of
+    each knob together. A knob "helps" only if it beats the defaults by more than the defaults' own spread."""
+    trials = [Knobs(), *KNOB_TRIALS]
+    if torch.cuda.is_available():
+        trials.append(Knobs(pin_memory=True))
+    steps = max(10, cfg.steps // 2)
+    results: dict[Knobs, list[float]] = {k: [] for k in trials}
+    for r in range(max(2, cfg.rounds)):
+        for k in trials:
+            results[k].append(spawn(functools.partial(measure_steps, cfg.script, k, steps, cfg.warmup, False),
+                                    cfg.nproc)[0]["medians"]["step"])
+        log(f"  knobs round {r + 1}: " + ", ".join(f"{k.label()} {statistics.median(v) * MS:.2f}"
+                                                    for k, v in results.items()))
+    base = results[trials[0]]
+    noise = (max(base) - min(base)) / 2
+    best = {}
+    for k in trials[1:]:
+        gain = statistics.median(base) - statistics.median(results[k])
+        if gain > noise:
+            best |= {f: v for f, v in asdict(k).items() if v != getattr(Knobs(), f)}
+    combined = Knobs(**best)
+    if best and combined not in results:
+        results[combined] = [spawn(functools.partial(measure_steps, cfg.script, combined, steps, cfg.warmup, False),
+                                   cfg.nproc)[0]["medians"]["step"] for _ in range(max(2, cfg.rounds))]
+    rows = [{"knobs": k.label(), "settings": asdict(k), "step_s": statistics.median(v), "rounds_step_s": v}
+            for k, v in results.items()]
+    return {"world_size": cfg.nproc, "rows": rows, "noise_s": noise, "best": combined.label(),
+            "best_settings": asdict(combined), "best_step_s": statistics.median(results[combined])}
+
+
+def compare_data_parallel(cfg: BenchConfig) -> dict[str, Any]:
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
+        return {"skipped": "no CUDA GPU on this machine: DataParallel splits each batch over the GPUs of one "
+                           "process, and one GPU has nothing to compare with; DDP over gloo on CPU processes "
+                           "is measured above"}
+    out: dict[str, Any] = {"single_gpu": spawn(functools.partial(single_process_steps, cfg.script, False, cfg.steps,
+                                                                 cfg.warmup), 1)[0]}
+    if gpus >= 2:
+        out["data_parallel"] = spawn(functools.partial(single_process_steps, cfg.script, True, cfg.steps,
+                                                       cfg.warmup), 1)[0]
+    else:
+        out["data_parallel_skipped"] = "one GPU: DataParallel needs at least 2"
+    return out
+
+
+# -- predicting ---------------------------------------------------------------------------------------------
+
+
+def predictions(cfg: BenchConfig, scaling: dict[int, dict[str, Any]], fits: dict[int, allreduce.AllReduceFit],
+                ) -> dict[str, Any]:
+    one = scaling[1]["parts"]
+    on_cpu = scaling[1]["device"] == "cpu"
+    buckets = predict.bucket_sizes(scaling[1]["param_bytes"], Knobs().bucket_cap_mb)
+    batch = scaling[1]["batch_size"]
+    ncores = cores()
+    # DDP at one rank still all-reduces (over a group of one); that part is replaced by the n-rank all-reduce.
+    compute = one["step"] - max(0.0, one["backward"] - one.get("backward_no_sync", one["backward"]))
+    here = []
+    for n, fit in fits.items():
+        # On the CPU, ranks beyond the cores share them: each rank's compute slows by that share. Communication
+        # runs on the same cores, so it is not hidden behind backward.
+        scale = max(1.0, n * scaling[1].get("threads", 1) / ncores) if on_cpu else 1.0
+        p = predict.predict(n=n, one_rank_step_s=compute, backward_s=one["backward"], batch_size=batch,
+                            buckets=buckets, allreduce_s=fit.seconds, link=f"measured ({n} ranks)",
+                            compute_scale=scale, overlap=not on_cpu)
+        measured = scaling[n]["parts"]["step"]
+        here.append(p.to_json() | {"measured_step_s": measured, "error": p.step_s / measured - 1,
+                                   "compute_scale": scale})
+    largest = fits[max(fits)]
+    measured_link = predict.Interconnect("measured", largest.bus_bandwidth, largest.hop_latency_s,
+                                         f"this machine's all-reduce at {largest.world_size} ranks")
+    intra = measured_link if cfg.intra == "measured" else predict.PRESETS[cfg.intra]
+    larger = {}
+    for name, inter in [(cfg.interconnect, cfg.inter_link())] + [(k, v) for k, v in predict.PRESETS.items()
+                                                                  if k != cfg.interconnect]:
+        rows = []
+        for n in cfg.predict_sizes:
+            link, nodes = predict.link_for(n, cfg.gpus_per_node, intra, inter)
+            rows.append(predict.predict(
+                n=n, one_rank_step_s=compute, backward_s=one["backward"], batch_size=batch, buckets=buckets,
+                allreduce_s=functools.partial(predict.ring_seconds, n=n, link=link), link=link.name, nodes=nodes,
+                overlap=not on_cpu or link.name != "measured",
+            ).to_json())
+        larger[name] = {"link": asdict(inter), "rows": rows}
+    return {"this_machine": here, "larger": larger, "intra_link": asdict(intra), "buckets_bytes": buckets,
+            "chosen": cfg.interconnect}
+
+
+def assumptions(cfg: BenchConfig, scaling: dict[int, dict[str, Any]], pred: dict[str, Any]) -> list[str]:
+    on_cpu = scaling[1]["device"] == "cpu"
+    inter = cfg.inter_link()
+    buckets = pred["buckets_bytes"]
+    intra = pred["intra_link"]
+    return [
+        "weak scaling: every rank keeps the per-rank batch, so the global batch grows with the world size",
+        "a rank's compute (data, forward, backward, optimizer) is the 1-rank step measured here, less its "
+        "exposed all-reduce over a group of one"
+        + (", slowed by the share of a core each rank gets when ranks outnumber cores" if on_cpu else ""),
+        f"gradients: {sum(buckets) / 1e6:.3f} MB in {len(buckets)} DDP bucket(s) "
+        f"(first up to 1 MiB, then bucket_cap_mb={Knobs().bucket_cap_mb:g}); float32",
+        "ring all-reduce of S bytes at n ranks: 2(n-1) x hop latency + 2(n-1)/n x S / busbw",
+        "overlap: a bucket's all-reduce starts when backward has produced it (backward taken as uniform over "
+        "gradient bytes) and the previous bucket is done; only what outlasts backward adds to the step"
+        + ("; on this machine (CPU) communication shares the cores with compute, so none of it is hidden "
+           "in the predictions for this machine" if on_cpu else ""),
+        f"within a node (up to {cfg.gpus_per_node} ranks): {intra['name']}, busbw "
+        f"{intra['busbw_bytes_per_s'] / 1e9:.3g} GB/s, {intra['hop_latency_s'] * 1e6:.3g} us per ring step"
+        + (f" ({intra['note']})" if intra.get("note") else ""),
+        f"between nodes: {inter.name}, busbw {inter.busbw_bytes_per_s / 1e9:.3g} GB/s, "
+        f"{inter.hop_latency_s * 1e6:.3g} us per ring step ({inter.note}); the ring runs at its slowest link",
+        "not modelled: stragglers and jitter between ranks, hierarchical/tree all-reduce, data loading "
+        "that does not keep up, compression hooks",
+    ]
+
+
+# -- reporting ----------------------------------------------------------------------------------------------
+
+
+def _conditions(cfg: BenchConfig, scaling: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()} {platform.processor()}".strip(),
+        "cores": cores(),
+        "load_average_1_5_15": load,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "device": scaling[1]["device"],
+        "backend": scaling[2]["backend"] if 2 in scaling else scaling[1]["backend"],
+        "threads_per_rank": 1,
+        "pinned_ranks": {n: s["pinned"] for n, s in scaling.items()},
+        "config": asdict(cfg),
+    }
+
+
+def report(cfg: BenchConfig, result: dict[str, Any]) -> list[str]:
+    sc, pred, cond = result["scaling"], result["predictions"], result["conditions"]
+    batch = sc[1]["batch_size"]
+    lines = [
+        f"ddpkit bench: {result['workload']}, batch {batch} per rank; {cond['device']} ({cond['backend']}), "
+        f"{cond['cores']} cores, 1 thread per rank, torch {cond['torch']}, {cond['date']}",
+        f"load average at the end {cond['load_average_1_5_15']} (other work on the machine slows and scatters "
+        "these numbers); ranks pinned to their own core: "
+        + ", ".join(f"{n}: {'yes' if p else 'no'}" for n, p in cond["pinned_ranks"].items()),
+        f"{cfg.rounds} round(s) per world size, {cfg.steps} timed steps each after {cfg.warmup} warm-up; "
+        "medians. exposed all-reduce = backward - backward under no_sync(); all-reduce span = DDP comm hook, "
+        "first bucket launched to last bucket done",
+        "",
+        "Measured on this machine (ms per step)",
+        f"{'ranks':>5} {'data':>7} {'forward':>8} {'backward':>9} {'exposed AR':>10} {'AR span':>8} "
+        f"{'optimizer':>9} {'step':>8} {'samples/s':>10} {'speed-up':>8} {'efficiency':>10}",
+    ]
+    t1 = sc[1]["parts"]["step"]
+    for n, s in sc.items():
+        p = s["parts"]
+        exposed = max(0.0, p["backward"] - p.get("backward_no_sync", p["backward"]))
+        lines.append(
+            f"{n:>5} {p['data'] * MS:>7.3f} {p['forward'] * MS:>8.3f} {p['backward'] * MS:>9.3f} "
+            f"{exposed * MS:>10.3f} {p['allreduce_span'] * MS:>8.3f} {p['optimizer'] * MS:>9.3f} "
+            f"{p['step'] * MS:>8.3f} {n * batch / p['step']:>10.0f} {n * t1 / p['step']:>8.2f} "
+            f"{t1 / p['step']:>10.0%}"
+        )
+    lines += ["", "All-reduce alone (float32, back-to-back, slowest rank; nccl-tests' busbw = algbw x 2(n-1)/n)"]
+    for n, fit in result["allreduce"].items():
+        pts = fit["points"]
+        big = pts[-1]
+        lines.append(
+            f"  {n} ranks: alpha {fit['alpha_s'] * 1e6:.1f} us, beta {fit['beta_bytes_per_s'] / 1e9:.3f} GB/s "
+            f"(busbw {fit['bus_bandwidth_bytes_per_s'] / 1e9:.3f} GB/s); measured "
+            + ", ".join(f"{_size(p['bytes'])} {p['seconds'] * 1e6:.0f} us" for p in pts[:: max(1, len(pts) // 6)])
+            + f"; {_size(big['bytes'])}: busbw {big['busbw_bytes_per_s'] / 1e9:.3f} GB/s"
+        )
+    lines += ["", "Predicted from the 1-rank run and the all-reduce fit alone, against measured (this machine)",
+              f"{'ranks':>5} {'predicted ms':>12} {'measured ms':>11} {'error':>7}  (compute x share of a core)"]
+    for row in pred["this_machine"]:
+        lines.append(f"{row['world_size']:>5} {row['step_s'] * MS:>12.3f} {row['measured_step_s'] * MS:>11.3f} "
+                     f"{row['error']:>+7.1%}  x{row['compute_scale']:.2f}")
+    chosen = pred["larger"][pred["chosen"]]
+    lines += ["", f"Predicted at larger world sizes (within a node: {pred['intra_link']['name']}; between nodes: "
+                  f"{chosen['link']['name']}; {cfg.gpus_per_node} ranks per node)",
+              f"{'ranks':>5} {'nodes':>5} {'step ms':>8} {'exposed AR ms':>13} {'samples/s':>10} {'efficiency':>10}"]
+    for row in chosen["rows"]:
+        lines.append(f"{row['world_size']:>5} {row['nodes']:>5} {row['step_s'] * MS:>8.3f} "
+                     f"{row['exposed_comm_s'] * MS:>13.3f} {row['samples_per_s']:>10.0f} {row['efficiency']:>10.0%}")
+    lines += ["assumptions:"] + [f"  - {a}" for a in result["assumptions"]]
+    knobs = result.get("knobs")
+    if knobs:
+        lines += ["", f"DDP and loader knobs at {knobs['world_size']} ranks (median step; the defaults' spread "
+                      f"between rounds: +-{knobs['noise_s'] * MS:.3f} ms)"]
+        base = knobs["rows"][0]["step_s"]
+        for row in knobs["rows"]:
+            lines.append(f"  {row['knobs']:<42} {row['step_s'] * MS:8.3f} ms  {row['step_s'] / base - 1:+7.1%}")
+        lines.append(f"  best: {knobs['best']} ({knobs['best_step_s'] * MS:.3f} ms); "
+                     + ("pin_memory only matters for copies to a GPU: not tried on the CPU"
+                        if cond["device"] == "cpu" else ""))
+    dp = result["data_parallel"]
+    lines += [""]
+    if "skipped" in dp:
+        lines.append(f"DataParallel / one GPU: skipped: {dp['skipped']}")
+    else:
+        single = dp["single_gpu"]
+        lines.append(f"one GPU: {single['step'] * MS:.3f} ms/step, {single['samples'] / single['step']:.0f} samples/s")
+        if "data_parallel" in dp:
+            d = dp["data_parallel"]
+            lines.append(f"DataParallel over {d['gpus']} GPUs: {d['step'] * MS:.3f} ms/step, "
+                         f"{d['samples'] / d['step']:.0f} samples/s")
+            if d["gpus"] in sc:
+                s = sc[d["gpus"]]["parts"]["step"]
+                lines.append(f"DDP over {d['gpus']} GPUs: {s * MS:.3f} ms/step, {d['gpus'] * batch / s:.0f} samples/s")
+        else:
+            lines.append(f"DataParallel: skipped: {dp['data_parallel_skipped']}")
+    return lines
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:g} {unit}"
+    return f"{n} B"
+
+
+def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
+    # DDP's constructor imports torch._dynamo, which takes seconds; imported once here, before ddpkit.spawn
+    # forks, every rank of every job inherits it.
+    import torch._dynamo  # noqa: F401
+
+    w = load_workload(cfg.script)  # fails early, in this process, on a script without the hook
+    log(f"measuring the step at 1..{cfg.nproc} ranks ({cfg.rounds} rounds)")
+    scaling = measure_scaling(cfg, log)
+    log("measuring the all-reduce alone")
+    grad_bytes = sum(scaling[1]["param_bytes"])
+    fits = measure_allreduce(cfg, (grad_bytes,))
+    knobs = None
+    if cfg.knobs:
+        log(f"trying DDP's knobs at {cfg.nproc} ranks")
+        knobs = measure_knobs(cfg, log)
+    dp = compare_data_parallel(cfg)
+    pred = predictions(cfg, scaling, fits)
+    result = {
+        "workload": cfg.script or w.name,
+        "scaling": scaling,
+        "allreduce": {n: f.to_json() for n, f in fits.items()},
+        "predictions": pred,
+        "assumptions": assumptions(cfg, scaling, pred),
+        "knobs": knobs,
+        "data_parallel": dp,
+    }
+    result["conditions"] = _conditions(cfg, scaling)
+    return result
+
+
+def write_outputs(cfg: BenchConfig, result: dict[str, Any]) -> list[str]:
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "bench.json.tmp"
+    tmp.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    tmp.replace(out / "bench.json")  # never a half-written file
+    written = [str(out / "bench.json")]
+    try:
+        from ddpkit.tools.plot import plot_throughput
+    except ImportError as err:
+        return written + [f"(no plot: {err}; pip install 'ddpkit[plot]')"]
+    plot_throughput(result, out / "bench.png")
+    return written + [str(out / "bench.png")]
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give world sizes as 1,2,4,8") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: world sizes must be >= 1")
+    return sizes
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="ddpkit bench", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__,
+        epilog=f"Your own training: a script defining {HOOK}() that returns (model, dataset, loss_fn, "
+        "optimizer_factory) or a ddpkit.tools.workload.Workload (batch_size per rank, loader, ...).",
+    )
+    p.add_argument("script", nargs="?", help=f"training script defining {HOOK}(); default: the seeds' CNN")
+    gpus = torch.cuda.device_count()
+    p.add_argument("--nproc", type=int, default=gpus if gpus >= 2 else 2,
+                   help="largest world size measured here (default: the GPUs, or 2 CPU processes)")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--predict", type=_sizes, default=BenchConfig.predict_sizes, metavar="N,N,...",
+                   help="world sizes to predict (default 1,2,4,...,256)")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--intra", default="measured", help="link within a node: measured (default) or a preset")
+    p.add_argument("--interconnect", default="infiniband", choices=sorted(predict.PRESETS),
+                   help="link between nodes (default infiniband)")
+    p.add_argument("--bandwidth", type=float, dest="bandwidth_gbps", metavar="GB/s",
+                   help="bus bandwidth of the link between nodes, replacing the preset's")
+    p.add_argument("--latency-us", type=float, help="latency of one ring step between nodes, replacing the preset's")
+    p.add_argument("--no-knobs", dest="knobs", action="store_false", help="skip the knob trials")
+    p.add_argument("--out", default="ddpkit-bench", help="folder for bench.json and bench.png")
+    a = p.parse_args(argv)
+    cfg = BenchConfig(script=a.script, nproc=a.nproc, steps=a.steps, warmup=a.warmup, rounds=a.rounds,
+                      predict_sizes=a.predict, gpus_per_node=a.gpus_per_node, intra=a.intra,
+                      interconnect=a.interconnect, bandwidth_gbps=a.bandwidth_gbps, latency_us=a.latency_us,
+                      knobs=a.knobs, out=a.out)
+    result = run_bench(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
+    print("\n".join(report(cfg, result)))
+    for path in write_outputs(cfg, result):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
