@@ -115,13 +115,15 @@ def measure_scaling(cfg: BenchConfig, log: Any) -> dict[int, dict[str, Any]]:
                 "param_bytes": rs[0]["param_bytes"], "batch_size": rs[0]["batch_size"]} for n, rs in runs.items()}
 
 
-def measure_allreduce(cfg: BenchConfig, extra_sizes: tuple[int, ...]) -> dict[int, allreduce.AllReduceFit]:
-    sizes = tuple(sorted(set(allreduce.DEFAULT_SIZES) | set(extra_sizes)))
+def measure_allreduce(cfg: BenchConfig, buckets: list[int]) -> tuple[dict[int, allreduce.AllReduceFit], dict[int, float]]:
+    """The sweep at 2..N ranks (the bucket sizes among the sizes), and the buckets' all-reduce at one rank."""
+    sizes = tuple(sorted(set(allreduce.DEFAULT_SIZES) | set(buckets)))
     fits = {}
     for n in range(2, cfg.nproc + 1):
         points = spawn(functools.partial(_sweep_at, sizes), n)[0]
         fits[n] = allreduce.fit_alpha_beta(n, points)
-    return fits
+    one = dict(spawn(functools.partial(_sweep_at, tuple(sorted(set(buckets)))), 1)[0])
+    return fits, one
 
 
 def _sweep_at(sizes: tuple[int, ...]) -> list[tuple[int, float]]:
@@ -191,14 +193,20 @@ def compare_data_parallel(cfg: BenchConfig) -> dict[str, Any]:
 
 
 def predictions(cfg: BenchConfig, scaling: dict[int, dict[str, Any]], fits: dict[int, allreduce.AllReduceFit],
-                ) -> dict[str, Any]:
+                one_rank_allreduce: dict[int, float]) -> dict[str, Any]:
     one = scaling[1]["parts"]
     on_cpu = scaling[1]["device"] == "cpu"
     buckets = predict.bucket_sizes(scaling[1]["param_bytes"], Knobs().bucket_cap_mb)
     batch = scaling[1]["batch_size"]
     ncores = cores()
     # DDP at one rank still all-reduces (over a group of one); that part is replaced by the n-rank all-reduce.
-    compute = one["step"] - max(0.0, one["backward"] - one.get("backward_no_sync", one["backward"]))
+    # One rank's step splits into compute and what its backward waits for after the last gradient (backward
+    # with synchronisation minus backward under no_sync). The wait holds the all-reduce over a group of one
+    # (measured alone) and DDP's fixed cost of finishing a reduction (waking the waiting thread, copying the
+    # buckets back), which every world size pays; the all-reduce at n ranks replaces the one-rank all-reduce.
+    exposed_one = max(0.0, one["backward"] - one.get("backward_no_sync", one["backward"]))
+    compute = one["step"] - exposed_one
+    fixed = max(0.0, exposed_one - sum(one_rank_allreduce.get(b, 0.0) for b in buckets))
     here = []
     for n, fit in fits.items():
         # On the CPU, ranks beyond the cores share them: each rank's compute slows by that share. Communication
@@ -206,7 +214,7 @@ def predictions(cfg: BenchConfig, scaling: dict[int, dict[str, Any]], fits: dict
         scale = max(1.0, n * scaling[1].get("threads", 1) / ncores) if on_cpu else 1.0
         p = predict.predict(n=n, one_rank_step_s=compute, backward_s=one["backward"], batch_size=batch,
                             buckets=buckets, allreduce_s=fit.seconds, link=f"measured ({n} ranks)",
-                            compute_scale=scale, overlap=not on_cpu)
+                            compute_scale=scale, overlap=not on_cpu, fixed_sync_s=fixed)
         measured = scaling[n]["parts"]["step"]
         here.append(p.to_json() | {"measured_step_s": measured, "error": p.step_s / measured - 1,
                                    "compute_scale": scale})
@@ -223,11 +231,12 @@ def predictions(cfg: BenchConfig, scaling: dict[int, dict[str, Any]], fits: dict
             rows.append(predict.predict(
                 n=n, one_rank_step_s=compute, backward_s=one["backward"], batch_size=batch, buckets=buckets,
                 allreduce_s=functools.partial(predict.ring_seconds, n=n, link=link), link=link.name, nodes=nodes,
-                overlap=not on_cpu or link.name != "measured",
+                overlap=not on_cpu or link.name != "measured", fixed_sync_s=fixed,
             ).to_json())
         larger[name] = {"link": asdict(inter), "rows": rows}
     return {"this_machine": here, "larger": larger, "intra_link": asdict(intra), "buckets_bytes": buckets,
-            "chosen": cfg.interconnect}
+            "chosen": cfg.interconnect, "one_rank": {"compute_s": compute, "exposed_s": exposed_one,
+                                                     "fixed_sync_s": fixed, "allreduce_s": one_rank_allreduce}}
 
 
 def assumptions(cfg: BenchConfig, scaling: dict[int, dict[str, Any]], pred: dict[str, Any]) -> list[str]:
@@ -237,8 +246,10 @@ def assumptions(cfg: BenchConfig, scaling: dict[int, dict[str, Any]], pred: dict
     intra = pred["intra_link"]
     return [
         "weak scaling: every rank keeps the per-rank batch, so the global batch grows with the world size",
-        "a rank's compute (data, forward, backward, optimizer) is the 1-rank step measured here, less its "
-        "exposed all-reduce over a group of one"
+        "a rank's compute (data, forward, backward, optimizer) is the 1-rank step measured here, less the "
+        "wait at the end of its backward; of that wait, all but the all-reduce over a group of one (measured "
+        f"alone) is DDP's fixed cost of finishing a reduction ({pred['one_rank']['fixed_sync_s'] * MS:.3f} ms "
+        "here), added at every world size"
         + (", slowed by the share of a core each rank gets when ranks outnumber cores" if on_cpu else ""),
         f"gradients: {sum(buckets) / 1e6:.3f} MB in {len(buckets)} DDP bucket(s) "
         f"(first up to 1 MiB, then bucket_cap_mb={Knobs().bucket_cap_mb:g}); float32",
@@ -372,14 +383,13 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
     log(f"measuring the step at 1..{cfg.nproc} ranks ({cfg.rounds} rounds)")
     scaling = measure_scaling(cfg, log)
     log("measuring the all-reduce alone")
-    grad_bytes = sum(scaling[1]["param_bytes"])
-    fits = measure_allreduce(cfg, (grad_bytes,))
+    fits, one_rank = measure_allreduce(cfg, predict.bucket_sizes(scaling[1]["param_bytes"], Knobs().bucket_cap_mb))
     knobs = None
     if cfg.knobs:
         log(f"trying DDP's knobs at {cfg.nproc} ranks")
         knobs = measure_knobs(cfg, log)
     dp = compare_data_parallel(cfg)
-    pred = predictions(cfg, scaling, fits)
+    pred = predictions(cfg, scaling, fits, one_rank)
     result = {
         "workload": cfg.script or w.name,
         "scaling": scaling,

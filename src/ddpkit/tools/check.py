@@ -245,6 +245,7 @@ def train_steps(script: str | None, fixes: frozenset[str], steps: int, per_rank_
                 scaled.backward()
                 params = list(unwrap(model).parameters())
                 grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+                records["sizes"] = [p.numel() for p in params]
                 records["grad"].append(torch.cat([g.detach().reshape(-1).double().cpu() for g in grads]))
                 # The global loss: each rank's mean times its samples, summed, over all samples.
                 records["loss"].append(sum(gather_object(loss.item() * n)) / n_global)
@@ -282,6 +283,8 @@ class Comparison:
     """Per step, the relative difference of each quantity."""
     error: str | None = None
     """A run that raised, and what it raised."""
+    silent: int = 0
+    """Parameters left out of the weights' comparison: their gradients are rounding noise (see compare)."""
 
     def first(self, rtol: float) -> tuple[int, str, float] | None:
         """(step, quantity, relative difference) of the first difference beyond ``rtol``."""
@@ -298,12 +301,42 @@ class Comparison:
         return self.error is not None or self.first(rtol) is not None
 
 
+# A parameter whose gradient is this small next to the whole gradient gets only rounding noise: a bias that
+# BatchNorm cancels, for one. Adam divides a gradient by its own size, so it moves such a parameter by a full
+# learning rate in a direction set by the noise, and two runs that agree to 1e-7 move it in opposite directions.
+SILENT_GRADIENT = 1e-6
+
+
+def _silent_mask(reference: dict[str, Any], steps: int) -> tuple[torch.Tensor | None, int]:
+    """Elements of the weights to compare: those of parameters whose gradient was above rounding noise at every
+    step so far, in the reference run; and how many parameters are left out."""
+    sizes = reference.get("sizes")
+    if not sizes or not steps:
+        return None, 0
+    keep = []
+    for i in range(len(sizes)):
+        start = sum(sizes[:i])
+        alive = all(
+            float(g[start : start + sizes[i]].norm()) > SILENT_GRADIENT * float(g.norm())
+            for g in reference["grad"][:steps]
+        )
+        keep.append(alive)
+    mask = torch.cat([torch.full((n,), k) for n, k in zip(sizes, keep)])
+    return mask, keep.count(False)
+
+
 def compare(a: dict[str, Any], b: dict[str, Any]) -> Comparison:
     """``a`` against ``b`` (the reference), step by step, over the steps both completed."""
     error = a["error"] or b["error"]
     n = min(len(a["loss"]), len(b["loss"]))
-    diffs = [{q: _rel(a[q][i], b[q][i]) for q in QUANTITIES} for i in range(n)]
-    return Comparison(diffs, error)
+    diffs = []
+    silent = 0
+    for i in range(n):
+        mask, silent = _silent_mask(b, i + 1)
+        wa, wb = (a["weights"][i], b["weights"][i]) if mask is None else (a["weights"][i][mask], b["weights"][i][mask])
+        diffs.append({"loss": _rel(a["loss"][i], b["loss"][i]), "grad": _rel(a["grad"][i], b["grad"][i]),
+                      "weights": _rel(wa, wb)})
+    return Comparison(diffs, error, silent)
 
 
 @dataclass
@@ -359,11 +392,16 @@ def _check(cfg: CheckConfig) -> tuple[int, list[str]]:
         verdicts.append(Verdict(compare(dist_run, one), compare(again, one)))
         if fixes == frozenset():
             base_one, base_ranks = one, dist_run
+    silent = verdicts[0].ranks.silent
     lines = [
         f"ddpkit check: {cfg.script or w.name}: 1 process (batch {global_batch}) vs {cfg.nproc} ranks "
         f"(batch {w.batch_size} each, gloo), {cfg.steps} steps, tolerance {cfg.rtol:g} relative",
         _table(base_one, base_ranks, verdicts[0], cfg),
     ]
+    if silent:
+        lines.append(f"({silent} parameter(s) with gradients at rounding level, e.g. a bias that BatchNorm "
+                     "cancels, are left out of the weights' comparison: an adaptive optimizer such as Adam "
+                     "turns their rounding noise into full-size steps)")
     base, fixed = verdicts[0], verdicts[1]
     if not base.differs(cfg.rtol):
         lines.append(f"OK: {cfg.nproc} ranks train the same model as one process "

@@ -88,6 +88,7 @@ class Prediction:
     compute_s: float
     """One rank's step without communication, scaled by the share of a core each rank gets."""
     exposed_comm_s: float
+    """The all-reduce that backward does not hide, with DDP's fixed cost of finishing a reduction."""
     samples_per_s: float
     efficiency: float
     """Throughput over ``n`` times the one-rank throughput."""
@@ -97,16 +98,19 @@ class Prediction:
 
 
 def predict(*, n: int, one_rank_step_s: float, backward_s: float, batch_size: int, buckets: list[int],
-            allreduce_s, link: str, nodes: int = 1, compute_scale: float = 1.0, overlap: bool = True) -> Prediction:
+            allreduce_s, link: str, nodes: int = 1, compute_scale: float = 1.0, overlap: bool = True,
+            fixed_sync_s: float = 0.0) -> Prediction:
     """Step time and efficiency at ``n`` ranks; see the module's docstring for the model."""
     if n < 1:
         raise ConfigError(f"world size {n}: must be >= 1")
-    exposed = exposed_seconds(buckets, backward_s * compute_scale, allreduce_s, overlap) if n > 1 else 0.0
+    exposed = fixed_sync_s
+    if n > 1:
+        exposed += exposed_seconds(buckets, backward_s * compute_scale, allreduce_s, overlap)
     compute = one_rank_step_s * compute_scale
     step = compute + exposed
     return Prediction(
         world_size=n, nodes=nodes, link=link, step_s=step, compute_s=compute, exposed_comm_s=exposed,
-        samples_per_s=n * batch_size / step, efficiency=one_rank_step_s / step,
+        samples_per_s=n * batch_size / step, efficiency=(one_rank_step_s + fixed_sync_s) / step,
     )
 
 
