@@ -111,11 +111,12 @@ def measure_scaling(cfg: BenchConfig, log: Any) -> dict[int, dict[str, Any]]:
             runs[n].append(spawn(job, n)[0])
             log(f"  round {r + 1}/{cfg.rounds}, {n} rank(s): step {runs[n][-1]['medians']['step'] * MS:.2f} ms")
     return {n: {"parts": _median_parts(rs), "rounds_step_s": [x["medians"]["step"] for x in rs],
-                "pinned": rs[0]["pinned"], "threads": rs[0]["threads"], "device": rs[0]["device"], "backend": rs[0]["backend"],
-                "param_bytes": rs[0]["param_bytes"], "batch_size": rs[0]["batch_size"]} for n, rs in runs.items()}
+                "pinned": rs[0]["pinned"], "threads": rs[0]["threads"], "device": rs[0]["device"],
+                "backend": rs[0]["backend"], "param_bytes": rs[0]["param_bytes"], "batch_size": rs[0]["batch_size"]} for n, rs in runs.items()}
 
 
-def measure_allreduce(cfg: BenchConfig, buckets: list[int]) -> tuple[dict[int, allreduce.AllReduceFit], dict[int, float]]:
+def measure_allreduce(cfg: BenchConfig, buckets: list[int],
+                      ) -> tuple[dict[int, allreduce.AllReduceFit], dict[int, float]]:
     """The sweep at 2..N ranks (the bucket sizes among the sizes), and the buckets' all-reduce at one rank."""
     sizes = tuple(sorted(set(allreduce.DEFAULT_SIZES) | set(buckets)))
     fits = {}
