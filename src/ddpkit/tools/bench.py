@@ -112,7 +112,8 @@ def measure_scaling(cfg: BenchConfig, log: Any) -> dict[int, dict[str, Any]]:
             log(f"  round {r + 1}/{cfg.rounds}, {n} rank(s): step {runs[n][-1]['medians']['step'] * MS:.2f} ms")
     return {n: {"parts": _median_parts(rs), "rounds_step_s": [x["medians"]["step"] for x in rs],
                 "pinned": rs[0]["pinned"], "threads": rs[0]["threads"], "device": rs[0]["device"],
-                "backend": rs[0]["backend"], "param_bytes": rs[0]["param_bytes"], "batch_size": rs[0]["batch_size"]} for n, rs in runs.items()}
+                "backend": rs[0]["backend"], "param_bytes": rs[0]["param_bytes"], "batch_size": rs[0]["batch_size"]}
+            for n, rs in runs.items()}
 
 
 def measure_allreduce(cfg: BenchConfig, buckets: list[int],
