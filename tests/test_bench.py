@@ -88,3 +88,10 @@ def test_bench_end_to_end_writes_table_json_and_plot(tmp_path):
     assert row["error"] == pytest.approx(row["step_s"] / row["measured_step_s"] - 1)
     png = (out / "bench.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_stragglers_cost_nothing_without_jitter_and_grow_with_ranks():
+    assert predict.straggler_seconds([2e-3] * 60, 8) == 0.0
+    jittery = [1e-3] * 50 + [5e-3] * 10  # one step in six is slow
+    two, eight = predict.straggler_seconds(jittery, 2), predict.straggler_seconds(jittery, 8)
+    assert 0.0 <= two < eight <= 4e-3 + 1e-12

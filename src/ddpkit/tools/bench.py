@@ -112,7 +112,8 @@ def measure_scaling(cfg: BenchConfig, log: Any) -> dict[int, dict[str, Any]]:
             log(f"  round {r + 1}/{cfg.rounds}, {n} rank(s): step {runs[n][-1]['medians']['step'] * MS:.2f} ms")
     return {n: {"parts": _median_parts(rs), "rounds_step_s": [x["medians"]["step"] for x in rs],
                 "pinned": rs[0]["pinned"], "threads": rs[0]["threads"], "device": rs[0]["device"],
-                "backend": rs[0]["backend"], "param_bytes": rs[0]["param_bytes"], "batch_size": rs[0]["batch_size"]}
+                "backend": rs[0]["backend"], "param_bytes": rs[0]["param_bytes"], "batch_size": rs[0]["batch_size"],
+                "step_samples": [x["step_samples"] for x in rs]}
             for n, rs in runs.items()}
 
 
@@ -156,7 +157,7 @@ def measure_knobs(cfg: BenchConfig, log: Any) -> dict[str, Any]:
         for k in trials:
             results[k].append(spawn(functools.partial(measure_steps, cfg.script, k, steps, cfg.warmup, False),
                                     cfg.nproc)[0]["medians"]["step"])
-        log(f"  knobs round {r + 1}: " + ", ".join(f"{k.label()} {statistics.median(v) * MS:.2f}"
+        log(f"  knobs, medians after round {r + 1}: " + ", ".join(f"{k.label()} {statistics.median(v) * MS:.2f}"
                                                     for k, v in results.items()))
     base = results[trials[0]]
     noise = (max(base) - min(base)) / 2
@@ -214,12 +215,14 @@ def predictions(cfg: BenchConfig, scaling: dict[int, dict[str, Any]], fits: dict
         # On the CPU, ranks beyond the cores share them: each rank's compute slows by that share. Communication
         # runs on the same cores, so it is not hidden behind backward.
         scale = max(1.0, n * scaling[1].get("threads", 1) / ncores) if on_cpu else 1.0
-        p = predict.predict(n=n, one_rank_step_s=compute, backward_s=one["backward"], batch_size=batch,
+        # This machine's jitter (from the 1-rank rounds): the ranks wait for the slowest at every step.
+        straggle = statistics.median(predict.straggler_seconds(r, n) for r in scaling[1]["step_samples"])
+        p = predict.predict(n=n, one_rank_step_s=compute + straggle, backward_s=one["backward"], batch_size=batch,
                             buckets=buckets, allreduce_s=fit.seconds, link=f"measured ({n} ranks)",
                             compute_scale=scale, overlap=not on_cpu, fixed_sync_s=fixed)
         measured = scaling[n]["parts"]["step"]
         here.append(p.to_json() | {"measured_step_s": measured, "error": p.step_s / measured - 1,
-                                   "compute_scale": scale})
+                                   "compute_scale": scale, "straggler_s": straggle})
     largest = fits[max(fits)]
     measured_link = predict.Interconnect("measured", largest.bus_bandwidth, largest.hop_latency_s,
                                          f"this machine's all-reduce at {largest.world_size} ranks")
@@ -265,8 +268,10 @@ def assumptions(cfg: BenchConfig, scaling: dict[int, dict[str, Any]], pred: dict
         + (f" ({intra['note']})" if intra.get("note") else ""),
         f"between nodes: {inter.name}, busbw {inter.busbw_bytes_per_s / 1e9:.3g} GB/s, "
         f"{inter.hop_latency_s * 1e6:.3g} us per ring step ({inter.note}); the ring runs at its slowest link",
-        "not modelled: stragglers and jitter between ranks, hierarchical/tree all-reduce, data loading "
-        "that does not keep up, compression hooks",
+        "stragglers: ranks wait for the slowest at every all-reduce; on this machine, the slowest of n draws "
+        "from the 1-rank run's step times (independent delays per rank); not carried to larger world sizes, "
+        "whose machines have their own jitter",
+        "not modelled: hierarchical/tree all-reduce, data loading that does not keep up, compression hooks",
     ]
 
 
@@ -328,10 +333,11 @@ def report(cfg: BenchConfig, result: dict[str, Any]) -> list[str]:
             + f"; {_size(big['bytes'])}: busbw {big['busbw_bytes_per_s'] / 1e9:.3f} GB/s"
         )
     lines += ["", "Predicted from the 1-rank run and the all-reduce fit alone, against measured (this machine)",
-              f"{'ranks':>5} {'predicted ms':>12} {'measured ms':>11} {'error':>7}  (compute x share of a core)"]
+              f"{'ranks':>5} {'predicted ms':>12} {'measured ms':>11} {'error':>7}  {'straggler ms':>12}  "
+              "compute x share of a core"]
     for row in pred["this_machine"]:
         lines.append(f"{row['world_size']:>5} {row['step_s'] * MS:>12.3f} {row['measured_step_s'] * MS:>11.3f} "
-                     f"{row['error']:>+7.1%}  x{row['compute_scale']:.2f}")
+                     f"{row['error']:>+7.1%}  {row['straggler_s'] * MS:>12.3f}  x{row['compute_scale']:.2f}")
     chosen = pred["larger"][pred["chosen"]]
     lines += ["", f"Predicted at larger world sizes (within a node: {pred['intra_link']['name']}; between nodes: "
                   f"{chosen['link']['name']}; {cfg.gpus_per_node} ranks per node)",

@@ -14,6 +14,8 @@ A DDP step at ``n`` ranks is one rank's step (each rank has the per-rank batch: 
 
 from __future__ import annotations
 
+import random
+import statistics
 from dataclasses import asdict, dataclass
 
 from ddpkit.errors import ConfigError
@@ -77,6 +79,18 @@ def exposed_seconds(buckets: list[int], backward_s: float, allreduce_s, overlap:
         start = max(done, backward_s * ready / total)
         done = start + allreduce_s(b)
     return max(0.0, done - backward_s)
+
+
+def straggler_seconds(step_samples: list[float], n: int, draws: int = 2000, seed: int = 0) -> float:
+    """How much later the slowest of ``n`` ranks finishes a step than a typical rank, from one rank's measured
+    step times: ranks wait for each other at every all-reduce, so a step of ``n`` ranks lasts as long as the
+    slowest rank's. With each rank's delays drawn independently from the measured ones, this is the median of
+    the largest of ``n`` draws, less the median step. Zero on a machine without jitter."""
+    if n == 1 or len(step_samples) < 2:
+        return 0.0
+    g = random.Random(seed)
+    slowest = statistics.median(max(g.choices(step_samples, k=n)) for _ in range(draws))
+    return max(0.0, slowest - statistics.median(step_samples))
 
 
 @dataclass(frozen=True)

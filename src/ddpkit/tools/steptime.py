@@ -163,6 +163,7 @@ def measure_steps(script: str | None, knobs: Knobs, steps: int, warmup: int, spl
         "param_bytes": grad_bytes,
         "batch_size": w.batch_size,
         "every_rank_step": gather_object(medians["step"]),
+        "step_samples": times["step"],
     }
 
 
