@@ -68,6 +68,9 @@ class BenchConfig:
     """Try DDP's and the loader's knobs at ``nproc`` ranks."""
     out: str = "ddpkit-bench"
     """Folder for bench.json and bench.png."""
+    pin: bool = True
+    """On the CPU, pin each rank to a core of its own when there are enough (a quiet machine's best case; on a
+    machine busy with other work, a pinned rank cannot move away from a busy core)."""
 
     def __post_init__(self) -> None:
         if self.nproc < 2:
@@ -105,7 +108,7 @@ def _median_parts(runs: list[dict[str, Any]]) -> dict[str, float]:
 
 def measure_scaling(cfg: BenchConfig, log: Any) -> dict[int, dict[str, Any]]:
     runs: dict[int, list[dict[str, Any]]] = {n: [] for n in range(1, cfg.nproc + 1)}
-    job = functools.partial(measure_steps, cfg.script, Knobs(), cfg.steps, cfg.warmup, True)
+    job = functools.partial(measure_steps, cfg.script, Knobs(), cfg.steps, cfg.warmup, True, cfg.pin)
     for r in range(cfg.rounds):
         for n in runs:
             runs[n].append(spawn(job, n)[0])
@@ -152,11 +155,11 @@ def measure_knobs(cfg: BenchConfig, log: Any) -> dict[str, Any]:
     if torch.cuda.is_available():
         trials.append(Knobs(pin_memory=True))
     steps = max(10, cfg.steps // 2)
+    job = functools.partial(measure_steps, cfg.script, steps=steps, warmup=cfg.warmup, split_comm=False, pin=cfg.pin)
     results: dict[Knobs, list[float]] = {k: [] for k in trials}
     for r in range(max(2, cfg.rounds)):
         for k in trials:
-            results[k].append(spawn(functools.partial(measure_steps, cfg.script, k, steps, cfg.warmup, False),
-                                    cfg.nproc)[0]["medians"]["step"])
+            results[k].append(spawn(functools.partial(job, knobs=k), cfg.nproc)[0]["medians"]["step"])
         log(f"  knobs, medians after round {r + 1}: " + ", ".join(f"{k.label()} {statistics.median(v) * MS:.2f}"
                                                     for k, v in results.items()))
     base = results[trials[0]]
@@ -168,8 +171,8 @@ def measure_knobs(cfg: BenchConfig, log: Any) -> dict[str, Any]:
             best |= {f: v for f, v in asdict(k).items() if v != getattr(Knobs(), f)}
     combined = Knobs(**best)
     if best and combined not in results:
-        results[combined] = [spawn(functools.partial(measure_steps, cfg.script, combined, steps, cfg.warmup, False),
-                                   cfg.nproc)[0]["medians"]["step"] for _ in range(max(2, cfg.rounds))]
+        results[combined] = [spawn(functools.partial(job, knobs=combined), cfg.nproc)[0]["medians"]["step"]
+                             for _ in range(max(2, cfg.rounds))]
     rows = [{"knobs": k.label(), "settings": asdict(k), "step_s": statistics.median(v), "rounds_step_s": v}
             for k, v in results.items()]
     return {"world_size": cfg.nproc, "rows": rows, "noise_s": noise, "best": combined.label(),
@@ -461,11 +464,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--latency-us", type=float, help="latency of one ring step between nodes, replacing the preset's")
     p.add_argument("--no-knobs", dest="knobs", action="store_false", help="skip the knob trials")
     p.add_argument("--out", default="ddpkit-bench", help="folder for bench.json and bench.png")
+    p.add_argument("--no-pin", dest="pin", action="store_false", help="leave CPU ranks unpinned")
     a = p.parse_args(argv)
     cfg = BenchConfig(script=a.script, nproc=a.nproc, steps=a.steps, warmup=a.warmup, rounds=a.rounds,
                       predict_sizes=a.predict, gpus_per_node=a.gpus_per_node, intra=a.intra,
                       interconnect=a.interconnect, bandwidth_gbps=a.bandwidth_gbps, latency_us=a.latency_us,
-                      knobs=a.knobs, out=a.out)
+                      knobs=a.knobs, out=a.out, pin=a.pin)
     result = run_bench(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
     print("\n".join(report(cfg, result)))
     for path in write_outputs(cfg, result):

@@ -101,13 +101,14 @@ def _cycle(loader: Any) -> Iterator[Any]:
         yield from loader
 
 
-def measure_steps(script: str | None, knobs: Knobs, steps: int, warmup: int, split_comm: bool) -> dict[str, Any]:
+def measure_steps(script: str | None, knobs: Knobs, steps: int, warmup: int, split_comm: bool,
+                  pin: bool = True) -> dict[str, Any]:
     """Time ``steps`` DDP steps after ``warmup``; every rank's medians per part (collective: run on every rank).
 
     With ``split_comm``, as many ``no_sync()`` backward steps are interleaved (see the module's docstring).
     """
     rt = init()
-    pinned = _pin(rt.rank, rt.world_size) if rt.device.type == "cpu" else False
+    pinned = _pin(rt.rank, rt.world_size) if pin and rt.device.type == "cpu" else False
     seed_everything(0)
     w = load_workload(script)
     model = prepare_model(w.model, bucket_cap_mb=knobs.bucket_cap_mb, static_graph=knobs.static_graph,
