@@ -35,6 +35,11 @@ def test_ring_model_and_buckets():
     # reverse order; the first bucket closes at 1 MiB, the next ones at the cap
     assert predict.bucket_sizes([mib // 2] * 6, bucket_cap_mb=1.5) == [mib, int(1.5 * mib), mib // 2]
     assert predict.bucket_sizes([4 * mib], bucket_cap_mb=1) == [4 * mib]  # too big for any bucket: its own
+    fast, slow = predict.PRESETS["nvlink"], predict.PRESETS["ethernet"]
+    assert predict.link_for(8, 8, fast, slow) == (fast, 1)
+    ring, nodes = predict.link_for(9, 8, fast, slow)  # across nodes: the slower link's pace
+    assert nodes == 2 and ring.busbw_bytes_per_s == slow.busbw_bytes_per_s
+    assert ring.hop_latency_s == slow.hop_latency_s
 
 
 def test_overlap_hides_early_buckets_and_not_the_last():

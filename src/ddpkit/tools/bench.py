@@ -255,10 +255,10 @@ def assumptions(cfg: BenchConfig, scaling: dict[int, dict[str, Any]], pred: dict
     return [
         "weak scaling: every rank keeps the per-rank batch, so the global batch grows with the world size",
         "a rank's compute (data, forward, backward, optimizer) is the 1-rank step measured here, less the "
-        "wait at the end of its backward; of that wait, all but the all-reduce over a group of one (measured "
-        f"alone) is DDP's fixed cost of finishing a reduction ({pred['one_rank']['fixed_sync_s'] * MS:.3f} ms "
-        "here), added at every world size"
-        + (", slowed by the share of a core each rank gets when ranks outnumber cores" if on_cpu else ""),
+        "wait at the end of its backward"
+        + (", slowed by the share of a core each rank gets when ranks outnumber cores" if on_cpu else "")
+        + "; of that wait, all but the all-reduce over a group of one (measured alone) is DDP's fixed cost of "
+        f"finishing a reduction ({pred['one_rank']['fixed_sync_s'] * MS:.3f} ms here), added at every world size",
         f"gradients: {sum(buckets) / 1e6:.3f} MB in {len(buckets)} DDP bucket(s) "
         f"(first up to 1 MiB, then bucket_cap_mb={Knobs().bucket_cap_mb:g}); float32",
         "ring all-reduce of S bytes at n ranks: 2(n-1) x hop latency + 2(n-1)/n x S / busbw",
@@ -270,7 +270,8 @@ def assumptions(cfg: BenchConfig, scaling: dict[int, dict[str, Any]], pred: dict
         f"{intra['busbw_bytes_per_s'] / 1e9:.3g} GB/s, {intra['hop_latency_s'] * 1e6:.3g} us per ring step"
         + (f" ({intra['note']})" if intra.get("note") else ""),
         f"between nodes: {inter.name}, busbw {inter.busbw_bytes_per_s / 1e9:.3g} GB/s, "
-        f"{inter.hop_latency_s * 1e6:.3g} us per ring step ({inter.note}); the ring runs at its slowest link",
+        f"{inter.hop_latency_s * 1e6:.3g} us per ring step ({inter.note}); across nodes the ring runs at the "
+        "slower of the two links",
         "stragglers: ranks wait for the slowest at every all-reduce; on this machine, the slowest of n draws "
         "from the 1-rank run's step times (independent delays per rank); not carried to larger world sizes, "
         "whose machines have their own jitter",

@@ -129,6 +129,14 @@ def predict(*, n: int, one_rank_step_s: float, backward_s: float, batch_size: in
 
 
 def link_for(n: int, gpus_per_node: int, intra: Interconnect, inter: Interconnect) -> tuple[Interconnect, int]:
-    """The ring's slowest link at ``n`` ranks: within a node up to ``gpus_per_node`` ranks, else between nodes."""
+    """The ring's link at ``n`` ranks: within one node ``intra``; across nodes the ring runs through both kinds
+    of link and goes at the pace of the slower (lower bandwidth, higher latency)."""
     nodes = -(-n // gpus_per_node)
-    return (intra if nodes == 1 else inter), nodes
+    if nodes == 1:
+        return intra, 1
+    ring = Interconnect(
+        f"{intra.name}+{inter.name}",
+        min(intra.busbw_bytes_per_s, inter.busbw_bytes_per_s),
+        max(intra.hop_latency_s, inter.hop_latency_s),
+    )
+    return ring, nodes
