@@ -23,10 +23,9 @@ import functools
 import json
 import os
 import platform
-import statistics
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
