@@ -14,7 +14,8 @@ from conftest import _clean_environ
 
 import torch
 
-from ddpkit.tools.check import CAUSES, CheckConfig, compare, run_check
+from ddpkit.tools.check import CAUSES, CheckConfig, run_check
+from ddpkit.tools.compare import compare
 
 SCRIPTS = Path(__file__).parent / "scripts"
 ROOT = Path(__file__).resolve().parents[1]
