@@ -15,6 +15,7 @@ from conftest import _clean_environ
 import torch
 
 from ddpkit.tools.check import CAUSES, CheckConfig, run_check
+from ddpkit.errors import ConfigError
 from ddpkit.tools.compare import compare
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -92,3 +93,16 @@ def test_parameters_with_rounding_noise_gradients_are_left_out_of_the_weights():
     other = _records([1.0, 1.0, 1e-3], [1.0, 1.0, -0.001])
     c = compare(other, ref)
     assert c.diffs[0]["weights"] > 1e-4 and c.silent == 0
+
+
+def test_a_dataset_smaller_than_one_global_batch_is_refused_before_any_rank_starts(tmp_path):
+    script = tmp_path / "small.py"
+    script.write_text(
+        f"import sys; sys.path.insert(0, {str(SCRIPTS)!r})\n"
+        "import torch.nn.functional as F\n"
+        "from check_common import mlp, sgd, toy_data\n"
+        "def ddpkit_workload():\n"
+        "    return mlp(), toy_data(16), F.cross_entropy, sgd\n"
+    )
+    with pytest.raises(ConfigError, match="no global batch of 64"):
+        run_check(CheckConfig(script=str(script)))

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ddpkit.data import ShardedBatchSampler
 from ddpkit.errors import ConfigError
 from ddpkit.spawn import spawn
 from ddpkit.tools import allreduce, predict
@@ -312,7 +313,9 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
     # forks, every rank of every job inherits it.
     import torch._dynamo  # noqa: F401
 
-    w = load_workload(cfg.script)  # fails early, in this process, on a script without the hook
+    w = load_workload(cfg.script)  # bad input fails here, with its message, rather than inside every rank
+    if w.loader is None:
+        ShardedBatchSampler(w.dataset, w.batch_size, drop_last=w.drop_last, rank=0, world_size=cfg.nproc)
     log(f"measuring the step at 1..{cfg.nproc} ranks ({cfg.rounds} rounds)")
     scaling = measure_scaling(cfg, log)
     log("measuring the all-reduce alone")

@@ -289,8 +289,11 @@ def _check(cfg: CheckConfig) -> tuple[int, list[str]]:
     import torch._dynamo  # noqa: F401
 
     setups = _setups()
-    ranks = spawn(functools.partial(_ranks_run, cfg.script, setups, cfg.steps, cfg.seed), cfg.nproc)[0]
+    # Bad input fails here, with its message, rather than inside every rank.
     w = load_workload(cfg.script)
+    if w.loader is None:
+        ShardedBatchSampler(w.dataset, w.batch_size, drop_last=w.drop_last, rank=0, world_size=cfg.nproc)
+    ranks = spawn(functools.partial(_ranks_run, cfg.script, setups, cfg.steps, cfg.seed), cfg.nproc)[0]
     global_batch = w.batch_size * cfg.nproc
     verdicts = []
     for fixes, dist_run in zip(setups, ranks):
