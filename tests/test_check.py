@@ -72,7 +72,7 @@ def test_the_command_exits_non_zero_and_names_the_fix():
 
 
 def test_bad_arguments_are_refused_with_the_option_named():
-    with pytest.raises(Exception, match="--nproc 1"):
+    with pytest.raises(ConfigError, match="--nproc 1"):
         CheckConfig(nproc=1)
 
 
