@@ -292,7 +292,7 @@ def assumptions(cfg: BenchConfig, scaling: dict[int, dict[str, Any]], pred: dict
 
 
 def _conditions(cfg: BenchConfig, scaling: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    load = tuple(round(x, 2) for x in os.getloadavg()) if hasattr(os, "getloadavg") else None
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()} {platform.processor()}".strip(),
