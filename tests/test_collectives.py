@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import ddpkit
+from ddpkit import collectives
 
 WORLDS = [2, 3]
 
@@ -277,9 +278,9 @@ def _subgroup_worker(tmp: str) -> dict:
     saved = sys.stdout
     sys.stdout = io.StringIO()
     try:
-        out["rank"] = ddpkit.rank(group)
-        out["world_size"] = ddpkit.world_size(group)
-        out["is_main"] = ddpkit.is_main(group)
+        out["rank"] = collectives.rank(group)
+        out["world_size"] = collectives.world_size(group)
+        out["is_main"] = collectives.is_main(group)
         out["sum"] = ddpkit.all_reduce(r, group=group)
         out["max"] = ddpkit.all_reduce(torch.tensor([r, -r]), "max", group=group).tolist()
         out["tensors"] = ddpkit.gather_tensors(torch.full((r,), r), group=group).tolist()
@@ -290,7 +291,7 @@ def _subgroup_worker(tmp: str) -> dict:
         ddpkit.barrier(group)
         out["after_barrier"] = sorted(p.name for p in Path(tmp).glob("arrived_*"))
         with ddpkit.main_first(group=group):
-            out["main_first"] = _enter(Path(tmp, f"group_file_{r > 0}"), ddpkit.is_main(group))
+            out["main_first"] = _enter(Path(tmp, f"group_file_{r > 0}"), collectives.is_main(group))
         sums = ddpkit.MetricSums()
         if r == 1:
             sums.update("v", torch.tensor([1.0, 2.0, 3.0]))
@@ -337,7 +338,7 @@ def test_helpers_with_a_subgroup(tmp_path):
 
 def test_helpers_without_process_group_are_identities(capsys, tmp_path):
     assert not dist.is_initialized()
-    assert (ddpkit.rank(), ddpkit.world_size(), ddpkit.is_main()) == (0, 1, True)
+    assert (collectives.rank(), collectives.world_size(), collectives.is_main()) == (0, 1, True)
     t = torch.arange(6.0).reshape(3, 2)
     assert ddpkit.gather_tensors(t) is t
     assert ddpkit.gather_object({"a": 1}) == [{"a": 1}]

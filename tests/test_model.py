@@ -15,7 +15,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpkit
-from ddpkit import CPUSyncBatchNorm
+from ddpkit.batchnorm import CPUSyncBatchNorm, convert_sync_batchnorm
+from ddpkit.seeding import rng_state, set_rng_state
 
 # ------------------------------------------------------------------------------------------ the model
 
@@ -187,7 +188,7 @@ def test_convert_sync_batchnorm_keeps_parameters_buffers_and_modes():
     bn2d_weight, bn2d_mean, bn1d_var = model.bn2d.weight, model.bn2d.running_mean, model.bn1d.running_var
     x = global_batches(1, 6)[0][0]
     expected = model(x).detach()
-    converted = ddpkit.convert_sync_batchnorm(model, torch.device("cpu"))
+    converted = convert_sync_batchnorm(model, torch.device("cpu"))
     assert isinstance(converted.bn2d, CPUSyncBatchNorm) and isinstance(converted.bn1d, CPUSyncBatchNorm)
     assert converted.bn2d.weight is bn2d_weight and converted.bn2d.running_mean is bn2d_mean
     assert converted.bn1d.running_var is bn1d_var
@@ -195,7 +196,7 @@ def test_convert_sync_batchnorm_keeps_parameters_buffers_and_modes():
     assert converted.bn1d.momentum is None and converted.bn2d.eps == 1e-5
     # Without a process group the layer is plain BatchNorm.
     torch.testing.assert_close(converted(x).detach(), expected)
-    top = ddpkit.convert_sync_batchnorm(nn.BatchNorm1d(5), torch.device("cpu"))
+    top = convert_sync_batchnorm(nn.BatchNorm1d(5), torch.device("cpu"))
     assert isinstance(top, CPUSyncBatchNorm)
 
 
@@ -222,11 +223,11 @@ def test_rng_state_round_trip_through_a_weights_only_file(tmp_path):
     saved_torch, saved_py, saved_np = torch.get_rng_state(), random.getstate(), np.random.get_state()
     try:
         ddpkit.seed_everything(3)
-        torch.save(ddpkit.rng_state(), tmp_path / "rng.pt")
+        torch.save(rng_state(), tmp_path / "rng.pt")
         first = (torch.rand(3), random.random(), np.random.rand())
         ddpkit.seed_everything(4)
         other = (torch.rand(3), random.random(), np.random.rand())
-        ddpkit.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+        set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
         again = (torch.rand(3), random.random(), np.random.rand())
         assert torch.equal(first[0], again[0]) and first[1:] == again[1:]
         assert not torch.equal(first[0], other[0]) and first[1:] != other[1:]  # control: seed 4 differs

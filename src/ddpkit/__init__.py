@@ -13,7 +13,6 @@ A single-device script becomes a DDP script with a handful of calls::
 and runs with ``ddpkit run script.py``, ``torchrun``, ``srun`` or plain ``python``.
 """
 
-from ddpkit.batchnorm import CPUSyncBatchNorm, convert_sync_batchnorm
 from ddpkit.collectives import (
     MetricSums,
     all_reduce,
@@ -22,69 +21,55 @@ from ddpkit.collectives import (
     gather_object,
     gather_tensors,
     get_logger,
-    is_main,
     main_first,
     print0,
-    rank,
-    world_size,
 )
-from ddpkit.data import (
-    EvalShardSampler,
-    ShardedBatchSampler,
-    build_eval_loader,
-    build_loader,
-    default_num_workers,
-    epoch_permutation,
-    to_device,
-)
-from ddpkit.dropout import GlobalBatchDropout
-from ddpkit.errors import ConfigError
+from ddpkit.data import build_eval_loader, build_loader, to_device
+from ddpkit.errors import ConfigError, Preempted
 from ddpkit.evaluation import classification_metrics, evaluate, regression_metrics
+from ddpkit.groups import split_world
 from ddpkit.model import prepare_model, unwrap
 from ddpkit.runtime import Runtime, get_runtime, init, shutdown
-from ddpkit.seeding import rng_state, seed_everything, set_rng_state
+from ddpkit.seeding import seed_everything
 from ddpkit.spawn import spawn
 from ddpkit.trainer import Trainer, TrainerConfig
 
 __version__ = "0.1.0"
 
+# What scripts call. Everything else (samplers, RNG state, sync BatchNorm layers, snapshots) is importable
+# from its module, e.g. ``ddpkit.data.ShardedBatchSampler``; tests/test_api.py keeps this list from drifting.
 __all__ = [
-    "all_reduce",
-    "barrier",
-    "broadcast_object",
-    "build_eval_loader",
-    "build_loader",
-    "classification_metrics",
-    "ConfigError",
-    "convert_sync_batchnorm",
-    "CPUSyncBatchNorm",
-    "default_num_workers",
-    "epoch_permutation",
-    "EvalShardSampler",
-    "evaluate",
-    "gather_object",
-    "gather_tensors",
-    "get_logger",
-    "get_runtime",
-    "GlobalBatchDropout",
+    # the job
     "init",
-    "is_main",
-    "main_first",
-    "MetricSums",
-    "prepare_model",
-    "print0",
-    "rank",
-    "regression_metrics",
-    "rng_state",
-    "Runtime",
-    "seed_everything",
-    "set_rng_state",
-    "ShardedBatchSampler",
     "shutdown",
+    "get_runtime",
+    "Runtime",
+    "split_world",
     "spawn",
+    "seed_everything",
+    # model and data
+    "prepare_model",
+    "unwrap",
+    "build_loader",
+    "build_eval_loader",
     "to_device",
+    # evaluation and training
+    "evaluate",
+    "classification_metrics",
+    "regression_metrics",
     "Trainer",
     "TrainerConfig",
-    "unwrap",
-    "world_size",
+    # what the seeds write by hand
+    "print0",
+    "get_logger",
+    "barrier",
+    "main_first",
+    "all_reduce",
+    "broadcast_object",
+    "gather_object",
+    "gather_tensors",
+    "MetricSums",
+    # errors
+    "ConfigError",
+    "Preempted",
 ]

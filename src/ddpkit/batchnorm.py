@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.collectives import _live
+from ddpkit.collectives import is_live
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -52,7 +52,7 @@ class CPUSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         self._check_input_dim(input)
         # Only training syncs (as torch's SyncBatchNorm): evaluation runs on uneven shares, where a collective
         # per forward would leave the rank with the extra batch waiting for the others.
-        if not self.training or not _live(self.process_group) or dist.get_world_size(self.process_group) == 1:
+        if not self.training or not is_live(self.process_group) or dist.get_world_size(self.process_group) == 1:
             return super().forward(input)
         factor = self._momentum_factor()
         dims = [0, *range(2, input.dim())]

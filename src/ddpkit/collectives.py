@@ -22,7 +22,8 @@ T = TypeVar("T")
 Number = int | float
 
 
-def _live(group: Any = None) -> bool:
+def is_live(group: Any = None) -> bool:
+    """True when collectives on ``group`` run: a process group exists and this process is a member."""
     return dist.is_available() and dist.is_initialized() and (group is None or group != dist.GroupMember.NON_GROUP_MEMBER)
 
 
@@ -38,7 +39,7 @@ def world_size(group: Any = None) -> int:
 
 def shard_position(group: Any = None) -> tuple[int, int]:
     """(rank, world size) to shard data by; a process outside ``group`` works alone, as a world of one."""
-    return (dist.get_rank(group), dist.get_world_size(group)) if _live(group) else (0, 1)
+    return (dist.get_rank(group), dist.get_world_size(group)) if is_live(group) else (0, 1)
 
 
 def is_main(group: Any = None) -> bool:
@@ -49,7 +50,7 @@ def is_main(group: Any = None) -> bool:
 def comm_device(group: Any = None) -> torch.device:
     """Where tensors must be for a collective on ``group``: CUDA for nccl, the CPU otherwise."""
     # nccl moves only CUDA tensors, gloo prefers CPU ones; the backend decides where a reduction runs.
-    if _live(group) and dist.get_backend(group) == "nccl":
+    if is_live(group) and dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -61,36 +62,38 @@ def print0(*args: Any, group: Any = None, **kwargs: Any) -> None:
         builtins.print(*args, **kwargs)
 
 
-class _MainRankFilter(logging.Filter):
+class _RankFilter(logging.Filter):
+    """Tags each record with the rank in ``group``; with ``main_only``, keeps only rank 0's records."""
+
+    def __init__(self, group: Any, main_only: bool) -> None:
+        super().__init__()
+        self.group, self.main_only = group, main_only
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return is_main()
+        record.rank = rank(self.group)
+        return not self.main_only or record.rank == 0
 
 
-def get_logger(name: str = "ddpkit", all_ranks: bool = False) -> logging.Logger:
-    """A logger whose records are kept on rank 0 only, unless ``all_ranks`` (then tagged with the rank)."""
+def get_logger(name: str = "ddpkit", all_ranks: bool = False, group: Any = None) -> logging.Logger:
+    """A logger whose records are kept on rank 0 of ``group`` only, unless ``all_ranks`` (then tagged with the
+    rank in ``group``)."""
+    if group is not None and is_live(group):
+        name = f"{name}.group{'-'.join(map(str, dist.get_process_group_ranks(group)))}"
     logger = logging.getLogger(name if not all_ranks else f"{name}.all_ranks")
     if not logger.handlers:
         handler = logging.StreamHandler()
         fmt = "[rank %(rank)s] %(message)s" if all_ranks else "%(message)s"
         handler.setFormatter(logging.Formatter(fmt))
-        handler.addFilter(_RankTag())
-        if not all_ranks:
-            handler.addFilter(_MainRankFilter())
+        handler.addFilter(_RankFilter(group, main_only=not all_ranks))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
         logger.propagate = False
     return logger
 
 
-class _RankTag(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        record.rank = rank()
-        return True
-
-
 def barrier(group: Any = None) -> None:
     """Wait until every rank of ``group`` gets here."""
-    if _live(group):
+    if is_live(group):
         if dist.get_backend(group) == "nccl":
             dist.barrier(group, device_ids=[torch.cuda.current_device()])
         else:
@@ -154,7 +157,7 @@ def all_reduce(value: T, op: str = "sum", group: Any = None) -> T:
         raise ValueError(f"op={op!r}: use one of {sorted(_OPS)} (for a mean, reduce a sum and a count)")
     values = value if isinstance(value, Mapping) else {"_": value}
     flat, layout = _flatten(values)
-    if _live(group):
+    if is_live(group):
         flat = flat.to(comm_device(group))
         dist.all_reduce(flat, op=_OPS[op], group=group)
         flat = flat.cpu()
@@ -167,7 +170,7 @@ def gather_tensors(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
 
     For metrics that need all predictions (AUC, a confusion matrix) after an exact, unpadded evaluation.
     """
-    if not _live(group):
+    if not is_live(group):
         return tensor
     device = comm_device(group)
     local = tensor.detach().to(device)
@@ -185,7 +188,7 @@ def gather_tensors(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
 
 def gather_object(obj: T, group: Any = None) -> list[T]:
     """Every rank's picklable ``obj``, in rank order, on every rank."""
-    if not _live(group):
+    if not is_live(group):
         return [obj]
     out: list[Any] = [None] * world_size(group)
     dist.all_gather_object(out, obj, group=group)
@@ -194,7 +197,7 @@ def gather_object(obj: T, group: Any = None) -> list[T]:
 
 def broadcast_object(obj: T, src: int = 0, group: Any = None) -> T:
     """Rank ``src``'s picklable ``obj`` (a rank within ``group``) on every rank."""
-    if not _live(group):
+    if not is_live(group):
         return obj
     box = [obj]
     global_src = dist.get_global_rank(group, src) if group is not None else src

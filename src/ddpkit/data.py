@@ -22,13 +22,13 @@ from ddpkit.cluster import cpu_count
 from ddpkit.collectives import shard_position
 from ddpkit.errors import ConfigError
 from ddpkit.runtime import get_runtime
-from ddpkit.seeding import mix_seed
+from ddpkit.seeding import stream_seed
 
 
 def epoch_permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
     """The order of the ``n`` samples in ``epoch``: a function of ``(seed, epoch)`` alone."""
     g = torch.Generator()
-    g.manual_seed(mix_seed(seed, epoch))
+    g.manual_seed(stream_seed("shuffle", seed, epoch))
     return torch.randperm(n, generator=g)
 
 
@@ -166,7 +166,7 @@ def build_loader(
     """
     sampler = ShardedBatchSampler(dataset, batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last, group=group)
     generator = torch.Generator()
-    generator.manual_seed(mix_seed(seed, sampler.rank))  # per-rank worker seeds: ranks augment differently
+    generator.manual_seed(stream_seed("loader", seed, sampler.rank))  # per-rank worker seeds: ranks augment differently
     return DataLoader(
         dataset,
         batch_sampler=sampler,

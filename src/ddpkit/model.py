@@ -26,8 +26,11 @@ def prepare_model(
     (``find_unused_parameters``, ``static_graph``, ``gradient_as_bucket_view``...). Without a process group
     (plain ``python``) the model is returned on its device, unwrapped: the same script runs as one process.
     DDP broadcasts rank 0's parameters and buffers when it wraps, so every rank starts from the same weights.
+    ``process_group`` (default: the runtime's group, the whole job unless it is a group of
+    :func:`~ddpkit.split_world`) is the group whose ranks train this model together.
     """
     rt = runtime or get_runtime()
+    process_group = rt.group if process_group is None else process_group
     model = model.to(rt.device)
     if sync_batchnorm and rt.distributed:
         model = convert_sync_batchnorm(model, rt.device, process_group)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import atexit
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,10 +34,15 @@ class Runtime:
     launcher: str = "none"
     restart_count: int = 0
     """How many times the launcher has restarted this job's workers after a failure."""
+    group: Any = field(default=None, compare=False)
+    """The process group that ``rank``, ``world_size`` and ``is_main`` count in: None for the whole job, or a
+    group of :func:`ddpkit.split_world` (then ``rank`` is the rank within the group)."""
+    group_index: int = 0
+    """Which group of :func:`ddpkit.split_world` this is (0 for the whole job)."""
 
     @property
     def is_main(self) -> bool:
-        """True on global rank 0: the rank that prints, logs and writes shared files."""
+        """True on rank 0 of the runtime's group: the rank that prints, logs and writes that group's files."""
         return self.rank == 0
 
     @property
@@ -166,6 +172,12 @@ def get_runtime() -> Runtime:
     if _runtime is not None:
         return _runtime
     return Runtime(0, 0, 1, 1, torch.device("cpu"), None, "none")
+
+
+def forget() -> None:
+    """Drop the runtime without touching process groups: for a forked child, whose parent's runtime is not its."""
+    global _runtime
+    _runtime = None
 
 
 def shutdown() -> None:

@@ -16,14 +16,36 @@ except ImportError:  # pragma: no cover
     np = None  # type: ignore[assignment]
 
 
-def mix_seed(*values: int) -> int:
-    """A seed from several integers (e.g. seed, epoch, rank), different for every combination.
+def mix_seed(*values: int | str) -> int:
+    """A 32-bit seed from several values, different for every combination.
 
     ``torch.Generator.manual_seed`` keeps only the low 32 bits of its argument, so packing ``(seed, epoch)`` as
     ``seed << 32 | epoch`` would ignore the seed; a hash spreads every input over those 32 bits.
     """
     digest = hashlib.blake2b(",".join(map(str, values)).encode(), digest_size=4).digest()
     return int.from_bytes(digest, "little")
+
+
+STREAMS = ("shuffle", "loader", "rank", "dropout", "reseed")
+"""The random streams ddpkit derives from a run's seed, one name each:
+
+- ``shuffle``: the sample order of an epoch, keyed by the epoch;
+- ``loader``: the loader's generator (its workers' base seeds), keyed by the rank;
+- ``rank``: each rank's global torch RNG after wrapping (dropout masks, augmentation in the main process);
+- ``dropout``: :class:`~ddpkit.dropout.GlobalBatchDropout` masks, keyed by (epoch, step);
+- ``reseed``: a rank's streams after a resume at another world size, keyed by (step, rank).
+"""
+
+
+def stream_seed(stream: str, seed: int, *keys: int) -> int:
+    """The seed of ``stream`` (one of :data:`STREAMS`) for ``keys``.
+
+    The name is part of the hash, so two streams never share a seed, whatever their keys: with one unnamed
+    mix, the loader's seed of rank ``r`` and the shuffle seed of epoch ``r`` were the same number.
+    """
+    if stream not in STREAMS:
+        raise ValueError(f"unknown random stream {stream!r}: one of {STREAMS}")
+    return mix_seed(stream, seed, *keys)
 
 
 def seed_everything(seed: int, per_rank: bool = False, group: Any = None) -> int:

@@ -36,7 +36,7 @@ def _worker(
     )
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # rank 0 hosts the store, as with a static rendezvous
     torch.set_num_threads(threads)
-    runtime._runtime = None  # a forked child must not inherit the parent's runtime
+    runtime.forget()  # a forked child must not inherit the parent's runtime
     try:
         out = fn(*args)
         results.put((local_rank, pickle.dumps(out)))

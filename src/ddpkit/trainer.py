@@ -25,7 +25,7 @@ import json
 import math
 import signal
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
+from ddpkit import callbacks as callbacks_lib
 from ddpkit.collectives import all_reduce, gather_object, print0
 from ddpkit.data import ShardedBatchSampler, build_eval_loader, build_loader, shard_bounds, to_device
 from ddpkit.dropout import BatchLayout, GlobalBatchDropout, batch_layout, convert_dropout
@@ -43,8 +44,9 @@ from ddpkit.errors import ConfigError
 from ddpkit.evaluation import classification_metrics, evaluate
 from ddpkit.logging_utils import MetricsWriter, Progress
 from ddpkit.model import prepare_model, unwrap
-from ddpkit.runtime import Runtime, get_runtime
-from ddpkit.seeding import mix_seed, rng_state, set_rng_state
+from ddpkit.groups import group_runtime
+from ddpkit.runtime import Runtime
+from ddpkit.seeding import rng_state, set_rng_state, stream_seed
 from ddpkit.snapshot import load_latest, save_snapshot
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -107,6 +109,10 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         if (self.batch_size is None) == (self.global_batch_size is None):
             raise ConfigError("give exactly one of batch_size (per rank) and global_batch_size")
+        if "process_group" in self.ddp_kwargs:
+            # A process group cannot be copied into config.json or a snapshot, and the sampler, evaluation and
+            # metrics must follow it too, not only DDP.
+            raise ConfigError("pass the process group as Trainer(..., group=...), not in ddp_kwargs")
         checks = {
             "epochs": self.epochs >= 1,
             "grad_accum_steps": self.grad_accum_steps >= 1,
@@ -250,6 +256,10 @@ class Trainer:
     The loss is ``loss_fn(model(inputs), targets)`` for ``(inputs, targets)`` batches (cross-entropy by
     default), or ``batch_loss_fn(model, batch)`` for any other batch. Validation reports the means of
     ``metric_fn(model, batch)``'s per-sample values (loss and accuracy for classification by default).
+
+    ``group`` (a group of :func:`~ddpkit.split_world`, or a process group) is the ranks that train this model
+    together; rank, world size, sharding, metrics, snapshots and records all count within it. ``callbacks``
+    are objects with some of :class:`~ddpkit.callbacks.Callback`'s methods.
     """
 
     # What the Trainer holds, and what a snapshot restores:
@@ -278,17 +288,22 @@ class Trainer:
         loss_fn: LossFn | None = None,
         batch_loss_fn: BatchLossFn | None = None,
         metric_fn: Callable[[nn.Module, Any], Mapping[str, Any]] | None = None,
+        group: Any = None,
+        callbacks: Sequence[Any] = (),
     ) -> None:
         if loss_fn is not None and batch_loss_fn is not None:
             raise ConfigError("pass loss_fn (for (inputs, targets) batches) or batch_loss_fn, not both")
-        self.config, self.runtime = config, get_runtime()
+        # Rank, world size and "main" count in this group: the whole job, or one group of split_world().
+        self.config, self.runtime = config, group_runtime(group)
         rt = self.runtime
+        self.group = rt.group
+        self.callbacks = callbacks_lib.resolve(callbacks)
         if config.global_batch_dropout:
             convert_dropout(model)
-        self.model = prepare_model(model, sync_batchnorm=config.sync_batchnorm, **config.ddp_kwargs)
+        self.model = prepare_model(model, sync_batchnorm=config.sync_batchnorm, runtime=rt, **config.ddp_kwargs)
         # Scripts seed every rank alike so that models start identical; DDP has now made them identical, and
         # with one seed everywhere ranks would also draw identical dropout masks and augmentations.
-        torch.manual_seed(mix_seed(config.seed, rt.rank, 1))
+        torch.manual_seed(stream_seed("rank", config.seed, rt.rank))
         self.optimizer, self.scheduler = optimizer, scheduler
         self._params = _stepped_parameters(self.model, optimizer)
         self._anchor = self._params[0] if self._params else None  # where a non-finite loss puts its NaN
@@ -307,6 +322,7 @@ class Trainer:
             seed=config.seed,
             drop_last=config.drop_last,
             num_workers=config.num_workers,
+            group=self.group,
         )
         # The sampler's position and the loader's generator are part of every snapshot.
         self.sampler: ShardedBatchSampler = self.loader.batch_sampler
@@ -328,6 +344,7 @@ class Trainer:
         if not (cfg.resume and self.resume()):
             self.writer.log("event", self.step, {"event": "start", "restart_count": rt.restart_count})
         self._write_config()
+        callbacks_lib.call(self.callbacks, "on_fit_start", self)
         handlers = self._install_signal_handlers()
         last: dict[str, float] = {}
         try:
@@ -353,6 +370,7 @@ class Trainer:
             self.save()
         self.writer.log("event", self.step, {"event": "stop", "reason": self.stopped_by or "epochs"})
         self.writer.flush()
+        callbacks_lib.call(self.callbacks, "on_fit_end", self)
         return last
 
     def _train_epoch(self) -> bool:
@@ -389,6 +407,8 @@ class Trainer:
                 continue
             taken = self._optimizer_step(window)
             window.end_step(taken)
+            if self.callbacks:
+                callbacks_lib.call(self.callbacks, "on_step_end", self, taken)
             self.cursor = min((first_micro + i + 1) * micro_gbs, self.sampler.num_samples)
             end_of_epoch = i + 1 == remaining
             if cfg.max_steps is not None and self.step >= cfg.max_steps:
@@ -457,7 +477,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)  # also parameters outside the optimizer: no NaN may stay behind
         # Rare, and entered by every rank together, so a collective is safe: how many ranks had a bad loss?
-        bad_ranks = int(all_reduce(float(not window.step_is_finite())))
+        bad_ranks = int(all_reduce(float(not window.step_is_finite()), group=self.group))
         if self.scaler is not None:
             self.scaler.update()  # the scaler saw the inf/NaN in unscale_: it lowers its scale
             if not bad_ranks:  # fp16 overflow with finite losses: routine, the scaler's business
@@ -483,7 +503,7 @@ class Trainer:
             "loss": window.local_sum(self.runtime.device),
             "samples": sum(window.sizes),
             "stop": float(bool(self._stop_signal)),
-        })
+        }, group=self.group)
         if total["stop"] and self.stopped_by is None:
             self.stopped_by = "signal"
         return float(total["loss"] / total["samples"]) if total["samples"] else float("nan")
@@ -512,13 +532,16 @@ class Trainer:
         self.writer.log("epoch", self.step, metrics)
         self.writer.epoch_row(metrics)
         self.writer.flush()
-        print0(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
+        self._print0(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
+        callbacks_lib.call(self.callbacks, "on_epoch_end", self, metrics)
         return metrics
 
     def evaluate(self, data: Dataset, prefix: str = "test") -> dict[str, float]:
         """Exact metrics over every sample of ``data`` (each counted once), named ``prefix/metric``."""
-        loader = build_eval_loader(data, self.config.eval_batch_size, num_workers=self.config.num_workers)
-        results = evaluate(self.model, loader, self._metric_fn, autocast=self._autocast)
+        loader = build_eval_loader(
+            data, self.config.eval_batch_size, num_workers=self.config.num_workers, group=self.group
+        )
+        results = evaluate(self.model, loader, self._metric_fn, group=self.group, autocast=self._autocast)
         out = {f"{prefix}/{k}": v for k, v in results.items()}
         if prefix != "val":
             self.writer.log(prefix, self.step, out)
@@ -554,7 +577,7 @@ class Trainer:
         return BatchLayout(
             global_size=min(gbs * accum, n - step_start),
             offset=micro * gbs - step_start + rank_offset,
-            key=mix_seed(self.config.seed, self.epoch, step_in_epoch),
+            key=stream_seed("dropout", self.config.seed, self.epoch, step_in_epoch),
         )
 
     def _autocast(self) -> Any:
@@ -562,6 +585,9 @@ class Trainer:
             return nullcontext()
         dtype = torch.bfloat16 if self.config.precision == "bf16" else torch.float16
         return torch.autocast(self.runtime.device.type, dtype=dtype)
+
+    def _print0(self, *args: Any) -> None:
+        print0(*args, group=self.group)
 
     def _lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
@@ -612,7 +638,7 @@ class Trainer:
                 "bad_epochs": self.bad_epochs,
                 "skipped_steps": self.skipped_steps,
             },
-            "ranks": gather_object(per_rank),
+            "ranks": gather_object(per_rank, group=self.group),
             "world_size": self.runtime.world_size,
             "global_micro_batch": self.sampler.global_batch_size,
             "config": json.loads(json.dumps(asdict(self.config), default=str)),
@@ -642,10 +668,10 @@ class Trainer:
         else:
             # Another world size: rank r's random stream has no counterpart in the old run. Reseed from
             # (seed, step, rank) so the run stays reproducible; results then match within tolerance, not bitwise.
-            seed = mix_seed(self.config.seed, self.step, rt.rank)
+            seed = stream_seed("reseed", self.config.seed, self.step, rt.rank)
             torch.manual_seed(seed)
             self.generator.manual_seed(seed)
-            print0(
+            self._print0(
                 f"ddpkit: resuming a {state['world_size']}-rank snapshot on {rt.world_size} ranks: same samples "
                 "in the same steps; random streams (dropout, augmentation) are reseeded"
             )
@@ -669,14 +695,14 @@ class Trainer:
     def resume(self) -> bool:
         """Load the newest whole snapshot of ``run_dir``, if any; True if training resumes from one."""
         rt = self.runtime
-        found = load_latest(self.run_dir / "snapshots", map_location=rt.device, warn=print0)
+        found = load_latest(self.run_dir / "snapshots", map_location=rt.device, warn=self._print0)
         if found is None:
             return False
         info, state = found
         self.load_state_dict(state)
         self.resumed_from = info.step
         self._saved_at = (self.epoch, self.step, self.cursor)  # already on disk
-        print0(f"ddpkit: resumed from {info.path} (epoch {self.epoch}, step {self.step}, restart {rt.restart_count})")
+        self._print0(f"ddpkit: resumed from {info.path} (epoch {self.epoch}, step {self.step}, restart {rt.restart_count})")
         self.writer.log(
             "event",
             self.step,

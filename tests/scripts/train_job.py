@@ -18,6 +18,7 @@ from torch import nn
 
 import ddpkit
 import ddpkit.snapshot
+from ddpkit.seeding import rng_state, set_rng_state
 from ddpkit.trainer import Trainer, TrainerConfig
 
 N_SAMPLES, N_FEATURES = 240, 8
@@ -56,10 +57,10 @@ class SabotagedTrainer(Trainer):
     drop: str | None = None
 
     def load_state_dict(self, state):
-        rng_before = ddpkit.rng_state()
+        rng_before = rng_state()
         super().load_state_dict(state)
         if self.drop == "rng":
-            ddpkit.set_rng_state(rng_before)
+            set_rng_state(rng_before)
         elif self.drop == "cursor":
             self.cursor = 0
         elif self.drop == "scheduler":
