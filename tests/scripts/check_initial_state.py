@@ -20,5 +20,5 @@ class Projected(nn.Module):
 
 
 def ddpkit_workload():
-    torch.manual_seed(ddpkit.rank())
+    torch.manual_seed(ddpkit.get_runtime().rank)
     return Projected(), toy_data(), F.cross_entropy, sgd

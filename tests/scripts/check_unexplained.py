@@ -8,5 +8,5 @@ import ddpkit
 
 
 def ddpkit_workload():
-    lr = 0.1 * (1 + ddpkit.rank())
+    lr = 0.1 * (1 + ddpkit.get_runtime().rank)
     return mlp(), toy_data(), F.cross_entropy, lambda params: torch.optim.SGD(params, lr=lr)
