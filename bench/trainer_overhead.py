@@ -1,8 +1,9 @@
 """What the Trainer costs over a hand-written DDP loop like the seeds', and how long a snapshot stalls training.
 
-Both loops train the seeds' MNIST CNN (two conv+BatchNorm blocks, one linear layer) on MNIST-shaped synthetic
-data, with the same per-rank batch, in the same job, in interleaved rounds (hand, trainer, trainer, hand, ...)
-so that noise from other work on the machine falls on both. A round is one epoch of each loop. Each rank is
+Both loops train the seeds' MNIST CNN (two conv+BatchNorm blocks, one linear layer; ``--model tiny``: one
+linear layer, ~1-2 ms steps, where a per-step cost in microseconds shows) on MNIST-shaped synthetic data, with
+the same per-rank batch, in the same job, in interleaved rounds (hand, trainer, trainer, hand, ...) so that
+noise from other work on the machine falls on both. A round is one epoch of each loop. Each rank is
 pinned to its own core(s) when there are enough, and glibc malloc's thresholds are fixed (see steady_malloc;
 ``--default-malloc`` leaves them adaptive).
 
@@ -13,9 +14,14 @@ Two measures, both on rank 0:
   distribution-free 95% interval. Target: <= 1.02 at ~20 ms steps.
 - epoch time: barrier to barrier, divided by the steps, so that the Trainer's once-per-epoch and
   every-N-steps work (loss agreement, logging, the end of the epoch) is in it too.
+Each is also given as the Trainer's extra microseconds per step (median of the per-round differences).
+
+The loaders: the same rounds time one epoch of ``build_loader`` and one of ``DataLoader`` +
+``DistributedSampler`` (same dataset, batch, no workers) with nothing else in the loop, per batch.
 
     python bench/trainer_overhead.py                      # 2 ranks, gloo, batch 64 per rank
     python bench/trainer_overhead.py --batch-size 24      # ~20 ms steps on a 2-core machine
+    python bench/trainer_overhead.py --model tiny         # a linear layer: ~1-2 ms steps, the cost in us
 """
 
 from __future__ import annotations
@@ -36,20 +42,8 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import ddpkit
+from ddpkit.tools.models import DigitsCNN
 from ddpkit.trainer import Trainer, TrainerConfig
-
-
-class Net(nn.Module):
-    """The seeds' MNIST CNN."""
-
-    def __init__(self, num_classes: int = 10) -> None:
-        super().__init__()
-        self.layer1 = nn.Sequential(nn.Conv2d(1, 16, 5, padding=2), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2))
-        self.layer2 = nn.Sequential(nn.Conv2d(16, 32, 5, padding=2), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2))
-        self.fc = nn.Linear(7 * 7 * 32, num_classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(self.layer2(self.layer1(x)).flatten(1))
 
 
 def hand_loop(model: nn.Module, optimizer, loader: DataLoader, sampler: DistributedSampler, epoch: int) -> None:
@@ -83,7 +77,16 @@ def steady_malloc() -> bool:
     return all(libc.mallopt(opt, big) == 1 for opt in (m_mmap_threshold, m_trim_threshold, m_top_pad))
 
 
-def bench(steps: int, rounds: int, batch_size: int, default_malloc: bool = False) -> dict:
+def tiny_model() -> nn.Module:
+    """One linear layer over the flattened image: a step is little more than DDP's all-reduce and the loop."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 10))
+
+
+MODELS = {"cnn": lambda: DigitsCNN(28), "tiny": tiny_model}
+MODEL_NAMES = {"cnn": "the seeds' CNN", "tiny": "one linear layer 784 -> 10"}
+
+
+def bench(steps: int, rounds: int, batch_size: int, default_malloc: bool = False, model: str = "cnn") -> dict:
     rt = ddpkit.init()
     world = rt.world_size
     # A rank that migrates between cores adds noise to both loops; give each rank cores of its own if it can.
@@ -98,13 +101,14 @@ def bench(steps: int, rounds: int, batch_size: int, default_malloc: bool = False
     data = TensorDataset(torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g))
 
     torch.manual_seed(0)
-    hand_model = ddpkit.prepare_model(Net())
+    build = MODELS[model]
+    hand_model = ddpkit.prepare_model(build())
     hand_opt = torch.optim.SGD(hand_model.parameters(), lr=1e-3)
     sampler = DistributedSampler(data)
     loader = DataLoader(data, batch_size=batch_size, sampler=sampler)
 
     torch.manual_seed(0)
-    net = Net()
+    net = build()
     run_dir = tempfile.mkdtemp(prefix="ddpkit-bench-") if rt.is_main else ""
     config = TrainerConfig(
         run_dir=ddpkit.broadcast_object(run_dir), batch_size=batch_size, epochs=1, num_workers=0,
@@ -130,9 +134,22 @@ def bench(steps: int, rounds: int, batch_size: int, default_malloc: bool = False
         trainer.epoch = trainer.cursor = 0  # the same single epoch again
         trainer.fit()
 
+    ours = ddpkit.build_loader(data, batch_size, num_workers=0)
+    theirs_sampler = DistributedSampler(data)
+    theirs = DataLoader(data, batch_size=batch_size, sampler=theirs_sampler)
+
+    def loader_epoch(which: DataLoader, epoch: int) -> float:
+        """Seconds per batch of one epoch of ``which`` alone (the batches are only fetched)."""
+        if which is theirs:
+            theirs_sampler.set_epoch(epoch)
+        start = time.perf_counter()
+        count = sum(1 for _ in which)
+        return (time.perf_counter() - start) / count
+
     timed(lambda: hand_loop(hand_model, hand_opt, loader, sampler, 0))  # warm-up, excluded
     timed(trainer_epoch)
-    hand, mine = [], []
+    loader_epoch(ours, 0), loader_epoch(theirs, 0)
+    hand, mine, load_ours, load_theirs = [], [], [], []
     for r in range(rounds):
         order = [("hand", hand), ("trainer", mine)] if r % 2 == 0 else [("trainer", mine), ("hand", hand)]
         for name, out in order:
@@ -140,6 +157,9 @@ def bench(steps: int, rounds: int, batch_size: int, default_malloc: bool = False
                 out.append(timed(lambda: hand_loop(hand_model, hand_opt, loader, sampler, r + 1)))
             else:
                 out.append(timed(trainer_epoch))
+        pair = [(ours, load_ours), (theirs, load_theirs)]
+        for which, out in pair if r % 2 == 0 else pair[::-1]:
+            out.append(loader_epoch(which, r + 1))
     stalls = []
     for _ in range(5):
         ddpkit.barrier()
@@ -149,7 +169,8 @@ def bench(steps: int, rounds: int, batch_size: int, default_malloc: bool = False
         ddpkit.barrier()  # the others wait for rank 0 at the next collective; measure that wait
         stalls.append(time.perf_counter() - start)
     return {"hand": hand, "trainer": mine, "stall": stalls, "pinned": pinned, "threads": threads,
-            "steady_malloc": steady}
+            "steady_malloc": steady, "load_ours": load_ours, "load_theirs": load_theirs,
+            "params": sum(p.numel() for p in net.parameters())}
 
 
 def median_interval(xs: list[float]) -> tuple[float, float]:
@@ -167,27 +188,43 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=120)
     p.add_argument("--batch-size", type=int, default=64, help="per rank")
     p.add_argument("--default-malloc", action="store_true", help="leave glibc malloc's thresholds adaptive")
+    p.add_argument("--model", choices=sorted(MODELS), default="cnn",
+                   help="cnn: the seeds' CNN; tiny: one linear layer (~1-2 ms steps)")
     a = p.parse_args()
-    res = ddpkit.spawn(functools.partial(bench, a.steps, a.rounds, a.batch_size, a.default_malloc), a.nproc)[0]
+    import torch._dynamo  # noqa: F401  (DDP's constructor imports it: once here rather than in every rank)
+
+    res = ddpkit.spawn(functools.partial(bench, a.steps, a.rounds, a.batch_size, a.default_malloc, a.model),
+                       a.nproc)[0]
     print(f"date {datetime.date.today()}  machine {platform.machine()} {platform.processor() or ''}, "
           f"{ddpkit.cluster.cpu_count()} cores  python {platform.python_version()}  torch {torch.__version__}")
     print(f"config: {a.nproc} ranks (gloo, CPU, {res['threads']} thread(s) each, "
           f"{'each pinned to its core' if res['pinned'] else 'not pinned'}, "
-          f"{'fixed' if res['steady_malloc'] else 'adaptive'} malloc thresholds), seeds' CNN, "
+          f"{'fixed' if res['steady_malloc'] else 'adaptive'} malloc thresholds), "
+          f"{MODEL_NAMES[a.model]} ({res['params']} parameters), "
           f"batch {a.batch_size}/rank, {a.steps} steps x {a.rounds} interleaved rounds, warm-up excluded")
     for i, what in enumerate(("step", "epoch")):
         hand = [h[i] * 1000 for h in res["hand"]]
         mine = [t[i] * 1000 for t in res["trainer"]]
         pairs = sorted(t / h for t, h in zip(mine, hand))
         lo, hi = median_interval(pairs)
-        extra = statistics.median(t - h for t, h in zip(mine, hand))
+        diffs = sorted((t - h) * 1000 for t, h in zip(mine, hand))  # us
+        dlo, dhi = median_interval(diffs)
         print(f"{what} time ({'median step per round' if i == 0 else 'epoch / steps'}):")
-        print(f"  hand-written DDP loop {statistics.median(hand):7.2f} ms/step   ddpkit Trainer "
-              f"{statistics.median(mine):7.2f} ms/step   (medians over rounds)")
+        print(f"  hand-written DDP loop {statistics.median(hand):7.3f} ms/step   ddpkit Trainer "
+              f"{statistics.median(mine):7.3f} ms/step   (medians over rounds)")
         print(f"  ratio trainer / hand  {statistics.median(pairs):.3f}, 95% interval {lo:.3f}-{hi:.3f} "
-              f"(median of per-round pairs; all pairs {pairs[0]:.3f}-{pairs[-1]:.3f}); extra {extra:+.3f} ms/step")
+              f"(median of per-round pairs; all pairs {pairs[0]:.3f}-{pairs[-1]:.3f})")
+        print(f"  Trainer's extra time  {statistics.median(diffs):+.0f} us/step, 95% interval {dlo:+.0f} to "
+              f"{dhi:+.0f} us (median of per-round differences)")
+    ours = [t * 1e6 for t in res["load_ours"]]
+    theirs = [t * 1e6 for t in res["load_theirs"]]
+    diffs = sorted(o - t for o, t in zip(ours, theirs))
+    dlo, dhi = median_interval(diffs)
+    print(f"loader alone (per batch, epoch / batches): build_loader {statistics.median(ours):.1f} us, "
+          f"DataLoader + DistributedSampler {statistics.median(theirs):.1f} us; build_loader's extra "
+          f"{statistics.median(diffs):+.1f} us/batch, 95% interval {dlo:+.1f} to {dhi:+.1f} us")
     print(f"snapshot stall: median {statistics.median(res['stall']) * 1000:.1f} ms "
-          f"(gather RNG states + rank 0 writes {sum(p.numel() for p in Net().parameters()) * 4 / 1e6:.2f} MB "
+          f"(gather RNG states + rank 0 writes {res['params'] * 4 / 1e6:.2f} MB "
           "of weights with optimizer state, fsync, rename, manifest)")
 
 

@@ -16,28 +16,10 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import ddpkit
 from ddpkit.datasets import digits, mnist
-
-
-class Net(nn.Module):
-    def __init__(self, image_size: int, num_classes: int = 10, channels: int = 16, dropout: float = 0.0):
-        super().__init__()
-
-        def block(c_in, c_out):
-            return nn.Sequential(
-                nn.Conv2d(c_in, c_out, kernel_size=5, padding=2), nn.BatchNorm2d(c_out), nn.ReLU(), nn.MaxPool2d(2)
-            )
-
-        self.features = nn.Sequential(block(1, channels), block(channels, 2 * channels))
-        side = image_size // 2 // 2  # each max-pool halves the side: 28 -> 7, 8 -> 2
-        self.dropout = nn.Dropout(dropout)
-        self.fc = nn.Linear(2 * channels * side * side, num_classes)
-
-    def forward(self, x):
-        return self.fc(self.dropout(self.features(x).flatten(1)))
+from ddpkit.tools.models import DigitsCNN as Net  # the seeds' CNN; other examples import it from here
 
 
 def main():
@@ -93,5 +75,5 @@ def main():
     ddpkit.shutdown()
 
 
-if __name__ == "__main__":  # importable: other examples reuse Net
+if __name__ == "__main__":
     main()

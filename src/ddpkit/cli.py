@@ -7,13 +7,15 @@ from collections.abc import Sequence
 
 from ddpkit.errors import ConfigError
 
-USAGE = """usage: ddpkit {run,env,plot} ...
+USAGE = """usage: ddpkit {run,env,bench,check,plot} ...
 
   ddpkit run [--nproc N] [--max-restarts N] [--all-ranks] script.py [args...]
                  launch one process per GPU (or CPU share) with torchrun's agent
   ddpkit env     versions, devices, the choices `run` would make, and a live all-reduce check
   ddpkit plot RUN_DIR
                  a Trainer run's training and validation curves to RUN_DIR/curves.png
+  ddpkit bench [script.py]   step time at 1..N ranks, all-reduce sweep, prediction at larger world sizes
+  ddpkit check [script.py]   one process against N ranks, step by step; names the cause of a difference
 
 `ddpkit run -h` lists every option."""
 
@@ -37,6 +39,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             from ddpkit.plot import main as plot_main
 
             return plot_main(rest)
+        if command == "bench":
+            from ddpkit.tools.bench import main as bench_main
+
+            return bench_main(rest)
+        if command == "check":
+            from ddpkit.tools.check import main as check_main
+
+            return check_main(rest)
     except ConfigError as err:
         print(f"ddpkit {command}: error: {err}", file=sys.stderr)
         return 2

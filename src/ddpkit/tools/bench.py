@@ -1,0 +1,406 @@
+"""``ddpkit bench``: will more GPUs help? Step time at 1..N ranks, the all-reduce on its own, and a prediction.
+
+1. The workload's DDP step at 1, 2, ... N ranks on this machine (one job per world size, world sizes
+   interleaved over rounds so that other load on the machine falls on all of them; the fastest round counts),
+   broken into data, forward, backward, the exposed all-reduce and the optimizer step (see
+   :mod:`ddpkit.tools.steptime`).
+2. The backend's all-reduce alone over message sizes at 2..N ranks: an alpha-beta fit and nccl-tests' bus
+   bandwidth (:mod:`ddpkit.tools.allreduce`).
+3. Predicted step times: at 2..N ranks here, from the 1-rank step and the all-reduce fit alone, next to the
+   measured ones (the predictor's error); and at larger world sizes over a given interconnect
+   (:mod:`ddpkit.tools.predict`).
+4. DDP's knobs, each tried on its own at N ranks, and the best combination.
+5. DataParallel and one GPU against DDP, where there are GPUs.
+
+Writes a table to stdout, ``bench.json`` and (with matplotlib, ``pip install 'ddpkit[plot]'``) ``bench.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import platform
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ddpkit.data import ShardedBatchSampler
+from ddpkit.errors import ConfigError
+from ddpkit.spawn import spawn
+from ddpkit.tools import allreduce, predict
+from ddpkit.tools.bench_report import report
+from ddpkit.tools.steptime import Knobs, cores, measure_steps, single_process_steps
+from ddpkit.tools.workload import HOOK, load_workload
+
+MS = 1e3
+
+
+@dataclass(kw_only=True)
+class BenchConfig:
+    """What ``ddpkit bench`` measures and predicts."""
+
+    script: str | None = None
+    """A training script defining ``ddpkit_workload()``; None for the seeds' CNN on sklearn digits."""
+    nproc: int = 2
+    """Largest world size measured on this machine (one GPU per rank, or CPU processes over gloo)."""
+    steps: int = 60
+    """Timed steps per job (as many untimed no_sync steps are interleaved to split off the all-reduce)."""
+    warmup: int = 10
+    rounds: int = 3
+    """Jobs per world size; medians over rounds. World sizes are interleaved round by round."""
+    predict_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    gpus_per_node: int = 8
+    """Ranks per node for the prediction: beyond it, the ring crosses nodes over ``interconnect``."""
+    intra: str = "measured"
+    """The link within a node for the prediction: ``measured`` (this machine's all-reduce) or a preset."""
+    interconnect: str = "infiniband"
+    """The link between nodes: ``nvlink``, ``infiniband`` or ``ethernet`` (see ddpkit.tools.predict.PRESETS)."""
+    bandwidth_gbps: float | None = None
+    """Bus bandwidth of the link between nodes in GB/s, replacing the preset's."""
+    latency_us: float | None = None
+    """Latency of one ring step between nodes in microseconds, replacing the preset's."""
+    knobs: bool = True
+    """Try DDP's and the loader's knobs at ``nproc`` ranks."""
+    out: str = "ddpkit-bench"
+    """Folder for bench.json and bench.png."""
+    pin: bool = True
+    """On the CPU, pin each rank to a core of its own when there are enough (a quiet machine's best case; on a
+    machine busy with other work, a pinned rank cannot move away from a busy core)."""
+
+    def __post_init__(self) -> None:
+        if self.nproc < 2:
+            raise ConfigError(f"--nproc {self.nproc}: measure at least 2 ranks, or there is nothing to scale")
+        for name in ("steps", "rounds", "gpus_per_node"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be >= 1")
+        if self.interconnect not in predict.PRESETS:
+            raise ConfigError(f"--interconnect {self.interconnect!r}: choose one of {', '.join(predict.PRESETS)}")
+        if self.intra != "measured" and self.intra not in predict.PRESETS:
+            raise ConfigError(f"--intra {self.intra!r}: choose measured or one of {', '.join(predict.PRESETS)}")
+        if self.bandwidth_gbps is not None and self.bandwidth_gbps <= 0:
+            raise ConfigError(f"--bandwidth {self.bandwidth_gbps}: give a bus bandwidth in GB/s, > 0")
+        gpus = torch.cuda.device_count()
+        if gpus and self.nproc > gpus:
+            hint = ("lower --nproc" if gpus >= 2 else
+                    "DDP needs 2 ranks; with CUDA_VISIBLE_DEVICES= the bench measures CPU processes over gloo")
+            raise ConfigError(f"--nproc {self.nproc}: this machine has {gpus} GPU(s), one per rank: {hint}")
+
+    def inter_link(self) -> predict.Interconnect:
+        link = predict.PRESETS[self.interconnect]
+        if self.bandwidth_gbps is not None:
+            link = replace(link, busbw_bytes_per_s=self.bandwidth_gbps * 1e9, note=link.note + " (bandwidth given)")
+        if self.latency_us is not None:
+            link = replace(link, hop_latency_s=self.latency_us * 1e-6, note=link.note + " (latency given)")
+        return link
+
+
+# -- measuring ----------------------------------------------------------------------------------------------
+
+
+def _fastest_round(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The round with the shortest median step (rank 0's; ranks wait for each other in the all-reduce).
+
+    Other work on the machine only ever adds time, so the least disturbed round is the best estimate of the
+    machine's own speed (timeit's reasoning); the parts come from that round, so that they add up."""
+    return min(runs, key=lambda r: r["medians"]["step"])
+
+
+def measure_scaling(cfg: BenchConfig, log: Any) -> dict[int, dict[str, Any]]:
+    runs: dict[int, list[dict[str, Any]]] = {n: [] for n in range(1, cfg.nproc + 1)}
+    job = functools.partial(measure_steps, cfg.script, Knobs(), cfg.steps, cfg.warmup, True, cfg.pin)
+    for r in range(cfg.rounds):
+        for n in runs:
+            runs[n].append(spawn(job, n)[0])
+            log(f"  round {r + 1}/{cfg.rounds}, {n} rank(s): step {runs[n][-1]['medians']['step'] * MS:.2f} ms")
+    out = {}
+    for n, rs in runs.items():
+        best = _fastest_round(rs)
+        out[n] = {"parts": {p: v for p, v in best["medians"].items() if v is not None},
+                  "rounds_step_s": [x["medians"]["step"] for x in rs], "step_samples": best["step_samples"],
+                  "pinned": best["pinned"], "threads": best["threads"], "device": best["device"],
+                  "backend": best["backend"], "param_bytes": best["param_bytes"], "batch_size": best["batch_size"]}
+    return out
+
+
+def measure_allreduce(cfg: BenchConfig, buckets: list[int],
+                      ) -> tuple[dict[int, allreduce.AllReduceFit], dict[int, float]]:
+    """The sweep at 2..N ranks (the bucket sizes among the sizes), and the buckets' all-reduce at one rank."""
+    sizes = tuple(sorted(set(allreduce.DEFAULT_SIZES) | set(buckets)))
+    fits = {}
+    for n in range(2, cfg.nproc + 1):
+        points = spawn(functools.partial(_sweep_at, sizes), n)[0]
+        fits[n] = allreduce.fit_alpha_beta(n, points)
+    one = dict(spawn(functools.partial(_sweep_at, tuple(sorted(set(buckets)))), 1)[0])
+    return fits, one
+
+
+def _sweep_at(sizes: tuple[int, ...]) -> list[tuple[int, float]]:
+    from ddpkit.runtime import init
+
+    init()
+    return allreduce.measure(sizes)
+
+
+KNOB_TRIALS = (
+    Knobs(bucket_cap_mb=1.0),
+    Knobs(bucket_cap_mb=100.0),
+    Knobs(gradient_as_bucket_view=True),
+    Knobs(static_graph=True),
+    Knobs(num_workers=1),
+)
+
+
+def measure_knobs(cfg: BenchConfig, log: Any) -> dict[str, Any]:
+    """Each knob changed on its own from the defaults at ``nproc`` ranks, rounds interleaved; then the best of
+    each knob together. A knob "helps" only if it beats the defaults by more than the defaults' own spread."""
+    trials = [Knobs(), *KNOB_TRIALS]
+    if torch.cuda.is_available():
+        trials.append(Knobs(pin_memory=True))
+    steps = max(10, cfg.steps // 2)
+    job = functools.partial(measure_steps, cfg.script, steps=steps, warmup=cfg.warmup, split_comm=False, pin=cfg.pin)
+    results: dict[Knobs, list[float]] = {k: [] for k in trials}
+    for r in range(max(2, cfg.rounds)):
+        for k in trials:
+            results[k].append(spawn(functools.partial(job, knobs=k), cfg.nproc)[0]["medians"]["step"])
+        log(f"  knobs, fastest after round {r + 1}: " + ", ".join(f"{k.label()} {min(v) * MS:.2f}"
+                                                    for k, v in results.items()))
+    base = results[trials[0]]
+    noise = (max(base) - min(base)) / 2
+    best = {}
+    for k in trials[1:]:
+        gain = min(base) - min(results[k])
+        if gain > noise:
+            best |= {f: v for f, v in asdict(k).items() if v != getattr(Knobs(), f)}
+    combined = Knobs(**best)
+    if best and combined not in results:
+        results[combined] = [spawn(functools.partial(job, knobs=combined), cfg.nproc)[0]["medians"]["step"]
+                             for _ in range(max(2, cfg.rounds))]
+    rows = [{"knobs": k.label(), "settings": asdict(k), "step_s": min(v), "rounds_step_s": v}
+            for k, v in results.items()]
+    return {"world_size": cfg.nproc, "rows": rows, "noise_s": noise, "best": combined.label(),
+            "best_settings": asdict(combined), "best_step_s": min(results[combined])}
+
+
+def compare_data_parallel(cfg: BenchConfig) -> dict[str, Any]:
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
+        return {"skipped": "no CUDA GPU on this machine: DataParallel splits each batch over the GPUs of one "
+                           "process, and one GPU has nothing to compare with; DDP over gloo on CPU processes "
+                           "is measured above"}
+    out: dict[str, Any] = {"single_gpu": spawn(functools.partial(single_process_steps, cfg.script, False, cfg.steps,
+                                                                 cfg.warmup), 1)[0]}
+    if gpus >= 2:
+        out["data_parallel"] = spawn(functools.partial(single_process_steps, cfg.script, True, cfg.steps,
+                                                       cfg.warmup), 1)[0]
+    else:
+        out["data_parallel_skipped"] = "one GPU: DataParallel needs at least 2"
+    return out
+
+
+# -- predicting ---------------------------------------------------------------------------------------------
+
+
+def predictions(cfg: BenchConfig, scaling: dict[int, dict[str, Any]], fits: dict[int, allreduce.AllReduceFit],
+                one_rank_allreduce: dict[int, float]) -> dict[str, Any]:
+    one = scaling[1]["parts"]
+    on_cpu = scaling[1]["device"] == "cpu"
+    buckets = predict.bucket_sizes(scaling[1]["param_bytes"], Knobs().bucket_cap_mb)
+    batch = scaling[1]["batch_size"]
+    ncores = cores()
+    # DDP at one rank still all-reduces (over a group of one); that part is replaced by the n-rank all-reduce.
+    # One rank's step splits into compute and what its backward waits for after the last gradient (backward
+    # with synchronisation minus backward under no_sync). The wait holds the all-reduce over a group of one
+    # (measured alone) and DDP's fixed cost of finishing a reduction (waking the waiting thread, copying the
+    # buckets back), which every world size pays; the all-reduce at n ranks replaces the one-rank all-reduce.
+    exposed_one = max(0.0, one["backward"] - one.get("backward_no_sync", one["backward"]))
+    compute = one["step"] - exposed_one
+    fixed = max(0.0, exposed_one - sum(one_rank_allreduce.get(b, 0.0) for b in buckets))
+    here = []
+    for n, fit in fits.items():
+        # On the CPU, ranks beyond the cores share them: each rank's compute slows by that share. Communication
+        # runs on the same cores, so it is not hidden behind backward.
+        scale = max(1.0, n * scaling[1].get("threads", 1) / ncores) if on_cpu else 1.0
+        # This machine's jitter (from the 1-rank rounds): the ranks wait for the slowest at every step.
+        straggle = predict.straggler_seconds(scaling[1]["step_samples"], n)
+        p = predict.predict(n=n, one_rank_step_s=compute + straggle, backward_s=one["backward"], batch_size=batch,
+                            buckets=buckets, allreduce_s=fit.seconds, link=f"measured ({n} ranks)",
+                            compute_scale=scale, overlap=not on_cpu, fixed_sync_s=fixed)
+        measured = scaling[n]["parts"]["step"]
+        here.append(p.to_json() | {"measured_step_s": measured, "error": p.step_s / measured - 1,
+                                   "compute_scale": scale, "straggler_s": straggle})
+    largest = fits[max(fits)]
+    measured_link = predict.Interconnect("measured", largest.bus_bandwidth, largest.hop_latency_s,
+                                         f"this machine's all-reduce at {largest.world_size} ranks")
+    intra = measured_link if cfg.intra == "measured" else predict.PRESETS[cfg.intra]
+    larger = {}
+    for name, inter in [(cfg.interconnect, cfg.inter_link())] + [(k, v) for k, v in predict.PRESETS.items()
+                                                                  if k != cfg.interconnect]:
+        rows = []
+        for n in cfg.predict_sizes:
+            link, nodes = predict.link_for(n, cfg.gpus_per_node, intra, inter)
+            rows.append(predict.predict(
+                n=n, one_rank_step_s=compute, backward_s=one["backward"], batch_size=batch, buckets=buckets,
+                allreduce_s=functools.partial(predict.ring_seconds, n=n, link=link), link=link.name, nodes=nodes,
+                overlap=not on_cpu or link.name != "measured", fixed_sync_s=fixed,
+            ).to_json())
+        larger[name] = {"link": asdict(inter), "rows": rows}
+    return {"this_machine": here, "larger": larger, "intra_link": asdict(intra), "buckets_bytes": buckets,
+            "chosen": cfg.interconnect, "one_rank": {"compute_s": compute, "exposed_s": exposed_one,
+                                                     "fixed_sync_s": fixed, "allreduce_s": one_rank_allreduce}}
+
+
+def assumptions(cfg: BenchConfig, scaling: dict[int, dict[str, Any]], pred: dict[str, Any]) -> list[str]:
+    on_cpu = scaling[1]["device"] == "cpu"
+    inter = cfg.inter_link()
+    buckets = pred["buckets_bytes"]
+    intra = pred["intra_link"]
+    return [
+        "weak scaling: every rank keeps the per-rank batch, so the global batch grows with the world size",
+        "a rank's compute (data, forward, backward, optimizer) is the 1-rank step measured here, less the "
+        "wait at the end of its backward"
+        + (", slowed by the share of a core each rank gets when ranks outnumber cores" if on_cpu else "")
+        + "; of that wait, all but the all-reduce over a group of one (measured alone) is DDP's fixed cost of "
+        f"finishing a reduction ({pred['one_rank']['fixed_sync_s'] * MS:.3f} ms here), added at every world size",
+        f"gradients: {sum(buckets) / 1e6:.3f} MB in {len(buckets)} DDP bucket(s) "
+        f"(first up to 1 MiB, then bucket_cap_mb={Knobs().bucket_cap_mb:g}); float32",
+        "ring all-reduce of S bytes at n ranks: 2(n-1) x hop latency + 2(n-1)/n x S / busbw",
+        "overlap: a bucket's all-reduce starts when backward has produced it (backward taken as uniform over "
+        "gradient bytes) and the previous bucket is done; only what outlasts backward adds to the step"
+        + ("; on this machine (CPU) communication shares the cores with compute, so none of it is hidden "
+           "in the predictions for this machine" if on_cpu else ""),
+        f"within a node (up to {cfg.gpus_per_node} ranks): {intra['name']}, busbw "
+        f"{intra['busbw_bytes_per_s'] / 1e9:.3g} GB/s, {intra['hop_latency_s'] * 1e6:.3g} us per ring step"
+        + (f" ({intra['note']})" if intra.get("note") else ""),
+        f"between nodes: {inter.name}, busbw {inter.busbw_bytes_per_s / 1e9:.3g} GB/s, "
+        f"{inter.hop_latency_s * 1e6:.3g} us per ring step ({inter.note}); across nodes the ring runs at the "
+        "slower of the two links",
+        "stragglers: ranks wait for the slowest at every all-reduce; on this machine, the slowest of n draws "
+        "from the 1-rank run's step times (independent delays per rank); not carried to larger world sizes, "
+        "whose machines have their own jitter",
+        "not modelled: hierarchical/tree all-reduce, data loading that does not keep up, compression hooks",
+    ]
+
+
+# -- reporting ----------------------------------------------------------------------------------------------
+
+
+def _conditions(cfg: BenchConfig, scaling: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    load = tuple(round(x, 2) for x in os.getloadavg()) if hasattr(os, "getloadavg") else None
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()} {platform.processor()}".strip(),
+        "cores": cores(),
+        "load_average_1_5_15": load,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "device": scaling[1]["device"],
+        "backend": scaling[2]["backend"] if 2 in scaling else scaling[1]["backend"],
+        "threads_per_rank": 1,
+        "pinned_ranks": {n: s["pinned"] for n, s in scaling.items()},
+        "config": asdict(cfg),
+    }
+
+
+def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
+    # DDP's constructor imports torch._dynamo, which takes seconds; imported once here, before ddpkit.spawn
+    # forks, every rank of every job inherits it.
+    import torch._dynamo  # noqa: F401
+
+    w = load_workload(cfg.script)  # bad input fails here, with its message, rather than inside every rank
+    if w.loader is None:
+        ShardedBatchSampler(w.dataset, w.batch_size, drop_last=w.drop_last, rank=0, world_size=cfg.nproc)
+    log(f"measuring the step at 1..{cfg.nproc} ranks ({cfg.rounds} rounds)")
+    scaling = measure_scaling(cfg, log)
+    log("measuring the all-reduce alone")
+    fits, one_rank = measure_allreduce(cfg, predict.bucket_sizes(scaling[1]["param_bytes"], Knobs().bucket_cap_mb))
+    knobs = None
+    if cfg.knobs:
+        log(f"trying DDP's knobs at {cfg.nproc} ranks")
+        knobs = measure_knobs(cfg, log)
+    dp = compare_data_parallel(cfg)
+    pred = predictions(cfg, scaling, fits, one_rank)
+    result = {
+        "workload": cfg.script or w.name,
+        "scaling": scaling,
+        "allreduce": {n: f.to_json() for n, f in fits.items()},
+        "predictions": pred,
+        "assumptions": assumptions(cfg, scaling, pred),
+        "knobs": knobs,
+        "data_parallel": dp,
+    }
+    result["conditions"] = _conditions(cfg, scaling)
+    return result
+
+
+def write_outputs(cfg: BenchConfig, result: dict[str, Any]) -> list[str]:
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "bench.json.tmp"
+    tmp.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    tmp.replace(out / "bench.json")  # never a half-written file
+    written = [str(out / "bench.json")]
+    try:
+        from ddpkit.tools.plot import plot_throughput
+    except ImportError as err:
+        return written + [f"(no plot: {err}; pip install 'ddpkit[plot]')"]
+    plot_throughput(result, out / "bench.png")
+    return written + [str(out / "bench.png")]
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give world sizes as 1,2,4,8") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: world sizes must be >= 1")
+    return sizes
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="ddpkit bench", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__,
+        epilog=f"Your own training: a script defining {HOOK}() that returns (model, dataset, loss_fn, "
+        "optimizer_factory) or a ddpkit.tools.workload.Workload (batch_size per rank, loader, ...).",
+    )
+    p.add_argument("script", nargs="?", help=f"training script defining {HOOK}(); default: the seeds' CNN")
+    gpus = torch.cuda.device_count()
+    p.add_argument("--nproc", type=int, default=gpus if gpus >= 2 else 2,
+                   help="largest world size measured here (default: the GPUs, or 2 CPU processes)")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--predict", type=_sizes, default=BenchConfig.predict_sizes, metavar="N,N,...",
+                   help="world sizes to predict (default 1,2,4,...,256)")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--intra", default="measured", help="link within a node: measured (default) or a preset")
+    p.add_argument("--interconnect", default="infiniband", choices=sorted(predict.PRESETS),
+                   help="link between nodes (default infiniband)")
+    p.add_argument("--bandwidth", type=float, dest="bandwidth_gbps", metavar="GB/s",
+                   help="bus bandwidth of the link between nodes, replacing the preset's")
+    p.add_argument("--latency-us", type=float, help="latency of one ring step between nodes, replacing the preset's")
+    p.add_argument("--no-knobs", dest="knobs", action="store_false", help="skip the knob trials")
+    p.add_argument("--out", default="ddpkit-bench", help="folder for bench.json and bench.png")
+    p.add_argument("--no-pin", dest="pin", action="store_false", help="leave CPU ranks unpinned")
+    a = p.parse_args(argv)
+    cfg = BenchConfig(script=a.script, nproc=a.nproc, steps=a.steps, warmup=a.warmup, rounds=a.rounds,
+                      predict_sizes=a.predict, gpus_per_node=a.gpus_per_node, intra=a.intra,
+                      interconnect=a.interconnect, bandwidth_gbps=a.bandwidth_gbps, latency_us=a.latency_us,
+                      knobs=a.knobs, out=a.out, pin=a.pin)
+    result = run_bench(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
+    print("\n".join(report(result)))
+    for path in write_outputs(cfg, result):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,403 @@
+"""``ddpkit check``: do N ranks train the same model as one process on the same global batch? If not, why?
+
+The script's training (see :mod:`ddpkit.tools.workload`) runs for a few steps as one process with the global
+batch, and as N ranks (ddpkit.spawn, gloo on the CPU) with ``1/N`` of it each, DDP averaging the gradients.
+Step by step, the global loss, rank 0's all-reduced gradients and its weights after the step are compared.
+
+On a mismatch, each known cause has a switch that removes it (sync BatchNorm, global-batch dropout, ...). The
+runs are repeated with every switch on; if they then agree, each switch is turned off in turn, and a cause is
+named when the mismatch comes back without its switch. The single process is run twice in every set-up, so
+non-determinism shows as the process disagreeing with itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import random
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+try:  # numpy is optional, as in ddpkit.seeding
+    import numpy as np
+except ImportError:  # pragma: no cover
+    np = None  # type: ignore[assignment]
+
+from ddpkit.collectives import broadcast_object, gather_object
+from ddpkit.data import ShardedBatchSampler, to_device
+from ddpkit.dropout import BatchLayout, batch_layout, convert_dropout
+from ddpkit.errors import ConfigError
+from ddpkit.model import prepare_model, unwrap
+from ddpkit.runtime import get_runtime, init
+from ddpkit.seeding import mix_seed, seed_everything
+from ddpkit.spawn import spawn
+from ddpkit.tools.compare import QUANTITIES, Verdict, compare
+from ddpkit.tools.workload import HOOK, load_workload
+
+
+@dataclass(frozen=True)
+class Cause:
+    """A way N ranks can train another model than one process does, and the switch that removes it."""
+
+    key: str
+    what: str
+    fix: str
+
+
+CAUSES: tuple[Cause, ...] = (
+    Cause(
+        "batchnorm",
+        "BatchNorm without global statistics: each rank normalises its own slice of the batch",
+        "sync_batchnorm=True (prepare_model(model, sync_batchnorm=True) or TrainerConfig(sync_batchnorm=True))",
+    ),
+    Cause(
+        "dropout",
+        "dropout drawing per rank: each rank draws the masks of its own slice from its own RNG",
+        "global_batch_dropout=True (TrainerConfig), or ddpkit.dropout.convert_dropout(model) inside "
+        "ddpkit.dropout.batch_layout(...) in a hand-written loop",
+    ),
+    Cause(
+        "augmentation",
+        "augmentation drawing per rank: the dataset draws random numbers from the process's RNG, so a sample is "
+        "augmented differently at another world size",
+        "draw a sample's randomness from a generator seeded by the sample: "
+        "torch.Generator().manual_seed(ddpkit.seeding.mix_seed(seed, epoch, index)) in __getitem__",
+    ),
+    Cause(
+        "data_order",
+        "a different data order: the ranks' batches are not the slices of the single process's global batch",
+        "ddpkit.build_loader(dataset, batch_size, seed=...) (ShardedBatchSampler) with the same seed on every rank",
+    ),
+    Cause(
+        "unused_parameters",
+        "unused parameters: some parameters get no gradient, and DDP waits for them",
+        "find_unused_parameters=True (prepare_model(model, find_unused_parameters=True) or "
+        "TrainerConfig(ddp_kwargs={'find_unused_parameters': True})), or remove the unused parameters",
+    ),
+    Cause(
+        "initial_state",
+        "initial weights that differ between ranks: tensors DDP does not broadcast (plain tensor attributes, "
+        "not parameters or buffers) start different on each rank",
+        "ddpkit.seed_everything(seed) with the same seed on every rank before building the model, and "
+        "self.register_buffer(name, tensor) so DDP broadcasts it",
+    ),
+    Cause(
+        "nondeterminism",
+        "non-deterministic ops: one process run twice from the same seed does not repeat itself",
+        "torch.use_deterministic_algorithms(True) (on CUDA also CUBLAS_WORKSPACE_CONFIG=:4096:8)",
+    ),
+    Cause(
+        "uneven_mean",
+        "a loss averaged per rank when samples are uneven: DDP averages the ranks' means, which is not the mean "
+        "over the global batch when ranks hold different numbers of samples",
+        "drop_last=True (build_loader, TrainerConfig: every rank gets batch_size samples), or weight each "
+        "rank's mean loss by its share: loss * n_rank * world_size / n_global",
+    ),
+)
+_KEYS = tuple(c.key for c in CAUSES)
+
+
+@dataclass(kw_only=True)
+class CheckConfig:
+    """What ``ddpkit check`` runs."""
+
+    script: str | None = None
+    """The training script defining ``ddpkit_workload()``; None for the built-in digits CNN."""
+    nproc: int = 2
+    """Ranks of the distributed run (gloo on the CPU)."""
+    steps: int = 4
+    """Optimizer steps compared."""
+    rtol: float = 1e-4
+    """Relative difference (``|a - b| / |b|`` over a whole tensor) beyond which two runs differ. float32 sums in
+    another order differ by ~1e-7 per step; this leaves room for a few steps of Adam."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.nproc < 2:
+            raise ConfigError(f"--nproc {self.nproc}: compare with at least 2 ranks")
+        if self.steps < 1:
+            raise ConfigError(f"--steps {self.steps}: run at least one step")
+        if not 0 < self.rtol < 1:
+            raise ConfigError(f"--rtol {self.rtol}: give a relative tolerance between 0 and 1")
+
+
+# -- the switches -------------------------------------------------------------------------------------------
+
+
+class _SampleSeeded(Dataset):
+    """Fetches sample ``i`` of epoch ``e`` with every RNG seeded by ``(seed, e, i)``, then restores them: the draws
+    of a dataset's augmentation then belong to the sample, not to the rank that fetches it."""
+
+    def __init__(self, dataset: Dataset, seed: int) -> None:
+        self.dataset, self.seed, self.epoch = dataset, seed, 0
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> Any:
+        state = random.getstate(), np.random.get_state() if np is not None else None
+        with torch.random.fork_rng(devices=[]):
+            # The CPU generator, python's and numpy's: torch.manual_seed would also queue a seed for every
+            # CUDA device, at a cost per sample.
+            key = mix_seed(self.seed, self.epoch, index)
+            torch.default_generator.manual_seed(key)
+            random.seed(key)
+            if np is not None:
+                np.random.seed(key)
+            try:
+                return self.dataset[index]
+            finally:
+                random.setstate(state[0])
+                if np is not None:
+                    np.random.set_state(state[1])
+
+
+def _plain_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Tensors a model keeps as plain attributes: neither parameters nor buffers, so DDP does not broadcast them."""
+    out = {}
+    for prefix, module in model.named_modules():
+        for name, value in vars(module).items():
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+                out[f"{prefix}.{name}" if prefix else name] = value
+    return out
+
+
+@contextmanager
+def _deterministic(on: bool) -> Iterator[None]:
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(on or before)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+# -- one training run ---------------------------------------------------------------------------------------
+
+
+def _batches(loader: Any, data: Dataset) -> Iterator[Any]:
+    for epoch in itertools.count():  # epoch after epoch (the loader runs in this process: no prefetching)
+        if isinstance(data, _SampleSeeded):
+            data.epoch = epoch
+        empty = True
+        for batch in loader:
+            empty = False
+            yield batch
+        if empty:
+            raise ConfigError("the loader gave no batch: the dataset is smaller than one global batch")
+
+
+def train_steps(script: str | None, fixes: frozenset[str], steps: int, per_rank_batch: int | None,
+                seed: int) -> dict[str, Any]:
+    """Train ``steps`` steps with the switches in ``fixes`` on; this process's records (rank 0's are compared).
+
+    Collective when there is a process group: every rank calls it with the same arguments.
+    """
+    rt = get_runtime()
+    records: dict[str, Any] = {q: [] for q in QUANTITIES}
+    records["error"] = None
+    records["differing_tensors"] = []
+    with _deterministic("nondeterminism" in fixes):
+        try:
+            seed_everything(seed)
+            w = load_workload(script)
+            batch = per_rank_batch or w.batch_size
+            model = w.model
+            if "dropout" in fixes:
+                convert_dropout(model)
+            plain = _plain_tensors(model)
+            if "initial_state" in fixes:
+                for name, t in plain.items():
+                    t.copy_(broadcast_object(t))
+            digests = {name: float(t.double().sum()) for name, t in plain.items()}
+            every = gather_object(digests)
+            records["differing_tensors"] = sorted(n for n in digests if any(d.get(n) != digests[n] for d in every))
+            ddp_kwargs = {"find_unused_parameters": True} if "unused_parameters" in fixes else {}
+            model = prepare_model(model, sync_batchnorm="batchnorm" in fixes, **ddp_kwargs)
+            optimizer = w.optimizer(model.parameters())
+            data = _SampleSeeded(w.dataset, seed) if "augmentation" in fixes else w.dataset
+            if w.loader is None or "data_order" in fixes:
+                sampler = ShardedBatchSampler(data, batch, seed=seed, drop_last=w.drop_last)
+                loader: Any = DataLoader(data, batch_sampler=sampler, num_workers=0)
+            else:
+                loader = w.loader(data, batch, rt.rank, rt.world_size)
+            batches = _batches(loader, data)
+            model.train()
+            for step in range(steps):
+                inputs, targets = to_device(next(batches), rt.device)
+                counts = gather_object(len(targets))
+                n, n_global = len(targets), sum(counts)
+                layout = BatchLayout(global_size=n_global, offset=sum(counts[: rt.rank]), key=mix_seed(seed, step))
+                with batch_layout(layout) if "dropout" in fixes else nullcontext():
+                    loss = w.loss_fn(model(inputs), targets)
+                # Each rank's mean, weighted by its share: DDP's average over ranks is then the global mean.
+                scaled = loss * (n * rt.world_size / n_global) if "uneven_mean" in fixes else loss
+                optimizer.zero_grad(set_to_none=True)
+                scaled.backward()
+                params = list(unwrap(model).parameters())
+                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+                records["sizes"] = [p.numel() for p in params]
+                records["grad"].append(torch.cat([g.detach().reshape(-1).double().cpu() for g in grads]))
+                # The global loss: each rank's mean times its samples, summed, over all samples.
+                records["loss"].append(sum(gather_object(loss.item() * n)) / n_global)
+                optimizer.step()
+                records["weights"].append(torch.cat([p.detach().reshape(-1).double().cpu() for p in params]))
+        except ConfigError:
+            raise
+        except Exception as err:  # a DDP error is a finding (e.g. unused parameters), not a crash of the check
+            records["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+    return records
+
+
+def _ranks_run(script: str | None, setups: list[frozenset[str]], steps: int, seed: int) -> list[dict[str, Any]]:
+    init(device="cpu")  # gloo on the CPU: any number of ranks fits on one machine
+    return [train_steps(script, fixes, steps, None, seed) for fixes in setups]
+
+
+# -- comparing ----------------------------------------------------------------------------------------------
+
+
+# -- the check ----------------------------------------------------------------------------------------------
+
+
+def _setups() -> list[frozenset[str]]:
+    everything = frozenset(_KEYS)
+    return [frozenset(), everything, *(everything - {k} for k in _KEYS)]
+
+
+def run_check(cfg: CheckConfig) -> tuple[int, list[str]]:
+    """Run the check; (exit code, report lines). 0: the runs agree; 1: they differ."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank: the same kernels, summing in the same order
+    try:
+        return _check(cfg)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _check(cfg: CheckConfig) -> tuple[int, list[str]]:
+    # DDP's constructor imports torch._dynamo, which takes seconds; imported once here, before ddpkit.spawn
+    # forks, every rank of every job inherits it.
+    import torch._dynamo  # noqa: F401
+
+    setups = _setups()
+    # Bad input fails here, with its message, rather than inside every rank.
+    w = load_workload(cfg.script)
+    if w.loader is None:
+        ShardedBatchSampler(w.dataset, w.batch_size, drop_last=w.drop_last, rank=0, world_size=cfg.nproc)
+    ranks = spawn(functools.partial(_ranks_run, cfg.script, setups, cfg.steps, cfg.seed), cfg.nproc)[0]
+    global_batch = w.batch_size * cfg.nproc
+    verdicts = []
+    for fixes, dist_run in zip(setups, ranks):
+        one = train_steps(cfg.script, fixes, cfg.steps, global_batch, cfg.seed)
+        # The repeat finds non-determinism; with deterministic algorithms on (all but two set-ups) it can only
+        # agree, unless deterministic mode does not cure it, which the all-on set-up shows.
+        repeat = "nondeterminism" not in fixes or fixes == frozenset(_KEYS)
+        again = train_steps(cfg.script, fixes, cfg.steps, global_batch, cfg.seed) if repeat else one
+        verdicts.append(Verdict(compare(dist_run, one), compare(again, one)))
+        if fixes == frozenset():
+            base_one, base_ranks = one, dist_run
+    silent = verdicts[0].ranks.silent
+    lines = [
+        f"ddpkit check: {cfg.script or w.name}: 1 process (batch {global_batch}) vs {cfg.nproc} ranks "
+        f"(batch {w.batch_size} each, gloo), {cfg.steps} steps, tolerance {cfg.rtol:g} relative",
+        _table(base_one, base_ranks, verdicts[0], cfg),
+    ]
+    if silent:
+        lines.append(f"({silent} parameter(s) with gradients at rounding level, e.g. a bias that BatchNorm "
+                     "cancels, are left out of the weights' comparison: an adaptive optimizer such as Adam "
+                     "turns their rounding noise into full-size steps)")
+    base, fixed = verdicts[0], verdicts[1]
+    if not base.differs(cfg.rtol):
+        lines.append(f"OK: {cfg.nproc} ranks train the same model as one process "
+                     f"(largest relative difference {base.size():.1e}, tolerance {cfg.rtol:g})")
+        return 0, lines
+    lines.append(_describe_mismatch(base, cfg))
+    if base_ranks["differing_tensors"]:
+        lines.append(f"  tensors that differ between ranks after the model is built: "
+                     f"{', '.join(base_ranks['differing_tensors'])}")
+    if fixed.differs(cfg.rtol):
+        lines.append(f"UNEXPLAINED: with every known cause switched off the runs still differ "
+                     f"({_what(fixed, cfg)}); none of ddpkit's known causes accounts for it")
+        return 1, lines
+    found = [c for c, v in zip(CAUSES, verdicts[2:]) if v.differs(cfg.rtol)]
+    if not found:
+        lines.append("cause: the runs agree with every switch on, but no single switch brings the mismatch back "
+                     "(causes that each suffice alone); switches: " + ", ".join(_KEYS))
+        return 1, lines
+    for cause, v in zip(CAUSES, verdicts[2:]):
+        if cause in found:
+            lines += [
+                f"cause: {cause.what}",
+                f"  fix: {cause.fix}",
+                f"  evidence: every switch on, the runs agree (largest difference {fixed.size():.1e}); "
+                f"all but '{cause.key}', they differ ({_what(v, cfg)})",
+            ]
+    return 1, lines
+
+
+def _what(v: Verdict, cfg: CheckConfig) -> str:
+    if v.ranks.error:
+        return f"the {cfg.nproc}-rank run raised {v.ranks.error}"
+    if v.repeat.error:
+        return f"the single process raised {v.repeat.error}"
+    if v.repeat.differs(cfg.rtol):
+        step, q, d = v.repeat.first(cfg.rtol)  # type: ignore[misc]
+        return f"one process run twice: {q} {d:.1e} at step {step}"
+    step, q, d = v.ranks.first(cfg.rtol)  # type: ignore[misc]
+    return f"{q} {d:.1e} at step {step}"
+
+
+def _describe_mismatch(v: Verdict, cfg: CheckConfig) -> str:
+    parts = []
+    for label, c in ((f"{cfg.nproc} ranks vs 1 process", v.ranks), ("1 process vs itself", v.repeat)):
+        first = c.first(cfg.rtol)
+        if first is not None:
+            step, q, d = first
+            sizes = ", ".join(f"{k} {c.diffs[step][k]:.1e}" for k in QUANTITIES)
+            parts.append(f"{label}: first differ at step {step} ({q} by {d:.1e} relative; {sizes})")
+        if c.error:
+            parts.append(f"{label}: a run raised {c.error}")
+    return "MISMATCH: " + "; ".join(dict.fromkeys(parts))
+
+
+def _table(one: dict[str, Any], ranks: dict[str, Any], v: Verdict, cfg: CheckConfig) -> str:
+    rows = [f"{'step':>4}  {'loss, 1 process':>15}  {f'loss, {cfg.nproc} ranks':>15}  "
+            f"{'rel. diff: loss':>15}  {'gradients':>9}  {'weights':>9}"]
+    for i, d in enumerate(v.ranks.diffs):
+        rows.append(f"{i:>4}  {one['loss'][i]:>15.6f}  {ranks['loss'][i]:>15.6f}  {d['loss']:>15.1e}  "
+                    f"{d['grad']:>9.1e}  {d['weights']:>9.1e}")
+    return "\n".join(rows)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="ddpkit check",
+        description="Train a few steps as one process and as N ranks on the same global batch, compare losses, "
+        "gradients and weights step by step, and name the cause of a difference. Exit code 0: they agree; "
+        "1: they differ beyond the tolerance (causes named when found).",
+        epilog=f"The script defines {HOOK}() returning (model, dataset, loss_fn, optimizer_factory) or a "
+        "ddpkit.tools.workload.Workload; without a script, the seeds' CNN on sklearn digits.",
+    )
+    p.add_argument("script", nargs="?", help=f"a training script that defines {HOOK}()")
+    p.add_argument("--nproc", type=int, default=2, help="ranks of the distributed run (default 2)")
+    p.add_argument("--steps", type=int, default=4, help="optimizer steps compared (default 4)")
+    p.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance (default 1e-4)")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    cfg = CheckConfig(script=a.script, nproc=a.nproc, steps=a.steps, rtol=a.rtol, seed=a.seed)
+    code, lines = run_check(cfg)
+    print("\n".join(lines), flush=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""One DDP job's step, timed part by part on every rank: data, forward, backward, exposed all-reduce, optimizer.
+
+How communication is measured, two ways:
+
+- **exposed all-reduce**: every other timed step runs its backward under DDP's ``no_sync()`` (no all-reduce;
+  its gradients are dropped and no optimizer step follows). The exposed all-reduce is the median backward with
+  synchronisation minus the median backward without: the time the all-reduce adds to the step.
+- **all-reduce span**: a DDP communication hook (torch's default ``allreduce_hook``, wrapped) stamps the moment
+  DDP launches the first bucket and the moment the last bucket's all-reduce completes; their difference is the
+  communication time of a step, hidden or not. On CUDA the completion is when NCCL's work is done, as torch's
+  futures report it.
+
+On CUDA every part ends with a device synchronisation, so its time is the device's, not the launch's.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Iterator
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+from ddpkit.cluster import cpu_count
+from ddpkit.collectives import gather_object
+from ddpkit.data import build_loader, to_device
+from ddpkit.model import prepare_model
+from ddpkit.runtime import init
+from ddpkit.seeding import seed_everything
+from ddpkit.tools.workload import load_workload
+
+PARTS = ("data", "forward", "backward", "backward_no_sync", "optimizer", "step", "allreduce_span")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Knobs:
+    """The DDP and loader settings a timed run uses (the defaults are DDP's and the bench's)."""
+
+    bucket_cap_mb: float = 25.0
+    """DDP's bucket size (MiB)."""
+    gradient_as_bucket_view: bool = False
+    """Gradients are views into DDP's buckets: no copy into the bucket, less memory."""
+    static_graph: bool = False
+    """DDP may assume the same parameters get gradients in the same order every step."""
+    num_workers: int = 0
+    """Loader worker processes per rank (0: the rank loads its own batches)."""
+    pin_memory: bool = False
+    """Page-locked batches, for faster copies to a GPU (no effect on the CPU)."""
+
+    def label(self) -> str:
+        default = Knobs()
+        changed = [f"{k}={v}" for k, v in asdict(self).items() if getattr(default, k) != v]
+        return ", ".join(changed) or "defaults"
+
+
+class _CommTimer:
+    """A DDP communication hook that all-reduces as DDP does and stamps the first launch and last completion."""
+
+    def __init__(self) -> None:
+        self.first: float | None = None
+        self.last = 0.0
+
+    def hook(self, state: Any, bucket: Any) -> torch.futures.Future:
+        if self.first is None:
+            self.first = time.perf_counter()
+
+        def done(fut: torch.futures.Future) -> torch.Tensor:
+            self.last = time.perf_counter()
+            return fut.value()
+
+        return allreduce_hook(state, bucket).then(done)
+
+    # DDP checks a hook's annotations against the real types; this module's are strings (postponed).
+    hook.__annotations__ = {"state": object, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
+
+    def take(self) -> float:
+        span = self.last - self.first if self.first is not None else 0.0
+        self.first, self.last = None, 0.0
+        return max(0.0, span)
+
+
+def _pin(rank: int, world: int) -> bool:
+    """Give each rank a core of its own when there are enough, so that ranks do not migrate between cores."""
+    if not hasattr(os, "sched_setaffinity"):
+        return False
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < world * torch.get_num_threads():
+        return False
+    os.sched_setaffinity(0, {cores[rank]})
+    return True
+
+
+def _cycle(loader: Any) -> Iterator[Any]:
+    while True:
+        yield from loader
+
+
+def measure_steps(script: str | None, knobs: Knobs, steps: int, warmup: int, split_comm: bool,
+                  pin: bool = True) -> dict[str, Any]:
+    """Time ``steps`` DDP steps after ``warmup``; every rank's medians per part (collective: run on every rank).
+
+    With ``split_comm``, as many ``no_sync()`` backward steps are interleaved (see the module's docstring).
+    """
+    rt = init()
+    pinned = _pin(rt.rank, rt.world_size) if pin and rt.device.type == "cpu" else False
+    seed_everything(0)
+    w = load_workload(script)
+    model = prepare_model(w.model, bucket_cap_mb=knobs.bucket_cap_mb, static_graph=knobs.static_graph,
+                          gradient_as_bucket_view=knobs.gradient_as_bucket_view)
+    timer = _CommTimer()
+    model.register_comm_hook(None, timer.hook)
+    optimizer = w.optimizer(model.parameters())
+    if w.loader is not None:
+        loader: Any = w.loader(w.dataset, w.batch_size, rt.rank, rt.world_size)
+    else:
+        loader = build_loader(w.dataset, w.batch_size, num_workers=knobs.num_workers, pin_memory=knobs.pin_memory)
+    batches = _cycle(loader)
+    cuda = rt.device.type == "cuda"
+
+    def now() -> float:
+        if cuda:
+            torch.cuda.synchronize(rt.device)
+        return time.perf_counter()
+
+    times: dict[str, list[float]] = {p: [] for p in PARTS}
+    model.train()
+    for i in range(warmup + (2 * steps if split_comm else steps)):
+        no_sync = split_comm and i >= warmup and (i - warmup) % 2 == 1
+        t0 = now()
+        inputs, targets = to_device(next(batches), rt.device)
+        t1 = now()
+        with model.no_sync() if no_sync else nullcontext():
+            loss = w.loss_fn(model(inputs), targets)
+            t2 = now()
+            loss.backward()
+            t3 = now()
+        if no_sync:
+            optimizer.zero_grad(set_to_none=True)
+            times["backward_no_sync"].append(t3 - t2)
+            continue
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        t4 = now()
+        span = timer.take()
+        if i >= warmup:
+            for part, seconds in zip(("data", "forward", "backward", "optimizer", "step", "allreduce_span"),
+                                     (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0, span)):
+                times[part].append(seconds)
+    medians = {p: statistics.median(v) if v else None for p, v in times.items()}
+    grad_bytes = [p.numel() * p.element_size() for p in model.parameters() if p.requires_grad]
+    return {
+        "rank": rt.rank,
+        "medians": medians,
+        "pinned": pinned,
+        "threads": torch.get_num_threads(),
+        "device": str(rt.device),
+        "backend": rt.backend,
+        "param_bytes": grad_bytes,
+        "batch_size": w.batch_size,
+        "every_rank_step": gather_object(medians["step"]),
+        "step_samples": times["step"],
+    }
+
+
+def single_process_steps(script: str | None, data_parallel: bool, steps: int, warmup: int) -> dict[str, Any]:
+    """Median step of the workload on one GPU, or under ``nn.DataParallel`` over every visible GPU with the
+    per-GPU batch of a DDP rank (so the three compare at the same work per GPU). CUDA only; no process group."""
+    seed_everything(0)
+    w = load_workload(script)
+    gpus = torch.cuda.device_count() if data_parallel else 1
+    model: torch.nn.Module = w.model.cuda()
+    if data_parallel:
+        model = torch.nn.DataParallel(model)
+    optimizer = w.optimizer(model.parameters())
+    loader = torch.utils.data.DataLoader(w.dataset, batch_size=w.batch_size * gpus, shuffle=True, drop_last=True)
+    batches = _cycle(loader)
+    device = torch.device("cuda", 0)
+    out = []
+    for i in range(warmup + steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        inputs, targets = to_device(next(batches), device)
+        loss = w.loss_fn(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        if i >= warmup:
+            out.append(time.perf_counter() - t0)
+    return {"gpus": gpus, "step": statistics.median(out), "samples": w.batch_size * gpus}
+
+
+def cores() -> int:
+    return cpu_count()

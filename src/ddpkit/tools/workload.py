@@ -1,0 +1,131 @@
+"""What ``ddpkit bench`` and ``ddpkit check`` train: the user's model, data, loss and optimizer, named by one hook.
+
+A script hands its training to the tools by defining a function ``ddpkit_workload()``::
+
+    def ddpkit_workload():
+        model = Net()
+        return model, train_set, F.cross_entropy, lambda params: torch.optim.Adam(params, lr=1e-3)
+
+or, for more control, returning a :class:`Workload`. The tools call it once per run in every rank's process,
+after seeding every rank alike, so it must build a fresh model each time; the script's
+``if __name__ == "__main__":`` block is not run (the file is imported under another name).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+from ddpkit.errors import ConfigError
+
+HOOK = "ddpkit_workload"
+"""The function a script defines for ``ddpkit bench script.py`` and ``ddpkit check script.py``."""
+
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+LoaderFactory = Callable[[Dataset, int, int, int], Iterable[Any]]
+
+
+def _adam(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=2e-3)
+
+
+@dataclass(kw_only=True)
+class Workload:
+    """One training set-up: what the hook returns (a 4-tuple fills the first four fields)."""
+
+    model: nn.Module
+    """A freshly built model, on the CPU; the tools move and wrap it."""
+    dataset: Dataset
+    """Training samples ``(inputs, targets)``; the same on every rank."""
+    loss_fn: LossFn = F.cross_entropy
+    """``loss_fn(model(inputs), targets)``: a scalar, the mean over the batch as torch's losses return it."""
+    optimizer: OptimizerFactory = _adam
+    """Builds the optimizer from the (wrapped) model's parameters."""
+    batch_size: int = 32
+    """Samples per rank per step; one process takes ``batch_size x ranks`` in ``ddpkit check``."""
+    drop_last: bool = True
+    """For ddpkit's sampler: drop an epoch's last, smaller global batch (False splits it unevenly over ranks)."""
+    loader: LoaderFactory | None = None
+    """The script's own loader, ``loader(dataset, batch_size, rank, world_size)`` giving ``(inputs, targets)``
+    batches; by default ddpkit's :class:`~ddpkit.ShardedBatchSampler`. It is read in the training process
+    (no loader workers) and iterated again when an epoch ends."""
+    name: str = "workload"
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Free-form notes printed with the results (e.g. the dataset's name)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, nn.Module):
+            raise ConfigError(f"{HOOK}() returned a model of type {type(self.model).__name__}: give an nn.Module")
+        if self.batch_size < 1:
+            raise ConfigError(f"batch_size={self.batch_size}: the per-rank batch must be >= 1")
+
+    @property
+    def parameter_bytes(self) -> int:
+        """Bytes of the gradients DDP all-reduces each step (parameters that need a gradient)."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
+
+
+def digits_workload() -> Workload:
+    """The built-in default: the seeds' CNN on scikit-learn's 8x8 digits (1,437 training images), Adam."""
+    from ddpkit.datasets import digits
+    from ddpkit.tools.models import DigitsCNN
+
+    return Workload(
+        model=DigitsCNN(image_size=8),
+        dataset=digits("train"),
+        batch_size=32,
+        name="seeds' CNN on sklearn digits",
+    )
+
+
+_modules: dict[str, Any] = {}
+
+
+def _load_script(path: str) -> Any:
+    file = Path(path).resolve()
+    if str(file) in _modules:
+        return _modules[str(file)]
+    if not file.is_file():
+        raise ConfigError(f"{path}: no such file; give the training script that defines {HOOK}()")
+    spec = importlib.util.spec_from_file_location(f"_ddpkit_workload_{len(_modules)}", file)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(file.parent))  # the script's own imports of its neighbours
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(file.parent))
+    _modules[str(file)] = module
+    return module
+
+
+def load_workload(script: str | None) -> Workload:
+    """Call ``script``'s :data:`HOOK` (or build the default, :func:`digits_workload`, for ``None``)."""
+    if script is None:
+        return digits_workload()
+    hook = getattr(_load_script(script), HOOK, None)
+    if not callable(hook):
+        raise ConfigError(
+            f"{script} defines no function {HOOK}(): add one that returns (model, dataset, loss_fn, "
+            "optimizer_factory) or a ddpkit.tools.workload.Workload; see `ddpkit bench -h`"
+        )
+    out = hook()
+    if isinstance(out, Workload):
+        return out
+    if isinstance(out, tuple) and len(out) == 4:
+        model, dataset, loss_fn, optimizer = out
+        return Workload(model=model, dataset=dataset, loss_fn=loss_fn, optimizer=optimizer, name=Path(script).name)
+    raise ConfigError(
+        f"{script}: {HOOK}() returned {type(out).__name__}; return (model, dataset, loss_fn, optimizer_factory) "
+        "or a ddpkit.tools.workload.Workload"
+    )
