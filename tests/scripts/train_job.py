@@ -71,7 +71,7 @@ class SabotagedTrainer(Trainer):
 
 def _kill_inside_snapshot_write(call_to_kill: int) -> None:
     calls = {"n": 0}
-    write = ddpkit.snapshot._write_atomic
+    write = ddpkit.snapshot.write_atomic
 
     def dying_write(path, data):
         calls["n"] += 1
@@ -81,7 +81,7 @@ def _kill_inside_snapshot_write(call_to_kill: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         write(path, data)
 
-    ddpkit.snapshot._write_atomic = dying_write
+    ddpkit.snapshot.write_atomic = dying_write
 
 
 def train(
@@ -110,6 +110,9 @@ def train(
     clip_grad_norm: float | None = None,
     out: str | None = None,
     trainer_hook=None,
+    strategy: str = "ddp",
+    strategy_options: dict | None = None,
+    snapshot_async: bool = True,
 ) -> dict:
     """Train the job; ``event=(what, rank, step)`` makes ``rank`` produce a NaN loss (``nan``), an infinite
     loss whose gradients are finite (``inf``), a NaN loss whose gradients are zero (``ignored``: every target
@@ -140,6 +143,9 @@ def train(
         on_nonfinite=on_nonfinite,
         early_stopping_metric="val/loss" if early_stopping_patience else None,
         early_stopping_patience=early_stopping_patience or 1,
+        strategy=strategy,
+        strategy_options=strategy_options or {},
+        snapshot_async=snapshot_async,
     )
     attempt = rt.restart_count
     if kill_in_snapshot is not None and attempt == 0 and rt.rank == 0:
@@ -187,9 +193,12 @@ def train(
     if trainer_hook is not None:
         trainer_hook(trainer)
     trainer.fit()
+    full = trainer.strategy.full_state_dict() if rt.distributed else None  # collective: every rank
     final = {
-        "model": {k: v.clone() for k, v in ddpkit.unwrap(trainer.model).state_dict().items()},
-        "optimizer": trainer.optimizer.state_dict(),
+        # Under zero and fsdp the optimizer's own state is this rank's shard: compare the gathered "full" state.
+        "model": ({k: v.clone() for k, v in ddpkit.unwrap(trainer.model).state_dict().items()}
+                  if strategy == "ddp" else full["model"]),
+        "optimizer": trainer.optimizer.state_dict() if strategy == "ddp" else None,
         "scheduler": trainer.scheduler.state_dict(),
         "step": trainer.step,
         "resumed_from": trainer.resumed_from,
@@ -198,6 +207,7 @@ def train(
         "stopped_by": trainer.stopped_by,
         "skipped_steps": trainer.skipped_steps,
         "scale": trainer.scaler.get_scale() if trainer.scaler is not None else None,
+        "full": full,
     }
     if out and rt.is_main:
         torch.save(final, out)
@@ -216,8 +226,11 @@ if __name__ == "__main__":
     p.add_argument("--sample-log", default=None)
     p.add_argument("--raise-at", type=int, nargs=2, metavar=("RANK", "STEP"), default=None)
     p.add_argument("--out", default=None)
+    p.add_argument("--strategy", default="ddp")
+    p.add_argument("--snapshot-sync", action="store_true")
     a = p.parse_args()
     train(a.run_dir, global_batch=a.global_batch, epochs=a.epochs, max_steps=a.max_steps, kill_rank=a.kill_rank,
           kill_step=a.kill_step, kill_in_snapshot=a.kill_in_snapshot, sample_log=a.sample_log, out=a.out,
-          event=("raise", *a.raise_at) if a.raise_at else None)
+          event=("raise", *a.raise_at) if a.raise_at else None, strategy=a.strategy,
+          snapshot_async=not a.snapshot_sync)
     ddpkit.shutdown()
