@@ -6,8 +6,8 @@ register_comm_hook``), although gloo reduces bfloat16 tensors; ours does the sam
 ``parameter_server`` is the parameter-server pattern of the tutorials, written as a hook.
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations`` here: DDP checks the hooks' annotations as objects
+# (``bucket: dist.GradBucket``), and postponed annotations are strings.
 from typing import Any
 
 import torch
@@ -50,7 +50,7 @@ def parameter_server(process_group: Any, bucket: dist.GradBucket) -> torch.futur
     dist.reduce(buffer, dst=server, group=group)
     dist.broadcast(buffer, src=server, group=group)
     buffer.div_(world)
-    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future = torch.futures.Future()
     future.set_result(buffer)
     return future
 
