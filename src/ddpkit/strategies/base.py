@@ -116,8 +116,14 @@ def rebuild_optimizer(
         groups.append({**group, "params": params})
     cls = type(optimizer)
     if optimizer_class is not None:
-        return optimizer_class(groups, optimizer_class=cls, **optimizer.defaults, **extra)
-    return cls(groups, **optimizer.defaults)
+        new = optimizer_class(groups, optimizer_class=cls, **optimizer.defaults, **extra)
+    else:
+        new = cls(groups, **optimizer.defaults)
+    # The script still holds the optimizer it built: point its groups at the new parameters too, or it would
+    # keep the replaced (whole, unsharded) tensors alive, a full copy of the model per rank.
+    for old_group, group in zip(optimizer.param_groups, groups):
+        old_group["params"] = list(group["params"])
+    return new
 
 
 def rebind_scheduler(scheduler: Any, old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
