@@ -135,7 +135,8 @@ class Checkpointer:
         staged = writer.stage(sharded)  # a copy in host memory: training may change the originals from here on
         self._thread = threading.Thread(
             target=self._write_in_background, args=(path, step, staged, extra_bytes.getvalue(), group, writer),
-            name=f"ddpkit-snapshot-{step}", daemon=True,
+            # Not a daemon: an interpreter that exits (an exception, SystemExit) first finishes the write.
+            name=f"ddpkit-snapshot-{step}", daemon=False,
         )
         self._thread.start()
 

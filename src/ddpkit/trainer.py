@@ -655,6 +655,10 @@ class Trainer:
         state = self.state_dict()
         sharded = state.pop("strategy")
         self._snapshots.save(self.step, sharded, state)
+        if self.stopped_by is not None:
+            # The run stops after this snapshot (max_steps, a signal, early stopping): it must be whole before
+            # the process may exit, however fit() ends.
+            self._snapshots.wait()
         self.writer.log(
             "event",
             self.step,
