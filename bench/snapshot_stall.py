@@ -4,7 +4,8 @@ synchronous (write, fsync, checksum, marker), for a ~100 M parameter model with 
 What is timed is what ``Trainer.save()`` does: the strategy's state dict, then :class:`ddpkit.checkpoint.
 Checkpointer.save`; the stall is the time until it returns (rank 0's; every rank waits about as long, as the
 save is collective). Synchronous and asynchronous saves alternate (sync, async, sync, ...) in one job, each
-into a fresh folder, after one untimed save of each kind; after an asynchronous save the bench waits for the
+kind into its own folder (keeping the newest), after one untimed save of each kind (it allocates the host
+copy that later asynchronous saves reuse); after an asynchronous save the bench waits for the
 write to finish before the next save (its time is reported as "background write"). Target: the asynchronous
 stall is at most 10% of the synchronous one (median over repeats).
 
@@ -53,10 +54,11 @@ def job(strategy_name: str, width: int, blocks: int, repeats: int, folder: str) 
     extra = {"trainer": {"step": 1}, "rng": torch.get_rng_state()}
     times: dict[str, list[float]] = {"sync": [], "async": [], "background": []}
     step = 0
+    checkpointers = {mode: Checkpointer(Path(folder) / mode, group=rt.group, keep_last=1,
+                                        async_write=mode == "async") for mode in ("sync", "async")}
     for i in range(repeats + 1):
-        for mode in ("sync", "async"):
+        for mode, ckpt in checkpointers.items():
             step += 1
-            ckpt = Checkpointer(Path(folder) / f"{mode}", group=rt.group, keep_last=1, async_write=mode == "async")
             t0 = time.perf_counter()
             ckpt.save(step, strategy.state_dict(), extra)
             stall = time.perf_counter() - t0

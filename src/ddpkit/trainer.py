@@ -6,9 +6,9 @@ needed to write a loop by hand.
 
 One optimizer step, on every rank:
 
-1. ``grad_accum_steps`` micro-batches; all but the last run under DDP's ``no_sync()``, so gradients are
-   all-reduced once per step; each loss is divided by the number of micro-batches (gradients add up, and the
-   step should follow the mean).
+1. ``grad_accum_steps`` micro-batches; all but the last run under the strategy's ``no_sync()``, so gradients
+   are synchronised once per step; each loss is divided by the number of micro-batches (gradients add up, and
+   the step should follow the mean).
 2. The strategy (:mod:`ddpkit.strategies`: ``ddp``, ``zero``, ``fsdp``) gives the verdict on the step, the
    same on every rank: if the synchronised gradients, and every rank's loss, are finite the step is taken
    everywhere, else it is skipped (or training stops) everywhere. Under ``ddp`` and ``zero`` no collective of
@@ -499,7 +499,8 @@ class Trainer:
         loader = build_eval_loader(
             data, self.config.eval_batch_size, num_workers=self.config.num_workers, group=self.group
         )
-        results = evaluate(self.model, loader, self._metric_fn, group=self.group, autocast=self._autocast)
+        with self.strategy.evaluation():  # fsdp: no collective per forward, as ranks' batch counts may differ
+            results = evaluate(self.model, loader, self._metric_fn, group=self.group, autocast=self._autocast)
         out = {f"{prefix}/{k}": v for k, v in results.items()}
         if prefix != "val":
             self.writer.log(prefix, self.step, out)

@@ -59,6 +59,10 @@ class Strategy(Protocol):
         """Decide the step from the synchronised gradients, the same on every rank; clip them to ``max_norm``
         (global L2 norm) when they are finite."""
 
+    def evaluation(self) -> AbstractContextManager[Any]:
+        """A context for forward passes whose number may differ between ranks (evaluation on unpadded shards):
+        inside it a forward pass runs no collective."""
+
     def join(self) -> AbstractContextManager[Any]:
         """A context for loops where ranks run different numbers of steps (uneven inputs): a rank that has
         run out of data shadows the others' collectives until all are done."""

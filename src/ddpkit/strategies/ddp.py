@@ -192,6 +192,9 @@ class DDPStrategy:
             "parameters are unused every step), or leave them out of the optimizer and set requires_grad=False"
         )
 
+    def evaluation(self) -> AbstractContextManager[Any]:
+        return nullcontext()  # evaluate() calls the module inside DDP, whose forward runs no collective
+
     def join(self) -> AbstractContextManager[Any]:
         if not self.runtime.distributed:
             return nullcontext()

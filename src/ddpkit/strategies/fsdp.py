@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from ddpkit.batchnorm import convert_sync_batchnorm
@@ -173,6 +173,30 @@ class FSDPStrategy:
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
             torch._foreach_mul_(local, coef.to(local[0].dtype) if local else coef)
         return GradientVerdict(True, norm)
+
+    @contextmanager
+    def _gathered(self) -> Iterator[None]:
+        # A sharded forward all-gathers each block's parameters, so ranks evaluating different numbers of
+        # batches (unpadded shards) would wait on each other forever. Gather every block once for the whole
+        # evaluation instead (the whole model in memory meanwhile), and keep it gathered across forwards.
+        modules = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+        for module in modules:
+            module.set_reshard_after_forward(False)
+            module.unshard()
+        # Buffers (BatchNorm running statistics) are not sharded and follow each rank's own batches: evaluate
+        # rank 0's everywhere, as DDP does.
+        for buffer in self.model.buffers():
+            dist.broadcast(buffer.data, src=dist.get_global_rank(self.group, 0), group=self.group)
+        try:
+            yield
+        finally:
+            for module in modules:
+                module.reshard()
+                module.set_reshard_after_forward(
+                    False if module is self.model else self.config.reshard_after_forward)
+
+    def evaluation(self) -> AbstractContextManager[Any]:
+        return self._gathered()
 
     def join(self) -> AbstractContextManager[Any]:
         raise ConfigError(

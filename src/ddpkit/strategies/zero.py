@@ -76,6 +76,9 @@ class ZeroStrategy:
     def check_gradients(self, max_norm: float | None = None) -> GradientVerdict:
         return self.ddp.check_gradients(max_norm)
 
+    def evaluation(self) -> AbstractContextManager[Any]:
+        return self.ddp.evaluation()
+
     def join(self) -> AbstractContextManager[Any]:
         # torch's Join([ddp_model, zero]) ends without a hang but trains the wrong model: a joined rank shadows
         # DDP's all-reduces with zeros and drops the results, then steps the parameters it owns with its own
