@@ -157,7 +157,8 @@ class Checkpointer:
         if self.distributed:
             dist.barrier(group=self.group)  # no rank writes into the folder before it is clean
         extra_bytes = io.BytesIO()
-        torch.save(extra, extra_bytes)
+        if self._rank == 0:  # the same on every rank (or gathered): rank 0's is written
+            torch.save(extra, extra_bytes)
         if not self.async_write:
             self._write(path, step, sharded, extra_bytes.getvalue(), self.group)
             return
