@@ -41,12 +41,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.tensor import DTensor
 
 from ddpkit import snapshot as single_file
 from ddpkit.collectives import broadcast_object, gather_object
 
+# torch.distributed.checkpoint (and DTensor, which it imports) is imported where it is used: it pulls in sympy
+# and costs ~0.9 s per process, which `import ddpkit` (a hand-written loop, the launcher) need not pay.
 MARKER = "complete.json"
 EXTRA = "trainer.pt"
 _FOLDER = re.compile(r"^step-(\d+)$")
@@ -92,6 +92,8 @@ def _stage(value: Any, cache: Any) -> Any:
     if isinstance(value, list):
         cache = cache if isinstance(cache, list) and len(cache) == len(value) else [None] * len(value)
         return [_stage(v, c) for v, c in zip(value, cache)]
+    from torch.distributed.tensor import DTensor
+
     if isinstance(value, DTensor):
         local = value.to_local()
         buffer = _stage(local, cache.to_local() if isinstance(cache, DTensor) else None)
@@ -180,6 +182,8 @@ class Checkpointer:
             self._error = err
 
     def _write(self, path: Path, step: int, sharded: dict[str, Any], extra: bytes, group: Any) -> None:
+        import torch.distributed.checkpoint as dcp  # see the note on lazy imports at the top
+
         t0 = time.perf_counter()
         dcp.save(sharded, storage_writer=dcp.FileSystemWriter(path), process_group=group,
                  no_dist=not self.distributed)
@@ -260,6 +264,8 @@ class Checkpointer:
             data = found.path.read_bytes()
             return None, torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
         # weights_only: the extra state holds tensors and plain values only, so loading it runs no pickled code.
+        import torch.distributed.checkpoint as dcp
+
         extra = torch.load(found.path / EXTRA, map_location=map_location, weights_only=True)
         sharded = template()
         dcp.load(sharded, checkpoint_id=found.path, process_group=self.group, no_dist=not self.distributed)

@@ -9,8 +9,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.algorithms.join import Join
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from ddpkit.errors import ConfigError
 from ddpkit.model import prepare_model, unwrap
@@ -18,9 +16,14 @@ from ddpkit.runtime import Runtime
 from ddpkit.strategies import hooks
 from ddpkit.strategies.base import GradientVerdict
 
-# Optimizer state keyed by parameter name, one entry per tensor: ranks may hold different parameters (ZeRO)
-# and a load at another world size finds each by name.
-STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+def state_options(**kwargs: Any) -> Any:
+    """Options of torch's distributed state dicts: optimizer state keyed by parameter name, one entry per
+    tensor, so that ranks may hold different parameters (ZeRO) and a load at another world size finds each by
+    name. (torch.distributed.checkpoint is imported here, when used: it costs ~0.9 s per process.)"""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True, **kwargs)
 
 
 @dataclass(kw_only=True)
@@ -198,19 +201,24 @@ class DDPStrategy:
     def join(self) -> AbstractContextManager[Any]:
         if not self.runtime.distributed:
             return nullcontext()
+        from torch.distributed.algorithms.join import Join
+
         return Join([self.model])
 
     def state_dict(self) -> dict[str, Any]:
-        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=STATE_OPTIONS)
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=state_options())
         return {"model": model_state, "optim": optim_state}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"], options=STATE_OPTIONS)
+                       optim_state_dict=state["optim"], options=state_options())
 
     def full_state_dict(self) -> dict[str, Any]:
-        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=STATE_OPTIONS)
-        return {"model": model_state, "optim": optim_state}
+        return self.state_dict()  # replicated: every rank's state is the whole state
 
     def load_full_state(self, model_state: dict[str, Any], optim_state: dict[str, Any]) -> None:
         """Restore a whole (unsharded) model and ``optimizer.state_dict()``: single-file snapshots."""

@@ -12,7 +12,6 @@ gradient shard, and whether its loss was finite).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
@@ -21,17 +20,15 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from ddpkit.batchnorm import convert_sync_batchnorm
 from ddpkit.errors import ConfigError
 from ddpkit.runtime import Runtime
 from ddpkit.strategies.base import GradientVerdict, rebuild_optimizer
-from ddpkit.strategies.ddp import STATE_OPTIONS
+from ddpkit.strategies.ddp import state_options
 
+# torch.distributed.fsdp and DTensor are imported where used: with torch.distributed.checkpoint they cost ~0.9 s
+# per process, which `import ddpkit` (and every other strategy) need not pay.
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -64,15 +61,19 @@ class FSDPConfig:
         if isinstance(self.shard_blocks, str):
             self.shard_blocks = [self.shard_blocks]
 
-    def mixed_precision(self) -> MixedPrecisionPolicy:
+    def mixed_precision(self) -> Any:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
         return MixedPrecisionPolicy(
             param_dtype=_DTYPES[self.param_dtype] if self.param_dtype else None,
             reduce_dtype=_DTYPES[self.reduce_dtype] if self.reduce_dtype else None,
         )
 
 
-def shard_model(model: nn.Module, mesh: DeviceMesh, config: FSDPConfig) -> nn.Module:
+def shard_model(model: nn.Module, mesh: Any, config: FSDPConfig) -> nn.Module:
     """Apply ``fully_shard`` to each block named in ``config.shard_blocks``, then to the root."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
     kwargs: dict[str, Any] = {
         "mesh": mesh,
         "mp_policy": config.mixed_precision(),
@@ -127,6 +128,8 @@ class FSDPStrategy:
         # source of its shard, so replicas that differ would silently give a model that no rank had.
         for tensor in [*model.parameters(), *model.buffers()]:
             dist.broadcast(tensor.data, src=dist.get_global_rank(self.group, 0), group=self.group)
+        from torch.distributed.device_mesh import DeviceMesh
+
         mesh = DeviceMesh.from_group(self.group, runtime.device.type)
         self.model = shard_model(model, mesh, self.config)
         self.optimizer = rebuild_optimizer(optimizer, dict(self.model.named_parameters()), names)
@@ -179,6 +182,8 @@ class FSDPStrategy:
         # A sharded forward all-gathers each block's parameters, so ranks evaluating different numbers of
         # batches (unpadded shards) would wait on each other forever. Gather every block once for the whole
         # evaluation instead (the whole model in memory meanwhile), and keep it gathered across forwards.
+        from torch.distributed.fsdp import FSDPModule
+
         modules = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
         for module in modules:
             module.set_reshard_after_forward(False)
@@ -205,19 +210,27 @@ class FSDPStrategy:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=STATE_OPTIONS)
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=state_options())
         return {"model": model_state, "optim": optim_state}
 
     def full_state_dict(self) -> dict[str, Any]:
-        options = dataclasses.replace(STATE_OPTIONS, full_state_dict=True)
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        options = state_options(full_state_dict=True)
         model_state, optim_state = get_state_dict(self.model, self.optimizer, options=options)
         return {"model": model_state, "optim": optim_state}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"], options=STATE_OPTIONS)
+                       optim_state_dict=state["optim"], options=state_options())
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (a view: writing to it writes the gradient), or the tensor itself."""
+    from torch.distributed.tensor import DTensor
+
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor

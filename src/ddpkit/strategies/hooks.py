@@ -38,8 +38,9 @@ def parameter_server(process_group: Any, bucket: dist.GradBucket) -> torch.futur
     every worker's copy (fan-in) and sends the mean back to all (fan-out).
 
     Servers are the training ranks themselves, one per slice of the parameters, as in sharded parameter
-    servers. The result equals an all-reduce up to the order of the additions; the traffic does not: each
-    server receives ``N - 1`` full buckets, where a ring all-reduce moves ``2 (N - 1) / N`` of one per rank.
+    servers. The result equals an all-reduce up to the order of the additions; the pattern's traffic does not:
+    a server takes in ``N - 1`` copies of its slice (the fan-in that limits parameter servers), where a ring
+    all-reduce moves ``2 (N - 1) / N`` of a bucket per rank (how the backend carries out the reduce may differ).
     It runs synchronously inside backward (no overlap), which is what the pattern costs; a recipe to read and
     compare, not a speed-up.
     """

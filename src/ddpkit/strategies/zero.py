@@ -14,15 +14,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from ddpkit.collectives import gather_object
 from ddpkit.errors import ConfigError
 from ddpkit.model import unwrap
 from ddpkit.runtime import Runtime
 from ddpkit.strategies.base import GradientVerdict, rebuild_optimizer
-from ddpkit.strategies.ddp import STATE_OPTIONS, DDPConfig, DDPStrategy
+from ddpkit.strategies.ddp import DDPConfig, DDPStrategy, state_options
 
 
 @dataclass(kw_only=True)
@@ -59,6 +57,8 @@ class ZeroStrategy:
         self.ddp = DDPStrategy(model, optimizer, runtime=runtime, config=ddp_config,
                                sync_batchnorm=sync_batchnorm, ddp_kwargs=ddp_kwargs)
         self.model = self.ddp.model
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
         names = {id(p): n for n, p in unwrap(self.model).named_parameters()}
         self.optimizer = rebuild_optimizer(
             optimizer, dict(unwrap(self.model).named_parameters()), names,
@@ -92,11 +92,13 @@ class ZeroStrategy:
     def state_dict(self) -> dict[str, Any]:
         # Each rank saves the state of the parameters it owns, by name; the hyperparameters of every group
         # (the scheduler's current LR among them) are the same on every rank and saved once.
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
         local = self.optimizer.optim
         _copy_hyperparameters(self.optimizer.param_groups, local.param_groups)
         return {
             "model": unwrap(self.model).state_dict(),
-            "optim": get_optimizer_state_dict(self.model, local, options=STATE_OPTIONS),
+            "optim": get_optimizer_state_dict(self.model, local, options=state_options()),
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
         }
 
@@ -108,8 +110,10 @@ class ZeroStrategy:
         return {"model": state["model"], "optim": merged}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
         unwrap(self.model).load_state_dict(state["model"])
-        set_optimizer_state_dict(self.model, self.optimizer.optim, state["optim"], options=STATE_OPTIONS)
+        set_optimizer_state_dict(self.model, self.optimizer.optim, state["optim"], options=state_options())
         for group, saved in zip(self.optimizer.param_groups, state["param_groups"], strict=True):
             group.update(saved)
         _copy_hyperparameters(self.optimizer.param_groups, self.optimizer.optim.param_groups)
