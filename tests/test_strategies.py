@@ -78,6 +78,7 @@ def test_fsdp_fp32_trains_what_ddp_trains_and_bf16_differs(tmp_path, ddp_referen
     assert rel_diff(bf16["full"]["model"], fp32["full"]["model"]) > 1e-4
 
 
+@pytest.mark.slow  # ~15 s: 4 jobs
 @pytest.mark.parametrize("world", [1, 3])
 def test_fsdp_snapshot_of_2_ranks_resumes_at_another_world_size(tmp_path, ddp_reference, world):
     first = run(2, tmp_path / "run", max_steps=13, global_dropout=True, strategy="fsdp")
@@ -245,8 +246,9 @@ def plain_ddp(tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("hook, low, high", [
-    ("parameter_server", 0.0, 1e-6),  # an all-reduce done as reduce + broadcast: only the order of sums differs
-    ("fp16", 1e-9, 1e-2),
+    # an all-reduce done as reduce + broadcast: only the order of sums differs
+    pytest.param("parameter_server", 0.0, 1e-6, marks=pytest.mark.slow),
+    pytest.param("fp16", 1e-9, 1e-2, marks=pytest.mark.slow),
     ("bf16", 1e-9, 5e-2),
     ("powersgd", 1e-6, 0.5),  # rank-1 approximation of the gradients after 2 plain steps
 ])
