@@ -12,13 +12,10 @@ import torch
 
 import ddpkit
 from ddpkit.errors import ConfigError
-from ddpkit.trainer import (
-    TrainerConfig,
-    _all_finite,
-    _LossWindow,
-    _nan_gradient_if_nonfinite,
-    _stepped_parameters,
-)
+from ddpkit.strategies.ddp import all_finite as _all_finite
+from ddpkit.strategies.ddp import nan_gradient_if_nonfinite as _nan_gradient_if_nonfinite
+from ddpkit.strategies.ddp import stepped_parameters as _stepped_parameters
+from ddpkit.trainer import TrainerConfig, _LossWindow
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from train_job import N_SAMPLES, train  # noqa: E402
@@ -98,8 +95,8 @@ def test_rerun_with_the_same_max_steps_trains_no_further(tmp_path):
     first = run(2, tmp_path / "run", max_steps=4)
     again = run(2, tmp_path / "run", max_steps=4)
     assert again["resumed_from"] == 4 and again["step"] == 4 and bitwise_equal(again, first)
-    assert sorted(p.name for p in (tmp_path / "run" / "snapshots").glob("*.json")) == [
-        "step-00000003.json", "step-00000004.json"
+    assert sorted(p.parent.name for p in (tmp_path / "run" / "snapshots").glob("*/complete.json")) == [
+        "step-00000003", "step-00000004"
     ]
 
 
@@ -187,7 +184,7 @@ def test_loss_window_keeps_taken_steps_and_drops_skipped_ones(on_host):
 def test_control_a_nonfinite_loss_with_finite_gradients_needs_the_nan_gradient(tmp_path, monkeypatch, what):
     # Without the NaN put into a gradient, the all-reduced gradients look healthy and every rank trains on
     # through rank 1's non-finite loss. (spawn forks, so the children see the patch.)
-    monkeypatch.setattr(ddpkit.trainer, "_nan_gradient_if_nonfinite", lambda loss, anchor, on_host: loss)
+    monkeypatch.setattr(ddpkit.strategies.ddp, "nan_gradient_if_nonfinite", lambda loss, anchor, on_host: loss)
     out = run(2, tmp_path / "run", event=(what, 1, 5), epochs=1)
     assert out["step"] == 10 and out["skipped_steps"] == 0
 
@@ -207,7 +204,7 @@ def test_signal_on_one_rank_saves_and_stops_all_then_resumes_bitwise(tmp_path, r
     assert [o["stopped_by"] for o in stopped] == ["signal", "signal"]
     assert [o["preempted"] for o in stopped] == [75, 75]  # fit() raised ddpkit.Preempted on both ranks
     assert [o["step"] for o in stopped] == [8, 8]
-    assert (tmp_path / "run" / "snapshots" / "step-00000008.json").exists()
+    assert (tmp_path / "run" / "snapshots" / "step-00000008" / "complete.json").exists()
     final = run(2, tmp_path / "run")
     assert final["resumed_from"] == 8 and bitwise_equal(final, reference["plain"])
 

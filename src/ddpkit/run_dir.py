@@ -143,14 +143,15 @@ def optimizer_hparams(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
 def check_resumable(
     saved: Mapping[str, Any],
     config: Any,
-    model_state: Mapping[str, torch.Tensor],
+    model_shapes: Mapping[str, tuple[tuple[int, ...], str]],
     hparams: list[dict[str, Any]],
     snapshot: str,
 ) -> None:
     """Refuse a snapshot taken with another config, model or optimizer than this run's, naming the differences.
 
-    ``saved`` is the snapshot's state (its ``config``, ``model`` and ``optimizer_hparams`` entries are read);
-    ``config`` this run's TrainerConfig as a JSON dict; ``model_state`` this run's model state dict; ``hparams``
+    ``saved`` is the snapshot's state (its ``config``, ``model_shapes`` (or whole ``model``) and
+    ``optimizer_hparams`` entries are read); ``config`` this run's TrainerConfig as a JSON dict; ``model_shapes``
+    this run's :func:`tensor_shapes` of its model; ``hparams``
     this run's :func:`optimizer_hparams`. Snapshots written before a field existed are not compared on it.
     """
     problems = []
@@ -169,7 +170,8 @@ def check_resumable(
                 if old.get(key) != new.get(key):
                     problems.append(f"optimizer param group {i} {key}: {old.get(key)!r} in the snapshot, "
                                     f"{new.get(key)!r} now")
-    problems += _model_differences(saved["model"], model_state)
+    old_shapes = saved.get("model_shapes") or tensor_shapes(saved.get("model") or {})
+    problems += _model_differences(old_shapes, model_shapes)
     if problems:
         allowed = ", ".join(sorted(RESUMABLE_CHANGES - {"run_dir", "resume"}))
         listed = "\n  ".join(problems[:12] + ([f"... and {len(problems) - 12} more"] if len(problems) > 12 else []))
@@ -181,7 +183,13 @@ def check_resumable(
         )
 
 
-def _model_differences(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> list[str]:
+def tensor_shapes(state: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """(shape, dtype) of each tensor of a state dict; a sharded tensor (DTensor) gives its global shape."""
+    return {k: (tuple(v.shape), str(v.dtype).removeprefix("torch."))
+            for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def _model_differences(old: Mapping[str, tuple], new: Mapping[str, tuple]) -> list[str]:
     out = []
     missing, extra = sorted(new.keys() - old.keys()), sorted(old.keys() - new.keys())
     if missing:
@@ -189,11 +197,7 @@ def _model_differences(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.
     if extra:
         out.append(f"model: only in the snapshot: {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}")
     for name in sorted(old.keys() & new.keys()):
-        a, b = old[name], new[name]
-        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and (a.shape != b.shape or a.dtype != b.dtype):
-            out.append(f"model {name}: {_describe(a)} in the snapshot, {_describe(b)} now")
+        (old_shape, old_dtype), (shape, dtype) = old[name], new[name]
+        if tuple(old_shape) != tuple(shape) or old_dtype != dtype:
+            out.append(f"model {name}: {tuple(old_shape)} {old_dtype} in the snapshot, {tuple(shape)} {dtype} now")
     return out
-
-
-def _describe(t: torch.Tensor) -> str:
-    return f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"

@@ -1,4 +1,7 @@
-"""Snapshots that are whole or absent: atomic writes, a checksummed manifest, and resume from the newest good one.
+"""Single-file snapshots that are whole or absent: atomic writes, a checksummed manifest, and the newest good one.
+
+The Trainer writes sharded snapshots as folders (:mod:`ddpkit.checkpoint`), with :func:`write_atomic` from here;
+it still reads snapshots in this format, which earlier versions wrote.
 
 Layout of ``run_dir/snapshots``::
 
@@ -44,7 +47,8 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` whole or not at all: a temporary file, fsynced, renamed over ``path``."""
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
         f.write(data)
@@ -62,9 +66,9 @@ def save_snapshot(folder: str | os.PathLike, step: int, state: dict[str, Any], k
     torch.save(state, buffer)
     data = buffer.getbuffer()
     info = SnapshotInfo(step, folder / f"step-{step:08d}.pt", len(data), hashlib.sha256(data).hexdigest())
-    _write_atomic(info.path, bytes(data))
+    write_atomic(info.path, bytes(data))
     manifest = {"step": step, "file": info.path.name, "size": info.size, "sha256": info.sha256}
-    _write_atomic(folder / f"step-{step:08d}.json", json.dumps(manifest).encode())
+    write_atomic(folder / f"step-{step:08d}.json", json.dumps(manifest).encode())
     _prune(folder, keep_last)
     return info
 
@@ -84,7 +88,8 @@ def list_snapshots(folder: str | os.PathLike) -> list[SnapshotInfo]:
     return sorted(found, key=lambda s: s.step, reverse=True)
 
 
-def _verify(info: SnapshotInfo) -> bytes | str:
+def verify(info: SnapshotInfo) -> bytes | str:
+    """The snapshot's bytes if its size and checksum match its manifest, else what is wrong with it."""
     try:
         data = info.path.read_bytes()
     except OSError as err:
@@ -103,7 +108,7 @@ def load_latest(
 ) -> tuple[SnapshotInfo, dict[str, Any]] | None:
     """The newest snapshot that is whole, loaded onto ``map_location``; None if there is none."""
     for info in list_snapshots(folder):
-        data = _verify(info)
+        data = verify(info)
         if isinstance(data, str):
             warn(f"ddpkit: skipping snapshot {info.path}: it {data}; trying the one before it")
             continue

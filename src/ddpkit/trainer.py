@@ -6,14 +6,15 @@ needed to write a loop by hand.
 
 One optimizer step, on every rank:
 
-1. ``grad_accum_steps`` micro-batches; all but the last run under DDP's ``no_sync()``, so gradients are
-   all-reduced once per step; each loss is divided by the number of micro-batches (gradients add up, and the
-   step should follow the mean).
-2. The verdict on the step comes from the all-reduced gradients, which every rank holds identically: if they
-   are finite the step is taken everywhere, else it is skipped (or training stops) everywhere. A loss that is
-   NaN/inf on one rank is made to turn its gradients NaN, so DDP's own all-reduce carries it to every rank;
-   no collective of ours runs in a normal step.
-3. Clipping, ``optimizer.step()``, the scheduler (if stepped per step), a snapshot every N steps.
+1. ``grad_accum_steps`` micro-batches; all but the last run under the strategy's ``no_sync()``, so gradients
+   are synchronised once per step; each loss is divided by the number of micro-batches (gradients add up, and
+   the step should follow the mean).
+2. The strategy (:mod:`ddpkit.strategies`: ``ddp``, ``zero``, ``fsdp``) gives the verdict on the step, the
+   same on every rank: if the synchronised gradients, and every rank's loss, are finite the step is taken
+   everywhere, else it is skipped (or training stops) everywhere. Under ``ddp`` and ``zero`` no collective of
+   ours runs in a normal step; under ``fsdp`` one all-reduce of two numbers covers every rank's shard.
+3. Clipping (global norm, over all shards), ``optimizer.step()``, the scheduler (if stepped per step), a
+   snapshot every N steps (:mod:`ddpkit.checkpoint`: each rank writes its part; asynchronously by default).
 4. Every ``log_every_steps`` steps and at the end of an epoch, one small all-reduce gives the exact mean
    training loss since the last one, and spreads a SIGTERM/SIGUSR1 that any rank received, so that all ranks
    save and stop after the same step.
@@ -38,6 +39,7 @@ from torch.utils.data import Dataset
 from ddpkit import callbacks as callbacks_lib
 from ddpkit import run_dir as run_dir_lib
 from ddpkit.best import BestWeights
+from ddpkit.checkpoint import Checkpointer, folder_name
 from ddpkit.collectives import all_reduce, gather_object, print0
 from ddpkit.data import ShardedBatchSampler, build_eval_loader, build_loader, shard_bounds, to_device
 from ddpkit.dropout import BatchLayout, GlobalBatchDropout, batch_layout, convert_dropout
@@ -45,11 +47,11 @@ from ddpkit.errors import PREEMPTED_EXIT_CODE, ConfigError, Preempted
 from ddpkit.evaluation import classification_metrics, evaluate
 from ddpkit.logging_utils import MetricsWriter, Progress, run_summary
 from ddpkit.losses import cross_entropy
-from ddpkit.model import prepare_model, unwrap
+from ddpkit.model import unwrap
 from ddpkit.groups import group_runtime
 from ddpkit.runtime import Runtime
 from ddpkit.seeding import rng_state, set_rng_state, stream_seed
-from ddpkit.snapshot import load_latest, save_snapshot
+from ddpkit.strategies import Strategy, build_strategy, strategy_config
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 BatchLossFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -118,6 +120,14 @@ class TrainerConfig:
     :class:`ddpkit.Preempted` (uncaught: exit code 75, "pre-empted, requeue me"), so a script cannot go on as if
     training were complete. False: ``fit()`` returns, with ``trainer.stopped_by == "signal"``."""
     ddp_kwargs: dict[str, Any] = field(default_factory=dict)
+    strategy: str = "ddp"
+    """How the model is spread over ranks: ``ddp`` (replicated), ``zero`` (DDP with optimizer state sharded),
+    ``fsdp`` (parameters, gradients and optimizer state sharded); see :mod:`ddpkit.strategies`."""
+    strategy_options: dict[str, Any] = field(default_factory=dict)
+    """Options of the strategy, by name: the fields of ``DDPConfig``, ``ZeroConfig`` or ``FSDPConfig``
+    (e.g. ``{"bucket_cap_mb": 50, "comm_hook": "bf16"}`` or ``{"shard_blocks": ["Block"]}``)."""
+    snapshot_async: bool = True
+    """Write snapshots in a background thread: the step waits only while the state is copied to host memory."""
 
     def __post_init__(self) -> None:
         if (self.batch_size is None) == (self.global_batch_size is None):
@@ -126,6 +136,10 @@ class TrainerConfig:
             # A process group cannot be copied into config.json or a snapshot, and the sampler, evaluation and
             # metrics must follow it too, not only DDP.
             raise ConfigError("pass the process group as Trainer(..., group=...), not in ddp_kwargs")
+        strategy_config(self.strategy, self.strategy_options)  # names a bad strategy or option
+        if self.strategy == "fsdp" and self.precision == "fp16":
+            raise ConfigError("precision='fp16' (a GradScaler) is not supported with strategy 'fsdp': use "
+                              "precision='bf16', or strategy_options={'param_dtype': 'bf16'}")
         checks = {
             "epochs": self.epochs >= 1,
             "grad_accum_steps": self.grad_accum_steps >= 1,
@@ -169,51 +183,6 @@ class TrainerConfig:
         return self.global_batch_size // parts
 
 
-def _nan_gradient_if_nonfinite(loss: torch.Tensor, anchor: torch.Tensor | None, on_host: bool) -> torch.Tensor:
-    """``loss``, made to give ``anchor`` (a parameter DDP all-reduces) a NaN gradient if its value is not finite.
-
-    A non-finite loss can have finite gradients: ``loss + inf``, or a cross-entropy whose targets are all
-    ``ignore_index`` (0/0 = NaN, with zero gradients); the rank that computed it would know and the others
-    would not. Multiplying the loss by NaN is not enough, as masking ops (ReLU, ignored targets) turn the NaN
-    back into zeros on its way down. So the NaN goes straight into the gradient of one element of ``anchor``;
-    DDP's all-reduce then puts it into every rank's gradients, and the verdict each rank reads from its own
-    gradients covers every rank's loss.
-
-    ``on_host`` (CPU): reading the value is free and a tensor op is not, so a finite loss is returned untouched.
-    On an accelerator a read would wait for the device, so the term is always added, as ``0 x anchor`` for a
-    finite loss: the loss keeps its value, and the anchor's gradient gets ``+0.0``.
-    """
-    if anchor is None:
-        return loss
-    element = anchor.reshape(-1)[0]
-    if on_host:
-        return loss if math.isfinite(loss.item()) else loss + element * float("nan")
-    bad = torch.where(torch.isfinite(loss.detach()), 0.0, float("nan")).to(element.dtype)
-    return loss + element * bad
-
-
-def _all_finite(tensors: list[torch.Tensor]) -> bool:
-    """True if no element of ``tensors`` is NaN or inf.
-
-    torch's fused check-and-unscale (what GradScaler runs) reads every tensor in one call; with a scale of 1
-    it leaves them bit for bit as they were. A norm (``get_total_norm``) would do too, but costs five times as
-    much on the CPU (measured in a training loop: ~40 vs ~210 us for the seeds' CNN).
-    """
-    found: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]] = {}
-    for t in tensors:
-        if t.is_sparse:  # e.g. nn.Embedding(sparse=True): the stored values, uncoalesced (summing could overflow)
-            t = t._values()
-        if t.is_complex():
-            t = torch.view_as_real(t)
-        key = (t.device, t.dtype)
-        if key not in found:
-            found[key] = (torch.zeros(1, device=t.device), torch.ones(1, device=t.device), [])
-        found[key][2].append(t)
-    for flag, one, group in found.values():
-        torch._amp_foreach_non_finite_check_and_unscale_(group, flag, one)
-    return not any(flag.item() for flag, _, _ in found.values())
-
-
 class _LossWindow:
     """This rank's training losses since the ranks last agreed on the mean; a skipped step's are dropped.
 
@@ -255,17 +224,6 @@ class _LossWindow:
 
     def clear(self) -> None:
         self.losses, self.sizes, self.steps, self.tried, self._step_start = [], [], 0, 0, 0
-
-
-def _stepped_parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The parameters whose gradients decide whether a step is taken: those the optimizer updates, that need
-    gradients, and that DDP all-reduces (identical on every rank, so every rank reaches the same verdict).
-    Parameters DDP was told to ignore are left out: their gradients are each rank's own."""
-    ignored = {
-        id(p) for name, p in unwrap(model).named_parameters() if name in getattr(model, "parameters_to_ignore", ())
-    }
-    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    return [p for p in model.parameters() if p.requires_grad and id(p) in stepped and id(p) not in ignored]
 
 
 def _batch_len(batch: Any) -> int:
@@ -328,13 +286,17 @@ class Trainer:
         self.callbacks = callbacks_lib.resolve(callbacks)
         if config.global_batch_dropout:
             convert_dropout(model)
-        self.model = prepare_model(model, sync_batchnorm=config.sync_batchnorm, runtime=rt, **config.ddp_kwargs)
-        # Scripts seed every rank alike so that models start identical; DDP has now made them identical, and
-        # with one seed everywhere ranks would also draw identical dropout masks and augmentations.
+        # The strategy wraps the model (and, for zero and fsdp, rebuilds the optimizer over what it shards,
+        # pointing the scheduler at the new one).
+        self.strategy: Strategy = build_strategy(
+            config.strategy, model, optimizer, options=config.strategy_options, runtime=rt,
+            sync_batchnorm=config.sync_batchnorm, scheduler=scheduler, ddp_kwargs=config.ddp_kwargs,
+        )
+        self.model = self.strategy.model
+        # Scripts seed every rank alike so that models start identical; the strategy has now made them
+        # identical, and with one seed everywhere ranks would also draw identical dropout masks and augmentations.
         torch.manual_seed(stream_seed("rank", config.seed, rt.rank))
-        self.optimizer, self.scheduler = optimizer, scheduler
-        self._params = _stepped_parameters(self.model, optimizer)
-        self._anchor = self._params[0] if self._params else None  # where a non-finite loss puts its NaN
+        self.optimizer, self.scheduler = self.strategy.optimizer, scheduler
         self._global_dropout = any(isinstance(m, GlobalBatchDropout) for m in self.model.modules())
         self._grad_norm: torch.Tensor | None = None  # known when clipping
         self._on_cpu = rt.device.type == "cpu"
@@ -367,6 +329,8 @@ class Trainer:
         self._epoch_start = time.perf_counter()
         self._stop_signal = 0
         self._saved_at: tuple[int, int, int] | None = None
+        self._snapshots = Checkpointer(self.run_dir / "snapshots", group=self.group, keep_last=config.keep_snapshots,
+                                       async_write=config.snapshot_async)
         self.stopped_by: str | None = None
         self.resumed_from: int | None = None
 
@@ -417,6 +381,7 @@ class Trainer:
                 signal.signal(sig, handler)
         if self.stopped_by in ("max_steps", "signal"):
             self.save()
+        self.wait_for_snapshot()  # the run's last snapshot is whole before fit() returns
         self.writer.log("event", self.step, {"event": "stop", "reason": self.stopped_by or "epochs"})
         self.writer.flush()
         callbacks_lib.call(self.callbacks, "on_fit_end", self)
@@ -450,13 +415,13 @@ class Trainer:
             if not self._on_cpu:  # on the CPU, batches are already where they belong
                 batch = to_device(batch, rt.device)
             n = _batch_len(batch)
-            sync = nullcontext() if last_in_group or not rt.distributed else self.model.no_sync()
+            sync = nullcontext() if last_in_group else self.strategy.no_sync()
             layout = batch_layout(self._layout(first_micro + i)) if self._global_dropout else nullcontext()
             with sync:
                 with self._autocast(), layout:
                     loss = self._loss(self.model, batch)
                 window.add(loss, n)
-                scaled = _nan_gradient_if_nonfinite(loss, self._anchor, self._on_cpu)
+                scaled = self.strategy.mark_nonfinite(loss)
                 if group_size > 1:  # micro-batch gradients add up; dividing by their number makes the sum a mean
                     scaled = scaled / group_size
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
@@ -496,25 +461,19 @@ class Trainer:
         return True
 
     def _optimizer_step(self, window: _LossWindow) -> bool:
-        """Clip and step if the all-reduced gradients are finite; True if the step was taken.
+        """Clip and step if the synchronised gradients are finite; True if the step was taken.
 
-        The gradients are identical on every rank once DDP has all-reduced them, so every rank reaches the
-        same verdict without a collective of its own. It costs a host sync per step (as a GradScaler does).
+        The strategy's verdict is the same on every rank (see :meth:`Strategy.check_gradients`); it costs a
+        host sync per step (as a GradScaler does).
         """
         cfg = self.config
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # clip and check true gradients, not scaled ones
-        grads = [p.grad for p in self._params if p.grad is not None]
-        if cfg.clip_grad_norm is not None:
-            norm = torch.nn.utils.get_total_norm(grads)
-            finite = math.isfinite(norm.item())
-            if finite:
-                torch.nn.utils.clip_grads_with_norm_(self._params, cfg.clip_grad_norm, norm)
-                self._grad_norm = norm
-        else:
-            finite = _all_finite(grads)
-        if not finite:
+        verdict = self.strategy.check_gradients(cfg.clip_grad_norm)
+        if not verdict.finite:
             return self._nonfinite_step(window)
+        if cfg.clip_grad_norm is not None:
+            self._grad_norm = verdict.norm
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -610,7 +569,8 @@ class Trainer:
         loader = build_eval_loader(
             data, self.config.eval_batch_size, num_workers=self.config.num_workers, group=self.group
         )
-        results = evaluate(self.model, loader, self._metric_fn, group=self.group, autocast=self._autocast)
+        with self.strategy.evaluation():  # fsdp: no collective per forward, as ranks' batch counts may differ
+            results = evaluate(self.model, loader, self._metric_fn, group=self.group, autocast=self._autocast)
         out = {f"{prefix}/{k}": v for k, v in results.items()}
         if prefix != "val":
             self.writer.log(prefix, self.step, out)
@@ -692,11 +652,12 @@ class Trainer:
     # -- snapshots ----------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything the next step needs. Collective: every rank calls it (RNG states are gathered)."""
+        """Everything the next step needs. ``strategy``: model and optimizer, each rank's own part (shards under
+        zero and fsdp), for :mod:`torch.distributed.checkpoint`; the rest is the same on every rank, or gathered.
+        Collective: every rank calls it (RNG states are gathered)."""
         per_rank = {"rng": rng_state(), "loader_generator": self.generator.get_state()}
         return {
-            "model": unwrap(self.model).state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "strategy": self.strategy.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "trainer": {
@@ -712,20 +673,33 @@ class Trainer:
             "global_micro_batch": self.sampler.global_batch_size,
             "config": json.loads(json.dumps(asdict(self.config), default=str)),
             "optimizer_hparams": self._hparams,
+            "model_shapes": run_dir_lib.tensor_shapes(unwrap(self.model).state_dict()),
         }
 
-    def load_state_dict(self, state: dict[str, Any], source: str = "the snapshot") -> None:
+    def _check_resumable(self, saved: dict[str, Any], source: str) -> None:
+        config = json.loads(json.dumps(asdict(self.config), default=str))
+        shapes = run_dir_lib.tensor_shapes(unwrap(self.model).state_dict())
+        run_dir_lib.check_resumable(saved, config, shapes, self._hparams, source)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output; its ``strategy`` part already loaded (by DCP) for this world
+        size. A single-file snapshot of an earlier version holds ``model`` and ``optimizer`` whole instead."""
         rt = self.runtime
-        run_dir_lib.check_resumable(state, json.loads(json.dumps(asdict(self.config), default=str)),
-                                    unwrap(self.model).state_dict(), self._hparams, source)
         if state["global_micro_batch"] != self.sampler.global_batch_size:
             raise ConfigError(
                 f"the snapshot was taken with {state['global_micro_batch']} samples per global micro-batch, this "
                 f"run has {self.sampler.global_batch_size}: keep global_batch_size (or batch_size x world size) "
                 "and grad_accum_steps as they were to resume"
             )
-        unwrap(self.model).load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if "strategy" in state:
+            self.strategy.load_state_dict(state["strategy"])
+        elif hasattr(self.strategy, "load_full_state"):
+            self.strategy.load_full_state(state["model"], state["optimizer"])
+        else:
+            raise ConfigError(
+                f"this snapshot is a single file, written with strategy 'ddp': resume it with strategy 'ddp' (its "
+                f"next snapshot is a folder that strategy {self.strategy.name!r} can read)"
+            )
         if self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and state["scaler"] is not None:
@@ -749,36 +723,50 @@ class Trainer:
             )
 
     def save(self) -> None:
-        """Write a snapshot of this step (rank 0 writes; every rank must call it)."""
+        """Snapshot this step into ``run_dir/snapshots/step-N/`` (every rank writes its part; every rank must
+        call it). With ``snapshot_async`` it returns once the state is copied to host memory."""
         position = (self.epoch, self.step, self.cursor)
         if position == self._saved_at:
             return
         self._saved_at = position
+        t0 = time.perf_counter()
         state = self.state_dict()
-        if self.runtime.is_main:
-            t0 = time.perf_counter()
-            info = save_snapshot(self.run_dir / "snapshots", self.step, state, keep_last=self.config.keep_snapshots)
-            self.writer.log(
-                "event",
-                self.step,
-                {"event": "snapshot", "file": info.path.name, "seconds": round(time.perf_counter() - t0, 4)},
-            )
+        sharded = state.pop("strategy")
+        self._snapshots.save(self.step, sharded, state)
+        if self.stopped_by is not None:
+            # The run stops after this snapshot (max_steps, a signal, early stopping): it must be whole before
+            # the process may exit, however fit() ends.
+            self._snapshots.wait()
+        self.writer.log(
+            "event",
+            self.step,
+            {"event": "snapshot", "file": folder_name(self.step), "seconds": round(time.perf_counter() - t0, 4),
+             "async": self.config.snapshot_async},
+        )
+
+    def wait_for_snapshot(self) -> None:
+        """Block until the snapshot being written in the background (if any) is whole on disk."""
+        self._snapshots.wait()
 
     def resume(self) -> bool:
         """Load the newest whole snapshot of ``run_dir``, if any; True if training resumes from one."""
         rt = self.runtime
-        found = load_latest(self.run_dir / "snapshots", map_location=rt.device, warn=self._print0)
+        found = self._snapshots.latest(warn=self._print0)
         if found is None:
             return False
-        info, state = found
-        self.load_state_dict(state, source=str(info.path))
-        self.resumed_from = info.step
+        # Refused before any tensor is loaded: a snapshot of another config or model is named, not half-read.
+        sharded, state = self._snapshots.load(found, self.strategy.state_dict, map_location=rt.device,
+                                              check=lambda saved: self._check_resumable(saved, str(found.path)))
+        if sharded is not None:
+            state["strategy"] = sharded
+        self.load_state_dict(state)
+        self.resumed_from = found.step
         self._saved_at = (self.epoch, self.step, self.cursor)  # already on disk
-        self._print0(f"ddpkit: resumed from {info.path} (epoch {self.epoch}, step {self.step}, restart {rt.restart_count})")
+        self._print0(f"ddpkit: resumed from {found.path} (epoch {self.epoch}, step {self.step}, restart {rt.restart_count})")
         self.writer.log(
             "event",
             self.step,
-            {"event": "resume", "file": info.path.name, "epoch": self.epoch, "cursor": self.cursor,
+            {"event": "resume", "file": found.path.name, "epoch": self.epoch, "cursor": self.cursor,
              "restart_count": rt.restart_count, "world_size": rt.world_size},
         )
         return True

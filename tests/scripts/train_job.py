@@ -69,9 +69,9 @@ class SabotagedTrainer(Trainer):
 
     drop: str | None = None
 
-    def load_state_dict(self, state, source="the snapshot"):
+    def load_state_dict(self, state):
         rng_before = rng_state()
-        super().load_state_dict(state, source)
+        super().load_state_dict(state)
         if self.drop == "rng":
             set_rng_state(rng_before)
         elif self.drop == "cursor":
@@ -84,7 +84,7 @@ class SabotagedTrainer(Trainer):
 
 def _kill_inside_snapshot_write(call_to_kill: int) -> None:
     calls = {"n": 0}
-    write = ddpkit.snapshot._write_atomic
+    write = ddpkit.snapshot.write_atomic
 
     def dying_write(path, data):
         calls["n"] += 1
@@ -94,7 +94,7 @@ def _kill_inside_snapshot_write(call_to_kill: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         write(path, data)
 
-    ddpkit.snapshot._write_atomic = dying_write
+    ddpkit.snapshot.write_atomic = dying_write
 
 
 def train(
@@ -134,6 +134,9 @@ def train(
     catch_preempted: bool = True,
     callbacks=(),
     loggers: tuple[str, ...] = (),
+    strategy: str = "ddp",
+    strategy_options: dict | None = None,
+    snapshot_async: bool = True,
 ) -> dict:
     """Train the job; ``event=(what, rank, step)`` makes ``rank`` produce a NaN loss (``nan``), an infinite
     loss whose gradients are finite (``inf``), a NaN loss whose gradients are zero (``ignored``: every target
@@ -172,6 +175,9 @@ def train(
         num_workers=num_workers,
         raise_on_stop_signal=raise_on_stop_signal,
         loggers=loggers,
+        strategy=strategy,
+        strategy_options=strategy_options or {},
+        snapshot_async=snapshot_async,
     )
     attempt = rt.restart_count
     if kill_in_snapshot is not None and attempt == 0 and rt.rank == 0:
@@ -226,10 +232,13 @@ def train(
         if not catch_preempted:
             raise
         preempted = stop.code
+    full = trainer.strategy.full_state_dict() if rt.distributed else None  # collective: every rank
     final = {
         "preempted": preempted,
-        "model": {k: v.clone() for k, v in ddpkit.unwrap(trainer.model).state_dict().items()},
-        "optimizer": trainer.optimizer.state_dict(),
+        # Under zero and fsdp the optimizer's own state is this rank's shard: compare the gathered "full" state.
+        "model": ({k: v.clone() for k, v in ddpkit.unwrap(trainer.model).state_dict().items()}
+                  if strategy == "ddp" else full["model"]),
+        "optimizer": trainer.optimizer.state_dict() if strategy == "ddp" else None,
         "scheduler": trainer.scheduler.state_dict(),
         "step": trainer.step,
         "resumed_from": trainer.resumed_from,
@@ -238,6 +247,7 @@ def train(
         "stopped_by": trainer.stopped_by,
         "skipped_steps": trainer.skipped_steps,
         "scale": trainer.scaler.get_scale() if trainer.scaler is not None else None,
+        "full": full,
     }
     if out and rt.is_main:
         torch.save(final, out)
@@ -262,10 +272,13 @@ if __name__ == "__main__":
     p.add_argument("--unseeded-samples", action="store_true")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--out", default=None)
+    p.add_argument("--strategy", default="ddp")
+    p.add_argument("--snapshot-sync", action="store_true")
     a = p.parse_args()
     event = ("raise", *a.raise_at) if a.raise_at else ("signal", *a.signal_at) if a.signal_at else None
     train(a.run_dir, global_batch=a.global_batch, epochs=a.epochs, max_steps=a.max_steps, kill_rank=a.kill_rank,
           kill_step=a.kill_step, kill_in_snapshot=a.kill_in_snapshot, sample_log=a.sample_log, out=a.out,
           event=event, raise_on_stop_signal=not a.no_raise_on_stop_signal, catch_preempted=False,
-          augment=a.augment, num_workers=a.workers, unseeded_samples=a.unseeded_samples, lr=a.lr)
+          augment=a.augment, num_workers=a.workers, unseeded_samples=a.unseeded_samples, lr=a.lr,
+          strategy=a.strategy, snapshot_async=not a.snapshot_sync)
     ddpkit.shutdown()

@@ -1,0 +1,99 @@
+"""How long a snapshot stops training: asynchronous (copy to host memory, write in the background) against
+synchronous (write, fsync, checksum, marker), for a ~100 M parameter model with Adam state.
+
+What is timed is what ``Trainer.save()`` does: the strategy's state dict, then :class:`ddpkit.checkpoint.
+Checkpointer.save`; the stall is the time until it returns (rank 0's; every rank waits about as long, as the
+save is collective). Synchronous and asynchronous saves alternate (sync, async, sync, ...) in one job, each
+kind into its own folder (keeping the newest), after one untimed save of each kind (it allocates the host
+copy that later asynchronous saves reuse); after an asynchronous save the bench waits for the
+write to finish before the next save (its time is reported as "background write"). Target: the asynchronous
+stall is at most 10% of the synchronous one (median over repeats).
+
+    python bench/snapshot_stall.py                     # 2 ranks, ddp, 101 M parameters, 3 repeats
+    python bench/snapshot_stall.py --strategy fsdp --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import ddpkit
+from ddpkit.checkpoint import Checkpointer
+from ddpkit.strategies import build_strategy
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def job(strategy_name: str, width: int, blocks: int, repeats: int, folder: str) -> dict:
+    rt = ddpkit.init()
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Block(width) for _ in range(blocks)])
+    options = {"shard_blocks": ["Block"]} if strategy_name == "fsdp" else {}
+    strategy = build_strategy(strategy_name, model, torch.optim.Adam(model.parameters()), options=options, runtime=rt)
+    del model
+    strategy.model(torch.randn(4, width)).square().mean().backward()  # one step: Adam's state exists
+    strategy.optimizer.step()
+    strategy.optimizer.zero_grad(set_to_none=True)
+    extra = {"trainer": {"step": 1}, "rng": torch.get_rng_state()}
+    times: dict[str, list[float]] = {"sync": [], "async": [], "background": []}
+    step = 0
+    checkpointers = {mode: Checkpointer(Path(folder) / mode, group=rt.group, keep_last=1,
+                                        async_write=mode == "async") for mode in ("sync", "async")}
+    for i in range(repeats + 1):
+        for mode, ckpt in checkpointers.items():
+            step += 1
+            t0 = time.perf_counter()
+            ckpt.save(step, strategy.state_dict(), extra)
+            stall = time.perf_counter() - t0
+            ckpt.wait()
+            if i:  # the first round warms up (allocations, process-group creation, file system)
+                times[mode].append(stall)
+                if mode == "async":
+                    times["background"].append(ckpt.last_write_seconds or float("nan"))
+    return times
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--strategy", default="ddp", choices=("ddp", "zero", "fsdp"))
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--blocks", type=int, default=12)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
+    a = p.parse_args()
+    with tempfile.TemporaryDirectory(dir=a.dir) as folder:
+        ranks = ddpkit.spawn(functools.partial(job, a.strategy, a.width, a.blocks, a.repeats, folder), a.nproc,
+                             start_method="spawn", threads_per_process=1)
+    n_params = a.blocks * (8 * a.width * a.width + 5 * a.width)
+    r0 = ranks[0]
+    sync, stall, bg = (statistics.median(r0[k]) for k in ("sync", "async", "background"))
+    print(f"# bench/snapshot_stall.py  {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
+    print(f"# {platform.node()} {platform.machine()}, torch {torch.__version__}, {a.nproc} ranks (gloo, CPU, 1 thread "
+          f"each), strategy {a.strategy}, {n_params / 1e6:.0f} M parameters + Adam state "
+          f"({3 * 4 * n_params / 2**30:.2f} GiB in all), {a.repeats} repeats after 1 warm-up, rank 0")
+    print(f"synchronous save          median {sync:7.3f} s   {' '.join(f'{t:.3f}' for t in r0['sync'])}")
+    print(f"asynchronous save (stall) median {stall:7.3f} s   {' '.join(f'{t:.3f}' for t in r0['async'])}")
+    print(f"  its background write    median {bg:7.3f} s   {' '.join(f'{t:.3f}' for t in r0['background'])}")
+    print(f"stall / synchronous save: {stall / sync:.3f} (target <= 0.10)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""The seam between the training loop and how the model is distributed.
+
+A strategy owns everything that changes between replicated DDP, DDP with a sharded optimizer (ZeRO) and fully
+sharded data parallelism (FSDP): wrapping the model, skipping synchronisation on micro-batches, which
+parameters a step updates, whether the step's gradients are finite and what their global norm is, clipping,
+uneven inputs, and the state a snapshot holds. The Trainer's loop, or a hand-written one, reads the same at
+every strategy::
+
+    for micro_batch in step:
+        with strategy.no_sync() if not last else nullcontext():
+            loss = loss_fn(strategy.model, micro_batch)
+            strategy.mark_nonfinite(loss).backward()
+    verdict = strategy.check_gradients(max_norm=1.0)   # clips when finite
+    if verdict.finite:
+        strategy.optimizer.step()
+    strategy.optimizer.zero_grad(set_to_none=True)
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from ddpkit.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class GradientVerdict:
+    """What a step's gradients say, identically on every rank of the group."""
+
+    finite: bool
+    """No gradient element (of any rank's shard) and no rank's loss was NaN or inf: take the step."""
+    norm: torch.Tensor | None
+    """The global L2 norm of the stepped gradients before clipping, when it was computed (clipping, or FSDP)."""
+
+
+class Strategy(Protocol):
+    """One way of distributing a model over the ranks of a group; see the module docstring."""
+
+    name: str
+    model: nn.Module
+    """The wrapped model: call it for the forward pass."""
+    optimizer: torch.optim.Optimizer
+    """The optimizer to step: the one given, or one rebuilt over the wrapped (or sharded) parameters."""
+
+    def no_sync(self) -> AbstractContextManager[Any]:
+        """Backward passes inside accumulate gradients locally, without communication (all micro-batches of
+        a step but the last)."""
+
+    def mark_nonfinite(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss``, arranged so that a NaN/inf value on this rank reaches :meth:`check_gradients` on every
+        rank, even when its gradients are finite. Call before ``backward()``."""
+
+    def check_gradients(self, max_norm: float | None = None) -> GradientVerdict:
+        """Decide the step from the synchronised gradients, the same on every rank; clip them to ``max_norm``
+        (global L2 norm) when they are finite."""
+
+    def evaluation(self) -> AbstractContextManager[Any]:
+        """A context for forward passes whose number may differ between ranks (evaluation on unpadded shards):
+        inside it a forward pass runs no collective."""
+
+    def join(self) -> AbstractContextManager[Any]:
+        """A context for loops where ranks run different numbers of steps (uneven inputs): a rank that has
+        run out of data shadows the others' collectives until all are done."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Model and optimizer state for :mod:`torch.distributed.checkpoint`: tensors may be shards (DTensors)
+        or differ between ranks, so every rank saves its own part and a load reshards."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (after a DCP load into it, at any world size)."""
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """The whole model and optimizer state, gathered on every rank (collective): ``{"model": {name:
+        tensor}, "optim": {"state.<name>.<key>": value, "param_groups.<name>.<key>": value}}``, the same
+        layout under every strategy, so runs under different strategies compare key by key."""
+
+
+def check_options(cls: type, name: str, options: dict[str, Any]) -> Any:
+    """``cls(**options)``, with unknown options named along with the valid ones."""
+    valid = set(cls.__dataclass_fields__)
+    unknown = sorted(set(options) - valid)
+    if unknown:
+        raise ConfigError(
+            f"strategy {name!r} has no option {', '.join(map(repr, unknown))}: its options are {sorted(valid)}"
+        )
+    return cls(**options)
+
+
+def rebuild_optimizer(
+    optimizer: torch.optim.Optimizer,
+    params_by_name: dict[str, nn.Parameter],
+    names_by_id: dict[int, str],
+    optimizer_class: Any = None,
+    **extra: Any,
+) -> torch.optim.Optimizer:
+    """An optimizer like ``optimizer`` (its class, defaults and parameter groups with their hyperparameters)
+    over new parameter objects: those ``fully_shard`` put in place of the originals, or the same ones handed to
+    a wrapper such as ``ZeroRedundancyOptimizer`` (``optimizer_class``).
+
+    ``names_by_id`` names the original parameters; ``params_by_name`` gives their replacements.
+    """
+    if optimizer.state:
+        raise ConfigError(
+            "the optimizer has already taken steps: with strategy 'zero' or 'fsdp' pass a fresh optimizer (its "
+            "state is rebuilt over the sharded parameters)"
+        )
+    groups = []
+    for group in optimizer.param_groups:
+        try:
+            params = [params_by_name[names_by_id[id(p)]] for p in group["params"]]
+        except KeyError as err:
+            raise ConfigError(
+                f"the optimizer holds a parameter that is not in the model ({err}): give it model.parameters()"
+            ) from None
+        groups.append({**group, "params": params})
+    cls = type(optimizer)
+    if optimizer_class is not None:
+        new = optimizer_class(groups, optimizer_class=cls, **optimizer.defaults, **extra)
+    else:
+        new = cls(groups, **optimizer.defaults)
+    # The script still holds the optimizer it built: point its groups at the new parameters too, or it would
+    # keep the replaced (whole, unsharded) tensors alive, a full copy of the model per rank.
+    for old_group, group in zip(optimizer.param_groups, groups):
+        old_group["params"] = list(group["params"])
+    return new
+
+
+def rebind_scheduler(scheduler: Any, old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
+    """Point an LR scheduler built on ``old`` at ``new``: schedulers read and write ``optimizer.param_groups``
+    at each step, and ``new``'s groups were copied from ``old``'s (``initial_lr`` included)."""
+    if scheduler is None or new is old or getattr(scheduler, "optimizer", None) is not old:
+        return
+    scheduler.optimizer = new
+    if hasattr(old.step, "_wrapped_by_lr_sched"):
+        # An LR scheduler wraps its optimizer's step() to warn when it is stepped before the optimizer; give
+        # the new optimizer the same marks, or every run would start with that warning.
+        step = new.step
+
+        def tracked_step(*args: Any, **kwargs: Any) -> Any:
+            new._opt_called = True  # type: ignore[attr-defined]
+            return step(*args, **kwargs)
+
+        tracked_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        new.step = tracked_step  # type: ignore[method-assign]
