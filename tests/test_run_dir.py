@@ -41,7 +41,7 @@ def test_a_rerun_with_another_lr_model_or_config_is_refused_naming_what_differs(
     # The reported case: lr 0.1, then lr 0.5 on the same run directory "resumed" the first run.
     first = run(2, tmp_path / "run", lr=0.1, max_steps=4)
     message = refusal(2, tmp_path / "run", lr=0.5)
-    assert "ConfigError" in message and "step-00000004.pt was taken by a run with another config" in message
+    assert "ConfigError" in message and "step-00000004 was taken by a run with another config" in message
     assert "optimizer param group 0 lr: 0.1 in the snapshot, 0.5 now" in message
     assert "new run_dir" in message and "resume=False" in message and "epochs, " in message
     # A resized layer: named, instead of torch's raw "size mismatch".
@@ -62,7 +62,7 @@ def test_resume_false_starts_afresh_and_moves_the_old_snapshots_aside(tmp_path):
     fresh = run(2, tmp_path / "run", lr=0.5, max_steps=6, resume=False)
     assert fresh["resumed_from"] is None and fresh["step"] == 6
     aside = [p for p in (tmp_path / "run").iterdir() if p.name.startswith("snapshots.replaced-")]
-    assert len(aside) == 1 and (aside[0] / "step-00000020.json").exists()
+    assert len(aside) == 1 and (aside[0] / "step-00000020" / "complete.json").exists()
     # What is left to resume is this run's: a rerun with lr 0.5 resumes it at step 6, not the old step 20.
     assert run(2, tmp_path / "run", lr=0.5, max_steps=8)["resumed_from"] == 6
 

@@ -139,4 +139,4 @@ def save_weights(path: str | os.PathLike, weights: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
     torch.save(weights, buffer)
-    _write_atomic(path, buffer.getvalue())
+    write_atomic(path, buffer.getvalue())
