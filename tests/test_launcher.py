@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,7 @@ from ddpkit.errors import ConfigError
 from ddpkit.launcher import LaunchConfig, resolve_nproc, torchrun_argv, worker_env
 
 HELLO = str(Path(__file__).parent / "scripts" / "hello.py")
+PROBE = str(Path(__file__).parent / "scripts" / "launch_probe.py")
 DDPKIT = [sys.executable, "-m", "ddpkit.cli"]
 
 
@@ -27,11 +31,28 @@ def clean_env() -> dict[str, str]:
     return env
 
 
+@pytest.fixture(autouse=True)
+def _in_tmp_path(tmp_path, monkeypatch):
+    # ddpkit run writes ./ddpkit-logs: keep it out of the checkout.
+    monkeypatch.chdir(tmp_path)
+
+
 def run(args: list[str], env: dict[str, str], timeout: float = 90) -> subprocess.CompletedProcess:
     return subprocess.run(DDPKIT + args, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 # -- the command line it builds (pure logic) --------------------------------------------------------------
+
+
+def test_script_arguments_are_the_scripts_even_when_they_look_like_ours():
+    from ddpkit.launcher import build_parser, split_argv
+
+    build_parser()
+    ours, theirs = split_argv(["--nproc", "2", "--log-dir", "L", "train.py", "--log", "5", "--nproc", "3", "--max"])
+    assert ours == ["--nproc", "2", "--log-dir", "L", "train.py"]
+    assert theirs == ["--log", "5", "--nproc", "3", "--max"]
+    assert split_argv(["--all-ranks", "-m", "pkg.train", "-x"]) == (["--all-ranks", "-m", "pkg.train"], ["-x"])
+    assert split_argv(["--nproc=2", "--", "-weird.py", "a"]) == (["--nproc=2", "-weird.py"], ["a"])
 
 
 def test_single_node_uses_a_free_port_and_shows_rank_zero_only():
@@ -174,3 +195,178 @@ def test_env_command_reports_and_checks(clean_env):
     assert out.returncode == 0, out.stderr
     assert "torch" in out.stdout and "gloo available" in out.stdout
     assert "live check (2 processes, gloo all-reduce)  ok" in out.stdout
+
+
+# -- what a user gets wrong, and what a scheduler does ---------------------------------------------------
+
+
+def test_script_arguments_that_look_like_launcher_options_reach_the_script(clean_env):
+    # Prefixes of ddpkit's and torchrun's options (--log-dir, --max-restarts, --node-rank, --master-addr) and
+    # --nproc itself, after the script: all of them belong to the script.
+    args = ["--log", "5", "--max", "1", "--node", "x", "--master", "y", "--nproc", "3"]
+    out = run(["run", "--nproc", "2", PROBE, "args", *args], clean_env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"rank=0 argv={args}" in out.stdout
+
+
+def test_missing_script_is_an_error_before_any_worker_starts(clean_env, tmp_path):
+    out = run(["run", "--nproc", "2", "nothere.py"], clean_env)
+    assert out.returncode == 2
+    assert "script 'nothere.py' not found" in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "ddpkit-logs").exists()  # no worker, no log folder
+    out = run(["run", "-m", "no_such_module_here"], clean_env)
+    assert out.returncode == 2 and "no module named 'no_such_module_here'" in out.stderr
+
+
+def test_a_script_that_forgot_init_fails_instead_of_training_copies(clean_env):
+    # Without ddpkit.init(), each of the two ranks used to build a loader over the whole data set, train its
+    # own copy and exit 0 ("trained on 12 samples" twice).
+    out = run(["run", "--nproc", "2", PROBE, "no-init"], clean_env)
+    assert out.returncode == 1, out.stdout
+    assert "trained on" not in out.stdout
+    assert "NotInitializedError" in out.stderr and "call ddpkit.init() at the start of the script" in out.stderr
+    # Control: the same script as plain python is a world of one and runs.
+    plain = subprocess.run([sys.executable, PROBE, "no-init"], env=clean_env, capture_output=True, text=True)
+    assert plain.returncode == 0 and "trained on 12 samples" in plain.stdout, plain.stderr
+
+
+def test_preempted_exit_code_passes_through_without_a_restart(clean_env):
+    out = run(["run", "--nproc", "2", "--max-restarts", "2", PROBE, "preempted"], clean_env)
+    assert out.returncode == 75, out.stderr[-3000:]
+    assert "rank=0 attempt=0" in out.stdout and "attempt=1" not in out.stdout, out.stderr
+    assert "stopped by a signal after saving a snapshot" in out.stderr
+
+
+def test_failure_prints_where_every_ranks_output_is(clean_env, tmp_path):
+    out = run(["run", "--nproc", "2", HELLO, "--fail-rank", "1"], clean_env)
+    assert out.returncode == 1
+    line = next(line for line in out.stderr.splitlines() if "output of every rank:" in line)
+    folder = Path(line.split("output of every rank:")[1].strip())
+    assert folder.is_relative_to(tmp_path / "ddpkit-logs")
+    rank1 = list(folder.rglob("1/stderr.log"))
+    assert rank1 and "planned failure on rank 1" in rank1[0].read_text()
+
+
+@pytest.mark.long
+def test_no_temporary_folders_left_behind(clean_env, tmp_path):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    clean_env["TMPDIR"] = str(tmp)
+    out = run(["run", "--nproc", "2", HELLO], clean_env)
+    assert out.returncode == 0, out.stderr
+    # torchrun's default was a torchelastic_* folder in TMPDIR per run, never removed. Rank 1's output is
+    # in the run's own folder instead.
+    assert sorted(p.name for p in tmp.iterdir()) == []
+    runs = list((tmp_path / "ddpkit-logs").iterdir())
+    assert len(runs) == 1
+    assert "hello rank=1" in next(runs[0].rglob("1/stdout.log")).read_text()
+
+
+def test_log_folders_of_quiet_runs_are_removed_and_old_ones_pruned(tmp_path):
+    from ddpkit.launcher import new_run_log_dir, tidy_log_dirs
+
+    root = tmp_path / "logs"
+    old = [root / f"20250101-0000{i:02d}-1" for i in range(25)]
+    for folder in old:
+        (folder / "attempt_0" / "1").mkdir(parents=True)
+        (folder / "attempt_0" / "1" / "stdout.log").write_text("words")
+    (root / "notes").mkdir()  # not a run folder: not ours to remove
+    quiet = new_run_log_dir(str(root))
+    (quiet / "attempt_0" / "1").mkdir(parents=True)
+    (quiet / "attempt_0" / "1" / "stdout.log").write_text("")
+    tidy_log_dirs(str(root), quiet)
+    assert not quiet.exists()
+    assert sorted(p.name for p in root.iterdir()) == sorted([p.name for p in old[-20:]] + ["notes"])
+
+
+def _wait_for_files(paths: list[Path], proc: subprocess.Popen, timeout: float = 60) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while not all(p.exists() and p.read_text() for p in paths):
+        assert proc.poll() is None, Path(proc.args[-1]).with_suffix(".log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "the workers did not start"
+        time.sleep(0.05)
+    return [int(p.read_text()) for p in paths]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")  # a zombie has ended; only its parent has not collected it yet
+
+
+def _start(argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """Start ``argv``, whose last argument is a folder, with its output in FOLDER.log (not a pipe: workers
+    that outlive the launcher would hold a pipe open)."""
+    with open(Path(argv[-1]).with_suffix(".log"), "w") as log:
+        return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _output(proc: subprocess.Popen, timeout: float = 60) -> str:
+    proc.wait(timeout=timeout)
+    return Path(proc.args[-1]).with_suffix(".log").read_text()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is a Linux feature")
+@pytest.mark.long
+def test_workers_die_with_a_sigkilled_launcher(clean_env, tmp_path):
+    def survivors(argv: list[str], tag: str) -> list[int]:
+        folder = tmp_path / tag
+        folder.mkdir()
+        proc = _start(argv + [PROBE, "pids", str(folder)], clean_env)
+        pids = _wait_for_files([folder / "rank0.pid", folder / "rank1.pid"], proc)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while not all(map(_gone, pids)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        alive = [pid for pid in pids if not _gone(pid)]
+        for pid in alive:
+            os.kill(pid, signal.SIGKILL)
+        return alive
+
+    assert survivors(DDPKIT + ["run", "--nproc", "2"], "ddpkit") == []
+    # Control: under torchrun's agent alone the workers outlive it (they would train on, orphaned).
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    assert len(survivors(torchrun, "torchrun")) == 2
+
+
+@pytest.mark.long
+def test_sigusr1_to_the_launcher_reaches_the_workers(clean_env, tmp_path):
+    # SLURM's --signal=USR1@T warning, sent to `ddpkit run` (the srun task): the workers get it, stop as a
+    # pre-empted Trainer does, and the launcher exits 75 for the batch script to requeue the job.
+    folder = tmp_path / "ddpkit"
+    folder.mkdir()
+    proc = _start(DDPKIT + ["run", "--nproc", "2", PROBE, "hold-usr1", str(folder)], clean_env)
+    _wait_for_files([folder / "rank0.pid", folder / "rank1.pid"], proc)
+    os.kill(proc.pid, signal.SIGUSR1)
+    out = _output(proc)
+    assert proc.returncode == 75, out[-3000:]
+    assert "rank=0 stopping on SIGUSR1" in out
+    # Control: torchrun's own agent dies of the signal (exit 138 in a shell), leaving the workers' save to chance.
+    folder = tmp_path / "torchrun"
+    folder.mkdir()
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    proc = _start(torchrun + ["-m", "ddpkit.worker", PROBE, "hold-usr1", str(folder)], clean_env)
+    pids = _wait_for_files([folder / "rank0.pid", folder / "rank1.pid"], proc)
+    os.kill(proc.pid, signal.SIGUSR1)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGUSR1
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.long
+def test_sigusr1_before_the_trainer_listens_does_not_kill_a_worker(clean_env, tmp_path):
+    # The warning can come while the data loads: each worker holds it for a later fit() instead of dying.
+    folder = tmp_path / "ddpkit"
+    folder.mkdir()
+    proc = _start(DDPKIT + ["run", "--nproc", "2", PROBE, "hold-usr1", str(folder)], clean_env)
+    pids = _wait_for_files([folder / "rank0.pid", folder / "rank1.pid"], proc)
+    for pid in pids:
+        os.kill(pid, signal.SIGUSR1)
+    out = _output(proc)
+    assert proc.returncode == 75, out[-3000:]
+    assert "rank=1 stopping on SIGUSR1" in out or "rank=0 stopping on SIGUSR1" in out
