@@ -350,6 +350,7 @@ def launch(cfg: LaunchConfig) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher import api as launcher_api
 
     check_target(cfg)
@@ -384,6 +385,15 @@ def launch(cfg: LaunchConfig) -> int:
         print(summarize_failure(err), file=sys.stderr, flush=True)
         print(f"  output of every rank: {run_dir}", file=sys.stderr, flush=True)
         return exit_code(err)
+    except RendezvousError as err:
+        print(
+            f"ddpkit run: the nodes did not come together at {cfg.rdzv_endpoint} ({type(err).__name__}: "
+            f"{err or 'no detail'}): start the same command on every node within --join-timeout "
+            f"({cfg.join_timeout:.0f} s), with the same --nnodes, --rdzv-endpoint and --rdzv-id",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
     except SignalException as err:  # Ctrl-C or a scheduler's SIGTERM to the agent: workers were stopped
         print(
             f"ddpkit run: stopped by {err.sigval.name}; the workers were stopped too (their output: {run_dir})",

@@ -106,7 +106,16 @@ def node_address(endpoint: str) -> NodeAddress:
     host_ip = resolve(host)
     local = is_local_address(host_ip)
     source = host_ip if local else route_source(host_ip, port)
-    return NodeAddress(host, port, host_ip, local, source, interface_of(source))
+    # Several agents on the machine that owns the endpoint (an elastic job tried on one machine, or a second
+    # job step): the first one to start hosts the store, the others join it.
+    hosting = local and not _listening(host_ip, port)
+    return NodeAddress(host, port, host_ip, hosting, source, interface_of(source))
+
+
+def _listening(ip: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        return s.connect_ex((ip, port)) == 0
 
 
 def wait_reachable(ip: str, port: int, timeout: float) -> None:
