@@ -1,41 +1,52 @@
-"""The ``ddpkit`` command: ``ddpkit run`` launches a job, ``ddpkit env`` describes the machine."""
+"""The ``ddpkit`` command: one subcommand per module, each with its own ``-h``."""
 
 from __future__ import annotations
 
+import importlib
 import sys
 from collections.abc import Sequence
 
 from ddpkit.errors import ConfigError
 
-USAGE = """usage: ddpkit {run,env} ...
+# name -> (module whose main(argv) runs it, one line of help). Imported only when used.
+COMMANDS = {
+    "run": ("ddpkit.launcher", "launch a training script on every GPU (or CPU share) of this node, or of several"),
+    "sbatch": ("ddpkit.slurm", "write and submit a SLURM batch script that requeues itself when pre-empted"),
+    "env": ("ddpkit.envinfo", "versions, devices, the choices `run` would make, and a live all-reduce check"),
+}
 
-  ddpkit run [--nproc N] [--max-restarts N] [--all-ranks] script.py [args...]
-                 launch one process per GPU (or CPU share) with torchrun's agent
-  ddpkit env     versions, devices, the choices `run` would make, and a live all-reduce check
+EXAMPLES = """examples:
+  ddpkit run --nproc 2 train.py --lr 0.1
+  ddpkit sbatch --nodes 2 --gpus-per-node 4 --time 4:00:00 train.py
+  ddpkit env"""
 
-`ddpkit run -h` lists every option."""
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = [f"usage: ddpkit {{{','.join(COMMANDS)}}} ... | --version", ""]
+    lines += [f"  {name:<{width}}  {text}" for name, (_, text) in COMMANDS.items()]
+    return "\n".join(lines + ["", "`ddpkit COMMAND -h` lists each command's options.", "", EXAMPLES])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
+        print(usage())
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from ddpkit import __version__
+
+        print(f"ddpkit {__version__}")
+        return 0
     command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"ddpkit: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
+        return 2
     try:
-        if command == "run":
-            from ddpkit.launcher import main as run_main
-
-            return run_main(rest)
-        if command == "env":
-            from ddpkit.envinfo import main as env_main
-
-            return env_main(rest)
+        return importlib.import_module(COMMANDS[command][0]).main(rest)
     except ConfigError as err:
         print(f"ddpkit {command}: error: {err}", file=sys.stderr)
         return 2
-    print(f"ddpkit: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
-    return 2
 
 
 if __name__ == "__main__":

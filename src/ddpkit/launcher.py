@@ -457,13 +457,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("script", help="training script (or module with -m)")
 
 
-def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+def split_argv(argv: Sequence[str], value_options: set[str] | None = None) -> tuple[list[str], list[str]]:
     """(launcher options and the script, the script's arguments): everything after the script is the script's.
 
     argparse alone would read ``train.py --nproc 4`` or ``train.py --log 5`` (a prefix of ``--log-dir``) as
     the launcher's own options.
     """
     argv = list(argv)
+    value_options = _VALUE_OPTIONS if value_options is None else value_options
     i = 0
     while i < len(argv):
         token = argv[i]
@@ -471,7 +472,7 @@ def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
             return argv[:i] + argv[i + 1 : i + 2], argv[i + 2 :]
         if not token.startswith("-") or token == "-":
             return argv[: i + 1], argv[i + 1 :]
-        if token in _VALUE_OPTIONS:  # "--opt value"; "--opt=value" is one token
+        if token in value_options:  # "--opt value"; "--opt=value" is one token
             i += 1
         i += 1
     return argv, []

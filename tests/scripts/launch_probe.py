@@ -5,7 +5,9 @@
 - ``pids DIR``: write each rank's pid to ``DIR/rankN.pid``, then wait to be killed (at most 120 s).
 - ``hold-usr1 DIR``: like ``pids``, then wait for a SIGUSR1 sent from outside; exit 75 (pre-empted) once
   every rank has one, as a Trainer stopped by a signal does.
-- ``preempted``: exit 75 on every rank at once, printing the attempt.
+- ``preempted``: on the first attempt exit 75 on every rank at once (as a pre-empted Trainer); on a later
+  one (a restart or a requeue) finish with 0. Prints the attempt.
+- ``info``: print rank, world size, launcher, restart count and rendezvous port, and check an all-reduce.
 """
 
 import os
@@ -42,5 +44,12 @@ elif mode in ("pids", "hold-usr1"):
 elif mode == "preempted":
     print(f"rank={rt.rank} attempt={rt.restart_count}", flush=True)
     ddpkit.barrier()
-    raise Preempted(step=0, signal_name="SIGUSR1")
+    if rt.restart_count == 0:
+        raise Preempted(step=0, signal_name="SIGUSR1")
+elif mode == "info":
+    from ddpkit.cluster import read_launch_env
+
+    total = ddpkit.all_reduce(rt.rank + 1)
+    print(f"rank={rt.rank} world={rt.world_size} launcher={rt.launcher} restarts={rt.restart_count} "
+          f"port={read_launch_env().master_port} sum={total} tag={' '.join(rest)}", flush=True)
 ddpkit.shutdown()
