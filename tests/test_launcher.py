@@ -370,3 +370,36 @@ def test_sigusr1_before_the_trainer_listens_does_not_kill_a_worker(clean_env, tm
     out = _output(proc)
     assert proc.returncode == 75, out[-3000:]
     assert "rank=1 stopping on SIGUSR1" in out or "rank=0 stopping on SIGUSR1" in out
+
+
+@pytest.mark.long
+def test_a_hang_ends_within_the_bound_with_every_ranks_stack(clean_env):
+    # Rank 1 sleeps in user code while rank 0 waits for it in an all-reduce.
+    start = time.monotonic()
+    out = run(["run", "--nproc", "2", "--collective-timeout", "5", PROBE, "hang"], clean_env, timeout=120)
+    elapsed = time.monotonic() - start
+    assert out.returncode == 1, out.stderr[-3000:]
+    summary = out.stderr[out.stderr.index("ddpkit run:") :]
+    # Rank 0: the collective it waited in, from its own exception.
+    assert "first: rank 0" in summary and "Timed out waiting 5000ms" in summary and "all_reduce" in summary
+    # Rank 1: where it was when rank 0 gave up, from its stack.
+    stack = summary[summary.index("rank 1 was still running") :]
+    assert "in stuck_in_user_code" in stack and "launch_probe.py" in stack
+    assert elapsed < 100  # the 5 s bound plus start-up and teardown, far from the 300 s sleep
+    # Control: under torchrun's agent alone the job also ends (the bound is the process group's), but nothing
+    # says where rank 1 was.
+    env = clean_env | {"DDPKIT_COLLECTIVE_TIMEOUT": "5"}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    out = subprocess.run(torchrun + [PROBE, "hang"], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "stuck_in_user_code" not in out.stderr + out.stdout
+
+
+@pytest.mark.long
+def test_mismatched_collectives_are_named_with_debug_collectives(clean_env):
+    out = run(["run", "--nproc", "2", "--debug-collectives", "--collective-timeout", "10", PROBE, "mismatch"],
+              clean_env, timeout=120)
+    assert out.returncode == 1
+    assert "Detected mismatch between collectives" in out.stderr and "Tensor shapes: 3vs 2" in out.stderr
+    # Control: without the check, gloo gives no such diagnosis (it fails on sizes, or waits out the bound).
+    out = run(["run", "--nproc", "2", "--collective-timeout", "5", PROBE, "mismatch"], clean_env, timeout=120)
+    assert out.returncode != 0 and "Detected mismatch between collectives" not in out.stderr

@@ -6,6 +6,7 @@ weights of an uninterrupted run.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -224,7 +225,14 @@ def test_digits_preempted_resumes_to_the_uninterrupted_weights(slurm, tmp_path, 
     info = wait_for(job, slurm, {"COMPLETED"}, timeout=400, Restarts="1")
     text = (tmp_path / f"preempted-{job}.out").read_text()
     assert info["ExitCode"] == "0:0", text[-3000:]
-    assert "resum" in text.lower() or '"resume"' in (run_dir / "metrics.jsonl").read_text(), text[-3000:]
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    events = [(e["event"], e["step"], e.get("reason"), e.get("restart_count")) for e in events
+              if e["kind"] == "event" and e["event"] != "snapshot"]
+    # Stopped by the signal mid-run, resumed from that step by the requeued job (SLURM_RESTART_COUNT read).
+    (_, stop, _, _), (_, resume, _, _) = events[1:3]
+    assert events == [("start", 0, None, 0), ("stop", stop, "signal", None), ("resume", stop, None, 1),
+                      ("stop", EPOCHS * 22, "epochs", None)], events
+    assert 0 < stop < EPOCHS * 22
 
     ref_job, ref_dir = _digits_job(tmp_path, "reference", slurm)
     ref = wait_for(ref_job, slurm, {"COMPLETED", "FAILED"}, timeout=400)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ddpkit.errors import ConfigError
 
@@ -29,6 +29,9 @@ class LaunchEnv:
     ``mpiexec``), or ``"none"`` (plain python)."""
     master_addr: str | None = None
     master_port: int | None = None
+    collective_timeout: float | None = None
+    """Seconds a collective may wait before it raises, as ``ddpkit run --collective-timeout`` set it
+    (``DDPKIT_COLLECTIVE_TIMEOUT``); None for ``init()``'s default."""
     restart_count: int = 0
     """How many times the job has been restarted: by torchrun's agent (``TORCHELASTIC_RESTART_COUNT``) or by
     a SLURM requeue (``SLURM_RESTART_COUNT``); both add up under ``srun ddpkit run``."""
@@ -161,6 +164,20 @@ def _is_slurm_task(env: Mapping[str, str]) -> bool:
 def read_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
     """Read rank, world size and rendezvous address from the launcher's environment variables."""
     env = os.environ if env is None else env
+    info = _read_ranks(env)
+    if "DDPKIT_COLLECTIVE_TIMEOUT" in env and info.launcher != "none":
+        value = env["DDPKIT_COLLECTIVE_TIMEOUT"]
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = -1.0
+        if not seconds > 0:
+            raise ConfigError(f"DDPKIT_COLLECTIVE_TIMEOUT={value!r}: use a number of seconds > 0")
+        info = replace(info, collective_timeout=seconds)
+    return info
+
+
+def _read_ranks(env: Mapping[str, str]) -> LaunchEnv:
     present = [name for name in _TORCHRUN_VARS if name in env]
     if present:
         missing = [name for name in _TORCHRUN_VARS if name not in env]

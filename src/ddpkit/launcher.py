@@ -49,8 +49,15 @@ class LaunchConfig:
     """This node's address as the others reach it; worked out from the route to the endpoint when unset."""
     join_timeout: float = 120.0
     """Seconds a node waits for the rendezvous host to answer, and for all nodes to join, before failing."""
+    collective_timeout: float | None = None
+    """Seconds a collective may wait before it raises (``ddpkit.init``'s default is 5 minutes): the bound on a
+    hang, after which the job ends with each rank's stack in the summary."""
     max_restarts: int | None = None
     """How many times the agent restarts all workers after one fails: 0 by default, 3 for an elastic job."""
+    debug_collectives: bool = False
+    """Have torch check that every rank calls the same collective with the same shapes
+    (``TORCH_DISTRIBUTED_DEBUG=DETAIL``: a mismatch raises at once, naming both) and, on nccl, keep a record
+    of recent collectives that is written out on a timeout (the flight recorder). Slower; for diagnosis."""
     all_ranks: bool = False
     """Show every rank's output, each line prefixed with ``[rank N]``; by default only local rank 0's."""
     log_dir: str = "ddpkit-logs"
@@ -63,6 +70,8 @@ class LaunchConfig:
             raise ConfigError(f"--nproc {self.nproc!r}: use auto, gpu, or a positive number of processes")
         if self.max_nodes > 1 and not self.rdzv_endpoint:
             raise ConfigError(f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT reachable from every node")
+        if self.collective_timeout is not None and self.collective_timeout <= 0:
+            raise ConfigError(f"--collective-timeout {self.collective_timeout}: must be > 0 seconds")
         if self.join_timeout <= 0:
             raise ConfigError(f"--join-timeout {self.join_timeout}: must be > 0 seconds")
         for item in self.rdzv_conf:
@@ -155,6 +164,12 @@ def worker_env(cfg: LaunchConfig, nproc: int, node: NodeAddress | None = None) -
         # loopback or an unrouted address, and the first collective hangs. The user's choice wins.
         for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
             env[name] = os.environ.get(name, node.interface)
+    if cfg.collective_timeout is not None:
+        env["DDPKIT_COLLECTIVE_TIMEOUT"] = str(cfg.collective_timeout)
+    if cfg.debug_collectives:
+        env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+        env["TORCH_NCCL_TRACE_BUFFER_SIZE"] = os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+        env["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
     if cfg.all_ranks:
         env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = "[rank ${rank}] "
     if cfg.restarts:
@@ -289,17 +304,61 @@ class _Agent(LocalElasticAgent):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._stacks_asked: int | None = None
         _Agent.current = self
 
     def _monitor_workers(self, worker_group: Any) -> Any:
+        self._stacks_before_teardown(worker_group)
         result = super()._monitor_workers(worker_group)
         if result.state == WorkerState.FAILED and preempted(result.failures):
             self._remaining_restarts = 0
         return result
 
+    def _stacks_before_teardown(self, worker_group: Any) -> None:
+        # torchrun stops the other workers in the same poll that finds a failed one; ask them where they are
+        # first. The exit codes come from the Popen objects torchrun's process context keeps (poll() caches
+        # the code, so its own poll that follows sees the same).
+        handlers = getattr(getattr(self, "_pcontext", None), "subprocess_handlers", None) or {}
+        codes = {local: h.proc.poll() for local, h in handlers.items()}
+        failed = {local for local, code in codes.items() if code not in (None, 0, PREEMPTED_EXIT_CODE)}
+        if failed and self._stacks_asked != id(self._pcontext):
+            self._stacks_asked = id(self._pcontext)
+            running = {w.global_rank: w.id for w in worker_group.workers if codes.get(w.local_rank) is None}
+            _ask_for_stacks(running)
+
     def worker_pids(self) -> list[int]:
         pcontext = getattr(self, "_pcontext", None)
         return list(pcontext.pids().values()) if pcontext is not None else []
+
+
+def _ask_for_stacks(running: dict[int, int], wait: float = 3.0) -> None:
+    """SIGUSR2 to the workers still running (global rank -> pid); wait briefly for their stacks on disk."""
+    folder = os.environ.get("DDPKIT_STACK_DIR")
+    if not folder:
+        return
+    asked = []
+    for rank, pid in running.items():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGUSR2)
+            asked.append(Path(folder, f"rank{rank}.txt"))
+    deadline = time.monotonic() + wait
+    while asked and time.monotonic() < deadline and not all(p.exists() and p.stat().st_size for p in asked):
+        time.sleep(0.05)  # the workers write from their signal handlers; nothing to wait on but the files
+
+
+def _stacks(folder: Path, ranks: Sequence[int], lines: int = 14) -> list[str]:
+    """Each rank's main-thread stack as faulthandler wrote it, innermost frames first."""
+    out = []
+    for rank in ranks:
+        path = folder / f"rank{rank}.txt"
+        text = path.read_text(errors="replace") if path.exists() else ""
+        block = text.split("Current thread", 1)[1].splitlines()[1:] if "Current thread" in text else []
+        frames = [line.strip() for line in block if line.strip().startswith("File ")]
+        frames = [f for f in frames if "ddpkit/worker.py" not in f and "<frozen runpy>" not in f and "errors/__init__.py" not in f]
+        if frames:
+            out.append(f"  rank {rank} was still running when the first rank failed, at (innermost first):")
+            out += [f"    {frame}" for frame in frames[:lines]]
+    return out
 
 
 FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
@@ -361,7 +420,11 @@ def launch(cfg: LaunchConfig) -> int:
         if not node.is_host:
             wait_reachable(node.host_ip, node.port, cfg.join_timeout)
     run_dir = new_run_log_dir(cfg.log_dir)
+    (run_dir / "stacks").mkdir()
     os.environ.update(worker_env(cfg, nproc, node))
+    os.environ["DDPKIT_STACK_DIR"] = str(run_dir / "stacks")
+    if cfg.debug_collectives:  # where nccl's flight recorder writes each rank's record on a timeout
+        os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(run_dir / "stacks" / "nccl_trace_rank_"))
     argv = torchrun_argv(cfg, nproc, str(run_dir), node)
     # The script's own arguments are set after parsing: torchrun's parser would take `--log 5` for an
     # abbreviation of its --log-dir, and `--nproc 4` for its own option.
@@ -383,6 +446,10 @@ def launch(cfg: LaunchConfig) -> int:
             )
             return PREEMPTED_EXIT_CODE
         print(summarize_failure(err), file=sys.stderr, flush=True)
+        # This node's workers still running at the first failure wrote their stacks when the agent asked.
+        files = [p for p in (run_dir / "stacks").glob("rank*.txt") if p.stem[4:].isdigit() and p.stat().st_size]
+        for line in _stacks(run_dir / "stacks", sorted(int(p.stem[4:]) for p in files)):
+            print(line, file=sys.stderr, flush=True)
         print(f"  output of every rank: {run_dir}", file=sys.stderr, flush=True)
         return exit_code(err)
     except RendezvousError as err:
@@ -449,6 +516,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _option(parser, "--local-addr", default=None, help="this node's address (default: the route to the endpoint)")
     _option(parser, "--join-timeout", type=float, default=120.0,
             help="seconds to wait for the rendezvous host and for all nodes (default 120)")
+    _option(parser, "--collective-timeout", type=float, default=None,
+            help="seconds a collective may wait before the job ends with every rank's stack (default 300)")
+    _option(parser, "--debug-collectives", action="store_true",
+            help="check that ranks call the same collectives with the same shapes (slower; for diagnosis)")
     _option(parser, "--max-restarts", type=int, default=None,
             help="restarts of all workers after a failure (default 0; 3 for an elastic job)")
     _option(parser, "--log-dir", default="ddpkit-logs", help="folder for each run's rank output (default ddpkit-logs)")
@@ -492,6 +563,8 @@ def config_from_args(ns: argparse.Namespace, script_args: Sequence[str] = ()) ->
         rdzv_conf=conf,
         local_addr=ns.local_addr,
         join_timeout=ns.join_timeout,
+        collective_timeout=ns.collective_timeout,
+        debug_collectives=ns.debug_collectives,
         max_restarts=ns.max_restarts,
         all_ranks=ns.all_ranks,
         log_dir=ns.log_dir,

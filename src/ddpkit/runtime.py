@@ -97,13 +97,15 @@ def init(
     backend: str | None = None,
     *,
     device: str | torch.device | None = None,
-    timeout: timedelta = DEFAULT_TIMEOUT,
+    timeout: timedelta | None = None,
 ) -> Runtime:
     """Start this process's part of the job and return its :class:`Runtime`.
 
     Works the same under ``ddpkit run``, torchrun, SLURM ``srun``, :func:`ddpkit.spawn`, and plain ``python``
     (a world of one with no process group). The device is ``cuda:LOCAL_RANK`` when CUDA is there, else the CPU;
-    the backend follows the device (nccl for CUDA, gloo for CPU) unless ``backend`` names one.
+    the backend follows the device (nccl for CUDA, gloo for CPU) unless ``backend`` names one. ``timeout``
+    bounds every collective: a rank left waiting that long raises instead of hanging; by default the
+    launcher's ``--collective-timeout``, else :data:`DEFAULT_TIMEOUT`.
     Calling it again returns the same runtime; asking then for another backend or device is an error (the
     process group cannot change under the objects already built on it).
     """
@@ -112,6 +114,8 @@ def init(
         _check_same(_runtime, backend, device)
         return _runtime
     launch = read_launch_env()
+    if timeout is None:
+        timeout = timedelta(seconds=launch.collective_timeout) if launch.collective_timeout else DEFAULT_TIMEOUT
     dev = _pick_device(launch, device)
     if launch.launcher == "none":
         if backend is not None:

@@ -2,13 +2,14 @@
 
 torchrun reports a failed worker's traceback only when the script's entry point is decorated with ``@record``;
 running the script through this module gives every script that, unchanged. Before the script starts, the
-worker ties its life to the agent's (a parent-death signal) and holds SIGUSR1 until a Trainer listens for it
-(:mod:`ddpkit.signals`). Usage (by the launcher): ``python -m ddpkit.worker [-m] TARGET ARGS...``.
+worker ties its life to the agent's (a parent-death signal), holds SIGUSR1 until a Trainer listens for it
+(:mod:`ddpkit.signals`), and writes its stack when asked (SIGUSR2). Usage (by the launcher): ``python -m ddpkit.worker [-m] TARGET ARGS...``.
 """
 
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import os
 import runpy
 import signal
@@ -41,6 +42,22 @@ def die_with_parent(sig: int = signal.SIGKILL) -> bool:
     return True
 
 
+def dump_stack_on_request() -> None:
+    """On SIGUSR2, write every thread's Python stack to ``$DDPKIT_STACK_DIR/rank<RANK>.txt``.
+
+    The agent sends SIGUSR2 to the workers still running when one has failed, so that the failure summary can
+    say where each of them was (stuck in user code, or waiting in which collective); ``kill -USR2`` on the
+    agent asks every worker the same at any time. faulthandler writes from the signal handler itself, so a rank
+    blocked inside a C++ collective answers too.
+    """
+    folder = os.environ.get("DDPKIT_STACK_DIR")
+    if not folder:
+        return
+    path = os.path.join(folder, f"rank{os.environ.get('RANK', '0')}.txt")
+    stream = open(path, "w")  # kept open for the life of the process: faulthandler writes to its descriptor
+    faulthandler.register(signal.SIGUSR2, file=stream, all_threads=True)
+
+
 @record
 def _run(target: str, as_module: bool) -> None:
     if as_module:
@@ -58,6 +75,7 @@ def main() -> None:
         raise SystemExit("usage: python -m ddpkit.worker [-m] TARGET [ARGS...]")
     die_with_parent()
     hold_stop_signals()
+    dump_stack_on_request()
     target = argv[0]
     sys.argv = argv
     # As `python script.py` does: the script's folder first on the import path, not ours.

@@ -7,6 +7,8 @@
   every rank has one, as a Trainer stopped by a signal does.
 - ``preempted``: on the first attempt exit 75 on every rank at once (as a pre-empted Trainer); on a later
   one (a restart or a requeue) finish with 0. Prints the attempt.
+- ``hang``: rank 1 sleeps in user code while rank 0 waits for it in an all-reduce.
+- ``mismatch``: rank 0 all-reduces 3 numbers, rank 1 two.
 - ``info``: print rank, world size, launcher, restart count and rendezvous port, and check an all-reduce.
 """
 
@@ -46,6 +48,18 @@ elif mode == "preempted":
     ddpkit.barrier()
     if rt.restart_count == 0:
         raise Preempted(step=0, signal_name="SIGUSR1")
+elif mode == "hang":
+
+    def stuck_in_user_code():
+        time.sleep(300)
+
+    if rt.rank == 1:
+        stuck_in_user_code()
+    ddpkit.all_reduce(1)
+elif mode == "mismatch":
+    import torch.distributed as dist
+
+    dist.all_reduce(torch.ones(3 if rt.rank == 0 else 2))
 elif mode == "info":
     from ddpkit.cluster import read_launch_env
 
