@@ -403,3 +403,26 @@ def test_mismatched_collectives_are_named_with_debug_collectives(clean_env):
     # Control: without the check, gloo gives no such diagnosis (it fails on sizes, or waits out the bound).
     out = run(["run", "--nproc", "2", "--collective-timeout", "5", PROBE, "mismatch"], clean_env, timeout=120)
     assert out.returncode != 0 and "Detected mismatch between collectives" not in out.stderr
+
+
+def test_env_reports_versions_os_memory_and_the_distributed_variables(clean_env):
+    out = run(["env", "--no-live"], clean_env | {"NCCL_DEBUG": "INFO", "SLURM_JOB_ID": "42"})
+    assert out.returncode == 0, out.stderr
+    from ddpkit import __version__
+
+    for key in ("ddpkit", "numpy", "os", "memory"):
+        assert any(line.startswith(key + " ") for line in out.stdout.splitlines()), (key, out.stdout)
+    assert f"ddpkit" in out.stdout and __version__ in out.stdout
+    assert "  NCCL_DEBUG=INFO" in out.stdout and "  SLURM_JOB_ID=42" in out.stdout
+    assert "distributed variables set  none" in run(["env", "--no-live"], clean_env).stdout
+
+
+def test_version_and_help_texts(clean_env):
+    from ddpkit import __version__
+
+    assert run(["--version"], clean_env).stdout.strip() == f"ddpkit {__version__}"
+    for args in (["--help"], ["run", "--help"], ["sbatch", "--help"], ["env", "--help"]):
+        out = run(args, clean_env)
+        assert out.returncode == 0, (args, out.stderr)
+        assert "examples:" in out.stdout, args
+        assert "``" not in out.stdout and ":func:" not in out.stdout and ":data:" not in out.stdout, args
