@@ -6,6 +6,7 @@ rendezvous, each node's own address and its network interface are worked out by 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -138,3 +139,51 @@ def test_a_wrong_endpoint_fails_fast_with_a_clear_message(nodes, tmp_path):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{nobody}:29400", DIGITS, "--epochs", "1"]
     assert _finish([_on(ns_b, torchrun, tmp_path, "torchrun.log")], timeout=20) == [None]
+
+
+TRAIN_JOB = str(ROOT / "tests" / "scripts" / "train_job.py")
+
+
+def test_elastic_job_goes_on_without_a_killed_node(nodes, tmp_path):
+    """Two nodes in a 1:2 elastic job; node b is killed mid-run. Node a's agent re-forms the job at world size
+    1, the Trainer resumes from the last snapshot, and every sample of every epoch is trained exactly once."""
+    (ns_a, addr_a), (ns_b, _) = nodes
+    samples = tmp_path / "samples"
+    samples.mkdir()
+    flags = ["run", "--nnodes", "1:2", "--nproc", "1", "--rdzv-endpoint", f"{addr_a}:29400"]
+    job = [TRAIN_JOB, "run", "--epochs", "40", "--sample-log", str(samples)]
+    node_a = _on(ns_a, DDPKIT + flags + job, tmp_path, "a.log")
+    node_b = _on(ns_b, DDPKIT + flags + job, tmp_path, "b.log")  # waits for node a's rendezvous if it is first
+    deadline = time.monotonic() + 240
+    while _steps_logged(samples) < 60:  # both nodes trained a while, with snapshots every 3 steps
+        assert time.monotonic() < deadline and node_a.poll() is None and node_b.poll() is None, (
+            (tmp_path / "a.log").read_text()[-3000:], (tmp_path / "b.log").read_text()[-3000:])
+        time.sleep(0.1)
+    os.kill(node_b.pid, signal.SIGKILL)  # node b's agent; its worker dies with it (parent-death signal)
+    node_b.wait()
+    code = _finish([node_a], timeout=300)[0]
+    log_a = (tmp_path / "a.log").read_text()
+    assert code == 0, log_a[-5000:]
+
+    events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    events = [e for e in events if e["kind"] == "event" and e["event"] in ("start", "resume", "stop")]
+    resume = [e for e in events if e["event"] == "resume"]
+    assert events[0]["event"] == "start" and events[-1] == events[-1] | {"event": "stop", "reason": "epochs"}
+    assert len(resume) == 1 and resume[0]["world_size"] == 1 and resume[0]["restart_count"] >= 1, events
+    resumed_at = resume[0]["step"]
+
+    # The trajectory that counts: steps before the resume point from the two-node attempt, the rest from the
+    # one-node attempt; steps node a or b trained after the last snapshot were lost and trained again.
+    seen: dict[int, list[int]] = {}
+    for path in samples.glob("rank*.jsonl"):
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            if (r["attempt"] == 0) == (r["step"] < resumed_at):
+                seen.setdefault(r["epoch"], []).extend(r["idx"])
+    assert sorted(seen) == list(range(40))
+    for epoch, idx in seen.items():
+        assert sorted(idx) == list(range(240)), f"epoch {epoch}: samples not seen exactly once"
+
+
+def _steps_logged(folder: Path) -> int:
+    return sum(len(p.read_text().splitlines()) for p in folder.glob("rank*.jsonl"))
