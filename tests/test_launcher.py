@@ -412,7 +412,7 @@ def test_env_reports_versions_os_memory_and_the_distributed_variables(clean_env)
 
     for key in ("ddpkit", "numpy", "os", "memory"):
         assert any(line.startswith(key + " ") for line in out.stdout.splitlines()), (key, out.stdout)
-    assert f"ddpkit" in out.stdout and __version__ in out.stdout
+    assert "ddpkit" in out.stdout and __version__ in out.stdout
     assert "  NCCL_DEBUG=INFO" in out.stdout and "  SLURM_JOB_ID=42" in out.stdout
     assert "distributed variables set  none" in run(["env", "--no-live"], clean_env).stdout
 
@@ -426,3 +426,26 @@ def test_version_and_help_texts(clean_env):
         assert out.returncode == 0, (args, out.stderr)
         assert "examples:" in out.stdout, args
         assert "``" not in out.stdout and ":func:" not in out.stdout and ":data:" not in out.stdout, args
+
+
+@pytest.mark.long
+def test_sigterm_to_the_launcher_lets_the_workers_save_and_exit_75(clean_env, tmp_path):
+    # A pre-emption's SIGTERM to `ddpkit run`: the workers get it, save (here: agree and stop) and exit 75,
+    # which the launcher passes on. torchrun's own agent stopped them itself and exited 143 whatever they did.
+    folder = tmp_path / "ddpkit"
+    folder.mkdir()
+    proc = _start(DDPKIT + ["run", "--nproc", "2", "--max-restarts", "2", PROBE, "hold-term", str(folder)], clean_env)
+    _wait_for_files([folder / "rank0.pid", folder / "rank1.pid"], proc)
+    os.kill(proc.pid, signal.SIGTERM)
+    out = _output(proc)
+    assert proc.returncode == 75, out[-3000:]
+    assert "rank=0 stopping on SIGTERM" in out
+    # Control: torchrun's agent passes SIGTERM on too, but ends with its own code, not the workers' 75.
+    folder = tmp_path / "torchrun"
+    folder.mkdir()
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    proc = _start(torchrun + ["-m", "ddpkit.worker", PROBE, "hold-term", str(folder)], clean_env)
+    _wait_for_files([folder / "rank0.pid", folder / "rank1.pid"], proc)
+    os.kill(proc.pid, signal.SIGTERM)
+    out = _output(proc)
+    assert proc.returncode != 75

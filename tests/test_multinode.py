@@ -125,7 +125,7 @@ def test_a_wrong_endpoint_fails_fast_with_a_clear_message(nodes, tmp_path):
                           f"{nobody}:29400", *job], env=_env(), cwd=tmp_path, capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 2, out.stderr[-3000:]
-    assert f"rendezvous" in out.stderr and nobody in out.stderr and "Traceback" not in out.stderr
+    assert "rendezvous" in out.stderr and nobody in out.stderr and "Traceback" not in out.stderr
     assert "unreachable" in out.stderr or "did not answer" in out.stderr
 
     # The right host, but the node that should host the rendezvous was never started.

@@ -11,7 +11,6 @@ import contextlib
 import os
 import re
 import shutil
-import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -19,9 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.elastic.agent.server.api import WorkerState
-from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-
+from ddpkit import agent
 from ddpkit.cluster import cpu_count
 from ddpkit.errors import PREEMPTED_EXIT_CODE, ConfigError
 from ddpkit.rendezvous import NodeAddress, node_address, wait_reachable
@@ -201,188 +198,6 @@ def tidy_log_dirs(root: str, run: Path, keep: int = 20) -> None:
         Path(root).rmdir()  # only if empty
 
 
-def _describe(rank: int, failure: Any) -> str:
-    how = f"killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
-    return f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid}): {how}"
-
-
-def _recorded(failure: Any) -> tuple[str, list[str]]:
-    data = (failure.error_file_data or {}).get("message")
-    if not isinstance(data, dict):
-        return "", []
-    stack = data.get("extraInfo", {}).get("py_callstack", "").rstrip().splitlines()
-    # Drop the frames of the launch machinery (torch's @record wrapper, ddpkit.worker, runpy): the user's
-    # frames start after the last runpy frame.
-    runpy_frames = [i for i, line in enumerate(stack) if "<frozen runpy>" in line]
-    if runpy_frames:
-        stack = stack[runpy_frames[-1] + 1 :]
-    return data.get("message", ""), stack
-
-
-# What a rank's collective says when a peer process went away: the failure of another rank, not a cause.
-_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket closed")
-
-
-def _peer_lost(failure: Any) -> bool:
-    message, _ = _recorded(failure)
-    return any(text in message for text in _PEER_LOST)
-
-
-def summarize_failure(err: BaseException, tail: int = 12) -> str:
-    """The failed ranks: the first to fail with its exception and the end of its traceback, then the rest.
-
-    Once one rank fails, its peers fail too (a collective loses its peer, or the agent stops them), so the
-    first failure in time is the cause and the others are its consequences.
-    """
-    failures: dict[int, Any] = getattr(err, "failures", {})
-    if not failures:
-        return f"ddpkit run: the job failed: {err}"
-    first_rank, first = err.get_first_failure()  # type: ignore[attr-defined]
-    if _peer_lost(first):
-        # The earliest record can be a consequence that won the race to disk: a peer's collective failing
-        # because the rank with the real error closed its connections while exiting.
-        causes = [(r, f) for r, f in sorted(failures.items(), key=lambda rf: rf[1].timestamp) if not _peer_lost(f)]
-        if causes:
-            first_rank, first = causes[0]
-    lines = [f"ddpkit run: {len(failures)} worker(s) failed; first: {_describe(first_rank, first)}"]
-    message, stack = _recorded(first)
-    if message:
-        lines.append(f"  {message}")
-        lines += ["  traceback (last lines):"] + [f"    {line}" for line in stack[-tail:]]
-    elif first.exitcode < 0:
-        lines.append("  no Python exception: the process was killed (out of memory? the scheduler? a signal?)")
-    others = [r for r in sorted(failures) if r != first_rank]
-    for rank in others:
-        message, _ = _recorded(failures[rank])
-        lines.append(f"  then {_describe(rank, failures[rank])}" + (f": {message.splitlines()[0]}" if message else ""))
-    return "\n".join(lines)
-
-
-def _log_folder(failure: Any) -> str | None:
-    # torchrun writes <attempt>/<local rank>/{stdout,stderr}.log next to the error file it names.
-    error_file = getattr(failure, "error_file", None)
-    return os.path.dirname(error_file) if error_file and os.path.isabs(error_file) else None
-
-
-def preempted(failures: dict[int, Any]) -> bool:
-    """True when the workers stopped because they were told to: stopped by a signal, snapshot saved.
-
-    The first worker to exit had the pre-empted code; the others have it too, or were ended by the agent's
-    signal while they were exiting themselves (it stops the group as soon as one worker is gone).
-    """
-    if not failures:
-        return False
-    first = min(failures.values(), key=lambda f: f.timestamp)
-    return first.exitcode == PREEMPTED_EXIT_CODE and all(
-        f.exitcode == PREEMPTED_EXIT_CODE or f.exitcode < 0 for f in failures.values()
-    )
-
-
-def exit_code(err: BaseException) -> int:
-    failures = getattr(err, "failures", {})
-    if preempted(failures):
-        return PREEMPTED_EXIT_CODE
-    for failure in failures.values():
-        if failure.exitcode < 0:
-            return 128 - failure.exitcode  # as a shell reports death by signal
-        if failure.exitcode:
-            return failure.exitcode
-    return 1
-
-
-class _Agent(LocalElasticAgent):
-    """torchrun's agent, with two changes torchrun has no option for.
-
-    - A worker that exits with :data:`PREEMPTED_EXIT_CODE` saved its snapshot because it was told to stop:
-      restarting it here would train on after the scheduler's warning. The agent stops instead, and ``ddpkit
-      run`` exits with that code so that the batch script requeues the job.
-    - SIGUSR1 (SLURM's ``--signal`` warning) reaches the workers instead of killing the agent; see
-      :func:`_forward_signals`.
-    """
-
-    current: _Agent | None = None
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._stacks_asked: int | None = None
-        _Agent.current = self
-
-    def _monitor_workers(self, worker_group: Any) -> Any:
-        self._stacks_before_teardown(worker_group)
-        result = super()._monitor_workers(worker_group)
-        if result.state == WorkerState.FAILED and preempted(result.failures):
-            self._remaining_restarts = 0
-        return result
-
-    def _stacks_before_teardown(self, worker_group: Any) -> None:
-        # torchrun stops the other workers in the same poll that finds a failed one; ask them where they are
-        # first. The exit codes come from the Popen objects torchrun's process context keeps (poll() caches
-        # the code, so its own poll that follows sees the same).
-        handlers = getattr(getattr(self, "_pcontext", None), "subprocess_handlers", None) or {}
-        codes = {local: h.proc.poll() for local, h in handlers.items()}
-        failed = {local for local, code in codes.items() if code not in (None, 0, PREEMPTED_EXIT_CODE)}
-        if failed and self._stacks_asked != id(self._pcontext):
-            self._stacks_asked = id(self._pcontext)
-            running = {w.global_rank: w.id for w in worker_group.workers if codes.get(w.local_rank) is None}
-            _ask_for_stacks(running)
-
-    def worker_pids(self) -> list[int]:
-        pcontext = getattr(self, "_pcontext", None)
-        return list(pcontext.pids().values()) if pcontext is not None else []
-
-
-def _ask_for_stacks(running: dict[int, int], wait: float = 3.0) -> None:
-    """SIGUSR2 to the workers still running (global rank -> pid); wait briefly for their stacks on disk."""
-    folder = os.environ.get("DDPKIT_STACK_DIR")
-    if not folder:
-        return
-    asked = []
-    for rank, pid in running.items():
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGUSR2)
-            asked.append(Path(folder, f"rank{rank}.txt"))
-    deadline = time.monotonic() + wait
-    while asked and time.monotonic() < deadline and not all(p.exists() and p.stat().st_size for p in asked):
-        time.sleep(0.05)  # the workers write from their signal handlers; nothing to wait on but the files
-
-
-def _stacks(folder: Path, ranks: Sequence[int], lines: int = 14) -> list[str]:
-    """Each rank's main-thread stack as faulthandler wrote it, innermost frames first."""
-    out = []
-    for rank in ranks:
-        path = folder / f"rank{rank}.txt"
-        text = path.read_text(errors="replace") if path.exists() else ""
-        block = text.split("Current thread", 1)[1].splitlines()[1:] if "Current thread" in text else []
-        frames = [line.strip() for line in block if line.strip().startswith("File ")]
-        frames = [f for f in frames if "ddpkit/worker.py" not in f and "<frozen runpy>" not in f and "errors/__init__.py" not in f]
-        if frames:
-            out.append(f"  rank {rank} was still running when the first rank failed, at (innermost first):")
-            out += [f"    {frame}" for frame in frames[:lines]]
-    return out
-
-
-FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
-
-
-def _forward_signals() -> None:
-    """Pass SIGUSR1/SIGUSR2 on to the workers and keep the agent running.
-
-    torchrun's agent handles SIGTERM, SIGINT, SIGHUP and SIGQUIT (it stops the workers with the same signal,
-    waits up to 30 s, then exits); SIGUSR1 it leaves at its default action, so ``srun ddpkit run`` died with
-    exit code 138 on SLURM's warning and the workers' snapshot raced the teardown of the step. Forwarded, the
-    workers' Trainer saves and exits with the pre-empted code, which the agent then reports.
-    """
-
-    def forward(signum: int, frame: Any) -> None:
-        agent = _Agent.current
-        for pid in agent.worker_pids() if agent is not None else []:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signum)
-
-    for sig in FORWARDED_SIGNALS:
-        signal.signal(sig, forward)
-
-
 def check_target(cfg: LaunchConfig) -> None:
     """Fail before any worker starts when the script or module does not exist."""
     if cfg.module:
@@ -430,14 +245,13 @@ def launch(cfg: LaunchConfig) -> int:
     # abbreviation of its --log-dir, and `--nproc 4` for its own option.
     args = torchrun.parse_args(argv[: len(argv) - len(cfg.script_args)])
     args.training_script_args += list(cfg.script_args)
-    # launch_agent builds torchrun's LocalElasticAgent by this module-level name; ours adds the pre-empted exit
-    # code and signal forwarding, and is otherwise the same agent.
-    launcher_api.LocalElasticAgent = _Agent
-    _forward_signals()
+    if hasattr(args, "signals_to_handle"):  # torchrun's own SIGTERM handling would end the workers itself
+        args.signals_to_handle = agent.TORCHRUN_SIGNALS
+    agent.install(launcher_api)
     try:
         torchrun.run(args)
     except ChildFailedError as err:
-        if preempted(err.failures):
+        if agent.preempted(err.failures):
             print(
                 f"ddpkit run: stopped by a signal after saving a snapshot (exit code {PREEMPTED_EXIT_CODE}); run "
                 "the same command again to resume",
@@ -445,13 +259,13 @@ def launch(cfg: LaunchConfig) -> int:
                 flush=True,
             )
             return PREEMPTED_EXIT_CODE
-        print(summarize_failure(err), file=sys.stderr, flush=True)
+        print(agent.summarize_failure(err), file=sys.stderr, flush=True)
         # This node's workers still running at the first failure wrote their stacks when the agent asked.
         files = [p for p in (run_dir / "stacks").glob("rank*.txt") if p.stem[4:].isdigit() and p.stat().st_size]
-        for line in _stacks(run_dir / "stacks", sorted(int(p.stem[4:]) for p in files)):
+        for line in agent.stacks(run_dir / "stacks", sorted(int(p.stem[4:]) for p in files)):
             print(line, file=sys.stderr, flush=True)
         print(f"  output of every rank: {run_dir}", file=sys.stderr, flush=True)
-        return exit_code(err)
+        return agent.exit_code(err)
     except RendezvousError as err:
         print(
             f"ddpkit run: the nodes did not come together at {cfg.rdzv_endpoint} ({type(err).__name__}: "
@@ -468,9 +282,7 @@ def launch(cfg: LaunchConfig) -> int:
         )
         return 128 + int(err.sigval)
     finally:
-        _Agent.current = None
-        for sig in FORWARDED_SIGNALS:
-            signal.signal(sig, signal.SIG_DFL)
+        agent.uninstall()
     tidy_log_dirs(cfg.log_dir, run_dir)
     return 0
 

@@ -55,6 +55,9 @@ def dump_stack_on_request() -> None:
         return
     path = os.path.join(folder, f"rank{os.environ.get('RANK', '0')}.txt")
     stream = open(path, "w")  # kept open for the life of the process: faulthandler writes to its descriptor
+    # Ignored underneath: faulthandler puts back the previous action while the interpreter exits, and a request
+    # that arrives then must not kill a worker that is finishing on its own.
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     faulthandler.register(signal.SIGUSR2, file=stream, all_threads=True)
 
 

@@ -5,6 +5,7 @@
 - ``pids DIR``: write each rank's pid to ``DIR/rankN.pid``, then wait to be killed (at most 120 s).
 - ``hold-usr1 DIR``: like ``pids``, then wait for a SIGUSR1 sent from outside; exit 75 (pre-empted) once
   every rank has one, as a Trainer stopped by a signal does.
+- ``hold-term DIR``: like ``hold-usr1``, for SIGTERM (the script handles it itself, as a Trainer does).
 - ``preempted``: on the first attempt exit 75 on every rank at once (as a pre-empted Trainer); on a later
   one (a restart or a requeue) finish with 0. Prints the attempt.
 - ``hang``: rank 1 sleeps in user code while rank 0 waits for it in an all-reduce.
@@ -32,10 +33,18 @@ if mode == "no-init":
 rt = ddpkit.init()
 if mode == "args":
     print(f"rank={rt.rank} argv={rest}", flush=True)
-elif mode in ("pids", "hold-usr1"):
+elif mode in ("pids", "hold-usr1", "hold-term"):
+    if mode == "hold-term":
+        import signal
+
+        terms = []
+        signal.signal(signal.SIGTERM, lambda signum, frame: terms.append(signum))
     Path(rest[0], f"rank{rt.rank}.pid").write_text(str(os.getpid()))
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
+        if mode == "hold-term" and terms and ddpkit.all_reduce(1) == rt.world_size:
+            print(f"rank={rt.rank} stopping on SIGTERM", flush=True)
+            raise Preempted(step=0, signal_name="SIGTERM")
         if mode == "hold-usr1" and pending_stop_signal() is not None:
             # Agree that every rank got it, as the Trainer does at its next step.
             if ddpkit.all_reduce(1) == rt.world_size:
