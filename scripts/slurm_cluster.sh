@@ -85,20 +85,25 @@ EOF
     || dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 2>/dev/null; chown munge:munge /etc/munge/munge.key; chmod 400 /etc/munge/munge.key; }
   mkdir -p /run/munge /var/log/munge /var/lib/munge && chown munge:munge /run/munge /var/log/munge /var/lib/munge
   if ! alive "$dir/munged.pid"; then
-    if pgrep -u munge -x munged >/dev/null; then
+    if pgrep -u munge -x munged >/dev/null && [ -S /run/munge/munge.socket.2 ]; then
       : # a munged that is not ours already serves /run/munge: use it, leave it alone
     else
       su -s /bin/sh munge -c munged
-      pgrep -u munge -x munged | head -1 >"$dir/munged.pid"
+      for _ in $(seq 1 50); do  # munged forks into the background: wait for the daemon's socket
+        [ -S /run/munge/munge.socket.2 ] && break
+        sleep 0.1
+      done
+      pgrep -n -u munge -x munged >"$dir/munged.pid" || true  # the newest: the daemon, not its exiting parent
     fi
   fi
   alive "$dir/slurmctld.pid" || SLURM_CONF="$conf" slurmctld -f "$conf" -i
   alive "$dir/slurmd.pid" || SLURM_CONF="$conf" slurmd -f "$conf"
-  for _ in $(seq 1 100); do
+  local deadline=$((SECONDS + 60))
+  while [ $SECONDS -lt $deadline ]; do
     answers && { echo "export SLURM_CONF=$conf"; return 0; }
     sleep 0.3
   done
-  say "the cluster did not come up within 30 s; logs in $dir/log"
+  say "the cluster did not come up within 60 s; logs in $dir/log"
   tail -n 20 "$dir/log/"*.log >&2 || true
   exit 4
 }
