@@ -148,13 +148,19 @@ def test_all_ranks_output_is_prefixed(clean_env):
         assert f"[rank {r}] hello rank={r} world=3" in out.stdout
 
 
-def test_failure_summary_names_rank_exception_and_line(clean_env):
+def test_failure_summary_names_rank_exception_and_line(clean_env, tmp_path):
     out = run(["run", "--nproc", "2", HELLO, "--fail-rank", "1"], clean_env)
     assert out.returncode == 1
     summary = out.stderr[out.stderr.index("ddpkit run:") :]
     assert "first: rank 1 (local rank 1" in summary
     assert "ValueError: planned failure on rank 1" in summary
     assert 'hello.py", line' in summary  # the user's frame, not only the launcher's
+    # Where rank 1's own output is: under ./ddpkit-logs, printed (it was a temporary folder, never named).
+    line = next(line for line in summary.splitlines() if "output of every rank:" in line)
+    folder = Path(line.split("output of every rank:")[1].strip())
+    assert folder.is_relative_to(tmp_path / "ddpkit-logs")
+    rank1 = list(folder.rglob("1/stderr.log"))
+    assert rank1 and "planned failure on rank 1" in rank1[0].read_text()
 
 
 def test_restart_after_failure_resumes_the_job(clean_env):
@@ -235,16 +241,6 @@ def test_preempted_exit_code_passes_through_without_a_restart(clean_env):
     assert out.returncode == 75, out.stderr[-3000:]
     assert "rank=0 attempt=0" in out.stdout and "attempt=1" not in out.stdout, out.stderr
     assert "stopped by a signal after saving a snapshot" in out.stderr
-
-
-def test_failure_prints_where_every_ranks_output_is(clean_env, tmp_path):
-    out = run(["run", "--nproc", "2", HELLO, "--fail-rank", "1"], clean_env)
-    assert out.returncode == 1
-    line = next(line for line in out.stderr.splitlines() if "output of every rank:" in line)
-    folder = Path(line.split("output of every rank:")[1].strip())
-    assert folder.is_relative_to(tmp_path / "ddpkit-logs")
-    rank1 = list(folder.rglob("1/stderr.log"))
-    assert rank1 and "planned failure on rank 1" in rank1[0].read_text()
 
 
 @pytest.mark.long
@@ -405,27 +401,40 @@ def test_mismatched_collectives_are_named_with_debug_collectives(clean_env):
     assert out.returncode != 0 and "Detected mismatch between collectives" not in out.stderr
 
 
-def test_env_reports_versions_os_memory_and_the_distributed_variables(clean_env):
-    out = run(["env", "--no-live"], clean_env | {"NCCL_DEBUG": "INFO", "SLURM_JOB_ID": "42"})
-    assert out.returncode == 0, out.stderr
+def test_env_reports_versions_os_memory_and_the_distributed_variables(monkeypatch, capsys):
     from ddpkit import __version__
+    from ddpkit.envinfo import main as env_main
 
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    assert env_main(["--no-live"]) == 0
+    out = capsys.readouterr().out
     for key in ("ddpkit", "numpy", "os", "memory"):
-        assert any(line.startswith(key + " ") for line in out.stdout.splitlines()), (key, out.stdout)
-    assert "ddpkit" in out.stdout and __version__ in out.stdout
-    assert "  NCCL_DEBUG=INFO" in out.stdout and "  SLURM_JOB_ID=42" in out.stdout
-    assert "distributed variables set  none" in run(["env", "--no-live"], clean_env).stdout
+        assert any(line.startswith(key + " ") for line in out.splitlines()), (key, out)
+    assert __version__ in out and "  NCCL_DEBUG=INFO" in out and "  SLURM_JOB_ID=42" in out
+    for name in list(os.environ):
+        if name.startswith(("SLURM_", "NCCL_", "GLOO_", "TORCHELASTIC_", "PMI_", "OMPI_", "PET_", "TORCH_", "DDPKIT_")) or name in (
+            "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NSLOTS",
+            "OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"):
+            monkeypatch.delenv(name)
+    env_main(["--no-live"])
+    assert "distributed variables set  none" in capsys.readouterr().out
 
 
-def test_version_and_help_texts(clean_env):
+def test_version_and_help_texts(capsys):
     from ddpkit import __version__
+    from ddpkit.cli import main as cli_main
 
-    assert run(["--version"], clean_env).stdout.strip() == f"ddpkit {__version__}"
+    assert cli_main(["--version"]) == 0 and capsys.readouterr().out.strip() == f"ddpkit {__version__}"
     for args in (["--help"], ["run", "--help"], ["sbatch", "--help"], ["env", "--help"]):
-        out = run(args, clean_env)
-        assert out.returncode == 0, (args, out.stderr)
-        assert "examples:" in out.stdout, args
-        assert "``" not in out.stdout and ":func:" not in out.stdout and ":data:" not in out.stdout, args
+        try:
+            code = cli_main(args)
+        except SystemExit as done:  # argparse's --help
+            code = done.code
+        out = capsys.readouterr().out
+        assert code == 0, args
+        assert "examples:" in out, args
+        assert "``" not in out and ":func:" not in out and ":data:" not in out, args
 
 
 @pytest.mark.long
@@ -449,3 +458,30 @@ def test_sigterm_to_the_launcher_lets_the_workers_save_and_exit_75(clean_env, tm
     os.kill(proc.pid, signal.SIGTERM)
     out = _output(proc)
     assert proc.returncode != 75
+
+
+def _failure(exitcode: int, timestamp: int, message: str | None = None):
+    from types import SimpleNamespace
+
+    data = {"message": {"message": message, "extraInfo": {"py_callstack": ""}}} if message else {}
+    return SimpleNamespace(exitcode=exitcode, timestamp=timestamp, error_file_data=data, local_rank=0, pid=1,
+                           signal_name=lambda: f"signal {-exitcode}")
+
+
+def test_the_cause_of_a_failure_is_told_from_its_consequences():
+    # Pure logic over torchrun's failure records (timestamps in whole seconds, often equal).
+    from ddpkit.agent import cause, exit_code
+    from types import SimpleNamespace
+
+    lost = "RuntimeError: [gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1"
+    cases = [
+        # (failures by rank, the rank that caused it, exit code)
+        ({0: _failure(1, 10, lost), 1: _failure(1, 10, "ValueError: boom")}, 1, 1),
+        ({0: _failure(1, 9, lost), 1: _failure(-9, 10)}, 1, 137),  # a SIGKILLed rank, a peer's consequence
+        ({0: _failure(-15, 10, "NotInitializedError: x"), 1: _failure(1, 10, "NotInitializedError: x")}, 1, 1),
+        ({0: _failure(-15, 10), 1: _failure(-12, 10), 2: _failure(3, 11)}, 2, 3),
+        ({0: _failure(75, 10), 1: _failure(-15, 10)}, 0, 75),  # pre-empted: saved, then stopped by the agent
+    ]
+    for failures, rank, code in cases:
+        assert cause(failures)[0] == rank, failures
+        assert exit_code(SimpleNamespace(failures=failures)) == code, failures

@@ -63,12 +63,18 @@ def cause(failures: dict[int, Any]) -> tuple[int, Any]:
     Once one rank fails its peers fail too: a collective loses its peer, or the agent stops them. torchrun
     orders failures by time, in whole seconds, stamped when a worker wrote its error or when the agent polled
     it, so the first in time can be a consequence. In order of preference: an exception that is not a lost
-    peer, a death by a signal the launcher did not send (SIGKILL, SIGSEGV, the OOM killer), then the earliest.
+    peer, an exit with an error code, a death by a signal the launcher did not send (SIGKILL, SIGSEGV, the OOM
+    killer), then the earliest.
     """
     by_time = sorted(failures.items(), key=lambda rf: (rf[1].timestamp, rf[0]))
-    for rank, failure in by_time:
+    # A rank the agent stopped while it was exiting with its own error keeps that error, but its exit code is
+    # the agent's signal: of two equal errors, the one that exited by itself comes first.
+    for rank, failure in sorted(by_time, key=lambda rf: rf[1].exitcode in _OUR_SIGNALS):
         message, _ = _recorded(failure)
         if message and not _peer_lost(failure):
+            return rank, failure
+    for rank, failure in by_time:  # exited with its own code (sys.exit(3)), no exception recorded
+        if failure.exitcode > 0 and not _peer_lost(failure):
             return rank, failure
     for rank, failure in by_time:
         if failure.exitcode < 0 and failure.exitcode not in _OUR_SIGNALS:
