@@ -157,7 +157,7 @@ def test_slurm_task_is_read():
         local_world_size=2,
         launcher="slurm",
         master_addr="gpu01",  # the first host of the expanded node list
-        master_port=15000 + 123456 % 20000,
+        master_port=20000 + (123456 % 750) * 16,  # step 0
     )
 
 
@@ -177,10 +177,36 @@ def test_slurm_local_rank_outside_node():
 def test_slurm_port_from_job_id_differs_between_jobs_and_master_port_overrides():
     a = read_launch_env(slurm(SLURM_JOB_ID="1000")).master_port
     b = read_launch_env(slurm(SLURM_JOB_ID="1001")).master_port
-    assert a == 16000 and b == 16001
-    assert 15000 <= read_launch_env(slurm(SLURM_JOB_ID="987654321")).master_port < 35000
+    assert a != b
     assert read_launch_env(slurm(MASTER_PORT="29999")).master_port == 29999
     assert read_launch_env(slurm(MASTER_ADDR="head")).master_addr == "head"
+
+
+def test_slurm_concurrent_steps_of_one_job_get_different_ports():
+    # Two `srun ... &` in one batch script: same job id, step ids 0 and 1. Keyed on the job id alone, both
+    # steps' rank 0 bound the same port and the second step failed (or joined the first one's store).
+    ports = {read_launch_env(slurm(SLURM_STEP_ID=str(step))).master_port for step in range(16)}
+    assert len(ports) == 16
+
+
+@pytest.mark.parametrize("job_id", ["0", "1", "749", "750", "19999", "123456", "987654321", "4294967294"])
+@pytest.mark.parametrize("step_id", ["0", "3", "15", "40"])
+def test_slurm_port_stays_below_the_ephemeral_range(job_id, step_id):
+    # Linux hands out 32768-60999 as source ports of outgoing connections: a port derived there can be taken.
+    port = read_launch_env(slurm(SLURM_JOB_ID=job_id, SLURM_STEP_ID=step_id)).master_port
+    assert 1024 < port < 32768
+
+
+def test_slurm_jobs_close_in_id_never_share_a_port():
+    ports = {read_launch_env(slurm(SLURM_JOB_ID=str(1000 + j))).master_port for j in range(750)}
+    assert len(ports) == 750
+
+
+def test_slurm_requeue_count_is_the_restart_count():
+    assert read_launch_env(SLURM).restart_count == 0
+    assert read_launch_env(slurm(SLURM_RESTART_COUNT="2")).restart_count == 2
+    # `srun ddpkit run`: the agent's restarts and the scheduler's requeues add up.
+    assert read_launch_env(torchrun(TORCHELASTIC_RESTART_COUNT="1") | {"SLURM_RESTART_COUNT": "2"}).restart_count == 3
 
 
 def test_slurm_step_variables_take_precedence():
@@ -212,9 +238,18 @@ def test_slurm_rank_outside_world():
         read_launch_env(slurm(SLURM_PROCID="7"))
 
 
-@pytest.mark.parametrize("name", ["bash", "interactive", "sh", "zsh"])
-def test_slurm_interactive_shell_is_a_world_of_one(name):
-    assert read_launch_env(slurm(SLURM_JOB_NAME=name)) == LaunchEnv()
+@pytest.mark.parametrize("name", ["bash", "interactive", "sh", "zsh", "train"])
+def test_slurm_job_name_does_not_turn_slurm_off(name):
+    # `srun -n2 bash -c "python train.py"` is a job named bash; `salloc -n2` names its job interactive. Their
+    # srun tasks are one job of two ranks, not two worlds of one.
+    info = read_launch_env(slurm(SLURM_JOB_NAME=name))
+    assert (info.launcher, info.rank, info.world_size) == ("slurm", 5, 7)
+
+
+def test_slurm_pty_variable_does_not_turn_slurm_off():
+    # `srun --pty bash` exports SLURM_PTY_PORT, and every `srun -n2 python ...` started from that shell inherits
+    # it (seen on SLURM 22.05), so it cannot mark a process as outside a job.
+    assert read_launch_env(slurm(SLURM_PTY_PORT="42059")).world_size == 7
 
 
 def test_slurm_without_step_id_is_a_world_of_one():
@@ -222,6 +257,40 @@ def test_slurm_without_step_id_is_a_world_of_one():
     assert read_launch_env(slurm(SLURM_STEP_ID=None)) == LaunchEnv()
     # Control: the same variables with the step id are a SLURM task.
     assert read_launch_env(SLURM).launcher == "slurm"
+
+
+# ----------------------------------------------------------------------------------------------------- MPI
+
+OPEN_MPI = {
+    "OMPI_COMM_WORLD_RANK": "2",
+    "OMPI_COMM_WORLD_SIZE": "4",
+    "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+    "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+}
+MPICH = {"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}
+
+
+def test_open_mpi_is_read():
+    info = read_launch_env(OPEN_MPI)
+    assert (info.launcher, info.rank, info.world_size, info.local_rank, info.local_world_size) == ("mpi", 2, 4, 0, 2)
+    assert (info.master_addr, info.master_port) == (None, None)  # agreed over MPI at init
+    assert read_launch_env(OPEN_MPI | {"MASTER_ADDR": "h", "MASTER_PORT": "23456"}).master_port == 23456
+
+
+def test_mpich_is_read():
+    info = read_launch_env(MPICH)
+    assert (info.launcher, info.rank, info.world_size, info.local_rank, info.local_world_size) == ("mpi", 3, 4, 1, 2)
+
+
+def test_mpi_inside_slurm_counts_ranks_not_nodes():
+    # mpiexec in a batch job starts one srun task per node (SLURM_PROCID counts nodes) and the ranks inside it.
+    info = read_launch_env(MPICH | slurm(SLURM_PROCID="0", SLURM_NTASKS="1", SLURM_LOCALID="0", SLURM_NODEID="0"))
+    assert (info.launcher, info.rank, info.world_size) == ("mpi", 3, 4)
+
+
+def test_mpi_rank_outside_world():
+    with pytest.raises(ConfigError, match="rank 4 is outside the world of 4 processes set by mpiexec"):
+        read_launch_env(MPICH | {"PMI_RANK": "4"})
 
 
 def test_no_variables_is_a_world_of_one():

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,7 @@ from ddpkit.errors import ConfigError
 from ddpkit.launcher import LaunchConfig, resolve_nproc, torchrun_argv, worker_env
 
 HELLO = str(Path(__file__).parent / "scripts" / "hello.py")
+PROBE = str(Path(__file__).parent / "scripts" / "launch_probe.py")
 DDPKIT = [sys.executable, "-m", "ddpkit.cli"]
 
 
@@ -27,11 +31,28 @@ def clean_env() -> dict[str, str]:
     return env
 
 
+@pytest.fixture(autouse=True)
+def _in_tmp_path(tmp_path, monkeypatch):
+    # ddpkit run writes ./ddpkit-logs: keep it out of the checkout.
+    monkeypatch.chdir(tmp_path)
+
+
 def run(args: list[str], env: dict[str, str], timeout: float = 90) -> subprocess.CompletedProcess:
     return subprocess.run(DDPKIT + args, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 # -- the command line it builds (pure logic) --------------------------------------------------------------
+
+
+def test_script_arguments_are_the_scripts_even_when_they_look_like_ours():
+    from ddpkit.launcher import build_parser, split_argv
+
+    build_parser()
+    ours, theirs = split_argv(["--nproc", "2", "--log-dir", "L", "train.py", "--log", "5", "--nproc", "3", "--max"])
+    assert ours == ["--nproc", "2", "--log-dir", "L", "train.py"]
+    assert theirs == ["--log", "5", "--nproc", "3", "--max"]
+    assert split_argv(["--all-ranks", "-m", "pkg.train", "-x"]) == (["--all-ranks", "-m", "pkg.train"], ["-x"])
+    assert split_argv(["--nproc=2", "--", "-weird.py", "a"]) == (["--nproc=2", "-weird.py"], ["a"])
 
 
 def test_single_node_uses_a_free_port_and_shows_rank_zero_only():
@@ -127,13 +148,19 @@ def test_all_ranks_output_is_prefixed(clean_env):
         assert f"[rank {r}] hello rank={r} world=3" in out.stdout
 
 
-def test_failure_summary_names_rank_exception_and_line(clean_env):
+def test_failure_summary_names_rank_exception_and_line(clean_env, tmp_path):
     out = run(["run", "--nproc", "2", HELLO, "--fail-rank", "1"], clean_env)
     assert out.returncode == 1
     summary = out.stderr[out.stderr.index("ddpkit run:") :]
     assert "first: rank 1 (local rank 1" in summary
     assert "ValueError: planned failure on rank 1" in summary
     assert 'hello.py", line' in summary  # the user's frame, not only the launcher's
+    # Where rank 1's own output is: under ./ddpkit-logs, printed (it was a temporary folder, never named).
+    line = next(line for line in summary.splitlines() if "output of every rank:" in line)
+    folder = Path(line.split("output of every rank:")[1].strip())
+    assert folder.is_relative_to(tmp_path / "ddpkit-logs")
+    rank1 = list(folder.rglob("1/stderr.log"))
+    assert rank1 and "planned failure on rank 1" in rank1[0].read_text()
 
 
 def test_restart_after_failure_resumes_the_job(clean_env):
@@ -174,3 +201,287 @@ def test_env_command_reports_and_checks(clean_env):
     assert out.returncode == 0, out.stderr
     assert "torch" in out.stdout and "gloo available" in out.stdout
     assert "live check (2 processes, gloo all-reduce)  ok" in out.stdout
+
+
+# -- what a user gets wrong, and what a scheduler does ---------------------------------------------------
+
+
+def test_script_arguments_that_look_like_launcher_options_reach_the_script(clean_env):
+    # Prefixes of ddpkit's and torchrun's options (--log-dir, --max-restarts, --node-rank, --master-addr) and
+    # --nproc itself, after the script: all of them belong to the script.
+    args = ["--log", "5", "--max", "1", "--node", "x", "--master", "y", "--nproc", "3"]
+    out = run(["run", "--nproc", "2", PROBE, "args", *args], clean_env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"rank=0 argv={args}" in out.stdout
+
+
+def test_missing_script_is_an_error_before_any_worker_starts(clean_env, tmp_path):
+    out = run(["run", "--nproc", "2", "nothere.py"], clean_env)
+    assert out.returncode == 2
+    assert "script 'nothere.py' not found" in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "ddpkit-logs").exists()  # no worker, no log folder
+    out = run(["run", "-m", "no_such_module_here"], clean_env)
+    assert out.returncode == 2 and "no module named 'no_such_module_here'" in out.stderr
+
+
+def test_a_script_that_forgot_init_fails_instead_of_training_copies(clean_env):
+    # Without ddpkit.init(), each of the two ranks used to build a loader over the whole data set, train its
+    # own copy and exit 0 ("trained on 12 samples" twice).
+    out = run(["run", "--nproc", "2", PROBE, "no-init"], clean_env)
+    assert out.returncode == 1, out.stdout
+    assert "trained on" not in out.stdout
+    assert "NotInitializedError" in out.stderr and "call ddpkit.init() at the start of the script" in out.stderr
+    # Control: the same script as plain python is a world of one and runs.
+    plain = subprocess.run([sys.executable, PROBE, "no-init"], env=clean_env, capture_output=True, text=True)
+    assert plain.returncode == 0 and "trained on 12 samples" in plain.stdout, plain.stderr
+
+
+def test_preempted_exit_code_passes_through_without_a_restart(clean_env):
+    out = run(["run", "--nproc", "2", "--max-restarts", "2", PROBE, "preempted"], clean_env)
+    assert out.returncode == 75, out.stderr[-3000:]
+    assert "rank=0 attempt=0" in out.stdout and "attempt=1" not in out.stdout, out.stderr
+    assert "stopped by a signal after saving a snapshot" in out.stderr
+
+
+@pytest.mark.slow
+def test_no_temporary_folders_left_behind(clean_env, tmp_path):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    clean_env["TMPDIR"] = str(tmp)
+    out = run(["run", "--nproc", "2", HELLO], clean_env)
+    assert out.returncode == 0, out.stderr
+    # torchrun's default was a torchelastic_* folder in TMPDIR per run, never removed. Rank 1's output is
+    # in the run's own folder instead.
+    assert sorted(p.name for p in tmp.iterdir()) == []
+    runs = list((tmp_path / "ddpkit-logs").iterdir())
+    assert len(runs) == 1
+    assert "hello rank=1" in next(runs[0].rglob("1/stdout.log")).read_text()
+
+
+def test_log_folders_of_quiet_runs_are_removed_and_old_ones_pruned(tmp_path):
+    from ddpkit.launcher import new_run_log_dir, tidy_log_dirs
+
+    root = tmp_path / "logs"
+    old = [root / f"20250101-0000{i:02d}-1" for i in range(25)]
+    for folder in old:
+        (folder / "attempt_0" / "1").mkdir(parents=True)
+        (folder / "attempt_0" / "1" / "stdout.log").write_text("words")
+    (root / "notes").mkdir()  # not a run folder: not ours to remove
+    quiet = new_run_log_dir(str(root))
+    (quiet / "attempt_0" / "1").mkdir(parents=True)
+    (quiet / "attempt_0" / "1" / "stdout.log").write_text("")
+    tidy_log_dirs(str(root), quiet)
+    assert not quiet.exists()
+    assert sorted(p.name for p in root.iterdir()) == sorted([p.name for p in old[-20:]] + ["notes"])
+
+
+def _wait_for_files(paths: list[Path], proc: subprocess.Popen, timeout: float = 60) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while not all(p.exists() and p.read_text() for p in paths):
+        assert proc.poll() is None, Path(proc.args[-1]).with_suffix(".log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "the workers did not start"
+        time.sleep(0.05)
+    return [int(p.read_text()) for p in paths]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")  # a zombie has ended; only its parent has not collected it yet
+
+
+def _start(argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """Start ``argv``, whose last argument is a folder, with its output in FOLDER.log (not a pipe: workers
+    that outlive the launcher would hold a pipe open)."""
+    with open(Path(argv[-1]).with_suffix(".log"), "w") as log:
+        return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _output(proc: subprocess.Popen, timeout: float = 60) -> str:
+    proc.wait(timeout=timeout)
+    return Path(proc.args[-1]).with_suffix(".log").read_text()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is a Linux feature")
+@pytest.mark.slow
+def test_workers_die_with_a_sigkilled_launcher(clean_env, tmp_path):
+    def survivors(argv: list[str], tag: str) -> list[int]:
+        folder = tmp_path / tag
+        folder.mkdir()
+        proc = _start(argv + [PROBE, "pids", str(folder)], clean_env)
+        pids = _wait_for_files([folder / "rank0.pid", folder / "rank1.pid"], proc)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while not all(map(_gone, pids)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        alive = [pid for pid in pids if not _gone(pid)]
+        for pid in alive:
+            os.kill(pid, signal.SIGKILL)
+        return alive
+
+    assert survivors(DDPKIT + ["run", "--nproc", "2"], "ddpkit") == []
+    # Control: under torchrun's agent alone the workers outlive it (they would train on, orphaned).
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    assert len(survivors(torchrun, "torchrun")) == 2
+
+
+@pytest.mark.slow
+def test_sigusr1_to_the_launcher_reaches_the_workers(clean_env, tmp_path):
+    # SLURM's --signal=USR1@T warning, sent to `ddpkit run` (the srun task): the workers get it, stop as a
+    # pre-empted Trainer does, and the launcher exits 75 for the batch script to requeue the job.
+    folder = tmp_path / "ddpkit"
+    folder.mkdir()
+    proc = _start(DDPKIT + ["run", "--nproc", "2", PROBE, "hold-usr1", str(folder)], clean_env)
+    _wait_for_files([folder / "rank0.pid", folder / "rank1.pid"], proc)
+    os.kill(proc.pid, signal.SIGUSR1)
+    out = _output(proc)
+    assert proc.returncode == 75, out[-3000:]
+    assert "rank=0 stopping on SIGUSR1" in out
+    # Control: torchrun's own agent dies of the signal (exit 138 in a shell), leaving the workers' save to chance.
+    folder = tmp_path / "torchrun"
+    folder.mkdir()
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    proc = _start(torchrun + ["-m", "ddpkit.worker", PROBE, "hold-usr1", str(folder)], clean_env)
+    pids = _wait_for_files([folder / "rank0.pid", folder / "rank1.pid"], proc)
+    os.kill(proc.pid, signal.SIGUSR1)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGUSR1
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_sigusr1_before_the_trainer_listens_does_not_kill_a_worker(clean_env, tmp_path):
+    # The warning can come while the data loads: each worker holds it for a later fit() instead of dying.
+    folder = tmp_path / "ddpkit"
+    folder.mkdir()
+    proc = _start(DDPKIT + ["run", "--nproc", "2", PROBE, "hold-usr1", str(folder)], clean_env)
+    pids = _wait_for_files([folder / "rank0.pid", folder / "rank1.pid"], proc)
+    for pid in pids:
+        os.kill(pid, signal.SIGUSR1)
+    out = _output(proc)
+    assert proc.returncode == 75, out[-3000:]
+    assert "rank=1 stopping on SIGUSR1" in out or "rank=0 stopping on SIGUSR1" in out
+
+
+@pytest.mark.slow
+def test_a_hang_ends_within_the_bound_with_every_ranks_stack(clean_env):
+    # Rank 1 sleeps in user code while rank 0 waits for it in an all-reduce.
+    start = time.monotonic()
+    out = run(["run", "--nproc", "2", "--collective-timeout", "5", PROBE, "hang"], clean_env, timeout=120)
+    elapsed = time.monotonic() - start
+    assert out.returncode == 1, out.stderr[-3000:]
+    summary = out.stderr[out.stderr.index("ddpkit run:") :]
+    # Rank 0: the collective it waited in, from its own exception.
+    assert "first: rank 0" in summary and "Timed out waiting 5000ms" in summary and "all_reduce" in summary
+    # Rank 1: where it was when rank 0 gave up, from its stack.
+    stack = summary[summary.index("rank 1 was still running") :]
+    assert "in stuck_in_user_code" in stack and "launch_probe.py" in stack
+    assert elapsed < 100  # the 5 s bound plus start-up and teardown, far from the 300 s sleep
+    # Control: under torchrun's agent alone the job also ends (the bound is the process group's), but nothing
+    # says where rank 1 was.
+    env = clean_env | {"DDPKIT_COLLECTIVE_TIMEOUT": "5"}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    out = subprocess.run(torchrun + [PROBE, "hang"], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "stuck_in_user_code" not in out.stderr + out.stdout
+
+
+@pytest.mark.slow
+def test_mismatched_collectives_are_named_with_debug_collectives(clean_env):
+    out = run(["run", "--nproc", "2", "--debug-collectives", "--collective-timeout", "10", PROBE, "mismatch"],
+              clean_env, timeout=120)
+    assert out.returncode == 1
+    assert "Detected mismatch between collectives" in out.stderr and "Tensor shapes: 3vs 2" in out.stderr
+    # Control: without the check, gloo gives no such diagnosis (it fails on sizes, or waits out the bound).
+    out = run(["run", "--nproc", "2", "--collective-timeout", "5", PROBE, "mismatch"], clean_env, timeout=120)
+    assert out.returncode != 0 and "Detected mismatch between collectives" not in out.stderr
+
+
+def test_env_reports_versions_os_memory_and_the_distributed_variables(monkeypatch, capsys):
+    from ddpkit import __version__
+    from ddpkit.envinfo import main as env_main
+
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    assert env_main(["--no-live"]) == 0
+    out = capsys.readouterr().out
+    for key in ("ddpkit", "numpy", "os", "memory"):
+        assert any(line.startswith(key + " ") for line in out.splitlines()), (key, out)
+    assert __version__ in out and "  NCCL_DEBUG=INFO" in out and "  SLURM_JOB_ID=42" in out
+    for name in list(os.environ):
+        if name.startswith(("SLURM_", "NCCL_", "GLOO_", "TORCHELASTIC_", "PMI_", "OMPI_", "PET_", "TORCH_", "DDPKIT_")) or name in (
+            "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NSLOTS",
+            "OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"):
+            monkeypatch.delenv(name)
+    env_main(["--no-live"])
+    assert "distributed variables set  none" in capsys.readouterr().out
+
+
+def test_version_and_help_texts(capsys):
+    from ddpkit import __version__
+    from ddpkit.cli import main as cli_main
+
+    assert cli_main(["--version"]) == 0 and capsys.readouterr().out.strip() == f"ddpkit {__version__}"
+    for args in (["--help"], ["run", "--help"], ["sbatch", "--help"], ["env", "--help"]):
+        try:
+            code = cli_main(args)
+        except SystemExit as done:  # argparse's --help
+            code = done.code
+        out = capsys.readouterr().out
+        assert code == 0, args
+        assert "examples:" in out, args
+        assert "``" not in out and ":func:" not in out and ":data:" not in out, args
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_lets_the_workers_save_and_exit_75(clean_env, tmp_path):
+    # A pre-emption's SIGTERM to `ddpkit run`: the workers get it, save (here: agree and stop) and exit 75,
+    # which the launcher passes on. torchrun's own agent stopped them itself and exited 143 whatever they did.
+    folder = tmp_path / "ddpkit"
+    folder.mkdir()
+    proc = _start(DDPKIT + ["run", "--nproc", "2", "--max-restarts", "2", PROBE, "hold-term", str(folder)], clean_env)
+    _wait_for_files([folder / "rank0.pid", folder / "rank1.pid"], proc)
+    os.kill(proc.pid, signal.SIGTERM)
+    out = _output(proc)
+    assert proc.returncode == 75, out[-3000:]
+    assert "rank=0 stopping on SIGTERM" in out
+    # Control: torchrun's agent passes SIGTERM on too, but ends with its own code, not the workers' 75.
+    folder = tmp_path / "torchrun"
+    folder.mkdir()
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    proc = _start(torchrun + ["-m", "ddpkit.worker", PROBE, "hold-term", str(folder)], clean_env)
+    _wait_for_files([folder / "rank0.pid", folder / "rank1.pid"], proc)
+    os.kill(proc.pid, signal.SIGTERM)
+    out = _output(proc)
+    assert proc.returncode != 75
+
+
+def _failure(exitcode: int, timestamp: int, message: str | None = None):
+    from types import SimpleNamespace
+
+    data = {"message": {"message": message, "extraInfo": {"py_callstack": ""}}} if message else {}
+    return SimpleNamespace(exitcode=exitcode, timestamp=timestamp, error_file_data=data, local_rank=0, pid=1,
+                           signal_name=lambda: f"signal {-exitcode}")
+
+
+def test_the_cause_of_a_failure_is_told_from_its_consequences():
+    # Pure logic over torchrun's failure records (timestamps in whole seconds, often equal).
+    from ddpkit.agent import cause, exit_code
+    from types import SimpleNamespace
+
+    lost = "RuntimeError: [gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1"
+    cases = [
+        # (failures by rank, the rank that caused it, exit code)
+        ({0: _failure(1, 10, lost), 1: _failure(1, 10, "ValueError: boom")}, 1, 1),
+        ({0: _failure(1, 9, lost), 1: _failure(-9, 10)}, 1, 137),  # a SIGKILLed rank, a peer's consequence
+        ({0: _failure(-15, 10, "NotInitializedError: x"), 1: _failure(1, 10, "NotInitializedError: x")}, 1, 1),
+        ({0: _failure(-15, 10), 1: _failure(-12, 10), 2: _failure(3, 11)}, 2, 3),
+        ({0: _failure(75, 10), 1: _failure(-15, 10)}, 0, 75),  # pre-empted: saved, then stopped by the agent
+    ]
+    for failures, rank, code in cases:
+        assert cause(failures)[0] == rank, failures
+        assert exit_code(SimpleNamespace(failures=failures)) == code, failures

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import ddpkit
-from ddpkit.runtime import DEFAULT_TIMEOUT
+from ddpkit.runtime import DEFAULT_TIMEOUT, NotInitializedError
 
 # --------------------------------------------------------------------------------------- plain python
 
@@ -189,7 +189,13 @@ def _fields_worker() -> dict:
         "sum": ddpkit.all_reduce(rt.rank + 1),
     }
     ddpkit.shutdown()
-    out["after_shutdown"] = (dist.is_initialized(), ddpkit.get_runtime().world_size, ddpkit.get_runtime().backend)
+    try:
+        ddpkit.get_runtime()
+        refused = "no error"
+    except NotInitializedError as err:
+        refused = str(err)
+    # Shut down, the process is no longer part of the job, but the launcher's variables still say it was.
+    out["after_shutdown"] = (dist.is_initialized(), "call ddpkit.init()" in refused)
     return out
 
 
@@ -210,7 +216,7 @@ def test_runtime_fields_under_spawn(nprocs):
         assert out["dist"] == (r, nprocs, "gloo")
         assert out["sum"] == nprocs * (nprocs + 1) // 2
         assert out["pg_timeout"] == DEFAULT_TIMEOUT
-        assert out["after_shutdown"] == (False, 1, None)
+        assert out["after_shutdown"] == (False, True)
         if "nccl" in out:  # no GPU on this machine
             assert out["nccl"].startswith("ConfigError: ") and "gloo" in out["nccl"], out["nccl"]
             assert "ProcessGroupNCCL" not in out["nccl"]
@@ -293,3 +299,45 @@ def test_more_local_ranks_than_gpus_names_the_fix(monkeypatch):
     assert _pick_device(LaunchEnv(rank=1, local_rank=1, world_size=2, local_world_size=2), None) == torch.device(
         "cuda", 1
     )
+
+
+# ------------------------------------------------------------------------- a script that forgot init()
+
+
+def _without_init_worker() -> str:
+    try:
+        ddpkit.get_runtime()
+        return "a world of one"
+    except NotInitializedError as err:
+        return str(err)
+
+
+def test_get_runtime_without_init_refuses_when_the_launcher_says_several_ranks():
+    # Before, every rank got a world of one here and trained its own copy on the whole data set.
+    messages = ddpkit.spawn(_without_init_worker, 2)
+    for r, message in enumerate(messages):
+        assert f"this is rank {r} of 2" in message and "call ddpkit.init()" in message
+
+
+def test_get_runtime_without_init_in_plain_python_is_a_world_of_one(run_python):
+    proc = run_python("import ddpkit; rt = ddpkit.get_runtime(); print(rt.world_size, rt.distributed)")
+    assert proc.returncode == 0 and proc.stdout.split() == ["1", "False"], proc.stderr
+
+
+def _init_twice_worker() -> dict:
+    rt = ddpkit.init()
+    out = {"same": ddpkit.init(backend="gloo") is rt and ddpkit.init(device="cpu") is rt}
+    for kwargs in ({"backend": "mpi"}, {"device": "meta"}):
+        try:
+            ddpkit.init(**kwargs)
+            out[str(kwargs)] = "no error"
+        except ddpkit.ConfigError as err:
+            out[str(kwargs)] = str(err)
+    return out
+
+
+def test_init_again_with_another_backend_or_device_raises():
+    for out in ddpkit.spawn(_init_twice_worker, 2):
+        assert out["same"]
+        assert "init(backend='mpi') but this process already runs with backend 'gloo'" in out["{'backend': 'mpi'}"]
+        assert "init(device='meta') but this process already runs on cpu" in out["{'device': 'meta'}"]

@@ -1,57 +1,58 @@
-"""The ``ddpkit`` command: ``ddpkit run`` launches a job, ``ddpkit env`` describes the machine."""
+"""The ``ddpkit`` command: one subcommand per module, each with its own ``-h``."""
 
 from __future__ import annotations
 
+import importlib
 import sys
 from collections.abc import Sequence
 
 from ddpkit.errors import ConfigError
 
-USAGE = """usage: ddpkit {run,env,bench,check,plot} ...
+# name -> (module whose main(argv) runs it, one line of help). Imported only when used.
+COMMANDS = {
+    "run": ("ddpkit.launcher", "launch a training script on every GPU (or CPU share) of this node, or of several"),
+    "sbatch": ("ddpkit.slurm", "write and submit a SLURM batch script that requeues itself when pre-empted"),
+    "env": ("ddpkit.envinfo", "versions, devices, the choices `run` would make, and a live all-reduce check"),
+    "bench": ("ddpkit.tools.bench", "step time at 1..N ranks, the all-reduce alone, and a prediction at larger sizes"),
+    "check": ("ddpkit.tools.check", "one process against N ranks, step by step; names the cause of a difference"),
+    "plot": ("ddpkit.plot", "a Trainer run's training and validation curves to RUN_DIR/curves.png"),
+}
 
-  ddpkit run [--nproc N] [--max-restarts N] [--all-ranks] script.py [args...]
-                 launch one process per GPU (or CPU share) with torchrun's agent
-  ddpkit env     versions, devices, the choices `run` would make, and a live all-reduce check
-  ddpkit plot RUN_DIR
-                 a Trainer run's training and validation curves to RUN_DIR/curves.png
-  ddpkit bench [script.py]   step time at 1..N ranks, all-reduce sweep, prediction at larger world sizes
-  ddpkit check [script.py]   one process against N ranks, step by step; names the cause of a difference
+EXAMPLES = """examples:
+  ddpkit run --nproc 2 train.py --lr 0.1
+  ddpkit sbatch --nodes 2 --gpus-per-node 4 --time 4:00:00 train.py
+  ddpkit env
+  ddpkit bench --nproc 2
+  ddpkit check my_script.py
+  ddpkit plot runs/digits"""
 
-`ddpkit run -h` lists every option."""
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = [f"usage: ddpkit {{{','.join(COMMANDS)}}} ... | --version", ""]
+    lines += [f"  {name:<{width}}  {text}" for name, (_, text) in COMMANDS.items()]
+    return "\n".join(lines + ["", "`ddpkit COMMAND -h` lists each command's options.", "", EXAMPLES])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
+        print(usage())
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from ddpkit import __version__
+
+        print(f"ddpkit {__version__}")
+        return 0
     command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"ddpkit: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
+        return 2
     try:
-        if command == "run":
-            from ddpkit.launcher import main as run_main
-
-            return run_main(rest)
-        if command == "env":
-            from ddpkit.envinfo import main as env_main
-
-            return env_main(rest)
-        if command == "plot":
-            from ddpkit.plot import main as plot_main
-
-            return plot_main(rest)
-        if command == "bench":
-            from ddpkit.tools.bench import main as bench_main
-
-            return bench_main(rest)
-        if command == "check":
-            from ddpkit.tools.check import main as check_main
-
-            return check_main(rest)
+        return importlib.import_module(COMMANDS[command][0]).main(rest)
     except ConfigError as err:
         print(f"ddpkit {command}: error: {err}", file=sys.stderr)
         return 2
-    print(f"ddpkit: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
-    return 2
 
 
 if __name__ == "__main__":

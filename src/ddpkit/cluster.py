@@ -1,4 +1,4 @@
-"""Reading the launcher's environment: torchrun (and ``ddpkit run``), SLURM ``srun``, or nothing.
+"""Reading the launcher's environment: torchrun (and ``ddpkit run``), SLURM ``srun``, ``mpiexec``, or nothing.
 
 This is the only module that reads rank variables from ``os.environ``. It is pure logic (no process group, no
 torch), so every branch is tested with a mocked environment.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ddpkit.errors import ConfigError
 
@@ -25,11 +25,16 @@ class LaunchEnv:
     world_size: int = 1
     local_world_size: int = 1
     launcher: str = "none"
-    """``"torchrun"`` (also ``ddpkit run`` and ``ddpkit.spawn``), ``"slurm"``, or ``"none"`` (plain python)."""
+    """``"torchrun"`` (also ``ddpkit run`` and ``ddpkit.spawn``), ``"slurm"``, ``"mpi"`` (Open MPI or MPICH
+    ``mpiexec``), or ``"none"`` (plain python)."""
     master_addr: str | None = None
     master_port: int | None = None
+    collective_timeout: float | None = None
+    """Seconds a collective may wait before it raises, as ``ddpkit run --collective-timeout`` set it
+    (``DDPKIT_COLLECTIVE_TIMEOUT``); None for ``init()``'s default."""
     restart_count: int = 0
-    """How many times torchrun's agent has restarted the workers (``TORCHELASTIC_RESTART_COUNT``)."""
+    """How many times the job has been restarted: by torchrun's agent (``TORCHELASTIC_RESTART_COUNT``) or by
+    a SLURM requeue (``SLURM_RESTART_COUNT``); both add up under ``srun ddpkit run``."""
 
 
 def _int(env: Mapping[str, str], name: str) -> int:
@@ -41,7 +46,7 @@ def _int(env: Mapping[str, str], name: str) -> int:
 
 
 def _check(info: LaunchEnv) -> LaunchEnv:
-    source = {"torchrun": "torchrun/ddpkit run", "slurm": "SLURM"}.get(info.launcher, info.launcher)
+    source = {"torchrun": "torchrun/ddpkit run", "slurm": "SLURM", "mpi": "mpiexec"}.get(info.launcher, info.launcher)
     if info.world_size < 1:
         raise ConfigError(f"world size {info.world_size} from {source} must be >= 1")
     if not 0 <= info.rank < info.world_size:
@@ -110,12 +115,7 @@ def _slurm_env(env: Mapping[str, str]) -> LaunchEnv:
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
     if not nodelist:
         raise ConfigError("SLURM_PROCID is set but no SLURM node list is: launch the job with srun")
-    if "MASTER_PORT" in env:
-        port = _int(env, "MASTER_PORT")
-    else:
-        # Every task of the job must agree on a port without talking to each other first: derive it from
-        # the job id (so two jobs on one node differ) unless MASTER_PORT says otherwise.
-        port = 15000 + (_int(env, "SLURM_JOB_ID") if "SLURM_JOB_ID" in env else 0) % 20000
+    port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else slurm_port(env)
     return _check(
         LaunchEnv(
             rank=_int(env, "SLURM_PROCID"),
@@ -125,24 +125,59 @@ def _slurm_env(env: Mapping[str, str]) -> LaunchEnv:
             launcher="slurm",
             master_addr=env.get("MASTER_ADDR") or expand_hostlist(nodelist)[0],
             master_port=port,
+            restart_count=_slurm_restarts(env),
         )
     )
 
 
+# Ports derived for SLURM steps lie below Linux's ephemeral range (32768-60999 by default), from which the
+# kernel hands out the source ports of outgoing connections: a derived port there can be taken by any client
+# socket on the node a moment before rank 0 binds it.
+SLURM_PORT_BASE, SLURM_PORT_JOBS, SLURM_PORT_STEPS = 20000, 750, 16
+
+
+def slurm_port(env: Mapping[str, str]) -> int:
+    """The rendezvous port every task of a SLURM step derives alone: a function of the job id and step id.
+
+    Concurrent steps of one job (``srun ... &`` twice in a batch script) differ in their step id and so get
+    different ports; jobs whose ids differ by less than 750 never share a port. ``MASTER_PORT`` overrides it.
+    """
+    job = _int(env, "SLURM_JOB_ID") if "SLURM_JOB_ID" in env else 0
+    step = env.get("SLURM_STEP_ID", "0")
+    step_id = int(step) if step.isdigit() else 0
+    return SLURM_PORT_BASE + (job % SLURM_PORT_JOBS) * SLURM_PORT_STEPS + step_id % SLURM_PORT_STEPS
+
+
+def _slurm_restarts(env: Mapping[str, str]) -> int:
+    return _int(env, "SLURM_RESTART_COUNT") if env.get("SLURM_RESTART_COUNT") else 0
+
+
 def _is_slurm_task(env: Mapping[str, str]) -> bool:
-    # Inside an allocation, a shell (salloc, `srun --pty bash`) or a batch script also carries SLURM_NTASKS;
-    # only a task started by srun for this step has SLURM_STEP_ID and a job name that is not a shell.
-    return (
-        "SLURM_PROCID" in env
-        and "SLURM_NTASKS" in env
-        and "SLURM_STEP_ID" in env
-        and env.get("SLURM_JOB_NAME") not in ("bash", "interactive", "sh", "zsh")
-    )
+    # Inside an allocation, a batch script or a salloc shell also carries SLURM_PROCID and SLURM_NTASKS; only a
+    # task that srun started for a step has SLURM_STEP_ID. Nothing else may turn SLURM off: a job's name says
+    # nothing (`srun -n2 bash -c "python train.py"` is named bash, and its two tasks are one job), and the
+    # terminal variable of `srun --pty bash` (SLURM_PTY_PORT) is inherited by every step srun starts from that
+    # shell. The shell's own step has one task unless asked otherwise, so a program run in it is a world of one.
+    return "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "SLURM_STEP_ID" in env
 
 
 def read_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
     """Read rank, world size and rendezvous address from the launcher's environment variables."""
     env = os.environ if env is None else env
+    info = _read_ranks(env)
+    if "DDPKIT_COLLECTIVE_TIMEOUT" in env and info.launcher != "none":
+        value = env["DDPKIT_COLLECTIVE_TIMEOUT"]
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = -1.0
+        if not seconds > 0:
+            raise ConfigError(f"DDPKIT_COLLECTIVE_TIMEOUT={value!r}: use a number of seconds > 0")
+        info = replace(info, collective_timeout=seconds)
+    return info
+
+
+def _read_ranks(env: Mapping[str, str]) -> LaunchEnv:
     present = [name for name in _TORCHRUN_VARS if name in env]
     if present:
         missing = [name for name in _TORCHRUN_VARS if name not in env]
@@ -167,12 +202,68 @@ def read_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
                 launcher="torchrun",
                 master_addr=env["MASTER_ADDR"],
                 master_port=_int(env, "MASTER_PORT"),
-                restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT") if "TORCHELASTIC_RESTART_COUNT" in env else 0,
+                restart_count=(
+                    _int(env, "TORCHELASTIC_RESTART_COUNT") if "TORCHELASTIC_RESTART_COUNT" in env else 0
+                )
+                + _slurm_restarts(env),
             )
         )
+    # MPI before SLURM: under `mpiexec` in a SLURM job, MPICH's and Open MPI's launchers start one srun task per
+    # node and the ranks inside it, so SLURM_PROCID counts nodes there while the MPI variables count ranks.
+    if _mpi_vars(env):
+        return _mpi_env(env)
     if _is_slurm_task(env):
         return _slurm_env(env)
     return LaunchEnv()
+
+
+# (rank, world size, local rank, local world size) as Open MPI and MPICH's Hydra export them to each process.
+_MPI_VARIANTS = (
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+)
+
+
+def _mpi_vars(env: Mapping[str, str]) -> tuple[str, str, str, str] | None:
+    return next((names for names in _MPI_VARIANTS if names[0] in env and names[1] in env), None)
+
+
+def _mpi_env(env: Mapping[str, str]) -> LaunchEnv:
+    rank_var, size_var, local_var, local_size_var = _mpi_vars(env)  # type: ignore[misc]
+    world_size = _int(env, size_var)
+    return _check(
+        LaunchEnv(
+            rank=_int(env, rank_var),
+            local_rank=_int(env, local_var) if local_var in env else 0,
+            world_size=world_size,
+            local_world_size=_int(env, local_size_var) if local_size_var in env else 1,
+            launcher="mpi",
+            # mpiexec names no rendezvous address: MASTER_ADDR/MASTER_PORT if exported (mpiexec -x / -genv),
+            # else rank 0's host and a free port there, broadcast over MPI by mpi_rendezvous_address().
+            master_addr=env.get("MASTER_ADDR"),
+            master_port=_int(env, "MASTER_PORT") if "MASTER_PORT" in env else None,
+            restart_count=_slurm_restarts(env),
+        )
+    )
+
+
+def mpi_rendezvous_address() -> tuple[str, int]:
+    """Rank 0's host name and a port free there, agreed by every rank of an MPI job through ``mpi4py``."""
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise ConfigError(
+            "started by mpiexec without MASTER_ADDR and MASTER_PORT: install mpi4py (pip install 'ddpkit[mpi]') "
+            "so the ranks can agree on rank 0's address, or export both (mpiexec -x MASTER_ADDR -x MASTER_PORT)"
+        ) from None
+    import socket
+
+    address = None
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            address = (socket.gethostname(), s.getsockname()[1])
+    return MPI.COMM_WORLD.bcast(address, root=0)
 
 
 def cpu_count(env: Mapping[str, str] | None = None) -> int:

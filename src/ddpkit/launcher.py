@@ -7,14 +7,21 @@ What it adds are defaults for what users trip over, and one readable summary whe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import re
+import shutil
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from ddpkit import agent
 from ddpkit.cluster import cpu_count
-from ddpkit.errors import ConfigError
+from ddpkit.errors import PREEMPTED_EXIT_CODE, ConfigError
+from ddpkit.rendezvous import NodeAddress, node_address, wait_reachable
 
 
 @dataclass(kw_only=True)
@@ -31,23 +38,42 @@ class LaunchConfig:
     """Number of nodes, or ``MIN:MAX`` for an elastic job."""
     node_rank: int | None = None
     rdzv_endpoint: str | None = None
-    """``HOST:PORT`` every node can reach; needed with more than one node."""
+    """``HOST:PORT`` every node can reach; needed with more than one node. The node owning HOST hosts it."""
     rdzv_id: str | None = None
+    rdzv_conf: list[str] = field(default_factory=list)
+    """Extra ``KEY=VALUE`` settings for torchrun's c10d rendezvous (``--rdzv-conf``)."""
     local_addr: str | None = None
-    max_restarts: int = 0
-    """How many times the agent restarts all workers after one fails."""
+    """This node's address as the others reach it; worked out from the route to the endpoint when unset."""
+    join_timeout: float = 120.0
+    """Seconds a node waits for the rendezvous host to answer, and for all nodes to join, before failing."""
+    collective_timeout: float | None = None
+    """Seconds a collective may wait before it raises (``ddpkit.init``'s default is 5 minutes): the bound on a
+    hang, after which the job ends with each rank's stack in the summary."""
+    max_restarts: int | None = None
+    """How many times the agent restarts all workers after one fails: 0 by default, 3 for an elastic job."""
+    debug_collectives: bool = False
+    """Have torch check that every rank calls the same collective with the same shapes
+    (``TORCH_DISTRIBUTED_DEBUG=DETAIL``: a mismatch raises at once, naming both) and, on nccl, keep a record
+    of recent collectives that is written out on a timeout (the flight recorder). Slower; for diagnosis."""
     all_ranks: bool = False
     """Show every rank's output, each line prefixed with ``[rank N]``; by default only local rank 0's."""
-    log_dir: str | None = None
-    """Where each rank's output and error files go (a temporary folder by default)."""
+    log_dir: str = "ddpkit-logs"
+    """Where each run's folder of rank output and error files goes: ``LOG_DIR/<date>-<time>-<pid>/``."""
 
     def __post_init__(self) -> None:
-        if self.max_restarts < 0:
+        if self.max_restarts is not None and self.max_restarts < 0:
             raise ConfigError(f"--max-restarts {self.max_restarts}: must be >= 0")
         if self.nproc not in ("auto", "gpu") and not (self.nproc.isdigit() and int(self.nproc) > 0):
             raise ConfigError(f"--nproc {self.nproc!r}: use auto, gpu, or a positive number of processes")
         if self.max_nodes > 1 and not self.rdzv_endpoint:
             raise ConfigError(f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT reachable from every node")
+        if self.collective_timeout is not None and self.collective_timeout <= 0:
+            raise ConfigError(f"--collective-timeout {self.collective_timeout}: must be > 0 seconds")
+        if self.join_timeout <= 0:
+            raise ConfigError(f"--join-timeout {self.join_timeout}: must be > 0 seconds")
+        for item in self.rdzv_conf:
+            if "=" not in item:
+                raise ConfigError(f"--rdzv-conf {item!r}: use KEY=VALUE, for example last_call_timeout=5")
 
     @property
     def max_nodes(self) -> int:
@@ -55,6 +81,18 @@ class LaunchConfig:
             return int(self.nnodes.split(":")[-1])
         except ValueError:
             raise ConfigError(f"--nnodes {self.nnodes!r}: use a number of nodes or MIN:MAX") from None
+
+    @property
+    def elastic(self) -> bool:
+        return ":" in self.nnodes and self.nnodes.split(":")[0] != self.nnodes.split(":")[1]
+
+    @property
+    def restarts(self) -> int:
+        # Elastic membership works through restarts: a lost node fails the survivors' collectives, and the
+        # agents re-rendezvous and restart the workers at the new size only while restarts are left.
+        if self.max_restarts is not None:
+            return self.max_restarts
+        return 3 if self.elastic else 0
 
 
 def resolve_nproc(nproc: str) -> int:
@@ -73,9 +111,14 @@ def resolve_nproc(nproc: str) -> int:
     return int(nproc)
 
 
-def torchrun_argv(cfg: LaunchConfig, nproc: int) -> list[str]:
-    """The torchrun command line (without the program name) that carries out ``cfg``."""
-    argv = ["--nproc-per-node", str(nproc), "--max-restarts", str(cfg.max_restarts)]
+def torchrun_argv(
+    cfg: LaunchConfig, nproc: int, run_log_dir: str | None = None, node: NodeAddress | None = None
+) -> list[str]:
+    """The torchrun command line (without the program name) that carries out ``cfg``.
+
+    ``node`` is what :func:`ddpkit.rendezvous.node_address` worked out for a multi-node job.
+    """
+    argv = ["--nproc-per-node", str(nproc), "--max-restarts", str(cfg.restarts)]
     if cfg.max_nodes == 1 and not cfg.rdzv_endpoint:
         # Rendezvous on localhost:0: the agent binds a free port, so two jobs on one machine never collide
         # (the "address already in use" / DistNetworkError of a fixed port 29500).
@@ -83,12 +126,17 @@ def torchrun_argv(cfg: LaunchConfig, nproc: int) -> list[str]:
     else:
         argv += ["--nnodes", cfg.nnodes, "--rdzv-backend", "c10d", "--rdzv-endpoint", str(cfg.rdzv_endpoint)]
         argv += ["--rdzv-id", cfg.rdzv_id or os.environ.get("SLURM_JOB_ID", "ddpkit")]
+        conf = [f"join_timeout={int(cfg.join_timeout)}"]
+        if node is not None:
+            conf.append(f"is_host={int(node.is_host)}")
+        argv += ["--rdzv-conf", ",".join(conf + cfg.rdzv_conf)]
     if cfg.node_rank is not None:
         argv += ["--node-rank", str(cfg.node_rank)]
-    if cfg.local_addr:
-        argv += ["--local-addr", cfg.local_addr]
-    if cfg.log_dir:
-        argv += ["--log-dir", cfg.log_dir]
+    local_addr = cfg.local_addr or (node.local_addr if node is not None else None)
+    if local_addr:
+        argv += ["--local-addr", local_addr]
+    if run_log_dir:
+        argv += ["--log-dir", run_log_dir]
     if cfg.all_ranks:
         argv += ["--tee", "3"]
     elif nproc > 1:
@@ -99,73 +147,76 @@ def torchrun_argv(cfg: LaunchConfig, nproc: int) -> list[str]:
     return argv
 
 
-def worker_env(cfg: LaunchConfig, nproc: int) -> dict[str, str]:
+def worker_env(cfg: LaunchConfig, nproc: int, node: NodeAddress | None = None) -> dict[str, str]:
     """Variables the agent passes to the workers."""
     threads = str(max(1, cpu_count() // nproc))
     env = {
         "PYTHONUNBUFFERED": "1",
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads),
         "MKL_NUM_THREADS": os.environ.get("MKL_NUM_THREADS", threads),
+        "DDPKIT_AGENT_PID": str(os.getpid()),
     }
+    if node is not None and node.interface:
+        # gloo and nccl pick their interface from the host name unless told; across nodes that is often a
+        # loopback or an unrouted address, and the first collective hangs. The user's choice wins.
+        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            env[name] = os.environ.get(name, node.interface)
+    if cfg.collective_timeout is not None:
+        env["DDPKIT_COLLECTIVE_TIMEOUT"] = str(cfg.collective_timeout)
+    if cfg.debug_collectives:
+        env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+        env["TORCH_NCCL_TRACE_BUFFER_SIZE"] = os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+        env["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
     if cfg.all_ranks:
         env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = "[rank ${rank}] "
-    if cfg.max_restarts:
+    if cfg.restarts:
         # With the agent's rendezvous store shared, restarted workers can wait forever on the address of a
-        # peer that died; a fresh store per attempt avoids that (3 hangs in 9 restart trials seen without).
+        # peer that died, and a node joining a running job hangs both agents; a fresh store per attempt avoids
+        # both (3 hangs in 9 restart trials seen without).
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     return env
 
 
-def _describe(rank: int, failure: Any) -> str:
-    how = f"killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
-    return f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid}): {how}"
+def new_run_log_dir(root: str) -> Path:
+    """``ROOT/<date>-<time>-<pid>``: one folder per run, created now."""
+    path = Path(root).absolute() / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"cannot create the log folder {path} ({err.strerror}): pass --log-dir DIR") from None
+    return path
 
 
-def _recorded(failure: Any) -> tuple[str, list[str]]:
-    data = (failure.error_file_data or {}).get("message")
-    if not isinstance(data, dict):
-        return "", []
-    stack = data.get("extraInfo", {}).get("py_callstack", "").rstrip().splitlines()
-    # Drop the frames of the launch machinery (torch's @record wrapper, ddpkit.worker, runpy): the user's
-    # frames start after the last runpy frame.
-    runpy_frames = [i for i, line in enumerate(stack) if "<frozen runpy>" in line]
-    if runpy_frames:
-        stack = stack[runpy_frames[-1] + 1 :]
-    return data.get("message", ""), stack
+def tidy_log_dirs(root: str, run: Path, keep: int = 20) -> None:
+    """Remove this run's folder when no rank wrote anything, and all but the newest ``keep`` run folders."""
+    if run.is_dir() and not any(f.stat().st_size for f in run.rglob("*") if f.is_file()):
+        shutil.rmtree(run, ignore_errors=True)
+    ours = sorted(p for p in Path(root).glob("*-*-*") if p.is_dir() and re.fullmatch(r"\d{8}-\d{6}-\d+", p.name))
+    for old in ours[:-keep] if len(ours) > keep else []:
+        shutil.rmtree(old, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        Path(root).rmdir()  # only if empty
 
 
-def summarize_failure(err: BaseException, tail: int = 12) -> str:
-    """The failed ranks: the first to fail with its exception and the end of its traceback, then the rest.
+def check_target(cfg: LaunchConfig) -> None:
+    """Fail before any worker starts when the script or module does not exist."""
+    if cfg.module:
+        import importlib.util
 
-    Once one rank fails, its peers fail too (a collective loses its peer, or the agent stops them), so the
-    first failure in time is the cause and the others are its consequences.
-    """
-    failures: dict[int, Any] = getattr(err, "failures", {})
-    if not failures:
-        return f"ddpkit run: the job failed: {err}"
-    first_rank, first = err.get_first_failure()  # type: ignore[attr-defined]
-    lines = [f"ddpkit run: {len(failures)} worker(s) failed; first: {_describe(first_rank, first)}"]
-    message, stack = _recorded(first)
-    if message:
-        lines.append(f"  {message}")
-        lines += ["  traceback (last lines):"] + [f"    {line}" for line in stack[-tail:]]
-    elif first.exitcode < 0:
-        lines.append("  no Python exception: the process was killed (out of memory? the scheduler? a signal?)")
-    others = [r for r in sorted(failures) if r != first_rank]
-    for rank in others:
-        message, _ = _recorded(failures[rank])
-        lines.append(f"  then {_describe(rank, failures[rank])}" + (f": {message.splitlines()[0]}" if message else ""))
-    return "\n".join(lines)
-
-
-def exit_code(err: BaseException) -> int:
-    failures = getattr(err, "failures", {})
-    for failure in failures.values():
-        if failure.exitcode < 0:
-            return 128 - failure.exitcode  # as a shell reports death by signal
-        if failure.exitcode:
-            return failure.exitcode
-    return 1
+        sys.path.insert(0, os.getcwd())
+        try:
+            found = importlib.util.find_spec(cfg.script) is not None
+        except (ImportError, ValueError):
+            found = False
+        finally:
+            sys.path.pop(0)
+        if not found:
+            raise ConfigError(f"no module named {cfg.script!r} (run with -m): check the name and PYTHONPATH")
+    elif not Path(cfg.script).is_file():
+        raise ConfigError(
+            f"script {cfg.script!r} not found (from {os.getcwd()}): check the path"
+            + ("; to run a module, pass -m" if "/" not in cfg.script and not cfg.script.endswith(".py") else "")
+        )
 
 
 def launch(cfg: LaunchConfig) -> int:
@@ -173,54 +224,179 @@ def launch(cfg: LaunchConfig) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+    from torch.distributed.launcher import api as launcher_api
 
+    check_target(cfg)
     nproc = resolve_nproc(cfg.nproc)
-    os.environ.update(worker_env(cfg, nproc))
-    args = torchrun.parse_args(torchrun_argv(cfg, nproc))
+    node = None
+    if cfg.rdzv_endpoint:
+        node = node_address(cfg.rdzv_endpoint)
+        if not node.is_host:
+            wait_reachable(node.host_ip, node.port, cfg.join_timeout)
+    run_dir = new_run_log_dir(cfg.log_dir)
+    (run_dir / "stacks").mkdir()
+    os.environ.update(worker_env(cfg, nproc, node))
+    os.environ["DDPKIT_STACK_DIR"] = str(run_dir / "stacks")
+    if cfg.debug_collectives:  # where nccl's flight recorder writes each rank's record on a timeout
+        os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(run_dir / "stacks" / "nccl_trace_rank_"))
+    argv = torchrun_argv(cfg, nproc, str(run_dir), node)
+    # The script's own arguments are set after parsing: torchrun's parser would take `--log 5` for an
+    # abbreviation of its --log-dir, and `--nproc 4` for its own option.
+    args = torchrun.parse_args(argv[: len(argv) - len(cfg.script_args)])
+    args.training_script_args += list(cfg.script_args)
+    if hasattr(args, "signals_to_handle"):  # torchrun's own SIGTERM handling would end the workers itself
+        args.signals_to_handle = agent.TORCHRUN_SIGNALS
+    agent.install(launcher_api)
     try:
         torchrun.run(args)
     except ChildFailedError as err:
-        print(summarize_failure(err), file=sys.stderr, flush=True)
-        return exit_code(err)
+        if agent.preempted(err.failures):
+            print(
+                f"ddpkit run: stopped by a signal after saving a snapshot (exit code {PREEMPTED_EXIT_CODE}); run "
+                "the same command again to resume",
+                file=sys.stderr,
+                flush=True,
+            )
+            return PREEMPTED_EXIT_CODE
+        print(agent.summarize_failure(err), file=sys.stderr, flush=True)
+        # This node's workers still running at the first failure wrote their stacks when the agent asked.
+        files = [p for p in (run_dir / "stacks").glob("rank*.txt") if p.stem[4:].isdigit() and p.stat().st_size]
+        for line in agent.stacks(run_dir / "stacks", sorted(int(p.stem[4:]) for p in files)):
+            print(line, file=sys.stderr, flush=True)
+        print(f"  output of every rank: {run_dir}", file=sys.stderr, flush=True)
+        return agent.exit_code(err)
+    except RendezvousError as err:
+        print(
+            f"ddpkit run: the nodes did not come together at {cfg.rdzv_endpoint} ({type(err).__name__}: "
+            f"{err or 'no detail'}): start the same command on every node within --join-timeout "
+            f"({cfg.join_timeout:.0f} s), with the same --nnodes, --rdzv-endpoint and --rdzv-id",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
     except SignalException as err:  # Ctrl-C or a scheduler's SIGTERM to the agent: workers were stopped
-        print(f"ddpkit run: stopped by {err.sigval.name}; the workers were stopped too", file=sys.stderr)
+        print(
+            f"ddpkit run: stopped by {err.sigval.name}; the workers were stopped too (their output: {run_dir})",
+            file=sys.stderr,
+        )
         return 128 + int(err.sigval)
+    finally:
+        agent.uninstall()
+    tidy_log_dirs(cfg.log_dir, run_dir)
     return 0
 
 
+DESCRIPTION = """Start SCRIPT on every process of this node under torchrun's elastic agent.
+
+One process per GPU (or a share of the CPU cores) by default. Each process finds its rank, world size and
+device with ddpkit.init(). Local rank 0's output goes to the terminal; the other ranks' output goes to
+LOG_DIR/<date>-<time>-<pid>/, whose path is printed when the job fails. Everything after SCRIPT is passed to
+the script, including options that look like these.
+
+Several nodes: run the same command on each, with --nnodes and --rdzv-endpoint naming a host:port on one of
+them; that node hosts the rendezvous, and each node's own address and network interface are worked out.
+
+Exit code: 0 when every worker finished, 75 when the workers were stopped by a signal (SIGTERM/SIGUSR1) and
+saved a snapshot (run the command again to resume), else the first failed worker's code."""
+
+EXAMPLES = """examples:
+  ddpkit run --nproc 2 train.py --lr 0.1
+  ddpkit run --max-restarts 3 train.py                  # restart all workers after a failure
+  ddpkit run --nnodes 2 --rdzv-endpoint node1:29400 train.py      # on node1 and on node2
+  ddpkit run --nnodes 1:4 --rdzv-endpoint node1:29400 train.py    # elastic: 1 to 4 nodes"""
+
+
+# Options of ``ddpkit run`` that take a value: what follows them is not the script.
+_VALUE_OPTIONS: set[str] = set()
+
+
+def _option(parser: argparse.ArgumentParser, *names: str, **kwargs: Any) -> None:
+    parser.add_argument(*names, **kwargs)
+    if kwargs.get("action") not in ("store_true", "store_false", "count"):
+        _VALUE_OPTIONS.update(names)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nproc", default="auto", help="processes per node: auto (default), gpu, or a number")
-    parser.add_argument("--nnodes", default="1", help="nodes in the job, or MIN:MAX (default 1)")
-    parser.add_argument("--node-rank", type=int, default=None, help="this node's rank (static rendezvous)")
-    parser.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous, for several nodes")
-    parser.add_argument("--rdzv-id", default=None, help="job id shared by all nodes (default: SLURM_JOB_ID)")
-    parser.add_argument("--local-addr", default=None, help="address of this node that the others can reach")
-    parser.add_argument("--max-restarts", type=int, default=0, help="restarts of all workers after a failure")
-    parser.add_argument("--all-ranks", action="store_true", help="show every rank's output, prefixed [rank N]")
-    parser.add_argument("--log-dir", default=None, help="folder for each rank's output and error files")
-    parser.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module, like python -m")
+    _option(parser, "--nproc", default="auto", help="processes per node: auto (default), gpu, or a number")
+    _option(parser, "--nnodes", default="1", help="nodes in the job, or MIN:MAX for an elastic job (default 1)")
+    _option(parser, "--rdzv-endpoint", default=None, help="HOST:PORT on one node, the same on every node")
+    _option(parser, "--node-rank", type=int, default=None, help="this node's rank (default: assigned at join)")
+    _option(parser, "--rdzv-id", default=None, help="job id shared by all nodes (default: SLURM_JOB_ID)")
+    _option(parser, "--rdzv-conf", action="append", default=None,
+            help="extra KEY=VALUE[,KEY=VALUE] for torchrun's c10d rendezvous (repeatable)")
+    _option(parser, "--local-addr", default=None, help="this node's address (default: the route to the endpoint)")
+    _option(parser, "--join-timeout", type=float, default=120.0,
+            help="seconds to wait for the rendezvous host and for all nodes (default 120)")
+    _option(parser, "--collective-timeout", type=float, default=None,
+            help="seconds a collective may wait before the job ends with every rank's stack (default 300)")
+    _option(parser, "--debug-collectives", action="store_true",
+            help="check that ranks call the same collectives with the same shapes (slower; for diagnosis)")
+    _option(parser, "--max-restarts", type=int, default=None,
+            help="restarts of all workers after a failure (default 0; 3 for an elastic job)")
+    _option(parser, "--log-dir", default="ddpkit-logs", help="folder for each run's rank output (default ddpkit-logs)")
+    _option(parser, "--all-ranks", action="store_true", help="show every rank's output, prefixed [rank N]")
+    _option(parser, "-m", "--module", action="store_true", help="run SCRIPT as a module, like python -m")
     parser.add_argument("script", help="training script (or module with -m)")
-    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
 
-def config_from_args(ns: argparse.Namespace) -> LaunchConfig:
+def split_argv(argv: Sequence[str], value_options: set[str] | None = None) -> tuple[list[str], list[str]]:
+    """(launcher options and the script, the script's arguments): everything after the script is the script's.
+
+    argparse alone would read ``train.py --nproc 4`` or ``train.py --log 5`` (a prefix of ``--log-dir``) as
+    the launcher's own options.
+    """
+    argv = list(argv)
+    value_options = _VALUE_OPTIONS if value_options is None else value_options
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--":
+            return argv[:i] + argv[i + 1 : i + 2], argv[i + 2 :]
+        if not token.startswith("-") or token == "-":
+            return argv[: i + 1], argv[i + 1 :]
+        if token in value_options:  # "--opt value"; "--opt=value" is one token
+            i += 1
+        i += 1
+    return argv, []
+
+
+def config_from_args(ns: argparse.Namespace, script_args: Sequence[str] = ()) -> LaunchConfig:
+    conf = [item for value in ns.rdzv_conf or [] for item in value.split(",") if item]
     return LaunchConfig(
         script=ns.script,
-        script_args=list(ns.script_args),
+        script_args=list(script_args),
         module=ns.module,
         nproc=str(ns.nproc),
         nnodes=str(ns.nnodes),
         node_rank=ns.node_rank,
         rdzv_endpoint=ns.rdzv_endpoint,
         rdzv_id=ns.rdzv_id,
+        rdzv_conf=conf,
         local_addr=ns.local_addr,
+        join_timeout=ns.join_timeout,
+        collective_timeout=ns.collective_timeout,
+        debug_collectives=ns.debug_collectives,
         max_restarts=ns.max_restarts,
         all_ranks=ns.all_ranks,
         log_dir=ns.log_dir,
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ddpkit run", description=__doc__)
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ddpkit run",
+        usage="ddpkit run [options] SCRIPT [ARGS...]",
+        description=DESCRIPTION,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
     add_arguments(parser)
-    return launch(config_from_args(parser.parse_args(argv)))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    ours, script_args = split_argv(sys.argv[1:] if argv is None else argv)
+    return launch(config_from_args(parser.parse_args(ours), script_args))

@@ -12,8 +12,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpkit.cluster import LaunchEnv, read_launch_env
+from ddpkit.cluster import LaunchEnv, mpi_rendezvous_address, read_launch_env
 from ddpkit.errors import ConfigError
+from ddpkit.signals import hold_stop_signals
 
 # A hung collective (a rank died, or one rank skipped a collective the others entered) should surface in
 # minutes, not after torch's default of 30 minutes for gloo or 10 for nccl.
@@ -90,7 +91,10 @@ def _pick_backend(device: torch.device, backend: str | None) -> str:
 
 
 def _init_method(launch: LaunchEnv) -> str:
-    if launch.launcher == "slurm":
+    if launch.launcher == "mpi" and (launch.master_addr is None or launch.master_port is None):
+        addr, port = mpi_rendezvous_address()
+        return f"tcp://{launch.master_addr or addr}:{launch.master_port or port}"
+    if launch.launcher in ("slurm", "mpi"):
         return f"tcp://{launch.master_addr}:{launch.master_port}"
     return "env://"
 
@@ -99,19 +103,25 @@ def init(
     backend: str | None = None,
     *,
     device: str | torch.device | None = None,
-    timeout: timedelta = DEFAULT_TIMEOUT,
+    timeout: timedelta | None = None,
 ) -> Runtime:
     """Start this process's part of the job and return its :class:`Runtime`.
 
     Works the same under ``ddpkit run``, torchrun, SLURM ``srun``, :func:`ddpkit.spawn`, and plain ``python``
     (a world of one with no process group). The device is ``cuda:LOCAL_RANK`` when CUDA is there, else the CPU;
-    the backend follows the device (nccl for CUDA, gloo for CPU) unless ``backend`` names one.
-    Calling it again returns the same runtime.
+    the backend follows the device (nccl for CUDA, gloo for CPU) unless ``backend`` names one. ``timeout``
+    bounds every collective: a rank left waiting that long raises instead of hanging; by default the
+    launcher's ``--collective-timeout``, else :data:`DEFAULT_TIMEOUT`.
+    Calling it again returns the same runtime; asking then for another backend or device is an error (the
+    process group cannot change under the objects already built on it).
     """
     global _runtime
     if _runtime is not None:
+        _check_same(_runtime, backend, device)
         return _runtime
     launch = read_launch_env()
+    if timeout is None:
+        timeout = timedelta(seconds=launch.collective_timeout) if launch.collective_timeout else DEFAULT_TIMEOUT
     dev = _pick_device(launch, device)
     if launch.launcher == "none":
         if backend is not None:
@@ -119,6 +129,8 @@ def init(
         _runtime = Runtime(0, 0, 1, 1, dev, None, "none")
         return _runtime
     pg_backend = _pick_backend(dev, backend)
+    # A scheduler's warning (SLURM --signal=USR1) can come at any time; before fit() listens it must not kill.
+    hold_stop_signals()
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
@@ -151,6 +163,22 @@ def init(
     return _runtime
 
 
+def _check_same(rt: Runtime, backend: str | None, device: str | torch.device | None) -> None:
+    if backend is not None and backend != (rt.backend or backend):
+        raise ConfigError(
+            f"ddpkit.init(backend={backend!r}) but this process already runs with backend {rt.backend!r}: pass "
+            "the same backend (or none), or call ddpkit.shutdown() first"
+        )
+    if rt.backend is None and backend is not None:
+        _pick_backend(rt.device, backend)  # a world of one: still reject what could not run
+    asked = torch.device(device) if device is not None else rt.device
+    if asked.type != rt.device.type or asked.index not in (None, rt.device.index):
+        raise ConfigError(
+            f"ddpkit.init(device={str(device)!r}) but this process already runs on {rt.device}: pass the same "
+            "device (or none), or call ddpkit.shutdown() first"
+        )
+
+
 def _explain_init_error(err: Exception, launch: LaunchEnv) -> Exception:
     text = str(err)
     if "EADDRINUSE" in text or "address already in use" in text.lower():
@@ -167,10 +195,32 @@ def _explain_init_error(err: Exception, launch: LaunchEnv) -> Exception:
     return err
 
 
+class NotInitializedError(RuntimeError):
+    """A launcher started several processes but this one has not called :func:`ddpkit.init` yet."""
+
+
 def get_runtime() -> Runtime:
-    """The runtime :func:`init` built; before ``init``, a world of one on the default device."""
+    """The runtime :func:`init` built.
+
+    Before ``init``, plain ``python`` (or a launcher that started one process) is a world of one on the CPU.
+    Under a launcher whose variables say there are several ranks it raises :class:`NotInitializedError`: a
+    world of one there would train one independent copy per rank on the whole data set, every copy writing
+    the same files, and exit 0. Refusing, as ``torch.distributed`` does before ``init_process_group``, is
+    chosen over starting the process group here: joining a job is a collective that every rank must reach at
+    the same point, which a call hidden in a loader or a Trainer cannot promise.
+    """
     if _runtime is not None:
         return _runtime
+    launch = read_launch_env()
+    if launch.world_size > 1:
+        source = {"torchrun": "torchrun/ddpkit run", "slurm": "SLURM srun", "mpi": "mpiexec"}.get(
+            launch.launcher, launch.launcher
+        )
+        raise NotInitializedError(
+            f"this is rank {launch.rank} of {launch.world_size} started by {source}, but ddpkit.init() was not "
+            "called (or ddpkit.shutdown() already ran): call ddpkit.init() at the start of the script, before "
+            "building loaders, models or a Trainer"
+        )
     return Runtime(0, 0, 1, 1, torch.device("cpu"), None, "none")
 
 

@@ -1,0 +1,52 @@
+"""Stop signals that arrive while nothing listens for them yet.
+
+A scheduler warns a job before it ends it: SLURM's ``--signal=USR1@90`` sends SIGUSR1 90 s before the time limit,
+whatever the job is doing at that moment. SIGUSR1's default action is to terminate, so a warning that lands
+before ``Trainer.fit()`` has installed its handlers (while the data loads, the model builds, or between two
+``fit()`` calls) killed the process with exit code 138 and no snapshot. :func:`hold_stop_signals`, called by
+``ddpkit run``'s worker entry point and by :func:`ddpkit.init`, replaces that default with a handler that only
+remembers the signal; ``fit()`` asks :func:`pending_stop_signal` when it starts and acts on it as on a signal
+received during training.
+
+SIGTERM keeps its default: a process told to terminate outside ``fit()`` terminates.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from types import FrameType
+
+HELD_SIGNALS = (signal.SIGUSR1,)
+
+_pending: signal.Signals | None = None
+
+
+def _remember(signum: int, frame: FrameType | None) -> None:
+    global _pending
+    _pending = signal.Signals(signum)
+
+
+def hold_stop_signals() -> None:
+    """Remember SIGUSR1 instead of dying of it, where the process still has the default action for it.
+
+    A handler the program installed itself is left alone; so is a process that runs this from a thread other
+    than the main one (Python installs handlers only from the main thread).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in HELD_SIGNALS:
+        if signal.getsignal(sig) is signal.SIG_DFL:
+            signal.signal(sig, _remember)
+
+
+def pending_stop_signal(clear: bool = False) -> signal.Signals | None:
+    """The stop signal received while only :func:`hold_stop_signals`'s handler was listening, if any.
+
+    ``clear=True`` forgets it once read, so that one signal stops one ``fit()``.
+    """
+    global _pending
+    sig = _pending
+    if clear:
+        _pending = None
+    return sig

@@ -1,0 +1,28 @@
+"""An MPI launch (``mpiexec -n N python train.py``, MPICH from pip) is read like SLURM's: one job of N ranks."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PROBE = str(Path(__file__).parent / "scripts" / "launch_probe.py")
+MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec: pip install -e '.[mpi]' (MPICH and mpi4py)")
+def test_mpiexec_ranks_form_one_job(clean_env):
+    pytest.importorskip("mpi4py", reason="pip install -e '.[mpi]'")
+    env = clean_env | {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{clean_env.get('PATH', '')}"}
+    out = subprocess.run([MPIEXEC, "-n", "2", sys.executable, PROBE, "info"], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    # Before, each rank ran as a world of one (both "rank=0 world=1").
+    assert sorted(re.findall(r"rank=(\d) world=(\d) launcher=(\w+)", out.stdout)) == [
+        ("0", "2", "mpi"), ("1", "2", "mpi")], out.stdout
+    assert out.stdout.count("sum=3") == 2
