@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -531,3 +533,17 @@ def test_a_fresh_run_replaces_a_stale_best_and_a_resumed_one_keeps_it(tmp_path):
     resumed = BestWeights(path, "val/loss", "min", enabled=True)
     resumed.load()  # resumed: 0.5 is the best so far; 0.5 again (an epoch redone after a crash) is not better
     assert not resumed.update({"val/loss": 0.5}, model, 1, 10) and resumed.update({"val/loss": 0.4}, model, 2, 20)
+
+
+def _signal_before_fit(trainer) -> None:
+    # Rank 1 gets SIGUSR1 after the Trainer is built and before fit(): held by init(), then acted on by fit().
+    if trainer.runtime.rank == 1:
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+
+def test_a_stop_signal_before_fit_is_held_and_stops_every_rank_in_fit(tmp_path):
+    results = ddpkit.spawn(functools.partial(train, str(tmp_path / "run"), trainer_hook=_signal_before_fit,
+                                             log_every_steps=4), 2)
+    for r in results:
+        assert r["preempted"] == 75 and r["stopped_by"] == "signal"
+        assert r["step"] == 4  # the first agreement spread rank 1's held signal

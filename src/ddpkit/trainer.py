@@ -38,6 +38,7 @@ from torch.utils.data import Dataset
 
 from ddpkit import callbacks as callbacks_lib
 from ddpkit import run_dir as run_dir_lib
+from ddpkit import signals
 from ddpkit.best import BestWeights
 from ddpkit.checkpoint import Checkpointer, folder_name
 from ddpkit.collectives import all_reduce, gather_object, print0
@@ -628,6 +629,10 @@ class Trainer:
         def handler(signum: int, frame: Any) -> None:
             self._stop_signal = signum
 
+        # A SIGUSR1 that came before fit() (during data loading, say) was held for it by the worker.
+        held = signals.pending_stop_signal(clear=True)
+        if held is not None:
+            self._stop_signal = int(held)
         previous = {}
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             try:
