@@ -368,7 +368,7 @@ def test_a_stop_signal_exits_75_after_the_snapshot_unless_the_script_asks_for_a_
     assert stopped.returncode == 75, stopped.stderr[-2000:]  # PREEMPTED_EXIT_CODE: "pre-empted, requeue me"
     assert "Traceback" not in stopped.stderr
     assert "stopped by SIGUSR1 after optimizer step 10; the snapshot is saved" in stopped.stdout
-    assert (tmp_path / "run" / "snapshots" / "step-00000010.json").exists()
+    assert (tmp_path / "run" / "snapshots" / "step-00000010" / "complete.json").exists()
     # Control: asked for, fit() returns as before, and the script ends with 0 as if training were complete.
     code = code.replace("'5']", "'5', '--no-raise-on-stop-signal']")
     returned = run_python(code.replace(str(tmp_path / "run"), str(tmp_path / "run2")))
@@ -470,8 +470,12 @@ def test_the_best_weights_are_kept_apart_and_load_outside_ddpkit(tmp_path, capfd
     best = torch.load(tmp_path / "run" / "best.pt", weights_only=True)
     assert best["epoch"] == best_epoch and best["metric"] == "val/loss" and best["value"] == pytest.approx(min(losses))
     # They are the weights of the best epoch's end (its snapshot, still among the newest 3), not the last ones.
-    snapshot = torch.load(tmp_path / "run" / "snapshots" / f"step-{10 * best_epoch:08d}.pt", weights_only=True)
-    assert all(torch.equal(best["model"][k], snapshot["model"][k]) for k in snapshot["model"])
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(tmp_path / "run" / "snapshots" / f"step-{10 * best_epoch:08d}", tmp_path / "best_epoch.pt")
+    snapshot = torch.load(tmp_path / "best_epoch.pt", weights_only=True)["model"]
+    assert snapshot.keys() == best["model"].keys()
+    assert all(torch.equal(best["model"][k], snapshot[k]) for k in snapshot)
     assert not all(torch.equal(best["model"][k], out["model"][k]) for k in out["model"])  # control
     # The summary at the end says which epoch was best and where its weights are.
     printed = capfd.readouterr().out
