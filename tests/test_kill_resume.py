@@ -43,6 +43,7 @@ def clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("TORCHELASTIC")}
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_steps_resumes_bitwise(tmp_path, clean_env):
     rng = random.Random(SEED)
     reference, _ = launch(tmp_path, "reference", clean_env=clean_env)
@@ -67,6 +68,7 @@ def test_sigkill_at_random_steps_resumes_bitwise(tmp_path, clean_env):
         print(f"  {what:32s} {args:28s} restarts {attempt}  resumed from step {step}  max |dw| {diff:.1e}")
 
 
+@pytest.mark.slow
 def test_a_failing_rank_stops_the_job_fast_and_restart_resumes(tmp_path, clean_env):
     # No restarts: the exception in user code on rank 1 at step 7 ends every rank, with a summary.
     start = time.monotonic()

@@ -86,6 +86,7 @@ def _start_holder(tmp_path: Path, run_dir: Path, env: dict) -> tuple[subprocess.
     return holder, json.loads(ready.read_text())
 
 
+@pytest.mark.slow
 def test_a_second_job_on_a_run_dir_in_use_is_refused_and_a_killed_job_leaves_no_lock(tmp_path, clean_env):
     run_dir = tmp_path / "run"
     solo = [sys.executable, "-m", "ddpkit.cli", "run", "--nproc", "2", LOCK_JOB, str(run_dir)]

@@ -163,6 +163,9 @@ def test_all_finite_reads_every_tensor_of_every_dtype_and_changes_none():
         broken = [t.clone() for t in tensors]
         broken[i][-1] = bad
         assert not _all_finite(broken)
+    # The flag tensors kept from one step to the next are reset each time: a bad step does not stick.
+    flags: dict = {}
+    assert _all_finite(tensors, flags) and not _all_finite(broken, flags) and _all_finite(tensors, flags)
 
 
 @pytest.mark.parametrize("on_host", [True, False])

@@ -127,11 +127,12 @@ class ShardedBatchSampler(Sampler[list[int]]):
         epoch, first_step = self.epoch, self._first_step()
         self.epoch, self._cursor = epoch + 1, 0
         n, gbs = self.num_samples, self.global_batch_size
-        order = epoch_permutation(n, self.seed, epoch) if self.shuffle else torch.arange(n)
+        # One list per epoch, sliced per step: a tensor slice and .tolist() per step cost more (tiny models).
+        order = (epoch_permutation(n, self.seed, epoch) if self.shuffle else torch.arange(n)).tolist()
         for step in range(first_step, self.steps_per_epoch):
             batch = order[step * gbs : min((step + 1) * gbs, n)]
             lo, hi = shard_bounds(len(batch), self.world_size, self.rank)
-            mine = batch[lo:hi].tolist()
+            mine = batch[lo:hi]
             yield [(epoch, i) for i in mine] if self.keyed else mine
 
 
