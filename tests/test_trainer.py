@@ -17,7 +17,8 @@ from ddpkit.errors import ConfigError
 from ddpkit.strategies.ddp import all_finite as _all_finite
 from ddpkit.strategies.ddp import nan_gradient_if_nonfinite as _nan_gradient_if_nonfinite
 from ddpkit.strategies.ddp import stepped_parameters as _stepped_parameters
-from ddpkit.trainer import TrainerConfig, _LossWindow
+from ddpkit.loss_window import LossWindow as _LossWindow
+from ddpkit.trainer import TrainerConfig
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from train_job import N_SAMPLES, train  # noqa: E402

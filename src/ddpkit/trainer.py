@@ -23,12 +23,11 @@ One optimizer step, on every rank:
 from __future__ import annotations
 
 import json
-import math
 import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -47,194 +46,17 @@ from ddpkit.dropout import BatchLayout, GlobalBatchDropout, batch_layout, conver
 from ddpkit.errors import PREEMPTED_EXIT_CODE, ConfigError, Preempted
 from ddpkit.evaluation import classification_metrics, evaluate
 from ddpkit.logging_utils import MetricsWriter, Progress, run_summary
+from ddpkit.loss_window import LossWindow, batch_len
 from ddpkit.losses import cross_entropy
 from ddpkit.model import unwrap
 from ddpkit.groups import group_runtime
 from ddpkit.runtime import Runtime
 from ddpkit.seeding import rng_state, set_rng_state, stream_seed
-from ddpkit.strategies import Strategy, build_strategy, strategy_config
+from ddpkit.strategies import Strategy, build_strategy
+from ddpkit.trainer_config import TrainerConfig
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 BatchLossFn = Callable[[nn.Module, Any], torch.Tensor]
-
-
-@dataclass(kw_only=True)
-class TrainerConfig:
-    """How to train. Written to ``run_dir/config.json`` with the run's world size and versions."""
-
-    run_dir: str = "runs/default"
-    """Folder for snapshots, metrics and the resolved config; a run resumes from the snapshots found here."""
-    epochs: int = 1
-    max_steps: int | None = None
-    """Stop after this many optimizer steps in all (a snapshot is taken first)."""
-    batch_size: int | None = None
-    """Samples per rank per micro-batch. Give this or ``global_batch_size``."""
-    global_batch_size: int | None = None
-    """Samples per optimizer step over all ranks; fixed across world sizes, so a resume at another world size
-    sees the same batches. Must divide by world size x ``grad_accum_steps``."""
-    eval_batch_size: int = 256
-    seed: int = 0
-    """Seeds the sample order; the model's initial weights are the script's business (seed before building)."""
-    shuffle: bool = True
-    drop_last: bool = True
-    num_workers: int | None = None
-    """Loader workers per rank; default: cores per rank minus one."""
-    grad_accum_steps: int = 1
-    clip_grad_norm: float | None = None
-    precision: str = "fp32"
-    """``fp32``, ``bf16`` (autocast), or ``fp16`` (autocast with a GradScaler; meant for CUDA, and runs on the
-    CPU too, where bf16 is the better choice). A step whose fp16 gradients overflow is skipped by the scaler,
-    which lowers its scale; it is logged as ``fp16_overflow`` and is not counted as a non-finite loss."""
-    sync_batchnorm: bool = False
-    global_batch_dropout: bool = False
-    """Replace ``nn.Dropout`` by :class:`~ddpkit.dropout.GlobalBatchDropout`, whose masks do not depend on the
-    world size: with ``sync_batchnorm``, N ranks then train the same model as one process, and a resume at
-    another world size continues with the same masks."""
-    scheduler_interval: str = "epoch"
-    """Step the LR scheduler every ``epoch`` (after validation) or every optimizer ``step``."""
-    on_nonfinite: str = "stop"
-    """A NaN/inf loss on any rank, or NaN/inf gradients: ``stop`` (every rank raises at that step) or ``skip``
-    the step everywhere."""
-    snapshot_every_steps: int | None = None
-    snapshot_every_epochs: int = 1
-    """0 turns epoch-end snapshots off."""
-    keep_snapshots: int = 2
-    resume: bool = True
-    early_stopping_metric: str | None = None
-    """A validation metric such as ``val/loss``; training stops when it has not improved for ``patience`` epochs."""
-    early_stopping_mode: str = "min"
-    """``min`` or ``max``: the direction in which ``early_stopping_metric`` and ``best_metric`` improve."""
-    early_stopping_patience: int = 5
-    best_metric: str | None = None
-    """Keep the weights of the epoch where this validation metric was best in ``run_dir/best.pt``, apart from
-    the snapshots (which keep only the newest). Default: ``early_stopping_metric``."""
-    log_every_steps: int = 20
-    """How often ranks agree (one small all-reduce) on the mean training loss, which is then logged, and on a
-    SIGTERM/SIGUSR1 received by any rank: a stop signal is acted on within this many steps."""
-    progress: bool = True
-    tensorboard: bool = False
-    loggers: tuple[str, ...] = ()
-    """Also send the records to ``"mlflow"`` and/or ``"wandb"`` (optional extras; local file store / offline
-    without a server or an account): see :mod:`ddpkit.loggers`."""
-    raise_on_stop_signal: bool = True
-    """After a SIGTERM/SIGUSR1 stopped training and the snapshot is saved, ``fit()`` raises
-    :class:`ddpkit.Preempted` (uncaught: exit code 75, "pre-empted, requeue me"), so a script cannot go on as if
-    training were complete. False: ``fit()`` returns, with ``trainer.stopped_by == "signal"``."""
-    ddp_kwargs: dict[str, Any] = field(default_factory=dict)
-    strategy: str = "ddp"
-    """How the model is spread over ranks: ``ddp`` (replicated), ``zero`` (DDP with optimizer state sharded),
-    ``fsdp`` (parameters, gradients and optimizer state sharded); see :mod:`ddpkit.strategies`."""
-    strategy_options: dict[str, Any] = field(default_factory=dict)
-    """Options of the strategy, by name: the fields of ``DDPConfig``, ``ZeroConfig`` or ``FSDPConfig``
-    (e.g. ``{"bucket_cap_mb": 50, "comm_hook": "bf16"}`` or ``{"shard_blocks": ["Block"]}``)."""
-    snapshot_async: bool = True
-    """Write snapshots in a background thread: the step waits only while the state is copied to host memory."""
-
-    def __post_init__(self) -> None:
-        if (self.batch_size is None) == (self.global_batch_size is None):
-            raise ConfigError("give exactly one of batch_size (per rank) and global_batch_size")
-        if "process_group" in self.ddp_kwargs:
-            # A process group cannot be copied into config.json or a snapshot, and the sampler, evaluation and
-            # metrics must follow it too, not only DDP.
-            raise ConfigError("pass the process group as Trainer(..., group=...), not in ddp_kwargs")
-        strategy_config(self.strategy, self.strategy_options)  # names a bad strategy or option
-        if self.strategy == "fsdp" and self.precision == "fp16":
-            raise ConfigError("precision='fp16' (a GradScaler) is not supported with strategy 'fsdp': use "
-                              "precision='bf16', or strategy_options={'param_dtype': 'bf16'}")
-        checks = {
-            "epochs": self.epochs >= 1,
-            "grad_accum_steps": self.grad_accum_steps >= 1,
-            "keep_snapshots": self.keep_snapshots >= 1,
-            "precision": self.precision in ("fp32", "bf16", "fp16"),
-            "scheduler_interval": self.scheduler_interval in ("epoch", "step"),
-            "on_nonfinite": self.on_nonfinite in ("stop", "skip"),
-            "early_stopping_mode": self.early_stopping_mode in ("min", "max"),
-            "snapshot_every_steps": self.snapshot_every_steps is None or self.snapshot_every_steps >= 1,
-            "max_steps": self.max_steps is None or self.max_steps >= 1,
-            "batch_size": self.batch_size is None or self.batch_size >= 1,
-            "global_batch_size": self.global_batch_size is None or self.global_batch_size >= 1,
-            "eval_batch_size": self.eval_batch_size >= 1,
-            "num_workers": self.num_workers is None or self.num_workers >= 0,
-            "log_every_steps": self.log_every_steps >= 1,
-            "snapshot_every_epochs": self.snapshot_every_epochs >= 0,
-            "early_stopping_patience": self.early_stopping_patience >= 1,
-            "loggers": set(self.loggers) <= {"mlflow", "wandb"} and not isinstance(self.loggers, str),
-        }
-        for name, ok in checks.items():
-            if not ok:
-                raise ConfigError(f"{name}={getattr(self, name)!r} is not valid: see TrainerConfig.{name}")
-        # The world size is known only when the Trainer is built; the accumulation steps are known now.
-        if self.global_batch_size is not None and self.global_batch_size % self.grad_accum_steps:
-            raise ConfigError(
-                f"global_batch_size={self.global_batch_size} does not divide into grad_accum_steps="
-                f"{self.grad_accum_steps} micro-batches: pick a multiple of {self.grad_accum_steps} (times the "
-                "world size)"
-            )
-
-    def per_rank_batch(self, world_size: int) -> int:
-        if self.batch_size is not None:
-            return self.batch_size
-        assert self.global_batch_size is not None
-        parts = world_size * self.grad_accum_steps
-        if self.global_batch_size % parts:
-            raise ConfigError(
-                f"global_batch_size={self.global_batch_size} does not divide over {world_size} ranks x "
-                f"{self.grad_accum_steps} accumulation steps: pick a multiple of {parts}"
-            )
-        return self.global_batch_size // parts
-
-
-class _LossWindow:
-    """This rank's training losses since the ranks last agreed on the mean; a skipped step's are dropped.
-
-    On an accelerator the losses stay tensors until the ranks agree: reading each would wait for the device.
-    On the CPU (``on_host``) their values are read at once: a read is free there, and keeping the tiny tensors
-    alive between steps fragments the heap the next steps' activations are allocated from.
-    """
-
-    def __init__(self, on_host: bool) -> None:
-        self.on_host = on_host
-        self.losses: list[torch.Tensor | float] = []
-        self.sizes: list[int] = []
-        self.steps = 0  # steps taken
-        self.tried = 0  # steps taken or skipped
-        self._step_start = 0
-
-    def add(self, loss: torch.Tensor, size: int) -> None:
-        self.losses.append(loss.item() if self.on_host else loss.detach())
-        self.sizes.append(size)
-
-    def step_is_finite(self) -> bool:
-        return all(math.isfinite(float(loss)) for loss in self.losses[self._step_start :])
-
-    def end_step(self, taken: bool) -> None:
-        self.tried += 1
-        if taken:
-            self.steps += 1
-        else:
-            del self.losses[self._step_start :], self.sizes[self._step_start :]
-        self._step_start = len(self.losses)
-
-    def local_sum(self, device: torch.device) -> torch.Tensor:
-        """Sum of loss x samples over this rank's micro-batches, in float64."""
-        if self.on_host or not self.losses:
-            total = math.fsum(float(loss) * size for loss, size in zip(self.losses, self.sizes))
-            return torch.tensor(total, dtype=torch.float64, device=device)
-        sizes = torch.tensor(self.sizes, dtype=torch.float64, device=device)
-        return torch.stack([loss.reshape(()).to(torch.float64) for loss in self.losses]) @ sizes
-
-    def clear(self) -> None:
-        self.losses, self.sizes, self.steps, self.tried, self._step_start = [], [], 0, 0, 0
-
-
-def _batch_len(batch: Any) -> int:
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0]
-    if isinstance(batch, Mapping):
-        return _batch_len(next(iter(batch.values())))
-    if isinstance(batch, (list, tuple)):
-        return _batch_len(batch[0])
-    raise TypeError(f"cannot tell the batch size of a {type(batch).__name__}; batches hold tensors")
 
 
 class Trainer:
@@ -408,14 +230,14 @@ class Trainer:
             desc=f"epoch {self.epoch + 1}/{cfg.epochs}",
             initial=first_micro // accum,
         )
-        window = _LossWindow(on_host=self._on_cpu)
+        window = LossWindow(on_host=self._on_cpu)
         t0 = self._epoch_start = time.perf_counter()
         for i, batch in enumerate(self.loader):
             group_size = min(accum, remaining - (i // accum) * accum)
             last_in_group = i % accum == group_size - 1
             if not self._on_cpu:  # on the CPU, batches are already where they belong
                 batch = to_device(batch, rt.device)
-            n = _batch_len(batch)
+            n = batch_len(batch)
             sync = nullcontext() if last_in_group else self.strategy.no_sync()
             layout = batch_layout(self._layout(first_micro + i)) if self._global_dropout else nullcontext()
             with sync:
@@ -461,7 +283,7 @@ class Trainer:
         progress.close()
         return True
 
-    def _optimizer_step(self, window: _LossWindow) -> bool:
+    def _optimizer_step(self, window: LossWindow) -> bool:
         """Clip and step if the synchronised gradients are finite; True if the step was taken.
 
         The strategy's verdict is the same on every rank (see :meth:`Strategy.check_gradients`); it costs a
@@ -488,7 +310,7 @@ class Trainer:
         self.step += 1
         return True
 
-    def _nonfinite_step(self, window: _LossWindow) -> bool:
+    def _nonfinite_step(self, window: LossWindow) -> bool:
         """Every rank is here at the same step (the gradients said so); find out why, then skip or stop."""
         cfg = self.config
         self.optimizer.zero_grad(set_to_none=True)
@@ -511,7 +333,7 @@ class Trainer:
                                              "skipped": self.skipped_steps})
         return False
 
-    def _agree(self, window: _LossWindow) -> float:
+    def _agree(self, window: LossWindow) -> float:
         """The global mean loss of the steps since the last agreement; spreads a stop signal to every rank.
 
         Collective: every rank calls it after the same steps.
@@ -590,7 +412,7 @@ class Trainer:
             return self.metric_fn(model, batch)
         # A custom loss without a metric_fn: report the loss, weighted by batch size (exact for mean losses).
         loss = self._loss(model, batch)
-        n = _batch_len(batch)
+        n = batch_len(batch)
         return {"loss": (loss.detach().double() * n, n)}
 
     def _layout(self, micro: int) -> BatchLayout:

@@ -1,0 +1,62 @@
+"""A rank's training losses between two agreements of the ranks, and a batch's size."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+
+class LossWindow:
+    """This rank's training losses since the ranks last agreed on the mean; a skipped step's are dropped.
+
+    On an accelerator the losses stay tensors until the ranks agree: reading each would wait for the device.
+    On the CPU (``on_host``) their values are read at once: a read is free there, and keeping the tiny tensors
+    alive between steps fragments the heap the next steps' activations are allocated from.
+    """
+
+    def __init__(self, on_host: bool) -> None:
+        self.on_host = on_host
+        self.losses: list[torch.Tensor | float] = []
+        self.sizes: list[int] = []
+        self.steps = 0  # steps taken
+        self.tried = 0  # steps taken or skipped
+        self._step_start = 0
+
+    def add(self, loss: torch.Tensor, size: int) -> None:
+        self.losses.append(loss.item() if self.on_host else loss.detach())
+        self.sizes.append(size)
+
+    def step_is_finite(self) -> bool:
+        return all(math.isfinite(float(loss)) for loss in self.losses[self._step_start :])
+
+    def end_step(self, taken: bool) -> None:
+        self.tried += 1
+        if taken:
+            self.steps += 1
+        else:
+            del self.losses[self._step_start :], self.sizes[self._step_start :]
+        self._step_start = len(self.losses)
+
+    def local_sum(self, device: torch.device) -> torch.Tensor:
+        """Sum of loss x samples over this rank's micro-batches, in float64."""
+        if self.on_host or not self.losses:
+            total = math.fsum(float(loss) * size for loss, size in zip(self.losses, self.sizes))
+            return torch.tensor(total, dtype=torch.float64, device=device)
+        sizes = torch.tensor(self.sizes, dtype=torch.float64, device=device)
+        return torch.stack([loss.reshape(()).to(torch.float64) for loss in self.losses]) @ sizes
+
+    def clear(self) -> None:
+        self.losses, self.sizes, self.steps, self.tried, self._step_start = [], [], 0, 0, 0
+
+
+def batch_len(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0]
+    if isinstance(batch, Mapping):
+        return batch_len(next(iter(batch.values())))
+    if isinstance(batch, (list, tuple)):
+        return batch_len(batch[0])
+    raise TypeError(f"cannot tell the batch size of a {type(batch).__name__}; batches hold tensors")
