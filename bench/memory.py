@@ -35,17 +35,9 @@ from torch import nn
 import ddpkit
 from ddpkit.strategies import build_strategy
 from ddpkit.strategies.fsdp import _local
+from ddpkit.tools.models import Block
 
 STRATEGIES = ("ddp", "zero", "fsdp")
-
-
-class Block(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(x)))
 
 
 def _status(field: str) -> int:

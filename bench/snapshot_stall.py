@@ -30,15 +30,7 @@ from torch import nn
 import ddpkit
 from ddpkit.checkpoint import Checkpointer
 from ddpkit.strategies import build_strategy
-
-
-class Block(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(x)))
+from ddpkit.tools.models import Block
 
 
 def job(strategy_name: str, width: int, blocks: int, repeats: int, folder: str) -> dict:

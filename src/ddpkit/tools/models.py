@@ -29,3 +29,15 @@ class DigitsCNN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc(self.dropout(self.features(x).flatten(1)))
+
+
+class Block(nn.Module):
+    """A residual MLP block (``x + W2 relu(W1 x)``, 4x wide inside): the unit of the large models of the memory
+    and snapshot benchmarks, and the class FSDP shards by (``shard_blocks=["Block"]``)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
