@@ -33,7 +33,8 @@ def test_no_module_imports_another_modules_private_names():
     for path in sorted(src.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ddpkit"):
-                offenders += [f"{path.name}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+                offenders += [f"{path.name}: {node.module}.{a.name}" for a in node.names
+                              if a.name.startswith("_") and not a.name.startswith("__")]
     assert not offenders, offenders
 
 

@@ -322,3 +322,14 @@ def test_strategy_config_errors_name_the_option(name, options, flag):
 def test_fsdp_needs_bf16_not_fp16_autocast():
     with pytest.raises(ConfigError, match="precision"):
         ddpkit.TrainerConfig(batch_size=4, strategy="fsdp", precision="fp16")
+
+
+def test_fsdp_best_weights_are_the_whole_model_and_load_outside_ddpkit(tmp_path):
+    # Under fsdp each rank holds a shard: best.pt must hold the whole model, gathered, as under ddp.
+    from train_job import build_model
+
+    run(2, tmp_path / "run", strategy="fsdp", epochs=3, early_stopping_patience=5)
+    best = torch.load(tmp_path / "run" / "best.pt", weights_only=True)
+    model = build_model()
+    model.load_state_dict(best["model"])  # strict: every tensor whole, none a shard
+    assert all(type(t) is torch.Tensor for t in best["model"].values())

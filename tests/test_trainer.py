@@ -534,13 +534,14 @@ def test_a_fresh_run_replaces_a_stale_best_and_a_resumed_one_keeps_it(tmp_path):
 
     path = tmp_path / "best.pt"
     model = torch.nn.Linear(2, 2)
-    BestWeights(path, "val/loss", "min", enabled=True).update({"val/loss": 0.1}, model, 3, 30)
+    BestWeights(path, "val/loss", "min", enabled=True).update({"val/loss": 0.1}, model.state_dict, 3, 30)
     fresh = BestWeights(path, "val/loss", "min", enabled=True)  # a new run, no snapshot to resume
-    assert fresh.update({"val/loss": 0.5}, model, 1, 10)
+    assert fresh.update({"val/loss": 0.5}, model.state_dict, 1, 10)
     assert torch.load(path, weights_only=True)["value"] == 0.5
     resumed = BestWeights(path, "val/loss", "min", enabled=True)
     resumed.load()  # resumed: 0.5 is the best so far; 0.5 again (an epoch redone after a crash) is not better
-    assert not resumed.update({"val/loss": 0.5}, model, 1, 10) and resumed.update({"val/loss": 0.4}, model, 2, 20)
+    assert not resumed.update({"val/loss": 0.5}, model.state_dict, 1, 10)
+    assert resumed.update({"val/loss": 0.4}, model.state_dict, 2, 20)
 
 
 def _signal_before_fit(trainer) -> None:

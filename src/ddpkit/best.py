@@ -14,12 +14,11 @@ replaces it at its first epoch.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from ddpkit.errors import ConfigError
 from ddpkit.snapshot import save_weights
@@ -30,7 +29,10 @@ class BestWeights:
 
     def __init__(self, path: str | Path, metric: str | None, mode: str, enabled: bool) -> None:
         self.path, self.metric, self.mode = Path(path), metric, mode
-        self.enabled = enabled and metric is not None
+        # Every rank tracks the best value (the epoch's metrics are agreed, so every rank decides alike and can
+        # join the gather of sharded weights); only an enabled rank writes the file.
+        self.tracking = metric is not None
+        self.enabled = enabled and self.tracking
         self.value: float | None = None
         self.epoch: int | None = None
 
@@ -41,9 +43,11 @@ class BestWeights:
             if saved.get("metric") == self.metric:
                 self.value, self.epoch = saved["value"], saved["epoch"]
 
-    def update(self, metrics: Mapping[str, Any], model: nn.Module, epoch: int, step: int) -> bool:
-        """Save ``model``'s weights if ``metrics[metric]`` beats the best so far; True if it did."""
-        if not self.enabled:
+    def update(self, metrics: Mapping[str, Any], weights: Callable[[], Mapping[str, torch.Tensor]], epoch: int,
+               step: int) -> bool:
+        """Save ``weights()`` if ``metrics[metric]`` beats the best so far; True if it did. Every rank calls it:
+        ``weights()`` may be a collective (the whole model gathered from its shards)."""
+        if not self.tracking:
             return False
         if self.metric not in metrics:
             raise ConfigError(f"best_metric={self.metric!r} is not among the epoch's metrics {sorted(metrics)}")
@@ -51,7 +55,9 @@ class BestWeights:
         if self.value is not None and not (value < self.value if self.mode == "min" else value > self.value):
             return False
         self.value, self.epoch = value, epoch
-        weights = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-        save_weights(self.path, {"model": weights, "epoch": epoch, "step": step, "metric": self.metric,
-                                 "value": value})
+        state = weights()
+        if self.enabled:
+            state = {k: v.detach().cpu() for k, v in state.items()}
+            save_weights(self.path, {"model": state, "epoch": epoch, "step": step, "metric": self.metric,
+                                     "value": value})
         return True

@@ -40,7 +40,7 @@ from ddpkit import run_dir as run_dir_lib
 from ddpkit import signals
 from ddpkit.best import BestWeights
 from ddpkit.checkpoint import Checkpointer, folder_name
-from ddpkit.collectives import all_reduce, gather_object, print0
+from ddpkit.collectives import all_reduce, broadcast_object, gather_object, print0
 from ddpkit.data import ShardedBatchSampler, build_eval_loader, build_loader, shard_bounds, to_device
 from ddpkit.dropout import BatchLayout, GlobalBatchDropout, batch_layout, convert_dropout
 from ddpkit.errors import PREEMPTED_EXIT_CODE, ConfigError, Preempted
@@ -179,6 +179,9 @@ class Trainer:
             self.writer.log("event", self.step, {"event": "start", "restart_count": rt.restart_count})
         else:
             self.best_weights.load()
+            # The file is on rank 0's disk; every rank must know the best so far to decide alike.
+            best = broadcast_object((self.best_weights.value, self.best_weights.epoch), group=self.group)
+            self.best_weights.value, self.best_weights.epoch = best
         self._write_config()
         callbacks_lib.call(self.callbacks, "on_fit_start", self)
         handlers = self._install_signal_handlers()
@@ -373,7 +376,7 @@ class Trainer:
             self.best, self.bad_epochs = (value, 0) if better else (self.best, self.bad_epochs + 1)
             if self.bad_epochs >= cfg.early_stopping_patience:
                 self.stopped_by = "early_stopping"
-        if self.best_weights.update(metrics, unwrap(self.model), self.epoch, self.step):
+        if self.best_weights.update(metrics, self._model_weights, self.epoch, self.step):
             self.writer.log("event", self.step, {"event": "best", "file": "best.pt",
                                                  self.best_weights.metric: self.best_weights.value})
         if cfg.snapshot_every_epochs and self.epoch % cfg.snapshot_every_epochs == 0 or self.stopped_by:
@@ -437,6 +440,11 @@ class Trainer:
             return nullcontext()
         dtype = torch.bfloat16 if self.config.precision == "bf16" else torch.float16
         return torch.autocast(self.runtime.device.type, dtype=dtype)
+
+    def _model_weights(self) -> Mapping[str, torch.Tensor]:
+        """The whole model's weights (gathered from the ranks' shards under fsdp: every rank calls it)."""
+        export = getattr(self.strategy, "model_weights", None)
+        return export() if export is not None else unwrap(self.model).state_dict()
 
     def _print0(self, *args: Any) -> None:
         print0(*args, group=self.group)

@@ -215,6 +215,12 @@ class FSDPStrategy:
         model_state, optim_state = get_state_dict(self.model, self.optimizer, options=state_options())
         return {"model": model_state, "optim": optim_state}
 
+    def model_weights(self) -> dict[str, Any]:
+        """The whole model's weights on rank 0 of the group, on the CPU (collective: gathered from the shards)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
     def full_state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
