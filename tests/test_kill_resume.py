@@ -92,7 +92,9 @@ def test_a_failing_rank_stops_the_job_fast_and_restart_resumes(tmp_path, clean_e
 
 # The step a kill lands on, and the snapshot the restarted job resumes from (snapshots every 3 steps and at
 # epoch ends; 10 steps per epoch): mid-epoch, and at the boundary of epochs 1 and 2.
-WORKER_KILLS = {"mid-epoch": (14, 12), "epoch boundary": (10, 10)}
+# Kill step -> the snapshots the job may resume from: the newest one, or the one before it when the newest
+# was still being written in the background (asynchronous snapshots) when the kill came.
+WORKER_KILLS = {"mid-epoch": (14, (12, 10)), "epoch boundary": (10, (10, 9))}
 
 
 @pytest.mark.slow
@@ -106,10 +108,10 @@ def test_sigkill_with_two_loader_workers_per_rank_resumes_bitwise(tmp_path, clea
         name = what.replace(" ", "-")
         final, stderr = launch(tmp_path, name, *workers, "--kill-rank", "1", "--kill-step", str(kill_step),
                                clean_env=clean_env)
-        assert "exitcode: -9" in stderr and final["attempt"] == 1 and final["resumed_from"] == resumed_from, what
+        assert "exitcode: -9" in stderr and final["attempt"] == 1 and final["resumed_from"] in resumed_from, what
         assert_each_sample_once(samples_per_epoch(tmp_path / f"{name}-log", resume_steps(tmp_path / name)),
                                 N_SAMPLES, 3)
-        print(f"\n{what}: killed at step {kill_step}, resumed from {resumed_from}: max |dw| "
+        print(f"\n{what}: killed at step {kill_step}, resumed from {final['resumed_from']}: max |dw| "
               f"{max_abs_diff(final, reference):.1e}")
         assert bitwise_equal(final, reference), what
     # Control: left to the workers' own streams (how loaders draw without ddpkit's seeding), the same kill at

@@ -485,3 +485,17 @@ def test_the_cause_of_a_failure_is_told_from_its_consequences():
     for failures, rank, code in cases:
         assert cause(failures)[0] == rank, failures
         assert exit_code(SimpleNamespace(failures=failures)) == code, failures
+
+
+def test_a_worker_killed_otherwise_is_a_failure_even_when_the_others_saved_and_exited_75():
+    # The survivors of a SIGKILL get the agent's SIGTERM as it tears the group down; a Trainer then saves and
+    # exits 75. That is not a pre-emption: the job must be restarted (the search's kill test caught this).
+    from types import SimpleNamespace
+
+    from ddpkit.agent import preempted
+
+    def failures(*codes):
+        return {rank: SimpleNamespace(exitcode=code) for rank, code in enumerate(codes)}
+
+    assert preempted(failures(75, 75)) and preempted(failures(75, -15))
+    assert not preempted(failures(75, -9)) and not preempted(failures(1, 75)) and not preempted(failures(-15, -15))

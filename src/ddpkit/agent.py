@@ -109,11 +109,13 @@ def summarize_failure(err: BaseException, tail: int = 12) -> str:
 def preempted(failures: dict[int, Any]) -> bool:
     """True when the workers stopped because they were told to: stopped by a signal, snapshot saved.
 
-    Some worker exited with the pre-empted code; the others have it too, or were ended by the agent's signal
-    while they were exiting themselves (torchrun stops the group as soon as one worker is gone).
+    Some worker exited with the pre-empted code; the others have it too, or were ended by the agent's SIGTERM
+    while they were exiting themselves (torchrun stops the group as soon as one worker is gone). A worker that
+    died otherwise (SIGKILL, a crash) is a failure: the 75 of the others is then their answer to the agent's
+    SIGTERM as it tore the group down, and the job is restarted.
     """
     codes = [f.exitcode for f in failures.values()]
-    return PREEMPTED_EXIT_CODE in codes and all(c == PREEMPTED_EXIT_CODE or c < 0 for c in codes)
+    return PREEMPTED_EXIT_CODE in codes and all(c in (PREEMPTED_EXIT_CODE, -signal.SIGTERM) for c in codes)
 
 
 def exit_code(err: BaseException) -> int:
