@@ -120,6 +120,6 @@ def test_sigkill_with_two_loader_workers_per_rank_resumes_bitwise(tmp_path, clea
     plain_reference, _ = launch(tmp_path, "plain-reference", *unseeded, clean_env=clean_env)
     plain, _ = launch(tmp_path, "plain-killed", *unseeded, "--kill-rank", "1", "--kill-step", "10",
                       clean_env=clean_env)
-    assert plain["resumed_from"] == 10
+    assert plain["resumed_from"] in WORKER_KILLS["epoch boundary"][1]
     print(f"control, unseeded samples: max |dw| {max_abs_diff(plain, plain_reference):.1e}")
     assert not bitwise_equal(plain, plain_reference)

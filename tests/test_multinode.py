@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from trainer_checks import newest_snapshot
+
 
 pytestmark = pytest.mark.slow
 
@@ -84,13 +86,7 @@ def _finish(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
 
 
 def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    """The model of the newest whole snapshot folder (DCP), read into one file with torch's converter."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    markers = sorted((run_dir / "snapshots").glob("step-*/complete.json"))
-    assert markers, f"no snapshot in {run_dir}"
-    dcp_to_torch_save(markers[-1].parent, run_dir / "weights.pt")
-    return torch.load(run_dir / "weights.pt", weights_only=True)["model"]
+    return newest_snapshot(run_dir)[1]
 
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:

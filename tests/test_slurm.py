@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from ddpkit.slurm import BatchConfig, batch_script
-from ddpkit.snapshot import load_latest
+
+from trainer_checks import newest_snapshot
 
 pytestmark = pytest.mark.slow
 
@@ -202,8 +203,8 @@ def _snapshot_steps(run_dir: Path) -> int:
 
 
 def _final(run_dir: Path) -> dict:
-    info, state = load_latest(run_dir / "snapshots")
-    return {"step": info.step, "model": state["model"]}
+    step, model = newest_snapshot(run_dir)
+    return {"step": step, "model": model}
 
 
 @pytest.mark.parametrize("how", ["scontrol requeue", "SIGUSR1"])

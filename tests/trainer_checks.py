@@ -70,3 +70,14 @@ def assert_each_sample_once(per_epoch: dict[int, list[int]], n_samples: int, epo
         repeated = len(idx) - len(set(idx))
         missing = n_samples - len(set(idx))
         assert repeated == 0 and missing == 0, f"epoch {epoch}: {repeated} samples twice, {missing} never"
+
+
+def newest_snapshot(run_dir: str | Path) -> tuple[int, dict]:
+    """(step, model state) of the newest whole snapshot folder (DCP), read into one file with torch's converter."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    markers = sorted((Path(run_dir) / "snapshots").glob("step-*/complete.json"))
+    assert markers, f"no snapshot in {run_dir}"
+    folder = markers[-1].parent
+    dcp_to_torch_save(folder, Path(run_dir) / f"{folder.name}.pt")
+    return int(folder.name.split("-")[1]), torch.load(Path(run_dir) / f"{folder.name}.pt", weights_only=True)["model"]
