@@ -207,6 +207,7 @@ def _final(run_dir: Path) -> dict:
     return {"step": step, "model": model}
 
 
+@pytest.mark.timeout(900)  # two jobs, one pre-empted and requeued, and SLURM's polling: minutes on 2 cores
 @pytest.mark.parametrize("how", ["scontrol requeue", "SIGUSR1"])
 def test_digits_preempted_resumes_to_the_uninterrupted_weights(slurm, tmp_path, how):
     job, run_dir = _digits_job(tmp_path, "preempted", slurm)
