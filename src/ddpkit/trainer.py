@@ -376,7 +376,7 @@ class Trainer:
             self.best, self.bad_epochs = (value, 0) if better else (self.best, self.bad_epochs + 1)
             if self.bad_epochs >= cfg.early_stopping_patience:
                 self.stopped_by = "early_stopping"
-        if self.best_weights.update(metrics, self._model_weights, self.epoch, self.step):
+        if self.best_weights.update(metrics, self.strategy.model_weights, self.epoch, self.step):
             self.writer.log("event", self.step, {"event": "best", "file": "best.pt",
                                                  self.best_weights.metric: self.best_weights.value})
         if cfg.snapshot_every_epochs and self.epoch % cfg.snapshot_every_epochs == 0 or self.stopped_by:
@@ -440,11 +440,6 @@ class Trainer:
             return nullcontext()
         dtype = torch.bfloat16 if self.config.precision == "bf16" else torch.float16
         return torch.autocast(self.runtime.device.type, dtype=dtype)
-
-    def _model_weights(self) -> Mapping[str, torch.Tensor]:
-        """The whole model's weights (gathered from the ranks' shards under fsdp: every rank calls it)."""
-        export = getattr(self.strategy, "model_weights", None)
-        return export() if export is not None else unwrap(self.model).state_dict()
 
     def _print0(self, *args: Any) -> None:
         print0(*args, group=self.group)

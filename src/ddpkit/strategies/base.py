@@ -74,6 +74,10 @@ class Strategy(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (after a DCP load into it, at any world size)."""
 
+    def model_weights(self) -> dict[str, Any]:
+        """The whole model's weights by parameter name, at least on rank 0 of the group (collective under
+        sharding: every rank calls it). What ``best.pt`` holds."""
+
     def full_state_dict(self) -> dict[str, Any]:
         """The whole model and optimizer state, gathered on every rank (collective): ``{"model": {name:
         tensor}, "optim": {"state.<name>.<key>": value, "param_groups.<name>.<key>": value}}``, the same

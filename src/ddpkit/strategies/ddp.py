@@ -224,6 +224,9 @@ class DDPStrategy:
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"], options=state_options())
 
+    def model_weights(self) -> dict[str, Any]:
+        return unwrap(self.model).state_dict()  # replicated: every rank holds the whole model
+
     def full_state_dict(self) -> dict[str, Any]:
         return self.state_dict()  # replicated: every rank's state is the whole state
 

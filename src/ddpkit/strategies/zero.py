@@ -102,6 +102,9 @@ class ZeroStrategy:
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
         }
 
+    def model_weights(self) -> dict[str, Any]:
+        return self.ddp.model_weights()  # parameters are replicated; only the optimizer state is sharded
+
     def full_state_dict(self) -> dict[str, Any]:
         state = self.state_dict()
         merged: dict[str, Any] = {}
