@@ -8,7 +8,7 @@ import re
 import pytest
 
 from ddpkit import ConfigError
-from ddpkit.cluster import LaunchEnv, cpu_count, expand_hostlist, read_launch_env, scheduler
+from ddpkit.cluster import LaunchEnv, cpu_count, expand_hostlist, read_launch_env, scheduler, uneven_nodes
 
 TORCHRUN_CORE = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 TORCHRUN = {
@@ -57,6 +57,15 @@ def test_torchrun_restart_count():
     assert read_launch_env(torchrun(TORCHELASTIC_RESTART_COUNT="2")).restart_count == 2
     with pytest.raises(ConfigError, match="TORCHELASTIC_RESTART_COUNT='x' is not an integer"):
         read_launch_env(torchrun(TORCHELASTIC_RESTART_COUNT="x"))
+
+
+def test_nodes_with_different_process_counts_are_named():
+    # 2 nodes of 2 make the 4 of the world: nothing to say. 3 in all on 2 nodes, 2 here: one node differs.
+    assert uneven_nodes(torchrun(GROUP_WORLD_SIZE="4", WORLD_SIZE="8", LOCAL_WORLD_SIZE="2")) is None
+    message = uneven_nodes(torchrun(GROUP_WORLD_SIZE="2", WORLD_SIZE="3", LOCAL_WORLD_SIZE="2", LOCAL_RANK="0"))
+    assert "3 processes on 2 nodes, 2 of them on this node" in message and "--nproc" in message
+    assert uneven_nodes(torchrun(GROUP_WORLD_SIZE="1", WORLD_SIZE="3", LOCAL_WORLD_SIZE="3")) is None
+    assert uneven_nodes({}) is None  # not under torchrun
 
 
 def test_torchrun_without_local_world_size_means_one_node():

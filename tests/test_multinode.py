@@ -140,6 +140,54 @@ def test_a_wrong_endpoint_fails_fast_with_a_clear_message(nodes, tmp_path):
     assert _finish([_on(ns_b, torchrun, tmp_path, "torchrun.log")], timeout=20) == [None]
 
 
+PROBE = str(ROOT / "tests" / "scripts" / "launch_probe.py")
+
+
+def _iptables() -> str:
+    if shutil.which("iptables") is None and shutil.which("apt-get") is not None:
+        subprocess.run("apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iptables",
+                       shell=True, capture_output=True, timeout=600)
+    if shutil.which("iptables") is None:
+        pytest.skip("a firewall rule needs iptables, and apt-get could not install it")
+    return "iptables"
+
+
+def test_a_firewall_that_drops_the_rendezvous_port_is_named_within_the_join_timeout(nodes, tmp_path):
+    (ns_a, addr_a), (ns_b, _) = nodes
+    veth_a = ns_a[: -len("-a")] + "-va"  # scripts/netns_nodes.sh's interface of node a
+    port = "29402"
+    flags = ["run", "--nnodes", "2", "--nproc", "1", "--rdzv-endpoint", f"{addr_a}:{port}"]
+    rule = ["INPUT", "-i", veth_a, "-p", "tcp", "--dport", port, "-j", "DROP"]
+    fw = _iptables()
+    subprocess.run(["ip", "netns", "exec", ns_a, fw, "-A", *rule], check=True, timeout=30)
+    host = _on(ns_a, DDPKIT + flags + [PROBE, "info"], tmp_path, "a.log")  # hosts the rendezvous, behind the rule
+    try:
+        start = time.monotonic()
+        out = subprocess.run(["ip", "netns", "exec", ns_b, *DDPKIT, *flags[:1], "--join-timeout", "3", *flags[1:],
+                              PROBE, "info"], env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        took = time.monotonic() - start
+    finally:
+        os.killpg(host.pid, signal.SIGKILL)
+        host.wait()
+        subprocess.run(["ip", "netns", "exec", ns_a, fw, "-D", *rule], timeout=30)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert f"the rendezvous at {addr_a}:{port} did not answer within 3 s (no reply" in out.stderr, out.stderr
+    assert "firewall" in out.stderr and "Traceback" not in out.stderr
+    assert took < 20
+
+
+def test_nodes_with_different_process_counts_run_and_say_so(nodes, tmp_path):
+    (ns_a, addr_a), (ns_b, _) = nodes
+    procs = [_on(ns, DDPKIT + ["run", "--nnodes", "2", "--nproc", nproc, "--rdzv-endpoint", f"{addr_a}:29403",
+                               PROBE, "info"], tmp_path, f"{ns}.log")
+             for ns, nproc in ((ns_a, "2"), (ns_b, "1"))]
+    codes = _finish(procs, timeout=120)
+    logs = {ns: (tmp_path / f"{ns}.log").read_text() for ns in (ns_a, ns_b)}
+    assert codes == [0, 0], logs
+    assert "rank=0 world=3" in logs[ns_a] and "sum=6" in logs[ns_a]
+    assert "3 processes on 2 nodes, 2 of them on this node" in logs[ns_a]
+
+
 TRAIN_JOB = str(ROOT / "tests" / "scripts" / "train_job.py")
 
 
@@ -180,6 +228,53 @@ def test_elastic_job_goes_on_without_a_killed_node(nodes, tmp_path):
             if (r["attempt"] == 0) == (r["step"] < resumed_at):
                 seen.setdefault(r["epoch"], []).extend(r["idx"])
     assert sorted(seen) == list(range(40))
+    for epoch, idx in seen.items():
+        assert sorted(idx) == list(range(240)), f"epoch {epoch}: samples not seen exactly once"
+
+
+EPOCHS_JOINED = 60  # node a alone would take ~20 s: long enough for node b to start and join
+
+
+def test_a_node_that_joins_an_elastic_job_is_taken_in_at_a_restart(nodes, tmp_path):
+    """Node a runs a 1:2 elastic job alone; node b joins mid-run. The agents form the job again with both, and
+    the Trainer resumes at world size 2 from the snapshot it saved when stopped; every sample of every epoch
+    once."""
+    (ns_a, addr_a), (ns_b, _) = nodes
+    samples = tmp_path / "samples"
+    samples.mkdir()
+    flags = ["run", "--nnodes", "1:2", "--nproc", "1", "--rdzv-endpoint", f"{addr_a}:29404"]
+    job = [TRAIN_JOB, "run", "--epochs", str(EPOCHS_JOINED), "--sample-log", str(samples)]
+    node_a = _on(ns_a, DDPKIT + flags + job, tmp_path, "a.log")
+    deadline = time.monotonic() + 240
+    while _steps_logged(samples) < 10:  # node a trained alone a while, with snapshots every 3 steps
+        assert time.monotonic() < deadline and node_a.poll() is None, (tmp_path / "a.log").read_text()[-3000:]
+        time.sleep(0.1)
+    node_b = _on(ns_b, DDPKIT + flags + job, tmp_path, "b.log")
+    codes = _finish([node_a, node_b], timeout=300)
+    logs = [(tmp_path / f"{n}.log").read_text()[-3000:] for n in "ab"]
+    assert codes == [0, 0], logs
+
+    events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    events = [e for e in events if e["kind"] == "event" and e["event"] in ("start", "resume", "stop")]
+    # The agent stops node a's worker with SIGTERM to form the job again: the Trainer saves that step, and the
+    # job of two resumes there.
+    assert [(e["event"], e.get("reason")) for e in events] == [
+        ("start", None), ("stop", "signal"), ("resume", None), ("stop", "epochs")], events
+    assert events[2]["world_size"] == 2
+    resumed_at = events[2]["step"]
+    assert 0 < events[1]["step"] == resumed_at < EPOCHS_JOINED * 10
+
+    # A membership change is not a failure, so the restart count stays 0: the world size tells the attempts
+    # apart, by the samples a rank trains per step (24 alone, 12 each in two). Alone, the steps up to the resume
+    # point count; in two, every step.
+    lines = [json.loads(line) for rank in (0, 1) for line in (samples / f"rank{rank}.jsonl").read_text().splitlines()]
+    first = [r for r in lines if len(r["idx"]) == 24]
+    second = [r for r in lines if len(r["idx"]) == 12]
+    assert len(first) + len(second) == len(lines)
+    seen: dict[int, list[int]] = {}
+    for r in [r for r in first if r["step"] < resumed_at] + second:
+        seen.setdefault(r["epoch"], []).extend(r["idx"])
+    assert sorted(seen) == list(range(EPOCHS_JOINED))
     for epoch, idx in seen.items():
         assert sorted(idx) == list(range(240)), f"epoch {epoch}: samples not seen exactly once"
 

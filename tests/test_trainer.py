@@ -59,6 +59,25 @@ def test_n_ranks_train_the_same_model_as_one_process(tmp_path):
     assert max_rel_diff(run(2, tmp_path / "rank_dropout"), one) > 1e-2
 
 
+def _equal_rank_weights(trainer) -> None:
+    # The control: every rank's mean counted alike in the last, uneven batch (what DDP alone does).
+    ddpkit.trainer.loss_share = lambda samples, world, step_samples, micro_batches, micro_global: micro_batches
+
+
+def test_an_uneven_last_batch_trains_the_same_model_as_one_process(tmp_path):
+    # 229 samples in global batches of 24: the last one has 13, split 7/6 on 2 ranks and 5/4/4 on 3.
+    uneven = dict(n_samples=229, drop_last=False, global_dropout=True)
+    one = run(1, tmp_path / "w1", **uneven)
+    assert one["step"] == 3 * 10
+    for world in (2, 3):
+        diff = max_rel_diff(run(world, tmp_path / f"w{world}", **uneven), one)
+        print(f"{world} ranks vs 1 process, uneven last batch: largest relative weight difference {diff:.2e}")
+        assert diff < 1e-5
+    control = max_rel_diff(run(2, tmp_path / "equal", trainer_hook=_equal_rank_weights, **uneven), one)
+    print(f"control, each rank's mean counted alike: {control:.2e}")
+    assert control > 1e-3
+
+
 def test_stop_and_resume_is_bitwise_and_trains_each_sample_once(tmp_path, reference):
     log = tmp_path / "log"
     log.mkdir()

@@ -67,6 +67,28 @@ def _check(info: LaunchEnv) -> LaunchEnv:
     return info
 
 
+def uneven_nodes(env: Mapping[str, str] | None = None) -> str | None:
+    """A warning when torchrun's nodes run different numbers of processes, else None.
+
+    torchrun accepts a different ``--nproc-per-node`` on each node and numbers the ranks node after node, so
+    such a job runs; but it is usually a typo on one node, and it leaves GPUs idle or oversubscribes a node.
+    Told from this process's variables alone (``GROUP_WORLD_SIZE`` nodes x ``LOCAL_WORLD_SIZE`` here against
+    ``WORLD_SIZE``), with no collective.
+    """
+    env = os.environ if env is None else env
+    try:
+        nodes, world, here = (int(env[name]) for name in ("GROUP_WORLD_SIZE", "WORLD_SIZE", "LOCAL_WORLD_SIZE"))
+    except (KeyError, ValueError):
+        return None
+    if nodes < 2 or nodes * here == world:
+        return None
+    return (
+        f"ddpkit: {world} processes on {nodes} nodes, {here} of them on this node: the nodes run different "
+        "numbers of processes. Pass the same --nproc on every node unless this is meant (ranks are numbered node "
+        "after node; per-node settings such as threads and GPUs then differ between nodes)."
+    )
+
+
 def expand_hostlist(hostlist: str) -> list[str]:
     """Expand a SLURM node list such as ``gpu[01-03,07],login1`` or ``rack[1-2]-n[01-02]`` into host names.
 

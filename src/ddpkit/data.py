@@ -103,6 +103,11 @@ class ShardedBatchSampler(Sampler[list[int]]):
         full, tail = divmod(self.num_samples, self.global_batch_size)
         return full + (0 if self.drop_last or tail < self.world_size else 1)
 
+    def samples_in_step(self, step: int) -> int:
+        """Samples over all ranks in global batch ``step`` of an epoch: the global batch size, or fewer in a
+        last, smaller batch (``drop_last=False``)."""
+        return min(self.global_batch_size, self.num_samples - step * self.global_batch_size)
+
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch the next ``iter()`` yields (``DistributedSampler``'s method, kept for scripts)."""
         self.set_position(epoch, 0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -12,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpkit.cluster import LaunchEnv, mpi_rendezvous_address, read_launch_env
+from ddpkit.cluster import LaunchEnv, mpi_rendezvous_address, read_launch_env, uneven_nodes
 from ddpkit.errors import ConfigError
 from ddpkit.signals import hold_stop_signals
 
@@ -150,6 +151,8 @@ def init(
         except (RuntimeError, dist.DistError) as err:
             raise _explain_init_error(err, launch) from err
         atexit.register(_destroy_at_exit)
+    if launch.local_rank == 0 and (uneven := uneven_nodes()):
+        print(uneven, file=sys.stderr, flush=True)
     _runtime = Runtime(
         launch.rank,
         launch.local_rank,

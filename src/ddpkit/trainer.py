@@ -8,7 +8,8 @@ One optimizer step, on every rank:
 
 1. ``grad_accum_steps`` micro-batches; all but the last run under the strategy's ``no_sync()``, so gradients
    are synchronised once per step; each loss is divided by the number of micro-batches (gradients add up, and
-   the step should follow the mean).
+   the step should follow the mean), and an epoch's last, smaller batch is weighed by each rank's share of its
+   samples (:func:`loss_share`), so the step follows the mean over samples, not over ranks.
 2. The strategy (:mod:`ddpkit.strategies`: ``ddp``, ``zero``, ``fsdp``) gives the verdict on the step, the
    same on every rank: if the synchronised gradients, and every rank's loss, are finite the step is taken
    everywhere, else it is skipped (or training stops) everywhere. Under ``ddp`` and ``zero`` no collective of
@@ -57,6 +58,21 @@ from ddpkit.trainer_config import TrainerConfig
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 BatchLossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+def loss_share(samples: int, world_size: int, step_samples: int, micro_batches: int, micro_global: int) -> float:
+    """What a rank divides its micro-batch's mean loss by, so that the step follows the mean over the step's
+    ``step_samples`` samples on all ranks.
+
+    DDP averages the ranks' gradients and micro-batch gradients add up, so the step's gradient is
+    ``sum(grad_i / d_i) / world_size``. With ``d_i = step_samples / (samples_i * world_size)`` that sum weighs
+    every sample alike: ``sum(samples_i * grad_i) / step_samples``. When every micro-batch is full this is the
+    number of micro-batches; an epoch's last, smaller batch (``drop_last=False``) is split unevenly over the
+    ranks, and averaging the ranks' means there would weigh the samples of a rank with fewer more.
+    """
+    if step_samples == micro_batches * micro_global:
+        return float(micro_batches)  # the same division as before, bit for bit
+    return step_samples / (samples * world_size)
 
 
 class Trainer:
@@ -238,6 +254,8 @@ class Trainer:
         for i, batch in enumerate(self.loader):
             group_size = min(accum, remaining - (i // accum) * accum)
             last_in_group = i % accum == group_size - 1
+            if i % accum == 0:
+                step_samples = sum(self.sampler.samples_in_step(first_micro + i + k) for k in range(group_size))
             if not self._on_cpu:  # on the CPU, batches are already where they belong
                 batch = to_device(batch, rt.device)
             n = batch_len(batch)
@@ -248,8 +266,9 @@ class Trainer:
                     loss = self._loss(self.model, batch)
                 window.add(loss, n)
                 scaled = self.strategy.mark_nonfinite(loss)
-                if group_size > 1:  # micro-batch gradients add up; dividing by their number makes the sum a mean
-                    scaled = scaled / group_size
+                share = loss_share(n, self.sampler.world_size, step_samples, group_size, micro_gbs)
+                if share != 1:
+                    scaled = scaled / share
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             if not last_in_group:
                 continue

@@ -32,13 +32,13 @@ N_SAMPLES, N_FEATURES = 240, 8
 class IndexedData(torch.utils.data.Dataset):
     """A fixed classification set whose batches carry their sample indices."""
 
-    def __init__(self) -> None:
+    def __init__(self, n: int = N_SAMPLES) -> None:
         g = torch.Generator().manual_seed(1234)
-        self.x = torch.randn(N_SAMPLES, N_FEATURES, generator=g)
-        self.y = (self.x[:, :2].sum(1) + 0.3 * torch.randn(N_SAMPLES, generator=g) > 0).long()
+        self.x = torch.randn(N_SAMPLES, N_FEATURES, generator=g)[:n]
+        self.y = (self.x[:, :2].sum(1) + 0.3 * torch.randn(N_SAMPLES, generator=g)[:n] > 0).long()
 
     def __len__(self) -> int:
-        return N_SAMPLES
+        return len(self.x)
 
     def __getitem__(self, i: int):
         return self.x[i], self.y[i], i
@@ -137,6 +137,8 @@ def train(
     strategy: str = "ddp",
     strategy_options: dict | None = None,
     snapshot_async: bool = True,
+    n_samples: int = N_SAMPLES,
+    drop_last: bool = True,
 ) -> dict:
     """Train the job; ``event=(what, rank, step)`` makes ``rank`` produce a NaN loss (``nan``), an infinite
     loss whose gradients are finite (``inf``), a NaN loss whose gradients are zero (``ignored``: every target
@@ -178,6 +180,7 @@ def train(
         strategy=strategy,
         strategy_options=strategy_options or {},
         snapshot_async=snapshot_async,
+        drop_last=drop_last,
     )
     attempt = rt.restart_count
     if kill_in_snapshot is not None and attempt == 0 and rt.rank == 0:
@@ -219,7 +222,7 @@ def train(
 
     SabotagedTrainer.drop = drop
     trainer = SabotagedTrainer(
-        model, optimizer, AugmentedData() if augment else IndexedData(), config,
+        model, optimizer, AugmentedData(n_samples) if augment else IndexedData(n_samples), config,
         val_data=IndexedData() if early_stopping_patience else None,
         scheduler=scheduler, batch_loss_fn=batch_loss, metric_fn=metrics, callbacks=callbacks,
     )
