@@ -108,6 +108,14 @@ class ShardedBatchSampler(Sampler[list[int]]):
         last, smaller batch (``drop_last=False``)."""
         return min(self.global_batch_size, self.num_samples - step * self.global_batch_size)
 
+    def place_in_step(self, micro: int, accum: int) -> tuple[int, int]:
+        """For global micro-batch ``micro`` of an epoch, with ``accum`` micro-batches an optimizer step: the
+        samples of that step over all ranks, and where this rank's first sample sits among them."""
+        gbs = self.global_batch_size
+        step_start = (micro // accum) * gbs * accum
+        rank_offset, _ = shard_bounds(self.samples_in_step(micro), self.world_size, self.rank)
+        return min(gbs * accum, self.num_samples - step_start), micro * gbs - step_start + rank_offset
+
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch the next ``iter()`` yields (``DistributedSampler``'s method, kept for scripts)."""
         self.set_position(epoch, 0)

@@ -9,7 +9,7 @@ One optimizer step, on every rank:
 1. ``grad_accum_steps`` micro-batches; all but the last run under the strategy's ``no_sync()``, so gradients
    are synchronised once per step; each loss is divided by the number of micro-batches (gradients add up, and
    the step should follow the mean), and an epoch's last, smaller batch is weighed by each rank's share of its
-   samples (:func:`loss_share`), so the step follows the mean over samples, not over ranks.
+   samples (:func:`~ddpkit.loss_window.loss_share`), so the step follows the mean over samples, not over ranks.
 2. The strategy (:mod:`ddpkit.strategies`: ``ddp``, ``zero``, ``fsdp``) gives the verdict on the step, the
    same on every rank: if the synchronised gradients, and every rank's loss, are finite the step is taken
    everywhere, else it is skipped (or training stops) everywhere. Under ``ddp`` and ``zero`` no collective of
@@ -23,7 +23,6 @@ One optimizer step, on every rank:
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -40,42 +39,27 @@ from ddpkit import callbacks as callbacks_lib
 from ddpkit import run_dir as run_dir_lib
 from ddpkit import signals
 from ddpkit.best import BestWeights
-from ddpkit.checkpoint import Checkpointer, folder_name
-from ddpkit.collectives import all_reduce, broadcast_object, gather_object, print0
-from ddpkit.data import ShardedBatchSampler, build_eval_loader, build_loader, shard_bounds, to_device
+from ddpkit.checkpoint import Checkpointer
+from ddpkit.collectives import all_reduce, broadcast_object, print0
+from ddpkit.data import ShardedBatchSampler, build_eval_loader, build_loader, to_device
 from ddpkit.dropout import BatchLayout, GlobalBatchDropout, batch_layout, convert_dropout
 from ddpkit.errors import PREEMPTED_EXIT_CODE, ConfigError, Preempted
 from ddpkit.evaluation import classification_metrics, evaluate
 from ddpkit.logging_utils import MetricsWriter, Progress, run_summary
-from ddpkit.loss_window import LossWindow, batch_len
+from ddpkit.loss_window import LossWindow, batch_len, loss_share
 from ddpkit.losses import cross_entropy
-from ddpkit.model import unwrap
 from ddpkit.groups import group_runtime
 from ddpkit.runtime import Runtime
-from ddpkit.seeding import rng_state, set_rng_state, stream_seed
+from ddpkit.seeding import stream_seed
 from ddpkit.strategies import Strategy, build_strategy
 from ddpkit.trainer_config import TrainerConfig
+from ddpkit.trainer_snapshots import TrainerSnapshots
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 BatchLossFn = Callable[[nn.Module, Any], torch.Tensor]
 
 
-def loss_share(samples: int, world_size: int, step_samples: int, micro_batches: int, micro_global: int) -> float:
-    """What a rank divides its micro-batch's mean loss by, so that the step follows the mean over the step's
-    ``step_samples`` samples on all ranks.
-
-    DDP averages the ranks' gradients and micro-batch gradients add up, so the step's gradient is
-    ``sum(grad_i / d_i) / world_size``. With ``d_i = step_samples / (samples_i * world_size)`` that sum weighs
-    every sample alike: ``sum(samples_i * grad_i) / step_samples``. When every micro-batch is full this is the
-    number of micro-batches; an epoch's last, smaller batch (``drop_last=False``) is split unevenly over the
-    ranks, and averaging the ranks' means there would weigh the samples of a rank with fewer more.
-    """
-    if step_samples == micro_batches * micro_global:
-        return float(micro_batches)  # the same division as before, bit for bit
-    return step_samples / (samples * world_size)
-
-
-class Trainer:
+class Trainer(TrainerSnapshots):
     """DDP training of ``model`` with ``optimizer`` on ``train_data``; see :class:`TrainerConfig`.
 
     The loss is ``loss_fn(model(inputs), targets)`` for ``(inputs, targets)`` batches (cross-entropy by
@@ -200,7 +184,7 @@ class Trainer:
             self.best_weights.value, self.best_weights.epoch = best
         self._write_config()
         callbacks_lib.call(self.callbacks, "on_fit_start", self)
-        handlers = self._install_signal_handlers()
+        handlers = signals.catch_stop_signals(self._on_stop_signal)
         last: dict[str, float] = {}
         try:
             # A finished run, resumed: nothing left to train.
@@ -443,16 +427,9 @@ class Trainer:
         Keyed by the step, not the micro-batch, so :class:`GlobalBatchDropout` draws the same masks with or
         without gradient accumulation: sample ``p`` of a step's global batch gets row ``p`` of its mask.
         """
-        gbs, n, accum = self.sampler.global_batch_size, self.sampler.num_samples, self.config.grad_accum_steps
-        step_in_epoch = micro // accum
-        step_start = step_in_epoch * gbs * accum
-        micro_size = min(gbs, n - micro * gbs)
-        rank_offset, _ = shard_bounds(micro_size, self.runtime.world_size, self.runtime.rank)
-        return BatchLayout(
-            global_size=min(gbs * accum, n - step_start),
-            offset=micro * gbs - step_start + rank_offset,
-            key=stream_seed("dropout", self.config.seed, self.epoch, step_in_epoch),
-        )
+        accum = self.config.grad_accum_steps
+        size, offset = self.sampler.place_in_step(micro, accum)
+        return BatchLayout(size, offset, key=stream_seed("dropout", self.config.seed, self.epoch, micro // accum))
 
     def _autocast(self) -> Any:
         if self.config.precision == "fp32":
@@ -460,162 +437,13 @@ class Trainer:
         dtype = torch.bfloat16 if self.config.precision == "bf16" else torch.float16
         return torch.autocast(self.runtime.device.type, dtype=dtype)
 
+    def _on_stop_signal(self, signum: int) -> None:
+        # Only a flag: the next agreement (every log_every_steps) spreads it, and every rank saves and stops
+        # after the same step.
+        self._stop_signal = signum
+
     def _print0(self, *args: Any) -> None:
         print0(*args, group=self.group)
 
     def _lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
-
-    def _install_signal_handlers(self) -> dict[int, Any]:
-        # SLURM (--signal) and other schedulers warn with SIGUSR1 or SIGTERM before pre-emption. The handler
-        # only raises a flag: the next agreement (every log_every_steps) spreads it, and every rank saves and
-        # stops after the same step.
-        def handler(signum: int, frame: Any) -> None:
-            self._stop_signal = signum
-
-        # A SIGUSR1 that came before fit() (during data loading, say) was held for it by the worker.
-        held = signals.pending_stop_signal(clear=True)
-        if held is not None:
-            self._stop_signal = int(held)
-        previous = {}
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            try:
-                previous[sig] = signal.signal(sig, handler)
-            except ValueError:  # not the main thread: leave signals alone
-                break
-        return previous
-
-    def _write_config(self) -> None:
-        if not self.runtime.is_main:
-            return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        resolved = asdict(self.config) | {
-            "world_size": self.runtime.world_size,
-            "per_rank_batch": self.sampler.batch_size,
-            "backend": self.runtime.backend,
-            "device": str(self.runtime.device),
-            "torch": torch.__version__,
-        }
-        (self.run_dir / "config.json").write_text(json.dumps(resolved, indent=2, default=str) + "\n")
-
-    # -- snapshots ----------------------------------------------------------------------------------------
-
-    def state_dict(self) -> dict[str, Any]:
-        """Everything the next step needs. ``strategy``: model and optimizer, each rank's own part (shards under
-        zero and fsdp), for :mod:`torch.distributed.checkpoint`; the rest is the same on every rank, or gathered.
-        Collective: every rank calls it (RNG states are gathered)."""
-        per_rank = {"rng": rng_state(), "loader_generator": self.generator.get_state()}
-        return {
-            "strategy": self.strategy.state_dict(),
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-            "trainer": {
-                "epoch": self.epoch,
-                "step": self.step,
-                "cursor": self.cursor,
-                "best": self.best,
-                "bad_epochs": self.bad_epochs,
-                "skipped_steps": self.skipped_steps,
-            },
-            "ranks": gather_object(per_rank, group=self.group),
-            "world_size": self.runtime.world_size,
-            "global_micro_batch": self.sampler.global_batch_size,
-            "config": json.loads(json.dumps(asdict(self.config), default=str)),
-            "optimizer_hparams": self._hparams,
-            "model_shapes": run_dir_lib.tensor_shapes(unwrap(self.model).state_dict()),
-        }
-
-    def _check_resumable(self, saved: dict[str, Any], source: str) -> None:
-        config = json.loads(json.dumps(asdict(self.config), default=str))
-        shapes = run_dir_lib.tensor_shapes(unwrap(self.model).state_dict())
-        run_dir_lib.check_resumable(saved, config, shapes, self._hparams, source)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output; its ``strategy`` part already loaded (by DCP) for this world
-        size. A single-file snapshot of an earlier version holds ``model`` and ``optimizer`` whole instead."""
-        rt = self.runtime
-        if state["global_micro_batch"] != self.sampler.global_batch_size:
-            raise ConfigError(
-                f"the snapshot was taken with {state['global_micro_batch']} samples per global micro-batch, this "
-                f"run has {self.sampler.global_batch_size}: keep global_batch_size (or batch_size x world size) "
-                "and grad_accum_steps as they were to resume"
-            )
-        if "strategy" in state:
-            self.strategy.load_state_dict(state["strategy"])
-        elif hasattr(self.strategy, "load_full_state"):
-            self.strategy.load_full_state(state["model"], state["optimizer"])
-        else:
-            raise ConfigError(
-                f"this snapshot is a single file, written with strategy 'ddp': resume it with strategy 'ddp' (its "
-                f"next snapshot is a folder that strategy {self.strategy.name!r} can read)"
-            )
-        if self.scheduler is not None and state["scheduler"] is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        if self.scaler is not None and state["scaler"] is not None:
-            self.scaler.load_state_dict(state["scaler"])
-        t = state["trainer"]
-        self.epoch, self.step, self.cursor = t["epoch"], t["step"], t["cursor"]
-        self.best, self.bad_epochs, self.skipped_steps = t["best"], t["bad_epochs"], t["skipped_steps"]
-        if state["world_size"] == rt.world_size:
-            mine = state["ranks"][rt.rank]
-            set_rng_state(mine["rng"])
-            self.generator.set_state(mine["loader_generator"])
-        else:
-            # Another world size: rank r's random stream has no counterpart in the old run. Reseed from
-            # (seed, step, rank) so the run stays reproducible; results then match within tolerance, not bitwise.
-            seed = stream_seed("reseed", self.config.seed, self.step, rt.rank)
-            torch.manual_seed(seed)
-            self.generator.manual_seed(seed)
-            self._print0(
-                f"ddpkit: resuming a {state['world_size']}-rank snapshot on {rt.world_size} ranks: same samples "
-                "in the same steps; random streams (dropout, augmentation) are reseeded"
-            )
-
-    def save(self) -> None:
-        """Snapshot this step into ``run_dir/snapshots/step-N/`` (every rank writes its part; every rank must
-        call it). With ``snapshot_async`` it returns once the state is copied to host memory."""
-        position = (self.epoch, self.step, self.cursor)
-        if position == self._saved_at:
-            return
-        self._saved_at = position
-        t0 = time.perf_counter()
-        state = self.state_dict()
-        sharded = state.pop("strategy")
-        self._snapshots.save(self.step, sharded, state)
-        if self.stopped_by is not None:
-            # The run stops after this snapshot (max_steps, a signal, early stopping): it must be whole before
-            # the process may exit, however fit() ends.
-            self._snapshots.wait()
-        self.writer.log(
-            "event",
-            self.step,
-            {"event": "snapshot", "file": folder_name(self.step), "seconds": round(time.perf_counter() - t0, 4),
-             "async": self.config.snapshot_async},
-        )
-
-    def wait_for_snapshot(self) -> None:
-        """Block until the snapshot being written in the background (if any) is whole on disk."""
-        self._snapshots.wait()
-
-    def resume(self) -> bool:
-        """Load the newest whole snapshot of ``run_dir``, if any; True if training resumes from one."""
-        rt = self.runtime
-        found = self._snapshots.latest(warn=self._print0)
-        if found is None:
-            return False
-        # Refused before any tensor is loaded: a snapshot of another config or model is named, not half-read.
-        sharded, state = self._snapshots.load(found, self.strategy.state_dict, map_location=rt.device,
-                                              check=lambda saved: self._check_resumable(saved, str(found.path)))
-        if sharded is not None:
-            state["strategy"] = sharded
-        self.load_state_dict(state)
-        self.resumed_from = found.step
-        self._saved_at = (self.epoch, self.step, self.cursor)  # already on disk
-        self._print0(f"ddpkit: resumed from {found.path} (epoch {self.epoch}, step {self.step}, restart {rt.restart_count})")
-        self.writer.log(
-            "event",
-            self.step,
-            {"event": "resume", "file": found.path.name, "epoch": self.epoch, "cursor": self.cursor,
-             "restart_count": rt.restart_count, "world_size": rt.world_size},
-        )
-        return True
