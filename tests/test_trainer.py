@@ -18,6 +18,7 @@ from ddpkit.strategies.ddp import all_finite as _all_finite
 from ddpkit.strategies.ddp import nan_gradient_if_nonfinite as _nan_gradient_if_nonfinite
 from ddpkit.strategies.ddp import stepped_parameters as _stepped_parameters
 from ddpkit.loss_window import LossWindow as _LossWindow
+from ddpkit.loss_window import loss_share
 from ddpkit.trainer import TrainerConfig
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
@@ -59,6 +60,21 @@ def test_n_ranks_train_the_same_model_as_one_process(tmp_path):
     assert max_rel_diff(run(2, tmp_path / "rank_dropout"), one) > 1e-2
 
 
+def test_a_ranks_loss_share_weighs_samples_not_ranks():
+    # Full steps: the number of micro-batches, as before. 13 samples as 7/6 on 2 ranks: the rank with 7 divides
+    # by 13/14 (counts more), the one with 6 by 13/12; DDP's mean of the two then gives sum(loss_i) / 13.
+    assert loss_share(12, 2, 24, 1, 24) == 1.0 and loss_share(6, 2, 48, 2, 24) == 2.0
+    shares = [loss_share(n, 2, 13, 1, 24) for n in (7, 6)]
+    assert shares == [13 / 14, 13 / 12]
+    # A sample's weight in the step: 1/n in its rank's mean, 1/share, 1/2 in DDP's average over the ranks.
+    assert [1 / (n * d * 2) for n, d in zip((7, 6), shares)] == pytest.approx([1 / 13] * 2)
+    # Two micro-batches a step, the second short (12 then 7 samples over 2 ranks: 6/6, then 4/3).
+    weights = [1 / (n * loss_share(n, 2, 19, 2, 12) * 2) for n in (6, 6, 4, 3)]
+    assert weights == pytest.approx([1 / 19] * 4)
+    # The control: each rank's mean counted alike gives a sample of the rank with 6 more weight than one of 7.
+    assert 1 / (6 * 2) > 1 / (7 * 2)
+
+
 def _equal_rank_weights(trainer) -> None:
     # The control: every rank's mean counted alike in the last, uneven batch (what DDP alone does).
     ddpkit.trainer.loss_share = lambda samples, world, step_samples, micro_batches, micro_global: micro_batches
@@ -76,6 +92,14 @@ def test_an_uneven_last_batch_trains_the_same_model_as_one_process(tmp_path):
     control = max_rel_diff(run(2, tmp_path / "equal", trainer_hook=_equal_rank_weights, **uneven), one)
     print(f"control, each rank's mean counted alike: {control:.2e}")
     assert control > 1e-3
+    # Two micro-batches a step: 235 samples make micro-batches of 12 and a last one of 7 (4/3, 3/2/2), so the
+    # epoch's last step weighs a full micro-batch against a short one.
+    accum = dict(n_samples=235, drop_last=False, global_dropout=True, grad_accum=2)
+    one = run(1, tmp_path / "a1", **accum)
+    for world in (2, 3):
+        diff = max_rel_diff(run(world, tmp_path / f"a{world}", **accum), one)
+        print(f"{world} ranks vs 1 process, uneven last micro-batch of two: {diff:.2e}")
+        assert diff < 1e-5
 
 
 def test_stop_and_resume_is_bitwise_and_trains_each_sample_once(tmp_path, reference):

@@ -84,8 +84,9 @@ def uneven_nodes(env: Mapping[str, str] | None = None) -> str | None:
         return None
     return (
         f"ddpkit: {world} processes on {nodes} nodes, {here} of them on this node: the nodes run different "
-        "numbers of processes. Pass the same --nproc on every node unless this is meant (ranks are numbered node "
-        "after node; per-node settings such as threads and GPUs then differ between nodes)."
+        "numbers of processes. Pass the same --nproc (torchrun: --nproc-per-node) on every node unless this is "
+        "meant (ranks are numbered node after node; per-node settings such as threads and GPUs then differ "
+        "between nodes)."
     )
 
 

@@ -103,18 +103,22 @@ class ShardedBatchSampler(Sampler[list[int]]):
         full, tail = divmod(self.num_samples, self.global_batch_size)
         return full + (0 if self.drop_last or tail < self.world_size else 1)
 
-    def samples_in_step(self, step: int) -> int:
-        """Samples over all ranks in global batch ``step`` of an epoch: the global batch size, or fewer in a
-        last, smaller batch (``drop_last=False``)."""
-        return min(self.global_batch_size, self.num_samples - step * self.global_batch_size)
+    def samples_in_batch(self, micro: int) -> int:
+        """Samples over all ranks in global batch ``micro`` of an epoch (a micro-batch, under gradient
+        accumulation): the global batch size, or fewer in a last, smaller one (``drop_last=False``)."""
+        return min(self.global_batch_size, self.num_samples - micro * self.global_batch_size)
+
+    def samples_in_step(self, micro: int, accum: int) -> int:
+        """Samples over all ranks in the optimizer step that global batch ``micro`` belongs to, with ``accum``
+        batches a step (the epoch's last step may have fewer batches, and its last batch fewer samples)."""
+        first = micro - micro % accum
+        return sum(self.samples_in_batch(m) for m in range(first, min(first + accum, self.steps_per_epoch)))
 
     def place_in_step(self, micro: int, accum: int) -> tuple[int, int]:
-        """For global micro-batch ``micro`` of an epoch, with ``accum`` micro-batches an optimizer step: the
-        samples of that step over all ranks, and where this rank's first sample sits among them."""
-        gbs = self.global_batch_size
-        step_start = (micro // accum) * gbs * accum
-        rank_offset, _ = shard_bounds(self.samples_in_step(micro), self.world_size, self.rank)
-        return min(gbs * accum, self.num_samples - step_start), micro * gbs - step_start + rank_offset
+        """:meth:`samples_in_step`, and where this rank's first sample of global batch ``micro`` sits among
+        them (samples numbered batch after batch, and rank after rank within a batch)."""
+        rank_offset, _ = shard_bounds(self.samples_in_batch(micro), self.world_size, self.rank)
+        return self.samples_in_step(micro, accum), (micro % accum) * self.global_batch_size + rank_offset
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch the next ``iter()`` yields (``DistributedSampler``'s method, kept for scripts)."""

@@ -58,13 +58,14 @@ def catch_stop_signals(on_signal: Callable[[int], None]) -> dict[int, Any]:
     """Call ``on_signal(signum)`` on SIGTERM and SIGUSR1 (a scheduler's warning before pre-emption) from now on;
     returns the handlers replaced, to put back with ``signal.signal``. A signal held by :func:`hold_stop_signals`
     before this call is passed on at once. From a thread other than the main one, signals are left alone."""
-    held = pending_stop_signal(clear=True)
-    if held is not None:
-        on_signal(int(held))
     previous: dict[int, Any] = {}
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         try:
             previous[sig] = signal.signal(sig, lambda signum, frame: on_signal(signum))
         except ValueError:  # not the main thread
             break
+    # Read after the handlers are in: a signal that lands in between is then either held or passed on.
+    held = pending_stop_signal(clear=True)
+    if held is not None:
+        on_signal(int(held))
     return previous

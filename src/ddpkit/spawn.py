@@ -35,6 +35,7 @@ def _worker(
         OMP_NUM_THREADS=str(threads),
     )
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # rank 0 hosts the store, as with a static rendezvous
+    os.environ.pop("GROUP_WORLD_SIZE", None)  # a torchrun job's node count, not this world's
     torch.set_num_threads(threads)
     runtime.forget()  # a forked child must not inherit the parent's runtime
     try:

@@ -239,7 +239,7 @@ class Trainer(TrainerSnapshots):
             group_size = min(accum, remaining - (i // accum) * accum)
             last_in_group = i % accum == group_size - 1
             if i % accum == 0:
-                step_samples = sum(self.sampler.samples_in_step(first_micro + i + k) for k in range(group_size))
+                step_samples = self.sampler.samples_in_step(first_micro + i, accum)
             if not self._on_cpu:  # on the CPU, batches are already where they belong
                 batch = to_device(batch, rt.device)
             n = batch_len(batch)

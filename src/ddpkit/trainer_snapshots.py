@@ -47,7 +47,6 @@ class TrainerSnapshots:
         }
         (self.run_dir / "config.json").write_text(json.dumps(resolved, indent=2, default=str) + "\n")
 
-
     def state_dict(self) -> dict[str, Any]:
         """Everything the next step needs. ``strategy``: model and optimizer, each rank's own part (shards under
         zero and fsdp), for :mod:`torch.distributed.checkpoint`; the rest is the same on every rank, or gathered.
