@@ -82,7 +82,15 @@ class SabotagedTrainer(Trainer):
                 group["lr"] = 0.05
 
 
-def _kill_inside_snapshot_write(call_to_kill: int) -> None:
+def _sigkill_self(marks: str | None, what: str) -> None:
+    """SIGKILL this process, first leaving ``marks/killed-<what>`` as proof that the kill was sent (the agent's
+    own log names one failed worker only, and it may name the peer whose collective failed first)."""
+    if marks is not None:
+        Path(marks, f"killed-{what}").write_text(str(os.getpid()))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _kill_inside_snapshot_write(call_to_kill: int, marks: str | None) -> None:
     calls = {"n": 0}
     write = ddpkit.snapshot.write_atomic
 
@@ -91,7 +99,7 @@ def _kill_inside_snapshot_write(call_to_kill: int) -> None:
         if calls["n"] == call_to_kill:
             tmp = path.with_name(f".{path.name}.tmp")
             tmp.write_bytes(data[: len(data) // 2])  # half a file, then gone
-            os.kill(os.getpid(), signal.SIGKILL)
+            _sigkill_self(marks, f"in-write-{call_to_kill}")
         write(path, data)
 
     ddpkit.snapshot.write_atomic = dying_write
@@ -184,7 +192,7 @@ def train(
     )
     attempt = rt.restart_count
     if kill_in_snapshot is not None and attempt == 0 and rt.rank == 0:
-        _kill_inside_snapshot_write(kill_in_snapshot)
+        _kill_inside_snapshot_write(kill_in_snapshot, sample_log)
     log = open(Path(sample_log) / f"rank{rt.rank}.jsonl", "a", buffering=1) if sample_log else None
 
     fired: list[bool] = []
@@ -192,7 +200,7 @@ def train(
     def batch_loss(model, batch):
         x, y, idx = batch
         if kill_step is not None and attempt == 0 and rt.rank == kill_rank and trainer.step == kill_step:
-            os.kill(os.getpid(), signal.SIGKILL)
+            _sigkill_self(sample_log, f"rank{rt.rank}-step{kill_step}")
         if log is not None:
             log.write(json.dumps({"attempt": attempt, "epoch": trainer.epoch, "step": trainer.step,
                                   "idx": idx.tolist()}) + "\n")
