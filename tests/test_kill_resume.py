@@ -68,6 +68,8 @@ def test_sigkill_at_random_steps_resumes_bitwise(tmp_path, clean_env):
         assert_each_sample_once(samples_per_epoch(tmp_path / f"trial{i}-log", resumed), N_SAMPLES, 3)
         report.append((what, " ".join(args), final["attempt"], final["resumed_from"], max_abs_diff(final, reference)))
         assert bitwise_equal(final, reference), f"{what} ({args}, seed {SEED}): final state differs"
+        differs = rank_differences(tmp_path / f"trial{i}.pt", tmp_path / "reference.pt")
+        assert differs == {0: [], 1: []}, f"{what} ({args}, seed {SEED}): a rank's own state differs: {differs}"
     print(f"\nkill trials (DDPKIT_KILL_SEED={SEED}): {len(report)} of {len(trials)} kills survived")
     for what, args, attempt, step, diff in report:
         print(f"  {what:32s} {args:28s} restarts {attempt}  resumed from step {step}  max |dw| {diff:.1e}")
@@ -128,7 +130,8 @@ WORKER_KILLS = {"mid-epoch": (14, (12, 10)), "epoch boundary": (10, (10, 9))}
 def test_sigkill_with_two_loader_workers_per_rank_resumes_bitwise(tmp_path, clean_env):
     # Augmentation in __getitem__ (torch, numpy, python draws) in 2 persistent workers per rank: each sample's
     # draws are a function of (seed, epoch, index), so the restarted job augments as the uninterrupted one.
-    workers = ["--augment", "--workers", "2"]
+    # BatchNorm without sync BatchNorm: each rank's own running statistics.
+    workers = ["--augment", "--workers", "2", "--no-sync-bn"]
     reference, _ = launch(tmp_path, "reference", *workers, clean_env=clean_env)
     for what, (kill_step, resumed_from) in WORKER_KILLS.items():
         name = what.replace(" ", "-")
@@ -141,6 +144,7 @@ def test_sigkill_with_two_loader_workers_per_rank_resumes_bitwise(tmp_path, clea
         print(f"\n{what}: killed at step {kill_step}, resumed from {final['resumed_from']}: max |dw| "
               f"{max_abs_diff(final, reference):.1e}")
         assert bitwise_equal(final, reference), what
+        assert rank_differences(tmp_path / f"{name}.pt", tmp_path / "reference.pt") == {0: [], 1: []}, what
     # Control: left to the workers' own streams (how loaders draw without ddpkit's seeding), the same kill at
     # the epoch boundary ends elsewhere: the restarted workers' streams start afresh.
     unseeded = [*workers, "--unseeded-samples"]
