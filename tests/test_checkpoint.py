@@ -211,6 +211,7 @@ def test_a_crafted_non_tensor_item_is_never_unpickled(tmp_path):
 @pytest.mark.parametrize("change, refusal", [
     ({"file": "../../elsewhere"}, "not a data file of the folder"),
     ({"offset": ["0"]}, "not a list of non-negative integers"),
+    ({"fqn": ["model.w"]}, "a storage entry names no tensor of the index"),
 ])
 def test_an_index_pointing_outside_its_folder_or_malformed_is_refused(tmp_path, change, refusal):
     ckpt = Checkpointer(tmp_path)

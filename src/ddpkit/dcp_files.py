@@ -219,13 +219,13 @@ def index_from_json(data: Any) -> Metadata:
             raise BadIndex(f"item {fqn!r} is not a tensor")
         if not all(isinstance(c, dict) for c in md["chunks"]):
             raise BadIndex(f"tensor {fqn!r} has a malformed chunk")
-        chunks = [ChunkStorageMetadata(torch.Size(_ints(c.get("offsets"), fqn)), torch.Size(_ints(c.get("sizes"), fqn)))
-                  for c in md["chunks"]]
+        chunks = [ChunkStorageMetadata(torch.Size(_ints(c.get("offsets"), fqn)),
+                                       torch.Size(_ints(c.get("sizes"), fqn))) for c in md["chunks"]]
         state[fqn] = TensorStorageMetadata(TensorProperties(dtype=_dtype(md.get("dtype"), fqn)),
                                            torch.Size(_ints(md.get("size"), fqn)), chunks)
     storage = {}
     for entry in data["storage"]:
-        if not isinstance(entry, dict) or entry.get("fqn") not in state:
+        if not isinstance(entry, dict) or not isinstance(entry.get("fqn"), str) or entry["fqn"] not in state:
             raise BadIndex("a storage entry names no tensor of the index")
         name = entry.get("file")
         if not isinstance(name, str) or not _DATA_FILE.match(name):
@@ -238,8 +238,9 @@ def index_from_json(data: Any) -> Metadata:
     if not isinstance(paths, dict) or not all(
             isinstance(p, list) and all(type(k) in (str, int) for k in p) for p in paths.values()):
         raise BadIndex("its key paths are malformed")
+    version = data.get("version") if isinstance(data.get("version"), str) else None
     return Metadata(state, planner_data={k: tuple(v) for k, v in paths.items()}, storage_data=storage,
-                    storage_meta=StorageMeta(), version=data.get("version"))
+                    storage_meta=StorageMeta(), version=version)
 
 
 def read_index(folder: Path) -> Metadata:
