@@ -1,15 +1,31 @@
 """Folder snapshots: whole or absent, checksummed, pruned, written in the background from a copy; a crash in
-the middle of a background write leaves the previous snapshot the newest whole one."""
+the middle of a background write leaves the previous snapshot the newest whole one; a tampered folder runs no
+code on load; a full disk is named, on every rank, with the previous snapshot left whole."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import hashlib
+import io
 import json
+import pickle
+import sys
 import textwrap
+from pathlib import Path
 
+import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
-from ddpkit.checkpoint import MARKER, Checkpointer
+import ddpkit
+from ddpkit import dcp_files
+from ddpkit.checkpoint import EXTRA, INDEX, MARKER, PER_RANK, Checkpointer, SnapshotWriteError
+from ddpkit.errors import ConfigError
 from ddpkit.snapshot import save_snapshot
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tmpfs import fill, small_tmpfs  # noqa: E402
 
 
 def state(step: int) -> tuple[dict, dict]:
@@ -113,3 +129,198 @@ def test_a_crash_during_a_background_write_leaves_the_previous_snapshot(tmp_path
     ckpt = Checkpointer(tmp_path)
     found, sharded, _ = load(ckpt, size=1000)
     assert found.step == 3 and sharded["model"]["w"][0] == 3.0
+
+
+# -- a snapshot folder from elsewhere runs no code ---------------------------------------------------------
+
+
+class RunsCode:
+    """Unpickling this object creates the file ``path``: what a tampered snapshot could do instead."""
+
+    def __init__(self, path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def reseal(folder) -> None:
+    """Rewrite the marker's sizes and checksums for the files as they now are: whoever can write the folder can."""
+    marker = json.loads((folder / MARKER).read_text())
+    marker["files"] = {name: {"size": (folder / name).stat().st_size,
+                              "sha256": hashlib.sha256((folder / name).read_bytes()).hexdigest()}
+                       for name in marker["files"]}
+    (folder / MARKER).write_text(json.dumps(marker))
+
+
+def test_a_crafted_dcp_index_is_never_unpickled(tmp_path):
+    ckpt = Checkpointer(tmp_path / "snapshots")
+    save(ckpt, 3)
+    folder, ran = tmp_path / "snapshots" / "step-00000003", tmp_path / "ran"
+    (folder / ".metadata").write_bytes(pickle.dumps(RunsCode(ran)))
+    reseal(folder)
+    found, sharded, extra = load(ckpt)  # reads the JSON index; .metadata is left alone
+    assert not ran.exists() and found.step == 3 and torch.equal(sharded["model"]["w"], torch.full((4,), 3.0))
+    # Control: torch's own reader unpickles .metadata, and the code runs.
+    with contextlib.suppress(BaseException):
+        dcp.load({"model": {"w": torch.zeros(4)}}, checkpoint_id=folder, no_dist=True)
+    assert ran.exists()
+
+
+def test_a_crafted_non_tensor_item_is_never_unpickled(tmp_path):
+    ran = tmp_path / "ran"
+    # Control: DCP stores a non-tensor value as a pickle, and its default planner runs it on load.
+    stock = tmp_path / "stock"
+    dcp.save({"w": torch.ones(4), "hp": RunsCode(ran)}, checkpoint_id=stock, no_dist=True)
+    assert not ran.exists()
+    dcp.load({"w": torch.zeros(4), "hp": None}, checkpoint_id=stock, no_dist=True)
+    assert ran.exists()
+    ran.unlink()
+    # ddpkit's planner refuses the same item (reached only past the JSON index, which admits no such item).
+    with open(stock / ".metadata", "rb") as f:
+        trusted = pickle.load(f)  # written by this test: safe to unpickle here
+    with pytest.raises(BaseException, match="not a tensor: refusing to unpickle it"):
+        dcp.load({"w": torch.zeros(4), "hp": None}, storage_reader=dcp_files.Reader(stock, trusted),
+                 planner=dcp_files.TensorsOnlyPlanner(), no_dist=True)
+    assert not ran.exists()
+    # A snapshot whose index declares an item that is not a tensor is refused by name.
+    ckpt = Checkpointer(tmp_path / "snapshots")
+    save(ckpt, 3)
+    folder = tmp_path / "snapshots" / "step-00000003"
+    index = json.loads((folder / INDEX).read_text())
+    index["tensors"]["hp"] = {"bytes": True}
+    (folder / INDEX).write_text(json.dumps(index))
+    reseal(folder)
+    with pytest.raises(ConfigError, match="is not an index ddpkit wrote .item 'hp' is not a tensor"):
+        load(ckpt)
+    # A tensor entry pointing at a pickle instead of tensor data: torch's weights_only loader refuses it.
+    payload = io.BytesIO()
+    torch.save(RunsCode(ran), payload)
+    (folder / "__0_0.distcp").write_bytes(payload.getvalue())
+    del index["tensors"]["hp"]
+    index["storage"][0].update(at=0, length=len(payload.getvalue()))
+    (folder / INDEX).write_text(json.dumps(index))
+    reseal(folder)
+    with pytest.raises(RuntimeError, match="loading snapshot .* failed: .*Weights only load failed"):
+        load(ckpt)
+    assert not ran.exists()
+    torch.load(folder / "__0_0.distcp", weights_only=False)  # control: unpickled, it runs
+    assert ran.exists()
+
+
+@pytest.mark.parametrize("change, refusal", [
+    ({"file": "../../elsewhere"}, "not a data file of the folder"),
+    ({"offset": ["0"]}, "not a list of non-negative integers"),
+    ({"fqn": ["model.w"]}, "a storage entry names no tensor of the index"),
+])
+def test_an_index_pointing_outside_its_folder_or_malformed_is_refused(tmp_path, change, refusal):
+    ckpt = Checkpointer(tmp_path)
+    save(ckpt, 3)
+    folder = tmp_path / "step-00000003"
+    index = json.loads((folder / INDEX).read_text())
+    index["storage"][0].update(change)
+    (folder / INDEX).write_text(json.dumps(index))
+    reseal(folder)
+    with pytest.raises(ConfigError, match=refusal):
+        load(ckpt)
+
+
+def test_a_trainer_state_holding_code_or_of_an_earlier_format_is_refused(tmp_path):
+    ckpt = Checkpointer(tmp_path / "snapshots")
+    save(ckpt, 3)
+    folder, ran = tmp_path / "snapshots" / "step-00000003", tmp_path / "ran"
+    good = (folder / EXTRA).read_bytes()
+    torch.save({"format": 2, "world_size": 1, "values": [{}], "extra": RunsCode(ran)}, folder / EXTRA)
+    reseal(folder)
+    with pytest.raises(ConfigError, match="trainer.pt holds objects other than tensors and plain values"):
+        load(ckpt)
+    assert not ran.exists()
+    torch.load(folder / EXTRA, weights_only=False)  # control: unpickled, it runs
+    assert ran.exists()
+    # The folders of the version before (state alone in trainer.pt, pickled index only) are refused by name.
+    saved = torch.load(io.BytesIO(good), weights_only=True)
+    torch.save(saved["extra"], folder / EXTRA)
+    (folder / INDEX).unlink()
+    marker = json.loads((folder / MARKER).read_text())
+    del marker["files"][INDEX]
+    (folder / MARKER).write_text(json.dumps(marker))
+    reseal(folder)
+    with pytest.raises(ConfigError, match="written by an earlier version of ddpkit.*resume=False"):
+        load(ckpt)
+
+
+# -- a full disk -------------------------------------------------------------------------------------------
+
+BIG = 50_000  # floats: 200 kB, more than a file's write buffer, as real states are
+
+
+@pytest.mark.parametrize("async_write", [False, True], ids=["sync", "async"])
+def test_a_full_disk_is_named_and_the_previous_snapshot_stays_whole(tmp_path, async_write):
+    with small_tmpfs(tmp_path / "fs", "1m") as fs:
+        ckpt = Checkpointer(fs / "snapshots", async_write=async_write)
+        ckpt.save(3, {"model": {"w": torch.full((BIG,), 3.0)}}, {"step": 3})
+        ckpt.wait()
+        fill(fs, leave=BIG)  # room for part of the next snapshot
+        with pytest.raises(SnapshotWriteError) as info:
+            ckpt.save(6, {"model": {"w": torch.full((BIG,), 6.0)}}, {"step": 6})
+            ckpt.wait()
+        message = str(info.value)
+        print(message)
+        assert "no space left on device" in message and f"snapshot {fs / 'snapshots' / 'step-00000006'} " in message
+        assert f"the previous snapshot, {fs / 'snapshots' / 'step-00000003'}, is whole" in message
+        assert ("(written in the background)" in message) == async_write
+        assert not (fs / "snapshots" / "step-00000006").exists()  # nothing half-written is left
+        found, sharded, extra = load(ckpt, size=BIG)
+        assert found.step == 3 and torch.equal(sharded["model"]["w"], torch.full((BIG,), 3.0))
+        # Control: torch's own writer, on the same disk filling up, does not say why.
+        fill(fs, leave=BIG)
+        with pytest.raises(BaseException) as stock:
+            dcp.save({"w": torch.ones(BIG)}, checkpoint_id=fs / "stock", no_dist=True)
+        print(f"torch's own writer: {str(stock.value).strip().splitlines()[-1]}")
+        assert "no space" not in str(stock.value).lower()
+
+
+def _fill_and_save(fs: str) -> list[str]:
+    """Each rank's own 200 kB; rank 0 fills the disk between a snapshot and the next, written in the
+    training thread and then in the background: the message each rank raised, each time."""
+    rt = ddpkit.init()
+
+    def state(step: int) -> dict:
+        return {PER_RANK: {"model": {"w": torch.full((BIG,), float(step + rt.rank))}}}
+
+    checkpointers = [Checkpointer(Path(fs) / f"async-{a}", group=rt.group, async_write=a) for a in (False, True)]
+    for ckpt in checkpointers:
+        ckpt.save(3, state(3), {"step": 3})
+        ckpt.wait()
+    messages = []
+    for ckpt in checkpointers:
+        if rt.rank == 0:
+            fill(Path(fs), leave=BIG)
+        torch.distributed.barrier()
+        try:
+            ckpt.save(6, state(6), {"step": 6})
+            ckpt.wait()
+        except SnapshotWriteError as err:
+            messages.append(str(err))
+    return messages
+
+
+def test_a_full_disk_stops_every_rank_with_the_same_message(tmp_path):
+    with small_tmpfs(tmp_path / "fs", "2m") as fs:
+        ranks = ddpkit.spawn(functools.partial(_fill_and_save, str(fs)), 2)
+    for sync_or_async in range(2):
+        messages = {rank: ranks[rank][sync_or_async] for rank in range(2)}
+        print(messages[0])
+        assert messages[0].removesuffix(" (written in the background)") == messages[1].removesuffix(
+            " (written in the background)")
+        assert "no space left on device" in messages[0] and "is whole and untouched" in messages[0]
+
+
+def test_a_snapshot_folder_that_cannot_be_made_is_named(tmp_path):
+    ckpt = Checkpointer(tmp_path)
+    save(ckpt, 3)
+    (tmp_path / "step-00000006").write_text("a file where the folder goes")
+    with pytest.raises(SnapshotWriteError, match=r"step-00000006 was not written: File exists \(rank 0 writing "
+                                                 r"step-00000006\).*the previous snapshot, .*step-00000003, is whole"):
+        save(ckpt, 6)
+    assert ckpt.latest().step == 3

@@ -1,7 +1,8 @@
 """zero and fsdp under the real launcher and at several world sizes (minutes: ``pytest -m slow``).
 
-SIGKILL at a random step resumes bit for bit; N ranks train what one process trains; a zero snapshot resumes
-at another world size."""
+SIGKILL at a random step resumes bit for bit, every rank's state (BatchNorm without sync BatchNorm: each rank's
+own running statistics); N ranks train what one process trains; a zero snapshot resumes at another world
+size."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ import torch
 import ddpkit
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).parent))
 from train_job import train  # noqa: E402
+from trainer_checks import rank_differences  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -66,22 +69,26 @@ def launch(tmp: Path, name: str, *job_args: str, clean_env: dict) -> tuple[dict,
 @pytest.mark.parametrize("strategy", ["zero", "fsdp"])
 def test_sigkill_at_a_random_step_resumes_bitwise(tmp_path, clean_env, strategy):
     rng = random.Random(SEED)
-    reference, _ = launch(tmp_path, "reference", "--strategy", strategy, clean_env=clean_env)
+    job = ["--strategy", strategy, "--no-sync-bn"]  # each rank's own running statistics
+    reference, _ = launch(tmp_path, "reference", *job, clean_env=clean_env)
     trials = [
         ["--kill-rank", str(rng.randrange(2)), "--kill-step", str(rng.randrange(1, 30))],
-        ["--kill-in-snapshot", str(rng.randrange(1, 9))],  # odd: trainer.pt, even: the marker
+        ["--kill-in-snapshot", str(rng.randrange(1, 10))],  # a snapshot's index, trainer.pt or marker
     ]
     for i, args in enumerate(trials):
-        final, stderr = launch(tmp_path, f"trial{i}", "--strategy", strategy, *args, clean_env=clean_env)
+        final, stderr = launch(tmp_path, f"trial{i}", *job, *args, clean_env=clean_env)
         # Proof of the kill: a restart, and the agent's report of the first failure: the killed rank (-9), or a
         # survivor it stopped (-15) whose own error was stamped in an earlier second (the agent's timestamps are
         # whole seconds; on a loaded machine its poll can fall a second behind the survivor's exception).
         assert final["attempt"] >= 1 and ("exitcode: -9" in stderr or "exitcode: -15" in stderr), args
         print(f"\n{strategy} (DDPKIT_KILL_SEED={SEED}) {' '.join(args)}: resumed from step {final['resumed_from']}")
         assert bitwise_equal_full(final, reference), f"{strategy} {args}: final state differs"
-    # Control: a run that differs by one step of data is not bitwise equal, and the check sees it.
-    shorter, _ = launch(tmp_path, "shorter", "--strategy", strategy, "--max-steps", "29", clean_env=clean_env)
+        differs = rank_differences(tmp_path / f"trial{i}.pt", tmp_path / "reference.pt")
+        assert differs == {0: [], 1: []}, f"{strategy} {args}: a rank's own state differs: {differs}"
+    # Control: a run that differs by one step of data is not bitwise equal, and the checks see it.
+    shorter, _ = launch(tmp_path, "shorter", *job, "--max-steps", "29", clean_env=clean_env)
     assert not bitwise_equal_full(shorter, reference)
+    assert all(rank_differences(tmp_path / "shorter.pt", tmp_path / "reference.pt").values())
 
 
 def run(world: int, run_dir: Path, **kwargs) -> dict:

@@ -23,6 +23,30 @@ def bitwise_equal(a: dict, b: dict) -> bool:
     return a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"] and a["scheduler"] == b["scheduler"]
 
 
+def rank_differences(out: str | Path, reference: str | Path, world: int = 2) -> dict[int, list[str]]:
+    """For each rank, the keys of its final state (``out.rank<r>``, written by the test job) that are not
+    bitwise those of the same rank of ``reference``."""
+    found = {}
+    for rank in range(world):
+        a = torch.load(f"{out}.rank{rank}", weights_only=False)
+        b = torch.load(f"{reference}.rank{rank}", weights_only=False)
+        assert a.keys() == b.keys(), f"rank {rank}: {sorted(a.keys() ^ b.keys())}"
+        found[rank] = [k for k in a if not (torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k])]
+    return found
+
+
+def rank_max_abs_diff(out: str | Path, reference: str | Path, world: int = 2) -> float:
+    """Largest absolute difference over every rank's floating-point tensors."""
+    worst = 0.0
+    for rank in range(world):
+        a = torch.load(f"{out}.rank{rank}", weights_only=False)
+        b = torch.load(f"{reference}.rank{rank}", weights_only=False)
+        for k, v in a.items():
+            if torch.is_tensor(v) and v.is_floating_point():
+                worst = max(worst, (v.double() - b[k].double()).abs().max().item())
+    return worst
+
+
 def max_abs_diff(a: dict, b: dict) -> float:
     return max((a["model"][k].double() - b["model"][k].double()).abs().max().item() for k in a["model"])
 

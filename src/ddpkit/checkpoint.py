@@ -4,9 +4,10 @@ marker with checksums, written last, makes the folder count.
 Layout of ``run_dir/snapshots``::
 
     step-00000120/
-        __0_0.distcp, __1_0.distcp   each rank's part of the model and optimizer state (shards under zero/fsdp)
-        .metadata                    DCP's index of which tensor (or piece of one) is where
-        trainer.pt                   counters, scheduler, scaler, every rank's RNG states, the config (rank 0)
+        __0_0.distcp, __1_0.distcp   each rank's tensors: its shards (zero/fsdp), and what is its own (below)
+        metadata.json                DCP's index of which tensor (or piece of one) is where; what a resume reads
+        .metadata                    the same index as DCP pickles it, for torch's own tools (never read here)
+        trainer.pt                   the state's other values: counters, scheduler, RNG states, config (rank 0)
         complete.json                the marker: the step, and size + sha256 of every file above
 
 A folder is a snapshot only once ``complete.json`` exists, and the marker is written (atomically, by rank 0)
@@ -14,11 +15,30 @@ only after every rank's files are on disk: a process killed at any instant leave
 newest whole one. On load, a snapshot whose files are missing or altered is reported by name and the one
 before it is used. DCP reshards on load, so a snapshot taken on N ranks resumes on M.
 
+What differs between ranks. DCP keeps one copy of a key that several ranks save (replicated parameters) and
+gives every rank that copy on load, from whichever rank the planner picked to write it. Some values are the
+same key on every rank but each rank's own: BatchNorm's running statistics without sync BatchNorm follow each
+rank's own batches (DDP copies rank 0's into the others only at the next synchronised forward pass), as do
+parameters DDP was told to ignore. A state's :data:`PER_RANK` part holds those: rank 0's copy is saved in the
+place of the shared key (so the shared part is one whole state, rank 0's, as DDP would converge to), rank
+``r``'s under ``per_rank.rank<r>``. At the same world size every rank loads its own copy back; at another, every
+rank loads rank 0's.
+
+Nothing here unpickles data from disk (:mod:`ddpkit.dcp_files`): DCP's files hold tensors only, read with
+``weights_only``; the index is read from JSON; every other value of the state (optimizer hyper-parameters, a
+scheduler's state) is in ``trainer.pt``, which loads with ``torch.load(weights_only=True)``. A snapshot folder
+from elsewhere can give the run any tensors and plain values, but cannot run code; one holding anything else
+is refused by name.
+
 Asynchronous saving (``async_write``): the state is copied to host memory (the only part the training loop
 waits for), then a background thread writes the copy, checksums it and writes the marker. The thread's
 collectives run on a process group of their own (same ranks, gloo): two threads issuing collectives on one
 group could pair a rank's checkpoint message with another rank's gradient all-reduce. One write is in flight
 at a time; the next save, and the end of training, wait for it.
+
+A write that fails (a full disk) raises :class:`SnapshotWriteError` on every rank, naming the OS error, the
+file and the previous snapshot, which is left whole; the partial folder is removed. In the background, the
+error is raised by the next :meth:`Checkpointer.wait` (the next save, or the end of training).
 
 Single-file snapshots of earlier versions (``step-N.pt`` + ``step-N.json``, :mod:`ddpkit.snapshot`) are still
 read, as whole (unsharded) states.
@@ -30,11 +50,12 @@ import copy
 import hashlib
 import io
 import json
+import pickle
 import re
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,12 +65,24 @@ import torch.distributed as dist
 
 from ddpkit import snapshot as single_file
 from ddpkit.collectives import broadcast_object, gather_object
+from ddpkit.errors import ConfigError
 
-# torch.distributed.checkpoint (and DTensor, which it imports) is imported where it is used: it pulls in sympy
-# and costs ~0.9 s per process, which `import ddpkit` (a hand-written loop, the launcher) need not pay.
+# torch.distributed.checkpoint (and DTensor, which it imports; and ddpkit.dcp_files, built on it) is imported
+# where it is used: it pulls in sympy and costs ~0.9 s per process, which `import ddpkit` (a hand-written loop,
+# the launcher) need not pay.
 MARKER = "complete.json"
 EXTRA = "trainer.pt"
+INDEX = "metadata.json"  # ddpkit.dcp_files.INDEX, repeated here to keep that import lazy
+PER_RANK = "per_rank"
+"""Key of the part of a saved state that is each rank's own (see the module docstring)."""
+FORMAT = 2  # of trainer.pt: 1 (no "format" key) held the state alone, with non-tensor values pickled by DCP
 _FOLDER = re.compile(r"^step-(\d+)$")
+
+KeyPath = tuple[Any, ...]
+
+
+class SnapshotWriteError(RuntimeError):
+    """A snapshot could not be written; the message names why, where, and the snapshot a restart resumes from."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +108,54 @@ def _sha256(path: Path) -> str:
 
 def _digest(paths: list[Path]) -> dict[str, dict[str, Any]]:
     return {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in paths}
+
+
+# -- where each value of a state is stored ---------------------------------------------------------------
+
+
+def _leaves(tree: dict[str, Any], prefix: KeyPath = ()) -> Iterator[tuple[KeyPath, Any]]:
+    """(path, value) of every value of a nested dict that is not itself a dict."""
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _leaves(value, (*prefix, key))
+        else:
+            yield (*prefix, key), value
+
+
+def _nest(items: list[tuple[KeyPath, Any]]) -> dict[str, Any]:
+    root: dict[str, Any] = {}
+    for path, value in items:
+        node = root
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        if path[-1] in node:
+            raise ValueError(f"two values are saved as {'.'.join(map(str, path))}: keep a rank's own values out of "
+                             "the shared part")
+        node[path[-1]] = value
+    return root
+
+
+def _set(tree: dict[str, Any], path: KeyPath, value: Any) -> None:
+    for key in path[:-1]:
+        tree = tree[key]
+    tree[path[-1]] = value
+
+
+def stored_path(path: KeyPath, rank: int) -> KeyPath:
+    """Where the value at ``path`` of a state is stored, for the copy of ``rank``: a value of the
+    :data:`PER_RANK` part goes under the name of its rank, except rank 0's, which takes the place of the same
+    key in the shared part."""
+    if path[0] != PER_RANK:
+        return path
+    return path[1:] if rank == 0 else (PER_RANK, f"rank{rank}", *path[1:])
+
+
+def _stored(state: dict[str, Any], rank: int) -> tuple[dict[str, Any], dict[KeyPath, Any]]:
+    """The tensors of ``state`` as DCP saves them (nested, at their :func:`stored_path`), and its other values
+    by stored path (for ``trainer.pt``)."""
+    items = [(stored_path(p, rank), v) for p, v in _leaves(state)]
+    tensors = _nest([(p, v) for p, v in items if isinstance(v, torch.Tensor)])
+    return tensors, {p: v for p, v in items if not isinstance(v, torch.Tensor)}
 
 
 def _stage(value: Any, cache: Any) -> Any:
@@ -143,31 +224,39 @@ class Checkpointer:
     def _rank(self) -> int:
         return dist.get_rank(self.group) if self.distributed else 0
 
-    def save(self, step: int, sharded: dict[str, Any], extra: dict[str, Any]) -> None:
-        """Snapshot ``step``: ``sharded`` (every rank's own part, for DCP) and ``extra`` (rank 0's, one file).
+    @property
+    def _size(self) -> int:
+        return dist.get_world_size(self.group) if self.distributed else 1
+
+    def save(self, step: int, state: dict[str, Any], extra: dict[str, Any]) -> None:
+        """Snapshot ``step``: ``state`` (every rank's own part, for DCP: its tensors, shards and the
+        :data:`PER_RANK` part; its other values go to ``trainer.pt``) and ``extra`` (rank 0's, in ``trainer.pt``).
 
         Returns once the state is safe from the training loop: written (synchronous), or copied to host
-        memory with the write under way (asynchronous).
+        memory with the write under way (asynchronous). Raises :class:`SnapshotWriteError` if it is not.
         """
         self.wait()
         path = self.folder / folder_name(step)
-        if self._rank == 0:
-            # Debris of a write of this step that was killed before its marker (perhaps at another world
-            # size, with other ranks' files): start clean, so the marker lists exactly what is there.
-            shutil.rmtree(path, ignore_errors=True)
-            path.mkdir(parents=True)
-        if self.distributed:
-            dist.barrier(group=self.group)  # no rank writes into the folder before it is clean
+        tensors, values = _stored(state, self._rank)
+        # Rank 0 empties the folder before it joins the gather, so no rank writes into it before it is clean.
+        # Values that are not tensors are few (hyper-parameters by parameter); they may differ between ranks
+        # (zero: each rank's own parameters), so every rank's go to rank 0's trainer.pt.
+        part = (values, self._clear(path, step) if self._rank == 0 else None)
+        parts = gather_object(part, group=self.group) if self.distributed else [part]
+        if parts[0][1] is not None:
+            raise SnapshotWriteError(parts[0][1])
+        every_rank = [v for v, _ in parts]
         extra_bytes = io.BytesIO()
-        if self._rank == 0:  # the same on every rank (or gathered): rank 0's is written
-            torch.save(extra, extra_bytes)
+        if self._rank == 0:
+            torch.save({"format": FORMAT, "world_size": self._size, "values": every_rank, "extra": extra},
+                       extra_bytes)
         if not self.async_write:
-            self._write(path, step, sharded, extra_bytes.getvalue(), self.group)
+            self._write(path, step, tensors, extra_bytes.getvalue(), self.group)
             return
         group = writer_group(self.group) if self.distributed else None
         # A copy in host memory: training may change the originals from here on. The previous write is done
         # (wait() above), so its buffers are free to reuse.
-        self._staged = staged = _stage(sharded, self._staged)
+        self._staged = staged = _stage(tensors, self._staged)
         self._thread = threading.Thread(
             target=self._write_in_background, args=(path, step, staged, extra_bytes.getvalue(), group),
             # Not a daemon: an interpreter that exits (an exception, SystemExit) first finishes the write.
@@ -175,32 +264,93 @@ class Checkpointer:
         )
         self._thread.start()
 
+    def _clear(self, path: Path, step: int) -> str | None:
+        """Rank 0: make ``path`` an empty folder; the failure's message if it cannot."""
+        from ddpkit import dcp_files  # see the note on lazy imports at the top
+
+        # Debris of a write of this step that was killed before its marker (perhaps at another world size,
+        # with other ranks' files): start clean, so the marker lists exactly what is there.
+        shutil.rmtree(path, ignore_errors=True)
+        try:
+            path.mkdir(parents=True)
+        except OSError as err:
+            return self._failure(path, step, [(0, dcp_files.os_failure(err, path, self.folder))])
+        return None
+
     def _write_in_background(self, *args: Any) -> None:
         try:
             self._write(*args)
         except BaseException as err:  # raised in the training thread by the next wait()
             self._error = err
 
-    def _write(self, path: Path, step: int, sharded: dict[str, Any], extra: bytes, group: Any) -> None:
+    def _write(self, path: Path, step: int, tensors: dict[str, Any], extra: bytes, group: Any) -> None:
+        """Every rank writes its files; rank 0 then writes the marker, or, if any rank failed, removes the
+        folder; every rank raises the same :class:`SnapshotWriteError` then. Collective over ``group``."""
         import torch.distributed.checkpoint as dcp  # see the note on lazy imports at the top
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from ddpkit import dcp_files
 
         t0 = time.perf_counter()
-        dcp.save(sharded, storage_writer=dcp.FileSystemWriter(path), process_group=group,
-                 no_dist=not self.distributed)
         rank = dist.get_rank(group) if self.distributed else 0
-        # dcp.save returns on every rank once every rank's files and the metadata are written (fsynced).
-        mine = sorted(path.glob(f"__{rank}_*.distcp"))
-        if rank == 0:
-            single_file.write_atomic(path / EXTRA, extra)
-            mine += [path / ".metadata", path / EXTRA]
-        digests = _digest(mine)
-        parts = gather_object(digests, group=group) if self.distributed else [digests]
-        if rank == 0:
-            files = {name: d for part in parts for name, d in part.items()}
-            marker = {"step": step, "files": files}
-            single_file.write_atomic(path / MARKER, json.dumps(marker, indent=1).encode())
-            self._prune(newest=step)
+        writer = dcp_files.Writer(path)
+        digests, failure, failed = {}, None, False
+        try:
+            dcp.save(tensors, storage_writer=writer, process_group=group, no_dist=not self.distributed)
+            # dcp.save returns on every rank once every rank's files and the index are written (fsynced);
+            # when one rank fails, it raises on every rank.
+            mine = sorted(path.glob(f"__{rank}_*.distcp"))
+            if rank == 0:
+                single_file.write_atomic(path / EXTRA, extra)
+                mine += [path / ".metadata", path / INDEX, path / EXTRA]
+            digests = _digest(mine)
+        except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
+            failed, failure = True, dcp_files.rank_failure(err, writer.failures, rank, path)
+        part = (digests, failure, failed)
+        parts = gather_object(part, group=group) if self.distributed else [part]
+        message = self._finish(path, step, parts) if rank == 0 else None
+        if self.distributed:
+            message = broadcast_object(message, group=group)
+        if message is not None:
+            raise SnapshotWriteError(message)
         self.last_write_seconds = time.perf_counter() - t0
+
+    def _finish(self, path: Path, step: int, parts: list[tuple[dict, Any, bool]]) -> str | None:
+        """Rank 0, once every rank is done with ``path``: the marker, or the failure's message."""
+        from ddpkit import dcp_files
+
+        failures = [(r, f) for r, (_, f, _) in enumerate(parts) if f is not None]
+        if any(failed for _, _, failed in parts):
+            failures = failures or [(0, dcp_files.Failure("the write failed on another rank; see its traceback"))]
+        else:
+            files = {name: d for digests, _, _ in parts for name, d in digests.items()}
+            marker = {"step": step, "files": files}
+            try:
+                single_file.write_atomic(path / MARKER, json.dumps(marker, indent=1).encode())
+            except OSError as err:
+                failures = [(0, dcp_files.os_failure(err, path / MARKER, path))]
+            else:
+                self._prune(newest=step)
+                return None
+        # Every rank is past its writes: the partial folder can go, and give back the space it took.
+        shutil.rmtree(path, ignore_errors=True)
+        return self._failure(path, step, failures)
+
+    def _failure(self, path: Path, step: int, failures: list[tuple[int, Any]]) -> str:
+        """The message every rank raises: what failed where (:func:`ddpkit.dcp_files.describe`), and what is
+        left."""
+        from ddpkit import dcp_files
+
+        previous = next((f for f in self.candidates() if f.step != step), None)
+        if previous is not None:
+            kept = f"the previous snapshot, {previous.path}, is whole and untouched: a restart resumes from it"
+        else:
+            kept = "there is no earlier snapshot: a restart starts from the beginning"
+        advice = ""
+        if any(f.disk_full for _, f in failures):
+            advice = ". Free space there, lower keep_snapshots, or give the run another run_dir"
+        what = dcp_files.describe(failures)
+        return f"ddpkit: snapshot {path} was not written: {what}. Its partial folder is removed; {kept}{advice}"
 
     def wait(self) -> None:
         """Block until the write in flight (if any) is done; raise its error here if it failed."""
@@ -209,7 +359,9 @@ class Checkpointer:
             self._thread = None
         if self._error is not None:
             err, self._error = self._error, None
-            raise RuntimeError("ddpkit: writing a snapshot in the background failed") from err
+            if isinstance(err, SnapshotWriteError):
+                raise SnapshotWriteError(f"{err} (written in the background)") from err
+            raise RuntimeError(f"ddpkit: writing a snapshot in the background failed: {err!r}") from err
 
     # -- finding and loading --------------------------------------------------------------------------
 
@@ -258,24 +410,80 @@ class Checkpointer:
 
     def load(self, found: Found, template: Callable[[], dict[str, Any]], map_location: Any = None,
              check: Callable[[dict[str, Any]], None] | None = None) -> tuple[dict[str, Any] | None, dict[str, Any]]:
-        """``(sharded, extra)`` of a snapshot. ``template()`` gives the current sharded state, whose tensors DCP
-        fills in place with this world size's parts. A single-file snapshot gives ``(None, whole state)``.
-        ``check(extra)`` runs before any sharded tensor is read, and may refuse the snapshot by raising."""
+        """``(state, extra)`` of a snapshot. ``template()`` gives the current state, whose tensors DCP fills in
+        place with this world size's parts (its :data:`PER_RANK` part with this rank's own copy at the same
+        world size, rank 0's at another) and whose other values are replaced by the saved ones. A single-file
+        snapshot gives ``(None, whole state)``. ``check(extra)`` runs before any tensor is read, and may refuse
+        the snapshot by raising. A folder holding anything but tensors and plain values is refused
+        (:class:`~ddpkit.errors.ConfigError`) before anything of it is unpickled."""
         if found.legacy:
             data = found.path.read_bytes()
             state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
             if check is not None:
                 check(state)
             return None, state
-        # weights_only: the extra state holds tensors and plain values only, so loading it runs no pickled code.
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
 
-        extra = torch.load(found.path / EXTRA, map_location=map_location, weights_only=True)
+        from ddpkit import dcp_files
+
+        saved = self._read_extra(found.path, map_location)
         if check is not None:
-            check(extra)
-        sharded = template()
-        dcp.load(sharded, checkpoint_id=found.path, process_group=self.group, no_dist=not self.distributed)
-        return sharded, extra
+            check(saved["extra"])
+        index = self._read_index(found.path)
+        state = template()
+        same = saved["world_size"] == self._size
+        source = self._rank if same else 0  # whose copy of the per-rank part
+        # Other values: this rank's own at the same world size; else rank 0's, and where rank 0 had none
+        # (zero: the hyper-parameters of parameters another rank owned), the first rank's that had one.
+        values = [saved["values"][source]] if same else saved["values"]
+        tensors = []
+        for path, value in _leaves(state):
+            where = stored_path(path, source)
+            if isinstance(value, torch.Tensor):
+                tensors.append((where, value))
+                continue
+            held = [v[where] for v in values if where in v]
+            if not held:
+                raise ConfigError(f"{found.path} holds no value for {'.'.join(map(str, path))}: it was written "
+                                  "for another model or optimizer")
+            _set(state, path, held[0])
+        try:
+            dcp.load(_nest(tensors), storage_reader=dcp_files.Reader(found.path, index),
+                     planner=dcp_files.TensorsOnlyPlanner(), process_group=self.group, no_dist=not self.distributed)
+        except CheckpointException as err:  # a BaseException, whose text is every rank's traceback
+            first = next(iter(err.failures.values()))[0]
+            raise RuntimeError(f"ddpkit: loading snapshot {found.path} failed: {type(first).__name__}: {first}") \
+                from err
+        return state, saved["extra"]
+
+    def _read_extra(self, folder: Path, map_location: Any) -> dict[str, Any]:
+        file = folder / EXTRA
+        try:
+            saved = torch.load(file, map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError:
+            raise ConfigError(
+                f"{file} holds objects other than tensors and plain values, which ddpkit never writes: refusing to "
+                f"load it, as unpickling them could run code. Remove {folder} to resume from the snapshot before it"
+            ) from None
+        if not isinstance(saved, dict) or saved.get("format") != FORMAT:
+            raise ConfigError(
+                f"{folder} was written by an earlier version of ddpkit, whose snapshot folders keep values as "
+                "pickles that loading would run: resume it with that version, or start afresh here with "
+                "TrainerConfig(resume=False) (its snapshots are moved aside) or in another run_dir"
+            )
+        return saved
+
+    def _read_index(self, folder: Path) -> Any:
+        from ddpkit import dcp_files
+
+        try:
+            return dcp_files.read_index(folder)
+        except (dcp_files.BadIndex, OSError) as err:
+            raise ConfigError(
+                f"{folder / INDEX} is not an index ddpkit wrote ({err}): refusing to load {folder}. Remove it "
+                "to resume from the snapshot before it"
+            ) from None
 
     def _prune(self, newest: int) -> None:
         whole = [f for f in self.candidates() if not f.legacy]

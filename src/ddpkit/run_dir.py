@@ -17,6 +17,7 @@ import fcntl
 import json
 import os
 import socket
+import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -146,13 +147,15 @@ def check_resumable(
     model_shapes: Mapping[str, tuple[tuple[int, ...], str]],
     hparams: list[dict[str, Any]],
     snapshot: str,
+    modules: Mapping[str, str] | None = None,
 ) -> None:
     """Refuse a snapshot taken with another config, model or optimizer than this run's, naming the differences.
 
-    ``saved`` is the snapshot's state (its ``config``, ``model_shapes`` (or whole ``model``) and
-    ``optimizer_hparams`` entries are read); ``config`` this run's TrainerConfig as a JSON dict; ``model_shapes``
-    this run's :func:`tensor_shapes` of its model; ``hparams``
-    this run's :func:`optimizer_hparams`. Snapshots written before a field existed are not compared on it.
+    ``saved`` is the snapshot's state (its ``config``, ``model_shapes`` (or whole ``model``), ``module_types``
+    and ``optimizer_hparams`` entries are read); ``config`` this run's TrainerConfig as a JSON dict;
+    ``model_shapes`` this run's :func:`tensor_shapes` of its model; ``hparams`` this run's
+    :func:`optimizer_hparams`; ``modules`` this run's :func:`module_types`. Snapshots written before a field
+    existed are not compared on it.
     """
     problems = []
     old_config = saved.get("config") or {}
@@ -172,6 +175,8 @@ def check_resumable(
                                     f"{new.get(key)!r} now")
     old_shapes = saved.get("model_shapes") or tensor_shapes(saved.get("model") or {})
     problems += _model_differences(old_shapes, model_shapes)
+    if modules is not None and saved.get("module_types") is not None:
+        problems += _module_differences(saved["module_types"], modules)
     if problems:
         allowed = ", ".join(sorted(RESUMABLE_CHANGES - {"run_dir", "resume"}))
         listed = "\n  ".join(problems[:12] + ([f"... and {len(problems) - 12} more"] if len(problems) > 12 else []))
@@ -187,6 +192,41 @@ def tensor_shapes(state: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], 
     """(shape, dtype) of each tensor of a state dict; a sharded tensor (DTensor) gives its global shape."""
     return {k: (tuple(v.shape), str(v.dtype).removeprefix("torch."))
             for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def module_types(model: torch.nn.Module) -> dict[str, str]:
+    """The class name of every submodule by name (``""``: the model itself).
+
+    What a resume checks its model's structure against: the same shapes with another activation, or another
+    normalisation, would load and train on silently. Hyper-parameters a module holds (a dropout rate, a
+    negative slope) are not part of it, nor the module a class is defined in: a script's classes are in
+    ``__main__`` when it is run and in its own module when imported. fsdp's ``fully_shard`` swaps each sharded
+    module's class for a subclass (``FSDPLinear``); the class the script built is recorded.
+    """
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # imported only where fsdp is used: costs ~0.9 s
+    sharded = getattr(fsdp, "FSDPModule", None)
+    out = {}
+    for name, module in model.named_modules():
+        cls = type(module)
+        if sharded is not None and isinstance(module, sharded):
+            cls = next(c for c in cls.__mro__ if not issubclass(c, sharded))
+        out[name] = cls.__qualname__
+    return out
+
+
+def _module_differences(old: Mapping[str, str], new: Mapping[str, str]) -> list[str]:
+    def listed(names: list[str]) -> str:
+        return ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
+
+    out = []
+    missing, extra = sorted(new.keys() - old.keys()), sorted(old.keys() - new.keys())
+    if missing:
+        out.append(f"model: submodules not in the snapshot: {listed(missing)}")
+    if extra:
+        out.append(f"model: submodules only in the snapshot: {listed(extra)}")
+    for name in [n for n in new if n in old and old[n] != new[n]]:
+        out.append(f"model {name or '(the model itself)'}: {old[name]} in the snapshot, {new[name]} now")
+    return out
 
 
 def _model_differences(old: Mapping[str, tuple], new: Mapping[str, tuple]) -> list[str]:

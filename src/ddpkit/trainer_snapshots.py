@@ -1,11 +1,12 @@
 """The Trainer's snapshots: what a snapshot holds, how a run resumes from one, and the run's config record.
 
 A snapshot is ``run_dir/snapshots/step-N/`` (:mod:`ddpkit.checkpoint`): each rank's part of the model and
-optimizer through :mod:`torch.distributed.checkpoint` (shards under zero and fsdp, so it reshards on load), and
-from rank 0 the rest: scheduler, scaler, counters, every rank's RNG states, the config. A resume is refused,
-naming each difference, before any tensor is read when the config, the optimizer's hyper-parameters or the
-model's shapes differ from the snapshot's. At the same world size every rank gets its own RNG states back and
-the run continues bit for bit; at another, the random streams are reseeded from (seed, step, rank).
+optimizer through :mod:`torch.distributed.checkpoint` (shards under zero and fsdp, so it reshards on load; each
+rank's own buffers under its own name), and from rank 0 the rest: scheduler, scaler, counters, every rank's RNG
+states, the config. A resume is refused, naming each difference, before any tensor is read when the config,
+the optimizer's hyper-parameters, the model's shapes or the classes of its modules differ from the snapshot's.
+At the same world size every rank gets its own buffers and RNG states back and the run continues bit for bit;
+at another, every rank takes rank 0's buffers and the random streams are reseeded from (seed, step, rank).
 """
 
 from __future__ import annotations
@@ -70,12 +71,14 @@ class TrainerSnapshots:
             "config": json.loads(json.dumps(asdict(self.config), default=str)),
             "optimizer_hparams": self._hparams,
             "model_shapes": run_dir_lib.tensor_shapes(unwrap(self.model).state_dict()),
+            "module_types": run_dir_lib.module_types(unwrap(self.model)),
         }
 
     def _check_resumable(self, saved: dict[str, Any], source: str) -> None:
         config = json.loads(json.dumps(asdict(self.config), default=str))
         shapes = run_dir_lib.tensor_shapes(unwrap(self.model).state_dict())
-        run_dir_lib.check_resumable(saved, config, shapes, self._hparams, source)
+        run_dir_lib.check_resumable(saved, config, shapes, self._hparams, source,
+                                    modules=run_dir_lib.module_types(unwrap(self.model)))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output; its ``strategy`` part already loaded (by DCP) for this world

@@ -1,8 +1,10 @@
 """The job the resume tests train: an MLP with BatchNorm and dropout, Adam, a per-step LR schedule.
 
 Runs under ``ddpkit run`` (``python train_job.py RUN_DIR [options]``) or inside ``ddpkit.spawn`` via
-:func:`train`. Test hooks live here, not in ddpkit: killing this process at a step or inside a snapshot write,
-logging every sample it trains on, and leaving a part of the snapshot out on restore (the controls).
+:func:`train`. Test hooks live here, not in ddpkit: killing this process at a step or inside a snapshot write
+(after damaging the newest snapshot, if asked), filling the disk, logging every sample it trains on, and the
+controls: leaving a part of the snapshot out on restore, or saving each rank's own values as one copy per key.
+With ``out``, rank 0 writes its final state there and every rank ``r`` its own to ``out.rank<r>``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import ddpkit.data
 import ddpkit.snapshot
 import ddpkit.trainer
 from ddpkit.seeding import rng_state, set_rng_state
+from ddpkit.strategies.base import join_own
 from ddpkit.trainer import Trainer, TrainerConfig
 
 N_SAMPLES, N_FEATURES = 240, 8
@@ -90,6 +93,51 @@ def _sigkill_self(marks: str | None, what: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _damage_newest_snapshot(trainer) -> None:
+    """Flip the last bytes of rank 1's file in the newest whole snapshot: the restart must skip it."""
+    trainer.wait_for_snapshot()
+    newest = sorted((trainer.run_dir / "snapshots").glob("step-*/complete.json"))[-1].parent
+    part = newest / "__1_0.distcp"
+    data = part.read_bytes()
+    part.write_bytes(data[:-8] + bytes(b ^ 0xFF for b in data[-8:]))
+
+
+def _fill_disk(trainer) -> None:
+    """Fill the file system of the snapshots (a small one the test mounted) once the last write is done."""
+    trainer.wait_for_snapshot()
+    with open(trainer.run_dir / "snapshots" / "filler", "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(bytes(4096))
+        except OSError:
+            pass
+
+
+def one_copy_per_key(strategy) -> None:
+    """Save and load each rank's own values (buffers) under the shared names, as DCP keeps one copy of a key
+    that every rank saves: the control for per-rank buffers."""
+    state_dict = strategy.state_dict
+    strategy.state_dict = lambda: join_own(state_dict())
+
+
+def rank_state(trainer) -> dict:
+    """Everything this rank holds of model and optimizer (shards as local tensors), its RNG and scheduler."""
+    from torch.distributed.tensor import DTensor
+
+    out = {"rng": torch.get_rng_state(), "scheduler": trainer.scheduler.state_dict()}
+
+    def walk(tree, prefix):
+        for k, v in tree.items():
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+            else:
+                out[f"{prefix}{k}"] = (v.to_local() if isinstance(v, DTensor) else v).detach().clone() \
+                    if isinstance(v, torch.Tensor) else v
+
+    walk(join_own(trainer.strategy.state_dict()), "")
+    return out
+
+
 def _kill_inside_snapshot_write(call_to_kill: int, marks: str | None) -> None:
     calls = {"n": 0}
     write = ddpkit.snapshot.write_atomic
@@ -147,12 +195,19 @@ def train(
     snapshot_async: bool = True,
     n_samples: int = N_SAMPLES,
     drop_last: bool = True,
+    damage_newest: bool = False,
+    kill_after_write: bool = False,
+    fill_disk_at: int | None = None,
+    shared_buffers: bool = False,
 ) -> dict:
     """Train the job; ``event=(what, rank, step)`` makes ``rank`` produce a NaN loss (``nan``), an infinite
     loss whose gradients are finite (``inf``), a NaN loss whose gradients are zero (``ignored``: every target
     is ``ignore_index``), raise (``raise``, on the first attempt only) or receive SIGUSR1 (``signal``) when it
     reaches ``step``. ``unseeded_samples``: the loader leaves augmentation to each worker's own stream (the
-    behaviour before samples were seeded from (seed, epoch, index)), for the controls."""
+    behaviour before samples were seeded from (seed, epoch, index)), for the controls. ``damage_newest``: the
+    rank that kills itself first damages the newest snapshot; ``kill_after_write``: it first waits for the
+    snapshot in flight. ``fill_disk_at``: rank 0 fills the disk of the
+    snapshots at that step. ``shared_buffers``: :func:`one_copy_per_key`."""
     rt = ddpkit.init()
     if unseeded_samples:
         ddpkit.trainer.build_loader = functools.partial(ddpkit.data.build_loader, seed_samples=False)
@@ -196,11 +251,19 @@ def train(
     log = open(Path(sample_log) / f"rank{rt.rank}.jsonl", "a", buffering=1) if sample_log else None
 
     fired: list[bool] = []
+    filled: list[bool] = []
 
     def batch_loss(model, batch):
         x, y, idx = batch
         if kill_step is not None and attempt == 0 and rt.rank == kill_rank and trainer.step == kill_step:
+            if kill_after_write:  # the snapshot in flight is whole: the restart resumes from it
+                trainer.wait_for_snapshot()
+            if damage_newest:
+                _damage_newest_snapshot(trainer)
             _sigkill_self(sample_log, f"rank{rt.rank}-step{kill_step}")
+        if fill_disk_at is not None and rt.rank == 0 and trainer.step == fill_disk_at and not filled:
+            filled.append(True)
+            _fill_disk(trainer)
         if log is not None:
             log.write(json.dumps({"attempt": attempt, "epoch": trainer.epoch, "step": trainer.step,
                                   "idx": idx.tolist()}) + "\n")
@@ -234,6 +297,8 @@ def train(
         val_data=IndexedData() if early_stopping_patience else None,
         scheduler=scheduler, batch_loss_fn=batch_loss, metric_fn=metrics, callbacks=callbacks,
     )
+    if shared_buffers:
+        one_copy_per_key(trainer.strategy)
     if trainer_hook is not None:
         trainer_hook(trainer)
     preempted = None
@@ -262,6 +327,8 @@ def train(
     }
     if out and rt.is_main:
         torch.save(final, out)
+    if out:
+        torch.save(rank_state(trainer), f"{out}.rank{rt.rank}")
     return final
 
 
@@ -285,11 +352,19 @@ if __name__ == "__main__":
     p.add_argument("--out", default=None)
     p.add_argument("--strategy", default="ddp")
     p.add_argument("--snapshot-sync", action="store_true")
+    p.add_argument("--no-sync-bn", action="store_true")
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--damage-newest", action="store_true")
+    p.add_argument("--kill-after-write", action="store_true")
+    p.add_argument("--fill-disk-at", type=int, default=None)
+    p.add_argument("--shared-buffers", action="store_true")
     a = p.parse_args()
     event = ("raise", *a.raise_at) if a.raise_at else ("signal", *a.signal_at) if a.signal_at else None
     train(a.run_dir, global_batch=a.global_batch, epochs=a.epochs, max_steps=a.max_steps, kill_rank=a.kill_rank,
           kill_step=a.kill_step, kill_in_snapshot=a.kill_in_snapshot, sample_log=a.sample_log, out=a.out,
           event=event, raise_on_stop_signal=not a.no_raise_on_stop_signal, catch_preempted=False,
           augment=a.augment, num_workers=a.workers, unseeded_samples=a.unseeded_samples, lr=a.lr,
-          strategy=a.strategy, snapshot_async=not a.snapshot_sync)
+          strategy=a.strategy, snapshot_async=not a.snapshot_sync, sync_batchnorm=not a.no_sync_bn,
+          grad_accum=a.grad_accum, damage_newest=a.damage_newest, kill_after_write=a.kill_after_write,
+          fill_disk_at=a.fill_disk_at, shared_buffers=a.shared_buffers)
     ddpkit.shutdown()

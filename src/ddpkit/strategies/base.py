@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from ddpkit.checkpoint import PER_RANK
 from ddpkit.errors import ConfigError
 
 
@@ -68,11 +69,13 @@ class Strategy(Protocol):
         run out of data shadows the others' collectives until all are done."""
 
     def state_dict(self) -> dict[str, Any]:
-        """Model and optimizer state for :mod:`torch.distributed.checkpoint`: tensors may be shards (DTensors)
-        or differ between ranks, so every rank saves its own part and a load reshards."""
+        """Model and optimizer state for :class:`~ddpkit.checkpoint.Checkpointer`: tensors may be shards
+        (DTensors), so every rank saves its own part and a load reshards. Values that have one name on every
+        rank but may differ between ranks (buffers: BatchNorm's running statistics) go in the ``per_rank`` part
+        (:data:`~ddpkit.checkpoint.PER_RANK`), as ``{"model": {name: tensor}, "optim": {key: value}}``."""
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned (after a DCP load into it, at any world size)."""
+        """Restore what :meth:`state_dict` returned (after a load into it, at any world size)."""
 
     def model_weights(self) -> dict[str, Any]:
         """The whole model's weights by parameter name, at least on rank 0 of the group (collective under
@@ -151,3 +154,34 @@ def rebind_scheduler(scheduler: Any, old: torch.optim.Optimizer, new: torch.opti
 
         tracked_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
         new.step = tracked_step  # type: ignore[method-assign]
+
+
+def separate_own(state: dict[str, Any], model: nn.Module, ignored: Any = ()) -> dict[str, Any]:
+    """``state`` (``{"model": ..., "optim": ...}`` by parameter name) with each rank's own values moved to its
+    ``per_rank`` part: the model's buffers, and the parameters in ``ignored`` with their optimizer state.
+
+    Under data parallelism a buffer has one name on every rank and a value of each rank's own: BatchNorm
+    without sync BatchNorm updates its running statistics from the rank's own batch (DDP overwrites them with
+    rank 0's only at the next synchronised forward pass), and fsdp leaves buffers unsharded, each rank's own.
+    Parameters DDP was told to ignore get each rank's own gradients. Saved under one name, one rank's copy
+    would be given to every rank on resume.
+    """
+    names = {name for name, _ in model.named_buffers()} | set(ignored)
+    shared_model, own_model = _partition(state["model"], lambda key: key in names)
+    prefixes = tuple(f"state.{name}." for name in ignored)  # flattened optimizer state: state.<param>.<key>
+    shared_optim, own_optim = _partition(state.get("optim") or {},
+                                         lambda key: bool(prefixes) and key.startswith(prefixes))
+    return {**state, "model": shared_model, "optim": shared_optim, PER_RANK: {"model": own_model, "optim": own_optim}}
+
+
+def join_own(state: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of :func:`separate_own`: each rank's own values back among the model's and optimizer's."""
+    own = state.get(PER_RANK) or {}
+    joined = {k: v for k, v in state.items() if k != PER_RANK}
+    joined["model"] = {**state["model"], **own.get("model", {})}
+    joined["optim"] = {**(state.get("optim") or {}), **own.get("optim", {})}
+    return joined
+
+
+def _partition(values: dict[str, Any], own: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    return {k: v for k, v in values.items() if not own(k)}, {k: v for k, v in values.items() if own(k)}

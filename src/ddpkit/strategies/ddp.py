@@ -14,7 +14,7 @@ from ddpkit.errors import ConfigError
 from ddpkit.model import prepare_model, unwrap
 from ddpkit.runtime import Runtime
 from ddpkit.strategies import hooks
-from ddpkit.strategies.base import GradientVerdict
+from ddpkit.strategies.base import GradientVerdict, join_own, separate_own
 
 
 def state_options(**kwargs: Any) -> Any:
@@ -216,11 +216,14 @@ class DDPStrategy:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_state, optim_state = get_state_dict(self.model, self.optimizer, options=state_options())
-        return {"model": model_state, "optim": optim_state}
+        # Parameters are replicated; buffers, and parameters DDP ignores, are each rank's own.
+        ignored = getattr(self.model, "parameters_to_ignore", ())
+        return separate_own({"model": model_state, "optim": optim_state}, unwrap(self.model), ignored)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
+        state = join_own(state)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"], options=state_options())
 
@@ -228,7 +231,8 @@ class DDPStrategy:
         return unwrap(self.model).state_dict()  # replicated: every rank holds the whole model
 
     def full_state_dict(self) -> dict[str, Any]:
-        return self.state_dict()  # replicated: every rank's state is the whole state
+        # Replicated: every rank's state is the whole state (with this rank's own buffers).
+        return join_own(self.state_dict())
 
     def load_full_state(self, model_state: dict[str, Any], optim_state: dict[str, Any]) -> None:
         """Restore a whole (unsharded) model and ``optimizer.state_dict()``: single-file snapshots."""

@@ -24,7 +24,7 @@ from torch import nn
 from ddpkit.batchnorm import convert_sync_batchnorm
 from ddpkit.errors import ConfigError
 from ddpkit.runtime import Runtime
-from ddpkit.strategies.base import GradientVerdict, rebuild_optimizer
+from ddpkit.strategies.base import GradientVerdict, join_own, rebuild_optimizer, separate_own
 from ddpkit.strategies.ddp import state_options
 
 # torch.distributed.fsdp and DTensor are imported where used: with torch.distributed.checkpoint they cost ~0.9 s
@@ -213,7 +213,9 @@ class FSDPStrategy:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_state, optim_state = get_state_dict(self.model, self.optimizer, options=state_options())
-        return {"model": model_state, "optim": optim_state}
+        # Parameters and their optimizer state are DTensors (each rank saves its shard); buffers are not
+        # sharded and follow each rank's own batches.
+        return separate_own({"model": model_state, "optim": optim_state}, self.model)
 
     def model_weights(self) -> dict[str, Any]:
         """The whole model's weights on rank 0 of the group, on the CPU (collective: gathered from the shards)."""
@@ -231,6 +233,7 @@ class FSDPStrategy:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
+        state = join_own(state)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"], options=state_options())
 

@@ -19,7 +19,7 @@ from ddpkit.collectives import gather_object
 from ddpkit.errors import ConfigError
 from ddpkit.model import unwrap
 from ddpkit.runtime import Runtime
-from ddpkit.strategies.base import GradientVerdict, rebuild_optimizer
+from ddpkit.strategies.base import GradientVerdict, join_own, rebuild_optimizer, separate_own
 from ddpkit.strategies.ddp import DDPConfig, DDPStrategy, state_options
 
 
@@ -94,19 +94,21 @@ class ZeroStrategy:
         # (the scheduler's current LR among them) are the same on every rank and saved once.
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
+        # Buffers are each rank's own (separate_own); the parameters a rank steps, even those DDP ignores, are
+        # broadcast to every rank by their owner, so they are replicated.
         local = self.optimizer.optim
         _copy_hyperparameters(self.optimizer.param_groups, local.param_groups)
-        return {
+        return separate_own({
             "model": unwrap(self.model).state_dict(),
             "optim": get_optimizer_state_dict(self.model, local, options=state_options()),
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
-        }
+        }, unwrap(self.model))
 
     def model_weights(self) -> dict[str, Any]:
         return self.ddp.model_weights()  # parameters are replicated; only the optimizer state is sharded
 
     def full_state_dict(self) -> dict[str, Any]:
-        state = self.state_dict()
+        state = join_own(self.state_dict())
         merged: dict[str, Any] = {}
         for part in gather_object(state["optim"], group=self.runtime.group):
             merged.update(part)
@@ -115,6 +117,7 @@ class ZeroStrategy:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
+        state = join_own(state)
         unwrap(self.model).load_state_dict(state["model"])
         set_optimizer_state_dict(self.model, self.optimizer.optim, state["optim"], options=state_options())
         for group, saved in zip(self.optimizer.param_groups, state["param_groups"], strict=True):

@@ -1,0 +1,134 @@
+"""What each rank gets back from a snapshot, under every strategy, in real 2- and 3-rank gloo jobs.
+
+BatchNorm without sync BatchNorm keeps running statistics of each rank's own batches, and a parameter DDP
+ignores gets each rank's own gradients: one name, a value per rank. At the same world size every rank must get
+its own values back; at another, every rank gets rank 0's. Control: saved the way DCP saves a replicated key
+(one copy, written by one rank), some rank gets another rank's copy.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import ddpkit
+from ddpkit.checkpoint import Checkpointer
+from ddpkit.strategies import build_strategy
+from ddpkit.strategies.base import join_own
+
+STRATEGIES = ("ddp", "zero", "fsdp")
+IGNORED = "3.bias"  # under ddp: left out of DDP's all-reduce, so each rank steps it with its own gradient
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8, bias=False), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def build(name: str, rt) -> object:
+    net = model()
+    if name == "ddp":
+        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(net, [IGNORED])
+    return build_strategy(name, net, torch.optim.Adam(net.parameters(), lr=0.1), runtime=rt)
+
+
+def train(strategy, rank: int, steps: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(1000 * seed + rank)  # each rank its own batches
+    for _ in range(steps):
+        x, y = torch.randn(6, 4, generator=g), torch.randint(0, 2, (6,), generator=g)
+        nn.functional.cross_entropy(strategy.model(x), y).backward()
+        strategy.optimizer.step()
+        strategy.optimizer.zero_grad(set_to_none=True)
+
+
+def own_view(strategy) -> dict[str, torch.Tensor]:
+    """Everything this rank holds of model and optimizer (its shards as local tensors), by key."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+
+    def walk(tree, prefix):
+        for k, v in tree.items():
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+            elif isinstance(v, torch.Tensor):
+                out[f"{prefix}{k}"] = (v.to_local() if isinstance(v, DTensor) else v).detach().clone()
+
+    walk(join_own(strategy.state_dict()), "")
+    return out
+
+
+def buffers(strategy) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in ddpkit.unwrap(strategy.model).named_buffers()}
+
+
+def save_and_restore(folder: str) -> dict:
+    """For each strategy: this rank's state when saved, and after a load (with the fix, and saved as DCP
+    saves a replicated key: the control); the buffers saved for the other world size's load."""
+    rt = ddpkit.init()
+    out = {}
+    for name in STRATEGIES:
+        strategy = build(name, rt)
+        train(strategy, rt.rank, 3, seed=0)
+        fixed = Checkpointer(Path(folder) / name / "fixed", group=rt.group)
+        one_copy = Checkpointer(Path(folder) / name / "one-copy", group=rt.group)
+        fixed.save(3, strategy.state_dict(), {"step": 3})
+        one_copy.save(3, join_own(strategy.state_dict()), {"step": 3})  # no per-rank part: one copy per key
+        saved, saved_buffers = own_view(strategy), buffers(strategy)
+        restored = {}
+        for kind, ckpt, template in (("fixed", fixed, strategy.state_dict),
+                                     ("one-copy", one_copy, lambda: join_own(strategy.state_dict()))):
+            train(strategy, rt.rank, 2, seed=1)  # training moves every value on
+            state, _ = ckpt.load(ckpt.latest(warn=print), template)
+            strategy.load_state_dict(state)
+            restored[kind] = own_view(strategy)
+        out[name] = {"saved": saved, "buffers": saved_buffers, **restored}
+    return out
+
+
+def load_at_another_world_size(folder: str) -> dict:
+    rt = ddpkit.init()
+    out = {}
+    for name in STRATEGIES:
+        strategy = build(name, rt)
+        train(strategy, rt.rank, 1, seed=2)
+        ckpt = Checkpointer(Path(folder) / name / "fixed", group=rt.group)
+        state, _ = ckpt.load(ckpt.latest(warn=print), strategy.state_dict)
+        strategy.load_state_dict(state)
+        out[name] = buffers(strategy)
+    return out
+
+
+def differs(a: dict, b: dict) -> list[str]:
+    assert a.keys() == b.keys()
+    return [k for k in a if not torch.equal(a[k], b[k])]
+
+
+def own(key: str) -> bool:
+    """A value that is each rank's own: running statistics, and ddp's ignored parameter with its Adam state."""
+    return "running_" in key or IGNORED in key
+
+
+def test_every_rank_resumes_its_own_buffers_and_at_another_world_size_rank_0s(tmp_path):
+    ranks = ddpkit.spawn(functools.partial(save_and_restore, str(tmp_path)), 2)
+    for name in STRATEGIES:
+        r0, r1 = ranks[0][name], ranks[1][name]
+        # The case exists: the two ranks' running statistics (and ddp's ignored parameter) differ.
+        assert differs(r0["buffers"], r1["buffers"]) == ["1.running_mean", "1.running_var"], name
+        if name == "ddp":
+            assert not torch.equal(r0["saved"][f"model.{IGNORED}"], r1["saved"][f"model.{IGNORED}"])
+        for rank, r in enumerate((r0, r1)):
+            assert differs(r["fixed"], r["saved"]) == [], f"{name}: rank {rank} did not get its own state back"
+        # Control: one copy per key gives some rank the other's copy of what was its own (and nothing else).
+        wrong = {rank: differs(r["one-copy"], r["saved"]) for rank, r in enumerate((r0, r1))}
+        print(f"{name}, one copy per key: keys not this rank's own after the load: {wrong}")
+        assert any(wrong.values()), name
+        assert all(own(k) for keys in wrong.values() for k in keys), name
+    # Another world size: every rank takes rank 0's buffers, as DDP's broadcast would make them.
+    three = ddpkit.spawn(functools.partial(load_at_another_world_size, str(tmp_path)), 3)
+    for name in STRATEGIES:
+        for rank in range(3):
+            assert differs(three[rank][name], ranks[0][name]["buffers"]) == [], f"{name} at 3 ranks: rank {rank}"
