@@ -61,8 +61,8 @@ def test_resume_false_starts_afresh_and_moves_the_old_snapshots_aside(tmp_path):
     run(2, tmp_path / "run", lr=0.1, max_steps=20)
     fresh = run(2, tmp_path / "run", lr=0.5, max_steps=6, resume=False)
     assert fresh["resumed_from"] is None and fresh["step"] == 6
-    aside = [p for p in (tmp_path / "run").iterdir() if p.name.startswith("snapshots.replaced-")]
-    assert len(aside) == 1 and (aside[0] / "step-00000020" / "complete.json").exists()
+    aside = [p for p in (tmp_path / "run").iterdir() if p.name.startswith("replaced-")]
+    assert len(aside) == 1 and (aside[0] / "snapshots" / "step-00000020" / "complete.json").exists()
     # What is left to resume is this run's: a rerun with lr 0.5 resumes it at step 6, not the old step 20.
     assert run(2, tmp_path / "run", lr=0.5, max_steps=8)["resumed_from"] == 6
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpkit.slurm import BatchConfig, batch_script
+from ddpkit.slurm import BatchConfig, batch_script, submit
 
 from trainer_checks import newest_snapshot
 
@@ -186,6 +186,19 @@ def test_the_generated_script_requeues_a_preempted_run_and_not_a_finished_one(sl
     info = wait_for(job, slurm, {"COMPLETED", "FAILED"})
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0"
     assert "requeueing" not in (tmp_path / f"finished-{job}.out").read_text()
+
+
+def test_the_generated_script_writes_its_output_into_a_folder_with_a_space_and_a_percent(slurm, tmp_path):
+    # Before: the --output folder was unquoted, so sbatch read "--output=.../logs" and then "with" as the script.
+    out = tmp_path / "logs with space 100%"
+    cfg = BatchConfig(script=HELLO, script_args=["two words"], ntasks_per_node=1, cpus_per_task=1,
+                      output_dir=str(out), workdir=str(tmp_path), job_name="quoted")
+    path, _ = submit(cfg, dry_run=True)
+    job = sbatch(path, slurm)
+    info = wait_for(job, slurm, {"COMPLETED", "FAILED"})
+    text = (out / f"quoted-{job}.out").read_text()
+    assert info["JobState"] == "COMPLETED", text[-3000:]
+    assert "hello rank=0 world=1" in text and "words=['two words']" in text
 
 
 # ------------------------------------------------------------------- the digits Trainer, pre-empted

@@ -8,20 +8,21 @@ ddpkit::
 
 The file also records ``epoch``, ``step``, ``metric`` and ``value``. A resumed run reads the best value from it,
 so nothing of this lives in the snapshots; an epoch retrained after a crash gives the same value again, and an
-equal value does not replace the file. A run that starts afresh ignores a file left by an earlier run and
-replaces it at its first epoch.
+equal value does not replace the file. ``resume=False`` moves the previous run's file aside with its snapshots;
+a run that starts afresh otherwise ignores a file left by an earlier run and replaces it at its first epoch.
 """
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ddpkit import run_files
 from ddpkit.errors import ConfigError
-from ddpkit.snapshot import save_weights
 
 
 class BestWeights:
@@ -58,6 +59,9 @@ class BestWeights:
         state = weights()
         if self.enabled:
             state = {k: v.detach().cpu() for k, v in state.items()}
-            save_weights(self.path, {"model": state, "epoch": epoch, "step": step, "metric": self.metric,
-                                     "value": value})
+            buffer = io.BytesIO()
+            torch.save({"model": state, "epoch": epoch, "step": step, "metric": self.metric, "value": value},
+                       buffer)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            run_files.write_atomic(self.path, buffer.getvalue())  # replaces a link at the name, never follows it
         return True

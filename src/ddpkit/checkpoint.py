@@ -486,14 +486,34 @@ class Checkpointer:
             ) from None
 
     def _prune(self, newest: int) -> None:
+        import os
+        import stat
+
         whole = [f for f in self.candidates() if not f.legacy]
         keep = {f.path.name for f in whole[: self.keep_last]}
-        for path in self.folder.glob("step-*"):
-            match = _FOLDER.match(path.name)
-            if not match or path.name in keep or not path.is_dir():
-                continue
-            if int(match.group(1)) < newest:
-                # Marker first: a prune killed half-way leaves a folder without one (ignored), never a marker
-                # whose files are gone.
-                (path / MARKER).unlink(missing_ok=True)
-                shutil.rmtree(path, ignore_errors=True)
+        # Every deletion goes through a descriptor of the folder opened without following links, and each
+        # entry is lstat-ed: a link named like a snapshot (to another run's, say) loses only itself, never what
+        # it points to; a snapshots/ that is itself a link is refused (ELOOP), not pruned.
+        folder = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            for name in os.listdir(folder):
+                match = _FOLDER.match(name)
+                if not match or name in keep or int(match.group(1)) >= newest:
+                    continue
+                mode = os.stat(name, dir_fd=folder, follow_symlinks=False).st_mode
+                if stat.S_ISLNK(mode):
+                    os.unlink(name, dir_fd=folder)
+                elif stat.S_ISDIR(mode):
+                    # Marker first: a prune killed half-way leaves a folder without one (ignored), never a
+                    # marker whose files are gone.
+                    step = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=folder)
+                    try:
+                        os.unlink(MARKER, dir_fd=step)
+                    except FileNotFoundError:
+                        pass
+                    finally:
+                        os.close(step)
+                    # rmtree with dir_fd walks by descriptors and unlinks links inside without following them.
+                    shutil.rmtree(name, dir_fd=folder, ignore_errors=True)
+        finally:
+            os.close(folder)

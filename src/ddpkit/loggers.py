@@ -23,19 +23,19 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from ddpkit import run_files
+
 LOGGERS = ("mlflow", "wandb")
 
 
 def _ids(run_dir: Path) -> dict[str, str]:
     path = run_dir / "loggers.json"
-    return json.loads(path.read_text()) if path.exists() else {}
+    return json.loads(run_files.read_bytes(path)) if os.path.lexists(path) else {}
 
 
 def _remember(run_dir: Path, name: str, run_id: str) -> None:
     ids = _ids(run_dir) | {name: run_id}
-    tmp = run_dir / ".loggers.json.tmp"
-    tmp.write_text(json.dumps(ids) + "\n")
-    os.replace(tmp, run_dir / "loggers.json")
+    run_files.write_atomic(run_dir / "loggers.json", (json.dumps(ids) + "\n").encode())
 
 
 def _need(module: str, extra: str) -> Any:
@@ -88,6 +88,12 @@ class WandbLogger:
 
     def close(self) -> None:
         self.run.finish()
+
+
+def require(names: tuple[str, ...] | list[str]) -> None:
+    """Import each logger's package now, so that a missing extra is named before training starts."""
+    for name in names:
+        _need(name, name)
 
 
 def build(names: tuple[str, ...] | list[str], run_dir: Path, params: dict[str, Any]) -> list[Any]:

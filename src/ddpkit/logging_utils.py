@@ -10,14 +10,18 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
+
+from ddpkit import run_files
 
 
 class MetricsWriter:
     """Appends records to ``run_dir/metrics.jsonl``, epoch summaries to ``run_dir/epochs.csv``.
 
     Only the main rank writes; other ranks get a writer that does nothing, so call sites need no rank test.
-    Files are opened in append mode: a resumed run continues the same files.
+    Files are opened in append mode at the first record, not when the writer is made: a resumed run continues
+    the same files, and one with ``resume=False`` starts new ones once the previous run's are moved aside
+    (:func:`ddpkit.run_dir.claim`). They are opened without following a symbolic link.
     """
 
     def __init__(
@@ -30,31 +34,46 @@ class MetricsWriter:
     ) -> None:
         self.enabled = enabled
         self.run_dir = Path(run_dir)
+        self._tensorboard, self._logger_names, self._params = tensorboard, tuple(loggers), params or {}
+        self._jsonl: IO[str] | None = None
+        self._started = False  # TensorBoard and the loggers made (once: each is a run of its own)
         self._tb = None
         self._loggers: list[Any] = []
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        # A missing extra is named now, when the Trainer is built, not at the first record.
         if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as err:  # pragma: no cover - depends on the optional extra
-                raise ImportError("tensorboard=True needs `pip install 'ddpkit[tensorboard]'`") from err
-            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+            _summary_writer()
         if loggers:
+            from ddpkit.loggers import require
+
+            require(self._logger_names)
+
+    def _open(self) -> IO[str]:
+        if self._jsonl is not None:
+            return self._jsonl
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = run_files.open_append(self.run_dir / "metrics.jsonl")
+        if self._started:
+            return self._jsonl
+        self._started = True
+        if self._tensorboard:
+            self._tb = _summary_writer()(str(self.run_dir / "tensorboard"))
+        if self._logger_names:
             from ddpkit.loggers import build
 
-            self._loggers = build(loggers, self.run_dir, params or {})
+            self._loggers = build(self._logger_names, self.run_dir, self._params)
             # Closed at exit, also in a process started by multiprocessing (ddpkit.spawn), where atexit hooks
             # do not run; or when the writer is collected.
             multiprocessing.util.Finalize(self, _close_all, args=(self._loggers,), exitpriority=10)
+        return self._jsonl
 
     def log(self, kind: str, step: int, values: dict[str, Any]) -> None:
         if not self.enabled:
             return
         record = {"kind": kind, "step": step, "time": round(time.time(), 3), **values}
-        self._jsonl.write(json.dumps(record, default=float) + "\n")
+        self._open().write(json.dumps(record, default=float) + "\n")
         if kind == "event" or not (self._tb is not None or self._loggers):
             return
         scalars = {  # epoch and step are the x-axes, not curves
@@ -76,24 +95,31 @@ class MetricsWriter:
         """One CSV row per epoch; the columns are those of the first row written to the file."""
         if not self.enabled:
             return
-        path = self.run_dir / "epochs.csv"
-        new = not path.exists() or path.stat().st_size == 0
-        if new:
-            self._columns = list(values)
-        else:
-            with open(path, newline="") as f:
-                self._columns = next(csv.reader(f))
-        with open(path, "a", newline="") as f:
+        self._open()
+        with run_files.open_append(self.run_dir / "epochs.csv", read=True) as f:
+            f.seek(0)
+            header = next(csv.reader(f), None)
+            self._columns = header or list(values)
             writer = csv.DictWriter(f, fieldnames=self._columns, extrasaction="ignore")
-            if new:
+            if header is None:
                 writer.writeheader()
             writer.writerow(values)
 
     def close(self) -> None:
-        if self.enabled:
+        if self._jsonl is not None:
             self._jsonl.close()
-            if self._tb is not None:
-                self._tb.close()
+            self._jsonl = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def _summary_writer() -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as err:  # pragma: no cover - depends on the optional extra
+        raise ImportError("tensorboard=True needs `pip install 'ddpkit[tensorboard]'`") from err
+    return SummaryWriter
 
 
 class Progress:

@@ -9,11 +9,13 @@ Needs matplotlib: ``pip install 'ddpkit[plot]'``.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from ddpkit import run_files
 from ddpkit.errors import ConfigError
 
 
@@ -22,19 +24,30 @@ def read_curves(run_dir: str | Path) -> dict[str, dict[int, float]]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         raise ConfigError(f"no {path}: give the run directory of a Trainer run (TrainerConfig.run_dir)")
+    if not path.is_file():
+        raise ConfigError(f"{path} is not a file: give the run directory of a Trainer run (TrainerConfig.run_dir)")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not a metrics file (not UTF-8 text): give the run directory of a Trainer "
+                          "run (TrainerConfig.run_dir)") from None
     curves: dict[str, dict[int, float]] = {}
-    for line in path.read_text().splitlines():
+    for number, line in enumerate(text.splitlines(), 1):
         try:
             record = json.loads(line)
         except ValueError:
             continue  # a line cut short by a crash
-        if record.get("kind") not in ("train", "epoch", "test"):
+        if not isinstance(record, dict) or record.get("kind") not in ("train", "epoch", "test"):
             continue
+        step = record.get("step")
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise ConfigError(f"{path} line {number}: a {record['kind']!r} record without an integer 'step': not "
+                              "a Trainer's metrics file; give the run directory of a Trainer run")
         for name, value in record.items():
             if name in ("kind", "step", "time", "epoch") or isinstance(value, bool):
                 continue
             if isinstance(value, (int, float)) and math.isfinite(value):
-                curves.setdefault(name, {})[record["step"]] = float(value)
+                curves.setdefault(name, {})[step] = float(value)
     return curves
 
 
@@ -49,15 +62,21 @@ def panels(curves: dict[str, dict[int, float]]) -> list[tuple[str, list[str]]]:
 
 
 def plot(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Draw the curves of ``run_dir`` to ``out`` (default ``run_dir/curves.png``); return its path."""
+    """Draw the curves of ``run_dir`` to ``out`` (default ``run_dir/curves.png``); return its path.
+
+    The format follows ``out``'s extension (``.png``, ``.svg``, ``.pdf``, ...). The file is written whole or
+    not at all, by a rename that replaces a link at its name rather than writing through it."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")  # no display needed
         import matplotlib.pyplot as plt
+        from matplotlib.backend_bases import FigureCanvasBase
     except ImportError as err:
         raise ImportError("ddpkit plot needs matplotlib: pip install 'ddpkit[plot]'") from err
     curves = read_curves(run_dir)
+    path = Path(out) if out is not None else Path(run_dir) / "curves.png"
+    kind = _check_out(path, FigureCanvasBase.get_supported_filetypes(), out is not None)
     groups = panels(curves)
     if not groups:
         raise ConfigError(f"{Path(run_dir) / 'metrics.jsonl'} holds no training or validation record yet")
@@ -71,12 +90,36 @@ def plot(run_dir: str | Path, out: str | Path | None = None) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     axes[-1, 0].set_xlabel("optimizer step")
-    fig.suptitle(str(run_dir), fontsize=10)
+    fig.suptitle(shown(run_dir), fontsize=10)
     fig.tight_layout()
-    path = Path(out) if out is not None else Path(run_dir) / "curves.png"
-    fig.savefig(path, dpi=100)
+    image = io.BytesIO()
+    fig.savefig(image, format=kind, dpi=100)
     plt.close(fig)
+    try:
+        run_files.write_atomic(path, image.getvalue())
+    except OSError as err:
+        raise ConfigError(f"cannot write {path}: {err.strerror}: give -o a file in a folder you can write to") from None
     return path
+
+
+def _check_out(path: Path, formats: dict[str, str], given: bool) -> str:
+    """The image format of ``path`` (its extension), or a :class:`ConfigError` naming what to change."""
+    option = "-o" if given else "the default output"
+    if path.is_dir():
+        raise ConfigError(f"{option} {str(path)!r} is a folder: give a file name, e.g. {str(path / 'curves.png')!r}")
+    if not path.parent.is_dir():
+        raise ConfigError(f"{option} {str(path)!r}: the folder {str(path.parent)!r} does not exist: create it, or "
+                          "give a file in an existing folder")
+    kind = path.suffix.lower().removeprefix(".")
+    if kind not in formats:
+        raise ConfigError(f"{option} {str(path)!r}: give a file name ending in an image format matplotlib writes "
+                          f"({', '.join('.' + k for k in sorted(formats))})")
+    return kind
+
+
+def shown(path: str | Path) -> str:
+    """``path`` as text that prints: bytes of a name that are not UTF-8 are shown as \\xNN."""
+    return str(path).encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -86,9 +129,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         epilog="example: ddpkit plot runs/digits        # writes runs/digits/curves.png",
     )
     parser.add_argument("run_dir", help="the run directory (TrainerConfig.run_dir)")
-    parser.add_argument("-o", "--out", help="the PNG to write (default: RUN_DIR/curves.png)")
+    parser.add_argument("-o", "--out", help="the image to write, its format from its extension: .png, .svg, .pdf, "
+                        "... (default: RUN_DIR/curves.png)")
     args = parser.parse_args(argv)
-    print(f"ddpkit plot: wrote {plot(args.run_dir, args.out)}")
+    print(f"ddpkit plot: wrote {shown(plot(args.run_dir, args.out))}")
     return 0
 
 

@@ -9,6 +9,9 @@ Two mistakes train the wrong thing and still exit 0 unless caught here:
 - a script rerun with another config (another learning rate, a resized layer) on a run directory that
   already holds snapshots would "resume" the old run: :func:`check_resumable` compares what the snapshot was
   taken with against what this run asks for, and refuses with the fields that differ and the ways out.
+
+A run directory that belongs to another user, or that holds a symbolic link where the run writes, is refused
+too (:mod:`ddpkit.run_files`): a job's writes and deletions stay inside its own run directory.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ddpkit import run_files
 from ddpkit.collectives import broadcast_object
 from ddpkit.errors import ConfigError
 
@@ -54,7 +58,8 @@ class RunDirLock:
     def acquire(self) -> None:
         """Take the lock, or raise :class:`ConfigError` naming the job that holds it."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        # Never through a link, never another user's file: the holder's name is written into it.
+        fd = run_files.open_fd(self.path, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -84,19 +89,38 @@ class RunDirLock:
         self.release()
 
 
-def claim(run_dir: str | os.PathLike, *, is_main: bool, fresh: bool, group: Any = None) -> RunDirLock | None:
-    """Lock ``run_dir`` on the group's main rank; with ``fresh`` (``resume=False``) move old snapshots aside.
+RUN_FILES = ("snapshots", "metrics.jsonl", "epochs.csv", "config.json", "best.pt", "tensorboard", "loggers.json",
+             "mlflow.db", "wandb", "curves.png")
+"""What a run writes in its run directory (besides ``.lock``): none of it may be a symbolic link."""
 
-    Collective over ``group``: the main rank's verdict is broadcast, so every rank raises together rather than
-    the others waiting in their first all-reduce for a rank that has left.
+PREVIOUS_RUN = ("snapshots", "best.pt", "metrics.jsonl", "epochs.csv", "tensorboard", "loggers.json",
+                "config.json", "curves.png")
+"""What ``resume=False`` moves aside: the previous run's state and records, which the new run's would otherwise
+join at the same steps. (``mlflow.db`` and ``wandb/`` are stores of many runs; the new run is a new run in
+them, as ``loggers.json`` is moved.)"""
+
+
+def claim(run_dir: str | os.PathLike, *, is_main: bool, fresh: bool, group: Any = None) -> RunDirLock | None:
+    """Lock ``run_dir`` on the group's main rank; with ``fresh`` (``resume=False``) move the previous run aside.
+
+    Refused (on every rank) when the run directory or its ``snapshots/`` belongs to another user, or when
+    anything the run writes there is a symbolic link. Collective over ``group``: the main rank's verdict is
+    broadcast, so every rank raises together rather than the others waiting in their first all-reduce for a
+    rank that has left.
     """
     lock, error = None, None
     if is_main:
-        lock = RunDirLock(run_dir)
+        path = Path(run_dir)
+        lock = RunDirLock(path)
         try:
+            # Checked before the lock file is made: nothing is created in another user's folder.
+            run_files.check_owned(path, "run_dir", follow=True)
             lock.acquire()
+            for name in RUN_FILES:
+                run_files.check_owned(path / name, "the snapshots folder" if name == "snapshots" else "",
+                                      follow=False)
             if fresh:
-                _set_aside_snapshots(Path(run_dir))
+                _set_aside_previous_run(path)
         except (ConfigError, OSError) as err:
             lock.release()
             lock, error = None, str(err)
@@ -106,18 +130,22 @@ def claim(run_dir: str | os.PathLike, *, is_main: bool, fresh: bool, group: Any 
     return lock
 
 
-def _set_aside_snapshots(run_dir: Path) -> None:
+def _set_aside_previous_run(run_dir: Path) -> None:
     # Left in place, an old run's snapshots of later steps would be "newer" than this run's and be pruned last
-    # or resumed first; deleting them would destroy what the user may still want.
-    old, best = run_dir / "snapshots", run_dir / "best.pt"
-    if (old.is_dir() and any(old.iterdir())) or best.exists():
-        aside = run_dir / f"snapshots.replaced-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-        if old.is_dir():
-            old.rename(aside)
-        aside.mkdir(exist_ok=True)
-        if best.exists():
-            best.rename(aside / best.name)
-        print(f"ddpkit: resume=False: the snapshots already in {run_dir} were moved to {aside}", flush=True)
+    # or resumed first, and its records would be followed by this run's at the same steps (two curves drawn as
+    # one); deleting them would destroy what the user may still want. The folder they go to has the layout of
+    # a run directory: `ddpkit plot` draws it.
+    snapshots = run_dir / "snapshots"
+    present = [name for name in PREVIOUS_RUN if os.path.lexists(run_dir / name)
+               and not (name == "snapshots" and snapshots.is_dir() and not any(snapshots.iterdir()))]
+    if not present:
+        return
+    aside = run_dir / f"replaced-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    aside.mkdir()
+    for name in present:
+        os.rename(run_dir / name, aside / name)  # a rename moves a link itself, never what it points to
+    print(f"ddpkit: resume=False: the previous run's {', '.join(present)} moved to {aside}; this run starts "
+          "them afresh", flush=True)
 
 
 def _read_holder(fd: int) -> str:

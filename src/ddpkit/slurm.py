@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ddpkit import run_files
 from ddpkit.errors import PREEMPTED_EXIT_CODE, ConfigError
 
 
@@ -58,14 +59,41 @@ class BatchConfig:
         for name in ("nodes", "signal_lead"):
             if getattr(self, name) < (1 if name == "nodes" else 0):
                 raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)}: too small")
+        if self.signal_lead > 65535:  # sbatch's --signal takes at most 65535 s
+            raise ConfigError(f"--signal-lead {self.signal_lead}: SLURM allows at most 65535 s")
         if self.gpus_per_node < 0:
             raise ConfigError(f"--gpus-per-node {self.gpus_per_node}: must be >= 0")
         for name in ("ntasks_per_node", "cpus_per_task"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} {value}: must be >= 1")
-        if self.time is not None and not re.fullmatch(r"(\d+-)?\d+(:\d{1,2}){0,2}", self.time):
-            raise ConfigError(f"--time {self.time!r}: use MINUTES, HH:MM:SS or DAYS-HH:MM:SS as SLURM does")
+        for option, value in self._texts():
+            _check_text(option, value)
+        limit = time_limit_seconds(self.time) if self.time is not None else None
+        if limit is not None and self.signal_lead >= limit:
+            raise ConfigError(
+                f"--signal-lead {self.signal_lead}: longer than the job may run (--time {self.time} is {limit} s), "
+                "so the signal to save and stop would be due before the job starts; give a shorter lead (with "
+                "time left for a snapshot) or a longer --time"
+            )
+        if self.job_name is not None and not _JOB_NAME.fullmatch(self.job_name):
+            raise ConfigError(
+                f"--job-name {self.job_name!r}: use letters, digits and . _ + - only, starting with a letter or "
+                "digit (it names the batch script and the output file in --output-dir)"
+            )
+        for option, value in (("--partition", self.partition), ("--account", self.account)):
+            if value is not None and not re.fullmatch(r"[^\s\"'\\#]+", value):
+                raise ConfigError(f"{option} {value!r}: a SLURM name has no spaces, quotes, backslashes or #")
+
+    def _texts(self) -> list[tuple[str, str]]:
+        """Every string that goes into the batch script, with the option (or source) that gave it."""
+        out = [("SCRIPT", self.script), ("--output-dir", self.output_dir), ("the current folder", self.workdir),
+               ("the Python (sys.executable)", self.python)]
+        out += [("a script argument", a) for a in self.script_args]
+        out += [("--sbatch-option", o) for o in self.sbatch_options]
+        out += [(f"--{n.replace('_', '-')}", getattr(self, n)) for n in ("job_name", "partition", "account", "time")
+                if getattr(self, n) is not None]
+        return out
 
     @property
     def tasks_per_node(self) -> int:
@@ -73,7 +101,58 @@ class BatchConfig:
 
     @property
     def name(self) -> str:
-        return self.job_name or Path(self.script).stem or "ddpkit"
+        # The default name comes from the script's file name, made safe for a file name and an #SBATCH line.
+        return self.job_name or re.sub(r"[^A-Za-z0-9._+-]", "_", Path(self.script).stem).lstrip(".-") or "ddpkit"
+
+
+_JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,199}")
+_SCRIPT_SINGLE_LINE = {"--sbatch-option", "--job-name", "--partition", "--account", "--time", "--output-dir"}
+
+
+def _check_text(option: str, value: str) -> None:
+    """Refuse what the batch script cannot hold: text that is not UTF-8, and a line break or control character
+    where it would end an #SBATCH line (the rest would run as shell lines, and sbatch stops reading #SBATCH
+    options at the first of them)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError(f"{option} {value.encode('utf-8', 'surrogateescape')!r}: not valid UTF-8, and the batch "
+                          "script is UTF-8 text: rename it (or the folder it is in)") from None
+    if option in _SCRIPT_SINGLE_LINE and any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise ConfigError(f"{option} {value!r}: a line break or control character would end the #SBATCH line "
+                          "and run the rest as shell commands: remove it")
+
+
+_TIME = re.compile(r"([0-9]+)-([0-9]+)(?::([0-9]+)(?::([0-9]+))?)?|([0-9]+)(?::([0-9]+)(?::([0-9]+))?)?")
+
+
+def time_limit_seconds(text: str) -> int | None:
+    """Seconds in a SLURM time limit (``MIN``, ``MIN:SEC``, ``H:MIN:SEC``, ``D-H``, ``D-H:MIN``, ``D-H:MIN:SEC``);
+    None for no limit (``0``, ``UNLIMITED``, ``INFINITE``). Raises :class:`ConfigError` for anything else."""
+    if text.lower() in ("unlimited", "infinite"):
+        return None
+    match = _TIME.fullmatch(text)
+    if match is None:
+        raise ConfigError(f"--time {text!r}: use MINUTES, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS as SLURM "
+                          "does")
+    days, d_hours, d_minutes, d_seconds, a, b, c = (int(g) if g is not None else None for g in match.groups())
+    if days is not None:
+        seconds = days * 86400 + d_hours * 3600 + (d_minutes or 0) * 60 + (d_seconds or 0)
+    elif c is not None:
+        seconds = a * 3600 + b * 60 + c  # HH:MM:SS
+    elif b is not None:
+        seconds = a * 60 + b  # MM:SS
+    else:
+        seconds = a * 60  # minutes
+    return seconds or None  # SLURM reads a limit of 0 as none
+
+
+def _sbatch_value(text: str) -> str:
+    """``text`` as one argument on an #SBATCH line: sbatch splits these lines at spaces, groups quoted text,
+    and reads a backslash as an escape and an unquoted # as the start of a comment."""
+    if re.fullmatch(r"[A-Za-z0-9_./%:=,@+-]+", text):
+        return text
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def batch_script(cfg: BatchConfig) -> str:
@@ -101,7 +180,8 @@ def batch_script(cfg: BatchConfig) -> str:
         f"#SBATCH --signal=USR1@{cfg.signal_lead}",
         "#SBATCH --requeue",
         "#SBATCH --open-mode=append",
-        f"#SBATCH --output={out}/%x-%j.out",
+        # %x (job name) and %j (job id) are SLURM's; a % of the folder's own is written %%.
+        f"#SBATCH --output={_sbatch_value(str(out).replace('%', '%%') + '/%x-%j.out')}",
         *(f"#SBATCH {option}" for option in cfg.sbatch_options),
         "",
         f"cd {shlex.quote(str(Path(cfg.workdir).absolute()))}",
@@ -126,11 +206,12 @@ def submit(cfg: BatchConfig, dry_run: bool = False) -> tuple[Path, str | None]:
     if not Path(cfg.script).is_file():
         raise ConfigError(f"script {cfg.script!r} not found (from {os.getcwd()}): check the path")
     out = Path(cfg.output_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--output-dir {cfg.output_dir!r} is a file: give a folder for the batch script and the "
+                          "job's output (it is created if missing)")
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{cfg.name}.sbatch"
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(batch_script(cfg))
-    tmp.replace(path)
+    run_files.write_atomic(path, batch_script(cfg).encode())
     if dry_run:
         return path, None
     if shutil.which("sbatch") is None:

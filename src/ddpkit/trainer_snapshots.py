@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ddpkit import run_dir as run_dir_lib
+from ddpkit import run_files
 from ddpkit.checkpoint import Checkpointer, folder_name
 from ddpkit.collectives import gather_object
 from ddpkit.errors import ConfigError
@@ -46,7 +47,8 @@ class TrainerSnapshots:
             "device": str(self.runtime.device),
             "torch": torch.__version__,
         }
-        (self.run_dir / "config.json").write_text(json.dumps(resolved, indent=2, default=str) + "\n")
+        text = json.dumps(resolved, indent=2, default=str) + "\n"
+        run_files.write_atomic(self.run_dir / "config.json", text.encode())
 
     def state_dict(self) -> dict[str, Any]:
         """Everything the next step needs. ``strategy``: model and optimizer, each rank's own part (shards under

@@ -21,6 +21,7 @@ import argparse
 import datetime
 import functools
 import json
+import math
 import os
 import platform
 import sys
@@ -31,8 +32,10 @@ from typing import Any
 
 import torch
 
+from ddpkit import run_files
 from ddpkit.data import ShardedBatchSampler
 from ddpkit.errors import ConfigError
+from ddpkit.plot import shown
 from ddpkit.spawn import spawn
 from ddpkit.tools import allreduce, predict
 from ddpkit.tools.bench_report import report
@@ -80,12 +83,17 @@ class BenchConfig:
         for name in ("steps", "rounds", "gpus_per_node"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be >= 1")
+        if self.warmup < 0:
+            raise ConfigError(f"--warmup {self.warmup}: give the untimed steps before timing, >= 0")
         if self.interconnect not in predict.PRESETS:
             raise ConfigError(f"--interconnect {self.interconnect!r}: choose one of {', '.join(predict.PRESETS)}")
         if self.intra != "measured" and self.intra not in predict.PRESETS:
             raise ConfigError(f"--intra {self.intra!r}: choose measured or one of {', '.join(predict.PRESETS)}")
-        if self.bandwidth_gbps is not None and self.bandwidth_gbps <= 0:
-            raise ConfigError(f"--bandwidth {self.bandwidth_gbps}: give a bus bandwidth in GB/s, > 0")
+        if self.bandwidth_gbps is not None and not (math.isfinite(self.bandwidth_gbps) and self.bandwidth_gbps > 0):
+            raise ConfigError(f"--bandwidth {self.bandwidth_gbps}: give a bus bandwidth in GB/s, a number > 0")
+        if self.latency_us is not None and not (math.isfinite(self.latency_us) and self.latency_us >= 0):
+            raise ConfigError(f"--latency-us {self.latency_us}: give the latency of one ring step in microseconds, "
+                              "a number >= 0")
         gpus = torch.cuda.device_count()
         if gpus and self.nproc > gpus:
             hint = ("lower --nproc" if gpus >= 2 else
@@ -339,12 +347,33 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
     return result
 
 
+OUTPUTS = ("bench.json", "bench.png")
+
+
+def check_out(out: str, overwrite: bool) -> None:
+    """Refuse an ``--out`` the results could not be written to, or one holding an earlier bench's results
+    (unless ``overwrite``), before anything is measured: the measurement takes minutes, and its results must
+    not be lost to a bad folder at the end, nor silently replace the last ones."""
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"--out {out!r} is a file: give a folder for bench.json and bench.png (made if missing)")
+    earlier = [name for name in OUTPUTS if os.path.lexists(path / name)]
+    if earlier and not overwrite:
+        raise ConfigError(f"--out {out!r} already holds {' and '.join(earlier)} of an earlier bench: give another "
+                          "--out, or --overwrite to replace them")
+    parent = path
+    while not parent.exists():  # the nearest folder that exists is where the folders are made
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {out!r}: cannot make or write to it ({str(parent)!r} is not a folder you can "
+                          "write to): give another --out")
+
+
 def write_outputs(cfg: BenchConfig, result: dict[str, Any]) -> list[str]:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / "bench.json.tmp"
-    tmp.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    tmp.replace(out / "bench.json")  # never a half-written file
+    # Never a half-written file; a link at either name is replaced, not written through.
+    run_files.write_atomic(out / "bench.json", (json.dumps(result, indent=2, default=str) + "\n").encode())
     written = [str(out / "bench.json")]
     try:
         from ddpkit.tools.plot import plot_throughput
@@ -389,16 +418,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--latency-us", type=float, help="latency of one ring step between nodes, replacing the preset's")
     p.add_argument("--no-knobs", dest="knobs", action="store_false", help="skip the knob trials")
     p.add_argument("--out", default="ddpkit-bench", help="folder for bench.json and bench.png")
+    p.add_argument("--overwrite", action="store_true", help="replace the results of an earlier bench in --out")
     p.add_argument("--no-pin", dest="pin", action="store_false", help="leave CPU ranks unpinned")
     a = p.parse_args(argv)
     cfg = BenchConfig(script=a.script, nproc=a.nproc, steps=a.steps, warmup=a.warmup, rounds=a.rounds,
                       predict_sizes=a.predict, gpus_per_node=a.gpus_per_node, intra=a.intra,
                       interconnect=a.interconnect, bandwidth_gbps=a.bandwidth_gbps, latency_us=a.latency_us,
                       knobs=a.knobs, out=a.out, pin=a.pin)
+    check_out(a.out, a.overwrite)
     result = run_bench(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
     print("\n".join(report(result)))
     for path in write_outputs(cfg, result):
-        print(f"wrote {path}")
+        print(f"wrote {shown(path)}")
     return 0
 
 

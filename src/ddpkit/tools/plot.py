@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +10,8 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt  # noqa: E402
+
+from ddpkit import run_files  # noqa: E402
 
 
 def plot_throughput(result: dict[str, Any], path: Path) -> None:
@@ -38,7 +41,7 @@ def plot_throughput(result: dict[str, Any], path: Path) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110)
+    image = io.BytesIO()
+    fig.savefig(image, format="png", dpi=110)
     plt.close(fig)
-    tmp.replace(path)
+    run_files.write_atomic(path, image.getvalue())
