@@ -1,9 +1,12 @@
-"""The search on groups of ranks: budgets, pruning, failures and a SIGKILL, with real processes."""
+"""The search on groups of ranks: budgets, pruning, failures, kills, restarts, a second job, a damaged journal
+and a full disk, with real processes."""
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +20,9 @@ from torch import nn
 import ddpkit
 from ddpkit.errors import ConfigError
 from ddpkit.search import SearchConfig, choice, search, uniform
+from ddpkit.search.engine import _sampler
+from ddpkit.search.environment import environment_error
+from ddpkit.search.search_dir import repair_journal
 from ddpkit.trainer import Trainer, TrainerConfig
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
@@ -28,7 +34,20 @@ JOB = str(Path(__file__).parent / "scripts" / "search_job.py")
 def _study(search_dir: Path) -> optuna.Study:
     from optuna.storages.journal import JournalFileBackend, JournalStorage
 
-    return optuna.load_study(study_name="ddpkit", storage=JournalStorage(JournalFileBackend(str(search_dir / "study.journal"))))
+    storage = JournalStorage(JournalFileBackend(str(search_dir / "study.journal")))
+    return optuna.load_study(study_name="ddpkit", storage=storage)
+
+
+def _job(search_dir: Path, *args: str, env: dict, nproc: int | None = None, restarts: int = 0,
+         timeout: float = 150) -> subprocess.CompletedProcess:
+    """The test search job, as plain python (one rank) or under ``ddpkit run`` with ``nproc`` ranks."""
+    launch = ["-m", "ddpkit.cli", "run", "--nproc", str(nproc), "--max-restarts", str(restarts)] if nproc else []
+    cmd = [sys.executable, *launch, JOB, str(search_dir), *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _params(study: optuna.Study) -> dict[int, tuple[float, float]]:
+    return {t.number: (t.params["lr"], t.params["momentum"]) for t in study.trials}
 
 
 def _tiny_trainer(candidate, lr: float, epochs: int = 3, callbacks=()) -> Trainer:
@@ -151,20 +170,157 @@ def test_a_search_space_optuna_rejects_is_a_clear_error():
         ddpkit.search.engine._sampler(SearchConfig(n_trials=1, sampler="grid"), {"lr": uniform(0.1, 1.0)})
 
 
+# -- restarts, a second job, a damaged journal, errors of the machine ---------------------------------------
+
+
+def _draws(sampler: str, group: int, start: int, n: int = 4) -> list[tuple]:
+    space = {"lr": uniform(1e-3, 1.0, log=True), "momentum": uniform(0.0, 0.9)}
+    cfg = SearchConfig(n_trials=n, sampler=sampler)
+    study = optuna.create_study(sampler=_sampler(cfg, space, group, start))
+    return [tuple(study.ask(space).params.values()) for _ in range(n)]
+
+
+@pytest.mark.parametrize("sampler", ["tpe", "evolution", "random", "nsga2"])
+def test_each_start_seeds_the_samplers_apart_and_a_replayed_start_alike(sampler):
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    first, replayed = _draws(sampler, group=0, start=0), _draws(sampler, group=0, start=0)
+    restart, other_group = _draws(sampler, group=0, start=1), _draws(sampler, group=1, start=0)
+    # Seeded alike, samplers draw alike: what every start did when a start was not part of the seed (the
+    # control), and what a replayed start must still do.
+    assert first == replayed
+    assert not set(first) & set(restart)
+    assert not set(first) & set(other_group)
+
+
+def _raised(outer: BaseException, inner: BaseException, cause: bool = True) -> BaseException:
+    try:
+        try:
+            raise inner
+        except BaseException as err:
+            if cause:
+                raise outer from err
+            raise outer  # noqa: B904 - an error while handling another: its __context__
+    except BaseException as err:
+        return err
+
+
+def test_errors_of_the_machine_are_told_from_a_candidates_errors():
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/runs/search/trial-0001/snapshots")
+    read_only = OSError(errno.EROFS, os.strerror(errno.EROFS))
+    machine = [
+        full, read_only, OSError(errno.EDQUOT, "quota"), OSError(errno.EIO, "I/O error"),
+        # A snapshot written in the background is re-raised in the training thread from its error.
+        _raised(RuntimeError("ddpkit: writing a snapshot in the background failed"), full),
+        # torch.distributed.checkpoint gathers each rank's error into one exception (a BaseException).
+        CheckpointException("save failed", {1: (read_only, None)}),
+        _raised(RuntimeError("background"), CheckpointException("save failed", {0: (full, None)})),
+        _raised(KeyError("cleanup failed too"), full, cause=False),
+    ]
+    candidate = [
+        ValueError("a bug in user code"), FloatingPointError("non-finite loss"), MemoryError(),
+        RuntimeError("CUDA out of memory"), FileNotFoundError(errno.ENOENT, "no such file"),
+        OSError(errno.ENOMEM, "cannot allocate memory"), PermissionError(errno.EACCES, "permission denied"),
+        _raised(RuntimeError("wrapped"), ValueError("a bug")),
+    ]
+    assert [environment_error(e) is not None for e in machine] == [True] * len(machine)
+    assert [environment_error(e) for e in candidate] == [None] * len(candidate)
+
+
+def _journal_study(path: Path) -> optuna.Study:
+    from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return optuna.create_study(study_name="s", storage=JournalStorage(JournalFileBackend(str(path))),
+                               load_if_exists=True)
+
+
+def _optimize(study: optuna.Study, n: int) -> None:
+    study.optimize(lambda t: t.suggest_float("x", 0.0, 1.0), n_trials=n)
+
+
+def test_a_journal_cut_at_its_end_is_repaired_keeping_every_whole_record(tmp_path):
+    path = tmp_path / "study.journal"
+    _optimize(_journal_study(path), 3)
+    whole = path.read_bytes()
+    values = [t.value for t in _journal_study(path).trials]
+    cut = whole[:-20]  # trial 2's last record (its result) cut short, as by a kill or a full disk mid-write
+    # Control: left as it is, the next record is glued to the cut one, and the study can no longer be read.
+    path.write_bytes(cut)
+    with pytest.raises(json.JSONDecodeError):
+        _optimize(_journal_study(path), 1)
+    with pytest.raises(json.JSONDecodeError):
+        _journal_study(path)
+
+    path.write_bytes(cut)
+    note = repair_journal(path)
+    kept = cut[: cut.rfind(b"\n") + 1]
+    assert path.read_bytes() == kept and "cut short" in note
+    [aside] = tmp_path.glob("study.journal.cut-*")
+    assert aside.read_bytes() == cut[len(kept):] and aside.name in note
+    study = _journal_study(path)
+    _optimize(study, 1)
+    trials = _journal_study(path).trials
+    complete, running = TrialState.COMPLETE, TrialState.RUNNING
+    assert [t.state for t in trials] == [complete, complete, running, complete]  # trial 2's result was cut
+    assert [t.value for t in trials[:2]] == values[:2]
+    assert repair_journal(path) is None  # a whole journal is left alone
+
+
+def test_a_journal_damaged_before_its_end_is_refused_naming_the_line_and_the_ways_out(tmp_path):
+    path = tmp_path / "study.journal"
+    _optimize(_journal_study(path), 2)
+    lines = path.read_bytes().splitlines(keepends=True)
+    # What Optuna leaves after a cut last record: the next record glued to it, then the later records.
+    damaged = b"".join(lines[:3] + [lines[3][:15] + lines[4]] + lines[5:])
+    path.write_bytes(damaged)
+    with pytest.raises(ConfigError) as err:
+        repair_journal(path)
+    message = str(err.value)
+    assert str(path) in message and "line 4 of" in message
+    assert f"head -n 3 {path}" in message and "another search_dir" in message
+    assert path.read_bytes() == damaged  # nothing changed
+
+
+def _search_once(search_dir: str) -> str:
+    ddpkit.init()
+    try:
+        search(lambda c: 0.0, {"x": uniform(0.0, 1.0)}, SearchConfig(n_trials=1, search_dir=search_dir, plots=False))
+    except ConfigError as err:
+        return str(err)
+    return "accepted"
+
+
+def test_trial_folders_no_trial_of_the_study_owns_are_refused(tmp_path):
+    search_dir = tmp_path / "search"
+    old = search_dir / "trial-0000"
+    old.mkdir(parents=True)
+    (old / "metrics.jsonl").write_text('{"event": "start"}\n')
+    (search_dir / "trial-0007").mkdir()  # empty: nothing to resume from, not named
+    [message] = ddpkit.spawn(functools.partial(_search_once, str(search_dir)), 1)
+    assert "trial-0000" in message and "trial-0007" not in message, message
+    assert "another search_dir" in message and "move those folders" in message
+    assert [p.name for p in old.iterdir()] == ["metrics.jsonl"]
+    old.rename(tmp_path / "aside")
+    assert ddpkit.spawn(functools.partial(_search_once, str(search_dir)), 1) == ["accepted"]
+
+
 @pytest.mark.slow
-def test_a_sigkill_during_a_search_is_survived(tmp_path, clean_env):
+@pytest.mark.parametrize("seeding", ["per start", "same every start"])
+def test_a_sigkill_during_a_search_is_survived(tmp_path, clean_env, seeding):
     # 2 groups of 1 rank; rank 1 kills itself after epoch 2 of its first trial on the first attempt. The agent
     # restarts the job; that trial resumes from its snapshot, and the study ends with exactly 4 finished trials.
-    cmd = [sys.executable, "-m", "ddpkit.cli", "run", "--nproc", "2", "--max-restarts", "1", JOB, str(tmp_path),
-           "--trials", "4", "--kill", "2"]
-    proc = subprocess.run(cmd, env=clean_env, capture_output=True, text=True, timeout=150)
+    control = seeding == "same every start"
+    proc = _job(tmp_path, "--trials", "4", "--kill", "2", *(["--same-seed-every-start"] if control else []),
+                env=clean_env, nproc=2, restarts=1)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "exitcode: -9" in proc.stderr or "SIGKILL" in proc.stderr, "no worker was killed"
+    killed = int((tmp_path / "killed_trial").read_text())  # written by rank 1 just before it SIGKILLed itself
     study = _study(tmp_path)
     assert len(study.trials) == 4
     assert all(t.state == TrialState.COMPLETE for t in study.trials), [t.state for t in study.trials]
-    killed = int((tmp_path / "killed_trial").read_text())
-    events = [json.loads(line) for line in (tmp_path / f"trial-{killed:04d}" / "metrics.jsonl").read_text().splitlines()]
+    log = (tmp_path / f"trial-{killed:04d}" / "metrics.jsonl").read_text()
+    events = [json.loads(line) for line in log.splitlines()]
     resumes = [e for e in events if e.get("event") == "resume"]
     # From its own snapshot: the epoch-2 one, or the one before it if the kill came while the epoch-2 snapshot
     # was still being written in the background.
@@ -172,3 +328,138 @@ def test_a_sigkill_during_a_search_is_survived(tmp_path, clean_env):
     # The other group's candidate was stopped by the agent too: both were left running, both are resumed.
     line = next(x for x in proc.stdout.splitlines() if "a stopped job left running" in x)
     assert killed in json.loads(line.split("running: ")[1])
+    # The restarted job draws new candidates (a continuous space: a repeat by chance has probability 0).
+    # Control: seeded as the first start was, each group's first draw after the restart repeats one of the
+    # first start's candidates.
+    distinct = len(set(_params(study).values()))
+    assert distinct < 4 if control else distinct == 4, _params(study)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_search_run_again_with_a_larger_budget_draws_new_candidates_and_replays_alike(tmp_path, clean_env):
+    runs = {}
+    for name, extra in [("a", []), ("b", []), ("control", ["--same-seed-every-start"])]:
+        for trials in ("2", "4"):
+            proc = _job(tmp_path / name, "--trials", trials, *extra, env=clean_env)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = _params(_study(tmp_path / name))
+    assert sorted(runs["a"]) == [0, 1, 2, 3]
+    assert len(set(runs["a"].values())) == 4  # the second start drew candidates of its own
+    assert runs["a"] == runs["b"]  # the same starts replayed: the same candidates
+    assert runs["control"][2] == runs["control"][0] and runs["control"][3] == runs["control"][1]
+
+
+@pytest.mark.slow
+def test_a_kill_inside_ask_leaves_a_trial_the_restart_resumes(tmp_path, clean_env):
+    # The process drawing trial 2's parameters SIGKILLs itself after drawing the first of two, inside the
+    # sampler: the trial exists in the study, half drawn. The agent restarts the job.
+    proc = _job(tmp_path, "--trials", "4", "--kill-in-ask", "2", env=clean_env, nproc=2, restarts=1)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert (tmp_path / "killed_in_ask").read_text() == "2"  # the mark the process wrote before its SIGKILL
+    study = _study(tmp_path)
+    assert len(study.trials) == 4, [(t.number, t.state) for t in study.trials]
+    assert all(t.state == TrialState.COMPLETE for t in study.trials), [t.state for t in study.trials]
+    assert set(study.trials[2].params) == {"lr", "momentum"}
+    line = next(x for x in proc.stdout.splitlines() if "a stopped job left running" in x)
+    assert 2 in json.loads(line.split("running: ")[1])
+    events = (tmp_path / "trial-0002" / "metrics.jsonl").read_text()
+    assert events.count('"event": "start"') == 1 and '"event": "resume"' not in events  # trained once, whole
+
+
+@pytest.mark.slow
+def test_a_second_job_on_a_search_dir_is_refused_and_the_first_goes_on(tmp_path, clean_env):
+    first = subprocess.Popen([sys.executable, JOB, str(tmp_path), "--trials", "2", "--gate"], env=clean_env,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        # The first job holds the search and trial 0 is running in it while it waits at the gate.
+        for line in first.stdout:
+            if line.startswith("gate: trial 0 is running"):
+                break
+        else:
+            pytest.fail(f"the first job ended before trial 0 started: {first.stderr.read()[-3000:]}")
+        second = _job(tmp_path, "--trials", "2", env=clean_env)
+        out, err = first.communicate(input="go\n", timeout=120)
+    finally:
+        first.kill()
+    assert second.returncode != 0, second.stdout[-2000:]
+    assert f"search_dir {str(tmp_path)!r} is in use by another search job (host" in second.stderr
+    assert f"pid {first.pid}" in second.stderr and "another search_dir" in second.stderr
+    assert first.returncode == 0, err[-3000:]
+    study = _study(tmp_path)
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE, TrialState.COMPLETE]
+    assert "trial 0 val/loss" in out  # the first job finished its trial itself
+
+
+@pytest.mark.slow
+def test_a_search_goes_on_from_a_journal_cut_by_a_kill(tmp_path, clean_env):
+    assert _job(tmp_path, "--trials", "2", env=clean_env).returncode == 0
+    journal = tmp_path / "study.journal"
+    before = {t.number: t.value for t in _study(tmp_path).trials}
+    journal.write_bytes(journal.read_bytes()[:-20])  # the last record (trial 1's result) cut short
+    proc = _job(tmp_path, "--trials", "3", env=clean_env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ended in a record cut short" in proc.stdout and list(tmp_path.glob("study.journal.cut-*"))
+    trials = _study(tmp_path).trials
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 3
+    assert trials[0].value == before[0]
+    assert "resuming 1 trial(s) a stopped job left running: [1]" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault, nproc", [(errno.ENOSPC, None), (errno.EROFS, 2)])
+def test_an_error_of_the_machine_stops_the_search_and_spends_no_budget(tmp_path, clean_env, fault, nproc):
+    # Trial 1 meets the error at the end of its first epoch: on the only rank, or on one rank of a group of 2
+    # while the other goes on into the next epoch's collectives.
+    group = ["--group-size", "2"] if nproc else []
+    proc = _job(tmp_path, "--trials", "3", "--fault", f"{fault}:1", *group, env=clean_env, nproc=nproc)
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert "trial 1 was stopped by the machine, not by the candidate" in proc.stderr
+    assert os.strerror(fault) in proc.stderr
+    states = {t.number: t.state for t in _study(tmp_path).trials}
+    assert states == {0: TrialState.COMPLETE, 1: TrialState.RUNNING}
+    proc = _job(tmp_path, "--trials", "3", *group, env=clean_env, nproc=nproc)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [t.state for t in _study(tmp_path).trials] == [TrialState.COMPLETE] * 3
+    assert '"event": "resume"' in (tmp_path / "trial-0001" / "metrics.jsonl").read_text()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 16 MiB tmpfs mounted for the test (needs root; skipped where mounting is not allowed)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+@pytest.mark.slow
+def test_a_full_disk_stops_the_search_and_it_goes_on_once_there_is_room(small_disk, clean_env):
+    search_dir = small_disk / "search"
+    proc = _job(search_dir, "--trials", "3", "--fill-disk", "1", env=clean_env)
+    assert "filled the disk" in proc.stdout
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    # Met by the Trainer's snapshot, written in the background by torch.distributed.checkpoint, or by the study.
+    assert "trial 1 was stopped by the machine, not by the candidate: [Errno 28] No space left" in proc.stderr
+    assert {t.number: t.state for t in _study(search_dir).trials} == {0: TrialState.COMPLETE, 1: TrialState.RUNNING}
+    (search_dir / "filler").unlink()
+    proc = _job(search_dir, "--trials", "3", env=clean_env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    trials = _study(search_dir).trials
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 3, [t.state for t in trials]
+    assert "resuming 1 trial(s) a stopped job left running: [1]" in proc.stdout
+
+
+@pytest.mark.slow
+def test_trial_folders_left_by_another_search_are_refused(tmp_path, clean_env):
+    assert _job(tmp_path, "--trials", "2", env=clean_env).returncode == 0
+    log = (tmp_path / "trial-0000" / "metrics.jsonl").read_text()
+    (tmp_path / "study.journal").write_bytes(b"")  # the study emptied; its trials' folders left behind
+    proc = _job(tmp_path, "--trials", "2", env=clean_env)
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert "trial-0000, trial-0001" in proc.stderr and "another search_dir" in proc.stderr
+    assert (tmp_path / "trial-0000" / "metrics.jsonl").read_text() == log  # nothing trained, nothing written

@@ -1,0 +1,161 @@
+"""What a search keeps in ``search_dir``, checked before a job touches it.
+
+Three ways a search_dir can mislead a job into training the wrong thing, or into failing healthy trials:
+
+- two jobs at once: the second would take the first one's live trials for trials a dead job left running and
+  fail them. World rank 0 holds an advisory lock (:func:`fcntl.flock`) on ``search_dir/.lock`` for the life
+  of the search, naming its holder; the kernel drops it when the process ends, however it ends, so a killed
+  job leaves nothing behind and its restart takes the lock at once;
+- a journal whose last record was cut (a kill or a full disk while Optuna wrote it): Optuna skips a last line
+  without its newline, then glues the next record to it, and every later read fails to parse that line;
+- ``trial-NNNN`` folders the study knows nothing of (its journal was emptied or removed, or ``study_name``
+  changed): a new trial of that number would resume the old one's finished snapshot and train nothing.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from ddpkit.errors import ConfigError
+
+JOURNAL = "study.journal"
+_TRIAL_DIR = re.compile(r"trial-(\d+)")
+
+
+def trial_dir(search_dir: Path, number: int) -> Path:
+    return search_dir / f"trial-{number:04d}"
+
+
+class SearchDirLock:
+    """An exclusive advisory lock on ``search_dir/.lock``, naming its holder (host, pid) inside the file.
+
+    The same protocol as the Trainer's run-directory lock (:class:`ddpkit.run_dir.RunDirLock`), in the words
+    of a search.
+    """
+
+    def __init__(self, search_dir: str | os.PathLike) -> None:
+        self.path = Path(search_dir) / ".lock"
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        """Take the lock, or raise :class:`ConfigError` naming the job that holds it."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_holder(fd)
+            os.close(fd)
+            raise ConfigError(
+                f"search_dir {str(self.path.parent)!r} is in use by another search job ({holder}): a second job "
+                "would take that job's live trials for trials a dead job left running. Wait for it to end, or "
+                "give this search another search_dir"
+            ) from None
+        # Holder written once the lock is ours: a job that finds it locked reads a whole record.
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                  "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the last descriptor drops the flock
+            self._fd = None
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        return f"host {info['host']}, pid {info['pid']}, since {info['since']}"
+    except (ValueError, KeyError, OSError):
+        return "holder unknown: it has not written its name yet"
+
+
+def repair_journal(path: Path) -> str | None:
+    """Make Optuna's journal file readable again after a write was cut short; say what was done, or None.
+
+    Call it only while no process writes the journal (under :class:`SearchDirLock`, before the study is
+    opened). A journal is a log: every prefix of whole records is a consistent study, so the bytes after the
+    last newline (a record cut short) are moved to a file beside it and the journal ends at its last whole
+    record; a trial whose last record was cut is then still running, and the search resumes it. A damaged
+    line before the last cannot be cut out that way (the records after it may depend on it): that is a
+    :class:`ConfigError` naming the line and the ways out, and the file is left as it is.
+    """
+    if not path.is_file():
+        return None
+    data = path.read_bytes()
+    whole, _, tail = data.rpartition(b"\n")
+    lines = whole.split(b"\n") if whole else []
+    for number, line in enumerate(lines, start=1):
+        if not _is_record(line):
+            _refuse_damaged(path, number, len(lines) + bool(tail))
+    lock = path.with_name(path.name + ".lock")
+    if os.path.lexists(lock):
+        # Optuna's journal lock (a symlink) left by a process killed while appending: with the search_dir lock
+        # held, no writer can be alive, and Optuna would otherwise wait out its 30 s grace period on every write.
+        os.unlink(lock)
+    if not tail:
+        return None
+    if _is_record(tail):
+        # Written whole, only its newline missing: Optuna skips such a line, so the record never took effect.
+        with open(path, "ab") as f:
+            f.write(b"\n")
+            f.flush()
+            os.fsync(f.fileno())
+        return f"ddpkit search: {path} ended without its last newline; the whole record before it is kept"
+    aside = path.with_name(f"{path.name}.cut-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+    with open(aside, "wb") as f:  # first the copy, then the cut: a crash between them loses nothing
+        f.write(tail)
+        f.flush()
+        os.fsync(f.fileno())
+    os.truncate(path, len(data) - len(tail))
+    return (f"ddpkit search: {path} ended in a record cut short (a kill or a full disk while it was written); "
+            f"its {len(tail)} bytes were moved to {aside.name}, the {len(lines)} whole records before it are kept")
+
+
+def _is_record(line: bytes) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError
+        return False
+
+
+def _refuse_damaged(path: Path, number: int, total: int) -> None:
+    kept = number - 1
+    raise ConfigError(
+        f"the study's journal {path} is damaged at line {number} of {total} (not a whole record; a write cut "
+        "short, then others appended to it), and Optuna cannot read past it. Either keep the "
+        f"{kept} whole records before it (`head -n {kept} {path} > {path}.kept && mv {path} {path}.damaged && "
+        f"mv {path}.kept {path}`: the trials recorded after them are dropped, and their trial-NNNN folders must "
+        "be moved away too), or start the search afresh in another search_dir"
+    )
+
+
+def check_trial_dirs(search_dir: Path, owned: set[int], study: str) -> None:
+    """Refuse ``trial-NNNN`` folders with content whose trial is not one of this search's ``owned`` trials."""
+    strangers = []
+    for path in sorted(search_dir.glob("trial-*")):
+        match = _TRIAL_DIR.fullmatch(path.name)
+        if match and int(match.group(1)) not in owned and path.is_dir() and any(path.iterdir()):
+            strangers.append(path.name)
+    if strangers:
+        listed = ", ".join(strangers[:6]) + (f" and {len(strangers) - 6} more" if len(strangers) > 6 else "")
+        raise ConfigError(
+            f"search_dir {str(search_dir)!r} holds trial folders that no trial of this search in {study} owns: "
+            f"{listed}. They are another search's (its journal was emptied or removed, or study_name changed), "
+            "and a new trial of the same number would resume that one's snapshots instead of training. Give "
+            "this search another search_dir, or move those folders out of this one (or delete them)"
+        )
+
+
+def describe_storage(config: Any) -> str:
+    """Where the study lives, for messages."""
+    where = config.storage or str(Path(config.search_dir) / JOURNAL)
+    return f"study {config.study_name!r} ({where})"
