@@ -211,7 +211,8 @@ def check_resumable(
         raise ConfigError(
             f"{snapshot} was taken by a run with another config than this one:\n  {listed}\n"
             "Resuming it would continue that run, not train this one. Give this run a new run_dir, or pass "
-            "TrainerConfig(resume=False) to start afresh in this one (its snapshots are moved aside), or "
+            "TrainerConfig(resume=False) to start afresh in this one (the previous run's snapshots and records are "
+            "moved aside), or "
             f"change only what a resume may change ({allowed})"
         )
 
