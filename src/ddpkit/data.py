@@ -28,7 +28,7 @@ from ddpkit.cluster import cpu_count
 from ddpkit.collectives import shard_position
 from ddpkit.errors import ConfigError
 from ddpkit.runtime import get_runtime
-from ddpkit.seeding import host_rng_state, seed_sample, set_host_rng_state, stream_seed
+from ddpkit.seeding import loading_rng_state, seed_sample, set_loading_rng_state, stream_seed
 
 
 def epoch_permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
@@ -172,11 +172,13 @@ class SeededSamples(Dataset):
     """``dataset`` read at ``(epoch, index)`` keys, each sample with the RNGs seeded from ``(seed, epoch, index)``.
 
     Python's ``random``, numpy's global generator and torch's CPU generator are seeded before each
-    ``dataset[index]`` (not CUDA's: loading runs on the CPU). In the main process (``num_workers=0``) their
-    states are saved before a batch and restored after it, so loading leaves the training stream (dropout)
-    where it was. Cost in the main process on the 2-core CI machine: 11 to 26 us per sample (seeding, the
-    first draw of each freshly seeded generator, and ~0.12 ms per batch to save and restore the states, numpy's
-    being the dear one); see ``bench/sample_seeding.py``.
+    ``dataset[index]``, and so is the current CUDA device's generator in a process that uses CUDA: a sample
+    drawing on the GPU (``torch.randn(..., device="cuda")``) draws the same too. That process is the main one
+    (``num_workers=0``): CUDA cannot be used in a loader worker forked from a process that uses it. In the main
+    process the generators' states are saved before a batch and restored after it, so loading leaves the
+    training stream (dropout, on the CPU or the GPU) where it was. Cost in the main process on the 2-core CI
+    machine: 11 to 26 us per sample (seeding, the first draw of each freshly seeded generator, and ~0.12 ms per
+    batch to save and restore the states, numpy's being the dear one); see ``bench/sample_seeding.py``.
     """
 
     def __init__(self, dataset: Dataset, seed: int) -> None:
@@ -190,7 +192,7 @@ class SeededSamples(Dataset):
 
     def __getitems__(self, keys: list[tuple[int, int]]) -> list[Any]:
         # A worker's own stream is of no use to anyone once every sample seeds it: no need to restore it there.
-        saved = host_rng_state() if get_worker_info() is None else None
+        saved = loading_rng_state() if get_worker_info() is None else None
         try:
             out = []
             for epoch, index in keys:
@@ -199,7 +201,7 @@ class SeededSamples(Dataset):
             return out
         finally:
             if saved is not None:
-                set_host_rng_state(saved)
+                set_loading_rng_state(saved)
 
 
 def check_map_style(dataset: Any) -> None:

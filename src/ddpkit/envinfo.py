@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import platform
 import time
@@ -15,11 +16,28 @@ import torch.distributed as dist
 from ddpkit.cluster import cpu_count, scheduler
 
 
-def _live_check() -> int:
+def _live_check(device: str | None) -> int:
     import ddpkit
 
-    rt = ddpkit.init()
+    rt = ddpkit.init(device=device)  # None: the device init() picks, cuda:LOCAL_RANK with nccl where GPUs are
     return int(ddpkit.all_reduce(rt.rank + 1))
+
+
+def live_checks(gpus: int) -> list[tuple[str, int, str | None]]:
+    """The all-reduces ``ddpkit env`` runs: (backend, processes, device for ``ddpkit.init``).
+
+    gloo on 2 CPU processes everywhere; where GPUs are visible also nccl, one process per GPU up to 2 (nccl
+    refuses two processes on one GPU, so one GPU gets a one-process check: communicator and kernels, no peer).
+    """
+    checks: list[tuple[str, int, str | None]] = [("gloo", 2, "cpu")]
+    if gpus:
+        checks.append(("nccl", min(gpus, 2), None))
+    return checks
+
+
+def _gpu(index: int) -> str:
+    props = torch.cuda.get_device_properties(index)
+    return f"{props.name} ({props.total_memory / 2**30:.1f} GiB, compute capability {props.major}.{props.minor})"
 
 
 # Variables through which launchers, schedulers and the communication libraries are steered.
@@ -57,7 +75,9 @@ def collect(live: bool = True) -> dict[str, Any]:
 
     from ddpkit import __version__
 
-    cuda = torch.cuda.is_available()
+    # The device count through NVML: unlike torch.cuda.is_available(), asking it leaves CUDA uninitialised.
+    gpus = torch.cuda.device_count()
+    cuda = gpus > 0 and torch.cuda.is_available()
     info: dict[str, Any] = {
         "ddpkit": __version__,
         "python": platform.python_version(),
@@ -67,7 +87,9 @@ def collect(live: bool = True) -> dict[str, Any]:
         "memory": _memory(),
         "cuda available": cuda,
         "cuda (build)": torch.version.cuda,
-        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else [],
+        "gpus": [_gpu(i) for i in range(gpus)] if cuda else [],
+        "cudnn": torch.backends.cudnn.version() if cuda else None,
+        "bf16 on the GPU": torch.cuda.is_bf16_supported() if cuda else None,
         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda and dist.is_nccl_available() else None,
         "gloo available": dist.is_available() and dist.is_gloo_available(),
         "cpu cores (usable)": cpu_count(),
@@ -79,18 +101,24 @@ def collect(live: bool = True) -> dict[str, Any]:
     info["loader workers per rank"] = default_num_workers(nproc)
     info["threads per rank"] = max(1, cpu_count() // nproc)
     if live:
-        from ddpkit.spawn import spawn
-
-        start = time.perf_counter()
-        try:
-            sums = spawn(_live_check, 2)
-            ok = sums == [3, 3]
-            info["live check (2 processes, gloo all-reduce)"] = (
-                f"{'ok' if ok else 'WRONG RESULT ' + repr(sums)} in {time.perf_counter() - start:.1f}s"
-            )
-        except Exception as err:  # report, do not crash: this is a diagnostic
-            info["live check (2 processes, gloo all-reduce)"] = f"FAILED: {type(err).__name__}: {err}"
+        for backend, nprocs, device in live_checks(gpus if cuda else 0):
+            key = f"live check ({nprocs} process{'es' if nprocs > 1 else ''}, {backend} all-reduce)"
+            info[key] = _run_live_check(nprocs, device)
     return info
+
+
+def _run_live_check(nprocs: int, device: str | None) -> str:
+    from ddpkit.spawn import spawn
+
+    start = time.perf_counter()
+    try:
+        # Importable, so it also runs where CUDA is initialised here and the processes must be spawned afresh.
+        sums = spawn(functools.partial(_live_check, device), nprocs)
+    except Exception as err:  # report, do not crash: this is a diagnostic
+        return f"FAILED: {type(err).__name__}: {err}"
+    expected = [nprocs * (nprocs + 1) // 2] * nprocs
+    verdict = "ok" if sums == expected else f"WRONG RESULT {sums!r}, expected {expected!r}"
+    return f"{verdict} in {time.perf_counter() - start:.1f}s"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -112,4 +140,5 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"  {name}={setting}")
         else:
             print(f"{key:<{width}}  {value}")
-    return 0 if "FAILED" not in str(info.get("live check (2 processes, gloo all-reduce)", "")) else 1
+    failed = [k for k, v in info.items() if k.startswith("live check") and not str(v).startswith("ok")]
+    return 1 if failed else 0

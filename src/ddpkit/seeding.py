@@ -67,6 +67,15 @@ def seed_everything(seed: int, per_rank: bool = False, group: Any = None) -> int
     return seed
 
 
+def _cuda_in_use() -> bool:
+    """True when this process has initialised CUDA: then its generators draw, and are saved and seeded.
+
+    Never initialises CUDA itself, and is False in a loader worker forked from a process that had (CUDA cannot
+    be used there at all; touching it would raise).
+    """
+    return torch.cuda.is_initialized()
+
+
 def rng_state() -> dict[str, Any]:
     """The RNG states of this process: python, numpy, torch CPU and each CUDA device."""
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
@@ -74,7 +83,7 @@ def rng_state() -> dict[str, Any]:
         # As plain values and a tensor, so a snapshot loads with torch.load(weights_only=True).
         kind, keys, pos, has_gauss, gauss = np.random.get_state()
         state["numpy"] = (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss))
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if _cuda_in_use():  # dropout on the GPU draws from these; before CUDA is initialised nothing has
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
@@ -85,32 +94,42 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"].cpu())
     if np is not None and "numpy" in state:
         kind, keys, pos, has_gauss, gauss = state["numpy"]
-        np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+        # .cpu(): a snapshot loaded with map_location="cuda" holds these keys on the GPU.
+        np.random.set_state((kind, keys.cpu().numpy().astype(np.uint32), pos, has_gauss, gauss))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
 def seed_sample(seed: int, epoch: int, index: int) -> None:
-    """Seed python, numpy and torch's CPU generator for loading sample ``index`` of ``epoch``.
+    """Seed python, numpy, torch's CPU generator and, where this process uses CUDA, the current CUDA device's
+    generator for loading sample ``index`` of ``epoch``.
 
     ``torch.default_generator.manual_seed``, not ``torch.manual_seed``: the latter also seeds every
-    accelerator backend and costs ~200 us, against ~1 us (measured on the CPU CI machine).
+    accelerator backend and costs ~200 us, against ~1 us (measured on the CPU CI machine). The CUDA generator
+    is seeded only once CUDA is initialised in this process (a sample drawing on the GPU, in the main process
+    or a worker that initialised CUDA before its first sample): seeding it before would queue a call per sample.
     """
     s = stream_seed("sample", seed, epoch, index)
     random.seed(s)
     if np is not None:
         np.random.seed(s)
     torch.default_generator.manual_seed(s)
+    if _cuda_in_use():
+        torch.cuda.manual_seed(s)  # the current device's generator only: where a sample's draws on the GPU go
 
 
-def host_rng_state() -> tuple[Any, ...]:
-    """Python's, numpy's and torch's CPU generator states, for :func:`set_host_rng_state`."""
-    return random.getstate(), np.random.get_state() if np is not None else None, torch.get_rng_state()
+def loading_rng_state() -> tuple[Any, ...]:
+    """The states of the generators :func:`seed_sample` seeds, for :func:`set_loading_rng_state`: python's,
+    numpy's, torch's CPU generator and, where this process uses CUDA, the current device's generator."""
+    cuda = torch.cuda.get_rng_state() if _cuda_in_use() else None
+    return random.getstate(), np.random.get_state() if np is not None else None, torch.get_rng_state(), cuda
 
 
-def set_host_rng_state(state: tuple[Any, ...]) -> None:
-    py, npy, cpu = state
+def set_loading_rng_state(state: tuple[Any, ...]) -> None:
+    py, npy, cpu, cuda = state
     random.setstate(py)
     if npy is not None:
         np.random.set_state(npy)
     torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda)

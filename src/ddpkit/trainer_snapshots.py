@@ -156,7 +156,9 @@ class TrainerSnapshots:
         if found is None:
             return False
         # Refused before any tensor is loaded: a snapshot of another config or model is named, not half-read.
-        sharded, state = self._snapshots.load(found, self.strategy.state_dict, map_location=rt.device,
+        # trainer.pt onto the CPU, not the rank's device: its RNG states must be CPU tensors to be restored (a
+        # torch.Generator refuses a CUDA one), and nothing else in it is a device tensor (DCP fills the model).
+        sharded, state = self._snapshots.load(found, self.strategy.state_dict, map_location="cpu",
                                               check=lambda saved: self._check_resumable(saved, str(found.path)))
         if sharded is not None:
             state["strategy"] = sharded

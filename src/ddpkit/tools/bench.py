@@ -125,7 +125,7 @@ def measure_scaling(cfg: BenchConfig, log: Any) -> dict[int, dict[str, Any]]:
     job = functools.partial(measure_steps, cfg.script, Knobs(), cfg.steps, cfg.warmup, True, cfg.pin)
     for r in range(cfg.rounds):
         for n in runs:
-            runs[n].append(spawn(job, n)[0])
+            runs[n].append(spawn(job, n, start_method=_start_method())[0])
             log(f"  round {r + 1}/{cfg.rounds}, {n} rank(s): step {runs[n][-1]['medians']['step'] * MS:.2f} ms")
     out = {}
     for n, rs in runs.items():
@@ -143,9 +143,10 @@ def measure_allreduce(cfg: BenchConfig, buckets: list[int],
     sizes = tuple(sorted(set(allreduce.DEFAULT_SIZES) | set(buckets)))
     fits = {}
     for n in range(2, cfg.nproc + 1):
-        points = spawn(functools.partial(_sweep_at, sizes), n)[0]
+        points = spawn(functools.partial(_sweep_at, sizes), n, start_method=_start_method())[0]
         fits[n] = allreduce.fit_alpha_beta(n, points)
-    one = dict(spawn(functools.partial(_sweep_at, tuple(sorted(set(buckets)))), 1)[0])
+    one_rank = functools.partial(_sweep_at, tuple(sorted(set(buckets))))
+    one = dict(spawn(one_rank, 1, start_method=_start_method())[0])
     return fits, one
 
 
@@ -169,14 +170,15 @@ def measure_knobs(cfg: BenchConfig, log: Any) -> dict[str, Any]:
     """Each knob changed on its own from the defaults at ``nproc`` ranks, rounds interleaved; then the best of
     each knob together. A knob "helps" only if it beats the defaults by more than the defaults' own spread."""
     trials = [Knobs(), *KNOB_TRIALS]
-    if torch.cuda.is_available():
+    if torch.cuda.device_count():  # not is_available(): see _start_method
         trials.append(Knobs(pin_memory=True))
     steps = max(10, cfg.steps // 2)
     job = functools.partial(measure_steps, cfg.script, steps=steps, warmup=cfg.warmup, split_comm=False, pin=cfg.pin)
     results: dict[Knobs, list[float]] = {k: [] for k in trials}
     for r in range(max(2, cfg.rounds)):
         for k in trials:
-            results[k].append(spawn(functools.partial(job, knobs=k), cfg.nproc)[0]["medians"]["step"])
+            results[k].append(spawn(functools.partial(job, knobs=k), cfg.nproc,
+                                     start_method=_start_method())[0]["medians"]["step"])
         log(f"  knobs, fastest after round {r + 1}: " + ", ".join(f"{k.label()} {min(v) * MS:.2f}"
                                                     for k, v in results.items()))
     base = results[trials[0]]
@@ -188,7 +190,8 @@ def measure_knobs(cfg: BenchConfig, log: Any) -> dict[str, Any]:
             best |= {f: v for f, v in asdict(k).items() if v != getattr(Knobs(), f)}
     combined = Knobs(**best)
     if best and combined not in results:
-        results[combined] = [spawn(functools.partial(job, knobs=combined), cfg.nproc)[0]["medians"]["step"]
+        results[combined] = [spawn(functools.partial(job, knobs=combined), cfg.nproc,
+                                   start_method=_start_method())[0]["medians"]["step"]
                              for _ in range(max(2, cfg.rounds))]
     rows = [{"knobs": k.label(), "settings": asdict(k), "step_s": min(v), "rounds_step_s": v}
             for k, v in results.items()]
@@ -196,17 +199,33 @@ def measure_knobs(cfg: BenchConfig, log: Any) -> dict[str, Any]:
             "best_settings": asdict(combined), "best_step_s": min(results[combined])}
 
 
+def _start_method() -> str | None:
+    """How the bench starts each job's ranks: afresh (``"spawn"``) where GPUs are visible, else by fork.
+
+    A forked rank cannot use CUDA once this process has touched the CUDA driver, and ``torch.cuda.is_available()``
+    does (here or in a workload script's import), while ``torch.cuda.is_initialized()`` still says no; nothing
+    tells a forked child's fate in advance, so GPU jobs start clean, at a few seconds each. On the CPU, forking
+    saves every job the import of torch. (``torch.cuda.device_count()`` asks NVML and leaves the driver alone.)
+    """
+    return "spawn" if torch.cuda.device_count() else None
+
+
 def compare_data_parallel(cfg: BenchConfig) -> dict[str, Any]:
+    """One GPU (one process, no process group) and ``nn.DataParallel`` over every visible GPU, each at the
+    per-GPU batch of a DDP rank; where there are GPUs."""
     gpus = torch.cuda.device_count()
     if gpus == 0:
         return {"skipped": "no CUDA GPU on this machine: DataParallel splits each batch over the GPUs of one "
                            "process, and one GPU has nothing to compare with; DDP over gloo on CPU processes "
                            "is measured above"}
-    out: dict[str, Any] = {"single_gpu": spawn(functools.partial(single_process_steps, cfg.script, False, cfg.steps,
-                                                                 cfg.warmup), 1)[0]}
+
+    def one_process(data_parallel: bool) -> dict[str, Any]:
+        job = functools.partial(single_process_steps, cfg.script, data_parallel, cfg.steps, cfg.warmup)
+        return spawn(job, 1, start_method=_start_method())[0]
+
+    out: dict[str, Any] = {"single_gpu": one_process(False)}
     if gpus >= 2:
-        out["data_parallel"] = spawn(functools.partial(single_process_steps, cfg.script, True, cfg.steps,
-                                                       cfg.warmup), 1)[0]
+        out["data_parallel"] = one_process(True)
     else:
         out["data_parallel_skipped"] = "one GPU: DataParallel needs at least 2"
     return out

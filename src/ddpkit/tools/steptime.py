@@ -7,8 +7,9 @@ How communication is measured, two ways:
   synchronisation minus the median backward without: the time the all-reduce adds to the step.
 - **all-reduce span**: a DDP communication hook (torch's default ``allreduce_hook``, wrapped) stamps the moment
   DDP launches the first bucket and the moment the last bucket's all-reduce completes; their difference is the
-  communication time of a step, hidden or not. On CUDA the completion is when NCCL's work is done, as torch's
-  futures report it.
+  communication time of a step, hidden or not. On CUDA the stamps are CUDA events: nccl's future completes on
+  the host as soon as the all-reduce is queued, and its callback runs on a stream that waits for the
+  all-reduce, so an event recorded there marks the device's completion (a host clock would time the launch).
 
 On CUDA every part ends with a device synchronisation, so its time is the device's, not the launch's.
 """
@@ -60,18 +61,27 @@ class Knobs:
 
 
 class _CommTimer:
-    """A DDP communication hook that all-reduces as DDP does and stamps the first launch and last completion."""
+    """A DDP communication hook that all-reduces as DDP does and stamps the first launch and last completion:
+    host clock readings on the CPU, CUDA events (read after the step's synchronisation) on a GPU."""
 
-    def __init__(self) -> None:
-        self.first: float | None = None
-        self.last = 0.0
+    def __init__(self, cuda: bool = False) -> None:
+        self.cuda = cuda
+        self.first: Any = None
+        self.last: Any = None
+
+    def _stamp(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()  # on the current stream: in done(), one that waits for the all-reduce
+        return event
 
     def hook(self, state: Any, bucket: Any) -> torch.futures.Future:
         if self.first is None:
-            self.first = time.perf_counter()
+            self.first = self._stamp()
 
         def done(fut: torch.futures.Future) -> torch.Tensor:
-            self.last = time.perf_counter()
+            self.last = self._stamp()
             return fut.value()
 
         return allreduce_hook(state, bucket).then(done)
@@ -80,8 +90,12 @@ class _CommTimer:
     hook.__annotations__ = {"state": object, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
 
     def take(self) -> float:
-        span = self.last - self.first if self.first is not None else 0.0
-        self.first, self.last = None, 0.0
+        """The last step's span in seconds (0 if nothing was all-reduced); on CUDA, after a synchronisation."""
+        first, last = self.first, self.last
+        self.first, self.last = None, None
+        if first is None or last is None:
+            return 0.0
+        span = first.elapsed_time(last) / 1e3 if self.cuda else last - first
         return max(0.0, span)
 
 
@@ -113,7 +127,7 @@ def measure_steps(script: str | None, knobs: Knobs, steps: int, warmup: int, spl
     w = load_workload(script)
     model = prepare_model(w.model, bucket_cap_mb=knobs.bucket_cap_mb, static_graph=knobs.static_graph,
                           gradient_as_bucket_view=knobs.gradient_as_bucket_view)
-    timer = _CommTimer()
+    timer = _CommTimer(cuda=rt.device.type == "cuda")
     model.register_comm_hook(None, timer.hook)
     optimizer = w.optimizer(model.parameters())
     if w.loader is not None:
