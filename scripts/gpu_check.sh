@@ -126,31 +126,40 @@ from ddpkit.spawn import spawn
 from ddpkit.tools.bench import _start_method, compare_data_parallel
 from ddpkit.tools.steptime import Knobs, measure_steps
 
-rounds = [spawn(functools.partial(measure_steps, None, knobs, 40, 10, True, True), 1, start_method=_start_method())[0]
-          for _ in range(2) for knobs in (Knobs(), Knobs(pin_memory=True))]
-best = {pin: min((r for r, k in zip(rounds, [False, True] * 2) if k == pin), key=lambda r: r["medians"]["step"])
-        for pin in (False, True)}
-dp = compare_data_parallel(SimpleNamespace(script=None, steps=40, warmup=10))
-ms = lambda s: f"{s * 1e3:.3f}"
-print(f"workload: the seeds' CNN on sklearn digits, batch {best[False]['batch_size']} per rank; "
-      f"2 rounds x 40 steps after 10, the fastest round")
-print(f"{'run':36s} {'data':>7s} {'forward':>8s} {'backward':>9s} {'exposed AR':>10s} {'AR span':>8s} "
-      f"{'optimizer':>9s} {'step ms':>8s} {'samples/s':>10s}")
-for pin in (False, True):
-    label = f"DDP, 1 rank, {best[pin]['backend']}, {best[pin]['device']}" + (", pin_memory" if pin else "")
-    p = best[pin]["medians"]
-    exposed = max(0.0, p["backward"] - p["backward_no_sync"])
-    print(f"{label:36s} {ms(p['data']):>7s} {ms(p['forward']):>8s} {ms(p['backward']):>9s} {ms(exposed):>10s} "
-          f"{ms(p['allreduce_span']):>8s} {ms(p['optimizer']):>9s} {ms(p['step']):>8s} "
-          f"{best[pin]['batch_size'] / p['step']:>10.0f}")
-single = dp["single_gpu"]
-print(f"{'one GPU, no DDP':36s} {'':>7s} {'':>8s} {'':>9s} {'':>10s} {'':>8s} {'':>9s} {ms(single['step']):>8s} "
-      f"{single['samples'] / single['step']:>10.0f}")
-print(f"DataParallel: skipped: {dp.get('data_parallel_skipped', 'measured')}")
-print("predictor's error on nccl: needs 2 GPUs (it predicts an n-rank step from the 1-rank step and the "
-      "n-rank all-reduce, and measures the n-rank step to compare)")
-json.dump({"ddp_one_rank": best[False], "ddp_one_rank_pinned": best[True], "data_parallel": dp},
-          open(sys.argv[1], "w"), indent=1, default=str)
+
+def main():  # spawned ranks import this file again: nothing may run at import
+
+    rounds = [spawn(functools.partial(measure_steps, None, knobs, 40, 10, True, True), 1, start_method=_start_method())[0]
+              for _ in range(2) for knobs in (Knobs(), Knobs(pin_memory=True))]
+    best = {pin: min((r for r, k in zip(rounds, [False, True] * 2) if k == pin), key=lambda r: r["medians"]["step"])
+            for pin in (False, True)}
+    dp = compare_data_parallel(SimpleNamespace(script=None, steps=40, warmup=10))
+    ms = lambda s: f"{s * 1e3:.3f}"
+    print(f"workload: the seeds' CNN on sklearn digits, batch {best[False]['batch_size']} per rank; "
+          f"2 rounds x 40 steps after 10, the fastest round")
+    print(f"{'run':36s} {'data':>7s} {'forward':>8s} {'backward':>9s} {'exposed AR':>10s} {'AR span':>8s} "
+          f"{'optimizer':>9s} {'step ms':>8s} {'samples/s':>10s}")
+    for pin in (False, True):
+        label = f"DDP, 1 rank, {best[pin]['backend']}, {best[pin]['device']}" + (", pin_memory" if pin else "")
+        p = best[pin]["medians"]
+        exposed = max(0.0, p["backward"] - p["backward_no_sync"])
+        print(f"{label:36s} {ms(p['data']):>7s} {ms(p['forward']):>8s} {ms(p['backward']):>9s} {ms(exposed):>10s} "
+              f"{ms(p['allreduce_span']):>8s} {ms(p['optimizer']):>9s} {ms(p['step']):>8s} "
+              f"{best[pin]['batch_size'] / p['step']:>10.0f}")
+    single = dp["single_gpu"]
+    print(f"{'one GPU, no DDP':36s} {'':>7s} {'':>8s} {'':>9s} {'':>10s} {'':>8s} {'':>9s} {ms(single['step']):>8s} "
+          f"{single['samples'] / single['step']:>10.0f}")
+    d = dp["data_parallel"]
+    print(f"{'DataParallel over 1 GPU (no split)':36s} {'':>7s} {'':>8s} {'':>9s} {'':>10s} {'':>8s} {'':>9s} "
+          f"{ms(d['step']):>8s} {d['samples'] / d['step']:>10.0f}")
+    print("predictor's error on nccl: needs 2 GPUs (it predicts an n-rank step from the 1-rank step and the "
+          "n-rank all-reduce, and measures the n-rank step to compare)")
+    json.dump({"ddp_one_rank": best[False], "ddp_one_rank_pinned": best[True], "data_parallel": dp},
+              open(sys.argv[1], "w"), indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
 EOF
   part "bench on one GPU (DDP over nccl at 1 rank, one GPU without DDP)" 100 bash -o pipefail -c \
     "'$PY' '$one_gpu' '$OUT/bench_one_gpu.json' | tee '$OUT/bench.txt'"

@@ -22,6 +22,7 @@ import ddpkit.data
 import ddpkit.seeding
 from ddpkit.cluster import LaunchEnv
 from ddpkit.errors import ConfigError
+from ddpkit.launcher import _flight_recorder_vars
 from ddpkit.runtime import Runtime, _pick_backend, _pick_device
 from ddpkit.seeding import loading_rng_state, rng_state, seed_sample, set_loading_rng_state, set_rng_state, stream_seed
 
@@ -228,13 +229,14 @@ def test_the_all_reduce_span_on_a_gpu_is_read_from_cuda_events(monkeypatch):
 
 
 def test_debug_collectives_asks_for_the_flight_recorder():
-    from ddpkit.launcher import LaunchConfig, worker_env
+    from ddpkit.launcher import LaunchConfig, _flight_recorder_vars, worker_env
 
+    buffer, _ = _flight_recorder_vars()
     env = worker_env(LaunchConfig(script="t.py", debug_collectives=True), 2)
-    assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000" and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert env[buffer] == "2000" and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     assert env["TORCH_DISTRIBUTED_DEBUG"] == "DETAIL"
     control = worker_env(LaunchConfig(script="t.py"), 2)
-    assert not {"TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_DISTRIBUTED_DEBUG"} & set(control)
+    assert not {buffer, "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_DISTRIBUTED_DEBUG"} & set(control)
 
 
 @pytest.mark.slow
@@ -248,8 +250,9 @@ def test_the_flight_record_goes_to_the_runs_stacks_folder_and_the_summary_names_
     out = job("--debug-collectives", PROBE, "env")
     assert out.returncode == 0, out.stderr[-3000:]
     seen = json.loads(out.stdout.splitlines()[-1])
-    assert seen["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000" and seen["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
-    prefix = Path(seen["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"])
+    buffer, dump_file = _flight_recorder_vars()
+    assert seen[buffer] == "2000" and seen["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    prefix = Path(seen[dump_file])
     # ddpkit-logs/<run>/stacks/nccl_trace_rank_<N>, as the README says.
     assert prefix.name == "nccl_trace_rank_" and prefix.parent.name == "stacks" and prefix.parents[1].parent == logs
     # A rank that fails after writing its record (as nccl's watchdog does on a timeout): the summary names it.

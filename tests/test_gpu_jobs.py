@@ -114,7 +114,10 @@ def test_debug_collectives_writes_the_nccl_flight_record_of_a_hang(clean_env, tm
 
     out, traces = hang("--debug-collectives")
     assert out.returncode != 0, "the hang ended without a failure"
-    assert "queued the all-reduce" in out.stdout + out.stderr and "no hang" not in out.stdout
+    # The watchdog reports the timeout; tearing the communicator down may wait for the spinning kernel, so the
+    # script can still print that its all-reduce finished before the process is ended.
+    assert "queued the all-reduce" in out.stdout, out.stdout
+    assert re.search(r"timeout|timed out", out.stderr, re.I), out.stderr[-4000:]
     assert traces and all(t.name.startswith("nccl_trace_rank_0") for t in traces), (traces, out.stderr[-4000:])
     record = max(traces, key=lambda t: t.stat().st_size)
     data = record.read_bytes()
@@ -199,14 +202,12 @@ def test_bench_measures_ddp_one_gpu_and_data_parallel_on_cuda(clean_env, run_pyt
     assert 0 < parts["allreduce_span"] < parts["step"], parts
     single = dp["single_gpu"]
     assert single["gpus"] == 1 and single["step"] > 0 and single["samples"] == one["batch_size"]
-    if GPUS >= 2:
-        assert dp["data_parallel"]["gpus"] == GPUS and dp["data_parallel"]["samples"] == GPUS * one["batch_size"]
-    else:
-        assert dp["data_parallel_skipped"] == "one GPU: DataParallel needs at least 2"
+    assert dp["data_parallel"]["gpus"] == GPUS and dp["data_parallel"]["samples"] == GPUS * one["batch_size"]
     # Control: a rank forked after is_available() cannot use CUDA; the bench's own ranks are spawned.
     assert "Cannot re-initialize CUDA in forked subprocess" in result["forked"], result["forked"]
     print(f"\nDDP on 1 GPU (nccl): step {parts['step'] * 1e3:.3f} ms, all-reduce span "
-          f"{parts['allreduce_span'] * 1e3:.3f} ms; one GPU without DDP: {single['step'] * 1e3:.3f} ms")
+          f"{parts['allreduce_span'] * 1e3:.3f} ms; one GPU without DDP: {single['step'] * 1e3:.3f} ms; "
+          f"DataParallel over {GPUS} GPU(s): {dp['data_parallel']['step'] * 1e3:.3f} ms")
 
 
 @pytest.mark.gpu

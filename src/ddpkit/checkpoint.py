@@ -55,6 +55,7 @@ import re
 import shutil
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -306,6 +307,10 @@ class Checkpointer:
             digests = _digest(mine)
         except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
             failed, failure = True, dcp_files.rank_failure(err, writer.failures, rank, path)
+            if not writer.failures and not isinstance(err, OSError):
+                # Not the machine's fault (a full disk is named without it): the message below carries one
+                # line of the error, and the rank's stderr keeps where it came from.
+                traceback.print_exc()
         part = (digests, failure, failed)
         parts = gather_object(part, group=group) if self.distributed else [part]
         message = self._finish(path, step, parts) if rank == 0 else None

@@ -18,6 +18,7 @@ torch's other tools do not read; this keeps DCP's layout, and torch as the only 
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import io
 import json
@@ -107,7 +108,11 @@ class Writer(FileSystemWriter):
         self.fs = _ErrnoKeepingFileSystem(self.failures)
 
     def finish(self, metadata: Metadata, results: list[list[Any]]) -> None:
-        super().finish(metadata, results)  # fills in storage_data, then pickles it to .metadata
+        super().finish(metadata, results)  # pickles the index, with where each item went, to .metadata
+        # Where each item went is taken from the results, not from ``metadata``: torch 2.13 fills it into the
+        # object it is given, earlier versions into a copy of it.
+        where = {result.index: result.storage_data for per_rank in results for result in per_rank}
+        metadata = dataclasses.replace(metadata, storage_data=where)
         try:
             single_file.write_atomic(Path(self.path) / INDEX, json.dumps(index_to_json(metadata)).encode())
         except OSError as err:

@@ -147,6 +147,17 @@ def torchrun_argv(
     return argv
 
 
+def _flight_recorder_vars() -> tuple[str, str]:
+    """The variables naming the flight recorder's buffer size and dump file: torch 2.8 renamed them
+    (``TORCH_FR_*``) and warns at every process start when the old names are set."""
+    import torch
+
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    if (major, minor) >= (2, 8):
+        return "TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE"
+    return "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"
+
+
 def worker_env(cfg: LaunchConfig, nproc: int, node: NodeAddress | None = None) -> dict[str, str]:
     """Variables the agent passes to the workers."""
     threads = str(max(1, cpu_count() // nproc))
@@ -165,7 +176,8 @@ def worker_env(cfg: LaunchConfig, nproc: int, node: NodeAddress | None = None) -
         env["DDPKIT_COLLECTIVE_TIMEOUT"] = str(cfg.collective_timeout)
     if cfg.debug_collectives:
         env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
-        env["TORCH_NCCL_TRACE_BUFFER_SIZE"] = os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+        buffer = _flight_recorder_vars()[0]
+        env[buffer] = os.environ.get(buffer, "2000")
         env["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
     if cfg.all_ranks:
         env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = "[rank ${rank}] "
@@ -239,7 +251,7 @@ def launch(cfg: LaunchConfig) -> int:
     os.environ.update(worker_env(cfg, nproc, node))
     os.environ["DDPKIT_STACK_DIR"] = str(run_dir / "stacks")
     if cfg.debug_collectives:  # where nccl's flight recorder writes each rank's record on a timeout
-        os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(run_dir / "stacks" / "nccl_trace_rank_"))
+        os.environ.setdefault(_flight_recorder_vars()[1], str(run_dir / "stacks" / "nccl_trace_rank_"))
     argv = torchrun_argv(cfg, nproc, str(run_dir), node)
     # The script's own arguments are set after parsing: torchrun's parser would take `--log 5` for an
     # abbreviation of its --log-dir, and `--nproc 4` for its own option.

@@ -20,10 +20,11 @@ import torch
 import torch.distributed as dist
 
 import ddpkit
+from ddpkit.launcher import _flight_recorder_vars
 
 mode, rest = sys.argv[1], sys.argv[2:]
-FLIGHT_RECORDER = ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
-                   "TORCH_DISTRIBUTED_DEBUG")
+BUFFER_SIZE, DUMP_FILE = _flight_recorder_vars()
+FLIGHT_RECORDER = (BUFFER_SIZE, "TORCH_NCCL_DUMP_ON_TIMEOUT", DUMP_FILE, "TORCH_DISTRIBUTED_DEBUG")
 
 
 def gpu_uuid(device: torch.device) -> str | None:
@@ -40,7 +41,7 @@ if mode == "env":
     print(json.dumps({k: os.environ.get(k) for k in FLIGHT_RECORDER}), flush=True)
     sys.exit(0)
 if mode == "dump-and-fail":
-    Path(os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] + os.environ["RANK"]).write_text("a record\n")
+    Path(os.environ[DUMP_FILE] + os.environ["RANK"]).write_text("a record\n")
     sys.exit(3)
 
 rt = ddpkit.init()

@@ -78,15 +78,13 @@ def report(result: dict[str, Any]) -> list[str]:
     else:
         single = dp["single_gpu"]
         lines.append(f"one GPU: {single['step'] * MS:.3f} ms/step, {single['samples'] / single['step']:.0f} samples/s")
-        if "data_parallel" in dp:
-            d = dp["data_parallel"]
-            lines.append(f"DataParallel over {d['gpus']} GPUs: {d['step'] * MS:.3f} ms/step, "
-                         f"{d['samples'] / d['step']:.0f} samples/s")
-            if d["gpus"] in sc:
-                s = sc[d["gpus"]]["parts"]["step"]
-                lines.append(f"DDP over {d['gpus']} GPUs: {s * MS:.3f} ms/step, {d['gpus'] * batch / s:.0f} samples/s")
-        else:
-            lines.append(f"DataParallel: skipped: {dp['data_parallel_skipped']}")
+        d = dp["data_parallel"]
+        lines.append(f"DataParallel over {d['gpus']} GPU(s): {d['step'] * MS:.3f} ms/step, "
+                     f"{d['samples'] / d['step']:.0f} samples/s"
+                     + (" (one GPU: nothing to split; the cost of its scatter and gather)" if d["gpus"] == 1 else ""))
+        if d["gpus"] in sc:
+            s = sc[d["gpus"]]["parts"]["step"]
+            lines.append(f"DDP over {d['gpus']} GPUs: {s * MS:.3f} ms/step, {d['gpus'] * batch / s:.0f} samples/s")
     return lines
 
 
