@@ -525,11 +525,13 @@ def test_env_reports_versions_os_memory_and_the_distributed_variables(monkeypatc
 
     monkeypatch.setenv("NCCL_DEBUG", "INFO")
     monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.setenv("DDPKIT_RDZV_SECRET", "the-job-secret-that-must-not-be-printed")
     assert env_main(["--no-live"]) == 0
     out = capsys.readouterr().out
     for key in ("ddpkit", "numpy", "os", "memory"):
         assert any(line.startswith(key + " ") for line in out.splitlines()), (key, out)
     assert __version__ in out and "  NCCL_DEBUG=INFO" in out and "  SLURM_JOB_ID=42" in out
+    assert "  DDPKIT_RDZV_SECRET=(set, not shown)" in out and "must-not-be-printed" not in out
     for name in list(os.environ):
         if name.startswith(("SLURM_", "NCCL_", "GLOO_", "TORCHELASTIC_", "PMI_", "OMPI_", "PET_", "TORCH_", "DDPKIT_")) or name in (
             "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NSLOTS",

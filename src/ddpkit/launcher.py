@@ -122,10 +122,13 @@ def node_range(nnodes: str) -> tuple[int, int]:
     return low, high
 
 
+_SECONDS = f"use a number of seconds > 0 and at most {MAX_TIMEOUT:.0f} (30 days)"
+
+
 def check_seconds(option: str, value: float) -> float:
     """``value`` when it is a usable number of seconds for ``option``; else a :class:`ConfigError`."""
     if not (math.isfinite(value) and 0 < value <= MAX_TIMEOUT):
-        raise ConfigError(f"{option} {value}: use a number of seconds > 0 and at most {MAX_TIMEOUT:.0f} (30 days)")
+        raise ConfigError(f"{option} {value}: {_SECONDS}")
     return value
 
 
@@ -135,7 +138,7 @@ def parse_seconds(option: str, text: str | None) -> float | None:
     try:
         value = float(text)
     except ValueError:
-        raise ConfigError(f"{option} {text!r}: use a number of seconds > 0 and at most {MAX_TIMEOUT:.0f} (30 days)") from None
+        raise ConfigError(f"{option} {text!r}: {_SECONDS}") from None
     return check_seconds(option, value)
 
 

@@ -12,9 +12,10 @@ parent-death signal; its children were re-parented to init). Two mechanisms end 
   reason including SIGKILL, the guard kills the worker's process group and every process whose environment
   carries the worker's mark (:data:`MARK`), which reaches children that left the group with ``setsid``.
 
-Out of reach: a process that both left its worker's process group and dropped the mark from its environment, once
-the agent itself has been SIGKILLed (while the agent lives, the subreaper still finds it). Linux only; elsewhere
-these calls do nothing.
+Out of reach once the agent itself was SIGKILLed (while it lives, the subreaper still finds them): a process that
+left its worker's process group and does not carry the mark, that is one forked without ``exec`` (the kernel
+shows a forked child the environment its parent was started with, before the mark) or started with a cleared
+environment. Linux only; elsewhere these calls do nothing.
 """
 
 from __future__ import annotations

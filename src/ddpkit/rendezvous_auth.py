@@ -329,4 +329,6 @@ def check_host(host: tuple[str, int], key: bytes) -> None:
             f"({SECRET_ENV} or --rdzv-secret-file)"
         ) from None
     except OSError as err:
-        raise ConfigError(f"the rendezvous at {where} failed during the handshake ({err}): check --rdzv-endpoint") from None
+        raise ConfigError(
+            f"the rendezvous at {where} failed during the handshake ({err}): check --rdzv-endpoint"
+        ) from None

@@ -89,7 +89,8 @@ elif mode == "family":
             return False
 
     if rt.restart_count:
-        before = [int(pid) for f in folder.glob(f"attempt{rt.restart_count - 1}-rank*.pids") for pid in f.read_text().split()]
+        files = folder.glob(f"attempt{rt.restart_count - 1}-rank*.pids")
+        before = [int(pid) for f in files for pid in f.read_text().split()]
         print(f"rank={rt.rank} attempt={rt.restart_count} alive from the attempt before: "
               f"{[pid for pid in before if alive(pid)]} of {len(before)}", flush=True)
     sleeper = subprocess.Popen(["sleep", "1000"])
