@@ -30,11 +30,12 @@ FAMILY = LOAD + """
 if sys.argv[1] == "guard":
     pt.start_guard()
 sleeper = subprocess.Popen(["sleep", "1000"])
+term = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # ignored from the fork on: no window to die in
 child = os.fork()
 if child == 0:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     time.sleep(1000)
     os._exit(0)
+signal.signal(signal.SIGTERM, term)
 detached = subprocess.Popen(["sleep", "1001"], start_new_session=True)
 print(sleeper.pid, child, detached.pid, flush=True)
 sys.stdin.readline()

@@ -124,11 +124,16 @@ def accept_peer(sock: socket.socket, key: bytes) -> Session:
         raise
     theirs, proof = answer[:_NONCE], answer[_NONCE:]
     if not hmac.compare_digest(proof, _tag(key, b"node", ours, theirs)):
-        with contextlib.suppress(OSError):
-            sock.sendall(_REFUSED)
-        raise Refused("the peer does not hold the job's secret")
+        raise Refused("the peer does not hold the job's secret")  # the caller answers with refuse()
     sock.sendall(_tag(key, b"host", ours, theirs))
     return Session(_tag(key, b"host->node", ours, theirs), _tag(key, b"node->host", ours, theirs))
+
+
+def refuse(sock: socket.socket) -> None:
+    """Tell a peer that failed the handshake so (a node with another secret then says what is wrong), and close."""
+    with contextlib.suppress(OSError):
+        sock.sendall(_REFUSED)
+    sock.close()
 
 
 def join_host(sock: socket.socket, key: bytes) -> Session:
@@ -182,6 +187,11 @@ class FramedSocket:
 
 def _splice(framed: FramedSocket, plain: socket.socket) -> None:
     """Carry bytes both ways between ``plain`` and ``framed`` on two threads; when one way ends, close both."""
+    # A store request is several small writes; with Nagle's algorithm each relayed piece waits for the ACK of
+    # the one before (a round trip through the relay took 12 ms instead of 0.1 ms).
+    for s in (framed.sock, plain):
+        with contextlib.suppress(OSError):
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def close() -> None:
         for s in (framed.sock, plain):
@@ -248,7 +258,7 @@ class RelayServer:
             if self._refusals <= 10:
                 _say(f"refused a connection to the rendezvous from {peer[0]}:{peer[1]}: it does not hold the "
                      "job's secret" + ("" if self._refusals < 10 else " (further refusals are not shown)"))
-            conn.close()
+            refuse(conn)
             return
         except (OSError, EOFError):  # a port probe (a node waiting for the host), a timeout, a reset
             conn.close()

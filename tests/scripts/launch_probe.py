@@ -94,11 +94,12 @@ elif mode == "family":
         print(f"rank={rt.rank} attempt={rt.restart_count} alive from the attempt before: "
               f"{[pid for pid in before if alive(pid)]} of {len(before)}", flush=True)
     sleeper = subprocess.Popen(["sleep", "1000"])
+    term = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # ignored from the fork on: no window to die in
     stubborn = os.fork()
     if stubborn == 0:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         time.sleep(1000)
         os._exit(0)
+    signal.signal(signal.SIGTERM, term)
     detached = subprocess.Popen(["sleep", "1001"], start_new_session=True)
     tmp = folder / f".attempt{rt.restart_count}-rank{rt.rank}"
     tmp.write_text(f"{sleeper.pid} {stubborn} {detached.pid}")
