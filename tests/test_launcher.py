@@ -136,6 +136,16 @@ def test_bad_values_are_one_line_naming_the_option_and_what_is_valid(flags, vali
     assert "Traceback" not in err
 
 
+def test_a_multi_node_job_without_a_secret_stops_before_anything_listens(monkeypatch, capsys, tmp_path):
+    from ddpkit.cli import main
+
+    monkeypatch.delenv("DDPKIT_RDZV_SECRET", raising=False)
+    assert main(["run", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29499", HELLO]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "needs a secret that only its nodes know: export DDPKIT_RDZV_SECRET=" in err
+    assert not (tmp_path / "ddpkit-logs").exists()
+
+
 def test_nproc_resolution_on_cpu(monkeypatch):
     import torch
 

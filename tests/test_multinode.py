@@ -418,7 +418,7 @@ def test_a_multi_node_rendezvous_admits_only_holders_of_the_secret(nodes, tmp_pa
         _finish([p for p in (node_a, node_b) if p is not None], timeout=0)
     logs = {n: (tmp_path / f"{n}.log").read_text() for n in "ab"}
     assert codes == [0, 0], logs
-    assert "rank=0 world=2 sum=3" in logs["a"]
+    assert "rank=0 world=2 sum=3 secret=False" in logs["a"]  # the launcher kept the secret from the workers
     assert not marker.exists() and not local_marker.exists()
     assert f"refused a connection to the rendezvous from {addr_b}" in logs["a"]
 

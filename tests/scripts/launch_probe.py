@@ -17,7 +17,7 @@
   it first prints which of the previous attempt's are still alive. Then by HOW: ``end`` finishes, ``fail``
   fails on rank 1, ``fail-first`` fails on rank 1 in the first attempt only, ``hold`` waits to be killed.
 - ``wait-for DIR``: write the rank's pid to ``DIR/rank<R>.pid``; once ``DIR/go`` exists (at most 120 s), print
-  rank, world size and the sum of an all-reduce.
+  rank, world size, the sum of an all-reduce, and whether the job's secret is in its environment.
 """
 
 import os
@@ -117,7 +117,7 @@ elif mode == "wait-for":
     while not Path(rest[0], "go").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     total = ddpkit.all_reduce(rt.rank + 1)
-    print(f"rank={rt.rank} world={rt.world_size} sum={total}", flush=True)
+    print(f"rank={rt.rank} world={rt.world_size} sum={total} secret={'DDPKIT_RDZV_SECRET' in os.environ}", flush=True)
 elif mode == "info":
     from ddpkit.cluster import read_launch_env
 
