@@ -1,15 +1,18 @@
 """Several nodes for real: two network namespaces joined by a veth pair are two hosts with their own addresses.
 
-``ddpkit run --nnodes 2 --rdzv-endpoint HOST:PORT`` on each, and nothing else: which node hosts the
-rendezvous, each node's own address and its network interface are worked out by the launcher.
+``ddpkit run --nnodes 2 --rdzv-endpoint HOST:PORT`` on each, with the job's secret in ``DDPKIT_RDZV_SECRET``,
+and nothing else: which node hosts the rendezvous, each node's own address and its network interface are worked
+out by the launcher. Who else gets in: nobody, tested from the other namespace as an outsider.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -26,6 +29,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = str(ROOT / "examples" / "digits_trainer.py")
 DDPKIT = [sys.executable, "-m", "ddpkit.cli"]
+SECRET = "a1b2c3d4e5f60718293a4b5c6d7e8f90a1b2c3d4e5f60718293a4b5c6d7e8f90"
 
 
 def _netns_unavailable() -> str | None:
@@ -62,6 +66,7 @@ def _env(threads: int = 1) -> dict[str, str]:
     # between its processes, which differs between one node of 2 processes and two nodes of 1.
     env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = str(ROOT / "src")
+    env["DDPKIT_RDZV_SECRET"] = SECRET
     return env
 
 
@@ -286,3 +291,152 @@ def test_a_node_that_joins_an_elastic_job_is_taken_in_at_a_restart(nodes, tmp_pa
 
 def _steps_logged(folder: Path) -> int:
     return sum(len(p.read_text().splitlines()) for p in folder.glob("rank*.jsonl"))
+
+
+ATTACKER = str(ROOT / "tests" / "scripts" / "rdzv_attacker.py")
+
+
+def _attack(ns: str, *args: str) -> str:
+    out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, ATTACKER, *args], env=_env(),
+                         capture_output=True, text=True, timeout=120)
+    return out.stdout
+
+
+def _listening(root: int) -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket listening in ``root`` or below it, read from /proc."""
+    from ddpkit.proctree import descendants
+
+    inodes = set()
+    for pid in [root, *descendants(root)]:
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if link.startswith("socket:["):
+                        inodes.add(link[8:-1])
+    found = set()
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{root}/net/{table}").read_text().splitlines()[1:]:  # root's network namespace
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                addr, port = fields[1].split(":")
+                raw = bytes.fromhex(addr)
+                # The kernel prints each 32-bit word of the address in host (little-endian) order.
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                found.add((socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, raw), int(port, 16)))
+    return found
+
+
+def _loopback(addr: str) -> bool:
+    return addr in ("127.0.0.1", "::1", "::ffff:127.0.0.1")
+
+
+def _wait_for_pids(folder: Path, count: int, proc: subprocess.Popen, log: Path, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while len(list(folder.glob("rank*.pid"))) < count:
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(600)
+def test_a_single_node_job_listens_on_loopback_only(nodes, tmp_path):
+    """Everything a one-node job listens on (rendezvous store, workers' store, gloo) is on 127.0.0.1: from the
+    other node, every one of its ports is closed. Control: torchrun's own one-node job is open from there."""
+    (ns_a, addr_a), (ns_b, _) = nodes
+
+    def ports_of(launcher: list[str], tag: str) -> tuple[set[tuple[str, int]], str]:
+        folder = tmp_path / tag
+        folder.mkdir()
+        proc = _on(ns_a, launcher + [PROBE, "wait-for", str(folder)], tmp_path, f"{tag}.log")
+        try:
+            _wait_for_pids(folder, 2, proc, tmp_path / f"{tag}.log")
+            listening = _listening(proc.pid)  # `ip netns exec` became the agent: the same pid
+            reach = _attack(ns_b, "reach", addr_a, *[str(port) for _, port in sorted(listening)])
+            (folder / "go").touch()
+            assert _finish([proc], timeout=120) == [0], (tmp_path / f"{tag}.log").read_text()[-3000:]
+        finally:
+            _finish([proc], timeout=0)
+        return listening, reach
+
+    listening, reach = ports_of(DDPKIT + ["run", "--nproc", "2"], "ddpkit")
+    assert len(listening) >= 3, listening  # the agent's store, rank 0's store, gloo's
+    assert all(_loopback(addr) for addr, _ in listening), listening
+    assert "open" not in reach and reach.count("closed") == len(listening), reach
+
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    listening, reach = ports_of(torchrun, "torchrun")
+    assert any(not _loopback(addr) for addr, _ in listening), listening
+    assert " open" in reach, reach
+
+
+@pytest.mark.timeout(900)
+def test_a_multi_node_rendezvous_admits_only_holders_of_the_secret(nodes, tmp_path):
+    """Outsiders on node b (a plain store client writing a pickle that would create a file, a `ddpkit run` with
+    another secret) are refused; so is a forged state written on node a's loopback; the job of both nodes goes
+    on and finishes. Control: the same pickle written to torchrun's c10d endpoint runs in its agent."""
+    (ns_a, addr_a), (ns_b, addr_b) = nodes
+    folder = tmp_path / "job"
+    folder.mkdir()
+    flags = ["run", "--nnodes", "2", "--nproc", "1", "--rdzv-endpoint", f"{addr_a}:29405", "--rdzv-id", "job"]
+    job = [PROBE, "wait-for", str(folder)]
+    node_a = _on(ns_a, DDPKIT + flags + job, tmp_path, "a.log")
+    node_b = None
+    try:
+        assert subprocess.run(["ip", "netns", "exec", ns_b, sys.executable, ATTACKER, "wait-open", addr_a, "29405"],
+                              timeout=120).returncode == 0, (tmp_path / "a.log").read_text()[-3000:]
+        # A plain TCPStore client from node b, as anyone on the network: refused by the relay, nothing written.
+        marker = tmp_path / "pwned-by-b"
+        assert _attack(ns_b, "forge", addr_a, "29405", "torch.rendezvous.job", str(marker)).startswith("refused")
+        # A node with another secret: one clear error, before any worker.
+        wrong = _env() | {"DDPKIT_RDZV_SECRET": "f" * 64}
+        out = subprocess.run(["ip", "netns", "exec", ns_b, *DDPKIT, *flags, *job], env=wrong, cwd=tmp_path,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2, out.stderr[-3000:]
+        assert f"the rendezvous at {addr_a}:29405 did not admit this node" in out.stderr
+        assert "Traceback" not in out.stderr
+        # The node that holds the secret joins; both workers start.
+        node_b = _on(ns_b, DDPKIT + flags + job, tmp_path, "b.log")
+        _wait_for_pids(folder, 2, node_a, tmp_path / "a.log")
+        # A process on node a itself (another user of that machine) reaches the store on loopback and writes a
+        # pickle where the rendezvous state is: the first agent to read it (either node's) refuses it and puts
+        # the state back.
+        local = [port for addr, port in _listening(node_a.pid) if _loopback(addr)]
+        assert local, _listening(node_a.pid)
+        local_marker = tmp_path / "pwned-on-a"
+        results = [_attack(ns_a, "forge", "127.0.0.1", str(port), "torch.rendezvous.job", str(local_marker))
+                   for port in local]
+        assert "written" in "".join(results), results
+        deadline = time.monotonic() + 60
+        while "ignored a rendezvous state without this job's signature" not in "".join(
+                (tmp_path / f"{n}.log").read_text() for n in "ab"):
+            assert time.monotonic() < deadline, (tmp_path / "a.log").read_text()[-3000:]
+            time.sleep(0.1)
+        (folder / "go").touch()
+        codes = _finish([node_a, node_b], timeout=120)
+    finally:
+        (folder / "go").touch()
+        _finish([p for p in (node_a, node_b) if p is not None], timeout=0)
+    logs = {n: (tmp_path / f"{n}.log").read_text() for n in "ab"}
+    assert codes == [0, 0], logs
+    assert "rank=0 world=2 sum=3 secret=False" in logs["a"]  # the launcher kept the secret from the workers
+    assert not marker.exists() and not local_marker.exists()
+    assert f"refused a connection to the rendezvous from {addr_b}" in logs["a"]
+
+    # Control: torchrun's c10d rendezvous on node a; the same outsider on node b runs its code in the agent.
+    folder = tmp_path / "torchrun"
+    folder.mkdir()
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "1",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{addr_a}:29406", "--rdzv-id", "job",
+                "--rdzv-conf", "is_host=1"]  # torchrun cannot tell on its own that it hosts an address of a namespace
+    proc = _on(ns_a, torchrun + job[:-1] + [str(folder)], tmp_path, "torchrun.log")
+    try:
+        _wait_for_pids(folder, 1, proc, tmp_path / "torchrun.log")
+        marker = tmp_path / "pwned-torchrun"
+        assert _attack(ns_b, "forge", addr_a, "29406", "torch.rendezvous.job", str(marker)) == "written\n"
+        deadline = time.monotonic() + 60
+        while not marker.exists():  # the agent unpickles the state at its next sync
+            assert time.monotonic() < deadline, (tmp_path / "torchrun.log").read_text()[-3000:]
+            time.sleep(0.1)
+    finally:
+        (folder / "go").touch()
+        _finish([proc], timeout=0)

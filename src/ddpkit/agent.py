@@ -1,12 +1,13 @@
 """torchrun's elastic agent as ``ddpkit run`` runs it, and the summary of a failed job.
 
-Two changes to the agent torchrun has no option for (a subclass, installed by :func:`install`):
+Changes to the agent torchrun has no option for (a subclass, installed by :func:`install`):
 
 - a worker that exits with :data:`~ddpkit.errors.PREEMPTED_EXIT_CODE` saved its snapshot because it was told
   to stop, so the agent does not restart it, and ``ddpkit run`` exits with that code;
 - SIGTERM, SIGUSR1 and SIGUSR2 reach the workers instead of ending the agent; and when a worker fails with an exception,
   the agent asks the workers still running for their stacks (SIGUSR2, see :mod:`ddpkit.worker`) before it
-  stops them, so that a hang's summary says where every rank was.
+  stops them, so that a hang's summary says where every rank was;
+- once the workers are stopped, so is every process they started (:mod:`ddpkit.proctree`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch.distributed.elastic.agent.server.api import WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from ddpkit.errors import PREEMPTED_EXIT_CODE
+from ddpkit.proctree import kill_descendants
 
 
 def _describe(rank: int, failure: Any) -> str:
@@ -132,13 +134,17 @@ def exit_code(err: BaseException) -> int:
 
 
 class Agent(LocalElasticAgent):
-    """torchrun's agent, with two changes torchrun has no option for.
+    """torchrun's agent, with three changes torchrun has no option for.
 
     - A worker that exits with :data:`PREEMPTED_EXIT_CODE` saved its snapshot because it was told to stop:
       restarting it here would train on after the scheduler's warning. The agent stops instead, and ``ddpkit
       run`` exits with that code so that the batch script requeues the job.
     - SIGUSR1 (SLURM's ``--signal`` warning) and SIGTERM reach the workers instead of ending the agent; see
       :func:`_forward_signals`.
+    - Stopping the workers (a restart, a failure, a signal) ends every process they started too: torchrun
+      signals a worker's process group only while the worker runs, and misses what left the group. The
+      launcher makes the agent a child subreaper, so all that is still below it then is the job's
+      (:mod:`ddpkit.proctree`).
     """
 
     current: Agent | None = None
@@ -169,6 +175,13 @@ class Agent(LocalElasticAgent):
             self._stacks_asked = id(self._pcontext)
             running = {w.global_rank: w.id for w in worker_group.workers if codes.get(w.local_rank) is None}
             _ask_for_stacks(running)
+
+    def _shutdown(self, *args: Any, **kwargs: Any) -> None:
+        super()._shutdown(*args, **kwargs)
+        handlers = getattr(getattr(self, "_pcontext", None), "subprocess_handlers", None) or {}
+        # A worker torchrun gave up on (stuck in the kernel) keeps its Popen, which alone may collect it.
+        unreaped = [h.proc.pid for h in handlers.values() if h.proc.returncode is None]
+        kill_descendants(keep=unreaped)
 
     def worker_pids(self) -> list[int]:
         pcontext = getattr(self, "_pcontext", None)

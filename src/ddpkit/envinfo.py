@@ -50,7 +50,9 @@ _PREFIXES = ("SLURM_", "TORCHELASTIC_", "PET_", "OMPI_COMM_WORLD_", "PMI_", "MPI
 def distributed_variables(env: dict[str, str] | None = None) -> dict[str, str]:
     """The launcher, scheduler and communication variables set in ``env`` (this process's by default)."""
     env = dict(os.environ) if env is None else env
-    return {k: env[k] for k in sorted(env) if k in _VARIABLES or k.startswith(_PREFIXES)}
+    # A secret (DDPKIT_RDZV_SECRET) is reported as set, never shown: this output is pasted into bug reports.
+    return {k: "(set, not shown)" if "SECRET" in k else env[k] for k in sorted(env)
+            if k in _VARIABLES or k.startswith(_PREFIXES)}
 
 
 def _version(module: str) -> str:

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import re
+import secrets
 import shutil
 import sys
 import time
@@ -18,10 +20,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddpkit import agent
+from ddpkit import agent, proctree
 from ddpkit.cluster import cpu_count
 from ddpkit.errors import PREEMPTED_EXIT_CODE, ConfigError
-from ddpkit.rendezvous import NodeAddress, node_address, wait_reachable
+from ddpkit.rendezvous import NodeAddress, interface_of, node_address, wait_reachable
+
+LOOPBACK = "127.0.0.1"
+MAX_TIMEOUT = 30 * 24 * 3600.0
+"""The longest --join-timeout / --collective-timeout, in seconds (30 days): torch keeps timeouts in
+milliseconds, and a value beyond its range would overflow instead of meaning "never"."""
 
 
 @dataclass(kw_only=True)
@@ -40,6 +47,9 @@ class LaunchConfig:
     rdzv_endpoint: str | None = None
     """``HOST:PORT`` every node can reach; needed with more than one node. The node owning HOST hosts it."""
     rdzv_id: str | None = None
+    rdzv_secret_file: str | None = None
+    """A file (readable only by its owner) holding the secret every node of a multi-node job must know; else
+    ``$DDPKIT_RDZV_SECRET``. A node without it is not admitted to the rendezvous."""
     rdzv_conf: list[str] = field(default_factory=list)
     """Extra ``KEY=VALUE`` settings for torchrun's c10d rendezvous (``--rdzv-conf``)."""
     local_addr: str | None = None
@@ -63,28 +73,34 @@ class LaunchConfig:
     def __post_init__(self) -> None:
         if self.max_restarts is not None and self.max_restarts < 0:
             raise ConfigError(f"--max-restarts {self.max_restarts}: must be >= 0")
-        if self.nproc not in ("auto", "gpu") and not (self.nproc.isdigit() and int(self.nproc) > 0):
-            raise ConfigError(f"--nproc {self.nproc!r}: use auto, gpu, or a positive number of processes")
+        # ASCII digits only: str.isdigit() also accepts "²", which int() then rejects.
+        if self.nproc not in ("auto", "gpu") and not (re.fullmatch("[0-9]+", self.nproc) and int(self.nproc) > 0):
+            raise ConfigError(f"--nproc {self.nproc!r}: use auto, gpu, or a whole number of processes >= 1")
+        node_range(self.nnodes)
         if self.max_nodes > 1 and not self.rdzv_endpoint:
             raise ConfigError(f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT reachable from every node")
-        if self.collective_timeout is not None and self.collective_timeout <= 0:
-            raise ConfigError(f"--collective-timeout {self.collective_timeout}: must be > 0 seconds")
-        if self.join_timeout <= 0:
-            raise ConfigError(f"--join-timeout {self.join_timeout}: must be > 0 seconds")
+        if self.node_rank is not None and not 0 <= self.node_rank < self.max_nodes:
+            raise ConfigError(f"--node-rank {self.node_rank}: use 0 to {self.max_nodes - 1} (--nnodes {self.nnodes})")
+        if self.collective_timeout is not None:
+            check_seconds("--collective-timeout", self.collective_timeout)
+        check_seconds("--join-timeout", self.join_timeout)
         for item in self.rdzv_conf:
             if "=" not in item:
                 raise ConfigError(f"--rdzv-conf {item!r}: use KEY=VALUE, for example last_call_timeout=5")
 
     @property
     def max_nodes(self) -> int:
-        try:
-            return int(self.nnodes.split(":")[-1])
-        except ValueError:
-            raise ConfigError(f"--nnodes {self.nnodes!r}: use a number of nodes or MIN:MAX") from None
+        return node_range(self.nnodes)[1]
 
     @property
     def elastic(self) -> bool:
-        return ":" in self.nnodes and self.nnodes.split(":")[0] != self.nnodes.split(":")[1]
+        low, high = node_range(self.nnodes)
+        return low != high
+
+    @property
+    def networked(self) -> bool:
+        """The rendezvous is served to other nodes (an endpoint was named), so a secret guards it."""
+        return bool(self.rdzv_endpoint)
 
     @property
     def restarts(self) -> int:
@@ -93,6 +109,37 @@ class LaunchConfig:
         if self.max_restarts is not None:
             return self.max_restarts
         return 3 if self.elastic else 0
+
+
+def node_range(nnodes: str) -> tuple[int, int]:
+    """(MIN, MAX) nodes of ``--nnodes N`` or ``--nnodes MIN:MAX``."""
+    match = re.fullmatch("([0-9]+)(?::([0-9]+))?", nnodes)
+    low, high = (int(match[1]), int(match[2] or match[1])) if match else (0, 0)
+    if not 1 <= low <= high:
+        raise ConfigError(
+            f"--nnodes {nnodes!r}: use a number of nodes >= 1, or MIN:MAX with 1 <= MIN <= MAX (for example 1:4)"
+        )
+    return low, high
+
+
+_SECONDS = f"use a number of seconds > 0 and at most {MAX_TIMEOUT:.0f} (30 days)"
+
+
+def check_seconds(option: str, value: float) -> float:
+    """``value`` when it is a usable number of seconds for ``option``; else a :class:`ConfigError`."""
+    if not (math.isfinite(value) and 0 < value <= MAX_TIMEOUT):
+        raise ConfigError(f"{option} {value}: {_SECONDS}")
+    return value
+
+
+def parse_seconds(option: str, text: str | None) -> float | None:
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"{option} {text!r}: {_SECONDS}") from None
+    return check_seconds(option, value)
 
 
 def resolve_nproc(nproc: str) -> int:
@@ -111,28 +158,43 @@ def resolve_nproc(nproc: str) -> int:
     return int(nproc)
 
 
+def rdzv_id(cfg: LaunchConfig) -> str:
+    """The rendezvous id: ``--rdzv-id``, else ``SLURM_JOB_ID`` or ``ddpkit`` across nodes (every node must name
+    the same), else one of this process alone."""
+    if cfg.rdzv_id:
+        return cfg.rdzv_id
+    if cfg.networked:
+        return os.environ.get("SLURM_JOB_ID", "ddpkit")
+    return f"ddpkit-{os.getpid()}"
+
+
 def torchrun_argv(
     cfg: LaunchConfig, nproc: int, run_log_dir: str | None = None, node: NodeAddress | None = None
 ) -> list[str]:
     """The torchrun command line (without the program name) that carries out ``cfg``.
 
-    ``node`` is what :func:`ddpkit.rendezvous.node_address` worked out for a multi-node job.
+    ``node`` is what :func:`ddpkit.rendezvous.node_address` worked out for a multi-node job. The rendezvous is
+    ddpkit's (:mod:`ddpkit.rendezvous_backend`): on one node its store listens on 127.0.0.1 at a free port
+    (two jobs on one machine never collide, no "address already in use"), and the workers' own store and
+    gloo's sockets are on 127.0.0.1 as well; across nodes only holders of the job's secret get in.
     """
-    argv = ["--nproc-per-node", str(nproc), "--max-restarts", str(cfg.restarts)]
-    if cfg.max_nodes == 1 and not cfg.rdzv_endpoint:
-        # Rendezvous on localhost:0: the agent binds a free port, so two jobs on one machine never collide
-        # (the "address already in use" / DistNetworkError of a fixed port 29500).
-        argv.append("--standalone")
+    from ddpkit.rendezvous_backend import BACKEND
+
+    argv = ["--nproc-per-node", str(nproc), "--max-restarts", str(cfg.restarts), "--rdzv-backend", BACKEND]
+    argv += ["--rdzv-id", rdzv_id(cfg)]
+    if not cfg.networked:
+        argv += ["--nnodes", "1", "--rdzv-endpoint", f"{LOOPBACK}:0"]
+        conf = []
     else:
-        argv += ["--nnodes", cfg.nnodes, "--rdzv-backend", "c10d", "--rdzv-endpoint", str(cfg.rdzv_endpoint)]
-        argv += ["--rdzv-id", cfg.rdzv_id or os.environ.get("SLURM_JOB_ID", "ddpkit")]
-        conf = [f"join_timeout={int(cfg.join_timeout)}"]
+        argv += ["--nnodes", cfg.nnodes, "--rdzv-endpoint", str(cfg.rdzv_endpoint)]
+        conf = [f"join_timeout={math.ceil(cfg.join_timeout)}"]
         if node is not None:
             conf.append(f"is_host={int(node.is_host)}")
+    if conf + cfg.rdzv_conf:
         argv += ["--rdzv-conf", ",".join(conf + cfg.rdzv_conf)]
     if cfg.node_rank is not None:
         argv += ["--node-rank", str(cfg.node_rank)]
-    local_addr = cfg.local_addr or (node.local_addr if node is not None else None)
+    local_addr = _local_addr(cfg, node)
     if local_addr:
         argv += ["--local-addr", local_addr]
     if run_log_dir:
@@ -158,6 +220,21 @@ def _flight_recorder_vars() -> tuple[str, str]:
     return "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"
 
 
+def _local_addr(cfg: LaunchConfig, node: NodeAddress | None) -> str | None:
+    """This node's address for torchrun, which the workers get as MASTER_ADDR: on one node, loopback."""
+    if cfg.local_addr:
+        return cfg.local_addr
+    if node is not None:
+        return node.local_addr
+    return None if cfg.networked else LOOPBACK
+
+
+def _interface(cfg: LaunchConfig, node: NodeAddress | None) -> str | None:
+    if node is not None:
+        return node.interface
+    return None if cfg.networked else interface_of(LOOPBACK)
+
+
 def worker_env(cfg: LaunchConfig, nproc: int, node: NodeAddress | None = None) -> dict[str, str]:
     """Variables the agent passes to the workers."""
     threads = str(max(1, cpu_count() // nproc))
@@ -167,11 +244,13 @@ def worker_env(cfg: LaunchConfig, nproc: int, node: NodeAddress | None = None) -
         "MKL_NUM_THREADS": os.environ.get("MKL_NUM_THREADS", threads),
         "DDPKIT_AGENT_PID": str(os.getpid()),
     }
-    if node is not None and node.interface:
-        # gloo and nccl pick their interface from the host name unless told; across nodes that is often a
-        # loopback or an unrouted address, and the first collective hangs. The user's choice wins.
+    # gloo and nccl pick their interface from the host name unless told. Across nodes that is often a loopback
+    # or an unrouted address, and the first collective hangs; on one node it is an address the network
+    # reaches, where gloo's sockets would accept connections for nothing. The user's choice wins.
+    interface = _interface(cfg, node)
+    if interface:
         for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-            env[name] = os.environ.get(name, node.interface)
+            env[name] = os.environ.get(name, interface)
     if cfg.collective_timeout is not None:
         env["DDPKIT_COLLECTIVE_TIMEOUT"] = str(cfg.collective_timeout)
     if cfg.debug_collectives:
@@ -181,11 +260,11 @@ def worker_env(cfg: LaunchConfig, nproc: int, node: NodeAddress | None = None) -
         env["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
     if cfg.all_ranks:
         env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = "[rank ${rank}] "
-    if cfg.restarts:
-        # With the agent's rendezvous store shared, restarted workers can wait forever on the address of a
-        # peer that died, and a node joining a running job hangs both agents; a fresh store per attempt avoids
-        # both (3 hangs in 9 restart trials seen without).
-        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    # The workers' store is served by global rank 0's worker, bound to MASTER_ADDR (ddpkit.worker), not by the
+    # agent on every interface. A fresh store per attempt also keeps restarted workers from waiting forever on
+    # the address of a peer that died, and a node joining a running job from hanging both agents (3 hangs in 9
+    # restart trials seen with the agent's store shared).
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     return env
 
 
@@ -239,13 +318,26 @@ def launch(cfg: LaunchConfig) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher import api as launcher_api
 
+    from ddpkit import rendezvous_backend
+    from ddpkit.rendezvous_auth import SECRET_ENV, check_host, derive, load_secret
+
     check_target(cfg)
     nproc = resolve_nproc(cfg.nproc)
     node = None
-    if cfg.rdzv_endpoint:
+    if cfg.networked:
+        secret = load_secret(cfg.rdzv_secret_file)
         node = node_address(cfg.rdzv_endpoint)
         if not node.is_host:
             wait_reachable(node.host_ip, node.port, cfg.join_timeout)
+            check_host((node.host_ip, node.port), derive(secret, "relay"))
+        access = rendezvous_backend.JobAccess(secret, node.host_ip)
+    else:
+        access = rendezvous_backend.JobAccess(secrets.token_bytes(32), None)  # known to this process alone
+    os.environ.pop(SECRET_ENV, None)  # the workers, and all they start, have no use for it
+    run_id = rdzv_id(cfg)
+    rendezvous_backend.register(run_id, access)
+    # Orphans of the workers' children are re-parented to the agent, which ends them with the workers.
+    proctree.become_subreaper()
     run_dir = new_run_log_dir(cfg.log_dir)
     (run_dir / "stacks").mkdir()
     os.environ.update(worker_env(cfg, nproc, node))
@@ -298,6 +390,8 @@ def launch(cfg: LaunchConfig) -> int:
         return 128 + int(err.sigval)
     finally:
         agent.uninstall()
+        rendezvous_backend.unregister(run_id)
+        proctree.kill_descendants()  # whatever the workers started and left behind, however the job ended
     tidy_log_dirs(cfg.log_dir, run_dir)
     return 0
 
@@ -309,8 +403,11 @@ device with ddpkit.init(). Local rank 0's output goes to the terminal; the other
 LOG_DIR/<date>-<time>-<pid>/, whose path is printed when the job fails. Everything after SCRIPT is passed to
 the script, including options that look like these.
 
+One node: the rendezvous, the workers' store and gloo listen on 127.0.0.1 only.
+
 Several nodes: run the same command on each, with --nnodes and --rdzv-endpoint naming a host:port on one of
-them; that node hosts the rendezvous, and each node's own address and network interface are worked out.
+them; that node hosts the rendezvous, and each node's own address and network interface are worked out. Every
+node must hold the job's secret (DDPKIT_RDZV_SECRET, or --rdzv-secret-file); the rendezvous admits no other.
 
 Exit code: 0 when every worker finished, 75 when the workers were stopped by a signal (SIGTERM/SIGUSR1) and
 saved a snapshot (run the command again to resume), else the first failed worker's code."""
@@ -318,6 +415,7 @@ saved a snapshot (run the command again to resume), else the first failed worker
 EXAMPLES = """examples:
   ddpkit run --nproc 2 train.py --lr 0.1
   ddpkit run --max-restarts 3 train.py                  # restart all workers after a failure
+  export DDPKIT_RDZV_SECRET=<the same 64 hex digits on every node>
   ddpkit run --nnodes 2 --rdzv-endpoint node1:29400 train.py      # on node1 and on node2
   ddpkit run --nnodes 1:4 --rdzv-endpoint node1:29400 train.py    # elastic: 1 to 4 nodes"""
 
@@ -338,12 +436,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _option(parser, "--rdzv-endpoint", default=None, help="HOST:PORT on one node, the same on every node")
     _option(parser, "--node-rank", type=int, default=None, help="this node's rank (default: assigned at join)")
     _option(parser, "--rdzv-id", default=None, help="job id shared by all nodes (default: SLURM_JOB_ID)")
+    _option(parser, "--rdzv-secret-file", default=None,
+            help="file (mode 600) with the secret every node of a multi-node job holds (default: $DDPKIT_RDZV_SECRET)")
     _option(parser, "--rdzv-conf", action="append", default=None,
             help="extra KEY=VALUE[,KEY=VALUE] for torchrun's c10d rendezvous (repeatable)")
     _option(parser, "--local-addr", default=None, help="this node's address (default: the route to the endpoint)")
-    _option(parser, "--join-timeout", type=float, default=120.0,
+    # Seconds are checked by LaunchConfig, not argparse: one line naming the valid range for inf, nan, 1e30 or x.
+    _option(parser, "--join-timeout", default="120",
             help="seconds to wait for the rendezvous host and for all nodes (default 120)")
-    _option(parser, "--collective-timeout", type=float, default=None,
+    _option(parser, "--collective-timeout", default=None,
             help="seconds a collective may wait before the job ends with every rank's stack (default 300)")
     _option(parser, "--debug-collectives", action="store_true",
             help="check that ranks call the same collectives with the same shapes (slower; for diagnosis)")
@@ -387,10 +488,11 @@ def config_from_args(ns: argparse.Namespace, script_args: Sequence[str] = ()) ->
         node_rank=ns.node_rank,
         rdzv_endpoint=ns.rdzv_endpoint,
         rdzv_id=ns.rdzv_id,
+        rdzv_secret_file=ns.rdzv_secret_file,
         rdzv_conf=conf,
         local_addr=ns.local_addr,
-        join_timeout=ns.join_timeout,
-        collective_timeout=ns.collective_timeout,
+        join_timeout=parse_seconds("--join-timeout", ns.join_timeout),
+        collective_timeout=parse_seconds("--collective-timeout", ns.collective_timeout),
         debug_collectives=ns.debug_collectives,
         max_restarts=ns.max_restarts,
         all_ranks=ns.all_ranks,

@@ -2,8 +2,10 @@
 
 torchrun reports a failed worker's traceback only when the script's entry point is decorated with ``@record``;
 running the script through this module gives every script that, unchanged. Before the script starts, the
-worker ties its life to the agent's (a parent-death signal), holds SIGUSR1 until a Trainer listens for it
-(:mod:`ddpkit.signals`), and writes its stack when asked (SIGUSR2). Usage (by the launcher): ``python -m ddpkit.worker [-m] TARGET ARGS...``.
+worker ties its life to the agent's (a parent-death signal), forks the guard that ends whatever it starts once it
+is gone (:mod:`ddpkit.proctree`), holds SIGUSR1 until a Trainer listens for it (:mod:`ddpkit.signals`), writes
+its stack when asked (SIGUSR2), and on global rank 0 serves the workers' store on ``MASTER_ADDR`` alone. Usage
+(by the launcher): ``python -m ddpkit.worker [-m] TARGET ARGS...``.
 """
 
 from __future__ import annotations
@@ -13,10 +15,14 @@ import faulthandler
 import os
 import runpy
 import signal
+import socket
 import sys
+from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from ddpkit.errors import ConfigError
+from ddpkit.proctree import start_guard
 from ddpkit.signals import hold_stop_signals
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
@@ -61,8 +67,44 @@ def dump_stack_on_request() -> None:
     faulthandler.register(signal.SIGUSR2, file=stream, all_threads=True)
 
 
+_worker_store: Any = None  # the store global rank 0 serves, alive as long as the process
+
+
+def serve_worker_store() -> Any:
+    """On global rank 0, serve the workers' TCPStore on ``MASTER_ADDR:MASTER_PORT``, bound to that address only.
+
+    ``torch.distributed``'s own env:// rendezvous has rank 0 start the store listening on every interface of its
+    node, whatever ``MASTER_ADDR`` says; a single-node job's ``MASTER_ADDR`` is 127.0.0.1, so that store would
+    be open to the network for nothing. Served here from a socket bound to ``MASTER_ADDR``'s address, and every
+    rank (this one too) told to connect as a client (``TORCHELASTIC_USE_AGENT_STORE``), which holds for scripts
+    that call ``torch.distributed.init_process_group`` themselves as much as for ``ddpkit.init()``.
+    """
+    global _worker_store
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
+    if not addr or not port.isdigit() or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return None  # no store to serve: the agent serves it, or this is not a job of ddpkit run
+    if os.environ.get("RANK") == "0":
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        try:
+            listener = socket.create_server((socket.gethostbyname(addr), int(port)), backlog=1024)
+        except OSError as err:
+            raise ConfigError(
+                f"rank 0 cannot serve the workers' store at {addr}:{port} ({err.strerror}): the agent picked this "
+                "port as free, and another program took it since, or --local-addr is not an address of this node; "
+                "run the job again"
+            ) from None
+        _worker_store = dist.TCPStore(addr, int(port), is_master=True, wait_for_workers=False,
+                                      timeout=timedelta(minutes=5), master_listen_fd=listener.detach())
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    return _worker_store
+
+
 @record
 def _run(target: str, as_module: bool) -> None:
+    serve_worker_store()
     if as_module:
         runpy.run_module(target, run_name="__main__", alter_sys=True)
     else:
@@ -77,6 +119,7 @@ def main() -> None:
     if not argv:
         raise SystemExit("usage: python -m ddpkit.worker [-m] TARGET [ARGS...]")
     die_with_parent()
+    start_guard()
     hold_stop_signals()
     dump_stack_on_request()
     target = argv[0]

@@ -11,6 +11,13 @@
 - ``hang``: rank 1 sleeps in user code while rank 0 waits for it in an all-reduce.
 - ``mismatch``: rank 0 all-reduces 3 numbers, rank 1 two.
 - ``info``: print rank, world size, launcher, restart count and rendezvous port, and check an all-reduce.
+- ``family HOW DIR``: each rank starts ``sleep`` (in its process group), a forked child that ignores SIGTERM,
+  and ``sleep`` in a session of its own, and writes their pids to ``DIR/attempt<N>-rank<R>.pids`` (its own to
+  ``.worker``); on a restart
+  it first prints which of the previous attempt's are still alive. Then by HOW: ``end`` finishes, ``fail``
+  fails on rank 1, ``fail-first`` fails on rank 1 in the first attempt only, ``hold`` waits to be killed.
+- ``wait-for DIR``: write the rank's pid to ``DIR/rank<R>.pid``; once ``DIR/go`` exists (at most 120 s), print
+  rank, world size, the sum of an all-reduce, and whether the job's secret is in its environment.
 """
 
 import os
@@ -69,6 +76,48 @@ elif mode == "mismatch":
     import torch.distributed as dist
 
     dist.all_reduce(torch.ones(3 if rt.rank == 0 else 2))
+elif mode == "family":
+    import signal
+    import subprocess
+
+    how, folder = rest[0], Path(rest[1])
+
+    def alive(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+        except FileNotFoundError:
+            return False
+
+    if rt.restart_count:
+        files = folder.glob(f"attempt{rt.restart_count - 1}-rank*.pids")
+        before = [int(pid) for f in files for pid in f.read_text().split()]
+        print(f"rank={rt.rank} attempt={rt.restart_count} alive from the attempt before: "
+              f"{[pid for pid in before if alive(pid)]} of {len(before)}", flush=True)
+    sleeper = subprocess.Popen(["sleep", "1000"])
+    term = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # ignored from the fork on: no window to die in
+    stubborn = os.fork()
+    if stubborn == 0:
+        time.sleep(1000)
+        os._exit(0)
+    signal.signal(signal.SIGTERM, term)
+    detached = subprocess.Popen(["sleep", "1001"], start_new_session=True)
+    tmp = folder / f".attempt{rt.restart_count}-rank{rt.rank}"
+    tmp.write_text(f"{sleeper.pid} {stubborn} {detached.pid}")
+    tmp.rename(folder / f"attempt{rt.restart_count}-rank{rt.rank}.pids")
+    (folder / f"attempt{rt.restart_count}-rank{rt.rank}.worker").write_text(str(os.getpid()))
+    ddpkit.barrier()
+    if rt.rank == 1 and (how == "fail" or how == "fail-first" and rt.restart_count == 0):
+        raise RuntimeError("planned failure")
+    deadline = time.monotonic() + 120
+    while how == "hold" and time.monotonic() < deadline:
+        time.sleep(0.05)
+elif mode == "wait-for":
+    Path(rest[0], f"rank{rt.rank}.pid").write_text(str(os.getpid()))
+    deadline = time.monotonic() + 120
+    while not Path(rest[0], "go").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    total = ddpkit.all_reduce(rt.rank + 1)
+    print(f"rank={rt.rank} world={rt.world_size} sum={total} secret={'DDPKIT_RDZV_SECRET' in os.environ}", flush=True)
 elif mode == "info":
     from ddpkit.cluster import read_launch_env
 
