@@ -20,7 +20,7 @@ TEE_PID=$!
 # The log is whole before the script returns: tee may still be writing when the last line is echoed.
 trap 'exec 1>&- 2>&-; wait "$TEE_PID" 2>/dev/null' EXIT
 START=$SECONDS
-BUDGET=${GPU_CHECK_BUDGET_S:-530}  # the whole run, in seconds (the machine's limit is 10 minutes a command)
+BUDGET=${GPU_CHECK_BUDGET_S:-555}  # the whole run, in seconds (the machine's limit is 10 minutes a command)
 FIGURES="$OUT/figures.md"
 failed=()
 

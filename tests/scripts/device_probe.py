@@ -75,11 +75,11 @@ elif mode == "hang":
     torch.cuda.synchronize()
     # A spin kernel (torch's own test helper, the one way to keep a GPU busy for a set number of cycles): the
     # all-reduce queued after it on the same stream cannot start, so it outlives the collective timeout, as it
-    # would waiting for a peer. 8e10 cycles: about 40 s at 2 GHz, far past a timeout of seconds, and short
+    # would waiting for a peer. 2.4e10 cycles: about 12 s at 2 GHz, past a timeout of 5 s, and short
     # enough that a teardown waiting for the kernel ends within a minute or so.
     # (ddpkit.all_reduce would first copy its input to the host, which waits behind the kernel before the
     # collective is even queued: torch's own all_reduce queues it at once.)
-    torch.cuda._sleep(80_000_000_000)
+    torch.cuda._sleep(24_000_000_000)
     t = torch.ones(1, device=rt.device)
     dist.all_reduce(t)
     print("queued the all-reduce behind the busy GPU", flush=True)
