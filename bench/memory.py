@@ -38,9 +38,9 @@ import torch
 from torch import nn
 
 import ddpkit
+from ddpkit.demo.models import Block
 from ddpkit.strategies import build_strategy
 from ddpkit.strategies.fsdp import _local
-from ddpkit.tools.models import Block
 
 STRATEGIES = ("ddp", "zero", "fsdp")
 

@@ -1,8 +1,8 @@
 """How long a snapshot stops training: asynchronous (copy to host memory, write in the background) against
 synchronous (write, fsync, checksum, marker), for a ~100 M parameter model with Adam state.
 
-What is timed is what ``Trainer.save()`` does: the strategy's state dict, then :class:`ddpkit.checkpoint.
-Checkpointer.save`; the stall is the time until it returns (rank 0's; every rank waits about as long, as the
+What is timed is what ``Trainer.save()`` does: the strategy's state dict, then :class:`ddpkit.snapshot.manager.
+SnapshotManager.save`; the stall is the time until it returns (rank 0's; every rank waits about as long, as the
 save is collective). Synchronous and asynchronous saves alternate (sync, async, sync, ...) in one job, each
 kind into its own folder (keeping the newest), after one untimed save of each kind (it allocates the host
 copy that later asynchronous saves reuse); after an asynchronous save the bench waits for the
@@ -32,9 +32,9 @@ import torch
 from torch import nn
 
 import ddpkit
-from ddpkit.checkpoint import Checkpointer
+from ddpkit.demo.models import Block
+from ddpkit.snapshot.manager import SnapshotManager
 from ddpkit.strategies import build_strategy
-from ddpkit.tools.models import Block
 
 
 def job(strategy_name: str, width: int, blocks: int, repeats: int, folder: str, device: str | None) -> dict:
@@ -50,7 +50,7 @@ def job(strategy_name: str, width: int, blocks: int, repeats: int, folder: str, 
     extra = {"trainer": {"step": 1}, "rng": torch.get_rng_state()}
     times: dict[str, list[float]] = {"sync": [], "async": [], "background": []}
     step = 0
-    checkpointers = {mode: Checkpointer(Path(folder) / mode, group=rt.group, keep_last=1,
+    checkpointers = {mode: SnapshotManager(Path(folder) / mode, group=rt.group, keep_last=1,
                                         async_write=mode == "async") for mode in ("sync", "async")}
     for i in range(repeats + 1):
         for mode, ckpt in checkpointers.items():

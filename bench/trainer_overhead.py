@@ -42,8 +42,8 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import ddpkit
-from ddpkit.tools.models import DigitsCNN
-from ddpkit.trainer import Trainer, TrainerConfig
+from ddpkit.demo.models import DigitsCNN
+from ddpkit.training.trainer import Trainer, TrainerConfig
 
 
 def hand_loop(model: nn.Module, optimizer, loader: DataLoader, sampler: DistributedSampler, epoch: int) -> None:
@@ -196,7 +196,7 @@ def main() -> None:
     res = ddpkit.spawn(functools.partial(bench, a.steps, a.rounds, a.batch_size, a.default_malloc, a.model),
                        a.nproc)[0]
     print(f"date {datetime.date.today()}  machine {platform.machine()} {platform.processor() or ''}, "
-          f"{ddpkit.cluster.cpu_count()} cores  python {platform.python_version()}  torch {torch.__version__}")
+          f"{ddpkit.distributed.environment.cpu_count()} cores  python {platform.python_version()}  torch {torch.__version__}")
     print(f"config: {a.nproc} ranks (gloo, CPU, {res['threads']} thread(s) each, "
           f"{'each pinned to its core' if res['pinned'] else 'not pinned'}, "
           f"{'fixed' if res['steady_malloc'] else 'adaptive'} malloc thresholds), "

@@ -22,10 +22,12 @@ from torch import nn
 from torch.utils.data import BatchSampler, DistributedSampler, TensorDataset
 
 from ddpkit.data import ShardedBatchSampler
-from ddpkit.loss_window import LossWindow as _LossWindow
-from ddpkit.loss_window import batch_len as _batch_len
 from ddpkit.strategies.ddp import all_finite as _all_finite
-from ddpkit.strategies.ddp import nan_gradient_if_nonfinite as _nan_gradient_if_nonfinite
+from ddpkit.strategies.ddp import (
+    nan_gradient_if_nonfinite as _nan_gradient_if_nonfinite,
+)
+from ddpkit.training.loss_window import LossWindow as _LossWindow
+from ddpkit.training.loss_window import batch_len as _batch_len
 
 
 def fastest_us(fn, number: int = 20000) -> float:

@@ -18,8 +18,10 @@ import torch
 import torch.nn.functional as F
 
 import ddpkit
-from ddpkit.datasets import digits, mnist
-from ddpkit.tools.models import DigitsCNN as Net  # the seeds' CNN; other examples import it from here
+from ddpkit.demo.datasets import digits, mnist
+from ddpkit.demo.models import (
+    DigitsCNN as Net,  # the seeds' CNN; other examples import it from here
+)
 
 
 def main():

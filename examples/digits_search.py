@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 
 import ddpkit
-from ddpkit.datasets import digits
+from ddpkit.demo.datasets import digits
 from ddpkit.search import SearchConfig, choice, search, uniform
-from ddpkit.trainer import Trainer, TrainerConfig
+from ddpkit.training.trainer import Trainer, TrainerConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
 from digits_cnn import Net  # noqa: E402

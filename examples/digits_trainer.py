@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 import ddpkit
-from ddpkit.datasets import digits
-from ddpkit.trainer import Trainer, TrainerConfig
+from ddpkit.demo.datasets import digits
+from ddpkit.training.trainer import Trainer, TrainerConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
 from digits_cnn import Net  # noqa: E402  (the same model as the hand-written loop)

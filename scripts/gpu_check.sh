@@ -122,7 +122,7 @@ else
   cat > "$one_gpu" <<'EOF'
 import functools, json, sys
 from types import SimpleNamespace
-from ddpkit.spawn import spawn
+from ddpkit.launch.spawn import spawn
 from ddpkit.tools.bench import _start_method, compare_data_parallel
 from ddpkit.tools.steptime import Knobs, measure_steps
 

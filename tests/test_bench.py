@@ -10,7 +10,7 @@ from conftest import _clean_environ
 
 from ddpkit.errors import ConfigError
 from ddpkit.tools import allreduce, predict
-from ddpkit.tools.bench import BenchConfig
+from ddpkit.tools.bench_config import BenchConfig
 from ddpkit.tools.workload import load_workload
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,12 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import _clean_environ
 
-import torch
-
-from ddpkit.tools.check import CAUSES, CheckConfig, run_check
 from ddpkit.errors import ConfigError
+from ddpkit.tools.check import CheckConfig, run_check
+from ddpkit.tools.check_causes import CAUSES
 from ddpkit.tools.compare import compare
 
 SCRIPTS = Path(__file__).parent / "scripts"

@@ -19,10 +19,16 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import ddpkit
-from ddpkit import dcp_files
-from ddpkit.checkpoint import EXTRA, INDEX, MARKER, PER_RANK, Checkpointer, SnapshotWriteError
 from ddpkit.errors import ConfigError
-from ddpkit.snapshot import save_snapshot
+from ddpkit.snapshot import storage as dcp_files
+from ddpkit.snapshot.layout import PER_RANK
+from ddpkit.snapshot.manager import (
+    EXTRA,
+    INDEX,
+    MARKER,
+    SnapshotManager,
+    SnapshotWriteError,
+)
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tmpfs import fill, small_tmpfs  # noqa: E402
@@ -32,18 +38,18 @@ def state(step: int) -> tuple[dict, dict]:
     return {"model": {"w": torch.full((4,), float(step))}}, {"step": step, "rng": torch.arange(3)}
 
 
-def save(ckpt: Checkpointer, step: int) -> None:
+def save(ckpt: SnapshotManager, step: int) -> None:
     ckpt.save(step, *state(step))
 
 
-def load(ckpt: Checkpointer, size: int = 4):
+def load(ckpt: SnapshotManager, size: int = 4):
     found = ckpt.latest(warn=lambda msg: None)
     sharded, extra = ckpt.load(found, lambda: {"model": {"w": torch.zeros(size)}})
     return found, sharded, extra
 
 
 def test_layout_marker_and_pruning(tmp_path):
-    ckpt = Checkpointer(tmp_path, keep_last=2)
+    ckpt = SnapshotManager(tmp_path, keep_last=2)
     for step in (3, 6, 9):
         save(ckpt, step)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000006", "step-00000009"]
@@ -57,7 +63,7 @@ def test_layout_marker_and_pruning(tmp_path):
 
 
 def test_a_damaged_file_is_named_and_the_snapshot_before_is_used(tmp_path):
-    ckpt = Checkpointer(tmp_path, keep_last=3)
+    ckpt = SnapshotManager(tmp_path, keep_last=3)
     save(ckpt, 3)
     save(ckpt, 6)
     shard = tmp_path / "step-00000006" / "__0_0.distcp"
@@ -69,7 +75,7 @@ def test_a_damaged_file_is_named_and_the_snapshot_before_is_used(tmp_path):
 
 
 def test_a_folder_without_its_marker_does_not_count_and_is_cleared(tmp_path):
-    ckpt = Checkpointer(tmp_path)
+    ckpt = SnapshotManager(tmp_path)
     save(ckpt, 3)
     save(ckpt, 6)
     (tmp_path / "step-00000006" / MARKER).unlink()  # what a write killed before its marker leaves
@@ -79,27 +85,16 @@ def test_a_folder_without_its_marker_does_not_count_and_is_cleared(tmp_path):
 
 
 def test_async_save_writes_the_state_as_it_was_when_saved(tmp_path):
-    ckpt = Checkpointer(tmp_path, async_write=True)
+    ckpt = SnapshotManager(tmp_path, async_write=True)
     sharded, extra = state(3)
     ckpt.save(3, sharded, extra)
     sharded["model"]["w"].add_(100.0)  # training goes on while the write runs
     ckpt.wait()
     assert torch.equal(load(ckpt)[1]["model"]["w"], torch.full((4,), 3.0))
     # Control: a write from the live tensors (no copy) would see the change.
-    live = Checkpointer(tmp_path / "live")
+    live = SnapshotManager(tmp_path / "live")
     live.save(3, sharded, extra)
     assert load(live)[1]["model"]["w"][0] == 103.0
-
-
-def test_single_file_snapshots_of_earlier_versions_are_read(tmp_path):
-    save_snapshot(tmp_path, 4, {"model": {"w": torch.ones(2)}, "trainer": {"step": 4}})
-    ckpt = Checkpointer(tmp_path)
-    found = ckpt.latest()
-    assert found.legacy and found.step == 4
-    sharded, whole = ckpt.load(found, dict)
-    assert sharded is None and whole["trainer"]["step"] == 4
-    save(ckpt, 8)  # a newer folder snapshot wins
-    assert ckpt.latest().step == 8 and not ckpt.latest().legacy
 
 
 def test_a_crash_during_a_background_write_leaves_the_previous_snapshot(tmp_path, run_python):
@@ -107,16 +102,16 @@ def test_a_crash_during_a_background_write_leaves_the_previous_snapshot(tmp_path
     # save()); the folder of step 6 has all its data but no marker, so step 3 is the newest whole snapshot.
     code = textwrap.dedent(f"""
         import os, signal, torch
-        import ddpkit.snapshot
-        from ddpkit.checkpoint import Checkpointer
-        write = ddpkit.snapshot.write_atomic
+        import ddpkit.snapshot.files
+        from ddpkit.snapshot.manager import SnapshotManager
+        write = ddpkit.snapshot.files.write_atomic
         def dying(path, data):
             if path.name == "complete.json" and "00000006" in str(path):
-                path.with_name(".complete.json.tmp").write_bytes(data[: len(data) // 2])
+                path.with_name(".complete.json.dead.tmp").write_bytes(data[: len(data) // 2])
                 os.kill(os.getpid(), signal.SIGKILL)
             write(path, data)
-        ddpkit.snapshot.write_atomic = dying
-        ckpt = Checkpointer({str(tmp_path)!r}, async_write=True)
+        ddpkit.snapshot.files.write_atomic = dying
+        ckpt = SnapshotManager({str(tmp_path)!r}, async_write=True)
         for step in (3, 6):
             ckpt.save(step, {{"model": {{"w": torch.full((1000,), float(step))}}}}, {{"step": step}})
             print("returned from save", step, flush=True)
@@ -126,7 +121,7 @@ def test_a_crash_during_a_background_write_leaves_the_previous_snapshot(tmp_path
     proc = run_python(code)
     assert proc.returncode == -9 and "returned from save 6" in proc.stdout and "not reached" not in proc.stdout
     assert (tmp_path / "step-00000006" / "__0_0.distcp").exists()  # the data was written: the kill was late
-    ckpt = Checkpointer(tmp_path)
+    ckpt = SnapshotManager(tmp_path)
     found, sharded, _ = load(ckpt, size=1000)
     assert found.step == 3 and sharded["model"]["w"][0] == 3.0
 
@@ -154,7 +149,7 @@ def reseal(folder) -> None:
 
 
 def test_a_crafted_dcp_index_is_never_unpickled(tmp_path):
-    ckpt = Checkpointer(tmp_path / "snapshots")
+    ckpt = SnapshotManager(tmp_path / "snapshots")
     save(ckpt, 3)
     folder, ran = tmp_path / "snapshots" / "step-00000003", tmp_path / "ran"
     (folder / ".metadata").write_bytes(pickle.dumps(RunsCode(ran)))
@@ -184,7 +179,7 @@ def test_a_crafted_non_tensor_item_is_never_unpickled(tmp_path):
                  planner=dcp_files.TensorsOnlyPlanner(), no_dist=True)
     assert not ran.exists()
     # A snapshot whose index declares an item that is not a tensor is refused by name.
-    ckpt = Checkpointer(tmp_path / "snapshots")
+    ckpt = SnapshotManager(tmp_path / "snapshots")
     save(ckpt, 3)
     folder = tmp_path / "snapshots" / "step-00000003"
     index = json.loads((folder / INDEX).read_text())
@@ -214,7 +209,7 @@ def test_a_crafted_non_tensor_item_is_never_unpickled(tmp_path):
     ({"fqn": ["model.w"]}, "a storage entry names no tensor of the index"),
 ])
 def test_an_index_pointing_outside_its_folder_or_malformed_is_refused(tmp_path, change, refusal):
-    ckpt = Checkpointer(tmp_path)
+    ckpt = SnapshotManager(tmp_path)
     save(ckpt, 3)
     folder = tmp_path / "step-00000003"
     index = json.loads((folder / INDEX).read_text())
@@ -226,7 +221,7 @@ def test_an_index_pointing_outside_its_folder_or_malformed_is_refused(tmp_path, 
 
 
 def test_a_trainer_state_holding_code_or_of_an_earlier_format_is_refused(tmp_path):
-    ckpt = Checkpointer(tmp_path / "snapshots")
+    ckpt = SnapshotManager(tmp_path / "snapshots")
     save(ckpt, 3)
     folder, ran = tmp_path / "snapshots" / "step-00000003", tmp_path / "ran"
     good = (folder / EXTRA).read_bytes()
@@ -257,7 +252,7 @@ BIG = 50_000  # floats: 200 kB, more than a file's write buffer, as real states 
 @pytest.mark.parametrize("async_write", [False, True], ids=["sync", "async"])
 def test_a_full_disk_is_named_and_the_previous_snapshot_stays_whole(tmp_path, async_write):
     with small_tmpfs(tmp_path / "fs", "1m") as fs:
-        ckpt = Checkpointer(fs / "snapshots", async_write=async_write)
+        ckpt = SnapshotManager(fs / "snapshots", async_write=async_write)
         ckpt.save(3, {"model": {"w": torch.full((BIG,), 3.0)}}, {"step": 3})
         ckpt.wait()
         fill(fs, leave=BIG)  # room for part of the next snapshot
@@ -288,7 +283,7 @@ def _fill_and_save(fs: str) -> list[str]:
     def state(step: int) -> dict:
         return {PER_RANK: {"model": {"w": torch.full((BIG,), float(step + rt.rank))}}}
 
-    checkpointers = [Checkpointer(Path(fs) / f"async-{a}", group=rt.group, async_write=a) for a in (False, True)]
+    checkpointers = [SnapshotManager(Path(fs) / f"async-{a}", group=rt.group, async_write=a) for a in (False, True)]
     for ckpt in checkpointers:
         ckpt.save(3, state(3), {"step": 3})
         ckpt.wait()
@@ -317,7 +312,7 @@ def test_a_full_disk_stops_every_rank_with_the_same_message(tmp_path):
 
 
 def test_a_snapshot_folder_that_cannot_be_made_is_named(tmp_path):
-    ckpt = Checkpointer(tmp_path)
+    ckpt = SnapshotManager(tmp_path)
     save(ckpt, 3)
     (tmp_path / "step-00000006").write_text("a file where the folder goes")
     with pytest.raises(SnapshotWriteError, match=r"step-00000006 was not written: File exists \(rank 0 writing "

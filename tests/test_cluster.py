@@ -8,7 +8,14 @@ import re
 import pytest
 
 from ddpkit import ConfigError
-from ddpkit.cluster import LaunchEnv, cpu_count, expand_hostlist, read_launch_env, scheduler, uneven_nodes
+from ddpkit.distributed.environment import (
+    LaunchEnv,
+    cpu_count,
+    expand_hostlist,
+    read_launch_env,
+    scheduler,
+    uneven_nodes,
+)
 
 TORCHRUN_CORE = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 TORCHRUN = {

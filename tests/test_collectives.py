@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 
 import ddpkit
-from ddpkit import collectives
 
 WORLDS = [2, 3]
 
@@ -278,9 +277,9 @@ def _subgroup_worker(tmp: str) -> dict:
     saved = sys.stdout
     sys.stdout = io.StringIO()
     try:
-        out["rank"] = collectives.rank(group)
-        out["world_size"] = collectives.world_size(group)
-        out["is_main"] = collectives.is_main(group)
+        out["rank"] = ddpkit.get_runtime(group).rank
+        out["world_size"] = ddpkit.get_runtime(group).world_size
+        out["is_main"] = ddpkit.get_runtime(group).is_main
         out["sum"] = ddpkit.all_reduce(r, group=group)
         out["max"] = ddpkit.all_reduce(torch.tensor([r, -r]), "max", group=group).tolist()
         out["tensors"] = ddpkit.gather_tensors(torch.full((r,), r), group=group).tolist()
@@ -291,7 +290,7 @@ def _subgroup_worker(tmp: str) -> dict:
         ddpkit.barrier(group)
         out["after_barrier"] = sorted(p.name for p in Path(tmp).glob("arrived_*"))
         with ddpkit.main_first(group=group):
-            out["main_first"] = _enter(Path(tmp, f"group_file_{r > 0}"), collectives.is_main(group))
+            out["main_first"] = _enter(Path(tmp, f"group_file_{r > 0}"), ddpkit.get_runtime(group).is_main)
         sums = ddpkit.MetricSums()
         if r == 1:
             sums.update("v", torch.tensor([1.0, 2.0, 3.0]))
@@ -338,7 +337,8 @@ def test_helpers_with_a_subgroup(tmp_path):
 
 def test_helpers_without_process_group_are_identities(capsys, tmp_path):
     assert not dist.is_initialized()
-    assert (collectives.rank(), collectives.world_size(), collectives.is_main()) == (0, 1, True)
+    rt = ddpkit.get_runtime()
+    assert (rt.rank, rt.world_size, rt.is_main) == (0, 1, True)
     t = torch.arange(6.0).reshape(3, 2)
     assert ddpkit.gather_tensors(t) is t
     assert ddpkit.gather_object({"a": 1}) == [{"a": 1}]

@@ -11,7 +11,13 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import ddpkit
 from ddpkit import ConfigError
-from ddpkit.data import EvalShardSampler, ShardedBatchSampler, default_num_workers, epoch_permutation, shard_bounds
+from ddpkit.data import (
+    EvalShardSampler,
+    ShardedBatchSampler,
+    default_num_workers,
+    epoch_permutation,
+    shard_bounds,
+)
 
 GLOBAL_BATCH = 12
 LAYOUTS = [(12, 1), (6, 2), (4, 3), (3, 4)]  # (per-rank batch, world size): the same global batch

@@ -19,12 +19,19 @@ from torch.utils.data import Dataset, TensorDataset
 
 import ddpkit
 import ddpkit.data
-import ddpkit.seeding
-from ddpkit.cluster import LaunchEnv
+import ddpkit.distributed.seeding
+from ddpkit.distributed.environment import LaunchEnv
+from ddpkit.distributed.runtime import Runtime, _pick_backend, _pick_device
+from ddpkit.distributed.seeding import (
+    loading_rng_state,
+    rng_state,
+    seed_sample,
+    set_loading_rng_state,
+    set_rng_state,
+    stream_seed,
+)
 from ddpkit.errors import ConfigError
-from ddpkit.launcher import _flight_recorder_vars
-from ddpkit.runtime import Runtime, _pick_backend, _pick_device
-from ddpkit.seeding import loading_rng_state, rng_state, seed_sample, set_loading_rng_state, set_rng_state, stream_seed
+from ddpkit.launch.launcher import flight_recorder_vars
 
 PROBE = str(SCRIPTS / "device_probe.py")
 
@@ -39,7 +46,7 @@ def two_gpus(monkeypatch):
 def cuda_in_use(monkeypatch):
     """This process "has initialised CUDA": its generators are recorded instead of touched."""
     calls: dict[str, list] = {"manual_seed": [], "set_rng_state": [], "set_rng_state_all": []}
-    monkeypatch.setattr(ddpkit.seeding, "_cuda_in_use", lambda: True)
+    monkeypatch.setattr(ddpkit.distributed.seeding, "_cuda_in_use", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "manual_seed", lambda s: calls["manual_seed"].append(s))
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": torch.tensor([7, 7], dtype=torch.uint8))
@@ -77,7 +84,8 @@ def _runtime(device: str) -> Runtime:
 
 @pytest.mark.parametrize("device,pinned", [("cuda:0", True), ("cpu", False)])
 def test_the_loader_pins_batches_when_the_rank_trains_on_a_gpu(monkeypatch, device, pinned):
-    monkeypatch.setattr(ddpkit.data, "get_runtime", lambda: _runtime(device))
+    for module in (ddpkit.data.loader, ddpkit.data.sampler):
+        monkeypatch.setattr(module, "get_runtime", lambda group=None: _runtime(device))
     data = TensorDataset(torch.arange(8.0))
     assert ddpkit.data.build_loader(data, 2, num_workers=0).pin_memory is pinned
     assert ddpkit.data.build_eval_loader(data, 2, num_workers=0).pin_memory is pinned
@@ -116,13 +124,13 @@ def test_the_cuda_generators_are_part_of_the_rng_state_once_cuda_is_in_use(cuda_
 
 
 def test_before_cuda_is_in_use_the_rng_state_has_no_cuda_part(monkeypatch):
-    monkeypatch.setattr(ddpkit.seeding, "_cuda_in_use", lambda: False)
+    monkeypatch.setattr(ddpkit.distributed.seeding, "_cuda_in_use", lambda: False)
     monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: pytest.fail("CUDA touched"))
     assert "cuda" not in rng_state()
 
 
 def test_a_trainer_snapshot_holds_every_ranks_cuda_generators(cuda_in_use, tmp_path):
-    from ddpkit.trainer import Trainer, TrainerConfig
+    from ddpkit.training.trainer import Trainer, TrainerConfig
 
     data = TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,)))
     model = torch.nn.Linear(4, 2)
@@ -150,7 +158,7 @@ def test_a_sample_seeds_the_current_gpus_generator_where_cuda_is_in_use(cuda_in_
 
 def test_a_process_without_cuda_in_use_leaves_the_gpu_alone(monkeypatch):
     # A forked loader worker of a GPU rank is such a process: CUDA would raise there.
-    monkeypatch.setattr(ddpkit.seeding, "_cuda_in_use", lambda: False)
+    monkeypatch.setattr(ddpkit.distributed.seeding, "_cuda_in_use", lambda: False)
     for name in ("manual_seed", "get_rng_state", "set_rng_state"):
         monkeypatch.setattr(torch.cuda, name, lambda *a, **k: pytest.fail("CUDA touched"))
     seed_sample(5, 2, 11)
@@ -182,7 +190,7 @@ def test_each_sample_of_a_batch_seeds_the_gpu_and_the_batch_restores_it(cuda_in_
 
 
 def test_ddpkit_env_checks_gloo_everywhere_and_nccl_on_up_to_two_gpus():
-    from ddpkit.envinfo import live_checks
+    from ddpkit.tools.env import live_checks
 
     assert live_checks(0) == [("gloo", 2, "cpu")]
     # nccl refuses two processes on one GPU: one GPU gets a one-process check.
@@ -229,9 +237,10 @@ def test_the_all_reduce_span_on_a_gpu_is_read_from_cuda_events(monkeypatch):
 
 
 def test_debug_collectives_asks_for_the_flight_recorder():
-    from ddpkit.launcher import LaunchConfig, _flight_recorder_vars, worker_env
+    from ddpkit.launch.launcher import flight_recorder_vars, worker_env
+    from ddpkit.launch.options import LaunchConfig
 
-    buffer, _ = _flight_recorder_vars()
+    buffer, _ = flight_recorder_vars()
     env = worker_env(LaunchConfig(script="t.py", debug_collectives=True), 2)
     assert env[buffer] == "2000" and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     assert env["TORCH_DISTRIBUTED_DEBUG"] == "DETAIL"
@@ -250,7 +259,7 @@ def test_the_flight_record_goes_to_the_runs_stacks_folder_and_the_summary_names_
     out = job("--debug-collectives", PROBE, "env")
     assert out.returncode == 0, out.stderr[-3000:]
     seen = json.loads(out.stdout.splitlines()[-1])
-    buffer, dump_file = _flight_recorder_vars()
+    buffer, dump_file = flight_recorder_vars()
     assert seen[buffer] == "2000" and seen["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     prefix = Path(seen[dump_file])
     # ddpkit-logs/<run>/stacks/nccl_trace_rank_<N>, as the README says.

@@ -65,7 +65,7 @@ DIGITS_EPOCHS = "4"
 
 @pytest.fixture(scope="module")
 def digits_test_size() -> int:
-    from ddpkit.datasets import digits
+    from ddpkit.demo.datasets import digits
 
     return len(digits("test"))
 

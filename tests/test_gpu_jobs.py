@@ -168,7 +168,7 @@ _BENCH_ONE_GPU = """
 import functools, json
 from types import SimpleNamespace
 import torch, torch._dynamo
-from ddpkit.spawn import spawn
+from ddpkit.launch.spawn import spawn
 from ddpkit.tools.bench import _start_method, compare_data_parallel
 from ddpkit.tools.steptime import Knobs, measure_steps
 

@@ -13,8 +13,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from device_support import CUDA_MARKS, DDPKIT, SCRIPTS, device_env, device_params, nprocs, run
-from trainer_checks import assert_each_sample_once, bitwise_equal, max_abs_diff, resume_steps, samples_per_epoch
+from device_support import (
+    CUDA_MARKS,
+    DDPKIT,
+    SCRIPTS,
+    device_env,
+    device_params,
+    nprocs,
+    run,
+)
+from trainer_checks import (
+    assert_each_sample_once,
+    bitwise_equal,
+    max_abs_diff,
+    resume_steps,
+    samples_per_epoch,
+)
 
 sys.path.insert(0, str(SCRIPTS))
 from train_job import N_SAMPLES  # noqa: E402
@@ -268,7 +282,7 @@ import ddpkit
 from torch import nn
 from ddpkit.strategies import build_strategy
 from ddpkit.strategies.fsdp import _local
-from ddpkit.tools.models import Block
+from ddpkit.demo.models import Block
 
 
 def state_bytes(tensors):

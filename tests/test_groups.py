@@ -12,9 +12,9 @@ import torch.distributed as dist
 from torch import nn
 
 import ddpkit
+from ddpkit.distributed.groups import split_world
 from ddpkit.errors import ConfigError
-from ddpkit.groups import group_runtime, split_world
-from ddpkit.trainer import Trainer, TrainerConfig
+from ddpkit.training.trainer import Trainer, TrainerConfig
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from search_job import Data  # noqa: E402
@@ -106,12 +106,12 @@ def _helpers_follow_the_group() -> dict:
     g = grt.group
     sampler = ddpkit.data.ShardedBatchSampler(100, 5, group=g)
     out = {
-        "rank": ddpkit.collectives.rank(g),
-        "size": ddpkit.collectives.world_size(g),
+        "rank": ddpkit.get_runtime(g).rank,
+        "size": ddpkit.get_runtime(g).world_size,
         "sum": ddpkit.all_reduce(dist.get_rank(), group=g),
         "bcast": ddpkit.broadcast_object(f"from {dist.get_rank()}", group=g),
         "sampler": (sampler.rank, sampler.world_size),
-        "runtime": (group_runtime(g).rank, group_runtime(g).world_size),
+        "runtime": (ddpkit.get_runtime(g).rank, ddpkit.get_runtime(g).world_size),
     }
     return out
 

@@ -15,6 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 sys.path.insert(0, str(Path(__file__).parent))
+from tmpfs import small_tmpfs  # noqa: E402
 from train_job import N_SAMPLES  # noqa: E402
 from trainer_checks import (  # noqa: E402
     assert_each_sample_once,
@@ -25,8 +26,6 @@ from trainer_checks import (  # noqa: E402
     resume_steps,
     samples_per_epoch,
 )
-
-from tmpfs import small_tmpfs  # noqa: E402
 
 JOB = str(Path(__file__).parent / "scripts" / "train_job.py")
 STEPS = 30  # 3 epochs of 10 steps; snapshots every 3 steps and at epoch ends

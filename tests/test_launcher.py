@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from ddpkit.errors import ConfigError
-from ddpkit.launcher import LaunchConfig, resolve_nproc, torchrun_argv, worker_env
+from ddpkit.launch.launcher import torchrun_argv, worker_env
+from ddpkit.launch.options import LaunchConfig, resolve_nproc
 
 HELLO = str(Path(__file__).parent / "scripts" / "hello.py")
 PROBE = str(Path(__file__).parent / "scripts" / "launch_probe.py")
@@ -45,7 +46,7 @@ def run(args: list[str], env: dict[str, str], timeout: float = 90) -> subprocess
 
 
 def test_script_arguments_are_the_scripts_even_when_they_look_like_ours():
-    from ddpkit.launcher import build_parser, split_argv
+    from ddpkit.launch.options import build_parser, split_argv
 
     build_parser()
     ours, theirs = split_argv(["--nproc", "2", "--log-dir", "L", "train.py", "--log", "5", "--nproc", "3", "--max"])
@@ -64,7 +65,7 @@ def test_single_node_uses_a_free_loopback_port_and_shows_rank_zero_only():
         assert argv[argv.index(flag) + 1] == value
     assert worker_env(cfg, 3)["GLOO_SOCKET_IFNAME"] == os.environ.get("GLOO_SOCKET_IFNAME", "lo")
     assert argv[argv.index("--redirects") + 1] == "1:3,2:3"  # local ranks 1, 2 to files; 0 keeps the terminal
-    assert argv[-5:] == ["-m", "ddpkit.worker", "train.py", "--lr", "1"]
+    assert argv[-5:] == ["-m", "ddpkit.launch.worker", "train.py", "--lr", "1"]
 
 
 def test_all_ranks_tees_with_a_rank_prefix():
@@ -95,8 +96,8 @@ def test_module_mode_and_restarts():
     cfg = LaunchConfig(script="pkg.train", module=True, max_restarts=3)
     argv = torchrun_argv(cfg, nproc=1)
     assert argv[argv.index("--max-restarts") + 1] == "3"
-    assert argv[-4:] == ["-m", "ddpkit.worker", "-m", "pkg.train"]
-    # Always: the workers' store is rank 0's, bound to MASTER_ADDR (ddpkit.worker), fresh at each attempt.
+    assert argv[-4:] == ["-m", "ddpkit.launch.worker", "-m", "pkg.train"]
+    # Always: the workers' store is rank 0's, bound to MASTER_ADDR (ddpkit.launch.worker), fresh at each attempt.
     assert worker_env(cfg, 1)["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     assert worker_env(LaunchConfig(script="t.py"), 1)["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
 
@@ -295,7 +296,7 @@ def test_no_temporary_folders_left_behind(clean_env, tmp_path):
 
 
 def test_log_folders_of_quiet_runs_are_removed_and_old_ones_pruned(tmp_path):
-    from ddpkit.launcher import new_run_log_dir, tidy_log_dirs
+    from ddpkit.launch.launcher import new_run_log_dir, tidy_log_dirs
 
     root = tmp_path / "logs"
     old = [root / f"20250101-0000{i:02d}-1" for i in range(25)]
@@ -472,7 +473,7 @@ def test_sigusr1_to_the_launcher_reaches_the_workers(clean_env, tmp_path):
     folder = tmp_path / "torchrun"
     folder.mkdir()
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    proc = _start(torchrun + ["-m", "ddpkit.worker", PROBE, "hold-usr1", str(folder)], clean_env)
+    proc = _start(torchrun + ["-m", "ddpkit.launch.worker", PROBE, "hold-usr1", str(folder)], clean_env)
     pids = _wait_for_files([folder / "rank0.pid", folder / "rank1.pid"], proc)
     os.kill(proc.pid, signal.SIGUSR1)
     proc.wait(timeout=60)
@@ -531,7 +532,7 @@ def test_mismatched_collectives_are_named_with_debug_collectives(clean_env):
 
 def test_env_reports_versions_os_memory_and_the_distributed_variables(monkeypatch, capsys):
     from ddpkit import __version__
-    from ddpkit.envinfo import main as env_main
+    from ddpkit.tools.env import main as env_main
 
     monkeypatch.setenv("NCCL_DEBUG", "INFO")
     monkeypatch.setenv("SLURM_JOB_ID", "42")
@@ -583,7 +584,7 @@ def test_sigterm_to_the_launcher_lets_the_workers_save_and_exit_75(clean_env, tm
     folder = tmp_path / "torchrun"
     folder.mkdir()
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    proc = _start(torchrun + ["-m", "ddpkit.worker", PROBE, "hold-term", str(folder)], clean_env)
+    proc = _start(torchrun + ["-m", "ddpkit.launch.worker", PROBE, "hold-term", str(folder)], clean_env)
     _wait_for_files([folder / "rank0.pid", folder / "rank1.pid"], proc)
     os.kill(proc.pid, signal.SIGTERM)
     out = _output(proc)
@@ -600,8 +601,9 @@ def _failure(exitcode: int, timestamp: int, message: str | None = None):
 
 def test_the_cause_of_a_failure_is_told_from_its_consequences():
     # Pure logic over torchrun's failure records (timestamps in whole seconds, often equal).
-    from ddpkit.agent import cause, exit_code
     from types import SimpleNamespace
+
+    from ddpkit.launch.agent import cause, exit_code
 
     lost = "RuntimeError: [gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1"
     cases = [
@@ -622,7 +624,7 @@ def test_a_worker_killed_otherwise_is_a_failure_even_when_the_others_saved_and_e
     # exits 75. That is not a pre-emption: the job must be restarted (the search's kill test caught this).
     from types import SimpleNamespace
 
-    from ddpkit.agent import preempted
+    from ddpkit.launch.agent import preempted
 
     def failures(*codes):
         return {rank: SimpleNamespace(exitcode=code) for rank, code in enumerate(codes)}

@@ -20,9 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from trainer_checks import newest_snapshot
-
 
 pytestmark = pytest.mark.slow
 
@@ -304,7 +302,7 @@ def _attack(ns: str, *args: str) -> str:
 
 def _listening(root: int) -> set[tuple[str, int]]:
     """(address, port) of every TCP socket listening in ``root`` or below it, read from /proc."""
-    from ddpkit.proctree import descendants
+    from ddpkit.launch.proctree import descendants
 
     inodes = set()
     for pid in [root, *descendants(root)]:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import ddpkit
-from ddpkit.plot import panels, read_curves
+from ddpkit.tracking.curves import panels, read_curves
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from train_job import train  # noqa: E402

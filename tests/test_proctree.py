@@ -1,5 +1,5 @@
 """Ending what a worker started: real process trees, made by small Python programs that load
-``ddpkit.proctree`` alone (no torch, so each starts in a tenth of a second). End to end under ``ddpkit run``:
+``ddpkit.launch.proctree`` alone (no torch, so each starts in a tenth of a second). End to end under ``ddpkit run``:
 ``tests/test_launcher.py::test_what_the_workers_start_*``."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.proctree import descendants, kill_descendants
+from ddpkit.launch.proctree import descendants, kill_descendants
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process trees are read from /proc")
 
-PROCTREE = Path(__file__).resolve().parents[1] / "src" / "ddpkit" / "proctree.py"
+PROCTREE = Path(__file__).resolve().parents[1] / "src" / "ddpkit" / "launch" / "proctree.py"
 LOAD = (
     "import importlib.util, os, signal, subprocess, sys, time\n"
     f"spec = importlib.util.spec_from_file_location('proctree', {str(PROCTREE)!r})\n"

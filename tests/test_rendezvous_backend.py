@@ -19,11 +19,13 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousParameters
-from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+    C10dRendezvousBackend,
+)
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
 from ddpkit.errors import ConfigError
-from ddpkit.rendezvous_auth import (
+from ddpkit.launch.rendezvous_auth import (
     SECRET_ENV,
     FramedSocket,
     RelayClient,
@@ -34,7 +36,7 @@ from ddpkit.rendezvous_auth import (
     join_host,
     load_secret,
 )
-from ddpkit.rendezvous_backend import SignedStateBackend
+from ddpkit.launch.rendezvous_backend import SignedStateBackend
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 

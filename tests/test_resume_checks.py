@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 import ddpkit
-from ddpkit import run_dir as run_dir_lib
 from ddpkit.errors import ConfigError
-from ddpkit.trainer import TrainerConfig
+from ddpkit.snapshot import run_dir as run_dir_lib
+from ddpkit.training.trainer import TrainerConfig
 
 
 def fit(run_dir, activation: type[nn.Module], epochs: int, dropout: float = 0.2) -> ddpkit.Trainer:

@@ -15,7 +15,7 @@ import pytest
 
 import ddpkit
 from ddpkit.errors import ConfigError
-from ddpkit.run_dir import RunDirLock
+from ddpkit.snapshot.run_dir import RunDirLock
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from train_job import train  # noqa: E402

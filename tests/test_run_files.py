@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 import ddpkit
-from ddpkit import run_files
-from ddpkit.checkpoint import MARKER, Checkpointer
 from ddpkit.errors import ConfigError
-from ddpkit.logging_utils import MetricsWriter
-from ddpkit.run_dir import RunDirLock, claim
+from ddpkit.snapshot import files as run_files
+from ddpkit.snapshot.manager import MARKER, SnapshotManager
+from ddpkit.snapshot.run_dir import RunDirLock, claim
+from ddpkit.tracking.metrics import MetricsWriter
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from train_job import train  # noqa: E402
@@ -114,7 +114,7 @@ def test_pruning_removes_a_link_named_like_an_old_snapshot_never_what_it_points_
     _snapshot_folder(own / "step-00000002", 2)
     _snapshot_folder(own / "step-00000005", 5)
     (own / "step-00000001").symlink_to(other, target_is_directory=True)
-    Checkpointer(own, keep_last=1)._prune(newest=5)
+    SnapshotManager(own, keep_last=1)._prune(newest=5)
     assert sorted(os.listdir(other)) == ["__0_0.distcp", MARKER]  # the other run's snapshot is whole
     assert sorted(os.listdir(own)) == ["step-00000005"]  # the link and this run's old snapshot are pruned
 
@@ -125,7 +125,7 @@ def test_pruning_refuses_a_snapshots_folder_that_is_a_link(tmp_path):
     _snapshot_folder(other / "step-00000002", 2)
     link(tmp_path / "run", "snapshots", other)
     with pytest.raises(OSError):
-        Checkpointer(tmp_path / "run" / "snapshots", keep_last=1)._prune(newest=2)
+        SnapshotManager(tmp_path / "run" / "snapshots", keep_last=1)._prune(newest=2)
     assert sorted(os.listdir(other)) == ["step-00000001", "step-00000002"]
     assert sorted(os.listdir(other / "step-00000001")) == ["__0_0.distcp", MARKER]
 
@@ -221,6 +221,6 @@ def test_resume_false_moves_the_previous_runs_records_aside_with_its_snapshots(t
     assert json.loads((aside / "config.json").read_text())["resume"] is True
     assert (aside / "best.pt").is_file() and (aside / "snapshots" / "step-00000002" / MARKER).is_file()
     # The aside folder has a run directory's layout: `ddpkit plot` reads it as one.
-    from ddpkit.plot import read_curves
+    from ddpkit.tracking.curves import read_curves
 
     assert sorted(read_curves(aside)["train/loss"]) == [1, 2]

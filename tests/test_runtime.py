@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import ddpkit
-from ddpkit.runtime import DEFAULT_TIMEOUT, NotInitializedError
+from ddpkit.distributed.runtime import DEFAULT_TIMEOUT, NotInitializedError
 
 # --------------------------------------------------------------------------------------- plain python
 
@@ -36,7 +36,7 @@ out.update(
     device=str(rt.device), backend=rt.backend, launcher=rt.launcher, distributed=rt.distributed,
     is_main=rt.is_main, same_on_second_call=ddpkit.init() is rt, get_runtime_same=ddpkit.get_runtime() is rt,
     process_group=dist.is_initialized(),
-    helpers=[ddpkit.collectives.rank(), ddpkit.collectives.world_size(), ddpkit.all_reduce(5), ddpkit.gather_object("x")],
+    helpers=[ddpkit.get_runtime().rank, ddpkit.get_runtime().world_size, ddpkit.all_reduce(5), ddpkit.gather_object("x")],
 )
 print(json.dumps(out))
 """
@@ -248,7 +248,7 @@ if __name__ == "__main__":
 
 @pytest.mark.timeout(120)
 def test_init_again_after_shutdown(run_python):
-    # shutdown() promises that init() may be called again. Under ddpkit.spawn (and torchrun) the rendezvous
+    # shutdown() promises that init() may be called again. Under ddpkit.launch.spawn (and torchrun) the rendezvous
     # store outlives the group, so a second group must not read the first group's keys. The broken case can
     # hang beyond the group timeout, so it runs in a subprocess that is killed with its ranks after 45 s.
     proc = run_python(REINIT, timeout=45)
@@ -288,8 +288,8 @@ def test_more_local_ranks_than_gpus_names_the_fix(monkeypatch):
     # Pure logic: no GPU here, so the device count is mocked.
     import torch
 
-    from ddpkit.cluster import LaunchEnv
-    from ddpkit.runtime import _pick_device
+    from ddpkit.distributed.environment import LaunchEnv
+    from ddpkit.distributed.runtime import _pick_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

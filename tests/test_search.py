@@ -20,10 +20,10 @@ from torch import nn
 import ddpkit
 from ddpkit.errors import ConfigError
 from ddpkit.search import SearchConfig, choice, search, uniform
-from ddpkit.search.engine import _sampler
 from ddpkit.search.environment import environment_error
 from ddpkit.search.search_dir import repair_journal
-from ddpkit.trainer import Trainer, TrainerConfig
+from ddpkit.search.study import new_sampler
+from ddpkit.training.trainer import Trainer, TrainerConfig
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from search_job import Data  # noqa: E402
@@ -167,7 +167,7 @@ def test_a_search_space_optuna_rejects_is_a_clear_error():
     with pytest.raises(ConfigError, match="parameter 'lr'"):
         ddpkit.search.space.to_distributions({"lr": 0.1})
     with pytest.raises(ConfigError, match="sampler='grid' needs choices"):
-        ddpkit.search.engine._sampler(SearchConfig(n_trials=1, sampler="grid"), {"lr": uniform(0.1, 1.0)})
+        new_sampler(SearchConfig(n_trials=1, sampler="grid"), {"lr": uniform(0.1, 1.0)})
 
 
 # -- restarts, a second job, a damaged journal, errors of the machine ---------------------------------------
@@ -176,7 +176,7 @@ def test_a_search_space_optuna_rejects_is_a_clear_error():
 def _draws(sampler: str, group: int, start: int, n: int = 4) -> list[tuple]:
     space = {"lr": uniform(1e-3, 1.0, log=True), "momentum": uniform(0.0, 0.9)}
     cfg = SearchConfig(n_trials=n, sampler=sampler)
-    study = optuna.create_study(sampler=_sampler(cfg, space, group, start))
+    study = optuna.create_study(sampler=new_sampler(cfg, space, group, start))
     return [tuple(study.ask(space).params.values()) for _ in range(n)]
 
 

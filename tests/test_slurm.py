@@ -17,10 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from ddpkit.slurm import BatchConfig, batch_script, submit
-
 from trainer_checks import newest_snapshot
+
+from ddpkit.launch.sbatch import BatchConfig, batch_script, submit
 
 pytestmark = pytest.mark.slow
 

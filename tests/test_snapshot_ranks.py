@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import ddpkit
-from ddpkit.checkpoint import Checkpointer
+from ddpkit.snapshot.manager import SnapshotManager
 from ddpkit.strategies import build_strategy
 from ddpkit.strategies.base import join_own
 
@@ -73,8 +73,8 @@ def save_and_restore(folder: str) -> dict:
     for name in STRATEGIES:
         strategy = build(name, rt)
         train(strategy, rt.rank, 3, seed=0)
-        fixed = Checkpointer(Path(folder) / name / "fixed", group=rt.group)
-        one_copy = Checkpointer(Path(folder) / name / "one-copy", group=rt.group)
+        fixed = SnapshotManager(Path(folder) / name / "fixed", group=rt.group)
+        one_copy = SnapshotManager(Path(folder) / name / "one-copy", group=rt.group)
         fixed.save(3, strategy.state_dict(), {"step": 3})
         one_copy.save(3, join_own(strategy.state_dict()), {"step": 3})  # no per-rank part: one copy per key
         saved, saved_buffers = own_view(strategy), buffers(strategy)
@@ -95,7 +95,7 @@ def load_at_another_world_size(folder: str) -> dict:
     for name in STRATEGIES:
         strategy = build(name, rt)
         train(strategy, rt.rank, 1, seed=2)
-        ckpt = Checkpointer(Path(folder) / name / "fixed", group=rt.group)
+        ckpt = SnapshotManager(Path(folder) / name / "fixed", group=rt.group)
         state, _ = ckpt.load(ckpt.latest(warn=print), strategy.state_dict)
         strategy.load_state_dict(state)
         out[name] = buffers(strategy)

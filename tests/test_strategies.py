@@ -263,7 +263,9 @@ def test_comm_hook_trains_within_its_tolerance_of_plain_ddp(tmp_path, plain_ddp,
 
 
 def _torch_bf16_hook_on_gloo() -> str:
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
+        bf16_compress_hook,
+    )
 
     rt = ddpkit.init()
     model = ddpkit.prepare_model(nn.Linear(2, 2), runtime=rt)

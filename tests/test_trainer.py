@@ -15,11 +15,13 @@ import torch
 import ddpkit
 from ddpkit.errors import ConfigError
 from ddpkit.strategies.ddp import all_finite as _all_finite
-from ddpkit.strategies.ddp import nan_gradient_if_nonfinite as _nan_gradient_if_nonfinite
+from ddpkit.strategies.ddp import (
+    nan_gradient_if_nonfinite as _nan_gradient_if_nonfinite,
+)
 from ddpkit.strategies.ddp import stepped_parameters as _stepped_parameters
-from ddpkit.loss_window import LossWindow as _LossWindow
-from ddpkit.loss_window import loss_share
-from ddpkit.trainer import TrainerConfig
+from ddpkit.training.loss_window import LossWindow as _LossWindow
+from ddpkit.training.loss_window import loss_share
+from ddpkit.training.trainer import TrainerConfig
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from train_job import N_SAMPLES, train  # noqa: E402
@@ -77,7 +79,7 @@ def test_a_ranks_loss_share_weighs_samples_not_ranks():
 
 def _equal_rank_weights(trainer) -> None:
     # The control: every rank's mean counted alike in the last, uneven batch (what DDP alone does).
-    ddpkit.trainer.loss_share = lambda samples, world, step_samples, micro_batches, micro_global: micro_batches
+    ddpkit.training.trainer.loss_share = lambda samples, world, step_samples, micro_batches, micro_global: micro_batches
 
 
 def test_an_uneven_last_batch_trains_the_same_model_as_one_process(tmp_path):
@@ -260,7 +262,9 @@ def test_signal_on_one_rank_saves_and_stops_all_then_resumes_bitwise(tmp_path, r
 
 def _count_gradient_allreduces(counter: list[int]):
     def hook_into(trainer) -> None:
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
+            allreduce_hook,
+        )
 
         def counting_hook(state, bucket):
             counter.append(1)
@@ -450,7 +454,7 @@ def test_the_default_loss_refuses_a_regression_model(tmp_path):
 
 
 def test_the_default_loss_refuses_float_targets_and_a_dict_output(tmp_path):
-    from ddpkit.losses import cross_entropy
+    from ddpkit.training.losses import cross_entropy
 
     scores = torch.randn(4, 3)
     with pytest.raises(ConfigError, match="targets are float32 of shape \\(4,\\)"):
@@ -573,7 +577,7 @@ def test_each_callback_hook_is_called_on_every_rank_in_order(tmp_path):
 
 
 def test_a_fresh_run_replaces_a_stale_best_and_a_resumed_one_keeps_it(tmp_path):
-    from ddpkit.best import BestWeights
+    from ddpkit.snapshot.best import BestWeights
 
     path = tmp_path / "best.pt"
     model = torch.nn.Linear(2, 2)

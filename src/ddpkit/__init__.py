@@ -13,26 +13,29 @@ A single-device script becomes a DDP script with a handful of calls::
 and runs with ``ddpkit run script.py``, ``torchrun``, ``srun`` or plain ``python``.
 """
 
-from ddpkit.collectives import (
+from ddpkit.data import build_eval_loader, build_loader, to_device
+from ddpkit.distributed.collectives import (
     MetricSums,
     all_reduce,
     barrier,
     broadcast_object,
     gather_object,
     gather_tensors,
-    get_logger,
     main_first,
-    print0,
 )
-from ddpkit.data import build_eval_loader, build_loader, to_device
+from ddpkit.distributed.groups import split_world
+from ddpkit.distributed.log import get_logger, print0
+from ddpkit.distributed.runtime import Runtime, get_runtime, init, shutdown
+from ddpkit.distributed.seeding import seed_everything
 from ddpkit.errors import ConfigError, Preempted
-from ddpkit.evaluation import classification_metrics, evaluate, regression_metrics
-from ddpkit.groups import split_world
-from ddpkit.model import prepare_model, unwrap
-from ddpkit.runtime import Runtime, get_runtime, init, shutdown
-from ddpkit.seeding import seed_everything
-from ddpkit.spawn import spawn
-from ddpkit.trainer import Trainer, TrainerConfig
+from ddpkit.launch.spawn import spawn
+from ddpkit.nn.prepare import prepare_model, unwrap
+from ddpkit.training.evaluation import (
+    classification_metrics,
+    evaluate,
+    regression_metrics,
+)
+from ddpkit.training.trainer import Trainer, TrainerConfig
 
 __version__ = "0.1.0"
 

@@ -10,12 +10,12 @@ from ddpkit.errors import ConfigError
 
 # name -> (module whose main(argv) runs it, one line of help). Imported only when used.
 COMMANDS = {
-    "run": ("ddpkit.launcher", "launch a training script on every GPU (or CPU share) of this node, or of several"),
-    "sbatch": ("ddpkit.slurm", "write and submit a SLURM batch script that requeues itself when pre-empted"),
-    "env": ("ddpkit.envinfo", "versions, devices, the choices `run` would make, and a live all-reduce check"),
+    "run": ("ddpkit.launch.launcher", "launch a training script on every GPU (or CPU share) of this node, or of several"),
+    "sbatch": ("ddpkit.launch.sbatch", "write and submit a SLURM batch script that requeues itself when pre-empted"),
+    "env": ("ddpkit.tools.env", "versions, devices, the choices `run` would make, and a live all-reduce check"),
     "bench": ("ddpkit.tools.bench", "step time at 1..N ranks, the all-reduce alone, and a prediction at larger sizes"),
     "check": ("ddpkit.tools.check", "one process against N ranks, step by step; names the cause of a difference"),
-    "plot": ("ddpkit.plot", "a Trainer run's training and validation curves to RUN_DIR/curves.png"),
+    "plot": ("ddpkit.tracking.curves", "a Trainer run's training and validation curves to RUN_DIR/curves.png"),
 }
 
 EXAMPLES = """examples:

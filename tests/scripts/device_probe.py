@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 
 import ddpkit
-from ddpkit.launcher import _flight_recorder_vars
+from ddpkit.launch.launcher import flight_recorder_vars
 
 mode, rest = sys.argv[1], sys.argv[2:]
-BUFFER_SIZE, DUMP_FILE = _flight_recorder_vars()
+BUFFER_SIZE, DUMP_FILE = flight_recorder_vars()
 FLIGHT_RECORDER = (BUFFER_SIZE, "TORCH_NCCL_DUMP_ON_TIMEOUT", DUMP_FILE, "TORCH_DISTRIBUTED_DEBUG")
 
 

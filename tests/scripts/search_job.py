@@ -30,7 +30,7 @@ from torch import nn
 
 import ddpkit
 from ddpkit.search import SearchConfig, search, uniform
-from ddpkit.trainer import Trainer, TrainerConfig
+from ddpkit.training.trainer import Trainer, TrainerConfig
 
 SPACE = {"lr": uniform(0.01, 0.5, log=True), "momentum": uniform(0.0, 0.9)}
 
@@ -105,15 +105,15 @@ def wait_at_gate() -> None:
 
 
 def same_seed_every_start() -> None:
-    from ddpkit.search import engine
+    from ddpkit.search import study as search_study
 
-    counted = engine._count_start
+    counted = search_study.count_start
 
     def first_start_always(study):
         counted(study)
         return 0
 
-    engine._count_start = first_start_always
+    search_study.count_start = first_start_always
 
 
 def main() -> None:

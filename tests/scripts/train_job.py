@@ -23,11 +23,11 @@ from torch import nn
 
 import ddpkit
 import ddpkit.data
-import ddpkit.snapshot
-import ddpkit.trainer
-from ddpkit.seeding import rng_state, set_rng_state
+import ddpkit.snapshot.files
+import ddpkit.training.trainer
+from ddpkit.distributed.seeding import rng_state, set_rng_state
 from ddpkit.strategies.base import join_own
-from ddpkit.trainer import Trainer, TrainerConfig
+from ddpkit.training.trainer import Trainer, TrainerConfig
 
 N_SAMPLES, N_FEATURES = 240, 8
 
@@ -140,17 +140,17 @@ def rank_state(trainer) -> dict:
 
 def _kill_inside_snapshot_write(call_to_kill: int, marks: str | None) -> None:
     calls = {"n": 0}
-    write = ddpkit.snapshot.write_atomic
+    write = ddpkit.snapshot.files.write_atomic
 
     def dying_write(path, data):
         calls["n"] += 1
         if calls["n"] == call_to_kill:
-            tmp = path.with_name(f".{path.name}.tmp")
+            tmp = path.with_name(f".{path.name}.dead.tmp")
             tmp.write_bytes(data[: len(data) // 2])  # half a file, then gone
             _sigkill_self(marks, f"in-write-{call_to_kill}")
         write(path, data)
 
-    ddpkit.snapshot.write_atomic = dying_write
+    ddpkit.snapshot.files.write_atomic = dying_write
 
 
 def train(
@@ -210,7 +210,7 @@ def train(
     snapshots at that step. ``shared_buffers``: :func:`one_copy_per_key`."""
     rt = ddpkit.init()
     if unseeded_samples:
-        ddpkit.trainer.build_loader = functools.partial(ddpkit.data.build_loader, seed_samples=False)
+        ddpkit.training.trainer.build_loader = functools.partial(ddpkit.data.build_loader, seed_samples=False)
     model = build_model(batchnorm, hidden)
     if not dropout:
         model[3].p = 0.0

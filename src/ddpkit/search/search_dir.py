@@ -36,7 +36,7 @@ def trial_dir(search_dir: Path, number: int) -> Path:
 class SearchDirLock:
     """An exclusive advisory lock on ``search_dir/.lock``, naming its holder (host, pid) inside the file.
 
-    The same protocol as the Trainer's run-directory lock (:class:`ddpkit.run_dir.RunDirLock`), in the words
+    The same protocol as the Trainer's run-directory lock (:class:`ddpkit.snapshot.run_dir.RunDirLock`), in the words
     of a search.
     """
 

@@ -11,9 +11,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from ddpkit.distributed.runtime import Runtime, get_runtime
 from ddpkit.errors import ConfigError
-from ddpkit.runtime import Runtime, get_runtime
-from ddpkit.strategies.base import GradientVerdict, Strategy, check_options, rebind_scheduler
+from ddpkit.strategies.base import (
+    GradientVerdict,
+    Strategy,
+    check_options,
+    rebind_scheduler,
+)
 from ddpkit.strategies.ddp import DDPConfig, DDPStrategy
 from ddpkit.strategies.fsdp import FSDPConfig, FSDPStrategy
 from ddpkit.strategies.zero import ZeroConfig, ZeroStrategy

@@ -25,8 +25,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from ddpkit.checkpoint import PER_RANK
 from ddpkit.errors import ConfigError
+from ddpkit.snapshot.layout import PER_RANK
 
 
 @dataclass(frozen=True)
@@ -69,10 +69,10 @@ class Strategy(Protocol):
         run out of data shadows the others' collectives until all are done."""
 
     def state_dict(self) -> dict[str, Any]:
-        """Model and optimizer state for :class:`~ddpkit.checkpoint.Checkpointer`: tensors may be shards
+        """Model and optimizer state for :class:`~ddpkit.snapshot.manager.SnapshotManager`: tensors may be shards
         (DTensors), so every rank saves its own part and a load reshards. Values that have one name on every
         rank but may differ between ranks (buffers: BatchNorm's running statistics) go in the ``per_rank`` part
-        (:data:`~ddpkit.checkpoint.PER_RANK`), as ``{"model": {name: tensor}, "optim": {key: value}}``."""
+        (:data:`~ddpkit.snapshot.manager.PER_RANK`), as ``{"model": {name: tensor}, "optim": {key: value}}``."""
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (after a load into it, at any world size)."""

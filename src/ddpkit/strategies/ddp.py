@@ -10,9 +10,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ddpkit.distributed.runtime import Runtime
 from ddpkit.errors import ConfigError
-from ddpkit.model import prepare_model, unwrap
-from ddpkit.runtime import Runtime
+from ddpkit.nn.prepare import prepare_model, unwrap
 from ddpkit.strategies import hooks
 from ddpkit.strategies.base import GradientVerdict, join_own, separate_own
 
@@ -233,8 +233,3 @@ class DDPStrategy:
     def full_state_dict(self) -> dict[str, Any]:
         # Replicated: every rank's state is the whole state (with this rank's own buffers).
         return join_own(self.state_dict())
-
-    def load_full_state(self, model_state: dict[str, Any], optim_state: dict[str, Any]) -> None:
-        """Restore a whole (unsharded) model and ``optimizer.state_dict()``: single-file snapshots."""
-        unwrap(self.model).load_state_dict(model_state)
-        self.optimizer.load_state_dict(optim_state)

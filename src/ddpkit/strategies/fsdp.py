@@ -21,10 +21,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.batchnorm import convert_sync_batchnorm
+from ddpkit.distributed.runtime import Runtime
 from ddpkit.errors import ConfigError
-from ddpkit.runtime import Runtime
-from ddpkit.strategies.base import GradientVerdict, join_own, rebuild_optimizer, separate_own
+from ddpkit.nn.batchnorm import convert_sync_batchnorm
+from ddpkit.strategies.base import (
+    GradientVerdict,
+    join_own,
+    rebuild_optimizer,
+    separate_own,
+)
 from ddpkit.strategies.ddp import state_options
 
 # torch.distributed.fsdp and DTensor are imported where used: with torch.distributed.checkpoint they cost ~0.9 s
@@ -219,7 +224,10 @@ class FSDPStrategy:
 
     def model_weights(self) -> dict[str, Any]:
         """The whole model's weights on rank 0 of the group, on the CPU (collective: gathered from the shards)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
 
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 

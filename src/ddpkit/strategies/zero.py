@@ -15,11 +15,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpkit.collectives import gather_object
+from ddpkit.distributed.collectives import gather_object
+from ddpkit.distributed.runtime import Runtime
 from ddpkit.errors import ConfigError
-from ddpkit.model import unwrap
-from ddpkit.runtime import Runtime
-from ddpkit.strategies.base import GradientVerdict, join_own, rebuild_optimizer, separate_own
+from ddpkit.nn.prepare import unwrap
+from ddpkit.strategies.base import (
+    GradientVerdict,
+    join_own,
+    rebuild_optimizer,
+    separate_own,
+)
 from ddpkit.strategies.ddp import DDPConfig, DDPStrategy, state_options
 
 

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from ddpkit.collectives import all_reduce, barrier, comm_device
+from ddpkit.distributed.collectives import all_reduce, barrier, comm_device
 
 DEFAULT_SIZES = tuple(4 ** k for k in range(1, 13))  # 4 B .. 16 MiB
 

@@ -26,82 +26,23 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-try:  # numpy is optional, as in ddpkit.seeding
+try:  # numpy is optional, as in ddpkit.distributed.seeding
     import numpy as np
 except ImportError:  # pragma: no cover
     np = None  # type: ignore[assignment]
 
-from ddpkit.collectives import broadcast_object, gather_object
 from ddpkit.data import ShardedBatchSampler, to_device
-from ddpkit.dropout import BatchLayout, batch_layout, convert_dropout
+from ddpkit.distributed.collectives import broadcast_object, gather_object
+from ddpkit.distributed.runtime import get_runtime, init
+from ddpkit.distributed.seeding import mix_seed, seed_everything
 from ddpkit.errors import ConfigError
-from ddpkit.model import prepare_model, unwrap
-from ddpkit.runtime import get_runtime, init
-from ddpkit.seeding import mix_seed, seed_everything
-from ddpkit.spawn import spawn
+from ddpkit.launch.spawn import spawn
+from ddpkit.nn.dropout import BatchLayout, batch_layout, convert_dropout
+from ddpkit.nn.prepare import prepare_model, unwrap
+from ddpkit.tools.check_causes import CAUSES
 from ddpkit.tools.compare import QUANTITIES, Verdict, compare
 from ddpkit.tools.workload import HOOK, load_workload
 
-
-@dataclass(frozen=True)
-class Cause:
-    """A way N ranks can train another model than one process does, and the switch that removes it."""
-
-    key: str
-    what: str
-    fix: str
-
-
-CAUSES: tuple[Cause, ...] = (
-    Cause(
-        "batchnorm",
-        "BatchNorm without global statistics: each rank normalises its own slice of the batch",
-        "sync_batchnorm=True (prepare_model(model, sync_batchnorm=True) or TrainerConfig(sync_batchnorm=True))",
-    ),
-    Cause(
-        "dropout",
-        "dropout drawing per rank: each rank draws the masks of its own slice from its own RNG",
-        "global_batch_dropout=True (TrainerConfig), or ddpkit.dropout.convert_dropout(model) inside "
-        "ddpkit.dropout.batch_layout(...) in a hand-written loop",
-    ),
-    Cause(
-        "augmentation",
-        "augmentation drawing per rank: the dataset draws random numbers from the process's RNG, so a sample is "
-        "augmented differently at another world size",
-        "draw a sample's randomness from a generator seeded by the sample: "
-        "torch.Generator().manual_seed(ddpkit.seeding.mix_seed(seed, epoch, index)) in __getitem__",
-    ),
-    Cause(
-        "data_order",
-        "a different data order: the ranks' batches are not the slices of the single process's global batch",
-        "ddpkit.build_loader(dataset, batch_size, seed=...) (ShardedBatchSampler) with the same seed on every rank",
-    ),
-    Cause(
-        "unused_parameters",
-        "unused parameters: some parameters get no gradient, and DDP waits for them",
-        "find_unused_parameters=True (prepare_model(model, find_unused_parameters=True) or "
-        "TrainerConfig(ddp_kwargs={'find_unused_parameters': True})), or remove the unused parameters",
-    ),
-    Cause(
-        "initial_state",
-        "initial weights that differ between ranks: tensors DDP does not broadcast (plain tensor attributes, "
-        "not parameters or buffers) start different on each rank",
-        "ddpkit.seed_everything(seed) with the same seed on every rank before building the model, and "
-        "self.register_buffer(name, tensor) so DDP broadcasts it",
-    ),
-    Cause(
-        "nondeterminism",
-        "non-deterministic ops: one process run twice from the same seed does not repeat itself",
-        "torch.use_deterministic_algorithms(True) (on CUDA also CUBLAS_WORKSPACE_CONFIG=:4096:8)",
-    ),
-    Cause(
-        "uneven_mean",
-        "a loss averaged per rank when samples are uneven: DDP averages the ranks' means, which is not the mean "
-        "over the global batch when ranks hold different numbers of samples",
-        "drop_last=True (build_loader, TrainerConfig: every rank gets batch_size samples), or weight each "
-        "rank's mean loss by its share: loss * n_rank * world_size / n_global",
-    ),
-)
 _KEYS = tuple(c.key for c in CAUSES)
 
 

@@ -28,12 +28,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from ddpkit.cluster import cpu_count
-from ddpkit.collectives import gather_object
 from ddpkit.data import build_loader, to_device
-from ddpkit.model import prepare_model
-from ddpkit.runtime import init
-from ddpkit.seeding import seed_everything
+from ddpkit.distributed.collectives import gather_object
+from ddpkit.distributed.environment import cpu_count
+from ddpkit.distributed.runtime import init
+from ddpkit.distributed.seeding import seed_everything
+from ddpkit.nn.prepare import prepare_model
 from ddpkit.tools.workload import load_workload
 
 PARTS = ("data", "forward", "backward", "backward_no_sync", "optimizer", "step", "allreduce_span")

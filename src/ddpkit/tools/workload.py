@@ -77,8 +77,8 @@ class Workload:
 
 def digits_workload() -> Workload:
     """The built-in default: the seeds' CNN on scikit-learn's 8x8 digits (1,437 training images), Adam."""
-    from ddpkit.datasets import digits
-    from ddpkit.tools.models import DigitsCNN
+    from ddpkit.demo.datasets import digits
+    from ddpkit.demo.models import DigitsCNN
 
     return Workload(
         model=DigitsCNN(image_size=8),

@@ -1,0 +1,163 @@
+"""Loaders over a rank's shard: :func:`build_loader` for training, :func:`build_eval_loader` for exact evaluation.
+
+Random draws while loading (augmentation). :func:`build_loader` reads each sample with python, numpy and torch
+seeded from ``(seed, epoch, index)`` (:class:`SeededSamples`): a sample is augmented the same way whichever
+rank or loader worker loads it, at any world size and number of workers, and a resumed run draws what the
+uninterrupted one drew. Without it each worker runs its own stream on across epochs (persistent workers),
+which no snapshot can restore.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    TensorDataset,
+    get_worker_info,
+)
+
+from ddpkit.data.sampler import EvalShardSampler, ShardedBatchSampler
+from ddpkit.distributed.environment import cpu_count
+from ddpkit.distributed.runtime import get_runtime
+from ddpkit.distributed.seeding import (
+    loading_rng_state,
+    seed_sample,
+    set_loading_rng_state,
+    stream_seed,
+)
+from ddpkit.errors import ConfigError
+
+
+class SeededSamples(Dataset):
+    """``dataset`` read at ``(epoch, index)`` keys, each sample with the RNGs seeded from ``(seed, epoch, index)``.
+
+    Python's ``random``, numpy's global generator and torch's CPU generator are seeded before each
+    ``dataset[index]``, and so is the current CUDA device's generator in a process that uses CUDA: a sample
+    drawing on the GPU (``torch.randn(..., device="cuda")``) draws the same too. That process is the main one
+    (``num_workers=0``): CUDA cannot be used in a loader worker forked from a process that uses it. In the main
+    process the generators' states are saved before a batch and restored after it, so loading leaves the
+    training stream (dropout, on the CPU or the GPU) where it was. Cost in the main process on the 2-core CI
+    machine: 11 to 26 us per sample (seeding, the first draw of each freshly seeded generator, and ~0.12 ms per
+    batch to save and restore the states, numpy's being the dear one); see ``bench/sample_seeding.py``.
+    """
+
+    def __init__(self, dataset: Dataset, seed: int) -> None:
+        self.dataset, self.seed = dataset, seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        return self.__getitems__([key])[0]
+
+    def __getitems__(self, keys: list[tuple[int, int]]) -> list[Any]:
+        # A worker's own stream is of no use to anyone once every sample seeds it: no need to restore it there.
+        saved = loading_rng_state() if get_worker_info() is None else None
+        try:
+            out = []
+            for epoch, index in keys:
+                seed_sample(self.seed, epoch, index)
+                out.append(self.dataset[index])
+            return out
+        finally:
+            if saved is not None:
+                set_loading_rng_state(saved)
+
+
+def check_map_style(dataset: Any) -> None:
+    """Refuse a dataset the samplers cannot shard: an ``IterableDataset`` or one without a length."""
+    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
+        raise ConfigError(
+            f"a {type(dataset).__name__} is not a map-style dataset (with __len__ and __getitem__): build_loader "
+            "and the Trainer shard, shuffle and resume by sample index, which a stream does not have. Load it "
+            "into a map-style Dataset (or a torch.utils.data.TensorDataset), or iterate the stream in a "
+            "hand-written loop, giving each rank its own part (ddpkit.get_runtime().rank and world_size)"
+        )
+
+
+def default_num_workers(local_world_size: int | None = None) -> int:
+    """Loader workers per rank: the cores of each rank minus one (for the rank itself)."""
+    procs = local_world_size or get_runtime().local_world_size
+    return max(0, cpu_count() // procs - 1)
+
+
+def _loader_kwargs(num_workers: int | None, pin_memory: bool | None) -> dict[str, Any]:
+    workers = default_num_workers() if num_workers is None else num_workers
+    pin = get_runtime().device.type == "cuda" if pin_memory is None else pin_memory
+    return {"num_workers": workers, "pin_memory": pin, "persistent_workers": workers > 0}
+
+
+def build_loader(
+    dataset: Dataset,
+    batch_size: int,
+    *,
+    shuffle: bool = True,
+    seed: int = 0,
+    drop_last: bool = True,
+    num_workers: int | None = None,
+    pin_memory: bool | None = None,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    group: Any = None,
+    seed_samples: bool = True,
+) -> DataLoader:
+    """A training loader over this rank's shard; ``batch_size`` is per rank.
+
+    The loader gets its own ``torch.Generator``: without one, every ``iter()`` draws the workers' base seed
+    from the global RNG, which shifts dropout masks and any other draw that follows. ``seed_samples``: each
+    sample is loaded with the RNGs seeded from ``(seed, epoch, index)`` (see :class:`SeededSamples`); False
+    leaves the draws to each worker's own stream (or the main process's), as a plain DataLoader does. A
+    ``TensorDataset`` is never wrapped: it draws nothing.
+    """
+    check_map_style(dataset)
+    # A TensorDataset only indexes tensors: it draws nothing, and seeding would cost ~10 us a sample for nothing.
+    seed_samples = seed_samples and type(dataset) is not TensorDataset
+    sampler = ShardedBatchSampler(
+        dataset, batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last, group=group, keyed=seed_samples
+    )
+    generator = torch.Generator()
+    generator.manual_seed(stream_seed("loader", seed, sampler.rank))  # per-rank worker seeds: ranks augment differently
+    return DataLoader(
+        SeededSamples(dataset, seed) if seed_samples else dataset,
+        batch_sampler=sampler,
+        collate_fn=collate_fn,
+        generator=generator,
+        **_loader_kwargs(num_workers, pin_memory),
+    )
+
+
+def build_eval_loader(
+    dataset: Dataset,
+    batch_size: int,
+    *,
+    num_workers: int | None = None,
+    pin_memory: bool | None = None,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    group: Any = None,
+) -> DataLoader:
+    """An evaluation loader over this rank's exact share: no padding, no sample on two ranks."""
+    check_map_style(dataset)
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=EvalShardSampler(dataset, group=group),
+        collate_fn=collate_fn,
+        generator=torch.Generator(),
+        **_loader_kwargs(num_workers, pin_memory),
+    )
+
+
+def to_device(batch: Any, device: torch.device, non_blocking: bool = True) -> Any:
+    """Move every tensor in a (nested) batch of tuples, lists and dicts to ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=non_blocking and device.type == "cuda")
+    if isinstance(batch, dict):
+        return {k: to_device(v, device, non_blocking) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        moved = [to_device(v, device, non_blocking) for v in batch]
+        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
+    return batch

@@ -1,0 +1,187 @@
+"""What every seed writes by hand: barriers, main-first sections, reductions, broadcasts.
+
+Every helper takes an optional ``group`` (a ``torch.distributed`` process group) so that a subset of ranks,
+for example the ranks training one candidate of a hyper-parameter search, can use them on their own. Without
+a process group (plain ``python``) every helper acts as the identity over a world of one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.distributed.runtime import get_runtime
+
+T = TypeVar("T")
+Number = int | float
+
+
+def is_live(group: Any = None) -> bool:
+    """True when collectives on ``group`` run: a process group exists and this process is a member."""
+    return dist.is_available() and dist.is_initialized() and (group is None or group != dist.GroupMember.NON_GROUP_MEMBER)
+
+
+def comm_device(group: Any = None) -> torch.device:
+    """Where tensors must be for a collective on ``group``: CUDA for nccl, the CPU otherwise."""
+    # nccl moves only CUDA tensors, gloo prefers CPU ones; the backend decides where a reduction runs.
+    if is_live(group) and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def barrier(group: Any = None) -> None:
+    """Wait until every rank of ``group`` gets here."""
+    if is_live(group):
+        if dist.get_backend(group) == "nccl":
+            dist.barrier(group, device_ids=[torch.cuda.current_device()])
+        else:
+            dist.barrier(group)
+
+
+@contextmanager
+def main_first(local: bool = False, group: Any = None) -> Iterator[None]:
+    """Run the body on rank 0 first while the others wait, then on the others.
+
+    For work that must happen once before the others read the result: a download, a preprocessing cache. With
+    ``local=True`` local rank 0 of every node goes first (node-local disks). Every rank calls the barrier once,
+    so the counts match; if the first rank raises, the launcher stops the others rather than letting them wait.
+    """
+    first = get_runtime().is_local_main if local else get_runtime(group).is_main
+    if not first:
+        barrier(group)
+    yield
+    if first:
+        barrier(group)
+
+
+def _flatten(values: Mapping[str, Any]) -> tuple[torch.Tensor, list[tuple[str, Any, torch.Size]]]:
+    parts, layout = [], []
+    for key, value in values.items():
+        t = value.detach() if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=torch.float64)
+        layout.append((key, value, t.shape))
+        # float64 keeps integer counts exact up to 2**53 and sums of float32 values without loss.
+        parts.append(t.reshape(-1).to("cpu", torch.float64))
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64), layout
+
+
+def _unflatten(flat: torch.Tensor, layout: list[tuple[str, Any, torch.Size]]) -> dict[str, Any]:
+    out, offset = {}, 0
+    for key, original, shape in layout:
+        n = shape.numel()
+        chunk = flat[offset : offset + n].reshape(shape)
+        offset += n
+        if isinstance(original, torch.Tensor):
+            out[key] = chunk.to(original.device, original.dtype)
+        elif isinstance(original, bool):
+            out[key] = bool(chunk.item())
+        elif isinstance(original, int):
+            out[key] = int(round(chunk.item()))
+        else:
+            out[key] = chunk.item()
+    return out
+
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def all_reduce(value: T, op: str = "sum", group: Any = None) -> T:
+    """Reduce a number, a tensor, or a dict of them over ``group``; every rank gets the result.
+
+    A dict travels as one flat float64 tensor, so many metrics cost one collective. ``op`` is ``"sum"``,
+    ``"max"`` or ``"min"``; there is deliberately no ``"mean"``: reduce sums and counts, then divide, so a rank
+    with fewer samples does not weigh as much as one with more.
+    """
+    if op not in _OPS:
+        raise ValueError(f"op={op!r}: use one of {sorted(_OPS)} (for a mean, reduce a sum and a count)")
+    values = value if isinstance(value, Mapping) else {"_": value}
+    flat, layout = _flatten(values)
+    if is_live(group):
+        flat = flat.to(comm_device(group))
+        dist.all_reduce(flat, op=_OPS[op], group=group)
+        flat = flat.cpu()
+    out = _unflatten(flat, layout)
+    return out if isinstance(value, Mapping) else out["_"]  # type: ignore[return-value]
+
+
+def gather_tensors(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along dim 0 in rank order; ranks may hold different lengths.
+
+    For metrics that need all predictions (AUC, a confusion matrix) after an exact, unpadded evaluation.
+    """
+    if not is_live(group):
+        return tensor
+    device = comm_device(group)
+    local = tensor.detach().to(device)
+    sizes = torch.tensor([local.shape[0]], device=device)
+    all_sizes = [torch.zeros_like(sizes) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(all_sizes, sizes, group=group)
+    longest = int(max(s.item() for s in all_sizes))
+    # all_gather needs equal shapes: pad to the longest, then cut each rank's padding away.
+    padded = local.new_zeros((longest, *local.shape[1:]))
+    padded[: local.shape[0]] = local
+    chunks = [torch.zeros_like(padded) for _ in all_sizes]
+    dist.all_gather(chunks, padded, group=group)
+    return torch.cat([c[: int(s.item())] for c, s in zip(chunks, all_sizes)]).to(tensor.device)
+
+
+def gather_object(obj: T, group: Any = None) -> list[T]:
+    """Every rank's picklable ``obj``, in rank order, on every rank."""
+    if not is_live(group):
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def broadcast_object(obj: T, src: int = 0, group: Any = None) -> T:
+    """Rank ``src``'s picklable ``obj`` (a rank within ``group``) on every rank."""
+    if not is_live(group):
+        return obj
+    box = [obj]
+    global_src = dist.get_global_rank(group, src) if group is not None else src
+    dist.broadcast_object_list(box, src=global_src, group=group)
+    return box[0]
+
+
+class MetricSums:
+    """Sums and counts of named metrics, reduced once across ranks and divided once.
+
+    ``update("loss", per_sample_losses)`` adds a batch; ``compute()`` returns the means over every sample every
+    rank saw. One collective for all metrics; ranks that saw no sample contribute zeros.
+    """
+
+    def __init__(self) -> None:
+        # Sums stay tensors on the values' device: no host sync per batch on CUDA.
+        self.sums: dict[str, torch.Tensor] = {}
+        self.counts: dict[str, int] = {}
+
+    def update(self, name: str, values: torch.Tensor | Number, count: int | None = None) -> None:
+        """Add per-sample ``values`` (a tensor), or a pre-summed ``values`` over ``count`` samples."""
+        if count is None:
+            if not isinstance(values, torch.Tensor):
+                raise ValueError(f"metric {name!r}: give per-sample values as a tensor, or pass count=")
+            count = values.numel()
+        total = (
+            values.detach().double().sum()
+            if isinstance(values, torch.Tensor)
+            else torch.tensor(float(values), dtype=torch.float64)
+        )
+        self.sums[name] = self.sums[name] + total if name in self.sums else total
+        self.counts[name] = self.counts.get(name, 0) + int(count)
+
+    def reduced(self, group: Any = None) -> dict[str, tuple[float, int]]:
+        """(sum, count) of each metric over all ranks."""
+        # A rank that saw no sample does not know the metric names: agree on them first, or the flat
+        # tensors would differ in length across ranks.
+        names = sorted(set().union(*gather_object(sorted(self.sums), group)))
+        flat = {f"s/{n}": self.sums.get(n, 0.0) for n in names} | {f"c/{n}": self.counts.get(n, 0) for n in names}
+        flat = all_reduce(flat, group=group)
+        return {n: (float(flat[f"s/{n}"]), int(flat[f"c/{n}"])) for n in names}
+
+    def compute(self, group: Any = None) -> dict[str, float]:
+        """Mean of each metric over all samples of all ranks."""
+        return {n: (s / c if c else float("nan")) for n, (s, c) in self.reduced(group).items()}

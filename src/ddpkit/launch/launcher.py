@@ -1,0 +1,286 @@
+"""``ddpkit run``: an argument builder over torchrun's elastic agent (``torch.distributed.run``).
+
+No process management of our own: anything that runs under torchrun runs under ``ddpkit run`` and vice versa.
+What it adds are defaults for what users trip over, and one readable summary when a worker fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+import secrets
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from ddpkit.distributed.environment import cpu_count
+from ddpkit.errors import PREEMPTED_EXIT_CODE, ConfigError
+from ddpkit.launch import agent, proctree
+from ddpkit.launch.options import (
+    LaunchConfig,
+    build_parser,
+    config_from_args,
+    resolve_nproc,
+    split_argv,
+)
+from ddpkit.launch.rendezvous import (
+    NodeAddress,
+    interface_of,
+    node_address,
+    wait_reachable,
+)
+
+LOOPBACK = "127.0.0.1"
+
+
+def rdzv_id(cfg: LaunchConfig) -> str:
+    """The rendezvous id: ``--rdzv-id``, else ``SLURM_JOB_ID`` or ``ddpkit`` across nodes (every node must name
+    the same), else one of this process alone."""
+    if cfg.rdzv_id:
+        return cfg.rdzv_id
+    if cfg.networked:
+        return os.environ.get("SLURM_JOB_ID", "ddpkit")
+    return f"ddpkit-{os.getpid()}"
+
+
+def torchrun_argv(
+    cfg: LaunchConfig, nproc: int, run_log_dir: str | None = None, node: NodeAddress | None = None
+) -> list[str]:
+    """The torchrun command line (without the program name) that carries out ``cfg``.
+
+    ``node`` is what :func:`ddpkit.launch.rendezvous.node_address` worked out for a multi-node job. The rendezvous is
+    ddpkit's (:mod:`ddpkit.launch.rendezvous_backend`): on one node its store listens on 127.0.0.1 at a free port
+    (two jobs on one machine never collide, no "address already in use"), and the workers' own store and
+    gloo's sockets are on 127.0.0.1 as well; across nodes only holders of the job's secret get in.
+    """
+    from ddpkit.launch.rendezvous_backend import BACKEND
+
+    argv = ["--nproc-per-node", str(nproc), "--max-restarts", str(cfg.restarts), "--rdzv-backend", BACKEND]
+    argv += ["--rdzv-id", rdzv_id(cfg)]
+    if not cfg.networked:
+        argv += ["--nnodes", "1", "--rdzv-endpoint", f"{LOOPBACK}:0"]
+        conf = []
+    else:
+        argv += ["--nnodes", cfg.nnodes, "--rdzv-endpoint", str(cfg.rdzv_endpoint)]
+        conf = [f"join_timeout={math.ceil(cfg.join_timeout)}"]
+        if node is not None:
+            conf.append(f"is_host={int(node.is_host)}")
+    if conf + cfg.rdzv_conf:
+        argv += ["--rdzv-conf", ",".join(conf + cfg.rdzv_conf)]
+    if cfg.node_rank is not None:
+        argv += ["--node-rank", str(cfg.node_rank)]
+    local_addr = _local_addr(cfg, node)
+    if local_addr:
+        argv += ["--local-addr", local_addr]
+    if run_log_dir:
+        argv += ["--log-dir", run_log_dir]
+    if cfg.all_ranks:
+        argv += ["--tee", "3"]
+    elif nproc > 1:
+        # Local ranks 1.. write to files in the log folder; local rank 0 keeps the terminal itself, so its
+        # lines arrive unprefixed and a progress bar still sees a TTY.
+        argv += ["--redirects", ",".join(f"{r}:3" for r in range(1, nproc))]
+    argv += ["-m", "ddpkit.launch.worker"] + (["-m"] if cfg.module else []) + [cfg.script, *cfg.script_args]
+    return argv
+
+
+def flight_recorder_vars() -> tuple[str, str]:
+    """The variables naming the flight recorder's buffer size and dump file: torch 2.8 renamed them
+    (``TORCH_FR_*``) and warns at every process start when the old names are set."""
+    import torch
+
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    if (major, minor) >= (2, 8):
+        return "TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE"
+    return "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"
+
+
+def _local_addr(cfg: LaunchConfig, node: NodeAddress | None) -> str | None:
+    """This node's address for torchrun, which the workers get as MASTER_ADDR: on one node, loopback."""
+    if cfg.local_addr:
+        return cfg.local_addr
+    if node is not None:
+        return node.local_addr
+    return None if cfg.networked else LOOPBACK
+
+
+def _interface(cfg: LaunchConfig, node: NodeAddress | None) -> str | None:
+    if node is not None:
+        return node.interface
+    return None if cfg.networked else interface_of(LOOPBACK)
+
+
+def worker_env(cfg: LaunchConfig, nproc: int, node: NodeAddress | None = None) -> dict[str, str]:
+    """Variables the agent passes to the workers."""
+    threads = str(max(1, cpu_count() // nproc))
+    env = {
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads),
+        "MKL_NUM_THREADS": os.environ.get("MKL_NUM_THREADS", threads),
+        "DDPKIT_AGENT_PID": str(os.getpid()),
+    }
+    # gloo and nccl pick their interface from the host name unless told. Across nodes that is often a loopback
+    # or an unrouted address, and the first collective hangs; on one node it is an address the network
+    # reaches, where gloo's sockets would accept connections for nothing. The user's choice wins.
+    interface = _interface(cfg, node)
+    if interface:
+        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            env[name] = os.environ.get(name, interface)
+    if cfg.collective_timeout is not None:
+        env["DDPKIT_COLLECTIVE_TIMEOUT"] = str(cfg.collective_timeout)
+    if cfg.debug_collectives:
+        env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+        buffer = flight_recorder_vars()[0]
+        env[buffer] = os.environ.get(buffer, "2000")
+        env["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
+    if cfg.all_ranks:
+        env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = "[rank ${rank}] "
+    # The workers' store is served by global rank 0's worker, bound to MASTER_ADDR (ddpkit.launch.worker), not by the
+    # agent on every interface. A fresh store per attempt also keeps restarted workers from waiting forever on
+    # the address of a peer that died, and a node joining a running job from hanging both agents (3 hangs in 9
+    # restart trials seen with the agent's store shared).
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    return env
+
+
+def new_run_log_dir(root: str) -> Path:
+    """``ROOT/<date>-<time>-<pid>``: one folder per run, created now."""
+    path = Path(root).absolute() / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"cannot create the log folder {path} ({err.strerror}): pass --log-dir DIR") from None
+    return path
+
+
+def tidy_log_dirs(root: str, run: Path, keep: int = 20) -> None:
+    """Remove this run's folder when no rank wrote anything, and all but the newest ``keep`` run folders."""
+    if run.is_dir() and not any(f.stat().st_size for f in run.rglob("*") if f.is_file()):
+        shutil.rmtree(run, ignore_errors=True)
+    ours = sorted(p for p in Path(root).glob("*-*-*") if p.is_dir() and re.fullmatch(r"\d{8}-\d{6}-\d+", p.name))
+    for old in ours[:-keep] if len(ours) > keep else []:
+        shutil.rmtree(old, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        Path(root).rmdir()  # only if empty
+
+
+def check_target(cfg: LaunchConfig) -> None:
+    """Fail before any worker starts when the script or module does not exist."""
+    if cfg.module:
+        import importlib.util
+
+        sys.path.insert(0, os.getcwd())
+        try:
+            found = importlib.util.find_spec(cfg.script) is not None
+        except (ImportError, ValueError):
+            found = False
+        finally:
+            sys.path.pop(0)
+        if not found:
+            raise ConfigError(f"no module named {cfg.script!r} (run with -m): check the name and PYTHONPATH")
+    elif not Path(cfg.script).is_file():
+        raise ConfigError(
+            f"script {cfg.script!r} not found (from {os.getcwd()}): check the path"
+            + ("; to run a module, pass -m" if "/" not in cfg.script and not cfg.script.endswith(".py") else "")
+        )
+
+
+def launch(cfg: LaunchConfig) -> int:
+    """Run ``cfg`` under torchrun's agent; return the process exit code."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+    from torch.distributed.launcher import api as launcher_api
+
+    from ddpkit.launch import rendezvous_backend
+    from ddpkit.launch.rendezvous_auth import (
+        SECRET_ENV,
+        check_host,
+        derive,
+        load_secret,
+    )
+
+    check_target(cfg)
+    nproc = resolve_nproc(cfg.nproc)
+    node = None
+    if cfg.networked:
+        secret = load_secret(cfg.rdzv_secret_file)
+        node = node_address(cfg.rdzv_endpoint)
+        if not node.is_host:
+            wait_reachable(node.host_ip, node.port, cfg.join_timeout)
+            check_host((node.host_ip, node.port), derive(secret, "relay"))
+        access = rendezvous_backend.JobAccess(secret, node.host_ip)
+    else:
+        access = rendezvous_backend.JobAccess(secrets.token_bytes(32), None)  # known to this process alone
+    os.environ.pop(SECRET_ENV, None)  # the workers, and all they start, have no use for it
+    run_id = rdzv_id(cfg)
+    rendezvous_backend.register(run_id, access)
+    # Orphans of the workers' children are re-parented to the agent, which ends them with the workers.
+    proctree.become_subreaper()
+    run_dir = new_run_log_dir(cfg.log_dir)
+    (run_dir / "stacks").mkdir()
+    os.environ.update(worker_env(cfg, nproc, node))
+    os.environ["DDPKIT_STACK_DIR"] = str(run_dir / "stacks")
+    if cfg.debug_collectives:  # where nccl's flight recorder writes each rank's record on a timeout
+        os.environ.setdefault(flight_recorder_vars()[1], str(run_dir / "stacks" / "nccl_trace_rank_"))
+    argv = torchrun_argv(cfg, nproc, str(run_dir), node)
+    # The script's own arguments are set after parsing: torchrun's parser would take `--log 5` for an
+    # abbreviation of its --log-dir, and `--nproc 4` for its own option.
+    args = torchrun.parse_args(argv[: len(argv) - len(cfg.script_args)])
+    args.training_script_args += list(cfg.script_args)
+    if hasattr(args, "signals_to_handle"):  # torchrun's own SIGTERM handling would end the workers itself
+        args.signals_to_handle = agent.TORCHRUN_SIGNALS
+    agent.install(launcher_api)
+    try:
+        torchrun.run(args)
+    except ChildFailedError as err:
+        if agent.preempted(err.failures):
+            print(
+                f"ddpkit run: stopped by a signal after saving a snapshot (exit code {PREEMPTED_EXIT_CODE}); run "
+                "the same command again to resume",
+                file=sys.stderr,
+                flush=True,
+            )
+            return PREEMPTED_EXIT_CODE
+        print(agent.summarize_failure(err), file=sys.stderr, flush=True)
+        # This node's workers still running at the first failure wrote their stacks when the agent asked.
+        files = [p for p in (run_dir / "stacks").glob("rank*.txt") if p.stem[4:].isdigit() and p.stat().st_size]
+        for line in agent.stacks(run_dir / "stacks", sorted(int(p.stem[4:]) for p in files)):
+            print(line, file=sys.stderr, flush=True)
+        for trace in sorted((run_dir / "stacks").glob("nccl_trace_rank_*")):  # --debug-collectives on nccl
+            print(f"  nccl flight recorder of rank {trace.name.rsplit('_', 1)[-1]}: {trace}", file=sys.stderr,
+                  flush=True)
+        print(f"  output of every rank: {run_dir}", file=sys.stderr, flush=True)
+        return agent.exit_code(err)
+    except RendezvousError as err:
+        print(
+            f"ddpkit run: the nodes did not come together at {cfg.rdzv_endpoint} ({type(err).__name__}: "
+            f"{err or 'no detail'}): start the same command on every node within --join-timeout "
+            f"({cfg.join_timeout:.0f} s), with the same --nnodes, --rdzv-endpoint and --rdzv-id",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
+    except SignalException as err:  # Ctrl-C or a scheduler's SIGTERM to the agent: workers were stopped
+        print(
+            f"ddpkit run: stopped by {err.sigval.name}; the workers were stopped too (their output: {run_dir})",
+            file=sys.stderr,
+        )
+        return 128 + int(err.sigval)
+    finally:
+        agent.uninstall()
+        rendezvous_backend.unregister(run_id)
+        proctree.kill_descendants()  # whatever the workers started and left behind, however the job ended
+    tidy_log_dirs(cfg.log_dir, run_dir)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    ours, script_args = split_argv(sys.argv[1:] if argv is None else argv)
+    return launch(config_from_args(parser.parse_args(ours), script_args))

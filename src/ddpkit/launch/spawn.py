@@ -1,0 +1,118 @@
+"""Launch a function on N local processes from Python: for notebooks and tests, as the seeds' ``mp.spawn``."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from ddpkit.distributed import runtime
+from ddpkit.distributed.environment import cpu_count
+from ddpkit.errors import ConfigError
+
+
+def _worker(
+    local_rank: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    nprocs: int,
+    port: int,
+    threads: int,
+    results: Any,
+) -> None:
+    os.environ.update(
+        RANK=str(local_rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(nprocs),
+        LOCAL_WORLD_SIZE=str(nprocs),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS=str(threads),
+    )
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # rank 0 hosts the store, as with a static rendezvous
+    os.environ.pop("GROUP_WORLD_SIZE", None)  # a torchrun job's node count, not this world's
+    torch.set_num_threads(threads)
+    runtime.forget()  # a forked child must not inherit the parent's runtime
+    try:
+        out = fn(*args)
+        results.put((local_rank, pickle.dumps(out)))
+    finally:
+        runtime.shutdown()
+
+
+def spawn(
+    fn: Callable[..., Any],
+    nprocs: int,
+    args: tuple[Any, ...] = (),
+    *,
+    start_method: str | None = None,
+    threads_per_process: int | None = None,
+) -> list[Any]:
+    """Run ``fn(*args)`` on ``nprocs`` local processes that form one job; return each rank's result.
+
+    Inside ``fn``, :func:`ddpkit.init` sees RANK, WORLD_SIZE and the rest as under torchrun. If any process
+    raises, the others are stopped and the exception is raised here with that rank's traceback.
+    ``start_method`` defaults to ``"fork"`` where it is safe (POSIX, CUDA not yet initialised in this process),
+    so a function defined in a notebook cell works; else ``"spawn"``, which needs ``fn`` importable.
+
+    Forked processes run one intra-op thread each: OpenMP's thread pool does not survive ``fork``, and a forked
+    child that starts a parallel region with more threads waits forever for workers that do not exist. For
+    more threads per process, pass ``start_method="spawn"``.
+    """
+    if nprocs < 1:
+        raise ValueError(f"nprocs={nprocs}: spawn needs at least one process")
+    if start_method is None:
+        forkable = "fork" in mp.get_all_start_methods() and not torch.cuda.is_initialized()
+        start_method = "fork" if forkable else "spawn"
+    if start_method == "fork":
+        if threads_per_process not in (None, 1):
+            raise ConfigError(
+                f"threads_per_process={threads_per_process} with start_method='fork' would hang in OpenMP: "
+                "pass start_method='spawn' for more than one thread per process"
+            )
+        threads = 1
+    else:
+        threads = threads_per_process or max(1, cpu_count() // nprocs)
+    # Rank 0 hosts the rendezvous store, not this process: a store here runs a server thread that resolves
+    # peer names (getnameinfo) as ranks connect, and a child forked while it holds glibc's resolver lock
+    # inherits the lock held and hangs in its own connect. The port is free now; if another program takes
+    # it before rank 0 binds it, init() says so.
+    port = _free_port()
+    results = mp.get_context(start_method).SimpleQueue()
+    out: list[Any] = [None] * nprocs
+
+    def drain() -> None:
+        while not results.empty():
+            r, payload = results.get()
+            out[r] = pickle.loads(payload)
+
+    context = mp.start_processes(
+        _worker,
+        args=(fn, args, nprocs, port, threads, results),
+        nprocs=nprocs,
+        join=False,
+        start_method=start_method,
+    )
+    try:
+        # Drain results while waiting: a child blocked on a full pipe would otherwise never exit.
+        while not context.join(timeout=0.05):
+            drain()
+        drain()
+        return out
+    finally:
+        # Interrupted (Ctrl-C in a notebook, a test's timeout) or failed: leave no process behind.
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,218 @@
+"""The search's side of the Optuna study: opening it, its samplers and pruners, and the trials of this search.
+
+Trials of a search carry its id (a study shared between searches through an RDB URL is counted and resumed
+for ours only); each start of the search is counted in the study and seeds the samplers apart; a trial is
+created with its tag in one write, so a kill while its parameters are drawn leaves a trial the next start
+resumes.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.trial import TrialState
+
+from ddpkit.distributed.seeding import mix_seed
+from ddpkit.errors import ConfigError
+from ddpkit.search.config import SearchConfig
+from ddpkit.search.search_dir import (
+    JOURNAL,
+    SearchDirLock,
+    check_trial_dirs,
+    describe_storage,
+    repair_journal,
+)
+
+_SEARCH_KEY = "ddpkit_search"  # a trial's user attribute: which search (run of this job) it belongs to
+
+
+_STARTS_KEY = "ddpkit_starts"  # a study's user attribute: how many times a search was started on it
+
+
+def new_sampler(cfg: SearchConfig, distributions: dict[str, Any], group_index: int = 0,
+             start: int = 0) -> optuna.samplers.BaseSampler:
+    # Each group's sampler draws its own random numbers: with one seed everywhere, groups asking at the same
+    # time would draw the same "random" candidates. Each start of the search too: the samplers' random state
+    # is not in the study, so a restarted job (or a rerun with a larger budget) seeded as the first start was
+    # would draw the first start's candidates again. `start` is counted in the study, so the same starts
+    # replayed draw the same candidates.
+    seed = mix_seed(cfg.seed, "sampler", start, group_index)
+    opts = dict(cfg.sampler_options)
+    if cfg.sampler == "tpe":
+        return optuna.samplers.TPESampler(seed=seed, **opts)
+    if cfg.sampler == "evolution":
+        from ddpkit.search.evolution import EvolutionSampler
+
+        return EvolutionSampler(seed=seed, **opts)
+    if cfg.sampler == "nsga2":
+        return optuna.samplers.NSGAIISampler(seed=seed, **opts)
+    if cfg.sampler == "cmaes":
+        return optuna.samplers.CmaEsSampler(seed=seed, **opts)
+    if cfg.sampler == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    grid = {}
+    for name, dist in distributions.items():
+        if not isinstance(dist, optuna.distributions.CategoricalDistribution):
+            raise ConfigError(f"sampler='grid' needs choices only; {name!r} is {dist}: give it as choice([...])")
+        grid[name] = list(dist.choices)
+    return optuna.samplers.GridSampler(grid, seed=seed)
+
+
+def new_pruner(cfg: SearchConfig) -> optuna.pruners.BasePruner:
+    return {
+        "median": lambda: optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=2),
+        "halving": optuna.pruners.SuccessiveHalvingPruner,
+        "hyperband": optuna.pruners.HyperbandPruner,
+        "none": optuna.pruners.NopPruner,
+    }[cfg.pruner]()
+
+
+def open_storage(cfg: SearchConfig) -> Any:
+    if cfg.storage is None:
+        from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+        return JournalStorage(JournalFileBackend(str(Path(cfg.search_dir) / JOURNAL)))
+    return optuna.storages.RDBStorage(cfg.storage, engine_kwargs={"pool_pre_ping": True})
+
+
+def open_study(cfg: SearchConfig, distributions: dict[str, Any], create: bool, group_index: int = 0,
+                start: int = 0) -> optuna.Study:
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # ddpkit prints its own progress
+    try:
+        storage = open_storage(cfg)
+        sampler = new_sampler(cfg, distributions, group_index, start)
+        if create:
+            return optuna.create_study(study_name=cfg.study_name, storage=storage, sampler=sampler,
+                                       pruner=new_pruner(cfg), direction=cfg.direction, load_if_exists=True)
+        return optuna.load_study(study_name=cfg.study_name, storage=storage, sampler=sampler, pruner=new_pruner(cfg))
+    except ConfigError:
+        raise
+    except Exception as err:  # sqlalchemy's OperationalError, a bad URL's ArgumentError, a locked journal...
+        raise ConfigError(
+            f"cannot open the study {cfg.study_name!r} in storage {cfg.storage or cfg.search_dir}: "
+            f"{type(err).__name__}: {str(err).splitlines()[0]}. Check the storage URL and that its database "
+            "server is running and reachable, or leave storage unset (a journal file in search_dir)"
+        ) from None
+
+
+@contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    # Groups count trials and ask under this lock: two groups racing for the last candidate of the budget
+    # would otherwise both see room for one more.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def read_search_id(cfg: SearchConfig) -> str:
+    # Trials of this search carry its id, so a study shared with other searches (an RDB URL) is counted and
+    # resumed for ours only. It lives in search_dir, so a restarted job is the same search.
+    path = Path(cfg.search_dir) / "search_id"
+    if not path.exists():
+        tmp = path.with_name(f".search_id.{os.getpid()}")
+        tmp.write_text(f"{socket.gethostname()}-{os.getpid()}-{time.time_ns()}\n")
+        os.replace(tmp, path)
+    return path.read_text().strip()
+
+
+def trials_of(study: optuna.Study, search_id: str, states: tuple[TrialState, ...] | None = None) -> list[Any]:
+    return [t for t in study.get_trials(deepcopy=False, states=states) if t.user_attrs.get(_SEARCH_KEY) == search_id]
+
+
+def count_start(study: optuna.Study) -> int:
+    """This start's number (0 for the first start of a search on this study); counts it in the study."""
+    start = int(study.user_attrs.get(_STARTS_KEY, 0))
+    study.set_user_attr(_STARTS_KEY, start + 1)
+    return start
+
+
+@dataclass(frozen=True)
+class Start:
+    """What world rank 0 found in search_dir and the study, for every rank."""
+
+    search_id: str
+    start: int
+    """How many times a search was started on this study before this one: seeds the samplers."""
+    leftover: list[int]
+    """Numbers of this search's trials a stopped job left running."""
+
+
+def begin_search(cfg: SearchConfig, distributions: dict[str, Any]) -> tuple[SearchDirLock, Start]:
+    """On world rank 0: take search_dir for this job, repair or refuse what is wrong in it, count this start."""
+    search_dir = Path(cfg.search_dir)
+    lock = SearchDirLock(search_dir)
+    lock.acquire()
+    try:
+        if cfg.storage is None:
+            note = repair_journal(search_dir / JOURNAL)
+            if note:
+                print(note, flush=True)
+        study = open_study(cfg, distributions, create=True)
+        search_id = read_search_id(cfg)
+        ours = trials_of(study, search_id)
+        check_trial_dirs(search_dir, {t.number for t in ours}, describe_storage(cfg))
+        leftover = [t.number for t in ours if t.state == TrialState.RUNNING]
+        return lock, Start(search_id, count_start(study), leftover)
+    except BaseException:
+        lock.release()
+        raise
+
+
+def next_trial(study, cfg, distributions, search_id, leftover: list[int], search_dir: Path) -> optuna.Trial | None:
+    """The next candidate's trial for this group, or None when the budget is spent."""
+    while leftover:
+        trial = resumed_trial(study, leftover.pop(0), distributions)
+        if trial is not None:
+            return trial
+    with file_lock(search_dir / ".ask.lock"):
+        if len(trials_of(study, search_id)) >= cfg.n_trials:
+            return None
+        trial = created_trial(study, search_id)
+        draw_params(trial, distributions)
+    return trial
+
+
+def created_trial(study: optuna.Study, search_id: str) -> optuna.Trial:
+    """A new running trial of this search, created with its tag in one write to the storage.
+
+    ``study.ask()`` creates the trial and the tag would follow in a second write: a kill between the two left a
+    running trial of nobody's search, never resumed nor counted. Optuna has no public call that creates a
+    trial from a template and returns it, hence its storage's own ``create_new_trial``.
+    """
+    template = optuna.trial.create_trial(state=TrialState.RUNNING, user_attrs={_SEARCH_KEY: search_id})
+    trial_id = study._storage.create_new_trial(study._study_id, template_trial=template)
+    return optuna.Trial(study, trial_id)
+
+
+def resumed_trial(study: optuna.Study, number: int, distributions: dict[str, Any]) -> optuna.Trial | None:
+    frozen = next(t for t in study.get_trials(deepcopy=False) if t.number == number)
+    if frozen.state != TrialState.RUNNING:
+        return None
+    # Optuna has no public handle on an existing trial; its Trial is built from the storage's id.
+    trial = optuna.Trial(study, frozen._trial_id)
+    draw_params(trial, distributions)  # a trial killed while its parameters were drawn gets the rest now
+    return trial
+
+
+def draw_params(trial: optuna.Trial, distributions: dict[str, Any]) -> None:
+    """Suggest every parameter of the space (as ``study.ask(distributions)`` does); one drawn before is kept."""
+    for name, d in distributions.items():
+        if isinstance(d, optuna.distributions.FloatDistribution):
+            trial.suggest_float(name, d.low, d.high, step=d.step, log=d.log)
+        elif isinstance(d, optuna.distributions.IntDistribution):
+            trial.suggest_int(name, d.low, d.high, step=d.step, log=d.log)
+        else:
+            trial.suggest_categorical(name, d.choices)

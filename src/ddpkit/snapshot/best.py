@@ -1,0 +1,67 @@
+"""The best model of a run: the weights of the epoch where a validation metric was best, kept apart.
+
+Snapshots are the newest ``keep_snapshots`` only, so the best epoch's weights are usually pruned by the time
+early stopping ends a run. ``run_dir/best.pt`` holds them, whatever is pruned, in a form that loads without
+ddpkit::
+
+    model.load_state_dict(torch.load("runs/digits/best.pt", weights_only=True)["model"])
+
+The file also records ``epoch``, ``step``, ``metric`` and ``value``. A resumed run reads the best value from it,
+so nothing of this lives in the snapshots; an epoch retrained after a crash gives the same value again, and an
+equal value does not replace the file. ``resume=False`` moves the previous run's file aside with its snapshots;
+a run that starts afresh otherwise ignores a file left by an earlier run and replaces it at its first epoch.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ddpkit.errors import ConfigError
+from ddpkit.snapshot import files as run_files
+
+
+class BestWeights:
+    """Writes ``path`` when ``metric`` improves (``mode`` ``min`` or ``max``); only where ``enabled`` (rank 0)."""
+
+    def __init__(self, path: str | Path, metric: str | None, mode: str, enabled: bool) -> None:
+        self.path, self.metric, self.mode = Path(path), metric, mode
+        # Every rank tracks the best value (the epoch's metrics are agreed, so every rank decides alike and can
+        # join the gather of sharded weights); only an enabled rank writes the file.
+        self.tracking = metric is not None
+        self.enabled = enabled and self.tracking
+        self.value: float | None = None
+        self.epoch: int | None = None
+
+    def load(self) -> None:
+        """Take the best so far from the file: for a resumed run only (a fresh one replaces a stale file)."""
+        if self.enabled and self.path.exists():
+            saved = torch.load(self.path, weights_only=True)
+            if saved.get("metric") == self.metric:
+                self.value, self.epoch = saved["value"], saved["epoch"]
+
+    def update(self, metrics: Mapping[str, Any], weights: Callable[[], Mapping[str, torch.Tensor]], epoch: int,
+               step: int) -> bool:
+        """Save ``weights()`` if ``metrics[metric]`` beats the best so far; True if it did. Every rank calls it:
+        ``weights()`` may be a collective (the whole model gathered from its shards)."""
+        if not self.tracking:
+            return False
+        if self.metric not in metrics:
+            raise ConfigError(f"best_metric={self.metric!r} is not among the epoch's metrics {sorted(metrics)}")
+        value = float(metrics[self.metric])
+        if self.value is not None and not (value < self.value if self.mode == "min" else value > self.value):
+            return False
+        self.value, self.epoch = value, epoch
+        state = weights()
+        if self.enabled:
+            state = {k: v.detach().cpu() for k, v in state.items()}
+            buffer = io.BytesIO()
+            torch.save({"model": state, "epoch": epoch, "step": step, "metric": self.metric, "value": value},
+                       buffer)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            run_files.write_atomic(self.path, buffer.getvalue())  # replaces a link at the name, never follows it
+        return True

@@ -1,0 +1,67 @@
+"""Where each value of a saved state goes: tensors to DCP's files, other values to ``trainer.pt``, and each
+rank's own values (:data:`PER_RANK`) under a name of their own.
+
+DCP keeps one copy of a key that several ranks save (replicated parameters) and gives every rank that copy on
+load, from whichever rank the planner picked to write it. Some values are the same key on every rank but each
+rank's own: BatchNorm's running statistics without sync BatchNorm follow each rank's own batches (DDP copies
+rank 0's into the others only at the next synchronised forward pass), as do parameters DDP was told to ignore.
+A state's :data:`PER_RANK` part holds those: rank 0's copy is saved in the place of the shared key (so the
+shared part is one whole state, rank 0's, as DDP would converge to), rank ``r``'s under ``per_rank.rank<r>``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+PER_RANK = "per_rank"
+"""Key of the part of a saved state that is each rank's own (see the module docstring)."""
+
+KeyPath = tuple[Any, ...]
+
+
+def leaves(tree: dict[str, Any], prefix: KeyPath = ()) -> Iterator[tuple[KeyPath, Any]]:
+    """(path, value) of every value of a nested dict that is not itself a dict."""
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from leaves(value, (*prefix, key))
+        else:
+            yield (*prefix, key), value
+
+
+def nest(items: list[tuple[KeyPath, Any]]) -> dict[str, Any]:
+    root: dict[str, Any] = {}
+    for path, value in items:
+        node = root
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        if path[-1] in node:
+            raise ValueError(f"two values are saved as {'.'.join(map(str, path))}: keep a rank's own values out of "
+                             "the shared part")
+        node[path[-1]] = value
+    return root
+
+
+def set_at(tree: dict[str, Any], path: KeyPath, value: Any) -> None:
+    for key in path[:-1]:
+        tree = tree[key]
+    tree[path[-1]] = value
+
+
+def stored_path(path: KeyPath, rank: int) -> KeyPath:
+    """Where the value at ``path`` of a state is stored, for the copy of ``rank``: a value of the
+    :data:`PER_RANK` part goes under the name of its rank, except rank 0's, which takes the place of the same
+    key in the shared part."""
+    if path[0] != PER_RANK:
+        return path
+    return path[1:] if rank == 0 else (PER_RANK, f"rank{rank}", *path[1:])
+
+
+def stored_parts(state: dict[str, Any], rank: int) -> tuple[dict[str, Any], dict[KeyPath, Any]]:
+    """The tensors of ``state`` as DCP saves them (nested, at their :func:`stored_path`), and its other values
+    by stored path (for ``trainer.pt``)."""
+    items = [(stored_path(p, rank), v) for p, v in leaves(state)]
+    tensors = nest([(p, v) for p, v in items if isinstance(v, torch.Tensor)])
+    return tensors, {p: v for p, v in items if not isinstance(v, torch.Tensor)}

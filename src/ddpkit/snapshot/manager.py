@@ -1,0 +1,406 @@
+"""Snapshots as folders: every rank writes its own part with ``torch.distributed.checkpoint`` (DCP), and a
+marker with checksums, written last, makes the folder count.
+
+Layout of ``run_dir/snapshots``::
+
+    step-00000120/
+        __0_0.distcp, __1_0.distcp   each rank's tensors: its shards (zero/fsdp), and what is its own (below)
+        metadata.json                DCP's index of which tensor (or piece of one) is where; what a resume reads
+        .metadata                    the same index as DCP pickles it, for torch's own tools (never read here)
+        trainer.pt                   the state's other values: counters, scheduler, RNG states, config (rank 0)
+        complete.json                the marker: the step, and size + sha256 of every file above
+
+A folder is a snapshot only once ``complete.json`` exists, and the marker is written (atomically, by rank 0)
+only after every rank's files are on disk: a process killed at any instant leaves the previous snapshot as the
+newest whole one. On load, a snapshot whose files are missing or altered is reported by name and the one
+before it is used. DCP reshards on load, so a snapshot taken on N ranks resumes on M.
+
+What differs between ranks is saved per rank: see :mod:`ddpkit.snapshot.layout`. At the same world size every rank
+loads its own copy back; at another, every rank loads rank 0's.
+
+Nothing here unpickles data from disk (:mod:`ddpkit.snapshot.storage`): DCP's files hold tensors only, read with
+``weights_only``; the index is read from JSON; every other value of the state (optimizer hyper-parameters, a
+scheduler's state) is in ``trainer.pt``, which loads with ``torch.load(weights_only=True)``. A snapshot folder
+from elsewhere can give the run any tensors and plain values, but cannot run code; one holding anything else
+is refused by name.
+
+Asynchronous saving (``async_write``): the state is copied to host memory (the only part the training loop
+waits for), then a background thread writes the copy, checksums it and writes the marker. The thread's
+collectives run on a process group of their own (same ranks, gloo): two threads issuing collectives on one
+group could pair a rank's checkpoint message with another rank's gradient all-reduce. One write is in flight
+at a time; the next save, and the end of training, wait for it.
+
+A write that fails (a full disk) raises :class:`SnapshotWriteError` on every rank, naming the OS error, the
+file and the previous snapshot, which is left whole; the partial folder is removed. In the background, the
+error is raised by the next :meth:`SnapshotManager.wait` (the next save, or the end of training).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import pickle
+import re
+import shutil
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.distributed.collectives import broadcast_object, gather_object
+from ddpkit.errors import ConfigError
+from ddpkit.snapshot import files as run_files
+from ddpkit.snapshot.layout import leaves, nest, set_at, stored_parts, stored_path
+from ddpkit.snapshot.staging import stage, writer_group
+
+# torch.distributed.checkpoint (and DTensor, which it imports; and ddpkit.snapshot.storage, built on it) is imported
+# where it is used: it pulls in sympy and costs ~0.9 s per process, which `import ddpkit` (a hand-written loop,
+# the launcher) need not pay.
+MARKER = "complete.json"
+EXTRA = "trainer.pt"
+INDEX = "metadata.json"  # ddpkit.snapshot.storage.INDEX, repeated here to keep that import lazy
+FORMAT = 2  # of trainer.pt: 1 (no "format" key) held the state alone, with non-tensor values pickled by DCP
+_FOLDER = re.compile(r"^step-(\d+)$")
+
+class SnapshotWriteError(RuntimeError):
+    """A snapshot could not be written; the message names why, where, and the snapshot a restart resumes from."""
+
+
+@dataclass(frozen=True)
+class Found:
+    """A whole snapshot: a ``step-N/`` folder."""
+
+    step: int
+    path: Path
+
+
+def folder_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _digest(paths: list[Path]) -> dict[str, dict[str, Any]]:
+    return {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in paths}
+
+
+# -- where each value of a state is stored ---------------------------------------------------------------
+
+
+class SnapshotManager:
+    """Writes and finds the snapshots of one folder, for the ranks of ``group`` (every rank calls every method).
+
+    ``keep_last``: whole snapshots kept; older ones, and the debris of writes killed before their marker, go.
+    """
+
+    def __init__(self, folder: str | Path, *, group: Any = None, keep_last: int = 2, async_write: bool = False):
+        self.folder = Path(folder)
+        self.group = group
+        self.keep_last = max(1, keep_last)
+        self.async_write = async_write
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._staged: Any = None  # host copy of the last asynchronous save, reused by the next
+        self.last_write_seconds: float | None = None
+
+    @property
+    def _rank(self) -> int:
+        return dist.get_rank(self.group) if self.distributed else 0
+
+    @property
+    def _size(self) -> int:
+        return dist.get_world_size(self.group) if self.distributed else 1
+
+    def save(self, step: int, state: dict[str, Any], extra: dict[str, Any]) -> None:
+        """Snapshot ``step``: ``state`` (every rank's own part, for DCP: its tensors, shards and the
+        :data:`PER_RANK` part; its other values go to ``trainer.pt``) and ``extra`` (rank 0's, in ``trainer.pt``).
+
+        Returns once the state is safe from the training loop: written (synchronous), or copied to host
+        memory with the write under way (asynchronous). Raises :class:`SnapshotWriteError` if it is not.
+        """
+        self.wait()
+        path = self.folder / folder_name(step)
+        tensors, values = stored_parts(state, self._rank)
+        # Rank 0 empties the folder before it joins the gather, so no rank writes into it before it is clean.
+        # Values that are not tensors are few (hyper-parameters by parameter); they may differ between ranks
+        # (zero: each rank's own parameters), so every rank's go to rank 0's trainer.pt.
+        part = (values, self._clear(path, step) if self._rank == 0 else None)
+        parts = gather_object(part, group=self.group) if self.distributed else [part]
+        if parts[0][1] is not None:
+            raise SnapshotWriteError(parts[0][1])
+        every_rank = [v for v, _ in parts]
+        extra_bytes = io.BytesIO()
+        if self._rank == 0:
+            torch.save({"format": FORMAT, "world_size": self._size, "values": every_rank, "extra": extra},
+                       extra_bytes)
+        if not self.async_write:
+            self._write(path, step, tensors, extra_bytes.getvalue(), self.group)
+            return
+        group = writer_group(self.group) if self.distributed else None
+        # A copy in host memory: training may change the originals from here on. The previous write is done
+        # (wait() above), so its buffers are free to reuse.
+        self._staged = staged = stage(tensors, self._staged)
+        self._thread = threading.Thread(
+            target=self._write_in_background, args=(path, step, staged, extra_bytes.getvalue(), group),
+            # Not a daemon: an interpreter that exits (an exception, SystemExit) first finishes the write.
+            name=f"ddpkit-snapshot-{step}", daemon=False,
+        )
+        self._thread.start()
+
+    def _clear(self, path: Path, step: int) -> str | None:
+        """Rank 0: make ``path`` an empty folder; the failure's message if it cannot."""
+        from ddpkit.snapshot import (
+            storage as dcp_files,  # see the note on lazy imports at the top
+        )
+
+        # Debris of a write of this step that was killed before its marker (perhaps at another world size,
+        # with other ranks' files): start clean, so the marker lists exactly what is there.
+        shutil.rmtree(path, ignore_errors=True)
+        try:
+            path.mkdir(parents=True)
+        except OSError as err:
+            return self._failure(path, step, [(0, dcp_files.os_failure(err, path, self.folder))])
+        return None
+
+    def _write_in_background(self, *args: Any) -> None:
+        try:
+            self._write(*args)
+        except BaseException as err:  # raised in the training thread by the next wait()
+            self._error = err
+
+    def _write(self, path: Path, step: int, tensors: dict[str, Any], extra: bytes, group: Any) -> None:
+        """Every rank writes its files; rank 0 then writes the marker, or, if any rank failed, removes the
+        folder; every rank raises the same :class:`SnapshotWriteError` then. Collective over ``group``."""
+        import torch.distributed.checkpoint as dcp  # see the note on lazy imports at the top
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from ddpkit.snapshot import storage as dcp_files
+        t0 = time.perf_counter()
+        rank = dist.get_rank(group) if self.distributed else 0
+        writer = dcp_files.Writer(path)
+        digests, failure, failed = {}, None, False
+        try:
+            dcp.save(tensors, storage_writer=writer, process_group=group, no_dist=not self.distributed)
+            # dcp.save returns on every rank once every rank's files and the index are written (fsynced);
+            # when one rank fails, it raises on every rank.
+            mine = sorted(path.glob(f"__{rank}_*.distcp"))
+            if rank == 0:
+                run_files.write_atomic(path / EXTRA, extra)
+                mine += [path / ".metadata", path / INDEX, path / EXTRA]
+            digests = _digest(mine)
+        except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
+            failed, failure = True, dcp_files.rank_failure(err, writer.failures, rank, path)
+            if not writer.failures and not isinstance(err, OSError):
+                # Not the machine's fault (a full disk is named without it): the message below carries one
+                # line of the error, and the rank's stderr keeps where it came from.
+                traceback.print_exc()
+        part = (digests, failure, failed)
+        parts = gather_object(part, group=group) if self.distributed else [part]
+        message = self._finish(path, step, parts) if rank == 0 else None
+        if self.distributed:
+            message = broadcast_object(message, group=group)
+        if message is not None:
+            raise SnapshotWriteError(message)
+        self.last_write_seconds = time.perf_counter() - t0
+
+    def _finish(self, path: Path, step: int, parts: list[tuple[dict, Any, bool]]) -> str | None:
+        """Rank 0, once every rank is done with ``path``: the marker, or the failure's message."""
+        from ddpkit.snapshot import storage as dcp_files
+        failures = [(r, f) for r, (_, f, _) in enumerate(parts) if f is not None]
+        if any(failed for _, _, failed in parts):
+            failures = failures or [(0, dcp_files.Failure("the write failed on another rank; see its traceback"))]
+        else:
+            files = {name: d for digests, _, _ in parts for name, d in digests.items()}
+            marker = {"step": step, "files": files}
+            try:
+                run_files.write_atomic(path / MARKER, json.dumps(marker, indent=1).encode())
+            except OSError as err:
+                failures = [(0, dcp_files.os_failure(err, path / MARKER, path))]
+            else:
+                self._prune(newest=step)
+                return None
+        # Every rank is past its writes: the partial folder can go, and give back the space it took.
+        shutil.rmtree(path, ignore_errors=True)
+        return self._failure(path, step, failures)
+
+    def _failure(self, path: Path, step: int, failures: list[tuple[int, Any]]) -> str:
+        """The message every rank raises: what failed where (:func:`ddpkit.snapshot.storage.describe`), and what is
+        left."""
+        from ddpkit.snapshot import storage as dcp_files
+        previous = next((f for f in self.candidates() if f.step != step), None)
+        if previous is not None:
+            kept = f"the previous snapshot, {previous.path}, is whole and untouched: a restart resumes from it"
+        else:
+            kept = "there is no earlier snapshot: a restart starts from the beginning"
+        advice = ""
+        if any(f.disk_full for _, f in failures):
+            advice = ". Free space there, lower keep_snapshots, or give the run another run_dir"
+        what = dcp_files.describe(failures)
+        return f"ddpkit: snapshot {path} was not written: {what}. Its partial folder is removed; {kept}{advice}"
+
+    def wait(self) -> None:
+        """Block until the write in flight (if any) is done; raise its error here if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            if isinstance(err, SnapshotWriteError):
+                raise SnapshotWriteError(f"{err} (written in the background)") from err
+            raise RuntimeError(f"ddpkit: writing a snapshot in the background failed: {err!r}") from err
+
+    # -- finding and loading --------------------------------------------------------------------------
+
+    def candidates(self) -> list[Found]:
+        """Snapshot folders with a marker, newest first; not yet verified."""
+        found = []
+        for path in self.folder.glob("step-*") if self.folder.is_dir() else []:
+            match = _FOLDER.match(path.name)
+            if match and path.is_dir() and (path / MARKER).exists():
+                found.append(Found(int(match.group(1)), path))
+        return sorted(found, key=lambda f: f.step, reverse=True)
+
+    def verify(self, found: Found) -> str | None:
+        """None if ``found`` is whole, else what is wrong with it."""
+        try:
+            marker = json.loads((found.path / MARKER).read_text())
+            files = marker["files"]
+        except (OSError, ValueError, KeyError):
+            return f"has an unreadable {MARKER}"
+        for name, want in files.items():
+            file = found.path / name
+            if not file.exists():
+                return f"is missing {name}"
+            if file.stat().st_size != want["size"]:
+                return f"has {name} truncated or altered ({file.stat().st_size} bytes, marker says {want['size']})"
+            if _sha256(file) != want["sha256"]:
+                return f"has {name} not matching its checksum (corrupt)"
+        return None
+
+    def latest(self, warn: Callable[[str], None] = print) -> Found | None:
+        """The newest whole snapshot, the same on every rank (rank 0 checks the files and tells the others)."""
+        self.wait()
+        choice = None
+        if self._rank == 0:
+            for found in self.candidates():
+                problem = self.verify(found)
+                if problem is None:
+                    choice = found
+                    break
+                warn(f"ddpkit: skipping snapshot {found.path}: it {problem}; trying the one before it")
+        return broadcast_object(choice, group=self.group) if self.distributed else choice
+
+    def load(self, found: Found, template: Callable[[], dict[str, Any]], map_location: Any = None,
+             check: Callable[[dict[str, Any]], None] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``(state, extra)`` of a snapshot. ``template()`` gives the current state, whose tensors DCP fills in
+        place with this world size's parts (its :data:`PER_RANK` part with this rank's own copy at the same
+        world size, rank 0's at another) and whose other values are replaced by the saved ones. ``check(extra)`` runs before any tensor is read, and may refuse
+        the snapshot by raising. A folder holding anything but tensors and plain values is refused
+        (:class:`~ddpkit.errors.ConfigError`) before anything of it is unpickled."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from ddpkit.snapshot import storage as dcp_files
+        saved = self._read_extra(found.path, map_location)
+        if check is not None:
+            check(saved["extra"])
+        index = self._read_index(found.path)
+        state = template()
+        same = saved["world_size"] == self._size
+        source = self._rank if same else 0  # whose copy of the per-rank part
+        # Other values: this rank's own at the same world size; else rank 0's, and where rank 0 had none
+        # (zero: the hyper-parameters of parameters another rank owned), the first rank's that had one.
+        values = [saved["values"][source]] if same else saved["values"]
+        tensors = []
+        for path, value in leaves(state):
+            where = stored_path(path, source)
+            if isinstance(value, torch.Tensor):
+                tensors.append((where, value))
+                continue
+            held = [v[where] for v in values if where in v]
+            if not held:
+                raise ConfigError(f"{found.path} holds no value for {'.'.join(map(str, path))}: it was written "
+                                  "for another model or optimizer")
+            set_at(state, path, held[0])
+        try:
+            dcp.load(nest(tensors), storage_reader=dcp_files.Reader(found.path, index),
+                     planner=dcp_files.TensorsOnlyPlanner(), process_group=self.group, no_dist=not self.distributed)
+        except CheckpointException as err:  # a BaseException, whose text is every rank's traceback
+            first = next(iter(err.failures.values()))[0]
+            raise RuntimeError(f"ddpkit: loading snapshot {found.path} failed: {type(first).__name__}: {first}") \
+                from err
+        return state, saved["extra"]
+
+    def _read_extra(self, folder: Path, map_location: Any) -> dict[str, Any]:
+        file = folder / EXTRA
+        try:
+            saved = torch.load(file, map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError:
+            raise ConfigError(
+                f"{file} holds objects other than tensors and plain values, which ddpkit never writes: refusing to "
+                f"load it, as unpickling them could run code. Remove {folder} to resume from the snapshot before it"
+            ) from None
+        if not isinstance(saved, dict) or saved.get("format") != FORMAT:
+            raise ConfigError(
+                f"{folder} was written by an earlier version of ddpkit, whose snapshot folders keep values as "
+                "pickles that loading would run: resume it with that version, or start afresh here with "
+                "TrainerConfig(resume=False) (its snapshots are moved aside) or in another run_dir"
+            )
+        return saved
+
+    def _read_index(self, folder: Path) -> Any:
+        from ddpkit.snapshot import storage as dcp_files
+        try:
+            return dcp_files.read_index(folder)
+        except (dcp_files.BadIndex, OSError) as err:
+            raise ConfigError(
+                f"{folder / INDEX} is not an index ddpkit wrote ({err}): refusing to load {folder}. Remove it "
+                "to resume from the snapshot before it"
+            ) from None
+
+    def _prune(self, newest: int) -> None:
+        import os
+        import stat
+
+        whole = self.candidates()
+        keep = {f.path.name for f in whole[: self.keep_last]}
+        # Every deletion goes through a descriptor of the folder opened without following links, and each
+        # entry is lstat-ed: a link named like a snapshot (to another run's, say) loses only itself, never what
+        # it points to; a snapshots/ that is itself a link is refused (ELOOP), not pruned.
+        folder = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            for name in os.listdir(folder):
+                match = _FOLDER.match(name)
+                if not match or name in keep or int(match.group(1)) >= newest:
+                    continue
+                mode = os.stat(name, dir_fd=folder, follow_symlinks=False).st_mode
+                if stat.S_ISLNK(mode):
+                    os.unlink(name, dir_fd=folder)
+                elif stat.S_ISDIR(mode):
+                    # Marker first: a prune killed half-way leaves a folder without one (ignored), never a
+                    # marker whose files are gone.
+                    step = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=folder)
+                    try:
+                        os.unlink(MARKER, dir_fd=step)
+                    except FileNotFoundError:
+                        pass
+                    finally:
+                        os.close(step)
+                    # rmtree with dir_fd walks by descriptors and unlinks links inside without following them.
+                    shutil.rmtree(name, dir_fd=folder, ignore_errors=True)
+        finally:
+            os.close(folder)

@@ -1,0 +1,281 @@
+"""The storage layer under snapshot folders: torch.distributed.checkpoint (DCP) files, read without unpickling.
+
+torch's ``FileSystemReader`` unpickles the folder's index (``.metadata``) and DCP's default load planner
+unpickles every non-tensor item (``torch.load(weights_only=False)``): whoever can write a snapshot folder
+could run code in the job that resumes from it, and the checksums of the marker do not help, as they are
+rewritten as easily. So a snapshot's DCP part holds tensors only (other values go to ``trainer.pt``, which loads
+with ``weights_only=True``), the index is also written as JSON (:data:`INDEX`), and a resume reads only that:
+each tensor is read with torch's ``weights_only`` loader. The pickled ``.metadata`` stays for torch's own tools
+(``dcp_to_torch_save``, ``dcp.load``), which unpickle it: use those on snapshots you trust.
+
+The files are written through a file system that keeps the ``OSError`` of a failed write: torch's zip writer
+turns a full disk into ``inline_container.cc: unexpected pos 704 vs 598``, and the reason is gone.
+
+The JSON form is written here rather than taken from a library: torch 2.13's one reader that unpickles
+nothing (``HuggingFaceStorageReader``) needs the ``safetensors`` package and a layout of its own, which
+torch's other tools do not read; this keeps DCP's layout, and torch as the only dependency.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import io
+import json
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from ddpkit.snapshot import files as run_files
+
+INDEX = "metadata.json"
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+_DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
+
+
+class BadIndex(ValueError):
+    """The JSON index is not one this module wrote: what is wrong with it."""
+
+
+# -- writing ----------------------------------------------------------------------------------------------
+
+
+class _ErrnoKeepingStream:
+    """A file whose failed writes are recorded (path, OSError) before torch's serializer can swallow them."""
+
+    def __init__(self, stream: Any, path: Path, failures: list[tuple[Path, OSError]]) -> None:
+        self._stream, self._path, self._failures = stream, path, failures
+
+    def _keep(self, call: Any, *args: Any) -> Any:
+        try:
+            return call(*args)
+        except OSError as err:
+            self._failures.append((self._path, err))
+            raise
+
+    def write(self, data: Any) -> int:
+        return self._keep(self._stream.write, data)
+
+    def flush(self) -> None:
+        self._keep(self._stream.flush)
+
+    def close(self) -> None:
+        self._keep(self._stream.close)
+
+    def __getattr__(self, name: str) -> Any:  # tell, fileno, seek...: the file's own
+        return getattr(self._stream, name)
+
+
+class _ErrnoKeepingFileSystem(FileSystem):
+    def __init__(self, failures: list[tuple[Path, OSError]]) -> None:
+        super().__init__()
+        self.failures = failures
+
+    @contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        try:
+            with super().create_stream(path, mode) as stream:
+                yield _ErrnoKeepingStream(stream, Path(path), self.failures)
+        except OSError as err:  # opening, or the flush of close()
+            if not any(e is err for _, e in self.failures):
+                self.failures.append((Path(path), err))
+            raise
+
+
+class Writer(FileSystemWriter):
+    """DCP's file writer, adding the JSON index next to ``.metadata`` and keeping the OS errors of its writes
+    in ``failures`` (this rank's, in order)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)  # one file per rank, fsynced
+        self.failures: list[tuple[Path, OSError]] = []
+        self.fs = _ErrnoKeepingFileSystem(self.failures)
+
+    def finish(self, metadata: Metadata, results: list[list[Any]]) -> None:
+        super().finish(metadata, results)  # pickles the index, with where each item went, to .metadata
+        # Where each item went is taken from the results, not from ``metadata``: torch 2.13 fills it into the
+        # object it is given, earlier versions into a copy of it.
+        where = {result.index: result.storage_data for per_rank in results for result in per_rank}
+        metadata = dataclasses.replace(metadata, storage_data=where)
+        try:
+            run_files.write_atomic(Path(self.path) / INDEX, json.dumps(index_to_json(metadata)).encode())
+        except OSError as err:
+            self.failures.append((Path(self.path) / INDEX, err))
+            raise
+
+
+def index_to_json(metadata: Metadata) -> dict[str, Any]:
+    """The parts of DCP's ``Metadata`` a load needs, as JSON values. Non-tensor items are refused: they would
+    be pickles."""
+    tensors = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata):
+            raise TypeError(f"snapshot item {fqn!r} is not a tensor: only tensors go into DCP files")
+        if md.properties.layout != torch.strided:
+            raise TypeError(f"snapshot item {fqn!r} has layout {md.properties.layout}: only strided tensors")
+        tensors[fqn] = {
+            "dtype": str(md.properties.dtype).removeprefix("torch."),
+            "size": list(md.size),
+            "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in md.chunks],
+        }
+    storage = []
+    for index, info in metadata.storage_data.items():
+        if info.transform_descriptors:
+            raise TypeError(f"snapshot item {index.fqn!r} was written through a stream transform: not supported")
+        storage.append({
+            "fqn": index.fqn,
+            "offset": None if index.offset is None else list(index.offset),
+            "file": info.relative_path,
+            "at": info.offset,
+            "length": info.length,
+        })
+    paths = {k: list(v) for k, v in (metadata.planner_data or {}).items()}
+    return {"version": metadata.version, "tensors": tensors, "storage": storage, "paths": paths}
+
+
+# -- why a write failed -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One rank's part in a failed write."""
+
+    what: str
+    file: str | None = None  # relative to the snapshot's folder when inside it
+    disk_full: bool = False
+
+
+def os_failure(err: OSError, file: Any, folder: Path) -> Failure:
+    file = Path(err.filename or file)
+    shown = str(file.relative_to(folder)) if file.is_relative_to(folder) else str(file)
+    what = "no space left on device" if err.errno == errno.ENOSPC else (err.strerror or str(err))
+    return Failure(what, shown, err.errno in _DISK_FULL)
+
+
+def rank_failure(err: BaseException, kept: list[tuple[Path, OSError]], rank: int, folder: Path) -> Failure | None:
+    """This rank's part in a failed write: the first OS error its files met (torch's serializer replaces a
+    full disk's by a position mismatch), else its own exception; None when DCP reports other ranks' only."""
+    if kept:
+        return os_failure(kept[0][1], kept[0][0], folder)
+    failures = getattr(err, "failures", None)  # DCP's CheckpointException: every failed rank's exception
+    if isinstance(failures, dict) and failures:
+        if rank not in failures:
+            return None
+        err = failures[rank][0]
+    if isinstance(err, OSError):
+        return os_failure(err, folder, folder)
+    text = str(err).strip().splitlines()
+    return Failure(f"{type(err).__name__}: {text[0] if text else ''}")
+
+
+def describe(failures: list[tuple[int, Failure]]) -> str:
+    """``no space left on device (rank 0 writing __0_0.distcp, rank 1 writing __1_0.distcp)``, or each rank's
+    own reason where they differ."""
+    def where(rank: int, f: Failure) -> str:
+        return f"rank {rank} writing {f.file}" if f.file else f"rank {rank}"
+
+    whats = {f.what for _, f in failures}
+    if len(whats) == 1:
+        return f"{whats.pop()} ({', '.join(where(r, f) for r, f in failures)})"
+    return "; ".join(f"{where(r, f)}: {f.what}" for r, f in failures)
+
+
+# -- reading ----------------------------------------------------------------------------------------------
+
+
+def _ints(value: Any, what: str) -> list[int]:
+    if not isinstance(value, list) or not all(type(v) is int and v >= 0 for v in value):
+        raise BadIndex(f"{what} is not a list of non-negative integers")
+    return value
+
+
+def _dtype(name: Any, fqn: str) -> torch.dtype:
+    dtype = getattr(torch, name, None) if isinstance(name, str) and name.isidentifier() else None
+    if not isinstance(dtype, torch.dtype):
+        raise BadIndex(f"tensor {fqn!r} has an unknown dtype {name!r}")
+    return dtype
+
+
+def index_from_json(data: Any) -> Metadata:
+    """DCP's ``Metadata`` from :func:`index_to_json`'s output, checked: tensors only, files of this folder
+    only (``__R_N.distcp``), sizes and offsets as integers. Raises :class:`BadIndex` naming the problem."""
+    if not isinstance(data, dict) or not isinstance(data.get("tensors"), dict) or not isinstance(
+            data.get("storage"), list):
+        raise BadIndex("it is not an index of tensors")
+    state = {}
+    for fqn, md in data["tensors"].items():
+        if not isinstance(md, dict) or not isinstance(md.get("chunks"), list):
+            raise BadIndex(f"item {fqn!r} is not a tensor")
+        if not all(isinstance(c, dict) for c in md["chunks"]):
+            raise BadIndex(f"tensor {fqn!r} has a malformed chunk")
+        chunks = [ChunkStorageMetadata(torch.Size(_ints(c.get("offsets"), fqn)),
+                                       torch.Size(_ints(c.get("sizes"), fqn))) for c in md["chunks"]]
+        state[fqn] = TensorStorageMetadata(TensorProperties(dtype=_dtype(md.get("dtype"), fqn)),
+                                           torch.Size(_ints(md.get("size"), fqn)), chunks)
+    storage = {}
+    for entry in data["storage"]:
+        if not isinstance(entry, dict) or not isinstance(entry.get("fqn"), str) or entry["fqn"] not in state:
+            raise BadIndex("a storage entry names no tensor of the index")
+        name = entry.get("file")
+        if not isinstance(name, str) or not _DATA_FILE.match(name):
+            raise BadIndex(f"tensor {entry['fqn']!r} is said to be in {name!r}, not a data file of the folder")
+        offset = None if entry.get("offset") is None else torch.Size(_ints(entry["offset"], entry["fqn"]))
+        at, length = _ints([entry.get("at"), entry.get("length")], entry["fqn"])
+        # _StorageInfo has no public name, but it is what FileSystemReader reads each item's place from.
+        storage[MetadataIndex(entry["fqn"], offset)] = _StorageInfo(name, at, length)
+    paths = data.get("paths") or {}
+    if not isinstance(paths, dict) or not all(
+            isinstance(p, list) and all(type(k) in (str, int) for k in p) for p in paths.values()):
+        raise BadIndex("its key paths are malformed")
+    version = data.get("version") if isinstance(data.get("version"), str) else None
+    return Metadata(state, planner_data={k: tuple(v) for k, v in paths.items()}, storage_data=storage,
+                    storage_meta=StorageMeta(), version=version)
+
+
+def read_index(folder: Path) -> Metadata:
+    """The checked index of a snapshot folder (:func:`index_from_json`); ``OSError`` if it is missing."""
+    raw = (folder / INDEX).read_bytes()
+    try:
+        data = json.loads(raw)
+    except ValueError as err:
+        raise BadIndex(f"it is not JSON ({err})") from None
+    return index_from_json(data)
+
+
+class Reader(FileSystemReader):
+    """DCP's file reader over an index already read and checked (:func:`read_index`): ``.metadata`` is never
+    opened. Tensors are read by torch with ``weights_only=True``."""
+
+    def __init__(self, path: Path, index: Metadata) -> None:
+        super().__init__(path)
+        self._index = index
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:
+            # DCP retries with a rank's own index when the global one fails; snapshots have no such file.
+            raise BadIndex("snapshot folders have one index, not one per rank")
+        return self._index
+
+
+class TensorsOnlyPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, minus its unpickling of non-tensor items (the index admits none; this
+    stops one that got through anyway)."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        raise BadIndex(f"item {read_item.dest_index.fqn!r} is not a tensor: refusing to unpickle it")

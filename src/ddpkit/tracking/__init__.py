@@ -1,0 +1,1 @@
+"""What a run records: metrics files, progress, experiment trackers, and curves."""

@@ -1,0 +1,1 @@
+"""The Trainer: its config, state, step loop, callbacks, evaluation and losses."""
