@@ -39,7 +39,7 @@ from torch import nn
 
 import ddpkit
 from ddpkit.demo.models import Block
-from ddpkit.strategies import build_strategy
+from ddpkit.strategies import build_strategy, strategy_config
 from ddpkit.strategies.fsdp import _local
 
 STRATEGIES = ("ddp", "zero", "fsdp")
@@ -89,7 +89,7 @@ def measure(name: str, width: int, blocks: int, batch: int, steps: int) -> dict:
     torch.manual_seed(0)
     model = nn.Sequential(*[Block(width) for _ in range(blocks)])
     options = {"shard_blocks": ["Block"]} if name == "fsdp" else {}
-    strategy = build_strategy(name, model, torch.optim.Adam(model.parameters(), lr=1e-4), options=options,
+    strategy = build_strategy(strategy_config(name, options), model, torch.optim.Adam(model.parameters(), lr=1e-4),
                               runtime=rt)
     del model
     x = torch.randn(batch, width, generator=torch.Generator().manual_seed(rt.rank)).to(rt.device)

@@ -30,6 +30,7 @@ import torch
 import ddpkit
 from ddpkit.demo.datasets import digits
 from ddpkit.search import SearchConfig, choice, search, uniform
+from ddpkit.training.config import LoggingConfig, SnapshotConfig
 from ddpkit.training.trainer import Trainer, TrainerConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -46,7 +47,7 @@ def _job(search_dir: str, k: int, trials: int, epochs: int) -> dict:
         ddpkit.seed_everything(0)
         model = Net(8, channels=candidate.params["channels"])
         config = TrainerConfig(run_dir=str(candidate.run_dir), epochs=epochs, global_batch_size=64, num_workers=0,
-                               progress=False, snapshot_every_epochs=0)
+                               logging=LoggingConfig(progress=False), snapshot=SnapshotConfig(every_epochs=0))
         trainer = Trainer(model, torch.optim.Adam(model.parameters(), lr=candidate.params["lr"]), train_set,
                           config, val_data=val_set, group=candidate.group)
         metrics = trainer.fit()

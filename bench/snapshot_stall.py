@@ -34,7 +34,7 @@ from torch import nn
 import ddpkit
 from ddpkit.demo.models import Block
 from ddpkit.snapshot.manager import SnapshotManager
-from ddpkit.strategies import build_strategy
+from ddpkit.strategies import build_strategy, strategy_config
 
 
 def job(strategy_name: str, width: int, blocks: int, repeats: int, folder: str, device: str | None) -> dict:
@@ -42,7 +42,8 @@ def job(strategy_name: str, width: int, blocks: int, repeats: int, folder: str, 
     torch.manual_seed(0)
     model = nn.Sequential(*[Block(width) for _ in range(blocks)])
     options = {"shard_blocks": ["Block"]} if strategy_name == "fsdp" else {}
-    strategy = build_strategy(strategy_name, model, torch.optim.Adam(model.parameters()), options=options, runtime=rt)
+    strategy = build_strategy(strategy_config(strategy_name, options), model, torch.optim.Adam(model.parameters()),
+                              runtime=rt)
     del model
     strategy.model(torch.randn(4, width, device=rt.device)).square().mean().backward()  # Adam's state exists
     strategy.optimizer.step()

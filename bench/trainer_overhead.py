@@ -43,6 +43,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import ddpkit
 from ddpkit.demo.models import DigitsCNN
+from ddpkit.training.config import LoggingConfig, SnapshotConfig
 from ddpkit.training.trainer import Trainer, TrainerConfig
 
 
@@ -112,7 +113,7 @@ def bench(steps: int, rounds: int, batch_size: int, default_malloc: bool = False
     run_dir = tempfile.mkdtemp(prefix="ddpkit-bench-") if rt.is_main else ""
     config = TrainerConfig(
         run_dir=ddpkit.broadcast_object(run_dir), batch_size=batch_size, epochs=1, num_workers=0,
-        snapshot_every_epochs=0, resume=False, progress=False, seed=0,
+        snapshot=SnapshotConfig(every_epochs=0), resume=False, logging=LoggingConfig(progress=False), seed=0,
     )
     trainer = Trainer(net, torch.optim.SGD(net.parameters(), lr=1e-3), data, config)
 

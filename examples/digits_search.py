@@ -16,6 +16,7 @@ import torch
 import ddpkit
 from ddpkit.demo.datasets import digits
 from ddpkit.search import SearchConfig, choice, search, uniform
+from ddpkit.training.config import LoggingConfig, SnapshotConfig
 from ddpkit.training.trainer import Trainer, TrainerConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -46,9 +47,11 @@ def objective(candidate):
     ddpkit.seed_everything(0)
     model = Net(image_size=8, channels=p["channels"], dropout=p["dropout"])
     config = TrainerConfig(run_dir=str(candidate.run_dir), epochs=args.epochs, batch_size=p["batch_size"],
-                           num_workers=0, progress=False, snapshot_every_steps=10)
+                           num_workers=0, logging=LoggingConfig(progress=False),
+                           snapshot=SnapshotConfig(every_steps=10))
     optimizer = torch.optim.Adam(model.parameters(), lr=p["lr"])
-    trainer = Trainer(model, optimizer, train_set, config, val_data=val_set, group=candidate.group)
+    trainer = Trainer(model, optimizer, train_set, config, val_data=val_set, group=candidate.group,
+                      callbacks=[candidate])  # it reports val/loss after each epoch: pruning
     trainer.fit()
     return trainer.evaluate(val_set, prefix="val")  # also right for a trial resumed after it had finished
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 import ddpkit
+from ddpkit import EarlyStoppingConfig, SnapshotConfig, Trainer, TrainerConfig
 from ddpkit.demo.datasets import digits
-from ddpkit.training.trainer import Trainer, TrainerConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
 from digits_cnn import Net  # noqa: E402  (the same model as the hand-written loop)
@@ -40,8 +40,8 @@ config = TrainerConfig(
     batch_size=args.batch_size,
     seed=args.seed,
     num_workers=0,  # tensors in memory
-    snapshot_every_steps=10,
-    early_stopping_metric="val/loss",
+    snapshot=SnapshotConfig(every_steps=10),
+    early_stopping=EarlyStoppingConfig(metric="val/loss"),  # best.pt keeps the best epoch's weights
 )
 trainer = Trainer(model, optimizer, train_set, config, val_data=val_set, scheduler=scheduler)
 trainer.fit()

@@ -10,7 +10,8 @@ import ddpkit
 PUBLIC = {
     "init", "shutdown", "get_runtime", "Runtime", "split_world", "spawn", "seed_everything",
     "prepare_model", "unwrap", "build_loader", "build_eval_loader", "to_device",
-    "evaluate", "classification_metrics", "regression_metrics", "Trainer", "TrainerConfig",
+    "evaluate", "classification_metrics", "regression_metrics", "Trainer", "TrainerConfig", "SnapshotConfig",
+    "EarlyStoppingConfig", "LoggingConfig", "Callback",
     "print0", "get_logger", "barrier", "main_first", "all_reduce", "broadcast_object", "gather_object",
     "gather_tensors", "MetricSums", "ConfigError", "Preempted",
 }  # fmt: skip

@@ -32,6 +32,7 @@ from ddpkit.distributed.seeding import (
 )
 from ddpkit.errors import ConfigError
 from ddpkit.launch.launcher import flight_recorder_vars
+from ddpkit.training.config import LoggingConfig
 
 PROBE = str(SCRIPTS / "device_probe.py")
 
@@ -134,10 +135,11 @@ def test_a_trainer_snapshot_holds_every_ranks_cuda_generators(cuda_in_use, tmp_p
 
     data = TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,)))
     model = torch.nn.Linear(4, 2)
-    config = TrainerConfig(run_dir=str(tmp_path), batch_size=4, num_workers=0, progress=False)
+    config = TrainerConfig(run_dir=str(tmp_path), batch_size=4, num_workers=0,
+                           logging=LoggingConfig(progress=False))
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, config)
     state = trainer.state_dict()
-    (rank0,) = state["ranks"]
+    (rank0,) = state["states"]["rng"]["ranks"]
     assert [s.tolist() for s in rank0["rng"]["cuda"]] == [[1, 2], [3, 4]]
     state.pop("strategy")  # DCP's part; the rest is trainer.pt
     buffer = io.BytesIO()

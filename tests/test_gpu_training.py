@@ -280,7 +280,7 @@ import gc, json, sys
 import torch
 import ddpkit
 from torch import nn
-from ddpkit.strategies import build_strategy
+from ddpkit.strategies import build_strategy, strategy_config
 from ddpkit.strategies.fsdp import _local
 from ddpkit.demo.models import Block
 
@@ -305,7 +305,7 @@ def train(name, options):
         torch.cuda.reset_peak_memory_stats(rt.device)
     torch.manual_seed(0)
     model = nn.Sequential(*[Block(256) for _ in range(2)])
-    strategy = build_strategy(name, model, torch.optim.Adam(model.parameters(), lr=1e-3), options=options,
+    strategy = build_strategy(strategy_config(name, options), model, torch.optim.Adam(model.parameters(), lr=1e-3),
                               runtime=rt)
     del model
     g = torch.Generator().manual_seed(rt.rank)

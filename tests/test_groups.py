@@ -14,6 +14,7 @@ from torch import nn
 import ddpkit
 from ddpkit.distributed.groups import split_world
 from ddpkit.errors import ConfigError
+from ddpkit.training.config import LoggingConfig, SnapshotConfig
 from ddpkit.training.trainer import Trainer, TrainerConfig
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
@@ -29,7 +30,7 @@ def _train(run_root: str, candidate: int, group=None) -> dict:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.1), nn.Linear(16, 2))
     config = TrainerConfig(run_dir=f"{run_root}/candidate{candidate}", epochs=epochs, global_batch_size=12,
-                           snapshot_every_steps=4, progress=False, log_every_steps=3)
+                           snapshot=SnapshotConfig(every_steps=4), logging=LoggingConfig(progress=False, every_steps=3))
     trainer = Trainer(model, torch.optim.Adam(model.parameters(), lr=lr), Data(120, 7), config, val_data=Data(37, 8),
                       group=group)
     metrics = trainer.fit()
@@ -139,6 +140,3 @@ def test_a_group_size_that_does_not_divide_the_world_is_refused():
     assert all("group_size=2" in m and "divisor of 3" in m for m in messages)
 
 
-def test_a_process_group_in_ddp_kwargs_is_refused():
-    with pytest.raises(ConfigError, match="Trainer\\(..., group=...\\)"):
-        TrainerConfig(batch_size=4, ddp_kwargs={"process_group": object()})

@@ -8,7 +8,8 @@ from torch import nn
 
 import ddpkit
 from ddpkit.errors import ConfigError
-from ddpkit.snapshot import run_dir as run_dir_lib
+from ddpkit.training.run_record import RunRecord, module_types, tensor_shapes
+from ddpkit.training.config import LoggingConfig
 from ddpkit.training.trainer import TrainerConfig
 
 
@@ -16,7 +17,8 @@ def fit(run_dir, activation: type[nn.Module], epochs: int, dropout: float = 0.2)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), activation(), nn.Dropout(dropout), nn.Linear(8, 2))
     data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
-    config = TrainerConfig(run_dir=str(run_dir), batch_size=8, epochs=epochs, progress=False, num_workers=0)
+    config = TrainerConfig(run_dir=str(run_dir), batch_size=8, epochs=epochs, logging=LoggingConfig(progress=False),
+                           num_workers=0)
     trainer = ddpkit.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, config)
     trainer.fit()
     return trainer
@@ -28,23 +30,21 @@ def test_another_activation_with_the_same_shapes_is_refused_naming_it(tmp_path):
         fit(tmp_path, nn.GELU, epochs=2)
     assert "model 0.weight" not in str(refused.value)  # the shapes are the same: only the class differs
     # Control: the checks without the module classes (shapes, config, optimizer) let this model through.
-    saved = torch.load(tmp_path / "snapshots" / "step-00000004" / "trainer.pt", weights_only=True)["extra"]
+    saved = torch.load(tmp_path / "snapshots" / "step-00000004" / "trainer.pt", weights_only=True)["extra"]["record"]
     gelu = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Dropout(0.2), nn.Linear(8, 2))
-    run_dir_lib.check_resumable(saved, saved["config"], run_dir_lib.tensor_shapes(gelu.state_dict()),
-                                saved["optimizer_hparams"], "snapshot")
+    shapes = tensor_shapes(gelu.state_dict())
+    RunRecord(saved["config"], saved["optimizer_hparams"], shapes, saved["module_types"]).check(saved, "snapshot")
     with pytest.raises(ConfigError, match="GELU now"):
-        run_dir_lib.check_resumable(saved, saved["config"], run_dir_lib.tensor_shapes(gelu.state_dict()),
-                                    saved["optimizer_hparams"], "snapshot", modules=run_dir_lib.module_types(gelu))
+        RunRecord(saved["config"], saved["optimizer_hparams"], shapes, module_types(gelu)).check(saved, "snapshot")
     # Control: the same classes resume, a module's hyper-parameter (the dropout rate) changed or not.
     assert fit(tmp_path, nn.ReLU, epochs=2, dropout=0.3).resumed_from == 4
 
 
 def test_module_types_name_the_class_the_script_built():
     model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.ReLU()))
-    assert run_dir_lib.module_types(model) == {"": "Sequential", "0": "Linear", "1": "Sequential", "1.0": "ReLU"}
+    assert module_types(model) == {"": "Sequential", "0": "Linear", "1": "Sequential", "1.0": "ReLU"}
     old = {"": "Sequential", "0": "Linear", "1": "Sequential", "1.0": "Tanh", "2": "ReLU"}
     with pytest.raises(ConfigError) as refused:
-        run_dir_lib.check_resumable({"module_types": old}, {}, {}, [], "snapshot",
-                                    modules=run_dir_lib.module_types(model))
+        RunRecord({}, [], {}, module_types(model)).check({"module_types": old}, "snapshot")
     lines = "model: submodules only in the snapshot: 2\n  model 1.0: Tanh in the snapshot, ReLU now\n"
     assert lines in str(refused.value)

@@ -23,6 +23,7 @@ from ddpkit.search import SearchConfig, choice, search, uniform
 from ddpkit.search.environment import environment_error
 from ddpkit.search.search_dir import repair_journal
 from ddpkit.search.study import new_sampler
+from ddpkit.training.config import LoggingConfig
 from ddpkit.training.trainer import Trainer, TrainerConfig
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
@@ -53,9 +54,10 @@ def _params(study: optuna.Study) -> dict[int, tuple[float, float]]:
 def _tiny_trainer(candidate, lr: float, epochs: int = 3, callbacks=()) -> Trainer:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 2))
-    config = TrainerConfig(run_dir=str(candidate.run_dir), epochs=epochs, global_batch_size=12, progress=False)
+    config = TrainerConfig(run_dir=str(candidate.run_dir), epochs=epochs, global_batch_size=12,
+                           logging=LoggingConfig(progress=False))
     return Trainer(model, torch.optim.SGD(model.parameters(), lr=lr), Data(96, 1), config, val_data=Data(40, 2),
-                   group=candidate.group, callbacks=callbacks)
+                   group=candidate.group, callbacks=[candidate, *callbacks])
 
 
 def _pruning(search_dir: str) -> dict:

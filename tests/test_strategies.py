@@ -16,7 +16,7 @@ from torch import nn
 import ddpkit
 import ddpkit.strategies
 from ddpkit.errors import ConfigError
-from ddpkit.strategies import build_strategy, strategy_config
+from ddpkit.strategies import STRATEGIES, DDPConfig, build_strategy, strategy_config
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from train_job import train  # noqa: E402
@@ -150,8 +150,8 @@ def _evaluate_uneven(name: str, gathered: bool) -> dict:
     rt = ddpkit.init(timeout=timedelta(seconds=4))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
-    strategy = build_strategy(name, model, torch.optim.SGD(model.parameters(), lr=0.1), runtime=rt,
-                              options={"shard_blocks": ["Linear"]} if name == "fsdp" else {})
+    config = strategy_config(name, {"shard_blocks": ["Linear"]} if name == "fsdp" else {})
+    strategy = build_strategy(config, model, torch.optim.SGD(model.parameters(), lr=0.1), runtime=rt)
     g = torch.Generator().manual_seed(1)
     data = torch.utils.data.TensorDataset(torch.randn(33, 5, generator=g), torch.randint(0, 3, (33,), generator=g))
     strategy.model(torch.randn(8, 5, generator=torch.Generator().manual_seed(rt.rank))).sum().backward()
@@ -292,8 +292,8 @@ def _unused_parameter(find_unused: bool) -> str:
             return self.used(self.body(x))
 
     model = TwoHeads()
-    strategy = build_strategy("ddp", model, torch.optim.SGD(model.parameters(), lr=0.1), runtime=rt,
-                              options={"find_unused_parameters": find_unused})
+    strategy = build_strategy(DDPConfig(find_unused_parameters=find_unused), model,
+                              torch.optim.SGD(model.parameters(), lr=0.1), runtime=rt)
     strategy.model(torch.ones(3, 2)).sum().backward()
     try:
         return "finite" if strategy.check_gradients().finite else "not finite"
@@ -317,8 +317,10 @@ def test_an_unused_parameter_is_named_with_the_option_to_set():
 def test_strategy_config_errors_name_the_option(name, options, flag):
     with pytest.raises(ConfigError, match=flag):
         strategy_config(name, options)
-    with pytest.raises(ConfigError, match=flag):
-        ddpkit.TrainerConfig(batch_size=4, strategy=name, strategy_options=options)
+    # The typed config refuses the same (an unknown option is Python's own TypeError, naming it).
+    with pytest.raises((ConfigError, TypeError), match=flag):
+        config = STRATEGIES[name][0](**options) if name in STRATEGIES else name
+        ddpkit.TrainerConfig(batch_size=4, strategy=config)
 
 
 def test_fsdp_needs_bf16_not_fp16_autocast():

@@ -19,8 +19,9 @@ from ddpkit.strategies.ddp import (
     nan_gradient_if_nonfinite as _nan_gradient_if_nonfinite,
 )
 from ddpkit.strategies.ddp import stepped_parameters as _stepped_parameters
+from ddpkit.training.config import EarlyStoppingConfig, LoggingConfig, SnapshotConfig
 from ddpkit.training.loss_window import LossWindow as _LossWindow
-from ddpkit.training.loss_window import loss_share
+from ddpkit.training.steps import loss_share
 from ddpkit.training.trainer import TrainerConfig
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
@@ -79,7 +80,7 @@ def test_a_ranks_loss_share_weighs_samples_not_ranks():
 
 def _equal_rank_weights(trainer) -> None:
     # The control: every rank's mean counted alike in the last, uneven batch (what DDP alone does).
-    ddpkit.training.trainer.loss_share = lambda samples, world, step_samples, micro_batches, micro_global: micro_batches
+    ddpkit.training.steps.loss_share = lambda samples, world, step_samples, micro_batches, micro_global: micro_batches
 
 
 def test_an_uneven_last_batch_trains_the_same_model_as_one_process(tmp_path):
@@ -298,7 +299,8 @@ def test_bf16_trains_on_cpu(tmp_path):
 
 def _start_scale(scale: float):
     def hook(trainer) -> None:
-        trainer.scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+        # The same object the Trainer handed its snapshots, started at another scale.
+        trainer.scaler.__init__("cpu", init_scale=scale)
 
     return hook
 
@@ -325,7 +327,7 @@ def test_early_stopping_and_run_directory(tmp_path):
     assert out["stopped_by"] == "early_stopping" and out["epoch"] < 30
     rundir = tmp_path / "run"
     config = json.loads((rundir / "config.json").read_text())
-    assert config["world_size"] == 2 and config["per_rank_batch"] == 12 and config["early_stopping_patience"] == 1
+    assert config["world_size"] == 2 and config["per_rank_batch"] == 12 and config["early_stopping"]["patience"] == 1
     kinds = [json.loads(line)["kind"] for line in (rundir / "metrics.jsonl").read_text().splitlines()]
     assert kinds.count("epoch") == out["epoch"]
     rows = (rundir / "epochs.csv").read_text().splitlines()
@@ -363,7 +365,7 @@ def test_plain_python_trainer_clips_gradients(tmp_path):
         start = [p.detach().clone() for p in model.parameters()]
         data = torch.utils.data.TensorDataset(torch.randn(8, 4) * 100, torch.randn(8, 1))
         config = TrainerConfig(run_dir=str(tmp_path / f"clip{clip}"), batch_size=8, max_steps=1, clip_grad_norm=clip,
-                               progress=False, num_workers=0)
+                               logging=LoggingConfig(progress=False), num_workers=0)
         trainer = ddpkit.Trainer(model, torch.optim.SGD(model.parameters(), lr=1.0), data, config,
                                  loss_fn=torch.nn.functional.mse_loss)
         trainer.fit()
@@ -433,7 +435,7 @@ def _regression_trainer(tmp_path, **kwargs):
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1)
     data = torch.utils.data.TensorDataset(torch.randn(32, 3), torch.randn(32, 1))
-    config = TrainerConfig(run_dir=str(tmp_path / "run"), batch_size=8, epochs=1, progress=False, num_workers=0)
+    config = TrainerConfig(run_dir=str(tmp_path / "run"), batch_size=8, epochs=1, logging=LoggingConfig(progress=False), num_workers=0)
     return model, data, ddpkit.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, config, **kwargs)
 
 
@@ -472,7 +474,7 @@ def test_the_default_loss_refuses_float_targets_and_a_dict_output(tmp_path):
 
     model = DictNet()
     data = torch.utils.data.TensorDataset(torch.randn(16, 3), torch.randint(0, 2, (16,)))
-    config = TrainerConfig(run_dir=str(tmp_path / "dict"), batch_size=8, progress=False, num_workers=0)
+    config = TrainerConfig(run_dir=str(tmp_path / "dict"), batch_size=8, logging=LoggingConfig(progress=False), num_workers=0)
     trainer = ddpkit.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, config)
     with pytest.raises(ConfigError, match="returned a dict \\(logits\\): pass batch_loss_fn"):
         trainer.fit()
@@ -486,7 +488,7 @@ def test_an_iterable_dataset_is_refused_saying_what_is_supported(tmp_path):
         def __iter__(self):
             return iter([(torch.zeros(3), 0)] * 8)
 
-    config = TrainerConfig(run_dir=str(tmp_path / "run"), batch_size=4, progress=False, num_workers=0)
+    config = TrainerConfig(run_dir=str(tmp_path / "run"), batch_size=4, logging=LoggingConfig(progress=False), num_workers=0)
     model = torch.nn.Linear(3, 2)
     with pytest.raises(ConfigError, match="Stream is not a map-style dataset .* hand-written loop"):
         ddpkit.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), Stream(), config)
@@ -498,13 +500,26 @@ def test_an_iterable_dataset_is_refused_saying_what_is_supported(tmp_path):
         ({"batch_size": 0}, "batch_size=0"),
         ({"global_batch_size": 0}, "global_batch_size=0"),
         ({"global_batch_size": 10, "grad_accum_steps": 3}, "does not divide into grad_accum_steps=3"),
-        ({"batch_size": 4, "log_every_steps": 0}, "log_every_steps"),
+        ({"batch_size": 4, "logging": None}, "logging"),
         ({"batch_size": 4, "num_workers": -1}, "num_workers"),
     ],
 )
 def test_batch_sizes_that_cannot_work_are_refused_by_the_config(kwargs, flag):
     with pytest.raises(ConfigError, match=flag):
         TrainerConfig(**kwargs)
+
+
+@pytest.mark.parametrize("build, flag", [
+    (lambda: LoggingConfig(every_steps=0), "every_steps"),
+    (lambda: LoggingConfig(trackers=("neptune",)), "trackers"),
+    (lambda: SnapshotConfig(keep=0), "keep"),
+    (lambda: SnapshotConfig(every_steps=0), "every_steps"),
+    (lambda: EarlyStoppingConfig(mode="lowest"), "mode"),
+    (lambda: EarlyStoppingConfig(patience=0), "patience"),
+])
+def test_the_nested_configs_refuse_bad_values_naming_them(build, flag):
+    with pytest.raises(ConfigError, match=f"{flag}=.* see .*Config.{flag}"):
+        build()
 
 
 def test_the_best_weights_are_kept_apart_and_load_outside_ddpkit(tmp_path, capfd):

@@ -30,12 +30,19 @@ from ddpkit.distributed.seeding import seed_everything
 from ddpkit.errors import ConfigError, Preempted
 from ddpkit.launch.spawn import spawn
 from ddpkit.nn.prepare import prepare_model, unwrap
+from ddpkit.training.callbacks import Callback
+from ddpkit.training.config import (
+    EarlyStoppingConfig,
+    LoggingConfig,
+    SnapshotConfig,
+    TrainerConfig,
+)
 from ddpkit.training.evaluation import (
     classification_metrics,
     evaluate,
     regression_metrics,
 )
-from ddpkit.training.trainer import Trainer, TrainerConfig
+from ddpkit.training.trainer import Trainer
 
 __version__ = "0.1.0"
 
@@ -62,6 +69,10 @@ __all__ = [
     "regression_metrics",
     "Trainer",
     "TrainerConfig",
+    "SnapshotConfig",
+    "EarlyStoppingConfig",
+    "LoggingConfig",
+    "Callback",
     # what the seeds write by hand
     "print0",
     "get_logger",

@@ -30,6 +30,7 @@ from torch import nn
 
 import ddpkit
 from ddpkit.search import SearchConfig, search, uniform
+from ddpkit.training.config import LoggingConfig, SnapshotConfig
 from ddpkit.training.trainer import Trainer, TrainerConfig
 
 SPACE = {"lr": uniform(0.01, 0.5, log=True), "momentum": uniform(0.0, 0.9)}
@@ -154,13 +155,13 @@ def main() -> None:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 2))
         config = TrainerConfig(run_dir=str(candidate.run_dir), epochs=a.epochs, global_batch_size=12,
-                               progress=False, snapshot_every_steps=5)
+                               logging=LoggingConfig(progress=False), snapshot=SnapshotConfig(every_steps=5))
         for hook in hooks:
             hook.trial = candidate.number
         optimizer = torch.optim.SGD(model.parameters(), lr=candidate.params["lr"],
                                     momentum=candidate.params["momentum"])
         trainer = Trainer(model, optimizer, Data(96, 1), config, val_data=Data(40, 2), group=candidate.group,
-                          callbacks=hooks)
+                          callbacks=[candidate, *hooks])
         trainer.fit()
         return trainer.evaluate(Data(40, 2), prefix="val")
 

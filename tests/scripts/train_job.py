@@ -26,8 +26,15 @@ import ddpkit.data
 import ddpkit.snapshot.files
 import ddpkit.training.trainer
 from ddpkit.distributed.seeding import rng_state, set_rng_state
+from ddpkit.strategies import strategy_config
 from ddpkit.strategies.base import join_own
-from ddpkit.training.trainer import Trainer, TrainerConfig
+from ddpkit.training.config import (
+    EarlyStoppingConfig,
+    LoggingConfig,
+    SnapshotConfig,
+    TrainerConfig,
+)
+from ddpkit.training.trainer import Trainer
 
 N_SAMPLES, N_FEATURES = 240, 8
 
@@ -224,25 +231,19 @@ def train(
         sync_batchnorm=sync_batchnorm,
         global_batch_dropout=global_dropout,
         scheduler_interval="step",
-        snapshot_every_steps=snapshot_every_steps,
-        log_every_steps=log_every_steps,
-        tensorboard=tensorboard,
         clip_grad_norm=clip_grad_norm,
-        keep_snapshots=3,
-        progress=False,
         grad_accum_steps=grad_accum,
         precision=precision,
         on_nonfinite=on_nonfinite,
-        early_stopping_metric="val/loss" if early_stopping_patience else None,
-        early_stopping_patience=early_stopping_patience or 1,
         seed=seed,
         resume=resume,
         num_workers=num_workers,
         raise_on_stop_signal=raise_on_stop_signal,
-        loggers=loggers,
-        strategy=strategy,
-        strategy_options=strategy_options or {},
-        snapshot_async=snapshot_async,
+        strategy=strategy_config(strategy, strategy_options),
+        snapshot=SnapshotConfig(every_steps=snapshot_every_steps, keep=3, async_write=snapshot_async),
+        early_stopping=EarlyStoppingConfig(metric="val/loss" if early_stopping_patience else None,
+                                           patience=early_stopping_patience or 1),
+        logging=LoggingConfig(every_steps=log_every_steps, progress=False, tensorboard=tensorboard, trackers=loggers),
         drop_last=drop_last,
     )
     attempt = rt.restart_count

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
@@ -54,18 +55,24 @@ def pending_stop_signal(clear: bool = False) -> signal.Signals | None:
     return sig
 
 
-def catch_stop_signals(on_signal: Callable[[int], None]) -> dict[int, Any]:
-    """Call ``on_signal(signum)`` on SIGTERM and SIGUSR1 (a scheduler's warning before pre-emption) from now on;
-    returns the handlers replaced, to put back with ``signal.signal``. A signal held by :func:`hold_stop_signals`
-    before this call is passed on at once. From a thread other than the main one, signals are left alone."""
+@contextmanager
+def stop_signals(on_signal: Callable[[int], None]) -> Iterator[None]:
+    """Inside the block, call ``on_signal(signum)`` on SIGTERM and SIGUSR1 (a scheduler's warning before
+    pre-emption) instead of their usual action; the handlers in place before are put back on leaving, however
+    the block ends. A signal held by :func:`hold_stop_signals` before the block is passed on at once. From a
+    thread other than the main one, signals are left alone."""
     previous: dict[int, Any] = {}
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         try:
             previous[sig] = signal.signal(sig, lambda signum, frame: on_signal(signum))
         except ValueError:  # not the main thread
             break
-    # Read after the handlers are in: a signal that lands in between is then either held or passed on.
-    held = pending_stop_signal(clear=True)
-    if held is not None:
-        on_signal(int(held))
-    return previous
+    try:
+        # Read after the handlers are in: a signal that lands in between is then either held or passed on.
+        held = pending_stop_signal(clear=True)
+        if held is not None:
+            on_signal(int(held))
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

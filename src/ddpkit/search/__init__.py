@@ -6,7 +6,7 @@
         model = Net(candidate.params["channels"])
         config = TrainerConfig(run_dir=str(candidate.run_dir), epochs=5, batch_size=candidate.params["batch"])
         trainer = Trainer(model, SGD(model.parameters(), lr=candidate.params["lr"]), train, config,
-                          val_data=val, group=candidate.group)
+                          val_data=val, group=candidate.group, callbacks=[candidate])
         return trainer.fit()                        # the metrics; config.metric is the result
 
     space = {"lr": uniform(1e-3, 1e-1, log=True), "channels": choice([8, 16, 32]), "batch": choice([32, 64])}

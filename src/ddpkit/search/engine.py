@@ -48,7 +48,6 @@ from ddpkit.search.search_dir import (
 )
 from ddpkit.search.space import to_distributions
 from ddpkit.search.study import Start, begin_search, next_trial, open_study, trials_of
-from ddpkit.training import callbacks
 
 
 class Candidate:
@@ -73,8 +72,9 @@ class Candidate:
         if broadcast_object(prune, group=self.group):
             raise optuna.TrialPruned(f"pruned at step {step} ({self.metric} {value:.4g})")
 
-    # The Trainer calls this after each epoch: pruning works without user code.
     def on_epoch_end(self, trainer: Any, metrics: Mapping[str, float]) -> None:
+        """As a Trainer's callback (``Trainer(..., callbacks=[candidate])``): report the metric after each epoch,
+        so the pruner can stop the candidate."""
         if self.metric not in metrics:
             raise ConfigError(
                 f"SearchConfig.metric={self.metric!r} is not among the Trainer's epoch metrics {sorted(metrics)}: "
@@ -91,10 +91,10 @@ def search(
     """Run the search on every rank of the job; return the study (on every rank).
 
     ``objective(candidate)`` builds and trains one candidate on ``candidate.group`` with
-    ``candidate.params`` (with the Trainer: ``Trainer(..., group=candidate.group)``, its run_dir
-    ``candidate.run_dir``) and returns the metric, or the Trainer's metrics dict holding ``config.metric``.
-    A Trainer built inside the objective reports ``config.metric`` to the candidate after each epoch, so the
-    pruner can stop it. A candidate that diverges, raises or runs out of memory fails its trial only; the
+    ``candidate.params`` (with the Trainer: ``Trainer(..., group=candidate.group, callbacks=[candidate])``, its
+    run_dir ``candidate.run_dir``) and returns the metric, or the Trainer's metrics dict holding
+    ``config.metric``. The candidate as a callback reports ``config.metric`` after each epoch, so the pruner
+    can stop it. A candidate that diverges, raises or runs out of memory fails its trial only; the
     group goes on to the next. An error of the machine (a full disk, a read-only file system: see
     :mod:`ddpkit.search.environment`) stops the search with that error and leaves the trial to resume when the
     search is started again. One job at a time per ``search_dir``; a second is refused, naming the first.
@@ -162,8 +162,7 @@ def _run_candidate(objective, candidate: Candidate, cfg: SearchConfig) -> tuple[
     """Train one candidate; the group agrees on how it ended (every rank learns every other's outcome)."""
     state, value, error = TrialState.COMPLETE, None, None
     try:
-        with callbacks.ambient(candidate):
-            result = objective(candidate)
+        result = objective(candidate)
         value = float(result[cfg.metric] if isinstance(result, Mapping) else result)
     except optuna.TrialPruned:
         state = TrialState.PRUNED

@@ -25,6 +25,12 @@ from ddpkit.errors import ConfigError
 from ddpkit.snapshot import files as run_files
 
 
+def is_better(value: float, best: float | None, mode: str) -> bool:
+    """True if ``value`` improves on ``best`` (None: nothing yet) in direction ``mode`` (``min`` or ``max``). An
+    equal value does not: an epoch retrained after a crash gives the same value again."""
+    return best is None or (value < best if mode == "min" else value > best)
+
+
 class BestWeights:
     """Writes ``path`` when ``metric`` improves (``mode`` ``min`` or ``max``); only where ``enabled`` (rank 0)."""
 
@@ -51,9 +57,10 @@ class BestWeights:
         if not self.tracking:
             return False
         if self.metric not in metrics:
-            raise ConfigError(f"best_metric={self.metric!r} is not among the epoch's metrics {sorted(metrics)}")
+            raise ConfigError(f"early_stopping.metric={self.metric!r} is not among the epoch's metrics "
+                              f"{sorted(metrics)}")
         value = float(metrics[self.metric])
-        if self.value is not None and not (value < self.value if self.mode == "min" else value > self.value):
+        if not is_better(value, self.value, self.mode):
             return False
         self.value, self.epoch = value, epoch
         state = weights()

@@ -66,7 +66,8 @@ from ddpkit.snapshot.staging import stage, writer_group
 MARKER = "complete.json"
 EXTRA = "trainer.pt"
 INDEX = "metadata.json"  # ddpkit.snapshot.storage.INDEX, repeated here to keep that import lazy
-FORMAT = 2  # of trainer.pt: 1 (no "format" key) held the state alone, with non-tensor values pickled by DCP
+FORMAT = 3  # of trainer.pt: 1 (no "format" key) held the state alone, with non-tensor values pickled by DCP; 2 held
+# the Trainer's state under other keys
 _FOLDER = re.compile(r"^step-(\d+)$")
 
 class SnapshotWriteError(RuntimeError):

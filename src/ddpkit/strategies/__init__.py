@@ -23,6 +23,9 @@ from ddpkit.strategies.ddp import DDPConfig, DDPStrategy
 from ddpkit.strategies.fsdp import FSDPConfig, FSDPStrategy
 from ddpkit.strategies.zero import ZeroConfig, ZeroStrategy
 
+StrategyConfig = DDPConfig | ZeroConfig | FSDPConfig
+"""A strategy and its options: what ``TrainerConfig.strategy`` and :func:`build_strategy` take (or a name)."""
+
 STRATEGIES: dict[str, tuple[type, type]] = {
     "ddp": (DDPConfig, DDPStrategy),
     "zero": (ZeroConfig, ZeroStrategy),
@@ -30,39 +33,43 @@ STRATEGIES: dict[str, tuple[type, type]] = {
 }
 
 
-def strategy_config(name: str, options: dict[str, Any] | None = None) -> Any:
-    """The typed config of strategy ``name`` from its options (a JSON-friendly dict); errors name the option."""
-    if name not in STRATEGIES:
-        raise ConfigError(f"strategy={name!r} is not known: pick one of {', '.join(STRATEGIES)}")
-    return check_options(STRATEGIES[name][0], name, dict(options or {}))
+def strategy_config(strategy: str | StrategyConfig, options: dict[str, Any] | None = None) -> StrategyConfig:
+    """The typed config of ``strategy``: a config as it is, or a strategy's name with ``options`` (a JSON-friendly
+    dict, as read back from ``config.json``); errors name the strategy or the option."""
+    if not isinstance(strategy, str):
+        if type(strategy) not in {cls for cls, _ in STRATEGIES.values()}:
+            raise ConfigError(f"strategy={strategy!r}: give a strategy's name ({', '.join(STRATEGIES)}) or its "
+                              "config (DDPConfig, ZeroConfig, FSDPConfig)")
+        return strategy
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"strategy={strategy!r} is not known: pick one of {', '.join(STRATEGIES)}")
+    return check_options(STRATEGIES[strategy][0], strategy, dict(options or {}))
 
 
 def build_strategy(
-    name: str,
+    strategy: str | StrategyConfig,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     *,
-    options: dict[str, Any] | None = None,
     runtime: Runtime | None = None,
     sync_batchnorm: bool = False,
     scheduler: Any = None,
-    ddp_kwargs: dict[str, Any] | None = None,
 ) -> Strategy:
-    """Wrap ``model`` the way strategy ``name`` does, over the ranks of ``runtime`` (default: the job's).
+    """Wrap ``model`` the way ``strategy`` does (a name, or a config with its options), over the ranks of
+    ``runtime`` (default: the job's).
 
     Use ``strategy.model`` and ``strategy.optimizer`` from here on: ``zero`` and ``fsdp`` rebuild the optimizer
     (same class, defaults and parameter groups) over the parameters they manage, and an LR ``scheduler`` built on
     the old one is pointed at the new one.
     """
-    config = strategy_config(name, options)
-    cls = STRATEGIES[name][1]
-    strategy = cls(model, optimizer, runtime=runtime or get_runtime(), config=config,
-                   sync_batchnorm=sync_batchnorm, ddp_kwargs=ddp_kwargs)
-    rebind_scheduler(scheduler, optimizer, strategy.optimizer)
-    return strategy
+    config = strategy_config(strategy)
+    cls = STRATEGIES[config.name][1]
+    built = cls(model, optimizer, runtime=runtime or get_runtime(), config=config, sync_batchnorm=sync_batchnorm)
+    rebind_scheduler(scheduler, optimizer, built.optimizer)
+    return built
 
 
 __all__ = [
     "DDPConfig", "DDPStrategy", "FSDPConfig", "FSDPStrategy", "GradientVerdict", "STRATEGIES", "Strategy",
-    "ZeroConfig", "ZeroStrategy", "build_strategy", "strategy_config",
+    "StrategyConfig", "ZeroConfig", "ZeroStrategy", "build_strategy", "strategy_config",
 ]

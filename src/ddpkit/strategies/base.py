@@ -18,6 +18,7 @@ every strategy::
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -89,7 +90,7 @@ class Strategy(Protocol):
 
 def check_options(cls: type, name: str, options: dict[str, Any]) -> Any:
     """``cls(**options)``, with unknown options named along with the valid ones."""
-    valid = set(cls.__dataclass_fields__)
+    valid = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(options) - valid)
     if unknown:
         raise ConfigError(

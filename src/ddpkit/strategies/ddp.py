@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -28,7 +28,9 @@ def state_options(**kwargs: Any) -> Any:
 
 @dataclass(kw_only=True)
 class DDPConfig:
-    """Options of the ``ddp`` strategy (``TrainerConfig.strategy_options``): DistributedDataParallel's knobs."""
+    """The ``ddp`` strategy and DistributedDataParallel's knobs: ``TrainerConfig(strategy=DDPConfig(...))``."""
+
+    name: ClassVar[str] = "ddp"
 
     bucket_cap_mb: float | None = None
     """Size of the gradient buckets DDP all-reduces while backward runs (torch's default: 25). Larger buckets
@@ -151,14 +153,10 @@ class DDPStrategy:
         runtime: Runtime,
         config: DDPConfig | None = None,
         sync_batchnorm: bool = False,
-        ddp_kwargs: dict[str, Any] | None = None,
     ) -> None:
         self.config = config or DDPConfig()
         self.runtime = runtime
-        clash = set(ddp_kwargs or ()) & set(self.config.ddp_kwargs())
-        if clash:
-            raise ConfigError(f"{sorted(clash)} given both in ddp_kwargs and strategy_options: keep one")
-        kwargs = self.config.ddp_kwargs() | dict(ddp_kwargs or {})
+        kwargs = self.config.ddp_kwargs()
         self.model = prepare_model(model, sync_batchnorm=sync_batchnorm, runtime=runtime, **kwargs)
         self.optimizer = optimizer
         if self.config.comm_hook is not None and runtime.distributed:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, ClassVar, Iterator
 
 import torch
 import torch.distributed as dist
@@ -39,7 +39,9 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 @dataclass(kw_only=True)
 class FSDPConfig:
-    """Options of the ``fsdp`` strategy (``TrainerConfig.strategy_options``)."""
+    """The ``fsdp`` strategy and its options: ``TrainerConfig(strategy=FSDPConfig(...))``."""
+
+    name: ClassVar[str] = "fsdp"
 
     shard_blocks: list[str] = field(default_factory=list)
     """Class names (``TransformerBlock``, or ``package.module.TransformerBlock``) of the blocks that are
@@ -115,13 +117,10 @@ class FSDPStrategy:
         runtime: Runtime,
         config: FSDPConfig | None = None,
         sync_batchnorm: bool = False,
-        ddp_kwargs: dict[str, Any] | None = None,
     ) -> None:
         if not runtime.distributed:
             raise ConfigError("strategy 'fsdp' shards over a process group: launch with `ddpkit run` (or "
                               "ddpkit.spawn), or use strategy 'ddp' for a single process")
-        if ddp_kwargs:
-            raise ConfigError(f"ddp_kwargs {sorted(ddp_kwargs)} do not apply to strategy 'fsdp': remove them")
         self.config = config or FSDPConfig()
         self.runtime = runtime
         self.group = runtime.group if runtime.group is not None else dist.group.WORLD

@@ -8,9 +8,10 @@ shrink to about ``1/N`` per rank.
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -30,7 +31,9 @@ from ddpkit.strategies.ddp import DDPConfig, DDPStrategy, state_options
 
 @dataclass(kw_only=True)
 class ZeroConfig(DDPConfig):
-    """Options of the ``zero`` strategy: DDP's (see :class:`~ddpkit.strategies.ddp.DDPConfig`), and:"""
+    """The ``zero`` strategy: DDP's knobs (see :class:`~ddpkit.strategies.ddp.DDPConfig`), and:"""
+
+    name: ClassVar[str] = "zero"
 
     parameters_as_bucket_view: bool = False
     """Pack each rank's parameters into one flat buffer per dtype, so the post-step broadcast sends few large
@@ -51,16 +54,15 @@ class ZeroStrategy:
         runtime: Runtime,
         config: ZeroConfig | None = None,
         sync_batchnorm: bool = False,
-        ddp_kwargs: dict[str, Any] | None = None,
     ) -> None:
         if not runtime.distributed:
             raise ConfigError("strategy 'zero' shards over a process group: launch with `ddpkit run` (or "
                               "ddpkit.spawn), or use strategy 'ddp' for a single process")
         self.config = config or ZeroConfig()
         self.runtime = runtime
-        ddp_config = DDPConfig(**{k: getattr(self.config, k) for k in DDPConfig.__dataclass_fields__})
+        ddp_config = DDPConfig(**{f.name: getattr(self.config, f.name) for f in dataclasses.fields(DDPConfig)})
         self.ddp = DDPStrategy(model, optimizer, runtime=runtime, config=ddp_config,
-                               sync_batchnorm=sync_batchnorm, ddp_kwargs=ddp_kwargs)
+                               sync_batchnorm=sync_batchnorm)
         self.model = self.ddp.model
         from torch.distributed.optim import ZeroRedundancyOptimizer
 

@@ -1,1 +1,13 @@
 """The Trainer: its config, state, step loop, callbacks, evaluation and losses."""
+
+from ddpkit.training.callbacks import Callback
+from ddpkit.training.config import (
+           EarlyStoppingConfig,
+           LoggingConfig,
+           SnapshotConfig,
+           TrainerConfig,
+)
+from ddpkit.training.trainer import StopReason, Trainer
+
+__all__ = ["Callback", "EarlyStoppingConfig", "LoggingConfig", "SnapshotConfig", "StopReason", "Trainer",
+           "TrainerConfig"]

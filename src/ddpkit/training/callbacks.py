@@ -7,12 +7,11 @@ may make collectives of its own as long as it makes the same ones on every rank 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any
 
-if TYPE_CHECKING:  # pragma: no cover
-    from ddpkit.training.trainer import Trainer
+# The hooks' ``trainer`` is a :class:`~ddpkit.Trainer`; it is not imported here (the Trainer imports this module).
+Trainer = Any
 
 
 class Callback:
@@ -33,25 +32,8 @@ class Callback:
         just before ``fit()`` raises :class:`~ddpkit.Preempted`)."""
 
 
-_ambient: list[Any] = []
-
-
-@contextmanager
-def ambient(*callbacks: Any) -> Iterator[None]:
-    """Add ``callbacks`` to every Trainer built inside the block (a search candidate's reporter, say)."""
-    _ambient.extend(callbacks)
-    try:
-        yield
-    finally:
-        del _ambient[len(_ambient) - len(callbacks) :]
-
-
-def resolve(callbacks: Sequence[Any]) -> list[Any]:
-    """The Trainer's callbacks: those it was given, then the ambient ones."""
-    return [*callbacks, *_ambient]
-
-
 def call(callbacks: Sequence[Any], hook: str, *args: Any) -> None:
+    """Call ``hook`` on each callback that has it, in order."""
     for cb in callbacks:
         method = getattr(cb, hook, None)
         if method is not None:

@@ -1,12 +1,93 @@
-"""The Trainer's configuration: what to train for, how, and where to write; checked where it is given."""
+"""The Trainer's configuration: what to train for, how, and where to write; checked where it is given.
+
+One typed config per concern, nested the way the run directory and the README group them::
+
+    TrainerConfig(
+        run_dir="runs/digits", epochs=8, batch_size=32,
+        strategy=DDPConfig(bucket_cap_mb=50),                  # or "ddp", ZeroConfig(...), FSDPConfig(...)
+        snapshot=SnapshotConfig(every_steps=100),
+        early_stopping=EarlyStoppingConfig(metric="val/loss", patience=5),
+        logging=LoggingConfig(every_steps=20, tensorboard=True),
+    )
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from ddpkit.errors import ConfigError
-from ddpkit.strategies import strategy_config
+from ddpkit.strategies import StrategyConfig, strategy_config
+
+
+def _check(config: Any, checks: dict[str, bool]) -> None:
+    for name, ok in checks.items():
+        if not ok:
+            raise ConfigError(f"{name}={getattr(config, name)!r} is not valid: see {type(config).__name__}.{name}")
+
+
+@dataclass(kw_only=True)
+class SnapshotConfig:
+    """When the Trainer snapshots, how many it keeps, and how it writes them."""
+
+    every_steps: int | None = None
+    """Also snapshot every this many optimizer steps (None: at epoch ends only)."""
+    every_epochs: int = 1
+    """Snapshot every this many epochs; 0 turns epoch-end snapshots off."""
+    keep: int = 2
+    """Whole snapshots kept in ``run_dir/snapshots``; older ones are removed once a newer one is whole."""
+    async_write: bool = True
+    """Write in a background thread: the step waits only while the state is copied to host memory."""
+
+    def __post_init__(self) -> None:
+        _check(self, {
+            "every_steps": self.every_steps is None or self.every_steps >= 1,
+            "every_epochs": self.every_epochs >= 0,
+            "keep": self.keep >= 1,
+        })
+
+
+@dataclass(kw_only=True)
+class EarlyStoppingConfig:
+    """The validation metric that says which epoch is best: ``run_dir/best.pt`` keeps that epoch's weights, and
+    training stops once it has not improved for ``patience`` epochs."""
+
+    metric: str | None = None
+    """A validation metric such as ``val/loss`` (None: no best weights, no early stopping)."""
+    mode: str = "min"
+    """``min`` or ``max``: the direction in which ``metric`` improves."""
+    patience: int | None = 5
+    """Epochs without improvement before training stops; None keeps the best weights without stopping."""
+
+    def __post_init__(self) -> None:
+        _check(self, {
+            "mode": self.mode in ("min", "max"),
+            "patience": self.patience is None or self.patience >= 1,
+        })
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    """What the main rank records and shows while training."""
+
+    every_steps: int = 20
+    """How often ranks agree (one small all-reduce) on the mean training loss, which is then logged, and on a
+    SIGTERM/SIGUSR1 received by any rank: a stop signal is acted on within this many steps."""
+    progress: bool = True
+    """A progress bar on a terminal (plain lines otherwise), on the main rank."""
+    tensorboard: bool = False
+    """Also write TensorBoard events to ``run_dir/tensorboard``."""
+    trackers: tuple[str, ...] = ()
+    """Also send the records to ``"mlflow"`` and/or ``"wandb"`` (optional extras; local file store / offline
+    without a server or an account): see :mod:`ddpkit.tracking.trackers`."""
+
+    def __post_init__(self) -> None:
+        self.trackers = (self.trackers,) if isinstance(self.trackers, str) else tuple(self.trackers)
+        _check(self, {
+            "every_steps": self.every_steps >= 1,
+            "trackers": set(self.trackers) <= {"mlflow", "wandb"},
+        })
 
 
 @dataclass(kw_only=True)
@@ -46,74 +127,44 @@ class TrainerConfig:
     on_nonfinite: str = "stop"
     """A NaN/inf loss on any rank, or NaN/inf gradients: ``stop`` (every rank raises at that step) or ``skip``
     the step everywhere."""
-    snapshot_every_steps: int | None = None
-    snapshot_every_epochs: int = 1
-    """0 turns epoch-end snapshots off."""
-    keep_snapshots: int = 2
     resume: bool = True
-    early_stopping_metric: str | None = None
-    """A validation metric such as ``val/loss``; training stops when it has not improved for ``patience`` epochs."""
-    early_stopping_mode: str = "min"
-    """``min`` or ``max``: the direction in which ``early_stopping_metric`` and ``best_metric`` improve."""
-    early_stopping_patience: int = 5
-    best_metric: str | None = None
-    """Keep the weights of the epoch where this validation metric was best in ``run_dir/best.pt``, apart from
-    the snapshots (which keep only the newest). Default: ``early_stopping_metric``."""
-    log_every_steps: int = 20
-    """How often ranks agree (one small all-reduce) on the mean training loss, which is then logged, and on a
-    SIGTERM/SIGUSR1 received by any rank: a stop signal is acted on within this many steps."""
-    progress: bool = True
-    tensorboard: bool = False
-    loggers: tuple[str, ...] = ()
-    """Also send the records to ``"mlflow"`` and/or ``"wandb"`` (optional extras; local file store / offline
-    without a server or an account): see :mod:`ddpkit.tracking.trackers`."""
+    """Resume from the newest whole snapshot in ``run_dir``; False moves the previous run aside and starts afresh."""
     raise_on_stop_signal: bool = True
     """After a SIGTERM/SIGUSR1 stopped training and the snapshot is saved, ``fit()`` raises
     :class:`ddpkit.Preempted` (uncaught: exit code 75, "pre-empted, requeue me"), so a script cannot go on as if
     training were complete. False: ``fit()`` returns, with ``trainer.stopped_by == "signal"``."""
-    ddp_kwargs: dict[str, Any] = field(default_factory=dict)
-    strategy: str = "ddp"
+    strategy: str | StrategyConfig = "ddp"
     """How the model is spread over ranks: ``ddp`` (replicated), ``zero`` (DDP with optimizer state sharded),
-    ``fsdp`` (parameters, gradients and optimizer state sharded); see :mod:`ddpkit.strategies`."""
-    strategy_options: dict[str, Any] = field(default_factory=dict)
-    """Options of the strategy, by name: the fields of ``DDPConfig``, ``ZeroConfig`` or ``FSDPConfig``
-    (e.g. ``{"bucket_cap_mb": 50, "comm_hook": "bf16"}`` or ``{"shard_blocks": ["Block"]}``)."""
-    snapshot_async: bool = True
-    """Write snapshots in a background thread: the step waits only while the state is copied to host memory."""
+    ``fsdp`` (parameters, gradients and optimizer state sharded), by name or as its config with options
+    (:class:`~ddpkit.strategies.DDPConfig`, :class:`~ddpkit.strategies.ZeroConfig`,
+    :class:`~ddpkit.strategies.FSDPConfig`). A name becomes its config with the defaults."""
+    snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
+    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self) -> None:
         if (self.batch_size is None) == (self.global_batch_size is None):
             raise ConfigError("give exactly one of batch_size (per rank) and global_batch_size")
-        if "process_group" in self.ddp_kwargs:
-            # A process group cannot be copied into config.json or a snapshot, and the sampler, evaluation and
-            # metrics must follow it too, not only DDP.
-            raise ConfigError("pass the process group as Trainer(..., group=...), not in ddp_kwargs")
-        strategy_config(self.strategy, self.strategy_options)  # names a bad strategy or option
-        if self.strategy == "fsdp" and self.precision == "fp16":
+        self.strategy = strategy_config(self.strategy)  # names a bad strategy
+        for name, cls in (("snapshot", SnapshotConfig), ("early_stopping", EarlyStoppingConfig),
+                          ("logging", LoggingConfig)):
+            if not isinstance(getattr(self, name), cls):
+                raise ConfigError(f"{name}={getattr(self, name)!r}: give a {cls.__name__}(...)")
+        if self.strategy.name == "fsdp" and self.precision == "fp16":
             raise ConfigError("precision='fp16' (a GradScaler) is not supported with strategy 'fsdp': use "
-                              "precision='bf16', or strategy_options={'param_dtype': 'bf16'}")
-        checks = {
+                              "precision='bf16', or FSDPConfig(param_dtype='bf16')")
+        _check(self, {
             "epochs": self.epochs >= 1,
             "grad_accum_steps": self.grad_accum_steps >= 1,
-            "keep_snapshots": self.keep_snapshots >= 1,
             "precision": self.precision in ("fp32", "bf16", "fp16"),
             "scheduler_interval": self.scheduler_interval in ("epoch", "step"),
             "on_nonfinite": self.on_nonfinite in ("stop", "skip"),
-            "early_stopping_mode": self.early_stopping_mode in ("min", "max"),
-            "snapshot_every_steps": self.snapshot_every_steps is None or self.snapshot_every_steps >= 1,
             "max_steps": self.max_steps is None or self.max_steps >= 1,
             "batch_size": self.batch_size is None or self.batch_size >= 1,
             "global_batch_size": self.global_batch_size is None or self.global_batch_size >= 1,
             "eval_batch_size": self.eval_batch_size >= 1,
             "num_workers": self.num_workers is None or self.num_workers >= 0,
-            "log_every_steps": self.log_every_steps >= 1,
-            "snapshot_every_epochs": self.snapshot_every_epochs >= 0,
-            "early_stopping_patience": self.early_stopping_patience >= 1,
-            "loggers": set(self.loggers) <= {"mlflow", "wandb"} and not isinstance(self.loggers, str),
-        }
-        for name, ok in checks.items():
-            if not ok:
-                raise ConfigError(f"{name}={getattr(self, name)!r} is not valid: see TrainerConfig.{name}")
+        })
         # The world size is known only when the Trainer is built; the accumulation steps are known now.
         if self.global_batch_size is not None and self.global_batch_size % self.grad_accum_steps:
             raise ConfigError(
@@ -133,3 +184,11 @@ class TrainerConfig:
                 f"{self.grad_accum_steps} accumulation steps: pick a multiple of {parts}"
             )
         return self.global_batch_size // parts
+
+    def to_json(self) -> dict[str, Any]:
+        """The config as JSON values, nested as it is; the strategy as its name and options."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["strategy"] = {"name": self.strategy.name, **asdict(self.strategy)}  # type: ignore[union-attr]
+        for name in ("snapshot", "early_stopping", "logging"):
+            out[name] = asdict(out[name])
+        return json.loads(json.dumps(out, default=str))

@@ -1,10 +1,8 @@
-"""A rank's training losses between two agreements of the ranks, a batch's size, and a rank's share of a step's loss."""
+"""A rank's training losses between two agreements of the ranks."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from typing import Any
 
 import torch
 
@@ -50,28 +48,3 @@ class LossWindow:
 
     def clear(self) -> None:
         self.losses, self.sizes, self.steps, self.tried, self._step_start = [], [], 0, 0, 0
-
-
-def batch_len(batch: Any) -> int:
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0]
-    if isinstance(batch, Mapping):
-        return batch_len(next(iter(batch.values())))
-    if isinstance(batch, (list, tuple)):
-        return batch_len(batch[0])
-    raise TypeError(f"cannot tell the batch size of a {type(batch).__name__}; batches hold tensors")
-
-
-def loss_share(samples: int, world_size: int, step_samples: int, micro_batches: int, micro_global: int) -> float:
-    """What a rank divides its micro-batch's mean loss by, so that the step follows the mean over the step's
-    ``step_samples`` samples on all ranks.
-
-    DDP averages the ranks' gradients and micro-batch gradients add up, so the step's gradient is
-    ``sum(grad_i / d_i) / world_size``. With ``d_i = step_samples / (samples_i * world_size)`` that sum weighs
-    every sample alike: ``sum(samples_i * grad_i) / step_samples``. When every micro-batch is full this is the
-    number of micro-batches; an epoch's last, smaller batch (``drop_last=False``) is split unevenly over the
-    ranks, and averaging the ranks' means there would weigh the samples of a rank with fewer more.
-    """
-    if step_samples == micro_batches * micro_global:
-        return float(micro_batches)  # the same division as before, bit for bit
-    return step_samples / (samples * world_size)

@@ -1,33 +1,38 @@
 """The Trainer: DDP epochs with exact metrics, atomic snapshots, and resume that continues bit for bit.
 
-Built on the same primitives a hand-written loop uses (:func:`~ddpkit.prepare_model`,
-:class:`~ddpkit.ShardedBatchSampler`, :func:`~ddpkit.evaluate`, :mod:`ddpkit.snapshot`); nothing here is
-needed to write a loop by hand.
+Built on the same primitives a hand-written loop uses (:func:`~ddpkit.prepare_model` through a strategy,
+:class:`~ddpkit.data.ShardedBatchSampler`, :func:`~ddpkit.evaluate`, :mod:`ddpkit.snapshot`); nothing here is
+needed to write a loop by hand. The loop reads::
+
+    for step in epoch_steps(...):           # each optimizer step's micro-batches
+        taken = self._train_step(step)      # forward/backward on each, then the strategy's verdict and the step
+        self._after_step(step, taken)       # log, agree, snapshot, stop?
 
 One optimizer step, on every rank:
 
 1. ``grad_accum_steps`` micro-batches; all but the last run under the strategy's ``no_sync()``, so gradients
-   are synchronised once per step; each loss is divided by the number of micro-batches (gradients add up, and
-   the step should follow the mean), and an epoch's last, smaller batch is weighed by each rank's share of its
-   samples (:func:`~ddpkit.training.loss_window.loss_share`), so the step follows the mean over samples, not over ranks.
+   are synchronised once per step; each loss is divided by its share of the step
+   (:func:`~ddpkit.training.steps.loss_share`: the number of micro-batches, or, in an epoch's last, smaller
+   batch, each rank's share of its samples), so the step follows the mean over samples, not over ranks.
 2. The strategy (:mod:`ddpkit.strategies`: ``ddp``, ``zero``, ``fsdp``) gives the verdict on the step, the
    same on every rank: if the synchronised gradients, and every rank's loss, are finite the step is taken
    everywhere, else it is skipped (or training stops) everywhere. Under ``ddp`` and ``zero`` no collective of
    ours runs in a normal step; under ``fsdp`` one all-reduce of two numbers covers every rank's shard.
 3. Clipping (global norm, over all shards), ``optimizer.step()``, the scheduler (if stepped per step), a
-   snapshot every N steps (:mod:`ddpkit.snapshot.manager`: each rank writes its part; asynchronously by default).
-4. Every ``log_every_steps`` steps and at the end of an epoch, one small all-reduce gives the exact mean
+   snapshot every N steps (:mod:`ddpkit.training.snapshots`: each rank writes its part; asynchronously by default).
+4. Every ``logging.every_steps`` steps and at the end of an epoch, one small all-reduce gives the exact mean
    training loss since the last one, and spreads a SIGTERM/SIGUSR1 that any rank received, so that all ranks
    save and stop after the same step.
 """
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
-from dataclasses import asdict
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +40,11 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from ddpkit.data import ShardedBatchSampler, build_eval_loader, build_loader, to_device
+from ddpkit.data import ShardedBatchSampler, build_eval_loader, build_loader
 from ddpkit.distributed import signals
 from ddpkit.distributed.collectives import all_reduce, broadcast_object
 from ddpkit.distributed.log import print0
-from ddpkit.distributed.runtime import Runtime, get_runtime
+from ddpkit.distributed.runtime import get_runtime
 from ddpkit.distributed.seeding import stream_seed
 from ddpkit.errors import PREEMPTED_EXIT_CODE, ConfigError, Preempted
 from ddpkit.nn.dropout import (
@@ -48,24 +53,40 @@ from ddpkit.nn.dropout import (
     batch_layout,
     convert_dropout,
 )
+from ddpkit.snapshot import files as run_files
 from ddpkit.snapshot import run_dir as run_dir_lib
 from ddpkit.snapshot.best import BestWeights
-from ddpkit.snapshot.manager import SnapshotManager
 from ddpkit.strategies import Strategy, build_strategy
 from ddpkit.tracking.metrics import MetricsWriter
 from ddpkit.tracking.progress import Progress, run_summary
-from ddpkit.training import callbacks as callbacks_lib
-from ddpkit.training.config import TrainerConfig
+from ddpkit.training.callbacks import call
+from ddpkit.training.config import TrainerConfig  # noqa: F401  (imported from here by scripts)
+from ddpkit.training.early_stopping import EarlyStopping
 from ddpkit.training.evaluation import classification_metrics, evaluate
-from ddpkit.training.loss_window import LossWindow, batch_len, loss_share
+from ddpkit.training.loss_window import LossWindow
 from ddpkit.training.losses import cross_entropy
+from ddpkit.training.run_record import RunRecord
 from ddpkit.training.snapshots import TrainerSnapshots
+from ddpkit.training.state import RankStreams, TrainState
+from ddpkit.training.steps import MicroBatch, Step, batch_len, epoch_steps
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 BatchLossFn = Callable[[nn.Module, Any], torch.Tensor]
 
 
-class Trainer(TrainerSnapshots):
+class StopReason(str, Enum):
+    """Why ``fit()`` ended (``trainer.stopped_by``); a callback may stop training with a reason of its own."""
+
+    EPOCHS = "epochs"
+    MAX_STEPS = "max_steps"
+    EARLY_STOPPING = "early_stopping"
+    SIGNAL = "signal"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Trainer:
     """DDP training of ``model`` with ``optimizer`` on ``train_data``; see :class:`TrainerConfig`.
 
     The loss is ``loss_fn(model(inputs), targets)`` for ``(inputs, targets)`` batches (cross-entropy by
@@ -77,19 +98,19 @@ class Trainer(TrainerSnapshots):
     are objects with some of :class:`~ddpkit.training.callbacks.Callback`'s methods.
     """
 
-    # What the Trainer holds, and what a snapshot restores:
+    # What the Trainer holds; a snapshot restores the strategy's model and optimizer, `state`, the random
+    # streams, early stopping, the scheduler and the scaler.
     config: TrainerConfig
-    runtime: Runtime
-    model: nn.Module  # inside DDP when there is a process group
+    strategy: Strategy
+    model: nn.Module  # inside DDP (or fsdp's wrapping) when there is a process group
     optimizer: torch.optim.Optimizer
     scheduler: Any
     scaler: torch.amp.GradScaler | None
-    epoch: int  # epochs completed
-    step: int  # optimizer steps taken
-    cursor: int  # samples of the current epoch already trained on, over all ranks
-    best: float | None  # best value of the early-stopping metric
-    bad_epochs: int  # epochs since it improved
-    skipped_steps: int  # steps skipped for a non-finite loss or non-finite gradients (not fp16 overflows)
+    state: TrainState  # epoch, step, cursor, skipped steps
+    early_stopping: EarlyStopping
+    best_weights: BestWeights
+    snapshots: TrainerSnapshots
+    stopped_by: StopReason | str | None
 
     def __init__(
         self,
@@ -110,63 +131,77 @@ class Trainer(TrainerSnapshots):
             raise ConfigError("pass loss_fn (for (inputs, targets) batches) or batch_loss_fn, not both")
         # Rank, world size and "main" count in this group: the whole job, or one group of split_world().
         self.config, self.runtime = config, get_runtime(group)
-        if self.runtime.rank < 0:
-            raise ConfigError(
-                f"global rank {get_runtime().rank} is not a member of the group it was given: pass each rank its "
-                "own group (split_world() returns it)"
-            )
         rt = self.runtime
+        if rt.rank < 0:
+            raise ConfigError(f"global rank {get_runtime().rank} is not a member of the group it was given: pass "
+                              "each rank its own group (split_world() returns it)")
         self.group = rt.group
-        self.callbacks = callbacks_lib.resolve(callbacks)
+        self.callbacks = list(callbacks)
         if config.global_batch_dropout:
             convert_dropout(model)
+        record = RunRecord.of(config, optimizer, model)  # the lr as asked, before any scheduler step
         # The strategy wraps the model (and, for zero and fsdp, rebuilds the optimizer over what it shards,
         # pointing the scheduler at the new one).
-        self.strategy: Strategy = build_strategy(
-            config.strategy, model, optimizer, options=config.strategy_options, runtime=rt,
-            sync_batchnorm=config.sync_batchnorm, scheduler=scheduler, ddp_kwargs=config.ddp_kwargs,
-        )
-        self.model = self.strategy.model
+        self.strategy = build_strategy(config.strategy, model, optimizer, runtime=rt,
+                                       sync_batchnorm=config.sync_batchnorm, scheduler=scheduler)
+        self.model, self.optimizer, self.scheduler = self.strategy.model, self.strategy.optimizer, scheduler
         # Scripts seed every rank alike so that models start identical; the strategy has now made them
         # identical, and with one seed everywhere ranks would also draw identical dropout masks and augmentations.
         torch.manual_seed(stream_seed("rank", config.seed, rt.rank))
-        self.optimizer, self.scheduler = self.strategy.optimizer, scheduler
         self._global_dropout = any(isinstance(m, GlobalBatchDropout) for m in self.model.modules())
-        self._grad_norm: torch.Tensor | None = None  # known when clipping
         self._on_cpu = rt.device.type == "cpu"
         self.scaler = torch.amp.GradScaler(rt.device.type) if config.precision == "fp16" else None
         self.loss_fn = loss_fn or cross_entropy
-        self._hparams = run_dir_lib.optimizer_hparams(optimizer)  # as asked, before any scheduler step
         self.batch_loss_fn = batch_loss_fn
         self.metric_fn = metric_fn or (classification_metrics if loss_fn is None and batch_loss_fn is None else None)
         self.train_data, self.val_data = train_data, val_data
-        self.loader = build_loader(
-            train_data,
-            config.per_rank_batch(rt.world_size),
-            shuffle=config.shuffle,
-            seed=config.seed,
-            drop_last=config.drop_last,
-            num_workers=config.num_workers,
-            group=self.group,
-        )
-        # The sampler's position and the loader's generator are part of every snapshot.
+        self.loader = build_loader(train_data, config.per_rank_batch(rt.world_size), shuffle=config.shuffle,
+                                   seed=config.seed, drop_last=config.drop_last, num_workers=config.num_workers,
+                                   group=self.group)
         self.sampler: ShardedBatchSampler = self.loader.batch_sampler
         self.generator: torch.Generator = self.loader.generator
-        self.epoch = self.step = self.cursor = self.bad_epochs = self.skipped_steps = 0
-        self.best = None
+        self.state = TrainState()
+        self.early_stopping = EarlyStopping(config.early_stopping)
         self.run_dir = Path(config.run_dir)
-        self.writer = MetricsWriter(self.run_dir, enabled=rt.is_main, tensorboard=config.tensorboard,
-                                    loggers=config.loggers, params=asdict(config))
-        self.best_weights = BestWeights(self.run_dir / "best.pt", config.best_metric or config.early_stopping_metric,
-                                        config.early_stopping_mode, enabled=rt.is_main)
+        log = config.logging
+        self.writer = MetricsWriter(self.run_dir, enabled=rt.is_main, tensorboard=log.tensorboard,
+                                    loggers=log.trackers, params=config.to_json())
+        self.best_weights = BestWeights(self.run_dir / "best.pt", config.early_stopping.metric,
+                                        config.early_stopping.mode, enabled=rt.is_main)
+        self.snapshots = TrainerSnapshots(
+            self.run_dir, config.snapshot, runtime=rt, strategy=self.strategy, train=self.state,
+            states={"rng": RankStreams(rt, self.generator, config.seed, self.state),
+                    "early_stopping": self.early_stopping, "scheduler": scheduler, "scaler": self.scaler},
+            record=record, global_micro_batch=self.sampler.global_batch_size, log=self.writer.log,
+            print0=self._print0,
+        )
+        self._grad_norm: torch.Tensor | None = None  # known when clipping
         self._epoch_loss = [0.0, 0.0]  # agreed sum of loss x samples, and samples, in this epoch
         self._epoch_start = time.perf_counter()
         self._stop_signal = 0
-        self._saved_at: tuple[int, int, int] | None = None
-        self._snapshots = SnapshotManager(self.run_dir / "snapshots", group=self.group, keep_last=config.keep_snapshots,
-                                       async_write=config.snapshot_async)
-        self.stopped_by: str | None = None
-        self.resumed_from: int | None = None
+        self.stopped_by = None
+
+    # The counters, as the state holds them.
+    epoch = property(lambda self: self.state.epoch, lambda self, v: setattr(self.state, "epoch", v))
+    step = property(lambda self: self.state.step, lambda self, v: setattr(self.state, "step", v))
+    cursor = property(lambda self: self.state.cursor, lambda self, v: setattr(self.state, "cursor", v))
+    skipped_steps = property(lambda self: self.state.skipped_steps)
+    resumed_from = property(lambda self: self.snapshots.resumed_from)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the next step needs (collective); see :class:`~ddpkit.training.snapshots.TrainerSnapshots`."""
+        return self.snapshots.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.snapshots.load_state_dict(state)
+
+    def save(self) -> None:
+        """Snapshot this step (every rank must call it); with a stop decided, wait until it is whole on disk."""
+        self.snapshots.save(wait=self.stopped_by is not None)
+
+    def wait_for_snapshot(self) -> None:
+        """Block until the snapshot being written in the background (if any) is whole on disk."""
+        self.snapshots.wait()
 
     # -- the loop -----------------------------------------------------------------------------------------
 
@@ -186,46 +221,42 @@ class Trainer(TrainerSnapshots):
 
     def _fit(self) -> dict[str, float]:
         cfg, rt = self.config, self.runtime
-        if not (cfg.resume and self.resume()):
-            self.writer.log("event", self.step, {"event": "start", "restart_count": rt.restart_count})
-        else:
+        if cfg.resume and self.snapshots.resume(self.load_state_dict):
             self.best_weights.load()
             # The file is on rank 0's disk; every rank must know the best so far to decide alike.
             best = broadcast_object((self.best_weights.value, self.best_weights.epoch), group=self.group)
             self.best_weights.value, self.best_weights.epoch = best
+        else:
+            self.writer.log("event", self.step, {"event": "start", "restart_count": rt.restart_count})
         self._write_config()
-        callbacks_lib.call(self.callbacks, "on_fit_start", self)
-        handlers = signals.catch_stop_signals(self._on_stop_signal)
+        call(self.callbacks, "on_fit_start", self)
         last: dict[str, float] = {}
+        # A finished run, resumed: nothing left to train.
+        if self.early_stopping.should_stop:
+            self.stopped_by = StopReason.EARLY_STOPPING
+        if cfg.max_steps is not None and self.step >= cfg.max_steps:
+            self.stopped_by = StopReason.MAX_STEPS
         try:
-            # A finished run, resumed: nothing left to train.
-            if cfg.early_stopping_metric is not None and self.bad_epochs >= cfg.early_stopping_patience:
-                self.stopped_by = "early_stopping"
-            if cfg.max_steps is not None and self.step >= cfg.max_steps:
-                self.stopped_by = "max_steps"
-            while self.epoch < cfg.epochs and self.stopped_by is None:
-                self.sampler.set_position(self.epoch, self.cursor)
-                if not self._train_epoch():
-                    break
-                last = self._end_epoch()
+            with signals.stop_signals(self._on_stop_signal):
+                while self.epoch < cfg.epochs and self.stopped_by is None:
+                    if not self._train_epoch():
+                        break
+                    last = self._end_epoch()
         except BaseException as err:
             # The launcher's failure summary shows the end of the traceback, notes included (Python >= 3.11).
             if hasattr(err, "add_note"):
                 err.add_note(f"ddpkit: rank {rt.rank} failed in epoch {self.epoch}, at optimizer step {self.step}")
             raise
-        finally:
-            for sig, handler in handlers.items():
-                signal.signal(sig, handler)
-        if self.stopped_by in ("max_steps", "signal"):
+        if self.stopped_by in (StopReason.MAX_STEPS, StopReason.SIGNAL):
             self.save()
         self.wait_for_snapshot()  # the run's last snapshot is whole before fit() returns
-        self.writer.log("event", self.step, {"event": "stop", "reason": self.stopped_by or "epochs"})
+        reason = self.stopped_by or StopReason.EPOCHS
+        self.writer.log("event", self.step, {"event": "stop", "reason": str(reason)})
         self.writer.flush()
-        callbacks_lib.call(self.callbacks, "on_fit_end", self)
-        if self.stopped_by != "signal":
-            self._print0(run_summary(self.stopped_by or "epochs", self.epoch, self.step, last, self.best_weights,
-                                     self.run_dir))
-        if self.stopped_by == "signal" and cfg.raise_on_stop_signal:
+        call(self.callbacks, "on_fit_end", self)
+        if self.stopped_by != StopReason.SIGNAL:
+            self._print0(run_summary(str(reason), self.epoch, self.step, last, self.best_weights, self.run_dir))
+        elif cfg.raise_on_stop_signal:
             received = signal.Signals(self._stop_signal).name if self._stop_signal else "a signal to another rank"
             self._print0(f"ddpkit: stopped by {received} after optimizer step {self.step}; the snapshot is saved; "
                          f"raising ddpkit.Preempted (exit code {PREEMPTED_EXIT_CODE}: pre-empted, resume me)")
@@ -235,72 +266,79 @@ class Trainer(TrainerSnapshots):
     def _train_epoch(self) -> bool:
         """Train on the rest of the current epoch; False when training must stop before its end."""
         cfg, rt = self.config, self.runtime
-        accum, micro_gbs = cfg.grad_accum_steps, self.sampler.global_batch_size
-        remaining = len(self.sampler)
-        first_micro = self.cursor // micro_gbs
-        progress = Progress(
-            rt.is_main and cfg.progress,
-            total=-(-self.sampler.steps_per_epoch // accum),  # optimizer steps: micro-batches / accum, rounded up
-            desc=f"epoch {self.epoch + 1}/{cfg.epochs}",
-            initial=first_micro // accum,
-        )
-        window = LossWindow(on_host=self._on_cpu)
-        t0 = self._epoch_start = time.perf_counter()
-        for i, batch in enumerate(self.loader):
-            group_size = min(accum, remaining - (i // accum) * accum)
-            last_in_group = i % accum == group_size - 1
-            if i % accum == 0:
-                step_samples = self.sampler.samples_in_step(first_micro + i, accum)
-            if not self._on_cpu:  # on the CPU, batches are already where they belong
-                batch = to_device(batch, rt.device)
-            n = batch_len(batch)
-            sync = nullcontext() if last_in_group else self.strategy.no_sync()
-            layout = batch_layout(self._layout(first_micro + i)) if self._global_dropout else nullcontext()
+        accum = cfg.grad_accum_steps
+        self.sampler.set_position(self.epoch, self.cursor)
+        first = self.cursor // self.sampler.global_batch_size
+        progress = Progress(rt.is_main and cfg.logging.progress, total=-(-self.sampler.steps_per_epoch // accum),
+                            desc=f"epoch {self.epoch + 1}/{cfg.epochs}", initial=first // accum)
+        self._window = LossWindow(on_host=self._on_cpu)
+        self._window_start = self._epoch_start = time.perf_counter()
+        device = None if self._on_cpu else rt.device  # on the CPU, batches are already where they belong
+        try:
+            for step in epoch_steps(self.loader, self.sampler, accum, first, device):
+                taken = self._train_step(step)
+                self.state.cursor = step.cursor
+                if not self._after_step(step, taken, progress):
+                    return False
+            return True
+        finally:
+            progress.close()
+
+    def _train_step(self, step: Step) -> bool:
+        """Forward and backward on each of the step's micro-batches, then the optimizer step; True if taken."""
+        for micro in step.micro_batches:
+            sync = nullcontext() if micro.last else self.strategy.no_sync()
             with sync:
-                with self._autocast(), layout:
-                    loss = self._loss(self.model, batch)
-                window.add(loss, n)
+                loss = self._micro_batch_loss(micro)
+                self._window.add(loss, micro.samples)
                 scaled = self.strategy.mark_nonfinite(loss)
-                share = loss_share(n, self.sampler.world_size, step_samples, group_size, micro_gbs)
-                if share != 1:
-                    scaled = scaled / share
+                if micro.share != 1:
+                    scaled = scaled / micro.share
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-            if not last_in_group:
-                continue
-            taken = self._optimizer_step(window)
-            window.end_step(taken)
-            if self.callbacks:
-                callbacks_lib.call(self.callbacks, "on_step_end", self, taken)
-            self.cursor = min((first_micro + i + 1) * micro_gbs, self.sampler.num_samples)
-            end_of_epoch = i + 1 == remaining
-            if cfg.max_steps is not None and self.step >= cfg.max_steps:
-                self.stopped_by = "max_steps"
-            postfix = None
-            # Every rank reaches the same decision here: steps are taken or skipped everywhere alike.
-            if end_of_epoch or self.stopped_by or (taken and self.step % cfg.log_every_steps == 0):
-                train_loss = self._agree(window)
-                ms = 1000 * (time.perf_counter() - t0) / max(window.tried, 1)
-                postfix = {"loss": train_loss, "ms/step": ms}
-                if window.steps:
-                    record = {"epoch": self.epoch, "train/loss": train_loss, "lr": self._lr(),
-                              "ms_per_step": round(ms, 3)}
-                    if self._grad_norm is not None:
-                        record["grad_norm"] = float(self._grad_norm)  # of the last step taken, before clipping
-                    self.writer.log("train", self.step, record)
-                window.clear()
-                t0 = time.perf_counter()
-            progress.update(postfix)
-            if self.stopped_by is not None and not end_of_epoch:
-                progress.close()
-                return False
-            # An epoch-end snapshot follows the last step of an epoch; do not write that step twice.
-            if taken and cfg.snapshot_every_steps and self.step % cfg.snapshot_every_steps == 0:
-                if not (end_of_epoch and cfg.snapshot_every_epochs):
-                    self.save()
-        progress.close()
+        taken = self._optimizer_step()
+        self._window.end_step(taken)
+        return taken
+
+    def _micro_batch_loss(self, micro: MicroBatch) -> torch.Tensor:
+        layout = batch_layout(self._layout(micro.index)) if self._global_dropout else nullcontext()
+        with self._autocast(), layout:
+            return self._loss(self.model, micro.batch)
+
+    def _after_step(self, step: Step, taken: bool, progress: Progress) -> bool:
+        """After a step: callbacks, the agreement and its record, a snapshot; False to stop inside the epoch.
+        Every rank reaches the same decisions here: steps are taken or skipped everywhere alike."""
+        cfg = self.config
+        if self.callbacks:
+            call(self.callbacks, "on_step_end", self, taken)
+        if cfg.max_steps is not None and self.step >= cfg.max_steps:
+            self.stopped_by = StopReason.MAX_STEPS
+        postfix = None
+        if step.last_in_epoch or self.stopped_by or (taken and self.step % cfg.logging.every_steps == 0):
+            postfix = self._log_window()
+        progress.update(postfix)
+        if self.stopped_by is not None and not step.last_in_epoch:
+            return False
+        # An epoch-end snapshot follows the last step of an epoch; do not write that step twice.
+        every = cfg.snapshot.every_steps
+        if taken and every and self.step % every == 0 and not (step.last_in_epoch and cfg.snapshot.every_epochs):
+            self.save()
         return True
 
-    def _optimizer_step(self, window: LossWindow) -> bool:
+    def _log_window(self) -> dict[str, float]:
+        """Agree on the mean training loss since the last agreement, record it, and start a new window."""
+        window = self._window
+        train_loss = self._agree(window)
+        ms = 1000 * (time.perf_counter() - self._window_start) / max(window.tried, 1)
+        if window.steps:
+            record = {"epoch": self.epoch, "train/loss": train_loss, "lr": self._lr(), "ms_per_step": round(ms, 3)}
+            if self._grad_norm is not None:
+                record["grad_norm"] = float(self._grad_norm)  # of the last step taken, before clipping
+            self.writer.log("train", self.step, record)
+        window.clear()
+        self._window_start = time.perf_counter()
+        return {"loss": train_loss, "ms/step": ms}
+
+    def _optimizer_step(self) -> bool:
         """Clip and step if the synchronised gradients are finite; True if the step was taken.
 
         The strategy's verdict is the same on every rank (see :meth:`Strategy.check_gradients`); it costs a
@@ -311,7 +349,7 @@ class Trainer(TrainerSnapshots):
             self.scaler.unscale_(self.optimizer)  # clip and check true gradients, not scaled ones
         verdict = self.strategy.check_gradients(cfg.clip_grad_norm)
         if not verdict.finite:
-            return self._nonfinite_step(window)
+            return self._nonfinite_step()
         if cfg.clip_grad_norm is not None:
             self._grad_norm = verdict.norm
         if self.scaler is not None:
@@ -324,28 +362,27 @@ class Trainer(TrainerSnapshots):
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None and cfg.scheduler_interval == "step":
             self.scheduler.step()
-        self.step += 1
+        self.state.step += 1
         return True
 
-    def _nonfinite_step(self, window: LossWindow) -> bool:
+    def _nonfinite_step(self) -> bool:
         """Every rank is here at the same step (the gradients said so); find out why, then skip or stop."""
-        cfg = self.config
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)  # also parameters outside the optimizer: no NaN may stay behind
         # Rare, and entered by every rank together, so a collective is safe: how many ranks had a bad loss?
-        bad_ranks = int(all_reduce(float(not window.step_is_finite()), group=self.group))
+        bad_ranks = int(all_reduce(float(not self._window.step_is_finite()), group=self.group))
         if self.scaler is not None:
             self.scaler.update()  # the scaler saw the inf/NaN in unscale_: it lowers its scale
             if not bad_ranks:  # fp16 overflow with finite losses: routine, the scaler's business
                 self.writer.log("event", self.step, {"event": "fp16_overflow", "scale": self.scaler.get_scale()})
                 return False
         what = f"non-finite loss on {bad_ranks} rank(s)" if bad_ranks else "non-finite gradients (losses finite)"
-        if cfg.on_nonfinite == "stop":
+        if self.config.on_nonfinite == "stop":
             raise FloatingPointError(
                 f"{what} at optimizer step {self.step} (epoch {self.epoch}); every rank stops here. Lower the "
                 "learning rate, clip gradients (clip_grad_norm), or pass on_nonfinite='skip'"
             )
-        self.skipped_steps += 1
+        self.state.skipped_steps += 1
         self.writer.log("event", self.step, {"event": "skipped_nonfinite", "reason": what,
                                              "skipped": self.skipped_steps})
         return False
@@ -363,13 +400,13 @@ class Trainer(TrainerSnapshots):
         self._epoch_loss[0] += float(total["loss"])
         self._epoch_loss[1] += float(total["samples"])
         if total["stop"] and self.stopped_by is None:
-            self.stopped_by = "signal"
+            self.stopped_by = StopReason.SIGNAL
         return float(total["loss"] / total["samples"]) if total["samples"] else float("nan")
 
     def _end_epoch(self) -> dict[str, float]:
         cfg = self.config
-        self.epoch += 1
-        self.cursor = 0
+        self.state.epoch += 1
+        self.state.cursor = 0
         if self.scheduler is not None and cfg.scheduler_interval == "epoch":
             self.scheduler.step()
         metrics: dict[str, float] = {"epoch": self.epoch, "step": self.step, "lr": self._lr()}
@@ -380,20 +417,13 @@ class Trainer(TrainerSnapshots):
         if self.val_data is not None:
             metrics |= self.evaluate(self.val_data, prefix="val")
         seconds = round(time.perf_counter() - self._epoch_start, 3)  # training and validation
-        if cfg.early_stopping_metric is not None:
-            if cfg.early_stopping_metric not in metrics:
-                raise ConfigError(
-                    f"early_stopping_metric={cfg.early_stopping_metric!r} is not among {sorted(metrics)}"
-                )
-            value = metrics[cfg.early_stopping_metric]
-            better = self.best is None or (value < self.best if cfg.early_stopping_mode == "min" else value > self.best)
-            self.best, self.bad_epochs = (value, 0) if better else (self.best, self.bad_epochs + 1)
-            if self.bad_epochs >= cfg.early_stopping_patience:
-                self.stopped_by = "early_stopping"
+        self.early_stopping.update(metrics)
+        if self.early_stopping.should_stop:
+            self.stopped_by = StopReason.EARLY_STOPPING
         if self.best_weights.update(metrics, self.strategy.model_weights, self.epoch, self.step):
             self.writer.log("event", self.step, {"event": "best", "file": "best.pt",
                                                  self.best_weights.metric: self.best_weights.value})
-        if cfg.snapshot_every_epochs and self.epoch % cfg.snapshot_every_epochs == 0 or self.stopped_by:
+        if cfg.snapshot.every_epochs and self.epoch % cfg.snapshot.every_epochs == 0 or self.stopped_by:
             self.save()
         # The records and callbacks get the epoch's time too; fit() returns only what the training determines.
         timed = metrics | {"epoch_seconds": seconds}
@@ -401,14 +431,13 @@ class Trainer(TrainerSnapshots):
         self.writer.epoch_row(timed)
         self.writer.flush()
         self._print0(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in timed.items()))
-        callbacks_lib.call(self.callbacks, "on_epoch_end", self, timed)
+        call(self.callbacks, "on_epoch_end", self, timed)
         return metrics
 
     def evaluate(self, data: Dataset, prefix: str = "test") -> dict[str, float]:
         """Exact metrics over every sample of ``data`` (each counted once), named ``prefix/metric``."""
-        loader = build_eval_loader(
-            data, self.config.eval_batch_size, num_workers=self.config.num_workers, group=self.group
-        )
+        loader = build_eval_loader(data, self.config.eval_batch_size, num_workers=self.config.num_workers,
+                                   group=self.group)
         with self.strategy.evaluation():  # fsdp: no collective per forward, as ranks' batch counts may differ
             results = evaluate(self.model, loader, self._metric_fn, group=self.group, autocast=self._autocast)
         out = {f"{prefix}/{k}": v for k, v in results.items()}
@@ -417,6 +446,17 @@ class Trainer(TrainerSnapshots):
         return out
 
     # -- pieces -------------------------------------------------------------------------------------------
+
+    def _write_config(self) -> None:
+        """``run_dir/config.json``: the resolved config, with the world size, per-rank batch and versions."""
+        if not self.runtime.is_main:
+            return
+        rt = self.runtime
+        resolved = self.config.to_json() | {"world_size": rt.world_size, "per_rank_batch": self.sampler.batch_size,
+                                            "backend": rt.backend, "device": str(rt.device),
+                                            "torch": torch.__version__}
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        run_files.write_atomic(self.run_dir / "config.json", (json.dumps(resolved, indent=2, default=str) + "\n").encode())
 
     def _loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         if self.batch_loss_fn is not None:
@@ -449,7 +489,7 @@ class Trainer(TrainerSnapshots):
         return torch.autocast(self.runtime.device.type, dtype=dtype)
 
     def _on_stop_signal(self, signum: int) -> None:
-        # Only a flag: the next agreement (every log_every_steps) spreads it, and every rank saves and stops
+        # Only a flag: the next agreement (every logging.every_steps) spreads it, and every rank saves and stops
         # after the same step.
         self._stop_signal = signum
 
@@ -458,3 +498,4 @@ class Trainer(TrainerSnapshots):
 
     def _lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
+
