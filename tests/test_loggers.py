@@ -78,7 +78,7 @@ def test_mlflow_and_wandb_get_the_same_records_and_continue_after_a_resume(tmp_p
 
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}")
     run = client.get_run(first_ids["mlflow"])
-    assert run.data.params["seed"] == "0" and run.data.params["log_every_steps"] == "5"
+    assert run.data.params["seed"] == "0" and run.data.params["logging.every_steps"] == "5"
     for name, points in expected.items():
         logged = {m.step: m.value for m in client.get_metric_history(run.info.run_id, name)}
         assert logged == pytest.approx(points), name

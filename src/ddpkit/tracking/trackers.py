@@ -59,7 +59,8 @@ class MLflowLogger:
             found = self.client.get_experiment_by_name(name)
             experiment = found.experiment_id if found else self.client.create_experiment(name)
             self.run_id = self.client.create_run(experiment, run_name=run_dir.name).info.run_id
-            self.client.log_batch(self.run_id, params=[Param(k, str(v)[:500]) for k, v in params.items()])
+            # MLflow's params are flat: a nested config's fields as `logging.every_steps`.
+            self.client.log_batch(self.run_id, params=[Param(k, str(v)[:500]) for k, v in _flat(params).items()])
             _remember(run_dir, "mlflow", self.run_id)
         else:
             self.client.update_run(self.run_id, status="RUNNING")
@@ -94,6 +95,16 @@ def require(names: tuple[str, ...] | list[str]) -> None:
     """Import each logger's package now, so that a missing extra is named before training starts."""
     for name in names:
         _need(name, name)
+
+
+def _flat(params: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in params.items():
+        if isinstance(value, dict):
+            out |= _flat(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def build(names: tuple[str, ...] | list[str], run_dir: Path, params: dict[str, Any]) -> list[Any]:
