@@ -76,8 +76,11 @@ def _state_bytes(strategy) -> dict[str, int]:
     optimizer = strategy.optimizer
     local_optimizer = getattr(optimizer, "optim", optimizer)  # ZeRO: this rank's own optimizer
     state = [v for s in local_optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-    return {"params": _bytes(params), "grads": _bytes(p.grad for p in params if p.grad is not None),
-            "optimizer": _bytes(state)}
+    return {
+        "params": _bytes(params),
+        "grads": _bytes(p.grad for p in params if p.grad is not None),
+        "optimizer": _bytes(state),
+    }
 
 
 def measure(name: str, width: int, blocks: int, batch: int, steps: int) -> dict:
@@ -89,8 +92,9 @@ def measure(name: str, width: int, blocks: int, batch: int, steps: int) -> dict:
     torch.manual_seed(0)
     model = nn.Sequential(*[Block(width) for _ in range(blocks)])
     options = {"shard_blocks": ["Block"]} if name == "fsdp" else {}
-    strategy = build_strategy(strategy_config(name, options), model, torch.optim.Adam(model.parameters(), lr=1e-4),
-                              runtime=rt)
+    strategy = build_strategy(
+        strategy_config(name, options), model, torch.optim.Adam(model.parameters(), lr=1e-4), runtime=rt
+    )
     del model
     x = torch.randn(batch, width, generator=torch.Generator().manual_seed(rt.rank)).to(rt.device)
     times, after_backward, after_step = [], {}, {}
@@ -113,9 +117,16 @@ def measure(name: str, width: int, blocks: int, batch: int, steps: int) -> dict:
             times.append(time.perf_counter() - t0)
     peak = _status("VmHWM") - base_rss
     peak_cuda = torch.cuda.max_memory_allocated(rt.device) - base_cuda if cuda else None
-    return {"params": after_step["params"], "grads": after_backward["grads"], "optimizer": after_step["optimizer"],
-            "peak_rss": peak, "peak_cuda": peak_cuda, "step_s": statistics.median(times),
-            "device": str(rt.device), "backend": rt.backend}
+    return {
+        "params": after_step["params"],
+        "grads": after_backward["grads"],
+        "optimizer": after_step["optimizer"],
+        "peak_rss": peak,
+        "peak_cuda": peak_cuda,
+        "step_s": statistics.median(times),
+        "device": str(rt.device),
+        "backend": rt.backend,
+    }
 
 
 def job(name: str, width: int, blocks: int, batch: int, steps: int, device: str | None) -> dict:
@@ -128,8 +139,12 @@ def job(name: str, width: int, blocks: int, batch: int, steps: int, device: str 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--nproc", type=int, default=None, help="ranks (default: the GPUs, or 2 CPU processes)")
-    p.add_argument("--device", choices=("auto", "cpu"), default="auto",
-                   help="auto: one GPU per rank where there are GPUs; cpu: CPU processes over gloo")
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu"),
+        default="auto",
+        help="auto: one GPU per rank where there are GPUs; cpu: CPU processes over gloo",
+    )
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--blocks", type=int, default=7)
     p.add_argument("--batch", type=int, default=16)
@@ -139,29 +154,43 @@ def main() -> None:
     gpus = torch.cuda.device_count() if a.device == "auto" else 0  # NVML: CUDA stays uninitialised here
     nproc = a.nproc or gpus or 2
     if gpus and nproc > gpus:
-        raise SystemExit(f"--nproc {nproc}: {gpus} GPU(s) here, one per rank (nccl refuses two ranks on one "
-                         "GPU); lower --nproc, or pass --device cpu")
+        raise SystemExit(
+            f"--nproc {nproc}: {gpus} GPU(s) here, one per rank (nccl refuses two ranks on one "
+            "GPU); lower --nproc, or pass --device cpu"
+        )
     device = "cpu" if a.device == "cpu" else None
     results: list[list[dict]] = [[] for _ in range(nproc)]
     for r in range(a.rounds):
         for name in STRATEGIES:
-            ranks = ddpkit.spawn(functools.partial(job, name, a.width, a.blocks, a.batch, a.steps, device), nproc,
-                                 start_method="spawn", threads_per_process=1)
+            ranks = ddpkit.spawn(
+                functools.partial(job, name, a.width, a.blocks, a.batch, a.steps, device),
+                nproc,
+                start_method="spawn",
+                threads_per_process=1,
+            )
             for rank, row in enumerate(ranks):
                 results[rank].append({"round": r, "strategy": name, **row})
     n_params = a.blocks * 2 * (a.width * 4 * a.width) + a.blocks * 5 * a.width
     mib = 2**20
     first = results[0][0]
     cuda = first["peak_cuda"] is not None
-    where = (f"{first['backend'] or 'no process group'}, {torch.cuda.get_device_name(0)}" if cuda
-             else f"{first['backend'] or 'no process group'}, CPU, 1 thread each")
+    where = (
+        f"{first['backend'] or 'no process group'}, {torch.cuda.get_device_name(0)}"
+        if cuda
+        else f"{first['backend'] or 'no process group'}, CPU, 1 thread each"
+    )
     print(f"# bench/memory.py  {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
-    print(f"# {platform.node()} {platform.machine()}, torch {torch.__version__}, {nproc} rank(s) ({where}), "
-          f"{n_params / 1e6:.1f} M parameters (fp32, {n_params * 4 / mib:.0f} MiB), Adam, "
-          f"batch {a.batch}/rank, {a.rounds} rounds x {a.steps} steps (+1 untimed)")
-    print(f"{'strategy':9s} {'rank':>4s} {'params MiB':>11s} {'grads MiB':>10s} {'optim MiB':>10s} "
-          f"{'sum MiB':>8s} {'vs ddp':>7s} {'peak RSS MiB':>13s}" + (f" {'peak CUDA MiB':>14s}" if cuda else "")
-          + f" {'step s':>7s} {'step/ddp':>9s}")
+    print(
+        f"# {platform.node()} {platform.machine()}, torch {torch.__version__}, {nproc} rank(s) ({where}), "
+        f"{n_params / 1e6:.1f} M parameters (fp32, {n_params * 4 / mib:.0f} MiB), Adam, "
+        f"batch {a.batch}/rank, {a.rounds} rounds x {a.steps} steps (+1 untimed)"
+    )
+    print(
+        f"{'strategy':9s} {'rank':>4s} {'params MiB':>11s} {'grads MiB':>10s} {'optim MiB':>10s} "
+        f"{'sum MiB':>8s} {'vs ddp':>7s} {'peak RSS MiB':>13s}"
+        + (f" {'peak CUDA MiB':>14s}" if cuda else "")
+        + f" {'step s':>7s} {'step/ddp':>9s}"
+    )
     last = {(r["strategy"], rank): r for rank, rows in enumerate(results) for r in rows if r["round"] == a.rounds - 1}
     for name in STRATEGIES:
         for rank in range(nproc):
@@ -174,10 +203,13 @@ def main() -> None:
                 / next(r for r in results[rank] if r["round"] == k and r["strategy"] == "ddp")["step_s"]
                 for k in range(a.rounds)
             ]
-            print(f"{name:9s} {rank:4d} {row['params'] / mib:11.1f} {row['grads'] / mib:10.1f} "
-                  f"{row['optimizer'] / mib:10.1f} {total / mib:8.1f} {total / ddp_total:7.2f} "
-                  f"{row['peak_rss'] / mib:13.1f}" + (f" {row['peak_cuda'] / mib:14.1f}" if cuda else "")
-                  + f" {row['step_s']:7.3f} {statistics.median(ratios):9.2f}")
+            print(
+                f"{name:9s} {rank:4d} {row['params'] / mib:11.1f} {row['grads'] / mib:10.1f} "
+                f"{row['optimizer'] / mib:10.1f} {total / mib:8.1f} {total / ddp_total:7.2f} "
+                f"{row['peak_rss'] / mib:13.1f}"
+                + (f" {row['peak_cuda'] / mib:14.1f}" if cuda else "")
+                + f" {row['step_s']:7.3f} {statistics.median(ratios):9.2f}"
+            )
 
 
 if __name__ == "__main__":

@@ -71,8 +71,11 @@ def main() -> None:
     a = p.parse_args()
     cuda = a.device == "auto" and torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    width, blocks, batch = a.width or (2048 if cuda else 256), a.blocks or (8 if cuda else 2), a.batch or (
-        1024 if cuda else 64)
+    width, blocks, batch = (
+        a.width or (2048 if cuda else 256),
+        a.blocks or (8 if cuda else 2),
+        a.batch or (1024 if cuda else 64),
+    )
     torch.manual_seed(0)
     model = nn.Sequential(*[Block(width) for _ in range(blocks)]).to(device)
     x = torch.randn(batch, width, device=device)
@@ -86,17 +89,20 @@ def main() -> None:
     n_params = sum(q.numel() for q in model.parameters())
     where = torch.cuda.get_device_name(device) if cuda else f"CPU, {torch.get_num_threads()} threads"
     print(f"# bench/precision.py  {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
-    print(f"# {platform.node()} {platform.machine()}, torch {torch.__version__}, {where}; {n_params / 1e6:.0f} M "
-          f"parameters ({blocks} blocks of width {width}), batch {batch}, Adam; {a.rounds} rounds x {a.steps} "
-          f"steps after {a.warmup} warm-up; per round the median step, of the rounds the fastest")
+    print(
+        f"# {platform.node()} {platform.machine()}, torch {torch.__version__}, {where}; {n_params / 1e6:.0f} M "
+        f"parameters ({blocks} blocks of width {width}), batch {batch}, Adam; {a.rounds} rounds x {a.steps} "
+        f"steps after {a.warmup} warm-up; per round the median step, of the rounds the fastest"
+    )
     base = min(rounds["fp32"])
     print(f"{'precision':10s} {'step ms':>9s} {'vs fp32':>8s} {'rounds ms':>24s}")
     for name in PRECISIONS:
         if not rounds[name]:
             continue
         best = min(rounds[name])
-        print(f"{name:10s} {best * 1e3:9.3f} {best / base:8.2f} "
-              f"{' '.join(f'{r * 1e3:.2f}' for r in rounds[name]):>24s}")
+        print(
+            f"{name:10s} {best * 1e3:9.3f} {best / base:8.2f} {' '.join(f'{r * 1e3:.2f}' for r in rounds[name]):>24s}"
+        )
 
 
 if __name__ == "__main__":

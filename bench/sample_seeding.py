@@ -54,22 +54,31 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=20, help="batches per round and loader")
     a = p.parse_args()
     torch.set_num_threads(1)
-    print(f"{datetime.date.today()} {platform.node()} python {platform.python_version()} torch {torch.__version__} "
-          f"numpy {np.__version__}; batch {a.batch_size}, {a.rounds} rounds of {a.repeats} batches; main process")
-    for name, data in [("tensors in memory", TensorDataset(torch.randn(4096, 64))), ("8x8 + augmentation",
-                                                                                     Augmented(4096))]:
+    print(
+        f"{datetime.date.today()} {platform.node()} python {platform.python_version()} torch {torch.__version__} "
+        f"numpy {np.__version__}; batch {a.batch_size}, {a.rounds} rounds of {a.repeats} batches; main process"
+    )
+    for name, data in [
+        ("tensors in memory", TensorDataset(torch.randn(4096, 64))),
+        ("8x8 + augmentation", Augmented(4096)),
+    ]:
         seeded = SeededSamples(data, seed=0)
         keys = [(0, i) for i in range(a.batch_size)]
         plain_ms, seeded_ms = [], []
         for r in range(a.rounds):
-            pair = [("plain", lambda: [data[i] for _, i in keys]), ("seeded", lambda: seeded.__getitems__(keys))]
+            pair = [
+                ("plain", lambda data=data, keys=keys: [data[i] for _, i in keys]),
+                ("seeded", lambda seeded=seeded, keys=keys: seeded.__getitems__(keys)),
+            ]
             for label, fetch in pair if r % 2 == 0 else pair[::-1]:  # alternate the order: drift falls on both
                 (plain_ms if label == "plain" else seeded_ms).append(1e3 * fetch_time(fetch, a.repeats))
         extra = statistics.median(s - p for s, p in zip(seeded_ms, plain_ms))
         ratio = statistics.median(s / p for s, p in zip(seeded_ms, plain_ms))
-        print(f"  {name:20s} plain {statistics.median(plain_ms):.3f} ms/batch, seeded "
-              f"{statistics.median(seeded_ms):.3f} ms/batch: +{extra * 1e3:.0f} us per batch "
-              f"({extra * 1e3 / a.batch_size:.1f} us per sample), ratio {ratio:.2f}")
+        print(
+            f"  {name:20s} plain {statistics.median(plain_ms):.3f} ms/batch, seeded "
+            f"{statistics.median(seeded_ms):.3f} ms/batch: +{extra * 1e3:.0f} us per batch "
+            f"({extra * 1e3 / a.batch_size:.1f} us per sample), ratio {ratio:.2f}"
+        )
 
 
 if __name__ == "__main__":

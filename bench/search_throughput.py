@@ -46,17 +46,32 @@ def _job(search_dir: str, k: int, trials: int, epochs: int) -> dict:
         t0 = time.perf_counter()
         ddpkit.seed_everything(0)
         model = Net(8, channels=candidate.params["channels"])
-        config = TrainerConfig(run_dir=str(candidate.run_dir), epochs=epochs, global_batch_size=64, num_workers=0,
-                               logging=LoggingConfig(progress=False), snapshot=SnapshotConfig(every_epochs=0))
-        trainer = Trainer(model, torch.optim.Adam(model.parameters(), lr=candidate.params["lr"]), train_set,
-                          config, val_data=val_set, group=candidate.group)
+        config = TrainerConfig(
+            run_dir=str(candidate.run_dir),
+            epochs=epochs,
+            global_batch_size=64,
+            num_workers=0,
+            logging=LoggingConfig(progress=False),
+            snapshot=SnapshotConfig(every_epochs=0),
+        )
+        trainer = Trainer(
+            model,
+            torch.optim.Adam(model.parameters(), lr=candidate.params["lr"]),
+            train_set,
+            config,
+            val_data=val_set,
+            group=candidate.group,
+        )
         metrics = trainer.fit()
         spans.append((t0, time.perf_counter()))
         return metrics
 
     t0 = time.perf_counter()
-    search(objective, {"lr": uniform(1e-3, 1e-2, log=True), "channels": choice([16])},
-           SearchConfig(n_trials=trials, group_size=k, pruner="none", search_dir=search_dir, plots=False))
+    search(
+        objective,
+        {"lr": uniform(1e-3, 1e-2, log=True), "channels": choice([16])},
+        SearchConfig(n_trials=trials, group_size=k, pruner="none", search_dir=search_dir, plots=False),
+    )
     wall = time.perf_counter() - t0
     gaps = [start - end for (_, end), (start, _) in zip(spans, spans[1:])]
     return {"wall": wall, "inside": [e - s for s, e in spans], "gaps": gaps}
@@ -67,8 +82,10 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=8)
     p.add_argument("--epochs", type=int, default=3)
     a = p.parse_args()
-    print(f"# {datetime.date.today()} {platform.node()} torch {torch.__version__}, 2 ranks, gloo, CPU, "
-          f"{a.trials} candidates x {a.epochs} epoch(s) of the digits CNN, global batch 64")
+    print(
+        f"# {datetime.date.today()} {platform.node()} torch {torch.__version__}, 2 ranks, gloo, CPU, "
+        f"{a.trials} candidates x {a.epochs} epoch(s) of the digits CNN, global batch 64"
+    )
     rows = []
     for k in (1, 2):
         with tempfile.TemporaryDirectory() as tmp:
@@ -76,11 +93,17 @@ def main() -> None:
         wall = max(r["wall"] for r in results)
         per_min = a.trials / wall * 60
         inside = [t for r in results for t in r["inside"]]
-        rows.append((k, wall, per_min, statistics.median(inside), statistics.median([g for r in results for g in r["gaps"]])))
-    print(f"{'ranks/candidate':>16} {'wall s':>8} {'cand/min':>9} {'median cand s':>14} {'overhead ms/cand (median)':>27}")
+        rows.append(
+            (k, wall, per_min, statistics.median(inside), statistics.median([g for r in results for g in r["gaps"]]))
+        )
+    print(
+        f"{'ranks/candidate':>16} {'wall s':>8} {'cand/min':>9} {'median cand s':>14} {'overhead ms/cand (median)':>27}"
+    )
     for k, wall, per_min, med, over in rows:
         print(f"{k:>16} {wall:>8.1f} {per_min:>9.2f} {med:>14.2f} {1000 * over:>27.1f}")
-    print(f"k=1 finishes {rows[0][2] / rows[1][2]:.2f}x the candidates per minute of k=2 (one after another on all ranks)")
+    print(
+        f"k=1 finishes {rows[0][2] / rows[1][2]:.2f}x the candidates per minute of k=2 (one after another on all ranks)"
+    )
 
 
 if __name__ == "__main__":

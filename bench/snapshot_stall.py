@@ -42,8 +42,9 @@ def job(strategy_name: str, width: int, blocks: int, repeats: int, folder: str, 
     torch.manual_seed(0)
     model = nn.Sequential(*[Block(width) for _ in range(blocks)])
     options = {"shard_blocks": ["Block"]} if strategy_name == "fsdp" else {}
-    strategy = build_strategy(strategy_config(strategy_name, options), model, torch.optim.Adam(model.parameters()),
-                              runtime=rt)
+    strategy = build_strategy(
+        strategy_config(strategy_name, options), model, torch.optim.Adam(model.parameters()), runtime=rt
+    )
     del model
     strategy.model(torch.randn(4, width, device=rt.device)).square().mean().backward()  # Adam's state exists
     strategy.optimizer.step()
@@ -51,8 +52,10 @@ def job(strategy_name: str, width: int, blocks: int, repeats: int, folder: str, 
     extra = {"trainer": {"step": 1}, "rng": torch.get_rng_state()}
     times: dict[str, list[float]] = {"sync": [], "async": [], "background": []}
     step = 0
-    checkpointers = {mode: SnapshotManager(Path(folder) / mode, group=rt.group, keep_last=1,
-                                        async_write=mode == "async") for mode in ("sync", "async")}
+    checkpointers = {
+        mode: SnapshotManager(Path(folder) / mode, group=rt.group, keep_last=1, async_write=mode == "async")
+        for mode in ("sync", "async")
+    }
     for i in range(repeats + 1):
         for mode, ckpt in checkpointers.items():
             step += 1
@@ -64,15 +67,23 @@ def job(strategy_name: str, width: int, blocks: int, repeats: int, folder: str, 
                 times[mode].append(stall)
                 if mode == "async":
                     times["background"].append(ckpt.last_write_seconds or float("nan"))
-    return times | {"where": [f"{rt.backend or 'no process group'}, " + (
-        torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else "CPU, 1 thread each")]}
+    return times | {
+        "where": [
+            f"{rt.backend or 'no process group'}, "
+            + (torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else "CPU, 1 thread each")
+        ]
+    }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--nproc", type=int, default=None, help="ranks (default: the GPUs, or 2 CPU processes)")
-    p.add_argument("--device", choices=("auto", "cpu"), default="auto",
-                   help="auto: one GPU per rank where there are GPUs; cpu: CPU processes over gloo")
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu"),
+        default="auto",
+        help="auto: one GPU per rank where there are GPUs; cpu: CPU processes over gloo",
+    )
     p.add_argument("--strategy", default="ddp", choices=("ddp", "zero", "fsdp"))
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--blocks", type=int, default=12)
@@ -82,19 +93,27 @@ def main() -> None:
     gpus = torch.cuda.device_count() if a.device == "auto" else 0  # NVML: CUDA stays uninitialised here
     nproc = a.nproc or gpus or 2
     if gpus and nproc > gpus:
-        raise SystemExit(f"--nproc {nproc}: {gpus} GPU(s) here, one per rank (nccl refuses two ranks on one "
-                         "GPU); lower --nproc, or pass --device cpu")
+        raise SystemExit(
+            f"--nproc {nproc}: {gpus} GPU(s) here, one per rank (nccl refuses two ranks on one "
+            "GPU); lower --nproc, or pass --device cpu"
+        )
     device = "cpu" if a.device == "cpu" else None
     with tempfile.TemporaryDirectory(dir=a.dir) as folder:
-        ranks = ddpkit.spawn(functools.partial(job, a.strategy, a.width, a.blocks, a.repeats, folder, device),
-                             nproc, start_method="spawn", threads_per_process=1)
+        ranks = ddpkit.spawn(
+            functools.partial(job, a.strategy, a.width, a.blocks, a.repeats, folder, device),
+            nproc,
+            start_method="spawn",
+            threads_per_process=1,
+        )
     n_params = a.blocks * (8 * a.width * a.width + 5 * a.width)
     r0 = ranks[0]
     sync, stall, bg = (statistics.median(r0[k]) for k in ("sync", "async", "background"))
     print(f"# bench/snapshot_stall.py  {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
-    print(f"# {platform.node()} {platform.machine()}, torch {torch.__version__}, {nproc} rank(s) ({r0['where'][0]}), "
-          f"strategy {a.strategy}, {n_params / 1e6:.0f} M parameters + Adam state "
-          f"({3 * 4 * n_params / 2**30:.2f} GiB in all), {a.repeats} repeats after 1 warm-up, rank 0")
+    print(
+        f"# {platform.node()} {platform.machine()}, torch {torch.__version__}, {nproc} rank(s) ({r0['where'][0]}), "
+        f"strategy {a.strategy}, {n_params / 1e6:.0f} M parameters + Adam state "
+        f"({3 * 4 * n_params / 2**30:.2f} GiB in all), {a.repeats} repeats after 1 warm-up, rank 0"
+    )
     print(f"synchronous save          median {sync:7.3f} s   {' '.join(f'{t:.3f}' for t in r0['sync'])}")
     print(f"asynchronous save (stall) median {stall:7.3f} s   {' '.join(f'{t:.3f}' for t in r0['async'])}")
     print(f"  its background write    median {bg:7.3f} s   {' '.join(f'{t:.3f}' for t in r0['background'])}")

@@ -112,8 +112,14 @@ def bench(steps: int, rounds: int, batch_size: int, default_malloc: bool = False
     net = build()
     run_dir = tempfile.mkdtemp(prefix="ddpkit-bench-") if rt.is_main else ""
     config = TrainerConfig(
-        run_dir=ddpkit.broadcast_object(run_dir), batch_size=batch_size, epochs=1, num_workers=0,
-        snapshot=SnapshotConfig(every_epochs=0), resume=False, logging=LoggingConfig(progress=False), seed=0,
+        run_dir=ddpkit.broadcast_object(run_dir),
+        batch_size=batch_size,
+        epochs=1,
+        num_workers=0,
+        snapshot=SnapshotConfig(every_epochs=0),
+        resume=False,
+        logging=LoggingConfig(progress=False),
+        seed=0,
     )
     trainer = Trainer(net, torch.optim.SGD(net.parameters(), lr=1e-3), data, config)
 
@@ -155,7 +161,7 @@ def bench(steps: int, rounds: int, batch_size: int, default_malloc: bool = False
         order = [("hand", hand), ("trainer", mine)] if r % 2 == 0 else [("trainer", mine), ("hand", hand)]
         for name, out in order:
             if name == "hand":
-                out.append(timed(lambda: hand_loop(hand_model, hand_opt, loader, sampler, r + 1)))
+                out.append(timed(lambda r=r: hand_loop(hand_model, hand_opt, loader, sampler, r + 1)))
             else:
                 out.append(timed(trainer_epoch))
         pair = [(ours, load_ours), (theirs, load_theirs)]
@@ -169,9 +175,17 @@ def bench(steps: int, rounds: int, batch_size: int, default_malloc: bool = False
         trainer.save()
         ddpkit.barrier()  # the others wait for rank 0 at the next collective; measure that wait
         stalls.append(time.perf_counter() - start)
-    return {"hand": hand, "trainer": mine, "stall": stalls, "pinned": pinned, "threads": threads,
-            "steady_malloc": steady, "load_ours": load_ours, "load_theirs": load_theirs,
-            "params": sum(p.numel() for p in net.parameters())}
+    return {
+        "hand": hand,
+        "trainer": mine,
+        "stall": stalls,
+        "pinned": pinned,
+        "threads": threads,
+        "steady_malloc": steady,
+        "load_ours": load_ours,
+        "load_theirs": load_theirs,
+        "params": sum(p.numel() for p in net.parameters()),
+    }
 
 
 def median_interval(xs: list[float]) -> tuple[float, float]:
@@ -189,20 +203,27 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=120)
     p.add_argument("--batch-size", type=int, default=64, help="per rank")
     p.add_argument("--default-malloc", action="store_true", help="leave glibc malloc's thresholds adaptive")
-    p.add_argument("--model", choices=sorted(MODELS), default="cnn",
-                   help="cnn: the seeds' CNN; tiny: one linear layer (~1-2 ms steps)")
+    p.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default="cnn",
+        help="cnn: the seeds' CNN; tiny: one linear layer (~1-2 ms steps)",
+    )
     a = p.parse_args()
     import torch._dynamo  # noqa: F401  (DDP's constructor imports it: once here rather than in every rank)
 
-    res = ddpkit.spawn(functools.partial(bench, a.steps, a.rounds, a.batch_size, a.default_malloc, a.model),
-                       a.nproc)[0]
-    print(f"date {datetime.date.today()}  machine {platform.machine()} {platform.processor() or ''}, "
-          f"{ddpkit.distributed.environment.cpu_count()} cores  python {platform.python_version()}  torch {torch.__version__}")
-    print(f"config: {a.nproc} ranks (gloo, CPU, {res['threads']} thread(s) each, "
-          f"{'each pinned to its core' if res['pinned'] else 'not pinned'}, "
-          f"{'fixed' if res['steady_malloc'] else 'adaptive'} malloc thresholds), "
-          f"{MODEL_NAMES[a.model]} ({res['params']} parameters), "
-          f"batch {a.batch_size}/rank, {a.steps} steps x {a.rounds} interleaved rounds, warm-up excluded")
+    res = ddpkit.spawn(functools.partial(bench, a.steps, a.rounds, a.batch_size, a.default_malloc, a.model), a.nproc)[0]
+    print(
+        f"date {datetime.date.today()}  machine {platform.machine()} {platform.processor() or ''}, "
+        f"{ddpkit.distributed.environment.cpu_count()} cores  python {platform.python_version()}  torch {torch.__version__}"
+    )
+    print(
+        f"config: {a.nproc} ranks (gloo, CPU, {res['threads']} thread(s) each, "
+        f"{'each pinned to its core' if res['pinned'] else 'not pinned'}, "
+        f"{'fixed' if res['steady_malloc'] else 'adaptive'} malloc thresholds), "
+        f"{MODEL_NAMES[a.model]} ({res['params']} parameters), "
+        f"batch {a.batch_size}/rank, {a.steps} steps x {a.rounds} interleaved rounds, warm-up excluded"
+    )
     for i, what in enumerate(("step", "epoch")):
         hand = [h[i] * 1000 for h in res["hand"]]
         mine = [t[i] * 1000 for t in res["trainer"]]
@@ -211,22 +232,32 @@ def main() -> None:
         diffs = sorted((t - h) * 1000 for t, h in zip(mine, hand))  # us
         dlo, dhi = median_interval(diffs)
         print(f"{what} time ({'median step per round' if i == 0 else 'epoch / steps'}):")
-        print(f"  hand-written DDP loop {statistics.median(hand):7.3f} ms/step   ddpkit Trainer "
-              f"{statistics.median(mine):7.3f} ms/step   (medians over rounds)")
-        print(f"  ratio trainer / hand  {statistics.median(pairs):.3f}, 95% interval {lo:.3f}-{hi:.3f} "
-              f"(median of per-round pairs; all pairs {pairs[0]:.3f}-{pairs[-1]:.3f})")
-        print(f"  Trainer's extra time  {statistics.median(diffs):+.0f} us/step, 95% interval {dlo:+.0f} to "
-              f"{dhi:+.0f} us (median of per-round differences)")
+        print(
+            f"  hand-written DDP loop {statistics.median(hand):7.3f} ms/step   ddpkit Trainer "
+            f"{statistics.median(mine):7.3f} ms/step   (medians over rounds)"
+        )
+        print(
+            f"  ratio trainer / hand  {statistics.median(pairs):.3f}, 95% interval {lo:.3f}-{hi:.3f} "
+            f"(median of per-round pairs; all pairs {pairs[0]:.3f}-{pairs[-1]:.3f})"
+        )
+        print(
+            f"  Trainer's extra time  {statistics.median(diffs):+.0f} us/step, 95% interval {dlo:+.0f} to "
+            f"{dhi:+.0f} us (median of per-round differences)"
+        )
     ours = [t * 1e6 for t in res["load_ours"]]
     theirs = [t * 1e6 for t in res["load_theirs"]]
     diffs = sorted(o - t for o, t in zip(ours, theirs))
     dlo, dhi = median_interval(diffs)
-    print(f"loader alone (per batch, epoch / batches): build_loader {statistics.median(ours):.1f} us, "
-          f"DataLoader + DistributedSampler {statistics.median(theirs):.1f} us; build_loader's extra "
-          f"{statistics.median(diffs):+.1f} us/batch, 95% interval {dlo:+.1f} to {dhi:+.1f} us")
-    print(f"snapshot stall: median {statistics.median(res['stall']) * 1000:.1f} ms "
-          f"(gather RNG states + rank 0 writes {res['params'] * 4 / 1e6:.2f} MB "
-          "of weights with optimizer state, fsync, rename, manifest)")
+    print(
+        f"loader alone (per batch, epoch / batches): build_loader {statistics.median(ours):.1f} us, "
+        f"DataLoader + DistributedSampler {statistics.median(theirs):.1f} us; build_loader's extra "
+        f"{statistics.median(diffs):+.1f} us/batch, 95% interval {dlo:+.1f} to {dhi:+.1f} us"
+    )
+    print(
+        f"snapshot stall: median {statistics.median(res['stall']) * 1000:.1f} ms "
+        f"(gather RNG states + rank 0 writes {res['params'] * 4 / 1e6:.2f} MB "
+        "of weights with optimizer state, fsync, rename, manifest)"
+    )
 
 
 if __name__ == "__main__":

@@ -60,9 +60,11 @@ def main() -> None:
         "_all_finite(grads): NaN/inf verdict on the gradients": fastest_us(lambda: _all_finite(grads)),
         "  of which torch.zeros(1) + torch.ones(1) per call": fastest_us(lambda: (torch.zeros(1), torch.ones(1))),
         "  of which the fused check itself": fastest_us(
-            lambda: torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, one)),
+            lambda: torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, one)
+        ),
         "_nan_gradient_if_nonfinite (CPU, finite loss)": fastest_us(
-            lambda: _nan_gradient_if_nonfinite(loss, params[0], True)),
+            lambda: _nan_gradient_if_nonfinite(loss, params[0], True)
+        ),
         "  of which anchor.reshape(-1)[0], built before the check": fastest_us(lambda: params[0].reshape(-1)[0]),
         "_LossWindow.add + end_step (loss.item())": fastest_us(window_step),
         "_batch_len(batch)": fastest_us(lambda: _batch_len((x, y))),
@@ -77,8 +79,10 @@ def main() -> None:
         batches = sum(1 for _ in sampler)
         per_batch[name] = fastest_us(lambda s=sampler: sum(1 for _ in s), number=20) / batches
 
-    print(f"date {datetime.date.today()}  {platform.machine()}  python {platform.python_version()}  "
-          f"torch {torch.__version__}  1 thread; fastest of 7 repeats of 20,000 calls (samplers: 20 epochs)")
+    print(
+        f"date {datetime.date.today()}  {platform.machine()}  python {platform.python_version()}  "
+        f"torch {torch.__version__}  1 thread; fastest of 7 repeats of 20,000 calls (samplers: 20 epochs)"
+    )
     for name, us in pieces.items():
         print(f"  {name:60} {us:7.2f} us")
     top = [us for name, us in pieces.items() if not name.startswith("  ")]

@@ -50,8 +50,10 @@ def main():
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     # Tensors already in memory: worker processes would only add start-up and copying.
     loader = ddpkit.build_loader(train_set, batch_size=args.batch_size, seed=args.seed, num_workers=0)
-    ddpkit.print0(f"{len(train_set)} train / {len(test_set)} test samples, {rt.world_size} process(es), "
-                  f"global batch {args.batch_size * rt.world_size}, {len(loader)} steps per epoch")
+    ddpkit.print0(
+        f"{len(train_set)} train / {len(test_set)} test samples, {rt.world_size} process(es), "
+        f"global batch {args.batch_size * rt.world_size}, {len(loader)} steps per epoch"
+    )
 
     for epoch in range(args.epochs):
         t0 = time.time()

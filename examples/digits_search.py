@@ -46,16 +46,31 @@ def objective(candidate):
     p = candidate.params
     ddpkit.seed_everything(0)
     model = Net(image_size=8, channels=p["channels"], dropout=p["dropout"])
-    config = TrainerConfig(run_dir=str(candidate.run_dir), epochs=args.epochs, batch_size=p["batch_size"],
-                           num_workers=0, logging=LoggingConfig(progress=False),
-                           snapshot=SnapshotConfig(every_steps=10))
+    config = TrainerConfig(
+        run_dir=str(candidate.run_dir),
+        epochs=args.epochs,
+        batch_size=p["batch_size"],
+        num_workers=0,
+        logging=LoggingConfig(progress=False),
+        snapshot=SnapshotConfig(every_steps=10),
+    )
     optimizer = torch.optim.Adam(model.parameters(), lr=p["lr"])
-    trainer = Trainer(model, optimizer, train_set, config, val_data=val_set, group=candidate.group,
-                      callbacks=[candidate])  # it reports val/loss after each epoch: pruning
+    trainer = Trainer(
+        model, optimizer, train_set, config, val_data=val_set, group=candidate.group, callbacks=[candidate]
+    )  # it reports val/loss after each epoch: pruning
     trainer.fit()
     return trainer.evaluate(val_set, prefix="val")  # also right for a trial resumed after it had finished
 
 
-search(objective, space, SearchConfig(n_trials=args.trials, group_size=args.ranks_per_candidate,
-                                      metric="val/loss", sampler=args.sampler, search_dir=args.search_dir))
+search(
+    objective,
+    space,
+    SearchConfig(
+        n_trials=args.trials,
+        group_size=args.ranks_per_candidate,
+        metric="val/loss",
+        sampler=args.sampler,
+        search_dir=args.search_dir,
+    ),
+)
 ddpkit.shutdown()

@@ -28,11 +28,14 @@ def gpu_count() -> int:
 
 
 GPUS = gpu_count()
-NO_CUDA = (f"no CUDA device: torch {torch.__version__} (CUDA build: {torch.version.cuda or 'none'}) sees no GPU; "
-           "run on a machine with one (scripts/gpu_check.sh)")
+NO_CUDA = (
+    f"no CUDA device: torch {torch.__version__} (CUDA build: {torch.version.cuda or 'none'}) sees no GPU; "
+    "run on a machine with one (scripts/gpu_check.sh)"
+)
 requires_cuda = pytest.mark.skipif(GPUS < 1, reason=NO_CUDA)
 requires_2_gpus = pytest.mark.skipif(
-    GPUS < 2, reason=f"needs 2 GPUs, {GPUS} visible: nccl refuses two ranks on one GPU" if GPUS else NO_CUDA)
+    GPUS < 2, reason=f"needs 2 GPUs, {GPUS} visible: nccl refuses two ranks on one GPU" if GPUS else NO_CUDA
+)
 
 
 CUDA_MARKS = [pytest.mark.gpu, requires_cuda]
@@ -42,8 +45,10 @@ CUDA_MARKS = [pytest.mark.gpu, requires_cuda]
 def device_params(cpu_slow: bool = False) -> list:
     """``["cpu", "cuda"]`` as parameters: the CUDA one marked ``gpu`` and skipped without a GPU; the CPU one
     marked ``slow`` with ``cpu_slow`` (an end-to-end job of several seconds)."""
-    return [pytest.param("cpu", marks=[pytest.mark.slow] if cpu_slow else [], id="cpu"),
-            pytest.param("cuda", marks=CUDA_MARKS, id="cuda")]
+    return [
+        pytest.param("cpu", marks=[pytest.mark.slow] if cpu_slow else [], id="cpu"),
+        pytest.param("cuda", marks=CUDA_MARKS, id="cuda"),
+    ]
 
 
 def nprocs(device: str) -> int:
@@ -69,26 +74,43 @@ def device_env(base: Mapping[str, str], device: str) -> dict[str, str]:
     return env
 
 
-def run(args: Sequence[str], env: Mapping[str, str], timeout: float, cwd: str | Path | None = None,
-        ) -> subprocess.CompletedProcess:
+def run(
+    args: Sequence[str],
+    env: Mapping[str, str],
+    timeout: float,
+    cwd: str | Path | None = None,
+) -> subprocess.CompletedProcess:
     """Run ``args`` in a session of its own; past ``timeout`` it and everything it started are killed and the
     test fails with the end of its output."""
-    proc = subprocess.Popen(list(args), env=dict(env), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        list(args),
+        env=dict(env),
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        raise AssertionError(f"{' '.join(map(str, args))} did not finish within {timeout}s\n--- stdout\n{out[-3000:]}"
-                             f"\n--- stderr\n{err[-4000:]}") from None
+        raise AssertionError(
+            f"{' '.join(map(str, args))} did not finish within {timeout}s\n--- stdout\n{out[-3000:]}"
+            f"\n--- stderr\n{err[-4000:]}"
+        ) from None
     return subprocess.CompletedProcess(list(args), proc.returncode, out, err)
 
 
 def physical_gpu_uuids() -> list[str]:
     """Every GPU of the machine, by index, as nvidia-smi names them (``GPU-...``), whatever is visible to us."""
-    out = subprocess.run(["nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader"], capture_output=True,
-                         text=True, timeout=60, env={k: v for k, v in os.environ.items()
-                                                     if k != "CUDA_VISIBLE_DEVICES"})
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"},
+    )
     assert out.returncode == 0, out.stderr
     return [line.strip() for line in out.stdout.splitlines() if line.strip()]

@@ -34,8 +34,11 @@ def test_no_module_imports_another_modules_private_names():
     for path in sorted(src.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ddpkit"):
-                offenders += [f"{path.name}: {node.module}.{a.name}" for a in node.names
-                              if a.name.startswith("_") and not a.name.startswith("__")]
+                offenders += [
+                    f"{path.name}: {node.module}.{a.name}"
+                    for a in node.names
+                    if a.name.startswith("_") and not a.name.startswith("__")
+                ]
     assert not offenders, offenders
 
 
@@ -51,7 +54,12 @@ def test_no_module_reads_another_modules_private_attributes():
             for a in node.names
         }
         for node in ast.walk(tree):
-            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
-                    and isinstance(node.value, ast.Name) and node.value.id in modules):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and isinstance(node.value, ast.Name)
+                and node.value.id in modules
+            ):
                 offenders.append(f"{path.name}: {node.value.id}.{node.attr}")
     assert not offenders, offenders

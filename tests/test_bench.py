@@ -71,14 +71,41 @@ def test_a_script_without_the_hook_is_refused(tmp_path):
 def test_bench_end_to_end_writes_table_json_and_plot(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "-m", "ddpkit.cli", "bench", "--nproc", "2", "--steps", "6", "--warmup", "2",
-         "--rounds", "1", "--no-knobs", "--predict", "1,2,16", "--out", str(out)],
-        cwd=ROOT, env=_clean_environ(), capture_output=True, text=True, timeout=180,
+        [
+            sys.executable,
+            "-m",
+            "ddpkit.cli",
+            "bench",
+            "--nproc",
+            "2",
+            "--steps",
+            "6",
+            "--warmup",
+            "2",
+            "--rounds",
+            "1",
+            "--no-knobs",
+            "--predict",
+            "1,2,16",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=_clean_environ(),
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     text = proc.stdout
-    for heading in ("Measured on this machine", "All-reduce alone", "Predicted from the 1-rank run",
-                    "Predicted at larger world sizes", "assumptions:", "DataParallel / one GPU: skipped"):
+    for heading in (
+        "Measured on this machine",
+        "All-reduce alone",
+        "Predicted from the 1-rank run",
+        "Predicted at larger world sizes",
+        "assumptions:",
+        "DataParallel / one GPU: skipped",
+    ):
         assert heading in text, text
     result = json.loads((out / "bench.json").read_text())
     assert set(result["scaling"]) == {"1", "2"}

@@ -65,7 +65,11 @@ def test_a_mistake_outside_the_list_is_unexplained_and_fails():
 def test_the_command_exits_non_zero_and_names_the_fix():
     proc = subprocess.run(
         [sys.executable, "-m", "ddpkit.cli", "check", "--steps", "2", str(SCRIPTS / "check_batchnorm.py")],
-        cwd=ROOT, env=_clean_environ(), capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        env=_clean_environ(),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "fix: sync_batchnorm=True" in proc.stdout, proc.stdout
@@ -77,8 +81,13 @@ def test_bad_arguments_are_refused_with_the_option_named():
 
 
 def _records(grad, weights):
-    return {"loss": [1.0], "grad": [torch.tensor(grad, dtype=torch.float64)],
-            "weights": [torch.tensor(weights, dtype=torch.float64)], "sizes": [2, 1], "error": None}
+    return {
+        "loss": [1.0],
+        "grad": [torch.tensor(grad, dtype=torch.float64)],
+        "weights": [torch.tensor(weights, dtype=torch.float64)],
+        "sizes": [2, 1],
+        "error": None,
+    }
 
 
 def test_parameters_with_rounding_noise_gradients_are_left_out_of_the_weights():

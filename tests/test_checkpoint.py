@@ -142,9 +142,13 @@ class RunsCode:
 def reseal(folder) -> None:
     """Rewrite the marker's sizes and checksums for the files as they now are: whoever can write the folder can."""
     marker = json.loads((folder / MARKER).read_text())
-    marker["files"] = {name: {"size": (folder / name).stat().st_size,
-                              "sha256": hashlib.sha256((folder / name).read_bytes()).hexdigest()}
-                       for name in marker["files"]}
+    marker["files"] = {
+        name: {
+            "size": (folder / name).stat().st_size,
+            "sha256": hashlib.sha256((folder / name).read_bytes()).hexdigest(),
+        }
+        for name in marker["files"]
+    }
     (folder / MARKER).write_text(json.dumps(marker))
 
 
@@ -175,8 +179,12 @@ def test_a_crafted_non_tensor_item_is_never_unpickled(tmp_path):
     with open(stock / ".metadata", "rb") as f:
         trusted = pickle.load(f)  # written by this test: safe to unpickle here
     with pytest.raises(BaseException, match="not a tensor: refusing to unpickle it"):
-        dcp.load({"w": torch.zeros(4), "hp": None}, storage_reader=dcp_files.Reader(stock, trusted),
-                 planner=dcp_files.TensorsOnlyPlanner(), no_dist=True)
+        dcp.load(
+            {"w": torch.zeros(4), "hp": None},
+            storage_reader=dcp_files.Reader(stock, trusted),
+            planner=dcp_files.TensorsOnlyPlanner(),
+            no_dist=True,
+        )
     assert not ran.exists()
     # A snapshot whose index declares an item that is not a tensor is refused by name.
     ckpt = SnapshotManager(tmp_path / "snapshots")
@@ -203,11 +211,14 @@ def test_a_crafted_non_tensor_item_is_never_unpickled(tmp_path):
     assert ran.exists()
 
 
-@pytest.mark.parametrize("change, refusal", [
-    ({"file": "../../elsewhere"}, "not a data file of the folder"),
-    ({"offset": ["0"]}, "not a list of non-negative integers"),
-    ({"fqn": ["model.w"]}, "a storage entry names no tensor of the index"),
-])
+@pytest.mark.parametrize(
+    "change, refusal",
+    [
+        ({"file": "../../elsewhere"}, "not a data file of the folder"),
+        ({"offset": ["0"]}, "not a list of non-negative integers"),
+        ({"fqn": ["model.w"]}, "a storage entry names no tensor of the index"),
+    ],
+)
 def test_an_index_pointing_outside_its_folder_or_malformed_is_refused(tmp_path, change, refusal):
     ckpt = SnapshotManager(tmp_path)
     save(ckpt, 3)
@@ -307,7 +318,8 @@ def test_a_full_disk_stops_every_rank_with_the_same_message(tmp_path):
         messages = {rank: ranks[rank][sync_or_async] for rank in range(2)}
         print(messages[0])
         assert messages[0].removesuffix(" (written in the background)") == messages[1].removesuffix(
-            " (written in the background)")
+            " (written in the background)"
+        )
         assert "no space left on device" in messages[0] and "is whole and untouched" in messages[0]
 
 
@@ -315,7 +327,10 @@ def test_a_snapshot_folder_that_cannot_be_made_is_named(tmp_path):
     ckpt = SnapshotManager(tmp_path)
     save(ckpt, 3)
     (tmp_path / "step-00000006").write_text("a file where the folder goes")
-    with pytest.raises(SnapshotWriteError, match=r"step-00000006 was not written: File exists \(rank 0 writing "
-                                                 r"step-00000006\).*the previous snapshot, .*step-00000003, is whole"):
+    with pytest.raises(
+        SnapshotWriteError,
+        match=r"step-00000006 was not written: File exists \(rank 0 writing "
+        r"step-00000006\).*the previous snapshot, .*step-00000003, is whole",
+    ):
         save(ckpt, 6)
     assert ckpt.latest().step == 3

@@ -52,8 +52,11 @@ def _run_dir(path: Path, metrics: bytes | str | None = None) -> Path:
 
 PLOT_CASES = {
     "binary metrics.jsonl": (lambda d: _run_dir(d, b"\x89PNG\r\n\x1a\n\x00\xff\xfe"), [], "not UTF-8 text"),
-    "record without a step": (lambda d: _run_dir(d, '{"kind": "train", "train/loss": 0.5}\n'), [],
-                              "line 1: a 'train' record without an integer 'step'"),
+    "record without a step": (
+        lambda d: _run_dir(d, '{"kind": "train", "train/loss": 0.5}\n'),
+        [],
+        "line 1: a 'train' record without an integer 'step'",
+    ),
     "metrics.jsonl a folder": (lambda d: (d / "metrics.jsonl").mkdir(parents=True) or d, [], "is not a file"),
     "-o into a missing folder": (_run_dir, ["-o", "{tmp}/missing/curves.png"], "-o"),
     "-o unknown extension": (_run_dir, ["-o", "{tmp}/curves.xyz"], "-o"),
@@ -103,6 +106,7 @@ BENCH_CASES = {
 @pytest.fixture
 def no_measuring(monkeypatch):
     """The refusals must come before any rank starts: measuring fails the test."""
+
     def measure(*args, **kwargs):
         raise AssertionError("a rank started before the options were checked")
 
@@ -124,8 +128,11 @@ def test_bench_accepts_a_new_folder_and_earlier_results_with_overwrite(tmp_path,
     # Control for the refusals above: the same options pass the checks and reach the measuring (refused here).
     (tmp_path / "earlier").mkdir()
     (tmp_path / "earlier" / "bench.json").write_text("{}")
-    for options in (["--out", str(tmp_path / "new" / "folder")], ["--out", str(tmp_path / "earlier"), "--overwrite"],
-                    ["--warmup", "0", "--latency-us", "2.5", "--bandwidth", "25"]):
+    for options in (
+        ["--out", str(tmp_path / "new" / "folder")],
+        ["--out", str(tmp_path / "earlier"), "--overwrite"],
+        ["--warmup", "0", "--latency-us", "2.5", "--bandwidth", "25"],
+    ):
         with pytest.raises(AssertionError, match="a rank started"):
             cli.main(["bench", *options])
 
@@ -192,8 +199,21 @@ def _sbatch_arguments(line: str) -> list[str]:
 @pytest.mark.parametrize("folder", ["logs with space", "100% done", 'say "hi" #1', "back\\slash"])
 def test_sbatch_quotes_an_output_folder_sbatch_and_bash_read_back(tmp_path, capsys, folder):
     out = tmp_path / folder
-    code, stdout, err = ddpkit(["sbatch", "--dry-run", "--output-dir", str(out), "--time", "1-2:30",
-                                "--signal-lead", "600", HELLO, "an arg; with $(shell)"], capsys)
+    code, stdout, err = ddpkit(
+        [
+            "sbatch",
+            "--dry-run",
+            "--output-dir",
+            str(out),
+            "--time",
+            "1-2:30",
+            "--signal-lead",
+            "600",
+            HELLO,
+            "an arg; with $(shell)",
+        ],
+        capsys,
+    )
     assert code == 0, err
     script = out / "hello.sbatch"
     text = script.read_text()
@@ -218,14 +238,23 @@ def test_sbatch_default_job_name_from_an_odd_script_name_is_safe(tmp_path, capsy
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("argv", [
-    ["plot", "{tmp}", "-o", "{tmp}/curves.xyz"],
-    ["bench", "--warmup", "-5"],
-    ["sbatch", "--dry-run", "--job-name", "../../x", HELLO],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["plot", "{tmp}", "-o", "{tmp}/curves.xyz"],
+        ["bench", "--warmup", "-5"],
+        ["sbatch", "--dry-run", "--job-name", "../../x", HELLO],
+    ],
+)
 def test_the_command_prints_one_line_and_no_traceback(tmp_path, clean_env, argv):
     _run_dir(tmp_path)
-    done = subprocess.run([sys.executable, "-m", "ddpkit.cli", *(a.format(tmp=tmp_path) for a in argv)],
-                          env=clean_env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "ddpkit.cli", *(a.format(tmp=tmp_path) for a in argv)],
+        env=clean_env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert re.fullmatch(rf"ddpkit {argv[0]}: error: [^\n]+\n", done.stderr), done.stderr

@@ -376,7 +376,6 @@ def test_each_sample_draws_the_same_whatever_the_world_size_and_workers():
     assert plain_main["draws"] != plain_workers["draws"] and not plain_main["main_rng_kept"]
 
 
-
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_the_places_of_a_steps_samples_cover_it_once(drop_last):
     # 235 samples, global batches of 12 (6 per rank on 2 ranks), two batches a step: the last batch has 7 (4/3)

@@ -52,8 +52,11 @@ def cuda_in_use(monkeypatch):
     monkeypatch.setattr(torch.cuda, "manual_seed", lambda s: calls["manual_seed"].append(s))
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": torch.tensor([7, 7], dtype=torch.uint8))
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, device="cuda": calls["set_rng_state"].append(s))
-    monkeypatch.setattr(torch.cuda, "get_rng_state_all",
-                        lambda: [torch.tensor([1, 2], dtype=torch.uint8), torch.tensor([3, 4], dtype=torch.uint8)])
+    monkeypatch.setattr(
+        torch.cuda,
+        "get_rng_state_all",
+        lambda: [torch.tensor([1, 2], dtype=torch.uint8), torch.tensor([3, 4], dtype=torch.uint8)],
+    )
     monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: calls["set_rng_state_all"].append(states))
     return calls
 
@@ -135,8 +138,7 @@ def test_a_trainer_snapshot_holds_every_ranks_cuda_generators(cuda_in_use, tmp_p
 
     data = TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,)))
     model = torch.nn.Linear(4, 2)
-    config = TrainerConfig(run_dir=str(tmp_path), batch_size=4, num_workers=0,
-                           logging=LoggingConfig(progress=False))
+    config = TrainerConfig(run_dir=str(tmp_path), batch_size=4, num_workers=0, logging=LoggingConfig(progress=False))
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, config)
     state = trainer.state_dict()
     (rank0,) = state["states"]["rng"]["ranks"]
@@ -223,7 +225,7 @@ def test_the_all_reduce_span_on_a_gpu_is_read_from_cuda_events(monkeypatch):
             Event.clock += 2.5
             self.at = Event.clock
 
-        def elapsed_time(self, end: "Event") -> float:  # milliseconds, as CUDA events give them
+        def elapsed_time(self, end: Event) -> float:  # milliseconds, as CUDA events give them
             return end.at - self.at
 
     monkeypatch.setattr(torch.cuda, "Event", Event)
@@ -274,4 +276,3 @@ def test_the_flight_record_goes_to_the_runs_stacks_folder_and_the_summary_names_
     # Control: without the option nothing asks for the recorder.
     out = job(PROBE, "env")
     assert out.returncode == 0 and set(json.loads(out.stdout.splitlines()[-1]).values()) == {None}
-

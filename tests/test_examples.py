@@ -147,7 +147,9 @@ def test_digits_trainer_trains_snapshots_and_resumes(tmp_path):
     out = _ok(_ddpkit_run("digits_trainer.py", "--run-dir", run_dir, "--epochs", "3"))
     accuracy = float(re.search(r"^test accuracy: (\d\.\d{4})$", out, re.M).group(1))
     assert accuracy >= MIN_ACCURACY
-    assert (tmp_path / "run" / "config.json").exists() and list((tmp_path / "run" / "snapshots").glob("*/complete.json"))
+    assert (tmp_path / "run" / "config.json").exists() and list(
+        (tmp_path / "run" / "snapshots").glob("*/complete.json")
+    )
     # Run again: it resumes from the last snapshot, has nothing left to train, and reports the same model.
     again = _ok(_ddpkit_run("digits_trainer.py", "--run-dir", run_dir, "--epochs", "3"))
     assert "ddpkit: resumed from" in again and "epoch 3/3" not in again

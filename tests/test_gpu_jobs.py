@@ -39,8 +39,12 @@ def _uuid(name: str) -> str:
 def test_a_job_gets_its_device_and_backend_and_exact_collectives_there(device, clean_env, tmp_path):
     n = nprocs(device)
     env = device_env(clean_env, device)
-    out = run([*DDPKIT, "run", "--nproc", str(n), "--log-dir", str(tmp_path / "logs"), PROBE, "info", str(tmp_path)],
-              env, timeout=240, cwd=tmp_path)
+    out = run(
+        [*DDPKIT, "run", "--nproc", str(n), "--log-dir", str(tmp_path / "logs"), PROBE, "info", str(tmp_path)],
+        env,
+        timeout=240,
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(n)]
     total = n * (n + 1) / 2
@@ -57,8 +61,12 @@ def test_a_job_gets_its_device_and_backend_and_exact_collectives_there(device, c
         # One process per GPU, each on its own: no two ranks share a GPU.
         assert len({seen["uuid"] for seen in ranks}) == n
         # Control: one process more than there are GPUs is refused before any rank trains, naming the fix.
-        out = run([*DDPKIT, "run", "--nproc", str(n + 1), "--log-dir", str(tmp_path / "logs"), PROBE, "info",
-                   str(tmp_path)], env, timeout=240, cwd=tmp_path)
+        out = run(
+            [*DDPKIT, "run", "--nproc", str(n + 1), "--log-dir", str(tmp_path / "logs"), PROBE, "info", str(tmp_path)],
+            env,
+            timeout=240,
+            cwd=tmp_path,
+        )
         assert out.returncode != 0
         assert f"{n + 1} processes on this node but only {n} GPU(s) visible" in out.stderr, out.stderr[-3000:]
 
@@ -87,10 +95,16 @@ def test_a_process_runs_on_the_gpu_cuda_visible_devices_names(clean_env):
 def test_rank_r_runs_on_the_rth_gpu_of_cuda_visible_devices(clean_env, tmp_path):
     uuids = physical_gpu_uuids()
     order = [1, 0]  # reversed: rank 0 on physical GPU 1
-    env = device_env(clean_env, "cuda") | {"CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-                                          "CUDA_VISIBLE_DEVICES": ",".join(map(str, order))}
-    out = run([*DDPKIT, "run", "--nproc", "2", "--log-dir", str(tmp_path / "logs"), PROBE, "info", str(tmp_path)],
-              env, timeout=240, cwd=tmp_path)
+    env = device_env(clean_env, "cuda") | {
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "CUDA_VISIBLE_DEVICES": ",".join(map(str, order)),
+    }
+    out = run(
+        [*DDPKIT, "run", "--nproc", "2", "--log-dir", str(tmp_path / "logs"), PROBE, "info", str(tmp_path)],
+        env,
+        timeout=240,
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     for r, physical in enumerate(order):
         seen = json.loads((tmp_path / f"rank{r}.json").read_text())
@@ -108,8 +122,24 @@ def test_debug_collectives_writes_the_nccl_flight_record_of_a_hang(clean_env, tm
 
     def hang(*flags: str) -> tuple:
         logs = tmp_path / ("with" if flags else "without")
-        out = run([*DDPKIT, "run", "--nproc", "1", "--collective-timeout", "5", "--log-dir", str(logs), *flags,
-                   PROBE, "hang"], env, timeout=240, cwd=tmp_path)
+        out = run(
+            [
+                *DDPKIT,
+                "run",
+                "--nproc",
+                "1",
+                "--collective-timeout",
+                "5",
+                "--log-dir",
+                str(logs),
+                *flags,
+                PROBE,
+                "hang",
+            ],
+            env,
+            timeout=240,
+            cwd=tmp_path,
+        )
         return out, sorted(logs.glob("*/stacks/nccl_trace_rank_*"))
 
     out, traces = hang("--debug-collectives")
@@ -205,17 +235,36 @@ def test_bench_measures_ddp_one_gpu_and_data_parallel_on_cuda(clean_env, run_pyt
     assert dp["data_parallel"]["gpus"] == GPUS and dp["data_parallel"]["samples"] == GPUS * one["batch_size"]
     # Control: a rank forked after is_available() cannot use CUDA; the bench's own ranks are spawned.
     assert "Cannot re-initialize CUDA in forked subprocess" in result["forked"], result["forked"]
-    print(f"\nDDP on 1 GPU (nccl): step {parts['step'] * 1e3:.3f} ms, all-reduce span "
-          f"{parts['allreduce_span'] * 1e3:.3f} ms; one GPU without DDP: {single['step'] * 1e3:.3f} ms; "
-          f"DataParallel over {GPUS} GPU(s): {dp['data_parallel']['step'] * 1e3:.3f} ms")
+    print(
+        f"\nDDP on 1 GPU (nccl): step {parts['step'] * 1e3:.3f} ms, all-reduce span "
+        f"{parts['allreduce_span'] * 1e3:.3f} ms; one GPU without DDP: {single['step'] * 1e3:.3f} ms; "
+        f"DataParallel over {GPUS} GPU(s): {dp['data_parallel']['step'] * 1e3:.3f} ms"
+    )
 
 
 @pytest.mark.gpu
 @requires_2_gpus
 @pytest.mark.timeout(420)
 def test_bench_predicts_nccl_step_times_and_reports_its_error(clean_env, tmp_path):
-    out = run([*DDPKIT, "bench", "--nproc", "2", "--rounds", "1", "--steps", "20", "--warmup", "5", "--no-knobs",
-               "--out", str(tmp_path / "bench")], device_env(clean_env, "cuda"), timeout=400)
+    out = run(
+        [
+            *DDPKIT,
+            "bench",
+            "--nproc",
+            "2",
+            "--rounds",
+            "1",
+            "--steps",
+            "20",
+            "--warmup",
+            "5",
+            "--no-knobs",
+            "--out",
+            str(tmp_path / "bench"),
+        ],
+        device_env(clean_env, "cuda"),
+        timeout=400,
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     result = json.loads((tmp_path / "bench" / "bench.json").read_text())
     assert result["conditions"]["backend"] == "nccl"
@@ -231,8 +280,22 @@ def test_bench_predicts_nccl_step_times_and_reports_its_error(clean_env, tmp_pat
 def test_memory_and_snapshot_benches_report_cuda_figures(clean_env, tmp_path):
     root = Path(__file__).resolve().parents[1]
     env = device_env(clean_env, "cuda")
-    out = run([sys.executable, str(root / "bench" / "memory.py"), "--width", "256", "--blocks", "2", "--rounds", "1",
-               "--steps", "2"], env, timeout=300)
+    out = run(
+        [
+            sys.executable,
+            str(root / "bench" / "memory.py"),
+            "--width",
+            "256",
+            "--blocks",
+            "2",
+            "--rounds",
+            "1",
+            "--steps",
+            "2",
+        ],
+        env,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     lines = out.stdout.splitlines()
     assert "nccl" in lines[1] and f"{GPUS} rank(s)" in lines[1], lines[:3]
@@ -243,7 +306,21 @@ def test_memory_and_snapshot_benches_report_cuda_figures(clean_env, tmp_path):
         state_mib, peak_cuda = float(cells[5]), float(cells[8])
         # Parameters, gradients and optimizer state all live on the GPU at the peak: a lower bound.
         assert peak_cuda >= state_mib * 0.99, line
-    out = run([sys.executable, str(root / "bench" / "snapshot_stall.py"), "--width", "256", "--blocks", "2",
-               "--repeats", "1", "--dir", str(tmp_path)], env, timeout=300)
+    out = run(
+        [
+            sys.executable,
+            str(root / "bench" / "snapshot_stall.py"),
+            "--width",
+            "256",
+            "--blocks",
+            "2",
+            "--repeats",
+            "1",
+            "--dir",
+            str(tmp_path),
+        ],
+        env,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     assert "nccl" in out.stdout.splitlines()[1] and "stall / synchronous save" in out.stdout, out.stdout

@@ -38,40 +38,64 @@ JOB = str(SCRIPTS / "device_train_job.py")
 
 def _train(tmp: Path, name: str, device: str, env: dict, *args: str) -> dict:
     (tmp / f"{name}-log").mkdir()
-    out = run([*DDPKIT, "run", "--nproc", str(nprocs(device)), "--max-restarts", "2", "--log-dir", str(tmp / "logs"),
-               JOB, str(tmp / name), "--out", str(tmp / f"{name}.pt"), "--sample-log", str(tmp / f"{name}-log"),
-               *args], env, timeout=300, cwd=tmp)
+    out = run(
+        [
+            *DDPKIT,
+            "run",
+            "--nproc",
+            str(nprocs(device)),
+            "--max-restarts",
+            "2",
+            "--log-dir",
+            str(tmp / "logs"),
+            JOB,
+            str(tmp / name),
+            "--out",
+            str(tmp / f"{name}.pt"),
+            "--sample-log",
+            str(tmp / f"{name}-log"),
+            *args,
+        ],
+        env,
+        timeout=300,
+        cwd=tmp,
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     return torch.load(tmp / f"{name}.pt", map_location="cpu", weights_only=False)
 
 
 @pytest.mark.parametrize(
     "device,precision",
-    [pytest.param("cpu", "bf16", marks=pytest.mark.slow, id="cpu-bf16"),
-     pytest.param("cuda", "bf16", marks=CUDA_MARKS, id="cuda-bf16"),
-     pytest.param("cuda", "fp16", marks=CUDA_MARKS, id="cuda-fp16")],
+    [
+        pytest.param("cpu", "bf16", marks=pytest.mark.slow, id="cpu-bf16"),
+        pytest.param("cuda", "bf16", marks=CUDA_MARKS, id="cuda-bf16"),
+        pytest.param("cuda", "fp16", marks=CUDA_MARKS, id="cuda-fp16"),
+    ],
 )
 @pytest.mark.timeout(900)  # three jobs, one of them restarted; on 2 CPU cores under load, minutes
 def test_mixed_precision_killed_and_resumed_ends_bitwise_where_an_uninterrupted_run_does(
-        device, precision, clean_env, tmp_path):
+    device, precision, clean_env, tmp_path
+):
     # Dropout draws on the device (on a GPU, from the CUDA generator, whose state every snapshot holds), and
     # every sample is perturbed by noise drawn on the device while loading (seeded from (seed, epoch, index)).
     env = device_env(clean_env, device)
     reference = _train(tmp_path, "reference", device, env, "--precision", precision)
     killed = _train(tmp_path, "killed", device, env, "--precision", precision, "--kill-step", "7")
     assert list((tmp_path / "killed-log").glob("killed-*")) and killed["attempt"] >= 1, "no kill, or no restart"
-    assert_each_sample_once(samples_per_epoch(tmp_path / "killed-log", resume_steps(tmp_path / "killed")),
-                            N_SAMPLES, 3)
+    assert_each_sample_once(samples_per_epoch(tmp_path / "killed-log", resume_steps(tmp_path / "killed")), N_SAMPLES, 3)
     if precision == "fp16":
         assert killed["scale"] == reference["scale"], (killed["scale"], reference["scale"])
-    print(f"\n{device} {precision}: killed at step 7, resumed from step {killed['resumed_from']}: max |dw| "
-          f"{max_abs_diff(killed, reference):.1e}")
+    print(
+        f"\n{device} {precision}: killed at step 7, resumed from step {killed['resumed_from']}: max |dw| "
+        f"{max_abs_diff(killed, reference):.1e}"
+    )
     assert bitwise_equal(killed, reference), f"max |dw| {max_abs_diff(killed, reference):.1e}"
     if device == "cuda" and precision == "bf16":
         # Control: the same kill, resumed with everything but the CUDA generators' states, ends elsewhere (the
         # dropout masks after the resume are not the uninterrupted run's).
-        control = _train(tmp_path, "control", device, env, "--precision", precision, "--kill-step", "7",
-                         "--drop-cuda-rng")
+        control = _train(
+            tmp_path, "control", device, env, "--precision", precision, "--kill-step", "7", "--drop-cuda-rng"
+        )
         print(f"control, CUDA generators not restored: max |dw| {max_abs_diff(control, reference):.1e}")
         assert control["attempt"] >= 1 and not bitwise_equal(control, reference)
 
@@ -124,8 +148,7 @@ print(json.dumps(out))
 
 
 @pytest.mark.parametrize("device", device_params(cpu_slow=True))
-def test_a_samples_draws_on_its_device_follow_the_sample_and_leave_the_training_stream(device, clean_env,
-                                                                                      run_python):
+def test_a_samples_draws_on_its_device_follow_the_sample_and_leave_the_training_stream(device, clean_env, run_python):
     out = run_python(_SAMPLE_DRAWS, env=device_env(clean_env, device), timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.splitlines()[-1])
@@ -198,9 +221,11 @@ def test_the_loader_pins_batches_for_a_gpu_and_copies_them_without_waiting(devic
     assert copy_s["pinned"] < 0.2 * spin_s, result
     # Control: a blocking copy waits for the busy GPU.
     assert copy_s["blocking"] > 0.5 * spin_s, result
-    print(f"\nGPU busy {spin_s * 1e3:.0f} ms; host time of the copy: pinned non-blocking "
-          f"{copy_s['pinned'] * 1e3:.2f} ms, pageable non-blocking {copy_s['pageable'] * 1e3:.1f} ms, blocking "
-          f"{copy_s['blocking'] * 1e3:.1f} ms")
+    print(
+        f"\nGPU busy {spin_s * 1e3:.0f} ms; host time of the copy: pinned non-blocking "
+        f"{copy_s['pinned'] * 1e3:.2f} ms, pageable non-blocking {copy_s['pageable'] * 1e3:.1f} ms, blocking "
+        f"{copy_s['blocking'] * 1e3:.1f} ms"
+    )
 
 
 _EVALUATE = """
@@ -257,8 +282,7 @@ print(json.dumps({"fp32": fp32, "bf16": bf16, "loss": loss, "accuracy": accuracy
 @pytest.mark.timeout(300)
 def test_evaluate_on_the_device_counts_every_sample_once_and_runs_autocast(device, clean_env, run_python):
     n = nprocs(device)
-    out = run_python(_EVALUATE.replace("int(sys.argv[1])", str(n)), env=device_env(clean_env, device),
-                     timeout=240)
+    out = run_python(_EVALUATE.replace("int(sys.argv[1])", str(n)), env=device_env(clean_env, device), timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.splitlines()[-1])
     for rank, metrics in enumerate(result["fp32"]):
@@ -376,7 +400,12 @@ def test_zero_and_fsdp_train_what_ddp_trains_with_a_share_of_its_memory(device, 
                 # state peak together is the allocator's business: fsdp at one rank measured below their sum.)
                 assert r["after_backward_cuda"] >= r["params"] + r["grads"], (name, r)
                 assert r["peak_cuda"] >= r["params"] + r["optimizer"], (name, r)
-            print(f"\nrank {rank} of {n}, MiB of max_memory_allocated (of state): " + ", ".join(
-                f"{name} {sizes[name]['peak_cuda'] / mib:.2f} "
-                f"({(sizes[name]['params'] + sizes[name]['grads'] + sizes[name]['optimizer']) / mib:.2f})"
-                for name in ("ddp", "zero", "fsdp")) + ("; one rank: the 1/N shares need 2 GPUs" if n == 1 else ""))
+            print(
+                f"\nrank {rank} of {n}, MiB of max_memory_allocated (of state): "
+                + ", ".join(
+                    f"{name} {sizes[name]['peak_cuda'] / mib:.2f} "
+                    f"({(sizes[name]['params'] + sizes[name]['grads'] + sizes[name]['optimizer']) / mib:.2f})"
+                    for name in ("ddp", "zero", "fsdp")
+                )
+                + ("; one rank: the 1/N shares need 2 GPUs" if n == 1 else "")
+            )

@@ -29,10 +29,16 @@ def _train(run_root: str, candidate: int, group=None) -> dict:
     lr, epochs = CANDIDATES[candidate]
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.1), nn.Linear(16, 2))
-    config = TrainerConfig(run_dir=f"{run_root}/candidate{candidate}", epochs=epochs, global_batch_size=12,
-                           snapshot=SnapshotConfig(every_steps=4), logging=LoggingConfig(progress=False, every_steps=3))
-    trainer = Trainer(model, torch.optim.Adam(model.parameters(), lr=lr), Data(120, 7), config, val_data=Data(37, 8),
-                      group=group)
+    config = TrainerConfig(
+        run_dir=f"{run_root}/candidate{candidate}",
+        epochs=epochs,
+        global_batch_size=12,
+        snapshot=SnapshotConfig(every_steps=4),
+        logging=LoggingConfig(progress=False, every_steps=3),
+    )
+    trainer = Trainer(
+        model, torch.optim.Adam(model.parameters(), lr=lr), Data(120, 7), config, val_data=Data(37, 8), group=group
+    )
     metrics = trainer.fit()
     return {
         "model": {k: v.clone() for k, v in ddpkit.unwrap(trainer.model).state_dict().items()},
@@ -59,7 +65,12 @@ def _alone(run_root: str, candidate: int) -> dict:
 
 def test_a_trainer_per_group_equals_each_trainer_alone(tmp_path):
     results = ddpkit.spawn(functools.partial(_in_groups, str(tmp_path / "groups")), 4)
-    assert [(r["group_index"], r["rank"], r["world_size"]) for r in results] == [(0, 0, 2), (0, 1, 2), (1, 0, 2), (1, 1, 2)]
+    assert [(r["group_index"], r["rank"], r["world_size"]) for r in results] == [
+        (0, 0, 2),
+        (0, 1, 2),
+        (1, 0, 2),
+        (1, 1, 2),
+    ]
     for candidate in (0, 1):
         alone = ddpkit.spawn(functools.partial(_alone, str(tmp_path / "alone"), candidate), 2)[0]
         grouped = results[2 * candidate]
@@ -138,5 +149,3 @@ def _bad_split(size: int) -> str:
 def test_a_group_size_that_does_not_divide_the_world_is_refused():
     messages = ddpkit.spawn(functools.partial(_bad_split, 2), 3)
     assert all("group_size=2" in m and "divisor of 3" in m for m in messages)
-
-

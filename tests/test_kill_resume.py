@@ -34,8 +34,23 @@ SEED = int(os.environ.get("DDPKIT_KILL_SEED", time.time_ns() % 100_000))
 
 def launch(tmp: Path, name: str, *job_args: str, restarts: int = 2, clean_env: dict) -> tuple[dict, str]:
     (tmp / f"{name}-log").mkdir()
-    cmd = [sys.executable, "-m", "ddpkit.cli", "run", "--nproc", "2", "--max-restarts", str(restarts), JOB,
-           str(tmp / name), "--sample-log", str(tmp / f"{name}-log"), "--out", str(tmp / f"{name}.pt"), *job_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ddpkit.cli",
+        "run",
+        "--nproc",
+        "2",
+        "--max-restarts",
+        str(restarts),
+        JOB,
+        str(tmp / name),
+        "--sample-log",
+        str(tmp / f"{name}-log"),
+        "--out",
+        str(tmp / f"{name}.pt"),
+        *job_args,
+    ]
     proc = subprocess.run(cmd, env=clean_env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(tmp / f"{name}.pt", weights_only=False), proc.stdout + proc.stderr
@@ -78,8 +93,19 @@ def test_sigkill_at_random_steps_resumes_bitwise(tmp_path, clean_env):
 def test_a_failing_rank_stops_the_job_fast_and_restart_resumes(tmp_path, clean_env):
     # No restarts: the exception in user code on rank 1 at step 7 ends every rank, with a summary.
     start = time.monotonic()
-    cmd = [sys.executable, "-m", "ddpkit.cli", "run", "--nproc", "2", JOB, str(tmp_path / "fail"),
-           "--raise-at", "1", "7"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ddpkit.cli",
+        "run",
+        "--nproc",
+        "2",
+        JOB,
+        str(tmp_path / "fail"),
+        "--raise-at",
+        "1",
+        "7",
+    ]
     proc = subprocess.run(cmd, env=clean_env, capture_output=True, text=True, timeout=120)
     elapsed = time.monotonic() - start
     assert proc.returncode == 1
@@ -102,12 +128,23 @@ def test_a_full_disk_during_a_snapshot_is_named_in_the_launchers_summary(tmp_pat
     # The snapshots on a small file system of their own, which rank 0 fills at step 7: the snapshot of
     # step 9 cannot be written (asynchronously: its error is raised by the save of step 10).
     with small_tmpfs(tmp_path / "run" / "snapshots", "1m"):
-        cmd = [sys.executable, "-m", "ddpkit.cli", "run", "--nproc", "2", JOB, str(tmp_path / "run"),
-               "--fill-disk-at", "7", *mode]
+        cmd = [
+            sys.executable,
+            "-m",
+            "ddpkit.cli",
+            "run",
+            "--nproc",
+            "2",
+            JOB,
+            str(tmp_path / "run"),
+            "--fill-disk-at",
+            "7",
+            *mode,
+        ]
         proc = subprocess.run(cmd, env=clean_env, capture_output=True, text=True, timeout=120)
         whole = sorted(p.name for p in (tmp_path / "run" / "snapshots").glob("step-*"))
     assert proc.returncode == 1, proc.stderr[-3000:]
-    summary = proc.stderr[proc.stderr.index("ddpkit run:"):]
+    summary = proc.stderr[proc.stderr.index("ddpkit run:") :]
     print(f"\n{summary}")
     first = summary.splitlines()[1]
     assert first.startswith("  SnapshotWriteError: ddpkit: snapshot ")
@@ -134,22 +171,25 @@ def test_sigkill_with_two_loader_workers_per_rank_resumes_bitwise(tmp_path, clea
     reference, _ = launch(tmp_path, "reference", *workers, clean_env=clean_env)
     for what, (kill_step, resumed_from) in WORKER_KILLS.items():
         name = what.replace(" ", "-")
-        final, stderr = launch(tmp_path, name, *workers, "--kill-rank", "1", "--kill-step", str(kill_step),
-                               clean_env=clean_env)
+        final, stderr = launch(
+            tmp_path, name, *workers, "--kill-rank", "1", "--kill-step", str(kill_step), clean_env=clean_env
+        )
         killed = list((tmp_path / f"{name}-log").glob("killed-*"))
         assert killed and final["attempt"] == 1 and final["resumed_from"] in resumed_from, what
-        assert_each_sample_once(samples_per_epoch(tmp_path / f"{name}-log", resume_steps(tmp_path / name)),
-                                N_SAMPLES, 3)
-        print(f"\n{what}: killed at step {kill_step}, resumed from {final['resumed_from']}: max |dw| "
-              f"{max_abs_diff(final, reference):.1e}")
+        assert_each_sample_once(
+            samples_per_epoch(tmp_path / f"{name}-log", resume_steps(tmp_path / name)), N_SAMPLES, 3
+        )
+        print(
+            f"\n{what}: killed at step {kill_step}, resumed from {final['resumed_from']}: max |dw| "
+            f"{max_abs_diff(final, reference):.1e}"
+        )
         assert bitwise_equal(final, reference), what
         assert rank_differences(tmp_path / f"{name}.pt", tmp_path / "reference.pt") == {0: [], 1: []}, what
     # Control: left to the workers' own streams (how loaders draw without ddpkit's seeding), the same kill at
     # the epoch boundary ends elsewhere: the restarted workers' streams start afresh.
     unseeded = [*workers, "--unseeded-samples"]
     plain_reference, _ = launch(tmp_path, "plain-reference", *unseeded, clean_env=clean_env)
-    plain, _ = launch(tmp_path, "plain-killed", *unseeded, "--kill-rank", "1", "--kill-step", "10",
-                      clean_env=clean_env)
+    plain, _ = launch(tmp_path, "plain-killed", *unseeded, "--kill-rank", "1", "--kill-step", "10", clean_env=clean_env)
     assert plain["resumed_from"] in WORKER_KILLS["epoch boundary"][1]
     print(f"control, unseeded samples: max |dw| {max_abs_diff(plain, plain_reference):.1e}")
     assert not bitwise_equal(plain, plain_reference)
@@ -178,10 +218,13 @@ def test_sigkill_without_sync_batchnorm_resumes_every_rank_bitwise(tmp_path, cle
         assert final["resumed_from"] == resumed_from, (what, final["resumed_from"])
         if "damaged" in what:
             assert "__1_0.distcp not matching its checksum" in output, what
-        assert_each_sample_once(samples_per_epoch(tmp_path / f"{name}-log", resume_steps(tmp_path / name)),
-                                N_SAMPLES, 3)
-        print(f"\n{what}: resumed from {final['resumed_from']}: max |dw| over both ranks "
-              f"{rank_max_abs_diff(tmp_path / f'{name}.pt', tmp_path / 'reference.pt'):.1e}")
+        assert_each_sample_once(
+            samples_per_epoch(tmp_path / f"{name}-log", resume_steps(tmp_path / name)), N_SAMPLES, 3
+        )
+        print(
+            f"\n{what}: resumed from {final['resumed_from']}: max |dw| over both ranks "
+            f"{rank_max_abs_diff(tmp_path / f'{name}.pt', tmp_path / 'reference.pt'):.1e}"
+        )
         differs = rank_differences(tmp_path / f"{name}.pt", tmp_path / "reference.pt")
         assert differs == {0: [], 1: []}, f"{what}: {differs}"
     # Control: each rank's own buffers saved as one copy per key (DCP's way with a replicated key, the save

@@ -60,8 +60,12 @@ def test_single_node_uses_a_free_loopback_port_and_shows_rank_zero_only():
     cfg = LaunchConfig(script="train.py", script_args=["--lr", "1"])
     argv = torchrun_argv(cfg, nproc=3)
     # ddpkit's rendezvous, its store on a free port of 127.0.0.1; MASTER_ADDR (the node's address) loopback too.
-    for flag, value in [("--rdzv-backend", "ddpkit"), ("--rdzv-endpoint", "127.0.0.1:0"), ("--nnodes", "1"),
-                        ("--local-addr", "127.0.0.1")]:
+    for flag, value in [
+        ("--rdzv-backend", "ddpkit"),
+        ("--rdzv-endpoint", "127.0.0.1:0"),
+        ("--nnodes", "1"),
+        ("--local-addr", "127.0.0.1"),
+    ]:
         assert argv[argv.index(flag) + 1] == value
     assert worker_env(cfg, 3)["GLOO_SOCKET_IFNAME"] == os.environ.get("GLOO_SOCKET_IFNAME", "lo")
     assert argv[argv.index("--redirects") + 1] == "1:3,2:3"  # local ranks 1, 2 to files; 0 keeps the terminal
@@ -124,8 +128,11 @@ def test_bad_options_name_the_flag(kwargs, message):
         (["--nnodes", "-2"], "use a number of nodes >= 1, or MIN:MAX with 1 <= MIN <= MAX"),
         (["--nnodes", "4:2"], "use a number of nodes >= 1, or MIN:MAX with 1 <= MIN <= MAX"),
         (["--nproc", "\u00b2"], "use auto, gpu, or a whole number of processes >= 1"),
-        *[([option, value], "use a number of seconds > 0 and at most 2592000 (30 days)")
-          for option in ("--collective-timeout", "--join-timeout") for value in ("inf", "nan", "1e30")],
+        *[
+            ([option, value], "use a number of seconds > 0 and at most 2592000 (30 days)")
+            for option in ("--collective-timeout", "--join-timeout")
+            for value in ("inf", "nan", "1e30")
+        ],
     ],
 )
 def test_bad_values_are_one_line_naming_the_option_and_what_is_valid(flags, valid, capsys):
@@ -521,8 +528,11 @@ def test_a_hang_ends_within_the_bound_with_every_ranks_stack(clean_env):
 
 @pytest.mark.slow
 def test_mismatched_collectives_are_named_with_debug_collectives(clean_env):
-    out = run(["run", "--nproc", "2", "--debug-collectives", "--collective-timeout", "10", PROBE, "mismatch"],
-              clean_env, timeout=120)
+    out = run(
+        ["run", "--nproc", "2", "--debug-collectives", "--collective-timeout", "10", PROBE, "mismatch"],
+        clean_env,
+        timeout=120,
+    )
     assert out.returncode == 1
     assert "Detected mismatch between collectives" in out.stderr and "Tensor shapes: 3vs 2" in out.stderr
     # Control: without the check, gloo gives no such diagnosis (it fails on sizes, or waits out the bound).
@@ -544,9 +554,22 @@ def test_env_reports_versions_os_memory_and_the_distributed_variables(monkeypatc
     assert __version__ in out and "  NCCL_DEBUG=INFO" in out and "  SLURM_JOB_ID=42" in out
     assert "  DDPKIT_RDZV_SECRET=(set, not shown)" in out and "must-not-be-printed" not in out
     for name in list(os.environ):
-        if name.startswith(("SLURM_", "NCCL_", "GLOO_", "TORCHELASTIC_", "PMI_", "OMPI_", "PET_", "TORCH_", "DDPKIT_")) or name in (
-            "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NSLOTS",
-            "OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"):
+        if name.startswith(
+            ("SLURM_", "NCCL_", "GLOO_", "TORCHELASTIC_", "PMI_", "OMPI_", "PET_", "TORCH_", "DDPKIT_")
+        ) or name in (
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "NSLOTS",
+            "OMP_NUM_THREADS",
+            "MKL_NUM_THREADS",
+            "CUDA_VISIBLE_DEVICES",
+            "MPI_LOCALRANKID",
+            "MPI_LOCALNRANKS",
+        ):
             monkeypatch.delenv(name)
     env_main(["--no-live"])
     assert "distributed variables set  none" in capsys.readouterr().out
@@ -595,8 +618,14 @@ def _failure(exitcode: int, timestamp: int, message: str | None = None):
     from types import SimpleNamespace
 
     data = {"message": {"message": message, "extraInfo": {"py_callstack": ""}}} if message else {}
-    return SimpleNamespace(exitcode=exitcode, timestamp=timestamp, error_file_data=data, local_rank=0, pid=1,
-                           signal_name=lambda: f"signal {-exitcode}")
+    return SimpleNamespace(
+        exitcode=exitcode,
+        timestamp=timestamp,
+        error_file_data=data,
+        local_rank=0,
+        pid=1,
+        signal_name=lambda: f"signal {-exitcode}",
+    )
 
 
 def test_the_cause_of_a_failure_is_told_from_its_consequences():

@@ -55,8 +55,9 @@ def wandb_history(run_dir: Path) -> list[dict[str, float]]:
                 record.ParseFromString(pending)
                 pending = b""
                 if record.WhichOneof("record_type") == "history":
-                    history.append({i.key or "/".join(i.nested_key): json.loads(i.value_json)
-                                    for i in record.history.item})
+                    history.append(
+                        {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+                    )
     return history
 
 
@@ -66,8 +67,9 @@ def test_mlflow_and_wandb_get_the_same_records_and_continue_after_a_resume(tmp_p
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("WANDB_SILENT", "true")
     run_dir = tmp_path / "run"
-    job = functools.partial(train, str(run_dir), loggers=("mlflow", "wandb"), early_stopping_patience=5,
-                            log_every_steps=5, epochs=2)
+    job = functools.partial(
+        train, str(run_dir), loggers=("mlflow", "wandb"), early_stopping_patience=5, log_every_steps=5, epochs=2
+    )
     ddpkit.spawn(functools.partial(job, max_steps=13), 2)
     first_ids = json.loads((run_dir / "loggers.json").read_text())
     ddpkit.spawn(job, 2)  # resumes at step 13: the same tracker runs continue

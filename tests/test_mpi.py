@@ -19,12 +19,15 @@ MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shut
 def test_mpiexec_ranks_form_one_job(clean_env):
     pytest.importorskip("mpi4py", reason="pip install -e '.[mpi]'")
     env = clean_env | {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{clean_env.get('PATH', '')}"}
-    out = subprocess.run([MPIEXEC, "-n", "2", sys.executable, PROBE, "info"], env=env, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [MPIEXEC, "-n", "2", sys.executable, PROBE, "info"], env=env, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     # Before, each rank ran as a world of one (both "rank=0 world=1").
     assert sorted(re.findall(r"rank=(\d) world=(\d) launcher=(\w+)", out.stdout)) == [
-        ("0", "2", "mpi"), ("1", "2", "mpi")], out.stdout
+        ("0", "2", "mpi"),
+        ("1", "2", "mpi"),
+    ], out.stdout
     assert out.stdout.count("sum=3") == 2
 
 
@@ -38,11 +41,17 @@ def test_a_search_launched_with_mpiexec_runs_one_candidate_per_rank(clean_env, t
     from optuna.storages.journal import JournalFileBackend, JournalStorage
 
     env = clean_env | {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{clean_env.get('PATH', '')}"}
-    out = subprocess.run([MPIEXEC, "-n", "2", sys.executable, SEARCH_JOB, str(tmp_path), "--trials", "3",
-                          "--epochs", "1"], env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [MPIEXEC, "-n", "2", sys.executable, SEARCH_JOB, str(tmp_path), "--trials", "3", "--epochs", "1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    study = optuna.load_study(study_name="ddpkit",
-                              storage=JournalStorage(JournalFileBackend(str(tmp_path / "study.journal"))))
+    study = optuna.load_study(
+        study_name="ddpkit", storage=JournalStorage(JournalFileBackend(str(tmp_path / "study.journal")))
+    )
     assert [t.state.name for t in study.trials] == ["COMPLETE"] * 3
     # One job of two groups of one rank (two worlds of one would both be group 0), both taking candidates.
     assert "[group 0]" in out.stdout and "[group 1]" in out.stdout, out.stdout[-2000:]

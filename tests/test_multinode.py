@@ -70,8 +70,14 @@ def _env(threads: int = 1) -> dict[str, str]:
 
 def _on(ns: str, argv: list[str], cwd: Path, log: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     with open(cwd / log, "w") as out:
-        return subprocess.Popen(["ip", "netns", "exec", ns, *argv], cwd=cwd, env=env or _env(), stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            ["ip", "netns", "exec", ns, *argv],
+            cwd=cwd,
+            env=env or _env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 def _finish(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
@@ -106,15 +112,27 @@ def test_two_nodes_train_the_digits_to_the_weights_of_one_node(nodes, tmp_path):
     assert codes == [0, 0], logs
     assert "test accuracy" in logs[ns_a] + logs[ns_b]
 
-    one = subprocess.run(DDPKIT + ["run", "--nproc", "2", DIGITS, "--run-dir", "runs/one", "--epochs", "1"],
-                         cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    one = subprocess.run(
+        DDPKIT + ["run", "--nproc", "2", DIGITS, "--run-dir", "runs/one", "--epochs", "1"],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert one.returncode == 0, one.stderr[-3000:]
     assert _same(_weights(tmp_path / "runs/two"), _weights(tmp_path / "runs/one"))
 
     # Control: equality is not a given. The same one-node job at another intra-op thread count (all else
     # equal) sums in another order and ends on different weights.
-    other = subprocess.run(DDPKIT + ["run", "--nproc", "2", DIGITS, "--run-dir", "runs/threads", "--epochs", "1"],
-                           cwd=tmp_path, env=_env(threads=2), capture_output=True, text=True, timeout=300)
+    other = subprocess.run(
+        DDPKIT + ["run", "--nproc", "2", DIGITS, "--run-dir", "runs/threads", "--epochs", "1"],
+        cwd=tmp_path,
+        env=_env(threads=2),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert other.returncode == 0, other.stderr[-3000:]
     assert not _same(_weights(tmp_path / "runs/threads"), _weights(tmp_path / "runs/one"))
 
@@ -123,23 +141,61 @@ def test_a_wrong_endpoint_fails_fast_with_a_clear_message(nodes, tmp_path):
     (ns_a, addr_a), (ns_b, _) = nodes
     nobody = addr_a.rsplit(".", 1)[0] + ".9"  # in the subnet, but no node has it
     job = ["--nproc", "1", DIGITS, "--epochs", "1"]
-    out = subprocess.run(["ip", "netns", "exec", ns_b, *DDPKIT, "run", "--nnodes", "2", "--rdzv-endpoint",
-                          f"{nobody}:29400", *job], env=_env(), cwd=tmp_path, capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run(
+        ["ip", "netns", "exec", ns_b, *DDPKIT, "run", "--nnodes", "2", "--rdzv-endpoint", f"{nobody}:29400", *job],
+        env=_env(),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2, out.stderr[-3000:]
     assert "rendezvous" in out.stderr and nobody in out.stderr and "Traceback" not in out.stderr
     assert "unreachable" in out.stderr or "did not answer" in out.stderr
 
     # The right host, but the node that should host the rendezvous was never started.
-    out = subprocess.run(["ip", "netns", "exec", ns_b, *DDPKIT, "run", "--nnodes", "2", "--join-timeout", "3",
-                          "--rdzv-endpoint", f"{addr_a}:29400", *job], env=_env(), cwd=tmp_path,
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            "ip",
+            "netns",
+            "exec",
+            ns_b,
+            *DDPKIT,
+            "run",
+            "--nnodes",
+            "2",
+            "--join-timeout",
+            "3",
+            "--rdzv-endpoint",
+            f"{addr_a}:29400",
+            *job,
+        ],
+        env=_env(),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2, out.stderr[-3000:]
     assert f"the rendezvous at {addr_a}:29400 did not answer within 3 s (connection refused" in out.stderr
 
     # Control: torchrun given the wrong endpoint keeps trying (its join timeout is 10 minutes).
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{nobody}:29400", DIGITS, "--epochs", "1"]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"{nobody}:29400",
+        DIGITS,
+        "--epochs",
+        "1",
+    ]
     assert _finish([_on(ns_b, torchrun, tmp_path, "torchrun.log")], timeout=20) == [None]
 
 
@@ -148,8 +204,12 @@ PROBE = str(ROOT / "tests" / "scripts" / "launch_probe.py")
 
 def _iptables() -> str:
     if shutil.which("iptables") is None and shutil.which("apt-get") is not None:
-        subprocess.run("apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iptables",
-                       shell=True, capture_output=True, timeout=600)
+        subprocess.run(
+            "apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iptables",
+            shell=True,
+            capture_output=True,
+            timeout=600,
+        )
     if shutil.which("iptables") is None:
         pytest.skip("a firewall rule needs iptables, and apt-get could not install it")
     return "iptables"
@@ -169,8 +229,14 @@ def test_a_firewall_that_drops_the_rendezvous_port_is_named_within_the_join_time
     host = _on(ns_a, DDPKIT + flags + [PROBE, "info"], tmp_path, "a.log")  # hosts the rendezvous, behind the rule
     try:
         start = time.monotonic()
-        out = subprocess.run(["ip", "netns", "exec", ns_b, *DDPKIT, *flags[:1], "--join-timeout", "3", *flags[1:],
-                              PROBE, "info"], env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            ["ip", "netns", "exec", ns_b, *DDPKIT, *flags[:1], "--join-timeout", "3", *flags[1:], PROBE, "info"],
+            env=_env(),
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         took = time.monotonic() - start
     finally:
         os.killpg(host.pid, signal.SIGKILL)
@@ -185,9 +251,15 @@ def test_a_firewall_that_drops_the_rendezvous_port_is_named_within_the_join_time
 @pytest.mark.timeout(300)
 def test_nodes_with_different_process_counts_run_and_say_so(nodes, tmp_path):
     (ns_a, addr_a), (ns_b, _) = nodes
-    procs = [_on(ns, DDPKIT + ["run", "--nnodes", "2", "--nproc", nproc, "--rdzv-endpoint", f"{addr_a}:29403",
-                               PROBE, "info"], tmp_path, f"{ns}.log")
-             for ns, nproc in ((ns_a, "2"), (ns_b, "1"))]
+    procs = [
+        _on(
+            ns,
+            DDPKIT + ["run", "--nnodes", "2", "--nproc", nproc, "--rdzv-endpoint", f"{addr_a}:29403", PROBE, "info"],
+            tmp_path,
+            f"{ns}.log",
+        )
+        for ns, nproc in ((ns_a, "2"), (ns_b, "1"))
+    ]
     codes = _finish(procs, timeout=120)
     logs = {ns: (tmp_path / f"{ns}.log").read_text() for ns in (ns_a, ns_b)}
     assert codes == [0, 0], logs
@@ -211,7 +283,9 @@ def test_elastic_job_goes_on_without_a_killed_node(nodes, tmp_path):
     deadline = time.monotonic() + 240
     while _steps_logged(samples) < 60:  # both nodes trained a while, with snapshots every 3 steps
         assert time.monotonic() < deadline and node_a.poll() is None and node_b.poll() is None, (
-            (tmp_path / "a.log").read_text()[-3000:], (tmp_path / "b.log").read_text()[-3000:])
+            (tmp_path / "a.log").read_text()[-3000:],
+            (tmp_path / "b.log").read_text()[-3000:],
+        )
         time.sleep(0.1)
     os.kill(node_b.pid, signal.SIGKILL)  # node b's agent; its worker dies with it (parent-death signal)
     node_b.wait()
@@ -267,7 +341,11 @@ def test_a_node_that_joins_an_elastic_job_is_taken_in_at_a_restart(nodes, tmp_pa
     # The agent stops node a's worker with SIGTERM to form the job again: the Trainer saves that step, and the
     # job of two resumes there.
     assert [(e["event"], e.get("reason")) for e in events] == [
-        ("start", None), ("stop", "signal"), ("resume", None), ("stop", "epochs")], events
+        ("start", None),
+        ("stop", "signal"),
+        ("resume", None),
+        ("stop", "epochs"),
+    ], events
     assert events[2]["world_size"] == 2
     resumed_at = events[2]["step"]
     assert 0 < events[1]["step"] == resumed_at < EPOCHS_JOINED * 10
@@ -295,8 +373,13 @@ ATTACKER = str(ROOT / "tests" / "scripts" / "rdzv_attacker.py")
 
 
 def _attack(ns: str, *args: str) -> str:
-    out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, ATTACKER, *args], env=_env(),
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        ["ip", "netns", "exec", ns, sys.executable, ATTACKER, *args],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return out.stdout
 
 
@@ -320,7 +403,7 @@ def _listening(root: int) -> set[tuple[str, int]]:
                 addr, port = fields[1].split(":")
                 raw = bytes.fromhex(addr)
                 # The kernel prints each 32-bit word of the address in host (little-endian) order.
-                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
                 found.add((socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, raw), int(port, 16)))
     return found
 
@@ -380,15 +463,25 @@ def test_a_multi_node_rendezvous_admits_only_holders_of_the_secret(nodes, tmp_pa
     node_a = _on(ns_a, DDPKIT + flags + job, tmp_path, "a.log")
     node_b = None
     try:
-        assert subprocess.run(["ip", "netns", "exec", ns_b, sys.executable, ATTACKER, "wait-open", addr_a, "29405"],
-                              timeout=120).returncode == 0, (tmp_path / "a.log").read_text()[-3000:]
+        assert (
+            subprocess.run(
+                ["ip", "netns", "exec", ns_b, sys.executable, ATTACKER, "wait-open", addr_a, "29405"], timeout=120
+            ).returncode
+            == 0
+        ), (tmp_path / "a.log").read_text()[-3000:]
         # A plain TCPStore client from node b, as anyone on the network: refused by the relay, nothing written.
         marker = tmp_path / "pwned-by-b"
         assert _attack(ns_b, "forge", addr_a, "29405", "torch.rendezvous.job", str(marker)).startswith("refused")
         # A node with another secret: one clear error, before any worker.
         wrong = _env() | {"DDPKIT_RDZV_SECRET": "f" * 64}
-        out = subprocess.run(["ip", "netns", "exec", ns_b, *DDPKIT, *flags, *job], env=wrong, cwd=tmp_path,
-                             capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            ["ip", "netns", "exec", ns_b, *DDPKIT, *flags, *job],
+            env=wrong,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert out.returncode == 2, out.stderr[-3000:]
         assert f"the rendezvous at {addr_a}:29405 did not admit this node" in out.stderr
         assert "Traceback" not in out.stderr
@@ -401,12 +494,14 @@ def test_a_multi_node_rendezvous_admits_only_holders_of_the_secret(nodes, tmp_pa
         local = [port for addr, port in _listening(node_a.pid) if _loopback(addr)]
         assert local, _listening(node_a.pid)
         local_marker = tmp_path / "pwned-on-a"
-        results = [_attack(ns_a, "forge", "127.0.0.1", str(port), "torch.rendezvous.job", str(local_marker))
-                   for port in local]
+        results = [
+            _attack(ns_a, "forge", "127.0.0.1", str(port), "torch.rendezvous.job", str(local_marker)) for port in local
+        ]
         assert "written" in "".join(results), results
         deadline = time.monotonic() + 60
         while "ignored a rendezvous state without this job's signature" not in "".join(
-                (tmp_path / f"{n}.log").read_text() for n in "ab"):
+            (tmp_path / f"{n}.log").read_text() for n in "ab"
+        ):
             assert time.monotonic() < deadline, (tmp_path / "a.log").read_text()[-3000:]
             time.sleep(0.1)
         (folder / "go").touch()
@@ -423,9 +518,23 @@ def test_a_multi_node_rendezvous_admits_only_holders_of_the_secret(nodes, tmp_pa
     # Control: torchrun's c10d rendezvous on node a; the same outsider on node b runs its code in the agent.
     folder = tmp_path / "torchrun"
     folder.mkdir()
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "1",
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{addr_a}:29406", "--rdzv-id", "job",
-                "--rdzv-conf", "is_host=1"]  # torchrun cannot tell on its own that it hosts an address of a namespace
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"{addr_a}:29406",
+        "--rdzv-id",
+        "job",
+        "--rdzv-conf",
+        "is_host=1",
+    ]  # torchrun cannot tell on its own that it hosts an address of a namespace
     proc = _on(ns_a, torchrun + job[:-1] + [str(folder)], tmp_path, "torchrun.log")
     try:
         _wait_for_pids(folder, 1, proc, tmp_path / "torchrun.log")

@@ -26,7 +26,9 @@ LOAD = (
 )
 # A worker's family: a sleep in its process group, a forked child that ignores SIGTERM, a sleep in a session of
 # its own; their pids on one line, then the worker waits for a line on stdin and exits.
-FAMILY = LOAD + """
+FAMILY = (
+    LOAD
+    + """
 if sys.argv[1] == "guard":
     pt.start_guard()
 sleeper = subprocess.Popen(["sleep", "1000"])
@@ -40,6 +42,7 @@ detached = subprocess.Popen(["sleep", "1001"], start_new_session=True)
 print(sleeper.pid, child, detached.pid, flush=True)
 sys.stdin.readline()
 """
+)
 
 
 def _gone(pid: int) -> bool:
@@ -66,8 +69,13 @@ def _survivors(pids: list[int], timeout: float = 10.0) -> list[int]:
 @pytest.mark.parametrize("guarded", [True, False])
 def test_the_guard_ends_what_a_worker_started_however_the_worker_ends(end, guarded):
     # A session of its own, as torchrun starts each worker; the guard (when started) is its child.
-    worker = subprocess.Popen([sys.executable, "-c", FAMILY, "guard" if guarded else "none"], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True, start_new_session=True)
+    worker = subprocess.Popen(
+        [sys.executable, "-c", FAMILY, "guard" if guarded else "none"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     family = [int(pid) for pid in worker.stdout.readline().split()]
     assert len(family) == 3
     if end == "exit":
@@ -87,7 +95,9 @@ def test_the_guard_ends_what_a_worker_started_however_the_worker_ends(end, guard
 
 def test_a_subreaper_keeps_orphans_below_it_and_kill_descendants_ends_them_all():
     # root adopts what its children orphan (a shell that backgrounds a sleep and exits) when it is a subreaper.
-    code = LOAD + """
+    code = (
+        LOAD
+        + """
 subreaper = sys.argv[1] == "subreaper" and pt.become_subreaper()
 sleeper = subprocess.Popen(["sleep", "1000"])
 detached = subprocess.Popen(["sleep", "1001"], start_new_session=True)
@@ -96,10 +106,12 @@ orphan = subprocess.run(["sh", "-c", "sleep 1002 >/dev/null 2>&1 & echo $!"], ca
 print(sleeper.pid, detached.pid, orphan, flush=True)
 sys.stdin.readline()
 """
+    )
     trees = {}
     for mode in ("subreaper", "plain"):
-        root = subprocess.Popen([sys.executable, "-c", code, mode], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                text=True)
+        root = subprocess.Popen(
+            [sys.executable, "-c", code, mode], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         trees[mode] = (root, [int(pid) for pid in root.stdout.readline().split()])
     try:
         root, family = trees["subreaper"]

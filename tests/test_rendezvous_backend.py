@@ -54,13 +54,26 @@ class FileMaker:
 def _loopback_store() -> dist.TCPStore:
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
-    return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                         timeout=timedelta(seconds=10), master_listen_fd=listener.detach())
+    return dist.TCPStore(
+        "127.0.0.1",
+        port,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=10),
+        master_listen_fd=listener.detach(),
+    )
 
 
 def _params(store: dist.TCPStore) -> RendezvousParameters:
-    return RendezvousParameters(backend="any", endpoint=f"127.0.0.1:{store.port}", run_id="job", min_nodes=1,
-                                max_nodes=1, join_timeout=10, last_call_timeout=1)
+    return RendezvousParameters(
+        backend="any",
+        endpoint=f"127.0.0.1:{store.port}",
+        run_id="job",
+        min_nodes=1,
+        max_nodes=1,
+        join_timeout=10,
+        last_call_timeout=1,
+    )
 
 
 def _forge(store: dist.TCPStore, marker: Path) -> bytes:
@@ -111,7 +124,7 @@ def test_control_the_same_forgery_runs_code_under_torchs_c10d_backend(tmp_path):
     assert agent.next_rendezvous().world_size == 1
     _forge(store, tmp_path / "pwned")
     handler = create_handler(store, C10dRendezvousBackend(store, "job"), _params(store))
-    with pytest.raises(Exception):  # the unpickled object is a file, not a state: torch fails after the fact
+    with pytest.raises(Exception):  # noqa: B017 - the unpickled object is a file, not a state: torch fails after the fact
         handler.num_nodes_waiting()
     assert (tmp_path / "pwned").exists()
 
@@ -165,10 +178,11 @@ def test_the_local_end_of_the_relay_serves_its_own_process_only(relay):
     local = RelayClient(server.address, derive(SECRET, "relay"))
     try:
         # Another process of this machine (another user) connects to the node's local port: closed unanswered.
-        code = ("import socket, sys; s = socket.create_connection(('127.0.0.1', int(sys.argv[1]))); "
-                "s.settimeout(10); print(repr(s.recv(64)))")
-        out = subprocess.run([sys.executable, "-c", code, str(local.port)], capture_output=True, text=True,
-                             timeout=60)
+        code = (
+            "import socket, sys; s = socket.create_connection(('127.0.0.1', int(sys.argv[1]))); "
+            "s.settimeout(10); print(repr(s.recv(64)))"
+        )
+        out = subprocess.run([sys.executable, "-c", code, str(local.port)], capture_output=True, text=True, timeout=60)
         assert out.stdout.strip() == "b''", out.stderr
         # Control: from this process, the same port leads to the store.
         client = dist.TCPStore("127.0.0.1", local.port, is_master=False, timeout=timedelta(seconds=10))

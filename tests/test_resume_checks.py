@@ -8,8 +8,8 @@ from torch import nn
 
 import ddpkit
 from ddpkit.errors import ConfigError
-from ddpkit.training.run_record import RunRecord, module_types, tensor_shapes
 from ddpkit.training.config import LoggingConfig
+from ddpkit.training.run_record import RunRecord, module_types, tensor_shapes
 from ddpkit.training.trainer import TrainerConfig
 
 
@@ -17,8 +17,9 @@ def fit(run_dir, activation: type[nn.Module], epochs: int, dropout: float = 0.2)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), activation(), nn.Dropout(dropout), nn.Linear(8, 2))
     data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
-    config = TrainerConfig(run_dir=str(run_dir), batch_size=8, epochs=epochs, logging=LoggingConfig(progress=False),
-                           num_workers=0)
+    config = TrainerConfig(
+        run_dir=str(run_dir), batch_size=8, epochs=epochs, logging=LoggingConfig(progress=False), num_workers=0
+    )
     trainer = ddpkit.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, config)
     trainer.fit()
     return trainer

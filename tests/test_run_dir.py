@@ -74,10 +74,22 @@ def _start_holder(tmp_path: Path, run_dir: Path, env: dict) -> tuple[subprocess.
     ready, go = tmp_path / "ready", tmp_path / "go"
     ready.unlink(missing_ok=True)
     go.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "ddpkit.cli", "run", "--nproc", "2", LOCK_JOB, str(run_dir),
-           "--hold", str(ready), str(go)]
-    holder = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "ddpkit.cli",
+        "run",
+        "--nproc",
+        "2",
+        LOCK_JOB,
+        str(run_dir),
+        "--hold",
+        str(ready),
+        str(go),
+    ]
+    holder = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     deadline = time.monotonic() + 90
     while not ready.exists() or not ready.read_text():  # the holder's rank 0 says when fit() has begun
         assert holder.poll() is None, holder.communicate()[1][-3000:]

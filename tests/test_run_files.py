@@ -190,8 +190,9 @@ def test_claim_for_a_fresh_run_moves_the_previous_runs_state_and_records_into_on
     assert not [p for p in run_dir.iterdir() if p.name.startswith("replaced-")]
     claim(run_dir, is_main=True, fresh=True).release()
     (aside,) = [p for p in run_dir.iterdir() if p.name.startswith("replaced-")]
-    assert sorted(os.listdir(aside)) == sorted(["snapshots", "best.pt", "metrics.jsonl", "epochs.csv", "tensorboard",
-                                                "loggers.json", "config.json"])
+    assert sorted(os.listdir(aside)) == sorted(
+        ["snapshots", "best.pt", "metrics.jsonl", "epochs.csv", "tensorboard", "loggers.json", "config.json"]
+    )
     assert (aside / "metrics.jsonl").read_text() == "metrics.jsonl"
     assert sorted(os.listdir(run_dir)) == sorted([".lock", "mlflow.db", aside.name])  # a store of many runs stays
     assert "the previous run's snapshots, best.pt, metrics.jsonl" in capsys.readouterr().out
@@ -201,8 +202,7 @@ def test_claim_for_a_fresh_run_moves_the_previous_runs_state_and_records_into_on
 def test_resume_false_moves_the_previous_runs_records_aside_with_its_snapshots(tmp_path, capfd):
     run_dir = tmp_path / "run"
     # Two steps make an epoch of 48 samples: the run writes every record (metrics, epochs.csv, best.pt).
-    job = functools.partial(train, str(run_dir), n_samples=48, epochs=1, early_stopping_patience=5,
-                            log_every_steps=1)
+    job = functools.partial(train, str(run_dir), n_samples=48, epochs=1, early_stopping_patience=5, log_every_steps=1)
     ddpkit.spawn(job, 1)
     first = _records(run_dir)
     ddpkit.spawn(functools.partial(job, lr=0.5, resume=False), 1)

@@ -39,8 +39,9 @@ def _study(search_dir: Path) -> optuna.Study:
     return optuna.load_study(study_name="ddpkit", storage=storage)
 
 
-def _job(search_dir: Path, *args: str, env: dict, nproc: int | None = None, restarts: int = 0,
-         timeout: float = 150) -> subprocess.CompletedProcess:
+def _job(
+    search_dir: Path, *args: str, env: dict, nproc: int | None = None, restarts: int = 0, timeout: float = 150
+) -> subprocess.CompletedProcess:
     """The test search job, as plain python (one rank) or under ``ddpkit run`` with ``nproc`` ranks."""
     launch = ["-m", "ddpkit.cli", "run", "--nproc", str(nproc), "--max-restarts", str(restarts)] if nproc else []
     cmd = [sys.executable, *launch, JOB, str(search_dir), *args]
@@ -54,10 +55,18 @@ def _params(study: optuna.Study) -> dict[int, tuple[float, float]]:
 def _tiny_trainer(candidate, lr: float, epochs: int = 3, callbacks=()) -> Trainer:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 2))
-    config = TrainerConfig(run_dir=str(candidate.run_dir), epochs=epochs, global_batch_size=12,
-                           logging=LoggingConfig(progress=False))
-    return Trainer(model, torch.optim.SGD(model.parameters(), lr=lr), Data(96, 1), config, val_data=Data(40, 2),
-                   group=candidate.group, callbacks=[candidate, *callbacks])
+    config = TrainerConfig(
+        run_dir=str(candidate.run_dir), epochs=epochs, global_batch_size=12, logging=LoggingConfig(progress=False)
+    )
+    return Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=lr),
+        Data(96, 1),
+        config,
+        val_data=Data(40, 2),
+        group=candidate.group,
+        callbacks=[candidate, *callbacks],
+    )
 
 
 def _pruning(search_dir: str) -> dict:
@@ -102,7 +111,12 @@ def test_a_failing_candidate_fails_its_trial_only(tmp_path):
     ddpkit.spawn(functools.partial(_failing, str(tmp_path)), 2)
     trials = {t.number: t for t in _study(tmp_path).trials}
     assert len(trials) == 4
-    assert [trials[n].state for n in range(4)] == [TrialState.COMPLETE, TrialState.FAIL, TrialState.FAIL, TrialState.COMPLETE]
+    assert [trials[n].state for n in range(4)] == [
+        TrialState.COMPLETE,
+        TrialState.FAIL,
+        TrialState.FAIL,
+        TrialState.COMPLETE,
+    ]
     assert "a bug in user code" in trials[1].user_attrs["error"]
     assert "non-finite" in trials[2].user_attrs["error"]
     rows = (tmp_path / "trials.csv").read_text().splitlines()
@@ -141,21 +155,30 @@ def _bad(what: str, tmp: str) -> str:
         if what == "group_size":
             search(lambda c: 0.0, {"x": choice([1])}, SearchConfig(n_trials=1, group_size=2, search_dir=tmp))
         elif what == "sqlite":
-            search(lambda c: 0.0, {"x": choice([1])},
-                   SearchConfig(n_trials=1, storage=f"sqlite:///{tmp}/no/such/dir/study.db", search_dir=tmp))
+            search(
+                lambda c: 0.0,
+                {"x": choice([1])},
+                SearchConfig(n_trials=1, storage=f"sqlite:///{tmp}/no/such/dir/study.db", search_dir=tmp),
+            )
         elif what == "postgres":
-            search(lambda c: 0.0, {"x": choice([1])},
-                   SearchConfig(n_trials=1, storage="postgresql://ddpkit@127.0.0.1:1/study", search_dir=tmp))
+            search(
+                lambda c: 0.0,
+                {"x": choice([1])},
+                SearchConfig(n_trials=1, storage="postgresql://ddpkit@127.0.0.1:1/study", search_dir=tmp),
+            )
     except ConfigError as err:
         return str(err)
     return "accepted"
 
 
-@pytest.mark.parametrize("what, expected", [
-    ("group_size", "group_size=2 does not divide the job's 3 ranks"),
-    ("sqlite", "cannot open the study 'ddpkit' in storage sqlite:///"),
-    ("postgres", "cannot open the study 'ddpkit' in storage postgresql://ddpkit@127.0.0.1:1/study"),
-])
+@pytest.mark.parametrize(
+    "what, expected",
+    [
+        ("group_size", "group_size=2 does not divide the job's 3 ranks"),
+        ("sqlite", "cannot open the study 'ddpkit' in storage sqlite:///"),
+        ("postgres", "cannot open the study 'ddpkit' in storage postgresql://ddpkit@127.0.0.1:1/study"),
+    ],
+)
 def test_bad_input_is_a_clear_error_on_every_rank(tmp_path, what, expected):
     messages = ddpkit.spawn(functools.partial(_bad, what, str(tmp_path)), 3 if what == "group_size" else 2)
     assert all(expected in m for m in messages), messages
@@ -212,7 +235,10 @@ def test_errors_of_the_machine_are_told_from_a_candidates_errors():
     full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/runs/search/trial-0001/snapshots")
     read_only = OSError(errno.EROFS, os.strerror(errno.EROFS))
     machine = [
-        full, read_only, OSError(errno.EDQUOT, "quota"), OSError(errno.EIO, "I/O error"),
+        full,
+        read_only,
+        OSError(errno.EDQUOT, "quota"),
+        OSError(errno.EIO, "I/O error"),
         # A snapshot written in the background is re-raised in the training thread from its error.
         _raised(RuntimeError("ddpkit: writing a snapshot in the background failed"), full),
         # torch.distributed.checkpoint gathers each rank's error into one exception (a BaseException).
@@ -221,9 +247,13 @@ def test_errors_of_the_machine_are_told_from_a_candidates_errors():
         _raised(KeyError("cleanup failed too"), full, cause=False),
     ]
     candidate = [
-        ValueError("a bug in user code"), FloatingPointError("non-finite loss"), MemoryError(),
-        RuntimeError("CUDA out of memory"), FileNotFoundError(errno.ENOENT, "no such file"),
-        OSError(errno.ENOMEM, "cannot allocate memory"), PermissionError(errno.EACCES, "permission denied"),
+        ValueError("a bug in user code"),
+        FloatingPointError("non-finite loss"),
+        MemoryError(),
+        RuntimeError("CUDA out of memory"),
+        FileNotFoundError(errno.ENOENT, "no such file"),
+        OSError(errno.ENOMEM, "cannot allocate memory"),
+        PermissionError(errno.EACCES, "permission denied"),
         _raised(RuntimeError("wrapped"), ValueError("a bug")),
     ]
     assert [environment_error(e) is not None for e in machine] == [True] * len(machine)
@@ -234,8 +264,9 @@ def _journal_study(path: Path) -> optuna.Study:
     from optuna.storages.journal import JournalFileBackend, JournalStorage
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    return optuna.create_study(study_name="s", storage=JournalStorage(JournalFileBackend(str(path))),
-                               load_if_exists=True)
+    return optuna.create_study(
+        study_name="s", storage=JournalStorage(JournalFileBackend(str(path))), load_if_exists=True
+    )
 
 
 def _optimize(study: optuna.Study, n: int) -> None:
@@ -260,7 +291,7 @@ def test_a_journal_cut_at_its_end_is_repaired_keeping_every_whole_record(tmp_pat
     kept = cut[: cut.rfind(b"\n") + 1]
     assert path.read_bytes() == kept and "cut short" in note
     [aside] = tmp_path.glob("study.journal.cut-*")
-    assert aside.read_bytes() == cut[len(kept):] and aside.name in note
+    assert aside.read_bytes() == cut[len(kept) :] and aside.name in note
     study = _journal_study(path)
     _optimize(study, 1)
     trials = _journal_study(path).trials
@@ -314,8 +345,17 @@ def test_a_sigkill_during_a_search_is_survived(tmp_path, clean_env, seeding):
     # 2 groups of 1 rank; rank 1 kills itself after epoch 2 of its first trial on the first attempt. The agent
     # restarts the job; that trial resumes from its snapshot, and the study ends with exactly 4 finished trials.
     control = seeding == "same every start"
-    proc = _job(tmp_path, "--trials", "4", "--kill", "2", *(["--same-seed-every-start"] if control else []),
-                env=clean_env, nproc=2, restarts=1)
+    proc = _job(
+        tmp_path,
+        "--trials",
+        "4",
+        "--kill",
+        "2",
+        *(["--same-seed-every-start"] if control else []),
+        env=clean_env,
+        nproc=2,
+        restarts=1,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     killed = int((tmp_path / "killed_trial").read_text())  # written by rank 1 just before it SIGKILLed itself
     study = _study(tmp_path)
@@ -371,8 +411,14 @@ def test_a_kill_inside_ask_leaves_a_trial_the_restart_resumes(tmp_path, clean_en
 
 @pytest.mark.slow
 def test_a_second_job_on_a_search_dir_is_refused_and_the_first_goes_on(tmp_path, clean_env):
-    first = subprocess.Popen([sys.executable, JOB, str(tmp_path), "--trials", "2", "--gate"], env=clean_env,
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen(
+        [sys.executable, JOB, str(tmp_path), "--trials", "2", "--gate"],
+        env=clean_env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         # The first job holds the search and trial 0 is running in it while it waits at the gate.
         for line in first.stdout:

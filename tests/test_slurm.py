@@ -45,8 +45,14 @@ def slurm() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "PMI_", "OMPI_"))}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
-    env.update(SLURM_CONF=conf, PYTHONPATH=str(ROOT / "src"), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
-               MKL_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    env.update(
+        SLURM_CONF=conf,
+        PYTHONPATH=str(ROOT / "src"),
+        PYTHONUNBUFFERED="1",
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        CUDA_VISIBLE_DEVICES="",
+    )
     yield env
     if not was_up:
         subprocess.run(["bash", str(SCRIPT), "down"], timeout=120)
@@ -113,13 +119,19 @@ def test_salloc_and_srun_of_a_shell_are_one_world_not_two(slurm, tmp_path):
 
 def test_two_concurrent_steps_of_one_job_do_not_collide(slurm, tmp_path):
     # Before: the port came from the job id alone, so both steps' rank 0 bound the same port.
-    job = sbatch(write(tmp_path / "two.sbatch", f"""#!/bin/bash
+    job = sbatch(
+        write(
+            tmp_path / "two.sbatch",
+            f"""#!/bin/bash
 #SBATCH -n4
 #SBATCH --output={tmp_path}/two.out
 srun -n2 --exact {PY} {PROBE} info first &
 srun -n2 --exact {PY} {PROBE} info second &
 wait
-"""), slurm)
+""",
+        ),
+        slurm,
+    )
     info = wait_for(job, slurm, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"})
     out = (tmp_path / "two.out").read_text()
     assert info["JobState"] == "COMPLETED", out[-3000:]
@@ -131,13 +143,19 @@ wait
 
 
 def test_a_requeued_job_counts_its_restart(slurm, tmp_path):
-    job = sbatch(write(tmp_path / "count.sbatch", f"""#!/bin/bash
+    job = sbatch(
+        write(
+            tmp_path / "count.sbatch",
+            f"""#!/bin/bash
 #SBATCH -n2
 #SBATCH --requeue
 #SBATCH --open-mode=append
 #SBATCH --output={tmp_path}/count.out
 srun {PY} {PROBE} info
-"""), slurm)
+""",
+        ),
+        slurm,
+    )
     wait_for(job, slurm, {"COMPLETED"})
     requeue(job, slurm)
     wait_for(job, slurm, {"COMPLETED"}, Restarts="1")
@@ -150,13 +168,19 @@ def test_srun_ddpkit_run_passes_sigusr1_to_the_workers(slurm, tmp_path):
     # Before: torchrun's agent died of SIGUSR1 (exit 138) and tore the step down under the workers.
     pids = tmp_path / "pids"
     pids.mkdir()
-    job = sbatch(write(tmp_path / "agent.sbatch", f"""#!/bin/bash
+    job = sbatch(
+        write(
+            tmp_path / "agent.sbatch",
+            f"""#!/bin/bash
 #SBATCH -n1
 #SBATCH -c2
 #SBATCH --output={tmp_path}/agent.out
 srun {PY} -m ddpkit.cli run --nproc 2 --log-dir {tmp_path}/logs {PROBE} hold-usr1 {pids}
 echo "step exit code $?"
-"""), slurm)
+""",
+        ),
+        slurm,
+    )
     deadline = time.monotonic() + 120
     while not ((pids / "rank0.pid").exists() and (pids / "rank1.pid").exists()):
         assert time.monotonic() < deadline and job_info(job, slurm)["JobState"] in ("PENDING", "RUNNING")
@@ -170,8 +194,15 @@ echo "step exit code $?"
 
 def test_the_generated_script_requeues_a_preempted_run_and_not_a_finished_one(slurm, tmp_path):
     # The probe exits 75 on its first attempt (as a Trainer stopped by a signal does) and 0 on the next.
-    cfg = BatchConfig(script=PROBE, script_args=["preempted"], ntasks_per_node=2, cpus_per_task=1,
-                      output_dir=str(tmp_path), workdir=str(tmp_path), job_name="preempted")
+    cfg = BatchConfig(
+        script=PROBE,
+        script_args=["preempted"],
+        ntasks_per_node=2,
+        cpus_per_task=1,
+        output_dir=str(tmp_path),
+        workdir=str(tmp_path),
+        job_name="preempted",
+    )
     path = write(tmp_path / "preempted.sbatch", batch_script(cfg))
     job = sbatch(path, slurm)
     info = wait_for(job, slurm, {"COMPLETED"}, timeout=300, Restarts="1")
@@ -179,8 +210,15 @@ def test_the_generated_script_requeues_a_preempted_run_and_not_a_finished_one(sl
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", text[-3000:]
     assert "requeueing job" in text and "rank=0 attempt=0" in text and "rank=0 attempt=1" in text
     # A run that finishes (exit 0) stays finished: the same script for a job that completes at once.
-    cfg = BatchConfig(script=PROBE, script_args=["info"], ntasks_per_node=2, cpus_per_task=1,
-                      output_dir=str(tmp_path), workdir=str(tmp_path), job_name="finished")
+    cfg = BatchConfig(
+        script=PROBE,
+        script_args=["info"],
+        ntasks_per_node=2,
+        cpus_per_task=1,
+        output_dir=str(tmp_path),
+        workdir=str(tmp_path),
+        job_name="finished",
+    )
     job = sbatch(write(tmp_path / "finished.sbatch", batch_script(cfg)), slurm)
     info = wait_for(job, slurm, {"COMPLETED", "FAILED"})
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0"
@@ -190,8 +228,15 @@ def test_the_generated_script_requeues_a_preempted_run_and_not_a_finished_one(sl
 def test_the_generated_script_writes_its_output_into_a_folder_with_a_space_and_a_percent(slurm, tmp_path):
     # Before: the --output folder was unquoted, so sbatch read "--output=.../logs" and then "with" as the script.
     out = tmp_path / "logs with space 100%"
-    cfg = BatchConfig(script=HELLO, script_args=["two words"], ntasks_per_node=1, cpus_per_task=1,
-                      output_dir=str(out), workdir=str(tmp_path), job_name="quoted")
+    cfg = BatchConfig(
+        script=HELLO,
+        script_args=["two words"],
+        ntasks_per_node=1,
+        cpus_per_task=1,
+        output_dir=str(out),
+        workdir=str(tmp_path),
+        job_name="quoted",
+    )
     path, _ = submit(cfg, dry_run=True)
     job = sbatch(path, slurm)
     info = wait_for(job, slurm, {"COMPLETED", "FAILED"})
@@ -207,9 +252,15 @@ EPOCHS = 12
 
 
 def _digits_job(tmp_path: Path, name: str, env: dict[str, str]) -> tuple[str, Path]:
-    cfg = BatchConfig(script=DIGITS, script_args=["--run-dir", f"runs/{name}", "--epochs", str(EPOCHS)],
-                      ntasks_per_node=2, cpus_per_task=1, output_dir=str(tmp_path), workdir=str(tmp_path),
-                      job_name=name)
+    cfg = BatchConfig(
+        script=DIGITS,
+        script_args=["--run-dir", f"runs/{name}", "--epochs", str(EPOCHS)],
+        ntasks_per_node=2,
+        cpus_per_task=1,
+        output_dir=str(tmp_path),
+        workdir=str(tmp_path),
+        job_name=name,
+    )
     return sbatch(write(tmp_path / f"{name}.sbatch", batch_script(cfg)), env), tmp_path / "runs" / name
 
 
@@ -245,12 +296,19 @@ def test_digits_preempted_resumes_to_the_uninterrupted_weights(slurm, tmp_path, 
     text = (tmp_path / f"preempted-{job}.out").read_text()
     assert info["ExitCode"] == "0:0", text[-3000:]
     events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    events = [(e["event"], e["step"], e.get("reason"), e.get("restart_count")) for e in events
-              if e["kind"] == "event" and e["event"] not in ("snapshot", "best")]
+    events = [
+        (e["event"], e["step"], e.get("reason"), e.get("restart_count"))
+        for e in events
+        if e["kind"] == "event" and e["event"] not in ("snapshot", "best")
+    ]
     # Stopped by the signal mid-run, resumed from that step by the requeued job (SLURM_RESTART_COUNT read).
     (_, stop, _, _), (_, resume, _, _) = events[1:3]
-    assert events == [("start", 0, None, 0), ("stop", stop, "signal", None), ("resume", stop, None, 1),
-                      ("stop", EPOCHS * 22, "epochs", None)], events
+    assert events == [
+        ("start", 0, None, 0),
+        ("stop", stop, "signal", None),
+        ("resume", stop, None, 1),
+        ("stop", EPOCHS * 22, "epochs", None),
+    ], events
     assert 0 < stop < EPOCHS * 22
 
     ref_job, ref_dir = _digits_job(tmp_path, "reference", slurm)

@@ -79,8 +79,10 @@ def save_and_restore(folder: str) -> dict:
         one_copy.save(3, join_own(strategy.state_dict()), {"step": 3})  # no per-rank part: one copy per key
         saved, saved_buffers = own_view(strategy), buffers(strategy)
         restored = {}
-        for kind, ckpt, template in (("fixed", fixed, strategy.state_dict),
-                                     ("one-copy", one_copy, lambda: join_own(strategy.state_dict()))):
+        for kind, ckpt, template in (
+            ("fixed", fixed, strategy.state_dict),
+            ("one-copy", one_copy, lambda strategy=strategy: join_own(strategy.state_dict())),
+        ):
             train(strategy, rt.rank, 2, seed=1)  # training moves every value on
             state, _ = ckpt.load(ckpt.latest(warn=print), template)
             strategy.load_state_dict(state)

@@ -65,14 +65,21 @@ def test_zero_trains_what_ddp_trains(tmp_path, ddp_reference, monkeypatch):
 
 def test_fsdp_fp32_trains_what_ddp_trains_and_bf16_differs(tmp_path, ddp_reference):
     # Per-block sharding: each Linear is its own unit, gathered and freed on its own.
-    fsdp = run(2, tmp_path / "fsdp", global_dropout=True, strategy="fsdp",
-               strategy_options={"shard_blocks": ["Linear"]})
+    fsdp = run(
+        2, tmp_path / "fsdp", global_dropout=True, strategy="fsdp", strategy_options={"shard_blocks": ["Linear"]}
+    )
     diff = full_diff(fsdp, ddp_reference)
     print(f"fsdp (fp32) vs ddp after 30 Adam steps: largest relative difference {diff:.1e}")
     assert diff < 1e-5
     # Control: bf16 parameters (mixed precision) give another model, and the tolerance sees it.
-    bf16 = run(2, tmp_path / "bf16", global_dropout=True, strategy="fsdp", epochs=1,
-               strategy_options={"param_dtype": "bf16", "reduce_dtype": "fp32"})
+    bf16 = run(
+        2,
+        tmp_path / "bf16",
+        global_dropout=True,
+        strategy="fsdp",
+        epochs=1,
+        strategy_options={"param_dtype": "bf16", "reduce_dtype": "fp32"},
+    )
     fp32 = run(2, tmp_path / "fp32", global_dropout=True, strategy="fsdp", epochs=1)
     assert all(torch.isfinite(v).all() for v in bf16["full"]["model"].values())
     assert rel_diff(bf16["full"]["model"], fp32["full"]["model"]) > 1e-4
@@ -117,8 +124,13 @@ def _verdicts(poison: str) -> dict:
         local_finite = all(torch.isfinite(g).all().item() for g in local)
         verdict = strategy.check_gradients(max_norm=1.0)
         clipped = [p.grad.full_tensor() if name == "fsdp" else p.grad for p in params]
-        out[name] = {"finite": verdict.finite, "norm": float(verdict.norm), "local_norm": local_norm,
-                     "local_finite": local_finite, "clipped": [g.clone() for g in clipped]}
+        out[name] = {
+            "finite": verdict.finite,
+            "norm": float(verdict.norm),
+            "local_norm": local_norm,
+            "local_finite": local_finite,
+            "clipped": [g.clone() for g in clipped],
+        }
     return out
 
 
@@ -245,13 +257,16 @@ def plain_ddp(tmp_path_factory) -> dict:
     return run(2, tmp_path_factory.mktemp("plain") / "run", **HOOK_JOB)
 
 
-@pytest.mark.parametrize("hook, low, high", [
-    # an all-reduce done as reduce + broadcast: only the order of sums differs
-    pytest.param("parameter_server", 0.0, 1e-6, marks=pytest.mark.slow),
-    pytest.param("fp16", 1e-9, 1e-2, marks=pytest.mark.slow),
-    ("bf16", 1e-9, 5e-2),
-    ("powersgd", 1e-6, 0.5),  # rank-1 approximation of the gradients after 2 plain steps
-])
+@pytest.mark.parametrize(
+    "hook, low, high",
+    [
+        # an all-reduce done as reduce + broadcast: only the order of sums differs
+        pytest.param("parameter_server", 0.0, 1e-6, marks=pytest.mark.slow),
+        pytest.param("fp16", 1e-9, 1e-2, marks=pytest.mark.slow),
+        ("bf16", 1e-9, 5e-2),
+        ("powersgd", 1e-6, 0.5),  # rank-1 approximation of the gradients after 2 plain steps
+    ],
+)
 def test_comm_hook_trains_within_its_tolerance_of_plain_ddp(tmp_path, plain_ddp, hook, low, high):
     options = {"comm_hook": hook, "powersgd_start_iter": 2}
     hooked = run(2, tmp_path / hook, strategy_options=options, **HOOK_JOB)
@@ -292,8 +307,9 @@ def _unused_parameter(find_unused: bool) -> str:
             return self.used(self.body(x))
 
     model = TwoHeads()
-    strategy = build_strategy(DDPConfig(find_unused_parameters=find_unused), model,
-                              torch.optim.SGD(model.parameters(), lr=0.1), runtime=rt)
+    strategy = build_strategy(
+        DDPConfig(find_unused_parameters=find_unused), model, torch.optim.SGD(model.parameters(), lr=0.1), runtime=rt
+    )
     strategy.model(torch.ones(3, 2)).sum().backward()
     try:
         return "finite" if strategy.check_gradients().finite else "not finite"
@@ -307,13 +323,16 @@ def test_an_unused_parameter_is_named_with_the_option_to_set():
     assert ddpkit.spawn(functools.partial(_unused_parameter, True), 2)[0] == "finite"
 
 
-@pytest.mark.parametrize("name, options, flag", [
-    ("fsd", {}, "strategy"),
-    ("ddp", {"bucket_size": 4}, "bucket_size"),
-    ("ddp", {"comm_hook": "int8"}, "comm_hook"),
-    ("fsdp", {"param_dtype": "fp8"}, "param_dtype"),
-    ("zero", {"shard_blocks": ["Block"]}, "shard_blocks"),
-])
+@pytest.mark.parametrize(
+    "name, options, flag",
+    [
+        ("fsd", {}, "strategy"),
+        ("ddp", {"bucket_size": 4}, "bucket_size"),
+        ("ddp", {"comm_hook": "int8"}, "comm_hook"),
+        ("fsdp", {"param_dtype": "fp8"}, "param_dtype"),
+        ("zero", {"shard_blocks": ["Block"]}, "shard_blocks"),
+    ],
+)
 def test_strategy_config_errors_name_the_option(name, options, flag):
     with pytest.raises(ConfigError, match=flag):
         strategy_config(name, options)

@@ -59,8 +59,21 @@ def clean_env() -> dict[str, str]:
 
 
 def launch(tmp: Path, name: str, *job_args: str, clean_env: dict) -> tuple[dict, str]:
-    cmd = [sys.executable, "-m", "ddpkit.cli", "run", "--nproc", "2", "--max-restarts", "2", JOB, str(tmp / name),
-           "--out", str(tmp / f"{name}.pt"), *job_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ddpkit.cli",
+        "run",
+        "--nproc",
+        "2",
+        "--max-restarts",
+        "2",
+        JOB,
+        str(tmp / name),
+        "--out",
+        str(tmp / f"{name}.pt"),
+        *job_args,
+    ]
     proc = subprocess.run(cmd, env=clean_env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(tmp / f"{name}.pt", weights_only=False), proc.stderr

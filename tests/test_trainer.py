@@ -145,7 +145,8 @@ def test_rerun_with_the_same_max_steps_trains_no_further(tmp_path):
     again = run(2, tmp_path / "run", max_steps=4)
     assert again["resumed_from"] == 4 and again["step"] == 4 and bitwise_equal(again, first)
     assert sorted(p.parent.name for p in (tmp_path / "run" / "snapshots").glob("*/complete.json")) == [
-        "step-00000003", "step-00000004"
+        "step-00000003",
+        "step-00000004",
     ]
 
 
@@ -278,8 +279,15 @@ def _count_gradient_allreduces(counter: list[int]):
 
 def _accumulation_job(run_dir: str, grad_accum: int) -> tuple[dict, int]:
     counter: list[int] = []
-    out = train(run_dir, grad_accum=grad_accum, batchnorm=False, global_dropout=True, epochs=1,
-                snapshot_every_steps=None, trainer_hook=_count_gradient_allreduces(counter))
+    out = train(
+        run_dir,
+        grad_accum=grad_accum,
+        batchnorm=False,
+        global_dropout=True,
+        epochs=1,
+        snapshot_every_steps=None,
+        trainer_hook=_count_gradient_allreduces(counter),
+    )
     return out, len(counter)
 
 
@@ -364,10 +372,17 @@ def test_plain_python_trainer_clips_gradients(tmp_path):
         model = torch.nn.Linear(4, 1)
         start = [p.detach().clone() for p in model.parameters()]
         data = torch.utils.data.TensorDataset(torch.randn(8, 4) * 100, torch.randn(8, 1))
-        config = TrainerConfig(run_dir=str(tmp_path / f"clip{clip}"), batch_size=8, max_steps=1, clip_grad_norm=clip,
-                               logging=LoggingConfig(progress=False), num_workers=0)
-        trainer = ddpkit.Trainer(model, torch.optim.SGD(model.parameters(), lr=1.0), data, config,
-                                 loss_fn=torch.nn.functional.mse_loss)
+        config = TrainerConfig(
+            run_dir=str(tmp_path / f"clip{clip}"),
+            batch_size=8,
+            max_steps=1,
+            clip_grad_norm=clip,
+            logging=LoggingConfig(progress=False),
+            num_workers=0,
+        )
+        trainer = ddpkit.Trainer(
+            model, torch.optim.SGD(model.parameters(), lr=1.0), data, config, loss_fn=torch.nn.functional.mse_loss
+        )
         trainer.fit()
         return torch.cat([(p.detach() - s).flatten() for p, s in zip(model.parameters(), start)]).norm().item()
 
@@ -415,8 +430,10 @@ JOB = str(Path(__file__).parent / "scripts" / "train_job.py")
 
 def test_a_stop_signal_exits_75_after_the_snapshot_unless_the_script_asks_for_a_return(tmp_path, run_python):
     # Plain `python train_job.py` (a world of one), SIGUSR1 at step 5, agreed at the end of epoch 1: uncaught Preempted.
-    code = f"import runpy, sys; sys.argv = {[JOB, str(tmp_path / 'run'), '--signal-at', '0', '5']!r}; " \
-           "runpy.run_path(sys.argv[0], run_name='__main__')"
+    code = (
+        f"import runpy, sys; sys.argv = {[JOB, str(tmp_path / 'run'), '--signal-at', '0', '5']!r}; "
+        "runpy.run_path(sys.argv[0], run_name='__main__')"
+    )
     stopped = run_python(code)
     assert stopped.returncode == 75, stopped.stderr[-2000:]  # PREEMPTED_EXIT_CODE: "pre-empted, requeue me"
     assert "Traceback" not in stopped.stderr
@@ -435,21 +452,27 @@ def _regression_trainer(tmp_path, **kwargs):
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1)
     data = torch.utils.data.TensorDataset(torch.randn(32, 3), torch.randn(32, 1))
-    config = TrainerConfig(run_dir=str(tmp_path / "run"), batch_size=8, epochs=1, logging=LoggingConfig(progress=False), num_workers=0)
+    config = TrainerConfig(
+        run_dir=str(tmp_path / "run"), batch_size=8, epochs=1, logging=LoggingConfig(progress=False), num_workers=0
+    )
     return model, data, ddpkit.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, config, **kwargs)
 
 
 def test_the_default_loss_refuses_a_regression_model(tmp_path):
     model, data, trainer = _regression_trainer(tmp_path)
-    with pytest.raises(ConfigError, match=r"shape \(8, 1\).*loss_fn=torch.nn.functional.mse_loss and "
-                                          r"metric_fn=ddpkit.regression_metrics"):
+    with pytest.raises(
+        ConfigError,
+        match=r"shape \(8, 1\).*loss_fn=torch.nn.functional.mse_loss and "
+        r"metric_fn=ddpkit.regression_metrics",
+    ):
         trainer.fit()
     with pytest.raises(ConfigError, match=r"classification_metrics .*pass metric_fn=ddpkit.regression_metrics"):
         ddpkit.evaluate(model, data)
     assert set(ddpkit.evaluate(model, data, ddpkit.regression_metrics)) == {"loss"}
     # Control: plain cross-entropy takes it without a word, and trains nothing (loss 0, weights unchanged).
-    model, _, trainer = _regression_trainer(tmp_path / "control", loss_fn=torch.nn.functional.cross_entropy,
-                                            metric_fn=ddpkit.regression_metrics)
+    model, _, trainer = _regression_trainer(
+        tmp_path / "control", loss_fn=torch.nn.functional.cross_entropy, metric_fn=ddpkit.regression_metrics
+    )
     before = [p.detach().clone() for p in model.parameters()]
     trainer.fit()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
@@ -463,6 +486,7 @@ def test_the_default_loss_refuses_float_targets_and_a_dict_output(tmp_path):
         cross_entropy(scores, torch.randn(4))
     with pytest.raises(ConfigError, match="returned a dict \\(logits\\): pass batch_loss_fn"):
         cross_entropy({"logits": scores}, torch.zeros(4, dtype=torch.long))
+
     # The same through the Trainer: a model whose forward returns a dict is pointed to batch_loss_fn.
     class DictNet(torch.nn.Module):
         def __init__(self):
@@ -474,7 +498,9 @@ def test_the_default_loss_refuses_float_targets_and_a_dict_output(tmp_path):
 
     model = DictNet()
     data = torch.utils.data.TensorDataset(torch.randn(16, 3), torch.randint(0, 2, (16,)))
-    config = TrainerConfig(run_dir=str(tmp_path / "dict"), batch_size=8, logging=LoggingConfig(progress=False), num_workers=0)
+    config = TrainerConfig(
+        run_dir=str(tmp_path / "dict"), batch_size=8, logging=LoggingConfig(progress=False), num_workers=0
+    )
     trainer = ddpkit.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, config)
     with pytest.raises(ConfigError, match="returned a dict \\(logits\\): pass batch_loss_fn"):
         trainer.fit()
@@ -488,7 +514,9 @@ def test_an_iterable_dataset_is_refused_saying_what_is_supported(tmp_path):
         def __iter__(self):
             return iter([(torch.zeros(3), 0)] * 8)
 
-    config = TrainerConfig(run_dir=str(tmp_path / "run"), batch_size=4, logging=LoggingConfig(progress=False), num_workers=0)
+    config = TrainerConfig(
+        run_dir=str(tmp_path / "run"), batch_size=4, logging=LoggingConfig(progress=False), num_workers=0
+    )
     model = torch.nn.Linear(3, 2)
     with pytest.raises(ConfigError, match="Stream is not a map-style dataset .* hand-written loop"):
         ddpkit.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), Stream(), config)
@@ -509,14 +537,17 @@ def test_batch_sizes_that_cannot_work_are_refused_by_the_config(kwargs, flag):
         TrainerConfig(**kwargs)
 
 
-@pytest.mark.parametrize("build, flag", [
-    (lambda: LoggingConfig(every_steps=0), "every_steps"),
-    (lambda: LoggingConfig(trackers=("neptune",)), "trackers"),
-    (lambda: SnapshotConfig(keep=0), "keep"),
-    (lambda: SnapshotConfig(every_steps=0), "every_steps"),
-    (lambda: EarlyStoppingConfig(mode="lowest"), "mode"),
-    (lambda: EarlyStoppingConfig(patience=0), "patience"),
-])
+@pytest.mark.parametrize(
+    "build, flag",
+    [
+        (lambda: LoggingConfig(every_steps=0), "every_steps"),
+        (lambda: LoggingConfig(trackers=("neptune",)), "trackers"),
+        (lambda: SnapshotConfig(keep=0), "keep"),
+        (lambda: SnapshotConfig(every_steps=0), "every_steps"),
+        (lambda: EarlyStoppingConfig(mode="lowest"), "mode"),
+        (lambda: EarlyStoppingConfig(patience=0), "patience"),
+    ],
+)
 def test_the_nested_configs_refuse_bad_values_naming_them(build, flag):
     with pytest.raises(ConfigError, match=f"{flag}=.* see .*Config.{flag}"):
         build()
@@ -530,8 +561,13 @@ def test_the_best_weights_are_kept_apart_and_load_outside_ddpkit(tmp_path, capfd
     best_epoch = 1 + losses.index(min(losses))
     assert best_epoch == out["epoch"] - 2  # two epochs without improvement, then early stopping
     # The one-liner of the README, with torch alone:
-    model = torch.nn.Sequential(torch.nn.Linear(8, 32, bias=False), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
-                                torch.nn.Dropout(0.2), torch.nn.Linear(32, 2))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 32, bias=False),
+        torch.nn.BatchNorm1d(32),
+        torch.nn.ReLU(),
+        torch.nn.Dropout(0.2),
+        torch.nn.Linear(32, 2),
+    )
     model.load_state_dict(torch.load(tmp_path / "run" / "best.pt", weights_only=True)["model"])
     best = torch.load(tmp_path / "run" / "best.pt", weights_only=True)
     assert best["epoch"] == best_epoch and best["metric"] == "val/loss" and best["value"] == pytest.approx(min(losses))
@@ -545,7 +581,9 @@ def test_the_best_weights_are_kept_apart_and_load_outside_ddpkit(tmp_path, capfd
     assert not all(torch.equal(best["model"][k], out["model"][k]) for k in out["model"])  # control
     # The summary at the end says which epoch was best and where its weights are.
     printed = capfd.readouterr().out
-    assert f"best val/loss {min(losses):.4g} at epoch {best_epoch}: weights in {tmp_path / 'run' / 'best.pt'}" in printed
+    assert (
+        f"best val/loss {min(losses):.4g} at epoch {best_epoch}: weights in {tmp_path / 'run' / 'best.pt'}" in printed
+    )
     assert f"done (early_stopping) after {out['epoch']} epoch(s)" in printed
     assert header[:5] == ["epoch", "step", "lr", "train/epoch_loss", "val/accuracy"] and "epoch_seconds" in header
 
@@ -613,8 +651,9 @@ def _signal_before_fit(trainer) -> None:
 
 
 def test_a_stop_signal_before_fit_is_held_and_stops_every_rank_in_fit(tmp_path):
-    results = ddpkit.spawn(functools.partial(train, str(tmp_path / "run"), trainer_hook=_signal_before_fit,
-                                             log_every_steps=4), 2)
+    results = ddpkit.spawn(
+        functools.partial(train, str(tmp_path / "run"), trainer_hook=_signal_before_fit, log_every_steps=4), 2
+    )
     for r in results:
         assert r["preempted"] == 75 and r["stopped_by"] == "signal"
         assert r["step"] == 4  # the first agreement spread rank 1's held signal

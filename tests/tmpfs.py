@@ -16,8 +16,9 @@ def small_tmpfs(where: Path, size: str = "4m") -> Iterator[Path]:
     """``where``, with a tmpfs of ``size`` mounted on it for the duration; skips the test where mounting is
     not permitted (it needs root, or CAP_SYS_ADMIN)."""
     where.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True, text=True
+    )
     if proc.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs to fill (needs root or CAP_SYS_ADMIN): {proc.stderr.strip()}")
     try:

@@ -10,7 +10,10 @@ from ddpkit.errors import ConfigError
 
 # name -> (module whose main(argv) runs it, one line of help). Imported only when used.
 COMMANDS = {
-    "run": ("ddpkit.launch.launcher", "launch a training script on every GPU (or CPU share) of this node, or of several"),
+    "run": (
+        "ddpkit.launch.launcher",
+        "launch a training script on every GPU (or CPU share) of this node, or of several",
+    ),
     "sbatch": ("ddpkit.launch.sbatch", "write and submit a SLURM batch script that requeues itself when pre-empted"),
     "env": ("ddpkit.tools.env", "versions, devices, the choices `run` would make, and a live all-reduce check"),
     "bench": ("ddpkit.tools.bench", "step time at 1..N ranks, the all-reduce alone, and a prediction at larger sizes"),

@@ -12,5 +12,6 @@ def loader(dataset, batch_size, rank, world_size):
 
 
 def ddpkit_workload():
-    return Workload(model=mlp(), dataset=toy_data(), loss_fn=F.cross_entropy, optimizer=sgd, batch_size=8,
-                    loader=loader)
+    return Workload(
+        model=mlp(), dataset=toy_data(), loss_fn=F.cross_entropy, optimizer=sgd, batch_size=8, loader=loader
+    )

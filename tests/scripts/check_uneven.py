@@ -8,5 +8,6 @@ from ddpkit.tools.workload import Workload
 
 
 def ddpkit_workload():
-    return Workload(model=mlp(), dataset=toy_data(21), loss_fn=F.cross_entropy, optimizer=sgd, batch_size=4,
-                    drop_last=False)
+    return Workload(
+        model=mlp(), dataset=toy_data(21), loss_fn=F.cross_entropy, optimizer=sgd, batch_size=4, drop_last=False
+    )

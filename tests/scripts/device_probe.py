@@ -34,8 +34,18 @@ def gpu_uuid(device: torch.device) -> str | None:
 if mode == "where":
     rt = ddpkit.init()
     x = torch.ones(64, 64, device=rt.device)
-    print(json.dumps({"device": str(rt.device), "backend": rt.backend, "uuid": gpu_uuid(rt.device),
-                      "tensor": str(x.device), "sum": float((x @ x).sum())}), flush=True)
+    print(
+        json.dumps(
+            {
+                "device": str(rt.device),
+                "backend": rt.backend,
+                "uuid": gpu_uuid(rt.device),
+                "tensor": str(x.device),
+                "sum": float((x @ x).sum()),
+            }
+        ),
+        flush=True,
+    )
     sys.exit(0)
 if mode == "env":
     print(json.dumps({k: os.environ.get(k) for k in FLIGHT_RECORDER}), flush=True)

@@ -60,8 +60,17 @@ def main() -> None:
     data_class = train_job.AugmentedData
     train_job.AugmentedData = DeviceNoise  # train(augment=True) reads the data set through this name
     try:
-        train_job.train(a.run_dir, out=a.out, sample_log=a.sample_log, precision=a.precision, kill_rank=0,
-                        kill_step=a.kill_step, augment=True, num_workers=0, catch_preempted=False)
+        train_job.train(
+            a.run_dir,
+            out=a.out,
+            sample_log=a.sample_log,
+            precision=a.precision,
+            kill_rank=0,
+            kill_step=a.kill_step,
+            augment=True,
+            num_workers=0,
+            catch_preempted=False,
+        )
     finally:
         train_job.AugmentedData = data_class
     ddpkit.shutdown()

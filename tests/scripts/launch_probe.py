@@ -91,8 +91,11 @@ elif mode == "family":
     if rt.restart_count:
         files = folder.glob(f"attempt{rt.restart_count - 1}-rank*.pids")
         before = [int(pid) for f in files for pid in f.read_text().split()]
-        print(f"rank={rt.rank} attempt={rt.restart_count} alive from the attempt before: "
-              f"{[pid for pid in before if alive(pid)]} of {len(before)}", flush=True)
+        print(
+            f"rank={rt.rank} attempt={rt.restart_count} alive from the attempt before: "
+            f"{[pid for pid in before if alive(pid)]} of {len(before)}",
+            flush=True,
+        )
     sleeper = subprocess.Popen(["sleep", "1000"])
     term = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # ignored from the fork on: no window to die in
     stubborn = os.fork()
@@ -122,6 +125,9 @@ elif mode == "info":
     from ddpkit.distributed.environment import read_launch_env
 
     total = ddpkit.all_reduce(rt.rank + 1)
-    print(f"rank={rt.rank} world={rt.world_size} launcher={rt.launcher} restarts={rt.restart_count} "
-          f"port={read_launch_env().master_port} sum={total} tag={' '.join(rest)}", flush=True)
+    print(
+        f"rank={rt.rank} world={rt.world_size} launcher={rt.launcher} restarts={rt.restart_count} "
+        f"port={read_launch_env().master_port} sum={total} tag={' '.join(rest)}",
+        flush=True,
+    )
 ddpkit.shutdown()

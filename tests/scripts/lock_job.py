@@ -42,10 +42,16 @@ def main() -> None:
     torch.manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
     model = torch.nn.Linear(4, 2)
-    config = ddpkit.TrainerConfig(run_dir=a.run_dir, batch_size=8, epochs=2, num_workers=0,
-                                  logging=ddpkit.training.config.LoggingConfig(progress=False))
-    trainer = ddpkit.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, config,
-                             callbacks=[Hold(*a.hold)] if a.hold else [])
+    config = ddpkit.TrainerConfig(
+        run_dir=a.run_dir,
+        batch_size=8,
+        epochs=2,
+        num_workers=0,
+        logging=ddpkit.training.config.LoggingConfig(progress=False),
+    )
+    trainer = ddpkit.Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), data, config, callbacks=[Hold(*a.hold)] if a.hold else []
+    )
     trainer.fit()
     ddpkit.print0(f"trained to step {trainer.step}")
     ddpkit.shutdown()

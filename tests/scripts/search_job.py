@@ -154,19 +154,35 @@ def main() -> None:
     def objective(candidate):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 2))
-        config = TrainerConfig(run_dir=str(candidate.run_dir), epochs=a.epochs, global_batch_size=12,
-                               logging=LoggingConfig(progress=False), snapshot=SnapshotConfig(every_steps=5))
+        config = TrainerConfig(
+            run_dir=str(candidate.run_dir),
+            epochs=a.epochs,
+            global_batch_size=12,
+            logging=LoggingConfig(progress=False),
+            snapshot=SnapshotConfig(every_steps=5),
+        )
         for hook in hooks:
             hook.trial = candidate.number
-        optimizer = torch.optim.SGD(model.parameters(), lr=candidate.params["lr"],
-                                    momentum=candidate.params["momentum"])
-        trainer = Trainer(model, optimizer, Data(96, 1), config, val_data=Data(40, 2), group=candidate.group,
-                          callbacks=[candidate, *hooks])
+        optimizer = torch.optim.SGD(
+            model.parameters(), lr=candidate.params["lr"], momentum=candidate.params["momentum"]
+        )
+        trainer = Trainer(
+            model,
+            optimizer,
+            Data(96, 1),
+            config,
+            val_data=Data(40, 2),
+            group=candidate.group,
+            callbacks=[candidate, *hooks],
+        )
         trainer.fit()
         return trainer.evaluate(Data(40, 2), prefix="val")
 
-    search(objective, SPACE,
-           SearchConfig(n_trials=a.trials, group_size=a.group_size, pruner="none", search_dir=a.search_dir))
+    search(
+        objective,
+        SPACE,
+        SearchConfig(n_trials=a.trials, group_size=a.group_size, pruner="none", search_dir=a.search_dir),
+    )
     ddpkit.shutdown()
 
 

@@ -138,8 +138,11 @@ def rank_state(trainer) -> dict:
             if isinstance(v, dict):
                 walk(v, f"{prefix}{k}.")
             else:
-                out[f"{prefix}{k}"] = (v.to_local() if isinstance(v, DTensor) else v).detach().clone() \
-                    if isinstance(v, torch.Tensor) else v
+                out[f"{prefix}{k}"] = (
+                    (v.to_local() if isinstance(v, DTensor) else v).detach().clone()
+                    if isinstance(v, torch.Tensor)
+                    else v
+                )
 
     walk(join_own(trainer.strategy.state_dict()), "")
     return out
@@ -241,8 +244,9 @@ def train(
         raise_on_stop_signal=raise_on_stop_signal,
         strategy=strategy_config(strategy, strategy_options),
         snapshot=SnapshotConfig(every_steps=snapshot_every_steps, keep=3, async_write=snapshot_async),
-        early_stopping=EarlyStoppingConfig(metric="val/loss" if early_stopping_patience else None,
-                                           patience=early_stopping_patience or 1),
+        early_stopping=EarlyStoppingConfig(
+            metric="val/loss" if early_stopping_patience else None, patience=early_stopping_patience or 1
+        ),
         logging=LoggingConfig(every_steps=log_every_steps, progress=False, tensorboard=tensorboard, trackers=loggers),
         drop_last=drop_last,
     )
@@ -266,8 +270,10 @@ def train(
             filled.append(True)
             _fill_disk(trainer)
         if log is not None:
-            log.write(json.dumps({"attempt": attempt, "epoch": trainer.epoch, "step": trainer.step,
-                                  "idx": idx.tolist()}) + "\n")
+            log.write(
+                json.dumps({"attempt": attempt, "epoch": trainer.epoch, "step": trainer.step, "idx": idx.tolist()})
+                + "\n"
+            )
         logits = model(x)  # one forward per micro-batch: sync BatchNorm is a collective
         loss = nn.functional.cross_entropy(logits, y)
         if event is not None and rt.rank == event[1] and trainer.step == event[2]:
@@ -289,14 +295,22 @@ def train(
     def metrics(model, batch):
         x, y, _ = batch
         logits = model(x)
-        return {"loss": nn.functional.cross_entropy(logits, y, reduction="none"),
-                "accuracy": (logits.argmax(1) == y).float()}
+        return {
+            "loss": nn.functional.cross_entropy(logits, y, reduction="none"),
+            "accuracy": (logits.argmax(1) == y).float(),
+        }
 
     SabotagedTrainer.drop = drop
     trainer = SabotagedTrainer(
-        model, optimizer, AugmentedData(n_samples) if augment else IndexedData(n_samples), config,
+        model,
+        optimizer,
+        AugmentedData(n_samples) if augment else IndexedData(n_samples),
+        config,
         val_data=IndexedData() if early_stopping_patience else None,
-        scheduler=scheduler, batch_loss_fn=batch_loss, metric_fn=metrics, callbacks=callbacks,
+        scheduler=scheduler,
+        batch_loss_fn=batch_loss,
+        metric_fn=metrics,
+        callbacks=callbacks,
     )
     if shared_buffers:
         one_copy_per_key(trainer.strategy)
@@ -313,8 +327,11 @@ def train(
     final = {
         "preempted": preempted,
         # Under zero and fsdp the optimizer's own state is this rank's shard: compare the gathered "full" state.
-        "model": ({k: v.clone() for k, v in ddpkit.unwrap(trainer.model).state_dict().items()}
-                  if strategy == "ddp" else full["model"]),
+        "model": (
+            {k: v.clone() for k, v in ddpkit.unwrap(trainer.model).state_dict().items()}
+            if strategy == "ddp"
+            else full["model"]
+        ),
         "optimizer": trainer.optimizer.state_dict() if strategy == "ddp" else None,
         "scheduler": trainer.scheduler.state_dict(),
         "step": trainer.step,
@@ -361,11 +378,30 @@ if __name__ == "__main__":
     p.add_argument("--shared-buffers", action="store_true")
     a = p.parse_args()
     event = ("raise", *a.raise_at) if a.raise_at else ("signal", *a.signal_at) if a.signal_at else None
-    train(a.run_dir, global_batch=a.global_batch, epochs=a.epochs, max_steps=a.max_steps, kill_rank=a.kill_rank,
-          kill_step=a.kill_step, kill_in_snapshot=a.kill_in_snapshot, sample_log=a.sample_log, out=a.out,
-          event=event, raise_on_stop_signal=not a.no_raise_on_stop_signal, catch_preempted=False,
-          augment=a.augment, num_workers=a.workers, unseeded_samples=a.unseeded_samples, lr=a.lr,
-          strategy=a.strategy, snapshot_async=not a.snapshot_sync, sync_batchnorm=not a.no_sync_bn,
-          grad_accum=a.grad_accum, damage_newest=a.damage_newest, kill_after_write=a.kill_after_write,
-          fill_disk_at=a.fill_disk_at, shared_buffers=a.shared_buffers)
+    train(
+        a.run_dir,
+        global_batch=a.global_batch,
+        epochs=a.epochs,
+        max_steps=a.max_steps,
+        kill_rank=a.kill_rank,
+        kill_step=a.kill_step,
+        kill_in_snapshot=a.kill_in_snapshot,
+        sample_log=a.sample_log,
+        out=a.out,
+        event=event,
+        raise_on_stop_signal=not a.no_raise_on_stop_signal,
+        catch_preempted=False,
+        augment=a.augment,
+        num_workers=a.workers,
+        unseeded_samples=a.unseeded_samples,
+        lr=a.lr,
+        strategy=a.strategy,
+        snapshot_async=not a.snapshot_sync,
+        sync_batchnorm=not a.no_sync_bn,
+        grad_accum=a.grad_accum,
+        damage_newest=a.damage_newest,
+        kill_after_write=a.kill_after_write,
+        fill_disk_at=a.fill_disk_at,
+        shared_buffers=a.shared_buffers,
+    )
     ddpkit.shutdown()

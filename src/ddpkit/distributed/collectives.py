@@ -22,7 +22,9 @@ Number = int | float
 
 def is_live(group: Any = None) -> bool:
     """True when collectives on ``group`` run: a process group exists and this process is a member."""
-    return dist.is_available() and dist.is_initialized() and (group is None or group != dist.GroupMember.NON_GROUP_MEMBER)
+    return (
+        dist.is_available() and dist.is_initialized() and (group is None or group != dist.GroupMember.NON_GROUP_MEMBER)
+    )
 
 
 def comm_device(group: Any = None) -> torch.device:

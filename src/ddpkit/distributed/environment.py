@@ -130,9 +130,7 @@ def _tasks_on_node(tasks_per_node: str, node_id: int) -> int:
 
 
 def _slurm_env(env: Mapping[str, str]) -> LaunchEnv:
-    world_size = _int(env, "SLURM_NTASKS") if "SLURM_STEP_NUM_TASKS" not in env else _int(
-        env, "SLURM_STEP_NUM_TASKS"
-    )
+    world_size = _int(env, "SLURM_NTASKS") if "SLURM_STEP_NUM_TASKS" not in env else _int(env, "SLURM_STEP_NUM_TASKS")
     node_id = _int(env, "SLURM_NODEID") if "SLURM_NODEID" in env else 0
     per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or str(world_size)
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
@@ -225,9 +223,7 @@ def _read_ranks(env: Mapping[str, str]) -> LaunchEnv:
                 launcher="torchrun",
                 master_addr=env["MASTER_ADDR"],
                 master_port=_int(env, "MASTER_PORT"),
-                restart_count=(
-                    _int(env, "TORCHELASTIC_RESTART_COUNT") if "TORCHELASTIC_RESTART_COUNT" in env else 0
-                )
+                restart_count=(_int(env, "TORCHELASTIC_RESTART_COUNT") if "TORCHELASTIC_RESTART_COUNT" in env else 0)
                 + _slurm_restarts(env),
             )
         )

@@ -38,10 +38,7 @@ def split_world(group_size: int) -> Runtime:
     if not rt.distributed:
         return rt
     # Every rank creates every group (torch requires it, even of groups it is not in), in the same order.
-    groups = [
-        dist.new_group(list(range(start, start + group_size)))
-        for start in range(0, rt.world_size, group_size)
-    ]
+    groups = [dist.new_group(list(range(start, start + group_size))) for start in range(0, rt.world_size, group_size)]
     index = rt.rank // group_size
     return dataclasses.replace(
         rt, rank=rt.rank % group_size, world_size=group_size, group=groups[index], group_index=index

@@ -238,9 +238,17 @@ def _without_init() -> Runtime:
     launch = read_launch_env()
     if dist.is_available() and dist.is_initialized():
         backend = dist.get_backend()
-        device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu"))
-        return Runtime(dist.get_rank(), launch.local_rank, dist.get_world_size(), launch.local_world_size, device,
-                       backend, launch.launcher, launch.restart_count)
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        return Runtime(
+            dist.get_rank(),
+            launch.local_rank,
+            dist.get_world_size(),
+            launch.local_world_size,
+            device,
+            backend,
+            launch.launcher,
+            launch.restart_count,
+        )
     if launch.world_size > 1:
         source = {"torchrun": "torchrun/ddpkit run", "slurm": "SLURM srun", "mpi": "mpiexec"}.get(
             launch.launcher, launch.launcher

@@ -170,7 +170,9 @@ class Agent(LocalElasticAgent):
         # here would let a peer's consequent error look earlier than the kill.
         handlers = getattr(getattr(self, "_pcontext", None), "subprocess_handlers", None) or {}
         codes = {local: h.proc.poll() for local, h in handlers.items()}
-        failed = {local for local, code in codes.items() if code is not None and code > 0 and code != PREEMPTED_EXIT_CODE}
+        failed = {
+            local for local, code in codes.items() if code is not None and code > 0 and code != PREEMPTED_EXIT_CODE
+        }
         if failed and self._stacks_asked != id(self._pcontext):
             self._stacks_asked = id(self._pcontext)
             running = {w.global_rank: w.id for w in worker_group.workers if codes.get(w.local_rank) is None}
@@ -211,7 +213,11 @@ def stacks(folder: Path, ranks: Sequence[int], lines: int = 14) -> list[str]:
         text = path.read_text(errors="replace") if path.exists() else ""
         block = text.split("Current thread", 1)[1].splitlines()[1:] if "Current thread" in text else []
         frames = [line.strip() for line in block if line.strip().startswith("File ")]
-        frames = [f for f in frames if "ddpkit/launch/worker.py" not in f and "<frozen runpy>" not in f and "errors/__init__.py" not in f]
+        frames = [
+            f
+            for f in frames
+            if "ddpkit/launch/worker.py" not in f and "<frozen runpy>" not in f and "errors/__init__.py" not in f
+        ]
         if frames:
             out.append(f"  rank {rank} was still running when the first rank failed, at (innermost first):")
             out += [f"    {frame}" for frame in frames[:lines]]

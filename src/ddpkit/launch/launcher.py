@@ -253,8 +253,9 @@ def launch(cfg: LaunchConfig) -> int:
         for line in agent.stacks(run_dir / "stacks", sorted(int(p.stem[4:]) for p in files)):
             print(line, file=sys.stderr, flush=True)
         for trace in sorted((run_dir / "stacks").glob("nccl_trace_rank_*")):  # --debug-collectives on nccl
-            print(f"  nccl flight recorder of rank {trace.name.rsplit('_', 1)[-1]}: {trace}", file=sys.stderr,
-                  flush=True)
+            print(
+                f"  nccl flight recorder of rank {trace.name.rsplit('_', 1)[-1]}: {trace}", file=sys.stderr, flush=True
+            )
         print(f"  output of every rank: {run_dir}", file=sys.stderr, flush=True)
         return agent.exit_code(err)
     except RendezvousError as err:

@@ -183,20 +183,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _option(parser, "--rdzv-endpoint", default=None, help="HOST:PORT on one node, the same on every node")
     _option(parser, "--node-rank", type=int, default=None, help="this node's rank (default: assigned at join)")
     _option(parser, "--rdzv-id", default=None, help="job id shared by all nodes (default: SLURM_JOB_ID)")
-    _option(parser, "--rdzv-secret-file", default=None,
-            help="file (mode 600) with the secret every node of a multi-node job holds (default: $DDPKIT_RDZV_SECRET)")
-    _option(parser, "--rdzv-conf", action="append", default=None,
-            help="extra KEY=VALUE[,KEY=VALUE] for torchrun's c10d rendezvous (repeatable)")
+    _option(
+        parser,
+        "--rdzv-secret-file",
+        default=None,
+        help="file (mode 600) with the secret every node of a multi-node job holds (default: $DDPKIT_RDZV_SECRET)",
+    )
+    _option(
+        parser,
+        "--rdzv-conf",
+        action="append",
+        default=None,
+        help="extra KEY=VALUE[,KEY=VALUE] for torchrun's c10d rendezvous (repeatable)",
+    )
     _option(parser, "--local-addr", default=None, help="this node's address (default: the route to the endpoint)")
     # Seconds are checked by LaunchConfig, not argparse: one line naming the valid range for inf, nan, 1e30 or x.
-    _option(parser, "--join-timeout", default="120",
-            help="seconds to wait for the rendezvous host and for all nodes (default 120)")
-    _option(parser, "--collective-timeout", default=None,
-            help="seconds a collective may wait before the job ends with every rank's stack (default 300)")
-    _option(parser, "--debug-collectives", action="store_true",
-            help="check that ranks call the same collectives with the same shapes (slower; for diagnosis)")
-    _option(parser, "--max-restarts", type=int, default=None,
-            help="restarts of all workers after a failure (default 0; 3 for an elastic job)")
+    _option(
+        parser,
+        "--join-timeout",
+        default="120",
+        help="seconds to wait for the rendezvous host and for all nodes (default 120)",
+    )
+    _option(
+        parser,
+        "--collective-timeout",
+        default=None,
+        help="seconds a collective may wait before the job ends with every rank's stack (default 300)",
+    )
+    _option(
+        parser,
+        "--debug-collectives",
+        action="store_true",
+        help="check that ranks call the same collectives with the same shapes (slower; for diagnosis)",
+    )
+    _option(
+        parser,
+        "--max-restarts",
+        type=int,
+        default=None,
+        help="restarts of all workers after a failure (default 0; 3 for an elastic job)",
+    )
     _option(parser, "--log-dir", default="ddpkit-logs", help="folder for each run's rank output (default ddpkit-logs)")
     _option(parser, "--all-ranks", action="store_true", help="show every rank's output, prefixed [rank N]")
     _option(parser, "-m", "--module", action="store_true", help="run SCRIPT as a module, like python -m")

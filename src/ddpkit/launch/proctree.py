@@ -105,8 +105,9 @@ def _reap(pids: Iterable[int]) -> None:
 
 def _own_zombies(keep: Collection[int]) -> list[int]:
     me = os.getpid()
-    return [pid for pid in _all_pids() if pid not in keep and (s := _stat(pid)) is not None and s[1] == me
-            and s[0] == "Z"]
+    return [
+        pid for pid in _all_pids() if pid not in keep and (s := _stat(pid)) is not None and s[1] == me and s[0] == "Z"
+    ]
 
 
 def kill_descendants(root: int | None = None, keep: Collection[int] = (), timeout: float = 10.0) -> list[int]:

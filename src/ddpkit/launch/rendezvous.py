@@ -141,7 +141,7 @@ def wait_reachable(ip: str, port: int, timeout: float) -> None:
                 return
         except ConnectionRefusedError:
             last = "connection refused: nothing listens there yet"
-        except socket.timeout:
+        except TimeoutError:
             last = "no reply: wrong address, or a firewall dropping packets"
         except OSError as err:
             last = err.strerror or str(err)

@@ -72,8 +72,10 @@ def load_secret(path: str | None, env: Mapping[str, str] | None = None) -> bytes
             "with the same value on every node, or pass --rdzv-secret-file FILE (readable only by you)"
         )
     if len(text) < MIN_SECRET_CHARS:
-        raise ConfigError(f"{source}: the secret has {len(text)} characters, too few to resist guessing; use at "
-                          f"least {MIN_SECRET_CHARS} ({MAKE_SECRET})")
+        raise ConfigError(
+            f"{source}: the secret has {len(text)} characters, too few to resist guessing; use at "
+            f"least {MIN_SECRET_CHARS} ({MAKE_SECRET})"
+        )
     return text
 
 
@@ -144,7 +146,7 @@ def join_host(sock: socket.socket, key: bytes) -> Session:
         raise NotARelay("the endpoint closed the connection without a word") from None
     if not hello.startswith(HELLO):
         raise NotARelay("the endpoint does not speak ddpkit's rendezvous protocol")
-    theirs, ours = hello[len(HELLO):], secrets.token_bytes(_NONCE)
+    theirs, ours = hello[len(HELLO) :], secrets.token_bytes(_NONCE)
     sock.sendall(ours + _tag(key, b"node", theirs, ours))
     try:
         answer = _recv_exact(sock, _TAG)
@@ -256,8 +258,10 @@ class RelayServer:
         except Refused:
             self._refusals += 1
             if self._refusals <= 10:
-                _say(f"refused a connection to the rendezvous from {peer[0]}:{peer[1]}: it does not hold the "
-                     "job's secret" + ("" if self._refusals < 10 else " (further refusals are not shown)"))
+                _say(
+                    f"refused a connection to the rendezvous from {peer[0]}:{peer[1]}: it does not hold the "
+                    "job's secret" + ("" if self._refusals < 10 else " (further refusals are not shown)")
+                )
             refuse(conn)
             return
         except (OSError, EOFError):  # a port probe (a node waiting for the host), a timeout, a reset

@@ -89,8 +89,14 @@ def _open_store(params: RendezvousParameters, access: JobAccess) -> dist.TCPStor
     if access.relay_ip is None or params.get_as_bool("is_host", True):
         listener = socket.create_server(("127.0.0.1", 0), backlog=1024)
         local_port = listener.getsockname()[1]
-        store = dist.TCPStore("127.0.0.1", local_port, is_master=True, wait_for_workers=False, timeout=timeout,
-                              master_listen_fd=listener.detach())
+        store = dist.TCPStore(
+            "127.0.0.1",
+            local_port,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timeout,
+            master_listen_fd=listener.detach(),
+        )
         if access.relay_ip is not None:
             try:
                 relays.append(RelayServer((access.relay_ip, port), local_port, derive(access.secret, "relay")))

@@ -87,12 +87,19 @@ class BatchConfig:
 
     def _texts(self) -> list[tuple[str, str]]:
         """Every string that goes into the batch script, with the option (or source) that gave it."""
-        out = [("SCRIPT", self.script), ("--output-dir", self.output_dir), ("the current folder", self.workdir),
-               ("the Python (sys.executable)", self.python)]
+        out = [
+            ("SCRIPT", self.script),
+            ("--output-dir", self.output_dir),
+            ("the current folder", self.workdir),
+            ("the Python (sys.executable)", self.python),
+        ]
         out += [("a script argument", a) for a in self.script_args]
         out += [("--sbatch-option", o) for o in self.sbatch_options]
-        out += [(f"--{n.replace('_', '-')}", getattr(self, n)) for n in ("job_name", "partition", "account", "time")
-                if getattr(self, n) is not None]
+        out += [
+            (f"--{n.replace('_', '-')}", getattr(self, n))
+            for n in ("job_name", "partition", "account", "time")
+            if getattr(self, n) is not None
+        ]
         return out
 
     @property
@@ -116,11 +123,15 @@ def _check_text(option: str, value: str) -> None:
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
-        raise ConfigError(f"{option} {value.encode('utf-8', 'surrogateescape')!r}: not valid UTF-8, and the batch "
-                          "script is UTF-8 text: rename it (or the folder it is in)") from None
+        raise ConfigError(
+            f"{option} {value.encode('utf-8', 'surrogateescape')!r}: not valid UTF-8, and the batch "
+            "script is UTF-8 text: rename it (or the folder it is in)"
+        ) from None
     if option in _SCRIPT_SINGLE_LINE and any(ord(c) < 32 or ord(c) == 127 for c in value):
-        raise ConfigError(f"{option} {value!r}: a line break or control character would end the #SBATCH line "
-                          "and run the rest as shell commands: remove it")
+        raise ConfigError(
+            f"{option} {value!r}: a line break or control character would end the #SBATCH line "
+            "and run the rest as shell commands: remove it"
+        )
 
 
 _TIME = re.compile(r"([0-9]+)-([0-9]+)(?::([0-9]+)(?::([0-9]+))?)?|([0-9]+)(?::([0-9]+)(?::([0-9]+))?)?")
@@ -133,8 +144,7 @@ def time_limit_seconds(text: str) -> int | None:
         return None
     match = _TIME.fullmatch(text)
     if match is None:
-        raise ConfigError(f"--time {text!r}: use MINUTES, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS as SLURM "
-                          "does")
+        raise ConfigError(f"--time {text!r}: use MINUTES, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS as SLURM does")
     days, d_hours, d_minutes, d_seconds, a, b, c = (int(g) if g is not None else None for g in match.groups())
     if days is not None:
         seconds = days * 86400 + d_hours * 3600 + (d_minutes or 0) * 60 + (d_seconds or 0)
@@ -207,8 +217,10 @@ def submit(cfg: BatchConfig, dry_run: bool = False) -> tuple[Path, str | None]:
         raise ConfigError(f"script {cfg.script!r} not found (from {os.getcwd()}): check the path")
     out = Path(cfg.output_dir)
     if out.exists() and not out.is_dir():
-        raise ConfigError(f"--output-dir {cfg.output_dir!r} is a file: give a folder for the batch script and the "
-                          "job's output (it is created if missing)")
+        raise ConfigError(
+            f"--output-dir {cfg.output_dir!r} is a file: give a folder for the batch script and the "
+            "job's output (it is created if missing)"
+        )
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{cfg.name}.sbatch"
     run_files.write_atomic(path, batch_script(cfg).encode())
@@ -234,8 +246,17 @@ EXAMPLES = """examples:
   ddpkit sbatch --dry-run train.py        # write slurm-logs/train.sbatch only"""
 
 _VALUE_OPTIONS = {
-    "--nodes", "--gpus-per-node", "--ntasks-per-node", "--cpus-per-task", "--time", "--signal-lead",
-    "--job-name", "--partition", "--account", "--output-dir", "--sbatch-option",
+    "--nodes",
+    "--gpus-per-node",
+    "--ntasks-per-node",
+    "--cpus-per-task",
+    "--time",
+    "--signal-lead",
+    "--job-name",
+    "--partition",
+    "--account",
+    "--output-dir",
+    "--sbatch-option",
 }
 
 

@@ -96,8 +96,14 @@ def serve_worker_store() -> Any:
                 "port as free, and another program took it since, or --local-addr is not an address of this node; "
                 "run the job again"
             ) from None
-        _worker_store = dist.TCPStore(addr, int(port), is_master=True, wait_for_workers=False,
-                                      timeout=timedelta(minutes=5), master_listen_fd=listener.detach())
+        _worker_store = dist.TCPStore(
+            addr,
+            int(port),
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(minutes=5),
+            master_listen_fd=listener.detach(),
+        )
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     return _worker_store
 

@@ -53,8 +53,15 @@ from ddpkit.search.study import Start, begin_search, next_trial, open_study, tri
 class Candidate:
     """One trial as its group's ranks see it: the parameters, where to write, and how to report."""
 
-    def __init__(self, number: int, params: dict[str, Any], runtime: Runtime, run_dir: Path,
-                 trial: optuna.Trial | None, metric: str) -> None:
+    def __init__(
+        self,
+        number: int,
+        params: dict[str, Any],
+        runtime: Runtime,
+        run_dir: Path,
+        trial: optuna.Trial | None,
+        metric: str,
+    ) -> None:
         self.number, self.params, self.runtime, self.run_dir = number, params, runtime, run_dir
         self.group = runtime.group
         self.metric = metric
@@ -134,8 +141,11 @@ def _search_on_groups(objective, distributions: dict[str, Any], cfg: SearchConfi
     rt = get_runtime()
     grt = split_world(cfg.group_size)
     # A study per process: the storage is shared, the samplers' random state is not.
-    study = (open_study(cfg, distributions, create=False, group_index=grt.group_index, start=begun.start)
-             if grt.is_main else None)
+    study = (
+        open_study(cfg, distributions, create=False, group_index=grt.group_index, start=begun.start)
+        if grt.is_main
+        else None
+    )
     # The trials a killed job left running, shared out among the groups before any group asks for new ones.
     n_groups = rt.world_size // cfg.group_size
     mine = begun.leftover[grt.group_index :: n_groups]
@@ -193,9 +203,11 @@ def _stop_for_machine(candidate: Candidate, machine: OSError, err: BaseException
     # No agreement with the group's other ranks first: they may be inside a collective of the training step,
     # and this rank's exit is what ends them (the launcher stops the job when a rank fails). The trial is not
     # told: it stays running in the study, and the next start of the search resumes it.
-    message = (f"ddpkit search: trial {candidate.number} was stopped by the machine, not by the candidate: "
-               f"{machine}. The search stops here; the trial is neither failed nor counted twice, and resumes "
-               "from its last snapshot when the search is started again once that is fixed")
+    message = (
+        f"ddpkit search: trial {candidate.number} was stopped by the machine, not by the candidate: "
+        f"{machine}. The search stops here; the trial is neither failed nor counted twice, and resumes "
+        "from its last snapshot when the search is started again once that is fixed"
+    )
     print(message, file=sys.stderr, flush=True)
     if hasattr(err, "add_note"):
         err.add_note(message)
@@ -221,8 +233,11 @@ def _progress(study, cfg: SearchConfig, search_id: str, candidate: Candidate, st
     else:
         what = "pruned" if state == TrialState.PRUNED else f"failed: {(error or '?').splitlines()[0][:160]}"
     best_text = f"best #{best.number} {best.value:.4g}" if best else "no complete trial yet"
-    print(f"[group {candidate.runtime.group_index}] trial {candidate.number} {what} | {finished}/{cfg.n_trials} "
-          f"finished, {best_text} | {candidate.params}", flush=True)
+    print(
+        f"[group {candidate.runtime.group_index}] trial {candidate.number} {what} | {finished}/{cfg.n_trials} "
+        f"finished, {best_text} | {candidate.params}",
+        flush=True,
+    )
 
 
 def _wait_for_every_group() -> None:

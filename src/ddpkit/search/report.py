@@ -22,9 +22,17 @@ def write_csv(trials: list[FrozenTrial], path: Path) -> None:
         w.writerow(["number", "state", "value", *params, "epochs_reported", "seconds", "error"])
         for t in sorted(trials, key=lambda t: t.number):
             seconds = (t.datetime_complete - t.datetime_start).total_seconds() if t.datetime_complete else ""
-            w.writerow([t.number, t.state.name, "" if t.value is None else t.value,
-                        *[t.params.get(p, "") for p in params], len(t.intermediate_values),
-                        f"{seconds:.2f}" if seconds != "" else "", " / ".join(t.user_attrs.get("error", "").splitlines())])
+            w.writerow(
+                [
+                    t.number,
+                    t.state.name,
+                    "" if t.value is None else t.value,
+                    *[t.params.get(p, "") for p in params],
+                    len(t.intermediate_values),
+                    f"{seconds:.2f}" if seconds != "" else "",
+                    " / ".join(t.user_attrs.get("error", "").splitlines()),
+                ]
+            )
     tmp.replace(path)
 
 
@@ -57,8 +65,11 @@ def save_plots(study: Any, out_dir: Path) -> list[Path]:
     import warnings
 
     saved = []
-    for name, draw in [("history", vis.plot_optimization_history), ("importances", vis.plot_param_importances),
-                       ("intermediate", vis.plot_intermediate_values)]:
+    for name, draw in [
+        ("history", vis.plot_optimization_history),
+        ("importances", vis.plot_param_importances),
+        ("intermediate", vis.plot_intermediate_values),
+    ]:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # Optuna marks its matplotlib plots experimental
@@ -75,8 +86,14 @@ def save_plots(study: Any, out_dir: Path) -> list[Path]:
 def write_results(study: Any, trials: list[FrozenTrial], config: Any) -> None:
     out = Path(config.search_dir)
     write_csv(trials, out / "trials.csv")
-    counts = {s.name.lower(): sum(t.state == s for t in trials) for s in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)}
+    counts = {
+        s.name.lower(): sum(t.state == s for t in trials)
+        for s in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+    }
     print(f"ddpkit search: {len(trials)} trials ({', '.join(f'{n} {k}' for k, n in counts.items())})")
     print(format_table(best_trials(trials, config.direction), config.metric))
     saved = save_plots(study, out) if config.plots else []
-    print(f"ddpkit search: trials in {out / 'trials.csv'}" + (f", plots {', '.join(p.name for p in saved)}" if saved else ""))
+    print(
+        f"ddpkit search: trials in {out / 'trials.csv'}"
+        + (f", plots {', '.join(p.name for p in saved)}" if saved else "")
+    )

@@ -60,8 +60,13 @@ class SearchDirLock:
             ) from None
         # Holder written once the lock is ours: a job that finds it locked reads a whole record.
         os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                                  "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode(), 0)
+        os.pwrite(
+            fd,
+            json.dumps(
+                {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+            ).encode(),
+            0,
+        )
         self._fd = fd
 
     def release(self) -> None:
@@ -116,8 +121,10 @@ def repair_journal(path: Path) -> str | None:
         f.flush()
         os.fsync(f.fileno())
     os.truncate(path, len(data) - len(tail))
-    return (f"ddpkit search: {path} ended in a record cut short (a kill or a full disk while it was written); "
-            f"its {len(tail)} bytes were moved to {aside.name}, the {len(lines)} whole records before it are kept")
+    return (
+        f"ddpkit search: {path} ended in a record cut short (a kill or a full disk while it was written); "
+        f"its {len(tail)} bytes were moved to {aside.name}, the {len(lines)} whole records before it are kept"
+    )
 
 
 def _is_record(line: bytes) -> bool:

@@ -40,7 +40,9 @@ def _checked(what: str, cls: type, *args: Any, **kwargs: Any) -> Any:
 def to_distributions(space: Mapping[str, Any]) -> dict[str, BaseDistribution]:
     """``space`` as Optuna distributions; a list or tuple means a choice among its items."""
     if not space:
-        raise ConfigError("the search space is empty: give at least one parameter, e.g. {'lr': uniform(1e-4, 1e-1, log=True)}")
+        raise ConfigError(
+            "the search space is empty: give at least one parameter, e.g. {'lr': uniform(1e-4, 1e-1, log=True)}"
+        )
     out = {}
     for name, spec in space.items():
         try:

@@ -38,8 +38,9 @@ _SEARCH_KEY = "ddpkit_search"  # a trial's user attribute: which search (run of 
 _STARTS_KEY = "ddpkit_starts"  # a study's user attribute: how many times a search was started on it
 
 
-def new_sampler(cfg: SearchConfig, distributions: dict[str, Any], group_index: int = 0,
-             start: int = 0) -> optuna.samplers.BaseSampler:
+def new_sampler(
+    cfg: SearchConfig, distributions: dict[str, Any], group_index: int = 0, start: int = 0
+) -> optuna.samplers.BaseSampler:
     # Each group's sampler draws its own random numbers: with one seed everywhere, groups asking at the same
     # time would draw the same "random" candidates. Each start of the search too: the samplers' random state
     # is not in the study, so a restarted job (or a rerun with a larger budget) seeded as the first start was
@@ -84,15 +85,22 @@ def open_storage(cfg: SearchConfig) -> Any:
     return optuna.storages.RDBStorage(cfg.storage, engine_kwargs={"pool_pre_ping": True})
 
 
-def open_study(cfg: SearchConfig, distributions: dict[str, Any], create: bool, group_index: int = 0,
-                start: int = 0) -> optuna.Study:
+def open_study(
+    cfg: SearchConfig, distributions: dict[str, Any], create: bool, group_index: int = 0, start: int = 0
+) -> optuna.Study:
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # ddpkit prints its own progress
     try:
         storage = open_storage(cfg)
         sampler = new_sampler(cfg, distributions, group_index, start)
         if create:
-            return optuna.create_study(study_name=cfg.study_name, storage=storage, sampler=sampler,
-                                       pruner=new_pruner(cfg), direction=cfg.direction, load_if_exists=True)
+            return optuna.create_study(
+                study_name=cfg.study_name,
+                storage=storage,
+                sampler=sampler,
+                pruner=new_pruner(cfg),
+                direction=cfg.direction,
+                load_if_exists=True,
+            )
         return optuna.load_study(study_name=cfg.study_name, storage=storage, sampler=sampler, pruner=new_pruner(cfg))
     except ConfigError:
         raise

@@ -50,15 +50,17 @@ class BestWeights:
             if saved.get("metric") == self.metric:
                 self.value, self.epoch = saved["value"], saved["epoch"]
 
-    def update(self, metrics: Mapping[str, Any], weights: Callable[[], Mapping[str, torch.Tensor]], epoch: int,
-               step: int) -> bool:
+    def update(
+        self, metrics: Mapping[str, Any], weights: Callable[[], Mapping[str, torch.Tensor]], epoch: int, step: int
+    ) -> bool:
         """Save ``weights()`` if ``metrics[metric]`` beats the best so far; True if it did. Every rank calls it:
         ``weights()`` may be a collective (the whole model gathered from its shards)."""
         if not self.tracking:
             return False
         if self.metric not in metrics:
-            raise ConfigError(f"early_stopping.metric={self.metric!r} is not among the epoch's metrics "
-                              f"{sorted(metrics)}")
+            raise ConfigError(
+                f"early_stopping.metric={self.metric!r} is not among the epoch's metrics {sorted(metrics)}"
+            )
         value = float(metrics[self.metric])
         if not is_better(value, self.value, self.mode):
             return False
@@ -67,8 +69,7 @@ class BestWeights:
         if self.enabled:
             state = {k: v.detach().cpu() for k, v in state.items()}
             buffer = io.BytesIO()
-            torch.save({"model": state, "epoch": epoch, "step": step, "metric": self.metric, "value": value},
-                       buffer)
+            torch.save({"model": state, "epoch": epoch, "step": step, "metric": self.metric, "value": value}, buffer)
             self.path.parent.mkdir(parents=True, exist_ok=True)
             run_files.write_atomic(self.path, buffer.getvalue())  # replaces a link at the name, never follows it
         return True

@@ -76,8 +76,10 @@ def _link_message(path: Path) -> str:
         target = os.readlink(path)
     except OSError:
         target = "?"
-    return (f"{str(path)!r} is a symbolic link (to {target!r}): ddpkit writes its records and snapshots inside the "
-            "run directory, never through a link. Remove the link, or give this run another run_dir")
+    return (
+        f"{str(path)!r} is a symbolic link (to {target!r}): ddpkit writes its records and snapshots inside the "
+        "run directory, never through a link. Remove the link, or give this run another run_dir"
+    )
 
 
 def open_fd(path: Path, flags: int, mode: int = 0o644) -> int:

@@ -38,8 +38,9 @@ def nest(items: list[tuple[KeyPath, Any]]) -> dict[str, Any]:
         for key in path[:-1]:
             node = node.setdefault(key, {})
         if path[-1] in node:
-            raise ValueError(f"two values are saved as {'.'.join(map(str, path))}: keep a rank's own values out of "
-                             "the shared part")
+            raise ValueError(
+                f"two values are saved as {'.'.join(map(str, path))}: keep a rank's own values out of the shared part"
+            )
         node[path[-1]] = value
     return root
 

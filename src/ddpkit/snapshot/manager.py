@@ -70,6 +70,7 @@ FORMAT = 3  # of trainer.pt: 1 (no "format" key) held the state alone, with non-
 # the Trainer's state under other keys
 _FOLDER = re.compile(r"^step-(\d+)$")
 
+
 class SnapshotWriteError(RuntimeError):
     """A snapshot could not be written; the message names why, where, and the snapshot a restart resumes from."""
 
@@ -146,8 +147,7 @@ class SnapshotManager:
         every_rank = [v for v, _ in parts]
         extra_bytes = io.BytesIO()
         if self._rank == 0:
-            torch.save({"format": FORMAT, "world_size": self._size, "values": every_rank, "extra": extra},
-                       extra_bytes)
+            torch.save({"format": FORMAT, "world_size": self._size, "values": every_rank, "extra": extra}, extra_bytes)
         if not self.async_write:
             self._write(path, step, tensors, extra_bytes.getvalue(), self.group)
             return
@@ -156,9 +156,11 @@ class SnapshotManager:
         # (wait() above), so its buffers are free to reuse.
         self._staged = staged = stage(tensors, self._staged)
         self._thread = threading.Thread(
-            target=self._write_in_background, args=(path, step, staged, extra_bytes.getvalue(), group),
+            target=self._write_in_background,
+            args=(path, step, staged, extra_bytes.getvalue(), group),
             # Not a daemon: an interpreter that exits (an exception, SystemExit) first finishes the write.
-            name=f"ddpkit-snapshot-{step}", daemon=False,
+            name=f"ddpkit-snapshot-{step}",
+            daemon=False,
         )
         self._thread.start()
 
@@ -190,6 +192,7 @@ class SnapshotManager:
         from torch.distributed.checkpoint.api import CheckpointException
 
         from ddpkit.snapshot import storage as dcp_files
+
         t0 = time.perf_counter()
         rank = dist.get_rank(group) if self.distributed else 0
         writer = dcp_files.Writer(path)
@@ -221,6 +224,7 @@ class SnapshotManager:
     def _finish(self, path: Path, step: int, parts: list[tuple[dict, Any, bool]]) -> str | None:
         """Rank 0, once every rank is done with ``path``: the marker, or the failure's message."""
         from ddpkit.snapshot import storage as dcp_files
+
         failures = [(r, f) for r, (_, f, _) in enumerate(parts) if f is not None]
         if any(failed for _, _, failed in parts):
             failures = failures or [(0, dcp_files.Failure("the write failed on another rank; see its traceback"))]
@@ -242,6 +246,7 @@ class SnapshotManager:
         """The message every rank raises: what failed where (:func:`ddpkit.snapshot.storage.describe`), and what is
         left."""
         from ddpkit.snapshot import storage as dcp_files
+
         previous = next((f for f in self.candidates() if f.step != step), None)
         if previous is not None:
             kept = f"the previous snapshot, {previous.path}, is whole and untouched: a restart resumes from it"
@@ -305,8 +310,13 @@ class SnapshotManager:
                 warn(f"ddpkit: skipping snapshot {found.path}: it {problem}; trying the one before it")
         return broadcast_object(choice, group=self.group) if self.distributed else choice
 
-    def load(self, found: Found, template: Callable[[], dict[str, Any]], map_location: Any = None,
-             check: Callable[[dict[str, Any]], None] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    def load(
+        self,
+        found: Found,
+        template: Callable[[], dict[str, Any]],
+        map_location: Any = None,
+        check: Callable[[dict[str, Any]], None] | None = None,
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
         """``(state, extra)`` of a snapshot. ``template()`` gives the current state, whose tensors DCP fills in
         place with this world size's parts (its :data:`PER_RANK` part with this rank's own copy at the same
         world size, rank 0's at another) and whose other values are replaced by the saved ones. ``check(extra)`` runs before any tensor is read, and may refuse
@@ -316,6 +326,7 @@ class SnapshotManager:
         from torch.distributed.checkpoint.api import CheckpointException
 
         from ddpkit.snapshot import storage as dcp_files
+
         saved = self._read_extra(found.path, map_location)
         if check is not None:
             check(saved["extra"])
@@ -334,16 +345,24 @@ class SnapshotManager:
                 continue
             held = [v[where] for v in values if where in v]
             if not held:
-                raise ConfigError(f"{found.path} holds no value for {'.'.join(map(str, path))}: it was written "
-                                  "for another model or optimizer")
+                raise ConfigError(
+                    f"{found.path} holds no value for {'.'.join(map(str, path))}: it was written "
+                    "for another model or optimizer"
+                )
             set_at(state, path, held[0])
         try:
-            dcp.load(nest(tensors), storage_reader=dcp_files.Reader(found.path, index),
-                     planner=dcp_files.TensorsOnlyPlanner(), process_group=self.group, no_dist=not self.distributed)
+            dcp.load(
+                nest(tensors),
+                storage_reader=dcp_files.Reader(found.path, index),
+                planner=dcp_files.TensorsOnlyPlanner(),
+                process_group=self.group,
+                no_dist=not self.distributed,
+            )
         except CheckpointException as err:  # a BaseException, whose text is every rank's traceback
             first = next(iter(err.failures.values()))[0]
-            raise RuntimeError(f"ddpkit: loading snapshot {found.path} failed: {type(first).__name__}: {first}") \
-                from err
+            raise RuntimeError(
+                f"ddpkit: loading snapshot {found.path} failed: {type(first).__name__}: {first}"
+            ) from err
         return state, saved["extra"]
 
     def _read_extra(self, folder: Path, map_location: Any) -> dict[str, Any]:
@@ -365,6 +384,7 @@ class SnapshotManager:
 
     def _read_index(self, folder: Path) -> Any:
         from ddpkit.snapshot import storage as dcp_files
+
         try:
             return dcp_files.read_index(folder)
         except (dcp_files.BadIndex, OSError) as err:

@@ -49,8 +49,13 @@ class RunDirLock:
             ) from None
         # Holder first written after the lock is ours: a job that finds it locked reads a whole record.
         os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                                  "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode(), 0)
+        os.pwrite(
+            fd,
+            json.dumps(
+                {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+            ).encode(),
+            0,
+        )
         self._fd = fd
 
     def release(self) -> None:
@@ -66,12 +71,30 @@ class RunDirLock:
         self.release()
 
 
-RUN_FILES = ("snapshots", "metrics.jsonl", "epochs.csv", "config.json", "best.pt", "tensorboard", "loggers.json",
-             "mlflow.db", "wandb", "curves.png")
+RUN_FILES = (
+    "snapshots",
+    "metrics.jsonl",
+    "epochs.csv",
+    "config.json",
+    "best.pt",
+    "tensorboard",
+    "loggers.json",
+    "mlflow.db",
+    "wandb",
+    "curves.png",
+)
 """What a run writes in its run directory (besides ``.lock``): none of it may be a symbolic link."""
 
-PREVIOUS_RUN = ("snapshots", "best.pt", "metrics.jsonl", "epochs.csv", "tensorboard", "loggers.json",
-                "config.json", "curves.png")
+PREVIOUS_RUN = (
+    "snapshots",
+    "best.pt",
+    "metrics.jsonl",
+    "epochs.csv",
+    "tensorboard",
+    "loggers.json",
+    "config.json",
+    "curves.png",
+)
 """What ``resume=False`` moves aside: the previous run's state and records, which the new run's would otherwise
 join at the same steps. (``mlflow.db`` and ``wandb/`` are stores of many runs; the new run is a new run in
 them, as ``loggers.json`` is moved.)"""
@@ -94,8 +117,7 @@ def claim(run_dir: str | os.PathLike, *, is_main: bool, fresh: bool, group: Any 
             run_files.check_owned(path, "run_dir", follow=True)
             lock.acquire()
             for name in RUN_FILES:
-                run_files.check_owned(path / name, "the snapshots folder" if name == "snapshots" else "",
-                                      follow=False)
+                run_files.check_owned(path / name, "the snapshots folder" if name == "snapshots" else "", follow=False)
             if fresh:
                 _set_aside_previous_run(path)
         except (ConfigError, OSError) as err:
@@ -113,16 +135,22 @@ def _set_aside_previous_run(run_dir: Path) -> None:
     # one); deleting them would destroy what the user may still want. The folder they go to has the layout of
     # a run directory: `ddpkit plot` draws it.
     snapshots = run_dir / "snapshots"
-    present = [name for name in PREVIOUS_RUN if os.path.lexists(run_dir / name)
-               and not (name == "snapshots" and snapshots.is_dir() and not any(snapshots.iterdir()))]
+    present = [
+        name
+        for name in PREVIOUS_RUN
+        if os.path.lexists(run_dir / name)
+        and not (name == "snapshots" and snapshots.is_dir() and not any(snapshots.iterdir()))
+    ]
     if not present:
         return
     aside = run_dir / f"replaced-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     aside.mkdir()
     for name in present:
         os.rename(run_dir / name, aside / name)  # a rename moves a link itself, never what it points to
-    print(f"ddpkit: resume=False: the previous run's {', '.join(present)} moved to {aside}; this run starts "
-          "them afresh", flush=True)
+    print(
+        f"ddpkit: resume=False: the previous run's {', '.join(present)} moved to {aside}; this run starts them afresh",
+        flush=True,
+    )
 
 
 def _read_holder(fd: int) -> str:

@@ -30,11 +30,16 @@ def stage(value: Any, cache: Any) -> Any:
     if isinstance(value, DTensor):
         local = value.to_local()
         buffer = stage(local, cache.to_local() if isinstance(cache, DTensor) else None)
-        return DTensor.from_local(buffer, value.device_mesh, value.placements, run_check=False,
-                                  shape=value.shape, stride=value.stride())
+        return DTensor.from_local(
+            buffer, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
+        )
     if isinstance(value, torch.Tensor):
-        fits = (isinstance(cache, torch.Tensor) and cache.shape == value.shape and cache.dtype == value.dtype
-                and cache.device.type == "cpu")
+        fits = (
+            isinstance(cache, torch.Tensor)
+            and cache.shape == value.shape
+            and cache.dtype == value.dtype
+            and cache.device.type == "cpu"
+        )
         buffer = cache if fits else torch.empty(value.shape, dtype=value.dtype, device="cpu")
         return buffer.copy_(value.detach())
     return copy.deepcopy(value)

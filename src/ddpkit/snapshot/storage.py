@@ -138,13 +138,15 @@ def index_to_json(metadata: Metadata) -> dict[str, Any]:
     for index, info in metadata.storage_data.items():
         if info.transform_descriptors:
             raise TypeError(f"snapshot item {index.fqn!r} was written through a stream transform: not supported")
-        storage.append({
-            "fqn": index.fqn,
-            "offset": None if index.offset is None else list(index.offset),
-            "file": info.relative_path,
-            "at": info.offset,
-            "length": info.length,
-        })
+        storage.append(
+            {
+                "fqn": index.fqn,
+                "offset": None if index.offset is None else list(index.offset),
+                "file": info.relative_path,
+                "at": info.offset,
+                "length": info.length,
+            }
+        )
     paths = {k: list(v) for k, v in (metadata.planner_data or {}).items()}
     return {"version": metadata.version, "tensors": tensors, "storage": storage, "paths": paths}
 
@@ -187,6 +189,7 @@ def rank_failure(err: BaseException, kept: list[tuple[Path, OSError]], rank: int
 def describe(failures: list[tuple[int, Failure]]) -> str:
     """``no space left on device (rank 0 writing __0_0.distcp, rank 1 writing __1_0.distcp)``, or each rank's
     own reason where they differ."""
+
     def where(rank: int, f: Failure) -> str:
         return f"rank {rank} writing {f.file}" if f.file else f"rank {rank}"
 
@@ -215,8 +218,11 @@ def _dtype(name: Any, fqn: str) -> torch.dtype:
 def index_from_json(data: Any) -> Metadata:
     """DCP's ``Metadata`` from :func:`index_to_json`'s output, checked: tensors only, files of this folder
     only (``__R_N.distcp``), sizes and offsets as integers. Raises :class:`BadIndex` naming the problem."""
-    if not isinstance(data, dict) or not isinstance(data.get("tensors"), dict) or not isinstance(
-            data.get("storage"), list):
+    if (
+        not isinstance(data, dict)
+        or not isinstance(data.get("tensors"), dict)
+        or not isinstance(data.get("storage"), list)
+    ):
         raise BadIndex("it is not an index of tensors")
     state = {}
     for fqn, md in data["tensors"].items():
@@ -224,10 +230,13 @@ def index_from_json(data: Any) -> Metadata:
             raise BadIndex(f"item {fqn!r} is not a tensor")
         if not all(isinstance(c, dict) for c in md["chunks"]):
             raise BadIndex(f"tensor {fqn!r} has a malformed chunk")
-        chunks = [ChunkStorageMetadata(torch.Size(_ints(c.get("offsets"), fqn)),
-                                       torch.Size(_ints(c.get("sizes"), fqn))) for c in md["chunks"]]
-        state[fqn] = TensorStorageMetadata(TensorProperties(dtype=_dtype(md.get("dtype"), fqn)),
-                                           torch.Size(_ints(md.get("size"), fqn)), chunks)
+        chunks = [
+            ChunkStorageMetadata(torch.Size(_ints(c.get("offsets"), fqn)), torch.Size(_ints(c.get("sizes"), fqn)))
+            for c in md["chunks"]
+        ]
+        state[fqn] = TensorStorageMetadata(
+            TensorProperties(dtype=_dtype(md.get("dtype"), fqn)), torch.Size(_ints(md.get("size"), fqn)), chunks
+        )
     storage = {}
     for entry in data["storage"]:
         if not isinstance(entry, dict) or not isinstance(entry.get("fqn"), str) or entry["fqn"] not in state:
@@ -241,11 +250,17 @@ def index_from_json(data: Any) -> Metadata:
         storage[MetadataIndex(entry["fqn"], offset)] = _StorageInfo(name, at, length)
     paths = data.get("paths") or {}
     if not isinstance(paths, dict) or not all(
-            isinstance(p, list) and all(type(k) in (str, int) for k in p) for p in paths.values()):
+        isinstance(p, list) and all(type(k) in (str, int) for k in p) for p in paths.values()
+    ):
         raise BadIndex("its key paths are malformed")
     version = data.get("version") if isinstance(data.get("version"), str) else None
-    return Metadata(state, planner_data={k: tuple(v) for k, v in paths.items()}, storage_data=storage,
-                    storage_meta=StorageMeta(), version=version)
+    return Metadata(
+        state,
+        planner_data={k: tuple(v) for k, v in paths.items()},
+        storage_data=storage,
+        storage_meta=StorageMeta(),
+        version=version,
+    )
 
 
 def read_index(folder: Path) -> Metadata:

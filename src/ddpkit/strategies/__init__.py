@@ -38,8 +38,10 @@ def strategy_config(strategy: str | StrategyConfig, options: dict[str, Any] | No
     dict, as read back from ``config.json``); errors name the strategy or the option."""
     if not isinstance(strategy, str):
         if type(strategy) not in {cls for cls, _ in STRATEGIES.values()}:
-            raise ConfigError(f"strategy={strategy!r}: give a strategy's name ({', '.join(STRATEGIES)}) or its "
-                              "config (DDPConfig, ZeroConfig, FSDPConfig)")
+            raise ConfigError(
+                f"strategy={strategy!r}: give a strategy's name ({', '.join(STRATEGIES)}) or its "
+                "config (DDPConfig, ZeroConfig, FSDPConfig)"
+            )
         return strategy
     if strategy not in STRATEGIES:
         raise ConfigError(f"strategy={strategy!r} is not known: pick one of {', '.join(STRATEGIES)}")
@@ -70,6 +72,16 @@ def build_strategy(
 
 
 __all__ = [
-    "DDPConfig", "DDPStrategy", "FSDPConfig", "FSDPStrategy", "GradientVerdict", "STRATEGIES", "Strategy",
-    "StrategyConfig", "ZeroConfig", "ZeroStrategy", "build_strategy", "strategy_config",
+    "DDPConfig",
+    "DDPStrategy",
+    "FSDPConfig",
+    "FSDPStrategy",
+    "GradientVerdict",
+    "STRATEGIES",
+    "Strategy",
+    "StrategyConfig",
+    "ZeroConfig",
+    "ZeroStrategy",
+    "build_strategy",
+    "strategy_config",
 ]

@@ -170,8 +170,9 @@ def separate_own(state: dict[str, Any], model: nn.Module, ignored: Any = ()) -> 
     names = {name for name, _ in model.named_buffers()} | set(ignored)
     shared_model, own_model = _partition(state["model"], lambda key: key in names)
     prefixes = tuple(f"state.{name}." for name in ignored)  # flattened optimizer state: state.<param>.<key>
-    shared_optim, own_optim = _partition(state.get("optim") or {},
-                                         lambda key: bool(prefixes) and key.startswith(prefixes))
+    shared_optim, own_optim = _partition(
+        state.get("optim") or {}, lambda key: bool(prefixes) and key.startswith(prefixes)
+    )
     return {**state, "model": shared_model, "optim": shared_optim, PER_RANK: {"model": own_model, "optim": own_optim}}
 
 

@@ -65,8 +65,11 @@ class DDPConfig:
             raise ConfigError(f"bucket_cap_mb={self.bucket_cap_mb} must be positive")
 
     def ddp_kwargs(self) -> dict[str, Any]:
-        out = {k: v for k, v in asdict(self).items() if k in (
-            "static_graph", "gradient_as_bucket_view", "find_unused_parameters")}
+        out = {
+            k: v
+            for k, v in asdict(self).items()
+            if k in ("static_graph", "gradient_as_bucket_view", "find_unused_parameters")
+        }
         if not self.broadcast_buffers:  # passed only when changed: torch 2.13 warns that the name is deprecated
             out["broadcast_buffers"] = False
         if self.bucket_cap_mb is not None:
@@ -160,9 +163,13 @@ class DDPStrategy:
         self.model = prepare_model(model, sync_batchnorm=sync_batchnorm, runtime=runtime, **kwargs)
         self.optimizer = optimizer
         if self.config.comm_hook is not None and runtime.distributed:
-            hooks.register(self.model, self.config.comm_hook, runtime.group,
-                           powersgd_rank=self.config.powersgd_rank,
-                           powersgd_start_iter=self.config.powersgd_start_iter)
+            hooks.register(
+                self.model,
+                self.config.comm_hook,
+                runtime.group,
+                powersgd_rank=self.config.powersgd_rank,
+                powersgd_start_iter=self.config.powersgd_start_iter,
+            )
         self.on_host = runtime.device.type == "cpu"
         self.params = stepped_parameters(self.model, optimizer)
         self.anchor = self.params[0] if self.params else None  # where a non-finite loss puts its NaN
@@ -222,8 +229,13 @@ class DDPStrategy:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         state = join_own(state)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"], options=state_options())
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=state_options(),
+        )
 
     def model_weights(self) -> dict[str, Any]:
         return unwrap(self.model).state_dict()  # replicated: every rank holds the whole model

@@ -13,9 +13,10 @@ gradient shard, and whether its loss was finite).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterator
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -97,8 +98,9 @@ def shard_model(model: nn.Module, mesh: Any, config: FSDPConfig) -> nn.Module:
     missing = set(config.shard_blocks) - found
     if missing:
         classes = sorted({type(m).__name__ for m in model.modules()})
-        raise ConfigError(f"shard_blocks names {sorted(missing)}, which the model does not contain: its module "
-                          f"classes are {classes}")
+        raise ConfigError(
+            f"shard_blocks names {sorted(missing)}, which the model does not contain: its module classes are {classes}"
+        )
     # The root's parameters are needed again at once by the backward pass: keep them gathered.
     fully_shard(model, reshard_after_forward=False, **kwargs)
     return model
@@ -119,8 +121,10 @@ class FSDPStrategy:
         sync_batchnorm: bool = False,
     ) -> None:
         if not runtime.distributed:
-            raise ConfigError("strategy 'fsdp' shards over a process group: launch with `ddpkit run` (or "
-                              "ddpkit.spawn), or use strategy 'ddp' for a single process")
+            raise ConfigError(
+                "strategy 'fsdp' shards over a process group: launch with `ddpkit run` (or "
+                "ddpkit.spawn), or use strategy 'ddp' for a single process"
+            )
         self.config = config or FSDPConfig()
         self.runtime = runtime
         self.group = runtime.group if runtime.group is not None else dist.group.WORLD
@@ -201,8 +205,7 @@ class FSDPStrategy:
         finally:
             for module in modules:
                 module.reshard()
-                module.set_reshard_after_forward(
-                    False if module is self.model else self.config.reshard_after_forward)
+                module.set_reshard_after_forward(False if module is self.model else self.config.reshard_after_forward)
 
     def evaluation(self) -> AbstractContextManager[Any]:
         return self._gathered()
@@ -241,8 +244,13 @@ class FSDPStrategy:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         state = join_own(state)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"], options=state_options())
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=state_options(),
+        )
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

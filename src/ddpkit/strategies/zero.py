@@ -56,20 +56,24 @@ class ZeroStrategy:
         sync_batchnorm: bool = False,
     ) -> None:
         if not runtime.distributed:
-            raise ConfigError("strategy 'zero' shards over a process group: launch with `ddpkit run` (or "
-                              "ddpkit.spawn), or use strategy 'ddp' for a single process")
+            raise ConfigError(
+                "strategy 'zero' shards over a process group: launch with `ddpkit run` (or "
+                "ddpkit.spawn), or use strategy 'ddp' for a single process"
+            )
         self.config = config or ZeroConfig()
         self.runtime = runtime
         ddp_config = DDPConfig(**{f.name: getattr(self.config, f.name) for f in dataclasses.fields(DDPConfig)})
-        self.ddp = DDPStrategy(model, optimizer, runtime=runtime, config=ddp_config,
-                               sync_batchnorm=sync_batchnorm)
+        self.ddp = DDPStrategy(model, optimizer, runtime=runtime, config=ddp_config, sync_batchnorm=sync_batchnorm)
         self.model = self.ddp.model
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         names = {id(p): n for n, p in unwrap(self.model).named_parameters()}
         self.optimizer = rebuild_optimizer(
-            optimizer, dict(unwrap(self.model).named_parameters()), names,
-            optimizer_class=ZeroRedundancyOptimizer, process_group=runtime.group,
+            optimizer,
+            dict(unwrap(self.model).named_parameters()),
+            names,
+            optimizer_class=ZeroRedundancyOptimizer,
+            process_group=runtime.group,
             parameters_as_bucket_view=self.config.parameters_as_bucket_view,
         )
         self.ddp.optimizer = self.optimizer
@@ -105,11 +109,14 @@ class ZeroStrategy:
         # broadcast to every rank by their owner, so they are replicated.
         local = self.optimizer.optim
         _copy_hyperparameters(self.optimizer.param_groups, local.param_groups)
-        return separate_own({
-            "model": unwrap(self.model).state_dict(),
-            "optim": get_optimizer_state_dict(self.model, local, options=state_options()),
-            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
-        }, unwrap(self.model))
+        return separate_own(
+            {
+                "model": unwrap(self.model).state_dict(),
+                "optim": get_optimizer_state_dict(self.model, local, options=state_options()),
+                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
+            },
+            unwrap(self.model),
+        )
 
     def model_weights(self) -> dict[str, Any]:
         return self.ddp.model_weights()  # parameters are replicated; only the optimizer state is sharded

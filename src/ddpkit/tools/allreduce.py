@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ddpkit.distributed.collectives import all_reduce, barrier, comm_device
 
-DEFAULT_SIZES = tuple(4 ** k for k in range(1, 13))  # 4 B .. 16 MiB
+DEFAULT_SIZES = tuple(4**k for k in range(1, 13))  # 4 B .. 16 MiB
 
 
 @dataclass(frozen=True)
@@ -54,8 +54,12 @@ class AllReduceFit:
         d = asdict(self)
         d["bus_bandwidth_bytes_per_s"] = self.bus_bandwidth
         d["points"] = [
-            {"bytes": b, "seconds": t, "algbw_bytes_per_s": b / t,
-             "busbw_bytes_per_s": b / t * busbw_factor(self.world_size)}
+            {
+                "bytes": b,
+                "seconds": t,
+                "algbw_bytes_per_s": b / t,
+                "busbw_bytes_per_s": b / t * busbw_factor(self.world_size),
+            }
             for b, t in self.points
         ]
         return d
@@ -82,8 +86,9 @@ def fit_alpha_beta(world_size: int, points: list[tuple[int, float]]) -> AllReduc
     return AllReduceFit(world_size, alpha, 1.0 / inv_beta, tuple(points))
 
 
-def measure(sizes: tuple[int, ...] = DEFAULT_SIZES, min_seconds: float = 0.02,
-            repeats: int = 5) -> list[tuple[int, float]]:
+def measure(
+    sizes: tuple[int, ...] = DEFAULT_SIZES, min_seconds: float = 0.02, repeats: int = 5
+) -> list[tuple[int, float]]:
     """Seconds per float32 all-reduce of each size in bytes, on every rank of the job (collective).
 
     Per size: a warm-up, then ``repeats`` timings of back-to-back all-reduces (as nccl-tests times them), each

@@ -67,15 +67,24 @@ def measure_scaling(cfg: BenchConfig, log: Any) -> dict[int, dict[str, Any]]:
     out = {}
     for n, rs in runs.items():
         best = _fastest_round(rs)
-        out[n] = {"parts": {p: v for p, v in best["medians"].items() if v is not None},
-                  "rounds_step_s": [x["medians"]["step"] for x in rs], "step_samples": best["step_samples"],
-                  "pinned": best["pinned"], "threads": best["threads"], "device": best["device"],
-                  "backend": best["backend"], "param_bytes": best["param_bytes"], "batch_size": best["batch_size"]}
+        out[n] = {
+            "parts": {p: v for p, v in best["medians"].items() if v is not None},
+            "rounds_step_s": [x["medians"]["step"] for x in rs],
+            "step_samples": best["step_samples"],
+            "pinned": best["pinned"],
+            "threads": best["threads"],
+            "device": best["device"],
+            "backend": best["backend"],
+            "param_bytes": best["param_bytes"],
+            "batch_size": best["batch_size"],
+        }
     return out
 
 
-def measure_allreduce(cfg: BenchConfig, buckets: list[int],
-                      ) -> tuple[dict[int, allreduce.AllReduceFit], dict[int, float]]:
+def measure_allreduce(
+    cfg: BenchConfig,
+    buckets: list[int],
+) -> tuple[dict[int, allreduce.AllReduceFit], dict[int, float]]:
     """The sweep at 2..N ranks (the bucket sizes among the sizes), and the buckets' all-reduce at one rank."""
     sizes = tuple(sorted(set(allreduce.DEFAULT_SIZES) | set(buckets)))
     fits = {}
@@ -114,10 +123,13 @@ def measure_knobs(cfg: BenchConfig, log: Any) -> dict[str, Any]:
     results: dict[Knobs, list[float]] = {k: [] for k in trials}
     for r in range(max(2, cfg.rounds)):
         for k in trials:
-            results[k].append(spawn(functools.partial(job, knobs=k), cfg.nproc,
-                                     start_method=_start_method())[0]["medians"]["step"])
-        log(f"  knobs, fastest after round {r + 1}: " + ", ".join(f"{k.label()} {min(v) * MS:.2f}"
-                                                    for k, v in results.items()))
+            results[k].append(
+                spawn(functools.partial(job, knobs=k), cfg.nproc, start_method=_start_method())[0]["medians"]["step"]
+            )
+        log(
+            f"  knobs, fastest after round {r + 1}: "
+            + ", ".join(f"{k.label()} {min(v) * MS:.2f}" for k, v in results.items())
+        )
     base = results[trials[0]]
     noise = (max(base) - min(base)) / 2
     best = {}
@@ -127,13 +139,21 @@ def measure_knobs(cfg: BenchConfig, log: Any) -> dict[str, Any]:
             best |= {f: v for f, v in asdict(k).items() if v != getattr(Knobs(), f)}
     combined = Knobs(**best)
     if best and combined not in results:
-        results[combined] = [spawn(functools.partial(job, knobs=combined), cfg.nproc,
-                                   start_method=_start_method())[0]["medians"]["step"]
-                             for _ in range(max(2, cfg.rounds))]
-    rows = [{"knobs": k.label(), "settings": asdict(k), "step_s": min(v), "rounds_step_s": v}
-            for k, v in results.items()]
-    return {"world_size": cfg.nproc, "rows": rows, "noise_s": noise, "best": combined.label(),
-            "best_settings": asdict(combined), "best_step_s": min(results[combined])}
+        results[combined] = [
+            spawn(functools.partial(job, knobs=combined), cfg.nproc, start_method=_start_method())[0]["medians"]["step"]
+            for _ in range(max(2, cfg.rounds))
+        ]
+    rows = [
+        {"knobs": k.label(), "settings": asdict(k), "step_s": min(v), "rounds_step_s": v} for k, v in results.items()
+    ]
+    return {
+        "world_size": cfg.nproc,
+        "rows": rows,
+        "noise_s": noise,
+        "best": combined.label(),
+        "best_settings": asdict(combined),
+        "best_step_s": min(results[combined]),
+    }
 
 
 def _start_method() -> str | None:
@@ -152,9 +172,11 @@ def compare_data_parallel(cfg: BenchConfig) -> dict[str, Any]:
     per-GPU batch of a DDP rank; where there are GPUs."""
     gpus = torch.cuda.device_count()
     if gpus == 0:
-        return {"skipped": "no CUDA GPU on this machine: DataParallel splits each batch over the GPUs of one "
-                           "process, and one GPU has nothing to compare with; DDP over gloo on CPU processes "
-                           "is measured above"}
+        return {
+            "skipped": "no CUDA GPU on this machine: DataParallel splits each batch over the GPUs of one "
+            "process, and one GPU has nothing to compare with; DDP over gloo on CPU processes "
+            "is measured above"
+        }
 
     def one_process(data_parallel: bool) -> dict[str, Any]:
         job = functools.partial(single_process_steps, cfg.script, data_parallel, cfg.steps, cfg.warmup)
@@ -163,9 +185,6 @@ def compare_data_parallel(cfg: BenchConfig) -> dict[str, Any]:
     # DataParallel over one GPU splits nothing, but still scatters each batch and gathers the outputs: what
     # it costs over the plain GPU step is its own overhead.
     return {"single_gpu": one_process(False), "data_parallel": one_process(True)}
-
-
-
 
 
 # -- reporting ----------------------------------------------------------------------------------------------
@@ -231,14 +250,18 @@ def check_out(out: str, overwrite: bool) -> None:
         raise ConfigError(f"--out {out!r} is a file: give a folder for bench.json and bench.png (made if missing)")
     earlier = [name for name in OUTPUTS if os.path.lexists(path / name)]
     if earlier and not overwrite:
-        raise ConfigError(f"--out {out!r} already holds {' and '.join(earlier)} of an earlier bench: give another "
-                          "--out, or --overwrite to replace them")
+        raise ConfigError(
+            f"--out {out!r} already holds {' and '.join(earlier)} of an earlier bench: give another "
+            "--out, or --overwrite to replace them"
+        )
     parent = path
     while not parent.exists():  # the nearest folder that exists is where the folders are made
         parent = parent.parent
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"--out {out!r}: cannot make or write to it ({str(parent)!r} is not a folder you can "
-                          "write to): give another --out")
+        raise ConfigError(
+            f"--out {out!r}: cannot make or write to it ({str(parent)!r} is not a folder you can "
+            "write to): give another --out"
+        )
 
 
 def write_outputs(cfg: BenchConfig, result: dict[str, Any]) -> list[str]:
@@ -267,36 +290,67 @@ def _sizes(text: str) -> tuple[int, ...]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="ddpkit bench", formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="ddpkit bench",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description=__doc__,
         epilog=f"Your own training: a script defining {HOOK}() that returns (model, dataset, loss_fn, "
         "optimizer_factory) or a ddpkit.tools.workload.Workload (batch_size per rank, loader, ...).",
     )
     p.add_argument("script", nargs="?", help=f"training script defining {HOOK}(); default: the seeds' CNN")
     gpus = torch.cuda.device_count()
-    p.add_argument("--nproc", type=int, default=gpus if gpus >= 2 else 2,
-                   help="largest world size measured here (default: the GPUs, or 2 CPU processes)")
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=gpus if gpus >= 2 else 2,
+        help="largest world size measured here (default: the GPUs, or 2 CPU processes)",
+    )
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--predict", type=_sizes, default=BenchConfig.predict_sizes, metavar="N,N,...",
-                   help="world sizes to predict (default 1,2,4,...,256)")
+    p.add_argument(
+        "--predict",
+        type=_sizes,
+        default=BenchConfig.predict_sizes,
+        metavar="N,N,...",
+        help="world sizes to predict (default 1,2,4,...,256)",
+    )
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--intra", default="measured", help="link within a node: measured (default) or a preset")
-    p.add_argument("--interconnect", default="infiniband", choices=sorted(predict.PRESETS),
-                   help="link between nodes (default infiniband)")
-    p.add_argument("--bandwidth", type=float, dest="bandwidth_gbps", metavar="GB/s",
-                   help="bus bandwidth of the link between nodes, replacing the preset's")
+    p.add_argument(
+        "--interconnect",
+        default="infiniband",
+        choices=sorted(predict.PRESETS),
+        help="link between nodes (default infiniband)",
+    )
+    p.add_argument(
+        "--bandwidth",
+        type=float,
+        dest="bandwidth_gbps",
+        metavar="GB/s",
+        help="bus bandwidth of the link between nodes, replacing the preset's",
+    )
     p.add_argument("--latency-us", type=float, help="latency of one ring step between nodes, replacing the preset's")
     p.add_argument("--no-knobs", dest="knobs", action="store_false", help="skip the knob trials")
     p.add_argument("--out", default="ddpkit-bench", help="folder for bench.json and bench.png")
     p.add_argument("--overwrite", action="store_true", help="replace the results of an earlier bench in --out")
     p.add_argument("--no-pin", dest="pin", action="store_false", help="leave CPU ranks unpinned")
     a = p.parse_args(argv)
-    cfg = BenchConfig(script=a.script, nproc=a.nproc, steps=a.steps, warmup=a.warmup, rounds=a.rounds,
-                      predict_sizes=a.predict, gpus_per_node=a.gpus_per_node, intra=a.intra,
-                      interconnect=a.interconnect, bandwidth_gbps=a.bandwidth_gbps, latency_us=a.latency_us,
-                      knobs=a.knobs, out=a.out, pin=a.pin)
+    cfg = BenchConfig(
+        script=a.script,
+        nproc=a.nproc,
+        steps=a.steps,
+        warmup=a.warmup,
+        rounds=a.rounds,
+        predict_sizes=a.predict,
+        gpus_per_node=a.gpus_per_node,
+        intra=a.intra,
+        interconnect=a.interconnect,
+        bandwidth_gbps=a.bandwidth_gbps,
+        latency_us=a.latency_us,
+        knobs=a.knobs,
+        out=a.out,
+        pin=a.pin,
+    )
     check_out(a.out, a.overwrite)
     result = run_bench(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
     print("\n".join(report(result)))

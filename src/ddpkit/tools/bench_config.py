@@ -58,12 +58,16 @@ class BenchConfig:
         if self.bandwidth_gbps is not None and not (math.isfinite(self.bandwidth_gbps) and self.bandwidth_gbps > 0):
             raise ConfigError(f"--bandwidth {self.bandwidth_gbps}: give a bus bandwidth in GB/s, a number > 0")
         if self.latency_us is not None and not (math.isfinite(self.latency_us) and self.latency_us >= 0):
-            raise ConfigError(f"--latency-us {self.latency_us}: give the latency of one ring step in microseconds, "
-                              "a number >= 0")
+            raise ConfigError(
+                f"--latency-us {self.latency_us}: give the latency of one ring step in microseconds, a number >= 0"
+            )
         gpus = torch.cuda.device_count()
         if gpus and self.nproc > gpus:
-            hint = ("lower --nproc" if gpus >= 2 else
-                    "DDP needs 2 ranks; with CUDA_VISIBLE_DEVICES= the bench measures CPU processes over gloo")
+            hint = (
+                "lower --nproc"
+                if gpus >= 2
+                else "DDP needs 2 ranks; with CUDA_VISIBLE_DEVICES= the bench measures CPU processes over gloo"
+            )
             raise ConfigError(f"--nproc {self.nproc}: this machine has {gpus} GPU(s), one per rank: {hint}")
 
     def inter_link(self) -> predict.Interconnect:

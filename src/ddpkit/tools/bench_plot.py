@@ -24,14 +24,30 @@ def plot_throughput(result: dict[str, Any], path: Path) -> None:
     for name, block in pred["larger"].items():
         rows = block["rows"]
         chosen = name == pred["chosen"]
-        ax.plot([r["world_size"] for r in rows], [r["samples_per_s"] for r in rows], marker="." if chosen else None,
-                linewidth=2 if chosen else 1, alpha=1 if chosen else 0.5,
-                label=f"predicted, {pred['intra_link']['name']} in a node, {name} between nodes")
+        ax.plot(
+            [r["world_size"] for r in rows],
+            [r["samples_per_s"] for r in rows],
+            marker="." if chosen else None,
+            linewidth=2 if chosen else 1,
+            alpha=1 if chosen else 0.5,
+            label=f"predicted, {pred['intra_link']['name']} in a node, {name} between nodes",
+        )
     here = pred["this_machine"]
-    ax.plot([1] + [r["world_size"] for r in here], [one] + [r["samples_per_s"] for r in here], "s--",
-            color="tab:purple", markerfacecolor="none", label="predicted, this machine")
-    ax.plot(list(scaling), [n * batch / s["parts"]["step"] for n, s in scaling.items()], "o", color="black",
-            label="measured, this machine")
+    ax.plot(
+        [1] + [r["world_size"] for r in here],
+        [one] + [r["samples_per_s"] for r in here],
+        "s--",
+        color="tab:purple",
+        markerfacecolor="none",
+        label="predicted, this machine",
+    )
+    ax.plot(
+        list(scaling),
+        [n * batch / s["parts"]["step"] for n, s in scaling.items()],
+        "o",
+        color="black",
+        label="measured, this machine",
+    )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("world size (ranks)")

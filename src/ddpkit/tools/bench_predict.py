@@ -14,8 +14,12 @@ from ddpkit.tools.steptime import Knobs, cores
 MS = 1e3
 
 
-def predictions(cfg: BenchConfig, scaling: dict[int, dict[str, Any]], fits: dict[int, allreduce.AllReduceFit],
-                one_rank_allreduce: dict[int, float]) -> dict[str, Any]:
+def predictions(
+    cfg: BenchConfig,
+    scaling: dict[int, dict[str, Any]],
+    fits: dict[int, allreduce.AllReduceFit],
+    one_rank_allreduce: dict[int, float],
+) -> dict[str, Any]:
     one = scaling[1]["parts"]
     on_cpu = scaling[1]["device"] == "cpu"
     buckets = predict.bucket_sizes(scaling[1]["param_bytes"], Knobs().bucket_cap_mb)
@@ -36,31 +40,71 @@ def predictions(cfg: BenchConfig, scaling: dict[int, dict[str, Any]], fits: dict
         scale = max(1.0, n * scaling[1].get("threads", 1) / ncores) if on_cpu else 1.0
         # This machine's jitter (from the 1-rank rounds): the ranks wait for the slowest at every step.
         straggle = predict.straggler_seconds(scaling[1]["step_samples"], n)
-        p = predict.predict(n=n, one_rank_step_s=compute + straggle, backward_s=one["backward"], batch_size=batch,
-                            buckets=buckets, allreduce_s=fit.seconds, link=f"measured ({n} ranks)",
-                            compute_scale=scale, overlap=not on_cpu, fixed_sync_s=fixed)
+        p = predict.predict(
+            n=n,
+            one_rank_step_s=compute + straggle,
+            backward_s=one["backward"],
+            batch_size=batch,
+            buckets=buckets,
+            allreduce_s=fit.seconds,
+            link=f"measured ({n} ranks)",
+            compute_scale=scale,
+            overlap=not on_cpu,
+            fixed_sync_s=fixed,
+        )
         measured = scaling[n]["parts"]["step"]
-        here.append(p.to_json() | {"measured_step_s": measured, "error": p.step_s / measured - 1,
-                                   "compute_scale": scale, "straggler_s": straggle})
+        here.append(
+            p.to_json()
+            | {
+                "measured_step_s": measured,
+                "error": p.step_s / measured - 1,
+                "compute_scale": scale,
+                "straggler_s": straggle,
+            }
+        )
     largest = fits[max(fits)]
-    measured_link = predict.Interconnect("measured", largest.bus_bandwidth, largest.hop_latency_s,
-                                         f"this machine's all-reduce at {largest.world_size} ranks")
+    measured_link = predict.Interconnect(
+        "measured",
+        largest.bus_bandwidth,
+        largest.hop_latency_s,
+        f"this machine's all-reduce at {largest.world_size} ranks",
+    )
     intra = measured_link if cfg.intra == "measured" else predict.PRESETS[cfg.intra]
     larger = {}
-    for name, inter in [(cfg.interconnect, cfg.inter_link())] + [(k, v) for k, v in predict.PRESETS.items()
-                                                                  if k != cfg.interconnect]:
+    for name, inter in [(cfg.interconnect, cfg.inter_link())] + [
+        (k, v) for k, v in predict.PRESETS.items() if k != cfg.interconnect
+    ]:
         rows = []
         for n in cfg.predict_sizes:
             link, nodes = predict.link_for(n, cfg.gpus_per_node, intra, inter)
-            rows.append(predict.predict(
-                n=n, one_rank_step_s=compute, backward_s=one["backward"], batch_size=batch, buckets=buckets,
-                allreduce_s=functools.partial(predict.ring_seconds, n=n, link=link), link=link.name, nodes=nodes,
-                overlap=not on_cpu or link.name != "measured", fixed_sync_s=fixed,
-            ).to_json())
+            rows.append(
+                predict.predict(
+                    n=n,
+                    one_rank_step_s=compute,
+                    backward_s=one["backward"],
+                    batch_size=batch,
+                    buckets=buckets,
+                    allreduce_s=functools.partial(predict.ring_seconds, n=n, link=link),
+                    link=link.name,
+                    nodes=nodes,
+                    overlap=not on_cpu or link.name != "measured",
+                    fixed_sync_s=fixed,
+                ).to_json()
+            )
         larger[name] = {"link": asdict(inter), "rows": rows}
-    return {"this_machine": here, "larger": larger, "intra_link": asdict(intra), "buckets_bytes": buckets,
-            "chosen": cfg.interconnect, "one_rank": {"compute_s": compute, "exposed_s": exposed_one,
-                                                     "fixed_sync_s": fixed, "allreduce_s": one_rank_allreduce}}
+    return {
+        "this_machine": here,
+        "larger": larger,
+        "intra_link": asdict(intra),
+        "buckets_bytes": buckets,
+        "chosen": cfg.interconnect,
+        "one_rank": {
+            "compute_s": compute,
+            "exposed_s": exposed_one,
+            "fixed_sync_s": fixed,
+            "allreduce_s": one_rank_allreduce,
+        },
+    }
 
 
 def assumptions(cfg: BenchConfig, scaling: dict[int, dict[str, Any]], pred: dict[str, Any]) -> list[str]:
@@ -80,8 +124,12 @@ def assumptions(cfg: BenchConfig, scaling: dict[int, dict[str, Any]], pred: dict
         "ring all-reduce of S bytes at n ranks: 2(n-1) x hop latency + 2(n-1)/n x S / busbw",
         "overlap: a bucket's all-reduce starts when backward has produced it (backward taken as uniform over "
         "gradient bytes) and the previous bucket is done; only what outlasts backward adds to the step"
-        + ("; on this machine (CPU) communication shares the cores with compute, so none of it is hidden "
-           "in the predictions for this machine" if on_cpu else ""),
+        + (
+            "; on this machine (CPU) communication shares the cores with compute, so none of it is hidden "
+            "in the predictions for this machine"
+            if on_cpu
+            else ""
+        ),
         f"within a node (up to {cfg.gpus_per_node} ranks): {intra['name']}, busbw "
         f"{intra['busbw_bytes_per_s'] / 1e9:.3g} GB/s, {intra['hop_latency_s'] * 1e6:.3g} us per ring step"
         + (f" ({intra['note']})" if intra.get("note") else ""),

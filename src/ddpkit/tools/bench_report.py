@@ -47,30 +47,44 @@ def report(result: dict[str, Any]) -> list[str]:
             + ", ".join(f"{_size(p['bytes'])} {p['seconds'] * 1e6:.0f} us" for p in pts[:: max(1, len(pts) // 6)])
             + f"; {_size(big['bytes'])}: busbw {big['busbw_bytes_per_s'] / 1e9:.3f} GB/s"
         )
-    lines += ["", "Predicted from the 1-rank run and the all-reduce fit alone, against measured (this machine)",
-              f"{'ranks':>5} {'predicted ms':>12} {'measured ms':>11} {'error':>7}  {'straggler ms':>12}  "
-              "compute x share of a core"]
+    lines += [
+        "",
+        "Predicted from the 1-rank run and the all-reduce fit alone, against measured (this machine)",
+        f"{'ranks':>5} {'predicted ms':>12} {'measured ms':>11} {'error':>7}  {'straggler ms':>12}  "
+        "compute x share of a core",
+    ]
     for row in pred["this_machine"]:
-        lines.append(f"{row['world_size']:>5} {row['step_s'] * MS:>12.3f} {row['measured_step_s'] * MS:>11.3f} "
-                     f"{row['error']:>+7.1%}  {row['straggler_s'] * MS:>12.3f}  x{row['compute_scale']:.2f}")
+        lines.append(
+            f"{row['world_size']:>5} {row['step_s'] * MS:>12.3f} {row['measured_step_s'] * MS:>11.3f} "
+            f"{row['error']:>+7.1%}  {row['straggler_s'] * MS:>12.3f}  x{row['compute_scale']:.2f}"
+        )
     chosen = pred["larger"][pred["chosen"]]
-    lines += ["", f"Predicted at larger world sizes (within a node: {pred['intra_link']['name']}; between nodes: "
-                  f"{chosen['link']['name']}; {cfg['gpus_per_node']} ranks per node)",
-              f"{'ranks':>5} {'nodes':>5} {'step ms':>8} {'exposed AR ms':>13} {'samples/s':>10} {'efficiency':>10}"]
+    lines += [
+        "",
+        f"Predicted at larger world sizes (within a node: {pred['intra_link']['name']}; between nodes: "
+        f"{chosen['link']['name']}; {cfg['gpus_per_node']} ranks per node)",
+        f"{'ranks':>5} {'nodes':>5} {'step ms':>8} {'exposed AR ms':>13} {'samples/s':>10} {'efficiency':>10}",
+    ]
     for row in chosen["rows"]:
-        lines.append(f"{row['world_size']:>5} {row['nodes']:>5} {row['step_s'] * MS:>8.3f} "
-                     f"{row['exposed_comm_s'] * MS:>13.3f} {row['samples_per_s']:>10.0f} {row['efficiency']:>10.0%}")
+        lines.append(
+            f"{row['world_size']:>5} {row['nodes']:>5} {row['step_s'] * MS:>8.3f} "
+            f"{row['exposed_comm_s'] * MS:>13.3f} {row['samples_per_s']:>10.0f} {row['efficiency']:>10.0%}"
+        )
     lines += ["assumptions:"] + [f"  - {a}" for a in result["assumptions"]]
     knobs = result.get("knobs")
     if knobs:
-        lines += ["", f"DDP and loader knobs at {knobs['world_size']} ranks (fastest round; the defaults' spread "
-                      f"between rounds: +-{knobs['noise_s'] * MS:.3f} ms)"]
+        lines += [
+            "",
+            f"DDP and loader knobs at {knobs['world_size']} ranks (fastest round; the defaults' spread "
+            f"between rounds: +-{knobs['noise_s'] * MS:.3f} ms)",
+        ]
         base = knobs["rows"][0]["step_s"]
         for row in knobs["rows"]:
             lines.append(f"  {row['knobs']:<42} {row['step_s'] * MS:8.3f} ms  {row['step_s'] / base - 1:+7.1%}")
-        lines.append(f"  best: {knobs['best']} ({knobs['best_step_s'] * MS:.3f} ms); "
-                     + ("pin_memory only matters for copies to a GPU: not tried on the CPU"
-                        if cond["device"] == "cpu" else ""))
+        lines.append(
+            f"  best: {knobs['best']} ({knobs['best_step_s'] * MS:.3f} ms); "
+            + ("pin_memory only matters for copies to a GPU: not tried on the CPU" if cond["device"] == "cpu" else "")
+        )
     dp = result["data_parallel"]
     lines += [""]
     if "skipped" in dp:
@@ -79,9 +93,11 @@ def report(result: dict[str, Any]) -> list[str]:
         single = dp["single_gpu"]
         lines.append(f"one GPU: {single['step'] * MS:.3f} ms/step, {single['samples'] / single['step']:.0f} samples/s")
         d = dp["data_parallel"]
-        lines.append(f"DataParallel over {d['gpus']} GPU(s): {d['step'] * MS:.3f} ms/step, "
-                     f"{d['samples'] / d['step']:.0f} samples/s"
-                     + (" (one GPU: nothing to split; the cost of its scatter and gather)" if d["gpus"] == 1 else ""))
+        lines.append(
+            f"DataParallel over {d['gpus']} GPU(s): {d['step'] * MS:.3f} ms/step, "
+            f"{d['samples'] / d['step']:.0f} samples/s"
+            + (" (one GPU: nothing to split; the cost of its scatter and gather)" if d["gpus"] == 1 else "")
+        )
         if d["gpus"] in sc:
             s = sc[d["gpus"]]["parts"]["step"]
             lines.append(f"DDP over {d['gpus']} GPUs: {s * MS:.3f} ms/step, {d['gpus'] * batch / s:.0f} samples/s")

@@ -136,8 +136,9 @@ def _batches(loader: Any, data: Dataset) -> Iterator[Any]:
             raise ConfigError("the loader gave no batch: the dataset is smaller than one global batch")
 
 
-def train_steps(script: str | None, fixes: frozenset[str], steps: int, per_rank_batch: int | None,
-                seed: int) -> dict[str, Any]:
+def train_steps(
+    script: str | None, fixes: frozenset[str], steps: int, per_rank_batch: int | None, seed: int
+) -> dict[str, Any]:
     """Train ``steps`` steps with the switches in ``fixes`` on; this process's records (rank 0's are compared).
 
     Collective when there is a process group: every rank calls it with the same arguments.
@@ -156,7 +157,7 @@ def train_steps(script: str | None, fixes: frozenset[str], steps: int, per_rank_
                 convert_dropout(model)
             plain = _plain_tensors(model)
             if "initial_state" in fixes:
-                for name, t in plain.items():
+                for t in plain.values():
                     t.copy_(broadcast_object(t))
             digests = {name: float(t.double().sum()) for name, t in plain.items()}
             every = gather_object(digests)
@@ -253,26 +254,36 @@ def _check(cfg: CheckConfig) -> tuple[int, list[str]]:
         _table(base_one, base_ranks, verdicts[0], cfg),
     ]
     if silent:
-        lines.append(f"({silent} parameter(s) with gradients at rounding level, e.g. a bias that BatchNorm "
-                     "cancels, are left out of the weights' comparison: an adaptive optimizer such as Adam "
-                     "turns their rounding noise into full-size steps)")
+        lines.append(
+            f"({silent} parameter(s) with gradients at rounding level, e.g. a bias that BatchNorm "
+            "cancels, are left out of the weights' comparison: an adaptive optimizer such as Adam "
+            "turns their rounding noise into full-size steps)"
+        )
     base, fixed = verdicts[0], verdicts[1]
     if not base.differs(cfg.rtol):
-        lines.append(f"OK: {cfg.nproc} ranks train the same model as one process "
-                     f"(largest relative difference {base.size():.1e}, tolerance {cfg.rtol:g})")
+        lines.append(
+            f"OK: {cfg.nproc} ranks train the same model as one process "
+            f"(largest relative difference {base.size():.1e}, tolerance {cfg.rtol:g})"
+        )
         return 0, lines
     lines.append(_describe_mismatch(base, cfg))
     if base_ranks["differing_tensors"]:
-        lines.append(f"  tensors that differ between ranks after the model is built: "
-                     f"{', '.join(base_ranks['differing_tensors'])}")
+        lines.append(
+            f"  tensors that differ between ranks after the model is built: "
+            f"{', '.join(base_ranks['differing_tensors'])}"
+        )
     if fixed.differs(cfg.rtol):
-        lines.append(f"UNEXPLAINED: with every known cause switched off the runs still differ "
-                     f"({_what(fixed, cfg)}); none of ddpkit's known causes accounts for it")
+        lines.append(
+            f"UNEXPLAINED: with every known cause switched off the runs still differ "
+            f"({_what(fixed, cfg)}); none of ddpkit's known causes accounts for it"
+        )
         return 1, lines
     found = [c for c, v in zip(CAUSES, verdicts[2:]) if v.differs(cfg.rtol)]
     if not found:
-        lines.append("cause: the runs agree with every switch on, but no single switch brings the mismatch back "
-                     "(causes that each suffice alone); switches: " + ", ".join(_KEYS))
+        lines.append(
+            "cause: the runs agree with every switch on, but no single switch brings the mismatch back "
+            "(causes that each suffice alone); switches: " + ", ".join(_KEYS)
+        )
         return 1, lines
     for cause, v in zip(CAUSES, verdicts[2:]):
         if cause in found:
@@ -311,11 +322,15 @@ def _describe_mismatch(v: Verdict, cfg: CheckConfig) -> str:
 
 
 def _table(one: dict[str, Any], ranks: dict[str, Any], v: Verdict, cfg: CheckConfig) -> str:
-    rows = [f"{'step':>4}  {'loss, 1 process':>15}  {f'loss, {cfg.nproc} ranks':>15}  "
-            f"{'rel. diff: loss':>15}  {'gradients':>9}  {'weights':>9}"]
+    rows = [
+        f"{'step':>4}  {'loss, 1 process':>15}  {f'loss, {cfg.nproc} ranks':>15}  "
+        f"{'rel. diff: loss':>15}  {'gradients':>9}  {'weights':>9}"
+    ]
     for i, d in enumerate(v.ranks.diffs):
-        rows.append(f"{i:>4}  {one['loss'][i]:>15.6f}  {ranks['loss'][i]:>15.6f}  {d['loss']:>15.1e}  "
-                    f"{d['grad']:>9.1e}  {d['weights']:>9.1e}")
+        rows.append(
+            f"{i:>4}  {one['loss'][i]:>15.6f}  {ranks['loss'][i]:>15.6f}  {d['loss']:>15.1e}  "
+            f"{d['grad']:>9.1e}  {d['weights']:>9.1e}"
+        )
     return "\n".join(rows)
 
 

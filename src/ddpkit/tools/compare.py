@@ -80,8 +80,13 @@ def compare(a: dict[str, Any], b: dict[str, Any]) -> Comparison:
     for i in range(n):
         mask, silent = _silent_mask(b, i + 1)
         wa, wb = (a["weights"][i], b["weights"][i]) if mask is None else (a["weights"][i][mask], b["weights"][i][mask])
-        diffs.append({"loss": _rel(a["loss"][i], b["loss"][i]), "grad": _rel(a["grad"][i], b["grad"][i]),
-                      "weights": _rel(wa, wb)})
+        diffs.append(
+            {
+                "loss": _rel(a["loss"][i], b["loss"][i]),
+                "grad": _rel(a["grad"][i], b["grad"][i]),
+                "weights": _rel(wa, wb),
+            }
+        )
     return Comparison(diffs, error, silent)
 
 

@@ -41,18 +41,42 @@ def _gpu(index: int) -> str:
 
 
 # Variables through which launchers, schedulers and the communication libraries are steered.
-_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NSLOTS",
-              "OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "TORCH_DISTRIBUTED_DEBUG")
-_PREFIXES = ("SLURM_", "TORCHELASTIC_", "PET_", "OMPI_COMM_WORLD_", "PMI_", "MPI_LOCAL", "NCCL_", "GLOO_",
-             "TORCH_NCCL_", "DDPKIT_")
+_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "NSLOTS",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "CUDA_VISIBLE_DEVICES",
+    "TORCH_DISTRIBUTED_DEBUG",
+)
+_PREFIXES = (
+    "SLURM_",
+    "TORCHELASTIC_",
+    "PET_",
+    "OMPI_COMM_WORLD_",
+    "PMI_",
+    "MPI_LOCAL",
+    "NCCL_",
+    "GLOO_",
+    "TORCH_NCCL_",
+    "DDPKIT_",
+)
 
 
 def distributed_variables(env: dict[str, str] | None = None) -> dict[str, str]:
     """The launcher, scheduler and communication variables set in ``env`` (this process's by default)."""
     env = dict(os.environ) if env is None else env
     # A secret (DDPKIT_RDZV_SECRET) is reported as set, never shown: this output is pasted into bug reports.
-    return {k: "(set, not shown)" if "SECRET" in k else env[k] for k in sorted(env)
-            if k in _VARIABLES or k.startswith(_PREFIXES)}
+    return {
+        k: "(set, not shown)" if "SECRET" in k else env[k]
+        for k in sorted(env)
+        if k in _VARIABLES or k.startswith(_PREFIXES)
+    }
 
 
 def _version(module: str) -> str:

@@ -111,9 +111,20 @@ class Prediction:
         return asdict(self)
 
 
-def predict(*, n: int, one_rank_step_s: float, backward_s: float, batch_size: int, buckets: list[int],
-            allreduce_s, link: str, nodes: int = 1, compute_scale: float = 1.0, overlap: bool = True,
-            fixed_sync_s: float = 0.0) -> Prediction:
+def predict(
+    *,
+    n: int,
+    one_rank_step_s: float,
+    backward_s: float,
+    batch_size: int,
+    buckets: list[int],
+    allreduce_s,
+    link: str,
+    nodes: int = 1,
+    compute_scale: float = 1.0,
+    overlap: bool = True,
+    fixed_sync_s: float = 0.0,
+) -> Prediction:
     """Step time and efficiency at ``n`` ranks; see the module's docstring for the model."""
     if n < 1:
         raise ConfigError(f"world size {n}: must be >= 1")
@@ -123,8 +134,14 @@ def predict(*, n: int, one_rank_step_s: float, backward_s: float, batch_size: in
     compute = one_rank_step_s * compute_scale
     step = compute + exposed
     return Prediction(
-        world_size=n, nodes=nodes, link=link, step_s=step, compute_s=compute, exposed_comm_s=exposed,
-        samples_per_s=n * batch_size / step, efficiency=(one_rank_step_s + fixed_sync_s) / step,
+        world_size=n,
+        nodes=nodes,
+        link=link,
+        step_s=step,
+        compute_s=compute,
+        exposed_comm_s=exposed,
+        samples_per_s=n * batch_size / step,
+        efficiency=(one_rank_step_s + fixed_sync_s) / step,
     )
 
 

@@ -115,8 +115,9 @@ def _cycle(loader: Any) -> Iterator[Any]:
         yield from loader
 
 
-def measure_steps(script: str | None, knobs: Knobs, steps: int, warmup: int, split_comm: bool,
-                  pin: bool = True) -> dict[str, Any]:
+def measure_steps(
+    script: str | None, knobs: Knobs, steps: int, warmup: int, split_comm: bool, pin: bool = True
+) -> dict[str, Any]:
     """Time ``steps`` DDP steps after ``warmup``; every rank's medians per part (collective: run on every rank).
 
     With ``split_comm``, as many ``no_sync()`` backward steps are interleaved (see the module's docstring).
@@ -125,8 +126,12 @@ def measure_steps(script: str | None, knobs: Knobs, steps: int, warmup: int, spl
     pinned = _pin(rt.rank, rt.world_size) if pin and rt.device.type == "cpu" else False
     seed_everything(0)
     w = load_workload(script)
-    model = prepare_model(w.model, bucket_cap_mb=knobs.bucket_cap_mb, static_graph=knobs.static_graph,
-                          gradient_as_bucket_view=knobs.gradient_as_bucket_view)
+    model = prepare_model(
+        w.model,
+        bucket_cap_mb=knobs.bucket_cap_mb,
+        static_graph=knobs.static_graph,
+        gradient_as_bucket_view=knobs.gradient_as_bucket_view,
+    )
     timer = _CommTimer(cuda=rt.device.type == "cuda")
     model.register_comm_hook(None, timer.hook)
     optimizer = w.optimizer(model.parameters())
@@ -163,8 +168,10 @@ def measure_steps(script: str | None, knobs: Knobs, steps: int, warmup: int, spl
         t4 = now()
         span = timer.take()
         if i >= warmup:
-            for part, seconds in zip(("data", "forward", "backward", "optimizer", "step", "allreduce_span"),
-                                     (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0, span)):
+            for part, seconds in zip(
+                ("data", "forward", "backward", "optimizer", "step", "allreduce_span"),
+                (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0, span),
+            ):
                 times[part].append(seconds)
     medians = {p: statistics.median(v) if v else None for p, v in times.items()}
     grad_bytes = [p.numel() * p.element_size() for p in model.parameters() if p.requires_grad]

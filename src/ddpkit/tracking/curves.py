@@ -29,8 +29,10 @@ def read_curves(run_dir: str | Path) -> dict[str, dict[int, float]]:
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
-        raise ConfigError(f"{path} is not a metrics file (not UTF-8 text): give the run directory of a Trainer "
-                          "run (TrainerConfig.run_dir)") from None
+        raise ConfigError(
+            f"{path} is not a metrics file (not UTF-8 text): give the run directory of a Trainer "
+            "run (TrainerConfig.run_dir)"
+        ) from None
     curves: dict[str, dict[int, float]] = {}
     for number, line in enumerate(text.splitlines(), 1):
         try:
@@ -41,8 +43,10 @@ def read_curves(run_dir: str | Path) -> dict[str, dict[int, float]]:
             continue
         step = record.get("step")
         if not isinstance(step, int) or isinstance(step, bool):
-            raise ConfigError(f"{path} line {number}: a {record['kind']!r} record without an integer 'step': not "
-                              "a Trainer's metrics file; give the run directory of a Trainer run")
+            raise ConfigError(
+                f"{path} line {number}: a {record['kind']!r} record without an integer 'step': not "
+                "a Trainer's metrics file; give the run directory of a Trainer run"
+            )
         for name, value in record.items():
             if name in ("kind", "step", "time", "epoch") or isinstance(value, bool):
                 continue
@@ -108,12 +112,16 @@ def _check_out(path: Path, formats: dict[str, str], given: bool) -> str:
     if path.is_dir():
         raise ConfigError(f"{option} {str(path)!r} is a folder: give a file name, e.g. {str(path / 'curves.png')!r}")
     if not path.parent.is_dir():
-        raise ConfigError(f"{option} {str(path)!r}: the folder {str(path.parent)!r} does not exist: create it, or "
-                          "give a file in an existing folder")
+        raise ConfigError(
+            f"{option} {str(path)!r}: the folder {str(path.parent)!r} does not exist: create it, or "
+            "give a file in an existing folder"
+        )
     kind = path.suffix.lower().removeprefix(".")
     if kind not in formats:
-        raise ConfigError(f"{option} {str(path)!r}: give a file name ending in an image format matplotlib writes "
-                          f"({', '.join('.' + k for k in sorted(formats))})")
+        raise ConfigError(
+            f"{option} {str(path)!r}: give a file name ending in an image format matplotlib writes "
+            f"({', '.join('.' + k for k in sorted(formats))})"
+        )
     return kind
 
 
@@ -129,8 +137,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         epilog="example: ddpkit plot runs/digits        # writes runs/digits/curves.png",
     )
     parser.add_argument("run_dir", help="the run directory (TrainerConfig.run_dir)")
-    parser.add_argument("-o", "--out", help="the image to write, its format from its extension: .png, .svg, .pdf, "
-                        "... (default: RUN_DIR/curves.png)")
+    parser.add_argument(
+        "-o",
+        "--out",
+        help="the image to write, its format from its extension: .png, .svg, .pdf, ... (default: RUN_DIR/curves.png)",
+    )
     args = parser.parse_args(argv)
     print(f"ddpkit plot: wrote {shown(plot(args.run_dir, args.out))}")
     return 0

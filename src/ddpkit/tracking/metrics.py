@@ -76,7 +76,8 @@ class MetricsWriter:
         if kind == "event" or not (self._tb is not None or self._loggers):
             return
         scalars = {  # epoch and step are the x-axes, not curves
-            k: float(v) for k, v in values.items()
+            k: float(v)
+            for k, v in values.items()
             if k not in ("epoch", "step") and isinstance(v, (int, float)) and math.isfinite(v)
         }
         if self._tb is not None:

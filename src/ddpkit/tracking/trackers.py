@@ -79,9 +79,15 @@ class WandbLogger:
         offline = not (os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE"))
         run_id = _ids(run_dir).get("wandb") or uuid.uuid4().hex[:8]
         # Without a key wandb.init would ask for one on the terminal; offline it needs none.
-        self.run = wandb.init(dir=str(run_dir), project=os.environ.get("WANDB_PROJECT", "ddpkit"),
-                              name=run_dir.name, id=run_id, resume="allow", config=params,
-                              mode="offline" if offline else None)
+        self.run = wandb.init(
+            dir=str(run_dir),
+            project=os.environ.get("WANDB_PROJECT", "ddpkit"),
+            name=run_dir.name,
+            id=run_id,
+            resume="allow",
+            config=params,
+            mode="offline" if offline else None,
+        )
         _remember(run_dir, "wandb", run_id)
 
     def log(self, step: int, values: dict[str, float]) -> None:

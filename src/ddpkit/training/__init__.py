@@ -2,12 +2,19 @@
 
 from ddpkit.training.callbacks import Callback
 from ddpkit.training.config import (
-           EarlyStoppingConfig,
-           LoggingConfig,
-           SnapshotConfig,
-           TrainerConfig,
+    EarlyStoppingConfig,
+    LoggingConfig,
+    SnapshotConfig,
+    TrainerConfig,
 )
 from ddpkit.training.trainer import StopReason, Trainer
 
-__all__ = ["Callback", "EarlyStoppingConfig", "LoggingConfig", "SnapshotConfig", "StopReason", "Trainer",
-           "TrainerConfig"]
+__all__ = [
+    "Callback",
+    "EarlyStoppingConfig",
+    "LoggingConfig",
+    "SnapshotConfig",
+    "StopReason",
+    "Trainer",
+    "TrainerConfig",
+]

@@ -41,11 +41,14 @@ class SnapshotConfig:
     """Write in a background thread: the step waits only while the state is copied to host memory."""
 
     def __post_init__(self) -> None:
-        _check(self, {
-            "every_steps": self.every_steps is None or self.every_steps >= 1,
-            "every_epochs": self.every_epochs >= 0,
-            "keep": self.keep >= 1,
-        })
+        _check(
+            self,
+            {
+                "every_steps": self.every_steps is None or self.every_steps >= 1,
+                "every_epochs": self.every_epochs >= 0,
+                "keep": self.keep >= 1,
+            },
+        )
 
 
 @dataclass(kw_only=True)
@@ -61,10 +64,13 @@ class EarlyStoppingConfig:
     """Epochs without improvement before training stops; None keeps the best weights without stopping."""
 
     def __post_init__(self) -> None:
-        _check(self, {
-            "mode": self.mode in ("min", "max"),
-            "patience": self.patience is None or self.patience >= 1,
-        })
+        _check(
+            self,
+            {
+                "mode": self.mode in ("min", "max"),
+                "patience": self.patience is None or self.patience >= 1,
+            },
+        )
 
 
 @dataclass(kw_only=True)
@@ -84,10 +90,13 @@ class LoggingConfig:
 
     def __post_init__(self) -> None:
         self.trackers = (self.trackers,) if isinstance(self.trackers, str) else tuple(self.trackers)
-        _check(self, {
-            "every_steps": self.every_steps >= 1,
-            "trackers": set(self.trackers) <= {"mlflow", "wandb"},
-        })
+        _check(
+            self,
+            {
+                "every_steps": self.every_steps >= 1,
+                "trackers": set(self.trackers) <= {"mlflow", "wandb"},
+            },
+        )
 
 
 @dataclass(kw_only=True)
@@ -146,25 +155,33 @@ class TrainerConfig:
         if (self.batch_size is None) == (self.global_batch_size is None):
             raise ConfigError("give exactly one of batch_size (per rank) and global_batch_size")
         self.strategy = strategy_config(self.strategy)  # names a bad strategy
-        for name, cls in (("snapshot", SnapshotConfig), ("early_stopping", EarlyStoppingConfig),
-                          ("logging", LoggingConfig)):
+        for name, cls in (
+            ("snapshot", SnapshotConfig),
+            ("early_stopping", EarlyStoppingConfig),
+            ("logging", LoggingConfig),
+        ):
             if not isinstance(getattr(self, name), cls):
                 raise ConfigError(f"{name}={getattr(self, name)!r}: give a {cls.__name__}(...)")
         if self.strategy.name == "fsdp" and self.precision == "fp16":
-            raise ConfigError("precision='fp16' (a GradScaler) is not supported with strategy 'fsdp': use "
-                              "precision='bf16', or FSDPConfig(param_dtype='bf16')")
-        _check(self, {
-            "epochs": self.epochs >= 1,
-            "grad_accum_steps": self.grad_accum_steps >= 1,
-            "precision": self.precision in ("fp32", "bf16", "fp16"),
-            "scheduler_interval": self.scheduler_interval in ("epoch", "step"),
-            "on_nonfinite": self.on_nonfinite in ("stop", "skip"),
-            "max_steps": self.max_steps is None or self.max_steps >= 1,
-            "batch_size": self.batch_size is None or self.batch_size >= 1,
-            "global_batch_size": self.global_batch_size is None or self.global_batch_size >= 1,
-            "eval_batch_size": self.eval_batch_size >= 1,
-            "num_workers": self.num_workers is None or self.num_workers >= 0,
-        })
+            raise ConfigError(
+                "precision='fp16' (a GradScaler) is not supported with strategy 'fsdp': use "
+                "precision='bf16', or FSDPConfig(param_dtype='bf16')"
+            )
+        _check(
+            self,
+            {
+                "epochs": self.epochs >= 1,
+                "grad_accum_steps": self.grad_accum_steps >= 1,
+                "precision": self.precision in ("fp32", "bf16", "fp16"),
+                "scheduler_interval": self.scheduler_interval in ("epoch", "step"),
+                "on_nonfinite": self.on_nonfinite in ("stop", "skip"),
+                "max_steps": self.max_steps is None or self.max_steps >= 1,
+                "batch_size": self.batch_size is None or self.batch_size >= 1,
+                "global_batch_size": self.global_batch_size is None or self.global_batch_size >= 1,
+                "eval_batch_size": self.eval_batch_size >= 1,
+                "num_workers": self.num_workers is None or self.num_workers >= 0,
+            },
+        )
         # The world size is known only when the Trainer is built; the accumulation steps are known now.
         if self.global_batch_size is not None and self.global_batch_size % self.grad_accum_steps:
             raise ConfigError(

@@ -36,8 +36,10 @@ class EarlyStopping:
         if metric is None:
             return
         if metric not in metrics:
-            raise ConfigError(f"early_stopping.metric={metric!r} is not among the epoch's metrics {sorted(metrics)}: "
-                              "give the Trainer val_data, or name one of these")
+            raise ConfigError(
+                f"early_stopping.metric={metric!r} is not among the epoch's metrics {sorted(metrics)}: "
+                "give the Trainer val_data, or name one of these"
+            )
         value = float(metrics[metric])
         if is_better(value, self.best, self.config.mode):
             self.best, self.bad_epochs = value, 0

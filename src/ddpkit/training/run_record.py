@@ -53,8 +53,11 @@ def optimizer_hparams(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
 
 def tensor_shapes(state: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
     """(shape, dtype) of each tensor of a state dict; a sharded tensor (DTensor) gives its global shape."""
-    return {k: (tuple(v.shape), str(v.dtype).removeprefix("torch."))
-            for k, v in state.items() if isinstance(v, torch.Tensor)}
+    return {
+        k: (tuple(v.shape), str(v.dtype).removeprefix("torch."))
+        for k, v in state.items()
+        if isinstance(v, torch.Tensor)
+    }
 
 
 def module_types(model: torch.nn.Module) -> dict[str, str]:
@@ -102,12 +105,17 @@ class RunRecord:
     def of(cls, config: Any, optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> RunRecord:
         """The record of a run: ``optimizer`` as the script built it (before any scheduler step), ``model``
         unwrapped."""
-        return cls(config.to_json(), optimizer_hparams(optimizer), tensor_shapes(model.state_dict()),
-                   module_types(model))
+        return cls(
+            config.to_json(), optimizer_hparams(optimizer), tensor_shapes(model.state_dict()), module_types(model)
+        )
 
     def state_dict(self) -> dict[str, Any]:
-        return {"config": self.config, "optimizer_hparams": self.optimizer_hparams,
-                "model_shapes": self.model_shapes, "module_types": self.module_types}
+        return {
+            "config": self.config,
+            "optimizer_hparams": self.optimizer_hparams,
+            "model_shapes": self.model_shapes,
+            "module_types": self.module_types,
+        }
 
     def check(self, saved: Mapping[str, Any], snapshot: str) -> None:
         """Refuse the snapshot whose record is ``saved`` unless it was taken by a run like this one, naming every
@@ -122,13 +130,15 @@ class RunRecord:
         old_hparams = saved.get("optimizer_hparams")
         if old_hparams is not None:
             if len(old_hparams) != len(self.optimizer_hparams):
-                problems.append(f"optimizer: {len(old_hparams)} param groups in the snapshot, "
-                                f"{len(self.optimizer_hparams)} now")
+                problems.append(
+                    f"optimizer: {len(old_hparams)} param groups in the snapshot, {len(self.optimizer_hparams)} now"
+                )
             for i, (was, now) in enumerate(zip(old_hparams, self.optimizer_hparams)):
                 for key in sorted(was.keys() | now.keys()):
                     if was.get(key) != now.get(key):
-                        problems.append(f"optimizer param group {i} {key}: {was.get(key)!r} in the snapshot, "
-                                        f"{now.get(key)!r} now")
+                        problems.append(
+                            f"optimizer param group {i} {key}: {was.get(key)!r} in the snapshot, {now.get(key)!r} now"
+                        )
         problems += _model_differences(saved.get("model_shapes") or {}, self.model_shapes)
         if saved.get("module_types") is not None:
             problems += _module_differences(saved["module_types"], self.module_types)

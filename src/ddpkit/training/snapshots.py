@@ -41,17 +41,29 @@ class TrainerSnapshots:
     """Saves the Trainer's stateful parts to ``run_dir/snapshots`` and restores them; every rank calls every
     method (saving and finding a snapshot are collectives)."""
 
-    def __init__(self, run_dir: Path, config: SnapshotConfig, *, runtime: Runtime, strategy: Strategy,
-                 train: TrainState, states: Mapping[str, Stateful | None], record: RunRecord,
-                 global_micro_batch: int, log: Callable[..., None], print0: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        config: SnapshotConfig,
+        *,
+        runtime: Runtime,
+        strategy: Strategy,
+        train: TrainState,
+        states: Mapping[str, Stateful | None],
+        record: RunRecord,
+        global_micro_batch: int,
+        log: Callable[..., None],
+        print0: Callable[[str], None],
+    ) -> None:
         """``states``: the parts besides the strategy, by name (None where the run has none, e.g. no scheduler);
         ``train`` is loaded first, as the others may read it. ``log(kind, step, record)`` writes a record."""
         self.runtime, self.strategy, self.train, self.record = runtime, strategy, train, record
         self.states = {"train": train, **{k: v for k, v in states.items() if v is not None}}
         self.global_micro_batch = global_micro_batch
         self.log, self.print0 = log, print0
-        self.manager = SnapshotManager(run_dir / "snapshots", group=runtime.group, keep_last=config.keep,
-                                       async_write=config.async_write)
+        self.manager = SnapshotManager(
+            run_dir / "snapshots", group=runtime.group, keep_last=config.keep, async_write=config.async_write
+        )
         self._saved_at: tuple[int, int, int] | None = None
         self.resumed_from: int | None = None
 
@@ -75,8 +87,10 @@ class TrainerSnapshots:
         self.strategy.load_state_dict(state["strategy"])
         for name, part in self.states.items():  # "train" first: the random streams' reseed reads the step
             if name not in state["states"]:
-                raise ConfigError(f"the snapshot holds no {name!r} state: it was written by a run without one "
-                                  "(a scheduler or fp16's GradScaler added since?); resume with the same parts")
+                raise ConfigError(
+                    f"the snapshot holds no {name!r} state: it was written by a run without one "
+                    "(a scheduler or fp16's GradScaler added since?); resume with the same parts"
+                )
             part.load_state_dict(state["states"][name])
 
     def save(self, wait: bool = False) -> None:
@@ -90,9 +104,16 @@ class TrainerSnapshots:
         self.manager.save(self.train.step, state.pop("strategy"), state)
         if wait:
             self.manager.wait()
-        self.log("event", self.train.step, {"event": "snapshot", "file": folder_name(self.train.step),
-                                            "seconds": round(time.perf_counter() - t0, 4),
-                                            "async": self.manager.async_write})
+        self.log(
+            "event",
+            self.train.step,
+            {
+                "event": "snapshot",
+                "file": folder_name(self.train.step),
+                "seconds": round(time.perf_counter() - t0, 4),
+                "async": self.manager.async_write,
+            },
+        )
 
     def wait(self) -> None:
         """Block until the snapshot being written in the background (if any) is whole on disk."""
@@ -107,7 +128,9 @@ class TrainerSnapshots:
             return False
         # Refused before any tensor is loaded: a snapshot of another config or model is named, not half-read.
         sharded, extra = self.manager.load(
-            found, self.strategy.state_dict, map_location="cpu",
+            found,
+            self.strategy.state_dict,
+            map_location="cpu",
             check=lambda saved: self.record.check(saved["record"], str(found.path)),
         )
         load(extra | {"strategy": sharded})
@@ -115,10 +138,22 @@ class TrainerSnapshots:
         self._saved_at = self.train.position  # already on disk
         streams = self.states.get("rng")
         if getattr(streams, "reseeded_from", None) is not None:
-            self.print0(f"ddpkit: resuming a {streams.reseeded_from}-rank snapshot on {rt.world_size} ranks: same "
-                        "samples in the same steps; random streams (dropout, augmentation) are reseeded")
+            self.print0(
+                f"ddpkit: resuming a {streams.reseeded_from}-rank snapshot on {rt.world_size} ranks: same "
+                "samples in the same steps; random streams (dropout, augmentation) are reseeded"
+            )
         t = self.train
         self.print0(f"ddpkit: resumed from {found.path} (epoch {t.epoch}, step {t.step}, restart {rt.restart_count})")
-        self.log("event", t.step, {"event": "resume", "file": found.path.name, "epoch": t.epoch, "cursor": t.cursor,
-                                   "restart_count": rt.restart_count, "world_size": rt.world_size})
+        self.log(
+            "event",
+            t.step,
+            {
+                "event": "resume",
+                "file": found.path.name,
+                "epoch": t.epoch,
+                "cursor": t.cursor,
+                "restart_count": rt.restart_count,
+                "world_size": rt.world_size,
+            },
+        )
         return True

@@ -46,8 +46,9 @@ class Step:
     last_in_epoch: bool
 
 
-def epoch_steps(batches: Iterable[Any], sampler: ShardedBatchSampler, accum: int, first: int,
-                device: torch.device | None = None) -> Iterator[Step]:
+def epoch_steps(
+    batches: Iterable[Any], sampler: ShardedBatchSampler, accum: int, first: int, device: torch.device | None = None
+) -> Iterator[Step]:
     """The steps of the rest of an epoch whose first untrained global batch is number ``first``; ``batches`` is
     the loader's pass over them (moved to ``device`` when given). A step's micro-batches must be read before
     the next step is asked for."""
@@ -58,17 +59,29 @@ def epoch_steps(batches: Iterable[Any], sampler: ShardedBatchSampler, accum: int
         count = min(accum, end - start)
         step_samples = sampler.samples_in_step(start, accum)
 
-        def micro_batches(start: int = start, count: int = count, step_samples: int = step_samples) -> Iterator[MicroBatch]:
+        def micro_batches(
+            start: int = start, count: int = count, step_samples: int = step_samples
+        ) -> Iterator[MicroBatch]:
             for index in range(start, start + count):
                 batch = next(it)
                 if device is not None:
                     batch = to_device(batch, device)
                 n = batch_len(batch)
-                yield MicroBatch(batch, n, loss_share(n, world, step_samples, count, micro_global),
-                                 last=index == start + count - 1, index=index)
+                yield MicroBatch(
+                    batch,
+                    n,
+                    loss_share(n, world, step_samples, count, micro_global),
+                    last=index == start + count - 1,
+                    index=index,
+                )
 
-        yield Step(micro_batches(), start, count, min((start + count) * micro_global, sampler.num_samples),
-                   last_in_epoch=start + count == end)
+        yield Step(
+            micro_batches(),
+            start,
+            count,
+            min((start + count) * micro_global, sampler.num_samples),
+            last_in_epoch=start + count == end,
+        )
 
 
 def batch_len(batch: Any) -> int:

@@ -133,8 +133,10 @@ class Trainer:
         self.config, self.runtime = config, get_runtime(group)
         rt = self.runtime
         if rt.rank < 0:
-            raise ConfigError(f"global rank {get_runtime().rank} is not a member of the group it was given: pass "
-                              "each rank its own group (split_world() returns it)")
+            raise ConfigError(
+                f"global rank {get_runtime().rank} is not a member of the group it was given: pass "
+                "each rank its own group (split_world() returns it)"
+            )
         self.group = rt.group
         self.callbacks = list(callbacks)
         if config.global_batch_dropout:
@@ -142,8 +144,9 @@ class Trainer:
         record = RunRecord.of(config, optimizer, model)  # the lr as asked, before any scheduler step
         # The strategy wraps the model (and, for zero and fsdp, rebuilds the optimizer over what it shards,
         # pointing the scheduler at the new one).
-        self.strategy = build_strategy(config.strategy, model, optimizer, runtime=rt,
-                                       sync_batchnorm=config.sync_batchnorm, scheduler=scheduler)
+        self.strategy = build_strategy(
+            config.strategy, model, optimizer, runtime=rt, sync_batchnorm=config.sync_batchnorm, scheduler=scheduler
+        )
         self.model, self.optimizer, self.scheduler = self.strategy.model, self.strategy.optimizer, scheduler
         # Scripts seed every rank alike so that models start identical; the strategy has now made them
         # identical, and with one seed everywhere ranks would also draw identical dropout masks and augmentations.
@@ -155,24 +158,42 @@ class Trainer:
         self.batch_loss_fn = batch_loss_fn
         self.metric_fn = metric_fn or (classification_metrics if loss_fn is None and batch_loss_fn is None else None)
         self.train_data, self.val_data = train_data, val_data
-        self.loader = build_loader(train_data, config.per_rank_batch(rt.world_size), shuffle=config.shuffle,
-                                   seed=config.seed, drop_last=config.drop_last, num_workers=config.num_workers,
-                                   group=self.group)
+        self.loader = build_loader(
+            train_data,
+            config.per_rank_batch(rt.world_size),
+            shuffle=config.shuffle,
+            seed=config.seed,
+            drop_last=config.drop_last,
+            num_workers=config.num_workers,
+            group=self.group,
+        )
         self.sampler: ShardedBatchSampler = self.loader.batch_sampler
         self.generator: torch.Generator = self.loader.generator
         self.state = TrainState()
         self.early_stopping = EarlyStopping(config.early_stopping)
         self.run_dir = Path(config.run_dir)
         log = config.logging
-        self.writer = MetricsWriter(self.run_dir, enabled=rt.is_main, tensorboard=log.tensorboard,
-                                    loggers=log.trackers, params=config.to_json())
-        self.best_weights = BestWeights(self.run_dir / "best.pt", config.early_stopping.metric,
-                                        config.early_stopping.mode, enabled=rt.is_main)
+        self.writer = MetricsWriter(
+            self.run_dir, enabled=rt.is_main, tensorboard=log.tensorboard, loggers=log.trackers, params=config.to_json()
+        )
+        self.best_weights = BestWeights(
+            self.run_dir / "best.pt", config.early_stopping.metric, config.early_stopping.mode, enabled=rt.is_main
+        )
         self.snapshots = TrainerSnapshots(
-            self.run_dir, config.snapshot, runtime=rt, strategy=self.strategy, train=self.state,
-            states={"rng": RankStreams(rt, self.generator, config.seed, self.state),
-                    "early_stopping": self.early_stopping, "scheduler": scheduler, "scaler": self.scaler},
-            record=record, global_micro_batch=self.sampler.global_batch_size, log=self.writer.log,
+            self.run_dir,
+            config.snapshot,
+            runtime=rt,
+            strategy=self.strategy,
+            train=self.state,
+            states={
+                "rng": RankStreams(rt, self.generator, config.seed, self.state),
+                "early_stopping": self.early_stopping,
+                "scheduler": scheduler,
+                "scaler": self.scaler,
+            },
+            record=record,
+            global_micro_batch=self.sampler.global_batch_size,
+            log=self.writer.log,
             print0=self._print0,
         )
         self._grad_norm: torch.Tensor | None = None  # known when clipping
@@ -211,8 +232,9 @@ class Trainer:
         ``run_dir`` is locked for the duration (a second job on it is refused, naming this one). A stop signal
         raises :class:`~ddpkit.Preempted` once the snapshot is saved, unless ``raise_on_stop_signal=False``.
         """
-        lock = run_dir_lib.claim(self.run_dir, is_main=self.runtime.is_main, fresh=not self.config.resume,
-                                 group=self.group)
+        lock = run_dir_lib.claim(
+            self.run_dir, is_main=self.runtime.is_main, fresh=not self.config.resume, group=self.group
+        )
         try:
             return self._fit()
         finally:
@@ -258,8 +280,10 @@ class Trainer:
             self._print0(run_summary(str(reason), self.epoch, self.step, last, self.best_weights, self.run_dir))
         elif cfg.raise_on_stop_signal:
             received = signal.Signals(self._stop_signal).name if self._stop_signal else "a signal to another rank"
-            self._print0(f"ddpkit: stopped by {received} after optimizer step {self.step}; the snapshot is saved; "
-                         f"raising ddpkit.Preempted (exit code {PREEMPTED_EXIT_CODE}: pre-empted, resume me)")
+            self._print0(
+                f"ddpkit: stopped by {received} after optimizer step {self.step}; the snapshot is saved; "
+                f"raising ddpkit.Preempted (exit code {PREEMPTED_EXIT_CODE}: pre-empted, resume me)"
+            )
             raise Preempted(self.step, received)
         return last
 
@@ -269,8 +293,12 @@ class Trainer:
         accum = cfg.grad_accum_steps
         self.sampler.set_position(self.epoch, self.cursor)
         first = self.cursor // self.sampler.global_batch_size
-        progress = Progress(rt.is_main and cfg.logging.progress, total=-(-self.sampler.steps_per_epoch // accum),
-                            desc=f"epoch {self.epoch + 1}/{cfg.epochs}", initial=first // accum)
+        progress = Progress(
+            rt.is_main and cfg.logging.progress,
+            total=-(-self.sampler.steps_per_epoch // accum),
+            desc=f"epoch {self.epoch + 1}/{cfg.epochs}",
+            initial=first // accum,
+        )
         self._window = LossWindow(on_host=self._on_cpu)
         self._window_start = self._epoch_start = time.perf_counter()
         device = None if self._on_cpu else rt.device  # on the CPU, batches are already where they belong
@@ -383,8 +411,9 @@ class Trainer:
                 "learning rate, clip gradients (clip_grad_norm), or pass on_nonfinite='skip'"
             )
         self.state.skipped_steps += 1
-        self.writer.log("event", self.step, {"event": "skipped_nonfinite", "reason": what,
-                                             "skipped": self.skipped_steps})
+        self.writer.log(
+            "event", self.step, {"event": "skipped_nonfinite", "reason": what, "skipped": self.skipped_steps}
+        )
         return False
 
     def _agree(self, window: LossWindow) -> float:
@@ -392,11 +421,14 @@ class Trainer:
 
         Collective: every rank calls it after the same steps.
         """
-        total = all_reduce({
-            "loss": window.local_sum(self.runtime.device),
-            "samples": sum(window.sizes),
-            "stop": float(bool(self._stop_signal)),
-        }, group=self.group)
+        total = all_reduce(
+            {
+                "loss": window.local_sum(self.runtime.device),
+                "samples": sum(window.sizes),
+                "stop": float(bool(self._stop_signal)),
+            },
+            group=self.group,
+        )
         self._epoch_loss[0] += float(total["loss"])
         self._epoch_loss[1] += float(total["samples"])
         if total["stop"] and self.stopped_by is None:
@@ -421,8 +453,11 @@ class Trainer:
         if self.early_stopping.should_stop:
             self.stopped_by = StopReason.EARLY_STOPPING
         if self.best_weights.update(metrics, self.strategy.model_weights, self.epoch, self.step):
-            self.writer.log("event", self.step, {"event": "best", "file": "best.pt",
-                                                 self.best_weights.metric: self.best_weights.value})
+            self.writer.log(
+                "event",
+                self.step,
+                {"event": "best", "file": "best.pt", self.best_weights.metric: self.best_weights.value},
+            )
         if cfg.snapshot.every_epochs and self.epoch % cfg.snapshot.every_epochs == 0 or self.stopped_by:
             self.save()
         # The records and callbacks get the epoch's time too; fit() returns only what the training determines.
@@ -436,8 +471,9 @@ class Trainer:
 
     def evaluate(self, data: Dataset, prefix: str = "test") -> dict[str, float]:
         """Exact metrics over every sample of ``data`` (each counted once), named ``prefix/metric``."""
-        loader = build_eval_loader(data, self.config.eval_batch_size, num_workers=self.config.num_workers,
-                                   group=self.group)
+        loader = build_eval_loader(
+            data, self.config.eval_batch_size, num_workers=self.config.num_workers, group=self.group
+        )
         with self.strategy.evaluation():  # fsdp: no collective per forward, as ranks' batch counts may differ
             results = evaluate(self.model, loader, self._metric_fn, group=self.group, autocast=self._autocast)
         out = {f"{prefix}/{k}": v for k, v in results.items()}
@@ -452,11 +488,17 @@ class Trainer:
         if not self.runtime.is_main:
             return
         rt = self.runtime
-        resolved = self.config.to_json() | {"world_size": rt.world_size, "per_rank_batch": self.sampler.batch_size,
-                                            "backend": rt.backend, "device": str(rt.device),
-                                            "torch": torch.__version__}
+        resolved = self.config.to_json() | {
+            "world_size": rt.world_size,
+            "per_rank_batch": self.sampler.batch_size,
+            "backend": rt.backend,
+            "device": str(rt.device),
+            "torch": torch.__version__,
+        }
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        run_files.write_atomic(self.run_dir / "config.json", (json.dumps(resolved, indent=2, default=str) + "\n").encode())
+        run_files.write_atomic(
+            self.run_dir / "config.json", (json.dumps(resolved, indent=2, default=str) + "\n").encode()
+        )
 
     def _loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         if self.batch_loss_fn is not None:
@@ -498,4 +540,3 @@ class Trainer:
 
     def _lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
-
