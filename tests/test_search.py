@@ -503,6 +503,21 @@ def test_a_full_disk_stops_the_search_and_it_goes_on_once_there_is_room(small_di
 
 
 @pytest.mark.slow
+def test_a_full_disk_met_between_trials_stops_the_search_and_fails_no_trial(small_disk, clean_env):
+    # The disk fills after trial 0 has trained: the next write is the study's (the result, the next trial) or
+    # the next trial's run directory, whichever the file system's slack lets through first. Either way the
+    # search stops with the error named in one line, and no trial is failed for it (the run directory's claim
+    # used to turn the OSError into a ConfigError, which failed trial 1 and spent the budget).
+    search_dir = small_disk / "search"
+    proc = _job(search_dir, "--trials", "3", "--fill-disk-after", "0", env=clean_env)
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert "filled the disk" in proc.stdout
+    named = [line for line in proc.stderr.splitlines() if line.startswith("ddpkit search: ") and "[Errno 28]" in line]
+    assert named and ("the study's storage" in named[0] or "stopped by the machine" in named[0]), proc.stderr[-3000:]
+    assert all(t.state != TrialState.FAIL for t in _study(search_dir).trials)
+
+
+@pytest.mark.slow
 def test_trial_folders_left_by_another_search_are_refused(tmp_path, clean_env):
     assert _job(tmp_path, "--trials", "2", env=clean_env).returncode == 0
     log = (tmp_path / "trial-0000" / "metrics.jsonl").read_text()

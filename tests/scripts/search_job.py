@@ -12,6 +12,8 @@ options below are the tests' hooks; each proves it acted by a mark the process w
 - ``--gate``: at the end of its first epoch (its run directory held by its Trainer), trial 0 prints
   ``gate: trial 0 is running`` and waits for a line on stdin;
 - ``--fault ERRNO:TRIAL``: trial TRIAL raises ``OSError(ERRNO)`` at the end of its first epoch;
+- ``--fill-disk-after TRIAL``: the same once trial TRIAL has trained, so that the study's own write (the trial's
+  result, or the next candidate) meets the full disk.
 - ``--fill-disk TRIAL``: at the end of trial TRIAL's first epoch, the file system holding SEARCH_DIR is filled
   (``SEARCH_DIR/filler``) so that the next write of the Trainer or the study meets a full disk.
 """
@@ -90,7 +92,7 @@ def kill_in_ask(search_dir: str, number: int) -> None:
 def fill_disk(search_dir: str) -> None:
     if ddpkit.get_runtime().rank != 0:
         return
-    with open(f"{search_dir}/filler", "wb") as f:
+    with open(f"{search_dir}/filler", "wb", buffering=0) as f:  # unbuffered: close() has nothing left to write
         try:
             while True:
                 f.write(b"\0" * 65536)
@@ -129,6 +131,7 @@ def main() -> None:
     p.add_argument("--gate", action="store_true")
     p.add_argument("--fault", default=None, metavar="ERRNO:TRIAL")
     p.add_argument("--fill-disk", type=int, default=None, metavar="TRIAL")
+    p.add_argument("--fill-disk-after", type=int, default=None, metavar="TRIAL")
     a = p.parse_args()
     ddpkit.init()
     hooks = []
@@ -176,7 +179,10 @@ def main() -> None:
             callbacks=[candidate, *hooks],
         )
         trainer.fit()
-        return trainer.evaluate(Data(40, 2), prefix="val")
+        metrics = trainer.evaluate(Data(40, 2), prefix="val")
+        if candidate.number == a.fill_disk_after:
+            fill_disk(a.search_dir)
+        return metrics
 
     search(
         objective,

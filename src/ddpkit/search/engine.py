@@ -44,6 +44,7 @@ from ddpkit.search.config import SearchConfig
 from ddpkit.search.environment import environment_error
 from ddpkit.search.report import write_results
 from ddpkit.search.search_dir import (
+    describe_storage,
     trial_dir,
 )
 from ddpkit.search.space import to_distributions
@@ -130,6 +131,9 @@ def search(
         if rt.is_main:
             final = open_study(config, distributions, create=False)
             write_results(final, trials_of(final, begun.search_id), config)
+    except BaseException as err:
+        _name_a_machine_error_between_trials(err, config)
+        raise
     finally:
         if lock is not None:
             lock.release()
@@ -197,6 +201,21 @@ def _run_candidate(objective, candidate: Candidate, cfg: SearchConfig) -> tuple[
     if value is None or value != value:  # NaN: a diverged candidate that did not raise
         return TrialState.FAIL, None, f"the objective returned {value!r}"
     return state, value, None
+
+
+def _name_a_machine_error_between_trials(err: BaseException, cfg: SearchConfig) -> None:
+    """A full disk (or another error of the machine) met by the study's own writes, between trials: say so in
+    one line; a trial it met inside was named by :func:`_stop_for_machine` already."""
+    machine = environment_error(err)
+    if machine is None or any("stopped by the machine" in note for note in getattr(err, "__notes__", ())):
+        return
+    message = (
+        f"ddpkit search: the study's storage ({describe_storage(cfg)}) could not be written: {machine}. The search "
+        "stops here; finished trials are kept, and it goes on from them when started again once that is fixed"
+    )
+    print(message, file=sys.stderr, flush=True)
+    if hasattr(err, "add_note"):
+        err.add_note(message)
 
 
 def _stop_for_machine(candidate: Candidate, machine: OSError, err: BaseException) -> None:

@@ -40,6 +40,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import pickle
 import re
 import shutil
@@ -49,7 +50,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -72,7 +73,21 @@ _FOLDER = re.compile(r"^step-(\d+)$")
 
 
 class SnapshotWriteError(RuntimeError):
-    """A snapshot could not be written; the message names why, where, and the snapshot a restart resumes from."""
+    """A snapshot could not be written; the message names why, where, and the snapshot a restart resumes from.
+    When an OS error was the reason (a full disk), it is the cause (``__cause__``), on every rank."""
+
+
+Failed = tuple[str, "int | None", "str | None"]
+"""A failed write as every rank learns it: the message, and the OS error's number and file, if any."""
+
+
+def _raise(failed: Failed) -> NoReturn:
+    message, code, filename = failed
+    if code is None:
+        raise SnapshotWriteError(message)
+    # Rebuilt on every rank from what the failing rank reported: code that tells the machine's errors from a
+    # program's (a search stops on a full disk rather than failing a trial) finds the OS error as the cause.
+    raise SnapshotWriteError(message) from OSError(code, os.strerror(code), filename)
 
 
 @dataclass(frozen=True)
@@ -143,7 +158,7 @@ class SnapshotManager:
         part = (values, self._clear(path, step) if self._rank == 0 else None)
         parts = gather_object(part, group=self.group) if self.distributed else [part]
         if parts[0][1] is not None:
-            raise SnapshotWriteError(parts[0][1])
+            _raise(parts[0][1])
         every_rank = [v for v, _ in parts]
         extra_bytes = io.BytesIO()
         if self._rank == 0:
@@ -165,10 +180,8 @@ class SnapshotManager:
         self._thread.start()
 
     def _clear(self, path: Path, step: int) -> str | None:
-        """Rank 0: make ``path`` an empty folder; the failure's message if it cannot."""
-        from ddpkit.snapshot import (
-            storage as dcp_files,  # see the note on lazy imports at the top
-        )
+        """Rank 0: make ``path`` an empty folder; the failure (:meth:`_failure`) if it cannot."""
+        from ddpkit.snapshot import storage as dcp_files  # see the note on lazy imports at the top
 
         # Debris of a write of this step that was killed before its marker (perhaps at another world size,
         # with other ranks' files): start clean, so the marker lists exactly what is there.
@@ -214,15 +227,15 @@ class SnapshotManager:
                 traceback.print_exc()
         part = (digests, failure, failed)
         parts = gather_object(part, group=group) if self.distributed else [part]
-        message = self._finish(path, step, parts) if rank == 0 else None
+        failure = self._finish(path, step, parts) if rank == 0 else None
         if self.distributed:
-            message = broadcast_object(message, group=group)
-        if message is not None:
-            raise SnapshotWriteError(message)
+            failure = broadcast_object(failure, group=group)
+        if failure is not None:
+            _raise(failure)
         self.last_write_seconds = time.perf_counter() - t0
 
-    def _finish(self, path: Path, step: int, parts: list[tuple[dict, Any, bool]]) -> str | None:
-        """Rank 0, once every rank is done with ``path``: the marker, or the failure's message."""
+    def _finish(self, path: Path, step: int, parts: list[tuple[dict, Any, bool]]) -> Failed | None:
+        """Rank 0, once every rank is done with ``path``: the marker, or the failure (:meth:`_failure`)."""
         from ddpkit.snapshot import storage as dcp_files
 
         failures = [(r, f) for r, (_, f, _) in enumerate(parts) if f is not None]
@@ -242,9 +255,9 @@ class SnapshotManager:
         shutil.rmtree(path, ignore_errors=True)
         return self._failure(path, step, failures)
 
-    def _failure(self, path: Path, step: int, failures: list[tuple[int, Any]]) -> str:
-        """The message every rank raises: what failed where (:func:`ddpkit.snapshot.storage.describe`), and what is
-        left."""
+    def _failure(self, path: Path, step: int, failures: list[tuple[int, Any]]) -> Failed:
+        """What every rank raises: the message (what failed where, :func:`ddpkit.snapshot.storage.describe`, and
+        what is left), and the first OS error's number and file, if a rank met one."""
         from ddpkit.snapshot import storage as dcp_files
 
         previous = next((f for f in self.candidates() if f.step != step), None)
@@ -254,9 +267,13 @@ class SnapshotManager:
             kept = "there is no earlier snapshot: a restart starts from the beginning"
         advice = ""
         if any(f.disk_full for _, f in failures):
-            advice = ". Free space there, lower keep_snapshots, or give the run another run_dir"
+            advice = ". Free space there, keep fewer snapshots (SnapshotConfig.keep), or give the run another run_dir"
         what = dcp_files.describe(failures)
-        return f"ddpkit: snapshot {path} was not written: {what}. Its partial folder is removed; {kept}{advice}"
+        message = f"ddpkit: snapshot {path} was not written: {what}. Its partial folder is removed; {kept}{advice}"
+        os_error = next((f for _, f in failures if f.errno is not None), None)
+        if os_error is None:
+            return message, None, None
+        return message, os_error.errno, str(path / os_error.file) if os_error.file else str(path)
 
     def wait(self) -> None:
         """Block until the write in flight (if any) is done; raise its error here if it failed."""

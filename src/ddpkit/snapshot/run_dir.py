@@ -120,12 +120,20 @@ def claim(run_dir: str | os.PathLike, *, is_main: bool, fresh: bool, group: Any 
                 run_files.check_owned(path / name, "the snapshots folder" if name == "snapshots" else "", follow=False)
             if fresh:
                 _set_aside_previous_run(path)
-        except (ConfigError, OSError) as err:
+        except ConfigError as err:
             lock.release()
-            lock, error = None, str(err)
+            lock, error = None, (str(err), None)
+        except OSError as err:
+            # An error of the machine (a full disk, a read-only file system) stays an OSError on every rank: a
+            # caller such as a search tells it from a mistake in the config by its errno.
+            lock.release()
+            lock, error = None, (f"cannot take run_dir {str(path)!r}: {err.strerror or err}", err.errno)
     error = broadcast_object(error, group=group)
     if error is not None:
-        raise ConfigError(error)
+        message, code = error
+        if code is not None:
+            raise OSError(code, message)
+        raise ConfigError(message)
     return lock
 
 

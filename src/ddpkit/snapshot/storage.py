@@ -161,13 +161,14 @@ class Failure:
     what: str
     file: str | None = None  # relative to the snapshot's folder when inside it
     disk_full: bool = False
+    errno: int | None = None  # the OS error's number, when the failure was one
 
 
 def os_failure(err: OSError, file: Any, folder: Path) -> Failure:
     file = Path(err.filename or file)
     shown = str(file.relative_to(folder)) if file.is_relative_to(folder) else str(file)
     what = "no space left on device" if err.errno == errno.ENOSPC else (err.strerror or str(err))
-    return Failure(what, shown, err.errno in _DISK_FULL)
+    return Failure(what, shown, err.errno in _DISK_FULL, err.errno)
 
 
 def rank_failure(err: BaseException, kept: list[tuple[Path, OSError]], rank: int, folder: Path) -> Failure | None:

@@ -203,8 +203,8 @@ class DDPStrategy:
         unused = [self._names.get(id(p), "?") for p in self.params if p.grad is None]
         raise ConfigError(
             f"parameter(s) {', '.join(unused)} got no gradient in this step, so DDP cannot finish its all-reduce: "
-            "pass strategy_options={'find_unused_parameters': True} (or 'static_graph': True when the same "
-            "parameters are unused every step), or leave them out of the optimizer and set requires_grad=False"
+            "pass strategy=DDPConfig(find_unused_parameters=True) (or static_graph=True when the same parameters "
+            "are unused every step), or leave them out of the optimizer and set requires_grad=False"
         )
 
     def evaluation(self) -> AbstractContextManager[Any]:

@@ -43,7 +43,7 @@ CAUSES: tuple[Cause, ...] = (
         "unused_parameters",
         "unused parameters: some parameters get no gradient, and DDP waits for them",
         "find_unused_parameters=True (prepare_model(model, find_unused_parameters=True) or "
-        "TrainerConfig(ddp_kwargs={'find_unused_parameters': True})), or remove the unused parameters",
+        "TrainerConfig(strategy=DDPConfig(find_unused_parameters=True))), or remove the unused parameters",
     ),
     Cause(
         "initial_state",

@@ -1,6 +1,6 @@
 """MLflow and Weights & Biases: the records the CSV and TensorBoard get, sent to an experiment tracker too.
 
-``TrainerConfig(loggers=("mlflow", "wandb"))``; each is an optional extra (``pip install 'ddpkit[mlflow]'``,
+``LoggingConfig(trackers=("mlflow", "wandb"))``; each is an optional extra (``pip install 'ddpkit[mlflow]'``,
 ``'ddpkit[wandb]'``). Only the main rank logs. Both work without a server or an account:
 
 - MLflow logs to ``$MLFLOW_TRACKING_URI`` if set, else to a local SQLite store, ``run_dir/mlflow.db`` (MLflow 3
@@ -42,7 +42,7 @@ def _need(module: str, extra: str) -> Any:
     try:
         return __import__(module)
     except ImportError as err:
-        raise ImportError(f"TrainerConfig(loggers=[{extra!r}]) needs `pip install 'ddpkit[{extra}]'`") from err
+        raise ImportError(f"LoggingConfig(trackers=[{extra!r}]) needs `pip install 'ddpkit[{extra}]'`") from err
 
 
 class MLflowLogger:
