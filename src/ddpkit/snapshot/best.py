@@ -1,6 +1,6 @@
 """The best model of a run: the weights of the epoch where a validation metric was best, kept apart.
 
-Snapshots are the newest ``keep_snapshots`` only, so the best epoch's weights are usually pruned by the time
+Snapshots are the newest ``SnapshotConfig.keep`` only, so the best epoch's weights are usually pruned by the time
 early stopping ends a run. ``run_dir/best.pt`` holds them, whatever is pruned, in a form that loads without
 ddpkit::
 

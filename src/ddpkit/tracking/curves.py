@@ -1,6 +1,6 @@
 """``ddpkit plot RUN_DIR``: the training and validation curves of a run, from its ``metrics.jsonl``, to a PNG.
 
-One panel per quantity: the losses (training loss every ``log_every_steps``, its epoch mean, validation loss)
+One panel per quantity: the losses (training loss every ``LoggingConfig.every_steps``, its epoch mean, validation loss)
 together, then each other validation metric, then the learning rate; the x-axis is the optimizer step. Work
 redone after a crash appears twice in the records; the later record of a step is the one drawn.
 Needs matplotlib: ``pip install 'ddpkit[plot]'``.
