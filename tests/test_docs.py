@@ -8,6 +8,7 @@ right before its opening fence; the marker is invisible on a rendered page. Bloc
 
 from __future__ import annotations
 
+import importlib
 import re
 from pathlib import Path
 
@@ -88,3 +89,33 @@ def test_the_tests_the_docs_cite_exist():
 def test_cited_tests_reads_inline_code_only():
     text = "see `tests/test_a.py::test_one` and `test_two*`, not test_three\n```python\ntest_set = 1\n```\n"
     assert cited_tests(text) == ({"tests/test_a.py"}, {"test_two*"}, {("tests/test_a.py", "test_one")})
+
+
+def _resolves(dotted: str) -> bool:
+    """Whether ``ddpkit.a.b`` names a module, or an attribute of one (a class, a function, a class's member)."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
+
+
+def test_the_ddpkit_names_the_docs_and_docstrings_cite_exist():
+    """``ddpkit.data.ShardedBatchSampler`` in a page or a docstring names something real (Sphinx checks the
+    cross-references it resolves; this checks the names in plain code spans too)."""
+    sources = PAGES + sorted((ROOT / "src" / "ddpkit").rglob("*.py"))
+    cited = {
+        (name, source.relative_to(ROOT))
+        for source in sources
+        for name in re.findall(r"\bddpkit(?:\.[A-Za-z_]\w*)+", source.read_text())
+        if not name.endswith((".md", ".py"))
+    }
+    missing = sorted(f"{source}: {name}" for name, source in cited if not _resolves(name))
+    assert not missing, "names that do not exist:\n  " + "\n  ".join(missing)

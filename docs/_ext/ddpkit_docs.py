@@ -143,19 +143,27 @@ def resolve_by_home(app: Sphinx, env: Any, node: Any, contnode: nodes.Element) -
     if node.get("refdomain") != "py":
         return None
     target, module = node.get("reftarget", ""), node.get("py:module") or ""
-    full = target if target.startswith("ddpkit.") else f"{module}.{target}" if module else ""
-    if not full:
-        return None
+    full = target if target.startswith("ddpkit.") else f"{module}.{target}" if module else target
+    domain = env.get_domain("py")
     head, _, attr = full.rpartition(".")
-    for owner, rest in ((full, ""), (head, attr)):
+    for owner, rest in ((full, ""), (head, attr)) if full.startswith("ddpkit.") else ():
         obj = _find(owner)
         if isinstance(obj, TypeVar):
             return contnode
         home = _home(obj) if obj is not None else None
         if home is not None and home[1] != owner:
             new = f"{home[1]}.{rest}" if rest else home[1]
-            domain = env.get_domain("py")
             return domain.resolve_xref(env, node["refdoc"], app.builder, node["reftype"], new, node, contnode)
+    # A bare name that a module imports only for type checkers (``Trainer`` under ``TYPE_CHECKING``) is not
+    # found there at run time: it resolves when exactly one object described in ddpkit has that name.
+    if "." not in target:
+        named = [
+            name
+            for name, entry in domain.objects.items()
+            if name.startswith("ddpkit.") and name.endswith(f".{target}") and not entry.aliased
+        ]
+        if len(named) == 1:
+            return domain.resolve_xref(env, node["refdoc"], app.builder, node["reftype"], named[0], node, contnode)
     return None
 
 
