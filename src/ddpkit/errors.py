@@ -13,7 +13,7 @@ class ConfigError(ValueError):
 class Preempted(SystemExit):
     """Raised by ``Trainer.fit()`` when a stop signal ended training early, once the snapshot is on disk.
 
-    A ``SystemExit``: uncaught, the process exits with :data:`PREEMPTED_EXIT_CODE` and no traceback, so a
+    A ``SystemExit``: uncaught, the process exits with :data:`~ddpkit.errors.PREEMPTED_EXIT_CODE` and no traceback, so a
     script that ignores it cannot go on to evaluate and exit 0 as if training were complete. A script that
     wants to do something first catches it and re-raises.
     """

@@ -109,9 +109,9 @@ def build_loader(
 
     The loader gets its own ``torch.Generator``: without one, every ``iter()`` draws the workers' base seed
     from the global RNG, which shifts dropout masks and any other draw that follows. ``seed_samples``: each
-    sample is loaded with the RNGs seeded from ``(seed, epoch, index)`` (see :class:`SeededSamples`); False
-    leaves the draws to each worker's own stream (or the main process's), as a plain DataLoader does. A
-    ``TensorDataset`` is never wrapped: it draws nothing.
+    sample is loaded with the RNGs seeded from ``(seed, epoch, index)`` (see
+    :class:`~ddpkit.data.SeededSamples`); False leaves the draws to each worker's own stream (or the main
+    process's), as a plain DataLoader does. A ``TensorDataset`` is never wrapped: it draws nothing.
     """
     check_map_style(dataset)
     # A TensorDataset only indexes tensors: it draws nothing, and seeding would cost ~10 us a sample for nothing.

@@ -118,7 +118,7 @@ def init(
     (a world of one with no process group). The device is ``cuda:LOCAL_RANK`` when CUDA is there, else the CPU;
     the backend follows the device (nccl for CUDA, gloo for CPU) unless ``backend`` names one. ``timeout``
     bounds every collective: a rank left waiting that long raises instead of hanging; by default the
-    launcher's ``--collective-timeout``, else :data:`DEFAULT_TIMEOUT`.
+    launcher's ``--collective-timeout``, else ``DEFAULT_TIMEOUT`` (5 minutes).
     Calling it again returns the same runtime; asking then for another backend or device is an error (the
     process group cannot change under the objects already built on it).
     """
@@ -218,10 +218,11 @@ def get_runtime(group: Any = None) -> Runtime:
     Before :func:`init`, plain ``python`` (or a launcher that started one process) is a world of one on the CPU,
     and a process group the script made itself with ``torch.distributed.init_process_group`` is taken as it
     is. Under a launcher whose variables say there are several ranks, and no process group, it raises
-    :class:`NotInitializedError`: a world of one there would train one independent copy per rank on the whole
-    data set, every copy writing the same files, and exit 0. Refusing, as ``torch.distributed`` does before
-    ``init_process_group``, is chosen over starting the process group here: joining a job is a collective that
-    every rank must reach at the same point, which a call hidden in a loader or a Trainer cannot promise.
+    :class:`~ddpkit.distributed.runtime.NotInitializedError`: a world of one there would train one independent
+    copy per rank on the whole data set, every copy writing the same files, and exit 0. Refusing, as
+    ``torch.distributed`` does before ``init_process_group``, is chosen over starting the process group here:
+    joining a job is a collective that every rank must reach at the same point, which a call hidden in a loader
+    or a Trainer cannot promise.
     """
     if isinstance(group, Runtime):
         return group

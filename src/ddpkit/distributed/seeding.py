@@ -119,7 +119,7 @@ def seed_sample(seed: int, epoch: int, index: int) -> None:
 
 
 def loading_rng_state() -> tuple[Any, ...]:
-    """The states of the generators :func:`seed_sample` seeds, for :func:`set_loading_rng_state`: python's,
+    """The states of the generators :func:`seed_sample` seeds, for ``set_loading_rng_state``: python's,
     numpy's, torch's CPU generator and, where this process uses CUDA, the current device's generator."""
     cuda = torch.cuda.get_rng_state() if _cuda_in_use() else None
     return random.getstate(), np.random.get_state() if np is not None else None, torch.get_rng_state(), cuda

@@ -136,11 +136,11 @@ def exit_code(err: BaseException) -> int:
 class Agent(LocalElasticAgent):
     """torchrun's agent, with three changes torchrun has no option for.
 
-    - A worker that exits with :data:`PREEMPTED_EXIT_CODE` saved its snapshot because it was told to stop:
-      restarting it here would train on after the scheduler's warning. The agent stops instead, and ``ddpkit
-      run`` exits with that code so that the batch script requeues the job.
+    - A worker that exits with :data:`~ddpkit.errors.PREEMPTED_EXIT_CODE` saved its snapshot because it was told
+      to stop: restarting it here would train on after the scheduler's warning. The agent stops instead, and
+      ``ddpkit run`` exits with that code so that the batch script requeues the job.
     - SIGUSR1 (SLURM's ``--signal`` warning) and SIGTERM reach the workers instead of ending the agent; see
-      :func:`_forward_signals`.
+      ``_forward_signals``.
     - Stopping the workers (a restart, a failure, a signal) ends every process they started too: torchrun
       signals a worker's process group only while the worker runs, and misses what left the group. The
       launcher makes the agent a child subreaper, so all that is still below it then is the job's

@@ -12,7 +12,7 @@ ENVIRONMENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.E
 
 
 def environment_error(err: BaseException) -> OSError | None:
-    """The error of the machine (:data:`ENVIRONMENT_ERRNOS`) behind ``err``, or None.
+    """The error of the machine (``ENVIRONMENT_ERRNOS``) behind ``err``, or None.
 
     Looked for in the chain of causes and contexts (a snapshot written in the background is re-raised as a
     RuntimeError from its error) and in the per-rank failures of torch.distributed.checkpoint's

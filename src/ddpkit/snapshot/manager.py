@@ -144,7 +144,8 @@ class SnapshotManager:
 
     def save(self, step: int, state: dict[str, Any], extra: dict[str, Any]) -> None:
         """Snapshot ``step``: ``state`` (every rank's own part, for DCP: its tensors, shards and the
-        :data:`PER_RANK` part; its other values go to ``trainer.pt``) and ``extra`` (rank 0's, in ``trainer.pt``).
+        :data:`~ddpkit.snapshot.layout.PER_RANK` part; its other values go to ``trainer.pt``) and ``extra``
+        (rank 0's, in ``trainer.pt``).
 
         Returns once the state is safe from the training loop: written (synchronous), or copied to host
         memory with the write under way (asynchronous). Raises :class:`SnapshotWriteError` if it is not.
@@ -335,10 +336,11 @@ class SnapshotManager:
         check: Callable[[dict[str, Any]], None] | None = None,
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         """``(state, extra)`` of a snapshot. ``template()`` gives the current state, whose tensors DCP fills in
-        place with this world size's parts (its :data:`PER_RANK` part with this rank's own copy at the same
-        world size, rank 0's at another) and whose other values are replaced by the saved ones. ``check(extra)`` runs before any tensor is read, and may refuse
-        the snapshot by raising. A folder holding anything but tensors and plain values is refused
-        (:class:`~ddpkit.errors.ConfigError`) before anything of it is unpickled."""
+        place with this world size's parts (its :data:`~ddpkit.snapshot.layout.PER_RANK` part with this rank's
+        own copy at the same world size, rank 0's at another) and whose other values are replaced by the saved
+        ones. ``check(extra)`` runs before any tensor is read, and may refuse the snapshot by raising. A folder
+        holding anything but tensors and plain values is refused (:class:`~ddpkit.errors.ConfigError`) before
+        anything of it is unpickled."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
 

@@ -4,9 +4,9 @@ torch's ``FileSystemReader`` unpickles the folder's index (``.metadata``) and DC
 unpickles every non-tensor item (``torch.load(weights_only=False)``): whoever can write a snapshot folder
 could run code in the job that resumes from it, and the checksums of the marker do not help, as they are
 rewritten as easily. So a snapshot's DCP part holds tensors only (other values go to ``trainer.pt``, which loads
-with ``weights_only=True``), the index is also written as JSON (:data:`INDEX`), and a resume reads only that:
-each tensor is read with torch's ``weights_only`` loader. The pickled ``.metadata`` stays for torch's own tools
-(``dcp_to_torch_save``, ``dcp.load``), which unpickle it: use those on snapshots you trust.
+with ``weights_only=True``), the index is also written as JSON (``INDEX``: ``metadata.json``), and a resume
+reads only that: each tensor is read with torch's ``weights_only`` loader. The pickled ``.metadata`` stays for
+torch's own tools (``dcp_to_torch_save``, ``dcp.load``), which unpickle it: use those on snapshots you trust.
 
 The files are written through a file system that keeps the ``OSError`` of a failed write: torch's zip writer
 turns a full disk into ``inline_container.cc: unexpected pos 704 vs 598``, and the reason is gone.

@@ -73,7 +73,7 @@ class Strategy(Protocol):
         """Model and optimizer state for :class:`~ddpkit.snapshot.manager.SnapshotManager`: tensors may be shards
         (DTensors), so every rank saves its own part and a load reshards. Values that have one name on every
         rank but may differ between ranks (buffers: BatchNorm's running statistics) go in the ``per_rank`` part
-        (:data:`~ddpkit.snapshot.manager.PER_RANK`), as ``{"model": {name: tensor}, "optim": {key: value}}``."""
+        (:data:`~ddpkit.snapshot.layout.PER_RANK`), as ``{"model": {name: tensor}, "optim": {key: value}}``."""
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (after a load into it, at any world size)."""

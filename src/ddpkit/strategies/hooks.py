@@ -60,7 +60,7 @@ COMM_HOOKS = ("fp16", "bf16", "powersgd", "parameter_server")
 
 
 def register(model: Any, hook: str, process_group: Any, *, powersgd_rank: int, powersgd_start_iter: int) -> None:
-    """Register the hook named ``hook`` (one of :data:`COMM_HOOKS`) on the DDP ``model``."""
+    """Register the hook named ``hook`` (one of ``COMM_HOOKS``) on the DDP ``model``."""
     if hook == "fp16":
         model.register_comm_hook(process_group, default_hooks.fp16_compress_hook)
     elif hook == "bf16":

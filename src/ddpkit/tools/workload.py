@@ -57,7 +57,7 @@ class Workload:
     """For ddpkit's sampler: drop an epoch's last, smaller global batch (False splits it unevenly over ranks)."""
     loader: LoaderFactory | None = None
     """The script's own loader, ``loader(dataset, batch_size, rank, world_size)`` giving ``(inputs, targets)``
-    batches; by default ddpkit's :class:`~ddpkit.ShardedBatchSampler`. It is read in the training process
+    batches; by default ddpkit's :class:`~ddpkit.data.ShardedBatchSampler`. It is read in the training process
     (no loader workers) and iterated again when an epoch ends."""
     name: str = "workload"
     extra: dict[str, Any] = field(default_factory=dict)

@@ -1,7 +1,8 @@
 """MLflow and Weights & Biases: the records the CSV and TensorBoard get, sent to an experiment tracker too.
 
-``LoggingConfig(trackers=("mlflow", "wandb"))``; each is an optional extra (``pip install 'ddpkit[mlflow]'``,
-``'ddpkit[wandb]'``). Only the main rank logs. Both work without a server or an account:
+``TrainerConfig(logging=LoggingConfig(trackers=("mlflow", "wandb")))``; each is an optional extra
+(``pip install 'ddpkit[mlflow]'``, ``'ddpkit[wandb]'``). Only the main rank logs. Both work without a server
+or an account:
 
 - MLflow logs to ``$MLFLOW_TRACKING_URI`` if set, else to a local SQLite store, ``run_dir/mlflow.db`` (MLflow 3
   refuses new file stores; browse it with ``mlflow ui --backend-store-uri sqlite:///run_dir/mlflow.db``);

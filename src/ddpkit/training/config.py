@@ -1,6 +1,6 @@
 """The Trainer's configuration: what to train for, how, and where to write; checked where it is given.
 
-One typed config per concern, nested the way the run directory and the README group them::
+One typed config per concern, nested the way the run directory and the docs group them::
 
     TrainerConfig(
         run_dir="runs/digits", epochs=8, batch_size=32,

@@ -93,7 +93,7 @@ def flat_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class RunRecord:
-    """What this run asks for, as a snapshot records it (:meth:`state_dict`) and a resume checks it (:meth:`check`)."""
+    """What this run asks for, as a snapshot records it (``state_dict()``) and a resume checks it (:meth:`check`)."""
 
     config: dict[str, Any]
     """``TrainerConfig.to_json()``."""

@@ -32,6 +32,8 @@ from ddpkit.training.state import TrainState
 
 
 class Stateful(Protocol):
+    """What a stateful part of the Trainer has: its state as a dict, and a way back from it."""
+
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...

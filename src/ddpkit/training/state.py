@@ -41,7 +41,7 @@ class TrainState:
 class RankStreams:
     """Every rank's random streams (python, numpy, torch CPU and CUDA) and its loader's generator.
 
-    :meth:`state_dict` gathers them (a collective). At the same world size each rank gets its own back and the
+    ``state_dict()`` gathers them (a collective). At the same world size each rank gets its own back and the
     run continues bit for bit; at another, rank ``r``'s stream has no counterpart in the old run, so each is
     reseeded from ``(seed, step, rank)``: reproducible, and equal to the uninterrupted run only within tolerance.
     """

@@ -34,7 +34,7 @@ class MicroBatch:
 
 @dataclass(frozen=True)
 class Step:
-    """One optimizer step of an epoch; :attr:`micro_batches` reads them from the loader as the step trains."""
+    """One optimizer step of an epoch; ``micro_batches`` reads them from the loader as the step trains."""
 
     micro_batches: Iterator[MicroBatch]
     first: int

@@ -1,0 +1,43 @@
+"""Sphinx configuration of ddpkit's docs. Build (offline; seconds):
+
+    .venv/bin/python -m sphinx -W --keep-going -n -b html docs docs/_build/html
+
+Markdown pages through myst; the API reference by autodoc from the docstrings; the CLI reference from the
+argparse parsers (docs/_ext/ddpkit_docs.py). Nitpicky: a reference that does not resolve is an error.
+"""
+
+import sys
+from pathlib import Path
+
+DOCS = Path(__file__).resolve().parent
+sys.path.insert(0, str(DOCS / "_ext"))
+sys.path.insert(0, str(DOCS.parent / "src"))  # the checkout's ddpkit, installed or not
+
+import ddpkit  # noqa: E402
+
+project = "ddpkit"
+copyright = "the ddpkit authors"
+release = version = ddpkit.__version__
+
+extensions = ["myst_parser", "sphinx.ext.autodoc", "ddpkit_docs"]
+source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
+exclude_patterns = ["_build"]
+myst_heading_anchors = 3  # [text](#a-heading) links within and across pages
+
+html_theme = "furo"
+html_title = f"ddpkit {release}"
+html_static_path: list[str] = []
+
+autodoc_member_order = "bysource"
+autodoc_typehints = "signature"
+# A method without a docstring of its own shows none: torch's (nn.Module.forward's) would cite names of torch.
+autodoc_inherit_docstrings = False
+
+nitpicky = True
+# No intersphinx: the build runs offline, so names of other projects (torch, optuna, the standard library
+# beyond builtins and typing) have no inventory to resolve against. They are shown as text, not links.
+# Any dotted name outside ddpkit (``torch.nn.Module``, ``collections.abc.Callable``, ``optuna.Study``) is one of
+# those; names inside ddpkit must resolve.
+nitpick_ignore_regex = [
+    (r"py:.*", r"(?!ddpkit\.)[A-Za-z_]\w*\..+"),
+]

@@ -1,0 +1,121 @@
+"""The docs say what the code does: every python block of the README and of docs/ runs as written, each in a fresh
+process in an empty folder, and every test the docs cite exists.
+
+A block that is a sketch (it uses names the reader supplies) is marked with the line ``<!-- not run: why -->``
+right before its opening fence; the marker is invisible on a rendered page. Blocks of other languages
+(``bash``, ``text``) are not run. The Sphinx build itself (warnings as errors) is CI's, not a test here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())  # at any test depth
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+PAGES = [p for p in PAGES if "_build" not in p.relative_to(ROOT).parts]
+_BLOCK = re.compile(r"(?:^(<!-- not run[^\n]*-->)\n)?^```python\n(.*?)^```", re.M | re.S)
+_FENCE = re.compile(r"^(`{3,}).*?^\1", re.M | re.S)
+
+
+def blocks() -> list[tuple[str, int, str | None, str]]:
+    """(page, line of the block's first line of code, its not-run marker or None, the code)."""
+    found = []
+    for page in PAGES:
+        text = page.read_text()
+        name = str(page.relative_to(ROOT))
+        found += [(name, text[: m.start(2)].count("\n") + 1, m.group(1), m.group(2)) for m in _BLOCK.finditer(text)]
+    return found
+
+
+def test_the_pages_have_python_blocks_and_few_are_sketches():
+    found = blocks()
+    assert {page for page, *_ in found} >= {"README.md", "docs/trainer.md"}
+    assert len(found) >= 8
+    assert sum(marker is None for *_, marker, _ in found) >= len(found) - 2, "most blocks must run"
+
+
+@pytest.mark.parametrize("page, line, marker, code", blocks(), ids=[f"{page}:{line}" for page, line, *_ in blocks()])
+def test_block_runs(page, line, marker, code, run_python, tmp_path):
+    if marker is not None:
+        pytest.skip(f"{page} line {line}: {marker}")
+    # In a folder of its own (what one block writes, such as a run directory, another must not resume), and
+    # compiled under the page's name at the block's lines, so that a traceback points into the page.
+    program = (
+        f"import os\nos.chdir({str(tmp_path)!r})\n"
+        f"exec(compile({chr(10) * (line - 1) + code!r}, {page!r}, 'exec'), globals())\n"
+    )
+    done = run_python(program, timeout=120)
+    assert done.returncode == 0, f"{page}: the block at line {line} failed:\n{done.stderr[-3000:]}"
+
+
+def cited_tests(text: str) -> tuple[set[str], set[str], set[tuple[str, str]]]:
+    """What the inline code of ``text`` cites: test files (``tests/....py``, globs allowed), test functions
+    (``test_...``, a trailing ``*`` for a prefix) and ``file::function`` pairs. Fenced blocks are code, not
+    citations, and are left out."""
+    files, names, pairs = set(), set(), set()
+    for span in re.findall(r"`([^`\n]+)`", _FENCE.sub("", text)):
+        for path, name in re.findall(r"(tests/[\w/*]+\.py)(?:::(\w+))?", span):
+            files.add(path)
+            if name:
+                pairs.add((path, name))
+        names.update(re.findall(r"(?<![\w/:])(test_\w+\*?)", span))
+    return files, names, pairs
+
+
+def _defined(paths: list[Path]) -> set[str]:
+    return {n for p in paths for n in re.findall(r"^\s*(?:async )?def (test_\w+)\(", p.read_text(), re.M)}
+
+
+def test_the_tests_the_docs_cite_exist():
+    everywhere = _defined(list((ROOT / "tests").rglob("*.py")))
+    missing = []
+    for page in PAGES:
+        files, names, pairs = cited_tests(page.read_text())
+        missing += [f"{page.name}: {f}" for f in sorted(files) if not list(ROOT.glob(f))]
+        for name in sorted(names):
+            prefix = name.rstrip("*")
+            if not any(d == name or (name.endswith("*") and d.startswith(prefix)) for d in everywhere):
+                missing.append(f"{page.name}: {name}")
+        for path, name in sorted(pairs):
+            if name not in _defined(list(ROOT.glob(path))):
+                missing.append(f"{page.name}: {path}::{name}")
+    assert not missing, "the docs cite tests that do not exist (moved or renamed?):\n  " + "\n  ".join(missing)
+
+
+def test_cited_tests_reads_inline_code_only():
+    text = "see `tests/test_a.py::test_one` and `test_two*`, not test_three\n```python\ntest_set = 1\n```\n"
+    assert cited_tests(text) == ({"tests/test_a.py"}, {"test_two*"}, {("tests/test_a.py", "test_one")})
+
+
+def _resolves(dotted: str) -> bool:
+    """Whether ``ddpkit.a.b`` names a module, or an attribute of one (a class, a function, a class's member)."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
+
+
+def test_the_ddpkit_names_the_docs_and_docstrings_cite_exist():
+    """``ddpkit.data.ShardedBatchSampler`` in a page or a docstring names something real (Sphinx checks the
+    cross-references it resolves; this checks the names in plain code spans too)."""
+    sources = PAGES + sorted((ROOT / "src" / "ddpkit").rglob("*.py"))
+    cited = {
+        (name, source.relative_to(ROOT))
+        for source in sources
+        for name in re.findall(r"\bddpkit(?:\.[A-Za-z_]\w*)+", source.read_text())
+        if not name.endswith((".md", ".py"))
+    }
+    missing = sorted(f"{source}: {name}" for name, source in cited if not _resolves(name))
+    assert not missing, "names that do not exist:\n  " + "\n  ".join(missing)
