@@ -518,7 +518,7 @@ def test_an_iterable_dataset_is_refused_saying_what_is_supported(tmp_path):
         run_dir=str(tmp_path / "run"), batch_size=4, logging=LoggingConfig(progress=False), num_workers=0
     )
     model = torch.nn.Linear(3, 2)
-    with pytest.raises(ConfigError, match="Stream is not a map-style dataset .* hand-written loop"):
+    with pytest.raises(ConfigError, match="Stream is not a map-style dataset .* Wrap it in a stream"):
         ddpkit.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), Stream(), config)
 
 

@@ -9,6 +9,7 @@ which no snapshot can restore.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -74,10 +75,17 @@ def check_map_style(dataset: Any) -> None:
     if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
         raise ConfigError(
             f"a {type(dataset).__name__} is not a map-style dataset (with __len__ and __getitem__): build_loader "
-            "and the Trainer shard, shuffle and resume by sample index, which a stream does not have. Load it "
-            "into a map-style Dataset (or a torch.utils.data.TensorDataset), or iterate the stream in a "
-            "hand-written loop, giving each rank its own part (ddpkit.get_runtime().rank and world_size)"
+            "and the Trainer shard, shuffle and resume by sample index, which a plain stream does not have. Wrap "
+            "it in a stream of ddpkit.data.stream_sources (JsonlStream, TokenStream, IterableStream(dataset, "
+            "num_records), which every rank and loader worker reads whole) or a ddpkit.data.stream.Stream of your "
+            "own with positional reads, or load it into a map-style Dataset"
         )
+
+
+def _is_stream(dataset: Any) -> bool:
+    # ddpkit.data.stream needs numpy; a stream exists only once that module is imported, so no import here.
+    stream = sys.modules.get("ddpkit.data.stream")
+    return stream is not None and isinstance(dataset, stream.Stream)
 
 
 def default_num_workers(local_world_size: int | None = None) -> int:
@@ -113,6 +121,20 @@ def build_loader(
     :class:`~ddpkit.data.SeededSamples`); False leaves the draws to each worker's own stream (or the main
     process's), as a plain DataLoader does. A ``TensorDataset`` is never wrapped: it draws nothing.
     """
+    if _is_stream(dataset):
+        from ddpkit.data.stream import build_stream_loader
+
+        return build_stream_loader(
+            dataset,
+            batch_size,
+            loader_kwargs=_loader_kwargs(num_workers, pin_memory),
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+            collate_fn=collate_fn,
+            group=group,
+            seed_samples=seed_samples,
+        )
     check_map_style(dataset)
     # A TensorDataset only indexes tensors: it draws nothing, and seeding would cost ~10 us a sample for nothing.
     seed_samples = seed_samples and type(dataset) is not TensorDataset

@@ -1,0 +1,268 @@
+"""Streams: records read from files too big for memory, with the guarantees of map-style data.
+
+A stream is ``N`` records in a natural order (its shards one after another), each readable by its position in
+its shard. The order of epoch ``e`` is a permutation of the ``N`` records, a pure function of ``(seed, e)``;
+:class:`StreamBatchSampler` cuts global positions ``0..N-1`` into global batches of ``batch_size x world_size``
+and rank ``r`` takes slice ``r`` of each, as :class:`~ddpkit.data.ShardedBatchSampler` does with sample
+indices. So, as for map-style data:
+
+- each record is trained on once per epoch over all ranks and loader workers;
+- the Trainer's snapshot holds a global cursor, and a resume (after a SIGKILL, at any world size) reads the
+  order from that cursor on: nothing repeated or skipped, bitwise at the same world size;
+- each record's ``transform`` runs with python, numpy and torch seeded from ``(seed, epoch, position)``.
+
+Loader workers never see a stream: the DataLoader gets a map-style view keyed by ``(epoch, position)`` and our
+batch sampler, so each worker builds whole batches that the DataLoader returns in order. A torch
+``IterableDataset`` in ``k`` workers instead runs ``k`` copies of the stream, whose items the DataLoader
+interleaves worker by worker: without a split by worker every record comes ``k`` times, and with one a
+batch's records depend on the number of workers.
+
+Why no library. We tried the kept ones against the three guarantees (README, "Streams"). torchdata's
+``StatefulDataLoader`` saves each worker's iterator state, restorable only with as many workers and says
+nothing of ranks. webdataset splits shards by rank and worker and has no mid-epoch state. litdata assigns
+chunks to ranks and workers from the world size, so a fresh epoch's order changes with it, it needs its own
+chunk format, and its dependencies pull an unpinned torch. mosaicml-streaming comes closest (the same global
+batches at 2 and 3 ranks, and a resume at 3 ranks of a 2-rank state, in a probe with real processes:
+``bench/stream_library_probe.py``), but it repeats records whenever the count does not divide over the ranks,
+needs its own format (a converted copy of every file), pins numpy below 2.2, imports transformers and
+torchvision, and coordinates a node's ranks through shared memory. A global order with a cursor is what
+ddpkit's samplers already do; a stream needs on top of it a positional read and an order that is not a list
+of all ``N`` records, which is what this module adds.
+
+Shuffling is two-level. The shards are permuted and their concatenation rotated by a random offset (both per
+epoch), cut into blocks of ``window`` records, the blocks permuted, and the records permuted within each
+block. A permutation of all ``N`` records would mix best but hold 8 bytes a record in every reading process
+and send each read anywhere in the data; shards alone leave neighbours together. Here a batch's reads fall
+in one or two blocks, the rotation changes which records share a block from epoch to epoch, and memory is
+``O(shards + N / window + window)``. A source that can only be iterated (:class:`IterableStream`) keeps its
+own order of blocks and is shuffled within each block (a shuffle buffer of ``window`` records).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, get_worker_info
+
+from ddpkit.data.sampler import ShardedBatchSampler, shard_bounds
+from ddpkit.distributed.seeding import loading_rng_state, seed_sample, set_loading_rng_state, stream_seed
+from ddpkit.errors import ConfigError
+
+DEFAULT_WINDOW = 8192
+"""Records per shuffle block: the span of the reads of a global batch, and what :class:`IterableStream`
+buffers in each reading process."""
+
+OPEN_SHARDS = 64
+"""Shard files a reading process keeps open at once."""
+
+Transform = Callable[[Any], Any]
+
+
+class Stream:
+    """A finite sequence of records, readable by position: subclass it with :attr:`shard_sizes` and
+    :meth:`read` for a source of your own.
+
+    ``transform(record)`` turns a record into a sample (decoding, augmentation); it runs in the loader workers
+    with python, numpy and torch seeded from ``(seed, epoch, position)``. ``window``: records per shuffle block.
+    """
+
+    random_access = True
+    """False for a source read front to back only: the order then keeps its blocks in the source's order."""
+
+    def __init__(self, *, transform: Transform | None = None, window: int = DEFAULT_WINDOW) -> None:
+        if window < 1:
+            raise ConfigError(f"window={window}: the shuffle window must hold at least one record")
+        self.transform, self.window = transform, window
+        self._local: dict[str, Any] = {}
+        self._pid = os.getpid()
+
+    @property
+    def shard_sizes(self) -> Sequence[int]:
+        """Records in each shard, known before reading: the order and the epoch's length depend on them."""
+        raise NotImplementedError
+
+    def read(self, shard: int, indices: np.ndarray) -> list[Any]:
+        """The records at ``indices`` (positions in ``shard``, any order), in that order."""
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        return int(sum(self.shard_sizes))
+
+    def local(self) -> dict[Any, Any]:
+        """Open files and iterators of this process: a forked loader worker opens its own."""
+        if self._pid != os.getpid():
+            self._local, self._pid = {}, os.getpid()
+        return self._local
+
+    def opened(self, shard: int, open_fn: Callable[[], Any], close_fn: Callable[[Any], None] = lambda h: None) -> Any:
+        """This process's handle on ``shard``, opened by ``open_fn`` on first use; the least recently used is
+        closed beyond :data:`OPEN_SHARDS` (thousands of shards would exhaust a process's file descriptors)."""
+        handles = self.local()
+        if shard in handles:
+            handles[shard] = handles.pop(shard)  # most recently used last
+        else:
+            if len(handles) >= OPEN_SHARDS:
+                oldest = next(iter(handles))
+                close_fn(handles.pop(oldest))
+            handles[shard] = open_fn()
+        return handles[shard]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__ | {"_local": {}}
+
+
+class StreamOrder:
+    """The records of ``epoch`` in order: position ``p`` (0..N-1) -> (shard, index in shard)."""
+
+    def __init__(self, stream: Stream, seed: int, epoch: int, shuffle: bool) -> None:
+        sizes = np.asarray(stream.shard_sizes, dtype=np.int64)
+        self.n, self.window, self.shuffle, self.epoch = int(sizes.sum()), stream.window, shuffle, epoch
+        self._keys = (seed, epoch)
+        self._tau: dict[int, np.ndarray] = {}
+        mixed = shuffle and stream.random_access
+        g = self._generator(0)
+        self.shard_order = _randperm(len(sizes), g) if mixed else np.arange(len(sizes))
+        self.rotation = int(torch.randint(max(self.n, 1), (1,), generator=g)) if mixed else 0
+        self._shard_starts = np.concatenate([[0], np.cumsum(sizes[self.shard_order])])
+        blocks = -(-self.n // self.window)
+        self.block_order = _randperm(blocks, self._generator(1)) if mixed else np.arange(blocks)
+        block_sizes = np.minimum(self.window, self.n - self.block_order * self.window)
+        self._block_starts = np.concatenate([[0], np.cumsum(block_sizes)])
+
+    def _generator(self, *keys: int) -> torch.Generator:
+        # Keys after the epoch keep these draws apart from the map-style epoch permutation's.
+        return torch.Generator().manual_seed(stream_seed("shuffle", *self._keys, *keys))
+
+    def _within(self, block: int) -> np.ndarray:
+        if block not in self._tau:
+            if len(self._tau) > 4:  # a batch spans a block or two: keep the last few
+                self._tau.pop(next(iter(self._tau)))
+            size = min(self.window, self.n - block * self.window)
+            self._tau[block] = _randperm(size, self._generator(2, block))
+        return self._tau[block]
+
+    def records(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(shard, index in shard) of the records at ``positions`` of this epoch."""
+        p = np.asarray(positions, dtype=np.int64)
+        if self.shuffle:
+            slot = np.searchsorted(self._block_starts, p, side="right") - 1
+            blocks, offsets = self.block_order[slot], p - self._block_starts[slot]
+            q = np.empty_like(p)
+            for block in np.unique(blocks):
+                mine = blocks == block
+                q[mine] = block * self.window + self._within(int(block))[offsets[mine]]
+            p = (q + self.rotation) % self.n
+        slot = np.searchsorted(self._shard_starts, p, side="right") - 1
+        return self.shard_order[slot], p - self._shard_starts[slot]
+
+
+def _randperm(n: int, generator: torch.Generator) -> np.ndarray:
+    return torch.randperm(n, generator=generator).numpy()
+
+
+def record_ids(stream: Stream, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
+    """The whole order of ``epoch`` as record numbers in the natural order (shard offset + index): for tests
+    and inspection, ``O(N)`` memory."""
+    shards, index = StreamOrder(stream, seed, epoch, shuffle).records(np.arange(len(stream)))
+    offsets = np.concatenate([[0], np.cumsum(np.asarray(stream.shard_sizes, dtype=np.int64))])
+    return offsets[shards] + index
+
+
+class StreamBatchSampler(ShardedBatchSampler):
+    """:class:`~ddpkit.data.ShardedBatchSampler` over global positions ``0..N-1`` in order (the stream's order
+    shuffles): this rank's ``(epoch, position)`` keys for each step, by arithmetic, with no list of ``N``."""
+
+    def __init__(self, num_records: int, batch_size: int, **kwargs: Any) -> None:
+        super().__init__(num_records, batch_size, shuffle=False, keyed=True, **kwargs)
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        epoch, first_step = self.epoch, self._first_step()
+        self.epoch, self._cursor = epoch + 1, 0
+        gbs = self.global_batch_size
+        for step in range(first_step, self.steps_per_epoch):
+            start = step * gbs
+            lo, hi = shard_bounds(min(gbs, self.num_samples - start), self.world_size, self.rank)
+            yield [(epoch, p) for p in range(start + lo, start + hi)]
+
+
+class StreamSamples(Dataset):
+    """The map-style view a DataLoader reads: key ``(epoch, position)`` -> ``transform(record)``.
+
+    A batch's records are read shard by shard (one :meth:`Stream.read` each). With ``seed_samples``, each
+    ``transform`` runs with the RNGs seeded from ``(seed, epoch, position)``; in the main process the RNG
+    states are restored after the batch, so loading leaves the training stream (dropout) where it was.
+    """
+
+    def __init__(self, stream: Stream, seed: int, shuffle: bool, seed_samples: bool = True) -> None:
+        self.stream, self.seed, self.shuffle, self.seed_samples = stream, seed, shuffle, seed_samples
+        self._order: StreamOrder | None = None
+
+    def __len__(self) -> int:
+        return len(self.stream)
+
+    def order(self, epoch: int) -> StreamOrder:
+        if self._order is None or self._order.epoch != epoch:
+            self._order = StreamOrder(self.stream, self.seed, epoch, self.shuffle)
+        return self._order
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        return self.__getitems__([key])[0]
+
+    def __getitems__(self, keys: list[tuple[int, int]]) -> list[Any]:
+        epoch = keys[0][0]  # a batch never spans two epochs
+        positions = np.fromiter((p for _, p in keys), dtype=np.int64, count=len(keys))
+        shards, index = self.order(epoch).records(positions)
+        records: list[Any] = [None] * len(keys)
+        for shard in np.unique(shards):
+            mine = np.flatnonzero(shards == shard)
+            for k, record in zip(mine, self.stream.read(int(shard), index[mine])):
+                records[k] = record
+        transform = self.stream.transform
+        if transform is None:
+            return records
+        if not self.seed_samples:
+            return [transform(r) for r in records]
+        saved = loading_rng_state() if get_worker_info() is None else None
+        try:
+            out = []
+            for position, record in zip(positions.tolist(), records):
+                seed_sample(self.seed, epoch, position)
+                out.append(transform(record))
+            return out
+        finally:
+            if saved is not None:
+                set_loading_rng_state(saved)
+
+
+def build_stream_loader(
+    stream: Stream,
+    batch_size: int,
+    *,
+    loader_kwargs: dict[str, Any],
+    shuffle: bool = True,
+    seed: int = 0,
+    drop_last: bool = True,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    group: Any = None,
+    seed_samples: bool = True,
+) -> DataLoader:
+    """What :func:`ddpkit.build_loader` returns for a stream (call that): the same arguments and guarantees,
+    and a ``batch_sampler`` (:class:`StreamBatchSampler`) with what the Trainer resumes by. ``loader_kwargs``:
+    workers and pinning, as ``build_loader`` resolves them for map-style data."""
+    sampler = StreamBatchSampler(len(stream), batch_size, seed=seed, drop_last=drop_last, group=group)
+    generator = torch.Generator()
+    generator.manual_seed(stream_seed("loader", seed, sampler.rank))
+    return DataLoader(
+        StreamSamples(stream, seed, shuffle, seed_samples),
+        batch_sampler=sampler,
+        collate_fn=collate_fn,
+        generator=generator,
+        **loader_kwargs,
+    )
+
+
+# -- adapters -------------------------------------------------------------------------------------------------
