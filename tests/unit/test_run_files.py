@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from ddpkit.errors import ConfigError
 from ddpkit.snapshot import files as run_files
+from ddpkit.snapshot import manager
 from ddpkit.snapshot.manager import MARKER, SnapshotManager
 from ddpkit.snapshot.run_dir import RunDirLock, claim
 from ddpkit.tracking.metrics import MetricsWriter
@@ -105,6 +107,22 @@ def test_pruning_removes_a_link_named_like_an_old_snapshot_never_what_it_points_
     SnapshotManager(own, keep_last=1)._prune(newest=5)
     assert sorted(os.listdir(other)) == ["__0_0.distcp", MARKER]  # the other run's snapshot is whole
     assert sorted(os.listdir(own)) == ["step-00000005"]  # the link and this run's old snapshot are pruned
+
+
+@pytest.mark.parametrize("python", ["3.11", "3.10"])
+def test_pruning_removes_an_old_snapshot_whole_and_nothing_its_links_point_to(tmp_path, victim, monkeypatch, python):
+    if python == "3.10":
+        # shutil.rmtree takes dir_fd from Python 3.11 on; before, the prune removes the folder by its path.
+        monkeypatch.setattr(manager, "sys", SimpleNamespace(version_info=(3, 10, 0)))
+    own = tmp_path / "run" / "snapshots"
+    _snapshot_folder(own / "step-00000002", 2)
+    _snapshot_folder(own / "step-00000005", 5)
+    link(own / "step-00000002", "file-link", victim)
+    link(own / "step-00000002" / "sub", "folder-link", victim.parent)
+    SnapshotManager(own, keep_last=1)._prune(newest=5)
+    assert sorted(os.listdir(own)) == ["step-00000005"]  # the old snapshot is gone, links and all
+    assert sorted(os.listdir(own / "step-00000005")) == ["__0_0.distcp", MARKER]
+    assert sorted(os.listdir(victim.parent)) == ["victim.txt"] and victim.read_text() == VICTIM_TEXT
 
 
 def test_pruning_refuses_a_snapshots_folder_that_is_a_link(tmp_path):
