@@ -107,7 +107,7 @@ rm -f "$OUT/env.txt"
 # import error at collection would stop the whole run.
 xdist=()
 "$PY" -c 'import xdist' >/dev/null 2>&1 && xdist=(-n 4)  # four at once: one GPU holds them easily
-part "pytest -m gpu" 290 "$PY" -m pytest -m gpu tests/test_gpu_jobs.py tests/test_gpu_training.py -rA \
+part "pytest -m gpu" 290 "$PY" -m pytest -m gpu tests/jobs/test_gpu_jobs.py tests/jobs/test_gpu_training.py -rA \
   -p no:cacheprovider "${xdist[@]}" --junitxml="$OUT/junit-gpu.xml"
 
 # -- the figures -------------------------------------------------------------------------------------------

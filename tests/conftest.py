@@ -1,4 +1,5 @@
-"""Shared helpers for the core tests: a launcher-free environment and a way to run ``python -c`` in it."""
+"""Shared helpers for the tests: a launcher-free environment, a way to run ``python -c`` in it, and ddpkit's module
+globals reset after each test."""
 
 from __future__ import annotations
 
@@ -6,12 +7,14 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
 
 # Variables through which a launcher or a scheduler tells a process where it sits in a job. A subprocess that
 # must run as "plain python" gets none of them, whatever the shell running pytest exported.
@@ -36,7 +39,8 @@ _LAUNCH_PREFIXES = ("SLURM_", "TORCHELASTIC_", "PMI_", "PMIX_", "OMPI_")
 
 def _clean_environ() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS and not k.startswith(_LAUNCH_PREFIXES)}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SRC), env.get("PYTHONPATH", "")) if p)
+    # src for ddpkit, the checkout for the job scripts (``tests.jobs.scripts``), which import each other as a package.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SRC), str(ROOT), env.get("PYTHONPATH", "")) if p)
     # "No GPU" must hold for the subprocess even when the suite runs on a machine that has one.
     env["CUDA_VISIBLE_DEVICES"] = ""
     return env
@@ -88,3 +92,57 @@ def run_python(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., subpro
         return subprocess.CompletedProcess(args, proc.returncode, out, err)
 
     return run
+
+
+# ddpkit's module-level state, with its value at import: what a test run in this process may leave behind for
+# the next test to trip on (a runtime that makes the next init() a no-op, a held SIGUSR1 that stops the next
+# fit(), writer groups of a destroyed process group, a cached script). runtime._generation is left alone on
+# purpose: it numbers the process groups this process has made, so that no later group reads an earlier one's
+# keys in a store they share.
+DDPKIT_GLOBALS: dict[tuple[str, str], Any] = {
+    ("ddpkit.distributed.runtime", "_runtime"): None,
+    ("ddpkit.distributed.signals", "_pending"): None,
+    ("ddpkit.nn.dropout", "_layout"): None,
+    ("ddpkit.nn.dropout", "_calls"): {},
+    ("ddpkit.snapshot.staging", "_groups"): {},
+    ("ddpkit.tools.workload", "_modules"): {},
+    ("ddpkit.launch.worker", "_worker_store"): None,
+    ("ddpkit.launch.rendezvous_backend", "_jobs"): {},
+    ("ddpkit.launch.rendezvous_backend", "_relays"): {},
+}
+# hold_stop_signals() and the Trainer's stop_signals() install handlers for these in the process that calls them.
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def _set_global(module: Any, name: str, value: Any) -> None:
+    current = getattr(module, name)
+    if isinstance(current, dict) and isinstance(value, dict):
+        current.clear()  # in place: the module's functions hold this very dict
+        current.update(value)
+    else:
+        setattr(module, name, value)
+
+
+@pytest.fixture(autouse=True)
+def _reset_ddpkit_globals() -> Iterator[None]:
+    """Put ddpkit's module globals, the stop-signal handlers and torch's default process group back as they were
+    before the test: tests share one process, and none may see what another left."""
+    before = {}
+    for (module_name, name), _ in DDPKIT_GLOBALS.items():
+        if module_name in sys.modules:
+            value = getattr(sys.modules[module_name], name)
+            before[module_name, name] = dict(value) if isinstance(value, dict) else value
+    handlers = {sig: signal.getsignal(sig) for sig in _STOP_SIGNALS}
+    dist = sys.modules.get("torch.distributed")
+    had_group = dist is not None and dist.is_available() and dist.is_initialized()
+    yield
+    dist = sys.modules.get("torch.distributed")
+    if not had_group and dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    for sig, handler in handlers.items():
+        if handler is not None:  # None: installed from outside Python, nothing to put back from here
+            signal.signal(sig, handler)
+    for (module_name, name), initial in DDPKIT_GLOBALS.items():
+        if module_name in sys.modules:  # imported before the test, or by it (then back to its value at import)
+            value = before.get((module_name, name), initial)
+            _set_global(sys.modules[module_name], name, dict(value) if isinstance(value, dict) else value)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPTS = Path(__file__).parent / "scripts"
+SCRIPTS = Path(__file__).parent / "jobs" / "scripts"
 DDPKIT = [sys.executable, "-m", "ddpkit.cli"]
 
 

@@ -10,8 +10,8 @@ which no snapshot can restore.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sized
+from typing import Any, cast
 
 import torch
 from torch.utils.data import (
@@ -51,7 +51,7 @@ class SeededSamples(Dataset):
         self.dataset, self.seed = dataset, seed
 
     def __len__(self) -> int:
-        return len(self.dataset)  # type: ignore[arg-type]
+        return len(self.dataset)  # type: ignore[arg-type]  # torch's Dataset declares no __len__; this one has it
 
     def __getitem__(self, key: tuple[int, int]) -> Any:
         return self.__getitems__([key])[0]
@@ -139,7 +139,13 @@ def build_loader(
     # A TensorDataset only indexes tensors: it draws nothing, and seeding would cost ~10 us a sample for nothing.
     seed_samples = seed_samples and type(dataset) is not TensorDataset
     sampler = ShardedBatchSampler(
-        dataset, batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last, group=group, keyed=seed_samples
+        cast(Sized, dataset),  # check_map_style made sure it has a length
+        batch_size,
+        shuffle=shuffle,
+        seed=seed,
+        drop_last=drop_last,
+        group=group,
+        keyed=seed_samples,
     )
     generator = torch.Generator()
     generator.manual_seed(stream_seed("loader", seed, sampler.rank))  # per-rank worker seeds: ranks augment differently
@@ -166,7 +172,7 @@ def build_eval_loader(
     return DataLoader(
         dataset,
         batch_size=batch_size,
-        sampler=EvalShardSampler(dataset, group=group),
+        sampler=EvalShardSampler(cast(Sized, dataset), group=group),  # check_map_style made sure it has a length
         collate_fn=collate_fn,
         generator=torch.Generator(),
         **_loader_kwargs(num_workers, pin_memory),

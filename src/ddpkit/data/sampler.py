@@ -47,7 +47,7 @@ def shard_bounds(n: int, parts: int, index: int) -> tuple[int, int]:
     return start, start + base + (1 if index < extra else 0)
 
 
-class ShardedBatchSampler(Sampler[list[int]]):
+class ShardedBatchSampler(Sampler[list[int] | list[tuple[int, int]]]):
     """Yields this rank's indices for each step of an epoch; the epoch advances by itself.
 
     Each ``iter()`` is a new epoch (no ``set_epoch`` to forget), so ``for batch in loader`` in an epoch loop
@@ -141,7 +141,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
     def __len__(self) -> int:
         return max(0, self.steps_per_epoch - self._first_step())
 
-    def __iter__(self) -> Iterator[list[int]]:
+    def __iter__(self) -> Iterator[list[int] | list[tuple[int, int]]]:
         epoch, first_step = self.epoch, self._first_step()
         self.epoch, self._cursor = epoch + 1, 0
         n, gbs = self.num_samples, self.global_batch_size

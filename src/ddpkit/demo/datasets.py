@@ -102,8 +102,9 @@ def mnist(root: str, split: str) -> TensorDataset:
     _check_split(split)
     folder = Path(root).expanduser()
     names = _MNIST_FILES[split]
-    paths = [_find(folder, name) for name in names]
-    missing = [name for name, path in zip(names, paths) if path is None]
+    found = [_find(folder, name) for name in names]
+    paths = [path for path in found if path is not None]
+    missing = [name for name, path in zip(names, found) if path is None]
     if missing:
         every = ", ".join(name for pair in _MNIST_FILES.values() for name in pair)
         raise FileNotFoundError(

@@ -71,7 +71,8 @@ def _flatten(values: Mapping[str, Any]) -> tuple[torch.Tensor, list[tuple[str, A
 
 
 def _unflatten(flat: torch.Tensor, layout: list[tuple[str, Any, torch.Size]]) -> dict[str, Any]:
-    out, offset = {}, 0
+    out: dict[str, Any] = {}
+    offset = 0
     for key, original, shape in layout:
         n = shape.numel()
         chunk = flat[offset : offset + n].reshape(shape)

@@ -229,8 +229,9 @@ def _read_ranks(env: Mapping[str, str]) -> LaunchEnv:
         )
     # MPI before SLURM: under `mpiexec` in a SLURM job, MPICH's and Open MPI's launchers start one srun task per
     # node and the ranks inside it, so SLURM_PROCID counts nodes there while the MPI variables count ranks.
-    if _mpi_vars(env):
-        return _mpi_env(env)
+    mpi_vars = _mpi_vars(env)
+    if mpi_vars:
+        return _mpi_env(env, mpi_vars)
     if _is_slurm_task(env):
         return _slurm_env(env)
     return LaunchEnv()
@@ -247,8 +248,8 @@ def _mpi_vars(env: Mapping[str, str]) -> tuple[str, str, str, str] | None:
     return next((names for names in _MPI_VARIANTS if names[0] in env and names[1] in env), None)
 
 
-def _mpi_env(env: Mapping[str, str]) -> LaunchEnv:
-    rank_var, size_var, local_var, local_size_var = _mpi_vars(env)  # type: ignore[misc]
+def _mpi_env(env: Mapping[str, str], mpi_vars: tuple[str, str, str, str]) -> LaunchEnv:
+    rank_var, size_var, local_var, local_size_var = mpi_vars
     world_size = _int(env, size_var)
     return _check(
         LaunchEnv(

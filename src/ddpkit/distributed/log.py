@@ -27,8 +27,9 @@ class _RankFilter(logging.Filter):
         self.group, self.main_only = group, main_only
 
     def filter(self, record: logging.LogRecord) -> bool:
-        record.rank = get_runtime(self.group).rank
-        return not self.main_only or record.rank == 0
+        rank = get_runtime(self.group).rank
+        record.__dict__["rank"] = rank  # a field of its own on the record, read by the format as %(rank)s
+        return not self.main_only or rank == 0
 
 
 def get_logger(name: str = "ddpkit", all_ranks: bool = False, group: Any = None) -> logging.Logger:

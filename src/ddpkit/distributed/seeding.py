@@ -81,7 +81,9 @@ def rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if np is not None:
         # As plain values and a tensor, so a snapshot loads with torch.load(weights_only=True).
-        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        legacy = np.random.get_state()
+        assert isinstance(legacy, tuple)  # the global generator is a Mersenne Twister: the 5-tuple form
+        kind, keys, pos, has_gauss, gauss = legacy
         state["numpy"] = (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss))
     if _cuda_in_use():  # dropout on the GPU draws from these; before CUDA is initialised nothing has
         state["cuda"] = torch.cuda.get_rng_state_all()

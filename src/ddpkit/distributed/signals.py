@@ -74,5 +74,5 @@ def stop_signals(on_signal: Callable[[int], None]) -> Iterator[None]:
             on_signal(int(held))
         yield
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

@@ -244,9 +244,9 @@ def _forward_signals() -> None:
         agent = Agent.current
         pids = agent.worker_pids() if agent is not None else []
         if signum == signal.SIGTERM:
-            if not pids:  # no workers yet (rendezvous) or any more: nothing to save, stop now
+            if agent is None or not pids:  # no workers yet (rendezvous) or any more: nothing to save, stop now
                 raise SystemExit(128 + signum)
-            agent._remaining_restarts = 0  # type: ignore[union-attr]
+            agent._remaining_restarts = 0
             timer = threading.Timer(TERM_GRACE, _kill, (pids,))
             timer.daemon = True
             timer.start()

@@ -208,7 +208,7 @@ def launch(cfg: LaunchConfig) -> int:
     check_target(cfg)
     nproc = resolve_nproc(cfg.nproc)
     node = None
-    if cfg.networked:
+    if cfg.rdzv_endpoint:  # networked
         secret = load_secret(cfg.rdzv_secret_file)
         node = node_address(cfg.rdzv_endpoint)
         if not node.is_host:

@@ -120,9 +120,7 @@ def check_seconds(option: str, value: float) -> float:
     return value
 
 
-def parse_seconds(option: str, text: str | None) -> float | None:
-    if text is None:
-        return None
+def parse_seconds(option: str, text: str) -> float:
     try:
         value = float(text)
     except ValueError:
@@ -265,7 +263,9 @@ def config_from_args(ns: argparse.Namespace, script_args: Sequence[str] = ()) ->
         rdzv_conf=conf,
         local_addr=ns.local_addr,
         join_timeout=parse_seconds("--join-timeout", ns.join_timeout),
-        collective_timeout=parse_seconds("--collective-timeout", ns.collective_timeout),
+        collective_timeout=(
+            None if ns.collective_timeout is None else parse_seconds("--collective-timeout", ns.collective_timeout)
+        ),
         debug_collectives=ns.debug_collectives,
         max_restarts=ns.max_restarts,
         all_ranks=ns.all_ranks,

@@ -88,7 +88,7 @@ def _wait_gone(pids: Iterable[int], deadline: float) -> None:
         except ProcessLookupError:
             continue
         except (OSError, AttributeError):  # a kernel before 5.3: nothing to wait on but the process table
-            while _stat(pid) is not None and _stat(pid)[0] not in ("Z", "X") and time.monotonic() < deadline:
+            while (stat := _stat(pid)) is not None and stat[0] not in ("Z", "X") and time.monotonic() < deadline:
                 time.sleep(0.01)
             continue
         try:

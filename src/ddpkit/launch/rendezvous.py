@@ -54,7 +54,7 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
 
 def resolve(host: str) -> str:
     try:
-        return socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+        return str(socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0])  # AF_INET: a str
     except socket.gaierror as err:
         raise ConfigError(
             f"--rdzv-endpoint host {host!r} cannot be resolved ({err.strerror}): use a host name every node "

@@ -145,12 +145,13 @@ def time_limit_seconds(text: str) -> int | None:
     match = _TIME.fullmatch(text)
     if match is None:
         raise ConfigError(f"--time {text!r}: use MINUTES, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS as SLURM does")
-    days, d_hours, d_minutes, d_seconds, a, b, c = (int(g) if g is not None else None for g in match.groups())
-    if days is not None:
-        seconds = days * 86400 + d_hours * 3600 + (d_minutes or 0) * 60 + (d_seconds or 0)
-    elif c is not None:
+    given = match.groups()
+    days, d_hours, d_minutes, d_seconds, a, b, c = (int(g or 0) for g in given)
+    if given[0] is not None:
+        seconds = days * 86400 + d_hours * 3600 + d_minutes * 60 + d_seconds
+    elif given[6] is not None:
         seconds = a * 3600 + b * 60 + c  # HH:MM:SS
-    elif b is not None:
+    elif given[5] is not None:
         seconds = a * 60 + b  # MM:SS
     else:
         seconds = a * 60  # minutes

@@ -65,10 +65,12 @@ class CPUSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         mean = total[:c] / count
         var = total[c : 2 * c] / count - mean * mean
         if self.track_running_stats:
+            running_mean, running_var = self.running_mean, self.running_var
+            assert running_mean is not None and running_var is not None  # registered with track_running_stats
             with torch.no_grad():
                 unbiased = var * count / (count - 1).clamp(min=1)
-                self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean.dtype), alpha=factor)
-                self.running_var.mul_(1 - factor).add_(unbiased.to(self.running_var.dtype), alpha=factor)
+                running_mean.mul_(1 - factor).add_(mean.to(running_mean.dtype), alpha=factor)
+                running_var.mul_(1 - factor).add_(unbiased.to(running_var.dtype), alpha=factor)
         shape = (1, c) + (1,) * (input.dim() - 2)
         inv_std = torch.rsqrt(var + self.eps).to(input.dtype).reshape(shape)
         out = (input - mean.to(input.dtype).reshape(shape)) * inv_std
@@ -79,8 +81,10 @@ class CPUSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
     def _momentum_factor(self) -> float:
         if not (self.training and self.track_running_stats):
             return 0.0
-        self.num_batches_tracked.add_(1)
-        return 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        tracked = self.num_batches_tracked
+        assert tracked is not None  # registered with track_running_stats
+        tracked.add_(1)
+        return 1.0 / float(tracked) if self.momentum is None else self.momentum
 
 
 def convert_sync_batchnorm(module: nn.Module, device: torch.device, process_group: Any = None) -> nn.Module:

@@ -44,8 +44,10 @@ def unwrap(model: nn.Module) -> nn.Module:
     """The user's module inside DDP (and ``torch.compile``) wrappers: what to save, load or evaluate."""
     while True:
         if isinstance(model, DDP):
-            model = model.module
+            inner = model.module
         elif hasattr(model, "_orig_mod"):  # torch.compile's OptimizedModule
-            model = model._orig_mod
+            inner = model._orig_mod
         else:
             return model
+        assert isinstance(inner, nn.Module)  # read through Module.__getattr__, typed Tensor | Module
+        model = inner

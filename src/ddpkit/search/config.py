@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from ddpkit.errors import ConfigError
 
@@ -24,7 +24,7 @@ class SearchConfig:
     metric: str = "val/loss"
     """The validation metric a Trainer reports each epoch (pruning) and the objective's result, if the objective
     returns the Trainer's metrics dict."""
-    direction: str = "minimize"
+    direction: Literal["minimize", "maximize"] = "minimize"
     sampler: str = "tpe"
     """``tpe`` (default), ``evolution`` (Propulate's asynchronous evolution), ``nsga2``, ``cmaes``, ``random``,
     ``grid`` (choices only)."""

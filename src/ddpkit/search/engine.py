@@ -44,11 +44,14 @@ from ddpkit.search.config import SearchConfig
 from ddpkit.search.environment import environment_error
 from ddpkit.search.report import write_results
 from ddpkit.search.search_dir import (
+    SearchDirLock,
     describe_storage,
     trial_dir,
 )
 from ddpkit.search.space import to_distributions
 from ddpkit.search.study import Start, begin_search, next_trial, open_study, trials_of
+
+_Objective = Callable[["Candidate"], "float | Mapping[str, float]"]
 
 
 class Candidate:
@@ -117,15 +120,17 @@ def search(
     Path(config.search_dir).mkdir(parents=True, exist_ok=True)
     # One rank takes search_dir and creates the study before the others open it; a refusal or an unreachable
     # storage is an error on every rank rather than a hang on those waiting.
-    lock, error, begun = None, None, None
+    lock: SearchDirLock | None = None
+    error: str | None = None
+    begun: Start | None = None
     if rt.is_main:
         try:
             lock, begun = begin_search(config, distributions)
         except ConfigError as err:
             error = str(err)
     error, begun = broadcast_object((error, begun))
-    if error:
-        raise ConfigError(error)
+    if error is not None or begun is None:  # rank 0 found either an error or a Start
+        raise ConfigError(str(error))
     try:
         _search_on_groups(objective, distributions, config, begun)
         if rt.is_main:
@@ -140,7 +145,7 @@ def search(
     return open_study(config, distributions, create=False)
 
 
-def _search_on_groups(objective, distributions: dict[str, Any], cfg: SearchConfig, begun: Start) -> None:
+def _search_on_groups(objective: _Objective, distributions: dict[str, Any], cfg: SearchConfig, begun: Start) -> None:
     """Every group trains candidates until the budget is spent; returns once every group is done."""
     rt = get_runtime()
     grt = split_world(cfg.group_size)
@@ -157,14 +162,14 @@ def _search_on_groups(objective, distributions: dict[str, Any], cfg: SearchConfi
         print0(f"ddpkit search: resuming {len(begun.leftover)} trial(s) a stopped job left running: {begun.leftover}")
     search_dir = Path(cfg.search_dir)
     while True:
-        trial = next_trial(study, cfg, distributions, begun.search_id, mine, search_dir) if grt.is_main else None
+        trial = next_trial(study, cfg, distributions, begun.search_id, mine, search_dir) if study is not None else None
         payload = broadcast_object(None if trial is None else (trial.number, trial.params), group=grt.group)
         if payload is None:
             break
         number, params = payload
         candidate = Candidate(number, params, grt, trial_dir(search_dir, number), trial, cfg.metric)
         state, value, error = _run_candidate(objective, candidate, cfg)
-        if grt.is_main:
+        if study is not None and trial is not None:  # the group's rank 0
             if error:
                 trial.set_user_attr("error", error[-2000:])
             study.tell(number, value if state == TrialState.COMPLETE else None, state=state)
@@ -172,7 +177,9 @@ def _search_on_groups(objective, distributions: dict[str, Any], cfg: SearchConfi
     _wait_for_every_group()
 
 
-def _run_candidate(objective, candidate: Candidate, cfg: SearchConfig) -> tuple[TrialState, float | None, str | None]:
+def _run_candidate(
+    objective: _Objective, candidate: Candidate, cfg: SearchConfig
+) -> tuple[TrialState, float | None, str | None]:
     """Train one candidate; the group agrees on how it ended (every rank learns every other's outcome)."""
     state, value, error = TrialState.COMPLETE, None, None
     try:
@@ -242,7 +249,15 @@ def _free_accelerator_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def _progress(study, cfg: SearchConfig, search_id: str, candidate: Candidate, state, value, error) -> None:
+def _progress(
+    study: optuna.Study,
+    cfg: SearchConfig,
+    search_id: str,
+    candidate: Candidate,
+    state: TrialState,
+    value: float | None,
+    error: str | None,
+) -> None:
     trials = trials_of(study, search_id)
     finished = sum(t.state.is_finished() for t in trials)
     complete = [t for t in trials if t.state == TrialState.COMPLETE and t.value is not None]

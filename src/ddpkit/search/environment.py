@@ -18,7 +18,8 @@ def environment_error(err: BaseException) -> OSError | None:
     RuntimeError from its error) and in the per-rank failures of torch.distributed.checkpoint's
     CheckpointException.
     """
-    todo, seen = [err], set()
+    todo: list[BaseException | None] = [err]
+    seen: set[int] = set()
     while todo:
         e = todo.pop()
         if e is None or id(e) in seen:

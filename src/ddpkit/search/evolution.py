@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from optuna.distributions import (
@@ -64,7 +64,7 @@ class EvolutionSampler(BaseSampler):
         if not search_space or len(finished) < self.min_finished or self._rng.random() < self.random_share:
             return {}  # drawn at random by sample_independent
         reverse = study.direction == StudyDirection.MAXIMIZE
-        best = sorted(finished, key=lambda t: t.value, reverse=reverse)[: self.top]
+        best = sorted(finished, key=lambda t: cast(float, t.value), reverse=reverse)[: self.top]
         mother, father = self._tournament(best), self._tournament(best)
         child = {}
         for name, dist in search_space.items():

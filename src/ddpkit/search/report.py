@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import csv
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from optuna.trial import FrozenTrial, TrialState
 
 
 def best_trials(trials: list[FrozenTrial], direction: str, k: int = 5) -> list[FrozenTrial]:
     complete = [t for t in trials if t.state == TrialState.COMPLETE and t.value is not None]
-    return sorted(complete, key=lambda t: t.value, reverse=direction == "maximize")[:k]
+    return sorted(complete, key=lambda t: cast(float, t.value), reverse=direction == "maximize")[:k]
 
 
 def write_csv(trials: list[FrozenTrial], path: Path) -> None:
@@ -21,7 +22,8 @@ def write_csv(trials: list[FrozenTrial], path: Path) -> None:
         w = csv.writer(f)
         w.writerow(["number", "state", "value", *params, "epochs_reported", "seconds", "error"])
         for t in sorted(trials, key=lambda t: t.number):
-            seconds = (t.datetime_complete - t.datetime_start).total_seconds() if t.datetime_complete else ""
+            done, start = t.datetime_complete, t.datetime_start
+            seconds = (done - start).total_seconds() if done and start else ""
             w.writerow(
                 [
                     t.number,
@@ -65,11 +67,12 @@ def save_plots(study: Any, out_dir: Path) -> list[Path]:
     import warnings
 
     saved = []
-    for name, draw in [
+    plots: list[tuple[str, Callable[[Any], Any]]] = [
         ("history", vis.plot_optimization_history),
         ("importances", vis.plot_param_importances),
         ("intermediate", vis.plot_intermediate_values),
-    ]:
+    ]
+    for name, draw in plots:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # Optuna marks its matplotlib plots experimental

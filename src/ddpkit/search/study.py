@@ -12,7 +12,7 @@ import fcntl
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,12 +69,13 @@ def new_sampler(
 
 
 def new_pruner(cfg: SearchConfig) -> optuna.pruners.BasePruner:
-    return {
+    pruners: dict[str, Callable[[], optuna.pruners.BasePruner]] = {
         "median": lambda: optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=2),
         "halving": optuna.pruners.SuccessiveHalvingPruner,
         "hyperband": optuna.pruners.HyperbandPruner,
         "none": optuna.pruners.NopPruner,
-    }[cfg.pruner]()
+    }
+    return pruners[cfg.pruner]()
 
 
 def open_storage(cfg: SearchConfig) -> Any:
@@ -179,7 +180,14 @@ def begin_search(cfg: SearchConfig, distributions: dict[str, Any]) -> tuple[Sear
         raise
 
 
-def next_trial(study, cfg, distributions, search_id, leftover: list[int], search_dir: Path) -> optuna.Trial | None:
+def next_trial(
+    study: optuna.Study,
+    cfg: SearchConfig,
+    distributions: dict[str, Any],
+    search_id: str,
+    leftover: list[int],
+    search_dir: Path,
+) -> optuna.Trial | None:
     """The next candidate's trial for this group, or None when the budget is spent."""
     while leftover:
         trial = resumed_trial(study, leftover.pop(0), distributions)

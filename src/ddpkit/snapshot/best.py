@@ -55,13 +55,12 @@ class BestWeights:
     ) -> bool:
         """Save ``weights()`` if ``metrics[metric]`` beats the best so far; True if it did. Every rank calls it:
         ``weights()`` may be a collective (the whole model gathered from its shards)."""
-        if not self.tracking:
+        metric = self.metric
+        if metric is None:  # not tracking
             return False
-        if self.metric not in metrics:
-            raise ConfigError(
-                f"early_stopping.metric={self.metric!r} is not among the epoch's metrics {sorted(metrics)}"
-            )
-        value = float(metrics[self.metric])
+        if metric not in metrics:
+            raise ConfigError(f"early_stopping.metric={metric!r} is not among the epoch's metrics {sorted(metrics)}")
+        value = float(metrics[metric])
         if not is_better(value, self.value, self.mode):
             return False
         self.value, self.epoch = value, epoch

@@ -44,6 +44,7 @@ import os
 import pickle
 import re
 import shutil
+import sys
 import threading
 import time
 import traceback
@@ -440,7 +441,11 @@ class SnapshotManager:
                         pass
                     finally:
                         os.close(step)
-                    # rmtree with dir_fd walks by descriptors and unlinks links inside without following them.
-                    shutil.rmtree(name, dir_fd=folder, ignore_errors=True)
+                    # rmtree walks by descriptors and unlinks links inside without following them; through
+                    # dir_fd from Python 3.11, by path before (the entry was lstat-ed as a folder just above).
+                    if sys.version_info >= (3, 11):
+                        shutil.rmtree(name, dir_fd=folder, ignore_errors=True)
+                    else:
+                        shutil.rmtree(os.path.join(self.folder, name), ignore_errors=True)
         finally:
             os.close(folder)

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
 from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
@@ -225,7 +226,7 @@ def index_from_json(data: Any) -> Metadata:
         or not isinstance(data.get("storage"), list)
     ):
         raise BadIndex("it is not an index of tensors")
-    state = {}
+    state: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}  # an index of tensors only: no bytes
     for fqn, md in data["tensors"].items():
         if not isinstance(md, dict) or not isinstance(md.get("chunks"), list):
             raise BadIndex(f"item {fqn!r} is not a tensor")

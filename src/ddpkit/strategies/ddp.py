@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpkit.distributed.runtime import Runtime
 from ddpkit.errors import ConfigError
@@ -110,7 +111,7 @@ def all_finite(tensors: list[torch.Tensor], flags: dict[Any, tuple[torch.Tensor,
     us a step, which shows on tiny models.
     """
     flags = {} if flags is None else flags
-    groups: dict[torch.device, list[torch.Tensor]] = {}
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
         if t.is_sparse:  # e.g. nn.Embedding(sparse=True): the stored values, uncoalesced (summing could overflow)
             t = t._values()
@@ -182,7 +183,7 @@ class DDPStrategy:
         self._names = {id(p): n for n, p in unwrap(self.model).named_parameters()}
 
     def no_sync(self) -> AbstractContextManager[Any]:
-        return self.model.no_sync() if self.runtime.distributed else nullcontext()
+        return self.model.no_sync() if isinstance(self.model, DDP) else nullcontext()  # DDP when distributed
 
     def mark_nonfinite(self, loss: torch.Tensor) -> torch.Tensor:
         return nan_gradient_if_nonfinite(loss, self.anchor, self.on_host)
@@ -211,7 +212,7 @@ class DDPStrategy:
         return nullcontext()  # evaluate() calls the module inside DDP, whose forward runs no collective
 
     def join(self) -> AbstractContextManager[Any]:
-        if not self.runtime.distributed:
+        if not isinstance(self.model, DDP):  # not distributed
             return nullcontext()
         from torch.distributed.algorithms.join import Join
 

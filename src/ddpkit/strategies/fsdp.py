@@ -127,7 +127,9 @@ class FSDPStrategy:
             )
         self.config = config or FSDPConfig()
         self.runtime = runtime
-        self.group = runtime.group if runtime.group is not None else dist.group.WORLD
+        group = runtime.group if runtime.group is not None else dist.group.WORLD
+        assert group is not None  # runtime.distributed: the default group exists
+        self.group = group
         names = {id(p): n for n, p in model.named_parameters()}
         model = model.to(runtime.device)
         if sync_batchnorm:
@@ -149,11 +151,15 @@ class FSDPStrategy:
     def _unsynced(self) -> Iterator[None]:
         # Gradients of these micro-batches stay unsharded and local; the last micro-batch's backward
         # reduce-scatters their sum.
-        self.model.set_requires_gradient_sync(False)
+        from torch.distributed.fsdp import FSDPModule
+
+        root = self.model
+        assert isinstance(root, FSDPModule)  # shard_model's fully_shard made the root one
+        root.set_requires_gradient_sync(False)
         try:
             yield
         finally:
-            self.model.set_requires_gradient_sync(True)
+            root.set_requires_gradient_sync(True)
 
     def no_sync(self) -> AbstractContextManager[Any]:
         return self._unsynced()

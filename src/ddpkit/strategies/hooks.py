@@ -45,13 +45,14 @@ def parameter_server(process_group: Any, bucket: dist.GradBucket) -> torch.futur
     compare, not a speed-up.
     """
     group = process_group if process_group is not None else dist.group.WORLD
+    assert group is not None  # DDP runs its hooks only over a process group
     world = dist.get_world_size(group)
     server = dist.get_global_rank(group, bucket.index() % world)
     buffer = bucket.buffer()
     dist.reduce(buffer, dst=server, group=group)
     dist.broadcast(buffer, src=server, group=group)
     buffer.div_(world)
-    future = torch.futures.Future()
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     future.set_result(buffer)
     return future
 

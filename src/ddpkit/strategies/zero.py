@@ -68,7 +68,7 @@ class ZeroStrategy:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         names = {id(p): n for n, p in unwrap(self.model).named_parameters()}
-        self.optimizer = rebuild_optimizer(
+        zero = rebuild_optimizer(
             optimizer,
             dict(unwrap(self.model).named_parameters()),
             names,
@@ -76,6 +76,8 @@ class ZeroStrategy:
             process_group=runtime.group,
             parameters_as_bucket_view=self.config.parameters_as_bucket_view,
         )
+        assert isinstance(zero, ZeroRedundancyOptimizer)
+        self.optimizer = zero
         self.ddp.optimizer = self.optimizer
 
     def no_sync(self) -> AbstractContextManager[Any]:

@@ -24,10 +24,10 @@ import json
 import os
 import platform
 import sys
-from collections.abc import Sequence
+from collections.abc import Sequence, Sized
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -132,7 +132,7 @@ def measure_knobs(cfg: BenchConfig, log: Any) -> dict[str, Any]:
         )
     base = results[trials[0]]
     noise = (max(base) - min(base)) / 2
-    best = {}
+    best: dict[str, Any] = {}
     for k in trials[1:]:
         gain = min(base) - min(results[k])
         if gain > noise:
@@ -214,7 +214,9 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
 
     w = load_workload(cfg.script)  # bad input fails here, with its message, rather than inside every rank
     if w.loader is None:
-        ShardedBatchSampler(w.dataset, w.batch_size, drop_last=w.drop_last, rank=0, world_size=cfg.nproc)
+        ShardedBatchSampler(
+            cast(Sized, w.dataset), w.batch_size, drop_last=w.drop_last, rank=0, world_size=cfg.nproc
+        )  # checks the workload's sizes; a map-style dataset has a length
     log(f"measuring the step at 1..{cfg.nproc} ranks ({cfg.rounds} rounds)")
     scaling = measure_scaling(cfg, log)
     log("measuring the all-reduce alone")

@@ -17,10 +17,10 @@ import functools
 import itertools
 import random
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Sequence, Sized
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -81,7 +81,7 @@ class _SampleSeeded(Dataset):
         self.dataset, self.seed, self.epoch = dataset, seed, 0
 
     def __len__(self) -> int:
-        return len(self.dataset)  # type: ignore[arg-type]
+        return len(self.dataset)  # type: ignore[arg-type]  # torch's Dataset declares no __len__; this one has it
 
     def __getitem__(self, index: int) -> Any:
         state = random.getstate(), np.random.get_state() if np is not None else None
@@ -162,12 +162,12 @@ def train_steps(
             digests = {name: float(t.double().sum()) for name, t in plain.items()}
             every = gather_object(digests)
             records["differing_tensors"] = sorted(n for n in digests if any(d.get(n) != digests[n] for d in every))
-            ddp_kwargs = {"find_unused_parameters": True} if "unused_parameters" in fixes else {}
+            ddp_kwargs: dict[str, Any] = {"find_unused_parameters": True} if "unused_parameters" in fixes else {}
             model = prepare_model(model, sync_batchnorm="batchnorm" in fixes, **ddp_kwargs)
             optimizer = w.optimizer(model.parameters())
             data = _SampleSeeded(w.dataset, seed) if "augmentation" in fixes else w.dataset
             if w.loader is None or "data_order" in fixes:
-                sampler = ShardedBatchSampler(data, batch, seed=seed, drop_last=w.drop_last)
+                sampler = ShardedBatchSampler(cast(Sized, data), batch, seed=seed, drop_last=w.drop_last)
                 loader: Any = DataLoader(data, batch_sampler=sampler, num_workers=0)
             else:
                 loader = w.loader(data, batch, rt.rank, rt.world_size)
@@ -234,7 +234,9 @@ def _check(cfg: CheckConfig) -> tuple[int, list[str]]:
     # Bad input fails here, with its message, rather than inside every rank.
     w = load_workload(cfg.script)
     if w.loader is None:
-        ShardedBatchSampler(w.dataset, w.batch_size, drop_last=w.drop_last, rank=0, world_size=cfg.nproc)
+        ShardedBatchSampler(
+            cast(Sized, w.dataset), w.batch_size, drop_last=w.drop_last, rank=0, world_size=cfg.nproc
+        )  # checks the workload's sizes; a map-style dataset has a length
     ranks = spawn(functools.partial(_ranks_run, cfg.script, setups, cfg.steps, cfg.seed), cfg.nproc)[0]
     global_batch = w.batch_size * cfg.nproc
     verdicts = []
@@ -301,10 +303,13 @@ def _what(v: Verdict, cfg: CheckConfig) -> str:
         return f"the {cfg.nproc}-rank run raised {v.ranks.error}"
     if v.repeat.error:
         return f"the single process raised {v.repeat.error}"
-    if v.repeat.differs(cfg.rtol):
-        step, q, d = v.repeat.first(cfg.rtol)  # type: ignore[misc]
+    repeat = v.repeat.first(cfg.rtol)
+    if repeat is not None:
+        step, q, d = repeat
         return f"one process run twice: {q} {d:.1e} at step {step}"
-    step, q, d = v.ranks.first(cfg.rtol)  # type: ignore[misc]
+    ranks = v.ranks.first(cfg.rtol)
+    assert ranks is not None  # asked only about a verdict that differs
+    step, q, d = ranks
     return f"{q} {d:.1e} at step {step}"
 
 

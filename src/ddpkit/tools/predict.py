@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from ddpkit.errors import ConfigError
@@ -65,7 +66,9 @@ def ring_seconds(nbytes: float, n: int, link: Interconnect) -> float:
     return 2 * (n - 1) * link.hop_latency_s + 2 * (n - 1) / n * nbytes / link.busbw_bytes_per_s
 
 
-def exposed_seconds(buckets: list[int], backward_s: float, allreduce_s, overlap: bool = True) -> float:
+def exposed_seconds(
+    buckets: list[int], backward_s: float, allreduce_s: Callable[[float], float], overlap: bool = True
+) -> float:
     """Communication that outlasts backward. ``allreduce_s(nbytes)`` is one all-reduce's time.
 
     Without ``overlap`` (ranks sharing CPU cores with their communication) every all-reduce is exposed.
@@ -118,7 +121,7 @@ def predict(
     backward_s: float,
     batch_size: int,
     buckets: list[int],
-    allreduce_s,
+    allreduce_s: Callable[[float], float],
     link: str,
     nodes: int = 1,
     compute_scale: float = 1.0,

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpkit.data import build_loader, to_device
 from ddpkit.distributed.collectives import gather_object
@@ -132,6 +133,7 @@ def measure_steps(
         static_graph=knobs.static_graph,
         gradient_as_bucket_view=knobs.gradient_as_bucket_view,
     )
+    assert isinstance(model, DDP)  # init() made a process group, so prepare_model wrapped the model
     timer = _CommTimer(cuda=rt.device.type == "cuda")
     model.register_comm_hook(None, timer.hook)
     optimizer = w.optimizer(model.parameters())

@@ -205,7 +205,8 @@ class TrainerConfig:
     def to_json(self) -> dict[str, Any]:
         """The config as JSON values, nested as it is; the strategy as its name and options."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
-        out["strategy"] = {"name": self.strategy.name, **asdict(self.strategy)}  # type: ignore[union-attr]
+        strategy = strategy_config(self.strategy)  # the config __post_init__ made of a name: returned as it is
+        out["strategy"] = {"name": strategy.name, **asdict(strategy)}
         for name in ("snapshot", "early_stopping", "logging"):
             out[name] = asdict(out[name])
         return json.loads(json.dumps(out, default=str))

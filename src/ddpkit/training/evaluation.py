@@ -8,7 +8,7 @@ broadcast buffers, a collective a rank with fewer batches would never join) and 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -64,7 +64,12 @@ def evaluate(
     ``data`` is a dataset (sharded here with no padding) or a loader that is already sharded without padding,
     such as one from :func:`~ddpkit.build_eval_loader`. Every rank of ``group`` must call this.
     """
-    loader = data if isinstance(data, (DataLoader, list)) else build_eval_loader(data, batch_size, group=group)
+    # Anything else is taken for a map-style dataset; build_eval_loader refuses one that is not.
+    loader = (
+        data
+        if isinstance(data, (DataLoader, list))
+        else build_eval_loader(cast(Dataset, data), batch_size, group=group)
+    )
     module = unwrap(model)
     _sync_buffers(model)
     device = get_runtime().device

@@ -44,7 +44,8 @@ class LossWindow:
             total = math.fsum(float(loss) * size for loss, size in zip(self.losses, self.sizes))
             return torch.tensor(total, dtype=torch.float64, device=device)
         sizes = torch.tensor(self.sizes, dtype=torch.float64, device=device)
-        return torch.stack([loss.reshape(()).to(torch.float64) for loss in self.losses]) @ sizes
+        losses = [loss for loss in self.losses if isinstance(loss, torch.Tensor)]  # all of them, off the host
+        return torch.stack([loss.reshape(()).to(torch.float64) for loss in losses]) @ sizes
 
     def clear(self) -> None:
         self.losses, self.sizes, self.steps, self.tried, self._step_start = [], [], 0, 0, 0

@@ -82,7 +82,7 @@ def module_types(model: torch.nn.Module) -> dict[str, str]:
 
 def flat_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """A nested config (``TrainerConfig.to_json()``) as ``{"snapshot.every_steps": ..., ...}``."""
-    out = {}
+    out: dict[str, Any] = {}
     for key, value in config.items():
         if isinstance(value, Mapping):
             out |= flat_config(value, f"{prefix}{key}.")

@@ -138,10 +138,10 @@ class TrainerSnapshots:
         load(extra | {"strategy": sharded})
         self.resumed_from = found.step
         self._saved_at = self.train.position  # already on disk
-        streams = self.states.get("rng")
-        if getattr(streams, "reseeded_from", None) is not None:
+        reseeded_from = getattr(self.states.get("rng"), "reseeded_from", None)
+        if reseeded_from is not None:
             self.print0(
-                f"ddpkit: resuming a {streams.reseeded_from}-rank snapshot on {rt.world_size} ranks: same "
+                f"ddpkit: resuming a {reseeded_from}-rank snapshot on {rt.world_size} ranks: same "
                 "samples in the same steps; random streams (dropout, augmentation) are reseeded"
             )
         t = self.train

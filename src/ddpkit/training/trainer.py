@@ -167,7 +167,9 @@ class Trainer:
             num_workers=config.num_workers,
             group=self.group,
         )
-        self.sampler: ShardedBatchSampler = self.loader.batch_sampler
+        sampler = self.loader.batch_sampler
+        assert isinstance(sampler, ShardedBatchSampler)  # build_loader's
+        self.sampler = sampler
         self.generator: torch.Generator = self.loader.generator
         self.state = TrainState()
         self.early_stopping = EarlyStopping(config.early_stopping)
@@ -421,14 +423,12 @@ class Trainer:
 
         Collective: every rank calls it after the same steps.
         """
-        total = all_reduce(
-            {
-                "loss": window.local_sum(self.runtime.device),
-                "samples": sum(window.sizes),
-                "stop": float(bool(self._stop_signal)),
-            },
-            group=self.group,
-        )
+        sums: dict[str, torch.Tensor | float] = {
+            "loss": window.local_sum(self.runtime.device),
+            "samples": sum(window.sizes),
+            "stop": float(bool(self._stop_signal)),
+        }
+        total = all_reduce(sums, group=self.group)
         self._epoch_loss[0] += float(total["loss"])
         self._epoch_loss[1] += float(total["samples"])
         if total["stop"] and self.stopped_by is None:
@@ -452,11 +452,12 @@ class Trainer:
         self.early_stopping.update(metrics)
         if self.early_stopping.should_stop:
             self.stopped_by = StopReason.EARLY_STOPPING
-        if self.best_weights.update(metrics, self.strategy.model_weights, self.epoch, self.step):
+        best = self.best_weights
+        if best.update(metrics, self.strategy.model_weights, self.epoch, self.step) and best.metric is not None:
             self.writer.log(
                 "event",
                 self.step,
-                {"event": "best", "file": "best.pt", self.best_weights.metric: self.best_weights.value},
+                {"event": "best", "file": "best.pt", best.metric: best.value},
             )
         if cfg.snapshot.every_epochs and self.epoch % cfg.snapshot.every_epochs == 0 or self.stopped_by:
             self.save()

@@ -1,0 +1,135 @@
+"""Loaders and evaluation shards on real ranks (``ddpkit.spawn``): every sample once, the global RNG left alone,
+and each sample's draws the same whatever the world size and the loader workers."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import ddpkit
+from ddpkit.data import (
+    EvalShardSampler,
+    ShardedBatchSampler,
+    default_num_workers,
+)
+
+
+def _loader_worker(n: int, per_rank: int) -> dict:
+    rt = ddpkit.init()
+    dataset = TensorDataset(torch.arange(n))
+    loader = ddpkit.build_loader(dataset, per_rank, drop_last=False, seed=4, num_workers=0)
+    out = {"len": len(loader), "epochs": []}
+    for _ in range(2):
+        mine = [batch[0].tolist() for batch in loader]
+        out["epochs"].append(ddpkit.gather_object(mine))
+
+    # The loader has its own generator: iterating it leaves the global RNG where it was.
+    torch.manual_seed(123)
+    for _ in loader:
+        pass
+    after_loader = torch.rand(4)
+    torch.manual_seed(123)
+    untouched = torch.rand(4)
+    # Control: a plain shuffling DataLoader without a generator draws from the global RNG.
+    plain = DataLoader(dataset, batch_size=per_rank, shuffle=True)
+    torch.manual_seed(123)
+    for _ in plain:
+        pass
+    after_plain = torch.rand(4)
+    out["rng"] = (torch.equal(after_loader, untouched), torch.equal(after_plain, untouched))
+
+    os.environ["NSLOTS"] = "8"
+    out["default_workers"] = (default_num_workers(), rt.local_world_size)
+    return out
+
+
+def test_build_loader_covers_each_epoch_once_and_keeps_global_rng():
+    n, per_rank, world = 26, 4, 2  # global batch 8, tail of 2 samples
+    results = ddpkit.spawn(_loader_worker, world, (n, per_rank))
+    reference = ShardedBatchSampler(n, per_rank * world, rank=0, world_size=1, drop_last=False, seed=4)
+    for out in results:
+        assert out["len"] == 4
+        assert out["rng"] == (True, False)
+        assert out["default_workers"] == (8 // 2 - 1, 2)
+    epochs = results[0]["epochs"]
+    assert all(out["epochs"] == epochs for out in results)  # gather_object gives every rank the same view
+    for ranks_batches in epochs:
+        seen = [i for batches in ranks_batches for b in batches for i in b]
+        assert sorted(seen) == list(range(n))  # every sample exactly once per epoch, over both ranks
+        steps = zip(*ranks_batches)
+        assert [[i for b in step for i in b] for step in steps] == list(reference)  # same as one process
+    assert epochs[0] != epochs[1]
+
+
+def _eval_shard_worker(sizes: list[int]) -> dict:
+    ddpkit.init()
+    out = {}
+    for n in sizes:
+        sampler = EvalShardSampler(n)
+        loader = ddpkit.build_eval_loader(TensorDataset(torch.arange(n)), batch_size=2, num_workers=0)
+        out[n] = (list(sampler), len(sampler), [i for (batch,) in loader for i in batch.tolist()])
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_eval_shards_cover_every_sample_exactly_once(world):
+    sizes = list(range(11))
+    results = ddpkit.spawn(_eval_shard_worker, world, (sizes,))
+    for n in sizes:
+        shares = [out[n][0] for out in results]
+        assert [i for share in shares for i in share] == list(range(n)), n
+        assert [out[n][1] for out in results] == [len(s) for s in shares]
+        assert max(map(len, shares)) - min(map(len, shares)) <= 1
+        assert [out[n][2] for out in results] == shares  # the eval loader reads exactly that share
+        # Control: DistributedSampler pads to a multiple of the world size by repeating samples.
+        padded = [list(DistributedSampler(range(n), num_replicas=world, rank=r, shuffle=False)) for r in range(world)]
+        total = sum(map(len, padded))
+        if n % world:
+            assert total > n and len({i for p in padded for i in p}) == n
+        else:
+            assert total == n
+
+
+class Noisy(torch.utils.data.Dataset):
+    """Each read draws from torch, numpy and python's random, as an augmentation would."""
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int):
+        import random
+
+        import numpy as np
+
+        return i, torch.rand(()).item(), float(np.random.rand()), random.random()
+
+
+def _draws(num_workers: int, seed_samples: bool) -> dict:
+    ddpkit.init()
+    loader = ddpkit.build_loader(Noisy(), 3, seed=5, num_workers=num_workers, seed_samples=seed_samples)
+    torch.manual_seed(123)
+    draws = {}
+    for epoch in range(2):
+        for idx, *values in loader:
+            for k, i in enumerate(idx.tolist()):
+                draws[(epoch, i)] = tuple(v[k].item() for v in values)
+    main_rng_kept = torch.equal(torch.rand(4), torch.manual_seed(123) and torch.rand(4))
+    merged = {k: v for part in ddpkit.gather_object(draws) for k, v in part.items()}
+    return {"draws": merged, "main_rng_kept": main_rng_kept}
+
+
+def test_each_sample_draws_the_same_whatever_the_world_size_and_workers():
+    one = ddpkit.spawn(_draws, 1, (0, True))[0]
+    assert len(one["draws"]) == 48 and one["main_rng_kept"]  # loading left the training stream alone
+    two = ddpkit.spawn(_draws, 2, (2, True))[0]  # 2 ranks x 2 workers
+    assert two["draws"] == one["draws"]
+    epochs = [[one["draws"][(e, i)] for i in range(24)] for e in (0, 1)]
+    assert epochs[0] != epochs[1]  # a new epoch, new draws
+    # Controls: left to each process's own stream, the draws depend on the workers, and without workers
+    # loading moves the training stream (dropout masks would shift).
+    plain_main = ddpkit.spawn(_draws, 1, (0, False))[0]
+    plain_workers = ddpkit.spawn(_draws, 1, (2, False))[0]
+    assert plain_main["draws"] != plain_workers["draws"] and not plain_main["main_rng_kept"]

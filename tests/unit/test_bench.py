@@ -1,0 +1,66 @@
+"""``ddpkit bench``: the model's pure logic against hand-worked cases, and bad input refused before any rank starts."""
+
+import pytest
+
+from ddpkit.errors import ConfigError
+from ddpkit.tools import allreduce, predict
+from ddpkit.tools.bench_config import BenchConfig
+from ddpkit.tools.workload import load_workload
+
+
+def test_alpha_beta_fit_recovers_a_known_line():
+    alpha, beta = 50e-6, 2e9
+    points = [(b, alpha + b / beta) for b in allreduce.DEFAULT_SIZES]
+    fit = allreduce.fit_alpha_beta(3, points)
+    assert fit.alpha_s == pytest.approx(alpha, rel=1e-6)
+    assert fit.beta_bytes_per_s == pytest.approx(beta, rel=1e-6)
+    assert fit.bus_bandwidth == pytest.approx(beta * 4 / 3)  # nccl-tests: busbw = algbw x 2(n-1)/n
+    assert fit.hop_latency_s == pytest.approx(alpha / 4)  # a ring at 3 ranks takes 2(n-1) = 4 steps
+
+
+def test_ring_model_and_buckets():
+    link = predict.Interconnect("x", busbw_bytes_per_s=1e9, hop_latency_s=1e-6)
+    assert predict.ring_seconds(1e6, 1, link) == 0.0
+    assert predict.ring_seconds(1e6, 4, link) == pytest.approx(6e-6 + 1.5 * 1e6 / 1e9)
+    mib = predict.MIB
+    # reverse order; the first bucket closes at 1 MiB, the next ones at the cap
+    assert predict.bucket_sizes([mib // 2] * 6, bucket_cap_mb=1.5) == [mib, int(1.5 * mib), mib // 2]
+    assert predict.bucket_sizes([4 * mib], bucket_cap_mb=1) == [4 * mib]  # too big for any bucket: its own
+    fast, slow = predict.PRESETS["nvlink"], predict.PRESETS["ethernet"]
+    assert predict.link_for(8, 8, fast, slow) == (fast, 1)
+    ring, nodes = predict.link_for(9, 8, fast, slow)  # across nodes: the slower link's pace
+    assert nodes == 2 and ring.busbw_bytes_per_s == slow.busbw_bytes_per_s
+    assert ring.hop_latency_s == slow.hop_latency_s
+
+
+def test_overlap_hides_early_buckets_and_not_the_last():
+    per_byte = lambda b: b * 1e-3  # noqa: E731
+    # two equal buckets, backward 10 s: the first is ready at 5 s and done at 5 + 2; the second at 10 + 2.
+    assert predict.exposed_seconds([2000, 2000], 10.0, per_byte) == pytest.approx(2.0)
+    # control: without overlap both all-reduces count in full
+    assert predict.exposed_seconds([2000, 2000], 10.0, per_byte, overlap=False) == pytest.approx(4.0)
+    # communication slower than backward: it queues, and all that outlasts backward is exposed
+    assert predict.exposed_seconds([2000, 2000], 1.0, lambda b: 3.0) == pytest.approx(0.5 + 6.0 - 1.0)
+
+
+def test_bad_options_name_the_flag():
+    with pytest.raises(ConfigError, match="--interconnect"):
+        BenchConfig(interconnect="carrier pigeon")
+    with pytest.raises(ConfigError, match="--nproc 1"):
+        BenchConfig(nproc=1)
+    with pytest.raises(ConfigError, match="--bandwidth"):
+        BenchConfig(bandwidth_gbps=0)
+
+
+def test_a_script_without_the_hook_is_refused(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("x = 1\n")
+    with pytest.raises(ConfigError, match="ddpkit_workload"):
+        load_workload(str(script))
+
+
+def test_stragglers_cost_nothing_without_jitter_and_grow_with_ranks():
+    assert predict.straggler_seconds([2e-3] * 60, 8) == 0.0
+    jittery = [1e-3] * 50 + [5e-3] * 10  # one step in six is slow
+    two, eight = predict.straggler_seconds(jittery, 2), predict.straggler_seconds(jittery, 8)
+    assert 0.0 <= two < eight <= 4e-3 + 1e-12

@@ -1,0 +1,256 @@
+"""Folder snapshots in one process: whole or absent, checksummed, pruned, written in the background from a copy; a
+tampered folder runs no code on load; a full disk (a real tmpfs) is named, with the previous snapshot left whole."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import pickle
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from ddpkit.errors import ConfigError
+from ddpkit.snapshot import storage as dcp_files
+from ddpkit.snapshot.manager import (
+    EXTRA,
+    INDEX,
+    MARKER,
+    SnapshotManager,
+    SnapshotWriteError,
+)
+from tests.tmpfs import fill, small_tmpfs
+
+
+def state(step: int) -> tuple[dict, dict]:
+    return {"model": {"w": torch.full((4,), float(step))}}, {"step": step, "rng": torch.arange(3)}
+
+
+def save(ckpt: SnapshotManager, step: int) -> None:
+    ckpt.save(step, *state(step))
+
+
+def load(ckpt: SnapshotManager, size: int = 4):
+    found = ckpt.latest(warn=lambda msg: None)
+    sharded, extra = ckpt.load(found, lambda: {"model": {"w": torch.zeros(size)}})
+    return found, sharded, extra
+
+
+def test_layout_marker_and_pruning(tmp_path):
+    ckpt = SnapshotManager(tmp_path, keep_last=2)
+    for step in (3, 6, 9):
+        save(ckpt, step)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000006", "step-00000009"]
+    folder = tmp_path / "step-00000009"
+    marker = json.loads((folder / MARKER).read_text())
+    assert marker["step"] == 9
+    assert set(marker["files"]) == {p.name for p in folder.iterdir()} - {MARKER}
+    assert {".metadata", "trainer.pt", "__0_0.distcp"} <= set(marker["files"])
+    found, sharded, extra = load(ckpt)
+    assert found.step == 9 and torch.equal(sharded["model"]["w"], torch.full((4,), 9.0)) and extra["step"] == 9
+
+
+def test_a_damaged_file_is_named_and_the_snapshot_before_is_used(tmp_path):
+    ckpt = SnapshotManager(tmp_path, keep_last=3)
+    save(ckpt, 3)
+    save(ckpt, 6)
+    shard = tmp_path / "step-00000006" / "__0_0.distcp"
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-8] + bytes(b ^ 0xFF for b in data[-8:]))
+    warnings: list[str] = []
+    assert ckpt.latest(warn=warnings.append).step == 3
+    assert len(warnings) == 1 and "step-00000006" in warnings[0] and "__0_0.distcp" in warnings[0]
+
+
+def test_a_folder_without_its_marker_does_not_count_and_is_cleared(tmp_path):
+    ckpt = SnapshotManager(tmp_path)
+    save(ckpt, 3)
+    save(ckpt, 6)
+    (tmp_path / "step-00000006" / MARKER).unlink()  # what a write killed before its marker leaves
+    assert ckpt.latest(warn=print).step == 3
+    save(ckpt, 9)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000003", "step-00000009"]
+
+
+def test_async_save_writes_the_state_as_it_was_when_saved(tmp_path):
+    ckpt = SnapshotManager(tmp_path, async_write=True)
+    sharded, extra = state(3)
+    ckpt.save(3, sharded, extra)
+    sharded["model"]["w"].add_(100.0)  # training goes on while the write runs
+    ckpt.wait()
+    assert torch.equal(load(ckpt)[1]["model"]["w"], torch.full((4,), 3.0))
+    # Control: a write from the live tensors (no copy) would see the change.
+    live = SnapshotManager(tmp_path / "live")
+    live.save(3, sharded, extra)
+    assert load(live)[1]["model"]["w"][0] == 103.0
+
+
+class RunsCode:
+    """Unpickling this object creates the file ``path``: what a tampered snapshot could do instead."""
+
+    def __init__(self, path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def reseal(folder) -> None:
+    """Rewrite the marker's sizes and checksums for the files as they now are: whoever can write the folder can."""
+    marker = json.loads((folder / MARKER).read_text())
+    marker["files"] = {
+        name: {
+            "size": (folder / name).stat().st_size,
+            "sha256": hashlib.sha256((folder / name).read_bytes()).hexdigest(),
+        }
+        for name in marker["files"]
+    }
+    (folder / MARKER).write_text(json.dumps(marker))
+
+
+def test_a_crafted_dcp_index_is_never_unpickled(tmp_path):
+    ckpt = SnapshotManager(tmp_path / "snapshots")
+    save(ckpt, 3)
+    folder, ran = tmp_path / "snapshots" / "step-00000003", tmp_path / "ran"
+    (folder / ".metadata").write_bytes(pickle.dumps(RunsCode(ran)))
+    reseal(folder)
+    found, sharded, extra = load(ckpt)  # reads the JSON index; .metadata is left alone
+    assert not ran.exists() and found.step == 3 and torch.equal(sharded["model"]["w"], torch.full((4,), 3.0))
+    # Control: torch's own reader unpickles .metadata, and the code runs.
+    with contextlib.suppress(BaseException):
+        dcp.load({"model": {"w": torch.zeros(4)}}, checkpoint_id=folder, no_dist=True)
+    assert ran.exists()
+
+
+def test_a_crafted_non_tensor_item_is_never_unpickled(tmp_path):
+    ran = tmp_path / "ran"
+    # Control: DCP stores a non-tensor value as a pickle, and its default planner runs it on load.
+    stock = tmp_path / "stock"
+    dcp.save({"w": torch.ones(4), "hp": RunsCode(ran)}, checkpoint_id=stock, no_dist=True)
+    assert not ran.exists()
+    dcp.load({"w": torch.zeros(4), "hp": None}, checkpoint_id=stock, no_dist=True)
+    assert ran.exists()
+    ran.unlink()
+    # ddpkit's planner refuses the same item (reached only past the JSON index, which admits no such item).
+    with open(stock / ".metadata", "rb") as f:
+        trusted = pickle.load(f)  # written by this test: safe to unpickle here
+    with pytest.raises(BaseException, match="not a tensor: refusing to unpickle it"):
+        dcp.load(
+            {"w": torch.zeros(4), "hp": None},
+            storage_reader=dcp_files.Reader(stock, trusted),
+            planner=dcp_files.TensorsOnlyPlanner(),
+            no_dist=True,
+        )
+    assert not ran.exists()
+    # A snapshot whose index declares an item that is not a tensor is refused by name.
+    ckpt = SnapshotManager(tmp_path / "snapshots")
+    save(ckpt, 3)
+    folder = tmp_path / "snapshots" / "step-00000003"
+    index = json.loads((folder / INDEX).read_text())
+    index["tensors"]["hp"] = {"bytes": True}
+    (folder / INDEX).write_text(json.dumps(index))
+    reseal(folder)
+    with pytest.raises(ConfigError, match="is not an index ddpkit wrote .item 'hp' is not a tensor"):
+        load(ckpt)
+    # A tensor entry pointing at a pickle instead of tensor data: torch's weights_only loader refuses it.
+    payload = io.BytesIO()
+    torch.save(RunsCode(ran), payload)
+    (folder / "__0_0.distcp").write_bytes(payload.getvalue())
+    del index["tensors"]["hp"]
+    index["storage"][0].update(at=0, length=len(payload.getvalue()))
+    (folder / INDEX).write_text(json.dumps(index))
+    reseal(folder)
+    with pytest.raises(RuntimeError, match="loading snapshot .* failed: .*Weights only load failed"):
+        load(ckpt)
+    assert not ran.exists()
+    torch.load(folder / "__0_0.distcp", weights_only=False)  # control: unpickled, it runs
+    assert ran.exists()
+
+
+@pytest.mark.parametrize(
+    "change, refusal",
+    [
+        ({"file": "../../elsewhere"}, "not a data file of the folder"),
+        ({"offset": ["0"]}, "not a list of non-negative integers"),
+        ({"fqn": ["model.w"]}, "a storage entry names no tensor of the index"),
+    ],
+)
+def test_an_index_pointing_outside_its_folder_or_malformed_is_refused(tmp_path, change, refusal):
+    ckpt = SnapshotManager(tmp_path)
+    save(ckpt, 3)
+    folder = tmp_path / "step-00000003"
+    index = json.loads((folder / INDEX).read_text())
+    index["storage"][0].update(change)
+    (folder / INDEX).write_text(json.dumps(index))
+    reseal(folder)
+    with pytest.raises(ConfigError, match=refusal):
+        load(ckpt)
+
+
+def test_a_trainer_state_holding_code_or_of_an_earlier_format_is_refused(tmp_path):
+    ckpt = SnapshotManager(tmp_path / "snapshots")
+    save(ckpt, 3)
+    folder, ran = tmp_path / "snapshots" / "step-00000003", tmp_path / "ran"
+    good = (folder / EXTRA).read_bytes()
+    torch.save({"format": 2, "world_size": 1, "values": [{}], "extra": RunsCode(ran)}, folder / EXTRA)
+    reseal(folder)
+    with pytest.raises(ConfigError, match="trainer.pt holds objects other than tensors and plain values"):
+        load(ckpt)
+    assert not ran.exists()
+    torch.load(folder / EXTRA, weights_only=False)  # control: unpickled, it runs
+    assert ran.exists()
+    # The folders of the version before (state alone in trainer.pt, pickled index only) are refused by name.
+    saved = torch.load(io.BytesIO(good), weights_only=True)
+    torch.save(saved["extra"], folder / EXTRA)
+    (folder / INDEX).unlink()
+    marker = json.loads((folder / MARKER).read_text())
+    del marker["files"][INDEX]
+    (folder / MARKER).write_text(json.dumps(marker))
+    reseal(folder)
+    with pytest.raises(ConfigError, match="written by an earlier version of ddpkit.*resume=False"):
+        load(ckpt)
+
+
+BIG = 50_000  # floats: 200 kB, more than a file's write buffer, as real states are
+
+
+@pytest.mark.parametrize("async_write", [False, True], ids=["sync", "async"])
+def test_a_full_disk_is_named_and_the_previous_snapshot_stays_whole(tmp_path, async_write):
+    with small_tmpfs(tmp_path / "fs", "1m") as fs:
+        ckpt = SnapshotManager(fs / "snapshots", async_write=async_write)
+        ckpt.save(3, {"model": {"w": torch.full((BIG,), 3.0)}}, {"step": 3})
+        ckpt.wait()
+        fill(fs, leave=BIG)  # room for part of the next snapshot
+        with pytest.raises(SnapshotWriteError) as info:
+            ckpt.save(6, {"model": {"w": torch.full((BIG,), 6.0)}}, {"step": 6})
+            ckpt.wait()
+        message = str(info.value)
+        print(message)
+        assert "no space left on device" in message and f"snapshot {fs / 'snapshots' / 'step-00000006'} " in message
+        assert f"the previous snapshot, {fs / 'snapshots' / 'step-00000003'}, is whole" in message
+        assert ("(written in the background)" in message) == async_write
+        assert not (fs / "snapshots" / "step-00000006").exists()  # nothing half-written is left
+        found, sharded, extra = load(ckpt, size=BIG)
+        assert found.step == 3 and torch.equal(sharded["model"]["w"], torch.full((BIG,), 3.0))
+        # Control: torch's own writer, on the same disk filling up, does not say why.
+        fill(fs, leave=BIG)
+        with pytest.raises(BaseException) as stock:
+            dcp.save({"w": torch.ones(BIG)}, checkpoint_id=fs / "stock", no_dist=True)
+        print(f"torch's own writer: {str(stock.value).strip().splitlines()[-1]}")
+        assert "no space" not in str(stock.value).lower()
+
+
+def test_a_snapshot_folder_that_cannot_be_made_is_named(tmp_path):
+    ckpt = SnapshotManager(tmp_path)
+    save(ckpt, 3)
+    (tmp_path / "step-00000006").write_text("a file where the folder goes")
+    with pytest.raises(
+        SnapshotWriteError,
+        match=r"step-00000006 was not written: File exists \(rank 0 writing "
+        r"step-00000006\).*the previous snapshot, .*step-00000003, is whole",
+    ):
+        save(ckpt, 6)
+    assert ckpt.latest().step == 3

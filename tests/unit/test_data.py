@@ -1,0 +1,276 @@
+"""Sharded training order independent of the world size, the samplers' arithmetic, and what the loaders wrap."""
+
+from __future__ import annotations
+
+import os
+from collections import namedtuple
+
+import pytest
+import torch
+from torch.utils.data import DistributedSampler, TensorDataset
+
+import ddpkit
+from ddpkit import ConfigError
+from ddpkit.data import (
+    ShardedBatchSampler,
+    default_num_workers,
+    epoch_permutation,
+    shard_bounds,
+)
+
+GLOBAL_BATCH = 12
+
+
+LAYOUTS = [(12, 1), (6, 2), (4, 3), (3, 4)]  # (per-rank batch, world size): the same global batch
+
+
+def make_samplers(n: int, per_rank: int, world: int, **kwargs) -> list[ShardedBatchSampler]:
+    return [ShardedBatchSampler(n, per_rank, rank=r, world_size=world, **kwargs) for r in range(world)]
+
+
+def one_epoch(samplers: list[ShardedBatchSampler]) -> list[list[int]]:
+    """The global batches of the next epoch: each step's rank batches concatenated in rank order."""
+    per_rank = [list(s) for s in samplers]
+    steps = len(per_rank[0])
+    assert all(len(batches) == steps for batches in per_rank), "ranks must take the same number of steps"
+    return [[i for batches in per_rank for i in batches[step]] for step in range(steps)]
+
+
+@pytest.mark.parametrize("n, drop_last", [(54, True), (54, False), (48, True), (48, False), (50, True)])
+def test_global_batches_do_not_depend_on_world_size(n, drop_last):
+    per_layout = []
+    for per_rank, world in LAYOUTS:
+        samplers = make_samplers(n, per_rank, world, seed=7, drop_last=drop_last)
+        per_layout.append([one_epoch(samplers) for _epoch in range(3)])
+    for epochs in per_layout[1:]:
+        assert epochs == per_layout[0]
+    # And they are the epoch's permutation cut into global batches.
+    for epoch, batches in enumerate(per_layout[0]):
+        order = epoch_permutation(n, 7, epoch).tolist()
+        kept = len(order) if not drop_last else n - n % GLOBAL_BATCH
+        assert [i for b in batches for i in b] == order[:kept]
+        assert all(len(b) == GLOBAL_BATCH for b in batches[: n // GLOBAL_BATCH])
+
+
+def test_control_distributed_sampler_batches_depend_on_world_size():
+    # Control for the test above: the usual DistributedSampler + per-rank batches reshuffles the data
+    # differently for each world size, so a run cannot resume at another world size with the same batches.
+    def global_batches_of(per_rank: int, world: int) -> list[list[int]]:
+        per = [list(DistributedSampler(range(48), num_replicas=world, rank=r, seed=7)) for r in range(world)]
+        return [sum((p[s : s + per_rank] for p in per), []) for s in range(0, len(per[0]), per_rank)]
+
+    assert global_batches_of(6, 2) != global_batches_of(4, 3)
+
+
+def test_full_batches_are_per_rank_size_and_tail_split_evenly():
+    samplers = make_samplers(54, 3, 4, drop_last=False)  # tail of 6 samples over 4 ranks
+    per_rank = [list(s) for s in samplers]
+    assert all(len(batch) == 3 for batches in per_rank for batch in batches[:-1])
+    assert [len(batches[-1]) for batches in per_rank] == [2, 2, 1, 1]
+
+
+@pytest.mark.parametrize("per_rank, world", LAYOUTS)
+def test_epoch_covers_every_sample_once_without_drop_last(per_rank, world):
+    n = 12 * 4 + 5  # tail of 5 >= every world size here
+    batches = one_epoch(make_samplers(n, per_rank, world, drop_last=False, seed=3))
+    seen = [i for b in batches for i in b]
+    assert sorted(seen) == list(range(n))
+
+
+@pytest.mark.parametrize("per_rank, world", LAYOUTS)
+def test_drop_last_drops_only_the_tail(per_rank, world):
+    n = 12 * 4 + 5
+    batches = one_epoch(make_samplers(n, per_rank, world, drop_last=True, seed=3))
+    seen = [i for b in batches for i in b]
+    assert len(seen) == len(set(seen)) == 48
+    order = epoch_permutation(n, 3, 0).tolist()
+    assert set(range(n)) - set(seen) == set(order[48:])
+
+
+def test_tail_smaller_than_world_is_dropped_even_without_drop_last():
+    # Documented: a rank without a sample cannot take a DDP step.
+    samplers = make_samplers(49, 3, 4, drop_last=False)  # tail of 1 sample, 4 ranks
+    assert [len(s) for s in samplers] == [4] * 4
+    assert sum(len(b) for b in one_epoch(samplers)) == 48
+
+
+@pytest.mark.parametrize(
+    "n, per_rank, world, drop_last, steps",
+    [
+        (48, 3, 4, True, 4),
+        (53, 3, 4, True, 4),
+        (53, 3, 4, False, 5),
+        (49, 3, 4, False, 4),
+        (13, 6, 2, False, 1),
+        (14, 6, 2, False, 2),
+    ],
+)
+def test_len_is_the_number_of_steps(n, per_rank, world, drop_last, steps):
+    samplers = make_samplers(n, per_rank, world, drop_last=drop_last)
+    assert [len(s) for s in samplers] == [steps] * world
+    assert len(one_epoch(samplers)) == steps
+
+
+def test_epochs_differ_and_same_seed_epoch_repeats():
+    s = ShardedBatchSampler(40, 5, rank=1, world_size=2, seed=11)
+    assert s.epoch == 0
+    epochs = [list(s) for _ in range(3)]  # each iter() is the next epoch, with no set_epoch
+    assert s.epoch == 3
+    assert epochs[0] != epochs[1] != epochs[2] != epochs[0]
+    for e, batches in enumerate(epochs):
+        fresh = ShardedBatchSampler(40, 5, rank=1, world_size=2, seed=11)
+        fresh.set_epoch(e)
+        assert list(fresh) == batches
+
+
+def test_seed_changes_the_order():
+    # build_loader(seed=...) and ShardedBatchSampler(seed=...) promise an order that is a function of
+    # (seed, epoch): two runs with different seeds must not see the same sample order.
+    orders = {seed: list(ShardedBatchSampler(40, 5, rank=0, world_size=2, seed=seed)) for seed in (0, 1, 11, 12)}
+    assert len({str(o) for o in orders.values()}) == 4, orders
+    perms = {seed: tuple(epoch_permutation(100, seed, 3).tolist()) for seed in (0, 1, -5, 2**40)}
+    assert len(set(perms.values())) == 4
+
+
+def test_no_shuffle_is_in_order_every_epoch():
+    s = ShardedBatchSampler(10, 2, rank=0, world_size=2, shuffle=False, drop_last=False)
+    assert list(s) == [[0, 1], [4, 5], [8]] == list(s)
+
+
+def test_epoch_permutation_is_a_pure_function():
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    perms = {(seed, e): epoch_permutation(100, seed, e) for seed in (0, -5, 2**40) for e in (0, 1, 2)}
+    assert torch.equal(torch.rand(3), expected)  # the global RNG was not touched
+    for (seed, e), p in perms.items():
+        assert sorted(p.tolist()) == list(range(100))
+        assert torch.equal(epoch_permutation(100, seed, e), p)
+    for seed in (0, -5, 2**40):
+        assert len({tuple(perms[seed, e].tolist()) for e in (0, 1, 2)}) == 3  # epochs differ
+
+
+def _resume_cases():
+    for drop_last in (True, False):
+        for save_world, resume_world in ((2, 2), (2, 3), (3, 1), (1, 4)):
+            yield drop_last, save_world, resume_world
+
+
+@pytest.mark.parametrize("drop_last, save_world, resume_world", list(_resume_cases()))
+def test_set_position_resumes_mid_epoch(drop_last, save_world, resume_world):
+    n, epoch = 12 * 5 + 7, 3
+    save = make_samplers(n, GLOBAL_BATCH // save_world, save_world, drop_last=drop_last, seed=5)
+    for s in save:
+        s.set_epoch(epoch)
+    full = one_epoch(save)
+    assert len(full) == (5 if drop_last else 6)
+    for done_steps in range(n // GLOBAL_BATCH + 1):  # every cursor that is a whole number of global batches
+        cursor = done_steps * GLOBAL_BATCH
+        resumed = make_samplers(n, GLOBAL_BATCH // resume_world, resume_world, drop_last=drop_last, seed=5)
+        for s in resumed:
+            s.set_position(epoch, cursor)
+        assert [len(s) for s in resumed] == [len(full) - done_steps] * resume_world
+        assert one_epoch(resumed) == full[done_steps:], (cursor, drop_last)
+        # The epoch after the resumed one starts from its beginning.
+        assert one_epoch(resumed) == one_epoch(_epoch_at(n, drop_last, epoch + 1))
+
+
+def _epoch_at(n: int, drop_last: bool, epoch: int) -> list[ShardedBatchSampler]:
+    s = ShardedBatchSampler(n, GLOBAL_BATCH, rank=0, world_size=1, drop_last=drop_last, seed=5)
+    s.set_epoch(epoch)
+    return [s]
+
+
+@pytest.mark.parametrize("resume_world", [2, 3])
+def test_resume_after_the_last_partial_batch_yields_nothing(resume_world):
+    # drop_last=False: the last step trains the 7-sample tail, so a checkpoint after it saves cursor == n,
+    # which set_position accepts. Resuming there must not train the tail a second time.
+    n, epoch = 12 * 5 + 7, 2
+    samplers = make_samplers(n, GLOBAL_BATCH // resume_world, resume_world, drop_last=False, seed=5)
+    for s in samplers:
+        s.set_position(epoch, n)
+    assert [len(s) for s in samplers] == [0] * resume_world
+    assert one_epoch(samplers) == []
+
+
+def test_cursor_must_be_whole_global_batches():
+    s = ShardedBatchSampler(100, 6, rank=0, world_size=2)
+    with pytest.raises(ConfigError, match="cursor 18 is not a whole number of global batches of 12"):
+        s.set_position(1, 18)  # saved by a run with a global batch of 9 or 18
+    s.set_position(1, 24)  # control: whole global batches are fine
+    assert len(s) == 100 // 12 - 2
+
+
+def test_too_few_samples_and_bad_batch_size():
+    with pytest.raises(ConfigError, match="10 samples make no global batch of 12"):
+        ShardedBatchSampler(10, 6, rank=0, world_size=2)
+    with pytest.raises(ConfigError, match="10 samples make no global batch"):
+        ShardedBatchSampler(list(range(10)), 3, rank=1, world_size=4)  # a sized dataset works the same
+    with pytest.raises(ConfigError, match="1 samples are fewer than the 2 ranks") as refused:
+        ShardedBatchSampler(1, 4, rank=0, world_size=2, drop_last=False)  # 1 sample, 2 ranks
+    assert "drop_last" not in str(refused.value)  # already passed: suggesting it again would not help
+    with pytest.raises(ConfigError, match="batch_size=0"):
+        ShardedBatchSampler(100, 0, rank=0, world_size=1)
+    # Control: without drop_last, fewer samples than a global batch still make one (smaller) step.
+    assert len(ShardedBatchSampler(10, 6, rank=0, world_size=2, drop_last=False)) == 1
+
+
+def test_default_num_workers(monkeypatch):
+    monkeypatch.setenv("NSLOTS", "8")
+    assert [default_num_workers(p) for p in (1, 2, 3, 4, 8, 16)] == [7, 3, 1, 1, 0, 0]
+    assert default_num_workers() == 7  # no init: a world of one
+    monkeypatch.delenv("NSLOTS")
+    monkeypatch.delenv("SLURM_CPUS_ON_NODE", raising=False)
+    assert default_num_workers(1) == max(0, len(os.sched_getaffinity(0)) - 1)
+
+
+def test_to_device_keeps_structure():
+    Pair = namedtuple("Pair", "x y")
+    batch = {"a": [torch.ones(2), (torch.zeros(1), "label")], "p": Pair(torch.arange(3), 5)}
+    moved = ddpkit.to_device(batch, torch.device("cpu"))
+    assert isinstance(moved["a"], list) and isinstance(moved["a"][1], tuple) and isinstance(moved["p"], Pair)
+    assert moved["a"][1][1] == "label" and moved["p"].y == 5
+    assert torch.equal(moved["p"].x, torch.arange(3)) and torch.equal(moved["a"][0], torch.ones(2))
+
+
+class Noisy(torch.utils.data.Dataset):
+    """Each read draws from torch, numpy and python's random, as an augmentation would."""
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int):
+        import random
+
+        import numpy as np
+
+        return i, torch.rand(()).item(), float(np.random.rand()), random.random()
+
+
+def test_only_datasets_that_may_draw_are_wrapped():
+    from ddpkit.data import SeededSamples
+
+    assert isinstance(ddpkit.build_loader(Noisy(), 3, num_workers=0).dataset, SeededSamples)
+    tensors = TensorDataset(torch.arange(24))  # indexing draws nothing: not worth ~10 us a sample
+    assert ddpkit.build_loader(tensors, 3, num_workers=0).dataset is tensors
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_the_places_of_a_steps_samples_cover_it_once(drop_last):
+    # 235 samples, global batches of 12 (6 per rank on 2 ranks), two batches a step: the last batch has 7 (4/3)
+    # and is kept, or dropped with drop_last, which leaves the last step one batch of 12.
+    ranks = make_samplers(235, 6, 2, drop_last=drop_last)
+    last = ranks[0].steps_per_epoch - 1
+    assert (last, ranks[0].samples_in_batch(last)) == ((19, 7) if not drop_last else (18, 12))
+    for micro in range(0, last + 1, 2):
+        size = ranks[0].samples_in_step(micro, 2)
+        places = []
+        for s in ranks:
+            for m in range(micro, min(micro + 2, last + 1)):
+                assert s.samples_in_step(m, 2) == size
+                step_size, offset = s.place_in_step(m, 2)
+                assert step_size == size
+                lo, hi = shard_bounds(s.samples_in_batch(m), 2, s.rank)
+                places += range(offset, offset + hi - lo)
+        assert size == (24 if micro < 18 else 19 if not drop_last else 12)
+        assert sorted(places) == list(range(size))

@@ -1,0 +1,250 @@
+"""The Trainer's parts in one process: a rank's share of the loss, the non-finite checks, the loss window, the
+configs' errors, the default loss's refusals, and best.pt across a fresh and a resumed run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ddpkit
+from ddpkit.errors import ConfigError
+from ddpkit.strategies.ddp import all_finite as _all_finite
+from ddpkit.strategies.ddp import (
+    nan_gradient_if_nonfinite as _nan_gradient_if_nonfinite,
+)
+from ddpkit.training.config import EarlyStoppingConfig, LoggingConfig, SnapshotConfig
+from ddpkit.training.loss_window import LossWindow as _LossWindow
+from ddpkit.training.steps import loss_share
+from ddpkit.training.trainer import TrainerConfig
+
+
+def test_a_ranks_loss_share_weighs_samples_not_ranks():
+    # Full steps: the number of micro-batches, as before. 13 samples as 7/6 on 2 ranks: the rank with 7 divides
+    # by 13/14 (counts more), the one with 6 by 13/12; DDP's mean of the two then gives sum(loss_i) / 13.
+    assert loss_share(12, 2, 24, 1, 24) == 1.0 and loss_share(6, 2, 48, 2, 24) == 2.0
+    shares = [loss_share(n, 2, 13, 1, 24) for n in (7, 6)]
+    assert shares == [13 / 14, 13 / 12]
+    # A sample's weight in the step: 1/n in its rank's mean, 1/share, 1/2 in DDP's average over the ranks.
+    assert [1 / (n * d * 2) for n, d in zip((7, 6), shares)] == pytest.approx([1 / 13] * 2)
+    # Two micro-batches a step, the second short (12 then 7 samples over 2 ranks: 6/6, then 4/3).
+    weights = [1 / (n * loss_share(n, 2, 19, 2, 12) * 2) for n in (6, 6, 4, 3)]
+    assert weights == pytest.approx([1 / 19] * 4)
+    # The control: each rank's mean counted alike gives a sample of the rank with 6 more weight than one of 7.
+    assert 1 / (6 * 2) > 1 / (7 * 2)
+
+
+@pytest.mark.parametrize("on_host", [True, False])
+def test_a_nonfinite_loss_puts_a_nan_into_the_anchor_gradient_and_a_finite_one_changes_nothing(on_host):
+    # on_host=False is the accelerator path (no read of the value); both must agree on the CPU.
+    w = torch.tensor([1.0, 2.0], requires_grad=True)
+    anchor = torch.tensor([[5.0, 6.0]], requires_grad=True)
+
+    def grads(loss):
+        w.grad = anchor.grad = None
+        loss.backward()
+        return w.grad, anchor.grad
+
+    gw, ga = grads(_nan_gradient_if_nonfinite((w * 3).sum() * anchor.sum(), anchor, on_host))
+    assert torch.equal(gw, torch.tensor([33.0, 33.0])) and torch.equal(ga, torch.tensor([[9.0, 9.0]]))
+    # Controls: a non-finite loss can have finite gradients (inf added; NaN behind a ReLU that masks it).
+    assert torch.isfinite(grads((w * 3).sum() + float("inf"))[0]).all()
+    masked = torch.relu(-w).sum() * float("nan")
+    assert torch.isfinite(grads(masked)[0]).all()
+    for bad in ((w * 3).sum() + float("inf"), torch.relu(-w).sum() * float("nan")):
+        _, ga = grads(_nan_gradient_if_nonfinite(bad, anchor, on_host))
+        assert torch.isnan(ga[0, 0])
+
+
+def test_all_finite_reads_every_tensor_of_every_dtype_and_changes_none():
+    tensors = [torch.randn(5), torch.randn(3, dtype=torch.bfloat16), torch.randn(2, dtype=torch.float64)]
+    before = [t.clone() for t in tensors]
+    assert _all_finite(tensors) and all(torch.equal(a, b) for a, b in zip(tensors, before))
+    for i, bad in [(0, float("nan")), (1, float("inf")), (2, float("-inf"))]:
+        broken = [t.clone() for t in tensors]
+        broken[i][-1] = bad
+        assert not _all_finite(broken)
+    # The flag tensors kept from one step to the next are reset each time: a bad step does not stick.
+    flags: dict = {}
+    assert _all_finite(tensors, flags) and not _all_finite(broken, flags) and _all_finite(tensors, flags)
+
+
+@pytest.mark.parametrize("on_host", [True, False])
+def test_loss_window_keeps_taken_steps_and_drops_skipped_ones(on_host):
+    window = _LossWindow(on_host)
+    window.add(torch.tensor(2.0), 4)  # step 1: two micro-batches, taken
+    window.add(torch.tensor([1.0]), 2)
+    window.end_step(taken=True)
+    window.add(torch.tensor(float("nan")), 3)  # step 2: skipped
+    assert not window.step_is_finite()
+    window.end_step(taken=False)
+    window.add(torch.tensor(0.5, dtype=torch.bfloat16), 4)  # step 3: taken
+    assert window.step_is_finite()
+    window.end_step(taken=True)
+    assert window.steps == 2 and window.tried == 3 and sum(window.sizes) == 10
+    total = window.local_sum(torch.device("cpu"))
+    assert total.dtype == torch.float64 and total.item() == 2.0 * 4 + 1.0 * 2 + 0.5 * 4
+
+
+@pytest.mark.parametrize(
+    "kwargs, flag",
+    [
+        ({}, "batch_size"),
+        ({"batch_size": 4, "global_batch_size": 8}, "batch_size"),
+        ({"batch_size": 4, "precision": "fp8"}, "precision"),
+        ({"batch_size": 4, "grad_accum_steps": 0}, "grad_accum_steps"),
+        ({"batch_size": 4, "on_nonfinite": "ignore"}, "on_nonfinite"),
+    ],
+)
+def test_config_errors_name_the_option(kwargs, flag):
+    with pytest.raises(ConfigError, match=flag):
+        TrainerConfig(**kwargs)
+
+
+def test_global_batch_must_divide(tmp_path):
+    with pytest.raises(ConfigError, match="pick a multiple of 6"):
+        TrainerConfig(global_batch_size=20, grad_accum_steps=2).per_rank_batch(3)
+
+
+def test_plain_python_trainer_clips_gradients(tmp_path):
+    # A world of one with no process group, as under `python train.py`; SGD so the update is lr x gradient.
+    def one_step(clip):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        start = [p.detach().clone() for p in model.parameters()]
+        data = torch.utils.data.TensorDataset(torch.randn(8, 4) * 100, torch.randn(8, 1))
+        config = TrainerConfig(
+            run_dir=str(tmp_path / f"clip{clip}"),
+            batch_size=8,
+            max_steps=1,
+            clip_grad_norm=clip,
+            logging=LoggingConfig(progress=False),
+            num_workers=0,
+        )
+        trainer = ddpkit.Trainer(
+            model, torch.optim.SGD(model.parameters(), lr=1.0), data, config, loss_fn=torch.nn.functional.mse_loss
+        )
+        trainer.fit()
+        return torch.cat([(p.detach() - s).flatten() for p, s in zip(model.parameters(), start)]).norm().item()
+
+    assert one_step(None) > 1.0  # control: the raw gradient is large
+    assert one_step(1e-3) == pytest.approx(1e-3, rel=1e-4)
+
+
+def _regression_trainer(tmp_path, **kwargs):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 3), torch.randn(32, 1))
+    config = TrainerConfig(
+        run_dir=str(tmp_path / "run"), batch_size=8, epochs=1, logging=LoggingConfig(progress=False), num_workers=0
+    )
+    return model, data, ddpkit.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, config, **kwargs)
+
+
+def test_the_default_loss_refuses_a_regression_model(tmp_path):
+    model, data, trainer = _regression_trainer(tmp_path)
+    with pytest.raises(
+        ConfigError,
+        match=r"shape \(8, 1\).*loss_fn=torch.nn.functional.mse_loss and "
+        r"metric_fn=ddpkit.regression_metrics",
+    ):
+        trainer.fit()
+    with pytest.raises(ConfigError, match=r"classification_metrics .*pass metric_fn=ddpkit.regression_metrics"):
+        ddpkit.evaluate(model, data)
+    assert set(ddpkit.evaluate(model, data, ddpkit.regression_metrics)) == {"loss"}
+    # Control: plain cross-entropy takes it without a word, and trains nothing (loss 0, weights unchanged).
+    model, _, trainer = _regression_trainer(
+        tmp_path / "control", loss_fn=torch.nn.functional.cross_entropy, metric_fn=ddpkit.regression_metrics
+    )
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer.fit()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_the_default_loss_refuses_float_targets_and_a_dict_output(tmp_path):
+    from ddpkit.training.losses import cross_entropy
+
+    scores = torch.randn(4, 3)
+    with pytest.raises(ConfigError, match="targets are float32 of shape \\(4,\\)"):
+        cross_entropy(scores, torch.randn(4))
+    with pytest.raises(ConfigError, match="returned a dict \\(logits\\): pass batch_loss_fn"):
+        cross_entropy({"logits": scores}, torch.zeros(4, dtype=torch.long))
+
+    # The same through the Trainer: a model whose forward returns a dict is pointed to batch_loss_fn.
+    class DictNet(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(3, 2)
+
+        def forward(self, x):
+            return {"logits": self.linear(x)}
+
+    model = DictNet()
+    data = torch.utils.data.TensorDataset(torch.randn(16, 3), torch.randint(0, 2, (16,)))
+    config = TrainerConfig(
+        run_dir=str(tmp_path / "dict"), batch_size=8, logging=LoggingConfig(progress=False), num_workers=0
+    )
+    trainer = ddpkit.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, config)
+    with pytest.raises(ConfigError, match="returned a dict \\(logits\\): pass batch_loss_fn"):
+        trainer.fit()
+    # Controls: class indices, and class probabilities shaped like the scores, are what cross-entropy takes.
+    assert cross_entropy(scores, torch.tensor([0, 2, 1, 0])).item() > 0
+    assert cross_entropy(scores, torch.softmax(torch.randn(4, 3), 1)).item() > 0
+
+
+def test_an_iterable_dataset_is_refused_saying_what_is_supported(tmp_path):
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter([(torch.zeros(3), 0)] * 8)
+
+    config = TrainerConfig(
+        run_dir=str(tmp_path / "run"), batch_size=4, logging=LoggingConfig(progress=False), num_workers=0
+    )
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(ConfigError, match="Stream is not a map-style dataset .* Wrap it in a stream"):
+        ddpkit.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), Stream(), config)
+
+
+@pytest.mark.parametrize(
+    "kwargs, flag",
+    [
+        ({"batch_size": 0}, "batch_size=0"),
+        ({"global_batch_size": 0}, "global_batch_size=0"),
+        ({"global_batch_size": 10, "grad_accum_steps": 3}, "does not divide into grad_accum_steps=3"),
+        ({"batch_size": 4, "logging": None}, "logging"),
+        ({"batch_size": 4, "num_workers": -1}, "num_workers"),
+    ],
+)
+def test_batch_sizes_that_cannot_work_are_refused_by_the_config(kwargs, flag):
+    with pytest.raises(ConfigError, match=flag):
+        TrainerConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "build, flag",
+    [
+        (lambda: LoggingConfig(every_steps=0), "every_steps"),
+        (lambda: LoggingConfig(trackers=("neptune",)), "trackers"),
+        (lambda: SnapshotConfig(keep=0), "keep"),
+        (lambda: SnapshotConfig(every_steps=0), "every_steps"),
+        (lambda: EarlyStoppingConfig(mode="lowest"), "mode"),
+        (lambda: EarlyStoppingConfig(patience=0), "patience"),
+    ],
+)
+def test_the_nested_configs_refuse_bad_values_naming_them(build, flag):
+    with pytest.raises(ConfigError, match=f"{flag}=.* see .*Config.{flag}"):
+        build()
+
+
+def test_a_fresh_run_replaces_a_stale_best_and_a_resumed_one_keeps_it(tmp_path):
+    from ddpkit.snapshot.best import BestWeights
+
+    path = tmp_path / "best.pt"
+    model = torch.nn.Linear(2, 2)
+    BestWeights(path, "val/loss", "min", enabled=True).update({"val/loss": 0.1}, model.state_dict, 3, 30)
+    fresh = BestWeights(path, "val/loss", "min", enabled=True)  # a new run, no snapshot to resume
+    assert fresh.update({"val/loss": 0.5}, model.state_dict, 1, 10)
+    assert torch.load(path, weights_only=True)["value"] == 0.5
+    resumed = BestWeights(path, "val/loss", "min", enabled=True)
+    resumed.load()  # resumed: 0.5 is the best so far; 0.5 again (an epoch redone after a crash) is not better
+    assert not resumed.update({"val/loss": 0.5}, model.state_dict, 1, 10)
+    assert resumed.update({"val/loss": 0.4}, model.state_dict, 2, 20)
