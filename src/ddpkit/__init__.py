@@ -47,7 +47,7 @@ from ddpkit.training.trainer import Trainer
 __version__ = "0.1.0"
 
 # What scripts call. Everything else (samplers, RNG state, sync BatchNorm layers, snapshots) is importable
-# from its module, e.g. ``ddpkit.data.ShardedBatchSampler``; tests/test_api.py keeps this list from drifting.
+# from its module, e.g. ``ddpkit.data.ShardedBatchSampler``; tests/unit/test_api.py keeps this list from drifting.
 __all__ = [
     # the job
     "init",

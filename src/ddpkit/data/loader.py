@@ -125,7 +125,7 @@ def build_loader(
         from ddpkit.data.stream import build_stream_loader
 
         return build_stream_loader(
-            dataset,
+            cast(Any, dataset),  # a Stream, as _is_stream said
             batch_size,
             loader_kwargs=_loader_kwargs(num_workers, pin_memory),
             shuffle=shuffle,

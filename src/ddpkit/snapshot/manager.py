@@ -181,7 +181,7 @@ class SnapshotManager:
         )
         self._thread.start()
 
-    def _clear(self, path: Path, step: int) -> str | None:
+    def _clear(self, path: Path, step: int) -> Failed | None:
         """Rank 0: make ``path`` an empty folder; the failure (:meth:`_failure`) if it cannot."""
         from ddpkit.snapshot import storage as dcp_files  # see the note on lazy imports at the top
 
@@ -229,11 +229,11 @@ class SnapshotManager:
                 traceback.print_exc()
         part = (digests, failure, failed)
         parts = gather_object(part, group=group) if self.distributed else [part]
-        failure = self._finish(path, step, parts) if rank == 0 else None
+        failed_write = self._finish(path, step, parts) if rank == 0 else None
         if self.distributed:
-            failure = broadcast_object(failure, group=group)
-        if failure is not None:
-            _raise(failure)
+            failed_write = broadcast_object(failed_write, group=group)
+        if failed_write is not None:
+            _raise(failed_write)
         self.last_write_seconds = time.perf_counter() - t0
 
     def _finish(self, path: Path, step: int, parts: list[tuple[dict, Any, bool]]) -> Failed | None:

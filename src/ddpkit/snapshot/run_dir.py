@@ -108,7 +108,8 @@ def claim(run_dir: str | os.PathLike, *, is_main: bool, fresh: bool, group: Any 
     broadcast, so every rank raises together rather than the others waiting in their first all-reduce for a
     rank that has left.
     """
-    lock, error = None, None
+    lock: RunDirLock | None = None
+    error: tuple[str, int | None] | None = None
     if is_main:
         path = Path(run_dir)
         lock = RunDirLock(path)
