@@ -56,6 +56,24 @@ def test_all_ranks_output_is_prefixed(clean_env):
         assert f"[rank {r}] hello rank={r} world=3" in out.stdout
 
 
+PIECES = str(Path(__file__).parent / "scripts" / "pieces.py")
+
+
+def test_all_ranks_tags_whole_lines_not_pieces(clean_env):
+    # Two ranks print lines in pieces at the same time: each tagged line must be a whole line of one rank.
+    out = run(["run", "--nproc", "2", "--all-ranks", PIECES], clean_env)
+    assert out.returncode == 0, out.stderr
+    tagged = [line for line in out.stdout.splitlines() if line.startswith("[rank ")]
+    for r in range(2):
+        mine = [line.removeprefix(f"[rank {r}] ") for line in tagged if line.startswith(f"[rank {r}] ")]
+        pieces = ["".join(f"r{r}l{i}p{p};" for p in range(4)) for i in range(3)]
+        bars = [line for line in mine if line.startswith(f"bar{r} ")]
+        # Redraws of the bar may show (at most every few seconds); its final state ends its line.
+        assert bars and bars[-1] == f"bar{r} 100%" and all(b in (f"bar{r} 0%", f"bar{r} 50%") for b in bars[:-1])
+        assert [line for line in mine if not line.startswith("bar")] == [*pieces, f"last{r}"], out.stdout
+    assert all(line.startswith("[rank ") for line in out.stdout.splitlines() if "p0;" in line or "bar" in line)
+
+
 def test_failure_summary_names_rank_exception_and_line(clean_env, tmp_path):
     out = run(["run", "--nproc", "2", HELLO, "--fail-rank", "1"], clean_env)
     assert out.returncode == 1

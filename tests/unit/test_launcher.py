@@ -265,3 +265,30 @@ def test_a_worker_killed_otherwise_is_a_failure_even_when_the_others_saved_and_e
 
     assert preempted(failures(75, 75)) and preempted(failures(75, -15))
     assert not preempted(failures(75, -9)) and not preempted(failures(1, 75)) and not preempted(failures(-15, -15))
+
+
+def test_line_tagger_writes_whole_lines_and_throttles_redraws():
+    import io
+
+    from ddpkit.launch.tail import PROGRESS_EVERY, LineTagger
+
+    now = [100.0]
+    dst = io.StringIO()
+    tagger = LineTagger("[rank 1] ", dst, clock=lambda: now[0])
+    for piece in (b"ab", b"c\nde", b"f\r\n", b"\r 1%", b"\r 2%", b"\r 3%"):
+        tagger.feed(piece)
+    now[0] += PROGRESS_EVERY / 2
+    tagger.feed(b"\r 4%\r 5%")  # too soon after " 1%" was shown
+    now[0] += PROGRESS_EVERY
+    tagger.feed(b"\r 6%")
+    tagger.feed(b"\r100%\n\xc3")
+    tagger.feed(b"\xa9 end")
+    tagger.close()
+    assert dst.getvalue().splitlines() == [
+        "[rank 1] abc",
+        "[rank 1] def",
+        "[rank 1]  1%",
+        "[rank 1]  5%",
+        "[rank 1] 100%",
+        "[rank 1] \u00e9 end",
+    ]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ddpkit.distributed.environment import cpu_count
 from ddpkit.errors import PREEMPTED_EXIT_CODE, ConfigError
-from ddpkit.launch import agent, proctree
+from ddpkit.launch import agent, proctree, tail
 from ddpkit.launch.options import (
     LaunchConfig,
     build_parser,
@@ -236,6 +236,8 @@ def launch(cfg: LaunchConfig) -> int:
     if hasattr(args, "signals_to_handle"):  # torchrun's own SIGTERM handling would end the workers itself
         args.signals_to_handle = agent.TORCHRUN_SIGNALS
     agent.install(launcher_api)
+    if cfg.all_ranks:
+        tail.install()  # whole lines behind each rank's tag, not the pieces torchrun's reader finds
     try:
         torchrun.run(args)
     except ChildFailedError as err:
