@@ -316,3 +316,28 @@ def test_init_again_with_another_backend_or_device_raises():
         assert out["same"]
         assert "init(backend='mpi') but this process already runs with backend 'gloo'" in out["{'backend': 'mpi'}"]
         assert "init(device='meta') but this process already runs on cpu" in out["{'device': 'meta'}"]
+
+
+def _seeds_train(rank: int, world_size: int, lr: float = 0.1) -> tuple[int, int, int, int, float]:
+    """The seeds' entry point, written for ``mp.spawn``: the rank comes first."""
+    rt = ddpkit.init()
+    return rank, world_size, rt.rank, ddpkit.all_reduce(rank + 1), lr
+
+
+def test_spawn_passes_the_rank_first_as_mp_spawn_does():
+    results = ddpkit.spawn(_seeds_train, args=(2,), nprocs=2, pass_rank=True)
+    assert results == [(0, 2, 0, 3, 0.1), (1, 2, 1, 3, 0.1)]  # each process got its own rank, as init() says
+    # ddpkit's own form calls fn(*args): the rank is init()'s to tell.
+    assert ddpkit.spawn(_seeds_train, nprocs=2, args=(5, 2, 0.5)) == [(5, 2, 0, 12, 0.5), (5, 2, 1, 12, 0.5)]
+
+
+def test_spawn_says_pass_rank_when_the_function_takes_a_rank():
+    from ddpkit.errors import ConfigError
+
+    # The seeds' train(rank, world_size) called the ddpkit way would fail in every child with a TypeError.
+    with pytest.raises(ConfigError, match=r"takes the rank first.*pass_rank=True"):
+        ddpkit.spawn(_seeds_train, args=(2,), nprocs=2)
+    with pytest.raises(ConfigError, match="takes no rank: drop pass_rank=True"):
+        ddpkit.spawn(_without_init_worker, nprocs=2, pass_rank=True)
+    with pytest.raises(ConfigError, match="pass both by name"):
+        ddpkit.spawn(_seeds_train, (2,), 2)  # mp.spawn's positional order

@@ -1,7 +1,15 @@
-"""Launch a function on N local processes from Python: for notebooks and tests, as the seeds' ``mp.spawn``."""
+"""Launch a function on N local processes from Python: for notebooks and tests, as the seeds' ``mp.spawn``.
+
+Two ways to call the function. ddpkit's own, ``spawn(fn, nprocs, args)``, calls ``fn(*args)``: the rank and the
+world size are :func:`ddpkit.init`'s to tell. ``mp.spawn``'s, ``spawn(fn, args=..., nprocs=..., pass_rank=True)``,
+calls ``fn(rank, *args)``, as ``torch.multiprocessing.spawn`` does: a script written for it (the seeds'
+``train(rank, world_size)``) runs unchanged. Which one is said in the call, never guessed from ``fn``: a
+function that takes a rank first and one that takes its own first argument look alike.
+"""
 
 from __future__ import annotations
 
+import inspect
 import os
 import pickle
 import socket
@@ -24,6 +32,7 @@ def _worker(
     port: int,
     threads: int,
     results: Any,
+    pass_rank: bool,
 ) -> None:
     os.environ.update(
         RANK=str(local_rank),
@@ -39,7 +48,7 @@ def _worker(
     torch.set_num_threads(threads)
     runtime.forget()  # a forked child must not inherit the parent's runtime
     try:
-        out = fn(*args)
+        out = fn(local_rank, *args) if pass_rank else fn(*args)
         results.put((local_rank, pickle.dumps(out)))
     finally:
         runtime.shutdown()
@@ -52,8 +61,14 @@ def spawn(
     *,
     start_method: str | None = None,
     threads_per_process: int | None = None,
+    pass_rank: bool = False,
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``nprocs`` local processes that form one job; return each rank's result.
+
+    ``pass_rank=True`` calls ``fn(rank, *args)`` instead, as ``torch.multiprocessing.spawn(fn, args, nprocs)``
+    does: ``ddpkit.spawn(train, args=(world_size,), nprocs=world_size, pass_rank=True)`` runs the seeds'
+    ``train(rank, world_size)``. A call that cannot fit ``fn`` (a rank it needs, or one it does not take) is
+    refused before any process starts, naming ``pass_rank``.
 
     Inside ``fn``, :func:`ddpkit.init` sees RANK, WORLD_SIZE and the rest as under torchrun. If any process
     raises, the others are stopped and the exception is raised here with that rank's traceback.
@@ -64,8 +79,14 @@ def spawn(
     child that starts a parallel region with more threads waits forever for workers that do not exist. For
     more threads per process, pass ``start_method="spawn"``.
     """
+    if not isinstance(nprocs, int) or not isinstance(args, tuple):
+        raise ConfigError(
+            f"spawn(fn, nprocs={nprocs!r}, args={args!r}): nprocs is a number and args a tuple; torch's mp.spawn "
+            "takes args second, ddpkit.spawn nprocs: pass both by name (args=..., nprocs=...)"
+        )
     if nprocs < 1:
         raise ValueError(f"nprocs={nprocs}: spawn needs at least one process")
+    _check_call(fn, args, pass_rank)
     if start_method is None:
         forkable = "fork" in mp.get_all_start_methods() and not torch.cuda.is_initialized()
         start_method = "fork" if forkable else "spawn"
@@ -93,7 +114,7 @@ def spawn(
 
     context = mp.start_processes(
         _worker,
-        args=(fn, args, nprocs, port, threads, results),
+        args=(fn, args, nprocs, port, threads, results, pass_rank),
         nprocs=nprocs,
         join=False,
         start_method=start_method,
@@ -110,6 +131,35 @@ def spawn(
             if process.is_alive():
                 process.kill()
                 process.join()
+
+
+def _check_call(fn: Callable[..., Any], args: tuple[Any, ...], pass_rank: bool) -> None:
+    """Refuse, before any process starts, a call ``fn`` cannot take; say whether ``pass_rank`` would fit."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or C function without a signature: let the call decide
+        return
+    name = getattr(fn, "__qualname__", repr(fn))
+
+    def fits(call: tuple[Any, ...]) -> bool:
+        try:
+            signature.bind(*call)
+        except TypeError:
+            return False
+        return True
+
+    if fits((0, *args) if pass_rank else args):
+        return
+    if not pass_rank and fits((0, *args)):
+        raise ConfigError(
+            f"{name}{signature} takes the rank first, as under torch's mp.spawn: pass pass_rank=True "
+            "(ddpkit.spawn(fn, args=..., nprocs=..., pass_rank=True) calls fn(rank, *args)), or drop the "
+            "argument and read the rank from ddpkit.init()"
+        )
+    if pass_rank and fits(args):
+        raise ConfigError(f"{name}{signature} takes no rank: drop pass_rank=True, which calls fn(rank, *args)")
+    how = "fn(rank, *args)" if pass_rank else "fn(*args)"
+    raise ConfigError(f"{name}{signature} cannot be called as {how} with args={args!r}: change args")
 
 
 def _free_port() -> int:
