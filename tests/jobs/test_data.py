@@ -133,3 +133,30 @@ def test_each_sample_draws_the_same_whatever_the_world_size_and_workers():
     plain_main = ddpkit.spawn(_draws, 1, (0, False))[0]
     plain_workers = ddpkit.spawn(_draws, 1, (2, False))[0]
     assert plain_main["draws"] != plain_workers["draws"] and not plain_main["main_rng_kept"]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_peek_at_the_loader_does_not_skip_an_epoch(num_workers):
+    # pytorch/examples reads the batch size with next(iter(loader)) at the start of each epoch, then trains.
+    from ddpkit.data import epoch_permutation
+
+    n, per_rank, seed = 16, 4, 3
+    loader = ddpkit.build_loader(TensorDataset(torch.arange(n)), per_rank, seed=seed, num_workers=num_workers)
+    for epoch in range(3):
+        peek = next(iter(loader))[0].tolist()
+        trained = [batch[0].tolist() for batch in loader]
+        order = epoch_permutation(n, seed, epoch).tolist()
+        assert trained == [order[i : i + per_rank] for i in range(0, n, per_rank)], epoch
+        assert peek == trained[0]
+    # A loop left with break does not count either: the next one yields the same epoch from its start.
+    for _ in loader:
+        break
+    assert [batch[0].tolist() for batch in loader][0] == epoch_permutation(n, seed, 3).tolist()[:per_rank]
+    assert loader.batch_sampler.epoch == 4
+    # Control: the sampler counting the end of its own reads. The two workers read 4 batches ahead, the whole
+    # epoch, so the sampler is read to its end by the time the peeked batch is out, and the peek skips it.
+    if num_workers:
+        sampler = ShardedBatchSampler(n, per_rank, seed=seed, rank=0, world_size=1)
+        plain = DataLoader(TensorDataset(torch.arange(n)), batch_sampler=sampler, num_workers=num_workers)
+        next(iter(plain))
+        assert sampler.epoch == 1

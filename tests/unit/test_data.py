@@ -274,3 +274,16 @@ def test_the_places_of_a_steps_samples_cover_it_once(drop_last):
                 places += range(offset, offset + hi - lo)
         assert size == (24 if micro < 18 else 19 if not drop_last else 12)
         assert sorted(places) == list(range(size))
+
+
+def test_an_iteration_left_before_its_end_does_not_count_as_an_epoch():
+    s = ShardedBatchSampler(40, 5, rank=1, world_size=2, seed=11)
+    first = next(iter(s))
+    assert s.epoch == 0 and list(s)[0] == first  # a peek leaves the epoch where it was
+    assert s.epoch == 1
+    s.set_position(3, 20)
+    it = iter(s)
+    next(it)
+    s.set_position(5, 0)
+    list(it)  # an iteration that ends after the position moved does not move it again
+    assert (s.epoch, len(s)) == (5, 4)

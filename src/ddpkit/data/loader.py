@@ -10,7 +10,7 @@ which no snapshot can restore.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Sized
+from collections.abc import Callable, Iterator, Sized
 from typing import Any, cast
 
 import torch
@@ -68,6 +68,41 @@ class SeededSamples(Dataset):
         finally:
             if saved is not None:
                 set_loading_rng_state(saved)
+
+
+class EpochLoader(DataLoader):
+    """A DataLoader over a :class:`~ddpkit.data.ShardedBatchSampler` that counts an epoch when an iteration has
+    handed over its last batch: an iterator left before (a peek with ``next(iter(loader))``, a ``break``)
+    leaves the sampler where it was.
+
+    The sampler cannot tell by itself: the DataLoader's workers read it ahead of the batches they return
+    (``prefetch_factor`` per worker), so a short epoch's indices are all read by the time the first batch is out.
+    """
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # a wrapper of the DataLoader's iterator
+        sampler = self.batch_sampler
+        assert isinstance(sampler, ShardedBatchSampler)  # build_loader's
+        sampler.counts_epochs = False
+        token = sampler.position_token()  # before the DataLoader reads the sampler, which it starts on now
+        return _CountedIterator(super().__iter__(), sampler, token)
+
+
+class _CountedIterator:
+    def __init__(self, batches: Iterator[Any], sampler: ShardedBatchSampler, token: tuple[int, int]) -> None:
+        self.batches, self.sampler, self.token = batches, sampler, token
+
+    def __iter__(self) -> _CountedIterator:
+        return self
+
+    def __len__(self) -> int:
+        return len(self.batches)  # type: ignore[arg-type]  # the DataLoader's iterator has one
+
+    def __next__(self) -> Any:
+        try:
+            return next(self.batches)
+        except StopIteration:
+            self.sampler.end_epoch(self.token)
+            raise
 
 
 def check_map_style(dataset: Any) -> None:
@@ -149,7 +184,7 @@ def build_loader(
     )
     generator = torch.Generator()
     generator.manual_seed(stream_seed("loader", seed, sampler.rank))  # per-rank worker seeds: ranks augment differently
-    return DataLoader(
+    return EpochLoader(
         SeededSamples(dataset, seed) if seed_samples else dataset,
         batch_sampler=sampler,
         collate_fn=collate_fn,

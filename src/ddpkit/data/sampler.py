@@ -50,8 +50,13 @@ def shard_bounds(n: int, parts: int, index: int) -> tuple[int, int]:
 class ShardedBatchSampler(Sampler[list[int] | list[tuple[int, int]]]):
     """Yields this rank's indices for each step of an epoch; the epoch advances by itself.
 
-    Each ``iter()`` is a new epoch (no ``set_epoch`` to forget), so ``for batch in loader`` in an epoch loop
-    reshuffles. :meth:`set_position` moves to a global sample ``cursor`` inside an epoch, for resuming.
+    An iteration that runs to its end moves to the next epoch (no ``set_epoch`` to forget), so ``for batch in
+    loader`` in an epoch loop reshuffles. One left before its end does not count: ``next(iter(loader))`` to peek
+    at a batch, or a loop left with ``break``, leaves the position where it was, and the next ``iter()`` yields
+    the same epoch from the same place. Under :func:`~ddpkit.build_loader` the loader counts an epoch when it has
+    handed over its last batch, since its workers read the sampler ahead of the batches (see
+    :attr:`counts_epochs`). :meth:`set_position` moves to a global sample ``cursor`` inside an epoch, for
+    resuming.
 
     With ``drop_last=True`` (default) a last global batch smaller than ``batch_size * world_size`` is dropped,
     so every step has the same size at every world size. With ``drop_last=False`` it is split as evenly as
@@ -98,6 +103,12 @@ class ShardedBatchSampler(Sampler[list[int] | list[tuple[int, int]]]):
         self.epoch = 0
         """The epoch the next ``iter()`` yields."""
         self._cursor = 0
+        self._moves = 0  # set_position calls and ends of epochs: an end counts only if nothing moved since
+        self.counts_epochs = True
+        """Move to the next epoch when an iteration of this sampler runs to its end. A DataLoader with workers
+        reads its batch sampler ahead (``prefetch_factor`` batches a worker): the end of that read is not the end
+        of the batches handed over, so ``build_loader``'s loader sets this False and calls :meth:`end_epoch`
+        itself once its own iteration ends."""
 
     @property
     def steps_per_epoch(self) -> int:
@@ -133,6 +144,19 @@ class ShardedBatchSampler(Sampler[list[int] | list[tuple[int, int]]]):
                 "with the same global batch size (per-rank batch x world size) as the run that saved it"
             )
         self.epoch, self._cursor = epoch, cursor
+        self._moves += 1
+
+    def position_token(self) -> tuple[int, int]:
+        """What :meth:`end_epoch` needs of the position an iteration starts from."""
+        return self.epoch, self._moves
+
+    def end_epoch(self, token: tuple[int, int]) -> None:
+        """An iteration that started at ``token`` (:meth:`position_token`) ran to its end: the next ``iter()``
+        yields the next epoch from its start. Nothing happens if the position moved since (a ``set_position``, or
+        another iteration of the same epoch that ended first)."""
+        if token == self.position_token():
+            self.epoch, self._cursor = token[0] + 1, 0
+            self._moves += 1
 
     def _first_step(self) -> int:
         # Rounded up: a cursor of num_samples (after a last, partial batch) means the epoch is done.
@@ -142,8 +166,7 @@ class ShardedBatchSampler(Sampler[list[int] | list[tuple[int, int]]]):
         return max(0, self.steps_per_epoch - self._first_step())
 
     def __iter__(self) -> Iterator[list[int] | list[tuple[int, int]]]:
-        epoch, first_step = self.epoch, self._first_step()
-        self.epoch, self._cursor = epoch + 1, 0
+        token, epoch, first_step = self.position_token(), self.epoch, self._first_step()
         n, gbs = self.num_samples, self.global_batch_size
         # One list per epoch, sliced per step: a tensor slice and .tolist() per step cost more (tiny models).
         order = (epoch_permutation(n, self.seed, epoch) if self.shuffle else torch.arange(n)).tolist()
@@ -152,6 +175,8 @@ class ShardedBatchSampler(Sampler[list[int] | list[tuple[int, int]]]):
             lo, hi = shard_bounds(len(batch), self.world_size, self.rank)
             mine = batch[lo:hi]
             yield [(epoch, i) for i in mine] if self.keyed else mine
+        if self.counts_epochs:
+            self.end_epoch(token)
 
 
 class EvalShardSampler(Sampler[int]):

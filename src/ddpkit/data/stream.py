@@ -180,13 +180,14 @@ class StreamBatchSampler(ShardedBatchSampler):
         super().__init__(num_records, batch_size, shuffle=False, keyed=True, **kwargs)
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        epoch, first_step = self.epoch, self._first_step()
-        self.epoch, self._cursor = epoch + 1, 0
+        token, epoch, first_step = self.position_token(), self.epoch, self._first_step()
         gbs = self.global_batch_size
         for step in range(first_step, self.steps_per_epoch):
             start = step * gbs
             lo, hi = shard_bounds(min(gbs, self.num_samples - start), self.world_size, self.rank)
             yield [(epoch, p) for p in range(start + lo, start + hi)]
+        if self.counts_epochs:
+            self.end_epoch(token)
 
 
 class StreamSamples(Dataset):
@@ -253,10 +254,12 @@ def build_stream_loader(
     """What :func:`ddpkit.build_loader` returns for a stream (call that): the same arguments and guarantees,
     and a ``batch_sampler`` (:class:`StreamBatchSampler`) with what the Trainer resumes by. ``loader_kwargs``:
     workers and pinning, as ``build_loader`` resolves them for map-style data."""
+    from ddpkit.data.loader import EpochLoader  # loader.py imports this module when it meets a stream
+
     sampler = StreamBatchSampler(len(stream), batch_size, seed=seed, drop_last=drop_last, group=group)
     generator = torch.Generator()
     generator.manual_seed(stream_seed("loader", seed, sampler.rank))
-    return DataLoader(
+    return EpochLoader(
         StreamSamples(stream, seed, shuffle, seed_samples),
         batch_sampler=sampler,
         collate_fn=collate_fn,
