@@ -107,9 +107,17 @@ class Noisy(torch.utils.data.Dataset):
         return i, torch.rand(()).item(), float(np.random.rand()), random.random()
 
 
-def _draws(num_workers: int, seed_samples: bool) -> dict:
+class Sometimes(Noisy):
+    """Draws for one sample in six only: most batches draw nothing, and which one first does depends on the
+    order and the rank."""
+
+    def __getitem__(self, i: int):
+        return super().__getitem__(i) if i % 6 == 5 else (i, 0.0, 0.0, 0.0)
+
+
+def _draws(num_workers: int, seed_samples: bool, dataset: type = Noisy) -> dict:
     ddpkit.init()
-    loader = ddpkit.build_loader(Noisy(), 3, seed=5, num_workers=num_workers, seed_samples=seed_samples)
+    loader = ddpkit.build_loader(dataset(), 3, seed=5, num_workers=num_workers, seed_samples=seed_samples)
     torch.manual_seed(123)
     draws = {}
     for epoch in range(2):
@@ -160,3 +168,15 @@ def test_a_peek_at_the_loader_does_not_skip_an_epoch(num_workers):
         plain = DataLoader(TensorDataset(torch.arange(n)), batch_sampler=sampler, num_workers=num_workers)
         next(iter(plain))
         assert sampler.epoch == 1
+
+
+def test_a_sample_that_draws_among_many_that_do_not_draws_the_same_everywhere():
+    # Seeding is paid only where a sample draws: a batch read unseeded that turns out to have drawn is read again.
+    one = ddpkit.spawn(_draws, 1, (0, True, Sometimes))[0]
+    assert one["main_rng_kept"]
+    two = ddpkit.spawn(_draws, 2, (2, True, Sometimes))[0]
+    assert two["draws"] == one["draws"]
+    drawn = {k: v for k, v in one["draws"].items() if k[1] % 6 == 5}
+    assert len(drawn) == 8 and len(set(drawn.values())) == 8  # they drew, each its own values
+    # Control: left to each process's own stream, the same samples draw otherwise.
+    assert ddpkit.spawn(_draws, 1, (2, False, Sometimes))[0]["draws"] != one["draws"]

@@ -287,3 +287,27 @@ def test_an_iteration_left_before_its_end_does_not_count_as_an_epoch():
     s.set_position(5, 0)
     list(it)  # an iteration that ends after the position moved does not move it again
     assert (s.epoch, len(s)) == (5, 4)
+
+
+def test_a_dataset_that_draws_nothing_is_not_seeded(monkeypatch):
+    import ddpkit.data.loader as loader_module
+
+    seeded = []
+    real = loader_module.seed_sample
+    monkeypatch.setattr(loader_module, "seed_sample", lambda *key: seeded.append(key) or real(*key))
+
+    class Plain(torch.utils.data.Dataset):  # pytorch/examples' dataset: tensors in a list, read as they are
+        def __init__(self) -> None:
+            self.data = [(torch.rand(4), torch.rand(1)) for _ in range(24)]
+
+        def __len__(self) -> int:
+            return len(self.data)
+
+        def __getitem__(self, i: int):
+            return self.data[i]
+
+    batches = list(ddpkit.build_loader(Plain(), 3, num_workers=0))
+    assert len(batches) == 8 and seeded == []  # ~15-40 us a sample saved
+    # Control: a dataset that draws is seeded, every sample once (its first batch, read unseeded, drew: read again).
+    list(ddpkit.build_loader(Noisy(), 3, num_workers=0))
+    assert sorted(index for _, _, index in seeded) == list(range(24))

@@ -161,21 +161,34 @@ def test_a_process_without_cuda_in_use_leaves_the_gpu_alone(monkeypatch):
 
 
 class _Indexed(Dataset):
+    def __init__(self, draws: bool) -> None:
+        self.draws = draws
+
     def __len__(self) -> int:
         return 8
 
     def __getitem__(self, i: int) -> int:
+        if self.draws:
+            torch.rand(())  # an augmentation's draw
         return i
 
 
 def test_each_sample_of_a_batch_seeds_the_gpu_and_the_batch_restores_it(cuda_in_use):
-    loader = ddpkit.build_loader(_Indexed(), 4, seed=3, num_workers=0, pin_memory=False)
-    batch = next(iter(loader))
+    it = iter(ddpkit.build_loader(_Indexed(draws=True), 4, seed=3, num_workers=0, pin_memory=False))
+    next(it)  # the first batch that draws is read again, seeded: from now on every sample is seeded
+    cuda_in_use["manual_seed"].clear()
+    cuda_in_use["set_rng_state"].clear()
+    batch = next(it)
     assert cuda_in_use["manual_seed"] == [stream_seed("sample", 3, 0, int(i)) for i in batch]
     assert len(cuda_in_use["set_rng_state"]) == 1  # the training stream's state, put back after the batch
-    # Control: without per-sample seeding the loader leaves the GPU's generator to the dataset.
+    # A dataset that draws nothing has nothing to seed and nothing to put back.
     cuda_in_use["manual_seed"].clear()
-    next(iter(ddpkit.build_loader(_Indexed(), 4, seed=3, num_workers=0, pin_memory=False, seed_samples=False)))
+    cuda_in_use["set_rng_state"].clear()
+    next(iter(ddpkit.build_loader(_Indexed(draws=False), 4, seed=3, num_workers=0, pin_memory=False)))
+    assert cuda_in_use["manual_seed"] == [] and cuda_in_use["set_rng_state"] == []
+    # Control: without per-sample seeding the loader leaves the GPU's generator to the dataset.
+    loader = ddpkit.build_loader(_Indexed(draws=True), 4, seed=3, num_workers=0, pin_memory=False, seed_samples=False)
+    next(iter(loader))
     assert cuda_in_use["manual_seed"] == []
 
 

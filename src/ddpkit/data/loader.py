@@ -10,7 +10,7 @@ which no snapshot can restore.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterator, Sized
+from collections.abc import Callable, Iterator, Sequence, Sized
 from typing import Any, cast
 
 import torch
@@ -26,29 +26,77 @@ from ddpkit.data.sampler import EvalShardSampler, ShardedBatchSampler
 from ddpkit.distributed.environment import cpu_count
 from ddpkit.distributed.runtime import get_runtime
 from ddpkit.distributed.seeding import (
+    draw_marks,
+    drawn_since,
     loading_rng_state,
     seed_sample,
+    set_draw_marks,
     set_loading_rng_state,
     stream_seed,
 )
 from ddpkit.errors import ConfigError
 
 
-class SeededSamples(Dataset):
-    """``dataset`` read at ``(epoch, index)`` keys, each sample with the RNGs seeded from ``(seed, epoch, index)``.
+class SampleSeeder:
+    """Loads a batch so that each sample's random draws depend on ``(seed, epoch, index)`` only, and pays for
+    seeding only where samples draw.
 
-    Python's ``random``, numpy's global generator and torch's CPU generator are seeded before each
-    ``dataset[index]``, and so is the current CUDA device's generator in a process that uses CUDA: a sample
-    drawing on the GPU (``torch.randn(..., device="cuda")``) draws the same too. That process is the main one
+    Seeding python, numpy and torch before every sample costs ~15 to 40 us a sample, and most datasets draw
+    nothing (a list of tensors, a decoded file without augmentation). So a batch is first read as it is, with
+    the generators' states compared around it (:func:`~ddpkit.distributed.seeding.draw_marks`, ~5 us a batch).
+    If nothing drew, that is the batch. If a sample drew, the generators are put back and the batch is read again
+    with each sample seeded from ``(seed, epoch, index)``, and from then on this process seeds every sample
+    (a dataset that draws once draws again). Either way each draw a sample makes is the seeded one: a sample
+    that draws nothing has nothing to seed. ``read(k)`` loads the batch's ``k``-th sample; it must load the
+    same sample when called twice (as any map-style dataset does; a dataset that counts its reads sees the
+    first drawing batch of each process twice).
+    """
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.draws = False
+        """A sample drew in this process: seed each one before reading it."""
+
+    def load(self, keys: Sequence[tuple[int, int]], read: Callable[[int], Any]) -> list[Any]:
+        # In a worker the generators' own stream is of no use to anyone once samples are seeded: nothing to
+        # put back there. In the main process it is the training stream (dropout), which loading must not move.
+        main = get_worker_info() is None
+        if not self.draws:
+            marks = draw_marks()
+            out = [read(k) for k in range(len(keys))]
+            if not drawn_since(marks):
+                return out
+            if main:
+                set_draw_marks(marks)
+            self.draws = True
+        saved = loading_rng_state() if main else None
+        try:
+            out = []
+            for k, (epoch, index) in enumerate(keys):
+                seed_sample(self.seed, epoch, index)
+                out.append(read(k))
+            return out
+        finally:
+            if saved is not None:
+                set_loading_rng_state(saved)
+
+
+class SeededSamples(Dataset):
+    """``dataset`` read at ``(epoch, index)`` keys, each sample's random draws seeded from ``(seed, epoch,
+    index)`` (:class:`SampleSeeder`).
+
+    Python's ``random``, numpy's global generator and torch's CPU generator are seeded before a sample that
+    draws, and so is the current CUDA device's generator in a process that uses CUDA: a sample drawing on the
+    GPU (``torch.randn(..., device="cuda")``) draws the same too. That process is the main one
     (``num_workers=0``): CUDA cannot be used in a loader worker forked from a process that uses it. In the main
-    process the generators' states are saved before a batch and restored after it, so loading leaves the
-    training stream (dropout, on the CPU or the GPU) where it was. Cost in the main process on the 2-core CI
-    machine: 11 to 26 us per sample (seeding, the first draw of each freshly seeded generator, and ~0.12 ms per
-    batch to save and restore the states, numpy's being the dear one); see ``bench/sample_seeding.py``.
+    process the generators' states are put back after a batch, so loading leaves the training stream (dropout,
+    on the CPU or the GPU) where it was. Cost in the main process: see ``bench/loader_overhead.py`` (a dataset
+    that draws nothing) and ``bench/sample_seeding.py`` (one that draws).
     """
 
     def __init__(self, dataset: Dataset, seed: int) -> None:
         self.dataset, self.seed = dataset, seed
+        self.seeder = SampleSeeder(seed)
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]  # torch's Dataset declares no __len__; this one has it
@@ -57,17 +105,7 @@ class SeededSamples(Dataset):
         return self.__getitems__([key])[0]
 
     def __getitems__(self, keys: list[tuple[int, int]]) -> list[Any]:
-        # A worker's own stream is of no use to anyone once every sample seeds it: no need to restore it there.
-        saved = loading_rng_state() if get_worker_info() is None else None
-        try:
-            out = []
-            for epoch, index in keys:
-                seed_sample(self.seed, epoch, index)
-                out.append(self.dataset[index])
-            return out
-        finally:
-            if saved is not None:
-                set_loading_rng_state(saved)
+        return self.seeder.load(keys, lambda k: self.dataset[keys[k][1]])
 
 
 class EpochLoader(DataLoader):
@@ -171,7 +209,7 @@ def build_loader(
             seed_samples=seed_samples,
         )
     check_map_style(dataset)
-    # A TensorDataset only indexes tensors: it draws nothing, and seeding would cost ~10 us a sample for nothing.
+    # A TensorDataset only indexes tensors: it draws nothing, not even worth watching for draws.
     seed_samples = seed_samples and type(dataset) is not TensorDataset
     sampler = ShardedBatchSampler(
         cast(Sized, dataset),  # check_map_style made sure it has a length

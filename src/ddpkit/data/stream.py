@@ -40,16 +40,18 @@ own order of blocks and is shuffled within each block (a shuffle buffer of ``win
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, get_worker_info
+from torch.utils.data import Dataset
 
+from ddpkit.data.loader import EpochLoader, SampleSeeder
 from ddpkit.data.sampler import ShardedBatchSampler, shard_bounds
-from ddpkit.distributed.seeding import loading_rng_state, seed_sample, set_loading_rng_state, stream_seed
+from ddpkit.distributed.seeding import stream_seed
 from ddpkit.errors import ConfigError
 
 DEFAULT_WINDOW = 8192
@@ -194,12 +196,14 @@ class StreamSamples(Dataset):
     """The map-style view a DataLoader reads: key ``(epoch, position)`` -> ``transform(record)``.
 
     A batch's records are read shard by shard (one :meth:`Stream.read` each). With ``seed_samples``, each
-    ``transform`` runs with the RNGs seeded from ``(seed, epoch, position)``; in the main process the RNG
+    ``transform`` draws as if run with the RNGs seeded from ``(seed, epoch, position)`` (they are seeded where it
+    draws, :class:`~ddpkit.data.loader.SampleSeeder`); in the main process the RNG
     states are restored after the batch, so loading leaves the training stream (dropout) where it was.
     """
 
     def __init__(self, stream: Stream, seed: int, shuffle: bool, seed_samples: bool = True) -> None:
         self.stream, self.seed, self.shuffle, self.seed_samples = stream, seed, shuffle, seed_samples
+        self.seeder = SampleSeeder(seed)  # seeds a transform only where it draws
         self._order: StreamOrder | None = None
 
     def __len__(self) -> int:
@@ -227,16 +231,7 @@ class StreamSamples(Dataset):
             return records
         if not self.seed_samples:
             return [transform(r) for r in records]
-        saved = loading_rng_state() if get_worker_info() is None else None
-        try:
-            out = []
-            for position, record in zip(positions.tolist(), records):
-                seed_sample(self.seed, epoch, position)
-                out.append(transform(record))
-            return out
-        finally:
-            if saved is not None:
-                set_loading_rng_state(saved)
+        return self.seeder.load(list(zip(itertools.repeat(epoch), positions.tolist())), lambda k: transform(records[k]))
 
 
 def build_stream_loader(
@@ -250,12 +245,10 @@ def build_stream_loader(
     collate_fn: Callable[[list[Any]], Any] | None = None,
     group: Any = None,
     seed_samples: bool = True,
-) -> DataLoader:
+) -> EpochLoader:
     """What :func:`ddpkit.build_loader` returns for a stream (call that): the same arguments and guarantees,
     and a ``batch_sampler`` (:class:`StreamBatchSampler`) with what the Trainer resumes by. ``loader_kwargs``:
     workers and pinning, as ``build_loader`` resolves them for map-style data."""
-    from ddpkit.data.loader import EpochLoader  # loader.py imports this module when it meets a stream
-
     sampler = StreamBatchSampler(len(stream), batch_size, seed=seed, drop_last=drop_last, group=group)
     generator = torch.Generator()
     generator.manual_seed(stream_seed("loader", seed, sampler.rank))
