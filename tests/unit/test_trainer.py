@@ -3,6 +3,8 @@ configs' errors, the default loss's refusals, and best.pt across a fresh and a r
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -248,3 +250,78 @@ def test_a_fresh_run_replaces_a_stale_best_and_a_resumed_one_keeps_it(tmp_path):
     resumed.load()  # resumed: 0.5 is the best so far; 0.5 again (an epoch redone after a crash) is not better
     assert not resumed.update({"val/loss": 0.5}, model.state_dict, 1, 10)
     assert resumed.update({"val/loss": 0.4}, model.state_dict, 2, 20)
+
+
+class _DictBatches(torch.utils.data.Dataset):
+    """Samples as dicts, as a tokenizer or a dict-returning dataset gives them."""
+
+    def __init__(self, keys: tuple[str, ...]) -> None:
+        self.keys = keys
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> dict:
+        return {k: torch.full((3,), float(i)) if k != "labels" else torch.tensor(i % 2) for k in self.keys}
+
+
+@pytest.mark.parametrize("keys", [("inputs", "labels"), ("input_ids", "attention_mask", "labels")])
+def test_a_dict_batch_with_the_default_loss_asks_for_batch_loss_fn_at_the_first_batch(tmp_path, keys):
+    model = torch.nn.Linear(3, 2)
+    config = TrainerConfig(run_dir=str(tmp_path / "run"), batch_size=4, logging=LoggingConfig(progress=False))
+    trainer = ddpkit.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), _DictBatches(keys), config)
+    seen = []
+    trainer.model.register_forward_pre_hook(lambda *_: seen.append(1))
+    # Before: with 2 keys the keys themselves were unpacked and failed inside linear(); with 3, "too many values".
+    with pytest.raises(ConfigError, match=re.escape(f"a dict with keys {list(keys)}") + ".*pass batch_loss_fn=") as err:
+        trainer.fit()
+    assert "\n" not in str(err.value) and seen == [] and trainer.step == 0  # at once: no forward ran
+    # Control: the same batches with a batch_loss_fn train.
+    model = torch.nn.Linear(3, 2)
+    config = TrainerConfig(run_dir=str(tmp_path / "ok"), batch_size=4, logging=LoggingConfig(progress=False))
+
+    def batch_loss_fn(model, batch):
+        return torch.nn.functional.cross_entropy(model(batch[keys[0]]), batch["labels"])
+
+    trainer = ddpkit.Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), _DictBatches(keys), config, batch_loss_fn=batch_loss_fn
+    )
+    trainer.fit()
+    assert trainer.step == 4
+
+
+def test_pairs_of_tensors_or_sequences_are_the_default_losss_batches():
+    from ddpkit.training.evaluation import inputs_and_targets
+
+    x, y = torch.zeros(2, 3), torch.zeros(2)
+    assert inputs_and_targets((x, y), "") == (x, y) and inputs_and_targets([[x, x], y], "")[0] == [x, x]
+    assert inputs_and_targets(({"a": x}, y), "")[0] == {"a": x}  # inputs for a model that takes a dict
+    for batch, what in [
+        ((x, y, y), r"a tuple of 3 \(Tensor, Tensor, Tensor\)"),
+        (x, "a Tensor"),
+        (("ab", y), r"a tuple of 2 \(str, Tensor\)"),
+        ((x, {"y": y}), r"a tuple of 2 \(Tensor, dict\)"),
+    ]:
+        with pytest.raises(ConfigError, match=f"the batch is {what}, not an"):
+            inputs_and_targets(batch, "")
+
+
+def test_seed_samples_false_gives_the_trainer_a_plain_loader(tmp_path):
+    from ddpkit.data import SeededSamples
+
+    class Plain(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 16
+
+        def __getitem__(self, i: int):
+            return torch.zeros(3), 0
+
+    def trainer(**kwargs):
+        model = torch.nn.Linear(3, 2)
+        config = TrainerConfig(run_dir=str(tmp_path), batch_size=4, num_workers=0, **kwargs)
+        return ddpkit.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), Plain(), config)
+
+    data = Plain()
+    assert not isinstance(trainer(seed_samples=False).loader.dataset, SeededSamples)
+    assert isinstance(trainer().loader.dataset, SeededSamples)  # the default keeps the guarantee
+    assert len(data) == 16

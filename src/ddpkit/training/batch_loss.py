@@ -9,13 +9,19 @@ import torch
 from torch import nn
 
 from ddpkit.errors import ConfigError
-from ddpkit.training.evaluation import classification_metrics
+from ddpkit.training.evaluation import classification_metrics, inputs_and_targets
 from ddpkit.training.losses import cross_entropy
 from ddpkit.training.steps import batch_len
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 BatchLossFn = Callable[[nn.Module, Any], torch.Tensor]
 MetricFn = Callable[[nn.Module, Any], Mapping[str, Any]]
+
+
+_BATCH_LOSS_FN = (
+    "the loss takes (inputs, targets) batches; pass batch_loss_fn=lambda model, batch: <the batch's mean loss> "
+    "to the Trainer (with metric_fn=lambda model, batch: {name: per-sample values} for validation)"
+)
 
 
 class BatchLoss:
@@ -37,7 +43,7 @@ class BatchLoss:
     def __call__(self, model: nn.Module, batch: Any) -> torch.Tensor:
         if self.batch_loss_fn is not None:
             return self.batch_loss_fn(model, batch)
-        inputs, targets = batch
+        inputs, targets = inputs_and_targets(batch, _BATCH_LOSS_FN)
         return self.loss_fn(model(inputs), targets)
 
     def metrics(self, model: nn.Module, batch: Any) -> Mapping[str, Any]:

@@ -120,6 +120,11 @@ class TrainerConfig:
     drop_last: bool = True
     num_workers: int | None = None
     """Loader workers per rank; default: cores per rank minus one."""
+    seed_samples: bool = True
+    """Each sample's random draws while loading (augmentation) depend on ``(seed, epoch, index)`` only, whichever
+    rank or worker loads it (:class:`~ddpkit.data.SeededSamples`); a dataset that draws nothing costs a state
+    check per batch. False leaves the draws to each loading process's own stream, as a plain DataLoader does:
+    no check at all, and no bitwise resume of augmentation."""
     grad_accum_steps: int = 1
     clip_grad_norm: float | None = None
     precision: str = "fp32"

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 from ddpkit.data import build_eval_loader, to_device
 from ddpkit.distributed.collectives import MetricSums
 from ddpkit.distributed.runtime import get_runtime
+from ddpkit.errors import ConfigError
 from ddpkit.nn.prepare import unwrap
 from ddpkit.training.losses import check_classification
 
@@ -28,12 +29,36 @@ MetricFn = Callable[[nn.Module, Any], Mapping[str, Any]]
 the means over all samples are reported."""
 
 
+_METRIC_FN = "pass metric_fn=lambda model, batch: {name: per-sample values}, which reads the batch as it is"
+
+
+def inputs_and_targets(batch: Any, remedy: str) -> tuple[Any, Any]:
+    """``batch`` as ``(inputs, targets)``, each a tensor or a sequence of them (the inputs may be a dict); else a ConfigError that says what
+    the batch is and ends with ``remedy``. Unpacking a dict of two keys would give the keys (strings), which fail
+    later inside the model; of three keys, Python's "too many values to unpack"."""
+    pair = isinstance(batch, (list, tuple)) and len(batch) == 2
+    # The inputs go to model(inputs) whole: a dict of them is the model's business, a dict of targets is not.
+    if (
+        pair
+        and isinstance(batch[0], (torch.Tensor, list, tuple, Mapping))
+        and isinstance(batch[1], (torch.Tensor, list, tuple))
+    ):
+        return batch[0], batch[1]
+    if isinstance(batch, Mapping):
+        what = f"a dict with keys {list(batch)}"
+    elif isinstance(batch, (list, tuple)):
+        what = f"a {type(batch).__name__} of {len(batch)} ({', '.join(type(part).__name__ for part in batch)})"
+    else:
+        what = f"a {type(batch).__name__}"
+    raise ConfigError(f"the batch is {what}, not an (inputs, targets) pair of tensors: {remedy}")
+
+
 def classification_metrics(model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
     """Per-sample cross-entropy ``loss`` and ``accuracy`` for an ``(input, class index)`` batch.
 
     Refuses a model with one output column or float targets (a regression model): both would report numbers
     that mean nothing (a loss of 0, an accuracy of 0); use :func:`regression_metrics` there."""
-    inputs, targets = batch
+    inputs, targets = inputs_and_targets(batch, _METRIC_FN)
     logits = model(inputs)
     check_classification(logits, targets, "classification_metrics (evaluate's default metric_fn)", indices_only=True)
     return {
@@ -44,7 +69,7 @@ def classification_metrics(model: nn.Module, batch: Any) -> dict[str, torch.Tens
 
 def regression_metrics(model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
     """Per-sample mean squared error ``loss`` (averaged over output features) for an ``(input, target)`` batch."""
-    inputs, targets = batch
+    inputs, targets = inputs_and_targets(batch, _METRIC_FN)
     err = (model(inputs) - targets).pow(2)
     return {"loss": err.reshape(err.shape[0], -1).mean(dim=1)}
 

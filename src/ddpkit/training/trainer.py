@@ -134,6 +134,7 @@ class Trainer:
             drop_last=config.drop_last,
             num_workers=config.num_workers,
             group=self.group,
+            seed_samples=config.seed_samples,
         )
         self.sampler = cast(ShardedBatchSampler, self.loader.batch_sampler)  # build_loader's
         self.generator: torch.Generator = self.loader.generator
