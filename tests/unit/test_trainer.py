@@ -325,3 +325,39 @@ def test_seed_samples_false_gives_the_trainer_a_plain_loader(tmp_path):
     assert not isinstance(trainer(seed_samples=False).loader.dataset, SeededSamples)
     assert isinstance(trainer().loader.dataset, SeededSamples)  # the default keeps the guarantee
     assert len(data) == 16
+
+
+def test_a_run_stopped_by_max_steps_inside_an_epoch_validates_where_it_stops(tmp_path):
+    import json
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 3)
+    data = torch.utils.data.TensorDataset(x, (x.sum(1) > 0).long())
+    val = torch.utils.data.TensorDataset(x[:20], (x[:20].sum(1) > 0).long())
+
+    def run(name: str, val_data):
+        model = torch.nn.Linear(3, 2)
+        config = TrainerConfig(
+            run_dir=str(tmp_path / name),
+            batch_size=4,
+            epochs=3,
+            max_steps=5,  # epoch 0 has 16 steps: the run stops inside it
+            num_workers=0,
+            early_stopping=EarlyStoppingConfig(metric="val/loss", patience=2),
+            logging=LoggingConfig(progress=False),
+        )
+        trainer = ddpkit.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, config, val_data=val_data)
+        return trainer, trainer.fit(), model
+
+    trainer, last, model = run("run", val)
+    assert (trainer.epoch, trainer.step, str(trainer.stopped_by)) == (0, 5, "max_steps")
+    # Before: no val metrics, no best.pt, no early-stopping count, although val_data was given.
+    assert last["val/loss"] == pytest.approx(ddpkit.evaluate(model, val)["loss"])  # the weights it stopped with
+    best = torch.load(tmp_path / "run" / "best.pt", weights_only=True)
+    assert (best["value"], best["step"]) == (pytest.approx(last["val/loss"]), 5)
+    assert trainer.early_stopping.best == pytest.approx(last["val/loss"])
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["val/loss"] for r in records if r["kind"] == "val"] == [pytest.approx(last["val/loss"])]
+    # Control: without val_data there is nothing to validate, and no best.pt.
+    _, last, _ = run("control", None)
+    assert "val/loss" not in last and not (tmp_path / "control" / "best.pt").exists()

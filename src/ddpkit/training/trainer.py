@@ -35,12 +35,7 @@ from ddpkit.distributed.log import print0
 from ddpkit.distributed.runtime import get_runtime
 from ddpkit.distributed.seeding import stream_seed
 from ddpkit.errors import PREEMPTED_EXIT_CODE, ConfigError, Preempted
-from ddpkit.nn.dropout import (
-    BatchLayout,
-    GlobalBatchDropout,
-    batch_layout,
-    convert_dropout,
-)
+from ddpkit.nn.dropout import BatchLayout, GlobalBatchDropout, batch_layout, convert_dropout
 from ddpkit.snapshot import run_dir as run_dir_lib
 from ddpkit.snapshot.best import BestWeights
 from ddpkit.strategies import Strategy, build_strategy
@@ -232,6 +227,8 @@ class Trainer:
             with signals.stop_signals(self._on_stop_signal):
                 while self.epoch < cfg.epochs and self.stopped_by is None:
                     if not self._train_epoch():
+                        if self.stopped_by == StopReason.MAX_STEPS and self.val_data is not None:
+                            last = self.validation.inside_epoch(self.evaluate, self.val_data, self.epoch, self.step)
                         break
                     last = self._end_epoch()
         except BaseException as err:

@@ -42,3 +42,13 @@ class Validation:
         if best.update(metrics, self.model_weights, epoch, step) and best.metric is not None:
             self.log("event", step, {"event": "best", "file": best.path.name, best.metric: best.value})
         return self.early_stopping.should_stop
+
+    def inside_epoch(
+        self, evaluate: Callable[..., dict[str, float]], data: Any, epoch: int, step: int
+    ) -> dict[str, Any]:
+        """``max_steps`` stopped the run inside an epoch: validate there, and count it towards the best weights
+        and early stopping as an epoch's end would (else a short run ends with no val metrics and no best.pt)."""
+        metrics = {"epoch": epoch, "step": step} | evaluate(data, prefix="val")
+        self.update(metrics, epoch, step)
+        self.log("val", step, metrics)
+        return metrics
