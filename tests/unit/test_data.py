@@ -311,3 +311,35 @@ def test_a_dataset_that_draws_nothing_is_not_seeded(monkeypatch):
     # Control: a dataset that draws is seeded, every sample once (its first batch, read unseeded, drew: read again).
     list(ddpkit.build_loader(Noisy(), 3, num_workers=0))
     assert sorted(index for _, _, index in seeded) == list(range(24))
+
+
+@pytest.mark.parametrize(
+    "draw",
+    [
+        lambda: __import__("random").random(),
+        lambda: [__import__("random").getrandbits(32) for _ in range(624)],  # a whole twist: the index comes back
+        lambda: __import__("random").gauss(0, 1),
+        lambda: __import__("numpy").random.rand(),
+        lambda: __import__("numpy").random.randint(0, 2**31, size=624),
+        lambda: torch.rand(()),
+        lambda: torch.randn(()),
+    ],
+)
+def test_draw_marks_see_every_draw_and_put_the_generators_back(draw):
+    import random
+
+    import numpy as np
+
+    from ddpkit.distributed.seeding import draw_marks, drawn_since, rng_state, set_draw_marks
+
+    random.gauss(0, 1)  # a cached normal in python's generator
+    marks, full = draw_marks(), rng_state()
+    assert not drawn_since(marks)
+    first = draw()
+    assert drawn_since(marks)
+    set_draw_marks(marks)
+    assert not drawn_since(marks)
+    after = rng_state()
+    assert after["python"] == full["python"] and torch.equal(after["torch"], full["torch"])
+    assert all(np.array_equal(a, b) for a, b in zip(after["numpy"][1:3], full["numpy"][1:3]))
+    assert np.array_equal(np.asarray(draw()), np.asarray(first))  # the same draw again: the same state

@@ -1,7 +1,7 @@
 """Loaders over a rank's shard: :func:`build_loader` for training, :func:`build_eval_loader` for exact evaluation.
 
-Random draws while loading (augmentation). :func:`build_loader` reads each sample with python, numpy and torch
-seeded from ``(seed, epoch, index)`` (:class:`SeededSamples`): a sample is augmented the same way whichever
+Random draws while loading (augmentation). :func:`build_loader` reads each sample that draws with python, numpy
+and torch seeded from ``(seed, epoch, index)`` (:class:`SeededSamples`): a sample is augmented the same way whichever
 rank or loader worker loads it, at any world size and number of workers, and a resumed run draws what the
 uninterrupted one drew. Without it each worker runs its own stream on across epochs (persistent workers),
 which no snapshot can restore.
@@ -47,9 +47,8 @@ class SampleSeeder:
     If nothing drew, that is the batch. If a sample drew, the generators are put back and the batch is read again
     with each sample seeded from ``(seed, epoch, index)``, and from then on this process seeds every sample
     (a dataset that draws once draws again). Either way each draw a sample makes is the seeded one: a sample
-    that draws nothing has nothing to seed. ``read(k)`` loads the batch's ``k``-th sample; it must load the
-    same sample when called twice (as any map-style dataset does; a dataset that counts its reads sees the
-    first drawing batch of each process twice).
+    that draws nothing has nothing to seed. ``read`` must give the same sample when called twice (as any
+    map-style dataset does; a dataset that counts its reads sees the first drawing batch of each process twice).
     """
 
     def __init__(self, seed: int) -> None:
@@ -57,24 +56,25 @@ class SampleSeeder:
         self.draws = False
         """A sample drew in this process: seed each one before reading it."""
 
-    def load(self, keys: Sequence[tuple[int, int]], read: Callable[[int], Any]) -> list[Any]:
+    def load(self, keys: Sequence[tuple[int, int]], read: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
+        """``[read(item) for item in items]``, where ``items[k]`` is the sample of key ``keys[k]``."""
+        if not self.draws:
+            marks = draw_marks()
+            out = [read(item) for item in items]
+            if not drawn_since(marks):
+                return out
+            if get_worker_info() is None:
+                set_draw_marks(marks)
+            self.draws = True
         # In a worker the generators' own stream is of no use to anyone once samples are seeded: nothing to
         # put back there. In the main process it is the training stream (dropout), which loading must not move.
         main = get_worker_info() is None
-        if not self.draws:
-            marks = draw_marks()
-            out = [read(k) for k in range(len(keys))]
-            if not drawn_since(marks):
-                return out
-            if main:
-                set_draw_marks(marks)
-            self.draws = True
         saved = loading_rng_state() if main else None
         try:
             out = []
-            for k, (epoch, index) in enumerate(keys):
+            for (epoch, index), item in zip(keys, items):
                 seed_sample(self.seed, epoch, index)
-                out.append(read(k))
+                out.append(read(item))
             return out
         finally:
             if saved is not None:
@@ -105,7 +105,7 @@ class SeededSamples(Dataset):
         return self.__getitems__([key])[0]
 
     def __getitems__(self, keys: list[tuple[int, int]]) -> list[Any]:
-        return self.seeder.load(keys, lambda k: self.dataset[keys[k][1]])
+        return self.seeder.load(keys, self.dataset.__getitem__, [index for _, index in keys])
 
 
 class EpochLoader(DataLoader):

@@ -231,7 +231,7 @@ class StreamSamples(Dataset):
             return records
         if not self.seed_samples:
             return [transform(r) for r in records]
-        return self.seeder.load(list(zip(itertools.repeat(epoch), positions.tolist())), lambda k: transform(records[k]))
+        return self.seeder.load(list(zip(itertools.repeat(epoch), positions.tolist())), transform, records)
 
 
 def build_stream_loader(

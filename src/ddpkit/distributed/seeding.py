@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import random
+import struct
+import sys
+from ctypes import string_at
 from typing import Any, cast
 
 import torch
@@ -139,56 +142,70 @@ def set_loading_rng_state(state: tuple[Any, ...]) -> None:
 
 # -- watching for draws -----------------------------------------------------------------------------------------
 # A loader seeds a sample's generators only when the sample draws, and finds out by comparing the generators'
-# states around a batch. numpy's own get_state copies its 624 words into a new array and a dict (~10-50 us);
-# its bit generator's documented ctypes view of the same state struct reads them as bytes for well under 1 us.
+# states around each batch; that comparison is on the path of every step, at a few microseconds' budget.
+# numpy's get_state copies its 624 words into a new array and a dict (~10-50 us), python's getstate builds a
+# tuple of 625 ints (~5-15 us). Both Mersenne Twisters are read instead as the bytes of their state structs:
+# numpy's through its bit generator's documented ctypes address; python's at its object's address, as CPython
+# lays it out (an int index, then 624 words, after the object header). Each view is checked once per process
+# against getstate/get_state, and where it does not match (another layout, another interpreter) those are used.
 
-_MT_BYTES = 624 * 4 + 4  # numpy's mt19937_state: uint32 key[624], then int pos
-_numpy_view: tuple[int, Any] | None = None  # (id of the bit generator, a ctypes view of its state), per process
+_views: tuple[Any, Any, Any] | None = None  # python's view, numpy's view, numpy's bit generator
 
 
-def _numpy_words() -> Any:
-    """A ctypes view of the global numpy generator's Mersenne Twister words and position, or None where that
-    view does not match what ``np.random.get_state()`` says (another numpy layout): then draws are watched by
-    ``get_state``."""
-    global _numpy_view
-    if np is None:
-        return None
+def _view(address: int, want: bytes) -> Any:
+    """A ctypes view of ``len(want)`` bytes at ``address``, or None where they are not ``want``."""
     import ctypes
 
-    bit_generator = np.random.mtrand._rand._bit_generator
-    if _numpy_view is None or _numpy_view[0] != id(bit_generator):
-        view = None
-        try:
-            view = (ctypes.c_char * _MT_BYTES).from_address(bit_generator.ctypes.state_address)
-            kind, keys, pos, *_ = cast(tuple, np.random.get_state())
-            expected = keys.astype("<u4").tobytes() + int(pos).to_bytes(4, "little", signed=True)
-            view = view if kind == "MT19937" and view.raw == expected else None
-        except (AttributeError, TypeError, ValueError):
-            view = None
-        _numpy_view = (id(bit_generator), view)
-    return _numpy_view[1]
+    try:
+        view: Any = (ctypes.c_char * len(want)).from_address(address)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return view if view.raw == want else None
+
+
+def _make_views() -> tuple[Any, Any, Any]:
+    global _views
+    inst = random._inst  # the generator behind random.random() & co.
+    words = random.getstate()[1]
+    want = words[-1].to_bytes(4, sys.byteorder, signed=True) + struct.pack(f"={len(words) - 1}I", *words[:-1])
+    python = _view(id(inst) + 2 * struct.calcsize("P"), want)  # CPython: the object header, then the index
+    numpy = bit_generator = None
+    if np is not None:
+        bit_generator = np.random.mtrand._rand._bit_generator
+        kind, keys, pos, *_ = cast(tuple, np.random.get_state())
+        if kind == "MT19937":
+            want = keys.astype(f"={keys.dtype.char}").tobytes() + int(pos).to_bytes(4, sys.byteorder, signed=True)
+            numpy = _view(bit_generator.ctypes.state_address, want)
+    _views = (python, numpy, bit_generator)
+    return _views
 
 
 def draw_marks() -> tuple[Any, ...]:
-    """The states of the generators :func:`seed_sample` seeds, cheap to take (~5 us in all on the CI machine,
-    python's being most of it) and to compare with :func:`drawn_since`, and restorable with
-    :func:`set_draw_marks`.
+    """The states of the generators :func:`seed_sample` seeds, cheap to take (~2 us in all on the CI machine,
+    ~10 us right after a training step has emptied the caches) and to compare with :func:`drawn_since`, and
+    restorable with :func:`set_draw_marks`.
 
     numpy's legacy generator keeps the second of a pair of normal draws apart from its Mersenne Twister words;
     that cache is not part of the marks: a batch whose only draw is a cached normal left by an earlier draw
     goes unseen. Loader workers start with none cached (their generators are freshly seeded).
     """
-    words = _numpy_words()
-    npy = words.raw if words is not None else (np.random.get_state() if np is not None else None)
+    views = _views
+    if views is None or (np is not None and np.random.mtrand._rand._bit_generator is not views[2]):
+        views = _make_views()
+    python, numpy, _ = views
+    py = (python.raw, random._inst.gauss_next) if python is not None else random.getstate()  # type: ignore[attr-defined]
+    npy = numpy.raw if numpy is not None else (np.random.get_state() if np is not None else None)
     cuda = torch.cuda.get_rng_state() if _cuda_in_use() else None
-    return random.getstate(), npy, torch.default_generator.get_state(), cuda
+    return py, npy, torch.default_generator.get_state(), cuda
 
 
 def drawn_since(marks: tuple[Any, ...]) -> bool:
     """True when a generator :func:`draw_marks` covers has drawn since ``marks`` were taken."""
     py, npy, cpu, cuda = marks
     now_py, now_npy, now_cpu, now_cuda = draw_marks()
-    if py != now_py or not torch.equal(cpu, now_cpu):
+    # A generator's state is a small contiguous uint8 tensor on the CPU: its bytes compare ~5x faster than
+    # torch.equal, whose dispatch dominates at this size.
+    if py != now_py or string_at(cpu.data_ptr(), cpu.numel()) != string_at(now_cpu.data_ptr(), now_cpu.numel()):
         return True
     if cuda is not None and (now_cuda is None or not torch.equal(cuda, now_cuda)):
         return True
@@ -202,10 +219,14 @@ def set_draw_marks(marks: tuple[Any, ...]) -> None:
     import ctypes
 
     py, npy, cpu, cuda = marks
-    random.setstate(py)
+    python, numpy, _ = _views or _make_views()
+    if isinstance(py[0], bytes):
+        ctypes.memmove(ctypes.addressof(python), py[0], len(py[0]))
+        random._inst.gauss_next = py[1]  # type: ignore[attr-defined]  # set by random.gauss(), not in the stubs
+    else:
+        random.setstate(py)
     if isinstance(npy, bytes):
-        words = _numpy_words()
-        ctypes.memmove(ctypes.addressof(words), npy, len(npy))
+        ctypes.memmove(ctypes.addressof(numpy), npy, len(npy))
     elif npy is not None:
         np.random.set_state(npy)
     torch.default_generator.set_state(cpu)
