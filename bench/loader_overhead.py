@@ -2,8 +2,9 @@
 
 The case of pytorch/examples' ddp-tutorial-series: a ``Dataset`` (not a ``TensorDataset``) holding a list of
 ``(torch.rand(20), torch.rand(1))`` pairs, read as they are, in the main process (no loader workers), a small
-MLP with MSE loss and SGD, ~2 ms steps. Four loops train on it in the same job, in interleaved rounds (one
-epoch of each per round, in an order that rotates), so that noise from other work on the machine falls on all:
+MLP with MSE loss and SGD, ~2 ms steps. Five loops train on it in the same job, in interleaved rounds (one
+epoch of each per round, in an order that rotates), so that noise from other work on the machine falls on all.
+The hand loops share one model and the Trainer loops one Trainer, fed by each loader in turn:
 
 - ``hand``: the tutorial's loop over ``DataLoader(dataset, batch_size, sampler=DistributedSampler(dataset))``;
 - ``hand+build_loader``: the same loop over ``ddpkit.build_loader(dataset, batch_size, num_workers=0)``
@@ -34,6 +35,7 @@ import platform
 import statistics
 import tempfile
 import time
+from typing import Any
 
 import torch
 from torch import nn
@@ -98,8 +100,12 @@ def bench(steps: int, rounds: int, batch_size: int, hidden: int) -> dict:
         net = mlp(hidden)
         return net, torch.optim.SGD(net.parameters(), lr=1e-3)
 
-    run_dir = ddpkit.broadcast_object(tempfile.mkdtemp(prefix="ddpkit-bench-") if rt.is_main else "")
-    runs: dict[str, tuple[torch.optim.Optimizer, object]] = {}
+    # One model for the hand loops and one Trainer, each fed by the loaders in turn: two instances of the same
+    # model differ by a few percent in step time by where their tensors landed, which would hide a 2% effect.
+    net, opt = model_and_optimizer()
+    model = ddpkit.prepare_model(net)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    runs: dict[str, Any] = {}
     for name, loader in (
         ("hand", DataLoader(data, batch_size=batch_size, sampler=DistributedSampler(data))),
         ("hand+build_loader", ddpkit.build_loader(data, batch_size, num_workers=0)),
@@ -108,37 +114,40 @@ def bench(steps: int, rounds: int, batch_size: int, hidden: int) -> dict:
             ddpkit.build_loader(data, batch_size, num_workers=0, seed_samples=False),
         ),
     ):
-        model = ddpkit.prepare_model(model_and_optimizer()[0])
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        runs[name] = (opt, functools.partial(hand_epoch, model, opt, loader))
-    for name, seed_samples in (("trainer", True), ("trainer, seed_samples=False", False)):
-        net, opt = model_and_optimizer()
-        config = TrainerConfig(
-            run_dir=f"{run_dir}/{len(runs)}",
-            batch_size=batch_size,
-            epochs=1,
-            num_workers=0,
-            seed_samples=seed_samples,
-            snapshot=SnapshotConfig(every_epochs=0),
-            logging=LoggingConfig(progress=False),
-        )  # resume=True, with nothing to resume: resume=False sets the previous epoch's records aside each time
-        trainer = Trainer(net, opt, data, config, loss_fn=nn.functional.mse_loss)
+        runs[name] = functools.partial(hand_epoch, model, opt, loader)
+    run_dir = ddpkit.broadcast_object(tempfile.mkdtemp(prefix="ddpkit-bench-") if rt.is_main else "")
+    net, trainer_opt = model_and_optimizer()
+    config = TrainerConfig(
+        run_dir=run_dir,
+        batch_size=batch_size,
+        epochs=1,
+        num_workers=0,
+        snapshot=SnapshotConfig(every_epochs=0),
+        logging=LoggingConfig(progress=False),
+    )  # resume=True, with nothing to resume: resume=False sets the previous epoch's records aside each time
+    trainer = Trainer(net, trainer_opt, data, config, loss_fn=nn.functional.mse_loss)
+    # What TrainerConfig(seed_samples=False) builds (the same arguments as the Trainer's own loader).
+    unseeded = ddpkit.build_loader(data, batch_size, num_workers=0, seed_samples=False)
+    trainer_loaders = {"trainer": trainer.loader, "trainer, seed_samples=False": unseeded}
 
-        def trainer_epoch(epoch: int, trainer: Trainer = trainer) -> None:
-            trainer.epoch = trainer.cursor = 0  # the same single epoch again
-            with contextlib.redirect_stdout(io.StringIO()):  # its summary of each fit()
-                trainer.fit()
+    def trainer_epoch(name: str, epoch: int) -> None:
+        trainer.loader = trainer_loaders[name]
+        trainer.sampler = trainer.loader.batch_sampler  # type: ignore[assignment]
+        trainer.epoch = trainer.cursor = 0  # the same single epoch again
+        with contextlib.redirect_stdout(io.StringIO()):  # its summary of each fit()
+            trainer.fit()
 
-        runs[name] = (trainer.optimizer, trainer_epoch)
+    for name in trainer_loaders:
+        runs[name] = functools.partial(trainer_epoch, name)
 
     stamps: list[float] = []
-    for opt, _ in runs.values():
-        opt.register_step_post_hook(lambda *_: stamps.append(time.perf_counter()))
+    for optimizer in (opt, trainer.optimizer):
+        optimizer.register_step_post_hook(lambda *_: stamps.append(time.perf_counter()))
 
     def timed(name: str, epoch: int) -> float:
         stamps.clear()
         ddpkit.barrier()
-        runs[name][1](epoch)  # type: ignore[operator]
+        runs[name](epoch)
         ddpkit.barrier()
         return statistics.median(b - a for a, b in zip(stamps, stamps[1:]))
 
