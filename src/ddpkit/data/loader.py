@@ -117,6 +117,10 @@ class EpochLoader(DataLoader):
     (``prefetch_factor`` per worker), so a short epoch's indices are all read by the time the first batch is out.
     """
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """``DataLoader``'s arguments, with a :class:`~ddpkit.data.ShardedBatchSampler` as ``batch_sampler``."""
+        super().__init__(*args, **kwargs)
+
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # a wrapper of the DataLoader's iterator
         sampler = self.batch_sampler
         assert isinstance(sampler, ShardedBatchSampler)  # build_loader's
