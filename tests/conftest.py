@@ -104,6 +104,7 @@ DDPKIT_GLOBALS: dict[tuple[str, str], Any] = {
     ("ddpkit.distributed.runtime", "_store_of"): None,
     ("ddpkit.distributed.runtime", "_group_store"): None,
     ("ddpkit.distributed.signals", "_pending"): None,
+    ("ddpkit.distributed.seeding", "_views"): None,
     ("ddpkit.nn.dropout", "_layout"): None,
     ("ddpkit.nn.dropout", "_calls"): {},
     ("ddpkit.snapshot.staging", "_groups"): {},

@@ -31,7 +31,7 @@ import signal
 import torch
 
 import ddpkit
-from ddpkit.distributed import runtime, signals
+from ddpkit.distributed import runtime, seeding, signals
 from ddpkit.launch import rendezvous_backend, worker
 from ddpkit.nn import dropout
 from ddpkit.snapshot import staging
@@ -58,6 +58,8 @@ def test_leaves_every_global_set(tmp_path):
     worker._worker_store = object()
     runtime._store_of = (("env://", 0, 2), object())  # a rendezvous store kept across init()s
     runtime._group_store = object()
+    seeding.draw_marks()  # views of the generators' states, cached per process
+    assert seeding._views is not None
 
 
 def test_finds_them_as_at_import():
