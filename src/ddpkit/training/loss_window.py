@@ -30,6 +30,10 @@ class LossWindow:
     def step_is_finite(self) -> bool:
         return all(math.isfinite(float(loss)) for loss in self.losses[self._step_start :])
 
+    def current_step(self) -> tuple[list[torch.Tensor | float], list[int]]:
+        """The losses and sizes of the step being trained (call before :meth:`end_step` drops a skipped one's)."""
+        return self.losses[self._step_start :], self.sizes[self._step_start :]
+
     def end_step(self, taken: bool) -> None:
         self.tried += 1
         if taken:
