@@ -131,3 +131,13 @@ def save_model_weights(
     state = weights()
     if is_main:
         save_weights(path, state, fmt, metadata)
+
+
+def save_final_weights(
+    weights: Callable[[], Mapping[str, Any]], run_dir: Path, fmt: str | None, *, is_main: bool, epoch: int, step: int
+) -> None:
+    """``run_dir/final.safetensors`` (or ``final_weights.pt``) when training ends; nothing when ``fmt`` is None.
+    Every rank calls it (gathering the weights may be a collective)."""
+    if fmt is not None:
+        metadata = {"epoch": epoch, "step": step}
+        save_model_weights(weights, weights_path(run_dir, "final", fmt), fmt, is_main=is_main, metadata=metadata)

@@ -3,8 +3,25 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from ddpkit.distributed.collectives import all_reduce
+
+
+@dataclass
+class Agreed:
+    """What the ranks agreed on: the window's loss x samples and samples over all ranks, and a stop flag."""
+
+    loss_sum: float
+    samples: float
+    stop: bool
+
+    @property
+    def mean(self) -> float:
+        return self.loss_sum / self.samples if self.samples else float("nan")
 
 
 class LossWindow:
@@ -22,6 +39,7 @@ class LossWindow:
         self.steps = 0  # steps taken
         self.tried = 0  # steps taken or skipped
         self._step_start = 0
+        self.last_step: tuple[list[torch.Tensor | float], list[int]] = ([], [])
 
     def add(self, loss: torch.Tensor, size: int) -> None:
         self.losses.append(loss.item() if self.on_host else loss.detach())
@@ -30,12 +48,10 @@ class LossWindow:
     def step_is_finite(self) -> bool:
         return all(math.isfinite(float(loss)) for loss in self.losses[self._step_start :])
 
-    def current_step(self) -> tuple[list[torch.Tensor | float], list[int]]:
-        """The losses and sizes of the step being trained (call before :meth:`end_step` drops a skipped one's)."""
-        return self.losses[self._step_start :], self.sizes[self._step_start :]
-
     def end_step(self, taken: bool) -> None:
         self.tried += 1
+        # The step's own losses, for on_step_end (a skipped step's too: they may say why it was skipped).
+        self.last_step = (self.losses[self._step_start :], self.sizes[self._step_start :])
         if taken:
             self.steps += 1
         else:
@@ -53,3 +69,16 @@ class LossWindow:
 
     def clear(self) -> None:
         self.losses, self.sizes, self.steps, self.tried, self._step_start = [], [], 0, 0, 0
+
+    def agree(self, device: torch.device, stop: bool, group: Any) -> Agreed:
+        """The global loss sum and sample count since the last agreement, and whether any rank must stop.
+
+        Collective (one small all-reduce): every rank calls it after the same steps.
+        """
+        sums: dict[str, torch.Tensor | float] = {
+            "loss": self.local_sum(device),
+            "samples": sum(self.sizes),
+            "stop": float(stop),
+        }
+        total = all_reduce(sums, group=group)
+        return Agreed(float(total["loss"]), float(total["samples"]), bool(total["stop"]))

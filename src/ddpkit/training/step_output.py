@@ -15,6 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ddpkit.training.loss_window import LossWindow
+from ddpkit.training.optimizer_step import OptimizerStep
+from ddpkit.training.state import TrainState
+
 
 @dataclass(frozen=True)
 class StepOutput:
@@ -44,3 +48,19 @@ class StepOutput:
         if not self.samples:
             return float("nan")
         return math.fsum(float(loss) * size for loss, size in zip(self.losses, self.sizes)) / self.samples
+
+
+def step_output(taken: bool, state: TrainState, optimizer_step: OptimizerStep, window: LossWindow) -> StepOutput:
+    """The step just done, from the pieces of the Trainer that know it (read after the window ended the step)."""
+    losses, sizes = window.last_step
+    norm = optimizer_step.step_norm
+    return StepOutput(
+        taken=taken,
+        step=state.step,
+        epoch=state.epoch,
+        lr=float(optimizer_step.lr),
+        grad_norm=float(norm) if taken and norm is not None else None,
+        samples=sum(sizes),
+        losses=losses,
+        sizes=sizes,
+    )
