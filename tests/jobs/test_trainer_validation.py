@@ -59,22 +59,23 @@ def test_a_killed_run_validates_at_the_same_steps_and_picks_the_same_best_as_an_
     losses = {step: r["val/loss"] for step, r in expected.items()}
     assert best["step"] == min(losses, key=losses.__getitem__) and best["value"] == min(losses.values())
     assert whole["step"] == best["step"] + 2 * 3  # two validations without improvement
-    # Killed (SIGKILL, rank 1) just after step 9's validation and snapshot were written; restarted from there.
-    killed = launch(tmp_path, "killed", *VAL, "--kill-rank", "1", "--kill-step", "9", "--kill-after-write")
+    # Killed (SIGKILL, rank 1) right after the first validation without improvement and its step's snapshot
+    # were written: the restart resumes from that step, with that validation counted.
+    kill = ("--kill-rank", "1", "--kill-step", str(best["step"] + 3), "--kill-after-write")
+    killed = launch(tmp_path, "killed", *VAL, *kill)
     assert list((tmp_path / "killed-marks").glob("killed-*")) and killed["attempt"] == 1
-    assert killed["resumed_from"] == 9
+    assert killed["resumed_from"] == best["step"] + 3
     assert val_by_step(tmp_path / "killed") == expected
-    assert {k: v for k, v in _best(tmp_path / "killed").items() if k != "model"} == {
-        k: v for k, v in best.items() if k != "model"
-    }
-    assert all(torch.equal(_best(tmp_path / "killed")["model"][k], v) for k, v in best["model"].items())
+    killed_best = _best(tmp_path / "killed")
+    assert {k: v for k, v in killed_best.items() if k != "model"} == {k: v for k, v in best.items() if k != "model"}
+    assert all(torch.equal(killed_best["model"][k], v) for k, v in best["model"].items())
     assert killed["stopped_by"] == "early_stopping" and killed["step"] == whole["step"]
     assert bitwise_equal(killed, whole)
-    # Control: a resume that leaves early stopping's state out counts the validations before the kill as none,
-    # and stops later than the uninterrupted run.
-    control = launch(tmp_path, "control", *VAL, "--kill-rank", "1", "--kill-step", "9", "--kill-after-write",
-                     "--drop", "early_stopping")  # fmt: skip
-    assert control["resumed_from"] == 9 and control["step"] != whole["step"]
+    # Control: a resume that leaves early stopping's state out forgets the validation without improvement
+    # before the kill, and stops later than the uninterrupted run.
+    control = launch(tmp_path, "control", *VAL, *kill, "--drop", "early_stopping")
+    assert control["resumed_from"] == best["step"] + 3 and control["step"] > whole["step"]
+    assert val_by_step(tmp_path / "control") != expected
 
 
 def _strict_load(path: Path):
