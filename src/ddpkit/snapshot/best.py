@@ -57,6 +57,8 @@ class BestWeights:
         self.value: float | None = None
         self.epoch: int | None = None
         self.step: int | None = None
+        self.at_step = False
+        """The best is a step's rather than an epoch's (validation every N steps): the summary says so."""
 
     def load(self) -> None:
         """Take the best so far from the file: for a resumed run only (a fresh one replaces a stale file)."""

@@ -89,6 +89,7 @@ class Validation:
             export_path=export.weights_path(run_dir, "best", weights_format) if weights_format else None,
             export_format=weights_format,
         )
+        best.at_step = config.val_every_steps is not None
         validate = partial(evaluate, val_data, "val") if val_data is not None else None
         out = cls(EarlyStopping(es), best, model_weights, log, config.val_every_steps, validate)
         out.weights_format, out.run_dir, out.is_main = weights_format, run_dir, runtime.is_main
