@@ -74,3 +74,11 @@ def test_an_on_step_end_gets_the_output_only_where_its_signature_takes_it():
     for _ in range(2):  # read once per function, then from the cache: the same answers
         assert takes_output(New().on_step_end) and not takes_output(Old().on_step_end)
     assert takes_output(lambda trainer, taken, output: None) and not takes_output(lambda trainer, taken: None)
+
+
+def test_a_resume_with_another_val_every_steps_is_refused(tmp_path):
+    es = EarlyStoppingConfig(metric="val/loss", patience=2)
+    fit(tmp_path, epochs=1, val_every_steps=3, early_stopping=es)
+    with pytest.raises(ConfigError, match=r"TrainerConfig.val_every_steps: 3 in the snapshot, 2 now"):
+        fit(tmp_path, epochs=2, val_every_steps=2, early_stopping=es)
+    assert fit(tmp_path, epochs=2, val_every_steps=3, early_stopping=es).resumed_from == 4  # control: the same
