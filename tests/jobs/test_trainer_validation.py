@@ -50,6 +50,7 @@ def _best(run_dir: Path) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # three 2-rank jobs of up to 60 steps under ddpkit run: 1-2 minutes, more under load
 def test_a_killed_run_validates_at_the_same_steps_and_picks_the_same_best_as_an_uninterrupted_one(tmp_path):
     whole = launch(tmp_path, "whole", *VAL)
     expected = val_by_step(tmp_path / "whole")
