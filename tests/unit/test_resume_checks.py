@@ -1,6 +1,9 @@
-"""A resume is refused when the model's structure changed though its shapes did not (one process, no launcher)."""
+"""A resume is refused when the model's structure changed though its shapes did not, and allowed, with a warning,
+when only the precision changed (one process, no launcher)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -8,6 +11,7 @@ from torch import nn
 
 import ddpkit
 from ddpkit.errors import ConfigError
+from ddpkit.training import run_record
 from ddpkit.training.config import LoggingConfig
 from ddpkit.training.run_record import RunRecord, module_types, tensor_shapes
 from ddpkit.training.trainer import TrainerConfig
@@ -49,3 +53,66 @@ def test_module_types_name_the_class_the_script_built():
         RunRecord({}, [], {}, module_types(model)).check({"module_types": old}, "snapshot")
     lines = "model: submodules only in the snapshot: 2\n  model 1.0: Tanh in the snapshot, ReLU now\n"
     assert lines in str(refused.value)
+
+
+def fit_precision(run_dir, precision: str, epochs: int, half: bool = False) -> ddpkit.Trainer:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    if half:
+        model = model.half()
+    data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
+    config = TrainerConfig(
+        run_dir=str(run_dir),
+        batch_size=8,
+        epochs=epochs,
+        precision=precision,
+        logging=LoggingConfig(progress=False),
+        num_workers=0,
+    )
+    trainer = ddpkit.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, config)
+    trainer.fit()
+    return trainer
+
+
+def _events(run_dir, name: str) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r.get("event") == name]
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "scaler"), [("fp32", "bf16", None), ("bf16", "fp32", None), ("fp16", "fp32", "dropped"),
+                               ("fp32", "fp16", "fresh")]
+)  # fmt: skip
+def test_a_precision_change_resumes_with_a_warning_that_it_is_not_bitwise(tmp_path, capsys, old, new, scaler):
+    first = fit_precision(tmp_path, old, epochs=1)  # 4 steps, snapshot at the epoch's end
+    assert (first.scaler is not None) == (old == "fp16")
+    capsys.readouterr()
+    resumed = fit_precision(tmp_path, new, epochs=2)
+    assert resumed.resumed_from == 4 and resumed.step == 8
+    assert (resumed.scaler is not None) == (new == "fp16")
+    if scaler == "fresh":  # a new scaler, at its initial scale: nothing of the fp32 run to take it from
+        assert resumed.scaler is not None and resumed.scaler.get_scale() == 65536.0
+    printed = capsys.readouterr().out
+    assert f"WARNING: precision changed from {old} (the snapshot's) to {new} on resume" in printed
+    assert "the bitwise-resume guarantee does not hold for this run" in printed
+    [event] = _events(tmp_path, "precision_change")
+    assert event == event | {"from": old, "to": new, "scaler": scaler, "bitwise_resume": False, "step": 4}
+    # The same precision again resumes without a word about it.
+    capsys.readouterr()
+    again = fit_precision(tmp_path, new, epochs=3)
+    assert again.resumed_from == 8 and "precision changed" not in capsys.readouterr().out
+    assert len(_events(tmp_path, "precision_change")) == 1
+
+
+def test_control_the_precision_compared_as_before_refuses_the_change(tmp_path, monkeypatch):
+    fit_precision(tmp_path, "fp32", epochs=1)
+    monkeypatch.setattr(run_record, "_NOT_COMPARED", run_record._NOT_COMPARED - {"precision"})
+    with pytest.raises(ConfigError, match=r"TrainerConfig.precision: 'fp32' in the snapshot, 'bf16' now"):
+        fit_precision(tmp_path, "bf16", epochs=2)
+
+
+def test_parameters_of_another_dtype_are_still_refused(tmp_path):
+    # The precision of autocast may change; the dtype of the parameters a snapshot holds may not.
+    fit_precision(tmp_path, "fp32", epochs=1)
+    with pytest.raises(ConfigError, match=r"model 0.weight: \(8, 4\) float32 in the snapshot, \(8, 4\) float16 now"):
+        fit_precision(tmp_path, "fp32", epochs=2, half=True)

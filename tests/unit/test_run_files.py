@@ -162,16 +162,17 @@ def test_a_run_dir_of_another_user_is_refused_naming_the_owner_and_the_ways_out(
 def test_claim_for_a_fresh_run_moves_the_previous_runs_state_and_records_into_one_folder(tmp_path, capsys):
     run_dir = tmp_path / "run"
     _snapshot_folder(run_dir / "snapshots" / "step-00000002", 2)
-    for name in ("metrics.jsonl", "epochs.csv", "best.pt", "loggers.json", "config.json", "mlflow.db"):
+    names = ("metrics.jsonl", "epochs.csv", "best.pt", "best.safetensors", "final.safetensors", "loggers.json")
+    for name in (*names, "config.json", "mlflow.db"):
         (run_dir / name).write_text(name)
     (run_dir / "tensorboard").mkdir()
     claim(run_dir, is_main=True, fresh=False).release()  # control: a resuming run moves nothing
     assert not [p for p in run_dir.iterdir() if p.name.startswith("replaced-")]
     claim(run_dir, is_main=True, fresh=True).release()
     (aside,) = [p for p in run_dir.iterdir() if p.name.startswith("replaced-")]
-    assert sorted(os.listdir(aside)) == sorted(
-        ["snapshots", "best.pt", "metrics.jsonl", "epochs.csv", "tensorboard", "loggers.json", "config.json"]
-    )
+    assert sorted(os.listdir(aside)) == sorted(["snapshots", *names, "tensorboard", "config.json"])
     assert (aside / "metrics.jsonl").read_text() == "metrics.jsonl"
     assert sorted(os.listdir(run_dir)) == sorted([".lock", "mlflow.db", aside.name])  # a store of many runs stays
-    assert "the previous run's snapshots, best.pt, metrics.jsonl" in capsys.readouterr().out
+    assert "the previous run's snapshots, best.pt, best.safetensors, final.safetensors, metrics.jsonl" in (
+        capsys.readouterr().out
+    )

@@ -10,6 +10,8 @@ The file also records ``epoch``, ``step``, ``metric`` and ``value``. A resumed r
 so nothing of this lives in the snapshots; an epoch retrained after a crash gives the same value again, and an
 equal value does not replace the file. ``resume=False`` moves the previous run's file aside with its snapshots;
 a run that starts afresh otherwise ignores a file left by an earlier run and replaces it at its first epoch.
+With ``TrainerConfig.weights_format`` (the default), the same weights also go to ``run_dir/best.safetensors``
+(or ``best_weights.pt``): the state dict alone (:mod:`ddpkit.snapshot.export`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 import torch
 
 from ddpkit.errors import ConfigError
+from ddpkit.snapshot import export
 from ddpkit.snapshot import files as run_files
 
 
@@ -34,21 +37,35 @@ def is_better(value: float, best: float | None, mode: str) -> bool:
 class BestWeights:
     """Writes ``path`` when ``metric`` improves (``mode`` ``min`` or ``max``); only where ``enabled`` (rank 0)."""
 
-    def __init__(self, path: str | Path, metric: str | None, mode: str, enabled: bool) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        metric: str | None,
+        mode: str,
+        enabled: bool,
+        export_path: Path | None = None,
+        export_format: str | None = None,
+    ) -> None:
+        """``export_path``: also write the weights alone there, in ``export_format`` (see
+        :mod:`ddpkit.snapshot.export`)."""
         self.path, self.metric, self.mode = Path(path), metric, mode
+        self.export_path, self.export_format = export_path, export_format
         # Every rank tracks the best value (the epoch's metrics are agreed, so every rank decides alike and can
         # join the gather of sharded weights); only an enabled rank writes the file.
         self.tracking = metric is not None
         self.enabled = enabled and self.tracking
         self.value: float | None = None
         self.epoch: int | None = None
+        self.step: int | None = None
+        self.at_step = False
+        """The best is a step's rather than an epoch's (validation every N steps): the summary says so."""
 
     def load(self) -> None:
         """Take the best so far from the file: for a resumed run only (a fresh one replaces a stale file)."""
         if self.enabled and self.path.exists():
             saved = torch.load(self.path, weights_only=True)
             if saved.get("metric") == self.metric:
-                self.value, self.epoch = saved["value"], saved["epoch"]
+                self.value, self.epoch, self.step = saved["value"], saved["epoch"], saved.get("step")
 
     def update(
         self, metrics: Mapping[str, Any], weights: Callable[[], Mapping[str, torch.Tensor]], epoch: int, step: int
@@ -63,10 +80,15 @@ class BestWeights:
         value = float(metrics[metric])
         if not is_better(value, self.value, self.mode):
             return False
-        self.value, self.epoch = value, epoch
+        self.value, self.epoch, self.step = value, epoch, step
         state = weights()
         if self.enabled:
             state = {k: v.detach().cpu() for k, v in state.items()}
+            # The weights file first, best.pt last: a resume reads the best value from best.pt, so a crash
+            # between the two leaves the old value there, and the step that beats it writes both again.
+            if self.export_path is not None and self.export_format is not None:
+                info = {"epoch": epoch, "step": step, "metric": metric, "value": value}
+                export.save_weights(self.export_path, state, self.export_format, info)
             buffer = io.BytesIO()
             torch.save({"model": state, "epoch": epoch, "step": step, "metric": self.metric, "value": value}, buffer)
             self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -39,7 +39,7 @@ def read_curves(run_dir: str | Path) -> dict[str, dict[int, float]]:
             record = json.loads(line)
         except ValueError:
             continue  # a line cut short by a crash
-        if not isinstance(record, dict) or record.get("kind") not in ("train", "epoch", "test"):
+        if not isinstance(record, dict) or record.get("kind") not in ("train", "epoch", "val", "test"):
             continue
         step = record.get("step")
         if not isinstance(step, int) or isinstance(step, bool):

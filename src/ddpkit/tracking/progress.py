@@ -57,7 +57,8 @@ def run_summary(reason: str, epoch: int, step: int, last: dict[str, Any], best: 
     """
     lines = [f"ddpkit: done ({reason}) after {epoch} epoch(s), {step} optimizer steps"]
     if best.enabled and best.value is not None:
-        lines.append(f"  best {best.metric} {best.value:.4g} at epoch {best.epoch}: weights in {best.path}")
+        at = f"step {best.step}" if best.at_step else f"epoch {best.epoch}"
+        lines.append(f"  best {best.metric} {best.value:.4g} at {at}: weights in {best.path}")
     if last:
         final = {k: v for k, v in last.items() if k not in ("epoch", "step")}
         lines.append(f"  final: {format_metrics(final)}")

@@ -54,14 +54,16 @@ class SnapshotConfig:
 @dataclass(kw_only=True)
 class EarlyStoppingConfig:
     """The validation metric that says which epoch is best: ``run_dir/best.pt`` keeps that epoch's weights, and
-    training stops once it has not improved for ``patience`` epochs."""
+    training stops once it has not improved for ``patience`` epochs. With ``TrainerConfig.val_every_steps``,
+    read "validation" for "epoch": the best is a step, and patience counts validations."""
 
     metric: str | None = None
     """A validation metric such as ``val/loss`` (None: no best weights, no early stopping)."""
     mode: str = "min"
     """``min`` or ``max``: the direction in which ``metric`` improves."""
     patience: int | None = 5
-    """Epochs without improvement before training stops; None keeps the best weights without stopping."""
+    """Epochs (or validations, with ``val_every_steps``) without improvement before training stops; None keeps
+    the best weights without stopping."""
 
     def __post_init__(self) -> None:
         _check(
@@ -136,6 +138,15 @@ class TrainerConfig:
     """Replace ``nn.Dropout`` by :class:`~ddpkit.nn.dropout.GlobalBatchDropout`, whose masks do not depend on the
     world size: with ``sync_batchnorm``, N ranks then train the same model as one process, and a resume at
     another world size continues with the same masks."""
+    val_every_steps: int | None = None
+    """Validate on ``val_data`` after every this many optimizer steps (counted over the run) instead of at epoch
+    ends; early stopping then counts validations, and the best weights are a step's. Recorded as ``val`` records
+    in ``metrics.jsonl``."""
+    weights_format: str | None = "safetensors"
+    """Also write the plain model's weights, whole (gathered from the shards under fsdp), for use outside
+    ddpkit: ``run_dir/final.safetensors`` when training ends (not on a stop signal) and ``best.safetensors`` with
+    ``best.pt``. ``pt``: ``final_weights.pt`` and ``best_weights.pt`` (torch.save of the state dict); None: neither.
+    ``safetensors`` without the package installed falls back to ``pt``, saying so."""
     scheduler_interval: str = "epoch"
     """Step the LR scheduler every ``epoch`` (after validation) or every optimizer ``step``."""
     on_nonfinite: str = "stop"
@@ -185,6 +196,8 @@ class TrainerConfig:
                 "global_batch_size": self.global_batch_size is None or self.global_batch_size >= 1,
                 "eval_batch_size": self.eval_batch_size >= 1,
                 "num_workers": self.num_workers is None or self.num_workers >= 0,
+                "val_every_steps": self.val_every_steps is None or self.val_every_steps >= 1,
+                "weights_format": self.weights_format in ("safetensors", "pt", None),
             },
         )
         # The world size is known only when the Trainer is built; the accumulation steps are known now.

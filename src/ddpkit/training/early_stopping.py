@@ -1,4 +1,5 @@
-"""Early stopping: training ends once a validation metric has not improved for ``patience`` epochs.
+"""Early stopping: training ends once a validation metric has not improved for ``patience`` epochs (or
+validations, with ``TrainerConfig.val_every_steps``).
 
 It shares its metric, its direction and its comparison (:func:`~ddpkit.snapshot.best.is_better`) with the best
 weights the run keeps (:class:`~ddpkit.snapshot.best.BestWeights`): the epoch that resets the patience is the
@@ -16,14 +17,15 @@ from ddpkit.training.config import EarlyStoppingConfig
 
 
 class EarlyStopping:
-    """Counts epochs without improvement of ``config.metric``; its state is part of every snapshot."""
+    """Counts validations without improvement of ``config.metric`` (one per epoch, unless ``val_every_steps``);
+    its state is part of every snapshot."""
 
     def __init__(self, config: EarlyStoppingConfig) -> None:
         self.config = config
         self.best: float | None = None
         """The best value of the metric so far."""
         self.bad_epochs = 0
-        """Epochs since it last improved."""
+        """Validations (epochs, by default) since it last improved; the name is kept for snapshots' sake."""
 
     @property
     def should_stop(self) -> bool:

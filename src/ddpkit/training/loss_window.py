@@ -39,6 +39,7 @@ class LossWindow:
         self.steps = 0  # steps taken
         self.tried = 0  # steps taken or skipped
         self._step_start = 0
+        self.last_step: tuple[list[torch.Tensor | float], list[int]] = ([], [])
 
     def add(self, loss: torch.Tensor, size: int) -> None:
         self.losses.append(loss.item() if self.on_host else loss.detach())
@@ -49,6 +50,8 @@ class LossWindow:
 
     def end_step(self, taken: bool) -> None:
         self.tried += 1
+        # The step's own losses, for on_step_end (a skipped step's too: they may say why it was skipped).
+        self.last_step = (self.losses[self._step_start :], self.sizes[self._step_start :])
         if taken:
             self.steps += 1
         else:

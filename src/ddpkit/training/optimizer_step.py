@@ -21,7 +21,9 @@ from ddpkit.training.state import TrainState
 class OptimizerStep:
     """Clip and step when the synchronised gradients are finite; skip or stop everywhere alike when not.
 
-    ``grad_norm`` is the global norm of the last step taken, before clipping (known only when clipping).
+    ``grad_norm`` is the global norm of the last step taken, before clipping (known only when clipping);
+    ``step_norm`` that of the step just done, where the strategy computed it (clipping, or fsdp), and ``lr`` the
+    learning rate it used (before a per-step scheduler moved it).
     """
 
     def __init__(
@@ -38,6 +40,8 @@ class OptimizerStep:
         self.config, self.strategy, self.scheduler, self.scaler = config, strategy, scheduler, scaler
         self.state, self.log, self.group = state, log, group
         self.grad_norm: torch.Tensor | None = None
+        self.step_norm: torch.Tensor | None = None
+        self.lr = 0.0
 
     def __call__(self, window: LossWindow) -> bool:
         """True if the step was taken. The verdict costs a host sync per step (as a GradScaler's does)."""
@@ -45,6 +49,7 @@ class OptimizerStep:
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)  # clip and check true gradients, not scaled ones
         verdict = self.strategy.check_gradients(cfg.clip_grad_norm)
+        self.lr, self.step_norm = optimizer.param_groups[0]["lr"], verdict.norm
         if not verdict.finite:
             return self._nonfinite(window)
         if cfg.clip_grad_norm is not None:

@@ -24,6 +24,7 @@ from ddpkit.snapshot import files as run_files
 
 RESUMABLE_CHANGES = frozenset({
     "run_dir", "resume", "epochs", "max_steps", "num_workers", "eval_batch_size", "raise_on_stop_signal",
+    "weights_format",
     "snapshot.every_steps", "snapshot.every_epochs", "snapshot.keep", "snapshot.async_write",
     "logging.every_steps", "logging.progress", "logging.tensorboard", "logging.trackers",
     "early_stopping.patience",
@@ -35,7 +36,9 @@ communicates, not what the next step computes. (``batch_size`` and ``global_batc
 global batch they make, which may stay the same at another world size.) ``num_workers`` is here because a
 sample's random draws are a function of ``(seed, epoch, index)``, not of the worker that loads it."""
 
-_NOT_COMPARED = frozenset({"batch_size", "global_batch_size"})
+_NOT_COMPARED = frozenset({"batch_size", "global_batch_size", "precision"})  # precision: see precision_change
+
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 # Optimizer settings that schedulers move during training or that only choose an implementation.
 _OPTIMIZER_IMPLEMENTATION = frozenset({"params", "foreach", "fused", "capturable", "differentiable"})
@@ -119,6 +122,22 @@ class RunRecord:
             "model_shapes": self.model_shapes,
             "module_types": self.module_types,
         }
+
+    def precision_change(self, saved: Mapping[str, Any]) -> tuple[str, str] | None:
+        """``(snapshot's precision, this run's)`` when they differ, else None.
+
+        A resume may change the precision: the snapshot holds fp32 weights and optimizer state under every
+        precision (autocast computes in bf16/fp16 but keeps the parameters in fp32), so the next step is
+        well defined, only not the one the snapshot's run would have taken: such a resume is not bitwise. fp16's
+        GradScaler is the one part that comes or goes: from fp16 it is dropped (the gradients it unscaled are
+        plain gradients); to fp16 a fresh one starts at its initial scale. What stays refused is what the record
+        checks apart from the config: a model whose parameters themselves changed dtype (``model.half()``).
+        """
+        old = (saved.get("config") or {}).get("precision")
+        new = self.config.get("precision")
+        if old is None or old == new:
+            return None
+        return str(old), str(new)
 
     def check(self, saved: Mapping[str, Any], snapshot: str) -> None:
         """Refuse the snapshot whose record is ``saved`` unless it was taken by a run like this one, naming every

@@ -10,9 +10,10 @@ reshards on load; the others, with the run's record (:class:`~ddpkit.training.ru
 
 A resume is refused, naming each difference, before any tensor is read when the config, the optimizer's
 hyper-parameters, the model's shapes or the classes of its modules differ from the snapshot's, or when the
-global micro-batch does. At the same world size every rank gets its own buffers and random streams back and the
-run continues bit for bit; at another, every rank takes rank 0's buffers and the random streams are reseeded
-from (seed, step, rank).
+global micro-batch does. The precision may change (:meth:`RunRecord.precision_change`), with a warning that
+the resume is not bitwise, in the output and as a ``precision_change`` event. At the same world size every
+rank gets its own buffers and random streams back and the run continues bit for bit; at another, every rank
+takes rank 0's buffers and the random streams are reseeded from (seed, step, rank).
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ class TrainerSnapshots:
         )
         self._saved_at: tuple[int, int, int] | None = None
         self.resumed_from: int | None = None
+        self._fresh: frozenset[str] = frozenset()  # parts this run starts afresh though the snapshot lacks them
 
     def state_dict(self) -> dict[str, Any]:
         """Everything the next step needs. Collective: every rank calls it (the random streams are gathered)."""
@@ -89,6 +91,8 @@ class TrainerSnapshots:
         self.strategy.load_state_dict(state["strategy"])
         for name, part in self.states.items():  # "train" first: the random streams' reseed reads the step
             if name not in state["states"]:
+                if name in self._fresh:
+                    continue
                 raise ConfigError(
                     f"the snapshot holds no {name!r} state: it was written by a run without one "
                     "(a scheduler or fp16's GradScaler added since?); resume with the same parts"
@@ -117,6 +121,24 @@ class TrainerSnapshots:
             },
         )
 
+    def _warn_precision_change(self, old: str, new: str) -> None:
+        scaler = "fresh" if new == "fp16" else "dropped" if old == "fp16" else None
+        note = {
+            "fresh": "; fp16's GradScaler starts afresh at its initial scale",
+            "dropped": "; the snapshot's fp16 GradScaler state is dropped",
+            None: "",
+        }[scaler]
+        self.print0(
+            f"ddpkit: WARNING: precision changed from {old} (the snapshot's) to {new} on resume{note}. This run's "
+            "steps are not those the snapshot's run would have taken: the bitwise-resume guarantee does not hold "
+            "for this run"
+        )
+        self.log(
+            "event",
+            self.train.step,
+            {"event": "precision_change", "from": old, "to": new, "scaler": scaler, "bitwise_resume": False},
+        )
+
     def wait(self) -> None:
         """Block until the snapshot being written in the background (if any) is whole on disk."""
         self.manager.wait()
@@ -135,6 +157,9 @@ class TrainerSnapshots:
             map_location="cpu",
             check=lambda saved: self.record.check(saved["record"], str(found.path)),
         )
+        change = self.record.precision_change(extra["record"])
+        # To fp16 from another precision: the snapshot has no GradScaler state; a fresh scaler starts.
+        self._fresh = frozenset({"scaler"}) if change is not None and change[1] == "fp16" else frozenset()
         load(extra | {"strategy": sharded})
         self.resumed_from = found.step
         self._saved_at = self.train.position  # already on disk
@@ -144,6 +169,8 @@ class TrainerSnapshots:
                 f"ddpkit: resuming a {reseeded_from}-rank snapshot on {rt.world_size} ranks: same "
                 "samples in the same steps; random streams (dropout, augmentation) are reseeded"
             )
+        if change is not None:
+            self._warn_precision_change(*change)
         t = self.train
         self.print0(f"ddpkit: resumed from {found.path} (epoch {t.epoch}, step {t.step}, restart {rt.restart_count})")
         self.log(

@@ -42,7 +42,7 @@ from ddpkit.strategies import Strategy, build_strategy
 from ddpkit.tracking.metrics import MetricsWriter
 from ddpkit.tracking.progress import Progress, run_summary
 from ddpkit.training.batch_loss import BatchLoss, BatchLossFn, LossFn
-from ddpkit.training.callbacks import call
+from ddpkit.training.callbacks import call, call_step_end
 from ddpkit.training.config import TrainerConfig  # noqa: F401  (imported from here by scripts)
 from ddpkit.training.early_stopping import EarlyStopping
 from ddpkit.training.evaluation import evaluate
@@ -52,6 +52,7 @@ from ddpkit.training.precision import autocast, grad_scaler
 from ddpkit.training.run_record import RunRecord, write_resolved_config
 from ddpkit.training.snapshots import TrainerSnapshots
 from ddpkit.training.state import RankStreams, StopReason, TrainState
+from ddpkit.training.step_output import step_output
 from ddpkit.training.steps import MicroBatch, Step, epoch_steps, step_layout
 from ddpkit.training.validation import Validation
 
@@ -134,18 +135,15 @@ class Trainer:
         self.sampler = cast(ShardedBatchSampler, self.loader.batch_sampler)  # build_loader's
         self.generator: torch.Generator = self.loader.generator
         self.state = TrainState()
-        self.early_stopping = EarlyStopping(config.early_stopping)
         self.run_dir = Path(config.run_dir)
         log = config.logging
         self.writer = MetricsWriter(
             self.run_dir, enabled=rt.is_main, tensorboard=log.tensorboard, loggers=log.trackers, params=config.to_json()
         )
-        self.best_weights = BestWeights(
-            self.run_dir / "best.pt", config.early_stopping.metric, config.early_stopping.mode, enabled=rt.is_main
+        self.validation = Validation.of(
+            config, rt, val_data, evaluate=self.evaluate, model_weights=self.strategy.model_weights, log=self.writer.log
         )
-        self.validation = Validation(
-            self.early_stopping, self.best_weights, self.strategy.model_weights, self.writer.log
-        )
+        self.early_stopping, self.best_weights = self.validation.early_stopping, self.validation.best_weights
         self.snapshots = TrainerSnapshots(
             self.run_dir,
             config.snapshot,
@@ -227,7 +225,11 @@ class Trainer:
             with signals.stop_signals(self._on_stop_signal):
                 while self.epoch < cfg.epochs and self.stopped_by is None:
                     if not self._train_epoch():
-                        if self.stopped_by == StopReason.MAX_STEPS and self.val_data is not None:
+                        if (
+                            self.stopped_by == StopReason.MAX_STEPS
+                            and self.validation.at_epoch_end
+                            and self.val_data is not None
+                        ):
                             last = self.validation.inside_epoch(self.evaluate, self.val_data, self.epoch, self.step)
                         break
                     last = self._end_epoch()
@@ -236,8 +238,9 @@ class Trainer:
             if hasattr(err, "add_note"):
                 err.add_note(f"ddpkit: rank {rt.rank} failed in epoch {self.epoch}, at optimizer step {self.step}")
             raise
-        if self.stopped_by in (StopReason.MAX_STEPS, StopReason.SIGNAL):
-            self.save()
+        if self.stopped_by in (StopReason.MAX_STEPS, StopReason.SIGNAL, StopReason.EARLY_STOPPING):
+            self.save()  # (a no-op after an epoch end's snapshot of the same step)
+        self.validation.save_final_weights(self.epoch, self.step, self.stopped_by)
         self.wait_for_snapshot()  # the run's last snapshot is whole before fit() returns
         reason = self.stopped_by or StopReason.EPOCHS
         self.writer.log("event", self.step, {"event": "stop", "reason": str(reason)})
@@ -303,13 +306,16 @@ class Trainer:
             return self.batch_loss(self.model, micro.batch)
 
     def _after_step(self, step: Step, taken: bool, progress: Progress) -> bool:
-        """After a step: callbacks, the agreement and its record, a snapshot; False to stop inside the epoch.
+        """After a step: callbacks, validation, the agreement and its record, a snapshot; False to stop mid-epoch.
         Every rank reaches the same decisions here: steps are taken or skipped everywhere alike."""
         cfg = self.config
         if self.callbacks:
-            call(self.callbacks, "on_step_end", self, taken)
+            call_step_end(self.callbacks, self, step_output(taken, self.state, self.optimizer_step, self._window))
         if cfg.max_steps is not None and self.step >= cfg.max_steps:
             self.stopped_by = StopReason.MAX_STEPS
+        # Before the step's snapshot (below, or fit's), whose early-stopping state then counts this validation:
+        if self.validation.due(self.step, taken) and self.validation.after_step(self.epoch, self.step):
+            self.stopped_by = StopReason.EARLY_STOPPING
         postfix = None
         if step.last_in_epoch or self.stopped_by or (taken and self.step % cfg.logging.every_steps == 0):
             postfix = self._log_window()
@@ -351,10 +357,10 @@ class Trainer:
         loss_sum, samples = self._epoch_loss
         metrics["train/epoch_loss"] = loss_sum / samples if samples else float("nan")
         self._epoch_loss = [0.0, 0.0]
-        if self.val_data is not None:
+        if self.val_data is not None and self.validation.at_epoch_end:
             metrics |= self.evaluate(self.val_data, prefix="val")
         seconds = round(time.perf_counter() - self._epoch_start, 3)  # training and validation
-        if self.validation.update(metrics, self.epoch, self.step):
+        if self.validation.at_epoch_end and self.validation.update(metrics, self.epoch, self.step):
             self.stopped_by = StopReason.EARLY_STOPPING
         if cfg.snapshot.every_epochs and self.epoch % cfg.snapshot.every_epochs == 0 or self.stopped_by:
             self.save()

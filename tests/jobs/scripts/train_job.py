@@ -86,6 +86,8 @@ class SabotagedTrainer(Trainer):
             set_rng_state(rng_before)
         elif self.drop == "cursor":
             self.cursor = 0
+        elif self.drop == "early_stopping":
+            self.early_stopping.best, self.early_stopping.bad_epochs = None, 0
         elif self.drop == "scheduler":
             self.scheduler.load_state_dict(torch.optim.lr_scheduler.StepLR(self.optimizer, 4, 0.7).state_dict())
             for group in self.optimizer.param_groups:
@@ -209,15 +211,19 @@ def train(
     kill_after_write: bool = False,
     fill_disk_at: int | None = None,
     shared_buffers: bool = False,
+    val_every_steps: int | None = None,
+    weights_format: str | None = "safetensors",
 ) -> dict:
     """Train the job; ``event=(what, rank, step)`` makes ``rank`` produce a NaN loss (``nan``), an infinite
-    loss whose gradients are finite (``inf``), a NaN loss whose gradients are zero (``ignored``: every target
-    is ``ignore_index``), raise (``raise``, on the first attempt only) or receive SIGUSR1 (``signal``) when it
-    reaches ``step``. ``unseeded_samples``: the loader leaves augmentation to each worker's own stream (the
-    behaviour before samples were seeded from (seed, epoch, index)), for the controls. ``damage_newest``: the
-    rank that kills itself first damages the newest snapshot; ``kill_after_write``: it first waits for the
-    snapshot in flight. ``fill_disk_at``: rank 0 fills the disk of the
-    snapshots at that step. ``shared_buffers``: :func:`one_copy_per_key`."""
+        loss whose gradients are finite (``inf``), a NaN loss whose gradients are zero (``ignored``: every target
+        is ``ignore_index``), raise (``raise``, on the first attempt only) or receive SIGUSR1 (``signal``) when it
+        reaches ``step``. ``unseeded_samples``: the loader leaves augmentation to each worker's own stream (the
+        behaviour before samples were seeded from (seed, epoch, index)), for the controls. ``damage_newest``: the
+        rank that kills itself first damages the newest snapshot; ``kill_after_write``: it first waits for the
+        snapshot in flight. ``fill_disk_at``: rank 0 fills the disk of the
+        snapshots at that step. ``shared_buffers``: :func:`one_copy_per_key`. ``val_every_steps``: validate every
+    that many steps, keeping the best ``val/loss`` (early stopping after ``early_stopping_patience`` validations,
+    if given)."""
     rt = ddpkit.init()
     if unseeded_samples:
         ddpkit.training.trainer.build_loader = functools.partial(ddpkit.data.build_loader, seed_samples=False)
@@ -245,8 +251,11 @@ def train(
         strategy=strategy_config(strategy, strategy_options),
         snapshot=SnapshotConfig(every_steps=snapshot_every_steps, keep=3, async_write=snapshot_async),
         early_stopping=EarlyStoppingConfig(
-            metric="val/loss" if early_stopping_patience else None, patience=early_stopping_patience or 1
+            metric="val/loss" if early_stopping_patience or val_every_steps else None,
+            patience=early_stopping_patience if val_every_steps else early_stopping_patience or 1,
         ),
+        val_every_steps=val_every_steps,
+        weights_format=weights_format,
         logging=LoggingConfig(every_steps=log_every_steps, progress=False, tensorboard=tensorboard, trackers=loggers),
         drop_last=drop_last,
     )
@@ -306,7 +315,7 @@ def train(
         optimizer,
         AugmentedData(n_samples) if augment else IndexedData(n_samples),
         config,
-        val_data=IndexedData() if early_stopping_patience else None,
+        val_data=IndexedData() if early_stopping_patience or val_every_steps else None,
         scheduler=scheduler,
         batch_loss_fn=batch_loss,
         metric_fn=metrics,
@@ -376,6 +385,9 @@ if __name__ == "__main__":
     p.add_argument("--kill-after-write", action="store_true")
     p.add_argument("--fill-disk-at", type=int, default=None)
     p.add_argument("--shared-buffers", action="store_true")
+    p.add_argument("--val-every-steps", type=int, default=None)
+    p.add_argument("--patience", type=int, default=None)
+    p.add_argument("--drop", default=None)
     a = p.parse_args()
     event = ("raise", *a.raise_at) if a.raise_at else ("signal", *a.signal_at) if a.signal_at else None
     train(
@@ -403,5 +415,8 @@ if __name__ == "__main__":
         kill_after_write=a.kill_after_write,
         fill_disk_at=a.fill_disk_at,
         shared_buffers=a.shared_buffers,
+        val_every_steps=a.val_every_steps,
+        early_stopping_patience=a.patience,
+        drop=a.drop,
     )
     ddpkit.shutdown()
