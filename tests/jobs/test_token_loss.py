@@ -8,6 +8,8 @@ import functools
 import pytest
 
 import ddpkit
+
+pytestmark = pytest.mark.slow  # real jobs, ~10 s each
 from tests.jobs.scripts.token_loss_job import first_batch_token_mean, train
 
 

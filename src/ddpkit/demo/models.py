@@ -69,7 +69,9 @@ class GPTBlock(nn.Module):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
         self.attn = CausalSelfAttention(width, heads, dropout)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width), nn.Dropout(dropout))
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width), nn.Dropout(dropout)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -85,7 +87,12 @@ class TinyGPT(nn.Module):
     """
 
     def __init__(
-        self, vocab_size: int, block_size: int = 64, width: int = 64, layers: int = 4, heads: int = 4,
+        self,
+        vocab_size: int,
+        block_size: int = 64,
+        width: int = 64,
+        layers: int = 4,
+        heads: int = 4,
         dropout: float = 0.0,
     ) -> None:
         super().__init__()

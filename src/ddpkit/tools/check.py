@@ -179,9 +179,7 @@ def train_steps(
                 counts = gather_object(batch_len(batch))  # samples: each rank's place in the global batch
                 items = gather_object(w.count(batch))  # what each rank's mean loss is over: samples or tokens
                 n, n_global = items[rt.rank], sum(items)
-                layout = BatchLayout(
-                    global_size=sum(counts), offset=sum(counts[: rt.rank]), key=mix_seed(seed, step)
-                )
+                layout = BatchLayout(global_size=sum(counts), offset=sum(counts[: rt.rank]), key=mix_seed(seed, step))
                 with batch_layout(layout) if "dropout" in fixes else nullcontext():
                     loss = w.loss(model, batch)
                 # Each rank's mean, weighted by its share: DDP's average over ranks is then the global mean. A

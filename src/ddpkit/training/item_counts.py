@@ -61,6 +61,11 @@ class WeighedStep:
         if is_live(group):
             self._work = dist.all_reduce(self.total, group=group, async_op=True)
 
+    @classmethod
+    def of(cls, step: Step, count_fn: CountFn | None, world_size: int, group: Any = None) -> WeighedStep | None:
+        """The weighed step, or None without ``count_fn`` (the step weighs samples)."""
+        return None if count_fn is None else cls(step, count_fn, world_size, group)
+
     def __iter__(self) -> Iterator[MicroBatch]:
         for micro, count in zip(self.micro, self.counts):
             yield replace(micro, samples=count)  # type: ignore[arg-type]  # a count: int or a 0-dim tensor
@@ -72,6 +77,13 @@ class WeighedStep:
             self._work = None
         count = micro.samples if isinstance(micro.samples, torch.Tensor) else torch.tensor(micro.samples)
         return item_share(count.to(self.total.device, torch.float64), self.world_size, self.total)
+
+
+def scale_loss(loss: torch.Tensor, micro: MicroBatch, weighed: WeighedStep | None) -> torch.Tensor:
+    """``micro``'s mean loss divided by its share of the step: per item with ``weighed``, else per sample."""
+    if weighed is not None:
+        return loss / weighed.share(micro).to(loss.dtype)
+    return loss / micro.share if micro.share != 1 else loss  # 1: the loss as it is, bit for bit
 
 
 def _as_count(value: Any) -> torch.Tensor:

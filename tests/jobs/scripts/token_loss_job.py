@@ -52,9 +52,7 @@ def count_tokens(batch) -> torch.Tensor:
     return (batch[1] != IGNORE).sum()
 
 
-def train(
-    run_dir: str, *, grad_accum: int = 1, count: bool = True, global_batch: int = 8, epochs: int = 2
-) -> dict:
+def train(run_dir: str, *, grad_accum: int = 1, count: bool = True, global_batch: int = 8, epochs: int = 2) -> dict:
     """Train; rank 0's final weights, steps, and the first step's recorded training loss (main rank only)."""
     ddpkit.init()
     model = build_model()
