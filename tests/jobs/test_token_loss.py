@@ -8,9 +8,9 @@ import functools
 import pytest
 
 import ddpkit
+from tests.jobs.scripts.token_loss_job import first_batch_token_mean, train
 
 pytestmark = pytest.mark.slow  # real jobs, ~10 s each
-from tests.jobs.scripts.token_loss_job import first_batch_token_mean, train
 
 
 def _run(world: int, run_dir, **kwargs) -> dict:
