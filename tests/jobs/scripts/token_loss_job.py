@@ -52,13 +52,29 @@ def count_tokens(batch) -> torch.Tensor:
     return (batch[1] != IGNORE).sum()
 
 
-def train(run_dir: str, *, grad_accum: int = 1, count: bool = True, global_batch: int = 8, epochs: int = 2) -> dict:
+def train(
+    run_dir: str,
+    *,
+    grad_accum: int = 1,
+    count: bool = True,
+    global_batch: int = 8,
+    epochs: int = 2,
+    compile: bool = False,
+    strategy: str = "ddp",
+    max_steps: int | None = None,
+    resume: bool = True,
+    drop_momentum: bool = False,
+) -> dict:
     """Train; rank 0's final weights, steps, and the first step's recorded training loss (main rank only)."""
     ddpkit.init()
     model = build_model()
     config = TrainerConfig(
         run_dir=run_dir,
         epochs=epochs,
+        max_steps=max_steps,
+        resume=resume,
+        compile=compile,
+        strategy=strategy,
         global_batch_size=global_batch,
         grad_accum_steps=grad_accum,
         num_workers=0,
@@ -68,17 +84,26 @@ def train(run_dir: str, *, grad_accum: int = 1, count: bool = True, global_batch
     )
     trainer = Trainer(
         model,
-        torch.optim.SGD(model.parameters(), lr=0.5),
+        torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.5),
         PaddedSequences(),
         config,
         batch_loss_fn=token_loss,
         count_fn=count_tokens if count else None,
     )
+    if drop_momentum:  # the control of the resume test: the snapshot's momentum buffers are not restored
+        load = trainer.load_state_dict
+
+        def load_without_momentum(state):
+            load(state)
+            trainer.optimizer.state.clear()
+
+        trainer.load_state_dict = load_without_momentum
     metrics = trainer.fit()
     weights = {k: v.detach().clone() for k, v in trainer.strategy.model_weights().items()}
+    optim = trainer.strategy.full_state_dict()["optim"]  # momentum buffers, gathered under every strategy
     records = (trainer.run_dir / "metrics.jsonl").read_text().splitlines() if trainer.runtime.is_main else []
     first = next((json.loads(r) for r in records if json.loads(r)["kind"] == "train"), {})
-    return {"model": weights, "step": trainer.step, "first_loss": first.get("train/loss"), **metrics}
+    return {"model": weights, "optim": optim, "step": trainer.step, "first_loss": first.get("train/loss"), **metrics}
 
 
 def first_batch_token_mean(global_batch: int = 8) -> float:
