@@ -116,7 +116,13 @@ class TinyGPT(nn.Module):
         return self.head(self.ln(x))
 
     @torch.no_grad()
-    def generate(self, tokens: torch.Tensor, new_tokens: int, temperature: float = 0.8, generator=None) -> torch.Tensor:
+    def generate(
+        self,
+        tokens: torch.Tensor,
+        new_tokens: int,
+        temperature: float = 0.8,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
         """Extend ``tokens [B, T]`` by ``new_tokens`` sampled ones (the last ``block_size`` tokens as context)."""
         for _ in range(new_tokens):
             logits = self(tokens[:, -self.block_size :])[:, -1] / temperature
