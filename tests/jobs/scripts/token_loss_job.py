@@ -103,7 +103,19 @@ def train(
     optim = trainer.strategy.full_state_dict()["optim"]  # momentum buffers, gathered under every strategy
     records = (trainer.run_dir / "metrics.jsonl").read_text().splitlines() if trainer.runtime.is_main else []
     first = next((json.loads(r) for r in records if json.loads(r)["kind"] == "train"), {})
-    return {"model": weights, "optim": optim, "step": trainer.step, "first_loss": first.get("train/loss"), **metrics}
+    graphs = 0
+    if compile:  # proof that the training forward ran compiled: the frames Dynamo compiled in this process
+        from torch._dynamo.utils import counters
+
+        graphs = counters["frames"]["ok"]  # frames Dynamo compiled
+    return {
+        "graphs": graphs,
+        "model": weights,
+        "optim": optim,
+        "step": trainer.step,
+        "first_loss": first.get("train/loss"),
+        **metrics,
+    }
 
 
 def first_batch_token_mean(global_batch: int = 8) -> float:
