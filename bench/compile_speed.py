@@ -63,7 +63,14 @@ def job(a: argparse.Namespace) -> dict:
         eager.append(statistics.median(_steps(model, optimizer, x, y, a.steps, cuda)))
         comp.append(statistics.median(_steps(compiled, optimizer, x, y, a.steps, cuda)))
     params = sum(p.numel() for p in model.parameters())
-    return {"eager": eager, "compiled": comp, "compile_s": compile_s, "params": params, "device": str(rt.device)}
+    return {
+        "eager": eager,
+        "compiled": comp,
+        "compile_s": compile_s,
+        "params": params,
+        "device": str(rt.device),
+        "threads": torch.get_num_threads(),
+    }
 
 
 def main() -> None:
@@ -83,7 +90,7 @@ def main() -> None:
     print(f"# bench/compile_speed.py  {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
     print(
         f"# {platform.node()} {platform.machine()}, torch {torch.__version__}, {r['device']}, {a.nproc} rank(s), "
-        f"{torch.get_num_threads()} threads here; TinyGPT {r['params'] / 1e3:.0f} K parameters (width {a.width}, "
+        f"{r['threads']} thread(s) per rank; TinyGPT {r['params'] / 1e3:.0f} K parameters (width {a.width}, "
         f"{a.layers} layers, {a.block_size} tokens), batch {a.batch} per rank, AdamW; {a.rounds} rounds x "
         f"{a.steps} steps per mode after {a.warmup} warm-up; rank 0's medians"
     )
