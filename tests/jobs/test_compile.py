@@ -5,18 +5,34 @@ small CPU, so these are slow tests with a tiny model (the per-token job of test_
 from __future__ import annotations
 
 import functools
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import ddpkit
 from ddpkit.training.compiled import cpp_compiler
+from tests.conftest import _clean_environ
 from tests.jobs.scripts.token_loss_job import train
+from tests.trainer_checks import bitwise_equal
 
+JOB = str(Path(__file__).parent / "scripts" / "train_job.py")
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.timeout(600),  # compilation: tens of seconds per process, more under load
     pytest.mark.skipif(cpp_compiler() is None, reason="inductor needs a C++ compiler for CPU kernels; none found"),
 ]
+
+
+def _launch(tmp: Path, name: str, *args: str) -> dict:
+    (tmp / f"{name}-log").mkdir()
+    cmd = [sys.executable, "-m", "ddpkit.cli", "run", "--nproc", "2", "--max-restarts", "1", JOB, str(tmp / name)]
+    cmd += ["--compile", "--sample-log", str(tmp / f"{name}-log"), "--out", str(tmp / f"{name}.pt"), *args]
+    proc = subprocess.run(cmd, env=_clean_environ(), capture_output=True, text=True, timeout=500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(tmp / f"{name}.pt", weights_only=False)
 
 
 def _run(world: int, run_dir, **kwargs) -> dict:
@@ -65,3 +81,14 @@ def test_a_compiled_run_stopped_and_resumed_is_bitwise_the_uninterrupted_one(tmp
     _run(2, tmp_path / "control", max_steps=5)
     control = _run(2, tmp_path / "control", drop_momentum=True)
     assert control["step"] == 12 and not _bitwise(control, whole)
+
+
+@pytest.mark.timeout(1200)  # two 2-rank jobs under the launcher, one restarted: each process compiles
+def test_a_compiled_run_killed_with_sigkill_and_restarted_resumes_bitwise(tmp_path):
+    # The kill test's job (BatchNorm over the global batch, dropout, Adam, snapshots every 3 steps) compiled,
+    # under the real launcher: rank 1 SIGKILLs itself at step 7; the agent restarts both ranks, which compile
+    # again and resume from the snapshot of step 6.
+    reference = _launch(tmp_path, "reference")
+    killed = _launch(tmp_path, "killed", "--kill-rank", "1", "--kill-step", "7")
+    assert list((tmp_path / "killed-log").glob("killed-*")) and killed["attempt"] == 1
+    assert bitwise_equal(killed, reference)

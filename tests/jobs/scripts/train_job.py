@@ -209,6 +209,7 @@ def train(
     kill_after_write: bool = False,
     fill_disk_at: int | None = None,
     shared_buffers: bool = False,
+    compile: bool = False,
 ) -> dict:
     """Train the job; ``event=(what, rank, step)`` makes ``rank`` produce a NaN loss (``nan``), an infinite
     loss whose gradients are finite (``inf``), a NaN loss whose gradients are zero (``ignored``: every target
@@ -249,6 +250,7 @@ def train(
         ),
         logging=LoggingConfig(every_steps=log_every_steps, progress=False, tensorboard=tensorboard, trackers=loggers),
         drop_last=drop_last,
+        compile=compile,
     )
     attempt = rt.restart_count
     if kill_in_snapshot is not None and attempt == 0 and rt.rank == 0:
@@ -376,6 +378,7 @@ if __name__ == "__main__":
     p.add_argument("--kill-after-write", action="store_true")
     p.add_argument("--fill-disk-at", type=int, default=None)
     p.add_argument("--shared-buffers", action="store_true")
+    p.add_argument("--compile", action="store_true")
     a = p.parse_args()
     event = ("raise", *a.raise_at) if a.raise_at else ("signal", *a.signal_at) if a.signal_at else None
     train(
@@ -403,5 +406,6 @@ if __name__ == "__main__":
         kill_after_write=a.kill_after_write,
         fill_disk_at=a.fill_disk_at,
         shared_buffers=a.shared_buffers,
+        compile=a.compile,
     )
     ddpkit.shutdown()
