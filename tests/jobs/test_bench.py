@@ -64,3 +64,22 @@ def test_bench_end_to_end_writes_table_json_and_plot(tmp_path):
     assert row["error"] == pytest.approx(row["step_s"] / row["measured_step_s"] - 1)
     png = (out / "bench.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def _lm_steps():
+    from ddpkit.tools.steptime import Knobs, measure_steps
+
+    return measure_steps("lm", Knobs(), 3, 1, False, False)
+
+
+@pytest.mark.slow
+def test_the_step_timer_runs_the_built_in_language_model_on_two_ranks():
+    import ddpkit
+    from ddpkit.demo.datasets import CHARS
+    from ddpkit.demo.models import TinyGPT
+
+    runs = ddpkit.spawn(_lm_steps, 2)
+    gpt_bytes = sum(p.numel() * 4 for p in TinyGPT(len(CHARS)).parameters())
+    for r in runs:
+        assert 0 < r["medians"]["forward"] < r["medians"]["step"] and r["batch_size"] == 8
+        assert sum(r["param_bytes"]) == gpt_bytes  # the LM's parameters are what DDP all-reduces

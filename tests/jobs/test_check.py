@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from ddpkit.errors import ConfigError
 from ddpkit.tools.check import CheckConfig, run_check
 from ddpkit.tools.check_causes import CAUSES
+from ddpkit.tools.workload import load_workload
 from tests.conftest import _clean_environ
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -72,3 +74,40 @@ def test_the_command_exits_non_zero_and_names_the_fix():
     )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "fix: sync_batchnorm=True" in proc.stdout, proc.stdout
+
+
+# --- workloads without a hook ---------------------------------------------------------------------------------
+
+
+def _named(report: str) -> list[str]:
+    return [c.key for c in CAUSES if f"cause: {c.what}" in report]
+
+
+@pytest.mark.slow
+def test_an_unchanged_trainer_script_is_checked_from_the_trainer_it_builds(tmp_path, monkeypatch):
+    # examples/digits_trainer.py defines no ddpkit_workload(): the check runs it up to its Trainer and takes
+    # the model, optimizer, data and loss from there. Its CNN has BatchNorm and it leaves sync_batchnorm off.
+    monkeypatch.chdir(tmp_path)  # where the script's run_dir (runs/digits) would be written
+    code, lines = run_check(CheckConfig(script=str(ROOT / "examples" / "digits_trainer.py"), steps=2))
+    report = "\n".join(lines)
+    assert code == 1 and _named(report) == ["batchnorm"], report
+    assert not (tmp_path / "runs").exists()  # stopped where the Trainer would be built: nothing trained
+    # The same script with sync_batchnorm=True passes: the check takes the Trainer's config too.
+    for name in ("digits_trainer.py", "digits_cnn.py"):
+        text = (ROOT / "examples" / name).read_text()
+        (tmp_path / name).write_text(text.replace("num_workers=0,", "num_workers=0, sync_batchnorm=True,"))
+    code, lines = run_check(CheckConfig(script=str(tmp_path / "digits_trainer.py"), steps=2))
+    assert code == 0, "\n".join(lines)
+
+
+@pytest.mark.slow
+def test_the_built_in_language_model_passes_with_per_token_weights():
+    code, lines = run_check(CheckConfig(script="lm", steps=3))
+    assert code == 0 and "OK: 2 ranks train the same model as one process" in lines[-1], "\n".join(lines)
+
+
+def test_a_script_that_builds_no_trainer_and_has_no_hook_is_refused(tmp_path):
+    script = tmp_path / "plain.py"
+    script.write_text("import sys\nprint('ran', sys.argv)\n")
+    with pytest.raises(ConfigError, match="builds no ddpkit.Trainer"):
+        load_workload(str(script))

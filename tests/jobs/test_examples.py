@@ -155,3 +155,23 @@ def test_digits_trainer_trains_snapshots_and_resumes(tmp_path):
     again = _ok(_ddpkit_run("digits_trainer.py", "--run-dir", run_dir, "--epochs", "3"))
     assert "ddpkit: resumed from" in again and "epoch 3/3" not in again
     assert f"test accuracy: {accuracy:.4f}" in again
+
+
+# --- lm -----------------------------------------------------------------------------------------------------
+
+VAL_LOSS = re.compile(r"^val/loss (\d+\.\d{4}) \(nats per character\) after (\d+) steps", re.M)
+# Tiny settings: one layer of width 32, 32 K characters, 2 epochs (32 steps); the untrained model is at
+# ln(96) = 4.56 nats per character.
+LM_TINY = ("--epochs", "2", "--max-chars", "32000", "--val-chars", "4000", "--layers", "1", "--width", "32")
+LM_TINY += ("--warmup", "4")
+
+
+def test_lm_two_ranks_match_one_process_and_sample(tmp_path):
+    one = _ok(_python("lm.py", "--run-dir", str(tmp_path / "one"), *LM_TINY, "--sample-chars", "0"))
+    two = _ok(_ddpkit_run("lm.py", "--run-dir", str(tmp_path / "two"), *LM_TINY, "--sample-chars", "40"))
+    (loss_one, steps_one), (loss_two, steps_two) = VAL_LOSS.search(one).groups(), VAL_LOSS.search(two).groups()
+    print(f"val/loss: 1 process {loss_one}, 2 ranks {loss_two}, after {steps_two} steps")
+    assert steps_one == steps_two and float(loss_two) < 3.5
+    # Per-token losses and a fixed global batch: 2 ranks x 2 micro-batches train the one-process model.
+    assert float(loss_two) == pytest.approx(float(loss_one), abs=2e-4)
+    assert two.count("sample:\ndef ") == 1  # rank 0 only, continuing the prompt

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import gzip
 import struct
+import sysconfig
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -136,3 +138,47 @@ def toy_regression(size: int = 2048, in_features: int = 20, seed: int = 0) -> Te
     x = torch.randn(size, in_features, generator=g)
     y = x @ w + b + 0.1 * torch.randn(size, 1, generator=g)
     return TensorDataset(x, y)
+
+
+CHARS = "\n" + "".join(map(chr, range(32, 127)))
+"""The character vocabulary of :func:`python_source`: newline and printable ASCII; anything else reads as ``?``."""
+IGNORE_INDEX = -100
+"""The label of a padding position (``F.cross_entropy``'s default ``ignore_index``)."""
+_CODES = {c: i for i, c in enumerate(CHARS)}
+
+
+def encode(text: str) -> torch.Tensor:
+    unknown = _CODES["?"]
+    return torch.tensor([_CODES.get(c, unknown) for c in text], dtype=torch.long)
+
+
+def decode(tokens: Iterable[int]) -> str:
+    return "".join(CHARS[int(t)] for t in tokens)
+
+
+def python_source(split: str, block_size: int = 64, max_chars: int = 400_000) -> TensorDataset:
+    """Character-level next-token samples ``(tokens [T], labels [T])`` from Python's own standard library sources
+    (shipped with every Python: nothing is downloaded), ``T = block_size``.
+
+    The stdlib's top-level ``*.py`` files, in name order, are the documents; every tenth is in ``test``, the
+    others in ``train``, up to ``max_chars`` characters per split. A document is cut into windows of
+    ``block_size`` tokens; its last window is shorter, padded with labels :data:`IGNORE_INDEX`, so samples hold
+    different numbers of tokens that count. The text depends on the Python version.
+    """
+    _check_split(split)
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    picked = [f for k, f in enumerate(files) if (k % 10 == 9) == (split == "test")]
+    xs, ys, used = [], [], 0
+    for path in picked:
+        doc = encode(path.read_text(encoding="utf-8", errors="replace")[: max_chars - used])
+        used += len(doc)
+        for start in range(0, len(doc) - 1, block_size):
+            window = doc[start : start + block_size + 1]
+            x = torch.zeros(block_size, dtype=torch.long)
+            y = torch.full((block_size,), IGNORE_INDEX, dtype=torch.long)
+            x[: len(window) - 1], y[: len(window) - 1] = window[:-1], window[1:]
+            xs.append(x)
+            ys.append(y)
+        if used >= max_chars:
+            break
+    return TensorDataset(torch.stack(xs), torch.stack(ys))

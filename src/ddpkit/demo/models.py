@@ -1,4 +1,5 @@
-"""The seeds' CNN: the one definition the examples, the benchmarks and ``ddpkit bench``'s default share."""
+"""The demo models: the seeds' CNN (shared by the examples, the benchmarks and ``ddpkit bench``'s default), the
+benchmarks' residual blocks, and a small GPT for the language-model example."""
 
 from __future__ import annotations
 
@@ -41,3 +42,98 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.down(torch.relu(self.up(x)))
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention in which a position sees only itself and those before it."""
+
+    def __init__(self, width: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        if width % heads:
+            raise ValueError(f"width={width} does not divide into heads={heads}")
+        self.heads, self.dropout = heads, dropout
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in self.qkv(x).split(c, dim=2))
+        p = self.dropout if self.training else 0.0
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class GPTBlock(nn.Module):
+    """Pre-norm transformer block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))`` with a 4x wide GELU MLP."""
+
+    def __init__(self, width: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.attn = CausalSelfAttention(width, heads, dropout)
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width), nn.Dropout(dropout)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    """A small GPT-style decoder: token and position embeddings, ``layers`` :class:`GPTBlock`, a final LayerNorm
+    and a head tied to the token embedding; ``forward(tokens [B, T])`` returns logits ``[B, T, vocab]``.
+
+    The defaults (4 layers of width 64, 4 heads, 64 positions, a vocabulary of 98 characters) have about 210K
+    parameters; ``dropout`` is off by default, so N ranks train the same model as one process.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        block_size: int = 64,
+        width: int = 64,
+        layers: int = 4,
+        heads: int = 4,
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self.block_size = block_size
+        self.tok = nn.Embedding(vocab_size, width)
+        self.pos = nn.Embedding(block_size, width)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(GPTBlock(width, heads, dropout) for _ in range(layers))
+        self.ln = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab_size, bias=False)
+        self.head.weight = self.tok.weight  # tied, as in GPT-2
+        self.apply(_gpt_init)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        t = tokens.shape[1]
+        if t > self.block_size:
+            raise ValueError(f"a sequence of {t} tokens is longer than block_size={self.block_size}")
+        x = self.drop(self.tok(tokens) + self.pos(torch.arange(t, device=tokens.device)))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+    @torch.no_grad()
+    def generate(
+        self,
+        tokens: torch.Tensor,
+        new_tokens: int,
+        temperature: float = 0.8,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Extend ``tokens [B, T]`` by ``new_tokens`` sampled ones (the last ``block_size`` tokens as context)."""
+        for _ in range(new_tokens):
+            logits = self(tokens[:, -self.block_size :])[:, -1] / temperature
+            nxt = torch.multinomial(torch.softmax(logits.float(), dim=-1), 1, generator=generator)
+            tokens = torch.cat([tokens, nxt], dim=1)
+        return tokens
+
+
+def _gpt_init(module: nn.Module) -> None:
+    # GPT-2's: normal(0, 0.02) weights, zero biases (LayerNorm keeps its ones and zeros).
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)

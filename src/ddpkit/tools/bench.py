@@ -40,7 +40,7 @@ from ddpkit.tools.bench_config import BenchConfig
 from ddpkit.tools.bench_predict import assumptions, predictions
 from ddpkit.tools.bench_report import report
 from ddpkit.tools.steptime import Knobs, cores, measure_steps, single_process_steps
-from ddpkit.tools.workload import HOOK, load_workload
+from ddpkit.tools.workload import BUILTINS, HOOK, load_workload
 from ddpkit.tracking.curves import shown
 
 MS = 1e3
@@ -298,7 +298,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         epilog=f"Your own training: a script defining {HOOK}() that returns (model, dataset, loss_fn, "
         "optimizer_factory) or a ddpkit.tools.workload.Workload (batch_size per rank, loader, ...).",
     )
-    p.add_argument("script", nargs="?", help=f"training script defining {HOOK}(); default: the seeds' CNN")
+    p.add_argument(
+        "script",
+        nargs="?",
+        help=f"training script defining {HOOK}() or building a ddpkit.Trainer, or a built-in workload ("
+        + ", ".join(BUILTINS)
+        + "); default: the seeds' CNN",
+    )
     gpus = torch.cuda.device_count()
     p.add_argument(
         "--nproc",

@@ -41,7 +41,8 @@ from ddpkit.nn.dropout import BatchLayout, batch_layout, convert_dropout
 from ddpkit.nn.prepare import prepare_model, unwrap
 from ddpkit.tools.check_causes import CAUSES
 from ddpkit.tools.compare import QUANTITIES, Verdict, compare
-from ddpkit.tools.workload import HOOK, load_workload
+from ddpkit.tools.workload import BUILTINS, HOOK, load_workload
+from ddpkit.training.steps import batch_len
 
 _KEYS = tuple(c.key for c in CAUSES)
 
@@ -150,7 +151,7 @@ def train_steps(
     with _deterministic("nondeterminism" in fixes):
         try:
             seed_everything(seed)
-            w = load_workload(script)
+            w = load_workload(script, max(rt.world_size, 1))
             batch = per_rank_batch or w.batch_size
             model = w.model
             if "dropout" in fixes:
@@ -163,7 +164,7 @@ def train_steps(
             every = gather_object(digests)
             records["differing_tensors"] = sorted(n for n in digests if any(d.get(n) != digests[n] for d in every))
             ddp_kwargs: dict[str, Any] = {"find_unused_parameters": True} if "unused_parameters" in fixes else {}
-            model = prepare_model(model, sync_batchnorm="batchnorm" in fixes, **ddp_kwargs)
+            model = prepare_model(model, sync_batchnorm="batchnorm" in fixes or w.sync_batchnorm, **ddp_kwargs)
             optimizer = w.optimizer(model.parameters())
             data = _SampleSeeded(w.dataset, seed) if "augmentation" in fixes else w.dataset
             if w.loader is None or "data_order" in fixes:
@@ -174,14 +175,17 @@ def train_steps(
             batches = _batches(loader, data)
             model.train()
             for step in range(steps):
-                inputs, targets = to_device(next(batches), rt.device)
-                counts = gather_object(len(targets))
-                n, n_global = len(targets), sum(counts)
-                layout = BatchLayout(global_size=n_global, offset=sum(counts[: rt.rank]), key=mix_seed(seed, step))
+                batch = to_device(next(batches), rt.device)
+                counts = gather_object(batch_len(batch))  # samples: each rank's place in the global batch
+                items = gather_object(w.count(batch))  # what each rank's mean loss is over: samples or tokens
+                n, n_global = items[rt.rank], sum(items)
+                layout = BatchLayout(global_size=sum(counts), offset=sum(counts[: rt.rank]), key=mix_seed(seed, step))
                 with batch_layout(layout) if "dropout" in fixes else nullcontext():
-                    loss = w.loss_fn(model(inputs), targets)
-                # Each rank's mean, weighted by its share: DDP's average over ranks is then the global mean.
-                scaled = loss * (n * rt.world_size / n_global) if "uneven_mean" in fixes else loss
+                    loss = w.loss(model, batch)
+                # Each rank's mean, weighted by its share: DDP's average over ranks is then the global mean. A
+                # workload that counts items (tokens) is weighed so always, as the Trainer's count_fn does.
+                weigh = "uneven_mean" in fixes or w.count_fn is not None
+                scaled = loss * (n * rt.world_size / n_global) if weigh else loss
                 optimizer.zero_grad(set_to_none=True)
                 scaled.backward()
                 params = list(unwrap(model).parameters())
@@ -232,7 +236,7 @@ def _check(cfg: CheckConfig) -> tuple[int, list[str]]:
 
     setups = _setups()
     # Bad input fails here, with its message, rather than inside every rank.
-    w = load_workload(cfg.script)
+    w = load_workload(cfg.script, cfg.nproc)
     if w.loader is None:
         ShardedBatchSampler(
             cast(Sized, w.dataset), w.batch_size, drop_last=w.drop_last, rank=0, world_size=cfg.nproc
@@ -346,9 +350,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "gradients and weights step by step, and name the cause of a difference. Exit code 0: they agree; "
         "1: they differ beyond the tolerance (causes named when found).",
         epilog=f"The script defines {HOOK}() returning (model, dataset, loss_fn, optimizer_factory) or a "
-        "ddpkit.tools.workload.Workload; without a script, the seeds' CNN on sklearn digits.",
+        "ddpkit.tools.workload.Workload, or builds a ddpkit.Trainer (run with its default arguments until then); "
+        "without a script, the seeds' CNN on sklearn digits.",
     )
-    p.add_argument("script", nargs="?", help=f"a training script that defines {HOOK}()")
+    p.add_argument(
+        "script",
+        nargs="?",
+        help=f"a training script that defines {HOOK}() or builds a ddpkit.Trainer, or a built-in workload: "
+        + ", ".join(BUILTINS),
+    )
     p.add_argument("--nproc", type=int, default=2, help="ranks of the distributed run (default 2)")
     p.add_argument("--steps", type=int, default=4, help="optimizer steps compared (default 4)")
     p.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance (default 1e-4)")

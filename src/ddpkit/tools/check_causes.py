@@ -59,9 +59,9 @@ CAUSES: tuple[Cause, ...] = (
     ),
     Cause(
         "uneven_mean",
-        "a loss averaged per rank when samples are uneven: DDP averages the ranks' means, which is not the mean "
-        "over the global batch when ranks hold different numbers of samples",
+        "a loss averaged per rank when samples (or the tokens a loss averages over) are uneven: DDP averages the "
+        "ranks' means, which is not the mean over the global batch when ranks hold different numbers of them",
         "drop_last=True (build_loader, TrainerConfig: every rank gets batch_size samples), or weight each "
-        "rank's mean loss by its share: loss * n_rank * world_size / n_global",
+        "rank's mean loss by its share: loss * n_rank * world_size / n_global (per token: the Trainer's count_fn)",
     ),
 )

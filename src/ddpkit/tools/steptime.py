@@ -126,7 +126,7 @@ def measure_steps(
     rt = init()
     pinned = _pin(rt.rank, rt.world_size) if pin and rt.device.type == "cpu" else False
     seed_everything(0)
-    w = load_workload(script)
+    w = load_workload(script, rt.world_size)
     model = prepare_model(
         w.model,
         bucket_cap_mb=knobs.bucket_cap_mb,
@@ -154,10 +154,10 @@ def measure_steps(
     for i in range(warmup + (2 * steps if split_comm else steps)):
         no_sync = split_comm and i >= warmup and (i - warmup) % 2 == 1
         t0 = now()
-        inputs, targets = to_device(next(batches), rt.device)
+        batch = to_device(next(batches), rt.device)
         t1 = now()
         with model.no_sync() if no_sync else nullcontext():
-            loss = w.loss_fn(model(inputs), targets)
+            loss = w.loss(model, batch)
             t2 = now()
             loss.backward()
             t3 = now()
@@ -208,8 +208,7 @@ def single_process_steps(script: str | None, data_parallel: bool, steps: int, wa
     for i in range(warmup + steps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        inputs, targets = to_device(next(batches), device)
-        loss = w.loss_fn(model(inputs), targets)
+        loss = w.loss(model, to_device(next(batches), device))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -9,6 +9,11 @@ A script hands its training to the tools by defining a function ``ddpkit_workloa
 or, for more control, returning a :class:`Workload`. The tools call it once per run in every rank's process,
 after seeding every rank alike, so it must build a fresh model each time; the script's
 ``if __name__ == "__main__":`` block is not run (the file is imported under another name).
+
+A script without the hook that trains with :class:`~ddpkit.Trainer` needs none: the tools run it, with its
+default arguments, up to the point where it builds the Trainer, and take the model, optimizer, data and loss it
+hands the Trainer (:mod:`ddpkit.tools.trainer_capture`). Built-in workloads are named instead of a script:
+``digits`` (the default) and ``lm`` (the language-model example's small GPT).
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ HOOK = "ddpkit_workload"
 """The function a script defines for ``ddpkit bench script.py`` and ``ddpkit check script.py``."""
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+BatchLossFn = Callable[[nn.Module, Any], torch.Tensor]
+CountFn = Callable[[Any], "int | torch.Tensor"]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 LoaderFactory = Callable[[Dataset, int, int, int], Iterable[Any]]
 
@@ -59,6 +66,13 @@ class Workload:
     """The script's own loader, ``loader(dataset, batch_size, rank, world_size)`` giving ``(inputs, targets)``
     batches; by default ddpkit's :class:`~ddpkit.data.ShardedBatchSampler`. It is read in the training process
     (no loader workers) and iterated again when an epoch ends."""
+    batch_loss_fn: BatchLossFn | None = None
+    """``batch_loss_fn(model, batch)`` for batches other than ``(inputs, targets)``; replaces ``loss_fn``."""
+    count_fn: CountFn | None = None
+    """How many items (tokens) a batch's mean loss is over (the Trainer's ``count_fn``); None: its samples. The
+    check weighs each rank's mean by it, as the Trainer does."""
+    sync_batchnorm: bool = False
+    """The script normalises over the global batch (a Trainer's ``sync_batchnorm``): the check's runs do too."""
     name: str = "workload"
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form notes printed with the results (e.g. the dataset's name)."""
@@ -68,6 +82,20 @@ class Workload:
             raise ConfigError(f"{HOOK}() returned a model of type {type(self.model).__name__}: give an nn.Module")
         if self.batch_size < 1:
             raise ConfigError(f"batch_size={self.batch_size}: the per-rank batch must be >= 1")
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        if self.batch_loss_fn is not None:
+            return self.batch_loss_fn(model, batch)
+        inputs, targets = batch
+        return self.loss_fn(model(inputs), targets)
+
+    def count(self, batch: Any) -> int:
+        """What the batch's mean loss weighs: its items under ``count_fn``, else its samples."""
+        if self.count_fn is not None:
+            return int(self.count_fn(batch))
+        from ddpkit.training.steps import batch_len  # tools sit above training; imported where used
+
+        return batch_len(batch)
 
     @property
     def parameter_bytes(self) -> int:
@@ -87,6 +115,29 @@ def digits_workload() -> Workload:
         name="seeds' CNN on sklearn digits",
     )
 
+
+def lm_workload() -> Workload:
+    """The language-model example's small GPT (``examples/lm.py``'s defaults) on the stdlib's sources, character
+    by character, with the loss averaged over tokens (the last window of a file is padded), AdamW."""
+    from ddpkit.demo.datasets import CHARS, IGNORE_INDEX, python_source
+    from ddpkit.demo.models import TinyGPT
+
+    def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+
+    return Workload(
+        model=TinyGPT(len(CHARS)),
+        dataset=python_source("train", max_chars=60_000),
+        loss_fn=token_loss,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.95)),
+        batch_size=8,
+        count_fn=lambda batch: (batch[1] != IGNORE_INDEX).sum(),
+        name="small GPT on the stdlib's sources (char-level)",
+    )
+
+
+BUILTINS: dict[str, Callable[[], Workload]] = {"digits": digits_workload, "lm": lm_workload}
+"""Workloads named instead of a script."""
 
 _modules: dict[str, Any] = {}
 
@@ -109,16 +160,31 @@ def _load_script(path: str) -> Any:
     return module
 
 
-def load_workload(script: str | None) -> Workload:
-    """Call ``script``'s :data:`HOOK` (or build the default, :func:`digits_workload`, for ``None``)."""
+def load_workload(script: str | None, world_size: int = 1) -> Workload:
+    """Call ``script``'s :data:`HOOK`, or capture what it hands a Trainer (for ``world_size`` ranks); or build
+    a built-in workload, named by ``script`` (:data:`BUILTINS`; ``None`` is :func:`digits_workload`)."""
     if script is None:
         return digits_workload()
-    hook = getattr(_load_script(script), HOOK, None)
+    if script in BUILTINS and not Path(script).exists():
+        return BUILTINS[script]()
+    from ddpkit.tools.trainer_capture import Captured, capture_trainer, intercept
+
+    imported = None
+    try:
+        # A script that trains at import (no main guard) stops where it builds its Trainer.
+        with intercept(script):
+            hook = getattr(_load_script(script), HOOK, None)
+    except Captured as found:
+        hook, imported = None, found
     if not callable(hook):
-        raise ConfigError(
-            f"{script} defines no function {HOOK}(): add one that returns (model, dataset, loss_fn, "
-            "optimizer_factory) or a ddpkit.tools.workload.Workload; see `ddpkit bench -h`"
-        )
+        captured = capture_trainer(script, world_size, imported)
+        if captured is None:
+            raise ConfigError(
+                f"{script} defines no function {HOOK}() and builds no ddpkit.Trainer: add one that returns "
+                "(model, dataset, loss_fn, optimizer_factory) or a ddpkit.tools.workload.Workload, or name a "
+                f"built-in workload ({', '.join(BUILTINS)}); see `ddpkit bench -h`"
+            )
+        return captured
     out = hook()
     if isinstance(out, Workload):
         return out

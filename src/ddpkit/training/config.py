@@ -133,6 +133,10 @@ class TrainerConfig:
     """``fp32``, ``bf16`` (autocast), or ``fp16`` (autocast with a GradScaler; meant for CUDA, and runs on the
     CPU too, where bf16 is the better choice). A step whose fp16 gradients overflow is skipped by the scaler,
     which lowers its scale; it is logged as ``fp16_overflow`` and is not counted as a non-finite loss."""
+    compile: bool = False
+    """``torch.compile`` the training forward, after the strategy wrapped the model (under ``ddp`` and ``zero``
+    with Dynamo's DDP optimizer, whose graph breaks at the buckets keep the all-reduce overlapping the backward):
+    see :mod:`ddpkit.training.compiled`. On the CPU inductor needs a C++ compiler."""
     sync_batchnorm: bool = False
     global_batch_dropout: bool = False
     """Replace ``nn.Dropout`` by :class:`~ddpkit.nn.dropout.GlobalBatchDropout`, whose masks do not depend on the

@@ -35,15 +35,15 @@ class LossWindow:
     def __init__(self, on_host: bool) -> None:
         self.on_host = on_host
         self.losses: list[torch.Tensor | float] = []
-        self.sizes: list[int] = []
+        self.sizes: list[float | torch.Tensor] = []  # samples, or items (see ddpkit.training.item_counts)
         self.steps = 0  # steps taken
         self.tried = 0  # steps taken or skipped
         self._step_start = 0
-        self.last_step: tuple[list[torch.Tensor | float], list[int]] = ([], [])
+        self.last_step: tuple[list[torch.Tensor | float], list[float | torch.Tensor]] = ([], [])
 
-    def add(self, loss: torch.Tensor, size: int) -> None:
+    def add(self, loss: torch.Tensor, size: int | torch.Tensor) -> None:
         self.losses.append(loss.item() if self.on_host else loss.detach())
-        self.sizes.append(size)
+        self.sizes.append(float(size) if self.on_host or not isinstance(size, torch.Tensor) else size.detach())
 
     def step_is_finite(self) -> bool:
         return all(math.isfinite(float(loss)) for loss in self.losses[self._step_start :])
@@ -59,11 +59,14 @@ class LossWindow:
         self._step_start = len(self.losses)
 
     def local_sum(self, device: torch.device) -> torch.Tensor:
-        """Sum of loss x samples over this rank's micro-batches, in float64."""
+        """Sum of loss x samples (or items) over this rank's micro-batches, in float64."""
         if self.on_host or not self.losses:
             total = math.fsum(float(loss) * size for loss, size in zip(self.losses, self.sizes))
             return torch.tensor(total, dtype=torch.float64, device=device)
-        sizes = torch.tensor(self.sizes, dtype=torch.float64, device=device)
+        if any(isinstance(size, torch.Tensor) for size in self.sizes):  # item counts, left on the device
+            sizes = torch.stack([torch.as_tensor(s, dtype=torch.float64, device=device) for s in self.sizes])
+        else:
+            sizes = torch.tensor(self.sizes, dtype=torch.float64, device=device)
         losses = [loss for loss in self.losses if isinstance(loss, torch.Tensor)]  # all of them, off the host
         return torch.stack([loss.reshape(()).to(torch.float64) for loss in losses]) @ sizes
 

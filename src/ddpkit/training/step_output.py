@@ -34,20 +34,21 @@ class StepOutput:
     """The first param group's learning rate during this step."""
     grad_norm: float | None
     """The global gradient norm before clipping, where it was computed (``clip_grad_norm``, or fsdp); else None."""
-    samples: int
-    """This rank's samples in the step."""
+    samples: float
+    """This rank's samples in the step (with a ``count_fn``, its counted items)."""
     losses: Sequence[torch.Tensor | float]
     """This rank's micro-batch losses (each a mean over its samples); tensors on an accelerator, not yet read."""
-    sizes: Sequence[int]
-    """Their samples."""
+    sizes: Sequence[float | torch.Tensor]
+    """Their samples (or counted items)."""
 
     @property
     def loss(self) -> float:
         """This rank's mean loss over its samples in the step (read from the device when asked for: a host
         sync on an accelerator, nothing on the CPU). Not the mean over ranks."""
-        if not self.samples:
+        samples = float(self.samples)
+        if not samples:
             return float("nan")
-        return math.fsum(float(loss) * size for loss, size in zip(self.losses, self.sizes)) / self.samples
+        return math.fsum(float(loss) * float(size) for loss, size in zip(self.losses, self.sizes)) / samples
 
 
 def step_output(taken: bool, state: TrainState, optimizer_step: OptimizerStep, window: LossWindow) -> StepOutput:
@@ -60,7 +61,7 @@ def step_output(taken: bool, state: TrainState, optimizer_step: OptimizerStep, w
         epoch=state.epoch,
         lr=float(optimizer_step.lr),
         grad_norm=float(norm) if taken and norm is not None else None,
-        samples=sum(sizes),
+        samples=sum(float(size) for size in sizes),
         losses=losses,
         sizes=sizes,
     )

@@ -25,7 +25,7 @@ from ddpkit.nn.dropout import BatchLayout
 class MicroBatch:
     batch: Any
     samples: int
-    """This rank's samples in it."""
+    """This rank's samples in it (its items, such as tokens, under ``count_fn``: :mod:`.item_counts`)."""
     share: float
     """What its mean loss is divided by (:func:`loss_share`)."""
     last: bool

@@ -8,10 +8,10 @@ needed to write a loop by hand. The loop reads::
         taken = self._train_step(step)      # forward/backward on each, then the optimizer step
         self._after_step(step, taken)       # log, agree, snapshot, stop?
 
-Within a step, all micro-batches but the last run under the strategy's ``no_sync()`` and each loss is divided
-by its share of the step (:func:`~ddpkit.training.steps.loss_share`), so the step follows the mean over samples,
-not over ranks; :class:`~ddpkit.training.optimizer_step.OptimizerStep` then takes, skips or stops on every rank
-alike. Every ``logging.every_steps`` steps and at an epoch's end one small all-reduce gives the exact mean
+Within a step, all micro-batches but the last run under the strategy's ``no_sync()``; each loss is divided by
+its share of the step (:func:`.steps.loss_share`; per token: :mod:`.item_counts`), so the step follows the mean
+over samples (or tokens), not over ranks; :class:`.optimizer_step.OptimizerStep` takes, skips or stops it on every
+rank alike. Every ``logging.every_steps`` steps and at an epoch's end one small all-reduce gives the exact mean
 training loss and spreads a stop signal any rank received, so that all ranks save and stop after the same step.
 """
 
@@ -37,15 +37,15 @@ from ddpkit.distributed.seeding import stream_seed
 from ddpkit.errors import PREEMPTED_EXIT_CODE, ConfigError, Preempted
 from ddpkit.nn.dropout import BatchLayout, GlobalBatchDropout, batch_layout, convert_dropout
 from ddpkit.snapshot import run_dir as run_dir_lib
-from ddpkit.snapshot.best import BestWeights
 from ddpkit.strategies import Strategy, build_strategy
 from ddpkit.tracking.metrics import MetricsWriter
 from ddpkit.tracking.progress import Progress, run_summary
 from ddpkit.training.batch_loss import BatchLoss, BatchLossFn, LossFn
 from ddpkit.training.callbacks import call, call_step_end
+from ddpkit.training.compiled import compile_for_training
 from ddpkit.training.config import TrainerConfig  # noqa: F401  (imported from here by scripts)
-from ddpkit.training.early_stopping import EarlyStopping
 from ddpkit.training.evaluation import evaluate
+from ddpkit.training.item_counts import CountFn, WeighedStep, scale_loss
 from ddpkit.training.loss_window import LossWindow
 from ddpkit.training.optimizer_step import OptimizerStep
 from ddpkit.training.precision import autocast, grad_scaler
@@ -60,7 +60,7 @@ from ddpkit.training.validation import Validation
 class Trainer:
     """DDP training of ``model`` with ``optimizer`` on ``train_data``; see :class:`TrainerConfig`.
 
-    ``loss_fn``, ``batch_loss_fn`` and ``metric_fn``: see :class:`~ddpkit.training.batch_loss.BatchLoss`.
+    ``loss_fn``, ``batch_loss_fn``, ``metric_fn`` and ``count_fn`` (per-token losses): see :class:`.BatchLoss`.
 
     ``group`` (a group of :func:`~ddpkit.split_world`, or a process group) is the ranks that train this model
     together; rank, world size, sharding, metrics, snapshots and records all count within it. ``callbacks``
@@ -72,12 +72,7 @@ class Trainer:
     strategy: Strategy
     model: nn.Module  # inside DDP (or fsdp's wrapping) when there is a process group
     optimizer: torch.optim.Optimizer
-    scheduler: Any
-    scaler: torch.amp.GradScaler | None
     state: TrainState  # epoch, step, cursor, skipped steps
-    early_stopping: EarlyStopping
-    best_weights: BestWeights
-    snapshots: TrainerSnapshots
     stopped_by: StopReason | str | None
 
     def __init__(
@@ -92,6 +87,7 @@ class Trainer:
         loss_fn: LossFn | None = None,
         batch_loss_fn: BatchLossFn | None = None,
         metric_fn: Callable[[nn.Module, Any], Mapping[str, Any]] | None = None,
+        count_fn: CountFn | None = None,
         group: Any = None,
         callbacks: Sequence[Any] = (),
     ) -> None:
@@ -114,13 +110,14 @@ class Trainer:
             config.strategy, model, optimizer, runtime=rt, sync_batchnorm=config.sync_batchnorm, scheduler=scheduler
         )
         self.model, self.optimizer, self.scheduler = self.strategy.model, self.strategy.optimizer, scheduler
+        self._forward = compile_for_training(self.model, rt.device) if config.compile else self.model
         # Scripts seed every rank alike so that models start identical; the strategy has now made them
         # identical, and with one seed everywhere ranks would also draw identical dropout masks and augmentations.
         torch.manual_seed(stream_seed("rank", config.seed, rt.rank))
         self._global_dropout = any(isinstance(m, GlobalBatchDropout) for m in self.model.modules())
         self._on_cpu = rt.device.type == "cpu"
         self.scaler = grad_scaler(config.precision, rt.device)
-        self.batch_loss = BatchLoss(loss_fn, batch_loss_fn, metric_fn)
+        self.batch_loss = BatchLoss(loss_fn, batch_loss_fn, metric_fn, count_fn)
         self.train_data, self.val_data = train_data, val_data
         self.loader = build_loader(
             train_data,
@@ -287,14 +284,13 @@ class Trainer:
 
     def _train_step(self, step: Step) -> bool:
         """Forward and backward on each of the step's micro-batches, then the optimizer step; True if taken."""
-        for micro in step.micro_batches:
+        weighed = WeighedStep.of(step, self.batch_loss.count_fn, self.runtime.world_size, self.group)
+        for micro in weighed or step.micro_batches:
             sync = nullcontext() if micro.last else self.strategy.no_sync()
             with sync:
                 loss = self._micro_batch_loss(micro)
                 self._window.add(loss, micro.samples)
-                scaled = self.strategy.mark_nonfinite(loss)
-                if micro.share != 1:
-                    scaled = scaled / micro.share
+                scaled = scale_loss(self.strategy.mark_nonfinite(loss), micro, weighed)
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
         taken = self.optimizer_step(self._window)
         self._window.end_step(taken)
@@ -303,7 +299,7 @@ class Trainer:
     def _micro_batch_loss(self, micro: MicroBatch) -> torch.Tensor:
         layout = batch_layout(self._layout(micro.index)) if self._global_dropout else nullcontext()
         with self._autocast(), layout:
-            return self.batch_loss(self.model, micro.batch)
+            return self.batch_loss(self._forward, micro.batch)
 
     def _after_step(self, step: Step, taken: bool, progress: Progress) -> bool:
         """After a step: callbacks, validation, the agreement and its record, a snapshot; False to stop mid-epoch.

@@ -213,6 +213,7 @@ def train(
     shared_buffers: bool = False,
     val_every_steps: int | None = None,
     weights_format: str | None = "safetensors",
+    compile: bool = False,
 ) -> dict:
     """Train the job; ``event=(what, rank, step)`` makes ``rank`` produce a NaN loss (``nan``), an infinite
         loss whose gradients are finite (``inf``), a NaN loss whose gradients are zero (``ignored``: every target
@@ -258,6 +259,7 @@ def train(
         weights_format=weights_format,
         logging=LoggingConfig(every_steps=log_every_steps, progress=False, tensorboard=tensorboard, trackers=loggers),
         drop_last=drop_last,
+        compile=compile,
     )
     attempt = rt.restart_count
     if kill_in_snapshot is not None and attempt == 0 and rt.rank == 0:
@@ -388,6 +390,7 @@ if __name__ == "__main__":
     p.add_argument("--val-every-steps", type=int, default=None)
     p.add_argument("--patience", type=int, default=None)
     p.add_argument("--drop", default=None)
+    p.add_argument("--compile", action="store_true")
     a = p.parse_args()
     event = ("raise", *a.raise_at) if a.raise_at else ("signal", *a.signal_at) if a.signal_at else None
     train(
@@ -418,5 +421,6 @@ if __name__ == "__main__":
         val_every_steps=a.val_every_steps,
         early_stopping_patience=a.patience,
         drop=a.drop,
+        compile=a.compile,
     )
     ddpkit.shutdown()
