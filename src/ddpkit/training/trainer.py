@@ -65,6 +65,7 @@ from ddpkit.training.early_stopping import EarlyStopping
 from ddpkit.training.evaluation import classification_metrics, evaluate
 from ddpkit.training.loss_window import LossWindow
 from ddpkit.training.losses import cross_entropy
+from ddpkit.training.memory_snapshots import MemorySnapshots, open_memory_snapshots
 from ddpkit.training.run_record import RunRecord
 from ddpkit.training.snapshots import TrainerSnapshots
 from ddpkit.training.state import RankStreams, TrainState
@@ -110,6 +111,7 @@ class Trainer:
     early_stopping: EarlyStopping
     best_weights: BestWeights
     snapshots: TrainerSnapshots
+    memory: MemorySnapshots | None  # snapshots in shared memory, under ddpkit run
     stopped_by: StopReason | str | None
 
     def __init__(
@@ -198,6 +200,9 @@ class Trainer:
             log=self.writer.log,
             print0=self._print0,
         )
+        # A copy of the state in shared memory after steps, which outlives the worker (None: off).
+        want_memory = config.snapshot.memory and config.resume  # without resume a restart starts afresh anyway
+        self.memory = self.snapshots.memory = open_memory_snapshots(self) if want_memory else None
         self._grad_norm: torch.Tensor | None = None  # known when clipping
         self._epoch_loss = [0.0, 0.0]  # agreed sum of loss x samples, and samples, in this epoch
         self._epoch_start = time.perf_counter()
@@ -274,6 +279,8 @@ class Trainer:
         if self.stopped_by in (StopReason.MAX_STEPS, StopReason.SIGNAL):
             self.save()
         self.wait_for_snapshot()  # the run's last snapshot is whole before fit() returns
+        if self.memory is not None:
+            self.memory.close(remove=True)  # what a restart needs from here on is on disk
         reason = self.stopped_by or StopReason.EPOCHS
         self.writer.log("event", self.step, {"event": "stop", "reason": str(reason)})
         self.writer.flush()
@@ -348,6 +355,8 @@ class Trainer:
         progress.update(postfix)
         if self.stopped_by is not None and not step.last_in_epoch:
             return False
+        if taken and self.memory is not None:
+            self.memory.after_step(self.step)
         # An epoch-end snapshot follows the last step of an epoch; do not write that step twice.
         every = cfg.snapshot.every_steps
         if taken and every and self.step % every == 0 and not (step.last_in_epoch and cfg.snapshot.every_epochs):
