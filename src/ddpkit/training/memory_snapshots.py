@@ -149,7 +149,7 @@ def open_memory_snapshots(trainer: Any) -> MemorySnapshots | None:
     everywhere = all_reduce(float(store is not None), op="min", group=trainer.group) if rt.distributed else 1.0
     if store is None or not everywhere:
         reason = why if store is None else "another rank has no memory folder"
-        if rt.is_main or store is None:
+        if rt.is_main or folder:  # one line for the job, and one from each rank that had a folder
             _warn(f"snapshots in memory are off (rank {rt.rank}: {reason}); disk snapshots only")
         return None
     group = _gloo_group(trainer) if rt.distributed else None
