@@ -177,7 +177,7 @@ class MemoryStore:
 
     ``save`` copies the state into the older slot and commits it; ``found`` lists the whole slots of this run
     on this node (every rank's: a rank that took another's place after a restart may use them, see
-    :mod:`ddpkit.memory_resume`). No collective here: every method acts on this rank's files alone.
+    :mod:`ddpkit.training.memory_resume`). No collective here: every method acts on this rank's files alone.
     """
 
     def __init__(self, folder: str | os.PathLike, *, job: str, run: str, rank: int, world_size: int) -> None:
