@@ -101,6 +101,8 @@ def run_python(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., subpro
 # keys in a store they share.
 DDPKIT_GLOBALS: dict[tuple[str, str], Any] = {
     ("ddpkit.distributed.runtime", "_runtime"): None,
+    ("ddpkit.distributed.runtime", "_store_of"): None,
+    ("ddpkit.distributed.runtime", "_group_store"): None,
     ("ddpkit.distributed.signals", "_pending"): None,
     ("ddpkit.nn.dropout", "_layout"): None,
     ("ddpkit.nn.dropout", "_calls"): {},

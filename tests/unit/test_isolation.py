@@ -56,6 +56,8 @@ def test_leaves_every_global_set(tmp_path):
     rendezvous_backend.register("run-1", rendezvous_backend.JobAccess(b"secret", None))
     rendezvous_backend._relays["run-1"] = []
     worker._worker_store = object()
+    runtime._store_of = (("env://", 0, 2), object())  # a rendezvous store kept across init()s
+    runtime._group_store = object()
 
 
 def test_finds_them_as_at_import():

@@ -12,7 +12,7 @@ import pytest
 
 from ddpkit.errors import ConfigError
 from ddpkit.snapshot import files as run_files
-from ddpkit.snapshot import manager
+from ddpkit.snapshot import folders
 from ddpkit.snapshot.manager import MARKER, SnapshotManager
 from ddpkit.snapshot.run_dir import RunDirLock, claim
 from ddpkit.tracking.metrics import MetricsWriter
@@ -113,7 +113,7 @@ def test_pruning_removes_a_link_named_like_an_old_snapshot_never_what_it_points_
 def test_pruning_removes_an_old_snapshot_whole_and_nothing_its_links_point_to(tmp_path, victim, monkeypatch, python):
     if python == "3.10":
         # shutil.rmtree takes dir_fd from Python 3.11 on; before, the prune removes the folder by its path.
-        monkeypatch.setattr(manager, "sys", SimpleNamespace(version_info=(3, 10, 0)))
+        monkeypatch.setattr(folders, "sys", SimpleNamespace(version_info=(3, 10, 0)))
     own = tmp_path / "run" / "snapshots"
     _snapshot_folder(own / "step-00000002", 2)
     _snapshot_folder(own / "step-00000005", 5)

@@ -65,7 +65,10 @@ class Runtime:
 
 
 _runtime: Runtime | None = None
+SHUTDOWN_BARRIER_TIMEOUT = timedelta(seconds=30)
 _generation = 0  # process groups this process has created, for their store prefixes
+_store_of: tuple[Any, Any] | None = None  # (how it was reached, the rendezvous store), kept across init()s
+_group_store: Any = None  # the store of the process group init() made, for shutdown()'s barrier
 
 
 def _pick_device(launch: LaunchEnv, device: str | torch.device | None) -> torch.device:
@@ -143,13 +146,15 @@ def init(
     if not dist.is_initialized():
         global _generation
         try:
-            store, _, _ = next(dist.rendezvous(_init_method(launch), launch.rank, launch.world_size, timeout=timeout))
-            # The rendezvous store outlives a destroyed group, and torch reuses its key prefix: a second init in
-            # the same processes would read the first group's addresses. A prefix per init keeps them apart.
+            store = _rendezvous_store(launch, timeout)
+            # The rendezvous store outlives a destroyed group: a second init in the same processes would read the
+            # first group's addresses under torch's key prefix. A prefix per init keeps them apart.
             _generation += 1
+            global _group_store
+            _group_store = dist.PrefixStore(f"ddpkit/{_generation}", store)
             dist.init_process_group(
                 pg_backend,
-                store=dist.PrefixStore(f"ddpkit/{_generation}", store),
+                store=_group_store,
                 rank=launch.rank,
                 world_size=launch.world_size,
                 timeout=timeout,
@@ -170,6 +175,21 @@ def init(
         launch.restart_count,
     )
     return _runtime
+
+
+def _rendezvous_store(launch: LaunchEnv, timeout: timedelta) -> Any:
+    """The job's rendezvous store, made once per process and kept for every later init().
+
+    Rendezvous again after a shutdown() would have rank 0 start a new store server on the port of the old one,
+    which it may not have closed yet: a peer that connects at that moment reaches the old server as it goes
+    ("Connection was likely closed"). One store for the process's lifetime, a key prefix per group.
+    """
+    global _store_of
+    key = (_init_method(launch), launch.rank, launch.world_size)
+    if _store_of is None or _store_of[0] != key:
+        store, _, _ = next(dist.rendezvous(key[0], launch.rank, launch.world_size, timeout=timeout))
+        _store_of = (key, store)
+    return _store_of[1]
 
 
 def _check_same(rt: Runtime, backend: str | None, device: str | torch.device | None) -> None:
@@ -263,14 +283,45 @@ def _without_init() -> Runtime:
 
 
 def forget() -> None:
-    """Drop the runtime without touching process groups: for a forked child, whose parent's runtime is not its."""
-    global _runtime
-    _runtime = None
+    """Drop the runtime without touching process groups: for a forked child, whose parent's runtime (and store
+    connection) is not its."""
+    global _runtime, _store_of, _group_store
+    _runtime, _store_of, _group_store = None, None, None
 
 
 def shutdown() -> None:
-    """Destroy the process group (if any) and forget the runtime, so :func:`init` may be called again."""
+    """Destroy the process group (if any) and forget the runtime, so :func:`init` may be called again.
+
+    Every rank of the job calls it (as every rank called :func:`init`); it returns once all have.
+    """
     global _runtime
+    if dist.is_initialized() and _runtime is not None:
+        _store_barrier(_runtime.world_size)
+    _destroy()
+
+
+def _store_barrier(world_size: int) -> None:
+    """Wait until every rank has reached shutdown(), through the store rather than the group's connections.
+
+    A collective returns on a rank once it has what it needs, possibly before a peer has read the last bytes
+    this rank sent it; a rank that then destroyed its group would close that connection under the peer, whose
+    collective fails ("Connection closed by peer"). A barrier over the group itself has the same race on its
+    own last message; the store's is answered by the store's server, independent of the group's connections.
+    Bounded: a peer that never comes (it died; its launcher is ending the job) delays the exit, never hangs it.
+    """
+    store = _group_store
+    if store is None or world_size < 2:
+        return
+    try:
+        if store.add("shutdown", 1) == world_size:
+            store.set("shutdown/all", "1")
+        store.wait(["shutdown/all"], SHUTDOWN_BARRIER_TIMEOUT)
+    except (RuntimeError, dist.DistError):
+        pass  # a peer is gone or the store with it: nothing left to protect
+
+
+def _destroy() -> None:
+    global _runtime, _group_store
     if dist.is_initialized():
         # After a collective returns, a gloo worker thread can still hold the work and its tensors for a moment.
         # If the interpreter is finalising when it lets go, releasing a tensor needs the GIL and the process
@@ -279,9 +330,11 @@ def shutdown() -> None:
         time.sleep(0.1)
         dist.destroy_process_group()
     _runtime = None
+    _group_store = None
 
 
 def _destroy_at_exit() -> None:
-    # Runs while the interpreter is still whole, for scripts that do not call shutdown() themselves.
+    # Runs while the interpreter is still whole, for scripts that do not call shutdown() themselves. No barrier:
+    # at exit a peer may have failed, and nothing of this process's is left to run after the teardown.
     if dist.is_initialized():
-        shutdown()
+        _destroy()

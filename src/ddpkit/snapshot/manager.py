@@ -37,19 +37,15 @@ error is raised by the next :meth:`SnapshotManager.wait` (the next save, or the 
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
 import pickle
-import re
 import shutil
-import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -59,18 +55,18 @@ import torch.distributed as dist
 from ddpkit.distributed.collectives import broadcast_object, gather_object
 from ddpkit.errors import ConfigError
 from ddpkit.snapshot import files as run_files
+from ddpkit.snapshot import folders
+from ddpkit.snapshot.folders import MARKER, Found, digest, folder_name
 from ddpkit.snapshot.layout import leaves, nest, set_at, stored_parts, stored_path
 from ddpkit.snapshot.staging import stage, writer_group
 
 # torch.distributed.checkpoint (and DTensor, which it imports; and ddpkit.snapshot.storage, built on it) is imported
 # where it is used: it pulls in sympy and costs ~0.9 s per process, which `import ddpkit` (a hand-written loop,
 # the launcher) need not pay.
-MARKER = "complete.json"
 EXTRA = "trainer.pt"
 INDEX = "metadata.json"  # ddpkit.snapshot.storage.INDEX, repeated here to keep that import lazy
 FORMAT = 3  # of trainer.pt: 1 (no "format" key) held the state alone, with non-tensor values pickled by DCP; 2 held
 # the Trainer's state under other keys
-_FOLDER = re.compile(r"^step-(\d+)$")
 
 
 class SnapshotWriteError(RuntimeError):
@@ -89,33 +85,6 @@ def _raise(failed: Failed) -> NoReturn:
     # Rebuilt on every rank from what the failing rank reported: code that tells the machine's errors from a
     # program's (a search stops on a full disk rather than failing a trial) finds the OS error as the cause.
     raise SnapshotWriteError(message) from OSError(code, os.strerror(code), filename)
-
-
-@dataclass(frozen=True)
-class Found:
-    """A whole snapshot: a ``step-N/`` folder."""
-
-    step: int
-    path: Path
-
-
-def folder_name(step: int) -> str:
-    return f"step-{step:08d}"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _digest(paths: list[Path]) -> dict[str, dict[str, Any]]:
-    return {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in paths}
-
-
-# -- where each value of a state is stored ---------------------------------------------------------------
 
 
 class SnapshotManager:
@@ -220,7 +189,7 @@ class SnapshotManager:
             if rank == 0:
                 run_files.write_atomic(path / EXTRA, extra)
                 mine += [path / ".metadata", path / INDEX, path / EXTRA]
-            digests = _digest(mine)
+            digests = digest(mine)
         except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
             failed, failure = True, dcp_files.rank_failure(err, writer.failures, rank, path)
             if not writer.failures and not isinstance(err, OSError):
@@ -292,29 +261,14 @@ class SnapshotManager:
 
     def candidates(self) -> list[Found]:
         """Snapshot folders with a marker, newest first; not yet verified."""
-        found = []
-        for path in self.folder.glob("step-*") if self.folder.is_dir() else []:
-            match = _FOLDER.match(path.name)
-            if match and path.is_dir() and (path / MARKER).exists():
-                found.append(Found(int(match.group(1)), path))
-        return sorted(found, key=lambda f: f.step, reverse=True)
+        return folders.candidates(self.folder)
 
     def verify(self, found: Found) -> str | None:
         """None if ``found`` is whole, else what is wrong with it."""
-        try:
-            marker = json.loads((found.path / MARKER).read_text())
-            files = marker["files"]
-        except (OSError, ValueError, KeyError):
-            return f"has an unreadable {MARKER}"
-        for name, want in files.items():
-            file = found.path / name
-            if not file.exists():
-                return f"is missing {name}"
-            if file.stat().st_size != want["size"]:
-                return f"has {name} truncated or altered ({file.stat().st_size} bytes, marker says {want['size']})"
-            if _sha256(file) != want["sha256"]:
-                return f"has {name} not matching its checksum (corrupt)"
-        return None
+        return folders.verify(found)
+
+    def _prune(self, newest: int) -> None:
+        folders.prune(self.folder, self.keep_last, newest)
 
     def latest(self, warn: Callable[[str], None] = print) -> Found | None:
         """The newest whole snapshot, the same on every rank (rank 0 checks the files and tells the others)."""
@@ -412,40 +366,3 @@ class SnapshotManager:
                 f"{folder / INDEX} is not an index ddpkit wrote ({err}): refusing to load {folder}. Remove it "
                 "to resume from the snapshot before it"
             ) from None
-
-    def _prune(self, newest: int) -> None:
-        import os
-        import stat
-
-        whole = self.candidates()
-        keep = {f.path.name for f in whole[: self.keep_last]}
-        # Every deletion goes through a descriptor of the folder opened without following links, and each
-        # entry is lstat-ed: a link named like a snapshot (to another run's, say) loses only itself, never what
-        # it points to; a snapshots/ that is itself a link is refused (ELOOP), not pruned.
-        folder = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-        try:
-            for name in os.listdir(folder):
-                match = _FOLDER.match(name)
-                if not match or name in keep or int(match.group(1)) >= newest:
-                    continue
-                mode = os.stat(name, dir_fd=folder, follow_symlinks=False).st_mode
-                if stat.S_ISLNK(mode):
-                    os.unlink(name, dir_fd=folder)
-                elif stat.S_ISDIR(mode):
-                    # Marker first: a prune killed half-way leaves a folder without one (ignored), never a
-                    # marker whose files are gone.
-                    step = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=folder)
-                    try:
-                        os.unlink(MARKER, dir_fd=step)
-                    except FileNotFoundError:
-                        pass
-                    finally:
-                        os.close(step)
-                    # rmtree walks by descriptors and unlinks links inside without following them; through
-                    # dir_fd from Python 3.11, by path before (the entry was lstat-ed as a folder just above).
-                    if sys.version_info >= (3, 11):
-                        shutil.rmtree(name, dir_fd=folder, ignore_errors=True)
-                    else:
-                        shutil.rmtree(os.path.join(self.folder, name), ignore_errors=True)
-        finally:
-            os.close(folder)

@@ -7,7 +7,8 @@ from ddpkit.training.config import (
     SnapshotConfig,
     TrainerConfig,
 )
-from ddpkit.training.trainer import StopReason, Trainer
+from ddpkit.training.state import StopReason
+from ddpkit.training.trainer import Trainer
 
 __all__ = [
     "Callback",

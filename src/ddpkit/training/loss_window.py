@@ -3,8 +3,25 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from ddpkit.distributed.collectives import all_reduce
+
+
+@dataclass
+class Agreed:
+    """What the ranks agreed on: the window's loss x samples and samples over all ranks, and a stop flag."""
+
+    loss_sum: float
+    samples: float
+    stop: bool
+
+    @property
+    def mean(self) -> float:
+        return self.loss_sum / self.samples if self.samples else float("nan")
 
 
 class LossWindow:
@@ -49,3 +66,16 @@ class LossWindow:
 
     def clear(self) -> None:
         self.losses, self.sizes, self.steps, self.tried, self._step_start = [], [], 0, 0, 0
+
+    def agree(self, device: torch.device, stop: bool, group: Any) -> Agreed:
+        """The global loss sum and sample count since the last agreement, and whether any rank must stop.
+
+        Collective (one small all-reduce): every rank calls it after the same steps.
+        """
+        sums: dict[str, torch.Tensor | float] = {
+            "loss": self.local_sum(device),
+            "samples": sum(self.sizes),
+            "stop": float(stop),
+        }
+        total = all_reduce(sums, group=group)
+        return Agreed(float(total["loss"]), float(total["samples"]), bool(total["stop"]))

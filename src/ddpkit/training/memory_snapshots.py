@@ -133,7 +133,20 @@ def _gloo_group(trainer: Any) -> Any:
 def open_memory_snapshots(trainer: Any) -> MemorySnapshots | None:
     """Memory snapshots for ``trainer`` when its config asks for them and the agent of ``ddpkit run`` made the
     job a memory folder on every node, else None (with one line saying why). Collective (one all-reduce): the
-    ranks decide together, as a save with peers and a resume are collectives."""
+    ranks decide together, as a save with peers and a resume are collectives. They join the trainer's
+    callbacks, after the script's (a copy after each step; the slots removed when ``fit()`` ends), and its
+    snapshots (a resume looks in memory first)."""
+    config = trainer.config
+    if not config.snapshot.memory or not config.resume:  # without resume a restart starts afresh anyway
+        return None
+    memory = _open(trainer)
+    if memory is not None:
+        trainer.callbacks.append(memory)
+        trainer.snapshots.memory = memory
+    return memory
+
+
+def _open(trainer: Any) -> MemorySnapshots | None:
     rt = trainer.runtime
     folder, job = os.environ.get(memory_folder.DIR_ENV), memory_folder.job_key()
     why = os.environ.get(memory_folder.UNAVAILABLE_ENV) or "no memory folder for the job (run under ddpkit run)"
@@ -185,10 +198,13 @@ class MemorySnapshots:
         self.stalls: list[float] = []
         """Seconds each save held the training loop."""
 
-    def after_step(self, step: int) -> None:
-        """Called by every rank after every optimizer step taken; saves on the interval."""
-        if step % self.every_steps == 0:
+    def on_step_end(self, trainer: Any, taken: bool) -> None:
+        """Every rank, after every step (the Trainer's callback): a copy on the interval of the steps taken."""
+        if taken and trainer.step % self.every_steps == 0:
             self.save()
+
+    def on_fit_end(self, trainer: Any) -> None:
+        self.close(remove=True)  # what a restart needs from here on is on disk
 
     def save(self) -> None:
         """Copy this step's state into the older slot. Every rank calls it after the same steps (with peers,

@@ -13,11 +13,14 @@ import json
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from ddpkit.distributed.runtime import Runtime
 from ddpkit.errors import ConfigError
+from ddpkit.snapshot.files import write_atomic
 
 RESUMABLE_CHANGES = frozenset({
     "run_dir", "resume", "epochs", "max_steps", "num_workers", "eval_batch_size", "raise_on_stop_signal",
@@ -182,3 +185,18 @@ def _model_differences(old: Mapping[str, tuple], new: Mapping[str, tuple]) -> li
         if tuple(old_shape) != tuple(shape) or old_dtype != dtype:
             out.append(f"model {name}: {tuple(old_shape)} {old_dtype} in the snapshot, {tuple(shape)} {dtype} now")
     return out
+
+
+def write_resolved_config(run_dir: Path, config: Any, runtime: Runtime, per_rank_batch: int) -> None:
+    """``run_dir/config.json`` (rank 0): the resolved config, with the world size, per-rank batch and versions."""
+    if not runtime.is_main:
+        return
+    resolved = config.to_json() | {
+        "world_size": runtime.world_size,
+        "per_rank_batch": per_rank_batch,
+        "backend": runtime.backend,
+        "device": str(runtime.device),
+        "torch": torch.__version__,
+    }
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(run_dir / "config.json", (json.dumps(resolved, indent=2, default=str) + "\n").encode())

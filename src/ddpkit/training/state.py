@@ -4,6 +4,7 @@ streams of every rank."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
+from enum import Enum
 from typing import Any
 
 import torch
@@ -11,6 +12,18 @@ import torch
 from ddpkit.distributed.collectives import gather_object
 from ddpkit.distributed.runtime import Runtime
 from ddpkit.distributed.seeding import rng_state, set_rng_state, stream_seed
+
+
+class StopReason(str, Enum):
+    """Why ``fit()`` ended (``trainer.stopped_by``); a callback may stop training with a reason of its own."""
+
+    EPOCHS = "epochs"
+    MAX_STEPS = "max_steps"
+    EARLY_STOPPING = "early_stopping"
+    SIGNAL = "signal"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass

@@ -17,6 +17,8 @@ import torch
 
 from ddpkit.data.loader import to_device
 from ddpkit.data.sampler import ShardedBatchSampler
+from ddpkit.distributed.seeding import stream_seed
+from ddpkit.nn.dropout import BatchLayout
 
 
 @dataclass(frozen=True)
@@ -107,3 +109,13 @@ def loss_share(samples: int, world_size: int, step_samples: int, micro_batches: 
     if step_samples == micro_batches * micro_global:
         return float(micro_batches)  # the same division as before, bit for bit
     return step_samples / (samples * world_size)
+
+
+def step_layout(sampler: ShardedBatchSampler, micro: int, accum: int, seed: int, epoch: int) -> BatchLayout:
+    """This rank's place in the global batch of the optimizer step that micro-batch ``micro`` belongs to.
+
+    Keyed by the step, not the micro-batch, so :class:`~ddpkit.nn.dropout.GlobalBatchDropout` draws the same
+    masks with or without gradient accumulation: sample ``p`` of a step's global batch gets row ``p`` of its mask.
+    """
+    size, offset = sampler.place_in_step(micro, accum)
+    return BatchLayout(size, offset, key=stream_seed("dropout", seed, epoch, micro // accum))

@@ -5,36 +5,25 @@ Built on the same primitives a hand-written loop uses (:func:`~ddpkit.prepare_mo
 needed to write a loop by hand. The loop reads::
 
     for step in epoch_steps(...):           # each optimizer step's micro-batches
-        taken = self._train_step(step)      # forward/backward on each, then the strategy's verdict and the step
+        taken = self._train_step(step)      # forward/backward on each, then the optimizer step
         self._after_step(step, taken)       # log, agree, snapshot, stop?
 
-One optimizer step, on every rank:
-
-1. ``grad_accum_steps`` micro-batches; all but the last run under the strategy's ``no_sync()``, so gradients
-   are synchronised once per step; each loss is divided by its share of the step
-   (:func:`~ddpkit.training.steps.loss_share`: the number of micro-batches, or, in an epoch's last, smaller
-   batch, each rank's share of its samples), so the step follows the mean over samples, not over ranks.
-2. The strategy (:mod:`ddpkit.strategies`: ``ddp``, ``zero``, ``fsdp``) gives the verdict on the step, the
-   same on every rank: if the synchronised gradients, and every rank's loss, are finite the step is taken
-   everywhere, else it is skipped (or training stops) everywhere. Under ``ddp`` and ``zero`` no collective of
-   ours runs in a normal step; under ``fsdp`` one all-reduce of two numbers covers every rank's shard.
-3. Clipping (global norm, over all shards), ``optimizer.step()``, the scheduler (if stepped per step), a
-   snapshot every N steps (:mod:`ddpkit.training.snapshots`: each rank writes its part; asynchronously by default).
-4. Every ``logging.every_steps`` steps and at the end of an epoch, one small all-reduce gives the exact mean
-   training loss since the last one, and spreads a SIGTERM/SIGUSR1 that any rank received, so that all ranks
-   save and stop after the same step.
+Within a step, all micro-batches but the last run under the strategy's ``no_sync()`` and each loss is divided
+by its share of the step (:func:`~ddpkit.training.steps.loss_share`), so the step follows the mean over samples,
+not over ranks; :class:`~ddpkit.training.optimizer_step.OptimizerStep` then takes, skips or stops on every rank
+alike. Every ``logging.every_steps`` steps and at an epoch's end one small all-reduce gives the exact mean
+training loss and spreads a stop signal any rank received, so that all ranks save and stop after the same step.
 """
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
-from enum import Enum
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -42,7 +31,6 @@ from torch.utils.data import Dataset
 
 from ddpkit.data import ShardedBatchSampler, build_eval_loader, build_loader
 from ddpkit.distributed import signals
-from ddpkit.distributed.collectives import all_reduce, broadcast_object
 from ddpkit.distributed.log import print0
 from ddpkit.distributed.runtime import get_runtime
 from ddpkit.distributed.seeding import stream_seed
@@ -53,54 +41,38 @@ from ddpkit.nn.dropout import (
     batch_layout,
     convert_dropout,
 )
-from ddpkit.snapshot import files as run_files
 from ddpkit.snapshot import run_dir as run_dir_lib
 from ddpkit.snapshot.best import BestWeights
 from ddpkit.strategies import Strategy, build_strategy
 from ddpkit.tracking.metrics import MetricsWriter
 from ddpkit.tracking.progress import Progress, run_summary
+from ddpkit.training.batch_loss import BatchLoss, BatchLossFn, LossFn
 from ddpkit.training.callbacks import call
 from ddpkit.training.config import TrainerConfig  # noqa: F401  (imported from here by scripts)
 from ddpkit.training.early_stopping import EarlyStopping
-from ddpkit.training.evaluation import classification_metrics, evaluate
+from ddpkit.training.evaluation import evaluate
 from ddpkit.training.loss_window import LossWindow
-from ddpkit.training.losses import cross_entropy
-from ddpkit.training.memory_snapshots import MemorySnapshots, open_memory_snapshots
-from ddpkit.training.run_record import RunRecord
+from ddpkit.training.memory_snapshots import open_memory_snapshots
+from ddpkit.training.optimizer_step import OptimizerStep
+from ddpkit.training.precision import autocast, grad_scaler
+from ddpkit.training.run_record import RunRecord, write_resolved_config
 from ddpkit.training.snapshots import TrainerSnapshots
-from ddpkit.training.state import RankStreams, TrainState
-from ddpkit.training.steps import MicroBatch, Step, batch_len, epoch_steps
-
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-BatchLossFn = Callable[[nn.Module, Any], torch.Tensor]
-
-
-class StopReason(str, Enum):
-    """Why ``fit()`` ended (``trainer.stopped_by``); a callback may stop training with a reason of its own."""
-
-    EPOCHS = "epochs"
-    MAX_STEPS = "max_steps"
-    EARLY_STOPPING = "early_stopping"
-    SIGNAL = "signal"
-
-    def __str__(self) -> str:
-        return self.value
+from ddpkit.training.state import RankStreams, StopReason, TrainState
+from ddpkit.training.steps import MicroBatch, Step, epoch_steps, step_layout
+from ddpkit.training.validation import Validation
 
 
 class Trainer:
     """DDP training of ``model`` with ``optimizer`` on ``train_data``; see :class:`TrainerConfig`.
 
-    The loss is ``loss_fn(model(inputs), targets)`` for ``(inputs, targets)`` batches (cross-entropy by
-    default), or ``batch_loss_fn(model, batch)`` for any other batch. Validation reports the means of
-    ``metric_fn(model, batch)``'s per-sample values (loss and accuracy for classification by default).
+    ``loss_fn``, ``batch_loss_fn`` and ``metric_fn``: see :class:`~ddpkit.training.batch_loss.BatchLoss`.
 
     ``group`` (a group of :func:`~ddpkit.split_world`, or a process group) is the ranks that train this model
     together; rank, world size, sharding, metrics, snapshots and records all count within it. ``callbacks``
     are objects with some of :class:`~ddpkit.training.callbacks.Callback`'s methods.
     """
 
-    # What the Trainer holds; a snapshot restores the strategy's model and optimizer, `state`, the random
-    # streams, early stopping, the scheduler and the scaler.
+    # A snapshot restores the model, optimizer, state, random streams, early stopping, scheduler and scaler.
     config: TrainerConfig
     strategy: Strategy
     model: nn.Module  # inside DDP (or fsdp's wrapping) when there is a process group
@@ -111,7 +83,6 @@ class Trainer:
     early_stopping: EarlyStopping
     best_weights: BestWeights
     snapshots: TrainerSnapshots
-    memory: MemorySnapshots | None  # snapshots in shared memory, under ddpkit run
     stopped_by: StopReason | str | None
 
     def __init__(
@@ -129,8 +100,6 @@ class Trainer:
         group: Any = None,
         callbacks: Sequence[Any] = (),
     ) -> None:
-        if loss_fn is not None and batch_loss_fn is not None:
-            raise ConfigError("pass loss_fn (for (inputs, targets) batches) or batch_loss_fn, not both")
         # Rank, world size and "main" count in this group: the whole job, or one group of split_world().
         self.config, self.runtime = config, get_runtime(group)
         rt = self.runtime
@@ -155,10 +124,8 @@ class Trainer:
         torch.manual_seed(stream_seed("rank", config.seed, rt.rank))
         self._global_dropout = any(isinstance(m, GlobalBatchDropout) for m in self.model.modules())
         self._on_cpu = rt.device.type == "cpu"
-        self.scaler = torch.amp.GradScaler(rt.device.type) if config.precision == "fp16" else None
-        self.loss_fn = loss_fn or cross_entropy
-        self.batch_loss_fn = batch_loss_fn
-        self.metric_fn = metric_fn or (classification_metrics if loss_fn is None and batch_loss_fn is None else None)
+        self.scaler = grad_scaler(config.precision, rt.device)
+        self.batch_loss = BatchLoss(loss_fn, batch_loss_fn, metric_fn)
         self.train_data, self.val_data = train_data, val_data
         self.loader = build_loader(
             train_data,
@@ -169,9 +136,7 @@ class Trainer:
             num_workers=config.num_workers,
             group=self.group,
         )
-        sampler = self.loader.batch_sampler
-        assert isinstance(sampler, ShardedBatchSampler)  # build_loader's
-        self.sampler = sampler
+        self.sampler = cast(ShardedBatchSampler, self.loader.batch_sampler)  # build_loader's
         self.generator: torch.Generator = self.loader.generator
         self.state = TrainState()
         self.early_stopping = EarlyStopping(config.early_stopping)
@@ -182,6 +147,9 @@ class Trainer:
         )
         self.best_weights = BestWeights(
             self.run_dir / "best.pt", config.early_stopping.metric, config.early_stopping.mode, enabled=rt.is_main
+        )
+        self.validation = Validation(
+            self.early_stopping, self.best_weights, self.strategy.model_weights, self.writer.log
         )
         self.snapshots = TrainerSnapshots(
             self.run_dir,
@@ -198,12 +166,13 @@ class Trainer:
             record=record,
             global_micro_batch=self.sampler.global_batch_size,
             log=self.writer.log,
-            print0=self._print0,
+            print0=partial(print0, group=self.group),
         )
-        # A copy of the state in shared memory after steps, which outlives the worker (None: off).
-        want_memory = config.snapshot.memory and config.resume  # without resume a restart starts afresh anyway
-        self.memory = self.snapshots.memory = open_memory_snapshots(self) if want_memory else None
-        self._grad_norm: torch.Tensor | None = None  # known when clipping
+        self.memory = open_memory_snapshots(self)  # copies in shared memory after steps, a callback (None: off)
+        self.optimizer_step = OptimizerStep(
+            config, self.strategy, scheduler=scheduler, scaler=self.scaler, state=self.state, log=self.writer.log,
+            group=self.group,
+        )  # fmt: skip
         self._epoch_loss = [0.0, 0.0]  # agreed sum of loss x samples, and samples, in this epoch
         self._epoch_start = time.perf_counter()
         self._stop_signal = 0
@@ -231,8 +200,6 @@ class Trainer:
         """Block until the snapshot being written in the background (if any) is whole on disk."""
         self.snapshots.wait()
 
-    # -- the loop -----------------------------------------------------------------------------------------
-
     def fit(self) -> dict[str, float]:
         """Train until ``epochs`` (or ``max_steps``, early stopping, or a stop signal); return the last metrics.
 
@@ -251,13 +218,10 @@ class Trainer:
     def _fit(self) -> dict[str, float]:
         cfg, rt = self.config, self.runtime
         if cfg.resume and self.snapshots.resume(self.load_state_dict):
-            self.best_weights.load()
-            # The file is on rank 0's disk; every rank must know the best so far to decide alike.
-            best = broadcast_object((self.best_weights.value, self.best_weights.epoch), group=self.group)
-            self.best_weights.value, self.best_weights.epoch = best
+            self.validation.resume(self.group)
         else:
             self.writer.log("event", self.step, {"event": "start", "restart_count": rt.restart_count})
-        self._write_config()
+        write_resolved_config(self.run_dir, self.config, self.runtime, self.sampler.batch_size)
         call(self.callbacks, "on_fit_start", self)
         last: dict[str, float] = {}
         # A finished run, resumed: nothing left to train.
@@ -279,19 +243,20 @@ class Trainer:
         if self.stopped_by in (StopReason.MAX_STEPS, StopReason.SIGNAL):
             self.save()
         self.wait_for_snapshot()  # the run's last snapshot is whole before fit() returns
-        if self.memory is not None:
-            self.memory.close(remove=True)  # what a restart needs from here on is on disk
         reason = self.stopped_by or StopReason.EPOCHS
         self.writer.log("event", self.step, {"event": "stop", "reason": str(reason)})
         self.writer.flush()
         call(self.callbacks, "on_fit_end", self)
         if self.stopped_by != StopReason.SIGNAL:
-            self._print0(run_summary(str(reason), self.epoch, self.step, last, self.best_weights, self.run_dir))
+            print0(
+                run_summary(str(reason), self.epoch, self.step, last, self.best_weights, self.run_dir), group=self.group
+            )
         elif cfg.raise_on_stop_signal:
             received = signal.Signals(self._stop_signal).name if self._stop_signal else "a signal to another rank"
-            self._print0(
+            print0(
                 f"ddpkit: stopped by {received} after optimizer step {self.step}; the snapshot is saved; "
-                f"raising ddpkit.Preempted (exit code {PREEMPTED_EXIT_CODE}: pre-empted, resume me)"
+                f"raising ddpkit.Preempted (exit code {PREEMPTED_EXIT_CODE}: pre-empted, resume me)",
+                group=self.group,
             )
             raise Preempted(self.step, received)
         return last
@@ -332,14 +297,14 @@ class Trainer:
                 if micro.share != 1:
                     scaled = scaled / micro.share
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-        taken = self._optimizer_step()
+        taken = self.optimizer_step(self._window)
         self._window.end_step(taken)
         return taken
 
     def _micro_batch_loss(self, micro: MicroBatch) -> torch.Tensor:
         layout = batch_layout(self._layout(micro.index)) if self._global_dropout else nullcontext()
         with self._autocast(), layout:
-            return self._loss(self.model, micro.batch)
+            return self.batch_loss(self.model, micro.batch)
 
     def _after_step(self, step: Step, taken: bool, progress: Progress) -> bool:
         """After a step: callbacks, the agreement and its record, a snapshot; False to stop inside the epoch.
@@ -355,8 +320,6 @@ class Trainer:
         progress.update(postfix)
         if self.stopped_by is not None and not step.last_in_epoch:
             return False
-        if taken and self.memory is not None:
-            self.memory.after_step(self.step)
         # An epoch-end snapshot follows the last step of an epoch; do not write that step twice.
         every = cfg.snapshot.every_steps
         if taken and every and self.step % every == 0 and not (step.last_in_epoch and cfg.snapshot.every_epochs):
@@ -366,83 +329,20 @@ class Trainer:
     def _log_window(self) -> dict[str, float]:
         """Agree on the mean training loss since the last agreement, record it, and start a new window."""
         window = self._window
-        train_loss = self._agree(window)
+        agreed = window.agree(self.runtime.device, bool(self._stop_signal), self.group)
+        self._epoch_loss[0] += agreed.loss_sum
+        self._epoch_loss[1] += agreed.samples
+        if agreed.stop and self.stopped_by is None:
+            self.stopped_by = StopReason.SIGNAL
         ms = 1000 * (time.perf_counter() - self._window_start) / max(window.tried, 1)
         if window.steps:
-            record = {"epoch": self.epoch, "train/loss": train_loss, "lr": self._lr(), "ms_per_step": round(ms, 3)}
-            if self._grad_norm is not None:
-                record["grad_norm"] = float(self._grad_norm)  # of the last step taken, before clipping
+            record = {"epoch": self.epoch, "train/loss": agreed.mean, "lr": self._lr(), "ms_per_step": round(ms, 3)}
+            if self.optimizer_step.grad_norm is not None:
+                record["grad_norm"] = float(self.optimizer_step.grad_norm)  # of the last step taken, before clipping
             self.writer.log("train", self.step, record)
         window.clear()
         self._window_start = time.perf_counter()
-        return {"loss": train_loss, "ms/step": ms}
-
-    def _optimizer_step(self) -> bool:
-        """Clip and step if the synchronised gradients are finite; True if the step was taken.
-
-        The strategy's verdict is the same on every rank (see :meth:`Strategy.check_gradients`); it costs a
-        host sync per step (as a GradScaler does).
-        """
-        cfg = self.config
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)  # clip and check true gradients, not scaled ones
-        verdict = self.strategy.check_gradients(cfg.clip_grad_norm)
-        if not verdict.finite:
-            return self._nonfinite_step()
-        if cfg.clip_grad_norm is not None:
-            self._grad_norm = verdict.norm
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        # Freed now rather than before the next backward: the next forward pass then runs without them, so
-        # peak memory is lower by the size of the gradients.
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.scheduler is not None and cfg.scheduler_interval == "step":
-            self.scheduler.step()
-        self.state.step += 1
-        return True
-
-    def _nonfinite_step(self) -> bool:
-        """Every rank is here at the same step (the gradients said so); find out why, then skip or stop."""
-        self.optimizer.zero_grad(set_to_none=True)
-        self.model.zero_grad(set_to_none=True)  # also parameters outside the optimizer: no NaN may stay behind
-        # Rare, and entered by every rank together, so a collective is safe: how many ranks had a bad loss?
-        bad_ranks = int(all_reduce(float(not self._window.step_is_finite()), group=self.group))
-        if self.scaler is not None:
-            self.scaler.update()  # the scaler saw the inf/NaN in unscale_: it lowers its scale
-            if not bad_ranks:  # fp16 overflow with finite losses: routine, the scaler's business
-                self.writer.log("event", self.step, {"event": "fp16_overflow", "scale": self.scaler.get_scale()})
-                return False
-        what = f"non-finite loss on {bad_ranks} rank(s)" if bad_ranks else "non-finite gradients (losses finite)"
-        if self.config.on_nonfinite == "stop":
-            raise FloatingPointError(
-                f"{what} at optimizer step {self.step} (epoch {self.epoch}); every rank stops here. Lower the "
-                "learning rate, clip gradients (clip_grad_norm), or pass on_nonfinite='skip'"
-            )
-        self.state.skipped_steps += 1
-        self.writer.log(
-            "event", self.step, {"event": "skipped_nonfinite", "reason": what, "skipped": self.skipped_steps}
-        )
-        return False
-
-    def _agree(self, window: LossWindow) -> float:
-        """The global mean loss of the steps since the last agreement; spreads a stop signal to every rank.
-
-        Collective: every rank calls it after the same steps.
-        """
-        sums: dict[str, torch.Tensor | float] = {
-            "loss": window.local_sum(self.runtime.device),
-            "samples": sum(window.sizes),
-            "stop": float(bool(self._stop_signal)),
-        }
-        total = all_reduce(sums, group=self.group)
-        self._epoch_loss[0] += float(total["loss"])
-        self._epoch_loss[1] += float(total["samples"])
-        if total["stop"] and self.stopped_by is None:
-            self.stopped_by = StopReason.SIGNAL
-        return float(total["loss"] / total["samples"]) if total["samples"] else float("nan")
+        return {"loss": agreed.mean, "ms/step": ms}
 
     def _end_epoch(self) -> dict[str, float]:
         cfg = self.config
@@ -458,16 +358,8 @@ class Trainer:
         if self.val_data is not None:
             metrics |= self.evaluate(self.val_data, prefix="val")
         seconds = round(time.perf_counter() - self._epoch_start, 3)  # training and validation
-        self.early_stopping.update(metrics)
-        if self.early_stopping.should_stop:
+        if self.validation.update(metrics, self.epoch, self.step):
             self.stopped_by = StopReason.EARLY_STOPPING
-        best = self.best_weights
-        if best.update(metrics, self.strategy.model_weights, self.epoch, self.step) and best.metric is not None:
-            self.writer.log(
-                "event",
-                self.step,
-                {"event": "best", "file": "best.pt", best.metric: best.value},
-            )
         if cfg.snapshot.every_epochs and self.epoch % cfg.snapshot.every_epochs == 0 or self.stopped_by:
             self.save()
         # The records and callbacks get the epoch's time too; fit() returns only what the training determines.
@@ -475,7 +367,9 @@ class Trainer:
         self.writer.log("epoch", self.step, timed)
         self.writer.epoch_row(timed)
         self.writer.flush()
-        self._print0(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in timed.items()))
+        print0(
+            " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in timed.items()), group=self.group
+        )
         call(self.callbacks, "on_epoch_end", self, timed)
         return metrics
 
@@ -485,68 +379,22 @@ class Trainer:
             data, self.config.eval_batch_size, num_workers=self.config.num_workers, group=self.group
         )
         with self.strategy.evaluation():  # fsdp: no collective per forward, as ranks' batch counts may differ
-            results = evaluate(self.model, loader, self._metric_fn, group=self.group, autocast=self._autocast)
+            results = evaluate(self.model, loader, self.batch_loss.metrics, group=self.group, autocast=self._autocast)
         out = {f"{prefix}/{k}": v for k, v in results.items()}
         if prefix != "val":
             self.writer.log(prefix, self.step, out)
         return out
 
-    # -- pieces -------------------------------------------------------------------------------------------
-
-    def _write_config(self) -> None:
-        """``run_dir/config.json``: the resolved config, with the world size, per-rank batch and versions."""
-        if not self.runtime.is_main:
-            return
-        rt = self.runtime
-        resolved = self.config.to_json() | {
-            "world_size": rt.world_size,
-            "per_rank_batch": self.sampler.batch_size,
-            "backend": rt.backend,
-            "device": str(rt.device),
-            "torch": torch.__version__,
-        }
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        run_files.write_atomic(
-            self.run_dir / "config.json", (json.dumps(resolved, indent=2, default=str) + "\n").encode()
-        )
-
-    def _loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
-        if self.batch_loss_fn is not None:
-            return self.batch_loss_fn(model, batch)
-        inputs, targets = batch
-        return self.loss_fn(model(inputs), targets)
-
-    def _metric_fn(self, model: nn.Module, batch: Any) -> Mapping[str, Any]:
-        if self.metric_fn is not None:
-            return self.metric_fn(model, batch)
-        # A custom loss without a metric_fn: report the loss, weighted by batch size (exact for mean losses).
-        loss = self._loss(model, batch)
-        n = batch_len(batch)
-        return {"loss": (loss.detach().double() * n, n)}
-
     def _layout(self, micro: int) -> BatchLayout:
-        """This rank's place in the global batch of the optimizer step that micro-batch ``micro`` belongs to.
-
-        Keyed by the step, not the micro-batch, so :class:`GlobalBatchDropout` draws the same masks with or
-        without gradient accumulation: sample ``p`` of a step's global batch gets row ``p`` of its mask.
-        """
-        accum = self.config.grad_accum_steps
-        size, offset = self.sampler.place_in_step(micro, accum)
-        return BatchLayout(size, offset, key=stream_seed("dropout", self.config.seed, self.epoch, micro // accum))
+        return step_layout(self.sampler, micro, self.config.grad_accum_steps, self.config.seed, self.epoch)
 
     def _autocast(self) -> Any:
-        if self.config.precision == "fp32":
-            return nullcontext()
-        dtype = torch.bfloat16 if self.config.precision == "bf16" else torch.float16
-        return torch.autocast(self.runtime.device.type, dtype=dtype)
+        return autocast(self.config.precision, self.runtime.device)
 
     def _on_stop_signal(self, signum: int) -> None:
         # Only a flag: the next agreement (every logging.every_steps) spreads it, and every rank saves and stops
         # after the same step.
         self._stop_signal = signum
-
-    def _print0(self, *args: Any) -> None:
-        print0(*args, group=self.group)
 
     def _lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
