@@ -61,6 +61,7 @@ def clean_env() -> dict[str, str]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # four 2-rank jobs, two of them restarted: about a minute, more under load
 def test_sigkill_at_random_steps_resumes_bitwise(tmp_path, clean_env):
     rng = random.Random(SEED)
     reference, _ = launch(tmp_path, "reference", clean_env=clean_env)

@@ -20,7 +20,7 @@ import torch
 
 from ddpkit.distributed.runtime import Runtime
 from ddpkit.errors import ConfigError
-from ddpkit.snapshot.files import write_atomic
+from ddpkit.snapshot import files as run_files
 
 RESUMABLE_CHANGES = frozenset({
     "run_dir", "resume", "epochs", "max_steps", "num_workers", "eval_batch_size", "raise_on_stop_signal",
@@ -199,4 +199,4 @@ def write_resolved_config(run_dir: Path, config: Any, runtime: Runtime, per_rank
         "torch": torch.__version__,
     }
     run_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(run_dir / "config.json", (json.dumps(resolved, indent=2, default=str) + "\n").encode())
+    run_files.write_atomic(run_dir / "config.json", (json.dumps(resolved, indent=2, default=str) + "\n").encode())
