@@ -7,7 +7,9 @@ Changes to the agent torchrun has no option for (a subclass, installed by :func:
 - SIGTERM, SIGUSR1 and SIGUSR2 reach the workers instead of ending the agent; and when a worker fails with an exception,
   the agent asks the workers still running for their stacks (SIGUSR2, see :mod:`ddpkit.launch.worker`) before it
   stops them, so that a hang's summary says where every rank was;
-- once the workers are stopped, so is every process they started (:mod:`ddpkit.launch.proctree`).
+- once the workers are stopped, so is every process they started (:mod:`ddpkit.launch.proctree`);
+- the job gets a folder in shared memory for the workers' snapshots in memory
+  (:mod:`ddpkit.distributed.memory_folder`), made once per job and removed when the job ends, however it ends.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 from torch.distributed.elastic.agent.server.api import WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
+from ddpkit.distributed import memory_folder
 from ddpkit.errors import PREEMPTED_EXIT_CODE
 from ddpkit.launch.proctree import kill_descendants
 
@@ -275,9 +278,13 @@ def install(launcher_api: Any) -> None:
     """
     launcher_api.LocalElasticAgent = Agent
     _forward_signals()
+    # Made by the agent, which outlives every attempt of the workers: a restarted worker finds its state there.
+    if os.environ.get(memory_folder.OFF_ENV) != "0":
+        memory_folder.open_job_folder()
 
 
 def uninstall() -> None:
     Agent.current = None
     for sig in FORWARDED_SIGNALS:
         signal.signal(sig, signal.SIG_DFL)
+    memory_folder.close_job_folder()

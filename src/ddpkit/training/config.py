@@ -39,6 +39,13 @@ class SnapshotConfig:
     """Whole snapshots kept in ``run_dir/snapshots``; older ones are removed once a newer one is whole."""
     async_write: bool = True
     """Write in a background thread: the step waits only while the state is copied to host memory."""
+    memory: bool = False
+    """Also copy the state into shared memory on the node after steps (under ``ddpkit run``, which keeps a folder
+    there for the job): a restarted worker resumes from it when it is newer than the newest disk snapshot, so a
+    failure loses at most ``memory_every_steps`` steps. See :mod:`ddpkit.training.memory_snapshots`."""
+    memory_every_steps: int | None = None
+    """Copy to memory every this many optimizer steps; None: every step, unless the first copies hold the loop
+    longer than 5% of a step, then the smallest interval that keeps them within."""
 
     def __post_init__(self) -> None:
         _check(
@@ -47,6 +54,7 @@ class SnapshotConfig:
                 "every_steps": self.every_steps is None or self.every_steps >= 1,
                 "every_epochs": self.every_epochs >= 0,
                 "keep": self.keep >= 1,
+                "memory_every_steps": self.memory_every_steps is None or self.memory_every_steps >= 1,
             },
         )
 

@@ -26,6 +26,7 @@ RESUMABLE_CHANGES = frozenset({
     "run_dir", "resume", "epochs", "max_steps", "num_workers", "eval_batch_size", "raise_on_stop_signal",
     "weights_format",
     "snapshot.every_steps", "snapshot.every_epochs", "snapshot.keep", "snapshot.async_write",
+    "snapshot.memory", "snapshot.memory_every_steps",
     "logging.every_steps", "logging.progress", "logging.tensorboard", "logging.trackers",
     "early_stopping.patience",
     "strategy.bucket_cap_mb", "strategy.gradient_as_bucket_view", "strategy.static_graph",

@@ -28,6 +28,8 @@ from ddpkit.errors import ConfigError
 from ddpkit.snapshot.manager import SnapshotManager, folder_name
 from ddpkit.strategies import Strategy
 from ddpkit.training.config import SnapshotConfig
+from ddpkit.training.memory_resume import resume_from_memory
+from ddpkit.training.memory_snapshots import MemorySnapshots
 from ddpkit.training.run_record import RunRecord
 from ddpkit.training.state import TrainState
 
@@ -70,6 +72,8 @@ class TrainerSnapshots:
         self._saved_at: tuple[int, int, int] | None = None
         self.resumed_from: int | None = None
         self._fresh: frozenset[str] = frozenset()  # parts this run starts afresh though the snapshot lacks them
+        self.memory: MemorySnapshots | None = None
+        """The snapshots in memory (set by the Trainer when they are on): a resume takes them when newer."""
 
     def state_dict(self) -> dict[str, Any]:
         """Everything the next step needs. Collective: every rank calls it (the random streams are gathered)."""
@@ -146,8 +150,12 @@ class TrainerSnapshots:
     def resume(self, load: Callable[[dict[str, Any]], None]) -> bool:
         """Load the newest whole snapshot of the run, if any, through ``load`` (the Trainer's
         ``load_state_dict``); True if training resumes from one."""
-        rt = self.runtime
-        found = self.manager.latest(warn=self.print0)
+        if self.memory is None:
+            found = self.manager.latest(warn=self.print0)
+        else:  # the snapshots in memory first, when newer than the disk's newest
+            source, found = resume_from_memory(self.memory, self.manager, self.print0, load)
+            if source is not None:
+                return self._resumed(source, source)
         if found is None:
             return False
         # Refused before any tensor is loaded: a snapshot of another config or model is named, not half-read.
@@ -161,24 +169,28 @@ class TrainerSnapshots:
         # To fp16 from another precision: the snapshot has no GradScaler state; a fresh scaler starts.
         self._fresh = frozenset({"scaler"}) if change is not None and change[1] == "fp16" else frozenset()
         load(extra | {"strategy": sharded})
-        self.resumed_from = found.step
         self._saved_at = self.train.position  # already on disk
+        if change is not None:
+            self._warn_precision_change(*change)
+        return self._resumed(str(found.path), found.path.name)
+
+    def _resumed(self, source: str, file: str) -> bool:
+        rt = self.runtime
+        self.resumed_from = self.train.step
         reseeded_from = getattr(self.states.get("rng"), "reseeded_from", None)
         if reseeded_from is not None:
             self.print0(
                 f"ddpkit: resuming a {reseeded_from}-rank snapshot on {rt.world_size} ranks: same "
                 "samples in the same steps; random streams (dropout, augmentation) are reseeded"
             )
-        if change is not None:
-            self._warn_precision_change(*change)
         t = self.train
-        self.print0(f"ddpkit: resumed from {found.path} (epoch {t.epoch}, step {t.step}, restart {rt.restart_count})")
+        self.print0(f"ddpkit: resumed from {source} (epoch {t.epoch}, step {t.step}, restart {rt.restart_count})")
         self.log(
             "event",
             t.step,
             {
                 "event": "resume",
-                "file": found.path.name,
+                "file": file,
                 "epoch": t.epoch,
                 "cursor": t.cursor,
                 "restart_count": rt.restart_count,

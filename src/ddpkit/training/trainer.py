@@ -47,6 +47,7 @@ from ddpkit.training.config import TrainerConfig  # noqa: F401  (imported from h
 from ddpkit.training.evaluation import evaluate
 from ddpkit.training.item_counts import CountFn, WeighedStep, scale_loss
 from ddpkit.training.loss_window import LossWindow
+from ddpkit.training.memory_snapshots import open_memory_snapshots
 from ddpkit.training.optimizer_step import OptimizerStep
 from ddpkit.training.precision import autocast, grad_scaler
 from ddpkit.training.run_record import RunRecord, write_resolved_config
@@ -158,6 +159,7 @@ class Trainer:
             log=self.writer.log,
             print0=partial(print0, group=self.group),
         )
+        self.memory = open_memory_snapshots(self)  # copies in shared memory after steps, a callback (None: off)
         self.optimizer_step = OptimizerStep(
             config, self.strategy, scheduler=scheduler, scaler=self.scaler, state=self.state, log=self.writer.log,
             group=self.group,

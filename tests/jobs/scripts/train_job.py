@@ -214,17 +214,20 @@ def train(
     val_every_steps: int | None = None,
     weights_format: str | None = "safetensors",
     compile: bool = False,
+    snapshot_every_epochs: int = 1,
+    memory: bool = False,
+    memory_every_steps: int | None = None,
 ) -> dict:
     """Train the job; ``event=(what, rank, step)`` makes ``rank`` produce a NaN loss (``nan``), an infinite
-        loss whose gradients are finite (``inf``), a NaN loss whose gradients are zero (``ignored``: every target
-        is ``ignore_index``), raise (``raise``, on the first attempt only) or receive SIGUSR1 (``signal``) when it
-        reaches ``step``. ``unseeded_samples``: the loader leaves augmentation to each worker's own stream (the
-        behaviour before samples were seeded from (seed, epoch, index)), for the controls. ``damage_newest``: the
-        rank that kills itself first damages the newest snapshot; ``kill_after_write``: it first waits for the
-        snapshot in flight. ``fill_disk_at``: rank 0 fills the disk of the
-        snapshots at that step. ``shared_buffers``: :func:`one_copy_per_key`. ``val_every_steps``: validate every
-    that many steps, keeping the best ``val/loss`` (early stopping after ``early_stopping_patience`` validations,
-    if given)."""
+    loss whose gradients are finite (``inf``), a NaN loss whose gradients are zero (``ignored``: every target
+    is ``ignore_index``), raise (``raise``, on the first attempt only) or receive SIGUSR1 (``signal``) when it
+    reaches ``step``. ``unseeded_samples``: the loader leaves augmentation to each worker's own stream (the
+    behaviour before samples were seeded from (seed, epoch, index)), for the controls. ``damage_newest``: the
+    rank that kills itself first damages the newest snapshot; ``kill_after_write``: it first waits for the
+    snapshot in flight. ``fill_disk_at``: rank 0 fills the disk of the snapshots at that step.
+    ``shared_buffers``: :func:`one_copy_per_key`. ``val_every_steps``: validate every that many steps, keeping
+    the best ``val/loss`` (early stopping after ``early_stopping_patience`` validations, if given). ``memory``:
+    snapshots in memory too (under ``ddpkit run``)."""
     rt = ddpkit.init()
     if unseeded_samples:
         ddpkit.training.trainer.build_loader = functools.partial(ddpkit.data.build_loader, seed_samples=False)
@@ -250,7 +253,14 @@ def train(
         num_workers=num_workers,
         raise_on_stop_signal=raise_on_stop_signal,
         strategy=strategy_config(strategy, strategy_options),
-        snapshot=SnapshotConfig(every_steps=snapshot_every_steps, keep=3, async_write=snapshot_async),
+        snapshot=SnapshotConfig(
+            every_steps=snapshot_every_steps,
+            every_epochs=snapshot_every_epochs,
+            keep=3,
+            async_write=snapshot_async,
+            memory=memory,
+            memory_every_steps=memory_every_steps,
+        ),
         early_stopping=EarlyStoppingConfig(
             metric="val/loss" if early_stopping_patience or val_every_steps else None,
             patience=early_stopping_patience if val_every_steps else early_stopping_patience or 1,

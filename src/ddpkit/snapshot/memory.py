@@ -1,0 +1,330 @@
+"""Snapshots in node-local shared memory that outlive the worker process: one rank's double-buffered store.
+
+A worker killed at any instant leaves its state in files on a memory file system (``/dev/shm``), in the job's
+folder the launcher's agent makes and removes (:mod:`ddpkit.distributed.memory_folder`). The restarted worker
+finds it there without touching the disk. Each rank keeps two slot files, ``<run>-rank<r>-<i>.slot``
+(``<run>``: a hash of the run directory, ``i`` = 0, 1).
+
+Double buffering: a save overwrites the older of the rank's two slots, so the newer stays whole while the copy
+runs. Each slot file starts with a commit record::
+
+    magic | begin | end | offsets, lengths and CRC-32s of the manifest and the values | data region
+
+``begin`` is set to the save's generation before anything else is written, ``end`` to the same number after
+everything else is: a slot counts only when ``begin == end``, so a kill during the copy leaves it not whole,
+and the other slot is the newest whole one. (A process killed by a signal stops at an instruction boundary:
+every store before it reached the page cache, none after it did, so ``end`` cannot land without the copy before
+it. A lost node loses the files anyway: that case is served by peers, :mod:`ddpkit.training.memory_resume`.)
+
+A slot holds its tensors raw, each at an aligned offset of the data region; a *manifest* (JSON: each tensor's
+dtype, shape and offset, and what the resume check compares), written when the layout changes; and the
+*values* of this save (JSON, :mod:`ddpkit.snapshot.memory_values`: the step, the keys below, the non-tensor
+values).
+
+Keys: a slot is found only when its job key (the agent's random key and torchrun's run id), run key (the run
+directory's hash), world size and rank are this worker's: a slot of another job, of an earlier job on the node
+(its folder was another), or of another run directory of the same job is never loaded.
+
+Memory full: a slot's pages are reserved with ``posix_fallocate`` before they are mapped, so a full
+``/dev/shm`` raises ENOSPC there (:class:`MemoryUnavailable`), never SIGBUS in the middle of the copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import os
+import struct
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ddpkit.snapshot.memory_values import Spec, views
+
+MAGIC = b"DDPKMEM1"
+HEADER = 4096
+_RECORD = struct.Struct("<8sQQQQIQQIQQ")  # magic begin end manifest(off len crc) values(off len crc) data(off len)
+_BEGIN, _END = 8, 16  # offsets of the generation numbers in the record
+
+
+class MemoryUnavailable(RuntimeError):
+    """Shared memory cannot hold the snapshot (full, or the folder gone); disk snapshots carry on alone."""
+
+
+def run_key(run_dir: str | os.PathLike) -> str:
+    """A short hash of the run directory's absolute path: two Trainers of one job never share slots."""
+    return hashlib.sha256(str(Path(run_dir).absolute()).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Record:
+    """A slot's commit record."""
+
+    begin: int
+    end: int
+    manifest: tuple[int, int, int]  # offset, length, CRC-32
+    values: tuple[int, int, int]
+    data: tuple[int, int]  # offset, length
+
+    @property
+    def whole(self) -> bool:
+        return self.begin == self.end != 0
+
+    def pack(self) -> bytes:
+        return _RECORD.pack(MAGIC, self.begin, self.end, *self.manifest, *self.values, *self.data)
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> Record | None:
+        if len(raw) < _RECORD.size:
+            return None
+        magic, begin, end, mo, ml, mc, vo, vl, vc, do, dl = _RECORD.unpack_from(raw)
+        return cls(begin, end, (mo, ml, mc), (vo, vl, vc), (do, dl)) if magic == MAGIC else None
+
+
+@dataclass(frozen=True)
+class Found:
+    """A whole slot of this run on this node (of any rank), as read from its record and values."""
+
+    path: Path
+    rank: int
+    generation: int
+    step: int
+    position: tuple[int, ...]
+    world_size: int
+    peers: bool
+    job: str
+
+
+def read_slot(path: Path, data: bool = False) -> tuple[Record, dict, dict, bytes] | None:
+    """(record, manifest, values, the file's bytes if ``data`` else b"") of a whole slot file, or None if it is
+    not whole. Without ``data`` only the record, manifest and values are read (a resume looks at every slot on
+    the node, and reads the tensors of one)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        if data:
+            with os.fdopen(os.dup(fd), "rb") as f:  # a loop of reads: one read stops at 2 GiB
+                return parse_slot(f.read())
+        record = Record.unpack(os.pread(fd, HEADER, 0))
+        if record is None or not record.whole:
+            return None
+        parts = [os.pread(fd, length, off) for off, length, _ in (record.manifest, record.values)]
+    finally:
+        os.close(fd)
+    return _checked(record, parts, b"")
+
+
+def parse_slot(data: bytes) -> tuple[Record, dict, dict, bytes] | None:
+    """:func:`read_slot` of a slot's bytes (read from its file, or sent by a peer)."""
+    record = Record.unpack(data[:HEADER])
+    if record is None or not record.whole:
+        return None
+    parts = [data[off : off + length] for off, length, _ in (record.manifest, record.values)]
+    return _checked(record, parts, data)
+
+
+def _checked(record: Record, parts: list[bytes], data: bytes) -> tuple[Record, dict, dict, bytes] | None:
+    for (_, length, crc), raw in zip((record.manifest, record.values), parts):
+        if len(raw) != length or zlib.crc32(raw) != crc:
+            return None
+    manifest, values = (json.loads(raw) for raw in parts)
+    return record, manifest, values, data
+
+
+def tensors_of(data: bytes | memoryview, record: Record, manifest: dict) -> list[torch.Tensor]:
+    """Copies of a slot's tensors (the slot may be overwritten later)."""
+    off, length = record.data
+    region = (
+        torch.frombuffer(bytearray(data[off : off + length]), dtype=torch.uint8)
+        if length
+        else torch.empty(0, dtype=torch.uint8)
+    )
+    specs = [Spec(d, tuple(shape), o) for d, shape, o in manifest["specs"]]
+    # Each its own tensor: some consumers (torch.set_rng_state) read a tensor's storage from its start.
+    return [v.clone() for v in views(region, specs)]
+
+
+class _Slot:
+    """One slot file of this rank, mapped while its layout lasts."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.record: Record | None = None
+        self.fd: int | None = None
+        self.region: torch.Tensor | None = None  # the data region, mapped
+        self.dests: list[torch.Tensor] = []
+        self.layout_id: object = None
+        self.manifest_bytes = b""
+        self.values_capacity = self.values_offset = self.data_offset = self.data_size = 0
+
+    def close(self) -> None:
+        self.region, self.dests, self.layout_id = None, [], None
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+class MemoryStore:
+    """This rank's two slots for one run directory, in the job's folder on this node.
+
+    ``save`` copies the state into the older slot and commits it; ``found`` lists the whole slots of this run
+    on this node (every rank's: a rank that took another's place after a restart may use them, see
+    :mod:`ddpkit.training.memory_resume`). No collective here: every method acts on this rank's files alone.
+    """
+
+    def __init__(self, folder: str | os.PathLike, *, job: str, run: str, rank: int, world_size: int) -> None:
+        self.folder = Path(folder)
+        self.job, self.run, self.rank, self.world_size = job, run, rank, world_size
+        if not self.folder.is_dir():
+            raise MemoryUnavailable(f"the job's memory folder {self.folder} is gone")
+        self.slots = [_Slot(self.folder / f"{run}-rank{rank}-{i}.slot") for i in (0, 1)]
+        self.generation = 0
+        for slot in self.slots:
+            got = read_slot(slot.path)
+            if got is not None:
+                slot.record = got[0]
+                self.generation = max(self.generation, got[0].end)
+
+    def _target(self) -> _Slot:
+        """The slot to overwrite: not the newest whole one."""
+        whole = [s for s in self.slots if s.record is not None and s.record.whole]
+        if len(whole) < 2:
+            return next(s for s in self.slots if s not in whole)
+        return min(whole, key=lambda s: s.record.end if s.record is not None else 0)
+
+    def save(
+        self, values: dict[str, Any], tensors: Sequence[torch.Tensor], manifest: dict[str, Any], layout_id: object
+    ) -> None:
+        """Commit ``tensors`` (laid out as ``manifest["specs"]``, a layout named by ``layout_id``) with the
+        JSON-able ``values`` into the older slot. Raises :class:`MemoryUnavailable` if memory is full."""
+        slot = self._target()
+        values = {"job": self.job, "run": self.run, "rank": self.rank, "world_size": self.world_size, **values}
+        value_bytes = json.dumps(values).encode()
+        if slot.layout_id != layout_id or len(value_bytes) > slot.values_capacity:
+            self._map(slot, manifest, layout_id, len(value_bytes))
+        fd = slot.fd
+        assert fd is not None  # mapped above
+        self.generation += 1
+        gen = self.generation
+        # Commit protocol: begin first (the slot stops being whole), then everything, then end.
+        os.pwrite(fd, struct.pack("<Q", gen), _BEGIN)
+        slot.record = None
+        copy_tensors(slot.dests, tensors)
+        m_off = HEADER
+        v_off = slot.values_offset
+        os.pwrite(fd, value_bytes, v_off)
+        record = Record(
+            gen,
+            0,
+            (m_off, len(slot.manifest_bytes), zlib.crc32(slot.manifest_bytes)),
+            (v_off, len(value_bytes), zlib.crc32(value_bytes)),
+            (slot.data_offset, slot.data_size),
+        )
+        os.pwrite(fd, record.pack(), 0)
+        os.pwrite(fd, struct.pack("<Q", gen), _END)
+        slot.record = Record(gen, gen, record.manifest, record.values, record.data)
+
+    def _map(self, slot: _Slot, manifest: dict[str, Any], layout_id: object, values_len: int) -> None:
+        """(Re)make ``slot``'s file for a new layout; its pages are reserved before they are mapped."""
+        slot.close()
+        slot.manifest_bytes = json.dumps(manifest).encode()
+        specs = [Spec(d, tuple(shape), o) for d, shape, o in manifest["specs"]]
+        data_size = manifest["data_size"]
+        slot.values_capacity = max(1 << 16, 4 * values_len)
+        slot.values_offset = _round(HEADER + len(slot.manifest_bytes), 4096)
+        slot.data_offset = _round(slot.values_offset + slot.values_capacity, 4096)
+        slot.data_size = data_size
+        size = slot.data_offset + max(data_size, 1)
+        fd = os.open(slot.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            # The slot is not whole from here on (its end is cleared), whatever the new file holds.
+            os.pwrite(fd, bytes(HEADER), 0)
+            os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, size)
+            os.pwrite(fd, slot.manifest_bytes, HEADER)
+        except OSError as err:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(slot.path)
+            if err.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+                raise MemoryUnavailable(
+                    f"no room for {size / 2**20:.1f} MiB in {self.folder} ({err.strerror})"
+                ) from None
+            raise MemoryUnavailable(f"cannot make {slot.path}: {err.strerror}") from None
+        storage = torch.UntypedStorage.from_file(str(slot.path), shared=True, nbytes=size)
+        mapped = torch.empty(0, dtype=torch.uint8).set_(storage)  # type: ignore[arg-type]
+        slot.fd, slot.layout_id = fd, layout_id
+        slot.region = mapped[slot.data_offset : slot.data_offset + data_size]
+        slot.dests = views(slot.region, specs)
+        slot.record = None
+
+    def found(self) -> list[Found]:
+        """The whole slots of this run and job on this node, every rank's, at this world size."""
+        out = []
+        for path in sorted(self.folder.glob(f"{self.run}-rank*-*.slot")):
+            got = read_slot(path)
+            if got is None:
+                continue
+            record, _, values, _ = got
+            if values.get("job") != self.job or values.get("run") != self.run:
+                continue
+            if values.get("world_size") != self.world_size:
+                continue
+            out.append(
+                Found(
+                    path,
+                    values["rank"],
+                    record.end,
+                    values["step"],
+                    tuple(values["position"]),
+                    values["world_size"],
+                    bool(values.get("peers")),
+                    values["job"],
+                )
+            )
+        return out
+
+    def discard_except(self, keep: Path | None = None) -> None:
+        """Make this rank's slots not whole, except ``keep``: after a resume, only the state resumed from (or
+        none) may be found again, so that a later restart never picks a slot of an abandoned course."""
+        for slot in self.slots:
+            if slot.path == keep or not slot.path.exists():
+                continue
+            with contextlib.suppress(OSError):
+                fd = os.open(slot.path, os.O_WRONLY | os.O_NOFOLLOW)
+                try:
+                    os.pwrite(fd, bytes(24), 0)
+                finally:
+                    os.close(fd)
+            slot.record = None
+
+    def remove(self) -> None:
+        """Delete this rank's slot files (the run finished: its last state is on disk, or not needed)."""
+        for slot in self.slots:
+            slot.close()
+            with contextlib.suppress(OSError):
+                slot.path.unlink()
+
+    def close(self) -> None:
+        for slot in self.slots:
+            slot.close()
+
+
+def _round(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def copy_tensors(dests: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
+    """Copy ``sources`` into ``dests`` (the mapped slot). One fused call: a copy per tensor costs ~1 us of
+    dispatch each, which shows on small models (measured: 25 us against 12 us for the seeds' CNN)."""
+    if dests:
+        with torch.no_grad():
+            torch._foreach_copy_(list(dests), list(sources))

@@ -1,0 +1,184 @@
+"""The goodput benchmark's job: the seeds' CNN on MNIST-shaped data, as the seeds train it or with the Trainer.
+
+``--mode seeds``: a hand-written DDP loop as the seeds wrote it (DistributedSampler, rank 0 saves model and
+optimizer with ``torch.save`` at every epoch end, every rank resumes from that file); run under torchrun.
+``--mode trainer``: ddpkit's Trainer (snapshots on disk every epoch; ``--memory``: snapshots in memory too, at
+the interval the Trainer chooses); run under ``ddpkit run``.
+
+Each rank appends to ``--timeline`` one JSON line per event of its life (the clock is ``time.time()``, the
+same on every process of the machine): ``proc_start`` (the kernel's start time of the process), ``script``
+(this file's first line), ``imports``, ``init`` (process group up), ``built`` (data, model, loader, Trainer),
+``loaded`` (the snapshot read, if any: ``step`` is where training resumes), ``first_step``, ``step`` (every
+``--log-every`` steps and the last; ``step`` counts optimizer steps over the whole run) and ``done``.
+"""
+
+import json
+import os
+import time
+
+T_SCRIPT = time.time()
+
+import argparse  # noqa: E402
+
+
+def _proc_start() -> float:
+    """When the kernel started this process (10 ms resolution): before the interpreter and its imports. From
+    the uptime (10 ms) rather than the boot time in /proc/stat (whole seconds)."""
+    ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
+    uptime = float(open("/proc/uptime").read().split()[0])
+    return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+
+
+class Timeline:
+    def __init__(self, path: str | None) -> None:
+        self.file = open(path, "a", buffering=1) if path else None
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+    def __call__(self, event: str, t: float | None = None, **extra) -> None:
+        if self.file is not None:
+            record = {
+                "event": event,
+                "t": time.time() if t is None else t,
+                "rank": self.rank,
+                "attempt": self.attempt,
+                "pid": os.getpid(),
+                **extra,
+            }
+            self.file.write(json.dumps(record) + "\n")
+
+
+def synthetic_mnist(n: int, seed: int = 0):
+    """``n`` MNIST-shaped samples (1x28x28 floats, 10 classes a fixed linear teacher assigns): the seeds' data
+    without a download, the same on every rank."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 1, 28, 28, generator=g)
+    teacher = torch.randn(28 * 28, 10, generator=g)
+    y = (x.flatten(1) @ teacher).argmax(1)
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def seeds_loop(a, mark: Timeline) -> None:
+    """The seeds' loop: DistributedSampler, DDP, rank 0 saves at every epoch end, resume from that file."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from ddpkit.demo.models import DigitsCNN
+
+    mark("imports")
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mark("init")
+    torch.manual_seed(0)
+    data = synthetic_mnist(a.samples)
+    model = DDP(DigitsCNN(28))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=True)
+    loader = DataLoader(data, batch_size=a.batch_size, sampler=sampler, num_workers=0)
+    mark("built")
+    path = os.path.join(a.run_dir, "snapshot.pt")
+    first_epoch = 0
+    if os.path.exists(path):
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        model.module.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        first_epoch = saved["epoch"]
+    steps_per_epoch = len(loader)
+    mark("loaded", step=first_epoch * steps_per_epoch)
+    step = first_epoch * steps_per_epoch
+    for epoch in range(first_epoch, a.epochs):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            loss = F.cross_entropy(model(x), y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            step += 1
+            if step == first_epoch * steps_per_epoch + 1:
+                mark("first_step", step=step)
+            if step % a.log_every == 0:
+                mark("step", step=step)
+        if rank == 0:  # the seeds' snapshot: rank 0, whole file, at the end of the epoch
+            os.makedirs(a.run_dir, exist_ok=True)
+            torch.save(
+                {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch + 1},
+                path + ".tmp",
+            )
+            os.replace(path + ".tmp", path)
+        dist.barrier()
+    mark("step", step=step)
+    mark("done", step=step)
+    dist.destroy_process_group()
+
+
+def trainer_loop(a, mark: Timeline) -> None:
+    import torch
+
+    import ddpkit
+    from ddpkit.demo.models import DigitsCNN
+    from ddpkit.training.config import LoggingConfig, SnapshotConfig, TrainerConfig
+    from ddpkit.training.trainer import Trainer
+
+    mark("imports")
+    ddpkit.init()
+    mark("init")
+
+    class Marks:
+        first = True
+
+        def on_fit_start(self, trainer):
+            mark("loaded", step=trainer.step)
+
+        def on_step_end(self, trainer, taken):
+            if self.first:
+                self.first = False
+                mark("first_step", step=trainer.step)
+            if trainer.step % a.log_every == 0:
+                mark("step", step=trainer.step)
+
+    torch.manual_seed(0)
+    data = synthetic_mnist(a.samples)
+    model = DigitsCNN(28)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    config = TrainerConfig(
+        run_dir=a.run_dir,
+        epochs=a.epochs,
+        batch_size=a.batch_size,
+        num_workers=0,
+        snapshot=SnapshotConfig(every_epochs=1, every_steps=a.disk_every_steps, memory=a.memory),
+        logging=LoggingConfig(progress=False, every_steps=100),
+    )
+    trainer = Trainer(model, optimizer, data, config, callbacks=[Marks()])
+    mark("built")
+    trainer.fit()
+    mark("step", step=trainer.step)
+    stalls = trainer.memory.stalls if trainer.memory is not None else []
+    mark("done", step=trainer.step, memory_stalls=stalls[-200:])
+    ddpkit.shutdown()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("run_dir")
+    p.add_argument("--mode", choices=("seeds", "trainer"), default="trainer")
+    p.add_argument("--memory", action="store_true", help="trainer: keep the snapshots in memory on")
+    p.add_argument("--disk-every-steps", type=int, default=None)
+    p.add_argument("--samples", type=int, default=60000)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=32, help="per rank")
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--timeline", default=None)
+    a = p.parse_args()
+    mark = Timeline(a.timeline)
+    mark("proc_start", _proc_start())
+    mark("script", T_SCRIPT)
+    (seeds_loop if a.mode == "seeds" else trainer_loop)(a, mark)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""The resume tests' job (:mod:`tests.jobs.scripts.train_job`) with snapshots in memory on and disk snapshots
+rare, for the tests of the snapshots in memory.
+
+Test hooks live here, not in ddpkit: SIGKILL at a random instant after a given step (a timer thread, so the
+kill lands anywhere: in a forward pass, in the all-reduce, in the copy to memory), SIGKILL in the middle of the
+copy to memory, a record of every step each rank completed (to count the steps a failure lost), holding every
+rank after a step until a file exists (while a test takes a node away), and the controls: memory off, and no
+copy of every rank's own part on its peers.
+
+    python -m tests.jobs.scripts.memory_job RUN_DIR --log DIR [--kill-rank R --kill-after-step S]
+        [--kill-delay SECONDS] [--kill-in-copy S] [--no-memory] [--disk-every-steps N] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import ddpkit
+import ddpkit.snapshot.memory
+import ddpkit.training.memory_snapshots
+from tests.jobs.scripts.train_job import train
+
+
+def _sigkill(log: str, what: str) -> None:
+    Path(log, f"killed-{what}").write_text(str(os.getpid()))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _wait_for(path: str) -> None:
+    """Poll for a file the test creates when it has done its part (up to 2 minutes)."""
+    deadline = time.monotonic() + 120
+    while not Path(path).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+class StepRecord:
+    """Appends ``attempt step`` to ``log/steps-rank<r>.txt`` after each optimizer step; holds at a step if
+    asked; and, on the first attempt, arms the kill."""
+
+    def __init__(self, a: argparse.Namespace) -> None:
+        self.a = a
+        self.file: Any = None
+
+    def on_step_end(self, trainer: Any, taken: bool) -> None:
+        a, rt = self.a, trainer.runtime
+        if self.file is None:
+            self.file = open(Path(a.log) / f"steps-rank{rt.rank}.txt", "a", buffering=1)  # noqa: SIM115
+        self.file.write(f"{rt.restart_count} {trainer.step}\n")
+        if a.hold_after_step is not None and trainer.step == a.hold_after_step:
+            _wait_for(a.hold_file)  # every rank waits while the test takes a node away
+        if rt.restart_count == 0 and rt.rank == a.kill_rank and trainer.step == a.kill_after_step:
+            if a.kill_when_file is not None:  # the test says when: another job has come and gone meanwhile
+                _wait_for(a.kill_when_file)
+            # A timer, not a sleep in the loop: training goes on, and the kill lands wherever it is then.
+            what = f"rank{rt.rank}-after-step{trainer.step}"
+            timer = threading.Timer(a.kill_delay, _sigkill, (a.log, what))
+            timer.daemon = True
+            timer.start()
+
+
+def kill_inside_copy(step: int, log: str) -> Any:
+    """SIGKILL this process half-way through the copy of ``step`` into memory (first attempt only)."""
+    copy = ddpkit.snapshot.memory.copy_tensors
+
+    def dying_copy(dests, sources):
+        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0 and dying_copy.trainer.step == step:
+            half = len(dests) // 2
+            copy(dests[:half], sources[:half])
+            _sigkill(log, f"in-copy-step{step}")
+        copy(dests, sources)
+
+    ddpkit.snapshot.memory.copy_tensors = dying_copy
+    return dying_copy
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("run_dir")
+    p.add_argument("--log", required=True)
+    p.add_argument("--out", default=None)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--kill-rank", type=int, default=None)
+    p.add_argument("--kill-after-step", type=int, default=None)
+    p.add_argument("--kill-delay", type=float, default=0.0)
+    p.add_argument("--kill-when-file", default=None, help="the kill waits for this file to exist")
+    p.add_argument("--kill-in-copy", type=int, default=None, metavar="STEP")
+    p.add_argument("--kill-in-copy-rank", type=int, default=0)
+    p.add_argument("--no-memory", action="store_true")
+    p.add_argument("--memory-every", default="1", help="every N steps, or 'auto' (ddpkit's default)")
+    p.add_argument("--no-peers", action="store_true", help="no copy of every rank's own part on every rank")
+    p.add_argument("--stall-budget", type=float, default=None, help="the share of a step a save may take")
+    p.add_argument("--hold-after-step", type=int, default=None)
+    p.add_argument("--hold-file", default=None, help="ranks hold after --hold-after-step until this file exists")
+    p.add_argument("--raise-at", type=int, nargs=2, metavar=("RANK", "STEP"), default=None)
+    p.add_argument("--disk-every-steps", type=int, default=None)
+    p.add_argument("--augment", action="store_true")
+    p.add_argument("--workers", type=int, default=0)
+    p.add_argument("--no-sync-bn", action="store_true")
+    p.add_argument("--strategy", default="ddp")
+    return p.parse_args()
+
+
+def main() -> None:
+    a = parse_args()
+    if a.stall_budget is not None:
+        ddpkit.training.memory_snapshots.STALL_BUDGET = a.stall_budget
+    rank = int(os.environ.get("RANK", "0"))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    Path(a.log, f"pid-rank{rank}-attempt{attempt}").write_text(str(os.getpid()))
+    dying = None
+    if a.kill_in_copy is not None and rank == a.kill_in_copy_rank:
+        dying = kill_inside_copy(a.kill_in_copy, a.log)
+
+    def hook(trainer: Any) -> None:
+        if a.no_peers and trainer.memory is not None:
+            trainer.memory.peers = False
+        if dying is not None:
+            dying.trainer = trainer
+        memory = "off" if trainer.memory is None else "peers" if trainer.memory.peers else "on"
+        Path(a.log, f"memory-rank{trainer.runtime.rank}-pid{os.getpid()}").write_text(memory)
+
+    train(
+        a.run_dir,
+        epochs=a.epochs,
+        snapshot_every_steps=a.disk_every_steps,
+        snapshot_every_epochs=0,  # disk snapshots rare: none at epoch ends, none by steps unless asked
+        memory=not a.no_memory,
+        memory_every_steps=None if a.memory_every == "auto" else int(a.memory_every),
+        sample_log=a.log,
+        out=a.out,
+        trainer_hook=hook,
+        callbacks=[StepRecord(a)],
+        augment=a.augment,
+        num_workers=a.workers,
+        sync_batchnorm=not a.no_sync_bn,
+        catch_preempted=False,
+        strategy=a.strategy,
+        event=("raise", *a.raise_at) if a.raise_at else None,
+    )
+    ddpkit.shutdown()
+
+
+if __name__ == "__main__":
+    main()

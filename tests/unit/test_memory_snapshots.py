@@ -1,0 +1,202 @@
+"""Snapshots in shared memory, in one process: values without pickle, the double-buffered store and its keys,
+memory full, the job's folder, and where ranks agree to resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from ddpkit.distributed import memory_folder as mf
+from ddpkit.snapshot import memory as ms
+from ddpkit.snapshot import memory_values as mv
+from ddpkit.training.config import SnapshotConfig
+from ddpkit.training.memory_resume import Choice, choose
+from tests.tmpfs import small_tmpfs
+
+
+def store(folder, rank=0, world=2, job="job-a", run="run-a") -> ms.MemoryStore:
+    return ms.MemoryStore(folder, job=job, run=run, rank=rank, world_size=world)
+
+
+def save(st: ms.MemoryStore, step: int, tensors: list[torch.Tensor], extra=None) -> None:
+    """What the Trainer's side does: lay the tensors out and commit them with the step's values."""
+    specs, size = mv.layout(tensors)
+    manifest = {"specs": [[s.dtype, list(s.shape), s.offset] for s in specs], "data_size": size}
+    key = tuple((t.dtype, t.shape) for t in tensors)
+    values = {"step": step, "position": [0, step, step], "peers": False, "values": extra}
+    st.save(values, tensors, manifest, key)
+
+
+def load(found: ms.Found) -> tuple[dict, list[torch.Tensor]]:
+    got = ms.read_slot(found.path, data=True)
+    assert got is not None
+    record, manifest, values, data = got
+    return values, ms.tensors_of(data, record, manifest)
+
+
+# -- values without pickle --------------------------------------------------------------------------------
+
+
+def test_values_round_trip_with_their_types_and_python_numpy_torch_rng_states():
+    random.seed(3)
+    np.random.seed(4)
+    state = {
+        "python": random.getstate(),  # (3, tuple of 625 ints, None): random.setstate refuses a list
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "int_keys": {0: "a", 7: (1.5, None, True)},
+        "scalar": np.float64(0.1),
+        "dtype": torch.bfloat16,
+        "nested": [{"lr": 0.1, "betas": (0.9, 0.999)}],
+        "nan": float("nan"),
+    }
+    tensors: list[torch.Tensor] = []
+    text = json.dumps(mv.flatten(state, tensors))  # JSON only: nothing to unpickle
+    back = mv.unflatten(json.loads(text), [t.clone() for t in tensors])
+    assert type(back["python"]) is tuple and type(back["python"][1]) is tuple and back["python"] == state["python"]
+    assert back["int_keys"] == state["int_keys"] and type(back["int_keys"][7]) is tuple
+    assert type(back["scalar"]) is np.float64 and back["dtype"] is torch.bfloat16
+    assert back["nested"] == state["nested"] and np.isnan(back["nan"])
+    assert torch.equal(back["torch"], state["torch"])
+    random.setstate(back["python"])
+    np.random.set_state(back["numpy"])
+    torch.set_rng_state(back["torch"])
+    drawn = (random.random(), np.random.rand(), torch.rand(1))
+    random.seed(3)
+    np.random.seed(4)
+    torch.set_rng_state(state["torch"])
+    assert drawn == (random.random(), np.random.rand(), torch.rand(1))
+    with pytest.raises(TypeError, match="a value of type type cannot go into a memory snapshot"):
+        mv.flatten({"bad": object}, [])
+
+
+# -- the store --------------------------------------------------------------------------------------------
+
+
+def test_a_save_overwrites_the_older_slot_and_the_newest_two_are_whole(tmp_path):
+    st = store(tmp_path)
+    for step in (1, 2, 3):
+        save(st, step, [torch.full((1000,), float(step)), torch.arange(step + 5)], {"step": step})
+    found = sorted(st.found(), key=lambda f: f.step)
+    assert [f.step for f in found] == [2, 3]
+    values, tensors = load(found[-1])
+    assert values["values"] == {"step": 3} and torch.equal(tensors[0], torch.full((1000,), 3.0))
+    assert torch.equal(tensors[1], torch.arange(8))
+    # A new store for the same rank (a restarted worker) finds both, and continues the generations.
+    again = store(tmp_path)
+    save(again, 4, [torch.full((1000,), 4.0), torch.arange(9)])
+    assert sorted(f.step for f in again.found()) == [3, 4]
+
+
+def test_slots_of_another_job_run_dir_or_world_size_are_never_found(tmp_path):
+    save(store(tmp_path, job="job-a", run="run-a"), 5, [torch.ones(3)])
+    assert [f.step for f in store(tmp_path, job="job-a", run="run-a").found()] == [5]  # control: same keys
+    assert store(tmp_path, job="job-b", run="run-a").found() == []  # an earlier job's slot in a reused folder
+    assert store(tmp_path, job="job-a", run="run-b").found() == []  # another Trainer of the job
+    assert store(tmp_path, job="job-a", run="run-a", world=3).found() == []  # another world size
+
+
+def test_a_slot_whose_commit_record_or_values_do_not_check_is_not_found(tmp_path):
+    st = store(tmp_path)
+    save(st, 1, [torch.ones(8)])
+    (found,) = st.found()
+    raw = bytearray(found.path.read_bytes())
+    record = ms.Record.unpack(bytes(raw[: ms.HEADER]))
+    assert record is not None and record.whole
+    raw[record.values[0]] ^= 0xFF  # one byte of the values flipped: its CRC-32 no longer matches
+    found.path.write_bytes(bytes(raw))
+    assert st.found() == []
+
+
+def test_a_full_memory_raises_before_any_page_is_touched_and_keeps_the_other_slot(tmp_path):
+    with small_tmpfs(tmp_path / "shm", "256k") as folder:
+        st = store(folder)
+        save(st, 1, [torch.ones(1000)])
+        # 1 MiB does not fit: posix_fallocate says ENOSPC; without it the copy would die of SIGBUS.
+        with pytest.raises(ms.MemoryUnavailable, match="no room for .* MiB in .*No space left on device"):
+            save(st, 2, [torch.ones(1 << 18)])
+        assert [f.step for f in st.found()] == [1]
+        assert len(list(folder.glob("*.slot"))) == 1  # the failed slot's file is gone
+
+
+def test_the_run_key_is_the_run_directorys_absolute_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert ms.run_key("runs/a") == ms.run_key(tmp_path / "runs" / "a") != ms.run_key("runs/b")
+
+
+# -- the job's folder -------------------------------------------------------------------------------------
+
+
+def test_the_job_folder_is_private_and_stale_folders_of_dead_agents_are_swept(tmp_path, monkeypatch):
+    monkeypatch.setenv(mf.ROOT_ENV, str(tmp_path))
+    for name in (mf.DIR_ENV, mf.KEY_ENV, mf.UNAVAILABLE_ENV):
+        monkeypatch.delenv(name, raising=False)
+    base = tmp_path / f"ddpkit-memory-{os.getuid()}"
+    base.mkdir(mode=0o700)
+    # A folder whose agent was SIGKILLed (the pid is dead), and one of a live agent (another job on the node).
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale, live = base / "stale", base / "live"
+    for folder, pid in ((stale, dead.pid), (live, os.getppid())):
+        folder.mkdir()
+        (folder / "owner").write_text(f"{pid} {mf.start_time(pid)}\n")
+        (folder / "run-rank0-0.slot").write_bytes(b"x")
+    folder = mf.open_job_folder()
+    assert folder is not None and folder.parent == base and os.environ[mf.DIR_ENV] == str(folder)
+    assert not stale.exists() and live.exists()
+    assert oct(folder.stat().st_mode & 0o777) == "0o700" and oct(base.stat().st_mode & 0o777) == "0o700"
+    key = mf.job_key()
+    assert key is not None and key.endswith(f":{os.environ[mf.KEY_ENV]}")
+    mf.close_job_folder()
+    assert not folder.exists() and mf.DIR_ENV not in os.environ
+
+
+def test_a_base_folder_open_to_others_is_refused_and_the_reason_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv(mf.ROOT_ENV, str(tmp_path))
+    monkeypatch.delenv(mf.DIR_ENV, raising=False)
+    monkeypatch.delenv(mf.UNAVAILABLE_ENV, raising=False)
+    (tmp_path / f"ddpkit-memory-{os.getuid()}").mkdir()
+    os.chmod(tmp_path / f"ddpkit-memory-{os.getuid()}", 0o777)
+    assert mf.open_job_folder() is None and mf.DIR_ENV not in os.environ
+    assert "open to others" in os.environ[mf.UNAVAILABLE_ENV]
+    mf.close_job_folder()
+
+
+def test_the_memory_interval_is_checked_where_it_is_given():
+    assert SnapshotConfig(memory=True, memory_every_steps=4).memory_every_steps == 4
+    with pytest.raises(Exception, match="memory_every_steps=0 is not valid"):
+        SnapshotConfig(memory=True, memory_every_steps=0)
+
+
+# -- where every rank resumes -----------------------------------------------------------------------------
+
+
+def _offer(own=(), peers=()):
+    return {"own": [list(p) for p in own], "peers": [list(p) for p in peers]}
+
+
+def test_ranks_resume_from_the_newest_step_all_of_them_hold():
+    a, b, c = (0, 6, 48), (0, 7, 56), (0, 8, 64)  # (epoch, step, cursor)
+    # Rank 1 was killed while copying step 8: it holds 7 and 6; the others hold 8 and 7.
+    offers = [_offer([b, c]), _offer([a, b]), _offer([b, c])]
+    assert choose(offers, disk_step=-1) == Choice(b, None, ())
+    assert choose(offers, disk_step=7) is None  # the disk's newest is as new: resume from disk
+    assert choose(offers, disk_step=6) == Choice(b, None, ())
+
+
+def test_a_rank_without_state_is_served_by_a_rank_that_holds_every_ranks_part():
+    a, b = (1, 10, 0), (1, 11, 8)
+    # Rank 2's node is new: it holds nothing. Ranks 0 and 1 hold every rank's part (peers).
+    offers = [_offer([a, b], [a, b]), _offer([a, b], [a, b]), _offer()]
+    assert choose(offers, -1) == Choice(b, 0, (2,))
+    # Control: without peers nobody can give rank 2 its own state (RNG, buffers): no resume from memory.
+    assert choose([_offer([a, b]), _offer([a, b]), _offer()], -1) is None
+    # A rank that took another's place holds that rank's slots with peers only: it is served too.
+    assert choose([_offer([], [b]), _offer()], -1) == Choice(b, 0, (0, 1))
