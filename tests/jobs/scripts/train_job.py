@@ -10,7 +10,6 @@ With ``out``, rank 0 writes its final state there and every rank ``r`` its own t
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import random
@@ -229,8 +228,6 @@ def train(
     the best ``val/loss`` (early stopping after ``early_stopping_patience`` validations, if given). ``memory``:
     snapshots in memory too (under ``ddpkit run``)."""
     rt = ddpkit.init()
-    if unseeded_samples:
-        ddpkit.training.trainer.build_loader = functools.partial(ddpkit.data.build_loader, seed_samples=False)
     model = build_model(batchnorm, hidden)
     if not dropout:
         model[3].p = 0.0
@@ -238,6 +235,7 @@ def train(
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.7)
     config = TrainerConfig(
         run_dir=run_dir,
+        seed_samples=not unseeded_samples,
         epochs=epochs,
         max_steps=max_steps,
         global_batch_size=global_batch,
