@@ -60,7 +60,7 @@ def test_resume_false_moves_the_previous_runs_records_aside_with_its_snapshots(t
     ddpkit.spawn(functools.partial(job, lr=0.5, resume=False), 1)
     out = capfd.readouterr().out
     (aside,) = [p for p in run_dir.iterdir() if p.name.startswith("replaced-")]
-    moved = "snapshots, best.pt, metrics.jsonl, epochs.csv, config.json"
+    moved = "snapshots, best.pt, best.safetensors, final.safetensors, metrics.jsonl, epochs.csv, config.json"
     assert f"ddpkit: resume=False: the previous run's {moved} moved to {aside}; this run starts them afresh" in out
     # The new run's records start afresh: one start, each step once; the old ones are whole in the aside folder.
     records = _records(run_dir)
