@@ -9,7 +9,6 @@ torch, numpy and python draws, so a resume is bitwise only if each record's draw
 from __future__ import annotations
 
 import argparse
-import functools
 import itertools
 import json
 import random
@@ -151,11 +150,10 @@ def train(
         scheduler_interval="step",
         seed=3,
         num_workers=workers,
+        seed_samples=seed_samples,  # False for the control: each worker draws from its own stream
         snapshot=SnapshotConfig(every_steps=3, keep=3),
         logging=LoggingConfig(progress=False, every_steps=5),
     )
-    if not seed_samples:  # the control: each worker draws from its own stream
-        ddpkit.training.trainer.build_loader = functools.partial(ddpkit.data.build_loader, seed_samples=False)
     attempt = rt.restart_count
     log = open(Path(sample_log) / f"rank{rt.rank}-world{rt.world_size}.jsonl", "a", buffering=1) if sample_log else None
 
