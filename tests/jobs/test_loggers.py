@@ -20,7 +20,7 @@ def jsonl_curves(run_dir: Path) -> dict[str, dict[int, float]]:
     curves: dict[str, dict[int, float]] = {}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         rec = json.loads(line)
-        if rec["kind"] in ("train", "epoch"):
+        if rec["kind"] in ("train", "epoch", "val"):  # "val": a validation between epoch ends
             for k, v in rec.items():
                 if k not in ("kind", "step", "time", "epoch"):
                     curves.setdefault(k, {})[rec["step"]] = v
