@@ -34,8 +34,9 @@ class StepOutput:
     """The first param group's learning rate during this step."""
     grad_norm: float | None
     """The global gradient norm before clipping, where it was computed (``clip_grad_norm``, or fsdp); else None."""
-    samples: float
-    """This rank's samples in the step (with a ``count_fn``, its counted items)."""
+    samples: float | torch.Tensor
+    """This rank's samples in the step (with a ``count_fn``, its counted items: a tensor on an accelerator, not
+    yet read)."""
     losses: Sequence[torch.Tensor | float]
     """This rank's micro-batch losses (each a mean over its samples); tensors on an accelerator, not yet read."""
     sizes: Sequence[float | torch.Tensor]
@@ -61,7 +62,7 @@ def step_output(taken: bool, state: TrainState, optimizer_step: OptimizerStep, w
         epoch=state.epoch,
         lr=float(optimizer_step.lr),
         grad_norm=float(norm) if taken and norm is not None else None,
-        samples=sum(float(size) for size in sizes),
+        samples=sum(sizes, 0.0),  # no read of a count left on the device: a callback reads it if it asks
         losses=losses,
         sizes=sizes,
     )
