@@ -1,5 +1,5 @@
 """Goodput under failures: the same training job without failures, and with a SIGKILL of a random rank every T
-seconds, for three ways of surviving them; where each recovery's time goes.
+seconds, for several ways of surviving them; where each recovery's time goes.
 
 The job (``tests/jobs/scripts/goodput_job.py``): the seeds' CNN on MNIST-shaped data (synthetic: 1x28x28, 10
 classes), batch 32 per rank, Adam, 2 CPU ranks over gloo. The variants:
@@ -8,7 +8,10 @@ classes), batch 32 per rank, Adam, 2 CPU ranks over gloo. The variants:
   a restart resumes from the start of the epoch;
 - ``disk``: ``ddpkit run --max-restarts``, the Trainer, disk snapshots at every epoch end (as the seeds);
 - ``memory``: the same with the snapshots in memory on (``SnapshotConfig(memory=True)``: every step, unless
-  that stalls a step more than 5%).
+  that stalls a step more than 5%);
+- ``memory-new-interpreters``: ``memory`` with ``ddpkit run --fork-server off``: every worker of every attempt
+  a new interpreter that imports torch, as under torchrun (the other ddpkit variants fork their workers from
+  the job's fork server, :mod:`ddpkit.launch.forkserver`).
 
 Each variant runs (a) without failures and (b) with a SIGKILL of a random rank at T, 2T, ... seconds after the
 launch (a kill that falls while the job is restarting waits for both ranks to be up). Goodput = (a)'s time /
@@ -31,6 +34,7 @@ bench/goodput.py launch``): its methods are wrapped to write a timestamp, nothin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -154,9 +158,11 @@ def command(variant: str, folder: Path, timeline: Path, a: argparse.Namespace) -
             "--mode",
             "seeds",
         ]
-    flags = ["--memory"] if variant == "memory" else []
+    flags = ["--memory"] if variant.startswith("memory") else []
+    launcher = ["--fork-server", "off"] if variant == "memory-new-interpreters" else []
     return launch + [
         "ddpkit",
+        *launcher,
         "--nproc",
         "2",
         "--max-restarts",
@@ -170,19 +176,24 @@ def command(variant: str, folder: Path, timeline: Path, a: argparse.Namespace) -
     ]
 
 
-def workers(launcher: int) -> dict[int, int]:
-    """rank -> pid of the job's worker processes under the launcher (its children running the job)."""
+def workers(launcher: int, timeline: Path) -> dict[int, int]:
+    """rank -> pid of the job's live worker processes: each rank's newest ``script`` event in the timeline
+    names its pid (a worker forked from ddpkit's fork server shows the server's environment in /proc, not its
+    RANK), kept if that process is still the launcher's child (a worker of the current attempt)."""
+    newest: dict[int, tuple[float, int]] = {}
+    for line in timeline.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            event = json.loads(line)
+            if event.get("event") == "script" and event["t"] >= newest.get(event["rank"], (0.0, 0))[0]:
+                newest[event["rank"]] = (event["t"], event["pid"])
     found = {}
-    for child in Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split():
+    for rank, (_, pid) in newest.items():
         try:
-            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
-            environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if JOB.name.encode() in cmdline:
-            rank = next((int(e[5:]) for e in environ if e.startswith(b"RANK=")), None)
-            if rank is not None:
-                found[rank] = int(child)
+        if int(stat[1]) == launcher and stat[0] not in ("Z", "X"):
+            found[rank] = pid
     return found
 
 
@@ -195,7 +206,7 @@ def kill_every(proc: subprocess.Popen, interval: float, timeline: Path, rng: ran
         if time.time() < start + k * interval:
             time.sleep(0.05)
             continue
-        ranks = workers(proc.pid)
+        ranks = workers(proc.pid, timeline)
         if len(ranks) < 2:  # restarting: the kill waits for the job to be up
             time.sleep(0.05)
             continue
@@ -362,7 +373,7 @@ def main() -> None:
     p.add_argument("--interval", type=float, default=60.0, help="seconds between kills (default 60)")
     p.add_argument("--samples", type=int, default=30000)
     p.add_argument("--epochs", type=int, default=20)
-    p.add_argument("--variants", default="seeds,disk,memory")
+    p.add_argument("--variants", default="seeds,disk,memory,memory-new-interpreters")
     p.add_argument("--seed", type=int, default=0, help="which rank each kill hits")
     p.add_argument("--dir", default=None, help="where the runs go (default: a temporary folder)")
     p.add_argument("--report", action="store_true", help="only analyse the runs already in --dir")

@@ -112,6 +112,7 @@ DDPKIT_GLOBALS: dict[tuple[str, str], Any] = {
     ("ddpkit.launch.worker", "_worker_store"): None,
     ("ddpkit.launch.rendezvous_backend", "_jobs"): {},
     ("ddpkit.launch.rendezvous_backend", "_relays"): {},
+    ("ddpkit.launch.forked_workers", "_server"): None,
 }
 # hold_stop_signals() and the Trainer's stop_signals() install handlers for these in the process that calls them.
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)

@@ -32,7 +32,7 @@ import torch
 
 import ddpkit
 from ddpkit.distributed import runtime, seeding, signals
-from ddpkit.launch import rendezvous_backend, worker
+from ddpkit.launch import forked_workers, rendezvous_backend, worker
 from ddpkit.nn import dropout
 from ddpkit.snapshot import staging
 from ddpkit.tools import workload
@@ -56,6 +56,7 @@ def test_leaves_every_global_set(tmp_path):
     rendezvous_backend.register("run-1", rendezvous_backend.JobAccess(b"secret", None))
     rendezvous_backend._relays["run-1"] = []
     worker._worker_store = object()
+    forked_workers._server = object()  # stands for the job's fork server, as the agent keeps it
     runtime._store_of = (("env://", 0, 2), object())  # a rendezvous store kept across init()s
     runtime._group_store = object()
     seeding.draw_marks()  # views of the generators' states, cached per process

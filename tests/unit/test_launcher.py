@@ -104,6 +104,8 @@ def test_bad_options_name_the_flag(kwargs, message):
         (["--nnodes", "-2"], "use a number of nodes >= 1, or MIN:MAX with 1 <= MIN <= MAX"),
         (["--nnodes", "4:2"], "use a number of nodes >= 1, or MIN:MAX with 1 <= MIN <= MAX"),
         (["--nproc", "\u00b2"], "use auto, gpu, or a whole number of processes >= 1"),
+        (["--preload", "numpy,os.path;rm"], "use module names separated by commas"),
+        (["--fork-server", "yes"], "use auto, on or off"),
         *[
             ([option, value], "use a number of seconds > 0 and at most 2592000 (30 days)")
             for option in ("--collective-timeout", "--join-timeout")

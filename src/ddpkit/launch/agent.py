@@ -9,7 +9,9 @@ Changes to the agent torchrun has no option for (a subclass, installed by :func:
   stops them, so that a hang's summary says where every rank was;
 - once the workers are stopped, so is every process they started (:mod:`ddpkit.launch.proctree`);
 - the job gets a folder in shared memory for the workers' snapshots in memory
-  (:mod:`ddpkit.distributed.memory_folder`), made once per job and removed when the job ends, however it ends.
+  (:mod:`ddpkit.distributed.memory_folder`), made once per job and removed when the job ends, however it ends;
+- workers are forked from a server that imported torch once for the job (:mod:`ddpkit.launch.forked_workers`),
+  so a restart does not start an interpreter and import torch again.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 
 from ddpkit.distributed import memory_folder
 from ddpkit.errors import PREEMPTED_EXIT_CODE
+from ddpkit.launch import forked_workers
 from ddpkit.launch.proctree import kill_descendants
 
 
@@ -186,7 +189,8 @@ class Agent(LocalElasticAgent):
         handlers = getattr(getattr(self, "_pcontext", None), "subprocess_handlers", None) or {}
         # A worker torchrun gave up on (stuck in the kernel) keeps its Popen, which alone may collect it.
         unreaped = [h.proc.pid for h in handlers.values() if h.proc.returncode is None]
-        kill_descendants(keep=unreaped)
+        server = forked_workers.current()  # serves the next attempt's workers too
+        kill_descendants(keep=unreaped + ([server.pid] if server is not None else []))
 
     def worker_pids(self) -> list[int]:
         pcontext = getattr(self, "_pcontext", None)
@@ -270,20 +274,27 @@ def _kill(pids: list[int]) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def install(launcher_api: Any) -> None:
-    """Make torchrun's ``launch_agent`` build :class:`Agent`, and forward SIGTERM/SIGUSR1/SIGUSR2 to its workers.
+def install(
+    launcher_api: Any, fork_server: bool = True, preload: Sequence[str] = (), display: Sequence[str] = ()
+) -> None:
+    """Make torchrun's ``launch_agent`` build :class:`Agent`, and forward SIGTERM/SIGUSR1/SIGUSR2 to its workers;
+    with ``fork_server``, start the job's fork server (importing ``preload`` too; ``display``: the workers'
+    command, shown on its command line).
 
     ``launch_agent`` (``torch.distributed.launcher.api``) builds its agent by this module-level name; swapping
     it in this process (the launcher's) is the one way in short of copying ``launch_agent``.
     """
     launcher_api.LocalElasticAgent = Agent
     _forward_signals()
+    if fork_server:
+        forked_workers.install(preload, display)
     # Made by the agent, which outlives every attempt of the workers: a restarted worker finds its state there.
     if os.environ.get(memory_folder.OFF_ENV) != "0":
         memory_folder.open_job_folder()
 
 
 def uninstall() -> None:
+    forked_workers.uninstall()
     Agent.current = None
     for sig in FORWARDED_SIGNALS:
         signal.signal(sig, signal.SIG_DFL)

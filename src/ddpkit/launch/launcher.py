@@ -235,7 +235,7 @@ def launch(cfg: LaunchConfig) -> int:
     args.training_script_args += list(cfg.script_args)
     if hasattr(args, "signals_to_handle"):  # torchrun's own SIGTERM handling would end the workers itself
         args.signals_to_handle = agent.TORCHRUN_SIGNALS
-    agent.install(launcher_api)
+    agent.install(launcher_api, cfg.uses_fork_server, cfg.preload, display=[cfg.script, *cfg.script_args])
     if cfg.all_ranks:
         tail.install()  # whole lines behind each rank's tag, not the pieces torchrun's reader finds
     try:

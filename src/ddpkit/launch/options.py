@@ -57,6 +57,13 @@ class LaunchConfig:
     """Show every rank's output, each line prefixed with ``[rank N]``; by default only local rank 0's."""
     log_dir: str = "ddpkit-logs"
     """Where each run's folder of rank output and error files goes: ``LOG_DIR/<date>-<time>-<pid>/``."""
+    fork_server: str = "auto"
+    """``on``: fork the workers from a process that imported torch once for the job
+    (:mod:`ddpkit.launch.forkserver`), so that a restart after a failure skips the interpreter's start and
+    torch's import; ``off``: every worker is a new interpreter, as under torchrun; ``auto`` (the default): on
+    when the job may restart its workers (``--max-restarts`` above 0, or an elastic job)."""
+    preload: list[str] = field(default_factory=list)
+    """Modules the fork server imports besides torch and ddpkit (a script's own heavy imports)."""
 
     def __post_init__(self) -> None:
         if self.max_restarts is not None and self.max_restarts < 0:
@@ -72,9 +79,20 @@ class LaunchConfig:
         if self.collective_timeout is not None:
             check_seconds("--collective-timeout", self.collective_timeout)
         check_seconds("--join-timeout", self.join_timeout)
+        if self.fork_server not in ("auto", "on", "off"):
+            raise ConfigError(f"--fork-server {self.fork_server!r}: use auto, on or off")
+        for name in self.preload:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", name):
+                raise ConfigError(
+                    f"--preload {name!r}: use module names separated by commas (for example numpy,pandas)"
+                )
         for item in self.rdzv_conf:
             if "=" not in item:
                 raise ConfigError(f"--rdzv-conf {item!r}: use KEY=VALUE, for example last_call_timeout=5")
+
+    @property
+    def uses_fork_server(self) -> bool:
+        return self.fork_server == "on" or (self.fork_server == "auto" and self.restarts > 0)
 
     @property
     def max_nodes(self) -> int:
@@ -223,6 +241,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     _option(parser, "--log-dir", default="ddpkit-logs", help="folder for each run's rank output (default ddpkit-logs)")
     _option(parser, "--all-ranks", action="store_true", help="show every rank's output, prefixed [rank N]")
+    _option(
+        parser,
+        "--fork-server",
+        default="auto",
+        help="fork the workers from a process that imported torch once, for fast restarts: auto (on when the job "
+        "may restart; the default), on, off",
+    )
+    _option(
+        parser,
+        "--preload",
+        action="append",
+        default=None,
+        help="modules the fork server imports before forking workers, besides torch (comma-separated, repeatable)",
+    )
     _option(parser, "-m", "--module", action="store_true", help="run SCRIPT as a module, like python -m")
     parser.add_argument("script", help="training script (or module with -m)")
 
@@ -270,6 +302,8 @@ def config_from_args(ns: argparse.Namespace, script_args: Sequence[str] = ()) ->
         max_restarts=ns.max_restarts,
         all_ranks=ns.all_ranks,
         log_dir=ns.log_dir,
+        fork_server=ns.fork_server,
+        preload=[name for value in ns.preload or [] for name in value.split(",") if name],
     )
 
 

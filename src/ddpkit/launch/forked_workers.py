@@ -1,0 +1,264 @@
+"""The agent's side of the fork server: torchrun's workers forked from :mod:`ddpkit.launch.forkserver`.
+
+torchrun's agent starts each worker through a ``SubprocessHandler`` whose ``_popen`` makes a ``Popen``. The
+handler here asks the fork server instead and gets back the pid of a worker that the agent has adopted (its
+child, in a session of its own), wrapped in :class:`ForkedProcess`, which answers what torchrun asks of a
+``Popen``: ``pid``, ``poll``, ``wait``, ``returncode``, signals. Everything else stays torchrun's: the
+process context, the worker's environment and log files, failures, restarts. Where the server cannot serve
+(it is starting, it refused, it died, the command is not a ``ddpkit.launch.worker`` one, NUMA binding wraps
+it), the handler makes the ``Popen`` as torchrun would.
+
+Why not torchrun's own ``--start-method forkserver``: it applies to function entrypoints only, whose workers
+are children of multiprocessing's server, in the agent's session, with standard input closed and no ``atexit``
+handlers run; a script entrypoint under this handler keeps every behaviour of a torchrun worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from ddpkit.launch.forkserver import MAX_MESSAGE, PRELOAD
+
+READY_TIMEOUT = 300.0
+"""Seconds the first worker waits for the server's imports before it is started as a new interpreter."""
+
+_WORKER_COMMAND = ("-u", "-m", "ddpkit.launch.worker")
+
+
+class ForkedProcess:
+    """A worker forked by the server and adopted by this process, as torchrun's handler uses a ``Popen``."""
+
+    def __init__(self, pid: int, args: Sequence[str]) -> None:
+        self.pid, self.args = pid, list(args)
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped by someone else: its status is lost
+                self.returncode = 255
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.poll() is not None:
+            return self.returncode  # type: ignore[return-value]  # set by poll
+        try:
+            fd = os.pidfd_open(self.pid)
+        except ProcessLookupError:  # exited and reaped in between: poll() has or had its status
+            return self.poll() or 0
+        try:
+            ready, _, _ = select.select([fd], [], [], timeout)
+        finally:
+            os.close(fd)
+        if not ready:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        while self.poll() is None:  # readable once it exited; its status follows at once
+            select.select([], [], [], 0.001)
+        return self.returncode  # type: ignore[return-value]  # set by poll
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class ForkServer:
+    """The job's fork server process, started at once; it imports in the background while the agent waits for
+    the rendezvous."""
+
+    def __init__(self, preload: Sequence[str], display: Sequence[str] = ()) -> None:
+        """``display``: the workers' command, appended to the server's command line for ``ps`` (not read)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.sock = ours
+        self.why_not: str | None = None
+        """Why the server does not fork workers (None: it does, or is not known yet)."""
+        self.failed: list[str] = []
+        self._ready: bool | None = None
+        modules = ",".join(dict.fromkeys([*PRELOAD, *preload]))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-u", "-m", "ddpkit.launch.forkserver", str(theirs.fileno()), str(os.getpid()), modules]
+            + ["--", *display],
+            pass_fds=[theirs.fileno()],
+            stdin=subprocess.DEVNULL,
+        )
+        theirs.close()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def ready(self, timeout: float = READY_TIMEOUT) -> bool:
+        """Wait for the server's imports; True when it forks workers."""
+        if self._ready is None:
+            self._ready = False
+            reply = self._receive(timeout)
+            if reply is None:
+                self._give_up("it did not answer")
+            elif not reply.get("ready"):
+                self._give_up(str(reply.get("why")))
+            else:
+                self._ready, self.failed = True, list(reply.get("failed", []))
+                if self.failed:
+                    print(
+                        f"ddpkit run: --preload: the fork server could not import {', '.join(self.failed)}; "
+                        "each worker imports what its script imports",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+        return self._ready
+
+    def spawn(self, argv: Sequence[str], env: dict[str, str], cwd: str, files: Sequence[int]) -> int | None:
+        """Fork a worker running ``python -u -m ddpkit.launch.worker ARGV`` with ``env`` in ``cwd``, ``files``
+        its standard input, output and error; its pid, or None when the server cannot."""
+        if not self.ready():
+            return None
+        message = json.dumps({"argv": list(argv), "env": env, "cwd": cwd}).encode()
+        try:
+            socket.send_fds(self.sock, [message], list(files))
+        except OSError as err:
+            self._give_up(f"{type(err).__name__}: {err}")
+            return None
+        reply = self._receive(60.0)
+        if reply is None or "pid" not in reply:
+            self._give_up(reply.get("error", "no answer") if reply else "it did not answer")
+            return None
+        return int(reply["pid"])
+
+    def _receive(self, timeout: float) -> dict[str, Any] | None:
+        ready, _, _ = select.select([self.sock], [], [], timeout)
+        if not ready:
+            return None
+        try:
+            data = self.sock.recv(MAX_MESSAGE)
+        except OSError:
+            return None
+        return json.loads(data) if data else None
+
+    def _give_up(self, why: str) -> None:
+        if self.why_not is None:
+            self.why_not = why
+            print(
+                f"ddpkit run: workers start as new interpreters (the fork server cannot fork them: {why})",
+                file=sys.stderr,
+                flush=True,
+            )
+        self._ready = False
+        self.close()
+
+    def close(self) -> None:
+        """Hang up (the server exits) and reap it."""
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        if self.proc.poll() is None:
+            try:
+                self.proc.wait(5.0)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+_server: ForkServer | None = None
+
+
+def current() -> ForkServer | None:
+    return _server
+
+
+def start(preload: Sequence[str] = (), display: Sequence[str] = ()) -> ForkServer:
+    global _server
+    _server = ForkServer(preload, display)
+    return _server
+
+
+def stop() -> None:
+    global _server
+    if _server is not None:
+        _server.close()
+        _server = None
+
+
+def _standard_files(handler: Any) -> tuple[list[int], list[int]]:
+    """The worker's standard input, output and error: torchrun's log files where it redirects, else this
+    process's own (what a ``Popen`` child inherits); and the descriptors opened here, for the caller to close."""
+    files, opened = [0, 1, 2], []
+    for target, stream in ((1, getattr(handler, "_stdout", None)), (2, getattr(handler, "_stderr", None))):
+        if stream is not None:
+            files[target] = stream.fileno()
+    for i, fd in enumerate(files):
+        try:
+            os.fstat(fd)
+        except OSError:  # this process has none open there: the worker gets /dev/null instead
+            files[i] = os.open(os.devnull, os.O_RDWR)
+            opened.append(files[i])
+    return files, opened
+
+
+def handler_class(base: type) -> type:
+    """torchrun's ``SubprocessHandler`` (``base``) with workers forked from the server."""
+
+    class ForkedSubprocessHandler(base):  # torchrun's class, given at run time
+        def _popen(self, args: Sequence[str], env: dict[str, str]) -> Any:
+            server = _server
+            if server is not None and server.why_not is None and _is_worker_command(args):
+                files, opened = _standard_files(self)
+                try:
+                    pid = server.spawn(list(args[1 + len(_WORKER_COMMAND) :]), env, os.getcwd(), files)
+                finally:
+                    for fd in opened:
+                        os.close(fd)
+                if pid is not None:
+                    return ForkedProcess(pid, args)
+            return super()._popen(args, env)
+
+    return ForkedSubprocessHandler
+
+
+def _is_worker_command(args: Sequence[str]) -> bool:
+    """``python -u -m ddpkit.launch.worker ...`` with this interpreter, as the launcher asks torchrun for."""
+    return (
+        len(args) > len(_WORKER_COMMAND)
+        and os.path.realpath(args[0]) == os.path.realpath(sys.executable)
+        and tuple(args[1 : 1 + len(_WORKER_COMMAND)]) == _WORKER_COMMAND
+    )
+
+
+def install(preload: Sequence[str] = (), display: Sequence[str] = ()) -> ForkServer | None:
+    """Start the job's fork server and have torchrun's process context start workers through it. None (and
+    nothing changed) where torchrun has no handler to replace or the platform cannot adopt forked workers."""
+    if not sys.platform.startswith("linux"):
+        return None
+    from torch.distributed.elastic.multiprocessing import api
+
+    base = getattr(api, "SubprocessHandler", None)
+    if base is None or not hasattr(api, "get_subprocess_handler") or not hasattr(base, "_popen"):
+        return None
+    forked = handler_class(base)
+    api.get_subprocess_handler = lambda *args, **kwargs: forked(*args, **kwargs)
+    return start(preload, display)
+
+
+def uninstall() -> None:
+    stop()
+    from torch.distributed.elastic.multiprocessing import api
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import get_subprocess_handler
+
+    api.get_subprocess_handler = get_subprocess_handler

@@ -1,0 +1,292 @@
+"""The fork server: a process that has imported torch once, from which ``ddpkit run`` forks each worker.
+
+A worker started as a new interpreter spends most of a restart importing: on the 2-core CI machine ``python``
+and ``import torch`` take 1.2 s and the first optimizer's import of ``torch._dynamo`` another 1.0 s, against
+0.06 s to load a snapshot from memory (``bench/goodput.py``). The agent starts this server once per job
+(:mod:`ddpkit.launch.forked_workers`); it imports :data:`PRELOAD` (and ``--preload``), then forks a worker
+for each one torchrun's agent starts, at every attempt.
+
+A forked worker must be what a new interpreter would have been. What fork carries over, and how each is put
+right:
+
+- *Its parent.* The server forks an intermediate process that forks the worker and exits: the orphaned worker
+  is re-parented to the agent, a child subreaper, and is the agent's child as a ``Popen`` would have made it
+  (its exit status, its parent-death signal, ``ddpkit.launch.proctree``). It leads a session of its own, as
+  torchrun's ``start_new_session``.
+- *Threads.* The server forks from its one Python thread and runs no parallel work (no OpenMP pool exists);
+  OpenBLAS's pool, which numpy starts at import where it has several threads, is shut down around every fork
+  by OpenBLAS's own fork handlers.
+- *CUDA.* A driver initialised before fork cannot be used after it. Preloading runs with torch's NVML-based
+  device count (which does not initialise the driver), and the server refuses to serve if the driver was
+  initialised all the same: the agent then starts workers as new interpreters.
+- *Random state.* A new interpreter seeds Python's ``random``, numpy's global generator and torch's default
+  generator from the OS, so unseeded ranks draw differently; forked, they would all draw the server's
+  streams. Python's ``random`` reseeds itself after a fork; numpy's and torch's are reseeded here.
+- *Environment, files, signals.* The worker's environment, working directory, standard input, output and error
+  are the ones torchrun gave it; SIGINT is Python's default again (the server ignores it).
+- *Exit.* The worker's script runs as ``python -m ddpkit.launch.worker`` runs it, and the process ends as an
+  interpreter does: non-daemon threads joined, ``atexit`` handlers run, the exit status of ``SystemExit`` or
+  of an uncaught exception.
+
+- *Its command line.* ``ps`` shows the worker's command, written over the server's (which is longer) where
+  the kernel keeps it.
+
+What differs from a new interpreter: variables read when a library loads are the job's (the server has the
+agent's environment; a script that sets ``OMP_NUM_THREADS`` itself before ``import torch`` is too late for
+OpenMP, as it is for any module imported before it: use ``torch.set_num_threads``); ``/proc/PID/environ``
+shows the server's first environment (``os.environ`` is the worker's); hash randomisation is the server's.
+``ddpkit run`` uses the server where the job may restart its workers (``--max-restarts``, elastic jobs);
+``--fork-server on|off`` decides otherwise.
+
+Usage (by the agent): ``python -u -m ddpkit.launch.forkserver FD AGENT_PID PRELOAD -- WORKER COMMAND...``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import importlib
+import json
+import os
+import select
+import signal
+import socket
+import struct
+import sys
+import threading
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "ddpkit.training.trainer")
+"""Imported by the server before its first fork. ``torch._dynamo`` is what constructing an optimizer or DDP
+imports (1.0 s on the CI machine); the Trainer's modules bring torch's distributed checkpoint."""
+
+MAX_MESSAGE = 1 << 20
+"""Largest request in bytes (a worker's environment and command line)."""
+
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def cuda_driver_initialised() -> bool:
+    """True when this process has initialised the CUDA driver (a fork of it could not use CUDA).
+
+    ``cuDeviceGetCount`` answers CUDA_ERROR_NOT_INITIALIZED (3) until ``cuInit`` has run, and initialises
+    nothing itself. Where no CUDA driver is loaded in this process, nothing was initialised.
+    """
+    try:
+        with open("/proc/self/maps") as f:
+            if "libcuda.so" not in f.read():
+                return False
+        count = ctypes.c_int()
+        return ctypes.CDLL("libcuda.so.1").cuDeviceGetCount(ctypes.byref(count)) == 0
+    except OSError:
+        return False
+
+
+def preload(modules: Sequence[str]) -> tuple[list[str], str | None]:
+    """Import ``modules``; return (the ones that failed to import, why the server must not fork, or None)."""
+    # torch.cuda.is_available() initialises the driver unless told to count devices through NVML.
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    failed = []
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 (a user's --preload module may fail any way; the worker will import it)
+            failed.append(name)
+    if cuda_driver_initialised():
+        return failed, "the CUDA driver was initialised while importing " + ", ".join(modules)
+    if threading.active_count() > 1:
+        return failed, f"{threading.active_count() - 1} Python thread(s) started while importing"
+    return failed, None
+
+
+# -- the worker, in the forked process --------------------------------------------------------------------
+
+
+def exit_status(code: Any) -> int:
+    """The exit status of ``SystemExit(code)``, as the interpreter computes it (printing a message code)."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def run_as_main(main: Callable[[], Any]) -> int:
+    """Run ``main`` and end as an interpreter ends after its ``__main__``: the exit status; then threading's
+    shutdown (non-daemon threads, an executor's workers), ``atexit`` handlers, flushed output."""
+    code = 0
+    interrupted = False
+    try:
+        main()
+    except SystemExit as exc:
+        code = exit_status(exc.code)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        code, interrupted = 1, True
+    except BaseException:  # noqa: BLE001 (as the interpreter: any uncaught exception is printed, status 1)
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    # What Py_FinalizeEx does, in its order. threading._shutdown is private, but it is the interpreter's own
+    # step (joining non-daemon threads after the callbacks concurrent.futures registers to stop its workers).
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None:
+        shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    if interrupted:  # as the interpreter does since 3.8: die of the signal, so the parent sees it
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    return code
+
+
+def set_command_line(args: Sequence[str]) -> bool:
+    """Show ``args`` as this process's command line (``/proc/self/cmdline``, ``ps``), cut to the room the
+    process started with. The kernel reads it from the memory between ``arg_start`` and ``arg_end`` (fields 48
+    and 49 of ``/proc/self/stat``), which holds the original ``argv`` strings; Python has its own copies."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        start, end = int(fields[45]), int(fields[46])  # fields 48 and 49, counted from the state (field 3)
+    except (OSError, IndexError, ValueError):
+        return False
+    room = end - start
+    data = b"\0".join(a.encode() for a in args)[: room - 1] + b"\0"
+    ctypes.memmove(start, data.ljust(room, b"\0"), room)
+    return True
+
+
+def _wait_adopted(agent: int) -> bool:
+    """Wait until this process's parent is ``agent``: the intermediate that forked it has exited and the
+    agent, a subreaper, adopted it. A pidfd of the intermediate becomes readable once its exit is done, after
+    its children were re-parented."""
+    parent = os.getppid()
+    if parent != agent:
+        try:
+            fd = os.pidfd_open(parent)
+        except ProcessLookupError:
+            fd = None
+        if fd is not None:
+            try:
+                select.select([fd], [], [])
+            finally:
+                os.close(fd)
+    return os.getppid() == agent
+
+
+def _become_worker(request: dict[str, Any], fds: Sequence[int], agent: int, server: socket.socket) -> None:
+    """In the forked worker: its parent, session, files, directory, environment and signals, then the script.
+    Never returns."""
+    code = 1
+    try:
+        server.close()
+        os.setsid()
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+        for fd in fds:
+            if fd > 2:
+                os.close(fd)
+        if not _wait_adopted(agent):
+            print(f"ddpkit fork server: the worker was not adopted by the agent (pid {agent})", file=sys.stderr)
+            os._exit(1)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        numpy = sys.modules.get("numpy")
+        if numpy is not None:
+            numpy.random.seed()  # from the OS, as numpy's import does
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            torch.default_generator.seed()  # from the OS, as torch's start does
+        from ddpkit.launch import worker
+
+        set_command_line([sys.executable, "-u", "-m", "ddpkit.launch.worker", *request["argv"]])
+        sys.argv = [worker.__file__, *request["argv"]]
+        code = run_as_main(worker.main)
+    finally:
+        os._exit(code)
+
+
+def _fork_worker(request: dict[str, Any], fds: Sequence[int], agent: int, server: socket.socket) -> int:
+    """Fork a worker through an intermediate process; return its pid once the agent has adopted it."""
+    read, write = os.pipe()
+    intermediate = os.fork()
+    if intermediate == 0:
+        try:
+            os.close(read)
+            pid = os.fork()
+            if pid == 0:
+                os.close(write)
+                _become_worker(request, fds, agent, server)
+            os.write(write, struct.pack("=i", pid))
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        data = pipe.read(4)
+    os.waitpid(intermediate, 0)
+    if len(data) != 4:
+        raise OSError("the intermediate process died before it forked the worker")
+    return struct.unpack("=i", data)[0]
+
+
+def _parent_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def serve(sock: socket.socket, agent: int, modules: Sequence[str]) -> None:
+    """Preload, say whether this server can fork workers, then fork one per request until the agent hangs up."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C at the terminal is the agent's to handle
+    failed, refused = preload(modules)
+    sock.send(json.dumps({"ready": refused is None, "why": refused, "failed": failed}).encode())
+    if refused is not None:
+        return
+    while True:
+        try:
+            message, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 3)
+        except OSError:
+            return
+        if not message:  # the agent closed its end
+            return
+        try:
+            request = json.loads(message)
+            pid = _fork_worker(request, fds, agent, sock)
+            if _parent_of(pid) not in (agent, None):  # None: it already exited, as the agent's zombie
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                raise OSError(f"the worker was re-parented to pid {_parent_of(pid)}, not to the agent {agent}")
+            reply: dict[str, Any] = {"pid": pid}
+        except (OSError, ValueError, KeyError) as err:
+            reply = {"error": f"{type(err).__name__}: {err}"}
+        finally:
+            for fd in fds:
+                os.close(fd)
+        sock.send(json.dumps(reply).encode())
+
+
+def main(argv: Sequence[str]) -> None:
+    fd, agent, modules = int(argv[0]), int(argv[1]), [m for m in argv[2].split(",") if m]
+    # The server dies with the agent: nothing would fork from it again, and it must not hold the job's memory.
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != agent:
+        return
+    sock = socket.socket(fileno=fd)
+    try:
+        serve(sock, agent, modules)
+    finally:
+        sock.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

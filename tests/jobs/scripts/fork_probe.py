@@ -1,0 +1,70 @@
+"""A job for the fork server's tests: what a worker finds at its start, and what it does at its end.
+
+``python fork_probe.py DIR [MODE]``; each rank writes ``DIR/rank<R>.json`` with, read at the script's first
+line: whether ``torch._dynamo`` is already imported (it is only in a worker forked from the server, which
+preloaded it), its parent, session, arguments, directory, rank variables and threads; then a first draw of
+python's, numpy's and torch's generators, unseeded; and rank 0 what it reads on its standard input. At the end
+three things that a process must finish before it exits, each writing ``DIR/rank<R>.<what>``: an ``atexit``
+handler, a non-daemon thread, and a task left in a ``ThreadPoolExecutor``. MODE:
+
+- ``end`` (default): exit 0;
+- ``exit3``: ``sys.exit(3)`` on rank 0, 0 on the others;
+- ``message``: ``sys.exit("a message")`` on rank 0 (status 1, the message on standard error);
+- ``kill-first``: in the first attempt rank 1 kills itself with SIGKILL once both ranks wrote their files;
+  later attempts end normally.
+"""
+
+import os
+import sys
+
+PRELOADED = "torch._dynamo" in sys.modules  # before this script imports anything of torch's
+
+import atexit  # noqa: E402
+import concurrent.futures  # noqa: E402
+import json  # noqa: E402
+import random  # noqa: E402
+import signal  # noqa: E402
+import threading  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy  # noqa: E402
+import torch  # noqa: E402
+
+folder, mode = Path(sys.argv[1]), (sys.argv[2] if len(sys.argv) > 2 else "end")
+rank = int(os.environ["RANK"])
+attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+found = {
+    "preloaded": PRELOADED,
+    "parent_is_agent": os.getppid() == int(os.environ["DDPKIT_AGENT_PID"]),
+    "session_leader": os.getsid(0) == os.getpid(),
+    "argv": sys.argv[1:],
+    "cwd": os.getcwd(),
+    "world_size": os.environ["WORLD_SIZE"],
+    "python_threads": threading.active_count(),
+    "draws": [random.random(), float(numpy.random.random_sample()), float(torch.rand(1))],
+    "sigint_is_python_default": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+    "stdin": sys.stdin.read() if rank == 0 else None,
+    "attempt": attempt,
+}
+(folder / f"rank{rank}.attempt{attempt}.json").write_text(json.dumps(found))
+
+
+def mark(what: str) -> None:
+    (folder / f"rank{rank}.attempt{attempt}.{what}").write_text("done")
+
+
+atexit.register(mark, "atexit")
+finish = threading.Event()
+threading.Thread(target=lambda: finish.wait() and mark("thread")).start()  # not a daemon: joined at exit
+pool = concurrent.futures.ThreadPoolExecutor(1)
+pool.submit(lambda: finish.wait() and mark("executor"))  # the pool is never shut down by the script
+if mode == "kill-first" and attempt == 0 and rank == 1:
+    while not (folder / "rank0.attempt0.json").exists():  # both ranks have started
+        threading.Event().wait(0.01)
+    os.kill(os.getpid(), signal.SIGKILL)
+finish.set()
+
+if mode == "exit3" and rank == 0:
+    sys.exit(3)
+if mode == "message" and rank == 0:
+    sys.exit("a message")
