@@ -7,9 +7,9 @@
 The loss is the mean over every token of a step's global batch (``count_fn``): a document's last window is
 padded, so micro-batches hold different numbers of tokens, and a mean of their means would weigh a token of a
 short window more. The learning rate warms up linearly, then follows a cosine to a tenth; gradients accumulate
-over ``--grad-accum`` micro-batches; ``val/loss`` is measured on held-out files after every epoch (the epochs
-are short). bf16 autocast on a GPU; fp32 on the CPU, where bf16 matmuls are several times slower. At the end
-rank 0 samples a few lines.
+over ``--grad-accum`` micro-batches; ``val/loss`` is measured on held-out files every ``--val-every`` optimizer
+steps (``best.pt`` keeps the best of those) and once more at the end. bf16 autocast on a GPU; fp32 on the CPU,
+where bf16 matmuls are several times slower. At the end rank 0 samples a few lines.
 """
 
 import argparse
@@ -35,6 +35,7 @@ parser.add_argument("--layers", type=int, default=4)
 parser.add_argument("--heads", type=int, default=4)
 parser.add_argument("--lr", type=float, default=3e-3, help="the peak, after the warm-up")
 parser.add_argument("--warmup", type=int, default=30, help="optimizer steps of linear warm-up")
+parser.add_argument("--val-every", type=int, default=100, help="optimizer steps between validations")
 parser.add_argument("--max-chars", type=int, default=600_000, help="characters of training text")
 parser.add_argument("--val-chars", type=int, default=30_000, help="characters of held-out text")
 parser.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto", help="auto: bf16 on a GPU")
@@ -96,6 +97,7 @@ config = TrainerConfig(
     epochs=args.epochs,
     global_batch_size=args.global_batch,
     grad_accum_steps=args.grad_accum,
+    val_every_steps=args.val_every,
     eval_batch_size=128,
     precision=precision,
     clip_grad_norm=1.0,
@@ -118,7 +120,8 @@ trainer = Trainer(
     metric_fn=token_metrics,
 )
 start = time.perf_counter()
-metrics = trainer.fit()
+trainer.fit()
+metrics = trainer.evaluate(val_set, prefix="val")  # where training ended (the last validation was at a multiple)
 ddpkit.print0(
     f"val/loss {metrics['val/loss']:.4f} (nats per character) after {trainer.step} steps, "
     f"{time.perf_counter() - start:.0f} s, {precision}, {rt.world_size} rank(s)"

@@ -163,7 +163,7 @@ VAL_LOSS = re.compile(r"^val/loss (\d+\.\d{4}) \(nats per character\) after (\d+
 # Tiny settings: one layer of width 32, 32 K characters, 2 epochs (32 steps); the untrained model is at
 # ln(96) = 4.56 nats per character.
 LM_TINY = ("--epochs", "2", "--max-chars", "32000", "--val-chars", "4000", "--layers", "1", "--width", "32")
-LM_TINY += ("--warmup", "4")
+LM_TINY += ("--warmup", "4", "--val-every", "8")
 
 
 def test_lm_two_ranks_match_one_process_and_sample(tmp_path):

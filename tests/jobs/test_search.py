@@ -47,11 +47,15 @@ def _params(study: optuna.Study) -> dict[int, tuple[float, float]]:
     return {t.number: (t.params["lr"], t.params["momentum"]) for t in study.trials}
 
 
-def _tiny_trainer(candidate, lr: float, epochs: int = 3, callbacks=()) -> Trainer:
+def _tiny_trainer(candidate, lr: float, epochs: int = 3, callbacks=(), val_every_steps: int | None = None) -> Trainer:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 2))
     config = TrainerConfig(
-        run_dir=str(candidate.run_dir), epochs=epochs, global_batch_size=12, logging=LoggingConfig(progress=False)
+        run_dir=str(candidate.run_dir),
+        epochs=epochs,
+        global_batch_size=12,
+        val_every_steps=val_every_steps,
+        logging=LoggingConfig(progress=False),
     )
     return Trainer(
         model,
@@ -87,6 +91,23 @@ def test_a_pruned_candidate_stops_at_the_same_epoch_on_every_rank_of_its_group(t
     assert states == {0: TrialState.COMPLETE, 1: TrialState.COMPLETE, 2: TrialState.PRUNED}
     assert per_rank[0] == per_rank[1]
     assert per_rank[0][2] == 2 and per_rank[0][0] == 3  # judged from epoch 2 on: pruned there; the others ran all 3
+
+
+def _reported(search_dir: str, val_every_steps: int | None) -> None:
+    ddpkit.init()
+    cfg = SearchConfig(n_trials=1, group_size=2, pruner="none", search_dir=search_dir, plots=False)
+    search(lambda c: _tiny_trainer(c, lr=0.3, val_every_steps=val_every_steps).fit(), {"x": uniform(0, 1)}, cfg)
+
+
+def test_the_candidate_reports_each_validation_at_epoch_ends_or_every_n_steps(tmp_path):
+    # 96 samples in global batches of 12: 8 steps an epoch, 3 epochs. Validating every 4 steps, the candidate
+    # reports val/loss at steps 4, 8, ..., 24 (where the epochs' metrics hold no val/loss, which once was taken
+    # for a Trainer without val_data); validating at epoch ends, at epochs 1, 2, 3.
+    for every, steps in ((4, [4, 8, 12, 16, 20, 24]), (None, [1, 2, 3])):
+        search_dir = tmp_path / str(every)
+        ddpkit.spawn(functools.partial(_reported, str(search_dir), every), 2)
+        (trial,) = _study(search_dir).trials
+        assert trial.state == TrialState.COMPLETE and sorted(trial.intermediate_values) == steps
 
 
 def _failing(search_dir: str) -> None:

@@ -83,13 +83,35 @@ class Candidate:
         if broadcast_object(prune, group=self.group):
             raise optuna.TrialPruned(f"pruned at step {step} ({self.metric} {value:.4g})")
 
+    def on_validation_end(self, trainer: Any, metrics: Mapping[str, float]) -> None:
+        """As a Trainer's callback (``Trainer(..., callbacks=[candidate])``): report a validation metric after each
+        validation, so the pruner can stop the candidate: at the epoch's number when the Trainer validates at
+        epoch ends, at the optimizer step with ``val_every_steps``."""
+        if not self.metric.startswith("val/"):
+            return  # a metric of the training records: reported by on_epoch_end
+        if self.metric not in metrics:
+            raise ConfigError(
+                f"SearchConfig.metric={self.metric!r} is not among the validation metrics "
+                f"{sorted(k for k in metrics if k.startswith('val/'))}: set metric to one of these"
+            )
+        every_steps = getattr(getattr(trainer, "config", None), "val_every_steps", None)
+        self.report(metrics[self.metric], int(metrics["step"] if every_steps else metrics["epoch"]))
+
     def on_epoch_end(self, trainer: Any, metrics: Mapping[str, float]) -> None:
-        """As a Trainer's callback (``Trainer(..., callbacks=[candidate])``): report the metric after each epoch,
-        so the pruner can stop the candidate."""
+        """As a Trainer's callback: report a metric of the epoch's records (``train/epoch_loss``) after each
+        epoch. A validation metric is reported by :meth:`on_validation_end`."""
+        if self.metric.startswith("val/"):
+            if getattr(trainer, "val_data", None) is None:
+                raise ConfigError(
+                    f"SearchConfig.metric={self.metric!r} is a validation metric and the Trainer validates on "
+                    "nothing: give the Trainer val_data, or set metric to one of the epoch's metrics "
+                    f"{sorted(k for k in metrics if '/' in k)}"
+                )
+            return
         if self.metric not in metrics:
             raise ConfigError(
                 f"SearchConfig.metric={self.metric!r} is not among the Trainer's epoch metrics {sorted(metrics)}: "
-                "give the Trainer val_data, or set metric to one of these"
+                "set metric to one of these, or to a validation metric (val/...) with val_data"
             )
         self.report(metrics[self.metric], int(metrics["epoch"]))
 
@@ -104,8 +126,8 @@ def search(
     ``objective(candidate)`` builds and trains one candidate on ``candidate.group`` with
     ``candidate.params`` (with the Trainer: ``Trainer(..., group=candidate.group, callbacks=[candidate])``, its
     run_dir ``candidate.run_dir``) and returns the metric, or the Trainer's metrics dict holding
-    ``config.metric``. The candidate as a callback reports ``config.metric`` after each epoch, so the pruner
-    can stop it. A candidate that diverges, raises or runs out of memory fails its trial only; the
+    ``config.metric``. The candidate as a callback reports ``config.metric`` after each validation (or each
+    epoch, for a metric of the training records), so the pruner can stop it. A candidate that diverges, raises or runs out of memory fails its trial only; the
     group goes on to the next. An error of the machine (a full disk, a read-only file system: see
     :mod:`ddpkit.search.environment`) stops the search with that error and leaves the trial to resume when the
     search is started again. One job at a time per ``search_dir``; a second is refused, naming the first.
@@ -184,6 +206,11 @@ def _run_candidate(
     state, value, error = TrialState.COMPLETE, None, None
     try:
         result = objective(candidate)
+        if isinstance(result, Mapping) and cfg.metric not in result:
+            raise ConfigError(
+                f"the objective returned metrics without SearchConfig.metric={cfg.metric!r}: {sorted(result)}; "
+                "return that metric, or set metric to one of these"
+            )
         value = float(result[cfg.metric] if isinstance(result, Mapping) else result)
     except optuna.TrialPruned:
         state = TrialState.PRUNED

@@ -29,6 +29,11 @@ class Callback:
         (:class:`~ddpkit.training.step_output.StepOutput`): this rank's loss, the lr and the gradient norm of the
         step. A method that takes two arguments, ``(trainer, taken)``, is called with those two."""
 
+    def on_validation_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        """After each validation, before the snapshot of its step: at an epoch's end, every
+        ``TrainerConfig.val_every_steps`` steps, or where ``max_steps`` stopped the run inside an epoch.
+        ``metrics``: the ``val/...`` metrics, with ``epoch`` (epochs completed) and ``step``."""
+
     def on_epoch_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
         """After an epoch's validation, records and snapshot. Setting ``trainer.stopped_by`` (a string) ends
         training after this epoch; raising ends it at once, on every rank that raises."""

@@ -139,8 +139,9 @@ class Trainer:
             self.run_dir, enabled=rt.is_main, tensorboard=log.tensorboard, loggers=log.trackers, params=config.to_json()
         )
         self.validation = Validation.of(
-            config, rt, val_data, evaluate=self.evaluate, model_weights=self.strategy.model_weights, log=self.writer.log
-        )
+            config, rt, val_data, evaluate=self.evaluate, model_weights=self.strategy.model_weights, log=self.writer.log,
+            notify=lambda metrics: call(self.callbacks, "on_validation_end", self, metrics),
+        )  # fmt: skip
         self.early_stopping, self.best_weights = self.validation.early_stopping, self.validation.best_weights
         self.snapshots = TrainerSnapshots(
             self.run_dir,
@@ -166,8 +167,7 @@ class Trainer:
         )  # fmt: skip
         self._epoch_loss = [0.0, 0.0]  # agreed sum of loss x samples, and samples, in this epoch
         self._epoch_start = time.perf_counter()
-        self._stop_signal = 0
-        self.stopped_by = None
+        self._stop_signal, self.stopped_by = 0, None
 
     # The counters, as the state holds them.
     epoch = property(lambda self: self.state.epoch, lambda self, v: setattr(self.state, "epoch", v))
@@ -192,7 +192,8 @@ class Trainer:
         self.snapshots.wait()
 
     def fit(self) -> dict[str, float]:
-        """Train until ``epochs`` (or ``max_steps``, early stopping, or a stop signal); return the last metrics.
+        """Train until ``epochs`` (or ``max_steps``, early stopping, or a stop signal); return the last epoch's
+        metrics, with the latest validation's under ``val_every_steps``.
 
         ``run_dir`` is locked for the duration (a second job on it is refused, naming this one). A stop signal
         raises :class:`~ddpkit.Preempted` once the snapshot is saved, unless ``raise_on_stop_signal=False``.
@@ -224,11 +225,7 @@ class Trainer:
             with signals.stop_signals(self._on_stop_signal):
                 while self.epoch < cfg.epochs and self.stopped_by is None:
                     if not self._train_epoch():
-                        if (
-                            self.stopped_by == StopReason.MAX_STEPS
-                            and self.validation.at_epoch_end
-                            and self.val_data is not None
-                        ):
+                        if self.stopped_by == StopReason.MAX_STEPS and self.val_data is not None:
                             last = self.validation.inside_epoch(self.evaluate, self.val_data, self.epoch, self.step)
                         break
                     last = self._end_epoch()
@@ -237,6 +234,7 @@ class Trainer:
             if hasattr(err, "add_note"):
                 err.add_note(f"ddpkit: rank {rt.rank} failed in epoch {self.epoch}, at optimizer step {self.step}")
             raise
+        last |= self.validation.latest  # with val_every_steps: the latest validation (at epoch ends: in `last`)
         if self.stopped_by in (StopReason.MAX_STEPS, StopReason.SIGNAL, StopReason.EARLY_STOPPING):
             self.save()  # (a no-op after an epoch end's snapshot of the same step)
         self.validation.save_final_weights(self.epoch, self.step, self.stopped_by)
@@ -356,7 +354,9 @@ class Trainer:
         metrics["train/epoch_loss"] = loss_sum / samples if samples else float("nan")
         self._epoch_loss = [0.0, 0.0]
         if self.val_data is not None and self.validation.at_epoch_end:
-            metrics |= self.evaluate(self.val_data, prefix="val")
+            validated = self.evaluate(self.val_data, prefix="val")
+            self.validation.notify({"epoch": self.epoch, "step": self.step} | validated)
+            metrics |= validated
         seconds = round(time.perf_counter() - self._epoch_start, 3)  # training and validation
         if self.validation.at_epoch_end and self.validation.update(metrics, self.epoch, self.step):
             self.stopped_by = StopReason.EARLY_STOPPING

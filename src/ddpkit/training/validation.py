@@ -47,15 +47,19 @@ class Validation:
         log: Callable[[str, int, dict[str, Any]], None],
         every_steps: int | None = None,
         evaluate: Callable[[], dict[str, float]] | None = None,
+        notify: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         """``evaluate``: the validation's metrics (the Trainer's ``evaluate`` on its ``val_data``), needed with
-        ``every_steps``."""
+        ``every_steps``. ``notify(metrics)``: told of each validation (the callbacks' ``on_validation_end``)."""
         self.early_stopping, self.best_weights = early_stopping, best_weights
         self.model_weights, self.log = model_weights, log
         self.every_steps, self.evaluate = every_steps, evaluate
+        self.notify = notify or (lambda metrics: None)
+        self.latest: dict[str, Any] = {}
+        """The latest step-wise validation's metrics (``val/...``), which ``fit()`` returns with the epoch's."""
         self.weights_format: str | None = None  # of best.pt's companion and of the final weights (see `of`)
         self.run_dir: Path | None = None
-        self.is_main = True
+        self.is_main, self.group = True, None
 
     @classmethod
     def of(
@@ -67,6 +71,7 @@ class Validation:
         evaluate: Callable[[Any, str], dict[str, float]],
         model_weights: Callable[[], Mapping[str, torch.Tensor]],
         log: Callable[[str, int, dict[str, Any]], None],
+        notify: Callable[[dict[str, Any]], None] | None = None,
     ) -> Validation:
         """A Trainer's validation and weights files as ``config`` asks: early stopping, ``best.pt`` and, in
         ``config.weights_format``, ``best.safetensors`` (or ``best_weights.pt``) and the final weights.
@@ -91,8 +96,13 @@ class Validation:
         )
         best.at_step = config.val_every_steps is not None
         validate = partial(evaluate, val_data, "val") if val_data is not None else None
-        out = cls(EarlyStopping(es), best, model_weights, log, config.val_every_steps, validate)
-        out.weights_format, out.run_dir, out.is_main = weights_format, run_dir, runtime.is_main
+        out = cls(EarlyStopping(es), best, model_weights, log, config.val_every_steps, validate, notify)
+        out.weights_format, out.run_dir, out.is_main, out.group = (
+            weights_format,
+            run_dir,
+            runtime.is_main,
+            runtime.group,
+        )
         return out
 
     @property
@@ -126,8 +136,12 @@ class Validation:
         self, evaluate: Callable[..., dict[str, float]], data: Any, epoch: int, step: int
     ) -> dict[str, Any]:
         """``max_steps`` stopped the run inside an epoch: validate there, and count it towards the best weights
-        and early stopping as an epoch's end would (else a short run ends with no val metrics and no best.pt)."""
+        and early stopping as an epoch's end would (else a short run ends with no val metrics and no best.pt).
+        Nothing to do when validating every N steps: a run validates where those fall, {} then."""
+        if not self.at_epoch_end:
+            return {}
         metrics = {"epoch": epoch, "step": step} | evaluate(data, prefix="val")
+        self.notify(metrics)
         self.update(metrics, epoch, step)
         self.log("val", step, metrics)
         return metrics
@@ -137,7 +151,10 @@ class Validation:
         when training must stop."""
         assert self.evaluate is not None  # `of` refuses every_steps without validation data
         metrics = self.evaluate()
+        self.latest = dict(metrics)
+        self.notify({"epoch": epoch, "step": step, **metrics})
         self.log("val", step, {"epoch": epoch, **metrics})
+        print0(" ".join([f"step {step}", *(f"{k} {v:.4g}" for k, v in metrics.items())]), group=self.group)
         return self.update(metrics, epoch, step)
 
     def save_final_weights(self, epoch: int, step: int, stopped_by: str | None) -> None:
