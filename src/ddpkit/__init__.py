@@ -29,7 +29,7 @@ from ddpkit.distributed.runtime import Runtime, get_runtime, init, shutdown
 from ddpkit.distributed.seeding import seed_everything
 from ddpkit.errors import ConfigError, Preempted
 from ddpkit.launch.spawn import spawn
-from ddpkit.nn.prepare import prepare_model, unwrap
+from ddpkit.nn.prepare import no_sync, prepare_model, unwrap
 from ddpkit.training.callbacks import Callback
 from ddpkit.training.config import (
     EarlyStoppingConfig,
@@ -60,6 +60,7 @@ __all__ = [
     # model and data
     "prepare_model",
     "unwrap",
+    "no_sync",
     "build_loader",
     "build_eval_loader",
     "to_device",

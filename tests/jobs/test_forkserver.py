@@ -97,6 +97,17 @@ def test_a_restart_after_a_sigkill_forks_the_workers_again(clean_env, tmp_path):
     assert ended(tmp_path, 1, 1) == ["atexit", "executor", "thread"]
 
 
+@pytest.mark.slow
+def test_a_fork_server_killed_during_the_job_leaves_the_restart_to_new_interpreters(clean_env, tmp_path):
+    out = job(clean_env, tmp_path, "--max-restarts", "1", mode="kill-server-first")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "workers start as new interpreters (the fork server cannot fork them" in out.stderr
+    assert [found(tmp_path, rank, attempt)["preloaded"] for attempt in (0, 1) for rank in (0, 1)] == [
+        True, True, False, False
+    ]  # fmt: skip
+    assert ended(tmp_path, 1, 1) == ["atexit", "executor", "thread"]
+
+
 THREAD_AT_IMPORT = "tests.jobs.scripts.thread_at_import"
 
 

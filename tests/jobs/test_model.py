@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import random
 from datetime import timedelta
 
@@ -91,6 +93,34 @@ def test_prepare_model_makes_every_rank_start_from_rank0(world):
         assert out["is_ddp"] and out["unwrap_is_inner"]
         assert out["after"] == results[0]["before"]  # rank 0's parameters and buffers, everywhere
         assert out["after_step"] == results[0]["after_step"]
+
+
+def _accumulate(skip_first_sync: bool) -> list[float]:
+    """Two micro-batches of rank-specific data; the first backward under ``ddpkit.no_sync`` or not. The
+    gradient right after the first backward: this rank's own if the all-reduce was skipped."""
+    rt = ddpkit.init()
+    torch.manual_seed(0)
+    model = ddpkit.prepare_model(nn.Linear(3, 1))
+    x = torch.full((2, 3), float(rt.rank + 1))
+    with ddpkit.no_sync(model) if skip_first_sync else contextlib.nullcontext():
+        model(x).sum().backward()
+    first = model.module.weight.grad.clone()
+    model(x).sum().backward()  # synchronised: the sum over both micro-batches, averaged over the ranks
+    return [first.sum().item(), model.module.weight.grad.sum().item()]
+
+
+def test_no_sync_skips_the_all_reduce_until_the_steps_last_micro_batch():
+    skipped = ddpkit.spawn(functools.partial(_accumulate, True), 2)
+    assert skipped[0][0] != skipped[1][0]  # each rank's own gradient: no all-reduce yet
+    assert skipped[0][1] == skipped[1][1] == pytest.approx(2 * (2 * 3 * (1 + 2) / 2))  # both micro-batches, averaged
+    # Control: without it the first backward is all-reduced too (the same gradient on both ranks at once).
+    synced = ddpkit.spawn(functools.partial(_accumulate, False), 2)
+    assert synced[0][0] == synced[1][0]
+    # In a world of one (no DDP) there is nothing to skip, and the loop runs as it is.
+    model = nn.Linear(3, 1)
+    with ddpkit.no_sync(model):
+        model(torch.ones(1, 3)).sum().backward()
+    assert model.weight.grad is not None
 
 
 def test_world_of_one_gets_the_plain_module():

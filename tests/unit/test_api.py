@@ -9,7 +9,7 @@ import ddpkit
 
 PUBLIC = {
     "init", "shutdown", "get_runtime", "Runtime", "split_world", "spawn", "seed_everything",
-    "prepare_model", "unwrap", "build_loader", "build_eval_loader", "to_device",
+    "prepare_model", "unwrap", "no_sync", "build_loader", "build_eval_loader", "to_device",
     "evaluate", "classification_metrics", "regression_metrics", "Trainer", "TrainerConfig", "SnapshotConfig",
     "EarlyStoppingConfig", "LoggingConfig", "Callback",
     "print0", "get_logger", "barrier", "main_first", "all_reduce", "broadcast_object", "gather_object",

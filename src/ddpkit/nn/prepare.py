@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from torch import nn
@@ -38,6 +39,14 @@ def prepare_model(
         return model
     device_ids = [rt.device.index] if rt.device.type == "cuda" else None
     return DDP(model, device_ids=device_ids, process_group=process_group, **ddp_kwargs)
+
+
+def no_sync(model: nn.Module) -> AbstractContextManager[Any]:
+    """``model.no_sync()`` inside DDP; nothing to skip otherwise. For gradient accumulation in a hand-written
+    loop: the backward passes of all micro-batches but a step's last run under it, so the gradients are
+    all-reduced once per step. :func:`prepare_model` returns the bare module in a world of one, which has no
+    ``no_sync``; with this the same loop runs there."""
+    return model.no_sync() if isinstance(model, DDP) else nullcontext()
 
 
 def unwrap(model: nn.Module) -> nn.Module:

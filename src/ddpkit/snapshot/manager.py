@@ -45,6 +45,7 @@ import shutil
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
@@ -63,6 +64,13 @@ from ddpkit.snapshot.staging import stage, writer_group
 # torch.distributed.checkpoint (and DTensor, which it imports; and ddpkit.snapshot.storage, built on it) is imported
 # where it is used: it pulls in sympy and costs ~0.9 s per process, which `import ddpkit` (a hand-written loop,
 # the launcher) need not pay.
+# In a world of one ddpkit calls DCP with no_dist=True, and DCP still warns at every save and load that
+# "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to save in a single
+# process": that is the intent. Filtered by that text alone; catch_warnings() would not do, as the save runs in
+# the snapshot writer's thread and the filters are the process's.
+warnings.filterwarnings(
+    "ignore", message="torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to"
+)
 EXTRA = "trainer.pt"
 INDEX = "metadata.json"  # ddpkit.snapshot.storage.INDEX, repeated here to keep that import lazy
 FORMAT = 3  # of trainer.pt: 1 (no "format" key) held the state alone, with non-tensor values pickled by DCP; 2 held

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpkit.distributed.runtime import Runtime
 from ddpkit.errors import ConfigError
-from ddpkit.nn.prepare import prepare_model, unwrap
+from ddpkit.nn.prepare import no_sync, prepare_model, unwrap
 from ddpkit.strategies import hooks
 from ddpkit.strategies.base import GradientVerdict, join_own, separate_own
 
@@ -183,7 +183,7 @@ class DDPStrategy:
         self._names = {id(p): n for n, p in unwrap(self.model).named_parameters()}
 
     def no_sync(self) -> AbstractContextManager[Any]:
-        return self.model.no_sync() if isinstance(self.model, DDP) else nullcontext()  # DDP when distributed
+        return no_sync(self.model)  # DDP's when distributed
 
     def mark_nonfinite(self, loss: torch.Tensor) -> torch.Tensor:
         return nan_gradient_if_nonfinite(loss, self.anchor, self.on_host)

@@ -50,12 +50,17 @@ def format_metrics(metrics: dict[str, Any]) -> str:
     return " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
 
 
-def run_summary(reason: str, epoch: int, step: int, last: dict[str, Any], best: Any, run_dir: Path) -> str:
+def run_summary(reason: str, state: Any, last: dict[str, Any], best: Any, run_dir: Path) -> str:
     """The end of a run in a few lines: why it stopped, the best epoch, the final metrics, where the weights are.
 
+    ``state``: where training ended (``epoch``, ``step``, and ``cursor``, not 0 inside an epoch: ``max_steps``).
     ``best`` is the run's :class:`~ddpkit.snapshot.best.BestWeights` (read on the main rank, which prints this).
     """
-    lines = [f"ddpkit: done ({reason}) after {epoch} epoch(s), {step} optimizer steps"]
+    epoch, step = state.epoch, state.step
+    where = (
+        f"{step} optimizer steps, in epoch {epoch + 1}" if state.cursor else f"{epoch} epoch(s), {step} optimizer steps"
+    )
+    lines = [f"ddpkit: done ({reason}) after {where}"]
     if best.enabled and best.value is not None:
         at = f"step {best.step}" if best.at_step else f"epoch {best.epoch}"
         lines.append(f"  best {best.metric} {best.value:.4g} at {at}: weights in {best.path}")

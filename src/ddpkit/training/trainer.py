@@ -244,9 +244,7 @@ class Trainer:
         self.writer.flush()
         call(self.callbacks, "on_fit_end", self)
         if self.stopped_by != StopReason.SIGNAL:
-            print0(
-                run_summary(str(reason), self.epoch, self.step, last, self.best_weights, self.run_dir), group=self.group
-            )
+            print0(run_summary(str(reason), self.state, last, self.best_weights, self.run_dir), group=self.group)
         elif cfg.raise_on_stop_signal:
             received = signal.Signals(self._stop_signal).name if self._stop_signal else "a signal to another rank"
             print0(

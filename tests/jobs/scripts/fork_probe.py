@@ -11,7 +11,8 @@ handler, a non-daemon thread, and a task left in a ``ThreadPoolExecutor``. MODE:
 - ``exit3``: ``sys.exit(3)`` on rank 0, 0 on the others;
 - ``message``: ``sys.exit("a message")`` on rank 0 (status 1, the message on standard error);
 - ``kill-first``: in the first attempt rank 1 kills itself with SIGKILL once both ranks wrote their files;
-  later attempts end normally.
+  later attempts end normally;
+- ``kill-server-first``: the same, after rank 1 has SIGKILLed the job's fork server (as the OOM killer might).
 """
 
 import os
@@ -58,9 +59,14 @@ finish = threading.Event()
 threading.Thread(target=lambda: finish.wait() and mark("thread")).start()  # not a daemon: joined at exit
 pool = concurrent.futures.ThreadPoolExecutor(1)
 pool.submit(lambda: finish.wait() and mark("executor"))  # the pool is never shut down by the script
-if mode == "kill-first" and attempt == 0 and rank == 1:
+if mode in ("kill-first", "kill-server-first") and attempt == 0 and rank == 1:
     while not (folder / "rank0.attempt0.json").exists():  # both ranks have started
         threading.Event().wait(0.01)
+    if mode == "kill-server-first":
+        agent = os.getppid()
+        for child in Path(f"/proc/{agent}/task/{agent}/children").read_text().split():
+            if b"ddpkit.launch.forkserver" in Path(f"/proc/{child}/cmdline").read_bytes():
+                os.kill(int(child), signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
 finish.set()
 
