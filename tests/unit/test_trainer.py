@@ -268,7 +268,11 @@ class _DictBatches(torch.utils.data.Dataset):
 @pytest.mark.parametrize("keys", [("inputs", "labels"), ("input_ids", "attention_mask", "labels")])
 def test_a_dict_batch_with_the_default_loss_asks_for_batch_loss_fn_at_the_first_batch(tmp_path, keys):
     model = torch.nn.Linear(3, 2)
-    config = TrainerConfig(run_dir=str(tmp_path / "run"), batch_size=4, logging=LoggingConfig(progress=False))
+    # No loader workers: pytest keeps the error's traceback, and with it a loader whose workers (a process each)
+    # would be shut down whenever a garbage collection finds them, in a later test, in whatever thread runs it.
+    config = TrainerConfig(
+        run_dir=str(tmp_path / "run"), batch_size=4, num_workers=0, logging=LoggingConfig(progress=False)
+    )
     trainer = ddpkit.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), _DictBatches(keys), config)
     seen = []
     trainer.model.register_forward_pre_hook(lambda *_: seen.append(1))
@@ -278,7 +282,9 @@ def test_a_dict_batch_with_the_default_loss_asks_for_batch_loss_fn_at_the_first_
     assert "\n" not in str(err.value) and seen == [] and trainer.step == 0  # at once: no forward ran
     # Control: the same batches with a batch_loss_fn train.
     model = torch.nn.Linear(3, 2)
-    config = TrainerConfig(run_dir=str(tmp_path / "ok"), batch_size=4, logging=LoggingConfig(progress=False))
+    config = TrainerConfig(
+        run_dir=str(tmp_path / "ok"), batch_size=4, num_workers=0, logging=LoggingConfig(progress=False)
+    )
 
     def batch_loss_fn(model, batch):
         return torch.nn.functional.cross_entropy(model(batch[keys[0]]), batch["labels"])

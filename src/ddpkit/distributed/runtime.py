@@ -289,13 +289,15 @@ def forget() -> None:
     _runtime, _store_of, _group_store = None, None, None
 
 
-def shutdown() -> None:
+def shutdown(*, wait_for_peers: bool = True) -> None:
     """Destroy the process group (if any) and forget the runtime, so :func:`init` may be called again.
 
     Every rank of the job calls it (as every rank called :func:`init`); it returns once all have.
+    ``wait_for_peers=False`` is for a rank that failed: its peers may be stuck in a collective and never come,
+    and waiting for them would only hold the failure back (by up to 30 s).
     """
     global _runtime
-    if dist.is_initialized() and _runtime is not None:
+    if wait_for_peers and dist.is_initialized() and _runtime is not None:
         _store_barrier(_runtime.world_size)
     _destroy()
 

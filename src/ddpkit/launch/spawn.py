@@ -50,8 +50,10 @@ def _worker(
     try:
         out = fn(local_rank, *args) if pass_rank else fn(*args)
         results.put((local_rank, pickle.dumps(out)))
-    finally:
-        runtime.shutdown()
+    except BaseException:
+        runtime.shutdown(wait_for_peers=False)  # the others may be stuck waiting for this rank: do not wait for them
+        raise
+    runtime.shutdown()
 
 
 def spawn(

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import signal
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from functools import partial
@@ -138,9 +139,12 @@ class Trainer:
         self.writer = MetricsWriter(
             self.run_dir, enabled=rt.is_main, tensorboard=log.tensorboard, loggers=log.trackers, params=config.to_json()
         )
+        # A weak reference: a Trainer in a reference cycle outlives its last use until a garbage collection,
+        # which then shuts its loader's workers down in whatever thread it runs (a snapshot writer's: stalled 20 s).
+        me = weakref.ref(self)
         self.validation = Validation.of(
             config, rt, val_data, evaluate=self.evaluate, model_weights=self.strategy.model_weights, log=self.writer.log,
-            notify=lambda metrics: call(self.callbacks, "on_validation_end", self, metrics),
+            notify=lambda metrics: call(me().callbacks, "on_validation_end", me(), metrics),
         )  # fmt: skip
         self.early_stopping, self.best_weights = self.validation.early_stopping, self.validation.best_weights
         self.snapshots = TrainerSnapshots(
