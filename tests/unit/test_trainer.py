@@ -367,3 +367,28 @@ def test_a_run_stopped_by_max_steps_inside_an_epoch_validates_where_it_stops(tmp
     # Control: without val_data there is nothing to validate, and no best.pt.
     _, last, _ = run("control", None)
     assert "val/loss" not in last and not (tmp_path / "control" / "best.pt").exists()
+
+
+def test_a_trainer_is_freed_when_its_last_reference_goes_without_a_garbage_collection(tmp_path):
+    # A Trainer in a reference cycle lives on until a collection, with its loader's worker processes, which that
+    # collection then shuts down in whatever thread it runs (a snapshot writer's, stalling it for seconds).
+    import gc
+    import weakref
+
+    x = torch.randn(64, 4)
+    data = torch.utils.data.TensorDataset(x, (x.sum(1) > 0).long())
+    model = torch.nn.Linear(4, 2)
+    config = TrainerConfig(
+        run_dir=str(tmp_path), batch_size=8, epochs=1, val_every_steps=4, logging=LoggingConfig(progress=False)
+    )
+    trainer = ddpkit.Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), data, config, val_data=data, callbacks=[ddpkit.Callback()]
+    )
+    trainer.fit()  # validation and callbacks used, loader workers started (one per rank on this machine)
+    ref = weakref.ref(trainer)
+    gc.disable()
+    try:
+        del trainer
+        assert ref() is None
+    finally:
+        gc.enable()

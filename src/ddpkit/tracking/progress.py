@@ -50,12 +50,15 @@ def format_metrics(metrics: dict[str, Any]) -> str:
     return " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
 
 
-def run_summary(reason: str, state: Any, last: dict[str, Any], best: Any, run_dir: Path) -> str:
+def run_summary(reason: str, state: Any, last: dict[str, Any], validation: Any, run_dir: Path) -> str:
     """The end of a run in a few lines: why it stopped, the best epoch, the final metrics, where the weights are.
 
     ``state``: where training ended (``epoch``, ``step``, and ``cursor``, not 0 inside an epoch: ``max_steps``).
-    ``best`` is the run's :class:`~ddpkit.snapshot.best.BestWeights` (read on the main rank, which prints this).
+    ``validation``: the run's :class:`~ddpkit.training.validation.Validation`: its ``best_weights`` (read on the
+    main rank, which prints this), and ``latest_step``, the step of the latest validation when the Trainer
+    validates every N steps (its ``val/...`` metrics in ``last`` are shown with it: they may be older than the end).
     """
+    best, validated_at = validation.best_weights, validation.latest_step
     epoch, step = state.epoch, state.step
     where = (
         f"{step} optimizer steps, in epoch {epoch + 1}" if state.cursor else f"{epoch} epoch(s), {step} optimizer steps"
@@ -66,6 +69,9 @@ def run_summary(reason: str, state: Any, last: dict[str, Any], best: Any, run_di
         lines.append(f"  best {best.metric} {best.value:.4g} at {at}: weights in {best.path}")
     if last:
         final = {k: v for k, v in last.items() if k not in ("epoch", "step")}
+        validated = {k: final.pop(k) for k in list(final) if validated_at is not None and k.startswith("val/")}
         lines.append(f"  final: {format_metrics(final)}")
+        if validated:
+            lines.append(f"  latest validation, at step {validated_at}: {format_metrics(validated)}")
     lines.append(f"  run directory {run_dir}: snapshots/, metrics.jsonl, epochs.csv")
     return "\n".join(lines)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import signal
 import time
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from functools import partial
@@ -42,7 +41,7 @@ from ddpkit.strategies import Strategy, build_strategy
 from ddpkit.tracking.metrics import MetricsWriter
 from ddpkit.tracking.progress import Progress, run_summary
 from ddpkit.training.batch_loss import BatchLoss, BatchLossFn, LossFn
-from ddpkit.training.callbacks import call, call_step_end
+from ddpkit.training.callbacks import call, call_step_end, validation_hook
 from ddpkit.training.compiled import compile_for_training
 from ddpkit.training.config import TrainerConfig  # noqa: F401  (imported from here by scripts)
 from ddpkit.training.evaluation import evaluate
@@ -139,12 +138,9 @@ class Trainer:
         self.writer = MetricsWriter(
             self.run_dir, enabled=rt.is_main, tensorboard=log.tensorboard, loggers=log.trackers, params=config.to_json()
         )
-        # A weak reference: a Trainer in a reference cycle outlives its last use until a garbage collection,
-        # which then shuts its loader's workers down in whatever thread it runs (a snapshot writer's: stalled 20 s).
-        me = weakref.ref(self)
         self.validation = Validation.of(
             config, rt, val_data, evaluate=self.evaluate, model_weights=self.strategy.model_weights, log=self.writer.log,
-            notify=lambda metrics: call(me().callbacks, "on_validation_end", me(), metrics),
+            notify=validation_hook(self),
         )  # fmt: skip
         self.early_stopping, self.best_weights = self.validation.early_stopping, self.validation.best_weights
         self.snapshots = TrainerSnapshots(
@@ -248,7 +244,7 @@ class Trainer:
         self.writer.flush()
         call(self.callbacks, "on_fit_end", self)
         if self.stopped_by != StopReason.SIGNAL:
-            print0(run_summary(str(reason), self.state, last, self.best_weights, self.run_dir), group=self.group)
+            print0(run_summary(str(reason), self.state, last, self.validation, self.run_dir), group=self.group)
         elif cfg.raise_on_stop_signal:
             received = signal.Signals(self._stop_signal).name if self._stop_signal else "a signal to another rank"
             print0(

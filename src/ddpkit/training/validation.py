@@ -17,6 +17,8 @@ weights at those steps are the same, bit for bit) and so picks the same best ste
 
 from __future__ import annotations
 
+import inspect
+import weakref
 from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
@@ -33,6 +35,21 @@ from ddpkit.snapshot.best import BestWeights
 from ddpkit.training.config import TrainerConfig
 from ddpkit.training.early_stopping import EarlyStopping
 from ddpkit.training.state import StopReason
+
+
+def weakly(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` (a bound method), called through a weak reference to its object."""
+    if not inspect.ismethod(method):
+        return method
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        bound = ref()
+        if bound is None:
+            raise ReferenceError("the Trainer this validation belongs to is gone")
+        return bound(*args, **kwargs)
+
+    return call
 
 
 class Validation:
@@ -57,6 +74,7 @@ class Validation:
         self.notify = notify or (lambda metrics: None)
         self.latest: dict[str, Any] = {}
         """The latest step-wise validation's metrics (``val/...``), which ``fit()`` returns with the epoch's."""
+        self.latest_step: int | None = None
         self.weights_format: str | None = None  # of best.pt's companion and of the final weights (see `of`)
         self.run_dir: Path | None = None
         self.is_main, self.group = True, None
@@ -95,7 +113,9 @@ class Validation:
             export_format=weights_format,
         )
         best.at_step = config.val_every_steps is not None
-        validate = partial(evaluate, val_data, "val") if val_data is not None else None
+        # `evaluate` is the Trainer's: held weakly, as `notify` is (see callbacks.validation_hook), so that a
+        # Trainer is freed as soon as it is no longer used, its loader's workers with it.
+        validate = partial(weakly(evaluate), val_data, "val") if val_data is not None else None
         out = cls(EarlyStopping(es), best, model_weights, log, config.val_every_steps, validate, notify)
         out.weights_format, out.run_dir, out.is_main, out.group = (
             weights_format,
@@ -151,7 +171,7 @@ class Validation:
         when training must stop."""
         assert self.evaluate is not None  # `of` refuses every_steps without validation data
         metrics = self.evaluate()
-        self.latest = dict(metrics)
+        self.latest, self.latest_step = dict(metrics), step
         self.notify({"epoch": epoch, "step": step, **metrics})
         self.log("val", step, {"epoch": epoch, **metrics})
         print0(" ".join([f"step {step}", *(f"{k} {v:.4g}" for k, v in metrics.items())]), group=self.group)
