@@ -3,9 +3,14 @@ new interpreters would. Real jobs end to end."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import random
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -45,6 +50,7 @@ def ended(folder: Path, rank: int, attempt: int = 0) -> list[str]:
 
 
 def test_workers_are_forked_and_start_and_end_as_new_interpreters(clean_env, tmp_path):
+    clean_env["FORK_PROBE_VARIABLE"] = "from the launcher's environment"
     forked = job(clean_env, tmp_path / "forked", stdin="to rank 0\n")
     assert forked.returncode == 0, forked.stderr[-3000:]
     # Control: the same job with every worker a new interpreter (as torchrun starts them).
@@ -67,9 +73,14 @@ def test_workers_are_forked_and_start_and_end_as_new_interpreters(clean_env, tmp
                 "sigint_is_python_default": True,
                 "stdin": "to rank 0\n" if rank == 0 else None,
                 "attempt": 0,
+                "probe_variable": "from the launcher's environment",
+                "rank_variables": [str(rank), str(rank), "2", "127.0.0.1"],
             }
         )
         assert ended(tmp_path / "forked", rank) == ended(tmp_path / "new", rank) == ["atexit", "executor", "thread"]
+    # Rank 0's standard output is the launcher's, rank 1's its log file, each printed once.
+    for out in (forked, new):
+        assert out.stdout.count("rank 0 to standard output") == 1 and "rank 1 to standard output" not in out.stdout
     # Unseeded generators draw differently on each rank, as in new interpreters (python, numpy, torch), not the
     # server's streams twice.
     for folder in ("forked", "new"):
@@ -106,6 +117,71 @@ def test_a_fork_server_killed_during_the_job_leaves_the_restart_to_new_interpret
         True, True, False, False
     ]  # fmt: skip
     assert ended(tmp_path, 1, 1) == ["atexit", "executor", "thread"]
+
+
+def _processes_naming(text: str) -> list[int]:
+    """Live processes whose command line holds ``text`` (the job's server, intermediates and workers all name
+    the probe's folder there)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            with contextlib.suppress(OSError):
+                stat = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()
+                if stat[0] not in ("Z", "X") and text.encode() in Path(f"/proc/{name}/cmdline").read_bytes():
+                    found.append(int(name))
+    return found
+
+
+@pytest.mark.slow
+def test_a_launcher_killed_at_any_instant_of_the_start_leaves_no_process(clean_env, tmp_path):
+    # SIGKILL of `ddpkit run` while the server imports, forks, or the workers start: the server dies with the
+    # agent (its parent-death signal, and the end of its socket), a worker waiting to be adopted exits, and an
+    # adopted one dies with the agent. Nothing of the job may be left.
+    seed = int(os.environ.get("DDPKIT_KILL_SEED", "0")) or random.randrange(1 << 30)  # DDPKIT_KILL_SEED replays
+    rng = random.Random(seed)
+    for trial in range(6):
+        folder = tmp_path / f"trial{trial}"
+        folder.mkdir()
+        with open(tmp_path / f"trial{trial}.log", "w") as log:
+            proc = subprocess.Popen(
+                DDPKIT + ["run", "--nproc", "2", "--fork-server", "on", PROBE, str(folder), "hold"],
+                env=clean_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+        started = _processes_naming(str(folder))
+        deadline = time.monotonic() + rng.uniform(0.0, 4.0)  # the instant of the kill, anywhere in the start
+        while time.monotonic() < deadline and proc.poll() is None:
+            started = sorted(set(started) | set(_processes_naming(str(folder))))
+            time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        gone_by = time.monotonic() + 15
+        while (left := _processes_naming(str(folder))) and time.monotonic() < gone_by:
+            time.sleep(0.05)
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        assert left == [], f"seed {seed}, trial {trial}: {len(started)} processes seen, left alive: {left}"
+
+
+@pytest.mark.slow
+def test_a_worker_forked_for_a_server_that_died_before_answering_never_runs(clean_env, tmp_path):
+    # The server forks rank 0's worker and dies before it answers: the agent starts rank 0 (and rank 1) as new
+    # interpreters; the forked worker, told nothing, exits without running the script. Each rank runs once.
+    out = job(clean_env, tmp_path, "--preload", "tests.jobs.scripts.server_dies_before_reply")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "workers start as new interpreters (the fork server cannot fork them: it did not answer)" in out.stderr
+    assert [len((tmp_path / f"rank{rank}.starts").read_text().splitlines()) for rank in (0, 1)] == [1, 1]
+    assert [found(tmp_path, rank)["preloaded"] for rank in (0, 1)] == [False, False]
+
+
+@pytest.mark.slow
+def test_without_pidfds_workers_are_still_forked_and_adopted(clean_env, tmp_path):
+    # A kernel before 5.3, or a seccomp profile that refuses pidfd_open: a worker waits for its adoption by
+    # watching its parent instead.
+    out = job(clean_env, tmp_path, "--preload", "tests.jobs.scripts.no_pidfd", "--max-restarts", "1", mode="kill-first")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [found(tmp_path, rank, attempt)["preloaded"] for attempt in (0, 1) for rank in (0, 1)] == [True] * 4
+    assert [found(tmp_path, rank, 1)["parent_is_agent"] for rank in (0, 1)] == [True, True]
 
 
 THREAD_AT_IMPORT = "tests.jobs.scripts.thread_at_import"

@@ -232,7 +232,9 @@ def test_workers_die_with_a_sigkilled_launcher(clean_env, tmp_path):
             os.kill(pid, signal.SIGKILL)
         return alive, len(servers)
 
-    assert survivors(DDPKIT + ["run", "--nproc", "2"], "ddpkit") == ([], 1)  # both workers and the fork server
+    # Both workers and the fork server (on: a job without restarts starts none by default).
+    assert survivors(DDPKIT + ["run", "--nproc", "2", "--fork-server", "on"], "ddpkit") == ([], 1)
+    assert survivors(DDPKIT + ["run", "--nproc", "2"], "ddpkit-no-server") == ([], 0)
     # Control: under torchrun's agent alone the workers outlive it (they would train on, orphaned).
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     assert len(survivors(torchrun, "torchrun")[0]) == 2

@@ -95,14 +95,16 @@ def test_prepare_model_makes_every_rank_start_from_rank0(world):
         assert out["after_step"] == results[0]["after_step"]
 
 
-def _accumulate(skip_first_sync: bool) -> list[float]:
-    """Two micro-batches of rank-specific data; the first backward under ``ddpkit.no_sync`` or not. The
-    gradient right after the first backward: this rank's own if the all-reduce was skipped."""
+def _accumulate(skip_first_sync: bool, compiled: bool = False) -> list[float]:
+    """Two micro-batches of rank-specific data; the first backward under ``ddpkit.no_sync`` or not (given the
+    model as ``torch.compile`` wraps it, with ``compiled``). The gradient right after the first backward: this
+    rank's own if the all-reduce was skipped."""
     rt = ddpkit.init()
     torch.manual_seed(0)
     model = ddpkit.prepare_model(nn.Linear(3, 1))
     x = torch.full((2, 3), float(rt.rank + 1))
-    with ddpkit.no_sync(model) if skip_first_sync else contextlib.nullcontext():
+    wrapped = torch.compile(model) if compiled else model  # compiled lazily: the forward below is the model's
+    with ddpkit.no_sync(wrapped) if skip_first_sync else contextlib.nullcontext():
         model(x).sum().backward()
     first = model.module.weight.grad.clone()
     model(x).sum().backward()  # synchronised: the sum over both micro-batches, averaged over the ranks
@@ -116,6 +118,9 @@ def test_no_sync_skips_the_all_reduce_until_the_steps_last_micro_batch():
     # Control: without it the first backward is all-reduced too (the same gradient on both ranks at once).
     synced = ddpkit.spawn(functools.partial(_accumulate, False), 2)
     assert synced[0][0] == synced[1][0]
+    # Given the model as torch.compile wraps it, it finds DDP inside.
+    through = ddpkit.spawn(functools.partial(_accumulate, True, True), 2)
+    assert through[0][0] != through[1][0]
     # In a world of one (no DDP) there is nothing to skip, and the loop runs as it is.
     model = nn.Linear(3, 1)
     with ddpkit.no_sync(model):

@@ -47,7 +47,14 @@ def _params(study: optuna.Study) -> dict[int, tuple[float, float]]:
     return {t.number: (t.params["lr"], t.params["momentum"]) for t in study.trials}
 
 
-def _tiny_trainer(candidate, lr: float, epochs: int = 3, callbacks=(), val_every_steps: int | None = None) -> Trainer:
+def _tiny_trainer(
+    candidate,
+    lr: float,
+    epochs: int = 3,
+    callbacks=(),
+    val_every_steps: int | None = None,
+    max_steps: int | None = None,
+) -> Trainer:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 2))
     config = TrainerConfig(
@@ -55,6 +62,7 @@ def _tiny_trainer(candidate, lr: float, epochs: int = 3, callbacks=(), val_every
         epochs=epochs,
         global_batch_size=12,
         val_every_steps=val_every_steps,
+        max_steps=max_steps,
         logging=LoggingConfig(progress=False),
     )
     return Trainer(
@@ -93,19 +101,24 @@ def test_a_pruned_candidate_stops_at_the_same_epoch_on_every_rank_of_its_group(t
     assert per_rank[0][2] == 2 and per_rank[0][0] == 3  # judged from epoch 2 on: pruned there; the others ran all 3
 
 
-def _reported(search_dir: str, val_every_steps: int | None) -> None:
+def _reported(search_dir: str, val_every_steps: int | None, max_steps: int | None) -> None:
     ddpkit.init()
     cfg = SearchConfig(n_trials=1, group_size=2, pruner="none", search_dir=search_dir, plots=False)
-    search(lambda c: _tiny_trainer(c, lr=0.3, val_every_steps=val_every_steps).fit(), {"x": uniform(0, 1)}, cfg)
+
+    def objective(candidate):
+        return _tiny_trainer(candidate, lr=0.3, val_every_steps=val_every_steps, max_steps=max_steps).fit()
+
+    search(objective, {"x": uniform(0, 1)}, cfg)
 
 
 def test_the_candidate_reports_each_validation_at_epoch_ends_or_every_n_steps(tmp_path):
     # 96 samples in global batches of 12: 8 steps an epoch, 3 epochs. Validating every 4 steps, the candidate
     # reports val/loss at steps 4, 8, ..., 24 (where the epochs' metrics hold no val/loss, which once was taken
-    # for a Trainer without val_data); validating at epoch ends, at epochs 1, 2, 3.
-    for every, steps in ((4, [4, 8, 12, 16, 20, 24]), (None, [1, 2, 3])):
-        search_dir = tmp_path / str(every)
-        ddpkit.spawn(functools.partial(_reported, str(search_dir), every), 2)
+    # for a Trainer without val_data); validating at epoch ends, at epochs 1, 2, 3; stopped by max_steps inside
+    # the second epoch, at epoch 1 and at the epoch begun, 2 (not at 1 again, which Optuna would ignore).
+    for every, max_steps, steps in ((4, None, [4, 8, 12, 16, 20, 24]), (None, None, [1, 2, 3]), (None, 12, [1, 2])):
+        search_dir = tmp_path / f"{every}-{max_steps}"
+        ddpkit.spawn(functools.partial(_reported, str(search_dir), every, max_steps), 2)
         (trial,) = _study(search_dir).trials
         assert trial.state == TrialState.COMPLETE and sorted(trial.intermediate_values) == steps
 

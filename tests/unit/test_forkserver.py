@@ -24,11 +24,11 @@ def test_exit_status_is_the_interpreters(capsys):
 
 
 END = """
-import atexit, sys, threading
+import atexit, sys, threading, time
 from ddpkit.launch.forkserver import run_as_main
 atexit.register(lambda: print("atexit", flush=True))
 def main():
-    threading.Thread(target=lambda: print("thread", flush=True)).start()
+    threading.Thread(target=lambda: (time.sleep(0.3), print("thread", flush=True))).start()  # ends after main
     {body}
 code = run_as_main(main)
 print("status", code, flush=True)
@@ -68,7 +68,14 @@ def _child(read_fd: int | None = None, code: int = 0) -> int:
     return pid
 
 
-def test_a_forked_process_answers_as_a_popen():
+@pytest.mark.parametrize("pidfds", [True, False])
+def test_a_forked_process_answers_as_a_popen(monkeypatch, pidfds):
+    if not pidfds:  # a kernel before 5.3, or a seccomp profile that refuses the call: waiting polls instead
+
+        def refused(pid: int, flags: int = 0) -> int:
+            raise OSError(38, "pidfd_open refused")
+
+        monkeypatch.setattr(os, "pidfd_open", refused)
     proc = ForkedProcess(_child(code=7), ["python", "x"])
     assert proc.wait(timeout=30) == 7 and proc.poll() == 7 and proc.returncode == 7
     read, write = os.pipe()
@@ -90,6 +97,9 @@ def test_only_the_launchers_worker_command_is_forked():
     assert not _is_worker_command([sys.executable, "-u", "train.py"])  # not the launcher's command
     assert not _is_worker_command(["numactl", "-N", "0", sys.executable, "-u", "-m", "ddpkit.launch.worker", "t.py"])
     assert not _is_worker_command(["/usr/bin/other-python", "-u", "-m", "ddpkit.launch.worker", "t.py"])
+    # Another virtual environment on the same interpreter (torchrun's PYTHON_EXEC): its own site-packages.
+    if os.path.realpath(sys.executable) != sys.executable:
+        assert not _is_worker_command([os.path.realpath(sys.executable), "-u", "-m", "ddpkit.launch.worker", "t.py"])
 
 
 def test_the_fork_server_serves_jobs_that_may_restart_unless_told():

@@ -16,6 +16,12 @@ from ddpkit.training.trainer import TrainerConfig
 
 
 def fit(run_dir, with_val: bool = True, **options) -> ddpkit.Trainer:
+    trainer = build(run_dir, with_val, **options)
+    trainer.fit()
+    return trainer
+
+
+def build(run_dir, with_val: bool = True, **options) -> ddpkit.Trainer:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     x = torch.randn(32, 4)
@@ -23,11 +29,9 @@ def fit(run_dir, with_val: bool = True, **options) -> ddpkit.Trainer:
     config = TrainerConfig(
         run_dir=str(run_dir), batch_size=8, logging=LoggingConfig(progress=False), num_workers=0, **options
     )
-    trainer = ddpkit.Trainer(
+    return ddpkit.Trainer(
         model, torch.optim.SGD(model.parameters(), lr=0.1), data, config, val_data=data if with_val else None
     )
-    trainer.fit()
-    return trainer
 
 
 def test_validation_every_3_steps_across_epoch_ends(tmp_path, capsys):
@@ -82,3 +86,23 @@ def test_a_resume_with_another_val_every_steps_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"TrainerConfig.val_every_steps: 3 in the snapshot, 2 now"):
         fit(tmp_path, epochs=2, val_every_steps=2, early_stopping=es)
     assert fit(tmp_path, epochs=2, val_every_steps=3, early_stopping=es).resumed_from == 4  # control: the same
+
+
+def test_a_run_resumed_after_its_last_validation_returns_it_and_says_so(tmp_path, capsys):
+    # Validations at steps 4 and 8 of a run stopped at step 10; resumed to step 11, no validation falls after
+    # the resume: fit() still returns the latest one (step 8), kept by the snapshot, and the summary says where.
+    first = fit(tmp_path, epochs=3, val_every_steps=4, max_steps=10)
+    assert first.step == 10
+    capsys.readouterr()
+    trainer = build(tmp_path, epochs=3, val_every_steps=4, max_steps=11)
+    metrics = trainer.fit()
+    assert trainer.resumed_from == 10 and trainer.step == 11
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    val = {r["step"]: r["val/loss"] for r in records if r["kind"] == "val"}
+    assert sorted(val) == [4, 8]
+    assert metrics["val/loss"] == val[8]
+    summary = capsys.readouterr().out
+    assert any(
+        line.startswith("  latest validation, at step 8:") and f"val/loss {val[8]:.4g}" in line
+        for line in summary.splitlines()
+    )

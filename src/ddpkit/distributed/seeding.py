@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import random
 import struct
 import sys
-from ctypes import string_at
 from typing import Any, cast
 
 import torch
@@ -199,19 +199,42 @@ def draw_marks() -> tuple[Any, ...]:
     return py, npy, torch.default_generator.get_state(), cuda
 
 
+def _same_bytes(a: int, b: Any, size: int) -> bool:
+    """``size`` bytes at address ``a`` equal those of ``b`` (an address or a bytes object), compared in place:
+    copies of the states (5 KiB for torch's) cost more than the comparison on the path of every step."""
+    return _memcmp()(a, b, size) == 0
+
+
+@functools.cache
+def _memcmp() -> Any:
+    import ctypes
+
+    memcmp = ctypes.CDLL(None).memcmp
+    memcmp.argtypes, memcmp.restype = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t), ctypes.c_int
+    return memcmp
+
+
 def drawn_since(marks: tuple[Any, ...]) -> bool:
     """True when a generator :func:`draw_marks` covers has drawn since ``marks`` were taken."""
+    import ctypes
+
     py, npy, cpu, cuda = marks
-    now_py, now_npy, now_cpu, now_cuda = draw_marks()
-    # A generator's state is a small contiguous uint8 tensor on the CPU: its bytes compare ~5x faster than
-    # torch.equal, whose dispatch dominates at this size.
-    if py != now_py or string_at(cpu.data_ptr(), cpu.numel()) != string_at(now_cpu.data_ptr(), now_cpu.numel()):
+    python, numpy, bit_generator = _views or _make_views()
+    if isinstance(py[0], bytes):
+        if random._inst.gauss_next != py[1] or not _same_bytes(ctypes.addressof(python), py[0], len(py[0])):  # type: ignore[attr-defined]
+            return True
+    elif random.getstate() != py:
         return True
-    if cuda is not None and (now_cuda is None or not torch.equal(cuda, now_cuda)):
+    now_cpu = torch.default_generator.get_state()
+    if not _same_bytes(now_cpu.data_ptr(), cpu.data_ptr(), cpu.numel()):
+        return True
+    if cuda is not None and (not _cuda_in_use() or not torch.equal(cuda, torch.cuda.get_rng_state())):
         return True
     if isinstance(npy, bytes):
-        return npy != now_npy
-    return npy is not None and not all(np.array_equal(a, b) for a, b in zip(npy, now_npy))
+        if np.random.mtrand._rand._bit_generator is not bit_generator:  # replaced: not the generator marked
+            return True
+        return not _same_bytes(ctypes.addressof(numpy), npy, len(npy))
+    return npy is not None and not all(np.array_equal(a, b) for a, b in zip(npy, np.random.get_state()))
 
 
 def set_draw_marks(marks: tuple[Any, ...]) -> None:

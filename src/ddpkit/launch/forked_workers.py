@@ -23,6 +23,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -55,18 +56,22 @@ class ForkedProcess:
     def wait(self, timeout: float | None = None) -> int:
         if self.poll() is not None:
             return self.returncode  # type: ignore[return-value]  # set by poll
+        end = None if timeout is None else time.monotonic() + timeout
         try:
             fd = os.pidfd_open(self.pid)
         except ProcessLookupError:  # exited and reaped in between: poll() has or had its status
             return self.poll() or 0
-        try:
-            ready, _, _ = select.select([fd], [], [], timeout)
-        finally:
-            os.close(fd)
-        if not ready:
-            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
-        while self.poll() is None:  # readable once it exited; its status follows at once
-            select.select([], [], [], 0.001)
+        except (OSError, AttributeError):  # no pidfds (a kernel before 5.3, a seccomp profile): poll
+            fd = None
+        if fd is not None:
+            try:
+                select.select([fd], [], [], timeout)
+            finally:
+                os.close(fd)
+        while self.poll() is None:  # after a pidfd said it exited, at once
+            if end is not None and time.monotonic() >= end:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+            time.sleep(0.001 if fd is not None else 0.01)
         return self.returncode  # type: ignore[return-value]  # set by poll
 
     def send_signal(self, sig: int) -> None:
@@ -99,6 +104,7 @@ class ForkServer:
             + ["--", *display],
             pass_fds=[theirs.fileno()],
             stdin=subprocess.DEVNULL,
+            start_new_session=True,  # out of reach of signals to the job's process group; it dies with the agent
         )
         theirs.close()
 
@@ -110,7 +116,7 @@ class ForkServer:
         """Wait for the server's imports; True when it forks workers."""
         if self._ready is None:
             self._ready = False
-            reply = self._receive(timeout)
+            reply, _ = self._receive(timeout)
             if reply is None:
                 self._give_up("it did not answer")
             elif not reply.get("ready"):
@@ -128,7 +134,11 @@ class ForkServer:
 
     def spawn(self, argv: Sequence[str], env: dict[str, str], cwd: str, files: Sequence[int]) -> int | None:
         """Fork a worker running ``python -u -m ddpkit.launch.worker ARGV`` with ``env`` in ``cwd``, ``files``
-        its standard input, output and error; its pid, or None when the server cannot."""
+        its standard input, output and error; its pid, or None when the server cannot.
+
+        The worker waits for a word on a pipe whose one open end comes back with its pid, and exits if the pipe
+        closes without it: a worker this process did not take (the server died before it answered, or answered
+        too late) never runs next to the new interpreter started for its rank instead."""
         if not self.ready():
             return None
         message = json.dumps({"argv": list(argv), "env": env, "cwd": cwd}).encode()
@@ -137,21 +147,26 @@ class ForkServer:
         except OSError as err:
             self._give_up(f"{type(err).__name__}: {err}")
             return None
-        reply = self._receive(60.0)
-        if reply is None or "pid" not in reply:
-            self._give_up(reply.get("error", "no answer") if reply else "it did not answer")
-            return None
-        return int(reply["pid"])
+        reply, fds = self._receive(60.0)
+        try:
+            if reply is None or "pid" not in reply or len(fds) != 1:
+                self._give_up(reply.get("error", "no answer") if reply else "it did not answer")
+                return None
+            os.write(fds[0], b"g")
+            return int(reply["pid"])
+        finally:
+            for fd in fds:
+                os.close(fd)
 
-    def _receive(self, timeout: float) -> dict[str, Any] | None:
+    def _receive(self, timeout: float) -> tuple[dict[str, Any] | None, list[int]]:
         ready, _, _ = select.select([self.sock], [], [], timeout)
         if not ready:
-            return None
+            return None, []
         try:
-            data = self.sock.recv(MAX_MESSAGE)
+            data, fds, _, _ = socket.recv_fds(self.sock, MAX_MESSAGE, 1)
         except OSError:
-            return None
-        return json.loads(data) if data else None
+            return None, []
+        return (json.loads(data) if data else None), fds
 
     def _give_up(self, why: str) -> None:
         if self.why_not is None:
@@ -200,13 +215,16 @@ def _standard_files(handler: Any) -> tuple[list[int], list[int]]:
     """The worker's standard input, output and error: torchrun's log files where it redirects, else this
     process's own (what a ``Popen`` child inherits); and the descriptors opened here, for the caller to close."""
     files, opened = [0, 1, 2], []
-    for target, stream in ((1, getattr(handler, "_stdout", None)), (2, getattr(handler, "_stderr", None))):
-        if stream is not None:
-            files[target] = stream.fileno()
-    for i, fd in enumerate(files):
+    logs = {1: getattr(handler, "_stdout", None), 2: getattr(handler, "_stderr", None)}
+    for i in range(3):
+        if logs.get(i) is not None:
+            files[i] = logs[i].fileno()
+            continue
         try:
-            os.fstat(fd)
-        except OSError:  # this process has none open there: the worker gets /dev/null instead
+            inherited = os.get_inheritable(i)  # not: one of this process's own (a socket that took a closed fd 0)
+        except OSError:
+            inherited = False
+        if not inherited:  # a Popen child would have none there: the worker gets /dev/null instead
             files[i] = os.open(os.devnull, os.O_RDWR)
             opened.append(files[i])
     return files, opened
@@ -236,7 +254,7 @@ def _is_worker_command(args: Sequence[str]) -> bool:
     """``python -u -m ddpkit.launch.worker ...`` with this interpreter, as the launcher asks torchrun for."""
     return (
         len(args) > len(_WORKER_COMMAND)
-        and os.path.realpath(args[0]) == os.path.realpath(sys.executable)
+        and args[0] == sys.executable  # not another interpreter (torchrun's PYTHON_EXEC), even one it links to
         and tuple(args[1 : 1 + len(_WORKER_COMMAND)]) == _WORKER_COMMAND
     )
 

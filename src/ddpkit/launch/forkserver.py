@@ -12,10 +12,15 @@ right:
 - *Its parent.* The server forks an intermediate process that forks the worker and exits: the orphaned worker
   is re-parented to the agent, a child subreaper, and is the agent's child as a ``Popen`` would have made it
   (its exit status, its parent-death signal, ``ddpkit.launch.proctree``). It leads a session of its own, as
-  torchrun's ``start_new_session``.
-- *Threads.* The server forks from its one Python thread and runs no parallel work (no OpenMP pool exists);
-  OpenBLAS's pool, which numpy starts at import where it has several threads, is shut down around every fork
-  by OpenBLAS's own fork handlers.
+  torchrun's ``start_new_session``, before the agent learns its pid.
+- *Only the worker the agent took.* A forked worker waits, before it runs anything, for the agent's word on a
+  pipe only the agent holds: where the agent gives up on the server halfway (the server died, or did not
+  answer) and starts the worker as a new interpreter instead, the forked one reads the end of the pipe and
+  exits, and no rank runs twice.
+- *Threads.* The server forks from its one thread of its own and runs no parallel work (no OpenMP pool
+  exists); OpenBLAS's pool, which numpy starts at import where it has several threads, is shut down around
+  every fork by OpenBLAS's own fork handlers. A ``--preload`` module that starts a thread (a Python thread,
+  or a native one: an OpenMP pool after a parallel operation) makes the server refuse to fork.
 - *CUDA.* A driver initialised before fork cannot be used after it. Preloading runs with torch's NVML-based
   device count (which does not initialise the driver), and the server refuses to serve if the driver was
   initialised all the same: the agent then starts workers as new interpreters.
@@ -23,7 +28,9 @@ right:
   generator from the OS, so unseeded ranks draw differently; forked, they would all draw the server's
   streams. Python's ``random`` reseeds itself after a fork; numpy's and torch's are reseeded here.
 - *Environment, files, signals.* The worker's environment, working directory, standard input, output and error
-  are the ones torchrun gave it; SIGINT is Python's default again (the server ignores it).
+  are the ones torchrun gave it. The server, in a session of its own, ignores the signals a terminal or a
+  scheduler sends a job's process group; the worker gets back the dispositions the server started with, those
+  a new interpreter started by the agent has.
 - *Exit.* The worker's script runs as ``python -m ddpkit.launch.worker`` runs it, and the process ends as an
   interpreter does: non-daemon threads joined, ``atexit`` handlers run, the exit status of ``SystemExit`` or
   of an uncaught exception.
@@ -34,7 +41,9 @@ right:
 What differs from a new interpreter: variables read when a library loads are the job's (the server has the
 agent's environment; a script that sets ``OMP_NUM_THREADS`` itself before ``import torch`` is too late for
 OpenMP, as it is for any module imported before it: use ``torch.set_num_threads``); ``/proc/PID/environ``
-shows the server's first environment (``os.environ`` is the worker's); hash randomisation is the server's.
+shows the server's first environment (``os.environ`` is the worker's); hash randomisation and
+``sys.orig_argv`` are the server's; the preloaded modules were imported with the agent's working directory
+first on ``sys.path`` (the script's folder is first for everything the script imports).
 ``ddpkit run`` uses the server where the job may restart its workers (``--max-restarts``, elastic jobs);
 ``--fork-server on|off`` decides otherwise.
 
@@ -55,6 +64,7 @@ import socket
 import struct
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -85,20 +95,44 @@ def cuda_driver_initialised() -> bool:
         return False
 
 
+def os_threads() -> int:
+    """This process's threads, as the kernel counts them (native ones included)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
+
+
 def preload(modules: Sequence[str]) -> tuple[list[str], str | None]:
-    """Import ``modules``; return (the ones that failed to import, why the server must not fork, or None)."""
+    """Import :data:`PRELOAD`, then ``modules``; return (those that failed to import, why the server must not
+    fork, or None).
+
+    Threads: :data:`PRELOAD` starts none but OpenBLAS's pool where numpy has several threads (which OpenBLAS
+    shuts down around a fork itself). A thread another module starts, Python's or native (a pool after a
+    parallel operation at import), is one a fork would not carry, and it may hold locks the worker would inherit
+    held.
+    """
     # torch.cuda.is_available() initialises the driver unless told to count devices through NVML.
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     failed = []
-    for name in modules:
-        try:
-            importlib.import_module(name)
-        except Exception:  # noqa: BLE001 (a user's --preload module may fail any way; the worker will import it)
-            failed.append(name)
+
+    def load(names: Sequence[str]) -> None:
+        for name in names:
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001 (a --preload module may fail any way; the worker imports it)
+                failed.append(name)
+
+    load(PRELOAD)
+    own = [m for m in modules if m not in PRELOAD]
+    threads = os_threads()
+    load(own)
     if cuda_driver_initialised():
-        return failed, "the CUDA driver was initialised while importing " + ", ".join(modules)
+        return failed, "the CUDA driver was initialised while importing " + ", ".join([*PRELOAD, *own])
     if threading.active_count() > 1:
         return failed, f"{threading.active_count() - 1} Python thread(s) started while importing"
+    if os_threads() > threads:
+        return failed, f"{os_threads() - threads} thread(s) started while importing {', '.join(own)}"
     return failed, None
 
 
@@ -161,31 +195,49 @@ def set_command_line(args: Sequence[str]) -> bool:
     return True
 
 
-def _wait_adopted(agent: int) -> bool:
+JOB_SIGNALS = tuple(
+    getattr(signal, name)
+    for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+    if hasattr(signal, name)
+)
+"""Signals sent to a job's process group (a terminal, a scheduler): the server ignores them, its workers get
+back the dispositions the server started with."""
+
+
+def _wait_adopted(agent: int, deadline: float = 30.0) -> bool:
     """Wait until this process's parent is ``agent``: the intermediate that forked it has exited and the
     agent, a subreaper, adopted it. A pidfd of the intermediate becomes readable once its exit is done, after
-    its children were re-parented."""
+    its children were re-parented; where there are no pidfds (a kernel before 5.3, a seccomp profile that
+    refuses them) the parent is polled."""
     parent = os.getppid()
     if parent != agent:
         try:
             fd = os.pidfd_open(parent)
-        except ProcessLookupError:
+        except ProcessLookupError:  # gone already: adopted by now
+            fd = None
+        except (OSError, AttributeError):
+            end = time.monotonic() + deadline
+            while os.getppid() == parent and time.monotonic() < end:
+                time.sleep(0.001)
             fd = None
         if fd is not None:
             try:
-                select.select([fd], [], [])
+                select.select([fd], [], [], deadline)
             finally:
                 os.close(fd)
     return os.getppid() == agent
 
 
-def _become_worker(request: dict[str, Any], fds: Sequence[int], agent: int, server: socket.socket) -> None:
-    """In the forked worker: its parent, session, files, directory, environment and signals, then the script.
-    Never returns."""
+def _become_worker(
+    request: dict[str, Any], fds: Sequence[int], agent: int, pid_pipe: int, go: int, dispositions: dict[int, Any]
+) -> None:
+    """In the forked worker: its session, its pid to the server, its files, its parent, the agent's word, then
+    its directory, environment, signals and random streams, and the script. Never returns."""
     code = 1
     try:
-        server.close()
-        os.setsid()
+        os.setsid()  # before the agent learns the pid: it signals the worker's process group by it
+        os.write(pid_pipe, struct.pack("=i", os.getpid()))
+        os.close(pid_pipe)
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
         for fd in fds:
@@ -194,7 +246,11 @@ def _become_worker(request: dict[str, Any], fds: Sequence[int], agent: int, serv
         if not _wait_adopted(agent):
             print(f"ddpkit fork server: the worker was not adopted by the agent (pid {agent})", file=sys.stderr)
             os._exit(1)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if os.read(go, 1) != b"g":  # the agent took another way to start this rank (or is gone)
+            os._exit(1)
+        os.close(go)
+        for signum, disposition in dispositions.items():
+            signal.signal(signum, disposition)
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
@@ -209,31 +265,45 @@ def _become_worker(request: dict[str, Any], fds: Sequence[int], agent: int, serv
         set_command_line([sys.executable, "-u", "-m", "ddpkit.launch.worker", *request["argv"]])
         sys.argv = [worker.__file__, *request["argv"]]
         code = run_as_main(worker.main)
+    except BaseException:  # noqa: BLE001 (before the script: said here, as os._exit below says nothing)
+        traceback.print_exc()
     finally:
         os._exit(code)
 
 
-def _fork_worker(request: dict[str, Any], fds: Sequence[int], agent: int, server: socket.socket) -> int:
-    """Fork a worker through an intermediate process; return its pid once the agent has adopted it."""
-    read, write = os.pipe()
+def _fork_worker(
+    request: dict[str, Any], fds: Sequence[int], agent: int, server: socket.socket, dispositions: dict[int, Any]
+) -> tuple[int, int]:
+    """Fork a worker through an intermediate process; return its pid, once the agent has adopted it, and the
+    write end of the pipe the worker waits on before it runs anything (for the agent)."""
+    pid_read, pid_write = os.pipe()
+    go_read, go_write = os.pipe()
     intermediate = os.fork()
     if intermediate == 0:
         try:
-            os.close(read)
-            pid = os.fork()
-            if pid == 0:
-                os.close(write)
-                _become_worker(request, fds, agent, server)
-            os.write(write, struct.pack("=i", pid))
+            server.close()
+            os.close(pid_read)
+            os.close(go_write)
+            if os.fork() == 0:
+                _become_worker(request, fds, agent, pid_write, go_read, dispositions)
         finally:
-            os._exit(0)
-    os.close(write)
-    with os.fdopen(read, "rb") as pipe:
-        data = pipe.read(4)
-    os.waitpid(intermediate, 0)
-    if len(data) != 4:
-        raise OSError("the intermediate process died before it forked the worker")
-    return struct.unpack("=i", data)[0]
+            os._exit(0)  # the worker is orphaned, and the agent adopts it
+    os.close(pid_write)
+    os.close(go_read)
+    try:
+        with os.fdopen(pid_read, "rb") as pipe:
+            data = pipe.read(4)
+        os.waitpid(intermediate, 0)
+        if len(data) != 4:
+            raise OSError("the worker died before it started its session")
+        pid = struct.unpack("=i", data)[0]
+        parent = _parent_of(pid)
+        if parent not in (agent, None):  # None: it already exited, as the agent's zombie
+            raise OSError(f"the worker was re-parented to pid {parent}, not to the agent {agent}")
+    except BaseException:
+        os.close(go_write)  # the worker, if any, exits at the end of the pipe
+        raise
+    return pid, go_write
 
 
 def _parent_of(pid: int) -> int | None:
@@ -246,7 +316,11 @@ def _parent_of(pid: int) -> int | None:
 
 def serve(sock: socket.socket, agent: int, modules: Sequence[str]) -> None:
     """Preload, say whether this server can fork workers, then fork one per request until the agent hangs up."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C at the terminal is the agent's to handle
+    # What a new interpreter started by the agent would have (ignored where the agent ignores them; Python's
+    # own handler for SIGINT), for the workers; the server itself ignores them all.
+    dispositions = {signum: signal.getsignal(signum) for signum in JOB_SIGNALS}
+    for signum in JOB_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
     failed, refused = preload(modules)
     sock.send(json.dumps({"ready": refused is None, "why": refused, "failed": failed}).encode())
     if refused is not None:
@@ -258,20 +332,21 @@ def serve(sock: socket.socket, agent: int, modules: Sequence[str]) -> None:
             return
         if not message:  # the agent closed its end
             return
+        go = None
         try:
             request = json.loads(message)
-            pid = _fork_worker(request, fds, agent, sock)
-            if _parent_of(pid) not in (agent, None):  # None: it already exited, as the agent's zombie
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-                raise OSError(f"the worker was re-parented to pid {_parent_of(pid)}, not to the agent {agent}")
+            pid, go = _fork_worker(request, fds, agent, sock, dispositions)
             reply: dict[str, Any] = {"pid": pid}
         except (OSError, ValueError, KeyError) as err:
             reply = {"error": f"{type(err).__name__}: {err}"}
         finally:
             for fd in fds:
                 os.close(fd)
-        sock.send(json.dumps(reply).encode())
+        try:  # the agent gets the only end of the worker's pipe left open
+            socket.send_fds(sock, [json.dumps(reply).encode()], [go] if go is not None else [])
+        finally:
+            if go is not None:
+                os.close(go)
 
 
 def main(argv: Sequence[str]) -> None:

@@ -94,8 +94,11 @@ class Candidate:
                 f"SearchConfig.metric={self.metric!r} is not among the validation metrics "
                 f"{sorted(k for k in metrics if k.startswith('val/'))}: set metric to one of these"
             )
-        every_steps = getattr(getattr(trainer, "config", None), "val_every_steps", None)
-        self.report(metrics[self.metric], int(metrics["step"] if every_steps else metrics["epoch"]))
+        if getattr(getattr(trainer, "config", None), "val_every_steps", None):
+            step = int(metrics["step"])
+        else:  # epochs completed; where max_steps stopped inside an epoch, the epoch begun (not the last one again)
+            step = int(metrics["epoch"]) + (1 if getattr(trainer, "cursor", 0) else 0)
+        self.report(metrics[self.metric], step)
 
     def on_epoch_end(self, trainer: Any, metrics: Mapping[str, float]) -> None:
         """As a Trainer's callback: report a metric of the epoch's records (``train/epoch_loss``) after each

@@ -37,6 +37,7 @@ error is raised by the next :meth:`SnapshotManager.wait` (the next save, or the 
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
@@ -64,13 +65,20 @@ from ddpkit.snapshot.staging import stage, writer_group
 # torch.distributed.checkpoint (and DTensor, which it imports; and ddpkit.snapshot.storage, built on it) is imported
 # where it is used: it pulls in sympy and costs ~0.9 s per process, which `import ddpkit` (a hand-written loop,
 # the launcher) need not pay.
-# In a world of one ddpkit calls DCP with no_dist=True, and DCP still warns at every save and load that
-# "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to save in a single
-# process": that is the intent. Filtered by that text alone; catch_warnings() would not do, as the save runs in
-# the snapshot writer's thread and the filters are the process's.
-warnings.filterwarnings(
-    "ignore", message="torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to"
-)
+
+
+@functools.cache
+def _quiet_single_process_warning() -> None:
+    """In a world of one ddpkit calls DCP with no_dist=True, and DCP still warns at every save and load that
+    "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to save in a single
+    process": that is the intent. Filtered by that text, from the first such save or load of ddpkit's (the
+    process is then a world of one); catch_warnings() would not do, as the save runs in the snapshot writer's
+    thread and the filters are the process's."""
+    warnings.filterwarnings(
+        "ignore", message="torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to"
+    )
+
+
 EXTRA = "trainer.pt"
 INDEX = "metadata.json"  # ddpkit.snapshot.storage.INDEX, repeated here to keep that import lazy
 FORMAT = 3  # of trainer.pt: 1 (no "format" key) held the state alone, with non-tensor values pickled by DCP; 2 held
@@ -190,6 +198,8 @@ class SnapshotManager:
         writer = dcp_files.Writer(path)
         digests, failure, failed = {}, None, False
         try:
+            if not self.distributed:
+                _quiet_single_process_warning()
             dcp.save(tensors, storage_writer=writer, process_group=group, no_dist=not self.distributed)
             # dcp.save returns on every rank once every rank's files and the index are written (fsynced);
             # when one rank fails, it raises on every rank.
@@ -332,6 +342,8 @@ class SnapshotManager:
                     "for another model or optimizer"
                 )
             set_at(state, path, held[0])
+        if not self.distributed:
+            _quiet_single_process_warning()
         try:
             dcp.load(
                 nest(tensors),

@@ -70,7 +70,8 @@ def run_summary(reason: str, state: Any, last: dict[str, Any], validation: Any, 
     if last:
         final = {k: v for k, v in last.items() if k not in ("epoch", "step")}
         validated = {k: final.pop(k) for k in list(final) if validated_at is not None and k.startswith("val/")}
-        lines.append(f"  final: {format_metrics(final)}")
+        if final:
+            lines.append(f"  final: {format_metrics(final)}")
         if validated:
             lines.append(f"  latest validation, at step {validated_at}: {format_metrics(validated)}")
     lines.append(f"  run directory {run_dir}: snapshots/, metrics.jsonl, epochs.csv")

@@ -31,9 +31,10 @@ class Callback:
         step. A method that takes two arguments, ``(trainer, taken)``, is called with those two."""
 
     def on_validation_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
-        """After each validation, before the snapshot of its step: at an epoch's end, every
-        ``TrainerConfig.val_every_steps`` steps, or where ``max_steps`` stopped the run inside an epoch.
-        ``metrics``: the ``val/...`` metrics, with ``epoch`` (epochs completed) and ``step``."""
+        """After each validation, once it is recorded and counted (early stopping, the best weights): at an
+        epoch's end (before ``on_epoch_end``), every ``TrainerConfig.val_every_steps`` steps (before that step's
+        snapshot), or where ``max_steps`` stopped the run inside an epoch. ``metrics``: the ``val/...`` metrics,
+        with ``epoch`` (epochs completed) and ``step``."""
 
     def on_epoch_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
         """After an epoch's validation, records and snapshot. Setting ``trainer.stopped_by`` (a string) ends

@@ -46,6 +46,9 @@ class TrainerSnapshots:
     """Saves the Trainer's stateful parts to ``run_dir/snapshots`` and restores them; every rank calls every
     method (saving and finding a snapshot are collectives)."""
 
+    ADDED_SINCE = frozenset({"validation"})
+    """Parts that snapshots of earlier versions lack: such a part starts as in a fresh run."""
+
     def __init__(
         self,
         run_dir: Path,
@@ -95,7 +98,7 @@ class TrainerSnapshots:
         self.strategy.load_state_dict(state["strategy"])
         for name, part in self.states.items():  # "train" first: the random streams' reseed reads the step
             if name not in state["states"]:
-                if name in self._fresh:
+                if name in self._fresh or name in self.ADDED_SINCE:
                     continue
                 raise ConfigError(
                     f"the snapshot holds no {name!r} state: it was written by a run without one "

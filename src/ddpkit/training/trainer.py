@@ -152,6 +152,7 @@ class Trainer:
             states={
                 "rng": RankStreams(rt, self.generator, config.seed, self.state),
                 "early_stopping": self.early_stopping,
+                "validation": self.validation,
                 "scheduler": scheduler,
                 "scaler": self.scaler,
             },
@@ -352,9 +353,7 @@ class Trainer:
         metrics["train/epoch_loss"] = loss_sum / samples if samples else float("nan")
         self._epoch_loss = [0.0, 0.0]
         if self.val_data is not None and self.validation.at_epoch_end:
-            validated = self.evaluate(self.val_data, prefix="val")
-            self.validation.notify({"epoch": self.epoch, "step": self.step} | validated)
-            metrics |= validated
+            metrics |= self.evaluate(self.val_data, prefix="val")
         seconds = round(time.perf_counter() - self._epoch_start, 3)  # training and validation
         if self.validation.at_epoch_end and self.validation.update(metrics, self.epoch, self.step):
             self.stopped_by = StopReason.EARLY_STOPPING
@@ -368,6 +367,8 @@ class Trainer:
         print0(
             " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in timed.items()), group=self.group
         )
+        if self.val_data is not None and self.validation.at_epoch_end:  # once recorded and counted
+            self.validation.notify({k: v for k, v in metrics.items() if k.startswith("val/") or k in ("epoch", "step")})
         call(self.callbacks, "on_epoch_end", self, timed)
         return metrics
 

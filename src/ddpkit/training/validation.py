@@ -135,6 +135,14 @@ class Validation:
         where it was: the validation of that count followed the step that reached it."""
         return self.every_steps is not None and taken and step % self.every_steps == 0
 
+    def state_dict(self) -> dict[str, Any]:
+        """The latest step-wise validation, which ``fit()`` returns: kept by snapshots, so that a run resumed
+        after it (and before the next) returns it too."""
+        return {"latest": dict(self.latest), "latest_step": self.latest_step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.latest, self.latest_step = dict(state["latest"]), state["latest_step"]
+
     def resume(self, group: Any) -> None:
         """Read the best so far: the file is on rank 0's disk, and every rank must know it to decide alike."""
         best = self.best_weights
@@ -161,9 +169,9 @@ class Validation:
         if not self.at_epoch_end:
             return {}
         metrics = {"epoch": epoch, "step": step} | evaluate(data, prefix="val")
-        self.notify(metrics)
         self.update(metrics, epoch, step)
         self.log("val", step, metrics)
+        self.notify(metrics)
         return metrics
 
     def after_step(self, epoch: int, step: int) -> bool:
@@ -172,10 +180,11 @@ class Validation:
         assert self.evaluate is not None  # `of` refuses every_steps without validation data
         metrics = self.evaluate()
         self.latest, self.latest_step = dict(metrics), step
-        self.notify({"epoch": epoch, "step": step, **metrics})
         self.log("val", step, {"epoch": epoch, **metrics})
         print0(" ".join([f"step {step}", *(f"{k} {v:.4g}" for k, v in metrics.items())]), group=self.group)
-        return self.update(metrics, epoch, step)
+        stop = self.update(metrics, epoch, step)
+        self.notify({"epoch": epoch, "step": step, **metrics})
+        return stop
 
     def save_final_weights(self, epoch: int, step: int, stopped_by: str | None) -> None:
         """``final.safetensors`` (or ``final_weights.pt``) in the run directory, when training ends: not after a

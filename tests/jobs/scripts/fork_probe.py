@@ -5,14 +5,16 @@ line: whether ``torch._dynamo`` is already imported (it is only in a worker fork
 preloaded it), its parent, session, arguments, directory, rank variables and threads; then a first draw of
 python's, numpy's and torch's generators, unseeded; and rank 0 what it reads on its standard input. At the end
 three things that a process must finish before it exits, each writing ``DIR/rank<R>.<what>``: an ``atexit``
-handler, a non-daemon thread, and a task left in a ``ThreadPoolExecutor``. MODE:
+handler, a non-daemon thread, and a task left in a ``ThreadPoolExecutor`` (the last two 0.3 s after the script
+ended). Each process that runs a rank's script adds a line to ``DIR/rank<R>.starts``. MODE:
 
 - ``end`` (default): exit 0;
 - ``exit3``: ``sys.exit(3)`` on rank 0, 0 on the others;
 - ``message``: ``sys.exit("a message")`` on rank 0 (status 1, the message on standard error);
 - ``kill-first``: in the first attempt rank 1 kills itself with SIGKILL once both ranks wrote their files;
   later attempts end normally;
-- ``kill-server-first``: the same, after rank 1 has SIGKILLed the job's fork server (as the OOM killer might).
+- ``kill-server-first``: the same, after rank 1 has SIGKILLed the job's fork server (as the OOM killer might);
+- ``hold``: wait until killed (at most 120 s).
 """
 
 import os
@@ -26,6 +28,7 @@ import json  # noqa: E402
 import random  # noqa: E402
 import signal  # noqa: E402
 import threading  # noqa: E402
+import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy  # noqa: E402
@@ -46,7 +49,12 @@ found = {
     "sigint_is_python_default": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
     "stdin": sys.stdin.read() if rank == 0 else None,
     "attempt": attempt,
+    "probe_variable": os.environ.get("FORK_PROBE_VARIABLE"),  # set in the launcher's environment by the test
+    "rank_variables": [os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")],
 }
+with open(folder / f"rank{rank}.starts", "a") as starts:  # one line per process that ran this rank's script
+    starts.write(f"{os.getpid()} {attempt}\n")
+print(f"rank {rank} to standard output", flush=True)
 (folder / f"rank{rank}.attempt{attempt}.json").write_text(json.dumps(found))
 
 
@@ -54,11 +62,18 @@ def mark(what: str) -> None:
     (folder / f"rank{rank}.attempt{attempt}.{what}").write_text("done")
 
 
+def after_a_while(what: str) -> None:
+    """Work that takes a while once the script has ended: only a process that waits for it at its end marks it."""
+    finish.wait()
+    time.sleep(0.3)
+    mark(what)
+
+
 atexit.register(mark, "atexit")
 finish = threading.Event()
-threading.Thread(target=lambda: finish.wait() and mark("thread")).start()  # not a daemon: joined at exit
+threading.Thread(target=after_a_while, args=("thread",)).start()  # not a daemon: joined at exit
 pool = concurrent.futures.ThreadPoolExecutor(1)
-pool.submit(lambda: finish.wait() and mark("executor"))  # the pool is never shut down by the script
+pool.submit(after_a_while, "executor")  # the pool is never shut down by the script
 if mode in ("kill-first", "kill-server-first") and attempt == 0 and rank == 1:
     while not (folder / "rank0.attempt0.json").exists():  # both ranks have started
         threading.Event().wait(0.01)
@@ -70,6 +85,8 @@ if mode in ("kill-first", "kill-server-first") and attempt == 0 and rank == 1:
     os.kill(os.getpid(), signal.SIGKILL)
 finish.set()
 
+if mode == "hold":
+    threading.Event().wait(120)
 if mode == "exit3" and rank == 0:
     sys.exit(3)
 if mode == "message" and rank == 0:
