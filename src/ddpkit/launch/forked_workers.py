@@ -217,8 +217,9 @@ def _standard_files(handler: Any) -> tuple[list[int], list[int]]:
     files, opened = [0, 1, 2], []
     logs = {1: getattr(handler, "_stdout", None), 2: getattr(handler, "_stderr", None)}
     for i in range(3):
-        if logs.get(i) is not None:
-            files[i] = logs[i].fileno()
+        log = logs.get(i)
+        if log is not None:
+            files[i] = log.fileno()
             continue
         try:
             inherited = os.get_inheritable(i)  # not: one of this process's own (a socket that took a closed fd 0)

@@ -46,9 +46,10 @@ def no_sync(model: nn.Module) -> AbstractContextManager[Any]:
     loop: the backward passes of all micro-batches but a step's last run under it, so the gradients are
     all-reduced once per step. :func:`prepare_model` returns the bare module in a world of one, which has no
     ``no_sync``; with this the same loop runs there."""
-    while not isinstance(model, DDP) and hasattr(model, "_orig_mod"):  # torch.compile's OptimizedModule
-        model = model._orig_mod
-    return model.no_sync() if isinstance(model, DDP) else nullcontext()
+    inner: Any = model
+    while not isinstance(inner, DDP) and hasattr(inner, "_orig_mod"):  # torch.compile's OptimizedModule
+        inner = inner._orig_mod
+    return inner.no_sync() if isinstance(inner, DDP) else nullcontext()
 
 
 def unwrap(model: nn.Module) -> nn.Module:
