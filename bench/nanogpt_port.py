@@ -101,21 +101,29 @@ def nanogpt_lr(it: int, a: argparse.Namespace) -> float:
     return a.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (a.learning_rate - a.min_lr)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse_arguments(description: str, out_dir: str, out_help: str) -> argparse.Namespace:
+    """The options of both ports: the checkout, the data folder, the output and nanoGPT's keys."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--nanogpt", required=True, help=f"a nanoGPT checkout ({GET_NANOGPT})")
     p.add_argument("--data", required=True, help="a nanoGPT data folder: train.bin, val.bin, meta.pkl")
-    p.add_argument("--out_dir", default="out", help="where rank 0 writes ckpt.pt at each evaluation after the first")
+    p.add_argument("--out_dir", default=out_dir, help=out_help)
     add_hyper_parameters(p)
-    a = p.parse_args()
+    return p.parse_args()
 
-    rt = ddpkit.init()  # torchrun's variables: rank, world size, device (cuda:LOCAL_RANK or the CPU), backend
-    if a.gradient_accumulation_steps % rt.world_size:
+
+def micro_batches_per_rank(a: argparse.Namespace, world_size: int) -> int:
+    """nanoGPT's ``gradient_accumulation_steps`` counts micro-batches over all ranks; a rank runs its share."""
+    if a.gradient_accumulation_steps % world_size:
         raise SystemExit(
-            f"--gradient_accumulation_steps={a.gradient_accumulation_steps}: not a multiple of the "
-            f"{rt.world_size} ranks"
+            f"--gradient_accumulation_steps={a.gradient_accumulation_steps}: not a multiple of the {world_size} ranks"
         )
-    accum = a.gradient_accumulation_steps // rt.world_size  # micro-batches per rank
+    return a.gradient_accumulation_steps // world_size
+
+
+def main() -> None:
+    a = parse_arguments(__doc__.split("\n")[0], "out", "where rank 0 writes ckpt.pt at each evaluation after the first")
+    rt = ddpkit.init()  # torchrun's variables: rank, world size, device (cuda:LOCAL_RANK or the CPU), backend
+    accum = micro_batches_per_rank(a, rt.world_size)
     # 1337 + rank, as nanoGPT: the ranks draw different batches. Their initial weights differ too, until DDP
     # replaces them with rank 0's when prepare_model wraps the model.
     ddpkit.seed_everything(1337, per_rank=True)

@@ -13,13 +13,12 @@ nanoGPT's line, ``iter N: loss X, time Yms``, on rank 0, so that ``bench/nanogpt
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 
 import numpy as np
 import torch
-from nanogpt_port import GET_NANOGPT, add_hyper_parameters, build_gpt, nanogpt_lr
+from nanogpt_port import build_gpt, micro_batches_per_rank, nanogpt_lr, parse_arguments
 from torch.utils.data import Dataset
 
 import ddpkit
@@ -54,19 +53,9 @@ class IterationLines(ddpkit.Callback):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--nanogpt", required=True, help=f"a nanoGPT checkout ({GET_NANOGPT})")
-    p.add_argument("--data", required=True, help="a nanoGPT data folder: train.bin, val.bin, meta.pkl")
-    p.add_argument("--out_dir", default="runs/nanogpt", help="the Trainer's run directory")
-    add_hyper_parameters(p)
-    a = p.parse_args()
-
+    a = parse_arguments(__doc__.split("\n")[0], "runs/nanogpt", "the Trainer's run directory")
     rt = ddpkit.init()
-    if a.gradient_accumulation_steps % rt.world_size:
-        raise SystemExit(
-            f"--gradient_accumulation_steps={a.gradient_accumulation_steps}: not a multiple of the "
-            f"{rt.world_size} ranks"
-        )
+    accum = micro_batches_per_rank(a, rt.world_size)
     ddpkit.seed_everything(1337)  # the same initial weights as nanoGPT's (rank 0's, seeded 1337)
     gpt = build_gpt(a)
     optimizer = gpt.configure_optimizers(a.weight_decay, a.learning_rate, (a.beta1, a.beta2), rt.device.type)
@@ -76,7 +65,7 @@ def main() -> None:
         run_dir=a.out_dir,
         max_steps=a.max_iters + 1,  # nanoGPT's iterations 0..max_iters; the epoch is far longer
         batch_size=a.batch_size,  # per rank and micro-batch
-        grad_accum_steps=a.gradient_accumulation_steps // rt.world_size,  # per rank, where nanoGPT's is global
+        grad_accum_steps=accum,  # per rank, where nanoGPT's is global
         clip_grad_norm=a.grad_clip or None,
         scheduler_interval="step",
         num_workers=0,  # windows sliced from a memmap in the main process, as nanoGPT's get_batch
