@@ -322,17 +322,28 @@ def test_a_dataset_that_draws_nothing_is_not_seeded(monkeypatch):
         lambda: __import__("numpy").random.rand(),
         lambda: __import__("numpy").random.randint(0, 2**31, size=624),
         lambda: torch.rand(()),
-        lambda: torch.randn(()),
+        lambda: torch.randn(()),  # only the normal sample torch cached before the marks
+        lambda: torch.randn(3),
+        lambda: torch.randint(0, 2**31, (624,)),
+        lambda: torch.manual_seed(torch.initial_seed()),  # seeded again: the same seed, the position moved back
     ],
 )
-def test_draw_marks_see_every_draw_and_put_the_generators_back(draw):
+@pytest.mark.parametrize("views", ["found", "not found"])
+def test_draw_marks_see_every_draw_and_put_the_generators_back(draw, views, monkeypatch):
     import random
 
     import numpy as np
 
+    from ddpkit.distributed import seeding
     from ddpkit.distributed.seeding import draw_marks, drawn_since, rng_state, set_draw_marks
 
+    if views == "found":  # read in place, as laid out by this CPython, numpy and torch
+        draw_marks()
+        assert seeding._views is not None and all(view is not None for view in seeding._views)
+    else:  # another layout: read through getstate/get_state
+        monkeypatch.setattr(seeding, "_views", (None, None, np.random.mtrand._rand._bit_generator, None))
     random.gauss(0, 1)  # a cached normal in python's generator
+    torch.randn(())  # and in torch's
     marks, full = draw_marks(), rng_state()
     assert not drawn_since(marks)
     first = draw()

@@ -43,7 +43,7 @@ class SampleSeeder:
 
     Seeding python, numpy and torch before every sample costs ~15 to 40 us a sample, and most datasets draw
     nothing (a list of tensors, a decoded file without augmentation). So a batch is first read as it is, with
-    the generators' states compared around it (:func:`~ddpkit.distributed.seeding.draw_marks`, ~5 us a batch).
+    the generators' states compared around it (:func:`~ddpkit.distributed.seeding.draw_marks`, ~2 to 4 us a batch).
     If nothing drew, that is the batch. If a sample drew, the generators are put back and the batch is read again
     with each sample seeded from ``(seed, epoch, index)``, and from then on this process seeds every sample
     (a dataset that draws once draws again). Either way each draw a sample makes is the seeded one: a sample

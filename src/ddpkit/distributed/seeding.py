@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import random
 import struct
@@ -144,12 +143,15 @@ def set_loading_rng_state(state: tuple[Any, ...]) -> None:
 # A loader seeds a sample's generators only when the sample draws, and finds out by comparing the generators'
 # states around each batch; that comparison is on the path of every step, at a few microseconds' budget.
 # numpy's get_state copies its 624 words into a new array and a dict (~10-50 us), python's getstate builds a
-# tuple of 625 ints (~5-15 us). Both Mersenne Twisters are read instead as the bytes of their state structs:
-# numpy's through its bit generator's documented ctypes address; python's at its object's address, as CPython
-# lays it out (an int index, then 624 words, after the object header). Each view is checked once per process
-# against getstate/get_state, and where it does not match (another layout, another interpreter) those are used.
+# tuple of 625 ints (~5-15 us), torch's get_state a 5 KiB tensor in a legacy layout. The three Mersenne Twisters
+# are read instead as the bytes of their state structs: numpy's through its bit generator's documented ctypes
+# address; python's at its object's address, as CPython lays it out (an int index, then 624 words, after the
+# object header); torch's in its CPUGeneratorImpl, reached through the generator object's pointer to it (the
+# engine's seed, position and 624 words, then the two cached normal samples). Each view is checked once per
+# process against getstate/get_state, torch's also by drawing and putting the state back through the view, and
+# where one does not match (another layout, another interpreter, another torch) getstate/get_state are used.
 
-_views: tuple[Any, Any, Any] | None = None  # python's view, numpy's view, numpy's bit generator
+_views: tuple[Any, Any, Any, Any] | None = None  # python's view, numpy's view, numpy's bit generator, torch's view
 
 
 def _view(address: int, want: bytes) -> Any:
@@ -163,7 +165,71 @@ def _view(address: int, want: bytes) -> Any:
     return view if view.raw == want else None
 
 
-def _make_views() -> tuple[Any, Any, Any]:
+_MT_WORDS = 624
+# torch's CPUGeneratorImplState (what get_state returns): seed (u64), left (i32), seeded (i32), next (u64), the
+# 624 words as u64, normal_x, normal_y, normal_rho (f64), normal_is_valid (i32), then the float normal sample
+# (f32) and whether it is valid (bool). normal_y holds the cached double normal sample.
+_TORCH_LEGACY = struct.Struct(f"=QiiQ{_MT_WORDS}QdddixxxxfBxxx")
+# The engine in CPUGeneratorImpl (at::mt19937_data_pod): seed (u64), left (i32), seeded (bool), next (u32), the
+# words (u32), then std::optional<float> and std::optional<double> (a value, then a flag).
+_TORCH_ENGINE = struct.Struct(f"=Qi?xxxI{_MT_WORDS}I")
+_TORCH_FLOAT_AT = -(-_TORCH_ENGINE.size // 8) * 8  # after the engine padded to its 8-byte alignment: value, flag
+_TORCH_DOUBLE_AT = _TORCH_FLOAT_AT + 8  # optional<double>: 8-byte value, flag
+_TORCH_SIZE = _TORCH_DOUBLE_AT + 16
+
+
+def _torch_state_matches(view: Any) -> bool:
+    """The bytes of ``view`` hold what ``torch.default_generator.get_state()`` says, field by field."""
+    legacy = _TORCH_LEGACY.unpack(bytes(torch.default_generator.get_state().numpy()))
+    seed, left, seeded, nxt, *words = legacy[: 4 + _MT_WORDS]
+    normal_y, normal_valid, float_sample, float_valid = legacy[4 + _MT_WORDS + 1], *legacy[-3:]
+    raw = view.raw
+    if _TORCH_ENGINE.unpack_from(raw) != (seed, left, bool(seeded), nxt, *words):
+        return False
+    (has_float,) = struct.unpack_from("=?", raw, _TORCH_FLOAT_AT + 4)
+    double, has_double = struct.unpack_from("=d?", raw, _TORCH_DOUBLE_AT)
+    if has_float != bool(float_valid) or has_double != bool(normal_valid):
+        return False
+    if has_float and struct.unpack_from("=f", raw, _TORCH_FLOAT_AT)[0] != float_sample:
+        return False
+    return not has_double or double == normal_y
+
+
+def _torch_view() -> Any:
+    """A view of the default CPU generator's state in its CPUGeneratorImpl, or None where it is not found."""
+    import ctypes
+
+    generator = torch.default_generator
+    # THPGenerator: the object header, then at::Generator, one intrusive pointer to the CPUGeneratorImpl.
+    impl = ctypes.c_void_p.from_address(id(generator) + object.__basicsize__).value
+    start = torch.default_generator.get_state()
+    words = struct.pack(f"={_MT_WORDS}I", *_TORCH_LEGACY.unpack(bytes(start.numpy()))[4 : 4 + _MT_WORDS])
+    if not impl:
+        return None
+    # The engine lies within the first few hundred bytes of the object, which is larger than the words alone:
+    # reading 512 bytes from its start stays inside it.
+    head = (ctypes.c_char * 512).from_address(impl).raw
+    at = next((a for a in range(20, 512 - 8, 4) if head[a : a + 8] == words[:8]), None)
+    if at is None or _view(impl + at, words) is None:
+        return None
+    view: Any = (ctypes.c_char * _TORCH_SIZE).from_address(impl + at - 20)  # the engine's seed, 20 bytes before
+    try:
+        # Every field where get_state says it is, with no normal sample cached, then with one (torch.randn of
+        # one element draws a pair and caches the second), then with it used; and the state put back through the
+        # view is get_state's again. The state is restored through torch at the end whatever happened.
+        before = view.raw
+        checks = [_torch_state_matches(view)]
+        for _ in range(2):
+            torch.randn(())
+            checks.append(_torch_state_matches(view) and view.raw != before)
+        ctypes.memmove(view, before, _TORCH_SIZE)
+        checks.append(torch.equal(torch.default_generator.get_state(), start))
+    finally:
+        torch.default_generator.set_state(start)
+    return view if all(checks) else None
+
+
+def _make_views() -> tuple[Any, Any, Any, Any]:
     global _views
     inst = random._inst  # the generator behind random.random() & co.
     words = random.getstate()[1]
@@ -176,14 +242,13 @@ def _make_views() -> tuple[Any, Any, Any]:
         if kind == "MT19937":
             want = keys.astype(f"={keys.dtype.char}").tobytes() + int(pos).to_bytes(4, sys.byteorder, signed=True)
             numpy = _view(bit_generator.ctypes.state_address, want)
-    _views = (python, numpy, bit_generator)
+    _views = (python, numpy, bit_generator, _torch_view())
     return _views
 
 
 def draw_marks() -> tuple[Any, ...]:
-    """The states of the generators :func:`seed_sample` seeds, cheap to take (~2 us in all on the CI machine,
-    ~10 us right after a training step has emptied the caches) and to compare with :func:`drawn_since`, and
-    restorable with :func:`set_draw_marks`.
+    """The states of the generators :func:`seed_sample` seeds, cheap to take (~1 us in all on the CI machine)
+    and to compare with :func:`drawn_since`, and restorable with :func:`set_draw_marks`.
 
     numpy's legacy generator keeps the second of a pair of normal draws apart from its Mersenne Twister words;
     that cache is not part of the marks: a batch whose only draw is a cached normal left by an earlier draw
@@ -192,48 +257,34 @@ def draw_marks() -> tuple[Any, ...]:
     views = _views
     if views is None or (np is not None and np.random.mtrand._rand._bit_generator is not views[2]):
         views = _make_views()
-    python, numpy, _ = views
+    python, numpy, _, cpu = views
     py = (python.raw, random._inst.gauss_next) if python is not None else random.getstate()  # type: ignore[attr-defined]
     npy = numpy.raw if numpy is not None else (np.random.get_state() if np is not None else None)
     cuda = torch.cuda.get_rng_state() if _cuda_in_use() else None
-    return py, npy, torch.default_generator.get_state(), cuda
-
-
-def _same_bytes(a: int, b: Any, size: int) -> bool:
-    """``size`` bytes at address ``a`` equal those of ``b`` (an address or a bytes object), compared in place:
-    copies of the states (5 KiB for torch's) cost more than the comparison on the path of every step."""
-    return _memcmp()(a, b, size) == 0
-
-
-@functools.cache
-def _memcmp() -> Any:
-    import ctypes
-
-    memcmp = ctypes.CDLL(None).memcmp
-    memcmp.argtypes, memcmp.restype = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t), ctypes.c_int
-    return memcmp
+    return py, npy, cpu.raw if cpu is not None else torch.default_generator.get_state(), cuda
 
 
 def drawn_since(marks: tuple[Any, ...]) -> bool:
     """True when a generator :func:`draw_marks` covers has drawn since ``marks`` were taken."""
-    import ctypes
-
     py, npy, cpu, cuda = marks
-    python, numpy, bit_generator = _views or _make_views()
+    python, numpy, bit_generator, cpu_view = _views or _make_views()
+    # Each .raw is a copy of ~2.5 KiB (~0.1 us); a call into memcmp through ctypes would cost more than that.
     if isinstance(py[0], bytes):
-        if random._inst.gauss_next != py[1] or not _same_bytes(ctypes.addressof(python), py[0], len(py[0])):  # type: ignore[attr-defined]
+        if random._inst.gauss_next != py[1] or python.raw != py[0]:  # type: ignore[attr-defined]
             return True
     elif random.getstate() != py:
         return True
-    now_cpu = torch.default_generator.get_state()
-    if not _same_bytes(now_cpu.data_ptr(), cpu.data_ptr(), cpu.numel()):
+    if isinstance(cpu, bytes):
+        if cpu_view.raw != cpu:
+            return True
+    elif not torch.equal(torch.default_generator.get_state(), cpu):
         return True
     if cuda is not None and (not _cuda_in_use() or not torch.equal(cuda, torch.cuda.get_rng_state())):
         return True
     if isinstance(npy, bytes):
         if np.random.mtrand._rand._bit_generator is not bit_generator:  # replaced: not the generator marked
             return True
-        return not _same_bytes(ctypes.addressof(numpy), npy, len(npy))
+        return numpy.raw != npy
     return npy is not None and not all(np.array_equal(a, b) for a, b in zip(npy, np.random.get_state()))
 
 
@@ -242,7 +293,7 @@ def set_draw_marks(marks: tuple[Any, ...]) -> None:
     import ctypes
 
     py, npy, cpu, cuda = marks
-    python, numpy, _ = _views or _make_views()
+    python, numpy, _, cpu_view = _views or _make_views()
     if isinstance(py[0], bytes):
         ctypes.memmove(ctypes.addressof(python), py[0], len(py[0]))
         random._inst.gauss_next = py[1]  # type: ignore[attr-defined]  # set by random.gauss(), not in the stubs
@@ -252,6 +303,9 @@ def set_draw_marks(marks: tuple[Any, ...]) -> None:
         ctypes.memmove(ctypes.addressof(numpy), npy, len(npy))
     elif npy is not None:
         np.random.set_state(npy)
-    torch.default_generator.set_state(cpu)
+    if isinstance(cpu, bytes):
+        ctypes.memmove(ctypes.addressof(cpu_view), cpu, len(cpu))
+    else:
+        torch.default_generator.set_state(cpu)
     if cuda is not None:
         torch.cuda.set_rng_state(cuda)
