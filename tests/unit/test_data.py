@@ -338,7 +338,8 @@ def test_draw_marks_see_every_draw_and_put_the_generators_back(draw, views, monk
     from ddpkit.distributed.seeding import draw_marks, drawn_since, rng_state, set_draw_marks
 
     if views == "found":  # read in place, as laid out by this CPython, numpy and torch
-        draw_marks()
+        with torch.device("meta"):  # a script's default device: the views are still checked on the CPU
+            draw_marks()
         assert seeding._views is not None and all(view is not None for view in seeding._views)
     else:  # another layout: read through getstate/get_state
         monkeypatch.setattr(seeding, "_views", (None, None, np.random.mtrand._rand._bit_generator, None))

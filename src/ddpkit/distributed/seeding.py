@@ -200,10 +200,12 @@ def _torch_view() -> Any:
     import ctypes
 
     generator = torch.default_generator
+    start = generator.get_state()
+    if start.numel() != _TORCH_LEGACY.size:  # not the Mersenne Twister generator this layout describes
+        return None
+    words = struct.pack(f"={_MT_WORDS}I", *_TORCH_LEGACY.unpack(bytes(start.numpy()))[4 : 4 + _MT_WORDS])
     # THPGenerator: the object header, then at::Generator, one intrusive pointer to the CPUGeneratorImpl.
     impl = ctypes.c_void_p.from_address(id(generator) + object.__basicsize__).value
-    start = torch.default_generator.get_state()
-    words = struct.pack(f"={_MT_WORDS}I", *_TORCH_LEGACY.unpack(bytes(start.numpy()))[4 : 4 + _MT_WORDS])
     if not impl:
         return None
     # The engine lies within the first few hundred bytes of the object, which is larger than the words alone:
@@ -214,18 +216,18 @@ def _torch_view() -> Any:
         return None
     view: Any = (ctypes.c_char * _TORCH_SIZE).from_address(impl + at - 20)  # the engine's seed, 20 bytes before
     try:
-        # Every field where get_state says it is, with no normal sample cached, then with one (torch.randn of
-        # one element draws a pair and caches the second), then with it used; and the state put back through the
-        # view is get_state's again. The state is restored through torch at the end whatever happened.
+        # Every field where get_state says it is, now and after each of two one-element normal draws (one draws
+        # a pair and caches the second, the other uses the cached one); and the state put back through the view
+        # is get_state's again. The state is restored through torch at the end whatever happened.
         before = view.raw
         checks = [_torch_state_matches(view)]
-        for _ in range(2):
-            torch.randn(())
+        for _ in range(2):  # on this generator whatever default device or dtype the script has set
+            torch.randn((), generator=generator, device="cpu", dtype=torch.float32)
             checks.append(_torch_state_matches(view) and view.raw != before)
         ctypes.memmove(view, before, _TORCH_SIZE)
-        checks.append(torch.equal(torch.default_generator.get_state(), start))
+        checks.append(torch.equal(generator.get_state(), start))
     finally:
-        torch.default_generator.set_state(start)
+        generator.set_state(start)
     return view if all(checks) else None
 
 
