@@ -308,6 +308,17 @@ def test_a_dataset_that_draws_nothing_is_not_seeded(monkeypatch):
 
     batches = list(ddpkit.build_loader(Plain(), 3, num_workers=0))
     assert len(batches) == 8 and seeded == []  # ~15-40 us a sample saved
+
+    class PutsBack(Plain):  # moves torch's generator and puts it back: its state is what it was
+        def __getitem__(self, i: int):
+            with torch.random.fork_rng():
+                torch.rand(())
+            return self.data[i]
+
+    torch.randn(())
+    torch.randn(())  # a normal sample cached and used: its stale value is in the generator, set_state's differs
+    list(ddpkit.build_loader(PutsBack(), 3, num_workers=0))
+    assert seeded == []
     # Control: a dataset that draws is seeded, every sample once (its first batch, read unseeded, drew: read again).
     list(ddpkit.build_loader(Noisy(), 3, num_workers=0))
     assert sorted(index for _, _, index in seeded) == list(range(24))
@@ -325,7 +336,7 @@ def test_a_dataset_that_draws_nothing_is_not_seeded(monkeypatch):
         lambda: torch.randn(()),  # only the normal sample torch cached before the marks
         lambda: torch.randn(3),
         lambda: torch.randint(0, 2**31, (624,)),
-        lambda: torch.manual_seed(torch.initial_seed()),  # seeded again: the same seed, the position moved back
+        lambda: torch.manual_seed(torch.initial_seed()) and None,  # seeded again: the position moved back
     ],
 )
 @pytest.mark.parametrize("views", ["found", "not found"])
@@ -354,4 +365,67 @@ def test_draw_marks_see_every_draw_and_put_the_generators_back(draw, views, monk
     after = rng_state()
     assert after["python"] == full["python"] and torch.equal(after["torch"], full["torch"])
     assert all(np.array_equal(a, b) for a, b in zip(after["numpy"][1:3], full["numpy"][1:3]))
-    assert np.array_equal(np.asarray(draw()), np.asarray(first))  # the same draw again: the same state
+    if first is not None:
+        assert np.array_equal(np.asarray(draw()), np.asarray(first))  # the same draw again: the same state
+
+
+def _nothing_drawn_in_fork_rng() -> None:
+    with torch.random.fork_rng():
+        pass
+
+
+@pytest.mark.parametrize(
+    "put_back",
+    [
+        lambda: torch.set_rng_state(torch.get_rng_state()),
+        _nothing_drawn_in_fork_rng,
+        lambda: __import__("random").setstate(__import__("random").getstate()),
+        lambda: __import__("numpy").random.set_state(__import__("numpy").random.get_state()),
+    ],
+)
+def test_draw_marks_see_no_draw_where_a_state_is_set_to_itself(put_back):
+    from ddpkit.distributed.seeding import draw_marks, drawn_since
+
+    for _ in range(20):  # set_state writes its stack's bytes where no normal sample is cached: different each time
+        torch.randn(())
+        torch.randn(())  # a normal sample cached, then used: its stale value stays in the generator
+        marks = draw_marks()
+        put_back()
+        assert not drawn_since(marks)
+
+
+def _torch_state_with(float_sample: float | None, double_sample: float | None) -> torch.Tensor:
+    """torch's CPU generator state as now, with these normal samples cached (None: none)."""
+    from ddpkit.distributed.seeding import _TORCH_LEGACY
+
+    legacy = list(_TORCH_LEGACY.unpack(bytes(torch.get_rng_state().numpy())))
+    legacy[-5:] = [double_sample or 0.0, 0.0, double_sample is not None, float_sample or 0.0, float_sample is not None]
+    return torch.frombuffer(bytearray(_TORCH_LEGACY.pack(*legacy)), dtype=torch.uint8)
+
+
+def test_draw_marks_see_a_cached_float_normal_sample_used_and_put_it_back():
+    """No operator of torch's caches a float normal sample today; a state that holds one is set instead."""
+    from ddpkit.distributed.seeding import draw_marks, drawn_since, set_draw_marks
+
+    cached = _torch_state_with(1.25, None)
+    torch.set_rng_state(cached)
+    marks = draw_marks()
+    torch.set_rng_state(_torch_state_with(None, None))  # the float sample used
+    assert drawn_since(marks)
+    set_draw_marks(marks)
+    assert torch.equal(torch.get_rng_state(), cached)
+
+
+@pytest.mark.parametrize(
+    ("field", "shift"), [("_TORCH_FLOAT_AT", 8), ("_TORCH_DOUBLE_AT", -8), ("_TORCH_DOUBLE_AT", 8)]
+)
+def test_a_torch_layout_other_than_the_one_found_is_not_used(field, shift, monkeypatch):
+    """Control of the view's check: a cached sample looked for 8 bytes off is refused, the state left as it was."""
+    from ddpkit.distributed import seeding
+
+    torch.randn(())
+    before = torch.get_rng_state()
+    assert seeding._torch_view() is not None
+    monkeypatch.setattr(seeding, field, getattr(seeding, field) + shift)
+    assert seeding._torch_view() is None
+    assert torch.equal(torch.get_rng_state(), before)

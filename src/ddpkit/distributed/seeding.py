@@ -178,33 +178,42 @@ _TORCH_DOUBLE_AT = _TORCH_FLOAT_AT + 8  # optional<double>: 8-byte value, flag
 _TORCH_SIZE = _TORCH_DOUBLE_AT + 16
 
 
-def _torch_state_matches(view: Any) -> bool:
-    """The bytes of ``view`` hold what ``torch.default_generator.get_state()`` says, field by field."""
-    legacy = _TORCH_LEGACY.unpack(bytes(torch.default_generator.get_state().numpy()))
-    seed, left, seeded, nxt, *words = legacy[: 4 + _MT_WORDS]
-    normal_y, normal_valid, float_sample, float_valid = legacy[4 + _MT_WORDS + 1], *legacy[-3:]
-    raw = view.raw
-    if _TORCH_ENGINE.unpack_from(raw) != (seed, left, bool(seeded), nxt, *words):
-        return False
-    (has_float,) = struct.unpack_from("=?", raw, _TORCH_FLOAT_AT + 4)
-    double, has_double = struct.unpack_from("=d?", raw, _TORCH_DOUBLE_AT)
-    if has_float != bool(float_valid) or has_double != bool(normal_valid):
-        return False
-    if has_float and struct.unpack_from("=f", raw, _TORCH_FLOAT_AT)[0] != float_sample:
-        return False
-    return not has_double or double == normal_y
+def _torch_state(raw: bytes) -> torch.Tensor:
+    """The ``get_state()`` tensor of the generator whose view's bytes are ``raw``: set_state takes it (under the
+    generator's lock, checking the engine is valid), so the view itself is never written to."""
+    seed, left, seeded, nxt, *words = _TORCH_ENGINE.unpack_from(raw)
+    float_sample, has_float = struct.unpack_from("=f?", raw, _TORCH_FLOAT_AT)
+    double_sample, has_double = struct.unpack_from("=d?", raw, _TORCH_DOUBLE_AT)
+    legacy = _TORCH_LEGACY.pack(
+        *(seed, left, int(seeded), nxt, *words),
+        *(0.0, double_sample if has_double else 0.0, 0.0, int(has_double)),  # normal_x, normal_y, normal_rho, valid
+        *(float_sample if has_float else 0.0, int(has_float)),
+    )
+    return torch.frombuffer(bytearray(legacy), dtype=torch.uint8)
+
+
+def _torch_key(raw: bytes) -> tuple[Any, ...]:
+    """What get_state reads of the view's bytes: not the padding, nor the value of a normal sample not cached,
+    which set_state and manual_seed overwrite with whatever their stack held."""
+    f, d = _TORCH_FLOAT_AT, _TORCH_DOUBLE_AT
+    return raw[:13], raw[16:f], raw[f + 4] and raw[f : f + 4], raw[d + 8] and raw[d : d + 8]
 
 
 def _torch_view() -> Any:
     """A view of the default CPU generator's state in its CPUGeneratorImpl, or None where it is not found."""
     import ctypes
 
-    generator = torch.default_generator
+    generator = torch._C.default_generator  # the one torch draws from, whatever a script binds to torch's name
+    if type(generator) is not torch._C.Generator or generator.device.type != "cpu":
+        return None
     start = generator.get_state()
     if start.numel() != _TORCH_LEGACY.size:  # not the Mersenne Twister generator this layout describes
         return None
     words = struct.pack(f"={_MT_WORDS}I", *_TORCH_LEGACY.unpack(bytes(start.numpy()))[4 : 4 + _MT_WORDS])
-    # THPGenerator: the object header, then at::Generator, one intrusive pointer to the CPUGeneratorImpl.
+    # THPGenerator: the object header, at::Generator (one intrusive pointer to the CPUGeneratorImpl), then the
+    # weak reference list; a layout with anything else there is not read at all.
+    if type(generator).__weakrefoffset__ != object.__basicsize__ + struct.calcsize("P"):
+        return None
     impl = ctypes.c_void_p.from_address(id(generator) + object.__basicsize__).value
     if not impl:
         return None
@@ -215,17 +224,27 @@ def _torch_view() -> Any:
     if at is None or _view(impl + at, words) is None:
         return None
     view: Any = (ctypes.c_char * _TORCH_SIZE).from_address(impl + at - 20)  # the engine's seed, 20 bytes before
+
+    def matches() -> bool:
+        return torch.equal(_torch_state(view.raw), generator.get_state())
+
     try:
-        # Every field where get_state says it is, now and after each of two one-element normal draws (one draws
-        # a pair and caches the second, the other uses the cached one); and the state put back through the view
-        # is get_state's again. The state is restored through torch at the end whatever happened.
-        before = view.raw
-        checks = [_torch_state_matches(view)]
+        # Every field where get_state says it is: now, after each of two one-element normal draws (one draws a
+        # pair and caches the second, the other uses the cached one), and with both cached samples set (no
+        # operator of torch's caches a float sample: a state is set that holds one).
+        checks = [matches()]
         for _ in range(2):  # on this generator whatever default device or dtype the script has set
             torch.randn((), generator=generator, device="cpu", dtype=torch.float32)
-            checks.append(_torch_state_matches(view) and view.raw != before)
-        ctypes.memmove(view, before, _TORCH_SIZE)
-        checks.append(torch.equal(generator.get_state(), start))
+            checks.append(matches())
+        legacy = list(_TORCH_LEGACY.unpack(bytes(start.numpy())))
+        legacy[-5:] = [-0.75, 0.0, 1, 1.25, 1]  # normal_y, normal_rho, normal valid, float sample, float valid
+        cached = torch.frombuffer(bytearray(_TORCH_LEGACY.pack(*legacy)), dtype=torch.uint8)
+        generator.set_state(cached)
+        checks.append(matches() and _torch_key(view.raw)[2:] == (struct.pack("=f", 1.25), struct.pack("=d", -0.75)))
+        generator.set_state(_torch_state(view.raw))
+        checks.append(torch.equal(generator.get_state(), cached))
+    except (struct.error, RuntimeError):  # fields outside the view; set_state refusing an invalid engine
+        return None
     finally:
         generator.set_state(start)
     return view if all(checks) else None
@@ -263,7 +282,7 @@ def draw_marks() -> tuple[Any, ...]:
     py = (python.raw, random._inst.gauss_next) if python is not None else random.getstate()  # type: ignore[attr-defined]
     npy = numpy.raw if numpy is not None else (np.random.get_state() if np is not None else None)
     cuda = torch.cuda.get_rng_state() if _cuda_in_use() else None
-    return py, npy, cpu.raw if cpu is not None else torch.default_generator.get_state(), cuda
+    return py, npy, cpu.raw if cpu is not None else torch._C.default_generator.get_state(), cuda
 
 
 def drawn_since(marks: tuple[Any, ...]) -> bool:
@@ -277,9 +296,10 @@ def drawn_since(marks: tuple[Any, ...]) -> bool:
     elif random.getstate() != py:
         return True
     if isinstance(cpu, bytes):
-        if cpu_view.raw != cpu:
+        now = cpu_view.raw
+        if now != cpu and _torch_key(now) != _torch_key(cpu):  # the same bytes: the same state, at ~0.2 us
             return True
-    elif not torch.equal(torch.default_generator.get_state(), cpu):
+    elif not torch.equal(torch._C.default_generator.get_state(), cpu):
         return True
     if cuda is not None and (not _cuda_in_use() or not torch.equal(cuda, torch.cuda.get_rng_state())):
         return True
@@ -295,7 +315,7 @@ def set_draw_marks(marks: tuple[Any, ...]) -> None:
     import ctypes
 
     py, npy, cpu, cuda = marks
-    python, numpy, _, cpu_view = _views or _make_views()
+    python, numpy, _, _ = _views or _make_views()
     if isinstance(py[0], bytes):
         ctypes.memmove(ctypes.addressof(python), py[0], len(py[0]))
         random._inst.gauss_next = py[1]  # type: ignore[attr-defined]  # set by random.gauss(), not in the stubs
@@ -305,9 +325,6 @@ def set_draw_marks(marks: tuple[Any, ...]) -> None:
         ctypes.memmove(ctypes.addressof(numpy), npy, len(npy))
     elif npy is not None:
         np.random.set_state(npy)
-    if isinstance(cpu, bytes):
-        ctypes.memmove(ctypes.addressof(cpu_view), cpu, len(cpu))
-    else:
-        torch.default_generator.set_state(cpu)
+    torch._C.default_generator.set_state(_torch_state(cpu) if isinstance(cpu, bytes) else cpu)
     if cuda is not None:
         torch.cuda.set_rng_state(cuda)
