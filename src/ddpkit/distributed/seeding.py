@@ -148,8 +148,8 @@ def set_loading_rng_state(state: tuple[Any, ...]) -> None:
 # address; python's at its object's address, as CPython lays it out (an int index, then 624 words, after the
 # object header); torch's in its CPUGeneratorImpl, reached through the generator object's pointer to it (the
 # engine's seed, position and 624 words, then the two cached normal samples). Each view is checked once per
-# process against getstate/get_state, torch's also by drawing and putting the state back through the view, and
-# where one does not match (another layout, another interpreter, another torch) getstate/get_state are used.
+# process against getstate/get_state (torch's also after draws and with cached samples set), and where one does
+# not match (another layout, another interpreter, another torch) getstate/get_state are used.
 
 _views: tuple[Any, Any, Any, Any] | None = None  # python's view, numpy's view, numpy's bit generator, torch's view
 
@@ -268,8 +268,8 @@ def _make_views() -> tuple[Any, Any, Any, Any]:
 
 
 def draw_marks() -> tuple[Any, ...]:
-    """The states of the generators :func:`seed_sample` seeds, cheap to take (~1 us in all on the CI machine)
-    and to compare with :func:`drawn_since`, and restorable with :func:`set_draw_marks`.
+    """The states of the generators :func:`seed_sample` seeds, cheap to take (a few microseconds a batch, with
+    the comparison, on the CI machine) and to compare with :func:`drawn_since`, and restorable with :func:`set_draw_marks`.
 
     numpy's legacy generator keeps the second of a pair of normal draws apart from its Mersenne Twister words;
     that cache is not part of the marks: a batch whose only draw is a cached normal left by an earlier draw
