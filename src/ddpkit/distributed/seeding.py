@@ -209,7 +209,8 @@ def _torch_view() -> Any:
     start = generator.get_state()
     if start.numel() != _TORCH_LEGACY.size:  # not the Mersenne Twister generator this layout describes
         return None
-    words = struct.pack(f"={_MT_WORDS}I", *_TORCH_LEGACY.unpack(bytes(start.numpy()))[4 : 4 + _MT_WORDS])
+    legacy = list(_TORCH_LEGACY.unpack(bytes(start.numpy())))
+    words = struct.pack(f"={_MT_WORDS}I", *legacy[4 : 4 + _MT_WORDS])
     # THPGenerator: the object header, at::Generator (one intrusive pointer to the CPUGeneratorImpl), then the
     # weak reference list; a layout with anything else there is not read at all.
     if type(generator).__weakrefoffset__ != object.__basicsize__ + struct.calcsize("P"):
@@ -236,7 +237,6 @@ def _torch_view() -> Any:
         for _ in range(2):  # on this generator whatever default device or dtype the script has set
             torch.randn((), generator=generator, device="cpu", dtype=torch.float32)
             checks.append(matches())
-        legacy = list(_TORCH_LEGACY.unpack(bytes(start.numpy())))
         legacy[-5:] = [-0.75, 0.0, 1, 1.25, 1]  # normal_y, normal_rho, normal valid, float sample, float valid
         cached = torch.frombuffer(bytearray(_TORCH_LEGACY.pack(*legacy)), dtype=torch.uint8)
         generator.set_state(cached)

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ddpkit.launch.forkserver import MAX_MESSAGE, PRELOAD
+from ddpkit.launch.proctree import wait_exit
 
 READY_TIMEOUT = 300.0
 """Seconds the first worker waits for the server's imports before it is started as a new interpreter."""
@@ -57,21 +58,11 @@ class ForkedProcess:
         if self.poll() is not None:
             return self.returncode  # type: ignore[return-value]  # set by poll
         end = None if timeout is None else time.monotonic() + timeout
-        try:
-            fd = os.pidfd_open(self.pid)
-        except ProcessLookupError:  # exited and reaped in between: poll() has or had its status
-            return self.poll() or 0
-        except (OSError, AttributeError):  # no pidfds (a kernel before 5.3, a seccomp profile): poll
-            fd = None
-        if fd is not None:
-            try:
-                select.select([fd], [], [], timeout)
-            finally:
-                os.close(fd)
+        pidfd = wait_exit(self.pid, timeout) is not None  # None: no pidfds, poll
         while self.poll() is None:  # after a pidfd said it exited, at once
             if end is not None and time.monotonic() >= end:
                 raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
-            time.sleep(0.001 if fd is not None else 0.01)
+            time.sleep(0.001 if pidfd else 0.01)
         return self.returncode  # type: ignore[return-value]  # set by poll
 
     def send_signal(self, sig: int) -> None:

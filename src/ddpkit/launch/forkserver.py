@@ -58,7 +58,6 @@ import ctypes
 import importlib
 import json
 import os
-import select
 import signal
 import socket
 import struct
@@ -69,14 +68,14 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ddpkit.launch.proctree import parent_of, set_parent_death_signal, wait_exit
+
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "ddpkit.training.trainer")
 """Imported by the server before its first fork. ``torch._dynamo`` is what constructing an optimizer or DDP
 imports (1.0 s on the CI machine); the Trainer's modules bring torch's distributed checkpoint."""
 
 MAX_MESSAGE = 1 << 20
 """Largest request in bytes (a worker's environment and command line)."""
-
-_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
 def cuda_driver_initialised() -> bool:
@@ -210,21 +209,10 @@ def _wait_adopted(agent: int, deadline: float = 30.0) -> bool:
     its children were re-parented; where there are no pidfds (a kernel before 5.3, a seccomp profile that
     refuses them) the parent is polled."""
     parent = os.getppid()
-    if parent != agent:
-        try:
-            fd = os.pidfd_open(parent)
-        except ProcessLookupError:  # gone already: adopted by now
-            fd = None
-        except (OSError, AttributeError):
-            end = time.monotonic() + deadline
-            while os.getppid() == parent and time.monotonic() < end:
-                time.sleep(0.001)
-            fd = None
-        if fd is not None:
-            try:
-                select.select([fd], [], [], deadline)
-            finally:
-                os.close(fd)
+    if parent != agent and wait_exit(parent, deadline) is None:
+        end = time.monotonic() + deadline
+        while os.getppid() == parent and time.monotonic() < end:
+            time.sleep(0.001)
     return os.getppid() == agent
 
 
@@ -297,21 +285,13 @@ def _fork_worker(
         if len(data) != 4:
             raise OSError("the worker died before it started its session")
         pid = struct.unpack("=i", data)[0]
-        parent = _parent_of(pid)
+        parent = parent_of(pid)
         if parent not in (agent, None):  # None: it already exited, as the agent's zombie
             raise OSError(f"the worker was re-parented to pid {parent}, not to the agent {agent}")
     except BaseException:
         os.close(go_write)  # the worker, if any, exits at the end of the pipe
         raise
     return pid, go_write
-
-
-def _parent_of(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rsplit(b")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 def serve(sock: socket.socket, agent: int, modules: Sequence[str]) -> None:
@@ -352,8 +332,7 @@ def serve(sock: socket.socket, agent: int, modules: Sequence[str]) -> None:
 def main(argv: Sequence[str]) -> None:
     fd, agent, modules = int(argv[0]), int(argv[1]), [m for m in argv[2].split(",") if m]
     # The server dies with the agent: nothing would fork from it again, and it must not hold the job's memory.
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    set_parent_death_signal(signal.SIGKILL)
     if os.getppid() != agent:
         return
     sock = socket.socket(fileno=fd)

@@ -43,6 +43,11 @@ def _prctl(option: int, value: int) -> bool:
     return libc.prctl(option, value, 0, 0, 0) == 0
 
 
+def set_parent_death_signal(sig: int) -> bool:
+    """Have Linux send ``sig`` to this process when its parent dies; False where it cannot (not Linux)."""
+    return _LINUX and _prctl(_PR_SET_PDEATHSIG, int(sig))
+
+
 def become_subreaper() -> bool:
     """Make this process adopt the orphans of its descendants; False where Linux does not offer it."""
     return _LINUX and _prctl(_PR_SET_CHILD_SUBREAPER, 1)
@@ -57,6 +62,28 @@ def _stat(pid: int) -> tuple[str, int, int, int] | None:
         return None
     fields = text.rsplit(")", 1)[1].split()  # the command name in parentheses may hold spaces
     return fields[0], int(fields[1]), int(fields[2]), int(fields[19])
+
+
+def parent_of(pid: int) -> int | None:
+    """The parent pid of ``pid``; None once it is gone."""
+    stat = _stat(pid)
+    return stat[1] if stat is not None else None
+
+
+def wait_exit(pid: int, timeout: float | None) -> bool | None:
+    """Wait until ``pid`` has exited (a pidfd becomes readable when its process ends, zombie or reaped), at most
+    ``timeout`` seconds; whether it has. None where there are no pidfds (a kernel before 5.3, a seccomp profile
+    that refuses them): the caller polls instead."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    except (OSError, AttributeError):
+        return None
+    try:
+        return bool(select.select([fd], [], [], timeout)[0])
+    finally:
+        os.close(fd)
 
 
 def _all_pids() -> list[int]:
@@ -83,18 +110,9 @@ def descendants(root: int) -> list[int]:
 def _wait_gone(pids: Iterable[int], deadline: float) -> None:
     """Until each of ``pids`` has exited (or ``deadline``): a pidfd becomes readable when its process ends."""
     for pid in pids:
-        try:
-            fd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            continue
-        except (OSError, AttributeError):  # a kernel before 5.3: nothing to wait on but the process table
+        if wait_exit(pid, max(0.0, deadline - time.monotonic())) is None:  # no pidfds: the process table
             while (stat := _stat(pid)) is not None and stat[0] not in ("Z", "X") and time.monotonic() < deadline:
                 time.sleep(0.01)
-            continue
-        try:
-            select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
-        finally:
-            os.close(fd)
 
 
 def _reap(pids: Iterable[int]) -> None:
@@ -205,7 +223,7 @@ def start_guard() -> int | None:
     try:  # the guard: never returns
         os.setpgid(0, 0)
         signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
-        _prctl(_PR_SET_PDEATHSIG, int(GUARD_SIGNAL))
+        set_parent_death_signal(GUARD_SIGNAL)
         if os.getppid() == worker:  # else the worker died before prctl took effect: no signal will come
             signal.sigwait({GUARD_SIGNAL})
         kill_worker_tree(group, mark)

@@ -10,7 +10,6 @@ its stack when asked (SIGUSR2), and on global rank 0 serves the workers' store o
 
 from __future__ import annotations
 
-import ctypes
 import faulthandler
 import os
 import runpy
@@ -23,9 +22,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from ddpkit.distributed.signals import hold_stop_signals
 from ddpkit.errors import ConfigError
-from ddpkit.launch.proctree import start_guard
-
-_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+from ddpkit.launch.proctree import set_parent_death_signal, start_guard
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> bool:
@@ -36,11 +33,8 @@ def die_with_parent(sig: int = signal.SIGKILL) -> bool:
     restart anything, so a worker has no use for the time a snapshot takes. Returns False where the call does
     not exist (not Linux).
     """
-    if not sys.platform.startswith("linux"):
-        return False
     parent = int(os.environ.get("DDPKIT_AGENT_PID", os.getppid()))
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+    if not set_parent_death_signal(sig):
         return False
     # The parent may have died between fork and prctl; then no signal will come, and the parent is gone.
     if os.getppid() != parent:

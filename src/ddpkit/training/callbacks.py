@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from ddpkit.training.step_output import StepOutput
@@ -84,20 +83,3 @@ def call(callbacks: Sequence[Any], hook: str, *args: Any) -> None:
         method = getattr(cb, hook, None)
         if method is not None:
             method(*args)
-
-
-def validation_hook(trainer: Trainer) -> Callable[[dict[str, float]], None]:
-    """``notify(metrics)`` for the Trainer's validation: calls its callbacks' ``on_validation_end``.
-
-    It holds the Trainer weakly. The Trainer holds its validation, which holds this: a strong reference would make
-    a cycle, and a Trainer in a cycle outlives its last use until a garbage collection, which then shuts its
-    loader's workers down in whatever thread it runs (a snapshot writer's, stalled for seconds).
-    """
-    ref = weakref.ref(trainer)
-
-    def notify(metrics: dict[str, float]) -> None:
-        owner = ref()
-        if owner is not None:
-            call(owner.callbacks, "on_validation_end", owner, metrics)
-
-    return notify

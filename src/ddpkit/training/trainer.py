@@ -41,7 +41,7 @@ from ddpkit.strategies import Strategy, build_strategy
 from ddpkit.tracking.metrics import MetricsWriter
 from ddpkit.tracking.progress import Progress, run_summary
 from ddpkit.training.batch_loss import BatchLoss, BatchLossFn, LossFn
-from ddpkit.training.callbacks import call, call_step_end, validation_hook
+from ddpkit.training.callbacks import call, call_step_end
 from ddpkit.training.compiled import compile_for_training
 from ddpkit.training.config import TrainerConfig  # noqa: F401  (imported from here by scripts)
 from ddpkit.training.evaluation import evaluate
@@ -140,7 +140,7 @@ class Trainer:
         )
         self.validation = Validation.of(
             config, rt, val_data, evaluate=self.evaluate, model_weights=self.strategy.model_weights, log=self.writer.log,
-            notify=validation_hook(self),
+            notify=self._on_validation_end,
         )  # fmt: skip
         self.early_stopping, self.best_weights = self.validation.early_stopping, self.validation.best_weights
         self.snapshots = TrainerSnapshots(
@@ -389,6 +389,9 @@ class Trainer:
 
     def _autocast(self) -> Any:
         return autocast(self.config.precision, self.runtime.device)
+
+    def _on_validation_end(self, metrics: dict[str, float]) -> None:
+        call(self.callbacks, "on_validation_end", self, metrics)
 
     def _on_stop_signal(self, signum: int) -> None:
         # Only a flag: the next agreement (every logging.every_steps) spreads it, and every rank saves and stops

@@ -113,9 +113,11 @@ class Validation:
             export_format=weights_format,
         )
         best.at_step = config.val_every_steps is not None
-        # `evaluate` is the Trainer's: held weakly, as `notify` is (see callbacks.validation_hook), so that a
-        # Trainer is freed as soon as it is no longer used, its loader's workers with it.
+        # `evaluate` and `notify` are the Trainer's, which holds this validation: held weakly, as a cycle would
+        # keep a Trainer after its last use until a garbage collection, which then shuts its loader's workers
+        # down in whatever thread it runs (a snapshot writer's, stalled for seconds).
         validate = partial(weakly(evaluate), val_data, "val") if val_data is not None else None
+        notify = weakly(notify) if notify is not None else None
         out = cls(EarlyStopping(es), best, model_weights, log, config.val_every_steps, validate, notify)
         out.weights_format, out.run_dir, out.is_main, out.group = (
             weights_format,
