@@ -54,7 +54,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return importlib.import_module(COMMANDS[command][0]).main(rest)
     except ConfigError as err:
-        print(f"ddpkit {command}: error: {err}", file=sys.stderr)
+        # A name given on the command line may hold bytes that are not text (kept by Python as surrogates):
+        # escaped, the message stays one printable line whatever stderr's encoding.
+        text = str(err).encode("utf-8", "backslashreplace").decode("utf-8")
+        print(f"ddpkit {command}: error: {text}", file=sys.stderr)
         return 2
 
 

@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -31,10 +32,19 @@ def _run_dir(path: Path, metrics: bytes | str | None = None) -> Path:
         ["plot", "{tmp}", "-o", "{tmp}/curves.xyz"],
         ["bench", "--warmup", "-5"],
         ["sbatch", "--dry-run", "--job-name", "../../x", HELLO],
+        ["run", "--rdzv-conf", "=", HELLO],
+        ["run", "--rdzv-id", "i" * 300, HELLO],
+        ["run", "s" * 300 + ".py"],
+        ["run", "--nproc", "9" * 20, HELLO],
+        ["run", "--collective-timeout", "1e-300", HELLO],
+        ["sbatch", "--dry-run", "--output-dir", "/proc/x", HELLO],
+        ["sbatch", "--dry-run", "--output-dir", "d" * 300, HELLO],
+        ["plot", "{tmp}", "-o", "{tmp}/" + "c" * 300 + ".png"],
     ],
 )
 def test_the_command_prints_one_line_and_no_traceback(tmp_path, clean_env, argv):
     _run_dir(tmp_path)
+    started = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-m", "ddpkit.cli", *(a.format(tmp=tmp_path) for a in argv)],
         env=clean_env,
@@ -45,3 +55,4 @@ def test_the_command_prints_one_line_and_no_traceback(tmp_path, clean_env, argv)
     )
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert re.fullmatch(rf"ddpkit {argv[0]}: error: [^\n]+\n", done.stderr), done.stderr
+    assert time.monotonic() - started < 60  # the interpreter and torch's import, not a wait

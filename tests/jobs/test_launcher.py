@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -440,3 +441,51 @@ def test_sigterm_to_the_launcher_lets_the_workers_save_and_exit_75(clean_env, tm
     os.kill(proc.pid, signal.SIGTERM)
     out = _output(proc)
     assert proc.returncode != 75
+
+
+KILL_JOB = str(Path(__file__).parent / "scripts" / "kill_recipe_job.py")
+SNAPSHOTS_DOC = Path(__file__).parents[2] / "docs" / "snapshots.md"
+
+
+def _documented_kill_recipe() -> list[str]:
+    """The ``pkill`` line of docs/snapshots.md, aimed at :data:`KILL_JOB` instead of the example's script."""
+    import shlex
+
+    lines = [line for line in SNAPSHOTS_DOC.read_text().splitlines() if line.startswith("pkill ")]
+    assert len(lines) == 1, lines
+    command = shlex.split(lines[0], comments=True)
+    assert any("digits_trainer" in word for word in command), command
+    return [word.replace("digits_trainer", "kill_recipe_job") for word in command]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the worker's guard is Linux only")
+def test_the_documented_kill_recipe_kills_a_worker_and_the_job_restarts(clean_env, tmp_path):
+    folder = tmp_path / "pids"
+    folder.mkdir()
+    proc = _start([*DDPKIT, "run", "--nproc", "2", "--max-restarts", "1", KILL_JOB, str(folder)], clean_env)
+    try:
+        workers = _wait_for_files([folder / f"attempt0-rank{r}.pid" for r in (0, 1)], proc)
+        killed = subprocess.run(
+            [*_documented_kill_recipe(), "--echo"], capture_output=True, text=True, timeout=30, check=True
+        )
+        victim = int(re.findall(r"\(pid (\d+)\)", killed.stdout)[0])
+        assert victim in workers, (victim, workers, killed.stdout)
+        out = _output(proc, timeout=90)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out
+    assert "attempt=1 restarted" in out and "never killed" not in out, out
+
+
+def test_a_worker_sees_the_users_omp_threads_for_mkl_too(clean_env, tmp_path):
+    script = tmp_path / "threads.py"
+    script.write_text(
+        "import os, ddpkit\nrt = ddpkit.init()\n"
+        "print(f\"rank={rt.rank} omp={os.environ.get('OMP_NUM_THREADS')} mkl={os.environ.get('MKL_NUM_THREADS')}\")\n"
+        "ddpkit.shutdown()\n"
+    )
+    clean_env.pop("MKL_NUM_THREADS", None)
+    out = run(["run", "--nproc", "2", str(script)], {**clean_env, "OMP_NUM_THREADS": "3"})
+    assert out.returncode == 0, out.stderr
+    assert "rank=0 omp=3 mkl=3" in out.stdout, out.stdout  # (the user's own MKL_NUM_THREADS: test_launcher unit)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -224,3 +225,57 @@ def test_sbatch_default_job_name_from_an_odd_script_name_is_safe(tmp_path, capsy
     code, stdout, err = ddpkit(["sbatch", "--dry-run", "--output-dir", str(tmp_path / "logs"), str(script)], capsys)
     assert code == 0, err
     assert (tmp_path / "logs" / "my_train__v2_.sbatch").read_text().count("#SBATCH --job-name=my_train__v2_\n") == 1
+
+
+LONG = "a" * 300
+
+
+@pytest.mark.parametrize(
+    "argv, option",
+    [
+        (["run", "--rdzv-conf", "=", HELLO], "--rdzv-conf"),
+        (["run", "--rdzv-conf", "a=1,=2", HELLO], "--rdzv-conf"),
+        (["run", "--rdzv-id", LONG, HELLO], "--rdzv-id"),
+        (["run", "--rdzv-id", "", HELLO], "--rdzv-id"),
+        (["run", "--rdzv-id", "a/b", HELLO], "--rdzv-id"),
+        (["run", LONG + ".py"], "script"),
+        (["run", "-m", LONG], "module"),
+        (["run", "--collective-timeout", "1e-300", HELLO], "--collective-timeout"),
+        (["sbatch", "--dry-run", "--output-dir", "/proc/x", HELLO], "--output-dir"),
+        (["sbatch", "--dry-run", "--output-dir", LONG, HELLO], "--output-dir"),
+        (["sbatch", "--dry-run", "--nodes", "9" * 30, HELLO], "--nodes"),
+        (["sbatch", "--dry-run", LONG + ".py"], "script"),
+    ],
+)
+def test_hostile_values_are_one_line_errors_naming_the_option(argv, option, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    refused(argv, capsys, option)
+
+
+def test_plot_output_name_too_long_is_one_line(tmp_path, capsys):
+    run_dir = _run_dir(tmp_path / "run")
+    refused(["plot", str(run_dir), "-o", str(tmp_path / (LONG + ".png"))], capsys, "-o")
+
+
+def test_a_secret_that_is_not_text_is_one_line_naming_the_variable(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DDPKIT_RDZV_SECRET", os.fsdecode(b"\xff" * 40))  # bytes that are not UTF-8
+    refused(["run", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29461", HELLO], capsys, "DDPKIT_RDZV_SECRET")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "folder", "/proc/self/mem", "/dev/zero"])
+def test_a_secret_file_that_is_not_a_regular_file_is_refused_at_once(tmp_path, kind):
+    """A FIFO used to block the launch forever, waiting for a writer: a real process, with a timeout."""
+    path = tmp_path / "secret"
+    if kind == "fifo":
+        os.mkfifo(path, 0o600)
+    elif kind == "folder":
+        path.mkdir(mode=0o700)
+    else:
+        path = Path(kind)
+    argv = ["run", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29462", "--rdzv-secret-file", str(path), HELLO]
+    out = subprocess.run(
+        [sys.executable, "-m", "ddpkit.cli", *argv], capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1 and "--rdzv-secret-file" in lines[0], out.stderr

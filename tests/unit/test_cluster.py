@@ -66,6 +66,15 @@ def test_torchrun_restart_count():
         read_launch_env(torchrun(TORCHELASTIC_RESTART_COUNT="x"))
 
 
+@pytest.mark.parametrize("value", ["inf", "nan", "1e300", "1e-300", "0", "-5", "soon"])
+def test_a_collective_timeout_outside_one_second_to_thirty_days_is_refused_by_the_worker_too(value):
+    # Outside `ddpkit run` (torchrun, SLURM) the worker is the first to read it: torch keeps the timeout in
+    # milliseconds, and inf or 1e300 would overflow rather than mean "never".
+    with pytest.raises(ConfigError, match="DDPKIT_COLLECTIVE_TIMEOUT.*from 1 to 2592000"):
+        read_launch_env(torchrun(DDPKIT_COLLECTIVE_TIMEOUT=value))
+    assert read_launch_env(torchrun(DDPKIT_COLLECTIVE_TIMEOUT="30")).collective_timeout == 30.0  # control
+
+
 def test_nodes_with_different_process_counts_are_named():
     # 2 nodes of 2 make the 4 of the world: nothing to say. 3 in all on 2 nodes, 2 here: one node differs.
     assert uneven_nodes(torchrun(GROUP_WORLD_SIZE="4", WORLD_SIZE="8", LOCAL_WORLD_SIZE="2")) is None

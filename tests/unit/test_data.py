@@ -429,3 +429,78 @@ def test_a_torch_layout_other_than_the_one_found_is_not_used(field, shift, monke
     monkeypatch.setattr(seeding, field, getattr(seeding, field) + shift)
     assert seeding._torch_view() is None
     assert torch.equal(torch.get_rng_state(), before)
+
+
+# -- the loader's state and the data's fingerprint -------------------------------------------------------------
+
+
+def test_the_fingerprint_holds_the_global_batch_not_the_world_size():
+    two = ShardedBatchSampler(100, 8, rank=1, world_size=2, seed=3).fingerprint()
+    one = ShardedBatchSampler(100, 16, rank=0, world_size=1, seed=3).fingerprint()
+    assert one == two and two["global batch"] == 16
+    from ddpkit.data.fingerprint import changes
+
+    other = ShardedBatchSampler(90, 8, rank=0, world_size=1, seed=4, shuffle=False, drop_last=False).fingerprint()
+    assert changes(one, other) == [
+        "dataset length: 100 -> 90",
+        "seed: 3 -> 4",
+        "shuffle: True -> False",
+        "drop_last: True -> False",
+        "global batch: 16 -> 8",
+    ]
+
+
+def test_the_loader_state_is_the_batches_handed_over_and_resumes_there():
+    data = TensorDataset(torch.arange(40))
+    loader = ddpkit.build_loader(data, 8, seed=1, num_workers=0)
+    assert loader.state_dict()["epoch"] == 0 and loader.state_dict()["cursor"] == 0
+    first = []
+    for batch in loader:
+        first.append(batch[0].tolist())
+        if len(first) == 2:
+            break
+    state = loader.state_dict()
+    assert (state["epoch"], state["cursor"]) == (0, 16)
+    assert state["fingerprint"]["dataset length"] == 40
+    resumed = ddpkit.build_loader(data, 8, seed=1, num_workers=0)
+    resumed.load_state_dict(state)
+    rest = [batch[0].tolist() for batch in resumed]
+    assert sorted(sum(first + rest, [])) == list(range(40))  # each sample once in the epoch
+    assert resumed.position() == (1, 0)  # an epoch handed over whole is the next one
+    for _ in loader:  # the epoch's end without StopIteration (a loop that takes exactly its steps): the same
+        pass
+    tail = iter(loader)
+    for _ in range(len(tail)):
+        next(tail)
+    assert loader.state_dict()["epoch"] == 2 and loader.state_dict()["cursor"] == 0
+
+
+def test_a_changed_length_is_refused_or_restarts_the_epoch():
+    loader = ddpkit.build_loader(TensorDataset(torch.arange(40)), 8, seed=1, num_workers=0)
+    it = iter(loader)
+    next(it), next(it)
+    state = loader.state_dict()
+    longer = TensorDataset(torch.arange(48))
+    with pytest.raises(ConfigError, match=r"dataset length: 40 -> 48\): resuming at sample 16 of epoch 0") as err:
+        ddpkit.build_loader(longer, 8, seed=1, num_workers=0).load_state_dict(state)
+    assert "\n" not in str(err.value) and "on_data_change='restart_epoch'" in str(err.value)
+    restarted = ddpkit.build_loader(longer, 8, seed=1, num_workers=0, on_data_change="restart_epoch")
+    restarted.load_state_dict(state)
+    assert restarted.data_changes == ["dataset length: 40 -> 48"]
+    assert sorted(int(i) for (batch,) in restarted for i in batch) == list(range(48))
+    with pytest.raises(ConfigError, match="on_data_change='ignore': pass 'error'"):
+        ddpkit.build_loader(longer, 8, on_data_change="ignore")  # type: ignore[arg-type]
+
+
+def test_many_shards_are_kept_as_one_digest():
+    from ddpkit.data.fingerprint import LISTED_SHARDS, changes, shard_items
+
+    few = shard_items(["a: 3 records", "b: 4 records"])
+    assert few == {"shards": 2, "shard files": "a: 3 records\nb: 4 records"}
+    assert changes(few, shard_items(["a: 3 records", "b: 5 records"])) == ["shard 1: b: 4 records -> b: 5 records"]
+    assert changes(few, shard_items(["a: 3 records"])) == ["shards: 2 -> 1", "shard 1: b: 4 records -> (none)"]
+    many = [f"part{k}: 10 records" for k in range(LISTED_SHARDS + 1)]
+    items = shard_items(many)
+    assert set(items) == {"shards", "shard list"}
+    swapped = shard_items([many[1], many[0], *many[2:]])
+    assert changes(items, swapped) == [f"shard list: {items['shard list']} -> {swapped['shard list']}"]

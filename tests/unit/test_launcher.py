@@ -4,6 +4,7 @@ the texts it prints, and how the cause of a failure is told."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -103,13 +104,13 @@ def test_bad_options_name_the_flag(kwargs, message):
         (["--nnodes", "0"], "use a number of nodes >= 1, or MIN:MAX with 1 <= MIN <= MAX"),
         (["--nnodes", "-2"], "use a number of nodes >= 1, or MIN:MAX with 1 <= MIN <= MAX"),
         (["--nnodes", "4:2"], "use a number of nodes >= 1, or MIN:MAX with 1 <= MIN <= MAX"),
-        (["--nproc", "\u00b2"], "use auto, gpu, or a whole number of processes >= 1"),
+        (["--nproc", "\u00b2"], "use auto, gpu, or a whole number of processes from 1 to 1024"),
         (["--preload", "numpy,os.path;rm"], "use module names separated by commas"),
         (["--fork-server", "yes"], "use auto, on or off"),
         *[
-            ([option, value], "use a number of seconds > 0 and at most 2592000 (30 days)")
+            ([option, value], "use a number of seconds from 1 to 2592000 (30 days)")
             for option in ("--collective-timeout", "--join-timeout")
-            for value in ("inf", "nan", "1e30")
+            for value in ("inf", "nan", "1e30", "1e-300", "0.5", "-1")
         ],
     ],
 )
@@ -132,6 +133,39 @@ def test_a_multi_node_job_without_a_secret_stops_before_anything_listens(monkeyp
     assert not (tmp_path / "ddpkit-logs").exists()
 
 
+@pytest.mark.parametrize("nproc", ["99999999999999999999", "1" * 5000, "5000", "1025"])
+def test_nproc_is_bounded_before_anything_is_built(nproc, capsys, monkeypatch):
+    import ddpkit.launch.launcher as launcher
+    from ddpkit.cli import main
+
+    def built(*args, **kwargs):
+        raise AssertionError("torchrun's arguments were built")
+
+    monkeypatch.setattr(launcher, "torchrun_argv", built)
+    started = time.monotonic()
+    assert main(["run", "--nproc", nproc, HELLO]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--nproc" in err and "from 1 to 1024" in err and len(err) < 300, err
+    assert time.monotonic() - started < 5
+
+
+def test_nproc_above_four_per_core_needs_oversubscribe(monkeypatch, capsys):
+    import torch
+
+    import ddpkit.launch.launcher as launcher
+    from ddpkit.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("NSLOTS", "2")
+    assert resolve_nproc("8") == 8
+    with pytest.raises(ConfigError, match="--nproc 9: more than 4 processes per core .* pass --oversubscribe"):
+        resolve_nproc("9")
+    assert resolve_nproc("9", oversubscribe=True) == 9
+    monkeypatch.setattr(launcher, "torchrun_argv", lambda *a, **k: pytest.fail("torchrun's arguments were built"))
+    assert main(["run", "--nproc", "100", HELLO]) == 2
+    assert "pass --oversubscribe" in capsys.readouterr().err
+
+
 def test_nproc_resolution_on_cpu(monkeypatch):
     import torch
 
@@ -149,8 +183,13 @@ def test_threads_per_worker_split_the_cores(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setenv("NSLOTS", "16")
     assert worker_env(LaunchConfig(script="t.py"), 4)["OMP_NUM_THREADS"] == "4"
-    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's choice wins
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    assert worker_env(LaunchConfig(script="t.py"), 4)["MKL_NUM_THREADS"] == "4"
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's choice wins, for MKL's pool too
     assert worker_env(LaunchConfig(script="t.py"), 4)["OMP_NUM_THREADS"] == "2"
+    assert worker_env(LaunchConfig(script="t.py"), 4)["MKL_NUM_THREADS"] == "2"
+    monkeypatch.setenv("MKL_NUM_THREADS", "1")
+    assert worker_env(LaunchConfig(script="t.py"), 4)["MKL_NUM_THREADS"] == "1"
 
 
 def test_log_folders_of_quiet_runs_are_removed_and_old_ones_pruned(tmp_path):

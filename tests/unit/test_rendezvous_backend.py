@@ -7,12 +7,15 @@ backend is the control. Across network namespaces, end to end: ``tests/test_mult
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import pickle
 import socket
 import stat
 import subprocess
 import sys
+import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -29,7 +32,6 @@ from ddpkit.launch.rendezvous_auth import (
     SECRET_ENV,
     FramedSocket,
     RelayClient,
-    RelayServer,
     Session,
     check_host,
     derive,
@@ -37,6 +39,7 @@ from ddpkit.launch.rendezvous_auth import (
     load_secret,
 )
 from ddpkit.launch.rendezvous_backend import SignedStateBackend
+from ddpkit.launch.rendezvous_relay import PER_ADDRESS, RelayServer
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 
@@ -207,3 +210,82 @@ def test_the_secret_comes_from_a_private_file_or_the_environment(tmp_path):
     assert load_secret(str(path), {SECRET_ENV: "ignored, the file wins"}) == SECRET
     with pytest.raises(ConfigError, match="No such file"):
         load_secret(str(tmp_path / "missing"), {})
+
+
+def _from(ip: str, server: RelayServer) -> socket.socket:
+    """A connection to the relay from ``ip``, a loopback address other than the node's (127/8 is all loopback)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((ip, 0))
+    sock.connect(server.address)
+    return sock
+
+
+def test_a_genuine_node_joins_while_another_address_holds_64_slow_silent_or_garbage_connections(capfd):
+    """Connections from 127.0.0.2 that never finish the handshake hold none of the room a node needs: the node
+    is admitted at once, the host names the address, and a slow peer is dropped at the handshake's deadline
+    although it keeps sending a byte now and then."""
+    store = _loopback_store()
+    server = RelayServer(("127.0.0.1", 0), store.port, derive(SECRET, "relay"), handshake_timeout=3.0)
+    stop = threading.Event()
+    hostile = [_from("127.0.0.2", server) for _ in range(64)]
+    slow, garbage = hostile[0::3], hostile[1::3]  # the rest are silent
+    for sock in garbage:
+        sock.sendall(b"GET / HTTP/1.0\r\n")  # fewer bytes than a proof: the relay waits for the rest
+
+    def drip() -> None:  # one byte per second from every slow peer: under the deadline of each read
+        while not stop.wait(1.0):
+            for sock in slow:
+                with contextlib.suppress(OSError):
+                    sock.send(b"x")
+
+    dripping = threading.Thread(target=drip, daemon=True)
+    dripping.start()
+    local = RelayClient(server.address, derive(SECRET, "relay"))
+    try:
+        started = time.monotonic()
+        check_host(server.address, derive(SECRET, "relay"))  # the launcher's own check
+        client = dist.TCPStore("127.0.0.1", local.port, is_master=False, timeout=timedelta(seconds=10))
+        client.set("from-node", "1")
+        assert store.get("from-node") == b"1"
+        assert time.monotonic() - started < 2.0  # not queued behind the held connections
+        err = capfd.readouterr().err
+        assert "from 127.0.0.2" in err and "too many unfinished handshakes" in err, err
+        # The slow peers, still sending, are dropped at the deadline of the whole handshake.
+        for sock in slow[:PER_ADDRESS]:
+            sock.settimeout(10)
+            with contextlib.suppress(ConnectionResetError):
+                while sock.recv(4096):
+                    pass
+        assert time.monotonic() - started < 3.0 + 3.0
+        assert "dropped a connection to the rendezvous from 127.0.0.2: no complete handshake within 3 s" in (
+            capfd.readouterr().err
+        )
+    finally:
+        stop.set()
+        dripping.join()
+        local.close()
+        server.close()
+        for sock in hostile:
+            sock.close()
+
+
+def test_dropped_connections_are_said_once_per_address_then_counted(capfd):
+    store = _loopback_store()
+    server = RelayServer(("127.0.0.1", 0), store.port, derive(SECRET, "relay"), per_address=1, log_interval=3600)
+    held = [_from("127.0.0.3", server) for _ in range(5)]  # the first holds the one slot, 4 are dropped
+    try:
+        # The second address is said at once as well; its proof has the wrong secret.
+        with pytest.raises(ConfigError, match="did not admit this node"):
+            check_host(server.address, derive(b"not the secret of this job at all", "relay"))
+        for sock in held[1:]:
+            sock.settimeout(10)
+            assert sock.recv(64) == b""  # closed at once
+        check_host(server.address, derive(SECRET, "relay"))  # the room of 127.0.0.1 is its own
+        err = capfd.readouterr().err
+        lines = [line for line in err.splitlines() if "127.0.0.3" in line]
+        assert len(lines) == 1 and "dropped a connection to the rendezvous from 127.0.0.3" in lines[0], lines
+        assert "refused a connection to the rendezvous from 127.0.0.1: it does not hold the job's secret" in err
+    finally:
+        server.close()
+        for sock in held:
+            sock.close()

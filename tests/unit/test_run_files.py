@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from ddpkit import fs as run_files
 from ddpkit.errors import ConfigError
-from ddpkit.snapshot import files as run_files
 from ddpkit.snapshot import folders
 from ddpkit.snapshot.manager import MARKER, SnapshotManager
 from ddpkit.snapshot.run_dir import RunDirLock, claim

@@ -22,6 +22,7 @@ from torch.utils.data import (
     get_worker_info,
 )
 
+from ddpkit.data.fingerprint import OnDataChange, changes, check_on_data_change, refusal
 from ddpkit.data.sampler import EvalShardSampler, ShardedBatchSampler
 from ddpkit.distributed.environment import cpu_count
 from ddpkit.distributed.runtime import get_runtime
@@ -115,23 +116,84 @@ class EpochLoader(DataLoader):
 
     The sampler cannot tell by itself: the DataLoader's workers read it ahead of the batches they return
     (``prefetch_factor`` per worker), so a short epoch's indices are all read by the time the first batch is out.
+
+    Its :meth:`state_dict` is where the loop stands (epoch, and samples of it handed over on all ranks) with the
+    data's fingerprint (:mod:`ddpkit.data.fingerprint`); :meth:`load_state_dict` resumes from it, refusing data
+    that changed since, unless ``on_data_change="restart_epoch"``.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, on_data_change: OnDataChange = "error", **kwargs: Any) -> None:
         """``DataLoader``'s arguments, with a :class:`~ddpkit.data.ShardedBatchSampler` as ``batch_sampler``."""
+        check_on_data_change(on_data_change)
         super().__init__(*args, **kwargs)
+        self.on_data_change = on_data_change
+        self.data_changes: list[str] = []
+        """What :meth:`load_state_dict` found changed and accepted (``on_data_change="restart_epoch"``)."""
+        self._pass: _CountedIterator | None = None
+        self._fingerprint: dict[str, Any] | None = None
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # a wrapper of the DataLoader's iterator
         sampler = self.batch_sampler
         assert isinstance(sampler, ShardedBatchSampler)  # build_loader's
         sampler.counts_epochs = False
         token = sampler.position_token()  # before the DataLoader reads the sampler, which it starts on now
-        return _CountedIterator(super().__iter__(), sampler, token)
+        self._pass = _CountedIterator(super().__iter__(), sampler, token)
+        return self._pass
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What decides which sample comes at which step: the sampler's settings and the dataset's own (a
+        stream's files, sizes and window), the world size aside. Computed once."""
+        if self._fingerprint is None:
+            sampler = cast(ShardedBatchSampler, self.batch_sampler)
+            own = getattr(self.dataset, "fingerprint", None)
+            self._fingerprint = sampler.fingerprint() | (own() if callable(own) else {})
+        return self._fingerprint
+
+    def position(self) -> tuple[int, int]:
+        """``(epoch, cursor)``: the epoch of the batches being handed over (or the next one), and its samples
+        handed over so far on all ranks; an epoch handed over whole is the next epoch at cursor 0."""
+        sampler = cast(ShardedBatchSampler, self.batch_sampler)
+        live = self._pass
+        if live is not None and live.token == sampler.position_token():
+            steps = live.first + live.handed
+            if steps >= sampler.steps_per_epoch:
+                return sampler.epoch + 1, 0
+            return sampler.epoch, steps * sampler.global_batch_size
+        epoch, first = sampler.epoch, sampler._first_step()
+        return (epoch + 1, 0) if first >= sampler.steps_per_epoch else (epoch, first * sampler.global_batch_size)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the loop stands (:meth:`position`) and the data's fingerprint: save it with the model."""
+        epoch, cursor = self.position()
+        return {"epoch": epoch, "cursor": cursor, "fingerprint": self.fingerprint()}
+
+    def changes_since(self, state: dict[str, Any]) -> list[str]:
+        """What differs between the data of :meth:`state_dict`'s ``state`` and this loader's, item by item
+        (``"window: 32 -> 64"``): empty when a resume from it sees the same samples in the same steps. A check
+        to run before anything else is loaded; :meth:`load_state_dict` runs it too."""
+        return changes(state["fingerprint"], self.fingerprint())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Make the next ``iter()`` continue where :meth:`state_dict` was taken (on any rank, at any world size
+        with the same global batch). Refused, naming each change, if the data's fingerprint differs; with
+        ``on_data_change="restart_epoch"`` the epoch starts again from its first step instead
+        (:attr:`data_changes` says why)."""
+        epoch, cursor = int(state["epoch"]), int(state["cursor"])
+        self.data_changes = self.changes_since(state)
+        sampler = cast(ShardedBatchSampler, self.batch_sampler)
+        if self.data_changes:
+            if self.on_data_change != "restart_epoch":
+                raise refusal(self.data_changes, epoch, cursor)
+            cursor = 0
+        sampler.set_position(epoch, cursor)
 
 
 class _CountedIterator:
     def __init__(self, batches: Iterator[Any], sampler: ShardedBatchSampler, token: tuple[int, int]) -> None:
         self.batches, self.sampler, self.token = batches, sampler, token
+        self.first = sampler._first_step()
+        self.handed = 0
+        """Batches handed over."""
 
     def __iter__(self) -> _CountedIterator:
         return self
@@ -141,10 +203,12 @@ class _CountedIterator:
 
     def __next__(self) -> Any:
         try:
-            return next(self.batches)
+            batch = next(self.batches)
         except StopIteration:
             self.sampler.end_epoch(self.token)
             raise
+        self.handed += 1
+        return batch
 
 
 def check_map_style(dataset: Any) -> None:
@@ -189,7 +253,8 @@ def build_loader(
     collate_fn: Callable[[list[Any]], Any] | None = None,
     group: Any = None,
     seed_samples: bool = True,
-) -> DataLoader:
+    on_data_change: OnDataChange = "error",
+) -> EpochLoader:
     """A training loader over this rank's shard; ``batch_size`` is per rank.
 
     The loader gets its own ``torch.Generator``: without one, every ``iter()`` draws the workers' base seed
@@ -197,7 +262,13 @@ def build_loader(
     sample is loaded with the RNGs seeded from ``(seed, epoch, index)`` (see
     :class:`~ddpkit.data.SeededSamples`); False leaves the draws to each worker's own stream (or the main
     process's), as a plain DataLoader does. A ``TensorDataset`` is never wrapped: it draws nothing.
+
+    ``loader.state_dict()`` is where the loop stands with the data's fingerprint (its length, or a stream's
+    files, sizes and window; the seed, shuffle, drop_last, the global batch); ``loader.load_state_dict(state)``
+    resumes there and refuses data that changed since, naming each change. ``on_data_change="restart_epoch"``
+    accepts the change and trains the saved epoch again from its first step (:class:`EpochLoader`).
     """
+    check_on_data_change(on_data_change)
     if _is_stream(dataset):
         from ddpkit.data.stream import build_stream_loader
 
@@ -211,6 +282,7 @@ def build_loader(
             collate_fn=collate_fn,
             group=group,
             seed_samples=seed_samples,
+            on_data_change=on_data_change,
         )
     check_map_style(dataset)
     # A TensorDataset only indexes tensors: it draws nothing, not even worth watching for draws.
@@ -231,6 +303,7 @@ def build_loader(
         batch_sampler=sampler,
         collate_fn=collate_fn,
         generator=generator,
+        on_data_change=on_data_change,
         **_loader_kwargs(num_workers, pin_memory),
     )
 

@@ -158,6 +158,18 @@ class ShardedBatchSampler(Sampler[list[int] | list[tuple[int, int]]]):
             self.epoch, self._cursor = token[0] + 1, 0
             self._moves += 1
 
+    def fingerprint(self) -> dict[str, Any]:
+        """What decides which sample comes at which step, the world size aside (:mod:`ddpkit.data.fingerprint`):
+        the order is a function of these and the epoch, cut into global batches."""
+        return {
+            "sampler": type(self).__name__,
+            "dataset length": self.num_samples,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+            "global batch": self.global_batch_size,
+        }
+
     def _first_step(self) -> int:
         # Rounded up: a cursor of num_samples (after a last, partial batch) means the epoch is done.
         return -(-self._cursor // self.global_batch_size)

@@ -8,7 +8,9 @@ indices. So, as for map-style data:
 
 - each record is trained on once per epoch over all ranks and loader workers;
 - the Trainer's snapshot holds a global cursor, and a resume (after a SIGKILL, at any world size) reads the
-  order from that cursor on: nothing repeated or skipped, bitwise at the same world size;
+  order from that cursor on: nothing repeated or skipped, bitwise at the same world size; the snapshot holds
+  the files, their sizes and line layout, and the window too, and a resume over changed ones is refused
+  (:mod:`ddpkit.data.fingerprint`);
 - each record's ``transform`` runs with python, numpy and torch seeded from ``(seed, epoch, position)``.
 
 Loader workers never see a stream: the DataLoader gets a map-style view keyed by ``(epoch, position)`` and our
@@ -49,6 +51,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from ddpkit.data.fingerprint import OnDataChange, shard_items
 from ddpkit.data.loader import EpochLoader, SampleSeeder
 from ddpkit.data.sampler import ShardedBatchSampler, shard_bounds
 from ddpkit.distributed.seeding import stream_seed
@@ -93,6 +96,25 @@ class Stream:
 
     def __len__(self) -> int:
         return int(sum(self.shard_sizes))
+
+    def shard_descriptions(self) -> list[str]:
+        """A line for each shard saying what decides where its records lie (a name, a size, a digest of where
+        its records start); the default: its record count. Saved with every snapshot and compared on resume."""
+        return [f"{n} records" for n in self.shard_sizes]
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What decides which record comes at which position of an epoch, besides the seed and shuffling: the
+        stream's kind, records, window and shards (:mod:`ddpkit.data.fingerprint`)."""
+        return {
+            "stream": type(self).__name__,
+            "records": len(self),
+            "window": self.window,
+            **shard_items(self.shard_descriptions()),
+        }
+
+    def check_loading(self, num_workers: int, world_size: int, group: Any) -> None:
+        """Refuse loading that cannot read every record in every process (``build_loader`` calls it on every
+        rank, before the loader is made): nothing to refuse for a stream read by position."""
 
     def local(self) -> dict[Any, Any]:
         """Open files and iterators of this process: a forked loader worker opens its own."""
@@ -209,6 +231,10 @@ class StreamSamples(Dataset):
     def __len__(self) -> int:
         return len(self.stream)
 
+    def fingerprint(self) -> dict[str, Any]:
+        """The stream's fingerprint, and whether it shuffles (the sampler over positions does not)."""
+        return self.stream.fingerprint() | {"shuffle": self.shuffle}
+
     def order(self, epoch: int) -> StreamOrder:
         if self._order is None or self._order.epoch != epoch:
             self._order = StreamOrder(self.stream, self.seed, epoch, self.shuffle)
@@ -245,11 +271,13 @@ def build_stream_loader(
     collate_fn: Callable[[list[Any]], Any] | None = None,
     group: Any = None,
     seed_samples: bool = True,
+    on_data_change: OnDataChange = "error",
 ) -> EpochLoader:
     """What :func:`ddpkit.build_loader` returns for a stream (call that): the same arguments and guarantees,
     and a ``batch_sampler`` (:class:`StreamBatchSampler`) with what the Trainer resumes by. ``loader_kwargs``:
     workers and pinning, as ``build_loader`` resolves them for map-style data."""
     sampler = StreamBatchSampler(len(stream), batch_size, seed=seed, drop_last=drop_last, group=group)
+    stream.check_loading(loader_kwargs["num_workers"], sampler.world_size, group)
     generator = torch.Generator()
     generator.manual_seed(stream_seed("loader", seed, sampler.rank))
     return EpochLoader(
@@ -257,6 +285,7 @@ def build_stream_loader(
         batch_sampler=sampler,
         collate_fn=collate_fn,
         generator=generator,
+        on_data_change=on_data_change,
         **loader_kwargs,
     )
 

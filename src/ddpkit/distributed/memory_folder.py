@@ -19,9 +19,11 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-import shutil
 import stat
 from pathlib import Path
+
+from ddpkit import fs
+from ddpkit.errors import ConfigError
 
 ROOT_ENV = "DDPKIT_MEMORY_ROOT"
 """Where the agent makes the job's folder (default ``/dev/shm``); tests point it at a small tmpfs."""
@@ -62,7 +64,7 @@ def private_base(root: Path) -> Path:
     user could otherwise plant slots for this user's jobs to load."""
     base = root / f"ddpkit-memory-{os.getuid()}"
     with contextlib.suppress(FileExistsError):
-        base.mkdir(mode=0o700)
+        fs.make_dir(base, mode=0o700)
     info = os.lstat(base)
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
         raise FolderUnavailable(f"{base} is not a private folder of this user (a link, or open to others)")
@@ -74,7 +76,7 @@ def sweep_stale(base: Path) -> list[Path]:
     removed = []
     for folder in base.iterdir() if base.is_dir() else []:
         if folder.is_dir() and not folder.is_symlink() and not _owner_alive(folder):
-            shutil.rmtree(folder, ignore_errors=True)
+            fs.remove_tree(folder, root=base)
             removed.append(folder)
     return removed
 
@@ -93,11 +95,11 @@ def open_job_folder(pid: int | None = None) -> Path | None:
         # Made under a temporary name and renamed once its owner is written: another job's sweep never sees a
         # folder without an owner, which it would take for stale.
         tmp = base / f".{nonce}"
-        tmp.mkdir(mode=0o700)
-        (tmp / "owner").write_text(f"{pid} {start_time(pid)}\n")
+        fs.make_dir(tmp, root=base, mode=0o700)
+        fs.write_atomic(tmp / "owner", f"{pid} {start_time(pid)}\n".encode(), root=base)
         folder = base / nonce
-        tmp.rename(folder)
-    except (OSError, FolderUnavailable) as err:
+        fs.rename(tmp, folder, root=base)
+    except (OSError, FolderUnavailable, ConfigError) as err:
         os.environ[UNAVAILABLE_ENV] = str(err)
         return None
     os.environ[DIR_ENV] = str(folder)
@@ -111,7 +113,7 @@ def close_job_folder() -> None:
     os.environ.pop(KEY_ENV, None)
     os.environ.pop(UNAVAILABLE_ENV, None)
     if folder:
-        shutil.rmtree(folder, ignore_errors=True)
+        fs.remove_tree(Path(folder))
 
 
 def job_key() -> str | None:

@@ -68,7 +68,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ddpkit.launch.proctree import parent_of, set_parent_death_signal, wait_exit
+from ddpkit.launch.proctree import parent_of, set_command_line, set_parent_death_signal, wait_exit
 
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "ddpkit.training.trainer")
 """Imported by the server before its first fork. ``torch._dynamo`` is what constructing an optimizer or DDP
@@ -176,22 +176,6 @@ def run_as_main(main: Callable[[], Any]) -> int:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
     return code
-
-
-def set_command_line(args: Sequence[str]) -> bool:
-    """Show ``args`` as this process's command line (``/proc/self/cmdline``, ``ps``), cut to the room the
-    process started with. The kernel reads it from the memory between ``arg_start`` and ``arg_end`` (fields 48
-    and 49 of ``/proc/self/stat``), which holds the original ``argv`` strings; Python has its own copies."""
-    try:
-        with open("/proc/self/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        start, end = int(fields[45]), int(fields[46])  # fields 48 and 49, counted from the state (field 3)
-    except (OSError, IndexError, ValueError):
-        return False
-    room = end - start
-    data = b"\0".join(a.encode() for a in args)[: room - 1] + b"\0"
-    ctypes.memmove(start, data.ljust(room, b"\0"), room)
-    return True
 
 
 JOB_SIGNALS = tuple(

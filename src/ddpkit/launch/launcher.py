@@ -11,12 +11,12 @@ import math
 import os
 import re
 import secrets
-import shutil
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from ddpkit import fs
 from ddpkit.distributed.environment import cpu_count
 from ddpkit.errors import PREEMPTED_EXIT_CODE, ConfigError
 from ddpkit.launch import agent, proctree, tail
@@ -24,6 +24,7 @@ from ddpkit.launch.options import (
     LaunchConfig,
     build_parser,
     config_from_args,
+    parse_seconds,
     resolve_nproc,
     split_argv,
 )
@@ -116,11 +117,13 @@ def _interface(cfg: LaunchConfig, node: NodeAddress | None) -> str | None:
 
 def worker_env(cfg: LaunchConfig, nproc: int, node: NodeAddress | None = None) -> dict[str, str]:
     """Variables the agent passes to the workers."""
-    threads = str(max(1, cpu_count() // nproc))
+    # The user's OMP_NUM_THREADS wins, and MKL's pool follows it unless MKL_NUM_THREADS says otherwise: MKL
+    # reads its own variable first, so a default set here would override the user's choice for every matmul.
+    omp = os.environ.get("OMP_NUM_THREADS") or str(max(1, cpu_count() // nproc))
     env = {
         "PYTHONUNBUFFERED": "1",
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads),
-        "MKL_NUM_THREADS": os.environ.get("MKL_NUM_THREADS", threads),
+        "OMP_NUM_THREADS": omp,
+        "MKL_NUM_THREADS": os.environ.get("MKL_NUM_THREADS") or omp,
         "DDPKIT_AGENT_PID": str(os.getpid()),
     }
     # gloo and nccl pick their interface from the host name unless told. Across nodes that is often a loopback
@@ -151,7 +154,7 @@ def new_run_log_dir(root: str) -> Path:
     """``ROOT/<date>-<time>-<pid>``: one folder per run, created now."""
     path = Path(root).absolute() / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        fs.make_dirs(path)
     except OSError as err:
         raise ConfigError(f"cannot create the log folder {path} ({err.strerror}): pass --log-dir DIR") from None
     return path
@@ -160,12 +163,12 @@ def new_run_log_dir(root: str) -> Path:
 def tidy_log_dirs(root: str, run: Path, keep: int = 20) -> None:
     """Remove this run's folder when no rank wrote anything, and all but the newest ``keep`` run folders."""
     if run.is_dir() and not any(f.stat().st_size for f in run.rglob("*") if f.is_file()):
-        shutil.rmtree(run, ignore_errors=True)
+        fs.remove_tree(run)
     ours = sorted(p for p in Path(root).glob("*-*-*") if p.is_dir() and re.fullmatch(r"\d{8}-\d{6}-\d+", p.name))
     for old in ours[:-keep] if len(ours) > keep else []:
-        shutil.rmtree(old, ignore_errors=True)
+        fs.remove_tree(old)
     with contextlib.suppress(OSError):
-        Path(root).rmdir()  # only if empty
+        fs.remove_empty_dir(Path(root))
 
 
 def check_target(cfg: LaunchConfig) -> None:
@@ -176,17 +179,28 @@ def check_target(cfg: LaunchConfig) -> None:
         sys.path.insert(0, os.getcwd())
         try:
             found = importlib.util.find_spec(cfg.script) is not None
-        except (ImportError, ValueError):
+        except (ImportError, ValueError, OSError):  # OSError: a name longer than a file name may be
             found = False
         finally:
             sys.path.pop(0)
         if not found:
-            raise ConfigError(f"no module named {cfg.script!r} (run with -m): check the name and PYTHONPATH")
-    elif not Path(cfg.script).is_file():
+            raise ConfigError(f"no module named {_shown(cfg.script)} (run with -m): check the name and PYTHONPATH")
+        return
+    try:
+        is_file = Path(cfg.script).is_file()
+        problem = "not found"
+    except (OSError, ValueError) as err:  # a name too long for the file system, a NUL byte
+        is_file, problem = False, f"cannot be read ({getattr(err, 'strerror', None) or err})"
+    if not is_file:
         raise ConfigError(
-            f"script {cfg.script!r} not found (from {os.getcwd()}): check the path"
+            f"script {_shown(cfg.script)} {problem} (from {os.getcwd()}): check the path"
             + ("; to run a module, pass -m" if "/" not in cfg.script and not cfg.script.endswith(".py") else "")
         )
+
+
+def _shown(text: str, limit: int = 80) -> str:
+    """``text`` quoted for a one-line message, cut to ``limit`` characters."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
 
 
 def launch(cfg: LaunchConfig) -> int:
@@ -206,7 +220,10 @@ def launch(cfg: LaunchConfig) -> int:
     )
 
     check_target(cfg)
-    nproc = resolve_nproc(cfg.nproc)
+    if cfg.collective_timeout is None and "DDPKIT_COLLECTIVE_TIMEOUT" in os.environ:
+        # Set by the user for the workers: checked here, once, rather than by every worker after its start.
+        parse_seconds("DDPKIT_COLLECTIVE_TIMEOUT", os.environ["DDPKIT_COLLECTIVE_TIMEOUT"])
+    nproc = resolve_nproc(cfg.nproc, cfg.oversubscribe)
     node = None
     if cfg.rdzv_endpoint:  # networked
         secret = load_secret(cfg.rdzv_secret_file)
@@ -223,7 +240,7 @@ def launch(cfg: LaunchConfig) -> int:
     # Orphans of the workers' children are re-parented to the agent, which ends them with the workers.
     proctree.become_subreaper()
     run_dir = new_run_log_dir(cfg.log_dir)
-    (run_dir / "stacks").mkdir()
+    fs.make_dirs(run_dir / "stacks", root=run_dir)  # a second launch in the same second of one process
     os.environ.update(worker_env(cfg, nproc, node))
     os.environ["DDPKIT_STACK_DIR"] = str(run_dir / "stacks")
     if cfg.debug_collectives:  # where nccl's flight recorder writes each rank's record on a timeout

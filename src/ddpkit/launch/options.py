@@ -3,18 +3,25 @@
 from __future__ import annotations
 
 import argparse
-import math
+import ipaddress
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddpkit.distributed.environment import cpu_count
+from ddpkit.distributed.environment import check_seconds, cpu_count, parse_seconds
 from ddpkit.errors import ConfigError
 
-MAX_TIMEOUT = 30 * 24 * 3600.0
-"""The longest --join-timeout / --collective-timeout, in seconds (30 days): torch keeps timeouts in
-milliseconds, and a value beyond its range would overflow instead of meaning "never"."""
+MAX_RESTARTS = 100_000
+"""The most --max-restarts: a job failing that often is not going to succeed."""
+MAX_NODES = 100_000
+MAX_RDZV_ID = 128
+"""torch names temporary folders after the rendezvous id; a file name holds at most 255 bytes."""
+
+MAX_NPROC = 1024
+"""The most worker processes on one node, whatever else is said: each is an interpreter with torch loaded."""
+OVERSUBSCRIBE_FACTOR = 4
+"""More processes than this many per core (or per GPU, where there are more GPUs) need ``--oversubscribe``."""
 
 _VALUE_OPTIONS: set[str] = set()  # options of `ddpkit run` that take a value, filled by add_arguments
 
@@ -64,18 +71,32 @@ class LaunchConfig:
     when the job may restart its workers (``--max-restarts`` above 0, or an elastic job)."""
     preload: list[str] = field(default_factory=list)
     """Modules the fork server imports besides torch and ddpkit (a script's own heavy imports)."""
+    oversubscribe: bool = False
+    """Allow ``nproc`` above :data:`OVERSUBSCRIBE_FACTOR` processes per core or GPU (never above
+    :data:`MAX_NPROC`)."""
 
     def __post_init__(self) -> None:
-        if self.max_restarts is not None and self.max_restarts < 0:
-            raise ConfigError(f"--max-restarts {self.max_restarts}: must be >= 0")
+        if self.max_restarts is not None and not 0 <= self.max_restarts <= MAX_RESTARTS:
+            raise ConfigError(f"--max-restarts {self.max_restarts}: use 0 to {MAX_RESTARTS}")
         # ASCII digits only: str.isdigit() also accepts "²", which int() then rejects.
-        if self.nproc not in ("auto", "gpu") and not (re.fullmatch("[0-9]+", self.nproc) and int(self.nproc) > 0):
-            raise ConfigError(f"--nproc {self.nproc!r}: use auto, gpu, or a whole number of processes >= 1")
+        # The length first: int() of thousands of digits raises, and a huge count would be built into torchrun's
+        # per-rank arguments (gigabytes of "--redirects") before anything else looked at it.
+        if self.nproc not in ("auto", "gpu") and not (
+            re.fullmatch("[0-9]{1,6}", self.nproc) and 0 < int(self.nproc) <= MAX_NPROC
+        ):
+            raise ConfigError(
+                f"--nproc {self.nproc[:40]!r}: use auto, gpu, or a whole number of processes from 1 to {MAX_NPROC}"
+            )
         node_range(self.nnodes)
         if self.max_nodes > 1 and not self.rdzv_endpoint:
             raise ConfigError(f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT reachable from every node")
         if self.node_rank is not None and not 0 <= self.node_rank < self.max_nodes:
             raise ConfigError(f"--node-rank {self.node_rank}: use 0 to {self.max_nodes - 1} (--nnodes {self.nnodes})")
+        if self.local_addr is not None and not _is_host(self.local_addr):
+            raise ConfigError(
+                f"--local-addr {self.local_addr[:80]!r}: give this node's IP address or host name as the other "
+                "nodes reach it"
+            )
         if self.collective_timeout is not None:
             check_seconds("--collective-timeout", self.collective_timeout)
         check_seconds("--join-timeout", self.join_timeout)
@@ -87,8 +108,13 @@ class LaunchConfig:
                     f"--preload {name!r}: use module names separated by commas (for example numpy,pandas)"
                 )
         for item in self.rdzv_conf:
-            if "=" not in item:
-                raise ConfigError(f"--rdzv-conf {item!r}: use KEY=VALUE, for example last_call_timeout=5")
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=[^=,]+", item):
+                raise ConfigError(f"--rdzv-conf {item[:80]!r}: use KEY=VALUE, for example last_call_timeout=5")
+        if self.rdzv_id is not None and not re.fullmatch(f"[A-Za-z0-9_.:-]{{1,{MAX_RDZV_ID}}}", self.rdzv_id):
+            raise ConfigError(
+                f"--rdzv-id {self.rdzv_id[:40]!r}: use 1 to {MAX_RDZV_ID} letters, digits, '_', '.', ':' or '-', "
+                "the same on every node"
+            )
 
     @property
     def uses_fork_server(self) -> bool:
@@ -119,35 +145,38 @@ class LaunchConfig:
 
 def node_range(nnodes: str) -> tuple[int, int]:
     """(MIN, MAX) nodes of ``--nnodes N`` or ``--nnodes MIN:MAX``."""
-    match = re.fullmatch("([0-9]+)(?::([0-9]+))?", nnodes)
+    match = re.fullmatch("([0-9]{1,7})(?::([0-9]{1,7}))?", nnodes)
     low, high = (int(match[1]), int(match[2] or match[1])) if match else (0, 0)
-    if not 1 <= low <= high:
+    if not 1 <= low <= high <= MAX_NODES:
         raise ConfigError(
-            f"--nnodes {nnodes!r}: use a number of nodes >= 1, or MIN:MAX with 1 <= MIN <= MAX (for example 1:4)"
+            f"--nnodes {nnodes[:40]!r}: use a number of nodes >= 1, or MIN:MAX with 1 <= MIN <= MAX (for example "
+            f"1:4), at most {MAX_NODES}"
         )
     return low, high
 
 
-_SECONDS = f"use a number of seconds > 0 and at most {MAX_TIMEOUT:.0f} (30 days)"
-
-
-def check_seconds(option: str, value: float) -> float:
-    """``value`` when it is a usable number of seconds for ``option``; else a :class:`ConfigError`."""
-    if not (math.isfinite(value) and 0 < value <= MAX_TIMEOUT):
-        raise ConfigError(f"{option} {value}: {_SECONDS}")
-    return value
-
-
-def parse_seconds(option: str, text: str) -> float:
+def _is_host(text: str) -> bool:
+    """True for an IPv4 or IPv6 address, or a host name as DNS allows it (letters, digits, hyphens; not all
+    digits at the end)."""
     try:
-        value = float(text)
+        ipaddress.ip_address(text.strip("[]"))
+        return True
     except ValueError:
-        raise ConfigError(f"{option} {text!r}: {_SECONDS}") from None
-    return check_seconds(option, value)
+        pass
+    labels = text.rstrip(".").split(".")
+    return (
+        len(text) <= 253
+        and all(re.fullmatch(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?", label) for label in labels)
+        and not labels[-1].isdigit()
+    )
 
 
-def resolve_nproc(nproc: str) -> int:
-    """Processes per node for ``--nproc``: GPUs visible, or on a CPU-only machine one per core up to 8."""
+def resolve_nproc(nproc: str, oversubscribe: bool = False) -> int:
+    """Processes per node for ``--nproc``: GPUs visible, or on a CPU-only machine one per core up to 8.
+
+    A number above :data:`OVERSUBSCRIBE_FACTOR` per core (or per GPU) is refused unless ``oversubscribe``: it is
+    far more often a typo than a plan, and each process is an interpreter with torch loaded.
+    """
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -159,7 +188,14 @@ def resolve_nproc(nproc: str) -> int:
         # On CPUs every process runs its own intra-op thread pool; past ~8 processes gloo's all-reduce costs
         # more than the extra processes bring, so larger machines get more threads per process instead.
         return gpus or max(1, min(cpu_count(), 8))
-    return int(nproc)
+    count, room = int(nproc), OVERSUBSCRIBE_FACTOR * max(cpu_count(), gpus)
+    if count > room and not oversubscribe:
+        raise ConfigError(
+            f"--nproc {count}: more than {OVERSUBSCRIBE_FACTOR} processes per "
+            f"{'GPU' if gpus > cpu_count() else 'core'} on this node ({room} at most); pass --oversubscribe if "
+            "that is what you mean"
+        )
+    return count
 
 
 DESCRIPTION = """Start SCRIPT on every process of this node under torchrun's elastic agent.
@@ -255,6 +291,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="modules the fork server imports before forking workers, besides torch (comma-separated, repeatable)",
     )
+    _option(
+        parser,
+        "--oversubscribe",
+        action="store_true",
+        help=f"allow --nproc above {OVERSUBSCRIBE_FACTOR} processes per core or GPU (at most {MAX_NPROC})",
+    )
     _option(parser, "-m", "--module", action="store_true", help="run SCRIPT as a module, like python -m")
     parser.add_argument("script", help="training script (or module with -m)")
 
@@ -304,6 +346,7 @@ def config_from_args(ns: argparse.Namespace, script_args: Sequence[str] = ()) ->
         log_dir=ns.log_dir,
         fork_server=ns.fork_server,
         preload=[name for value in ns.preload or [] for name in value.split(",") if name],
+        oversubscribe=ns.oversubscribe,
     )
 
 

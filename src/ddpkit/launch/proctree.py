@@ -28,17 +28,18 @@ import signal
 import sys
 import time
 import warnings
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 
 MARK = "DDPKIT_WORKER_MARK"
 """Environment variable every process started by a worker inherits: ``<worker pid>.<worker start time>``."""
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+_PR_SET_NAME = 15
 _PR_SET_CHILD_SUBREAPER = 36
 _LINUX = sys.platform.startswith("linux")
 
 
-def _prctl(option: int, value: int) -> bool:
+def _prctl(option: int, value: int | ctypes.c_char_p) -> bool:
     libc = ctypes.CDLL(None, use_errno=True)
     return libc.prctl(option, value, 0, 0, 0) == 0
 
@@ -51,6 +52,22 @@ def set_parent_death_signal(sig: int) -> bool:
 def become_subreaper() -> bool:
     """Make this process adopt the orphans of its descendants; False where Linux does not offer it."""
     return _LINUX and _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+
+
+def set_command_line(args: Sequence[str]) -> bool:
+    """Show ``args`` as this process's command line (``/proc/self/cmdline``, ``ps``), cut to the room the
+    process started with. The kernel reads it from the memory between ``arg_start`` and ``arg_end`` (fields 48
+    and 49 of ``/proc/self/stat``), which holds the original ``argv`` strings; Python has its own copies."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        start, end = int(fields[45]), int(fields[46])  # fields 48 and 49, counted from the state (field 3)
+    except (OSError, IndexError, ValueError):
+        return False
+    room = end - start
+    data = b"\0".join(a.encode() for a in args)[: room - 1] + b"\0"
+    ctypes.memmove(start, data.ljust(room, b"\0"), room)
+    return True
 
 
 def _stat(pid: int) -> tuple[str, int, int, int] | None:
@@ -194,6 +211,9 @@ def kill_worker_tree(group: int | None, mark: str, timeout: float = 10.0) -> lis
     return killed
 
 
+GUARD_TITLE = "ddpkit-guard"
+"""The guard's command line, followed by its worker's pid (``ps``, ``pgrep -f``)."""
+
 GUARD_SIGNAL = signal.SIGRTMIN if hasattr(signal, "SIGRTMIN") else signal.SIGUSR2
 """What the kernel sends the guard when its worker dies (a real-time signal, which nothing else sends it)."""
 
@@ -223,6 +243,11 @@ def start_guard() -> int | None:
     try:  # the guard: never returns
         os.setpgid(0, 0)
         signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+        # A command line of its own (once out of reach of signals to the worker's group): the forked guard
+        # would otherwise show its worker's, and `pkill -f "ddpkit.launch.worker.*SCRIPT" --newest` would kill
+        # the guard instead of the worker.
+        set_command_line([GUARD_TITLE, str(worker)])
+        _prctl(_PR_SET_NAME, ctypes.c_char_p(GUARD_TITLE.encode()))
         set_parent_death_signal(GUARD_SIGNAL)
         if os.getppid() == worker:  # else the worker died before prctl took effect: no signal will come
             signal.sigwait({GUARD_SIGNAL})

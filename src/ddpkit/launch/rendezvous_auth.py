@@ -3,11 +3,11 @@
 torch's c10d rendezvous store is a TCPStore that accepts any connection and has no notion of a client's identity,
 and torch unpickles the rendezvous state it reads from it: anyone who reached the endpoint could write a value
 that ran code in every agent. Under ``ddpkit run`` the store listens on 127.0.0.1 only. Other nodes reach it
-through a relay on the endpoint's port (:class:`RelayServer`) which, before one byte of the peer's reaches the
-store, has the peer prove that it holds the job's secret (an HMAC-SHA256 challenge-response with fresh nonces
-on both sides, so that the host proves it too), and then carries the store's traffic in frames that each bear
-an HMAC under a key of that session, so that bytes altered or injected on the way end the connection. On the
-other nodes the agent's store client talks to a local end of the relay (:class:`RelayClient`), which admits
+through a relay on the endpoint's port (:mod:`ddpkit.launch.rendezvous_relay`) which, before one byte of the
+peer's reaches the store, has the peer prove that it holds the job's secret (an HMAC-SHA256 challenge-response
+with fresh nonces on both sides, so that the host proves it too), and then carries the store's traffic in
+frames that each bear an HMAC under a key of that session, so that bytes altered or injected on the way end the
+connection. On the other nodes the agent's store client talks to a local end of the relay (:class:`RelayClient`), which admits
 connections from its own process only. Nothing is encrypted: the rendezvous state holds addresses, not data.
 
 Written here because the standard library has nothing that fits: TLS with a pre-shared key needs Python 3.13,
@@ -29,7 +29,6 @@ import sys
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 from ddpkit.errors import ConfigError
 
@@ -44,8 +43,9 @@ _TAG = 32  # HMAC-SHA256
 _REFUSED = b"refused: not this job's secret".ljust(_TAG, b"\n")
 _MAX_FRAME = 1 << 20  # the relay writes at most 64 KiB per frame; anything larger is not ours
 HANDSHAKE_TIMEOUT = 10.0
-"""Seconds a peer has to prove itself before the relay drops it (a silent connection holds nothing for long)."""
-_PENDING = 16  # handshakes at once; further connections are dropped until one ends
+"""Seconds a peer has, from its connection, to finish the whole handshake before the relay drops it."""
+ANSWER = _NONCE + _TAG
+"""Bytes a node sends the relay in the handshake: its nonce and its proof."""
 
 
 def load_secret(path: str | None, env: Mapping[str, str] | None = None) -> bytes:
@@ -56,16 +56,19 @@ def load_secret(path: str | None, env: Mapping[str, str] | None = None) -> bytes
     """
     env = os.environ if env is None else env
     if path:
-        source = f"--rdzv-secret-file {path}"
-        try:
-            mode = os.stat(path).st_mode
-            text = Path(path).read_bytes().strip()
-        except OSError as err:
-            raise ConfigError(f"{source}: {err.strerror}; write the job's secret there ({MAKE_SECRET})") from None
+        source = f"--rdzv-secret-file {path if len(path) <= 80 else path[:80] + '...'}"
+        text, mode = _read_secret_file(path, source)
         if mode & (stat.S_IRWXG | stat.S_IRWXO):
             raise ConfigError(f"{source} can be read by other users (mode {stat.S_IMODE(mode):o}): chmod 600 {path}")
     elif env.get(SECRET_ENV):
-        source, text = SECRET_ENV, env[SECRET_ENV].strip().encode()
+        source = SECRET_ENV
+        try:
+            text = env[SECRET_ENV].strip().encode()
+        except UnicodeEncodeError:  # bytes the locale could not decode, kept as surrogates by Python
+            raise ConfigError(
+                f"{SECRET_ENV} holds bytes that are not text in this locale: use a secret of letters and digits, "
+                f"the same on every node ({MAKE_SECRET})"
+            ) from None
     else:
         raise ConfigError(
             f"a job on several nodes needs a secret that only its nodes know: export {SECRET_ENV}=$({MAKE_SECRET}) "
@@ -77,6 +80,35 @@ def load_secret(path: str | None, env: Mapping[str, str] | None = None) -> bytes
             f"least {MIN_SECRET_CHARS} ({MAKE_SECRET})"
         )
     return text
+
+
+_MAX_SECRET_FILE = 1 << 16
+
+
+def _read_secret_file(path: str, source: str) -> tuple[bytes, int]:
+    """(the stripped contents, the mode) of the regular file at ``path``.
+
+    Opened without blocking and checked to be a regular file before any read: a FIFO would block the launch
+    forever waiting for a writer, and a device could be read without end.
+    """
+    how = f"write the job's secret there ({MAKE_SECRET})"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+    except (OSError, ValueError) as err:  # ValueError: a NUL byte in the path
+        raise ConfigError(f"{source}: {getattr(err, 'strerror', None) or err}; {how}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ConfigError(f"{source} is not a regular file; {how}")
+        if info.st_size > _MAX_SECRET_FILE:
+            raise ConfigError(f"{source} holds {info.st_size} bytes, not a secret; {how}")
+        try:
+            data = os.read(fd, _MAX_SECRET_FILE + 1)
+        except OSError as err:
+            raise ConfigError(f"{source}: {err.strerror}; {how}") from None
+    finally:
+        os.close(fd)
+    return data.strip(), info.st_mode
 
 
 def derive(secret: bytes, purpose: str) -> bytes:
@@ -114,21 +146,20 @@ class Session:
     recv_key: bytes
 
 
-def accept_peer(sock: socket.socket, key: bytes) -> Session:
-    """The relay's side of the handshake: the peer proves it holds ``key``, then this side proves it too."""
+def greeting() -> tuple[bytes, bytes]:
+    """(the relay's nonce, the first bytes it sends a peer)."""
     ours = secrets.token_bytes(_NONCE)
-    sock.sendall(HELLO + ours)
-    try:
-        answer = _recv_exact(sock, _NONCE + _TAG)
-    except EOFError as err:
-        if err.args[1]:  # it said something, and not a proof: a client of another protocol (a plain store's)
-            raise Refused("the peer closed the connection without proving it holds the job's secret") from None
-        raise
+    return ours, HELLO + ours
+
+
+def check_answer(key: bytes, ours: bytes, answer: bytes) -> tuple[bytes, Session]:
+    """The relay's side of the handshake, given the peer's :data:`ANSWER`: (the relay's proof to send back, the
+    session). Raises :class:`Refused` when the peer does not hold ``key`` (the caller answers with refuse())."""
     theirs, proof = answer[:_NONCE], answer[_NONCE:]
-    if not hmac.compare_digest(proof, _tag(key, b"node", ours, theirs)):
-        raise Refused("the peer does not hold the job's secret")  # the caller answers with refuse()
-    sock.sendall(_tag(key, b"host", ours, theirs))
-    return Session(_tag(key, b"host->node", ours, theirs), _tag(key, b"node->host", ours, theirs))
+    if len(answer) != ANSWER or not hmac.compare_digest(proof, _tag(key, b"node", ours, theirs)):
+        raise Refused("the peer does not hold the job's secret")
+    session = Session(_tag(key, b"host->node", ours, theirs), _tag(key, b"node->host", ours, theirs))
+    return _tag(key, b"host", ours, theirs), session
 
 
 def refuse(sock: socket.socket) -> None:
@@ -187,7 +218,7 @@ class FramedSocket:
         return data
 
 
-def _splice(framed: FramedSocket, plain: socket.socket) -> None:
+def splice(framed: FramedSocket, plain: socket.socket) -> None:
     """Carry bytes both ways between ``plain`` and ``framed`` on two threads; when one way ends, close both."""
     # A store request is several small writes; with Nagle's algorithm each relayed piece waits for the ACK of
     # the one before (a round trip through the relay took 12 ms instead of 0.1 ms).
@@ -217,59 +248,8 @@ def _splice(framed: FramedSocket, plain: socket.socket) -> None:
         threading.Thread(target=target, daemon=True, name="ddpkit-relay").start()
 
 
-def _say(message: str) -> None:
+def say(message: str) -> None:
     print(f"ddpkit run: {message}", file=sys.stderr, flush=True)
-
-
-class RelayServer:
-    """The rendezvous host's relay: admits a peer that proves it holds the secret, then carries its traffic to the
-    store at ``127.0.0.1:store_port``."""
-
-    def __init__(self, address: tuple[str, int], store_port: int, key: bytes) -> None:
-        self._store_port, self._key = store_port, key
-        self._slots = threading.BoundedSemaphore(_PENDING)
-        self._refusals = 0
-        self._sock = socket.create_server(address, backlog=128)
-        self.address = self._sock.getsockname()[:2]
-        threading.Thread(target=self._accept, daemon=True, name="ddpkit-relay").start()
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
-        self._sock.close()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, peer = self._sock.accept()
-            except OSError:
-                return  # closed
-            if not self._slots.acquire(blocking=False):
-                conn.close()  # a flood of connections that do not finish the handshake
-                continue
-            threading.Thread(target=self._serve, args=(conn, peer), daemon=True, name="ddpkit-relay").start()
-
-    def _serve(self, conn: socket.socket, peer: tuple[str, int]) -> None:
-        try:
-            conn.settimeout(HANDSHAKE_TIMEOUT)
-            session = accept_peer(conn, self._key)
-            conn.settimeout(None)
-            store = socket.create_connection(("127.0.0.1", self._store_port))
-        except Refused:
-            self._refusals += 1
-            if self._refusals <= 10:
-                _say(
-                    f"refused a connection to the rendezvous from {peer[0]}:{peer[1]}: it does not hold the "
-                    "job's secret" + ("" if self._refusals < 10 else " (further refusals are not shown)")
-                )
-            refuse(conn)
-            return
-        except (OSError, EOFError):  # a port probe (a node waiting for the host), a timeout, a reset
-            conn.close()
-            return
-        finally:
-            self._slots.release()
-        _splice(FramedSocket(conn, session), store)
 
 
 def _from_this_process(peer: tuple[str, int]) -> bool:
@@ -320,10 +300,10 @@ class RelayClient:
                 session = join_host(upstream, self._key)
                 upstream.settimeout(None)
             except (OSError, EOFError) as err:
-                _say(f"cannot reach the rendezvous at {self._host[0]}:{self._host[1]}: {err}")
+                say(f"cannot reach the rendezvous at {self._host[0]}:{self._host[1]}: {err}")
                 conn.close()
                 continue
-            _splice(FramedSocket(upstream, session), conn)
+            splice(FramedSocket(upstream, session), conn)
 
 
 def check_host(host: tuple[str, int], key: bytes) -> None:

@@ -40,7 +40,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     create_handler,
 )
 
-from ddpkit.launch.rendezvous_auth import RelayClient, RelayServer, derive
+from ddpkit.launch.rendezvous_auth import RelayClient, derive
+from ddpkit.launch.rendezvous_relay import RelayServer
 
 BACKEND = "ddpkit"
 

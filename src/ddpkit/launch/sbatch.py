@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ddpkit import fs
 from ddpkit.errors import PREEMPTED_EXIT_CODE, ConfigError
-from ddpkit.snapshot import files as run_files
 
 
 @dataclass(kw_only=True)
@@ -67,6 +67,10 @@ class BatchConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} {value}: must be >= 1")
+        for name in ("nodes", "gpus_per_node", "ntasks_per_node", "cpus_per_task"):
+            value = getattr(self, name)
+            if value is not None and value > _MAX_COUNT:  # SLURM keeps these in 32 bits; no cluster is that big
+                raise ConfigError(f"--{name.replace('_', '-')} {value}: at most {_MAX_COUNT}")
         for option, value in self._texts():
             _check_text(option, value)
         limit = time_limit_seconds(self.time) if self.time is not None else None
@@ -112,6 +116,8 @@ class BatchConfig:
         return self.job_name or re.sub(r"[^A-Za-z0-9._+-]", "_", Path(self.script).stem).lstrip(".-") or "ddpkit"
 
 
+_MAX_COUNT = 100_000
+_MAX_TIME = 365 * 86400
 _JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,199}")
 _SCRIPT_SINGLE_LINE = {"--sbatch-option", "--job-name", "--partition", "--account", "--time", "--output-dir"}
 
@@ -155,7 +161,14 @@ def time_limit_seconds(text: str) -> int | None:
         seconds = a * 60 + b  # MM:SS
     else:
         seconds = a * 60  # minutes
+    if seconds > _MAX_TIME:
+        raise ConfigError(f"--time {text[:40]!r}: at most 365 days; for no limit give UNLIMITED")
     return seconds or None  # SLURM reads a limit of 0 as none
+
+
+def _shown(text: str, limit: int = 80) -> str:
+    """``text`` quoted for a one-line message, cut to ``limit`` characters."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
 
 
 def _sbatch_value(text: str) -> str:
@@ -214,17 +227,27 @@ def batch_script(cfg: BatchConfig) -> str:
 
 def submit(cfg: BatchConfig, dry_run: bool = False) -> tuple[Path, str | None]:
     """Write the batch script to ``OUTPUT_DIR/NAME.sbatch`` and, unless ``dry_run``, submit it; (path, job id)."""
-    if not Path(cfg.script).is_file():
-        raise ConfigError(f"script {cfg.script!r} not found (from {os.getcwd()}): check the path")
+    try:
+        found = Path(cfg.script).is_file()
+    except OSError as err:  # a name too long for the file system
+        raise ConfigError(f"script {_shown(cfg.script)}: {err.strerror}: check the path") from None
+    if not found:
+        raise ConfigError(f"script {_shown(cfg.script)} not found (from {os.getcwd()}): check the path")
     out = Path(cfg.output_dir)
-    if out.exists() and not out.is_dir():
+    try:
+        if out.exists() and not out.is_dir():
+            raise ConfigError(
+                f"--output-dir {_shown(cfg.output_dir)} is a file: give a folder for the batch script and the "
+                "job's output (it is created if missing)"
+            )
+        fs.make_dirs(out)
+        path = out / f"{cfg.name}.sbatch"
+        fs.write_atomic(path, batch_script(cfg).encode())
+    except OSError as err:  # /proc, a read-only file system, a name too long
         raise ConfigError(
-            f"--output-dir {cfg.output_dir!r} is a file: give a folder for the batch script and the "
-            "job's output (it is created if missing)"
-        )
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{cfg.name}.sbatch"
-    run_files.write_atomic(path, batch_script(cfg).encode())
+            f"--output-dir {_shown(cfg.output_dir)}: cannot write the batch script there "
+            f"({err.strerror or err}): give a folder you can write to"
+        ) from None
     if dry_run:
         return path, None
     if shutil.which("sbatch") is None:

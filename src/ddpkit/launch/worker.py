@@ -16,10 +16,12 @@ import runpy
 import signal
 import socket
 import sys
+from pathlib import Path
 from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from ddpkit import fs
 from ddpkit.distributed.signals import hold_stop_signals
 from ddpkit.errors import ConfigError
 from ddpkit.launch.proctree import set_parent_death_signal, start_guard
@@ -53,8 +55,9 @@ def dump_stack_on_request() -> None:
     folder = os.environ.get("DDPKIT_STACK_DIR")
     if not folder:
         return
-    path = os.path.join(folder, f"rank{os.environ.get('RANK', '0')}.txt")
-    stream = open(path, "w")  # kept open for the life of the process: faulthandler writes to its descriptor
+    path = Path(folder) / f"rank{os.environ.get('RANK', '0')}.txt"
+    # Kept open for the life of the process: faulthandler writes to its descriptor.
+    stream = os.fdopen(fs.open_fd(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w")
     # Ignored underneath: faulthandler puts back the previous action while the interpreter exits, and a request
     # that arrives then must not kill a worker that is finishing on its own.
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddpkit.distributed.seeding import mix_seed
+from ddpkit.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,8 @@ class BatchLayout:
     offset: int
     key: int
     """Identical on every rank for the same global micro-batch, different for every other."""
+    size: int | None = None
+    """This rank's samples in the micro-batch, when known: the size an input must have at its batch dimension."""
 
 
 _layout: BatchLayout | None = None
@@ -48,32 +51,58 @@ def batch_layout(layout: BatchLayout) -> Iterator[None]:
 
 
 class GlobalBatchDropout(nn.Dropout):
-    """``nn.Dropout`` with masks that are a function of the sample's place in the global batch."""
+    """``nn.Dropout`` with masks that are a function of the sample's place in the global batch.
 
-    def __init__(self, p: float = 0.5, layer_id: int = 0) -> None:
+    ``batch_dim``: the input's dimension that holds the samples: 0 for batch-first tensors (the default),
+    1 for sequence-first ones (``nn.LSTM`` / ``nn.GRU`` / ``nn.Transformer`` without ``batch_first=True``). Its
+    size must be this rank's number of samples in the micro-batch; any other is refused, naming both. A tensor
+    whose sequence length happens to equal that number cannot be told from a batch-first one: ``batch_dim``
+    says which it is, and masks drawn along the wrong dimension would be silently wrong (another sample's
+    row).
+    """
+
+    def __init__(self, p: float = 0.5, layer_id: int = 0, batch_dim: int = 0) -> None:
         super().__init__(p)
-        self.layer_id = layer_id
+        self.layer_id, self.batch_dim = layer_id, batch_dim
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         layout = _layout
         if not self.training or self.p == 0 or layout is None:
             return F.dropout(input, self.p, self.training)
+        dim = self.batch_dim
+        if not -input.dim() <= dim < input.dim():
+            raise ConfigError(
+                f"GlobalBatchDropout(layer_id={self.layer_id}, batch_dim={dim}) got an input of shape "
+                f"{tuple(input.shape)}, which has no dimension {dim}: give the batch's dimension as batch_dim"
+            )
+        n = input.shape[dim]
+        if n != (layout.size if layout.size is not None else n) or layout.offset + n > layout.global_size:
+            expected = layout.size if layout.size is not None else f"at most {layout.global_size - layout.offset}"
+            raise ConfigError(
+                f"GlobalBatchDropout(layer_id={self.layer_id}) got an input of shape {tuple(input.shape)} whose "
+                f"size at batch_dim={dim} is {n}, where this rank's micro-batch has {expected} samples: for "
+                "sequence-first tensors (seq, batch, ...) pass batch_dim=1 (convert_dropout(model, batch_dim=1), "
+                "or build GlobalBatchDropout(p, layer_id, batch_dim=1) in the model)"
+            )
         call = _calls.get(self.layer_id, 0)  # a layer applied twice in one forward draws two masks
         _calls[self.layer_id] = call + 1
         g = torch.Generator(device=input.device)
         g.manual_seed(mix_seed(layout.key, self.layer_id, call))  # the same on every rank
-        shape = (layout.global_size, *input.shape[1:])
-        keep = torch.rand(shape, generator=g, device=input.device)[layout.offset : layout.offset + input.shape[0]]
+        shape = list(input.shape)
+        shape[dim] = layout.global_size
+        keep = torch.rand(shape, generator=g, device=input.device).narrow(dim, layout.offset, n)
         return input * (keep >= self.p).to(input.dtype) / (1 - self.p)
 
 
-def convert_dropout(module: nn.Module) -> nn.Module:
-    """Replace every ``nn.Dropout`` in ``module`` by a :class:`GlobalBatchDropout` (in place; returns it)."""
-    counter = iter(range(1 << 30))
+def convert_dropout(module: nn.Module, batch_dim: int = 0) -> nn.Module:
+    """Replace every ``nn.Dropout`` in ``module`` by a :class:`GlobalBatchDropout` whose inputs hold the samples
+    at ``batch_dim`` (in place; returns it). A :class:`GlobalBatchDropout` already there is kept as it is."""
+    taken = [m.layer_id for m in module.modules() if isinstance(m, GlobalBatchDropout)]
+    counter = iter(range(max(taken, default=-1) + 1, 1 << 30))  # a layer id of its own for each
 
     def swap(m: nn.Module) -> nn.Module:
         if type(m) is nn.Dropout:
-            new = GlobalBatchDropout(m.p, next(counter))
+            new = GlobalBatchDropout(m.p, next(counter), batch_dim)
             new.train(m.training)
             return new
         for name, child in m.named_children():

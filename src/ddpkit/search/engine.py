@@ -35,6 +35,7 @@ import optuna
 import torch.distributed as dist
 from optuna.trial import TrialState
 
+from ddpkit import fs
 from ddpkit.distributed.collectives import broadcast_object, gather_object
 from ddpkit.distributed.groups import split_world
 from ddpkit.distributed.log import print0
@@ -142,7 +143,7 @@ def search(
             f"SearchConfig.group_size={config.group_size} does not divide the job's {rt.world_size} ranks: pick a "
             f"divisor of {rt.world_size}, or launch a multiple of {config.group_size} processes"
         )
-    Path(config.search_dir).mkdir(parents=True, exist_ok=True)
+    fs.make_dirs(Path(config.search_dir))
     # One rank takes search_dir and creates the study before the others open it; a refusal or an unreachable
     # storage is an error on every rank rather than a hang on those waiting.
     lock: SearchDirLock | None = None

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import csv
+import functools
+import io
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
 from optuna.trial import FrozenTrial, TrialState
+
+from ddpkit import fs
 
 
 def best_trials(trials: list[FrozenTrial], direction: str, k: int = 5) -> list[FrozenTrial]:
@@ -17,25 +21,24 @@ def best_trials(trials: list[FrozenTrial], direction: str, k: int = 5) -> list[F
 
 def write_csv(trials: list[FrozenTrial], path: Path) -> None:
     params = sorted({name for t in trials for name in t.params})
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["number", "state", "value", *params, "epochs_reported", "seconds", "error"])
-        for t in sorted(trials, key=lambda t: t.number):
-            done, start = t.datetime_complete, t.datetime_start
-            seconds = (done - start).total_seconds() if done and start else ""
-            w.writerow(
-                [
-                    t.number,
-                    t.state.name,
-                    "" if t.value is None else t.value,
-                    *[t.params.get(p, "") for p in params],
-                    len(t.intermediate_values),
-                    f"{seconds:.2f}" if seconds != "" else "",
-                    " / ".join(t.user_attrs.get("error", "").splitlines()),
-                ]
-            )
-    tmp.replace(path)
+    text = io.StringIO(newline="")
+    w = csv.writer(text)
+    w.writerow(["number", "state", "value", *params, "epochs_reported", "seconds", "error"])
+    for t in sorted(trials, key=lambda t: t.number):
+        done, start = t.datetime_complete, t.datetime_start
+        seconds = (done - start).total_seconds() if done and start else ""
+        w.writerow(
+            [
+                t.number,
+                t.state.name,
+                "" if t.value is None else t.value,
+                *[t.params.get(p, "") for p in params],
+                len(t.intermediate_values),
+                f"{seconds:.2f}" if seconds != "" else "",
+                " / ".join(t.user_attrs.get("error", "").splitlines()),
+            ]
+        )
+    fs.write_atomic(path, text.getvalue().encode())
 
 
 def format_table(trials: list[FrozenTrial], metric: str) -> str:
@@ -78,7 +81,9 @@ def save_plots(study: Any, out_dir: Path) -> list[Path]:
                 warnings.simplefilter("ignore")  # Optuna marks its matplotlib plots experimental
                 ax = draw(study)
             path = out_dir / f"{name}.png"
-            ax.figure.savefig(path, dpi=100, bbox_inches="tight")
+            figure = ax.figure
+            # Into a file of ours, renamed over the name: savefig(path) would write through a link there.
+            fs.write_with(path, functools.partial(figure.savefig, format="png", dpi=100, bbox_inches="tight"))
             plt.close(ax.figure)
             saved.append(path)
         except (ValueError, RuntimeError) as err:  # e.g. importances need two complete trials

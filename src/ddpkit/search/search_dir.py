@@ -14,16 +14,16 @@ Three ways a search_dir can mislead a job into training the wrong thing, or into
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import re
-import socket
 import time
 from pathlib import Path
 from typing import Any
 
+from ddpkit import fs
 from ddpkit.errors import ConfigError
+from ddpkit.fs.lock import FolderLock
 
 JOURNAL = "study.journal"
 _TRIAL_DIR = re.compile(r"trial-(\d+)")
@@ -33,54 +33,18 @@ def trial_dir(search_dir: Path, number: int) -> Path:
     return search_dir / f"trial-{number:04d}"
 
 
-class SearchDirLock:
-    """An exclusive advisory lock on ``search_dir/.lock``, naming its holder (host, pid) inside the file.
-
-    The same protocol as the Trainer's run-directory lock (:class:`ddpkit.snapshot.run_dir.RunDirLock`), in the words
-    of a search.
-    """
+class SearchDirLock(FolderLock):
+    """An exclusive advisory lock on ``search_dir/.lock``, naming its holder (host, pid) inside the file: the
+    run directory's lock (:class:`ddpkit.fs.lock.FolderLock`), in the words of a search."""
 
     def __init__(self, search_dir: str | os.PathLike) -> None:
-        self.path = Path(search_dir) / ".lock"
-        self._fd: int | None = None
-
-    def acquire(self) -> None:
-        """Take the lock, or raise :class:`ConfigError` naming the job that holds it."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _read_holder(fd)
-            os.close(fd)
-            raise ConfigError(
-                f"search_dir {str(self.path.parent)!r} is in use by another search job ({holder}): a second job "
-                "would take that job's live trials for trials a dead job left running. Wait for it to end, or "
-                "give this search another search_dir"
-            ) from None
-        # Holder written once the lock is ours: a job that finds it locked reads a whole record.
-        os.ftruncate(fd, 0)
-        os.pwrite(
-            fd,
-            json.dumps(
-                {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
-            ).encode(),
-            0,
+        super().__init__(
+            search_dir,
+            what="search_dir",
+            job="search job",
+            user="search",
+            hazard="a second job would take that job's live trials for trials a dead job left running",
         )
-        self._fd = fd
-
-    def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing the last descriptor drops the flock
-            self._fd = None
-
-
-def _read_holder(fd: int) -> str:
-    try:
-        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
-        return f"host {info['host']}, pid {info['pid']}, since {info['since']}"
-    except (ValueError, KeyError, OSError):
-        return "holder unknown: it has not written its name yet"
 
 
 def repair_journal(path: Path) -> str | None:
@@ -93,9 +57,11 @@ def repair_journal(path: Path) -> str | None:
     line before the last cannot be cut out that way (the records after it may depend on it): that is a
     :class:`ConfigError` naming the line and the ways out, and the file is left as it is.
     """
+    # Optuna appends to the journal through an open() that would follow a link: none may stand there.
+    fs.check_owned(path, "the study's journal", follow=False)
     if not path.is_file():
         return None
-    data = path.read_bytes()
+    data = fs.read_bytes(path)
     whole, _, tail = data.rpartition(b"\n")
     lines = whole.split(b"\n") if whole else []
     for number, line in enumerate(lines, start=1):
@@ -105,22 +71,22 @@ def repair_journal(path: Path) -> str | None:
     if os.path.lexists(lock):
         # Optuna's journal lock (a symlink) left by a process killed while appending: with the search_dir lock
         # held, no writer can be alive, and Optuna would otherwise wait out its 30 s grace period on every write.
-        os.unlink(lock)
+        fs.remove(lock)
     if not tail:
         return None
     if _is_record(tail):
         # Written whole, only its newline missing: Optuna skips such a line, so the record never took effect.
-        with open(path, "ab") as f:
-            f.write(b"\n")
+        with fs.open_append(path) as f:
+            f.write("\n")
             f.flush()
             os.fsync(f.fileno())
         return f"ddpkit search: {path} ended without its last newline; the whole record before it is kept"
     aside = path.with_name(f"{path.name}.cut-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
-    with open(aside, "wb") as f:  # first the copy, then the cut: a crash between them loses nothing
+    with fs.open_exclusive(aside) as f:  # first the copy, then the cut: a crash between them loses nothing
         f.write(tail)
         f.flush()
         os.fsync(f.fileno())
-    os.truncate(path, len(data) - len(tail))
+    fs.truncate(path, len(data) - len(tail))
     return (
         f"ddpkit search: {path} ended in a record cut short (a kill or a full disk while it was written); "
         f"its {len(tail)} bytes were moved to {aside.name}, the {len(lines)} whole records before it are kept"
@@ -150,6 +116,8 @@ def check_trial_dirs(search_dir: Path, owned: set[int], study: str) -> None:
     strangers = []
     for path in sorted(search_dir.glob("trial-*")):
         match = _TRIAL_DIR.fullmatch(path.name)
+        if match:
+            fs.refuse_link(path)  # a trial's run directory is made here, by the search: never through a link
         if match and int(match.group(1)) not in owned and path.is_dir() and any(path.iterdir()):
             strangers.append(path.name)
     if strangers:

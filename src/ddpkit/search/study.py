@@ -9,18 +9,23 @@ resumes.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import socket
+import stat
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import optuna
+from optuna.storages.journal import BaseJournalBackend, JournalStorage
+from optuna.storages.journal._storage import JournalOperation
 from optuna.trial import TrialState
 
+from ddpkit import fs
 from ddpkit.distributed.seeding import mix_seed
 from ddpkit.errors import ConfigError
 from ddpkit.search.config import SearchConfig
@@ -86,11 +91,76 @@ def open_storage(cfg: SearchConfig) -> Any:
     return optuna.storages.RDBStorage(cfg.storage, engine_kwargs={"pool_pre_ping": True})
 
 
+class _Replay(BaseJournalBackend):
+    """A journal's records in memory, for Optuna to replay: the number handed out so far tells which record
+    a failure of the replay came from (Optuna reads them lazily, one at a time)."""
+
+    def __init__(self, records: list[dict[str, Any]]) -> None:
+        self.records, self.handed = records, 0
+
+    def read_logs(self, log_number_from: int) -> Iterator[dict[str, Any]]:
+        for record in self.records[log_number_from:]:
+            self.handed += 1
+            yield record
+
+    def append_logs(self, logs: list[dict[str, Any]]) -> None:
+        raise RuntimeError("a journal being checked is not written")
+
+
+_OPERATIONS = {int(op) for op in JournalOperation}
+
+
+def check_journal(path: Path) -> None:
+    """Refuse a journal that Optuna would fail to read, naming the file, the line and what is wrong with it: a
+    record that is not an object, has no known ``op_code`` or ``worker_id``, or that Optuna fails to replay
+    (a trial of no study, a field missing). Without this, such a file fails in Optuna's replay with a bare
+    ``KeyError`` or ``AssertionError``. A last line without its newline is :func:`repair_journal`'s."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO would block a plain open
+    except FileNotFoundError:
+        return
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError(f"the study's journal {path} is not a regular file: give the search another search_dir")
+        data = f.read()
+    lines = data.split(b"\n")[:-1]  # whole lines only
+
+    def refuse(number: int, what: str) -> NoReturn:
+        raise ConfigError(
+            f"the study's journal {path} is damaged at line {number} of {len(lines)}: {what}. It was not written "
+            f"so by Optuna (edited by hand?): put the line back as it was, or keep the {number - 1} records before "
+            f"it (`head -n {number - 1} {path} > {path}.kept`, then move {path}.kept over it), or start the search "
+            "afresh in another search_dir"
+        )
+
+    records = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            refuse(number, "not a JSON record")
+        if not isinstance(record, dict):
+            refuse(number, f"a JSON {type(record).__name__}, not an object")
+        op = record.get("op_code")
+        if type(op) is not int or op not in _OPERATIONS:
+            refuse(number, f"op_code {repr(op)[:40]} is not one of Optuna's operations (0 to {max(_OPERATIONS)})")
+        if not isinstance(record.get("worker_id"), str):
+            refuse(number, "it names no worker_id")
+        records.append(record)
+    replay = _Replay(records)
+    try:
+        JournalStorage(replay)
+    except Exception as err:  # noqa: BLE001  (KeyError, TypeError, AssertionError...: each a bad record)
+        refuse(replay.handed, f"Optuna cannot replay it ({type(err).__name__}: {str(err)[:200]})")
+
+
 def open_study(
     cfg: SearchConfig, distributions: dict[str, Any], create: bool, group_index: int = 0, start: int = 0
 ) -> optuna.Study:
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # ddpkit prints its own progress
     try:
+        if cfg.storage is None:
+            check_journal(Path(cfg.search_dir) / JOURNAL)
         storage = open_storage(cfg)
         sampler = new_sampler(cfg, distributions, group_index, start)
         if create:
@@ -106,6 +176,11 @@ def open_study(
     except ConfigError:
         raise
     except Exception as err:  # sqlalchemy's OperationalError, a bad URL's ArgumentError, a locked journal...
+        if cfg.storage is None:
+            raise ConfigError(
+                f"cannot open the study {cfg.study_name!r} in its journal {Path(cfg.search_dir) / JOURNAL}: "
+                f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            ) from None
         raise ConfigError(
             f"cannot open the study {cfg.study_name!r} in storage {cfg.storage or cfg.search_dir}: "
             f"{type(err).__name__}: {str(err).splitlines()[0]}. Check the storage URL and that its database "
@@ -117,8 +192,7 @@ def open_study(
 def file_lock(path: Path) -> Iterator[None]:
     # Groups count trials and ask under this lock: two groups racing for the last candidate of the budget
     # would otherwise both see room for one more.
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
+    with fs.open_append(path) as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
@@ -131,10 +205,8 @@ def read_search_id(cfg: SearchConfig) -> str:
     # resumed for ours only. It lives in search_dir, so a restarted job is the same search.
     path = Path(cfg.search_dir) / "search_id"
     if not path.exists():
-        tmp = path.with_name(f".search_id.{os.getpid()}")
-        tmp.write_text(f"{socket.gethostname()}-{os.getpid()}-{time.time_ns()}\n")
-        os.replace(tmp, path)
-    return path.read_text().strip()
+        fs.write_atomic(path, f"{socket.gethostname()}-{os.getpid()}-{time.time_ns()}\n".encode())
+    return fs.read_bytes(path).decode().strip()
 
 
 def trials_of(study: optuna.Study, search_id: str, states: tuple[TrialState, ...] | None = None) -> list[Any]:

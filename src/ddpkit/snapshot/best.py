@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
+from ddpkit import fs
 from ddpkit.errors import ConfigError
 from ddpkit.snapshot import export
-from ddpkit.snapshot import files as run_files
 
 
 def is_better(value: float, best: float | None, mode: str) -> bool:
@@ -91,6 +91,5 @@ class BestWeights:
                 export.save_weights(self.export_path, state, self.export_format, info)
             buffer = io.BytesIO()
             torch.save({"model": state, "epoch": epoch, "step": step, "metric": self.metric, "value": value}, buffer)
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            run_files.write_atomic(self.path, buffer.getvalue())  # replaces a link at the name, never follows it
+            fs.write_atomic(self.path, buffer.getvalue())  # replaces a link at the name, never follows it
         return True

@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
+from ddpkit import fs
 from ddpkit.errors import ConfigError
-from ddpkit.snapshot import files as run_files
 
 FORMATS = ("safetensors", "pt")
 
@@ -104,8 +104,7 @@ def save_weights(path: Path, state: Mapping[str, Any], fmt: str, metadata: Mappi
     """Write ``state`` to ``path`` whole or not at all (a new file renamed over the name; a link there is
     replaced, never written through). Call it on one rank."""
     data = weights_bytes(state, fmt, metadata)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    run_files.write_atomic(path, data)
+    fs.write_atomic(path, data)  # its folder made first where missing
 
 
 def load_weights(path: str | Path) -> dict[str, torch.Tensor]:

@@ -1,4 +1,11 @@
-"""The snapshot folders of a run: their names, the marker that makes one whole, its check, and the prune."""
+"""The snapshot folders of a run: their names, the marker that makes one whole, its check, and the prune.
+
+The marker is read as data that may lie (a folder can be copied from elsewhere, or edited): every name it lists
+must be a plain file name of the folder (no separator, no ``..``), and every file a regular one, opened
+without following a link and read no further than the size the marker gives. A name such as
+``../../dev/zero`` would otherwise have the check read forever (a device reports size 0) and hold every rank
+at its next collective.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +22,12 @@ from typing import Any
 
 MARKER = "complete.json"
 _FOLDER = re.compile(r"^step-(\d+)$")
+_MARKER_LIMIT = 1 << 20  # a marker lists a few files per rank: a MiB is far more than one holds
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+class NotRegular(OSError):
+    """A file of a snapshot folder that is a link, a device, a FIFO or a folder."""
 
 
 @dataclass(frozen=True)
@@ -29,12 +42,48 @@ def folder_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def sha256(path: Path) -> str:
+def _open_regular(path: Path) -> int:
+    """A descriptor of the regular file ``path``: not through a link (ELOOP), never waiting on a FIFO."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise NotRegular(f"{path} is not a regular file")
+    return fd
+
+
+def read_bounded(path: Path, limit: int) -> bytes:
+    """The bytes of the regular file ``path``, if it holds at most ``limit``; ``OSError`` otherwise."""
+    fd = _open_regular(path)
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise OSError(f"{path} holds {size} bytes, more than the {limit} it may")
+        return os.pread(fd, size, 0)
+    finally:
+        os.close(fd)
+
+
+def sha256(path: Path, size: int | None = None) -> str:
+    """The SHA-256 of the regular file ``path``: of its first ``size`` bytes, when given."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
+    fd = _open_regular(path)
+    with os.fdopen(fd, "rb") as f:
+        left = size if size is not None else os.fstat(fd).st_size
+        while left > 0 and (chunk := f.read(min(left, 1 << 22))):
             h.update(chunk)
+            left -= len(chunk)
     return h.hexdigest()
+
+
+def plain_name(name: object) -> bool:
+    """True for the name of a file directly inside a folder: no separator, not ``.`` or ``..``, no NUL."""
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and "/" not in name
+        and "\0" not in name
+        and len(name.encode("utf-8", "surrogatepass")) <= 255
+    )
 
 
 def digest(paths: list[Path]) -> dict[str, dict[str, Any]]:
@@ -51,20 +100,58 @@ def candidates(folder: Path) -> list[Found]:
     return sorted(found, key=lambda f: f.step, reverse=True)
 
 
-def verify(found: Found) -> str | None:
-    """None if ``found`` is whole, else what is wrong with it."""
+def listed(found: Found) -> dict[str, dict[str, Any]]:
+    """The files ``found``'s marker lists, each a plain name with a size and a SHA-256; ``ValueError`` (naming
+    the marker and the entry) if it is not such a list."""
+    marker_path = found.path / MARKER
     try:
-        marker = json.loads((found.path / MARKER).read_text())
-        files = marker["files"]
-    except (OSError, ValueError, KeyError):
-        return f"has an unreadable {MARKER}"
+        marker = json.loads(read_bounded(marker_path, _MARKER_LIMIT))
+    except (OSError, ValueError, RecursionError) as err:
+        raise ValueError(f"has an unreadable {MARKER} ({err})") from None
+    files = marker.get("files") if isinstance(marker, dict) else None
+    if not isinstance(files, dict) or not files:
+        raise ValueError(f"has a {MARKER} that lists no files")
+    for name, want in files.items():
+        if not plain_name(name):
+            raise ValueError(f"has a {MARKER} naming {name[:80]!r}, which is not a file of the folder: refused")
+        if (
+            not isinstance(want, dict)
+            or type(want.get("size")) is not int
+            or want["size"] < 0
+            or not isinstance(want.get("sha256"), str)
+            or not _SHA256.match(want["sha256"])
+        ):
+            raise ValueError(f"has a {MARKER} whose entry for {name} is not a size and a SHA-256")
+    return files
+
+
+def verify(found: Found, required: tuple[str, ...] = ()) -> str | None:
+    """None if ``found`` is whole (its marker lists ``required`` among its files), else what is wrong with it."""
+    try:
+        files = listed(found)
+    except ValueError as err:
+        return str(err)
+    for name in required:
+        if name not in files:
+            return f"has a {MARKER} that does not list {name}"
     for name, want in files.items():
         file = found.path / name
-        if not file.exists():
+        try:
+            mode = os.lstat(file).st_mode
+        except FileNotFoundError:
             return f"is missing {name}"
-        if file.stat().st_size != want["size"]:
-            return f"has {name} truncated or altered ({file.stat().st_size} bytes, marker says {want['size']})"
-        if sha256(file) != want["sha256"]:
+        except OSError as err:
+            return f"has {name} unreadable ({err.strerror})"
+        if not stat.S_ISREG(mode):
+            return f"has {name} that is not a regular file (a link, device, FIFO or folder): refused"
+        try:
+            size = os.stat(file, follow_symlinks=False).st_size
+            if size != want["size"]:
+                return f"has {name} truncated or altered ({size} bytes, marker says {want['size']})"
+            digest_ = sha256(file, want["size"])
+        except OSError as err:  # replaced by a link or another kind of file since the lstat
+            return f"has {name} unreadable ({err.strerror or err})"
+        if digest_ != want["sha256"]:
             return f"has {name} not matching its checksum (corrupt)"
     return None
 

@@ -42,7 +42,6 @@ import io
 import json
 import os
 import pickle
-import shutil
 import threading
 import time
 import traceback
@@ -54,9 +53,9 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from ddpkit import fs
 from ddpkit.distributed.collectives import broadcast_object, gather_object
 from ddpkit.errors import ConfigError
-from ddpkit.snapshot import files as run_files
 from ddpkit.snapshot import folders
 from ddpkit.snapshot.folders import MARKER, Found, digest, folder_name
 from ddpkit.snapshot.layout import leaves, nest, set_at, stored_parts, stored_path
@@ -172,11 +171,13 @@ class SnapshotManager:
 
         # Debris of a write of this step that was killed before its marker (perhaps at another world size,
         # with other ranks' files): start clean, so the marker lists exactly what is there.
-        shutil.rmtree(path, ignore_errors=True)
         try:
-            path.mkdir(parents=True)
+            fs.remove_tree(path, root=self.folder)
+            fs.make_dirs(path, root=self.folder)
         except OSError as err:
             return self._failure(path, step, [(0, dcp_files.os_failure(err, path, self.folder))])
+        except ConfigError as err:  # a link or another user's folder where the snapshots go
+            return self._failure(path, step, [(0, dcp_files.Failure(str(err)))])
         return None
 
     def _write_in_background(self, *args: Any) -> None:
@@ -205,7 +206,7 @@ class SnapshotManager:
             # when one rank fails, it raises on every rank.
             mine = sorted(path.glob(f"__{rank}_*.distcp"))
             if rank == 0:
-                run_files.write_atomic(path / EXTRA, extra)
+                fs.write_atomic(path / EXTRA, extra)
                 mine += [path / ".metadata", path / INDEX, path / EXTRA]
             digests = digest(mine)
         except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
@@ -234,14 +235,14 @@ class SnapshotManager:
             files = {name: d for digests, _, _ in parts for name, d in digests.items()}
             marker = {"step": step, "files": files}
             try:
-                run_files.write_atomic(path / MARKER, json.dumps(marker, indent=1).encode())
+                fs.write_atomic(path / MARKER, json.dumps(marker, indent=1).encode())
             except OSError as err:
                 failures = [(0, dcp_files.os_failure(err, path / MARKER, path))]
             else:
                 self._prune(newest=step)
                 return None
         # Every rank is past its writes: the partial folder can go, and give back the space it took.
-        shutil.rmtree(path, ignore_errors=True)
+        fs.remove_tree(path, root=self.folder)
         return self._failure(path, step, failures)
 
     def _failure(self, path: Path, step: int, failures: list[tuple[int, Any]]) -> Failed:
@@ -282,8 +283,9 @@ class SnapshotManager:
         return folders.candidates(self.folder)
 
     def verify(self, found: Found) -> str | None:
-        """None if ``found`` is whole, else what is wrong with it."""
-        return folders.verify(found)
+        """None if ``found`` is whole, else what is wrong with it. ``trainer.pt``, read first, must be listed;
+        the index and the data files it names are checked against the marker when they are read."""
+        return folders.verify(found, required=(EXTRA,))
 
     def _prune(self, newest: int) -> None:
         folders.prune(self.folder, self.keep_last, newest)
@@ -380,8 +382,17 @@ class SnapshotManager:
         from ddpkit.snapshot import storage as dcp_files
 
         try:
-            return dcp_files.read_index(folder)
-        except (dcp_files.BadIndex, OSError) as err:
+            # The index, and every data file it reads from, were checked against the marker (by rank 0, in
+            # latest()) only if the marker lists them.
+            listed = folders.listed(Found(0, folder))
+            if INDEX not in listed:
+                raise dcp_files.BadIndex(f"{MARKER} does not list it")
+            index = dcp_files.read_index(folder)
+            for info in index.storage_data.values():
+                if info.relative_path not in listed:
+                    raise dcp_files.BadIndex(f"it reads {info.relative_path}, which {MARKER} does not list")
+            return index
+        except (dcp_files.BadIndex, OSError, ValueError) as err:
             raise ConfigError(
                 f"{folder / INDEX} is not an index ddpkit wrote ({err}): refusing to load {folder}. Remove it "
                 "to resume from the snapshot before it"

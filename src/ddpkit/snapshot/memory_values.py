@@ -139,6 +139,32 @@ def layout(tensors: Sequence[torch.Tensor]) -> tuple[list[Spec], int]:
     return specs, offset
 
 
+def checked_specs(raw: Any, region_size: int) -> list[Spec]:
+    """The specs of a manifest or blob (``[[dtype, shape, offset], ...]``), each checked to lie whole and aligned
+    inside a data region of ``region_size`` bytes before anything views it. Raises ``ValueError`` naming the
+    first that does not: a slot's CRC-32s show a torn or flipped byte, not a manifest written to lie."""
+    if not isinstance(raw, list):
+        raise ValueError("its tensor layout is not a list")
+    specs = []
+    for i, item in enumerate(raw):
+        if not (isinstance(item, list) and len(item) == 3):
+            raise ValueError(f"tensor {i} of its layout is malformed")
+        dtype, shape, offset = item
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            raise ValueError(f"tensor {i} has an unknown dtype {str(dtype)[:40]!r}")
+        if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+            raise ValueError(f"tensor {i} has a shape that is not a list of sizes")
+        if type(offset) is not int or offset < 0 or offset % ALIGN:
+            raise ValueError(f"tensor {i} has an offset that is not an aligned position")
+        spec = Spec(dtype, tuple(shape), offset)
+        if offset + spec.nbytes > region_size:
+            raise ValueError(
+                f"tensor {i} ({dtype}{list(shape)} at {offset}) lies past the end of the data region ({region_size} bytes)"
+            )
+        specs.append(spec)
+    return specs
+
+
 def views(region: torch.Tensor, specs: Sequence[Spec]) -> list[torch.Tensor]:
     """Tensors that view ``region`` (uint8) at each spec's place."""
     return [region[s.offset : s.offset + s.nbytes].view(DTYPES[s.dtype]).view(s.shape) for s in specs]
@@ -157,12 +183,19 @@ def encode_blob(value: Any) -> bytes:
 
 
 def decode_blob(data: bytes | memoryview) -> Any:
+    """The inverse of :func:`encode_blob`; ``ValueError`` if ``data`` is not a whole blob."""
+    if len(data) < 8:
+        raise ValueError(f"a blob of {len(data)} bytes is shorter than its header")
     (n,) = struct.unpack_from("<Q", data)
+    if 8 + n > len(data):
+        raise ValueError(f"a blob's header says {n} bytes of description, and {len(data) - 8} follow")
     head = json.loads(bytes(data[8 : 8 + n]))
+    if not isinstance(head, dict) or "v" not in head:
+        raise ValueError("a blob's description is malformed")
     region = (
         torch.frombuffer(bytearray(data[8 + n :]), dtype=torch.uint8)
         if len(data) > 8 + n
         else torch.empty(0, dtype=torch.uint8)
     )
-    specs = [Spec(d, tuple(shape), off) for d, shape, off in head["s"]]
+    specs = checked_specs(head.get("s"), region.numel())
     return unflatten(head["v"], [v.clone() for v in views(region, specs)])

@@ -7,68 +7,34 @@ nothing behind and a restarted one takes it again at once. (That a snapshot resu
 is :mod:`ddpkit.training.run_record`'s check.)
 
 A run directory that belongs to another user, or that holds a symbolic link where the run writes, is refused
-too (:mod:`ddpkit.snapshot.files`): a job's writes and deletions stay inside its own run directory.
+too (:mod:`ddpkit.fs`): a job's writes and deletions stay inside its own run directory.
 """
 
 from __future__ import annotations
 
-import fcntl
-import json
 import os
-import socket
 import time
 from pathlib import Path
 from typing import Any
 
+from ddpkit import fs
 from ddpkit.distributed.collectives import broadcast_object
 from ddpkit.errors import ConfigError
-from ddpkit.snapshot import files as run_files
+from ddpkit.fs.lock import FolderLock
 
 
-class RunDirLock:
+class RunDirLock(FolderLock):
     """An exclusive advisory lock on ``run_dir/.lock``, naming its holder (host, pid) inside the file."""
 
     def __init__(self, run_dir: str | os.PathLike) -> None:
-        self.path = Path(run_dir) / ".lock"
-        self._fd: int | None = None
-
-    def acquire(self) -> None:
-        """Take the lock, or raise :class:`ConfigError` naming the job that holds it."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        # Never through a link, never another user's file: the holder's name is written into it.
-        fd = run_files.open_fd(self.path, os.O_RDWR | os.O_CREAT)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _read_holder(fd)
-            os.close(fd)
-            raise ConfigError(
-                f"run_dir {str(self.path.parent)!r} is in use by another job ({holder}): two jobs on one run "
-                "directory would interleave their records and resume from each other's snapshots. Wait for it "
-                "to end, or give this run another run_dir"
-            ) from None
-        # Holder first written after the lock is ours: a job that finds it locked reads a whole record.
-        os.ftruncate(fd, 0)
-        os.pwrite(
-            fd,
-            json.dumps(
-                {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
-            ).encode(),
-            0,
+        super().__init__(
+            run_dir,
+            what="run_dir",
+            job="job",
+            user="run",
+            hazard="two jobs on one run directory would interleave their records and resume from each other's "
+            "snapshots",
         )
-        self._fd = fd
-
-    def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing the last descriptor drops the flock
-            self._fd = None
-
-    def __enter__(self) -> RunDirLock:
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.release()
 
 
 RUN_FILES = (
@@ -123,10 +89,12 @@ def claim(run_dir: str | os.PathLike, *, is_main: bool, fresh: bool, group: Any 
         lock = RunDirLock(path)
         try:
             # Checked before the lock file is made: nothing is created in another user's folder.
-            run_files.check_owned(path, "run_dir", follow=True)
+            fs.check_owned(path, "run_dir", follow=True, kind="run_dir")
             lock.acquire()
             for name in RUN_FILES:
-                run_files.check_owned(path / name, "the snapshots folder" if name == "snapshots" else "", follow=False)
+                fs.check_owned(
+                    path / name, "the snapshots folder" if name == "snapshots" else "", follow=False, kind="run_dir"
+                )
             if fresh:
                 _set_aside_previous_run(path)
         except ConfigError as err:
@@ -161,18 +129,10 @@ def _set_aside_previous_run(run_dir: Path) -> None:
     if not present:
         return
     aside = run_dir / f"replaced-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-    aside.mkdir()
+    fs.make_dir(aside, root=run_dir)
     for name in present:
-        os.rename(run_dir / name, aside / name)  # a rename moves a link itself, never what it points to
+        fs.rename(run_dir / name, aside / name, root=run_dir)  # moves a link itself, never what it points to
     print(
         f"ddpkit: resume=False: the previous run's {', '.join(present)} moved to {aside}; this run starts them afresh",
         flush=True,
     )
-
-
-def _read_holder(fd: int) -> str:
-    try:
-        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
-        return f"host {info['host']}, pid {info['pid']}, since {info['since']}"
-    except (ValueError, KeyError, OSError):
-        return "holder unknown: it has not written its name yet"

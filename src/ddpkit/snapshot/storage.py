@@ -22,12 +22,13 @@ import dataclasses
 import errno
 import io
 import json
+import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
@@ -43,11 +44,13 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ddpkit.snapshot import files as run_files
+from ddpkit import fs
+from ddpkit.snapshot.folders import read_bounded
 
 INDEX = "metadata.json"
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 _DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
+_INDEX_LIMIT = 1 << 30  # JSON of a tensor's place per chunk: ~200 bytes each; a GiB is millions of chunks
 
 
 class BadIndex(ValueError):
@@ -91,12 +94,30 @@ class _ErrnoKeepingFileSystem(FileSystem):
     @contextmanager
     def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
         try:
-            with super().create_stream(path, mode) as stream:
+            with _open_stream(Path(path), mode) as stream:
                 yield _ErrnoKeepingStream(stream, Path(path), self.failures)
         except OSError as err:  # opening, or the flush of close()
             if not any(e is err for _, e in self.failures):
                 self.failures.append((Path(path), err))
             raise
+
+    # DCP's own path calls follow links; these go through ddpkit.fs, as every write of ddpkit does.
+    def rename(self, path: Any, new_path: Any) -> None:
+        fs.rename(Path(path), Path(new_path))
+
+    def mkdir(self, path: Any) -> None:
+        fs.make_dirs(Path(path))
+
+    def rm_file(self, path: Any) -> None:
+        fs.remove(Path(path), missing_ok=False)
+
+
+def _open_stream(path: Path, mode: str) -> IO[bytes]:
+    """A file of a snapshot, opened never through a link and only if it is this user's regular file."""
+    flags = {"rb": os.O_RDONLY, "wb": os.O_WRONLY | os.O_CREAT | os.O_TRUNC}.get(mode)
+    if flags is None:
+        raise ValueError(f"{path}: mode {mode!r} is not one a snapshot file is opened in")
+    return os.fdopen(fs.open_fd(path, flags), mode)
 
 
 class Writer(FileSystemWriter):
@@ -115,7 +136,7 @@ class Writer(FileSystemWriter):
         where = {result.index: result.storage_data for per_rank in results for result in per_rank}
         metadata = dataclasses.replace(metadata, storage_data=where)
         try:
-            run_files.write_atomic(Path(self.path) / INDEX, json.dumps(index_to_json(metadata)).encode())
+            fs.write_atomic(Path(self.path) / INDEX, json.dumps(index_to_json(metadata)).encode())
         except OSError as err:
             self.failures.append((Path(self.path) / INDEX, err))
             raise
@@ -217,6 +238,35 @@ def _dtype(name: Any, fqn: str) -> torch.dtype:
     return dtype
 
 
+def _check_chunks(fqn: str, size: torch.Size, chunks: list[ChunkStorageMetadata]) -> None:
+    """The chunks of a tensor cover it exactly once: each inside its shape, none overlapping another, their
+    volumes adding up to its number of elements. An index whose chunks leave a part uncovered would have DCP
+    load nothing there and leave the tensor as it was (the fresh model's), without a word."""
+    numel = size.numel()
+    total = 0
+    for chunk in chunks:
+        if len(chunk.offsets) != len(size) or len(chunk.sizes) != len(size):
+            raise BadIndex(f"tensor {fqn!r} of shape {list(size)} has a chunk of another number of dimensions")
+        if any(o + n > s for o, n, s in zip(chunk.offsets, chunk.sizes, size)):
+            raise BadIndex(
+                f"tensor {fqn!r} of shape {list(size)} has a chunk at {list(chunk.offsets)} of {list(chunk.sizes)} "
+                "that lies outside it"
+            )
+        total += chunk.sizes.numel()
+    if total != numel:
+        raise BadIndex(f"tensor {fqn!r} of shape {list(size)} has chunks covering {total} of its {numel} elements")
+    for i, a in enumerate(chunks):  # a few chunks per tensor (one per rank that holds a shard): pairs are cheap
+        for b in chunks[i + 1 :]:
+            if (
+                a.sizes.numel()
+                and b.sizes.numel()
+                and all(ao < bo + bn and bo < ao + an for ao, an, bo, bn in zip(a.offsets, a.sizes, b.offsets, b.sizes))
+            ):
+                raise BadIndex(
+                    f"tensor {fqn!r} has two chunks that overlap, at {list(a.offsets)} and {list(b.offsets)}"
+                )
+
+
 def index_from_json(data: Any) -> Metadata:
     """DCP's ``Metadata`` from :func:`index_to_json`'s output, checked: tensors only, files of this folder
     only (``__R_N.distcp``), sizes and offsets as integers. Raises :class:`BadIndex` naming the problem."""
@@ -236,9 +286,9 @@ def index_from_json(data: Any) -> Metadata:
             ChunkStorageMetadata(torch.Size(_ints(c.get("offsets"), fqn)), torch.Size(_ints(c.get("sizes"), fqn)))
             for c in md["chunks"]
         ]
-        state[fqn] = TensorStorageMetadata(
-            TensorProperties(dtype=_dtype(md.get("dtype"), fqn)), torch.Size(_ints(md.get("size"), fqn)), chunks
-        )
+        size = torch.Size(_ints(md.get("size"), fqn))
+        _check_chunks(fqn, size, chunks)
+        state[fqn] = TensorStorageMetadata(TensorProperties(dtype=_dtype(md.get("dtype"), fqn)), size, chunks)
     storage = {}
     for entry in data["storage"]:
         if not isinstance(entry, dict) or not isinstance(entry.get("fqn"), str) or entry["fqn"] not in state:
@@ -250,6 +300,10 @@ def index_from_json(data: Any) -> Metadata:
         at, length = _ints([entry.get("at"), entry.get("length")], entry["fqn"])
         # _StorageInfo has no public name, but it is what FileSystemReader reads each item's place from.
         storage[MetadataIndex(entry["fqn"], offset)] = _StorageInfo(name, at, length)
+    for fqn, md in state.items():
+        for chunk in md.chunks if isinstance(md, TensorStorageMetadata) else ():
+            if MetadataIndex(fqn, chunk.offsets) not in storage:
+                raise BadIndex(f"tensor {fqn!r} has a chunk at {list(chunk.offsets)} that no data file holds")
     paths = data.get("paths") or {}
     if not isinstance(paths, dict) or not all(
         isinstance(p, list) and all(type(k) in (str, int) for k in p) for p in paths.values()
@@ -267,7 +321,7 @@ def index_from_json(data: Any) -> Metadata:
 
 def read_index(folder: Path) -> Metadata:
     """The checked index of a snapshot folder (:func:`index_from_json`); ``OSError`` if it is missing."""
-    raw = (folder / INDEX).read_bytes()
+    raw = read_bounded(folder / INDEX, _INDEX_LIMIT)
     try:
         data = json.loads(raw)
     except ValueError as err:

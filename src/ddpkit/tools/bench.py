@@ -31,10 +31,10 @@ from typing import Any, cast
 
 import torch
 
+from ddpkit import fs
 from ddpkit.data import ShardedBatchSampler
 from ddpkit.errors import ConfigError
 from ddpkit.launch.spawn import spawn
-from ddpkit.snapshot import files as run_files
 from ddpkit.tools import allreduce, predict
 from ddpkit.tools.bench_config import BenchConfig
 from ddpkit.tools.bench_predict import assumptions, predictions
@@ -248,6 +248,12 @@ def check_out(out: str, overwrite: bool) -> None:
     (unless ``overwrite``), before anything is measured: the measurement takes minutes, and its results must
     not be lost to a bad folder at the end, nor silently replace the last ones."""
     path = Path(out)
+    try:
+        path.exists()
+    except OSError as err:  # a name longer than the file system allows
+        raise ConfigError(
+            f"--out {out[:80]!r}... ({len(out)} characters): {err.strerror}: give another --out"
+        ) from None
     if path.exists() and not path.is_dir():
         raise ConfigError(f"--out {out!r} is a file: give a folder for bench.json and bench.png (made if missing)")
     earlier = [name for name in OUTPUTS if os.path.lexists(path / name)]
@@ -268,9 +274,9 @@ def check_out(out: str, overwrite: bool) -> None:
 
 def write_outputs(cfg: BenchConfig, result: dict[str, Any]) -> list[str]:
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
+    fs.make_dirs(out)
     # Never a half-written file; a link at either name is replaced, not written through.
-    run_files.write_atomic(out / "bench.json", (json.dumps(result, indent=2, default=str) + "\n").encode())
+    fs.write_atomic(out / "bench.json", (json.dumps(result, indent=2, default=str) + "\n").encode())
     written = [str(out / "bench.json")]
     try:
         from ddpkit.tools.bench_plot import plot_throughput

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 import torch
 
 from ddpkit.errors import ConfigError
+from ddpkit.launch.options import MAX_NPROC
 from ddpkit.tools import predict
+
+MAX_STEPS = 100_000
+"""The most --steps, --warmup or --rounds: past that a bench measures nothing more, for days."""
+MAX_WORLD = 1_000_000
+"""The largest world size --predict extrapolates to."""
 
 
 @dataclass(kw_only=True)
@@ -51,13 +56,21 @@ class BenchConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be >= 1")
         if self.warmup < 0:
             raise ConfigError(f"--warmup {self.warmup}: give the untimed steps before timing, >= 0")
+        for name in ("steps", "warmup", "rounds"):
+            if getattr(self, name) > MAX_STEPS:
+                raise ConfigError(f"--{name} {getattr(self, name)}: at most {MAX_STEPS}")
+        if self.nproc > MAX_NPROC or self.gpus_per_node > MAX_NPROC:
+            name = "nproc" if self.nproc > MAX_NPROC else "gpus-per-node"
+            raise ConfigError(f"--{name} {max(self.nproc, self.gpus_per_node)}: at most {MAX_NPROC}")
+        if max(self.predict_sizes, default=1) > MAX_WORLD:
+            raise ConfigError(f"--predict {max(self.predict_sizes)}: world sizes of at most {MAX_WORLD}")
         if self.interconnect not in predict.PRESETS:
             raise ConfigError(f"--interconnect {self.interconnect!r}: choose one of {', '.join(predict.PRESETS)}")
         if self.intra != "measured" and self.intra not in predict.PRESETS:
             raise ConfigError(f"--intra {self.intra!r}: choose measured or one of {', '.join(predict.PRESETS)}")
-        if self.bandwidth_gbps is not None and not (math.isfinite(self.bandwidth_gbps) and self.bandwidth_gbps > 0):
-            raise ConfigError(f"--bandwidth {self.bandwidth_gbps}: give a bus bandwidth in GB/s, a number > 0")
-        if self.latency_us is not None and not (math.isfinite(self.latency_us) and self.latency_us >= 0):
+        if self.bandwidth_gbps is not None and not (0 < self.bandwidth_gbps <= 1e6):  # 1 PB/s: no link is faster
+            raise ConfigError(f"--bandwidth {self.bandwidth_gbps}: give a bus bandwidth in GB/s, > 0 and <= 1e6")
+        if self.latency_us is not None and not (0 <= self.latency_us <= 1e9):  # NaN fails both
             raise ConfigError(
                 f"--latency-us {self.latency_us}: give the latency of one ring step in microseconds, a number >= 0"
             )

@@ -11,7 +11,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 
-from ddpkit.snapshot import files as run_files  # noqa: E402
+from ddpkit import fs  # noqa: E402
 
 
 def plot_throughput(result: dict[str, Any], path: Path) -> None:
@@ -60,4 +60,4 @@ def plot_throughput(result: dict[str, Any], path: Path) -> None:
     image = io.BytesIO()
     fig.savefig(image, format="png", dpi=110)
     plt.close(fig)
-    run_files.write_atomic(path, image.getvalue())
+    fs.write_atomic(path, image.getvalue())

@@ -36,6 +36,7 @@ from ddpkit.distributed.collectives import broadcast_object, gather_object
 from ddpkit.distributed.runtime import get_runtime, init
 from ddpkit.distributed.seeding import mix_seed, seed_everything
 from ddpkit.errors import ConfigError
+from ddpkit.launch.options import MAX_NPROC
 from ddpkit.launch.spawn import spawn
 from ddpkit.nn.dropout import BatchLayout, batch_layout, convert_dropout
 from ddpkit.nn.prepare import prepare_model, unwrap
@@ -69,6 +70,15 @@ class CheckConfig:
             raise ConfigError(f"--steps {self.steps}: run at least one step")
         if not 0 < self.rtol < 1:
             raise ConfigError(f"--rtol {self.rtol}: give a relative tolerance between 0 and 1")
+        if self.nproc > MAX_NPROC:
+            raise ConfigError(f"--nproc {self.nproc}: at most {MAX_NPROC} ranks")
+        if self.steps > MAX_STEPS:
+            raise ConfigError(f"--steps {self.steps}: at most {MAX_STEPS}; a difference shows in the first few")
+        if not 0 <= self.seed < 2**63:  # torch.manual_seed takes 64 bits
+            raise ConfigError(f"--seed {self.seed}: use a whole number from 0 to 2**63 - 1")
+
+
+MAX_STEPS = 100_000
 
 
 # -- the switches -------------------------------------------------------------------------------------------

@@ -15,13 +15,17 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from ddpkit import fs
 from ddpkit.errors import ConfigError
-from ddpkit.snapshot import files as run_files
 
 
 def read_curves(run_dir: str | Path) -> dict[str, dict[int, float]]:
     """``{name: {step: value}}`` for every numeric value of the train, epoch and test records."""
     path = Path(run_dir) / "metrics.jsonl"
+    try:
+        path.exists()
+    except OSError as err:  # a name longer than the file system allows
+        raise ConfigError(f"RUN_DIR {str(run_dir)[:80]!r}...: {err.strerror}: give the run directory") from None
     if not path.exists():
         raise ConfigError(f"no {path}: give the run directory of a Trainer run (TrainerConfig.run_dir)")
     if not path.is_file():
@@ -100,7 +104,7 @@ def plot(run_dir: str | Path, out: str | Path | None = None) -> Path:
     fig.savefig(image, format=kind, dpi=100)
     plt.close(fig)
     try:
-        run_files.write_atomic(path, image.getvalue())
+        fs.write_atomic(path, image.getvalue())
     except OSError as err:
         raise ConfigError(f"cannot write {path}: {err.strerror}: give -o a file in a folder you can write to") from None
     return path
@@ -109,6 +113,11 @@ def plot(run_dir: str | Path, out: str | Path | None = None) -> Path:
 def _check_out(path: Path, formats: dict[str, str], given: bool) -> str:
     """The image format of ``path`` (its extension), or a :class:`ConfigError` naming what to change."""
     option = "-o" if given else "the default output"
+    try:
+        path.is_dir() or path.parent.is_dir()
+    except OSError as err:  # a name longer than the file system allows
+        text = str(path) if len(str(path)) <= 80 else f"{str(path)[:80]}... ({len(str(path))} characters)"
+        raise ConfigError(f"{option} {text!r}: {err.strerror}: give a shorter file name") from None
     if path.is_dir():
         raise ConfigError(f"{option} {str(path)!r} is a folder: give a file name, e.g. {str(path / 'curves.png')!r}")
     if not path.parent.is_dir():

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from ddpkit.snapshot import files as run_files
+from ddpkit import fs
 
 
 class MetricsWriter:
@@ -40,7 +40,7 @@ class MetricsWriter:
         self._loggers: list[Any] = []
         if not enabled:
             return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        fs.make_dirs(self.run_dir)
         # A missing extra is named now, when the Trainer is built, not at the first record.
         if tensorboard:
             _summary_writer()
@@ -52,8 +52,8 @@ class MetricsWriter:
     def _open(self) -> IO[str]:
         if self._jsonl is not None:
             return self._jsonl
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = run_files.open_append(self.run_dir / "metrics.jsonl")
+        fs.make_dirs(self.run_dir)
+        self._jsonl = fs.open_append(self.run_dir / "metrics.jsonl")
         if self._started:
             return self._jsonl
         self._started = True
@@ -96,7 +96,7 @@ class MetricsWriter:
         if not self.enabled:
             return
         self._open()
-        with run_files.open_append(self.run_dir / "epochs.csv", read=True) as f:
+        with fs.open_append(self.run_dir / "epochs.csv", read=True) as f:
             f.seek(0)
             header = next(csv.reader(f), None)
             self._columns = header or list(values)

@@ -24,19 +24,19 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from ddpkit.snapshot import files as run_files
+from ddpkit import fs
 
 LOGGERS = ("mlflow", "wandb")
 
 
 def _ids(run_dir: Path) -> dict[str, str]:
     path = run_dir / "loggers.json"
-    return json.loads(run_files.read_bytes(path)) if os.path.lexists(path) else {}
+    return json.loads(fs.read_bytes(path)) if os.path.lexists(path) else {}
 
 
 def _remember(run_dir: Path, name: str, run_id: str) -> None:
     ids = _ids(run_dir) | {name: run_id}
-    run_files.write_atomic(run_dir / "loggers.json", (json.dumps(ids) + "\n").encode())
+    fs.write_atomic(run_dir / "loggers.json", (json.dumps(ids) + "\n").encode())
 
 
 def _need(module: str, extra: str) -> Any:

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ddpkit.errors import ConfigError
 from ddpkit.training.step_output import StepOutput
 
 # The hooks' ``trainer`` is a :class:`~ddpkit.Trainer`; it is not imported here (the Trainer imports this module).
@@ -83,3 +84,31 @@ def call(callbacks: Sequence[Any], hook: str, *args: Any) -> None:
         method = getattr(cb, hook, None)
         if method is not None:
             method(*args)
+
+
+def _stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def own_parts(window: Any, callbacks: Sequence[Any], extra_state: Mapping[str, Any] | None) -> dict[str, Any]:
+    """What each rank keeps its own of in a snapshot: its unagreed losses (``window``), the callbacks that have a
+    ``state_dict``/``load_state_dict`` (under their ``state_key`` attribute, or their class name), and the
+    script's ``extra_state``. Each rank saves and gets back its own: a best-so-far value or a hidden state
+    may differ between ranks."""
+    parts: dict[str, Any] = {"loss_window": window}
+    for cb in callbacks:
+        if _stateful(cb):
+            key = f"callback:{getattr(cb, 'state_key', None) or type(cb).__qualname__}"
+            if key in parts:
+                raise ConfigError(
+                    f"two callbacks keep their state under {key!r}: give each a distinct `state_key` attribute"
+                )
+            parts[key] = cb
+    for name, obj in (extra_state or {}).items():
+        if not _stateful(obj):
+            raise ConfigError(
+                f"extra_state[{name!r}] is a {type(obj).__name__}, which has no state_dict() and "
+                "load_state_dict(): give an object with both (e.g. a small class around the value)"
+            )
+        parts[f"extra:{name}"] = obj
+    return parts

@@ -130,6 +130,11 @@ class TrainerConfig:
     drop_last: bool = True
     num_workers: int | None = None
     """Loader workers per rank; default: cores per rank minus one."""
+    on_data_change: str = "error"
+    """A resume over data changed in what decides which sample comes at which step (the dataset's length, a
+    stream's files, their sizes and order, the window, seed, shuffle, drop_last, the global batch): ``error``
+    refuses it before any step, naming each change; ``restart_epoch`` trains the snapshot's epoch again from its
+    first step on the new data (:mod:`ddpkit.data.fingerprint`)."""
     seed_samples: bool = True
     """Each sample's random draws while loading (augmentation) depend on ``(seed, epoch, index)`` only, whichever
     rank or worker loads it (:class:`~ddpkit.data.SeededSamples`); a dataset that draws nothing costs a state
@@ -208,6 +213,7 @@ class TrainerConfig:
                 "global_batch_size": self.global_batch_size is None or self.global_batch_size >= 1,
                 "eval_batch_size": self.eval_batch_size >= 1,
                 "num_workers": self.num_workers is None or self.num_workers >= 0,
+                "on_data_change": self.on_data_change in ("error", "restart_epoch"),
                 "val_every_steps": self.val_every_steps is None or self.val_every_steps >= 1,
                 "weights_format": self.weights_format in ("safetensors", "pt", None),
             },

@@ -67,8 +67,37 @@ class LossWindow:
             sizes = torch.stack([torch.as_tensor(s, dtype=torch.float64, device=device) for s in self.sizes])
         else:
             sizes = torch.tensor(self.sizes, dtype=torch.float64, device=device)
-        losses = [loss for loss in self.losses if isinstance(loss, torch.Tensor)]  # all of them, off the host
-        return torch.stack([loss.reshape(()).to(torch.float64) for loss in losses]) @ sizes
+        # Tensors, off the host; numbers where a snapshot restored them (the float64 of the same values).
+        losses = [torch.as_tensor(loss, dtype=torch.float64, device=device).reshape(()) for loss in self.losses]
+        return torch.stack(losses) @ sizes
+
+    def state_dict(self) -> dict[str, Any]:
+        """The losses not yet agreed on (a snapshot between two agreements): each rank's own, as numbers, so
+        that the resumed run's agreement sums the very values the uninterrupted run's does."""
+        return {
+            "losses": [float(loss) for loss in self.losses],
+            "sizes": [float(size) for size in self.sizes],
+            "steps": self.steps,
+            "tried": self.tried,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.losses, self.sizes = list(state["losses"]), list(state["sizes"])
+        self.steps, self.tried = int(state["steps"]), int(state["tried"])
+        self._step_start = len(self.losses)
+
+    def load_rank_states(self, states: list[dict[str, Any]], rank: int) -> None:
+        """At another world size: rank 0 takes every old rank's losses, the others none, so that the next
+        agreement makes the same sum; the step counts are every rank's alike."""
+        counts = {"steps": states[0]["steps"], "tried": states[0]["tried"]}
+        if rank == 0:
+            mine = {
+                "losses": [x for s in states for x in s["losses"]],
+                "sizes": [x for s in states for x in s["sizes"]],
+            }
+        else:
+            mine = {"losses": [], "sizes": []}
+        self.load_state_dict(mine | counts)
 
     def clear(self) -> None:
         self.losses, self.sizes, self.steps, self.tried, self._step_start = [], [], 0, 0, 0
@@ -85,3 +114,29 @@ class LossWindow:
         }
         total = all_reduce(sums, group=group)
         return Agreed(float(total["loss"]), float(total["samples"]), bool(total["stop"]))
+
+
+@dataclass
+class EpochLoss:
+    """The sums agreed so far in the current epoch: loss x samples (or items), and samples; the same on every
+    rank. Part of every snapshot, so that a run resumed inside an epoch reports the mean over all its steps."""
+
+    loss_sum: float = 0.0
+    samples: float = 0.0
+
+    def add(self, agreed: Agreed) -> None:
+        self.loss_sum += agreed.loss_sum
+        self.samples += agreed.samples
+
+    @property
+    def mean(self) -> float:
+        return self.loss_sum / self.samples if self.samples else float("nan")
+
+    def reset(self) -> None:
+        self.loss_sum, self.samples = 0.0, 0.0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"loss_sum": self.loss_sum, "samples": self.samples}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loss_sum, self.samples = float(state["loss_sum"]), float(state["samples"])

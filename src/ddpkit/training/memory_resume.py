@@ -10,7 +10,7 @@ no slot at that position (its node is new) gets it from a rank whose slot holds 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.distributed.collectives import broadcast_object
+from ddpkit.errors import ConfigError
 from ddpkit.snapshot import memory as store_lib
 from ddpkit.snapshot import memory_values as values_lib
 from ddpkit.snapshot.layout import leaves
@@ -61,17 +62,28 @@ def choose(offers: list[dict[str, list]], disk_step: int) -> Choice | None:
     return None
 
 
-def agree(memory: MemorySnapshots, disk_step: int) -> Choice | None:
-    """Where every rank resumes from memory, if anywhere newer than ``disk_step`` (collective)."""
-    found = memory.store.found()
+def agree(
+    memory: MemorySnapshots,
+    disk_step: int,
+    skipped: Collection[tuple[int, ...]] = (),
+    warn: Callable[[str], None] | None = None,
+) -> Choice | None:
+    """Where every rank resumes from memory, if anywhere newer than ``disk_step`` and not ``skipped``
+    (collective). Whole slots that do not check are left out, and ``warn`` says which and why (on each rank
+    that calls it with a ``warn``: the Trainer's prints on rank 0, for every rank)."""
+    found = [f for f in memory.store.found() if f.position not in skipped]
     offer = {
         "own": sorted({f.position for f in found if f.rank == memory.rank}),
         "peers": sorted({f.position for f in found if f.peers}),
+        "damaged": memory.store.damaged if not skipped else [],  # said once, at the first agreement
     }
     offers: list[Any] = [offer]
     if memory.group is not None:
         offers = [None] * memory.world_size
         dist.all_gather_object(offers, offer, group=memory.group)
+    damaged = sorted({text for o in offers for text in o["damaged"]})
+    if damaged and warn is not None:
+        warn(f"ddpkit: skipping damaged snapshots in memory: {'; '.join(damaged)}")
     return choose(offers, disk_step)
 
 
@@ -86,9 +98,23 @@ def _broadcast_slot(memory: MemorySnapshots, path: Path | None, donor: int) -> b
     return buf.numpy().tobytes()
 
 
-def load(memory: MemorySnapshots, choice: Choice) -> dict[str, Any]:
-    """The state at ``choice`` in the Trainer's ``load_state_dict`` form, with ``param_groups`` besides, from
-    this rank's slot or from the donor's (collective when there is a donor)."""
+@dataclass
+class SlotRead:
+    """A state read from a slot and checked, not yet put into the Trainer's objects."""
+
+    saved: dict[tuple[Any, ...], torch.Tensor]
+    dynamic: dict[str, Any]
+    own: Any
+
+
+_MALFORMED = (ValueError, KeyError, IndexError, TypeError, AttributeError, RecursionError)
+"""What reading a slot's skeleton raises when its values lie (their CRC-32 rewritten to match)."""
+
+
+def read(memory: MemorySnapshots, choice: Choice) -> SlotRead:
+    """The state at ``choice``, from this rank's slot or from the donor's (collective when there is a donor),
+    checked against the Trainer's state (every tensor there, of its shape and dtype) before anything is put
+    into it. Raises :class:`~ddpkit.snapshot.memory.BadSlot` naming the slot and what is wrong."""
     found = {(f.rank, f.position): f for f in memory.store.found()}
     mine = found.get((memory.rank, choice.position))
     data = None
@@ -100,53 +126,127 @@ def load(memory: MemorySnapshots, choice: Choice) -> dict[str, Any]:
         data = _broadcast_slot(memory, donor_slot, choice.donor)
     if mine is not None:
         got = store_lib.read_slot(mine.path, data=True)
+        name = str(mine.path)
     else:
-        got = store_lib.parse_slot(data) if data is not None else None
+        name = f"rank {choice.donor}'s slot (sent to rank {memory.rank})"
+        got = store_lib.parse_slot(data, name) if data is not None else None
     if got is None:
-        raise RuntimeError(f"ddpkit: the state in memory at step {choice.step} changed while it was read")
-    return _rebuild(memory, *got, from_peer=mine is None)
+        raise store_lib.BadSlot(f"the state in memory at step {choice.step} changed while it was read ({name})")
+    try:
+        return _checked_state(memory, *got, from_peer=mine is None)
+    except store_lib.BadSlot as err:
+        raise store_lib.BadSlot(f"{name}: {err}") from None
+    except ConfigError:  # another config or model: refused as a disk snapshot is, not skipped
+        raise
+    except _MALFORMED as err:
+        raise store_lib.BadSlot(
+            f"{name}: its values are not what a save writes ({type(err).__name__}: {err})"
+        ) from None
 
 
-def _rebuild(
+def _checked_state(
     memory: MemorySnapshots, record: store_lib.Record, manifest: dict, values: dict, data: bytes, *, from_peer: bool
-) -> dict[str, Any]:
+) -> SlotRead:
     snapshots = memory.trainer.snapshots
-    if values["run"] != memory.store.run or values["world_size"] != memory.world_size:
+    if values.get("run") != memory.store.run or values.get("world_size") != memory.world_size:
         raise RuntimeError("ddpkit: a memory snapshot of another run was offered; refusing it")
     # Refused before any tensor is loaded, as a disk snapshot of another config or model is.
     snapshots.record.check(values_lib.unflatten(manifest["check"], []), "the snapshot in memory")
     tensors = store_lib.tensors_of(data, record, manifest)
-    n_plan = manifest["n_plan"]
-    saved = {tuple(p): t for p, t in zip(manifest["paths"], tensors[:n_plan])}
+    n_plan, paths = manifest["n_plan"], manifest["paths"]
+    if type(n_plan) is not int or not 0 <= n_plan <= len(tensors) or len(paths) != n_plan:
+        raise store_lib.BadSlot("its manifest does not say which tensors are the model's and optimizer's")
+    saved = {tuple(p): t for p, t in zip(paths, tensors[:n_plan])}
     dynamic = values_lib.unflatten(values["values"], tensors[n_plan:])
+    groups, strategy_values = dynamic["param_groups"], dynamic["strategy_values"]
+    if (
+        not isinstance(dynamic["states"], dict)
+        or not isinstance(groups, list)
+        or len(groups) != len(memory.trainer.optimizer.param_groups)
+        or not all(isinstance(g, dict) for g in groups)
+        or not all(isinstance(v, list) and len(v) == 2 and isinstance(v[0], list) and v[0] for v in strategy_values)
+    ):
+        raise store_lib.BadSlot("its values are not the counters, parameter groups and states a save writes")
     own = dynamic["own"]
     if from_peer:  # this rank's own part, from the donor's gathered rows
-        row = tensors[-1][memory.rank]
+        rows = tensors[-1]
+        if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[0] != memory.world_size or rows.shape[1] < 8:
+            raise store_lib.BadSlot("its every-rank part is not one row per rank")
+        row = rows[memory.rank]
         length = int(row[:8].clone().view(torch.int64))
+        if not 0 <= length <= row.numel() - 8:
+            raise store_lib.BadSlot(f"rank {memory.rank}'s row says {length} bytes, more than it holds")
         part = values_lib.decode_blob(row[8 : 8 + length].numpy().tobytes())
         own = part["own"]
         for key, tensor in part["strategy_own"].items():
             saved[tuple(json.loads(key))] = tensor
-    state = snapshots.strategy.state_dict()
+    plain = set()
+    for path, value in leaves(snapshots.strategy.state_dict()):
+        if not isinstance(value, torch.Tensor):
+            plain.add(path)
+        else:
+            held = saved.get(path)
+            name = ".".join(map(str, path))
+            if held is None:
+                raise store_lib.BadSlot(f"it holds no {name}")
+            if held.shape != local(value).shape or held.dtype != local(value).dtype:
+                # copy_ would broadcast a [1] into any shape: a manifest's lie must not reach the model.
+                raise store_lib.BadSlot(
+                    f"its {name} is {held.dtype}{list(held.shape)}, the model's "
+                    f"{local(value).dtype}{list(local(value).shape)}"
+                )
+    if not all(tuple(p) in plain for p, _ in strategy_values):
+        raise store_lib.BadSlot("its values name a part of the state the model and optimizer do not have")
+    return SlotRead(saved, dynamic, own)
+
+
+def _state_of(memory: MemorySnapshots, got: SlotRead) -> dict[str, Any]:
+    """``got`` put into the strategy's state; the rest in the Trainer's ``load_state_dict`` form, with
+    ``param_groups`` besides."""
+    state = memory.trainer.snapshots.strategy.state_dict()
     for path, value in leaves(state):
         if isinstance(value, torch.Tensor):
-            if path not in saved:
-                raise RuntimeError(f"ddpkit: the snapshot in memory holds no {'.'.join(map(str, path))}")
             with torch.no_grad():
-                local(value).copy_(saved[path])
+                local(value).copy_(got.saved[path])
+    dynamic = got.dynamic
     for path, value in dynamic["strategy_values"]:
         node = state
         for key in path[:-1]:
             node = node[key]
         node[path[-1]] = value
     ranks: list[Any] = [None] * memory.world_size
-    ranks[memory.rank] = own  # RankStreams reads only this rank's entry at the same world size
+    ranks[memory.rank] = got.own  # RankStreams reads only this rank's entry at the same world size
     return {
         "strategy": state,
         "states": {**dynamic["states"], "rng": {"world_size": memory.world_size, "ranks": ranks}},
         "global_micro_batch": dynamic["global_micro_batch"],
         "param_groups": dynamic["param_groups"],
     }
+
+
+def _read_everywhere(memory: MemorySnapshots, choice: Choice) -> tuple[SlotRead | None, list[str]]:
+    """This rank's read of ``choice`` and what every rank found wrong with its own (collective: every rank
+    learns whether every rank can take the state, so that all take it or none does). A refusal (another
+    config or model) is raised on every rank."""
+    got, problem = None, None
+    try:
+        got = read(memory, choice)
+    except store_lib.BadSlot as err:
+        problem = ("damaged", f"rank {memory.rank}: {err}")
+    except ConfigError as err:
+        problem = ("config", str(err))
+    except RuntimeError as err:
+        problem = ("refused", str(err))
+    problems: list[Any] = [problem]
+    if memory.group is not None:
+        problems = [None] * memory.world_size
+        dist.all_gather_object(problems, problem, group=memory.group)
+    for kind, text in filter(None, problems):
+        if kind == "config":
+            raise ConfigError(text)
+        if kind == "refused":
+            raise RuntimeError(text)
+    return got, [text for _, text in filter(None, problems)]
 
 
 def _after_resume(memory: MemorySnapshots, choice: Choice | None) -> None:
@@ -173,23 +273,40 @@ def resume_from_memory(
 ) -> tuple[str | None, Found | None]:
     """Resume every rank from memory when the newest state all of them can take is newer than the disk's newest
     whole snapshot (collective). Returns what was resumed from (None: not from memory) and, when it was read, the
-    disk's newest whole snapshot (to resume from instead)."""
-    choice = agree(memory, -1)
-    found = None
-    if choice is not None:
-        candidates = manager.candidates() if memory.trainer.runtime.is_main else []
-        newest = broadcast_object(candidates[0].step if candidates else -1, group=memory.trainer.group)
+    disk's newest whole snapshot (to resume from instead).
+
+    A state that a rank finds damaged (:class:`~ddpkit.snapshot.memory.BadSlot`) is skipped by every rank,
+    saying which and why, and the next newest is tried: the slot before it, then the disk. Every rank takes
+    the same: each agreement and each read's outcome are gathered."""
+    skipped: set[tuple[int, ...]] = set()
+    newest: int | None = None  # the disk's newest marked snapshot, once asked
+    found: Found | None = None
+    disk_checked = False
+    while True:
+        choice = agree(memory, -1, skipped, warn)
+        if choice is not None and newest is None:
+            candidates = manager.candidates() if memory.trainer.runtime.is_main else []
+            newest = broadcast_object(candidates[0].step if candidates else -1, group=memory.trainer.group)
         # Newer than any marked snapshot on disk, verified or not: the disk's checksums need not be read.
-        if choice.step <= newest:
-            found = manager.latest(warn=warn)  # the newest may be damaged: memory may be newer than the next
-            if found is not None and choice.step <= found.step:
-                choice = None
-    else:
-        found = manager.latest(warn=warn)
-    if choice is None:
-        _after_resume(memory, None)
-        return None, found
-    state = load(memory, choice)
+        if choice is not None and newest is not None and choice.step <= newest and not disk_checked:
+            found, disk_checked = manager.latest(warn=warn), True  # the newest may be damaged: memory may be newer
+        if choice is not None and found is not None and choice.step <= found.step:
+            choice = None
+        if choice is None:
+            if not disk_checked:
+                found = manager.latest(warn=warn)
+            _after_resume(memory, None)
+            return None, found
+        got, problems = _read_everywhere(memory, choice)
+        if not problems:
+            break
+        skipped.add(choice.position)
+        warn(
+            f"ddpkit: skipping the snapshot in memory at step {choice.step}: {'; '.join(problems)}; trying the "
+            "one before it, in memory or on disk"
+        )
+    assert got is not None  # no rank found a problem
+    state = _state_of(memory, got)
     param_groups = state.pop("param_groups")
     load_state(state)
     _restore_param_groups(memory.trainer.optimizer, param_groups)

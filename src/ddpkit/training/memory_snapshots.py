@@ -4,8 +4,8 @@ shared memory (:mod:`ddpkit.snapshot.memory`), which outlives the worker; a rest
 
 A save, after an optimizer step, copies what a disk snapshot holds: the strategy's state (model, optimizer,
 the rank's own buffers), the other stateful parts (counters, early stopping, scheduler, scaler), and the
-rank's own random streams (python, numpy, torch, the loader's generator): no collective, unlike a disk
-snapshot, which gathers every rank's streams. The strategy's ``state_dict()`` costs ~1 ms (torch's
+rank's own random streams (python, numpy, torch, the loader's generator) with the parts each rank keeps its
+own of (:class:`~ddpkit.training.state.RankStreams`): no collective, unlike a disk snapshot, which gathers them. The strategy's ``state_dict()`` costs ~1 ms (torch's
 ``get_state_dict`` walks the model): it is called once, and later saves copy from the same tensors, which are
 the live parameters and optimizer state themselves (checked each save: the state is rebuilt when one of those
 objects is replaced, or when a tensor of the state is not a live one). The optimizer's hyper-parameters (the
@@ -39,7 +39,6 @@ from ddpkit.distributed import memory_folder
 from ddpkit.distributed.collectives import all_reduce
 from ddpkit.distributed.environment import read_launch_env
 from ddpkit.distributed.runtime import DEFAULT_TIMEOUT
-from ddpkit.distributed.seeding import rng_state
 from ddpkit.nn.prepare import unwrap
 from ddpkit.snapshot import memory as store_lib
 from ddpkit.snapshot import memory_values as values_lib
@@ -137,7 +136,7 @@ def open_memory_snapshots(trainer: Any) -> MemorySnapshots | None:
     callbacks, after the script's (a copy after each step; the slots removed when ``fit()`` ends), and its
     snapshots (a resume looks in memory first)."""
     config = trainer.config
-    if not config.snapshot.memory or not config.resume:  # without resume a restart starts afresh anyway
+    if not config.snapshot.memory:  # (a restart resumes even under resume=False: see Trainer.fit)
         return None
     memory = _open(trainer)
     if memory is not None:
@@ -182,6 +181,7 @@ class MemorySnapshots:
         self, trainer: Any, store: store_lib.MemoryStore, *, every_steps: int | None, peers: bool, group: Any
     ) -> None:
         self.trainer, self.store, self.peers, self.group = trainer, store, peers, group
+        self.schedule = trainer.snapshots.schedule  # says when a copy is due; holds the interval once chosen
         self.every_steps = every_steps or 1
         self._tuned = every_steps is not None
         self._starts: list[float] = []  # perf_counter at each save, until the interval is chosen
@@ -198,9 +198,17 @@ class MemorySnapshots:
         self.stalls: list[float] = []
         """Seconds each save held the training loop."""
 
+    @property
+    def every_steps(self) -> int:
+        return self.schedule.memory_every_steps
+
+    @every_steps.setter
+    def every_steps(self, value: int) -> None:
+        self.schedule.memory_every_steps = value
+
     def on_step_end(self, trainer: Any, taken: bool) -> None:
         """Every rank, after every step (the Trainer's callback): a copy on the interval of the steps taken."""
-        if taken and trainer.step % self.every_steps == 0:
+        if self.schedule.in_memory(trainer.step, taken):
             self.save()
 
     def on_fit_end(self, trainer: Any) -> None:
@@ -304,7 +312,7 @@ class MemorySnapshots:
             "states": {name: part.state_dict() for name, part in snapshots.states.items() if name != "rng"},
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in t.optimizer.param_groups],
             "strategy_values": [[list(p), v] for p, v in plan.values],
-            "own": {"rng": rng_state(), "loader_generator": t.generator.get_state()},
+            "own": snapshots.states["rng"].mine(),  # streams, and the parts each rank keeps its own of
             "global_micro_batch": snapshots.global_micro_batch,
         }
 

@@ -6,12 +6,14 @@ one all-reduce over the shards), so a step is taken, skipped or stops training o
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ddpkit.distributed.collectives import all_reduce
+from ddpkit.errors import ConfigError
 from ddpkit.strategies import Strategy
 from ddpkit.training.config import TrainerConfig
 from ddpkit.training.loss_window import LossWindow
@@ -88,3 +90,31 @@ class OptimizerStep:
         state.skipped_steps += 1
         self.log("event", state.step, {"event": "skipped_nonfinite", "reason": what, "skipped": state.skipped_steps})
         return False
+
+
+def metric_driven(scheduler: Any) -> bool:
+    """Whether ``scheduler.step()`` needs a metric (``ReduceLROnPlateau``, or one like it)."""
+    if scheduler is None:
+        return False
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        return True
+    try:
+        params = inspect.signature(scheduler.step).parameters
+    except (TypeError, ValueError):
+        return False
+    metrics = params.get("metrics")
+    return metrics is not None and metrics.default is inspect.Parameter.empty
+
+
+def check_metric_driven(config: TrainerConfig, scheduler: Any, val_data: Any) -> None:
+    name = type(scheduler).__name__
+    if val_data is None:
+        raise ConfigError(
+            f"scheduler={name} steps on a validation metric: pass Trainer(..., val_data=...), or use a scheduler "
+            "that steps without one"
+        )
+    if config.early_stopping.metric is None:
+        raise ConfigError(
+            f"scheduler={name} steps on a validation metric: name it with "
+            "EarlyStoppingConfig(metric='val/loss', patience=None) (patience=None: no early stopping)"
+        )

@@ -18,12 +18,13 @@ from typing import Any
 
 import torch
 
+from ddpkit import fs
 from ddpkit.distributed.runtime import Runtime
 from ddpkit.errors import ConfigError
-from ddpkit.snapshot import files as run_files
 
 RESUMABLE_CHANGES = frozenset({
     "run_dir", "resume", "epochs", "max_steps", "num_workers", "eval_batch_size", "raise_on_stop_signal",
+    "on_data_change",
     "weights_format",
     "snapshot.every_steps", "snapshot.every_epochs", "snapshot.keep", "snapshot.async_write",
     "snapshot.memory", "snapshot.memory_every_steps",
@@ -217,5 +218,4 @@ def write_resolved_config(run_dir: Path, config: Any, runtime: Runtime, per_rank
         "device": str(runtime.device),
         "torch": torch.__version__,
     }
-    run_dir.mkdir(parents=True, exist_ok=True)
-    run_files.write_atomic(run_dir / "config.json", (json.dumps(resolved, indent=2, default=str) + "\n").encode())
+    fs.write_atomic(run_dir / "config.json", (json.dumps(resolved, indent=2, default=str) + "\n").encode())

@@ -3,7 +3,9 @@
 The Trainer hands over its stateful parts, each with ``state_dict()`` / ``load_state_dict()``: the strategy
 (model and optimizer, each rank's own part: shards under zero and fsdp, each rank's own buffers under its own
 name), and the rest by name: the counters (:class:`~ddpkit.training.state.TrainState`), every rank's random
-streams, early stopping, the LR scheduler and the GradScaler. A snapshot is ``run_dir/snapshots/step-N/``
+streams with the state each rank keeps its own of (its losses not yet agreed on, the callbacks' and the script's
+``extra_state``), the epoch's agreed losses, early stopping, the LR scheduler and the GradScaler. When a snapshot
+is due: :class:`~ddpkit.training.schedule.SnapshotSchedule`. A snapshot is ``run_dir/snapshots/step-N/``
 (:mod:`ddpkit.snapshot.manager`): the strategy's part through :mod:`torch.distributed.checkpoint`, so it
 reshards on load; the others, with the run's record (:class:`~ddpkit.training.run_record.RunRecord`), in
 ``trainer.pt``.
@@ -31,6 +33,7 @@ from ddpkit.training.config import SnapshotConfig
 from ddpkit.training.memory_resume import resume_from_memory
 from ddpkit.training.memory_snapshots import MemorySnapshots
 from ddpkit.training.run_record import RunRecord
+from ddpkit.training.schedule import SnapshotSchedule
 from ddpkit.training.state import TrainState
 
 
@@ -46,7 +49,7 @@ class TrainerSnapshots:
     """Saves the Trainer's stateful parts to ``run_dir/snapshots`` and restores them; every rank calls every
     method (saving and finding a snapshot are collectives)."""
 
-    ADDED_SINCE = frozenset({"validation"})
+    ADDED_SINCE = frozenset({"validation", "epoch_loss"})
     """Parts that snapshots of earlier versions lack: such a part starts as in a fresh run."""
 
     def __init__(
@@ -72,7 +75,8 @@ class TrainerSnapshots:
         self.manager = SnapshotManager(
             run_dir / "snapshots", group=runtime.group, keep_last=config.keep, async_write=config.async_write
         )
-        self._saved_at: tuple[int, int, int] | None = None
+        self.schedule = SnapshotSchedule.of(config)
+        """When a snapshot is due (the Trainer and the snapshots in memory ask it), and what is written."""
         self.resumed_from: int | None = None
         self._fresh: frozenset[str] = frozenset()  # parts this run starts afresh though the snapshot lacks them
         self.memory: MemorySnapshots | None = None
@@ -109,9 +113,9 @@ class TrainerSnapshots:
     def save(self, wait: bool = False) -> None:
         """Snapshot this step into ``run_dir/snapshots/step-N/`` (every rank writes its part). It returns once the
         state is copied to host memory (asynchronous writes), or written; ``wait``: once it is whole on disk."""
-        if self.train.position == self._saved_at:
+        if not self.schedule.new_position(self.train.position):
             return
-        self._saved_at = self.train.position
+        self.schedule.written(self.train.position)
         t0 = time.perf_counter()
         state = self.state_dict()
         self.manager.save(self.train.step, state.pop("strategy"), state)
@@ -172,7 +176,7 @@ class TrainerSnapshots:
         # To fp16 from another precision: the snapshot has no GradScaler state; a fresh scaler starts.
         self._fresh = frozenset({"scaler"}) if change is not None and change[1] == "fp16" else frozenset()
         load(extra | {"strategy": sharded})
-        self._saved_at = self.train.position  # already on disk
+        self.schedule.written(self.train.position)  # already on disk
         if change is not None:
             self._warn_precision_change(*change)
         return self._resumed(str(found.path), found.path.name)

@@ -3,6 +3,7 @@ streams of every rank."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from enum import Enum
 from typing import Any
@@ -12,6 +13,7 @@ import torch
 from ddpkit.distributed.collectives import gather_object
 from ddpkit.distributed.runtime import Runtime
 from ddpkit.distributed.seeding import rng_state, set_rng_state, stream_seed
+from ddpkit.errors import ConfigError
 
 
 class StopReason(str, Enum):
@@ -52,21 +54,43 @@ class TrainState:
 
 
 class RankStreams:
-    """Every rank's random streams (python, numpy, torch CPU and CUDA) and its loader's generator.
+    """Every rank's own state: its random streams (python, numpy, torch CPU and CUDA), its loader's generator,
+    and ``own`` parts, objects with ``state_dict()`` / ``load_state_dict()`` of which each rank keeps its own
+    (the unagreed training losses, the callbacks' and the script's ``extra_state``).
 
     ``state_dict()`` gathers them (a collective). At the same world size each rank gets its own back and the
     run continues bit for bit; at another, rank ``r``'s stream has no counterpart in the old run, so each is
     reseeded from ``(seed, step, rank)``: reproducible, and equal to the uninterrupted run only within tolerance.
+    An own part then gets every old rank's state through ``load_rank_states(states, rank)`` where it has that
+    method; otherwise rank ``r`` takes old rank ``r``'s state, and a rank beyond the old world size starts it
+    afresh (:attr:`fresh_parts` names them).
     """
 
-    def __init__(self, runtime: Runtime, generator: torch.Generator, seed: int, train: TrainState) -> None:
+    def __init__(
+        self,
+        runtime: Runtime,
+        generator: torch.Generator,
+        seed: int,
+        train: TrainState,
+        own: Mapping[str, Any] | None = None,
+    ) -> None:
         self.runtime, self.generator, self.seed, self.train = runtime, generator, seed, train
+        self.own: dict[str, Any] = dict(own or {})
         self.reseeded_from: int | None = None
         """The world size of the snapshot whose streams were reseeded rather than restored, if so."""
+        self.fresh_parts: list[str] = []
+        """Own parts this rank started afresh at another world size."""
+
+    def mine(self) -> dict[str, Any]:
+        """This rank's own state (no collective): what the snapshots in memory copy for it."""
+        return {
+            "rng": rng_state(),
+            "loader_generator": self.generator.get_state(),
+            "own": {name: _on_cpu(part.state_dict()) for name, part in self.own.items()},
+        }
 
     def state_dict(self) -> dict[str, Any]:
-        mine = {"rng": rng_state(), "loader_generator": self.generator.get_state()}
-        return {"world_size": self.runtime.world_size, "ranks": gather_object(mine, group=self.runtime.group)}
+        return {"world_size": self.runtime.world_size, "ranks": gather_object(self.mine(), group=self.runtime.group)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         rt = self.runtime
@@ -74,8 +98,49 @@ class RankStreams:
             mine = state["ranks"][rt.rank]
             set_rng_state(mine["rng"])
             self.generator.set_state(mine["loader_generator"])
+            self._load_own(mine)
             return
         seed = stream_seed("reseed", self.seed, self.train.step, rt.rank)  # needs the counters loaded first
         torch.manual_seed(seed)
         self.generator.manual_seed(seed)
         self.reseeded_from = state["world_size"]
+        ranks = state["ranks"]
+        self._check_own(ranks[0])
+        for name, part in self.own.items():
+            if "own" not in ranks[0]:
+                continue
+            if hasattr(part, "load_rank_states"):
+                part.load_rank_states([r["own"][name] for r in ranks], rt.rank)
+            elif rt.rank < len(ranks):
+                part.load_state_dict(ranks[rt.rank]["own"][name])
+            else:
+                self.fresh_parts.append(name)
+
+    def _check_own(self, mine: Mapping[str, Any]) -> None:
+        saved = mine.get("own")
+        if saved is None:  # a snapshot of a version without own parts: they start afresh
+            return
+        missing = sorted(set(self.own) - set(saved))
+        if missing:
+            raise ConfigError(
+                f"the snapshot holds no state of {missing} (it holds {sorted(saved)}): a callback or extra_state "
+                "entry added since, or renamed? Resume with the same callbacks and extra_state names"
+            )
+
+    def _load_own(self, mine: Mapping[str, Any]) -> None:
+        self._check_own(mine)
+        for name, part in self.own.items():
+            if "own" in mine:
+                part.load_state_dict(mine["own"][name])
+
+
+def _on_cpu(value: Any) -> Any:
+    """``value`` with its tensors copied to the CPU: gathered to every rank (and pickled), a device tensor
+    would be re-created on the device of the rank that saved it."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu() if value.device.type != "cpu" else value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _on_cpu(v) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_on_cpu(v) for v in value)
+    return value

@@ -21,6 +21,7 @@ import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any, cast
@@ -30,6 +31,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ddpkit.data import ShardedBatchSampler, build_eval_loader, build_loader
+from ddpkit.data.fingerprint import OnDataChange
 from ddpkit.distributed import signals
 from ddpkit.distributed.log import print0
 from ddpkit.distributed.runtime import get_runtime
@@ -41,20 +43,20 @@ from ddpkit.strategies import Strategy, build_strategy
 from ddpkit.tracking.metrics import MetricsWriter
 from ddpkit.tracking.progress import Progress, run_summary
 from ddpkit.training.batch_loss import BatchLoss, BatchLossFn, LossFn
-from ddpkit.training.callbacks import call, call_step_end
+from ddpkit.training.callbacks import call, call_step_end, own_parts
 from ddpkit.training.compiled import compile_for_training
 from ddpkit.training.config import TrainerConfig  # noqa: F401  (imported from here by scripts)
 from ddpkit.training.evaluation import evaluate
 from ddpkit.training.item_counts import CountFn, WeighedStep, scale_loss
-from ddpkit.training.loss_window import LossWindow
+from ddpkit.training.loss_window import EpochLoss, LossWindow
 from ddpkit.training.memory_snapshots import open_memory_snapshots
-from ddpkit.training.optimizer_step import OptimizerStep
+from ddpkit.training.optimizer_step import OptimizerStep, check_metric_driven, metric_driven
 from ddpkit.training.precision import autocast, grad_scaler
 from ddpkit.training.run_record import RunRecord, write_resolved_config
 from ddpkit.training.snapshots import TrainerSnapshots
 from ddpkit.training.state import RankStreams, StopReason, TrainState
 from ddpkit.training.step_output import step_output
-from ddpkit.training.steps import MicroBatch, Step, epoch_steps, step_layout
+from ddpkit.training.steps import MicroBatch, Step, batch_len, epoch_steps, step_layout
 from ddpkit.training.validation import Validation
 
 
@@ -66,9 +68,18 @@ class Trainer:
     ``group`` (a group of :func:`~ddpkit.split_world`, or a process group) is the ranks that train this model
     together; rank, world size, sharding, metrics, snapshots and records all count within it. ``callbacks``
     are objects with some of :class:`~ddpkit.training.callbacks.Callback`'s methods.
+
+    ``scheduler``: an LR scheduler, stepped every epoch or step (``scheduler_interval``); a metric-driven one
+    (``ReduceLROnPlateau``) is stepped at each validation instead, with ``early_stopping.metric``'s value.
+
+    Snapshots hold, besides the Trainer's own state, each rank's own state of every callback that has
+    ``state_dict()`` / ``load_state_dict()`` (under its ``state_key`` attribute, or its class name) and of each
+    object of ``extra_state`` (a name -> object with those two methods: a hidden state the script carries from
+    step to step, a counter): every rank saves its own and gets its own back on resume, tensors on the CPU.
     """
 
-    # A snapshot restores the model, optimizer, state, random streams, early stopping, scheduler and scaler.
+    # A snapshot restores the model, optimizer, state, random streams, early stopping, scheduler and scaler,
+    # the epoch's losses so far, and every rank's own state of the callbacks and extra_state.
     config: TrainerConfig
     strategy: Strategy
     model: nn.Module  # inside DDP (or fsdp's wrapping) when there is a process group
@@ -91,6 +102,7 @@ class Trainer:
         count_fn: CountFn | None = None,
         group: Any = None,
         callbacks: Sequence[Any] = (),
+        extra_state: Mapping[str, Any] | None = None,
     ) -> None:
         # Rank, world size and "main" count in this group: the whole job, or one group of split_world().
         self.config, self.runtime = config, get_runtime(group)
@@ -111,6 +123,9 @@ class Trainer:
             config.strategy, model, optimizer, runtime=rt, sync_batchnorm=config.sync_batchnorm, scheduler=scheduler
         )
         self.model, self.optimizer, self.scheduler = self.strategy.model, self.strategy.optimizer, scheduler
+        self._plateau = metric_driven(scheduler)
+        if self._plateau:
+            check_metric_driven(config, scheduler, val_data)
         self._forward = compile_for_training(self.model, rt.device) if config.compile else self.model
         # Scripts seed every rank alike so that models start identical; the strategy has now made them
         # identical, and with one seed everywhere ranks would also draw identical dropout masks and augmentations.
@@ -129,10 +144,13 @@ class Trainer:
             num_workers=config.num_workers,
             group=self.group,
             seed_samples=config.seed_samples,
+            on_data_change=cast(OnDataChange, config.on_data_change),
         )
         self.sampler = cast(ShardedBatchSampler, self.loader.batch_sampler)  # build_loader's
         self.generator: torch.Generator = self.loader.generator
         self.state = TrainState()
+        self._window = LossWindow(on_host=self._on_cpu)  # each rank's losses since the ranks last agreed
+        self.epoch_loss = EpochLoss()  # what they agreed on in this epoch
         self.run_dir = Path(config.run_dir)
         log = config.logging
         self.writer = MetricsWriter(
@@ -140,7 +158,7 @@ class Trainer:
         )
         self.validation = Validation.of(
             config, rt, val_data, evaluate=self.evaluate, model_weights=self.strategy.model_weights, log=self.writer.log,
-            notify=self._on_validation_end,
+            notify=self._on_validation_end, plateau=scheduler if self._plateau else None,
         )  # fmt: skip
         self.early_stopping, self.best_weights = self.validation.early_stopping, self.validation.best_weights
         self.snapshots = TrainerSnapshots(
@@ -150,7 +168,15 @@ class Trainer:
             strategy=self.strategy,
             train=self.state,
             states={
-                "rng": RankStreams(rt, self.generator, config.seed, self.state),
+                "data": self.loader,  # the data's fingerprint: a resume on changed data is refused, naming it
+                "rng": RankStreams(
+                    rt,
+                    self.generator,
+                    config.seed,
+                    self.state,
+                    own=own_parts(self._window, self.callbacks, extra_state),
+                ),
+                "epoch_loss": self.epoch_loss,
                 "early_stopping": self.early_stopping,
                 "validation": self.validation,
                 "scheduler": scheduler,
@@ -163,11 +189,11 @@ class Trainer:
         )
         self.memory = open_memory_snapshots(self)  # copies in shared memory after steps, a callback (None: off)
         self.optimizer_step = OptimizerStep(
-            config, self.strategy, scheduler=scheduler, scaler=self.scaler, state=self.state, log=self.writer.log,
-            group=self.group,
+            config, self.strategy, scheduler=None if self._plateau else scheduler, scaler=self.scaler,
+            state=self.state, log=self.writer.log, group=self.group,
         )  # fmt: skip
-        self._epoch_loss = [0.0, 0.0]  # agreed sum of loss x samples, and samples, in this epoch
         self._epoch_start = time.perf_counter()
+        self._last_taken = False  # whether the epoch's last step was taken (a step's snapshot may be due)
         self._stop_signal, self.stopped_by = 0, None
 
     # The counters, as the state holds them.
@@ -199,9 +225,8 @@ class Trainer:
         ``run_dir`` is locked for the duration (a second job on it is refused, naming this one). A stop signal
         raises :class:`~ddpkit.Preempted` once the snapshot is saved, unless ``raise_on_stop_signal=False``.
         """
-        lock = run_dir_lib.claim(
-            self.run_dir, is_main=self.runtime.is_main, fresh=not self.config.resume, group=self.group
-        )
+        self._resuming = resumes(self.config.resume, self.runtime.restart_count)
+        lock = run_dir_lib.claim(self.run_dir, is_main=self.runtime.is_main, fresh=not self._resuming, group=self.group)
         try:
             return self._fit()
         finally:
@@ -210,7 +235,11 @@ class Trainer:
 
     def _fit(self) -> dict[str, float]:
         cfg, rt = self.config, self.runtime
-        if cfg.resume and self.snapshots.resume(self.load_state_dict):
+        if self._resuming and self.snapshots.resume(self.load_state_dict):
+            if self.loader.data_changes:  # accepted (on_data_change="restart_epoch"): the epoch from its start,
+                self.cursor = 0  # and its loss counted afresh (what was agreed belongs to the old data's order)
+                self.epoch_loss.reset()
+                self._window.clear()
             self.validation.resume(self.group)
         else:
             self.writer.log("event", self.step, {"event": "start", "restart_count": rt.restart_count})
@@ -230,17 +259,19 @@ class Trainer:
                             last = self.validation.inside_epoch(self.evaluate, self.val_data, self.epoch, self.step)
                         break
                     last = self._end_epoch()
+            if self.stopped_by is None:
+                self.stopped_by = StopReason.EPOCHS
         except BaseException as err:
             # The launcher's failure summary shows the end of the traceback, notes included (Python >= 3.11).
             if hasattr(err, "add_note"):
                 err.add_note(f"ddpkit: rank {rt.rank} failed in epoch {self.epoch}, at optimizer step {self.step}")
             raise
         last |= self.validation.latest  # with val_every_steps: the latest validation (at epoch ends: in `last`)
-        if self.stopped_by in (StopReason.MAX_STEPS, StopReason.SIGNAL, StopReason.EARLY_STOPPING):
+        if self.snapshots.schedule.at_stop(self.stopped_by):
             self.save()  # (a no-op after an epoch end's snapshot of the same step)
         self.validation.save_final_weights(self.epoch, self.step, self.stopped_by)
         self.wait_for_snapshot()  # the run's last snapshot is whole before fit() returns
-        reason = self.stopped_by or StopReason.EPOCHS
+        reason = self.stopped_by
         self.writer.log("event", self.step, {"event": "stop", "reason": str(reason)})
         self.writer.flush()
         call(self.callbacks, "on_fit_end", self)
@@ -268,7 +299,7 @@ class Trainer:
             desc=f"epoch {self.epoch + 1}/{cfg.epochs}",
             initial=first // accum,
         )
-        self._window = LossWindow(on_host=self._on_cpu)
+        # The window carries on: empty after the last epoch's agreement, or as a snapshot left it.
         self._window_start = self._epoch_start = time.perf_counter()
         device = None if self._on_cpu else rt.device  # on the CPU, batches are already where they belong
         try:
@@ -296,7 +327,7 @@ class Trainer:
         return taken
 
     def _micro_batch_loss(self, micro: MicroBatch) -> torch.Tensor:
-        layout = batch_layout(self._layout(micro.index)) if self._global_dropout else nullcontext()
+        layout = batch_layout(self._layout(micro.index, micro.batch)) if self._global_dropout else nullcontext()
         with self._autocast(), layout:
             return self.batch_loss(self._forward, micro.batch)
 
@@ -317,9 +348,8 @@ class Trainer:
         progress.update(postfix)
         if self.stopped_by is not None and not step.last_in_epoch:
             return False
-        # An epoch-end snapshot follows the last step of an epoch; do not write that step twice.
-        every = cfg.snapshot.every_steps
-        if taken and every and self.step % every == 0 and not (step.last_in_epoch and cfg.snapshot.every_epochs):
+        self._last_taken = taken
+        if self.snapshots.schedule.after_step(self.step, taken, step.last_in_epoch):
             self.save()
         return True
 
@@ -327,8 +357,7 @@ class Trainer:
         """Agree on the mean training loss since the last agreement, record it, and start a new window."""
         window = self._window
         agreed = window.agree(self.runtime.device, bool(self._stop_signal), self.group)
-        self._epoch_loss[0] += agreed.loss_sum
-        self._epoch_loss[1] += agreed.samples
+        self.epoch_loss.add(agreed)
         if agreed.stop and self.stopped_by is None:
             self.stopped_by = StopReason.SIGNAL
         ms = 1000 * (time.perf_counter() - self._window_start) / max(window.tried, 1)
@@ -343,21 +372,22 @@ class Trainer:
 
     def _end_epoch(self) -> dict[str, float]:
         cfg = self.config
+        if self._window.tried:  # resumed from a copy in memory after the epoch's last step, before its agreement
+            self._log_window()
         self.state.epoch += 1
         self.state.cursor = 0
-        if self.scheduler is not None and cfg.scheduler_interval == "epoch":
+        if self.scheduler is not None and cfg.scheduler_interval == "epoch" and not self._plateau:
             self.scheduler.step()
         metrics: dict[str, float] = {"epoch": self.epoch, "step": self.step, "lr": self._lr()}
-        # The mean over the epoch's steps trained by this process (after a resume mid-epoch: since the resume).
-        loss_sum, samples = self._epoch_loss
-        metrics["train/epoch_loss"] = loss_sum / samples if samples else float("nan")
-        self._epoch_loss = [0.0, 0.0]
+        # The mean over all the epoch's steps: a snapshot holds the sums so far, and each rank's unagreed losses.
+        metrics["train/epoch_loss"] = self.epoch_loss.mean
+        self.epoch_loss.reset()
         if self.val_data is not None and self.validation.at_epoch_end:
             metrics |= self.evaluate(self.val_data, prefix="val")
         seconds = round(time.perf_counter() - self._epoch_start, 3)  # training and validation
         if self.validation.at_epoch_end and self.validation.update(metrics, self.epoch, self.step):
             self.stopped_by = StopReason.EARLY_STOPPING
-        if cfg.snapshot.every_epochs and self.epoch % cfg.snapshot.every_epochs == 0 or self.stopped_by:
+        if self.snapshots.schedule.at_epoch_end(self.epoch, self.step, self._last_taken, self.stopped_by is not None):
             self.save()
         # The records and callbacks get the epoch's time too; fit() returns only what the training determines.
         timed = metrics | {"epoch_seconds": seconds}
@@ -384,8 +414,9 @@ class Trainer:
             self.writer.log(prefix, self.step, out)
         return out
 
-    def _layout(self, micro: int) -> BatchLayout:
-        return step_layout(self.sampler, micro, self.config.grad_accum_steps, self.config.seed, self.epoch)
+    def _layout(self, micro: int, batch: Any) -> BatchLayout:
+        layout = step_layout(self.sampler, micro, self.config.grad_accum_steps, self.config.seed, self.epoch)
+        return replace(layout, size=batch_len(batch))
 
     def _autocast(self) -> Any:
         return autocast(self.config.precision, self.runtime.device)
@@ -400,3 +431,10 @@ class Trainer:
 
     def _lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
+
+
+def resumes(resume: bool, restart_count: int) -> bool:
+    """Whether ``fit()`` resumes from the run's snapshots: when the config asks (``resume=True``), and always on
+    a restart (``restart_count > 0``): ``resume=False`` means "this job starts afresh", which its first attempt
+    did; a restarted worker that started afresh again would move its own job's snapshots aside."""
+    return resume or restart_count > 0

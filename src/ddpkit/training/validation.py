@@ -78,6 +78,9 @@ class Validation:
         self.weights_format: str | None = None  # of best.pt's companion and of the final weights (see `of`)
         self.run_dir: Path | None = None
         self.is_main, self.group = True, None
+        self.plateau: Any = None
+        """A metric-driven LR scheduler, stepped with each validation's value of the early-stopping metric (before
+        any snapshot of the step, so that snapshots hold its state after the step)."""
 
     @classmethod
     def of(
@@ -90,10 +93,12 @@ class Validation:
         model_weights: Callable[[], Mapping[str, torch.Tensor]],
         log: Callable[[str, int, dict[str, Any]], None],
         notify: Callable[[dict[str, Any]], None] | None = None,
+        plateau: Any = None,
     ) -> Validation:
         """A Trainer's validation and weights files as ``config`` asks: early stopping, ``best.pt`` and, in
         ``config.weights_format``, ``best.safetensors`` (or ``best_weights.pt``) and the final weights.
-        ``evaluate(val_data, "val")`` gives a validation's metrics."""
+        ``evaluate(val_data, "val")`` gives a validation's metrics. ``plateau``: a metric-driven LR scheduler
+        (``ReduceLROnPlateau``), stepped at each validation with ``early_stopping.metric``'s value."""
         weights_format, notice = export.resolve_format(config.weights_format)  # safetensors, or .pt without it
         if notice is not None:
             print0(notice, group=runtime.group)
@@ -119,6 +124,7 @@ class Validation:
         validate = partial(weakly(evaluate), val_data, "val") if val_data is not None else None
         notify = weakly(notify) if notify is not None else None
         out = cls(EarlyStopping(es), best, model_weights, log, config.val_every_steps, validate, notify)
+        out.plateau = plateau
         out.weights_format, out.run_dir, out.is_main, out.group = (
             weights_format,
             run_dir,
@@ -154,6 +160,9 @@ class Validation:
     def update(self, metrics: Mapping[str, Any], epoch: int, step: int) -> bool:
         """Count the metrics towards early stopping, keep the weights if best; True when training must stop."""
         self.early_stopping.update(metrics)
+        metric = self.early_stopping.config.metric
+        if self.plateau is not None and metric is not None:
+            self.plateau.step(float(metrics[metric]))  # the same value on every rank: the same lr everywhere
         best = self.best_weights
         if best.update(metrics, self.model_weights, epoch, step) and best.metric is not None:
             event: dict[str, Any] = {"event": "best", "file": best.path.name, best.metric: best.value}

@@ -22,7 +22,7 @@ from torch import nn
 
 import ddpkit
 import ddpkit.data
-import ddpkit.snapshot.files
+import ddpkit.fs
 import ddpkit.training.trainer
 from ddpkit.distributed.seeding import rng_state, set_rng_state
 from ddpkit.strategies import strategy_config
@@ -151,17 +151,17 @@ def rank_state(trainer) -> dict:
 
 def _kill_inside_snapshot_write(call_to_kill: int, marks: str | None) -> None:
     calls = {"n": 0}
-    write = ddpkit.snapshot.files.write_atomic
+    write = ddpkit.fs.write_atomic
 
-    def dying_write(path, data):
+    def dying_write(path, data, **kw):
         calls["n"] += 1
         if calls["n"] == call_to_kill:
             tmp = path.with_name(f".{path.name}.dead.tmp")
             tmp.write_bytes(data[: len(data) // 2])  # half a file, then gone
             _sigkill_self(marks, f"in-write-{call_to_kill}")
-        write(path, data)
+        write(path, data, **kw)
 
-    ddpkit.snapshot.files.write_atomic = dying_write
+    ddpkit.fs.write_atomic = dying_write
 
 
 def train(

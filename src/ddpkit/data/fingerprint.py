@@ -1,0 +1,94 @@
+"""The data's fingerprint: everything that decides which sample comes at which step, kept in a loader's state
+and compared when a run resumes.
+
+A snapshot holds a global cursor (samples of the epoch already trained on). The cursor means something only
+over the order it was counted in: the dataset's length, the seed, shuffling, ``drop_last``, the global batch
+(per-rank batch x world size), and for a stream its files in their order, their sizes and where their records
+lie, and the shuffle window. Resumed over data that changed in any of these, the same cursor points into
+another order: some samples are trained on twice in the epoch and others never, and nothing fails. So the
+loader records them (:meth:`~ddpkit.data.loader.EpochLoader.state_dict`) and a resume that finds one changed
+is refused before any step, naming each change, unless the run asks to restart the epoch on the new data
+(``on_data_change="restart_epoch"``).
+
+The world size itself is not in it: the global order does not depend on it, and a run resumes at another
+world size with the same global batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from ddpkit.errors import ConfigError
+
+OnDataChange = Literal["error", "restart_epoch"]
+"""What a resume does when the data's fingerprint differs from the snapshot's: refuse (``"error"``), or train
+the snapshot's epoch again from its first step on the new data (``"restart_epoch"``)."""
+
+ON_DATA_CHANGE: tuple[str, ...] = ("error", "restart_epoch")
+
+LISTED_SHARDS = 64
+"""Shards described one by one in a fingerprint; beyond that, the list is kept as one digest (the fingerprint
+is saved with every snapshot, in memory after every step, where thousands of lines would cost)."""
+
+LISTED_CHANGES = 6
+"""Changes named in a refusal; the rest are counted."""
+
+
+def check_on_data_change(value: str) -> None:
+    if value not in ON_DATA_CHANGE:
+        raise ConfigError(
+            f"on_data_change={value!r}: pass 'error' (refuse a resume on changed data) or 'restart_epoch' "
+            "(train the snapshot's epoch again from its first step on the new data)"
+        )
+
+
+def digest(data: bytes | memoryview) -> str:
+    """A short hex digest (16 characters) of ``data``."""
+    return hashlib.blake2b(data, digest_size=8).hexdigest()
+
+
+def shard_items(descriptions: Sequence[str]) -> dict[str, Any]:
+    """The fingerprint's items for a list of shards, each described by one line (its name, records, bytes...):
+    the lines joined (one string is cheap to save after every step), or, past :data:`LISTED_SHARDS`, one
+    digest of the whole list."""
+    if len(descriptions) <= LISTED_SHARDS:
+        return {"shards": len(descriptions), "shard files": "\n".join(descriptions)}
+    return {"shards": len(descriptions), "shard list": digest("\n".join(descriptions).encode())}
+
+
+def _items(fingerprint: Mapping[str, Any]) -> dict[str, Any]:
+    """The fingerprint with its shards one item each (``"shard k"``), to name the one that changed."""
+    out: dict[str, Any] = {}
+    for key, value in fingerprint.items():
+        if key == "shard files":
+            out |= {f"shard {k}": line for k, line in enumerate(str(value).split("\n")) if value}
+        else:
+            out[key] = value
+    return out
+
+
+def changes(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """Each item that differs, as ``"item: saved -> current"``, in the saved fingerprint's order."""
+    saved, current = _items(saved), _items(current)
+    keys = list(saved) + [k for k in current if k not in saved]
+    missing = "(none)"
+    return [
+        f"{key}: {saved.get(key, missing)} -> {current.get(key, missing)}"
+        for key in keys
+        if saved.get(key, missing) != current.get(key, missing)
+    ]
+
+
+def refusal(found: list[str], epoch: int, cursor: int) -> ConfigError:
+    """The error of a resume over changed data: each change, and the two ways out."""
+    listed = "; ".join(found[:LISTED_CHANGES])
+    if len(found) > LISTED_CHANGES:
+        listed += f"; and {len(found) - LISTED_CHANGES} more"
+    return ConfigError(
+        f"the data changed since the snapshot was taken ({listed}): resuming at sample {cursor} of epoch {epoch} "
+        "(counted from 0) would train some samples of that epoch twice and others never. Resume with the data, "
+        "seed and batch size as they were, or pass on_data_change='restart_epoch' (to build_loader, or in "
+        "TrainerConfig) to train that epoch again from its first step on the new data"
+    )

@@ -1,0 +1,52 @@
+"""The one way ddpkit writes, replaces, truncates, renames and deletes files and folders (:mod:`ddpkit.fs.safe`).
+
+Call these through the package (``fs.write_atomic(...)``): a test can then stand in for one of them.
+"""
+
+from ddpkit.fs.safe import (
+    check_owned,
+    folder,
+    link_message,
+    make_dir,
+    make_dirs,
+    open_append,
+    open_exclusive,
+    open_fd,
+    other_owner,
+    owner_message,
+    read_bytes,
+    refuse_link,
+    remove,
+    remove_empty_dir,
+    remove_tree,
+    rename,
+    truncate,
+    user_name,
+    write_atomic,
+    write_buffered,
+    write_with,
+)
+
+__all__ = [
+    "check_owned",
+    "folder",
+    "link_message",
+    "make_dir",
+    "make_dirs",
+    "open_append",
+    "open_exclusive",
+    "open_fd",
+    "other_owner",
+    "owner_message",
+    "read_bytes",
+    "refuse_link",
+    "remove",
+    "remove_empty_dir",
+    "remove_tree",
+    "rename",
+    "truncate",
+    "user_name",
+    "write_atomic",
+    "write_buffered",
+    "write_with",
+]

@@ -1,0 +1,68 @@
+"""When the Trainer snapshots: every decision "is a snapshot due now?" in one place.
+
+Three kinds of moments ask: after an optimizer step (``SnapshotConfig.every_steps``, and the copies in memory
+every ``memory_every_steps``), at an epoch's end (``every_epochs``), and when training stops. A step's snapshot
+that falls on an epoch's last step is taken at the epoch's end instead (after its validation and the scheduler's
+step, so that it holds them), whether or not that epoch's end is due on its own: an epoch end that is not due
+never swallows a step that is. The same position (epoch, step, cursor) is never written twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ddpkit.training.config import SnapshotConfig
+from ddpkit.training.state import StopReason
+
+_ALWAYS_SAVED = (StopReason.MAX_STEPS, StopReason.SIGNAL, StopReason.EARLY_STOPPING)
+"""Stops that snapshot whatever the intervals: a restart (or a rerun) must find where they stopped."""
+
+
+@dataclass
+class SnapshotSchedule:
+    """Says when a snapshot (on disk, or in memory) is due; every rank asks with the same values and gets the
+    same answer, so every rank saves after the same steps."""
+
+    every_steps: int | None = None
+    every_epochs: int = 1
+    memory_every_steps: int = 1
+    """The interval of the copies in memory, once chosen (:mod:`ddpkit.training.memory_snapshots`)."""
+    _saved_at: tuple[int, int, int] | None = field(default=None, repr=False)
+
+    @classmethod
+    def of(cls, config: SnapshotConfig) -> SnapshotSchedule:
+        return cls(config.every_steps, config.every_epochs, config.memory_every_steps or 1)
+
+    def _step_due(self, step: int) -> bool:
+        return self.every_steps is not None and step % self.every_steps == 0
+
+    def after_step(self, step: int, taken: bool, last_in_epoch: bool) -> bool:
+        """A disk snapshot right after optimizer step ``step`` (the count once it is taken) inside an epoch.
+        At the epoch's last step: no, :meth:`at_epoch_end` decides, counting this step."""
+        return taken and not last_in_epoch and self._step_due(step)
+
+    def at_epoch_end(self, epochs_done: int, step: int, last_step_taken: bool, stopping: bool) -> bool:
+        """A disk snapshot at the end of epoch number ``epochs_done`` (counted from 1), whose last step made the
+        count ``step``: due by the epochs' interval, by the steps' (the epoch's last step), or a stop."""
+        by_epochs = self.every_epochs > 0 and epochs_done % self.every_epochs == 0
+        return by_epochs or (last_step_taken and self._step_due(step)) or stopping
+
+    def at_stop(self, reason: StopReason | str | None) -> bool:
+        """A disk snapshot where training ends: always after ``max_steps``, a stop signal or early stopping;
+        after the last epoch or a callback's stop, when snapshots are on at all (either interval)."""
+        if reason in _ALWAYS_SAVED:
+            return True
+        return self.every_steps is not None or self.every_epochs > 0
+
+    def in_memory(self, step: int, taken: bool) -> bool:
+        """A copy in memory after optimizer step ``step``."""
+        return taken and step % self.memory_every_steps == 0
+
+    def new_position(self, position: tuple[int, int, int]) -> bool:
+        """Whether ``position`` has not been written yet (a save there is then due); false after
+        :meth:`written` of the same position, so that an epoch end and a stop at the same step write once."""
+        return position != self._saved_at
+
+    def written(self, position: tuple[int, int, int]) -> None:
+        """``position`` is on disk (saved, or the snapshot a run resumed from)."""
+        self._saved_at = position

@@ -1,0 +1,337 @@
+"""Nothing a job writes leaves its folder: for every path a job of each kind writes (found by running it once),
+a symbolic link to a file outside is planted there, and, as root, a file or folder of another user; the job
+is run again, and the file outside (and the other user's) must be byte-identical, and any refusal one line
+that names the path and why.
+
+Kinds: a Trainer run (snapshots, weights, best.pt, records, curves), a search (its lock, journal, trials.csv
+and plots), a JSON Lines stream (its line index beside the data), a batch script, and the bench's outputs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ddpkit.errors import ConfigError
+from ddpkit.snapshot.manager import SnapshotWriteError
+
+VICTIM = b"a file of someone else's, outside the folder\n"
+THEIRS = b"another user's file\n"
+NOBODY = 65534
+KINDS = ["link", pytest.param("other user", marks=pytest.mark.skipif(os.geteuid() != 0, reason="chown needs root"))]
+
+
+class Outside:
+    """A file and a folder outside the job's folder that planted links point to, and what they held."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.folder = tmp_path / "elsewhere"
+        self.folder.mkdir()
+        self.file = self.folder / "victim.txt"
+        self.file.write_bytes(VICTIM)
+        self.kept = tmp_path / "kept"  # hard links to the other user's planted files: their bytes, whatever
+        self.kept.mkdir()  # the job does with their names
+
+    def plant(self, path: Path, kind: str, is_dir: bool) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if kind == "link":
+            path.symlink_to(self.folder if is_dir else self.file, target_is_directory=is_dir)
+            return
+        theirs = path / "theirs" if is_dir else path
+        if is_dir:
+            path.mkdir()
+        theirs.write_bytes(THEIRS)
+        os.link(theirs, self.kept / f"{len(os.listdir(self.kept))}")
+        os.chown(theirs, NOBODY, NOBODY)
+        os.chown(path, NOBODY, NOBODY)
+
+    def check(self, name: str, error: BaseException | None) -> None:
+        assert self.file.read_bytes() == VICTIM, f"{name}: the file outside was written"
+        assert os.listdir(self.folder) == ["victim.txt"], f"{name}: written into the folder outside"
+        for kept in self.kept.iterdir():
+            assert kept.read_bytes() == THEIRS, f"{name}: the other user's file was written"
+        if error is not None:
+            message = str(error)
+            assert isinstance(error, (ConfigError, SnapshotWriteError)), f"{name}: {error!r}"
+            assert "\n" not in message.strip(), f"{name}: {message}"
+            assert Path(name).name in message or Path(name).parts[0] in message, f"{name}: {message}"
+            assert "symbolic link" in message or f"belongs to nobody (uid {NOBODY})" in message, message
+
+
+def written(root: Path) -> dict[str, bool]:
+    """Every path under ``root`` (relative), and whether it is a folder."""
+    found = {}
+    for folder, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = Path(folder) / name
+            found[str(path.relative_to(root))] = path.is_dir()
+    return found
+
+
+def each_path_planted(
+    tmp_path: Path, kind: str, job: Callable[[Path], None], expected: set[str], inputs: tuple[str, ...] = ()
+) -> list[str]:
+    """Run ``job`` in a clean folder, then once per path it wrote (but its ``inputs``) with that path
+    planted; the outcomes."""
+    outside = Outside(tmp_path)
+    clean = tmp_path / "clean"
+    job(clean)
+    paths = written(clean)
+    assert expected <= set(paths), f"the job no longer writes {sorted(expected - set(paths))}"
+    outcomes = []
+    for i, (name, is_dir) in enumerate(sorted(paths.items())):
+        if name in inputs:
+            continue
+        root = tmp_path / f"planted-{i}"
+        outside.plant(root / name, kind, is_dir)
+        error: BaseException | None = None
+        try:
+            job(root)
+        except Exception as err:  # a refusal, checked below
+            error = err
+        outside.check(name, error)
+        outcomes.append(f"{name}: {'refused' if error else 'written beside it'}")
+    return outcomes
+
+
+# -- a Trainer run ----------------------------------------------------------------------------------------
+
+
+def _trainer_run(run_dir: Path) -> None:
+    from ddpkit.tracking.curves import plot
+    from tests.jobs.scripts.train_job import train
+
+    # One epoch of two steps with validation: snapshots, best.pt, weights files, records; then its curves.
+    train(str(run_dir), n_samples=48, epochs=1, early_stopping_patience=5, log_every_steps=1)
+    plot(run_dir)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_trainer_run_writes_nothing_outside_its_run_dir(tmp_path, kind):
+    outcomes = each_path_planted(
+        tmp_path,
+        kind,
+        _trainer_run,
+        {
+            ".lock",
+            "metrics.jsonl",
+            "epochs.csv",
+            "config.json",
+            "best.pt",
+            "best.safetensors",
+            "final.safetensors",
+            "curves.png",
+            "snapshots/step-00000002/complete.json",
+            "snapshots/step-00000002/__0_0.distcp",
+        },
+    )
+    assert "metrics.jsonl: refused" in outcomes and ".lock: refused" in outcomes, outcomes
+
+
+# -- a search ---------------------------------------------------------------------------------------------
+
+
+def _search(search_dir: Path) -> None:
+    import ddpkit
+    from ddpkit.search import SearchConfig, search, uniform
+
+    ddpkit.init()
+    search(lambda c: c.params["x"], {"x": uniform(0.0, 1.0)}, SearchConfig(n_trials=2, search_dir=str(search_dir)))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_search_writes_nothing_outside_its_search_dir(tmp_path, kind):
+    # The paths of the reproduction among them: .lock (was truncated and overwritten with the holder),
+    # trials.csv (its fixed temporary .trials.csv.tmp) and history.png (matplotlib followed the link).
+    expected = {".lock", ".ask.lock", "study.journal", "search_id", "trials.csv", "history.png"}
+    outcomes = each_path_planted(tmp_path, kind, _search, expected)
+    assert ".lock: refused" in outcomes and "study.journal: refused" in outcomes, outcomes
+
+
+@pytest.mark.parametrize("name", [".lock", ".trials.csv.tmp", "history.png", "trial-0000"])
+def test_the_links_of_the_reproduction_leave_the_victim_whole(tmp_path, name):
+    outside = Outside(tmp_path)
+    search_dir = tmp_path / "search"
+    outside.plant(search_dir / name, "link", name.startswith("trial-"))
+    error = None
+    try:
+        _search(search_dir)
+    except ConfigError as err:
+        error = err
+    outside.check(name, error)
+    assert (error is None) == (name in (".trials.csv.tmp", "history.png")), error
+    if error is None:  # written beside the link: the files are the search's own
+        assert not (search_dir / "history.png").is_symlink() and (search_dir / "trials.csv").is_file()
+
+
+# -- a JSON Lines stream and its line index ---------------------------------------------------------------
+
+
+def _records(folder: Path, n: int = 64) -> Path:
+    path = folder / "data.jsonl"
+    folder.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"id": i}) + "\n" for i in range(n)))
+    return path
+
+
+def _stream(folder: Path) -> None:
+    from ddpkit.data.stream_sources import JsonlStream
+
+    path = folder / "data.jsonl" if (folder / "data.jsonl").exists() else _records(folder)
+    stream = JsonlStream(path)
+    assert [r["id"] for r in stream.read(0, np.arange(len(stream)))] == list(range(64))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_stream_writes_nothing_outside_its_data_folder(tmp_path, kind):
+    def job(folder: Path) -> None:
+        if not (folder / "data.jsonl").exists():
+            _records(folder)
+        _stream(folder)
+
+    each_path_planted(tmp_path, kind, job, {".data.jsonl.lines"}, inputs=("data.jsonl",))
+
+
+def _poisoned_index(path: Path) -> Path:
+    """A line index beside ``path`` whose header matches the file (its checksum too), every line pointing at
+    record 0."""
+    from ddpkit.data import line_cache
+    from ddpkit.data.stream_sources import _INDEX_VERSION
+
+    st = path.stat()
+    lines = np.tile(np.array([[0, len(json.dumps({"id": 0}))]], np.int64), (64, 1))
+    cached = path.with_name(f".{path.name}.lines")
+    header = np.array([[_INDEX_VERSION, st.st_size], [st.st_mtime_ns, line_cache.checksum(lines)]], np.int64)
+    np.concatenate([header, lines]).tofile(cached)
+    return cached
+
+
+@pytest.mark.parametrize("owner", ["this user", pytest.param("other user", marks=KINDS[1].marks)])
+def test_a_planted_line_index_is_not_used_and_the_records_are_right(tmp_path, capfd, owner):
+    from ddpkit.data import line_cache
+    from ddpkit.data.stream_sources import JsonlStream, _scan_lines
+
+    line_cache._told.clear()
+    path = _records(tmp_path / "data")
+    cached = _poisoned_index(path)
+    if owner == "other user":
+        os.chown(cached, NOBODY, NOBODY)
+    # Control: the index as planted is what the old code used (its header matches): every record is record 0.
+    table = np.fromfile(cached, np.int64).reshape(-1, 2)
+    assert table[0, 1] == path.stat().st_size and not np.array_equal(table[2:], _scan_lines(path))
+    stream = JsonlStream(path)
+    assert [r["id"] for r in stream.read(0, np.arange(64))] == list(range(64))
+    err = capfd.readouterr().err
+    why = "holds offsets that cannot be those of the file's lines" if owner == "this user" else "nobody (uid"
+    assert f"ddpkit: the line index beside the data in {tmp_path / 'data'} is not used ({cached.name}" in err
+    assert why in err and err.count("\n") == 1, err
+    JsonlStream(path)
+    assert "is not used" not in capfd.readouterr().err  # said once
+    # Rebuilt, a file of this user's (the other user's was renamed over: never written into).
+    assert cached.stat().st_uid == os.geteuid()
+    assert np.array_equal(np.fromfile(cached, np.int64).reshape(-1, 2)[2:], _scan_lines(path))
+
+
+def test_a_data_folder_others_can_write_to_keeps_its_index_in_memory(tmp_path, capfd):
+    from ddpkit.data import line_cache
+    from ddpkit.data.stream_sources import JsonlStream
+
+    line_cache._told.clear()
+    path = _records(tmp_path / "data")
+    os.chmod(path.parent, 0o777)
+    assert len(JsonlStream(path)) == 64 and not path.with_name(".data.jsonl.lines").exists()
+    assert "other users can write to the folder" in capfd.readouterr().err
+    os.chmod(path.parent, 0o755)  # control: a folder of this user alone keeps it
+    assert len(JsonlStream(path)) == 64 and path.with_name(".data.jsonl.lines").is_file()
+
+
+def test_a_planted_temporary_of_the_old_fixed_name_is_never_written(tmp_path):
+    from ddpkit.data.stream_sources import JsonlStream
+
+    outside = Outside(tmp_path)
+    path = _records(tmp_path / "data")
+    (path.parent / f".data.jsonl.lines.{os.getpid()}.tmp").symlink_to(outside.file)
+    assert len(JsonlStream(path)) == 64
+    outside.check("the temporary", None)
+
+
+@pytest.mark.parametrize(
+    "table",
+    [
+        [[0, 9], [5, 18]],  # overlapping
+        [[10, 19], [0, 9]],  # out of order
+        [[0, 9], [10, 10_000]],  # past the end of the file
+        [[0, 0], [10, 19]],  # an empty line
+    ],
+)
+def test_a_line_index_that_cannot_be_the_files_is_rebuilt(tmp_path, table):
+    from ddpkit.data.stream_sources import line_index
+
+    path = tmp_path / "a.jsonl"
+    path.write_text('{"id": 0}\n{"id": 1}\n')
+    st = path.stat()
+    header = np.array([[1, st.st_size], [st.st_mtime_ns, 0]], np.int64)
+    np.concatenate([header, np.array(table, np.int64)]).tofile(tmp_path / ".a.jsonl.lines")
+    assert line_index(path).tolist() == [[0, 9], [10, 19]]
+
+
+# -- a batch script, the bench's outputs ------------------------------------------------------------------
+
+
+def _batch_script(folder: Path) -> None:
+    from ddpkit.launch.sbatch import BatchConfig, submit
+
+    script = folder.parent / "train.py"
+    script.write_text("print('hi')\n")
+    submit(BatchConfig(script=str(script), output_dir=str(folder)), dry_run=True)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_batch_script_is_written_only_inside_its_output_dir(tmp_path, kind):
+    each_path_planted(tmp_path, kind, _batch_script, {"train.sbatch"})
+
+
+def _bench_outputs(folder: Path) -> None:
+    from ddpkit.tools.bench import write_outputs
+    from ddpkit.tools.bench_config import BenchConfig
+
+    row = {"world_size": 2, "samples_per_s": 50.0}
+    result = {
+        "workload": "tiny",
+        "conditions": {"device": "cpu", "backend": "gloo"},
+        "scaling": {1: {"batch_size": 32, "parts": {"step": 0.5}}, 2: {"batch_size": 32, "parts": {"step": 0.6}}},
+        "predictions": {
+            "larger": {"ib": {"rows": [row, {"world_size": 4, "samples_per_s": 90.0}]}},
+            "chosen": "ib",
+            "intra_link": {"name": "shared memory"},
+            "this_machine": [row],
+        },
+    }
+    write_outputs(BenchConfig(out=str(folder)), result)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_bench_writes_its_json_and_plot_only_inside_its_out_folder(tmp_path, kind):
+    each_path_planted(tmp_path, kind, _bench_outputs, {"bench.json", "bench.png"})
+
+
+def test_a_line_index_cut_to_its_header_is_rebuilt_not_read_as_no_records(tmp_path, capfd):
+    # Consistent as far as offsets go (no lines at all), with the data file's size and time in its header: only
+    # the checksum of the offsets tells it from the truth.
+    from ddpkit.data import line_cache
+    from ddpkit.data.stream_sources import JsonlStream
+
+    line_cache._told.clear()
+    path = _records(tmp_path / "data")
+    JsonlStream(path)  # builds and keeps the index
+    cached = path.with_name(f".{path.name}.lines")
+    cached.write_bytes(cached.read_bytes()[:32])
+    assert line_cache.consistent(np.zeros((0, 2), np.int64), path.stat().st_size)  # control: no check but the sum
+    stream = JsonlStream(path)
+    assert [r["id"] for r in stream.read(0, np.arange(64))] == list(range(64))
+    assert "holds offsets that cannot be those of the file's lines" in capfd.readouterr().err
