@@ -289,3 +289,22 @@ def test_dropped_connections_are_said_once_per_address_then_counted(capfd):
         server.close()
         for sock in held:
             sock.close()
+
+
+def test_drops_from_ever_new_addresses_keep_a_bounded_record_and_are_said_once(capfd, monkeypatch):
+    # A host flooded from many addresses (a scan) keeps no record past the first few hundred: said once, then
+    # nothing more is kept or printed. Pure bookkeeping: the relay's record is fed directly.
+    from ddpkit.launch import rendezvous_relay
+
+    monkeypatch.setattr(rendezvous_relay, "_LOGGED_ADDRESSES", 4)
+    store = _loopback_store()
+    server = RelayServer(("127.0.0.1", 0), store.port, derive(SECRET, "relay"), log_interval=3600)
+    try:
+        for i in range(50):
+            server._note(f"127.0.1.{i}", "it sent garbage")
+        assert len(server._drops) == 4
+        err = capfd.readouterr().err
+        assert err.count("dropped a connection to the rendezvous from") == 4
+        assert err.count("from further addresses too (not shown)") == 1
+    finally:
+        server.close()

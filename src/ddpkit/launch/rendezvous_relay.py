@@ -94,6 +94,7 @@ class RelayServer:
         self._pending: dict[socket.socket, _Pending] = {}
         self._per: Counter[str] = Counter()
         self._drops: dict[tuple[str, str], _Drops] = {}
+        self._drops_unshown = False  # whether drops from addresses past the first _LOGGED_ADDRESSES were seen
         self._sock = socket.create_server(address, backlog=128)
         self._sock.setblocking(False)
         self.address = self._sock.getsockname()[:2]
@@ -222,12 +223,13 @@ class RelayServer:
         further ones at most every ``log_interval`` seconds (a flood does not flood the log)."""
         drops = self._drops.get((where, reason))
         if drops is None:
-            if len(self._drops) == _LOGGED_ADDRESSES:
-                say("dropping connections to the rendezvous from further addresses too (not shown)")
+            if len(self._drops) >= _LOGGED_ADDRESSES:  # kept no further: a flood of addresses grows nothing
+                if not self._drops_unshown:
+                    say("dropping connections to the rendezvous from further addresses too (not shown)")
+                self._drops_unshown = True
+                return
             drops = self._drops[(where, reason)] = _Drops()
         drops.count += 1
-        if len(self._drops) > _LOGGED_ADDRESSES:
-            return
         now = time.monotonic()
         if drops.said_at is None:
             say(
