@@ -12,6 +12,7 @@ from tests.conftest import _clean_environ
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # several jobs end to end
 def test_bench_end_to_end_writes_table_json_and_plot(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(

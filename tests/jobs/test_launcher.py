@@ -90,6 +90,7 @@ def test_failure_summary_names_rank_exception_and_line(clean_env, tmp_path):
     assert rank1 and "planned failure on rank 1" in rank1[0].read_text()
 
 
+@pytest.mark.slow  # a whole job with a restart or several launches: seconds each
 def test_restart_after_failure_resumes_the_job(clean_env):
     out = run(["run", "--nproc", "2", "--max-restarts", "1", HELLO, "--fail-first-attempt"], clean_env)
     assert out.returncode == 0, out.stderr
@@ -100,6 +101,7 @@ def test_restart_after_failure_resumes_the_job(clean_env):
     assert out.returncode != 0 and "planned failure on the first attempt" in out.stderr
 
 
+@pytest.mark.slow  # a whole job with a restart or several launches: seconds each
 def test_two_jobs_at_once_on_one_machine(clean_env):
     jobs = [
         subprocess.Popen(
@@ -148,6 +150,7 @@ def test_missing_script_is_an_error_before_any_worker_starts(clean_env, tmp_path
     assert out.returncode == 2 and "no module named 'no_such_module_here'" in out.stderr
 
 
+@pytest.mark.slow  # a whole job with a restart or several launches: seconds each
 def test_a_script_that_forgot_init_fails_instead_of_training_copies(clean_env):
     # Without ddpkit.init(), each of the two ranks used to build a loader over the whole data set, train its
     # own copy and exit 0 ("trained on 12 samples" twice).
@@ -458,6 +461,7 @@ def _documented_kill_recipe() -> list[str]:
     return [word.replace("digits_trainer", "kill_recipe_job") for word in command]
 
 
+@pytest.mark.slow  # a whole job with a restart or several launches: seconds each
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the worker's guard is Linux only")
 def test_the_documented_kill_recipe_kills_a_worker_and_the_job_restarts(clean_env, tmp_path):
     folder = tmp_path / "pids"
@@ -478,6 +482,7 @@ def test_the_documented_kill_recipe_kills_a_worker_and_the_job_restarts(clean_en
     assert "attempt=1 restarted" in out and "never killed" not in out, out
 
 
+@pytest.mark.slow  # a whole job with a restart or several launches: seconds each
 def test_a_worker_sees_the_users_omp_threads_for_mkl_too(clean_env, tmp_path):
     script = tmp_path / "threads.py"
     script.write_text(

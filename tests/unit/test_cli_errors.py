@@ -263,7 +263,9 @@ def test_a_secret_that_is_not_text_is_one_line_naming_the_variable(tmp_path, mon
     refused(["run", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29461", HELLO], capsys, "DDPKIT_RDZV_SECRET")
 
 
-@pytest.mark.parametrize("kind", ["fifo", "folder", "/proc/self/mem", "/dev/zero"])
+@pytest.mark.parametrize(
+    "kind", ["fifo", *(pytest.param(k, marks=pytest.mark.slow) for k in ("folder", "/proc/self/mem", "/dev/zero"))]
+)
 def test_a_secret_file_that_is_not_a_regular_file_is_refused_at_once(tmp_path, kind):
     """A FIFO used to block the launch forever, waiting for a writer: a real process, with a timeout."""
     path = tmp_path / "secret"
