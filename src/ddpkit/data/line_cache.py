@@ -19,7 +19,6 @@ through :mod:`ddpkit.fs`: a new file of an unpredictable name in the data folder
 
 from __future__ import annotations
 
-import hashlib
 import os
 import stat
 import sys
@@ -28,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from ddpkit import fs
+from ddpkit.data.fingerprint import digest
 from ddpkit.errors import ConfigError
 
 _told: set[str] = set()
@@ -91,10 +91,10 @@ def read(cached: Path, header: np.ndarray, size: int) -> np.ndarray | None:
 
 
 def checksum(lines: np.ndarray) -> int:
-    """The offsets' checksum kept in the header: 8 bytes of BLAKE2b as an int64 (16 bytes a line hashed, a
-    small fraction of the newline scan that built them)."""
-    digest = hashlib.blake2b(np.ascontiguousarray(lines, dtype=np.int64).view(np.uint8).data, digest_size=8)
-    return int(np.frombuffer(digest.digest(), dtype=np.int64)[0])
+    """The offsets' checksum kept in the header: the data fingerprint's digest of them
+    (:func:`~ddpkit.data.fingerprint.digest`, 8 bytes of BLAKE2b) as an int64."""
+    hex_digest = digest(np.ascontiguousarray(lines, dtype=np.int64).view(np.uint8).data)
+    return int(np.frombuffer(bytes.fromhex(hex_digest), dtype=np.int64)[0])
 
 
 def consistent(lines: np.ndarray, size: int) -> bool:
