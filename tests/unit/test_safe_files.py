@@ -69,9 +69,8 @@ def test_a_file_opened_through_the_module_is_never_a_link(folder, victim, call):
         lambda p: fs.write_atomic(p, b"new"),
         lambda p: fs.write_with(p, lambda f: f.write(b"new")),
         lambda p: fs.write_with(p, np.frombuffer(b"new", np.uint8).tofile),
-        lambda p: fs.write_buffered(p, lambda f: f.write(b"new")),
     ],
-    ids=["write_atomic", "write_with", "tofile", "write_buffered"],
+    ids=["write_atomic", "write_with", "tofile"],
 )
 def test_a_file_replaced_whole_replaces_a_link_and_leaves_its_target(folder, victim, write):
     link = folder / "out.bin"

@@ -23,7 +23,6 @@ from ddpkit.fs.safe import (
     truncate,
     user_name,
     write_atomic,
-    write_buffered,
     write_with,
 )
 
@@ -47,6 +46,5 @@ __all__ = [
     "truncate",
     "user_name",
     "write_atomic",
-    "write_buffered",
     "write_with",
 ]

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import io
 import os
 import pwd
 import secrets
@@ -256,13 +255,6 @@ def write_with(
 def write_atomic(path: Path, data: bytes, *, root: Path | None = None, mode: int = 0o644) -> None:
     """Replace ``path`` by ``data``, whole or not at all (see :func:`write_with`)."""
     write_with(path, lambda f: f.write(data), root=root, mode=mode)
-
-
-def write_buffered(path: Path, write: Callable[[IO[bytes]], object], *, root: Path | None = None) -> None:
-    """:func:`write_with` for writers that seek (``savefig`` of some formats): written to memory first."""
-    buffer = io.BytesIO()
-    write(buffer)
-    write_atomic(path, buffer.getvalue(), root=root)
 
 
 def make_dirs(path: Path, *, root: Path | None = None, mode: int = 0o777) -> None:
