@@ -134,6 +134,7 @@ def bench(steps: int, rounds: int, batch_size: int, hidden: int) -> dict:
         trainer.loader = trainer_loaders[name]
         trainer.sampler = trainer.loader.batch_sampler  # type: ignore[assignment]
         trainer.epoch = trainer.cursor = 0  # the same single epoch again
+        trainer.stopped_by = None  # as a new Trainer has it: fit() ends with the reason it stopped
         with contextlib.redirect_stdout(io.StringIO()):  # its summary of each fit()
             trainer.fit()
 

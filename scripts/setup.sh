@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 extras="${1:-examples}"
 [ -x .venv/bin/python ] || python3 -m venv .venv
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  torch_req="torch>=2.4"     # the default wheel carries CUDA
+  torch_req="torch>=2.6"     # the default wheel carries CUDA
 else
   torch_req="torch==2.13.0"  # the CPU build (+cpu) where pip's index offers it, as on our CI machines
 fi

@@ -104,7 +104,6 @@ DDPKIT_GLOBALS: dict[tuple[str, str], Any] = {
     ("ddpkit.distributed.runtime", "_store_of"): None,
     ("ddpkit.distributed.runtime", "_group_store"): None,
     ("ddpkit.distributed.signals", "_pending"): None,
-    ("ddpkit.distributed.seeding", "_views"): None,
     ("ddpkit.nn.dropout", "_layout"): None,
     ("ddpkit.nn.dropout", "_calls"): {},
     ("ddpkit.snapshot.staging", "_groups"): {},
@@ -150,3 +149,26 @@ def _reset_ddpkit_globals() -> Iterator[None]:
         if module_name in sys.modules:  # imported before the test, or by it (then back to its value at import)
             value = before.get((module_name, name), initial)
             _set_global(sys.modules[module_name], name, dict(value) if isinstance(value, dict) else value)
+
+
+def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
+    """Tests of features a torch older than they need refuses (naming the version) are skipped there, saying
+    why: ``@pytest.mark.torch_at_least(2, 7, "why")``, and the CPU tests that train with fsdp (the strategy's
+    refusal is tested by ``test_fsdp_on_the_cpu_is_refused_below_its_torch_naming_the_version``)."""
+    from ddpkit.internals.versions import TORCH_VERSION
+    from ddpkit.strategies.fsdp import FSDP_ON_CPU
+
+    for item in items:
+        marker = item.get_closest_marker("torch_at_least")
+        if marker is not None and TORCH_VERSION < tuple(marker.args[:2]):
+            major, minor, why = marker.args
+            item.add_marker(pytest.mark.skip(reason=f"{why} needs torch >= {major}.{minor}"))
+        elif (
+            TORCH_VERSION < FSDP_ON_CPU
+            and "fsdp" in item.nodeid.lower()
+            and "refused" not in item.name
+            and item.get_closest_marker("gpu") is None
+        ):
+            item.add_marker(
+                pytest.mark.skip(reason=f"fsdp on the CPU needs torch >= {FSDP_ON_CPU[0]}.{FSDP_ON_CPU[1]}")
+            )

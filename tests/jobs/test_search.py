@@ -136,6 +136,7 @@ def _failing(search_dir: str) -> None:
     search(objective, {"x": choice([1, 2, 3])}, cfg)
 
 
+@pytest.mark.torch_at_least(2, 7, "snapshots of a group of ranks without the job's rank 0")
 def test_a_failing_candidate_fails_its_trial_only(tmp_path):
     ddpkit.spawn(functools.partial(_failing, str(tmp_path)), 2)
     trials = {t.number: t for t in _study(tmp_path).trials}
@@ -165,6 +166,7 @@ def _budget(search_dir: str, group_size: int) -> list[int]:
     return numbers
 
 
+@pytest.mark.torch_at_least(2, 7, "snapshots of a group of ranks without the job's rank 0")
 def test_groups_run_candidates_concurrently_and_the_budget_is_exact(tmp_path):
     numbers = ddpkit.spawn(functools.partial(_budget, str(tmp_path), 1), 2)
     study = _study(tmp_path)

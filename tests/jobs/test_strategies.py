@@ -15,7 +15,7 @@ from torch import nn
 import ddpkit
 import ddpkit.strategies
 from ddpkit.errors import ConfigError
-from ddpkit.strategies import DDPConfig, build_strategy, strategy_config
+from ddpkit.strategies import DDPConfig, build_strategy, hooks, strategy_config
 from tests.jobs.scripts.train_job import train
 
 
@@ -265,22 +265,43 @@ def test_comm_hook_trains_within_its_tolerance_of_plain_ddp(tmp_path, plain_ddp,
     assert low <= diff < high
 
 
-def _torch_bf16_hook_on_gloo() -> str:
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
-        bf16_compress_hook,
-    )
+def _bf16_hooks_on_gloo() -> tuple[str, list[list[float]]]:
+    """Whether torch registers its own bf16 hook on this gloo group, and the averaged gradients of the same step
+    under torch's hook (where registered) and under ours."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
     rt = ddpkit.init()
-    model = ddpkit.prepare_model(nn.Linear(2, 2), runtime=rt)
-    try:
-        model.register_comm_hook(None, bf16_compress_hook)
-    except Exception as err:
-        return str(err)
-    return "registered"
+    verdict, grads = "registered", []
+    for hook in (bf16_compress_hook, hooks.bf16_compress):
+        torch.manual_seed(0)
+        model = ddpkit.prepare_model(nn.Linear(4, 3), runtime=rt)
+        try:
+            model.register_comm_hook(None, hook)
+        except Exception as err:  # torch's own hook, refused
+            verdict = str(err)
+            continue
+        model(torch.randn(8, 4, generator=torch.Generator().manual_seed(rt.rank))).pow(2).sum().backward()
+        grads.append(model.module.weight.grad.flatten().tolist())
+    return verdict, grads
 
 
-def test_torch_refuses_its_bf16_hook_on_gloo_which_is_why_ours_exists():
-    assert "registered" not in ddpkit.spawn(_torch_bf16_hook_on_gloo, 1)[0]
+def test_torch_refuses_its_bf16_hook_by_the_build_not_the_backend_which_is_why_ours_exists():
+    """A build of torch with CUDA (or ROCm) and NCCL registers its ``bf16_compress_hook`` on gloo as well and
+    averages the same bfloat16 gradients as ours; a build without them (the CPU wheel) refuses it whatever the
+    backend, and ours is then the only bf16 hook."""
+    import torch.distributed as dist
+
+    gpu_build = (torch.version.cuda is not None or torch.version.hip is not None) and dist.is_nccl_available()
+    (verdict, grads), other = ddpkit.spawn(_bf16_hooks_on_gloo, 2)
+    assert other == (verdict, grads)  # both ranks hold the same mean
+    if gpu_build:
+        torch_s, ours = grads
+        assert verdict == "registered" and torch_s == ours
+    else:
+        assert "NCCL" in verdict and len(grads) == 1  # refused; ours ran
+    # Control: the step moves the weights, and in bfloat16 (its last 16 bits are zero).
+    words = torch.tensor(grads[-1], dtype=torch.float32).view(torch.int32)
+    assert words.abs().sum() > 0 and (words & 0xFFFF).eq(0).all()
 
 
 def _unused_parameter(find_unused: bool) -> str:

@@ -121,7 +121,7 @@ def test_a_crafted_dcp_index_is_never_unpickled(tmp_path):
     assert not ran.exists() and found.step == 3 and torch.equal(sharded["model"]["w"], torch.full((4,), 3.0))
     # Control: torch's own reader unpickles .metadata, and the code runs.
     with contextlib.suppress(BaseException):
-        dcp.load({"model": {"w": torch.zeros(4)}}, checkpoint_id=folder, no_dist=True)
+        dcp.load({"model": {"w": torch.zeros(4)}}, checkpoint_id=folder)
     assert ran.exists()
 
 
@@ -129,9 +129,9 @@ def test_a_crafted_non_tensor_item_is_never_unpickled(tmp_path):
     ran = tmp_path / "ran"
     # Control: DCP stores a non-tensor value as a pickle, and its default planner runs it on load.
     stock = tmp_path / "stock"
-    dcp.save({"w": torch.ones(4), "hp": RunsCode(ran)}, checkpoint_id=stock, no_dist=True)
+    dcp.save({"w": torch.ones(4), "hp": RunsCode(ran)}, checkpoint_id=stock)
     assert not ran.exists()
-    dcp.load({"w": torch.zeros(4), "hp": None}, checkpoint_id=stock, no_dist=True)
+    dcp.load({"w": torch.zeros(4), "hp": None}, checkpoint_id=stock)
     assert ran.exists()
     ran.unlink()
     # ddpkit's planner refuses the same item (reached only past the JSON index, which admits no such item).
@@ -142,7 +142,6 @@ def test_a_crafted_non_tensor_item_is_never_unpickled(tmp_path):
             {"w": torch.zeros(4), "hp": None},
             storage_reader=dcp_files.Reader(stock, trusted),
             planner=dcp_files.TensorsOnlyPlanner(),
-            no_dist=True,
         )
     assert not ran.exists()
     # A snapshot whose index declares an item that is not a tensor is refused by name.
@@ -238,7 +237,7 @@ def test_a_full_disk_is_named_and_the_previous_snapshot_stays_whole(tmp_path, as
         # Control: torch's own writer, on the same disk filling up, does not say why.
         fill(fs, leave=BIG)
         with pytest.raises(BaseException) as stock:
-            dcp.save({"w": torch.ones(BIG)}, checkpoint_id=fs / "stock", no_dist=True)
+            dcp.save({"w": torch.ones(BIG)}, checkpoint_id=fs / "stock")
         print(f"torch's own writer: {str(stock.value).strip().splitlines()[-1]}")
         assert "no space" not in str(stock.value).lower()
 

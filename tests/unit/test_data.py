@@ -324,6 +324,29 @@ def test_a_dataset_that_draws_nothing_is_not_seeded(monkeypatch):
     assert sorted(index for _, _, index in seeded) == list(range(24))
 
 
+def _cache_normals() -> None:
+    """Leave a normal sample cached in python's, numpy's and torch's generators: each draws normals in pairs and
+    keeps the second apart from its words, so using it moves nothing but that cache."""
+    import random
+
+    import numpy as np
+
+    while random.getstate()[2] is None:
+        random.gauss(0, 1)
+    while not np.random.get_state()[3]:
+        np.random.standard_normal()
+    torch.manual_seed(1234)  # torch's cache has no public reader: seeding empties it, then one normal fills it
+    torch.randn(())
+
+
+def _another_numpy_state() -> tuple:
+    """numpy's global state with the same position and cached normal, but other words: only the key differs."""
+    import numpy as np
+
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return kind, np.roll(keys, 1), pos, has_gauss, gauss
+
+
 @pytest.mark.parametrize(
     "draw",
     [
@@ -337,25 +360,19 @@ def test_a_dataset_that_draws_nothing_is_not_seeded(monkeypatch):
         lambda: torch.randn(3),
         lambda: torch.randint(0, 2**31, (624,)),
         lambda: torch.manual_seed(torch.initial_seed()) and None,  # seeded again: the position moved back
+        lambda: __import__("random").seed(7),  # a dataset seeding the generators itself
+        lambda: __import__("numpy").random.seed(7),
+        lambda: __import__("numpy").random.set_state(_another_numpy_state()),
+        lambda: __import__("numpy").random.standard_normal(),  # only the normal sample numpy cached before the marks
     ],
 )
-@pytest.mark.parametrize("views", ["found", "not found"])
-def test_draw_marks_see_every_draw_and_put_the_generators_back(draw, views, monkeypatch):
-    import random
-
+def test_draw_marks_see_every_draw_and_put_the_generators_back(draw):
     import numpy as np
 
-    from ddpkit.distributed import seeding
     from ddpkit.distributed.seeding import draw_marks, drawn_since, rng_state, set_draw_marks
 
-    if views == "found":  # read in place, as laid out by this CPython, numpy and torch
-        with torch.device("meta"):  # a script's default device: the views are still checked on the CPU
-            draw_marks()
-        assert seeding._views is not None and all(view is not None for view in seeding._views)
-    else:  # another layout: read through getstate/get_state
-        monkeypatch.setattr(seeding, "_views", (None, None, np.random.mtrand._rand._bit_generator, None))
-    random.gauss(0, 1)  # a cached normal in python's generator
-    torch.randn(())  # and in torch's
+    np.random.get_state()  # numpy.random imported: its generator is watched
+    _cache_normals()
     marks, full = draw_marks(), rng_state()
     assert not drawn_since(marks)
     first = draw()
@@ -364,9 +381,70 @@ def test_draw_marks_see_every_draw_and_put_the_generators_back(draw, views, monk
     assert not drawn_since(marks)
     after = rng_state()
     assert after["python"] == full["python"] and torch.equal(after["torch"], full["torch"])
-    assert all(np.array_equal(a, b) for a, b in zip(after["numpy"][1:3], full["numpy"][1:3]))
+    assert all(np.array_equal(a, b) for a, b in zip(after["numpy"][1:5], full["numpy"][1:5]))
     if first is not None:
         assert np.array_equal(np.asarray(draw()), np.asarray(first))  # the same draw again: the same state
+
+
+def test_a_cached_numpy_normal_used_is_a_draw():
+    """numpy keeps the second of a pair of normal draws apart from its words: using it is a draw too."""
+    import numpy as np
+
+    from ddpkit.distributed.seeding import draw_marks, drawn_since
+
+    _cache_normals()
+    marks, words = draw_marks(), np.random.get_state()[1:3]
+    np.random.standard_normal()  # the cached one: the words do not move
+    assert all(np.array_equal(a, b) for a, b in zip(np.random.get_state()[1:3], words))
+    assert drawn_since(marks)
+
+
+def test_a_batch_that_imports_numpy_random_is_taken_as_drawing():
+    """Before ``numpy.random`` is imported there is no numpy generator to watch; importing it during a batch
+    (to draw from it) is seen, in a process that had not imported it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from ddpkit.distributed.seeding import draw_marks, drawn_since\n"
+        "marks = draw_marks()\n"
+        "assert 'numpy.random' not in sys.modules and marks[1] is None\n"
+        "import numpy.random\n"
+        "assert drawn_since(marks)\n"
+        "quiet = draw_marks()\n"
+        "assert not drawn_since(quiet)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.mark.parametrize("weaken", ["index only", "no numpy", "no torch"])
+def test_control_a_weaker_comparison_misses_draws(weaken, monkeypatch):
+    """Control: the comparison is what sees each kind of draw; leaving out a part of it misses that kind."""
+    import random
+
+    import numpy as np
+
+    from ddpkit.distributed import seeding
+
+    np.random.get_state()
+    draw = {
+        "index only": lambda: [random.getrandbits(32) for _ in range(624)],
+        "no numpy": lambda: np.random.rand(),
+        "no torch": lambda: torch.rand(()),
+    }[weaken]
+    marks = seeding.draw_marks()
+    draw()
+    after = seeding.draw_marks()
+    assert seeding.changed(marks, after)
+    py0, npy0, cpu0, cuda0 = marks
+    py1, npy1, cpu1, cuda1 = after
+    if weaken == "index only":  # python's index alone: a whole twist brings it back
+        assert py0[1][-1] == py1[1][-1] and py0 != py1
+    elif weaken == "no numpy":
+        assert not seeding.changed((py0, None, cpu0, cuda0), (py1, None, cpu1, cuda1))
+    else:
+        assert not seeding.changed((py0, npy0, cpu0, cuda0), (py1, npy1, cpu0, cuda1))
 
 
 def _nothing_drawn_in_fork_rng() -> None:
@@ -392,43 +470,6 @@ def test_draw_marks_see_no_draw_where_a_state_is_set_to_itself(put_back):
         marks = draw_marks()
         put_back()
         assert not drawn_since(marks)
-
-
-def _torch_state_with(float_sample: float | None, double_sample: float | None) -> torch.Tensor:
-    """torch's CPU generator state as now, with these normal samples cached (None: none)."""
-    from ddpkit.distributed.seeding import _TORCH_LEGACY
-
-    legacy = list(_TORCH_LEGACY.unpack(bytes(torch.get_rng_state().numpy())))
-    legacy[-5:] = [double_sample or 0.0, 0.0, double_sample is not None, float_sample or 0.0, float_sample is not None]
-    return torch.frombuffer(bytearray(_TORCH_LEGACY.pack(*legacy)), dtype=torch.uint8)
-
-
-def test_draw_marks_see_a_cached_float_normal_sample_used_and_put_it_back():
-    """No operator of torch's caches a float normal sample today; a state that holds one is set instead."""
-    from ddpkit.distributed.seeding import draw_marks, drawn_since, set_draw_marks
-
-    cached = _torch_state_with(1.25, None)
-    torch.set_rng_state(cached)
-    marks = draw_marks()
-    torch.set_rng_state(_torch_state_with(None, None))  # the float sample used
-    assert drawn_since(marks)
-    set_draw_marks(marks)
-    assert torch.equal(torch.get_rng_state(), cached)
-
-
-@pytest.mark.parametrize(
-    ("field", "shift"), [("_TORCH_FLOAT_AT", 8), ("_TORCH_DOUBLE_AT", -8), ("_TORCH_DOUBLE_AT", 8)]
-)
-def test_a_torch_layout_other_than_the_one_found_is_not_used(field, shift, monkeypatch):
-    """Control of the view's check: a cached sample looked for 8 bytes off is refused, the state left as it was."""
-    from ddpkit.distributed import seeding
-
-    torch.randn(())
-    before = torch.get_rng_state()
-    assert seeding._torch_view() is not None
-    monkeypatch.setattr(seeding, field, getattr(seeding, field) + shift)
-    assert seeding._torch_view() is None
-    assert torch.equal(torch.get_rng_state(), before)
 
 
 # -- the loader's state and the data's fingerprint -------------------------------------------------------------

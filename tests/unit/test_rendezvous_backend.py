@@ -28,6 +28,7 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
 from ddpkit.errors import ConfigError
+from ddpkit.internals.store import serve_store
 from ddpkit.launch.rendezvous_auth import (
     SECRET_ENV,
     FramedSocket,
@@ -57,14 +58,7 @@ class FileMaker:
 def _loopback_store() -> dist.TCPStore:
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
-    return dist.TCPStore(
-        "127.0.0.1",
-        port,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=timedelta(seconds=10),
-        master_listen_fd=listener.detach(),
-    )
+    return serve_store(listener.detach(), "127.0.0.1", port, timedelta(seconds=10))
 
 
 def _params(store: dist.TCPStore) -> RendezvousParameters:

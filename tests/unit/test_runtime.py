@@ -22,3 +22,59 @@ def test_more_local_ranks_than_gpus_names_the_fix(monkeypatch):
     assert _pick_device(LaunchEnv(rank=1, local_rank=1, world_size=2, local_world_size=2), None) == torch.device(
         "cuda", 1
     )
+
+
+def _init_calls(monkeypatch, device: str | None, cuda: bool) -> dict:
+    """The keywords init() passes to init_process_group for local rank 1 of a torchrun job of 2, on a machine
+    with (mocked) 2 GPUs or none: pure logic, no process group is made."""
+    import torch.distributed as dist
+
+    from ddpkit.distributed import runtime
+    from ddpkit.distributed.environment import LaunchEnv
+
+    calls: list[dict] = []
+    launch = LaunchEnv(rank=1, local_rank=1, world_size=2, local_world_size=2, launcher="torchrun")
+    monkeypatch.setattr(runtime, "read_launch_env", lambda: launch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2 if cuda else 0)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+    monkeypatch.setattr(runtime, "hold_stop_signals", lambda: None)
+    monkeypatch.setattr(runtime, "_rendezvous_store", lambda launch, timeout: dist.HashStore())
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append({"backend": backend, **kw}))
+    monkeypatch.setattr(runtime.atexit, "register", lambda fn: None)
+    monkeypatch.setattr(runtime, "uneven_nodes", lambda: None)
+    monkeypatch.setattr(runtime, "_runtime", None)
+    runtime.init(device=device)
+    monkeypatch.setattr(runtime, "_runtime", None)
+    (call,) = calls
+    return call
+
+
+def test_a_gpu_rank_binds_its_process_group_to_its_own_gpu(monkeypatch):
+    """``device_id`` is the rank's own GPU: torch's newer NCCL group would otherwise pick one from LOCAL_RANK or
+    the global rank, which is another rank's when ranks are mapped to GPUs otherwise."""
+    call = _init_calls(monkeypatch, None, cuda=True)
+    assert (call["backend"], call["device_id"]) == ("nccl", torch.device("cuda", 1))
+    call = _init_calls(monkeypatch, "cuda:0", cuda=True)  # the device asked for, not LOCAL_RANK's
+    assert call["device_id"] == torch.device("cuda", 0)
+    # Control: on the CPU (gloo) nothing is bound.
+    call = _init_calls(monkeypatch, None, cuda=False)
+    assert call["backend"] == "gloo" and "device_id" not in call
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_default_group_is_bound_to_the_ranks_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    found = ddpkit.spawn(_bound_device_id, 1)[0]
+    assert found == (str(torch.device("cuda", 0)), 1.0)
+
+
+def _bound_device_id() -> tuple[str, float]:
+    import torch.distributed as dist
+
+    rt = ddpkit.init()
+    one = torch.ones(1, device=rt.device)
+    dist.all_reduce(one)  # the bound NCCL group really reduces
+    return str(dist.group.WORLD.bound_device_id), one.item()

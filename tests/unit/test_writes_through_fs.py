@@ -21,6 +21,7 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("snapshot/folders.py", "shutil.rmtree"): "prune: rmtree(name, dir_fd=) of an entry lstat-ed as a folder; "
     "rmtree walks by descriptors and never follows a link",
     ("launch/forked_workers.py", "os.open"): "os.devnull opened read-write for a child's standard streams",
+    ("internals/interpreter.py", "open"): "/proc/self/mem opened r+b to rename the process: its memory, not a file",
 }
 """``(module, call)``: why that module may make that call itself."""
 

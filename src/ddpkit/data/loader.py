@@ -9,6 +9,7 @@ which no snapshot can restore.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Iterator, Sequence, Sized
 from typing import Any, cast
@@ -27,8 +28,8 @@ from ddpkit.data.sampler import EvalShardSampler, ShardedBatchSampler
 from ddpkit.distributed.environment import cpu_count
 from ddpkit.distributed.runtime import get_runtime
 from ddpkit.distributed.seeding import (
+    changed,
     draw_marks,
-    drawn_since,
     loading_rng_state,
     seed_sample,
     set_draw_marks,
@@ -44,7 +45,10 @@ class SampleSeeder:
 
     Seeding python, numpy and torch before every sample costs ~15 to 40 us a sample, and most datasets draw
     nothing (a list of tensors, a decoded file without augmentation). So a batch is first read as it is, with
-    the generators' states compared around it (:func:`~ddpkit.distributed.seeding.draw_marks`, ~2 to 4 us a batch).
+    the generators' states read through their public APIs and compared around it
+    (:func:`~ddpkit.distributed.seeding.draw_marks`). In the main process that is two reads a batch: ~25 us,
+    ~95 us once ``numpy.random`` is imported (torch's compiler stack, and so DDP, imports it), measured on the
+    CPU CI machine; in a loader worker one read, ~18 or ~55 us, beside the training step rather than in it.
     If nothing drew, that is the batch. If a sample drew, the generators are put back and the batch is read again
     with each sample seeded from ``(seed, epoch, index)``, and from then on this process seeds every sample
     (a dataset that draws once draws again). Either way each draw a sample makes is the seeded one: a sample
@@ -56,15 +60,23 @@ class SampleSeeder:
         self.seed = seed
         self.draws = False
         """A sample drew in this process: seed each one before reading it."""
+        self._after: tuple[int, tuple[Any, ...]] | None = None
 
     def load(self, keys: Sequence[tuple[int, int]], read: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
         """``[read(item) for item in items]``, where ``items[k]`` is the sample of key ``keys[k]``."""
         if not self.draws:
-            marks = draw_marks()
+            worker = get_worker_info() is not None
+            # In a loader worker nothing draws between two batches (a collate_fn that draws is taken as the
+            # dataset drawing): the state after one is the marks of the next, one read a batch, not two. Kept
+            # with the process id: a worker starts from a copy of the dataset, and of what it held.
+            kept = self._after if worker and self._after is not None and self._after[0] == os.getpid() else None
+            marks = kept[1] if kept is not None else draw_marks()
             out = [read(item) for item in items]
-            if not drawn_since(marks):
+            after = draw_marks()
+            if not changed(marks, after):
+                self._after = (os.getpid(), after) if worker else None
                 return out
-            if get_worker_info() is None:
+            if not worker:
                 set_draw_marks(marks)
             self.draws = True
         # In a worker the generators' own stream is of no use to anyone once samples are seeded: nothing to

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ddpkit.data.fingerprint import digest
-from ddpkit.distributed.collectives import gather_object
+from ddpkit.distributed.collectives import gather_object, tensor_bytes
 from ddpkit.errors import ConfigError
 
 HEAD_RECORDS = 128
@@ -86,7 +86,7 @@ def canonical(value: Any) -> bytes:
         return b"[" + b",".join(canonical(v) for v in value) + b"]"
     if isinstance(value, torch.Tensor):
         flat = value.detach().cpu().contiguous().reshape(-1)
-        return f"{flat.dtype}{tuple(value.shape)}".encode() + flat.view(torch.uint8).numpy().tobytes()
+        return f"{flat.dtype}{tuple(value.shape)}".encode() + tensor_bytes(flat)
     if isinstance(value, np.ndarray):
         return f"{value.dtype}{value.shape}".encode() + np.ascontiguousarray(value).tobytes()
     try:

@@ -7,6 +7,7 @@ a process group (plain ``python``) every helper acts as the identity over a worl
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -131,23 +132,60 @@ def gather_tensors(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
     return torch.cat([c[: int(s.item())] for c, s in zip(chunks, all_sizes)]).to(tensor.device)
 
 
+# Objects travel as pickled bytes in uint8 tensors. torch's own object collectives (all_gather_object,
+# broadcast_object_list) turn the received tensor back into bytes through numpy, which a torch install need not
+# have ("Numpy is not available"); these copy it into a bytearray instead, and need torch alone.
+
+
+def _pickled(obj: Any, device: torch.device) -> torch.Tensor:
+    data = bytearray(pickle.dumps(obj))
+    return torch.frombuffer(data, dtype=torch.uint8).to(device)  # never empty: a pickle has an opcode at least
+
+
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """The bytes of a contiguous CPU tensor, without numpy (``tensor.numpy().tobytes()`` needs it)."""
+    flat = tensor.reshape(-1).view(torch.uint8)
+    data = bytearray(flat.numel())
+    if data:
+        torch.frombuffer(data, dtype=torch.uint8).copy_(flat)
+    return bytes(data)
+
+
+def _unpickled(payload: torch.Tensor) -> Any:
+    return pickle.loads(tensor_bytes(payload))
+
+
 def gather_object(obj: T, group: Any = None) -> list[T]:
     """Every rank's picklable ``obj``, in rank order, on every rank."""
     if not is_live(group):
         return [obj]
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
+    device = comm_device(group)
+    mine = _pickled(obj, device)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, torch.tensor([mine.numel()], device=device), group=group)
+    lengths = [int(s.item()) for s in sizes]
+    # all_gather needs equal shapes: each rank's bytes padded to the longest, the padding cut away after.
+    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
+    padded[: mine.numel()] = mine
+    chunks = [torch.empty_like(padded) for _ in lengths]
+    dist.all_gather(chunks, padded, group=group)
+    return [_unpickled(chunk[:n].cpu()) for chunk, n in zip(chunks, lengths)]
 
 
 def broadcast_object(obj: T, src: int = 0, group: Any = None) -> T:
     """Rank ``src``'s picklable ``obj`` (a rank within ``group``) on every rank."""
     if not is_live(group):
         return obj
-    box = [obj]
+    device = comm_device(group)
     global_src = dist.get_global_rank(group, src) if group is not None else src
-    dist.broadcast_object_list(box, src=global_src, group=group)
-    return box[0]
+    sender = dist.get_rank(group) == src
+    payload = _pickled(obj, device) if sender else None
+    size = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=global_src, group=group)
+    if payload is None:
+        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(payload, src=global_src, group=group)
+    return obj if sender else _unpickled(payload.cpu())
 
 
 class MetricSums:

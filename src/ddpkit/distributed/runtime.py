@@ -158,6 +158,7 @@ def init(
                 rank=launch.rank,
                 world_size=launch.world_size,
                 timeout=timeout,
+                **bound_device(dev, pg_backend),
             )
         except (RuntimeError, dist.DistError) as err:
             raise _explain_init_error(err, launch) from err
@@ -175,6 +176,16 @@ def init(
         launch.restart_count,
     )
     return _runtime
+
+
+def bound_device(dev: torch.device, backend: str) -> dict[str, Any]:
+    """``init_process_group``'s ``device_id`` for a rank whose collectives run through NCCL: its communicators
+    are made for that GPU, where torch's newer NCCL group would otherwise pick one from ``LOCAL_RANK`` or the
+    global rank, another rank's GPU when ranks are mapped to GPUs otherwise (``device='cuda:1'`` on local rank
+    0): two ranks on one GPU, which NCCL refuses ("Duplicate GPU detected"). Nothing on the CPU or on gloo."""
+    if dev.type != "cuda" or "nccl" not in backend:
+        return {}
+    return {"device_id": torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())}
 
 
 def _rendezvous_store(launch: LaunchEnv, timeout: timedelta) -> Any:

@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from torch.distributed.elastic.agent.server.api import WorkerState
-from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from ddpkit.distributed import memory_folder
 from ddpkit.errors import PREEMPTED_EXIT_CODE
+from ddpkit.internals.elastic import HookedAgent, use_agent
 from ddpkit.launch import forked_workers
 from ddpkit.launch.proctree import kill_descendants
 
@@ -139,7 +139,7 @@ def exit_code(err: BaseException) -> int:
     return failure.exitcode or 1
 
 
-class Agent(LocalElasticAgent):
+class Agent(HookedAgent):
     """torchrun's agent, with three changes torchrun has no option for.
 
     - A worker that exits with :data:`~ddpkit.errors.PREEMPTED_EXIT_CODE` saved its snapshot because it was told
@@ -160,12 +160,12 @@ class Agent(LocalElasticAgent):
         self._stacks_asked: int | None = None
         Agent.current = self
 
-    def _monitor_workers(self, worker_group: Any) -> Any:
+    def before_monitor(self, worker_group: Any) -> None:
         self._stacks_before_teardown(worker_group)
-        result = super()._monitor_workers(worker_group)
+
+    def after_monitor(self, worker_group: Any, result: Any) -> None:
         if result.state == WorkerState.FAILED and preempted(result.failures):
-            self._remaining_restarts = 0
-        return result
+            self.stop_restarting()
 
     def _stacks_before_teardown(self, worker_group: Any) -> None:
         # torchrun stops the other workers in the same poll that finds a failed one; ask them where they are
@@ -174,26 +174,24 @@ class Agent(LocalElasticAgent):
         # Only after a Python exception (a collective that timed out, an error in user code): its time is in
         # its error file. A worker killed by a signal has none, and torchrun stamps it when it polls; a delay
         # here would let a peer's consequent error look earlier than the kill.
-        handlers = getattr(getattr(self, "_pcontext", None), "subprocess_handlers", None) or {}
-        codes = {local: h.proc.poll() for local, h in handlers.items()}
+        codes = {local: proc.poll() for local, proc in self.worker_processes().items()}
         failed = {
             local for local, code in codes.items() if code is not None and code > 0 and code != PREEMPTED_EXIT_CODE
         }
-        if failed and self._stacks_asked != id(self._pcontext):
-            self._stacks_asked = id(self._pcontext)
+        attempt = id(self.process_context())
+        if failed and self._stacks_asked != attempt:
+            self._stacks_asked = attempt
             running = {w.global_rank: w.id for w in worker_group.workers if codes.get(w.local_rank) is None}
             _ask_for_stacks(running)
 
-    def _shutdown(self, *args: Any, **kwargs: Any) -> None:
-        super()._shutdown(*args, **kwargs)
-        handlers = getattr(getattr(self, "_pcontext", None), "subprocess_handlers", None) or {}
+    def after_shutdown(self) -> None:
         # A worker torchrun gave up on (stuck in the kernel) keeps its Popen, which alone may collect it.
-        unreaped = [h.proc.pid for h in handlers.values() if h.proc.returncode is None]
+        unreaped = [proc.pid for proc in self.worker_processes().values() if proc.returncode is None]
         server = forked_workers.current()  # serves the next attempt's workers too
         kill_descendants(keep=unreaped + ([server.pid] if server is not None else []))
 
     def worker_pids(self) -> list[int]:
-        pcontext = getattr(self, "_pcontext", None)
+        pcontext = self.process_context()
         return list(pcontext.pids().values()) if pcontext is not None else []
 
 
@@ -253,7 +251,7 @@ def _forward_signals() -> None:
         if signum == signal.SIGTERM:
             if agent is None or not pids:  # no workers yet (rendezvous) or any more: nothing to save, stop now
                 raise SystemExit(128 + signum)
-            agent._remaining_restarts = 0
+            agent.stop_restarting()
             timer = threading.Timer(TERM_GRACE, _kill, (pids,))
             timer.daemon = True
             timer.start()
@@ -279,12 +277,9 @@ def install(
 ) -> None:
     """Make torchrun's ``launch_agent`` build :class:`Agent`, and forward SIGTERM/SIGUSR1/SIGUSR2 to its workers;
     with ``fork_server``, start the job's fork server (importing ``preload`` too; ``display``: the workers'
-    command, shown on its command line).
-
-    ``launch_agent`` (``torch.distributed.launcher.api``) builds its agent by this module-level name; swapping
-    it in this process (the launcher's) is the one way in short of copying ``launch_agent``.
+    command, shown on its command line). ``launcher_api``: ``torch.distributed.launcher.api``.
     """
-    launcher_api.LocalElasticAgent = Agent
+    use_agent(launcher_api, Agent)
     _forward_signals()
     if fork_server:
         forked_workers.install(preload, display)

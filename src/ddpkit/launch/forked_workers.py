@@ -27,6 +27,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ddpkit.internals.elastic import log_files, popen_override, set_handler_factory, subprocess_handler_base, warn_once
+from ddpkit.internals.interpreter import forking_problem, warn_interpreter_once
 from ddpkit.launch.forkserver import MAX_MESSAGE, PRELOAD
 from ddpkit.launch.proctree import wait_exit
 
@@ -202,13 +204,14 @@ def stop() -> None:
         _server = None
 
 
-def _standard_files(handler: Any) -> tuple[list[int], list[int]]:
-    """The worker's standard input, output and error: torchrun's log files where it redirects, else this
-    process's own (what a ``Popen`` child inherits); and the descriptors opened here, for the caller to close."""
+def _standard_files(logs: tuple[Any, Any]) -> tuple[list[int], list[int]]:
+    """The worker's standard input, output and error: torchrun's log files where it redirects (``logs``), else
+    this process's own (what a ``Popen`` child inherits); and the descriptors opened here, for the caller to
+    close."""
     files, opened = [0, 1, 2], []
-    logs = {1: getattr(handler, "_stdout", None), 2: getattr(handler, "_stderr", None)}
+    by_fd = {1: logs[0], 2: logs[1]}
     for i in range(3):
-        log = logs.get(i)
+        log = by_fd.get(i)
         if log is not None:
             files[i] = log.fileno()
             continue
@@ -222,24 +225,29 @@ def _standard_files(handler: Any) -> tuple[list[int], list[int]]:
     return files, opened
 
 
+def _fork(handler: Any, args: Sequence[str], env: dict[str, str]) -> Any:
+    """A worker forked from the server, or None to start it as torchrun does (no server, another command, or
+    log files ddpkit cannot find: forked there, a worker's output would go to the terminal)."""
+    server = _server
+    if server is None or server.why_not is not None or not _is_worker_command(args):
+        return None
+    logs = log_files(handler)
+    if logs is None:
+        warn_once("SubprocessHandler._stdout/_stderr", "forking workers from the job's server")
+        stop()  # no worker will come from it
+        return None
+    files, opened = _standard_files(logs)
+    try:
+        pid = server.spawn(list(args[1 + len(_WORKER_COMMAND) :]), env, os.getcwd(), files)
+    finally:
+        for fd in opened:
+            os.close(fd)
+    return ForkedProcess(pid, args) if pid is not None else None
+
+
 def handler_class(base: type) -> type:
     """torchrun's ``SubprocessHandler`` (``base``) with workers forked from the server."""
-
-    class ForkedSubprocessHandler(base):  # torchrun's class, given at run time
-        def _popen(self, args: Sequence[str], env: dict[str, str]) -> Any:
-            server = _server
-            if server is not None and server.why_not is None and _is_worker_command(args):
-                files, opened = _standard_files(self)
-                try:
-                    pid = server.spawn(list(args[1 + len(_WORKER_COMMAND) :]), env, os.getcwd(), files)
-                finally:
-                    for fd in opened:
-                        os.close(fd)
-                if pid is not None:
-                    return ForkedProcess(pid, args)
-            return super()._popen(args, env)
-
-    return ForkedSubprocessHandler
+    return popen_override(base, _fork, bypassed=stop)  # a server no worker comes from is stopped
 
 
 def _is_worker_command(args: Sequence[str]) -> bool:
@@ -256,19 +264,18 @@ def install(preload: Sequence[str] = (), display: Sequence[str] = ()) -> ForkSer
     nothing changed) where torchrun has no handler to replace or the platform cannot adopt forked workers."""
     if not sys.platform.startswith("linux"):
         return None
-    from torch.distributed.elastic.multiprocessing import api
-
-    base = getattr(api, "SubprocessHandler", None)
-    if base is None or not hasattr(api, "get_subprocess_handler") or not hasattr(base, "_popen"):
+    base = subprocess_handler_base()
+    if base is None:
+        warn_once("torch's SubprocessHandler._popen", "forking workers from the job's server")
+        return None
+    if forking_problem() is not None:  # a forked worker could not end as an interpreter ends
+        warn_interpreter_once("threading._shutdown/atexit._run_exitfuncs", "forking workers from the job's server")
         return None
     forked = handler_class(base)
-    api.get_subprocess_handler = lambda *args, **kwargs: forked(*args, **kwargs)
+    set_handler_factory(lambda *args, **kwargs: forked(*args, **kwargs))
     return start(preload, display)
 
 
 def uninstall() -> None:
     stop()
-    from torch.distributed.elastic.multiprocessing import api
-    from torch.distributed.elastic.multiprocessing.subprocess_handler import get_subprocess_handler
-
-    api.get_subprocess_handler = get_subprocess_handler
+    set_handler_factory(None)

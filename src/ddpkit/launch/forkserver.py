@@ -1,7 +1,7 @@
 """The fork server: a process that has imported torch once, from which ``ddpkit run`` forks each worker.
 
 A worker started as a new interpreter spends most of a restart importing: on the 2-core CI machine ``python``
-and ``import torch`` take 1.2 s and the first optimizer's import of ``torch._dynamo`` another 1.0 s, against
+and ``import torch`` take 1.2 s and the first optimizer's import of Dynamo (torch.compile's tracer) another 1.0 s, against
 0.06 s to load a snapshot from memory (``bench/goodput.py``). The agent starts this server once per job
 (:mod:`ddpkit.launch.forked_workers`); it imports :data:`PRELOAD` (and ``--preload``), then forks a worker
 for each one torchrun's agent starts, at every attempt.
@@ -52,9 +52,7 @@ Usage (by the agent): ``python -u -m ddpkit.launch.forkserver FD AGENT_PID PRELO
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import ctypes
 import importlib
 import json
 import os
@@ -68,30 +66,17 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ddpkit.launch.proctree import parent_of, set_command_line, set_parent_death_signal, wait_exit
+from ddpkit.internals.compiler import DYNAMO
+from ddpkit.internals.interpreter import cuda_driver_initialised, finalize_as_interpreter, set_command_line
+from ddpkit.launch.proctree import parent_of, set_parent_death_signal, wait_exit
 
-PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "ddpkit.training.trainer")
-"""Imported by the server before its first fork. ``torch._dynamo`` is what constructing an optimizer or DDP
-imports (1.0 s on the CI machine); the Trainer's modules bring torch's distributed checkpoint."""
+PRELOAD = ("torch", "torch.distributed", DYNAMO, "ddpkit.training.trainer")
+"""Imported by the server before its first fork. Dynamo (:data:`~ddpkit.internals.compiler.DYNAMO`) is what
+constructing an optimizer or DDP imports (1.0 s on the CI machine); the Trainer's modules bring torch's
+distributed checkpoint."""
 
 MAX_MESSAGE = 1 << 20
 """Largest request in bytes (a worker's environment and command line)."""
-
-
-def cuda_driver_initialised() -> bool:
-    """True when this process has initialised the CUDA driver (a fork of it could not use CUDA).
-
-    ``cuDeviceGetCount`` answers CUDA_ERROR_NOT_INITIALIZED (3) until ``cuInit`` has run, and initialises
-    nothing itself. Where no CUDA driver is loaded in this process, nothing was initialised.
-    """
-    try:
-        with open("/proc/self/maps") as f:
-            if "libcuda.so" not in f.read():
-                return False
-        count = ctypes.c_int()
-        return ctypes.CDLL("libcuda.so.1").cuDeviceGetCount(ctypes.byref(count)) == 0
-    except OSError:
-        return False
 
 
 def os_threads() -> int:
@@ -163,12 +148,7 @@ def run_as_main(main: Callable[[], Any]) -> int:
     except BaseException:  # noqa: BLE001 (as the interpreter: any uncaught exception is printed, status 1)
         sys.excepthook(*sys.exc_info())
         code = 1
-    # What Py_FinalizeEx does, in its order. threading._shutdown is private, but it is the interpreter's own
-    # step (joining non-daemon threads after the callbacks concurrent.futures registers to stop its workers).
-    shutdown = getattr(threading, "_shutdown", None)
-    if shutdown is not None:
-        shutdown()
-    atexit._run_exitfuncs()
+    finalize_as_interpreter()  # what Py_FinalizeEx does: threads joined, then the exit handlers
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
@@ -286,7 +266,10 @@ def serve(sock: socket.socket, agent: int, modules: Sequence[str]) -> None:
     for signum in JOB_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
     failed, refused = preload(modules)
-    sock.send(json.dumps({"ready": refused is None, "why": refused, "failed": failed}).encode())
+    try:
+        sock.send(json.dumps({"ready": refused is None, "why": refused, "failed": failed}).encode())
+    except OSError:  # the agent hung up before the imports ended (its job ended, or it forks nothing)
+        return
     if refused is not None:
         return
     while True:

@@ -21,53 +21,34 @@ environment. Linux only; elsewhere these calls do nothing.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import select
 import signal
-import sys
 import time
 import warnings
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable
+
+from ddpkit.internals.interpreter import (
+    LINUX,
+    PR_SET_CHILD_SUBREAPER,
+    PR_SET_NAME,
+    PR_SET_PDEATHSIG,
+    prctl,
+    set_command_line,
+)
 
 MARK = "DDPKIT_WORKER_MARK"
 """Environment variable every process started by a worker inherits: ``<worker pid>.<worker start time>``."""
 
-_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
-_PR_SET_NAME = 15
-_PR_SET_CHILD_SUBREAPER = 36
-_LINUX = sys.platform.startswith("linux")
-
-
-def _prctl(option: int, value: int | ctypes.c_char_p) -> bool:
-    libc = ctypes.CDLL(None, use_errno=True)
-    return libc.prctl(option, value, 0, 0, 0) == 0
-
 
 def set_parent_death_signal(sig: int) -> bool:
     """Have Linux send ``sig`` to this process when its parent dies; False where it cannot (not Linux)."""
-    return _LINUX and _prctl(_PR_SET_PDEATHSIG, int(sig))
+    return prctl(PR_SET_PDEATHSIG, int(sig))
 
 
 def become_subreaper() -> bool:
     """Make this process adopt the orphans of its descendants; False where Linux does not offer it."""
-    return _LINUX and _prctl(_PR_SET_CHILD_SUBREAPER, 1)
-
-
-def set_command_line(args: Sequence[str]) -> bool:
-    """Show ``args`` as this process's command line (``/proc/self/cmdline``, ``ps``), cut to the room the
-    process started with. The kernel reads it from the memory between ``arg_start`` and ``arg_end`` (fields 48
-    and 49 of ``/proc/self/stat``), which holds the original ``argv`` strings; Python has its own copies."""
-    try:
-        with open("/proc/self/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        start, end = int(fields[45]), int(fields[46])  # fields 48 and 49, counted from the state (field 3)
-    except (OSError, IndexError, ValueError):
-        return False
-    room = end - start
-    data = b"\0".join(a.encode() for a in args)[: room - 1] + b"\0"
-    ctypes.memmove(start, data.ljust(room, b"\0"), room)
-    return True
+    return prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
 def _stat(pid: int) -> tuple[str, int, int, int] | None:
@@ -153,7 +134,7 @@ def kill_descendants(root: int | None = None, keep: Collection[int] = (), timeou
     except ``keep`` (those whose exit status another owner, such as a ``Popen`` object, still has to read).
     Returns the pids killed.
     """
-    if not _LINUX:
+    if not LINUX:
         return []
     root = os.getpid() if root is None else root
     deadline = time.monotonic() + timeout
@@ -225,7 +206,7 @@ def start_guard() -> int | None:
     Ctrl-C, cannot end it before its worker; it leaves the worker's process group for the same reason. It
     costs one sleeping process per worker.
     """
-    if not _LINUX:
+    if not LINUX:
         return None
     worker = os.getpid()
     stat = _stat(worker)
@@ -247,7 +228,7 @@ def start_guard() -> int | None:
         # would otherwise show its worker's, and `pkill -f "ddpkit.launch.worker.*SCRIPT" --newest` would kill
         # the guard instead of the worker.
         set_command_line([GUARD_TITLE, str(worker)])
-        _prctl(_PR_SET_NAME, ctypes.c_char_p(GUARD_TITLE.encode()))
+        prctl(PR_SET_NAME, GUARD_TITLE)
         set_parent_death_signal(GUARD_SIGNAL)
         if os.getppid() == worker:  # else the worker died before prctl took effect: no signal will come
             signal.sigwait({GUARD_SIGNAL})

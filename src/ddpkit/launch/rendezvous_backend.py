@@ -40,6 +40,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     create_handler,
 )
 
+from ddpkit.internals.store import serve_store
 from ddpkit.launch.rendezvous_auth import RelayClient, derive
 from ddpkit.launch.rendezvous_relay import RelayServer
 
@@ -90,14 +91,7 @@ def _open_store(params: RendezvousParameters, access: JobAccess) -> dist.TCPStor
     if access.relay_ip is None or params.get_as_bool("is_host", True):
         listener = socket.create_server(("127.0.0.1", 0), backlog=1024)
         local_port = listener.getsockname()[1]
-        store = dist.TCPStore(
-            "127.0.0.1",
-            local_port,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=timeout,
-            master_listen_fd=listener.detach(),
-        )
+        store = serve_store(listener.detach(), "127.0.0.1", local_port, timeout)
         if access.relay_ip is not None:
             try:
                 relays.append(RelayServer((access.relay_ip, port), local_port, derive(access.secret, "relay")))

@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 from ddpkit.distributed import runtime
 from ddpkit.distributed.environment import cpu_count
 from ddpkit.errors import ConfigError
+from ddpkit.internals.store import AGENT_STORE_VARIABLE
 
 
 def _worker(
@@ -43,7 +44,7 @@ def _worker(
         MASTER_PORT=str(port),
         OMP_NUM_THREADS=str(threads),
     )
-    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # rank 0 hosts the store, as with a static rendezvous
+    os.environ.pop(AGENT_STORE_VARIABLE, None)  # rank 0 hosts the store, as with a static rendezvous
     os.environ.pop("GROUP_WORLD_SIZE", None)  # a torchrun job's node count, not this world's
     torch.set_num_threads(threads)
     runtime.forget()  # a forked child must not inherit the parent's runtime

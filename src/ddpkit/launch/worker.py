@@ -24,6 +24,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from ddpkit import fs
 from ddpkit.distributed.signals import hold_stop_signals
 from ddpkit.errors import ConfigError
+from ddpkit.internals.store import agent_store_in_use, serve_store, use_agent_store
 from ddpkit.launch.proctree import set_parent_death_signal, start_guard
 
 
@@ -78,12 +79,10 @@ def serve_worker_store() -> Any:
     """
     global _worker_store
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
-    if not addr or not port.isdigit() or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+    if not addr or not port.isdigit() or agent_store_in_use():
         return None  # no store to serve: the agent serves it, or this is not a job of ddpkit run
     if os.environ.get("RANK") == "0":
         from datetime import timedelta
-
-        import torch.distributed as dist
 
         try:
             listener = socket.create_server((socket.gethostbyname(addr), int(port)), backlog=1024)
@@ -93,15 +92,8 @@ def serve_worker_store() -> Any:
                 "port as free, and another program took it since, or --local-addr is not an address of this node; "
                 "run the job again"
             ) from None
-        _worker_store = dist.TCPStore(
-            addr,
-            int(port),
-            is_master=True,
-            wait_for_workers=False,
-            timeout=timedelta(minutes=5),
-            master_listen_fd=listener.detach(),
-        )
-    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+        _worker_store = serve_store(listener.detach(), addr, int(port), timedelta(minutes=5))
+    use_agent_store()
     return _worker_store
 
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit.distributed.collectives import is_live
+from ddpkit.internals.modules import BatchNormBase, is_batchnorm
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -37,19 +38,15 @@ class _AllReduceSum(torch.autograd.Function):
         return grad, None
 
 
-class CPUSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
+class CPUSyncBatchNorm(BatchNormBase):
     """``BatchNorm{1,2,3}d`` whose training statistics span all ranks of ``process_group``."""
 
     def __init__(self, num_features: int, *args: Any, process_group: Any = None, **kwargs: Any) -> None:
         super().__init__(num_features, *args, **kwargs)
         self.process_group = process_group
 
-    def _check_input_dim(self, input: torch.Tensor) -> None:
-        if input.dim() < 2:
-            raise ValueError(f"expected at least 2D input (N, C, ...), got {input.dim()}D")
-
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        self._check_input_dim(input)
+        self.check_input(input)
         # Only training syncs (as torch's SyncBatchNorm): evaluation runs on uneven shares, where a collective
         # per forward would leave the rank with the extra batch waiting for the others.
         if not self.training or not is_live(self.process_group) or dist.get_world_size(self.process_group) == 1:
@@ -92,7 +89,7 @@ def convert_sync_batchnorm(module: nn.Module, device: torch.device, process_grou
     if device.type == "cuda":
         return nn.SyncBatchNorm.convert_sync_batchnorm(module, process_group)
     out = module
-    if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, CPUSyncBatchNorm):
+    if is_batchnorm(module) and not isinstance(module, CPUSyncBatchNorm):
         out = CPUSyncBatchNorm(
             module.num_features,
             module.eps,

@@ -9,6 +9,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpkit.distributed.runtime import Runtime, get_runtime
+from ddpkit.internals.modules import compiled_inner
 from ddpkit.nn.batchnorm import convert_sync_batchnorm
 
 
@@ -47,8 +48,8 @@ def no_sync(model: nn.Module) -> AbstractContextManager[Any]:
     all-reduced once per step. :func:`prepare_model` returns the bare module in a world of one, which has no
     ``no_sync``; with this the same loop runs there."""
     inner: Any = model
-    while not isinstance(inner, DDP) and hasattr(inner, "_orig_mod"):  # torch.compile's OptimizedModule
-        inner = inner._orig_mod
+    while not isinstance(inner, DDP) and compiled_inner(inner) is not None:  # torch.compile's wrapper
+        inner = compiled_inner(inner)
     return inner.no_sync() if isinstance(inner, DDP) else nullcontext()
 
 
@@ -57,8 +58,8 @@ def unwrap(model: nn.Module) -> nn.Module:
     while True:
         if isinstance(model, DDP):
             inner = model.module
-        elif hasattr(model, "_orig_mod"):  # torch.compile's OptimizedModule
-            inner = model._orig_mod
+        elif compiled_inner(model) is not None:  # torch.compile's OptimizedModule
+            inner = compiled_inner(model)
         else:
             return model
         assert isinstance(inner, nn.Module)  # read through Module.__getattr__, typed Tensor | Module

@@ -50,7 +50,7 @@ from ddpkit.search.search_dir import (
     trial_dir,
 )
 from ddpkit.search.space import to_distributions
-from ddpkit.search.study import Start, begin_search, next_trial, open_study, trials_of
+from ddpkit.search.study import Start, begin_search, next_trial, open_search_study, open_study, trials_of
 
 _Objective = Callable[["Candidate"], "float | Mapping[str, float]"]
 
@@ -176,11 +176,12 @@ def _search_on_groups(objective: _Objective, distributions: dict[str, Any], cfg:
     rt = get_runtime()
     grt = split_world(cfg.group_size)
     # A study per process: the storage is shared, the samplers' random state is not.
-    study = (
-        open_study(cfg, distributions, create=False, group_index=grt.group_index, start=begun.start)
+    handle = (
+        open_search_study(cfg, distributions, create=False, group_index=grt.group_index, start=begun.start)
         if grt.is_main
         else None
     )
+    study = None if handle is None else handle.study
     # The trials a killed job left running, shared out among the groups before any group asks for new ones.
     n_groups = rt.world_size // cfg.group_size
     mine = begun.leftover[grt.group_index :: n_groups]
@@ -188,7 +189,9 @@ def _search_on_groups(objective: _Objective, distributions: dict[str, Any], cfg:
         print0(f"ddpkit search: resuming {len(begun.leftover)} trial(s) a stopped job left running: {begun.leftover}")
     search_dir = Path(cfg.search_dir)
     while True:
-        trial = next_trial(study, cfg, distributions, begun.search_id, mine, search_dir) if study is not None else None
+        trial = (
+            next_trial(handle, cfg, distributions, begun.search_id, mine, search_dir) if handle is not None else None
+        )
         payload = broadcast_object(None if trial is None else (trial.number, trial.params), group=grt.group)
         if payload is None:
             break

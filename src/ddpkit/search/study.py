@@ -22,12 +22,12 @@ from typing import Any, NoReturn
 
 import optuna
 from optuna.storages.journal import BaseJournalBackend, JournalStorage
-from optuna.storages.journal._storage import JournalOperation
 from optuna.trial import TrialState
 
 from ddpkit import fs
 from ddpkit.distributed.seeding import mix_seed
 from ddpkit.errors import ConfigError
+from ddpkit.internals.optuna_journal import journal_operations, study_storage
 from ddpkit.search.config import SearchConfig
 from ddpkit.search.search_dir import (
     JOURNAL,
@@ -83,12 +83,13 @@ def new_pruner(cfg: SearchConfig) -> optuna.pruners.BasePruner:
     return pruners[cfg.pruner]()
 
 
-def open_storage(cfg: SearchConfig) -> Any:
+def open_storage(cfg: SearchConfig) -> optuna.storages.BaseStorage:
+    """The storage a study of this search writes through (an RDB's behind the cache Optuna puts before it)."""
     if cfg.storage is None:
-        from optuna.storages.journal import JournalFileBackend, JournalStorage
+        from optuna.storages.journal import JournalFileBackend
 
-        return JournalStorage(JournalFileBackend(str(Path(cfg.search_dir) / JOURNAL)))
-    return optuna.storages.RDBStorage(cfg.storage, engine_kwargs={"pool_pre_ping": True})
+        return study_storage(JournalStorage(JournalFileBackend(str(Path(cfg.search_dir) / JOURNAL))))
+    return study_storage(optuna.storages.RDBStorage(cfg.storage, engine_kwargs={"pool_pre_ping": True}))
 
 
 class _Replay(BaseJournalBackend):
@@ -105,9 +106,6 @@ class _Replay(BaseJournalBackend):
 
     def append_logs(self, logs: list[dict[str, Any]]) -> None:
         raise RuntimeError("a journal being checked is not written")
-
-
-_OPERATIONS = {int(op) for op in JournalOperation}
 
 
 def check_journal(path: Path) -> None:
@@ -133,6 +131,7 @@ def check_journal(path: Path) -> None:
             "afresh in another search_dir"
         )
 
+    operations = journal_operations()
     records = []
     for number, line in enumerate(lines, start=1):
         try:
@@ -142,8 +141,8 @@ def check_journal(path: Path) -> None:
         if not isinstance(record, dict):
             refuse(number, f"a JSON {type(record).__name__}, not an object")
         op = record.get("op_code")
-        if type(op) is not int or op not in _OPERATIONS:
-            refuse(number, f"op_code {repr(op)[:40]} is not one of Optuna's operations (0 to {max(_OPERATIONS)})")
+        if type(op) is not int or op not in operations:
+            refuse(number, f"op_code {repr(op)[:40]} is not one of Optuna's operations (0 to {max(operations)})")
         if not isinstance(record.get("worker_id"), str):
             refuse(number, "it names no worker_id")
         records.append(record)
@@ -154,9 +153,24 @@ def check_journal(path: Path) -> None:
         refuse(replay.handed, f"Optuna cannot replay it ({type(err).__name__}: {str(err)[:200]})")
 
 
+@dataclass(frozen=True)
+class SearchStudy:
+    """A study as a group's rank 0 holds it: the study, the storage it writes through, and its id there."""
+
+    study: optuna.Study
+    storage: optuna.storages.BaseStorage
+    study_id: int
+
+
 def open_study(
     cfg: SearchConfig, distributions: dict[str, Any], create: bool, group_index: int = 0, start: int = 0
 ) -> optuna.Study:
+    return open_search_study(cfg, distributions, create, group_index, start).study
+
+
+def open_search_study(
+    cfg: SearchConfig, distributions: dict[str, Any], create: bool, group_index: int = 0, start: int = 0
+) -> SearchStudy:
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # ddpkit prints its own progress
     try:
         if cfg.storage is None:
@@ -164,7 +178,7 @@ def open_study(
         storage = open_storage(cfg)
         sampler = new_sampler(cfg, distributions, group_index, start)
         if create:
-            return optuna.create_study(
+            study = optuna.create_study(
                 study_name=cfg.study_name,
                 storage=storage,
                 sampler=sampler,
@@ -172,7 +186,11 @@ def open_study(
                 direction=cfg.direction,
                 load_if_exists=True,
             )
-        return optuna.load_study(study_name=cfg.study_name, storage=storage, sampler=sampler, pruner=new_pruner(cfg))
+        else:
+            study = optuna.load_study(
+                study_name=cfg.study_name, storage=storage, sampler=sampler, pruner=new_pruner(cfg)
+            )
+        return SearchStudy(study, storage, storage.get_study_id_from_name(cfg.study_name))
     except ConfigError:
         raise
     except Exception as err:  # sqlalchemy's OperationalError, a bad URL's ArgumentError, a locked journal...
@@ -253,7 +271,7 @@ def begin_search(cfg: SearchConfig, distributions: dict[str, Any]) -> tuple[Sear
 
 
 def next_trial(
-    study: optuna.Study,
+    handle: SearchStudy,
     cfg: SearchConfig,
     distributions: dict[str, Any],
     search_id: str,
@@ -262,35 +280,36 @@ def next_trial(
 ) -> optuna.Trial | None:
     """The next candidate's trial for this group, or None when the budget is spent."""
     while leftover:
-        trial = resumed_trial(study, leftover.pop(0), distributions)
+        trial = resumed_trial(handle, leftover.pop(0), distributions)
         if trial is not None:
             return trial
     with file_lock(search_dir / ".ask.lock"):
-        if len(trials_of(study, search_id)) >= cfg.n_trials:
+        if len(trials_of(handle.study, search_id)) >= cfg.n_trials:
             return None
-        trial = created_trial(study, search_id)
+        trial = created_trial(handle, search_id)
         draw_params(trial, distributions)
     return trial
 
 
-def created_trial(study: optuna.Study, search_id: str) -> optuna.Trial:
+def created_trial(handle: SearchStudy, search_id: str) -> optuna.Trial:
     """A new running trial of this search, created with its tag in one write to the storage.
 
     ``study.ask()`` creates the trial and the tag would follow in a second write: a kill between the two left a
-    running trial of nobody's search, never resumed nor counted. Optuna has no public call that creates a
-    trial from a template and returns it, hence its storage's own ``create_new_trial``.
+    running trial of nobody's search, never resumed nor counted. (``enqueue_trial`` writes the tag with a
+    waiting trial, but the ``ask`` that starts it takes the oldest waiting trial of the study, which may be
+    another search's.) Hence the storage's own ``create_new_trial`` from a template, and the trial built on its id.
     """
     template = optuna.trial.create_trial(state=TrialState.RUNNING, user_attrs={_SEARCH_KEY: search_id})
-    trial_id = study._storage.create_new_trial(study._study_id, template_trial=template)
-    return optuna.Trial(study, trial_id)
+    trial_id = handle.storage.create_new_trial(handle.study_id, template_trial=template)
+    return optuna.Trial(handle.study, trial_id)
 
 
-def resumed_trial(study: optuna.Study, number: int, distributions: dict[str, Any]) -> optuna.Trial | None:
-    frozen = next(t for t in study.get_trials(deepcopy=False) if t.number == number)
+def resumed_trial(handle: SearchStudy, number: int, distributions: dict[str, Any]) -> optuna.Trial | None:
+    frozen = next(t for t in handle.study.get_trials(deepcopy=False) if t.number == number)
     if frozen.state != TrialState.RUNNING:
         return None
-    # Optuna has no public handle on an existing trial; its Trial is built from the storage's id.
-    trial = optuna.Trial(study, frozen._trial_id)
+    # Optuna has no handle on an existing trial but its Trial, built from the storage's id of the trial.
+    trial = optuna.Trial(handle.study, handle.storage.get_trial_id_from_study_id_trial_number(handle.study_id, number))
     draw_params(trial, distributions)  # a trial killed while its parameters were drawn gets the rest now
     return trial
 

@@ -38,6 +38,7 @@ error is raised by the next :meth:`SnapshotManager.wait` (the next save, or the 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import io
 import json
 import os
@@ -56,6 +57,7 @@ import torch.distributed as dist
 from ddpkit import fs
 from ddpkit.distributed.collectives import broadcast_object, gather_object
 from ddpkit.errors import ConfigError
+from ddpkit.internals.versions import require_torch
 from ddpkit.snapshot import folders
 from ddpkit.snapshot.folders import MARKER, Found, digest, folder_name
 from ddpkit.snapshot.layout import leaves, nest, set_at, stored_parts, stored_path
@@ -68,7 +70,7 @@ from ddpkit.snapshot.staging import stage, writer_group
 
 @functools.cache
 def _quiet_single_process_warning() -> None:
-    """In a world of one ddpkit calls DCP with no_dist=True, and DCP still warns at every save and load that
+    """In a world of one (no process group) DCP saves and loads in one process, and warns at every save and load that
     "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to save in a single
     process": that is the intent. Filtered by that text, from the first such save or load of ddpkit's (the
     process is then a world of one); catch_warnings() would not do, as the save runs in the snapshot writer's
@@ -114,6 +116,21 @@ class SnapshotManager:
         self.keep_last = max(1, keep_last)
         self.async_write = async_write
         self.distributed = dist.is_available() and dist.is_initialized()
+        if self.distributed and importlib.util.find_spec("numpy") is None:
+            # torch's checkpoint exchanges its plans with object collectives, which need numpy (torch does not
+            # declare it): without it every rank's first save would fail inside torch, after the step.
+            raise ConfigError(
+                "snapshots of a job of several ranks are written by torch.distributed.checkpoint, whose object "
+                "collectives need numpy, which is not installed: pip install numpy"
+            )
+        if self.distributed and group is not None and dist.get_global_rank(group, 0) != 0:
+            # Before 2.7, DCP gathers its plans to the group's first rank addressed by its rank in the group, as
+            # if it were the job's: on any other group the save fails ("not part of group").
+            require_torch(
+                "snapshots of a group of ranks that does not hold the job's rank 0 (ddpkit.split_world, a search's "
+                "candidates)",
+                (2, 7),
+            )
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._staged: Any = None  # host copy of the last asynchronous save, reused by the next
@@ -201,7 +218,7 @@ class SnapshotManager:
         try:
             if not self.distributed:
                 _quiet_single_process_warning()
-            dcp.save(tensors, storage_writer=writer, process_group=group, no_dist=not self.distributed)
+            dcp.save(tensors, storage_writer=writer, process_group=group)
             # dcp.save returns on every rank once every rank's files and the index are written (fsynced);
             # when one rank fails, it raises on every rank.
             mine = sorted(path.glob(f"__{rank}_*.distcp"))
@@ -352,7 +369,6 @@ class SnapshotManager:
                 storage_reader=dcp_files.Reader(found.path, index),
                 planner=dcp_files.TensorsOnlyPlanner(),
                 process_group=self.group,
-                no_dist=not self.distributed,
             )
         except CheckpointException as err:  # a BaseException, whose text is every rank's traceback
             first = next(iter(err.failures.values()))[0]

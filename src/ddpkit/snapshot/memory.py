@@ -44,13 +44,13 @@ import json
 import os
 import stat
 import struct
+import warnings
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from ddpkit import fs
@@ -82,7 +82,11 @@ def checksum(region: Any) -> int:
     change that moves a block's sum; words swapped inside one block are not. Integer sums do not depend on the
     order of the additions: the same on any machine and thread count, so a peer's slot checks too.
     """
-    raw = np.frombuffer(region, dtype=np.uint8)  # bytes, or a tensor's numpy view: no copy either way
+    try:
+        import numpy as np
+    except ModuleNotFoundError:  # torch alone: the same sums, ~1.7x slower than numpy's
+        return _checksum_torch(_byte_tensor(region))
+    raw = np.frombuffer(region.numpy() if isinstance(region, torch.Tensor) else region, dtype=np.uint8)
     if raw.size % 8:
         raise ValueError(f"a data region of {raw.size} bytes is not made of 8-byte words")
     if raw.size == 0:
@@ -92,6 +96,32 @@ def checksum(region: Any) -> int:
     sums = words[:full].reshape(-1, _BLOCK // 8).sum(1, dtype=np.int64)  # wraps modulo 2**64
     tail = words[full:].sum(dtype=np.int64, keepdims=True)
     return zlib.crc32(tail, zlib.crc32(sums))
+
+
+def _checksum_torch(raw: torch.Tensor) -> int:
+    """:func:`checksum` without numpy."""
+    if raw.numel() % 8:
+        raise ValueError(f"a data region of {raw.numel()} bytes is not made of 8-byte words")
+    if raw.numel() == 0:
+        return 0
+    words = raw.view(torch.int64)
+    full = (words.numel() * 8 // _BLOCK) * (_BLOCK // 8)
+    sums = words[:full].reshape(-1, _BLOCK // 8).sum(1, dtype=torch.int64)
+    tail = words[full:].sum(dtype=torch.int64).reshape(1)
+    packed = bytearray(8 * (sums.numel() + 1))  # little-endian int64s, as numpy's path hands them to the CRC
+    torch.frombuffer(packed, dtype=torch.int64).copy_(torch.cat([sums, tail]))
+    return zlib.crc32(memoryview(packed)[-8:], zlib.crc32(memoryview(packed)[:-8]))
+
+
+def _byte_tensor(region: Any) -> torch.Tensor:
+    """A uint8 tensor over ``region`` (a tensor, bytes or a memoryview), sharing its memory."""
+    if isinstance(region, torch.Tensor):
+        return region.view(torch.uint8)
+    if len(region) == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():  # a read-only buffer (bytes) is only read here
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(region, dtype=torch.uint8)
 
 
 def run_key(run_dir: str | os.PathLike) -> str:
@@ -302,7 +332,7 @@ class MemoryStore:
         slot.record = None
         copy_tensors(slot.dests, tensors)
         assert slot.region is not None  # mapped with the dests
-        data_sum = checksum(slot.region.numpy())
+        data_sum = checksum(slot.region)
         m_off = HEADER
         v_off = slot.values_offset
         os.pwrite(fd, value_bytes, v_off)

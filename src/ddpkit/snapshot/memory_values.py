@@ -11,12 +11,14 @@ from __future__ import annotations
 import array
 import json
 import struct
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
+
+from ddpkit.distributed.collectives import tensor_bytes
 
 ALIGN = 64
 """Each tensor of a data region starts at a multiple of this many bytes."""
@@ -73,14 +75,26 @@ def flatten(value: Any, tensors: list[torch.Tensor]) -> Any:
                 tensors.append(torch.frombuffer(packed, dtype=torch.int64))
                 return {"i": [len(tensors) - 1, kind is tuple]}
         return {"u" if kind is tuple else "l": [flatten(x, tensors) for x in value]}
-    if isinstance(value, np.generic):
+    np = sys.modules.get("numpy")  # a numpy value exists only where numpy is imported: never imported here
+    if np is not None and isinstance(value, np.generic):
         return {"n": [value.dtype.str, value.item()]}
-    if isinstance(value, np.ndarray) and value.dtype.kind in "biufc":
+    if np is not None and isinstance(value, np.ndarray) and value.dtype.kind in "biufc":
         tensors.append(torch.from_numpy(np.ascontiguousarray(value).reshape(-1).view(np.uint8)))
         return {"a": [len(tensors) - 1, value.dtype.str, list(value.shape)]}
     if isinstance(value, torch.dtype):
         return {"dt": str(value)}
     raise UnsupportedValue(f"a value of type {kind.__name__} cannot go into a memory snapshot")
+
+
+def _numpy() -> Any:
+    try:
+        import numpy
+    except ModuleNotFoundError:
+        raise ModuleNotFoundError(
+            "this memory snapshot holds numpy values (a numpy generator's state, arrays): reading it needs numpy "
+            '(pip install "ddpkit[examples]" or numpy)'
+        ) from None
+    return numpy
 
 
 def unflatten(skeleton: Any, tensors: Sequence[torch.Tensor]) -> Any:
@@ -102,10 +116,10 @@ def unflatten(skeleton: Any, tensors: Sequence[torch.Tensor]) -> Any:
         values = tensors[body[0]].tolist()
         return tuple(values) if body[1] else values
     if tag == "n":
-        return np.dtype(body[0]).type(body[1])
+        return _numpy().dtype(body[0]).type(body[1])
     if tag == "a":
         index, dtype, shape = body
-        return tensors[index].numpy().view(np.dtype(dtype)).reshape(shape).copy()
+        return tensors[index].numpy().view(_numpy().dtype(dtype)).reshape(shape).copy()
     if tag == "dt":
         return DTYPES[body]
     raise ValueError(f"unknown tag {tag!r} in a memory snapshot")
@@ -179,7 +193,7 @@ def encode_blob(value: Any) -> bytes:
     region = torch.zeros(size, dtype=torch.uint8)
     for dst, src in zip(views(region, specs), tensors):
         dst.copy_(src.detach())
-    return struct.pack("<Q", len(head)) + head + region.numpy().tobytes()
+    return struct.pack("<Q", len(head)) + head + tensor_bytes(region)
 
 
 def decode_blob(data: bytes | memoryview) -> Any:

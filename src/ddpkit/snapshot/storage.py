@@ -33,7 +33,7 @@ from typing import IO, Any
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ddpkit import fs
+from ddpkit.internals.dcp import set_file_system, storage_info, transformed
 from ddpkit.snapshot.folders import read_bounded
 
 INDEX = "metadata.json"
@@ -127,7 +128,7 @@ class Writer(FileSystemWriter):
     def __init__(self, path: Path) -> None:
         super().__init__(path)  # one file per rank, fsynced
         self.failures: list[tuple[Path, OSError]] = []
-        self.fs = _ErrnoKeepingFileSystem(self.failures)
+        set_file_system(self, _ErrnoKeepingFileSystem(self.failures))
 
     def finish(self, metadata: Metadata, results: list[list[Any]]) -> None:
         super().finish(metadata, results)  # pickles the index, with where each item went, to .metadata
@@ -158,7 +159,7 @@ def index_to_json(metadata: Metadata) -> dict[str, Any]:
         }
     storage = []
     for index, info in metadata.storage_data.items():
-        if info.transform_descriptors:
+        if transformed(info):
             raise TypeError(f"snapshot item {index.fqn!r} was written through a stream transform: not supported")
         storage.append(
             {
@@ -170,7 +171,8 @@ def index_to_json(metadata: Metadata) -> dict[str, Any]:
             }
         )
     paths = {k: list(v) for k, v in (metadata.planner_data or {}).items()}
-    return {"version": metadata.version, "tensors": tensors, "storage": storage, "paths": paths}
+    # Metadata.version: DCP's format version, recorded from torch 2.7 on.
+    return {"version": getattr(metadata, "version", None), "tensors": tensors, "storage": storage, "paths": paths}
 
 
 # -- why a write failed -----------------------------------------------------------------------------------
@@ -298,8 +300,7 @@ def index_from_json(data: Any) -> Metadata:
             raise BadIndex(f"tensor {entry['fqn']!r} is said to be in {name!r}, not a data file of the folder")
         offset = None if entry.get("offset") is None else torch.Size(_ints(entry["offset"], entry["fqn"]))
         at, length = _ints([entry.get("at"), entry.get("length")], entry["fqn"])
-        # _StorageInfo has no public name, but it is what FileSystemReader reads each item's place from.
-        storage[MetadataIndex(entry["fqn"], offset)] = _StorageInfo(name, at, length)
+        storage[MetadataIndex(entry["fqn"], offset)] = storage_info(name, at, length)
     for fqn, md in state.items():
         for chunk in md.chunks if isinstance(md, TensorStorageMetadata) else ():
             if MetadataIndex(fqn, chunk.offsets) not in storage:
@@ -310,13 +311,12 @@ def index_from_json(data: Any) -> Metadata:
     ):
         raise BadIndex("its key paths are malformed")
     version = data.get("version") if isinstance(data.get("version"), str) else None
-    return Metadata(
-        state,
-        planner_data={k: tuple(v) for k, v in paths.items()},
-        storage_data=storage,
-        storage_meta=StorageMeta(),
-        version=version,
+    found = Metadata(
+        state, planner_data={k: tuple(v) for k, v in paths.items()}, storage_data=storage, storage_meta=StorageMeta()
     )
+    if version is not None and hasattr(found, "version"):  # a field from torch 2.7 on
+        found.version = version
+    return found
 
 
 def read_index(folder: Path) -> Metadata:

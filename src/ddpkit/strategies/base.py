@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ddpkit.errors import ConfigError
+from ddpkit.internals.optim import mark_stepped_like
 from ddpkit.snapshot.layout import PER_RANK
 
 
@@ -144,17 +145,7 @@ def rebind_scheduler(scheduler: Any, old: torch.optim.Optimizer, new: torch.opti
     if scheduler is None or new is old or getattr(scheduler, "optimizer", None) is not old:
         return
     scheduler.optimizer = new
-    if hasattr(old.step, "_wrapped_by_lr_sched"):
-        # An LR scheduler wraps its optimizer's step() to warn when it is stepped before the optimizer; give
-        # the new optimizer the same marks, or every run would start with that warning.
-        step = new.step
-
-        def tracked_step(*args: Any, **kwargs: Any) -> Any:
-            new._opt_called = True  # type: ignore[attr-defined]
-            return step(*args, **kwargs)
-
-        tracked_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-        new.step = tracked_step  # type: ignore[method-assign]
+    mark_stepped_like(old, new)  # else the scheduler would warn at every run's start that it stepped first
 
 
 def separate_own(state: dict[str, Any], model: nn.Module, ignored: Any = ()) -> dict[str, Any]:

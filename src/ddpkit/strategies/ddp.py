@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpkit.distributed.runtime import Runtime
 from ddpkit.errors import ConfigError
+from ddpkit.internals.optim import any_non_finite, sparse_values
 from ddpkit.nn.prepare import no_sync, prepare_model, unwrap
 from ddpkit.strategies import hooks
 from ddpkit.strategies.base import GradientVerdict, join_own, separate_own
@@ -114,7 +115,7 @@ def all_finite(tensors: list[torch.Tensor], flags: dict[Any, tuple[torch.Tensor,
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
         if t.is_sparse:  # e.g. nn.Embedding(sparse=True): the stored values, uncoalesced (summing could overflow)
-            t = t._values()
+            t = sparse_values(t)
         if t.is_complex():
             t = torch.view_as_real(t)
         groups.setdefault((t.device, t.dtype), []).append(t)
@@ -123,8 +124,7 @@ def all_finite(tensors: list[torch.Tensor], flags: dict[Any, tuple[torch.Tensor,
             flags[device] = (torch.zeros(1, device=device), torch.ones(1, device=device))
         flag, one = flags[device]
         flag.zero_()
-        torch._amp_foreach_non_finite_check_and_unscale_(group, flag, one)
-        if flag.item():
+        if any_non_finite(group, flag, one):
             return False
     return True
 

@@ -24,6 +24,7 @@ from torch import nn
 
 from ddpkit.distributed.runtime import Runtime
 from ddpkit.errors import ConfigError
+from ddpkit.internals.versions import require_torch
 from ddpkit.nn.batchnorm import convert_sync_batchnorm
 from ddpkit.strategies.base import (
     GradientVerdict,
@@ -106,6 +107,11 @@ def shard_model(model: nn.Module, mesh: Any, config: FSDPConfig) -> nn.Module:
     return model
 
 
+FSDP_ON_CPU = (2, 7)
+"""The first torch whose fully_shard runs on CPU tensors: before, it records events on CPU streams, which have
+no ``record_event``."""
+
+
 class FSDPStrategy:
     """Sharded parameters, gradients and optimizer state; see the module docstring."""
 
@@ -124,6 +130,12 @@ class FSDPStrategy:
             raise ConfigError(
                 "strategy 'fsdp' shards over a process group: launch with `ddpkit run` (or "
                 "ddpkit.spawn), or use strategy 'ddp' for a single process"
+            )
+        if runtime.device.type == "cpu":
+            require_torch(
+                "strategy 'fsdp' on the CPU (gloo)",
+                FSDP_ON_CPU,
+                instead="use strategy 'ddp' or 'zero' on the CPU, or fsdp on GPUs",
             )
         self.config = config or FSDPConfig()
         self.runtime = runtime

@@ -1,8 +1,10 @@
 """DDP communication hooks: what DDP does with each bucket of gradients instead of a plain all-reduce.
 
-``fp16`` and ``powersgd`` are torch's own hooks. ``bf16`` is a small hook of ours: torch refuses its
-``bf16_compress_hook`` on any backend but NCCL by a check of the hook's *name* (``DistributedDataParallel.
-register_comm_hook``), although gloo reduces bfloat16 tensors; ours does the same arithmetic under another name.
+``fp16`` and ``powersgd`` are torch's own hooks. ``bf16`` is a small hook of ours. torch refuses its
+``bf16_compress_hook`` by the *build* of torch, whatever the backend: ``DistributedDataParallel.register_comm_hook``
+checks the hook's name and wants a build with CUDA (or ROCm) and NCCL 2.10+ (or XPU and XCCL). A CUDA build
+accepts it on gloo too and averages the same bfloat16 gradients there; the CPU build refuses it, although gloo
+reduces bfloat16 tensors. Ours does the same arithmetic under another name, so that ``bf16`` works on every build.
 ``parameter_server`` is the parameter-server pattern of the tutorials, written as a hook.
 """
 

@@ -34,6 +34,7 @@ import torch
 from ddpkit import fs
 from ddpkit.data import ShardedBatchSampler
 from ddpkit.errors import ConfigError
+from ddpkit.internals.compiler import import_dynamo
 from ddpkit.launch.spawn import spawn
 from ddpkit.tools import allreduce, predict
 from ddpkit.tools.bench_config import BenchConfig
@@ -210,7 +211,7 @@ def _conditions(cfg: BenchConfig, scaling: dict[int, dict[str, Any]]) -> dict[st
 def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
     # DDP's constructor imports torch._dynamo, which takes seconds; imported once here, before ddpkit.spawn
     # forks, every rank of every job inherits it.
-    import torch._dynamo  # noqa: F401
+    import_dynamo()
 
     w = load_workload(cfg.script)  # bad input fails here, with its message, rather than inside every rank
     if w.loader is None:

@@ -36,6 +36,7 @@ from ddpkit.distributed.collectives import broadcast_object, gather_object
 from ddpkit.distributed.runtime import get_runtime, init
 from ddpkit.distributed.seeding import mix_seed, seed_everything
 from ddpkit.errors import ConfigError
+from ddpkit.internals.compiler import import_dynamo
 from ddpkit.launch.options import MAX_NPROC
 from ddpkit.launch.spawn import spawn
 from ddpkit.nn.dropout import BatchLayout, batch_layout, convert_dropout
@@ -242,7 +243,7 @@ def run_check(cfg: CheckConfig) -> tuple[int, list[str]]:
 def _check(cfg: CheckConfig) -> tuple[int, list[str]]:
     # DDP's constructor imports torch._dynamo, which takes seconds; imported once here, before ddpkit.spawn
     # forks, every rank of every job inherits it.
-    import torch._dynamo  # noqa: F401
+    import_dynamo()
 
     setups = _setups()
     # Bad input fails here, with its message, rather than inside every rank.

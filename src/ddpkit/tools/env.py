@@ -95,6 +95,28 @@ def _memory() -> str:
     return f"{total / 2**30:.1f} GiB ({free / 2**30:.1f} GiB free)"
 
 
+def internals_state() -> dict[str, str]:
+    """Each private name of torch, CPython, numpy or Optuna that ddpkit relies on: "ok", or what differs in the
+    installed version (and what a user gets for it), so that a new release's change is seen at once."""
+    from ddpkit.internals import all_internals
+    from ddpkit.internals.contract import problem, version_of
+
+    try:
+        internals = all_internals()
+    except Exception as err:  # a diagnostic reports, it does not crash
+        return {"(all)": f"cannot be listed: {type(err).__name__}: {err}"}
+    state = {}
+    for internal in internals:
+        version = version_of(internal.owner)
+        if version.endswith("(not installed)"):
+            state[internal.name] = f"not checked: {version}"
+            continue
+        line = problem(internal)
+        # problem() names the internal first; the rest is the version, what differs and what it costs.
+        state[internal.name] = "ok" if line is None else "DIFFERS " + line[len(internal.name) :].lstrip()
+    return state
+
+
 def collect(live: bool = True) -> dict[str, Any]:
     from ddpkit import __version__
     from ddpkit.data import default_num_workers
@@ -125,6 +147,9 @@ def collect(live: bool = True) -> dict[str, Any]:
     info["ddpkit run --nproc auto"] = nproc
     info["loader workers per rank"] = default_num_workers(nproc)
     info["threads per rank"] = max(1, cpu_count() // nproc)
+    state = internals_state()
+    differing = sum(value != "ok" and not value.startswith("not checked") for value in state.values())
+    info[f"private internals relied on ({differing} of {len(state)} differ)"] = state
     if live:
         for backend, nprocs, device in live_checks(gpus if cuda else 0):
             key = f"live check ({nprocs} process{'es' if nprocs > 1 else ''}, {backend} all-reduce)"
@@ -150,19 +175,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="ddpkit env",
         description="Print what this machine offers a DDP job (versions, devices, cores, memory, the launcher and\n"
-        "scheduler variables that are set, the choices `ddpkit run` would make) and check a two-process all-reduce.",
+        "scheduler variables that are set, the choices `ddpkit run` would make, whether each private internal of\n"
+        "torch, CPython, numpy or Optuna that ddpkit relies on still has the shape it relies on) and check a\n"
+        "two-process all-reduce.",
         epilog="examples:\n  ddpkit env\n  ddpkit env --no-live      # skip the all-reduce check",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--no-live", action="store_true", help="skip the two-process rendezvous check")
     ns = parser.parse_args(argv)
     info = collect(live=not ns.no_live)
-    width = max(map(len, info))
+    width = max(len(k) for k, v in info.items() if not isinstance(v, dict))  # a dict's key heads its own lines
     for key, value in info.items():
         if isinstance(value, dict):
             print(f"{key:<{width}}")
+            separator = ": " if key.startswith("private internals") else "="
             for name, setting in value.items():
-                print(f"  {name}={setting}")
+                print(f"  {name}{separator}{setting}")
         else:
             print(f"{key:<{width}}  {value}")
     failed = [k for k, v in info.items() if k.startswith("live check") and not str(v).startswith("ok")]

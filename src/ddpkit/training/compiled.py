@@ -24,16 +24,7 @@ import torch
 from torch import nn
 
 from ddpkit.errors import ConfigError
-
-
-def cpp_compiler() -> str | None:
-    """The C++ compiler inductor would build CPU kernels with, or None when there is none."""
-    try:
-        from torch._inductor.cpp_builder import get_cpp_compiler
-
-        return get_cpp_compiler()
-    except Exception:  # inductor raises its own error types (and may change them) when none is found
-        return None
+from ddpkit.internals.compiler import cpp_compiler, set_ddp_optimizer
 
 
 def compile_for_training(model: nn.Module, device: torch.device) -> Any:
@@ -43,7 +34,5 @@ def compile_for_training(model: nn.Module, device: torch.device) -> Any:
             "compile=True on the CPU needs a C++ compiler (inductor builds its kernels with one) and none was "
             "found: install g++ (apt-get install g++) or set CXX, or leave compile=False"
         )
-    import torch._dynamo
-
-    torch._dynamo.config.optimize_ddp = True  # the default today; set, since the overlap depends on it
+    set_ddp_optimizer()
     return torch.compile(model)

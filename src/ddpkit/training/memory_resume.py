@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpkit.distributed.collectives import broadcast_object
+from ddpkit.distributed.collectives import broadcast_object, gather_object, tensor_bytes
 from ddpkit.errors import ConfigError
 from ddpkit.snapshot import memory as store_lib
 from ddpkit.snapshot import memory_values as values_lib
@@ -77,10 +77,7 @@ def agree(
         "peers": sorted({f.position for f in found if f.peers}),
         "damaged": memory.store.damaged if not skipped else [],  # said once, at the first agreement
     }
-    offers: list[Any] = [offer]
-    if memory.group is not None:
-        offers = [None] * memory.world_size
-        dist.all_gather_object(offers, offer, group=memory.group)
+    offers: list[Any] = gather_object(offer, group=memory.group) if memory.group is not None else [offer]
     damaged = sorted({text for o in offers for text in o["damaged"]})
     if damaged and warn is not None:
         warn(f"ddpkit: skipping damaged snapshots in memory: {'; '.join(damaged)}")
@@ -95,7 +92,7 @@ def _broadcast_slot(memory: MemorySnapshots, path: Path | None, donor: int) -> b
     dist.broadcast(size, src=src, group=memory.group)
     buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(int(size), dtype=torch.uint8)
     dist.broadcast(buf, src=src, group=memory.group)
-    return buf.numpy().tobytes()
+    return tensor_bytes(buf)
 
 
 @dataclass
@@ -176,7 +173,7 @@ def _checked_state(
         length = int(row[:8].clone().view(torch.int64))
         if not 0 <= length <= row.numel() - 8:
             raise store_lib.BadSlot(f"rank {memory.rank}'s row says {length} bytes, more than it holds")
-        part = values_lib.decode_blob(row[8 : 8 + length].numpy().tobytes())
+        part = values_lib.decode_blob(tensor_bytes(row[8 : 8 + length]))
         own = part["own"]
         for key, tensor in part["strategy_own"].items():
             saved[tuple(json.loads(key))] = tensor
@@ -237,10 +234,7 @@ def _read_everywhere(memory: MemorySnapshots, choice: Choice) -> tuple[SlotRead 
         problem = ("config", str(err))
     except RuntimeError as err:
         problem = ("refused", str(err))
-    problems: list[Any] = [problem]
-    if memory.group is not None:
-        problems = [None] * memory.world_size
-        dist.all_gather_object(problems, problem, group=memory.group)
+    problems: list[Any] = gather_object(problem, group=memory.group) if memory.group is not None else [problem]
     for kind, text in filter(None, problems):
         if kind == "config":
             raise ConfigError(text)

@@ -39,6 +39,7 @@ from ddpkit.distributed import memory_folder
 from ddpkit.distributed.collectives import all_reduce
 from ddpkit.distributed.environment import read_launch_env
 from ddpkit.distributed.runtime import DEFAULT_TIMEOUT
+from ddpkit.internals.modules import buffer_slots
 from ddpkit.nn.prepare import unwrap
 from ddpkit.snapshot import memory as store_lib
 from ddpkit.snapshot import memory_values as values_lib
@@ -79,7 +80,7 @@ class _Watch:
     def __init__(self, trainer: Any) -> None:
         module = unwrap(trainer.model)
         self.params = list(module.parameters())
-        self.buffers = [(m._buffers, name) for m in module.modules() for name in m._buffers]
+        self.buffers = buffer_slots(module)
         self.optimizers = _optimizers(trainer)
 
     def live(self) -> list[torch.Tensor]:

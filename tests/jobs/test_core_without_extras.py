@@ -1,0 +1,85 @@
+"""The core without numpy or any extra: ``import ddpkit``, ``ddpkit --version``, ``ddpkit env`` and a 2-rank
+``ddpkit run`` work; a snapshot of several ranks, which torch's checkpoint cannot write without numpy, is
+refused at the Trainer's start naming what to install; the memory snapshot's checksum is the same either way.
+
+numpy and the extras are hidden from every process of a job by a ``sitecustomize`` on ``PYTHONPATH`` that
+marks them missing (``sys.modules[name] = None``: ``import`` raises ModuleNotFoundError, ``find_spec`` finds
+nothing), as in an install of torch and ddpkit alone (``scripts/bare_install_check.py`` runs such an install
+for real in CI).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ddpkit.snapshot.memory import _byte_tensor, _checksum_torch, checksum
+
+HIDDEN = ("numpy", "sklearn", "optuna", "matplotlib", "tqdm", "tensorboard", "mlflow", "wandb", "safetensors", "mpi4py")
+HELLO = str(Path(__file__).parent / "scripts" / "hello.py")
+DDPKIT = [sys.executable, "-m", "ddpkit.cli"]
+
+TRAINER = """
+import sys, torch, ddpkit
+from ddpkit import Trainer, TrainerConfig
+ddpkit.init()
+data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
+model = torch.nn.Linear(4, 2)
+Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, TrainerConfig(run_dir=sys.argv[1], epochs=1, batch_size=8, num_workers=0)).fit()
+"""
+
+
+@pytest.fixture
+def bare_env(clean_env, tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(f"import sys\nfor name in {HIDDEN!r}:\n    sys.modules[name] = None\n")
+    clean_env["PYTHONPATH"] = f"{site}:{Path(__file__).parents[2]}"
+    return clean_env
+
+
+def _run(args: list[str], env: dict, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(args, env=env, cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.slow  # jobs in a venv without numpy; the bare-wheel cell of .ci/run runs the same from a wheel
+def test_import_version_env_and_a_two_rank_run_need_no_numpy(bare_env, tmp_path):
+    found = _run([sys.executable, "-c", "import sys, ddpkit; import numpy"], bare_env, tmp_path)
+    assert "ModuleNotFoundError" in found.stderr and "numpy" in found.stderr  # the hiding works: numpy is missing
+    assert _run(DDPKIT + ["--version"], bare_env, tmp_path).returncode == 0
+    env = _run(DDPKIT + ["env"], bare_env, tmp_path)
+    assert env.returncode == 0, env.stderr[-2000:]
+    job = _run(DDPKIT + ["run", "--nproc", "2", "--all-ranks", HELLO], bare_env, tmp_path)
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert "hello rank=0 world=2" in job.stdout and "hello rank=1 world=2" in job.stdout
+
+
+@pytest.mark.slow  # jobs in a venv without numpy; the bare-wheel cell of .ci/run runs the same from a wheel
+def test_a_trainer_of_several_ranks_without_numpy_is_refused_at_its_start_naming_numpy(bare_env, tmp_path):
+    (tmp_path / "train.py").write_text(TRAINER)
+    job = _run(DDPKIT + ["run", "--nproc", "2", "train.py", str(tmp_path / "run")], bare_env, tmp_path)
+    assert job.returncode != 0
+    assert "whose object collectives need numpy, which is not installed: pip install numpy" in job.stderr
+    # Control: the same job with numpy trains.
+    bare_env["PYTHONPATH"] = str(Path(__file__).parents[2])
+    job = _run(DDPKIT + ["run", "--nproc", "2", "train.py", str(tmp_path / "run2")], bare_env, tmp_path)
+    assert job.returncode == 0, job.stderr[-3000:]
+
+
+@pytest.mark.parametrize("size", [0, 8, 4096, 4104, 3 * 4096 + 40, 100_000 * 8])
+def test_the_memory_checksum_without_numpy_is_numpys(size):
+    """A slot written by a process with numpy checks in one without, and the other way round."""
+    rng = np.random.default_rng(size)
+    for data in (rng.integers(0, 256, size, dtype=np.uint8).tobytes(), np.full(size // 8, 2**62, np.int64).tobytes()):
+        tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        assert checksum(data) == checksum(tensor) == _checksum_torch(_byte_tensor(data)) == _checksum_torch(tensor)
+    # Control: one byte changed changes both.
+    if size:
+        changed = bytearray(data)
+        changed[size // 2] ^= 1
+        assert _checksum_torch(_byte_tensor(bytes(changed))) != _checksum_torch(_byte_tensor(data))
