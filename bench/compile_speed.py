@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import ddpkit
 from ddpkit.demo.datasets import CHARS
 from ddpkit.demo.models import TinyGPT
-from ddpkit.nn.prepare import prepare_model
+from ddpkit.strategies.prepare import prepare_model
 from ddpkit.training.compiled import compile_for_training
 
 

@@ -51,19 +51,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "tests" / "jobs" / "scripts" / "goodput_job.py"
-STAGES = [
-    "detected",
-    "torn_down",
-    "rendezvous",
-    "spawned",
-    "proc_start",
-    "script",
-    "imports",
-    "init",
-    "built",
-    "loaded",
-    "first_step",
-]
+STAGES = "detected torn_down rendezvous spawned proc_start script imports init built loaded first_step".split()
 
 
 # -- the launcher, instrumented (runs in the launcher's process) -------------------------------------------

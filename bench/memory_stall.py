@@ -32,7 +32,7 @@ from torch import nn
 
 import ddpkit
 from ddpkit.demo.models import Block, DigitsCNN
-from ddpkit.distributed import memory_folder
+from ddpkit.memory import folder as memory_folder
 from ddpkit.training.config import LoggingConfig, SnapshotConfig, TrainerConfig
 from ddpkit.training.trainer import Trainer
 
@@ -44,7 +44,7 @@ class StepTimes:
     def __init__(self) -> None:
         self.ends: list[float] = []
 
-    def on_step_end(self, trainer: Any, taken: bool) -> None:
+    def on_step_end(self, trainer: Any, taken: bool, output: Any) -> None:
         self.ends.append(time.perf_counter())
 
 

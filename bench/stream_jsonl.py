@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 import ddpkit
-from ddpkit.data.stream import StreamSamples
+from ddpkit.data.stream_loader import StreamSamples
 from ddpkit.data.stream_sources import JsonlStream
 
 

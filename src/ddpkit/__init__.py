@@ -16,10 +16,10 @@ and runs with ``ddpkit run script.py``, ``torchrun``, ``srun`` or plain ``python
 from ddpkit.data import build_eval_loader, build_loader, to_device
 from ddpkit.distributed.collectives import (
     MetricSums,
+    all_gather_object,
     all_reduce,
     barrier,
     broadcast_object,
-    gather_object,
     gather_tensors,
     main_first,
 )
@@ -29,7 +29,8 @@ from ddpkit.distributed.runtime import Runtime, get_runtime, init, shutdown
 from ddpkit.distributed.seeding import seed_everything
 from ddpkit.errors import ConfigError, Preempted
 from ddpkit.launch.spawn import spawn
-from ddpkit.nn.prepare import no_sync, prepare_model, unwrap
+from ddpkit.strategies import DDPConfig, FSDPConfig, ZeroConfig
+from ddpkit.strategies.prepare import no_sync, prepare_model, unwrap
 from ddpkit.training.callbacks import Callback
 from ddpkit.training.config import (
     EarlyStoppingConfig,
@@ -73,6 +74,9 @@ __all__ = [
     "SnapshotConfig",
     "EarlyStoppingConfig",
     "LoggingConfig",
+    "DDPConfig",
+    "ZeroConfig",
+    "FSDPConfig",
     "Callback",
     # what the seeds write by hand
     "print0",
@@ -81,7 +85,7 @@ __all__ = [
     "main_first",
     "all_reduce",
     "broadcast_object",
-    "gather_object",
+    "all_gather_object",
     "gather_tensors",
     "MetricSums",
     # errors

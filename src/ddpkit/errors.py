@@ -1,5 +1,9 @@
 """Errors that tell a user what to change, and the exit code of a pre-empted run."""
 
+from __future__ import annotations
+
+import signal
+
 PREEMPTED_EXIT_CODE = 75
 """Exit code of a run stopped by SIGTERM/SIGUSR1 after saving its snapshot: ``EX_TEMPFAIL`` of ``sysexits.h``
 ("try again later"). A batch script tells "pre-empted, requeue me" (75) from "finished" (0) and "failed" (other)
@@ -21,6 +25,11 @@ class Preempted(SystemExit):
     def __init__(self, step: int, signal_name: str) -> None:
         super().__init__(PREEMPTED_EXIT_CODE)
         self.step, self.signal_name = step, signal_name
+
+    @classmethod
+    def by(cls, signum: int, step: int) -> Preempted:
+        """Stopped by signal ``signum`` (0: one that reached another rank) after optimizer step ``step``."""
+        return cls(step, signal.Signals(signum).name if signum else "a signal to another rank")
 
     def __str__(self) -> str:
         return f"stopped by {self.signal_name} after optimizer step {self.step}; the snapshot is saved"

@@ -145,7 +145,7 @@ def _gather_worker() -> dict:
         "rows": ddpkit.gather_tensors(torch.stack([rows, -rows], dim=1)),
         "floats": ddpkit.gather_tensors(torch.full((r + 1,), r + 0.5)),
         "all_empty": ddpkit.gather_tensors(torch.zeros(0, 3)),
-        "objects": ddpkit.gather_object({"rank": r, "name": f"r{r}"}),
+        "objects": ddpkit.all_gather_object({"rank": r, "name": f"r{r}"}),
         "from0": ddpkit.broadcast_object({"from": r, "data": list(range(r))}, src=0),
         "from1": ddpkit.broadcast_object({"from": r, "data": list(range(r))}, src=1),
     }
@@ -258,7 +258,7 @@ def _subgroup_worker(tmp: str) -> dict:
         out["sum"] = ddpkit.all_reduce(r, group=group)
         out["max"] = ddpkit.all_reduce(torch.tensor([r, -r]), "max", group=group).tolist()
         out["tensors"] = ddpkit.gather_tensors(torch.full((r,), r), group=group).tolist()
-        out["objects"] = ddpkit.gather_object(f"r{r}", group=group)
+        out["objects"] = ddpkit.all_gather_object(f"r{r}", group=group)
         out["bcast0"] = ddpkit.broadcast_object(f"from{r}", src=0, group=group)
         out["bcast1"] = ddpkit.broadcast_object(f"from{r}", src=1, group=group)
         Path(tmp, f"arrived_{r}").touch()

@@ -24,7 +24,7 @@ def _loader_worker(n: int, per_rank: int) -> dict:
     out = {"len": len(loader), "epochs": []}
     for _ in range(2):
         mine = [batch[0].tolist() for batch in loader]
-        out["epochs"].append(ddpkit.gather_object(mine))
+        out["epochs"].append(ddpkit.all_gather_object(mine))
 
     # The loader has its own generator: iterating it leaves the global RNG where it was.
     torch.manual_seed(123)
@@ -55,7 +55,7 @@ def test_build_loader_covers_each_epoch_once_and_keeps_global_rng():
         assert out["rng"] == (True, False)
         assert out["default_workers"] == (8 // 2 - 1, 2)
     epochs = results[0]["epochs"]
-    assert all(out["epochs"] == epochs for out in results)  # gather_object gives every rank the same view
+    assert all(out["epochs"] == epochs for out in results)  # all_gather_object gives every rank the same view
     for ranks_batches in epochs:
         seen = [i for batches in ranks_batches for b in batches for i in b]
         assert sorted(seen) == list(range(n))  # every sample exactly once per epoch, over both ranks
@@ -125,7 +125,7 @@ def _draws(num_workers: int, seed_samples: bool, dataset: type = Noisy) -> dict:
             for k, i in enumerate(idx.tolist()):
                 draws[(epoch, i)] = tuple(v[k].item() for v in values)
     main_rng_kept = torch.equal(torch.rand(4), torch.manual_seed(123) and torch.rand(4))
-    merged = {k: v for part in ddpkit.gather_object(draws) for k, v in part.items()}
+    merged = {k: v for part in ddpkit.all_gather_object(draws) for k, v in part.items()}
     return {"draws": merged, "main_rng_kept": main_rng_kept}
 
 

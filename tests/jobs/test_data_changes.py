@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 import ddpkit
+import ddpkit.data.epoch_loader
 from ddpkit import ConfigError
 from ddpkit.data.stream_sources import IterableStream, JsonlStream
 
@@ -40,7 +41,7 @@ def tensor_ids(batch: list) -> list[int]:
 
 def everyone(batches: list[list[int]]) -> list[int]:
     """Every rank's records of ``batches`` (each rank's list of batches), gathered."""
-    return [i for rank in ddpkit.gather_object(batches) for batch in rank for i in batch]
+    return [i for rank in ddpkit.all_gather_object(batches) for batch in rank for i in batch]
 
 
 def stream_loader(source: tuple[list[str], int], per_rank: int = PER_RANK, workers: int = 0, **kwargs):
@@ -255,7 +256,7 @@ def test_the_trainer_refuses_a_resume_on_swapped_shards_before_any_step(tmp_path
     assert "shard 0: a.jsonl" in refused["refused"] and "-> b.jsonl" in refused["refused"]
     assert refused["trained"] == [] and refused["step"] == HEAD_STEPS  # refused before any step
     # Control: with the check off the resume trains on, ends normally, and the epoch repeats and skips records.
-    monkeypatch.setattr(ddpkit.data.loader, "changes", lambda saved, current: [])
+    monkeypatch.setattr(ddpkit.data.epoch_loader, "changes", lambda saved, current: [])
     tail = fit_stream(tmp_path / "control", swapped, max_steps=None)
     assert "refused" not in tail and tail["step"] == 10
     twice, never = twice_and_never(head["trained"] + tail["trained"], RECORDS["swapped"])

@@ -68,7 +68,7 @@ def test_sigkill_at_random_steps_resumes_bitwise(tmp_path, clean_env):
     trials = [
         ("rank 0 at a random step", ["--kill-rank", "0", "--kill-step", str(rng.randrange(1, STEPS))]),
         ("rank 1 at a random step", ["--kill-rank", "1", "--kill-step", str(rng.randrange(1, STEPS))]),
-        # write_atomic calls cycle through a snapshot's index, trainer.pt and marker; all are covered over runs
+        # write_atomic calls cycle through a snapshot's index, values.pt and marker; all are covered over runs
         ("rank 0 inside a snapshot write", ["--kill-in-snapshot", str(rng.randrange(1, 9))]),
     ]
     report = []

@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpkit.distributed import memory_folder as mf
-from ddpkit.snapshot import memory as ms
-from ddpkit.snapshot import memory_values as mv
+from ddpkit.memory import folder as mf
+from ddpkit.memory import slot as mslot
+from ddpkit.memory import store as ms
+from ddpkit.memory import values as mv
 from tests.jobs.scripts.train_job import N_SAMPLES
 from tests.tmpfs import small_tmpfs
 from tests.trainer_checks import (
@@ -40,7 +41,7 @@ STEPS = 30  # 3 epochs of 10 steps; no disk snapshot unless asked
 
 KILL_IN_COPY = textwrap.dedent("""
     import os, signal, torch
-    from ddpkit.snapshot import memory as ms
+    from ddpkit.memory import store as ms
     from tests.unit.test_memory_snapshots import save, store
     st = store({folder!r})
     tensors = [torch.full((4096,), 1.0), torch.full((4096,), 1.0)]
@@ -61,13 +62,13 @@ def test_a_kill_during_the_copy_leaves_the_previous_state_whole(tmp_path, clean_
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     found = store(tmp_path).found()
     assert [f.step for f in found] == [2]  # step 3's slot is not whole; step 2's is untouched
-    got = ms.read_slot(found[0].path, data=True)
+    got = mslot.read_slot(found[0].path, data=True)
     assert got is not None
-    assert all(torch.equal(t, torch.full((4096,), 2.0)) for t in ms.tensors_of(got[3], got[0], got[1]))
+    assert all(torch.equal(t, torch.full((4096,), 2.0)) for t in mslot.tensors_of(got[3], got[0], got[1]))
     # Control: the slot the kill interrupted holds half of step 3 over step 1: loaded, it would be a state
     # that never existed. Only its commit record (begin != end) keeps it out.
     torn = next(p for p in tmp_path.glob("*.slot") if p != found[0].path)
-    record = ms.Record.unpack(torn.read_bytes()[: ms.HEADER])
+    record = mslot.Record.unpack(torn.read_bytes()[: mslot.HEADER])
     assert record is not None and record.begin == record.end + 2 and not record.whole  # begun as 3, ended as 1
     manifest = json.loads(torn.read_bytes()[record.manifest[0] : record.manifest[0] + record.manifest[1]])
     region = torch.frombuffer(bytearray(torn.read_bytes()[record.data[0] :]), dtype=torch.uint8)
@@ -282,7 +283,7 @@ def test_a_sigkilled_launchers_folder_is_never_loaded_and_the_next_job_sweeps_it
     (stale,) = job_folders(tmp_path)
     # Control: the stale slots are whole and belong to this very run directory: only the job key (a new job,
     # a new folder) keeps the next job from resuming from them.
-    whole = [w for w in (ms.read_slot(p) for p in stale.glob("*.slot")) if w is not None]
+    whole = [w for w in (mslot.read_slot(p) for p in stale.glob("*.slot")) if w is not None]
     assert len(whole) >= 2 and {w[2]["run"] for w in whole} == {ms.run_key(tmp_path / "run")}
     _, out = run_job(tmp_path, "run", "--epochs", "3", env=job_env)  # the same run directory, resumed
     assert not stale.exists() and job_folders(tmp_path) == []
@@ -355,7 +356,7 @@ def test_zero_and_fsdp_resume_a_killed_worker_from_memory_bitwise(tmp_path, job_
 
 def _peers_job(roots: list[str], protocol: bool) -> tuple[int, bool]:
     """train_job's model for 6 steps with peers on; rank r's memory folder is ``roots[r]``."""
-    from ddpkit.training import memory_snapshots
+    from ddpkit.memory import snapshots as memory_snapshots
     from tests.jobs.scripts.train_job import train
 
     rank = int(os.environ["RANK"])

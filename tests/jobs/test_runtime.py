@@ -34,7 +34,7 @@ out.update(
     device=str(rt.device), backend=rt.backend, launcher=rt.launcher, distributed=rt.distributed,
     is_main=rt.is_main, same_on_second_call=ddpkit.init() is rt, get_runtime_same=ddpkit.get_runtime() is rt,
     process_group=dist.is_initialized(),
-    helpers=[ddpkit.get_runtime().rank, ddpkit.get_runtime().world_size, ddpkit.all_reduce(5), ddpkit.gather_object("x")],
+    helpers=[ddpkit.get_runtime().rank, ddpkit.get_runtime().world_size, ddpkit.all_reduce(5), ddpkit.all_gather_object("x")],
 )
 print(json.dumps(out))
 """

@@ -83,7 +83,7 @@ def test_sigkill_at_a_random_step_resumes_bitwise(tmp_path, clean_env, strategy)
     reference, _ = launch(tmp_path, "reference", *job, clean_env=clean_env)
     trials = [
         ["--kill-rank", str(rng.randrange(2)), "--kill-step", str(rng.randrange(1, 30))],
-        ["--kill-in-snapshot", str(rng.randrange(1, 10))],  # a snapshot's index, trainer.pt or marker
+        ["--kill-in-snapshot", str(rng.randrange(1, 10))],  # a snapshot's index, values.pt or marker
     ]
     for i, args in enumerate(trials):
         final, stderr = launch(tmp_path, f"trial{i}", *job, *args, clean_env=clean_env)

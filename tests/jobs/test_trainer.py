@@ -53,7 +53,7 @@ def test_n_ranks_train_the_same_model_as_one_process(tmp_path):
 
 def _equal_rank_weights(trainer) -> None:
     # The control: every rank's mean counted alike in the last, uneven batch (what DDP alone does).
-    ddpkit.training.steps.loss_share = lambda samples, world, step_samples, micro_batches, micro_global: micro_batches
+    ddpkit.training.steps.loss_divisor = lambda samples, world, step_samples, micro_batches, micro_global: micro_batches
 
 
 def test_an_uneven_last_batch_trains_the_same_model_as_one_process(tmp_path):
@@ -363,7 +363,7 @@ class _Recorder:
     def on_fit_start(self, trainer) -> None:
         self.calls.append(("fit_start", trainer.epoch, trainer.step))
 
-    def on_step_end(self, trainer, taken: bool) -> None:
+    def on_step_end(self, trainer, taken: bool, output) -> None:
         self.calls.append(("step_end", trainer.step, taken))
 
     def on_epoch_end(self, trainer, metrics) -> None:

@@ -71,7 +71,7 @@ class _RankBest:
     def on_fit_start(self, trainer) -> None:
         self.started_with = self.best
 
-    def on_step_end(self, trainer, taken: bool) -> None:
+    def on_step_end(self, trainer, taken: bool, output) -> None:
         value = 1000.0 * trainer.runtime.rank + 100.0 / trainer.step  # decreasing, and each rank's own
         self.best = min(self.best, value)
 
@@ -97,7 +97,7 @@ def _with_state(run_dir: str, keep_state: bool, max_steps: int | None) -> dict:
             trainer.snapshots.states["rng"].own["extra:hidden"] = hidden  # as extra_state={"hidden": ...} does
 
     class Step:
-        def on_step_end(self, trainer, taken: bool) -> None:
+        def on_step_end(self, trainer, taken: bool, output) -> None:
             hidden.h = hidden.h + (trainer.runtime.rank + 1)  # rank r adds r + 1 each step
 
     started: dict = {}

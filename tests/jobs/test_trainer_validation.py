@@ -114,7 +114,7 @@ def test_the_final_and_best_weights_files_load_strictly_into_a_plain_model(tmp_p
 
 
 class _Outputs:
-    """Records what on_step_end gets; a callback with the old two-argument hook runs beside it."""
+    """Records what on_step_end gets."""
 
     def __init__(self) -> None:
         self.outputs: list[dict] = []
@@ -126,24 +126,15 @@ class _Outputs:
         )  # fmt: skip
 
 
-class _OldStyle:
-    def __init__(self) -> None:
-        self.calls: list[tuple] = []
-
-    def on_step_end(self, trainer, taken) -> None:
-        self.calls.append((trainer.step, taken))
-
-
-def _with_outputs(run_dir: str) -> tuple[list[dict], list[tuple]]:
-    outputs, old = _Outputs(), _OldStyle()
-    train(run_dir, epochs=1, log_every_steps=1, clip_grad_norm=1.0, callbacks=[outputs, old])
-    return outputs.outputs, old.calls
+def _with_outputs(run_dir: str) -> list[dict]:
+    outputs = _Outputs()
+    train(run_dir, epochs=1, log_every_steps=1, clip_grad_norm=1.0, callbacks=[outputs])
+    return outputs.outputs
 
 
 def test_on_step_end_gets_the_ranks_own_loss_the_lr_and_the_global_grad_norm(tmp_path):
-    (r0, old0), (r1, old1) = ddpkit.spawn(functools.partial(_with_outputs, str(tmp_path / "run")), 2)
+    r0, r1 = ddpkit.spawn(functools.partial(_with_outputs, str(tmp_path / "run")), 2)
     assert [o["step"] for o in r0] == list(range(1, 11)) and all(o["taken"] for o in r0)
-    assert old0 == old1 == [(s, True) for s in range(1, 11)]  # the two-argument hook, called as before
     train_records = {r["step"]: r for r in records(tmp_path / "run", "train")}
     for a, b in zip(r0, r1):
         # Each rank's loss is its own (no collective): they differ, and their sample-weighted mean is the

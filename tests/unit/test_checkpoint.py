@@ -16,9 +16,9 @@ import torch.distributed.checkpoint as dcp
 from ddpkit.errors import ConfigError
 from ddpkit.snapshot import storage as dcp_files
 from ddpkit.snapshot.manager import (
-    EXTRA,
     INDEX,
     MARKER,
+    VALUES,
     SnapshotManager,
     SnapshotWriteError,
 )
@@ -48,7 +48,7 @@ def test_layout_marker_and_pruning(tmp_path):
     marker = json.loads((folder / MARKER).read_text())
     assert marker["step"] == 9
     assert set(marker["files"]) == {p.name for p in folder.iterdir()} - {MARKER}
-    assert {".metadata", "trainer.pt", "__0_0.distcp"} <= set(marker["files"])
+    assert {".metadata", "values.pt", "__0_0.distcp"} <= set(marker["files"])
     found, sharded, extra = load(ckpt)
     assert found.step == 9 and torch.equal(sharded["model"]["w"], torch.full((4,), 9.0)) and extra["step"] == 9
 
@@ -193,17 +193,17 @@ def test_a_trainer_state_holding_code_or_of_an_earlier_format_is_refused(tmp_pat
     ckpt = SnapshotManager(tmp_path / "snapshots")
     save(ckpt, 3)
     folder, ran = tmp_path / "snapshots" / "step-00000003", tmp_path / "ran"
-    good = (folder / EXTRA).read_bytes()
-    torch.save({"format": 2, "world_size": 1, "values": [{}], "extra": RunsCode(ran)}, folder / EXTRA)
+    good = (folder / VALUES).read_bytes()
+    torch.save({"format": 2, "world_size": 1, "values": [{}], "extra": RunsCode(ran)}, folder / VALUES)
     reseal(folder)
-    with pytest.raises(ConfigError, match="trainer.pt holds objects other than tensors and plain values"):
+    with pytest.raises(ConfigError, match="values.pt holds objects other than tensors and plain values"):
         load(ckpt)
     assert not ran.exists()
-    torch.load(folder / EXTRA, weights_only=False)  # control: unpickled, it runs
+    torch.load(folder / VALUES, weights_only=False)  # control: unpickled, it runs
     assert ran.exists()
-    # The folders of the version before (state alone in trainer.pt, pickled index only) are refused by name.
+    # The folders of the version before (state alone in values.pt, pickled index only) are refused by name.
     saved = torch.load(io.BytesIO(good), weights_only=True)
-    torch.save(saved["extra"], folder / EXTRA)
+    torch.save(saved["extra"], folder / VALUES)
     (folder / INDEX).unlink()
     marker = json.loads((folder / MARKER).read_text())
     del marker["files"][INDEX]

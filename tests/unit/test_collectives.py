@@ -25,7 +25,7 @@ def test_helpers_without_process_group_are_identities(capsys, tmp_path):
     assert (rt.rank, rt.world_size, rt.is_main) == (0, 1, True)
     t = torch.arange(6.0).reshape(3, 2)
     assert ddpkit.gather_tensors(t) is t
-    assert ddpkit.gather_object({"a": 1}) == [{"a": 1}]
+    assert ddpkit.all_gather_object({"a": 1}) == [{"a": 1}]
     obj = {"b": [1, 2]}
     assert ddpkit.broadcast_object(obj) is obj and ddpkit.broadcast_object(obj, src=0) is obj
     assert ddpkit.all_reduce(7) == 7 and ddpkit.all_reduce(2.5, "max") == 2.5

@@ -290,11 +290,11 @@ def test_an_iteration_left_before_its_end_does_not_count_as_an_epoch():
 
 
 def test_a_dataset_that_draws_nothing_is_not_seeded(monkeypatch):
-    import ddpkit.data.loader as loader_module
+    import ddpkit.data.sample_seeding as sample_seeding
 
     seeded = []
-    real = loader_module.seed_sample
-    monkeypatch.setattr(loader_module, "seed_sample", lambda *key: seeded.append(key) or real(*key))
+    real = sample_seeding.seed_sample
+    monkeypatch.setattr(sample_seeding, "seed_sample", lambda *key: seeded.append(key) or real(*key))
 
     class Plain(torch.utils.data.Dataset):  # pytorch/examples' dataset: tensors in a list, read as they are
         def __init__(self) -> None:
@@ -369,7 +369,8 @@ def _another_numpy_state() -> tuple:
 def test_draw_marks_see_every_draw_and_put_the_generators_back(draw):
     import numpy as np
 
-    from ddpkit.distributed.seeding import draw_marks, drawn_since, rng_state, set_draw_marks
+    from ddpkit.data.sample_seeding import draw_marks, drawn_since, set_draw_marks
+    from ddpkit.distributed.seeding import rng_state
 
     np.random.get_state()  # numpy.random imported: its generator is watched
     _cache_normals()
@@ -390,7 +391,7 @@ def test_a_cached_numpy_normal_used_is_a_draw():
     """numpy keeps the second of a pair of normal draws apart from its words: using it is a draw too."""
     import numpy as np
 
-    from ddpkit.distributed.seeding import draw_marks, drawn_since
+    from ddpkit.data.sample_seeding import draw_marks, drawn_since
 
     _cache_normals()
     marks, words = draw_marks(), np.random.get_state()[1:3]
@@ -407,7 +408,7 @@ def test_a_batch_that_imports_numpy_random_is_taken_as_drawing():
 
     code = (
         "import sys\n"
-        "from ddpkit.distributed.seeding import draw_marks, drawn_since\n"
+        "from ddpkit.data.sample_seeding import draw_marks, drawn_since\n"
         "marks = draw_marks()\n"
         "assert 'numpy.random' not in sys.modules and marks[1] is None\n"
         "import numpy.random\n"
@@ -425,7 +426,7 @@ def test_control_a_weaker_comparison_misses_draws(weaken, monkeypatch):
 
     import numpy as np
 
-    from ddpkit.distributed import seeding
+    from ddpkit.data import sample_seeding as seeding
 
     np.random.get_state()
     draw = {
@@ -462,7 +463,7 @@ def _nothing_drawn_in_fork_rng() -> None:
     ],
 )
 def test_draw_marks_see_no_draw_where_a_state_is_set_to_itself(put_back):
-    from ddpkit.distributed.seeding import draw_marks, drawn_since
+    from ddpkit.data.sample_seeding import draw_marks, drawn_since
 
     for _ in range(20):  # set_state writes its stack's bytes where no normal sample is cached: different each time
         torch.randn(())

@@ -16,17 +16,12 @@ from torch.utils.data import Dataset, TensorDataset
 
 import ddpkit
 import ddpkit.data
+import ddpkit.data.sample_seeding
 import ddpkit.distributed.seeding
+from ddpkit.data.sample_seeding import loading_rng_state, seed_sample, set_loading_rng_state
 from ddpkit.distributed.environment import LaunchEnv
 from ddpkit.distributed.runtime import Runtime, _pick_backend, _pick_device
-from ddpkit.distributed.seeding import (
-    loading_rng_state,
-    rng_state,
-    seed_sample,
-    set_loading_rng_state,
-    set_rng_state,
-    stream_seed,
-)
+from ddpkit.distributed.seeding import rng_state, set_rng_state, stream_seed
 from ddpkit.errors import ConfigError
 from ddpkit.launch.launcher import flight_recorder_vars
 from ddpkit.training.config import LoggingConfig
@@ -42,7 +37,8 @@ def two_gpus(monkeypatch):
 def cuda_in_use(monkeypatch):
     """This process "has initialised CUDA": its generators are recorded instead of touched."""
     calls: dict[str, list] = {"manual_seed": [], "set_rng_state": [], "set_rng_state_all": []}
-    monkeypatch.setattr(ddpkit.distributed.seeding, "_cuda_in_use", lambda: True)
+    for module in (ddpkit.distributed.seeding, ddpkit.data.sample_seeding):
+        monkeypatch.setattr(module, "cuda_in_use", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "manual_seed", lambda s: calls["manual_seed"].append(s))
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": torch.tensor([7, 7], dtype=torch.uint8))
@@ -109,7 +105,7 @@ def test_the_cuda_generators_are_part_of_the_rng_state_once_cuda_is_in_use(cuda_
     state = rng_state()
     assert [s.tolist() for s in state["cuda"]] == [[1, 2], [3, 4]]
     buffer = io.BytesIO()
-    torch.save(state, buffer)  # as in a snapshot's trainer.pt, read back with weights_only=True
+    torch.save(state, buffer)  # as in a snapshot's values.pt, read back with weights_only=True
     buffer.seek(0)
     set_rng_state(torch.load(buffer, weights_only=True))
     (restored,) = cuda_in_use["set_rng_state_all"]
@@ -117,7 +113,8 @@ def test_the_cuda_generators_are_part_of_the_rng_state_once_cuda_is_in_use(cuda_
 
 
 def test_before_cuda_is_in_use_the_rng_state_has_no_cuda_part(monkeypatch):
-    monkeypatch.setattr(ddpkit.distributed.seeding, "_cuda_in_use", lambda: False)
+    for module in (ddpkit.distributed.seeding, ddpkit.data.sample_seeding):
+        monkeypatch.setattr(module, "cuda_in_use", lambda: False)
     monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: pytest.fail("CUDA touched"))
     assert "cuda" not in rng_state()
 
@@ -132,7 +129,7 @@ def test_a_trainer_snapshot_holds_every_ranks_cuda_generators(cuda_in_use, tmp_p
     state = trainer.state_dict()
     (rank0,) = state["states"]["rng"]["ranks"]
     assert [s.tolist() for s in rank0["rng"]["cuda"]] == [[1, 2], [3, 4]]
-    state.pop("strategy")  # DCP's part; the rest is trainer.pt
+    state.pop("strategy")  # DCP's part; the rest is values.pt
     buffer = io.BytesIO()
     torch.save(state, buffer)
     buffer.seek(0)
@@ -151,7 +148,8 @@ def test_a_sample_seeds_the_current_gpus_generator_where_cuda_is_in_use(cuda_in_
 
 def test_a_process_without_cuda_in_use_leaves_the_gpu_alone(monkeypatch):
     # A forked loader worker of a GPU rank is such a process: CUDA would raise there.
-    monkeypatch.setattr(ddpkit.distributed.seeding, "_cuda_in_use", lambda: False)
+    for module in (ddpkit.distributed.seeding, ddpkit.data.sample_seeding):
+        monkeypatch.setattr(module, "cuda_in_use", lambda: False)
     for name in ("manual_seed", "get_rng_state", "set_rng_state"):
         monkeypatch.setattr(torch.cuda, name, lambda *a, **k: pytest.fail("CUDA touched"))
     seed_sample(5, 2, 11)

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from ddpkit.errors import ConfigError
-from ddpkit.snapshot import memory as ms
+from ddpkit.memory import slot as mslot
+from ddpkit.memory import store as ms
 from ddpkit.snapshot.manager import INDEX, MARKER, SnapshotManager
 from tests.unit.test_checkpoint import load, reseal, save
 from tests.unit.test_memory_snapshots import save as save_slot
@@ -55,7 +56,7 @@ def test_a_marker_listing_a_link_a_device_a_fifo_or_a_folder_is_refused_by_name(
     if kind == "link-to-device":
         (folder / "extra.bin").symlink_to("/dev/zero")
     elif kind == "link-inside":
-        (folder / "extra.bin").symlink_to(folder / "trainer.pt")  # even a link to a file of the folder
+        (folder / "extra.bin").symlink_to(folder / "values.pt")  # even a link to a file of the folder
     elif kind == "fifo":
         os.mkfifo(folder / "extra.bin")
     else:
@@ -148,17 +149,17 @@ def test_a_slot_whose_tensor_bytes_changed_is_refused_naming_it(tmp_path):
     save_slot(st, 2, [torch.full((16,), -0.099)])
     newest = _newest(st)
     raw = bytearray(newest.path.read_bytes())
-    record = ms.Record.unpack(bytes(raw[: ms.HEADER]))
+    record = mslot.Record.unpack(bytes(raw[: mslot.HEADER]))
     assert record is not None
     raw[record.data[0] : record.data[0] + 4] = struct.pack("<f", 999.9)  # one weight, as a stray write would
     newest.path.write_bytes(bytes(raw))
     # The record, manifest and values still check: the slot is found, and refused when its tensors are read.
     assert sorted(f.step for f in st.found()) == [1, 2]
-    with pytest.raises(ms.BadSlot, match=f"{newest.path}: its tensors' bytes fail their checksum"):
-        ms.read_slot(newest.path, data=True)
+    with pytest.raises(mslot.BadSlot, match=f"{newest.path}: its tensors' bytes fail their checksum"):
+        mslot.read_slot(newest.path, data=True)
     older = min(st.found(), key=lambda f: f.step)
-    got = ms.read_slot(older.path, data=True)  # control: the slot before is whole, and loads as saved
-    assert got is not None and torch.equal(ms.tensors_of(got[3], got[0], got[1])[0], torch.full((16,), -0.098))
+    got = mslot.read_slot(older.path, data=True)  # control: the slot before is whole, and loads as saved
+    assert got is not None and torch.equal(mslot.tensors_of(got[3], got[0], got[1])[0], torch.full((16,), -0.098))
 
 
 @pytest.mark.parametrize(
@@ -177,18 +178,18 @@ def test_a_manifest_that_lies_with_a_valid_crc_is_refused_before_any_tensor_is_v
     save_slot(st, 1, [torch.ones(2, 8), torch.zeros(3)])
     (found,) = st.found()
     raw = bytearray(found.path.read_bytes())
-    record = ms.Record.unpack(bytes(raw[: ms.HEADER]))
+    record = mslot.Record.unpack(bytes(raw[: mslot.HEADER]))
     assert record is not None
     off, length, _ = record.manifest
     manifest = json.loads(raw[off : off + length])
     lie(manifest, record.data[1])
     text = json.dumps(manifest).encode()
     raw[off : off + len(text)] = text
-    lied = ms.Record(record.begin, record.end, (off, len(text), zlib.crc32(text)), record.values, record.data)
+    lied = mslot.Record(record.begin, record.end, (off, len(text), zlib.crc32(text)), record.values, record.data)
     raw[: len(lied.pack())] = lied.pack()
     found.path.write_bytes(bytes(raw))
-    with pytest.raises(ms.BadSlot, match=f"{found.path}: .*{refusal}"):
-        ms.read_slot(found.path, data=True)
+    with pytest.raises(mslot.BadSlot, match=f"{found.path}: .*{refusal}"):
+        mslot.read_slot(found.path, data=True)
 
 
 # -- the search journal -----------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ddpkit.errors import ConfigError
-from ddpkit.snapshot import memory as ms
+from ddpkit.memory import slot as mslot
 from ddpkit.snapshot.manager import INDEX, MARKER, SnapshotManager
 from tests.unit.test_checkpoint import reseal, save
 from tests.unit.test_memory_snapshots import save as save_slot
@@ -103,7 +103,7 @@ def check_outcome(folder: Path, what: str) -> None:
 
 
 name_lies = st.sampled_from(
-    ["../../../../../../../../../../../../dev/zero", "/dev/zero", "..", ".", "", "a/b", "x\x00y", "trainer.pt/"]
+    ["../../../../../../../../../../../../dev/zero", "/dev/zero", "..", ".", "", "a/b", "x\x00y", "values.pt/"]
 )
 entry_lies = st.one_of(
     st.none(),
@@ -130,7 +130,7 @@ def test_marker_lies_about_names_and_sizes(tmp_path_factory, snapshots, name, en
     marker_path = folder / "step-00000006" / MARKER
     marker = json.loads(marker_path.read_text())
     if replace:  # a listed file's entry made to lie
-        marker["files"]["trainer.pt"] = entry
+        marker["files"]["values.pt"] = entry
     else:
         marker["files"][name] = entry if entry is not None else {"size": 0, "sha256": "0" * 64}
     marker_path.write_text(json.dumps(marker))
@@ -163,7 +163,7 @@ ints = st.one_of(st.integers(-3, 12), st.just(2**62), st.text(max_size=3), st.no
     ),
     size=st.lists(ints, max_size=2),
     storage=st.fixed_dictionaries(
-        {"at": ints, "length": ints, "file": st.sampled_from(["__0_0.distcp", "../x", "trainer.pt", "__9_9.distcp"])}
+        {"at": ints, "length": ints, "file": st.sampled_from(["__0_0.distcp", "../x", "values.pt", "__9_9.distcp"])}
     ),
     which=st.sampled_from(["chunks", "size", "storage"]),
 )
@@ -204,24 +204,24 @@ def slot_bytes(tmp_path_factory) -> bytes:
 
 def check_slot(path: Path, what: str) -> None:
     try:
-        got = ms.read_slot(path, data=True)
-    except ms.BadSlot as err:
+        got = mslot.read_slot(path, data=True)
+    except mslot.BadSlot as err:
         assert str(path) in str(err), f"{what}: a refusal that names no file: {err}"
         return
     if got is None:  # not whole: never found
         return
     record, manifest, values, data = got
-    tensors = ms.tensors_of(data, record, manifest)
+    tensors = mslot.tensors_of(data, record, manifest)
     assert values["values"] == {"note": [1, 2.5, "x"]} and values["step"] == 4, what
     if [(t.dtype, t.shape) for t in tensors] != [(t.dtype, t.shape) for t in SAVED]:
         # Another layout than the state's: the Trainer refuses it before it copies anything (every tensor of
-        # its state present, of its shape and dtype: ddpkit.training.memory_resume).
+        # its state present, of its shape and dtype: ddpkit.memory.resume).
         return
     assert all(torch.equal(a, b) for a, b in zip(tensors, SAVED)), f"{what}: other values in the same layout"
 
 
 def slot_regions(data: bytes) -> dict[str, tuple[int, int]]:
-    record = ms.Record.unpack(data[: ms.HEADER])
+    record = mslot.Record.unpack(data[: mslot.HEADER])
     assert record is not None
     return {
         "record": (0, 128),
@@ -256,7 +256,7 @@ json_lies = st.recursive(
 @given(key=st.sampled_from(["specs", "data_size", "spec-offset", "spec-shape", "spec-dtype", "values"]), lie=json_lies)
 def test_slot_manifest_and_values_lie_with_valid_crcs(tmp_path_factory, slot_bytes, key, lie):
     raw = bytearray(slot_bytes)
-    record = ms.Record.unpack(slot_bytes[: ms.HEADER])
+    record = mslot.Record.unpack(slot_bytes[: mslot.HEADER])
     assert record is not None
     part = "values" if key == "values" else "manifest"
     off, length, _ = getattr(record, part)
@@ -274,7 +274,7 @@ def test_slot_manifest_and_values_lie_with_valid_crcs(tmp_path_factory, slot_byt
     raw[off : off + len(text)] = text
     parts = {"manifest": record.manifest, "values": record.values}
     parts[part] = (off, len(text), zlib.crc32(text))
-    lied = ms.Record(record.begin, record.end, parts["manifest"], parts["values"], record.data)
+    lied = mslot.Record(record.begin, record.end, parts["manifest"], parts["values"], record.data)
     raw[: len(lied.pack())] = lied.pack()
     path = tmp_path_factory.mktemp("s") / "run-a-rank0-0.slot"
     path.write_bytes(bytes(raw))
@@ -282,12 +282,12 @@ def test_slot_manifest_and_values_lie_with_valid_crcs(tmp_path_factory, slot_byt
         # The store's own checks stop here; what the Trainer reads of the values is checked where it reads them
         # (tests/jobs/test_memory_slot_damage.py). The slot must still never be read as other tensors.
         try:
-            got = ms.read_slot(path, data=True)
-        except ms.BadSlot as err:
+            got = mslot.read_slot(path, data=True)
+        except mslot.BadSlot as err:
             assert str(path) in str(err)
             return
         assert got is not None
-        assert all(torch.equal(a, b) for a, b in zip(ms.tensors_of(got[3], got[0], got[1]), SAVED, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(mslot.tensors_of(got[3], got[0], got[1]), SAVED, strict=True))
         return
     check_slot(path, f"manifest {key}={lie!r}")
 

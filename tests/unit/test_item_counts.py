@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ddpkit.training.item_counts import _as_count, item_share
-from ddpkit.training.steps import loss_share
+from ddpkit.training.item_counts import _as_count, item_divisor
+from ddpkit.training.steps import loss_divisor
 
 
 def _grad(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, divisor: float) -> torch.Tensor:
@@ -32,13 +32,13 @@ def test_item_shares_give_the_gradient_of_the_mean_over_every_token():
     world = 2
     counts = [int((y != -100).sum()) for _, y in micro]
     total = torch.tensor(float(sum(counts)), dtype=torch.float64)
-    shares = [float(item_share(torch.tensor(float(c), dtype=torch.float64), world, total)) for c in counts]
+    shares = [float(item_divisor(torch.tensor(float(c), dtype=torch.float64), world, total)) for c in counts]
     ranks = [sum(_grad(w, *micro[r * 2 + i], shares[r * 2 + i]) for i in range(2)) for r in range(world)]
     ddp = sum(ranks) / world
     x, y = torch.cat([m[0] for m in micro]), torch.cat([m[1] for m in micro])
     assert torch.allclose(ddp, _grad(w, x, y, 1.0), atol=1e-6)
     # Control: the per-sample shares (each micro-batch's mean counted alike) are another gradient.
-    same = loss_share(9, world, 36, 2, 18)
+    same = loss_divisor(9, world, 36, 2, 18)
     ranks = [sum(_grad(w, *micro[r * 2 + i], same) for i in range(2)) for r in range(world)]
     assert (sum(ranks) / world - _grad(w, x, y, 1.0)).abs().max() > 1e-2
 

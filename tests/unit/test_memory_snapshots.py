@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from ddpkit.distributed import memory_folder as mf
-from ddpkit.snapshot import memory as ms
-from ddpkit.snapshot import memory_values as mv
+from ddpkit.memory import folder as mf
+from ddpkit.memory import slot as mslot
+from ddpkit.memory import store as ms
+from ddpkit.memory import values as mv
+from ddpkit.memory.resume import Choice, choose
 from ddpkit.training.config import SnapshotConfig
-from ddpkit.training.memory_resume import Choice, choose
 from tests.tmpfs import small_tmpfs
 
 
@@ -35,10 +36,10 @@ def save(st: ms.MemoryStore, step: int, tensors: list[torch.Tensor], extra=None)
 
 
 def load(found: ms.Found) -> tuple[dict, list[torch.Tensor]]:
-    got = ms.read_slot(found.path, data=True)
+    got = mslot.read_slot(found.path, data=True)
     assert got is not None
     record, manifest, values, data = got
-    return values, ms.tensors_of(data, record, manifest)
+    return values, mslot.tensors_of(data, record, manifest)
 
 
 # -- values without pickle --------------------------------------------------------------------------------
@@ -108,7 +109,7 @@ def test_a_slot_whose_commit_record_or_values_do_not_check_is_not_found(tmp_path
     save(st, 1, [torch.ones(8)])
     (found,) = st.found()
     raw = bytearray(found.path.read_bytes())
-    record = ms.Record.unpack(bytes(raw[: ms.HEADER]))
+    record = mslot.Record.unpack(bytes(raw[: mslot.HEADER]))
     assert record is not None and record.whole
     raw[record.values[0]] ^= 0xFF  # one byte of the values flipped: its CRC-32 no longer matches
     found.path.write_bytes(bytes(raw))

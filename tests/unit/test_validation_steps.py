@@ -64,22 +64,6 @@ def test_the_weights_format_names_the_files(tmp_path, fmt, files):
         assert torch.equal(model[0].weight, ddpkit.unwrap(trainer.model)[0].weight)
 
 
-def test_an_on_step_end_gets_the_output_only_where_its_signature_takes_it():
-    from ddpkit.training.callbacks import takes_output
-
-    class New:
-        def on_step_end(self, trainer, taken, output):
-            pass
-
-    class Old:
-        def on_step_end(self, trainer, taken):
-            pass
-
-    for _ in range(2):  # read once per function, then from the cache: the same answers
-        assert takes_output(New().on_step_end) and not takes_output(Old().on_step_end)
-    assert takes_output(lambda trainer, taken, output: None) and not takes_output(lambda trainer, taken: None)
-
-
 def test_a_resume_with_another_val_every_steps_is_refused(tmp_path):
     es = EarlyStoppingConfig(metric="val/loss", patience=2)
     fit(tmp_path, epochs=1, val_every_steps=3, early_stopping=es)

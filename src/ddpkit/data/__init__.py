@@ -2,13 +2,13 @@
 exact evaluation shards."""
 
 from ddpkit.data.loader import (
-    SeededSamples,
     build_eval_loader,
     build_loader,
     check_map_style,
     default_num_workers,
     to_device,
 )
+from ddpkit.data.sample_seeding import SeededSamples
 from ddpkit.data.sampler import (
     EvalShardSampler,
     ShardedBatchSampler,

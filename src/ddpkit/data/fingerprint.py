@@ -6,7 +6,7 @@ over the order it was counted in: the dataset's length, the seed, shuffling, ``d
 (per-rank batch x world size), and for a stream its files in their order, their sizes and where their records
 lie, and the shuffle window. Resumed over data that changed in any of these, the same cursor points into
 another order: some samples are trained on twice in the epoch and others never, and nothing fails. So the
-loader records them (:meth:`~ddpkit.data.loader.EpochLoader.state_dict`) and a resume that finds one changed
+loader records them (:meth:`~ddpkit.data.epoch_loader.EpochLoader.state_dict`) and a resume that finds one changed
 is refused before any step, naming each change, unless the run asks to restart the epoch on the new data
 (``on_data_change="restart_epoch"``).
 

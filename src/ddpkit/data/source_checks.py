@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ddpkit.data.fingerprint import digest
-from ddpkit.distributed.collectives import gather_object, tensor_bytes
+from ddpkit.distributed.collectives import all_gather_object, tensor_bytes
 from ddpkit.errors import ConfigError
 
 HEAD_RECORDS = 128
@@ -98,7 +98,7 @@ def canonical(value: Any) -> bytes:
 def check_same_order(head: str, count: int, group: Any) -> None:
     """Refuse, on every rank alike, a source whose first ``count`` records differ between ranks (one
     all-gather of a 16-character digest)."""
-    heads = gather_object(head, group=group)
+    heads = all_gather_object(head, group=group)
     if len(set(heads)) > 1:
         ranks = [r for r, h in enumerate(heads) if h != heads[0]]
         raise ConfigError(

@@ -155,8 +155,9 @@ def _unpickled(payload: torch.Tensor) -> Any:
     return pickle.loads(tensor_bytes(payload))
 
 
-def gather_object(obj: T, group: Any = None) -> list[T]:
-    """Every rank's picklable ``obj``, in rank order, on every rank."""
+def all_gather_object(obj: T, group: Any = None) -> list[T]:
+    """Every rank's picklable ``obj``, in rank order, on every rank (as torch's ``all_gather_object``, whose
+    ``gather_object`` sends them to one rank only); without a process group, ``[obj]``."""
     if not is_live(group):
         return [obj]
     device = comm_device(group)
@@ -218,7 +219,7 @@ class MetricSums:
         """(sum, count) of each metric over all ranks."""
         # A rank that saw no sample does not know the metric names: agree on them first, or the flat
         # tensors would differ in length across ranks.
-        names = sorted(set().union(*gather_object(sorted(self.sums), group)))
+        names = sorted(set().union(*all_gather_object(sorted(self.sums), group)))
         flat = {f"s/{n}": self.sums.get(n, 0.0) for n in names} | {f"c/{n}": self.counts.get(n, 0) for n in names}
         flat = all_reduce(flat, group=group)
         return {n: (float(flat[f"s/{n}"]), int(flat[f"c/{n}"])) for n in names}

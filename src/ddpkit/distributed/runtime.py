@@ -239,7 +239,7 @@ class NotInitializedError(RuntimeError):
     """A launcher started several processes but this one has not called :func:`ddpkit.init` yet."""
 
 
-def get_runtime(group: Any = None) -> Runtime:
+def get_runtime(group: Any = None, member: bool = False) -> Runtime:
     """Who this process is: its :class:`Runtime` in the job, or with ``group``, in that group.
 
     ``group`` is a group of :func:`~ddpkit.split_world` (returned as it is), a process group made by hand (its
@@ -253,7 +253,7 @@ def get_runtime(group: Any = None) -> Runtime:
     copy per rank on the whole data set, every copy writing the same files, and exit 0. Refusing, as
     ``torch.distributed`` does before ``init_process_group``, is chosen over starting the process group here:
     joining a job is a collective that every rank must reach at the same point, which a call hidden in a loader
-    or a Trainer cannot promise.
+    or a Trainer cannot promise. ``member``: a process outside ``group`` is refused (a Trainer's group).
     """
     if isinstance(group, Runtime):
         return group
@@ -262,7 +262,13 @@ def get_runtime(group: Any = None) -> Runtime:
         return rt
     # A process outside ``group`` gets rank and size -1, as from torch.distributed: it is not the group's main
     # rank, and the collective helpers leave it alone.
-    return dataclasses.replace(rt, rank=dist.get_rank(group), world_size=dist.get_world_size(group), group=group)
+    rank = dist.get_rank(group)
+    if member and rank < 0:
+        raise ConfigError(
+            f"global rank {rt.rank} is not a member of the group it was given: pass each rank its own group "
+            "(split_world() returns it)"
+        )
+    return dataclasses.replace(rt, rank=rank, world_size=dist.get_world_size(group), group=group)
 
 
 def _without_init() -> Runtime:

@@ -13,6 +13,7 @@ import inspect
 import os
 import pickle
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -65,6 +66,7 @@ def spawn(
     start_method: str | None = None,
     threads_per_process: int | None = None,
     pass_rank: bool = False,
+    timeout: float | None = None,
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``nprocs`` local processes that form one job; return each rank's result.
 
@@ -81,6 +83,9 @@ def spawn(
     Forked processes run one intra-op thread each: OpenMP's thread pool does not survive ``fork``, and a forked
     child that starts a parallel region with more threads waits forever for workers that do not exist. For
     more threads per process, pass ``start_method="spawn"``.
+
+    ``timeout`` (seconds): processes still running by then are killed, and :class:`TimeoutError` names them
+    (a hang: a collective some rank never reached, a deadlock); None waits as long as they run.
     """
     if not isinstance(nprocs, int) or not isinstance(args, tuple):
         raise ConfigError(
@@ -122,10 +127,17 @@ def spawn(
         join=False,
         start_method=start_method,
     )
+    deadline = None if timeout is None else time.monotonic() + timeout
     try:
         # Drain results while waiting: a child blocked on a full pipe would otherwise never exit.
         while not context.join(timeout=0.05):
             drain()
+            if deadline is not None and time.monotonic() > deadline:
+                running = [r for r, p in enumerate(context.processes) if p.is_alive()]
+                raise TimeoutError(
+                    f"ranks {running} of {nprocs} still running after {timeout:g} s: a collective some rank "
+                    "never reached, or a deadlock; they are killed"
+                )
         drain()
         return out
     finally:

@@ -1,1 +1,1 @@
-"""Layers for data parallelism: a model put on its device inside DDP, BatchNorm and dropout over the global batch."""
+"""Layers for data parallelism: BatchNorm and dropout over the global batch."""

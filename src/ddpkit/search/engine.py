@@ -36,7 +36,7 @@ import torch.distributed as dist
 from optuna.trial import TrialState
 
 from ddpkit import fs
-from ddpkit.distributed.collectives import broadcast_object, gather_object
+from ddpkit.distributed.collectives import all_gather_object, broadcast_object
 from ddpkit.distributed.groups import split_world
 from ddpkit.distributed.log import print0
 from ddpkit.distributed.runtime import Runtime, get_runtime
@@ -233,7 +233,7 @@ def _run_candidate(
         if "out of memory" in error.lower():
             error = f"out of memory: {error}"
         _free_accelerator_memory()
-    outcomes = gather_object((state.name, value, error), group=candidate.group)
+    outcomes = all_gather_object((state.name, value, error), group=candidate.group)
     errors = [e for _, _, e in outcomes if e]
     if errors:
         return TrialState.FAIL, None, errors[0]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import re
 import shutil
 import stat
@@ -19,6 +20,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
+
+from ddpkit.errors import ConfigError
 
 MARKER = "complete.json"
 _FOLDER = re.compile(r"^step-(\d+)$")
@@ -190,3 +195,31 @@ def prune(folder_path: Path, keep_last: int, newest: int) -> None:
                     shutil.rmtree(os.path.join(folder_path, name), ignore_errors=True)
     finally:
         os.close(folder)
+
+
+VALUES = "values.pt"
+"""The file of a state's values other than DCP's tensors (every rank's, and rank 0's ``extra``)."""
+INDEX = "metadata.json"
+"""DCP's index of a snapshot, as JSON (:mod:`ddpkit.snapshot.storage` writes and reads it)."""
+FORMAT = 1
+"""The layout of :data:`VALUES`; a folder of another is refused by name, never read as this one."""
+
+
+def read_values(folder: Path, map_location: Any) -> dict[str, Any]:
+    """The snapshot's :data:`VALUES`, loaded with ``weights_only``; refused by name when it holds anything else or
+    is of another format."""
+    file = folder / VALUES
+    try:
+        saved = torch.load(file, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError:
+        raise ConfigError(
+            f"{file} holds objects other than tensors and plain values, which ddpkit never writes: refusing to "
+            f"load it, as unpickling them could run code. Remove {folder} to resume from the snapshot before it"
+        ) from None
+    if not isinstance(saved, dict) or saved.get("format") != FORMAT:
+        raise ConfigError(
+            f"{folder} was written by another version of ddpkit (its {VALUES} is not of format {FORMAT}): "
+            "resume it with that version, or start afresh here with TrainerConfig(resume=False) (its "
+            "snapshots are moved aside) or in another run_dir"
+        )
+    return saved

@@ -1,4 +1,4 @@
-"""Where each value of a saved state goes: tensors to DCP's files, other values to ``trainer.pt``, and each
+"""Where each value of a saved state goes: tensors to DCP's files, other values to ``values.pt``, and each
 rank's own values (:data:`PER_RANK`) under a name of their own.
 
 DCP keeps one copy of a key that several ranks save (replicated parameters) and gives every rank that copy on
@@ -62,7 +62,7 @@ def stored_path(path: KeyPath, rank: int) -> KeyPath:
 
 def stored_parts(state: dict[str, Any], rank: int) -> tuple[dict[str, Any], dict[KeyPath, Any]]:
     """The tensors of ``state`` as DCP saves them (nested, at their :func:`stored_path`), and its other values
-    by stored path (for ``trainer.pt``)."""
+    by stored path (for ``values.pt``)."""
     items = [(stored_path(p, rank), v) for p, v in leaves(state)]
     tensors = nest([(p, v) for p, v in items if isinstance(v, torch.Tensor)])
     return tensors, {p: v for p, v in items if not isinstance(v, torch.Tensor)}

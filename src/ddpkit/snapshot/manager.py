@@ -7,7 +7,7 @@ Layout of ``run_dir/snapshots``::
         __0_0.distcp, __1_0.distcp   each rank's tensors: its shards (zero/fsdp), and what is its own (below)
         metadata.json                DCP's index of which tensor (or piece of one) is where; what a resume reads
         .metadata                    the same index as DCP pickles it, for torch's own tools (never read here)
-        trainer.pt                   the state's other values: counters, scheduler, RNG states, config (rank 0)
+        values.pt                   the state's other values: counters, scheduler, RNG states, config (rank 0)
         complete.json                the marker: the step, and size + sha256 of every file above
 
 A folder is a snapshot only once ``complete.json`` exists, and the marker is written (atomically, by rank 0)
@@ -20,7 +20,7 @@ loads its own copy back; at another, every rank loads rank 0's.
 
 Nothing here unpickles data from disk (:mod:`ddpkit.snapshot.storage`): DCP's files hold tensors only, read with
 ``weights_only``; the index is read from JSON; every other value of the state (optimizer hyper-parameters, a
-scheduler's state) is in ``trainer.pt``, which loads with ``torch.load(weights_only=True)``. A snapshot folder
+scheduler's state) is in ``values.pt``, which loads with ``torch.load(weights_only=True)``. A snapshot folder
 from elsewhere can give the run any tensors and plain values, but cannot run code; one holding anything else
 is refused by name.
 
@@ -42,7 +42,6 @@ import importlib.util
 import io
 import json
 import os
-import pickle
 import threading
 import time
 import traceback
@@ -55,11 +54,11 @@ import torch
 import torch.distributed as dist
 
 from ddpkit import fs
-from ddpkit.distributed.collectives import broadcast_object, gather_object
+from ddpkit.distributed.collectives import all_gather_object, broadcast_object
 from ddpkit.errors import ConfigError
 from ddpkit.internals.versions import require_torch
 from ddpkit.snapshot import folders
-from ddpkit.snapshot.folders import MARKER, Found, digest, folder_name
+from ddpkit.snapshot.folders import FORMAT, INDEX, MARKER, VALUES, Found, digest, folder_name
 from ddpkit.snapshot.layout import leaves, nest, set_at, stored_parts, stored_path
 from ddpkit.snapshot.staging import stage, writer_group
 
@@ -78,12 +77,6 @@ def _quiet_single_process_warning() -> None:
     warnings.filterwarnings(
         "ignore", message="torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to"
     )
-
-
-EXTRA = "trainer.pt"
-INDEX = "metadata.json"  # ddpkit.snapshot.storage.INDEX, repeated here to keep that import lazy
-FORMAT = 3  # of trainer.pt: 1 (no "format" key) held the state alone, with non-tensor values pickled by DCP; 2 held
-# the Trainer's state under other keys
 
 
 class SnapshotWriteError(RuntimeError):
@@ -146,8 +139,8 @@ class SnapshotManager:
 
     def save(self, step: int, state: dict[str, Any], extra: dict[str, Any]) -> None:
         """Snapshot ``step``: ``state`` (every rank's own part, for DCP: its tensors, shards and the
-        :data:`~ddpkit.snapshot.layout.PER_RANK` part; its other values go to ``trainer.pt``) and ``extra``
-        (rank 0's, in ``trainer.pt``).
+        :data:`~ddpkit.snapshot.layout.PER_RANK` part; its other values go to ``values.pt``) and ``extra``
+        (rank 0's, in ``values.pt``).
 
         Returns once the state is safe from the training loop: written (synchronous), or copied to host
         memory with the write under way (asynchronous). Raises :class:`SnapshotWriteError` if it is not.
@@ -157,9 +150,9 @@ class SnapshotManager:
         tensors, values = stored_parts(state, self._rank)
         # Rank 0 empties the folder before it joins the gather, so no rank writes into it before it is clean.
         # Values that are not tensors are few (hyper-parameters by parameter); they may differ between ranks
-        # (zero: each rank's own parameters), so every rank's go to rank 0's trainer.pt.
+        # (zero: each rank's own parameters), so every rank's go to rank 0's values.pt.
         part = (values, self._clear(path, step) if self._rank == 0 else None)
-        parts = gather_object(part, group=self.group) if self.distributed else [part]
+        parts = all_gather_object(part, group=self.group) if self.distributed else [part]
         if parts[0][1] is not None:
             _raise(parts[0][1])
         every_rank = [v for v, _ in parts]
@@ -223,8 +216,8 @@ class SnapshotManager:
             # when one rank fails, it raises on every rank.
             mine = sorted(path.glob(f"__{rank}_*.distcp"))
             if rank == 0:
-                fs.write_atomic(path / EXTRA, extra)
-                mine += [path / ".metadata", path / INDEX, path / EXTRA]
+                fs.write_atomic(path / VALUES, extra)
+                mine += [path / ".metadata", path / INDEX, path / VALUES]
             digests = digest(mine)
         except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
             failed, failure = True, dcp_files.rank_failure(err, writer.failures, rank, path)
@@ -233,7 +226,7 @@ class SnapshotManager:
                 # line of the error, and the rank's stderr keeps where it came from.
                 traceback.print_exc()
         part = (digests, failure, failed)
-        parts = gather_object(part, group=group) if self.distributed else [part]
+        parts = all_gather_object(part, group=group) if self.distributed else [part]
         failed_write = self._finish(path, step, parts) if rank == 0 else None
         if self.distributed:
             failed_write = broadcast_object(failed_write, group=group)
@@ -300,9 +293,9 @@ class SnapshotManager:
         return folders.candidates(self.folder)
 
     def verify(self, found: Found) -> str | None:
-        """None if ``found`` is whole, else what is wrong with it. ``trainer.pt``, read first, must be listed;
+        """None if ``found`` is whole, else what is wrong with it. ``values.pt``, read first, must be listed;
         the index and the data files it names are checked against the marker when they are read."""
-        return folders.verify(found, required=(EXTRA,))
+        return folders.verify(found, required=(VALUES,))
 
     def _prune(self, newest: int) -> None:
         folders.prune(self.folder, self.keep_last, newest)
@@ -338,10 +331,10 @@ class SnapshotManager:
 
         from ddpkit.snapshot import storage as dcp_files
 
-        saved = self._read_extra(found.path, map_location)
+        saved = folders.read_values(found.path, map_location)
         if check is not None:
             check(saved["extra"])
-        index = self._read_index(found.path)
+        index = dcp_files.read_marked_index(found.path)
         state = template()
         same = saved["world_size"] == self._size
         source = self._rank if same else 0  # whose copy of the per-rank part
@@ -376,40 +369,3 @@ class SnapshotManager:
                 f"ddpkit: loading snapshot {found.path} failed: {type(first).__name__}: {first}"
             ) from err
         return state, saved["extra"]
-
-    def _read_extra(self, folder: Path, map_location: Any) -> dict[str, Any]:
-        file = folder / EXTRA
-        try:
-            saved = torch.load(file, map_location=map_location, weights_only=True)
-        except pickle.UnpicklingError:
-            raise ConfigError(
-                f"{file} holds objects other than tensors and plain values, which ddpkit never writes: refusing to "
-                f"load it, as unpickling them could run code. Remove {folder} to resume from the snapshot before it"
-            ) from None
-        if not isinstance(saved, dict) or saved.get("format") != FORMAT:
-            raise ConfigError(
-                f"{folder} was written by an earlier version of ddpkit, whose snapshot folders keep values as "
-                "pickles that loading would run: resume it with that version, or start afresh here with "
-                "TrainerConfig(resume=False) (its snapshots are moved aside) or in another run_dir"
-            )
-        return saved
-
-    def _read_index(self, folder: Path) -> Any:
-        from ddpkit.snapshot import storage as dcp_files
-
-        try:
-            # The index, and every data file it reads from, were checked against the marker (by rank 0, in
-            # latest()) only if the marker lists them.
-            listed = folders.listed(Found(0, folder))
-            if INDEX not in listed:
-                raise dcp_files.BadIndex(f"{MARKER} does not list it")
-            index = dcp_files.read_index(folder)
-            for info in index.storage_data.values():
-                if info.relative_path not in listed:
-                    raise dcp_files.BadIndex(f"it reads {info.relative_path}, which {MARKER} does not list")
-            return index
-        except (dcp_files.BadIndex, OSError, ValueError) as err:
-            raise ConfigError(
-                f"{folder / INDEX} is not an index ddpkit wrote ({err}): refusing to load {folder}. Remove it "
-                "to resume from the snapshot before it"
-            ) from None

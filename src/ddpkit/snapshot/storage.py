@@ -3,7 +3,7 @@
 torch's ``FileSystemReader`` unpickles the folder's index (``.metadata``) and DCP's default load planner
 unpickles every non-tensor item (``torch.load(weights_only=False)``): whoever can write a snapshot folder
 could run code in the job that resumes from it, and the checksums of the marker do not help, as they are
-rewritten as easily. So a snapshot's DCP part holds tensors only (other values go to ``trainer.pt``, which loads
+rewritten as easily. So a snapshot's DCP part holds tensors only (other values go to ``values.pt``, which loads
 with ``weights_only=True``), the index is also written as JSON (``INDEX``: ``metadata.json``), and a resume
 reads only that: each tensor is read with torch's ``weights_only`` loader. The pickled ``.metadata`` stays for
 torch's own tools (``dcp_to_torch_save``, ``dcp.load``), which unpickle it: use those on snapshots you trust.
@@ -45,10 +45,11 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ddpkit import fs
+from ddpkit.errors import ConfigError
 from ddpkit.internals.dcp import set_file_system, storage_info, transformed
-from ddpkit.snapshot.folders import read_bounded
+from ddpkit.snapshot import folders
+from ddpkit.snapshot.folders import INDEX, read_bounded
 
-INDEX = "metadata.json"
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 _DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
 _INDEX_LIMIT = 1 << 30  # JSON of a tensor's place per chunk: ~200 bytes each; a GiB is millions of chunks
@@ -350,3 +351,23 @@ class TensorsOnlyPlanner(DefaultLoadPlanner):
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         raise BadIndex(f"item {read_item.dest_index.fqn!r} is not a tensor: refusing to unpickle it")
+
+
+def read_marked_index(folder: Path) -> Any:
+    """DCP's index of the snapshot, from JSON, refused by name unless the marker lists it and every file it reads."""
+    try:
+        # The index, and every data file it reads from, were checked against the marker (by rank 0, in
+        # latest()) only if the marker lists them.
+        files = folders.listed(folders.Found(0, folder))
+        if folders.INDEX not in files:
+            raise BadIndex(f"{folders.MARKER} does not list it")
+        index = read_index(folder)
+        for info in index.storage_data.values():
+            if info.relative_path not in files:
+                raise BadIndex(f"it reads {info.relative_path}, which {folders.MARKER} does not list")
+        return index
+    except (BadIndex, OSError, ValueError) as err:
+        raise ConfigError(
+            f"{folder / folders.INDEX} is not an index ddpkit wrote ({err}): refusing to load {folder}. Remove it "
+            "to resume from the snapshot before it"
+        ) from None

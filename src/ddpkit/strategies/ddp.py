@@ -14,9 +14,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddpkit.distributed.runtime import Runtime
 from ddpkit.errors import ConfigError
 from ddpkit.internals.optim import any_non_finite, sparse_values
-from ddpkit.nn.prepare import no_sync, prepare_model, unwrap
 from ddpkit.strategies import hooks
 from ddpkit.strategies.base import GradientVerdict, join_own, separate_own
+from ddpkit.strategies.prepare import no_sync, prepare_model, unwrap
 
 
 def state_options(**kwargs: Any) -> Any:

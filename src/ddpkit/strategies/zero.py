@@ -16,10 +16,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from ddpkit.distributed.collectives import gather_object
+from ddpkit.distributed.collectives import all_gather_object
 from ddpkit.distributed.runtime import Runtime
 from ddpkit.errors import ConfigError
-from ddpkit.nn.prepare import unwrap
 from ddpkit.strategies.base import (
     GradientVerdict,
     join_own,
@@ -27,6 +26,7 @@ from ddpkit.strategies.base import (
     separate_own,
 )
 from ddpkit.strategies.ddp import DDPConfig, DDPStrategy, state_options
+from ddpkit.strategies.prepare import unwrap
 
 
 @dataclass(kw_only=True)
@@ -126,7 +126,7 @@ class ZeroStrategy:
     def full_state_dict(self) -> dict[str, Any]:
         state = join_own(self.state_dict())
         merged: dict[str, Any] = {}
-        for part in gather_object(state["optim"], group=self.runtime.group):
+        for part in all_gather_object(state["optim"], group=self.runtime.group):
             merged.update(part)
         return {"model": state["model"], "optim": merged}
 

@@ -32,7 +32,7 @@ except ImportError:  # pragma: no cover
     np = None  # type: ignore[assignment]
 
 from ddpkit.data import ShardedBatchSampler, to_device
-from ddpkit.distributed.collectives import broadcast_object, gather_object
+from ddpkit.distributed.collectives import all_gather_object, broadcast_object
 from ddpkit.distributed.runtime import get_runtime, init
 from ddpkit.distributed.seeding import mix_seed, seed_everything
 from ddpkit.errors import ConfigError
@@ -40,7 +40,7 @@ from ddpkit.internals.compiler import import_dynamo
 from ddpkit.launch.options import MAX_NPROC
 from ddpkit.launch.spawn import spawn
 from ddpkit.nn.dropout import BatchLayout, batch_layout, convert_dropout
-from ddpkit.nn.prepare import prepare_model, unwrap
+from ddpkit.strategies.prepare import prepare_model, unwrap
 from ddpkit.tools.check_causes import CAUSES
 from ddpkit.tools.compare import QUANTITIES, Verdict, compare
 from ddpkit.tools.workload import BUILTINS, HOOK, load_workload
@@ -172,7 +172,7 @@ def train_steps(
                 for t in plain.values():
                     t.copy_(broadcast_object(t))
             digests = {name: float(t.double().sum()) for name, t in plain.items()}
-            every = gather_object(digests)
+            every = all_gather_object(digests)
             records["differing_tensors"] = sorted(n for n in digests if any(d.get(n) != digests[n] for d in every))
             ddp_kwargs: dict[str, Any] = {"find_unused_parameters": True} if "unused_parameters" in fixes else {}
             model = prepare_model(model, sync_batchnorm="batchnorm" in fixes or w.sync_batchnorm, **ddp_kwargs)
@@ -187,14 +187,14 @@ def train_steps(
             model.train()
             for step in range(steps):
                 batch = to_device(next(batches), rt.device)
-                counts = gather_object(batch_len(batch))  # samples: each rank's place in the global batch
-                items = gather_object(w.count(batch))  # what each rank's mean loss is over: samples or tokens
+                counts = all_gather_object(batch_len(batch))  # samples: each rank's place in the global batch
+                items = all_gather_object(w.count(batch))  # what each rank's mean loss is over: samples or tokens
                 n, n_global = items[rt.rank], sum(items)
                 layout = BatchLayout(global_size=sum(counts), offset=sum(counts[: rt.rank]), key=mix_seed(seed, step))
                 with batch_layout(layout) if "dropout" in fixes else nullcontext():
                     loss = w.loss(model, batch)
                 # Each rank's mean, weighted by its share: DDP's average over ranks is then the global mean. A
-                # workload that counts items (tokens) is weighed so always, as the Trainer's count_fn does.
+                # workload that counts items (tokens) is weighted so always, as the Trainer's count_fn does.
                 weigh = "uneven_mean" in fixes or w.count_fn is not None
                 scaled = loss * (n * rt.world_size / n_global) if weigh else loss
                 optimizer.zero_grad(set_to_none=True)
@@ -204,7 +204,7 @@ def train_steps(
                 records["sizes"] = [p.numel() for p in params]
                 records["grad"].append(torch.cat([g.detach().reshape(-1).double().cpu() for g in grads]))
                 # The global loss: each rank's mean times its samples, summed, over all samples.
-                records["loss"].append(sum(gather_object(loss.item() * n)) / n_global)
+                records["loss"].append(sum(all_gather_object(loss.item() * n)) / n_global)
                 optimizer.step()
                 records["weights"].append(torch.cat([p.detach().reshape(-1).double().cpu() for p in params]))
         except ConfigError:

@@ -30,11 +30,11 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpkit.data import build_loader, to_device
-from ddpkit.distributed.collectives import gather_object
+from ddpkit.distributed.collectives import all_gather_object
 from ddpkit.distributed.environment import cpu_count
 from ddpkit.distributed.runtime import init
 from ddpkit.distributed.seeding import seed_everything
-from ddpkit.nn.prepare import prepare_model
+from ddpkit.strategies.prepare import prepare_model
 from ddpkit.tools.workload import load_workload
 
 PARTS = ("data", "forward", "backward", "backward_no_sync", "optimizer", "step", "allreduce_span")
@@ -186,7 +186,7 @@ def measure_steps(
         "backend": rt.backend,
         "param_bytes": grad_bytes,
         "batch_size": w.batch_size,
-        "every_rank_step": gather_object(medians["step"]),
+        "every_rank_step": all_gather_object(medians["step"]),
         "step_samples": times["step"],
     }
 

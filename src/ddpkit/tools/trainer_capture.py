@@ -4,8 +4,8 @@ The script runs as ``__main__`` with its default arguments (``sys.argv`` is the 
 ``Trainer.__init__`` is replaced by one that records what it was given and raises :class:`Captured`, a
 ``BaseException`` (a script's ``except Exception`` does not swallow it): the script stops where the Trainer
 would be built, before anything is wrapped, launched or written, and its model, optimizer, training data and
-loss become a :class:`~ddpkit.tools.workload.Workload`. Running the script again builds a fresh model, as the
-tools need once per run. The learning-rate scheduler is not stepped: a few steps at the learning rate the
+loss become a workload (:func:`ddpkit.tools.workload.workload_of`). Running the script again builds a fresh
+model, as the tools need once per run. The learning-rate scheduler is not stepped: a few steps at the learning rate the
 optimizer has when the Trainer is built are compared.
 """
 
@@ -19,8 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.errors import ConfigError
-from ddpkit.training.config import TrainerConfig
-from ddpkit.training.losses import cross_entropy
 from ddpkit.training.trainer import Trainer
 
 
@@ -49,12 +47,6 @@ def intercept(script: str) -> Iterator[None]:
         sys.argv = argv
 
 
-def capture_trainer(script: str, world_size: int, imported: Captured | None = None) -> Any:
-    """The workload of the Trainer ``script`` builds (``imported``: as it did when imported), or None."""
-    found = imported or run_until_trainer(script)
-    return None if found is None else workload_of(found, script, world_size)
-
-
 def run_until_trainer(script: str) -> Captured | None:
     """Run ``script`` as ``__main__`` until it builds a Trainer; what it gave the Trainer (None: it built none)."""
     file = Path(script).resolve()
@@ -69,32 +61,3 @@ def run_until_trainer(script: str) -> Captured | None:
     finally:
         sys.path.remove(str(file.parent))
     return None
-
-
-def workload_of(found: Captured, script: str, world_size: int) -> Any:
-    """The :class:`~ddpkit.tools.workload.Workload` of a captured Trainer, with the per-rank micro-batch the
-    Trainer would use on ``world_size`` ranks."""
-    from ddpkit.tools.workload import Workload  # the module that imports this one
-
-    names = ("model", "optimizer", "train_data", "config")
-    given = dict(zip(names, found.args)) | {k: v for k, v in found.kwargs.items() if k in names}
-    missing = [n for n in names if n not in given]
-    if missing:
-        raise ConfigError(f"{script}: the Trainer it builds is given no {', '.join(missing)}")
-    config: TrainerConfig = given["config"]
-    optimizer = given["optimizer"]
-    per_rank = config.per_rank_batch(world_size)  # global_batch_size / (ranks x accumulation steps)
-    return Workload(
-        model=given["model"],
-        dataset=given["train_data"],
-        loss_fn=found.kwargs.get("loss_fn") or cross_entropy,
-        batch_loss_fn=found.kwargs.get("batch_loss_fn"),
-        count_fn=found.kwargs.get("count_fn"),
-        # The optimizer the script built holds the model's own parameters, which DDP wraps without copying.
-        optimizer=lambda params: optimizer,
-        batch_size=per_rank,
-        drop_last=config.drop_last,
-        sync_batchnorm=config.sync_batchnorm,
-        name=Path(script).name,
-        extra={"workload": "captured from the Trainer the script builds"},
-    )

@@ -23,7 +23,7 @@ import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -31,13 +31,18 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ddpkit.errors import ConfigError
+from ddpkit.training.batch_loss import BatchLossFn, LossFn
+from ddpkit.training.config import TrainerConfig
+from ddpkit.training.item_counts import CountFn
+from ddpkit.training.losses import cross_entropy
+from ddpkit.training.steps import batch_len
+
+if TYPE_CHECKING:
+    from ddpkit.tools.trainer_capture import Captured
 
 HOOK = "ddpkit_workload"
 """The function a script defines for ``ddpkit bench script.py`` and ``ddpkit check script.py``."""
 
-LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
-BatchLossFn = Callable[[nn.Module, Any], torch.Tensor]
-CountFn = Callable[[Any], "int | torch.Tensor"]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 LoaderFactory = Callable[[Dataset, int, int, int], Iterable[Any]]
 
@@ -93,14 +98,7 @@ class Workload:
         """What the batch's mean loss weighs: its items under ``count_fn``, else its samples."""
         if self.count_fn is not None:
             return int(self.count_fn(batch))
-        from ddpkit.training.steps import batch_len  # tools sit above training; imported where used
-
         return batch_len(batch)
-
-    @property
-    def parameter_bytes(self) -> int:
-        """Bytes of the gradients DDP all-reduces each step (parameters that need a gradient)."""
-        return sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
 
 
 def digits_workload() -> Workload:
@@ -167,7 +165,9 @@ def load_workload(script: str | None, world_size: int = 1) -> Workload:
         return digits_workload()
     if script in BUILTINS and not Path(script).exists():
         return BUILTINS[script]()
-    from ddpkit.tools.trainer_capture import Captured, capture_trainer, intercept
+    # Imported here: it imports the Trainer (torch's compiler stack, seconds), which a built-in workload or a
+    # script's hook does not need.
+    from ddpkit.tools.trainer_capture import Captured, intercept
 
     imported = None
     try:
@@ -194,4 +194,39 @@ def load_workload(script: str | None, world_size: int = 1) -> Workload:
     raise ConfigError(
         f"{script}: {HOOK}() returned {type(out).__name__}; return (model, dataset, loss_fn, optimizer_factory) "
         "or a ddpkit.tools.workload.Workload"
+    )
+
+
+def capture_trainer(script: str, world_size: int, imported: Captured | None = None) -> Workload | None:
+    """The workload of the Trainer ``script`` builds (``imported``: as it did when imported), or None."""
+    from ddpkit.tools.trainer_capture import run_until_trainer
+
+    found = imported or run_until_trainer(script)
+    return None if found is None else workload_of(found, script, world_size)
+
+
+def workload_of(found: Captured, script: str, world_size: int) -> Workload:
+    """The :class:`Workload` of a captured Trainer, with the per-rank micro-batch the
+    Trainer would use on ``world_size`` ranks."""
+    names = ("model", "optimizer", "train_data", "config")
+    given = dict(zip(names, found.args)) | {k: v for k, v in found.kwargs.items() if k in names}
+    missing = [n for n in names if n not in given]
+    if missing:
+        raise ConfigError(f"{script}: the Trainer it builds is given no {', '.join(missing)}")
+    config: TrainerConfig = given["config"]
+    optimizer = given["optimizer"]
+    per_rank = config.per_rank_batch(world_size)  # global_batch_size / (ranks x accumulation steps)
+    return Workload(
+        model=given["model"],
+        dataset=given["train_data"],
+        loss_fn=found.kwargs.get("loss_fn") or cross_entropy,
+        batch_loss_fn=found.kwargs.get("batch_loss_fn"),
+        count_fn=found.kwargs.get("count_fn"),
+        # The optimizer the script built holds the model's own parameters, which DDP wraps without copying.
+        optimizer=lambda params: optimizer,
+        batch_size=per_rank,
+        drop_last=config.drop_last,
+        sync_batchnorm=config.sync_batchnorm,
+        name=Path(script).name,
+        extra={"workload": "captured from the Trainer the script builds"},
     )

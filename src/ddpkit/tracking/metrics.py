@@ -91,6 +91,12 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.flush()
 
+    def epoch_end(self, step: int, values: dict[str, Any]) -> None:
+        """An epoch's record, its row in the CSV, and everything pushed to disk."""
+        self.log("epoch", step, values)
+        self.epoch_row(values)
+        self.flush()
+
     def epoch_row(self, values: dict[str, Any]) -> None:
         """One CSV row per epoch; the columns are those of the first row written to the file."""
         if not self.enabled:

@@ -7,8 +7,6 @@ may make collectives of its own as long as it makes the same ones on every rank 
 
 from __future__ import annotations
 
-import functools
-import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -28,7 +26,7 @@ class Callback:
     def on_step_end(self, trainer: Trainer, taken: bool, output: StepOutput) -> None:
         """After each optimizer step; ``taken`` is False for a step skipped for non-finite gradients. ``output``
         (:class:`~ddpkit.training.step_output.StepOutput`): this rank's loss, the lr and the gradient norm of the
-        step. A method that takes two arguments, ``(trainer, taken)``, is called with those two."""
+        step."""
 
     def on_validation_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
         """After each validation, once it is recorded and counted (early stopping, the best weights): at an
@@ -45,37 +43,12 @@ class Callback:
         just before ``fit()`` raises :class:`~ddpkit.Preempted`)."""
 
 
-def takes_output(method: Any) -> bool:
-    """Whether an ``on_step_end`` accepts the third argument, ``output`` (callbacks written before it existed
-    take ``(trainer, taken)``). Read once per function: reading a signature costs tens of microseconds."""
-    func = getattr(method, "__func__", None)
-    if func is not None:  # a bound method: its function takes the instance first
-        return _binds(func, 4)
-    try:
-        return _binds(method, 3)
-    except TypeError:  # not hashable: read it each time
-        return _binds.__wrapped__(method, 3)
-
-
-@functools.lru_cache(maxsize=256)
-def _binds(func: Any, count: int) -> bool:
-    try:
-        inspect.signature(func).bind(*[None] * count)
-    except (TypeError, ValueError):  # too few parameters; or no signature to read (a builtin): call it as before
-        return False
-    return True
-
-
 def call_step_end(callbacks: Sequence[Any], trainer: Trainer, output: StepOutput) -> None:
-    """Call each callback's ``on_step_end``, with ``output`` where it takes it."""
+    """Call each callback's ``on_step_end(trainer, taken, output)``."""
     for cb in callbacks:
         method = getattr(cb, "on_step_end", None)
-        if method is None:
-            continue
-        if takes_output(method):
+        if method is not None:
             method(trainer, output.taken, output)
-        else:
-            method(trainer, output.taken)
 
 
 def call(callbacks: Sequence[Any], hook: str, *args: Any) -> None:

@@ -42,7 +42,7 @@ class SnapshotConfig:
     memory: bool = False
     """Also copy the state into shared memory on the node after steps (under ``ddpkit run``, which keeps a folder
     there for the job): a restarted worker resumes from it when it is newer than the newest disk snapshot, so a
-    failure loses at most ``memory_every_steps`` steps. See :mod:`ddpkit.training.memory_snapshots`."""
+    failure loses at most ``memory_every_steps`` steps. See :mod:`ddpkit.memory.snapshots`."""
     memory_every_steps: int | None = None
     """Copy to memory every this many optimizer steps; None: every step, unless the first copies hold the loop
     longer than 5% of a step, then the smallest interval that keeps them within."""
@@ -237,6 +237,14 @@ class TrainerConfig:
                 f"{self.grad_accum_steps} accumulation steps: pick a multiple of {parts}"
             )
         return self.global_batch_size // parts
+
+    def loader_args(self, world_size: int) -> dict[str, Any]:
+        """:func:`~ddpkit.build_loader`'s arguments for the training data on ``world_size`` ranks."""
+        return {
+            "batch_size": self.per_rank_batch(world_size), "shuffle": self.shuffle, "seed": self.seed,
+            "drop_last": self.drop_last, "num_workers": self.num_workers, "seed_samples": self.seed_samples,
+            "on_data_change": self.on_data_change,
+        }  # fmt: skip
 
     def to_json(self) -> dict[str, Any]:
         """The config as JSON values, nested as it is; the strategy as its name and options."""

@@ -21,7 +21,7 @@ from ddpkit.data import build_eval_loader, to_device
 from ddpkit.distributed.collectives import MetricSums
 from ddpkit.distributed.runtime import get_runtime
 from ddpkit.errors import ConfigError
-from ddpkit.nn.prepare import unwrap
+from ddpkit.strategies.prepare import unwrap
 from ddpkit.training.losses import check_classification
 
 MetricFn = Callable[[nn.Module, Any], Mapping[str, Any]]

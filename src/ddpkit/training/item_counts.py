@@ -7,7 +7,7 @@ ranks then change the model. With ``count_fn(batch)``, the number of items a mic
 the step's gradient is that of the mean over every item of the step's global batch:
 
     DDP averages the ranks' gradients and the micro-batches' gradients add up, so the step's gradient is
-    ``sum_i grad(mean_i) / share_i / world``. With ``share_i = total / (count_i * world)`` that is
+    ``sum_i grad(mean_i) / d_i / world``. With ``d_i = total / (count_i * world)`` that is
     ``sum_i count_i * grad(mean_i) / total``: every item alike, whichever rank and micro-batch holds it.
 
 ``total``, the items of the whole step, needs the counts of every micro-batch on every rank before the first
@@ -35,17 +35,17 @@ CountFn = Callable[[Any], "int | torch.Tensor"]
 """``count_fn(batch)``: how many items (e.g. tokens whose label is not ignored) the batch's mean loss is over."""
 
 
-def item_share(count: torch.Tensor, world_size: int, total: torch.Tensor) -> torch.Tensor:
+def item_divisor(count: torch.Tensor, world_size: int, total: torch.Tensor) -> torch.Tensor:
     """What a rank divides its micro-batch's mean loss by so that the step follows the mean over ``total``
     items (see the module's docstring); float64, as ``count`` and ``total`` are counts."""
     return total / (count * world_size)
 
 
-class WeighedStep:
+class WeightedStep:
     """A step's micro-batches with their item counts, the all-reduce of the step's total in flight.
 
-    Iterating yields the micro-batches with ``samples`` the item count and ``share`` from :func:`item_share`;
-    the first is yielded at once, and :meth:`share` of a micro-batch waits for the total only when its loss is
+    Iterating yields the micro-batches with ``samples`` the item count and ``divisor`` from :func:`item_divisor`;
+    the first is yielded at once, and :meth:`divisor` of a micro-batch waits for the total only when its loss is
     about to be scaled, so the all-reduce overlaps the first forward.
     """
 
@@ -62,28 +62,28 @@ class WeighedStep:
             self._work = dist.all_reduce(self.total, group=group, async_op=True)
 
     @classmethod
-    def of(cls, step: Step, count_fn: CountFn | None, world_size: int, group: Any = None) -> WeighedStep | None:
-        """The weighed step, or None without ``count_fn`` (the step weighs samples)."""
+    def of(cls, step: Step, count_fn: CountFn | None, world_size: int, group: Any = None) -> WeightedStep | None:
+        """The weighted step, or None without ``count_fn`` (the step weighs samples)."""
         return None if count_fn is None else cls(step, count_fn, world_size, group)
 
     def __iter__(self) -> Iterator[MicroBatch]:
         for micro, count in zip(self.micro, self.counts):
             yield replace(micro, samples=count)  # type: ignore[arg-type]  # a count: int or a 0-dim tensor
 
-    def share(self, micro: MicroBatch) -> torch.Tensor:
+    def divisor(self, micro: MicroBatch) -> torch.Tensor:
         """The divisor of ``micro``'s mean loss; the first call waits for the step's total."""
         if self._work is not None:
             self._work.wait()
             self._work = None
         count = micro.samples if isinstance(micro.samples, torch.Tensor) else torch.tensor(micro.samples)
-        return item_share(count.to(self.total.device, torch.float64), self.world_size, self.total)
+        return item_divisor(count.to(self.total.device, torch.float64), self.world_size, self.total)
 
 
-def scale_loss(loss: torch.Tensor, micro: MicroBatch, weighed: WeighedStep | None) -> torch.Tensor:
-    """``micro``'s mean loss divided by its share of the step: per item with ``weighed``, else per sample."""
-    if weighed is not None:
-        return loss / weighed.share(micro).to(loss.dtype)
-    return loss / micro.share if micro.share != 1 else loss  # 1: the loss as it is, bit for bit
+def scale_loss(loss: torch.Tensor, micro: MicroBatch, weighted: WeightedStep | None) -> torch.Tensor:
+    """``micro``'s mean loss divided by its divisor in the step: per item with ``weighted``, else per sample."""
+    if weighted is not None:
+        return loss / weighted.divisor(micro).to(loss.dtype)
+    return loss / micro.divisor if micro.divisor != 1 else loss  # 1: the loss as it is, bit for bit
 
 
 def _as_count(value: Any) -> torch.Tensor:

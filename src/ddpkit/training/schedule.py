@@ -26,7 +26,7 @@ class SnapshotSchedule:
     every_steps: int | None = None
     every_epochs: int = 1
     memory_every_steps: int = 1
-    """The interval of the copies in memory, once chosen (:mod:`ddpkit.training.memory_snapshots`)."""
+    """The interval of the copies in memory, once chosen (:mod:`ddpkit.memory.snapshots`)."""
     _saved_at: tuple[int, int, int] | None = field(default=None, repr=False)
 
     @classmethod

@@ -8,7 +8,7 @@ streams with the state each rank keeps its own of (its losses not yet agreed on,
 is due: :class:`~ddpkit.training.schedule.SnapshotSchedule`. A snapshot is ``run_dir/snapshots/step-N/``
 (:mod:`ddpkit.snapshot.manager`): the strategy's part through :mod:`torch.distributed.checkpoint`, so it
 reshards on load; the others, with the run's record (:class:`~ddpkit.training.run_record.RunRecord`), in
-``trainer.pt``.
+``values.pt``.
 
 A resume is refused, naming each difference, before any tensor is read when the config, the optimizer's
 hyper-parameters, the model's shapes or the classes of its modules differ from the snapshot's, or when the
@@ -27,11 +27,11 @@ from typing import Any, Protocol
 
 from ddpkit.distributed.runtime import Runtime
 from ddpkit.errors import ConfigError
+from ddpkit.memory.resume import resume_from_memory
+from ddpkit.memory.snapshots import MemorySnapshots, TrainerParts, open_memory_snapshots
 from ddpkit.snapshot.manager import SnapshotManager, folder_name
 from ddpkit.strategies import Strategy
 from ddpkit.training.config import SnapshotConfig
-from ddpkit.training.memory_resume import resume_from_memory
-from ddpkit.training.memory_snapshots import MemorySnapshots
 from ddpkit.training.run_record import RunRecord
 from ddpkit.training.schedule import SnapshotSchedule
 from ddpkit.training.state import TrainState
@@ -48,9 +48,6 @@ class Stateful(Protocol):
 class TrainerSnapshots:
     """Saves the Trainer's stateful parts to ``run_dir/snapshots`` and restores them; every rank calls every
     method (saving and finding a snapshot are collectives)."""
-
-    ADDED_SINCE = frozenset({"validation", "epoch_loss"})
-    """Parts that snapshots of earlier versions lack: such a part starts as in a fresh run."""
 
     def __init__(
         self,
@@ -71,7 +68,7 @@ class TrainerSnapshots:
         self.runtime, self.strategy, self.train, self.record = runtime, strategy, train, record
         self.states = {"train": train, **{k: v for k, v in states.items() if v is not None}}
         self.global_micro_batch = global_micro_batch
-        self.log, self.print0 = log, print0
+        self.log, self.print0, self.run_dir = log, print0, run_dir
         self.manager = SnapshotManager(
             run_dir / "snapshots", group=runtime.group, keep_last=config.keep, async_write=config.async_write
         )
@@ -80,7 +77,21 @@ class TrainerSnapshots:
         self.resumed_from: int | None = None
         self._fresh: frozenset[str] = frozenset()  # parts this run starts afresh though the snapshot lacks them
         self.memory: MemorySnapshots | None = None
-        """The snapshots in memory (set by the Trainer when they are on): a resume takes them when newer."""
+        """The snapshots in memory (:meth:`open_memory`): a resume takes them when newer."""
+        if config.memory:  # (a restart resumes from them even under resume=False: see Trainer.fit)
+            self.open_memory(config.memory_every_steps)
+
+    def open_memory(self, every_steps: int | None) -> MemorySnapshots | None:
+        """Copies of the state in shared memory after steps, beside the disk's (collective; None where the job
+        has no memory folder, with a line saying why)."""
+        train = self.train
+        parts = TrainerParts(
+            runtime=self.runtime, run_dir=self.run_dir, strategy=self.strategy, schedule=self.schedule,
+            states=self.states, record=self.record, global_micro_batch=self.global_micro_batch,
+            position=lambda: train.position, log=self.log,
+        )  # fmt: skip
+        self.memory = open_memory_snapshots(parts, every_steps)
+        return self.memory
 
     def state_dict(self) -> dict[str, Any]:
         """Everything the next step needs. Collective: every rank calls it (the random streams are gathered)."""
@@ -102,7 +113,7 @@ class TrainerSnapshots:
         self.strategy.load_state_dict(state["strategy"])
         for name, part in self.states.items():  # "train" first: the random streams' reseed reads the step
             if name not in state["states"]:
-                if name in self._fresh or name in self.ADDED_SINCE:
+                if name in self._fresh:
                     continue
                 raise ConfigError(
                     f"the snapshot holds no {name!r} state: it was written by a run without one "
@@ -205,3 +216,10 @@ class TrainerSnapshots:
             },
         )
         return True
+
+
+def resumes(resume: bool, restart_count: int) -> bool:
+    """Whether ``fit()`` resumes from the run's snapshots: when the config asks (``resume=True``), and always on
+    a restart (``restart_count > 0``): ``resume=False`` means "this job starts afresh", which its first attempt
+    did; a restarted worker that started afresh again would move its own job's snapshots aside."""
+    return resume or restart_count > 0

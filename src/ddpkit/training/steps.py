@@ -3,7 +3,7 @@
 The loader yields this rank's micro-batches of the epoch (from where a resumed run left off); a step is
 ``grad_accum_steps`` of them, or fewer at the end of an epoch. Each micro-batch comes with what its backward
 needs to know: whether it is the step's last (DDP synchronises only that one), what its mean loss is divided
-by so that the step follows the mean over the step's samples (:func:`loss_share`), and its place in the step's
+by so that the step follows the mean over the step's samples (:func:`loss_divisor`), and its place in the step's
 global batch (for :class:`~ddpkit.nn.dropout.GlobalBatchDropout`).
 """
 
@@ -26,8 +26,8 @@ class MicroBatch:
     batch: Any
     samples: int
     """This rank's samples in it (its items, such as tokens, under ``count_fn``: :mod:`.item_counts`)."""
-    share: float
-    """What its mean loss is divided by (:func:`loss_share`)."""
+    divisor: float
+    """What its mean loss is divided by (:func:`loss_divisor`)."""
     last: bool
     """The step's last micro-batch: its backward synchronises the gradients."""
     index: int
@@ -72,7 +72,7 @@ def epoch_steps(
                 yield MicroBatch(
                     batch,
                     n,
-                    loss_share(n, world, step_samples, count, micro_global),
+                    loss_divisor(n, world, step_samples, count, micro_global),
                     last=index == start + count - 1,
                     index=index,
                 )
@@ -96,7 +96,7 @@ def batch_len(batch: Any) -> int:
     raise TypeError(f"cannot tell the batch size of a {type(batch).__name__}; batches hold tensors")
 
 
-def loss_share(samples: int, world_size: int, step_samples: int, micro_batches: int, micro_global: int) -> float:
+def loss_divisor(samples: int, world_size: int, step_samples: int, micro_batches: int, micro_global: int) -> float:
     """What a rank divides its micro-batch's mean loss by, so that the step follows the mean over the step's
     ``step_samples`` samples on all ranks.
 

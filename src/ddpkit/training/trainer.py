@@ -9,7 +9,7 @@ needed to write a loop by hand. The loop reads::
         self._after_step(step, taken)       # log, agree, snapshot, stop?
 
 Within a step, all micro-batches but the last run under the strategy's ``no_sync()``; each loss is divided by
-its share of the step (:func:`.steps.loss_share`; per token: :mod:`.item_counts`), so the step follows the mean
+its divisor in the step (:func:`.steps.loss_divisor`; per token: :mod:`.item_counts`), so the step follows the mean
 over samples (or tokens), not over ranks; :class:`.optimizer_step.OptimizerStep` takes, skips or stops it on every
 rank alike. Every ``logging.every_steps`` steps and at an epoch's end one small all-reduce gives the exact mean
 training loss and spreads a stop signal any rank received, so that all ranks save and stop after the same step.
@@ -17,7 +17,6 @@ training loss and spreads a stop signal any rank received, so that all ranks sav
 
 from __future__ import annotations
 
-import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
@@ -30,14 +29,13 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from ddpkit.data import ShardedBatchSampler, build_eval_loader, build_loader
-from ddpkit.data.fingerprint import OnDataChange
+from ddpkit.data import ShardedBatchSampler, build_loader
 from ddpkit.distributed import signals
 from ddpkit.distributed.log import print0
 from ddpkit.distributed.runtime import get_runtime
 from ddpkit.distributed.seeding import stream_seed
-from ddpkit.errors import PREEMPTED_EXIT_CODE, ConfigError, Preempted
-from ddpkit.nn.dropout import BatchLayout, GlobalBatchDropout, batch_layout, convert_dropout
+from ddpkit.errors import PREEMPTED_EXIT_CODE, Preempted
+from ddpkit.nn.dropout import GlobalBatchDropout, batch_layout, convert_dropout
 from ddpkit.snapshot import run_dir as run_dir_lib
 from ddpkit.strategies import Strategy, build_strategy
 from ddpkit.tracking.metrics import MetricsWriter
@@ -46,18 +44,16 @@ from ddpkit.training.batch_loss import BatchLoss, BatchLossFn, LossFn
 from ddpkit.training.callbacks import call, call_step_end, own_parts
 from ddpkit.training.compiled import compile_for_training
 from ddpkit.training.config import TrainerConfig  # noqa: F401  (imported from here by scripts)
-from ddpkit.training.evaluation import evaluate
-from ddpkit.training.item_counts import CountFn, WeighedStep, scale_loss
+from ddpkit.training.item_counts import CountFn, WeightedStep, scale_loss
 from ddpkit.training.loss_window import EpochLoss, LossWindow
-from ddpkit.training.memory_snapshots import open_memory_snapshots
 from ddpkit.training.optimizer_step import OptimizerStep, check_metric_driven, metric_driven
 from ddpkit.training.precision import autocast, grad_scaler
 from ddpkit.training.run_record import RunRecord, write_resolved_config
-from ddpkit.training.snapshots import TrainerSnapshots
+from ddpkit.training.snapshots import TrainerSnapshots, resumes
 from ddpkit.training.state import RankStreams, StopReason, TrainState
 from ddpkit.training.step_output import step_output
 from ddpkit.training.steps import MicroBatch, Step, batch_len, epoch_steps, step_layout
-from ddpkit.training.validation import Validation
+from ddpkit.training.validation import Evaluator, Validation
 
 
 class Trainer:
@@ -78,8 +74,6 @@ class Trainer:
     step to step, a counter): every rank saves its own and gets its own back on resume, tensors on the CPU.
     """
 
-    # A snapshot restores the model, optimizer, state, random streams, early stopping, scheduler and scaler,
-    # the epoch's losses so far, and every rank's own state of the callbacks and extra_state.
     config: TrainerConfig
     strategy: Strategy
     model: nn.Module  # inside DDP (or fsdp's wrapping) when there is a process group
@@ -105,13 +99,8 @@ class Trainer:
         extra_state: Mapping[str, Any] | None = None,
     ) -> None:
         # Rank, world size and "main" count in this group: the whole job, or one group of split_world().
-        self.config, self.runtime = config, get_runtime(group)
+        self.config, self.runtime = config, get_runtime(group, member=True)
         rt = self.runtime
-        if rt.rank < 0:
-            raise ConfigError(
-                f"global rank {get_runtime().rank} is not a member of the group it was given: pass "
-                "each rank its own group (split_world() returns it)"
-            )
         self.group = rt.group
         self.callbacks = list(callbacks)
         if config.global_batch_dropout:
@@ -135,17 +124,7 @@ class Trainer:
         self.scaler = grad_scaler(config.precision, rt.device)
         self.batch_loss = BatchLoss(loss_fn, batch_loss_fn, metric_fn, count_fn)
         self.train_data, self.val_data = train_data, val_data
-        self.loader = build_loader(
-            train_data,
-            config.per_rank_batch(rt.world_size),
-            shuffle=config.shuffle,
-            seed=config.seed,
-            drop_last=config.drop_last,
-            num_workers=config.num_workers,
-            group=self.group,
-            seed_samples=config.seed_samples,
-            on_data_change=cast(OnDataChange, config.on_data_change),
-        )
+        self.loader = build_loader(train_data, group=self.group, **config.loader_args(rt.world_size))
         self.sampler = cast(ShardedBatchSampler, self.loader.batch_sampler)  # build_loader's
         self.generator: torch.Generator = self.loader.generator
         self.state = TrainState()
@@ -156,38 +135,35 @@ class Trainer:
         self.writer = MetricsWriter(
             self.run_dir, enabled=rt.is_main, tensorboard=log.tensorboard, loggers=log.trackers, params=config.to_json()
         )
+        self._autocast = partial(autocast, config.precision, rt.device)
+        self.evaluator = Evaluator(
+            self.strategy,
+            self.batch_loss.metrics,
+            self._autocast,
+            config.eval_batch_size,
+            config.num_workers,
+            self.group,
+        )
         self.validation = Validation.of(
-            config, rt, val_data, evaluate=self.evaluate, model_weights=self.strategy.model_weights, log=self.writer.log,
-            notify=self._on_validation_end, plateau=scheduler if self._plateau else None,
+            config, rt, val_data, evaluate=self.evaluator, model_weights=self.strategy.model_weights,
+            log=self.writer.log, plateau=scheduler if self._plateau else None,
         )  # fmt: skip
         self.early_stopping, self.best_weights = self.validation.early_stopping, self.validation.best_weights
+        # A resume on changed data is refused, naming the change: the loader's state holds the data's fingerprint.
+        own = own_parts(self._window, self.callbacks, extra_state)  # what each rank saves of its own
+        states = {
+            "data": self.loader, "rng": RankStreams(rt, self.generator, config.seed, self.state, own=own),
+            "epoch_loss": self.epoch_loss, "early_stopping": self.early_stopping, "validation": self.validation,
+            "scheduler": scheduler, "scaler": self.scaler,
+        }  # fmt: skip
         self.snapshots = TrainerSnapshots(
-            self.run_dir,
-            config.snapshot,
-            runtime=rt,
-            strategy=self.strategy,
-            train=self.state,
-            states={
-                "data": self.loader,  # the data's fingerprint: a resume on changed data is refused, naming it
-                "rng": RankStreams(
-                    rt,
-                    self.generator,
-                    config.seed,
-                    self.state,
-                    own=own_parts(self._window, self.callbacks, extra_state),
-                ),
-                "epoch_loss": self.epoch_loss,
-                "early_stopping": self.early_stopping,
-                "validation": self.validation,
-                "scheduler": scheduler,
-                "scaler": self.scaler,
-            },
-            record=record,
-            global_micro_batch=self.sampler.global_batch_size,
-            log=self.writer.log,
+            self.run_dir, config.snapshot, runtime=rt, strategy=self.strategy, train=self.state, states=states,
+            record=record, global_micro_batch=self.sampler.global_batch_size, log=self.writer.log,
             print0=partial(print0, group=self.group),
-        )
-        self.memory = open_memory_snapshots(self)  # copies in shared memory after steps, a callback (None: off)
+        )  # fmt: skip
+        self.memory = self.snapshots.memory  # copies in shared memory after steps (None: off)
+        if self.memory is not None:
+            self.callbacks.append(self.memory)  # after the script's: a copy after each step; gone at fit()'s end
         self.optimizer_step = OptimizerStep(
             config, self.strategy, scheduler=None if self._plateau else scheduler, scaler=self.scaler,
             state=self.state, log=self.writer.log, group=self.group,
@@ -255,8 +231,10 @@ class Trainer:
             with signals.stop_signals(self._on_stop_signal):
                 while self.epoch < cfg.epochs and self.stopped_by is None:
                     if not self._train_epoch():
-                        if self.stopped_by == StopReason.MAX_STEPS and self.val_data is not None:
-                            last = self.validation.inside_epoch(self.evaluate, self.val_data, self.epoch, self.step)
+                        if self.stopped_by == StopReason.MAX_STEPS:
+                            last = self.validation.inside_epoch(self.epoch, self.step)
+                            if last:
+                                call(self.callbacks, "on_validation_end", self, last)
                         break
                     last = self._end_epoch()
             if self.stopped_by is None:
@@ -278,13 +256,12 @@ class Trainer:
         if self.stopped_by != StopReason.SIGNAL:
             print0(run_summary(str(reason), self.state, last, self.validation, self.run_dir), group=self.group)
         elif cfg.raise_on_stop_signal:
-            received = signal.Signals(self._stop_signal).name if self._stop_signal else "a signal to another rank"
+            preempted = Preempted.by(self._stop_signal, self.step)
             print0(
-                f"ddpkit: stopped by {received} after optimizer step {self.step}; the snapshot is saved; "
-                f"raising ddpkit.Preempted (exit code {PREEMPTED_EXIT_CODE}: pre-empted, resume me)",
+                f"ddpkit: {preempted}; raising ddpkit.Preempted (exit code {PREEMPTED_EXIT_CODE}: pre-empted, resume me)",
                 group=self.group,
             )
-            raise Preempted(self.step, received)
+            raise preempted
         return last
 
     def _train_epoch(self) -> bool:
@@ -314,20 +291,23 @@ class Trainer:
 
     def _train_step(self, step: Step) -> bool:
         """Forward and backward on each of the step's micro-batches, then the optimizer step; True if taken."""
-        weighed = WeighedStep.of(step, self.batch_loss.count_fn, self.runtime.world_size, self.group)
-        for micro in weighed or step.micro_batches:
+        weighted = WeightedStep.of(step, self.batch_loss.count_fn, self.runtime.world_size, self.group)
+        for micro in weighted or step.micro_batches:
             sync = nullcontext() if micro.last else self.strategy.no_sync()
             with sync:
                 loss = self._micro_batch_loss(micro)
                 self._window.add(loss, micro.samples)
-                scaled = scale_loss(self.strategy.mark_nonfinite(loss), micro, weighed)
+                scaled = scale_loss(self.strategy.mark_nonfinite(loss), micro, weighted)
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
         taken = self.optimizer_step(self._window)
         self._window.end_step(taken)
         return taken
 
     def _micro_batch_loss(self, micro: MicroBatch) -> torch.Tensor:
-        layout = batch_layout(self._layout(micro.index, micro.batch)) if self._global_dropout else nullcontext()
+        layout: Any = nullcontext()
+        if self._global_dropout:  # each sample's mask from its place in the global batch
+            at = step_layout(self.sampler, micro.index, self.config.grad_accum_steps, self.config.seed, self.epoch)
+            layout = batch_layout(replace(at, size=batch_len(micro.batch)))
         with self._autocast(), layout:
             return self.batch_loss(self._forward, micro.batch)
 
@@ -340,8 +320,10 @@ class Trainer:
         if cfg.max_steps is not None and self.step >= cfg.max_steps:
             self.stopped_by = StopReason.MAX_STEPS
         # Before the step's snapshot (below, or fit's), whose early-stopping state then counts this validation:
-        if self.validation.due(self.step, taken) and self.validation.after_step(self.epoch, self.step):
-            self.stopped_by = StopReason.EARLY_STOPPING
+        if self.validation.due(self.step, taken):
+            call(self.callbacks, "on_validation_end", self, self.validation.after_step(self.epoch, self.step))
+            if self.early_stopping.should_stop:
+                self.stopped_by = StopReason.EARLY_STOPPING
         postfix = None
         if step.last_in_epoch or self.stopped_by or (taken and self.step % cfg.logging.every_steps == 0):
             postfix = self._log_window()
@@ -391,38 +373,22 @@ class Trainer:
             self.save()
         # The records and callbacks get the epoch's time too; fit() returns only what the training determines.
         timed = metrics | {"epoch_seconds": seconds}
-        self.writer.log("epoch", self.step, timed)
-        self.writer.epoch_row(timed)
-        self.writer.flush()
+        self.writer.epoch_end(self.step, timed)
         print0(
             " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in timed.items()), group=self.group
         )
         if self.val_data is not None and self.validation.at_epoch_end:  # once recorded and counted
-            self.validation.notify({k: v for k, v in metrics.items() if k.startswith("val/") or k in ("epoch", "step")})
+            val = {k: v for k, v in metrics.items() if k.startswith("val/") or k in ("epoch", "step")}
+            call(self.callbacks, "on_validation_end", self, val)
         call(self.callbacks, "on_epoch_end", self, timed)
         return metrics
 
     def evaluate(self, data: Dataset, prefix: str = "test") -> dict[str, float]:
         """Exact metrics over every sample of ``data`` (each counted once), named ``prefix/metric``."""
-        loader = build_eval_loader(
-            data, self.config.eval_batch_size, num_workers=self.config.num_workers, group=self.group
-        )
-        with self.strategy.evaluation():  # fsdp: no collective per forward, as ranks' batch counts may differ
-            results = evaluate(self.model, loader, self.batch_loss.metrics, group=self.group, autocast=self._autocast)
-        out = {f"{prefix}/{k}": v for k, v in results.items()}
+        out = self.evaluator(data, prefix)
         if prefix != "val":
             self.writer.log(prefix, self.step, out)
         return out
-
-    def _layout(self, micro: int, batch: Any) -> BatchLayout:
-        layout = step_layout(self.sampler, micro, self.config.grad_accum_steps, self.config.seed, self.epoch)
-        return replace(layout, size=batch_len(batch))
-
-    def _autocast(self) -> Any:
-        return autocast(self.config.precision, self.runtime.device)
-
-    def _on_validation_end(self, metrics: dict[str, float]) -> None:
-        call(self.callbacks, "on_validation_end", self, metrics)
 
     def _on_stop_signal(self, signum: int) -> None:
         # Only a flag: the next agreement (every logging.every_steps) spreads it, and every rank saves and stops
@@ -431,10 +397,3 @@ class Trainer:
 
     def _lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
-
-
-def resumes(resume: bool, restart_count: int) -> bool:
-    """Whether ``fit()`` resumes from the run's snapshots: when the config asks (``resume=True``), and always on
-    a restart (``restart_count > 0``): ``resume=False`` means "this job starts afresh", which its first attempt
-    did; a restarted worker that started afresh again would move its own job's snapshots aside."""
-    return resume or restart_count > 0

@@ -17,39 +17,54 @@ weights at those steps are the same, bit for bit) and so picks the same best ste
 
 from __future__ import annotations
 
-import inspect
-import weakref
 from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
+from torch.utils.data import Dataset
 
+from ddpkit.data import build_eval_loader
 from ddpkit.distributed.collectives import broadcast_object
 from ddpkit.distributed.log import print0
 from ddpkit.distributed.runtime import Runtime
 from ddpkit.errors import ConfigError
 from ddpkit.snapshot import export
 from ddpkit.snapshot.best import BestWeights
+from ddpkit.strategies.base import Strategy
 from ddpkit.training.config import TrainerConfig
 from ddpkit.training.early_stopping import EarlyStopping
+from ddpkit.training.evaluation import evaluate
 from ddpkit.training.state import StopReason
 
 
-def weakly(method: Callable[..., Any]) -> Callable[..., Any]:
-    """``method`` (a bound method), called through a weak reference to its object."""
-    if not inspect.ismethod(method):
-        return method
-    ref = weakref.WeakMethod(method)
+class Evaluator:
+    """Exact metrics of a Trainer's model over a dataset (every sample counted once): its own evaluation loader,
+    the strategy's evaluation mode, the run's metrics and precision. It holds the Trainer's parts, never the
+    Trainer: a Trainer -> validation -> Trainer cycle would keep a finished Trainer alive until a garbage
+    collection, which then shuts its loader's workers down in whatever thread it runs (a snapshot writer's,
+    stalled for seconds)."""
 
-    def call(*args: Any, **kwargs: Any) -> Any:
-        bound = ref()
-        if bound is None:
-            raise ReferenceError("the Trainer this validation belongs to is gone")
-        return bound(*args, **kwargs)
+    def __init__(
+        self,
+        strategy: Strategy,
+        metrics: Callable[[nn.Module, Any], Mapping[str, Any]],
+        autocast: Callable[[], Any],
+        batch_size: int,
+        num_workers: int | None,
+        group: Any,
+    ) -> None:
+        self.strategy, self.metrics, self.autocast = strategy, metrics, autocast
+        self.batch_size, self.num_workers, self.group = batch_size, num_workers, group
 
-    return call
+    def __call__(self, data: Dataset, prefix: str = "test") -> dict[str, float]:
+        """The metrics over ``data``, named ``prefix/metric``."""
+        loader = build_eval_loader(data, self.batch_size, num_workers=self.num_workers, group=self.group)
+        with self.strategy.evaluation():  # fsdp: no collective per forward, as ranks' batch counts may differ
+            results = evaluate(self.strategy.model, loader, self.metrics, group=self.group, autocast=self.autocast)
+        return {f"{prefix}/{k}": v for k, v in results.items()}
 
 
 class Validation:
@@ -64,14 +79,12 @@ class Validation:
         log: Callable[[str, int, dict[str, Any]], None],
         every_steps: int | None = None,
         evaluate: Callable[[], dict[str, float]] | None = None,
-        notify: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
-        """``evaluate``: the validation's metrics (the Trainer's ``evaluate`` on its ``val_data``), needed with
-        ``every_steps``. ``notify(metrics)``: told of each validation (the callbacks' ``on_validation_end``)."""
+        """``evaluate``: the validation's metrics (an :class:`Evaluator` on the validation data), needed with
+        ``every_steps``."""
         self.early_stopping, self.best_weights = early_stopping, best_weights
         self.model_weights, self.log = model_weights, log
         self.every_steps, self.evaluate = every_steps, evaluate
-        self.notify = notify or (lambda metrics: None)
         self.latest: dict[str, Any] = {}
         """The latest step-wise validation's metrics (``val/...``), which ``fit()`` returns with the epoch's."""
         self.latest_step: int | None = None
@@ -89,10 +102,9 @@ class Validation:
         runtime: Runtime,
         val_data: Any,
         *,
-        evaluate: Callable[[Any, str], dict[str, float]],
+        evaluate: Evaluator,
         model_weights: Callable[[], Mapping[str, torch.Tensor]],
         log: Callable[[str, int, dict[str, Any]], None],
-        notify: Callable[[dict[str, Any]], None] | None = None,
         plateau: Any = None,
     ) -> Validation:
         """A Trainer's validation and weights files as ``config`` asks: early stopping, ``best.pt`` and, in
@@ -118,12 +130,8 @@ class Validation:
             export_format=weights_format,
         )
         best.at_step = config.val_every_steps is not None
-        # `evaluate` and `notify` are the Trainer's, which holds this validation: held weakly, as a cycle would
-        # keep a Trainer after its last use until a garbage collection, which then shuts its loader's workers
-        # down in whatever thread it runs (a snapshot writer's, stalled for seconds).
-        validate = partial(weakly(evaluate), val_data, "val") if val_data is not None else None
-        notify = weakly(notify) if notify is not None else None
-        out = cls(EarlyStopping(es), best, model_weights, log, config.val_every_steps, validate, notify)
+        validate = partial(evaluate, val_data, "val") if val_data is not None else None
+        out = cls(EarlyStopping(es), best, model_weights, log, config.val_every_steps, validate)
         out.plateau = plateau
         out.weights_format, out.run_dir, out.is_main, out.group = (
             weights_format,
@@ -171,31 +179,29 @@ class Validation:
             self.log("event", step, event)
         return self.early_stopping.should_stop
 
-    def inside_epoch(
-        self, evaluate: Callable[..., dict[str, float]], data: Any, epoch: int, step: int
-    ) -> dict[str, Any]:
+    def inside_epoch(self, epoch: int, step: int) -> dict[str, Any]:
         """``max_steps`` stopped the run inside an epoch: validate there, and count it towards the best weights
         and early stopping as an epoch's end would (else a short run ends with no val metrics and no best.pt).
-        Nothing to do when validating every N steps: a run validates where those fall, {} then."""
-        if not self.at_epoch_end:
+        Nothing to do when validating every N steps (a run validates where those fall) or without validation
+        data: {} then."""
+        if not self.at_epoch_end or self.evaluate is None:
             return {}
-        metrics = {"epoch": epoch, "step": step} | evaluate(data, prefix="val")
+        metrics = {"epoch": epoch, "step": step} | self.evaluate()
         self.update(metrics, epoch, step)
         self.log("val", step, metrics)
-        self.notify(metrics)
         return metrics
 
-    def after_step(self, epoch: int, step: int) -> bool:
-        """Validate now (the step is due): record the metrics as a ``val`` record at ``step`` and take them; True
-        when training must stop."""
+    def after_step(self, epoch: int, step: int) -> dict[str, Any]:
+        """Validate now (the step is due): record the metrics as a ``val`` record at ``step`` and count them
+        (``early_stopping.should_stop`` then says whether training must stop); the metrics, with ``epoch``
+        and ``step``."""
         assert self.evaluate is not None  # `of` refuses every_steps without validation data
         metrics = self.evaluate()
         self.latest, self.latest_step = dict(metrics), step
         self.log("val", step, {"epoch": epoch, **metrics})
         print0(" ".join([f"step {step}", *(f"{k} {v:.4g}" for k, v in metrics.items())]), group=self.group)
-        stop = self.update(metrics, epoch, step)
-        self.notify({"epoch": epoch, "step": step, **metrics})
-        return stop
+        self.update(metrics, epoch, step)
+        return {"epoch": epoch, "step": step, **metrics}
 
     def save_final_weights(self, epoch: int, step: int, stopped_by: str | None) -> None:
         """``final.safetensors`` (or ``final_weights.pt``) in the run directory, when training ends: not after a

@@ -21,13 +21,14 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-import ddpkit.snapshot.memory as ms
+import ddpkit.memory.slot as mslot
+import ddpkit.memory.store as ms
 from tests.jobs.scripts import memory_job
 
 
 def _lie_about_weight(path: Path) -> None:
     raw = bytearray(path.read_bytes())
-    record = ms.Record.unpack(bytes(raw[: ms.HEADER]))
+    record = mslot.Record.unpack(bytes(raw[: mslot.HEADER]))
     assert record is not None and record.whole
     at = record.data[0]
     raw[at : at + 4] = struct.pack("<f", 999.9)
@@ -36,7 +37,7 @@ def _lie_about_weight(path: Path) -> None:
 
 def _lie_about_layout(path: Path) -> None:
     raw = bytearray(path.read_bytes())
-    record = ms.Record.unpack(bytes(raw[: ms.HEADER]))
+    record = mslot.Record.unpack(bytes(raw[: mslot.HEADER]))
     assert record is not None and record.whole
     off, length, _ = record.manifest
     manifest = json.loads(raw[off : off + length])
@@ -44,7 +45,7 @@ def _lie_about_layout(path: Path) -> None:
     text = json.dumps(manifest).encode()
     assert len(text) <= record.values[0] - off  # room before the values
     raw[off : off + len(text)] = text
-    lied = ms.Record(record.begin, record.end, (off, len(text), zlib.crc32(text)), record.values, record.data)
+    lied = mslot.Record(record.begin, record.end, (off, len(text), zlib.crc32(text)), record.values, record.data)
     raw[: len(lied.pack())] = lied.pack()
     path.write_bytes(bytes(raw))
 

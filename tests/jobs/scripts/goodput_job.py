@@ -134,7 +134,7 @@ def trainer_loop(a, mark: Timeline) -> None:
         def on_fit_start(self, trainer):
             mark("loaded", step=trainer.step)
 
-        def on_step_end(self, trainer, taken):
+        def on_step_end(self, trainer, taken, output):
             if self.first:
                 self.first = False
                 mark("first_step", step=trainer.step)

@@ -78,7 +78,7 @@ def read_steps(
             steps.append(batch)
             if stop_after is not None and len(steps) == stop_after:
                 break
-    return ddpkit.gather_object(steps)
+    return ddpkit.all_gather_object(steps)
 
 
 class _Lines:
@@ -117,7 +117,7 @@ def naive_steps(
     shards = NaiveShards(data, rt.rank, rt.world_size, cursor, by_worker)
     loader = DataLoader(shards, batch_size=per_rank, num_workers=workers, collate_fn=ids_only)
     steps = list(itertools.islice(loader, stop_after))
-    return ddpkit.gather_object(steps)
+    return ddpkit.all_gather_object(steps)
 
 
 # -- the training job (under ddpkit run) ----------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 Labels past a sequence's length are ``ignore_index`` (-100), so micro-batches hold different numbers of tokens.
 ``count_tokens=True`` passes the Trainer ``count_fn`` (the step follows the mean over every token of the
-global batch); False leaves the default, each micro-batch's token mean weighed by its samples: the control.
+global batch); False leaves the default, each micro-batch's token mean weighted by its samples: the control.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The Trainer's snapshots in memory: after steps, each rank's state goes into its slots in the job's folder in
-shared memory (:mod:`ddpkit.snapshot.memory`), which outlives the worker; a restart resumes from there
-(:mod:`ddpkit.training.memory_resume`).
+shared memory (:mod:`ddpkit.memory.store`), which outlives the worker; a restart resumes from there
+(:mod:`ddpkit.memory.resume`).
 
 A save, after an optimizer step, copies what a disk snapshot holds: the strategy's state (model, optimizer,
 the rank's own buffers), the other stateful parts (counters, early stopping, scheduler, scaler), and the
@@ -28,22 +28,25 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ddpkit.distributed import memory_folder
 from ddpkit.distributed.collectives import all_reduce
 from ddpkit.distributed.environment import read_launch_env
-from ddpkit.distributed.runtime import DEFAULT_TIMEOUT
+from ddpkit.distributed.runtime import DEFAULT_TIMEOUT, Runtime
 from ddpkit.internals.modules import buffer_slots
-from ddpkit.nn.prepare import unwrap
-from ddpkit.snapshot import memory as store_lib
-from ddpkit.snapshot import memory_values as values_lib
+from ddpkit.memory import folder as memory_folder
+from ddpkit.memory import store as store_lib
+from ddpkit.memory import values as values_lib
 from ddpkit.snapshot.layout import PER_RANK, KeyPath, leaves
+from ddpkit.strategies.base import Strategy
+from ddpkit.strategies.prepare import unwrap
 
 STALL_BUDGET = 0.05
 """The share of a step the copy to memory may hold the training loop when the interval is chosen."""
@@ -65,9 +68,33 @@ def _hyperparams_only(path: KeyPath) -> bool:
     return len(path) == 2 and path[0] == "optim" and str(path[1]).startswith("param_groups.")
 
 
-def _optimizers(trainer: Any) -> list[Any]:
+@dataclass(frozen=True)
+class TrainerParts:
+    """What the snapshots in memory read of a Trainer, handed over by it. The Trainer's own classes are not
+    imported here (its package imports this one): each field says what it is."""
+
+    runtime: Runtime
+    """The ranks that train the model together (its group)."""
+    run_dir: Path
+    strategy: Strategy
+    """The wrapped model and optimizer, whose state is copied from their live tensors."""
+    schedule: Any
+    """The run's :class:`~ddpkit.training.schedule.SnapshotSchedule`: when a copy is due; holds the interval."""
+    states: Mapping[str, Any]
+    """The disk snapshots' stateful parts by name, ``"rng"`` (:class:`~ddpkit.training.state.RankStreams`)
+    among them: what each rank keeps its own of."""
+    record: Any
+    """The run's :class:`~ddpkit.training.run_record.RunRecord`: a resume compares it before it loads."""
+    global_micro_batch: int
+    position: Callable[[], tuple[int, int, int]]
+    """``(epoch, step, cursor)`` now."""
+    log: Callable[[str, int, dict[str, Any]], None]
+    """The run's record of events."""
+
+
+def _optimizers(optimizer: Any) -> list[Any]:
     # ZeroRedundancyOptimizer keeps the state of this rank's parameters in its local optimizer, ``.optim``.
-    found = [trainer.optimizer, getattr(trainer.optimizer, "optim", None)]
+    found = [optimizer, getattr(optimizer, "optim", None)]
     return list({id(o): o for o in found if o is not None}.values())
 
 
@@ -77,11 +104,11 @@ class _Watch:
     tensors (created at the first step, replaced by ``load_state_dict``). ~10 us for the seeds' CNN, against
     ~30 us for walking the modules again."""
 
-    def __init__(self, trainer: Any) -> None:
-        module = unwrap(trainer.model)
+    def __init__(self, strategy: Strategy) -> None:
+        module = unwrap(strategy.model)
         self.params = list(module.parameters())
         self.buffers = buffer_slots(module)
-        self.optimizers = _optimizers(trainer)
+        self.optimizers = _optimizers(strategy.optimizer)
 
     def live(self) -> list[torch.Tensor]:
         found: list[torch.Tensor] = list(self.params)
@@ -121,55 +148,40 @@ def _warn(message: str) -> None:
     print(f"ddpkit: {message}", file=sys.stderr, flush=True)
 
 
-def _gloo_group(trainer: Any) -> Any:
-    """A gloo group over the Trainer's ranks (the peers' gather, the agreement, a donor's send), with the job's
-    bound on a collective rather than gloo's default of 30 minutes for a new group."""
+def _gloo_group(group: Any) -> Any:
+    """A gloo group over the ranks of ``group`` (the peers' gather, the agreement, a donor's send), with the
+    job's bound on a collective rather than gloo's default of 30 minutes for a new group."""
     seconds = read_launch_env().collective_timeout
-    ranks = dist.get_process_group_ranks(trainer.group if trainer.group is not None else dist.group.WORLD)
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
     timeout = timedelta(seconds=seconds) if seconds else DEFAULT_TIMEOUT
     return dist.new_group(ranks, backend="gloo", use_local_synchronization=True, timeout=timeout)
 
 
-def open_memory_snapshots(trainer: Any) -> MemorySnapshots | None:
-    """Memory snapshots for ``trainer`` when its config asks for them and the agent of ``ddpkit run`` made the
-    job a memory folder on every node, else None (with one line saying why). Collective (one all-reduce): the
-    ranks decide together, as a save with peers and a resume are collectives. They join the trainer's
-    callbacks, after the script's (a copy after each step; the slots removed when ``fit()`` ends), and its
-    snapshots (a resume looks in memory first)."""
-    config = trainer.config
-    if not config.snapshot.memory:  # (a restart resumes even under resume=False: see Trainer.fit)
-        return None
-    memory = _open(trainer)
-    if memory is not None:
-        trainer.callbacks.append(memory)
-        trainer.snapshots.memory = memory
-    return memory
-
-
-def _open(trainer: Any) -> MemorySnapshots | None:
-    rt = trainer.runtime
+def open_memory_snapshots(parts: TrainerParts, every_steps: int | None) -> MemorySnapshots | None:
+    """Memory snapshots of a Trainer's ``parts`` when the agent of ``ddpkit run`` made the job a memory folder
+    on every node, else None (with one line saying why). Collective (one all-reduce): the ranks decide
+    together, as a save with peers and a resume are collectives. ``every_steps``: see :class:`MemorySnapshots`."""
+    rt = parts.runtime
     folder, job = os.environ.get(memory_folder.DIR_ENV), memory_folder.job_key()
     why = os.environ.get(memory_folder.UNAVAILABLE_ENV) or "no memory folder for the job (run under ddpkit run)"
     store = None
     if folder and job is not None:
         try:
             store = store_lib.MemoryStore(
-                folder, job=job, run=store_lib.run_key(trainer.run_dir), rank=rt.rank, world_size=rt.world_size
+                folder, job=job, run=store_lib.run_key(parts.run_dir), rank=rt.rank, world_size=rt.world_size
             )
         except store_lib.MemoryUnavailable as err:
             why = str(err)
     # A node whose agent made no folder turns them off everywhere.
-    everywhere = all_reduce(float(store is not None), op="min", group=trainer.group) if rt.distributed else 1.0
+    everywhere = all_reduce(float(store is not None), op="min", group=rt.group) if rt.distributed else 1.0
     if store is None or not everywhere:
         reason = why if store is None else "another rank has no memory folder"
         if rt.is_main or folder:  # one line for the job, and one from each rank that had a folder
             _warn(f"snapshots in memory are off (rank {rt.rank}: {reason}); disk snapshots only")
         return None
-    group = _gloo_group(trainer) if rt.distributed else None
-    peers = trainer.strategy.name == "ddp" and rt.world_size > rt.local_world_size
-    return MemorySnapshots(
-        trainer, store, every_steps=trainer.config.snapshot.memory_every_steps, peers=peers, group=group
-    )
+    group = _gloo_group(rt.group) if rt.distributed else None
+    peers = parts.strategy.name == "ddp" and rt.world_size > rt.local_world_size
+    return MemorySnapshots(parts, store, every_steps=every_steps, peers=peers, group=group)
 
 
 class MemorySnapshots:
@@ -179,10 +191,10 @@ class MemorySnapshots:
     also keep every rank's own part in every rank's slot."""
 
     def __init__(
-        self, trainer: Any, store: store_lib.MemoryStore, *, every_steps: int | None, peers: bool, group: Any
+        self, parts: TrainerParts, store: store_lib.MemoryStore, *, every_steps: int | None, peers: bool, group: Any
     ) -> None:
-        self.trainer, self.store, self.peers, self.group = trainer, store, peers, group
-        self.schedule = trainer.snapshots.schedule  # says when a copy is due; holds the interval once chosen
+        self.parts, self.store, self.peers, self.group = parts, store, peers, group
+        self.schedule = parts.schedule  # says when a copy is due; holds the interval once chosen
         self.every_steps = every_steps or 1
         self._tuned = every_steps is not None
         self._starts: list[float] = []  # perf_counter at each save, until the interval is chosen
@@ -207,9 +219,9 @@ class MemorySnapshots:
     def every_steps(self, value: int) -> None:
         self.schedule.memory_every_steps = value
 
-    def on_step_end(self, trainer: Any, taken: bool) -> None:
+    def on_step_end(self, trainer: Any, taken: bool, output: Any) -> None:
         """Every rank, after every step (the Trainer's callback): a copy on the interval of the steps taken."""
-        if self.schedule.in_memory(trainer.step, taken):
+        if self.schedule.in_memory(output.step, taken):
             self.save()
 
     def on_fit_end(self, trainer: Any) -> None:
@@ -264,7 +276,7 @@ class MemorySnapshots:
         self.every_steps = int(wanted)
         record = {"event": "memory_snapshots", "every_steps": self.every_steps}
         record |= {"stall_ms": round(1e3 * stall, 3), "step_ms": round(1e3 * step, 3)}
-        self.trainer.writer.log("event", self.trainer.step, record)
+        self.parts.log("event", self.parts.position()[1], record)
 
     def _save(self) -> None:
         plan = self._current_plan()
@@ -278,7 +290,7 @@ class MemorySnapshots:
         key = (plan.ident, tuple((t.dtype, t.shape) for t in tensors[len(plan.tensors) :]))
         if key != self._layout or self._manifest is None:
             self._layout, self._manifest = key, self._make_manifest(plan, tensors)
-        position = self.trainer.state.position
+        position = self.parts.position()
         values = {"step": position[1], "position": list(position), "peers": self.peers, "values": skeleton}
         self.store.save(values, tensors, self._manifest, key)
 
@@ -286,8 +298,8 @@ class MemorySnapshots:
         plan = self._plan
         if plan is not None and plan.reusable and plan.signature == plan.watch.signature():
             return plan
-        state = self.trainer.strategy.state_dict()
-        watch = _Watch(self.trainer)
+        state = self.parts.strategy.state_dict()
+        watch = _Watch(self.parts.strategy)
         storages = {local(t).untyped_storage().data_ptr() for t in watch.live()}
         paths, tensors, own, values = [], [], [], []
         for path, value in leaves(state):
@@ -308,19 +320,20 @@ class MemorySnapshots:
 
     def _dynamic(self, plan: _Plan) -> dict[str, Any]:
         """What changes from step to step besides the strategy's tensors."""
-        t, snapshots = self.trainer, self.trainer.snapshots
+        parts = self.parts
+        groups = parts.strategy.optimizer.param_groups
         return {
-            "states": {name: part.state_dict() for name, part in snapshots.states.items() if name != "rng"},
-            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in t.optimizer.param_groups],
+            "states": {name: part.state_dict() for name, part in parts.states.items() if name != "rng"},
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in groups],
             "strategy_values": [[list(p), v] for p, v in plan.values],
-            "own": snapshots.states["rng"].mine(),  # streams, and the parts each rank keeps its own of
-            "global_micro_batch": snapshots.global_micro_batch,
+            "own": parts.states["rng"].mine(),  # streams, and the parts each rank keeps its own of
+            "global_micro_batch": parts.global_micro_batch,
         }
 
     def _make_manifest(self, plan: _Plan, tensors: list[torch.Tensor]) -> dict[str, Any]:
         specs, size = values_lib.layout(tensors)
         if self._check is None:  # what a resume compares before it loads, as a disk snapshot's record
-            self._check = values_lib.flatten(self.trainer.snapshots.record.state_dict(), [])
+            self._check = values_lib.flatten(self.parts.record.state_dict(), [])
         return {
             "paths": [list(p) for p in plan.paths],
             "own": plan.own,

@@ -4,7 +4,7 @@ On every rank together (collective): each rank says which whole states it holds,
 rank can resume from is taken (a rank killed during a copy holds the step before its peers' newest: the step
 before is taken), and it is used when it is newer than the newest disk snapshot; else the disk's. A rank with
 no slot at that position (its node is new) gets it from a rank whose slot holds every rank's own part (peers,
-:mod:`ddpkit.training.memory_snapshots`): the donor sends its slot's bytes over the job's process group.
+:mod:`ddpkit.memory.snapshots`): the donor sends its slot's bytes over the job's process group.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpkit.distributed.collectives import broadcast_object, gather_object, tensor_bytes
+from ddpkit.distributed.collectives import all_gather_object, broadcast_object, tensor_bytes
 from ddpkit.errors import ConfigError
-from ddpkit.snapshot import memory as store_lib
-from ddpkit.snapshot import memory_values as values_lib
+from ddpkit.memory import slot as slot_lib
+from ddpkit.memory import values as values_lib
+from ddpkit.memory.snapshots import MemorySnapshots, local
 from ddpkit.snapshot.layout import leaves
 from ddpkit.snapshot.manager import Found, SnapshotManager
-from ddpkit.training.memory_snapshots import MemorySnapshots, local
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ def agree(
         "peers": sorted({f.position for f in found if f.peers}),
         "damaged": memory.store.damaged if not skipped else [],  # said once, at the first agreement
     }
-    offers: list[Any] = gather_object(offer, group=memory.group) if memory.group is not None else [offer]
+    offers: list[Any] = all_gather_object(offer, group=memory.group) if memory.group is not None else [offer]
     damaged = sorted({text for o in offers for text in o["damaged"]})
     if damaged and warn is not None:
         warn(f"ddpkit: skipping damaged snapshots in memory: {'; '.join(damaged)}")
@@ -111,7 +111,7 @@ _MALFORMED = (ValueError, KeyError, IndexError, TypeError, AttributeError, Recur
 def read(memory: MemorySnapshots, choice: Choice) -> SlotRead:
     """The state at ``choice``, from this rank's slot or from the donor's (collective when there is a donor),
     checked against the Trainer's state (every tensor there, of its shape and dtype) before anything is put
-    into it. Raises :class:`~ddpkit.snapshot.memory.BadSlot` naming the slot and what is wrong."""
+    into it. Raises :class:`~ddpkit.memory.slot.BadSlot` naming the slot and what is wrong."""
     found = {(f.rank, f.position): f for f in memory.store.found()}
     mine = found.get((memory.rank, choice.position))
     data = None
@@ -122,85 +122,83 @@ def read(memory: MemorySnapshots, choice: Choice) -> SlotRead:
             donor_slot = held[0][1].path if held else None
         data = _broadcast_slot(memory, donor_slot, choice.donor)
     if mine is not None:
-        got = store_lib.read_slot(mine.path, data=True)
+        got = slot_lib.read_slot(mine.path, data=True)
         name = str(mine.path)
     else:
         name = f"rank {choice.donor}'s slot (sent to rank {memory.rank})"
-        got = store_lib.parse_slot(data, name) if data is not None else None
+        got = slot_lib.parse_slot(data, name) if data is not None else None
     if got is None:
-        raise store_lib.BadSlot(f"the state in memory at step {choice.step} changed while it was read ({name})")
+        raise slot_lib.BadSlot(f"the state in memory at step {choice.step} changed while it was read ({name})")
     try:
         return _checked_state(memory, *got, from_peer=mine is None)
-    except store_lib.BadSlot as err:
-        raise store_lib.BadSlot(f"{name}: {err}") from None
+    except slot_lib.BadSlot as err:
+        raise slot_lib.BadSlot(f"{name}: {err}") from None
     except ConfigError:  # another config or model: refused as a disk snapshot is, not skipped
         raise
     except _MALFORMED as err:
-        raise store_lib.BadSlot(
-            f"{name}: its values are not what a save writes ({type(err).__name__}: {err})"
-        ) from None
+        raise slot_lib.BadSlot(f"{name}: its values are not what a save writes ({type(err).__name__}: {err})") from None
 
 
 def _checked_state(
-    memory: MemorySnapshots, record: store_lib.Record, manifest: dict, values: dict, data: bytes, *, from_peer: bool
+    memory: MemorySnapshots, record: slot_lib.Record, manifest: dict, values: dict, data: bytes, *, from_peer: bool
 ) -> SlotRead:
-    snapshots = memory.trainer.snapshots
+    parts = memory.parts
     if values.get("run") != memory.store.run or values.get("world_size") != memory.world_size:
         raise RuntimeError("ddpkit: a memory snapshot of another run was offered; refusing it")
     # Refused before any tensor is loaded, as a disk snapshot of another config or model is.
-    snapshots.record.check(values_lib.unflatten(manifest["check"], []), "the snapshot in memory")
-    tensors = store_lib.tensors_of(data, record, manifest)
+    parts.record.check(values_lib.unflatten(manifest["check"], []), "the snapshot in memory")
+    tensors = slot_lib.tensors_of(data, record, manifest)
     n_plan, paths = manifest["n_plan"], manifest["paths"]
     if type(n_plan) is not int or not 0 <= n_plan <= len(tensors) or len(paths) != n_plan:
-        raise store_lib.BadSlot("its manifest does not say which tensors are the model's and optimizer's")
+        raise slot_lib.BadSlot("its manifest does not say which tensors are the model's and optimizer's")
     saved = {tuple(p): t for p, t in zip(paths, tensors[:n_plan])}
     dynamic = values_lib.unflatten(values["values"], tensors[n_plan:])
     groups, strategy_values = dynamic["param_groups"], dynamic["strategy_values"]
     if (
         not isinstance(dynamic["states"], dict)
         or not isinstance(groups, list)
-        or len(groups) != len(memory.trainer.optimizer.param_groups)
+        or len(groups) != len(memory.parts.strategy.optimizer.param_groups)
         or not all(isinstance(g, dict) for g in groups)
         or not all(isinstance(v, list) and len(v) == 2 and isinstance(v[0], list) and v[0] for v in strategy_values)
     ):
-        raise store_lib.BadSlot("its values are not the counters, parameter groups and states a save writes")
+        raise slot_lib.BadSlot("its values are not the counters, parameter groups and states a save writes")
     own = dynamic["own"]
     if from_peer:  # this rank's own part, from the donor's gathered rows
         rows = tensors[-1]
         if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[0] != memory.world_size or rows.shape[1] < 8:
-            raise store_lib.BadSlot("its every-rank part is not one row per rank")
+            raise slot_lib.BadSlot("its every-rank part is not one row per rank")
         row = rows[memory.rank]
         length = int(row[:8].clone().view(torch.int64))
         if not 0 <= length <= row.numel() - 8:
-            raise store_lib.BadSlot(f"rank {memory.rank}'s row says {length} bytes, more than it holds")
+            raise slot_lib.BadSlot(f"rank {memory.rank}'s row says {length} bytes, more than it holds")
         part = values_lib.decode_blob(tensor_bytes(row[8 : 8 + length]))
         own = part["own"]
         for key, tensor in part["strategy_own"].items():
             saved[tuple(json.loads(key))] = tensor
     plain = set()
-    for path, value in leaves(snapshots.strategy.state_dict()):
+    for path, value in leaves(parts.strategy.state_dict()):
         if not isinstance(value, torch.Tensor):
             plain.add(path)
         else:
             held = saved.get(path)
             name = ".".join(map(str, path))
             if held is None:
-                raise store_lib.BadSlot(f"it holds no {name}")
+                raise slot_lib.BadSlot(f"it holds no {name}")
             if held.shape != local(value).shape or held.dtype != local(value).dtype:
                 # copy_ would broadcast a [1] into any shape: a manifest's lie must not reach the model.
-                raise store_lib.BadSlot(
+                raise slot_lib.BadSlot(
                     f"its {name} is {held.dtype}{list(held.shape)}, the model's "
                     f"{local(value).dtype}{list(local(value).shape)}"
                 )
     if not all(tuple(p) in plain for p, _ in strategy_values):
-        raise store_lib.BadSlot("its values name a part of the state the model and optimizer do not have")
+        raise slot_lib.BadSlot("its values name a part of the state the model and optimizer do not have")
     return SlotRead(saved, dynamic, own)
 
 
 def _state_of(memory: MemorySnapshots, got: SlotRead) -> dict[str, Any]:
     """``got`` put into the strategy's state; the rest in the Trainer's ``load_state_dict`` form, with
     ``param_groups`` besides."""
-    state = memory.trainer.snapshots.strategy.state_dict()
+    state = memory.parts.strategy.state_dict()
     for path, value in leaves(state):
         if isinstance(value, torch.Tensor):
             with torch.no_grad():
@@ -228,13 +226,13 @@ def _read_everywhere(memory: MemorySnapshots, choice: Choice) -> tuple[SlotRead 
     got, problem = None, None
     try:
         got = read(memory, choice)
-    except store_lib.BadSlot as err:
+    except slot_lib.BadSlot as err:
         problem = ("damaged", f"rank {memory.rank}: {err}")
     except ConfigError as err:
         problem = ("config", str(err))
     except RuntimeError as err:
         problem = ("refused", str(err))
-    problems: list[Any] = gather_object(problem, group=memory.group) if memory.group is not None else [problem]
+    problems: list[Any] = all_gather_object(problem, group=memory.group) if memory.group is not None else [problem]
     for kind, text in filter(None, problems):
         if kind == "config":
             raise ConfigError(text)
@@ -269,7 +267,7 @@ def resume_from_memory(
     whole snapshot (collective). Returns what was resumed from (None: not from memory) and, when it was read, the
     disk's newest whole snapshot (to resume from instead).
 
-    A state that a rank finds damaged (:class:`~ddpkit.snapshot.memory.BadSlot`) is skipped by every rank,
+    A state that a rank finds damaged (:class:`~ddpkit.memory.slot.BadSlot`) is skipped by every rank,
     saying which and why, and the next newest is tried: the slot before it, then the disk. Every rank takes
     the same: each agreement and each read's outcome are gathered."""
     skipped: set[tuple[int, ...]] = set()
@@ -279,8 +277,8 @@ def resume_from_memory(
     while True:
         choice = agree(memory, -1, skipped, warn)
         if choice is not None and newest is None:
-            candidates = manager.candidates() if memory.trainer.runtime.is_main else []
-            newest = broadcast_object(candidates[0].step if candidates else -1, group=memory.trainer.group)
+            candidates = manager.candidates() if memory.parts.runtime.is_main else []
+            newest = broadcast_object(candidates[0].step if candidates else -1, group=memory.parts.runtime.group)
         # Newer than any marked snapshot on disk, verified or not: the disk's checksums need not be read.
         if choice is not None and newest is not None and choice.step <= newest and not disk_checked:
             found, disk_checked = manager.latest(warn=warn), True  # the newest may be damaged: memory may be newer
@@ -303,7 +301,7 @@ def resume_from_memory(
     state = _state_of(memory, got)
     param_groups = state.pop("param_groups")
     load_state(state)
-    _restore_param_groups(memory.trainer.optimizer, param_groups)
+    _restore_param_groups(memory.parts.strategy.optimizer, param_groups)
     _after_resume(memory, choice)
     if choice.donor is None:
         return "memory", None

@@ -1,7 +1,7 @@
 """Snapshots in node-local shared memory that outlive the worker process: one rank's double-buffered store.
 
 A worker killed at any instant leaves its state in files on a memory file system (``/dev/shm``), in the job's
-folder the launcher's agent makes and removes (:mod:`ddpkit.distributed.memory_folder`). The restarted worker
+folder the launcher's agent makes and removes (:mod:`ddpkit.memory.folder`). The restarted worker
 finds it there without touching the disk. Each rank keeps two slot files, ``<run>-rank<r>-<i>.slot``
 (``<run>``: a hash of the run directory, ``i`` = 0, 1).
 
@@ -15,17 +15,17 @@ runs. Each slot file starts with a commit record::
 everything else is: a slot counts only when ``begin == end``, so a kill during the copy leaves it not whole,
 and the other slot is the newest whole one. (A process killed by a signal stops at an instruction boundary:
 every store before it reached the page cache, none after it did, so ``end`` cannot land without the copy before
-it. A lost node loses the files anyway: that case is served by peers, :mod:`ddpkit.training.memory_resume`.)
+it. A lost node loses the files anyway: that case is served by peers, :mod:`ddpkit.memory.resume`.)
 
 A slot holds its tensors raw, each at an aligned offset of the data region; a *manifest* (JSON: each tensor's
 dtype, shape and offset, and what the resume check compares), written when the layout changes; and the
-*values* of this save (JSON, :mod:`ddpkit.snapshot.memory_values`: the step, the keys below, the non-tensor
+*values* of this save (JSON, :mod:`ddpkit.memory.values`: the step, the keys below, the non-tensor
 values).
 
 A slot that is whole but does not check (a checksum that fails, a manifest whose tensors lie outside the data
 region, values that are not what a save writes) is damaged: :func:`read_slot` raises :class:`BadSlot` naming
 the file and what is wrong, before any tensor is viewed, and a resume falls back to the slot before it or to
-the disk (:mod:`ddpkit.training.memory_resume`).
+the disk (:mod:`ddpkit.memory.resume`).
 
 Keys: a slot is found only when its job key (the agent's random key and torchrun's run id), run key (the run
 directory's hash), world size and rank are this worker's: a slot of another job, of an earlier job on the node
@@ -42,9 +42,7 @@ import errno
 import hashlib
 import json
 import os
-import stat
 import struct
-import warnings
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -55,103 +53,25 @@ import torch
 
 from ddpkit import fs
 from ddpkit.errors import ConfigError
-from ddpkit.snapshot.memory_values import Spec, checked_specs, views
-
-MAGIC = b"DDPKMEM2"  # 1: no checksum of the data region (such slots are not found)
-HEADER = 4096
-_RECORD = struct.Struct("<8sQQQQIQQIQQI")  # magic begin end manifest, values, data: (off len crc) each
-_BLOCK = 4096  # bytes of the data region per partial sum of the checksum
-_BEGIN, _END = 8, 16  # offsets of the generation numbers in the record
+from ddpkit.memory.slot import (
+    BEGIN_OFFSET,
+    END_OFFSET,
+    HEADER,
+    BadSlot,
+    Record,
+    checksum,
+    read_slot,
+)
+from ddpkit.memory.values import Spec, views
 
 
 class MemoryUnavailable(RuntimeError):
     """Shared memory cannot hold the snapshot (full, or the folder gone); disk snapshots carry on alone."""
 
 
-class BadSlot(ValueError):
-    """A whole slot that does not check: its message names the slot and what is wrong."""
-
-
-def checksum(region: Any) -> int:
-    """A checksum of a data region (uint8, a multiple of 8 bytes long): the CRC-32 of the wrapping int64 sums of
-    its 4 KiB blocks, in order.
-
-    Not zlib.crc32 over the bytes: on a 100 MB state (2-core CPU machine, medians of 15) the copy takes 14.5 ms,
-    crc32 24 ms (the copy and check 2.7x the copy alone), these block sums 3.8 ms (1.3x). Any
-    change inside one 8-byte word is seen (it moves its block's sum by a non-zero amount below 2**64), as is any
-    change that moves a block's sum; words swapped inside one block are not. Integer sums do not depend on the
-    order of the additions: the same on any machine and thread count, so a peer's slot checks too.
-    """
-    try:
-        import numpy as np
-    except ModuleNotFoundError:  # torch alone: the same sums, ~1.7x slower than numpy's
-        return _checksum_torch(_byte_tensor(region))
-    raw = np.frombuffer(region.numpy() if isinstance(region, torch.Tensor) else region, dtype=np.uint8)
-    if raw.size % 8:
-        raise ValueError(f"a data region of {raw.size} bytes is not made of 8-byte words")
-    if raw.size == 0:
-        return 0
-    words = raw.view(np.int64)
-    full = (words.size * 8 // _BLOCK) * (_BLOCK // 8)
-    sums = words[:full].reshape(-1, _BLOCK // 8).sum(1, dtype=np.int64)  # wraps modulo 2**64
-    tail = words[full:].sum(dtype=np.int64, keepdims=True)
-    return zlib.crc32(tail, zlib.crc32(sums))
-
-
-def _checksum_torch(raw: torch.Tensor) -> int:
-    """:func:`checksum` without numpy."""
-    if raw.numel() % 8:
-        raise ValueError(f"a data region of {raw.numel()} bytes is not made of 8-byte words")
-    if raw.numel() == 0:
-        return 0
-    words = raw.view(torch.int64)
-    full = (words.numel() * 8 // _BLOCK) * (_BLOCK // 8)
-    sums = words[:full].reshape(-1, _BLOCK // 8).sum(1, dtype=torch.int64)
-    tail = words[full:].sum(dtype=torch.int64).reshape(1)
-    packed = bytearray(8 * (sums.numel() + 1))  # little-endian int64s, as numpy's path hands them to the CRC
-    torch.frombuffer(packed, dtype=torch.int64).copy_(torch.cat([sums, tail]))
-    return zlib.crc32(memoryview(packed)[-8:], zlib.crc32(memoryview(packed)[:-8]))
-
-
-def _byte_tensor(region: Any) -> torch.Tensor:
-    """A uint8 tensor over ``region`` (a tensor, bytes or a memoryview), sharing its memory."""
-    if isinstance(region, torch.Tensor):
-        return region.view(torch.uint8)
-    if len(region) == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    with warnings.catch_warnings():  # a read-only buffer (bytes) is only read here
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(region, dtype=torch.uint8)
-
-
 def run_key(run_dir: str | os.PathLike) -> str:
     """A short hash of the run directory's absolute path: two Trainers of one job never share slots."""
     return hashlib.sha256(str(Path(run_dir).absolute()).encode()).hexdigest()[:16]
-
-
-@dataclass(frozen=True)
-class Record:
-    """A slot's commit record."""
-
-    begin: int
-    end: int
-    manifest: tuple[int, int, int]  # offset, length, CRC-32
-    values: tuple[int, int, int]
-    data: tuple[int, int, int]  # offset, length, checksum
-
-    @property
-    def whole(self) -> bool:
-        return self.begin == self.end != 0
-
-    def pack(self) -> bytes:
-        return _RECORD.pack(MAGIC, self.begin, self.end, *self.manifest, *self.values, *self.data)
-
-    @classmethod
-    def unpack(cls, raw: bytes) -> Record | None:
-        if len(raw) < _RECORD.size:
-            return None
-        magic, begin, end, mo, ml, mc, vo, vl, vc, do, dl, dc = _RECORD.unpack_from(raw)
-        return cls(begin, end, (mo, ml, mc), (vo, vl, vc), (do, dl, dc)) if magic == MAGIC else None
 
 
 @dataclass(frozen=True)
@@ -166,98 +86,6 @@ class Found:
     world_size: int
     peers: bool
     job: str
-
-
-def read_slot(path: Path, data: bool = False) -> tuple[Record, dict, dict, bytes] | None:
-    """(record, manifest, values, the file's bytes if ``data`` else b"") of a whole slot file, or None if it is
-    not whole (never committed, or torn by a kill during a copy). Without ``data`` only the record, manifest and
-    values are read and checked (a resume looks at every slot on the node, and reads the tensors of one); with
-    it, the data region's checksum and the manifest's layout are checked too. A whole slot that does not check
-    raises :class:`BadSlot`."""
-    try:
-        # O_NONBLOCK: a FIFO planted under a slot's name opens at once; fstat then refuses it.
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise BadSlot(f"{path} is not a regular file")
-        if data:
-            with os.fdopen(os.dup(fd), "rb") as f:  # a loop of reads: one read stops at 2 GiB
-                return parse_slot(f.read(), str(path))
-        record = Record.unpack(os.pread(fd, HEADER, 0))
-        if record is None or not record.whole:
-            return None
-        parts = [os.pread(fd, length, off) for off, length, _ in (record.manifest, record.values)]
-    finally:
-        os.close(fd)
-    return _checked(record, parts, b"", str(path))
-
-
-def parse_slot(data: bytes, name: str = "a slot") -> tuple[Record, dict, dict, bytes] | None:
-    """:func:`read_slot` with ``data`` of a slot's bytes (read from its file, or sent by a peer; ``name`` says
-    which, in a :class:`BadSlot`)."""
-    record = Record.unpack(data[:HEADER])
-    if record is None or not record.whole:
-        return None
-    parts = [data[off : off + length] for off, length, _ in (record.manifest, record.values)]
-    return _checked(record, parts, data, name)
-
-
-def _checked(record: Record, parts: list[bytes], data: bytes, name: str) -> tuple[Record, dict, dict, bytes]:
-    for what, (_, length, crc), raw in zip(("manifest", "values"), (record.manifest, record.values), parts):
-        if len(raw) != length:
-            raise BadSlot(f"{name}: its {what} lies past the end of the file")
-        if zlib.crc32(raw) != crc:
-            raise BadSlot(f"{name}: its {what} fail their CRC-32")
-    try:
-        manifest, values = (json.loads(raw) for raw in parts)
-    except (ValueError, RecursionError) as err:
-        raise BadSlot(f"{name}: its manifest or values are not JSON ({err})") from None
-    if not isinstance(manifest, dict) or not isinstance(values, dict):
-        raise BadSlot(f"{name}: its manifest or values are not a record")
-    if data:
-        _check_data(data, record, manifest, name)
-    return record, manifest, values, data
-
-
-def _region(data: bytes | memoryview, record: Record) -> torch.Tensor:
-    off, length, _ = record.data
-    if length == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer(bytearray(data[off : off + length]), dtype=torch.uint8)
-
-
-def _check_data(data: bytes, record: Record, manifest: dict, name: str) -> None:
-    """The manifest's layout inside the data region, and the region's checksum: before any tensor is viewed."""
-    off, length, want = record.data
-    if off < HEADER or off + length > len(data):
-        raise BadSlot(f"{name}: its data region ({length} bytes at {off}) lies past the end of the file ({len(data)})")
-    if manifest.get("data_size") != length:
-        raise BadSlot(f"{name}: its manifest's data size is not its record's ({length} bytes)")
-    try:
-        specs(manifest, length)
-        got = checksum(memoryview(data)[off : off + length])
-    except ValueError as err:
-        raise BadSlot(f"{name}: {err}") from None
-    if got != want:
-        raise BadSlot(f"{name}: its tensors' bytes fail their checksum (changed since they were saved)")
-
-
-def specs(manifest: dict, region_size: int) -> list[Spec]:
-    """The manifest's tensor layout, each checked to lie inside a region of ``region_size`` bytes."""
-    return checked_specs(manifest.get("specs"), region_size)
-
-
-def tensors_of(data: bytes | memoryview, record: Record, manifest: dict) -> list[torch.Tensor]:
-    """Copies of a slot's tensors (the slot may be overwritten later), from :func:`read_slot`'s checked parts."""
-    region = _region(data, record)
-    try:
-        layout = specs(manifest, region.numel())
-    except ValueError as err:
-        raise BadSlot(str(err)) from None
-    # Each its own tensor: some consumers (torch.set_rng_state) read a tensor's storage from its start.
-    return [v.clone() for v in views(region, layout)]
 
 
 class _Slot:
@@ -285,7 +113,7 @@ class MemoryStore:
 
     ``save`` copies the state into the older slot and commits it; ``found`` lists the whole slots of this run
     on this node (every rank's: a rank that took another's place after a restart may use them, see
-    :mod:`ddpkit.training.memory_resume`). No collective here: every method acts on this rank's files alone.
+    :mod:`ddpkit.memory.resume`). No collective here: every method acts on this rank's files alone.
     """
 
     def __init__(self, folder: str | os.PathLike, *, job: str, run: str, rank: int, world_size: int) -> None:
@@ -328,7 +156,7 @@ class MemoryStore:
         self.generation += 1
         gen = self.generation
         # Commit protocol: begin first (the slot stops being whole), then everything, then end.
-        os.pwrite(fd, struct.pack("<Q", gen), _BEGIN)
+        os.pwrite(fd, struct.pack("<Q", gen), BEGIN_OFFSET)
         slot.record = None
         copy_tensors(slot.dests, tensors)
         assert slot.region is not None  # mapped with the dests
@@ -344,7 +172,7 @@ class MemoryStore:
             (slot.data_offset, slot.data_size, data_sum),
         )
         os.pwrite(fd, record.pack(), 0)
-        os.pwrite(fd, struct.pack("<Q", gen), _END)
+        os.pwrite(fd, struct.pack("<Q", gen), END_OFFSET)
         slot.record = Record(gen, gen, record.manifest, record.values, record.data)
 
     def _map(self, slot: _Slot, manifest: dict[str, Any], layout_id: object, values_len: int) -> None:

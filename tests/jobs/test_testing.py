@@ -1,0 +1,78 @@
+"""ddpkit.testing, as a user's test suite calls it: real processes over gloo, results per rank, a failing rank's
+error, a hang bounded, and the same-on-every-rank check with its control."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import ddpkit
+from ddpkit.testing import assert_same_on_ranks, run_on_ranks
+
+
+def _whoami() -> tuple[int, int, float]:
+    rt = ddpkit.get_runtime()
+    return rt.rank, rt.world_size, ddpkit.all_reduce(float(rt.rank))
+
+
+def test_a_function_runs_on_every_rank_with_the_process_group_up():
+    assert run_on_ranks(_whoami, world_size=3) == [(0, 3, 3.0), (1, 3, 3.0), (2, 3, 3.0)]
+
+
+def _one_ddp_step(diverge: bool) -> int:
+    torch.manual_seed(0)
+    model = ddpkit.prepare_model(torch.nn.Linear(4, 1))
+    rank = ddpkit.get_runtime().rank
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(rank))  # each rank its own batch
+    model(x).pow(2).mean().backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    state = ddpkit.unwrap(model).state_dict()
+    if diverge and rank == 1:
+        state["bias"] = state["bias"] + 1e-6
+    assert_same_on_ranks(state)
+    return rank
+
+
+def test_ranks_that_train_one_ddp_step_hold_the_same_weights():
+    assert run_on_ranks(_one_ddp_step, 2, (False,)) == [0, 1]
+
+
+def test_control_weights_that_differ_on_one_rank_fail_naming_it():
+    with pytest.raises(Exception, match=r"rank 1 differs from rank 0 in value\['bias'\]"):
+        run_on_ranks(_one_ddp_step, 2, (True,))
+
+
+def _fails_on_rank_1() -> None:
+    if ddpkit.get_runtime().rank == 1:
+        raise ValueError("bad input on rank 1")
+    ddpkit.barrier()
+
+
+def test_a_rank_that_raises_fails_the_call_with_its_error():
+    with pytest.raises(Exception, match="bad input on rank 1"):
+        run_on_ranks(_fails_on_rank_1, 2, timeout=60)
+
+
+def _rank_1_hangs() -> None:
+    if ddpkit.get_runtime().rank == 1:
+        time.sleep(600)  # the hang under test: user code that never returns
+
+
+def test_a_hang_fails_after_the_timeout_naming_the_ranks_still_running():
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"ranks \[1\] of 2 still running after 3 s"):
+        run_on_ranks(_rank_1_hangs, 2, timeout=3)
+    assert time.monotonic() - start < 60
+
+
+def test_values_compare_by_structure_and_bits():
+    from ddpkit.testing import _differences
+
+    same = {"w": torch.tensor([1.0, 2.0]), "n": [1, (2, "x")]}
+    assert _differences(same, {"w": torch.tensor([1.0, 2.0]), "n": [1, (2, "x")]}) == []
+    assert _differences(same, {"w": torch.tensor([1.0, 2.0000001]), "n": [1, (2, "x")]}) == ["value['w']"]
+    assert _differences(same, {"w": torch.tensor([1.0, 2.0], dtype=torch.float64), "n": [1, (2, "x")]})
+    assert _differences(same, {"w": torch.tensor([1.0, 2.0]), "n": [1, (2, "y")]}) == ["value['n'][1][1]"]
+    assert _differences(same, {"w": torch.tensor([1.0, 2.0])}) == ["value (keys)"]
