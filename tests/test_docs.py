@@ -31,6 +31,70 @@ def blocks() -> list[tuple[str, int, str | None, str]]:
     return found
 
 
+# Pages Sphinx writes itself into the site's root: a source page of the same name is overwritten by them.
+SPHINX_PAGES = frozenset({"search", "genindex", "py-modindex"})
+CODE_WIDTH = 88  # characters of a code line that the page shows whole
+
+
+def built_name(source: Path) -> str:
+    """The page a source under docs/ becomes: ``docs/api/data.md`` -> ``api/data`` (``.html`` left out)."""
+    return source.relative_to(ROOT / "docs").with_suffix("").as_posix()
+
+
+def page_name_clashes(names: list[str]) -> list[str]:
+    """The built page names that Sphinx overwrites with a page of its own, or that two sources share (on a
+    case-insensitive file system too)."""
+    clashes = [f"{name}: Sphinx writes its own {name}.html over it" for name in names if name in SPHINX_PAGES]
+    seen: dict[str, str] = {}
+    for name in names:
+        if name.lower() in seen:
+            clashes.append(f"{name}: the same page as {seen[name.lower()]}")
+        seen.setdefault(name.lower(), name)
+    return clashes
+
+
+def test_every_docs_page_is_built_under_a_name_of_its_own():
+    sources = [p for p in sorted((ROOT / "docs").rglob("*")) if p.suffix in (".md", ".rst")]
+    names = [built_name(p) for p in sources if "_build" not in p.relative_to(ROOT).parts]
+    assert "hyperparameter-search" in names and "index" in names
+    clashes = page_name_clashes(names)
+    assert not clashes, "rename these pages:\n  " + "\n  ".join(clashes)
+
+
+def test_page_name_clashes_flags_sphinx_own_pages_and_shared_names():
+    assert page_name_clashes(["index", "api/search", "hyperparameter-search"]) == []
+    assert len(page_name_clashes(["index", "search"])) == 1  # the guide's old name: search.html lost it
+    assert len(page_name_clashes(["genindex", "py-modindex"])) == 2
+    assert len(page_name_clashes(["data", "Data"])) == 1
+
+
+def wide_code_lines(text: str, width: int = CODE_WIDTH) -> list[tuple[int, int]]:
+    """(line number, characters) of each line inside a fenced block (```` ``` ```` or ``~~~``, any language)
+    that is wider than ``width``. Prose is left out: the page wraps it."""
+    wide, fence = [], None
+    for number, line in enumerate(text.splitlines(), 1):
+        if fence is None:
+            opening = re.match(r"\s*(`{3,}|~{3,})", line)
+            fence = opening.group(1) if opening else None
+        elif set(line.strip()) == {fence[0]} and len(line.strip()) >= len(fence):  # its closing fence
+            fence = None
+        elif len(line) > width:
+            wide.append((number, len(line)))
+    return wide
+
+
+def test_code_lines_fit_the_page():
+    wide = [f"{page.relative_to(ROOT)}:{n}:{w}" for page in PAGES for n, w in wide_code_lines(page.read_text())]
+    assert not wide, f"code lines wider than {CODE_WIDTH} characters are cut off on the page:\n  " + "\n  ".join(wide)
+
+
+def test_wide_code_lines_flags_an_89_character_line_in_a_block_only():
+    text = "\n".join(["x" * 120, "```python", "a" * 88, "b" * 89, "```", "~~~text", "c" * 100, "~~~", "d" * 95])
+    assert wide_code_lines(text) == [(4, 89), (7, 100)]  # prose (lines 1 and 9) wraps on the page
+    nested = "\n".join(["````markdown", "```python", "```", "e" * 90, "````", "f" * 90])
+    assert wide_code_lines(nested) == [(4, 90)]  # a shorter fence inside does not close the block
+
+
 def test_the_pages_have_python_blocks_and_few_are_sketches():
     found = blocks()
     assert {page for page, *_ in found} >= {"README.md", "docs/trainer.md"}
