@@ -26,7 +26,8 @@ myst_heading_anchors = 3  # [text](#a-heading) links within and across pages
 
 html_theme = "furo"
 html_title = f"ddpkit {release}"
-html_static_path: list[str] = []
+html_static_path = ["_static"]
+html_css_files = ["tables.css"]
 
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"

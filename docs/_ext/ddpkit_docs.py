@@ -116,7 +116,7 @@ class HelpDirective(SphinxDirective):
         command = self.arguments[0]
         out = io.StringIO()
         old = os.environ.get("COLUMNS")
-        os.environ["COLUMNS"] = "100"  # argparse wraps at $COLUMNS: the page is the same on every machine
+        os.environ["COLUMNS"] = "88"  # argparse wraps at $COLUMNS: the page is the same on every machine, and fits it
         try:
             with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
                 cli.main(["-h"] if command == "ddpkit" else [command, "-h"])
