@@ -11,9 +11,12 @@ weights after a step, a sampler's order): the property DDP training rests on::
 
     def one_step():
         model = ddpkit.prepare_model(torch.nn.Linear(4, 1))
-        ...
-        assert_same_on_ranks(model.state_dict())
-        return ddpkit.get_runtime().rank
+        rank = ddpkit.get_runtime().rank
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(rank))  # a batch per rank
+        model(x).pow(2).mean().backward()  # DDP averages the gradients over the ranks
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+        assert_same_on_ranks(ddpkit.unwrap(model).state_dict())
+        return rank
 
     def test_ranks_stay_in_step():
         assert run_on_ranks(one_step, world_size=2) == [0, 1]
@@ -22,6 +25,7 @@ weights after a step, a sampler's order): the property DDP training rests on::
 from __future__ import annotations
 
 import functools
+import pickle
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
@@ -48,17 +52,36 @@ def run_on_ranks(
 ) -> list[Any]:
     """``fn(*args)`` on ``world_size`` local CPU processes joined over gloo; each rank's result, in rank order.
 
-    Inside ``fn`` the process group is up (:func:`ddpkit.get_runtime` says the rank); ``fn`` may be a local
-    function or a lambda (the processes are forked). A collective that waits ``collective_timeout`` seconds
+    Inside ``fn`` the process group is up (:func:`ddpkit.get_runtime` says the rank). The processes are forked,
+    so ``fn`` may be a local function or a lambda; once this process has initialised CUDA they are started
+    afresh instead (CUDA does not survive a fork), and ``fn`` and ``args`` must then be picklable (a function
+    of a module). A collective that waits ``collective_timeout`` seconds
     for a rank raises on the rank that waits; the whole call is bounded by ``timeout`` (:func:`ddpkit.spawn`).
     """
     return spawn(functools.partial(_on_rank, fn, args, collective_timeout), world_size, timeout=timeout)
 
 
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    # Bytes, not values: a NaN equals the same NaN, -0.0 differs from 0.0 (torch.equal says the opposite).
+    return torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float):
+        return a == b or (a != a and b != b)  # NaN: the same on both ranks
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError, RuntimeError):  # == gives an array (numpy), or no truth value: the bytes
+        return pickle.dumps(a) == pickle.dumps(b)
+
+
 def _differences(a: Any, b: Any, path: str = "value") -> list[str]:
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        same = a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.cpu(), b.cpu())
-        return [] if same else [path]
+        return [] if _same_bits(a, b) else [path]
     if isinstance(a, Mapping) and isinstance(b, Mapping):
         if a.keys() != b.keys():
             return [f"{path} (keys)"]
@@ -67,13 +90,15 @@ def _differences(a: Any, b: Any, path: str = "value") -> list[str]:
         if len(a) != len(b):
             return [f"{path} (length)"]
         return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{path}[{i}]")]
-    return [] if type(a) is type(b) and a == b else [path]
+    return [] if _same_value(a, b) else [path]
 
 
 def assert_same_on_ranks(value: Any, group: Any = None) -> None:
     """Raise :class:`AssertionError` on every rank unless every rank of ``group`` holds the same ``value``:
-    tensors bit for bit (on the CPU), nested in dicts, lists and tuples, other values by ``==``. The message
-    names the first rank that differs from rank 0 and where. A collective: every rank calls it."""
+    tensors bit for bit (a NaN equals the same NaN; their shape and dtype too), nested in dicts, lists and
+    tuples (named ones too), floats with NaN equal to NaN, other values by ``==`` (or their pickled bytes where
+    ``==`` gives an array). The message names the first rank that differs from rank 0 and where. A
+    collective: every rank calls it."""
     every = all_gather_object(_on_cpu(value), group=group)
     for rank, theirs in enumerate(every[1:], start=1):
         differ = _differences(every[0], theirs)
@@ -87,10 +112,13 @@ def assert_same_on_ranks(value: Any, group: Any = None) -> None:
 
 
 def _on_cpu(value: Any) -> Any:
+    """``value`` with every tensor on the CPU: gathered as it is, a CUDA tensor would be unpickled onto the
+    sender's GPU on every other rank."""
     if isinstance(value, torch.Tensor):
         return value.detach().cpu()
     if isinstance(value, Mapping):
         return {k: _on_cpu(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_on_cpu(v) for v in value) if not hasattr(value, "_fields") else value
+        moved = [_on_cpu(v) for v in value]
+        return type(value)(*moved) if hasattr(value, "_fields") else type(value)(moved)
     return value

@@ -76,3 +76,22 @@ def test_values_compare_by_structure_and_bits():
     assert _differences(same, {"w": torch.tensor([1.0, 2.0], dtype=torch.float64), "n": [1, (2, "x")]})
     assert _differences(same, {"w": torch.tensor([1.0, 2.0]), "n": [1, (2, "y")]}) == ["value['n'][1][1]"]
     assert _differences(same, {"w": torch.tensor([1.0, 2.0])}) == ["value (keys)"]
+    # Bits, not values: the same NaN is equal (torch.equal says not), -0.0 is not 0.0 (torch.equal says it is).
+    nan = torch.tensor([float("nan"), 1.0])
+    assert _differences(nan, nan.clone()) == [] and not torch.equal(nan, nan.clone())
+    assert _differences(torch.tensor([-0.0]), torch.tensor([0.0])) == ["value"]
+    assert _differences(float("nan"), float("nan")) == [] and _differences(1.0, 2.0) == ["value"]
+    # Values whose == gives an array are compared by their bytes.
+    import numpy as np
+
+    assert _differences(np.arange(3), np.arange(3)) == [] and _differences(np.arange(3), np.zeros(3)) == ["value"]
+
+
+def test_named_tuples_keep_their_type_on_the_way_to_the_cpu():
+    from collections import namedtuple
+
+    from ddpkit.testing import _on_cpu
+
+    Pair = namedtuple("Pair", "a b")
+    moved = _on_cpu(Pair(torch.ones(2), [torch.zeros(1)]))
+    assert type(moved) is Pair and torch.equal(moved.a, torch.ones(2))

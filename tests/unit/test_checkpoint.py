@@ -14,6 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ddpkit.errors import ConfigError
+from ddpkit.snapshot import folders
 from ddpkit.snapshot import storage as dcp_files
 from ddpkit.snapshot.manager import (
     INDEX,
@@ -210,6 +211,27 @@ def test_a_trainer_state_holding_code_or_of_another_format_is_refused(tmp_path):
     torch.save(saved, folder / VALUES)  # control: the file as written loads
     reseal(folder)
     load(ckpt)
+
+
+def test_a_folder_of_the_earlier_version_is_refused_by_name_not_skipped(tmp_path, monkeypatch):
+    ckpt = SnapshotManager(tmp_path / "snapshots")
+    save(ckpt, 2)
+    save(ckpt, 3)
+    folder = tmp_path / "snapshots" / "step-00000003"
+    # As an earlier ddpkit wrote it: the values under their old name, listed so by the marker.
+    (folder / VALUES).rename(folder / "trainer.pt")
+    marker = json.loads((folder / MARKER).read_text())
+    marker["files"]["trainer.pt"] = marker["files"].pop(VALUES)
+    (folder / MARKER).write_text(json.dumps(marker))
+    reseal(folder)
+    with pytest.raises(
+        ConfigError, match=r"another version of ddpkit \(it holds trainer.pt, not values.pt\).*resume=False"
+    ):
+        load(ckpt)
+    # Control: without the check the folder counts as damaged, and the run resumes from the older snapshot.
+    monkeypatch.setattr(folders, "another_version", lambda found: None)
+    found, _, _ = load(ckpt)
+    assert found.step == 2
 
 
 BIG = 50_000  # floats: 200 kB, more than a file's write buffer, as real states are

@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+from torch.utils.data import TensorDataset
 
 import ddpkit
 from ddpkit.errors import ConfigError
@@ -392,3 +393,30 @@ def test_a_trainer_is_freed_when_its_last_reference_goes_without_a_garbage_colle
         assert ref() is None
     finally:
         gc.enable()
+
+
+def _stopped_inside_an_epoch(tmp_path, val_data) -> dict:
+    from ddpkit.training.trainer import Trainer, TrainerConfig
+
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
+    model = torch.nn.Linear(4, 2)
+    config = TrainerConfig(
+        run_dir=str(tmp_path),
+        epochs=3,
+        max_steps=12,
+        batch_size=4,
+        num_workers=0,
+        logging=LoggingConfig(progress=False),
+    )
+    return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, config, val_data=val_data).fit()
+
+
+def test_max_steps_inside_an_epoch_returns_the_last_epochs_metrics_without_validation_data(tmp_path):
+    # 8 steps an epoch: step 12 is inside the second epoch, which never ends.
+    last = _stopped_inside_an_epoch(tmp_path / "a", None)
+    assert last["epoch"] == 1 and last["step"] == 8 and "train/epoch_loss" in last
+    # Control: with validation data the run validates where it stopped, and returns that.
+    val = TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))
+    last = _stopped_inside_an_epoch(tmp_path / "b", val)
+    assert last["step"] == 12 and "val/loss" in last

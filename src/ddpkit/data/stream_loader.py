@@ -112,10 +112,10 @@ class StreamBatchSampler(ShardedBatchSampler):
 class StreamSamples(Dataset):
     """The map-style view a DataLoader reads: key ``(epoch, position)`` -> ``transform(record)``.
 
-    A batch's records are read shard by shard (one :meth:`Stream.read` each). With ``seed_samples``, each
-    ``transform`` draws as if run with the RNGs seeded from ``(seed, epoch, position)`` (they are seeded where it
-    draws, :class:`~ddpkit.data.sample_seeding.SampleSeeder`); in the main process the RNG
-    states are restored after the batch, so loading leaves the training stream (dropout) where it was.
+    A batch's records are read shard by shard (one :meth:`~ddpkit.data.stream.Stream.read` each). With
+    ``seed_samples``, each ``transform`` draws as if run with the RNGs seeded from ``(seed, epoch, position)``
+    (they are seeded where it draws, :class:`~ddpkit.data.sample_seeding.SampleSeeder`); in the main process
+    the RNG states are restored after the batch, so loading leaves the training stream (dropout) where it was.
     """
 
     def __init__(self, stream: Stream, seed: int, shuffle: bool, seed_samples: bool = True) -> None:

@@ -239,6 +239,12 @@ class NotInitializedError(RuntimeError):
     """A launcher started several processes but this one has not called :func:`ddpkit.init` yet."""
 
 
+_NOT_A_MEMBER = (
+    "global rank {rank} is not a member of the group it was given: pass each rank its own group (split_world() "
+    "returns it)"
+)
+
+
 def get_runtime(group: Any = None, member: bool = False) -> Runtime:
     """Who this process is: its :class:`Runtime` in the job, or with ``group``, in that group.
 
@@ -256,6 +262,8 @@ def get_runtime(group: Any = None, member: bool = False) -> Runtime:
     or a Trainer cannot promise. ``member``: a process outside ``group`` is refused (a Trainer's group).
     """
     if isinstance(group, Runtime):
+        if member and group.rank < 0:
+            raise ConfigError(_NOT_A_MEMBER.format(rank=get_runtime().rank))
         return group
     rt = _runtime if _runtime is not None else _without_init()
     if group is None or group is dist.GroupMember.WORLD or not rt.distributed:
@@ -264,10 +272,7 @@ def get_runtime(group: Any = None, member: bool = False) -> Runtime:
     # rank, and the collective helpers leave it alone.
     rank = dist.get_rank(group)
     if member and rank < 0:
-        raise ConfigError(
-            f"global rank {rt.rank} is not a member of the group it was given: pass each rank its own group "
-            "(split_world() returns it)"
-        )
+        raise ConfigError(_NOT_A_MEMBER.format(rank=rt.rank))
     return dataclasses.replace(rt, rank=rank, world_size=dist.get_world_size(group), group=group)
 
 

@@ -205,6 +205,27 @@ FORMAT = 1
 """The layout of :data:`VALUES`; a folder of another is refused by name, never read as this one."""
 
 
+EARLIER_VALUES = "trainer.pt"
+"""What :data:`VALUES` was called by ddpkit's earlier snapshot folders (pickled values, another layout)."""
+
+
+def another_version(found: Found) -> str | None:
+    """The refusal of a whole folder that an earlier ddpkit wrote (its marker lists :data:`EARLIER_VALUES`, not
+    :data:`VALUES`), else None. Such a folder is neither damaged nor this version's: skipping it would resume
+    from an older snapshot or from step 0, and count it among the folders kept."""
+    try:
+        files = listed(found)
+    except ValueError:
+        return None  # damaged: verify() says how
+    if EARLIER_VALUES not in files or VALUES in files:
+        return None
+    return (
+        f"{found.path} was written by another version of ddpkit (it holds {EARLIER_VALUES}, not {VALUES}): "
+        "resume it with that version, or start afresh here with TrainerConfig(resume=False) (its snapshots are "
+        "moved aside) or in another run_dir"
+    )
+
+
 def read_values(folder: Path, map_location: Any) -> dict[str, Any]:
     """The snapshot's :data:`VALUES`, loaded with ``weights_only``; refused by name when it holds anything else or
     is of another format."""

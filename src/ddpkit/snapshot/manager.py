@@ -303,15 +303,22 @@ class SnapshotManager:
     def latest(self, warn: Callable[[str], None] = print) -> Found | None:
         """The newest whole snapshot, the same on every rank (rank 0 checks the files and tells the others)."""
         self.wait()
-        choice = None
+        choice, refusal = None, None
         if self._rank == 0:
             for found in self.candidates():
+                refusal = folders.another_version(found)
+                if refusal is not None:
+                    break
                 problem = self.verify(found)
                 if problem is None:
                     choice = found
                     break
                 warn(f"ddpkit: skipping snapshot {found.path}: it {problem}; trying the one before it")
-        return broadcast_object(choice, group=self.group) if self.distributed else choice
+        if self.distributed:
+            choice, refusal = broadcast_object((choice, refusal), group=self.group)
+        if refusal is not None:  # on every rank alike
+            raise ConfigError(refusal)
+        return choice
 
     def load(
         self,

@@ -231,10 +231,10 @@ class Trainer:
             with signals.stop_signals(self._on_stop_signal):
                 while self.epoch < cfg.epochs and self.stopped_by is None:
                     if not self._train_epoch():
-                        if self.stopped_by == StopReason.MAX_STEPS:
-                            last = self.validation.inside_epoch(self.epoch, self.step)
-                            if last:
-                                call(self.callbacks, "on_validation_end", self, last)
+                        stopped_inside = self.stopped_by == StopReason.MAX_STEPS
+                        if stopped_inside and (val := self.validation.inside_epoch(self.epoch, self.step)):
+                            last = val  # else `last` stays the last epoch's metrics
+                            call(self.callbacks, "on_validation_end", self, last)
                         break
                     last = self._end_epoch()
             if self.stopped_by is None:
