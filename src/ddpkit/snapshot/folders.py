@@ -209,6 +209,13 @@ EARLIER_VALUES = "trainer.pt"
 """What :data:`VALUES` was called by ddpkit's earlier snapshot folders (pickled values, another layout)."""
 
 
+def _another_version(folder: Path, why: str) -> str:
+    return (
+        f"{folder} was written by another version of ddpkit ({why}): resume it with that version, or start afresh "
+        "here with TrainerConfig(resume=False) (its snapshots are moved aside) or in another run_dir"
+    )
+
+
 def another_version(found: Found) -> str | None:
     """The refusal of a whole folder that an earlier ddpkit wrote (its marker lists :data:`EARLIER_VALUES`, not
     :data:`VALUES`), else None. Such a folder is neither damaged nor this version's: skipping it would resume
@@ -219,11 +226,7 @@ def another_version(found: Found) -> str | None:
         return None  # damaged: verify() says how
     if EARLIER_VALUES not in files or VALUES in files:
         return None
-    return (
-        f"{found.path} was written by another version of ddpkit (it holds {EARLIER_VALUES}, not {VALUES}): "
-        "resume it with that version, or start afresh here with TrainerConfig(resume=False) (its snapshots are "
-        "moved aside) or in another run_dir"
-    )
+    return _another_version(found.path, f"it holds {EARLIER_VALUES}, not {VALUES}")
 
 
 def read_values(folder: Path, map_location: Any) -> dict[str, Any]:
@@ -238,9 +241,5 @@ def read_values(folder: Path, map_location: Any) -> dict[str, Any]:
             f"load it, as unpickling them could run code. Remove {folder} to resume from the snapshot before it"
         ) from None
     if not isinstance(saved, dict) or saved.get("format") != FORMAT:
-        raise ConfigError(
-            f"{folder} was written by another version of ddpkit (its {VALUES} is not of format {FORMAT}): "
-            "resume it with that version, or start afresh here with TrainerConfig(resume=False) (its "
-            "snapshots are moved aside) or in another run_dir"
-        )
+        raise ConfigError(_another_version(folder, f"its {VALUES} is not of format {FORMAT}"))
     return saved

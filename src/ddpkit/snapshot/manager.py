@@ -7,7 +7,7 @@ Layout of ``run_dir/snapshots``::
         __0_0.distcp, __1_0.distcp   each rank's tensors: its shards (zero/fsdp), and what is its own (below)
         metadata.json                DCP's index of which tensor (or piece of one) is where; what a resume reads
         .metadata                    the same index as DCP pickles it, for torch's own tools (never read here)
-        values.pt                   the state's other values: counters, scheduler, RNG states, config (rank 0)
+        values.pt                    the state's other values: counters, scheduler, RNG states, config (rank 0)
         complete.json                the marker: the step, and size + sha256 of every file above
 
 A folder is a snapshot only once ``complete.json`` exists, and the marker is written (atomically, by rank 0)
@@ -306,12 +306,13 @@ class SnapshotManager:
         choice, refusal = None, None
         if self._rank == 0:
             for found in self.candidates():
-                refusal = folders.another_version(found)
-                if refusal is not None:
-                    break
                 problem = self.verify(found)
                 if problem is None:
                     choice = found
+                    break
+                # An earlier version's folder fails the check too, but is refused rather than skipped.
+                refusal = folders.another_version(found)
+                if refusal is not None:
                     break
                 warn(f"ddpkit: skipping snapshot {found.path}: it {problem}; trying the one before it")
         if self.distributed:

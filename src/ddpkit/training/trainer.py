@@ -365,7 +365,7 @@ class Trainer:
         metrics["train/epoch_loss"] = self.epoch_loss.mean
         self.epoch_loss.reset()
         if self.val_data is not None and self.validation.at_epoch_end:
-            metrics |= self.evaluate(self.val_data, prefix="val")
+            metrics |= self.evaluator(self.val_data, "val")
         seconds = round(time.perf_counter() - self._epoch_start, 3)  # training and validation
         if self.validation.at_epoch_end and self.validation.update(metrics, self.epoch, self.step):
             self.stopped_by = StopReason.EARLY_STOPPING
