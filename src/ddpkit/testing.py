@@ -12,7 +12,7 @@ weights after a step, a sampler's order): the property DDP training rests on::
     def one_step():
         model = ddpkit.prepare_model(torch.nn.Linear(4, 1))
         rank = ddpkit.get_runtime().rank
-        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(rank))  # a batch per rank
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(rank))  # per rank
         model(x).pow(2).mean().backward()  # DDP averages the gradients over the ranks
         torch.optim.SGD(model.parameters(), lr=0.1).step()
         assert_same_on_ranks(ddpkit.unwrap(model).state_dict())

@@ -16,9 +16,9 @@ from ddpkit.errors import ConfigError
 from ddpkit.memory import slot as mslot
 from ddpkit.memory import store as ms
 from ddpkit.snapshot.manager import INDEX, MARKER, SnapshotManager
-from tests.unit.test_checkpoint import load, reseal, save
-from tests.unit.test_memory_snapshots import save as save_slot
-from tests.unit.test_memory_snapshots import store
+from tests.unit.memory.test_memory_snapshots import save as save_slot
+from tests.unit.memory.test_memory_snapshots import store
+from tests.unit.snapshot.test_checkpoint import load, reseal, save
 
 # -- the snapshot marker ----------------------------------------------------------------------------------
 

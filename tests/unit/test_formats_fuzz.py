@@ -24,9 +24,9 @@ from hypothesis import strategies as st
 from ddpkit.errors import ConfigError
 from ddpkit.memory import slot as mslot
 from ddpkit.snapshot.manager import INDEX, MARKER, SnapshotManager
-from tests.unit.test_checkpoint import reseal, save
-from tests.unit.test_memory_snapshots import save as save_slot
-from tests.unit.test_memory_snapshots import store
+from tests.unit.memory.test_memory_snapshots import save as save_slot
+from tests.unit.memory.test_memory_snapshots import store
+from tests.unit.snapshot.test_checkpoint import reseal, save
 
 # DDPKIT_FUZZ_EXAMPLES=2000 for a deeper run, with fresh random examples (the default run is the same each time).
 _DEEP = int(os.environ.get("DDPKIT_FUZZ_EXAMPLES", "0"))
@@ -280,7 +280,7 @@ def test_slot_manifest_and_values_lie_with_valid_crcs(tmp_path_factory, slot_byt
     path.write_bytes(bytes(raw))
     if key == "values":
         # The store's own checks stop here; what the Trainer reads of the values is checked where it reads them
-        # (tests/jobs/test_memory_slot_damage.py). The slot must still never be read as other tensors.
+        # (tests/jobs/memory/test_memory_slot_damage.py). The slot must still never be read as other tensors.
         try:
             got = mslot.read_slot(path, data=True)
         except mslot.BadSlot as err:

@@ -3,7 +3,7 @@
 Each module names what it touches as :class:`~ddpkit.internals.contract.Internal` records (``INTERNALS``), with
 a check of the shape it relies on. Outside this package ddpkit uses public APIs only: no ``ctypes``, no
 ``torch._`` name other than the documented ``torch._foreach_*`` operators
-(``tests/unit/test_internals_seam.py`` enforces both).
+(``tests/unit/internals/test_internals_seam.py`` enforces both).
 
 - :mod:`~ddpkit.internals.versions`: the torch version, and features refused below the version that has them;
 - :mod:`~ddpkit.internals.store`: the TCPStore a launcher hands its workers, on a listening socket;

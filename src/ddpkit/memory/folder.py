@@ -5,9 +5,9 @@ start (:func:`open_job_folder`), names it to the workers in :data:`DIR_ENV` with
 :data:`KEY_ENV`, and removes it when the job ends, however it ends (:func:`close_job_folder`). A restarted
 worker finds its state there (:mod:`ddpkit.memory.store`). Layout::
 
-    <root>/ddpkit-memory-<uid>/          mode 700, refused if it is a link or open to others
-        <nonce>/                         one per job and node, mode 700; <nonce> is the job's random key
-            owner                        the agent's pid and start time: the folder of a dead agent is stale
+    <root>/ddpkit-memory-<uid>/   mode 700, refused if a link or open to others
+        <nonce>/                  one per job and node, mode 700; the job's random key
+            owner                 the agent's pid and start time (a dead agent's: stale)
 
 A launcher killed with SIGKILL runs no clean-up: the next job on the node sweeps the folders whose agent is
 dead (:func:`sweep_stale`); those of live agents (other jobs) stay. Standard library only: the launcher

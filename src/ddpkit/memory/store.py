@@ -8,8 +8,9 @@ finds it there without touching the disk. Each rank keeps two slot files, ``<run
 Double buffering: a save overwrites the older of the rank's two slots, so the newer stays whole while the copy
 runs. Each slot file starts with a commit record::
 
-    magic | begin | end | offsets, lengths and CRC-32s of the manifest and the values | the data region's
-    offset, length and checksum (:func:`checksum`)
+    magic | begin | end
+    | offsets, lengths and CRC-32s of the manifest and the values
+    | the data region's offset, length and checksum (:func:`checksum`)
 
 ``begin`` is set to the save's generation before anything else is written, ``end`` to the same number after
 everything else is: a slot counts only when ``begin == end``, so a kill during the copy leaves it not whole,

@@ -2,14 +2,22 @@
 
 ::
 
-    def objective(candidate):                       # runs on every rank of one group
-        model = Net(candidate.params["channels"])
-        config = TrainerConfig(run_dir=str(candidate.run_dir), epochs=5, batch_size=candidate.params["batch"])
-        trainer = Trainer(model, SGD(model.parameters(), lr=candidate.params["lr"]), train, config,
-                          val_data=val, group=candidate.group, callbacks=[candidate])
-        return trainer.fit()                        # the metrics; config.metric is the result
+    def objective(candidate):  # runs on every rank of one group
+        params = candidate.params
+        model = Net(params["channels"])
+        config = TrainerConfig(
+            run_dir=str(candidate.run_dir), epochs=5, batch_size=params["batch"]
+        )
+        optimizer = SGD(model.parameters(), lr=params["lr"])
+        trainer = Trainer(model, optimizer, train, config, val_data=val,
+                          group=candidate.group, callbacks=[candidate])
+        return trainer.fit()  # the metrics; config.metric is the result
 
-    space = {"lr": uniform(1e-3, 1e-1, log=True), "channels": choice([8, 16, 32]), "batch": choice([32, 64])}
+    space = {
+        "lr": uniform(1e-3, 1e-1, log=True),
+        "channels": choice([8, 16, 32]),
+        "batch": choice([32, 64]),
+    }
     search(objective, space, SearchConfig(n_trials=20, group_size=2, metric="val/loss"))
 
 Launch it like any ddpkit job (``ddpkit run --nproc 4 search.py``, ``srun``, ``mpiexec``); every group of

@@ -4,11 +4,16 @@ marker with checksums, written last, makes the folder count.
 Layout of ``run_dir/snapshots``::
 
     step-00000120/
-        __0_0.distcp, __1_0.distcp   each rank's tensors: its shards (zero/fsdp), and what is its own (below)
-        metadata.json                DCP's index of which tensor (or piece of one) is where; what a resume reads
-        .metadata                    the same index as DCP pickles it, for torch's own tools (never read here)
-        values.pt                    the state's other values: counters, scheduler, RNG states, config (rank 0)
-        complete.json                the marker: the step, and size + sha256 of every file above
+        __0_0.distcp, __1_0.distcp   each rank's tensors: its shards (zero/fsdp)
+                                     and what is its own (below)
+        metadata.json                DCP's index: which tensor (or piece) is where;
+                                     what a resume reads
+        .metadata                    the same index as DCP pickles it, for torch's
+                                     own tools (never read here)
+        values.pt                    the other values: counters, scheduler, random
+                                     states, config (rank 0)
+        complete.json                the marker: the step, size and sha256 of
+                                     every file above
 
 A folder is a snapshot only once ``complete.json`` exists, and the marker is written (atomically, by rank 0)
 only after every rank's files are on disk: a process killed at any instant leaves the previous snapshot as the

@@ -4,7 +4,8 @@ A script hands its training to the tools by defining a function ``ddpkit_workloa
 
     def ddpkit_workload():
         model = Net()
-        return model, train_set, F.cross_entropy, lambda params: torch.optim.Adam(params, lr=1e-3)
+        optimizer = lambda params: torch.optim.Adam(params, lr=1e-3)
+        return model, train_set, F.cross_entropy, optimizer
 
 or, for more control, returning a :class:`Workload`. The tools call it once per run in every rank's process,
 after seeding every rank alike, so it must build a fresh model each time; the script's

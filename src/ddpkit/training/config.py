@@ -4,7 +4,7 @@ One typed config per concern, nested the way the run directory and the docs grou
 
     TrainerConfig(
         run_dir="runs/digits", epochs=8, batch_size=32,
-        strategy=DDPConfig(bucket_cap_mb=50),                  # or "ddp", ZeroConfig(...), FSDPConfig(...)
+        strategy=DDPConfig(bucket_cap_mb=50),  # or "ddp", ZeroConfig(), FSDPConfig()
         snapshot=SnapshotConfig(every_steps=100),
         early_stopping=EarlyStoppingConfig(metric="val/loss", patience=5),
         logging=LoggingConfig(every_steps=20, tensorboard=True),

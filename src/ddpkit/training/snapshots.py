@@ -12,7 +12,7 @@ reshards on load; the others, with the run's record (:class:`~ddpkit.training.ru
 
 A resume is refused, naming each difference, before any tensor is read when the config, the optimizer's
 hyper-parameters, the model's shapes or the classes of its modules differ from the snapshot's, or when the
-global micro-batch does. The precision may change (:meth:`RunRecord.precision_change`), with a warning that
+global micro-batch does. The precision may change (:meth:`~ddpkit.training.run_record.RunRecord.precision_change`), with a warning that
 the resume is not bitwise, in the output and as a ``precision_change`` event. At the same world size every
 rank gets its own buffers and random streams back and the run continues bit for bit; at another, every rank
 takes rank 0's buffers and the random streams are reseeded from (seed, step, rank).

@@ -4,9 +4,9 @@ Built on the same primitives a hand-written loop uses (:func:`~ddpkit.prepare_mo
 :class:`~ddpkit.data.ShardedBatchSampler`, :func:`~ddpkit.evaluate`, :mod:`ddpkit.snapshot`); nothing here is
 needed to write a loop by hand. The loop reads::
 
-    for step in epoch_steps(...):           # each optimizer step's micro-batches
-        taken = self._train_step(step)      # forward/backward on each, then the optimizer step
-        self._after_step(step, taken)       # log, agree, snapshot, stop?
+    for step in epoch_steps(...):       # each optimizer step's micro-batches
+        taken = self._train_step(step)  # forward/backward on each, the optimizer step
+        self._after_step(step, taken)   # log, agree, snapshot, stop?
 
 Within a step, all micro-batches but the last run under the strategy's ``no_sync()``; each loss is divided by
 its divisor in the step (:func:`.steps.loss_divisor`; per token: :mod:`.item_counts`), so the step follows the mean

@@ -1,4 +1,4 @@
-"""What an outsider does to a rendezvous endpoint, for tests/jobs/test_multinode.py; the first argument picks it.
+"""What an outsider does to a rendezvous endpoint, for tests/jobs/launch/test_multinode.py; the first argument picks it.
 
 - ``forge HOST PORT KEY MARKER``: connect as a plain TCPStore client and write, under KEY, a pickle that creates
   the file MARKER when unpickled (as torch's rendezvous unpickles its state). Prints ``written`` or

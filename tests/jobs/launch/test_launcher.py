@@ -1,0 +1,496 @@
+"""``ddpkit run``: real jobs end to end."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+HELLO = str(Path(__file__).parents[1] / "scripts" / "hello.py")
+
+
+PROBE = str(Path(__file__).parents[1] / "scripts" / "launch_probe.py")
+
+
+DDPKIT = [sys.executable, "-m", "ddpkit.cli"]
+
+
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
+
+
+@pytest.fixture
+def clean_env() -> dict[str, str]:
+    """This environment without any launcher's variables, as a user's shell would have it."""
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS and not k.startswith(("TORCHELASTIC", "SLURM"))}
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp_path(tmp_path, monkeypatch):
+    # ddpkit run writes ./ddpkit-logs: keep it out of the checkout.
+    monkeypatch.chdir(tmp_path)
+
+
+def run(args: list[str], env: dict[str, str], timeout: float = 90) -> subprocess.CompletedProcess:
+    return subprocess.run(DDPKIT + args, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_rank_zero_output_by_default(clean_env):
+    out = run(["run", "--nproc", "2", HELLO, "a", "b"], clean_env)
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stdout.splitlines() if line.startswith("hello")]
+    assert lines == ["hello rank=0 world=2 attempt=0 sum=3 threads=1 words=['a', 'b']"]
+
+
+def test_all_ranks_output_is_prefixed(clean_env):
+    out = run(["run", "--nproc", "3", "--all-ranks", HELLO], clean_env)
+    assert out.returncode == 0, out.stderr
+    for r in range(3):
+        assert f"[rank {r}] hello rank={r} world=3" in out.stdout
+
+
+PIECES = str(Path(__file__).parents[1] / "scripts" / "pieces.py")
+
+
+def test_all_ranks_tags_whole_lines_not_pieces(clean_env):
+    # Two ranks print lines in pieces at the same time: each tagged line must be a whole line of one rank.
+    out = run(["run", "--nproc", "2", "--all-ranks", PIECES], clean_env)
+    assert out.returncode == 0, out.stderr
+    tagged = [line for line in out.stdout.splitlines() if line.startswith("[rank ")]
+    for r in range(2):
+        mine = [line.removeprefix(f"[rank {r}] ") for line in tagged if line.startswith(f"[rank {r}] ")]
+        pieces = ["".join(f"r{r}l{i}p{p};" for p in range(4)) for i in range(3)]
+        bars = [line for line in mine if line.startswith(f"bar{r} ")]
+        # Redraws of the bar may show (at most every few seconds); its final state ends its line.
+        assert bars and bars[-1] == f"bar{r} 100%" and all(b in (f"bar{r} 0%", f"bar{r} 50%") for b in bars[:-1])
+        assert [line for line in mine if not line.startswith("bar")] == [*pieces, f"last{r}"], out.stdout
+    assert all(line.startswith("[rank ") for line in out.stdout.splitlines() if "p0;" in line or "bar" in line)
+
+
+def test_failure_summary_names_rank_exception_and_line(clean_env, tmp_path):
+    out = run(["run", "--nproc", "2", HELLO, "--fail-rank", "1"], clean_env)
+    assert out.returncode == 1
+    summary = out.stderr[out.stderr.index("ddpkit run:") :]
+    assert "first: rank 1 (local rank 1" in summary
+    assert "ValueError: planned failure on rank 1" in summary
+    assert 'hello.py", line' in summary  # the user's frame, not only the launcher's
+    # Where rank 1's own output is: under ./ddpkit-logs, printed (it was a temporary folder, never named).
+    line = next(line for line in summary.splitlines() if "output of every rank:" in line)
+    folder = Path(line.split("output of every rank:")[1].strip())
+    assert folder.is_relative_to(tmp_path / "ddpkit-logs")
+    rank1 = list(folder.rglob("1/stderr.log"))
+    assert rank1 and "planned failure on rank 1" in rank1[0].read_text()
+
+
+@pytest.mark.slow  # a whole job with a restart or several launches: seconds each
+def test_restart_after_failure_resumes_the_job(clean_env):
+    out = run(["run", "--nproc", "2", "--max-restarts", "1", HELLO, "--fail-first-attempt"], clean_env)
+    assert out.returncode == 0, out.stderr
+    assert "hello rank=0 world=2 attempt=0" in out.stdout
+    assert "hello rank=0 world=2 attempt=1" in out.stdout
+    # control: without restarts the same job fails
+    out = run(["run", "--nproc", "2", HELLO, "--fail-first-attempt"], clean_env)
+    assert out.returncode != 0 and "planned failure on the first attempt" in out.stderr
+
+
+@pytest.mark.slow  # a whole job with a restart or several launches: seconds each
+def test_two_jobs_at_once_on_one_machine(clean_env):
+    jobs = [
+        subprocess.Popen(
+            DDPKIT + ["run", "--nproc", "2", HELLO, f"job{i}"],
+            env=clean_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    for i, job in enumerate(jobs):
+        stdout, stderr = job.communicate(timeout=90)
+        assert job.returncode == 0, stderr
+        assert f"words=['job{i}']" in stdout
+
+
+def test_bad_flag_is_a_clear_error_not_a_stack(clean_env):
+    out = run(["run", "--nproc", "gpu", HELLO], clean_env)
+    assert out.returncode == 2
+    assert "--nproc gpu but no GPU is visible" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_env_command_reports_and_checks(clean_env):
+    out = run(["env"], clean_env)
+    assert out.returncode == 0, out.stderr
+    assert "torch" in out.stdout and "gloo available" in out.stdout
+    assert "live check (2 processes, gloo all-reduce)  ok" in out.stdout
+
+
+def test_script_arguments_that_look_like_launcher_options_reach_the_script(clean_env):
+    # Prefixes of ddpkit's and torchrun's options (--log-dir, --max-restarts, --node-rank, --master-addr) and
+    # --nproc itself, after the script: all of them belong to the script.
+    args = ["--log", "5", "--max", "1", "--node", "x", "--master", "y", "--nproc", "3"]
+    out = run(["run", "--nproc", "2", PROBE, "args", *args], clean_env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"rank=0 argv={args}" in out.stdout
+
+
+def test_missing_script_is_an_error_before_any_worker_starts(clean_env, tmp_path):
+    out = run(["run", "--nproc", "2", "nothere.py"], clean_env)
+    assert out.returncode == 2
+    assert "script 'nothere.py' not found" in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "ddpkit-logs").exists()  # no worker, no log folder
+    out = run(["run", "-m", "no_such_module_here"], clean_env)
+    assert out.returncode == 2 and "no module named 'no_such_module_here'" in out.stderr
+
+
+@pytest.mark.slow  # a whole job with a restart or several launches: seconds each
+def test_a_script_that_forgot_init_fails_instead_of_training_copies(clean_env):
+    # Without ddpkit.init(), each of the two ranks used to build a loader over the whole data set, train its
+    # own copy and exit 0 ("trained on 12 samples" twice).
+    out = run(["run", "--nproc", "2", PROBE, "no-init"], clean_env)
+    assert out.returncode == 1, out.stdout
+    assert "trained on" not in out.stdout
+    assert "NotInitializedError" in out.stderr and "call ddpkit.init() at the start of the script" in out.stderr
+    # Control: the same script as plain python is a world of one and runs.
+    plain = subprocess.run([sys.executable, PROBE, "no-init"], env=clean_env, capture_output=True, text=True)
+    assert plain.returncode == 0 and "trained on 12 samples" in plain.stdout, plain.stderr
+
+
+def test_preempted_exit_code_passes_through_without_a_restart(clean_env):
+    out = run(["run", "--nproc", "2", "--max-restarts", "2", PROBE, "preempted"], clean_env)
+    assert out.returncode == 75, out.stderr[-3000:]
+    assert "rank=0 attempt=0" in out.stdout and "attempt=1" not in out.stdout, out.stderr
+    assert "stopped by a signal after saving a snapshot" in out.stderr
+
+
+@pytest.mark.slow
+def test_no_temporary_folders_left_behind(clean_env, tmp_path):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    clean_env["TMPDIR"] = str(tmp)
+    out = run(["run", "--nproc", "2", HELLO], clean_env)
+    assert out.returncode == 0, out.stderr
+    # torchrun's default was a torchelastic_* folder in TMPDIR per run, never removed. Rank 1's output is
+    # in the run's own folder instead. torchinductor_<user> is torch's compile cache, kept across runs on
+    # purpose: importing torch._dynamo makes it (constructing any optimizer does; the fork server preloads it).
+    assert sorted(p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_")) == []
+    runs = list((tmp_path / "ddpkit-logs").iterdir())
+    assert len(runs) == 1
+    assert "hello rank=1" in next(runs[0].rglob("1/stdout.log")).read_text()
+
+
+def _wait_for_files(paths: list[Path], proc: subprocess.Popen, timeout: float = 60) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while not all(p.exists() and p.read_text() for p in paths):
+        assert proc.poll() is None, Path(proc.args[-1]).with_suffix(".log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "the workers did not start"
+        time.sleep(0.05)
+    return [int(p.read_text()) for p in paths]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")  # a zombie has ended; only its parent has not collected it yet
+
+
+def _start(argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """Start ``argv``, whose last argument is a folder, with its output in FOLDER.log (not a pipe: workers
+    that outlive the launcher would hold a pipe open)."""
+    with open(Path(argv[-1]).with_suffix(".log"), "w") as log:
+        return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _output(proc: subprocess.Popen, timeout: float = 60) -> str:
+    proc.wait(timeout=timeout)
+    return Path(proc.args[-1]).with_suffix(".log").read_text()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is a Linux feature")
+@pytest.mark.slow
+def test_workers_die_with_a_sigkilled_launcher(clean_env, tmp_path):
+    def survivors(argv: list[str], tag: str) -> tuple[list[int], int]:
+        """The processes of the job alive after its launcher was SIGKILLed (killed now), and its fork servers."""
+        folder = tmp_path / tag
+        folder.mkdir()
+        proc = _start(argv + [PROBE, "pids", str(folder)], clean_env)
+        pids = _wait_for_files([folder / "rank0.pid", folder / "rank1.pid"], proc)
+        servers = _fork_servers(proc.pid)
+        pids += servers
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while not all(map(_gone, pids)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        alive = [pid for pid in pids if not _gone(pid)]
+        for pid in alive:
+            os.kill(pid, signal.SIGKILL)
+        return alive, len(servers)
+
+    # Both workers and the fork server (on: a job without restarts starts none by default).
+    assert survivors(DDPKIT + ["run", "--nproc", "2", "--fork-server", "on"], "ddpkit") == ([], 1)
+    assert survivors(DDPKIT + ["run", "--nproc", "2"], "ddpkit-no-server") == ([], 0)
+    # Control: under torchrun's agent alone the workers outlive it (they would train on, orphaned).
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    assert len(survivors(torchrun, "torchrun")[0]) == 2
+
+
+def _fork_servers(parent: int) -> list[int]:
+    """The fork servers among ``parent``'s children (ddpkit run's agent starts one per job)."""
+    children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+    found = []
+    for pid in map(int, children):
+        with contextlib.suppress(OSError):
+            if b"ddpkit.launch.forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(pid)
+    return found
+
+
+def _family(folder: Path) -> list[int]:
+    """The pids of what the workers of ``launch_probe.py family`` started, in every attempt."""
+    return [int(pid) for path in sorted(folder.glob("attempt*-rank*.pids")) for pid in path.read_text().split()]
+
+
+def _probe_process(pid: int) -> bool:
+    """``pid`` runs launch_probe.py or one of the sleeps it starts (not another program that reused the pid)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return b"launch_probe.py" in cmdline or cmdline.startswith(b"sleep\x00100")
+
+
+def _alive_then_killed(pids: list[int]) -> list[int]:
+    """Those of ``pids`` still running; killed now, so that no test leaves them behind."""
+    alive = [pid for pid in pids if not _gone(pid) and _probe_process(pid)]
+    for pid in alive:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return alive
+
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process trees are read from Linux's /proc")
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("how", ["end", "fail", "restart"])
+def test_what_the_workers_start_ends_with_them(how, clean_env, tmp_path):
+    """A ``sleep`` in the worker's process group, a forked child that ignores SIGTERM and a ``sleep`` in a session
+    of its own, started by each of two workers: gone when the job ends, fails, or restarts the workers."""
+    probe = [PROBE, "family", "fail-first" if how == "restart" else how]
+    restarts = ["--max-restarts", "1"] if how == "restart" else []
+
+    def job(launcher: list[str], tag: str, env: dict[str, str]) -> tuple[str, list[int]]:
+        folder = tmp_path / tag
+        folder.mkdir()
+        proc = _start(launcher + restarts + probe + [str(folder)], env)
+        try:
+            out = _output(proc, timeout=120)
+        finally:  # a job that hung: leave nothing behind
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            alive = _alive_then_killed(_family(folder))
+            _alive_then_killed([int(p.read_text()) for p in folder.glob("*.worker")])
+        assert proc.returncode == (1 if how == "fail" else 0), out[-3000:]
+        assert len(_family(folder)) == 3 * 2 * (2 if how == "restart" else 1), out[-3000:]
+        return out, alive
+
+    out, alive = job(DDPKIT + ["run", "--nproc", "2"], "ddpkit", clean_env)
+    assert alive == []
+    if how == "restart":  # gone before the second attempt started, not only at the end
+        assert "rank=0 attempt=1 alive from the attempt before: [] of 6" in out, out[-3000:]
+    # Control: under torchrun's agent they outlive the job. (Its restarted workers hang on the shared store
+    # unless it is switched off, as ddpkit run does.)
+    out, alive = job(TORCHRUN, "torchrun", clean_env | {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    assert len(alive) >= 4, alive  # at least the forked and the detached children of both workers
+    if how == "restart":
+        assert "rank=0 attempt=1 alive from the attempt before: []" not in out, out[-3000:]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is a Linux feature")
+@pytest.mark.slow
+def test_what_the_workers_start_dies_with_a_sigkilled_launcher(clean_env, tmp_path):
+    def survivors(launcher: list[str], tag: str) -> list[int]:
+        folder = tmp_path / tag
+        folder.mkdir()
+        proc = _start(launcher + [PROBE, "family", "hold", str(folder)], clean_env)
+        try:
+            deadline = time.monotonic() + 60
+            while len(list(folder.glob("attempt0-rank*.pids"))) < 2:
+                assert proc.poll() is None and time.monotonic() < deadline, _output(proc)[-3000:]
+                time.sleep(0.05)
+            pids = _family(folder)
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+            deadline = time.monotonic() + 10
+            while not all(map(_gone, pids)) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            return _alive_then_killed(pids)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            _alive_then_killed(_family(folder) + [int(p.read_text()) for p in folder.glob("*.worker")])
+
+    assert survivors(DDPKIT + ["run", "--nproc", "2"], "ddpkit") == []
+    # Control: under torchrun's agent all six outlive it (as do the workers themselves).
+    assert len(survivors(TORCHRUN, "torchrun")) == 6
+
+
+@pytest.mark.slow
+def test_sigusr1_to_the_launcher_reaches_the_workers(clean_env, tmp_path):
+    # SLURM's --signal=USR1@T warning, sent to `ddpkit run` (the srun task): the workers get it, stop as a
+    # pre-empted Trainer does, and the launcher exits 75 for the batch script to requeue the job.
+    folder = tmp_path / "ddpkit"
+    folder.mkdir()
+    proc = _start(DDPKIT + ["run", "--nproc", "2", PROBE, "hold-usr1", str(folder)], clean_env)
+    _wait_for_files([folder / "rank0.pid", folder / "rank1.pid"], proc)
+    os.kill(proc.pid, signal.SIGUSR1)
+    out = _output(proc)
+    assert proc.returncode == 75, out[-3000:]
+    assert "rank=0 stopping on SIGUSR1" in out
+    # Control: torchrun's own agent dies of the signal (exit 138 in a shell), leaving the workers' save to chance.
+    folder = tmp_path / "torchrun"
+    folder.mkdir()
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    proc = _start(torchrun + ["-m", "ddpkit.launch.worker", PROBE, "hold-usr1", str(folder)], clean_env)
+    pids = _wait_for_files([folder / "rank0.pid", folder / "rank1.pid"], proc)
+    os.kill(proc.pid, signal.SIGUSR1)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGUSR1
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_sigusr1_before_the_trainer_listens_does_not_kill_a_worker(clean_env, tmp_path):
+    # The warning can come while the data loads: each worker holds it for a later fit() instead of dying.
+    folder = tmp_path / "ddpkit"
+    folder.mkdir()
+    proc = _start(DDPKIT + ["run", "--nproc", "2", PROBE, "hold-usr1", str(folder)], clean_env)
+    pids = _wait_for_files([folder / "rank0.pid", folder / "rank1.pid"], proc)
+    for pid in pids:
+        os.kill(pid, signal.SIGUSR1)
+    out = _output(proc)
+    assert proc.returncode == 75, out[-3000:]
+    assert "rank=1 stopping on SIGUSR1" in out or "rank=0 stopping on SIGUSR1" in out
+
+
+@pytest.mark.slow
+def test_a_hang_ends_within_the_bound_with_every_ranks_stack(clean_env):
+    # Rank 1 sleeps in user code while rank 0 waits for it in an all-reduce.
+    start = time.monotonic()
+    out = run(["run", "--nproc", "2", "--collective-timeout", "5", PROBE, "hang"], clean_env, timeout=120)
+    elapsed = time.monotonic() - start
+    assert out.returncode == 1, out.stderr[-3000:]
+    summary = out.stderr[out.stderr.index("ddpkit run:") :]
+    # Rank 0: the collective it waited in, from its own exception.
+    assert "first: rank 0" in summary and "Timed out waiting 5000ms" in summary and "all_reduce" in summary
+    # Rank 1: where it was when rank 0 gave up, from its stack.
+    stack = summary[summary.index("rank 1 was still running") :]
+    assert "in stuck_in_user_code" in stack and "launch_probe.py" in stack
+    assert elapsed < 100  # the 5 s bound plus start-up and teardown, far from the 300 s sleep
+    # Control: under torchrun's agent alone the job also ends (the bound is the process group's), but nothing
+    # says where rank 1 was.
+    env = clean_env | {"DDPKIT_COLLECTIVE_TIMEOUT": "5"}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    out = subprocess.run(torchrun + [PROBE, "hang"], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "stuck_in_user_code" not in out.stderr + out.stdout
+
+
+@pytest.mark.slow
+def test_mismatched_collectives_are_named_with_debug_collectives(clean_env):
+    out = run(
+        ["run", "--nproc", "2", "--debug-collectives", "--collective-timeout", "10", PROBE, "mismatch"],
+        clean_env,
+        timeout=120,
+    )
+    assert out.returncode == 1
+    assert "Detected mismatch between collectives" in out.stderr and "Tensor shapes: 3vs 2" in out.stderr
+    # Control: without the check, gloo gives no such diagnosis (it fails on sizes, or waits out the bound).
+    out = run(["run", "--nproc", "2", "--collective-timeout", "5", PROBE, "mismatch"], clean_env, timeout=120)
+    assert out.returncode != 0 and "Detected mismatch between collectives" not in out.stderr
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_lets_the_workers_save_and_exit_75(clean_env, tmp_path):
+    # A pre-emption's SIGTERM to `ddpkit run`: the workers get it, save (here: agree and stop) and exit 75,
+    # which the launcher passes on. torchrun's own agent stopped them itself and exited 143 whatever they did.
+    folder = tmp_path / "ddpkit"
+    folder.mkdir()
+    proc = _start(DDPKIT + ["run", "--nproc", "2", "--max-restarts", "2", PROBE, "hold-term", str(folder)], clean_env)
+    _wait_for_files([folder / "rank0.pid", folder / "rank1.pid"], proc)
+    os.kill(proc.pid, signal.SIGTERM)
+    out = _output(proc)
+    assert proc.returncode == 75, out[-3000:]
+    assert "rank=0 stopping on SIGTERM" in out
+    # Control: torchrun's agent passes SIGTERM on too, but ends with its own code, not the workers' 75.
+    folder = tmp_path / "torchrun"
+    folder.mkdir()
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    proc = _start(torchrun + ["-m", "ddpkit.launch.worker", PROBE, "hold-term", str(folder)], clean_env)
+    _wait_for_files([folder / "rank0.pid", folder / "rank1.pid"], proc)
+    os.kill(proc.pid, signal.SIGTERM)
+    out = _output(proc)
+    assert proc.returncode != 75
+
+
+KILL_JOB = str(Path(__file__).parents[1] / "scripts" / "kill_recipe_job.py")
+SNAPSHOTS_DOC = Path(__file__).parents[3] / "docs" / "snapshots.md"
+
+
+def _documented_kill_recipe() -> list[str]:
+    """The ``pkill`` line of docs/snapshots.md, aimed at :data:`KILL_JOB` instead of the example's script."""
+    import shlex
+
+    lines = [line for line in SNAPSHOTS_DOC.read_text().splitlines() if line.startswith("pkill ")]
+    assert len(lines) == 1, lines
+    command = shlex.split(lines[0], comments=True)
+    assert any("digits_trainer" in word for word in command), command
+    return [word.replace("digits_trainer", "kill_recipe_job") for word in command]
+
+
+@pytest.mark.slow  # a whole job with a restart or several launches: seconds each
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the worker's guard is Linux only")
+def test_the_documented_kill_recipe_kills_a_worker_and_the_job_restarts(clean_env, tmp_path):
+    folder = tmp_path / "pids"
+    folder.mkdir()
+    proc = _start([*DDPKIT, "run", "--nproc", "2", "--max-restarts", "1", KILL_JOB, str(folder)], clean_env)
+    try:
+        workers = _wait_for_files([folder / f"attempt0-rank{r}.pid" for r in (0, 1)], proc)
+        killed = subprocess.run(
+            [*_documented_kill_recipe(), "--echo"], capture_output=True, text=True, timeout=30, check=True
+        )
+        victim = int(re.findall(r"\(pid (\d+)\)", killed.stdout)[0])
+        assert victim in workers, (victim, workers, killed.stdout)
+        out = _output(proc, timeout=90)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out
+    assert "attempt=1 restarted" in out and "never killed" not in out, out
+
+
+@pytest.mark.slow  # a whole job with a restart or several launches: seconds each
+def test_a_worker_sees_the_users_omp_threads_for_mkl_too(clean_env, tmp_path):
+    script = tmp_path / "threads.py"
+    script.write_text(
+        "import os, ddpkit\nrt = ddpkit.init()\n"
+        "print(f\"rank={rt.rank} omp={os.environ.get('OMP_NUM_THREADS')} mkl={os.environ.get('MKL_NUM_THREADS')}\")\n"
+        "ddpkit.shutdown()\n"
+    )
+    clean_env.pop("MKL_NUM_THREADS", None)
+    out = run(["run", "--nproc", "2", str(script)], {**clean_env, "OMP_NUM_THREADS": "3"})
+    assert out.returncode == 0, out.stderr
+    assert "rank=0 omp=3 mkl=3" in out.stdout, out.stdout  # (the user's own MKL_NUM_THREADS: test_launcher unit)

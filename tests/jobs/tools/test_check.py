@@ -1,0 +1,113 @@
+"""``ddpkit check``: real ranks (ddpkit.spawn, gloo) against one process, on scripts with one known mistake each.
+
+Every mistake script is ``scripts/check_correct.py`` plus that one mistake; the correct script must pass, each
+mistake must get exactly its own cause named (a check that named causes at random, or always the same one, fails
+here), and a mistake outside the known list must be reported as unexplained, with a non-zero exit.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddpkit.errors import ConfigError
+from ddpkit.tools.check import CheckConfig, run_check
+from ddpkit.tools.check_causes import CAUSES
+from ddpkit.tools.workload import load_workload
+from tests.conftest import _clean_environ
+
+SCRIPTS = Path(__file__).parents[1] / "scripts"
+
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _check(name: str) -> tuple[int, str]:
+    code, lines = run_check(CheckConfig(script=str(SCRIPTS / f"check_{name}.py"), steps=3 if name == "uneven" else 2))
+    return code, "\n".join(lines)
+
+
+def test_a_correct_script_passes():
+    code, report = _check("correct")
+    assert code == 0, report
+    assert "OK: 2 ranks train the same model as one process" in report
+
+
+MISTAKES = {
+    "batchnorm": "batchnorm",
+    "dropout": "dropout",
+    "augmentation": "augmentation",
+    "data_order": "data_order",
+    "unused": "unused_parameters",
+    "initial_state": "initial_state",
+    "nondeterminism": "nondeterminism",
+    "uneven": "uneven_mean",
+}
+
+
+@pytest.mark.parametrize("script,key", MISTAKES.items())
+def test_each_mistake_gets_its_own_cause_named(script, key):
+    code, report = _check(script)
+    assert code == 1, report
+    assert "MISMATCH: " in report and "first differ at step" in report, report
+    named = [c.key for c in CAUSES if f"cause: {c.what}" in report]
+    assert named == [key], f"expected only {key!r} named, got {named}\n{report}"
+    fix = next(c.fix for c in CAUSES if c.key == key)
+    assert f"fix: {fix}" in report
+
+
+def test_a_mistake_outside_the_list_is_unexplained_and_fails():
+    code, report = _check("unexplained")
+    assert code == 1, report
+    assert "UNEXPLAINED" in report and "cause:" not in report, report
+
+
+def test_the_command_exits_non_zero_and_names_the_fix():
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddpkit.cli", "check", "--steps", "2", str(SCRIPTS / "check_batchnorm.py")],
+        cwd=ROOT,
+        env=_clean_environ(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "fix: sync_batchnorm=True" in proc.stdout, proc.stdout
+
+
+# --- workloads without a hook ---------------------------------------------------------------------------------
+
+
+def _named(report: str) -> list[str]:
+    return [c.key for c in CAUSES if f"cause: {c.what}" in report]
+
+
+@pytest.mark.slow
+def test_an_unchanged_trainer_script_is_checked_from_the_trainer_it_builds(tmp_path, monkeypatch):
+    # examples/digits_trainer.py defines no ddpkit_workload(): the check runs it up to its Trainer and takes
+    # the model, optimizer, data and loss from there. Its CNN has BatchNorm and it leaves sync_batchnorm off.
+    monkeypatch.chdir(tmp_path)  # where the script's run_dir (runs/digits) would be written
+    code, lines = run_check(CheckConfig(script=str(ROOT / "examples" / "digits_trainer.py"), steps=2))
+    report = "\n".join(lines)
+    assert code == 1 and _named(report) == ["batchnorm"], report
+    assert not (tmp_path / "runs").exists()  # stopped where the Trainer would be built: nothing trained
+    # The same script with sync_batchnorm=True passes: the check takes the Trainer's config too.
+    for name in ("digits_trainer.py", "digits_cnn.py"):
+        text = (ROOT / "examples" / name).read_text()
+        (tmp_path / name).write_text(text.replace("num_workers=0,", "num_workers=0, sync_batchnorm=True,"))
+    code, lines = run_check(CheckConfig(script=str(tmp_path / "digits_trainer.py"), steps=2))
+    assert code == 0, "\n".join(lines)
+
+
+@pytest.mark.slow
+def test_the_built_in_language_model_passes_with_per_token_weights():
+    code, lines = run_check(CheckConfig(script="lm", steps=3))
+    assert code == 0 and "OK: 2 ranks train the same model as one process" in lines[-1], "\n".join(lines)
+
+
+def test_a_script_that_builds_no_trainer_and_has_no_hook_is_refused(tmp_path):
+    script = tmp_path / "plain.py"
+    script.write_text("import sys\nprint('ran', sys.argv)\n")
+    with pytest.raises(ConfigError, match="builds no ddpkit.Trainer"):
+        load_workload(str(script))

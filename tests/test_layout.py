@@ -1,0 +1,41 @@
+"""The test tree mirrors the package: ``tests/unit/<package>/`` holds one process's tests of ``ddpkit.<package>``,
+``tests/jobs/<package>/`` its tests with real ranks. Tests of the whole package (its public API, every format it
+reads, planted links, the examples, the GPU tier) sit at the top of ``tests/unit`` or ``tests/jobs``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import ddpkit
+
+ROOT = Path(__file__).resolve().parent
+PACKAGE = Path(ddpkit.__file__).parent
+NOT_TESTS = frozenset({"scripts", "__pycache__"})  # tests/jobs/scripts: the programs the jobs run
+
+
+def strays(tree: Path, package: Path) -> list[str]:
+    """Test folders under ``tree`` that name no subpackage or module of ``package``."""
+    names = {p.stem for p in package.iterdir() if p.is_dir() or p.suffix == ".py"} - {"__init__", "__pycache__"}
+    return sorted(
+        str(d.relative_to(tree.parent))
+        for d in tree.iterdir()
+        if d.is_dir() and d.name not in NOT_TESTS and d.name not in names
+    )
+
+
+def test_every_test_folder_names_a_part_of_the_package() -> None:
+    assert strays(ROOT / "unit", PACKAGE) == [] and strays(ROOT / "jobs", PACKAGE) == []
+
+
+def test_a_folder_named_for_nothing_in_the_package_is_flagged(tmp_path: Path) -> None:
+    """Control: a folder ``trainers`` (the package has ``training``) is reported, ``training`` is not."""
+    (tmp_path / "unit" / "trainers").mkdir(parents=True)
+    (tmp_path / "unit" / "training").mkdir()
+    assert strays(tmp_path / "unit", PACKAGE) == ["unit/trainers"]
+
+
+def test_no_test_module_is_left_between_the_tiers() -> None:
+    """Every test module is under ``unit`` or ``jobs`` (or is a test of the tests' own tooling at the top)."""
+    top = sorted(p.name for p in ROOT.glob("test_*.py"))
+    assert top == ["test_docs.py", "test_layout.py"]

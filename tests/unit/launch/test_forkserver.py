@@ -1,0 +1,114 @@
+"""The fork server's parts that need no job: the exit status a forked worker ends with, the handle the agent
+keeps of it, which commands it forks, and its options. (Forked workers in real jobs: tests/jobs/launch/test_forkserver.py.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from ddpkit.launch.forked_workers import ForkedProcess, _is_worker_command
+from ddpkit.launch.forkserver import exit_status
+from ddpkit.launch.options import build_parser, config_from_args
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server is Linux only")
+
+
+def test_exit_status_is_the_interpreters(capsys):
+    assert [exit_status(c) for c in (None, 0, 3, 256 + 5)] == [0, 0, 3, 5]
+    assert exit_status("no data") == 1
+    assert capsys.readouterr().err == "no data\n"
+
+
+END = """
+import atexit, sys, threading, time
+from ddpkit.launch.forkserver import run_as_main
+atexit.register(lambda: print("atexit", flush=True))
+def main():
+    threading.Thread(target=lambda: (time.sleep(0.3), print("thread", flush=True))).start()  # ends after main
+    {body}
+code = run_as_main(main)
+print("status", code, flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "err"),
+    [
+        ("pass", 0, ""),
+        ("sys.exit(4)", 4, ""),
+        ("sys.exit('bad input')", 1, "bad input"),
+        ("raise ValueError('boom')", 1, "ValueError: boom"),
+    ],
+)
+def test_run_as_main_ends_as_an_interpreter_ends(run_python, body, status, err):
+    # The status first, then the threads and the atexit handlers, as Py_FinalizeEx; in a fresh process, whose
+    # atexit handlers are its own.
+    out = run_python(END.format(body=body))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["thread", "atexit", f"status {status}"]
+    assert err in out.stderr
+
+
+def test_an_uncaught_keyboard_interrupt_ends_the_process_by_sigint(run_python):
+    out = run_python(END.format(body="raise KeyboardInterrupt"))
+    assert out.returncode == -signal.SIGINT, out.stderr
+    assert "KeyboardInterrupt" in out.stderr and out.stdout.splitlines() == ["thread", "atexit"]
+
+
+def _child(read_fd: int | None = None, code: int = 0) -> int:
+    pid = os.fork()
+    if pid == 0:  # waits for the pipe (if any), then exits without running anything of pytest's
+        if read_fd is not None:
+            os.read(read_fd, 1)
+        os._exit(code)
+    return pid
+
+
+@pytest.mark.parametrize("pidfds", [True, False])
+def test_a_forked_process_answers_as_a_popen(monkeypatch, pidfds):
+    if not pidfds:  # a kernel before 5.3, or a seccomp profile that refuses the call: waiting polls instead
+
+        def refused(pid: int, flags: int = 0) -> int:
+            raise OSError(38, "pidfd_open refused")
+
+        monkeypatch.setattr(os, "pidfd_open", refused)
+    proc = ForkedProcess(_child(code=7), ["python", "x"])
+    assert proc.wait(timeout=30) == 7 and proc.poll() == 7 and proc.returncode == 7
+    read, write = os.pipe()
+    try:
+        proc = ForkedProcess(_child(read), ["python", "x"])
+        assert proc.poll() is None
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(timeout=0.05)
+        proc.kill()
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+        proc.kill()  # once it has exited: nothing to signal, no error
+    finally:
+        os.close(read)
+        os.close(write)
+
+
+def test_only_the_launchers_worker_command_is_forked():
+    assert _is_worker_command([sys.executable, "-u", "-m", "ddpkit.launch.worker", "train.py"])
+    assert not _is_worker_command([sys.executable, "-u", "train.py"])  # not the launcher's command
+    assert not _is_worker_command(["numactl", "-N", "0", sys.executable, "-u", "-m", "ddpkit.launch.worker", "t.py"])
+    assert not _is_worker_command(["/usr/bin/other-python", "-u", "-m", "ddpkit.launch.worker", "t.py"])
+    # Another virtual environment on the same interpreter (torchrun's PYTHON_EXEC): its own site-packages.
+    if os.path.realpath(sys.executable) != sys.executable:
+        assert not _is_worker_command([os.path.realpath(sys.executable), "-u", "-m", "ddpkit.launch.worker", "t.py"])
+
+
+def test_the_fork_server_serves_jobs_that_may_restart_unless_told():
+    def uses(*flags: str) -> bool:
+        return config_from_args(build_parser().parse_args([*flags, "t.py"])).uses_fork_server
+
+    assert not uses()  # no restart: every worker a new interpreter, as under torchrun
+    assert uses("--max-restarts", "1")
+    assert uses("--nnodes", "1:2", "--rdzv-endpoint", "h:1")  # elastic: restarts by default
+    assert uses("--fork-server", "on") and not uses("--fork-server", "off", "--max-restarts", "3")
+    cfg = config_from_args(build_parser().parse_args(["--preload", "numpy,pandas", "--preload", "x.y", "t.py"]))
+    assert cfg.preload == ["numpy", "pandas", "x.y"]

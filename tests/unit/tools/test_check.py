@@ -1,0 +1,54 @@
+"""``ddpkit check`` with no rank started: bad arguments named, parameters with rounding-noise gradients left out of
+the comparison, a dataset smaller than one global batch refused."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddpkit.errors import ConfigError
+from ddpkit.tools.check import CheckConfig, run_check
+from ddpkit.tools.compare import compare
+
+SCRIPTS = Path(__file__).parents[2] / "jobs" / "scripts"
+
+
+def test_bad_arguments_are_refused_with_the_option_named():
+    with pytest.raises(ConfigError, match="--nproc 1"):
+        CheckConfig(nproc=1)
+
+
+def _records(grad, weights):
+    return {
+        "loss": [1.0],
+        "grad": [torch.tensor(grad, dtype=torch.float64)],
+        "weights": [torch.tensor(weights, dtype=torch.float64)],
+        "sizes": [2, 1],
+        "error": None,
+    }
+
+
+def test_parameters_with_rounding_noise_gradients_are_left_out_of_the_weights():
+    # The second parameter's gradient is rounding noise (a bias BatchNorm cancels): Adam moves it by a full
+    # learning rate either way, so its weights may differ; the comparison leaves it out and says so.
+    ref = _records([1.0, 1.0, 1e-12], [1.0, 1.0, 0.001])
+    other = _records([1.0, 1.0, -1e-12], [1.0, 1.0, -0.001])
+    c = compare(other, ref)
+    assert c.diffs[0]["weights"] == 0.0 and c.silent == 1
+    # control: the same difference in a parameter with a real gradient counts
+    ref = _records([1.0, 1.0, 1e-3], [1.0, 1.0, 0.001])
+    other = _records([1.0, 1.0, 1e-3], [1.0, 1.0, -0.001])
+    c = compare(other, ref)
+    assert c.diffs[0]["weights"] > 1e-4 and c.silent == 0
+
+
+def test_a_dataset_smaller_than_one_global_batch_is_refused_before_any_rank_starts(tmp_path):
+    script = tmp_path / "small.py"
+    script.write_text(
+        "import torch.nn.functional as F\n"
+        "from tests.jobs.scripts.check_common import mlp, sgd, toy_data\n"
+        "def ddpkit_workload():\n"
+        "    return mlp(), toy_data(16), F.cross_entropy, sgd\n"
+    )
+    with pytest.raises(ConfigError, match="no global batch of 64"):
+        run_check(CheckConfig(script=str(script)))
