@@ -1,4 +1,5 @@
-"""Reading the launcher's environment: torchrun (and ``ddpkit run``), SLURM ``srun``, ``mpiexec``, or nothing.
+"""Reading the launcher's environment: torchrun (and ``ddpkit run``), SLURM ``srun``, ``mpiexec``, a Kubeflow
+PyTorchJob's pod (:mod:`ddpkit.distributed.kubernetes`), or nothing.
 
 This is the only module that reads rank variables from ``os.environ``. It is pure logic (no process group, no
 torch), so every branch is tested with a mocked environment.
@@ -12,6 +13,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
+from ddpkit.distributed import kubernetes
 from ddpkit.errors import ConfigError
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
@@ -27,7 +29,8 @@ class LaunchEnv:
     local_world_size: int = 1
     launcher: str = "none"
     """``"torchrun"`` (also ``ddpkit run`` and ``ddpkit.spawn``), ``"slurm"``, ``"mpi"`` (Open MPI or MPICH
-    ``mpiexec``), or ``"none"`` (plain python)."""
+    ``mpiexec``), ``"pytorchjob"`` (a Kubeflow PyTorchJob pod run without torchrun,
+    :mod:`ddpkit.distributed.kubernetes`), or ``"none"`` (plain python)."""
     master_addr: str | None = None
     master_port: int | None = None
     collective_timeout: float | None = None
@@ -47,7 +50,12 @@ def _int(env: Mapping[str, str], name: str) -> int:
 
 
 def _check(info: LaunchEnv) -> LaunchEnv:
-    source = {"torchrun": "torchrun/ddpkit run", "slurm": "SLURM", "mpi": "mpiexec"}.get(info.launcher, info.launcher)
+    source = {
+        "torchrun": "torchrun/ddpkit run",
+        "slurm": "SLURM",
+        "mpi": "mpiexec",
+        "pytorchjob": "the PyTorchJob",
+    }.get(info.launcher, info.launcher)
     if info.world_size < 1:
         raise ConfigError(f"world size {info.world_size} from {source} must be >= 1")
     if not 0 <= info.rank < info.world_size:
@@ -220,6 +228,8 @@ def read_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
 
 def _read_ranks(env: Mapping[str, str]) -> LaunchEnv:
     present = [name for name in _TORCHRUN_VARS if name in env]
+    if present and kubernetes.pod_variables(env):
+        return _pytorchjob_env(env)
     if present:
         missing = [name for name in _TORCHRUN_VARS if name not in env]
         if missing:
@@ -255,6 +265,22 @@ def _read_ranks(env: Mapping[str, str]) -> LaunchEnv:
     if _is_slurm_task(env):
         return _slurm_env(env)
     return LaunchEnv()
+
+
+def _pytorchjob_env(env: Mapping[str, str]) -> LaunchEnv:
+    """A PyTorchJob pod run without torchrun: one process per pod, so local rank 0 of 1."""
+    kubernetes.check_one_process_per_pod(env)
+    return _check(
+        LaunchEnv(
+            rank=_int(env, "RANK"),
+            local_rank=0,
+            world_size=_int(env, "WORLD_SIZE"),
+            local_world_size=1,
+            launcher="pytorchjob",
+            master_addr=env["MASTER_ADDR"],
+            master_port=_int(env, "MASTER_PORT"),
+        )
+    )
 
 
 # (rank, world size, local rank, local world size) as Open MPI and MPICH's Hydra export them to each process.

@@ -104,7 +104,7 @@ def _init_method(launch: LaunchEnv) -> str:
     if launch.launcher == "mpi" and (launch.master_addr is None or launch.master_port is None):
         addr, port = mpi_rendezvous_address()
         return f"tcp://{launch.master_addr or addr}:{launch.master_port or port}"
-    if launch.launcher in ("slurm", "mpi"):
+    if launch.launcher in ("slurm", "mpi", "pytorchjob"):
         return f"tcp://{launch.master_addr}:{launch.master_port}"
     return "env://"
 
@@ -293,9 +293,12 @@ def _without_init() -> Runtime:
             launch.restart_count,
         )
     if launch.world_size > 1:
-        source = {"torchrun": "torchrun/ddpkit run", "slurm": "SLURM srun", "mpi": "mpiexec"}.get(
-            launch.launcher, launch.launcher
-        )
+        source = {
+            "torchrun": "torchrun/ddpkit run",
+            "slurm": "SLURM srun",
+            "mpi": "mpiexec",
+            "pytorchjob": "a PyTorchJob",
+        }.get(launch.launcher, launch.launcher)
         raise NotInitializedError(
             f"this is rank {launch.rank} of {launch.world_size} started by {source}, but ddpkit.init() was not "
             "called (or ddpkit.shutdown() already ran): call ddpkit.init() at the start of the script, before "

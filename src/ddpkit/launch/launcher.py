@@ -27,6 +27,7 @@ from ddpkit.launch.options import (
     parse_seconds,
     resolve_nproc,
     split_argv,
+    with_environment_defaults,
 )
 from ddpkit.launch.rendezvous import (
     NodeAddress,
@@ -303,4 +304,13 @@ def launch(cfg: LaunchConfig) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     ours, script_args = split_argv(sys.argv[1:] if argv is None else argv)
+    if ours and not ours[-1].startswith("-"):  # a script named: else argparse says what is missing
+        ours, from_env = with_environment_defaults(ours, os.environ)
+        if from_env:
+            print(from_env, file=sys.stderr, flush=True)
+    # torchrun's parser reads any PET_* variable as the default of an option ddpkit does not pass (its master
+    # address, start method, log settings): what was meant for ddpkit run is in its options now, and nothing else
+    # of an operator's is left for torchrun to pick up behind them.
+    for name in [name for name in os.environ if name.startswith("PET_")]:
+        del os.environ[name]
     return launch(config_from_args(parser.parse_args(ours), script_args))

@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ddpkit.distributed import kubernetes
 from ddpkit.distributed.environment import check_seconds, cpu_count, parse_seconds
 from ddpkit.errors import ConfigError
 
@@ -320,6 +321,33 @@ def split_argv(argv: Sequence[str], value_options: set[str] | None = None) -> tu
             i += 1
         i += 1
     return argv, []
+
+
+def typed_options(ours: Sequence[str], value_options: set[str] | None = None) -> dict[str, str]:
+    """The value options typed in ``ours`` (``--opt value`` or ``--opt=value``), option -> value as typed."""
+    if value_options is None:
+        value_options = _VALUE_OPTIONS or (build_parser() and _VALUE_OPTIONS)
+    typed, i = {}, 0
+    while i < len(ours) - 1:  # the last token is the script
+        name, eq, value = ours[i].partition("=")
+        if name in value_options:
+            typed[name] = value if eq else ours[i + 1]
+            i += 0 if eq else 1
+        i += 1
+    return typed
+
+
+def with_environment_defaults(ours: list[str], env: Mapping[str, str]) -> tuple[list[str], str | None]:
+    """``ours`` with the options a Kubernetes operator set for torchrun (``PET_*``; JobSet's
+    ``JOB_COMPLETION_INDEX``) added where the user gave none, and the line that says so (None if none).
+    A value the user typed that disagrees with the operator's is refused, naming both
+    (:func:`ddpkit.distributed.kubernetes.resolve_options`)."""
+    defaults = kubernetes.launch_defaults(env, cpu_count(env))
+    if not defaults:
+        return ours, None
+    added, taken = kubernetes.resolve_options(typed_options(ours), defaults)
+    extra = [token for option, value in added.items() for token in (option, value)]
+    return ours[:-1] + extra + ours[-1:], kubernetes.summary(taken) if taken else None
 
 
 def config_from_args(ns: argparse.Namespace, script_args: Sequence[str] = ()) -> LaunchConfig:

@@ -34,6 +34,9 @@ from ddpkit.errors import ConfigError
 
 SECRET_ENV = "DDPKIT_RDZV_SECRET"
 """Environment variable holding the job's secret, the same on every node (or ``--rdzv-secret-file``)."""
+SECRET_FILE_ENV = "DDPKIT_RDZV_SECRET_FILE"
+"""The default of ``--rdzv-secret-file``: where a container finds a mounted secret (a Kubernetes Secret
+volume, ``defaultMode: 0400``)."""
 MIN_SECRET_CHARS = 32
 MAKE_SECRET = "python -c 'import secrets; print(secrets.token_hex(32))'"
 
@@ -49,17 +52,23 @@ ANSWER = _NONCE + _TAG
 
 
 def load_secret(path: str | None, env: Mapping[str, str] | None = None) -> bytes:
-    """The job's secret from ``path`` (``--rdzv-secret-file``), else from :data:`SECRET_ENV`.
+    """The job's secret from ``path`` (``--rdzv-secret-file``, else :data:`SECRET_FILE_ENV`), else from
+    :data:`SECRET_ENV`.
 
     A file that other users can read is refused, as ssh refuses such a key; so is a secret too short to resist
     guessing. Raises :class:`ConfigError` saying how to make one.
     """
     env = os.environ if env is None else env
+    option = "--rdzv-secret-file" if path else SECRET_FILE_ENV
+    path = path or env.get(SECRET_FILE_ENV)
     if path:
-        source = f"--rdzv-secret-file {path if len(path) <= 80 else path[:80] + '...'}"
+        source = f"{option} {path if len(path) <= 80 else path[:80] + '...'}"
         text, mode = _read_secret_file(path, source)
         if mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise ConfigError(f"{source} can be read by other users (mode {stat.S_IMODE(mode):o}): chmod 600 {path}")
+            raise ConfigError(
+                f"{source} can be read by other users (mode {stat.S_IMODE(mode):o}): chmod 600 {path} (a Kubernetes "
+                "Secret volume: defaultMode: 0400)"
+            )
     elif env.get(SECRET_ENV):
         source = SECRET_ENV
         try:

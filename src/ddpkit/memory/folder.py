@@ -120,3 +120,30 @@ def job_key() -> str | None:
     """This job's key as the agent set it: its nonce, with torchrun's run id; None outside ``ddpkit run``."""
     nonce = os.environ.get(KEY_ENV)
     return f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}:{nonce}" if nonce else None
+
+
+MOUNT_MORE = (
+    "give the node more shared memory: in Kubernetes an emptyDir volume with medium: Memory mounted at /dev/shm "
+    "(`ddpkit k8s` writes one), in Docker --shm-size"
+)
+"""What to change when the memory file system is too small."""
+
+
+def room_warning(folder: str | os.PathLike[str], need: int) -> str | None:
+    """A warning when the file system of ``folder`` has less free room than ``need`` bytes, else None.
+
+    Containers get a 64 MiB ``/dev/shm`` unless a volume says otherwise, less than two slots of most models:
+    told once at the start of a run rather than found at the first save."""
+    try:
+        info = os.statvfs(folder)
+    except OSError:
+        return None
+    free = info.f_bavail * info.f_frsize
+    if free >= need:
+        return None
+    return (
+        f"the shared memory holding {folder} has {free / 2**20:.0f} MiB free, less than the {need / 2**20:.0f} "
+        "MiB that the snapshots in memory of this node's ranks need at least (two copies of each rank's model, more "
+        "with its "
+        f"optimizer's state): they will stop at the first save; {MOUNT_MORE}"
+    )

@@ -179,6 +179,10 @@ def open_memory_snapshots(parts: TrainerParts, every_steps: int | None) -> Memor
         if rt.is_main or folder:  # one line for the job, and one from each rank that had a folder
             _warn(f"snapshots in memory are off (rank {rt.rank}: {reason}); disk snapshots only")
         return None
+    if rt.local_rank == 0:
+        need = 2 * rt.local_world_size * sum(local(p).nbytes for p in parts.strategy.model.parameters())
+        if warning := memory_folder.room_warning(store.folder, need):
+            _warn(warning)
     group = _gloo_group(rt.group) if rt.distributed else None
     peers = parts.strategy.name == "ddp" and rt.world_size > rt.local_world_size
     return MemorySnapshots(parts, store, every_steps=every_steps, peers=peers, group=group)

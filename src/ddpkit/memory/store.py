@@ -54,6 +54,7 @@ import torch
 
 from ddpkit import fs
 from ddpkit.errors import ConfigError
+from ddpkit.memory import folder as memory_folder
 from ddpkit.memory.slot import (
     BEGIN_OFFSET,
     END_OFFSET,
@@ -203,7 +204,7 @@ class MemoryStore:
                 fs.remove(slot.path)
             if err.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
                 raise MemoryUnavailable(
-                    f"no room for {size / 2**20:.1f} MiB in {self.folder} ({err.strerror})"
+                    f"no room for {size / 2**20:.1f} MiB in {self.folder} ({err.strerror}): " + memory_folder.MOUNT_MORE
                 ) from None
             raise MemoryUnavailable(f"cannot make {slot.path}: {err.strerror}") from None
         storage = torch.UntypedStorage.from_file(str(slot.path), shared=True, nbytes=size)

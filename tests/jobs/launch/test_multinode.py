@@ -19,88 +19,31 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
-from tests.trainer_checks import newest_snapshot
+from tests.jobs.launch import netns
+from tests.jobs.launch.netns import DDPKIT, ROOT, SECRET
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[3]
 DIGITS = str(ROOT / "examples" / "digits_trainer.py")
-DDPKIT = [sys.executable, "-m", "ddpkit.cli"]
-SECRET = "a1b2c3d4e5f60718293a4b5c6d7e8f90a1b2c3d4e5f60718293a4b5c6d7e8f90"
-
-
-def _netns_unavailable() -> str | None:
-    if not sys.platform.startswith("linux"):
-        return "network namespaces are a Linux feature"
-    if os.geteuid() != 0:
-        return "creating network namespaces needs root"
-    if shutil.which("ip") is None and shutil.which("apt-get") is None:
-        return "needs iproute2 (ip), and apt-get is not there to install it"
-    return None
 
 
 @pytest.fixture(scope="module")
 def nodes():
     """[(namespace, address), (namespace, address)]: node a, then node b."""
-    reason = _netns_unavailable()
-    if reason:
-        pytest.skip(reason)
-    name = f"dk{os.getpid() % 100000}"
-    script = str(ROOT / "scripts" / "netns_nodes.sh")
-    up = subprocess.run(["bash", script, "up", name], capture_output=True, text=True, timeout=300)
-    if up.returncode != 0 and "Operation not permitted" in up.stderr:
-        pytest.skip(f"this machine does not allow network namespaces: {up.stderr.strip()}")
-    assert up.returncode == 0, up.stderr
-    yield [tuple(line.split()[:2]) for line in up.stdout.splitlines()]
-    subprocess.run(["bash", script, "down", name], timeout=60)
+    with netns.two_nodes(f"dk{os.getpid() % 100000}") as pair:
+        yield pair
 
 
 def _env(threads: int = 1) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "PMI_", "OMPI_"))}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME"):
-        env.pop(name, None)
-    # Bitwise equality holds at equal intra-op thread counts: the launcher's default splits the node's cores
-    # between its processes, which differs between one node of 2 processes and two nodes of 1.
-    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = str(ROOT / "src")
-    env["DDPKIT_RDZV_SECRET"] = SECRET
-    return env
+    return netns.clean_env(threads) | {"DDPKIT_RDZV_SECRET": SECRET}
 
 
 def _on(ns: str, argv: list[str], cwd: Path, log: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-    with open(cwd / log, "w") as out:
-        return subprocess.Popen(
-            ["ip", "netns", "exec", ns, *argv],
-            cwd=cwd,
-            env=env or _env(),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    return netns.on(ns, argv, cwd, log, env or _env())
 
 
-def _finish(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
-    """Exit codes, None for a process still running after ``timeout`` (then killed with all it started)."""
-    deadline = time.monotonic() + timeout
-    codes: list[int | None] = []
-    for p in procs:
-        try:
-            codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            codes.append(None)
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-    return codes
-
-
-def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return newest_snapshot(run_dir)[1]
-
-
-def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+_finish, _weights, _same = netns.finish, netns.weights, netns.same
 
 
 def test_two_nodes_train_the_digits_to_the_weights_of_one_node(nodes, tmp_path):

@@ -440,35 +440,29 @@ def _node_loss(nodes, tmp: Path, name: str, port: int, *extra: str) -> tuple[dic
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_lost_node_resumes_from_a_peers_memory_bitwise(tmp_path):
-    from tests.jobs.launch.test_multinode import _env, _netns_unavailable
+    from tests.jobs.launch import netns
+    from tests.jobs.launch.test_multinode import _env
 
-    if _netns_unavailable():
-        pytest.skip(str(_netns_unavailable()))
-    name = f"dm{os.getpid() % 100000}"
-    script = str(ROOT / "scripts" / "netns_nodes.sh")
-    up = subprocess.run(["bash", script, "up", name], capture_output=True, text=True, timeout=300)
-    if up.returncode != 0 and "Operation not permitted" in up.stderr:
-        pytest.skip(f"this machine does not allow network namespaces: {up.stderr.strip()}")
-    assert up.returncode == 0, up.stderr
-    nodes = [tuple(line.split()[:2]) for line in up.stdout.splitlines()]
-    try:
-        (tmp_path / "shm").mkdir()
-        # The uninterrupted run, on one node with the same thread count (two nodes of one rank train the same
-        # weights as one node of two: tests/jobs/launch/test_multinode.py).
-        env = _env() | {mf.ROOT_ENV: str(tmp_path / "shm"), "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
-        reference, _ = run_job(tmp_path, "reference", env=env)
-        final, log = _node_loss(nodes, tmp_path, "lost", 29431)
-        assert {p.read_text() for p in log.glob("memory-rank*")} == {"peers"}
-        (event,) = resumes(tmp_path / "lost")
-        print(f"\nnode b lost after step 15: {event['file']} at step {event['step']}")
-        # Both ranks held after step 15, before its copy: step 14, which the surviving node holds for both ranks.
-        assert event["file"].startswith("memory (ranks [") and "from rank" in event["file"]
-        assert event["step"] == 14 and final["resumed_from"] == 14
-        check_exact(tmp_path, "lost", final, reference, "a lost node", samples=False)
-        # Control: without every rank's own part on the survivors, the new node's rank has nothing to resume
-        # from but the disk (no snapshot there: the start).
-        final, _ = _node_loss(nodes, tmp_path, "no-peers", 29432, "--no-peers")
-        assert resumes(tmp_path / "no-peers") == [] and final["resumed_from"] is None
-        check_exact(tmp_path, "no-peers", final, reference, "control", samples=False)
-    finally:
-        subprocess.run(["bash", script, "down", name], timeout=60)
+    with netns.two_nodes(f"dm{os.getpid() % 100000}") as nodes:
+        _lost_node_checks(nodes, tmp_path, _env)
+
+
+def _lost_node_checks(nodes, tmp_path, _env) -> None:
+    (tmp_path / "shm").mkdir()
+    # The uninterrupted run, on one node with the same thread count (two nodes of one rank train the same
+    # weights as one node of two: tests/jobs/launch/test_multinode.py).
+    env = _env() | {mf.ROOT_ENV: str(tmp_path / "shm"), "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
+    reference, _ = run_job(tmp_path, "reference", env=env)
+    final, log = _node_loss(nodes, tmp_path, "lost", 29431)
+    assert {p.read_text() for p in log.glob("memory-rank*")} == {"peers"}
+    (event,) = resumes(tmp_path / "lost")
+    print(f"\nnode b lost after step 15: {event['file']} at step {event['step']}")
+    # Both ranks held after step 15, before its copy: step 14, which the surviving node holds for both ranks.
+    assert event["file"].startswith("memory (ranks [") and "from rank" in event["file"]
+    assert event["step"] == 14 and final["resumed_from"] == 14
+    check_exact(tmp_path, "lost", final, reference, "a lost node", samples=False)
+    # Control: without every rank's own part on the survivors, the new node's rank has nothing to resume
+    # from but the disk (no snapshot there: the start).
+    final, _ = _node_loss(nodes, tmp_path, "no-peers", 29432, "--no-peers")
+    assert resumes(tmp_path / "no-peers") == [] and final["resumed_from"] is None
+    check_exact(tmp_path, "no-peers", final, reference, "control", samples=False)

@@ -127,6 +127,18 @@ def test_a_full_memory_raises_before_any_page_is_touched_and_keeps_the_other_slo
         assert len(list(folder.glob("*.slot"))) == 1  # the failed slot's file is gone
 
 
+def test_a_memory_too_small_for_two_copies_of_the_model_is_said_with_the_volume_to_mount(tmp_path):
+    """A container's 64 MiB /dev/shm, played by a 1 MiB tmpfs: 2 MiB needed is warned of, naming Kubernetes'
+    emptyDir of medium Memory and Docker's --shm-size; 512 KiB needed (the control) is not."""
+    with small_tmpfs(tmp_path / "shm", "1m") as folder:
+        warning = mf.room_warning(folder, 2 << 20)
+        assert warning is not None and "1 MiB free" in warning and "2 MiB" in warning
+        assert "emptyDir volume with medium: Memory mounted at /dev/shm" in warning and "--shm-size" in warning
+        assert mf.room_warning(folder, 512 << 10) is None
+        with pytest.raises(ms.MemoryUnavailable, match="emptyDir volume with medium: Memory"):
+            save(store(folder), 1, [torch.ones(1 << 19)])  # 2 MiB: the store says the same when it runs out
+
+
 def test_the_run_key_is_the_run_directorys_absolute_path(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert ms.run_key("runs/a") == ms.run_key(tmp_path / "runs" / "a") != ms.run_key("runs/b")

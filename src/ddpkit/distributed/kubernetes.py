@@ -1,0 +1,145 @@
+"""What Kubernetes' training operators tell a pod, read in one place.
+
+- **PyTorchJob** (Kubeflow training-operator v1), one process per pod (``python train.py``): the operator sets
+  ``MASTER_ADDR`` (the master replica's service), ``MASTER_PORT``, ``WORLD_SIZE`` (pods) and ``RANK`` (the
+  pod's), and no ``LOCAL_RANK``. :func:`pod_launch_env` reads that as launcher ``"pytorchjob"``: local rank 0
+  of 1. With ``nprocPerNode`` the same job is meant for torchrun (``WORLD_SIZE`` counts processes, not pods), so
+  a lone process there is refused rather than left waiting for ranks that never come.
+- **PyTorchJob with an elastic policy or ``nprocPerNode``, and TrainJob** (Kubeflow Trainer v2, whose
+  ``torch-distributed`` runtime runs torchrun): torchrun's options as ``PET_*`` variables. torchrun reads them
+  itself; ``ddpkit run`` takes them as the defaults of its own options (:func:`launch_defaults`).
+- **JobSet**: no variable of its own; a pod of an indexed Job knows its index from ``JOB_COMPLETION_INDEX``,
+  which ``ddpkit run`` takes as the node rank of a job of fixed size.
+
+Every pod has ``KUBERNETES_SERVICE_HOST`` (the API server's service, injected by the kubelet): without it,
+``RANK`` and ``WORLD_SIZE`` with no ``LOCAL_RANK`` are a leftover ``export`` far more often than a launcher,
+and stay an error (:mod:`ddpkit.distributed.environment`). Pure logic, tested with mocked environments.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ddpkit.errors import ConfigError
+
+POD_ENV = "KUBERNETES_SERVICE_HOST"
+"""Set in every container Kubernetes starts."""
+
+OPERATOR_VARS = {
+    "--nnodes": ("PET_NNODES",),
+    "--nproc": ("PET_NPROC_PER_NODE",),
+    "--node-rank": ("PET_NODE_RANK",),
+    "--rdzv-endpoint": ("PET_RDZV_ENDPOINT",),
+    "--rdzv-id": ("PET_RDZV_ID",),
+    "--max-restarts": ("PET_MAX_RESTARTS",),
+}
+"""``ddpkit run``'s options and the ``PET_*`` variables (torchrun's names) that give their defaults."""
+
+_RDZV_BACKENDS = ("c10d", "static")
+"""``PET_RDZV_BACKEND`` values ``ddpkit run`` stands in for: its own rendezvous is a c10d store at the endpoint
+(``static``: torchrun's fixed-size rendezvous at the master, which the endpoint then names)."""
+
+
+def in_pod(env: Mapping[str, str]) -> bool:
+    return POD_ENV in env
+
+
+def pod_variables(env: Mapping[str, str]) -> bool:
+    """The variables of a PyTorchJob pod started without torchrun: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+    ``MASTER_PORT``, no ``LOCAL_RANK``, inside Kubernetes."""
+    return (
+        in_pod(env)
+        and "LOCAL_RANK" not in env
+        and all(name in env for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+    )
+
+
+def check_one_process_per_pod(env: Mapping[str, str]) -> None:
+    """Refuse a lone process in a pod meant for several (``nprocPerNode`` above 1, or an elastic policy)."""
+    nproc = env.get("PET_NPROC_PER_NODE", "1")
+    if nproc != "1" or "PET_RDZV_ENDPOINT" in env or "PET_NNODES" in env and ":" in env["PET_NNODES"]:
+        raise ConfigError(
+            f"this pod's PyTorchJob starts torchrun's processes (PET_NPROC_PER_NODE={nproc}"
+            + (", an elastic policy" if "PET_RDZV_ENDPOINT" in env else "")
+            + "), but this process was started alone: make the container's command `ddpkit run train.py` "
+            "(or torchrun), which reads the PET_* variables, or set nprocPerNode to 1"
+        )
+
+
+@dataclass(frozen=True)
+class LaunchDefault:
+    """A default of one of ``ddpkit run``'s options, and the variables it was read from."""
+
+    option: str
+    value: str
+    source: str
+    """The variables, as the launch summary names them (``PET_MASTER_ADDR:PET_MASTER_PORT``)."""
+
+
+def launch_defaults(env: Mapping[str, str], cpu_count: int) -> list[LaunchDefault]:
+    """``ddpkit run``'s option defaults from a PyTorchJob's or TrainJob's ``PET_*`` variables, and from
+    JobSet's ``JOB_COMPLETION_INDEX`` (a node rank, used only by a job of fixed size; see
+    :func:`resolve_options`). Raises :class:`ConfigError` for a rendezvous backend ``ddpkit run`` cannot
+    stand in for, or a value torchrun would not take either."""
+    backend = env.get("PET_RDZV_BACKEND")
+    if backend is not None and backend not in _RDZV_BACKENDS:
+        raise ConfigError(
+            f"PET_RDZV_BACKEND={backend[:40]!r}: `ddpkit run` serves its own rendezvous at the endpoint, which "
+            f"stands in for {' or '.join(_RDZV_BACKENDS)} only; set the job's rendezvous backend to c10d, or start "
+            "the pods with torchrun"
+        )
+    found = []
+    for option, (name,) in OPERATOR_VARS.items():
+        if env.get(name):
+            value = env[name]
+            if name == "PET_NPROC_PER_NODE" and value == "cpu":  # torchrun: one per core
+                value = str(cpu_count)
+            found.append(LaunchDefault(option, value, name))
+    if "PET_RDZV_ENDPOINT" not in env and env.get("PET_MASTER_ADDR") and env.get("PET_MASTER_PORT"):
+        endpoint = f"{env['PET_MASTER_ADDR']}:{env['PET_MASTER_PORT']}"
+        found.append(LaunchDefault("--rdzv-endpoint", endpoint, "PET_MASTER_ADDR:PET_MASTER_PORT"))
+    if "PET_NODE_RANK" not in env and re.fullmatch("[0-9]{1,7}", env.get("JOB_COMPLETION_INDEX", "")):
+        found.append(LaunchDefault("--node-rank", env["JOB_COMPLETION_INDEX"], "JOB_COMPLETION_INDEX"))
+    return found
+
+
+def resolve_options(
+    given: Mapping[str, str], defaults: list[LaunchDefault]
+) -> tuple[dict[str, str], list[LaunchDefault]]:
+    """(the options to add to the command line, the defaults taken) from the options the user ``given``
+    (option -> value as typed) and the environment's ``defaults``.
+
+    A default the user also gave with another value is refused, naming both: a pod whose command says
+    ``--nnodes 4`` in a job of 2 nodes would wait for nodes that never come. ``JOB_COMPLETION_INDEX`` is a node
+    rank only for a job of fixed size across several nodes (an elastic job's node ranks are handed out at
+    each rendezvous)."""
+    taken: list[LaunchDefault] = []
+    for default in defaults:
+        typed = given.get(default.option)
+        if typed is None:
+            if not any(t.option == default.option for t in taken):
+                taken.append(default)
+        elif not _same(default.option, typed, default.value):
+            raise ConfigError(
+                f"{default.option} {typed[:80]} disagrees with {default.source}={default.value[:80]} set in this pod "
+                f"by the job's operator: drop {default.option} from the command (the operator's value is used), "
+                "or change the job's spec so that they agree"
+            )
+    nnodes = given.get("--nnodes") or next((t.value for t in taken if t.option == "--nnodes"), "1")
+    fixed_size_nodes = ":" not in nnodes and nnodes != "1"
+    taken = [t for t in taken if t.source != "JOB_COMPLETION_INDEX" or fixed_size_nodes]
+    return {t.option: t.value for t in taken}, taken
+
+
+def _same(option: str, typed: str, value: str) -> bool:
+    if option == "--nnodes" and ":" in value and ":" not in typed:
+        return value == f"{typed}:{typed}"
+    return typed.strip() == value.strip()
+
+
+def summary(taken: list[LaunchDefault]) -> str:
+    """One line for the launch: which options came from the pod's environment."""
+    items = ", ".join(f"{t.option} {t.value} ({t.source})" for t in taken)
+    return f"ddpkit run: from the pod's environment (Kubernetes): {items}"

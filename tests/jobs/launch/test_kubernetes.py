@@ -1,0 +1,175 @@
+"""Kubernetes pods as network namespaces: each pod's environment is exactly what its operator sets, its names
+are what the cluster's DNS gives (a headless service's names, the pod's own host name), and its command is
+the one the job's spec runs.
+
+- PyTorchJob (training-operator v1), one process per pod: ``python train.py`` with ``MASTER_ADDR`` (the master
+  replica's service), ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK``;
+- TrainJob (Trainer v2's ``torch-distributed`` runtime): ``ddpkit run train.py`` with torchrun's ``PET_*``;
+- JobSet: ``ddpkit run --nnodes 2 --rdzv-endpoint <jobset>-node-0-0.<jobset>:29400 train.py`` (as ``ddpkit
+  k8s`` writes it), the node rank from the indexed Job's ``JOB_COMPLETION_INDEX``.
+
+Each trains to the bits of the same job on one node. Pods killed and recreated (a new, empty ``/dev/shm``)
+resume from the disk snapshot to the same bits; a pod with a wrong secret is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.jobs.launch import netns
+from tests.jobs.launch.netns import DDPKIT, ROOT
+from tests.trainer_checks import bitwise_equal
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+JOB = str(ROOT / "tests" / "jobs" / "scripts" / "memory_job.py")
+SECRET = "9f" * 32
+MASTER, NODE0 = "digits-master-0", "digits-node-0-0.digits"  # the operators' service names for pod 0
+WORKER = "digits-worker-0"
+POD = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"}
+
+
+@pytest.fixture(scope="module")
+def pods(tmp_path_factory):
+    """[(namespace, address)] of pods a and b, with the cluster's names in each one's /etc/hosts."""
+    with netns.two_nodes(f"dk8s{os.getpid() % 10000}") as pair:
+        (ns_a, addr_a), (ns_b, addr_b) = pair
+        services = {MASTER: addr_a, NODE0: addr_a, WORKER: addr_b, "digits-node-0-1.digits": addr_b}
+        # The kubelet writes the pod's own host name with the pod's address into its /etc/hosts.
+        me = socket.gethostname()
+        with netns.hosts_files({ns_a: services | {me: addr_a}, ns_b: services | {me: addr_b}}):
+            yield pair
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The same job on one node of two processes: the bits every Kubernetes job must end on."""
+    tmp = tmp_path_factory.mktemp("reference")
+    (tmp / "log").mkdir()
+    cmd = [*DDPKIT, "run", "--nproc", "2", JOB, str(tmp / "run"), "--log", str(tmp / "log"), "--out", "ref.pt"]
+    out = subprocess.run(cmd, env=netns.clean_env(), cwd=tmp, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return torch.load(tmp / "ref.pt", weights_only=False)
+
+
+def pod(kind: str, index: int, tmp: Path, name: str, *job_args: str, secret: str = SECRET) -> tuple[list, dict]:
+    """(command, environment) of pod ``index`` of a 2-pod job of ``kind``, as its operator starts it."""
+    env = netns.clean_env() | POD | {"DDPKIT_MEMORY_ROOT": str(tmp / f"shm-{name}-{index}")}
+    Path(env["DDPKIT_MEMORY_ROOT"]).mkdir(exist_ok=True)
+    job = [JOB, str(tmp / name), "--log", str(tmp / f"{name}-log"), "--out", str(tmp / f"{name}.pt"), *job_args]
+    (tmp / f"{name}-log").mkdir(exist_ok=True)
+    if kind == "pytorchjob":  # training-operator v1: RANK 0 for the master, 1 + index for the workers
+        env |= {"MASTER_ADDR": MASTER, "MASTER_PORT": "23456", "WORLD_SIZE": "2", "RANK": str(index)}
+        return [sys.executable, *job], env | {"PYTHONUNBUFFERED": "1"}
+    env["DDPKIT_RDZV_SECRET"] = secret  # an env var from a Kubernetes Secret (secretKeyRef)
+    if kind == "trainjob":  # Trainer v2's torch plugin: torchrun's options for every node
+        env |= {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": str(index)}
+        env |= {"PET_MASTER_ADDR": NODE0, "PET_MASTER_PORT": "29400", "JOB_COMPLETION_INDEX": str(index)}
+        return [*DDPKIT, "run", "--max-restarts", "2", *job], env
+    assert kind == "jobset"  # nothing but the indexed Job's completion index; the rest is in the command
+    env["JOB_COMPLETION_INDEX"] = str(index)
+    flags = ["--nnodes", "2", "--nproc", "1", "--rdzv-endpoint", f"{NODE0}:29400", "--max-restarts", "2"]
+    return [*DDPKIT, "run", *flags, *job], env
+
+
+def start(pods, kind: str, tmp: Path, name: str, *job_args: str) -> list[subprocess.Popen]:
+    procs = []
+    for index, (ns, _) in enumerate(pods):
+        cmd, env = pod(kind, index, tmp, name, *job_args)
+        procs.append(netns.on(ns, cmd, tmp, f"{name}-{index}.log", env))
+    return procs
+
+
+def logs(tmp: Path, name: str) -> list[str]:
+    return [(tmp / f"{name}-{i}.log").read_text()[-3000:] for i in (0, 1)]
+
+
+def resumes(run_dir: Path) -> list[dict]:
+    records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    return [r for r in records if r.get("event") == "resume"]
+
+
+@pytest.mark.parametrize("kind", ["pytorchjob", "trainjob", "jobset"])
+def test_two_pods_train_to_the_bits_of_one_node(pods, reference, kind, tmp_path):
+    codes = netns.finish(start(pods, kind, tmp_path, kind), timeout=300)
+    assert codes == [0, 0], logs(tmp_path, kind)
+    final = torch.load(tmp_path / f"{kind}.pt", weights_only=False)
+    assert bitwise_equal(final, reference)
+    if kind == "trainjob":  # the launch says where its options came from
+        assert "--node-rank 1 (PET_NODE_RANK)" in logs(tmp_path, kind)[1]
+        assert f"--rdzv-endpoint {NODE0}:29400 (PET_MASTER_ADDR:PET_MASTER_PORT)" in logs(tmp_path, kind)[0]
+    if kind == "jobset":
+        assert "--node-rank 1 (JOB_COMPLETION_INDEX)" in logs(tmp_path, kind)[1]
+    if kind == "pytorchjob":  # no agent in the pod: no memory folder, said once
+        assert "snapshots in memory are off" in logs(tmp_path, kind)[0]
+
+
+def _recreated(pods, tmp: Path, name: str, disk_every: int) -> tuple[dict, list[dict]]:
+    """Both pods of a TrainJob SIGKILLed while every rank holds after step 15 (a JobSet restart deletes every
+    pod), then recreated with a new, empty /dev/shm; returns the final state and the resume events."""
+    args = ("--disk-every-steps", str(disk_every), "--hold-after-step", "15", "--hold-file", str(tmp / f"{name}-go"))
+    first = start(pods, "trainjob", tmp, name, *args)
+    log = tmp / f"{name}-log"
+
+    def held() -> bool:
+        assert all(p.poll() is None for p in first), logs(tmp, name)
+        return all((log / f"steps-rank{r}.txt").exists() for r in (0, 1)) and all(
+            len((log / f"steps-rank{r}.txt").read_text().splitlines()) >= 15 for r in (0, 1)
+        )
+
+    deadline = time.monotonic() + 240
+    while not held():
+        assert time.monotonic() < deadline, logs(tmp, name)
+        time.sleep(0.05)
+    for p in first:  # the pod: its agent and all it started
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    (tmp / f"{name}-go").touch()
+    second = []
+    for index, (ns, _) in enumerate(pods):
+        cmd, env = pod("trainjob", index, tmp, name, *args)
+        env["DDPKIT_MEMORY_ROOT"] = str(tmp / f"shm-{name}-{index}-recreated")  # the old pod's memory is gone
+        Path(env["DDPKIT_MEMORY_ROOT"]).mkdir()
+        second.append(netns.on(ns, cmd, tmp, f"{name}-{index}.log", env))
+    codes = netns.finish(second, timeout=300)
+    assert codes == [0, 0], logs(tmp, name)
+    return torch.load(tmp / f"{name}.pt", weights_only=False), resumes(tmp / name)
+
+
+def test_pods_killed_and_recreated_resume_from_the_disk_snapshot_to_the_same_bits(pods, reference, tmp_path):
+    final, events = _recreated(pods, tmp_path, "recreated", disk_every=5)
+    (event,) = events
+    # Every rank held after step 15 before that step's snapshot: the newest on disk is step 10's.
+    assert event["file"] == "step-00000010" and event["step"] == 10, event
+    assert bitwise_equal(final, reference)
+    # Control: with no disk snapshot before the kill, the recreated pods have nothing to resume from (their
+    # memory is new) and start again at step 0, yet end on the same bits.
+    final, events = _recreated(pods, tmp_path, "no-disk", disk_every=1000)
+    assert events == [] and bitwise_equal(final, reference)
+
+
+def test_a_pod_with_a_wrong_secret_is_refused(pods, tmp_path):
+    (ns_a, _), (ns_b, _) = pods
+    good_cmd, good_env = pod("trainjob", 0, tmp_path, "secret")
+    bad_cmd, bad_env = pod("trainjob", 1, tmp_path, "secret", secret="e" * 64)
+    pod_a = netns.on(ns_a, good_cmd, tmp_path, "secret-0.log", good_env)
+    try:
+        out = subprocess.run(
+            ["ip", "netns", "exec", ns_b, *bad_cmd], env=bad_env, cwd=tmp_path, capture_output=True, text=True,
+            timeout=120,
+        )  # fmt: skip
+    finally:
+        netns.finish([pod_a], timeout=0)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "host does not accept this node's secret" in out.stderr and NODE0 in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr

@@ -1,0 +1,127 @@
+"""What Kubernetes' operators set in a pod, read as ddpkit reads it (mocked environments; the jobs themselves,
+pods as network namespaces, are in ``tests/jobs/launch/test_kubernetes.py``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ddpkit.distributed import kubernetes as k8s
+from ddpkit.distributed.environment import read_launch_env
+from ddpkit.errors import ConfigError
+from ddpkit.launch.options import typed_options, with_environment_defaults
+
+POD = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"}
+# A PyTorchJob worker pod of 1 master + 2 workers, one process each (training-operator v1: the master's service
+# as MASTER_ADDR, RANK 1 + the worker's index).
+PYTORCHJOB_WORKER = POD | {
+    "MASTER_ADDR": "digits-master-0",
+    "MASTER_PORT": "23456",
+    "WORLD_SIZE": "3",
+    "RANK": "2",
+    "PYTHONUNBUFFERED": "1",
+}
+# A TrainJob node of the torch-distributed runtime: torchrun's options as PET_* (Trainer v2's torch plugin).
+TRAINJOB_NODE = POD | {
+    "PET_NNODES": "2",
+    "PET_NPROC_PER_NODE": "1",
+    "PET_NODE_RANK": "1",
+    "PET_MASTER_ADDR": "digits-node-0-0.digits",
+    "PET_MASTER_PORT": "29400",
+    "JOB_COMPLETION_INDEX": "1",
+}
+# A PyTorchJob with an elastic policy: c10d rendezvous at the first worker's service.
+ELASTIC_WORKER = POD | {
+    "PET_RDZV_BACKEND": "c10d",
+    "PET_RDZV_ENDPOINT": "digits-worker-0:29400",
+    "PET_RDZV_ID": "digits",
+    "PET_NNODES": "1:3",
+    "PET_NPROC_PER_NODE": "2",
+    "PET_MAX_RESTARTS": "3",
+}
+SCRIPT = ["train.py"]
+
+
+def test_a_pytorchjob_pod_without_torchrun_is_local_rank_0_of_1():
+    info = read_launch_env(PYTORCHJOB_WORKER)
+    assert (info.rank, info.local_rank, info.world_size, info.local_world_size) == (2, 0, 3, 1)
+    assert (info.launcher, info.master_addr, info.master_port) == ("pytorchjob", "digits-master-0", 23456)
+
+
+def test_the_same_variables_outside_kubernetes_stay_an_error():
+    """Control: RANK and WORLD_SIZE without LOCAL_RANK on a machine that is not a pod (a leftover export)."""
+    outside = {k: v for k, v in PYTORCHJOB_WORKER.items() if not k.startswith("KUBERNETES_")}
+    with pytest.raises(ConfigError, match="RANK, WORLD_SIZE set but LOCAL_RANK not"):
+        read_launch_env(outside)
+
+
+def test_torchrun_in_a_pod_is_still_torchrun():
+    env = PYTORCHJOB_WORKER | {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+    assert read_launch_env(env).launcher == "torchrun"
+
+
+def test_a_lone_process_in_a_pod_meant_for_several_is_refused():
+    env = PYTORCHJOB_WORKER | {"PET_NPROC_PER_NODE": "4", "WORLD_SIZE": "12"}
+    with pytest.raises(ConfigError, match=r"PET_NPROC_PER_NODE=4.*`ddpkit run train.py`"):
+        read_launch_env(env)
+
+
+def test_a_pytorchjob_rank_outside_its_world_names_the_job():
+    with pytest.raises(ConfigError, match="outside the world of 3 processes set by the PyTorchJob"):
+        read_launch_env(PYTORCHJOB_WORKER | {"RANK": "3"})
+
+
+def test_a_trainjob_nodes_variables_become_ddpkit_run_options():
+    ours, line = with_environment_defaults(SCRIPT, TRAINJOB_NODE)
+    assert ours == [
+        "--nnodes", "2", "--nproc", "1", "--node-rank", "1",
+        "--rdzv-endpoint", "digits-node-0-0.digits:29400", "train.py",
+    ]  # fmt: skip
+    assert line is not None and "--rdzv-endpoint digits-node-0-0.digits:29400 (PET_MASTER_ADDR:PET_MASTER_PORT)" in line
+
+
+def test_an_elastic_pytorchjobs_variables_become_ddpkit_run_options():
+    ours, _ = with_environment_defaults(SCRIPT, ELASTIC_WORKER)
+    assert ours == [
+        "--nnodes", "1:3", "--nproc", "2", "--rdzv-endpoint", "digits-worker-0:29400",
+        "--rdzv-id", "digits", "--max-restarts", "3", "train.py",
+    ]  # fmt: skip
+
+
+def test_an_option_the_user_typed_that_agrees_is_kept_and_one_that_disagrees_is_refused_naming_both():
+    ours, _ = with_environment_defaults(["--nnodes=2", "--nproc", "1", *SCRIPT], TRAINJOB_NODE)
+    assert ours[:3] == ["--nnodes=2", "--nproc", "1"] and "--nnodes" not in ours and ours.count("--nproc") == 1
+    with pytest.raises(ConfigError, match="--nnodes 4 disagrees with PET_NNODES=2"):
+        with_environment_defaults(["--nnodes", "4", *SCRIPT], TRAINJOB_NODE)
+
+
+def test_a_rendezvous_backend_ddpkit_cannot_stand_in_for_is_refused():
+    with pytest.raises(ConfigError, match="PET_RDZV_BACKEND='etcd-v2'.*c10d"):
+        with_environment_defaults(SCRIPT, ELASTIC_WORKER | {"PET_RDZV_BACKEND": "etcd-v2"})
+
+
+def test_jobsets_completion_index_is_the_node_rank_of_a_fixed_size_job_only():
+    jobset_pod = POD | {"JOB_COMPLETION_INDEX": "1"}
+    ours, line = with_environment_defaults(
+        ["--nnodes", "2", "--rdzv-endpoint", "j-node-0-0.j:29400", *SCRIPT], jobset_pod
+    )
+    assert ours[-3:] == ["--node-rank", "1", "train.py"] and "(JOB_COMPLETION_INDEX)" in (line or "")
+    elastic, _ = with_environment_defaults(["--nnodes", "1:2", "--rdzv-endpoint", "j:29400", *SCRIPT], jobset_pod)
+    assert "--node-rank" not in elastic  # an elastic job's node ranks are handed out at each rendezvous
+    one_node, line = with_environment_defaults(SCRIPT, jobset_pod)
+    assert one_node == SCRIPT and line is None
+
+
+def test_no_operator_variables_change_nothing():
+    assert with_environment_defaults(["--nproc", "2", *SCRIPT], POD) == (["--nproc", "2", *SCRIPT], None)
+
+
+def test_torchruns_cpu_process_count_is_one_per_core():
+    defaults = k8s.launch_defaults({"PET_NPROC_PER_NODE": "cpu"}, cpu_count=6)
+    assert [(d.option, d.value) for d in defaults] == [("--nproc", "6")]
+
+
+def test_typed_options_reads_both_spellings_and_stops_at_the_script():
+    assert typed_options(["--nnodes=2", "--rdzv-id", "x", "--all-ranks", "train.py"]) == {
+        "--nnodes": "2",
+        "--rdzv-id": "x",
+    }
