@@ -326,7 +326,9 @@ def split_argv(argv: Sequence[str], value_options: set[str] | None = None) -> tu
 def typed_options(ours: Sequence[str], value_options: set[str] | None = None) -> dict[str, str]:
     """The value options typed in ``ours`` (``--opt value`` or ``--opt=value``), option -> value as typed."""
     if value_options is None:
-        value_options = _VALUE_OPTIONS or (build_parser() and _VALUE_OPTIONS)
+        if not _VALUE_OPTIONS:  # filled as the parser is built
+            build_parser()
+        value_options = _VALUE_OPTIONS
     typed, i = {}, 0
     while i < len(ours) - 1:  # the last token is the script
         name, eq, value = ours[i].partition("=")
