@@ -15,6 +15,10 @@ COMMANDS = {
         "launch a training script on every GPU (or CPU share) of this node, or of several",
     ),
     "sbatch": ("ddpkit.launch.sbatch", "write and submit a SLURM batch script that requeues itself when pre-empted"),
+    "k8s": (
+        "ddpkit.launch.k8s",
+        "write a Kubernetes manifest (TrainJob, PyTorchJob or JobSet) that resumes after failures",
+    ),
     "env": ("ddpkit.tools.env", "versions, devices, the choices `run` would make, and a live all-reduce check"),
     "bench": ("ddpkit.tools.bench", "step time at 1..N ranks, the all-reduce alone, and a prediction at larger sizes"),
     "check": ("ddpkit.tools.check", "one process against N ranks, step by step; names the cause of a difference"),
@@ -24,6 +28,7 @@ COMMANDS = {
 EXAMPLES = """examples:
   ddpkit run --nproc 2 train.py --lr 0.1
   ddpkit sbatch --nodes 2 --gpus-per-node 4 --time 4:00:00 train.py
+  ddpkit k8s --image registry/train:1 --nodes 4 --gpus-per-node 8 --pvc runs train.py
   ddpkit env
   ddpkit bench --nproc 2
   ddpkit check my_script.py

@@ -2,9 +2,10 @@
 
 - **PyTorchJob** (Kubeflow training-operator v1), one process per pod (``python train.py``): the operator sets
   ``MASTER_ADDR`` (the master replica's service), ``MASTER_PORT``, ``WORLD_SIZE`` (pods) and ``RANK`` (the
-  pod's), and no ``LOCAL_RANK``. :func:`pod_launch_env` reads that as launcher ``"pytorchjob"``: local rank 0
-  of 1. With ``nprocPerNode`` the same job is meant for torchrun (``WORLD_SIZE`` counts processes, not pods), so
-  a lone process there is refused rather than left waiting for ranks that never come.
+  pod's), and no ``LOCAL_RANK``. :func:`~ddpkit.distributed.environment.read_launch_env` reads that as
+  launcher ``"pytorchjob"``: local rank 0 of 1. With ``nprocPerNode`` the same job is meant for torchrun
+  (``WORLD_SIZE`` counts processes, not pods), so a lone process there is refused rather than left waiting for
+  ranks that never come.
 - **PyTorchJob with an elastic policy or ``nprocPerNode``, and TrainJob** (Kubeflow Trainer v2, whose
   ``torch-distributed`` runtime runs torchrun): torchrun's options as ``PET_*`` variables. torchrun reads them
   itself; ``ddpkit run`` takes them as the defaults of its own options (:func:`launch_defaults`).

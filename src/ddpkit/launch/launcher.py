@@ -18,8 +18,9 @@ from pathlib import Path
 
 from ddpkit import fs
 from ddpkit.distributed.environment import cpu_count
-from ddpkit.errors import PREEMPTED_EXIT_CODE, ConfigError
+from ddpkit.errors import ConfigError
 from ddpkit.launch import agent, proctree, tail
+from ddpkit.launch.environment_defaults import with_environment_defaults
 from ddpkit.launch.options import (
     LaunchConfig,
     build_parser,
@@ -27,7 +28,6 @@ from ddpkit.launch.options import (
     parse_seconds,
     resolve_nproc,
     split_argv,
-    with_environment_defaults,
 )
 from ddpkit.launch.rendezvous import (
     NodeAddress,
@@ -261,12 +261,12 @@ def launch(cfg: LaunchConfig) -> int:
     except ChildFailedError as err:
         if agent.preempted(err.failures):
             print(
-                f"ddpkit run: stopped by a signal after saving a snapshot (exit code {PREEMPTED_EXIT_CODE}); run "
+                f"ddpkit run: stopped by a signal after saving a snapshot (exit code {cfg.preempted_exit_code}); run "
                 "the same command again to resume",
                 file=sys.stderr,
                 flush=True,
             )
-            return PREEMPTED_EXIT_CODE
+            return cfg.preempted_exit_code
         print(agent.summarize_failure(err), file=sys.stderr, flush=True)
         # This node's workers still running at the first failure wrote their stacks when the agent asked.
         files = [p for p in (run_dir / "stacks").glob("rank*.txt") if p.stem[4:].isdigit() and p.stat().st_size]

@@ -5,13 +5,12 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddpkit.distributed import kubernetes
 from ddpkit.distributed.environment import check_seconds, cpu_count, parse_seconds
-from ddpkit.errors import ConfigError
+from ddpkit.errors import PREEMPTED_EXIT_CODE, ConfigError
 
 MAX_RESTARTS = 100_000
 """The most --max-restarts: a job failing that often is not going to succeed."""
@@ -72,6 +71,10 @@ class LaunchConfig:
     when the job may restart its workers (``--max-restarts`` above 0, or an elastic job)."""
     preload: list[str] = field(default_factory=list)
     """Modules the fork server imports besides torch and ddpkit (a script's own heavy imports)."""
+    preempted_exit_code: int = PREEMPTED_EXIT_CODE
+    """The launcher's exit code when the workers were stopped by a signal after saving a snapshot. A
+    PyTorchJob's ``ExitCode`` restart policy recreates a pod only for codes from 128 (``ddpkit k8s`` passes
+    143, SIGTERM's)."""
     oversubscribe: bool = False
     """Allow ``nproc`` above :data:`OVERSUBSCRIBE_FACTOR` processes per core or GPU (never above
     :data:`MAX_NPROC`)."""
@@ -101,6 +104,8 @@ class LaunchConfig:
         if self.collective_timeout is not None:
             check_seconds("--collective-timeout", self.collective_timeout)
         check_seconds("--join-timeout", self.join_timeout)
+        if not 1 <= self.preempted_exit_code <= 255:
+            raise ConfigError(f"--preempted-exit-code {self.preempted_exit_code}: use 1 to 255")
         if self.fork_server not in ("auto", "on", "off"):
             raise ConfigError(f"--fork-server {self.fork_server!r}: use auto, on or off")
         for name in self.preload:
@@ -276,6 +281,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="restarts of all workers after a failure (default 0; 3 for an elastic job)",
     )
+    _option(
+        parser,
+        "--preempted-exit-code",
+        type=int,
+        default=PREEMPTED_EXIT_CODE,
+        help=f"exit code after a stop signal and a snapshot (default {PREEMPTED_EXIT_CODE})",
+    )
     _option(parser, "--log-dir", default="ddpkit-logs", help="folder for each run's rank output (default ddpkit-logs)")
     _option(parser, "--all-ranks", action="store_true", help="show every rank's output, prefixed [rank N]")
     _option(
@@ -302,6 +314,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("script", help="training script (or module with -m)")
 
 
+def value_options() -> set[str]:
+    """The options of ``ddpkit run`` that take a value (``--nproc``, not ``--all-ranks``)."""
+    if not _VALUE_OPTIONS:  # filled as the parser is built
+        build_parser()
+    return _VALUE_OPTIONS
+
+
 def split_argv(argv: Sequence[str], value_options: set[str] | None = None) -> tuple[list[str], list[str]]:
     """(launcher options and the script, the script's arguments): everything after the script is the script's.
 
@@ -321,35 +340,6 @@ def split_argv(argv: Sequence[str], value_options: set[str] | None = None) -> tu
             i += 1
         i += 1
     return argv, []
-
-
-def typed_options(ours: Sequence[str], value_options: set[str] | None = None) -> dict[str, str]:
-    """The value options typed in ``ours`` (``--opt value`` or ``--opt=value``), option -> value as typed."""
-    if value_options is None:
-        if not _VALUE_OPTIONS:  # filled as the parser is built
-            build_parser()
-        value_options = _VALUE_OPTIONS
-    typed, i = {}, 0
-    while i < len(ours) - 1:  # the last token is the script
-        name, eq, value = ours[i].partition("=")
-        if name in value_options:
-            typed[name] = value if eq else ours[i + 1]
-            i += 0 if eq else 1
-        i += 1
-    return typed
-
-
-def with_environment_defaults(ours: list[str], env: Mapping[str, str]) -> tuple[list[str], str | None]:
-    """``ours`` with the options a Kubernetes operator set for torchrun (``PET_*``; JobSet's
-    ``JOB_COMPLETION_INDEX``) added where the user gave none, and the line that says so (None if none).
-    A value the user typed that disagrees with the operator's is refused, naming both
-    (:func:`ddpkit.distributed.kubernetes.resolve_options`)."""
-    defaults = kubernetes.launch_defaults(env, cpu_count(env))
-    if not defaults:
-        return ours, None
-    added, taken = kubernetes.resolve_options(typed_options(ours), defaults)
-    extra = [token for option, value in added.items() for token in (option, value)]
-    return ours[:-1] + extra + ours[-1:], kubernetes.summary(taken) if taken else None
 
 
 def config_from_args(ns: argparse.Namespace, script_args: Sequence[str] = ()) -> LaunchConfig:
@@ -377,6 +367,7 @@ def config_from_args(ns: argparse.Namespace, script_args: Sequence[str] = ()) ->
         fork_server=ns.fork_server,
         preload=[name for value in ns.preload or [] for name in value.split(",") if name],
         oversubscribe=ns.oversubscribe,
+        preempted_exit_code=ns.preempted_exit_code,
     )
 
 

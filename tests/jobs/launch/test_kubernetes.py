@@ -2,10 +2,11 @@
 are what the cluster's DNS gives (a headless service's names, the pod's own host name), and its command is
 the one the job's spec runs.
 
-- PyTorchJob (training-operator v1), one process per pod: ``python train.py`` with ``MASTER_ADDR`` (the master
-  replica's service), ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK``;
-- TrainJob (Trainer v2's ``torch-distributed`` runtime): ``ddpkit run train.py`` with torchrun's ``PET_*``;
-- JobSet: ``ddpkit run --nnodes 2 --rdzv-endpoint <jobset>-node-0-0.<jobset>:29400 train.py`` (as ``ddpkit
+- PyTorchJob (training-operator v1.9), one process per pod: ``python train.py`` with ``MASTER_ADDR`` (the
+  master replica's service), ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK`` and their ``PET_*`` names;
+- the same PyTorchJob with ``nprocPerNode``, and a TrainJob (Trainer v2's torch plugin: torchrun's ``PET_*``),
+  each with the command ``ddpkit k8s`` writes: ``ddpkit run`` takes its options from the ``PET_*``;
+- JobSet: ``ddpkit run --nnodes 2 --rdzv-endpoint <jobset>-node-0-0.<jobset>:29500 train.py`` (as ``ddpkit
   k8s`` writes it), the node rank from the indexed Job's ``JOB_COMPLETION_INDEX``.
 
 Each trains to the bits of the same job on one node. Pods killed and recreated (a new, empty ``/dev/shm``)
@@ -26,6 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ddpkit.launch import manifests
 from tests.jobs.launch import netns
 from tests.jobs.launch.netns import DDPKIT, ROOT
 from tests.trainer_checks import bitwise_equal
@@ -62,24 +64,38 @@ def reference(tmp_path_factory):
     return torch.load(tmp / "ref.pt", weights_only=False)
 
 
-def pod(kind: str, index: int, tmp: Path, name: str, *job_args: str, secret: str = SECRET) -> tuple[list, dict]:
-    """(command, environment) of pod ``index`` of a 2-pod job of ``kind``, as its operator starts it."""
-    env = netns.clean_env() | POD | {"DDPKIT_MEMORY_ROOT": str(tmp / f"shm-{name}-{index}")}
-    Path(env["DDPKIT_MEMORY_ROOT"]).mkdir(exist_ok=True)
-    job = [JOB, str(tmp / name), "--log", str(tmp / f"{name}-log"), "--out", str(tmp / f"{name}.pt"), *job_args]
-    (tmp / f"{name}-log").mkdir(exist_ok=True)
-    if kind == "pytorchjob":  # training-operator v1: RANK 0 for the master, 1 + index for the workers
-        env |= {"MASTER_ADDR": MASTER, "MASTER_PORT": "23456", "WORLD_SIZE": "2", "RANK": str(index)}
-        return [sys.executable, *job], env | {"PYTHONUNBUFFERED": "1"}
-    env["DDPKIT_RDZV_SECRET"] = secret  # an env var from a Kubernetes Secret (secretKeyRef)
-    if kind == "trainjob":  # Trainer v2's torch plugin: torchrun's options for every node
+def operator_env(kind: str, index: int) -> dict[str, str]:
+    """What the operator sets in pod ``index`` of a 2-pod job named ``digits``, one process per pod."""
+    if kind.startswith("pytorchjob"):  # training-operator v1.9: envvar.go, master.go
+        env = {"PYTHONUNBUFFERED": "1", "MASTER_PORT": "29500", "PET_MASTER_PORT": "29500"}
+        env |= {"MASTER_ADDR": MASTER, "PET_MASTER_ADDR": MASTER, "WORLD_SIZE": "2", "RANK": str(index)}
+        env |= {"PET_NODE_RANK": str(index), "PET_NNODES": "2"}
+        return env | ({"PET_NPROC_PER_NODE": "1"} if kind == "pytorchjob-run" else {})
+    env = {"JOB_COMPLETION_INDEX": str(index)}  # every indexed Job's pod
+    if kind == "trainjob":  # Trainer v2's torch plugin
         env |= {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": str(index)}
-        env |= {"PET_MASTER_ADDR": NODE0, "PET_MASTER_PORT": "29400", "JOB_COMPLETION_INDEX": str(index)}
-        return [*DDPKIT, "run", "--max-restarts", "2", *job], env
-    assert kind == "jobset"  # nothing but the indexed Job's completion index; the rest is in the command
-    env["JOB_COMPLETION_INDEX"] = str(index)
-    flags = ["--nnodes", "2", "--nproc", "1", "--rdzv-endpoint", f"{NODE0}:29400", "--max-restarts", "2"]
-    return [*DDPKIT, "run", *flags, *job], env
+        env |= {"PET_MASTER_ADDR": NODE0, "PET_MASTER_PORT": "29500"}
+    return env
+
+
+def pod(kind: str, index: int, tmp: Path, name: str, *job_args: str, secret: str = SECRET) -> tuple[list, dict]:
+    """(command, environment) of pod ``index`` of a 2-pod job of ``kind``: the operator's variables, and the
+    command ``ddpkit k8s`` writes (plain ``python`` for a PyTorchJob of one process per pod)."""
+    env = netns.clean_env() | POD | operator_env(kind, index)
+    env["DDPKIT_MEMORY_ROOT"] = str(tmp / f"shm-{name}-{index}")
+    Path(env["DDPKIT_MEMORY_ROOT"]).mkdir(exist_ok=True)
+    (tmp / f"{name}-log").mkdir(exist_ok=True)
+    job = [str(tmp / name), "--log", str(tmp / f"{name}-log"), "--out", str(tmp / f"{name}.pt"), *job_args]
+    if kind == "pytorchjob":
+        return [sys.executable, JOB, *job], env
+    env["DDPKIT_RDZV_SECRET"] = secret  # an env var from a Kubernetes Secret (secretKeyRef)
+    manifest_kind = "pytorchjob" if kind == "pytorchjob-run" else kind
+    cfg = manifests.ManifestConfig(
+        script=JOB, script_args=job, image="-", kind=manifest_kind, name="digits", nodes=2, nproc="1", max_restarts=2
+    )
+    argv = manifests.command(cfg)
+    assert argv[:2] == ["ddpkit", "run"]
+    return [*DDPKIT, *argv[1:]], env
 
 
 def start(pods, kind: str, tmp: Path, name: str, *job_args: str) -> list[subprocess.Popen]:
@@ -99,7 +115,7 @@ def resumes(run_dir: Path) -> list[dict]:
     return [r for r in records if r.get("event") == "resume"]
 
 
-@pytest.mark.parametrize("kind", ["pytorchjob", "trainjob", "jobset"])
+@pytest.mark.parametrize("kind", ["pytorchjob", "pytorchjob-run", "trainjob", "jobset"])
 def test_two_pods_train_to_the_bits_of_one_node(pods, reference, kind, tmp_path):
     codes = netns.finish(start(pods, kind, tmp_path, kind), timeout=300)
     assert codes == [0, 0], logs(tmp_path, kind)
@@ -107,7 +123,9 @@ def test_two_pods_train_to_the_bits_of_one_node(pods, reference, kind, tmp_path)
     assert bitwise_equal(final, reference)
     if kind == "trainjob":  # the launch says where its options came from
         assert "--node-rank 1 (PET_NODE_RANK)" in logs(tmp_path, kind)[1]
-        assert f"--rdzv-endpoint {NODE0}:29400 (PET_MASTER_ADDR:PET_MASTER_PORT)" in logs(tmp_path, kind)[0]
+        assert f"--rdzv-endpoint {NODE0}:29500 (PET_MASTER_ADDR:PET_MASTER_PORT)" in logs(tmp_path, kind)[0]
+    if kind == "pytorchjob-run":
+        assert f"--rdzv-endpoint {MASTER}:29500 (PET_MASTER_ADDR:PET_MASTER_PORT)" in logs(tmp_path, kind)[0]
     if kind == "jobset":
         assert "--node-rank 1 (JOB_COMPLETION_INDEX)" in logs(tmp_path, kind)[1]
     if kind == "pytorchjob":  # no agent in the pod: no memory folder, said once

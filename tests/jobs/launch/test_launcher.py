@@ -163,11 +163,14 @@ def test_a_script_that_forgot_init_fails_instead_of_training_copies(clean_env):
     assert plain.returncode == 0 and "trained on 12 samples" in plain.stdout, plain.stderr
 
 
-def test_preempted_exit_code_passes_through_without_a_restart(clean_env):
-    out = run(["run", "--nproc", "2", "--max-restarts", "2", PROBE, "preempted"], clean_env)
-    assert out.returncode == 75, out.stderr[-3000:]
+@pytest.mark.parametrize("code", [None, 143])
+def test_preempted_exit_code_passes_through_without_a_restart(clean_env, code):
+    """75, or the code asked for (``--preempted-exit-code 143``: a PyTorchJob's ExitCode policy retries it)."""
+    flags = [] if code is None else ["--preempted-exit-code", str(code)]
+    out = run(["run", "--nproc", "2", "--max-restarts", "2", *flags, PROBE, "preempted"], clean_env)
+    assert out.returncode == (code or 75), out.stderr[-3000:]
     assert "rank=0 attempt=0" in out.stdout and "attempt=1" not in out.stdout, out.stderr
-    assert "stopped by a signal after saving a snapshot" in out.stderr
+    assert f"stopped by a signal after saving a snapshot (exit code {code or 75})" in out.stderr
 
 
 @pytest.mark.slow

@@ -8,25 +8,31 @@ import pytest
 from ddpkit.distributed import kubernetes as k8s
 from ddpkit.distributed.environment import read_launch_env
 from ddpkit.errors import ConfigError
-from ddpkit.launch.options import typed_options, with_environment_defaults
+from ddpkit.launch.environment_defaults import typed_options, with_environment_defaults
 
 POD = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"}
-# A PyTorchJob worker pod of 1 master + 2 workers, one process each (training-operator v1: the master's service
-# as MASTER_ADDR, RANK 1 + the worker's index).
+# A PyTorchJob worker pod of 1 master + 2 workers, one process each, as training-operator v1.9 sets it
+# (pkg/controller.v1/pytorch/envvar.go, master.go): the master's service as MASTER_ADDR, RANK 1 + the worker's
+# index, WORLD_SIZE pods x nprocPerNode, and the PET_* names of the same values.
 PYTORCHJOB_WORKER = POD | {
-    "MASTER_ADDR": "digits-master-0",
+    "PYTHONUNBUFFERED": "1",
     "MASTER_PORT": "23456",
+    "PET_MASTER_PORT": "23456",
+    "MASTER_ADDR": "digits-master-0",
+    "PET_MASTER_ADDR": "digits-master-0",
     "WORLD_SIZE": "3",
     "RANK": "2",
-    "PYTHONUNBUFFERED": "1",
+    "PET_NODE_RANK": "2",
+    "PET_NNODES": "3",
 }
-# A TrainJob node of the torch-distributed runtime: torchrun's options as PET_* (Trainer v2's torch plugin).
+# A TrainJob node of the torch-distributed runtime: torchrun's options as PET_* (Trainer v2's torch plugin,
+# pkg/runtime/framework/plugins/torch/torch.go: the node rank from the Job's completion index, port 29500).
 TRAINJOB_NODE = POD | {
     "PET_NNODES": "2",
     "PET_NPROC_PER_NODE": "1",
     "PET_NODE_RANK": "1",
     "PET_MASTER_ADDR": "digits-node-0-0.digits",
-    "PET_MASTER_PORT": "29400",
+    "PET_MASTER_PORT": "29500",
     "JOB_COMPLETION_INDEX": "1",
 }
 # A PyTorchJob with an elastic policy: c10d rendezvous at the first worker's service.
@@ -54,6 +60,13 @@ def test_the_same_variables_outside_kubernetes_stay_an_error():
         read_launch_env(outside)
 
 
+def test_ddpkit_run_in_a_pytorchjob_pod_takes_the_operators_nodes_rank_and_master():
+    ours, _ = with_environment_defaults(SCRIPT, PYTORCHJOB_WORKER | {"PET_NPROC_PER_NODE": "2"})
+    assert ours == [
+        "--nnodes", "3", "--nproc", "2", "--node-rank", "2", "--rdzv-endpoint", "digits-master-0:23456", "train.py",
+    ]  # fmt: skip
+
+
 def test_torchrun_in_a_pod_is_still_torchrun():
     env = PYTORCHJOB_WORKER | {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
     assert read_launch_env(env).launcher == "torchrun"
@@ -74,9 +87,9 @@ def test_a_trainjob_nodes_variables_become_ddpkit_run_options():
     ours, line = with_environment_defaults(SCRIPT, TRAINJOB_NODE)
     assert ours == [
         "--nnodes", "2", "--nproc", "1", "--node-rank", "1",
-        "--rdzv-endpoint", "digits-node-0-0.digits:29400", "train.py",
+        "--rdzv-endpoint", "digits-node-0-0.digits:29500", "train.py",
     ]  # fmt: skip
-    assert line is not None and "--rdzv-endpoint digits-node-0-0.digits:29400 (PET_MASTER_ADDR:PET_MASTER_PORT)" in line
+    assert line is not None and "--rdzv-endpoint digits-node-0-0.digits:29500 (PET_MASTER_ADDR:PET_MASTER_PORT)" in line
 
 
 def test_an_elastic_pytorchjobs_variables_become_ddpkit_run_options():

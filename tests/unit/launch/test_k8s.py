@@ -1,0 +1,155 @@
+"""``ddpkit k8s``: the manifests it writes, against golden files and against the resources' published schemas
+(the CRDs of Kubeflow Trainer, the training-operator and JobSet, with Kubernetes' own Pod fields checked
+through them; kept in ``tests/unit/launch/k8s/``, see its SOURCES.md), offline with ``jsonschema``."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from ddpkit.errors import ConfigError
+from ddpkit.launch import k8s
+from ddpkit.launch import manifests as mf
+
+HERE = Path(__file__).resolve().parent / "k8s"
+SCHEMAS = {
+    "TrainJob": "trainjob.json",
+    "TrainingRuntime": "trainingruntime.json",
+    "PyTorchJob": "pytorchjob.json",
+    "JobSet": "jobset.json",
+}
+CASES = {  # golden file -> command line
+    "trainjob-2-nodes": ["--image", "reg/train:1", "--nodes", "2", "--gpus-per-node", "8", "--pvc", "runs",
+                         "train.py", "--lr", "0.1"],
+    "pytorchjob-3-nodes": ["--kind", "pytorchjob", "--image", "reg/train:1", "--nodes", "3", "--nproc", "2",
+                           "--cpu", "8", "--memory", "32Gi", "train.py"],
+    "jobset-2-nodes": ["--kind", "jobset", "--image", "reg/train:1", "--nodes", "2", "--namespace", "ml",
+                       "--env", "OMP_NUM_THREADS=4", "train.py"],
+    "jobset-1-node": ["--kind", "jobset", "--image", "reg/train:1", "--name", "solo", "train.py"],
+}  # fmt: skip
+
+
+def written(args: list[str], capsys) -> str:
+    assert k8s.main(["--dry-run", *args]) == 0
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_manifest_is_the_golden_one(case, capsys):
+    text = written(CASES[case], capsys)
+    golden = HERE / f"{case}.yaml"
+    if os.environ.get("DDPKIT_UPDATE_GOLDEN"):  # after a deliberate change: write, then read the diff
+        golden.write_text(text)
+    assert text == golden.read_text(), f"rerun with DDPKIT_UPDATE_GOLDEN=1 if the change in {golden} is meant"
+
+
+def _closed(schema: Any) -> Any:
+    """The schema with unknown fields refused: a CRD's structural schema prunes them on the server (a misspelt
+    field vanishes silently there), so here every object that lists its ``properties`` is closed unless it
+    says it keeps unknown fields."""
+    if isinstance(schema, dict):
+        schema = {key: _closed(value) for key, value in schema.items()}
+        if "properties" in schema and not schema.get("x-kubernetes-preserve-unknown-fields"):
+            schema.setdefault("additionalProperties", False)
+        return schema
+    if isinstance(schema, list):
+        return [_closed(item) for item in schema]
+    return schema
+
+
+def validator(kind: str):
+    import jsonschema
+
+    schema = json.loads((HERE / SCHEMAS[kind]).read_text())
+    return jsonschema.Draft7Validator(_closed(schema))
+
+
+def errors(doc: dict) -> list[str]:
+    found = validator(doc["kind"]).iter_errors(doc)
+    return sorted(f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in found)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_manifest_is_valid_against_the_published_schemas(case, capsys):
+    docs = list(yaml.safe_load_all(written(CASES[case], capsys)))
+    assert docs and all(errors(doc) == [] for doc in docs), [errors(doc) for doc in docs]
+
+
+def test_the_schemas_refuse_a_misspelt_field_and_a_wrong_type():
+    """Controls: the check can fail. A field misspelt deep in the pod, a count written as text."""
+    cfg = mf.ManifestConfig(script="train.py", image="reg/train:1", kind="jobset", nodes=2)
+    (jobset,) = mf.manifests(cfg)
+    broken = copy.deepcopy(jobset)
+    pod = broken["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    pod["containers"][0]["volumeMount"] = pod["containers"][0].pop("volumeMounts")
+    broken["spec"]["replicatedJobs"][0]["replicas"] = "1"
+    found = errors(broken)
+    assert any("volumeMount" in e and "Additional properties" in e for e in found), found
+    assert any(e.startswith("spec/replicatedJobs/0/replicas") for e in found), found
+    trainjob = mf.manifests(mf.ManifestConfig(script="t.py", image="i", nodes=2))[1]
+    trainjob["spec"]["trainer"]["numNodes"] = "two"
+    assert any("numNodes" in e for e in errors(trainjob))
+
+
+def test_the_failure_policy_recreates_preempted_and_disrupted_pods_and_fails_on_the_scripts_error():
+    cfg = mf.ManifestConfig(script="train.py", image="reg/train:1", kind="jobset", nodes=2)
+    rules = mf.pod_failure_policy(cfg)["rules"]
+    assert rules[0] == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]}
+    assert rules[1]["action"] == "Ignore" and rules[1]["onExitCodes"]["values"] == [75]
+    assert rules[2]["action"] == "FailJob" and rules[2]["onExitCodes"] == {
+        "containerName": "node",
+        "operator": "NotIn",
+        "values": [0, 75],
+    }
+
+
+def test_pods_mount_shared_memory_and_the_secret_read_only_by_their_owner():
+    cfg = mf.ManifestConfig(script="train.py", image="reg/train:1", kind="jobset", nodes=2, shm_size="16Gi")
+    vols, mounts = mf.volumes(cfg)
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}} in vols
+    assert {"name": "rdzv-secret", "secret": {"secretName": "train-rdzv", "defaultMode": 0o400}} in vols
+    assert {"name": "DDPKIT_RDZV_SECRET_FILE", "value": "/etc/ddpkit/rdzv/rdzv-secret"} in mf.environment(cfg)
+    one = mf.ManifestConfig(script="train.py", image="reg/train:1", kind="jobset")
+    assert [v["name"] for v in mf.volumes(one)[0]] == ["dshm"]  # one node: no rendezvous to guard
+
+
+def test_a_pytorchjobs_preempted_pod_exits_with_a_code_its_exit_code_policy_retries():
+    """The operator's ExitCode policy retries codes from 128 and fails 1-127: 75 would fail the job."""
+    cfg = mf.ManifestConfig(script="train.py", image="reg/train:1", kind="pytorchjob", nodes=2)
+    (job,) = mf.manifests(cfg)
+    master = job["spec"]["pytorchReplicaSpecs"]["Master"]
+    argv = master["template"]["spec"]["containers"][0]["command"]
+    assert master["restartPolicy"] == "ExitCode" and argv[argv.index("--preempted-exit-code") + 1] == "143"
+    assert "restartPolicy" not in master["template"]["spec"]  # the operator's to set from the replica's
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--kind", "mpijob"], "--kind 'mpijob': use one of trainjob, pytorchjob, jobset"),
+        (["--name", "Train_Job"], "--name 'Train_Job': use 1 to 40 lowercase letters"),
+        (["--memory", "32GB"], "--memory '32GB': use a Kubernetes quantity"),
+        (["--nproc", "0"], "--nproc '0': use auto, gpu, or a number"),
+        (["--env", "1X=2"], "--env '1X=2': use NAME=VALUE"),
+    ],
+)
+def test_bad_options_name_what_to_change(args, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        k8s.main(["--dry-run", "--image", "reg/train:1", *args, "train.py"])
+
+
+def test_the_file_is_written_whole_with_the_commands_to_apply_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert k8s.main(["--image", "reg/train:1", "--nodes", "2", "--kind", "jobset", "train.py"]) == 0
+    out = capsys.readouterr().out
+    assert "manifest: train.k8s.yaml" in out and "kubectl apply -f train.k8s.yaml" in out
+    assert "kubectl create secret generic train-rdzv --from-literal=rdzv-secret=" in out
+    assert os.listdir(tmp_path) == ["train.k8s.yaml"]
+    (doc,) = yaml.safe_load_all((tmp_path / "train.k8s.yaml").read_text())
+    assert doc["kind"] == "JobSet" and errors(doc) == []
