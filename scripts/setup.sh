@@ -2,15 +2,17 @@
 # Create .venv with ddpkit (editable) and a torch build that fits this machine.
 #   bash scripts/setup.sh            # ddpkit + what the examples need
 #   bash scripts/setup.sh dev        # + what the tests need
+#   VENV=.venv-ray bash scripts/setup.sh ray,examples   # Ray Train, in a venv of its own (see .ci/run)
 # Without an NVIDIA GPU it asks for the CPU build pinned below; an unpinned `torch` would pull several GB of
 # CUDA libraries that a CPU-only machine cannot use. Re-running it installs nothing new.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-examples}"
-[ -x .venv/bin/python ] || python3 -m venv .venv
+venv="${VENV:-.venv}"
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   torch_req="torch>=2.6"     # the default wheel carries CUDA
 else
   torch_req="torch==2.13.0"  # the CPU build (+cpu) where pip's index offers it, as on our CI machines
 fi
-.venv/bin/python -m pip install --quiet --disable-pip-version-check "$torch_req" -e ".[$extras]"
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check "$torch_req" -e ".[$extras]"

@@ -20,7 +20,10 @@ import torch
 
 from ddpkit.memory.slot import _byte_tensor, _checksum_torch, checksum
 
-HIDDEN = ("numpy", "sklearn", "optuna", "matplotlib", "tqdm", "tensorboard", "mlflow", "wandb", "safetensors", "mpi4py")
+HIDDEN = (
+    "numpy", "sklearn", "optuna", "matplotlib", "tqdm", "tensorboard", "mlflow", "wandb", "safetensors", "mpi4py", "yaml",
+    "ray",
+)  # fmt: skip
 HELLO = str(Path(__file__).parent / "scripts" / "hello.py")
 DDPKIT = [sys.executable, "-m", "ddpkit.cli"]
 

@@ -30,7 +30,7 @@ class LaunchEnv:
     launcher: str = "none"
     """``"torchrun"`` (also ``ddpkit run`` and ``ddpkit.spawn``), ``"slurm"``, ``"mpi"`` (Open MPI or MPICH
     ``mpiexec``), ``"pytorchjob"`` (a Kubeflow PyTorchJob pod run without torchrun,
-    :mod:`ddpkit.distributed.kubernetes`), or ``"none"`` (plain python)."""
+    :mod:`ddpkit.distributed.kubernetes`), ``"ray"`` (a Ray Train worker), or ``"none"`` (plain python)."""
     master_addr: str | None = None
     master_port: int | None = None
     collective_timeout: float | None = None
@@ -38,7 +38,8 @@ class LaunchEnv:
     (``DDPKIT_COLLECTIVE_TIMEOUT``); None for ``init()``'s default."""
     restart_count: int = 0
     """How many times the job has been restarted: by torchrun's agent (``TORCHELASTIC_RESTART_COUNT``) or by
-    a SLURM requeue (``SLURM_RESTART_COUNT``); both add up under ``srun ddpkit run``."""
+    a SLURM requeue (``SLURM_RESTART_COUNT``); both add up under ``srun ddpkit run``. Under Ray Train, counted
+    by :func:`ddpkit.distributed.runtime.init` (:mod:`ddpkit.internals.ray_train`)."""
 
 
 def _int(env: Mapping[str, str], name: str) -> int:
@@ -49,13 +50,18 @@ def _int(env: Mapping[str, str], name: str) -> int:
         raise ConfigError(f"{name}={value!r} is not an integer; fix or unset {name}") from None
 
 
+LAUNCHER_NAMES = {
+    "torchrun": "torchrun/ddpkit run",
+    "slurm": "SLURM srun",
+    "mpi": "mpiexec",
+    "pytorchjob": "a PyTorchJob",
+    "ray": "Ray Train",
+}
+"""Each launcher as messages name it."""
+
+
 def _check(info: LaunchEnv) -> LaunchEnv:
-    source = {
-        "torchrun": "torchrun/ddpkit run",
-        "slurm": "SLURM",
-        "mpi": "mpiexec",
-        "pytorchjob": "the PyTorchJob",
-    }.get(info.launcher, info.launcher)
+    source = LAUNCHER_NAMES.get(info.launcher, info.launcher)
     if info.world_size < 1:
         raise ConfigError(f"world size {info.world_size} from {source} must be >= 1")
     if not 0 <= info.rank < info.world_size:
@@ -250,7 +256,8 @@ def _read_ranks(env: Mapping[str, str]) -> LaunchEnv:
                 local_rank=_int(env, "LOCAL_RANK"),
                 world_size=world_size,
                 local_world_size=_int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else world_size,
-                launcher="torchrun",
+                # Ray Train's workers carry torchrun's variables (and the raylet's pid): Ray started them.
+                launcher="ray" if "RAY_RAYLET_PID" in env and "TORCHELASTIC_RUN_ID" not in env else "torchrun",
                 master_addr=env["MASTER_ADDR"],
                 master_port=_int(env, "MASTER_PORT"),
                 restart_count=(_int(env, "TORCHELASTIC_RESTART_COUNT") if "TORCHELASTIC_RESTART_COUNT" in env else 0)

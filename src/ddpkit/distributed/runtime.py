@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.distributed.environment import (
+    LAUNCHER_NAMES,
     LaunchEnv,
     mpi_rendezvous_address,
     read_launch_env,
@@ -22,6 +23,7 @@ from ddpkit.distributed.environment import (
 )
 from ddpkit.distributed.signals import hold_stop_signals
 from ddpkit.errors import ConfigError
+from ddpkit.internals import ray_train
 
 # A hung collective (a rank died, or one rank skipped a collective the others entered) should surface in
 # minutes, not after torch's default of 30 minutes for gloo or 10 for nccl.
@@ -130,6 +132,8 @@ def init(
         _check_same(_runtime, backend, device)
         return _runtime
     launch = read_launch_env()
+    if launch.launcher == "ray":  # Ray Train's context holds no count of its restarts: each rank keeps its own
+        launch = dataclasses.replace(launch, restart_count=ray_train.count_start(launch.rank))
     if timeout is None:
         timeout = timedelta(seconds=launch.collective_timeout) if launch.collective_timeout else DEFAULT_TIMEOUT
     dev = _pick_device(launch, device)
@@ -293,12 +297,7 @@ def _without_init() -> Runtime:
             launch.restart_count,
         )
     if launch.world_size > 1:
-        source = {
-            "torchrun": "torchrun/ddpkit run",
-            "slurm": "SLURM srun",
-            "mpi": "mpiexec",
-            "pytorchjob": "a PyTorchJob",
-        }.get(launch.launcher, launch.launcher)
+        source = LAUNCHER_NAMES.get(launch.launcher, launch.launcher)
         raise NotInitializedError(
             f"this is rank {launch.rank} of {launch.world_size} started by {source}, but ddpkit.init() was not "
             "called (or ddpkit.shutdown() already ran): call ddpkit.init() at the start of the script, before "

@@ -1,4 +1,4 @@
-"""Every place ddpkit touches private code of torch, CPython, numpy or Optuna, and nowhere else.
+"""Every place ddpkit touches private code of torch, CPython, numpy, Optuna or Ray, and nowhere else.
 
 Each module names what it touches as :class:`~ddpkit.internals.contract.Internal` records (``INTERNALS``), with
 a check of the shape it relies on. Outside this package ddpkit uses public APIs only: no ``ctypes``, no
@@ -14,7 +14,8 @@ a check of the shape it relies on. Outside this package ddpkit uses public APIs 
 - :mod:`~ddpkit.internals.modules`: ``torch.nn`` modules (BatchNorm's base, compiled and buffer internals);
 - :mod:`~ddpkit.internals.compiler`: ``torch.compile``'s configuration and its compiler probe;
 - :mod:`~ddpkit.internals.optuna_journal`: Optuna's storages: a journal's operation codes, the storage a study
-  writes through.
+  writes through;
+- :mod:`~ddpkit.internals.ray_train`: Ray's key-value store, where each rank counts Ray Train's restarts.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ import importlib
 
 from ddpkit.internals.contract import Internal, problem
 
-MODULES = ("versions", "store", "dcp", "elastic", "interpreter", "optim", "compiler", "modules", "optuna_journal")
+MODULES = (
+    "versions", "store", "dcp", "elastic", "interpreter", "optim", "compiler", "modules", "optuna_journal", "ray_train",
+)  # fmt: skip
 
 
 def all_internals() -> list[Internal]:

@@ -22,7 +22,7 @@ class Internal:
     name: str
     """Where it lives, dotted: ``torch.distributed.elastic.agent.server.api.SimpleElasticAgent._monitor_workers``."""
     owner: str
-    """The project it belongs to: ``"torch"``, ``"CPython"``, ``"numpy"`` or ``"Optuna"``."""
+    """The project it belongs to: ``"torch"``, ``"CPython"``, ``"numpy"``, ``"Optuna"`` or ``"Ray"``."""
     used_for: str
     """What ddpkit does with it, and what a user gets where it is gone."""
     check: Callable[[], str | None]
@@ -33,6 +33,13 @@ def version_of(owner: str) -> str:
     """The installed version of ``owner``, for messages: ``torch 2.13.0``."""
     if owner == "CPython":
         return f"CPython {sys.version.split()[0]}"
+    if owner == "Ray":  # its version without importing it (see ddpkit.internals.ray_train.kv_source)
+        from importlib import metadata
+
+        try:
+            return f"Ray {metadata.version('ray')}"
+        except metadata.PackageNotFoundError:
+            return "Ray (not installed)"
     module = {"torch": "torch", "numpy": "numpy", "Optuna": "optuna"}[owner]
     try:
         version = __import__(module).__version__

@@ -79,7 +79,7 @@ def test_a_lone_process_in_a_pod_meant_for_several_is_refused():
 
 
 def test_a_pytorchjob_rank_outside_its_world_names_the_job():
-    with pytest.raises(ConfigError, match="outside the world of 3 processes set by the PyTorchJob"):
+    with pytest.raises(ConfigError, match="outside the world of 3 processes set by a PyTorchJob"):
         read_launch_env(PYTORCHJOB_WORKER | {"RANK": "3"})
 
 

@@ -1,0 +1,154 @@
+"""Ray Train as the engine, on a real Ray cluster: a head raylet and a worker raylet in two network namespaces
+(two nodes with their own addresses), one CPU each, so the two workers of a run are on different nodes.
+
+Each run trains ``examples/ray_train.py``'s loop. ``ddpkit.init()`` takes Ray's process group and says launcher
+``ray``, node ranks 0 and 1, local rank 0 of 1 on each. A worker SIGKILLed after a snapshot, and a whole worker
+raylet stopped and started again, each end on the bits of the uninterrupted run, the restarted workers counting
+their restart. Needs ``.venv-ray`` (the ``ray`` extra in a venv of its own); skipped, saying so, without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.jobs.launch import netns
+from tests.jobs.launch.netns import ROOT
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+JOB = str(ROOT / "tests" / "jobs" / "scripts" / "ray_job.py")
+# Ray runs from a venv of its own (.ci/run makes it): ~500 MB that the rest of the suite does not need.
+PYTHON = ROOT / ".venv-ray" / "bin" / "python"
+RAY = str(PYTHON.with_name("ray"))
+
+
+def _ray_env(ns: str) -> dict[str, str]:
+    env = netns.clean_env() | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": TOKEN}
+    # gloo takes a node's address from its host name, which resolves to loopback here: its veth, named.
+    env["GLOO_SOCKET_IFNAME"] = ns[: -len("-a")] + ("-va" if ns.endswith("-a") else "-vb")
+    return env | {"RAY_USAGE_STATS_ENABLED": "0"}
+
+
+TOKEN = secrets.token_hex(32)
+
+
+def _ray(ns: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", "netns", "exec", ns, RAY, *args], env=_ray_env(ns), capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+
+
+def _start_worker_node(ns: str, addr: str, head: str) -> None:
+    out = _ray(ns, "start", f"--address={head}:6379", f"--node-ip-address={addr}", "--num-cpus=1",
+               "--disable-usage-stats")  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    if not PYTHON.exists():
+        pytest.skip("no .venv-ray with Ray: VENV=.venv-ray bash scripts/setup.sh ray,examples")
+    with netns.two_nodes(f"dray{os.getpid() % 1000}") as ((ns_a, addr_a), (ns_b, addr_b)):
+        head = _ray(ns_a, "start", "--head", f"--node-ip-address={addr_a}", "--port=6379", "--num-cpus=1",
+                    "--include-dashboard=false", "--disable-usage-stats")  # fmt: skip
+        assert head.returncode == 0, head.stderr[-3000:]
+        try:
+            _start_worker_node(ns_b, addr_b, addr_a)
+            yield (ns_a, addr_a), (ns_b, addr_b)
+        finally:
+            for ns in (ns_b, ns_a):
+                _ray(ns, "stop", "--force")
+
+
+def _kill_node(addr: str) -> int:
+    """SIGKILL every Ray process of the node at ``addr`` (its raylet and agents name the address on their
+    command line) and all they started; the number killed. ``ray stop`` would end every node of this machine."""
+    from ddpkit.launch.proctree import descendants
+
+    roots = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(arg.endswith(f"={addr}".encode()) for arg in cmdline) and b"start" not in cmdline[1:3]:
+            roots.append(int(pid))
+    victims = set(roots) | {child for pid in roots for child in descendants(pid)}
+    for pid in victims:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return len(victims)
+
+
+def run(cluster, tmp: Path, name: str, *args: str, during=None) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """The job on the cluster from the head node; ``during(facts folder)`` runs while it trains."""
+    (ns_a, addr_a), _ = cluster
+    facts = tmp / f"{name}-facts"
+    facts.mkdir()
+    cmd = [str(PYTHON), JOB, "--address", f"{addr_a}:6379", "--run-dir", str(tmp / name), "--facts", str(facts)]
+    proc = subprocess.Popen(["ip", "netns", "exec", ns_a, *cmd, *args], env=_ray_env(ns_a),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    if during is not None:
+        during(facts)
+    out, _ = proc.communicate(timeout=600)
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
+    return done, [json.loads(p.read_text()) for p in sorted(facts.glob("*.json"))]
+
+
+def weights(run_dir: Path):
+    return netns.weights(run_dir)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(cluster, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ray")
+    started = time.monotonic()
+    done, facts = run(cluster, tmp, "uninterrupted")
+    print(f"\na 2-raylet Ray Train run of 4 epochs: {time.monotonic() - started:.1f} s")
+    assert done.returncode == 0, done.stdout[-5000:]
+    return weights(tmp / "uninterrupted"), facts
+
+
+def test_ddpkit_reads_rays_ranks_across_nodes(cluster, uninterrupted):
+    _, facts = uninterrupted
+    (ns_a, addr_a), (ns_b, addr_b) = cluster
+    assert {f["launcher"] for f in facts} == {"ray"} and sorted(f["rank"] for f in facts) == [0, 1]
+    assert {(f["local_rank"], f["local_world_size"], f["world_size"]) for f in facts} == {(0, 1, 2)}
+    assert {f["ip"] for f in facts} == {addr_a, addr_b} and sorted(f["node_rank"] for f in facts) == [0, 1]
+    assert {f["restart_count"] for f in facts} == {0}
+
+
+def test_a_worker_killed_resumes_to_the_bits_of_the_uninterrupted_run(cluster, uninterrupted, tmp_path):
+    done, facts = run(cluster, tmp_path, "killed", "--kill-rank", "1")
+    assert done.returncode == 0, done.stdout[-5000:]
+    assert {(f["rank"], f["restart_count"]) for f in facts} == {(0, 0), (1, 0), (0, 1), (1, 1)}  # Ray restarted both
+    resumes = [json.loads(line) for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
+    resumes = [r for r in resumes if r.get("event") == "resume"]
+    assert len(resumes) == 1 and resumes[0]["step"] >= 10 and resumes[0]["restart_count"] == 1, resumes
+    assert netns.same(weights(tmp_path / "killed"), uninterrupted[0])
+
+
+def test_a_worker_node_lost_and_back_resumes_to_the_same_bits(cluster, uninterrupted, tmp_path):
+    (_, addr_a), (ns_b, addr_b) = cluster
+
+    def lose_node_b(facts: Path) -> None:
+        deadline = time.monotonic() + 240
+        marker = tmp_path / "node-lost" / "snapshots" / "step-00000010" / "complete.json"
+        while not marker.exists():
+            assert time.monotonic() < deadline, "the run made no snapshot"
+            time.sleep(0.01)
+        assert _kill_node(addr_b) > 0  # the raylet and every Ray process of node b, workers included
+        _start_worker_node(ns_b, addr_b, addr_a)  # the node comes back (a replacement)
+
+    done, facts = run(cluster, tmp_path, "node-lost", during=lose_node_b)
+    assert done.returncode == 0, done.stdout[-5000:]
+    assert max(f["restart_count"] for f in facts) >= 1
+    assert netns.same(weights(tmp_path / "node-lost"), uninterrupted[0])
