@@ -115,14 +115,15 @@ def resolve_options(
     A default the user also gave with another value is refused, naming both: a pod whose command says
     ``--nnodes 4`` in a job of 2 nodes would wait for nodes that never come. ``JOB_COMPLETION_INDEX`` is a node
     rank only for a job of fixed size across several nodes (an elastic job's node ranks are handed out at
-    each rendezvous)."""
+    each rendezvous), and only where none is typed: in a JobSet of several Jobs the index counts pods within
+    one Job, and the command names the node rank itself."""
     taken: list[LaunchDefault] = []
     for default in defaults:
         typed = given.get(default.option)
         if typed is None:
             if not any(t.option == default.option for t in taken):
                 taken.append(default)
-        elif not _same(default.option, typed, default.value):
+        elif default.source != "JOB_COMPLETION_INDEX" and not _same(default.option, typed, default.value):
             raise ConfigError(
                 f"{default.option} {typed[:80]} disagrees with {default.source}={default.value[:80]} set in this pod "
                 f"by the job's operator: drop {default.option} from the command (the operator's value is used), "

@@ -122,6 +122,9 @@ def test_jobsets_completion_index_is_the_node_rank_of_a_fixed_size_job_only():
     assert "--node-rank" not in elastic  # an elastic job's node ranks are handed out at each rendezvous
     one_node, line = with_environment_defaults(SCRIPT, jobset_pod)
     assert one_node == SCRIPT and line is None
+    # A JobSet of several Jobs: the index counts pods within one Job, so a typed node rank stands.
+    typed = ["--nnodes", "4", "--node-rank", "3", "--rdzv-endpoint", "j:29500", *SCRIPT]
+    assert with_environment_defaults(typed, jobset_pod) == (typed, None)
 
 
 def test_no_operator_variables_change_nothing():
