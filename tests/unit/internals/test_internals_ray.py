@@ -14,9 +14,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
 RAY_PYTHON = sys.executable if importlib.util.find_spec("ray") else str(ROOT / ".venv-ray" / "bin" / "python")
-pytestmark = pytest.mark.skipif(
-    not Path(RAY_PYTHON).exists(), reason="no Ray: VENV=.venv-ray bash scripts/setup.sh ray,examples"
-)
+# Slow-marked: CI makes .venv-ray before its slow step (where the Ray cluster tests run too).
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not Path(RAY_PYTHON).exists(), reason="no Ray: VENV=.venv-ray bash scripts/setup.sh ray,examples"
+    ),
+]
 
 CHECK = """
 import sys
