@@ -9,6 +9,8 @@ remembers the signal; ``fit()`` asks :func:`pending_stop_signal` when it starts 
 received during training.
 
 SIGTERM keeps its default: a process told to terminate outside ``fit()`` terminates.
+
+Some launchers warn by a call, not a signal: :func:`preemption_notice`.
 """
 
 from __future__ import annotations
@@ -76,3 +78,33 @@ def stop_signals(on_signal: Callable[[int], None]) -> Iterator[None]:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def preemption_notice(launcher: str, group: Any = None) -> Callable[[], str | None] | None:
+    """Where the launcher warns of a pre-emption by a call rather than a signal: a function that asks it,
+    returning the notice in words (None while there is none). None where there is nothing to ask.
+
+    Ray Train runs the training function in a thread of its own, where no signal handler runs. When a node of
+    the worker group is being drained (a spot instance reclaimed, a node taken away by the autoscaler), Ray's
+    watcher marks every worker, and ``ray.train.get_preemption_info()`` (Ray 2.60 and newer) reads the mark.
+    That call is a barrier across all of Ray's workers: every rank must make it, the same number of times. The
+    Trainer asks at each agreement of its ranks, which every rank reaches after the same step; a Trainer on a
+    group of :func:`~ddpkit.split_world` does not ask (its agreements are not the other groups'), nor does any
+    other launcher.
+    """
+    if launcher != "ray" or group is not None:
+        return None
+    import ray.train
+
+    ask = getattr(ray.train, "get_preemption_info", None)
+    if ask is None:  # before Ray 2.60: only the snapshots already on disk survive a pre-emption
+        return None
+
+    def notice() -> str | None:
+        info = ask()
+        if info is None:
+            return None
+        nodes = ", ".join(node[:8] for node in info.preempted_node_ids)
+        return f"Ray Train's pre-emption notice (node {nodes}, ranks {info.preempted_ranks})"
+
+    return notice

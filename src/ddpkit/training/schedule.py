@@ -5,6 +5,9 @@ every ``memory_every_steps``), at an epoch's end (``every_epochs``), and when tr
 that falls on an epoch's last step is taken at the epoch's end instead (after its validation and the scheduler's
 step, so that it holds them), whether or not that epoch's end is due on its own: an epoch end that is not due
 never swallows a step that is. The same position (epoch, step, cursor) is never written twice.
+
+A launcher's notice of a coming pre-emption (:func:`ddpkit.distributed.signals.preemption_notice`) makes the
+next snapshot due at once: after the step it came at, or at that epoch's end.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ class SnapshotSchedule:
     every_epochs: int = 1
     memory_every_steps: int = 1
     """The interval of the copies in memory, once chosen (:mod:`ddpkit.memory.snapshots`)."""
+    notice: str | None = None
+    """A pre-emption notice not yet acted on: the next :meth:`after_step` or :meth:`at_epoch_end` is due."""
     _saved_at: tuple[int, int, int] | None = field(default=None, repr=False)
 
     @classmethod
@@ -39,13 +44,13 @@ class SnapshotSchedule:
     def after_step(self, step: int, taken: bool, last_in_epoch: bool) -> bool:
         """A disk snapshot right after optimizer step ``step`` (the count once it is taken) inside an epoch.
         At the epoch's last step: no, :meth:`at_epoch_end` decides, counting this step."""
-        return taken and not last_in_epoch and self._step_due(step)
+        return taken and not last_in_epoch and (self._step_due(step) or self.notice is not None)
 
     def at_epoch_end(self, epochs_done: int, step: int, last_step_taken: bool, stopping: bool) -> bool:
         """A disk snapshot at the end of epoch number ``epochs_done`` (counted from 1), whose last step made the
         count ``step``: due by the epochs' interval, by the steps' (the epoch's last step), or a stop."""
         by_epochs = self.every_epochs > 0 and epochs_done % self.every_epochs == 0
-        return by_epochs or (last_step_taken and self._step_due(step)) or stopping
+        return by_epochs or (last_step_taken and self._step_due(step)) or stopping or self.notice is not None
 
     def at_stop(self, reason: StopReason | str | None) -> bool:
         """A disk snapshot where training ends: always after ``max_steps``, a stop signal or early stopping;
@@ -65,4 +70,4 @@ class SnapshotSchedule:
 
     def written(self, position: tuple[int, int, int]) -> None:
         """``position`` is on disk (saved, or the snapshot a run resumed from)."""
-        self._saved_at = position
+        self._saved_at, self.notice = position, None

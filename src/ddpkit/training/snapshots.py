@@ -124,9 +124,12 @@ class TrainerSnapshots:
     def save(self, wait: bool = False) -> None:
         """Snapshot this step into ``run_dir/snapshots/step-N/`` (every rank writes its part). It returns once the
         state is copied to host memory (asynchronous writes), or written; ``wait``: once it is whole on disk."""
-        if not self.schedule.new_position(self.train.position):
+        # A pre-emption notice is answered by this position on disk, whole before training goes on.
+        position, wait = self.train.position, wait or self.schedule.notice is not None
+        fresh = self.schedule.new_position(position)
+        self.schedule.written(position)
+        if not fresh:
             return
-        self.schedule.written(self.train.position)
         t0 = time.perf_counter()
         state = self.state_dict()
         self.manager.save(self.train.step, state.pop("strategy"), state)

@@ -137,13 +137,9 @@ class Trainer:
         )
         self._autocast = partial(autocast, config.precision, rt.device)
         self.evaluator = Evaluator(
-            self.strategy,
-            self.batch_loss.metrics,
-            self._autocast,
-            config.eval_batch_size,
-            config.num_workers,
+            self.strategy, self.batch_loss.metrics, self._autocast, config.eval_batch_size, config.num_workers,
             self.group,
-        )
+        )  # fmt: skip
         self.validation = Validation.of(
             config, rt, val_data, evaluate=self.evaluator, model_weights=self.strategy.model_weights,
             log=self.writer.log, plateau=scheduler if self._plateau else None,
@@ -171,6 +167,7 @@ class Trainer:
         self._epoch_start = time.perf_counter()
         self._last_taken = False  # whether the epoch's last step was taken (a step's snapshot may be due)
         self._stop_signal, self.stopped_by = 0, None
+        self._notice = signals.preemption_notice(rt.launcher, self.group)  # Ray's warning of a node's loss
 
     # The counters, as the state holds them.
     epoch = property(lambda self: self.state.epoch, lambda self, v: setattr(self.state, "epoch", v))
@@ -338,6 +335,10 @@ class Trainer:
     def _log_window(self) -> dict[str, float]:
         """Agree on the mean training loss since the last agreement, record it, and start a new window."""
         window = self._window
+        if self._notice is not None and (notice := self._notice()):  # a barrier under Ray: every rank asks here
+            self._notice = None  # one snapshot for a notice, at this step (the schedule's), then training goes on
+            self.snapshots.schedule.notice = notice
+            self.writer.log("event", self.step, {"event": "preemption_notice", "notice": notice})
         agreed = window.agree(self.runtime.device, bool(self._stop_signal), self.group)
         self.epoch_loss.add(agreed)
         if agreed.stop and self.stopped_by is None:
@@ -391,8 +392,7 @@ class Trainer:
         return out
 
     def _on_stop_signal(self, signum: int) -> None:
-        # Only a flag: the next agreement (every logging.every_steps) spreads it, and every rank saves and stops
-        # after the same step.
+        # Only a flag: the next agreement spreads it, and every rank saves and stops after the same step.
         self._stop_signal = signum
 
     def _lr(self) -> float:

@@ -1,9 +1,13 @@
 """The Ray Train tests' job: ``examples/ray_train.py``'s training loop, each worker first writing what its
 runtime says (launcher, ranks, restarts, its node's rank in Ray) to ``FACTS/rank<r>-start<n>.json``; with
 ``--kill-rank R``, that worker of the first start SIGKILLs itself at a random instant after the snapshot of
-step 10 is whole (a thread polls for its marker while the loop trains).
+step 10 is whole (a thread polls for its marker while the loop trains); with ``--hold-for-notice``, every
+worker of the first start waits after step 11 until Ray's pre-emption notice is out (asking Ray, as the Trainer
+does, the same number of times on every rank), so that the Trainer meets it at its next agreement, not after
+training has ended.
 
     python tests/jobs/scripts/ray_job.py --address HOST:PORT --run-dir DIR --facts DIR [--kill-rank R]
+        [--hold-for-notice] [--snapshot-every STEPS]
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ def loop(config: dict) -> None:
     facts = {"launcher": rt.launcher, "rank": rt.rank, "local_rank": rt.local_rank, "world_size": rt.world_size}
     facts |= {"local_world_size": rt.local_world_size, "restart_count": rt.restart_count}
     facts |= {"node_rank": int(os.environ["NODE_RANK"]), "ip": ray.util.get_node_ip_address(), "pid": os.getpid()}
+    facts |= {"node_id": ray.get_runtime_context().get_node_id()}
     Path(config["facts"], f"rank{rt.rank}-start{rt.restart_count}.json").write_text(json.dumps(facts))
     if config["kill_rank"] == rt.rank and rt.restart_count == 0:
         marker = Path(config["run_dir"], "snapshots", "step-00000010", "complete.json")
@@ -42,10 +47,29 @@ def loop(config: dict) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
         threading.Thread(target=kill, daemon=True).start()
+    if config["hold_for_notice"] and rt.restart_count == 0:
+        trainer_class = ddpkit.Trainer
+
+        class HeldTrainer(trainer_class):  # type: ignore[misc,valid-type]
+            def __init__(self, *args, callbacks=(), **kwargs):
+                super().__init__(*args, callbacks=[*callbacks, HoldForNotice(config["facts"])], **kwargs)
+
+        ddpkit.Trainer = HeldTrainer  # train_loop imports it from ddpkit once called
     sys.path.insert(0, str(EXAMPLES))
     from ray_train import train_loop
 
     train_loop(config)
+
+
+class HoldForNotice:
+    def __init__(self, facts: str) -> None:
+        self.facts = Path(facts)
+
+    def on_step_end(self, trainer, taken, output) -> None:
+        if trainer.step == 11:
+            (self.facts / "holding").touch()  # the test drains a node once it sees this
+            while ray.train.get_preemption_info() is None:  # Ray's value on rank 0, so every rank loops alike
+                time.sleep(0.1)
 
 
 def main() -> None:
@@ -55,10 +79,13 @@ def main() -> None:
     p.add_argument("--facts", required=True)
     p.add_argument("--kill-rank", type=int, default=None)
     p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--hold-for-notice", action="store_true")
+    p.add_argument("--snapshot-every", type=int, default=10)
     args = p.parse_args()
     ray.init(address=args.address)
     config = {"run_dir": args.run_dir, "facts": args.facts, "kill_rank": args.kill_rank, "epochs": args.epochs}
-    config |= {"batch_size": 32, "lr": 2e-3, "seed": 0, "snapshot_every": 10, "examples": str(EXAMPLES)}
+    config |= {"hold_for_notice": args.hold_for_notice}
+    config |= {"batch_size": 32, "lr": 2e-3, "seed": 0, "snapshot_every": args.snapshot_every, "examples": str(EXAMPLES)}
     TorchTrainer(
         loop,
         train_loop_config=config,

@@ -24,9 +24,8 @@ def _trainer(run_dir: Path, *, samples: int = 32, val: bool = False, scheduler=N
     x = torch.randn(samples, 4)
     data = torch.utils.data.TensorDataset(x, (x.sum(1) > 0).long())
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    config = TrainerConfig(
-        run_dir=str(run_dir), batch_size=4, num_workers=0, logging=LoggingConfig(progress=False), **options
-    )
+    options.setdefault("logging", LoggingConfig(progress=False))
+    config = TrainerConfig(run_dir=str(run_dir), batch_size=4, num_workers=0, **options)
     return ddpkit.Trainer(
         model,
         optimizer,
@@ -175,3 +174,59 @@ def test_global_batch_dropout_batch_first_masks_are_unchanged():
     g = torch.Generator().manual_seed(mix_seed(3, 1, 0))
     keep = torch.rand((6, 4), generator=g)[2:4]
     assert torch.equal(out, (keep >= 0.5).float() / 0.5)
+
+
+class _Notice:
+    """A launcher's pre-emption notice given at its ``at``-th asking (as Ray's, which every rank asks alike)."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.asked = at, 0
+
+    def __call__(self) -> str | None:
+        self.asked += 1
+        return "node b is reclaimed" if self.asked >= self.at else None
+
+
+@pytest.mark.parametrize(
+    "every_epochs, at, snapshots",
+    [
+        (0, 3, [6]),  # asked at steps 2, 4, 6: a snapshot after step 6, none other (the intervals are off)
+        (0, 2, [4]),  # at an epoch's last step: the epoch's end takes it
+        (1, 2, [4, 8, 12]),  # at a step already due: one snapshot there, and no snapshot after every step since
+    ],
+)
+def test_a_preemption_notice_snapshots_at_once_and_training_goes_on(tmp_path, monkeypatch, every_epochs, at,
+                                                                     snapshots):  # fmt: skip
+    notice = _Notice(at)
+    monkeypatch.setattr("ddpkit.distributed.signals.preemption_notice", lambda launcher, group=None: notice)
+    snapshot = SnapshotConfig(every_epochs=every_epochs, async_write=False)
+    logging = LoggingConfig(progress=False, every_steps=2)
+    trainer = _trainer(tmp_path, samples=16, epochs=3, snapshot=snapshot, logging=logging)
+    trainer.fit()
+    records = _records(tmp_path)
+    assert [r["step"] for r in records if r.get("event") == "snapshot"] == snapshots
+    assert [(r["step"], r["notice"]) for r in records if r.get("event") == "preemption_notice"] == [
+        (2 * at, "node b is reclaimed")
+    ]
+    assert notice.asked == at and trainer.stopped_by == StopReason.EPOCHS and trainer.step == 12
+
+
+def test_only_ray_gives_a_notice_to_ask_for_and_only_for_the_whole_job(monkeypatch):
+    import sys
+    import types
+
+    from ddpkit.distributed.signals import preemption_notice
+
+    assert preemption_notice("torchrun") is None and preemption_notice("slurm") is None
+    ray = types.ModuleType("ray")
+    ray.train = types.ModuleType("ray.train")  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    monkeypatch.setitem(sys.modules, "ray.train", ray.train)  # type: ignore[attr-defined]
+    assert preemption_notice("ray") is None  # a Ray before 2.60: nothing to ask
+    info = types.SimpleNamespace(preempted_node_ids=["a3f0c9e1d2b4"], preempted_ranks=[1])
+    answers = iter([None, info])
+    ray.train.get_preemption_info = lambda: next(answers)  # type: ignore[attr-defined]
+    assert preemption_notice("ray", group=object()) is None  # a group of split_world: the other groups never ask
+    notice = preemption_notice("ray")
+    assert notice is not None and notice() is None
+    assert notice() == "Ray Train's pre-emption notice (node a3f0c9e1, ranks [1])"
