@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from ddpkit import fs
 from ddpkit.distributed.environment import cpu_count
@@ -82,12 +83,25 @@ def torchrun_argv(
         argv += ["--log-dir", run_log_dir]
     if cfg.all_ranks:
         argv += ["--tee", "3"]
-    elif nproc > 1:
-        # Local ranks 1.. write to files in the log folder; local rank 0 keeps the terminal itself, so its
-        # lines arrive unprefixed and a progress bar still sees a TTY.
-        argv += ["--redirects", ",".join(f"{r}:3" for r in range(1, nproc))]
     argv += ["-m", "ddpkit.launch.worker"] + (["-m"] if cfg.module else []) + [cfg.script, *cfg.script_args]
     return argv
+
+
+def _run_torchrun(torchrun: Any, args: Any, quiet: range) -> None:
+    """``torchrun.run(args)``, with the local ranks ``quiet`` writing to files in the log folder.
+
+    Local rank 0 keeps the terminal itself, so its lines arrive unprefixed and a progress bar still sees a TTY.
+    torchrun's ``--redirects`` cannot say so beyond 10 processes (its pattern takes one-digit ranks), so the map
+    goes to the logs spec, which takes any rank. The rest is what ``torchrun.run`` does for ddpkit's arguments:
+    ddpkit always names its rendezvous backend and endpoint, so none of torchrun's defaults for them apply.
+    """
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.launcher.api import elastic_launch
+
+    config, entrypoint, cmd_args = torchrun.config_from_args(args)
+    if len(quiet):
+        config.logs_specs = DefaultLogsSpecs(log_dir=args.log_dir, redirects=dict.fromkeys(quiet, Std.ALL))
+    elastic_launch(config=config, entrypoint=entrypoint)(*cmd_args)
 
 
 def flight_recorder_vars() -> tuple[str, str]:
@@ -257,7 +271,7 @@ def launch(cfg: LaunchConfig) -> int:
     if cfg.all_ranks:
         tail.install()  # whole lines behind each rank's tag, not the pieces torchrun's reader finds
     try:
-        torchrun.run(args)
+        _run_torchrun(torchrun, args, quiet=range(1, nproc) if not cfg.all_ranks else range(0))
     except ChildFailedError as err:
         if agent.preempted(err.failures):
             print(

@@ -50,6 +50,18 @@ def test_rank_zero_output_by_default(clean_env):
     assert lines == ["hello rank=0 world=2 attempt=0 sum=3 threads=1 words=['a', 'b']"]
 
 
+@pytest.mark.slow
+def test_more_than_ten_processes_keep_rank_zero_alone_on_the_terminal(clean_env, tmp_path):
+    # torchrun's --redirects pattern takes one-digit local ranks: "1:3,...,11:3" was a ValueError before any
+    # worker started. The map now goes to torchrun's logs spec.
+    out = run(["run", "--nproc", "12", "--oversubscribe", HELLO], clean_env, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [line for line in out.stdout.splitlines() if line.startswith("hello")]
+    assert lines == ["hello rank=0 world=12 attempt=0 sum=78 threads=1 words=[]"]
+    (run_dir,) = (tmp_path / "ddpkit-logs").iterdir()
+    assert "hello rank=11 world=12" in next(run_dir.rglob("11/stdout.log")).read_text()
+
+
 def test_all_ranks_output_is_prefixed(clean_env):
     out = run(["run", "--nproc", "3", "--all-ranks", HELLO], clean_env)
     assert out.returncode == 0, out.stderr
