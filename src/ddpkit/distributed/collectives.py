@@ -173,6 +173,35 @@ def all_gather_object(obj: T, group: Any = None) -> list[T]:
     return [_unpickled(chunk[:n].cpu()) for chunk, n in zip(chunks, lengths)]
 
 
+def gather_object(obj: T, dst: int = 0, group: Any = None) -> list[T] | None:
+    """Every rank's picklable ``obj``, in rank order, on rank ``dst`` of ``group`` (None on the others), as
+    torch's ``gather_object``; without a process group, ``[obj]``.
+
+    Where one rank alone needs the parts, this is the collective to use: ``dst`` unpickles the world's parts
+    and every other rank none, where :func:`all_gather_object` has every rank unpickle every part (the world
+    squared in all)."""
+    if not is_live(group):
+        return [obj]
+    device = comm_device(group)
+    size = dist.get_world_size(group)
+    receiver = dist.get_rank(group) == dst
+    global_dst = dist.get_global_rank(group, dst) if group is not None else dst
+    mine = _pickled(obj, device)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(size)] if receiver else None
+    length = torch.tensor([mine.numel()], device=device)
+    dist.gather(length, sizes, dst=global_dst, group=group)
+    # One length for every rank's bytes, as gather needs equal shapes: the longest, from rank dst to the others.
+    longest = torch.tensor([max(int(s.item()) for s in sizes) if sizes else 0], device=device)
+    dist.broadcast(longest, src=global_dst, group=group)
+    padded = torch.zeros(int(longest.item()), dtype=torch.uint8, device=device)
+    padded[: mine.numel()] = mine
+    chunks = [torch.empty_like(padded) for _ in range(size)] if receiver else None
+    dist.gather(padded, chunks, dst=global_dst, group=group)
+    if chunks is None or sizes is None:
+        return None
+    return [_unpickled(chunk[: int(n.item())].cpu()) for chunk, n in zip(chunks, sizes)]
+
+
 def broadcast_object(obj: T, src: int = 0, group: Any = None) -> T:
     """Rank ``src``'s picklable ``obj`` (a rank within ``group``) on every rank."""
     if not is_live(group):

@@ -11,6 +11,7 @@ shared part is one whole state, rank 0's, as DDP would converge to), rank ``r``'
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterator
 from typing import Any
 
@@ -60,9 +61,40 @@ def stored_path(path: KeyPath, rank: int) -> KeyPath:
     return path[1:] if rank == 0 else (PER_RANK, f"rank{rank}", *path[1:])
 
 
-def stored_parts(state: dict[str, Any], rank: int) -> tuple[dict[str, Any], dict[KeyPath, Any]]:
+def stored_parts(
+    state: dict[str, Any], rank: int, replicated_over: int = 1
+) -> tuple[dict[str, Any], dict[KeyPath, Any]]:
     """The tensors of ``state`` as DCP saves them (nested, at their :func:`stored_path`), and its other values
-    by stored path (for ``values.pt``)."""
+    by stored path (for ``values.pt``).
+
+    ``replicated_over``: the number of ranks that hold the same shared tensors (every rank of a replicated
+    strategy's group). Each then keeps only its :func:`writer_of_shared` share of them, so DCP's planner on
+    the first rank gets every shared tensor once instead of once per rank (see that function)."""
     items = [(stored_path(p, rank), v) for p, v in leaves(state)]
-    tensors = nest([(p, v) for p, v in items if isinstance(v, torch.Tensor)])
-    return tensors, {p: v for p, v in items if not isinstance(v, torch.Tensor)}
+    tensors = [(p, v) for p, v in items if isinstance(v, torch.Tensor)]
+    if replicated_over > 1:
+        shared = [
+            (p, v) for (p, v), (q, _) in zip(items, leaves(state)) if isinstance(v, torch.Tensor) and q[0] != PER_RANK
+        ]
+        writer = writer_of_shared([(p, v.numel() * v.element_size()) for p, v in shared], replicated_over)
+        tensors = [(p, v) for p, v in tensors if writer.get(p, rank) == rank]
+    return nest(tensors), {p: v for p, v in items if not isinstance(v, torch.Tensor)}
+
+
+def writer_of_shared(sizes: list[tuple[KeyPath, int]], ranks: int) -> dict[KeyPath, int]:
+    """Which rank writes each tensor that every one of ``ranks`` ranks holds alike: the largest first, each to
+    the rank with the fewest bytes so far (ties to the lower rank), so that every rank writes about the same.
+
+    DCP deduplicates such tensors itself, on its first rank, after gathering every rank's plan: that rank's
+    planning then grows with ranks x tensors, and at scale it is what a save waits for (the reports of
+    huggingface/accelerate#4086 and pytorch/pytorch#163548). Every rank computes the same answer from the same
+    shapes with no communication, so each plans only its share and the first rank's work grows with the
+    tensors alone. Sound only where the tensors really are the same on every rank (replicated DDP); a rank's
+    own values are in the per-rank part and never shared out."""
+    loads = [(0, r) for r in range(ranks)]  # a heap of (bytes so far, rank)
+    writer = {}
+    for path, nbytes in sorted(sizes, key=lambda item: (-item[1], str(item[0]))):
+        written, r = heapq.heappop(loads)
+        writer[path] = r
+        heapq.heappush(loads, (written + nbytes, r))
+    return writer

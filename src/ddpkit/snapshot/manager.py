@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import inspect
 import io
 import json
 import os
@@ -59,7 +60,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit import fs
-from ddpkit.distributed.collectives import all_gather_object, broadcast_object
+from ddpkit.distributed.collectives import all_reduce, broadcast_object, gather_object
 from ddpkit.errors import ConfigError
 from ddpkit.internals.versions import require_torch
 from ddpkit.snapshot import folders
@@ -142,25 +143,28 @@ class SnapshotManager:
     def _size(self) -> int:
         return dist.get_world_size(self.group) if self.distributed else 1
 
-    def save(self, step: int, state: dict[str, Any], extra: dict[str, Any]) -> None:
+    def save(self, step: int, state: dict[str, Any], extra: dict[str, Any], *, replicated: bool = False) -> None:
         """Snapshot ``step``: ``state`` (every rank's own part, for DCP: its tensors, shards and the
         :data:`~ddpkit.snapshot.layout.PER_RANK` part; its other values go to ``values.pt``) and ``extra``
-        (rank 0's, in ``values.pt``).
+        (rank 0's, in ``values.pt``). ``replicated``: the tensors of ``state`` outside its per-rank part are
+        the same on every rank (:attr:`~ddpkit.strategies.base.Strategy.replicated`), and each rank writes a
+        share of them.
 
         Returns once the state is safe from the training loop: written (synchronous), or copied to host
         memory with the write under way (asynchronous). Raises :class:`SnapshotWriteError` if it is not.
         """
         self.wait()
         path = self.folder / folder_name(step)
-        tensors, values = stored_parts(state, self._rank)
-        # Rank 0 empties the folder before it joins the gather, so no rank writes into it before it is clean.
-        # Values that are not tensors are few (hyper-parameters by parameter); they may differ between ranks
-        # (zero: each rank's own parameters), so every rank's go to rank 0's values.pt.
-        part = (values, self._clear(path, step) if self._rank == 0 else None)
-        parts = all_gather_object(part, group=self.group) if self.distributed else [part]
-        if parts[0][1] is not None:
-            _raise(parts[0][1])
-        every_rank = [v for v, _ in parts]
+        tensors, values = stored_parts(state, self._rank, self._size if replicated else 1)
+        # Rank 0 empties the folder before its word reaches the others, so no rank writes into it before it is
+        # clean. Values that are not tensors are few (hyper-parameters by parameter); they may differ between
+        # ranks (zero: each rank's own parameters), so every rank's go to rank 0's values.pt.
+        cleared = self._clear(path, step) if self._rank == 0 else None
+        if self.distributed:
+            cleared = broadcast_object(cleared, group=self.group)
+        if cleared is not None:
+            _raise(cleared)
+        every_rank = gather_object(values, group=self.group) if self.distributed else [values]
         extra_bytes = io.BytesIO()
         if self._rank == 0:
             torch.save({"format": FORMAT, "world_size": self._size, "values": every_rank, "extra": extra}, extra_bytes)
@@ -231,8 +235,8 @@ class SnapshotManager:
                 # line of the error, and the rank's stderr keeps where it came from.
                 traceback.print_exc()
         part = (digests, failure, failed)
-        parts = all_gather_object(part, group=group) if self.distributed else [part]
-        failed_write = self._finish(path, step, parts) if rank == 0 else None
+        parts = gather_object(part, group=group) if self.distributed else [part]
+        failed_write = self._finish(path, step, parts) if parts is not None else None
         if self.distributed:
             failed_write = broadcast_object(failed_write, group=group)
         if failed_write is not None:
@@ -369,16 +373,42 @@ class SnapshotManager:
             set_at(state, path, held[0])
         if not self.distributed:
             _quiet_single_process_warning()
+        # Each rank reads what it needs with no collective: a read needs no other rank's plan, and DCP's
+        # collective load has the first rank gather and check every rank's read plan (ranks x tensors, where
+        # every rank reads the whole replicated model). Where the torch has no no_dist (before 2.7) the load is
+        # collective. Either way one rank's failure must reach every rank, or the others would go on into the
+        # next collective and wait there for ever: one all-reduce of the outcome after the read says it.
+        local = self.distributed and "no_dist" in inspect.signature(dcp.load).parameters
+        failure: str | None = None
+        error: BaseException | None = None
         try:
-            dcp.load(
-                nest(tensors),
-                storage_reader=dcp_files.Reader(found.path, index),
-                planner=dcp_files.TensorsOnlyPlanner(),
-                process_group=self.group,
-            )
+            with warnings.catch_warnings():  # torch's warning that no_dist loads "in a single process": it does
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or")
+                dcp.load(
+                    nest(tensors),
+                    storage_reader=dcp_files.Reader(found.path, index),
+                    planner=dcp_files.TensorsOnlyPlanner(),
+                    process_group=self.group,
+                    **({"no_dist": True} if local else {}),
+                )
         except CheckpointException as err:  # a BaseException, whose text is every rank's traceback
             first = next(iter(err.failures.values()))[0]
-            raise RuntimeError(
-                f"ddpkit: loading snapshot {found.path} failed: {type(first).__name__}: {first}"
-            ) from err
+            failure, error = f"{type(first).__name__}: {first}", err
+        except Exception as err:
+            if not local:
+                raise
+            failure, error = f"{type(err).__name__}: {err}", err
+        if local:
+            failure = self._first_failure(failure)
+        if failure is not None:
+            raise RuntimeError(f"ddpkit: loading snapshot {found.path} failed: {failure}") from error
         return state, saved["extra"]
+
+    def _first_failure(self, mine: str | None) -> str | None:
+        """The failure of the lowest rank that had one, on every rank (None if none did). Collective."""
+        size = self._size
+        first = all_reduce(self._rank if mine is not None else size, op="min", group=self.group)
+        if first == size:
+            return None
+        failure = broadcast_object(mine, src=int(first), group=self.group)
+        return failure if first == self._rank else f"{failure} (on rank {int(first)})"

@@ -45,6 +45,9 @@ class Strategy(Protocol):
     """One way of distributing a model over the ranks of a group; see the module docstring."""
 
     name: str
+    replicated: bool
+    """Every rank holds the same model and optimizer state, outside its per-rank part (DDP): a snapshot then
+    has each rank write a share of it (:func:`~ddpkit.snapshot.layout.writer_of_shared`)."""
     model: nn.Module
     """The wrapped model: call it for the forward pass."""
     optimizer: torch.optim.Optimizer

@@ -148,6 +148,7 @@ class DDPStrategy:
     """
 
     name = "ddp"
+    replicated = True
 
     def __init__(
         self,

@@ -116,6 +116,7 @@ class FSDPStrategy:
     """Sharded parameters, gradients and optimizer state; see the module docstring."""
 
     name = "fsdp"
+    replicated = False
 
     def __init__(
         self,

@@ -45,6 +45,7 @@ class ZeroStrategy:
     ``ZeroRedundancyOptimizer`` of the same class, defaults and parameter groups."""
 
     name = "zero"
+    replicated = False  # each rank's optimizer state is of the parameters it owns
 
     def __init__(
         self,

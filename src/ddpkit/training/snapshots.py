@@ -132,7 +132,7 @@ class TrainerSnapshots:
             return
         t0 = time.perf_counter()
         state = self.state_dict()
-        self.manager.save(self.train.step, state.pop("strategy"), state)
+        self.manager.save(self.train.step, state.pop("strategy"), state, replicated=self.strategy.replicated)
         if wait:
             self.manager.wait()
         self.log(

@@ -78,7 +78,7 @@ def save_and_restore(folder: str) -> dict:
         train(strategy, rt.rank, 3, seed=0)
         fixed = SnapshotManager(Path(folder) / name / "fixed", group=rt.group)
         one_copy = SnapshotManager(Path(folder) / name / "one-copy", group=rt.group)
-        fixed.save(3, strategy.state_dict(), {"step": 3})
+        fixed.save(3, strategy.state_dict(), {"step": 3}, replicated=strategy.replicated)
         one_copy.save(3, join_own(strategy.state_dict()), {"step": 3})  # no per-rank part: one copy per key
         saved, saved_buffers = own_view(strategy), buffers(strategy)
         restored = {}
@@ -137,3 +137,71 @@ def test_every_rank_resumes_its_own_buffers_and_at_another_world_size_rank_0s(tm
     for name in STRATEGIES:
         for rank in range(3):
             assert differs(three[rank][name], ranks[0][name]["buffers"]) == [], f"{name} at 3 ranks: rank {rank}"
+
+
+def save_shared(folder: str, strategy_name: str, replicated: bool) -> dict:
+    """Save a trained strategy's state, each rank writing a share of the shared tensors when ``replicated``;
+    load it back: this rank's state when saved and after the load, or the load's error."""
+    rt = ddpkit.init()
+    strategy = build(strategy_name, rt)
+    train(strategy, rt.rank, 3, seed=0)
+    ckpt = SnapshotManager(Path(folder), group=rt.group)
+    ckpt.save(3, strategy.state_dict(), {"step": 3}, replicated=replicated)
+    saved = own_view(strategy)
+    train(strategy, rt.rank, 2, seed=1)
+    try:
+        state, _ = ckpt.load(ckpt.latest(warn=print), strategy.state_dict)
+    except Exception as err:  # the control's outcome, on every rank alike
+        return {"saved": saved, "error": str(err)}
+    strategy.load_state_dict(state)
+    return {"saved": saved, "restored": own_view(strategy)}
+
+
+def test_ddp_ranks_each_write_a_share_of_the_replicated_state_and_every_rank_gets_all_of_it(tmp_path):
+    import json
+
+    ranks = ddpkit.spawn(functools.partial(save_shared, str(tmp_path / "ddp"), "ddp", True), 3)
+    for rank, r in enumerate(ranks):
+        assert differs(r["restored"], r["saved"]) == [], f"rank {rank} did not get its state back"
+    (folder,) = (tmp_path / "ddp").iterdir()
+    index = json.loads((folder / "metadata.json").read_text())
+    writers: dict[str, list[str]] = {}
+    for item in index["storage"]:
+        writers.setdefault(item["fqn"], []).append(item["file"])
+    shared = [k for k in writers if not k.startswith("per_rank.")]
+    # Each shared tensor written once, and by every rank some: DCP's first rank plans them once, not per rank.
+    assert all(len(writers[k]) == 1 for k in shared)
+    assert {writers[k][0] for k in shared} == {"__0_0.distcp", "__1_0.distcp", "__2_0.distcp"}
+
+
+def test_a_state_that_is_not_replicated_saved_as_one_loses_what_other_ranks_own(tmp_path):
+    # Control: zero's optimizer state is each rank's own parameters'. Shared out as if every rank held all of
+    # it, some ranks drop what only they hold, and the snapshot no longer has it: why only ddp says replicated.
+    ranks = ddpkit.spawn(functools.partial(save_shared, str(tmp_path / "zero"), "zero", True), 2)
+    outcomes = [r.get("error") or differs(r["restored"], r["saved"]) for r in ranks]
+    print(f"zero saved as replicated: {outcomes}")
+    assert any(outcomes)
+    fine = ddpkit.spawn(functools.partial(save_shared, str(tmp_path / "zero-ok"), "zero", False), 2)
+    assert all(differs(r["restored"], r["saved"]) == [] for r in fine)
+
+
+def load_with_a_wrong_shape_on_rank_1(folder: str) -> str:
+    rt = ddpkit.init()
+    ckpt = SnapshotManager(Path(folder), group=rt.group)
+    ckpt.save(1, {"w": torch.arange(6.0)}, {}, replicated=True)
+    shape = 7 if rt.rank == 1 else 6
+    try:
+        ckpt.load(ckpt.latest(warn=print), lambda: {"w": torch.zeros(shape)})
+    except RuntimeError as err:
+        return str(err)
+    ddpkit.barrier()  # a rank that returned without the failure would wait here for the one that raised
+    return "loaded"
+
+
+def test_one_ranks_failed_load_fails_every_rank_with_its_message(tmp_path):
+    # Each rank reads with no collective, so a rank whose read fails alone must still stop the others, which
+    # would otherwise go on into the next collective and wait there for ever.
+    messages = ddpkit.spawn(functools.partial(load_with_a_wrong_shape_on_rank_1, str(tmp_path)), 3)
+    assert all(m.startswith("ddpkit: loading snapshot") for m in messages), messages
+    assert all("(on rank 1)" in m for r, m in enumerate(messages) if r != 1), messages
+    assert "(on rank" not in messages[1] and "size" in messages[1].lower(), messages[1]

@@ -274,3 +274,21 @@ def test_a_snapshot_folder_that_cannot_be_made_is_named(tmp_path):
     ):
         save(ckpt, 6)
     assert ckpt.latest().step == 3
+
+
+def test_shared_tensors_are_each_written_by_one_rank_with_the_bytes_spread_evenly():
+    from ddpkit.snapshot.layout import stored_parts, writer_of_shared
+
+    sizes = [(("model", f"w{i}"), 4 * (i % 7 + 1)) for i in range(50)]
+    writer = writer_of_shared(sizes, 4)
+    assert writer == writer_of_shared(list(reversed(sizes)), 4)  # every rank the same answer, in any order
+    assert sorted(writer) == sorted(p for p, _ in sizes)
+    loads = [sum(n for p, n in sizes if writer[p] == r) for r in range(4)]
+    assert max(loads) - min(loads) <= max(n for _, n in sizes), loads
+    # A state: the shared tensors split without overlap over the ranks, each rank's own part kept by it.
+    state = {"model": {f"w{i}": torch.zeros(i + 1) for i in range(9)}, "per_rank": {"model": {"b": torch.ones(1)}}}
+    parts = [stored_parts(state, r, replicated_over=3)[0] for r in range(3)]
+    shared = [set(p["model"]) - {"b"} for p in parts]
+    assert set().union(*shared) == {f"w{i}" for i in range(9)} and sum(map(len, shared)) == 9
+    assert "b" in parts[0]["model"] and "b" in parts[1]["per_rank"]["rank1"]["model"]
+    assert stored_parts(state, 1)[0]["model"].keys() == {f"w{i}" for i in range(9)}  # not replicated: all
