@@ -109,9 +109,10 @@ class Record:
 
 def read_slot(path: Path, data: bool = False) -> tuple[Record, dict, dict, bytes] | None:
     """(record, manifest, values, the file's bytes if ``data`` else b"") of a whole slot file, or None if it is
-    not whole (never committed, or torn by a kill during a copy). Without ``data`` only the record, manifest and
-    values are read and checked (a resume looks at every slot on the node, and reads the tensors of one); with
-    it, the data region's checksum and the manifest's layout are checked too. A whole slot that does not check
+    not whole (never committed, or torn by a kill during a copy). Without ``data`` only the record and values
+    are read, and the manifest's checksum checked (a resume looks at every slot on the node, every rank's, and
+    reads the tensors of one): the manifest, which names every tensor, is parsed only with ``data`` (else
+    ``{}``), along with the data region's checksum and the manifest's layout. A whole slot that does not check
     raises :class:`BadSlot`."""
     try:
         # O_NONBLOCK: a FIFO planted under a slot's name opens at once; fstat then refuses it.
@@ -150,7 +151,8 @@ def _checked(record: Record, parts: list[bytes], data: bytes, name: str) -> tupl
         if zlib.crc32(raw) != crc:
             raise BadSlot(f"{name}: its {what} fail their CRC-32")
     try:
-        manifest, values = (json.loads(raw) for raw in parts)
+        # Without the data, the manifest is not needed: parsing it is the largest part of looking at a slot.
+        manifest, values = json.loads(parts[0]) if data else {}, json.loads(parts[1])
     except (ValueError, RecursionError) as err:
         raise BadSlot(f"{name}: its manifest or values are not JSON ({err})") from None
     if not isinstance(manifest, dict) or not isinstance(values, dict):
