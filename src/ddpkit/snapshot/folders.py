@@ -201,8 +201,9 @@ VALUES = "values.pt"
 """The file of a state's values other than DCP's tensors (every rank's, and rank 0's ``extra``)."""
 INDEX = "metadata.json"
 """DCP's index of a snapshot, as JSON (:mod:`ddpkit.snapshot.storage` writes and reads it)."""
-FORMAT = 1
-"""The layout of :data:`VALUES`; a folder of another is refused by name, never read as this one."""
+FORMAT = 2
+"""The layout of :data:`VALUES`; a folder of another is refused by name, never read as this one. 2: rank 0's
+values whole and each other rank's differences (1: every rank's whole)."""
 
 
 EARLIER_VALUES = "trainer.pt"

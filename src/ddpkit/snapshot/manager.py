@@ -48,6 +48,7 @@ import inspect
 import io
 import json
 import os
+import pickle
 import threading
 import time
 import traceback
@@ -83,6 +84,11 @@ def _quiet_single_process_warning() -> None:
     warnings.filterwarnings(
         "ignore", message="torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to"
     )
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """The same plain value to the bit (-0.0 is not 0.0): the same type and the same pickle."""
+    return type(a) is type(b) and (a is b or pickle.dumps(a) == pickle.dumps(b))
 
 
 class SnapshotWriteError(RuntimeError):
@@ -157,17 +163,25 @@ class SnapshotManager:
         path = self.folder / folder_name(step)
         tensors, values = stored_parts(state, self._rank, self._size if replicated else 1)
         # Rank 0 empties the folder before its word reaches the others, so no rank writes into it before it is
-        # clean. Values that are not tensors are few (hyper-parameters by parameter); they may differ between
-        # ranks (zero: each rank's own parameters), so every rank's go to rank 0's values.pt.
-        cleared = self._clear(path, step) if self._rank == 0 else None
+        # clean. Values that are not tensors (hyper-parameters by parameter) may differ between ranks (zero:
+        # each rank's own parameters'), so every rank's go to rank 0's values.pt: rank 0's whole, and of each
+        # other rank only what rank 0's lack or hold otherwise. Replicated, that is nothing, and neither the
+        # gather to rank 0 nor the file every rank reads on a load grows with the ranks.
+        word = (self._clear(path, step), values) if self._rank == 0 else None
         if self.distributed:
-            cleared = broadcast_object(cleared, group=self.group)
+            word = broadcast_object(word, group=self.group)
+        assert word is not None
+        cleared, common = word
         if cleared is not None:
             _raise(cleared)
-        every_rank = gather_object(values, group=self.group) if self.distributed else [values]
+        own = {k: v for k, v in values.items() if k not in common or not _same_value(common[k], v)}
+        every_rank = gather_object(own, group=self.group) if self.distributed else [own]
         extra_bytes = io.BytesIO()
         if self._rank == 0:
-            torch.save({"format": FORMAT, "world_size": self._size, "values": every_rank, "extra": extra}, extra_bytes)
+            torch.save(
+                {"format": FORMAT, "world_size": self._size, "values": common, "own": every_rank, "extra": extra},
+                extra_bytes,
+            )
         if not self.async_write:
             self._write(path, step, tensors, extra_bytes.getvalue(), self.group)
             return
@@ -357,7 +371,7 @@ class SnapshotManager:
         source = self._rank if same else 0  # whose copy of the per-rank part
         # Other values: this rank's own at the same world size; else rank 0's, and where rank 0 had none
         # (zero: the hyper-parameters of parameters another rank owned), the first rank's that had one.
-        values = [saved["values"][source]] if same else saved["values"]
+        values = [saved["own"][source], saved["values"]] if same else [saved["values"], *saved["own"]]
         tensors = []
         for path, value in leaves(state):
             where = stored_path(path, source)

@@ -195,7 +195,7 @@ def test_a_trainer_state_holding_code_or_of_another_format_is_refused(tmp_path):
     save(ckpt, 3)
     folder, ran = tmp_path / "snapshots" / "step-00000003", tmp_path / "ran"
     good = (folder / VALUES).read_bytes()
-    torch.save({"format": 2, "world_size": 1, "values": [{}], "extra": RunsCode(ran)}, folder / VALUES)
+    torch.save({"format": 2, "world_size": 1, "values": {}, "own": [{}], "extra": RunsCode(ran)}, folder / VALUES)
     reseal(folder)
     with pytest.raises(ConfigError, match="values.pt holds objects other than tensors and plain values"):
         load(ckpt)
@@ -206,7 +206,7 @@ def test_a_trainer_state_holding_code_or_of_another_format_is_refused(tmp_path):
     saved = torch.load(io.BytesIO(good), weights_only=True)
     torch.save(saved["extra"], folder / VALUES)
     reseal(folder)
-    with pytest.raises(ConfigError, match="written by another version of ddpkit.*format 1.*resume=False"):
+    with pytest.raises(ConfigError, match="written by another version of ddpkit.*format 2.*resume=False"):
         load(ckpt)
     torch.save(saved, folder / VALUES)  # control: the file as written loads
     reseal(folder)
