@@ -199,6 +199,8 @@ def prune(folder_path: Path, keep_last: int, newest: int) -> None:
 
 VALUES = "values.pt"
 """The file of a state's values other than DCP's tensors (every rank's, and rank 0's ``extra``)."""
+OWN = "rank{}.pt"
+"""The file of one rank's own values (``SnapshotManager.save``'s ``own``: its random streams), by rank."""
 INDEX = "metadata.json"
 """DCP's index of a snapshot, as JSON (:mod:`ddpkit.snapshot.storage` writes and reads it)."""
 FORMAT = 2

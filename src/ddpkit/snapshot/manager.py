@@ -65,7 +65,7 @@ from ddpkit.distributed.collectives import all_reduce, broadcast_object, gather_
 from ddpkit.errors import ConfigError
 from ddpkit.internals.versions import require_torch
 from ddpkit.snapshot import folders
-from ddpkit.snapshot.folders import FORMAT, INDEX, MARKER, VALUES, Found, digest, folder_name
+from ddpkit.snapshot.folders import FORMAT, INDEX, MARKER, OWN, VALUES, Found, digest, folder_name
 from ddpkit.snapshot.layout import leaves, nest, set_at, stored_parts, stored_path
 from ddpkit.snapshot.staging import stage, writer_group
 
@@ -149,12 +149,15 @@ class SnapshotManager:
     def _size(self) -> int:
         return dist.get_world_size(self.group) if self.distributed else 1
 
-    def save(self, step: int, state: dict[str, Any], extra: dict[str, Any], *, replicated: bool = False) -> None:
+    def save(
+        self, step: int, state: dict[str, Any], extra: dict[str, Any], *, replicated: bool = False, own: Any = None
+    ) -> None:
         """Snapshot ``step``: ``state`` (every rank's own part, for DCP: its tensors, shards and the
         :data:`~ddpkit.snapshot.layout.PER_RANK` part; its other values go to ``values.pt``) and ``extra``
         (rank 0's, in ``values.pt``). ``replicated``: the tensors of ``state`` outside its per-rank part are
         the same on every rank (:attr:`~ddpkit.strategies.base.Strategy.replicated`), and each rank writes a
-        share of them.
+        share of them. ``own``: plain values and tensors of this rank alone, which it writes to a file of its
+        own (:meth:`read_own`): no rank gathers them, and a load reads only its own.
 
         Returns once the state is safe from the training loop: written (synchronous), or copied to host
         memory with the write under way (asynchronous). Raises :class:`SnapshotWriteError` if it is not.
@@ -174,16 +177,21 @@ class SnapshotManager:
         cleared, common = word
         if cleared is not None:
             _raise(cleared)
-        own = {k: v for k, v in values.items() if k not in common or not _same_value(common[k], v)}
-        every_rank = gather_object(own, group=self.group) if self.distributed else [own]
+        differing = {k: v for k, v in values.items() if k not in common or not _same_value(common[k], v)}
+        every_rank = gather_object(differing, group=self.group) if self.distributed else [differing]
         extra_bytes = io.BytesIO()
         if self._rank == 0:
             torch.save(
                 {"format": FORMAT, "world_size": self._size, "values": common, "own": every_rank, "extra": extra},
                 extra_bytes,
             )
+        own_bytes = None
+        if own is not None:
+            buffer = io.BytesIO()
+            torch.save(own, buffer)
+            own_bytes = buffer.getvalue()
         if not self.async_write:
-            self._write(path, step, tensors, extra_bytes.getvalue(), self.group)
+            self._write(path, step, tensors, extra_bytes.getvalue(), own_bytes, self.group)
             return
         group = writer_group(self.group) if self.distributed else None
         # A copy in host memory: training may change the originals from here on. The previous write is done
@@ -191,7 +199,7 @@ class SnapshotManager:
         self._staged = staged = stage(tensors, self._staged)
         self._thread = threading.Thread(
             target=self._write_in_background,
-            args=(path, step, staged, extra_bytes.getvalue(), group),
+            args=(path, step, staged, extra_bytes.getvalue(), own_bytes, group),
             # Not a daemon: an interpreter that exits (an exception, SystemExit) first finishes the write.
             name=f"ddpkit-snapshot-{step}",
             daemon=False,
@@ -219,7 +227,9 @@ class SnapshotManager:
         except BaseException as err:  # raised in the training thread by the next wait()
             self._error = err
 
-    def _write(self, path: Path, step: int, tensors: dict[str, Any], extra: bytes, group: Any) -> None:
+    def _write(
+        self, path: Path, step: int, tensors: dict[str, Any], extra: bytes, own: bytes | None, group: Any
+    ) -> None:
         """Every rank writes its files; rank 0 then writes the marker, or, if any rank failed, removes the
         folder; every rank raises the same :class:`SnapshotWriteError` then. Collective over ``group``."""
         import torch.distributed.checkpoint as dcp  # see the note on lazy imports at the top
@@ -238,6 +248,9 @@ class SnapshotManager:
             # dcp.save returns on every rank once every rank's files and the index are written (fsynced);
             # when one rank fails, it raises on every rank.
             mine = sorted(path.glob(f"__{rank}_*.distcp"))
+            if own is not None:
+                fs.write_atomic(path / OWN.format(rank), own)
+                mine.append(path / OWN.format(rank))
             if rank == 0:
                 fs.write_atomic(path / VALUES, extra)
                 mine += [path / ".metadata", path / INDEX, path / VALUES]
@@ -417,6 +430,29 @@ class SnapshotManager:
         if failure is not None:
             raise RuntimeError(f"ddpkit: loading snapshot {found.path} failed: {failure}") from error
         return state, saved["extra"]
+
+    def read_own(self, found: Found, ranks: list[int], map_location: Any = None) -> list[Any]:
+        """The ``own`` values that ``ranks`` saved in ``found`` (:meth:`save`), loaded with ``weights_only``;
+        refused by name where the marker does not list a rank's file (checked with the others by :meth:`latest`)."""
+        try:
+            files = folders.listed(found)
+        except ValueError as err:
+            raise ConfigError(f"{found.path} {err}") from None
+        out = []
+        for rank in ranks:
+            name = OWN.format(rank)
+            if name not in files:
+                raise ConfigError(
+                    f"{found.path} holds no values of rank {rank} ({name}): its {MARKER} does not list them"
+                )
+            try:
+                out.append(torch.load(found.path / name, map_location=map_location, weights_only=True))
+            except pickle.UnpicklingError:
+                raise ConfigError(
+                    f"{found.path / name} holds objects other than tensors and plain values, which ddpkit never "
+                    f"writes: refusing to load it. Remove {found.path} to resume from the snapshot before it"
+                ) from None
+        return out
 
     def _first_failure(self, mine: str | None) -> str | None:
         """The failure of the lowest rank that had one, on every rank (None if none did). Collective."""

@@ -36,6 +36,9 @@ from ddpkit.training.run_record import RunRecord
 from ddpkit.training.schedule import SnapshotSchedule
 from ddpkit.training.state import TrainState
 
+STREAMS = "rng"
+"""The part of :attr:`TrainerSnapshots.states` that holds each rank's random streams (a RankStreams)."""
+
 
 class Stateful(Protocol):
     """What a stateful part of the Trainer has: its state as a dict, and a way back from it."""
@@ -93,11 +96,16 @@ class TrainerSnapshots:
         self.memory = open_memory_snapshots(parts, every_steps)
         return self.memory
 
-    def state_dict(self) -> dict[str, Any]:
-        """Everything the next step needs. Collective: every rank calls it (the random streams are gathered)."""
+    def state_dict(self, streams: bool = True) -> dict[str, Any]:
+        """Everything the next step needs. Collective: every rank calls it (the random streams are gathered).
+        ``streams=False``: each rank's random streams left out (``"rng"`` holds the world size alone), with no
+        collective; a disk snapshot has each rank write its own."""
+        states = {name: part.state_dict() for name, part in self.states.items() if streams or name != STREAMS}
+        if not streams and STREAMS in self.states:
+            states[STREAMS] = {"world_size": self.runtime.world_size}
         return {
             "strategy": self.strategy.state_dict(),
-            "states": {name: part.state_dict() for name, part in self.states.items()},
+            "states": states,
             "record": self.record.state_dict(),
             "global_micro_batch": self.global_micro_batch,
         }
@@ -131,8 +139,11 @@ class TrainerSnapshots:
         if not fresh:
             return
         t0 = time.perf_counter()
-        state = self.state_dict()
-        self.manager.save(self.train.step, state.pop("strategy"), state, replicated=self.strategy.replicated)
+        # Each rank's random streams go to a file of its own: gathered into rank 0's values.pt, every rank
+        # would read every rank's (~20 kB each) on a load, a cost growing with the world on every rank.
+        state = self.state_dict(streams=False)
+        own = self.states[STREAMS].mine() if STREAMS in self.states else None  # type: ignore[attr-defined]
+        self.manager.save(self.train.step, state.pop("strategy"), state, replicated=self.strategy.replicated, own=own)
         if wait:
             self.manager.wait()
         self.log(
@@ -186,6 +197,14 @@ class TrainerSnapshots:
             map_location="cpu",
             check=lambda saved: self.record.check(saved["record"], str(found.path)),
         )
+        streams = extra["states"].get(STREAMS)
+        if streams is not None:  # this rank's own file at the same world size; every rank's at another
+            size, rank = streams["world_size"], self.runtime.rank
+            wanted = [rank] if size == self.runtime.world_size else list(range(size))
+            ranks: list[Any] = [None] * size
+            for r, own in zip(wanted, self.manager.read_own(found, wanted, map_location="cpu")):
+                ranks[r] = own
+            streams["ranks"] = ranks
         change = self.record.precision_change(extra["record"])
         # To fp16 from another precision: the snapshot has no GradScaler state; a fresh scaler starts.
         self._fresh = frozenset({"scaler"}) if change is not None and change[1] == "fp16" else frozenset()

@@ -292,3 +292,20 @@ def test_shared_tensors_are_each_written_by_one_rank_with_the_bytes_spread_evenl
     assert set().union(*shared) == {f"w{i}" for i in range(9)} and sum(map(len, shared)) == 9
     assert "b" in parts[0]["model"] and "b" in parts[1]["per_rank"]["rank1"]["model"]
     assert stored_parts(state, 1)[0]["model"].keys() == {f"w{i}" for i in range(9)}  # not replicated: all
+
+
+def test_a_ranks_own_values_are_a_file_of_its_own_read_back_only_when_the_marker_lists_it(tmp_path):
+    ckpt = SnapshotManager(tmp_path / "snapshots")
+    ckpt.save(3, *state(3), own={"streams": torch.arange(3), "seed": 7})
+    found = ckpt.latest(warn=lambda msg: None)
+    (own,) = ckpt.read_own(found, [0])
+    assert own["seed"] == 7 and torch.equal(own["streams"], torch.arange(3))
+    assert "rank0.pt" in json.loads((found.path / MARKER).read_text())["files"]  # digested, checked by latest()
+    with pytest.raises(ConfigError, match="holds no values of rank 1"):
+        ckpt.read_own(found, [1])
+    ran = tmp_path / "ran"
+    torch.save(RunsCode(ran), found.path / "rank0.pt")
+    reseal(found.path)
+    with pytest.raises(ConfigError, match="rank0.pt holds objects other than tensors and plain values"):
+        ckpt.read_own(found, [0])
+    assert not ran.exists()
