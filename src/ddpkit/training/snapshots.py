@@ -129,6 +129,15 @@ class TrainerSnapshots:
                 )
             part.load_state_dict(state["states"][name])
 
+    def disk_parts(self) -> tuple[dict[str, Any], dict[str, Any], Any]:
+        """What a disk snapshot of this step writes (no collective): the strategy's state (DCP's part), the
+        rest (rank 0's, in ``values.pt``), and this rank's own random streams, in a file of its own. Gathered
+        into rank 0's ``values.pt``, every rank would read every rank's streams (~20 kB each) on a load: a
+        cost growing with the world, on every rank."""
+        state = self.state_dict(streams=False)
+        own = self.states[STREAMS].mine() if STREAMS in self.states else None  # type: ignore[attr-defined]
+        return state.pop("strategy"), state, own
+
     def save(self, wait: bool = False) -> None:
         """Snapshot this step into ``run_dir/snapshots/step-N/`` (every rank writes its part). It returns once the
         state is copied to host memory (asynchronous writes), or written; ``wait``: once it is whole on disk."""
@@ -139,11 +148,8 @@ class TrainerSnapshots:
         if not fresh:
             return
         t0 = time.perf_counter()
-        # Each rank's random streams go to a file of its own: gathered into rank 0's values.pt, every rank
-        # would read every rank's (~20 kB each) on a load, a cost growing with the world on every rank.
-        state = self.state_dict(streams=False)
-        own = self.states[STREAMS].mine() if STREAMS in self.states else None  # type: ignore[attr-defined]
-        self.manager.save(self.train.step, state.pop("strategy"), state, replicated=self.strategy.replicated, own=own)
+        sharded, extra, own = self.disk_parts()
+        self.manager.save(self.train.step, sharded, extra, replicated=self.strategy.replicated, own=own)
         if wait:
             self.manager.wait()
         self.log(
