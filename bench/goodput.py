@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import json
 import os
 import platform
@@ -75,22 +76,28 @@ def instrument_agent(timeline: str) -> None:
     )
     rendezvous = api.SimpleElasticAgent._rendezvous
 
-    def monitor_workers(self, group):
-        result = monitor(self, group)
+    # functools.wraps keeps each step's signature: ddpkit checks _monitor_workers' before it hooks the agent,
+    # and turns its own additions off (with a warning) where the signature is not torch's.
+    @functools.wraps(monitor)
+    def monitor_workers(self, worker_group):
+        result = monitor(self, worker_group)
         if result.state in (api.WorkerState.FAILED, api.WorkerState.UNHEALTHY):
             mark("detected")
         return result
 
+    @functools.wraps(stop)
     def stop_workers(self, *args, **kwargs):
         result = stop(self, *args, **kwargs)
         mark("torn_down")
         return result
 
+    @functools.wraps(rendezvous)
     def do_rendezvous(self, *args, **kwargs):
         result = rendezvous(self, *args, **kwargs)
         mark("rendezvous")
         return result
 
+    @functools.wraps(start)
     def start_workers(self, *args, **kwargs):
         result = start(self, *args, **kwargs)
         mark("spawned")

@@ -155,7 +155,7 @@ class SnapshotManager:
         """Snapshot ``step``: ``state`` (every rank's own part, for DCP: its tensors, shards and the
         :data:`~ddpkit.snapshot.layout.PER_RANK` part; its other values go to ``values.pt``) and ``extra``
         (rank 0's, in ``values.pt``). ``replicated``: the tensors of ``state`` outside its per-rank part are
-        the same on every rank (:attr:`~ddpkit.strategies.base.Strategy.replicated`), and each rank writes a
+        the same on every rank (``Strategy.replicated``), and each rank writes a
         share of them. ``own``: plain values and tensors of this rank alone, which it writes to a file of its
         own (:meth:`read_own`): no rank gathers them, and a load reads only its own.
 

@@ -37,7 +37,7 @@ from ddpkit.training.schedule import SnapshotSchedule
 from ddpkit.training.state import TrainState
 
 STREAMS = "rng"
-"""The part of :attr:`TrainerSnapshots.states` that holds each rank's random streams (a RankStreams)."""
+"""The part of ``TrainerSnapshots.states`` that holds each rank's random streams (a RankStreams)."""
 
 
 class Stateful(Protocol):

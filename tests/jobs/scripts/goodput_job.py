@@ -21,7 +21,7 @@ T_SCRIPT = time.time()
 import argparse  # noqa: E402
 
 
-def _proc_start() -> float:
+def proc_start() -> float:
     """When the kernel started this process (10 ms resolution): before the interpreter and its imports. From
     the uptime (10 ms) rather than the boot time in /proc/stat (whole seconds)."""
     ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
@@ -175,7 +175,7 @@ def main() -> None:
     p.add_argument("--timeline", default=None)
     a = p.parse_args()
     mark = Timeline(a.timeline)
-    mark("proc_start", _proc_start())
+    mark("proc_start", proc_start())
     mark("script", T_SCRIPT)
     (seeds_loop if a.mode == "seeds" else trainer_loop)(a, mark)
 

@@ -85,7 +85,13 @@ def main() -> None:
     ray.init(address=args.address)
     config = {"run_dir": args.run_dir, "facts": args.facts, "kill_rank": args.kill_rank, "epochs": args.epochs}
     config |= {"hold_for_notice": args.hold_for_notice}
-    config |= {"batch_size": 32, "lr": 2e-3, "seed": 0, "snapshot_every": args.snapshot_every, "examples": str(EXAMPLES)}
+    config |= {
+        "batch_size": 32,
+        "lr": 2e-3,
+        "seed": 0,
+        "snapshot_every": args.snapshot_every,
+        "examples": str(EXAMPLES),
+    }
     TorchTrainer(
         loop,
         train_loop_config=config,
