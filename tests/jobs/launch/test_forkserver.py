@@ -99,6 +99,7 @@ def test_the_scripts_exit_status_is_the_jobs(clean_env, tmp_path, mode, code, st
     assert stderr in logs
 
 
+@pytest.mark.slow
 def test_a_restart_after_a_sigkill_forks_the_workers_again(clean_env, tmp_path):
     out = job(clean_env, tmp_path, "--fork-server", "auto", "--max-restarts", "1", mode="kill-first")
     assert out.returncode == 0, out.stderr[-3000:]

@@ -72,6 +72,7 @@ def test_all_ranks_output_is_prefixed(clean_env):
 PIECES = str(Path(__file__).parents[1] / "scripts" / "pieces.py")
 
 
+@pytest.mark.slow
 def test_all_ranks_tags_whole_lines_not_pieces(clean_env):
     # Two ranks print lines in pieces at the same time: each tagged line must be a whole line of one rank.
     out = run(["run", "--nproc", "2", "--all-ranks", PIECES], clean_env)
@@ -175,6 +176,7 @@ def test_a_script_that_forgot_init_fails_instead_of_training_copies(clean_env):
     assert plain.returncode == 0 and "trained on 12 samples" in plain.stdout, plain.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("code", [None, 143])
 def test_preempted_exit_code_passes_through_without_a_restart(clean_env, code):
     """75, or the code asked for (``--preempted-exit-code 143``: a PyTorchJob's ExitCode policy retries it)."""

@@ -34,6 +34,7 @@ def test_mpiexec_ranks_form_one_job(clean_env):
 SEARCH_JOB = str(Path(__file__).parents[1] / "scripts" / "search_job.py")
 
 
+@pytest.mark.slow
 @pytest.mark.torch_at_least(2, 7, "snapshots of a group of ranks without the job's rank 0")
 @pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec: pip install -e '.[mpi]' (MPICH and mpi4py)")
 def test_a_search_launched_with_mpiexec_runs_one_candidate_per_rank(clean_env, tmp_path):

@@ -302,6 +302,7 @@ def test_the_step_verdict_reads_only_parameters_that_are_stepped_and_all_reduced
 JOB = str(Path(__file__).parents[1] / "scripts" / "train_job.py")
 
 
+@pytest.mark.slow
 def test_a_stop_signal_exits_75_after_the_snapshot_unless_the_script_asks_for_a_return(tmp_path, run_python):
     # Plain `python train_job.py` (a world of one), SIGUSR1 at step 5, agreed at the end of epoch 1: uncaught Preempted.
     code = (

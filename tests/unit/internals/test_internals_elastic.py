@@ -135,6 +135,7 @@ def test_workers_start_as_new_interpreters_with_one_warning_and_their_output_whe
     assert rank_log(tmp_path, 1) == "rank 1 to standard output\n"
 
 
+@pytest.mark.slow
 def test_control_with_torch_as_it_is_workers_are_forked_and_nothing_is_said(clean_env, tmp_path):
     out = launch(tmp_path, clean_env, None, "--fork-server", "on", FORK_PROBE, str(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
