@@ -48,6 +48,26 @@ class Timeline:
             self.file.write(json.dumps(record) + "\n")
 
 
+class Marks:
+    """A Trainer callback putting its events on the timeline: ``loaded`` (training starts, after any resume),
+    ``first_step``, and ``step`` every ``every`` steps; ``after_step(trainer)`` runs after each step."""
+
+    def __init__(self, mark: Timeline, every: int = 1, after_step=None) -> None:
+        self.mark, self.every, self.after_step, self.first = mark, every, after_step, True
+
+    def on_fit_start(self, trainer) -> None:
+        self.mark("loaded", step=trainer.step)
+
+    def on_step_end(self, trainer, taken, output) -> None:
+        if self.first:
+            self.first = False
+            self.mark("first_step", step=trainer.step)
+        if trainer.step % self.every == 0:
+            self.mark("step", step=trainer.step)
+        if self.after_step is not None:
+            self.after_step(trainer)
+
+
 def synthetic_mnist(n: int, seed: int = 0):
     """``n`` MNIST-shaped samples (1x28x28 floats, 10 classes a fixed linear teacher assigns): the seeds' data
     without a download, the same on every rank."""
@@ -128,19 +148,6 @@ def trainer_loop(a, mark: Timeline) -> None:
     ddpkit.init()
     mark("init")
 
-    class Marks:
-        first = True
-
-        def on_fit_start(self, trainer):
-            mark("loaded", step=trainer.step)
-
-        def on_step_end(self, trainer, taken, output):
-            if self.first:
-                self.first = False
-                mark("first_step", step=trainer.step)
-            if trainer.step % a.log_every == 0:
-                mark("step", step=trainer.step)
-
     torch.manual_seed(0)
     data = synthetic_mnist(a.samples)
     model = DigitsCNN(28)
@@ -153,7 +160,7 @@ def trainer_loop(a, mark: Timeline) -> None:
         snapshot=SnapshotConfig(every_epochs=1, every_steps=a.disk_every_steps, memory=a.memory),
         logging=LoggingConfig(progress=False, every_steps=100),
     )
-    trainer = Trainer(model, optimizer, data, config, callbacks=[Marks()])
+    trainer = Trainer(model, optimizer, data, config, callbacks=[Marks(mark, a.log_every)])
     mark("built")
     trainer.fit()
     mark("step", step=trainer.step)

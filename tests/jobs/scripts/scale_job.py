@@ -27,7 +27,7 @@ import signal  # noqa: E402
 import sys  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from goodput_job import Timeline, proc_start  # noqa: E402  (the goodput benchmark's events, read alike)
+from goodput_job import Marks, Timeline, proc_start  # noqa: E402  (the goodput benchmark's events, read alike)
 
 
 class Stages:
@@ -155,20 +155,10 @@ def main() -> None:
     model = model_of(a.tensors)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
 
-    class Marks:
-        first = True
-
-        def on_fit_start(self, trainer):
-            mark("loaded", step=trainer.step)
-
-        def on_step_end(self, trainer, taken, output):
-            if self.first:
-                self.first = False
-                mark("first_step", step=trainer.step)
-            mark("step", step=trainer.step)
-            if rt.restart_count == 0 and trainer.step == a.kill_at and rt.rank == rt.world_size - 1:
-                mark("kill")
-                os.kill(os.getpid(), signal.SIGKILL)
+    def kill_once(trainer) -> None:
+        if rt.restart_count == 0 and trainer.step == a.kill_at and rt.rank == rt.world_size - 1:
+            mark("kill")
+            os.kill(os.getpid(), signal.SIGKILL)
 
     config = TrainerConfig(
         run_dir=a.run_dir,
@@ -180,7 +170,7 @@ def main() -> None:
         snapshot=SnapshotConfig(every_epochs=0, memory=True, memory_every_steps=1),
         logging=LoggingConfig(progress=False, every_steps=1000),
     )
-    trainer = ddpkit.Trainer(model, optimizer, data, config, callbacks=[Marks()])
+    trainer = ddpkit.Trainer(model, optimizer, data, config, callbacks=[Marks(mark, after_step=kill_once)])
     mark("built")
     trainer.fit()
     mark("trained", step=trainer.step)
