@@ -2,7 +2,7 @@
 seconds, for several ways of surviving them; where each recovery's time goes.
 
 The job (``tests/jobs/scripts/goodput_job.py``): the seeds' CNN on MNIST-shaped data (synthetic: 1x28x28, 10
-classes), batch 32 per rank, Adam, 2 CPU ranks over gloo. The variants:
+classes), batch 32 per rank, Adam, 2 CPU ranks over gloo (``--nproc``). The variants:
 
 - ``seeds``: ``torchrun --max-restarts``, the seeds' loop: rank 0 saves model and optimizer at every epoch end,
   a restart resumes from the start of the epoch;
@@ -29,6 +29,7 @@ bench/goodput.py launch``): its methods are wrapped to write a timestamp, nothin
 
     python bench/goodput.py                         # T=60 s, 30000 samples x 20 epochs, every variant
     python bench/goodput.py --interval 30 --epochs 5 --variants memory,seeds
+    python bench/goodput.py --interval 30 --nproc 8 --variants memory --failures-only
 """
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ def command(variant: str, folder: Path, timeline: Path, a: argparse.Namespace) -
             "torchrun",
             "--standalone",
             "--nproc-per-node",
-            "2",
+            str(a.nproc),
             "--max-restarts",
             "1000",
             *job,
@@ -159,7 +160,8 @@ def command(variant: str, folder: Path, timeline: Path, a: argparse.Namespace) -
         "ddpkit",
         *launcher,
         "--nproc",
-        "2",
+        str(a.nproc),
+        *(["--oversubscribe"] if a.nproc > (os.cpu_count() or 1) else []),
         "--max-restarts",
         "1000",
         "--log-dir",
@@ -192,7 +194,7 @@ def workers(launcher: int, timeline: Path) -> dict[int, int]:
     return found
 
 
-def kill_every(proc: subprocess.Popen, interval: float, timeline: Path, rng: random.Random) -> None:
+def kill_every(proc: subprocess.Popen, interval: float, timeline: Path, rng: random.Random, nproc: int = 2) -> None:
     """SIGKILL a random rank at ``interval``, 2 x ``interval``, ... after the launch, until the job ends."""
     out = open(timeline, "a", buffering=1)
     start = time.time()
@@ -202,10 +204,10 @@ def kill_every(proc: subprocess.Popen, interval: float, timeline: Path, rng: ran
             time.sleep(0.05)
             continue
         ranks = workers(proc.pid, timeline)
-        if len(ranks) < 2:  # restarting: the kill waits for the job to be up
+        if len(ranks) < nproc:  # restarting: the kill waits for the job to be up
             time.sleep(0.05)
             continue
-        rank = rng.randrange(2)
+        rank = rng.randrange(nproc)
         try:
             os.kill(ranks[rank], signal.SIGKILL)
         except ProcessLookupError:
@@ -228,7 +230,7 @@ def run(variant: str, failures: bool, a: argparse.Namespace, root: Path, rng: ra
         )
         killer = None
         if failures:
-            killer = threading.Thread(target=kill_every, args=(proc, a.interval, timeline, rng), daemon=True)
+            killer = threading.Thread(target=kill_every, args=(proc, a.interval, timeline, rng, a.nproc), daemon=True)
             killer.start()
         code = proc.wait()
         if killer is not None:
@@ -317,7 +319,7 @@ def report(results: list[dict], a: argparse.Namespace) -> str:
         f"goodput: {platform.node()}, {os.cpu_count()} cores, torch {torch.__version__}, python "
         f"{platform.python_version()}, {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
         f"job: the seeds' CNN on {a.samples} synthetic 28x28 samples x {a.epochs} epochs, batch 32 per rank, "
-        f"2 ranks (gloo, 1 thread each); a SIGKILL of a random rank every {a.interval:.0f} s",
+        f"{a.nproc} ranks (gloo, 1 thread each); a SIGKILL of a random rank every {a.interval:.0f} s",
         "",
         "| variant | (a) no failure, s | (b) with failures, s | failures | goodput (a)/(b) | goodput within (b) "
         "| steps lost per failure (median, max) | recovery, s (median) | snapshot stall / step |",
@@ -326,19 +328,21 @@ def report(results: list[dict], a: argparse.Namespace) -> str:
     by = {(r["variant"], r["failures"]): r for r in results}
     for variant in a.variants:
         clean, failed = by.get((variant, False)), by.get((variant, True))
-        if clean is None or failed is None:
+        if failed is None:
             continue
         rec = [r for r in failed["recoveries"] if r["whole"]]
         lost = [r["lost"] for r in rec]
+        timed = clean or failed  # the stall of the copy: from (b) where (a) was not run (--failures-only)
         stall = (
-            f"{1e6 * clean['stall_median']:.0f} us / {1e3 * clean['step_median']:.1f} ms "
-            f"({100 * clean['stall_median'] / clean['step_median']:.1f}%)"
-            if clean["stall_median"]
+            f"{1e6 * timed['stall_median']:.0f} us / {1e3 * timed['step_median']:.1f} ms "
+            f"({100 * timed['stall_median'] / timed['step_median']:.1f}%)"
+            if timed["stall_median"]
             else "-"
         )
+        ratio = f"{100 * clean['seconds'] / failed['seconds']:.1f}%" if clean is not None else "-"
         lines.append(
-            f"| {variant} | {clean['seconds']:.1f} | {failed['seconds']:.1f} | {failed['kills']} | "
-            f"{100 * clean['seconds'] / failed['seconds']:.1f}% | "
+            f"| {variant} | {clean['seconds'] if clean is not None else float('nan'):.1f} | "
+            f"{failed['seconds']:.1f} | {failed['kills']} | {ratio} | "
             f"{100 * (1 - lost_seconds(failed) / failed['seconds']):.1f}% | "
             f"{statistics.median(lost) if lost else '-'}, {max(lost) if lost else '-'} | "
             f"{statistics.median(r['seconds'] for r in rec) if rec else float('nan'):.2f} | {stall} |"
@@ -370,6 +374,8 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--variants", default="seeds,disk,memory,memory-new-interpreters")
     p.add_argument("--seed", type=int, default=0, help="which rank each kill hits")
+    p.add_argument("--nproc", type=int, default=2, help="ranks (the seeds' torchrun and ddpkit run alike)")
+    p.add_argument("--failures-only", action="store_true", help="(b) alone: goodput within the failed run")
     p.add_argument("--dir", default=None, help="where the runs go (default: a temporary folder)")
     p.add_argument("--report", action="store_true", help="only analyse the runs already in --dir")
     a = p.parse_args()
@@ -379,6 +385,8 @@ def main() -> None:
         for variant in a.variants:
             for failures in (False, True):
                 folder = Path(a.dir) / f"{variant}-{'failures' if failures else 'clean'}"
+                if not folder.exists():  # --failures-only
+                    continue
                 seconds = next(
                     r["seconds"]
                     for r in json.loads((Path(a.dir) / "results.json").read_text())
@@ -394,7 +402,7 @@ def main() -> None:
     rng = random.Random(a.seed)
     results = []
     for variant in a.variants:  # (a) then (b) of each variant, back to back: the machine's load alike
-        for failures in (False, True):
+        for failures in (True,) if a.failures_only else (False, True):
             results.append(run(variant, failures, a, root, rng))
             print(json.dumps({k: v for k, v in results[-1].items() if k != "recoveries"}), flush=True)
     (root / "results.json").write_text(json.dumps(results, indent=1))

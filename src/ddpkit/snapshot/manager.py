@@ -155,9 +155,9 @@ class SnapshotManager:
         """Snapshot ``step``: ``state`` (every rank's own part, for DCP: its tensors, shards and the
         :data:`~ddpkit.snapshot.layout.PER_RANK` part; its other values go to ``values.pt``) and ``extra``
         (rank 0's, in ``values.pt``). ``replicated``: the tensors of ``state`` outside its per-rank part are
-        the same on every rank (``Strategy.replicated``), and each rank writes a
-        share of them. ``own``: plain values and tensors of this rank alone, which it writes to a file of its
-        own (:meth:`read_own`): no rank gathers them, and a load reads only its own.
+        the same on every rank (``Strategy.replicated``), and each rank writes a share of them. ``own``: plain
+        values and tensors of this rank alone, which it writes to a file of its own (:meth:`read_own`): no rank
+        gathers them, and a load reads only its own.
 
         Returns once the state is safe from the training loop: written (synchronous), or copied to host
         memory with the write under way (asynchronous). Raises :class:`SnapshotWriteError` if it is not.
@@ -182,7 +182,13 @@ class SnapshotManager:
         extra_bytes = io.BytesIO()
         if self._rank == 0:
             torch.save(
-                {"format": FORMAT, "world_size": self._size, "values": common, "own": every_rank, "extra": extra},
+                {
+                    "format": FORMAT,
+                    "world_size": self._size,
+                    "values": common,
+                    "differences": every_rank,
+                    "extra": extra,
+                },
                 extra_bytes,
             )
         own_bytes = None
@@ -384,7 +390,7 @@ class SnapshotManager:
         source = self._rank if same else 0  # whose copy of the per-rank part
         # Other values: this rank's own at the same world size; else rank 0's, and where rank 0 had none
         # (zero: the hyper-parameters of parameters another rank owned), the first rank's that had one.
-        values = [saved["own"][source], saved["values"]] if same else [saved["values"], *saved["own"]]
+        values = [saved["differences"][source], saved["values"]] if same else [saved["values"], *saved["differences"]]
         tensors = []
         for path, value in leaves(state):
             where = stored_path(path, source)

@@ -174,7 +174,7 @@ def test_ddp_ranks_each_write_a_share_of_the_replicated_state_and_every_rank_get
     assert {writers[k][0] for k in shared} == {"__0_0.distcp", "__1_0.distcp", "__2_0.distcp"}
     # The other values (hyper-parameters by parameter) once, rank 0's: the other ranks' are the same.
     values = torch.load(folder / "values.pt", weights_only=True)
-    assert len(values["values"]) > 0 and values["own"] == [{}, {}, {}]
+    assert len(values["values"]) > 0 and values["differences"] == [{}, {}, {}]
 
 
 def test_a_state_that_is_not_replicated_saved_as_one_loses_what_other_ranks_own(tmp_path):

@@ -195,7 +195,9 @@ def test_a_trainer_state_holding_code_or_of_another_format_is_refused(tmp_path):
     save(ckpt, 3)
     folder, ran = tmp_path / "snapshots" / "step-00000003", tmp_path / "ran"
     good = (folder / VALUES).read_bytes()
-    torch.save({"format": 2, "world_size": 1, "values": {}, "own": [{}], "extra": RunsCode(ran)}, folder / VALUES)
+    torch.save(
+        {"format": 2, "world_size": 1, "values": {}, "differences": [{}], "extra": RunsCode(ran)}, folder / VALUES
+    )
     reseal(folder)
     with pytest.raises(ConfigError, match="values.pt holds objects other than tensors and plain values"):
         load(ckpt)
