@@ -202,6 +202,20 @@ def gather_object(obj: T, dst: int = 0, group: Any = None) -> list[T] | None:
     return [_unpickled(chunk[: int(n.item())].cpu()) for chunk, n in zip(chunks, sizes)]
 
 
+def first_failure(mine: str | None, group: Any = None) -> str | None:
+    """The failure of the lowest rank of ``group`` that had one (``mine``: this rank's, or None), on every rank,
+    with that rank named on the others; None if no rank had one. Where ranks work apart (a load with no
+    collective), this keeps one rank's failure from leaving the others waiting in a later collective."""
+    if not is_live(group):
+        return mine
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    first = int(all_reduce(rank if mine is not None else size, op="min", group=group))
+    if first == size:
+        return None
+    failure = broadcast_object(mine, src=first, group=group)
+    return failure if first == rank else f"{failure} (on rank {first})"
+
+
 def broadcast_object(obj: T, src: int = 0, group: Any = None) -> T:
     """Rank ``src``'s picklable ``obj`` (a rank within ``group``) on every rank."""
     if not is_live(group):

@@ -232,17 +232,37 @@ def another_version(found: Found) -> str | None:
     return _another_version(found.path, f"it holds {EARLIER_VALUES}, not {VALUES}")
 
 
-def read_values(folder: Path, map_location: Any) -> dict[str, Any]:
-    """The snapshot's :data:`VALUES`, loaded with ``weights_only``; refused by name when it holds anything else or
-    is of another format."""
-    file = folder / VALUES
+def _load_plain(file: Path, folder: Path, map_location: Any) -> Any:
+    """``file`` of snapshot ``folder``, loaded with ``weights_only``; refused by name when it holds anything else."""
     try:
-        saved = torch.load(file, map_location=map_location, weights_only=True)
+        return torch.load(file, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError:
         raise ConfigError(
             f"{file} holds objects other than tensors and plain values, which ddpkit never writes: refusing to "
             f"load it, as unpickling them could run code. Remove {folder} to resume from the snapshot before it"
         ) from None
+
+
+def read_values(folder: Path, map_location: Any) -> dict[str, Any]:
+    """The snapshot's :data:`VALUES`, loaded with ``weights_only``; refused by name when it holds anything else or
+    is of another format."""
+    saved = _load_plain(folder / VALUES, folder, map_location)
     if not isinstance(saved, dict) or saved.get("format") != FORMAT:
         raise ConfigError(_another_version(folder, f"its {VALUES} is not of format {FORMAT}"))
     return saved
+
+
+def read_own(found: Found, ranks: list[int], map_location: Any) -> list[Any]:
+    """The :data:`OWN` files of ``ranks`` in ``found``, each loaded with ``weights_only``; refused by name where the
+    marker does not list one (the marker's files are checked against their digests before a resume)."""
+    try:
+        files = listed(found)
+    except ValueError as err:
+        raise ConfigError(f"{found.path} {err}") from None
+    out = []
+    for rank in ranks:
+        name = OWN.format(rank)
+        if name not in files:
+            raise ConfigError(f"{found.path} holds no values of rank {rank} ({name}): its {MARKER} does not list them")
+        out.append(_load_plain(found.path / name, found.path, map_location))
+    return out

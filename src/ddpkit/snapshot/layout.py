@@ -12,6 +12,7 @@ shared part is one whole state, rank 0's, as DDP would converge to), rank ``r``'
 from __future__ import annotations
 
 import heapq
+import pickle
 from collections.abc import Iterator
 from typing import Any
 
@@ -70,15 +71,25 @@ def stored_parts(
     ``replicated_over``: the number of ranks that hold the same shared tensors (every rank of a replicated
     strategy's group). Each then keeps only its :func:`writer_of_shared` share of them, so DCP's planner on
     the first rank gets every shared tensor once instead of once per rank (see that function)."""
-    items = [(stored_path(p, rank), v) for p, v in leaves(state)]
-    tensors = [(p, v) for p, v in items if isinstance(v, torch.Tensor)]
+    # (stored path, value, whether it is of the per-rank part: rank 0's takes a shared key's path)
+    items = [(stored_path(p, rank), v, p[0] == PER_RANK) for p, v in leaves(state)]
+    tensors = [(p, v, own) for p, v, own in items if isinstance(v, torch.Tensor)]
     if replicated_over > 1:
-        shared = [
-            (p, v) for (p, v), (q, _) in zip(items, leaves(state)) if isinstance(v, torch.Tensor) and q[0] != PER_RANK
-        ]
-        writer = writer_of_shared([(p, v.numel() * v.element_size()) for p, v in shared], replicated_over)
-        tensors = [(p, v) for p, v in tensors if writer.get(p, rank) == rank]
-    return nest(tensors), {p: v for p, v in items if not isinstance(v, torch.Tensor)}
+        writer = writer_of_shared(
+            [(p, v.numel() * v.element_size()) for p, v, own in tensors if not own], replicated_over
+        )
+        tensors = [(p, v, own) for p, v, own in tensors if own or writer[p] == rank]
+    return nest([(p, v) for p, v, _ in tensors]), {p: v for p, v, _ in items if not isinstance(v, torch.Tensor)}
+
+
+def differences(values: dict[KeyPath, Any], common: dict[KeyPath, Any]) -> dict[KeyPath, Any]:
+    """The values that ``common`` (rank 0's) lacks or holds otherwise, to the bit (-0.0 is not 0.0): the same
+    type and the same pickle."""
+
+    def same(a: Any, b: Any) -> bool:
+        return type(a) is type(b) and (a is b or pickle.dumps(a) == pickle.dumps(b))
+
+    return {k: v for k, v in values.items() if k not in common or not same(common[k], v)}
 
 
 def writer_of_shared(sizes: list[tuple[KeyPath, int]], ranks: int) -> dict[KeyPath, int]:

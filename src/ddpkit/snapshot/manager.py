@@ -48,7 +48,6 @@ import inspect
 import io
 import json
 import os
-import pickle
 import threading
 import time
 import traceback
@@ -61,12 +60,12 @@ import torch
 import torch.distributed as dist
 
 from ddpkit import fs
-from ddpkit.distributed.collectives import all_reduce, broadcast_object, gather_object
+from ddpkit.distributed.collectives import broadcast_object, first_failure, gather_object
 from ddpkit.errors import ConfigError
 from ddpkit.internals.versions import require_torch
 from ddpkit.snapshot import folders
 from ddpkit.snapshot.folders import FORMAT, INDEX, MARKER, OWN, VALUES, Found, digest, folder_name
-from ddpkit.snapshot.layout import leaves, nest, set_at, stored_parts, stored_path
+from ddpkit.snapshot.layout import differences, leaves, nest, set_at, stored_parts, stored_path
 from ddpkit.snapshot.staging import stage, writer_group
 
 # torch.distributed.checkpoint (and DTensor, which it imports; and ddpkit.snapshot.storage, built on it) is imported
@@ -84,11 +83,6 @@ def _quiet_single_process_warning() -> None:
     warnings.filterwarnings(
         "ignore", message="torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to"
     )
-
-
-def _same_value(a: Any, b: Any) -> bool:
-    """The same plain value to the bit (-0.0 is not 0.0): the same type and the same pickle."""
-    return type(a) is type(b) and (a is b or pickle.dumps(a) == pickle.dumps(b))
 
 
 class SnapshotWriteError(RuntimeError):
@@ -177,7 +171,7 @@ class SnapshotManager:
         cleared, common = word
         if cleared is not None:
             _raise(cleared)
-        differing = {k: v for k, v in values.items() if k not in common or not _same_value(common[k], v)}
+        differing = differences(values, common)
         every_rank = gather_object(differing, group=self.group) if self.distributed else [differing]
         extra_bytes = io.BytesIO()
         if self._rank == 0:
@@ -432,39 +426,11 @@ class SnapshotManager:
                 raise
             failure, error = f"{type(err).__name__}: {err}", err
         if local:
-            failure = self._first_failure(failure)
+            failure = first_failure(failure, group=self.group)
         if failure is not None:
             raise RuntimeError(f"ddpkit: loading snapshot {found.path} failed: {failure}") from error
         return state, saved["extra"]
 
     def read_own(self, found: Found, ranks: list[int], map_location: Any = None) -> list[Any]:
-        """The ``own`` values that ``ranks`` saved in ``found`` (:meth:`save`), loaded with ``weights_only``;
-        refused by name where the marker does not list a rank's file (checked with the others by :meth:`latest`)."""
-        try:
-            files = folders.listed(found)
-        except ValueError as err:
-            raise ConfigError(f"{found.path} {err}") from None
-        out = []
-        for rank in ranks:
-            name = OWN.format(rank)
-            if name not in files:
-                raise ConfigError(
-                    f"{found.path} holds no values of rank {rank} ({name}): its {MARKER} does not list them"
-                )
-            try:
-                out.append(torch.load(found.path / name, map_location=map_location, weights_only=True))
-            except pickle.UnpicklingError:
-                raise ConfigError(
-                    f"{found.path / name} holds objects other than tensors and plain values, which ddpkit never "
-                    f"writes: refusing to load it. Remove {found.path} to resume from the snapshot before it"
-                ) from None
-        return out
-
-    def _first_failure(self, mine: str | None) -> str | None:
-        """The failure of the lowest rank that had one, on every rank (None if none did). Collective."""
-        size = self._size
-        first = all_reduce(self._rank if mine is not None else size, op="min", group=self.group)
-        if first == size:
-            return None
-        failure = broadcast_object(mine, src=int(first), group=self.group)
-        return failure if first == self._rank else f"{failure} (on rank {int(first)})"
+        """The ``own`` values that ``ranks`` saved in ``found`` (:meth:`save`): :func:`ddpkit.snapshot.folders.read_own`."""
+        return folders.read_own(found, ranks, map_location)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ddpkit.distributed.collectives import gather_object
+from ddpkit.distributed.collectives import all_gather_object
 from ddpkit.distributed.runtime import Runtime
 from ddpkit.distributed.seeding import rng_state, set_rng_state, stream_seed
 from ddpkit.errors import ConfigError
@@ -92,8 +92,8 @@ class RankStreams:
     def state_dict(self) -> dict[str, Any]:
         return {
             "world_size": self.runtime.world_size,
-            # Every rank's, for rank 0's snapshot file (the only copy written): the others get None.
-            "ranks": gather_object(self.mine(), group=self.runtime.group),
+            # Every rank's on every rank (Trainer.state_dict); a disk snapshot has each rank write its own instead.
+            "ranks": all_gather_object(self.mine(), group=self.runtime.group),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
