@@ -419,8 +419,13 @@ class SnapshotManager:
                     **({"no_dist": True} if local else {}),
                 )
         except CheckpointException as err:  # a BaseException, whose text is every rank's traceback
-            first = next(iter(err.failures.values()))[0]
+            # DCP's collective load (before torch 2.7) raises on every rank with the failures of all of them,
+            # by rank of the group: the lowest one is named as first_failure names it.
+            origin = min(err.failures)
+            first = err.failures[origin][0]
             failure, error = f"{type(first).__name__}: {first}", err
+            if self.distributed and not local and origin != dist.get_rank(self.group):
+                failure += f" (on rank {origin})"
         except Exception as err:
             if not local:
                 raise

@@ -7,9 +7,10 @@ the interval the Trainer chooses); run under ``ddpkit run``.
 
 Each rank appends to ``--timeline`` one JSON line per event of its life (the clock is ``time.time()``, the
 same on every process of the machine): ``proc_start`` (the kernel's start time of the process), ``script``
-(this file's first line), ``imports``, ``init`` (process group up), ``built`` (data, model, loader, Trainer),
-``loaded`` (the snapshot read, if any: ``step`` is where training resumes), ``first_step``, ``step`` (every
-``--log-every`` steps and the last; ``step`` counts optimizer steps over the whole run) and ``done``.
+(this file's first line), ``imports``, ``init`` (process group up), ``data`` (the data set read), ``built``
+(model, loader, Trainer), ``loaded`` (the snapshot read, if any: ``step`` is where training resumes),
+``first_step``, ``step`` (every ``--log-every`` steps and the last; ``step`` counts optimizer steps over the whole
+run) and ``done``.
 """
 
 import json
@@ -68,7 +69,7 @@ class Marks:
             self.after_step(trainer)
 
 
-def synthetic_mnist(n: int, seed: int = 0):
+def synthetic_mnist(n: int, seed: int = 0) -> tuple:
     """``n`` MNIST-shaped samples (1x28x28 floats, 10 classes a fixed linear teacher assigns): the seeds' data
     without a download, the same on every rank."""
     import torch
@@ -76,7 +77,18 @@ def synthetic_mnist(n: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 1, 28, 28, generator=g)
     teacher = torch.randn(28 * 28, 10, generator=g)
-    y = (x.flatten(1) @ teacher).argmax(1)
+    return x, (x.flatten(1) @ teacher).argmax(1)
+
+
+def read_data(a):
+    """The data set: mapped from ``--data`` (made once by ``--make-data``), as a job reads its data set from a
+    file at each start, or made here (``--samples``) where no file is given."""
+    import torch
+
+    if a.data:
+        x, y = torch.load(a.data, mmap=True, weights_only=True)
+    else:
+        x, y = synthetic_mnist(a.samples)
     return torch.utils.data.TensorDataset(x, y)
 
 
@@ -94,8 +106,9 @@ def seeds_loop(a, mark: Timeline) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     mark("init")
+    data = read_data(a)
+    mark("data")
     torch.manual_seed(0)
-    data = synthetic_mnist(a.samples)
     model = DDP(DigitsCNN(28))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=True)
@@ -148,8 +161,9 @@ def trainer_loop(a, mark: Timeline) -> None:
     ddpkit.init()
     mark("init")
 
+    data = read_data(a)
+    mark("data")
     torch.manual_seed(0)
-    data = synthetic_mnist(a.samples)
     model = DigitsCNN(28)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     config = TrainerConfig(
@@ -176,11 +190,18 @@ def main() -> None:
     p.add_argument("--memory", action="store_true", help="trainer: keep the snapshots in memory on")
     p.add_argument("--disk-every-steps", type=int, default=None)
     p.add_argument("--samples", type=int, default=60000)
+    p.add_argument("--data", default=None, help="the data set's file (--make-data); else made at each start")
+    p.add_argument("--make-data", default=None, metavar="FILE", help="write --samples samples to FILE and exit")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--timeline", default=None)
     a = p.parse_args()
+    if a.make_data:
+        import torch
+
+        torch.save(synthetic_mnist(a.samples), a.make_data)
+        return
     mark = Timeline(a.timeline)
     mark("proc_start", proc_start())
     mark("script", T_SCRIPT)
