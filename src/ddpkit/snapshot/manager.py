@@ -419,13 +419,9 @@ class SnapshotManager:
                     **({"no_dist": True} if local else {}),
                 )
         except CheckpointException as err:  # a BaseException, whose text is every rank's traceback
-            # DCP's collective load (before torch 2.7) raises on every rank with the failures of all of them,
-            # by rank of the group: the lowest one is named as first_failure names it.
-            origin = min(err.failures)
-            first = err.failures[origin][0]
-            failure, error = f"{type(first).__name__}: {first}", err
-            if self.distributed and not local and origin != dist.get_rank(self.group):
-                failure += f" (on rank {origin})"
+            # DCP's collective load (before torch 2.7) raises on every rank with every rank's failure.
+            collective = self.distributed and not local
+            failure, error = dcp_files.first_rank_failure(err, dist.get_rank(self.group) if collective else None), err
         except Exception as err:
             if not local:
                 raise

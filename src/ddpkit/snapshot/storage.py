@@ -212,6 +212,17 @@ def rank_failure(err: BaseException, kept: list[tuple[Path, OSError]], rank: int
     return Failure(f"{type(err).__name__}: {text[0] if text else ''}")
 
 
+def first_rank_failure(err: BaseException, rank: int | None) -> str:
+    """The lowest failed rank's exception in DCP's ``CheckpointException`` (rank of the group -> (exception,
+    traceback)), as one line; the rank named where it is not ``rank`` (None: a load with no collective, whose
+    failures are this rank's own)."""
+    failures = err.failures  # type: ignore[attr-defined]
+    origin = min(failures)
+    first = failures[origin][0]
+    named = "" if rank is None or origin == rank else f" (on rank {origin})"
+    return f"{type(first).__name__}: {first}{named}"
+
+
 def describe(failures: list[tuple[int, Failure]]) -> str:
     """``no space left on device (rank 0 writing __0_0.distcp, rank 1 writing __1_0.distcp)``, or each rank's
     own reason where they differ."""
