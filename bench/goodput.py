@@ -133,48 +133,16 @@ def launch_main(argv: list[str]) -> int:
 
 
 def command(variant: str, folder: Path, timeline: Path, a: argparse.Namespace) -> list[str]:
-    job = [
-        str(JOB),
-        str(folder / "run"),
-        "--data",
-        str(a.data),
-        "--epochs",
-        str(a.epochs),
-        "--log-every",
-        "1",
-        "--timeline",
-        str(timeline),
-    ]
+    job = [str(JOB), str(folder / "run"), "--data", str(a.data), "--epochs", str(a.epochs)]
+    job += ["--log-every", "1", "--timeline", str(timeline)]
     launch = [sys.executable, str(Path(__file__).resolve()), "launch", str(timeline)]
     if variant == "seeds":
-        return launch + [
-            "torchrun",
-            "--standalone",
-            "--nproc-per-node",
-            str(a.nproc),
-            "--max-restarts",
-            "1000",
-            *job,
-            "--mode",
-            "seeds",
-        ]
-    flags = ["--memory"] if variant.startswith("memory") else []
-    launcher = ["--fork-server", "off"] if variant == "memory-new-interpreters" else []
-    return launch + [
-        "ddpkit",
-        *launcher,
-        "--nproc",
-        str(a.nproc),
-        *(["--oversubscribe"] if a.nproc > (os.cpu_count() or 1) else []),
-        "--max-restarts",
-        "1000",
-        "--log-dir",
-        str(folder / "logs"),
-        *job,
-        "--mode",
-        "trainer",
-        *flags,
-    ]
+        torchrun = ["torchrun", "--standalone", "--nproc-per-node", str(a.nproc), "--max-restarts", "1000"]
+        return launch + torchrun + job + ["--mode", "seeds"]
+    ddpkit = ["ddpkit", *(["--fork-server", "off"] if variant == "memory-new-interpreters" else [])]
+    ddpkit += ["--nproc", str(a.nproc), *(["--oversubscribe"] if a.nproc > (os.cpu_count() or 1) else [])]
+    ddpkit += ["--max-restarts", "1000", "--log-dir", str(folder / "logs")]
+    return launch + ddpkit + job + ["--mode", "trainer", *(["--memory"] if variant.startswith("memory") else [])]
 
 
 def workers(launcher: int, timeline: Path) -> dict[int, int]:

@@ -42,16 +42,13 @@ error is raised by the next :meth:`SnapshotManager.wait` (the next save, or the 
 
 from __future__ import annotations
 
-import functools
 import importlib.util
-import inspect
 import io
 import json
 import os
 import threading
 import time
 import traceback
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
@@ -60,29 +57,17 @@ import torch
 import torch.distributed as dist
 
 from ddpkit import fs
-from ddpkit.distributed.collectives import broadcast_object, first_failure, gather_object
+from ddpkit.distributed.collectives import broadcast_object, gather_object
 from ddpkit.errors import ConfigError
 from ddpkit.internals.versions import require_torch
-from ddpkit.snapshot import folders
+from ddpkit.snapshot import folders, loading
 from ddpkit.snapshot.folders import FORMAT, INDEX, MARKER, OWN, VALUES, Found, digest, folder_name
-from ddpkit.snapshot.layout import differences, leaves, nest, set_at, stored_parts, stored_path
+from ddpkit.snapshot.layout import differences, stored_parts
 from ddpkit.snapshot.staging import stage, writer_group
 
 # torch.distributed.checkpoint (and DTensor, which it imports; and ddpkit.snapshot.storage, built on it) is imported
 # where it is used: it pulls in sympy and costs ~0.9 s per process, which `import ddpkit` (a hand-written loop,
 # the launcher) need not pay.
-
-
-@functools.cache
-def _quiet_single_process_warning() -> None:
-    """In a world of one (no process group) DCP saves and loads in one process, and warns at every save and load that
-    "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to save in a single
-    process": that is the intent. Filtered by that text, from the first such save or load of ddpkit's (the
-    process is then a world of one); catch_warnings() would not do, as the save runs in the snapshot writer's
-    thread and the filters are the process's."""
-    warnings.filterwarnings(
-        "ignore", message="torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to"
-    )
 
 
 class SnapshotWriteError(RuntimeError):
@@ -243,7 +228,7 @@ class SnapshotManager:
         digests, failure, failed = {}, None, False
         try:
             if not self.distributed:
-                _quiet_single_process_warning()
+                loading.quiet_single_process_warning()
             dcp.save(tensors, storage_writer=writer, process_group=group)
             # dcp.save returns on every rank once every rank's files and the index are written (fsynced);
             # when one rank fails, it raises on every rank.
@@ -364,73 +349,8 @@ class SnapshotManager:
         map_location: Any = None,
         check: Callable[[dict[str, Any]], None] | None = None,
     ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """``(state, extra)`` of a snapshot. ``template()`` gives the current state, whose tensors DCP fills in
-        place with this world size's parts (its :data:`~ddpkit.snapshot.layout.PER_RANK` part with this rank's
-        own copy at the same world size, rank 0's at another) and whose other values are replaced by the saved
-        ones. ``check(extra)`` runs before any tensor is read, and may refuse the snapshot by raising. A folder
-        holding anything but tensors and plain values is refused (:class:`~ddpkit.errors.ConfigError`) before
-        anything of it is unpickled."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.api import CheckpointException
-
-        from ddpkit.snapshot import storage as dcp_files
-
-        saved = folders.read_values(found.path, map_location)
-        if check is not None:
-            check(saved["extra"])
-        index = dcp_files.read_marked_index(found.path)
-        state = template()
-        same = saved["world_size"] == self._size
-        source = self._rank if same else 0  # whose copy of the per-rank part
-        # Other values: this rank's own at the same world size; else rank 0's, and where rank 0 had none
-        # (zero: the hyper-parameters of parameters another rank owned), the first rank's that had one.
-        values = [saved["differences"][source], saved["values"]] if same else [saved["values"], *saved["differences"]]
-        tensors = []
-        for path, value in leaves(state):
-            where = stored_path(path, source)
-            if isinstance(value, torch.Tensor):
-                tensors.append((where, value))
-                continue
-            held = [v[where] for v in values if where in v]
-            if not held:
-                raise ConfigError(
-                    f"{found.path} holds no value for {'.'.join(map(str, path))}: it was written "
-                    "for another model or optimizer"
-                )
-            set_at(state, path, held[0])
-        if not self.distributed:
-            _quiet_single_process_warning()
-        # Each rank reads what it needs with no collective: a read needs no other rank's plan, and DCP's
-        # collective load has the first rank gather and check every rank's read plan (ranks x tensors, where
-        # every rank reads the whole replicated model). Where the torch has no no_dist (before 2.7) the load is
-        # collective. Either way one rank's failure must reach every rank, or the others would go on into the
-        # next collective and wait there for ever: one all-reduce of the outcome after the read says it.
-        local = self.distributed and "no_dist" in inspect.signature(dcp.load).parameters
-        failure: str | None = None
-        error: BaseException | None = None
-        try:
-            with warnings.catch_warnings():  # torch's warning that no_dist loads "in a single process": it does
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or")
-                dcp.load(
-                    nest(tensors),
-                    storage_reader=dcp_files.Reader(found.path, index),
-                    planner=dcp_files.TensorsOnlyPlanner(),
-                    process_group=self.group,
-                    **({"no_dist": True} if local else {}),
-                )
-        except CheckpointException as err:  # a BaseException, whose text is every rank's traceback
-            # DCP's collective load (before torch 2.7) raises on every rank with every rank's failure.
-            collective = self.distributed and not local
-            failure, error = dcp_files.first_rank_failure(err, dist.get_rank(self.group) if collective else None), err
-        except Exception as err:
-            if not local:
-                raise
-            failure, error = f"{type(err).__name__}: {err}", err
-        if local:
-            failure = first_failure(failure, group=self.group)
-        if failure is not None:
-            raise RuntimeError(f"ddpkit: loading snapshot {found.path} failed: {failure}") from error
-        return state, saved["extra"]
+        """``(state, extra)`` of a snapshot: :func:`ddpkit.snapshot.loading.load`, on this manager's ranks."""
+        return loading.load(found, template, group=self.group, map_location=map_location, check=check)
 
     def read_own(self, found: Found, ranks: list[int], map_location: Any = None) -> list[Any]:
         """The ``own`` values that ``ranks`` saved in ``found`` (:meth:`save`): :func:`ddpkit.snapshot.folders.read_own`."""
