@@ -6,7 +6,7 @@
    :mod:`ddpkit.tools.steptime`).
 2. The backend's all-reduce alone over message sizes at 2..N ranks: an alpha-beta fit and nccl-tests' bus
    bandwidth (:mod:`ddpkit.tools.allreduce`).
-3. Predicted step times: at 2..N ranks here, from the 1-rank step and the all-reduce fit alone, next to the
+3. Predicted step times: at 2..N ranks here, from the 1-rank step and the all-reduce measured alone, next to the
    measured ones (the predictor's error); and at larger world sizes over a given interconnect
    (:mod:`ddpkit.tools.predict`).
 4. DDP's knobs, each tried on its own at N ranks, and the best combination.
@@ -36,7 +36,7 @@ from ddpkit.data import ShardedBatchSampler
 from ddpkit.errors import ConfigError
 from ddpkit.internals.compiler import import_dynamo
 from ddpkit.launch.spawn import spawn
-from ddpkit.tools import allreduce, predict
+from ddpkit.tools import allreduce, predict, steptime
 from ddpkit.tools.bench_config import BenchConfig
 from ddpkit.tools.bench_predict import assumptions, predictions
 from ddpkit.tools.bench_report import report
@@ -90,17 +90,19 @@ def measure_allreduce(
     sizes = tuple(sorted(set(allreduce.DEFAULT_SIZES) | set(buckets)))
     fits = {}
     for n in range(2, cfg.nproc + 1):
-        points = spawn(functools.partial(_sweep_at, sizes), n, start_method=_start_method())[0]
+        points = spawn(functools.partial(_sweep_at, sizes, cfg.pin), n, start_method=_start_method())[0]
         fits[n] = allreduce.fit_alpha_beta(n, points)
-    one_rank = functools.partial(_sweep_at, tuple(sorted(set(buckets))))
+    one_rank = functools.partial(_sweep_at, tuple(sorted(set(buckets))), cfg.pin)
     one = dict(spawn(one_rank, 1, start_method=_start_method())[0])
     return fits, one
 
 
-def _sweep_at(sizes: tuple[int, ...]) -> list[tuple[int, float]]:
+def _sweep_at(sizes: tuple[int, ...], pin: bool) -> list[tuple[int, float]]:
     from ddpkit.distributed.runtime import init
 
-    init()
+    rt = init()
+    if pin and rt.device.type == "cpu":  # placed as the steps' ranks are: two ranks on one core take turns
+        steptime.pin_to_core(rt.rank, rt.world_size)
     return allreduce.measure(sizes)
 
 

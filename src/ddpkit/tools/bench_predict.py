@@ -46,7 +46,7 @@ def predictions(
             backward_s=one["backward"],
             batch_size=batch,
             buckets=buckets,
-            allreduce_s=fit.seconds,
+            allreduce_s=fit.measured_seconds,  # the sizes measured: the buckets are among them
             link=f"measured ({n} ranks)",
             compute_scale=scale,
             overlap=not on_cpu,
@@ -121,6 +121,8 @@ def assumptions(cfg: BenchConfig, scaling: dict[int, dict[str, Any]], pred: dict
         f"finishing a reduction ({pred['one_rank']['fixed_sync_s'] * MS:.3f} ms here), added at every world size",
         f"gradients: {sum(buckets) / 1e6:.3f} MB in {len(buckets)} DDP bucket(s) "
         f"(first up to 1 MiB, then bucket_cap_mb={Knobs().bucket_cap_mb:g}); float32",
+        "on this machine, a bucket's all-reduce takes the time measured alone at its size, back to back, with "
+        "the ranks placed as the steps' are; at larger world sizes the ring model:",
         "ring all-reduce of S bytes at n ranks: 2(n-1) x hop latency + 2(n-1)/n x S / busbw",
         "overlap: a bucket's all-reduce starts when backward has produced it (backward taken as uniform over "
         "gradient bytes) and the previous bucket is done; only what outlasts backward adds to the step"

@@ -49,7 +49,7 @@ def report(result: dict[str, Any]) -> list[str]:
         )
     lines += [
         "",
-        "Predicted from the 1-rank run and the all-reduce fit alone, against measured (this machine)",
+        "Predicted from the 1-rank run and the all-reduce measured alone, against measured (this machine)",
         f"{'ranks':>5} {'predicted ms':>12} {'measured ms':>11} {'error':>7}  {'straggler ms':>12}  "
         "compute x share of a core",
     ]

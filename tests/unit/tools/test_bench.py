@@ -18,6 +18,19 @@ def test_alpha_beta_fit_recovers_a_known_line():
     assert fit.hop_latency_s == pytest.approx(alpha / 4)  # a ring at 3 ranks takes 2(n-1) = 4 steps
 
 
+def test_the_measured_time_at_a_bucket_size_is_the_measurement_not_the_fit():
+    # Measured at 8 ranks on 2 cores here: flat from 64 B to 1 MiB (the scheduler), steep at 16 MiB.
+    points = [(4, 2.9e-3), (64, 16.0e-3), (1024, 18.7e-3), (16384, 16.6e-3), (65536, 20.3e-3)]
+    points += [(1 << 20, 19.8e-3), (1 << 24, 64.9e-3)]
+    fit = allreduce.fit_alpha_beta(8, points)
+    assert fit.measured_seconds(65536) == 20.3e-3  # a size measured: its own time
+    between = fit.measured_seconds(32768)  # half-way in log size: the geometric mean of the neighbours
+    assert between == pytest.approx((16.6e-3 * 20.3e-3) ** 0.5)
+    assert fit.measured_seconds(1 << 26) == fit.seconds(1 << 26)  # beyond the sizes measured: the fit
+    # Control: the fit's line puts a 58 KB bucket well under what was measured around it.
+    assert fit.seconds(58536) < 0.8 * fit.measured_seconds(58536)
+
+
 def test_ring_model_and_buckets():
     link = predict.Interconnect("x", busbw_bytes_per_s=1e9, hop_latency_s=1e-6)
     assert predict.ring_seconds(1e6, 1, link) == 0.0
