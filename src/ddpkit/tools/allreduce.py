@@ -13,6 +13,7 @@ The fit is the alpha-beta (Hockney) model ``t(S) = alpha + S / beta``: alpha the
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from dataclasses import asdict, dataclass
 
@@ -132,6 +133,31 @@ def measure(
             times.append(all_reduce((time.perf_counter() - t0) / iters, op="max"))
         out.append((x.numel() * 4, min(times)))  # other work only adds time: the least disturbed timing
     return out
+
+
+def measure_in_step(buckets: list[int], compute_s: float, steps: int = 60, warmup: int = 10) -> float:
+    """Seconds a step spends in the all-reduces of ``buckets`` (bytes, in the order DDP launches them) when each
+    step first computes for ``compute_s`` on every rank, as a DDP step on the CPU does: the slowest rank's
+    median (collective: run on every rank).
+
+    Back-to-back all-reduces on CPU processes are timed with the cores otherwise idle, and where a rank's threads
+    land then decides much of the time: 0.5 to 1.9 ms for 58 KB at 2 ranks here, by placement alone, where the
+    same all-reduce after a stretch of compute takes 0.4 to 0.5 ms every time. And with more ranks than cores, a
+    rank that reaches the all-reduce waits there for the others' compute, which takes turns on the cores: this
+    measures that wait too."""
+    x = torch.randn(128, 128)
+    tensors = [torch.ones(max(1, b // 4), dtype=torch.float32) for b in buckets]
+    times = []
+    for i in range(warmup + steps):
+        t = time.perf_counter()
+        while time.perf_counter() - t < compute_s:
+            x @ x  # ~50 us a product here: the stretch ends within one of compute_s
+        t0 = time.perf_counter()
+        for tensor in tensors:
+            dist.all_reduce(tensor)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return all_reduce(statistics.median(times), op="max")
 
 
 def _sync(device: torch.device) -> None:

@@ -6,9 +6,9 @@
    :mod:`ddpkit.tools.steptime`).
 2. The backend's all-reduce alone over message sizes at 2..N ranks: an alpha-beta fit and nccl-tests' bus
    bandwidth (:mod:`ddpkit.tools.allreduce`).
-3. Predicted step times: at 2..N ranks here, from the 1-rank step and the all-reduce measured alone, next to the
-   measured ones (the predictor's error); and at larger world sizes over a given interconnect
-   (:mod:`ddpkit.tools.predict`).
+3. Predicted step times: at 2..N ranks here, from the 1-rank step and the all-reduce measured on its own (on
+   the CPU, in a step's rhythm), next to the measured ones (the predictor's error); and at larger world sizes
+   over a given interconnect (:mod:`ddpkit.tools.predict`).
 4. DDP's knobs, each tried on its own at N ranks, and the best combination.
 5. DataParallel and one GPU against DDP, where there are GPUs.
 
@@ -38,7 +38,7 @@ from ddpkit.internals.compiler import import_dynamo
 from ddpkit.launch.spawn import spawn
 from ddpkit.tools import allreduce, predict, steptime
 from ddpkit.tools.bench_config import BenchConfig
-from ddpkit.tools.bench_predict import assumptions, predictions
+from ddpkit.tools.bench_predict import assumptions, compute_seconds, predictions
 from ddpkit.tools.bench_report import report
 from ddpkit.tools.steptime import Knobs, cores, measure_steps, single_process_steps
 from ddpkit.tools.workload import BUILTINS, HOOK, load_workload
@@ -83,27 +83,35 @@ def measure_scaling(cfg: BenchConfig, log: Any) -> dict[int, dict[str, Any]]:
 
 
 def measure_allreduce(
-    cfg: BenchConfig,
-    buckets: list[int],
-) -> tuple[dict[int, allreduce.AllReduceFit], dict[int, float]]:
-    """The sweep at 2..N ranks (the bucket sizes among the sizes), and the buckets' all-reduce at one rank."""
+    cfg: BenchConfig, buckets: list[int], compute_s: float
+) -> tuple[dict[int, allreduce.AllReduceFit], dict[int, float], dict[int, float]]:
+    """The sweep at 2..N ranks (the bucket sizes among the sizes); on the CPU, the buckets' all-reduce in a
+    step's rhythm after ``compute_s`` of compute (:func:`~ddpkit.tools.allreduce.measure_in_step`); and the
+    buckets' all-reduce at one rank."""
     sizes = tuple(sorted(set(allreduce.DEFAULT_SIZES) | set(buckets)))
-    fits = {}
+    fits, in_step = {}, {}
     for n in range(2, cfg.nproc + 1):
-        points = spawn(functools.partial(_sweep_at, sizes, cfg.pin), n, start_method=_start_method())[0]
+        job = functools.partial(_sweep_at, sizes, cfg.pin, buckets, compute_s)
+        points, in_step_s = spawn(job, n, start_method=_start_method())[0]
         fits[n] = allreduce.fit_alpha_beta(n, points)
-    one_rank = functools.partial(_sweep_at, tuple(sorted(set(buckets))), cfg.pin)
-    one = dict(spawn(one_rank, 1, start_method=_start_method())[0])
-    return fits, one
+        if in_step_s is not None:
+            in_step[n] = in_step_s
+    one_rank = functools.partial(_sweep_at, tuple(sorted(set(buckets))), cfg.pin, [], 0.0)
+    one = dict(spawn(one_rank, 1, start_method=_start_method())[0][0])
+    return fits, in_step, one
 
 
-def _sweep_at(sizes: tuple[int, ...], pin: bool) -> list[tuple[int, float]]:
+def _sweep_at(
+    sizes: tuple[int, ...], pin: bool, buckets: list[int], compute_s: float
+) -> tuple[list[tuple[int, float]], float | None]:
     from ddpkit.distributed.runtime import init
 
     rt = init()
-    if pin and rt.device.type == "cpu":  # placed as the steps' ranks are: two ranks on one core take turns
+    cpu = rt.device.type == "cpu"
+    if pin and cpu:  # placed as the steps' ranks are: two ranks on one core take turns
         steptime.pin_to_core(rt.rank, rt.world_size)
-    return allreduce.measure(sizes)
+    in_step = allreduce.measure_in_step(buckets, compute_s) if cpu and buckets else None
+    return allreduce.measure(sizes), in_step
 
 
 KNOB_TRIALS = (
@@ -223,13 +231,14 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
     log(f"measuring the step at 1..{cfg.nproc} ranks ({cfg.rounds} rounds)")
     scaling = measure_scaling(cfg, log)
     log("measuring the all-reduce alone")
-    fits, one_rank = measure_allreduce(cfg, predict.bucket_sizes(scaling[1]["param_bytes"], Knobs().bucket_cap_mb))
+    buckets = predict.bucket_sizes(scaling[1]["param_bytes"], Knobs().bucket_cap_mb)
+    fits, in_step, one_rank = measure_allreduce(cfg, buckets, compute_seconds(scaling))
     knobs = None
     if cfg.knobs:
         log(f"trying DDP's knobs at {cfg.nproc} ranks")
         knobs = measure_knobs(cfg, log)
     dp = compare_data_parallel(cfg)
-    pred = predictions(cfg, scaling, fits, one_rank)
+    pred = predictions(cfg, scaling, fits, one_rank, in_step)
     result = {
         "workload": cfg.script or w.name,
         "scaling": scaling,

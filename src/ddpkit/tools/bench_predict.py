@@ -9,9 +9,16 @@ from typing import Any
 
 from ddpkit.tools import allreduce, predict
 from ddpkit.tools.bench_config import BenchConfig
-from ddpkit.tools.steptime import Knobs, cores
+from ddpkit.tools.steptime import Knobs
 
 MS = 1e3
+
+
+def compute_seconds(scaling: dict[int, dict[str, Any]]) -> float:
+    """One rank's step without its wait at the end of backward (backward with synchronisation minus backward
+    under no_sync): the rank's compute, data loading and optimizer included."""
+    one = scaling[1]["parts"]
+    return one["step"] - max(0.0, one["backward"] - one.get("backward_no_sync", one["backward"]))
 
 
 def predictions(
@@ -19,36 +26,39 @@ def predictions(
     scaling: dict[int, dict[str, Any]],
     fits: dict[int, allreduce.AllReduceFit],
     one_rank_allreduce: dict[int, float],
+    in_step: dict[int, float] | None = None,
 ) -> dict[str, Any]:
     one = scaling[1]["parts"]
     on_cpu = scaling[1]["device"] == "cpu"
     buckets = predict.bucket_sizes(scaling[1]["param_bytes"], Knobs().bucket_cap_mb)
     batch = scaling[1]["batch_size"]
-    ncores = cores()
     # DDP at one rank still all-reduces (over a group of one); that part is replaced by the n-rank all-reduce.
     # One rank's step splits into compute and what its backward waits for after the last gradient (backward
     # with synchronisation minus backward under no_sync). The wait holds the all-reduce over a group of one
     # (measured alone) and DDP's fixed cost of finishing a reduction (waking the waiting thread, copying the
     # buckets back), which every world size pays; the all-reduce at n ranks replaces the one-rank all-reduce.
     exposed_one = max(0.0, one["backward"] - one.get("backward_no_sync", one["backward"]))
-    compute = one["step"] - exposed_one
+    compute = compute_seconds(scaling)
     fixed = max(0.0, exposed_one - sum(one_rank_allreduce.get(b, 0.0) for b in buckets))
     here = []
     for n, fit in fits.items():
-        # On the CPU, ranks beyond the cores share them: each rank's compute slows by that share. Communication
-        # runs on the same cores, so it is not hidden behind backward.
-        scale = max(1.0, n * scaling[1].get("threads", 1) / ncores) if on_cpu else 1.0
         # This machine's jitter (from the 1-rank rounds): the ranks wait for the slowest at every step.
         straggle = predict.straggler_seconds(scaling[1]["step_samples"], n)
+        allreduce_s = fit.measured_seconds  # the sizes measured: the buckets are among them
+        if on_cpu and in_step and n in in_step:
+            # On the CPU the buckets' all-reduce is taken as a step meets it, after each rank's compute
+            # (allreduce.measure_in_step): where ranks outnumber the cores, the wait there for the others'
+            # compute is in it, so no rank's compute is scaled besides. Shared out by bytes: on the CPU
+            # nothing of it is hidden behind backward, so only the sum counts.
+            allreduce_s = functools.partial(_share, total_s=in_step[n], total_bytes=sum(buckets))
         p = predict.predict(
             n=n,
             one_rank_step_s=compute + straggle,
             backward_s=one["backward"],
             batch_size=batch,
             buckets=buckets,
-            allreduce_s=fit.measured_seconds,  # the sizes measured: the buckets are among them
+            allreduce_s=allreduce_s,
             link=f"measured ({n} ranks)",
-            compute_scale=scale,
             overlap=not on_cpu,
             fixed_sync_s=fixed,
         )
@@ -58,8 +68,8 @@ def predictions(
             | {
                 "measured_step_s": measured,
                 "error": p.step_s / measured - 1,
-                "compute_scale": scale,
                 "straggler_s": straggle,
+                "allreduce_in_step_s": in_step.get(n) if in_step else None,
             }
         )
     largest = fits[max(fits)]
@@ -107,6 +117,10 @@ def predictions(
     }
 
 
+def _share(nbytes: float, total_s: float, total_bytes: int) -> float:
+    return total_s * nbytes / total_bytes
+
+
 def assumptions(cfg: BenchConfig, scaling: dict[int, dict[str, Any]], pred: dict[str, Any]) -> list[str]:
     on_cpu = scaling[1]["device"] == "cpu"
     inter = cfg.inter_link()
@@ -115,14 +129,18 @@ def assumptions(cfg: BenchConfig, scaling: dict[int, dict[str, Any]], pred: dict
     return [
         "weak scaling: every rank keeps the per-rank batch, so the global batch grows with the world size",
         "a rank's compute (data, forward, backward, optimizer) is the 1-rank step measured here, less the "
-        "wait at the end of its backward"
-        + (", slowed by the share of a core each rank gets when ranks outnumber cores" if on_cpu else "")
-        + "; of that wait, all but the all-reduce over a group of one (measured alone) is DDP's fixed cost of "
-        f"finishing a reduction ({pred['one_rank']['fixed_sync_s'] * MS:.3f} ms here), added at every world size",
+        "wait at the end of its backward; of that wait, all but the all-reduce over a group of one (measured "
+        "alone) is DDP's fixed cost of finishing a reduction "
+        f"({pred['one_rank']['fixed_sync_s'] * MS:.3f} ms here), added at every world size",
         f"gradients: {sum(buckets) / 1e6:.3f} MB in {len(buckets)} DDP bucket(s) "
         f"(first up to 1 MiB, then bucket_cap_mb={Knobs().bucket_cap_mb:g}); float32",
-        "on this machine, a bucket's all-reduce takes the time measured alone at its size, back to back, with "
-        "the ranks placed as the steps' are; at larger world sizes the ring model:",
+        (
+            "on this machine (CPU), the buckets' all-reduce as a step meets it: timed after the 1-rank compute "
+            "on every rank, so that ranks beyond the cores wait there for the others' compute, as in a step"
+            if on_cpu
+            else "on this machine, a bucket's all-reduce takes the time measured alone at its size, back to back"
+        )
+        + "; at larger world sizes the ring model:",
         "ring all-reduce of S bytes at n ranks: 2(n-1) x hop latency + 2(n-1)/n x S / busbw",
         "overlap: a bucket's all-reduce starts when backward has produced it (backward taken as uniform over "
         "gradient bytes) and the previous bucket is done; only what outlasts backward adds to the step"

@@ -49,14 +49,13 @@ def report(result: dict[str, Any]) -> list[str]:
         )
     lines += [
         "",
-        "Predicted from the 1-rank run and the all-reduce measured alone, against measured (this machine)",
-        f"{'ranks':>5} {'predicted ms':>12} {'measured ms':>11} {'error':>7}  {'straggler ms':>12}  "
-        "compute x share of a core",
+        "Predicted from the 1-rank run and the all-reduce measured on its own, against measured (this machine)",
+        f"{'ranks':>5} {'predicted ms':>12} {'measured ms':>11} {'error':>7}  {'straggler ms':>12}  exposed AR ms",
     ]
     for row in pred["this_machine"]:
         lines.append(
             f"{row['world_size']:>5} {row['step_s'] * MS:>12.3f} {row['measured_step_s'] * MS:>11.3f} "
-            f"{row['error']:>+7.1%}  {row['straggler_s'] * MS:>12.3f}  x{row['compute_scale']:.2f}"
+            f"{row['error']:>+7.1%}  {row['straggler_s'] * MS:>12.3f}  {row['exposed_comm_s'] * MS:>13.3f}"
         )
     chosen = pred["larger"][pred["chosen"]]
     lines += [

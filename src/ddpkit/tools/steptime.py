@@ -19,6 +19,7 @@ On CUDA every part ends with a device synchronisation, so its time is the device
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
@@ -104,13 +105,19 @@ class _CommTimer:
 
 
 def pin_to_core(rank: int, world: int) -> bool:
-    """Give each rank a core of its own when there are enough, so that ranks do not migrate between cores."""
+    """Give each rank a core of its own when there are enough, so that ranks do not migrate between cores.
+
+    Every thread of the process: the backend's threads, which run its collectives, were started with the
+    process group, and a thread's affinity is its own (a thread started later inherits its starter's)."""
     if not hasattr(os, "sched_setaffinity"):
         return False
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < world * torch.get_num_threads():
         return False
-    os.sched_setaffinity(0, {cores[rank]})
+    tasks = os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["0"]
+    for task in tasks:
+        with contextlib.suppress(OSError):  # a thread that has just ended
+            os.sched_setaffinity(int(task), {cores[rank]})
     return True
 
 
@@ -174,9 +181,10 @@ def measure_steps(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         t4 = now()
-        if i >= timed + 1:  # the first step with the hook warms it up
-            times["allreduce_span"].append(timer.take())
-        elif i >= warmup and i < timed:
+        span = timer.take()  # every step, so that a span never reaches back into the step before
+        if i > timed:  # the first step with the hook warms it up
+            times["allreduce_span"].append(span)
+        elif warmup <= i < timed:
             for part, seconds in zip(
                 ("data", "forward", "backward", "optimizer", "step"), (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0)
             ):

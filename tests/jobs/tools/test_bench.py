@@ -63,6 +63,7 @@ def test_bench_end_to_end_writes_table_json_and_plot(tmp_path):
     row = result["predictions"]["this_machine"][0]
     assert row["world_size"] == 2 and row["measured_step_s"] > 0
     assert row["error"] == pytest.approx(row["step_s"] / row["measured_step_s"] - 1)
+    assert row["allreduce_in_step_s"] > 0  # on the CPU: the buckets' all-reduce timed in a step's rhythm
     png = (out / "bench.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 

@@ -77,3 +77,25 @@ def test_stragglers_cost_nothing_without_jitter_and_grow_with_ranks():
     jittery = [1e-3] * 50 + [5e-3] * 10  # one step in six is slow
     two, eight = predict.straggler_seconds(jittery, 2), predict.straggler_seconds(jittery, 8)
     assert 0.0 <= two < eight <= 4e-3 + 1e-12
+
+
+def _one_rank_on_the_cpu(step_s: float) -> dict:
+    parts = {"data": 0.1e-3, "forward": 0.5e-3, "backward": 1.0e-3, "backward_no_sync": 0.8e-3, "optimizer": 0.2e-3}
+    one = {"parts": parts | {"step": 2.0e-3}, "device": "cpu", "param_bytes": [4000], "batch_size": 8}
+    return {1: one | {"step_samples": [2.0e-3] * 5}, 2: {"parts": {"step": step_s}}}
+
+
+def test_on_the_cpu_the_prediction_takes_the_all_reduce_as_a_step_meets_it():
+    from ddpkit.tools.bench_predict import compute_seconds, predictions
+
+    scaling = _one_rank_on_the_cpu(step_s=3.0e-3)
+    fits = {2: allreduce.fit_alpha_beta(2, [(4, 1e-4), (4000, 2e-4), (1 << 24, 1e-2)])}
+    one_rank = {4000: 0.05e-3}  # of the 1-rank wait of 0.2 ms: 0.15 ms is DDP's fixed cost
+    assert compute_seconds(scaling) == pytest.approx(1.8e-3)
+    (row,) = predictions(BenchConfig(nproc=2), scaling, fits, one_rank, {2: 0.7e-3})["this_machine"]
+    assert row["exposed_comm_s"] == pytest.approx(0.15e-3 + 0.7e-3)  # DDP's fixed cost + the in-step all-reduce
+    assert row["step_s"] == pytest.approx(1.8e-3 + 0.15e-3 + 0.7e-3)  # no straggler: every sample alike
+    assert row["allreduce_in_step_s"] == 0.7e-3
+    # Control: without the in-step measurement, the bucket's time measured alone (back to back).
+    (alone,) = predictions(BenchConfig(nproc=2), scaling, fits, one_rank)["this_machine"]
+    assert alone["exposed_comm_s"] == pytest.approx(0.15e-3 + 2e-4)
