@@ -15,7 +15,9 @@ a="$name-a" b="$name-b"
 need_ip() {
   command -v ip >/dev/null && return 0
   [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null || { echo "netns_nodes: needs iproute2 (ip)" >&2; exit 3; }
-  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2) >/dev/null
+  # One apt-get at a time (the test suite's other set-ups may install at the same moment): flock.
+  flock -w 900 /tmp/ddpkit-apt.lock sh -c \
+    'apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2' >/dev/null
 }
 
 up() {

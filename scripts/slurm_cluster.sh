@@ -27,7 +27,9 @@ install_packages() {
     printf '#!/bin/sh\nexit 101\n' >"$policy" && chmod +x "$policy" && created_policy=1
   fi
   say "installing slurmctld slurmd slurm-client munge"
-  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurmctld slurmd slurm-client munge) \
+  # One apt-get at a time (the test suite's other set-ups may install at the same moment): flock.
+  flock -w 900 /tmp/ddpkit-apt.lock sh -c 'apt-get update -qq &&
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurmctld slurmd slurm-client munge' \
     >"${TMPDIR:-/tmp}/ddpkit-slurm-apt.log" 2>&1 || { say "apt-get failed; see ${TMPDIR:-/tmp}/ddpkit-slurm-apt.log"; exit 3; }
   [ "$created_policy" = 0 ] || rm -f "$policy"
 }

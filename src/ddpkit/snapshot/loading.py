@@ -2,8 +2,9 @@
 <ddpkit.snapshot.manager.SnapshotManager.load>`).
 
 ``values.pt`` first (plain values only, ``weights_only``), then the index from JSON, then DCP reads the
-tensors this rank needs into the current state's tensors, in place. Each rank reads on its own: a failure on
-one rank is made every rank's before anyone goes on (see :func:`load`).
+tensors this rank needs into the current state's tensors, in place. Each rank reads on its own (DCP's
+``no_dist``, torch 2.7 and newer; a collective load before): a failure on one rank is made every rank's before
+anyone goes on (see :func:`load`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def load(
     template: Callable[[], dict[str, Any]],
     *,
     group: Any = None,
+    distributed: bool | None = None,
     map_location: Any = None,
     check: Callable[[dict[str, Any]], None] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -49,13 +51,15 @@ def load(
     own copy at the same world size, rank 0's at another) and whose other values are replaced by the saved
     ones. ``check(extra)`` runs before any tensor is read, and may refuse the snapshot by raising. A folder
     holding anything but tensors and plain values is refused (:class:`~ddpkit.errors.ConfigError`) before
-    anything of it is unpickled. Every rank of ``group`` calls it."""
+    anything of it is unpickled. Every rank of ``group`` calls it; ``distributed`` (default: whether a process
+    group is up) says whether there are ranks to agree with."""
     import torch.distributed.checkpoint as dcp  # lazily, as in ddpkit.snapshot.manager
     from torch.distributed.checkpoint.api import CheckpointException
 
     from ddpkit.snapshot import storage as dcp_files
 
-    distributed = dist.is_available() and dist.is_initialized()
+    if distributed is None:
+        distributed = dist.is_available() and dist.is_initialized()
     rank, size = (dist.get_rank(group), dist.get_world_size(group)) if distributed else (0, 1)
     saved = folders.read_values(found.path, map_location)
     if check is not None:

@@ -350,7 +350,9 @@ class SnapshotManager:
         check: Callable[[dict[str, Any]], None] | None = None,
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         """``(state, extra)`` of a snapshot: :func:`ddpkit.snapshot.loading.load`, on this manager's ranks."""
-        return loading.load(found, template, group=self.group, map_location=map_location, check=check)
+        return loading.load(
+            found, template, group=self.group, distributed=self.distributed, map_location=map_location, check=check
+        )
 
     def read_own(self, found: Found, ranks: list[int], map_location: Any = None) -> list[Any]:
         """The ``own`` values that ``ranks`` saved in ``found`` (:meth:`save`): :func:`ddpkit.snapshot.folders.read_own`."""

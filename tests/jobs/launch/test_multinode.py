@@ -149,7 +149,9 @@ PROBE = str(ROOT / "tests" / "jobs" / "scripts" / "launch_probe.py")
 def _iptables() -> str:
     if shutil.which("iptables") is None and shutil.which("apt-get") is not None:
         subprocess.run(
-            "apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iptables",
+            # one apt-get at a time, as scripts/slurm_cluster.sh and netns_nodes.sh take the same lock
+            "flock -w 900 /tmp/ddpkit-apt.lock sh -c "
+            "'apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iptables'",
             shell=True,
             capture_output=True,
             timeout=600,
