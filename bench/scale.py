@@ -311,6 +311,8 @@ def plot(fits_path: Path, root: Path, sizes: list[int], tensor_counts: list[int]
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
         ax.set(xscale="log", yscale="log", xlabel="ranks", ylabel="seconds (cpu, else wall on a core each)")
+        ax.set_xticks(sizes, [str(n) for n in sizes], minor=False)  # the world sizes, not 2 x 10^0
+        ax.set_xticks([], minor=True)
         ax.set_title(f"{tensors:,} parameter tensors")
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend(fontsize=7)
