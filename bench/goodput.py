@@ -1,12 +1,12 @@
 """Goodput under failures: the same training job without failures, and with a SIGKILL of a random rank every T
 seconds, for several ways of surviving them; where each recovery's time goes.
 
-The job (``tests/jobs/scripts/goodput_job.py``): the seeds' CNN on MNIST-shaped data (synthetic: 1x28x28, 10
+The job (``tests/jobs/scripts/goodput_job.py``): the DDP tutorials' CNN on MNIST-shaped data (synthetic: 1x28x28, 10
 classes), batch 32 per rank, Adam, 2 CPU ranks over gloo (``--nproc``). The variants:
 
-- ``seeds``: ``torchrun --max-restarts``, the seeds' loop: rank 0 saves model and optimizer at every epoch end,
+- ``tutorial``: ``torchrun --max-restarts``, the DDP tutorials' loop: rank 0 saves model and optimizer at every epoch end,
   a restart resumes from the start of the epoch;
-- ``disk``: ``ddpkit run --max-restarts``, the Trainer, disk snapshots at every epoch end (as the seeds);
+- ``disk``: ``ddpkit run --max-restarts``, the Trainer, disk snapshots at every epoch end (as the tutorials);
 - ``memory``: the same with the snapshots in memory on (``SnapshotConfig(memory=True)``: every step, unless
   that stalls a step more than 5%);
 - ``memory-new-interpreters``: ``memory`` with ``ddpkit run --fork-server off``: every worker of every attempt
@@ -32,7 +32,7 @@ The agent's stages come from torch's elastic agent, instrumented in the launcher
 bench/goodput.py launch``): its methods are wrapped to write a timestamp, nothing else changes.
 
     python bench/goodput.py                         # T=60 s, 30000 samples x 20 epochs, every variant
-    python bench/goodput.py --interval 30 --epochs 5 --variants memory,seeds
+    python bench/goodput.py --interval 30 --epochs 5 --variants memory,tutorial
     python bench/goodput.py --interval 30 --nproc 8 --variants memory --failures-only
 """
 
@@ -136,9 +136,9 @@ def command(variant: str, folder: Path, timeline: Path, a: argparse.Namespace) -
     job = [str(JOB), str(folder / "run"), "--data", str(a.data), "--epochs", str(a.epochs)]
     job += ["--log-every", "1", "--timeline", str(timeline)]
     launch = [sys.executable, str(Path(__file__).resolve()), "launch", str(timeline)]
-    if variant == "seeds":
+    if variant == "tutorial":
         torchrun = ["torchrun", "--standalone", "--nproc-per-node", str(a.nproc), "--max-restarts", "1000"]
-        return launch + torchrun + job + ["--mode", "seeds"]
+        return launch + torchrun + job + ["--mode", "tutorial"]
     ddpkit = ["ddpkit", *(["--fork-server", "off"] if variant == "memory-new-interpreters" else [])]
     ddpkit += ["--nproc", str(a.nproc), *(["--oversubscribe"] if a.nproc > (os.cpu_count() or 1) else [])]
     ddpkit += ["--max-restarts", "1000", "--log-dir", str(folder / "logs")]
@@ -290,7 +290,7 @@ def report(results: list[dict], a: argparse.Namespace) -> str:
     lines = [
         f"goodput: {platform.node()}, {os.cpu_count()} cores, torch {torch.__version__}, python "
         f"{platform.python_version()}, {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
-        f"job: the seeds' CNN on {a.samples} synthetic 28x28 samples x {a.epochs} epochs, batch 32 per rank, "
+        f"job: the DDP tutorials' CNN on {a.samples} synthetic 28x28 samples x {a.epochs} epochs, batch 32 per rank, "
         f"{a.nproc} ranks (gloo, 1 thread each); a SIGKILL of a random rank every {a.interval:.0f} s",
         "",
         "| variant | (a) no failure, s | (b) with failures, s | failures | goodput (a)/(b) | goodput within (b) "
@@ -344,9 +344,9 @@ def main() -> None:
     p.add_argument("--interval", type=float, default=60.0, help="seconds between kills (default 60)")
     p.add_argument("--samples", type=int, default=30000)
     p.add_argument("--epochs", type=int, default=20)
-    p.add_argument("--variants", default="seeds,disk,memory,memory-new-interpreters")
+    p.add_argument("--variants", default="tutorial,disk,memory,memory-new-interpreters")
     p.add_argument("--seed", type=int, default=0, help="which rank each kill hits")
-    p.add_argument("--nproc", type=int, default=2, help="ranks (the seeds' torchrun and ddpkit run alike)")
+    p.add_argument("--nproc", type=int, default=2, help="ranks (the DDP tutorials' torchrun and ddpkit run alike)")
     p.add_argument("--failures-only", action="store_true", help="(b) alone: goodput within the failed run")
     p.add_argument("--dir", default=None, help="where the runs go (default: a temporary folder)")
     p.add_argument("--report", action="store_true", help="only analyse the runs already in --dir")

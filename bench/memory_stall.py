@@ -4,7 +4,7 @@ The Trainer on 2 CPU ranks (gloo, 1 thread each; :func:`ddpkit.spawn`), snapshot
 into a job folder on ``/dev/shm`` (made here as the agent of ``ddpkit run`` makes it); the stall is the time
 the save takes (the copy of model, Adam state, RNG states and counters into the older slot, and its commit),
 the step the time between two steps' ends. Medians over the steps after the first 5 (the first save of each
-slot reserves and maps it). Two families: the seeds' CNN on 28x28 inputs at growing widths (batch 32 per
+slot reserves and maps it). Two families: the DDP tutorials' CNN on 28x28 inputs at growing widths (batch 32 per
 rank), and an MLP of two residual blocks at growing widths (batch 32 per rank), whose step does ~6 x batch
 flops per parameter against the CNN's thousands: where the copy catches up with the step, and the 5% budget
 stops holding at every step (the Trainer then saves every N steps, N chosen after its first saves).
@@ -98,7 +98,7 @@ def main() -> None:
                 run = functools.partial(job, family, width, a.steps, runs)
                 r = ddpkit.spawn(run, 2, threads_per_process=1)[0]
                 megabytes = 3 * 4 * r["params"] / 1e6  # weights and Adam's two moments, fp32
-                name = f"seeds' CNN, {width} channels" if family == "cnn" else f"MLP, 2 blocks of width {width}"
+                name = f"DDP tutorials' CNN, {width} channels" if family == "cnn" else f"MLP, 2 blocks of width {width}"
                 print(
                     f"| {name} | {r['params'] / 1e6:.2f} M | {megabytes:.1f} | {1e3 * r['step']:.1f} | "
                     f"{1e6 * r['stall']:.0f} | {100 * r['stall'] / r['step']:.1f}% |",

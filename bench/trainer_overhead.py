@@ -1,6 +1,6 @@
-"""What the Trainer costs over a hand-written DDP loop like the seeds', and how long a snapshot stalls training.
+"""What the Trainer costs over a hand-written DDP loop like the DDP tutorials', and how long a snapshot stalls training.
 
-Both loops train the seeds' MNIST CNN (two conv+BatchNorm blocks, one linear layer; ``--model tiny``: one
+Both loops train the DDP tutorials' MNIST CNN (two conv+BatchNorm blocks, one linear layer; ``--model tiny``: one
 linear layer, ~1-2 ms steps, where a per-step cost in microseconds shows) on MNIST-shaped synthetic data, with
 the same per-rank batch, in the same job, in interleaved rounds (hand, trainer, trainer, hand, ...) so that
 noise from other work on the machine falls on both. A round is one epoch of each loop. Each rank is
@@ -48,7 +48,7 @@ from ddpkit.training.trainer import Trainer, TrainerConfig
 
 
 def hand_loop(model: nn.Module, optimizer, loader: DataLoader, sampler: DistributedSampler, epoch: int) -> None:
-    """The seeds' loop: set_epoch, forward, loss, zero_grad, backward, step."""
+    """The DDP tutorials' loop: set_epoch, forward, loss, zero_grad, backward, step."""
     criterion = nn.CrossEntropyLoss()
     device = ddpkit.get_runtime().device
     sampler.set_epoch(epoch)
@@ -84,7 +84,7 @@ def tiny_model() -> nn.Module:
 
 
 MODELS = {"cnn": lambda: DigitsCNN(28), "tiny": tiny_model}
-MODEL_NAMES = {"cnn": "the seeds' CNN", "tiny": "one linear layer 784 -> 10"}
+MODEL_NAMES = {"cnn": "the DDP tutorials' CNN", "tiny": "one linear layer 784 -> 10"}
 
 
 def bench(steps: int, rounds: int, batch_size: int, default_malloc: bool = False, model: str = "cnn") -> dict:
@@ -207,7 +207,7 @@ def main() -> None:
         "--model",
         choices=sorted(MODELS),
         default="cnn",
-        help="cnn: the seeds' CNN; tiny: one linear layer (~1-2 ms steps)",
+        help="cnn: the DDP tutorials' CNN; tiny: one linear layer (~1-2 ms steps)",
     )
     a = p.parse_args()
     import torch._dynamo  # noqa: F401  (DDP's constructor imports it: once here rather than in every rank)

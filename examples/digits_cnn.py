@@ -1,4 +1,4 @@
-"""A small CNN on handwritten digits with DistributedDataParallel: the seeds' MNIST example, minus the boilerplate.
+"""A small CNN on handwritten digits with DistributedDataParallel: the DDP tutorials' MNIST example, minus the boilerplate.
 
 Runs the same on 1 or N processes, CPU or GPUs:
 
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import ddpkit
 from ddpkit.demo.datasets import digits, mnist
 from ddpkit.demo.models import (
-    DigitsCNN as Net,  # the seeds' CNN; other examples import it from here
+    DigitsCNN as Net,  # the DDP tutorials' CNN; other examples import it from here
 )
 
 

@@ -1,4 +1,4 @@
-"""A linear model on a tiny synthetic regression with DistributedDataParallel: the seeds' toy regression.
+"""A linear model on a tiny synthetic regression with DistributedDataParallel: the DDP tutorials' toy regression.
 
     ddpkit run --nproc 2 examples/toy_regression.py
     torchrun --nproc-per-node 2 examples/toy_regression.py
@@ -20,7 +20,9 @@ from ddpkit.demo.datasets import toy_regression
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--epochs", type=int, default=10)
 parser.add_argument("--batch-size", type=int, default=32, help="per rank: the global batch is this x world size")
-parser.add_argument("--lr", type=float, default=0.05, help="the seeds' 1e-3 is still at MSE 0.34 after 10 epochs")
+parser.add_argument(
+    "--lr", type=float, default=0.05, help="the DDP tutorials' 1e-3 is still at MSE 0.34 after 10 epochs"
+)
 parser.add_argument("--size", type=int, default=2048, help="samples in all; a fifth is held out for validation")
 parser.add_argument("--seed", type=int, default=0)
 args = parser.parse_args()

@@ -135,7 +135,7 @@ def main():  # spawned ranks import this file again: nothing may run at import
             for pin in (False, True)}
     dp = compare_data_parallel(SimpleNamespace(script=None, steps=40, warmup=10))
     ms = lambda s: f"{s * 1e3:.3f}"
-    print(f"workload: the seeds' CNN on sklearn digits, batch {best[False]['batch_size']} per rank; "
+    print(f"workload: the DDP tutorials' CNN on sklearn digits, batch {best[False]['batch_size']} per rank; "
           f"2 rounds x 40 steps after 10, the fastest round")
     print(f"{'run':36s} {'data':>7s} {'forward':>8s} {'backward':>9s} {'exposed AR':>10s} {'AR span':>8s} "
           f"{'optimizer':>9s} {'step ms':>8s} {'samples/s':>10s}")

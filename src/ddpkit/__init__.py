@@ -78,7 +78,7 @@ __all__ = [
     "ZeroConfig",
     "FSDPConfig",
     "Callback",
-    # what the seeds write by hand
+    # what the DDP tutorials write by hand
     "print0",
     "get_logger",
     "barrier",

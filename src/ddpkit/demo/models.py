@@ -1,4 +1,4 @@
-"""The demo models: the seeds' CNN (shared by the examples, the benchmarks and ``ddpkit bench``'s default), the
+"""The demo models: the DDP tutorials' CNN (shared by the examples, the benchmarks and ``ddpkit bench``'s default), the
 benchmarks' residual blocks, and a small GPT for the language-model example."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from torch import nn
 
 
 class DigitsCNN(nn.Module):
-    """Two conv(5x5) + BatchNorm + ReLU + max-pool blocks and one linear layer, as in the seeds' MNIST example.
+    """Two conv(5x5) + BatchNorm + ReLU + max-pool blocks and one linear layer, as in the DDP tutorials' MNIST example.
 
     ``image_size`` is the side of the square input: 28 for MNIST, 8 for scikit-learn's digits. ``channels`` (16
-    in the seeds) sets the first block's width, the second has twice as many; ``dropout`` before the linear layer
-    is off by default, as in the seeds.
+    in the DDP tutorials) sets the first block's width, the second has twice as many; ``dropout`` before the linear layer
+    is off by default, as in the DDP tutorials.
     """
 
     def __init__(self, image_size: int = 28, num_classes: int = 10, channels: int = 16, dropout: float = 0.0) -> None:

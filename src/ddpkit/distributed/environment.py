@@ -271,6 +271,7 @@ def _read_ranks(env: Mapping[str, str]) -> LaunchEnv:
         return _mpi_env(env, mpi_vars)
     if _is_slurm_task(env):
         return _slurm_env(env)
+    kubernetes.check_not_alone_in_torchrun_pod(env)
     return LaunchEnv()
 
 

@@ -38,6 +38,15 @@ OPERATOR_VARS = {
 }
 """``ddpkit run``'s options and the ``PET_*`` variables (torchrun's names) that give their defaults."""
 
+_VALUE_FORMS = {
+    "PET_NNODES": ("[0-9]+(:[0-9]+)?", "use a number of nodes, or MIN:MAX for an elastic job"),
+    "PET_NPROC_PER_NODE": ("[0-9]+|auto|gpu|cpu", "use a number of processes, auto, gpu or cpu"),
+    "PET_NODE_RANK": ("[0-9]+", "use this node's rank, a number from 0"),
+    "PET_MAX_RESTARTS": ("[0-9]+", "use a number of restarts"),
+}
+"""What torchrun takes in each variable, so that a wrong one is named as the variable, not as an option the
+user never typed."""
+
 _RDZV_BACKENDS = ("c10d", "static")
 """``PET_RDZV_BACKEND`` values ``ddpkit run`` stands in for: its own rendezvous is a c10d store at the endpoint
 (``static``: torchrun's fixed-size rendezvous at the master, which the endpoint then names)."""
@@ -58,15 +67,35 @@ def pod_variables(env: Mapping[str, str]) -> bool:
 
 
 def check_one_process_per_pod(env: Mapping[str, str]) -> None:
-    """Refuse a lone process in a pod meant for several (``nprocPerNode`` above 1, or an elastic policy)."""
+    """Refuse a lone process in a pod meant for several (``nprocPerNode`` above 1, or an elastic policy).
+
+    ``nprocPerNode`` as a word (``auto``, training-operator v1.9's default, ``cpu``, ``gpu``) counts one
+    process a pod in the operator's ``WORLD_SIZE`` (a number is multiplied in, a word is not), so a lone
+    ``python train.py`` in each pod is the world the operator announced."""
     nproc = env.get("PET_NPROC_PER_NODE", "1")
-    if nproc != "1" or "PET_RDZV_ENDPOINT" in env or "PET_NNODES" in env and ":" in env["PET_NNODES"]:
+    if nproc.isdigit() and int(nproc) != 1 or "PET_RDZV_ENDPOINT" in env or ":" in env.get("PET_NNODES", ""):
         raise ConfigError(
             f"this pod's PyTorchJob starts torchrun's processes (PET_NPROC_PER_NODE={nproc}"
             + (", an elastic policy" if "PET_RDZV_ENDPOINT" in env else "")
             + "), but this process was started alone: make the container's command `ddpkit run train.py` "
             "(or torchrun), which reads the PET_* variables, or set nprocPerNode to 1"
         )
+
+
+def check_not_alone_in_torchrun_pod(env: Mapping[str, str]) -> None:
+    """Refuse a process with no launcher in a pod whose job is meant for torchrun across several pods or
+    processes (a TrainJob's ``PET_*`` with no ``RANK``, an elastic PyTorchJob's workers): started as
+    ``python train.py``, every pod would train alone as rank 0, and nothing would say so."""
+    if not in_pod(env) or "PET_NNODES" not in env:
+        return
+    nnodes, nproc = env["PET_NNODES"].strip(), env.get("PET_NPROC_PER_NODE", "1").strip()
+    if nnodes in ("1", "1:1") and (not nproc.isdigit() or int(nproc) == 1):
+        return  # one pod of one process: a world of one, as started
+    raise ConfigError(
+        f"this pod's job is set for torchrun (PET_NNODES={nnodes[:20]}, PET_NPROC_PER_NODE={nproc[:20]}), but this "
+        "process was started alone and would train as the only rank: make the container's command "
+        "`ddpkit run train.py` (or torchrun), which reads the PET_* variables"
+    )
 
 
 @dataclass(frozen=True)
@@ -94,10 +123,22 @@ def launch_defaults(env: Mapping[str, str], cpu_count: int) -> list[LaunchDefaul
     found = []
     for option, (name,) in OPERATOR_VARS.items():
         if env.get(name):
-            value = env[name]
+            value = env[name].strip()
+            if name in _VALUE_FORMS and not re.fullmatch(_VALUE_FORMS[name][0], value):
+                raise ConfigError(
+                    f"{name}={value[:40]!r}, set in this pod's environment: {_VALUE_FORMS[name][1]} (the job's spec "
+                    "sets it)"
+                )
             if name == "PET_NPROC_PER_NODE" and value == "cpu":  # torchrun: one per core
                 value = str(cpu_count)
             found.append(LaunchDefault(option, value, name))
+    if env.get("PET_RDZV_CONF"):  # torchrun's --rdzv-conf: its join_timeout is ddpkit run's --join-timeout
+        items = [item.strip() for item in env["PET_RDZV_CONF"].split(",") if item.strip()]
+        join = [item.partition("=")[2] for item in items if item.partition("=")[0] == "join_timeout"]
+        if join:
+            found.append(LaunchDefault("--join-timeout", join[-1], "PET_RDZV_CONF"))
+        if rest := [item for item in items if item.partition("=")[0] != "join_timeout"]:
+            found.append(LaunchDefault("--rdzv-conf", ",".join(rest), "PET_RDZV_CONF"))
     if "PET_RDZV_ENDPOINT" not in env and env.get("PET_MASTER_ADDR") and env.get("PET_MASTER_PORT"):
         endpoint = f"{env['PET_MASTER_ADDR']}:{env['PET_MASTER_PORT']}"
         found.append(LaunchDefault("--rdzv-endpoint", endpoint, "PET_MASTER_ADDR:PET_MASTER_PORT"))
@@ -116,7 +157,11 @@ def resolve_options(
     ``--nnodes 4`` in a job of 2 nodes would wait for nodes that never come. ``JOB_COMPLETION_INDEX`` is a node
     rank only for a job of fixed size across several nodes (an elastic job's node ranks are handed out at
     each rendezvous), and only where none is typed: in a JobSet of several Jobs the index counts pods within
-    one Job, and the command names the node rank itself."""
+    one Job, and the command names the node rank itself.
+
+    A job of one node (``PET_NNODES=1``, as a TrainJob or PyTorchJob of one pod has) takes no endpoint from
+    the environment: there is no node to meet, and a rendezvous at the master's address would ask the lone
+    pod for a secret it has no use for."""
     taken: list[LaunchDefault] = []
     for default in defaults:
         typed = given.get(default.option)
@@ -132,16 +177,22 @@ def resolve_options(
     nnodes = given.get("--nnodes") or next((t.value for t in taken if t.option == "--nnodes"), "1")
     fixed_size_nodes = ":" not in nnodes and nnodes != "1"
     taken = [t for t in taken if t.source != "JOB_COMPLETION_INDEX" or fixed_size_nodes]
+    if nnodes.strip() in ("1", "1:1") and "--rdzv-endpoint" not in given:
+        taken = [t for t in taken if t.option not in ("--rdzv-endpoint", "--rdzv-id", "--node-rank")]
     return {t.option: t.value for t in taken}, taken
 
 
 def _same(option: str, typed: str, value: str) -> bool:
     if option == "--nnodes" and ":" in value and ":" not in typed:
-        return value == f"{typed}:{typed}"
+        typed = f"{typed}:{typed}"
+    if re.fullmatch(r"[0-9]+(:[0-9]+)?", typed.strip()) and re.fullmatch(r"[0-9]+(:[0-9]+)?", value.strip()):
+        return [int(n) for n in typed.split(":")] == [int(n) for n in value.split(":")]  # 01 is 1
     return typed.strip() == value.strip()
 
 
-def summary(taken: list[LaunchDefault]) -> str:
-    """One line for the launch: which options came from the pod's environment."""
+def summary(taken: list[LaunchDefault], env: Mapping[str, str]) -> str:
+    """One line for the launch: which options came from the environment (a pod's, in Kubernetes; torchrun
+    reads ``PET_*`` anywhere, and so does ``ddpkit run``)."""
     items = ", ".join(f"{t.option} {t.value} ({t.source})" for t in taken)
-    return f"ddpkit run: from the pod's environment (Kubernetes): {items}"
+    where = "the pod's environment (Kubernetes)" if in_pod(env) else "the environment"
+    return f"ddpkit run: from {where}: {items}"

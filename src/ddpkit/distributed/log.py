@@ -1,4 +1,4 @@
-"""Printing and logging from the main rank of a group only (the seeds' ``if rank == 0: print(...)``)."""
+"""Printing and logging from the main rank of a group only (the DDP tutorials' ``if rank == 0: print(...)``)."""
 
 from __future__ import annotations
 

@@ -34,4 +34,4 @@ def with_environment_defaults(ours: list[str], env: Mapping[str, str]) -> tuple[
         return ours, None
     added, taken = kubernetes.resolve_options(typed_options(ours), defaults)
     extra = [token for option, value in added.items() for token in (option, value)]
-    return ours[:-1] + extra + ours[-1:], kubernetes.summary(taken) if taken else None
+    return ours[:-1] + extra + ours[-1:], kubernetes.summary(taken, env) if taken else None

@@ -23,7 +23,14 @@ def to_yaml(docs: list[dict[str, Any]]) -> str:
         import yaml
     except ImportError:
         raise ConfigError("writing a manifest needs PyYAML: pip install 'ddpkit[k8s]'") from None
-    return yaml.safe_dump_all(docs, sort_keys=False, default_flow_style=False, width=100)
+
+    class Dumper(yaml.SafeDumper):
+        # A part shared by two places of the manifest (a PyTorchJob's Master and Worker templates) is written out
+        # at each: an anchor and alias would make an edit of one silently change the other.
+        def ignore_aliases(self, data: Any) -> bool:
+            return True
+
+    return yaml.dump_all(docs, Dumper=Dumper, sort_keys=False, default_flow_style=False, width=100)
 
 
 def notes(cfg: ManifestConfig, path: str | None) -> list[str]:

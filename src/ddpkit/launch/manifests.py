@@ -22,6 +22,7 @@ Disk snapshots outlive a recreated pod only on a volume every pod mounts (``--pv
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +43,21 @@ PYTORCHJOB_PREEMPTED = 128 + 15
 """A pre-empted node's exit code in a PyTorchJob: SIGTERM's, which the operator's ExitCode policy retries."""
 JOIN_TIMEOUT = 600
 """Seconds the nodes wait for a recreated pod (scheduling it, pulling its image) before the job fails."""
-_QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?")
+_QUANTITY = re.compile(r"([0-9]+(?:\.[0-9]+)?)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?")
+_SCALE = {"m": 1e-3, "": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18}
+_SCALE |= {f"{p}i": 1024.0 ** (i + 1) for i, p in enumerate("KMGTPE")}
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+_DNS_SUBDOMAIN = re.compile(r"(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
+def quantity(option: str, value: str, *, whole: bool = False) -> float:
+    """A Kubernetes quantity's value (``7500m`` -> 7.5, ``32Gi`` -> 34359738368.0). ``whole``: a number of
+    bytes, which Kubernetes takes in millis only with a warning (``500m`` of memory is half a byte)."""
+    match = _QUANTITY.fullmatch(value)
+    if not match or whole and match[2] == "m":
+        example = "32Gi, 512Mi" if whole else "8, 7500m"
+        raise ConfigError(f"{option} {value[:40]!r}: use a Kubernetes quantity ({example})")
+    return float(match[1]) * _SCALE[match[2] or ""]
 
 
 @dataclass(kw_only=True)
@@ -87,21 +102,46 @@ class ManifestConfig:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ConfigError(f"--kind {self.kind!r}: use one of {', '.join(KINDS)}")
+        named = self.name is not None
         self.name = self.name or _dns_label(Path(self.script).stem)
         if not re.fullmatch(r"[a-z]([-a-z0-9]{0,38}[a-z0-9])?", self.name):
-            raise ConfigError(
-                f"--name {self.name[:60]!r}: use 1 to 40 lowercase letters, digits or '-', starting with a letter "
-                "(the pods' host names are built from it)"
+            given = (
+                f"--name {self.name[:60]!r}" if named else f"the script's name gives {self.name[:60]!r}; pass --name"
             )
+            raise ConfigError(
+                f"{given}: use 1 to 40 lowercase letters, digits or '-', starting with a letter (the pods' host names "
+                "are built from it)"
+            )
+        if self.namespace is not None and not _DNS_LABEL.fullmatch(self.namespace):
+            raise ConfigError(
+                f"--namespace {self.namespace[:70]!r}: use lowercase letters, digits and '-' (63 at most)"
+            )
+        for option, value in (("--secret", self.secret), ("--pvc", self.pvc)):
+            if value is not None and not _DNS_SUBDOMAIN.fullmatch(value):
+                raise ConfigError(
+                    f"{option} {value[:70]!r}: a Kubernetes object's name: lowercase letters, digits, '-' and '.'"
+                )
+        if not self.image.strip() or any(c.isspace() for c in self.image):
+            raise ConfigError(f"--image {self.image[:70]!r}: give the container image, as registry/name:tag")
         if not 1 <= self.nodes <= 10_000:
             raise ConfigError(f"--nodes {self.nodes}: use 1 to 10000")
         if not (self.nproc in ("auto", "gpu") or re.fullmatch("[1-9][0-9]{0,3}", self.nproc)):
             raise ConfigError(f"--nproc {self.nproc[:20]!r}: use auto, gpu, or a number of processes per node")
-        for option, value in (("--cpu", self.cpu), ("--memory", self.memory), ("--shm-size", self.shm_size)):
-            if value is not None and not _QUANTITY.fullmatch(value):
-                raise ConfigError(f"{option} {value[:40]!r}: use a Kubernetes quantity (8, 7500m, 32Gi)")
-        if not 0 <= self.gpus_per_node <= 64 or not 0 <= self.max_restarts <= 1000:
-            raise ConfigError("--gpus-per-node: 0 to 64; --max-restarts: 0 to 1000")
+        if self.cpu is not None:
+            quantity("--cpu", self.cpu)
+        memory = None if self.memory is None else quantity("--memory", self.memory, whole=True)
+        if memory is not None and quantity("--shm-size", self.shm_size, whole=True) > memory:
+            raise ConfigError(
+                f"--shm-size {self.shm_size} is more than --memory {self.memory}, which /dev/shm counts against: "
+                "raise --memory or lower --shm-size"
+            )
+        quantity("--shm-size", self.shm_size, whole=True)
+        if not 0 <= self.gpus_per_node <= 64:
+            raise ConfigError(f"--gpus-per-node {self.gpus_per_node}: use 0 to 64")
+        if self.nproc == "gpu" and not self.gpus_per_node:
+            raise ConfigError("--nproc gpu: give --gpus-per-node N (the pods get no GPU without it)")
+        if not 0 <= self.max_restarts <= 1000:
+            raise ConfigError(f"--max-restarts {self.max_restarts}: use 0 to 1000")
         if not 10 <= self.grace_period <= 86_400:
             raise ConfigError(f"--grace-period {self.grace_period}: 10 to 86400 seconds")
         for item in self.env:
@@ -109,6 +149,11 @@ class ManifestConfig:
                 raise ConfigError(f"--env {item[:60]!r}: use NAME=VALUE")
         if not self.run_mount.startswith("/"):
             raise ConfigError(f"--run-mount {self.run_mount!r}: an absolute path in the container")
+        mount = Path(self.run_mount)
+        taken = ["/dev/shm"] + ([SECRET_DIR] if self.nodes > 1 else [])
+        for other in taken:
+            if mount == Path(other) or Path(other).is_relative_to(mount) or mount.is_relative_to(other):
+                raise ConfigError(f"--run-mount {self.run_mount!r}: {other} is mounted there already; use another path")
 
     @property
     def secret_name(self) -> str:
@@ -302,8 +347,12 @@ def trainjob(cfg: ManifestConfig) -> list[dict[str, Any]]:
         },
     }
     trainer: dict[str, Any] = {"image": cfg.image, "command": command(cfg), "numNodes": cfg.nodes}
-    if cfg.nproc.isdigit():  # else Trainer's "auto": the GPUs of resourcesPerNode, or its CPUs
+    if cfg.nproc.isdigit():
         trainer["numProcPerNode"] = int(cfg.nproc)
+    elif cfg.nproc == "auto" and not cfg.gpus_per_node and cfg.cpu:
+        # Trainer's own "auto" without GPUs is one process per requested CPU (32 at --cpu 32); ddpkit run's is
+        # one per core up to 8, as the other kinds get it: set here, not left to Trainer.
+        trainer["numProcPerNode"] = max(1, min(math.ceil(quantity("--cpu", cfg.cpu)), 8))
     if resources := _resources(cfg):
         trainer["resourcesPerNode"] = resources
     if env := environment(cfg):

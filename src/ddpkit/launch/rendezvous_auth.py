@@ -80,8 +80,9 @@ def load_secret(path: str | None, env: Mapping[str, str] | None = None) -> bytes
             ) from None
     else:
         raise ConfigError(
-            f"a job on several nodes needs a secret that only its nodes know: export {SECRET_ENV}=$({MAKE_SECRET}) "
-            "with the same value on every node, or pass --rdzv-secret-file FILE (readable only by you)"
+            f"a job that meets at --rdzv-endpoint needs a secret that only its nodes know: export {SECRET_ENV}="
+            f"$({MAKE_SECRET}) with the same value on every node, or pass --rdzv-secret-file FILE (readable only by "
+            "you); a job of one node needs no --rdzv-endpoint"
         )
     if len(text) < MIN_SECRET_CHARS:
         raise ConfigError(

@@ -1,8 +1,8 @@
-"""Launch a function on N local processes from Python: for notebooks and tests, as the seeds' ``mp.spawn``.
+"""Launch a function on N local processes from Python: for notebooks and tests, as the DDP tutorials' ``mp.spawn``.
 
 Two ways to call the function. ddpkit's own, ``spawn(fn, nprocs, args)``, calls ``fn(*args)``: the rank and the
 world size are :func:`ddpkit.init`'s to tell. ``mp.spawn``'s, ``spawn(fn, args=..., nprocs=..., pass_rank=True)``,
-calls ``fn(rank, *args)``, as ``torch.multiprocessing.spawn`` does: a script written for it (the seeds'
+calls ``fn(rank, *args)``, as ``torch.multiprocessing.spawn`` does: a script written for it (the DDP tutorials'
 ``train(rank, world_size)``) runs unchanged. Which one is said in the call, never guessed from ``fn``: a
 function that takes a rank first and one that takes its own first argument look alike.
 """
@@ -71,7 +71,7 @@ def spawn(
     """Run ``fn(*args)`` on ``nprocs`` local processes that form one job; return each rank's result.
 
     ``pass_rank=True`` calls ``fn(rank, *args)`` instead, as ``torch.multiprocessing.spawn(fn, args, nprocs)``
-    does: ``ddpkit.spawn(train, args=(world_size,), nprocs=world_size, pass_rank=True)`` runs the seeds'
+    does: ``ddpkit.spawn(train, args=(world_size,), nprocs=world_size, pass_rank=True)`` runs the DDP tutorials'
     ``train(rank, world_size)``. A call that cannot fit ``fn`` (a rank it needs, or one it does not take) is
     refused before any process starts, naming ``pass_rank``.
 

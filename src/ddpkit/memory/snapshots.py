@@ -101,7 +101,7 @@ def _optimizers(optimizer: Any) -> list[Any]:
 class _Watch:
     """A cheap test that the live objects a plan copies from are still those: the parameters' storage (a
     script may set ``p.data``), each buffer object (a module may assign a new one), and the optimizer's state
-    tensors (created at the first step, replaced by ``load_state_dict``). ~10 us for the seeds' CNN, against
+    tensors (created at the first step, replaced by ``load_state_dict``). ~10 us for the DDP tutorials' CNN, against
     ~30 us for walking the modules again."""
 
     def __init__(self, strategy: Strategy) -> None:

@@ -107,7 +107,7 @@ def all_finite(tensors: list[torch.Tensor], flags: dict[Any, tuple[torch.Tensor,
 
     torch's fused check-and-unscale (what GradScaler runs) reads every tensor in one call; with a scale of 1
     it leaves them bit for bit as they were. A norm (``get_total_norm``) would do too, but costs five times as
-    much on the CPU (measured in a training loop: ~40 vs ~210 us for the seeds' CNN). ``flags`` keeps the
+    much on the CPU (measured in a training loop: ~40 vs ~210 us for the DDP tutorials' CNN). ``flags`` keeps the
     (found-inf flag, scale of 1) tensors of each device from one call to the next: allocating them costs a few
     us a step, which shows on tiny models.
     """

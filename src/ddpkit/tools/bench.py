@@ -321,7 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         nargs="?",
         help=f"training script defining {HOOK}() or building a ddpkit.Trainer, or a built-in workload ("
         + ", ".join(BUILTINS)
-        + "); default: the seeds' CNN",
+        + "); default: the DDP tutorials' CNN",
     )
     gpus = torch.cuda.device_count()
     p.add_argument(

@@ -21,7 +21,7 @@ class BenchConfig:
     """What ``ddpkit bench`` measures and predicts."""
 
     script: str | None = None
-    """A training script defining ``ddpkit_workload()``; None for the seeds' CNN on sklearn digits."""
+    """A training script defining ``ddpkit_workload()``; None for the DDP tutorials' CNN on sklearn digits."""
     nproc: int = 2
     """Largest world size measured on this machine (one GPU per rank, or CPU processes over gloo)."""
     steps: int = 60

@@ -362,7 +362,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "1: they differ beyond the tolerance (causes named when found).",
         epilog=f"The script defines {HOOK}() returning (model, dataset, loss_fn, optimizer_factory) or a "
         "ddpkit.tools.workload.Workload, or builds a ddpkit.Trainer (run with its default arguments until then); "
-        "without a script, the seeds' CNN on sklearn digits.",
+        "without a script, the DDP tutorials' CNN on sklearn digits.",
     )
     p.add_argument(
         "script",

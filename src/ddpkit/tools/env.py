@@ -148,8 +148,10 @@ def collect(live: bool = True) -> dict[str, Any]:
     info["loader workers per rank"] = default_num_workers(nproc)
     info["threads per rank"] = max(1, cpu_count() // nproc)
     state = internals_state()
-    differing = sum(value != "ok" and not value.startswith("not checked") for value in state.values())
-    info[f"private internals relied on ({differing} of {len(state)} differ)"] = state
+    unchecked = sum(value.startswith("not checked") for value in state.values())
+    differing = sum(value != "ok" for value in state.values()) - unchecked
+    counts = f"{differing} of {len(state) - unchecked} differ" + (f", {unchecked} not checked" if unchecked else "")
+    info[f"private internals relied on ({counts})"] = state
     if live:
         for backend, nprocs, device in live_checks(gpus if cuda else 0):
             key = f"live check ({nprocs} process{'es' if nprocs > 1 else ''}, {backend} all-reduce)"

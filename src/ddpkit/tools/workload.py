@@ -103,7 +103,7 @@ class Workload:
 
 
 def digits_workload() -> Workload:
-    """The built-in default: the seeds' CNN on scikit-learn's 8x8 digits (1,437 training images), Adam."""
+    """The built-in default: the DDP tutorials' CNN on scikit-learn's 8x8 digits (1,437 training images), Adam."""
     from ddpkit.demo.datasets import digits
     from ddpkit.demo.models import DigitsCNN
 
@@ -111,7 +111,7 @@ def digits_workload() -> Workload:
         model=DigitsCNN(image_size=8),
         dataset=digits("train"),
         batch_size=32,
-        name="seeds' CNN on sklearn digits",
+        name="DDP tutorials' CNN on sklearn digits",
     )
 
 

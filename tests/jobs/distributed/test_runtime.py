@@ -319,7 +319,7 @@ def test_init_again_with_another_backend_or_device_raises():
 
 
 def _seeds_train(rank: int, world_size: int, lr: float = 0.1) -> tuple[int, int, int, int, float]:
-    """The seeds' entry point, written for ``mp.spawn``: the rank comes first."""
+    """The DDP tutorials' entry point, written for ``mp.spawn``: the rank comes first."""
     rt = ddpkit.init()
     return rank, world_size, rt.rank, ddpkit.all_reduce(rank + 1), lr
 
@@ -334,7 +334,7 @@ def test_spawn_passes_the_rank_first_as_mp_spawn_does():
 def test_spawn_says_pass_rank_when_the_function_takes_a_rank():
     from ddpkit.errors import ConfigError
 
-    # The seeds' train(rank, world_size) called the ddpkit way would fail in every child with a TypeError.
+    # The DDP tutorials' train(rank, world_size) called the ddpkit way would fail in every child with a TypeError.
     with pytest.raises(ConfigError, match=r"takes the rank first.*pass_rank=True"):
         ddpkit.spawn(_seeds_train, args=(2,), nprocs=2)
     with pytest.raises(ConfigError, match="takes no rank: drop pass_rank=True"):

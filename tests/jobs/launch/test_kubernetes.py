@@ -70,7 +70,8 @@ def operator_env(kind: str, index: int) -> dict[str, str]:
         env = {"PYTHONUNBUFFERED": "1", "MASTER_PORT": "29500", "PET_MASTER_PORT": "29500"}
         env |= {"MASTER_ADDR": MASTER, "PET_MASTER_ADDR": MASTER, "WORLD_SIZE": "2", "RANK": str(index)}
         env |= {"PET_NODE_RANK": str(index), "PET_NNODES": "2"}
-        return env | ({"PET_NPROC_PER_NODE": "1"} if kind == "pytorchjob-run" else {})
+        # nprocPerNode: "1" as `ddpkit k8s` writes it, else v1.9's default "auto" (pytorch_defaults.go).
+        return env | {"PET_NPROC_PER_NODE": "1" if kind == "pytorchjob-run" else "auto"}
     env = {"JOB_COMPLETION_INDEX": str(index)}  # every indexed Job's pod
     if kind == "trainjob":  # Trainer v2's torch plugin
         env |= {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": str(index)}
@@ -130,6 +131,30 @@ def test_two_pods_train_to_the_bits_of_one_node(pods, reference, kind, tmp_path)
         assert "--node-rank 1 (JOB_COMPLETION_INDEX)" in logs(tmp_path, kind)[1]
     if kind == "pytorchjob":  # no agent in the pod: no memory folder, said once
         assert "snapshots in memory are off" in logs(tmp_path, kind)[0]
+
+
+@pytest.mark.parametrize("kind", ["trainjob", "pytorchjob"])
+def test_a_one_pod_job_of_two_processes_trains_without_a_secret(pods, reference, kind, tmp_path):
+    """The manifest ``ddpkit k8s --nodes 1 --nproc 2`` writes mounts no secret; its operator still sets the
+    master's address (the pod's own name). The pod trains on its own, to the bits of one node."""
+    (ns_a, _), _ = pods
+    master = NODE0 if kind == "trainjob" else MASTER
+    env = netns.clean_env() | POD | {"PET_NNODES": "1", "PET_NPROC_PER_NODE": "2", "PET_NODE_RANK": "0"}
+    env |= {"PET_MASTER_ADDR": master, "PET_MASTER_PORT": "29500", "DDPKIT_MEMORY_ROOT": str(tmp_path / "shm")}
+    if kind == "trainjob":
+        env["JOB_COMPLETION_INDEX"] = "0"
+    else:  # training-operator v1.9 (envvar.go) sets these beside the PET_* names
+        env |= {"MASTER_ADDR": master, "MASTER_PORT": "29500", "WORLD_SIZE": "2", "RANK": "0"}
+    (tmp_path / "shm").mkdir()
+    (tmp_path / "log").mkdir()
+    job = [str(tmp_path / "run"), "--log", str(tmp_path / "log"), "--out", str(tmp_path / "one.pt")]
+    cfg = manifests.ManifestConfig(script=JOB, script_args=job, image="-", kind=kind, name="digits", nproc="2")
+    assert manifests.environment(cfg) == []  # no secret named
+    argv = manifests.command(cfg)
+    codes = netns.finish([netns.on(ns_a, [*DDPKIT, *argv[1:]], tmp_path, "one.log", env)], timeout=300)
+    assert codes == [0], (tmp_path / "one.log").read_text()[-3000:]
+    assert bitwise_equal(torch.load(tmp_path / "one.pt", weights_only=False), reference)
+    assert "--rdzv-endpoint" not in (tmp_path / "one.log").read_text()
 
 
 def _recreated(pods, tmp: Path, name: str, disk_every: int) -> tuple[dict, list[dict]]:

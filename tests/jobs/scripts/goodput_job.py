@@ -1,6 +1,6 @@
-"""The goodput benchmark's job: the seeds' CNN on MNIST-shaped data, as the seeds train it or with the Trainer.
+"""The goodput benchmark's job: the DDP tutorials' CNN on MNIST-shaped data, as the DDP tutorials train it or with the Trainer.
 
-``--mode seeds``: a hand-written DDP loop as the seeds wrote it (DistributedSampler, rank 0 saves model and
+``--mode tutorial``: a hand-written DDP loop as the DDP tutorials write it (DistributedSampler, rank 0 saves model and
 optimizer with ``torch.save`` at every epoch end, every rank resumes from that file); run under torchrun.
 ``--mode trainer``: ddpkit's Trainer (snapshots on disk every epoch; ``--memory``: snapshots in memory too, at
 the interval the Trainer chooses); run under ``ddpkit run``.
@@ -70,7 +70,7 @@ class Marks:
 
 
 def synthetic_mnist(n: int, seed: int = 0) -> tuple:
-    """``n`` MNIST-shaped samples (1x28x28 floats, 10 classes a fixed linear teacher assigns): the seeds' data
+    """``n`` MNIST-shaped samples (1x28x28 floats, 10 classes a fixed linear teacher assigns): the DDP tutorials' data
     without a download, the same on every rank."""
     import torch
 
@@ -92,8 +92,8 @@ def read_data(a):
     return torch.utils.data.TensorDataset(x, y)
 
 
-def seeds_loop(a, mark: Timeline) -> None:
-    """The seeds' loop: DistributedSampler, DDP, rank 0 saves at every epoch end, resume from that file."""
+def tutorial_loop(a, mark: Timeline) -> None:
+    """The DDP tutorials' loop: DistributedSampler, DDP, rank 0 saves at every epoch end, resume from that file."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -136,7 +136,7 @@ def seeds_loop(a, mark: Timeline) -> None:
                 mark("first_step", step=step)
             if step % a.log_every == 0:
                 mark("step", step=step)
-        if rank == 0:  # the seeds' snapshot: rank 0, whole file, at the end of the epoch
+        if rank == 0:  # the DDP tutorials' snapshot: rank 0, whole file, at the end of the epoch
             os.makedirs(a.run_dir, exist_ok=True)
             torch.save(
                 {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch + 1},
@@ -186,7 +186,7 @@ def trainer_loop(a, mark: Timeline) -> None:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("run_dir")
-    p.add_argument("--mode", choices=("seeds", "trainer"), default="trainer")
+    p.add_argument("--mode", choices=("tutorial", "trainer"), default="trainer")
     p.add_argument("--memory", action="store_true", help="trainer: keep the snapshots in memory on")
     p.add_argument("--disk-every-steps", type=int, default=None)
     p.add_argument("--samples", type=int, default=60000)
@@ -205,7 +205,7 @@ def main() -> None:
     mark = Timeline(a.timeline)
     mark("proc_start", proc_start())
     mark("script", T_SCRIPT)
-    (seeds_loop if a.mode == "seeds" else trainer_loop)(a, mark)
+    (tutorial_loop if a.mode == "tutorial" else trainer_loop)(a, mark)
 
 
 if __name__ == "__main__":

@@ -187,7 +187,7 @@ def _least_squares(size: int, seed: int = 0) -> tuple[torch.Tensor, float]:
 
 def test_toy_regression_is_learnable_by_a_linear_model():
     coef, mse = _least_squares(4096)
-    assert 0.008 < mse < 0.012  # the noise floor, 0.1 ** 2: unlike the seeds' pure noise
+    assert 0.008 < mse < 0.012  # the noise floor, 0.1 ** 2: unlike the DDP tutorials' pure noise
     # The map depends on the seed alone, not on the size.
     small, _ = _least_squares(512)
     torch.testing.assert_close(small, coef, atol=0.03, rtol=0)

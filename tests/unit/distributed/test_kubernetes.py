@@ -53,6 +53,27 @@ def test_a_pytorchjob_pod_without_torchrun_is_local_rank_0_of_1():
     assert (info.launcher, info.master_addr, info.master_port) == ("pytorchjob", "digits-master-0", 23456)
 
 
+def test_a_pytorchjob_pod_of_v19s_default_nproc_auto_is_one_process_a_pod():
+    """training-operator v1.9 defaults nprocPerNode to "auto" and counts a word as one process a pod in
+    WORLD_SIZE (envvar.go, getNprocPerNodeInt); a number above 1 stays refused (the next test)."""
+    info = read_launch_env(PYTORCHJOB_WORKER | {"PET_NPROC_PER_NODE": "auto"})
+    assert (info.rank, info.local_rank, info.world_size, info.launcher) == (2, 0, 3, "pytorchjob")
+
+
+def test_a_plain_python_process_in_a_pod_set_for_torchrun_is_refused_not_left_to_train_alone():
+    """A TrainJob's pod (PET_* and no RANK) started as `python train.py` would be rank 0 of 1 in every pod."""
+    lone = TRAINJOB_NODE
+    with pytest.raises(ConfigError, match=r"PET_NNODES=2.*`ddpkit run train.py`"):
+        read_launch_env(lone)
+    with pytest.raises(ConfigError, match="PET_NNODES=1:3"):
+        read_launch_env(ELASTIC_WORKER)
+    # Controls: one pod of one process is a world of one; the same variables outside a pod are torchrun's
+    # own options, which a plain process does not read.
+    assert read_launch_env(lone | {"PET_NNODES": "1"}).launcher == "none"
+    outside = {k: v for k, v in lone.items() if not k.startswith("KUBERNETES_")}
+    assert read_launch_env(outside).world_size == 1
+
+
 def test_the_same_variables_outside_kubernetes_stay_an_error():
     """Control: RANK and WORLD_SIZE without LOCAL_RANK on a machine that is not a pod (a leftover export)."""
     outside = {k: v for k, v in PYTORCHJOB_WORKER.items() if not k.startswith("KUBERNETES_")}
@@ -92,6 +113,22 @@ def test_a_trainjob_nodes_variables_become_ddpkit_run_options():
     assert line is not None and "--rdzv-endpoint digits-node-0-0.digits:29500 (PET_MASTER_ADDR:PET_MASTER_PORT)" in line
 
 
+def test_a_one_pod_job_runs_on_its_node_without_a_rendezvous_endpoint():
+    """A TrainJob or PyTorchJob of one pod still gets the master's address; a networked rendezvous there
+    would ask the lone pod for a secret that ``ddpkit k8s`` does not mount for one node."""
+    one_pod = TRAINJOB_NODE | {"PET_NNODES": "1", "PET_NODE_RANK": "0", "JOB_COMPLETION_INDEX": "0"}
+    ours, line = with_environment_defaults(SCRIPT, one_pod)
+    assert ours == ["--nnodes", "1", "--nproc", "1", "train.py"]
+    assert line is not None and "PET_MASTER_ADDR" not in line
+    # Control: two pods keep the endpoint (the same variables, PET_NNODES=2).
+    two, _ = with_environment_defaults(SCRIPT, one_pod | {"PET_NNODES": "2"})
+    assert "--rdzv-endpoint" in two
+    # A typed endpoint stands, and so does an elastic job that may grow past one node.
+    typed = ["--rdzv-endpoint", "digits-node-0-0.digits:29500", *SCRIPT]
+    assert "--node-rank" in with_environment_defaults(typed, one_pod)[0]
+    assert "--rdzv-endpoint" in with_environment_defaults(SCRIPT, ELASTIC_WORKER | {"PET_NNODES": "1:2"})[0]
+
+
 def test_an_elastic_pytorchjobs_variables_become_ddpkit_run_options():
     ours, _ = with_environment_defaults(SCRIPT, ELASTIC_WORKER)
     assert ours == [
@@ -125,6 +162,39 @@ def test_jobsets_completion_index_is_the_node_rank_of_a_fixed_size_job_only():
     # A JobSet of several Jobs: the index counts pods within one Job, so a typed node rank stands.
     typed = ["--nnodes", "4", "--node-rank", "3", "--rdzv-endpoint", "j:29500", *SCRIPT]
     assert with_environment_defaults(typed, jobset_pod) == (typed, None)
+
+
+def test_the_jobs_rendezvous_settings_are_taken_and_its_join_timeout_is_ddpkit_runs():
+    env = ELASTIC_WORKER | {"PET_RDZV_CONF": "join_timeout=1800, last_call_timeout=60"}
+    ours, line = with_environment_defaults(SCRIPT, env)
+    assert ours[-5:] == ["--join-timeout", "1800", "--rdzv-conf", "last_call_timeout=60", "train.py"]
+    assert line is not None and "(PET_RDZV_CONF)" in line
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("PET_NNODES", "two", "PET_NNODES='two', set in this pod's environment: use a number of nodes"),
+        ("PET_NODE_RANK", "x", "PET_NODE_RANK='x', set in this pod's environment: use this node's rank"),
+        ("PET_NPROC_PER_NODE", "-1", "PET_NPROC_PER_NODE='-1', set in this pod's environment"),
+    ],
+)
+def test_a_wrong_operator_variable_is_named_as_the_variable(name, value, message):
+    with pytest.raises(ConfigError, match=message):
+        with_environment_defaults(SCRIPT, TRAINJOB_NODE | {name: value})
+
+
+def test_a_typed_number_agrees_with_the_operators_in_any_spelling():
+    ours, _ = with_environment_defaults(["--node-rank", "01", *SCRIPT], TRAINJOB_NODE)
+    assert ours[:2] == ["--node-rank", "01"] and ours.count("--node-rank") == 1
+    with pytest.raises(ConfigError, match="--node-rank 0 disagrees with PET_NODE_RANK=1"):  # control
+        with_environment_defaults(["--node-rank", "0", *SCRIPT], TRAINJOB_NODE)
+
+
+def test_the_launch_line_says_kubernetes_only_in_a_pod():
+    outside = {k: v for k, v in TRAINJOB_NODE.items() if not k.startswith("KUBERNETES_")}
+    assert "from the environment: --nnodes 2" in (with_environment_defaults(SCRIPT, outside)[1] or "")
+    assert "(Kubernetes)" in (with_environment_defaults(SCRIPT, TRAINJOB_NODE)[1] or "")
 
 
 def test_no_operator_variables_change_nothing():

@@ -32,6 +32,8 @@ CASES = {  # golden file -> command line
     "jobset-2-nodes": ["--kind", "jobset", "--image", "reg/train:1", "--nodes", "2", "--namespace", "ml",
                        "--env", "OMP_NUM_THREADS=4", "train.py"],
     "jobset-1-node": ["--kind", "jobset", "--image", "reg/train:1", "--name", "solo", "train.py"],
+    "trainjob-1-node-cpu": ["--image", "reg/train:1", "--cpu", "6", "--memory", "16Gi", "--shm-size", "2Gi",
+                            "train.py"],
 }  # fmt: skip
 
 
@@ -137,11 +139,40 @@ def test_a_pytorchjobs_preempted_pod_exits_with_a_code_its_exit_code_policy_retr
         (["--memory", "32GB"], "--memory '32GB': use a Kubernetes quantity"),
         (["--nproc", "0"], "--nproc '0': use auto, gpu, or a number"),
         (["--env", "1X=2"], "--env '1X=2': use NAME=VALUE"),
+        (["--memory", "500m"], "--memory '500m': use a Kubernetes quantity (32Gi"),  # half a byte
+        (["--shm-size", "1500m"], "--shm-size '1500m': use a Kubernetes quantity"),
+        (["--memory", "4Gi", "--shm-size", "8Gi"], "--shm-size 8Gi is more than --memory 4Gi"),
+        (["--namespace", "My NS"], "--namespace 'My NS': use lowercase letters"),
+        (["--secret", "Bad_Secret"], "--secret 'Bad_Secret': a Kubernetes object's name"),
+        (["--pvc", "runs pvc"], "--pvc 'runs pvc': a Kubernetes object's name"),
+        (["--image", ""], "--image '': give the container image"),
+        (["--run-mount", "/dev/shm"], "--run-mount '/dev/shm': /dev/shm is mounted there already"),
+        (["--nodes", "2", "--run-mount", "/etc/ddpkit"], "/etc/ddpkit/rdzv is mounted there already"),
+        (["--kind", "jobset", "--nproc", "gpu"], "--nproc gpu: give --gpus-per-node N"),
+        (["--gpus-per-node", "-1"], "--gpus-per-node -1: use 0 to 64"),
+        (["--max-restarts", "-1"], "--max-restarts -1: use 0 to 1000"),
     ],
 )
 def test_bad_options_name_what_to_change(args, message):
+    image = [] if "--image" in args else ["--image", "reg/train:1"]
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
-        k8s.main(["--dry-run", "--image", "reg/train:1", *args, "train.py"])
+        k8s.main(["--dry-run", *image, *args, "train.py"])
+
+
+def test_a_name_made_from_the_script_is_blamed_on_the_script_not_on_name():
+    with pytest.raises(ConfigError, match="the script's name gives 'job-1234.*pass --name"):
+        k8s.main(["--dry-run", "--image", "reg/train:1", "1234567890123456789012345678901234567890.py"])
+
+
+def test_a_trainjob_on_cpus_runs_ddpkit_runs_auto_not_one_process_per_cpu():
+    """Trainer's own "auto" without GPUs is one process per requested CPU; ddpkit run's, up to 8."""
+
+    def procs(*args: str) -> int | None:
+        cfg = mf.ManifestConfig(script="t.py", image="i", nodes=2, **dict(zip(args[::2], args[1::2])))
+        return mf.manifests(cfg)[1]["spec"]["trainer"].get("numProcPerNode")
+
+    assert (procs("cpu", "32"), procs("cpu", "7500m"), procs("cpu", "500m")) == (8, 8, 1)
+    assert procs("nproc", "3", "cpu", "32") == 3 and procs() is None  # typed; or no CPU given: Trainer's one
 
 
 def test_the_file_is_written_whole_with_the_commands_to_apply_it(tmp_path, capsys, monkeypatch):
