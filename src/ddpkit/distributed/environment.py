@@ -271,7 +271,6 @@ def _read_ranks(env: Mapping[str, str]) -> LaunchEnv:
         return _mpi_env(env, mpi_vars)
     if _is_slurm_task(env):
         return _slurm_env(env)
-    kubernetes.check_not_alone_in_torchrun_pod(env)
     return LaunchEnv()
 
 
@@ -341,15 +340,48 @@ def mpi_rendezvous_address() -> tuple[str, int]:
 
 
 def cpu_count(env: Mapping[str, str] | None = None) -> int:
-    """Cores this process may use: the scheduler's grant (SGE ``NSLOTS``, ``SLURM_CPUS_ON_NODE``) or affinity."""
+    """Cores this process may use: the scheduler's grant (SGE ``NSLOTS``, ``SLURM_CPUS_ON_NODE``), else its
+    affinity within its cgroup's CPU quota (a container's CPU limit, rounded up)."""
     env = os.environ if env is None else env
     for name in ("NSLOTS", "SLURM_CPUS_ON_NODE"):
         if env.get(name, "").isdigit() and int(env[name]) > 0:
             return int(env[name])
     try:
-        return len(os.sched_getaffinity(0))
+        count = len(os.sched_getaffinity(0))
     except AttributeError:  # macOS, Windows
-        return os.cpu_count() or 1
+        count = os.cpu_count() or 1
+    quota = cgroup_cpu_quota()
+    return count if quota is None else max(1, min(count, math.ceil(quota)))
+
+
+def cgroup_cpu_quota(root: str = "/sys/fs/cgroup", membership: str = "/proc/self/cgroup") -> float | None:
+    """The CPUs this process's cgroup v2 quota allows (``cpu.max`` of its cgroup and of every parent, the
+    tightest), or None without one.
+
+    A Kubernetes pod's CPU limit is such a quota, while affinity still shows every core of the node: without
+    it, ``--nproc auto`` in a pod limited to 2 CPUs of a 64-core node would start 8 processes of 8 threads
+    each. Python's ``os.process_cpu_count`` and torch read affinity only, so this small read is ddpkit's own.
+    cgroup v1 hierarchies are not read (Kubernetes has kept them in maintenance only since 1.31)."""
+    try:
+        lines = open(membership).read().splitlines()
+    except OSError:
+        return None
+    path = next((line[3:] for line in lines if line.startswith("0::")), None)
+    if path is None:
+        return None
+    top = os.path.abspath(root)
+    node, limits = os.path.abspath(os.path.join(top, path.lstrip("/"))), []
+    while node.startswith(top):
+        try:
+            quota, period = open(os.path.join(node, "cpu.max")).read().split()[:2]
+            if quota != "max":
+                limits.append(int(quota) / int(period))
+        except (OSError, ValueError, ZeroDivisionError):
+            pass
+        if node == top:
+            break
+        node = os.path.dirname(node)
+    return min(limits) if limits else None
 
 
 def scheduler(env: Mapping[str, str] | None = None) -> str | None:

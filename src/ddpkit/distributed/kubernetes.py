@@ -3,9 +3,9 @@
 - **PyTorchJob** (Kubeflow training-operator v1), one process per pod (``python train.py``): the operator sets
   ``MASTER_ADDR`` (the master replica's service), ``MASTER_PORT``, ``WORLD_SIZE`` (pods) and ``RANK`` (the
   pod's), and no ``LOCAL_RANK``. :func:`~ddpkit.distributed.environment.read_launch_env` reads that as
-  launcher ``"pytorchjob"``: local rank 0 of 1. With ``nprocPerNode`` the same job is meant for torchrun
-  (``WORLD_SIZE`` counts processes, not pods), so a lone process there is refused rather than left waiting for
-  ranks that never come.
+  launcher ``"pytorchjob"``: local rank 0 of 1. With a number above 1 as ``nprocPerNode`` the same job is meant
+  for torchrun (``WORLD_SIZE`` counts processes, not pods), so a lone process there is refused rather than left
+  waiting for ranks that never come; a word (``auto``, the operator's default) counts one process a pod.
 - **PyTorchJob with an elastic policy or ``nprocPerNode``, and TrainJob** (Kubeflow Trainer v2, whose
   ``torch-distributed`` runtime runs torchrun): torchrun's options as ``PET_*`` variables. torchrun reads them
   itself; ``ddpkit run`` takes them as the defaults of its own options (:func:`launch_defaults`).
@@ -73,23 +73,29 @@ def check_one_process_per_pod(env: Mapping[str, str]) -> None:
     process a pod in the operator's ``WORLD_SIZE`` (a number is multiplied in, a word is not), so a lone
     ``python train.py`` in each pod is the world the operator announced."""
     nproc = env.get("PET_NPROC_PER_NODE", "1")
-    if nproc.isdigit() and int(nproc) != 1 or "PET_RDZV_ENDPOINT" in env or ":" in env.get("PET_NNODES", ""):
+    elastic = "PET_RDZV_ENDPOINT" in env or ":" in env.get("PET_NNODES", "")
+    if nproc.isdigit() and int(nproc) != 1 or elastic:
         raise ConfigError(
-            f"this pod's PyTorchJob starts torchrun's processes (PET_NPROC_PER_NODE={nproc}"
-            + (", an elastic policy" if "PET_RDZV_ENDPOINT" in env else "")
+            "this pod's PyTorchJob starts torchrun's processes ("
+            + (
+                f"an elastic policy, PET_NNODES={env.get('PET_NNODES', '')[:20]}"
+                if elastic
+                else f"PET_NPROC_PER_NODE={nproc}"
+            )
             + "), but this process was started alone: make the container's command `ddpkit run train.py` "
-            "(or torchrun), which reads the PET_* variables, or set nprocPerNode to 1"
+            "(or torchrun), which reads the PET_* variables" + ("" if elastic else ", or set nprocPerNode to 1")
         )
 
 
 def check_not_alone_in_torchrun_pod(env: Mapping[str, str]) -> None:
-    """Refuse a process with no launcher in a pod whose job is meant for torchrun across several pods or
-    processes (a TrainJob's ``PET_*`` with no ``RANK``, an elastic PyTorchJob's workers): started as
-    ``python train.py``, every pod would train alone as rank 0, and nothing would say so."""
-    if not in_pod(env) or "PET_NNODES" not in env:
+    """Refuse :func:`ddpkit.init` with no launcher and no process group in a pod whose job is meant for
+    torchrun across several pods or processes (a TrainJob's ``PET_*`` with no ``RANK``, an elastic
+    PyTorchJob's workers): started as ``python train.py``, every pod would train alone as rank 0, and nothing
+    would say so. A group the script made itself (``mp.spawn``) is not asked about."""
+    nnodes, nproc = env.get("PET_NNODES", "").strip(), env.get("PET_NPROC_PER_NODE", "1").strip()
+    if not in_pod(env) or not nnodes:
         return
-    nnodes, nproc = env["PET_NNODES"].strip(), env.get("PET_NPROC_PER_NODE", "1").strip()
-    if nnodes in ("1", "1:1") and (not nproc.isdigit() or int(nproc) == 1):
+    if one_node(nnodes) and (not nproc.isdigit() or int(nproc) == 1):
         return  # one pod of one process: a world of one, as started
     raise ConfigError(
         f"this pod's job is set for torchrun (PET_NNODES={nnodes[:20]}, PET_NPROC_PER_NODE={nproc[:20]}), but this "
@@ -132,19 +138,39 @@ def launch_defaults(env: Mapping[str, str], cpu_count: int) -> list[LaunchDefaul
             if name == "PET_NPROC_PER_NODE" and value == "cpu":  # torchrun: one per core
                 value = str(cpu_count)
             found.append(LaunchDefault(option, value, name))
-    if env.get("PET_RDZV_CONF"):  # torchrun's --rdzv-conf: its join_timeout is ddpkit run's --join-timeout
-        items = [item.strip() for item in env["PET_RDZV_CONF"].split(",") if item.strip()]
-        join = [item.partition("=")[2] for item in items if item.partition("=")[0] == "join_timeout"]
-        if join:
-            found.append(LaunchDefault("--join-timeout", join[-1], "PET_RDZV_CONF"))
-        if rest := [item for item in items if item.partition("=")[0] != "join_timeout"]:
-            found.append(LaunchDefault("--rdzv-conf", ",".join(rest), "PET_RDZV_CONF"))
+    if env.get("PET_RDZV_CONF", "").strip():
+        found += _rdzv_conf(env["PET_RDZV_CONF"])
     if "PET_RDZV_ENDPOINT" not in env and env.get("PET_MASTER_ADDR") and env.get("PET_MASTER_PORT"):
         endpoint = f"{env['PET_MASTER_ADDR']}:{env['PET_MASTER_PORT']}"
         found.append(LaunchDefault("--rdzv-endpoint", endpoint, "PET_MASTER_ADDR:PET_MASTER_PORT"))
     if "PET_NODE_RANK" not in env and re.fullmatch("[0-9]{1,7}", env.get("JOB_COMPLETION_INDEX", "")):
         found.append(LaunchDefault("--node-rank", env["JOB_COMPLETION_INDEX"], "JOB_COMPLETION_INDEX"))
     return found
+
+
+def _rdzv_conf(text: str) -> list[LaunchDefault]:
+    """torchrun's ``--rdzv-conf`` from ``PET_RDZV_CONF``: its ``join_timeout`` is ``ddpkit run``'s
+    ``--join-timeout`` (which also bounds the wait for the host), the other settings go to the rendezvous."""
+    pairs = [(key.strip(), value.strip()) for key, _, value in (item.partition("=") for item in text.split(","))]
+    for key, value in pairs:
+        if not (re.fullmatch("[A-Za-z_][A-Za-z0-9_]*", key) and re.fullmatch("[^=]+", value)):
+            raise ConfigError(
+                f"PET_RDZV_CONF={text[:80]!r}, set in this pod's environment: use KEY=VALUE[,KEY=VALUE] (the job's "
+                "spec sets it)"
+            )
+    found = []
+    if join := [value for key, value in pairs if key == "join_timeout"]:
+        if not re.fullmatch(r"[0-9]+(\.[0-9]*)?", join[-1]):
+            raise ConfigError(f"PET_RDZV_CONF's join_timeout={join[-1][:20]!r}: use a number of seconds")
+        found.append(LaunchDefault("--join-timeout", join[-1], "PET_RDZV_CONF's join_timeout"))
+    if rest := [f"{key}={value}" for key, value in pairs if key != "join_timeout"]:
+        found.append(LaunchDefault("--rdzv-conf", ",".join(rest), "PET_RDZV_CONF"))
+    return found
+
+
+def one_node(nnodes: str) -> bool:
+    """``--nnodes`` / ``PET_NNODES`` of a job that never has more than one node."""
+    return re.fullmatch(r"0*1(:0*1)?", nnodes.strip()) is not None
 
 
 def resolve_options(
@@ -165,7 +191,7 @@ def resolve_options(
     taken: list[LaunchDefault] = []
     for default in defaults:
         typed = given.get(default.option)
-        if typed is None:
+        if typed is None or default.option == "--rdzv-conf":  # repeatable: the job's settings, then the typed
             if not any(t.option == default.option for t in taken):
                 taken.append(default)
         elif default.source != "JOB_COMPLETION_INDEX" and not _same(default.option, typed, default.value):
@@ -177,17 +203,19 @@ def resolve_options(
     nnodes = given.get("--nnodes") or next((t.value for t in taken if t.option == "--nnodes"), "1")
     fixed_size_nodes = ":" not in nnodes and nnodes != "1"
     taken = [t for t in taken if t.source != "JOB_COMPLETION_INDEX" or fixed_size_nodes]
-    if nnodes.strip() in ("1", "1:1") and "--rdzv-endpoint" not in given:
+    if one_node(nnodes) and "--rdzv-endpoint" not in given:
         taken = [t for t in taken if t.option not in ("--rdzv-endpoint", "--rdzv-id", "--node-rank")]
     return {t.option: t.value for t in taken}, taken
 
 
 def _same(option: str, typed: str, value: str) -> bool:
+    typed, value = typed.strip(), value.strip()
     if option == "--nnodes" and ":" in value and ":" not in typed:
         typed = f"{typed}:{typed}"
-    if re.fullmatch(r"[0-9]+(:[0-9]+)?", typed.strip()) and re.fullmatch(r"[0-9]+(:[0-9]+)?", value.strip()):
-        return [int(n) for n in typed.split(":")] == [int(n) for n in value.split(":")]  # 01 is 1
-    return typed.strip() == value.strip()
+    try:  # numbers as numbers: 01 is 1, 600 is 600.0
+        return [float(n) for n in typed.split(":")] == [float(n) for n in value.split(":")]
+    except ValueError:
+        return typed == value
 
 
 def summary(taken: list[LaunchDefault], env: Mapping[str, str]) -> str:

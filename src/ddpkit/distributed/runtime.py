@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddpkit.distributed import kubernetes
 from ddpkit.distributed.environment import (
     LAUNCHER_NAMES,
     LaunchEnv,
@@ -138,6 +139,8 @@ def init(
         timeout = timedelta(seconds=launch.collective_timeout) if launch.collective_timeout else DEFAULT_TIMEOUT
     dev = _pick_device(launch, device)
     if launch.launcher == "none":
+        if not (dist.is_available() and dist.is_initialized()):  # no launcher, no group made by hand
+            kubernetes.check_not_alone_in_torchrun_pod(os.environ)
         if backend is not None:
             _pick_backend(dev, backend)  # still reject nccl without GPUs, as a real launch would
         _runtime = Runtime(0, 0, 1, 1, dev, None, "none")

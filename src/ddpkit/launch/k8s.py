@@ -90,7 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--gpus-per-node", type=int, default=0, help="GPUs per node (nvidia.com/gpu; default 0)")
     add("--cpu", default=None, help="CPU per node, e.g. 8 or 7500m")
     add("--memory", default=None, help="memory per node, e.g. 32Gi (includes /dev/shm)")
-    add("--shm-size", default="8Gi", help="/dev/shm for the snapshots in memory (default 8Gi)")
+    add(
+        "--shm-size",
+        default=None,
+        help="/dev/shm for the snapshots in memory (default 8Gi, or half of --memory below 16Gi)",
+    )
     add("--secret", default=None, help="the Secret with the rendezvous secret (default NAME-rdzv)")
     add("--pvc", default=None, help="a ReadWriteMany claim mounted on every pod, for the run directory")
     add("--run-mount", default="/runs", help="where --pvc is mounted (default /runs)")

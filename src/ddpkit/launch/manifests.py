@@ -23,6 +23,7 @@ Disk snapshots outlive a recreated pod only on a volume every pod mounts (``--pv
 from __future__ import annotations
 
 import math
+import posixpath
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,8 +82,9 @@ class ManifestConfig:
     """CPU per node (a Kubernetes quantity: ``8``, ``7500m``), requested and limited."""
     memory: str | None = None
     """Memory per node (``32Gi``), requested and limited; ``/dev/shm`` counts against it."""
-    shm_size: str = "8Gi"
-    """The ``/dev/shm`` volume's size limit: two copies of each rank's model and optimizer state."""
+    shm_size: str | None = None
+    """The ``/dev/shm`` volume's size limit: two copies of each rank's model and optimizer state. By default
+    8Gi, or half of ``memory`` where that is less than 16Gi."""
     secret: str | None = None
     """The Kubernetes Secret holding the job's rendezvous secret under the key ``rdzv-secret`` (nodes > 1);
     ``<name>-rdzv`` by default."""
@@ -130,7 +132,10 @@ class ManifestConfig:
         if self.cpu is not None:
             quantity("--cpu", self.cpu)
         memory = None if self.memory is None else quantity("--memory", self.memory, whole=True)
-        if memory is not None and quantity("--shm-size", self.shm_size, whole=True) > memory:
+        if self.shm_size is None:
+            half = None if memory is None else memory / 2
+            self.shm_size = "8Gi" if half is None or half >= 8 * 2**30 else f"{max(1, int(half // 2**20))}Mi"
+        elif memory is not None and quantity("--shm-size", self.shm_size, whole=True) > memory:
             raise ConfigError(
                 f"--shm-size {self.shm_size} is more than --memory {self.memory}, which /dev/shm counts against: "
                 "raise --memory or lower --shm-size"
@@ -149,11 +154,17 @@ class ManifestConfig:
                 raise ConfigError(f"--env {item[:60]!r}: use NAME=VALUE")
         if not self.run_mount.startswith("/"):
             raise ConfigError(f"--run-mount {self.run_mount!r}: an absolute path in the container")
-        mount = Path(self.run_mount)
-        taken = ["/dev/shm"] + ([SECRET_DIR] if self.nodes > 1 else [])
-        for other in taken:
-            if mount == Path(other) or Path(other).is_relative_to(mount) or mount.is_relative_to(other):
-                raise ConfigError(f"--run-mount {self.run_mount!r}: {other} is mounted there already; use another path")
+        # Only --pvc is mounted at --run-mount. Two volumes at one path are refused by Kubernetes; one inside the
+        # other would hide it (the secret under the runs' claim) or put the runs in memory.
+        mount = posixpath.normpath("/" + self.run_mount.lstrip("/"))
+        others = ["/dev/shm"] + ([SECRET_DIR] if self.nodes > 1 else [])
+        for other in others if self.pvc else []:
+            if mount == other or (mount + "/").startswith(other + "/") or (other + "/").startswith(mount + "/"):
+                raise ConfigError(
+                    f"--run-mount {self.run_mount!r}: overlaps the volume at {other}; mount the runs elsewhere "
+                    "(default /runs)"
+                )
+        self.run_mount = mount
 
     @property
     def secret_name(self) -> str:

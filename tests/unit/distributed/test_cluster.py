@@ -380,3 +380,33 @@ def test_cpu_count_default_is_affinity():
 )
 def test_scheduler(env, expected):
     assert scheduler(env) == expected
+
+
+def test_a_cgroup_cpu_quota_bounds_the_cores(tmp_path):
+    """A pod limited to 1.5 CPUs (cgroup v2 ``cpu.max`` 150000/100000), under a parent limited to 4: 1.5.
+    Control: no quota anywhere on the path (``max``) is no bound."""
+    from ddpkit.distributed.environment import cgroup_cpu_quota
+
+    pod = tmp_path / "kubepods" / "pod1" / "ctr"
+    pod.mkdir(parents=True)
+    (tmp_path / "kubepods" / "cpu.max").write_text("400000 100000\n")
+    (pod / "cpu.max").write_text("150000 100000\n")
+    membership = tmp_path / "cgroup"
+    membership.write_text("0::/kubepods/pod1/ctr\n")
+    assert cgroup_cpu_quota(str(tmp_path), str(membership)) == 1.5
+    (pod / "cpu.max").write_text("max 100000\n")
+    assert cgroup_cpu_quota(str(tmp_path), str(membership)) == 4.0
+    (tmp_path / "kubepods" / "cpu.max").write_text("max 100000\n")
+    assert cgroup_cpu_quota(str(tmp_path), str(membership)) is None
+    membership.write_text("4:memory:/x\n1:cpu:/\n")  # cgroup v1 only: not read
+    assert cgroup_cpu_quota(str(tmp_path), str(membership)) is None
+
+
+def test_cpu_count_takes_the_quota_under_the_affinity(monkeypatch):
+    from ddpkit.distributed import environment
+
+    monkeypatch.setattr(environment, "cgroup_cpu_quota", lambda: 0.5)
+    assert cpu_count({}) == 1  # half a CPU: one process's worth
+    monkeypatch.setattr(environment, "cgroup_cpu_quota", lambda: 10_000.0)
+    assert cpu_count({}) == len(os.sched_getaffinity(0))  # a quota above the cores bounds nothing
+    assert cpu_count({"NSLOTS": "6"}) == 6  # a scheduler's grant comes first

@@ -3,9 +3,14 @@ pods as network namespaces, are in ``tests/jobs/launch/test_kubernetes.py``)."""
 
 from __future__ import annotations
 
-import pytest
+import os
 
+import pytest
+import torch.distributed as dist
+
+import ddpkit
 from ddpkit.distributed import kubernetes as k8s
+from ddpkit.distributed import runtime
 from ddpkit.distributed.environment import read_launch_env
 from ddpkit.errors import ConfigError
 from ddpkit.launch.environment_defaults import typed_options, with_environment_defaults
@@ -60,18 +65,37 @@ def test_a_pytorchjob_pod_of_v19s_default_nproc_auto_is_one_process_a_pod():
     assert (info.rank, info.local_rank, info.world_size, info.launcher) == (2, 0, 3, "pytorchjob")
 
 
-def test_a_plain_python_process_in_a_pod_set_for_torchrun_is_refused_not_left_to_train_alone():
+def _init_in(monkeypatch, env: dict[str, str]):
+    """ddpkit.init() in a process whose environment is ``env`` alone (no launcher: no process group made)."""
+    monkeypatch.setattr(os, "environ", dict(env))
+    try:
+        return ddpkit.init()
+    finally:
+        runtime.forget()
+
+
+def test_a_plain_python_process_in_a_pod_set_for_torchrun_is_refused_not_left_to_train_alone(monkeypatch):
     """A TrainJob's pod (PET_* and no RANK) started as `python train.py` would be rank 0 of 1 in every pod."""
-    lone = TRAINJOB_NODE
     with pytest.raises(ConfigError, match=r"PET_NNODES=2.*`ddpkit run train.py`"):
-        read_launch_env(lone)
+        _init_in(monkeypatch, TRAINJOB_NODE)
     with pytest.raises(ConfigError, match="PET_NNODES=1:3"):
-        read_launch_env(ELASTIC_WORKER)
+        _init_in(monkeypatch, ELASTIC_WORKER)
     # Controls: one pod of one process is a world of one; the same variables outside a pod are torchrun's
     # own options, which a plain process does not read.
-    assert read_launch_env(lone | {"PET_NNODES": "1"}).launcher == "none"
-    outside = {k: v for k, v in lone.items() if not k.startswith("KUBERNETES_")}
-    assert read_launch_env(outside).world_size == 1
+    assert _init_in(monkeypatch, TRAINJOB_NODE | {"PET_NNODES": "01"}).world_size == 1
+    outside = {k: v for k, v in TRAINJOB_NODE.items() if not k.startswith("KUBERNETES_")}
+    assert _init_in(monkeypatch, outside).world_size == 1
+
+
+def test_a_process_group_the_script_made_itself_is_not_refused_in_such_a_pod(monkeypatch):
+    """The tutorials' mp.spawn children make their group with init_process_group and carry no RANK."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert _init_in(monkeypatch, TRAINJOB_NODE).world_size == 1
+        monkeypatch.setattr(os, "environ", dict(TRAINJOB_NODE))
+        assert runtime.get_runtime().world_size == 1  # and without init
+    finally:
+        dist.destroy_process_group()
 
 
 def test_the_same_variables_outside_kubernetes_stay_an_error():
@@ -168,7 +192,18 @@ def test_the_jobs_rendezvous_settings_are_taken_and_its_join_timeout_is_ddpkit_r
     env = ELASTIC_WORKER | {"PET_RDZV_CONF": "join_timeout=1800, last_call_timeout=60"}
     ours, line = with_environment_defaults(SCRIPT, env)
     assert ours[-5:] == ["--join-timeout", "1800", "--rdzv-conf", "last_call_timeout=60", "train.py"]
-    assert line is not None and "(PET_RDZV_CONF)" in line
+    assert line is not None and "(PET_RDZV_CONF)" in line and "(PET_RDZV_CONF's join_timeout)" in line
+    # --rdzv-conf is repeatable: a typed one is added to the job's; a typed --join-timeout must agree.
+    typed, _ = with_environment_defaults(["--rdzv-conf", "read_timeout=9", "--join-timeout", "1800.0", *SCRIPT], env)
+    assert typed.count("--rdzv-conf") == 2 and typed.count("--join-timeout") == 1
+    with pytest.raises(ConfigError, match="--join-timeout 60 disagrees with PET_RDZV_CONF's join_timeout=1800"):
+        with_environment_defaults(["--join-timeout", "60", *SCRIPT], env)
+
+
+@pytest.mark.parametrize("conf", ["join_timeout=abc", "read_timeout=", "last_call_timeout"])
+def test_a_wrong_rdzv_conf_is_named_as_the_variable(conf):
+    with pytest.raises(ConfigError, match="PET_RDZV_CONF"):
+        with_environment_defaults(SCRIPT, ELASTIC_WORKER | {"PET_RDZV_CONF": conf})
 
 
 @pytest.mark.parametrize(

@@ -146,8 +146,9 @@ def test_a_pytorchjobs_preempted_pod_exits_with_a_code_its_exit_code_policy_retr
         (["--secret", "Bad_Secret"], "--secret 'Bad_Secret': a Kubernetes object's name"),
         (["--pvc", "runs pvc"], "--pvc 'runs pvc': a Kubernetes object's name"),
         (["--image", ""], "--image '': give the container image"),
-        (["--run-mount", "/dev/shm"], "--run-mount '/dev/shm': /dev/shm is mounted there already"),
-        (["--nodes", "2", "--run-mount", "/etc/ddpkit"], "/etc/ddpkit/rdzv is mounted there already"),
+        (["--pvc", "runs", "--run-mount", "//dev/shm"], "--run-mount '//dev/shm': overlaps the volume at /dev/shm"),
+        (["--pvc", "runs", "--run-mount", "/runs/../dev/shm/x"], "overlaps the volume at /dev/shm"),
+        (["--pvc", "runs", "--nodes", "2", "--run-mount", "/etc/ddpkit"], "overlaps the volume at /etc/ddpkit/rdzv"),
         (["--kind", "jobset", "--nproc", "gpu"], "--nproc gpu: give --gpus-per-node N"),
         (["--gpus-per-node", "-1"], "--gpus-per-node -1: use 0 to 64"),
         (["--max-restarts", "-1"], "--max-restarts -1: use 0 to 1000"),
@@ -157,6 +158,17 @@ def test_bad_options_name_what_to_change(args, message):
     image = [] if "--image" in args else ["--image", "reg/train:1"]
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         k8s.main(["--dry-run", *image, *args, "train.py"])
+
+
+def test_shm_defaults_within_memory_and_run_mount_is_checked_only_with_a_claim():
+    def cfg(**kw):
+        return mf.ManifestConfig(script="t.py", image="i", **kw)
+
+    assert cfg().shm_size == "8Gi" and cfg(memory="32Gi").shm_size == "8Gi"
+    assert cfg(memory="4Gi").shm_size == "2048Mi"  # 8Gi would be more than the pod may use
+    assert cfg(run_mount="/dev/shm").run_mount == "/dev/shm"  # no --pvc: nothing is mounted there
+    assert cfg(pvc="runs", run_mount="/data//runs/").run_mount == "/data/runs"
+    assert cfg(pvc="runs", run_mount="/dev/shmx").run_mount == "/dev/shmx"  # a neighbour, not inside
 
 
 def test_a_name_made_from_the_script_is_blamed_on_the_script_not_on_name():
