@@ -80,6 +80,17 @@ def stop_signals(on_signal: Callable[[int], None]) -> Iterator[None]:
             signal.signal(signum, handler)
 
 
+def pass_on(signum: int) -> None:
+    """Deliver ``signum`` (0: none) again, to the handlers in place now that ``fit()`` has put back its own.
+
+    A stop signal that lands after the ranks' last agreement comes too late to stop training, which ends as
+    planned; dropped there, it would be lost for what runs next (a search going on to its next candidates while
+    its launcher waits for it to stop). Passed on, SIGTERM's default ends the process, and a SIGUSR1 held by
+    :func:`hold_stop_signals` stops the next ``fit()``."""
+    if signum:
+        signal.raise_signal(signum)
+
+
 def preemption_notice(launcher: str, group: Any = None) -> Callable[[], str | None] | None:
     """Where the launcher warns of a pre-emption by a call rather than a signal: a function that asks it,
     returning the notice in words (None while there is none). None where there is nothing to ask.

@@ -252,6 +252,7 @@ class Trainer:
         call(self.callbacks, "on_fit_end", self)
         if self.stopped_by != StopReason.SIGNAL:
             print0(run_summary(str(reason), self.state, last, self.validation, self.run_dir), group=self.group)
+            signals.pass_on(self._stop_signal)  # one that came after the last agreement, too late to stop it
         elif cfg.raise_on_stop_signal:
             preempted = Preempted.by(self._stop_signal, self.step)
             print0(

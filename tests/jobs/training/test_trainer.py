@@ -409,3 +409,31 @@ def test_a_stop_signal_before_fit_is_held_and_stops_every_rank_in_fit(tmp_path):
     for r in results:
         assert r["preempted"] == 75 and r["stopped_by"] == "signal"
         assert r["step"] == 4  # the first agreement spread rank 1's held signal
+
+
+class _SignalAfterTheLastAgreement:
+    """SIGUSR1 to rank 1 at the end of the last epoch: after the ranks' last agreement, too late to stop."""
+
+    def on_epoch_end(self, trainer, metrics) -> None:
+        if trainer.runtime.rank == 1 and trainer.epoch == trainer.config.epochs:
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+
+def _train_then_pending(run_dir: str) -> tuple[str, str | None]:
+    from ddpkit.distributed import signals
+
+    out = train(run_dir, epochs=2, callbacks=(_SignalAfterTheLastAgreement(),))
+    pending = signals.pending_stop_signal()
+    return out["stopped_by"], None if pending is None else pending.name
+
+
+def test_a_stop_signal_after_the_last_agreement_is_passed_on_not_lost(tmp_path, monkeypatch):
+    """Training ends as planned on both ranks, and rank 1's signal is held for what runs next (a search's next
+    candidate stops at once; a SIGTERM ends the process). Control: with nothing passed on, it is lost."""
+    results = ddpkit.spawn(functools.partial(_train_then_pending, str(tmp_path / "run")), 2)
+    assert results == [("epochs", None), ("epochs", "SIGUSR1")]
+    from ddpkit.distributed import signals
+
+    monkeypatch.setattr(signals, "pass_on", lambda signum: None)  # fork: the children get the patched module
+    lost = ddpkit.spawn(functools.partial(_train_then_pending, str(tmp_path / "control")), 2)
+    assert lost == [("epochs", None), ("epochs", None)]
