@@ -363,7 +363,8 @@ def cgroup_cpu_quota(root: str = "/sys/fs/cgroup", membership: str = "/proc/self
     each. Python's ``os.process_cpu_count`` and torch read affinity only, so this small read is ddpkit's own.
     cgroup v1 hierarchies are not read (Kubernetes has kept them in maintenance only since 1.31)."""
     try:
-        lines = open(membership).read().splitlines()
+        with open(membership) as f:
+            lines = f.read().splitlines()
     except OSError:
         return None
     path = next((line[3:] for line in lines if line.startswith("0::")), None)
@@ -373,7 +374,8 @@ def cgroup_cpu_quota(root: str = "/sys/fs/cgroup", membership: str = "/proc/self
     node, limits = os.path.abspath(os.path.join(top, path.lstrip("/"))), []
     while node.startswith(top):
         try:
-            quota, period = open(os.path.join(node, "cpu.max")).read().split()[:2]
+            with open(os.path.join(node, "cpu.max")) as f:
+                quota, period = f.read().split()[:2]
             if quota != "max":
                 limits.append(int(quota) / int(period))
         except (OSError, ValueError, ZeroDivisionError):
