@@ -74,7 +74,7 @@ def check_one_process_per_pod(env: Mapping[str, str]) -> None:
     ``python train.py`` in each pod is the world the operator announced."""
     nproc = env.get("PET_NPROC_PER_NODE", "1")
     elastic = "PET_RDZV_ENDPOINT" in env or ":" in env.get("PET_NNODES", "")
-    if nproc.isdigit() and int(nproc) != 1 or elastic:
+    if not _one_process(nproc) or elastic:
         raise ConfigError(
             "this pod's PyTorchJob starts torchrun's processes ("
             + (
@@ -95,7 +95,7 @@ def check_not_alone_in_torchrun_pod(env: Mapping[str, str]) -> None:
     nnodes, nproc = env.get("PET_NNODES", "").strip(), env.get("PET_NPROC_PER_NODE", "1").strip()
     if not in_pod(env) or not nnodes:
         return
-    if one_node(nnodes) and (not nproc.isdigit() or int(nproc) == 1):
+    if one_node(nnodes) and _one_process(nproc):
         return  # one pod of one process: a world of one, as started
     raise ConfigError(
         f"this pod's job is set for torchrun (PET_NNODES={nnodes[:20]}, PET_NPROC_PER_NODE={nproc[:20]}), but this "
@@ -173,6 +173,12 @@ def one_node(nnodes: str) -> bool:
     return re.fullmatch(r"0*1(:0*1)?", nnodes.strip()) is not None
 
 
+def _one_process(nproc: str) -> bool:
+    """``PET_NPROC_PER_NODE`` as the training-operator counts it in ``WORLD_SIZE``: a word (``auto``, ``cpu``,
+    ``gpu``) is one process a pod, a number is itself."""
+    return not nproc.strip().isdigit() or int(nproc) == 1
+
+
 def resolve_options(
     given: Mapping[str, str], defaults: list[LaunchDefault]
 ) -> tuple[dict[str, str], list[LaunchDefault]]:
@@ -201,7 +207,7 @@ def resolve_options(
                 "or change the job's spec so that they agree"
             )
     nnodes = given.get("--nnodes") or next((t.value for t in taken if t.option == "--nnodes"), "1")
-    fixed_size_nodes = ":" not in nnodes and nnodes != "1"
+    fixed_size_nodes = ":" not in nnodes and not one_node(nnodes)
     taken = [t for t in taken if t.source != "JOB_COMPLETION_INDEX" or fixed_size_nodes]
     if one_node(nnodes) and "--rdzv-endpoint" not in given:
         taken = [t for t in taken if t.option not in ("--rdzv-endpoint", "--rdzv-id", "--node-rank")]

@@ -132,15 +132,15 @@ class ManifestConfig:
         if self.cpu is not None:
             quantity("--cpu", self.cpu)
         memory = None if self.memory is None else quantity("--memory", self.memory, whole=True)
-        if self.shm_size is None:
+        shm = None if self.shm_size is None else quantity("--shm-size", self.shm_size, whole=True)
+        if self.shm_size is None:  # within the memory it counts against
             half = None if memory is None else memory / 2
             self.shm_size = "8Gi" if half is None or half >= 8 * 2**30 else f"{max(1, int(half // 2**20))}Mi"
-        elif memory is not None and quantity("--shm-size", self.shm_size, whole=True) > memory:
+        if memory is not None and shm is not None and shm > memory:
             raise ConfigError(
                 f"--shm-size {self.shm_size} is more than --memory {self.memory}, which /dev/shm counts against: "
                 "raise --memory or lower --shm-size"
             )
-        quantity("--shm-size", self.shm_size, whole=True)
         if not 0 <= self.gpus_per_node <= 64:
             raise ConfigError(f"--gpus-per-node {self.gpus_per_node}: use 0 to 64")
         if self.nproc == "gpu" and not self.gpus_per_node:

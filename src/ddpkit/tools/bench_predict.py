@@ -37,8 +37,8 @@ def predictions(
     # with synchronisation minus backward under no_sync). The wait holds the all-reduce over a group of one
     # (measured alone) and DDP's fixed cost of finishing a reduction (waking the waiting thread, copying the
     # buckets back), which every world size pays; the all-reduce at n ranks replaces the one-rank all-reduce.
-    exposed_one = max(0.0, one["backward"] - one.get("backward_no_sync", one["backward"]))
     compute = compute_seconds(scaling)
+    exposed_one = one["step"] - compute
     fixed = max(0.0, exposed_one - sum(one_rank_allreduce.get(b, 0.0) for b in buckets))
     here = []
     for n, fit in fits.items():
