@@ -163,12 +163,16 @@ def _recreated(pods, tmp: Path, name: str, disk_every: int) -> tuple[dict, list[
     args = ("--disk-every-steps", str(disk_every), "--hold-after-step", "15", "--hold-file", str(tmp / f"{name}-go"))
     first = start(pods, "trainjob", tmp, name, *args)
     log = tmp / f"{name}-log"
+    # Disk snapshots are written in the background: the newest one before the hold (step 10 of every 5) may
+    # still be in flight when the ranks reach step 15. The pods are killed once its marker is there.
+    due = (14 // disk_every) * disk_every
+    marker = tmp / name / "snapshots" / f"step-{due:08d}" / "complete.json"
 
     def held() -> bool:
         assert all(p.poll() is None for p in first), logs(tmp, name)
-        return all((log / f"steps-rank{r}.txt").exists() for r in (0, 1)) and all(
-            len((log / f"steps-rank{r}.txt").read_text().splitlines()) >= 15 for r in (0, 1)
-        )
+        steps = [log / f"steps-rank{r}.txt" for r in (0, 1)]
+        ranks_held = all(f.exists() and len(f.read_text().splitlines()) >= 15 for f in steps)
+        return ranks_held and (due == 0 or marker.exists())
 
     deadline = time.monotonic() + 240
     while not held():
