@@ -29,7 +29,7 @@ from typing import Any
 
 from ddpkit.internals.elastic import log_files, popen_override, set_handler_factory, subprocess_handler_base, warn_once
 from ddpkit.internals.interpreter import forking_problem, warn_interpreter_once
-from ddpkit.launch.forkserver import MAX_MESSAGE, PRELOAD
+from ddpkit.launch.forkserver import MAX_MESSAGE, PRELOAD, ignored_signals
 from ddpkit.launch.proctree import wait_exit
 
 READY_TIMEOUT = 300.0
@@ -134,7 +134,9 @@ class ForkServer:
         too late) never runs next to the new interpreter started for its rank instead."""
         if not self.ready():
             return None
-        message = json.dumps({"argv": list(argv), "env": env, "cwd": cwd}).encode()
+        # The signals the agent ignores now, which a new interpreter it started would ignore too.
+        request = {"argv": list(argv), "env": env, "cwd": cwd, "ignored": ignored_signals()}
+        message = json.dumps(request).encode()
         try:
             socket.send_fds(self.sock, [message], list(files))
         except OSError as err:

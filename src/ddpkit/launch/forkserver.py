@@ -29,8 +29,11 @@ right:
   streams. Python's ``random`` reseeds itself after a fork; numpy's and torch's are reseeded here.
 - *Environment, files, signals.* The worker's environment, working directory, standard input, output and error
   are the ones torchrun gave it. The server, in a session of its own, ignores the signals a terminal or a
-  scheduler sends a job's process group; the worker gets back the dispositions the server started with, those
-  a new interpreter started by the agent has.
+  scheduler sends a job's process group. The worker gets what a new interpreter started by the agent at that
+  moment would have: ``exec`` keeps ignored what the agent ignores and resets its handlers to the default, and
+  Python puts its own handler on a default SIGINT. The agent names what it ignores in each request, as its
+  dispositions change after the server starts: a job started in a script's background begins with SIGINT
+  ignored, and torch's agent handles SIGINT once it starts its workers.
 - *Exit.* The worker's script runs as ``python -m ddpkit.launch.worker`` runs it, and the process ends as an
   interpreter does: non-daemon threads joined, ``atexit`` handlers run, the exit status of ``SystemExit`` or
   of an uncaught exception.
@@ -164,7 +167,27 @@ JOB_SIGNALS = tuple(
     if hasattr(signal, name)
 )
 """Signals sent to a job's process group (a terminal, a scheduler): the server ignores them, its workers get
-back the dispositions the server started with."""
+a new interpreter's dispositions (:func:`exec_dispositions`)."""
+
+
+def ignored_signals() -> list[int]:
+    """Of :data:`JOB_SIGNALS`, those this process ignores now: what ``exec`` keeps for a child."""
+    return [signum for signum in JOB_SIGNALS if signal.getsignal(signum) is signal.SIG_IGN]
+
+
+def exec_dispositions(ignored: Sequence[int]) -> dict[int, Any]:
+    """The dispositions of :data:`JOB_SIGNALS` in a new interpreter started by a process that ignores
+    ``ignored``: those stay ignored, a handler is reset to the default by ``exec``, and Python's start-up puts
+    its own handler (KeyboardInterrupt) on a default SIGINT."""
+    out: dict[int, Any] = {}
+    for signum in JOB_SIGNALS:
+        if signum in ignored:
+            out[signum] = signal.SIG_IGN
+        elif signum == signal.SIGINT:
+            out[signum] = signal.default_int_handler
+        else:
+            out[signum] = signal.SIG_DFL
+    return out
 
 
 def _wait_adopted(agent: int, deadline: float = 30.0) -> bool:
@@ -180,9 +203,7 @@ def _wait_adopted(agent: int, deadline: float = 30.0) -> bool:
     return os.getppid() == agent
 
 
-def _become_worker(
-    request: dict[str, Any], fds: Sequence[int], agent: int, pid_pipe: int, go: int, dispositions: dict[int, Any]
-) -> None:
+def _become_worker(request: dict[str, Any], fds: Sequence[int], agent: int, pid_pipe: int, go: int) -> None:
     """In the forked worker: its session, its pid to the server, its files, its parent, the agent's word, then
     its directory, environment, signals and random streams, and the script. Never returns."""
     code = 1
@@ -201,7 +222,7 @@ def _become_worker(
         if os.read(go, 1) != b"g":  # the agent took another way to start this rank (or is gone)
             os._exit(1)
         os.close(go)
-        for signum, disposition in dispositions.items():
+        for signum, disposition in exec_dispositions(request["ignored"]).items():
             signal.signal(signum, disposition)
         os.chdir(request["cwd"])
         os.environ.clear()
@@ -223,9 +244,7 @@ def _become_worker(
         os._exit(code)
 
 
-def _fork_worker(
-    request: dict[str, Any], fds: Sequence[int], agent: int, server: socket.socket, dispositions: dict[int, Any]
-) -> tuple[int, int]:
+def _fork_worker(request: dict[str, Any], fds: Sequence[int], agent: int, server: socket.socket) -> tuple[int, int]:
     """Fork a worker through an intermediate process; return its pid, once the agent has adopted it, and the
     write end of the pipe the worker waits on before it runs anything (for the agent)."""
     pid_read, pid_write = os.pipe()
@@ -237,7 +256,7 @@ def _fork_worker(
             os.close(pid_read)
             os.close(go_write)
             if os.fork() == 0:
-                _become_worker(request, fds, agent, pid_write, go_read, dispositions)
+                _become_worker(request, fds, agent, pid_write, go_read)
         finally:
             os._exit(0)  # the worker is orphaned, and the agent adopts it
     os.close(pid_write)
@@ -260,9 +279,6 @@ def _fork_worker(
 
 def serve(sock: socket.socket, agent: int, modules: Sequence[str]) -> None:
     """Preload, say whether this server can fork workers, then fork one per request until the agent hangs up."""
-    # What a new interpreter started by the agent would have (ignored where the agent ignores them; Python's
-    # own handler for SIGINT), for the workers; the server itself ignores them all.
-    dispositions = {signum: signal.getsignal(signum) for signum in JOB_SIGNALS}
     for signum in JOB_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
     failed, refused = preload(modules)
@@ -282,7 +298,7 @@ def serve(sock: socket.socket, agent: int, modules: Sequence[str]) -> None:
         go = None
         try:
             request = json.loads(message)
-            pid, go = _fork_worker(request, fds, agent, sock, dispositions)
+            pid, go = _fork_worker(request, fds, agent, sock)
             reply: dict[str, Any] = {"pid": pid}
         except (OSError, ValueError, KeyError) as err:
             reply = {"error": f"{type(err).__name__}: {err}"}

@@ -27,8 +27,19 @@ def _in_tmp_path(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # ddpkit run writes ./ddpkit-logs
 
 
-def job(env, folder: Path, *options: str, mode: str = "end", stdin: str = "") -> subprocess.CompletedProcess:
-    """``ddpkit run --nproc 2 --fork-server on OPTIONS fork_probe.py FOLDER MODE`` (a later option wins)."""
+JOB_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+
+
+def job(
+    env, folder: Path, *options: str, mode: str = "end", stdin: str = "", ignored: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
+    """``ddpkit run --nproc 2 --fork-server on OPTIONS fork_probe.py FOLDER MODE`` (a later option wins),
+    started with the signals ``ignored`` ignored and the others at their default, whatever pytest has."""
+
+    def dispositions() -> None:
+        for name in JOB_SIGNALS:
+            signal.signal(getattr(signal, name), signal.SIG_IGN if name in ignored else signal.SIG_DFL)
+
     folder.mkdir(exist_ok=True)
     return subprocess.run(
         DDPKIT + ["run", "--nproc", "2", "--fork-server", "on", *options, PROBE, str(folder), mode],
@@ -37,6 +48,7 @@ def job(env, folder: Path, *options: str, mode: str = "end", stdin: str = "") ->
         capture_output=True,
         text=True,
         timeout=120,
+        preexec_fn=dispositions,
     )
 
 
@@ -51,16 +63,23 @@ def ended(folder: Path, rank: int, attempt: int = 0) -> list[str]:
 
 def test_workers_are_forked_and_start_and_end_as_new_interpreters(clean_env, tmp_path):
     clean_env["FORK_PROBE_VARIABLE"] = "from the launcher's environment"
-    forked = job(clean_env, tmp_path / "forked", stdin="to rank 0\n")
+    # Started as a script's background job is (bash ignores SIGINT and SIGQUIT there) with SIGUSR2 ignored
+    # too: the agent handles SIGINT once it starts its workers, after its fork server started, so a worker
+    # forked with the server's first dispositions would ignore Ctrl-C where a new interpreter does not.
+    ignored = ("SIGINT", "SIGQUIT", "SIGUSR2")
+    forked = job(clean_env, tmp_path / "forked", stdin="to rank 0\n", ignored=ignored)
     assert forked.returncode == 0, forked.stderr[-3000:]
     # Control: the same job with every worker a new interpreter (as torchrun starts them).
-    new = job(clean_env, tmp_path / "new", "--fork-server", "off", stdin="to rank 0\n")
+    new = job(clean_env, tmp_path / "new", "--fork-server", "off", stdin="to rank 0\n", ignored=ignored)
     assert new.returncode == 0, new.stderr[-3000:]
     for rank in range(2):
         a, b = found(tmp_path / "forked", rank), found(tmp_path / "new", rank)
         assert a.pop("preloaded") is True and b.pop("preloaded") is False  # torch._dynamo imported before the script
         assert a.pop("argv") == [str(tmp_path / "forked"), "end"] and b.pop("argv") == [str(tmp_path / "new"), "end"]
         a.pop("draws"), b.pop("draws")  # compared between ranks below
+        assert a.pop("signals") == b["signals"], f"rank {rank}: forked != new interpreter"
+        # Python's handler where the agent handles the signal (exec resets it), ignored where the agent ignores it
+        assert b.pop("signals").items() >= {"SIGINT": "python's", "SIGUSR2": "ignored"}.items()
         assert (
             a
             == b
@@ -70,7 +89,6 @@ def test_workers_are_forked_and_start_and_end_as_new_interpreters(clean_env, tmp
                 "cwd": str(tmp_path),
                 "world_size": "2",
                 "python_threads": 1,
-                "sigint_is_python_default": True,
                 "stdin": "to rank 0\n" if rank == 0 else None,
                 "attempt": 0,
                 "probe_variable": "from the launcher's environment",

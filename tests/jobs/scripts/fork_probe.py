@@ -2,8 +2,8 @@
 
 ``python fork_probe.py DIR [MODE]``; each rank writes ``DIR/rank<R>.json`` with, read at the script's first
 line: whether ``torch._dynamo`` is already imported (it is only in a worker forked from the server, which
-preloaded it), its parent, session, arguments, directory, rank variables and threads; then a first draw of
-python's, numpy's and torch's generators, unseeded; and rank 0 what it reads on its standard input. At the end
+preloaded it), its parent, session, arguments, directory, rank variables, threads and signal dispositions;
+then a first draw of python's, numpy's and torch's generators, unseeded; and rank 0 what it reads on its standard input. At the end
 three things that a process must finish before it exits, each writing ``DIR/rank<R>.<what>``: an ``atexit``
 handler, a non-daemon thread, and a task left in a ``ThreadPoolExecutor`` (the last two 0.3 s after the script
 ended). Each process that runs a rank's script adds a line to ``DIR/rank<R>.starts``. MODE:
@@ -35,6 +35,8 @@ import numpy  # noqa: E402
 import torch  # noqa: E402
 
 folder, mode = Path(sys.argv[1]), (sys.argv[2] if len(sys.argv) > 2 else "end")
+SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+DISPOSITIONS = {signal.SIG_IGN: "ignored", signal.SIG_DFL: "default", signal.default_int_handler: "python's"}
 rank = int(os.environ["RANK"])
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 found = {
@@ -46,7 +48,7 @@ found = {
     "world_size": os.environ["WORLD_SIZE"],
     "python_threads": threading.active_count(),
     "draws": [random.random(), float(numpy.random.random_sample()), float(torch.rand(1))],
-    "sigint_is_python_default": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+    "signals": {name: DISPOSITIONS.get(signal.getsignal(getattr(signal, name)), "a handler") for name in SIGNALS},
     "stdin": sys.stdin.read() if rank == 0 else None,
     "attempt": attempt,
     "probe_variable": os.environ.get("FORK_PROBE_VARIABLE"),  # set in the launcher's environment by the test
