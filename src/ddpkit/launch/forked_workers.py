@@ -134,8 +134,9 @@ class ForkServer:
         too late) never runs next to the new interpreter started for its rank instead."""
         if not self.ready():
             return None
-        # The signals the agent ignores now, which a new interpreter it started would ignore too.
-        request = {"argv": list(argv), "env": env, "cwd": cwd, "ignored": ignored_signals()}
+        # What a new interpreter started now would inherit of the agent's signals: those it ignores, its mask.
+        blocked = sorted(int(signum) for signum in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+        request = {"argv": list(argv), "env": env, "cwd": cwd, "ignored": ignored_signals(), "blocked": blocked}
         message = json.dumps(request).encode()
         try:
             socket.send_fds(self.sock, [message], list(files))

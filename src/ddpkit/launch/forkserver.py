@@ -224,6 +224,9 @@ def _become_worker(request: dict[str, Any], fds: Sequence[int], agent: int, pid_
         os.close(go)
         for signum, disposition in exec_dispositions(request["ignored"]).items():
             signal.signal(signum, disposition)
+        # The agent's mask, as a Popen child inherits it. Until here the job's signals were blocked (see
+        # _fork_worker): one sent since the fork waited, and is delivered now as a new interpreter would get it.
+        signal.pthread_sigmask(signal.SIG_SETMASK, request["blocked"])
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
@@ -249,7 +252,16 @@ def _fork_worker(request: dict[str, Any], fds: Sequence[int], agent: int, server
     write end of the pipe the worker waits on before it runs anything (for the agent)."""
     pid_read, pid_write = os.pipe()
     go_read, go_write = os.pipe()
-    intermediate = os.fork()
+    # Forked with the job's signals blocked, not only ignored as the server has them: the agent may signal the
+    # worker as soon as it knows its pid, before the worker has a new interpreter's dispositions. On Linux a
+    # blocked signal stays pending even where it is ignored; the worker unblocks it once its own are set.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, JOB_SIGNALS)
+    intermediate = -1
+    try:
+        intermediate = os.fork()
+    finally:
+        if intermediate != 0:  # the server, after the fork or its failure
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     if intermediate == 0:
         try:
             server.close()
@@ -298,9 +310,12 @@ def serve(sock: socket.socket, agent: int, modules: Sequence[str]) -> None:
         go = None
         try:
             request = json.loads(message)
+            # Checked here, so that a request the worker could not follow is refused, not a failed rank.
+            request["ignored"] = [int(signum) for signum in request["ignored"]]
+            request["blocked"] = [int(signum) for signum in request["blocked"]]
             pid, go = _fork_worker(request, fds, agent, sock)
             reply: dict[str, Any] = {"pid": pid}
-        except (OSError, ValueError, KeyError) as err:
+        except (OSError, ValueError, KeyError, TypeError) as err:
             reply = {"error": f"{type(err).__name__}: {err}"}
         finally:
             for fd in fds:

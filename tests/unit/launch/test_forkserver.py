@@ -1,20 +1,24 @@
-"""The fork server's parts that need no job: the exit status a forked worker ends with, the handle the agent
-keeps of it, which commands it forks, and its options. (Forked workers in real jobs: tests/jobs/launch/test_forkserver.py.)"""
+"""The fork server's parts that need no job: the exit status a forked worker ends with, its signals, the handle
+the agent keeps of it, which commands it forks, and its options. (Forked workers in real jobs:
+tests/jobs/launch/test_forkserver.py.)"""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from ddpkit.launch.forked_workers import ForkedProcess, _is_worker_command
-from ddpkit.launch.forkserver import exit_status
+from ddpkit.launch.forkserver import JOB_SIGNALS, exec_dispositions, exit_status, ignored_signals
 from ddpkit.launch.options import build_parser, config_from_args
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server is Linux only")
+ROOT = Path(__file__).parents[3]
 
 
 def test_exit_status_is_the_interpreters(capsys):
@@ -57,6 +61,72 @@ def test_an_uncaught_keyboard_interrupt_ends_the_process_by_sigint(run_python):
     out = run_python(END.format(body="raise KeyboardInterrupt"))
     assert out.returncode == -signal.SIGINT, out.stderr
     assert "KeyboardInterrupt" in out.stderr and out.stdout.splitlines() == ["thread", "atexit"]
+
+
+NAMES = {signal.SIG_IGN: "ignored", signal.SIG_DFL: "default", signal.default_int_handler: "python's"}
+SHOW = f"""import json, signal
+names = {{signal.SIG_IGN: "ignored", signal.SIG_DFL: "default", signal.default_int_handler: "python's"}}
+print(json.dumps({{s: names.get(signal.getsignal(s), "a handler") for s in {[int(s) for s in JOB_SIGNALS]}}}))
+"""
+
+
+@pytest.mark.parametrize("ignored", [(), (signal.SIGINT, signal.SIGQUIT), (signal.SIGUSR2, signal.SIGHUP)])
+def test_a_forked_workers_signals_are_those_of_a_new_interpreter(ignored):
+    """exec_dispositions against a real interpreter started by a process that ignores ``ignored`` and has a
+    Python handler on every other job signal (as torch's agent has on some)."""
+
+    def parent() -> None:
+        for signum in JOB_SIGNALS:
+            signal.signal(signum, signal.SIG_IGN if signum in ignored else signal.default_int_handler)
+
+    new = subprocess.run([sys.executable, "-c", SHOW], capture_output=True, text=True, preexec_fn=parent, timeout=60)
+    assert new.returncode == 0, new.stderr
+    expected = {str(int(s)): NAMES[h] for s, h in exec_dispositions(list(ignored)).items()}
+    assert json.loads(new.stdout) == expected
+    # What the agent sends: the job signals it ignores now.
+    saved = {signum: signal.getsignal(signum) for signum in JOB_SIGNALS}
+    try:
+        parent()
+        assert sorted(ignored_signals()) == sorted(ignored)
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
+
+
+GAP = """
+import os, signal
+from ddpkit.launch import forked_workers, proctree
+forked_workers.PRELOAD = ()  # nothing to import: the fork is what is tested
+proctree.become_subreaper()  # this process is the agent, which adopts its forked workers
+server = forked_workers.ForkServer({preload!r})
+assert server.ready(), server.why_not
+receive = server._receive
+
+def signalled_before_the_word(timeout):
+    reply, fds = receive(timeout)
+    os.kill(reply["pid"], signal.SIGTERM)  # the worker still has the server's dispositions: all ignored
+    return reply, fds
+
+server._receive = signalled_before_the_word
+pid = server.spawn([{script!r}], dict(os.environ), os.getcwd(), [0, 1, 2])
+print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
+server.close()
+"""
+
+
+def test_a_signal_sent_as_the_worker_starts_is_not_lost(run_python, tmp_path):
+    """SIGTERM reaches the forked worker before it has its own dispositions (the server ignores the job's
+    signals): it waits, blocked, and ends the worker as it would end a new interpreter; the script never runs.
+    Control: a worker forked without the job's signals blocked ignores it and runs the script."""
+    script = tmp_path / "script.py"
+    script.write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n")
+    out = run_python(GAP.format(script=str(script), preload=()))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(-signal.SIGTERM)] and not (tmp_path / "ran").exists()
+    control = GAP.format(script=str(script), preload=["tests.jobs.scripts.fork_unblocked"])
+    out = run_python(control, extra_env={"PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["0"] and (tmp_path / "ran").exists()
 
 
 def _child(read_fd: int | None = None, code: int = 0) -> int:
