@@ -32,7 +32,7 @@ from torch import nn
 
 import ddpkit
 from ddpkit.demo.models import Block, DigitsCNN
-from ddpkit.memory import folder as memory_folder
+from ddpkit.snapshot.memory import folder as memory_folder
 from ddpkit.training.config import LoggingConfig, SnapshotConfig, TrainerConfig
 from ddpkit.training.trainer import Trainer
 

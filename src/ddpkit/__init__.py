@@ -29,13 +29,13 @@ from ddpkit.distributed.runtime import Runtime, get_runtime, init, shutdown
 from ddpkit.distributed.seeding import seed_everything
 from ddpkit.errors import ConfigError, Preempted
 from ddpkit.launch.spawn import spawn
+from ddpkit.snapshot.schedule import SnapshotConfig
 from ddpkit.strategies import DDPConfig, FSDPConfig, ZeroConfig
 from ddpkit.strategies.prepare import no_sync, prepare_model, unwrap
 from ddpkit.training.callbacks import Callback
 from ddpkit.training.config import (
     EarlyStoppingConfig,
     LoggingConfig,
-    SnapshotConfig,
     TrainerConfig,
 )
 from ddpkit.training.evaluation import (

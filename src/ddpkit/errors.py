@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+from typing import Any
 
 PREEMPTED_EXIT_CODE = 75
 """Exit code of a run stopped by SIGTERM/SIGUSR1 after saving its snapshot: ``EX_TEMPFAIL`` of ``sysexits.h``
@@ -12,6 +13,13 @@ by it; ``ddpkit run`` passes it through without counting it as a failure to rest
 
 class ConfigError(ValueError):
     """A launch, environment or option value that cannot work; the message names what to change."""
+
+
+def check_fields(config: Any, checks: dict[str, bool]) -> None:
+    """Raise a ``ConfigError`` naming the first of ``config``'s fields whose check is false."""
+    for name, ok in checks.items():
+        if not ok:
+            raise ConfigError(f"{name}={getattr(config, name)!r} is not valid: see {type(config).__name__}.{name}")
 
 
 class Preempted(SystemExit):

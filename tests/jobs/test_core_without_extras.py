@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from ddpkit.memory.slot import _byte_tensor, _checksum_torch, checksum
+from ddpkit.snapshot.memory.slot import _byte_tensor, _checksum_torch, checksum
 
 HIDDEN = (
     "numpy", "sklearn", "optuna", "matplotlib", "tqdm", "tensorboard", "mlflow", "wandb", "safetensors", "mpi4py", "yaml",

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from ddpkit.errors import ConfigError
-from ddpkit.memory import slot as mslot
-from ddpkit.memory import store as ms
 from ddpkit.snapshot.manager import INDEX, MARKER, SnapshotManager
-from tests.unit.memory.test_memory_snapshots import save as save_slot
-from tests.unit.memory.test_memory_snapshots import store
+from ddpkit.snapshot.memory import slot as mslot
+from ddpkit.snapshot.memory import store as ms
 from tests.unit.snapshot.test_checkpoint import load, reseal, save
+from tests.unit.snapshot.test_memory_snapshots import save as save_slot
+from tests.unit.snapshot.test_memory_snapshots import store
 
 # -- the snapshot marker ----------------------------------------------------------------------------------
 

@@ -22,11 +22,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ddpkit.errors import ConfigError
-from ddpkit.memory import slot as mslot
 from ddpkit.snapshot.manager import INDEX, MARKER, SnapshotManager
-from tests.unit.memory.test_memory_snapshots import save as save_slot
-from tests.unit.memory.test_memory_snapshots import store
+from ddpkit.snapshot.memory import slot as mslot
 from tests.unit.snapshot.test_checkpoint import reseal, save
+from tests.unit.snapshot.test_memory_snapshots import save as save_slot
+from tests.unit.snapshot.test_memory_snapshots import store
 
 # DDPKIT_FUZZ_EXAMPLES=2000 for a deeper run, with fresh random examples (the default run is the same each time).
 _DEEP = int(os.environ.get("DDPKIT_FUZZ_EXAMPLES", "0"))
@@ -215,7 +215,7 @@ def check_slot(path: Path, what: str) -> None:
     assert values["values"] == {"note": [1, 2.5, "x"]} and values["step"] == 4, what
     if [(t.dtype, t.shape) for t in tensors] != [(t.dtype, t.shape) for t in SAVED]:
         # Another layout than the state's: the Trainer refuses it before it copies anything (every tensor of
-        # its state present, of its shape and dtype: ddpkit.memory.resume).
+        # its state present, of its shape and dtype: ddpkit.snapshot.memory.resume).
         return
     assert all(torch.equal(a, b) for a, b in zip(tensors, SAVED)), f"{what}: other values in the same layout"
 
@@ -280,7 +280,7 @@ def test_slot_manifest_and_values_lie_with_valid_crcs(tmp_path_factory, slot_byt
     path.write_bytes(bytes(raw))
     if key == "values":
         # The store's own checks stop here; what the Trainer reads of the values is checked where it reads them
-        # (tests/jobs/memory/test_memory_slot_damage.py). The slot must still never be read as other tensors.
+        # (tests/jobs/snapshot/test_memory_slot_damage.py). The slot must still never be read as other tensors.
         try:
             got = mslot.read_slot(path, data=True)
         except mslot.BadSlot as err:

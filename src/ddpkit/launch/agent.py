@@ -9,7 +9,7 @@ Changes to the agent torchrun has no option for (a subclass, installed by :func:
   stops them, so that a hang's summary says where every rank was;
 - once the workers are stopped, so is every process they started (:mod:`ddpkit.launch.proctree`);
 - the job gets a folder in shared memory for the workers' snapshots in memory
-  (:mod:`ddpkit.memory.folder`), made once per job and removed when the job ends, however it ends;
+  (:mod:`ddpkit.snapshot.memory.folder`), made once per job and removed when the job ends, however it ends;
 - workers are forked from a server that imported torch once for the job (:mod:`ddpkit.launch.forked_workers`),
   so a restart does not start an interpreter and import torch again.
 """
@@ -31,7 +31,7 @@ from ddpkit.errors import PREEMPTED_EXIT_CODE
 from ddpkit.internals.elastic import HookedAgent, use_agent
 from ddpkit.launch import forked_workers
 from ddpkit.launch.proctree import kill_descendants
-from ddpkit.memory import folder as memory_folder
+from ddpkit.snapshot.memory import folder as memory_folder
 
 
 def _describe(rank: int, failure: Any) -> str:

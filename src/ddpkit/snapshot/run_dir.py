@@ -4,7 +4,7 @@ Two jobs on one ``run_dir`` would interleave their records and resume from each 
 exit 0: the group's rank 0 holds an advisory lock (:func:`fcntl.flock`) on ``run_dir/.lock`` for the life of
 ``fit()``. The kernel drops it when the process ends, however it ends, so a crashed or SIGKILLed job leaves
 nothing behind and a restarted one takes it again at once. (That a snapshot resumes only the run that wrote it
-is :mod:`ddpkit.training.run_record`'s check.)
+is :mod:`ddpkit.snapshot.run_record`'s check.)
 
 A run directory that belongs to another user, or that holds a symbolic link where the run writes, is refused
 too (:mod:`ddpkit.fs`): a job's writes and deletions stay inside its own run directory.

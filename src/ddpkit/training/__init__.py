@@ -4,7 +4,6 @@ from ddpkit.training.callbacks import Callback
 from ddpkit.training.config import (
     EarlyStoppingConfig,
     LoggingConfig,
-    SnapshotConfig,
     TrainerConfig,
 )
 from ddpkit.training.state import StopReason
@@ -14,7 +13,6 @@ __all__ = [
     "Callback",
     "EarlyStoppingConfig",
     "LoggingConfig",
-    "SnapshotConfig",
     "StopReason",
     "Trainer",
     "TrainerConfig",

@@ -18,45 +18,9 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from ddpkit.errors import ConfigError
+from ddpkit.errors import check_fields as _check
+from ddpkit.snapshot.schedule import SnapshotConfig
 from ddpkit.strategies import StrategyConfig, strategy_config
-
-
-def _check(config: Any, checks: dict[str, bool]) -> None:
-    for name, ok in checks.items():
-        if not ok:
-            raise ConfigError(f"{name}={getattr(config, name)!r} is not valid: see {type(config).__name__}.{name}")
-
-
-@dataclass(kw_only=True)
-class SnapshotConfig:
-    """When the Trainer snapshots, how many it keeps, and how it writes them."""
-
-    every_steps: int | None = None
-    """Also snapshot every this many optimizer steps (None: at epoch ends only)."""
-    every_epochs: int = 1
-    """Snapshot every this many epochs; 0 turns epoch-end snapshots off."""
-    keep: int = 2
-    """Whole snapshots kept in ``run_dir/snapshots``; older ones are removed once a newer one is whole."""
-    async_write: bool = True
-    """Write in a background thread: the step waits only while the state is copied to host memory."""
-    memory: bool = False
-    """Also copy the state into shared memory on the node after steps (under ``ddpkit run``, which keeps a folder
-    there for the job): a restarted worker resumes from it when it is newer than the newest disk snapshot, so a
-    failure loses at most ``memory_every_steps`` steps. See :mod:`ddpkit.memory.snapshots`."""
-    memory_every_steps: int | None = None
-    """Copy to memory every this many optimizer steps; None: every step, unless the first copies hold the loop
-    longer than 5% of a step, then the smallest interval that keeps them within."""
-
-    def __post_init__(self) -> None:
-        _check(
-            self,
-            {
-                "every_steps": self.every_steps is None or self.every_steps >= 1,
-                "every_epochs": self.every_epochs >= 0,
-                "keep": self.keep >= 1,
-                "memory_every_steps": self.memory_every_steps is None or self.memory_every_steps >= 1,
-            },
-        )
 
 
 @dataclass(kw_only=True)

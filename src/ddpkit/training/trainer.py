@@ -37,6 +37,8 @@ from ddpkit.distributed.seeding import stream_seed
 from ddpkit.errors import PREEMPTED_EXIT_CODE, Preempted
 from ddpkit.nn.dropout import GlobalBatchDropout, batch_layout, convert_dropout
 from ddpkit.snapshot import run_dir as run_dir_lib
+from ddpkit.snapshot.run_record import RunRecord, write_resolved_config
+from ddpkit.snapshot.trainer import TrainerSnapshots, resumes
 from ddpkit.strategies import Strategy, build_strategy
 from ddpkit.tracking.metrics import MetricsWriter
 from ddpkit.tracking.progress import Progress, run_summary
@@ -48,8 +50,6 @@ from ddpkit.training.item_counts import CountFn, WeightedStep, scale_loss
 from ddpkit.training.loss_window import EpochLoss, LossWindow
 from ddpkit.training.optimizer_step import OptimizerStep, check_metric_driven, metric_driven
 from ddpkit.training.precision import autocast, grad_scaler
-from ddpkit.training.run_record import RunRecord, write_resolved_config
-from ddpkit.training.snapshots import TrainerSnapshots, resumes
 from ddpkit.training.state import RankStreams, StopReason, TrainState
 from ddpkit.training.step_output import step_output
 from ddpkit.training.steps import MicroBatch, Step, batch_len, epoch_steps, step_layout
@@ -177,7 +177,7 @@ class Trainer:
     resumed_from = property(lambda self: self.snapshots.resumed_from)
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything the next step needs (collective); see :class:`~ddpkit.training.snapshots.TrainerSnapshots`."""
+        """Everything the next step needs (collective); see :class:`~ddpkit.snapshot.trainer.TrainerSnapshots`."""
         return self.snapshots.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -86,7 +86,7 @@ def instrument() -> None:
     after(storage.Reader, "read_data", "read", before="planned")
 
     # A copy in memory: its CPU time (the Trainer keeps its wall time, MemorySnapshots.stalls).
-    from ddpkit.memory.snapshots import MemorySnapshots
+    from ddpkit.snapshot.memory.snapshots import MemorySnapshots
 
     original = MemorySnapshots._save_timed
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import ddpkit
-from tests.jobs.memory.test_memory_snapshots import job_env, plain_reference, run_job  # noqa: F401  (fixtures)
 from tests.jobs.scripts.train_job import train
+from tests.jobs.snapshot.test_memory_snapshots import job_env, plain_reference, run_job  # noqa: F401  (fixtures)
 from tests.trainer_checks import bitwise_equal
 
 

@@ -11,9 +11,9 @@ from torch import nn
 
 import ddpkit
 from ddpkit.errors import ConfigError
-from ddpkit.training import run_record
+from ddpkit.snapshot import run_record
+from ddpkit.snapshot.run_record import RunRecord, module_types, tensor_shapes
 from ddpkit.training.config import LoggingConfig
-from ddpkit.training.run_record import RunRecord, module_types, tensor_shapes
 from ddpkit.training.trainer import TrainerConfig
 
 

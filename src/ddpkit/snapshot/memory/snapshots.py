@@ -1,6 +1,6 @@
 """The Trainer's snapshots in memory: after steps, each rank's state goes into its slots in the job's folder in
-shared memory (:mod:`ddpkit.memory.store`), which outlives the worker; a restart resumes from there
-(:mod:`ddpkit.memory.resume`).
+shared memory (:mod:`ddpkit.snapshot.memory.store`), which outlives the worker; a restart resumes from there
+(:mod:`ddpkit.snapshot.memory.resume`).
 
 A save, after an optimizer step, copies what a disk snapshot holds: the strategy's state (model, optimizer,
 the rank's own buffers), the other stateful parts (counters, early stopping, scheduler, scaler), and the
@@ -41,10 +41,10 @@ from ddpkit.distributed.collectives import all_reduce
 from ddpkit.distributed.environment import read_launch_env
 from ddpkit.distributed.runtime import DEFAULT_TIMEOUT, Runtime
 from ddpkit.internals.modules import buffer_slots
-from ddpkit.memory import folder as memory_folder
-from ddpkit.memory import store as store_lib
-from ddpkit.memory import values as values_lib
 from ddpkit.snapshot.layout import PER_RANK, KeyPath, leaves
+from ddpkit.snapshot.memory import folder as memory_folder
+from ddpkit.snapshot.memory import store as store_lib
+from ddpkit.snapshot.memory import values as values_lib
 from ddpkit.strategies.base import Strategy
 from ddpkit.strategies.prepare import unwrap
 
@@ -79,12 +79,12 @@ class TrainerParts:
     strategy: Strategy
     """The wrapped model and optimizer, whose state is copied from their live tensors."""
     schedule: Any
-    """The run's :class:`~ddpkit.training.schedule.SnapshotSchedule`: when a copy is due; holds the interval."""
+    """The run's :class:`~ddpkit.snapshot.schedule.SnapshotSchedule`: when a copy is due; holds the interval."""
     states: Mapping[str, Any]
     """The disk snapshots' stateful parts by name, ``"rng"`` (:class:`~ddpkit.training.state.RankStreams`)
     among them: what each rank keeps its own of."""
     record: Any
-    """The run's :class:`~ddpkit.training.run_record.RunRecord`: a resume compares it before it loads."""
+    """The run's :class:`~ddpkit.snapshot.run_record.RunRecord`: a resume compares it before it loads."""
     global_micro_batch: int
     position: Callable[[], tuple[int, int, int]]
     """``(epoch, step, cursor)`` now."""

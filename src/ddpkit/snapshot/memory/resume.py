@@ -4,7 +4,7 @@ On every rank together (collective): each rank says which whole states it holds,
 rank can resume from is taken (a rank killed during a copy holds the step before its peers' newest: the step
 before is taken), and it is used when it is newer than the newest disk snapshot; else the disk's. A rank with
 no slot at that position (its node is new) gets it from a rank whose slot holds every rank's own part (peers,
-:mod:`ddpkit.memory.snapshots`): the donor sends its slot's bytes over the job's process group.
+:mod:`ddpkit.snapshot.memory.snapshots`): the donor sends its slot's bytes over the job's process group.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import torch.distributed as dist
 
 from ddpkit.distributed.collectives import all_gather_object, broadcast_object, tensor_bytes
 from ddpkit.errors import ConfigError
-from ddpkit.memory import slot as slot_lib
-from ddpkit.memory import values as values_lib
-from ddpkit.memory.snapshots import MemorySnapshots, local
 from ddpkit.snapshot.layout import leaves
 from ddpkit.snapshot.manager import Found, SnapshotManager
+from ddpkit.snapshot.memory import slot as slot_lib
+from ddpkit.snapshot.memory import values as values_lib
+from ddpkit.snapshot.memory.snapshots import MemorySnapshots, local
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ _MALFORMED = (ValueError, KeyError, IndexError, TypeError, AttributeError, Recur
 def read(memory: MemorySnapshots, choice: Choice) -> SlotRead:
     """The state at ``choice``, from this rank's slot or from the donor's (collective when there is a donor),
     checked against the Trainer's state (every tensor there, of its shape and dtype) before anything is put
-    into it. Raises :class:`~ddpkit.memory.slot.BadSlot` naming the slot and what is wrong."""
+    into it. Raises :class:`~ddpkit.snapshot.memory.slot.BadSlot` naming the slot and what is wrong."""
     found = {(f.rank, f.position): f for f in memory.store.found()}
     mine = found.get((memory.rank, choice.position))
     data = None
@@ -267,7 +267,7 @@ def resume_from_memory(
     whole snapshot (collective). Returns what was resumed from (None: not from memory) and, when it was read, the
     disk's newest whole snapshot (to resume from instead).
 
-    A state that a rank finds damaged (:class:`~ddpkit.memory.slot.BadSlot`) is skipped by every rank,
+    A state that a rank finds damaged (:class:`~ddpkit.snapshot.memory.slot.BadSlot`) is skipped by every rank,
     saying which and why, and the next newest is tried: the slot before it, then the disk. Every rank takes
     the same: each agreement and each read's outcome are gathered."""
     skipped: set[tuple[int, ...]] = set()

@@ -5,14 +5,14 @@ The Trainer hands over its stateful parts, each with ``state_dict()`` / ``load_s
 name), and the rest by name: the counters (:class:`~ddpkit.training.state.TrainState`), every rank's random
 streams with the state each rank keeps its own of (its losses not yet agreed on, the callbacks' and the script's
 ``extra_state``), the epoch's agreed losses, early stopping, the LR scheduler and the GradScaler. When a snapshot
-is due: :class:`~ddpkit.training.schedule.SnapshotSchedule`. A snapshot is ``run_dir/snapshots/step-N/``
+is due: :class:`~ddpkit.snapshot.schedule.SnapshotSchedule`. A snapshot is ``run_dir/snapshots/step-N/``
 (:mod:`ddpkit.snapshot.manager`): the strategy's part through :mod:`torch.distributed.checkpoint`, so it
-reshards on load; the others, with the run's record (:class:`~ddpkit.training.run_record.RunRecord`), in
+reshards on load; the others, with the run's record (:class:`~ddpkit.snapshot.run_record.RunRecord`), in
 ``values.pt``.
 
 A resume is refused, naming each difference, before any tensor is read when the config, the optimizer's
 hyper-parameters, the model's shapes or the classes of its modules differ from the snapshot's, or when the
-global micro-batch does. The precision may change (:meth:`~ddpkit.training.run_record.RunRecord.precision_change`), with a warning that
+global micro-batch does. The precision may change (:meth:`~ddpkit.snapshot.run_record.RunRecord.precision_change`), with a warning that
 the resume is not bitwise, in the output and as a ``precision_change`` event. At the same world size every
 rank gets its own buffers and random streams back and the run continues bit for bit; at another, every rank
 takes rank 0's buffers and the random streams are reseeded from (seed, step, rank).
@@ -23,18 +23,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ddpkit.distributed.runtime import Runtime
 from ddpkit.errors import ConfigError
-from ddpkit.memory.resume import resume_from_memory
-from ddpkit.memory.snapshots import MemorySnapshots, TrainerParts, open_memory_snapshots
 from ddpkit.snapshot.manager import SnapshotManager, folder_name
+from ddpkit.snapshot.run_record import RunRecord
+from ddpkit.snapshot.schedule import SnapshotConfig, SnapshotSchedule
 from ddpkit.strategies import Strategy
-from ddpkit.training.config import SnapshotConfig
-from ddpkit.training.run_record import RunRecord
-from ddpkit.training.schedule import SnapshotSchedule
-from ddpkit.training.state import TrainState
+
+if TYPE_CHECKING:  # the memory backend is imported when a run asks for it (SnapshotConfig(memory=True))
+    from ddpkit.snapshot.memory.snapshots import MemorySnapshots
+    from ddpkit.training.state import TrainState
 
 STREAMS = "rng"
 """The part of ``TrainerSnapshots.states`` that holds each rank's random streams (a RankStreams)."""
@@ -87,6 +87,8 @@ class TrainerSnapshots:
     def open_memory(self, every_steps: int | None) -> MemorySnapshots | None:
         """Copies of the state in shared memory after steps, beside the disk's (collective; None where the job
         has no memory folder, with a line saying why)."""
+        from ddpkit.snapshot.memory.snapshots import TrainerParts, open_memory_snapshots
+
         train = self.train
         parts = TrainerParts(
             runtime=self.runtime, run_dir=self.run_dir, strategy=self.strategy, schedule=self.schedule,
@@ -191,6 +193,8 @@ class TrainerSnapshots:
         if self.memory is None:
             found = self.manager.latest(warn=self.print0)
         else:  # the snapshots in memory first, when newer than the disk's newest
+            from ddpkit.snapshot.memory.resume import resume_from_memory
+
             source, found = resume_from_memory(self.memory, self.manager, self.print0, load)
             if source is not None:
                 return self._resumed(source, source)

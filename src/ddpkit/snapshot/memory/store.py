@@ -1,7 +1,7 @@
 """Snapshots in node-local shared memory that outlive the worker process: one rank's double-buffered store.
 
 A worker killed at any instant leaves its state in files on a memory file system (``/dev/shm``), in the job's
-folder the launcher's agent makes and removes (:mod:`ddpkit.memory.folder`). The restarted worker
+folder the launcher's agent makes and removes (:mod:`ddpkit.snapshot.memory.folder`). The restarted worker
 finds it there without touching the disk. Each rank keeps two slot files, ``<run>-rank<r>-<i>.slot``
 (``<run>``: a hash of the run directory, ``i`` = 0, 1).
 
@@ -16,17 +16,17 @@ runs. Each slot file starts with a commit record::
 everything else is: a slot counts only when ``begin == end``, so a kill during the copy leaves it not whole,
 and the other slot is the newest whole one. (A process killed by a signal stops at an instruction boundary:
 every store before it reached the page cache, none after it did, so ``end`` cannot land without the copy before
-it. A lost node loses the files anyway: that case is served by peers, :mod:`ddpkit.memory.resume`.)
+it. A lost node loses the files anyway: that case is served by peers, :mod:`ddpkit.snapshot.memory.resume`.)
 
 A slot holds its tensors raw, each at an aligned offset of the data region; a *manifest* (JSON: each tensor's
 dtype, shape and offset, and what the resume check compares), written when the layout changes; and the
-*values* of this save (JSON, :mod:`ddpkit.memory.values`: the step, the keys below, the non-tensor
+*values* of this save (JSON, :mod:`ddpkit.snapshot.memory.values`: the step, the keys below, the non-tensor
 values).
 
 A slot that is whole but does not check (a checksum that fails, a manifest whose tensors lie outside the data
 region, values that are not what a save writes) is damaged: :func:`read_slot` raises :class:`BadSlot` naming
 the file and what is wrong, before any tensor is viewed, and a resume falls back to the slot before it or to
-the disk (:mod:`ddpkit.memory.resume`).
+the disk (:mod:`ddpkit.snapshot.memory.resume`).
 
 Keys: a slot is found only when its job key (the agent's random key and torchrun's run id), run key (the run
 directory's hash), world size and rank are this worker's: a slot of another job, of an earlier job on the node
@@ -54,8 +54,8 @@ import torch
 
 from ddpkit import fs
 from ddpkit.errors import ConfigError
-from ddpkit.memory import folder as memory_folder
-from ddpkit.memory.slot import (
+from ddpkit.snapshot.memory import folder as memory_folder
+from ddpkit.snapshot.memory.slot import (
     BEGIN_OFFSET,
     END_OFFSET,
     HEADER,
@@ -64,7 +64,7 @@ from ddpkit.memory.slot import (
     checksum,
     read_slot,
 )
-from ddpkit.memory.values import Spec, views
+from ddpkit.snapshot.memory.values import Spec, views
 
 
 class MemoryUnavailable(RuntimeError):
@@ -115,7 +115,7 @@ class MemoryStore:
 
     ``save`` copies the state into the older slot and commits it; ``found`` lists the whole slots of this run
     on this node (every rank's: a rank that took another's place after a restart may use them, see
-    :mod:`ddpkit.memory.resume`). No collective here: every method acts on this rank's files alone.
+    :mod:`ddpkit.snapshot.memory.resume`). No collective here: every method acts on this rank's files alone.
     """
 
     def __init__(self, folder: str | os.PathLike, *, job: str, run: str, rank: int, world_size: int) -> None:

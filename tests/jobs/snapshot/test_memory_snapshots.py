@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpkit.memory import folder as mf
-from ddpkit.memory import slot as mslot
-from ddpkit.memory import store as ms
-from ddpkit.memory import values as mv
+from ddpkit.snapshot.memory import folder as mf
+from ddpkit.snapshot.memory import slot as mslot
+from ddpkit.snapshot.memory import store as ms
+from ddpkit.snapshot.memory import values as mv
 from tests.jobs.scripts.train_job import N_SAMPLES
 from tests.tmpfs import small_tmpfs
 from tests.trainer_checks import (
@@ -32,7 +32,7 @@ from tests.trainer_checks import (
     resume_steps,
     samples_per_epoch,
 )
-from tests.unit.memory.test_memory_snapshots import store
+from tests.unit.snapshot.test_memory_snapshots import store
 
 ROOT = Path(__file__).resolve().parents[3]
 JOB = str(Path(__file__).parents[1] / "scripts" / "memory_job.py")
@@ -41,8 +41,8 @@ STEPS = 30  # 3 epochs of 10 steps; no disk snapshot unless asked
 
 KILL_IN_COPY = textwrap.dedent("""
     import os, signal, torch
-    from ddpkit.memory import store as ms
-    from tests.unit.memory.test_memory_snapshots import save, store
+    from ddpkit.snapshot.memory import store as ms
+    from tests.unit.snapshot.test_memory_snapshots import save, store
     st = store({folder!r})
     tensors = [torch.full((4096,), 1.0), torch.full((4096,), 1.0)]
     save(st, 1, tensors)
@@ -356,7 +356,7 @@ def test_zero_and_fsdp_resume_a_killed_worker_from_memory_bitwise(tmp_path, job_
 
 def _peers_job(roots: list[str], protocol: bool) -> tuple[int, bool]:
     """train_job's model for 6 steps with peers on; rank r's memory folder is ``roots[r]``."""
-    from ddpkit.memory import snapshots as memory_snapshots
+    from ddpkit.snapshot.memory import snapshots as memory_snapshots
     from tests.jobs.scripts.train_job import train
 
     rank = int(os.environ["RANK"])

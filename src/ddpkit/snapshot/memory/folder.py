@@ -3,7 +3,7 @@
 The agent of ``ddpkit run`` outlives every attempt of its workers: it makes one folder per job and node at
 start (:func:`open_job_folder`), names it to the workers in :data:`DIR_ENV` with a random key in
 :data:`KEY_ENV`, and removes it when the job ends, however it ends (:func:`close_job_folder`). A restarted
-worker finds its state there (:mod:`ddpkit.memory.store`). Layout::
+worker finds its state there (:mod:`ddpkit.snapshot.memory.store`). Layout::
 
     <root>/ddpkit-memory-<uid>/   mode 700, refused if a link or open to others
         <nonce>/                  one per job and node, mode 700; the job's random key

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.jobs.memory.test_memory_snapshots import (  # noqa: F401
+from tests.jobs.snapshot.test_memory_snapshots import (  # noqa: F401
     check_exact,
     job_env,
     plain_reference,

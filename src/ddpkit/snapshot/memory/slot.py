@@ -1,5 +1,5 @@
 """The file format of a memory snapshot's slot, and its checks: a commit record, a manifest, the values and the
-data region, each with its checksum (the format: :mod:`ddpkit.memory.store`). Reading a slot checks everything
+data region, each with its checksum (the format: :mod:`ddpkit.snapshot.memory.store`). Reading a slot checks everything
 before any tensor is viewed; a whole slot that does not check raises :class:`BadSlot`.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ddpkit.memory.values import Spec, checked_specs, views
+from ddpkit.snapshot.memory.values import Spec, checked_specs, views
 
 MAGIC = b"DDPKMEM2"  # 1: no checksum of the data region (such slots are not found)
 HEADER = 4096

@@ -14,11 +14,43 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ddpkit.training.config import SnapshotConfig
-from ddpkit.training.state import StopReason
+from ddpkit.errors import check_fields
 
-_ALWAYS_SAVED = (StopReason.MAX_STEPS, StopReason.SIGNAL, StopReason.EARLY_STOPPING)
-"""Stops that snapshot whatever the intervals: a restart (or a rerun) must find where they stopped."""
+_ALWAYS_SAVED = ("max_steps", "signal", "early_stopping")
+"""Stops (``ddpkit.training.StopReason``, a ``str`` enum) that snapshot whatever the intervals: a restart (or a
+rerun) must find where they stopped."""
+
+
+@dataclass(kw_only=True)
+class SnapshotConfig:
+    """When the Trainer snapshots, how many it keeps, and how it writes them."""
+
+    every_steps: int | None = None
+    """Also snapshot every this many optimizer steps (None: at epoch ends only)."""
+    every_epochs: int = 1
+    """Snapshot every this many epochs; 0 turns epoch-end snapshots off."""
+    keep: int = 2
+    """Whole snapshots kept in ``run_dir/snapshots``; older ones are removed once a newer one is whole."""
+    async_write: bool = True
+    """Write in a background thread: the step waits only while the state is copied to host memory."""
+    memory: bool = False
+    """Also copy the state into shared memory on the node after steps (under ``ddpkit run``, which keeps a folder
+    there for the job): a restarted worker resumes from it when it is newer than the newest disk snapshot, so a
+    failure loses at most ``memory_every_steps`` steps. See :mod:`ddpkit.snapshot.memory.snapshots`."""
+    memory_every_steps: int | None = None
+    """Copy to memory every this many optimizer steps; None: every step, unless the first copies hold the loop
+    longer than 5% of a step, then the smallest interval that keeps them within."""
+
+    def __post_init__(self) -> None:
+        check_fields(
+            self,
+            {
+                "every_steps": self.every_steps is None or self.every_steps >= 1,
+                "every_epochs": self.every_epochs >= 0,
+                "keep": self.keep >= 1,
+                "memory_every_steps": self.memory_every_steps is None or self.memory_every_steps >= 1,
+            },
+        )
 
 
 @dataclass
@@ -29,7 +61,7 @@ class SnapshotSchedule:
     every_steps: int | None = None
     every_epochs: int = 1
     memory_every_steps: int = 1
-    """The interval of the copies in memory, once chosen (:mod:`ddpkit.memory.snapshots`)."""
+    """The interval of the copies in memory, once chosen (:mod:`ddpkit.snapshot.memory.snapshots`)."""
     notice: str | None = None
     """A pre-emption notice not yet acted on: the next :meth:`after_step` or :meth:`at_epoch_end` is due."""
     _saved_at: tuple[int, int, int] | None = field(default=None, repr=False)
@@ -52,7 +84,7 @@ class SnapshotSchedule:
         by_epochs = self.every_epochs > 0 and epochs_done % self.every_epochs == 0
         return by_epochs or (last_step_taken and self._step_due(step)) or stopping or self.notice is not None
 
-    def at_stop(self, reason: StopReason | str | None) -> bool:
+    def at_stop(self, reason: str | None) -> bool:
         """A disk snapshot where training ends: always after ``max_steps``, a stop signal or early stopping;
         after the last epoch or a callback's stop, when snapshots are on at all (either interval)."""
         if reason in _ALWAYS_SAVED:

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from ddpkit.memory import folder as mf
-from ddpkit.memory import slot as mslot
-from ddpkit.memory import store as ms
-from ddpkit.memory import values as mv
-from ddpkit.memory.resume import Choice, choose
+from ddpkit.snapshot.memory import folder as mf
+from ddpkit.snapshot.memory import slot as mslot
+from ddpkit.snapshot.memory import store as ms
+from ddpkit.snapshot.memory import values as mv
+from ddpkit.snapshot.memory.resume import Choice, choose
 from ddpkit.training.config import SnapshotConfig
 from tests.tmpfs import small_tmpfs
 
