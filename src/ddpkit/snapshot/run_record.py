@@ -24,7 +24,7 @@ from ddpkit.errors import ConfigError
 
 RESUMABLE_CHANGES = frozenset({
     "run_dir", "resume", "epochs", "max_steps", "num_workers", "eval_batch_size", "raise_on_stop_signal",
-    "on_data_change",
+    "on_data_change", "new_rank_state",
     "weights_format",
     "snapshot.every_steps", "snapshot.every_epochs", "snapshot.keep", "snapshot.async_write",
     "snapshot.memory", "snapshot.memory_every_steps",

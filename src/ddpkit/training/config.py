@@ -21,6 +21,7 @@ from ddpkit.errors import ConfigError
 from ddpkit.errors import check_fields as _check
 from ddpkit.snapshot.schedule import SnapshotConfig
 from ddpkit.strategies import StrategyConfig, strategy_config
+from ddpkit.training.state import NEW_RANK_STATES, NewRankState
 
 
 @dataclass(kw_only=True)
@@ -99,6 +100,12 @@ class TrainerConfig:
     stream's files, their sizes and order, the window, seed, shuffle, drop_last, the global batch): ``error``
     refuses it before any step, naming each change; ``restart_epoch`` trains the snapshot's epoch again from its
     first step on the new data (:mod:`ddpkit.data.fingerprint`)."""
+    new_rank_state: NewRankState = "refuse"
+    """What a rank beyond the snapshot's world size gets, on a resume at more ranks, for each part a rank keeps
+    its own of (a stateful callback, an ``extra_state`` entry): ``refuse`` the resume, naming the parts;
+    ``copy`` rank 0's state (for state that is the same on every rank, such as a model kept in ``extra_state``);
+    or start it ``fresh``, with a warning naming the parts. A part's own ``new_rank_state`` attribute overrides
+    it; a part with ``load_rank_states(states, rank)`` (the loss window) decides for itself."""
     seed_samples: bool = True
     """Each sample's random draws while loading (augmentation) depend on ``(seed, epoch, index)`` only, whichever
     rank or worker loads it (:class:`~ddpkit.data.SeededSamples`); a dataset that draws nothing costs a state
@@ -178,6 +185,7 @@ class TrainerConfig:
                 "eval_batch_size": self.eval_batch_size >= 1,
                 "num_workers": self.num_workers is None or self.num_workers >= 0,
                 "on_data_change": self.on_data_change in ("error", "restart_epoch"),
+                "new_rank_state": self.new_rank_state in NEW_RANK_STATES,
                 "val_every_steps": self.val_every_steps is None or self.val_every_steps >= 1,
                 "weights_format": self.weights_format in ("safetensors", "pt", None),
             },

@@ -3,10 +3,10 @@ streams of every rank."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
 from enum import Enum
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -14,6 +14,11 @@ from ddpkit.distributed.collectives import all_gather_object
 from ddpkit.distributed.runtime import Runtime
 from ddpkit.distributed.seeding import rng_state, set_rng_state, stream_seed
 from ddpkit.errors import ConfigError
+
+NewRankState = Literal["refuse", "copy", "fresh"]
+"""What a rank beyond a snapshot's world size gets of a part each rank keeps its own of
+(``TrainerConfig.new_rank_state``)."""
+NEW_RANK_STATES: tuple[str, ...] = ("refuse", "copy", "fresh")
 
 
 class StopReason(str, Enum):
@@ -62,8 +67,11 @@ class RankStreams:
     run continues bit for bit; at another, rank ``r``'s stream has no counterpart in the old run, so each is
     reseeded from ``(seed, step, rank)``: reproducible, and equal to the uninterrupted run only within tolerance.
     An own part then gets every old rank's state through ``load_rank_states(states, rank)`` where it has that
-    method; otherwise rank ``r`` takes old rank ``r``'s state, and a rank beyond the old world size starts it
-    afresh (:attr:`fresh_parts` names them).
+    method; otherwise rank ``r`` takes old rank ``r``'s state, and a rank beyond the old world size gets what
+    ``new_rank_state`` says (the part's own ``new_rank_state`` attribute first): ``refuse`` (every rank refuses
+    the resume, naming the parts), ``copy`` (rank 0's state) or ``fresh`` (its state as built, with a warning
+    naming the parts; :attr:`fresh_parts`). Never silently fresh: a model kept in ``extra_state`` would keep its
+    initial weights on the new rank and train a different model there.
     """
 
     def __init__(
@@ -73,9 +81,12 @@ class RankStreams:
         seed: int,
         train: TrainState,
         own: Mapping[str, Any] | None = None,
+        new_rank_state: NewRankState = "refuse",
+        warn: Callable[[str], None] = print,
     ) -> None:
         self.runtime, self.generator, self.seed, self.train = runtime, generator, seed, train
         self.own: dict[str, Any] = dict(own or {})
+        self.new_rank_state, self.warn = new_rank_state, warn
         self.reseeded_from: int | None = None
         """The world size of the snapshot whose streams were reseeded rather than restored, if so."""
         self.fresh_parts: list[str] = []
@@ -110,15 +121,42 @@ class RankStreams:
         self.reseeded_from = state["world_size"]
         ranks = state["ranks"]
         self._check_own(ranks[0])
+        if "own" not in ranks[0]:
+            return
+        policies = {name: self._policy(part) for name, part in self.own.items()}
+        # Decided alike on every rank (the same parts, the same world sizes), so that all refuse or none does.
+        refused = sorted(n for n, p in policies.items() if p == "refuse")
+        if rt.world_size > len(ranks) and refused:
+            raise ConfigError(
+                f"resuming a {len(ranks)}-rank snapshot on {rt.world_size} ranks: ranks {len(ranks)}.."
+                f"{rt.world_size - 1} have no state of their own for {refused} in it. Set "
+                "TrainerConfig(new_rank_state='copy') to give them rank 0's (state the same on every rank, such as "
+                "a model) or 'fresh' to start them afresh (or a `new_rank_state` attribute on the part), or resume "
+                f"on {len(ranks)} ranks"
+            )
         for name, part in self.own.items():
-            if "own" not in ranks[0]:
-                continue
             if hasattr(part, "load_rank_states"):
                 part.load_rank_states([r["own"][name] for r in ranks], rt.rank)
             elif rt.rank < len(ranks):
                 part.load_state_dict(ranks[rt.rank]["own"][name])
+            elif policies[name] == "copy":
+                part.load_state_dict(ranks[0]["own"][name])
             else:
                 self.fresh_parts.append(name)
+        fresh = sorted(n for n, p in policies.items() if p == "fresh")
+        if rt.world_size > len(ranks) and fresh:  # said alike on every rank: ``warn`` prints once (rank 0)
+            self.warn(
+                f"ddpkit: WARNING: resuming a {len(ranks)}-rank snapshot on {rt.world_size} ranks: {fresh} start "
+                f"afresh on ranks {len(ranks)}..{rt.world_size - 1} (new_rank_state='fresh')"
+            )
+
+    def _policy(self, part: Any) -> str:
+        if hasattr(part, "load_rank_states"):
+            return "own"
+        policy = getattr(part, "new_rank_state", None) or self.new_rank_state
+        if policy not in NEW_RANK_STATES:
+            raise ConfigError(f"{type(part).__name__}.new_rank_state={policy!r} is not one of {list(NEW_RANK_STATES)}")
+        return str(policy)
 
     def _check_own(self, mine: Mapping[str, Any]) -> None:
         saved = mine.get("own")

@@ -147,10 +147,13 @@ class Trainer:
         self.early_stopping, self.best_weights = self.validation.early_stopping, self.validation.best_weights
         # A resume on changed data is refused, naming the change: the loader's state holds the data's fingerprint.
         own = own_parts(self._window, self.callbacks, extra_state)  # what each rank saves of its own
+        streams = RankStreams(
+            rt, self.generator, config.seed, self.state, own=own, new_rank_state=config.new_rank_state,
+            warn=partial(print0, group=self.group),
+        )  # fmt: skip
         states = {
-            "data": self.loader, "rng": RankStreams(rt, self.generator, config.seed, self.state, own=own),
-            "epoch_loss": self.epoch_loss, "early_stopping": self.early_stopping, "validation": self.validation,
-            "scheduler": scheduler, "scaler": self.scaler,
+            "data": self.loader, "rng": streams, "epoch_loss": self.epoch_loss, "early_stopping": self.early_stopping,
+            "validation": self.validation, "scheduler": scheduler, "scaler": self.scaler,
         }  # fmt: skip
         self.snapshots = TrainerSnapshots(
             self.run_dir, config.snapshot, runtime=rt, strategy=self.strategy, train=self.state, states=states,

@@ -188,3 +188,92 @@ def test_the_epoch_loss_after_a_resume_from_memory_is_the_uninterrupted_runs(tmp
     killed = epoch_losses(tmp_path / "killed")
     print(f"epoch 2: uninterrupted {whole[2]!r}, resumed at step {final['resumed_from']} {killed[2]!r}")
     assert killed == whole
+
+
+class _Generator(torch.nn.Linear):
+    """A second model kept in ``extra_state`` (a GAN's generator): stepped by a callback, alike on every rank."""
+
+    def __init__(self) -> None:
+        super().__init__(2, 2)
+        torch.nn.init.zeros_(self.weight)
+
+
+def _second_model(run_dir: str, max_steps: int | None, new_rank_state: str) -> dict:
+    from ddpkit.errors import ConfigError
+    from ddpkit.training.config import LoggingConfig, SnapshotConfig, TrainerConfig
+
+    ddpkit.init()
+    torch.manual_seed(0)
+    model, g = torch.nn.Linear(3, 2), _Generator()
+    data = torch.utils.data.TensorDataset(torch.randn(24, 3), torch.zeros(24, dtype=torch.long))
+    started: dict = {}
+
+    class StepG:
+        def on_fit_start(self, trainer) -> None:
+            started["g"] = g.weight.detach().clone()
+
+        def on_step_end(self, trainer, taken: bool, output) -> None:
+            with torch.no_grad():
+                g.weight += 1.0
+
+    config = TrainerConfig(
+        run_dir=run_dir, global_batch_size=6, num_workers=0, epochs=2, max_steps=max_steps,
+        new_rank_state=new_rank_state, snapshot=SnapshotConfig(every_steps=1, async_write=False),
+        logging=LoggingConfig(progress=False),
+    )  # fmt: skip
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = ddpkit.Trainer(model, optimizer, data, config, callbacks=[StepG()], extra_state={"g": g})
+    try:
+        trainer.fit()
+    except ConfigError as err:
+        return {"refused": str(err)}
+    return {"started": started["g"], "fresh": trainer.snapshots.states["rng"].fresh_parts}
+
+
+def _stop_at_two_then(tmp_path: Path, policy: str) -> list[dict]:
+    """Resume at 3 ranks, under ``policy``, a copy of a run stopped at step 3 on 2 ranks."""
+    stopped = tmp_path / "stopped"
+    if not stopped.exists():
+        first = ddpkit.spawn(functools.partial(_second_model, str(stopped), 3, "refuse"), 2)
+        assert all(torch.equal(s["started"], torch.zeros(2, 2)) for s in first)
+    shutil.copytree(stopped, tmp_path / policy)
+    return ddpkit.spawn(functools.partial(_second_model, str(tmp_path / policy), None, policy), 3)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_resume_at_more_ranks_refuses_copies_or_freshens_a_ranks_own_state_never_silently(tmp_path):
+    # Refused by default, on every rank alike (a refusal on the new rank alone would leave the others waiting).
+    refused = _stop_at_two_then(tmp_path, "refuse")
+    assert all("ranks 2..2 have no state of their own for ['extra:g']" in r["refused"] for r in refused), refused
+    assert all("new_rank_state='copy'" in r["refused"] for r in refused)
+    # copy: the new rank starts from rank 0's generator, as ranks 0 and 1 start from their own (3 steps).
+    copied = _stop_at_two_then(tmp_path, "copy")
+    assert all(torch.equal(c["started"], torch.full((2, 2), 3.0)) for c in copied)
+    # fresh: the new rank keeps the generator as built, and says so.
+    fresh = _stop_at_two_then(tmp_path, "fresh")
+    assert [f["fresh"] for f in fresh] == [[], [], ["extra:g"]]
+    assert torch.equal(fresh[2]["started"], torch.zeros(2, 2)) and torch.equal(
+        fresh[0]["started"], torch.full((2, 2), 3.0)
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_control_without_the_policy_the_new_rank_trains_another_generator_silently(tmp_path, monkeypatch):
+    # The resume as it was: a rank beyond the old world started its part afresh and nobody was told.
+    from ddpkit.training.state import RankStreams
+
+    monkeypatch.setattr(RankStreams, "_policy", lambda self, part: "fresh")
+    monkeypatch.setattr(RankStreams, "__init__", _silent(RankStreams.__init__))
+    resumed = _stop_at_two_then(tmp_path, "refuse")
+    assert "refused" not in resumed[2]
+    assert not torch.equal(resumed[2]["started"], resumed[0]["started"])  # two generators from here on
+
+
+def _silent(init):
+    def patched(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.warn = lambda message: None
+
+    return patched
