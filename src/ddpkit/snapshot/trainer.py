@@ -98,6 +98,17 @@ class TrainerSnapshots:
         self.memory = open_memory_snapshots(parts, every_steps)
         return self.memory
 
+    def after_step(self, step: int, taken: bool) -> None:
+        """After optimizer step ``step`` (every rank): the copy in memory, when one is due. The disk's snapshot of
+        a step is :meth:`save`, placed by the Trainer after the step's agreement and validation."""
+        if self.memory is not None and self.schedule.in_memory(step, taken):
+            self.memory.save()
+
+    def close(self) -> None:
+        """At the end of ``fit()`` (not on a failure, whose restart resumes from memory): the copies in memory go."""
+        if self.memory is not None:
+            self.memory.close(remove=True)
+
     def state_dict(self, streams: bool = True) -> dict[str, Any]:
         """Everything the next step needs. Collective: every rank calls it (the random streams are gathered).
         ``streams=False``: each rank's random streams left out (``"rng"`` holds the world size alone), with no

@@ -161,8 +161,6 @@ class Trainer:
             print0=partial(print0, group=self.group),
         )  # fmt: skip
         self.memory = self.snapshots.memory  # copies in shared memory after steps (None: off)
-        if self.memory is not None:
-            self.callbacks.append(self.memory)  # after the script's: a copy after each step; gone at fit()'s end
         self.optimizer_step = OptimizerStep(
             config, self.strategy, scheduler=None if self._plateau else scheduler, scaler=self.scaler,
             state=self.state, log=self.writer.log, group=self.group,
@@ -253,6 +251,7 @@ class Trainer:
         self.writer.log("event", self.step, {"event": "stop", "reason": str(reason)})
         self.writer.flush()
         call(self.callbacks, "on_fit_end", self)
+        self.snapshots.close()  # what a restart needs from here on is on disk
         if self.stopped_by != StopReason.SIGNAL:
             print0(run_summary(str(reason), self.state, last, self.validation, self.run_dir), group=self.group)
             signals.pass_on(self._stop_signal)  # one that came after the last agreement, too late to stop it
@@ -318,6 +317,7 @@ class Trainer:
         cfg = self.config
         if self.callbacks:
             call_step_end(self.callbacks, self, step_output(taken, self.state, self.optimizer_step, self._window))
+        self.snapshots.after_step(self.step, taken)  # a copy in memory, after the callbacks changed the state
         if cfg.max_steps is not None and self.step >= cfg.max_steps:
             self.stopped_by = StopReason.MAX_STEPS
         # Before the step's snapshot (below, or fit's), whose early-stopping state then counts this validation:

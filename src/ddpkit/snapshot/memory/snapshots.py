@@ -223,14 +223,6 @@ class MemorySnapshots:
     def every_steps(self, value: int) -> None:
         self.schedule.memory_every_steps = value
 
-    def on_step_end(self, trainer: Any, taken: bool, output: Any) -> None:
-        """Every rank, after every step (the Trainer's callback): a copy on the interval of the steps taken."""
-        if self.schedule.in_memory(output.step, taken):
-            self.save()
-
-    def on_fit_end(self, trainer: Any) -> None:
-        self.close(remove=True)  # what a restart needs from here on is on disk
-
     def save(self) -> None:
         """Copy this step's state into the older slot. Every rank calls it after the same steps (with peers,
         and when the interval is chosen, it is collective). Memory full, or a value it cannot hold: one
