@@ -17,6 +17,7 @@ import functools
 import itertools
 import random
 import sys
+import traceback
 from collections.abc import Iterator, Sequence, Sized
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -55,6 +56,8 @@ class CheckConfig:
 
     script: str | None = None
     """The training script defining ``ddpkit_workload()``; None for the built-in digits CNN."""
+    script_args: tuple[str, ...] = ()
+    """The script's own arguments (its ``sys.argv[1:]``), as ``ddpkit run`` passes them."""
     nproc: int = 2
     """Ranks of the distributed run (gloo on the CPU)."""
     steps: int = 4
@@ -80,6 +83,9 @@ class CheckConfig:
 
 
 MAX_STEPS = 100_000
+SCRIPT_FAILED = 3
+"""``ddpkit check``'s exit code when the script itself raised: no comparison was made (0: the runs agree; 1: they
+differ; 2: bad options)."""
 
 
 # -- the switches -------------------------------------------------------------------------------------------
@@ -149,7 +155,12 @@ def _batches(loader: Any, data: Dataset) -> Iterator[Any]:
 
 
 def train_steps(
-    script: str | None, fixes: frozenset[str], steps: int, per_rank_batch: int | None, seed: int
+    script: str | None,
+    fixes: frozenset[str],
+    steps: int,
+    per_rank_batch: int | None,
+    seed: int,
+    args: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Train ``steps`` steps with the switches in ``fixes`` on; this process's records (rank 0's are compared).
 
@@ -157,12 +168,12 @@ def train_steps(
     """
     rt = get_runtime()
     records: dict[str, Any] = {q: [] for q in QUANTITIES}
-    records["error"] = None
+    records["error"] = records["traceback"] = None
     records["differing_tensors"] = []
     with _deterministic("nondeterminism" in fixes):
         try:
             seed_everything(seed)
-            w = load_workload(script, max(rt.world_size, 1))
+            w = load_workload(script, max(rt.world_size, 1), args)
             batch = per_rank_batch or w.batch_size
             model = w.model
             if "dropout" in fixes:
@@ -210,13 +221,25 @@ def train_steps(
         except ConfigError:
             raise
         except Exception as err:  # a DDP error is a finding (e.g. unused parameters), not a crash of the check
-            records["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+            records["error"] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}"
+            records["traceback"] = traceback.format_exc()
     return records
 
 
-def _ranks_run(script: str | None, setups: list[frozenset[str]], steps: int, seed: int) -> list[dict[str, Any]]:
+def _ranks_run(
+    script: str | None, setups: list[frozenset[str]], steps: int, seed: int, args: Sequence[str]
+) -> list[dict[str, Any]]:
     init(device="cpu")  # gloo on the CPU: any number of ranks fits on one machine
-    return [train_steps(script, fixes, steps, None, seed) for fixes in setups]
+    return [train_steps(script, fixes, steps, None, seed, args) for fixes in setups]
+
+
+def _failed(cfg: CheckConfig, where: str, trace: str) -> tuple[int, list[str]]:
+    """The script raised: its traceback, and no verdict on the ranks (a numerical comparison of a run that did
+    not happen would blame DDP for the script's own error)."""
+    return SCRIPT_FAILED, [
+        f"ddpkit check: FAILED: {cfg.script or 'the workload'} raised {where}; nothing was compared:",
+        trace.rstrip(),
+    ]
 
 
 # -- comparing ----------------------------------------------------------------------------------------------
@@ -247,20 +270,28 @@ def _check(cfg: CheckConfig) -> tuple[int, list[str]]:
 
     setups = _setups()
     # Bad input fails here, with its message, rather than inside every rank.
-    w = load_workload(cfg.script, cfg.nproc)
+    try:
+        w = load_workload(cfg.script, cfg.nproc, cfg.script_args)
+    except (ConfigError, KeyboardInterrupt):
+        raise
+    except BaseException:  # SystemExit too: a script's argparse error, say
+        return _failed(cfg, "while its workload was built", traceback.format_exc())
     if w.loader is None:
         ShardedBatchSampler(
             cast(Sized, w.dataset), w.batch_size, drop_last=w.drop_last, rank=0, world_size=cfg.nproc
         )  # checks the workload's sizes; a map-style dataset has a length
-    ranks = spawn(functools.partial(_ranks_run, cfg.script, setups, cfg.steps, cfg.seed), cfg.nproc)[0]
+    run = functools.partial(_ranks_run, cfg.script, setups, cfg.steps, cfg.seed, cfg.script_args)
+    ranks = spawn(run, cfg.nproc)[0]
     global_batch = w.batch_size * cfg.nproc
     verdicts = []
     for fixes, dist_run in zip(setups, ranks):
-        one = train_steps(cfg.script, fixes, cfg.steps, global_batch, cfg.seed)
+        one = train_steps(cfg.script, fixes, cfg.steps, global_batch, cfg.seed, cfg.script_args)
+        if one["traceback"] is not None and not fixes:  # the reference itself failed: the script's error
+            return _failed(cfg, "in the 1-process run", one["traceback"])
         # The repeat finds non-determinism; with deterministic algorithms on (all but two set-ups) it can only
         # agree, unless deterministic mode does not cure it, which the all-on set-up shows.
         repeat = "nondeterminism" not in fixes or fixes == frozenset(_KEYS)
-        again = train_steps(cfg.script, fixes, cfg.steps, global_batch, cfg.seed) if repeat else one
+        again = train_steps(cfg.script, fixes, cfg.steps, global_batch, cfg.seed, cfg.script_args) if repeat else one
         verdicts.append(Verdict(compare(dist_run, one), compare(again, one)))
         if fixes == frozenset():
             base_one, base_ranks = one, dist_run
@@ -277,6 +308,8 @@ def _check(cfg: CheckConfig) -> tuple[int, list[str]]:
             "turns their rounding noise into full-size steps)"
         )
     base, fixed = verdicts[0], verdicts[1]
+    if ranks[1]["traceback"] is not None:  # with every known cause switched off: not a finding of DDP's
+        return _failed(cfg, f"in the {cfg.nproc}-rank run, with every known cause switched off", ranks[1]["traceback"])
     if not base.differs(cfg.rtol):
         lines.append(
             f"OK: {cfg.nproc} ranks train the same model as one process "
@@ -359,7 +392,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="ddpkit check",
         description="Train a few steps as one process and as N ranks on the same global batch, compare losses, "
         "gradients and weights step by step, and name the cause of a difference. Exit code 0: they agree; "
-        "1: they differ beyond the tolerance (causes named when found).",
+        f"1: they differ beyond the tolerance (causes named when found); {SCRIPT_FAILED}: the script raised "
+        "(its traceback is shown).",
         epilog=f"The script defines {HOOK}() returning (model, dataset, loss_fn, optimizer_factory) or a "
         "ddpkit.tools.workload.Workload, or builds a ddpkit.Trainer (run with its default arguments until then); "
         "without a script, the DDP tutorials' CNN on sklearn digits.",
@@ -370,12 +404,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"a training script that defines {HOOK}() or builds a ddpkit.Trainer, or a built-in workload: "
         + ", ".join(BUILTINS),
     )
+    p.add_argument(
+        "script_args",
+        nargs=argparse.REMAINDER,
+        help="the script's own arguments, passed on as `ddpkit run` does (check's options go before the script)",
+    )
     p.add_argument("--nproc", type=int, default=2, help="ranks of the distributed run (default 2)")
     p.add_argument("--steps", type=int, default=4, help="optimizer steps compared (default 4)")
     p.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance (default 1e-4)")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    cfg = CheckConfig(script=a.script, nproc=a.nproc, steps=a.steps, rtol=a.rtol, seed=a.seed)
+    cfg = CheckConfig(
+        script=a.script, script_args=tuple(a.script_args), nproc=a.nproc, steps=a.steps, rtol=a.rtol, seed=a.seed
+    )
     code, lines = run_check(cfg)
     print("\n".join(lines), flush=True)
     return code

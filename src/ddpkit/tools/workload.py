@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -159,9 +159,10 @@ def _load_script(path: str) -> Any:
     return module
 
 
-def load_workload(script: str | None, world_size: int = 1) -> Workload:
+def load_workload(script: str | None, world_size: int = 1, args: Sequence[str] = ()) -> Workload:
     """Call ``script``'s :data:`HOOK`, or capture what it hands a Trainer (for ``world_size`` ranks); or build
-    a built-in workload, named by ``script`` (:data:`BUILTINS`; ``None`` is :func:`digits_workload`)."""
+    a built-in workload, named by ``script`` (:data:`BUILTINS`; ``None`` is :func:`digits_workload`). The
+    script sees ``sys.argv == [script, *args]``."""
     if script is None:
         return digits_workload()
     if script in BUILTINS and not Path(script).exists():
@@ -173,12 +174,12 @@ def load_workload(script: str | None, world_size: int = 1) -> Workload:
     imported = None
     try:
         # A script that trains at import (no main guard) stops where it builds its Trainer.
-        with intercept(script):
+        with intercept(script, args):
             hook = getattr(_load_script(script), HOOK, None)
     except Captured as found:
         hook, imported = None, found
     if not callable(hook):
-        captured = capture_trainer(script, world_size, imported)
+        captured = capture_trainer(script, world_size, imported, args)
         if captured is None:
             raise ConfigError(
                 f"{script} defines no function {HOOK}() and builds no ddpkit.Trainer: add one that returns "
@@ -186,7 +187,11 @@ def load_workload(script: str | None, world_size: int = 1) -> Workload:
                 f"built-in workload ({', '.join(BUILTINS)}); see `ddpkit bench -h`"
             )
         return captured
-    out = hook()
+    argv, sys.argv = sys.argv, [script, *args]  # a hook may read its options too
+    try:
+        out = hook()
+    finally:
+        sys.argv = argv
     if isinstance(out, Workload):
         return out
     if isinstance(out, tuple) and len(out) == 4:
@@ -198,11 +203,13 @@ def load_workload(script: str | None, world_size: int = 1) -> Workload:
     )
 
 
-def capture_trainer(script: str, world_size: int, imported: Captured | None = None) -> Workload | None:
+def capture_trainer(
+    script: str, world_size: int, imported: Captured | None = None, args: Sequence[str] = ()
+) -> Workload | None:
     """The workload of the Trainer ``script`` builds (``imported``: as it did when imported), or None."""
     from ddpkit.tools.trainer_capture import run_until_trainer
 
-    found = imported or run_until_trainer(script)
+    found = imported or run_until_trainer(script, args)
     return None if found is None else workload_of(found, script, world_size)
 
 
