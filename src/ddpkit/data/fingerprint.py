@@ -68,7 +68,7 @@ def shard_items(descriptions: Sequence[str]) -> dict[str, Any]:
 def index_digest(indices: Any) -> str:
     """A digest of a sequence of indices (a list, range, tuple, tensor or array) as int64s: one pass of
     numpy's conversion and one of the hash, no Python loop over them."""
-    import numpy as np  # loaded only where a dataset's layout is described (a stream's core runs without it)
+    import numpy as np  # only where a layout is described: the core imports without it
     import torch
 
     if isinstance(indices, range):
