@@ -86,6 +86,7 @@ def check_resume(state: dict[str, Any], loader: Any, detected: str | None) -> No
         return
     with pytest.raises(ConfigError, match="the data changed since the snapshot was taken") as err:
         loader.load_state_dict(state)
+    assert loader.position() == (0, 0)  # refused before the position moved: no step taken from it
     message = str(err.value)
     listed = message.split("taken (", 1)[1].split("): resuming", 1)[0]
     assert detected in [item.split(": ", 1)[0] for item in listed.split("; ")], message
@@ -257,6 +258,9 @@ def test_a_rewritten_jsonl_file_is_refused_and_read_where_its_records_now_lie(tm
     # The records are where they now lie, not where the kept index said (the ids are at their lines).
     expected = [json.loads(line) for line in truth.decode().splitlines()]
     assert stream.read(0, np.arange(len(stream))) == expected
+    if kind == "boundaries":  # control: at the offsets kept for the file's size and time, cut in the wrong places
+        stale = _OLD_INDEX[(str(path), times.st_size, times.st_mtime_ns)]
+        assert [truth[a:b] for a, b in stale.tolist()] != truth.splitlines()
 
 
 # -- an iterable in another order -------------------------------------------------------------------------
