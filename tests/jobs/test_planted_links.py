@@ -201,12 +201,12 @@ def _poisoned_index(path: Path) -> Path:
     """A line index beside ``path`` whose header matches the file (its checksum too), every line pointing at
     record 0."""
     from ddpkit.data import line_cache
-    from ddpkit.data.stream_sources import _INDEX_VERSION
+    from ddpkit.data.stream_sources import content_digest, index_header
 
-    st = path.stat()
     lines = np.tile(np.array([[0, len(json.dumps({"id": 0}))]], np.int64), (64, 1))
     cached = path.with_name(f".{path.name}.lines")
-    header = np.array([[_INDEX_VERSION, st.st_size], [st.st_mtime_ns, line_cache.checksum(lines)]], np.int64)
+    header = index_header(path.stat().st_size, content_digest(path))
+    header[1, 1] = line_cache.checksum(lines)
     np.concatenate([header, lines]).tofile(cached)
     return cached
 

@@ -8,7 +8,8 @@ from typing import Any, cast
 
 from torch.utils.data import DataLoader
 
-from ddpkit.data.fingerprint import OnDataChange, changes, check_on_data_change, refusal
+from ddpkit.data.fingerprint import OnDataChange, changes, check_on_data_change, dataset_items, refusal
+from ddpkit.data.sample_seeding import SeededSamples
 from ddpkit.data.sampler import ShardedBatchSampler
 
 
@@ -44,12 +45,13 @@ class EpochLoader(DataLoader):
         return self._pass
 
     def fingerprint(self) -> dict[str, Any]:
-        """What decides which sample comes at which step: the sampler's settings and the dataset's own (a
-        stream's files, sizes and window), the world size aside. Computed once."""
+        """What decides which sample comes at which step: the sampler's settings and the dataset's layout (a
+        stream's files and window, a ``Subset``'s indices, a ``ConcatDataset``'s parts), the world size aside.
+        Computed once, at the first snapshot or resume."""
         if self._fingerprint is None:
             sampler = cast(ShardedBatchSampler, self.batch_sampler)
-            own = getattr(self.dataset, "fingerprint", None)
-            self._fingerprint = sampler.fingerprint() | (own() if callable(own) else {})
+            dataset = self.dataset.dataset if isinstance(self.dataset, SeededSamples) else self.dataset
+            self._fingerprint = sampler.fingerprint() | dataset_items(dataset)
         return self._fingerprint
 
     def position(self) -> tuple[int, int]:

@@ -10,6 +10,13 @@ loader records them (:meth:`~ddpkit.data.epoch_loader.EpochLoader.state_dict`) a
 is refused before any step, naming each change, unless the run asks to restart the epoch on the new data
 (``on_data_change="restart_epoch"``).
 
+What decides it, beyond those settings, is the dataset's own layout: a ``Subset``'s indices, a
+``ConcatDataset``'s parts (:func:`dataset_items`), a stream's files by their content, an iterable's first
+records (:meth:`ddpkit.data.stream.Stream.fingerprint`). Each is kept as a digest: the fingerprint is saved
+after every step. What a map-style dataset returns for an index is not read (that is its items' contents,
+loaded by the workers, maybe from storage that costs by the byte): a dataset can say more through a
+``fingerprint()`` method of its own, returning a dict of short values.
+
 The world size itself is not in it: the global order does not depend on it, and a run resumes at another
 world size with the same global batch.
 """
@@ -56,6 +63,56 @@ def shard_items(descriptions: Sequence[str]) -> dict[str, Any]:
     if len(descriptions) <= LISTED_SHARDS:
         return {"shards": len(descriptions), "shard files": "\n".join(descriptions)}
     return {"shards": len(descriptions), "shard list": digest("\n".join(descriptions).encode())}
+
+
+def index_digest(indices: Any) -> str:
+    """A digest of a sequence of indices (a list, range, tuple, tensor or array) as int64s: one pass of
+    numpy's conversion and one of the hash, no Python loop over them."""
+    import numpy as np  # only where a layout is described: the core imports without it
+    import torch
+
+    if isinstance(indices, range):
+        return f"range({indices.start}, {indices.stop}, {indices.step})"
+    if isinstance(indices, torch.Tensor):
+        indices = indices.detach().cpu().numpy()
+    array = np.ascontiguousarray(np.asarray(indices), dtype=np.int64)
+    return digest(array.view(np.uint8).data)
+
+
+def dataset_items(dataset: Any) -> dict[str, Any]:
+    """What decides which item sits at each index of a map-style dataset, beyond its length, as fingerprint
+    items: for a ``Subset``, its indices and its parent's length, for a ``ConcatDataset``, each part's length,
+    and each part described in turn (``dataset.datasets[1].dataset``...), and whatever a dataset's own
+    ``fingerprint()`` returns. The dataset itself (at the top) keeps the names its ``fingerprint()`` gives
+    (a stream's). Past :data:`LISTED_SHARDS` items, one digest of them all."""
+    own = getattr(dataset, "fingerprint", None)
+    if callable(own):
+        return dict(own())
+    found: dict[str, Any] = {}
+    _describe(dataset, "dataset", found)
+    if len(found) <= LISTED_SHARDS:
+        return found
+    listed = "\n".join(f"{key}: {value}" for key, value in found.items())
+    return {"dataset parts": len(found), "dataset layout": digest(listed.encode())}
+
+
+def _describe(dataset: Any, path: str, found: dict[str, Any]) -> None:
+    from torch.utils.data import ConcatDataset, Subset
+
+    own = getattr(dataset, "fingerprint", None)
+    if callable(own):
+        found |= {f"{path} {key}": value for key, value in own().items()}
+    elif isinstance(dataset, Subset):
+        parent = len(dataset.dataset) if hasattr(dataset.dataset, "__len__") else "?"
+        found[path] = f"Subset of {len(dataset.indices)} of {parent} items, indices {index_digest(dataset.indices)}"
+        _describe(dataset.dataset, f"{path}.dataset", found)
+    elif isinstance(dataset, ConcatDataset):
+        ends = dataset.cumulative_sizes
+        lengths = [end - start for start, end in zip([0, *ends], ends)]
+        shown = ", ".join(map(str, lengths)) if len(lengths) <= 8 else f"digest {index_digest(lengths)}"
+        found[path] = f"ConcatDataset of {len(lengths)} parts of lengths {shown}"
+        for k, part in enumerate(dataset.datasets):
+            _describe(part, f"{path}.datasets[{k}]", found)
 
 
 def _items(fingerprint: Mapping[str, Any]) -> dict[str, Any]:

@@ -6,12 +6,16 @@ silently. So the file beside the data is read only when
 - it belongs to this user, and the data folder is this user's and not writable by others (a sticky folder such
   as ``/tmp`` excepted: no one replaces another's files there): else another user could have planted or
   replaced it;
-- it is not a link, its header names the data file's size and modification time, its offsets match the
-  checksum kept with them (a file cut short, a flipped byte, two copies spliced), and they are consistent: in
-  increasing order, each line within the file, none overlapping the next.
+- it is not a link, its header names the data file's size and the digest of its content, hashed from the
+  file's bytes each time (a file rewritten at the same size with its modification time put back is another
+  file), its offsets match the checksum kept with them (a file cut short, a flipped byte, two copies
+  spliced), and they are consistent: in increasing order, each line within the file, none overlapping the
+  next.
 
-What is not checked is an index rewritten by its own user with offsets that are consistent and a checksum
-recomputed: telling that from the truth means reading the whole data file, the pass the index exists to save.
+What is not checked is an index rewritten by its own user with offsets that are consistent, the content's
+digest copied and a checksum recomputed: telling that from the truth means finding every newline of the data
+file, the work the index exists to save (hashing the file costs about as much as reading it, the newline
+search as much again).
 
 Otherwise the index is built in memory and used, and the reason is printed once per folder. It is written
 through :mod:`ddpkit.fs`: a new file of an unpredictable name in the data folder, renamed over the cache.

@@ -9,7 +9,7 @@ indices. So, as for map-style data:
 - each record is trained on once per epoch over all ranks and loader workers;
 - the Trainer's snapshot holds a global cursor, and a resume (after a SIGKILL, at any world size) reads the
   order from that cursor on: nothing repeated or skipped, bitwise at the same world size; the snapshot holds
-  the files, their sizes and line layout, and the window too, and a resume over changed ones is refused
+  the files, their sizes and a digest of their contents, and the window too, and a resume over changed ones is refused
   (:mod:`ddpkit.data.fingerprint`);
 - each record's ``transform`` runs with python, numpy and torch seeded from ``(seed, epoch, position)``.
 

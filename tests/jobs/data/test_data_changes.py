@@ -120,10 +120,10 @@ RECORDS = {
 }
 CHANGED = {
     "swapped": [
-        r"shard 0: a\.jsonl: 80 records, \d+ bytes, line index \w+ -> b\.jsonl: 80 records",
+        r"shard 0: a\.jsonl: 80 records, \d+ bytes, content \w+ -> b\.jsonl: 80 records",
         r"shard 1: b\.jsonl",
     ],
-    "appended": [r"records: 160 -> 184", r"shard 1: b\.jsonl: 80 records, \d+ bytes, line index \w+ -> b\.jsonl: 104"],
+    "appended": [r"records: 160 -> 184", r"shard 1: b\.jsonl: 80 records, \d+ bytes, content \w+ -> b\.jsonl: 104"],
     "window": [r"window: 32 -> 64"],
 }
 

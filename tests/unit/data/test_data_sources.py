@@ -128,7 +128,7 @@ def test_a_jsonl_fingerprint_changes_with_where_records_lie(tmp_path):
     path.write_text("".join(json.dumps({"id": i}) + "\n" for i in range(20)))
     before = JsonlStream(path, window=8).fingerprint()
     assert before["records"] == 20 and before["window"] == 8 and before["shards"] == 1
-    assert before["shard files"].startswith(f"a.jsonl: 20 records, {path.stat().st_size} bytes, line index ")
+    assert before["shard files"].startswith(f"a.jsonl: 20 records, {path.stat().st_size} bytes, content ")
     lines = path.read_text().splitlines()
     lines[3] = json.dumps({"id": 3, "note": "longer"})  # the same count, another layout
     path.write_text("\n".join(lines) + "\n")
