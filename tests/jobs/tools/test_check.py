@@ -111,3 +111,69 @@ def test_a_script_that_builds_no_trainer_and_has_no_hook_is_refused(tmp_path):
     script.write_text("import sys\nprint('ran', sys.argv)\n")
     with pytest.raises(ConfigError, match="builds no ddpkit.Trainer"):
         load_workload(str(script))
+
+
+# --- a script's arguments and its own failures -----------------------------------------------------------------
+
+_WITH_OPTIONS = f"""
+import argparse, sys
+sys.path.insert(0, {str(SCRIPTS)!r})
+import torch.nn.functional as F
+from check_common import mlp, sgd, toy_data
+from ddpkit.tools.workload import Workload
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--batch", type=int, required=True)
+parser.add_argument("--fail-at", type=int, default=None)
+args = parser.parse_args()
+calls = []
+
+
+def loss(out, y):
+    calls.append(1)
+    if args.fail_at is not None and len(calls) > args.fail_at:
+        raise RuntimeError("a bug in the script's loss")
+    return F.cross_entropy(out, y)
+
+
+def ddpkit_workload():
+    return Workload(model=mlp(), dataset=toy_data(), loss_fn=loss, optimizer=sgd, batch_size=args.batch)
+"""
+
+
+def _check_cli(script: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ddpkit.cli", "check", "--steps", "2", str(script), *args],
+        cwd=ROOT, env=_clean_environ(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def test_the_scripts_own_arguments_are_passed_on(tmp_path):
+    script = tmp_path / "with_options.py"
+    script.write_text(_WITH_OPTIONS)
+    proc = _check_cli(script, "--batch", "8")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "OK: 2 ranks train the same model as one process" in proc.stdout
+    # Control: the options are read by the script (without them its argparse stops it), and that stop is the
+    # script's failure, reported as such.
+    proc = _check_cli(script)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "FAILED" in proc.stdout and "the following arguments are required: --batch" in proc.stderr + proc.stdout
+
+
+def test_an_exception_in_the_script_is_reported_with_its_traceback_not_as_a_difference(tmp_path, monkeypatch):
+    script = tmp_path / "with_options.py"
+    script.write_text(_WITH_OPTIONS)
+    cfg = CheckConfig(script=str(script), script_args=("--batch", "8", "--fail-at", "1"), steps=2)
+    code, lines = run_check(cfg)
+    report = "\n".join(lines)
+    assert code == 3, report
+    assert "raised in the 1-process run" in report and "Traceback" in report, report
+    assert "RuntimeError: a bug in the script's loss" in report and "MISMATCH" not in report
+    # Control: with the traceback left out (the check as it was), the same failure reads as a numerical one.
+    import ddpkit.tools.check as check
+
+    train = check.train_steps
+    monkeypatch.setattr(check, "train_steps", lambda *a, **k: train(*a, **k) | {"traceback": None})
+    code, lines = run_check(cfg)
+    assert code == 1 and "MISMATCH" in "\n".join(lines)
