@@ -15,16 +15,14 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
-import random
 import sys
 import traceback
 from collections.abc import Iterator, Sequence, Sized
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
-from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 try:  # numpy is optional, as in ddpkit.distributed.seeding
@@ -42,7 +40,7 @@ from ddpkit.launch.options import MAX_NPROC
 from ddpkit.launch.spawn import spawn
 from ddpkit.nn.dropout import BatchLayout, batch_layout, convert_dropout
 from ddpkit.strategies.prepare import prepare_model, unwrap
-from ddpkit.tools.check_causes import CAUSES
+from ddpkit.tools.check_causes import CAUSES, SampleSeeded, deterministic, plain_tensors
 from ddpkit.tools.compare import QUANTITIES, Verdict, compare
 from ddpkit.tools.workload import BUILTINS, HOOK, load_workload
 from ddpkit.training.steps import batch_len
@@ -88,63 +86,12 @@ SCRIPT_FAILED = 3
 differ; 2: bad options)."""
 
 
-# -- the switches -------------------------------------------------------------------------------------------
-
-
-class _SampleSeeded(Dataset):
-    """Fetches sample ``i`` of epoch ``e`` with every RNG seeded by ``(seed, e, i)``, then restores them: the draws
-    of a dataset's augmentation then belong to the sample, not to the rank that fetches it."""
-
-    def __init__(self, dataset: Dataset, seed: int) -> None:
-        self.dataset, self.seed, self.epoch = dataset, seed, 0
-
-    def __len__(self) -> int:
-        return len(self.dataset)  # type: ignore[arg-type]  # torch's Dataset declares no __len__; this one has it
-
-    def __getitem__(self, index: int) -> Any:
-        state = random.getstate(), np.random.get_state() if np is not None else None
-        with torch.random.fork_rng(devices=[]):
-            # The CPU generator, python's and numpy's: torch.manual_seed would also queue a seed for every
-            # CUDA device, at a cost per sample.
-            key = mix_seed(self.seed, self.epoch, index)
-            torch.default_generator.manual_seed(key)
-            random.seed(key)
-            if np is not None:
-                np.random.seed(key)
-            try:
-                return self.dataset[index]
-            finally:
-                random.setstate(state[0])
-                if np is not None:
-                    np.random.set_state(state[1])
-
-
-def _plain_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Tensors a model keeps as plain attributes: neither parameters nor buffers, so DDP does not broadcast them."""
-    out = {}
-    for prefix, module in model.named_modules():
-        for name, value in vars(module).items():
-            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
-                out[f"{prefix}.{name}" if prefix else name] = value
-    return out
-
-
-@contextmanager
-def _deterministic(on: bool) -> Iterator[None]:
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(on or before)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(before)
-
-
 # -- one training run ---------------------------------------------------------------------------------------
 
 
 def _batches(loader: Any, data: Dataset) -> Iterator[Any]:
     for epoch in itertools.count():  # epoch after epoch (the loader runs in this process: no prefetching)
-        if isinstance(data, _SampleSeeded):
+        if isinstance(data, SampleSeeded):
             data.epoch = epoch
         empty = True
         for batch in loader:
@@ -170,7 +117,7 @@ def train_steps(
     records: dict[str, Any] = {q: [] for q in QUANTITIES}
     records["error"] = records["traceback"] = None
     records["differing_tensors"] = []
-    with _deterministic("nondeterminism" in fixes):
+    with deterministic("nondeterminism" in fixes):
         try:
             seed_everything(seed)
             w = load_workload(script, max(rt.world_size, 1), args)
@@ -178,7 +125,7 @@ def train_steps(
             model = w.model
             if "dropout" in fixes:
                 convert_dropout(model)
-            plain = _plain_tensors(model)
+            plain = plain_tensors(model)
             if "initial_state" in fixes:
                 for t in plain.values():
                     t.copy_(broadcast_object(t))
@@ -188,7 +135,7 @@ def train_steps(
             ddp_kwargs: dict[str, Any] = {"find_unused_parameters": True} if "unused_parameters" in fixes else {}
             model = prepare_model(model, sync_batchnorm="batchnorm" in fixes or w.sync_batchnorm, **ddp_kwargs)
             optimizer = w.optimizer(model.parameters())
-            data = _SampleSeeded(w.dataset, seed) if "augmentation" in fixes else w.dataset
+            data = SampleSeeded(w.dataset, seed) if "augmentation" in fixes else w.dataset
             if w.loader is None or "data_order" in fixes:
                 sampler = ShardedBatchSampler(cast(Sized, data), batch, seed=seed, drop_last=w.drop_last)
                 loader: Any = DataLoader(data, batch_sampler=sampler, num_workers=0)

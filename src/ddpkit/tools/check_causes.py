@@ -3,7 +3,22 @@ turns off to confirm it and the fix to tell the user."""
 
 from __future__ import annotations
 
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+try:  # numpy is optional, as in ddpkit.distributed.seeding
+    import numpy as np
+except ImportError:  # pragma: no cover
+    np = None  # type: ignore[assignment]
+
+from ddpkit.distributed.seeding import mix_seed
 
 
 @dataclass(frozen=True)
@@ -65,3 +80,54 @@ CAUSES: tuple[Cause, ...] = (
         "rank's mean loss by its share: loss * n_rank * world_size / n_global (per token: the Trainer's count_fn)",
     ),
 )
+
+
+# -- the switches -------------------------------------------------------------------------------------------
+
+
+class SampleSeeded(Dataset):
+    """Fetches sample ``i`` of epoch ``e`` with every RNG seeded by ``(seed, e, i)``, then restores them: the draws
+    of a dataset's augmentation then belong to the sample, not to the rank that fetches it."""
+
+    def __init__(self, dataset: Dataset, seed: int) -> None:
+        self.dataset, self.seed, self.epoch = dataset, seed, 0
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]  # torch's Dataset declares no __len__; this one has it
+
+    def __getitem__(self, index: int) -> Any:
+        state = random.getstate(), np.random.get_state() if np is not None else None
+        with torch.random.fork_rng(devices=[]):
+            # The CPU generator, python's and numpy's: torch.manual_seed would also queue a seed for every
+            # CUDA device, at a cost per sample.
+            key = mix_seed(self.seed, self.epoch, index)
+            torch.default_generator.manual_seed(key)
+            random.seed(key)
+            if np is not None:
+                np.random.seed(key)
+            try:
+                return self.dataset[index]
+            finally:
+                random.setstate(state[0])
+                if np is not None:
+                    np.random.set_state(state[1])
+
+
+def plain_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Tensors a model keeps as plain attributes: neither parameters nor buffers, so DDP does not broadcast them."""
+    out = {}
+    for prefix, module in model.named_modules():
+        for name, value in vars(module).items():
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+                out[f"{prefix}.{name}" if prefix else name] = value
+    return out
+
+
+@contextmanager
+def deterministic(on: bool) -> Iterator[None]:
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(on or before)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
