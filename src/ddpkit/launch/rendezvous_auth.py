@@ -44,6 +44,18 @@ HELLO = b"ddpkit rendezvous relay 1\n"
 _NONCE = 32
 _TAG = 32  # HMAC-SHA256
 _REFUSED = b"refused: not this job's secret".ljust(_TAG, b"\n")
+EVICTED = b"evicted: the relay is full".ljust(_TAG, b"\n")
+"""The relay's last words to a peer whose unfinished handshake it evicted (in place of its proof)."""
+BUSY = b"ddpkit rendezvous relay busy: "
+BUSY_ADDRESS = BUSY + b"address\n"
+"""The relay's only words to a connection beyond its unfinished handshakes from one address (in place of
+:data:`HELLO`)."""
+BUSY_FULL = BUSY + b"full\n"
+"""... beyond its unfinished handshakes of all addresses (a relay that does not evict)."""
+_BUSY_WORDS = {
+    BUSY_ADDRESS: "its relay already holds as many unfinished handshakes from this node's address as it takes",
+    BUSY_FULL: "its relay is full of unfinished handshakes from other addresses",
+}
 _MAX_FRAME = 1 << 20  # the relay writes at most 64 KiB per frame; anything larger is not ours
 HANDSHAKE_TIMEOUT = 10.0
 """Seconds a peer has, from its connection, to finish the whole handshake before the relay drops it."""
@@ -130,18 +142,30 @@ def _tag(key: bytes, *parts: bytes) -> bytes:
     return hmac.new(key, b"".join(parts), hashlib.sha256).digest()
 
 
+def _recv_upto(sock: socket.socket, n: int) -> bytes:
+    """``n`` bytes, or fewer where the other end closed first."""
+    try:
+        return _recv_exact(sock, n)
+    except EOFError as err:
+        return err.args[1]  # type: ignore[no-any-return]
+
+
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
     buf = bytearray()
     while len(buf) < n:
         chunk = sock.recv(n - len(buf))
         if not chunk:
-            raise EOFError("connection closed", len(buf))
+            raise EOFError("connection closed", bytes(buf))
         buf += chunk
     return bytes(buf)
 
 
 class Refused(ConnectionError):
     """The other end does not hold this job's secret."""
+
+
+class Busy(ConnectionError):
+    """The rendezvous host's relay turned this node away, or evicted its handshake: it was full."""
 
 
 class NotARelay(ConnectionError):
@@ -172,19 +196,21 @@ def check_answer(key: bytes, ours: bytes, answer: bytes) -> tuple[bytes, Session
     return _tag(key, b"host", ours, theirs), session
 
 
-def refuse(sock: socket.socket) -> None:
-    """Tell a peer that failed the handshake so (a node with another secret then says what is wrong), and close."""
+def refuse(sock: socket.socket, words: bytes = _REFUSED) -> None:
+    """Tell a peer that failed the handshake so (a node with another secret then says what is wrong), or that
+    its handshake was evicted (:data:`EVICTED`), and close."""
     with contextlib.suppress(OSError):
-        sock.sendall(_REFUSED)
+        sock.sendall(words)
     sock.close()
 
 
 def join_host(sock: socket.socket, key: bytes) -> Session:
     """A node's side of the handshake; raises :class:`Refused` or :class:`NotARelay` naming what went wrong."""
-    try:
-        hello = _recv_exact(sock, len(HELLO) + _NONCE)
-    except EOFError:
-        raise NotARelay("the endpoint closed the connection without a word") from None
+    hello = _recv_upto(sock, len(HELLO) + _NONCE)
+    if hello in _BUSY_WORDS:
+        raise Busy(_BUSY_WORDS[hello])
+    if len(hello) < len(HELLO) + _NONCE:
+        raise NotARelay("the endpoint closed the connection without a word")
     if not hello.startswith(HELLO):
         raise NotARelay("the endpoint does not speak ddpkit's rendezvous protocol")
     theirs, ours = hello[len(HELLO) :], secrets.token_bytes(_NONCE)
@@ -195,6 +221,8 @@ def join_host(sock: socket.socket, key: bytes) -> Session:
         raise Refused("the rendezvous host closed the connection during the handshake") from None
     if answer == _REFUSED:
         raise Refused("the rendezvous host does not accept this node's secret")
+    if answer == EVICTED:
+        raise Busy("its relay, full of unfinished handshakes, evicted this node's before it finished")
     if not hmac.compare_digest(answer, _tag(key, b"host", theirs, ours)):
         raise Refused("the rendezvous host could not prove that it holds the job's secret")
     return Session(_tag(key, b"node->host", theirs, ours), _tag(key, b"host->node", theirs, ours))
@@ -322,6 +350,12 @@ def check_host(host: tuple[str, int], key: bytes) -> None:
     try:
         with socket.create_connection(host, timeout=HANDSHAKE_TIMEOUT) as sock:
             join_host(sock, key)
+    except Busy as err:
+        raise ConfigError(
+            f"the rendezvous at {where} turned this node away ({err}): connections that never finish the "
+            "handshake fill it (the host's stderr names their addresses); stop them, or let only the job's nodes "
+            "reach the port, and start this node again"
+        ) from None
     except NotARelay as err:
         raise ConfigError(
             f"what listens at the rendezvous endpoint {where} is not `ddpkit run` ({err}): a plain torchrun, or "
