@@ -147,7 +147,7 @@ def _recv_upto(sock: socket.socket, n: int) -> bytes:
     try:
         return _recv_exact(sock, n)
     except EOFError as err:
-        return err.args[1]  # type: ignore[no-any-return]
+        return err.args[1]
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
