@@ -36,7 +36,7 @@ SECRET_ENV = "DDPKIT_RDZV_SECRET"
 """Environment variable holding the job's secret, the same on every node (or ``--rdzv-secret-file``)."""
 SECRET_FILE_ENV = "DDPKIT_RDZV_SECRET_FILE"
 """The default of ``--rdzv-secret-file``: where a container finds a mounted secret (a Kubernetes Secret
-volume, ``defaultMode: 0400``)."""
+volume, ``defaultMode: 0440`` with the pod's ``fsGroup``, as ``ddpkit k8s`` writes it)."""
 MIN_SECRET_CHARS = 32
 MAKE_SECRET = "python -c 'import secrets; print(secrets.token_hex(32))'"
 
@@ -75,11 +75,11 @@ def load_secret(path: str | None, env: Mapping[str, str] | None = None) -> bytes
     path = path or env.get(SECRET_FILE_ENV)
     if path:
         source = f"{option} {path if len(path) <= 80 else path[:80] + '...'}"
-        text, mode = _read_secret_file(path, source)
-        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        text, info = _read_secret_file(path, source)
+        if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO) and not _kubelet_secret(path, info):
             raise ConfigError(
-                f"{source} can be read by other users (mode {stat.S_IMODE(mode):o}): chmod 600 {path} (a Kubernetes "
-                "Secret volume: defaultMode: 0400)"
+                f"{source} can be read by other users (mode {stat.S_IMODE(info.st_mode):o}): chmod 600 {path} (a "
+                "Kubernetes Secret volume: defaultMode: 0440 with the pod's fsGroup, as ddpkit k8s writes it)"
             )
     elif env.get(SECRET_ENV):
         source = SECRET_ENV
@@ -107,8 +107,33 @@ def load_secret(path: str | None, env: Mapping[str, str] | None = None) -> bytes
 _MAX_SECRET_FILE = 1 << 16
 
 
-def _read_secret_file(path: str, source: str) -> tuple[bytes, int]:
-    """(the stripped contents, the mode) of the regular file at ``path``.
+def _kubelet_secret(path: str, info: os.stat_result) -> bool:
+    """Whether ``path`` (opened, ``info`` its fstat) is a key of a Kubernetes Secret volume, mounted for this
+    pod's ``fsGroup``, exactly as the kubelet lays it out: ``path`` a link to ``..data/<name>``, ``..data`` a
+    link to a folder ``..<timestamp>`` beside it that holds the file, owned by root, mode 0440, its group one of
+    this process's groups (the ``fsGroup``, which the kubelet gives to the pod's containers only).
+
+    Group-readable is private there: only the pod's containers are in that group, and the kubelet writes the
+    volume, so no user of the container put a copy there. Any other group-readable file stays refused, and
+    so does a world-readable one (``defaultMode: 0444``)."""
+    if info.st_uid != 0 or stat.S_IMODE(info.st_mode) != 0o440:
+        return False
+    if info.st_gid != os.getegid() and info.st_gid not in os.getgroups():
+        return False
+    folder, name = os.path.split(path)
+    try:
+        if os.readlink(path) != f"..data/{name}":
+            return False
+        data = os.readlink(os.path.join(folder, "..data"))
+        real = os.stat(os.path.join(folder, data, name), follow_symlinks=False)
+    except OSError:
+        return False
+    dated = data.startswith("..") and data not in ("..", "..data") and "/" not in data
+    return dated and stat.S_ISREG(real.st_mode) and (real.st_dev, real.st_ino) == (info.st_dev, info.st_ino)
+
+
+def _read_secret_file(path: str, source: str) -> tuple[bytes, os.stat_result]:
+    """(the stripped contents, the status) of the regular file at ``path``.
 
     Opened without blocking and checked to be a regular file before any read: a FIFO would block the launch
     forever waiting for a writer, and a device could be read without end.
@@ -130,7 +155,7 @@ def _read_secret_file(path: str, source: str) -> tuple[bytes, int]:
             raise ConfigError(f"{source}: {err.strerror}; {how}") from None
     finally:
         os.close(fd)
-    return data.strip(), info.st_mode
+    return data.strip(), info
 
 
 def derive(secret: bytes, purpose: str) -> bytes:
