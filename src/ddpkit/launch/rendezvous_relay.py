@@ -103,6 +103,8 @@ class RelayServer:
         for its test's control)."""
         self._store_port, self._key = store_port, key
         self._timeout, self._per_address, self._log_interval = handshake_timeout, per_address, log_interval
+        if pending < 1:
+            raise ValueError(f"pending={pending}: the relay holds at least one unfinished handshake")
         self._cap, self._evict = pending, evict
         self._pending: dict[socket.socket, _Pending] = {}
         self._per: Counter[str] = Counter()
