@@ -180,7 +180,7 @@ def slurm_port(env: Mapping[str, str]) -> int:
     """
     job = _int(env, "SLURM_JOB_ID") if "SLURM_JOB_ID" in env else 0
     step = env.get("SLURM_STEP_ID", "0")
-    step_id = int(step) if step.isdigit() else 0
+    step_id = int(step) if step.isascii() and step.isdigit() else 0  # "²".isdigit(), and int() refuses it
     return SLURM_PORT_BASE + (job % SLURM_PORT_JOBS) * SLURM_PORT_STEPS + step_id % SLURM_PORT_STEPS
 
 
@@ -344,7 +344,7 @@ def cpu_count(env: Mapping[str, str] | None = None) -> int:
     affinity within its cgroup's CPU quota (a container's CPU limit, rounded up)."""
     env = os.environ if env is None else env
     for name in ("NSLOTS", "SLURM_CPUS_ON_NODE"):
-        if env.get(name, "").isdigit() and int(env[name]) > 0:
+        if env.get(name, "").isascii() and env.get(name, "").isdigit() and int(env[name]) > 0:
             return int(env[name])
     try:
         count = len(os.sched_getaffinity(0))

@@ -43,9 +43,27 @@ _VALUE_FORMS = {
     "PET_NPROC_PER_NODE": ("[0-9]+|auto|gpu|cpu", "use a number of processes, auto, gpu or cpu"),
     "PET_NODE_RANK": ("[0-9]+", "use this node's rank, a number from 0"),
     "PET_MAX_RESTARTS": ("[0-9]+", "use a number of restarts"),
+    "PET_MASTER_PORT": ("[0-9]{1,5}", "use the master's port, a number"),
 }
 """What torchrun takes in each variable, so that a wrong one is named as the variable, not as an option the
-user never typed."""
+user never typed. ``[0-9]`` is ASCII only, unlike ``int()`` and ``str.isdigit()``: ``int("٣")`` is 3 and
+``"²".isdigit()`` is True while ``int("²")`` raises."""
+
+
+def pet_value(env: Mapping[str, str], name: str) -> str | None:
+    """The value of the ``PET_*`` variable ``name`` (one of :data:`_VALUE_FORMS`), stripped, or None where it
+    is unset: every reader of these variables parses them here, so that a value is taken or refused the same
+    way by ``ddpkit run`` and :func:`ddpkit.init`. Raises :class:`ConfigError` in one line naming the variable
+    and its value (shown with escapes, so that a digit of another script is seen for what it is) for anything
+    but the form torchrun takes: a sign, an empty value, a digit that is not ASCII."""
+    if name not in env:
+        return None
+    value = env[name].strip()
+    form, hint = _VALUE_FORMS[name]
+    if not (value.isascii() and re.fullmatch(form, value)):
+        raise ConfigError(f"{name}={env[name][:40]!a}, set in this pod's environment: {hint} (the job's spec sets it)")
+    return value
+
 
 _RDZV_BACKENDS = ("c10d", "static")
 """``PET_RDZV_BACKEND`` values ``ddpkit run`` stands in for: its own rendezvous is a c10d store at the endpoint
@@ -72,16 +90,12 @@ def check_one_process_per_pod(env: Mapping[str, str]) -> None:
     ``nprocPerNode`` as a word (``auto``, training-operator v1.9's default, ``cpu``, ``gpu``) counts one
     process a pod in the operator's ``WORLD_SIZE`` (a number is multiplied in, a word is not), so a lone
     ``python train.py`` in each pod is the world the operator announced."""
-    nproc = env.get("PET_NPROC_PER_NODE", "1")
-    elastic = "PET_RDZV_ENDPOINT" in env or ":" in env.get("PET_NNODES", "")
+    nproc, nnodes = pet_value(env, "PET_NPROC_PER_NODE") or "1", pet_value(env, "PET_NNODES") or ""
+    elastic = "PET_RDZV_ENDPOINT" in env or ":" in nnodes
     if not _one_process(nproc) or elastic:
         raise ConfigError(
             "this pod's PyTorchJob starts torchrun's processes ("
-            + (
-                f"an elastic policy, PET_NNODES={env.get('PET_NNODES', '')[:20]}"
-                if elastic
-                else f"PET_NPROC_PER_NODE={nproc}"
-            )
+            + (f"an elastic policy, PET_NNODES={nnodes[:20]}" if elastic else f"PET_NPROC_PER_NODE={nproc}")
             + "), but this process was started alone: make the container's command `ddpkit run train.py` "
             "(or torchrun), which reads the PET_* variables" + ("" if elastic else ", or set nprocPerNode to 1")
         )
@@ -92,9 +106,9 @@ def check_not_alone_in_torchrun_pod(env: Mapping[str, str]) -> None:
     torchrun across several pods or processes (a TrainJob's ``PET_*`` with no ``RANK``, an elastic
     PyTorchJob's workers): started as ``python train.py``, every pod would train alone as rank 0, and nothing
     would say so. A group the script made itself (``mp.spawn``) is not asked about."""
-    nnodes, nproc = env.get("PET_NNODES", "").strip(), env.get("PET_NPROC_PER_NODE", "1").strip()
-    if not in_pod(env) or not nnodes:
+    if not in_pod(env) or "PET_NNODES" not in env:
         return
+    nnodes, nproc = pet_value(env, "PET_NNODES") or "", pet_value(env, "PET_NPROC_PER_NODE") or "1"
     if one_node(nnodes) and _one_process(nproc):
         return  # one pod of one process: a world of one, as started
     raise ConfigError(
@@ -128,20 +142,15 @@ def launch_defaults(env: Mapping[str, str], cpu_count: int) -> list[LaunchDefaul
         )
     found = []
     for option, (name,) in OPERATOR_VARS.items():
-        if env.get(name):
-            value = env[name].strip()
-            if name in _VALUE_FORMS and not re.fullmatch(_VALUE_FORMS[name][0], value):
-                raise ConfigError(
-                    f"{name}={value[:40]!r}, set in this pod's environment: {_VALUE_FORMS[name][1]} (the job's spec "
-                    "sets it)"
-                )
+        value = pet_value(env, name) if name in _VALUE_FORMS else env.get(name, "").strip() or None
+        if value is not None:
             if name == "PET_NPROC_PER_NODE" and value == "cpu":  # torchrun: one per core
                 value = str(cpu_count)
             found.append(LaunchDefault(option, value, name))
     if env.get("PET_RDZV_CONF", "").strip():
         found += _rdzv_conf(env["PET_RDZV_CONF"])
-    if "PET_RDZV_ENDPOINT" not in env and env.get("PET_MASTER_ADDR") and env.get("PET_MASTER_PORT"):
-        endpoint = f"{env['PET_MASTER_ADDR']}:{env['PET_MASTER_PORT']}"
+    if "PET_RDZV_ENDPOINT" not in env and env.get("PET_MASTER_ADDR") and "PET_MASTER_PORT" in env:
+        endpoint = f"{env['PET_MASTER_ADDR'].strip()}:{pet_value(env, 'PET_MASTER_PORT')}"
         found.append(LaunchDefault("--rdzv-endpoint", endpoint, "PET_MASTER_ADDR:PET_MASTER_PORT"))
     if "PET_NODE_RANK" not in env and re.fullmatch("[0-9]{1,7}", env.get("JOB_COMPLETION_INDEX", "")):
         found.append(LaunchDefault("--node-rank", env["JOB_COMPLETION_INDEX"], "JOB_COMPLETION_INDEX"))
@@ -175,8 +184,8 @@ def one_node(nnodes: str) -> bool:
 
 def _one_process(nproc: str) -> bool:
     """``PET_NPROC_PER_NODE`` as the training-operator counts it in ``WORLD_SIZE``: a word (``auto``, ``cpu``,
-    ``gpu``) is one process a pod, a number is itself."""
-    return not nproc.strip().isdigit() or int(nproc) == 1
+    ``gpu``) is one process a pod, a number is itself (``nproc`` as :func:`pet_value` took it)."""
+    return not nproc.isdigit() or int(nproc) == 1
 
 
 def resolve_options(

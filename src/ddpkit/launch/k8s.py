@@ -13,7 +13,7 @@ from typing import Any
 
 from ddpkit import fs
 from ddpkit.errors import ConfigError
-from ddpkit.launch.manifests import SECRET_KEY, ManifestConfig, manifests
+from ddpkit.launch.manifests import FS_GROUP, SECRET_KEY, ManifestConfig, manifests
 from ddpkit.launch.rendezvous_auth import MAKE_SECRET
 
 
@@ -66,8 +66,8 @@ EXAMPLES = """examples:
 
 _VALUE_OPTIONS = {
     "--kind", "--image", "--name", "--namespace", "--nodes", "--nproc", "--gpus-per-node", "--cpu", "--memory",
-    "--shm-size", "--secret", "--pvc", "--run-mount", "--max-restarts", "--grace-period", "--env", "--output",
-    "-o",
+    "--shm-size", "--secret", "--pvc", "--run-mount", "--max-restarts", "--grace-period", "--env", "--fs-group",
+    "--output", "-o",
 }  # fmt: skip
 
 
@@ -100,7 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--run-mount", default="/runs", help="where --pvc is mounted (default /runs)")
     add("--max-restarts", type=int, default=3, help="restarts in place, and of the whole job (default 3)")
     add("--grace-period", type=int, default=120, help="seconds to save a snapshot after SIGTERM (default 120)")
-    add("--env", action="append", default=[], help="NAME=VALUE for the container (repeatable)")
+    add("--env", action="append", default=[], help="NAME=VALUE for the container (repeatable; not the secret)")
+    add(
+        "--fs-group",
+        type=int,
+        default=FS_GROUP,
+        help=f"the pods' fsGroup, which may read the mounted Secret (nodes > 1; default {FS_GROUP})",
+    )
     add("-o", "--output", default=None, help="the file to write (default NAME.k8s.yaml)")
     add("--dry-run", action="store_true", help="print the manifest, write nothing")
     add("script", help="training script, as the container sees it")
@@ -131,6 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_restarts=ns.max_restarts,
         grace_period=ns.grace_period,
         env=ns.env,
+        fs_group=ns.fs_group,
     )
     text = to_yaml(manifests(cfg))
     if ns.dry_run:

@@ -13,7 +13,8 @@ failure (the pod, and its ``/dev/shm`` with the snapshots in memory, stay). Thre
   ``JOB_COMPLETION_INDEX``.
 
 Each pod mounts an ``emptyDir`` of medium ``Memory`` at ``/dev/shm`` (a container's own is 64 MiB) and, across
-nodes, the job's secret from a Kubernetes Secret (mode 0400, :data:`~ddpkit.launch.rendezvous_auth.SECRET_FILE_ENV`).
+nodes, the job's secret from a Kubernetes Secret (mode 0440 for the pod's ``fsGroup``, :data:`SECRET_MODE`;
+:data:`~ddpkit.launch.rendezvous_auth.SECRET_FILE_ENV`).
 The failure policy: a pod stopped by a signal after its snapshot (exit code 75) or disrupted (a node drained,
 pre-empted or lost: the ``DisruptionTarget`` condition) is recreated without counting as a failure; the
 script's own error fails the job; anything else restarts the whole job, at most ``max_restarts`` times.
@@ -30,13 +31,25 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.errors import PREEMPTED_EXIT_CODE, ConfigError
-from ddpkit.launch.rendezvous_auth import SECRET_FILE_ENV
+from ddpkit.launch.rendezvous_auth import SECRET_ENV, SECRET_FILE_ENV
 
 KINDS = ("trainjob", "pytorchjob", "jobset")
 PORT = 29500
 """The rendezvous port on pod 0 (the node that hosts it): torchrun's default, and Trainer's."""
 SECRET_KEY = "rdzv-secret"
 SECRET_DIR = "/etc/ddpkit/rdzv"
+SECRET_MODE = 0o440
+"""The Secret volume's ``defaultMode``. A Secret's files are root's: 0400 is readable by a container running
+as root only. The kubelet gives them the pod's ``fsGroup`` as their group (and adds 0440, a Secret volume
+being read-only, which turned 0400 into 0440 anyway), and every container of the pod runs with the
+``fsGroup`` as a supplementary group: 0440 with :data:`FS_GROUP` is readable by the pod's own containers,
+whichever user they run as, and by no other user (the volume's folder on the node is the kubelet's alone).
+The reader accepts exactly that file (:func:`ddpkit.launch.rendezvous_auth.load_secret`)."""
+FS_GROUP = 2000
+"""The pod's ``fsGroup`` where it mounts the Secret (``--fs-group``)."""
+SECRET_NAMES = (SECRET_ENV,)
+"""Variables the rendezvous reads as the secret itself: never written into a manifest, which anyone who can
+``get`` the job reads."""
 CONTAINER = {"trainjob": "node", "pytorchjob": "pytorch", "jobset": "node"}
 """The container's name: Trainer's torch plugin and the training-operator set their variables in the container
 of that name only."""
@@ -97,7 +110,9 @@ class ManifestConfig:
     grace_period: int = 120
     """Seconds a pod has after SIGTERM to save its snapshot before it is killed."""
     env: list[str] = field(default_factory=list)
-    """``NAME=VALUE`` for the container."""
+    """``NAME=VALUE`` for the container; not the secret (:data:`SECRET_NAMES`), each name once."""
+    fs_group: int = FS_GROUP
+    """The pod's ``fsGroup`` (nodes > 1), the group that may read the mounted Secret (:data:`SECRET_MODE`)."""
     runtime: str = "torch-distributed"
     """TrainJob: the ClusterTrainingRuntime whose settings the job's own runtime starts from (named in a label)."""
 
@@ -136,7 +151,13 @@ class ManifestConfig:
         if self.shm_size is None:  # within the memory it counts against
             half = None if memory is None else memory / 2
             self.shm_size = "8Gi" if half is None or half >= 8 * 2**30 else f"{max(1, int(half // 2**20))}Mi"
-        if memory is not None and shm is not None and shm > memory:
+            # Half of a tiny --memory rounds up to 1Mi, more than the limit itself.
+            if memory is not None and quantity("--shm-size", self.shm_size, whole=True) > memory:
+                raise ConfigError(
+                    f"--memory {self.memory} is less than the default /dev/shm of {self.shm_size}, which counts "
+                    "against it: raise --memory, or give a smaller --shm-size"
+                )
+        elif memory is not None and shm is not None and shm > memory:
             raise ConfigError(
                 f"--shm-size {self.shm_size} is more than --memory {self.memory}, which /dev/shm counts against: "
                 "raise --memory or lower --shm-size"
@@ -149,9 +170,9 @@ class ManifestConfig:
             raise ConfigError(f"--max-restarts {self.max_restarts}: use 0 to 1000")
         if not 10 <= self.grace_period <= 86_400:
             raise ConfigError(f"--grace-period {self.grace_period}: 10 to 86400 seconds")
-        for item in self.env:
-            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", item):
-                raise ConfigError(f"--env {item[:60]!r}: use NAME=VALUE")
+        if not 1 <= self.fs_group < 2**31:
+            raise ConfigError(f"--fs-group {self.fs_group}: a group id, 1 to 2147483647")
+        self._check_env()
         if not self.run_mount.startswith("/"):
             raise ConfigError(f"--run-mount {self.run_mount!r}: an absolute path in the container")
         # Only --pvc is mounted at --run-mount. Two volumes at one path are refused by Kubernetes; one inside the
@@ -169,6 +190,30 @@ class ManifestConfig:
     @property
     def secret_name(self) -> str:
         return self.secret or f"{self.name}-rdzv"
+
+    def _check_env(self) -> None:
+        """Each ``--env`` a NAME=VALUE, not the secret (whose value would be shown to whoever reads the job),
+        and each name once, ours included: of two entries of one name, Kubernetes keeps the last one."""
+        ours = {SECRET_FILE_ENV: f"{SECRET_DIR}/{SECRET_KEY}"} if self.nodes > 1 else {}
+        seen: set[str] = set()
+        for item in self.env:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", item):
+                raise ConfigError(f"--env {item[:60]!r}: use NAME=VALUE")
+            name = item.partition("=")[0]
+            if name in SECRET_NAMES:
+                raise ConfigError(
+                    f"--env {name}=...: the manifest would hold the rendezvous secret in clear, for anyone who can "
+                    f"read the job; drop it: the pods read the secret from the Secret {self.secret_name} that "
+                    "ddpkit mounts (kubectl create secret, printed with the manifest)"
+                )
+            if name in ours:
+                raise ConfigError(
+                    f"--env {name}: ddpkit sets it to {ours[name]}, where the Secret {self.secret_name} is mounted; "
+                    "drop it (--secret NAME names another Secret)"
+                )
+            if name in seen:
+                raise ConfigError(f"--env {name} is given twice: give each name once")
+            seen.add(name)
 
 
 def _dns_label(text: str) -> str:
@@ -215,7 +260,7 @@ def volumes(cfg: ManifestConfig) -> tuple[list[dict[str, Any]], list[dict[str, A
     vols: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": cfg.shm_size}}]
     mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"}]
     if cfg.nodes > 1:
-        vols.append({"name": "rdzv-secret", "secret": {"secretName": cfg.secret_name, "defaultMode": 0o400}})
+        vols.append({"name": "rdzv-secret", "secret": {"secretName": cfg.secret_name, "defaultMode": SECRET_MODE}})
         mounts.append({"name": "rdzv-secret", "mountPath": SECRET_DIR, "readOnly": True})
     if cfg.pvc:
         vols.append({"name": "runs", "persistentVolumeClaim": {"claimName": cfg.pvc}})
@@ -249,6 +294,9 @@ def pod_spec(cfg: ManifestConfig) -> dict[str, Any]:
     spec: dict[str, Any] = {"restartPolicy": "Never"}  # a Job's pod failure policy needs it
     if cfg.kind == "pytorchjob":  # the operator sets it from the replica's own restart policy
         spec = {}
+    if cfg.nodes > 1:  # the group that reads the Secret (SECRET_MODE)
+        # OnRootMismatch: the kubelet gives a --pvc claim the group once, not file by file at every pod's start.
+        spec["securityContext"] = {"fsGroup": cfg.fs_group, "fsGroupChangePolicy": "OnRootMismatch"}
     return spec | {
         "terminationGracePeriodSeconds": cfg.grace_period,
         "containers": [container(cfg)],

@@ -47,7 +47,7 @@ class NodeAddress:
 
 def split_endpoint(endpoint: str) -> tuple[str, int]:
     host, sep, port = endpoint.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise ConfigError(f"--rdzv-endpoint {endpoint!r}: use HOST:PORT, for example node1:29400")
     return host.strip("[]"), int(port)
 

@@ -36,7 +36,7 @@ SECRET_ENV = "DDPKIT_RDZV_SECRET"
 """Environment variable holding the job's secret, the same on every node (or ``--rdzv-secret-file``)."""
 SECRET_FILE_ENV = "DDPKIT_RDZV_SECRET_FILE"
 """The default of ``--rdzv-secret-file``: where a container finds a mounted secret (a Kubernetes Secret
-volume, ``defaultMode: 0400``)."""
+volume, ``defaultMode: 0440`` with the pod's ``fsGroup``, as ``ddpkit k8s`` writes it)."""
 MIN_SECRET_CHARS = 32
 MAKE_SECRET = "python -c 'import secrets; print(secrets.token_hex(32))'"
 
@@ -44,6 +44,18 @@ HELLO = b"ddpkit rendezvous relay 1\n"
 _NONCE = 32
 _TAG = 32  # HMAC-SHA256
 _REFUSED = b"refused: not this job's secret".ljust(_TAG, b"\n")
+EVICTED = b"evicted: the relay is full".ljust(_TAG, b"\n")
+"""The relay's last words to a peer whose unfinished handshake it evicted (in place of its proof)."""
+BUSY = b"ddpkit rendezvous relay busy: "
+BUSY_ADDRESS = BUSY + b"address\n"
+"""The relay's only words to a connection beyond its unfinished handshakes from one address (in place of
+:data:`HELLO`)."""
+BUSY_FULL = BUSY + b"full\n"
+"""... beyond its unfinished handshakes of all addresses (a relay that does not evict)."""
+_BUSY_WORDS = {
+    BUSY_ADDRESS: "its relay already holds as many unfinished handshakes from this node's address as it takes",
+    BUSY_FULL: "its relay is full of unfinished handshakes from other addresses",
+}
 _MAX_FRAME = 1 << 20  # the relay writes at most 64 KiB per frame; anything larger is not ours
 HANDSHAKE_TIMEOUT = 10.0
 """Seconds a peer has, from its connection, to finish the whole handshake before the relay drops it."""
@@ -63,11 +75,11 @@ def load_secret(path: str | None, env: Mapping[str, str] | None = None) -> bytes
     path = path or env.get(SECRET_FILE_ENV)
     if path:
         source = f"{option} {path if len(path) <= 80 else path[:80] + '...'}"
-        text, mode = _read_secret_file(path, source)
-        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        text, info = _read_secret_file(path, source)
+        if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO) and not _kubelet_secret(path, info):
             raise ConfigError(
-                f"{source} can be read by other users (mode {stat.S_IMODE(mode):o}): chmod 600 {path} (a Kubernetes "
-                "Secret volume: defaultMode: 0400)"
+                f"{source} can be read by other users (mode {stat.S_IMODE(info.st_mode):o}): chmod 600 {path} (a "
+                "Kubernetes Secret volume: defaultMode: 0440 with the pod's fsGroup, as ddpkit k8s writes it)"
             )
     elif env.get(SECRET_ENV):
         source = SECRET_ENV
@@ -95,8 +107,33 @@ def load_secret(path: str | None, env: Mapping[str, str] | None = None) -> bytes
 _MAX_SECRET_FILE = 1 << 16
 
 
-def _read_secret_file(path: str, source: str) -> tuple[bytes, int]:
-    """(the stripped contents, the mode) of the regular file at ``path``.
+def _kubelet_secret(path: str, info: os.stat_result) -> bool:
+    """Whether ``path`` (opened, ``info`` its fstat) is a key of a Kubernetes Secret volume, mounted for this
+    pod's ``fsGroup``, exactly as the kubelet lays it out: ``path`` a link to ``..data/<name>``, ``..data`` a
+    link to a folder ``..<timestamp>`` beside it that holds the file, owned by root, mode 0440, its group one of
+    this process's groups (the ``fsGroup``, which the kubelet gives to the pod's containers only).
+
+    Group-readable is private there: only the pod's containers are in that group, and the kubelet writes the
+    volume, so no user of the container put a copy there. Any other group-readable file stays refused, and
+    so does a world-readable one (``defaultMode: 0444``)."""
+    if info.st_uid != 0 or stat.S_IMODE(info.st_mode) != 0o440:
+        return False
+    if info.st_gid != os.getegid() and info.st_gid not in os.getgroups():
+        return False
+    folder, name = os.path.split(path)
+    try:
+        if os.readlink(path) != f"..data/{name}":
+            return False
+        data = os.readlink(os.path.join(folder, "..data"))
+        real = os.stat(os.path.join(folder, data, name), follow_symlinks=False)
+    except OSError:
+        return False
+    dated = data.startswith("..") and data not in ("..", "..data") and "/" not in data
+    return dated and stat.S_ISREG(real.st_mode) and (real.st_dev, real.st_ino) == (info.st_dev, info.st_ino)
+
+
+def _read_secret_file(path: str, source: str) -> tuple[bytes, os.stat_result]:
+    """(the stripped contents, the status) of the regular file at ``path``.
 
     Opened without blocking and checked to be a regular file before any read: a FIFO would block the launch
     forever waiting for a writer, and a device could be read without end.
@@ -118,7 +155,7 @@ def _read_secret_file(path: str, source: str) -> tuple[bytes, int]:
             raise ConfigError(f"{source}: {err.strerror}; {how}") from None
     finally:
         os.close(fd)
-    return data.strip(), info.st_mode
+    return data.strip(), info
 
 
 def derive(secret: bytes, purpose: str) -> bytes:
@@ -130,18 +167,30 @@ def _tag(key: bytes, *parts: bytes) -> bytes:
     return hmac.new(key, b"".join(parts), hashlib.sha256).digest()
 
 
+def _recv_upto(sock: socket.socket, n: int) -> bytes:
+    """``n`` bytes, or fewer where the other end closed first."""
+    try:
+        return _recv_exact(sock, n)
+    except EOFError as err:
+        return err.args[1]
+
+
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
     buf = bytearray()
     while len(buf) < n:
         chunk = sock.recv(n - len(buf))
         if not chunk:
-            raise EOFError("connection closed", len(buf))
+            raise EOFError("connection closed", bytes(buf))
         buf += chunk
     return bytes(buf)
 
 
 class Refused(ConnectionError):
     """The other end does not hold this job's secret."""
+
+
+class Busy(ConnectionError):
+    """The rendezvous host's relay turned this node away, or evicted its handshake: it was full."""
 
 
 class NotARelay(ConnectionError):
@@ -172,19 +221,21 @@ def check_answer(key: bytes, ours: bytes, answer: bytes) -> tuple[bytes, Session
     return _tag(key, b"host", ours, theirs), session
 
 
-def refuse(sock: socket.socket) -> None:
-    """Tell a peer that failed the handshake so (a node with another secret then says what is wrong), and close."""
+def refuse(sock: socket.socket, words: bytes = _REFUSED) -> None:
+    """Tell a peer that failed the handshake so (a node with another secret then says what is wrong), or that
+    its handshake was evicted (:data:`EVICTED`), and close."""
     with contextlib.suppress(OSError):
-        sock.sendall(_REFUSED)
+        sock.sendall(words)
     sock.close()
 
 
 def join_host(sock: socket.socket, key: bytes) -> Session:
     """A node's side of the handshake; raises :class:`Refused` or :class:`NotARelay` naming what went wrong."""
-    try:
-        hello = _recv_exact(sock, len(HELLO) + _NONCE)
-    except EOFError:
-        raise NotARelay("the endpoint closed the connection without a word") from None
+    hello = _recv_upto(sock, len(HELLO) + _NONCE)
+    if hello in _BUSY_WORDS:
+        raise Busy(_BUSY_WORDS[hello])
+    if len(hello) < len(HELLO) + _NONCE:
+        raise NotARelay("the endpoint closed the connection without a word")
     if not hello.startswith(HELLO):
         raise NotARelay("the endpoint does not speak ddpkit's rendezvous protocol")
     theirs, ours = hello[len(HELLO) :], secrets.token_bytes(_NONCE)
@@ -195,6 +246,8 @@ def join_host(sock: socket.socket, key: bytes) -> Session:
         raise Refused("the rendezvous host closed the connection during the handshake") from None
     if answer == _REFUSED:
         raise Refused("the rendezvous host does not accept this node's secret")
+    if answer == EVICTED:
+        raise Busy("its relay, full of unfinished handshakes, evicted this node's before it finished")
     if not hmac.compare_digest(answer, _tag(key, b"host", theirs, ours)):
         raise Refused("the rendezvous host could not prove that it holds the job's secret")
     return Session(_tag(key, b"node->host", theirs, ours), _tag(key, b"host->node", theirs, ours))
@@ -322,6 +375,12 @@ def check_host(host: tuple[str, int], key: bytes) -> None:
     try:
         with socket.create_connection(host, timeout=HANDSHAKE_TIMEOUT) as sock:
             join_host(sock, key)
+    except Busy as err:
+        raise ConfigError(
+            f"the rendezvous at {where} turned this node away ({err}): connections that never finish the "
+            "handshake fill it (the host's stderr names their addresses); stop them, or let only the job's nodes "
+            "reach the port, and start this node again"
+        ) from None
     except NotARelay as err:
         raise ConfigError(
             f"what listens at the rendezvous endpoint {where} is not `ddpkit run` ({err}): a plain torchrun, or "

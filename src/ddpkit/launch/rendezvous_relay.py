@@ -7,8 +7,13 @@ The endpoint is reachable by anyone on the network, so what a peer can make the 
   never queued behind connections that are slow, silent or send garbage;
 - a handshake has :data:`~ddpkit.launch.rendezvous_auth.HANDSHAKE_TIMEOUT` seconds in all from the connection,
   not per read: a peer that sends one byte every few seconds is dropped at the deadline;
-- one address may hold at most :data:`PER_ADDRESS` unfinished handshakes and all addresses together
-  :data:`PENDING`; a connection beyond either is closed at once, so one address cannot fill the others' room;
+- one address may hold at most :data:`PER_ADDRESS` unfinished handshakes; a connection beyond that is told
+  so and closed at once, so one address cannot fill the others' room;
+- all addresses together hold at most :data:`PENDING`; a connection beyond that evicts the oldest handshake of
+  the address that holds the most (:meth:`RelayServer._victim`), so that silent connections from many
+  addresses, reopened as soon as they are dropped, cannot keep a node that answers at once out;
+- a peer turned away or evicted is told so in words (:data:`~ddpkit.launch.rendezvous_auth.BUSY`), which its
+  launcher says instead of blaming the endpoint;
 - every dropped connection is said on the host's stderr, at once for the first from an address (for each
   reason), then as a count at most once a minute, so that the user of a rendezvous that will not form sees
   who holds it.
@@ -27,6 +32,9 @@ from dataclasses import dataclass, field
 
 from ddpkit.launch.rendezvous_auth import (
     ANSWER,
+    BUSY_ADDRESS,
+    BUSY_FULL,
+    EVICTED,
     HANDSHAKE_TIMEOUT,
     FramedSocket,
     Refused,
@@ -88,9 +96,16 @@ class RelayServer:
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
         per_address: int = PER_ADDRESS,
         log_interval: float = LOG_INTERVAL,
+        pending: int = PENDING,
+        evict: bool = True,
     ) -> None:
+        """``evict=False`` turns a connection beyond ``pending`` away instead (the relay before eviction, kept
+        for its test's control)."""
         self._store_port, self._key = store_port, key
         self._timeout, self._per_address, self._log_interval = handshake_timeout, per_address, log_interval
+        if pending < 1:
+            raise ValueError(f"pending={pending}: the relay holds at least one unfinished handshake")
+        self._cap, self._evict = pending, evict
         self._pending: dict[socket.socket, _Pending] = {}
         self._per: Counter[str] = Counter()
         self._drops: dict[tuple[str, str], _Drops] = {}
@@ -144,10 +159,17 @@ class RelayServer:
                 time.sleep(0.05)
                 return
             where = address_key(peer[0])
-            if self._per[where] >= self._per_address or len(self._pending) >= PENDING:
-                self._note(where, "too many unfinished handshakes at once")
-                conn.close()
+            if self._per[where] >= self._per_address:
+                self._turn_away(conn, where, BUSY_ADDRESS, "too many unfinished handshakes at once")
                 continue
+            if len(self._pending) >= self._cap:
+                if not self._evict:
+                    self._turn_away(conn, where, BUSY_FULL, f"{self._cap} unfinished handshakes of all addresses")
+                    continue
+                victim = self._victim()
+                self._forget(victim)
+                self._note(victim.address, f"evicted: {self._cap} unfinished handshakes of all addresses")
+                refuse(victim.sock, EVICTED)
             nonce, hello = greeting()
             conn.setblocking(False)
             try:
@@ -159,6 +181,27 @@ class RelayServer:
             self._pending[conn] = pending
             self._per[where] += 1
             self._selector.register(conn, selectors.EVENT_READ)
+
+    def _victim(self) -> _Pending:
+        """The handshake to evict when all addresses together hold the cap: the oldest of the address holding
+        the most.
+
+        The oldest overall would do against one churning address, but silent connections from 65 addresses,
+        each reopened when evicted, evict one another in a loop; a node whose answer is one round trip away
+        then survives only while fewer than :data:`PENDING` reopenings land within that round trip. Taking
+        from the heaviest address, a node that holds one handshake is never evicted while any address holds
+        two: the flood would need as many addresses as the cap (and IPv6 counts a /64 as one), each holding
+        one connection."""
+        heaviest = max(self._per.values())
+        return next(p for p in self._pending.values() if self._per[p.address] == heaviest)
+
+    def _turn_away(self, conn: socket.socket, where: str, words: bytes, reason: str) -> None:
+        """Close a fresh connection with the words its node says (it has sent nothing, so no reset eats them)."""
+        self._note(where, reason)
+        conn.setblocking(False)
+        with contextlib.suppress(OSError):
+            conn.send(words)
+        conn.close()
 
     def _read(self, pending: _Pending) -> None:
         try:

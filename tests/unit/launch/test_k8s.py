@@ -111,14 +111,16 @@ def test_the_failure_policy_recreates_preempted_and_disrupted_pods_and_fails_on_
     }
 
 
-def test_pods_mount_shared_memory_and_the_secret_read_only_by_their_owner():
+def test_pods_mount_shared_memory_and_the_secret_read_only_by_their_group():
     cfg = mf.ManifestConfig(script="train.py", image="reg/train:1", kind="jobset", nodes=2, shm_size="16Gi")
     vols, mounts = mf.volumes(cfg)
     assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}} in vols
-    assert {"name": "rdzv-secret", "secret": {"secretName": "train-rdzv", "defaultMode": 0o400}} in vols
+    assert {"name": "rdzv-secret", "secret": {"secretName": "train-rdzv", "defaultMode": 0o440}} in vols
+    assert mf.pod_spec(cfg)["securityContext"] == {"fsGroup": 2000, "fsGroupChangePolicy": "OnRootMismatch"}
     assert {"name": "DDPKIT_RDZV_SECRET_FILE", "value": "/etc/ddpkit/rdzv/rdzv-secret"} in mf.environment(cfg)
     one = mf.ManifestConfig(script="train.py", image="reg/train:1", kind="jobset")
     assert [v["name"] for v in mf.volumes(one)[0]] == ["dshm"]  # one node: no rendezvous to guard
+    assert "securityContext" not in mf.pod_spec(one)  # ...and no group to give a claim
 
 
 def test_a_pytorchjobs_preempted_pod_exits_with_a_code_its_exit_code_policy_retries():

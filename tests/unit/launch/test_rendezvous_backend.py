@@ -30,6 +30,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handl
 from ddpkit.errors import ConfigError
 from ddpkit.internals.store import serve_store
 from ddpkit.launch.rendezvous_auth import (
+    BUSY_ADDRESS,
     SECRET_ENV,
     FramedSocket,
     RelayClient,
@@ -273,7 +274,8 @@ def test_dropped_connections_are_said_once_per_address_then_counted(capfd):
             check_host(server.address, derive(b"not the secret of this job at all", "relay"))
         for sock in held[1:]:
             sock.settimeout(10)
-            assert sock.recv(64) == b""  # closed at once
+            assert sock.recv(64) == BUSY_ADDRESS  # told why, and closed at once
+            assert sock.recv(64) == b""
         check_host(server.address, derive(SECRET, "relay"))  # the room of 127.0.0.1 is its own
         err = capfd.readouterr().err
         lines = [line for line in err.splitlines() if "127.0.0.3" in line]
