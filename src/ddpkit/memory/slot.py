@@ -35,7 +35,7 @@ class BadSlot(ValueError):
 
 
 def block_crcs(region: Any) -> bytes:
-    """The table a slot keeps after its data region: the CRC-32C of each :data:`BLOCK` bytes of ``region`` (a
+    """The table a slot keeps after its data region: the CRC-32C of each ``BLOCK`` bytes of ``region`` (a
     contiguous CPU tensor, bytes or a memoryview; the last block may be shorter), little-endian uint32s in order.
 
     Why CRC-32C per block: its polynomial 0x1EDC6F41 (Koopman's 0x8F6E37A0) has Hamming distance 4 up to

@@ -11,7 +11,8 @@ runs. Each slot file starts with a commit record::
     magic | begin | end
     | offsets, lengths and CRC-32s of the manifest and the values
     | the data region's offset, length and the CRC-32C of its table
-    ... | the data region | its table: a CRC-32C per MiB (:func:`~ddpkit.memory.slot.block_crcs`)
+
+and ends with the data region and its table, a CRC-32C per MiB of it (:func:`~ddpkit.memory.slot.block_crcs`).
 
 ``begin`` is set to the save's generation before anything else is written, ``end`` to the same number after
 everything else is: a slot counts only when ``begin == end``, so a kill during the copy leaves it not whole,
