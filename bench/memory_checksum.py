@@ -5,7 +5,8 @@ A save into a memory slot copies the state into the slot's data region, then tak
 tensors, 8 of them, as a model and its Adam moments would be), in interleaved rounds whose order rotates so that
 noise from other work on the machine falls on all:
 
-- copy: the state into the region, as a save does it (``copy_tensors``, one fused call);
+- copy: the state into the region, as a save does it (``copy_tensors``, one fused call), on torch's threads as
+  torchrun's workers have them (``OMP_NUM_THREADS=1``; ``--torch-threads``);
 - block sums: the checksum of slot format 2, the CRC-32 of the wrapping int64 sums of 4 KiB blocks (numpy),
   kept here as the reference: it let changes that cancel within a block through;
 - CRC-32C: the checksum of format 3, a CRC-32C per MiB (:func:`ddpkit.memory.slot.block_crcs`, the ``crc32c``
@@ -20,9 +21,19 @@ the CRC-32C costs at most what the block sums did.
     python bench/memory_checksum.py                 # 100 MB, 31 rounds
     python bench/memory_checksum.py --mb 400 --rounds 15
 
-Measured on the shared 2-core CI machine (AMD EPYC, SSE 4.2; Python 3.11, torch 2.13 CPU, crc32c 2.9,
-numpy 2.4), 2026-11-25, ``python bench/memory_checksum.py``, other work running (load average ~10): see
-``RESULTS`` below.
+Measured on the shared 2-core machine (AMD EPYC with SSE 4.2; Python 3.11.7, torch 2.13.0 CPU, numpy 2.4.6,
+crc32c 2.9.post0, hardware CRC), 2026-11-25, other work running (load average 8-9),
+``python bench/memory_checksum.py --rounds 41``:
+
+| measure | median, ms | / copy, median (IQR) | / block sums, median (IQR) |
+|---|---|---|---|
+| copy | 31.0 | 1.00 | 1.29 (1.14-1.74) |
+| block sums (format 2) | 23.0 | 0.78 (0.57-0.88) | 1.00 |
+| CRC-32C (format 3) | 17.3 | 0.61 (0.53-0.65) | 0.80 (0.69-0.95) |
+| CRC-32C, 2 threads | 21.9 | 0.69 (0.58-0.80) | 0.95 (0.79-1.24) |
+
+Two more runs of the default 31 rounds gave CRC-32C / block sums 0.86 (0.69-1.05) and 0.86 (0.64-1.10). So the
+check costs less than the block sums did, about 0.6 of the copy. Two threads do not help on 2 busy cores.
 """
 
 from __future__ import annotations
@@ -41,9 +52,6 @@ import torch
 
 from ddpkit.memory.slot import BLOCK, block_crcs
 from ddpkit.memory.store import copy_tensors
-
-RESULTS = """
-"""
 
 
 def block_sums(region: torch.Tensor) -> int:
@@ -71,8 +79,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mb", type=int, default=100, help="the state's size in MB (10**6 bytes)")
     parser.add_argument("--rounds", type=int, default=31)
+    parser.add_argument(
+        "--torch-threads", type=int, default=1, help="torch's threads for the copy (torchrun's workers: 1)"
+    )
     args = parser.parse_args()
     import crc32c
+
+    torch.set_num_threads(args.torch_threads)
 
     n = args.mb * 10**6 // 4 // 8 * 8
     sources = list(torch.randn(n).chunk(8))
@@ -108,7 +121,8 @@ def main() -> None:
     print(
         f"date {datetime.date.today()}  machine {platform.machine()} {platform.processor() or ''}  python "
         f"{platform.python_version()}  torch {torch.__version__}  numpy {np.__version__}  crc32c {crc32c.__version__} "
-        f"(hardware: {crc32c.hardware_based})  state {n * 4 / 1e6:.0f} MB in 8 tensors  rounds {args.rounds}"
+        f"(hardware: {crc32c.hardware_based})  torch threads {torch.get_num_threads()}  state {n * 4 / 1e6:.0f} MB "
+        f"in 8 tensors  rounds {args.rounds}"
     )
     print("| measure | median, ms | / copy, median (IQR) | / block sums, median (IQR) |")
     print("|---|---|---|---|")

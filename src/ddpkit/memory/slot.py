@@ -49,7 +49,7 @@ def block_crcs(region: Any) -> bytes:
     int64 sums of 4 KiB blocks, let +x in one word and -x in another of the same block through.)
 
     Blocks are independent and the CRC releases the GIL from 32 KiB on, so the table can be made in pieces or
-    on threads; one thread does it faster than the copy it checks (bench/memory_checksum.py).
+    on threads; one thread does it in less time than the copy it checks (bench/memory_checksum.py).
     """
     import crc32c  # here, not at the top: `import ddpkit` does not load it
 
