@@ -14,11 +14,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
-from ddpkit.snapshot.memory.slot import _byte_tensor, _checksum_torch, checksum
+from ddpkit.snapshot.memory import slot
+from ddpkit.snapshot.memory.slot import block_crcs
 
 HIDDEN = (
     "numpy", "sklearn", "optuna", "matplotlib", "tqdm", "tensorboard", "mlflow", "wandb", "safetensors", "mpi4py", "yaml",
@@ -74,15 +74,37 @@ def test_a_trainer_of_several_ranks_without_numpy_is_refused_at_its_start_naming
     assert job.returncode == 0, job.stderr[-3000:]
 
 
-@pytest.mark.parametrize("size", [0, 8, 4096, 4104, 3 * 4096 + 40, 100_000 * 8])
-def test_the_memory_checksum_without_numpy_is_numpys(size):
-    """A slot written by a process with numpy checks in one without, and the other way round."""
-    rng = np.random.default_rng(size)
-    for data in (rng.integers(0, 256, size, dtype=np.uint8).tobytes(), np.full(size // 8, 2**62, np.int64).tobytes()):
-        tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-        assert checksum(data) == checksum(tensor) == _checksum_torch(_byte_tensor(data)) == _checksum_torch(tensor)
-    # Control: one byte changed changes both.
-    if size:
-        changed = bytearray(data)
-        changed[size // 2] ^= 1
-        assert _checksum_torch(_byte_tensor(bytes(changed))) != _checksum_torch(_byte_tensor(data))
+SIZES = (0, 8, 4096, (1 << 20) + 40, 3 * (1 << 20))
+CHECKSUMS = f"""
+import sys, torch
+from ddpkit.snapshot.memory.slot import block_crcs
+try:
+    import numpy
+    sys.exit("numpy is not hidden")
+except ModuleNotFoundError:
+    pass
+for size in {SIZES!r}:
+    data = bytes((i * 7 + size) % 251 for i in range(size))
+    tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+    assert block_crcs(tensor) == block_crcs(data), size
+    print(block_crcs(tensor).hex())
+"""
+
+
+def test_the_memory_checksum_without_numpy_is_numpys(bare_env, tmp_path):
+    """A slot written by a process with numpy checks in one without, and the other way round: without numpy a
+    tensor's bytes are copied before their CRCs are taken, with it they are viewed."""
+    bare_env["PYTHONPATH"] += f":{Path(slot.__file__).parents[2]}"  # this ddpkit, wherever it is imported from
+    run = _run([sys.executable, "-c", CHECKSUMS], bare_env, tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    here = []
+    for size in SIZES:
+        data = bytes((i * 7 + size) % 251 for i in range(size))
+        tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+        assert block_crcs(tensor) == block_crcs(data)
+        here.append(block_crcs(tensor).hex())
+    assert run.stdout.splitlines() == here
+    # Control: one byte changed changes its block's CRC.
+    changed = bytearray(data)
+    changed[len(changed) // 2] ^= 1
+    assert block_crcs(bytes(changed)) != block_crcs(data)

@@ -1,6 +1,7 @@
 """The file format of a memory snapshot's slot, and its checks: a commit record, a manifest, the values and the
-data region, each with its checksum (the format: :mod:`ddpkit.snapshot.memory.store`). Reading a slot checks everything
-before any tensor is viewed; a whole slot that does not check raises :class:`BadSlot`.
+data region, each with its checksum (the data region's: a CRC-32C per block, :func:`block_crcs`; the format:
+:mod:`ddpkit.snapshot.memory.store`). Reading a slot checks everything before any tensor is viewed; a whole slot that
+does not check raises :class:`BadSlot`.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ import json
 import os
 import stat
 import struct
-import warnings
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,12 +17,16 @@ from typing import Any
 
 import torch
 
+from ddpkit.distributed.collectives import tensor_bytes
 from ddpkit.snapshot.memory.values import Spec, checked_specs, views
 
-MAGIC = b"DDPKMEM2"  # 1: no checksum of the data region (such slots are not found)
+# 1: no checksum of the data region; 2: CRC-32 of block sums, no table (slots of either are not found).
+MAGIC = b"DDPKMEM3"
 HEADER = 4096
 _RECORD = struct.Struct("<8sQQQQIQQIQQI")  # magic begin end manifest, values, data: (off len crc) each
-_BLOCK = 4096  # bytes of the data region per partial sum of the checksum
+# Bytes of the data region per CRC-32C: a 256th of CRC-32C's distance-4 length (268,435,451 bytes, see
+# block_crcs); a table of 4 bytes per MiB, and one Python call per ~0.1 ms of CRC.
+BLOCK = 1 << 20
 BEGIN_OFFSET, END_OFFSET = 8, 16  # offsets of the generation numbers in the record
 
 
@@ -30,56 +34,54 @@ class BadSlot(ValueError):
     """A whole slot that does not check: its message names the slot and what is wrong."""
 
 
-def checksum(region: Any) -> int:
-    """A checksum of a data region (uint8, a multiple of 8 bytes long): the CRC-32 of the wrapping int64 sums of
-    its 4 KiB blocks, in order.
+def block_crcs(region: Any) -> bytes:
+    """The table a slot keeps after its data region: the CRC-32C of each ``BLOCK`` bytes of ``region`` (a
+    contiguous CPU tensor, bytes or a memoryview; the last block may be shorter), little-endian uint32s in order.
 
-    Not zlib.crc32 over the bytes: on a 100 MB state (2-core CPU machine, medians of 15) the copy takes 14.5 ms,
-    crc32 24 ms (the copy and check 2.7x the copy alone), these block sums 3.8 ms (1.3x). Any
-    change inside one 8-byte word is seen (it moves its block's sum by a non-zero amount below 2**64), as is any
-    change that moves a block's sum; words swapped inside one block are not. Integer sums do not depend on the
-    order of the additions: the same on any machine and thread count, so a peer's slot checks too.
+    Why CRC-32C per block: its polynomial 0x1EDC6F41 (Koopman's 0x8F6E37A0) has Hamming distance 4 up to
+    2,147,483,615 data bits (Koopman, "32-Bit Cyclic Redundancy Codes for Internet Applications", DSN 2002, and
+    his CRC tables: it has the factor x+1, so every odd number of flipped bits is seen, and x's period modulo it
+    is 2**31 - 1, so two flips are seen in any codeword up to that many bits). Every change of 1, 2 or 3 bits
+    within a block of at most 268,435,451 bytes, and every burst of up to 32 bits (degree 32), moves the block's
+    CRC; a change that spans blocks moves the CRC of each block it touches (at most 3 bits or one burst in
+    each), so comparing every entry of the table sees it. One CRC of a larger region could not: with 32 check
+    bits, distance 4 holds to at most 2**31 bits whatever the code. (The block sums before, CRC-32 of wrapping
+    int64 sums of 4 KiB blocks, let +x in one word and -x in another of the same block through.)
+
+    Blocks are independent and the CRC releases the GIL from 32 KiB on, so the table can be made in pieces or
+    on threads; one thread does it in less time than the copy it checks (bench/memory_checksum.py).
     """
+    import crc32c  # here, not at the top: `import ddpkit` does not load it
+
+    view = _bytes_of(region)
+    crcs = [crc32c.crc32c(view[i : i + BLOCK]) for i in range(0, len(view), BLOCK)]
+    return struct.pack(f"<{len(crcs)}I", *crcs)
+
+
+def table_size(region_size: int) -> int:
+    """The bytes of the table of :func:`block_crcs` of a data region of ``region_size`` bytes."""
+    return 4 * -(-region_size // BLOCK)
+
+
+def table_crc(table: bytes) -> int:
+    """The record's check of the table itself (its CRC-32C): a table damaged alone is named as such."""
+    import crc32c
+
+    return crc32c.crc32c(table)
+
+
+def _bytes_of(region: Any) -> memoryview:
+    """A flat byte view of ``region`` (a contiguous CPU tensor, bytes or a memoryview)."""
+    if not isinstance(region, torch.Tensor):
+        return memoryview(region).cast("B")
+    flat = region.reshape(-1).view(torch.uint8)
+    # numpy is a core dependency, but `import ddpkit` and the launcher run without it; a tensor has no buffer
+    # protocol, so without numpy its bytes are copied first (once more the copy's cost).
     try:
-        import numpy as np
-    except ModuleNotFoundError:  # torch alone: the same sums, ~1.7x slower than numpy's
-        return _checksum_torch(_byte_tensor(region))
-    raw = np.frombuffer(region.numpy() if isinstance(region, torch.Tensor) else region, dtype=np.uint8)
-    if raw.size % 8:
-        raise ValueError(f"a data region of {raw.size} bytes is not made of 8-byte words")
-    if raw.size == 0:
-        return 0
-    words = raw.view(np.int64)
-    full = (words.size * 8 // _BLOCK) * (_BLOCK // 8)
-    sums = words[:full].reshape(-1, _BLOCK // 8).sum(1, dtype=np.int64)  # wraps modulo 2**64
-    tail = words[full:].sum(dtype=np.int64, keepdims=True)
-    return zlib.crc32(tail, zlib.crc32(sums))
-
-
-def _checksum_torch(raw: torch.Tensor) -> int:
-    """:func:`checksum` without numpy."""
-    if raw.numel() % 8:
-        raise ValueError(f"a data region of {raw.numel()} bytes is not made of 8-byte words")
-    if raw.numel() == 0:
-        return 0
-    words = raw.view(torch.int64)
-    full = (words.numel() * 8 // _BLOCK) * (_BLOCK // 8)
-    sums = words[:full].reshape(-1, _BLOCK // 8).sum(1, dtype=torch.int64)
-    tail = words[full:].sum(dtype=torch.int64).reshape(1)
-    packed = bytearray(8 * (sums.numel() + 1))  # little-endian int64s, as numpy's path hands them to the CRC
-    torch.frombuffer(packed, dtype=torch.int64).copy_(torch.cat([sums, tail]))
-    return zlib.crc32(memoryview(packed)[-8:], zlib.crc32(memoryview(packed)[:-8]))
-
-
-def _byte_tensor(region: Any) -> torch.Tensor:
-    """A uint8 tensor over ``region`` (a tensor, bytes or a memoryview), sharing its memory."""
-    if isinstance(region, torch.Tensor):
-        return region.view(torch.uint8)
-    if len(region) == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    with warnings.catch_warnings():  # a read-only buffer (bytes) is only read here
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(region, dtype=torch.uint8)
+        import numpy  # noqa: F401
+    except ModuleNotFoundError:
+        return memoryview(tensor_bytes(flat))
+    return flat.numpy().data  # shares the tensor's memory
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,7 @@ class Record:
     end: int
     manifest: tuple[int, int, int]  # offset, length, CRC-32
     values: tuple[int, int, int]
-    data: tuple[int, int, int]  # offset, length, checksum
+    data: tuple[int, int, int]  # offset, length, CRC-32C of its table of block CRC-32Cs (right after it)
 
     @property
     def whole(self) -> bool:
@@ -170,18 +172,22 @@ def _region(data: bytes | memoryview, record: Record) -> torch.Tensor:
 
 
 def _check_data(data: bytes, record: Record, manifest: dict, name: str) -> None:
-    """The manifest's layout inside the data region, and the region's checksum: before any tensor is viewed."""
+    """The manifest's layout inside the data region, and the region's table of CRC-32Cs (right after it, checked
+    by the record's CRC-32C of it) entry by entry: before any tensor is viewed."""
     off, length, want = record.data
-    if off < HEADER or off + length > len(data):
+    end = off + length + table_size(length)
+    if off < HEADER or end > len(data):
         raise BadSlot(f"{name}: its data region ({length} bytes at {off}) lies past the end of the file ({len(data)})")
     if manifest.get("data_size") != length:
         raise BadSlot(f"{name}: its manifest's data size is not its record's ({length} bytes)")
     try:
         specs(manifest, length)
-        got = checksum(memoryview(data)[off : off + length])
     except ValueError as err:
         raise BadSlot(f"{name}: {err}") from None
-    if got != want:
+    table = bytes(data[off + length : end])
+    if table_crc(table) != want:
+        raise BadSlot(f"{name}: its table of the tensors' checksums fails its CRC-32C")
+    if block_crcs(memoryview(data)[off : off + length]) != table:
         raise BadSlot(f"{name}: its tensors' bytes fail their checksum (changed since they were saved)")
 
 

@@ -10,7 +10,9 @@ runs. Each slot file starts with a commit record::
 
     magic | begin | end
     | offsets, lengths and CRC-32s of the manifest and the values
-    | the data region's offset, length and checksum (:func:`checksum`)
+    | the data region's offset, length and the CRC-32C of its table
+
+and ends with the data region and its table, a CRC-32C per MiB of it (:func:`~ddpkit.snapshot.memory.slot.block_crcs`).
 
 ``begin`` is set to the save's generation before anything else is written, ``end`` to the same number after
 everything else is: a slot counts only when ``begin == end``, so a kill during the copy leaves it not whole,
@@ -61,8 +63,10 @@ from ddpkit.snapshot.memory.slot import (
     HEADER,
     BadSlot,
     Record,
-    checksum,
+    block_crcs,
     read_slot,
+    table_crc,
+    table_size,
 )
 from ddpkit.snapshot.memory.values import Spec, views
 
@@ -162,16 +166,17 @@ class MemoryStore:
         slot.record = None
         copy_tensors(slot.dests, tensors)
         assert slot.region is not None  # mapped with the dests
-        data_sum = checksum(slot.region)
+        table = block_crcs(slot.region)
         m_off = HEADER
         v_off = slot.values_offset
         os.pwrite(fd, value_bytes, v_off)
+        os.pwrite(fd, table, slot.data_offset + slot.data_size)
         record = Record(
             gen,
             0,
             (m_off, len(slot.manifest_bytes), zlib.crc32(slot.manifest_bytes)),
             (v_off, len(value_bytes), zlib.crc32(value_bytes)),
-            (slot.data_offset, slot.data_size, data_sum),
+            (slot.data_offset, slot.data_size, table_crc(table)),
         )
         os.pwrite(fd, record.pack(), 0)
         os.pwrite(fd, struct.pack("<Q", gen), END_OFFSET)
@@ -187,7 +192,7 @@ class MemoryStore:
         slot.values_offset = _round(HEADER + len(slot.manifest_bytes), 4096)
         slot.data_offset = _round(slot.values_offset + slot.values_capacity, 4096)
         slot.data_size = data_size
-        size = slot.data_offset + max(data_size, 1)
+        size = slot.data_offset + max(data_size + table_size(data_size), 1)
         try:
             fd = fs.open_fd(slot.path, os.O_RDWR | os.O_CREAT, 0o600)
         except ConfigError as err:  # a link, or another user's file, in the job's folder
