@@ -53,7 +53,7 @@ class MetricsWriter:
         if self._jsonl is not None:
             return self._jsonl
         fs.make_dirs(self.run_dir)
-        self._jsonl = fs.open_append(self.run_dir / "metrics.jsonl")
+        self._jsonl = fs.open_append(self.run_dir / "metrics.jsonl", linked="replace")
         if self._started:
             return self._jsonl
         self._started = True
@@ -102,7 +102,7 @@ class MetricsWriter:
         if not self.enabled:
             return
         self._open()
-        with fs.open_append(self.run_dir / "epochs.csv", read=True) as f:
+        with fs.open_append(self.run_dir / "epochs.csv", read=True, linked="replace") as f:
             f.seek(0)
             header = next(csv.reader(f), None)
             self._columns = header or list(values)

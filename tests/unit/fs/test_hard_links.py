@@ -1,0 +1,141 @@
+""":mod:`ddpkit.fs`: a file opened to write in place has no other hard link. ``O_NOFOLLOW`` stops a symbolic
+link, not a second name of the same file; such a file is refused (``linked="refuse"``, the default) or first
+replaced by a copy of its own (``linked="replace"``), and the file at the other name keeps its bytes."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from ddpkit import fs
+from ddpkit.errors import ConfigError
+from ddpkit.fs import safe
+
+ORIGINAL = b"the original's records\n"
+
+
+@pytest.fixture
+def original(tmp_path: Path) -> Path:
+    path = tmp_path / "original" / "metrics.jsonl"
+    path.parent.mkdir()
+    path.write_bytes(ORIGINAL)
+    return path
+
+
+@pytest.fixture
+def linked(tmp_path: Path, original: Path) -> Path:
+    """A second name of ``original``, in another folder (what ``cp -al`` makes)."""
+    path = tmp_path / "copy" / "metrics.jsonl"
+    path.parent.mkdir()
+    os.link(original, path)
+    return path
+
+
+def _append(path: Path, **kw) -> None:
+    with fs.open_append(path, **kw) as f:
+        f.write("the copy's record\n")
+
+
+def test_control_an_append_that_follows_no_symbolic_link_still_writes_through_a_hard_link(original, linked):
+    # The defect: O_NOFOLLOW opens the second name as any file, and the write lands in the original.
+    fd = os.open(linked, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW)
+    os.write(fd, b"x\n")
+    os.close(fd)
+    assert original.read_bytes() == ORIGINAL + b"x\n"
+
+
+def test_control_with_the_check_off_the_module_writes_through_a_hard_link(original, linked, monkeypatch):
+    monkeypatch.setattr(safe, "_IN_PLACE", 0)
+    _append(linked)
+    assert original.read_bytes() != ORIGINAL
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda p: os.close(fs.open_fd(p, os.O_RDWR | os.O_CREAT)),
+        lambda p: os.close(fs.open_fd(p, os.O_WRONLY | os.O_TRUNC)),
+        lambda p: fs.open_append(p).close(),
+        lambda p: fs.open_append(p, read=True).close(),
+        lambda p: fs.truncate(p, 0),
+    ],
+    ids=["rdwr-create", "truncating", "append", "append-read", "truncate"],
+)
+def test_an_in_place_open_of_a_hard_linked_file_is_refused_in_one_line(original, linked, call):
+    with pytest.raises(ConfigError) as refused:
+        call(linked)
+    message = str(refused.value)
+    assert "\n" not in message and str(linked) in message, message
+    assert "1 other hard link (" in message and "Remove it once no job uses it" in message, message
+    assert original.read_bytes() == ORIGINAL and linked.read_bytes() == ORIGINAL
+    assert original.stat().st_nlink == 2  # refused: nothing renamed either
+
+
+def test_a_lock_file_with_a_second_name_is_refused_naming_it(tmp_path, original):
+    from ddpkit.fs.lock import FolderLock
+
+    os.link(original, tmp_path / "original" / ".lock")
+    lock = FolderLock(tmp_path / "original", what="run_dir", job="job", user="run", hazard="h")
+    with pytest.raises(ConfigError, match=r"\.lock' has 1 other hard link"):
+        lock.acquire()
+    assert original.read_bytes() == ORIGINAL
+
+
+def test_an_append_replaces_a_hard_linked_file_by_a_copy_and_leaves_the_other_name_whole(original, linked):
+    os.chmod(original, 0o640)
+    _append(linked, linked="replace")
+    assert original.read_bytes() == ORIGINAL
+    assert linked.read_bytes() == ORIGINAL + b"the copy's record\n"  # the history goes on in the copy
+    assert original.stat().st_nlink == 1 and linked.stat().st_nlink == 1
+    assert stat.S_IMODE(linked.stat().st_mode) == 0o640
+    assert [p.name for p in linked.parent.iterdir()] == ["metrics.jsonl"]  # no temporary left
+    inode = linked.stat().st_ino
+    _append(linked, linked="replace")  # a file of one name: appended to in place, not copied again
+    assert linked.stat().st_ino == inode and original.read_bytes() == ORIGINAL
+
+
+def test_a_read_modify_write_sees_the_copied_bytes(original, linked):
+    with fs.open_append(linked, read=True, linked="replace") as f:
+        f.seek(0)
+        assert f.read() == ORIGINAL.decode()
+        f.write("more\n")
+    assert original.read_bytes() == ORIGINAL and linked.read_bytes() == ORIGINAL + b"more\n"
+
+
+def test_a_truncating_open_gives_the_name_a_new_empty_file(original, linked):
+    with os.fdopen(fs.open_fd(linked, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, linked="replace"), "wb") as f:
+        f.write(b"new\n")
+    assert original.read_bytes() == ORIGINAL and linked.read_bytes() == b"new\n"
+
+
+def test_a_read_of_a_hard_linked_file_is_allowed(original, linked):
+    assert fs.read_bytes(linked) == ORIGINAL
+
+
+def test_a_file_replaced_whole_by_rename_needs_no_check(original, linked):
+    # The rename gives the name a new file; the other name keeps the old one.
+    fs.write_atomic(linked, b"replaced\n")
+    assert original.read_bytes() == ORIGINAL and linked.read_bytes() == b"replaced\n"
+
+
+def test_unshare_gives_a_library_a_file_of_its_own_to_open_in_place(tmp_path, original, linked):
+    fs.unshare(linked)
+    with open(linked, "ab") as f:  # what a library (Optuna, SQLite) does with the name afterwards
+        f.write(b"theirs\n")
+    assert original.read_bytes() == ORIGINAL
+    inode = original.stat().st_ino
+    fs.unshare(original)  # one name already: left as it is
+    assert original.stat().st_ino == inode
+    fs.unshare(tmp_path / "original" / "absent")
+    assert not (tmp_path / "original" / "absent").exists()
+
+
+def test_a_symbolic_link_is_still_refused_whatever_linked_says(original, tmp_path):
+    link = tmp_path / "original" / "link"
+    link.symlink_to(original)
+    with pytest.raises(ConfigError, match="is a symbolic link"):
+        fs.open_append(link, linked="replace")
+    assert original.read_bytes() == ORIGINAL
