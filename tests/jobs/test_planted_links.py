@@ -411,3 +411,25 @@ def test_training_in_a_copy_made_with_cp_al_leaves_the_original_run_byte_identic
         )
         assert os.stat(copy / name).st_nlink == 1 and os.stat(original / name).st_nlink == 1
     assert len((copy / "epochs.csv").read_text().splitlines()) == 3  # the header and two epochs
+
+
+@pytest.mark.parametrize("check", ["on", "off"])
+def test_mlflow_in_a_copy_made_with_cp_al_leaves_the_originals_store_byte_identical(tmp_path, check, monkeypatch):
+    # SQLite opens mlflow.db in place by its name: the copy's logger gets a store of its own first.
+    pytest.importorskip("mlflow")
+    from ddpkit.fs import safe
+    from ddpkit.tracking.trackers import MLflowLogger
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    original, copy = tmp_path / "original", tmp_path / "copy"
+    original.mkdir()
+    MLflowLogger(original, {"lr": 0.1}).close()
+    subprocess.run(["cp", "-al", str(original), str(copy)], check=True)
+    before = _tree(original)
+    if check == "off":  # control: SQLite writes the copy's run into the original's store
+        monkeypatch.setattr(safe, "_IN_PLACE", 0)
+    logger = MLflowLogger(copy, {"lr": 0.1})  # resumes the run named in loggers.json, in the copy's store
+    logger.log(1, {"loss": 0.5})
+    logger.close()
+    changed = (_tree(original)["mlflow.db"] != before["mlflow.db"]) or os.stat(original / "mlflow.db").st_nlink > 1
+    assert changed == (check == "off")

@@ -139,3 +139,80 @@ def test_a_symbolic_link_is_still_refused_whatever_linked_says(original, tmp_pat
     with pytest.raises(ConfigError, match="is a symbolic link"):
         fs.open_append(link, linked="replace")
     assert original.read_bytes() == ORIGINAL
+
+
+# -- each in-place open of the package, with its kind's choice ---------------------------------------------
+
+
+def _metrics(folder: Path) -> None:
+    from ddpkit.tracking.metrics import MetricsWriter
+
+    writer = MetricsWriter(folder, enabled=True)
+    writer.epoch_end(2, {"epoch": 1, "step": 2})
+    writer.close()
+
+
+def _journal(folder: Path) -> None:
+    from ddpkit.search.search_dir import repair_journal
+
+    repair_journal(folder / "study.journal")
+    with open(folder / "study.journal", "ab") as f:  # Optuna's own append, by name, after the repair
+        f.write(b'{"op_code": 0}\n')
+
+
+def _stack(folder: Path) -> None:
+    import faulthandler
+    import signal
+
+    from ddpkit.launch.worker import dump_stack_on_request
+
+    previous = signal.getsignal(signal.SIGUSR2)
+    os.environ["DDPKIT_STACK_DIR"], os.environ["RANK"] = str(folder), "0"
+    try:
+        dump_stack_on_request()
+    finally:
+        faulthandler.unregister(signal.SIGUSR2)
+        signal.signal(signal.SIGUSR2, previous)
+        del os.environ["DDPKIT_STACK_DIR"], os.environ["RANK"]
+
+
+def _snapshot_file(folder: Path) -> None:
+    from ddpkit.snapshot.storage import _open_stream
+
+    with _open_stream(folder / "__0_0.distcp", "wb") as f:
+        f.write(b"tensors\n")
+
+
+@pytest.mark.parametrize(
+    "call, name, kept",
+    [
+        (_metrics, "metrics.jsonl", True),
+        (_metrics, "epochs.csv", True),
+        (_journal, "study.journal", True),
+        (_stack, "rank0.txt", False),
+        (_snapshot_file, "__0_0.distcp", False),
+    ],
+    ids=["metrics.jsonl", "epochs.csv", "journal", "worker-stack", "snapshot-file"],
+)
+def test_each_in_place_write_of_the_package_leaves_the_other_name_whole(tmp_path, monkeypatch, call, name, kept):
+    """Records a copied folder goes on with keep their bytes in the copy (``kept``); files rewritten whole
+    start empty. With the check off (control), each writes into the other name."""
+    held = (
+        b'{"op_code": 4}\n'
+        if name == "study.journal"
+        else (b"epoch,step\r\n0,0\r\n" if name == "epochs.csv" else ORIGINAL)
+    )
+    for check in ("on", "off"):
+        folder, other = tmp_path / check / "copy", tmp_path / check / "original"
+        folder.mkdir(parents=True), other.mkdir()
+        (other / name).write_bytes(held)
+        os.link(other / name, folder / name)
+        if check == "off":
+            monkeypatch.setattr(safe, "_IN_PLACE", 0)
+        call(folder)
+        if check == "off":
+            assert (other / name).read_bytes() != held, "the control no longer writes through the link"
+            continue
+        assert (other / name).read_bytes() == held
+        assert (folder / name).stat().st_nlink == 1
+        assert (folder / name).read_bytes().startswith(held) == kept
