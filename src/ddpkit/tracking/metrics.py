@@ -20,7 +20,8 @@ class MetricsWriter:
     Only the main rank writes; other ranks get a writer that does nothing, so call sites need no rank test.
     Files are opened in append mode at the first record, not when the writer is made: a resumed run continues
     the same files, and one with ``resume=False`` starts new ones once the previous run's are moved aside
-    (:func:`ddpkit.snapshot.run_dir.claim`). They are opened without following a symbolic link.
+    (:func:`ddpkit.snapshot.run_dir.claim`). They are opened without following a symbolic link, and a file with
+    a second name (a run directory copied with ``cp -al``) is first replaced by a copy of its own.
     """
 
     def __init__(
