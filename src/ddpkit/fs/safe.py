@@ -45,11 +45,10 @@ _IN_PLACE = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_TRUNC
 Linked = Literal["refuse", "replace"]
 """What an open to write does with a file that has other hard links.
 
-- ``"refuse"`` (the default): a one-line :class:`ConfigError` naming it and the way out. For files whose
-  inode is the point: a lock file (``.lock``, a search's ``.ask.lock``) is locked by inode, and replacing it
-  while another job of the folder holds it, or has it open to lock, would let two jobs hold "the" lock at once;
-  a memory slot is mapped by a second open of its name. Nothing there is worth keeping: the way out is to
-  remove the file once no job uses it.
+- ``"refuse"`` (the default): a one-line :class:`ConfigError` naming it and the way out (remove it once no job
+  uses it). For files whose inode is the point: a memory slot is mapped by a second open of its name, which a
+  copy swapped in between would split in two. (Lock files are locked by inode too: :func:`ddpkit.fs.lock.take`
+  replaces one only while holding it, which a plain open cannot.)
 - ``"replace"``: the name is first given a fresh copy of the file (an empty one for an open that truncates),
   made beside it and renamed over it, and the copy is opened. For records a copied folder goes on with
   (``metrics.jsonl``, ``epochs.csv``, the search journal) and files rewritten whole in place (a snapshot's
@@ -192,7 +191,13 @@ def hard_link_message(path: Path | str, links: int) -> str:
     )
 
 
-def _open_in(dir_fd: int, path: Path, flags: int, mode: int, linked: Linked = "refuse") -> int:
+def other_names(st: os.stat_result) -> bool:
+    """Whether the file ``st`` has other hard links: a write into it would be a write into them."""
+    return st.st_nlink > 1
+
+
+def _open_in(dir_fd: int, path: Path, flags: int, mode: int, linked: Linked | None = "refuse") -> int:
+    # linked=None: the caller deals with other names itself (a lock file, taken before it is replaced).
     # Opened without blocking: a FIFO planted under the name would otherwise hold the open (and the job) until
     # someone opens its other end. Blocking is put back once the descriptor is known to be a regular file.
     # O_TRUNC is applied after the checks too: the open would cut a file of another user or name before them.
@@ -209,7 +214,7 @@ def _open_in(dir_fd: int, path: Path, flags: int, mode: int, linked: Linked = "r
         if not stat.S_ISREG(st.st_mode):
             raise _not_a_file(path)
         _refuse_other_owner(st, path, "file")
-        if st.st_nlink > 1 and flags & _IN_PLACE:
+        if linked is not None and other_names(st) and flags & _IN_PLACE:
             # Checked on the descriptor that is written, not on the name. A link made after the check needs write
             # access to the file (fs.protected_hardlinks): this user, whose own link it then is.
             if linked != "replace":
@@ -296,13 +301,13 @@ def truncate(path: Path, size: int, *, root: Path | None = None, linked: Linked 
         os.close(fd)
 
 
-def _temporary(dir_fd: int, name: str, mode: int) -> tuple[str, int]:
+def _temporary(dir_fd: int, name: str, mode: int, flags: int = os.O_WRONLY) -> tuple[str, int]:
     # A name of its own, created with O_EXCL: never an existing file, nor a link planted under a name we would
     # have used. (Not tempfile.mkstemp: its files are 0600 whatever the umask, and results are often shared.)
     while True:
         tmp = f".{name}.{secrets.token_hex(8)}.tmp"
         try:
-            return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NO_FOLLOW, mode, dir_fd=dir_fd)
+            return tmp, os.open(tmp, flags | os.O_CREAT | os.O_EXCL | _NO_FOLLOW, mode, dir_fd=dir_fd)
         except FileExistsError:
             continue
 

@@ -4,6 +4,8 @@ replaced by a copy of its own (``linked="replace"``), and the file at the other 
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import stat
 from pathlib import Path
@@ -48,7 +50,7 @@ def test_control_an_append_that_follows_no_symbolic_link_still_writes_through_a_
 
 
 def test_control_with_the_check_off_the_module_writes_through_a_hard_link(original, linked, monkeypatch):
-    monkeypatch.setattr(safe, "_IN_PLACE", 0)
+    monkeypatch.setattr(safe, "other_names", lambda st: False)
     _append(linked)
     assert original.read_bytes() != ORIGINAL
 
@@ -72,16 +74,6 @@ def test_an_in_place_open_of_a_hard_linked_file_is_refused_in_one_line(original,
     assert "1 other hard link (" in message and "Remove it once no job uses it" in message, message
     assert original.read_bytes() == ORIGINAL and linked.read_bytes() == ORIGINAL
     assert original.stat().st_nlink == 2  # refused: nothing renamed either
-
-
-def test_a_lock_file_with_a_second_name_is_refused_naming_it(tmp_path, original):
-    from ddpkit.fs.lock import FolderLock
-
-    os.link(original, tmp_path / "original" / ".lock")
-    lock = FolderLock(tmp_path / "original", what="run_dir", job="job", user="run", hazard="h")
-    with pytest.raises(ConfigError, match=r"\.lock' has 1 other hard link"):
-        lock.acquire()
-    assert original.read_bytes() == ORIGINAL
 
 
 def test_an_append_replaces_a_hard_linked_file_by_a_copy_and_leaves_the_other_name_whole(original, linked):
@@ -208,7 +200,7 @@ def test_each_in_place_write_of_the_package_leaves_the_other_name_whole(tmp_path
         (other / name).write_bytes(held)
         os.link(other / name, folder / name)
         if check == "off":
-            monkeypatch.setattr(safe, "_IN_PLACE", 0)
+            monkeypatch.setattr(safe, "other_names", lambda st: False)
         call(folder)
         if check == "off":
             assert (other / name).read_bytes() != held, "the control no longer writes through the link"
@@ -216,3 +208,90 @@ def test_each_in_place_write_of_the_package_leaves_the_other_name_whole(tmp_path
         assert (other / name).read_bytes() == held
         assert (folder / name).stat().st_nlink == 1
         assert (folder / name).read_bytes().startswith(held) == kept
+
+
+# -- lock files: replaced only while held -------------------------------------------------------------------
+
+
+def _lock(folder: Path):
+    from ddpkit.fs.lock import FolderLock
+
+    return FolderLock(folder, what="run_dir", job="job", user="run", hazard="two jobs would write the same files")
+
+
+def _shared_lock(tmp_path: Path) -> tuple[Path, Path]:
+    """Two folders whose ``.lock`` is one file (a folder copied with ``cp -al``)."""
+    original, copy = tmp_path / "original", tmp_path / "copy"
+    original.mkdir(), copy.mkdir()
+    (original / ".lock").write_bytes(b'{"host": "h", "pid": 1, "since": "then"}')
+    os.link(original / ".lock", copy / ".lock")
+    return original, copy
+
+
+@pytest.mark.parametrize("check", ["on", "off"])
+def test_a_lock_file_with_a_second_name_is_replaced_while_held_and_the_other_left_whole(tmp_path, monkeypatch, check):
+    original, copy = _shared_lock(tmp_path)
+    held = (original / ".lock").read_bytes()
+    if check == "off":  # control: the holder's name is written through the link
+        monkeypatch.setattr(safe, "other_names", lambda st: False)
+    lock = _lock(copy)
+    lock.acquire()
+    try:
+        if check == "off":
+            assert (original / ".lock").read_bytes() != held
+            return
+        assert (original / ".lock").read_bytes() == held
+        assert os.stat(original / ".lock").st_nlink == 1 and os.stat(copy / ".lock").st_nlink == 1
+        assert json.loads((copy / ".lock").read_bytes())["pid"] == os.getpid()
+        other = _lock(original)  # the two folders no longer exclude each other
+        other.acquire()
+        other.release()
+        with pytest.raises(ConfigError, match="is in use by another job"):  # the copy's own lock holds
+            _lock(copy).acquire()
+    finally:
+        lock.release()
+
+
+def test_a_lock_held_in_a_folder_copied_while_its_job_runs_is_refused_saying_so(tmp_path):
+    original, copy = tmp_path / "original", tmp_path / "copy"
+    copy.mkdir()
+    lock = _lock(original)
+    lock.acquire()  # of one name when taken; then the folder is copied with cp -al
+    os.link(original / ".lock", copy / ".lock")
+    try:
+        with pytest.raises(ConfigError) as refused:
+            _lock(copy).acquire()
+        message = str(refused.value)
+        assert "\n" not in message and f"pid {os.getpid()}" in message, message
+        assert "or a job of another folder whose .lock is this same file, as after cp -al" in message, message
+    finally:
+        lock.release()
+
+
+def test_a_taker_that_locks_the_old_file_after_it_was_replaced_does_not_hold_the_lock(tmp_path, monkeypatch):
+    # B opens the shared file, then A takes the lock (and replaces the name's file), then B's flock of the old
+    # file succeeds (control: recorded below); B must find the name's file changed and take that one: held.
+    from ddpkit.fs import lock as lock_module
+
+    _, copy = _shared_lock(tmp_path)
+    real_flock, got, taken, started = fcntl.flock, [], [], []
+
+    def flock(fd: int, op: int) -> None:
+        if not started:
+            started.append(True)
+            taken.append(lock_module.take(copy / ".lock", wait=False))  # A, between B's open and B's flock
+            real_flock(fd, op)  # B on the old file: nothing holds it any more
+            got.append(os.fstat(fd).st_ino)
+            return
+        real_flock(fd, op)
+
+    monkeypatch.setattr(lock_module.fcntl, "flock", flock)
+    old = os.stat(copy / ".lock").st_ino
+    fd_b, held_b = lock_module.take(copy / ".lock", wait=False)
+    (fd_a, held_a) = taken[0]
+    try:
+        assert got == [old]  # control: B did lock the old file, which the name no longer leads to
+        assert held_a and os.fstat(fd_a).st_ino == os.stat(copy / ".lock").st_ino != old
+        assert not held_b and os.fstat(fd_b).st_ino == os.fstat(fd_a).st_ino  # B found A's file, held
+    finally:
+        os.close(fd_a), os.close(fd_b)
