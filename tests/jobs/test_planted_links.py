@@ -1,7 +1,8 @@
 """Nothing a job writes leaves its folder: for every path a job of each kind writes (found by running it once),
-a symbolic link to a file outside is planted there, and, as root, a file or folder of another user; the job
-is run again, and the file outside (and the other user's) must be byte-identical, and any refusal one line
-that names the path and why.
+a symbolic link to a file outside is planted there; a hard link to a file outside holding what the job wrote
+there (a folder copied with ``cp -al``); and, as root, a file or folder of another user. The job is run again,
+and the file outside (and the other user's) must be byte-identical, and any refusal one line that names the
+path and why.
 
 Kinds: a Trainer run (snapshots, weights, best.pt, records, curves), a search (its lock, journal, trials.csv
 and plots), a JSON Lines stream (its line index beside the data), a batch script, and the bench's outputs.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,7 +25,11 @@ from ddpkit.snapshot.manager import SnapshotWriteError
 VICTIM = b"a file of someone else's, outside the folder\n"
 THEIRS = b"another user's file\n"
 NOBODY = 65534
-KINDS = ["link", pytest.param("other user", marks=pytest.mark.skipif(os.geteuid() != 0, reason="chown needs root"))]
+KINDS = [
+    "link",
+    "hard link",
+    pytest.param("other user", marks=pytest.mark.skipif(os.geteuid() != 0, reason="chown needs root")),
+]
 
 
 class Outside:
@@ -36,12 +42,25 @@ class Outside:
         self.file.write_bytes(VICTIM)
         self.kept = tmp_path / "kept"  # hard links to the other user's planted files: their bytes, whatever
         self.kept.mkdir()  # the job does with their names
+        self.originals = tmp_path / "originals"  # the other names of planted hard links, and their bytes
+        self.originals.mkdir()
+        self.held: dict[Path, bytes] = {}
 
-    def plant(self, path: Path, kind: str, is_dir: bool) -> None:
+    def plant(self, path: Path, kind: str, is_dir: bool, written: Path | None = None) -> bool:
+        """Plant ``kind`` at ``path``; False where it cannot be (a hard link to a folder). A hard link's other
+        name holds the bytes ``written`` (what the clean run wrote there), as in a copy made with ``cp -al``."""
         path.parent.mkdir(parents=True, exist_ok=True)
         if kind == "link":
             path.symlink_to(self.folder if is_dir else self.file, target_is_directory=is_dir)
-            return
+            return True
+        if kind == "hard link":
+            if is_dir:
+                return False
+            original = self.originals / str(len(self.held))
+            original.write_bytes(written.read_bytes() if written is not None else VICTIM)
+            self.held[original] = original.read_bytes()
+            os.link(original, path)
+            return True
         theirs = path / "theirs" if is_dir else path
         if is_dir:
             path.mkdir()
@@ -49,18 +68,22 @@ class Outside:
         os.link(theirs, self.kept / f"{len(os.listdir(self.kept))}")
         os.chown(theirs, NOBODY, NOBODY)
         os.chown(path, NOBODY, NOBODY)
+        return True
 
     def check(self, name: str, error: BaseException | None) -> None:
         assert self.file.read_bytes() == VICTIM, f"{name}: the file outside was written"
         assert os.listdir(self.folder) == ["victim.txt"], f"{name}: written into the folder outside"
         for kept in self.kept.iterdir():
             assert kept.read_bytes() == THEIRS, f"{name}: the other user's file was written"
+        for original, held in self.held.items():
+            assert original.read_bytes() == held, f"{name}: written through a hard link"
         if error is not None:
             message = str(error)
             assert isinstance(error, (ConfigError, SnapshotWriteError)), f"{name}: {error!r}"
             assert "\n" not in message.strip(), f"{name}: {message}"
             assert Path(name).name in message or Path(name).parts[0] in message, f"{name}: {message}"
-            assert "symbolic link" in message or f"belongs to nobody (uid {NOBODY})" in message, message
+            why = ("symbolic link", "other hard link", f"belongs to nobody (uid {NOBODY})")
+            assert any(w in message for w in why), message
 
 
 def written(root: Path) -> dict[str, bool]:
@@ -88,7 +111,8 @@ def each_path_planted(
         if name in inputs:
             continue
         root = tmp_path / f"planted-{i}"
-        outside.plant(root / name, kind, is_dir)
+        if not outside.plant(root / name, kind, is_dir, clean / name):
+            continue
         error: BaseException | None = None
         try:
             job(root)
@@ -130,7 +154,11 @@ def test_a_trainer_run_writes_nothing_outside_its_run_dir(tmp_path, kind):
             "snapshots/step-00000002/__0_0.distcp",
         },
     )
-    assert "metrics.jsonl: refused" in outcomes and ".lock: refused" in outcomes, outcomes
+    if kind == "hard link":  # a copied run goes on: each file a copy of its own first, the other name whole
+        beside = {f"{name}: written beside it" for name in (".lock", "metrics.jsonl", "epochs.csv")}
+        assert beside <= set(outcomes), outcomes
+    else:
+        assert "metrics.jsonl: refused" in outcomes and ".lock: refused" in outcomes, outcomes
 
 
 # -- a search ---------------------------------------------------------------------------------------------
@@ -150,7 +178,8 @@ def test_a_search_writes_nothing_outside_its_search_dir(tmp_path, kind):
     # trials.csv (its fixed temporary .trials.csv.tmp) and history.png (matplotlib followed the link).
     expected = {".lock", ".ask.lock", "study.journal", "search_id", "trials.csv", "history.png"}
     outcomes = each_path_planted(tmp_path, kind, _search, expected)
-    assert ".lock: refused" in outcomes and "study.journal: refused" in outcomes, outcomes
+    outcome = "written beside it" if kind == "hard link" else "refused"
+    assert f".lock: {outcome}" in outcomes and f"study.journal: {outcome}" in outcomes, outcomes
 
 
 @pytest.mark.parametrize("name", [".lock", ".trials.csv.tmp", "history.png", "trial-0000"])
@@ -211,7 +240,7 @@ def _poisoned_index(path: Path) -> Path:
     return cached
 
 
-@pytest.mark.parametrize("owner", ["this user", pytest.param("other user", marks=KINDS[1].marks)])
+@pytest.mark.parametrize("owner", ["this user", pytest.param("other user", marks=KINDS[-1].marks)])
 def test_a_planted_line_index_is_not_used_and_the_records_are_right(tmp_path, capfd, owner):
     from ddpkit.data import line_cache
     from ddpkit.data.stream_sources import JsonlStream, _scan_lines
@@ -335,3 +364,62 @@ def test_a_line_index_cut_to_its_header_is_rebuilt_not_read_as_no_records(tmp_pa
     stream = JsonlStream(path)
     assert [r["id"] for r in stream.read(0, np.arange(64))] == list(range(64))
     assert "holds offsets that cannot be those of the file's lines" in capfd.readouterr().err
+
+
+# -- a run directory copied with cp -al -------------------------------------------------------------------
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("check", ["on", "off"])
+def test_training_in_a_copy_made_with_cp_al_leaves_the_original_run_byte_identical(tmp_path, check, monkeypatch):
+    from ddpkit.fs import safe
+    from tests.jobs.scripts.train_job import train
+
+    original, copy = tmp_path / "original", tmp_path / "copy"
+    train(str(original), n_samples=48, epochs=1)
+    subprocess.run(["cp", "-al", str(original), str(copy)], check=True)
+    before = _tree(original)
+    assert os.stat(copy / "metrics.jsonl").st_nlink == 2  # every file of the copy is a second name
+    if check == "off":  # control: the check switched off, the copy's records are written into the original's
+        monkeypatch.setattr(safe, "other_names", lambda st: False)
+    result = train(str(copy), n_samples=48, epochs=2)
+    assert result["resumed_from"] is not None  # the copy went on from the original's snapshot
+    after = _tree(original)
+    changed = sorted(name for name in before if after.get(name) != before[name])
+    if check == "off":
+        assert {"metrics.jsonl", "epochs.csv"} <= set(changed), changed
+        return
+    assert changed == [] and after.keys() == before.keys(), changed
+    # The copy's records go on from the original's: the same bytes first, then epoch 2's.
+    for name in ("metrics.jsonl", "epochs.csv"):
+        assert (copy / name).read_bytes().startswith(before[name]) and len((copy / name).read_bytes()) > len(
+            before[name]
+        )
+        assert os.stat(copy / name).st_nlink == 1 and os.stat(original / name).st_nlink == 1
+    assert len((copy / "epochs.csv").read_text().splitlines()) == 3  # the header and two epochs
+    assert os.stat(copy / ".lock").st_nlink == 1 and os.stat(original / ".lock").st_nlink == 1  # each its own
+
+
+@pytest.mark.parametrize("check", ["on", "off"])
+def test_mlflow_in_a_copy_made_with_cp_al_leaves_the_originals_store_byte_identical(tmp_path, check, monkeypatch):
+    # SQLite opens mlflow.db in place by its name: the copy's logger gets a store of its own first.
+    pytest.importorskip("mlflow")
+    from ddpkit.fs import safe
+    from ddpkit.tracking.trackers import MLflowLogger
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    original, copy = tmp_path / "original", tmp_path / "copy"
+    original.mkdir()
+    MLflowLogger(original, {"lr": 0.1}).close()
+    subprocess.run(["cp", "-al", str(original), str(copy)], check=True)
+    before = _tree(original)
+    if check == "off":  # control: SQLite writes the copy's run into the original's store
+        monkeypatch.setattr(safe, "other_names", lambda st: False)
+    logger = MLflowLogger(copy, {"lr": 0.1})  # resumes the run named in loggers.json, in the copy's store
+    logger.log(1, {"loss": 0.5})
+    logger.close()
+    changed = (_tree(original)["mlflow.db"] != before["mlflow.db"]) or os.stat(original / "mlflow.db").st_nlink > 1
+    assert changed == (check == "off")

@@ -4,8 +4,10 @@ Call these through the package (``fs.write_atomic(...)``): a test can then stand
 """
 
 from ddpkit.fs.safe import (
+    Linked,
     check_owned,
     folder,
+    hard_link_message,
     link_message,
     make_dir,
     make_dirs,
@@ -21,14 +23,17 @@ from ddpkit.fs.safe import (
     remove_tree,
     rename,
     truncate,
+    unshare,
     user_name,
     write_atomic,
     write_with,
 )
 
 __all__ = [
+    "Linked",
     "check_owned",
     "folder",
+    "hard_link_message",
     "link_message",
     "make_dir",
     "make_dirs",
@@ -44,6 +49,7 @@ __all__ = [
     "remove_tree",
     "rename",
     "truncate",
+    "unshare",
     "user_name",
     "write_atomic",
     "write_with",

@@ -4,6 +4,10 @@ The main rank holds :func:`fcntl.flock` on the file for the life of the job. The
 process ends, however it ends, so a crashed or SIGKILLed job leaves nothing behind and a restarted one takes it
 again at once. The file is opened as every ddpkit file is (:mod:`ddpkit.fs.safe`): never through a link, never
 another user's file or folder; the holder's name is written into it only once the lock is ours.
+
+A lock is held on a file, not on a name, and a folder copied with ``cp -al`` shares its ``.lock`` with the
+original. :func:`take` gives the name a new file when the one it locked has other names, and only while it
+holds that one: the other names keep their file, unwritten, and the two folders stop excluding each other.
 """
 
 from __future__ import annotations
@@ -20,6 +24,43 @@ from ddpkit.errors import ConfigError
 from ddpkit.fs import safe
 
 
+def take(path: Path, *, wait: bool) -> tuple[int, bool]:
+    """A descriptor of the lock file ``path`` (made if missing), and whether this process now holds the lock on
+    it: an exclusive :func:`fcntl.flock`, waited for with ``wait``. Not held, the caller reads the holder's
+    name from the descriptor and closes it."""
+    path = Path(path)
+    with safe.folder(path.parent) as dir_fd:
+        while True:
+            fd = safe._open_in(dir_fd, path, os.O_RDWR | os.O_CREAT, 0o644, linked=None)
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+                except BlockingIOError:
+                    return fd, False
+                held = os.fstat(fd)
+                try:
+                    named = os.stat(path.name, dir_fd=dir_fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    named = None
+                if named is None or (named.st_dev, named.st_ino) != (held.st_dev, held.st_ino):
+                    # Replaced after we opened it (by a taker that held it): the name's file is the lock now.
+                    os.close(fd)
+                    continue
+                if safe.other_names(held):
+                    # Renamed in locked, and the old file let go only then: a taker that locks the old file
+                    # afterwards finds another file under the name (above), and one that opens the new one
+                    # finds it held. Replaced without holding the old one, two jobs could each hold "the" lock.
+                    tmp, new = safe._temporary(dir_fd, path.name, 0o644, os.O_RDWR)
+                    fcntl.flock(new, fcntl.LOCK_EX)  # a new file, of a name no one else knows: at once
+                    os.replace(tmp, path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+                    os.close(fd)
+                    fd = new
+                return fd, True
+            except BaseException:
+                os.close(fd)
+                raise
+
+
 class FolderLock:
     """An exclusive advisory lock on ``folder/.lock``. For the message of a job that finds it taken: ``what``
     names the folder (``run_dir``), ``job`` and ``user`` the kind of job in it (``job``, ``run``) and
@@ -33,16 +74,20 @@ class FolderLock:
     def acquire(self) -> None:
         """Take the lock, or raise :class:`ConfigError` naming the job that holds it."""
         safe.make_dirs(self.path.parent)
-        fd = safe.open_fd(self.path, os.O_RDWR | os.O_CREAT)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        fd, held = take(self.path, wait=False)
+        if not held:
             holder = _read_holder(fd)
+            shared = safe.other_names(os.fstat(fd))
             os.close(fd)
             raise ConfigError(
-                f"{self.what} {str(self.path.parent)!r} is in use by another {self.job} ({holder}): "
-                f"{self.hazard}. Wait for it to end, or give this {self.user} another {self.what}"
-            ) from None
+                f"{self.what} {str(self.path.parent)!r} is in use by another {self.job} ({holder}"
+                + (
+                    f"; or a job of another folder whose {self.path.name} is this same file, as after cp -al"
+                    if shared
+                    else ""
+                )
+                + f"): {self.hazard}. Wait for it to end, or give this {self.user} another {self.what}"
+            )
         # Holder written once the lock is ours (the file is ours too, checked above): a job that finds it
         # locked reads a whole record.
         os.ftruncate(fd, 0)

@@ -11,9 +11,14 @@ verified directory descriptor:
 - each folder below it is opened with ``O_NOFOLLOW`` (created first where asked), and must belong to this user;
 - the file itself is opened with ``O_NOFOLLOW`` relative to that descriptor: the kernel refuses a link instead
   of following it, with no window between a check and the open; it must be a regular file of this user;
+- a file opened to write in place (append, truncate, read-modify-write) must have no other hard link:
+  ``O_NOFOLLOW`` stops a symbolic link, not a second name of the same file (a run directory copied with
+  ``cp -al``), and a write into one name is a write into all. The caller picks, per kind of file, what happens
+  to such a file (``linked``, see :func:`open_fd`): refused, or replaced by a copy of its own;
 - a file replaced whole is written to a new temporary file in the same folder, with an unpredictable name and
   ``O_EXCL`` (never an existing file, nor a link planted under a name we would have used), then renamed over
-  its name: a rename replaces a link, it never writes through it.
+  its name: a rename replaces a link, it never writes through it. The same holds for a hard link: the rename
+  gives the name a new file, and the other names keep the old one, so these writes need no check of links.
 
 The name given may be a link only where noted (``remove`` and ``rename`` act on the link itself).
 """
@@ -29,12 +34,28 @@ import stat
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO
+from typing import IO, Literal
 
 from ddpkit.errors import ConfigError
 
 _NO_FOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 _FOLDER = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+_IN_PLACE = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_TRUNC
+
+Linked = Literal["refuse", "replace"]
+"""What an open to write does with a file that has other hard links.
+
+- ``"refuse"`` (the default): a one-line :class:`ConfigError` naming it and the way out (remove it once no job
+  uses it). For files whose inode is the point: a memory slot is mapped by a second open of its name, which a
+  copy swapped in between would split in two. (Lock files are locked by inode too: :func:`ddpkit.fs.lock.take`
+  replaces one only while holding it, which a plain open cannot.)
+- ``"replace"``: the name is first given a fresh copy of the file (an empty one for an open that truncates),
+  made beside it and renamed over it, and the copy is opened. For records a copied folder goes on with
+  (``metrics.jsonl``, ``epochs.csv``, the search journal) and files rewritten whole in place (a snapshot's
+  data files, a worker's stack file): a ``cp -al`` copy of a run directory trains on, and the original keeps
+  its bytes. Safe because one job at a time writes in a folder (its ``.lock``): no writer of this name holds
+  the old file open, and one that holds it under the other name goes on writing there, as it should.
+"""
 
 
 def user_name(uid: int) -> str:
@@ -162,11 +183,26 @@ def _not_a_file(path: Path) -> ConfigError:
     return ConfigError(f"{str(path)!r} is not a regular file: move it away, or give this job another folder")
 
 
-def _open_in(dir_fd: int, path: Path, flags: int, mode: int) -> int:
+def hard_link_message(path: Path | str, links: int) -> str:
+    return (
+        f"{str(path)!r} has {links - 1} other hard link{'s' if links > 2 else ''} (a folder copied with cp -al?): "
+        "ddpkit writes in place only into a file of one name, never through a link. Remove it once no job uses "
+        "it, or give this job another folder"
+    )
+
+
+def other_names(st: os.stat_result) -> bool:
+    """Whether the file ``st`` has other hard links: a write into it would be a write into them."""
+    return st.st_nlink > 1
+
+
+def _open_in(dir_fd: int, path: Path, flags: int, mode: int, linked: Linked | None = "refuse") -> int:
+    # linked=None: the caller deals with other names itself (a lock file, taken before it is replaced).
     # Opened without blocking: a FIFO planted under the name would otherwise hold the open (and the job) until
     # someone opens its other end. Blocking is put back once the descriptor is known to be a regular file.
+    # O_TRUNC is applied after the checks too: the open would cut a file of another user or name before them.
     try:
-        fd = os.open(path.name, flags | _NO_FOLLOW | os.O_NONBLOCK, mode, dir_fd=dir_fd)
+        fd = os.open(path.name, flags & ~os.O_TRUNC | _NO_FOLLOW | os.O_NONBLOCK, mode, dir_fd=dir_fd)
     except OSError as err:
         if err.errno == errno.ELOOP:
             raise ConfigError(link_message(path)) from None
@@ -178,6 +214,17 @@ def _open_in(dir_fd: int, path: Path, flags: int, mode: int) -> int:
         if not stat.S_ISREG(st.st_mode):
             raise _not_a_file(path)
         _refuse_other_owner(st, path, "file")
+        if linked is not None and other_names(st) and flags & _IN_PLACE:
+            # Checked on the descriptor that is written, not on the name. A link made after the check needs write
+            # access to the file (fs.protected_hardlinks): this user, whose own link it then is.
+            if linked != "replace":
+                raise ConfigError(hard_link_message(path, st.st_nlink))
+            _replace_by_copy(dir_fd, path, st, copy=not flags & os.O_TRUNC)
+            os.close(fd)
+            # The copy, opened as any file: a link made to it in the meantime is refused, not copied again.
+            return _open_in(dir_fd, path, flags, mode)
+        if flags & os.O_TRUNC:
+            os.ftruncate(fd, 0)
         if not flags & os.O_NONBLOCK:
             os.set_blocking(fd, True)
     except BaseException:
@@ -186,17 +233,53 @@ def _open_in(dir_fd: int, path: Path, flags: int, mode: int) -> int:
     return fd
 
 
-def open_fd(path: Path, flags: int, mode: int = 0o644, *, root: Path | None = None) -> int:
-    """``os.open`` of a regular file of this user at ``path``, never through a link."""
+def _replace_by_copy(dir_fd: int, path: Path, st: os.stat_result, *, copy: bool) -> None:
+    """Give ``path`` (the file ``st``) a new file of its own holding the same bytes (none unless ``copy``)."""
+    tmp, out = _temporary(dir_fd, path.name, 0o600)
+    try:
+        os.fchmod(out, stat.S_IMODE(st.st_mode))
+        if copy:
+            # Read through its own descriptor (the caller's may be write-only), checked to be the same file.
+            src = os.open(path.name, os.O_RDONLY | _NO_FOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
+            try:
+                now = os.fstat(src)
+                if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                    raise ConfigError(f"{str(path)!r} was replaced while it was opened: run the job again")
+                offset = 0
+                while sent := os.sendfile(out, src, offset, 1 << 30):
+                    offset += sent
+            finally:
+                os.close(src)
+        os.fsync(out)
+        os.replace(tmp, path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise
+    finally:
+        os.close(out)
+    os.fsync(dir_fd)
+
+
+def open_fd(path: Path, flags: int, mode: int = 0o644, *, root: Path | None = None, linked: Linked = "refuse") -> int:
+    """``os.open`` of a regular file of this user at ``path``, never through a link; opened to write, a file
+    with other hard links is refused or replaced by a copy first, as ``linked`` says (:data:`Linked`)."""
     path = Path(path)
     with folder(path.parent, root=root) as dir_fd:
-        return _open_in(dir_fd, path, flags, mode)
+        return _open_in(dir_fd, path, flags, mode, linked)
 
 
-def open_append(path: Path, *, read: bool = False, root: Path | None = None) -> IO[str]:
+def open_append(path: Path, *, read: bool = False, root: Path | None = None, linked: Linked = "refuse") -> IO[str]:
     """A text file opened to append to (created if missing; ``read``: also readable from the start)."""
-    fd = open_fd(path, (os.O_RDWR if read else os.O_WRONLY) | os.O_APPEND | os.O_CREAT, root=root)
+    fd = open_fd(path, (os.O_RDWR if read else os.O_WRONLY) | os.O_APPEND | os.O_CREAT, root=root, linked=linked)
     return os.fdopen(fd, "a+" if read else "a", buffering=1, newline="" if read else None)
+
+
+def unshare(path: Path, *, root: Path | None = None) -> None:
+    """Where the file at ``path`` has other hard links, give the name a copy of its own (absent is fine): for
+    a file a library then opens in place by its name (Optuna appends to its journal)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.close(open_fd(path, os.O_WRONLY, linked="replace", root=root))
 
 
 def open_exclusive(path: Path, *, root: Path | None = None, mode: int = 0o644) -> IO[bytes]:
@@ -209,8 +292,8 @@ def read_bytes(path: Path, *, root: Path | None = None) -> bytes:
         return f.read()
 
 
-def truncate(path: Path, size: int, *, root: Path | None = None) -> None:
-    fd = open_fd(path, os.O_WRONLY, root=root)
+def truncate(path: Path, size: int, *, root: Path | None = None, linked: Linked = "refuse") -> None:
+    fd = open_fd(path, os.O_WRONLY, root=root, linked=linked)
     try:
         os.ftruncate(fd, size)
         os.fsync(fd)
@@ -218,13 +301,13 @@ def truncate(path: Path, size: int, *, root: Path | None = None) -> None:
         os.close(fd)
 
 
-def _temporary(dir_fd: int, name: str, mode: int) -> tuple[str, int]:
+def _temporary(dir_fd: int, name: str, mode: int, flags: int = os.O_WRONLY) -> tuple[str, int]:
     # A name of its own, created with O_EXCL: never an existing file, nor a link planted under a name we would
     # have used. (Not tempfile.mkstemp: its files are 0600 whatever the umask, and results are often shared.)
     while True:
         tmp = f".{name}.{secrets.token_hex(8)}.tmp"
         try:
-            return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NO_FOLLOW, mode, dir_fd=dir_fd)
+            return tmp, os.open(tmp, flags | os.O_CREAT | os.O_EXCL | _NO_FOLLOW, mode, dir_fd=dir_fd)
         except FileExistsError:
             continue
 

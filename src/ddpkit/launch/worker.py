@@ -58,7 +58,7 @@ def dump_stack_on_request() -> None:
         return
     path = Path(folder) / f"rank{os.environ.get('RANK', '0')}.txt"
     # Kept open for the life of the process: faulthandler writes to its descriptor.
-    stream = os.fdopen(fs.open_fd(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w")
+    stream = os.fdopen(fs.open_fd(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, linked="replace"), "w")
     # Ignored underneath: faulthandler puts back the previous action while the interpreter exits, and a request
     # that arrives then must not kill a worker that is finishing on its own.
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)

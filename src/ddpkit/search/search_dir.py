@@ -59,6 +59,7 @@ def repair_journal(path: Path) -> str | None:
     """
     # Optuna appends to the journal through an open() that would follow a link: none may stand there.
     fs.check_owned(path, "the study's journal", follow=False)
+    fs.unshare(path)  # nor a second name of the file (a search_dir copied with cp -al): Optuna's writes stay ours
     if not path.is_file():
         return None
     data = fs.read_bytes(path)

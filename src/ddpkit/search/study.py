@@ -8,7 +8,6 @@ resumes.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import socket
@@ -27,6 +26,7 @@ from optuna.trial import TrialState
 from ddpkit import fs
 from ddpkit.distributed.seeding import mix_seed
 from ddpkit.errors import ConfigError
+from ddpkit.fs.lock import take as take_lock
 from ddpkit.internals.optuna_journal import journal_operations, study_storage
 from ddpkit.search.config import SearchConfig
 from ddpkit.search.search_dir import (
@@ -210,12 +210,11 @@ def open_search_study(
 def file_lock(path: Path) -> Iterator[None]:
     # Groups count trials and ask under this lock: two groups racing for the last candidate of the budget
     # would otherwise both see room for one more.
-    with fs.open_append(path) as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    fd, _ = take_lock(path, wait=True)
+    try:
+        yield
+    finally:
+        os.close(fd)  # drops the flock
 
 
 def read_search_id(cfg: SearchConfig) -> str:

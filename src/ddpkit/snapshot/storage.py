@@ -119,7 +119,7 @@ def _open_stream(path: Path, mode: str) -> IO[bytes]:
     flags = {"rb": os.O_RDONLY, "wb": os.O_WRONLY | os.O_CREAT | os.O_TRUNC}.get(mode)
     if flags is None:
         raise ValueError(f"{path}: mode {mode!r} is not one a snapshot file is opened in")
-    return os.fdopen(fs.open_fd(path, flags), mode)
+    return os.fdopen(fs.open_fd(path, flags, linked="replace"), mode)
 
 
 class Writer(FileSystemWriter):

@@ -20,7 +20,8 @@ class MetricsWriter:
     Only the main rank writes; other ranks get a writer that does nothing, so call sites need no rank test.
     Files are opened in append mode at the first record, not when the writer is made: a resumed run continues
     the same files, and one with ``resume=False`` starts new ones once the previous run's are moved aside
-    (:func:`ddpkit.snapshot.run_dir.claim`). They are opened without following a symbolic link.
+    (:func:`ddpkit.snapshot.run_dir.claim`). They are opened without following a symbolic link, and a file with
+    a second name (a run directory copied with ``cp -al``) is first replaced by a copy of its own.
     """
 
     def __init__(
@@ -53,7 +54,7 @@ class MetricsWriter:
         if self._jsonl is not None:
             return self._jsonl
         fs.make_dirs(self.run_dir)
-        self._jsonl = fs.open_append(self.run_dir / "metrics.jsonl")
+        self._jsonl = fs.open_append(self.run_dir / "metrics.jsonl", linked="replace")
         if self._started:
             return self._jsonl
         self._started = True
@@ -102,7 +103,7 @@ class MetricsWriter:
         if not self.enabled:
             return
         self._open()
-        with fs.open_append(self.run_dir / "epochs.csv", read=True) as f:
+        with fs.open_append(self.run_dir / "epochs.csv", read=True, linked="replace") as f:
             f.seek(0)
             header = next(csv.reader(f), None)
             self._columns = header or list(values)

@@ -53,6 +53,8 @@ class MLflowLogger:
 
         self._metric = Metric
         uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
+        if not os.environ.get("MLFLOW_TRACKING_URI"):  # SQLite writes it in place: a copied run's is its own
+            fs.unshare(run_dir / "mlflow.db")
         self.client = mlflow.MlflowClient(tracking_uri=uri)
         self.run_id = _ids(run_dir).get("mlflow")
         if self.run_id is None:
