@@ -289,6 +289,7 @@ class Trainer:
 
     def _train_step(self, step: Step) -> bool:
         """Forward and backward on each of the step's micro-batches, then the optimizer step; True if taken."""
+        self.optimizer_step.begin()  # the gradients set to None before the step's first forward
         weighted = WeightedStep.of(step, self.batch_loss.count_fn, self.runtime.world_size, self.group)
         for micro in weighted or step.micro_batches:
             sync = nullcontext() if micro.last else self.strategy.no_sync()
