@@ -31,7 +31,8 @@ STREAMS = ("shuffle", "loader", "rank", "dropout", "reseed", "sample")
 
 - ``shuffle``: the sample order of an epoch, keyed by the epoch;
 - ``loader``: the loader's generator (its workers' base seeds), keyed by the rank;
-- ``rank``: each rank's global torch RNG after wrapping (dropout masks, augmentation in the main process);
+- ``rank``: each rank's python, numpy and torch streams once the model is wrapped (:func:`seed_rank`: dropout
+  masks, augmentation in the main process);
 - ``dropout``: :class:`~ddpkit.nn.dropout.GlobalBatchDropout` masks, keyed by (epoch, step);
 - ``reseed``: a rank's streams after a resume at another world size, keyed by (step, rank);
 - ``sample``: the random draws of one sample's loading (augmentation), keyed by (epoch, index): the same
