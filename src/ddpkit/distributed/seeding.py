@@ -31,7 +31,8 @@ STREAMS = ("shuffle", "loader", "rank", "dropout", "reseed", "sample")
 
 - ``shuffle``: the sample order of an epoch, keyed by the epoch;
 - ``loader``: the loader's generator (its workers' base seeds), keyed by the rank;
-- ``rank``: each rank's global torch RNG after wrapping (dropout masks, augmentation in the main process);
+- ``rank``: each rank's python, numpy and torch streams once the model is wrapped (:func:`seed_rank`: dropout
+  masks, augmentation in the main process);
 - ``dropout``: :class:`~ddpkit.nn.dropout.GlobalBatchDropout` masks, keyed by (epoch, step);
 - ``reseed``: a rank's streams after a resume at another world size, keyed by (step, rank);
 - ``sample``: the random draws of one sample's loading (augmentation), keyed by (epoch, index): the same
@@ -55,8 +56,10 @@ def seed_everything(seed: int, per_rank: bool = False, group: Any = None) -> int
 
     The same seed on every rank makes model initialisation identical everywhere (DDP also broadcasts rank 0's
     weights when it wraps a model, but buffers created later and any randomness before wrapping still need it).
-    ``per_rank=True`` adds the rank to the seed, so ranks draw different random streams: for reinforcement
-    learning environments or per-rank augmentation.
+    Once the model is wrapped, :func:`~ddpkit.prepare_model` gives each rank its own streams from this seed and
+    the rank (:func:`seed_rank`): dropout masks then differ between ranks, as between the samples of one process.
+    ``per_rank=True`` adds the rank to the seed, so ranks draw different random streams from here on, before
+    any model is wrapped: for reinforcement learning environments.
     """
     if per_rank:
         seed = seed + get_runtime(group).rank
@@ -65,6 +68,23 @@ def seed_everything(seed: int, per_rank: bool = False, group: Any = None) -> int
         np.random.seed(seed % 2**32)
     torch.manual_seed(seed)  # also seeds every CUDA device
     return seed
+
+
+def seed_rank(seed: int, rank: int) -> int:
+    """Seed python, numpy and torch (CPU and every CUDA device) with rank ``rank``'s own stream of ``seed`` (the
+    ``rank`` stream); return the seed used.
+
+    Called once the weights are the same on every rank (:func:`~ddpkit.prepare_model` after DDP's broadcast, the
+    Trainer after its strategy's): with :func:`seed_everything`'s one seed everywhere, each rank would draw the
+    same dropout masks and augmentations for its share of the global batch, which one process never does. Rank
+    0's stream is a world of one's, so a world of one draws as rank 0 of N.
+    """
+    rank_seed = stream_seed("rank", seed, rank)
+    random.seed(rank_seed)
+    if np is not None:
+        np.random.seed(rank_seed)
+    torch.manual_seed(rank_seed)  # also seeds every CUDA device
+    return rank_seed
 
 
 def cuda_in_use() -> bool:

@@ -6,6 +6,7 @@ parameters a step updates, whether the step's gradients are finite and what thei
 uneven inputs, and the state a snapshot holds. The Trainer's loop, or a hand-written one, reads the same at
 every strategy::
 
+    strategy.optimizer.zero_grad(set_to_none=True)     # before the step's first forward
     for micro_batch in step:
         with strategy.no_sync() if not last else nullcontext():
             loss = loss_fn(strategy.model, micro_batch)
@@ -13,7 +14,6 @@ every strategy::
     verdict = strategy.check_gradients(max_norm=1.0)   # clips when finite
     if verdict.finite:
         strategy.optimizer.step()
-    strategy.optimizer.zero_grad(set_to_none=True)
 """
 
 from __future__ import annotations

@@ -222,7 +222,9 @@ class DDPStrategy:
     def state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=state_options())
+        # The module, not DDP: DDP's state_dict() is keyed as its module's (prepare.keys_of_the_module), and
+        # torch's get_state_dict asserts DDP's own names from a DDP.
+        model_state, optim_state = get_state_dict(unwrap(self.model), self.optimizer, options=state_options())
         # Parameters are replicated; buffers, and parameters DDP ignores, are each rank's own.
         ignored = getattr(self.model, "parameters_to_ignore", ())
         return separate_own({"model": model_state, "optim": optim_state}, unwrap(self.model), ignored)
@@ -232,7 +234,7 @@ class DDPStrategy:
 
         state = join_own(state)
         set_state_dict(
-            self.model,
+            unwrap(self.model),
             self.optimizer,
             model_state_dict=state["model"],
             optim_state_dict=state["optim"],

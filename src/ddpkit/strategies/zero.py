@@ -115,7 +115,7 @@ class ZeroStrategy:
         return separate_own(
             {
                 "model": unwrap(self.model).state_dict(),
-                "optim": get_optimizer_state_dict(self.model, local, options=state_options()),
+                "optim": get_optimizer_state_dict(unwrap(self.model), local, options=state_options()),
                 "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
             },
             unwrap(self.model),
@@ -136,7 +136,7 @@ class ZeroStrategy:
 
         state = join_own(state)
         unwrap(self.model).load_state_dict(state["model"])
-        set_optimizer_state_dict(self.model, self.optimizer.optim, state["optim"], options=state_options())
+        set_optimizer_state_dict(unwrap(self.model), self.optimizer.optim, state["optim"], options=state_options())
         for group, saved in zip(self.optimizer.param_groups, state["param_groups"], strict=True):
             group.update(saved)
         _copy_hyperparameters(self.optimizer.param_groups, self.optimizer.optim.param_groups)

@@ -26,7 +26,9 @@ class Callback:
     def on_step_end(self, trainer: Trainer, taken: bool, output: StepOutput) -> None:
         """After each optimizer step; ``taken`` is False for a step skipped for non-finite gradients. ``output``
         (:class:`~ddpkit.training.step_output.StepOutput`): this rank's loss, the lr and the gradient norm of the
-        step."""
+        step. The model's gradients are still the step's (synchronised; unscaled and clipped where the step did
+        so); the next step sets them to None before its first forward, so a callback may backpropagate through
+        the model (a GAN's generator step through its discriminator) without changing the next step."""
 
     def on_validation_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
         """After each validation, once it is recorded and counted (early stopping, the best weights): at an

@@ -45,6 +45,17 @@ class OptimizerStep:
         self.step_norm: torch.Tensor | None = None
         self.lr = 0.0
 
+    def begin(self) -> None:
+        """Before the step's first forward: the gradients set to None.
+
+        Here rather than after the previous step: what reached the gradients in between (a callback's backward
+        through the model, as a GAN's generator step through its discriminator; a script's backward before
+        ``fit()``) was otherwise added to this step's, silently. The forward still runs without them (peak memory
+        lower by their size), and ``on_step_end`` callbacks see the step's own gradients. A check refusing
+        leftover gradients instead would refuse that GAN step, and cost the same pass over the parameters.
+        """
+        self.strategy.optimizer.zero_grad(set_to_none=True)
+
     def __call__(self, window: LossWindow) -> bool:
         """True if the step was taken. The verdict costs a host sync per step (as a GradScaler's does)."""
         cfg, optimizer = self.config, self.strategy.optimizer
@@ -61,9 +72,7 @@ class OptimizerStep:
             self.scaler.update()
         else:
             optimizer.step()
-        # Freed now rather than before the next backward: the next forward pass then runs without them, so
-        # peak memory is lower by the size of the gradients.
-        optimizer.zero_grad(set_to_none=True)
+        # The gradients stay, for on_step_end callbacks to read, until the next step's begin().
         if self.scheduler is not None and cfg.scheduler_interval == "step":
             self.scheduler.step()
         self.state.step += 1

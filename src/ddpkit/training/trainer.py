@@ -33,7 +33,7 @@ from ddpkit.data import ShardedBatchSampler, build_loader
 from ddpkit.distributed import signals
 from ddpkit.distributed.log import print0
 from ddpkit.distributed.runtime import get_runtime
-from ddpkit.distributed.seeding import stream_seed
+from ddpkit.distributed.seeding import seed_rank
 from ddpkit.errors import PREEMPTED_EXIT_CODE, Preempted
 from ddpkit.nn.dropout import GlobalBatchDropout, batch_layout, convert_dropout
 from ddpkit.snapshot import run_dir as run_dir_lib
@@ -118,7 +118,7 @@ class Trainer:
         self._forward = compile_for_training(self.model, rt.device) if config.compile else self.model
         # Scripts seed every rank alike so that models start identical; the strategy has now made them
         # identical, and with one seed everywhere ranks would also draw identical dropout masks and augmentations.
-        torch.manual_seed(stream_seed("rank", config.seed, rt.rank))
+        seed_rank(config.seed, rt.rank)
         self._global_dropout = any(isinstance(m, GlobalBatchDropout) for m in self.model.modules())
         self._on_cpu = rt.device.type == "cpu"
         self.scaler = grad_scaler(config.precision, rt.device)
@@ -291,6 +291,7 @@ class Trainer:
 
     def _train_step(self, step: Step) -> bool:
         """Forward and backward on each of the step's micro-batches, then the optimizer step; True if taken."""
+        self.optimizer_step.begin()  # the gradients set to None before the step's first forward
         weighted = WeightedStep.of(step, self.batch_loss.count_fn, self.runtime.world_size, self.group)
         for micro in weighted or step.micro_batches:
             sync = nullcontext() if micro.last else self.strategy.no_sync()

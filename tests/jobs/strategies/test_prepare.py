@@ -1,0 +1,92 @@
+"""prepare_model in real 2-rank jobs: each rank its own random stream once the weights are alike, and
+``state_dict()`` keys that do not depend on the world size."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import TensorDataset
+
+import ddpkit
+from ddpkit.testing import assert_same_on_ranks, run_on_ranks
+
+
+def _recipe_masks(seed_ranks: bool) -> torch.Tensor:
+    """The README's hand-written loop up to its first forward: seed_everything, prepare_model, build_loader."""
+    ddpkit.seed_everything(0)
+    switch = {} if seed_ranks else {"seed_ranks": False}  # the recipe's call as it is, or the seeding off
+    model = ddpkit.prepare_model(nn.Sequential(nn.Linear(8, 64), nn.Dropout(0.5)), **switch)
+    data = TensorDataset(torch.ones(16, 8), torch.zeros(16))
+    x, _ = next(iter(ddpkit.build_loader(data, batch_size=4, num_workers=0)))
+    assert_same_on_ranks(ddpkit.unwrap(model).state_dict())  # the weights are rank 0's on every rank
+    return model(x) != 0  # the dropout mask of this rank's 4 samples
+
+
+def test_after_the_recipes_calls_each_rank_draws_its_own_dropout_masks():
+    masks = run_on_ranks(_recipe_masks, 2, (True,))
+    assert not torch.equal(masks[0], masks[1])
+    # A world of one draws as rank 0 of N: the same mask for the same samples.
+    assert torch.equal(_recipe_masks(True), masks[0])
+    # Control: main's recipe (no seeding after the broadcast) gives both ranks the same masks.
+    same = run_on_ranks(_recipe_masks, 2, (False,))
+    assert torch.equal(same[0], same[1])
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.bn = nn.BatchNorm1d(3)  # buffers too, num_batches_tracked among them
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.fc(x))
+
+
+def _same(a: dict, b: dict) -> bool:
+    return list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _at_two_ranks(folder: str) -> list[str]:
+    rank = ddpkit.get_runtime().rank
+    saved_at_one = torch.load(Path(folder) / "one.pt", weights_only=True)
+    torch.manual_seed(1)  # weights other than the file's
+    model = ddpkit.prepare_model(Net())
+    model.load_state_dict(saved_at_one, strict=True)
+    assert _same(model.state_dict(), saved_at_one)
+    model(torch.randn(8, 4)).sum().backward()  # a step: the weights are rank 0's broadcast, then trained alike
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    # Inside a container the same: the container's keys, without DDP's.
+    box = nn.ModuleDict({"d": model})
+    assert list(box.state_dict()) == [f"d.{k}" for k in saved_at_one]
+    box.load_state_dict(box.state_dict(), strict=True)
+    # DDP's own keys still load (a checkpoint of main's).
+    model.load_state_dict({f"module.{k}": v for k, v in saved_at_one.items()}, strict=True)
+    assert _same(model.state_dict(), saved_at_one)
+    model(torch.randn(8, 4)).sum().backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    plain = DDP(Net())  # main's prepare_model: torch's DDP as it is
+    if rank == 0:
+        torch.save(model.state_dict(), Path(folder) / "two.pt")
+        torch.save(plain.state_dict(), Path(folder) / "plain.pt")
+    with pytest.raises(RuntimeError, match="Missing key"):  # control: DDP's keys do not take a world of one's
+        plain.load_state_dict(saved_at_one, strict=True)
+    return list(model.state_dict())
+
+
+def test_a_state_dict_saved_at_one_world_size_loads_strictly_at_another(tmp_path):
+    torch.manual_seed(0)
+    one = ddpkit.prepare_model(Net())  # a world of one: the bare module
+    one(torch.randn(8, 4))  # BatchNorm's running statistics move
+    torch.save(one.state_dict(), tmp_path / "one.pt")
+    keys = run_on_ranks(_at_two_ranks, 2, (str(tmp_path),))
+    assert keys[0] == keys[1] == list(one.state_dict())
+    saved_at_two = torch.load(tmp_path / "two.pt", weights_only=True)
+    one.load_state_dict(saved_at_two, strict=True)
+    assert _same(one.state_dict(), saved_at_two)
+    # Control: main's keys, saved at 2 ranks, do not load strictly at 1.
+    with pytest.raises(RuntimeError, match='Unexpected key.*"module.fc.weight"'):
+        one.load_state_dict(torch.load(tmp_path / "plain.pt", weights_only=True), strict=True)
