@@ -26,6 +26,8 @@ from ddpkit.errors import ConfigError
 from ddpkit.fs.lock import FolderLock
 
 JOURNAL = "study.journal"
+# Optuna reads a journal whole and replays every record at each open: a GiB is a million trials of ~1 KB each.
+JOURNAL_LIMIT = 1 << 30
 _TRIAL_DIR = re.compile(r"trial-(\d+)")
 
 
@@ -61,6 +63,7 @@ def repair_journal(path: Path) -> str | None:
     fs.check_owned(path, "the study's journal", follow=False)
     if not path.is_file():
         return None
+    refuse_large_journal(path, path.stat().st_size)
     data = fs.read_bytes(path)
     whole, _, tail = data.rpartition(b"\n")
     lines = whole.split(b"\n") if whole else []
@@ -91,6 +94,14 @@ def repair_journal(path: Path) -> str | None:
         f"ddpkit search: {path} ended in a record cut short (a kill or a full disk while it was written); "
         f"its {len(tail)} bytes were moved to {aside.name}, the {len(lines)} whole records before it are kept"
     )
+
+
+def refuse_large_journal(path: Path, size: int) -> None:
+    if size > JOURNAL_LIMIT:
+        raise ConfigError(
+            f"the study's journal {path} holds {size} bytes, more than the {JOURNAL_LIMIT} a search reads: "
+            "continue the search in another search_dir, or give it an RDB storage (SearchConfig.storage)"
+        )
 
 
 def _is_record(line: bytes) -> bool:
