@@ -379,3 +379,14 @@ def test_the_line_index_is_read_in_time_linear_in_its_lines(tmp_path):
         assert line_cache.read(*args) is not None
 
     assert_linear(read, line_files(tmp_path), 20_000)
+
+
+def test_a_line_index_of_more_lines_than_its_file_holds_is_not_used_naming_it(tmp_path, capsys):
+    from ddpkit.data import line_cache
+
+    cached, header, size = line_files(tmp_path)(8)
+    # A line takes a byte and its newline: more than (size + 1) // 2 offsets cannot be the file's.
+    lines = np.stack([np.arange(size) * 2, np.arange(size) * 2 + 1], axis=1).astype(np.int64)
+    line_cache.write(cached, header, lines)  # its checksum recomputed: only the bound can tell
+    assert line_cache.read(cached, header, size) is None
+    assert f"in {cached.parent} is not used ({cached.name} holds offsets that cannot be" in capsys.readouterr().err
