@@ -29,6 +29,7 @@ from ddpkit.errors import ConfigError
 from ddpkit.memory import slot as mslot
 from ddpkit.memory import values as mvalues
 from ddpkit.snapshot import folders, storage
+from ddpkit.snapshot.chunks import check_chunks
 
 GROWTH = (1, 4, 16, 64)
 PER_DOUBLING = 2.2
@@ -98,7 +99,7 @@ def test_the_dcp_index_is_read_in_time_linear_in_its_chunks():
 
 def test_control_the_old_pairwise_chunk_check_is_caught(monkeypatch):
     monkeypatch.setattr(
-        storage, "_check_chunks", lambda fqn, size, chunks: quadratic_check_chunks(fqn, size, chunks) or chunks
+        storage, "check_chunks", lambda fqn, size, chunks: quadratic_check_chunks(fqn, size, chunks) or chunks
     )
     read_index(one_element_chunks(256))  # still a reader of the same index: it accepts it
     with pytest.raises(AssertionError, match="superlinear"):
@@ -130,10 +131,10 @@ def dcp_chunks(size: list[int], chunks: list[tuple[list[int], list[int]]]) -> An
 def test_the_chunk_check_is_exact(size, chunks, refusal):
     found, shape = dcp_chunks(size, chunks)
     if refusal is None:
-        assert storage._check_chunks("w", shape, found) == [c for c in found if c.sizes.numel()]
+        assert check_chunks("w", shape, found) == [c for c in found if c.sizes.numel()]
     else:
         with pytest.raises(storage.BadIndex, match=refusal.replace("[", r"\[").replace("*", r"\*")):
-            storage._check_chunks("w", shape, found)
+            check_chunks("w", shape, found)
 
 
 def test_the_chunk_check_agrees_with_counting_every_element():
@@ -150,7 +151,7 @@ def test_the_chunk_check_agrees_with_counting_every_element():
             cover[tuple(slice(o, o + k) for o, k in zip(lo, n))] += 1
         found, size = dcp_chunks(list(shape), boxes)
         try:
-            storage._check_chunks("w", size, found)
+            check_chunks("w", size, found)
             accepted = True
         except storage.BadIndex:
             accepted = False
