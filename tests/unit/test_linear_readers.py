@@ -391,3 +391,25 @@ def test_a_line_index_of_more_lines_than_its_file_holds_is_not_used_naming_it(tm
     line_cache.write(cached, header, lines)  # its checksum recomputed: only the bound can tell
     assert line_cache.read(cached, header, size) is None
     assert f"in {cached.parent} is not used ({cached.name} holds offsets that cannot be" in capsys.readouterr().err
+
+
+def test_a_journal_line_nested_too_deep_is_refused_naming_it(tmp_path):
+    from ddpkit.search.search_dir import repair_journal
+    from ddpkit.search.study import check_journal
+
+    path = tmp_path / "study.journal"
+    path.write_text(json.dumps(reports(0)[0]) + "\n" + "[" * 200_000 + "\n")  # a RecursionError in json before
+    for read in (repair_journal, check_journal):
+        with pytest.raises(ConfigError, match=f"the study's journal {path} is damaged at line 2 of 2"):
+            read(path)
+
+
+def test_an_index_nested_too_deep_is_refused_naming_it(tmp_path):
+    from ddpkit.snapshot.manager import SnapshotManager
+    from tests.unit.snapshot.test_checkpoint import save
+
+    save(SnapshotManager(tmp_path), 3)
+    folder = tmp_path / "step-00000003"
+    (folder / folders.INDEX).write_text("[" * 200_000)  # a RecursionError in json before
+    with pytest.raises(ConfigError, match=f"{folder / folders.INDEX} is not an index ddpkit wrote .it is not JSON"):
+        storage.read_marked_index(folder)

@@ -107,7 +107,7 @@ def refuse_large_journal(path: Path, size: int) -> None:
 def _is_record(line: bytes) -> bool:
     try:
         return isinstance(json.loads(line), dict)
-    except ValueError:  # JSONDecodeError and UnicodeDecodeError
+    except (ValueError, RecursionError):  # JSONDecodeError, UnicodeDecodeError, a line nested too deep
         return False
 
 

@@ -144,7 +144,7 @@ def check_journal(path: Path) -> None:
     for number, line in enumerate(lines, start=1):
         try:
             record = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested too deep
             refuse(number, "not a JSON record")
         if not isinstance(record, dict):
             refuse(number, f"a JSON {type(record).__name__}, not an object")

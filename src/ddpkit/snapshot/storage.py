@@ -323,7 +323,7 @@ def read_index(folder: Path) -> Metadata:
     raw = read_bounded(folder / INDEX, _INDEX_LIMIT)
     try:
         data = json.loads(raw)
-    except ValueError as err:
+    except (ValueError, RecursionError) as err:  # RecursionError: nested too deep
         raise BadIndex(f"it is not JSON ({err})") from None
     return index_from_json(data)
 
