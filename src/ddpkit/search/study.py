@@ -173,7 +173,7 @@ def check_journal(path: Path) -> None:
 
 def _step(value: Any) -> bool:
     """A step of an intermediate value (a record's int, or a create_trial's key: a string of one)."""
-    if isinstance(value, str) and value.isdigit() and len(value) < 20:
+    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) < 20:
         value = int(value)
     return type(value) is int and 0 <= value < STEP_LIMIT
 
