@@ -11,6 +11,7 @@ quadratic readers (kept here) through the same assertion, and show it fails.
 from __future__ import annotations
 
 import gc
+import importlib.util
 import json
 import math
 import os
@@ -267,7 +268,7 @@ def test_a_slot_part_beyond_its_bound_is_refused_naming_it(tmp_path):
 
 # -- the search journal -----------------------------------------------------------------------------------
 
-pytest.importorskip("optuna")
+needs_optuna = pytest.mark.skipif(importlib.util.find_spec("optuna") is None, reason="needs ddpkit[search]")
 WORKER = "w-1"
 
 
@@ -306,6 +307,7 @@ def read_journal(path: Path) -> None:
         assert "would cost Optuna more than" in str(err), err
 
 
+@needs_optuna
 def test_the_search_journal_is_read_in_time_linear_in_its_records(tmp_path, monkeypatch):
     from ddpkit.search import study
 
@@ -315,6 +317,7 @@ def test_the_search_journal_is_read_in_time_linear_in_its_records(tmp_path, monk
     assert_linear(read_journal, journal_maker(tmp_path), 250)
 
 
+@needs_optuna
 def test_control_a_journal_replayed_without_its_budget_is_caught(tmp_path, monkeypatch):
     from ddpkit.search import study
 
@@ -323,6 +326,7 @@ def test_control_a_journal_replayed_without_its_budget_is_caught(tmp_path, monke
         assert_linear(read_journal, journal_maker(tmp_path), 125)
 
 
+@needs_optuna
 def test_a_journal_whose_replay_would_be_quadratic_is_refused_naming_it(tmp_path):
     from ddpkit.search.study import check_journal
 
@@ -331,6 +335,7 @@ def test_a_journal_whose_replay_would_be_quadratic_is_refused_naming_it(tmp_path
         check_journal(path)
 
 
+@needs_optuna
 def test_a_journal_step_past_int_hashing_is_refused_naming_it(tmp_path):
     from ddpkit.search.study import check_journal
 
@@ -341,6 +346,7 @@ def test_a_journal_step_past_int_hashing_is_refused_naming_it(tmp_path):
         check_journal(path)
 
 
+@needs_optuna
 def test_a_journal_beyond_its_bound_is_refused_naming_it(tmp_path):
     from ddpkit.search.search_dir import JOURNAL_LIMIT, repair_journal
     from ddpkit.search.study import check_journal
@@ -393,6 +399,7 @@ def test_a_line_index_of_more_lines_than_its_file_holds_is_not_used_naming_it(tm
     assert f"in {cached.parent} is not used ({cached.name} holds offsets that cannot be" in capsys.readouterr().err
 
 
+@needs_optuna
 def test_a_journal_line_nested_too_deep_is_refused_naming_it(tmp_path):
     from ddpkit.search.search_dir import repair_journal
     from ddpkit.search.study import check_journal
