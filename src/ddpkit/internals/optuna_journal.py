@@ -30,6 +30,73 @@ def journal_operations() -> frozenset[int]:
     return frozenset(int(op) for op in JournalOperation)
 
 
+# A step as Optuna reports it (an int >= 0) below 2**61 - 1, where Python's hash of an int wraps: larger ones can
+# share one hash, and a dict of them costs time quadratic in their number.
+STEP_LIMIT = 2**61 - 1
+
+
+_FINISHED = (1, 2, 3)  # TrialState COMPLETE, PRUNED, FAIL
+
+
+class ReplayWork:
+    """The work of Optuna's replay of a journal (``JournalStorageReplayResult.apply_logs``, Optuna 3 to 5),
+    counted from the records in constant time each, in entries copied or trials scanned.
+
+    Each record's work grows with those before it: a new study is compared with every study's name, a trial's
+    parameter is looked for in the study's trials up to the first that has it, and an attribute, parameter or
+    intermediate value copies the dict it goes into. A journal of 16,000 trials, each with a parameter of its
+    own (5 MB), took 230 s to replay. Counts stand for dicts (a key set twice counts twice): never less than
+    the work done."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self._live: dict[str, int] = {}  # a live study's name -> its id
+        self._names: list[str | None] = []  # study id -> its name while it lives
+        self._trials_of: list[int] = []  # study id -> its trials (kept when it is deleted, as Optuna does)
+        self._study_attrs: list[int] = []
+        self._trials: list[tuple[int, int]] = []  # trial id -> (study id, its number in the study)
+        self._entries: list[int] = []  # trial id -> its params, attributes and intermediate values
+        self._done: list[bool] = []  # trial id -> finished (Optuna sets nothing more on it)
+        self._first: dict[tuple[int, str], int] = {}  # (study, param) -> the first trial number with it
+
+    def add(self, record: dict[str, Any]) -> int:
+        """Count ``record`` (already checked to have a known ``op_code``); the work of all so far."""
+        op, trial = record["op_code"], record.get("trial_id")
+        study: Any = record.get("study_id")
+        live = type(study) is int and 0 <= study < len(self._names) and self._names[study] is not None
+        if op == 0 and isinstance(record.get("study_name"), str):  # CREATE_STUDY
+            self.total += len(self._live)
+            if record["study_name"] not in self._live:
+                self._live[record["study_name"]] = len(self._names)
+                self._names.append(record["study_name"])
+                self._trials_of.append(0)
+                self._study_attrs.append(0)
+        elif op == 1 and live:  # DELETE_STUDY
+            del self._live[self._names[study]]
+            self._names[study] = None
+        elif op in (2, 3) and live:  # SET_STUDY_USER_ATTR, SET_STUDY_SYSTEM_ATTR
+            self.total += self._study_attrs[study]
+            self._study_attrs[study] += 1
+        elif op == 4 and live:  # CREATE_TRIAL
+            self._trials.append((study, self._trials_of[study]))
+            self._trials_of[study] += 1
+            self._entries.append(0)
+            self._done.append(record.get("state") in _FINISHED)
+        elif op == 6 and type(trial) is int and 0 <= trial < len(self._trials):  # SET_TRIAL_STATE_VALUES
+            self._done[trial] = self._done[trial] or record.get("state") in _FINISHED
+        elif op in (5, 7, 8, 9) and type(trial) is int and 0 <= trial < len(self._trials):  # SET_TRIAL_*
+            self.total += self._entries[trial]
+            self._entries[trial] += 1
+            name = record.get("param_name")
+            if op == 5 and isinstance(name, str):
+                study, number = self._trials[trial]
+                first = self._first.get((study, name))
+                self.total += self._trials_of[study] if first is None else first
+                if first is None and not self._done[trial]:  # set here: the first trial that has it
+                    self._first[(study, name)] = number
+        return self.total
+
+
 def study_storage(storage: Any) -> Any:
     """The storage a study opened on ``storage`` writes through; pass it to ``optuna.create_study`` /
     ``load_study`` and write through it, so that the study and ddpkit's own writes share one cache."""

@@ -26,6 +26,8 @@ from ddpkit.errors import ConfigError
 from ddpkit.fs.lock import FolderLock
 
 JOURNAL = "study.journal"
+# Optuna reads a journal whole and replays every record at each open: a GiB is a million trials of ~1 KB each.
+JOURNAL_LIMIT = 1 << 30
 _TRIAL_DIR = re.compile(r"trial-(\d+)")
 
 
@@ -62,6 +64,7 @@ def repair_journal(path: Path) -> str | None:
     fs.unshare(path)  # nor a second name of the file (a search_dir copied with cp -al): Optuna's writes stay ours
     if not path.is_file():
         return None
+    refuse_large_journal(path, path.stat().st_size)
     data = fs.read_bytes(path)
     whole, _, tail = data.rpartition(b"\n")
     lines = whole.split(b"\n") if whole else []
@@ -94,10 +97,18 @@ def repair_journal(path: Path) -> str | None:
     )
 
 
+def refuse_large_journal(path: Path, size: int) -> None:
+    if size > JOURNAL_LIMIT:
+        raise ConfigError(
+            f"the study's journal {path} holds {size} bytes, more than the {JOURNAL_LIMIT} a search reads: "
+            "continue the search in another search_dir, or give it an RDB storage (SearchConfig.storage)"
+        )
+
+
 def _is_record(line: bytes) -> bool:
     try:
         return isinstance(json.loads(line), dict)
-    except ValueError:  # JSONDecodeError and UnicodeDecodeError
+    except (ValueError, RecursionError):  # JSONDecodeError, UnicodeDecodeError, a line nested too deep
         return False
 
 

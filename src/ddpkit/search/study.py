@@ -27,16 +27,22 @@ from ddpkit import fs
 from ddpkit.distributed.seeding import mix_seed
 from ddpkit.errors import ConfigError
 from ddpkit.fs.lock import take as take_lock
-from ddpkit.internals.optuna_journal import journal_operations, study_storage
+from ddpkit.internals.optuna_journal import STEP_LIMIT, ReplayWork, journal_operations, study_storage
 from ddpkit.search.config import SearchConfig
 from ddpkit.search.search_dir import (
     JOURNAL,
     SearchDirLock,
     check_trial_dirs,
     describe_storage,
+    refuse_large_journal,
     repair_journal,
 )
 
+# Optuna's replay of a journal may cost at most this much work a record (ReplayWork: entries copied or trials
+# scanned, ~10-100 ns each), above a floor of a fraction of a second: a trial's k intermediate values cost
+# k**2 / 2 copies, so 2,000 in every trial are read, and any journal of up to 16M entries' work.
+_REPLAY_PER_RECORD = 1024
+_REPLAY_FLOOR = 1 << 24
 _SEARCH_KEY = "ddpkit_search"  # a trial's user attribute: which search (run of this job) it belongs to
 
 
@@ -120,6 +126,7 @@ def check_journal(path: Path) -> None:
     with os.fdopen(fd, "rb") as f:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise ConfigError(f"the study's journal {path} is not a regular file: give the search another search_dir")
+        refuse_large_journal(path, os.fstat(fd).st_size)
         data = f.read()
     lines = data.split(b"\n")[:-1]  # whole lines only
 
@@ -133,10 +140,11 @@ def check_journal(path: Path) -> None:
 
     operations = journal_operations()
     records = []
+    work, budget = ReplayWork(), _REPLAY_PER_RECORD * len(lines) + _REPLAY_FLOOR
     for number, line in enumerate(lines, start=1):
         try:
             record = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested too deep
             refuse(number, "not a JSON record")
         if not isinstance(record, dict):
             refuse(number, f"a JSON {type(record).__name__}, not an object")
@@ -145,12 +153,29 @@ def check_journal(path: Path) -> None:
             refuse(number, f"op_code {repr(op)[:40]} is not one of Optuna's operations (0 to {max(operations)})")
         if not isinstance(record.get("worker_id"), str):
             refuse(number, "it names no worker_id")
+        values = record.get("intermediate_values") if op == 4 else None
+        steps = [record.get("step")] if op == 7 else list(values) if isinstance(values, dict) else []
+        if not all(_step(s) for s in steps):
+            refuse(number, f"a step that is not an integer from 0 to {STEP_LIMIT - 1}")
+        if work.add(record) > budget:
+            raise ConfigError(
+                f"the study's journal {path} would cost Optuna more than {budget} steps to replay by line {number} "
+                f"(copies and scans that grow with the records before each; {len(lines)} records): continue the "
+                "search in another search_dir, or give it an RDB storage (SearchConfig.storage)"
+            )
         records.append(record)
     replay = _Replay(records)
     try:
         JournalStorage(replay)
     except Exception as err:  # noqa: BLE001  (KeyError, TypeError, AssertionError...: each a bad record)
         refuse(replay.handed, f"Optuna cannot replay it ({type(err).__name__}: {str(err)[:200]})")
+
+
+def _step(value: Any) -> bool:
+    """A step of an intermediate value (a record's int, or a create_trial's key: a string of one)."""
+    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) < 20:
+        value = int(value)
+    return type(value) is int and 0 <= value < STEP_LIMIT
 
 
 @dataclass(frozen=True)

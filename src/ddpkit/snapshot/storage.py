@@ -18,6 +18,7 @@ torch's other tools do not read; this keeps DCP's layout, and torch as the only 
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import errno
 import io
@@ -48,15 +49,12 @@ from ddpkit import fs
 from ddpkit.errors import ConfigError
 from ddpkit.internals.dcp import set_file_system, storage_info, transformed
 from ddpkit.snapshot import folders
+from ddpkit.snapshot.chunks import BadIndex, check_chunks
 from ddpkit.snapshot.folders import INDEX, read_bounded
 
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 _DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
 _INDEX_LIMIT = 1 << 30  # JSON of a tensor's place per chunk: ~200 bytes each; a GiB is millions of chunks
-
-
-class BadIndex(ValueError):
-    """The JSON index is not one this module wrote: what is wrong with it."""
 
 
 # -- writing ----------------------------------------------------------------------------------------------
@@ -252,33 +250,9 @@ def _dtype(name: Any, fqn: str) -> torch.dtype:
     return dtype
 
 
-def _check_chunks(fqn: str, size: torch.Size, chunks: list[ChunkStorageMetadata]) -> None:
-    """The chunks of a tensor cover it exactly once: each inside its shape, none overlapping another, their
-    volumes adding up to its number of elements. An index whose chunks leave a part uncovered would have DCP
-    load nothing there and leave the tensor as it was (the fresh model's), without a word."""
-    numel = size.numel()
-    total = 0
-    for chunk in chunks:
-        if len(chunk.offsets) != len(size) or len(chunk.sizes) != len(size):
-            raise BadIndex(f"tensor {fqn!r} of shape {list(size)} has a chunk of another number of dimensions")
-        if any(o + n > s for o, n, s in zip(chunk.offsets, chunk.sizes, size)):
-            raise BadIndex(
-                f"tensor {fqn!r} of shape {list(size)} has a chunk at {list(chunk.offsets)} of {list(chunk.sizes)} "
-                "that lies outside it"
-            )
-        total += chunk.sizes.numel()
-    if total != numel:
-        raise BadIndex(f"tensor {fqn!r} of shape {list(size)} has chunks covering {total} of its {numel} elements")
-    for i, a in enumerate(chunks):  # a few chunks per tensor (one per rank that holds a shard): pairs are cheap
-        for b in chunks[i + 1 :]:
-            if (
-                a.sizes.numel()
-                and b.sizes.numel()
-                and all(ao < bo + bn and bo < ao + an for ao, an, bo, bn in zip(a.offsets, a.sizes, b.offsets, b.sizes))
-            ):
-                raise BadIndex(
-                    f"tensor {fqn!r} has two chunks that overlap, at {list(a.offsets)} and {list(b.offsets)}"
-                )
+def _among(ordered: list[Any], key: Any) -> bool:
+    at = bisect.bisect_left(ordered, key)
+    return at < len(ordered) and ordered[at] == key
 
 
 def index_from_json(data: Any) -> Metadata:
@@ -291,6 +265,8 @@ def index_from_json(data: Any) -> Metadata:
     ):
         raise BadIndex("it is not an index of tensors")
     state: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}  # an index of tensors only: no bytes
+    holding: list[tuple[str, tuple[int, ...]]] = []  # (tensor, offsets) of each chunk that holds elements
+    empty: list[tuple[str, tuple[int, ...]]] = []
     for fqn, md in data["tensors"].items():
         if not isinstance(md, dict) or not isinstance(md.get("chunks"), list):
             raise BadIndex(f"item {fqn!r} is not a tensor")
@@ -301,18 +277,29 @@ def index_from_json(data: Any) -> Metadata:
             for c in md["chunks"]
         ]
         size = torch.Size(_ints(md.get("size"), fqn))
-        _check_chunks(fqn, size, chunks)
-        state[fqn] = TensorStorageMetadata(TensorProperties(dtype=_dtype(md.get("dtype"), fqn)), size, chunks)
+        full = check_chunks(fqn, size, chunks)
+        state[fqn] = TensorStorageMetadata(TensorProperties(dtype=_dtype(md.get("dtype"), fqn)), size, full)
+        holding.extend((fqn, tuple(c.offsets)) for c in full)
+        empty.extend((fqn, tuple(c.offsets)) for c in chunks if 0 in c.sizes)
+    # Each storage entry must be a chunk's, found by sorting, never by hashing: an int tuple's hash is not
+    # salted, and entries whose offsets collide (a 64-bit equation, solved for the last coordinate) would make
+    # each insertion below scan all the others. The chunks kept hold elements, so their offsets are distinct
+    # points of their tensor: fewer than 2**63, about one of any 2**64 hashes.
+    holding.sort()
+    empty.sort()
     storage = {}
     for entry in data["storage"]:
         if not isinstance(entry, dict) or not isinstance(entry.get("fqn"), str) or entry["fqn"] not in state:
             raise BadIndex("a storage entry names no tensor of the index")
-        name = entry.get("file")
+        fqn, name = entry["fqn"], entry.get("file")
         if not isinstance(name, str) or not _DATA_FILE.match(name):
-            raise BadIndex(f"tensor {entry['fqn']!r} is said to be in {name!r}, not a data file of the folder")
-        offset = None if entry.get("offset") is None else torch.Size(_ints(entry["offset"], entry["fqn"]))
-        at, length = _ints([entry.get("at"), entry.get("length")], entry["fqn"])
-        storage[MetadataIndex(entry["fqn"], offset)] = storage_info(name, at, length)
+            raise BadIndex(f"tensor {fqn!r} is said to be in {name!r}, not a data file of the folder")
+        offset = torch.Size(_ints(entry.get("offset"), fqn))
+        at, length = _ints([entry.get("at"), entry.get("length")], fqn)
+        if _among(holding, (fqn, tuple(offset))):
+            storage[MetadataIndex(fqn, offset)] = storage_info(name, at, length)
+        elif not _among(empty, (fqn, tuple(offset))):  # an empty chunk's: it loads nothing, and is left out
+            raise BadIndex(f"tensor {fqn!r} has a storage entry at {list(offset)[:8]} where it has no chunk")
     for fqn, md in state.items():
         for chunk in md.chunks if isinstance(md, TensorStorageMetadata) else ():
             if MetadataIndex(fqn, chunk.offsets) not in storage:
@@ -336,7 +323,7 @@ def read_index(folder: Path) -> Metadata:
     raw = read_bounded(folder / INDEX, _INDEX_LIMIT)
     try:
         data = json.loads(raw)
-    except ValueError as err:
+    except (ValueError, RecursionError) as err:  # RecursionError: nested too deep
         raise BadIndex(f"it is not JSON ({err})") from None
     return index_from_json(data)
 

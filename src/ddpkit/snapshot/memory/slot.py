@@ -28,6 +28,9 @@ _RECORD = struct.Struct("<8sQQQQIQQIQQI")  # magic begin end manifest, values, d
 # block_crcs); a table of 4 bytes per MiB, and one Python call per ~0.1 ms of CRC.
 BLOCK = 1 << 20
 BEGIN_OFFSET, END_OFFSET = 8, 16  # offsets of the generation numbers in the record
+# Each of the manifest and the values is JSON parsed whole (about 10 s a GiB): the manifest has ~40 bytes a
+# tensor and the values a few per number of the run's own state, so a GiB is millions of either.
+PART_LIMIT = 1 << 30
 
 
 class BadSlot(ValueError):
@@ -130,6 +133,7 @@ def read_slot(path: Path, data: bool = False) -> tuple[Record, dict, dict, bytes
         record = Record.unpack(os.pread(fd, HEADER, 0))
         if record is None or not record.whole:
             return None
+        _check_parts(record, os.fstat(fd).st_size, str(path))  # before a read of the lengths it gives
         parts = [os.pread(fd, length, off) for off, length, _ in (record.manifest, record.values)]
     finally:
         os.close(fd)
@@ -142,8 +146,19 @@ def parse_slot(data: bytes, name: str = "a slot") -> tuple[Record, dict, dict, b
     record = Record.unpack(data[:HEADER])
     if record is None or not record.whole:
         return None
+    _check_parts(record, len(data), name)
     parts = [data[off : off + length] for off, length, _ in (record.manifest, record.values)]
     return _checked(record, parts, data, name)
+
+
+def _check_parts(record: Record, size: int, name: str) -> None:
+    """The manifest and values lie inside the slot's ``size`` bytes and within :data:`PART_LIMIT` (the record
+    has no checksum of its own: its lengths are read before anything can vouch for them)."""
+    for what, (off, length, _) in (("manifest", record.manifest), ("values", record.values)):
+        if length > PART_LIMIT:
+            raise BadSlot(f"{name}: its {what} holds {length} bytes, more than the {PART_LIMIT} a slot's may")
+        if off + length > size:
+            raise BadSlot(f"{name}: its {what} lies past the end of the file")
 
 
 def _checked(record: Record, parts: list[bytes], data: bytes, name: str) -> tuple[Record, dict, dict, bytes]:

@@ -135,6 +135,8 @@ class Spec:
 
     @property
     def nbytes(self) -> int:
+        if 0 in self.shape:  # before a product of the other sizes, which a manifest may make large
+            return 0
         n = 1
         for s in self.shape:
             n *= s
@@ -166,15 +168,22 @@ def checked_specs(raw: Any, region_size: int) -> list[Spec]:
         dtype, shape, offset = item
         if not isinstance(dtype, str) or dtype not in DTYPES:
             raise ValueError(f"tensor {i} has an unknown dtype {str(dtype)[:40]!r}")
-        if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+        if not isinstance(shape, list) or not all(type(n) is int and 0 <= n < 2**63 for n in shape):
             raise ValueError(f"tensor {i} has a shape that is not a list of sizes")
         if type(offset) is not int or offset < 0 or offset % ALIGN:
             raise ValueError(f"tensor {i} has an offset that is not an aligned position")
-        spec = Spec(dtype, tuple(shape), offset)
-        if offset + spec.nbytes > region_size:
+        # The product stops once past the region: one of thousands of large sizes costs quadratic time.
+        nbytes = 0 if 0 in shape else DTYPES[dtype].itemsize
+        for n in shape if nbytes else ():
+            nbytes *= n
+            if nbytes > region_size:
+                break
+        if offset + nbytes > region_size:
             raise ValueError(
-                f"tensor {i} ({dtype}{list(shape)} at {offset}) lies past the end of the data region ({region_size} bytes)"
+                f"tensor {i} ({dtype}{str(shape)[:80]} at {offset}) lies past the end of the data region "
+                f"({region_size} bytes)"
             )
+        spec = Spec(dtype, tuple(shape), offset)
         specs.append(spec)
     return specs
 

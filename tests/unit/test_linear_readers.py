@@ -1,0 +1,422 @@
+"""Every reader of a ddpkit format takes time at most O(n log n) in the size of its file, and refuses a file
+beyond the size it admits naming the file.
+
+Each adversarial input (chunks, entries, specs, records, lines) is grown 4x, 16x and 64x from a base, and the
+reading time may grow at most 2.2x per doubling: t(64x) / t(1x) <= 2.2**6 (a linear reader: 64, with room for
+a log factor and a noisy machine; a quadratic one: 4096). Times are compared within one run, each the minimum
+of a few repetitions in CPU time with the garbage collector off; no wall-clock threshold. The controls run the old
+quadratic readers (kept here) through the same assertion, and show it fails.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import json
+import math
+import os
+import time
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+from ddpkit.errors import ConfigError
+from ddpkit.memory import slot as mslot
+from ddpkit.memory import values as mvalues
+from ddpkit.snapshot import folders, storage
+from ddpkit.snapshot.chunks import check_chunks
+
+GROWTH = (1, 4, 16, 64)
+PER_DOUBLING = 2.2
+
+
+def times(read: Callable[[Any], Any], inputs: list[Any]) -> list[float]:
+    """The least CPU time of ``read`` on each input over 3 runs or more (until 50 ms are spent, at most 30): on
+    a shared machine a wall clock counts the time other processes run, more often the longer a run is."""
+    out = []
+    for value in inputs:
+        best, spent, runs = math.inf, 0.0, 0
+        gc.collect()
+        gc.disable()
+        try:
+            while runs < 3 or (spent < 0.05 and runs < 30):
+                start = time.process_time()
+                read(value)
+                took = time.process_time() - start
+                best, spent, runs = min(best, took), spent + took, runs + 1
+        finally:
+            gc.enable()
+        out.append(best)
+    return out
+
+
+def assert_linear(read: Callable[[Any], Any], make: Callable[[int], Any], base: int, growth=GROWTH) -> None:
+    """``read`` of ``make(base * g)`` for g in ``growth`` grows at most PER_DOUBLING per doubling of the input."""
+    inputs = [make(base * g) for g in growth]
+    t = times(read, inputs)
+    doublings = math.log2(growth[-1] / growth[0])
+    shown = ", ".join(f"{g}x {s * 1e3:.1f} ms" for g, s in zip(growth, t))
+    assert t[-1] / t[0] <= PER_DOUBLING**doublings, f"superlinear: {shown} (at most {PER_DOUBLING}x a doubling)"
+
+
+# -- the DCP index ----------------------------------------------------------------------------------------
+
+
+def one_element_chunks(n: int, width: int = 64) -> str:
+    """The index of one weight of n // width x width stored as n one-element chunks (the issue's 65,536)."""
+    chunks = [{"offsets": [i // width, i % width], "sizes": [1, 1]} for i in range(n)]
+    entries = [
+        {"fqn": "w", "offset": c["offsets"], "file": "__0_0.distcp", "at": i * 4, "length": 4}
+        for i, c in enumerate(chunks)
+    ]
+    tensors = {"w": {"dtype": "float32", "size": [n // width, width], "chunks": chunks}}
+    return json.dumps({"version": None, "tensors": tensors, "storage": entries, "paths": {}})
+
+
+def read_index(text: str) -> Any:
+    return storage.index_from_json(json.loads(text))
+
+
+def quadratic_check_chunks(fqn: str, size: torch.Size, chunks: list[ChunkStorageMetadata]) -> None:
+    """The chunk check before: every pair of chunks compared (4,096 chunks took 8.8 s)."""
+    total = sum(c.sizes.numel() for c in chunks)
+    if total != size.numel():
+        raise storage.BadIndex(f"tensor {fqn!r} has chunks covering {total} of its {size.numel()} elements")
+    for i, a in enumerate(chunks):
+        for b in chunks[i + 1 :]:
+            if all(ao < bo + bn and bo < ao + an for ao, an, bo, bn in zip(a.offsets, a.sizes, b.offsets, b.sizes)):
+                raise storage.BadIndex(f"tensor {fqn!r} has two chunks that overlap")
+
+
+def test_the_dcp_index_is_read_in_time_linear_in_its_chunks():
+    assert_linear(read_index, one_element_chunks, 128)
+
+
+def test_control_the_old_pairwise_chunk_check_is_caught(monkeypatch):
+    monkeypatch.setattr(
+        storage, "check_chunks", lambda fqn, size, chunks: quadratic_check_chunks(fqn, size, chunks) or chunks
+    )
+    read_index(one_element_chunks(256))  # still a reader of the same index: it accepts it
+    with pytest.raises(AssertionError, match="superlinear"):
+        assert_linear(read_index, one_element_chunks, 64, growth=(1, 4, 16))
+
+
+def dcp_chunks(size: list[int], chunks: list[tuple[list[int], list[int]]]) -> Any:
+    return [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in chunks], torch.Size(size)
+
+
+@pytest.mark.parametrize(
+    "size, chunks, refusal",
+    [
+        ([4, 4], [([0, 0], [4, 2]), ([0, 2], [4, 2])], None),
+        ([4, 4], [([0, 0], [2, 2]), ([0, 2], [2, 2]), ([2, 0], [2, 4])], None),  # not a grid
+        ([2, 3, 4], [([0, 0, 0], [1, 3, 4]), ([1, 0, 0], [1, 1, 4]), ([1, 1, 0], [1, 2, 4])], None),
+        ([4, 4], [([0, 0], [4, 2]), ([0, 2], [4, 2]), ([0, 0], [0, 4]), ([4, 4], [0, 0])], None),  # empty ones
+        ([0, 4], [([0, 0], [0, 4])], None),
+        # The same volume, one element twice and one never: the volumes alone would pass it.
+        ([2, 2], [([0, 0], [1, 2]), ([1, 0], [1, 1]), ([0, 0], [1, 1])], "overlap, at element [0, 0]"),
+        ([2, 2], [([0, 0], [2, 1]), ([0, 0], [1, 2])], "overlap, at element [0, 0]"),
+        ([3, 3], [([0, 0], [2, 2]), ([1, 1], [2, 2]), ([0, 2], [1, 1])], "overlap, at element [1, 1]"),
+        ([4, 4], [([0, 0], [3, 4]), ([0, 0], [1, 4])], "overlap, at element [0, 0]"),
+        ([4], [([0], [3]), ([2], [1])], "overlap, at element [2]"),
+        ([2, 2, 2, 2, 2], [([0] * 5, [1] * 5)] * 32, "split along 5 dimensions"),
+        ([2**40, 2**40], [([0, 0], [2**40, 2**40])], "more than 2**63 - 1 elements"),
+    ],
+)
+def test_the_chunk_check_is_exact(size, chunks, refusal):
+    found, shape = dcp_chunks(size, chunks)
+    if refusal is None:
+        assert check_chunks("w", shape, found) == [c for c in found if c.sizes.numel()]
+    else:
+        with pytest.raises(storage.BadIndex, match=refusal.replace("[", r"\[").replace("*", r"\*")):
+            check_chunks("w", shape, found)
+
+
+def test_the_chunk_check_agrees_with_counting_every_element():
+    """Random sets of boxes in a 3x4x5 tensor: refused exactly when some element is not covered once."""
+    rng = np.random.default_rng(0)
+    shape = (3, 4, 5)
+    for _ in range(400):
+        boxes = []
+        for _ in range(int(rng.integers(1, 6))):
+            lo = [int(rng.integers(0, s)) for s in shape]
+            boxes.append((lo, [int(rng.integers(1, s - o + 1)) for o, s in zip(lo, shape)]))
+        cover = np.zeros(shape, dtype=int)
+        for lo, n in boxes:
+            cover[tuple(slice(o, o + k) for o, k in zip(lo, n))] += 1
+        found, size = dcp_chunks(list(shape), boxes)
+        try:
+            check_chunks("w", size, found)
+            accepted = True
+        except storage.BadIndex:
+            accepted = False
+        assert accepted == bool((cover == 1).all()), (boxes, cover)
+
+
+def test_a_storage_entry_at_no_chunk_is_refused():
+    index = json.loads(one_element_chunks(64))
+    index["storage"].append({"fqn": "w", "offset": [7, 2**61 + 5], "file": "__0_0.distcp", "at": 0, "length": 4})
+    with pytest.raises(storage.BadIndex, match=r"storage entry at \[7, 2305843009213693957\] where it has no chunk"):
+        storage.index_from_json(index)
+
+
+def test_a_dcp_index_beyond_its_bound_is_refused_naming_it(tmp_path):
+    from ddpkit.snapshot.manager import SnapshotManager
+    from tests.unit.snapshot.test_checkpoint import save
+
+    save(SnapshotManager(tmp_path), 3)
+    folder = tmp_path / "step-00000003"
+    os.truncate(folder / folders.INDEX, storage._INDEX_LIMIT + 1)  # sparse: no disk, and never read
+    with pytest.raises(ConfigError, match=f"{folder / folders.INDEX} is not an index ddpkit wrote .*more than"):
+        storage.read_marked_index(folder)
+
+
+# -- the snapshot marker ----------------------------------------------------------------------------------
+
+
+def marker_folder(root: Path) -> Callable[[int], folders.Found]:
+    def make(n: int) -> folders.Found:
+        path = root / f"step-{n:08d}"
+        path.mkdir()
+        files = {f"rank{i}.pt": {"size": i, "sha256": f"{i:064x}"} for i in range(n)}
+        (path / folders.MARKER).write_text(json.dumps({"files": files}))
+        return folders.Found(n, path)
+
+    return make
+
+
+def test_the_marker_is_read_in_time_linear_in_its_entries(tmp_path):
+    assert_linear(folders.listed, marker_folder(tmp_path), 128)  # 64x: 0.9 MiB, under its bound
+
+
+def test_a_marker_beyond_its_bound_is_refused_naming_it(tmp_path):
+    found = marker_folder(tmp_path)(1)
+    os.truncate(found.path / folders.MARKER, folders._MARKER_LIMIT + 1)
+    with pytest.raises(ValueError, match=f"unreadable {folders.MARKER} .{found.path / folders.MARKER} holds"):
+        folders.listed(found)
+
+
+# -- the memory slot --------------------------------------------------------------------------------------
+
+
+def slot_bytes(n: int, shape: list[int] | None = None) -> bytes:
+    """A whole slot of n one-element tensors (or one tensor of ``shape``)."""
+    specs = [["torch.float32", [1], 64 * i] for i in range(n)] if shape is None else [["torch.float32", shape, 0]]
+    region = bytes(64 * max(n, 1))
+    manifest = json.dumps({"specs": specs, "data_size": len(region)}).encode()
+    values = json.dumps({"step": 1}).encode()
+    mo = mslot.HEADER
+    vo = mo + len(manifest)
+    do = -(-(vo + len(values)) // 64) * 64
+    body = bytearray(do + len(region))
+    body[mo:vo], body[vo : vo + len(values)], body[do:] = manifest, values, region
+    record = mslot.Record(
+        1,
+        1,
+        (mo, len(manifest), zlib.crc32(manifest)),
+        (vo, len(values), zlib.crc32(values)),
+        (do, len(region), mslot.checksum(region)),
+    )
+    body[: len(record.pack())] = record.pack()
+    return bytes(body)
+
+
+def test_a_memory_slot_is_read_in_time_linear_in_its_tensors():
+    assert_linear(lambda data: mslot.parse_slot(data, "slot"), slot_bytes, 250)
+
+
+def many_dims(n: int) -> list[Any]:
+    return [["torch.float32", [2**62] * n + [0], 0]]  # no elements, and a product of n large sizes
+
+
+def read_specs(raw: list[Any]) -> list[int]:
+    return [s.nbytes for s in mvalues.checked_specs(raw, 64)]
+
+
+def test_a_slot_manifest_is_checked_in_time_linear_in_its_sizes():
+    assert_linear(read_specs, many_dims, 500)
+
+
+def test_control_the_old_product_of_sizes_is_caught(monkeypatch):
+    # The size of a spec before: the product of every size, a zero among them or not.
+    monkeypatch.setattr(mvalues.Spec, "nbytes", property(lambda s: math.prod(s.shape) * 4))
+    with pytest.raises(AssertionError, match="superlinear"):
+        assert_linear(read_specs, many_dims, 500, growth=(1, 4, 16))
+
+
+def test_a_slot_part_beyond_its_bound_is_refused_naming_it(tmp_path):
+    data = bytearray(slot_bytes(2))
+    record = mslot.Record.unpack(bytes(data[: mslot.HEADER]))
+    assert record is not None
+    big = mslot.PART_LIMIT + 1
+    lied = mslot.Record(1, 1, (record.manifest[0], big, record.manifest[2]), record.values, record.data)
+    data[: len(lied.pack())] = lied.pack()
+    path = tmp_path / "run-a-rank0-0.slot"
+    path.write_bytes(bytes(data))
+    with pytest.raises(mslot.BadSlot, match=f"slot: its manifest holds {big} bytes, more than"):
+        mslot.parse_slot(bytes(data), "slot")
+    os.truncate(path, mslot.HEADER + big)  # sparse: the manifest lies inside the file, and is never read
+    with pytest.raises(mslot.BadSlot, match=f"{path}: its manifest holds {big} bytes, more than"):
+        mslot.read_slot(path)
+
+
+# -- the search journal -----------------------------------------------------------------------------------
+
+needs_optuna = pytest.mark.skipif(importlib.util.find_spec("optuna") is None, reason="needs ddpkit[search]")
+WORKER = "w-1"
+
+
+def journal_of(path: Path, records: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def reports(n: int) -> list[dict[str, Any]]:
+    """One trial reporting n intermediate values: each copies every one before it in Optuna's replay."""
+    head = [
+        {"op_code": 0, "worker_id": WORKER, "study_name": "ddpkit", "directions": [1]},
+        {"op_code": 4, "worker_id": WORKER, "study_id": 0, "datetime_start": "2026-11-25T21:52:36+00:00"},
+    ]
+    steps = [{"op_code": 7, "worker_id": WORKER, "trial_id": 0, "step": i, "intermediate_value": 0.5} for i in range(n)]
+    return head + steps
+
+
+def journal_maker(root: Path) -> Callable[[int], Path]:
+    def make(n: int) -> Path:
+        folder = root / f"j{n}"
+        folder.mkdir()
+        return journal_of(folder / "study.journal", reports(n))
+
+    return make
+
+
+def read_journal(path: Path) -> None:
+    from ddpkit.search.search_dir import repair_journal
+    from ddpkit.search.study import check_journal
+
+    repair_journal(path)
+    try:
+        check_journal(path)
+    except ConfigError as err:
+        assert "would cost Optuna more than" in str(err), err
+
+
+@needs_optuna
+def test_the_search_journal_is_read_in_time_linear_in_its_records(tmp_path, monkeypatch):
+    from ddpkit.search import study
+
+    # The floor is a constant allowance (16M entries copied: a fraction of a second); the growth beyond it is
+    # what is measured.
+    monkeypatch.setattr(study, "_REPLAY_FLOOR", 0)
+    assert_linear(read_journal, journal_maker(tmp_path), 250)
+
+
+@needs_optuna
+def test_control_a_journal_replayed_without_its_budget_is_caught(tmp_path, monkeypatch):
+    from ddpkit.search import study
+
+    monkeypatch.setattr(study, "_REPLAY_FLOOR", 1 << 62)
+    with pytest.raises(AssertionError, match="superlinear"):
+        assert_linear(read_journal, journal_maker(tmp_path), 125)
+
+
+@needs_optuna
+def test_a_journal_whose_replay_would_be_quadratic_is_refused_naming_it(tmp_path):
+    from ddpkit.search.study import check_journal
+
+    path = journal_of(tmp_path / "study.journal", reports(8000))
+    with pytest.raises(ConfigError, match=f"the study's journal {path} would cost Optuna more than .* by line [0-9]+ "):
+        check_journal(path)
+
+
+@needs_optuna
+def test_a_journal_step_past_int_hashing_is_refused_naming_it(tmp_path):
+    from ddpkit.search.study import check_journal
+
+    records = reports(2)
+    records[-1]["step"] = 2**61 - 1  # the hash of 0: such steps can all share one hash
+    path = journal_of(tmp_path / "study.journal", records)
+    with pytest.raises(ConfigError, match=f"the study's journal {path} is damaged at line 4 of 4: a step"):
+        check_journal(path)
+
+
+@needs_optuna
+def test_a_journal_beyond_its_bound_is_refused_naming_it(tmp_path):
+    from ddpkit.search.search_dir import JOURNAL_LIMIT, repair_journal
+    from ddpkit.search.study import check_journal
+
+    path = journal_of(tmp_path / "study.journal", reports(2))
+    os.truncate(path, JOURNAL_LIMIT + 1)  # sparse: never read
+    for read in (repair_journal, check_journal):
+        with pytest.raises(ConfigError, match=f"the study's journal {path} holds {JOURNAL_LIMIT + 1} bytes, more"):
+            read(path)
+
+
+# -- the stream line index --------------------------------------------------------------------------------
+
+
+def line_files(root: Path) -> Callable[[int], tuple[Path, np.ndarray, int]]:
+    """A data file of n lines and its line index kept beside it, as the stream writes them."""
+    from ddpkit.data import line_cache
+
+    def make(n: int) -> tuple[Path, np.ndarray, int]:
+        folder = root / f"l{n}"
+        folder.mkdir(mode=0o700)
+        data = folder / "data.jsonl"
+        data.write_bytes(b'{"i": 0}\n' * n)
+        st = data.stat()
+        header = np.array([[2, st.st_size], [st.st_mtime_ns, 0]], dtype=np.int64)
+        lines = np.stack([np.arange(n) * 9, np.arange(n) * 9 + 8], axis=1).astype(np.int64)
+        line_cache.write(folder / ".data.jsonl.lines", header, lines)
+        return folder / ".data.jsonl.lines", header, st.st_size
+
+    return make
+
+
+def test_the_line_index_is_read_in_time_linear_in_its_lines(tmp_path):
+    from ddpkit.data import line_cache
+
+    def read(args: tuple[Path, np.ndarray, int]) -> None:
+        assert line_cache.read(*args) is not None
+
+    assert_linear(read, line_files(tmp_path), 20_000)
+
+
+def test_a_line_index_of_more_lines_than_its_file_holds_is_not_used_naming_it(tmp_path, capsys):
+    from ddpkit.data import line_cache
+
+    cached, header, size = line_files(tmp_path)(8)
+    # A line takes a byte and its newline: more than (size + 1) // 2 offsets cannot be the file's.
+    lines = np.stack([np.arange(size) * 2, np.arange(size) * 2 + 1], axis=1).astype(np.int64)
+    line_cache.write(cached, header, lines)  # its checksum recomputed: only the bound can tell
+    assert line_cache.read(cached, header, size) is None
+    assert f"in {cached.parent} is not used ({cached.name} holds offsets that cannot be" in capsys.readouterr().err
+
+
+@needs_optuna
+def test_a_journal_line_nested_too_deep_is_refused_naming_it(tmp_path):
+    from ddpkit.search.search_dir import repair_journal
+    from ddpkit.search.study import check_journal
+
+    path = tmp_path / "study.journal"
+    path.write_text(json.dumps(reports(0)[0]) + "\n" + "[" * 200_000 + "\n")  # a RecursionError in json before
+    for read in (repair_journal, check_journal):
+        with pytest.raises(ConfigError, match=f"the study's journal {path} is damaged at line 2 of 2"):
+            read(path)
+
+
+def test_an_index_nested_too_deep_is_refused_naming_it(tmp_path):
+    from ddpkit.snapshot.manager import SnapshotManager
+    from tests.unit.snapshot.test_checkpoint import save
+
+    save(SnapshotManager(tmp_path), 3)
+    folder = tmp_path / "step-00000003"
+    (folder / folders.INDEX).write_text("[" * 200_000)  # a RecursionError in json before
+    with pytest.raises(ConfigError, match=f"{folder / folders.INDEX} is not an index ddpkit wrote .it is not JSON"):
+        storage.read_marked_index(folder)
