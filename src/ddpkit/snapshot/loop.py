@@ -2,15 +2,16 @@
 
 ::
 
-    snapshots = ddpkit.Snapshots("runs/x", model=model, optimizer=opt, scheduler=sched, loader=loader,
-                                 every_steps=100)
-    snapshots.resume()                                   # the newest whole snapshot, if any: every part restored
-    for epoch in range(loader.epoch, epochs):            # the epoch the snapshot was in
-        for i, (x, y) in enumerate(loader, start=loader.batch_in_epoch):  # its batch: not 0 after a resume
-            ...; opt.step(); sched.step()
-            snapshots.step()                             # counts the step; saves when due, stops at a signal
-        ...                                              # the epoch's end: evaluation, an epoch scheduler
-    snapshots.close()                                    # the last write whole; signal handlers put back
+    snapshots = ddpkit.Snapshots("runs/x", model=model, optimizer=opt,
+                                 scheduler=sched, loader=loader, every_steps=100)
+    snapshots.resume()  # the newest whole snapshot, if any: every part restored
+    for epoch in range(loader.epoch, epochs):  # the epoch the snapshot was in
+        # the index of the batch in its epoch: not 0 after a resume
+        for i, (x, y) in enumerate(loader, start=loader.batch_in_epoch):
+            ...  # forward, backward, opt.step()
+            snapshots.step()  # counts the step; saves when due, stops at a signal
+        ...  # the epoch's end: an epoch scheduler's step, an evaluation
+    snapshots.close()  # the last write whole; the signal handlers put back
 
 A snapshot is ``run_dir/snapshots/step-N/`` written by :class:`~ddpkit.snapshot.manager.SnapshotManager`, as the
 Trainer's are (DCP, the marker written last, ``keep`` whole snapshots kept): the model(s) and optimizer(s)
@@ -53,9 +54,12 @@ from ddpkit.distributed.collectives import all_reduce
 from ddpkit.distributed.log import print0
 from ddpkit.distributed.runtime import Runtime, get_runtime
 from ddpkit.errors import ConfigError, Preempted
+from ddpkit.memory.resume import resume_from_memory
+from ddpkit.memory.snapshots import MemorySnapshots, TrainerParts, open_memory_snapshots
 from ddpkit.snapshot.manager import SnapshotManager
 from ddpkit.strategies.base import join_own, separate_own
 from ddpkit.strategies.prepare import unwrap
+from ddpkit.training.schedule import SnapshotSchedule
 from ddpkit.training.state import RankStreams, TrainState
 
 STREAMS = "rng"
@@ -163,6 +167,8 @@ class Snapshots:
         every_steps: int | None = None,
         keep: int = 2,
         async_write: bool = True,
+        memory: bool = False,
+        memory_every_steps: int | None = None,
         signals_every_steps: int = 10,
         seed: int | None = None,
         runtime: Runtime | None = None,
@@ -174,9 +180,13 @@ class Snapshots:
         are the same on every rank (a GradScaler, an EMA): rank 0's is saved and every rank loads it. ``own``:
         such objects each rank keeps its own of (a rank's metric sums): at another world size rank ``r`` takes
         old rank ``r``'s, or starts afresh (as the Trainer's ``extra_state``). ``every_steps``: a snapshot every
-        this many :meth:`step` calls (None: only :meth:`save` and stop signals). ``seed``: what the streams
-        are reseeded from at another world size (default: the loader's seed, else 0)."""
-        for name, value, low in (("every_steps", every_steps, 1), ("keep", keep, 1)):
+        this many :meth:`step` calls (None: only :meth:`save` and stop signals); ``keep``, ``async_write``,
+        ``memory``, ``memory_every_steps``: as :class:`~ddpkit.SnapshotConfig`'s (``memory``: a copy in shared
+        memory after steps, under ``ddpkit run``, which :meth:`resume` takes when it is newer than the disk's).
+        ``seed``: what the streams are reseeded from at another world size (default: the loader's seed, else
+        0)."""
+        checked = (("every_steps", every_steps, 1), ("keep", keep, 1), ("memory_every_steps", memory_every_steps, 1))
+        for name, value, low in checked:
             if value is not None and value < low:
                 raise ConfigError(f"Snapshots({name}={value}): give {name} >= {low}")
         if signals_every_steps < 1:
@@ -218,6 +228,17 @@ class Snapshots:
         """The step of the snapshot :meth:`resume` restored, if any."""
         self._signal, self._stopping, self._deferred = 0, False, False
         self._saved_step: int | None = None
+        self.schedule = SnapshotSchedule(every_steps, 0, memory_every_steps or 1)
+        self.memory: MemorySnapshots | None = None
+        """The copies in shared memory (``memory=True``; None where the job has no memory folder)."""
+        if memory:
+            parts = TrainerParts(
+                runtime=rt, run_dir=Path(run_dir), strategy=self.model, schedule=self.schedule,
+                states={**self.parts, STREAMS: self.streams}, record=_Record(self),
+                global_micro_batch=getattr(loader.batch_sampler, "global_batch_size", 0) if loader else 0,
+                position=self._position, log=lambda kind, step, record: None,
+            )  # fmt: skip
+            self.memory = open_memory_snapshots(parts, memory_every_steps)
         self._signals = contextlib.ExitStack()
         self._signals.enter_context(signals.stop_signals(self._on_signal))
 
@@ -240,10 +261,13 @@ class Snapshots:
             self._stopping = bool(
                 all_reduce(flag, op="max", group=self.runtime.group) if self.runtime.distributed else flag
             )
+        finishing = self.loader is not None and self.loader.finishing_epoch
+        if self.memory is not None and self.schedule.in_memory(step, True) and not finishing:
+            self.memory.save()  # (at an epoch's last batch: the next step's copy, as a disk save is deferred)
         due = self._deferred or self._stopping or (self.every_steps is not None and step % self.every_steps == 0)
         if not due:
             return False
-        if self.loader is not None and self.loader.finishing_epoch:
+        if finishing:
             self._deferred = True
             return False
         self._deferred = False
@@ -263,8 +287,7 @@ class Snapshots:
             if wait:
                 self.manager.wait()
             return
-        if self.loader is not None:
-            self.train.epoch, self.train.cursor = self.loader.position()
+        self._position()
         extra = {
             "states": {name: part.state_dict() for name, part in self.parts.items()},
             "record": self._record(),
@@ -276,6 +299,11 @@ class Snapshots:
         self._saved_step = step
         if wait:
             self.manager.wait()
+
+    def _position(self) -> tuple[int, int, int]:
+        if self.loader is not None:
+            self.train.epoch, self.train.cursor = self.loader.position()
+        return self.train.position
 
     def wait(self) -> None:
         """Block until the snapshot being written in the background (if any) is whole on disk."""
@@ -289,6 +317,9 @@ class Snapshots:
             self._deferred = False
             self.save()
         self.manager.wait()
+        if self.memory is not None:  # the slots stay until the job ends: a restart from here may still need them
+            self.memory.close(remove=False)
+            self.memory = None
         self._signals.close()
         if not self._stopping and self._signal:
             sig, self._signal = self._signal, 0
@@ -310,29 +341,48 @@ class Snapshots:
         step to continue from (0 when there is none). Refused, naming what differs, before any tensor is read,
         when the snapshot holds other parts, other model shapes, or the loader's data changed."""
         rt = self.runtime
-        found = self.manager.latest(warn=lambda line: print0(line, group=rt.group))
+
+        def warn(line: str) -> None:
+            print0(line, group=rt.group)
+
+        if self.memory is None:
+            found = self.manager.latest(warn=warn)
+        else:  # the copy in memory first, when it is newer than the disk's newest snapshot
+            source, found = resume_from_memory(self.memory, self.manager, warn, self._load)
+            if source is not None:
+                return self._resumed(source)
         if found is None:
             return 0
         sharded, extra = self.manager.load(found, self.model.state_dict, map_location="cpu", check=self._check)
-        self.model.load_state_dict(sharded)
         states = extra["states"]
-        for name, part in self.parts.items():
-            part.load_state_dict(states[name])
-        size = states[STREAMS]["world_size"]
+        size = states[STREAMS]["world_size"]  # this rank's own file at the same world size; every rank's at another
         wanted = [rt.rank] if size == rt.world_size else list(range(size))
         ranks: list[Any] = [None] * size
         for r, mine in zip(wanted, self.manager.read_own(found, wanted, map_location="cpu")):
             ranks[r] = mine
-        self.streams.load_state_dict({"world_size": size, "ranks": ranks})
-        self._saved_step = self.resumed_from = self.train.step
-        if self.streams.reseeded_from is not None:
+        states[STREAMS] = {"world_size": size, "ranks": ranks}
+        self._load({"strategy": sharded, "states": states})
+        self._saved_step = self.train.step
+        return self._resumed(str(found.path))
+
+    def _load(self, state: dict[str, Any]) -> None:
+        """Put a snapshot's state (from disk or memory) into the parts: "train" first, then the streams."""
+        self.model.load_state_dict(state["strategy"])
+        for name, part in self.parts.items():
+            part.load_state_dict(state["states"][name])
+        self.streams.load_state_dict(state["states"][STREAMS])
+
+    def _resumed(self, source: str) -> int:
+        rt, size = self.runtime, self.streams.reseeded_from
+        self.resumed_from = self.train.step
+        if size is not None:
             print0(
                 f"ddpkit: resuming a {size}-rank snapshot on {rt.world_size} ranks: same samples in the same "
                 "steps; random streams (dropout, augmentation) are reseeded",
                 group=rt.group,
             )
         where = f"epoch {self.loader.epoch}, batch {self.loader.batch_in_epoch}, " if self.loader is not None else ""
-        print0(f"ddpkit: resumed from {found.path} ({where}step {self.train.step})", group=rt.group)
+        print0(f"ddpkit: resumed from {source} ({where}step {self.train.step})", group=rt.group)
         return self.train.step
 
     def _record(self) -> dict[str, Any]:
@@ -344,7 +394,15 @@ class Snapshots:
         return {"parts": sorted(self.parts), "own": sorted(self.streams.own), "shapes": shapes}
 
     def _check(self, saved: dict[str, Any]) -> None:
-        old, new = saved["record"], self._record()
+        self._check_record(saved["record"])
+        loader = self.loader
+        if loader is not None and loader.on_data_change != "restart_epoch":
+            state = saved["states"]["loader"]
+            if changes := loader.changes_since(state):  # refused here, before the model is read
+                raise refusal(changes, int(state["epoch"]), int(state["cursor"]))
+
+    def _check_record(self, old: dict[str, Any]) -> None:
+        new = self._record()
         problems = []
         for what in ("parts", "own"):
             if old[what] != new[what]:
@@ -359,11 +417,19 @@ class Snapshots:
                 f"ddpkit: {self.manager.folder} holds another loop's snapshots: {'; '.join(problems)}. Build "
                 "Snapshots with the same parts and model, or give another run_dir"
             )
-        loader = self.loader
-        if loader is not None and loader.on_data_change != "restart_epoch":
-            state = saved["states"]["loader"]
-            if changes := loader.changes_since(state):  # refused here, before the model is read
-                raise refusal(changes, int(state["epoch"]), int(state["cursor"]))
+
+
+class _Record:
+    """What the copies in memory check before a resume, as a Trainer's run record: the parts and shapes."""
+
+    def __init__(self, snapshots: Snapshots) -> None:
+        self.snapshots = snapshots
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.snapshots._record()
+
+    def check(self, saved: dict[str, Any], snapshot: str) -> None:
+        self.snapshots._check_record(saved)
 
 
 def _listed_map(value: Mapping[str, Any] | None, what: str) -> dict[str, Any]:

@@ -9,7 +9,7 @@ trained on to ``OUT-rank<R>.pt``.
 
 ``--kill-step K``: on the first attempt, ``--kill-rank`` sends itself SIGKILL right after step K.
 ``--stop-after K``: every rank stops after step K, its snapshots written (to resume at another world size).
-``--control``: what a resume leaves out: ``streams`` (the random streams stay as the fresh process seeded
+``--memory``: copies in shared memory after steps (``--every-steps 0``: none on disk). ``--control``: what a resume leaves out: ``streams`` (the random streams stay as the fresh process seeded
 them), ``loader`` (the loader's position is not saved).
 """
 
@@ -46,11 +46,14 @@ def train(
     stop_after: int | None = None,
     kill: tuple[int, int] | None = None,
     async_write: bool = True,
+    memory: bool = False,
 ) -> dict[str, Any]:
     """Train (resuming from ``run_dir`` when it holds a snapshot); this rank's final state and batches."""
     rt = ddpkit.get_runtime()
     ddpkit.seed_everything(0)
-    layers = [torch.nn.Linear(FEATURES, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU()]
+    # No bias before BatchNorm: its gradient is 0 up to rounding, which Adam would scale up to whole steps, and
+    # runs at different world sizes (other summation orders) would drift apart on it alone.
+    layers = [torch.nn.Linear(FEATURES, 16, bias=False), torch.nn.BatchNorm1d(16), torch.nn.ReLU()]
     layers += [torch.nn.Dropout(0.3)] if dropout else []
     net = torch.nn.Sequential(*layers, torch.nn.Linear(16, CLASSES))
     model = ddpkit.prepare_model(net, sync_batchnorm=sync_bn)
@@ -65,6 +68,8 @@ def train(
         loader=None if control == "loader" else loader,
         every_steps=every_steps,
         async_write=async_write,
+        memory=memory,
+        memory_every_steps=1 if memory else None,  # not an interval chosen from timings: the test counts steps
     )
     fresh = torch.get_rng_state()
     resumed_from = snapshots.resume()
@@ -101,7 +106,8 @@ def main() -> None:
     parser.add_argument("run_dir")
     parser.add_argument("--out", required=True)
     parser.add_argument("--batch-size", type=int, default=None, help="per rank (default: the global batch / ranks)")
-    parser.add_argument("--every-steps", type=int, default=3)
+    parser.add_argument("--every-steps", type=int, default=3, help="0: no disk snapshots")
+    parser.add_argument("--memory", action="store_true", help="copies in shared memory after every step")
     parser.add_argument("--no-dropout", action="store_true")
     parser.add_argument("--sync-bn", action="store_true")
     parser.add_argument("--control", choices=["streams", "loader"])
@@ -113,7 +119,8 @@ def main() -> None:
     result = train(
         args.run_dir,
         batch_size=args.batch_size or GLOBAL_BATCH // rt.world_size,
-        every_steps=args.every_steps,
+        every_steps=args.every_steps or None,
+        memory=args.memory,
         dropout=not args.no_dropout,
         sync_bn=args.sync_bn,
         control=args.control,
