@@ -57,83 +57,13 @@ from ddpkit.errors import ConfigError, Preempted
 from ddpkit.memory.resume import resume_from_memory
 from ddpkit.memory.snapshots import MemorySnapshots, TrainerParts, open_memory_snapshots
 from ddpkit.snapshot.manager import SnapshotManager
-from ddpkit.strategies.base import join_own, separate_own
 from ddpkit.strategies.prepare import unwrap
+from ddpkit.strategies.prepared import LoopModel
 from ddpkit.training.schedule import SnapshotSchedule
 from ddpkit.training.state import RankStreams, TrainState
 
 STREAMS = "rng"
 """The part of ``values.pt`` that says the world size of the ranks' own files (their random streams)."""
-
-
-class _Optimizers:
-    """Several optimizers seen as one, where the snapshots in memory read one: their parameter groups in turn
-    (the groups themselves, so an update reaches the optimizer), and their states."""
-
-    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
-        self.optimizers = optimizers
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return [g for o in self.optimizers for g in o.param_groups]
-
-    @property
-    def state(self) -> dict[Any, Any]:
-        return {p: s for o in self.optimizers for p, s in o.state.items()}
-
-
-class LoopModel:
-    """Model(s) from :func:`~ddpkit.prepare_model` (or bare modules) and their optimizers, with the state a
-    :class:`~ddpkit.strategies.base.Strategy` gives a snapshot: parameters and optimizer state by parameter name
-    (the same names in DDP or not), each rank's own buffers in the per-rank part."""
-
-    name = "ddp"
-    replicated = True
-
-    def __init__(self, models: Mapping[str, nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
-        if list(models) == [""]:
-            self.model, bare = models[""], unwrap(models[""])
-            ignored = tuple(getattr(self.model, "parameters_to_ignore", ()))
-        else:  # DCP names a wrapped model's parameters without DDP's "module.", under the ModuleDict's names
-            self.model, bare = nn.ModuleDict(models), nn.ModuleDict({k: unwrap(m) for k, m in models.items()})
-            ignored = tuple(f"{k}.{p}" for k, m in models.items() for p in getattr(m, "parameters_to_ignore", ()))
-        self.bare, self.ignored, self.optimizers = bare, ignored, optimizers
-        self.optimizer: Any = optimizers[0] if len(optimizers) == 1 else _Optimizers(optimizers)
-        params = {id(p) for p in self.model.parameters()}
-        for i, opt in enumerate(optimizers):
-            if any(id(p) not in params for g in opt.param_groups for p in g["params"]):
-                raise ConfigError(
-                    f"optimizer {i} holds a parameter of no model given to Snapshots: pass every model its "
-                    "optimizers train (model={'name': model, ...})"
-                )
-
-    def state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint import state_dict as dsd
-
-        from ddpkit.strategies.ddp import state_options
-
-        if self.optimizers:
-            model_state, optim_state = dsd.get_state_dict(self.model, self.optimizers, options=state_options())
-        else:
-            model_state, optim_state = dsd.get_model_state_dict(self.model, options=state_options()), {}
-        return separate_own({"model": model_state, "optim": optim_state}, self.bare, self.ignored)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint import state_dict as dsd
-
-        from ddpkit.strategies.ddp import state_options
-
-        state = join_own(state)
-        if self.optimizers:
-            dsd.set_state_dict(
-                self.model,
-                self.optimizers,
-                model_state_dict=state["model"],
-                optim_state_dict=state["optim"],
-                options=state_options(),
-            )
-        else:
-            dsd.set_model_state_dict(self.model, state["model"], options=state_options())
 
 
 def _listed(value: Any, what: str) -> list[Any]:
@@ -227,7 +157,7 @@ class Snapshots:
         self.resumed_from: int | None = None
         """The step of the snapshot :meth:`resume` restored, if any."""
         self._signal, self._stopping, self._deferred = 0, False, False
-        self._saved_step: int | None = None
+        self._saved_at: tuple[int, int, int] | None = None  # the position last written (or resumed from)
         self.schedule = SnapshotSchedule(every_steps, 0, memory_every_steps or 1)
         self.memory: MemorySnapshots | None = None
         """The copies in shared memory (``memory=True``; None where the job has no memory folder)."""
@@ -282,12 +212,11 @@ class Snapshots:
     def save(self, wait: bool = False) -> None:
         """Snapshot the loop now (every rank). Returns once the state is copied to host memory (the write goes
         on in the background), or written; ``wait``: once it is whole on disk."""
-        step = self.train.step
-        if self._saved_step == step:  # already on disk (a save at the end of the loop after step's)
+        step, position = self.train.step, self._position()
+        if self._saved_at == position:  # already on disk (a save at the loop's end, after step()'s)
             if wait:
                 self.manager.wait()
             return
-        self._position()
         extra = {
             "states": {name: part.state_dict() for name, part in self.parts.items()},
             "record": self._record(),
@@ -296,7 +225,7 @@ class Snapshots:
         self.manager.save(
             step, self.model.state_dict(), extra, replicated=self.model.replicated, own=self.streams.mine()
         )
-        self._saved_step = step
+        self._saved_at = position
         if wait:
             self.manager.wait()
 
@@ -362,7 +291,7 @@ class Snapshots:
             ranks[r] = mine
         states[STREAMS] = {"world_size": size, "ranks": ranks}
         self._load({"strategy": sharded, "states": states})
-        self._saved_step = self.train.step
+        self._saved_at = self._position()
         return self._resumed(str(found.path))
 
     def _load(self, state: dict[str, Any]) -> None:
@@ -439,4 +368,4 @@ def _listed_map(value: Mapping[str, Any] | None, what: str) -> dict[str, Any]:
     return items
 
 
-__all__ = ["LoopModel", "Snapshots"]
+__all__ = ["Snapshots"]

@@ -151,3 +151,51 @@ def test_bad_arguments_name_what_to_change(tmp_path):
         ddpkit.Snapshots(tmp_path, model=model, loader=torch.utils.data.DataLoader(range(4)))  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="optimizer 0 holds a parameter of no model"):
         ddpkit.Snapshots(tmp_path, model=model, optimizer=torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=1))
+
+
+def two_models_or_a_strategy(folder: str, kind: str) -> bool:
+    """A DCGAN-like loop (two models, two optimizers, two schedulers, by name) or one on a ``zero`` strategy,
+    stopped after step 5 and resumed: True if it ends bitwise where an uninterrupted run does."""
+    from ddpkit.strategies import build_strategy
+
+    def run(run_dir: str, stop_after: int | None = None) -> dict | None:
+        ddpkit.seed_everything(0)
+        loader = ddpkit.build_loader(dataset(), batch_size=6, num_workers=0)
+        if kind == "two models":
+            g, d = (ddpkit.prepare_model(torch.nn.Linear(8, 8)), ddpkit.prepare_model(torch.nn.Linear(8, 3)))
+            optimizers = [torch.optim.Adam(g.parameters(), lr=1e-2), torch.optim.SGD(d.parameters(), lr=0.1)]
+            models: dict = {"G": g, "D": d}
+            forward = lambda x: d(torch.nn.functional.dropout(g(x), 0.3))  # noqa: E731
+            given = {"model": models, "optimizer": optimizers}
+        else:
+            net = torch.nn.Linear(8, 3)
+            strategy = build_strategy("zero", net, torch.optim.Adam(net.parameters(), lr=1e-2))
+            optimizers, forward, given = [strategy.optimizer], strategy.model, {"model": strategy}
+        schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in optimizers]
+        snapshots = ddpkit.Snapshots(
+            run_dir, **given, scheduler=schedulers if kind == "two models" else None, loader=loader, every_steps=2
+        )
+        snapshots.resume()
+        for _ in range(loader.epoch, 3):
+            for x, y in loader:
+                torch.nn.functional.cross_entropy(forward(x), y).backward()
+                for o in optimizers:
+                    o.step()
+                    o.zero_grad()
+                snapshots.step()
+                if snapshots.steps == stop_after:
+                    snapshots.close()
+                    return None
+            for s in schedulers:
+                s.step()
+        snapshots.close()
+        return {"model": snapshots.model.state_dict()}
+
+    reference = run(f"{folder}/reference")
+    run(f"{folder}/run", stop_after=5)
+    return same_bits(run(f"{folder}/run"), reference)
+
+
+@pytest.mark.parametrize("kind", ["two models", "zero"])
+def test_two_models_with_their_optimizers_or_a_strategy_resume_bitwise(tmp_path, kind):
+    assert run_on_ranks(two_models_or_a_strategy, 2, (str(tmp_path), kind), timeout=300) == [True, True]
