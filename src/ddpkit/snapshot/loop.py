@@ -34,7 +34,7 @@ Hazards this answers:
   scheduler's step, an evaluation that decides something) had not run, and a resume would skip it.
 - SIGTERM and SIGUSR1 are only noted while the object is open; the ranks agree on them every
   ``signals_every_steps`` steps (one small all-reduce), and every rank then saves after the same step and
-  raises :class:`~ddpkit.Preempted` (exit code 75: ``ddpkit run`` restarts without counting a failure).
+  raises :class:`~ddpkit.Preempted` (exit code 75: pre-empted, run me again).
 """
 
 from __future__ import annotations
