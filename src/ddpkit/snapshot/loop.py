@@ -257,7 +257,9 @@ class Snapshots:
     def __enter__(self) -> Snapshots:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: object, *exc: object) -> None:
+        if kind is not None:  # the epoch's end may have failed half-way: its position is not one to resume at
+            self._deferred = False
         self.close()
 
     def _on_signal(self, signum: int) -> None:

@@ -7,7 +7,8 @@ trained on to ``OUT-rank<R>.pt``.
 
     ddpkit run --nproc 2 --max-restarts 1 tests/jobs/scripts/hand_loop_job.py RUN_DIR --out OUT --kill-step 7
 
-``--kill-step K``: on the first attempt, ``--kill-rank`` sends itself SIGKILL right after step K.
+``--kill-step K``: on the first attempt, ``--kill-rank`` sends itself SIGKILL right after step K (once the
+snapshot being written, if any, is whole).
 ``--stop-after K``: every rank stops after step K, its snapshots written (to resume at another world size).
 ``--memory``: copies in shared memory after steps (``--every-steps 0``: none on disk). ``--control``: what a resume leaves out: ``streams`` (the random streams stay as the fresh process seeded
 them), ``loader`` (the loader's position is not saved).
@@ -85,6 +86,7 @@ def train(
             batches.append((epoch, i, snapshots.steps + 1))
             snapshots.step()
             if kill is not None and rt.restart_count == 0 and (rt.rank, snapshots.steps) == kill:
+                snapshots.wait()  # the snapshot in flight whole first: the restart resumes from the newest one due
                 os.kill(os.getpid(), signal.SIGKILL)
             if snapshots.steps == stop_after:  # as if killed here, once the writes under way are whole
                 snapshots.close()
