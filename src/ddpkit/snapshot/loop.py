@@ -99,7 +99,7 @@ class Snapshots:
         async_write: bool = True,
         memory: bool = False,
         memory_every_steps: int | None = None,
-        signals_every_steps: int = 10,
+        signals_every_steps: int = 20,
         seed: int | None = None,
         runtime: Runtime | None = None,
     ) -> None:
@@ -113,8 +113,9 @@ class Snapshots:
         this many :meth:`step` calls (None: only :meth:`save` and stop signals); ``keep``, ``async_write``,
         ``memory``, ``memory_every_steps``: as :class:`~ddpkit.SnapshotConfig`'s (``memory``: a copy in shared
         memory after steps, under ``ddpkit run``, which :meth:`resume` takes when it is newer than the disk's).
-        ``seed``: what the streams are reseeded from at another world size (default: the loader's seed, else
-        0)."""
+        ``signals_every_steps``: how often the ranks agree on a stop signal (one all-reduce of one number, as
+        the Trainer's ``LoggingConfig.every_steps``; on a GPU it also waits for the device). ``seed``: what the
+        streams are reseeded from at another world size (default: the loader's seed, else 0)."""
         checked = (("every_steps", every_steps, 1), ("keep", keep, 1), ("memory_every_steps", memory_every_steps, 1))
         for name, value, low in checked:
             if value is not None and value < low:

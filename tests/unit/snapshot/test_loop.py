@@ -95,7 +95,7 @@ def stop_signal(folder: str) -> tuple[int, int | None]:
     model = ddpkit.prepare_model(torch.nn.Linear(8, 3))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = ddpkit.build_loader(dataset(), batch_size=6, num_workers=0)
-    snapshots = ddpkit.Snapshots(folder, model=model, optimizer=optimizer, loader=loader, every_steps=None)
+    snapshots = ddpkit.Snapshots(folder, model=model, optimizer=optimizer, loader=loader, signals_every_steps=10)
     try:
         for _ in range(5):
             for x, y in loader:
