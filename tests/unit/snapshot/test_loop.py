@@ -199,3 +199,33 @@ def two_models_or_a_strategy(folder: str, kind: str) -> bool:
 @pytest.mark.parametrize("kind", ["two models", "zero"])
 def test_two_models_with_their_optimizers_or_a_strategy_resume_bitwise(tmp_path, kind):
     assert run_on_ranks(two_models_or_a_strategy, 2, (str(tmp_path), kind), timeout=300) == [True, True]
+
+
+class Counter:
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = state["value"]
+
+
+def extra_and_own(folder: str) -> tuple[int, int]:
+    """``extra``: rank 0's value comes back on every rank; ``own``: each rank's own."""
+    rank = ddpkit.get_runtime().rank
+    model = ddpkit.prepare_model(torch.nn.Linear(2, 2))
+    saved = ddpkit.Snapshots(folder, model=model, extra={"c": Counter(100 + rank)}, own={"r": Counter(10 * rank)})
+    saved.step()
+    saved.save()
+    saved.close()
+    shared, mine = Counter(0), Counter(0)
+    resumed = ddpkit.Snapshots(folder, model=model, extra={"c": shared}, own={"r": mine})
+    assert resumed.resume() == 1
+    resumed.close()
+    return shared.value, mine.value
+
+
+def test_extra_objects_come_back_as_rank_0s_and_own_objects_as_each_ranks(tmp_path):
+    assert run_on_ranks(extra_and_own, 2, (str(tmp_path),)) == [(100, 0), (100, 10)]
