@@ -29,6 +29,7 @@ from ddpkit.distributed.runtime import Runtime, get_runtime, init, shutdown
 from ddpkit.distributed.seeding import seed_everything
 from ddpkit.errors import ConfigError, Preempted
 from ddpkit.launch.spawn import spawn
+from ddpkit.snapshot.loop import Snapshots
 from ddpkit.snapshot.schedule import SnapshotConfig
 from ddpkit.strategies import DDPConfig, FSDPConfig, ZeroConfig
 from ddpkit.strategies.prepare import no_sync, prepare_model, unwrap
@@ -78,6 +79,7 @@ __all__ = [
     "ZeroConfig",
     "FSDPConfig",
     "Callback",
+    "Snapshots",
     # what the DDP tutorials write by hand
     "print0",
     "get_logger",

@@ -27,10 +27,10 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 from ddpkit.errors import ConfigError
-from ddpkit.memory import slot as mslot
-from ddpkit.memory import values as mvalues
 from ddpkit.snapshot import folders, storage
 from ddpkit.snapshot.chunks import check_chunks
+from ddpkit.snapshot.memory import slot as mslot
+from ddpkit.snapshot.memory import values as mvalues
 
 GROWTH = (1, 4, 16, 64)
 PER_DOUBLING = 2.2

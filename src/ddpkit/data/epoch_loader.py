@@ -67,6 +67,33 @@ class EpochLoader(DataLoader):
         epoch, first = sampler.epoch, sampler._first_step()
         return (epoch + 1, 0) if first >= sampler.steps_per_epoch else (epoch, first * sampler.global_batch_size)
 
+    @property
+    def epoch(self) -> int:
+        """The epoch of the batches being handed over, or of the next ``iter()``: after a resume, the epoch the
+        snapshot was taken in (``for epoch in range(loader.epoch, epochs)``)."""
+        return self.position()[0]
+
+    @property
+    def batch_in_epoch(self) -> int:
+        """The index in its epoch of the batch handed over next: 0 at an epoch's start, ``k`` after a resume
+        from a snapshot taken after ``k`` batches of it. A loop keyed on the index in the epoch counts from it:
+        ``for i, batch in enumerate(loader, start=loader.batch_in_epoch)``."""
+        cursor = self.position()[1]
+        return -(-cursor // cast(ShardedBatchSampler, self.batch_sampler).global_batch_size)
+
+    @property
+    def finishing_epoch(self) -> bool:
+        """The iteration under way has handed over its epoch's last batch and not yet ended: the code after
+        the loop over the batches (an epoch scheduler, an evaluation) has not run, though :meth:`position`
+        already says the next epoch."""
+        sampler = cast(ShardedBatchSampler, self.batch_sampler)
+        live = self._pass
+        return (
+            live is not None
+            and live.token == sampler.position_token()
+            and live.first + live.handed >= sampler.steps_per_epoch
+        )
+
     def state_dict(self) -> dict[str, Any]:
         """Where the loop stands (:meth:`position`) and the data's fingerprint: save it with the model."""
         epoch, cursor = self.position()

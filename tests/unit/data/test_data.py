@@ -517,6 +517,26 @@ def test_the_loader_state_is_the_batches_handed_over_and_resumes_there():
     assert loader.state_dict()["epoch"] == 2 and loader.state_dict()["cursor"] == 0
 
 
+def test_a_resumed_loader_says_its_epoch_and_the_index_of_its_next_batch():
+    data = TensorDataset(torch.arange(40))
+    loader = ddpkit.build_loader(data, 8, seed=1, num_workers=0)  # 5 batches an epoch
+    assert (loader.epoch, loader.batch_in_epoch, loader.finishing_epoch) == (0, 0, False)
+    seen = []
+    for i, _ in enumerate(loader, start=loader.batch_in_epoch):
+        assert i == loader.batch_in_epoch - 1  # the batch just handed over
+        seen.append((i, loader.finishing_epoch))
+        if i == 2:
+            break
+    assert seen == [(0, False), (1, False), (2, False)]
+    resumed = ddpkit.build_loader(data, 8, seed=1, num_workers=0)
+    resumed.load_state_dict(loader.state_dict())
+    assert (resumed.epoch, resumed.batch_in_epoch) == (0, 3)  # not 0: the index the uninterrupted loop is at
+    rest = [(i, resumed.finishing_epoch) for i, _ in enumerate(resumed, start=resumed.batch_in_epoch)]
+    # At the last batch the loader says the next epoch, while the code after the loop has not run yet.
+    assert rest == [(3, False), (4, True)]
+    assert (resumed.epoch, resumed.batch_in_epoch, resumed.finishing_epoch) == (1, 0, False)
+
+
 def test_a_changed_length_is_refused_or_restarts_the_epoch():
     loader = ddpkit.build_loader(TensorDataset(torch.arange(40)), 8, seed=1, num_workers=0)
     it = iter(loader)
