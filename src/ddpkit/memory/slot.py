@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ddpkit.memory.values import Spec, checked_specs, views
+from ddpkit.snapshot.region import Spec, checked_specs, views
 
 MAGIC = b"DDPKMEM2"  # 1: no checksum of the data region (such slots are not found)
 HEADER = 4096
