@@ -150,18 +150,23 @@ def _tensor(value: torch.Tensor, tensors: list[torch.Tensor]) -> Any:
     return {"t": len(tensors) - 1}
 
 
+def _dtype_name(dtype: Any) -> str:
+    # By its character, not its .str: 'q' (longlong) and 'l' (int64) are both '<i8', of two scalar types.
+    return dtype.str if dtype.kind in "mMUS" else dtype.str[0] + dtype.char
+
+
 def _numpy_value(value: Any, np: Any, tensors: list[torch.Tensor]) -> Any:
     dtype = value.dtype
     if dtype.kind not in "biufcmMUS" or dtype.itemsize == 0:
         raise _Refused(value, f" of dtype {dtype}")
     if isinstance(value, np.generic):
-        return {"n": [dtype.str, value.tobytes().hex()]}
+        return {"n": [_dtype_name(dtype), value.tobytes().hex()]}
     if type(value) is not np.ndarray:
         raise _Refused(value, " (a subclass of numpy.ndarray)", "a plain array (numpy.asarray)")
     fortran = value.ndim > 1 and value.flags.f_contiguous and not value.flags.c_contiguous
     flat = np.ascontiguousarray(value.T if fortran else value).reshape(-1).view(np.uint8)
     tensors.append(torch.from_numpy(flat if flat.flags.writeable else flat.copy()))
-    return {"a": [len(tensors) - 1, dtype.str, list(value.shape), "F" if fortran else "C"]}
+    return {"a": [len(tensors) - 1, _dtype_name(dtype), list(value.shape), "F" if fortran else "C"]}
 
 
 def _enc(value: Any, tensors: list[torch.Tensor]) -> Any:
@@ -432,8 +437,10 @@ def decode_blob(data: bytes | memoryview) -> Any:
 # -- a value file of a disk snapshot --------------------------------------------------------------------
 
 
-def _alone(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a tensor that owns exactly its bytes: torch.save writes a view's whole storage."""
+def alone(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a tensor that owns exactly its bytes, a copy where it does not. torch.save writes a view's whole
+    storage, and writes a storage that is not a whole number of elements (a tensor viewing a byte buffer) into
+    a file that torch.load then refuses ("record size does not match")."""
     t = t.detach().resolve_conj().resolve_neg()
     if t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes:
         return t
@@ -445,7 +452,7 @@ def file_bytes(skeleton: Any, tensors: Sequence[torch.Tensor]) -> bytes:
     format, the skeleton as JSON text, the tensors), which loads with ``torch.load(weights_only=True)``."""
     buffer = io.BytesIO()
     text = json.dumps(skeleton, separators=(",", ":"))
-    torch.save({"format": FORMAT, "values": text, "tensors": [_alone(t) for t in tensors]}, buffer)
+    torch.save({"format": FORMAT, "values": text, "tensors": [alone(t) for t in tensors]}, buffer)
     return buffer.getvalue()
 
 
