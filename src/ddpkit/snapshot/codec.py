@@ -365,11 +365,13 @@ def _decode_other(tag: str, body: Any, tensors: Sequence[torch.Tensor]) -> Any:
     if tag == "p":
         return _PATHS[body[0]](body[1])
     if tag == "DT":
-        return dt.datetime(*body[:7], tzinfo=_untz(body[8]), fold=body[7])
+        year, month, day, hour, minute, second, micro, fold, tz = body
+        return dt.datetime(year, month, day, hour, minute, second, micro, tzinfo=_untz(tz), fold=fold)
     if tag == "D":
         return dt.date(*body)
     if tag == "T":
-        return dt.time(*body[:4], tzinfo=_untz(body[5]), fold=body[4])
+        hour, minute, second, micro, fold, tz = body
+        return dt.time(hour, minute, second, micro, tzinfo=_untz(tz), fold=fold)
     if tag == "TD":
         return dt.timedelta(*body)
     if tag == "dec":
@@ -392,8 +394,8 @@ def decode(skeleton: Any, tensors: Sequence[torch.Tensor]) -> Any:
     ``IndexError``, ``TypeError``, ``AttributeError`` or ``RecursionError`` (never runs code)."""
     try:
         return _dec(skeleton, tensors)
-    except (ArithmeticError, decimal.InvalidOperation) as err:  # Fraction(1, 0), Decimal("x"), an overflow
-        raise ValueError(f"a value that no save writes ({type(err).__name__})") from None
+    except (ArithmeticError, RuntimeError, OSError) as err:  # Fraction(1, 0), Decimal("x"), torch.device("x")
+        raise ValueError(f"a value that no save writes ({type(err).__name__}: {str(err)[:80]})") from None
 
 
 MALFORMED = (ValueError, KeyError, IndexError, TypeError, AttributeError, RecursionError)

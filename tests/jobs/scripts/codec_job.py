@@ -5,6 +5,7 @@ holds a ``deque``, a ``Path``, a ``datetime`` and a numpy array. Rank ``--kill-r
 written there and each rank's callback state, with the types it was loaded back as, to ``out.callback<r>``.
 
     python tests/jobs/scripts/codec_job.py RUN_DIR --out FILE [--kill-rank R --kill-step S --log DIR]
+        [--before-codec]
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime as dt
+import io
 import pathlib
 from typing import Any
 
@@ -50,6 +52,21 @@ class KeepsThings:
         self.history, self.folder, self.when, self.mean = (state[k] for k in ("history", "folder", "when", "mean"))
 
 
+def before_the_codec() -> None:
+    """The control: a snapshot's values written with ``torch.save`` (anything pickles) and read with
+    ``torch.load(weights_only=True)``, as the disk snapshots did before :mod:`ddpkit.snapshot.codec`."""
+    from ddpkit.snapshot import codec
+
+    def file_bytes(value: Any, tensors: Any) -> bytes:
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        return buffer.getvalue()
+
+    codec.encode = lambda value, tensors, where="": value  # type: ignore[assignment]
+    codec.file_bytes = file_bytes  # type: ignore[assignment]
+    codec.read_file = lambda file, map_location=None: torch.load(file, map_location=map_location, weights_only=True)
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("run_dir")
@@ -57,7 +74,10 @@ if __name__ == "__main__":
     p.add_argument("--kill-rank", type=int, default=None)
     p.add_argument("--kill-step", type=int, default=None)
     p.add_argument("--log", default=None)
+    p.add_argument("--before-codec", action="store_true")
     a = p.parse_args()
+    if a.before_codec:
+        before_the_codec()
     callback = KeepsThings()
     train(
         a.run_dir,

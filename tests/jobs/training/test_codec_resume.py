@@ -2,9 +2,8 @@
 datetime and numpy array), SIGKILLed under ``ddpkit run --max-restarts 1``: the restart resumes from its disk
 snapshot and ends bit for bit where an uninterrupted run does, with the callback's state of the same types.
 
-The control (the same values written with ``torch.save`` and read with ``torch.load(weights_only=True)``, as
-before :mod:`ddpkit.snapshot.codec`, are refused or change type) is the unit test
-``tests/unit/snapshot/test_codec.py::test_control_torch_save_and_weights_only_load_fail_the_property``.
+The control: the same job with its values written with ``torch.save`` and read with
+``torch.load(weights_only=True)``, as before :mod:`ddpkit.snapshot.codec`, saves and then fails at the restart.
 """
 
 from __future__ import annotations
@@ -26,11 +25,15 @@ from tests.trainer_checks import bitwise_equal
 JOB = str(Path(__file__).parents[1] / "scripts" / "codec_job.py")
 
 
-def launch(tmp: Path, name: str, *args: str, env: dict) -> tuple[dict, list[dict]]:
+def run(tmp: Path, name: str, *args: str, env: dict) -> subprocess.CompletedProcess:
     (tmp / f"{name}-log").mkdir()
     cmd = [sys.executable, "-m", "ddpkit.cli", "run", "--nproc", "2", "--max-restarts", "1", JOB]
     cmd += [str(tmp / name), "--out", str(tmp / f"{name}.pt"), "--log", str(tmp / f"{name}-log"), *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp)
+
+
+def launch(tmp: Path, name: str, *args: str, env: dict) -> tuple[dict, list[dict]]:
+    proc = run(tmp, name, *args, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     final = torch.load(tmp / f"{name}.pt", weights_only=False)
     callbacks = [torch.load(tmp / f"{name}.pt.callback{r}", weights_only=False) for r in range(2)]
@@ -61,3 +64,13 @@ def test_a_run_keeping_numpy_deque_path_datetime_resumes_bitwise_from_disk(tmp_p
         assert type(got["folder"]) is pathlib.PosixPath and type(got["when"]) is dt.datetime
         assert got["when"] == want["when"] and got["mean"].tobytes() == want["mean"].tobytes(), rank
     assert ref_callbacks[0]["history"] != ref_callbacks[1]["history"]  # each rank's own came back
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_control_the_same_run_with_values_pickled_as_before_the_codec_fails_at_the_restart(tmp_path, clean_env):
+    proc = run(tmp_path, "before", "--kill-rank", "1", "--kill-step", "8", "--before-codec", env=clean_env)
+    assert list((tmp_path / "before-log").glob("killed-*")), "no worker was killed"
+    assert proc.returncode != 0, "the run resumed: the control shows nothing"
+    summary = proc.stderr[proc.stderr.index("ddpkit run:") :]
+    assert "step-00000006/values.pt holds objects other than tensors and plain values" in summary, summary[-2000:]

@@ -455,8 +455,12 @@ def test_a_lying_skeleton_is_refused_without_running_anything():
         {"p": ["os.system", "x"]},
         {"dd": ["eval", []]},
         {"dt": "builtins.eval"},
+        {"dv": "nowhere"},
+        {"P": [1, True]},  # an int tensor cannot require grad
+        {"DT": ["2020", 1, 1, 0, 0, 0, 0, 0, ["zi", "../../etc/passwd"]]},
+        {"DT": [2020, 1, 1, 0, 0, 0, 0, 0, ["zi", "Europe"]]},
         [1, 2],
         {"m": {}, "l": []},
     ]:
         with pytest.raises(codec.MALFORMED):
-            codec.decode(lie, [torch.zeros(2)])
+            codec.decode(lie, [torch.zeros(2), torch.zeros(2, dtype=torch.int64)])
