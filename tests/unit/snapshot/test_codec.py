@@ -28,6 +28,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+import ddpkit
 from ddpkit.errors import ConfigError
 from ddpkit.memory import slot as mslot
 from ddpkit.memory import store as ms
@@ -464,3 +465,54 @@ def test_a_lying_skeleton_is_refused_without_running_anything():
     ]:
         with pytest.raises(codec.MALFORMED):
             codec.decode(lie, [torch.zeros(2), torch.zeros(2, dtype=torch.int64)])
+
+
+class Holds:
+    """A callback whose state is ``value``."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kept": self.value}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.value = state["kept"]
+
+
+def fit_with_memory(tmp: pathlib.Path, value: Any, monkeypatch: Any) -> None:
+    """A Trainer of one process whose snapshots in memory are on (a memory folder, as ``ddpkit run``'s agent
+    makes one): their first save is after step 1, the first disk snapshot at the epoch's end (step 4)."""
+    from ddpkit.memory import folder as memory_folder
+    from ddpkit.training.config import LoggingConfig, SnapshotConfig, TrainerConfig
+
+    (tmp / "mem").mkdir()
+    monkeypatch.setenv(memory_folder.DIR_ENV, str(tmp / "mem"))
+    monkeypatch.setenv(memory_folder.KEY_ENV, "key")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
+    config = TrainerConfig(
+        run_dir=str(tmp / "run"),
+        batch_size=8,
+        epochs=1,
+        num_workers=0,
+        logging=LoggingConfig(progress=False),
+        snapshot=SnapshotConfig(memory=True),
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = ddpkit.Trainer(model, optimizer, data, config, callbacks=[Holds(value)])
+    assert trainer.snapshots.memory is not None, "the snapshots in memory are off: the test shows nothing"
+    trainer.fit()
+
+
+def test_the_memory_backend_refuses_at_its_first_save_before_any_slot_is_written(tmp_path, monkeypatch):
+    with pytest.raises(ConfigError, match=r"cannot hold own.own.callback:Holds.kept\[1\], a .*Point"):
+        fit_with_memory(tmp_path, [1, Point(2)], monkeypatch)
+    assert not list((tmp_path / "mem").glob("*.slot")), "a slot was written"
+    assert not list((tmp_path / "run" / "snapshots").glob("step-*")), "refused by the disk save, not the memory's"
+
+
+def test_control_the_same_run_with_a_value_the_codec_holds_runs_to_its_end(tmp_path, monkeypatch):
+    fit_with_memory(tmp_path, [1, collections.deque([2], maxlen=3)], monkeypatch)
+    assert [p.name for p in (tmp_path / "run" / "snapshots").glob("step-*")] == ["step-00000004"]
