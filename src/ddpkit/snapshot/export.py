@@ -11,6 +11,8 @@ Two formats:
 
 - ``safetensors`` (the ``safetensors`` extra): ``safetensors.torch.load_file(path)``; a flat, memory-mappable
   file that holds tensors only, and ``{"format": "pt"}`` in its metadata, which ``from_pretrained`` asks for.
+  A tensor of a dtype that the installed safetensors cannot write and read back (complex128, float8_e8m0fnu)
+  is refused at the save, by name, rather than written into a file that does not load.
 - ``pt``: ``torch.load(path, weights_only=True)``: the state dict itself.
 
 Tied weights (an embedding and the output layer sharing one tensor, as in GPT-2 and nanoGPT) appear under both
@@ -22,6 +24,7 @@ more on disk. The metadata's ``tied`` entry lists each copied name and the name 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import io
 import json
@@ -33,6 +36,8 @@ import torch
 
 from ddpkit import fs
 from ddpkit.errors import ConfigError
+from ddpkit.snapshot.codec import alone
+from ddpkit.snapshot.region import DTYPES
 
 FORMATS = ("safetensors", "pt")
 
@@ -77,9 +82,25 @@ def plain_tensors(state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], di
             tensor = tensor.clone(memory_format=torch.contiguous_format)
         elif address:
             owners[address] = name
-        out[name] = tensor.contiguous()
-    # A contiguous() of a view made a copy of its own; a whole tensor (most weights) is written without a copy.
+        out[name] = alone(tensor)
+    # A view gets a copy of its own; a whole tensor (most weights) is written without a copy.
     return out, tied
+
+
+@functools.cache
+def _safetensors_dtypes() -> frozenset[torch.dtype]:
+    """The dtypes that the installed safetensors writes and reads back as they were: some it writes and then
+    cannot read (float8_e8m0fnu), some it refuses with a bare KeyError (complex128)."""
+    from safetensors.torch import load, save
+
+    found = set()
+    for dtype in DTYPES.values():
+        try:
+            if load(save({"x": torch.zeros(2, dtype=dtype)}))["x"].dtype == dtype:
+                found.add(dtype)
+        except Exception:  # noqa: BLE001 - whatever safetensors raises for a dtype it lacks
+            continue
+    return frozenset(found)
 
 
 def weights_bytes(state: Mapping[str, Any], fmt: str, metadata: Mapping[str, Any] | None = None) -> bytes:
@@ -94,6 +115,12 @@ def weights_bytes(state: Mapping[str, Any], fmt: str, metadata: Mapping[str, Any
         raise ConfigError(f"weights_format={fmt!r} is not valid: give one of {FORMATS} (or None)")
     from safetensors.torch import save
 
+    for name, tensor in tensors.items():
+        if tensor.dtype not in _safetensors_dtypes():
+            raise ConfigError(
+                f"the weights hold {name!r}, a tensor of dtype {tensor.dtype}, which a safetensors file cannot hold "
+                "(or not read back): set weights_format='pt', or convert it to another dtype"
+            )
     header = {"format": "pt"} | {k: json.dumps(v) for k, v in (metadata or {}).items()}
     if tied:
         header["tied"] = json.dumps(tied)

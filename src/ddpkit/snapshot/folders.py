@@ -21,9 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ddpkit.errors import ConfigError
+from ddpkit.snapshot import codec
 
 MARKER = "complete.json"
 _FOLDER = re.compile(r"^step-(\d+)$")
@@ -200,60 +199,47 @@ def prune(folder_path: Path, keep_last: int, newest: int) -> None:
 VALUES = "values.pt"
 """The file of a state's values other than DCP's tensors (every rank's, and rank 0's ``extra``)."""
 OWN = "rank{}.pt"
-"""The file of one rank's own values (``SnapshotManager.save``'s ``own``: its random streams), by rank."""
+"""The file of one rank's own values (``SnapshotManager.save``'s ``own``: its random streams, the callbacks'
+state), by rank. It and :data:`VALUES` are written and read by :mod:`ddpkit.snapshot.codec`."""
 INDEX = "metadata.json"
 """DCP's index of a snapshot, as JSON (:mod:`ddpkit.snapshot.storage` writes and reads it)."""
-FORMAT = 2
-"""The layout of :data:`VALUES`; a folder of another is refused by name, never read as this one. 2: rank 0's
-values whole and each other rank's differences (1: every rank's whole)."""
-
-
-EARLIER_VALUES = "trainer.pt"
-"""What :data:`VALUES` was called by ddpkit's earlier snapshot folders (pickled values, another layout)."""
-
-
-def _another_version(folder: Path, why: str) -> str:
-    return (
-        f"{folder} was written by another version of ddpkit ({why}): resume it with that version, or start afresh "
-        "here with TrainerConfig(resume=False) (its snapshots are moved aside) or in another run_dir"
-    )
-
-
-def another_version(found: Found) -> str | None:
-    """The refusal of a whole folder that an earlier ddpkit wrote (its marker lists :data:`EARLIER_VALUES`, not
-    :data:`VALUES`), else None. Such a folder is neither damaged nor this version's: skipping it would resume
-    from an older snapshot or from step 0, and count it among the folders kept."""
-    try:
-        files = listed(found)
-    except ValueError:
-        return None  # damaged: verify() says how
-    if EARLIER_VALUES not in files or VALUES in files:
-        return None
-    return _another_version(found.path, f"it holds {EARLIER_VALUES}, not {VALUES}")
 
 
 def _load_plain(file: Path, folder: Path, map_location: Any) -> Any:
-    """``file`` of snapshot ``folder``, loaded with ``weights_only``; refused by name when it holds anything else."""
+    """The value file ``file`` of snapshot ``folder`` (:func:`ddpkit.snapshot.codec.read_file`); refused by name
+    when it holds anything but what the codec writes, or is of another format."""
     try:
-        return torch.load(file, map_location=map_location, weights_only=True)
+        return codec.read_file(file, map_location)
     except pickle.UnpicklingError:
         raise ConfigError(
             f"{file} holds objects other than tensors and plain values, which ddpkit never writes: refusing to "
             f"load it, as unpickling them could run code. Remove {folder} to resume from the snapshot before it"
         ) from None
+    except codec.FormatError as err:
+        raise ConfigError(
+            f"{folder} was written by another version of ddpkit (its {file.name} is of {err}, this version reads "
+            f"format {codec.FORMAT}): resume it with that version, or start afresh here with "
+            "TrainerConfig(resume=False) (its snapshots are moved aside) or in another run_dir"
+        ) from None
+    except codec.MALFORMED as err:
+        raise ConfigError(
+            f"{file} holds values that ddpkit never writes ({type(err).__name__}: {str(err)[:200]}): refusing it. "
+            f"Remove {folder} to resume from the snapshot before it"
+        ) from None
 
 
 def read_values(folder: Path, map_location: Any) -> dict[str, Any]:
-    """The snapshot's :data:`VALUES`, loaded with ``weights_only``; refused by name when it holds anything else or
-    is of another format."""
+    """The snapshot's :data:`VALUES`; refused by name when it holds anything but what the codec writes, is of
+    another format, or is not what a save writes there."""
     saved = _load_plain(folder / VALUES, folder, map_location)
-    if not isinstance(saved, dict) or saved.get("format") != FORMAT:
-        raise ConfigError(_another_version(folder, f"its {VALUES} is not of format {FORMAT}"))
+    keys = {"world_size", "values", "differences", "extra"}
+    if not isinstance(saved, dict) or set(saved) != keys or type(saved["world_size"]) is not int:
+        raise ConfigError(f"{folder / VALUES} is not what ddpkit writes there: refusing it. Remove {folder}")
     return saved
 
 
 def read_own(found: Found, ranks: list[int], map_location: Any) -> list[Any]:
-    """The :data:`OWN` files of ``ranks`` in ``found``, each loaded with ``weights_only``; refused by name where the
+    """The :data:`OWN` files of ``ranks`` in ``found``, each decoded by the codec; refused by name where the
     marker does not list one (the marker's files are checked against their digests before a resume)."""
     try:
         files = listed(found)

@@ -1,7 +1,7 @@
 """A snapshot folder read back into a state, on every rank of a group (:meth:`SnapshotManager.load
 <ddpkit.snapshot.manager.SnapshotManager.load>`).
 
-``values.pt`` first (plain values only, ``weights_only``), then the index from JSON, then DCP reads the
+``values.pt`` first (decoded by :mod:`ddpkit.snapshot.codec`, nothing unpickled), then the index from JSON, then DCP reads the
 tensors this rank needs into the current state's tensors, in place. Each rank reads on its own (DCP's
 ``no_dist``, torch 2.7 and newer; a collective load before): a failure on one rank is made every rank's before
 anyone goes on (see :func:`load`).
@@ -50,8 +50,8 @@ def load(
     place with this world size's parts (its :data:`~ddpkit.snapshot.layout.PER_RANK` part with this rank's
     own copy at the same world size, rank 0's at another) and whose other values are replaced by the saved
     ones. ``check(extra)`` runs before any tensor is read, and may refuse the snapshot by raising. A folder
-    holding anything but tensors and plain values is refused (:class:`~ddpkit.errors.ConfigError`) before
-    anything of it is unpickled. Every rank of ``group`` calls it; ``distributed`` (default: whether a process
+    holding anything but what the codec writes is refused (:class:`~ddpkit.errors.ConfigError`); nothing of
+    it is unpickled. Every rank of ``group`` calls it; ``distributed`` (default: whether a process
     group is up) says whether there are ranks to agree with."""
     import torch.distributed.checkpoint as dcp  # lazily, as in ddpkit.snapshot.manager
     from torch.distributed.checkpoint.api import CheckpointException

@@ -25,9 +25,11 @@ loads its own copy back; at another, every rank loads rank 0's.
 
 Nothing here unpickles data from disk (:mod:`ddpkit.snapshot.storage`): DCP's files hold tensors only, read with
 ``weights_only``; the index is read from JSON; every other value of the state (optimizer hyper-parameters, a
-scheduler's state) is in ``values.pt``, which loads with ``torch.load(weights_only=True)``. A snapshot folder
-from elsewhere can give the run any tensors and plain values, but cannot run code; one holding anything else
-is refused by name.
+scheduler's state, the callbacks') is encoded by :mod:`ddpkit.snapshot.codec` into ``values.pt`` and the rank
+files, which load with ``torch.load(weights_only=True)`` and are then decoded. What the codec cannot hold is
+refused by :meth:`SnapshotManager.save`, naming it, before any file of the snapshot is written, so a resume
+never meets a value it cannot read. A snapshot folder from elsewhere can give the run any tensors and the
+values the codec holds, but cannot run code; one holding anything else is refused by name.
 
 Asynchronous saving (``async_write``): the state is copied to host memory (the only part the training loop
 waits for), then a background thread writes the copy, checksums it and writes the marker. The thread's
@@ -43,7 +45,6 @@ error is raised by the next :meth:`SnapshotManager.wait` (the next save, or the 
 from __future__ import annotations
 
 import importlib.util
-import io
 import json
 import os
 import threading
@@ -57,11 +58,11 @@ import torch
 import torch.distributed as dist
 
 from ddpkit import fs
-from ddpkit.distributed.collectives import broadcast_object, gather_object
+from ddpkit.distributed.collectives import broadcast_object, first_failure, gather_object
 from ddpkit.errors import ConfigError
 from ddpkit.internals.versions import require_torch
-from ddpkit.snapshot import folders, loading
-from ddpkit.snapshot.folders import FORMAT, INDEX, MARKER, OWN, VALUES, Found, digest, folder_name
+from ddpkit.snapshot import codec, folders, loading
+from ddpkit.snapshot.folders import INDEX, MARKER, OWN, VALUES, Found, digest, folder_name
 from ddpkit.snapshot.layout import differences, stored_parts
 from ddpkit.snapshot.staging import stage, writer_group
 
@@ -144,6 +145,7 @@ class SnapshotManager:
         self.wait()
         path = self.folder / folder_name(step)
         tensors, values = stored_parts(state, self._rank, self._size if replicated else 1)
+        own_bytes = self._check_values(values, extra, own)
         # Rank 0 empties the folder before its word reaches the others, so no rank writes into it before it is
         # clean. Values that are not tensors (hyper-parameters by parameter) may differ between ranks (zero:
         # each rank's own parameters'), so every rank's go to rank 0's values.pt: rank 0's whole, and of each
@@ -158,25 +160,13 @@ class SnapshotManager:
             _raise(cleared)
         differing = differences(values, common)
         every_rank = gather_object(differing, group=self.group) if self.distributed else [differing]
-        extra_bytes = io.BytesIO()
+        extra_bytes = b""
         if self._rank == 0:
-            torch.save(
-                {
-                    "format": FORMAT,
-                    "world_size": self._size,
-                    "values": common,
-                    "differences": every_rank,
-                    "extra": extra,
-                },
-                extra_bytes,
-            )
-        own_bytes = None
-        if own is not None:
-            buffer = io.BytesIO()
-            torch.save(own, buffer)
-            own_bytes = buffer.getvalue()
+            held: list[torch.Tensor] = []
+            saved = {"world_size": self._size, "values": common, "differences": every_rank, "extra": extra}
+            extra_bytes = codec.file_bytes(codec.encode(saved, held), held)
         if not self.async_write:
-            self._write(path, step, tensors, extra_bytes.getvalue(), own_bytes, self.group)
+            self._write(path, step, tensors, extra_bytes, own_bytes, self.group)
             return
         group = writer_group(self.group) if self.distributed else None
         # A copy in host memory: training may change the originals from here on. The previous write is done
@@ -184,12 +174,33 @@ class SnapshotManager:
         self._staged = staged = stage(tensors, self._staged)
         self._thread = threading.Thread(
             target=self._write_in_background,
-            args=(path, step, staged, extra_bytes.getvalue(), own_bytes, group),
+            args=(path, step, staged, extra_bytes, own_bytes, group),
             # Not a daemon: an interpreter that exits (an exception, SystemExit) first finishes the write.
             name=f"ddpkit-snapshot-{step}",
             daemon=False,
         )
         self._thread.start()
+
+    def _check_values(self, values: dict[Any, Any], extra: dict[str, Any], own: Any) -> bytes | None:
+        """This rank's ``own`` file, once every rank has encoded what it saves: a value no snapshot can hold
+        (:mod:`ddpkit.snapshot.codec`) is refused on every rank, naming it, before any file of the snapshot is
+        written. Collective (one all-reduce) when distributed."""
+        refusal, own_bytes = None, None
+        try:
+            for key, value in values.items():
+                codec.encode(value, [], ".".join(map(str, key)))
+            if self._rank == 0:
+                codec.encode(extra, [])
+            if own is not None:
+                held: list[torch.Tensor] = []
+                own_bytes = codec.file_bytes(codec.encode(own, held, "own"), held)
+        except codec.UnsupportedValue as err:
+            refusal = str(err)
+        if self.distributed:
+            refusal = first_failure(refusal, group=self.group)
+        if refusal is not None:
+            raise codec.UnsupportedValue(refusal)
+        return own_bytes
 
     def _clear(self, path: Path, step: int) -> Failed | None:
         """Rank 0: make ``path`` an empty folder; the failure (:meth:`_failure`) if it cannot."""
@@ -324,22 +335,16 @@ class SnapshotManager:
     def latest(self, warn: Callable[[str], None] = print) -> Found | None:
         """The newest whole snapshot, the same on every rank (rank 0 checks the files and tells the others)."""
         self.wait()
-        choice, refusal = None, None
+        choice = None
         if self._rank == 0:
             for found in self.candidates():
                 problem = self.verify(found)
                 if problem is None:
                     choice = found
                     break
-                # An earlier version's folder fails the check too, but is refused rather than skipped.
-                refusal = folders.another_version(found)
-                if refusal is not None:
-                    break
                 warn(f"ddpkit: skipping snapshot {found.path}: it {problem}; trying the one before it")
         if self.distributed:
-            choice, refusal = broadcast_object((choice, refusal), group=self.group)
-        if refusal is not None:  # on every rank alike
-            raise ConfigError(refusal)
+            choice = broadcast_object(choice, group=self.group)
         return choice
 
     def load(

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from ddpkit.snapshot import region
 from ddpkit.snapshot.memory import folder as mf
 from ddpkit.snapshot.memory import slot as mslot
 from ddpkit.snapshot.memory import store as ms
-from ddpkit.snapshot.memory import values as mv
 from tests.jobs.scripts.train_job import N_SAMPLES
 from tests.tmpfs import small_tmpfs
 from tests.trainer_checks import (
@@ -71,8 +71,8 @@ def test_a_kill_during_the_copy_leaves_the_previous_state_whole(tmp_path, clean_
     record = mslot.Record.unpack(torn.read_bytes()[: mslot.HEADER])
     assert record is not None and record.begin == record.end + 2 and not record.whole  # begun as 3, ended as 1
     manifest = json.loads(torn.read_bytes()[record.manifest[0] : record.manifest[0] + record.manifest[1]])
-    region = torch.frombuffer(bytearray(torn.read_bytes()[record.data[0] :]), dtype=torch.uint8)
-    first, second = mv.views(region, [mv.Spec(d, tuple(s), o) for d, s, o in manifest["specs"]])
+    data = torch.frombuffer(bytearray(torn.read_bytes()[record.data[0] :]), dtype=torch.uint8)
+    first, second = region.views(data, [region.Spec(d, tuple(s), o) for d, s, o in manifest["specs"]])
     assert torch.equal(first, torch.full((4096,), 3.0)) and torch.equal(second, torch.full((4096,), 1.0))
 
 

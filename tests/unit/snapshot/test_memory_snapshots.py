@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 import torch
 
+from ddpkit.errors import ConfigError
+from ddpkit.snapshot import codec, region
 from ddpkit.snapshot.memory import folder as mf
 from ddpkit.snapshot.memory import slot as mslot
 from ddpkit.snapshot.memory import store as ms
-from ddpkit.snapshot.memory import values as mv
 from ddpkit.snapshot.memory.resume import Choice, choose
 from ddpkit.training.config import SnapshotConfig
 from tests.tmpfs import small_tmpfs
@@ -28,7 +29,7 @@ def store(folder, rank=0, world=2, job="job-a", run="run-a") -> ms.MemoryStore:
 
 def save(st: ms.MemoryStore, step: int, tensors: list[torch.Tensor], extra=None) -> None:
     """What the Trainer's side does: lay the tensors out and commit them with the step's values."""
-    specs, size = mv.layout(tensors)
+    specs, size = region.layout(tensors)
     manifest = {"specs": [[s.dtype, list(s.shape), s.offset] for s in specs], "data_size": size}
     key = tuple((t.dtype, t.shape) for t in tensors)
     values = {"step": step, "position": [0, step, step], "peers": False, "values": extra}
@@ -59,8 +60,8 @@ def test_values_round_trip_with_their_types_and_python_numpy_torch_rng_states():
         "nan": float("nan"),
     }
     tensors: list[torch.Tensor] = []
-    text = json.dumps(mv.flatten(state, tensors))  # JSON only: nothing to unpickle
-    back = mv.unflatten(json.loads(text), [t.clone() for t in tensors])
+    text = json.dumps(codec.encode(state, tensors))  # JSON only: nothing to unpickle
+    back = codec.decode(json.loads(text), [t.clone() for t in tensors])
     assert type(back["python"]) is tuple and type(back["python"][1]) is tuple and back["python"] == state["python"]
     assert back["int_keys"] == state["int_keys"] and type(back["int_keys"][7]) is tuple
     assert type(back["scalar"]) is np.float64 and back["dtype"] is torch.bfloat16
@@ -74,8 +75,8 @@ def test_values_round_trip_with_their_types_and_python_numpy_torch_rng_states():
     np.random.seed(4)
     torch.set_rng_state(state["torch"])
     assert drawn == (random.random(), np.random.rand(), torch.rand(1))
-    with pytest.raises(TypeError, match="a value of type type cannot go into a memory snapshot"):
-        mv.flatten({"bad": object}, [])
+    with pytest.raises(ConfigError, match="a snapshot cannot hold bad, a type: convert it in state_dict"):
+        codec.encode({"bad": object}, [])
 
 
 # -- the store --------------------------------------------------------------------------------------------

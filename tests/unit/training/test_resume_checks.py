@@ -11,7 +11,7 @@ from torch import nn
 
 import ddpkit
 from ddpkit.errors import ConfigError
-from ddpkit.snapshot import run_record
+from ddpkit.snapshot import codec, run_record
 from ddpkit.snapshot.run_record import RunRecord, module_types, tensor_shapes
 from ddpkit.training.config import LoggingConfig
 from ddpkit.training.trainer import TrainerConfig
@@ -35,7 +35,7 @@ def test_another_activation_with_the_same_shapes_is_refused_naming_it(tmp_path):
         fit(tmp_path, nn.GELU, epochs=2)
     assert "model 0.weight" not in str(refused.value)  # the shapes are the same: only the class differs
     # Control: the checks without the module classes (shapes, config, optimizer) let this model through.
-    saved = torch.load(tmp_path / "snapshots" / "step-00000004" / "values.pt", weights_only=True)["extra"]["record"]
+    saved = codec.read_file(tmp_path / "snapshots" / "step-00000004" / "values.pt")["extra"]["record"]
     gelu = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Dropout(0.2), nn.Linear(8, 2))
     shapes = tensor_shapes(gelu.state_dict())
     RunRecord(saved["config"], saved["optimizer_hparams"], shapes, saved["module_types"]).check(saved, "snapshot")

@@ -4,7 +4,7 @@ restarted job resumes from the step it lost rather than from the last disk snaps
 - :mod:`~ddpkit.snapshot.memory.folder`: the job's folder in shared memory, made by the agent of ``ddpkit run``;
 - :mod:`~ddpkit.snapshot.memory.store`: a rank's two slots in it;
 - :mod:`~ddpkit.snapshot.memory.slot`: a slot's file format and its checks;
-- :mod:`~ddpkit.snapshot.memory.values`: how a state's values and tensors are laid out in a slot;
+- its values are encoded by :mod:`ddpkit.snapshot.codec`, its tensors laid out by :mod:`ddpkit.snapshot.region`;
 - :mod:`~ddpkit.snapshot.memory.snapshots`: the Trainer's copies after steps, and their interval;
 - :mod:`~ddpkit.snapshot.memory.resume`: which copy a restart resumes from, on every rank alike.
 """

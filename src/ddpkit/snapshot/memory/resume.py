@@ -20,10 +20,10 @@ import torch.distributed as dist
 
 from ddpkit.distributed.collectives import all_gather_object, broadcast_object, tensor_bytes
 from ddpkit.errors import ConfigError
+from ddpkit.snapshot import codec
 from ddpkit.snapshot.layout import leaves
 from ddpkit.snapshot.manager import Found, SnapshotManager
 from ddpkit.snapshot.memory import slot as slot_lib
-from ddpkit.snapshot.memory import values as values_lib
 from ddpkit.snapshot.memory.snapshots import MemorySnapshots, local
 
 
@@ -146,13 +146,13 @@ def _checked_state(
     if values.get("run") != memory.store.run or values.get("world_size") != memory.world_size:
         raise RuntimeError("ddpkit: a memory snapshot of another run was offered; refusing it")
     # Refused before any tensor is loaded, as a disk snapshot of another config or model is.
-    parts.record.check(values_lib.unflatten(manifest["check"], []), "the snapshot in memory")
+    parts.record.check(codec.decode(manifest["check"], []), "the snapshot in memory")
     tensors = slot_lib.tensors_of(data, record, manifest)
     n_plan, paths = manifest["n_plan"], manifest["paths"]
     if type(n_plan) is not int or not 0 <= n_plan <= len(tensors) or len(paths) != n_plan:
         raise slot_lib.BadSlot("its manifest does not say which tensors are the model's and optimizer's")
     saved = {tuple(p): t for p, t in zip(paths, tensors[:n_plan])}
-    dynamic = values_lib.unflatten(values["values"], tensors[n_plan:])
+    dynamic = codec.decode(values["values"], tensors[n_plan:])
     groups, strategy_values = dynamic["param_groups"], dynamic["strategy_values"]
     if (
         not isinstance(dynamic["states"], dict)
@@ -171,7 +171,7 @@ def _checked_state(
         length = int(row[:8].clone().view(torch.int64))
         if not 0 <= length <= row.numel() - 8:
             raise slot_lib.BadSlot(f"rank {memory.rank}'s row says {length} bytes, more than it holds")
-        part = values_lib.decode_blob(tensor_bytes(row[8 : 8 + length]))
+        part = codec.decode_blob(tensor_bytes(row[8 : 8 + length]))
         own = part["own"]
         for key, tensor in part["strategy_own"].items():
             saved[tuple(json.loads(key))] = tensor

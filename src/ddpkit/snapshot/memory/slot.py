@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ddpkit.distributed.collectives import tensor_bytes
-from ddpkit.snapshot.memory.values import Spec, checked_specs, views
+from ddpkit.snapshot.region import Spec, checked_specs, views
 
 # 1: no checksum of the data region; 2: CRC-32 of block sums, no table (slots of either are not found).
 MAGIC = b"DDPKMEM3"

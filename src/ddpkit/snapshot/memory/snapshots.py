@@ -41,10 +41,10 @@ from ddpkit.distributed.collectives import all_reduce
 from ddpkit.distributed.environment import read_launch_env
 from ddpkit.distributed.runtime import DEFAULT_TIMEOUT, Runtime
 from ddpkit.internals.modules import buffer_slots
+from ddpkit.snapshot import codec, region
 from ddpkit.snapshot.layout import PER_RANK, KeyPath, leaves
 from ddpkit.snapshot.memory import folder as memory_folder
 from ddpkit.snapshot.memory import store as store_lib
-from ddpkit.snapshot.memory import values as values_lib
 from ddpkit.strategies.base import Strategy
 from ddpkit.strategies.prepare import unwrap
 
@@ -225,9 +225,11 @@ class MemorySnapshots:
 
     def save(self) -> None:
         """Copy this step's state into the older slot. Every rank calls it after the same steps (with peers,
-        and when the interval is chosen, it is collective). Memory full, or a value it cannot hold: one
-        warning, and memory snapshots stop on this rank; with peers, on every rank (the others learn it in the
-        next gather, so none waits for a rank that stopped gathering)."""
+        and when the interval is chosen, it is collective). Memory full: one warning, and memory snapshots stop
+        on this rank; with peers, on every rank (the others learn it in the next gather, so none waits for a
+        rank that stopped gathering). A value no snapshot can hold (:mod:`ddpkit.snapshot.codec`) raises its
+        :class:`~ddpkit.snapshot.codec.UnsupportedValue` before the slot is touched: the disk snapshot would
+        refuse it too, and a run that cannot be resumed is better stopped at its first step."""
         self._calls += 1
         if self._leave_next:
             self._leave_next = False
@@ -244,7 +246,7 @@ class MemorySnapshots:
         self._gathered = False
         try:
             self._save()
-        except (store_lib.MemoryUnavailable, values_lib.UnsupportedValue, PeerStopped) as err:
+        except (store_lib.MemoryUnavailable, PeerStopped) as err:
             self.enabled = False
             _warn(f"snapshots in memory stop on rank {self.rank} ({err}); disk snapshots go on")
             if self.peers and not isinstance(err, PeerStopped):
@@ -278,11 +280,11 @@ class MemorySnapshots:
         plan = self._current_plan()
         dynamic = self._dynamic(plan)
         extra: list[torch.Tensor] = []
-        skeleton = values_lib.flatten(dynamic, extra)
+        skeleton = codec.encode(dynamic, extra)
         tensors = plan.tensors + extra
         if self.peers:
             own = {json.dumps(list(p)): t for p, t, o in zip(plan.paths, plan.tensors, plan.own) if o}
-            tensors.append(self._gather_peers(values_lib.encode_blob({"own": dynamic["own"], "strategy_own": own})))
+            tensors.append(self._gather_peers(codec.encode_blob({"own": dynamic["own"], "strategy_own": own})))
         key = (plan.ident, tuple((t.dtype, t.shape) for t in tensors[len(plan.tensors) :]))
         if key != self._layout or self._manifest is None:
             self._layout, self._manifest = key, self._make_manifest(plan, tensors)
@@ -327,9 +329,9 @@ class MemorySnapshots:
         }
 
     def _make_manifest(self, plan: _Plan, tensors: list[torch.Tensor]) -> dict[str, Any]:
-        specs, size = values_lib.layout(tensors)
+        specs, size = region.layout(tensors)
         if self._check is None:  # what a resume compares before it loads, as a disk snapshot's record
-            self._check = values_lib.flatten(self.parts.record.state_dict(), [])
+            self._check = codec.encode(self.parts.record.state_dict(), [])
         return {
             "paths": [list(p) for p in plan.paths],
             "own": plan.own,

@@ -22,7 +22,7 @@ it. A lost node loses the files anyway: that case is served by peers, :mod:`ddpk
 
 A slot holds its tensors raw, each at an aligned offset of the data region; a *manifest* (JSON: each tensor's
 dtype, shape and offset, and what the resume check compares), written when the layout changes; and the
-*values* of this save (JSON, :mod:`ddpkit.snapshot.memory.values`: the step, the keys below, the non-tensor
+*values* of this save (JSON, :mod:`ddpkit.snapshot.codec`: the step, the keys below, the non-tensor
 values).
 
 A slot that is whole but does not check (a checksum that fails, a manifest whose tensors lie outside the data
@@ -68,7 +68,7 @@ from ddpkit.snapshot.memory.slot import (
     table_crc,
     table_size,
 )
-from ddpkit.snapshot.memory.values import Spec, views
+from ddpkit.snapshot.region import Spec, views
 
 
 class MemoryUnavailable(RuntimeError):
