@@ -30,7 +30,7 @@ from ddpkit.errors import ConfigError
 from ddpkit.snapshot import folders, storage
 from ddpkit.snapshot.chunks import check_chunks
 from ddpkit.snapshot.memory import slot as mslot
-from ddpkit.snapshot.memory import values as mvalues
+from ddpkit.snapshot import region as mvalues
 
 GROWTH = (1, 4, 16, 64)
 PER_DOUBLING = 2.2
@@ -214,14 +214,16 @@ def slot_bytes(n: int, shape: list[int] | None = None) -> bytes:
     mo = mslot.HEADER
     vo = mo + len(manifest)
     do = -(-(vo + len(values)) // 64) * 64
-    body = bytearray(do + len(region))
-    body[mo:vo], body[vo : vo + len(values)], body[do:] = manifest, values, region
+    table = mslot.block_crcs(region)  # the data region's CRC-32Cs, right after it
+    body = bytearray(do + len(region) + len(table))
+    body[mo:vo], body[vo : vo + len(values)] = manifest, values
+    body[do : do + len(region)], body[do + len(region) :] = region, table
     record = mslot.Record(
         1,
         1,
         (mo, len(manifest), zlib.crc32(manifest)),
         (vo, len(values), zlib.crc32(values)),
-        (do, len(region), mslot.checksum(region)),
+        (do, len(region), mslot.table_crc(table)),
     )
     body[: len(record.pack())] = record.pack()
     return bytes(body)
