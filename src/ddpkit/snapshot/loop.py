@@ -56,15 +56,13 @@ from ddpkit.distributed.runtime import Runtime, get_runtime
 from ddpkit.errors import ConfigError, Preempted
 from ddpkit.snapshot.manager import SnapshotManager
 from ddpkit.snapshot.schedule import SnapshotSchedule
+from ddpkit.snapshot.trainer import STREAMS, restore
 from ddpkit.strategies.prepare import unwrap
 from ddpkit.strategies.prepared import LoopModel
 from ddpkit.training.state import NewRankState, RankStreams, TrainState
 
 if TYPE_CHECKING:  # the memory backend is imported when a loop asks for it (memory=True)
     from ddpkit.snapshot.memory.snapshots import MemorySnapshots
-
-STREAMS = "rng"
-"""The part of ``values.pt`` that says the world size of the ranks' own files (their random streams)."""
 
 
 def _listed(value: Any, what: str) -> list[Any]:
@@ -285,27 +283,15 @@ class Snapshots:
         def warn(line: str) -> None:
             print0(line, group=rt.group)
 
-        if self.memory is None:
-            found = self.manager.latest(warn=warn)
-        else:  # the copy in memory first, when it is newer than the disk's newest snapshot
-            from ddpkit.snapshot.memory.resume import resume_from_memory
-
-            source, found = resume_from_memory(self.memory, self.manager, warn, self._load)
-            if source is not None:
-                return self._resumed(source)
-        if found is None:
+        got = restore(
+            self.manager, self.memory, rt, strategy_state=self.model.state_dict,
+            check=lambda saved, folder: self._check(saved), load=self._load, warn=warn,
+        )  # fmt: skip
+        if got is None:
             return 0
-        sharded, extra = self.manager.load(found, self.model.state_dict, map_location="cpu", check=self._check)
-        states = extra["states"]
-        size = states[STREAMS]["world_size"]  # this rank's own file at the same world size; every rank's at another
-        wanted = [rt.rank] if size == rt.world_size else list(range(size))
-        ranks: list[Any] = [None] * size
-        for r, mine in zip(wanted, self.manager.read_own(found, wanted, map_location="cpu")):
-            ranks[r] = mine
-        states[STREAMS] = {"world_size": size, "ranks": ranks}
-        self._load({"strategy": sharded, "states": states})
-        self._saved_at = self._position()
-        return self._resumed(str(found.path))
+        if got.disk:
+            self._saved_at = self._position()
+        return self._resumed(got.source)
 
     def _load(self, state: dict[str, Any]) -> None:
         """Put a snapshot's state (from disk or memory) into the parts: "train" first, then the streams."""

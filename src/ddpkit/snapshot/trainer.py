@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -201,39 +202,26 @@ class TrainerSnapshots:
     def resume(self, load: Callable[[dict[str, Any]], None]) -> bool:
         """Load the newest whole snapshot of the run, if any, through ``load`` (the Trainer's
         ``load_state_dict``); True if training resumes from one."""
-        if self.memory is None:
-            found = self.manager.latest(warn=self.print0)
-        else:  # the snapshots in memory first, when newer than the disk's newest
-            from ddpkit.snapshot.memory.resume import resume_from_memory
+        change: tuple[str, str] | None = None
 
-            source, found = resume_from_memory(self.memory, self.manager, self.print0, load)
-            if source is not None:
-                return self._resumed(source, source)
-        if found is None:
+        def precision(state: dict[str, Any]) -> None:
+            nonlocal change
+            change = self.record.precision_change(state["record"])
+            # To fp16 from another precision: the snapshot has no GradScaler state; a fresh scaler starts.
+            self._fresh = frozenset({"scaler"}) if change is not None and change[1] == "fp16" else frozenset()
+
+        got = restore(
+            self.manager, self.memory, self.runtime, strategy_state=self.strategy.state_dict,
+            check=lambda saved, folder: self.record.check(saved["record"], folder), load=load, warn=self.print0,
+            prepare=precision,
+        )  # fmt: skip
+        if got is None:
             return False
-        # Refused before any tensor is loaded: a snapshot of another config or model is named, not half-read.
-        sharded, extra = self.manager.load(
-            found,
-            self.strategy.state_dict,
-            map_location="cpu",
-            check=lambda saved: self.record.check(saved["record"], str(found.path)),
-        )
-        streams = extra["states"].get(STREAMS)
-        if streams is not None:  # this rank's own file at the same world size; every rank's at another
-            size, rank = streams["world_size"], self.runtime.rank
-            wanted = [rank] if size == self.runtime.world_size else list(range(size))
-            ranks: list[Any] = [None] * size
-            for r, own in zip(wanted, self.manager.read_own(found, wanted, map_location="cpu")):
-                ranks[r] = own
-            streams["ranks"] = ranks
-        change = self.record.precision_change(extra["record"])
-        # To fp16 from another precision: the snapshot has no GradScaler state; a fresh scaler starts.
-        self._fresh = frozenset({"scaler"}) if change is not None and change[1] == "fp16" else frozenset()
-        load(extra | {"strategy": sharded})
-        self.schedule.written(self.train.position)  # already on disk
+        if got.disk:
+            self.schedule.written(self.train.position)  # already on disk
         if change is not None:
             self._warn_precision_change(*change)
-        return self._resumed(str(found.path), found.path.name)
+        return self._resumed(got.source, got.file)
 
     def _resumed(self, source: str, file: str) -> bool:
         rt = self.runtime
@@ -259,6 +247,65 @@ class TrainerSnapshots:
             },
         )
         return True
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """Where :func:`restore` resumed a run from."""
+
+    source: str
+    """The folder, or the copy in memory, as said to the user."""
+    file: str
+    """Its name, as recorded (the ``resume`` event's ``file``)."""
+    disk: bool
+    """Read from disk (the position is then on disk already), or from memory."""
+
+
+def restore(
+    manager: SnapshotManager,
+    memory: MemorySnapshots | None,
+    runtime: Runtime,
+    *,
+    strategy_state: Callable[[], dict[str, Any]],
+    check: Callable[[dict[str, Any], str], None],
+    load: Callable[[dict[str, Any]], None],
+    warn: Callable[[str], None],
+    prepare: Callable[[dict[str, Any]], None] | None = None,
+) -> Resumed | None:
+    """The one load of a run's snapshots, for the Trainer and for a hand-written loop (:class:`ddpkit.Snapshots`):
+    the newest whole state every rank can take, the copy in memory when it is newer than the disk's newest whole
+    snapshot, else that snapshot; None when there is none. Collective: every rank calls it.
+
+    ``strategy_state()``: the model and optimizer's state of this run, the template DCP reshards the snapshot's
+    into; ``check(saved, folder)`` refuses a snapshot of another run before any tensor is read; ``prepare(state)``
+    sees a disk snapshot's state before ``load(state)`` puts it into the run's parts. Each rank gets its own
+    random streams back at the same world size, and every old rank's at another (:class:`RankStreams` reseeds).
+    """
+    if memory is not None:  # the copies in memory first, when newer than the disk's newest
+        from ddpkit.snapshot.memory.resume import resume_from_memory
+
+        source, found = resume_from_memory(memory, manager, warn, load)
+        if source is not None:
+            return Resumed(source, source, disk=False)
+    else:
+        found = manager.latest(warn=warn)
+    if found is None:
+        return None
+    folder = str(found.path)
+    sharded, extra = manager.load(found, strategy_state, map_location="cpu", check=lambda saved: check(saved, folder))
+    streams = extra["states"].get(STREAMS)
+    if streams is not None:  # this rank's own file at the same world size; every rank's at another
+        size, rank = streams["world_size"], runtime.rank
+        wanted = [rank] if size == runtime.world_size else list(range(size))
+        ranks: list[Any] = [None] * size
+        for r, own in zip(wanted, manager.read_own(found, wanted, map_location="cpu")):
+            ranks[r] = own
+        streams["ranks"] = ranks
+    state = extra | {"strategy": sharded}
+    if prepare is not None:
+        prepare(state)
+    load(state)
+    return Resumed(folder, found.path.name, disk=True)
 
 
 def resumes(resume: bool, restart_count: int) -> bool:
