@@ -57,7 +57,7 @@ def dump_stack_on_request() -> None:
     folder = os.environ.get("DDPKIT_STACK_DIR")
     if not folder:
         return
-    path = Path(folder) / f"rank{os.environ.get('RANK', '0')}.txt"
+    path = Path(folder) / f"rank{torchrun.rank_text(os.environ)}.txt"
     # Kept open for the life of the process: faulthandler writes to its descriptor.
     stream = os.fdopen(fs.open_fd(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, linked="replace"), "w")
     # Ignored underneath: faulthandler puts back the previous action while the interpreter exits, and a request

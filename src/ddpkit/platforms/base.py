@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from ddpkit.errors import ConfigError
 
@@ -44,6 +44,7 @@ class LaunchDefault:
     """The variables, as the launch summary names them (``PET_MASTER_ADDR:PET_MASTER_PORT``)."""
 
 
+@runtime_checkable
 class Platform(Protocol):
     """One platform ddpkit reads: a module of :mod:`ddpkit.platforms` (``torchrun``, ``slurm``, ...).
 

@@ -81,6 +81,11 @@ def is_rank_zero(env: Mapping[str, str]) -> bool:
     return env.get("RANK") == "0"
 
 
+def rank_text(env: Mapping[str, str]) -> str:
+    """``RANK`` as set (``"0"`` where unset), for a file name."""
+    return env.get("RANK", "0")
+
+
 def option_variables(env: Mapping[str, str]) -> list[str]:
     """The ``PET_*`` variables set, each the default of a torchrun option."""
     return [name for name in env if name.startswith(OPTION_PREFIX)]
