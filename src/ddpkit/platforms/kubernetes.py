@@ -54,7 +54,7 @@ user never typed. ``[0-9]`` is ASCII only, unlike ``int()`` and ``str.isdigit()`
 
 
 def pet_value(env: Mapping[str, str], name: str) -> str | None:
-    """The value of the ``PET_*`` variable ``name`` (one of :data:`_VALUE_FORMS`), stripped, or None where it
+    """The value of the ``PET_*`` variable ``name`` (one of ``_VALUE_FORMS``), stripped, or None where it
     is unset: every reader of these variables parses them here, so that a value is taken or refused the same
     way by ``ddpkit run`` and :func:`ddpkit.init`. Raises :class:`ConfigError` in one line naming the variable
     and its value (shown with escapes, so that a digit of another script is seen for what it is) for anything
