@@ -43,6 +43,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from trainer_overhead import median_interval, steady_malloc
 
 import ddpkit
+import ddpkit.platforms.cpus
 from ddpkit.training.config import LoggingConfig, SnapshotConfig
 from ddpkit.training.trainer import Trainer, TrainerConfig
 
@@ -193,7 +194,7 @@ def main() -> None:
     res = ddpkit.spawn(functools.partial(bench, a.steps, a.rounds, a.batch_size, a.hidden), a.nproc)[0]
     print(
         f"date {datetime.datetime.now():%Y-%m-%d %H:%M}  machine {platform.machine()}, "
-        f"{ddpkit.distributed.environment.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}  "
+        f"{ddpkit.platforms.cpus.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}  "
         f"python {platform.python_version()}  torch {torch.__version__}"
     )
     print(

@@ -57,7 +57,7 @@ from nanogpt_port import GET_NANOGPT, HYPER_PARAMETERS
 from trainer_overhead import median_interval
 
 from ddpkit.demo.datasets import CHARS, IGNORE_INDEX, python_source
-from ddpkit.distributed.environment import cpu_count
+from ddpkit.platforms.cpus import cpu_count
 
 BENCH = Path(__file__).resolve().parent
 VARIANTS = ("nanogpt", "primitives", "trainer")

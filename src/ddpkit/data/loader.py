@@ -20,10 +20,10 @@ from ddpkit.data.fingerprint import OnDataChange, check_on_data_change
 from ddpkit.data.sample_seeding import SeededSamples
 from ddpkit.data.sampler import EvalShardSampler, ShardedBatchSampler
 from ddpkit.data.stream import Stream
-from ddpkit.distributed.environment import cpu_count
 from ddpkit.distributed.runtime import get_runtime
 from ddpkit.distributed.seeding import stream_seed
 from ddpkit.errors import ConfigError
+from ddpkit.platforms.cpus import cpu_count
 
 
 def check_map_style(dataset: Any) -> None:

@@ -14,17 +14,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpkit.distributed import kubernetes
-from ddpkit.distributed.environment import (
-    LAUNCHER_NAMES,
-    LaunchEnv,
-    mpi_rendezvous_address,
-    read_launch_env,
-    uneven_nodes,
-)
+from ddpkit.distributed.environment import read_launch_env
 from ddpkit.distributed.signals import hold_stop_signals
 from ddpkit.errors import ConfigError
 from ddpkit.internals import ray_train
+from ddpkit.platforms import kubernetes, mpi, ray, torchrun
+from ddpkit.platforms.base import LAUNCHER_NAMES, LaunchEnv
 
 # A hung collective (a rank died, or one rank skipped a collective the others entered) should surface in
 # minutes, not after torch's default of 30 minutes for gloo or 10 for nccl.
@@ -105,7 +100,7 @@ def _pick_backend(device: torch.device, backend: str | None) -> str:
 
 def _init_method(launch: LaunchEnv) -> str:
     if launch.launcher == "mpi" and (launch.master_addr is None or launch.master_port is None):
-        addr, port = mpi_rendezvous_address()
+        addr, port = mpi.rendezvous_address()
         return f"tcp://{launch.master_addr or addr}:{launch.master_port or port}"
     if launch.launcher in ("slurm", "mpi", "pytorchjob"):
         return f"tcp://{launch.master_addr}:{launch.master_port}"
@@ -134,7 +129,7 @@ def init(
         return _runtime
     launch = read_launch_env()
     if launch.launcher == "ray":  # Ray Train's context holds no count of its restarts: each rank keeps its own
-        launch = dataclasses.replace(launch, restart_count=ray_train.count_start(launch.rank))
+        launch = dataclasses.replace(launch, restart_count=ray_train.count_start(launch.rank, ray.job_id(os.environ)))
     if timeout is None:
         timeout = timedelta(seconds=launch.collective_timeout) if launch.collective_timeout else DEFAULT_TIMEOUT
     dev = _pick_device(launch, device)
@@ -170,7 +165,7 @@ def init(
         except (RuntimeError, dist.DistError) as err:
             raise _explain_init_error(err, launch) from err
         atexit.register(_destroy_at_exit)
-    if launch.local_rank == 0 and (uneven := uneven_nodes()):
+    if launch.local_rank == 0 and (uneven := torchrun.uneven_nodes(os.environ)):
         print(uneven, file=sys.stderr, flush=True)
     _runtime = Runtime(
         launch.rank,

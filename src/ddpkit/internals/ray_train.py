@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ast
 import importlib.util
-import os
 from pathlib import Path
 
 from ddpkit.internals.contract import Internal, warn_lost
@@ -35,17 +34,18 @@ def kv_source() -> Path | None:
     return Path(list(spec.submodule_search_locations)[0]) / "experimental" / "internal_kv.py"
 
 
-def count_start(rank: int) -> int:
+def count_start(rank: int, job: str) -> int:
     """How many times this rank of this Ray Train run started before (0 at the first start), counting this one.
 
-    The key: the Ray job (``RAY_JOB_ID``, one per driver), the run's experiment name and the rank."""
+    The key: the Ray job (``job``, :func:`ddpkit.platforms.ray.job_id`, one per driver), the run's experiment
+    name and the rank."""
     if problem := _check_kv():
         warn_lost(f"{_KV}._internal_kv_get/_put", "Ray", f"restart_count under Ray Train ({problem})")
         return 0
     import ray.train
     from ray.experimental import internal_kv
 
-    key = f"restarts/{os.environ.get('RAY_JOB_ID', '')}/{ray.train.get_context().get_experiment_name()}/{rank}"
+    key = f"restarts/{job}/{ray.train.get_context().get_experiment_name()}/{rank}"
     before = internal_kv._internal_kv_get(key, namespace=NAMESPACE)
     count = int(before) if before else 0
     internal_kv._internal_kv_put(key, str(count + 1).encode(), overwrite=True, namespace=NAMESPACE)

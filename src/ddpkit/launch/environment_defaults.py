@@ -1,14 +1,15 @@
-"""``ddpkit run``'s options from what a platform set in the environment: a Kubernetes operator's ``PET_*``
-(torchrun's names) and JobSet's ``JOB_COMPLETION_INDEX`` (:mod:`ddpkit.distributed.kubernetes` reads them),
-added to the command line where the user typed none, and said once at launch."""
+"""``ddpkit run``'s options from what a platform set in the environment (each platform's ``launch_defaults``,
+:func:`ddpkit.platforms.launch_defaults`: today a Kubernetes operator's ``PET_*``, torchrun's names, and JobSet's
+``JOB_COMPLETION_INDEX``, read by :mod:`ddpkit.platforms.kubernetes`), added to the command line where the user
+typed none, and said once at launch."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from ddpkit.distributed import kubernetes
-from ddpkit.distributed.environment import cpu_count
+from ddpkit import platforms
 from ddpkit.launch import options
+from ddpkit.platforms import kubernetes
 
 
 def typed_options(ours: Sequence[str], value_options: set[str] | None = None) -> dict[str, str]:
@@ -28,8 +29,8 @@ def with_environment_defaults(ours: list[str], env: Mapping[str, str]) -> tuple[
     """``ours`` with the options a Kubernetes operator set for torchrun (``PET_*``; JobSet's
     ``JOB_COMPLETION_INDEX``) added where the user gave none, and the line that says so (None if none).
     A value the user typed that disagrees with the operator's is refused, naming both
-    (:func:`ddpkit.distributed.kubernetes.resolve_options`)."""
-    defaults = kubernetes.launch_defaults(env, cpu_count(env))
+    (:func:`ddpkit.platforms.kubernetes.resolve_options`)."""
+    defaults = platforms.launch_defaults(env)
     if not defaults:
         return ours, None
     added, taken = kubernetes.resolve_options(typed_options(ours), defaults)

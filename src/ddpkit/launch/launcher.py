@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit import fs
-from ddpkit.distributed.environment import cpu_count
 from ddpkit.errors import ConfigError
 from ddpkit.launch import agent, proctree, tail
 from ddpkit.launch.environment_defaults import with_environment_defaults
@@ -36,6 +35,8 @@ from ddpkit.launch.rendezvous import (
     node_address,
     wait_reachable,
 )
+from ddpkit.platforms import slurm, torchrun
+from ddpkit.platforms.cpus import cpu_count
 
 LOOPBACK = "127.0.0.1"
 
@@ -46,7 +47,8 @@ def rdzv_id(cfg: LaunchConfig) -> str:
     if cfg.rdzv_id:
         return cfg.rdzv_id
     if cfg.networked:
-        return os.environ.get("SLURM_JOB_ID", "ddpkit")
+        job = slurm.job_id(os.environ)
+        return "ddpkit" if job is None else job
     return f"ddpkit-{os.getpid()}"
 
 
@@ -330,6 +332,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     # torchrun's parser reads any PET_* variable as the default of an option ddpkit does not pass (its master
     # address, start method, log settings): what was meant for ddpkit run is in its options now, and nothing else
     # of an operator's is left for torchrun to pick up behind them.
-    for name in [name for name in os.environ if name.startswith("PET_")]:
+    for name in torchrun.option_variables(os.environ):
         del os.environ[name]
     return launch(config_from_args(parser.parse_args(ours), script_args))

@@ -231,7 +231,7 @@ def node0_host(cfg: ManifestConfig) -> str:
 def command(cfg: ManifestConfig) -> list[str]:
     """The container's command: ``ddpkit run`` with what the operator does not hand over itself. Trainer's
     torch plugin and the training-operator set ``PET_NNODES``, ``PET_NPROC_PER_NODE``, ``PET_NODE_RANK`` and
-    the master's address and port (:mod:`ddpkit.distributed.kubernetes`); JobSet sets none of them."""
+    the master's address and port (:mod:`ddpkit.platforms.kubernetes`); JobSet sets none of them."""
     argv = ["ddpkit", "run", "--max-restarts", str(cfg.max_restarts)]
     if cfg.kind == "pytorchjob":
         argv += ["--preempted-exit-code", str(PYTORCHJOB_PREEMPTED)]

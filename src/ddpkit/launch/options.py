@@ -9,8 +9,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddpkit.distributed.environment import check_seconds, cpu_count, parse_seconds
+from ddpkit.distributed.environment import check_seconds, parse_seconds
 from ddpkit.errors import PREEMPTED_EXIT_CODE, ConfigError
+from ddpkit.platforms.cpus import cpu_count
 
 MAX_RESTARTS = 100_000
 """The most --max-restarts: a job failing that often is not going to succeed."""

@@ -1,7 +1,7 @@
 """``ddpkit sbatch``: write and submit a SLURM batch script that trains, survives pre-emption and resumes.
 
 The script runs one task per GPU (or per CPU share) with ``srun``, each task reading its rank from SLURM's
-variables (:mod:`ddpkit.distributed.environment`). Before the time limit SLURM sends SIGUSR1 (``--signal=USR1@LEAD``) to the
+variables (:mod:`ddpkit.platforms.slurm`). Before the time limit SLURM sends SIGUSR1 (``--signal=USR1@LEAD``) to the
 tasks; a Trainer saves its snapshot and exits with :data:`~ddpkit.errors.PREEMPTED_EXIT_CODE` (75), and the
 batch script then requeues the job, which resumes from the snapshot when it starts again. A run that finished
 (0) or failed (anything else) is not requeued. Output of every attempt is appended to one file.

@@ -21,9 +21,9 @@ import torch
 import torch.multiprocessing as mp
 
 from ddpkit.distributed import runtime
-from ddpkit.distributed.environment import cpu_count
 from ddpkit.errors import ConfigError
 from ddpkit.internals.store import AGENT_STORE_VARIABLE
+from ddpkit.platforms.cpus import cpu_count
 
 
 def _worker(

@@ -26,6 +26,7 @@ from ddpkit.distributed.signals import hold_stop_signals
 from ddpkit.errors import ConfigError
 from ddpkit.internals.store import agent_store_in_use, serve_store, use_agent_store
 from ddpkit.launch.proctree import set_parent_death_signal, start_guard
+from ddpkit.platforms import torchrun
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> bool:
@@ -56,7 +57,7 @@ def dump_stack_on_request() -> None:
     folder = os.environ.get("DDPKIT_STACK_DIR")
     if not folder:
         return
-    path = Path(folder) / f"rank{os.environ.get('RANK', '0')}.txt"
+    path = Path(folder) / f"rank{torchrun.rank_text(os.environ)}.txt"
     # Kept open for the life of the process: faulthandler writes to its descriptor.
     stream = os.fdopen(fs.open_fd(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, linked="replace"), "w")
     # Ignored underneath: faulthandler puts back the previous action while the interpreter exits, and a request
@@ -78,10 +79,11 @@ def serve_worker_store() -> Any:
     that call ``torch.distributed.init_process_group`` themselves as much as for ``ddpkit.init()``.
     """
     global _worker_store
-    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
-    if not addr or not port.isdigit() or agent_store_in_use():
+    master = torchrun.master_address(os.environ)
+    if master is None or agent_store_in_use():
         return None  # no store to serve: the agent serves it, or this is not a job of ddpkit run
-    if os.environ.get("RANK") == "0":
+    addr, port = master
+    if torchrun.is_rank_zero(os.environ):
         from datetime import timedelta
 
         try:

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpkit.distributed.environment import cpu_count, scheduler
+from ddpkit.platforms import scheduler
+from ddpkit.platforms.cpus import cpu_count
 
 
 def _live_check(device: str | None) -> int:
@@ -140,7 +141,7 @@ def collect(live: bool = True) -> dict[str, Any]:
         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda and dist.is_nccl_available() else None,
         "gloo available": dist.is_available() and dist.is_gloo_available(),
         "cpu cores (usable)": cpu_count(),
-        "scheduler": scheduler() or "none detected",
+        "scheduler": scheduler(os.environ) or "none detected",
     }
     info["distributed variables set"] = distributed_variables() or "none"
     nproc = resolve_nproc("auto")

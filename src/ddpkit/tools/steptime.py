@@ -35,9 +35,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpkit.data import build_loader, to_device
 from ddpkit.distributed.collectives import all_gather_object
-from ddpkit.distributed.environment import cpu_count
 from ddpkit.distributed.runtime import init
 from ddpkit.distributed.seeding import seed_everything
+from ddpkit.platforms.cpus import cpu_count
 from ddpkit.strategies.prepare import prepare_model
 from ddpkit.tools.workload import load_workload
 

@@ -19,11 +19,11 @@ import ddpkit.data
 import ddpkit.data.sample_seeding
 import ddpkit.distributed.seeding
 from ddpkit.data.sample_seeding import loading_rng_state, seed_sample, set_loading_rng_state
-from ddpkit.distributed.environment import LaunchEnv
 from ddpkit.distributed.runtime import Runtime, _pick_backend, _pick_device
 from ddpkit.distributed.seeding import rng_state, set_rng_state, stream_seed
 from ddpkit.errors import ConfigError
 from ddpkit.launch.launcher import flight_recorder_vars
+from ddpkit.platforms.base import LaunchEnv
 from ddpkit.training.config import LoggingConfig
 
 

@@ -11,8 +11,8 @@ import ddpkit
 def test_more_local_ranks_than_gpus_names_the_fix(monkeypatch):
     # Pure logic: no GPU here, so the device count is mocked.
 
-    from ddpkit.distributed.environment import LaunchEnv
     from ddpkit.distributed.runtime import _pick_device
+    from ddpkit.platforms.base import LaunchEnv
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -30,7 +30,7 @@ def _init_calls(monkeypatch, device: str | None, cuda: bool) -> dict:
     import torch.distributed as dist
 
     from ddpkit.distributed import runtime
-    from ddpkit.distributed.environment import LaunchEnv
+    from ddpkit.platforms.base import LaunchEnv
 
     calls: list[dict] = []
     launch = LaunchEnv(rank=1, local_rank=1, world_size=2, local_world_size=2, launcher="torchrun")
@@ -43,7 +43,7 @@ def _init_calls(monkeypatch, device: str | None, cuda: bool) -> dict:
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append({"backend": backend, **kw}))
     monkeypatch.setattr(runtime.atexit, "register", lambda fn: None)
-    monkeypatch.setattr(runtime, "uneven_nodes", lambda: None)
+    monkeypatch.setattr(runtime.torchrun, "uneven_nodes", lambda env: None)
     monkeypatch.setattr(runtime, "_runtime", None)
     runtime.init(device=device)
     monkeypatch.setattr(runtime, "_runtime", None)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from ddpkit import fs
 from ddpkit.errors import ConfigError
+from ddpkit.platforms import torchrun
 
 ROOT_ENV = "DDPKIT_MEMORY_ROOT"
 """Where the agent makes the job's folder (default ``/dev/shm``); tests point it at a small tmpfs."""
@@ -119,7 +120,7 @@ def close_job_folder() -> None:
 def job_key() -> str | None:
     """This job's key as the agent set it: its nonce, with torchrun's run id; None outside ``ddpkit run``."""
     nonce = os.environ.get(KEY_ENV)
-    return f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}:{nonce}" if nonce else None
+    return f"{torchrun.run_id(os.environ)}:{nonce}" if nonce else None
 
 
 MOUNT_MORE = (

@@ -2,8 +2,8 @@
 
 - **PyTorchJob** (Kubeflow training-operator v1), one process per pod (``python train.py``): the operator sets
   ``MASTER_ADDR`` (the master replica's service), ``MASTER_PORT``, ``WORLD_SIZE`` (pods) and ``RANK`` (the
-  pod's), and no ``LOCAL_RANK``. :func:`~ddpkit.distributed.environment.read_launch_env` reads that as
-  launcher ``"pytorchjob"``: local rank 0 of 1. With a number above 1 as ``nprocPerNode`` the same job is meant
+  pod's), and no ``LOCAL_RANK``: the platform ``"pytorchjob"`` (:func:`detect`, :func:`world`), local rank
+  0 of 1. With a number above 1 as ``nprocPerNode`` the same job is meant
   for torchrun (``WORLD_SIZE`` counts processes, not pods), so a lone process there is refused rather than left
   waiting for ranks that never come; a word (``auto``, the operator's default) counts one process a pod.
 - **PyTorchJob with an elastic policy or ``nprocPerNode``, and TrainJob** (Kubeflow Trainer v2, whose
@@ -14,16 +14,19 @@
 
 Every pod has ``KUBERNETES_SERVICE_HOST`` (the API server's service, injected by the kubelet): without it,
 ``RANK`` and ``WORLD_SIZE`` with no ``LOCAL_RANK`` are a leftover ``export`` far more often than a launcher,
-and stay an error (:mod:`ddpkit.distributed.environment`). Pure logic, tested with mocked environments.
+and stay an error (:mod:`ddpkit.platforms.torchrun`). Pure logic, tested with mocked environments.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from ddpkit.errors import ConfigError
+from ddpkit.platforms import cpus
+from ddpkit.platforms.base import LaunchDefault, LaunchEnv, checked, read_int
+
+NAME = "pytorchjob"
 
 POD_ENV = "KUBERNETES_SERVICE_HOST"
 """Set in every container Kubernetes starts."""
@@ -51,7 +54,7 @@ user never typed. ``[0-9]`` is ASCII only, unlike ``int()`` and ``str.isdigit()`
 
 
 def pet_value(env: Mapping[str, str], name: str) -> str | None:
-    """The value of the ``PET_*`` variable ``name`` (one of :data:`_VALUE_FORMS`), stripped, or None where it
+    """The value of the ``PET_*`` variable ``name`` (one of ``_VALUE_FORMS``), stripped, or None where it
     is unset: every reader of these variables parses them here, so that a value is taken or refused the same
     way by ``ddpkit run`` and :func:`ddpkit.init`. Raises :class:`ConfigError` in one line naming the variable
     and its value (shown with escapes, so that a digit of another script is seen for what it is) for anything
@@ -81,6 +84,27 @@ def pod_variables(env: Mapping[str, str]) -> bool:
         in_pod(env)
         and "LOCAL_RANK" not in env
         and all(name in env for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+    )
+
+
+def detect(env: Mapping[str, str]) -> bool:
+    """A PyTorchJob pod run without torchrun (:func:`pod_variables`)."""
+    return pod_variables(env)
+
+
+def world(env: Mapping[str, str]) -> LaunchEnv:
+    """A PyTorchJob pod run without torchrun: one process per pod, so local rank 0 of 1."""
+    check_one_process_per_pod(env)
+    return checked(
+        LaunchEnv(
+            rank=read_int(env, "RANK"),
+            local_rank=0,
+            world_size=read_int(env, "WORLD_SIZE"),
+            local_world_size=1,
+            launcher=NAME,
+            master_addr=env["MASTER_ADDR"],
+            master_port=read_int(env, "MASTER_PORT"),
+        )
     )
 
 
@@ -118,20 +142,11 @@ def check_not_alone_in_torchrun_pod(env: Mapping[str, str]) -> None:
     )
 
 
-@dataclass(frozen=True)
-class LaunchDefault:
-    """A default of one of ``ddpkit run``'s options, and the variables it was read from."""
-
-    option: str
-    value: str
-    source: str
-    """The variables, as the launch summary names them (``PET_MASTER_ADDR:PET_MASTER_PORT``)."""
-
-
-def launch_defaults(env: Mapping[str, str], cpu_count: int) -> list[LaunchDefault]:
+def launch_defaults(env: Mapping[str, str], cpu_count: int | None = None) -> list[LaunchDefault]:
     """``ddpkit run``'s option defaults from a PyTorchJob's or TrainJob's ``PET_*`` variables, and from
     JobSet's ``JOB_COMPLETION_INDEX`` (a node rank, used only by a job of fixed size; see
-    :func:`resolve_options`). Raises :class:`ConfigError` for a rendezvous backend ``ddpkit run`` cannot
+    :func:`resolve_options`). ``PET_NPROC_PER_NODE=cpu`` is ``cpu_count`` processes (by default
+    :func:`ddpkit.platforms.cpus.cpu_count`). Raises :class:`ConfigError` for a rendezvous backend ``ddpkit run`` cannot
     stand in for, or a value torchrun would not take either."""
     backend = env.get("PET_RDZV_BACKEND")
     if backend is not None and backend not in _RDZV_BACKENDS:
@@ -145,7 +160,7 @@ def launch_defaults(env: Mapping[str, str], cpu_count: int) -> list[LaunchDefaul
         value = pet_value(env, name) if name in _VALUE_FORMS else env.get(name, "").strip() or None
         if value is not None:
             if name == "PET_NPROC_PER_NODE" and value == "cpu":  # torchrun: one per core
-                value = str(cpu_count)
+                value = str(cpus.cpu_count(env) if cpu_count is None else cpu_count)
             found.append(LaunchDefault(option, value, name))
     if env.get("PET_RDZV_CONF", "").strip():
         found += _rdzv_conf(env["PET_RDZV_CONF"])

@@ -1,0 +1,68 @@
+"""Every platform ddpkit reads, one module each, and nothing outside this package reads their variables.
+
+Each module is a :class:`~ddpkit.platforms.base.Platform`: ``NAME``, ``detect(env)`` (was this process started
+by it?), ``world(env)`` (its :class:`~ddpkit.platforms.base.LaunchEnv`: ranks, sizes, rendezvous address) and
+``launch_defaults(env)`` (the defaults of ``ddpkit run``'s options it set). :func:`current` asks them in the
+order of :data:`PLATFORMS`:
+
+1. :mod:`~ddpkit.platforms.kubernetes`: a PyTorchJob pod run without torchrun (``RANK`` and ``WORLD_SIZE``
+   but no ``LOCAL_RANK``, inside Kubernetes), before torchrun, which would refuse the missing ``LOCAL_RANK``;
+2. :mod:`~ddpkit.platforms.ray`: a Ray Train worker, whose variables are torchrun's, so before torchrun;
+3. :mod:`~ddpkit.platforms.torchrun`: ``ddpkit run``, torchrun, :func:`ddpkit.spawn`, or ``env://`` by hand;
+   before MPI and SLURM, since ``srun ddpkit run`` and ``mpiexec ddpkit run`` are torchrun's ranks;
+4. :mod:`~ddpkit.platforms.mpi`: before SLURM, because under ``mpiexec`` in a SLURM job MPICH's and Open MPI's
+   launchers start one srun task per node and the ranks inside it, so ``SLURM_PROCID`` counts nodes there
+   while the MPI variables count ranks;
+5. :mod:`~ddpkit.platforms.slurm`: a task ``srun`` started;
+6. :mod:`~ddpkit.platforms.none`: a world of one.
+
+:mod:`~ddpkit.platforms.sge` (the slots Grid Engine granted) and :mod:`~ddpkit.platforms.cpus` (the cores this
+process may use) read the schedulers for the rest. The writers of these variables (``ddpkit sbatch``'s script,
+``ddpkit k8s``'s manifests, the launcher that starts the workers) live with what they write.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from ddpkit.platforms import kubernetes, mpi, none, ray, sge, slurm, torchrun
+from ddpkit.platforms.base import LaunchDefault, LaunchEnv, Platform
+
+PLATFORMS: tuple[Platform, ...] = (kubernetes, ray, torchrun, mpi, slurm, none)
+"""The platforms in the order :func:`current` asks them (the first that detects itself wins)."""
+
+
+def current(env: Mapping[str, str]) -> Platform:
+    """The platform that started this process, as ``env`` tells it (:mod:`~ddpkit.platforms.none` if none)."""
+    return next(platform for platform in PLATFORMS if platform.detect(env))
+
+
+def read_world(env: Mapping[str, str]) -> LaunchEnv:
+    """This process's place in the job, read by the platform that started it."""
+    return current(env).world(env)
+
+
+def launch_defaults(env: Mapping[str, str]) -> list[LaunchDefault]:
+    """The defaults of ``ddpkit run``'s options that any platform set in ``env``, in :data:`PLATFORMS`'s order."""
+    return [default for platform in PLATFORMS for default in platform.launch_defaults(env)]
+
+
+def scheduler(env: Mapping[str, str]) -> str | None:
+    """The batch scheduler this process runs under, if any: ``"slurm"`` or ``"sge"``."""
+    if slurm.in_job(env):
+        return "slurm"
+    if sge.in_job(env):
+        return "sge"
+    return None
+
+
+__all__ = [
+    "PLATFORMS",
+    "LaunchDefault",
+    "LaunchEnv",
+    "Platform",
+    "current",
+    "launch_defaults",
+    "read_world",
+    "scheduler",
+]
