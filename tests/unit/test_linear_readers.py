@@ -28,9 +28,9 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 from ddpkit.errors import ConfigError
 from ddpkit.snapshot import folders, storage
+from ddpkit.snapshot import region as mvalues
 from ddpkit.snapshot.chunks import check_chunks
 from ddpkit.snapshot.memory import slot as mslot
-from ddpkit.snapshot import region as mvalues
 
 GROWTH = (1, 4, 16, 64)
 PER_DOUBLING = 2.2

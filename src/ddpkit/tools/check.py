@@ -36,7 +36,7 @@ from ddpkit.distributed.runtime import get_runtime, init
 from ddpkit.distributed.seeding import mix_seed, seed_everything
 from ddpkit.errors import ConfigError
 from ddpkit.internals.compiler import import_dynamo
-from ddpkit.launch.options import MAX_NPROC
+from ddpkit.launch.options import MAX_NPROC, split_argv
 from ddpkit.launch.spawn import spawn
 from ddpkit.nn.dropout import BatchLayout, batch_layout, convert_dropout
 from ddpkit.strategies.prepare import prepare_model, unwrap
@@ -351,18 +351,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"a training script that defines {HOOK}() or builds a ddpkit.Trainer, or a built-in workload: "
         + ", ".join(BUILTINS),
     )
-    p.add_argument(
-        "script_args",
-        nargs=argparse.REMAINDER,
-        help="the script's own arguments, passed on as `ddpkit run` does (check's options go before the script)",
-    )
     p.add_argument("--nproc", type=int, default=2, help="ranks of the distributed run (default 2)")
     p.add_argument("--steps", type=int, default=4, help="optimizer steps compared (default 4)")
     p.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance (default 1e-4)")
     p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args(argv)
+    # The script's own arguments follow it, as under `ddpkit run` (check's options go before the script).
+    ours, script_args = split_argv(sys.argv[1:] if argv is None else argv, {"--nproc", "--steps", "--rtol", "--seed"})
+    p.usage = "ddpkit check [-h] [--nproc NPROC] [--steps STEPS] [--rtol RTOL] [--seed SEED] [script [ARGS ...]]"
+    a = p.parse_args(ours)
     cfg = CheckConfig(
-        script=a.script, script_args=tuple(a.script_args), nproc=a.nproc, steps=a.steps, rtol=a.rtol, seed=a.seed
+        script=a.script, script_args=tuple(script_args), nproc=a.nproc, steps=a.steps, rtol=a.rtol, seed=a.seed
     )
     code, lines = run_check(cfg)
     print("\n".join(lines), flush=True)
