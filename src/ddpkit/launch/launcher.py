@@ -171,7 +171,7 @@ def new_run_log_dir(root: str) -> Path:
     """``ROOT/<date>-<time>-<pid>``: one folder per run, created now.
 
     torchrun opens the workers' logs in place (``open(name, "w")``, not through :mod:`ddpkit.fs`), but in a
-    folder it makes inside this one with :func:`tempfile.mkdtemp`: new, of a random name, this user's alone, so
+    folder it makes inside this one with ``tempfile.mkdtemp``: new, of a random name, this user's alone, so
     no link, symbolic or hard, can stand at their names. The stack files beside it go through ``ddpkit.fs``.
     """
     path = Path(root).absolute() / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"

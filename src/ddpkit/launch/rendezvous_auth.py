@@ -49,7 +49,7 @@ EVICTED = b"evicted: the relay is full".ljust(_TAG, b"\n")
 BUSY = b"ddpkit rendezvous relay busy: "
 BUSY_ADDRESS = BUSY + b"address\n"
 """The relay's only words to a connection beyond its unfinished handshakes from one address (in place of
-:data:`HELLO`)."""
+``HELLO``)."""
 BUSY_FULL = BUSY + b"full\n"
 """... beyond its unfinished handshakes of all addresses (a relay that does not evict)."""
 _BUSY_WORDS = {

@@ -10,9 +10,9 @@ The endpoint is reachable by anyone on the network, so what a peer can make the 
 - one address may hold at most :data:`PER_ADDRESS` unfinished handshakes; a connection beyond that is told
   so and closed at once, so one address cannot fill the others' room;
 - all addresses together hold at most :data:`PENDING`; a connection beyond that evicts the oldest handshake of
-  the address that holds the most (:meth:`RelayServer._victim`), so that silent connections from many
+  the address that holds the most (``RelayServer._victim``), so that silent connections from many
   addresses, reopened as soon as they are dropped, cannot keep a node that answers at once out;
-- a peer turned away or evicted is told so in words (:data:`~ddpkit.launch.rendezvous_auth.BUSY`), which its
+- a peer turned away or evicted is told so in words (``BUSY_ADDRESS``, ``BUSY_FULL`` of :mod:`ddpkit.launch.rendezvous_auth`), which its
   launcher says instead of blaming the endpoint;
 - every dropped connection is said on the host's stderr, at once for the first from an address (for each
   reason), then as a count at most once a minute, so that the user of a rendezvous that will not form sees

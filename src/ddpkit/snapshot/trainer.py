@@ -35,7 +35,6 @@ from ddpkit.strategies import Strategy
 
 if TYPE_CHECKING:  # the memory backend is imported when a run asks for it (SnapshotConfig(memory=True))
     from ddpkit.snapshot.memory.snapshots import MemorySnapshots
-    from ddpkit.training.state import TrainState
 
 STREAMS = "rng"
 """The part of ``TrainerSnapshots.states`` that holds each rank's random streams (a RankStreams)."""
@@ -49,6 +48,17 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+class Counters(Stateful, Protocol):
+    """Where training stands (the Trainer's :class:`~ddpkit.training.state.TrainState`)."""
+
+    epoch: int
+    step: int
+    cursor: int
+
+    @property
+    def position(self) -> tuple[int, int, int]: ...
+
+
 class TrainerSnapshots:
     """Saves the Trainer's stateful parts to ``run_dir/snapshots`` and restores them; every rank calls every
     method (saving and finding a snapshot are collectives)."""
@@ -60,7 +70,7 @@ class TrainerSnapshots:
         *,
         runtime: Runtime,
         strategy: Strategy,
-        train: TrainState,
+        train: Counters,
         states: Mapping[str, Stateful | None],
         record: RunRecord,
         global_micro_batch: int,
