@@ -1,11 +1,11 @@
 """Where each value of a saved state goes: tensors to DCP's files, other values to ``values.pt``, and each
-rank's own values (:data:`PER_RANK`) under a name of their own.
+rank's own values (:data:`~ddpkit.strategies.base.PER_RANK`) under a name of their own.
 
 DCP keeps one copy of a key that several ranks save (replicated parameters) and gives every rank that copy on
 load, from whichever rank the planner picked to write it. Some values are the same key on every rank but each
 rank's own: BatchNorm's running statistics without sync BatchNorm follow each rank's own batches (DDP copies
 rank 0's into the others only at the next synchronised forward pass), as do parameters DDP was told to ignore.
-A state's :data:`PER_RANK` part holds those: rank 0's copy is saved in the place of the shared key (so the
+A state's :data:`~ddpkit.strategies.base.PER_RANK` part holds those: rank 0's copy is saved in the place of the shared key (so the
 shared part is one whole state, rank 0's, as DDP would converge to), rank ``r``'s under ``per_rank.rank<r>``.
 """
 
@@ -18,8 +18,7 @@ from typing import Any
 
 import torch
 
-PER_RANK = "per_rank"
-"""Key of the part of a saved state that is each rank's own (see the module docstring)."""
+from ddpkit.strategies.base import PER_RANK  # the strategies say which part of their state is a rank's own
 
 KeyPath = tuple[Any, ...]
 
@@ -55,7 +54,7 @@ def set_at(tree: dict[str, Any], path: KeyPath, value: Any) -> None:
 
 def stored_path(path: KeyPath, rank: int) -> KeyPath:
     """Where the value at ``path`` of a state is stored, for the copy of ``rank``: a value of the
-    :data:`PER_RANK` part goes under the name of its rank, except rank 0's, which takes the place of the same
+    :data:`~ddpkit.strategies.base.PER_RANK` part goes under the name of its rank, except rank 0's, which takes the place of the same
     key in the shared part."""
     if path[0] != PER_RANK:
         return path

@@ -47,7 +47,7 @@ def load(
     check: Callable[[dict[str, Any]], None] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(state, extra)`` of a snapshot. ``template()`` gives the current state, whose tensors DCP fills in
-    place with this world size's parts (its :data:`~ddpkit.snapshot.layout.PER_RANK` part with this rank's
+    place with this world size's parts (its :data:`~ddpkit.strategies.base.PER_RANK` part with this rank's
     own copy at the same world size, rank 0's at another) and whose other values are replaced by the saved
     ones. ``check(extra)`` runs before any tensor is read, and may refuse the snapshot by raising. A folder
     holding anything but what the codec writes is refused (:class:`~ddpkit.errors.ConfigError`); nothing of

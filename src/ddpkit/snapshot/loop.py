@@ -20,7 +20,7 @@ rank's own buffers (BatchNorm statistics) under its own name; the schedulers, th
 ``state_dict``: epoch and global sample cursor, with the data's fingerprint), the step count and the ``extra``
 objects (rank 0's: the same on every rank) in ``values.pt``; and every rank's own state in a file of its own:
 its random streams (python, numpy, torch CPU and CUDA, the loader's generator;
-:class:`~ddpkit.training.state.RankStreams`) and the ``own`` objects.
+:class:`~ddpkit.snapshot.state.RankStreams`) and the ``own`` objects.
 
 At the same world size every rank gets its own streams and buffers back, and the run goes on bit for bit. At
 another (the same global batch: per-rank batch x ranks), the loader's global cursor gives the same samples in
@@ -56,10 +56,10 @@ from ddpkit.distributed.runtime import Runtime, get_runtime
 from ddpkit.errors import ConfigError, Preempted
 from ddpkit.snapshot.manager import SnapshotManager
 from ddpkit.snapshot.schedule import SnapshotSchedule
+from ddpkit.snapshot.state import NewRankState, RankStreams, TrainState
 from ddpkit.snapshot.trainer import STREAMS, restore
 from ddpkit.strategies.prepare import unwrap
 from ddpkit.strategies.prepared import LoopModel
-from ddpkit.training.state import NewRankState, RankStreams, TrainState
 
 if TYPE_CHECKING:  # the memory backend is imported when a loop asks for it (memory=True)
     from ddpkit.snapshot.memory.snapshots import MemorySnapshots

@@ -133,7 +133,7 @@ class SnapshotManager:
         self, step: int, state: dict[str, Any], extra: dict[str, Any], *, replicated: bool = False, own: Any = None
     ) -> None:
         """Snapshot ``step``: ``state`` (every rank's own part, for DCP: its tensors, shards and the
-        :data:`~ddpkit.snapshot.layout.PER_RANK` part; its other values go to ``values.pt``) and ``extra``
+        :data:`~ddpkit.strategies.base.PER_RANK` part; its other values go to ``values.pt``) and ``extra``
         (rank 0's, in ``values.pt``). ``replicated``: the tensors of ``state`` outside its per-rank part are
         the same on every rank (``Strategy.replicated``), and each rank writes a share of them. ``own``: plain
         values and tensors of this rank alone, which it writes to a file of its own (:meth:`read_own`): no rank

@@ -2,7 +2,7 @@
 
 The Trainer hands over its stateful parts, each with ``state_dict()`` / ``load_state_dict()``: the strategy
 (model and optimizer, each rank's own part: shards under zero and fsdp, each rank's own buffers under its own
-name), and the rest by name: the counters (:class:`~ddpkit.training.state.TrainState`), every rank's random
+name), and the rest by name: the counters (:class:`~ddpkit.snapshot.state.TrainState`), every rank's random
 streams with the state each rank keeps its own of (its losses not yet agreed on, the callbacks' and the script's
 ``extra_state``), the epoch's agreed losses, early stopping, the LR scheduler and the GradScaler. When a snapshot
 is due: :class:`~ddpkit.snapshot.schedule.SnapshotSchedule`. A snapshot is ``run_dir/snapshots/step-N/``
@@ -49,7 +49,7 @@ class Stateful(Protocol):
 
 
 class Counters(Stateful, Protocol):
-    """Where training stands (the Trainer's :class:`~ddpkit.training.state.TrainState`)."""
+    """Where training stands (the Trainer's :class:`~ddpkit.snapshot.state.TrainState`)."""
 
     epoch: int
     step: int

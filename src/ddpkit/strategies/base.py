@@ -28,7 +28,11 @@ from torch import nn
 
 from ddpkit.errors import ConfigError
 from ddpkit.internals.optim import mark_stepped_like
-from ddpkit.snapshot.layout import PER_RANK
+
+PER_RANK = "per_rank"
+"""Key of the part of a strategy's state that is each rank's own (its shards' keys, its own buffers): a
+snapshot saves rank 0's in the shared key's place and each other rank's under its own name
+(:mod:`ddpkit.snapshot.layout`)."""
 
 
 @dataclass(frozen=True)
@@ -77,7 +81,7 @@ class Strategy(Protocol):
         """Model and optimizer state for :class:`~ddpkit.snapshot.manager.SnapshotManager`: tensors may be shards
         (DTensors), so every rank saves its own part and a load reshards. Values that have one name on every
         rank but may differ between ranks (buffers: BatchNorm's running statistics) go in the ``per_rank`` part
-        (:data:`~ddpkit.snapshot.layout.PER_RANK`), as ``{"model": {name: tensor}, "optim": {key: value}}``."""
+        (:data:`PER_RANK`), as ``{"model": {name: tensor}, "optim": {key: value}}``."""
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (after a load into it, at any world size)."""

@@ -6,7 +6,7 @@ from ddpkit.training.config import (
     LoggingConfig,
     TrainerConfig,
 )
-from ddpkit.training.state import StopReason
+from ddpkit.training.step_output import StopReason
 from ddpkit.training.trainer import Trainer
 
 __all__ = [

@@ -20,8 +20,8 @@ from typing import Any
 from ddpkit.errors import ConfigError
 from ddpkit.errors import check_fields as _check
 from ddpkit.snapshot.schedule import SnapshotConfig
+from ddpkit.snapshot.state import NEW_RANK_STATES, NewRankState
 from ddpkit.strategies import StrategyConfig, strategy_config
-from ddpkit.training.state import NEW_RANK_STATES, NewRankState
 
 
 @dataclass(kw_only=True)

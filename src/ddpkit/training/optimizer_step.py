@@ -14,10 +14,10 @@ import torch
 
 from ddpkit.distributed.collectives import all_reduce
 from ddpkit.errors import ConfigError
+from ddpkit.snapshot.state import TrainState
 from ddpkit.strategies import Strategy
 from ddpkit.training.config import TrainerConfig
 from ddpkit.training.loss_window import LossWindow
-from ddpkit.training.state import TrainState
 
 
 class OptimizerStep:

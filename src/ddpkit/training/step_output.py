@@ -12,12 +12,25 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 
+from ddpkit.snapshot.state import TrainState
 from ddpkit.training.loss_window import LossWindow
 from ddpkit.training.optimizer_step import OptimizerStep
-from ddpkit.training.state import TrainState
+
+
+class StopReason(str, Enum):
+    """Why ``fit()`` ended (``trainer.stopped_by``); a callback may stop training with a reason of its own."""
+
+    EPOCHS = "epochs"
+    MAX_STEPS = "max_steps"
+    EARLY_STOPPING = "early_stopping"
+    SIGNAL = "signal"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(frozen=True)

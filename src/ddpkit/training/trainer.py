@@ -38,6 +38,7 @@ from ddpkit.errors import PREEMPTED_EXIT_CODE, Preempted
 from ddpkit.nn.dropout import GlobalBatchDropout, batch_layout, convert_dropout
 from ddpkit.snapshot import run_dir as run_dir_lib
 from ddpkit.snapshot.run_record import RunRecord, write_resolved_config
+from ddpkit.snapshot.state import RankStreams, TrainState
 from ddpkit.snapshot.trainer import TrainerSnapshots, resumes
 from ddpkit.strategies import Strategy, build_strategy
 from ddpkit.tracking.metrics import MetricsWriter
@@ -50,8 +51,7 @@ from ddpkit.training.item_counts import CountFn, WeightedStep, scale_loss
 from ddpkit.training.loss_window import EpochLoss, LossWindow
 from ddpkit.training.optimizer_step import OptimizerStep, check_metric_driven, metric_driven
 from ddpkit.training.precision import autocast, grad_scaler
-from ddpkit.training.state import RankStreams, StopReason, TrainState
-from ddpkit.training.step_output import step_output
+from ddpkit.training.step_output import StopReason, step_output
 from ddpkit.training.steps import MicroBatch, Step, batch_len, epoch_steps, step_layout
 from ddpkit.training.validation import Evaluator, Validation
 

@@ -37,7 +37,7 @@ from ddpkit.strategies.base import Strategy
 from ddpkit.training.config import TrainerConfig
 from ddpkit.training.early_stopping import EarlyStopping
 from ddpkit.training.evaluation import evaluate
-from ddpkit.training.state import StopReason
+from ddpkit.training.step_output import StopReason
 
 
 class Evaluator:

@@ -262,7 +262,7 @@ def test_a_resume_at_more_ranks_refuses_copies_or_freshens_a_ranks_own_state_nev
 @pytest.mark.timeout(600)
 def test_control_without_the_policy_the_new_rank_trains_another_generator_silently(tmp_path, monkeypatch):
     # The resume as it was: a rank beyond the old world started its part afresh and nobody was told.
-    from ddpkit.training.state import RankStreams
+    from ddpkit.snapshot.state import RankStreams
 
     monkeypatch.setattr(RankStreams, "_policy", lambda self, part: "fresh")
     monkeypatch.setattr(RankStreams, "__init__", _silent(RankStreams.__init__))

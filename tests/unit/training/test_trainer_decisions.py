@@ -14,7 +14,7 @@ import ddpkit
 from ddpkit.errors import ConfigError
 from ddpkit.nn.dropout import BatchLayout, GlobalBatchDropout, batch_layout, convert_dropout
 from ddpkit.training.config import EarlyStoppingConfig, LoggingConfig, SnapshotConfig
-from ddpkit.training.state import StopReason
+from ddpkit.training.step_output import StopReason
 from ddpkit.training.trainer import TrainerConfig
 
 

@@ -5,7 +5,7 @@ shared memory (:mod:`ddpkit.snapshot.memory.store`), which outlives the worker; 
 A save, after an optimizer step, copies what a disk snapshot holds: the strategy's state (model, optimizer,
 the rank's own buffers), the other stateful parts (counters, early stopping, scheduler, scaler), and the
 rank's own random streams (python, numpy, torch, the loader's generator) with the parts each rank keeps its
-own of (:class:`~ddpkit.training.state.RankStreams`): no collective, unlike a disk snapshot, which gathers them. The strategy's ``state_dict()`` costs ~1 ms (torch's
+own of (:class:`~ddpkit.snapshot.state.RankStreams`): no collective, unlike a disk snapshot, which gathers them. The strategy's ``state_dict()`` costs ~1 ms (torch's
 ``get_state_dict`` walks the model): it is called once, and later saves copy from the same tensors, which are
 the live parameters and optimizer state themselves (checked each save: the state is rebuilt when one of those
 objects is replaced, or when a tensor of the state is not a live one). The optimizer's hyper-parameters (the
@@ -81,7 +81,7 @@ class TrainerParts:
     schedule: Any
     """The run's :class:`~ddpkit.snapshot.schedule.SnapshotSchedule`: when a copy is due; holds the interval."""
     states: Mapping[str, Any]
-    """The disk snapshots' stateful parts by name, ``"rng"`` (:class:`~ddpkit.training.state.RankStreams`)
+    """The disk snapshots' stateful parts by name, ``"rng"`` (:class:`~ddpkit.snapshot.state.RankStreams`)
     among them: what each rank keeps its own of."""
     record: Any
     """The run's :class:`~ddpkit.snapshot.run_record.RunRecord`: a resume compares it before it loads."""

@@ -1,11 +1,10 @@
-"""Where training stands: the counters a snapshot restores next to the model and optimizer, and the random
-streams of every rank."""
+"""Where training stands: the counters a snapshot restores next to the model and optimizer, and every rank's
+own state (its random streams, and the parts each rank keeps its own of)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
-from enum import Enum
 from typing import Any, Literal
 
 import torch
@@ -19,18 +18,6 @@ NewRankState = Literal["refuse", "copy", "fresh"]
 """What a rank beyond a snapshot's world size gets of a part each rank keeps its own of
 (``TrainerConfig.new_rank_state``)."""
 NEW_RANK_STATES: tuple[str, ...] = ("refuse", "copy", "fresh")
-
-
-class StopReason(str, Enum):
-    """Why ``fit()`` ended (``trainer.stopped_by``); a callback may stop training with a reason of its own."""
-
-    EPOCHS = "epochs"
-    MAX_STEPS = "max_steps"
-    EARLY_STOPPING = "early_stopping"
-    SIGNAL = "signal"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass
