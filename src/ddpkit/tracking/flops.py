@@ -11,8 +11,8 @@ gives one's peak by hand).
 from __future__ import annotations
 
 import re
-from contextlib import contextmanager
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode

@@ -257,10 +257,9 @@ class Trainer:
         self.writer.flush()
         call(self.callbacks, "on_fit_end", self)
         self.snapshots.close()  # what a restart needs from here on is on disk
-        self.speed.close()
         if self.stopped_by != StopReason.SIGNAL:
-            summary = run_summary(str(reason), self.state, last, self.validation, self.run_dir, self.speed.run.summary())
-            print0(summary, group=self.group)
+            speed = self.speed.run.summary()  # the slowest rank over the run
+            print0(run_summary(str(reason), self.state, last, self.validation, self.run_dir, speed), group=self.group)
             signals.pass_on(self._stop_signal)  # one that came after the last agreement, too late to stop it
         elif cfg.raise_on_stop_signal:
             preempted = Preempted.by(self._stop_signal, self.step)

@@ -82,13 +82,12 @@ def train(
         global_batch_size=16,
         num_workers=0,
         snapshot=SnapshotConfig(every_epochs=0),
-        logging=LoggingConfig(
-            every_steps=every, progress=True, step_timings=step_timings, peak_flops=peak_flops
-        ),
+        logging=LoggingConfig(every_steps=every, progress=True, step_timings=step_timings, peak_flops=peak_flops),
     )
     count_fn = (lambda batch: TOKENS_PER_SAMPLE * batch[0].shape[0]) if tokens else None
-    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, config, batch_loss_fn=loss_fn,
-                      count_fn=count_fn)
+    trainer = Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), data, config, batch_loss_fn=loss_fn, count_fn=count_fn
+    )
     trainer.fit()
     if not trainer.runtime.is_main:
         return []
