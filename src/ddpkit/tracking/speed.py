@@ -22,7 +22,8 @@ class Speed:
 
     ``peak``: the peak FLOP/s of one device (``LoggingConfig.peak_flops``, else the table's for a known GPU);
     with one, the FLOPs of the first micro-batch's forward and backward are counted once and MFU is reported.
-    ``count_flops=False`` (a compiled model: counting would run its first step eagerly) reports no MFU.
+    ``compiled`` (the model runs under ``torch.compile``): no MFU (counting would run the first step eagerly),
+    and DDP's buffer broadcast stays in ``compute``.
     """
 
     def __init__(
@@ -34,11 +35,11 @@ class Speed:
         precision: str,
         world_size: int,
         peak_flops: float | None = None,
-        count_flops: bool = True,
+        compiled: bool = False,
     ) -> None:
         self.enabled, self.world_size = enabled, world_size
-        self.timings = StepTimings(model, device, enabled)
-        self.peak = (peak_flops or device_peak(device, precision)) if enabled and count_flops else None
+        self.timings = StepTimings(model, device, enabled, compiled)
+        self.peak = (peak_flops or device_peak(device, precision)) if enabled and not compiled else None
         self.flops = FlopCount()
         self._to_count = self.peak is not None
         self.run = RunSpeed()

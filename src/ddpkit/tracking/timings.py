@@ -59,10 +59,11 @@ class StepTimings:
 
     The Trainer calls :meth:`start_step`, :meth:`before_optimizer`, :meth:`after_optimizer` around each step,
     iterates the loader through :meth:`loader`, and wraps snapshot work in :meth:`phase`. Disabled, every call
-    is a no-op and the loader is iterated as is.
+    is a no-op and the loader is iterated as is. ``compiled`` (the model runs under ``torch.compile``): DDP's
+    broadcast of buffers before the forward is not timed as ``comm`` (it stays in ``compute``).
     """
 
-    def __init__(self, model: nn.Module, device: torch.device, enabled: bool = True) -> None:
+    def __init__(self, model: nn.Module, device: torch.device, enabled: bool = True, compiled: bool = False) -> None:
         self.enabled = enabled
         self.seconds = dict.fromkeys(PHASES, 0.0)
         self.samples = 0  # this rank's samples read in the window
@@ -74,11 +75,13 @@ class StepTimings:
         self._last_grad: Any = None
         self._hooks = []
         self._forward_start: Any = None
+        self._stepping = False  # between start_step and before_optimizer: an evaluation's forward is not a step's
         if enabled:
             self._hooks = [
                 p.register_post_accumulate_grad_hook(self._grad_ready) for p in model.parameters() if p.requires_grad
             ]
-            if isinstance(model, DistributedDataParallel):
+            # Under torch.compile the forward's hooks would be traced (a clock read in the graph): not timed there.
+            if isinstance(model, DistributedDataParallel) and not compiled:
                 self._hooks.append(model.register_forward_pre_hook(self._ddp_forward))
                 self._hooks.append(model.module.register_forward_pre_hook(self._module_forward))
 
@@ -112,7 +115,8 @@ class StepTimings:
             self._last_grad.record()
 
     def _ddp_forward(self, _module: nn.Module, _args: Any) -> None:
-        self._forward_start = self._mark()
+        if self._stepping:
+            self._forward_start = self._mark()
 
     def _module_forward(self, _module: nn.Module, _args: Any) -> None:
         if self._forward_start is not None:
@@ -138,13 +142,14 @@ class StepTimings:
     def start_step(self) -> None:
         if self.enabled:
             self._start, self._data_before, self._comm_before = self._mark(), self.seconds["data"], self.seconds["comm"]
-            self._last_grad = None
+            self._last_grad, self._stepping = None, True
 
     def before_optimizer(self) -> None:
         """After the step's last backward (the synchronising one) has returned."""
         if not self.enabled:
             return
         self._mid = now = self._mark()
+        self._stepping = False
         data = self.seconds["data"] - self._data_before
         if self._last_grad is not None:
             comm_start, self._last_grad = self._last_grad, None

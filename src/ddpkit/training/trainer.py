@@ -120,7 +120,7 @@ class Trainer:
         log = config.logging
         self.speed = Speed(
             self.model, rt.device, enabled=log.step_timings, precision=config.precision, world_size=rt.world_size,
-            peak_flops=log.peak_flops, count_flops=not config.compile,
+            peak_flops=log.peak_flops, compiled=config.compile,
         )  # fmt: skip
         # Scripts seed every rank alike so that models start identical; the strategy has now made them
         # identical, and with one seed everywhere ranks would also draw identical dropout masks and augmentations.

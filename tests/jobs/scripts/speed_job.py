@@ -1,8 +1,9 @@
 """A small job whose rank 1 can be made slow on purpose: the job of the slow-rank and throughput tests.
 
-Every rank's dataset sleeps ``SLEEP`` seconds a sample, so that a step's time is mostly waiting (which another
-process's load on a shared CPU does not stretch) and equal ranks stay equal. ``slow="data"`` makes rank 1's
-samples sleep ``SLOW_SLEEP`` more; ``slow="compute"`` gives rank 1's forward a loop of matmuls.
+Every rank's dataset sleeps ``SLEEP`` seconds a sample, so that a step's time is mostly waiting, which other
+work on a shared CPU stretches far less than computing, and equal ranks stay equal; few long sleeps rather than
+many short ones, as a loaded machine adds its wake-up latency to each. ``slow="data"`` makes rank 1's samples
+sleep ``SLOW_SLEEP`` more; ``slow="compute"`` gives rank 1's forward a loop of matmuls.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import ddpkit
 from ddpkit.training.config import LoggingConfig, SnapshotConfig, TrainerConfig
 from ddpkit.training.trainer import Trainer
 
-N, FEATURES, HIDDEN, CLASSES = 384, 32, 64, 4
-SLEEP, SLOW_SLEEP = 0.005, 0.010
+N, FEATURES, HIDDEN, CLASSES = 64, 32, 64, 4
+SLEEP, SLOW_SLEEP = 0.025, 0.075
+GLOBAL_BATCH = 4  # 2 samples per rank
 TOKENS_PER_SAMPLE = 3
 
 
@@ -62,13 +64,13 @@ def train(
     run_dir: str,
     *,
     slow: str | None = None,
-    steps: int = 24,
-    every: int = 6,
+    steps: int = 16,
+    every: int = 4,
     tokens: bool = False,
     peak_flops: float | None = None,
     step_timings: bool = True,
 ) -> list[dict]:
-    """Train ``steps`` steps of a global batch of 16; the records of metrics.jsonl (main rank; [] elsewhere)."""
+    """Train ``steps`` steps (one epoch) of a global batch of 4; the records of metrics.jsonl (main rank; [] elsewhere)."""
     ddpkit.init()
     torch.set_num_threads(1)  # two ranks on a shared machine: no rank's matmuls take the other's core
     rank = ddpkit.get_runtime().rank
@@ -79,7 +81,7 @@ def train(
         run_dir=run_dir,
         max_steps=steps,
         epochs=100,
-        global_batch_size=16,
+        global_batch_size=GLOBAL_BATCH,
         num_workers=0,
         snapshot=SnapshotConfig(every_epochs=0),
         logging=LoggingConfig(every_steps=every, progress=True, step_timings=step_timings, peak_flops=peak_flops),

@@ -11,9 +11,7 @@ import functools
 import pytest
 
 import ddpkit
-from tests.jobs.scripts.speed_job import CLASSES, FEATURES, HIDDEN, TOKENS_PER_SAMPLE, train
-
-GLOBAL_BATCH = 16
+from tests.jobs.scripts.speed_job import CLASSES, FEATURES, GLOBAL_BATCH, HIDDEN, TOKENS_PER_SAMPLE, train
 
 
 def _run(run_dir, capfd=None, **kwargs) -> tuple[list[dict], str]:
@@ -29,10 +27,10 @@ def _kind(records: list[dict], kind: str) -> list[dict]:
 def test_a_rank_with_slow_data_is_named_with_the_phase_data(tmp_path, capfd):
     records, out = _run(tmp_path / "run", capfd, slow="data", peak_flops=1e11)
     ranks = _kind(records, "ranks")
-    assert len(ranks) == 4  # 24 steps, a window every 6
+    assert len(ranks) == 4  # 16 steps, a window every 4
     for r in ranks:
         assert (r["slow"], r["slowest_rank"], r["slowest_phase"]) == (True, 1, "data"), r
-        assert r["data_ms"][1] > 2 * r["data_ms"][0]
+        assert r["data_ms"][1] > 1.5 * r["data_ms"][0]
         assert r["comm_ms"][0] > r["comm_ms"][1]  # rank 0 waits for rank 1 at the gradients' all-reduce
     assert "slow rank 1 +" in out and "(data)" in out  # the progress line
     assert "slowest rank 1: " in out and "mostly data; named slow in 4 of 4" in out  # the run's summary
