@@ -6,8 +6,9 @@ on every parameter, two forward pre-hooks, the loader's ``next()`` timed, a few 
 each log window an all-gather of 8 numbers per rank, the ``ranks`` record, rates and MFU), one not; rounds of one
 epoch each alternate (on, off, off, on, ...) so that noise from other work on the machine falls on both.
 Measures, on rank 0, as bench/trainer_overhead.py: the median step per round (between consecutive optimizer
-steps) and epoch time / steps (with the log windows' work in it); reported: the median of the per-round ratios
-on / off, with a distribution-free 95% interval, and the difference in microseconds a step.
+steps) and epoch time / steps (with the log windows' work in it); and the process's CPU time over the epoch /
+steps, which other processes' load on a shared machine moves far less than wall time. Reported: the median of
+the per-round ratios on / off, with a distribution-free 95% interval, and the difference in microseconds a step.
 Targets: <= 1.005 on the CNN's step, <= 1.02 on the tiny model's.
 
     python bench/observe_overhead.py                 # the digits CNN (ddpkit.demo), 2 ranks, batch 64 per rank
@@ -55,7 +56,7 @@ def bench(steps: int, rounds: int, batch_size: int, model: str, every: int) -> d
             batch_size=batch_size,
             num_workers=0,
             snapshot=SnapshotConfig(every_epochs=0),
-            resume=False,
+            resume=True,  # each fit() goes on in the same folder (no snapshots: it trains the epoch again)
             logging=LoggingConfig(progress=False, every_steps=every, step_timings=timings),
         )
         t = Trainer(net, torch.optim.SGD(net.parameters(), lr=1e-3), data, config)
@@ -64,18 +65,20 @@ def bench(steps: int, rounds: int, batch_size: int, model: str, every: int) -> d
 
     on, off = trainer(True), trainer(False)
 
-    def timed(t: Trainer) -> tuple[float, float]:
+    def timed(t: Trainer) -> tuple[float, float, float]:
         stamps.clear()
         t.epoch = t.cursor = 0  # the same single epoch again
+        t.stopped_by = None
         ddpkit.barrier()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         t.fit()
+        cpu = (time.process_time() - cpu) / steps
         ddpkit.barrier()
         epoch = (time.perf_counter() - start) / steps
-        return statistics.median(b - a for a, b in zip(stamps, stamps[1:])), epoch
+        return statistics.median(b - a for a, b in zip(stamps, stamps[1:])), epoch, cpu
 
     timed(on), timed(off)  # warm-up, excluded
-    results: dict[str, list[tuple[float, float]]] = {"on": [], "off": []}
+    results: dict[str, list[tuple[float, float, float]]] = {"on": [], "off": []}
     for r in range(rounds):
         order = [("on", on), ("off", off)] if r % 2 == 0 else [("off", off), ("on", on)]
         for name, t in order:
@@ -106,7 +109,8 @@ def main() -> None:
         f"a log window every {a.every} steps, {'fixed' if res['steady'] else 'adaptive'} malloc thresholds, "
         "warm-up excluded"
     )
-    for i, what in enumerate(("step (median step per round)", "epoch / steps")):
+    measures = ("step (median step per round)", "epoch / steps", "rank 0's CPU time (all its threads) / steps")
+    for i, what in enumerate(measures):
         on = [x[i] * 1000 for x in res["on"]]
         off = [x[i] * 1000 for x in res["off"]]
         ratios = sorted(x / y for x, y in zip(on, off))

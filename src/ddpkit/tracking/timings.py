@@ -310,8 +310,9 @@ class RunSpeed:
         named = self.slow_windows.get(total.rank, 0)
         if len(self.busy) == 1:
             return None
-        verdict = "slowest" if total.slow else "ranks even; the busiest is"
-        return (
-            f"  {verdict} rank {total.rank}: {total.ratio:.2f}x the median rank's busy time, "
-            f"mostly {total.phase}; named slow in {named} of {self.windows} log windows"
-        )
+        windows = f"slow in {named} of {self.windows} windows"
+        if total.slow:
+            return (
+                f"  slowest rank {total.rank}: {total.ratio:.2f}x the median busy time, mostly {total.phase}; {windows}"
+            )
+        return f"  ranks even (busiest: rank {total.rank}, {total.ratio:.2f}x the median busy time); {windows}"

@@ -33,7 +33,7 @@ def test_a_rank_with_slow_data_is_named_with_the_phase_data(tmp_path, capfd):
         assert r["data_ms"][1] > 1.5 * r["data_ms"][0]
         assert r["comm_ms"][0] > r["comm_ms"][1]  # rank 0 waits for rank 1 at the gradients' all-reduce
     assert "slow rank 1 +" in out and "(data)" in out  # the progress line
-    assert "slowest rank 1: " in out and "mostly data; named slow in 4 of 4" in out  # the run's summary
+    assert "slowest rank 1: " in out and "mostly data; slow in 4 of 4 windows" in out  # the run's summary
     # MFU with a peak given by hand (on the CPU there is none otherwise): the FLOPs of a sample, as counted,
     # times the samples a second, over both ranks' peaks.
     flops_per_sample = 2 * (FEATURES * HIDDEN + HIDDEN * CLASSES) * 2 + 2 * HIDDEN * CLASSES
