@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ddpkit.tracking.flops import FlopCount, device_peak, mfu
-from ddpkit.tracking.timings import RankTimes, RunSpeed, StepTimings, _batch_len
+from ddpkit.tracking.timings import RankTimes, RunSpeed, StepTimings, samples_in
 
 
 class Speed:
@@ -49,7 +49,7 @@ class Speed:
         if not self._to_count:
             return nullcontext()
         self._to_count = False
-        return self.flops.counting(_batch_len(batch))
+        return self.flops.counting(samples_in(batch))
 
     def window(self, wall: float, items: float | None, steps: int, group: Any) -> RankTimes | None:
         """Every rank's phases in the window ending here (collective: every rank calls it); None when off.

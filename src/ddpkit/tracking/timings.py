@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -48,10 +48,15 @@ SLOW_SHARE = 0.05
 """... and the excess is at least this share of the step's wall time (a tiny phase's noise is not news)."""
 
 
-def _batch_len(batch: Any) -> int:
-    from ddpkit.training.steps import batch_len  # tracking does not import training at import time
-
-    return batch_len(batch)
+def samples_in(batch: Any) -> int:
+    """The samples of a batch: the first dimension of its (first) tensor, as the Trainer counts them."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0]
+    if isinstance(batch, Mapping):
+        return samples_in(next(iter(batch.values())))
+    if isinstance(batch, (list, tuple)):
+        return samples_in(batch[0])
+    raise TypeError(f"cannot tell the batch size of a {type(batch).__name__}; batches hold tensors")
 
 
 class StepTimings:
@@ -136,7 +141,7 @@ class StepTimings:
             except StopIteration:
                 return
             seconds["data"] += clock() - start
-            self.samples += _batch_len(batch)
+            self.samples += samples_in(batch)
             yield batch
 
     def start_step(self) -> None:
@@ -226,7 +231,7 @@ class Slowest:
     phase: str
     """The busy phase whose excess over that phase's median is the largest."""
     slow: bool
-    """Over both thresholds (:data:`SLOW_RATIO`, :data:`SLOW_SHARE`): worth naming."""
+    """Over both thresholds (``SLOW_RATIO``, ``SLOW_SHARE``): worth naming."""
 
     def text(self) -> str:
         return f"rank {self.rank} +{self.excess_ms:.3g}ms ({self.phase})"
