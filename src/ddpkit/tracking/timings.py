@@ -145,6 +145,7 @@ class StepTimings:
             yield batch
 
     def start_step(self) -> None:
+        """Before the step reads its first micro-batch."""
         if self.enabled:
             self._start, self._data_before, self._comm_before = self._mark(), self.seconds["data"], self.seconds["comm"]
             self._last_grad, self._stepping = None, True
@@ -166,6 +167,7 @@ class StepTimings:
             self.seconds["compute"] += now - self._start - data - (self.seconds["comm"] - self._comm_before)
 
     def after_optimizer(self) -> None:
+        """After the optimizer step (taken or skipped)."""
         if self.enabled:
             self._span("optimizer", self._mid, self._mark())
 
