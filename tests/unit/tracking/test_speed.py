@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -12,7 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from ddpkit.tracking import flops
 from ddpkit.tracking.curves import RANKS_PANEL, panels, read_curves
 from ddpkit.tracking.flops import FlopCount, device_peak, mfu, peak_flops
-from ddpkit.tracking.timings import PHASES, RankTimes, RunSpeed
+from ddpkit.tracking.timings import PHASES, RankTimes, RunSpeed, StepTimings
 
 
 def _forward_backward(model: nn.Module, x: torch.Tensor) -> None:
@@ -117,3 +118,35 @@ def test_plot_reads_each_ranks_busy_time_into_one_panel(tmp_path):
         ("samples_per_s", ["samples_per_s"]),
         (RANKS_PANEL, ["busy_ms/rank0", "busy_ms/rank1"]),
     ]
+
+
+def test_counting_flops_leaves_the_gradients_bitwise_the_same():
+    grads = []
+    for count in (True, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+        with FlopCount().counting(samples=8) if count else contextlib.nullcontext():
+            _forward_backward(model, torch.randn(8, 16))
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_phases_are_read_from_events_on_the_device():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    model = nn.Linear(2048, 2048).cuda()
+    timings = StepTimings(model, torch.device("cuda"))
+    x = torch.randn(512, 2048, device="cuda")
+    for _ in range(5):
+        timings.start_step()
+        for batch in timings.loader([x, x]):
+            model(batch).square().mean().backward()
+        timings.before_optimizer()
+        for _ in range(100):  # device work queued in the optimizer's span: the host returns at once
+            x @ x.T
+        timings.after_optimizer()
+    times = timings.window(wall=1.0, items=0.0, steps=5)
+    assert times.samples == 5 * 2 * 512
+    assert 0 < times.ms["compute"][0] < times.ms["optimizer"][0]
+    assert times.ms["comm"][0] >= 0
