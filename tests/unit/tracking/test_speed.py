@@ -150,3 +150,11 @@ def test_on_cuda_the_phases_are_read_from_events_on_the_device():
     assert times.samples == 5 * 2 * 512
     assert 0 < times.ms["compute"][0] < times.ms["optimizer"][0]
     assert times.ms["comm"][0] >= 0
+
+
+def test_a_peak_that_is_not_positive_is_refused_naming_the_option():
+    from ddpkit.errors import ConfigError
+    from ddpkit.training.config import LoggingConfig
+
+    with pytest.raises(ConfigError, match="peak_flops=0 is not valid: see LoggingConfig.peak_flops"):
+        LoggingConfig(peak_flops=0)
