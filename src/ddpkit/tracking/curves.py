@@ -1,7 +1,8 @@
 """``ddpkit plot RUN_DIR``: the training and validation curves of a run, from its ``metrics.jsonl``, to a PNG.
 
 One panel per quantity: the losses (training loss every ``LoggingConfig.every_steps``, its epoch mean, validation loss)
-together, then each other validation metric, then the learning rate; the x-axis is the optimizer step. Work
+together, then each other validation metric, then the learning rate, then the speed (samples and tokens a
+second, MFU, and each rank's busy time per step from the ``ranks`` records); the x-axis is the optimizer step. Work
 redone after a crash appears twice in the records; the later record of a step is the one drawn.
 Needs matplotlib: ``pip install 'ddpkit[plot]'``.
 """
@@ -20,7 +21,8 @@ from ddpkit.errors import ConfigError
 
 
 def read_curves(run_dir: str | Path) -> dict[str, dict[int, float]]:
-    """``{name: {step: value}}`` for every numeric value of the train, epoch and test records."""
+    """``{name: {step: value}}`` for every numeric value of the train, epoch and test records, and each rank's
+    busy time per step (``busy_ms/rank0``, ...) from the ``ranks`` records."""
     path = Path(run_dir) / "metrics.jsonl"
     try:
         path.exists()
@@ -43,7 +45,7 @@ def read_curves(run_dir: str | Path) -> dict[str, dict[int, float]]:
             record = json.loads(line)
         except ValueError:
             continue  # a line cut short by a crash
-        if not isinstance(record, dict) or record.get("kind") not in ("train", "epoch", "val", "test"):
+        if not isinstance(record, dict) or record.get("kind") not in ("train", "epoch", "val", "test", "ranks"):
             continue
         step = record.get("step")
         if not isinstance(step, int) or isinstance(step, bool):
@@ -51,6 +53,9 @@ def read_curves(run_dir: str | Path) -> dict[str, dict[int, float]]:
                 f"{path} line {number}: a {record['kind']!r} record without an integer 'step': not "
                 "a Trainer's metrics file; give the run directory of a Trainer run"
             )
+        if record["kind"] == "ranks":
+            _rank_curves(curves, step, record.get("busy_ms"))
+            continue
         for name, value in record.items():
             if name in ("kind", "step", "time", "epoch") or isinstance(value, bool):
                 continue
@@ -59,13 +64,29 @@ def read_curves(run_dir: str | Path) -> dict[str, dict[int, float]]:
     return curves
 
 
+def _rank_curves(curves: dict[str, dict[int, float]], step: int, busy: object) -> None:
+    if isinstance(busy, list):
+        for rank, value in enumerate(busy):
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                curves.setdefault(f"busy_ms/rank{rank}", {})[step] = float(value)
+
+
+SPEED = ("samples_per_s", "tokens_per_s", "mfu")
+RANKS_PANEL = "busy ms per step, by rank (step time less comm wait)"
+
+
 def panels(curves: dict[str, dict[int, float]]) -> list[tuple[str, list[str]]]:
     """How the curves are grouped: (title, names) per panel."""
     losses = [n for n in curves if n.endswith("loss")]
-    skip = {"ms_per_step", "epoch_seconds", "grad_norm", "lr", *losses}
+    ranks = sorted(
+        (n for n in curves if n.startswith("busy_ms/rank")), key=lambda n: int(n.removeprefix("busy_ms/rank"))
+    )
+    skip = {"ms_per_step", "epoch_seconds", "grad_norm", "lr", *losses, *SPEED, *ranks}
     out = [("loss", losses)] if losses else []
     out += [(n, [n]) for n in curves if n not in skip]
     out += [("lr", ["lr"])] if "lr" in curves else []
+    out += [(n, [n]) for n in SPEED if n in curves]
+    out += [(RANKS_PANEL, ranks)] if ranks else []
     return out
 
 

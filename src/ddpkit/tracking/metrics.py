@@ -74,7 +74,8 @@ class MetricsWriter:
             return
         record = {"kind": kind, "step": step, "time": round(time.time(), 3), **values}
         self._open().write(json.dumps(record, default=float) + "\n")
-        if kind == "event" or not (self._tb is not None or self._loggers):
+        # Events, and the per-rank lists of a "ranks" record, are not curves; the speed is in the train records.
+        if kind in ("event", "ranks") or not (self._tb is not None or self._loggers):
             return
         scalars = {  # epoch and step are the x-axes, not curves
             k: float(v)

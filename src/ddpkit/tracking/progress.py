@@ -50,13 +50,16 @@ def format_metrics(metrics: dict[str, Any]) -> str:
     return " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
 
 
-def run_summary(reason: str, state: Any, last: dict[str, Any], validation: Any, run_dir: Path) -> str:
+def run_summary(
+    reason: str, state: Any, last: dict[str, Any], validation: Any, run_dir: Path, speed: str | None = None
+) -> str:
     """The end of a run in a few lines: why it stopped, the best epoch, the final metrics, where the weights are.
 
     ``state``: where training ended (``epoch``, ``step``, and ``cursor``, not 0 inside an epoch: ``max_steps``).
     ``validation``: the run's :class:`~ddpkit.training.validation.Validation`: its ``best_weights`` (read on the
     main rank, which prints this), and ``latest_step``, the step of the latest validation when the Trainer
     validates every N steps (its ``val/...`` metrics in ``last`` are shown with it: they may be older than the end).
+    ``speed``: a line on the ranks' speed (:meth:`~ddpkit.tracking.timings.RunSpeed.summary`), if any.
     """
     best, validated_at = validation.best_weights, validation.latest_step
     epoch, step = state.epoch, state.step
@@ -74,5 +77,7 @@ def run_summary(reason: str, state: Any, last: dict[str, Any], validation: Any, 
             lines.append(f"  final: {format_metrics(final)}")
         if validated:
             lines.append(f"  latest validation, at step {validated_at}: {format_metrics(validated)}")
+    if speed:
+        lines.append(speed)
     lines.append(f"  run directory {run_dir}: snapshots/, metrics.jsonl, epochs.csv")
     return "\n".join(lines)

@@ -62,6 +62,13 @@ class LoggingConfig:
     trackers: tuple[str, ...] = ()
     """Also send the records to ``"mlflow"`` and/or ``"wandb"`` (optional extras; local file store / offline
     without a server or an account): see :mod:`ddpkit.tracking.trackers`."""
+    step_timings: bool = True
+    """Time each rank's steps (data, compute, communication wait, optimizer, snapshot) and gather them at each
+    log window (one all-gather of a few numbers per rank, beside the loss's all-reduce): a ``ranks`` record
+    naming the slowest rank, samples (and tokens) a second, MFU where the device's peak is known. See
+    docs/speed.md."""
+    peak_flops: float | None = None
+    """One device's peak FLOP/s, for MFU on a device not in :mod:`ddpkit.tracking.flops`' table."""
 
     def __post_init__(self) -> None:
         self.trackers = (self.trackers,) if isinstance(self.trackers, str) else tuple(self.trackers)
@@ -70,6 +77,7 @@ class LoggingConfig:
             {
                 "every_steps": self.every_steps >= 1,
                 "trackers": set(self.trackers) <= {"mlflow", "wandb"},
+                "peak_flops": self.peak_flops is None or self.peak_flops > 0,
             },
         )
 

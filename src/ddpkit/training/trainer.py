@@ -43,6 +43,7 @@ from ddpkit.snapshot.trainer import TrainerSnapshots, resumes
 from ddpkit.strategies import Strategy, build_strategy
 from ddpkit.tracking.metrics import MetricsWriter
 from ddpkit.tracking.progress import Progress, run_summary
+from ddpkit.tracking.speed import Speed
 from ddpkit.training.batch_loss import BatchLoss, BatchLossFn, LossFn
 from ddpkit.training.callbacks import call, call_step_end, own_parts
 from ddpkit.training.compiled import compile_for_training
@@ -116,6 +117,11 @@ class Trainer:
         if self._plateau:
             check_metric_driven(config, scheduler, val_data)
         self._forward = compile_for_training(self.model, rt.device) if config.compile else self.model
+        log = config.logging
+        self.speed = Speed(
+            self.model, rt.device, enabled=log.step_timings, precision=config.precision, world_size=rt.world_size,
+            peak_flops=log.peak_flops, compiled=config.compile,
+        )  # fmt: skip
         # Scripts seed every rank alike so that models start identical; the strategy has now made them
         # identical, and with one seed everywhere ranks would also draw identical dropout masks and augmentations.
         seed_rank(config.seed, rt.rank)
@@ -131,7 +137,6 @@ class Trainer:
         self._window = LossWindow(on_host=self._on_cpu)  # each rank's losses since the ranks last agreed
         self.epoch_loss = EpochLoss()  # what they agreed on in this epoch
         self.run_dir = Path(config.run_dir)
-        log = config.logging
         self.writer = MetricsWriter(
             self.run_dir, enabled=rt.is_main, tensorboard=log.tensorboard, loggers=log.trackers, params=config.to_json()
         )
@@ -253,7 +258,8 @@ class Trainer:
         call(self.callbacks, "on_fit_end", self)
         self.snapshots.close()  # what a restart needs from here on is on disk
         if self.stopped_by != StopReason.SIGNAL:
-            print0(run_summary(str(reason), self.state, last, self.validation, self.run_dir), group=self.group)
+            speed = self.speed.run.summary()  # the slowest rank over the run
+            print0(run_summary(str(reason), self.state, last, self.validation, self.run_dir, speed), group=self.group)
             signals.pass_on(self._stop_signal)  # one that came after the last agreement, too late to stop it
         elif cfg.raise_on_stop_signal:
             preempted = Preempted.by(self._stop_signal, self.step)
@@ -280,7 +286,7 @@ class Trainer:
         self._window_start = self._epoch_start = time.perf_counter()
         device = None if self._on_cpu else rt.device  # on the CPU, batches are already where they belong
         try:
-            for step in epoch_steps(self.loader, self.sampler, accum, first, device):
+            for step in epoch_steps(self.speed.timings.loader(self.loader), self.sampler, accum, first, device):
                 taken = self._train_step(step)
                 self.state.cursor = step.cursor
                 if not self._after_step(step, taken, progress):
@@ -292,15 +298,19 @@ class Trainer:
     def _train_step(self, step: Step) -> bool:
         """Forward and backward on each of the step's micro-batches, then the optimizer step; True if taken."""
         self.optimizer_step.begin()  # the gradients set to None before the step's first forward
+        timings = self.speed.timings
+        timings.start_step()
         weighted = WeightedStep.of(step, self.batch_loss.count_fn, self.runtime.world_size, self.group)
         for micro in weighted or step.micro_batches:
             sync = nullcontext() if micro.last else self.strategy.no_sync()
-            with sync:
+            with sync, self.speed.counting(micro.batch):
                 loss = self._micro_batch_loss(micro)
                 self._window.add(loss, micro.samples)
                 scaled = scale_loss(self.strategy.mark_nonfinite(loss), micro, weighted)
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+        timings.before_optimizer()
         taken = self.optimizer_step(self._window)
+        timings.after_optimizer()
         self._window.end_step(taken)
         return taken
 
@@ -318,7 +328,8 @@ class Trainer:
         cfg = self.config
         if self.callbacks:
             call_step_end(self.callbacks, self, step_output(taken, self.state, self.optimizer_step, self._window))
-        self.snapshots.after_step(self.step, taken)  # a copy in memory, after the callbacks changed the state
+        with self.speed.timings.phase("snapshot"):
+            self.snapshots.after_step(self.step, taken)  # a copy in memory, after the callbacks changed the state
         if cfg.max_steps is not None and self.step >= cfg.max_steps:
             self.stopped_by = StopReason.MAX_STEPS
         # Before the step's snapshot (below, or fit's), whose early-stopping state then counts this validation:
@@ -334,10 +345,11 @@ class Trainer:
             return False
         self._last_taken = taken
         if self.snapshots.schedule.after_step(self.step, taken, step.last_in_epoch):
-            self.save()
+            with self.speed.timings.phase("snapshot"):
+                self.save()
         return True
 
-    def _log_window(self) -> dict[str, float]:
+    def _log_window(self) -> dict[str, Any]:
         """Agree on the mean training loss since the last agreement, record it, and start a new window."""
         window = self._window
         if self._notice is not None and (notice := self._notice()):  # a barrier under Ray: every rank asks here
@@ -348,15 +360,26 @@ class Trainer:
         self.epoch_loss.add(agreed)
         if agreed.stop and self.stopped_by is None:
             self.stopped_by = StopReason.SIGNAL
-        ms = 1000 * (time.perf_counter() - self._window_start) / max(window.tried, 1)
+        wall = time.perf_counter() - self._window_start
+        ms = 1000 * wall / max(window.tried, 1)
+        tokens = self.batch_loss.count_fn is not None
+        # Every rank's phases: one all-gather beside the all-reduce above, at window ends only.
+        times = self.speed.window(wall, float(sum(window.sizes)) if tokens else None, window.tried, self.group)
+        rates = self.speed.rates(times, tokens) if times is not None else {}
         if window.steps:
             record = {"epoch": self.epoch, "train/loss": agreed.mean, "lr": self._lr(), "ms_per_step": round(ms, 3)}
             if self.optimizer_step.grad_norm is not None:
                 record["grad_norm"] = float(self.optimizer_step.grad_norm)  # of the last step taken, before clipping
-            self.writer.log("train", self.step, record)
+            self.writer.log("train", self.step, record | rates)
+        if times is not None and window.tried:
+            self.writer.log("ranks", self.step, times.record())
         window.clear()
         self._window_start = time.perf_counter()
-        return {"loss": agreed.mean, "ms/step": ms}
+        postfix: dict[str, Any] = {"loss": agreed.mean, "ms/step": ms}
+        postfix |= {k.replace("_per_s", "/s"): v for k, v in rates.items()}
+        if times is not None and (slowest := times.slowest()).slow:
+            postfix["slow"] = slowest.text()
+        return postfix
 
     def _end_epoch(self) -> dict[str, float]:
         cfg = self.config

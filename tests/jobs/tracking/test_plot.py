@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import ddpkit
-from ddpkit.tracking.curves import panels, read_curves
+from ddpkit.tracking.curves import RANKS_PANEL, panels, read_curves
 from tests.jobs.scripts.train_job import train
 
 
@@ -26,4 +26,4 @@ def test_ddpkit_plot_draws_a_trained_run(tmp_path, clean_env):
     curves = read_curves(tmp_path / "run")
     assert sorted(curves["train/loss"]) == [5, 10, 15, 20] and sorted(curves["val/loss"]) == [10, 20]
     assert panels(curves)[0] == ("loss", ["train/loss", "train/epoch_loss", "val/loss"])
-    assert [title for title, _ in panels(curves)[1:]] == ["val/accuracy", "lr"]
+    assert [title for title, _ in panels(curves)[1:]] == ["val/accuracy", "lr", "samples_per_s", RANKS_PANEL]

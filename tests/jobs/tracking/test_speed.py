@@ -1,0 +1,73 @@
+"""Slow ranks named, throughput and MFU, in real 2-rank gloo jobs (tests/jobs/scripts/speed_job.py).
+
+Every rank's samples sleep a little (a step is mostly waiting, so another process's load on a shared CPU barely
+moves it); rank 1 is made slow in its data or in its forward, and must be named with that phase.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+import ddpkit
+from tests.jobs.scripts.speed_job import CLASSES, FEATURES, GLOBAL_BATCH, HIDDEN, TOKENS_PER_SAMPLE, train
+
+
+def _run(run_dir, capfd=None, **kwargs) -> tuple[list[dict], str]:
+    records = ddpkit.spawn(functools.partial(train, str(run_dir), **kwargs), 2)[0]
+    out = capfd.readouterr().out if capfd is not None else ""
+    return records, out
+
+
+def _kind(records: list[dict], kind: str) -> list[dict]:
+    return [r for r in records if r["kind"] == kind]
+
+
+def test_a_rank_with_slow_data_is_named_with_the_phase_data(tmp_path, capfd):
+    records, out = _run(tmp_path / "run", capfd, slow="data", peak_flops=1e11)
+    ranks = _kind(records, "ranks")
+    assert len(ranks) == 4  # 16 steps, a window every 4
+    for r in ranks:
+        assert (r["slow"], r["slowest_rank"], r["slowest_phase"]) == (True, 1, "data"), r
+        assert r["data_ms"][1] > 1.5 * r["data_ms"][0]
+        assert r["comm_ms"][0] > r["comm_ms"][1]  # rank 0 waits for rank 1 at the gradients' all-reduce
+    assert "slow rank 1 +" in out and "(data)" in out  # the progress line
+    assert "slowest rank 1: " in out and "mostly data; slow in 4 of 4 windows" in out  # the run's summary
+    # MFU with a peak given by hand (on the CPU there is none otherwise): the FLOPs of a sample, as counted,
+    # times the samples a second, over both ranks' peaks.
+    flops_per_sample = 2 * (FEATURES * HIDDEN + HIDDEN * CLASSES) * 2 + 2 * HIDDEN * CLASSES
+    for t in _kind(records, "train"):
+        assert t["mfu"] == pytest.approx(flops_per_sample * t["samples_per_s"] / (1e11 * 2), rel=1e-9)
+
+
+def test_a_rank_with_slow_compute_is_named_with_the_phase_compute(tmp_path, capfd):
+    records, out = _run(tmp_path / "run", capfd, slow="compute")
+    for r in _kind(records, "ranks"):
+        assert (r["slow"], r["slowest_rank"], r["slowest_phase"]) == (True, 1, "compute"), r
+    assert "(compute)" in out and "mostly compute" in out
+
+
+def test_control_equal_ranks_name_nobody_and_the_rates_are_global(tmp_path, capfd):
+    records, out = _run(tmp_path / "run", capfd, tokens=True)
+    ranks = _kind(records, "ranks")
+    # The first window holds each rank's start-up (DDP's first iteration), which differs between processes.
+    for r in ranks[1:]:
+        assert not r["slow"] and r["slowest_ratio"] < 1.2, r
+    assert "slow rank" not in out and "ranks even" in out
+    train_records = _kind(records, "train")
+    for before, t in zip(train_records, train_records[1:]):
+        # Samples a second over all ranks: the global batch x the window's steps over the time between the
+        # two records (another clock than the Trainer's). A count of one rank's samples would be half of it.
+        expected = GLOBAL_BATCH * (t["step"] - before["step"]) / (t["time"] - before["time"])
+        assert t["samples_per_s"] == pytest.approx(expected, rel=0.15)
+    for t in train_records:
+        assert t["tokens_per_s"] == pytest.approx(TOKENS_PER_SAMPLE * t["samples_per_s"], rel=1e-9)
+        assert "mfu" not in t  # on the CPU, no peak: no MFU rather than a guess
+
+
+def test_step_timings_off_records_none_of_it(tmp_path, capfd):
+    records, out = _run(tmp_path / "run", capfd, slow="data", step_timings=False)
+    assert not _kind(records, "ranks")
+    assert all("samples_per_s" not in t for t in _kind(records, "train"))
+    assert "slow rank" not in out and "samples/s" not in out

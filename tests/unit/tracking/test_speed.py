@@ -1,0 +1,160 @@
+"""The pieces of a run's speed, without processes: FLOPs per sample, the GPU peak table, which rank is slow."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from ddpkit.tracking import flops
+from ddpkit.tracking.curves import RANKS_PANEL, panels, read_curves
+from ddpkit.tracking.flops import FlopCount, device_peak, mfu, peak_flops
+from ddpkit.tracking.timings import PHASES, RankTimes, RunSpeed, StepTimings
+
+
+def _forward_backward(model: nn.Module, x: torch.Tensor) -> None:
+    model(x).sum().backward()
+
+
+def test_flops_per_sample_of_linear_layers_are_about_six_times_the_weights():
+    model = nn.Sequential(nn.Linear(32, 64, bias=False), nn.ReLU(), nn.Linear(64, 8, bias=False))
+    x = torch.randn(5, 32)
+    count = FlopCount()
+    with count.counting(samples=5):
+        _forward_backward(model, x)
+    with FlopCounterMode(display=False) as own:  # the counter's own count of the same work
+        _forward_backward(model, x)
+    assert count.flops == own.get_total_flops()
+    weights = 32 * 64 + 64 * 8
+    # Forward 2 per weight, the weights' gradients 2, the inputs' gradients 2, except the first layer's input
+    # (the data), which needs none: 6 x weights less 2 x the first layer's.
+    assert count.per_sample == 6 * weights - 2 * 32 * 64
+    assert 4 * weights < count.per_sample <= 6 * weights
+    assert FlopCount().per_sample is None  # nothing counted yet
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype", "tflops"),
+    [
+        ("NVIDIA H100 80GB HBM3", "bf16", 989.4),
+        ("NVIDIA H100 PCIe", "bf16", 756.5),
+        ("NVIDIA H100 NVL", "tf32", 417.5),
+        ("NVIDIA H200", "bf16", 989.4),
+        ("NVIDIA A100-SXM4-40GB", "tf32", 156.0),
+        ("NVIDIA A100 80GB PCIe", "fp16", 312.0),
+        ("NVIDIA L4", "bf16", 121.0),
+        ("NVIDIA A10G", "fp32", 31.2),
+        ("Tesla V100-SXM2-16GB", "fp16", 125.0),
+        ("Tesla V100-PCIE-32GB", "fp32", 14.0),
+        ("Tesla T4", "fp16", 65.0),
+        ("NVIDIA GeForce RTX 4090", "bf16", 165.2),
+        ("NVIDIA GeForce RTX 3090", "tf32", 35.6),
+    ],
+)
+def test_the_peak_table_finds_gpus_by_name(name, dtype, tflops):
+    assert peak_flops(name, dtype) == pytest.approx(tflops * 1e12)
+
+
+def test_unknown_devices_and_dtypes_get_no_peak(monkeypatch):
+    assert peak_flops("NVIDIA GeForce RTX 3090 Ti", "bf16") is None  # another card, not the 3090's peak
+    assert peak_flops("Tesla T4", "bf16") is None  # no bf16 on Turing
+    assert peak_flops("Some Accelerator 9000", "fp32") is None
+    assert device_peak(torch.device("cpu"), "fp32") is None  # the CPU: no MFU rather than a guess
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
+    assert device_peak(torch.device("cuda", 0), "fp32") == pytest.approx(494.7e12)  # TF32 allowed
+    assert device_peak(torch.device("cuda", 0), "bf16") == pytest.approx(989.4e12)
+    assert flops.matmul_dtype("fp32") == "tf32"
+    assert mfu(None, 100.0, 1e12, 2) is None and mfu(1e9, 100.0, None, 2) is None
+    assert mfu(1e9, 100.0, 1e12, 2) == pytest.approx(0.05)
+
+
+def _times(busy: dict[str, list[float]], step: float = 100.0) -> RankTimes:
+    ranks = len(next(iter(busy.values())))
+    ms = {p: busy.get(p, [0.0] * ranks) for p in PHASES}
+    return RankTimes(ms=ms, step_ms=[step] * ranks, wall=1.0, samples=0.0, items=0.0)
+
+
+def test_the_slowest_rank_is_named_with_its_excess_and_phase():
+    times = _times({"data": [10.0, 10.0, 40.0, 10.0], "compute": [50.0, 52.0, 50.0, 51.0]})
+    slowest = times.slowest()
+    assert (slowest.rank, slowest.phase, slowest.slow) == (2, "data", True)
+    assert slowest.excess_ms == pytest.approx(90.0 - 61.5)  # over the median rank's busy time
+    assert slowest.text() == "rank 2 +28.5ms (data)"
+    record = times.record()
+    assert record["busy_ms"] == [60.0, 62.0, 90.0, 61.0] and record["slowest_phase"] == "data"
+
+
+def test_control_ranks_within_the_thresholds_are_not_named():
+    assert not _times({"compute": [50.0, 55.0, 50.0, 58.0]}).slowest().slow  # 1.1x the median
+    # 1.5x the median, but the excess is 1% of the step's wall time: a tiny phase's noise.
+    assert not _times({"optimizer": [2.0, 2.0, 3.0]}, step=100.0).slowest().slow
+    assert _times({"optimizer": [2.0, 2.0, 30.0]}, step=100.0).slowest().slow
+
+
+def test_the_run_summary_names_the_slowest_rank_over_all_windows():
+    run = RunSpeed()
+    for _ in range(3):
+        run.add(_times({"compute": [10.0, 30.0]}), steps=5)
+    assert run.summary() == "  slowest rank 1: 1.50x the median busy time, mostly compute; slow in 3 of 3 windows"
+    single = RunSpeed()
+    single.add(_times({"compute": [10.0]}), steps=5)
+    assert single.summary() is None  # one rank: nobody to compare
+
+
+def test_plot_reads_each_ranks_busy_time_into_one_panel(tmp_path):
+    records = [
+        {"kind": "train", "step": 5, "train/loss": 0.9, "samples_per_s": 100.0},
+        {"kind": "ranks", "step": 5, "busy_ms": [10.0, 30.0], "slow": True},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    curves = read_curves(tmp_path)
+    assert curves["busy_ms/rank1"] == {5: 30.0}
+    assert panels(curves)[-2:] == [
+        ("samples_per_s", ["samples_per_s"]),
+        (RANKS_PANEL, ["busy_ms/rank0", "busy_ms/rank1"]),
+    ]
+
+
+def test_counting_flops_leaves_the_gradients_bitwise_the_same():
+    grads = []
+    for count in (True, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+        with FlopCount().counting(samples=8) if count else contextlib.nullcontext():
+            _forward_backward(model, torch.randn(8, 16))
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_phases_are_read_from_events_on_the_device():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    model = nn.Linear(2048, 2048).cuda()
+    timings = StepTimings(model, torch.device("cuda"))
+    x = torch.randn(512, 2048, device="cuda")
+    for _ in range(5):
+        timings.start_step()
+        for batch in timings.loader([x, x]):
+            model(batch).square().mean().backward()
+        timings.before_optimizer()
+        for _ in range(100):  # device work queued in the optimizer's span: the host returns at once
+            x @ x.T
+        timings.after_optimizer()
+    times = timings.window(wall=1.0, items=0.0, steps=5)
+    assert times.samples == 5 * 2 * 512
+    assert 0 < times.ms["compute"][0] < times.ms["optimizer"][0]
+    assert times.ms["comm"][0] >= 0
+
+
+def test_a_peak_that_is_not_positive_is_refused_naming_the_option():
+    from ddpkit.errors import ConfigError
+    from ddpkit.training.config import LoggingConfig
+
+    with pytest.raises(ConfigError, match="peak_flops=0 is not valid: see LoggingConfig.peak_flops"):
+        LoggingConfig(peak_flops=0)
