@@ -20,6 +20,7 @@ from ddpkit.data.fingerprint import OnDataChange, check_on_data_change
 from ddpkit.data.sample_seeding import SeededSamples
 from ddpkit.data.sampler import EvalShardSampler, ShardedBatchSampler
 from ddpkit.data.stream import Stream
+from ddpkit.distributed import Group
 from ddpkit.distributed.runtime import get_runtime
 from ddpkit.distributed.seeding import stream_seed
 from ddpkit.errors import ConfigError
@@ -60,7 +61,7 @@ def build_loader(
     num_workers: int | None = None,
     pin_memory: bool | None = None,
     collate_fn: Callable[[list[Any]], Any] | None = None,
-    group: Any = None,
+    group: Group = None,
     seed_samples: bool = True,
     on_data_change: OnDataChange = "error",
 ) -> EpochLoader:
@@ -125,7 +126,7 @@ def build_eval_loader(
     num_workers: int | None = None,
     pin_memory: bool | None = None,
     collate_fn: Callable[[list[Any]], Any] | None = None,
-    group: Any = None,
+    group: Group = None,
 ) -> DataLoader:
     """An evaluation loader over this rank's exact share: no padding, no sample on two ranks."""
     check_map_style(dataset)

@@ -19,12 +19,13 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
+from ddpkit.distributed import Group
 from ddpkit.distributed.runtime import get_runtime
 from ddpkit.distributed.seeding import stream_seed
 from ddpkit.errors import ConfigError
 
 
-def _position(group: Any) -> tuple[int, int]:
+def _position(group: Group) -> tuple[int, int]:
     """(rank, world size) to shard data by: a process outside ``group`` works alone, as a world of one."""
     rt = get_runtime(group)
     return (rt.rank, rt.world_size) if rt.rank >= 0 else (0, 1)
@@ -72,7 +73,7 @@ class ShardedBatchSampler(Sampler[list[int] | list[tuple[int, int]]]):
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = True,
-        group: Any = None,
+        group: Group = None,
         rank: int | None = None,
         world_size: int | None = None,
         keyed: bool = False,
@@ -194,7 +195,7 @@ class ShardedBatchSampler(Sampler[list[int] | list[tuple[int, int]]]):
 class EvalShardSampler(Sampler[int]):
     """This rank's contiguous, unpadded share of ``range(n)``: every sample on exactly one rank."""
 
-    def __init__(self, dataset: Sized | int, *, group: Any = None) -> None:
+    def __init__(self, dataset: Sized | int, *, group: Group = None) -> None:
         n = dataset if isinstance(dataset, int) else len(dataset)
         rank, size = _position(group)
         self.start, self.end = shard_bounds(n, size, rank)

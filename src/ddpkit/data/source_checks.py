@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from ddpkit.data.fingerprint import digest
+from ddpkit.distributed import Group
 from ddpkit.distributed.collectives import all_gather_object, tensor_bytes
 from ddpkit.errors import ConfigError
 
@@ -95,7 +96,7 @@ def canonical(value: Any) -> bytes:
         return type(value).__qualname__.encode()
 
 
-def check_same_order(head: str, count: int, group: Any) -> None:
+def check_same_order(head: str, count: int, group: Group) -> None:
     """Refuse, on every rank alike, a source whose first ``count`` records differ between ranks (one
     all-gather of a 16-character digest)."""
     heads = all_gather_object(head, group=group)

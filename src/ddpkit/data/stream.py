@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ddpkit.data.fingerprint import shard_items
+from ddpkit.distributed import Group
 from ddpkit.errors import ConfigError
 
 if TYPE_CHECKING:  # numpy only in annotations: the core imports without it (a stream's loading needs it)
@@ -95,7 +96,7 @@ class Stream:
             **shard_items(self.shard_descriptions()),
         }
 
-    def check_loading(self, num_workers: int, world_size: int, group: Any) -> None:
+    def check_loading(self, num_workers: int, world_size: int, group: Group) -> None:
         """Refuse loading that cannot read every record in every process (``build_loader`` calls it on every
         rank, before the loader is made): nothing to refuse for a stream read by position."""
 

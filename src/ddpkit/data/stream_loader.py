@@ -31,6 +31,7 @@ from ddpkit.data.fingerprint import OnDataChange
 from ddpkit.data.sample_seeding import SampleSeeder
 from ddpkit.data.sampler import ShardedBatchSampler, shard_bounds
 from ddpkit.data.stream import Stream
+from ddpkit.distributed import Group
 from ddpkit.distributed.seeding import stream_seed
 
 
@@ -164,7 +165,7 @@ def build_stream_loader(
     seed: int = 0,
     drop_last: bool = True,
     collate_fn: Callable[[list[Any]], Any] | None = None,
-    group: Any = None,
+    group: Group = None,
     seed_samples: bool = True,
     on_data_change: OnDataChange = "error",
 ) -> EpochLoader:

@@ -19,6 +19,7 @@ import torch
 
 from ddpkit.data import line_cache, source_checks
 from ddpkit.data.stream import DEFAULT_WINDOW, Stream, Transform
+from ddpkit.distributed import Group
 from ddpkit.errors import ConfigError
 
 
@@ -293,7 +294,7 @@ class IterableStream(Stream):
         name = getattr(self.dataset, "__name__", type(self.dataset).__name__)
         return [f"{name}: {self.num_records} records, first {self._head_count} {self._head}"]
 
-    def check_loading(self, num_workers: int, world_size: int, group: Any) -> None:
+    def check_loading(self, num_workers: int, world_size: int, group: Group) -> None:
         source_checks.check_workers(self.dataset, num_workers)
         if world_size > 1:
             source_checks.check_same_order(self._head, self._head_count, group)

@@ -8,11 +8,12 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ddpkit.distributed import Group
 from ddpkit.distributed.collectives import is_live
 from ddpkit.distributed.runtime import get_runtime
 
 
-def print0(*args: Any, group: Any = None, **kwargs: Any) -> None:
+def print0(*args: Any, group: Group = None, **kwargs: Any) -> None:
     """``print`` on rank 0 of ``group`` only."""
     if get_runtime(group).is_main:
         kwargs.setdefault("flush", True)
@@ -22,7 +23,7 @@ def print0(*args: Any, group: Any = None, **kwargs: Any) -> None:
 class _RankFilter(logging.Filter):
     """Tags each record with the rank in ``group``; with ``main_only``, keeps only rank 0's records."""
 
-    def __init__(self, group: Any, main_only: bool) -> None:
+    def __init__(self, group: Group, main_only: bool) -> None:
         super().__init__()
         self.group, self.main_only = group, main_only
 
@@ -32,7 +33,7 @@ class _RankFilter(logging.Filter):
         return not self.main_only or rank == 0
 
 
-def get_logger(name: str = "ddpkit", all_ranks: bool = False, group: Any = None) -> logging.Logger:
+def get_logger(name: str = "ddpkit", all_ranks: bool = False, group: Group = None) -> logging.Logger:
     """A logger whose records are kept on rank 0 of ``group`` only, unless ``all_ranks`` (then tagged with the
     rank in ``group``)."""
     if group is not None and is_live(group):

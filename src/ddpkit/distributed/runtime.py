@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddpkit.distributed import Group
 from ddpkit.distributed.environment import read_launch_env
 from ddpkit.distributed.signals import hold_stop_signals
 from ddpkit.errors import ConfigError
@@ -40,7 +41,7 @@ class Runtime:
     launcher: str = "none"
     restart_count: int = 0
     """How many times the launcher has restarted this job's workers after a failure."""
-    group: Any = field(default=None, compare=False)
+    group: Group = field(default=None, compare=False)
     """The process group that ``rank``, ``world_size`` and ``is_main`` count in: None for the whole job, or a
     group of :func:`ddpkit.split_world` (then ``rank`` is the rank within the group)."""
     group_index: int = 0
@@ -247,7 +248,7 @@ _NOT_A_MEMBER = (
 )
 
 
-def get_runtime(group: Any = None, member: bool = False) -> Runtime:
+def get_runtime(group: Group = None, member: bool = False) -> Runtime:
     """Who this process is: its :class:`Runtime` in the job, or with ``group``, in that group.
 
     ``group`` is a group of :func:`~ddpkit.split_world` (returned as it is), a process group made by hand (its

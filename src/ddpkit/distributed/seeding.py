@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ddpkit.distributed import Group
 from ddpkit.distributed.runtime import get_runtime
 
 try:  # numpy is optional: seed and save it only when it is installed
@@ -51,7 +52,7 @@ def stream_seed(stream: str, seed: int, *keys: int) -> int:
     return mix_seed(stream, seed, *keys)
 
 
-def seed_everything(seed: int, per_rank: bool = False, group: Any = None) -> int:
+def seed_everything(seed: int, per_rank: bool = False, group: Group = None) -> int:
     """Seed python, numpy and torch (CPU and every CUDA device); return the seed used.
 
     The same seed on every rank makes model initialisation identical everywhere (DDP also broadcasts rank 0's

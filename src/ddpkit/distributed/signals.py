@@ -22,6 +22,8 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
+from ddpkit.distributed import Group
+
 HELD_SIGNALS = (signal.SIGUSR1,)
 
 _pending: signal.Signals | None = None
@@ -91,7 +93,7 @@ def pass_on(signum: int) -> None:
         signal.raise_signal(signum)
 
 
-def preemption_notice(launcher: str, group: Any = None) -> Callable[[], str | None] | None:
+def preemption_notice(launcher: str, group: Group = None) -> Callable[[], str | None] | None:
     """Where the launcher warns of a pre-emption by a call rather than a signal: a function that asks it,
     returning the notice in words (None while there is none). None where there is nothing to ask.
 

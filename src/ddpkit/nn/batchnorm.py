@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddpkit.distributed import Group
 from ddpkit.distributed.collectives import is_live
 from ddpkit.internals.modules import BatchNormBase, is_batchnorm
 
@@ -25,7 +26,7 @@ from ddpkit.internals.modules import BatchNormBase, is_batchnorm
 class _AllReduceSum(torch.autograd.Function):
     # torch.distributed.nn.functional.all_reduce does this too, but is deprecated in favour of a private module.
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    def forward(ctx: Any, tensor: torch.Tensor, group: Group) -> torch.Tensor:
         ctx.group = group
         out = tensor.clone()
         dist.all_reduce(out, group=group)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddpkit.distributed import Group
 from ddpkit.distributed.collectives import first_failure
 from ddpkit.errors import ConfigError
 from ddpkit.snapshot import folders
@@ -41,7 +42,7 @@ def load(
     found: Found,
     template: Callable[[], dict[str, Any]],
     *,
-    group: Any = None,
+    group: Group = None,
     distributed: bool | None = None,
     map_location: Any = None,
     check: Callable[[dict[str, Any]], None] | None = None,

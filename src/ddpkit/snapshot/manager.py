@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit import fs
+from ddpkit.distributed import Group
 from ddpkit.distributed.collectives import broadcast_object, first_failure, gather_object
 from ddpkit.errors import ConfigError
 from ddpkit.internals.versions import require_torch
@@ -95,7 +96,7 @@ class SnapshotManager:
     ``keep_last``: whole snapshots kept; older ones, and the debris of writes killed before their marker, go.
     """
 
-    def __init__(self, folder: str | Path, *, group: Any = None, keep_last: int = 2, async_write: bool = False):
+    def __init__(self, folder: str | Path, *, group: Group = None, keep_last: int = 2, async_write: bool = False):
         self.folder = Path(folder)
         self.group = group
         self.keep_last = max(1, keep_last)
@@ -224,7 +225,7 @@ class SnapshotManager:
             self._error = err
 
     def _write(
-        self, path: Path, step: int, tensors: dict[str, Any], extra: bytes, own: bytes | None, group: Any
+        self, path: Path, step: int, tensors: dict[str, Any], extra: bytes, own: bytes | None, group: Group
     ) -> None:
         """Every rank writes its files; rank 0 then writes the marker, or, if any rank failed, removes the
         folder; every rank raises the same :class:`SnapshotWriteError` then. Collective over ``group``."""

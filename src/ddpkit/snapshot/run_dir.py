@@ -15,9 +15,9 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Any
 
 from ddpkit import fs
+from ddpkit.distributed import Group
 from ddpkit.distributed.collectives import broadcast_object
 from ddpkit.errors import ConfigError
 from ddpkit.fs.lock import FolderLock
@@ -74,7 +74,7 @@ join at the same steps. (``mlflow.db`` and ``wandb/`` are stores of many runs; t
 them, as ``loggers.json`` is moved.)"""
 
 
-def claim(run_dir: str | os.PathLike, *, is_main: bool, fresh: bool, group: Any = None) -> RunDirLock | None:
+def claim(run_dir: str | os.PathLike, *, is_main: bool, fresh: bool, group: Group = None) -> RunDirLock | None:
     """Lock ``run_dir`` on the group's main rank; with ``fresh`` (``resume=False``) move the previous run aside.
 
     Refused (on every rank) when the run directory or its ``snapshots/`` belongs to another user, or when

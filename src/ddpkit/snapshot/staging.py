@@ -9,6 +9,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddpkit.distributed import Group
+
 
 def stage(value: Any, cache: Any) -> Any:
     """``value`` copied into host memory, reusing the tensors of ``cache`` (the previous copy) where they fit.
@@ -48,7 +50,7 @@ def stage(value: Any, cache: Any) -> Any:
 _groups: dict[tuple[int, ...], Any] = {}
 
 
-def writer_group(group: Any) -> Any:
+def writer_group(group: Group) -> Any:
     """A gloo process group over the ranks of ``group``, for the background writer's collectives.
 
     Made once per set of ranks, by those ranks alone (``use_local_synchronization``): a Trainer on a group of

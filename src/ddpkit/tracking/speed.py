@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ddpkit.distributed import Group
 from ddpkit.tracking.flops import FlopCount, device_peak, mfu
 from ddpkit.tracking.timings import RankTimes, RunSpeed, StepTimings, samples_in
 
@@ -51,7 +52,7 @@ class Speed:
         self._to_count = False
         return self.flops.counting(samples_in(batch))
 
-    def window(self, wall: float, items: float | None, steps: int, group: Any) -> RankTimes | None:
+    def window(self, wall: float, items: float | None, steps: int, group: Group) -> RankTimes | None:
         """Every rank's phases in the window ending here (collective: every rank calls it); None when off.
         ``items``: this rank's items (tokens) in the window's steps, under ``count_fn``."""
         if not self.enabled:

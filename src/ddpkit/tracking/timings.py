@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ddpkit.distributed import Group
 from ddpkit.distributed.collectives import comm_device, is_live
 
 PHASES = ("data", "compute", "comm", "optimizer", "snapshot")
@@ -197,7 +198,7 @@ class StepTimings:
             self._used = []
         return seconds
 
-    def window(self, wall: float, items: float, steps: int, group: Any = None) -> RankTimes:
+    def window(self, wall: float, items: float, steps: int, group: Group = None) -> RankTimes:
         """Every rank's phases of the window that ends here, in ``steps`` steps and ``wall`` seconds on this
         rank; this rank's ``items`` (tokens) too. Collective: one all-gather; every rank calls it at the same
         window's end. The window's counts start afresh."""

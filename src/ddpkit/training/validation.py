@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ddpkit.data import build_eval_loader
+from ddpkit.distributed import Group
 from ddpkit.distributed.collectives import broadcast_object
 from ddpkit.distributed.log import print0
 from ddpkit.distributed.runtime import Runtime
@@ -90,7 +91,8 @@ class Validation:
         self.latest_step: int | None = None
         self.weights_format: str | None = None  # of best.pt's companion and of the final weights (see `of`)
         self.run_dir: Path | None = None
-        self.is_main, self.group = True, None
+        self.is_main = True
+        self.group: Group = None
         self.plateau: Any = None
         """A metric-driven LR scheduler, stepped with each validation's value of the early-stopping metric (before
         any snapshot of the step, so that snapshots hold its state after the step)."""

@@ -88,6 +88,7 @@ def _broadcast_slot(memory: MemorySnapshots, path: Path | None, donor: int) -> b
     """The donor's slot file, on every rank (over the gloo group)."""
     data = path.read_bytes() if path is not None else b""
     size = torch.tensor([len(data)], dtype=torch.int64)
+    assert memory.group is not None  # a donor exists only where there are several ranks
     src = dist.get_global_rank(memory.group, donor)
     dist.broadcast(size, src=src, group=memory.group)
     buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(int(size), dtype=torch.uint8)

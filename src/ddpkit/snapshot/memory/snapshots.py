@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddpkit.distributed import Group
 from ddpkit.distributed.collectives import all_reduce
 from ddpkit.distributed.environment import read_launch_env
 from ddpkit.distributed.runtime import DEFAULT_TIMEOUT, Runtime
@@ -148,7 +149,7 @@ def _warn(message: str) -> None:
     print(f"ddpkit: {message}", file=sys.stderr, flush=True)
 
 
-def _gloo_group(group: Any) -> Any:
+def _gloo_group(group: Group) -> Any:
     """A gloo group over the ranks of ``group`` (the peers' gather, the agreement, a donor's send), with the
     job's bound on a collective rather than gloo's default of 30 minutes for a new group."""
     seconds = read_launch_env().collective_timeout
@@ -195,7 +196,7 @@ class MemorySnapshots:
     also keep every rank's own part in every rank's slot."""
 
     def __init__(
-        self, parts: TrainerParts, store: store_lib.MemoryStore, *, every_steps: int | None, peers: bool, group: Any
+        self, parts: TrainerParts, store: store_lib.MemoryStore, *, every_steps: int | None, peers: bool, group: Group
     ) -> None:
         self.parts, self.store, self.peers, self.group = parts, store, peers, group
         self.schedule = parts.schedule  # says when a copy is due; holds the interval once chosen
