@@ -35,7 +35,7 @@ class LossWindow:
     def __init__(self, on_host: bool) -> None:
         self.on_host = on_host
         self.losses: list[torch.Tensor | float] = []
-        self.sizes: list[float | torch.Tensor] = []  # samples, or items (see ddpkit.training.item_counts)
+        self.sizes: list[float | torch.Tensor] = []  # samples, or items (see ddpkit.training.step)
         self.steps = 0  # steps taken
         self.tried = 0  # steps taken or skipped
         self._step_start = 0

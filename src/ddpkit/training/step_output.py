@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from ddpkit.training.loss_window import LossWindow
-from ddpkit.training.optimizer_step import OptimizerStep
 from ddpkit.training.state import TrainState
+from ddpkit.training.step import OptimizerStep
 
 
 @dataclass(frozen=True)

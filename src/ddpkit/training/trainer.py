@@ -8,10 +8,10 @@ needed to write a loop by hand. The loop reads::
         taken = self._train_step(step)  # forward/backward on each, the optimizer step
         self._after_step(step, taken)   # log, agree, snapshot, stop?
 
-Within a step, all micro-batches but the last run under the strategy's ``no_sync()``; each loss is divided by
-its divisor in the step (:func:`.steps.loss_divisor`; per token: :mod:`.item_counts`), so the step follows the mean
-over samples (or tokens), not over ranks; :class:`.optimizer_step.OptimizerStep` takes, skips or stops it on every
-rank alike. Every ``logging.every_steps`` steps and at an epoch's end one small all-reduce gives the exact mean
+The step itself, from the loader's micro-batches to ``optimizer.step()``, is :mod:`ddpkit.training.step`: all
+micro-batches but the last under the strategy's ``no_sync()``, each loss divided by its divisor in the step
+(:func:`~ddpkit.training.step.loss_divisor`), so the step follows the mean over samples (or tokens), not over
+ranks; :class:`~ddpkit.training.step.OptimizerStep` takes, skips or stops it on every rank alike. Every ``logging.every_steps`` steps and at an epoch's end one small all-reduce gives the exact mean
 training loss and spreads a stop signal any rank received, so that all ranks save and stop after the same step.
 """
 
@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import nullcontext
-from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any, cast
@@ -35,7 +33,7 @@ from ddpkit.distributed.log import print0
 from ddpkit.distributed.runtime import get_runtime
 from ddpkit.distributed.seeding import seed_rank
 from ddpkit.errors import PREEMPTED_EXIT_CODE, Preempted
-from ddpkit.nn.dropout import GlobalBatchDropout, batch_layout, convert_dropout
+from ddpkit.nn.dropout import GlobalBatchDropout, convert_dropout
 from ddpkit.snapshot import run_dir as run_dir_lib
 from ddpkit.snapshot.run_record import RunRecord, write_resolved_config
 from ddpkit.snapshot.trainer import TrainerSnapshots, resumes
@@ -46,13 +44,20 @@ from ddpkit.training.batch_loss import BatchLoss, BatchLossFn, LossFn
 from ddpkit.training.callbacks import call, call_step_end, own_parts
 from ddpkit.training.compiled import compile_for_training
 from ddpkit.training.config import TrainerConfig  # noqa: F401  (imported from here by scripts)
-from ddpkit.training.item_counts import CountFn, WeightedStep, scale_loss
 from ddpkit.training.loss_window import EpochLoss, LossWindow
-from ddpkit.training.optimizer_step import OptimizerStep, check_metric_driven, metric_driven
-from ddpkit.training.precision import autocast, grad_scaler
 from ddpkit.training.state import RankStreams, StopReason, TrainState
+from ddpkit.training.step import (
+    CountFn,
+    OptimizerStep,
+    Step,
+    TrainStep,
+    autocast,
+    check_metric_driven,
+    epoch_steps,
+    grad_scaler,
+    metric_driven,
+)
 from ddpkit.training.step_output import step_output
-from ddpkit.training.steps import MicroBatch, Step, batch_len, epoch_steps, step_layout
 from ddpkit.training.validation import Evaluator, Validation
 
 
@@ -164,6 +169,11 @@ class Trainer:
         self.optimizer_step = OptimizerStep(
             config, self.strategy, scheduler=None if self._plateau else scheduler, scaler=self.scaler,
             state=self.state, log=self.writer.log, group=self.group,
+        )  # fmt: skip
+        self.train_step = TrainStep(
+            config, self.strategy, self.optimizer_step, forward=self._forward, autocast=self._autocast,
+            batch_loss=self.batch_loss, window=self._window, sampler=self.sampler, scaler=self.scaler,
+            global_dropout=self._global_dropout, world_size=rt.world_size, group=self.group,
         )  # fmt: skip
         self._epoch_start = time.perf_counter()
         self._last_taken = False  # whether the epoch's last step was taken (a step's snapshot may be due)
@@ -291,26 +301,7 @@ class Trainer:
 
     def _train_step(self, step: Step) -> bool:
         """Forward and backward on each of the step's micro-batches, then the optimizer step; True if taken."""
-        self.optimizer_step.begin()  # the gradients set to None before the step's first forward
-        weighted = WeightedStep.of(step, self.batch_loss.count_fn, self.runtime.world_size, self.group)
-        for micro in weighted or step.micro_batches:
-            sync = nullcontext() if micro.last else self.strategy.no_sync()
-            with sync:
-                loss = self._micro_batch_loss(micro)
-                self._window.add(loss, micro.samples)
-                scaled = scale_loss(self.strategy.mark_nonfinite(loss), micro, weighted)
-                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-        taken = self.optimizer_step(self._window)
-        self._window.end_step(taken)
-        return taken
-
-    def _micro_batch_loss(self, micro: MicroBatch) -> torch.Tensor:
-        layout: Any = nullcontext()
-        if self._global_dropout:  # each sample's mask from its place in the global batch
-            at = step_layout(self.sampler, micro.index, self.config.grad_accum_steps, self.config.seed, self.epoch)
-            layout = batch_layout(replace(at, size=batch_len(micro.batch)))
-        with self._autocast(), layout:
-            return self.batch_loss(self._forward, micro.batch)
+        return self.train_step(step)
 
     def _after_step(self, step: Step, taken: bool, progress: Progress) -> bool:
         """After a step: callbacks, validation, the agreement and its record, a snapshot; False to stop mid-epoch.
