@@ -38,6 +38,7 @@ from ddpkit.snapshot import run_dir as run_dir_lib
 from ddpkit.snapshot.run_record import RunRecord, write_resolved_config
 from ddpkit.snapshot.trainer import TrainerSnapshots, resumes
 from ddpkit.strategies import Strategy, build_strategy
+from ddpkit.strategies.several import SeveralModels
 from ddpkit.tracking.metrics import MetricsWriter
 from ddpkit.tracking.progress import Progress, run_summary
 from ddpkit.training.batch_loss import BatchLoss, BatchLossFn, LossFn
@@ -45,6 +46,7 @@ from ddpkit.training.callbacks import call, call_step_end, own_parts
 from ddpkit.training.compiled import compile_for_training
 from ddpkit.training.config import TrainerConfig  # noqa: F401  (imported from here by scripts)
 from ddpkit.training.loss_window import EpochLoss, LossWindow
+from ddpkit.training.several import ManualStep, StepFn, several_models
 from ddpkit.training.state import RankStreams, StopReason, TrainState
 from ddpkit.training.step import (
     CountFn,
@@ -69,6 +71,10 @@ class Trainer:
     ``group`` (a group of :func:`~ddpkit.split_world`, or a process group) is the ranks that train this model
     together; rank, world size, sharding, metrics, snapshots and records all count within it. ``callbacks``
     are objects with some of :class:`~ddpkit.training.callbacks.Callback`'s methods.
+
+    ``step_fn`` (with ``model`` and ``optimizer`` dicts by name, ``scheduler`` one by optimizer name): a step
+    of several models and optimizers written as one function (a GAN, distillation); see
+    :mod:`ddpkit.training.several`.
 
     ``scheduler``: an LR scheduler, stepped every epoch or step (``scheduler_interval``); a metric-driven one
     (``ReduceLROnPlateau``) is stepped at each validation instead, with ``early_stopping.metric``'s value.
@@ -102,20 +108,30 @@ class Trainer:
         group: Any = None,
         callbacks: Sequence[Any] = (),
         extra_state: Mapping[str, Any] | None = None,
+        step_fn: StepFn | None = None,
     ) -> None:
         # Rank, world size and "main" count in this group: the whole job, or one group of split_world().
         self.config, self.runtime = config, get_runtime(group, member=True)
         rt = self.runtime
         self.group = rt.group
         self.callbacks = list(callbacks)
-        if config.global_batch_dropout:
+        if config.global_batch_dropout and step_fn is None:
             convert_dropout(model)
-        record = RunRecord.of(config, optimizer, model)  # the lr as asked, before any scheduler step
-        # The strategy wraps the model (and, for zero and fsdp, rebuilds the optimizer over what it shards,
-        # pointing the scheduler at the new one).
-        self.strategy = build_strategy(
-            config.strategy, model, optimizer, runtime=rt, sync_batchnorm=config.sync_batchnorm, scheduler=scheduler
-        )
+        self.step_fn = step_fn
+        if step_fn is None:
+            record = RunRecord.of(config, optimizer, model)  # the lr as asked, before any scheduler step
+            # The strategy wraps the model (and, for zero and fsdp, rebuilds the optimizer over what it shards,
+            # pointing the scheduler at the new one).
+            self.strategy = build_strategy(
+                config.strategy, model, optimizer, runtime=rt, sync_batchnorm=config.sync_batchnorm, scheduler=scheduler
+            )
+        else:  # several models and optimizers, by name (ddpkit.training.several)
+            refused = {
+                "val_data": val_data, "loss_fn": loss_fn, "batch_loss_fn": batch_loss_fn, "metric_fn": metric_fn,
+                "count_fn": count_fn, "compile": config.compile, "snapshot memory": config.snapshot.memory,
+                "global_batch_dropout": config.global_batch_dropout,
+            }  # fmt: skip
+            self.strategy, scheduler, record = several_models(config, model, optimizer, scheduler, rt, refused)
         self.model, self.optimizer, self.scheduler = self.strategy.model, self.strategy.optimizer, scheduler
         self._plateau = metric_driven(scheduler)
         if self._plateau:
@@ -170,11 +186,18 @@ class Trainer:
             config, self.strategy, scheduler=None if self._plateau else scheduler, scaler=self.scaler,
             state=self.state, log=self.writer.log, group=self.group,
         )  # fmt: skip
-        self.train_step = TrainStep(
+        self.train_step: TrainStep | ManualStep = TrainStep(
             config, self.strategy, self.optimizer_step, forward=self._forward, autocast=self._autocast,
             batch_loss=self.batch_loss, window=self._window, sampler=self.sampler, scaler=self.scaler,
             global_dropout=self._global_dropout, world_size=rt.world_size, group=self.group,
         )  # fmt: skip
+        if step_fn is not None:
+            self.train_step = ManualStep(
+                config, cast(SeveralModels, self.strategy), step_fn, scaler=self.scaler, state=self.state,
+                schedulers=scheduler.schedulers if scheduler else {}, window=self._window, autocast=self._autocast,
+                log=self.writer.log, group=self.group,
+            )  # fmt: skip
+            self.optimizer_step = self.train_step.optimizer_step
         self._epoch_start = time.perf_counter()
         self._last_taken = False  # whether the epoch's last step was taken (a step's snapshot may be due)
         self._stop_signal, self.stopped_by = 0, None
@@ -342,6 +365,7 @@ class Trainer:
         ms = 1000 * (time.perf_counter() - self._window_start) / max(window.tried, 1)
         if window.steps:
             record = {"epoch": self.epoch, "train/loss": agreed.mean, "lr": self._lr(), "ms_per_step": round(ms, 3)}
+            record |= {f"train/loss_{name}": mean for name, mean in agreed.means.items()}  # several models'
             if self.optimizer_step.grad_norm is not None:
                 record["grad_norm"] = float(self.optimizer_step.grad_norm)  # of the last step taken, before clipping
             self.writer.log("train", self.step, record)
