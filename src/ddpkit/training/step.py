@@ -11,9 +11,10 @@
 One rule says what a micro-batch's mean loss is divided by, for samples and for items (a language model's
 tokens, ``count_fn``) alike, :func:`loss_divisor`::
 
-    DDP averages the ranks' gradients and micro-batch gradients add up, so the step's gradient is
-    ``sum_i grad(mean_i) / d_i / world``. With ``d_i = total / (count_i * world)`` that is
-    ``sum_i count_i * grad(mean_i) / total``: every sample (item) alike, whichever rank and micro-batch holds it.
+    DDP averages the ranks' gradients and micro-batch gradients add up, so the
+    step's gradient is sum_i grad(mean_i) / d_i / world. With
+    d_i = total / (count_i * world) that is sum_i count_i * grad(mean_i) / total:
+    every sample (item) alike, whichever rank and micro-batch holds it.
 
 For samples ``total`` is known from the sampler; when every micro-batch is full, ``d_i`` is the number of
 micro-batches (exactly: integers). Averaging the ranks' means instead would weigh the samples of a rank with
