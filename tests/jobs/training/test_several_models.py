@@ -254,3 +254,52 @@ def test_a_run_stopped_by_max_steps_resumes_both_models_and_optimizers_bitwise(t
     run_on_ranks(_resume_job, 2, (tmp_path / "forgot", 7, False), timeout=300)
     forgot = run_on_ranks(_resume_job, 2, (tmp_path / "forgot", None, True), timeout=300)
     assert not bitwise(forgot[0], whole[0])
+
+
+# --- other shapes: a frozen teacher, two optimizers over one model --------------------------------------------------
+
+
+def _shapes_job(run_dir: Path) -> dict[str, Any]:
+    ddpkit.seed_everything(0)
+    teacher, student = nn.Linear(2, 1).requires_grad_(False), nn.Linear(2, 1)
+    net = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 1))
+    optimizers = {
+        "student": torch.optim.SGD(student.parameters(), lr=0.1),
+        "body": torch.optim.SGD(net[0].parameters(), lr=0.1),
+        "head": torch.optim.Adam(net[2].parameters(), lr=1e-2),
+    }
+    before = {k: v.clone() for k, v in teacher.state_dict().items()}
+
+    def step_fn(step) -> None:
+        m = step.models
+        for (x,) in step.micro_batches():
+            with torch.no_grad():
+                target = m["teacher"](x)
+            step.backward(F.mse_loss(m["student"](x), target), "student")
+            step.backward(F.mse_loss(m["net"](x), target), "body", "head")  # one loss, two optimizers
+        for name in ("student", "body", "head"):
+            step.optimizer_step(name)
+
+    data = TensorDataset(torch.randn(64, 2, generator=torch.Generator().manual_seed(1)))
+    config = TrainerConfig(
+        run_dir=str(run_dir), epochs=2, batch_size=8, num_workers=0, logging=LoggingConfig(progress=False)
+    )
+    models = {"teacher": teacher, "student": student, "net": net}
+    trainer = Trainer(models, optimizers, data, config, step_fn=step_fn)
+    trainer.fit()
+    wrapped = {name: type(m).__name__ for name, m in trainer.strategy.models.items()}  # type: ignore[attr-defined]
+    unchanged = all(torch.equal(before[k], v) for k, v in teacher.state_dict().items())
+    return state(trainer) | {"wrapped": wrapped, "teacher_unchanged": unchanged}
+
+
+def test_a_frozen_teacher_and_two_optimizers_over_one_model(tmp_path):
+    ranks = run_on_ranks(_shapes_job, 2, (tmp_path,), timeout=300)
+    assert ranks[0]["wrapped"] == {
+        "teacher": "Linear",  # nothing to all-reduce: not wrapped
+        "student": "DistributedDataParallel",
+        "net": "DistributedDataParallel",
+    }
+    assert ranks[0]["teacher_unchanged"] and ranks[0]["step"] == 8 and bitwise(ranks[0], ranks[1])
+    assert any(k.startswith("state.net.2.") and k.endswith("exp_avg") for k in ranks[0]["optim"])
+    names = {"train/loss_student", "train/loss_body+head"}
+    assert all(names <= set(r) for r in records(tmp_path, "train"))
