@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
+from types import SimpleNamespace
 from typing import Any, cast
 
 import torch
@@ -187,8 +188,9 @@ def several_models(
     for what, value in refused.items():
         if value is not None and value is not False:
             raise ConfigError(f"{what} is not supported with step_fn: leave it out (evaluate in a callback instead)")
-    first = next(iter(optimizers.values()))
-    record = RunRecord.of(config, first, nn.ModuleDict(dict(models)))  # the lr as asked, before any scheduler step
+    # The record (checked on resume) holds every optimizer's groups, in order, as the script built them.
+    groups = SimpleNamespace(param_groups=[g for opt in optimizers.values() for g in opt.param_groups])
+    record = RunRecord.of(config, cast(torch.optim.Optimizer, groups), nn.ModuleDict(dict(models)))
     built = SeveralModels(
         models, optimizers, runtime=runtime, config=cast(DDPConfig, strategy), sync_batchnorm=config.sync_batchnorm
     )

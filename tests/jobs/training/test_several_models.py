@@ -41,14 +41,16 @@ def gan_step(step, bad: Any = None, times: Any = None, raw_d: bool = False) -> N
     step.optimizer_step("g")
 
 
-def build(run_dir: Path, step_fn: Any = gan_step, sgd: float | None = None, **options: Any) -> Trainer:
+def build(
+    run_dir: Path, step_fn: Any = gan_step, sgd: float | None = None, d_lr: float = 5e-2, **options: Any
+) -> Trainer:
     """A small GAN's Trainer; ``sgd``: both optimizers plain SGD at this learning rate."""
     ddpkit.seed_everything(0)
     g = nn.Sequential(nn.Linear(NOISE, 16), nn.Tanh(), nn.Linear(16, 2))
     d = nn.Sequential(nn.Linear(2, 16), nn.Tanh(), nn.Linear(16, 1))
     optimizers: dict[str, torch.optim.Optimizer] = {
         "g": torch.optim.Adam(g.parameters(), lr=1e-2),
-        "d": torch.optim.SGD(d.parameters(), lr=5e-2, momentum=0.9),
+        "d": torch.optim.SGD(d.parameters(), lr=d_lr, momentum=0.9),
     }
     if sgd is not None:
         optimizers = {"g": torch.optim.SGD(g.parameters(), lr=sgd), "d": torch.optim.SGD(d.parameters(), lr=sgd)}
@@ -254,6 +256,17 @@ def test_a_run_stopped_by_max_steps_resumes_both_models_and_optimizers_bitwise(t
     run_on_ranks(_resume_job, 2, (tmp_path / "forgot", 7, False), timeout=300)
     forgot = run_on_ranks(_resume_job, 2, (tmp_path / "forgot", None, True), timeout=300)
     assert not bitwise(forgot[0], whole[0])
+    # Every optimizer is in the run's record: a resume with the second optimizer's lr changed is refused.
+    refused = run_on_ranks(_changed_lr_job, 2, (tmp_path / "stopped",), timeout=300)
+    assert all("optimizer param group 1 lr: 0.05 in the snapshot, 0.07 now" in r for r in refused)
+
+
+def _changed_lr_job(run_dir: Path) -> str:
+    try:
+        build(run_dir, d_lr=0.07).fit()
+    except ConfigError as err:
+        return str(err)
+    return "resumed"
 
 
 # --- other shapes: a frozen teacher, two optimizers over one model --------------------------------------------------
