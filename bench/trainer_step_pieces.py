@@ -27,7 +27,7 @@ from ddpkit.strategies.ddp import (
     nan_gradient_if_nonfinite as _nan_gradient_if_nonfinite,
 )
 from ddpkit.training.loss_window import LossWindow as _LossWindow
-from ddpkit.training.steps import batch_len as _batch_len
+from ddpkit.training.step import batch_len as _batch_len
 
 
 def fastest_us(fn, number: int = 20000) -> float:

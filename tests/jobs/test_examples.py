@@ -175,3 +175,17 @@ def test_lm_two_ranks_match_one_process_and_sample(tmp_path):
     # Per-token losses and a fixed global batch: 2 ranks x 2 micro-batches train the one-process model.
     assert float(loss_two) == pytest.approx(float(loss_one), abs=2e-4)
     assert two.count("sample:\ndef ") == 1  # rank 0 only, continuing the prompt
+
+
+# --- gan ----------------------------------------------------------------------------------------------------
+
+GAN = re.compile(r"^samples near a mode: (\d\.\d{3}), modes covered: (\d)/8$", re.M)
+
+
+def test_gan_two_ranks_trains_both_models(tmp_path):
+    out = _ok(_ddpkit_run("gan.py", "--run-dir", str(tmp_path / "run")))
+    near, modes = GAN.search(out).groups()
+    # An untrained generator puts its samples in a blob near the origin, 2 away from every mode.
+    assert float(near) > 0.2 and int(modes) >= 6
+    records = (tmp_path / "run" / "metrics.jsonl").read_text()
+    assert '"train/loss_d"' in records and '"train/loss_g"' in records

@@ -158,13 +158,18 @@ class DDPStrategy:
         runtime: Runtime,
         config: DDPConfig | None = None,
         sync_batchnorm: bool = False,
+        prepared: bool = False,
     ) -> None:
+        """``prepared``: ``model`` is already wrapped (one of :class:`~ddpkit.strategies.several.SeveralModels`'s),
+        this strategy only decides its ``optimizer``'s steps."""
         self.config = config or DDPConfig()
         self.runtime = runtime
         kwargs = self.config.ddp_kwargs()
-        self.model = prepare_model(model, sync_batchnorm=sync_batchnorm, runtime=runtime, **kwargs)
+        if not prepared:
+            model = prepare_model(model, sync_batchnorm=sync_batchnorm, runtime=runtime, **kwargs)
+        self.model = model
         self.optimizer = optimizer
-        if self.config.comm_hook is not None and runtime.distributed:
+        if self.config.comm_hook is not None and runtime.distributed and not prepared:
             hooks.register(
                 self.model,
                 self.config.comm_hook,

@@ -43,7 +43,7 @@ from ddpkit.strategies.prepare import prepare_model, unwrap
 from ddpkit.tools.check_causes import CAUSES, SampleSeeded, deterministic, plain_tensors
 from ddpkit.tools.compare import QUANTITIES, Verdict, compare
 from ddpkit.tools.workload import BUILTINS, HOOK, load_workload
-from ddpkit.training.steps import batch_len
+from ddpkit.training.step import batch_len
 
 _KEYS = tuple(c.key for c in CAUSES)
 

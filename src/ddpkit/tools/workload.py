@@ -34,9 +34,8 @@ from torch.utils.data import Dataset
 from ddpkit.errors import ConfigError
 from ddpkit.training.batch_loss import BatchLossFn, LossFn
 from ddpkit.training.config import TrainerConfig
-from ddpkit.training.item_counts import CountFn
 from ddpkit.training.losses import cross_entropy
-from ddpkit.training.steps import batch_len
+from ddpkit.training.step import CountFn, batch_len
 
 if TYPE_CHECKING:
     from ddpkit.tools.trainer_capture import Captured

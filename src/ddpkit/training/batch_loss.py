@@ -10,9 +10,8 @@ from torch import nn
 
 from ddpkit.errors import ConfigError
 from ddpkit.training.evaluation import classification_metrics, inputs_and_targets
-from ddpkit.training.item_counts import CountFn
 from ddpkit.training.losses import cross_entropy
-from ddpkit.training.steps import batch_len
+from ddpkit.training.step import CountFn, batch_len
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 BatchLossFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -34,7 +33,7 @@ class BatchLoss:
 
     ``count_fn(batch)``: how many items (a language model's tokens whose labels count) the batch's mean loss is
     over; each step then follows the mean over every item of its global batch, across ranks and micro-batches
-    (:mod:`~ddpkit.training.item_counts`), and so do the training loss records and the default validation loss.
+    (:func:`~ddpkit.training.step.loss_divisor`), and so do the training loss records and the default validation loss.
     """
 
     def __init__(

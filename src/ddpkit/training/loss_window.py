@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -18,6 +18,8 @@ class Agreed:
     loss_sum: float
     samples: float
     stop: bool
+    means: dict[str, float] = field(default_factory=dict)
+    """The mean of each named loss (a step of several models: each ``backward(loss, name)``'s)."""
 
     @property
     def mean(self) -> float:
@@ -35,15 +37,18 @@ class LossWindow:
     def __init__(self, on_host: bool) -> None:
         self.on_host = on_host
         self.losses: list[torch.Tensor | float] = []
-        self.sizes: list[float | torch.Tensor] = []  # samples, or items (see ddpkit.training.item_counts)
+        self.sizes: list[float | torch.Tensor] = []  # samples, or items (see ddpkit.training.step)
+        self.names: list[str] = []  # each loss's name, in a step of several models (else none)
         self.steps = 0  # steps taken
         self.tried = 0  # steps taken or skipped
         self._step_start = 0
         self.last_step: tuple[list[torch.Tensor | float], list[float | torch.Tensor]] = ([], [])
 
-    def add(self, loss: torch.Tensor, size: int | torch.Tensor) -> None:
+    def add(self, loss: torch.Tensor, size: int | torch.Tensor, name: str | None = None) -> None:
         self.losses.append(loss.item() if self.on_host else loss.detach())
         self.sizes.append(float(size) if self.on_host or not isinstance(size, torch.Tensor) else size.detach())
+        if name is not None:
+            self.names.append(name)
 
     def step_is_finite(self) -> bool:
         return all(math.isfinite(float(loss)) for loss in self.losses[self._step_start :])
@@ -55,7 +60,7 @@ class LossWindow:
         if taken:
             self.steps += 1
         else:
-            del self.losses[self._step_start :], self.sizes[self._step_start :]
+            del self.losses[self._step_start :], self.sizes[self._step_start :], self.names[self._step_start :]
         self._step_start = len(self.losses)
 
     def local_sum(self, device: torch.device) -> torch.Tensor:
@@ -74,15 +79,17 @@ class LossWindow:
     def state_dict(self) -> dict[str, Any]:
         """The losses not yet agreed on (a snapshot between two agreements): each rank's own, as numbers, so
         that the resumed run's agreement sums the very values the uninterrupted run's does."""
-        return {
+        state = {
             "losses": [float(loss) for loss in self.losses],
             "sizes": [float(size) for size in self.sizes],
             "steps": self.steps,
             "tried": self.tried,
         }
+        return state | {"names": list(self.names)} if self.names else state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.losses, self.sizes = list(state["losses"]), list(state["sizes"])
+        self.names = list(state.get("names", []))
         self.steps, self.tried = int(state["steps"]), int(state["tried"])
         self._step_start = len(self.losses)
 
@@ -94,13 +101,15 @@ class LossWindow:
             mine = {
                 "losses": [x for s in states for x in s["losses"]],
                 "sizes": [x for s in states for x in s["sizes"]],
+                "names": [x for s in states for x in s.get("names", [])],
             }
         else:
-            mine = {"losses": [], "sizes": []}
+            mine = {"losses": [], "sizes": [], "names": []}
         self.load_state_dict(mine | counts)
 
     def clear(self) -> None:
         self.losses, self.sizes, self.steps, self.tried, self._step_start = [], [], 0, 0, 0
+        self.names = []
 
     def agree(self, device: torch.device, stop: bool, group: Any) -> Agreed:
         """The global loss sum and sample count since the last agreement, and whether any rank must stop.
@@ -112,8 +121,16 @@ class LossWindow:
             "samples": sum(self.sizes),
             "stop": float(stop),
         }
+        # Named losses (several models): each name's sums too, in the same all-reduce. Every rank ran the same
+        # step function, so every rank has the same names.
+        names = sorted(set(self.names))
+        for name in names:
+            mine = [i for i, n in enumerate(self.names) if n == name]
+            sums[f"loss:{name}"] = math.fsum(float(self.losses[i]) * float(self.sizes[i]) for i in mine)
+            sums[f"samples:{name}"] = math.fsum(float(self.sizes[i]) for i in mine)
         total = all_reduce(sums, group=group)
-        return Agreed(float(total["loss"]), float(total["samples"]), bool(total["stop"]))
+        means = {n: float(total[f"loss:{n}"]) / float(total[f"samples:{n}"]) for n in names}
+        return Agreed(float(total["loss"]), float(total["samples"]), bool(total["stop"]), means)
 
 
 @dataclass

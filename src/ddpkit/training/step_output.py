@@ -18,7 +18,7 @@ import torch
 
 from ddpkit.snapshot.state import TrainState
 from ddpkit.training.loss_window import LossWindow
-from ddpkit.training.optimizer_step import OptimizerStep
+from ddpkit.training.step import OptimizerStep
 
 
 class StopReason(str, Enum):

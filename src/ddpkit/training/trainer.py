@@ -8,10 +8,10 @@ needed to write a loop by hand. The loop reads::
         taken = self._train_step(step)  # forward/backward on each, the optimizer step
         self._after_step(step, taken)   # log, agree, snapshot, stop?
 
-Within a step, all micro-batches but the last run under the strategy's ``no_sync()``; each loss is divided by
-its divisor in the step (:func:`.steps.loss_divisor`; per token: :mod:`.item_counts`), so the step follows the mean
-over samples (or tokens), not over ranks; :class:`.optimizer_step.OptimizerStep` takes, skips or stops it on every
-rank alike. Every ``logging.every_steps`` steps and at an epoch's end one small all-reduce gives the exact mean
+The step itself, from the loader's micro-batches to ``optimizer.step()``, is :mod:`ddpkit.training.step`: all
+micro-batches but the last under the strategy's ``no_sync()``, each loss divided by its divisor in the step
+(:func:`~ddpkit.training.step.loss_divisor`), so the step follows the mean over samples (or tokens), not over
+ranks; :class:`~ddpkit.training.step.OptimizerStep` takes, skips or stops it on every rank alike. Every ``logging.every_steps`` steps and at an epoch's end one small all-reduce gives the exact mean
 training loss and spreads a stop signal any rank received, so that all ranks save and stop after the same step.
 """
 
@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import nullcontext
-from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any, cast
@@ -35,12 +33,13 @@ from ddpkit.distributed.log import print0
 from ddpkit.distributed.runtime import get_runtime
 from ddpkit.distributed.seeding import seed_rank
 from ddpkit.errors import PREEMPTED_EXIT_CODE, Preempted
-from ddpkit.nn.dropout import GlobalBatchDropout, batch_layout, convert_dropout
+from ddpkit.nn.dropout import GlobalBatchDropout, convert_dropout
 from ddpkit.snapshot import run_dir as run_dir_lib
 from ddpkit.snapshot.run_record import RunRecord, write_resolved_config
 from ddpkit.snapshot.state import RankStreams, TrainState
 from ddpkit.snapshot.trainer import TrainerSnapshots, resumes
 from ddpkit.strategies import Strategy, build_strategy
+from ddpkit.strategies.several import SeveralModels
 from ddpkit.tracking.metrics import MetricsWriter
 from ddpkit.tracking.progress import Progress, run_summary
 from ddpkit.tracking.speed import Speed
@@ -48,12 +47,20 @@ from ddpkit.training.batch_loss import BatchLoss, BatchLossFn, LossFn
 from ddpkit.training.callbacks import call, call_step_end, own_parts
 from ddpkit.training.compiled import compile_for_training
 from ddpkit.training.config import TrainerConfig  # noqa: F401  (imported from here by scripts)
-from ddpkit.training.item_counts import CountFn, WeightedStep, scale_loss
 from ddpkit.training.loss_window import EpochLoss, LossWindow
-from ddpkit.training.optimizer_step import OptimizerStep, check_metric_driven, metric_driven
-from ddpkit.training.precision import autocast, grad_scaler
+from ddpkit.training.several import ManualStep, StepFn, several_models
+from ddpkit.training.step import (
+    CountFn,
+    OptimizerStep,
+    Step,
+    TrainStep,
+    autocast,
+    check_metric_driven,
+    epoch_steps,
+    grad_scaler,
+    metric_driven,
+)
 from ddpkit.training.step_output import StopReason, step_output
-from ddpkit.training.steps import MicroBatch, Step, batch_len, epoch_steps, step_layout
 from ddpkit.training.validation import Evaluator, Validation
 
 
@@ -65,6 +72,10 @@ class Trainer:
     ``group`` (a group of :func:`~ddpkit.split_world`, or a process group) is the ranks that train this model
     together; rank, world size, sharding, metrics, snapshots and records all count within it. ``callbacks``
     are objects with some of :class:`~ddpkit.training.callbacks.Callback`'s methods.
+
+    ``step_fn`` (with ``model`` and ``optimizer`` dicts by name, ``scheduler`` one by optimizer name): a step
+    of several models and optimizers written as one function (a GAN, distillation); see
+    :mod:`ddpkit.training.several`.
 
     ``scheduler``: an LR scheduler, stepped every epoch or step (``scheduler_interval``); a metric-driven one
     (``ReduceLROnPlateau``) is stepped at each validation instead, with ``early_stopping.metric``'s value.
@@ -98,20 +109,30 @@ class Trainer:
         group: Any = None,
         callbacks: Sequence[Any] = (),
         extra_state: Mapping[str, Any] | None = None,
+        step_fn: StepFn | None = None,
     ) -> None:
         # Rank, world size and "main" count in this group: the whole job, or one group of split_world().
         self.config, self.runtime = config, get_runtime(group, member=True)
         rt = self.runtime
         self.group = rt.group
         self.callbacks = list(callbacks)
-        if config.global_batch_dropout:
+        if config.global_batch_dropout and step_fn is None:
             convert_dropout(model)
-        record = RunRecord.of(config, optimizer, model)  # the lr as asked, before any scheduler step
-        # The strategy wraps the model (and, for zero and fsdp, rebuilds the optimizer over what it shards,
-        # pointing the scheduler at the new one).
-        self.strategy = build_strategy(
-            config.strategy, model, optimizer, runtime=rt, sync_batchnorm=config.sync_batchnorm, scheduler=scheduler
-        )
+        self.step_fn = step_fn
+        if step_fn is None:
+            record = RunRecord.of(config, optimizer, model)  # the lr as asked, before any scheduler step
+            # The strategy wraps the model (and, for zero and fsdp, rebuilds the optimizer over what it shards,
+            # pointing the scheduler at the new one).
+            self.strategy = build_strategy(
+                config.strategy, model, optimizer, runtime=rt, sync_batchnorm=config.sync_batchnorm, scheduler=scheduler
+            )
+        else:  # several models and optimizers, by name (ddpkit.training.several)
+            refused = {
+                "val_data": val_data, "loss_fn": loss_fn, "batch_loss_fn": batch_loss_fn, "metric_fn": metric_fn,
+                "count_fn": count_fn, "compile": config.compile, "snapshot memory": config.snapshot.memory,
+                "global_batch_dropout": config.global_batch_dropout,
+            }  # fmt: skip
+            self.strategy, scheduler, record = several_models(config, model, optimizer, scheduler, rt, refused)
         self.model, self.optimizer, self.scheduler = self.strategy.model, self.strategy.optimizer, scheduler
         self._plateau = metric_driven(scheduler)
         if self._plateau:
@@ -170,6 +191,18 @@ class Trainer:
             config, self.strategy, scheduler=None if self._plateau else scheduler, scaler=self.scaler,
             state=self.state, log=self.writer.log, group=self.group,
         )  # fmt: skip
+        self.train_step: TrainStep | ManualStep = TrainStep(
+            config, self.strategy, self.optimizer_step, forward=self._forward, autocast=self._autocast,
+            batch_loss=self.batch_loss, window=self._window, sampler=self.sampler, scaler=self.scaler,
+            global_dropout=self._global_dropout, world_size=rt.world_size, group=self.group, speed=self.speed,
+        )  # fmt: skip
+        if step_fn is not None:
+            self.train_step = ManualStep(
+                config, cast(SeveralModels, self.strategy), step_fn, scaler=self.scaler, state=self.state,
+                schedulers=scheduler.schedulers if scheduler else {}, window=self._window, autocast=self._autocast,
+                log=self.writer.log, group=self.group, speed=self.speed,
+            )  # fmt: skip
+            self.optimizer_step = self.train_step.optimizer_step
         self._epoch_start = time.perf_counter()
         self._last_taken = False  # whether the epoch's last step was taken (a step's snapshot may be due)
         self._stop_signal, self.stopped_by = 0, None
@@ -297,30 +330,7 @@ class Trainer:
 
     def _train_step(self, step: Step) -> bool:
         """Forward and backward on each of the step's micro-batches, then the optimizer step; True if taken."""
-        self.optimizer_step.begin()  # the gradients set to None before the step's first forward
-        timings = self.speed.timings
-        timings.start_step()
-        weighted = WeightedStep.of(step, self.batch_loss.count_fn, self.runtime.world_size, self.group)
-        for micro in weighted or step.micro_batches:
-            sync = nullcontext() if micro.last else self.strategy.no_sync()
-            with sync, self.speed.counting(micro.batch):
-                loss = self._micro_batch_loss(micro)
-                self._window.add(loss, micro.samples)
-                scaled = scale_loss(self.strategy.mark_nonfinite(loss), micro, weighted)
-                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-        timings.before_optimizer()
-        taken = self.optimizer_step(self._window)
-        timings.after_optimizer()
-        self._window.end_step(taken)
-        return taken
-
-    def _micro_batch_loss(self, micro: MicroBatch) -> torch.Tensor:
-        layout: Any = nullcontext()
-        if self._global_dropout:  # each sample's mask from its place in the global batch
-            at = step_layout(self.sampler, micro.index, self.config.grad_accum_steps, self.config.seed, self.epoch)
-            layout = batch_layout(replace(at, size=batch_len(micro.batch)))
-        with self._autocast(), layout:
-            return self.batch_loss(self._forward, micro.batch)
+        return self.train_step(step)
 
     def _after_step(self, step: Step, taken: bool, progress: Progress) -> bool:
         """After a step: callbacks, validation, the agreement and its record, a snapshot; False to stop mid-epoch.
@@ -368,6 +378,7 @@ class Trainer:
         rates = self.speed.rates(times, tokens) if times is not None else {}
         if window.steps:
             record = {"epoch": self.epoch, "train/loss": agreed.mean, "lr": self._lr(), "ms_per_step": round(ms, 3)}
+            record |= {f"train/loss_{name}": mean for name, mean in agreed.means.items()}  # several models'
             if self.optimizer_step.grad_norm is not None:
                 record["grad_norm"] = float(self.optimizer_step.grad_norm)  # of the last step taken, before clipping
             self.writer.log("train", self.step, record | rates)

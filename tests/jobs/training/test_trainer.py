@@ -53,7 +53,8 @@ def test_n_ranks_train_the_same_model_as_one_process(tmp_path):
 
 def _equal_rank_weights(trainer) -> None:
     # The control: every rank's mean counted alike in the last, uneven batch (what DDP alone does).
-    ddpkit.training.steps.loss_divisor = lambda samples, world, step_samples, micro_batches, micro_global: micro_batches
+    # (One micro-batch a step: the divisor of a full step, 1.)
+    ddpkit.training.step.loss_divisor = lambda count, world, total: 1.0
 
 
 def test_an_uneven_last_batch_trains_the_same_model_as_one_process(tmp_path):

@@ -1,4 +1,4 @@
-"""Per-token weighting as arithmetic: the shares of :mod:`ddpkit.training.item_counts` turn DDP's average over
+"""Per-token weighting as arithmetic: the shares of :mod:`ddpkit.training.step` turn DDP's average over
 ranks of summed micro-batch gradients into the gradient of the mean over every token (one process, no ranks:
 the ranks' gradients are computed one after another and averaged as DDP would)."""
 
@@ -6,8 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ddpkit.training.item_counts import _as_count, item_divisor
-from ddpkit.training.steps import loss_divisor
+from ddpkit.training.step import _as_count, loss_divisor
 
 
 def _grad(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, divisor: float) -> torch.Tensor:
@@ -32,13 +31,13 @@ def test_item_shares_give_the_gradient_of_the_mean_over_every_token():
     world = 2
     counts = [int((y != -100).sum()) for _, y in micro]
     total = torch.tensor(float(sum(counts)), dtype=torch.float64)
-    shares = [float(item_divisor(torch.tensor(float(c), dtype=torch.float64), world, total)) for c in counts]
+    shares = [float(loss_divisor(torch.tensor(float(c), dtype=torch.float64), world, total)) for c in counts]
     ranks = [sum(_grad(w, *micro[r * 2 + i], shares[r * 2 + i]) for i in range(2)) for r in range(world)]
     ddp = sum(ranks) / world
     x, y = torch.cat([m[0] for m in micro]), torch.cat([m[1] for m in micro])
     assert torch.allclose(ddp, _grad(w, x, y, 1.0), atol=1e-6)
     # Control: the per-sample shares (each micro-batch's mean counted alike) are another gradient.
-    same = loss_divisor(9, world, 36, 2, 18)
+    same = loss_divisor(9, world, 36)
     ranks = [sum(_grad(w, *micro[r * 2 + i], same) for i in range(2)) for r in range(world)]
     assert (sum(ranks) / world - _grad(w, x, y, 1.0)).abs().max() > 1e-2
 

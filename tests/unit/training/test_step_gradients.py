@@ -8,7 +8,7 @@ from torch.utils.data import TensorDataset
 
 import ddpkit
 from ddpkit.training.config import LoggingConfig, TrainerConfig
-from ddpkit.training.optimizer_step import OptimizerStep
+from ddpkit.training.step import OptimizerStep
 
 
 class LeavesGradients:

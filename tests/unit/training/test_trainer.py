@@ -17,20 +17,20 @@ from ddpkit.strategies.ddp import (
 )
 from ddpkit.training.config import EarlyStoppingConfig, LoggingConfig, SnapshotConfig
 from ddpkit.training.loss_window import LossWindow as _LossWindow
-from ddpkit.training.steps import loss_divisor
+from ddpkit.training.step import loss_divisor
 from ddpkit.training.trainer import TrainerConfig
 
 
 def test_a_ranks_loss_share_weighs_samples_not_ranks():
     # Full steps: the number of micro-batches, as before. 13 samples as 7/6 on 2 ranks: the rank with 7 divides
     # by 13/14 (counts more), the one with 6 by 13/12; DDP's mean of the two then gives sum(loss_i) / 13.
-    assert loss_divisor(12, 2, 24, 1, 24) == 1.0 and loss_divisor(6, 2, 48, 2, 24) == 2.0
-    shares = [loss_divisor(n, 2, 13, 1, 24) for n in (7, 6)]
+    assert loss_divisor(12, 2, 24) == 1.0 and loss_divisor(12, 2, 48) == 2.0
+    shares = [loss_divisor(n, 2, 13) for n in (7, 6)]
     assert shares == [13 / 14, 13 / 12]
     # A sample's weight in the step: 1/n in its rank's mean, 1/divisor, 1/2 in DDP's average over the ranks.
     assert [1 / (n * d * 2) for n, d in zip((7, 6), shares)] == pytest.approx([1 / 13] * 2)
     # Two micro-batches a step, the second short (12 then 7 samples over 2 ranks: 6/6, then 4/3).
-    weights = [1 / (n * loss_divisor(n, 2, 19, 2, 12) * 2) for n in (6, 6, 4, 3)]
+    weights = [1 / (n * loss_divisor(n, 2, 19) * 2) for n in (6, 6, 4, 3)]
     assert weights == pytest.approx([1 / 19] * 4)
     # The control: each rank's mean counted alike gives a sample of the rank with 6 more weight than one of 7.
     assert 1 / (6 * 2) > 1 / (7 * 2)

@@ -1,0 +1,318 @@
+"""A step of several models and optimizers (``Trainer(models, optimizers, ..., step_fn=...)``) on 2 real gloo ranks:
+each optimizer's non-finite verdict agreed on every rank, clipping per optimizer, fp16's scaler shared by two
+optimizers, and a stop and resume that continues both models and both optimizers bit for bit."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import ddpkit
+from ddpkit import LoggingConfig, SnapshotConfig, Trainer, TrainerConfig
+from ddpkit.errors import ConfigError
+from ddpkit.testing import run_on_ranks
+
+NOISE = 4
+
+
+def gan_step(step, bad: Any = None, times: Any = None, raw_d: bool = False) -> None:
+    """A GAN's step; ``bad()`` returns what to add to the discriminator's loss (0.0: nothing), ``times()`` what
+    to multiply it by; ``raw_d``: its backward() without the helper."""
+    g, d = step.models["g"], step.models["d"]
+    extra = bad() if bad else 0.0
+    factor = times() if times else 1.0
+    for (real,) in step.micro_batches():
+        fake = g(torch.randn(len(real), NOISE))
+        logits = d(torch.cat([real, fake.detach()]))
+        labels = torch.cat([torch.ones(len(real), 1), torch.zeros(len(real), 1)])
+        loss_d = F.binary_cross_entropy_with_logits(logits, labels) * factor + extra
+        loss_d.backward() if raw_d else step.backward(loss_d, "d")
+    step.optimizer_step("d")
+    for (real,) in step.micro_batches():
+        logits = d(g(torch.randn(len(real), NOISE)))
+        step.backward(F.binary_cross_entropy_with_logits(logits, torch.ones_like(logits)), "g")
+    step.optimizer_step("g")
+
+
+def build(
+    run_dir: Path, step_fn: Any = gan_step, sgd: float | None = None, d_lr: float = 5e-2, **options: Any
+) -> Trainer:
+    """A small GAN's Trainer; ``sgd``: both optimizers plain SGD at this learning rate."""
+    ddpkit.seed_everything(0)
+    g = nn.Sequential(nn.Linear(NOISE, 16), nn.Tanh(), nn.Linear(16, 2))
+    d = nn.Sequential(nn.Linear(2, 16), nn.Tanh(), nn.Linear(16, 1))
+    optimizers: dict[str, torch.optim.Optimizer] = {
+        "g": torch.optim.Adam(g.parameters(), lr=1e-2),
+        "d": torch.optim.SGD(d.parameters(), lr=d_lr, momentum=0.9),
+    }
+    if sgd is not None:
+        optimizers = {"g": torch.optim.SGD(g.parameters(), lr=sgd), "d": torch.optim.SGD(d.parameters(), lr=sgd)}
+    data = TensorDataset(torch.randn(96, 2, generator=torch.Generator().manual_seed(1)) + 2.0)
+    config = TrainerConfig(
+        **{
+            "run_dir": str(run_dir), "epochs": 2, "batch_size": 8, "seed": 0, "num_workers": 0,
+            "logging": LoggingConfig(progress=False, every_steps=4), "snapshot": SnapshotConfig(every_steps=5),
+        }
+        | options
+    )  # fmt: skip
+    return Trainer({"g": g, "d": d}, optimizers, data, config, step_fn=step_fn)
+
+
+def state(trainer: Trainer) -> dict[str, Any]:
+    full = trainer.strategy.full_state_dict()
+    return {
+        "model": {k: v.clone() for k, v in full["model"].items()},
+        "optim": {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in full["optim"].items()},
+        "step": trainer.step,
+        "skipped": trainer.skipped_steps,
+    }
+
+
+def bitwise(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    def same(x: Any, y: Any) -> bool:
+        if isinstance(x, torch.Tensor):
+            same_type = isinstance(y, torch.Tensor) and x.dtype == y.dtype and x.shape == y.shape
+            return same_type and torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
+        return x == y
+
+    def flat(x: dict[str, Any]) -> dict[str, Any]:
+        return {f"{k}/{n}": w for k, v in x.items() for n, w in (v.items() if isinstance(v, dict) else [("", v)])}
+
+    fa, fb = flat(a), flat(b)
+    return fa.keys() == fb.keys() and all(same(fa[k], fb[k]) for k in fa)
+
+
+def records(run_dir: Path, kind: str) -> list[dict[str, Any]]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def _fit(run_dir: Path, **options: Any) -> dict[str, Any]:
+    trainer = build(run_dir, **options)
+    trainer.fit()
+    return state(trainer)
+
+
+# --- the non-finite verdict ----------------------------------------------------------------------------------
+
+
+def bad_at(call: int, rank: int, value: float, otherwise: float = 0.0):
+    """``value`` at the ``call``-th step (from 0) on ``rank``, else ``otherwise``."""
+    calls = [0]
+
+    def bad() -> float:
+        calls[0] += 1
+        return value if (calls[0] - 1, ddpkit.get_runtime().rank) == (call, rank) else otherwise
+
+    return bad
+
+
+def _nonfinite_job(run_dir: Path, on_nonfinite: str, through_helper: bool) -> Any:
+    bad = bad_at(3, 1, float("inf"))  # a non-finite loss whose gradients are finite
+
+    # The control: the discriminator's loss backward()ed without the helper.
+    step_fn = lambda step: gan_step(step, bad, raw_d=not through_helper)  # noqa: E731
+    try:
+        return _fit(run_dir, step_fn=step_fn, on_nonfinite=on_nonfinite)
+    except FloatingPointError as err:
+        return str(err)
+
+
+def test_a_nonfinite_loss_of_one_optimizer_on_one_rank_skips_or_stops_every_rank(tmp_path):
+    skip = run_on_ranks(_nonfinite_job, 2, (tmp_path / "skip", "skip", True), timeout=300)
+    assert skip[0]["skipped"] == skip[1]["skipped"] == 1 and bitwise(skip[0], skip[1])
+    events = [r for r in records(tmp_path / "skip", "event") if r.get("event") == "skipped_nonfinite"]
+    assert [(e["step"], e["reason"]) for e in events] == [(3, "non-finite loss on 1 rank(s)")]
+    stop = run_on_ranks(_nonfinite_job, 2, (tmp_path / "stop", "stop", True), timeout=300)
+    assert all(isinstance(s, str) and "non-finite loss on 1 rank(s) at optimizer step 3" in s for s in stop)
+    # Control: the same loss backward()ed past the helper reaches no verdict: the step is taken everywhere.
+    raw = run_on_ranks(_nonfinite_job, 2, (tmp_path / "raw", "stop", False), timeout=300)
+    assert raw[0]["skipped"] == raw[1]["skipped"] == 0
+
+
+def _half_step(step) -> None:
+    for (real,) in step.micro_batches():
+        step.backward(step.models["d"](real).mean(), "d")
+    step.optimizer_step("d")
+
+
+def _refused_job(run_dir: Path) -> list[str]:
+    out = []
+    try:
+        _fit(run_dir, step_fn=_half_step)
+    except RuntimeError as err:
+        out.append(str(err))
+    for options in ({"strategy": "zero"}, {"compile": True}):
+        try:
+            build(run_dir / "x", **options)
+        except ConfigError as err:
+            out.append(str(err))
+    return out
+
+
+def test_a_step_must_step_every_optimizer_and_what_is_unsupported_is_refused(tmp_path):
+    unstepped, zero, compiled = run_on_ranks(_refused_job, 2, (tmp_path,), timeout=300)[0]
+    assert "did not call step.optimizer_step() for g" in unstepped
+    assert "strategy='ddp'" in zero and "compile is not supported with step_fn" in compiled
+
+
+# --- clipping per optimizer ------------------------------------------------------------------------------------
+
+
+def _clip_job(run_dir: Path, clip: float | None) -> list[tuple[float, float]]:
+    """Each step's update norms of g's and d's parameters, and their gradients' norms before clipping."""
+    seen: list[tuple[float, float]] = []
+
+    def step_fn(step) -> None:
+        before = {n: [p.detach().clone() for p in m.parameters()] for n, m in step.models.items()}
+        gan_step(step)
+        # SGD without momentum on both: an update is lr x the clipped gradient.
+        moved = {
+            n: torch.linalg.vector_norm(
+                torch.cat([(p.detach() - b).flatten() for p, b in zip(m.parameters(), before[n])])
+            )
+            for n, m in step.models.items()
+        }
+        seen.append((float(moved["g"]) / 0.5, float(moved["d"]) / 0.5))
+
+    build(run_dir, step_fn=step_fn, clip_grad_norm=clip, epochs=1, sgd=0.5).fit()
+    return seen
+
+
+def test_each_optimizer_is_clipped_to_its_own_norm(tmp_path):
+    unclipped = run_on_ranks(_clip_job, 2, (tmp_path / "free", None), timeout=300)[0]
+    clip = min(min(g, d) for g, d in unclipped) / 2  # below every step's norm of either model
+    clipped = run_on_ranks(_clip_job, 2, (tmp_path / "clipped", clip), timeout=300)[0]
+    # Each model's update is clip long: its own norm was clipped, whatever the other's.
+    for g, d in clipped:
+        assert g == pytest.approx(clip, rel=1e-4) and d == pytest.approx(clip, rel=1e-4)
+    # Control: one norm over both optimizers would leave the model with the smaller gradients shorter than clip.
+    g, d = unclipped[0]
+    joint = (g * g + d * d) ** 0.5
+    assert min(g, d) * clip / joint < clip * 0.99
+
+
+# --- fp16: one scaler, two optimizers ----------------------------------------------------------------------------
+
+
+def _fp16_job(run_dir: Path, overflow: bool) -> dict[str, Any]:
+    # The discriminator's loss x 1e6 at step 2 on rank 0: x 65536 (the scale) overflows fp16's gradients.
+    times = bad_at(2, 0, 1e6, otherwise=1.0) if overflow else None
+    trainer = build(run_dir, step_fn=lambda step: gan_step(step, times=times), precision="fp16", epochs=1)
+    trainer.fit()
+    return state(trainer) | {"scale": trainer.scaler.get_scale() if trainer.scaler else None}
+
+
+def test_fp16_one_scaler_for_two_optimizers_skips_alike_and_updates_once_a_step(tmp_path):
+    clean = run_on_ranks(_fp16_job, 2, (tmp_path / "clean", False), timeout=300)
+    over = run_on_ranks(_fp16_job, 2, (tmp_path / "over", True), timeout=300)
+    assert bitwise(over[0], over[1]) and over[0]["skipped"] == 0  # the scaler's business, not a skip
+    overflows = [r for r in records(tmp_path / "over", "event") if r.get("event") == "fp16_overflow"]
+    assert [r["step"] for r in overflows] == [2]
+    # One update a step: the overflow halves the scale once, and the discriminator's step alone is not taken.
+    assert over[0]["scale"] == clean[0]["scale"] / 2 and over[0]["step"] == clean[0]["step"] - 1
+    # Control: without the overflow no event, no step lost.
+    assert not [r for r in records(tmp_path / "clean", "event") if r.get("event") == "fp16_overflow"]
+
+
+# --- stop and resume ----------------------------------------------------------------------------------------------
+
+
+def _resume_job(run_dir: Path, max_steps: int | None, forget_d: bool) -> dict[str, Any]:
+    trainer = build(run_dir, max_steps=max_steps)
+    if forget_d:  # the control: a resume that restores the models and g's optimizer, not d's momentum
+        load = trainer.strategy.load_state_dict
+
+        def load_without_d(state: dict[str, Any]) -> None:
+            load(state)
+            trainer.strategy.optimizers["d"].state.clear()
+
+        trainer.strategy.load_state_dict = load_without_d  # type: ignore[method-assign]
+    trainer.fit()
+    return state(trainer)
+
+
+def test_a_run_stopped_by_max_steps_resumes_both_models_and_optimizers_bitwise(tmp_path):
+    whole = run_on_ranks(_resume_job, 2, (tmp_path / "whole", None, False), timeout=300)
+    first = run_on_ranks(_resume_job, 2, (tmp_path / "stopped", 7, False), timeout=300)
+    assert first[0]["step"] == 7
+    resumed = run_on_ranks(_resume_job, 2, (tmp_path / "stopped", None, False), timeout=300)
+    assert resumed[0]["step"] == whole[0]["step"] == 12 and bitwise(resumed[0], whole[0])
+    assert bitwise(resumed[1], whole[1])
+
+    # The records of each loss agree too (the losses not yet agreed at the stop are each rank's own in it).
+    def losses(d: Path) -> list[tuple[int, float, float]]:
+        return [(r["step"], r["train/loss_d"], r["train/loss_g"]) for r in records(d, "train")]
+
+    assert losses(tmp_path / "stopped")[-1] == losses(tmp_path / "whole")[-1]
+    # Control: d's optimizer state lost at the resume gives another run.
+    run_on_ranks(_resume_job, 2, (tmp_path / "forgot", 7, False), timeout=300)
+    forgot = run_on_ranks(_resume_job, 2, (tmp_path / "forgot", None, True), timeout=300)
+    assert not bitwise(forgot[0], whole[0])
+    # Every optimizer is in the run's record: a resume with the second optimizer's lr changed is refused.
+    refused = run_on_ranks(_changed_lr_job, 2, (tmp_path / "stopped",), timeout=300)
+    assert all("optimizer param group 1 lr: 0.05 in the snapshot, 0.07 now" in r for r in refused)
+
+
+def _changed_lr_job(run_dir: Path) -> str:
+    try:
+        build(run_dir, d_lr=0.07).fit()
+    except ConfigError as err:
+        return str(err)
+    return "resumed"
+
+
+# --- other shapes: a frozen teacher, two optimizers over one model --------------------------------------------------
+
+
+def _shapes_job(run_dir: Path) -> dict[str, Any]:
+    ddpkit.seed_everything(0)
+    teacher, student = nn.Linear(2, 1).requires_grad_(False), nn.Linear(2, 1)
+    net = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 1))
+    optimizers = {
+        "student": torch.optim.SGD(student.parameters(), lr=0.1),
+        "body": torch.optim.SGD(net[0].parameters(), lr=0.1),
+        "head": torch.optim.Adam(net[2].parameters(), lr=1e-2),
+    }
+    before = {k: v.clone() for k, v in teacher.state_dict().items()}
+
+    def step_fn(step) -> None:
+        m = step.models
+        for (x,) in step.micro_batches():
+            with torch.no_grad():
+                target = m["teacher"](x)
+            step.backward(F.mse_loss(m["student"](x), target), "student")
+            step.backward(F.mse_loss(m["net"](x), target), "body", "head")  # one loss, two optimizers
+        for name in ("student", "body", "head"):
+            step.optimizer_step(name)
+
+    data = TensorDataset(torch.randn(64, 2, generator=torch.Generator().manual_seed(1)))
+    config = TrainerConfig(
+        run_dir=str(run_dir), epochs=2, batch_size=8, num_workers=0, logging=LoggingConfig(progress=False)
+    )
+    models = {"teacher": teacher, "student": student, "net": net}
+    trainer = Trainer(models, optimizers, data, config, step_fn=step_fn)
+    trainer.fit()
+    wrapped = {name: type(m).__name__ for name, m in trainer.strategy.models.items()}  # type: ignore[attr-defined]
+    unchanged = all(torch.equal(before[k], v) for k, v in teacher.state_dict().items())
+    return state(trainer) | {"wrapped": wrapped, "teacher_unchanged": unchanged}
+
+
+def test_a_frozen_teacher_and_two_optimizers_over_one_model(tmp_path):
+    ranks = run_on_ranks(_shapes_job, 2, (tmp_path,), timeout=300)
+    assert ranks[0]["wrapped"] == {
+        "teacher": "Linear",  # nothing to all-reduce: not wrapped
+        "student": "DistributedDataParallel",
+        "net": "DistributedDataParallel",
+    }
+    assert ranks[0]["teacher_unchanged"] and ranks[0]["step"] == 8 and bitwise(ranks[0], ranks[1])
+    assert any(k.startswith("state.net.2.") and k.endswith("exp_avg") for k in ranks[0]["optim"])
+    names = {"train/loss_student", "train/loss_body+head"}
+    assert all(names <= set(r) for r in records(tmp_path, "train"))
