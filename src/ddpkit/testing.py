@@ -242,7 +242,7 @@ def wait_until(
     what was true by then (the end of a log)::
 
         wait_until(lambda: (run_dir / "step-6").exists(), 60, what="the snapshot at step 6")
-        pids = wait_until(lambda: sorted(folder.glob("*.pid")) or None, what="the workers' pid files")
+        pids = wait_until(lambda: sorted(folder.glob("*.pid")), what="the pid files")
     """
     if timeout < 0 or interval <= 0 or max_interval < interval:
         raise ValueError(
