@@ -143,9 +143,9 @@ def _on_cpu(value: Any) -> Any:
     return value
 
 
-# Variables through which a launcher or a scheduler tells a process where it sits in a job. A job started from
-# inside another (a test run under `ddpkit run`, on a SLURM node) must not see them: its launcher would join
-# the enclosing job's rendezvous, or its workers take the enclosing ranks.
+#: Variables through which a launcher or a scheduler tells a process where it sits in a job. A job started
+#: from inside another (a test run under ``ddpkit run``, on a SLURM node) must not see them: its launcher
+#: would take the enclosing job's address, ranks or scheduler's grant for its own.
 LAUNCH_VARIABLES = frozenset(
     {
         "RANK",
