@@ -244,7 +244,7 @@ def wait_until(
         wait_until(lambda: (run_dir / "step-6").exists(), 60, what="the snapshot at step 6")
         pids = wait_until(lambda: sorted(folder.glob("*.pid")), what="the pid files")
     """
-    if timeout < 0 or interval <= 0 or max_interval < interval:
+    if not (timeout >= 0 and interval > 0 and max_interval >= interval):  # NaN fails every comparison
         raise ValueError(
             f"wait_until: timeout={timeout}, interval={interval}, max_interval={max_interval}; "
             "give timeout >= 0 and 0 < interval <= max_interval"

@@ -84,7 +84,12 @@ def test_the_last_pause_ends_at_the_deadline_and_the_condition_is_read_once_more
 
 @pytest.mark.parametrize(
     ("kwargs", "named"),
-    [({"timeout": -1}, "timeout=-1"), ({"interval": 0}, "interval=0"), ({"max_interval": 0.001}, "max_interval=")],
+    [
+        ({"timeout": -1}, "timeout=-1"),
+        ({"timeout": float("nan")}, "timeout=nan"),
+        ({"interval": 0}, "interval=0"),
+        ({"max_interval": 0.001}, "max_interval="),
+    ],
 )
 def test_bad_settings_are_refused_naming_them(kwargs, named):
     with pytest.raises(ValueError, match=named):
@@ -114,3 +119,10 @@ def test_the_suites_clean_environment_is_the_packages_plus_its_own_settings(monk
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "outer")
     env = _clean_environ()
     assert "RANK" not in env and "TORCHELASTIC_RUN_ID" not in env and env["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_run_job_refuses_a_job_of_no_process_before_starting_one():
+    from ddpkit.testing import run_job
+
+    with pytest.raises(ValueError, match="nproc=0; give the number of worker processes"):
+        run_job("train.py", nproc=0)
