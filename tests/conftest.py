@@ -13,32 +13,17 @@ from typing import Any
 
 import pytest
 
+from ddpkit.testing import without_launch_env
+from tests.require_run import pytest_sessionfinish  # noqa: F401 (a hook of this suite)
+
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
 
-# Variables through which a launcher or a scheduler tells a process where it sits in a job. A subprocess that
-# must run as "plain python" gets none of them, whatever the shell running pytest exported.
-_LAUNCH_VARS = {
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "GROUP_WORLD_SIZE",
-    "ROLE_RANK",
-    "ROLE_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "NSLOTS",
-    "SGE_TASK_ID",
-    "SGE_ROOT",
-    "JOB_ID",
-}
-_LAUNCH_PREFIXES = ("SLURM_", "TORCHELASTIC_", "PMI_", "PMIX_", "OMPI_")
-
 
 def _clean_environ() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS and not k.startswith(_LAUNCH_PREFIXES)}
+    # A subprocess that must run as "plain python" gets no launcher or scheduler variable, whatever the shell
+    # running pytest exported.
+    env = without_launch_env()
     # src for ddpkit, the checkout for the job scripts (``tests.jobs.scripts``), which import each other as a package.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SRC), str(ROOT), env.get("PYTHONPATH", "")) if p)
     # "No GPU" must hold for the subprocess even when the suite runs on a machine that has one.

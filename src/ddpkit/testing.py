@@ -20,21 +20,40 @@ weights after a step, a sampler's order): the property DDP training rests on::
 
     def test_ranks_stay_in_step():
         assert run_on_ranks(one_step, world_size=2) == [0, 1]
+
+:func:`run_job` runs a script the way a user starts it, under ``ddpkit run`` in a fresh process, from an
+environment without the variables of any job the tests themselves run in; :func:`wait_until` waits, with a
+deadline, for what a running job makes true (a file it writes, a process it ends)::
+
+    from ddpkit.testing import run_job
+
+    def test_the_job_trains(tmp_path):
+        done = run_job("train.py", "--out", str(tmp_path), nproc=2)
+        assert done.returncode == 0, done.stderr[-3000:]
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import pickle
-from collections.abc import Callable, Mapping
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from ddpkit.distributed.collectives import all_gather_object
 from ddpkit.distributed.runtime import get_runtime, init
 from ddpkit.launch.spawn import spawn
+
+__all__ = ["LAUNCH_VARIABLES", "assert_same_on_ranks", "run_job", "run_on_ranks", "wait_until", "without_launch_env"]
+
+T = TypeVar("T")
 
 
 def _on_rank(fn: Callable[..., Any], args: tuple[Any, ...], collective_timeout: float) -> Any:
@@ -122,3 +141,123 @@ def _on_cpu(value: Any) -> Any:
         moved = [_on_cpu(v) for v in value]
         return type(value)(*moved) if hasattr(value, "_fields") else type(value)(moved)
     return value
+
+
+#: Variables through which a launcher or a scheduler tells a process where it sits in a job. A job started
+#: from inside another (a test run under ``ddpkit run``, on a SLURM node) must not see them: its launcher
+#: would take the enclosing job's address, ranks or scheduler's grant for its own.
+LAUNCH_VARIABLES = frozenset(
+    {
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "GROUP_WORLD_SIZE",
+        "ROLE_RANK",
+        "ROLE_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "NSLOTS",
+        "SGE_TASK_ID",
+        "SGE_ROOT",
+        "JOB_ID",
+    }
+)
+_LAUNCH_PREFIXES = ("SLURM_", "TORCHELASTIC_", "PMI_", "PMIX_", "OMPI_")
+
+
+def without_launch_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A copy of ``env`` (default: ``os.environ``) without :data:`LAUNCH_VARIABLES` and without any
+    ``SLURM_*``, ``TORCHELASTIC_*``, ``PMI_*``, ``PMIX_*`` or ``OMPI_*`` variable."""
+    env = os.environ if env is None else env
+    return {k: v for k, v in env.items() if k not in LAUNCH_VARIABLES and not k.startswith(_LAUNCH_PREFIXES)}
+
+
+def run_job(
+    script: str | os.PathLike[str],
+    *args: str,
+    nproc: int = 2,
+    launcher_args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+    timeout: float = 300.0,
+) -> subprocess.CompletedProcess[str]:
+    """``ddpkit run --nproc NPROC *launcher_args script *args`` as a fresh process; its exit status and output.
+
+    The launcher starts from ``env`` (default: this process's environment) less the variables of an enclosing
+    job (:func:`without_launch_env`), so a test run under a launcher starts a job of its own. ``launcher_args``
+    go before the script (``("--max-restarts", "1")``; end them with ``"-m"`` to run a module). Output is
+    captured as text. A job still running after ``timeout`` seconds is killed with everything it started
+    (launcher, workers, their children) and :class:`TimeoutError` is raised with the end of its output::
+
+        done = run_job("train.py", "--epochs", "2", launcher_args=("--max-restarts", "1"))
+        assert done.returncode == 0, done.stderr[-3000:]
+    """
+    if nproc < 1:
+        raise ValueError(f"run_job: nproc={nproc}; give the number of worker processes, 1 or more")
+    argv = [sys.executable, "-m", "ddpkit.cli", "run", "--nproc", str(nproc), *launcher_args, os.fspath(script)]
+    argv += list(args)
+    # A session of its own: on a timeout the launcher and every process under it are killed as one group, and
+    # nothing the job started outlives the test.
+    proc = subprocess.Popen(
+        argv,
+        env=without_launch_env(env),
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # a process that left the group still holds the pipes open
+            proc.kill()
+            out, err = "", ""
+        raise TimeoutError(
+            f"run_job: {' '.join(argv[2:])} still running after {timeout:g} s, killed"
+            f"\n--- stdout (end)\n{out[-3000:]}\n--- stderr (end)\n{err[-3000:]}"
+        ) from None
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def wait_until(
+    predicate: Callable[[], T],
+    timeout: float = 120.0,
+    *,
+    what: str | Callable[[], str] = "the condition",
+    interval: float = 0.01,
+    max_interval: float = 0.5,
+) -> T:
+    """Call ``predicate`` until it returns a true value, and return that value; after ``timeout`` seconds,
+    raise :class:`TimeoutError` naming ``what`` and the last value ``predicate`` returned.
+
+    The waits between calls start at ``interval`` and double up to ``max_interval``: a condition that comes
+    soon is seen soon, a long wait does not spin. An exception ``predicate`` raises (a process it checks has
+    died) ends the wait at once. ``what`` may be a function, called at the timeout: the message can then carry
+    what was true by then (the end of a log)::
+
+        wait_until(lambda: (run_dir / "step-6").exists(), 60, what="the snapshot at step 6")
+        pids = wait_until(lambda: sorted(folder.glob("*.pid")), what="the pid files")
+    """
+    if not (timeout >= 0 and interval > 0 and max_interval >= interval):  # NaN fails every comparison
+        raise ValueError(
+            f"wait_until: timeout={timeout}, interval={interval}, max_interval={max_interval}; "
+            "give timeout >= 0 and 0 < interval <= max_interval"
+        )
+    deadline = time.monotonic() + timeout
+    pause = interval
+    while True:
+        value = predicate()
+        if value:
+            return value
+        left = deadline - time.monotonic()
+        if left <= 0:
+            name = what() if callable(what) else what
+            raise TimeoutError(f"waited {timeout:g} s for {name}; last seen: {value!r}")
+        time.sleep(min(pause, left))
+        pause = min(pause * 2, max_interval)

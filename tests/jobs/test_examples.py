@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from ddpkit.testing import run_job
 from tests.conftest import _clean_environ  # no launcher variables, no GPU, src on the path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,7 +32,7 @@ def _python(script: str, *args: str) -> subprocess.CompletedProcess:
 
 
 def _ddpkit_run(script: str, *args: str) -> subprocess.CompletedProcess:
-    return _run("-m", "ddpkit.cli", "run", "--nproc", "2", f"examples/{script}", *args)
+    return run_job(f"examples/{script}", *args, nproc=2, env=_clean_environ(), cwd=ROOT, timeout=TIMEOUT)
 
 
 def _torchrun(script: str, *args: str) -> subprocess.CompletedProcess:

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import functools
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +16,7 @@ from ddpkit import ConfigError
 from ddpkit.data.stream import Stream
 from ddpkit.data.stream_loader import StreamOrder, record_ids
 from ddpkit.data.stream_sources import IterableStream, JsonlStream, TokenStream, line_index
+from ddpkit.testing import run_job
 from tests.jobs.scripts.stream_job import N_RECORDS, naive_steps, read_steps, write_records
 from tests.trainer_checks import (
     assert_each_sample_once,
@@ -214,26 +213,9 @@ def test_a_stream_stopped_at_two_ranks_continues_at_three_in_the_same_order(tmp_
 def launch(tmp: Path, name: str, data: Path, *job_args: str, nproc: int = 2, restarts: int = 2, env: dict) -> dict:
     log = tmp / f"{name}-log"
     log.mkdir(exist_ok=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "ddpkit.cli",
-        "run",
-        "--nproc",
-        str(nproc),
-        "--max-restarts",
-        str(restarts),
-        JOB,
-        str(tmp / name),
-        "--data",
-        str(data),
-        "--sample-log",
-        str(log),
-        "--out",
-        str(tmp / f"{name}.pt"),
-        *job_args,
-    ]
-    proc = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=300)
+    job = (str(tmp / name), "--data", str(data), "--sample-log", str(log), "--out", str(tmp / f"{name}.pt"))
+    restart = ("--max-restarts", str(restarts))
+    proc = run_job(JOB, *job, *job_args, nproc=nproc, launcher_args=restart, env=env, cwd=tmp, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(tmp / f"{name}.pt", weights_only=False)
 

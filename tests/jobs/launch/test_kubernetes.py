@@ -21,13 +21,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from ddpkit.launch import manifests
+from ddpkit.testing import wait_until
 from tests.jobs.launch import netns
 from tests.jobs.launch.netns import DDPKIT, ROOT
 from tests.trainer_checks import bitwise_equal
@@ -174,10 +174,7 @@ def _recreated(pods, tmp: Path, name: str, disk_every: int) -> tuple[dict, list[
         ranks_held = all(f.exists() and len(f.read_text().splitlines()) >= 15 for f in steps)
         return ranks_held and (due == 0 or marker.exists())
 
-    deadline = time.monotonic() + 240
-    while not held():
-        assert time.monotonic() < deadline, logs(tmp, name)
-        time.sleep(0.05)
+    wait_until(held, 240, what=lambda: f"every rank held after step 15\n{logs(tmp, name)}")
     for p in first:  # the pod: its agent and all it started
         os.killpg(p.pid, signal.SIGKILL)
         p.wait()

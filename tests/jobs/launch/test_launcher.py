@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from ddpkit.testing import wait_until, without_launch_env
+
 HELLO = str(Path(__file__).parents[1] / "scripts" / "hello.py")
 
 
@@ -22,13 +24,10 @@ PROBE = str(Path(__file__).parents[1] / "scripts" / "launch_probe.py")
 DDPKIT = [sys.executable, "-m", "ddpkit.cli"]
 
 
-_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
-
-
 @pytest.fixture
 def clean_env() -> dict[str, str]:
-    """This environment without any launcher's variables, as a user's shell would have it."""
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS and not k.startswith(("TORCHELASTIC", "SLURM"))}
+    """This environment without any launcher's variables (nor OMP_NUM_THREADS), as a user's shell would have it."""
+    env = without_launch_env({k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"})
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
@@ -204,12 +203,18 @@ def test_no_temporary_folders_left_behind(clean_env, tmp_path):
 
 
 def _wait_for_files(paths: list[Path], proc: subprocess.Popen, timeout: float = 60) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while not all(p.exists() and p.read_text() for p in paths):
+    def written() -> bool:
         assert proc.poll() is None, Path(proc.args[-1]).with_suffix(".log").read_text()[-3000:]
-        assert time.monotonic() < deadline, "the workers did not start"
-        time.sleep(0.05)
+        return all(p.exists() and p.read_text() for p in paths)
+
+    wait_until(written, timeout, what="the workers to start")
     return [int(p.read_text()) for p in paths]
+
+
+def _let_end(pids: list[int], timeout: float = 10) -> None:
+    """Give ``pids`` up to ``timeout`` seconds to end; those still alive then are the finding, not an error."""
+    with contextlib.suppress(TimeoutError):
+        wait_until(lambda: all(map(_gone, pids)), timeout, what="the job's processes to end")
 
 
 def _gone(pid: int) -> bool:
@@ -245,9 +250,7 @@ def test_workers_die_with_a_sigkilled_launcher(clean_env, tmp_path):
         pids += servers
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
-        deadline = time.monotonic() + 10
-        while not all(map(_gone, pids)) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _let_end(pids)
         alive = [pid for pid in pids if not _gone(pid)]
         for pid in alive:
             os.kill(pid, signal.SIGKILL)
@@ -343,16 +346,16 @@ def test_what_the_workers_start_dies_with_a_sigkilled_launcher(clean_env, tmp_pa
         folder.mkdir()
         proc = _start(launcher + [PROBE, "family", "hold", str(folder)], clean_env)
         try:
-            deadline = time.monotonic() + 60
-            while len(list(folder.glob("attempt0-rank*.pids"))) < 2:
-                assert proc.poll() is None and time.monotonic() < deadline, _output(proc)[-3000:]
-                time.sleep(0.05)
+
+            def both_ranks_started() -> bool:
+                assert proc.poll() is None, _output(proc)[-3000:]
+                return len(list(folder.glob("attempt0-rank*.pids"))) >= 2
+
+            wait_until(both_ranks_started, 60, what="both ranks' families")
             pids = _family(folder)
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
-            deadline = time.monotonic() + 10
-            while not all(map(_gone, pids)) and time.monotonic() < deadline:
-                time.sleep(0.05)
+            _let_end(pids)
             return _alive_then_killed(pids)
         finally:
             with contextlib.suppress(ProcessLookupError):

@@ -9,12 +9,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from ddpkit.launch.proctree import descendants, kill_descendants
+from ddpkit.testing import wait_until
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process trees are read from /proc")
 
@@ -55,9 +55,8 @@ def _gone(pid: int) -> bool:
 
 def _survivors(pids: list[int], timeout: float = 10.0) -> list[int]:
     """Those of ``pids`` still alive after ``timeout`` (the guard acts on its own time); killed, then returned."""
-    deadline = time.monotonic() + timeout
-    while not all(map(_gone, pids)) and time.monotonic() < deadline:
-        time.sleep(0.02)
+    with contextlib.suppress(TimeoutError):  # what is still alive then is the finding, not an error
+        wait_until(lambda: all(map(_gone, pids)), timeout, what="the processes to end")
     alive = [pid for pid in pids if not _gone(pid)]
     for pid in alive:
         with contextlib.suppress(ProcessLookupError):

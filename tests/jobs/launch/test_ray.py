@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from ddpkit.testing import wait_until
 from tests.jobs.launch import netns
 from tests.jobs.launch.netns import ROOT
 
@@ -31,6 +32,8 @@ JOB = str(ROOT / "tests" / "jobs" / "scripts" / "ray_job.py")
 # Ray runs from a venv of its own (.ci/run makes it): ~500 MB that the rest of the suite does not need.
 PYTHON = ROOT / ".venv-ray" / "bin" / "python"
 RAY = str(PYTHON.with_name("ray"))
+# The kills act on a run that goes on training: the instant they wait for is polled at this rate, not backed off.
+SOON = 0.01
 
 
 def _ray_env(ns: str) -> dict[str, str]:
@@ -143,11 +146,8 @@ def test_a_worker_node_lost_and_back_resumes_to_the_same_bits(cluster, uninterru
     (_, addr_a), (ns_b, addr_b) = cluster
 
     def lose_node_b(facts: Path) -> None:
-        deadline = time.monotonic() + 240
         marker = tmp_path / "node-lost" / "snapshots" / "step-00000010" / "complete.json"
-        while not marker.exists():
-            assert time.monotonic() < deadline, "the run made no snapshot"
-            time.sleep(0.01)
+        wait_until(marker.exists, 240, what="the run's snapshot at step 10", max_interval=SOON)
         assert _kill_node(addr_b) > 0  # the raylet and every Ray process of node b, workers included
         _start_worker_node(ns_b, addr_b, addr_a)  # the node comes back (a replacement)
 
@@ -173,9 +173,7 @@ def test_a_node_drained_for_preemption_gets_a_snapshot_at_once_then_resumes_to_t
 
     def drain_node_b(facts: Path) -> None:
         deadline = time.monotonic() + 240
-        while not (facts / "holding").exists():
-            assert time.monotonic() < deadline, "the run never reached step 11"
-            time.sleep(0.01)
+        wait_until((facts / "holding").exists, 240, what="the run to reach step 11", max_interval=SOON)
         node_b = next(json.loads(p.read_text())["node_id"] for p in facts.glob("*.json")
                       if json.loads(p.read_text())["ip"] == addr_b)  # fmt: skip
         drained = _ray(ns_b, "drain-node", f"--address={addr_a}:6379", f"--node-id={node_b}",
@@ -183,9 +181,8 @@ def test_a_node_drained_for_preemption_gets_a_snapshot_at_once_then_resumes_to_t
                        "--deadline-remaining-seconds=10")  # fmt: skip
         assert drained.returncode == 0, drained.stderr[-3000:]
         noticed = run_dir / "snapshots" / "step-00000020" / "complete.json"
-        while not noticed.exists():
-            assert time.monotonic() < deadline, "no snapshot followed Ray's pre-emption notice"
-            time.sleep(0.01)
+        left = max(0.0, deadline - time.monotonic())  # one deadline for both waits
+        wait_until(noticed.exists, left, what="a snapshot after Ray's pre-emption notice", max_interval=SOON)
         assert _kill_node(addr_b) > 0  # the reclaim
         _start_worker_node(ns_b, addr_b, addr_a)  # its replacement
 

@@ -20,6 +20,7 @@ from torch import nn
 import ddpkit
 from ddpkit.errors import ConfigError
 from ddpkit.search import SearchConfig, choice, search, uniform
+from ddpkit.testing import run_job
 from ddpkit.training.config import LoggingConfig
 from ddpkit.training.trainer import Trainer, TrainerConfig
 from tests.jobs.scripts.search_job import Data
@@ -38,8 +39,10 @@ def _job(
     search_dir: Path, *args: str, env: dict, nproc: int | None = None, restarts: int = 0, timeout: float = 150
 ) -> subprocess.CompletedProcess:
     """The test search job, as plain python (one rank) or under ``ddpkit run`` with ``nproc`` ranks."""
-    launch = ["-m", "ddpkit.cli", "run", "--nproc", str(nproc), "--max-restarts", str(restarts)] if nproc else []
-    cmd = [sys.executable, *launch, JOB, str(search_dir), *args]
+    if nproc:
+        restart = ("--max-restarts", str(restarts))
+        return run_job(JOB, str(search_dir), *args, nproc=nproc, launcher_args=restart, env=env, timeout=timeout)
+    cmd = [sys.executable, JOB, str(search_dir), *args]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 

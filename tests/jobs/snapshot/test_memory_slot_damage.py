@@ -7,7 +7,6 @@ disk when both of rank 0's slots lie; the run ends bit for bit as an uninterrupt
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,17 +23,14 @@ JOB = "tests.jobs.scripts.damaged_memory_job"
 
 
 def run_damaged(tmp: Path, name: str, mode: str, step: int, env: dict, *args: str) -> tuple[dict, str]:
-    import subprocess
-
     import torch
 
+    from ddpkit.testing import run_job
+
     (tmp / f"{name}-log").mkdir()
-    cmd = [
-        *(sys.executable, "-m", "ddpkit.cli", "run", "--nproc", "2", "--max-restarts", "2", "-m", JOB),
-        *(str(tmp / name), "--log", str(tmp / f"{name}-log"), "--out", str(tmp / f"{name}.pt"), *args),
-    ]
+    job = (str(tmp / name), "--log", str(tmp / f"{name}-log"), "--out", str(tmp / f"{name}.pt"), *args)
     env = env | {"DDPKIT_TEST_DAMAGE": f"{mode}:{step}"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp)
+    proc = run_job(JOB, *job, launcher_args=("--max-restarts", "2", "-m"), env=env, cwd=tmp, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     return torch.load(tmp / f"{name}.pt", weights_only=False), out

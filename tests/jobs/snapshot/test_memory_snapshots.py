@@ -22,6 +22,8 @@ from ddpkit.snapshot import region
 from ddpkit.snapshot.memory import folder as mf
 from ddpkit.snapshot.memory import slot as mslot
 from ddpkit.snapshot.memory import store as ms
+from ddpkit.testing import run_job as launch
+from ddpkit.testing import wait_until
 from tests.jobs.scripts.train_job import N_SAMPLES
 from tests.tmpfs import small_tmpfs
 from tests.trainer_checks import (
@@ -86,17 +88,20 @@ def job_env(clean_env, tmp_path) -> dict[str, str]:
     return clean_env | {mf.ROOT_ENV: str(tmp_path / "shm")}
 
 
-def job_cmd(tmp: Path, name: str, *args: str, restarts: int = 2) -> list[str]:
+def job_args(tmp: Path, name: str, *args: str) -> list[str]:
     (tmp / f"{name}-log").mkdir(exist_ok=True)
-    return [
-        *(sys.executable, "-m", "ddpkit.cli", "run", "--nproc", "2", "--max-restarts", str(restarts), JOB),
-        *(str(tmp / name), "--log", str(tmp / f"{name}-log"), "--out", str(tmp / f"{name}.pt"), *args),
-    ]
+    return [str(tmp / name), "--log", str(tmp / f"{name}-log"), "--out", str(tmp / f"{name}.pt"), *args]
+
+
+def job_cmd(tmp: Path, name: str, *args: str, restarts: int = 2) -> list[str]:
+    """The launcher's command line, for the tests that signal or kill it while it runs."""
+    launcher = (sys.executable, "-m", "ddpkit.cli", "run", "--nproc", "2", "--max-restarts", str(restarts), JOB)
+    return [*launcher, *job_args(tmp, name, *args)]
 
 
 def run_job(tmp: Path, name: str, *args: str, env: dict, restarts: int = 2, code: int = 0) -> tuple[dict, str]:
-    cmd = job_cmd(tmp, name, *args, restarts=restarts)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp)
+    restart = ("--max-restarts", str(restarts))
+    proc = launch(JOB, *job_args(tmp, name, *args), launcher_args=restart, env=env, cwd=tmp, timeout=300)
     assert proc.returncode == code, proc.stderr[-3000:]
     final = torch.load(tmp / f"{name}.pt", weights_only=False) if code == 0 else {}
     return final, proc.stdout + proc.stderr
@@ -147,14 +152,6 @@ def use_reference(reference_dir: Path, tmp: Path) -> dict:
 def job_folders(tmp: Path) -> list[Path]:
     base = tmp / "shm" / f"ddpkit-memory-{os.getuid()}"
     return sorted(base.iterdir()) if base.exists() else []
-
-
-def wait_until(predicate, timeout: float = 120.0) -> None:
-    """Poll a condition the job makes true (a file it writes), failing the test after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out waiting for the job"
-        time.sleep(0.05)
 
 
 def steps_done(log: Path, rank: int = 0) -> int:
@@ -254,7 +251,7 @@ def test_the_job_folder_goes_when_the_job_ends_normally_on_failure_and_on_sigter
         stderr=subprocess.STDOUT,
         text=True,
     )
-    wait_until(lambda: steps_done(tmp_path / "stopped-log") >= 3)
+    wait_until(lambda: steps_done(tmp_path / "stopped-log") >= 3, what="3 steps of the job")
     folders = job_folders(tmp_path)
     slots = sorted(p.name.split("-", 1)[1] for p in folders[0].glob("*.slot")) if folders else []
     proc.send_signal(signal.SIGTERM)
@@ -275,11 +272,11 @@ def test_a_sigkilled_launchers_folder_is_never_loaded_and_the_next_job_sweeps_it
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    wait_until(lambda: steps_done(tmp_path / "run-log") >= 5)
+    wait_until(lambda: steps_done(tmp_path / "run-log") >= 5, what="5 steps of the job")
     proc.kill()  # the launcher (the agent) dies without clean-up; its workers die with it (parent-death signal)
     proc.wait()
     pids = [int(p.read_text()) for p in (tmp_path / "run-log").glob("pid-rank*")]
-    wait_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in pids), timeout=60)
+    wait_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in pids), 60, what=f"the workers {pids} to end")
     (stale,) = job_folders(tmp_path)
     # Control: the stale slots are whole and belong to this very run directory: only the job key (a new job,
     # a new folder) keeps the next job from resuming from them.
@@ -320,7 +317,7 @@ def test_two_jobs_on_one_node_keep_their_own_folders(tmp_path, job_env, plain_re
         stderr=subprocess.STDOUT,
         text=True,
     )
-    wait_until(lambda: steps_done(tmp_path / "a-log") >= 20)
+    wait_until(lambda: steps_done(tmp_path / "a-log") >= 20, what="20 steps of job A")
     run_job(tmp_path, "b", "--epochs", "1", env=job_env)
     assert len(job_folders(tmp_path)) == 1  # A's, still there; B's is gone
     done.touch()
@@ -424,11 +421,11 @@ def _node_loss(nodes, tmp: Path, name: str, port: int, *extra: str) -> tuple[dic
         assert node_a.poll() is None and node_b.poll() is None, (tmp / f"{name}-a.log").read_text()[-3000:]
         return steps_done(log, 0) >= 15 and steps_done(log, 1) >= 15
 
-    wait_until(holding, timeout=240)
+    wait_until(holding, 240, what="both ranks holding after step 15")
     first = {int(p.read_text()) for p in log.glob("pid-rank*-attempt0")}
     os.killpg(node_b.pid, signal.SIGKILL)  # node b: its agent and its worker
     node_b.wait()
-    wait_until(lambda: any(not Path(f"/proc/{pid}").exists() for pid in first), timeout=60)
+    wait_until(lambda: any(not Path(f"/proc/{pid}").exists() for pid in first), 60, what="node b's worker to end")
     hold.touch()  # node a's rank goes on, finds its peer gone, and its agent waits for a node to replace b
     replacement = _on(ns_b, cmd, tmp, f"{name}-b2.log", env)
     codes = _finish([node_a, replacement], timeout=300)

@@ -8,12 +8,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 import ddpkit
+from ddpkit.testing import run_job, wait_until
 from tests.jobs.scripts.train_job import train
 
 LOCK_JOB = str(Path(__file__).parents[1] / "scripts" / "lock_job.py")
@@ -80,21 +80,21 @@ def _start_holder(tmp_path: Path, run_dir: Path, env: dict) -> tuple[subprocess.
     holder = subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
-    deadline = time.monotonic() + 90
-    while not ready.exists() or not ready.read_text():  # the holder's rank 0 says when fit() has begun
+
+    def began() -> str:  # the holder's rank 0 says when fit() has begun
         assert holder.poll() is None, holder.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, "the holding job never started"
-        time.sleep(0.05)
+        return ready.read_text() if ready.exists() else ""
+
+    wait_until(began, 90, what="the holding job to start")
     return holder, json.loads(ready.read_text())
 
 
 @pytest.mark.slow
 def test_a_second_job_on_a_run_dir_in_use_is_refused_and_a_killed_job_leaves_no_lock(tmp_path, clean_env):
     run_dir = tmp_path / "run"
-    solo = [sys.executable, "-m", "ddpkit.cli", "run", "--nproc", "2", LOCK_JOB, str(run_dir)]
     holder, who = _start_holder(tmp_path, run_dir, clean_env)
     try:
-        second = subprocess.run(solo, env=clean_env, capture_output=True, text=True, timeout=120)
+        second = run_job(LOCK_JOB, str(run_dir), env=clean_env, timeout=120)
         assert second.returncode != 0
         assert f"is in use by another job (host {who['host']}, pid {who['pid']}" in second.stderr
         assert "trained to step" not in second.stdout
@@ -110,6 +110,6 @@ def test_a_second_job_on_a_run_dir_in_use_is_refused_and_a_killed_job_leaves_no_
     assert [e["event"] for e in events if e["kind"] == "event"] == ["start"]
     # The kernel dropped the dead job's lock: the next job takes it at once and trains.
     assert (run_dir / ".lock").exists()
-    after = subprocess.run(solo, env=clean_env, capture_output=True, text=True, timeout=120)
+    after = run_job(LOCK_JOB, str(run_dir), env=clean_env, timeout=120)
     assert after.returncode == 0, after.stderr[-3000:]
     assert "trained to step 8" in after.stdout

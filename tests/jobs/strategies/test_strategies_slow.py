@@ -9,8 +9,6 @@ from __future__ import annotations
 import functools
 import os
 import random
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,6 +16,7 @@ import pytest
 import torch
 
 import ddpkit
+from ddpkit.testing import run_job, without_launch_env
 from tests.jobs.scripts.train_job import train
 from tests.trainer_checks import rank_differences
 
@@ -51,27 +50,12 @@ def rel_diff(a: dict, b: dict) -> float:
 
 @pytest.fixture
 def clean_env() -> dict[str, str]:
-    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
-    return {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("TORCHELASTIC")}
+    return without_launch_env({k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"})
 
 
 def launch(tmp: Path, name: str, *job_args: str, clean_env: dict) -> tuple[dict, str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "ddpkit.cli",
-        "run",
-        "--nproc",
-        "2",
-        "--max-restarts",
-        "2",
-        JOB,
-        str(tmp / name),
-        "--out",
-        str(tmp / f"{name}.pt"),
-        *job_args,
-    ]
-    proc = subprocess.run(cmd, env=clean_env, capture_output=True, text=True, timeout=180)
+    job = (str(tmp / name), "--out", str(tmp / f"{name}.pt"), *job_args)
+    proc = run_job(JOB, *job, launcher_args=("--max-restarts", "2"), env=clean_env, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(tmp / f"{name}.pt", weights_only=False), proc.stderr
 

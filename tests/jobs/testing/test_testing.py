@@ -1,15 +1,19 @@
 """ddpkit.testing, as a user's test suite calls it: real processes over gloo, results per rank, a failing rank's
-error, a hang bounded, and the same-on-every-rank check with its control."""
+error, a hang bounded, and the same-on-every-rank check with its control; a script under the launcher, started
+clean of an enclosing job's variables, and killed whole past its timeout."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 import ddpkit
-from ddpkit.testing import assert_same_on_ranks, run_on_ranks
+from ddpkit.testing import assert_same_on_ranks, run_job, run_on_ranks, wait_until
 
 
 def _whoami() -> tuple[int, int, float]:
@@ -95,3 +99,69 @@ def test_named_tuples_keep_their_type_on_the_way_to_the_cpu():
     Pair = namedtuple("Pair", "a b")
     moved = _on_cpu(Pair(torch.ones(2), [torch.zeros(1)]))
     assert type(moved) is Pair and torch.equal(moved.a, torch.ones(2))
+
+
+# A job that says where it sits and what it inherited from the environment it was started from.
+WHERE = """
+import os, sys
+import ddpkit
+rt = ddpkit.init()
+total = ddpkit.all_reduce(rt.rank + 1)
+inherited = sorted(k for k in ("SLURM_JOB_ID", "NSLOTS", "OUTER_NOTE") if k in os.environ)
+line = f"rank={rt.rank} world={rt.world_size} sum={total} args={sys.argv[2:]} inherited={inherited}"
+with open(os.path.join(sys.argv[1], f"rank{rt.rank}.txt"), "w") as f:
+    f.write(line)
+ddpkit.shutdown()
+"""
+# The variables of a job the test itself runs in (a SLURM allocation granting 7 cores), and one of the user's.
+ENCLOSING = {"RANK": "5", "WORLD_SIZE": "9", "SLURM_JOB_ID": "4242", "NSLOTS": "7", "OUTER_NOTE": "kept"}
+
+
+def test_a_script_runs_under_the_launcher_on_its_own_ranks_with_its_arguments(tmp_path, clean_env):
+    (tmp_path / "where.py").write_text(WHERE)
+    done = run_job(tmp_path / "where.py", str(tmp_path), "--lr", "0.1", env=clean_env | ENCLOSING, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [p.read_text() for p in sorted(tmp_path.glob("rank*.txt"))]
+    assert lines == [f"rank={r} world=2 sum=3 args=['--lr', '0.1'] inherited=['OUTER_NOTE']" for r in (0, 1)]
+    assert done.args[1:6] == ["-m", "ddpkit.cli", "run", "--nproc", "2"]
+
+
+def test_control_the_launcher_started_from_the_enclosing_environment_passes_its_job_on(tmp_path, clean_env):
+    """What run_job's cleaning prevents: started as is, the launcher hands the enclosing job's variables to
+    the workers (the scheduler's job id and core grant, read by ddpkit as this job's)."""
+    (tmp_path / "where.py").write_text(WHERE)
+    argv = [sys.executable, "-m", "ddpkit.cli", "run", "--nproc", "2", str(tmp_path / "where.py"), str(tmp_path)]
+    done = subprocess.run(argv, env=clean_env | ENCLOSING, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "inherited=['NSLOTS', 'OUTER_NOTE', 'SLURM_JOB_ID']" in (tmp_path / "rank1.txt").read_text()
+
+
+def test_a_failing_job_returns_its_exit_status_and_output(tmp_path, clean_env):
+    hello = Path(__file__).parents[1] / "scripts" / "hello.py"
+    done = run_job(hello, "--fail-rank", "1", nproc=2, env=clean_env, timeout=240)
+    assert done.returncode != 0 and "planned failure on rank 1" in done.stdout + done.stderr
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")  # a zombie has ended; only its parent has not collected it yet
+
+
+@pytest.mark.slow
+def test_a_job_past_its_timeout_is_killed_with_its_workers(tmp_path, clean_env):
+    (tmp_path / "hang.py").write_text(
+        "import os, sys, time\n"
+        "from pathlib import Path\n"
+        "Path(sys.argv[1], f\"{os.environ['RANK']}.pid\").write_text(str(os.getpid()))\n"
+        "time.sleep(600)  # the hang under test\n"
+    )
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"hang.py .* still running after 45 s, killed"):
+        run_job(tmp_path / "hang.py", str(tmp_path), nproc=2, env=clean_env, timeout=45)
+    assert time.monotonic() - start < 120
+    pids = [int(p.read_text()) for p in sorted(tmp_path.glob("*.pid"))]
+    assert len(pids) == 2, "the workers did not start within the timeout (a slow machine: raise it)"
+    wait_until(lambda: all(map(_gone, pids)), 10, what=lambda: f"the workers {pids} to end")

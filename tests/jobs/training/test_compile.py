@@ -5,14 +5,13 @@ small CPU, so these are slow tests with a tiny model (the per-token job of test_
 from __future__ import annotations
 
 import functools
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import ddpkit
+from ddpkit.testing import run_job
 from ddpkit.training.compiled import cpp_compiler
 from tests.conftest import _clean_environ
 from tests.jobs.scripts.token_loss_job import train
@@ -28,9 +27,8 @@ pytestmark = [
 
 def _launch(tmp: Path, name: str, *args: str) -> dict:
     (tmp / f"{name}-log").mkdir()
-    cmd = [sys.executable, "-m", "ddpkit.cli", "run", "--nproc", "2", "--max-restarts", "1", JOB, str(tmp / name)]
-    cmd += ["--compile", "--sample-log", str(tmp / f"{name}-log"), "--out", str(tmp / f"{name}.pt"), *args]
-    proc = subprocess.run(cmd, env=_clean_environ(), capture_output=True, text=True, timeout=500)
+    job = [str(tmp / name), "--compile", "--sample-log", str(tmp / f"{name}-log"), "--out", str(tmp / f"{name}.pt")]
+    proc = run_job(JOB, *job, *args, launcher_args=("--max-restarts", "1"), env=_clean_environ(), timeout=500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(tmp / f"{name}.pt", weights_only=False)
 

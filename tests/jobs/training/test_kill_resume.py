@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from ddpkit.testing import run_job, without_launch_env
 from tests.jobs.scripts.train_job import N_SAMPLES
 from tests.tmpfs import small_tmpfs
 from tests.trainer_checks import (
@@ -32,32 +31,15 @@ SEED = int(os.environ.get("DDPKIT_KILL_SEED", time.time_ns() % 100_000))
 
 def launch(tmp: Path, name: str, *job_args: str, restarts: int = 2, clean_env: dict) -> tuple[dict, str]:
     (tmp / f"{name}-log").mkdir()
-    cmd = [
-        sys.executable,
-        "-m",
-        "ddpkit.cli",
-        "run",
-        "--nproc",
-        "2",
-        "--max-restarts",
-        str(restarts),
-        JOB,
-        str(tmp / name),
-        "--sample-log",
-        str(tmp / f"{name}-log"),
-        "--out",
-        str(tmp / f"{name}.pt"),
-        *job_args,
-    ]
-    proc = subprocess.run(cmd, env=clean_env, capture_output=True, text=True, timeout=120)
+    job = (str(tmp / name), "--sample-log", str(tmp / f"{name}-log"), "--out", str(tmp / f"{name}.pt"), *job_args)
+    proc = run_job(JOB, *job, launcher_args=("--max-restarts", str(restarts)), env=clean_env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(tmp / f"{name}.pt", weights_only=False), proc.stdout + proc.stderr
 
 
 @pytest.fixture
 def clean_env() -> dict[str, str]:
-    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
-    return {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("TORCHELASTIC")}
+    return without_launch_env({k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"})
 
 
 @pytest.mark.slow
@@ -92,20 +74,7 @@ def test_sigkill_at_random_steps_resumes_bitwise(tmp_path, clean_env):
 def test_a_failing_rank_stops_the_job_fast_and_restart_resumes(tmp_path, clean_env):
     # No restarts: the exception in user code on rank 1 at step 7 ends every rank, with a summary.
     start = time.monotonic()
-    cmd = [
-        sys.executable,
-        "-m",
-        "ddpkit.cli",
-        "run",
-        "--nproc",
-        "2",
-        JOB,
-        str(tmp_path / "fail"),
-        "--raise-at",
-        "1",
-        "7",
-    ]
-    proc = subprocess.run(cmd, env=clean_env, capture_output=True, text=True, timeout=120)
+    proc = run_job(JOB, str(tmp_path / "fail"), "--raise-at", "1", "7", env=clean_env, timeout=120)
     elapsed = time.monotonic() - start
     assert proc.returncode == 1
     summary = proc.stderr[proc.stderr.index("ddpkit run:") :]
@@ -127,20 +96,7 @@ def test_a_full_disk_during_a_snapshot_is_named_in_the_launchers_summary(tmp_pat
     # The snapshots on a small file system of their own, which rank 0 fills at step 7: the snapshot of
     # step 9 cannot be written (asynchronously: its error is raised by the save of step 10).
     with small_tmpfs(tmp_path / "run" / "snapshots", "1m"):
-        cmd = [
-            sys.executable,
-            "-m",
-            "ddpkit.cli",
-            "run",
-            "--nproc",
-            "2",
-            JOB,
-            str(tmp_path / "run"),
-            "--fill-disk-at",
-            "7",
-            *mode,
-        ]
-        proc = subprocess.run(cmd, env=clean_env, capture_output=True, text=True, timeout=120)
+        proc = run_job(JOB, str(tmp_path / "run"), "--fill-disk-at", "7", *mode, env=clean_env, timeout=120)
         whole = sorted(p.name for p in (tmp_path / "run" / "snapshots").glob("step-*"))
     assert proc.returncode == 1, proc.stderr[-3000:]
     summary = proc.stderr[proc.stderr.index("ddpkit run:") :]

@@ -7,14 +7,13 @@ import functools
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import ddpkit
+from ddpkit.testing import run_job as launch
 from tests.jobs.scripts.train_job import train
 from tests.jobs.snapshot.test_memory_snapshots import job_env, plain_reference, run_job  # noqa: F401  (fixtures)
 from tests.trainer_checks import bitwise_equal
@@ -166,10 +165,8 @@ def test_a_restarted_worker_resumes_its_own_run_under_resume_false(tmp_path):
         f"train({str(tmp_path / 'run')!r}, resume=False, kill_rank=0, kill_step=7, kill_after_write=True, out={str(tmp_path / 'out.pt')!r})\n"
         "ddpkit.shutdown()\n"
     )
-    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
-    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("TORCHELASTIC")}
-    cmd = [sys.executable, "-m", "ddpkit.cli", "run", "--nproc", "2", "--max-restarts", "1", str(script)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # the launcher's own choice
+    proc = launch(script, nproc=2, launcher_args=("--max-restarts", "1"), env=env, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     final = torch.load(tmp_path / "out.pt", weights_only=False)
     assert final["attempt"] == 1 and final["resumed_from"] == 6, (final["attempt"], final["resumed_from"])

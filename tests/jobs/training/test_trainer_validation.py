@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import ddpkit
+from ddpkit.testing import run_job
 from tests.jobs.scripts.train_job import build_model, train
 from tests.trainer_checks import bitwise_equal
 
@@ -33,11 +31,9 @@ def val_by_step(run_dir: Path) -> dict[int, dict]:
 
 def launch(tmp: Path, name: str, *job_args: str) -> dict:
     """The test job on 2 ranks under ``ddpkit run`` (restarts allowed); rank 0's final state."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     (tmp / f"{name}-marks").mkdir()
-    cmd = [sys.executable, "-m", "ddpkit.cli", "run", "--nproc", "2", "--max-restarts", "1", JOB, str(tmp / name)]
-    cmd += ["--sample-log", str(tmp / f"{name}-marks"), "--out", str(tmp / f"{name}.pt"), *job_args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    job = (str(tmp / name), "--sample-log", str(tmp / f"{name}-marks"), "--out", str(tmp / f"{name}.pt"), *job_args)
+    proc = run_job(JOB, *job, launcher_args=("--max-restarts", "1"), timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(tmp / f"{name}.pt", weights_only=False)
 

@@ -1,0 +1,128 @@
+"""ddpkit.testing's helpers that need no ranks: waiting for a condition with a deadline, and the environment a
+job started from inside another gets."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import ddpkit.testing
+from ddpkit.testing import LAUNCH_VARIABLES, wait_until, without_launch_env
+
+
+def _true_on_call(n: int, value: object = "ready"):
+    calls = []
+
+    def predicate():
+        calls.append(None)
+        return value if len(calls) >= n else None
+
+    return predicate, calls
+
+
+def test_wait_until_returns_the_first_true_value_without_waiting_out_the_timeout():
+    predicate, calls = _true_on_call(4, value=["rank0.pid", "rank1.pid"])
+    start = time.monotonic()
+    assert wait_until(predicate, 60, what="the pid files") == ["rank0.pid", "rank1.pid"]
+    assert len(calls) == 4 and time.monotonic() - start < 10
+
+
+def test_a_condition_never_true_raises_after_the_timeout_naming_it_and_the_last_value():
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"waited 0.3 s for the snapshot at step 6; last seen: 0$"):
+        wait_until(lambda: 0, 0.3, what="the snapshot at step 6")
+    assert 0.3 <= time.monotonic() - start < 10
+
+
+def test_what_given_as_a_function_is_read_at_the_timeout_only():
+    log = ["starting"]
+    seen = []
+
+    def describe() -> str:
+        seen.append(None)
+        return f"the job (log: {log[-1]})"
+
+    log.append("worker 1 stuck in a collective")
+    with pytest.raises(TimeoutError, match=r"for the job \(log: worker 1 stuck in a collective\); last seen: ''"):
+        wait_until(lambda: "", 0.05, what=describe)
+    assert len(seen) == 1
+    predicate, _ = _true_on_call(2)
+    wait_until(predicate, 10, what=describe)  # done in time: the description is never built
+    assert len(seen) == 1
+
+
+def test_an_error_of_the_predicate_ends_the_wait_at_once():
+    def job_died():
+        raise AssertionError("the job exited with 1")
+
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match="the job exited with 1"):
+        wait_until(job_died, 60)
+    assert time.monotonic() - start < 10
+
+
+def test_the_pauses_double_from_the_interval_up_to_the_cap(monkeypatch):
+    pauses: list[float] = []
+    monkeypatch.setattr(ddpkit.testing.time, "sleep", pauses.append)
+    predicate, _ = _true_on_call(10)
+    wait_until(predicate, 60, interval=0.01, max_interval=0.5)
+    assert pauses == pytest.approx([0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.5, 0.5, 0.5])
+
+
+def test_the_last_pause_ends_at_the_deadline_and_the_condition_is_read_once_more():
+    """A condition that became true in the last pause is seen, not reported as a timeout."""
+    calls = []
+
+    def true_after_the_deadline():
+        calls.append(time.monotonic())
+        return len(calls) > 1 and calls[-1] - calls[0] >= 0.2
+
+    assert wait_until(true_after_the_deadline, 0.2, interval=5, max_interval=5) is True
+    assert len(calls) == 2  # one pause, cut to the 0.2 s left, not the 5 s interval
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"timeout": -1}, "timeout=-1"),
+        ({"timeout": float("nan")}, "timeout=nan"),
+        ({"interval": 0}, "interval=0"),
+        ({"max_interval": 0.001}, "max_interval="),
+    ],
+)
+def test_bad_settings_are_refused_naming_them(kwargs, named):
+    with pytest.raises(ValueError, match=named):
+        wait_until(lambda: True, **{"timeout": 1, **kwargs})
+
+
+def test_the_launch_free_environment_drops_every_job_variable_and_keeps_the_rest():
+    enclosing = {
+        "RANK": "3",
+        "WORLD_SIZE": "8",
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "29500",
+        "TORCHELASTIC_RUN_ID": "outer",
+        "SLURM_JOB_ID": "42",
+        "OMPI_COMM_WORLD_RANK": "3",
+        "PATH": "/usr/bin",
+        "MY_RANKING": "kept",  # a name that only contains one of them
+    }
+    assert without_launch_env(enclosing) == {"PATH": "/usr/bin", "MY_RANKING": "kept"}
+    assert {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"} <= LAUNCH_VARIABLES
+
+
+def test_the_suites_clean_environment_is_the_packages_plus_its_own_settings(monkeypatch):
+    from tests.conftest import _clean_environ
+
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "outer")
+    env = _clean_environ()
+    assert "RANK" not in env and "TORCHELASTIC_RUN_ID" not in env and env["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_run_job_refuses_a_job_of_no_process_before_starting_one():
+    from ddpkit.testing import run_job
+
+    with pytest.raises(ValueError, match="nproc=0; give the number of worker processes"):
+        run_job("train.py", nproc=0)
