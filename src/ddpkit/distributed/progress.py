@@ -12,7 +12,7 @@ collectives (the op and a per-rank sequence number, which the agent compares acr
 
 Record layout (little endian): magic, pid, phase, op (u32 each); step, steps begun in this process (i64);
 marks, collectives entered (u64); time of the last mark, time the current step began (f64, seconds of
-``CLOCK_MONOTONIC``, which every process of a machine shares).
+``CLOCK_MONOTONIC``, which every process of a machine shares), seconds the step before it took.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 DIR_ENV = "DDPKIT_PROGRESS_DIR"
 """The folder of the ranks' records on this node, set by ``ddpkit run``'s agent."""
 
-RECORD = struct.Struct("<4sIIIqqQQdd")
+RECORD = struct.Struct("<4sIIIqqQQddd")
 SIZE = RECORD.size
 MAGIC = b"DPK1"
 
@@ -81,6 +81,7 @@ _steps = 0
 _seq = 0
 _coll = 0
 _step_at = 0.0
+_last_step = 0.0
 _trainer_counts = False  # the Trainer numbers the steps; a loader's batches are then micro-batches
 _clock = time.monotonic
 
@@ -115,7 +116,7 @@ def _write() -> None:
         if _buf is None:
             return
     _seq += 1
-    RECORD.pack_into(_buf, 0, MAGIC, _pid, _phase, _op, _step, _steps, _seq, _coll, _clock(), _step_at)
+    RECORD.pack_into(_buf, 0, MAGIC, _pid, _phase, _op, _step, _steps, _seq, _coll, _clock(), _step_at, _last_step)
 
 
 def mark(phase: Phase) -> None:
@@ -127,20 +128,30 @@ def mark(phase: Phase) -> None:
 
 def begin_step(step: int) -> None:
     """This rank starts step ``step`` (the Trainer: its optimizer step); loaders' batches no longer count steps."""
-    global _step, _steps, _step_at, _trainer_counts, _phase
+    global _trainer_counts, _phase
     _trainer_counts = True
-    _step, _steps, _step_at, _phase = step, _steps + 1, _clock(), Phase.DATA
+    _next_step(step)
+    _phase = Phase.DATA
     _write()
 
 
 def batch_taken() -> None:
     """A loader handed over a batch: in a hand-written loop, the next step begins."""
-    global _step, _steps, _step_at, _phase
+    global _phase
     if _trainer_counts:
         _phase = Phase.FORWARD_BACKWARD
     else:
-        _step, _steps, _step_at, _phase = _step + 1, _steps + 1, _clock(), Phase.LOOP
+        _next_step(_step + 1)
+        _phase = Phase.LOOP
     _write()
+
+
+def _next_step(step: int) -> None:
+    global _step, _steps, _step_at, _last_step
+    now = _clock()
+    if _steps:
+        _last_step = now - _step_at
+    _step, _steps, _step_at = step, _steps + 1, now
 
 
 @contextmanager

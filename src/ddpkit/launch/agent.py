@@ -206,7 +206,7 @@ class Agent(HookedAgent):
         if preempted(result.failures):
             self.stop_restarting()
             return
-        if self.watch is not None:
+        if self.watch is not None and self.watch.stall is None:  # a stall's headline says where they were
             self.watch.read()
             self.where = self.watch.where()
         if self.restarts_left() > 0:  # torchrun restarts next: say what failed first, as at a job's end

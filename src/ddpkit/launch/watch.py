@@ -95,6 +95,7 @@ class Record:
     coll: int
     at: float
     step_at: float
+    last_step: float
 
     @property
     def position(self) -> tuple[int, int, int]:
@@ -115,7 +116,7 @@ def read_record(path: Path) -> Record | None:
         except OSError:
             return None
         if first == second and len(first) == SIZE:
-            magic, pid, phase, op, step, steps, seq, coll, at, step_at = RECORD.unpack(first)
+            magic, pid, phase, op, step, steps, seq, coll, at, step_at, last_step = RECORD.unpack(first)
             if magic != MAGIC:
                 return None
             try:
@@ -123,7 +124,7 @@ def read_record(path: Path) -> Record | None:
             except ValueError:
                 phase = Phase.STARTING
             name = OPS[op] if op < len(OPS) else "collective"
-            return Record(pid, phase, name, step, steps, seq, coll, at, step_at)
+            return Record(pid, phase, name, step, steps, seq, coll, at, step_at, last_step)
     return None
 
 
@@ -144,12 +145,12 @@ class _Rank:
     pid: int
     record: Record | None = None
     changed_at: float = 0.0
-    steps: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=33))
+    durations: deque[float] = field(default_factory=lambda: deque(maxlen=32))
 
     def median_step(self) -> float:
-        pairs = list(self.steps)
-        durations = [(b[1] - a[1]) / (b[0] - a[0]) for a, b in zip(pairs, pairs[1:]) if b[0] > a[0]]
-        return statistics.median(durations) if durations else 0.0
+        """Of the steps seen ending (a poll sees one in several when steps are short), the first left out: it
+        compiles and warms up, and has an allowance of its own."""
+        return statistics.median(self.durations) if self.durations else 0.0
 
 
 @dataclass(frozen=True)
@@ -188,8 +189,8 @@ class Watch:
                 continue  # not yet written by this attempt's process
             if r.record is None or record.seq != r.record.seq:
                 r.changed_at = now
-                if r.record is None or record.steps != r.record.steps:
-                    r.steps.append((record.steps, record.step_at))
+                if record.steps > 2 and (r.record is None or record.steps != r.record.steps):
+                    r.durations.append(record.last_step)
             r.record = record
 
     def allowance(self, r: _Rank) -> float:

@@ -7,9 +7,12 @@ picks what rank 1 does at step ``AT`` (the second argument, default 5), the thir
 - ``snapshot``: sleeps while it saves a snapshot (ddpkit marks the phase as its snapshots do).
 - ``kill``: kills itself with SIGKILL, in the first attempt only (a restart then trains to the end).
 - ``none``: nothing; every rank trains to the end.
+- ``trainer-sleep``: the same loop run by a ``Trainer``, whose step-end callback sleeps on rank 1.
+- ``trainer-snapshot``: a ``Trainer`` saving a snapshot every 5 steps; rank 1's state takes SECONDS to save in
+  the snapshot of step AT (an ``extra_state`` whose ``state_dict`` sleeps).
 
 Every step all-reduces the loss with ``ddpkit.all_reduce`` (a marked collective). The run lasts ``STEPS``
-steps (the fourth argument, default 12).
+steps (the fourth argument, default 12); the Trainer's modes take a run folder as the fifth.
 """
 
 import os
@@ -44,6 +47,51 @@ class Samples(torch.utils.data.Dataset):
             time.sleep(seconds)
         return torch.full((4,), float(i)), torch.tensor([1.0])
 
+
+if mode.startswith("trainer"):
+    from ddpkit.snapshot.schedule import SnapshotConfig
+    from ddpkit.training.config import LoggingConfig, TrainerConfig
+    from ddpkit.training.trainer import Trainer
+
+    class SleepAtStep:
+        def on_step_end(self, trainer, taken, output) -> None:
+            if stalling and mode == "trainer-sleep" and trainer.step == at:
+                print(f"rank 1 stalls ({mode}) after step {at} at {time.time():.3f}", flush=True)
+                time.sleep(seconds)
+
+    class SlowState:
+        def state_dict(self) -> dict:
+            if stalling and mode == "trainer-snapshot" and trainer.step == at:
+                print(f"rank 1 stalls ({mode}) after step {at} at {time.time():.3f}", flush=True)
+                time.sleep(seconds)
+            return {}
+
+        def load_state_dict(self, state: dict) -> None:
+            pass
+
+    config = TrainerConfig(
+        run_dir=sys.argv[5],
+        batch_size=4,
+        max_steps=steps,
+        shuffle=False,
+        num_workers=0,
+        weights_format=None,
+        logging=LoggingConfig(progress=False),
+        snapshot=SnapshotConfig(every_steps=5, async_write=False),
+    )
+    model = torch.nn.Linear(4, 1)
+    trainer = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=1e-3),
+        Samples(),
+        config,
+        loss_fn=torch.nn.functional.mse_loss,
+        callbacks=[SleepAtStep()],
+        extra_state={"slow": SlowState()},
+    )
+    trainer.fit()
+    print(f"rank {rt.rank} done after {trainer.step} steps", flush=True)
+    sys.exit(0)
 
 loader = ddpkit.build_loader(Samples(), batch_size=4, shuffle=False, num_workers=1 if mode == "loader" else 0)
 model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
