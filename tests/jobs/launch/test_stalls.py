@@ -127,7 +127,9 @@ def test_the_summary_before_a_restart_names_the_killed_rank(dirs, env):
     assert "first: rank 1 (local rank 1" in summary and "killed by SIGKILL" in summary, summary
     assert "where each rank was: rank 0 at step 6" in summary and "rank 1 at step 5" in summary, summary
     assert "rank 0 done after 12 steps" in out.stdout
-    # Control: under torchrun's agent alone, nothing before the restart says which rank died or how.
+    # Control: torchrun's agent alone logs one local rank's exit code (the first by its whole-second stamp,
+    # which can be a survivor it stopped itself), never the step nor where the other ranks were. (Its restart
+    # then fails for its own reasons, the workers' store; that is not what is tested here.)
     import subprocess
 
     from tests.jobs.launch.stall_jobs import STALL_JOB
@@ -141,4 +143,5 @@ def test_the_summary_before_a_restart_names_the_killed_rank(dirs, env):
         text=True,
         timeout=240,
     )
-    assert plain.returncode == 0 and "first: rank 1" not in plain.stderr and "killed by SIGKILL" not in plain.stderr
+    assert "rank 1 stalls (kill)" in plain.stdout + plain.stderr  # the kill did happen
+    assert "first: rank 1" not in plain.stderr and "where each rank was" not in plain.stderr
