@@ -10,9 +10,10 @@ Who marks: the Trainer's loop (data, forward/backward, optimizer, snapshot, call
 loader (loading data, and a step boundary at each batch handed over, for a hand-written loop); ddpkit's
 collectives (the op and a per-rank sequence number, which the agent compares across ranks).
 
-Record layout (little endian): magic, pid, phase, op (u32 each); step, steps begun in this process (i64);
-marks, collectives entered (u64); time of the last mark, time the current step began (f64, seconds of
-``CLOCK_MONOTONIC``, which every process of a machine shares), seconds the step before it took.
+Record layout (little endian): magic, pid, op, phase (u32 each); marks made (u64); step, steps begun in this
+process (i64); collectives entered (u64); the time the current step began (f64, seconds of ``CLOCK_MONOTONIC``)
+and the seconds the step before it took. A mark within a step writes the phase and the count of marks alone
+(:data:`HOT`, 12 bytes); the agent times a rank's silence by its own clock, between two counts it read.
 """
 
 from __future__ import annotations
@@ -29,7 +30,10 @@ from pathlib import Path
 DIR_ENV = "DDPKIT_PROGRESS_DIR"
 """The folder of the ranks' records on this node, set by ``ddpkit run``'s agent."""
 
-RECORD = struct.Struct("<4sIIIqqQQddd")
+RECORD = struct.Struct("<4sIIIQqqQdd")
+HOT = struct.Struct("<IQ")
+"""Phase and marks made, at :data:`HOT_AT`: what a mark within a step rewrites."""
+HOT_AT = 12
 SIZE = RECORD.size
 MAGIC = b"DPK1"
 
@@ -116,14 +120,18 @@ def _write() -> None:
         if _buf is None:
             return
     _seq += 1
-    RECORD.pack_into(_buf, 0, MAGIC, _pid, _phase, _op, _step, _steps, _seq, _coll, _clock(), _step_at, _last_step)
+    RECORD.pack_into(_buf, 0, MAGIC, _pid, _op, _phase, _seq, _step, _steps, _coll, _step_at, _last_step)
 
 
 def mark(phase: Phase) -> None:
     """This rank is now in ``phase``."""
-    global _phase
+    global _phase, _seq
     _phase = phase
-    _write()
+    if _buf is None:
+        _write()
+        return
+    _seq += 1
+    HOT.pack_into(_buf, HOT_AT, phase, _seq)
 
 
 def begin_step(step: int) -> None:
@@ -139,10 +147,10 @@ def batch_taken() -> None:
     """A loader handed over a batch: in a hand-written loop, the next step begins."""
     global _phase
     if _trainer_counts:
-        _phase = Phase.FORWARD_BACKWARD
-    else:
-        _next_step(_step + 1)
-        _phase = Phase.LOOP
+        mark(Phase.FORWARD_BACKWARD)
+        return
+    _next_step(_step + 1)
+    _phase = Phase.LOOP
     _write()
 
 
@@ -157,14 +165,12 @@ def _next_step(step: int) -> None:
 @contextmanager
 def phase(p: Phase) -> Iterator[None]:
     """In ``p`` for the body; then back in the phase before."""
-    global _phase
     before = _phase
     mark(p)
     try:
         yield
     finally:
-        _phase = before
-        _write()
+        mark(before)
 
 
 @contextmanager
@@ -174,12 +180,12 @@ def collective(op: str) -> Iterator[None]:
     before = _phase
     _op = OPS.index(op) if op in OPS else 0
     _coll += 1
-    mark(Phase.COLLECTIVE)
+    _phase = Phase.COLLECTIVE
+    _write()
     try:
         yield
     finally:
-        _phase = before
-        _write()
+        mark(before)
 
 
 def _after_fork_in_child() -> None:

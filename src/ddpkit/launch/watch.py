@@ -93,7 +93,6 @@ class Record:
     steps: int
     seq: int
     coll: int
-    at: float
     step_at: float
     last_step: float
 
@@ -116,7 +115,7 @@ def read_record(path: Path) -> Record | None:
         except OSError:
             return None
         if first == second and len(first) == SIZE:
-            magic, pid, phase, op, step, steps, seq, coll, at, step_at, last_step = RECORD.unpack(first)
+            magic, pid, op, phase, seq, step, steps, coll, step_at, last_step = RECORD.unpack(first)
             if magic != MAGIC:
                 return None
             try:
@@ -124,7 +123,7 @@ def read_record(path: Path) -> Record | None:
             except ValueError:
                 phase = Phase.STARTING
             name = OPS[op] if op < len(OPS) else "collective"
-            return Record(pid, phase, name, step, steps, seq, coll, at, step_at, last_step)
+            return Record(pid, phase, name, step, steps, seq, coll, step_at, last_step)
     return None
 
 
