@@ -123,8 +123,8 @@ def _write() -> None:
     RECORD.pack_into(_buf, 0, MAGIC, _pid, _op, _phase, _seq, _step, _steps, _coll, _step_at, _last_step)
 
 
-def mark(phase: Phase) -> None:
-    """This rank is now in ``phase``."""
+def mark(phase: int) -> None:
+    """This rank is now in ``phase`` (a :class:`Phase`)."""
     global _phase, _seq
     _phase = phase
     if _buf is None:

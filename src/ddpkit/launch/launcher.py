@@ -290,16 +290,16 @@ def launch(cfg: LaunchConfig) -> int:
             )
             return cfg.preempted_exit_code
         ours = agent.Agent.current
-        stall = ours.watch.stall if ours is not None and ours.watch is not None else None
+        named = ours.watch.stall if ours is not None and ours.watch is not None else None
         print(
-            agent.summarize_failure(err, stall=stall, where=ours.where if ours is not None else ""),
+            agent.summarize_failure(err, stall=named, where=ours.where if ours is not None else ""),
             file=sys.stderr,
             flush=True,
         )
         # This node's workers still running at the first failure wrote their stacks when the agent asked (when
         # the stall watch named a rank, they were shown then).
         files = [p for p in (run_dir / "stacks").glob("rank*.txt") if p.stem[4:].isdigit() and p.stat().st_size]
-        files = files if stall is None else []
+        files = files if named is None else []
         for line in agent.stacks(run_dir / "stacks", sorted(int(p.stem[4:]) for p in files)):
             print(line, file=sys.stderr, flush=True)
         for trace in sorted((run_dir / "stacks").glob("nccl_trace_rank_*")):  # --debug-collectives on nccl

@@ -29,6 +29,7 @@ import statistics
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -165,7 +166,13 @@ class Stall:
 class Watch:
     """The stall watch of one node's ranks for one attempt of the workers."""
 
-    def __init__(self, folder: Path, policy: StallPolicy, stack_dir: Path | None, clock=time.monotonic) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        policy: StallPolicy,
+        stack_dir: Path | None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.folder, self.policy, self.stack_dir, self.clock = folder, policy, stack_dir, clock
         self.host = socket.gethostname()
         self.ranks: dict[int, _Rank] = {}
