@@ -213,7 +213,7 @@ class Agent(HookedAgent):
             stall = self.watch.stall if self.watch is not None else None
             print(summarize_failure(result, stall=stall, where=self.where), file=sys.stderr, flush=True)
             print(
-                f"ddpkit run: restarting the workers ({self.restarts_left()} restart(s) left)",
+                f"ddpkit run: restarting the workers ({self.restarts_left() - 1} restart(s) left after this one)",
                 file=sys.stderr,
                 flush=True,
             )

@@ -122,7 +122,7 @@ def test_no_false_alarm_on_a_long_first_step_or_snapshot(dirs, env, job):
 def test_the_summary_before_a_restart_names_the_killed_rank(dirs, env):
     out = run_stall_job(["--max-restarts", "1"], ["kill"], env, dirs / "on")
     assert out.returncode == 0, out.stderr[-3000:]
-    before = out.stderr[: out.stderr.index("ddpkit run: restarting the workers (1 restart(s) left)")]
+    before = out.stderr[: out.stderr.index("ddpkit run: restarting the workers (0 restart(s) left after this one)")]
     summary = before[before.rindex("ddpkit run: ") :]
     assert "first: rank 1 (local rank 1" in summary and "killed by SIGKILL" in summary, summary
     assert "where each rank was: rank 0 at step 6" in summary and "rank 1 at step 5" in summary, summary
