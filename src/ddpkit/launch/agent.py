@@ -111,18 +111,17 @@ def summarize_failure(err: Any, tail: int = 12, stall: watch.Stall | None = None
         return f"ddpkit run: the job failed: {err}"
     first_rank, first = cause(failures, stall)
     lines = [f"ddpkit run: {len(failures)} worker(s) failed; first: {_describe(first_rank, first, stall)}"]
-    if stall is not None and first_rank in stall.ranks:
-        lines.append(f"  {stall.headline.removeprefix('ddpkit run: ')}")
-    if where:
-        lines.append(f"  where each rank was: {where}")
     message, stack = _recorded(first)
     if stall is not None and first_rank in stall.ranks:
-        pass  # its stack, and every other rank's, were shown when it was named
+        # Its stack, and every other rank's, were shown when it was named.
+        lines.append(f"  {stall.headline.removeprefix('ddpkit run: ')}")
     elif message:
         lines.append(f"  {message}")
         lines += ["  traceback (last lines):"] + [f"    {line}" for line in stack[-tail:]]
     elif first.exitcode < 0:
         lines.append("  no Python exception: the process was killed (out of memory? the scheduler? a signal?)")
+    if where:
+        lines.append(f"  where each rank was: {where}")
     others = [r for r in sorted(failures) if r != first_rank]
     for rank in others:
         message, _ = _recorded(failures[rank])
