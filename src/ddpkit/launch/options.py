@@ -114,7 +114,10 @@ class LaunchConfig:
         if not 1 <= self.preempted_exit_code <= 255:
             raise ConfigError(f"--preempted-exit-code {self.preempted_exit_code}: use 1 to 255")
         if self.stall_timeout is not None and self.stall_timeout != 0:
-            check_seconds("--stall-timeout", self.stall_timeout)
+            try:
+                check_seconds("--stall-timeout", self.stall_timeout)
+            except ConfigError as err:
+                raise ConfigError(f"{err}; or 0 to turn the stall watch off") from None
         if self.on_stall not in ("end", "warn"):
             raise ConfigError(f"--on-stall {self.on_stall[:40]!r}: use end or warn")
         if self.fork_server not in ("auto", "on", "off"):
@@ -403,7 +406,10 @@ def _stall_seconds(text: str) -> float:
             return 0.0
     except ValueError:
         pass
-    return parse_seconds("--stall-timeout", text)
+    try:
+        return parse_seconds("--stall-timeout", text)
+    except ConfigError as err:
+        raise ConfigError(f"{err}; or 0 to turn the stall watch off") from None
 
 
 def build_parser() -> argparse.ArgumentParser:

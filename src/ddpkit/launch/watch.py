@@ -35,6 +35,7 @@ from pathlib import Path
 
 from ddpkit import fs
 from ddpkit.distributed.progress import DIR_ENV, MAGIC, OPS, PHASE_NAMES, RECORD, SIZE, Phase
+from ddpkit.errors import ConfigError
 from ddpkit.snapshot.memory import folder as memory_folder
 
 TIMEOUT_ENV = "DDPKIT_STALL_TIMEOUT"
@@ -348,7 +349,10 @@ def parse_floor(option: str, text: str) -> float:
             return 0.0
     except ValueError:
         pass
-    return parse_seconds(option, text)
+    try:
+        return parse_seconds(option, text)
+    except ConfigError as err:
+        raise ConfigError(f"{err}; or 0 to turn the stall watch off") from None
 
 
 # -- the job's folder of records ------------------------------------------------------------------------------
