@@ -89,7 +89,7 @@ class StallPolicy:
 @dataclass(frozen=True)
 class Record:
     pid: int
-    phase: Phase
+    phase: int
     op: str
     step: int
     steps: int
@@ -120,11 +120,7 @@ def read_record(path: Path) -> Record | None:
             magic, pid, op, phase, seq, step, steps, coll, step_at, last_step = RECORD.unpack(first)
             if magic != MAGIC:
                 return None
-            try:
-                phase = Phase(phase)
-            except ValueError:
-                phase = Phase.STARTING
-            name = OPS[op] if op < len(OPS) else "collective"
+            name = OPS[op] if 0 <= op < len(OPS) else "collective"
             return Record(pid, phase, name, step, steps, seq, coll, step_at, last_step)
     return None
 

@@ -26,7 +26,7 @@ class Clock:
         return self.now
 
 
-def write(folder: Path, rank: int, *, step: int, phase: Phase = Phase.LOOP, coll: int = 0, seq: int = 1, steps=None,
+def write(folder: Path, rank: int, *, step: int, phase: int = Phase.LOOP, coll: int = 0, seq: int = 1, steps=None,
           last_step: float = 0.1, pid: int = 0) -> None:  # fmt: skip
     steps = step if steps is None else steps
     data = RECORD.pack(MAGIC, pid or 100 + rank, 1, phase, seq, step, steps, coll, 0.0, last_step)
@@ -152,7 +152,8 @@ def test_process_state_tells_a_stopped_process_from_a_sleeping_one():
 def test_marks_write_a_record_the_watch_reads(tmp_path, monkeypatch):
     monkeypatch.setenv(progress.DIR_ENV, str(tmp_path))
     monkeypatch.setenv("RANK", "3")
-    monkeypatch.setattr(progress, "_buf", None)
+    for name in ("_buf", "_ints", "_floats"):
+        monkeypatch.setattr(progress, name, None)
     monkeypatch.setattr(progress, "_opened", False)
     monkeypatch.setattr(progress, "_trainer_counts", False)
     progress.batch_taken()
@@ -162,12 +163,15 @@ def test_marks_write_a_record_the_watch_reads(tmp_path, monkeypatch):
     assert inside is not None and after is not None
     assert inside.pid == os.getpid() and inside.phase == Phase.COLLECTIVE and inside.op == "barrier"
     assert inside.coll == after.coll and after.phase == Phase.LOOP and after.seq == inside.seq + 1
+    progress._ints.release()
+    progress._floats.release()
     progress._buf.close()
 
 
 def test_outside_ddpkit_run_marks_write_nothing(tmp_path, monkeypatch):
     monkeypatch.delenv(progress.DIR_ENV, raising=False)
-    monkeypatch.setattr(progress, "_buf", None)
+    for name in ("_buf", "_ints", "_floats"):
+        monkeypatch.setattr(progress, name, None)
     monkeypatch.setattr(progress, "_opened", False)
     progress.mark(Phase.DATA)
     assert progress._buf is None and list(tmp_path.iterdir()) == []
