@@ -1,8 +1,8 @@
 """What the stall watch's marks cost a step: a tiny model's training step with and without them, in one process.
 
 The marks are those a step of the Trainer makes (a step begun, data, forward/backward, the optimizer, user code,
-one collective entered and left) plus a loader's two: eight ``struct.pack_into`` into a mapped page of
-``/dev/shm``, as under ``ddpkit run``. A step of a two-layer MLP of width 64 on a batch of 16 (about 0.1-0.3
+one collective entered and left) plus a loader's two, into a mapped page of ``/dev/shm`` as under ``ddpkit
+run``. A step of a two-layer MLP of width 64 on a batch of 16 (about 0.1-0.3
 ms on a CPU: a step far cheaper than any real one, so the ratio is an upper bound). Marked and unmarked
 rounds alternate, so other load on the machine falls on both alike; each round gives the ratio of the two
 medians, and the median of those paired ratios is the figure. Also: one mark alone, in nanoseconds.
