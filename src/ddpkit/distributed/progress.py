@@ -3,8 +3,8 @@
 Under ``ddpkit run`` the agent names a folder in node-local shared memory (:data:`DIR_ENV`); each rank keeps
 one record of :data:`SIZE` bytes there, ``rank<RANK>.progress``, mapped into its memory and overwritten by
 every mark with plain stores (two stores into a ``memoryview`` of the page: no system call, a few hundred
-nanoseconds). The agent polls the records of its node's ranks (:mod:`ddpkit.launch.watch`) and names a rank that stopped making
-progress while the others wait for it. Outside ``ddpkit run`` every mark returns at once.
+nanoseconds). The agent polls the records of its node's ranks (:mod:`ddpkit.launch.watch`) and names a rank
+that stopped making progress while the others wait for it. Outside ``ddpkit run`` every mark returns at once.
 
 Who marks: the Trainer's loop (data, forward/backward, optimizer, snapshot, callbacks); a ``build_loader``
 loader (loading data, and a step boundary at each batch handed over, for a hand-written loop); ddpkit's
