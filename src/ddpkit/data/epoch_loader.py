@@ -11,6 +11,8 @@ from torch.utils.data import DataLoader
 from ddpkit.data.fingerprint import OnDataChange, changes, check_on_data_change, dataset_items, refusal
 from ddpkit.data.sample_seeding import SeededSamples
 from ddpkit.data.sampler import ShardedBatchSampler
+from ddpkit.distributed import progress
+from ddpkit.distributed.progress import Phase
 
 
 class EpochLoader(DataLoader):
@@ -134,10 +136,13 @@ class _CountedIterator:
         return len(self.batches)  # type: ignore[arg-type]  # the DataLoader's iterator has one
 
     def __next__(self) -> Any:
+        progress.mark(Phase.DATA)  # for the launcher's stall watch: a few hundred nanoseconds, no system call
         try:
             batch = next(self.batches)
         except StopIteration:
             self.sampler.end_epoch(self.token)
+            progress.mark(Phase.USER)
             raise
         self.handed += 1
+        progress.batch_taken()
         return batch

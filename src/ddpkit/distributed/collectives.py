@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from ddpkit.distributed import progress
 from ddpkit.distributed.runtime import get_runtime
 
 T = TypeVar("T")
@@ -36,13 +37,21 @@ def comm_device(group: Any = None) -> torch.device:
     return torch.device("cpu")
 
 
+def _watched(op: str, group: Any) -> AbstractContextManager[None]:
+    """The collective marked in this rank's progress record (:mod:`ddpkit.distributed.progress`): on the world
+    only, where every rank counts the same sequence, so that the launcher can tell which ranks have not
+    arrived."""
+    return progress.collective(op) if group is None else nullcontext()
+
+
 def barrier(group: Any = None) -> None:
     """Wait until every rank of ``group`` gets here."""
     if is_live(group):
-        if dist.get_backend(group) == "nccl":
-            dist.barrier(group, device_ids=[torch.cuda.current_device()])
-        else:
-            dist.barrier(group)
+        with _watched("barrier", group):
+            if dist.get_backend(group) == "nccl":
+                dist.barrier(group, device_ids=[torch.cuda.current_device()])
+            else:
+                dist.barrier(group)
 
 
 @contextmanager
@@ -104,9 +113,10 @@ def all_reduce(value: T, op: str = "sum", group: Any = None) -> T:
     values = value if isinstance(value, Mapping) else {"_": value}
     flat, layout = _flatten(values)
     if is_live(group):
-        flat = flat.to(comm_device(group))
-        dist.all_reduce(flat, op=_OPS[op], group=group)
-        flat = flat.cpu()
+        with _watched("all_reduce", group):
+            flat = flat.to(comm_device(group))
+            dist.all_reduce(flat, op=_OPS[op], group=group)
+            flat = flat.cpu()
     out = _unflatten(flat, layout)
     return out if isinstance(value, Mapping) else out["_"]  # type: ignore[return-value]
 
@@ -118,6 +128,11 @@ def gather_tensors(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
     """
     if not is_live(group):
         return tensor
+    with _watched("gather_tensors", group):
+        return _gather_tensors(tensor, group)
+
+
+def _gather_tensors(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     device = comm_device(group)
     local = tensor.detach().to(device)
     sizes = torch.tensor([local.shape[0]], device=device)
@@ -160,6 +175,11 @@ def all_gather_object(obj: T, group: Any = None) -> list[T]:
     ``gather_object`` sends them to one rank only); without a process group, ``[obj]``."""
     if not is_live(group):
         return [obj]
+    with _watched("all_gather_object", group):
+        return _all_gather_object(obj, group)
+
+
+def _all_gather_object(obj: T, group: Any) -> list[T]:
     device = comm_device(group)
     mine = _pickled(obj, device)
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))]
@@ -182,6 +202,11 @@ def gather_object(obj: T, dst: int = 0, group: Any = None) -> list[T] | None:
     squared in all)."""
     if not is_live(group):
         return [obj]
+    with _watched("gather_object", group):
+        return _gather_object(obj, dst, group)
+
+
+def _gather_object(obj: T, dst: int, group: Any) -> list[T] | None:
     device = comm_device(group)
     size = dist.get_world_size(group)
     receiver = dist.get_rank(group) == dst
@@ -208,6 +233,11 @@ def first_failure(mine: str | None, group: Any = None) -> str | None:
     collective), this keeps one rank's failure from leaving the others waiting in a later collective."""
     if not is_live(group):
         return mine
+    with _watched("first_failure", group):
+        return _first_failure(mine, group)
+
+
+def _first_failure(mine: str | None, group: Any) -> str | None:
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     first = int(all_reduce(rank if mine is not None else size, op="min", group=group))
     if first == size:
@@ -220,6 +250,11 @@ def broadcast_object(obj: T, src: int = 0, group: Any = None) -> T:
     """Rank ``src``'s picklable ``obj`` (a rank within ``group``) on every rank."""
     if not is_live(group):
         return obj
+    with _watched("broadcast_object", group):
+        return _broadcast_object(obj, src, group)
+
+
+def _broadcast_object(obj: T, src: int, group: Any) -> T:
     device = comm_device(group)
     global_src = dist.get_global_rank(group, src) if group is not None else src
     sender = dist.get_rank(group) == src

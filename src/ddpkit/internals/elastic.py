@@ -102,6 +102,10 @@ class HookedAgent(LocalElasticAgent):
         handlers = getattr(self.process_context(), "subprocess_handlers", None) or {}
         return {local: handler.proc for local, handler in handlers.items()}
 
+    def restarts_left(self) -> int:
+        """How many more times torchrun restarts the workers after a failure."""
+        return int(getattr(self, "_remaining_restarts", 0))
+
     def stop_restarting(self) -> None:
         """Restart no worker after this: the job ends with the current attempt."""
         self._remaining_restarts = 0

@@ -11,7 +11,9 @@ Changes to the agent torchrun has no option for (a subclass, installed by :func:
 - the job gets a folder in shared memory for the workers' snapshots in memory
   (:mod:`ddpkit.snapshot.memory.folder`), made once per job and removed when the job ends, however it ends;
 - workers are forked from a server that imported torch once for the job (:mod:`ddpkit.launch.forked_workers`),
-  so a restart does not start an interpreter and import torch again.
+  so a restart does not start an interpreter and import torch again;
+- a rank that stops making progress while the others wait for it is named in seconds, and the job ended
+  (:mod:`ddpkit.launch.watch`); before each restart the failure is summarised as at a job's end.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -29,13 +32,15 @@ from torch.distributed.elastic.agent.server.api import WorkerState
 
 from ddpkit.errors import PREEMPTED_EXIT_CODE
 from ddpkit.internals.elastic import HookedAgent, use_agent
-from ddpkit.launch import forked_workers
+from ddpkit.launch import forked_workers, watch
 from ddpkit.launch.proctree import kill_descendants
 from ddpkit.snapshot.memory import folder as memory_folder
 
 
-def _describe(rank: int, failure: Any) -> str:
+def _describe(rank: int, failure: Any, stall: watch.Stall | None = None) -> str:
     how = f"killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+    if stall is not None and rank in stall.ranks:
+        how = f"stalled, ended by the stall watch ({how})"
     return f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid}): {how}"
 
 
@@ -65,16 +70,20 @@ def _peer_lost(failure: Any) -> bool:
 _OUR_SIGNALS = (-signal.SIGTERM, -signal.SIGUSR2)
 
 
-def cause(failures: dict[int, Any]) -> tuple[int, Any]:
+def cause(failures: dict[int, Any], stall: watch.Stall | None = None) -> tuple[int, Any]:
     """(rank, failure) of the worker whose failure ended the job.
 
     Once one rank fails its peers fail too: a collective loses its peer, or the agent stops them. torchrun
     orders failures by time, in whole seconds, stamped when a worker wrote its error or when the agent polled
     it, so the first in time can be a consequence. In order of preference: an exception that is not a lost
     peer, an exit with an error code, a death by a signal the launcher did not send (SIGKILL, SIGSEGV, the OOM
-    killer), then the earliest.
+    killer), then the earliest. A rank the stall watch named (``stall``) comes before all of them: the others'
+    errors followed from its kill.
     """
     by_time = sorted(failures.items(), key=lambda rf: (rf[1].timestamp, rf[0]))
+    for rank, failure in by_time:
+        if stall is not None and rank in stall.ranks:
+            return rank, failure
     # A rank the agent stopped while it was exiting with its own error keeps that error, but its exit code is
     # the agent's signal: of two equal errors, the one that exited by itself comes first.
     for rank, failure in sorted(by_time, key=lambda rf: rf[1].exitcode in _OUR_SIGNALS):
@@ -90,27 +99,35 @@ def cause(failures: dict[int, Any]) -> tuple[int, Any]:
     return by_time[0]
 
 
-def summarize_failure(err: BaseException, tail: int = 12) -> str:
+def summarize_failure(err: Any, tail: int = 12, stall: watch.Stall | None = None, where: str = "") -> str:
     """The failed ranks: the first to fail with its exception and the end of its traceback, then the rest.
 
     Once one rank fails, its peers fail too (a collective loses its peer, or the agent stops them), so the
-    first failure in time is the cause and the others are its consequences.
+    first failure in time is the cause and the others are its consequences. ``stall``: what the stall watch
+    named; ``where``: each rank's step and phase at its last mark.
     """
     failures: dict[int, Any] = getattr(err, "failures", {})
     if not failures:
         return f"ddpkit run: the job failed: {err}"
-    first_rank, first = cause(failures)
-    lines = [f"ddpkit run: {len(failures)} worker(s) failed; first: {_describe(first_rank, first)}"]
+    first_rank, first = cause(failures, stall)
+    lines = [f"ddpkit run: {len(failures)} worker(s) failed; first: {_describe(first_rank, first, stall)}"]
     message, stack = _recorded(first)
-    if message:
+    if stall is not None and first_rank in stall.ranks:
+        # Its stack, and every other rank's, were shown when it was named.
+        lines.append(f"  {stall.headline.removeprefix('ddpkit run: ')}")
+    elif message:
         lines.append(f"  {message}")
         lines += ["  traceback (last lines):"] + [f"    {line}" for line in stack[-tail:]]
     elif first.exitcode < 0:
         lines.append("  no Python exception: the process was killed (out of memory? the scheduler? a signal?)")
+    if where:
+        lines.append(f"  where each rank was: {where}")
     others = [r for r in sorted(failures) if r != first_rank]
     for rank in others:
         message, _ = _recorded(failures[rank])
-        lines.append(f"  then {_describe(rank, failures[rank])}" + (f": {message.splitlines()[0]}" if message else ""))
+        lines.append(
+            f"  then {_describe(rank, failures[rank], stall)}" + (f": {message.splitlines()[0]}" if message else "")
+        )
     return "\n".join(lines)
 
 
@@ -133,7 +150,8 @@ def exit_code(err: BaseException) -> int:
         return 1
     if preempted(failures):
         return PREEMPTED_EXIT_CODE
-    _, failure = cause(failures)
+    stall = Agent.current.watch.stall if Agent.current is not None and Agent.current.watch is not None else None
+    _, failure = cause(failures, stall)
     if failure.exitcode < 0:
         return 128 - failure.exitcode  # as a shell reports death by signal
     return failure.exitcode or 1
@@ -154,18 +172,50 @@ class Agent(HookedAgent):
     """
 
     current: Agent | None = None
+    policy = watch.StallPolicy(floor=0)
+    """The stall watch's, set by :func:`install`."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._stacks_asked: int | None = None
+        self._watched: int | None = None
+        folder, stacks = os.environ.get(watch.DIR_ENV), os.environ.get("DDPKIT_STACK_DIR")
+        self.watch = watch.Watch(Path(folder), self.policy, Path(stacks) if stacks else None) if folder else None
+        self.where = ""
+        """Each rank's step and phase at its last mark, when the last attempt failed."""
         Agent.current = self
 
     def before_monitor(self, worker_group: Any) -> None:
         self._stacks_before_teardown(worker_group)
+        if self.watch is None:
+            return
+        processes = self.worker_processes()
+        attempt = id(self.process_context())
+        if self._watched != attempt and processes:
+            self._watched = attempt
+            self.watch.start_attempt(
+                {w.global_rank: (w.local_rank, processes[w.local_rank].pid) for w in worker_group.workers}
+            )
+        running = {w.global_rank for w in worker_group.workers if processes[w.local_rank].poll() is None}
+        self.watch.poll(running)
 
     def after_monitor(self, worker_group: Any, result: Any) -> None:
-        if result.state == WorkerState.FAILED and preempted(result.failures):
+        if result.state != WorkerState.FAILED:
+            return
+        if preempted(result.failures):
             self.stop_restarting()
+            return
+        if self.watch is not None and self.watch.stall is None:  # a stall's headline says where they were
+            self.watch.read()
+            self.where = self.watch.where()
+        if self.restarts_left() > 0:  # torchrun restarts next: say what failed first, as at a job's end
+            stall = self.watch.stall if self.watch is not None else None
+            print(summarize_failure(result, stall=stall, where=self.where), file=sys.stderr, flush=True)
+            print(
+                f"ddpkit run: restarting the workers ({self.restarts_left() - 1} restart(s) left after this one)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _stacks_before_teardown(self, worker_group: Any) -> None:
         # torchrun stops the other workers in the same poll that finds a failed one; ask them where they are
@@ -183,6 +233,13 @@ class Agent(HookedAgent):
             self._stacks_asked = attempt
             running = {w.global_rank: w.id for w in worker_group.workers if codes.get(w.local_rank) is None}
             _ask_for_stacks(running)
+        if any(code is not None and code != 0 for code in codes.values()):
+            # torchrun now sends SIGTERM to the rest and waits 30 s before SIGKILL: a stopped process cannot act
+            # on the SIGTERM, and would hold the job's end (or restart) for all of that time.
+            for local, proc in self.worker_processes().items():
+                if codes.get(local) is None and watch.process_state(proc.pid).startswith("stopped"):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(proc.pid, signal.SIGKILL)
 
     def after_shutdown(self) -> None:
         # A worker torchrun gave up on (stuck in the kernel) keeps its Popen, which alone may collect it.
@@ -273,13 +330,21 @@ def _kill(pids: list[int]) -> None:
 
 
 def install(
-    launcher_api: Any, fork_server: bool = True, preload: Sequence[str] = (), display: Sequence[str] = ()
+    launcher_api: Any,
+    fork_server: bool = True,
+    preload: Sequence[str] = (),
+    display: Sequence[str] = (),
+    stall: watch.StallPolicy | None = None,
+    run_dir: Path | None = None,
 ) -> None:
     """Make torchrun's ``launch_agent`` build :class:`Agent`, and forward SIGTERM/SIGUSR1/SIGUSR2 to its workers;
     with ``fork_server``, start the job's fork server (importing ``preload`` too; ``display``: the workers'
-    command, shown on its command line). ``launcher_api``: ``torch.distributed.launcher.api``.
+    command, shown on its command line). ``launcher_api``: ``torch.distributed.launcher.api``. ``stall``: the
+    stall watch's policy; the ranks' progress records go to shared memory, else to ``run_dir/progress``.
     """
     use_agent(launcher_api, Agent)
+    Agent.policy = stall if stall is not None else watch.StallPolicy(floor=0)
+    watch.open_folder((run_dir or Path.cwd()) / "progress")
     _forward_signals()
     if fork_server:
         forked_workers.install(preload, display)
@@ -294,3 +359,4 @@ def uninstall() -> None:
     for sig in FORWARDED_SIGNALS:
         signal.signal(sig, signal.SIG_DFL)
     memory_folder.close_job_folder()
+    watch.close_folder()

@@ -19,7 +19,7 @@ from typing import Any
 
 from ddpkit import fs
 from ddpkit.errors import ConfigError
-from ddpkit.launch import agent, proctree, tail
+from ddpkit.launch import agent, proctree, tail, watch
 from ddpkit.launch.environment_defaults import with_environment_defaults
 from ddpkit.launch.options import (
     LaunchConfig,
@@ -242,6 +242,7 @@ def launch(cfg: LaunchConfig) -> int:
     )
 
     check_target(cfg)
+    stall = watch.policy_from(cfg.stall_timeout, cfg.on_stall)  # $DDPKIT_STALL_TIMEOUT checked before any start
     if cfg.collective_timeout is None and "DDPKIT_COLLECTIVE_TIMEOUT" in os.environ:
         # Set by the user for the workers: checked here, once, rather than by every worker after its start.
         parse_seconds("DDPKIT_COLLECTIVE_TIMEOUT", os.environ["DDPKIT_COLLECTIVE_TIMEOUT"])
@@ -274,7 +275,14 @@ def launch(cfg: LaunchConfig) -> int:
     args.training_script_args += list(cfg.script_args)
     if hasattr(args, "signals_to_handle"):  # torchrun's own SIGTERM handling would end the workers itself
         args.signals_to_handle = agent.TORCHRUN_SIGNALS
-    agent.install(launcher_api, cfg.uses_fork_server, cfg.preload, display=[cfg.script, *cfg.script_args])
+    agent.install(
+        launcher_api,
+        cfg.uses_fork_server,
+        cfg.preload,
+        display=[cfg.script, *cfg.script_args],
+        stall=stall,
+        run_dir=run_dir,
+    )
     if cfg.all_ranks:
         tail.install()  # whole lines behind each rank's tag, not the pieces torchrun's reader finds
     try:
@@ -288,9 +296,17 @@ def launch(cfg: LaunchConfig) -> int:
                 flush=True,
             )
             return cfg.preempted_exit_code
-        print(agent.summarize_failure(err), file=sys.stderr, flush=True)
-        # This node's workers still running at the first failure wrote their stacks when the agent asked.
+        ours = agent.Agent.current
+        named = ours.watch.stall if ours is not None and ours.watch is not None else None
+        print(
+            agent.summarize_failure(err, stall=named, where=ours.where if ours is not None else ""),
+            file=sys.stderr,
+            flush=True,
+        )
+        # This node's workers still running at the first failure wrote their stacks when the agent asked (when
+        # the stall watch named a rank, they were shown then).
         files = [p for p in (run_dir / "stacks").glob("rank*.txt") if p.stem[4:].isdigit() and p.stat().st_size]
+        files = files if named is None else []
         for line in agent.stacks(run_dir / "stacks", sorted(int(p.stem[4:]) for p in files)):
             print(line, file=sys.stderr, flush=True)
         for trace in sorted((run_dir / "stacks").glob("nccl_trace_rank_*")):  # --debug-collectives on nccl

@@ -76,6 +76,13 @@ class LaunchConfig:
     """The launcher's exit code when the workers were stopped by a signal after saving a snapshot. A
     PyTorchJob's ``ExitCode`` restart policy recreates a pod only for codes from 128 (``ddpkit k8s`` passes
     143, SIGTERM's)."""
+    stall_timeout: float | None = None
+    """Seconds a rank may make no progress while the others wait for it before the agent names it (at least
+    10 times its median step; its first step and a snapshot get 10 times this): ``$DDPKIT_STALL_TIMEOUT``, else
+    30. 0 turns the watch off (:mod:`ddpkit.launch.watch`)."""
+    on_stall: str = "end"
+    """``end``: the stalled rank is killed and the job ends, or restarts under ``max_restarts``; ``warn``: only
+    said."""
     oversubscribe: bool = False
     """Allow ``nproc`` above :data:`OVERSUBSCRIBE_FACTOR` processes per core or GPU (never above
     :data:`MAX_NPROC`)."""
@@ -107,6 +114,13 @@ class LaunchConfig:
         check_seconds("--join-timeout", self.join_timeout)
         if not 1 <= self.preempted_exit_code <= 255:
             raise ConfigError(f"--preempted-exit-code {self.preempted_exit_code}: use 1 to 255")
+        if self.stall_timeout is not None and self.stall_timeout != 0:
+            try:
+                check_seconds("--stall-timeout", self.stall_timeout)
+            except ConfigError as err:
+                raise ConfigError(f"{err}; or 0 to turn the stall watch off") from None
+        if self.on_stall not in ("end", "warn"):
+            raise ConfigError(f"--on-stall {self.on_stall[:40]!r}: use end or warn")
         if self.fork_server not in ("auto", "on", "off"):
             raise ConfigError(f"--fork-server {self.fork_server!r}: use auto, on or off")
         for name in self.preload:
@@ -271,6 +285,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     _option(
         parser,
+        "--stall-timeout",
+        default=None,
+        help="seconds a rank may make no progress while the others wait for it before the job ends naming it, "
+        "with every rank's stack (default 30, or $DDPKIT_STALL_TIMEOUT; 0: off)",
+    )
+    _option(
+        parser,
+        "--on-stall",
+        default="end",
+        help="end (default): kill the stalled rank, so the job ends or restarts; warn: only say so",
+    )
+    _option(
+        parser,
         "--debug-collectives",
         action="store_true",
         help="check that ranks call the same collectives with the same shapes (slower; for diagnosis)",
@@ -362,6 +389,8 @@ def config_from_args(ns: argparse.Namespace, script_args: Sequence[str] = ()) ->
             None if ns.collective_timeout is None else parse_seconds("--collective-timeout", ns.collective_timeout)
         ),
         debug_collectives=ns.debug_collectives,
+        stall_timeout=None if ns.stall_timeout is None else _stall_seconds(ns.stall_timeout),
+        on_stall=ns.on_stall,
         max_restarts=ns.max_restarts,
         all_ranks=ns.all_ranks,
         log_dir=ns.log_dir,
@@ -370,6 +399,18 @@ def config_from_args(ns: argparse.Namespace, script_args: Sequence[str] = ()) ->
         oversubscribe=ns.oversubscribe,
         preempted_exit_code=ns.preempted_exit_code,
     )
+
+
+def _stall_seconds(text: str) -> float:
+    try:
+        if float(text) == 0:
+            return 0.0
+    except ValueError:
+        pass
+    try:
+        return parse_seconds("--stall-timeout", text)
+    except ConfigError as err:
+        raise ConfigError(f"{err}; or 0 to turn the stall watch off") from None
 
 
 def build_parser() -> argparse.ArgumentParser:

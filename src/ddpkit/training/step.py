@@ -38,7 +38,9 @@ import torch.distributed as dist
 
 from ddpkit.data.loader import to_device
 from ddpkit.data.sampler import ShardedBatchSampler
+from ddpkit.distributed import progress as marks
 from ddpkit.distributed.collectives import all_reduce, comm_device, is_live
+from ddpkit.distributed.progress import Phase
 from ddpkit.distributed.seeding import stream_seed
 from ddpkit.errors import ConfigError
 from ddpkit.nn.dropout import BatchLayout, batch_layout
@@ -341,7 +343,9 @@ class TrainStep:
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
         if speed is not None:
             speed.timings.before_optimizer()
+        marks.mark(Phase.OPTIMIZER)  # for the launcher's stall watch (ddpkit.launch.watch)
         taken = self.optimizer_step(self.window)
+        marks.mark(Phase.USER)
         if speed is not None:
             speed.timings.after_optimizer()
         self.window.end_step(taken)

@@ -28,8 +28,10 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ddpkit.data import ShardedBatchSampler, build_loader
+from ddpkit.distributed import progress as marks
 from ddpkit.distributed import signals
 from ddpkit.distributed.log import print0
+from ddpkit.distributed.progress import Phase
 from ddpkit.distributed.runtime import get_runtime
 from ddpkit.distributed.seeding import seed_rank
 from ddpkit.errors import PREEMPTED_EXIT_CODE, Preempted
@@ -224,11 +226,13 @@ class Trainer:
 
     def save(self) -> None:
         """Snapshot this step (every rank must call it); with a stop decided, wait until it is whole on disk."""
-        self.snapshots.save(wait=self.stopped_by is not None)
+        with marks.phase(Phase.SNAPSHOT):
+            self.snapshots.save(wait=self.stopped_by is not None)
 
     def wait_for_snapshot(self) -> None:
         """Block until the snapshot being written in the background (if any) is whole on disk."""
-        self.snapshots.wait()
+        with marks.phase(Phase.SNAPSHOT):
+            self.snapshots.wait()
 
     def fit(self) -> dict[str, float]:
         """Train until ``epochs`` (or ``max_steps``, early stopping, or a stop signal); return the last epoch's
@@ -320,6 +324,7 @@ class Trainer:
         device = None if self._on_cpu else rt.device  # on the CPU, batches are already where they belong
         try:
             for step in epoch_steps(self.speed.timings.loader(self.loader), self.sampler, accum, first, device):
+                marks.begin_step(self.step + 1)  # for the launcher's stall watch (ddpkit.launch.watch)
                 taken = self._train_step(step)
                 self.state.cursor = step.cursor
                 if not self._after_step(step, taken, progress):
@@ -338,7 +343,7 @@ class Trainer:
         cfg = self.config
         if self.callbacks:
             call_step_end(self.callbacks, self, step_output(taken, self.state, self.optimizer_step, self._window))
-        with self.speed.timings.phase("snapshot"):
+        with self.speed.timings.phase("snapshot"), marks.phase(Phase.SNAPSHOT):
             self.snapshots.after_step(self.step, taken)  # a copy in memory, after the callbacks changed the state
         if cfg.max_steps is not None and self.step >= cfg.max_steps:
             self.stopped_by = StopReason.MAX_STEPS

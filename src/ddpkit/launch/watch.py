@@ -1,0 +1,382 @@
+"""The agent's stall watch: a rank that stops making progress while the others wait for it, named in seconds.
+
+Each rank keeps a record of its step and phase in a folder the agent makes for the job in node-local shared
+memory (:mod:`ddpkit.distributed.progress`). The agent reads its own node's records at every poll of its
+workers, without a collective; across nodes, each node's agent watches its own ranks.
+
+A rank is named when it is *behind* (the lowest step, then the lowest count of collectives entered, then the
+earliest phase of a step), at least one other rank of the node is ahead of it (waits for it, or goes on), and
+its record has not changed for longer than its allowance: ``max(floor, factor x its median step)``, or
+``long_factor x floor`` during its first step (compilation, warm-up) and while it saves a snapshot. Ranks that
+are all at the same place (everyone in a long evaluation, or in one collective the network holds up) are left
+to the collective timeout: nothing says which of them is the cause.
+
+Then the agent says, for each of its ranks: host, pid, the process's state (``/proc/PID/stat``: a stopped
+process cannot answer), step, phase, seconds since its last mark, and its Python stack (asked with SIGUSR2,
+:func:`ddpkit.launch.worker.dump_stack_on_request`); for collectives, which ranks wait in which and who has
+not arrived. With ``on_stall="end"`` (the default) it kills the stalled rank (SIGKILL: a stopped process
+cannot act on a SIGTERM), so the job ends, or restarts under ``--max-restarts``, with that summary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import socket
+import statistics
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ddpkit import fs
+from ddpkit.distributed.progress import DIR_ENV, MAGIC, OPS, PHASE_NAMES, RECORD, SIZE, Phase
+from ddpkit.errors import ConfigError
+from ddpkit.snapshot.memory import folder as memory_folder
+
+TIMEOUT_ENV = "DDPKIT_STALL_TIMEOUT"
+"""The floor in seconds when ``--stall-timeout`` is not given; ``0`` turns the watch off."""
+DEFAULT_FLOOR = 30.0
+POLL_EVERY = 0.5
+"""Seconds between two reads of the records (torchrun polls its workers every 0.1 s)."""
+
+# Where a phase falls within a step, for telling who is behind at the same step and collective count.
+_ORDER = {
+    Phase.STARTING: 0,
+    Phase.DATA: 1,
+    Phase.LOOP: 2,
+    Phase.FORWARD_BACKWARD: 2,
+    Phase.OPTIMIZER: 3,
+    Phase.SNAPSHOT: 4,
+    Phase.USER: 4,
+    Phase.COLLECTIVE: 5,  # arrived, waiting for the others
+}
+
+_STATES = {
+    "R": "running",
+    "S": "sleeping",
+    "D": "in disk sleep (uninterruptible: waiting on a file system or device)",
+    "T": "stopped (SIGSTOP)",
+    "t": "stopped by a debugger",
+    "Z": "zombie (exited, not yet collected)",
+    "X": "dead",
+    "I": "idle",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class StallPolicy:
+    """When a rank counts as stalled, and what the agent does then."""
+
+    floor: float = DEFAULT_FLOOR
+    """Seconds without progress a rank always gets; 0 turns the watch off."""
+    factor: float = 10.0
+    """A rank gets at least this many times its median step."""
+    long_factor: float = 10.0
+    """Its first step and a snapshot get ``long_factor x floor``."""
+    on_stall: str = "end"
+    """``end``: kill the stalled rank, so the job ends (or restarts); ``warn``: only say so."""
+
+    @property
+    def on(self) -> bool:
+        return self.floor > 0
+
+
+@dataclass(frozen=True)
+class Record:
+    pid: int
+    phase: int
+    op: str
+    step: int
+    steps: int
+    seq: int
+    coll: int
+    step_at: float
+    last_step: float
+
+    @property
+    def position(self) -> tuple[int, int, int]:
+        return self.step, self.coll, _ORDER.get(self.phase, 0)
+
+    def doing(self) -> str:
+        if self.phase == Phase.COLLECTIVE:
+            return f"in collective {self.op} #{self.coll}"
+        return PHASE_NAMES.get(self.phase, f"phase {int(self.phase)}")
+
+
+def read_record(path: Path) -> Record | None:
+    """The rank's record at ``path``; None when missing or not (yet) one. Read twice: the rank may be writing."""
+    for _ in range(3):
+        try:
+            with open(path, "rb") as f:
+                first, second = f.read(SIZE), os.pread(f.fileno(), SIZE, 0)
+        except OSError:
+            return None
+        if first == second and len(first) == SIZE:
+            magic, pid, op, phase, seq, step, steps, coll, step_at, last_step = RECORD.unpack(first)
+            if magic != MAGIC:
+                return None
+            name = OPS[op] if 0 <= op < len(OPS) else "collective"
+            return Record(pid, phase, name, step, steps, seq, coll, step_at, last_step)
+    return None
+
+
+def process_state(pid: int) -> str:
+    """The state of process ``pid`` in words, from ``/proc/PID/stat``."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return "gone"
+    code = text.rsplit(")", 1)[1].split()[0]  # the command name in (...) may hold spaces
+    return _STATES.get(code, code)
+
+
+@dataclass
+class _Rank:
+    rank: int
+    local_rank: int
+    pid: int
+    record: Record | None = None
+    changed_at: float = 0.0
+    durations: deque[float] = field(default_factory=lambda: deque(maxlen=32))
+
+    def median_step(self) -> float:
+        """Of the steps seen ending (a poll sees one in several when steps are short), the first left out: it
+        compiles and warms up, and has an allowance of its own."""
+        return statistics.median(self.durations) if self.durations else 0.0
+
+
+@dataclass(frozen=True)
+class Stall:
+    ranks: list[int]
+    """The stalled ranks (global)."""
+    headline: str
+    """One line: which rank, for how long, doing what, and where the others wait."""
+    report: list[str]
+    """The headline and a line per rank, with stacks."""
+
+
+class Watch:
+    """The stall watch of one node's ranks for one attempt of the workers."""
+
+    def __init__(
+        self,
+        folder: Path,
+        policy: StallPolicy,
+        stack_dir: Path | None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.folder, self.policy, self.stack_dir, self.clock = folder, policy, stack_dir, clock
+        self.host = socket.gethostname()
+        self.ranks: dict[int, _Rank] = {}
+        self.stall: Stall | None = None
+        self._warned: set[tuple[int, int]] = set()
+        self._next_poll = 0.0
+
+    def start_attempt(self, workers: dict[int, tuple[int, int]]) -> None:
+        """A new attempt's workers: global rank -> (local rank, pid)."""
+        now = self.clock()
+        self.ranks = {g: _Rank(g, local, pid, changed_at=now) for g, (local, pid) in workers.items()}
+        self.stall = None
+        self._warned.clear()
+
+    def read(self) -> None:
+        now = self.clock()
+        for r in self.ranks.values():
+            record = read_record(self.folder / f"rank{r.rank}.progress")
+            if record is None or record.pid != r.pid:
+                continue  # not yet written by this attempt's process
+            if r.record is None or record.seq != r.record.seq:
+                r.changed_at = now
+                if record.steps > 2 and (r.record is None or record.steps != r.record.steps):
+                    r.durations.append(record.last_step)
+            r.record = record
+
+    def allowance(self, r: _Rank) -> float:
+        p = self.policy
+        base = max(p.floor, p.factor * r.median_step())
+        first = r.record is None or r.record.steps <= 1
+        if first or r.record is not None and r.record.phase == Phase.SNAPSHOT:
+            return max(base, p.long_factor * p.floor)
+        return base
+
+    def poll(self, running: set[int]) -> Stall | None:
+        """Read the records (at most every :data:`POLL_EVERY` s); the stall found among the ``running`` ranks
+        (global), if any, said and acted on once."""
+        now = self.clock()
+        if not self.policy.on or self.stall is not None or now < self._next_poll:
+            return None
+        self._next_poll = now + POLL_EVERY
+        self.read()
+        live = [r for g, r in self.ranks.items() if g in running]
+        if len(live) < 2 or any(r.record is None for r in live):
+            return None  # a rank not yet at its first mark, or no other rank to compare with
+        lowest = min(r.record.position for r in live if r.record)
+        behind = [r for r in live if r.record and r.record.position == lowest]
+        if len(behind) == len(live):
+            return None
+        stalled = [r for r in behind if now - r.changed_at > self.allowance(r)]
+        if not stalled:
+            return None
+        key = (stalled[0].rank, stalled[0].record.seq if stalled[0].record else 0)
+        if key in self._warned:
+            return None
+        self._warned.add(key)
+        stall = self._describe(stalled, now)
+        print("\n".join(stall.report), file=sys.stderr, flush=True)
+        if self.policy.on_stall == "end":
+            self.stall = stall
+            for r in self.ranks.values():  # the stalled, and any stopped rank: neither can act on a SIGTERM
+                if r.rank in stall.ranks or process_state(r.pid).startswith("stopped"):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(r.pid, signal.SIGKILL)
+        return stall
+
+    def _describe(self, stalled: list[_Rank], now: float) -> Stall:
+        names = ", ".join(f"rank {r.rank}" for r in stalled)
+        first = stalled[0]
+        rec = first.record
+        assert rec is not None
+        state = process_state(first.pid)
+        others = [r for r in self.ranks.values() if r.rank not in {s.rank for s in stalled} and r.record is not None]
+        ahead = "; ".join(f"rank {r.rank} at step {r.record.step}, {r.record.doing()}" for r in others if r.record)
+        headline = (
+            f"ddpkit run: {names} stalled: no progress for {now - first.changed_at:.1f} s (allowed "
+            f"{self.allowance(first):.1f} s), {state}, at step {rec.step}, {rec.doing()}"
+            + (f"; {ahead}" if ahead else "")
+        )
+        lines = [headline]
+        waiting = [r for r in others if r.record and r.record.phase == Phase.COLLECTIVE and r.record.coll > rec.coll]
+        if waiting:
+            op, seq = waiting[0].record.op, waiting[0].record.coll  # type: ignore[union-attr]
+            lines.append(
+                f"  collective {op} #{seq}: rank(s) {', '.join(str(r.rank) for r in waiting)} wait in it; "
+                f"{names} ha{'ve' if len(stalled) > 1 else 's'} not arrived (entered {rec.coll} collective(s))"
+            )
+        dumps = self._stacks([r for r in self.ranks.values() if not process_state(r.pid).startswith("stopped")])
+        for r in sorted(self.ranks.values(), key=lambda r: r.rank):
+            state = process_state(r.pid)
+            where = (
+                f"step {r.record.step}, {r.record.doing()}, {now - r.changed_at:.0f} s since its last mark"
+                if r.record
+                else "no mark yet"
+            )
+            lines.append(
+                f"  rank {r.rank} (local rank {r.local_rank}, host {self.host}, pid {r.pid}): {state}; {where}"
+            )
+            if state.startswith("stopped"):
+                lines.append("    (a stopped process cannot answer for its stack)")
+            for frame in dumps.get(r.rank, []):
+                lines.append(f"    {frame}")
+        if self.policy.on_stall == "end":
+            lines.append(f"  ending the job: {names} killed (SIGKILL); --on-stall warn only says so")
+        else:
+            lines.append("  the job goes on (--on-stall warn)")
+        return Stall([r.rank for r in stalled], headline, lines)
+
+    def _stacks(self, ranks: list[_Rank], wait: float = 3.0, lines: int = 10) -> dict[int, list[str]]:
+        """Each rank's main-thread stack, innermost first, asked now (SIGUSR2): only what it writes from now."""
+        if self.stack_dir is None:
+            return {}
+        paths = {r.rank: self.stack_dir / f"rank{r.rank}.txt" for r in ranks}
+        before = {g: p.stat().st_size if p.exists() else 0 for g, p in paths.items()}
+        asked = []
+        for r in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(r.pid, signal.SIGUSR2)
+                asked.append(r.rank)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and not all(
+            paths[g].exists() and paths[g].stat().st_size > before[g] for g in asked
+        ):
+            time.sleep(0.05)  # written from the workers' signal handlers: nothing to wait on but the files
+        time.sleep(0.1)  # a dump just begun is written whole within milliseconds
+        out = {}
+        for g in asked:
+            with contextlib.suppress(OSError), open(paths[g], "rb") as f:
+                f.seek(before[g])
+                out[g] = main_frames(f.read().decode(errors="replace"))[:lines]
+        return out
+
+    def where(self) -> str:
+        """Where each rank was at its last mark, in one line (empty when no rank marked)."""
+        parts = [
+            f"rank {r.rank} at step {r.record.step}, {r.record.doing()}"
+            for r in sorted(self.ranks.values(), key=lambda r: r.rank)
+            if r.record is not None
+        ]
+        return "; ".join(parts)
+
+
+def main_frames(dump: str) -> list[str]:
+    """The frames of the thread that answered (the main thread) in one faulthandler dump, innermost first,
+    without the launch machinery's."""
+    block = dump.split("Current thread", 1)[1] if "Current thread" in dump else dump
+    frames = []
+    for line in block.splitlines()[1:]:
+        line = line.strip()
+        if line.startswith("Thread 0x") or line.startswith("Current thread"):
+            break
+        if line.startswith("File ") and not any(
+            skip in line for skip in ("ddpkit/launch/worker.py", "<frozen runpy>", "elastic/multiprocessing")
+        ):
+            frames.append(line)
+    return frames
+
+
+def policy_from(floor: float | None, on_stall: str, env: dict[str, str] | None = None) -> StallPolicy:
+    """The policy of ``--stall-timeout`` (else :data:`TIMEOUT_ENV`, else :data:`DEFAULT_FLOOR`) and ``--on-stall``."""
+    if floor is None:
+        text = (os.environ if env is None else env).get(TIMEOUT_ENV)
+        floor = parse_floor(TIMEOUT_ENV, text) if text is not None else DEFAULT_FLOOR
+    return StallPolicy(floor=floor, on_stall=on_stall)
+
+
+def parse_floor(option: str, text: str) -> float:
+    """Seconds for ``--stall-timeout``: 0 (off), or 1 to 30 days."""
+    from ddpkit.distributed.environment import parse_seconds
+
+    try:
+        if float(text) == 0:
+            return 0.0
+    except ValueError:
+        pass
+    try:
+        return parse_seconds(option, text)
+    except ConfigError as err:
+        raise ConfigError(f"{err}; or 0 to turn the stall watch off") from None
+
+
+# -- the job's folder of records ------------------------------------------------------------------------------
+
+
+def open_folder(fallback: Path) -> Path:
+    """Make the folder of this job's records and name it to the workers (:data:`DIR_ENV`): in node-local shared
+    memory where there is one, with an owner so that a later job sweeps it if this agent is killed
+    (:func:`ddpkit.snapshot.memory.folder.sweep_stale`); else ``fallback`` (the run's log folder)."""
+    root = Path(os.environ.get(memory_folder.ROOT_ENV, "/dev/shm"))
+    try:
+        base = memory_folder.private_base(root)
+        nonce = f"progress-{secrets.token_hex(8)}"
+        tmp = base / f".{nonce}"
+        fs.make_dir(tmp, root=base, mode=0o700)
+        pid = os.getpid()
+        fs.write_atomic(tmp / "owner", f"{pid} {memory_folder.start_time(pid)}\n".encode(), root=base)
+        folder = base / nonce
+        fs.rename(tmp, folder, root=base)
+    except (OSError, memory_folder.FolderUnavailable):
+        folder = fallback
+        fs.make_dirs(folder)
+    os.environ[DIR_ENV] = str(folder)
+    return folder
+
+
+def close_folder() -> None:
+    folder = os.environ.pop(DIR_ENV, None)
+    if folder and Path(folder).name.startswith("progress-"):
+        with contextlib.suppress(OSError):
+            fs.remove_tree(Path(folder))

@@ -1,0 +1,118 @@
+"""A hand-written DDP loop over a ``build_loader`` loader, for the launcher's stall watch; the first argument
+picks what rank 1 does at step ``AT`` (the second argument, default 5), the third how long (default 300 s).
+
+- ``stop``: stops itself with SIGSTOP, between steps.
+- ``sleep``: sleeps in user code between steps.
+- ``loader``: its loader's worker sleeps loading a sample of that step.
+- ``snapshot``: sleeps while it saves a snapshot (ddpkit marks the phase as its snapshots do).
+- ``kill``: kills itself with SIGKILL, in the first attempt only (a restart then trains to the end).
+- ``none``: nothing; every rank trains to the end.
+- ``trainer-sleep``: the same loop run by a ``Trainer``, whose step-end callback sleeps on rank 1.
+- ``trainer-snapshot``: a ``Trainer`` saving a snapshot every 5 steps; rank 1's state takes SECONDS to save in
+  the snapshot of step AT (an ``extra_state`` whose ``state_dict`` sleeps).
+
+Every step all-reduces the loss with ``ddpkit.all_reduce`` (a marked collective). The run lasts ``STEPS``
+steps (the fourth argument, default 12); the Trainer's modes take a run folder as the fifth.
+"""
+
+import os
+import signal
+import sys
+import time
+
+import torch
+
+import ddpkit
+from ddpkit.distributed import progress
+
+mode = sys.argv[1]
+at = int(sys.argv[2]) if len(sys.argv) > 2 else 5
+seconds = float(sys.argv[3]) if len(sys.argv) > 3 else 300.0
+steps = int(sys.argv[4]) if len(sys.argv) > 4 else 12
+rt = ddpkit.init()
+stalling = rt.rank == 1
+
+
+read = 0  # samples this process (rank 1's loader worker) has read
+
+
+class Samples(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 4 * 2 * 64
+
+    def __getitem__(self, i: int):
+        global read
+        read += 1
+        if mode == "loader" and stalling and read == 4 * at + 1:  # the first sample of step AT + 1
+            time.sleep(seconds)
+        return torch.full((4,), float(i)), torch.tensor([1.0])
+
+
+if mode.startswith("trainer"):
+    from ddpkit.snapshot.schedule import SnapshotConfig
+    from ddpkit.training.config import LoggingConfig, TrainerConfig
+    from ddpkit.training.trainer import Trainer
+
+    class SleepAtStep:
+        def on_step_end(self, trainer, taken, output) -> None:
+            if stalling and mode == "trainer-sleep" and trainer.step == at:
+                print(f"rank 1 stalls ({mode}) after step {at} at {time.time():.3f}", flush=True)
+                time.sleep(seconds)
+
+    class SlowState:
+        def state_dict(self) -> dict:
+            if stalling and mode == "trainer-snapshot" and trainer.step == at:
+                print(f"rank 1 stalls ({mode}) after step {at} at {time.time():.3f}", flush=True)
+                time.sleep(seconds)
+            return {}
+
+        def load_state_dict(self, state: dict) -> None:
+            pass
+
+    config = TrainerConfig(
+        run_dir=sys.argv[5],
+        batch_size=4,
+        max_steps=steps,
+        shuffle=False,
+        num_workers=0,
+        weights_format=None,
+        logging=LoggingConfig(progress=False),
+        snapshot=SnapshotConfig(every_steps=5, async_write=False),
+    )
+    model = torch.nn.Linear(4, 1)
+    trainer = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=1e-3),
+        Samples(),
+        config,
+        loss_fn=torch.nn.functional.mse_loss,
+        callbacks=[SleepAtStep()],
+        extra_state={"slow": SlowState()},
+    )
+    trainer.fit()
+    print(f"rank {rt.rank} done after {trainer.step} steps", flush=True)
+    sys.exit(0)
+
+loader = ddpkit.build_loader(Samples(), batch_size=4, shuffle=False, num_workers=1 if mode == "loader" else 0)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+for step, (x, y) in enumerate(loader, start=1):
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    ddpkit.all_reduce(loss.item())
+    if stalling and step == at:
+        print(f"rank 1 stalls ({mode}) after step {step} at {time.time():.3f}", flush=True)
+        if mode == "kill" and rt.restart_count == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if mode == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif mode == "sleep":
+            time.sleep(seconds)
+        elif mode == "snapshot":
+            with progress.phase(progress.Phase.SNAPSHOT):
+                time.sleep(seconds)
+    if step == steps:
+        break
+print(f"rank {rt.rank} done after {step} steps", flush=True)
