@@ -47,6 +47,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from ddpkit import platforms
 from ddpkit.distributed.collectives import all_gather_object
 from ddpkit.distributed.runtime import get_runtime, init
 from ddpkit.launch.spawn import spawn
@@ -143,35 +144,15 @@ def _on_cpu(value: Any) -> Any:
     return value
 
 
-#: Variables through which a launcher or a scheduler tells a process where it sits in a job. A job started
-#: from inside another (a test run under ``ddpkit run``, on a SLURM node) must not see them: its launcher
-#: would take the enclosing job's address, ranks or scheduler's grant for its own.
-LAUNCH_VARIABLES = frozenset(
-    {
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "LOCAL_WORLD_SIZE",
-        "GROUP_RANK",
-        "GROUP_WORLD_SIZE",
-        "ROLE_RANK",
-        "ROLE_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "NSLOTS",
-        "SGE_TASK_ID",
-        "SGE_ROOT",
-        "JOB_ID",
-    }
-)
-_LAUNCH_PREFIXES = ("SLURM_", "TORCHELASTIC_", "PMI_", "PMIX_", "OMPI_")
+LAUNCH_VARIABLES = platforms.LAUNCH_VARIABLES
+"""Variables through which a launcher or a scheduler tells a process where it sits in a job
+(``ddpkit.platforms.LAUNCH_VARIABLES``): :func:`without_launch_env` leaves them out."""
 
 
 def without_launch_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """A copy of ``env`` (default: ``os.environ``) without :data:`LAUNCH_VARIABLES` and without any
     ``SLURM_*``, ``TORCHELASTIC_*``, ``PMI_*``, ``PMIX_*`` or ``OMPI_*`` variable."""
-    env = os.environ if env is None else env
-    return {k: v for k, v in env.items() if k not in LAUNCH_VARIABLES and not k.startswith(_LAUNCH_PREFIXES)}
+    return platforms.without_launch_env(os.environ if env is None else env)
 
 
 def run_job(

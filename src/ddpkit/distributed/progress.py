@@ -1,7 +1,7 @@
 """Where this rank is: its step and phase, written where the launcher's agent reads them without a collective.
 
 Under ``ddpkit run`` the agent names a folder in node-local shared memory (:data:`DIR_ENV`); each rank keeps
-one record of :data:`SIZE` bytes there, ``rank<RANK>.progress``, mapped into its memory and overwritten by
+one record of ``SIZE`` bytes there, ``rank<RANK>.progress``, mapped into its memory and overwritten by
 every mark with plain stores (two stores into a ``memoryview`` of the page: no system call, a few hundred
 nanoseconds). The agent polls the records of its node's ranks (:mod:`ddpkit.launch.watch`) and names a rank
 that stopped making progress while the others wait for it. Outside ``ddpkit run`` every mark returns at once.
@@ -26,6 +26,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from ddpkit.platforms import torchrun
 
 DIR_ENV = "DDPKIT_PROGRESS_DIR"
 """The folder of the ranks' records on this node, set by ``ddpkit run``'s agent."""
@@ -97,7 +99,7 @@ _clock = time.monotonic
 def _open() -> bool:
     global _opened, _buf, _ints, _floats
     _opened = True
-    folder, rank = os.environ.get(DIR_ENV), os.environ.get("RANK")
+    folder, rank = os.environ.get(DIR_ENV), torchrun.rank_text(os.environ)  # set by the agent with the folder
     if not folder or rank is None or not rank.isdigit():
         return False
     from ddpkit import fs

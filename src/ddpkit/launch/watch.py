@@ -41,6 +41,7 @@ from ddpkit.snapshot.memory import folder as memory_folder
 TIMEOUT_ENV = "DDPKIT_STALL_TIMEOUT"
 """The floor in seconds when ``--stall-timeout`` is not given; ``0`` turns the watch off."""
 DEFAULT_FLOOR = 30.0
+"""The floor in seconds when neither ``--stall-timeout`` nor :data:`TIMEOUT_ENV` gives one."""
 POLL_EVERY = 0.5
 """Seconds between two reads of the records (torchrun polls its workers every 0.1 s)."""
 
@@ -355,7 +356,7 @@ def parse_floor(option: str, text: str) -> float:
 
 
 def open_folder(fallback: Path) -> Path:
-    """Make the folder of this job's records and name it to the workers (:data:`DIR_ENV`): in node-local shared
+    """Make the folder of this job's records and name it to the workers (:data:`~ddpkit.distributed.progress.DIR_ENV`): in node-local shared
     memory where there is one, with an owner so that a later job sweeps it if this agent is killed
     (:func:`ddpkit.snapshot.memory.folder.sweep_stale`); else ``fallback`` (the run's log folder)."""
     root = Path(os.environ.get(memory_folder.ROOT_ENV, "/dev/shm"))

@@ -66,3 +66,34 @@ __all__ = [
     "read_world",
     "scheduler",
 ]
+
+
+# A job started from inside another (a test run under ``ddpkit run``, on a SLURM node) must not see these: its
+# launcher would take the enclosing job's address, ranks or scheduler's grant for its own.
+LAUNCH_VARIABLES = frozenset(
+    {
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "GROUP_WORLD_SIZE",
+        "ROLE_RANK",
+        "ROLE_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "NSLOTS",
+        "SGE_TASK_ID",
+        "SGE_ROOT",
+        "JOB_ID",
+    }
+)
+LAUNCH_PREFIXES = ("SLURM_", "TORCHELASTIC_", "PMI_", "PMIX_", "OMPI_")
+"""Variables through which a launcher or a scheduler tells a process where it sits in a job (and the prefixes
+of whole families of them, :data:`LAUNCH_PREFIXES`)."""
+
+
+def without_launch_env(env: Mapping[str, str]) -> dict[str, str]:
+    """A copy of ``env`` without :data:`LAUNCH_VARIABLES` and without any variable of :data:`LAUNCH_PREFIXES`:
+    the environment for a job started from inside another (a test run under ``ddpkit run``, a SLURM node)."""
+    return {k: v for k, v in env.items() if k not in LAUNCH_VARIABLES and not k.startswith(LAUNCH_PREFIXES)}

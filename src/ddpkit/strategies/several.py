@@ -4,7 +4,7 @@ teacher, two optimizers over one model.
 Each model with parameters to train is wrapped in its own DistributedDataParallel (a frozen one only moves to the
 device: DDP refuses a module with nothing to all-reduce). Each optimizer gets its own verdict, clipping and
 non-finite marker from a :class:`~ddpkit.strategies.ddp.DDPStrategy` over the model that holds its parameters
-(:attr:`SeveralModels.views`), so a non-finite loss or gradient of one optimizer is agreed on every rank without
+(``SeveralModels.views``), so a non-finite loss or gradient of one optimizer is agreed on every rank without
 touching the others'. A snapshot holds every model and optimizer, keyed ``<model name>.<parameter>``: torch's
 distributed state dicts of one ``ModuleDict`` of the models with the list of optimizers.
 """

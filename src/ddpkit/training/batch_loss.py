@@ -11,11 +11,23 @@ from torch import nn
 from ddpkit.errors import ConfigError
 from ddpkit.training.evaluation import classification_metrics, inputs_and_targets
 from ddpkit.training.losses import cross_entropy
-from ddpkit.training.step import CountFn, batch_len
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 BatchLossFn = Callable[[nn.Module, Any], torch.Tensor]
 MetricFn = Callable[[nn.Module, Any], Mapping[str, Any]]
+
+CountFn = Callable[[Any], "int | torch.Tensor"]
+"""``count_fn(batch)``: how many items (e.g. tokens whose label is not ignored) the batch's mean loss is over."""
+
+
+def batch_len(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0]
+    if isinstance(batch, Mapping):
+        return batch_len(next(iter(batch.values())))
+    if isinstance(batch, (list, tuple)):
+        return batch_len(batch[0])
+    raise TypeError(f"cannot tell the batch size of a {type(batch).__name__}; batches hold tensors")
 
 
 _BATCH_LOSS_FN = (

@@ -38,8 +38,6 @@ from ddpkit.training.config import TrainerConfig
 from ddpkit.training.loss_window import LossWindow
 from ddpkit.training.step import MicroBatch, OptimizerStep, Step, scale_loss
 
-StepFn = Callable[["StepContext"], Any]
-
 
 class StepContext:
     """What a step function gets: the wrapped ``models`` and ``optimizers`` by name, the micro-batches, and the
@@ -90,6 +88,10 @@ class StepContext:
         taken = self.taken[name] = owner.steps[name](owner.window)
         self.optimizers[name].zero_grad(set_to_none=True)
         return taken
+
+
+StepFn = Callable[[StepContext], Any]
+"""``step_fn(step)``: one optimizer step of several models and optimizers, written by the user."""
 
 
 class ManualStep:

@@ -28,10 +28,10 @@ before the strategy's finiteness check and clipping.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,14 +47,9 @@ from ddpkit.nn.dropout import BatchLayout, batch_layout
 from ddpkit.snapshot.state import TrainState
 from ddpkit.strategies import Strategy
 from ddpkit.tracking.speed import Speed
+from ddpkit.training.batch_loss import BatchLoss, CountFn, batch_len
 from ddpkit.training.config import TrainerConfig
 from ddpkit.training.loss_window import LossWindow
-
-if TYPE_CHECKING:
-    from ddpkit.training.batch_loss import BatchLoss
-
-CountFn = Callable[[Any], "int | torch.Tensor"]
-"""``count_fn(batch)``: how many items (e.g. tokens whose label is not ignored) the batch's mean loss is over."""
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -124,16 +119,6 @@ def epoch_steps(
             min((start + count) * micro_global, sampler.num_samples),
             last_in_epoch=start + count == end,
         )
-
-
-def batch_len(batch: Any) -> int:
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0]
-    if isinstance(batch, Mapping):
-        return batch_len(next(iter(batch.values())))
-    if isinstance(batch, (list, tuple)):
-        return batch_len(batch[0])
-    raise TypeError(f"cannot tell the batch size of a {type(batch).__name__}; batches hold tensors")
 
 
 def step_layout(sampler: ShardedBatchSampler, micro: int, accum: int, seed: int, epoch: int) -> BatchLayout:

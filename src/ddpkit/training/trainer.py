@@ -50,7 +50,7 @@ from ddpkit.training.callbacks import call, call_step_end, own_parts
 from ddpkit.training.compiled import compile_for_training
 from ddpkit.training.config import TrainerConfig  # noqa: F401  (imported from here by scripts)
 from ddpkit.training.loss_window import EpochLoss, LossWindow
-from ddpkit.training.several import ManualStep, StepFn, several_models
+from ddpkit.training.several import ManualStep, StepFn, several_models  # StepContext: StepFn names it
 from ddpkit.training.step import (
     CountFn,
     OptimizerStep,
