@@ -40,7 +40,7 @@ Hazards this answers:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -171,7 +171,7 @@ class Snapshots:
 
             parts = TrainerParts(
                 runtime=rt, run_dir=Path(run_dir), strategy=self.model, schedule=self.schedule,
-                states={**self.parts, STREAMS: self.streams}, record=_Record(self),
+                states={**self.parts, STREAMS: self.streams}, record=_Record(self._record, self._check_record),
                 global_micro_batch=getattr(loader.batch_sampler, "global_batch_size", 0) if loader else 0,
                 position=self._position, log=lambda kind, step, record: None,
             )  # fmt: skip
@@ -350,14 +350,14 @@ class Snapshots:
 class _Record:
     """What the copies in memory check before a resume, as a Trainer's run record: the parts and shapes."""
 
-    def __init__(self, snapshots: Snapshots) -> None:
-        self.snapshots = snapshots
+    def __init__(self, state: Callable[[], dict[str, Any]], check: Callable[[dict[str, Any]], None]) -> None:
+        self.state, self.checked = state, check
 
     def state_dict(self) -> dict[str, Any]:
-        return self.snapshots._record()
+        return self.state()
 
     def check(self, saved: dict[str, Any], snapshot: str) -> None:
-        self.snapshots._check_record(saved)
+        self.checked(saved)
 
 
 def _listed_map(value: Mapping[str, Any] | None, what: str) -> dict[str, Any]:
