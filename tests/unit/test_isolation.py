@@ -31,7 +31,7 @@ import signal
 import torch
 
 import ddpkit
-from ddpkit.distributed import runtime, seeding, signals
+from ddpkit.distributed import progress, runtime, seeding, signals
 from ddpkit.launch import forked_workers, rendezvous_backend, worker
 from ddpkit.nn import dropout
 from ddpkit.snapshot import staging
@@ -59,6 +59,7 @@ def test_leaves_every_global_set(tmp_path):
     forked_workers._server = object()  # stands for the job's fork server, as the agent keeps it
     runtime._store_of = (("env://", 0, 2), object())  # a rendezvous store kept across init()s
     runtime._group_store = object()
+    progress._buf, progress._ints, progress._floats = object(), object(), object()  # a record left mapped
 
 
 def test_finds_them_as_at_import():
