@@ -402,15 +402,9 @@ def config_from_args(ns: argparse.Namespace, script_args: Sequence[str] = ()) ->
 
 
 def _stall_seconds(text: str) -> float:
-    try:
-        if float(text) == 0:
-            return 0.0
-    except ValueError:
-        pass
-    try:
-        return parse_seconds("--stall-timeout", text)
-    except ConfigError as err:
-        raise ConfigError(f"{err}; or 0 to turn the stall watch off") from None
+    from ddpkit.launch.watch import parse_floor  # the watch's own reading of a floor, as of its variable
+
+    return parse_floor("--stall-timeout", text)
 
 
 def build_parser() -> argparse.ArgumentParser:
