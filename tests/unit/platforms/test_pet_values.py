@@ -14,19 +14,7 @@ from ddpkit.distributed.environment import read_launch_env
 from ddpkit.errors import ConfigError
 from ddpkit.launch.environment_defaults import with_environment_defaults
 from ddpkit.platforms import kubernetes as k8s
-
-POD = {"KUBERNETES_SERVICE_HOST": "10.96.0.1"}
-PYTORCHJOB_WORKER = POD | {
-    "MASTER_PORT": "23456",
-    "PET_MASTER_PORT": "23456",
-    "MASTER_ADDR": "digits-master-0",
-    "PET_MASTER_ADDR": "digits-master-0",
-    "WORLD_SIZE": "3",
-    "RANK": "2",
-    "PET_NODE_RANK": "2",
-    "PET_NNODES": "3",
-}
-TRAINJOB_NODE = POD | {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": "1"}
+from tests.unit.platforms.test_kubernetes import PYTORCHJOB_WORKER, TRAINJOB_NODE  # the operators' pods
 
 # "\u0663" is ARABIC-INDIC DIGIT THREE (int() reads it as 3), "\u00b2" SUPERSCRIPT TWO (isdigit() says yes,
 # int() raises), "\uff11" FULLWIDTH DIGIT ONE.
