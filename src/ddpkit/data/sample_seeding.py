@@ -5,6 +5,7 @@ need it.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import random
 import sys
@@ -29,9 +30,9 @@ class SampleSeeder:
     Seeding python, numpy and torch before every sample costs ~15 to 40 us a sample, and most datasets draw
     nothing (a list of tensors, a decoded file without augmentation). So a batch is first read as it is, with
     the generators' states read through their public APIs and compared around it
-    (:func:`draw_marks`). In the main process that is two reads a batch: ~25 us,
-    ~95 us once ``numpy.random`` is imported (torch's compiler stack, and so DDP, imports it), measured on the
-    CPU CI machine; in a loader worker one read, ~18 or ~55 us, beside the training step rather than in it.
+    (:func:`draw_marks`, each read the cheapest exact one there is). In the main process that is two reads a
+    batch, ~30 us on the CPU CI machine, most of it python's ``getstate`` (there is no cheaper view of its
+    state); in a loader worker one read, beside the training step rather than in it.
     If nothing drew, that is the batch. If a sample drew, the generators are put back and the batch is read again
     with each sample seeded from ``(seed, epoch, index)``, and from then on this process seeds every sample
     (a dataset that draws once draws again). Either way each draw a sample makes is the seeded one: a sample
@@ -141,14 +142,67 @@ def set_loading_rng_state(state: tuple[Any, ...]) -> None:
 
 # -- watching for draws -----------------------------------------------------------------------------------------
 # A loader seeds a sample's generators only when the sample draws, and finds out by comparing the generators'
-# states around each batch; that comparison is on the path of every step. Each state is read through its
-# public API: python's getstate (~10 us: a tuple of 625 ints), torch's get_state (~1.3 us: a 5 KiB tensor) and
-# numpy's get_state (~45 us: its words copied one by one). numpy's is read only once ``numpy.random`` is
-# imported, which neither torch nor ``import numpy`` does: a process without it has no numpy generator to draw
-# from, and a batch that imports it (to draw) is taken as drawing. A loader worker, where nothing draws between
-# batches, takes the state after one batch as the marks of the next (:class:`SampleSeeder`).
-# Every comparison is exact: two Mersenne Twister states are equal only if nothing drew, or the generator was
-# set back to the state it had.
+# states around each batch; in the main process that is two reads a batch on the path of every step, so each
+# read is the cheapest exact one a public API gives (measured on the CPU CI machine):
+# - python: ``random.getstate()`` (~12 us: a tuple of 625 ints; there is no cheaper view of the state);
+# - torch's CPU generator: ``get_state()``, its bytes read at its ``data_ptr()`` (~3 us);
+# - numpy's global generator, where ``numpy.random`` is imported (torch's compiler stack, and so DDP, imports
+#   it; a batch that imports it to draw is taken as drawing): the bit generator's words read through its
+#   documented ctypes interface (``BitGenerator.ctypes.state_address``, <1 us), where the public ``state``
+#   property copies them one by one (~65 us). The layout (624 words, then the position) is checked against that
+#   property once per bit generator; where it differs (another bit generator, another numpy) the property is
+#   read. The legacy generator keeps the second of a pair of normal samples apart from its words, and using it
+#   moves no word: that flag is read with ``get_state`` (the slow read) unless the words are those at which it
+#   was last read clear, as only a draw that moves the words sets it. (Not seen: ``np.random.set_state`` of a
+#   state with a cached normal and the very words the generator holds, when a batch then uses that normal.)
+# A loader worker, where nothing draws between batches, takes the state after one batch as the marks of the
+# next (:class:`SampleSeeder`). Every comparison is exact: two states are equal only if nothing drew, or the
+# generator was set back to the state it had.
+
+_MT_WORDS = 624 * 4 + 4  # numpy's mt19937_state: uint32 key[624], then int pos
+
+
+class _NumpyWords:
+    """numpy's global generator, read as its words where that is exact (see above)."""
+
+    def __init__(self) -> None:
+        self.checked: tuple[int, int] | None = None
+        """``(id, state address)`` of the bit generator whose words' layout was checked."""
+        self.clear_at: bytes | None = None
+        """Words at which ``get_state`` last found no normal sample kept apart."""
+
+    def _words(self, npr: Any) -> bytes | None:
+        get_bit_generator = getattr(npr, "get_bit_generator", None)  # numpy >= 1.25
+        if get_bit_generator is None:
+            return None
+        bitgen = get_bit_generator()
+        if type(bitgen).__name__ != "MT19937":
+            return None
+        address = bitgen.ctypes.state_address
+        words = ctypes.string_at(address, _MT_WORDS)
+        if self.checked != (id(bitgen), address):
+            state = bitgen.state["state"]
+            pos = int.from_bytes(words[-4:], sys.byteorder, signed=True)
+            if state["key"].tobytes() != words[:-4] or int(state["pos"]) != pos:
+                return None
+            self.checked = (id(bitgen), address)
+        return words
+
+    def mark(self) -> tuple[Any, ...] | None:
+        npr = _numpy_random()
+        if npr is None:
+            return None
+        words = self._words(npr)
+        if words is not None and words == self.clear_at:
+            return ("words", words)
+        state = npr.get_state(legacy=False)
+        if words is None:
+            return ("state", state)
+        self.clear_at = None if state["has_gauss"] else words
+        return ("words", words) if not state["has_gauss"] else ("words+normal", words, state["gauss"])
+
+
+_numpy_words = _NumpyWords()
 
 
 def _numpy_random() -> Any:
@@ -161,26 +215,26 @@ def draw_marks() -> tuple[Any, ...]:
     :func:`changed`, and restorable with :func:`set_draw_marks`: python's, numpy's (None where
     ``numpy.random`` is not imported), torch's CPU generator's and, where this process uses CUDA, the current
     device's."""
-    npr = _numpy_random()
-    npy = npr.get_state(legacy=False) if npr is not None else None
     cuda = torch.cuda.get_rng_state() if cuda_in_use() else None
-    return random.getstate(), npy, torch.default_generator.get_state(), cuda
+    state = torch.default_generator.get_state()
+    cpu = ctypes.string_at(state.data_ptr(), state.numel())  # its bytes: ~3 us less than through .numpy()
+    return random.getstate(), _numpy_words.mark(), cpu, cuda
 
 
-def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if np is not None:  # ~1 us against ~6 us for torch.equal's dispatch, on 5 KiB
-        return bool(a.numpy().tobytes() == b.numpy().tobytes())
-    return torch.equal(a, b)
+def _same_state(a: Any, b: Any) -> bool:
+    """Equality of two numpy generator states: nested dicts of ints, floats, strings and arrays (MT19937's key,
+    PCG64's integers, any other bit generator's)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+    if np is not None and isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+    return type(a) is type(b) and bool(a == b)
 
 
-def _same_numpy(a: Any, b: Any) -> bool:
-    (sa, sb), (ka, kb) = (a["state"], b["state"]), (a["state"]["key"], b["state"]["key"])
-    return (
-        a["bit_generator"] == b["bit_generator"]
-        and sa["pos"] == sb["pos"]
-        and (a.get("has_gauss"), a.get("gauss")) == (b.get("has_gauss"), b.get("gauss"))
-        and ka.tobytes() == kb.tobytes()
-    )
+def _same_numpy(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    if a[0] != b[0]:  # read two ways: the bit generator or its layout changed in between
+        return False
+    return a == b if a[0] != "state" else _same_state(a[1], b[1])
 
 
 def changed(before: tuple[Any, ...], after: tuple[Any, ...]) -> bool:
@@ -190,7 +244,7 @@ def changed(before: tuple[Any, ...], after: tuple[Any, ...]) -> bool:
     # The index of python's words first: it moves with every draw but a whole multiple of 624 words.
     if py0[1][-1] != py1[1][-1] or py0[2] != py1[2] or py0 != py1:
         return True
-    if not _same_tensor(cpu0, cpu1):
+    if cpu0 != cpu1:
         return True
     if (cuda0 is None) != (cuda1 is None) or (cuda0 is not None and not torch.equal(cuda0, cuda1)):
         return True
@@ -210,7 +264,15 @@ def set_draw_marks(marks: tuple[Any, ...]) -> None:
     random.setstate(py)
     npr = _numpy_random()
     if npy is not None and npr is not None:
-        npr.set_state(npy)
-    torch.default_generator.set_state(cpu)
+        if npy[0] == "state":
+            npr.set_state(npy[1])
+        else:
+            words = npy[1]
+            key = np.frombuffer(words[:-4], dtype=np.uint32)
+            pos = int.from_bytes(words[-4:], sys.byteorder, signed=True)
+            has_gauss, gauss = (1, npy[2]) if npy[0] == "words+normal" else (0, 0.0)
+            npr.set_state(("MT19937", key, pos, has_gauss, gauss))
+            _numpy_words.clear_at = None if has_gauss else words
+    torch.default_generator.set_state(torch.frombuffer(bytearray(cpu), dtype=torch.uint8))
     if cuda is not None:
         torch.cuda.set_rng_state(cuda)

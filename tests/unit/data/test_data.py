@@ -448,6 +448,51 @@ def test_control_a_weaker_comparison_misses_draws(weaken, monkeypatch):
         assert not seeding.changed((py0, npy0, cpu0, cuda0), (py1, npy1, cpu0, cuda1))
 
 
+def test_numpy_is_read_as_its_words_once_its_cache_is_seen_clear(monkeypatch):
+    """numpy's words are read through the bit generator's ctypes address; ``get_state`` (the slow public read) only
+    where the cached-normal flag is not known clear at those words. Control: a normal cached meanwhile and a draw
+    are each seen, through the words."""
+    import numpy as np
+
+    from ddpkit.data import sample_seeding as seeding
+
+    np.random.seed(3)
+    slow = []
+    real = np.random.get_state
+    monkeypatch.setattr(np.random, "get_state", lambda *a, **k: slow.append(1) or real(*a, **k))
+    first = seeding.draw_marks()
+    reads = len(slow)
+    quiet = [seeding.draw_marks() for _ in range(5)]
+    assert len(slow) == reads and first[1][0] == "words"  # nothing drew: the words alone, no slow read
+    assert not any(seeding.changed(first, q) for q in quiet)
+    np.random.standard_normal()  # a pair drawn, the second kept apart: the words move
+    cached = seeding.draw_marks()
+    assert seeding.changed(first, cached) and cached[1][0] == "words+normal" and len(slow) == reads + 1
+    np.random.standard_normal()  # the kept one used: only the flag moves, read the slow way
+    assert seeding.changed(cached, seeding.draw_marks())
+
+
+def test_another_bit_generator_is_read_through_its_public_state():
+    """A bit generator other than MT19937 behind numpy's global functions: its public ``state`` is compared."""
+    import numpy as np
+
+    from ddpkit.data import sample_seeding as seeding
+
+    if not hasattr(np.random, "set_bit_generator"):
+        pytest.skip("numpy < 1.25 has no set_bit_generator")
+    saved = np.random.get_bit_generator()
+    np.random.set_bit_generator(np.random.PCG64(5))
+    try:
+        marks = seeding.draw_marks()
+        assert marks[1][0] == "state" and not seeding.drawn_since(marks)
+        np.random.rand()
+        assert seeding.drawn_since(marks)
+        seeding.set_draw_marks(marks)
+        assert not seeding.drawn_since(marks)
+    finally:
+        np.random.set_bit_generator(saved)
+
+
 def _nothing_drawn_in_fork_rng() -> None:
     with torch.random.fork_rng():
         pass
