@@ -289,7 +289,7 @@ def drive(a: argparse.Namespace) -> None:
         "interleaved rounds, the first dropped"
     )
     print(
-        f"{'':20s} {'ms/step (rounds: min-max)':28s} {'/ raw DDP: median of per-round ratios (95% interval; rounds: min-max)'}"
+        f"  {'':18s} {'ms/step (rounds: min-max)':30s} / raw DDP: median of per-round ratios (95% interval; rounds: min-max)"
     )
     report: dict = {"rounds": a.rounds - 1, "skipped": skipped, "frameworks": {}}
     for name in names:
@@ -297,9 +297,9 @@ def drive(a: argparse.Namespace) -> None:
         ratios = sorted(x / b for x, b in zip(ms, steps["raw"]))
         lo, hi = median_interval(ratios)
         ratio = statistics.median(ratios)
+        step = f"{statistics.median(ms):.3f} ({min(ms):.3f}-{max(ms):.3f})"
         print(
-            f"  {FRAMEWORKS[name][0]:18s} {statistics.median(ms):7.3f} ({min(ms):.3f}-{max(ms):.3f})      "
-            f"{ratio:.3f} ({lo:.3f}-{hi:.3f}; {ratios[0]:.3f}-{ratios[-1]:.3f})"
+            f"  {FRAMEWORKS[name][0]:18s} {step:30s} {ratio:.3f} ({lo:.3f}-{hi:.3f}; {ratios[0]:.3f}-{ratios[-1]:.3f})"
         )
         report["frameworks"][name] = {
             "label": FRAMEWORKS[name][0],
