@@ -2,6 +2,7 @@
 # Create .venv with ddpkit (editable) and a torch build that fits this machine.
 #   bash scripts/setup.sh            # ddpkit + what the examples need
 #   bash scripts/setup.sh dev        # + what the tests need
+#   bash scripts/setup.sh dev,bench  # + Accelerate and Lightning, the peers of bench/peers.py
 #   VENV=.venv-ray bash scripts/setup.sh ray,examples   # Ray Train, in a venv of its own (see .ci/run)
 # Without an NVIDIA GPU it asks for the CPU build pinned below; an unpinned `torch` would pull several GB of
 # CUDA libraries that a CPU-only machine cannot use. Re-running it installs nothing new.
