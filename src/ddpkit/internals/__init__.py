@@ -15,7 +15,8 @@ a check of the shape it relies on. Outside this package ddpkit uses public APIs 
 - :mod:`~ddpkit.internals.compiler`: ``torch.compile``'s configuration and its compiler probe;
 - :mod:`~ddpkit.internals.optuna_journal`: Optuna's storages: a journal's operation codes, the storage a study
   writes through;
-- :mod:`~ddpkit.internals.ray_train`: Ray's key-value store, where each rank counts Ray Train's restarts.
+- :mod:`~ddpkit.internals.ray_train`: Ray's key-value store, where each rank counts Ray Train's restarts;
+- :mod:`~ddpkit.internals.rng`: random generators' states read as raw bytes, for the loader's watch for draws.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import importlib
 from ddpkit.internals.contract import Internal, problem
 
 MODULES = (
-    "versions", "store", "dcp", "elastic", "interpreter", "optim", "compiler", "modules", "optuna_journal", "ray_train",
+    "versions", "store", "dcp", "elastic", "interpreter", "optim", "compiler", "modules", "optuna_journal", "ray_train", "rng",
 )  # fmt: skip
 
 
