@@ -179,6 +179,7 @@ class Agent(HookedAgent):
         super().__init__(*args, **kwargs)
         self._stacks_asked: int | None = None
         self._watched: int | None = None
+        self._published_to: Any = None
         folder, stacks = os.environ.get(watch.DIR_ENV), os.environ.get("DDPKIT_STACK_DIR")
         self.watch = watch.Watch(Path(folder), self.policy, Path(stacks) if stacks else None) if folder else None
         self.where = ""
@@ -196,10 +197,18 @@ class Agent(HookedAgent):
             self.watch.start_attempt(
                 {w.global_rank: (w.local_rank, processes[w.local_rank].pid) for w in worker_group.workers}
             )
+        store = getattr(worker_group, "store", None)  # the rendezvous round's: a new one at each restart
+        if store is not None and self._published_to is not store and processes:
+            self._published_to = store
+            spec = worker_group.spec
+            self.watch.connect(store, worker_group.group_rank or 0, worker_group.group_world_size or 1, spec.local_addr)
         running = {w.global_rank for w in worker_group.workers if processes[w.local_rank].poll() is None}
         self.watch.poll(running)
 
     def after_monitor(self, worker_group: Any, result: Any) -> None:
+        if self.watch is not None and result.state in (WorkerState.SUCCEEDED, WorkerState.FAILED):
+            self.watch.disconnect()  # the other nodes no longer count this node's ranks
+            self._published_to = None
         if result.state != WorkerState.FAILED:
             return
         if preempted(result.failures):
@@ -242,6 +251,8 @@ class Agent(HookedAgent):
                         os.kill(proc.pid, signal.SIGKILL)
 
     def after_shutdown(self) -> None:
+        if self.watch is not None:
+            self.watch.disconnect()
         # A worker torchrun gave up on (stuck in the kernel) keeps its Popen, which alone may collect it.
         unreaped = [proc.pid for proc in self.worker_processes().values() if proc.returncode is None]
         server = forked_workers.current()  # serves the next attempt's workers too

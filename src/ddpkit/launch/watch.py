@@ -32,10 +32,13 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ddpkit import fs
 from ddpkit.distributed.progress import DIR_ENV, MAGIC, OPS, PHASE_NAMES, RECORD, SIZE, Phase
 from ddpkit.errors import ConfigError
+from ddpkit.launch import watch_nodes as nodes
+from ddpkit.launch.watch_nodes import ORDER, STATES, View
 from ddpkit.snapshot.memory import folder as memory_folder
 
 TIMEOUT_ENV = "DDPKIT_STALL_TIMEOUT"
@@ -44,29 +47,6 @@ DEFAULT_FLOOR = 30.0
 """The floor in seconds when neither ``--stall-timeout`` nor :data:`TIMEOUT_ENV` gives one."""
 POLL_EVERY = 0.5
 """Seconds between two reads of the records (torchrun polls its workers every 0.1 s)."""
-
-# Where a phase falls within a step, for telling who is behind at the same step and collective count.
-_ORDER = {
-    Phase.STARTING: 0,
-    Phase.DATA: 1,
-    Phase.LOOP: 2,
-    Phase.FORWARD_BACKWARD: 2,
-    Phase.OPTIMIZER: 3,
-    Phase.SNAPSHOT: 4,
-    Phase.USER: 4,
-    Phase.COLLECTIVE: 5,  # arrived, waiting for the others
-}
-
-_STATES = {
-    "R": "running",
-    "S": "sleeping",
-    "D": "in disk sleep (uninterruptible: waiting on a file system or device)",
-    "T": "stopped (SIGSTOP)",
-    "t": "stopped by a debugger",
-    "Z": "zombie (exited, not yet collected)",
-    "X": "dead",
-    "I": "idle",
-}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,7 +81,7 @@ class Record:
 
     @property
     def position(self) -> tuple[int, int, int]:
-        return self.step, self.coll, _ORDER.get(self.phase, 0)
+        return self.step, self.coll, ORDER.get(self.phase, 0)
 
     def doing(self) -> str:
         if self.phase == Phase.COLLECTIVE:
@@ -126,14 +106,19 @@ def read_record(path: Path) -> Record | None:
     return None
 
 
-def process_state(pid: int) -> str:
-    """The state of process ``pid`` in words, from ``/proc/PID/stat``."""
+def process_code(pid: int) -> str:
+    """The state code of process ``pid`` in ``/proc/PID/stat`` (``?``: gone)."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return "gone"
-    code = text.rsplit(")", 1)[1].split()[0]  # the command name in (...) may hold spaces
-    return _STATES.get(code, code)
+        return "?"
+    return text.rsplit(")", 1)[1].split()[0]  # the command name in (...) may hold spaces
+
+
+def process_state(pid: int) -> str:
+    """The state of process ``pid`` in words, from ``/proc/PID/stat``."""
+    code = process_code(pid)
+    return STATES.get(code, code)
 
 
 @dataclass
@@ -162,7 +147,8 @@ class Stall:
 
 
 class Watch:
-    """The stall watch of one node's ranks for one attempt of the workers."""
+    """The stall watch of one node's ranks for one attempt of the workers; with :meth:`connect`, judged with the
+    other nodes' ranks (:mod:`ddpkit.launch.watch_nodes`)."""
 
     def __init__(
         self,
@@ -173,9 +159,15 @@ class Watch:
     ) -> None:
         self.folder, self.policy, self.stack_dir, self.clock = folder, policy, stack_dir, clock
         self.host = socket.gethostname()
+        self.node = 0
         self.ranks: dict[int, _Rank] = {}
         self.stall: Stall | None = None
-        self._warned: set[tuple[int, int]] = set()
+        self.exchange: nodes.Exchange | None = None
+        self._remote: list[View] = []
+        self._named: set[int] = set()
+        self._published = 0
+        self._waiting = nodes.Waiting(max(nodes.GRACE, policy.floor), {})
+        self._warned: set[tuple[int, ...]] = set()
         self._next_poll = 0.0
 
     def start_attempt(self, workers: dict[int, tuple[int, int]]) -> None:
@@ -183,7 +175,25 @@ class Watch:
         now = self.clock()
         self.ranks = {g: _Rank(g, local, pid, changed_at=now) for g, (local, pid) in workers.items()}
         self.stall = None
+        self._named.clear()
+        self._waiting.since.clear()
         self._warned.clear()
+
+    def connect(self, store: Any, node: int, count: int, addr: str | None = None) -> None:
+        """Publish this node's ranks to the rendezvous round's ``store`` and judge with the other nodes' (this
+        is node ``node`` of ``count``; ``addr``: its address, shown beside its host name)."""
+        self.disconnect()
+        self.node = node
+        if addr and addr not in ("127.0.0.1", "::1", "localhost"):
+            self.host = f"{socket.gethostname()} ({addr})"  # nodes of one machine (containers) share a name
+        if count > 1 and self.policy.on:
+            self.exchange = nodes.Exchange(store, node, count, POLL_EVERY)
+
+    def disconnect(self) -> None:
+        """Say that this node's ranks have exited, and stop publishing."""
+        if self.exchange is not None:
+            self.exchange.close(nodes.encode(self.node, self.host, self._published + 1, self._named, []))
+            self.exchange = None
 
     def read(self) -> None:
         now = self.clock()
@@ -205,28 +215,40 @@ class Watch:
             return max(base, p.long_factor * p.floor)
         return base
 
+    def view(self, r: _Rank, now: float, state: str = "") -> View:
+        rec = r.record
+        step, coll, phase, op = (rec.step, rec.coll, rec.phase, rec.op) if rec else (-1, 0, 0, "collective")
+        idle = now - r.changed_at
+        return View(
+            r.rank, self.node, self.host, r.local_rank, r.pid, step, coll, phase, op, idle, self.allowance(r), state
+        )
+
     def poll(self, running: set[int]) -> Stall | None:
         """Read the records (at most every :data:`POLL_EVERY` s); the stall found among the ``running`` ranks
-        (global), if any, said and acted on once."""
+        (global) and the other nodes' ranks, if any, said and acted on once."""
         now = self.clock()
         if not self.policy.on or self.stall is not None or now < self._next_poll:
             return None
         self._next_poll = now + POLL_EVERY
         self.read()
-        live = [r for g, r in self.ranks.items() if g in running]
-        if len(live) < 2 or any(r.record is None for r in live):
-            return None  # a rank not yet at its first mark, or no other rank to compare with
-        lowest = min(r.record.position for r in live if r.record)
-        behind = [r for r in live if r.record and r.record.position == lowest]
-        if len(behind) == len(live):
+        live = [
+            self.view(r, now, process_code(r.pid) if self.exchange else "")
+            for g, r in self.ranks.items()
+            if g in running
+        ]
+        named = self._exchange(live)
+        verdict = nodes.decide(self.node, live + self._remote)
+        overdue = self._waiting.overdue(verdict.waited_for, named, now)
+        if verdict.waited_for:
+            return self._wait(verdict.waited_for, overdue, live, now)
+        if not verdict.stalled:
             return None
-        stalled = [r for r in behind if now - r.changed_at > self.allowance(r)]
-        if not stalled:
-            return None
+        stalled = [self.ranks[v.rank] for v in verdict.stalled]
         key = (stalled[0].rank, stalled[0].record.seq if stalled[0].record else 0)
         if key in self._warned:
             return None
         self._warned.add(key)
+        self._named |= {r.rank for r in stalled}
         stall = self._describe(stalled, now)
         print("\n".join(stall.report), file=sys.stderr, flush=True)
         if self.policy.on_stall == "end":
@@ -237,47 +259,107 @@ class Watch:
                         os.kill(r.pid, signal.SIGKILL)
         return stall
 
+    def _exchange(self, live: list[View]) -> set[int]:
+        """Publish ``live``; the other nodes' ranks into ``_remote`` while one of this node's is half-way to its
+        allowance (else none: nothing to judge), and the ranks their agents named."""
+        if self.exchange is None:
+            return set()
+        want = any(v.idle > v.allowance / 2 for v in live)
+        self._published += 1
+        self.exchange.publish(nodes.encode(self.node, self.host, self._published, self._named, live), want)
+        self._remote, named = self.exchange.views() if want else ([], set())
+        return named
+
+    def _wait(self, waited: list[View], overdue: list[View], live: list[View], now: float) -> Stall | None:
+        """Say once which other node's rank this node's ranks wait for; end them once it is ``overdue``."""
+        first = waited[0]
+        key = (-1, first.rank, first.step, first.coll, bool(overdue))
+        if key in self._warned:
+            return None
+        self._warned.add(key)
+        names = ", ".join(f"rank {v.rank} on host {v.host}" for v in waited)
+        headline = (
+            f"ddpkit run: waiting for {names}: no progress for {first.idle:.1f} s (allowed {first.allowance:.1f} s), "
+            f"{first.state_words()}, at step {first.step}, {first.doing()}; "
+            + "; ".join(self._at(v) for v in sorted(live, key=lambda v: v.rank))
+        )
+        end = self.policy.on_stall == "end" and bool(overdue)
+        if end:
+            lines = [
+                headline,
+                f"  its node's agent has not named it {self._waiting.grace:.0f} s after this node saw it stalled; "
+                "ending this node's workers (SIGKILL), and the job with them",
+            ]
+        else:
+            lines = [headline, "  its node's agent names it, with its state and stack, and ends the job"]
+        lines += self._rank_lines(live, now)
+        print("\n".join(lines), file=sys.stderr, flush=True)
+        if not end:
+            return None
+        stall = Stall([v.rank for v in live], headline, lines)
+        self.stall = stall
+        for v in live:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(v.pid, signal.SIGKILL)
+        return stall
+
+    def _at(self, v: View) -> str:
+        host = f" on host {v.host}" if self.exchange is not None else ""
+        return f"rank {v.rank}{host} at step {v.step}, {v.doing()}"
+
     def _describe(self, stalled: list[_Rank], now: float) -> Stall:
         names = ", ".join(f"rank {r.rank}" for r in stalled)
         first = stalled[0]
         rec = first.record
         assert rec is not None
         state = process_state(first.pid)
-        others = [r for r in self.ranks.values() if r.rank not in {s.rank for s in stalled} and r.record is not None]
-        ahead = "; ".join(f"rank {r.rank} at step {r.record.step}, {r.record.doing()}" for r in others if r.record)
+        skip = {s.rank for s in stalled}
+        others = [self.view(r, now) for r in self.ranks.values() if r.rank not in skip and r.record is not None]
+        others += [v for v in self._remote if v.marked]
+        others.sort(key=lambda v: v.rank)
+        ahead = "; ".join(self._at(v) for v in others)
+        where = f" on host {self.host}" if self.exchange is not None else ""
         headline = (
             f"ddpkit run: {names} stalled: no progress for {now - first.changed_at:.1f} s (allowed "
-            f"{self.allowance(first):.1f} s), {state}, at step {rec.step}, {rec.doing()}"
+            f"{self.allowance(first):.1f} s){where}, {state}, at step {rec.step}, {rec.doing()}"
             + (f"; {ahead}" if ahead else "")
         )
         lines = [headline]
-        waiting = [r for r in others if r.record and r.record.phase == Phase.COLLECTIVE and r.record.coll > rec.coll]
+        waiting = [v for v in others if v.phase == Phase.COLLECTIVE and v.coll > rec.coll]
         if waiting:
-            op, seq = waiting[0].record.op, waiting[0].record.coll  # type: ignore[union-attr]
+            op, seq = waiting[0].op, waiting[0].coll
             lines.append(
-                f"  collective {op} #{seq}: rank(s) {', '.join(str(r.rank) for r in waiting)} wait in it; "
+                f"  collective {op} #{seq}: rank(s) {', '.join(self._who(v) for v in waiting)} wait in it; "
                 f"{names} ha{'ve' if len(stalled) > 1 else 's'} not arrived (entered {rec.coll} collective(s))"
             )
-        dumps = self._stacks([r for r in self.ranks.values() if not process_state(r.pid).startswith("stopped")])
-        for r in sorted(self.ranks.values(), key=lambda r: r.rank):
-            state = process_state(r.pid)
-            where = (
-                f"step {r.record.step}, {r.record.doing()}, {now - r.changed_at:.0f} s since its last mark"
-                if r.record
-                else "no mark yet"
-            )
-            lines.append(
-                f"  rank {r.rank} (local rank {r.local_rank}, host {self.host}, pid {r.pid}): {state}; {where}"
-            )
-            if state.startswith("stopped"):
-                lines.append("    (a stopped process cannot answer for its stack)")
-            for frame in dumps.get(r.rank, []):
-                lines.append(f"    {frame}")
+        views = [self.view(r, now) for r in self.ranks.values()] + self._remote
+        lines += self._rank_lines(views, now)
         if self.policy.on_stall == "end":
             lines.append(f"  ending the job: {names} killed (SIGKILL); --on-stall warn only says so")
         else:
             lines.append("  the job goes on (--on-stall warn)")
         return Stall([r.rank for r in stalled], headline, lines)
+
+    def _who(self, v: View) -> str:
+        return f"{v.rank} (host {v.host})" if self.exchange is not None else str(v.rank)
+
+    def _rank_lines(self, views: list[View], now: float) -> list[str]:
+        """A line per rank with its stack (this node's) or where its node's agent last saw it (another's)."""
+        mine = [self.ranks[v.rank] for v in views if v.node == self.node and v.rank in self.ranks]
+        dumps = self._stacks([r for r in mine if not process_state(r.pid).startswith("stopped")])
+        lines = []
+        for v in sorted(views, key=lambda v: v.rank):
+            remote = v.node != self.node
+            state = v.state_words() if remote else process_state(v.pid)
+            where = f"step {v.step}, {v.doing()}, {v.idle:.0f} s since its last mark" if v.marked else "no mark yet"
+            if remote:
+                where += " (as its node's agent last published it)"
+            lines.append(f"  rank {v.rank} (local rank {v.local_rank}, host {v.host}, pid {v.pid}): {state}; {where}")
+            if not remote and state.startswith("stopped"):
+                lines.append("    (a stopped process cannot answer for its stack)")
+            for frame in dumps.get(v.rank, []) if not remote else []:
+                lines.append(f"    {frame}")
+        return lines
 
     def _stacks(self, ranks: list[_Rank], wait: float = 3.0, lines: int = 10) -> dict[int, list[str]]:
         """Each rank's main-thread stack, innermost first, asked now (SIGUSR2): only what it writes from now."""
