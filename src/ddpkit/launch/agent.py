@@ -206,17 +206,18 @@ class Agent(HookedAgent):
         self.watch.poll(running)
 
     def after_monitor(self, worker_group: Any, result: Any) -> None:
-        if self.watch is not None and result.state in (WorkerState.SUCCEEDED, WorkerState.FAILED):
+        failed = result.state == WorkerState.FAILED
+        if self.watch is not None and (failed or result.state == WorkerState.SUCCEEDED):
+            if failed and self.watch.stall is None and not preempted(result.failures):
+                self.watch.read()  # a stall's headline says where they were
+                self.where = self.watch.where()
             self.watch.disconnect()  # the other nodes no longer count this node's ranks
             self._published_to = None
-        if result.state != WorkerState.FAILED:
+        if not failed:
             return
         if preempted(result.failures):
             self.stop_restarting()
             return
-        if self.watch is not None and self.watch.stall is None:  # a stall's headline says where they were
-            self.watch.read()
-            self.where = self.watch.where()
         if self.restarts_left() > 0:  # torchrun restarts next: say what failed first, as at a job's end
             stall = self.watch.stall if self.watch is not None else None
             print(summarize_failure(result, stall=stall, where=self.where), file=sys.stderr, flush=True)

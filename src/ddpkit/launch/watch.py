@@ -24,7 +24,6 @@ import contextlib
 import os
 import secrets
 import signal
-import socket
 import statistics
 import sys
 import time
@@ -35,10 +34,12 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit import fs
-from ddpkit.distributed.progress import DIR_ENV, MAGIC, OPS, PHASE_NAMES, RECORD, SIZE, Phase
+from ddpkit.distributed.progress import DIR_ENV, MAGIC, OPS, RECORD, SIZE, Phase
 from ddpkit.errors import ConfigError
 from ddpkit.launch import watch_nodes as nodes
-from ddpkit.launch.watch_nodes import ORDER, STATES, View
+from ddpkit.launch.proctree import state_code
+from ddpkit.launch.watch_nodes import STATES, View
+from ddpkit.launch.worker import ask_stacks
 from ddpkit.snapshot.memory import folder as memory_folder
 
 TIMEOUT_ENV = "DDPKIT_STALL_TIMEOUT"
@@ -79,15 +80,6 @@ class Record:
     step_at: float
     last_step: float
 
-    @property
-    def position(self) -> tuple[int, int, int]:
-        return self.step, self.coll, ORDER.get(self.phase, 0)
-
-    def doing(self) -> str:
-        if self.phase == Phase.COLLECTIVE:
-            return f"in collective {self.op} #{self.coll}"
-        return PHASE_NAMES.get(self.phase, f"phase {int(self.phase)}")
-
 
 def read_record(path: Path) -> Record | None:
     """The rank's record at ``path``; None when missing or not (yet) one. Read twice: the rank may be writing."""
@@ -106,18 +98,9 @@ def read_record(path: Path) -> Record | None:
     return None
 
 
-def process_code(pid: int) -> str:
-    """The state code of process ``pid`` in ``/proc/PID/stat`` (``?``: gone)."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return "?"
-    return text.rsplit(")", 1)[1].split()[0]  # the command name in (...) may hold spaces
-
-
 def process_state(pid: int) -> str:
     """The state of process ``pid`` in words, from ``/proc/PID/stat``."""
-    code = process_code(pid)
+    code = state_code(pid)
     return STATES.get(code, code)
 
 
@@ -158,15 +141,9 @@ class Watch:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.folder, self.policy, self.stack_dir, self.clock = folder, policy, stack_dir, clock
-        self.host = socket.gethostname()
-        self.node = 0
         self.ranks: dict[int, _Rank] = {}
         self.stall: Stall | None = None
-        self.exchange: nodes.Exchange | None = None
-        self._remote: list[View] = []
-        self._named: set[int] = set()
-        self._published = 0
-        self._waiting = nodes.Waiting(max(nodes.GRACE, policy.floor), {})
+        self.link = nodes.Link(max(nodes.GRACE, policy.floor))
         self._warned: set[tuple[int, ...]] = set()
         self._next_poll = 0.0
 
@@ -175,25 +152,17 @@ class Watch:
         now = self.clock()
         self.ranks = {g: _Rank(g, local, pid, changed_at=now) for g, (local, pid) in workers.items()}
         self.stall = None
-        self._named.clear()
-        self._waiting.since.clear()
+        self.link.reset()
         self._warned.clear()
 
     def connect(self, store: Any, node: int, count: int, addr: str | None = None) -> None:
         """Publish this node's ranks to the rendezvous round's ``store`` and judge with the other nodes' (this
         is node ``node`` of ``count``; ``addr``: its address, shown beside its host name)."""
-        self.disconnect()
-        self.node = node
-        if addr and addr not in ("127.0.0.1", "::1", "localhost"):
-            self.host = f"{socket.gethostname()} ({addr})"  # nodes of one machine (containers) share a name
-        if count > 1 and self.policy.on:
-            self.exchange = nodes.Exchange(store, node, count, POLL_EVERY)
+        self.link.connect(store, node, count if self.policy.on else 1, addr, POLL_EVERY)
 
     def disconnect(self) -> None:
         """Say that this node's ranks have exited, and stop publishing."""
-        if self.exchange is not None:
-            self.exchange.close(nodes.encode(self.node, self.host, self._published + 1, self._named, []))
-            self.exchange = None
+        self.link.close()
 
     def read(self) -> None:
         now = self.clock()
@@ -220,25 +189,39 @@ class Watch:
         step, coll, phase, op = (rec.step, rec.coll, rec.phase, rec.op) if rec else (-1, 0, 0, "collective")
         idle = now - r.changed_at
         return View(
-            r.rank, self.node, self.host, r.local_rank, r.pid, step, coll, phase, op, idle, self.allowance(r), state
+            r.rank,
+            self.link.node,
+            self.link.host,
+            r.local_rank,
+            r.pid,
+            step,
+            coll,
+            phase,
+            op,
+            idle,
+            self.allowance(r),
+            state,
         )
 
     def poll(self, running: set[int]) -> Stall | None:
         """Read the records (at most every :data:`POLL_EVERY` s); the stall found among the ``running`` ranks
         (global) and the other nodes' ranks, if any, said and acted on once."""
         now = self.clock()
+        if self.link.ending is not None:
+            self._end_when_heard(now)
+            return None
         if not self.policy.on or self.stall is not None or now < self._next_poll:
             return None
         self._next_poll = now + POLL_EVERY
         self.read()
         live = [
-            self.view(r, now, process_code(r.pid) if self.exchange else "")
+            self.view(r, now, state_code(r.pid) if self.link.exchange else "")
             for g, r in self.ranks.items()
             if g in running
         ]
-        named = self._exchange(live)
-        verdict = nodes.decide(self.node, live + self._remote)
-        overdue = self._waiting.overdue(verdict.waited_for, named, now)
+        named = self.link.trade(live)
+        verdict = nodes.decide(self.link.node, live + self.link.remote, named)
+        overdue = self.link.waiting.overdue(verdict.waited_for, named, now)
         if verdict.waited_for:
             return self._wait(verdict.waited_for, overdue, live, now)
         if not verdict.stalled:
@@ -248,27 +231,28 @@ class Watch:
         if key in self._warned:
             return None
         self._warned.add(key)
-        self._named |= {r.rank for r in stalled}
+        self.link.named |= {r.rank for r in stalled}
         stall = self._describe(stalled, now)
         print("\n".join(stall.report), file=sys.stderr, flush=True)
         if self.policy.on_stall == "end":
             self.stall = stall
-            for r in self.ranks.values():  # the stalled, and any stopped rank: neither can act on a SIGTERM
-                if r.rank in stall.ranks or process_state(r.pid).startswith("stopped"):
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(r.pid, signal.SIGKILL)
+            self.link.ending = (stall, now + nodes.HEARD_WAIT)
+            self.link.publish(live, want=True)  # that it named them, at once
+            self._end_when_heard(now)
         return stall
 
-    def _exchange(self, live: list[View]) -> set[int]:
-        """Publish ``live``; the other nodes' ranks into ``_remote`` while one of this node's is half-way to its
-        allowance (else none: nothing to judge), and the ranks their agents named."""
-        if self.exchange is None:
-            return set()
-        want = any(v.idle > v.allowance / 2 for v in live)
-        self._published += 1
-        self.exchange.publish(nodes.encode(self.node, self.host, self._published, self._named, live), want)
-        self._remote, named = self.exchange.views() if want else ([], set())
-        return named
+    def _end_when_heard(self, now: float) -> None:
+        """Kill the named ranks once every other node's agent said where its ranks wait (their stacks are lost
+        when the kill fails their collectives), or :data:`~ddpkit.launch.watch_nodes.HEARD_WAIT` s after."""
+        assert self.link.ending is not None
+        stall, deadline = self.link.ending
+        if now < deadline and not self.link.heard(stall.ranks):
+            return
+        self.link.ending = None
+        for r in self.ranks.values():  # the stalled, and any stopped rank: neither can act on a SIGTERM
+            if r.rank in stall.ranks or process_state(r.pid).startswith("stopped"):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(r.pid, signal.SIGKILL)
 
     def _wait(self, waited: list[View], overdue: list[View], live: list[View], now: float) -> Stall | None:
         """Say once which other node's rank this node's ranks wait for; end them once it is ``overdue``."""
@@ -287,13 +271,15 @@ class Watch:
         if end:
             lines = [
                 headline,
-                f"  its node's agent has not named it {self._waiting.grace:.0f} s after this node saw it stalled; "
+                f"  its node's agent has not named it {self.link.waiting.grace:.0f} s after this node saw it stalled; "
                 "ending this node's workers (SIGKILL), and the job with them",
             ]
         else:
             lines = [headline, "  its node's agent names it, with its state and stack, and ends the job"]
         lines += self._rank_lines(live, now)
         print("\n".join(lines), file=sys.stderr, flush=True)
+        self.link.said |= {v.rank for v in waited}
+        self.link.publish(live, want=True)  # the stalled rank's agent waits for this before it kills it
         if not end:
             return None
         stall = Stall([v.rank for v in live], headline, lines)
@@ -304,21 +290,20 @@ class Watch:
         return stall
 
     def _at(self, v: View) -> str:
-        host = f" on host {v.host}" if self.exchange is not None else ""
+        host = f" on host {v.host}" if self.link.multi else ""
         return f"rank {v.rank}{host} at step {v.step}, {v.doing()}"
 
     def _describe(self, stalled: list[_Rank], now: float) -> Stall:
         names = ", ".join(f"rank {r.rank}" for r in stalled)
         first = stalled[0]
-        rec = first.record
-        assert rec is not None
+        rec = self.view(first, now)
         state = process_state(first.pid)
         skip = {s.rank for s in stalled}
         others = [self.view(r, now) for r in self.ranks.values() if r.rank not in skip and r.record is not None]
-        others += [v for v in self._remote if v.marked]
+        others += [v for v in self.link.remote if v.marked]
         others.sort(key=lambda v: v.rank)
         ahead = "; ".join(self._at(v) for v in others)
-        where = f" on host {self.host}" if self.exchange is not None else ""
+        where = f" on host {self.link.host}" if self.link.multi else ""
         headline = (
             f"ddpkit run: {names} stalled: no progress for {now - first.changed_at:.1f} s (allowed "
             f"{self.allowance(first):.1f} s){where}, {state}, at step {rec.step}, {rec.doing()}"
@@ -332,7 +317,7 @@ class Watch:
                 f"  collective {op} #{seq}: rank(s) {', '.join(self._who(v) for v in waiting)} wait in it; "
                 f"{names} ha{'ve' if len(stalled) > 1 else 's'} not arrived (entered {rec.coll} collective(s))"
             )
-        views = [self.view(r, now) for r in self.ranks.values()] + self._remote
+        views = [self.view(r, now) for r in self.ranks.values()] + self.link.remote
         lines += self._rank_lines(views, now)
         if self.policy.on_stall == "end":
             lines.append(f"  ending the job: {names} killed (SIGKILL); --on-stall warn only says so")
@@ -341,15 +326,16 @@ class Watch:
         return Stall([r.rank for r in stalled], headline, lines)
 
     def _who(self, v: View) -> str:
-        return f"{v.rank} (host {v.host})" if self.exchange is not None else str(v.rank)
+        return f"{v.rank} (host {v.host})" if self.link.multi else str(v.rank)
 
     def _rank_lines(self, views: list[View], now: float) -> list[str]:
         """A line per rank with its stack (this node's) or where its node's agent last saw it (another's)."""
-        mine = [self.ranks[v.rank] for v in views if v.node == self.node and v.rank in self.ranks]
-        dumps = self._stacks([r for r in mine if not process_state(r.pid).startswith("stopped")])
+        mine = [self.ranks[v.rank] for v in views if v.node == self.link.node and v.rank in self.ranks]
+        asked = {r.rank: r.pid for r in mine if not process_state(r.pid).startswith("stopped")}
+        dumps = ask_stacks(self.stack_dir, asked) if self.stack_dir is not None else {}
         lines = []
         for v in sorted(views, key=lambda v: v.rank):
-            remote = v.node != self.node
+            remote = v.node != self.link.node
             state = v.state_words() if remote else process_state(v.pid)
             where = f"step {v.step}, {v.doing()}, {v.idle:.0f} s since its last mark" if v.marked else "no mark yet"
             if remote:
@@ -361,54 +347,16 @@ class Watch:
                 lines.append(f"    {frame}")
         return lines
 
-    def _stacks(self, ranks: list[_Rank], wait: float = 3.0, lines: int = 10) -> dict[int, list[str]]:
-        """Each rank's main-thread stack, innermost first, asked now (SIGUSR2): only what it writes from now."""
-        if self.stack_dir is None:
-            return {}
-        paths = {r.rank: self.stack_dir / f"rank{r.rank}.txt" for r in ranks}
-        before = {g: p.stat().st_size if p.exists() else 0 for g, p in paths.items()}
-        asked = []
-        for r in ranks:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(r.pid, signal.SIGUSR2)
-                asked.append(r.rank)
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and not all(
-            paths[g].exists() and paths[g].stat().st_size > before[g] for g in asked
-        ):
-            time.sleep(0.05)  # written from the workers' signal handlers: nothing to wait on but the files
-        time.sleep(0.1)  # a dump just begun is written whole within milliseconds
-        out = {}
-        for g in asked:
-            with contextlib.suppress(OSError), open(paths[g], "rb") as f:
-                f.seek(before[g])
-                out[g] = main_frames(f.read().decode(errors="replace"))[:lines]
-        return out
-
     def where(self) -> str:
-        """Where each rank was at its last mark, in one line (empty when no rank marked)."""
-        parts = [
-            f"rank {r.rank} at step {r.record.step}, {r.record.doing()}"
-            for r in sorted(self.ranks.values(), key=lambda r: r.rank)
-            if r.record is not None
-        ]
-        return "; ".join(parts)
-
-
-def main_frames(dump: str) -> list[str]:
-    """The frames of the thread that answered (the main thread) in one faulthandler dump, innermost first,
-    without the launch machinery's."""
-    block = dump.split("Current thread", 1)[1] if "Current thread" in dump else dump
-    frames = []
-    for line in block.splitlines()[1:]:
-        line = line.strip()
-        if line.startswith("Thread 0x") or line.startswith("Current thread"):
-            break
-        if line.startswith("File ") and not any(
-            skip in line for skip in ("ddpkit/launch/worker.py", "<frozen runpy>", "elastic/multiprocessing")
-        ):
-            frames.append(line)
-    return frames
+        """Where each rank was at its last mark, in one line (empty when no rank marked), with the other nodes'
+        ranks this node's waited for."""
+        now = self.clock()
+        views = [self.view(r, now) for r in self.ranks.values() if r.record is not None]
+        views += [v for v in self.link.remote if v.rank in self.link.said]
+        said = " (stalled: this node's ranks waited for it)"
+        return "; ".join(
+            self._at(v) + (said if v.node != self.link.node else "") for v in sorted(views, key=lambda v: v.rank)
+        )
 
 
 def policy_from(floor: float | None, on_stall: str, env: dict[str, str] | None = None) -> StallPolicy:

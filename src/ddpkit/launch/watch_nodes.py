@@ -22,6 +22,7 @@ the ranks of an agent that stopped publishing look ever more idle rather than fr
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +38,9 @@ MAX_BYTES = 16384
 """A summary longer than this is not read (a node of 128 ranks writes about 8 KB)."""
 GRACE = 10.0
 """Seconds a waiting node gives the stalled rank's own agent to name it, at least (the floor when longer)."""
+HEARD_WAIT = 5.0
+"""Seconds the agent that named a rank waits, at most, for the other nodes' agents to say where their ranks wait
+before it kills it (their stacks are lost once their collectives fail): a stack dump (up to 3 s) and two turns."""
 
 # Where a phase falls within a step, for telling who is behind at the same step and collective count.
 ORDER = {
@@ -125,13 +129,16 @@ class Verdict:
     """Other nodes' stalled ranks, for which this node's idle ranks wait."""
 
 
-def decide(node: int, views: list[View]) -> Verdict:
-    """What node ``node``'s agent does with the job's ``views`` (its own ranks and the other nodes')."""
+def decide(node: int, views: list[View], named: frozenset[int] | set[int] = frozenset()) -> Verdict:
+    """What node ``node``'s agent does with the job's ``views`` (its own ranks and the other nodes'): name its
+    own stalled ranks; say which other node's stalled ranks its ranks wait for, once they are idle past their
+    allowance too, or once that rank's agent has named it (``named``: before it ends the job, it waits for
+    this node to say where its ranks are)."""
     stalled = judge(views)
     mine = [v for v in stalled if v.node == node]
     theirs = [v for v in stalled if v.node != node]
     idle_here = any(v.over for v in views if v.node == node and v not in stalled)
-    return Verdict(mine, theirs if idle_here else [])
+    return Verdict(mine, [v for v in theirs if idle_here or v.rank in named])
 
 
 @dataclass
@@ -162,6 +169,69 @@ class Waiting:
         return [v for v in waited_for if v.rank not in named and now - self.since[v.rank] > self.grace]
 
 
+class Link:
+    """One node's side of the exchange, for the stall watch (:class:`ddpkit.launch.watch.Watch`): what it has
+    published, what it read, and what it said."""
+
+    def __init__(self, grace: float) -> None:
+        self.host = socket.gethostname()
+        self.node = 0
+        self.multi = False
+        """Whether the job has several nodes: hosts are named then."""
+        self.exchange: Exchange | None = None
+        self.remote: list[View] = []
+        """The other nodes' ranks, while this node reads them."""
+        self.named: set[int] = set()
+        """This node's ranks its agent named."""
+        self.said: set[int] = set()
+        """The other nodes' ranks this node said its ranks wait for."""
+        self.waiting = Waiting(grace, {})
+        self.ending: tuple[Any, float] | None = None
+        """The stall named here, and when to end it at the latest, while the other nodes are heard."""
+        self._count = 0
+
+    def reset(self) -> None:
+        self.named.clear()
+        self.said.clear()
+        self.waiting.since.clear()
+        self.ending = None
+
+    def connect(self, store: Any, node: int, count: int, addr: str | None, every: float) -> None:
+        """Publish to the rendezvous round's ``store``, as node ``node`` of ``count`` at ``addr``."""
+        self.close()
+        self.node, self.multi = node, count > 1
+        if addr and addr not in ("127.0.0.1", "::1", "localhost"):
+            self.host = f"{socket.gethostname()} ({addr})"  # nodes of one machine (containers) share a name
+        if count > 1:
+            self.exchange = Exchange(store, node, count, every)
+
+    def close(self) -> None:
+        """Say that this node's ranks have exited, and stop publishing."""
+        if self.exchange is not None:
+            self.exchange.close(encode(self.node, self.host, self._count + 1, self.named, []))
+            self.exchange = None
+
+    def trade(self, live: list[View]) -> set[int]:
+        """Publish ``live``; read the other nodes' ranks into :attr:`remote` while one of this node's is half-way
+        to its allowance (else none: nothing to judge). The ranks their agents named."""
+        if self.exchange is None:
+            return set()
+        want = any(v.idle > v.allowance / 2 for v in live)
+        self.publish(live, want)
+        self.remote, named = self.exchange.views() if want else ([], set())
+        return named
+
+    def publish(self, live: list[View], want: bool) -> None:
+        if self.exchange is not None:
+            self._count += 1
+            self.exchange.publish(encode(self.node, self.host, self._count, self.named, live, self.said), want)
+
+    def heard(self, ranks: list[int]) -> bool:
+        """Whether every other node read has said where its ranks wait for ``ranks`` (true with none read)."""
+        heard = self.exchange.heard() if self.exchange is not None else {}
+        return all(set(ranks) <= said for said in heard.values())
+
+
 # -- the summaries ---------------------------------------------------------------------------------------------
 
 
@@ -173,10 +243,19 @@ class Summary:
     """Raised by every publication: a reader that sees it unchanged knows nothing newer."""
     named: frozenset[int]
     """The ranks its agent named as stalled in this attempt."""
+    waiting: frozenset[int]
+    """The other nodes' ranks its agent said its ranks wait for."""
     views: list[View]
 
 
-def encode(node: int, host: str, count: int, named: set[int], views: list[View]) -> bytes:
+def encode(
+    node: int,
+    host: str,
+    count: int,
+    named: set[int],
+    views: list[View],
+    waiting: frozenset[int] | set[int] = frozenset(),
+) -> bytes:
     rows = [
         [
             v.rank,
@@ -192,7 +271,7 @@ def encode(node: int, host: str, count: int, named: set[int], views: list[View])
         ]
         for v in views
     ]
-    doc = {"v": 1, "n": node, "h": host[:255], "c": count, "x": sorted(named), "r": rows}
+    doc = {"v": 1, "n": node, "h": host[:255], "c": count, "x": sorted(named), "w": sorted(waiting), "r": rows}
     return json.dumps(doc, separators=(",", ":")).encode()
 
 
@@ -204,6 +283,7 @@ def decode(data: bytes) -> Summary | None:
         doc = json.loads(data)
         node, host, count = int(doc["n"]), str(doc["h"]), int(doc["c"])
         named = frozenset(int(r) for r in doc["x"])
+        waiting = frozenset(int(r) for r in doc["w"])
         views = []
         for rank, local, pid, step, coll, phase, op, idle, allowance, state in doc["r"]:
             name = OPS[op] if isinstance(op, int) and 0 <= op < len(OPS) else "collective"
@@ -225,7 +305,7 @@ def decode(data: bytes) -> Summary | None:
             )
     except (ValueError, TypeError, KeyError, IndexError, AttributeError):
         return None
-    return Summary(node, host, count, named, views) if doc.get("v") == 1 else None
+    return Summary(node, host, count, named, waiting, views) if doc.get("v") == 1 else None
 
 
 class Exchange:
@@ -265,6 +345,11 @@ class Exchange:
             named |= summary.named
             views += [View(**{**v.__dict__, "idle": v.idle + (now - at)}) if v.marked else v for v in summary.views]
         return views, named
+
+    def heard(self) -> dict[int, frozenset[int]]:
+        """Node -> the ranks its agent said its ranks wait for, of the nodes read."""
+        with self._lock:
+            return {n: summary.waiting for n, (summary, _) in self._seen.items()}
 
     def close(self, last: bytes | None = None) -> None:
         """Write ``last`` (a summary with no ranks: this node's have exited), then stop."""

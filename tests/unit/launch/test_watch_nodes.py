@@ -156,7 +156,7 @@ def test_two_nodes_watches_name_the_rank_and_the_wait(store, tmp_path, capsys):
     for node in (0, 1):
         w = watch.Watch(tmp_path / f"n{node}", policy, None, clock=clock)
         w.start_attempt({node: (0, 100 + node)})
-        w.host = f"host{node}"
+        w.link.host = f"host{node}"
         watches.append(w)
     _record(tmp_path / "n0", 0, step=6, seq=30)
     _record(tmp_path / "n1", 1, step=5, seq=25)
@@ -175,7 +175,7 @@ def test_two_nodes_watches_name_the_rank_and_the_wait(store, tmp_path, capsys):
 
     for n, w in enumerate(watches):
         w.connect(store, n, 2)
-        w.exchange.every = 0.05  # type: ignore[union-attr]
+        w.link.exchange.every = 0.05  # type: ignore[union-attr]
     try:
         _until(lambda: bool(poll_all(1005.0)) and all(w._warned for w in watches))
         err = capsys.readouterr().err
@@ -186,3 +186,27 @@ def test_two_nodes_watches_name_the_rank_and_the_wait(store, tmp_path, capsys):
     finally:
         for w in watches:
             w.disconnect()
+
+
+def test_a_rank_its_agent_named_is_reported_before_this_nodes_ranks_spend_their_allowance():
+    # The named rank's agent waits for the other nodes to say where their ranks are before it kills it.
+    busy = view(0, 0, step=6, idle=1.0)
+    assert decide(0, [busy, STALLED], named={1}).waited_for == [STALLED]
+    assert decide(0, [busy, STALLED]).waited_for == []  # control: not named, and this node's rank still busy
+
+
+class _Heard:
+    def __init__(self, heard: dict[int, frozenset[int]]) -> None:
+        self._heard = heard
+
+    def heard(self) -> dict[int, frozenset[int]]:
+        return self._heard
+
+
+def test_the_named_ranks_agent_ends_it_once_every_other_node_has_said_where_its_ranks_wait():
+    link = watch_nodes.Link(10.0)
+    assert link.heard([1])  # one node: nobody to hear
+    link.exchange = _Heard({0: frozenset(), 2: frozenset({1})})  # type: ignore[assignment]
+    assert not link.heard([1])  # node 0 has not said so yet
+    link.exchange = _Heard({0: frozenset({1}), 2: frozenset({1})})  # type: ignore[assignment]
+    assert link.heard([1])
