@@ -13,7 +13,8 @@ Changes to the agent torchrun has no option for (a subclass, installed by :func:
 - workers are forked from a server that imported torch once for the job (:mod:`ddpkit.launch.forked_workers`),
   so a restart does not start an interpreter and import torch again;
 - a rank that stops making progress while the others wait for it is named in seconds, and the job ended
-  (:mod:`ddpkit.launch.watch`); before each restart the failure is summarised as at a job's end.
+  (:mod:`ddpkit.launch.watch`), across nodes through the rendezvous store (:mod:`ddpkit.launch.watch_nodes`);
+  before each restart the failure is summarised as at a job's end.
 """
 
 from __future__ import annotations

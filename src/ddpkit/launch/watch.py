@@ -2,20 +2,23 @@
 
 Each rank keeps a record of its step and phase in a folder the agent makes for the job in node-local shared
 memory (:mod:`ddpkit.distributed.progress`). The agent reads its own node's records at every poll of its
-workers, without a collective; across nodes, each node's agent watches its own ranks.
+workers, without a collective; across nodes, each agent publishes a summary of its ranks to the job's
+rendezvous store and judges with every node's (:mod:`ddpkit.launch.watch_nodes`).
 
 A rank is named when it is *behind* (the lowest step, then the lowest count of collectives entered, then the
-earliest phase of a step), at least one other rank of the node is ahead of it (waits for it, or goes on), and
+earliest phase of a step), at least one other rank of the job is ahead of it (waits for it, or goes on), and
 its record has not changed for longer than its allowance: ``max(floor, factor x its median step)``, or
 ``long_factor x floor`` during its first step (compilation, warm-up) and while it saves a snapshot. Ranks that
 are all at the same place (everyone in a long evaluation, or in one collective the network holds up) are left
 to the collective timeout: nothing says which of them is the cause.
 
-Then the agent says, for each of its ranks: host, pid, the process's state (``/proc/PID/stat``: a stopped
+Then the agent of its node says, for each of its ranks: host, pid, the process's state (``/proc/PID/stat``: a stopped
 process cannot answer), step, phase, seconds since its last mark, and its Python stack (asked with SIGUSR2,
 :func:`ddpkit.launch.worker.dump_stack_on_request`); for collectives, which ranks wait in which and who has
-not arrived. With ``on_stall="end"`` (the default) it kills the stalled rank (SIGKILL: a stopped process
-cannot act on a SIGTERM), so the job ends, or restarts under ``--max-restarts``, with that summary.
+not arrived; for the other nodes' ranks, where their agents last saw them. With ``on_stall="end"`` (the
+default) it kills the stalled rank (SIGKILL: a stopped process cannot act on a SIGTERM), so the job ends, or
+restarts under ``--max-restarts``, with that summary. The other nodes' agents say which rank their ranks wait
+for, with their own ranks' stacks.
 """
 
 from __future__ import annotations
