@@ -282,6 +282,7 @@ class Watch:
         lines += self._rank_lines(live, now)
         print("\n".join(lines), file=sys.stderr, flush=True)
         self.link.said |= {v.rank for v in waited}
+        self.link.awaited = waited
         self.link.publish(live, want=True)  # the stalled rank's agent waits for this before it kills it
         if not end:
             return None
@@ -355,7 +356,7 @@ class Watch:
         ranks this node's waited for."""
         now = self.clock()
         views = [self.view(r, now) for r in self.ranks.values() if r.record is not None]
-        views += [v for v in self.link.remote if v.rank in self.link.said]
+        views += self.link.awaited
         said = " (stalled: this node's ranks waited for it)"
         return "; ".join(
             self._at(v) + (said if v.node != self.link.node else "") for v in sorted(views, key=lambda v: v.rank)

@@ -31,7 +31,7 @@ from typing import Any
 
 from ddpkit.distributed.progress import OPS, PHASE_NAMES, Phase
 
-KEY = "ddpkit.watch.node{}"
+KEY = "ddpkit_watch/node{}"
 """The store key of node N's summary, under the prefix torch gives each rendezvous round: a restarted job's
 agents never read the summaries of the attempt before."""
 MAX_BYTES = 16384
@@ -185,6 +185,8 @@ class Link:
         """This node's ranks its agent named."""
         self.said: set[int] = set()
         """The other nodes' ranks this node said its ranks wait for."""
+        self.awaited: list[View] = []
+        """Those ranks as this node last saw them (for the summary at the job's end, once they are gone)."""
         self.waiting = Waiting(grace, {})
         self.ending: tuple[Any, float] | None = None
         """The stall named here, and when to end it at the latest, while the other nodes are heard."""
@@ -193,6 +195,7 @@ class Link:
     def reset(self) -> None:
         self.named.clear()
         self.said.clear()
+        self.awaited = []
         self.waiting.since.clear()
         self.ending = None
 

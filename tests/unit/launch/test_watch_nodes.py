@@ -183,6 +183,8 @@ def test_two_nodes_watches_name_the_rank_and_the_wait(store, tmp_path, capsys):
         assert "rank 0 on host host0 at step 6" in err, err
         assert "ddpkit run: waiting for rank 1 on host host1: no progress for" in err, err
         assert "its node's agent names it" in err, err
+        # After the job's end, node 0's summary says where rank 1 was, from node 1's word.
+        assert "rank 1 on host host1 at step 5" in watches[0].where(), watches[0].where()
     finally:
         for w in watches:
             w.disconnect()
