@@ -212,3 +212,44 @@ def test_the_named_ranks_agent_ends_it_once_every_other_node_has_said_where_its_
     assert not link.heard([1])  # node 0 has not said so yet
     link.exchange = _Heard({0: frozenset({1}), 2: frozenset({1})})  # type: ignore[assignment]
     assert link.heard([1])
+
+
+@pytest.mark.parametrize("named", [set(), {1}], ids=["silent", "control-named"])
+def test_a_waiting_node_ends_its_own_workers_when_the_stalled_ranks_agent_stays_silent(store, tmp_path, named):
+    """Node 1's summary (written by hand: its agent says nothing more) shows rank 1 stalled; node 0's rank (a
+    real process) waits. Past the grace node 0's agent kills its own worker, ending the job. Control: node 1's
+    agent named rank 1, so node 0 leaves the ending to it."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        clock = Clock()
+        clock.now = 1000.0
+        w = watch.Watch(tmp_path, watch.StallPolicy(floor=3.0), None, clock=clock)
+        w.start_attempt({0: (0, child.pid)})
+        data = RECORD.pack(MAGIC, child.pid, 1, Phase.LOOP, 30, 6, 6, 0, 0.0, 0.1)
+        (tmp_path / "rank0.progress").write_bytes(data)
+        store.set(watch_nodes.KEY.format(1), encode(1, "host1", 1, named, [STALLED]))
+        w.connect(store, 0, 2)
+        w.link.exchange.every = 0.05  # type: ignore[union-attr]
+
+        def poll(t: float):
+            clock.now = t
+            w._next_poll = 0.0
+            return w.poll({0})
+
+        poll(1000.0)
+        _until(lambda: (poll(1004.0), w.link.said)[1] == {1})  # said once it read node 1's summary
+        assert poll(1004.0 + 9.0) is None and child.poll() is None  # within the grace
+        stall = poll(1004.0 + 10.5)
+        if named:
+            assert stall is None and child.poll() is None
+        else:
+            assert stall is not None and stall.ranks == [0]
+            assert "its node's agent has not named it 10 s after" in "\n".join(stall.report)
+            assert child.wait(timeout=30) == -9
+    finally:
+        w.disconnect()
+        child.kill()
+        child.wait()
