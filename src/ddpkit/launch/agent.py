@@ -201,8 +201,8 @@ class Agent(HookedAgent):
         store = getattr(worker_group, "store", None)  # the rendezvous round's: a new one at each restart
         if store is not None and self._published_to is not store and processes:
             self._published_to = store
-            spec = worker_group.spec
-            self.watch.connect(store, worker_group.group_rank or 0, worker_group.group_world_size or 1, spec.local_addr)
+            addr = getattr(worker_group.spec, "local_addr", None)  # not in every torch version
+            self.watch.connect(store, worker_group.group_rank or 0, worker_group.group_world_size or 1, addr)
         running = {w.global_rank for w in worker_group.workers if processes[w.local_rank].poll() is None}
         self.watch.poll(running)
 

@@ -391,7 +391,9 @@ class Exchange:
             present = [n for n in others if self.store.check([KEY.format(n)])]
         if not present:
             return
-        values = self.store.multi_get([KEY.format(n) for n in present])
+        keys = [KEY.format(n) for n in present]
+        many = getattr(self.store, "multi_get", None)  # one round trip, where torch's store has it
+        values = many(keys) if many is not None else [self.store.get(k) for k in keys]
         now = self.clock()
         for n, raw in zip(present, values, strict=True):
             summary = decode(bytes(raw))
