@@ -34,8 +34,8 @@ from ddpkit.distributed.progress import OPS, PHASE_NAMES, Phase
 KEY = "ddpkit_watch/node{}"
 """The store key of node N's summary, under the prefix torch gives each rendezvous round: a restarted job's
 agents never read the summaries of the attempt before."""
-MAX_BYTES = 16384
-"""A summary longer than this is not read (a node of 128 ranks writes about 8 KB)."""
+MAX_BYTES = 65536
+"""A summary longer than this is not read (a node of 1,024 ranks, the most ``--nproc`` takes, writes about 42 KB)."""
 GRACE = 10.0
 """Seconds a waiting node gives the stalled rank's own agent to name it, at least (the floor when longer)."""
 HEARD_WAIT = 5.0
@@ -150,8 +150,8 @@ class Waiting:
     stalled for :data:`GRACE` seconds (or the floor, when longer) without its agent naming it ends its own
     workers, and the job with them, rather than wait out the collective timeout. That happens only when that
     agent cannot act: it stopped publishing (killed, stuck, cut off from the store), so its summary ages on the
-    reader's clock, or its poll is stuck. An agent that does publish and chose not to end the job (``--on-stall
-    warn``) still lists the rank as named, and is left to its choice.
+    reader's clock, or its poll is stuck. An agent that does publish and chose not to end the job
+    (``--on-stall warn``) still lists the rank as named, and is left to its choice.
     """
 
     grace: float
