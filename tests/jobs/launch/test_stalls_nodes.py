@@ -51,8 +51,10 @@ class Node:
         return next(((t, line) for t, line in self.lines if re.search(pattern, line)), None)
 
 
-def _run(nodes, cwd: Path, port: int, flags: list[str], timeout: float = 240) -> tuple[Node, Node, float]:
-    """The sleep job on both nodes; (the node of rank 1, the other, when rank 1 began to sleep)."""
+def _run(
+    nodes, cwd: Path, port: int, flags: list[str], mode: str = "sleep", timeout: float = 240
+) -> tuple[Node, Node, float]:
+    """The stall job in ``mode`` on both nodes; (the node of rank 1, the other, when rank 1 stalled)."""
     env = netns.clean_env() | {"DDPKIT_RDZV_SECRET": SECRET}
     (_, addr_a), _ = nodes
     argv = [*DDPKIT, "run", "--nnodes", "2", "--nproc", "1", "--rdzv-endpoint", f"{addr_a}:{port}", *flags]
@@ -61,7 +63,7 @@ def _run(nodes, cwd: Path, port: int, flags: list[str], timeout: float = 240) ->
         folder = cwd / ns
         folder.mkdir(parents=True)
         proc = subprocess.Popen(
-            ["ip", "netns", "exec", ns, *argv, STALL_JOB, "sleep"],
+            ["ip", "netns", "exec", ns, *argv, STALL_JOB, mode],
             cwd=folder,
             env=env,
             stdout=subprocess.PIPE,
@@ -85,31 +87,37 @@ def _run(nodes, cwd: Path, port: int, flags: list[str], timeout: float = 240) ->
     for reader in readers:
         reader.join(timeout=10)
     ran = [Node(ns, addr, code, lines) for (ns, addr), code, lines in zip(nodes, codes, outputs, strict=True)]
-    stalls = [n for n in ran if n.first(r"rank 1 stalls \(sleep\)")]
+    stalls = [n for n in ran if n.first(rf"rank 1 stalls \({mode}\)")]
     assert len(stalls) == 1, [n.text[-3000:] for n in ran]
-    found = stalls[0].first(r"rank 1 stalls \(sleep\) after step \d+ at ([0-9.]+)")
+    found = stalls[0].first(rf"rank 1 stalls \({mode}\) after step \d+ at ([0-9.]+)")
     assert found is not None
     stalled_at = float(re.search(r" at ([0-9.]+)", found[1])[1])  # type: ignore[index]
     other = next(n for n in ran if n is not stalls[0])
     return stalls[0], other, stalled_at
 
 
-def test_a_rank_stalled_on_one_node_is_named_by_its_node_and_awaited_by_the_other(nodes, tmp_path):
-    b, a, stalled_at = _run(nodes, tmp_path / "on", 29410, ["--stall-timeout", FLOOR, "--collective-timeout", "60"])
+@pytest.mark.parametrize(
+    ("mode", "state", "port"), [("sleep", "sleeping", 29410), ("stop", "stopped (SIGSTOP)", 29412)]
+)
+def test_a_rank_stalled_on_one_node_is_named_by_its_node_and_awaited_by_the_other(nodes, tmp_path, mode, state, port):
+    """Rank 1 sleeps in user code between steps, or stops itself with SIGSTOP (its agent alone can tell)."""
+    b, a, stalled_at = _run(
+        nodes, tmp_path / "on", port, ["--stall-timeout", FLOOR, "--collective-timeout", "60"], mode
+    )
     named = b.first(r"ddpkit run: rank 1 stalled:")
     assert named is not None, b.text[-5000:]
     headline = named[1]
-    assert f"({b.addr}), sleeping, at step 5, in its loop" in headline, headline
+    assert f"({b.addr}), {state}, at step 5, in its loop" in headline, headline
     assert "rank 0 on host" in headline and f"({a.addr}) at step 6" in headline, headline
     # The floor (3 s), the polls and the exchange through the store (0.5 s each), the stacks (at most 3 s),
     # on a machine shared by many: far below the collective timeout.
     to_named = named[0] - stalled_at
     assert to_named < 3 + 9, (to_named, b.text[-5000:])
-    print(f"\nrank 1 named by its node {to_named:.1f} s after it stalled")
+    print(f"\n{mode}: rank 1 named by its node {to_named:.1f} s after it stalled")
 
     waits = a.first(r"ddpkit run: waiting for rank 1 on host")
     assert waits is not None, a.text[-5000:]
-    assert f"({b.addr}): no progress for" in waits[1] and "sleeping, at step 5" in waits[1], waits[1]
+    assert f"({b.addr}): no progress for" in waits[1] and f"{state}, at step 5" in waits[1], waits[1]
     assert "its node's agent names it" in a.text
 
     assert b.code not in (0, None) and a.code not in (0, None), (b.text[-3000:], a.text[-3000:])
