@@ -190,21 +190,8 @@ class Watch:
     def view(self, r: _Rank, now: float, state: str = "") -> View:
         rec = r.record
         step, coll, phase, op = (rec.step, rec.coll, rec.phase, rec.op) if rec else (-1, 0, 0, "collective")
-        idle = now - r.changed_at
-        return View(
-            r.rank,
-            self.link.node,
-            self.link.host,
-            r.local_rank,
-            r.pid,
-            step,
-            coll,
-            phase,
-            op,
-            idle,
-            self.allowance(r),
-            state,
-        )
+        fields = (step, coll, phase, op, now - r.changed_at, self.allowance(r), state)
+        return View(r.rank, self.link.node, self.link.host, r.local_rank, r.pid, *fields)
 
     def poll(self, running: set[int]) -> Stall | None:
         """Read the records (at most every :data:`POLL_EVERY` s); the stall found among the ``running`` ranks
@@ -225,7 +212,7 @@ class Watch:
         named = self.link.trade(live)
         verdict = nodes.decide(self.link.node, live + self.link.remote, named)
         overdue = self.link.waiting.overdue(verdict.waited_for, named, now)
-        if verdict.waited_for:
+        if verdict.waited_for and not verdict.stalled:  # a stalled rank of its own is this node's to name
             return self._wait(verdict.waited_for, overdue, live, now)
         if not verdict.stalled:
             return None

@@ -253,3 +253,11 @@ def test_a_waiting_node_ends_its_own_workers_when_the_stalled_ranks_agent_stays_
         w.disconnect()
         child.kill()
         child.wait()
+
+
+def test_two_nodes_stalled_at_one_place_are_each_named_by_their_own_node():
+    job = [WAITING, STALLED, view(2, 2, step=5, idle=4.0)]
+    assert [v.rank for v in decide(1, job).stalled] == [1] and [v.rank for v in decide(2, job).stalled] == [2]
+    assert [v.rank for v in decide(0, job).waited_for] == [1, 2]
+    # node 1 names its own rank, and says nothing of rank 2 until node 2's agent names it
+    assert decide(1, job).waited_for == [] and [v.rank for v in decide(1, job, named={2}).waited_for] == [2]
