@@ -12,7 +12,8 @@ job writes one small value per node and poll and reads none.
 Every agent then judges the same view (:func:`decide`): the rank behind all others, idle past its allowance,
 is named by the agent of its node, the one that can read its ``/proc`` state, ask for its stack and kill it; an
 agent whose own ranks are idle waiting for a stalled rank of another node says which one, on which host, doing
-what, and leaves the ending to that rank's agent (see :class:`Waiting` for when it ends the job itself).
+what, with its own ranks' stacks, and leaves the ending to that rank's agent, which kills the rank once the
+others have said so (:data:`HEARD_WAIT`); see :class:`Waiting` for when a waiting node ends the job itself.
 
 Times are never compared across machines: a summary carries durations, and a reader ages them by its own
 clock from the moment it first saw that publication (each carries a count that every publication raises), so
