@@ -13,7 +13,8 @@ Changes to the agent torchrun has no option for (a subclass, installed by :func:
 - workers are forked from a server that imported torch once for the job (:mod:`ddpkit.launch.forked_workers`),
   so a restart does not start an interpreter and import torch again;
 - a rank that stops making progress while the others wait for it is named in seconds, and the job ended
-  (:mod:`ddpkit.launch.watch`); before each restart the failure is summarised as at a job's end.
+  (:mod:`ddpkit.launch.watch`), across nodes through the rendezvous store (:mod:`ddpkit.launch.watch_nodes`);
+  before each restart the failure is summarised as at a job's end.
 """
 
 from __future__ import annotations
@@ -179,6 +180,7 @@ class Agent(HookedAgent):
         super().__init__(*args, **kwargs)
         self._stacks_asked: int | None = None
         self._watched: int | None = None
+        self._published_to: Any = None
         folder, stacks = os.environ.get(watch.DIR_ENV), os.environ.get("DDPKIT_STACK_DIR")
         self.watch = watch.Watch(Path(folder), self.policy, Path(stacks) if stacks else None) if folder else None
         self.where = ""
@@ -196,18 +198,27 @@ class Agent(HookedAgent):
             self.watch.start_attempt(
                 {w.global_rank: (w.local_rank, processes[w.local_rank].pid) for w in worker_group.workers}
             )
+        store = getattr(worker_group, "store", None)  # the rendezvous round's: a new one at each restart
+        if store is not None and self._published_to is not store and processes:
+            self._published_to = store
+            addr = getattr(worker_group.spec, "local_addr", None)  # not in every torch version
+            self.watch.connect(store, worker_group.group_rank or 0, worker_group.group_world_size or 1, addr)
         running = {w.global_rank for w in worker_group.workers if processes[w.local_rank].poll() is None}
         self.watch.poll(running)
 
     def after_monitor(self, worker_group: Any, result: Any) -> None:
-        if result.state != WorkerState.FAILED:
+        failed = result.state == WorkerState.FAILED
+        if self.watch is not None and (failed or result.state == WorkerState.SUCCEEDED):
+            if failed and self.watch.stall is None and not preempted(result.failures):
+                self.watch.read()  # a stall's headline says where they were
+                self.where = self.watch.where()
+            self.watch.disconnect()  # the other nodes no longer count this node's ranks
+            self._published_to = None
+        if not failed:
             return
         if preempted(result.failures):
             self.stop_restarting()
             return
-        if self.watch is not None and self.watch.stall is None:  # a stall's headline says where they were
-            self.watch.read()
-            self.where = self.watch.where()
         if self.restarts_left() > 0:  # torchrun restarts next: say what failed first, as at a job's end
             stall = self.watch.stall if self.watch is not None else None
             print(summarize_failure(result, stall=stall, where=self.where), file=sys.stderr, flush=True)
@@ -242,6 +253,8 @@ class Agent(HookedAgent):
                         os.kill(proc.pid, signal.SIGKILL)
 
     def after_shutdown(self) -> None:
+        if self.watch is not None:
+            self.watch.disconnect()
         # A worker torchrun gave up on (stuck in the kernel) keeps its Popen, which alone may collect it.
         unreaped = [proc.pid for proc in self.worker_processes().values() if proc.returncode is None]
         server = forked_workers.current()  # serves the next attempt's workers too

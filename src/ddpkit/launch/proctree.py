@@ -62,6 +62,13 @@ def _stat(pid: int) -> tuple[str, int, int, int] | None:
     return fields[0], int(fields[1]), int(fields[2]), int(fields[19])
 
 
+def state_code(pid: int) -> str:
+    """The state of ``pid`` as ``/proc/PID/stat`` gives it (``R``, ``S``, ``D``, ``T``, ``Z``...); ``?`` once it
+    is gone."""
+    stat = _stat(pid)
+    return stat[0] if stat is not None else "?"
+
+
 def parent_of(pid: int) -> int | None:
     """The parent pid of ``pid``; None once it is gone."""
     stat = _stat(pid)

@@ -2,20 +2,23 @@
 
 Each rank keeps a record of its step and phase in a folder the agent makes for the job in node-local shared
 memory (:mod:`ddpkit.distributed.progress`). The agent reads its own node's records at every poll of its
-workers, without a collective; across nodes, each node's agent watches its own ranks.
+workers, without a collective; across nodes, each agent publishes a summary of its ranks to the job's
+rendezvous store and judges with every node's (:mod:`ddpkit.launch.watch_nodes`).
 
 A rank is named when it is *behind* (the lowest step, then the lowest count of collectives entered, then the
-earliest phase of a step), at least one other rank of the node is ahead of it (waits for it, or goes on), and
+earliest phase of a step), at least one other rank of the job is ahead of it (waits for it, or goes on), and
 its record has not changed for longer than its allowance: ``max(floor, factor x its median step)``, or
 ``long_factor x floor`` during its first step (compilation, warm-up) and while it saves a snapshot. Ranks that
 are all at the same place (everyone in a long evaluation, or in one collective the network holds up) are left
 to the collective timeout: nothing says which of them is the cause.
 
-Then the agent says, for each of its ranks: host, pid, the process's state (``/proc/PID/stat``: a stopped
+Then the agent of its node says, for each of its ranks: host, pid, the process's state (``/proc/PID/stat``: a stopped
 process cannot answer), step, phase, seconds since its last mark, and its Python stack (asked with SIGUSR2,
 :func:`ddpkit.launch.worker.dump_stack_on_request`); for collectives, which ranks wait in which and who has
-not arrived. With ``on_stall="end"`` (the default) it kills the stalled rank (SIGKILL: a stopped process
-cannot act on a SIGTERM), so the job ends, or restarts under ``--max-restarts``, with that summary.
+not arrived; for the other nodes' ranks, where their agents last saw them. With ``on_stall="end"`` (the
+default) it kills the stalled rank (SIGKILL: a stopped process cannot act on a SIGTERM), so the job ends, or
+restarts under ``--max-restarts``, with that summary. The other nodes' agents say which rank their ranks wait
+for, with their own ranks' stacks.
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ import contextlib
 import os
 import secrets
 import signal
-import socket
 import statistics
 import sys
 import time
@@ -32,10 +34,15 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ddpkit import fs
-from ddpkit.distributed.progress import DIR_ENV, MAGIC, OPS, PHASE_NAMES, RECORD, SIZE, Phase
+from ddpkit.distributed.progress import DIR_ENV, MAGIC, OPS, RECORD, SIZE, Phase
 from ddpkit.errors import ConfigError
+from ddpkit.launch import watch_nodes as nodes
+from ddpkit.launch.proctree import state_code
+from ddpkit.launch.watch_nodes import STATES, View
+from ddpkit.launch.worker import ask_stacks
 from ddpkit.snapshot.memory import folder as memory_folder
 
 TIMEOUT_ENV = "DDPKIT_STALL_TIMEOUT"
@@ -44,29 +51,6 @@ DEFAULT_FLOOR = 30.0
 """The floor in seconds when neither ``--stall-timeout`` nor :data:`TIMEOUT_ENV` gives one."""
 POLL_EVERY = 0.5
 """Seconds between two reads of the records (torchrun polls its workers every 0.1 s)."""
-
-# Where a phase falls within a step, for telling who is behind at the same step and collective count.
-_ORDER = {
-    Phase.STARTING: 0,
-    Phase.DATA: 1,
-    Phase.LOOP: 2,
-    Phase.FORWARD_BACKWARD: 2,
-    Phase.OPTIMIZER: 3,
-    Phase.SNAPSHOT: 4,
-    Phase.USER: 4,
-    Phase.COLLECTIVE: 5,  # arrived, waiting for the others
-}
-
-_STATES = {
-    "R": "running",
-    "S": "sleeping",
-    "D": "in disk sleep (uninterruptible: waiting on a file system or device)",
-    "T": "stopped (SIGSTOP)",
-    "t": "stopped by a debugger",
-    "Z": "zombie (exited, not yet collected)",
-    "X": "dead",
-    "I": "idle",
-}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,15 +83,6 @@ class Record:
     step_at: float
     last_step: float
 
-    @property
-    def position(self) -> tuple[int, int, int]:
-        return self.step, self.coll, _ORDER.get(self.phase, 0)
-
-    def doing(self) -> str:
-        if self.phase == Phase.COLLECTIVE:
-            return f"in collective {self.op} #{self.coll}"
-        return PHASE_NAMES.get(self.phase, f"phase {int(self.phase)}")
-
 
 def read_record(path: Path) -> Record | None:
     """The rank's record at ``path``; None when missing or not (yet) one. Read twice: the rank may be writing."""
@@ -128,12 +103,8 @@ def read_record(path: Path) -> Record | None:
 
 def process_state(pid: int) -> str:
     """The state of process ``pid`` in words, from ``/proc/PID/stat``."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return "gone"
-    code = text.rsplit(")", 1)[1].split()[0]  # the command name in (...) may hold spaces
-    return _STATES.get(code, code)
+    code = state_code(pid)
+    return STATES.get(code, code)
 
 
 @dataclass
@@ -162,7 +133,8 @@ class Stall:
 
 
 class Watch:
-    """The stall watch of one node's ranks for one attempt of the workers."""
+    """The stall watch of one node's ranks for one attempt of the workers; with :meth:`connect`, judged with the
+    other nodes' ranks (:mod:`ddpkit.launch.watch_nodes`)."""
 
     def __init__(
         self,
@@ -172,10 +144,10 @@ class Watch:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.folder, self.policy, self.stack_dir, self.clock = folder, policy, stack_dir, clock
-        self.host = socket.gethostname()
         self.ranks: dict[int, _Rank] = {}
         self.stall: Stall | None = None
-        self._warned: set[tuple[int, int]] = set()
+        self.link = nodes.Link(max(nodes.GRACE, policy.floor))
+        self._warned: set[tuple[int, ...]] = set()
         self._next_poll = 0.0
 
     def start_attempt(self, workers: dict[int, tuple[int, int]]) -> None:
@@ -183,7 +155,17 @@ class Watch:
         now = self.clock()
         self.ranks = {g: _Rank(g, local, pid, changed_at=now) for g, (local, pid) in workers.items()}
         self.stall = None
+        self.link.reset()
         self._warned.clear()
+
+    def connect(self, store: Any, node: int, count: int, addr: str | None = None) -> None:
+        """Publish this node's ranks to the rendezvous round's ``store`` and judge with the other nodes' (this
+        is node ``node`` of ``count``; ``addr``: its address, shown beside its host name)."""
+        self.link.connect(store, node, count if self.policy.on else 1, addr, POLL_EVERY)
+
+    def disconnect(self) -> None:
+        """Say that this node's ranks have exited, and stop publishing."""
+        self.link.close()
 
     def read(self) -> None:
         now = self.clock()
@@ -205,128 +187,167 @@ class Watch:
             return max(base, p.long_factor * p.floor)
         return base
 
+    def view(self, r: _Rank, now: float, state: str = "") -> View:
+        rec = r.record
+        step, coll, phase, op = (rec.step, rec.coll, rec.phase, rec.op) if rec else (-1, 0, 0, "collective")
+        fields = (step, coll, phase, op, now - r.changed_at, self.allowance(r), state)
+        return View(r.rank, self.link.node, self.link.host, r.local_rank, r.pid, *fields)
+
     def poll(self, running: set[int]) -> Stall | None:
         """Read the records (at most every :data:`POLL_EVERY` s); the stall found among the ``running`` ranks
-        (global), if any, said and acted on once."""
+        (global) and the other nodes' ranks, if any, said and acted on once."""
         now = self.clock()
+        if self.link.ending is not None:
+            self._end_when_heard(now)
+            return None
         if not self.policy.on or self.stall is not None or now < self._next_poll:
             return None
         self._next_poll = now + POLL_EVERY
         self.read()
-        live = [r for g, r in self.ranks.items() if g in running]
-        if len(live) < 2 or any(r.record is None for r in live):
-            return None  # a rank not yet at its first mark, or no other rank to compare with
-        lowest = min(r.record.position for r in live if r.record)
-        behind = [r for r in live if r.record and r.record.position == lowest]
-        if len(behind) == len(live):
+        live = [
+            self.view(r, now, state_code(r.pid) if self.link.exchange else "")
+            for g, r in self.ranks.items()
+            if g in running
+        ]
+        named = self.link.trade(live)
+        verdict = nodes.decide(self.link.node, live + self.link.remote, named)
+        overdue = self.link.waiting.overdue(verdict.waited_for, named, now)
+        if verdict.waited_for and not verdict.stalled:  # a stalled rank of its own is this node's to name
+            return self._wait(verdict.waited_for, overdue, live, now)
+        if not verdict.stalled:
             return None
-        stalled = [r for r in behind if now - r.changed_at > self.allowance(r)]
-        if not stalled:
-            return None
+        stalled = [self.ranks[v.rank] for v in verdict.stalled]
         key = (stalled[0].rank, stalled[0].record.seq if stalled[0].record else 0)
         if key in self._warned:
             return None
         self._warned.add(key)
+        self.link.named |= {r.rank for r in stalled}
         stall = self._describe(stalled, now)
         print("\n".join(stall.report), file=sys.stderr, flush=True)
         if self.policy.on_stall == "end":
             self.stall = stall
-            for r in self.ranks.values():  # the stalled, and any stopped rank: neither can act on a SIGTERM
-                if r.rank in stall.ranks or process_state(r.pid).startswith("stopped"):
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(r.pid, signal.SIGKILL)
+            self.link.ending = (stall, now + nodes.HEARD_WAIT)
+            self.link.publish(live, want=True)  # that it named them, at once
+            self._end_when_heard(now)
         return stall
+
+    def _end_when_heard(self, now: float) -> None:
+        """Kill the named ranks once every other node's agent said where its ranks wait (their stacks are lost
+        when the kill fails their collectives), or :data:`~ddpkit.launch.watch_nodes.HEARD_WAIT` s after."""
+        assert self.link.ending is not None
+        stall, deadline = self.link.ending
+        if now < deadline and not self.link.heard(stall.ranks):
+            return
+        self.link.ending = None
+        for r in self.ranks.values():  # the stalled, and any stopped rank: neither can act on a SIGTERM
+            if r.rank in stall.ranks or process_state(r.pid).startswith("stopped"):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(r.pid, signal.SIGKILL)
+
+    def _wait(self, waited: list[View], overdue: list[View], live: list[View], now: float) -> Stall | None:
+        """Say once which other node's rank this node's ranks wait for; end them once it is ``overdue``."""
+        first = waited[0]
+        key = (-1, first.rank, first.step, first.coll, bool(overdue))
+        if key in self._warned:
+            return None
+        self._warned.add(key)
+        names = ", ".join(f"rank {v.rank} on host {v.host}" for v in waited)
+        headline = (
+            f"ddpkit run: waiting for {names}: no progress for {first.idle:.1f} s (allowed {first.allowance:.1f} s), "
+            f"{first.state_words()}, at step {first.step}, {first.doing()}; "
+            + "; ".join(self._at(v) for v in sorted(live, key=lambda v: v.rank))
+        )
+        end = self.policy.on_stall == "end" and bool(overdue)
+        if end:
+            lines = [
+                headline,
+                f"  its node's agent has not named it {self.link.waiting.grace:.0f} s after this node saw it stalled; "
+                "ending this node's workers (SIGKILL), and the job with them",
+            ]
+        else:
+            lines = [headline, "  its node's agent names it, with its state and stack, and ends the job"]
+        lines += self._rank_lines(live, now)
+        print("\n".join(lines), file=sys.stderr, flush=True)
+        self.link.said |= {v.rank for v in waited}
+        self.link.awaited = waited
+        self.link.publish(live, want=True)  # the stalled rank's agent waits for this before it kills it
+        if not end:
+            return None
+        stall = Stall([v.rank for v in live], headline, lines)
+        self.stall = stall
+        for v in live:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(v.pid, signal.SIGKILL)
+        return stall
+
+    def _at(self, v: View) -> str:
+        host = f" on host {v.host}" if self.link.multi else ""
+        return f"rank {v.rank}{host} at step {v.step}, {v.doing()}"
 
     def _describe(self, stalled: list[_Rank], now: float) -> Stall:
         names = ", ".join(f"rank {r.rank}" for r in stalled)
         first = stalled[0]
-        rec = first.record
-        assert rec is not None
+        rec = self.view(first, now)
         state = process_state(first.pid)
-        others = [r for r in self.ranks.values() if r.rank not in {s.rank for s in stalled} and r.record is not None]
-        ahead = "; ".join(f"rank {r.rank} at step {r.record.step}, {r.record.doing()}" for r in others if r.record)
+        skip = {s.rank for s in stalled}
+        others = [self.view(r, now) for r in self.ranks.values() if r.rank not in skip and r.record is not None]
+        others += [v for v in self.link.remote if v.marked]
+        others.sort(key=lambda v: v.rank)
+        ahead = "; ".join(self._at(v) for v in others)
+        where = f" on host {self.link.host}" if self.link.multi else ""
         headline = (
             f"ddpkit run: {names} stalled: no progress for {now - first.changed_at:.1f} s (allowed "
-            f"{self.allowance(first):.1f} s), {state}, at step {rec.step}, {rec.doing()}"
+            f"{self.allowance(first):.1f} s){where}, {state}, at step {rec.step}, {rec.doing()}"
             + (f"; {ahead}" if ahead else "")
         )
         lines = [headline]
-        waiting = [r for r in others if r.record and r.record.phase == Phase.COLLECTIVE and r.record.coll > rec.coll]
+        waiting = [v for v in others if v.phase == Phase.COLLECTIVE and v.coll > rec.coll]
         if waiting:
-            op, seq = waiting[0].record.op, waiting[0].record.coll  # type: ignore[union-attr]
+            op, seq = waiting[0].op, waiting[0].coll
             lines.append(
-                f"  collective {op} #{seq}: rank(s) {', '.join(str(r.rank) for r in waiting)} wait in it; "
+                f"  collective {op} #{seq}: rank(s) {', '.join(self._who(v) for v in waiting)} wait in it; "
                 f"{names} ha{'ve' if len(stalled) > 1 else 's'} not arrived (entered {rec.coll} collective(s))"
             )
-        dumps = self._stacks([r for r in self.ranks.values() if not process_state(r.pid).startswith("stopped")])
-        for r in sorted(self.ranks.values(), key=lambda r: r.rank):
-            state = process_state(r.pid)
-            where = (
-                f"step {r.record.step}, {r.record.doing()}, {now - r.changed_at:.0f} s since its last mark"
-                if r.record
-                else "no mark yet"
-            )
-            lines.append(
-                f"  rank {r.rank} (local rank {r.local_rank}, host {self.host}, pid {r.pid}): {state}; {where}"
-            )
-            if state.startswith("stopped"):
-                lines.append("    (a stopped process cannot answer for its stack)")
-            for frame in dumps.get(r.rank, []):
-                lines.append(f"    {frame}")
+        views = [self.view(r, now) for r in self.ranks.values()] + self.link.remote
+        lines += self._rank_lines(views, now)
         if self.policy.on_stall == "end":
             lines.append(f"  ending the job: {names} killed (SIGKILL); --on-stall warn only says so")
         else:
             lines.append("  the job goes on (--on-stall warn)")
         return Stall([r.rank for r in stalled], headline, lines)
 
-    def _stacks(self, ranks: list[_Rank], wait: float = 3.0, lines: int = 10) -> dict[int, list[str]]:
-        """Each rank's main-thread stack, innermost first, asked now (SIGUSR2): only what it writes from now."""
-        if self.stack_dir is None:
-            return {}
-        paths = {r.rank: self.stack_dir / f"rank{r.rank}.txt" for r in ranks}
-        before = {g: p.stat().st_size if p.exists() else 0 for g, p in paths.items()}
-        asked = []
-        for r in ranks:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(r.pid, signal.SIGUSR2)
-                asked.append(r.rank)
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and not all(
-            paths[g].exists() and paths[g].stat().st_size > before[g] for g in asked
-        ):
-            time.sleep(0.05)  # written from the workers' signal handlers: nothing to wait on but the files
-        time.sleep(0.1)  # a dump just begun is written whole within milliseconds
-        out = {}
-        for g in asked:
-            with contextlib.suppress(OSError), open(paths[g], "rb") as f:
-                f.seek(before[g])
-                out[g] = main_frames(f.read().decode(errors="replace"))[:lines]
-        return out
+    def _who(self, v: View) -> str:
+        return f"{v.rank} (host {v.host})" if self.link.multi else str(v.rank)
+
+    def _rank_lines(self, views: list[View], now: float) -> list[str]:
+        """A line per rank with its stack (this node's) or where its node's agent last saw it (another's)."""
+        mine = [self.ranks[v.rank] for v in views if v.node == self.link.node and v.rank in self.ranks]
+        asked = {r.rank: r.pid for r in mine if not process_state(r.pid).startswith("stopped")}
+        dumps = ask_stacks(self.stack_dir, asked) if self.stack_dir is not None else {}
+        lines = []
+        for v in sorted(views, key=lambda v: v.rank):
+            remote = v.node != self.link.node
+            state = v.state_words() if remote else process_state(v.pid)
+            where = f"step {v.step}, {v.doing()}, {v.idle:.0f} s since its last mark" if v.marked else "no mark yet"
+            if remote:
+                where += " (as its node's agent last published it)"
+            lines.append(f"  rank {v.rank} (local rank {v.local_rank}, host {v.host}, pid {v.pid}): {state}; {where}")
+            if not remote and state.startswith("stopped"):
+                lines.append("    (a stopped process cannot answer for its stack)")
+            for frame in dumps.get(v.rank, []) if not remote else []:
+                lines.append(f"    {frame}")
+        return lines
 
     def where(self) -> str:
-        """Where each rank was at its last mark, in one line (empty when no rank marked)."""
-        parts = [
-            f"rank {r.rank} at step {r.record.step}, {r.record.doing()}"
-            for r in sorted(self.ranks.values(), key=lambda r: r.rank)
-            if r.record is not None
-        ]
-        return "; ".join(parts)
-
-
-def main_frames(dump: str) -> list[str]:
-    """The frames of the thread that answered (the main thread) in one faulthandler dump, innermost first,
-    without the launch machinery's."""
-    block = dump.split("Current thread", 1)[1] if "Current thread" in dump else dump
-    frames = []
-    for line in block.splitlines()[1:]:
-        line = line.strip()
-        if line.startswith("Thread 0x") or line.startswith("Current thread"):
-            break
-        if line.startswith("File ") and not any(
-            skip in line for skip in ("ddpkit/launch/worker.py", "<frozen runpy>", "elastic/multiprocessing")
-        ):
-            frames.append(line)
-    return frames
+        """Where each rank was at its last mark, in one line (empty when no rank marked), with the other nodes'
+        ranks this node's waited for."""
+        now = self.clock()
+        views = [self.view(r, now) for r in self.ranks.values() if r.record is not None]
+        views += self.link.awaited
+        said = " (stalled: this node's ranks waited for it)"
+        return "; ".join(
+            self._at(v) + (said if v.node != self.link.node else "") for v in sorted(views, key=lambda v: v.rank)
+        )
 
 
 def policy_from(floor: float | None, on_stall: str, env: dict[str, str] | None = None) -> StallPolicy:

@@ -10,12 +10,14 @@ its stack when asked (SIGUSR2), and on global rank 0 serves the workers' store o
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import runpy
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +66,46 @@ def dump_stack_on_request() -> None:
     # that arrives then must not kill a worker that is finishing on its own.
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     faulthandler.register(signal.SIGUSR2, file=stream, all_threads=True)
+
+
+def ask_stacks(folder: Path, pids: dict[int, int], wait: float = 3.0, lines: int = 10) -> dict[int, list[str]]:
+    """Each rank's main-thread stack (global rank -> pid), innermost first, asked now (SIGUSR2) of the workers
+    that write to ``folder`` (:func:`dump_stack_on_request`): only what each writes from now."""
+    paths = {g: folder / f"rank{g}.txt" for g in pids}
+    before = {g: p.stat().st_size if p.exists() else 0 for g, p in paths.items()}
+    asked = []
+    for g, pid in pids.items():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGUSR2)
+            asked.append(g)
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline and not all(
+        paths[g].exists() and paths[g].stat().st_size > before[g] for g in asked
+    ):
+        time.sleep(0.05)  # written from the workers' signal handlers: nothing to wait on but the files
+    time.sleep(0.1)  # a dump just begun is written whole within milliseconds
+    out = {}
+    for g in asked:
+        with contextlib.suppress(OSError), open(paths[g], "rb") as f:
+            f.seek(before[g])
+            out[g] = main_frames(f.read().decode(errors="replace"))[:lines]
+    return out
+
+
+def main_frames(dump: str) -> list[str]:
+    """The frames of the thread that answered (the main thread) in one faulthandler dump, innermost first,
+    without the launch machinery's."""
+    block = dump.split("Current thread", 1)[1] if "Current thread" in dump else dump
+    frames = []
+    for line in block.splitlines()[1:]:
+        line = line.strip()
+        if line.startswith("Thread 0x") or line.startswith("Current thread"):
+            break
+        if line.startswith("File ") and not any(
+            skip in line for skip in ("ddpkit/launch/worker.py", "<frozen runpy>", "elastic/multiprocessing")
+        ):
+            frames.append(line)
+    return frames
 
 
 _worker_store: Any = None  # the store global rank 0 serves, alive as long as the process

@@ -1,0 +1,137 @@
+"""The stall watch across nodes, for real: two network-namespace nodes of one rank each (``scripts/netns_nodes.sh``).
+
+Rank 1 sleeps in user code after step 5 (``tests/jobs/scripts/stall_job.py sleep``) while rank 0, on the other
+node, waits for it in the gradients' all-reduce. Neither node alone sees a rank waiting for another: the agents
+judge with each other's summaries in the rendezvous store. Control: the watch off, where nothing is said and
+the job ends only at the collective timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.jobs.launch import netns
+from tests.jobs.launch.netns import DDPKIT, SECRET
+from tests.jobs.launch.stall_jobs import STALL_JOB
+
+pytestmark = pytest.mark.slow
+
+FLOOR = "3"
+COLLECTIVE_TIMEOUT = 20.0  # the control's bound: with the watch off the job ends only then
+
+
+@pytest.fixture(scope="module")
+def nodes():
+    """[(namespace, address), (namespace, address)]: node a (hosts the rendezvous), then node b."""
+    with netns.two_nodes(f"sn{os.getpid() % 100000}") as pair:
+        yield pair
+
+
+@dataclass
+class Node:
+    ns: str
+    addr: str
+    code: int | None
+    lines: list[tuple[float, str]]
+    """Each line of its output with the wall time it came out."""
+
+    @property
+    def text(self) -> str:
+        return "".join(line for _, line in self.lines)
+
+    def first(self, pattern: str) -> tuple[float, str] | None:
+        return next(((t, line) for t, line in self.lines if re.search(pattern, line)), None)
+
+
+def _run(
+    nodes, cwd: Path, port: int, flags: list[str], mode: str = "sleep", timeout: float = 240
+) -> tuple[Node, Node, float]:
+    """The stall job in ``mode`` on both nodes; (the node of rank 1, the other, when rank 1 stalled)."""
+    env = netns.clean_env() | {"DDPKIT_RDZV_SECRET": SECRET}
+    (_, addr_a), _ = nodes
+    argv = [*DDPKIT, "run", "--nnodes", "2", "--nproc", "1", "--rdzv-endpoint", f"{addr_a}:{port}", *flags]
+    procs, outputs, readers = [], [], []
+    for ns, _ in nodes:
+        folder = cwd / ns
+        folder.mkdir(parents=True)
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", ns, *argv, STALL_JOB, mode],
+            cwd=folder,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        lines: list[tuple[float, str]] = []
+
+        def read(proc: subprocess.Popen = proc, lines: list = lines) -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                lines.append((time.time(), line))
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        procs.append(proc)
+        outputs.append(lines)
+        readers.append(reader)
+    codes = netns.finish(procs, timeout)
+    for reader in readers:
+        reader.join(timeout=10)
+    ran = [Node(ns, addr, code, lines) for (ns, addr), code, lines in zip(nodes, codes, outputs, strict=True)]
+    stalls = [n for n in ran if n.first(rf"rank 1 stalls \({mode}\)")]
+    assert len(stalls) == 1, [n.text[-3000:] for n in ran]
+    found = stalls[0].first(rf"rank 1 stalls \({mode}\) after step \d+ at ([0-9.]+)")
+    assert found is not None
+    stalled_at = float(re.search(r" at ([0-9.]+)", found[1])[1])  # type: ignore[index]
+    other = next(n for n in ran if n is not stalls[0])
+    return stalls[0], other, stalled_at
+
+
+@pytest.mark.parametrize(
+    ("mode", "state", "port"), [("sleep", "sleeping", 29410), ("stop", "stopped (SIGSTOP)", 29412)]
+)
+def test_a_rank_stalled_on_one_node_is_named_by_its_node_and_awaited_by_the_other(nodes, tmp_path, mode, state, port):
+    """Rank 1 sleeps in user code between steps, or stops itself with SIGSTOP (its agent alone can tell)."""
+    b, a, stalled_at = _run(
+        nodes, tmp_path / "on", port, ["--stall-timeout", FLOOR, "--collective-timeout", "60"], mode
+    )
+    named = b.first(r"ddpkit run: rank 1 stalled:")
+    assert named is not None, b.text[-5000:]
+    headline = named[1]
+    assert f"({b.addr}), {state}, at step 5, in its loop" in headline, headline
+    assert "rank 0 on host" in headline and f"({a.addr}) at step 6" in headline, headline
+    # The floor (3 s), the polls and the exchange through the store (0.5 s each), the stacks (at most 3 s),
+    # on a machine shared by many: far below the collective timeout.
+    to_named = named[0] - stalled_at
+    assert to_named < 3 + 9, (to_named, b.text[-5000:])
+    print(f"\n{mode}: rank 1 named by its node {to_named:.1f} s after it stalled")
+
+    waits = a.first(r"ddpkit run: waiting for rank 1 on host")
+    assert waits is not None, a.text[-5000:]
+    assert f"({b.addr}): no progress for" in waits[1] and f"{state}, at step 5" in waits[1], waits[1]
+    assert "its node's agent names it" in a.text
+
+    assert b.code not in (0, None) and a.code not in (0, None), (b.text[-3000:], a.text[-3000:])
+    summary = b.text[b.text.rindex("worker(s) failed") :]
+    assert "first: rank 1" in summary and "stalled, ended by the stall watch" in summary, summary
+    ended = max(t for n in (a, b) for t, _ in n.lines[-1:])
+    assert ended - stalled_at < COLLECTIVE_TIMEOUT, (ended - stalled_at, a.text[-3000:])
+
+
+def test_control_with_the_watch_off_nothing_is_named_until_the_collective_timeout(nodes, tmp_path):
+    flags = ["--stall-timeout", "0", "--collective-timeout", str(COLLECTIVE_TIMEOUT)]
+    b, a, stalled_at = _run(nodes, tmp_path / "off", 29411, flags)
+    for node in (a, b):
+        assert "stalled:" not in node.text and "waiting for rank" not in node.text, node.text[-3000:]
+        assert node.code not in (0, None), node.text[-3000:]
+    first_failure = min(t for n in (a, b) for t, line in n.lines if "worker(s) failed" in line)
+    assert first_failure - stalled_at >= COLLECTIVE_TIMEOUT - 1, (first_failure - stalled_at, a.text[-3000:])

@@ -1,0 +1,263 @@
+"""The stall watch across nodes: the decision on hand-made summaries, their encoding, and the exchange through a
+real store (in this process). The jobs across two network-namespace nodes are in
+``tests/jobs/launch/test_stalls_nodes.py``."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from ddpkit.distributed.progress import MAGIC, RECORD, Phase
+from ddpkit.launch import watch, watch_nodes
+from ddpkit.launch.watch_nodes import View, decide, decode, encode
+
+
+def view(rank: int, node: int, *, step: int, idle: float, phase: int = Phase.LOOP, coll: int = 0,
+         allowance: float = 3.0, state: str = "S") -> View:  # fmt: skip
+    return View(rank, node, f"host{node}", 0, 100 + rank, step, coll, phase, "all_reduce", idle, allowance, state)
+
+
+# One rank per node: rank 1 (node 1) sleeps after step 5, rank 0 (node 0) waits for it in step 6.
+STALLED = view(1, 1, step=5, idle=4.0)
+WAITING = view(0, 0, step=6, idle=4.0)
+
+
+def test_the_stalled_ranks_node_names_it_and_the_waiting_node_names_whom_it_waits_for():
+    job = [WAITING, STALLED]
+    on_b, on_a = decide(1, job), decide(0, job)
+    assert on_b.stalled == [STALLED] and on_b.waited_for == []
+    assert on_a.stalled == [] and on_a.waited_for == [STALLED]
+    # Control: each node judging its own ranks alone (the watch before it read the other nodes' summaries)
+    # names nobody on either node.
+    assert decide(1, [STALLED]) == watch_nodes.Verdict([], [])
+    assert decide(0, [WAITING]) == watch_nodes.Verdict([], [])
+
+
+def test_no_verdict_within_the_allowance_nor_when_all_are_at_one_place():
+    assert decide(1, [WAITING, view(1, 1, step=5, idle=2.9)]).stalled == []
+    same = [view(0, 0, step=5, idle=100.0), view(1, 1, step=5, idle=100.0)]  # a long evaluation everywhere
+    assert decide(0, same) == decide(1, same) == watch_nodes.Verdict([], [])
+    unmarked = [WAITING, view(1, 1, step=-1, idle=100.0)]  # a rank not yet at its first mark
+    assert decide(0, unmarked) == watch_nodes.Verdict([], [])
+
+
+def test_a_node_whose_ranks_still_progress_does_not_say_it_waits():
+    busy = view(0, 0, step=6, idle=0.5)
+    assert decide(0, [busy, STALLED]).waited_for == []
+    assert decide(1, [busy, STALLED]).stalled == [STALLED]  # the stalled rank is named all the same
+
+
+def test_behind_in_collectives_across_nodes():
+    # rank 0 waits in all_reduce #12 on node 0; rank 1 on node 1 has entered 11 at the same step.
+    job = [view(0, 0, step=5, coll=12, phase=Phase.COLLECTIVE, idle=5.0), view(1, 1, step=5, coll=11, idle=5.0)]
+    assert [v.rank for v in decide(1, job).stalled] == [1]
+    assert [v.rank for v in decide(0, job).waited_for] == [1]
+
+
+def test_a_summary_is_small_and_reads_back():
+    views = [view(r, 2, step=7, idle=1.234, phase=Phase.COLLECTIVE, coll=40) for r in range(8)]
+    data = encode(2, "node-b (10.0.0.2)", 17, {3}, views)
+    assert len(data) < 700, len(data)  # eight ranks
+    summary = decode(data)
+    assert summary is not None and summary.node == 2 and summary.count == 17 and summary.named == {3}
+    back = summary.views[0]
+    assert (back.rank, back.host, back.step, back.coll, back.op, back.idle) == (0, "node-b (10.0.0.2)", 7, 40,
+                                                                                "all_reduce", 1.2)  # fmt: skip
+    for bad in (b"", b"not json", b'{"v": 2}', b'{"v":1,"n":0,"h":"x","c":1,"x":[],"r":[[1,2]]}', b"x" * 70000):
+        assert decode(bad) is None, bad
+
+
+def test_the_waiting_node_ends_the_job_only_when_the_stalled_ranks_agent_stays_silent():
+    waiting = watch_nodes.Waiting(10.0, {})
+    assert waiting.overdue([STALLED], set(), 100.0) == []
+    assert waiting.overdue([STALLED], {1}, 111.0) == []  # its agent named it: left to that agent
+    assert waiting.overdue([STALLED], set(), 109.0) == []  # within the grace
+    assert waiting.overdue([STALLED], set(), 110.5) == [STALLED]  # silent past the grace
+    assert waiting.overdue([], set(), 111.0) == []  # it moved on: the wait starts again
+    assert waiting.overdue([STALLED], set(), 112.0) == []
+
+
+@pytest.fixture
+def store():
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    yield dist.PrefixStore("torch.rendezvous.job.1", server)
+
+
+def _until(condition, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)  # the exchange's thread writes and reads on its own turn
+
+
+def test_two_exchanges_see_each_other_and_age_a_silent_node(store):
+    a = watch_nodes.Exchange(store, 0, 2, every=0.05)
+    b = watch_nodes.Exchange(store, 1, 2, every=0.05)
+    try:
+        a.publish(encode(0, "host0", 1, set(), [WAITING]), want=True)
+        b.publish(encode(1, "host1", 1, set(), [STALLED]), want=True)
+        _until(lambda: a.views()[0] and b.views()[0])
+        assert [v.rank for v in a.views()[0]] == [1] and [v.rank for v in b.views()[0]] == [0]
+        # Node 1's agent says nothing new: its rank's idle time grows on node 0's clock.
+        first = a.views()[0][0].idle
+        _until(lambda: a.views()[0][0].idle > first + 0.2)
+        # It names rank 1, then its ranks exit: the summary says so, and node 0 no longer counts them.
+        b.publish(encode(1, "host1", 2, {1}, [STALLED]), want=True)
+        _until(lambda: a.views()[1] == {1})
+        b.close(encode(1, "host1", 3, {1}, []))
+        _until(lambda: a.views()[0] == [])
+    finally:
+        a.close()
+        b.close()
+
+
+class _Gone:
+    """A store whose host went away: every call fails, as torch's client does then."""
+
+    def __getattr__(self, name: str):
+        def fail(*args, **kwargs):
+            raise RuntimeError("Connection reset by peer")
+
+        return fail
+
+
+def test_a_store_that_is_gone_never_reaches_the_watch():
+    ex = watch_nodes.Exchange(_Gone(), 0, 2, every=0.02)
+    ex.publish(encode(0, "host0", 1, set(), [WAITING]), want=True)
+    _until(lambda: ex.failures >= 3)
+    assert ex.views() == ([], set())
+    ex.close()
+
+
+def _record(folder: Path, rank: int, step: int, seq: int) -> None:
+    folder.mkdir(exist_ok=True)
+    data = RECORD.pack(MAGIC, 100 + rank, 1, Phase.LOOP, seq, step, step, 0, 0.0, 0.1)
+    (folder / f"rank{rank}.progress").write_bytes(data)
+
+
+class Clock:
+    now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_two_nodes_watches_name_the_rank_and_the_wait(store, tmp_path, capsys):
+    """Two agents' watches of one rank each, through one store: node 1's names rank 1 with node 0's rank in
+    its summary; node 0's says it waits for rank 1 on host1. Control: the same watches not connected (each
+    node judging alone, as before) say nothing."""
+    clock = Clock()
+    policy = watch.StallPolicy(floor=3.0, on_stall="warn")
+    watches = []
+    for node in (0, 1):
+        w = watch.Watch(tmp_path / f"n{node}", policy, None, clock=clock)
+        w.start_attempt({node: (0, 100 + node)})
+        w.link.host = f"host{node}"
+        watches.append(w)
+    _record(tmp_path / "n0", 0, step=6, seq=30)
+    _record(tmp_path / "n1", 1, step=5, seq=25)
+
+    def poll_all(t: float) -> list:
+        clock.now = t
+        out = []
+        for n, w in enumerate(watches):
+            w._next_poll = 0.0
+            out.append(w.poll({n}))
+        return out
+
+    poll_all(1000.0)
+    assert poll_all(1004.0) == [None, None]  # control: not connected
+    assert "stalled" not in capsys.readouterr().err
+
+    for n, w in enumerate(watches):
+        w.connect(store, n, 2)
+        w.link.exchange.every = 0.05  # type: ignore[union-attr]
+    try:
+        _until(lambda: bool(poll_all(1005.0)) and all(w._warned for w in watches))
+        err = capsys.readouterr().err
+        assert "ddpkit run: rank 1 stalled: no progress for 5.0 s (allowed 3.0 s) on host host1" in err, err
+        assert "rank 0 on host host0 at step 6" in err, err
+        assert "ddpkit run: waiting for rank 1 on host host1: no progress for" in err, err
+        assert "its node's agent names it" in err, err
+        # After the job's end, node 0's summary says where rank 1 was, from node 1's word.
+        assert "rank 1 on host host1 at step 5" in watches[0].where(), watches[0].where()
+    finally:
+        for w in watches:
+            w.disconnect()
+
+
+def test_a_rank_its_agent_named_is_reported_before_this_nodes_ranks_spend_their_allowance():
+    # The named rank's agent waits for the other nodes to say where their ranks are before it kills it.
+    busy = view(0, 0, step=6, idle=1.0)
+    assert decide(0, [busy, STALLED], named={1}).waited_for == [STALLED]
+    assert decide(0, [busy, STALLED]).waited_for == []  # control: not named, and this node's rank still busy
+
+
+class _Heard:
+    def __init__(self, heard: dict[int, frozenset[int]]) -> None:
+        self._heard = heard
+
+    def heard(self) -> dict[int, frozenset[int]]:
+        return self._heard
+
+
+def test_the_named_ranks_agent_ends_it_once_every_other_node_has_said_where_its_ranks_wait():
+    link = watch_nodes.Link(10.0)
+    assert link.heard([1])  # one node: nobody to hear
+    link.exchange = _Heard({0: frozenset(), 2: frozenset({1})})  # type: ignore[assignment]
+    assert not link.heard([1])  # node 0 has not said so yet
+    link.exchange = _Heard({0: frozenset({1}), 2: frozenset({1})})  # type: ignore[assignment]
+    assert link.heard([1])
+
+
+@pytest.mark.parametrize("named", [set(), {1}], ids=["silent", "control-named"])
+def test_a_waiting_node_ends_its_own_workers_when_the_stalled_ranks_agent_stays_silent(store, tmp_path, named):
+    """Node 1's summary (written by hand: its agent says nothing more) shows rank 1 stalled; node 0's rank (a
+    real process) waits. Past the grace node 0's agent kills its own worker, ending the job. Control: node 1's
+    agent named rank 1, so node 0 leaves the ending to it."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        clock = Clock()
+        clock.now = 1000.0
+        w = watch.Watch(tmp_path, watch.StallPolicy(floor=3.0), None, clock=clock)
+        w.start_attempt({0: (0, child.pid)})
+        data = RECORD.pack(MAGIC, child.pid, 1, Phase.LOOP, 30, 6, 6, 0, 0.0, 0.1)
+        (tmp_path / "rank0.progress").write_bytes(data)
+        store.set(watch_nodes.KEY.format(1), encode(1, "host1", 1, named, [STALLED]))
+        w.connect(store, 0, 2)
+        w.link.exchange.every = 0.05  # type: ignore[union-attr]
+
+        def poll(t: float):
+            clock.now = t
+            w._next_poll = 0.0
+            return w.poll({0})
+
+        poll(1000.0)
+        _until(lambda: (poll(1004.0), w.link.said)[1] == {1})  # said once it read node 1's summary
+        assert poll(1004.0 + 9.0) is None and child.poll() is None  # within the grace
+        stall = poll(1004.0 + 10.5)
+        if named:
+            assert stall is None and child.poll() is None
+        else:
+            assert stall is not None and stall.ranks == [0]
+            assert "its node's agent has not named it 10 s after" in "\n".join(stall.report)
+            assert child.wait(timeout=30) == -9
+    finally:
+        w.disconnect()
+        child.kill()
+        child.wait()
+
+
+def test_two_nodes_stalled_at_one_place_are_each_named_by_their_own_node():
+    job = [WAITING, STALLED, view(2, 2, step=5, idle=4.0)]
+    assert [v.rank for v in decide(1, job).stalled] == [1] and [v.rank for v in decide(2, job).stalled] == [2]
+    assert [v.rank for v in decide(0, job).waited_for] == [1, 2]
+    # node 1 names its own rank, and says nothing of rank 2 until node 2's agent names it
+    assert decide(1, job).waited_for == [] and [v.rank for v in decide(1, job, named={2}).waited_for] == [2]
