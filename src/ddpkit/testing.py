@@ -48,6 +48,7 @@ from typing import Any, TypeVar
 import torch
 
 from ddpkit import platforms
+from ddpkit.distributed import Group
 from ddpkit.distributed.collectives import all_gather_object
 from ddpkit.distributed.runtime import get_runtime, init
 from ddpkit.launch.spawn import spawn
@@ -113,7 +114,7 @@ def _differences(a: Any, b: Any, path: str = "value") -> list[str]:
     return [] if _same_value(a, b) else [path]
 
 
-def assert_same_on_ranks(value: Any, group: Any = None) -> None:
+def assert_same_on_ranks(value: Any, group: Group = None) -> None:
     """Raise :class:`AssertionError` on every rank unless every rank of ``group`` holds the same ``value``:
     tensors bit for bit (a NaN equals the same NaN; their shape and dtype too), nested in dicts, lists and
     tuples (named ones too), floats with NaN equal to NaN, other values by ``==`` (or their pickled bytes where

@@ -15,21 +15,21 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from ddpkit.distributed import progress
+from ddpkit.distributed import Group, progress
 from ddpkit.distributed.runtime import get_runtime
 
 T = TypeVar("T")
 Number = int | float
 
 
-def is_live(group: Any = None) -> bool:
+def is_live(group: Group = None) -> bool:
     """True when collectives on ``group`` run: a process group exists and this process is a member."""
-    return (
-        dist.is_available() and dist.is_initialized() and (group is None or group != dist.GroupMember.NON_GROUP_MEMBER)
-    )
+    # A rank outside a new_group() holds torch's NON_GROUP_MEMBER sentinel (an int) in place of a group.
+    non_member: object = dist.GroupMember.NON_GROUP_MEMBER
+    return dist.is_available() and dist.is_initialized() and (group is None or group != non_member)
 
 
-def comm_device(group: Any = None) -> torch.device:
+def comm_device(group: Group = None) -> torch.device:
     """Where tensors must be for a collective on ``group``: CUDA for nccl, the CPU otherwise."""
     # nccl moves only CUDA tensors, gloo prefers CPU ones; the backend decides where a reduction runs.
     if is_live(group) and dist.get_backend(group) == "nccl":
@@ -37,14 +37,14 @@ def comm_device(group: Any = None) -> torch.device:
     return torch.device("cpu")
 
 
-def _watched(op: str, group: Any) -> AbstractContextManager[None]:
+def _watched(op: str, group: Group) -> AbstractContextManager[None]:
     """The collective marked in this rank's progress record (:mod:`ddpkit.distributed.progress`): on the world
     only, where every rank counts the same sequence, so that the launcher can tell which ranks have not
     arrived."""
     return progress.collective(op) if group is None else nullcontext()
 
 
-def barrier(group: Any = None) -> None:
+def barrier(group: Group = None) -> None:
     """Wait until every rank of ``group`` gets here."""
     if is_live(group):
         with _watched("barrier", group):
@@ -55,7 +55,7 @@ def barrier(group: Any = None) -> None:
 
 
 @contextmanager
-def main_first(local: bool = False, group: Any = None) -> Iterator[None]:
+def main_first(local: bool = False, group: Group = None) -> Iterator[None]:
     """Run the body on rank 0 first while the others wait, then on the others.
 
     For work that must happen once before the others read the result: a download, a preprocessing cache. With
@@ -101,7 +101,7 @@ def _unflatten(flat: torch.Tensor, layout: list[tuple[str, Any, torch.Size]]) ->
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
-def all_reduce(value: T, op: str = "sum", group: Any = None) -> T:
+def all_reduce(value: T, op: str = "sum", group: Group = None) -> T:
     """Reduce a number, a tensor, or a dict of them over ``group``; every rank gets the result.
 
     A dict travels as one flat float64 tensor, so many metrics cost one collective. ``op`` is ``"sum"``,
@@ -121,7 +121,7 @@ def all_reduce(value: T, op: str = "sum", group: Any = None) -> T:
     return out if isinstance(value, Mapping) else out["_"]  # type: ignore[return-value]
 
 
-def gather_tensors(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
+def gather_tensors(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` along dim 0 in rank order; ranks may hold different lengths.
 
     For metrics that need all predictions (AUC, a confusion matrix) after an exact, unpadded evaluation.
@@ -132,7 +132,7 @@ def gather_tensors(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
         return _gather_tensors(tensor, group)
 
 
-def _gather_tensors(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+def _gather_tensors(tensor: torch.Tensor, group: Group) -> torch.Tensor:
     device = comm_device(group)
     local = tensor.detach().to(device)
     sizes = torch.tensor([local.shape[0]], device=device)
@@ -170,7 +170,7 @@ def _unpickled(payload: torch.Tensor) -> Any:
     return pickle.loads(tensor_bytes(payload))
 
 
-def all_gather_object(obj: T, group: Any = None) -> list[T]:
+def all_gather_object(obj: T, group: Group = None) -> list[T]:
     """Every rank's picklable ``obj``, in rank order, on every rank (as torch's ``all_gather_object``, whose
     ``gather_object`` sends them to one rank only); without a process group, ``[obj]``."""
     if not is_live(group):
@@ -179,7 +179,7 @@ def all_gather_object(obj: T, group: Any = None) -> list[T]:
         return _all_gather_object(obj, group)
 
 
-def _all_gather_object(obj: T, group: Any) -> list[T]:
+def _all_gather_object(obj: T, group: Group) -> list[T]:
     device = comm_device(group)
     mine = _pickled(obj, device)
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))]
@@ -193,7 +193,7 @@ def _all_gather_object(obj: T, group: Any) -> list[T]:
     return [_unpickled(chunk[:n].cpu()) for chunk, n in zip(chunks, lengths)]
 
 
-def gather_object(obj: T, dst: int = 0, group: Any = None) -> list[T] | None:
+def gather_object(obj: T, dst: int = 0, group: Group = None) -> list[T] | None:
     """Every rank's picklable ``obj``, in rank order, on rank ``dst`` of ``group`` (None on the others), as
     torch's ``gather_object``; without a process group, ``[obj]``.
 
@@ -206,7 +206,7 @@ def gather_object(obj: T, dst: int = 0, group: Any = None) -> list[T] | None:
         return _gather_object(obj, dst, group)
 
 
-def _gather_object(obj: T, dst: int, group: Any) -> list[T] | None:
+def _gather_object(obj: T, dst: int, group: Group) -> list[T] | None:
     device = comm_device(group)
     size = dist.get_world_size(group)
     receiver = dist.get_rank(group) == dst
@@ -227,7 +227,7 @@ def _gather_object(obj: T, dst: int, group: Any) -> list[T] | None:
     return [_unpickled(chunk[: int(n.item())].cpu()) for chunk, n in zip(chunks, sizes)]
 
 
-def first_failure(mine: str | None, group: Any = None) -> str | None:
+def first_failure(mine: str | None, group: Group = None) -> str | None:
     """The failure of the lowest rank of ``group`` that had one (``mine``: this rank's, or None), on every rank,
     with that rank named on the others; None if no rank had one. Where ranks work apart (a load with no
     collective), this keeps one rank's failure from leaving the others waiting in a later collective."""
@@ -237,7 +237,7 @@ def first_failure(mine: str | None, group: Any = None) -> str | None:
         return _first_failure(mine, group)
 
 
-def _first_failure(mine: str | None, group: Any) -> str | None:
+def _first_failure(mine: str | None, group: Group) -> str | None:
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     first = int(all_reduce(rank if mine is not None else size, op="min", group=group))
     if first == size:
@@ -246,7 +246,7 @@ def _first_failure(mine: str | None, group: Any) -> str | None:
     return failure if first == rank else f"{failure} (on rank {first})"
 
 
-def broadcast_object(obj: T, src: int = 0, group: Any = None) -> T:
+def broadcast_object(obj: T, src: int = 0, group: Group = None) -> T:
     """Rank ``src``'s picklable ``obj`` (a rank within ``group``) on every rank."""
     if not is_live(group):
         return obj
@@ -254,7 +254,7 @@ def broadcast_object(obj: T, src: int = 0, group: Any = None) -> T:
         return _broadcast_object(obj, src, group)
 
 
-def _broadcast_object(obj: T, src: int, group: Any) -> T:
+def _broadcast_object(obj: T, src: int, group: Group) -> T:
     device = comm_device(group)
     global_src = dist.get_global_rank(group, src) if group is not None else src
     sender = dist.get_rank(group) == src
@@ -293,7 +293,7 @@ class MetricSums:
         self.sums[name] = self.sums[name] + total if name in self.sums else total
         self.counts[name] = self.counts.get(name, 0) + int(count)
 
-    def reduced(self, group: Any = None) -> dict[str, tuple[float, int]]:
+    def reduced(self, group: Group = None) -> dict[str, tuple[float, int]]:
         """(sum, count) of each metric over all ranks."""
         # A rank that saw no sample does not know the metric names: agree on them first, or the flat
         # tensors would differ in length across ranks.
@@ -302,6 +302,6 @@ class MetricSums:
         flat = all_reduce(flat, group=group)
         return {n: (float(flat[f"s/{n}"]), int(flat[f"c/{n}"])) for n in names}
 
-    def compute(self, group: Any = None) -> dict[str, float]:
+    def compute(self, group: Group = None) -> dict[str, float]:
         """Mean of each metric over all samples of all ranks."""
         return {n: (s / c if c else float("nan")) for n, (s, c) in self.reduced(group).items()}

@@ -42,7 +42,7 @@ class _AllReduceSum(torch.autograd.Function):
 class CPUSyncBatchNorm(BatchNormBase):
     """``BatchNorm{1,2,3}d`` whose training statistics span all ranks of ``process_group``."""
 
-    def __init__(self, num_features: int, *args: Any, process_group: Any = None, **kwargs: Any) -> None:
+    def __init__(self, num_features: int, *args: Any, process_group: Group = None, **kwargs: Any) -> None:
         super().__init__(num_features, *args, **kwargs)
         self.process_group = process_group
 
@@ -85,7 +85,7 @@ class CPUSyncBatchNorm(BatchNormBase):
         return 1.0 / float(tracked) if self.momentum is None else self.momentum
 
 
-def convert_sync_batchnorm(module: nn.Module, device: torch.device, process_group: Any = None) -> nn.Module:
+def convert_sync_batchnorm(module: nn.Module, device: torch.device, process_group: Group = None) -> nn.Module:
     """Replace every BatchNorm layer by one that normalises over the global batch (in place where possible)."""
     if device.type == "cuda":
         return nn.SyncBatchNorm.convert_sync_batchnorm(module, process_group)

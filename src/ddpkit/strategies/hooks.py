@@ -16,8 +16,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
+from ddpkit.distributed import Group
 
-def bf16_compress(process_group: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+
+def bf16_compress(process_group: Group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """All-reduce the bucket in bfloat16: half the bytes on the wire, 8 bits of mantissa per gradient.
 
     Divided by the world size before the reduction, as torch's hooks do, so that the sum cannot overflow
@@ -35,7 +37,7 @@ def bf16_compress(process_group: Any, bucket: dist.GradBucket) -> torch.futures.
     return future.then(decompress)
 
 
-def parameter_server(process_group: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def parameter_server(process_group: Group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """The parameter-server pattern: each bucket has a server rank (bucket index mod world size) that sums
     every worker's copy (fan-in) and sends the mean back to all (fan-out).
 
@@ -62,7 +64,7 @@ def parameter_server(process_group: Any, bucket: dist.GradBucket) -> torch.futur
 COMM_HOOKS = ("fp16", "bf16", "powersgd", "parameter_server")
 
 
-def register(model: Any, hook: str, process_group: Any, *, powersgd_rank: int, powersgd_start_iter: int) -> None:
+def register(model: Any, hook: str, process_group: Group, *, powersgd_rank: int, powersgd_start_iter: int) -> None:
     """Register the hook named ``hook`` (one of ``COMM_HOOKS``) on the DDP ``model``."""
     if hook == "fp16":
         model.register_comm_hook(process_group, default_hooks.fp16_compress_hook)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ddpkit.distributed import Group
 from ddpkit.distributed.runtime import Runtime, get_runtime
 from ddpkit.distributed.seeding import seed_rank
 from ddpkit.internals.modules import compiled_inner
@@ -20,7 +21,7 @@ def prepare_model(
     *,
     sync_batchnorm: bool = False,
     runtime: Runtime | None = None,
-    process_group: Any = None,
+    process_group: Group = None,
     seed_ranks: bool = True,
     **ddp_kwargs: Any,
 ) -> nn.Module:

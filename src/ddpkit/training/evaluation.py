@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
 from ddpkit.data import build_eval_loader, to_device
+from ddpkit.distributed import Group
 from ddpkit.distributed.collectives import MetricSums
 from ddpkit.distributed.runtime import get_runtime
 from ddpkit.errors import ConfigError
@@ -81,7 +82,7 @@ def evaluate(
     metric_fn: MetricFn = classification_metrics,
     *,
     batch_size: int = 256,
-    group: Any = None,
+    group: Group = None,
     autocast: Callable[[], Any] | None = None,
 ) -> dict[str, float]:
     """Means of ``metric_fn``'s per-sample values over every sample of ``data``, on every rank.

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ddpkit.distributed import Group
 from ddpkit.distributed.collectives import all_reduce
 
 
@@ -111,7 +112,7 @@ class LossWindow:
         self.losses, self.sizes, self.steps, self.tried, self._step_start = [], [], 0, 0, 0
         self.names = []
 
-    def agree(self, device: torch.device, stop: bool, group: Any) -> Agreed:
+    def agree(self, device: torch.device, stop: bool, group: Group) -> Agreed:
         """The global loss sum and sample count since the last agreement, and whether any rank must stop.
 
         Collective (one small all-reduce): every rank calls it after the same steps.

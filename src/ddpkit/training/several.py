@@ -28,6 +28,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from ddpkit.distributed import Group
 from ddpkit.errors import ConfigError
 from ddpkit.snapshot.run_record import RunRecord
 from ddpkit.snapshot.state import TrainState
@@ -109,7 +110,7 @@ class ManualStep:
         window: LossWindow,
         autocast: Callable[[], AbstractContextManager[Any]],
         log: Callable[[str, int, dict[str, Any]], None],
-        group: Any,
+        group: Group,
         speed: Speed | None = None,
     ) -> None:
         self.speed = speed

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from ddpkit.data.loader import to_device
 from ddpkit.data.sampler import ShardedBatchSampler
+from ddpkit.distributed import Group
 from ddpkit.distributed import progress as marks
 from ddpkit.distributed.collectives import all_reduce, comm_device, is_live
 from ddpkit.distributed.progress import Phase
@@ -138,7 +139,7 @@ class WeightedStep:
     for the total only when its loss is about to be scaled, so the all-reduce overlaps the first forward.
     """
 
-    def __init__(self, step: Step, count_fn: CountFn, world_size: int, group: Any = None) -> None:
+    def __init__(self, step: Step, count_fn: CountFn, world_size: int, group: Group = None) -> None:
         # Read every micro-batch of the step: the total must be known before the first backward.
         self.micro = list(step.micro_batches)
         self.world_size = world_size
@@ -148,7 +149,7 @@ class WeightedStep:
         self._work = dist.all_reduce(self.total, group=group, async_op=True) if is_live(group) else None
 
     @classmethod
-    def of(cls, step: Step, count_fn: CountFn | None, world_size: int, group: Any = None) -> WeightedStep | None:
+    def of(cls, step: Step, count_fn: CountFn | None, world_size: int, group: Group = None) -> WeightedStep | None:
         """The weighted step, or None without ``count_fn`` (the step weighs samples)."""
         return None if count_fn is None else cls(step, count_fn, world_size, group)
 
@@ -217,7 +218,7 @@ class OptimizerStep:
         scaler: torch.amp.GradScaler | None,
         state: TrainState,
         log: Callable[[str, int, dict[str, Any]], None],
-        group: Any,
+        group: Group,
         counts: bool = True,
     ) -> None:
         self.config, self.strategy, self.scheduler, self.scaler = config, strategy, scheduler, scaler
@@ -303,7 +304,7 @@ class TrainStep:
         scaler: torch.amp.GradScaler | None,
         global_dropout: bool,
         world_size: int,
-        group: Any,
+        group: Group,
         speed: Speed | None = None,
     ) -> None:
         self.config, self.strategy, self.optimizer_step = config, strategy, optimizer_step

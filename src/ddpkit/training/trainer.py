@@ -28,8 +28,8 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ddpkit.data import ShardedBatchSampler, build_loader
+from ddpkit.distributed import Group, signals
 from ddpkit.distributed import progress as marks
-from ddpkit.distributed import signals
 from ddpkit.distributed.log import print0
 from ddpkit.distributed.progress import Phase
 from ddpkit.distributed.runtime import get_runtime
@@ -108,7 +108,7 @@ class Trainer:
         batch_loss_fn: BatchLossFn | None = None,
         metric_fn: Callable[[nn.Module, Any], Mapping[str, Any]] | None = None,
         count_fn: CountFn | None = None,
-        group: Any = None,
+        group: Group = None,
         callbacks: Sequence[Any] = (),
         extra_state: Mapping[str, Any] | None = None,
         step_fn: StepFn | None = None,

@@ -55,7 +55,7 @@ class Evaluator:
         autocast: Callable[[], Any],
         batch_size: int,
         num_workers: int | None,
-        group: Any,
+        group: Group,
     ) -> None:
         self.strategy, self.metrics, self.autocast = strategy, metrics, autocast
         self.batch_size, self.num_workers, self.group = batch_size, num_workers, group
@@ -161,7 +161,7 @@ class Validation:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.latest, self.latest_step = dict(state["latest"]), state["latest_step"]
 
-    def resume(self, group: Any) -> None:
+    def resume(self, group: Group) -> None:
         """Read the best so far: the file is on rank 0's disk, and every rank must know it to decide alike."""
         best = self.best_weights
         best.load()
