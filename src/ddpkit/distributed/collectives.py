@@ -10,7 +10,7 @@ from __future__ import annotations
 import pickle
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -101,7 +101,7 @@ def _unflatten(flat: torch.Tensor, layout: list[tuple[str, Any, torch.Size]]) ->
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
-def all_reduce(value: T, op: str = "sum", group: Group = None) -> T:
+def all_reduce(value: T, op: Literal["sum", "max", "min"] = "sum", group: Group = None) -> T:
     """Reduce a number, a tensor, or a dict of them over ``group``; every rank gets the result.
 
     A dict travels as one flat float64 tensor, so many metrics cost one collective. ``op`` is ``"sum"``,

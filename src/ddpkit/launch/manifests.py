@@ -28,12 +28,13 @@ import posixpath
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from ddpkit.errors import PREEMPTED_EXIT_CODE, ConfigError
 from ddpkit.launch.rendezvous_auth import SECRET_ENV, SECRET_FILE_ENV
 
-KINDS = ("trainjob", "pytorchjob", "jobset")
+Kind = Literal["trainjob", "pytorchjob", "jobset"]
+KINDS: tuple[str, ...] = get_args(Kind)
 PORT = 29500
 """The rendezvous port on pod 0 (the node that hosts it): torchrun's default, and Trainer's."""
 SECRET_KEY = "rdzv-secret"
@@ -83,7 +84,7 @@ class ManifestConfig:
     directory)."""
     script_args: list[str] = field(default_factory=list)
     image: str
-    kind: str = "trainjob"
+    kind: Kind = "trainjob"
     name: str | None = None
     """The job's name (a DNS label); the script's file name by default."""
     namespace: str | None = None

@@ -7,7 +7,7 @@ import ipaddress
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from ddpkit.distributed.environment import check_seconds, parse_seconds
 from ddpkit.errors import PREEMPTED_EXIT_CODE, ConfigError
@@ -65,7 +65,7 @@ class LaunchConfig:
     """Show every rank's output, each line prefixed with ``[rank N]``; by default only local rank 0's."""
     log_dir: str = "ddpkit-logs"
     """Where each run's folder of rank output and error files goes: ``LOG_DIR/<date>-<time>-<pid>/``."""
-    fork_server: str = "auto"
+    fork_server: Literal["auto", "on", "off"] = "auto"
     """``on``: fork the workers from a process that imported torch once for the job
     (:mod:`ddpkit.launch.forkserver`), so that a restart after a failure skips the interpreter's start and
     torch's import; ``off``: every worker is a new interpreter, as under torchrun; ``auto`` (the default): on
@@ -80,7 +80,7 @@ class LaunchConfig:
     """Seconds a rank may make no progress while the others wait for it before the agent names it (at least
     10 times its median step; its first step and a snapshot get 10 times this): ``$DDPKIT_STALL_TIMEOUT``, else
     30. 0 turns the watch off (:mod:`ddpkit.launch.watch`)."""
-    on_stall: str = "end"
+    on_stall: Literal["end", "warn"] = "end"
     """``end``: the stalled rank is killed and the job ends, or restarts under ``max_restarts``; ``warn``: only
     said."""
     oversubscribe: bool = False

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from ddpkit.errors import ConfigError
 
-SAMPLERS = ("tpe", "evolution", "nsga2", "cmaes", "random", "grid")
+Sampler = Literal["tpe", "evolution", "nsga2", "cmaes", "random", "grid"]
+SAMPLERS: tuple[str, ...] = get_args(Sampler)
 
 
-PRUNERS = ("median", "halving", "hyperband", "none")
+Pruner = Literal["median", "halving", "hyperband", "none"]
+PRUNERS: tuple[str, ...] = get_args(Pruner)
 
 
 @dataclass(kw_only=True)
@@ -25,10 +27,10 @@ class SearchConfig:
     """The validation metric a Trainer reports each epoch (pruning) and the objective's result, if the objective
     returns the Trainer's metrics dict."""
     direction: Literal["minimize", "maximize"] = "minimize"
-    sampler: str = "tpe"
+    sampler: Sampler = "tpe"
     """``tpe`` (default), ``evolution`` (Propulate's asynchronous evolution), ``nsga2``, ``cmaes``, ``random``,
     ``grid`` (choices only)."""
-    pruner: str = "median"
+    pruner: Pruner = "median"
     """``median``, ``halving`` (successive halving), ``hyperband``, or ``none``."""
     search_dir: str = "runs/search"
     """Trials' run directories, the study's journal file (default storage), trials.csv and plots."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
@@ -47,7 +47,7 @@ class DDPConfig:
     some parameters are not used in a step. Without it such a step fails with the parameters named."""
     broadcast_buffers: bool = True
     """Copy rank 0's buffers (BatchNorm running statistics) to every rank before each forward pass."""
-    comm_hook: str | None = None
+    comm_hook: Literal["fp16", "bf16", "powersgd", "parameter_server"] | None = None
     """What DDP does with each gradient bucket instead of an all-reduce in fp32: ``fp16`` or ``bf16``
     (all-reduce compressed to 16 bits), ``powersgd`` (low-rank compression with error feedback),
     ``parameter_server`` (each bucket summed on a server rank and sent back; see

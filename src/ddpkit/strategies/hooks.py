@@ -10,7 +10,7 @@ reduces bfloat16 tensors. Ours does the same arithmetic under another name, so t
 
 # No ``from __future__ import annotations`` here: DDP checks the hooks' annotations as objects
 # (``bucket: dist.GradBucket``), and postponed annotations are strings.
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -61,10 +61,11 @@ def parameter_server(process_group: Group, bucket: dist.GradBucket) -> torch.fut
     return future
 
 
-COMM_HOOKS = ("fp16", "bf16", "powersgd", "parameter_server")
+CommHook = Literal["fp16", "bf16", "powersgd", "parameter_server"]
+COMM_HOOKS: tuple[str, ...] = get_args(CommHook)
 
 
-def register(model: Any, hook: str, process_group: Group, *, powersgd_rank: int, powersgd_start_iter: int) -> None:
+def register(model: Any, hook: CommHook, process_group: Group, *, powersgd_rank: int, powersgd_start_iter: int) -> None:
     """Register the hook named ``hook`` (one of ``COMM_HOOKS``) on the DDP ``model``."""
     if hook == "fp16":
         model.register_comm_hook(process_group, default_hooks.fp16_compress_hook)

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, Literal
 
+from ddpkit.data.fingerprint import OnDataChange
 from ddpkit.errors import ConfigError
 from ddpkit.errors import check_fields as _check
 from ddpkit.snapshot.schedule import SnapshotConfig
@@ -32,7 +33,7 @@ class EarlyStoppingConfig:
 
     metric: str | None = None
     """A validation metric such as ``val/loss`` (None: no best weights, no early stopping)."""
-    mode: str = "min"
+    mode: Literal["min", "max"] = "min"
     """``min`` or ``max``: the direction in which ``metric`` improves."""
     patience: int | None = 5
     """Epochs (or validations, with ``val_every_steps``) without improvement before training stops; None keeps
@@ -103,7 +104,7 @@ class TrainerConfig:
     drop_last: bool = True
     num_workers: int | None = None
     """Loader workers per rank; default: cores per rank minus one."""
-    on_data_change: str = "error"
+    on_data_change: OnDataChange = "error"
     """A resume over data changed in what decides which sample comes at which step (the dataset's length, a
     stream's files, their sizes and order, the window, seed, shuffle, drop_last, the global batch): ``error``
     refuses it before any step, naming each change; ``restart_epoch`` trains the snapshot's epoch again from its
@@ -121,7 +122,7 @@ class TrainerConfig:
     no check at all, and no bitwise resume of augmentation."""
     grad_accum_steps: int = 1
     clip_grad_norm: float | None = None
-    precision: str = "fp32"
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """``fp32``, ``bf16`` (autocast), or ``fp16`` (autocast with a GradScaler; meant for CUDA, and runs on the
     CPU too, where bf16 is the better choice). A step whose fp16 gradients overflow is skipped by the scaler,
     which lowers its scale; it is logged as ``fp16_overflow`` and is not counted as a non-finite loss."""
@@ -138,14 +139,14 @@ class TrainerConfig:
     """Validate on ``val_data`` after every this many optimizer steps (counted over the run) instead of at epoch
     ends; early stopping then counts validations, and the best weights are a step's. Recorded as ``val`` records
     in ``metrics.jsonl``."""
-    weights_format: str | None = "safetensors"
+    weights_format: Literal["safetensors", "pt"] | None = "safetensors"
     """Also write the plain model's weights, whole (gathered from the shards under fsdp), for use outside
     ddpkit: ``run_dir/final.safetensors`` when training ends (not on a stop signal) and ``best.safetensors`` with
     ``best.pt``. ``pt``: ``final_weights.pt`` and ``best_weights.pt`` (torch.save of the state dict); None: neither.
     ``safetensors`` without the package installed falls back to ``pt``, saying so."""
-    scheduler_interval: str = "epoch"
+    scheduler_interval: Literal["epoch", "step"] = "epoch"
     """Step the LR scheduler every ``epoch`` (after validation) or every optimizer ``step``."""
-    on_nonfinite: str = "stop"
+    on_nonfinite: Literal["stop", "skip"] = "stop"
     """A NaN/inf loss on any rank, or NaN/inf gradients: ``stop`` (every rank raises at that step) or ``skip``
     the step everywhere."""
     resume: bool = True
