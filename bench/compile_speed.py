@@ -1,7 +1,7 @@
 """Step time with and without ``torch.compile``, as ``TrainerConfig(compile=True)`` runs it: the DDP-wrapped
 model compiled (Dynamo's DDP optimizer on), on N ranks (gloo on the CPU, nccl on GPUs).
 
-The language-model example's small GPT (``ddpkit.demo.models.TinyGPT``) on random tokens, AdamW; one step is
+The language-model example's small GPT (``ddpkit.demo._models.TinyGPT``) on random tokens, AdamW; one step is
 forward, backward (the all-reduce overlapping it) and the optimizer step. Eager and compiled share the model
 and alternate round by round in the same processes, so other load on the machine falls on both alike; each
 round gives the ratio of the two medians (compiled / eager: below 1 is faster), and the median of those paired
@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 
 import ddpkit
-from ddpkit.demo.datasets import CHARS
-from ddpkit.demo.models import TinyGPT
-from ddpkit.strategies.prepare import prepare_model
-from ddpkit.training.compiled import compile_for_training
+from ddpkit.demo._datasets import CHARS
+from ddpkit.demo._models import TinyGPT
+from ddpkit.strategies._prepare import prepare_model
+from ddpkit.training._compiled import compile_for_training
 
 
 def _steps(model, optimizer, x, y, steps: int, cuda: bool) -> list[float]:

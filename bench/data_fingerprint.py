@@ -2,14 +2,14 @@
 
 One process. Each round times, in turn:
 
-- ``subset indices (list)``: :func:`ddpkit.data.fingerprint.dataset_items` of a ``Subset`` whose ``indices``
+- ``subset indices (list)``: :func:`ddpkit.data._fingerprint.dataset_items` of a ``Subset`` whose ``indices``
   is a list of ``--indices`` ints (what ``random_split`` makes): numpy's conversion, then the hash;
 - ``subset indices (tensor)``: the same with a tensor of indices;
 - ``read``: the file read once in 16 MiB pieces, nothing else done: the speed of the storage it sits on (here the
   page cache; a first untimed pass reads it in);
-- ``content digest``: :func:`~ddpkit.data.stream_sources.content_digest`, the pass that checks a kept line
+- ``content digest``: :func:`~ddpkit.data._stream_sources.content_digest`, the pass that checks a kept line
   index against the file's bytes (what a stream costs to build when the index is kept);
-- ``index built``: :func:`~ddpkit.data.stream_sources.indexed_lines` with no kept index (newlines found and the
+- ``index built``: :func:`~ddpkit.data._stream_sources.indexed_lines` with no kept index (newlines found and the
   bytes hashed in one pass: a stream's first build, or one whose kept index is stale);
 - ``index kept``: ``indexed_lines`` with the index kept beside the file (hash, then the index mapped).
 
@@ -35,8 +35,8 @@ import numpy as np
 import torch
 from torch.utils.data import Subset, TensorDataset
 
-from ddpkit.data.fingerprint import dataset_items
-from ddpkit.data.stream_sources import content_digest, indexed_lines
+from ddpkit.data._fingerprint import dataset_items
+from ddpkit.data._stream_sources import content_digest, indexed_lines
 
 
 def write(path: Path, megabytes: int) -> int:

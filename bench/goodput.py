@@ -11,7 +11,7 @@ classes), batch 32 per rank, Adam, 2 CPU ranks over gloo (``--nproc``). The vari
   that stalls a step more than 5%);
 - ``memory-new-interpreters``: ``memory`` with ``ddpkit run --fork-server off``: every worker of every attempt
   a new interpreter that imports torch, as under torchrun (the other ddpkit variants fork their workers from
-  the job's fork server, :mod:`ddpkit.launch.forkserver`).
+  the job's fork server, :mod:`ddpkit._launch.forkserver`).
 
 Each variant runs (a) without failures and (b) with a SIGKILL of a random rank at T, 2T, ... seconds after the
 launch (a kill that falls while the job is restarting waits for both ranks to be up). Goodput = (a)'s time /
@@ -119,7 +119,7 @@ def launch_main(argv: list[str]) -> int:
     timeline, which, args = argv[0], argv[1], argv[2:]
     instrument_agent(timeline)
     if which == "ddpkit":
-        from ddpkit.launch.launcher import main
+        from ddpkit._launch.launcher import main
 
         return main(args)
     from torch.distributed.run import main as torchrun_main

@@ -43,9 +43,9 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from trainer_overhead import median_interval, steady_malloc
 
 import ddpkit
-import ddpkit.platforms.cpus
-from ddpkit.training.config import LoggingConfig, SnapshotConfig
-from ddpkit.training.trainer import Trainer, TrainerConfig
+import ddpkit.platforms._cpus
+from ddpkit.training._config import LoggingConfig, SnapshotConfig
+from ddpkit.training._trainer import Trainer, TrainerConfig
 
 LOOPS = ("hand", "hand+build_loader", "hand+build_loader, seed_samples=False", "trainer", "trainer, seed_samples=False")
 PAIRS = [
@@ -194,7 +194,7 @@ def main() -> None:
     res = ddpkit.spawn(functools.partial(bench, a.steps, a.rounds, a.batch_size, a.hidden), a.nproc)[0]
     print(
         f"date {datetime.datetime.now():%Y-%m-%d %H:%M}  machine {platform.machine()}, "
-        f"{ddpkit.platforms.cpus.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}  "
+        f"{ddpkit.platforms._cpus.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}  "
         f"python {platform.python_version()}  torch {torch.__version__}"
     )
     print(

@@ -38,9 +38,9 @@ import torch
 from torch import nn
 
 import ddpkit
-from ddpkit.demo.models import Block
+from ddpkit.demo._models import Block
 from ddpkit.strategies import build_strategy, strategy_config
-from ddpkit.strategies.fsdp import _local
+from ddpkit.strategies._fsdp import _local
 
 STRATEGIES = ("ddp", "zero", "fsdp")
 

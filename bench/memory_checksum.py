@@ -1,7 +1,7 @@
 """What the memory snapshot's tensor checksum costs against the copy it checks.
 
 A save into a memory slot copies the state into the slot's data region, then takes its checksum
-(:mod:`ddpkit.snapshot.memory.store`); both hold the training loop. This times, on one state (``--mb`` MB of float32
+(:mod:`ddpkit.snapshot._memory.store`); both hold the training loop. This times, on one state (``--mb`` MB of float32
 tensors, 8 of them, as a model and its Adam moments would be), in interleaved rounds whose order rotates so that
 noise from other work on the machine falls on all:
 
@@ -9,7 +9,7 @@ noise from other work on the machine falls on all:
   torchrun's workers have them (``OMP_NUM_THREADS=1``; ``--torch-threads``);
 - block sums: the checksum of slot format 2, the CRC-32 of the wrapping int64 sums of 4 KiB blocks (numpy),
   kept here as the reference: it let changes that cancel within a block through;
-- CRC-32C: the checksum of format 3, a CRC-32C per MiB (:func:`ddpkit.snapshot.memory.slot.block_crcs`, the ``crc32c``
+- CRC-32C: the checksum of format 3, a CRC-32C per MiB (:func:`ddpkit.snapshot._memory.slot.block_crcs`, the ``crc32c``
   package: SSE 4.2 / ARMv8 CRC instructions where the CPU has them), on one thread, as a save takes it;
 - CRC-32C on 2 threads: the same blocks split in two halves (the CRC releases the GIL), to show the pieces run
   in parallel; not what a save does (the loop's other threads, data loading, want the cores).
@@ -51,8 +51,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from ddpkit.snapshot.memory.slot import BLOCK, block_crcs
-from ddpkit.snapshot.memory.store import copy_tensors
+from ddpkit.snapshot._memory.slot import BLOCK, block_crcs
+from ddpkit.snapshot._memory.store import copy_tensors
 
 
 def block_sums(region: torch.Tensor) -> int:

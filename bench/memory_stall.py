@@ -31,10 +31,10 @@ import torch
 from torch import nn
 
 import ddpkit
-from ddpkit.demo.models import Block, DigitsCNN
-from ddpkit.snapshot.memory import folder as memory_folder
-from ddpkit.training.config import LoggingConfig, SnapshotConfig, TrainerConfig
-from ddpkit.training.trainer import Trainer
+from ddpkit.demo._models import Block, DigitsCNN
+from ddpkit.snapshot._memory import folder as memory_folder
+from ddpkit.training._config import LoggingConfig, SnapshotConfig, TrainerConfig
+from ddpkit.training._trainer import Trainer
 
 CNN_WIDTHS = (16, 32, 64, 128)
 MLP_WIDTHS = (128, 256, 512, 1024, 2048)

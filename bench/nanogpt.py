@@ -12,7 +12,7 @@ and iteration):
 - ``primitives``: ``bench/nanogpt_port.py``, nanoGPT's loop on ddpkit's primitives, under ``ddpkit run --nproc 2``;
 - ``trainer``: ``bench/nanogpt_trainer.py``, the same on ddpkit's Trainer, under ``ddpkit run --nproc 2``.
 
-The data: Python's own standard-library sources (``ddpkit.demo.datasets.python_source``: nothing is
+The data: Python's own standard-library sources (``ddpkit.demo._datasets.python_source``: nothing is
 downloaded), written once as nanoGPT's shakespeare_char prepare step writes its folder (``train.bin`` and
 ``val.bin``, uint16 token ids; ``meta.pkl`` with ``vocab_size``).
 
@@ -56,8 +56,8 @@ import torch
 from nanogpt_port import GET_NANOGPT, HYPER_PARAMETERS
 from trainer_overhead import median_interval
 
-from ddpkit.demo.datasets import CHARS, IGNORE_INDEX, python_source
-from ddpkit.platforms.cpus import cpu_count
+from ddpkit.demo._datasets import CHARS, IGNORE_INDEX, python_source
+from ddpkit.platforms._cpus import cpu_count
 
 BENCH = Path(__file__).resolve().parent
 VARIANTS = ("nanogpt", "primitives", "trainer")

@@ -31,9 +31,9 @@ from torch.utils.data import TensorDataset
 from trainer_overhead import MODEL_NAMES, MODELS, median_interval, steady_malloc
 
 import ddpkit
-import ddpkit.platforms.cpus
-from ddpkit.training.config import LoggingConfig, SnapshotConfig
-from ddpkit.training.trainer import Trainer, TrainerConfig
+import ddpkit.platforms._cpus
+from ddpkit.training._config import LoggingConfig, SnapshotConfig
+from ddpkit.training._trainer import Trainer, TrainerConfig
 
 
 def bench(steps: int, rounds: int, batch_size: int, model: str, every: int) -> dict:
@@ -102,7 +102,7 @@ def main() -> None:
     res = ddpkit.spawn(run, a.nproc)[0]
     print(
         f"date {datetime.date.today()}  machine {platform.machine()}, "
-        f"{ddpkit.platforms.cpus.cpu_count()} cores  python {platform.python_version()}  torch {torch.__version__}"
+        f"{ddpkit.platforms._cpus.cpu_count()} cores  python {platform.python_version()}  torch {torch.__version__}"
     )
     print(
         f"config: {a.nproc} ranks (gloo, CPU, {res['threads']} thread(s) each), {MODEL_NAMES[a.model]} "

@@ -24,7 +24,7 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 
-from ddpkit.demo.models import Block
+from ddpkit.demo._models import Block
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 

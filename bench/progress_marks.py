@@ -25,8 +25,8 @@ import timeit
 
 import torch
 
-from ddpkit.distributed import progress
-from ddpkit.distributed.progress import Phase
+from ddpkit.distributed import _progress as progress
+from ddpkit.distributed._progress import Phase
 
 
 def marks() -> None:

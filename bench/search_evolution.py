@@ -24,8 +24,8 @@ import statistics
 import optuna
 from optuna.trial import TrialState
 
-from ddpkit.search.evolution import EvolutionSampler
-from ddpkit.search.space import uniform
+from ddpkit.search._evolution import EvolutionSampler
+from ddpkit.search._space import uniform
 
 SPACE = {f"x{i}": uniform(-5.12, 5.12) for i in range(6)}
 

@@ -28,10 +28,10 @@ from pathlib import Path
 import torch
 
 import ddpkit
-from ddpkit.demo.datasets import digits
+from ddpkit.demo._datasets import digits
 from ddpkit.search import SearchConfig, choice, search, uniform
-from ddpkit.training.config import LoggingConfig, SnapshotConfig
-from ddpkit.training.trainer import Trainer, TrainerConfig
+from ddpkit.training._config import LoggingConfig, SnapshotConfig
+from ddpkit.training._trainer import Trainer, TrainerConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from digits_cnn import Net  # noqa: E402

@@ -1,4 +1,4 @@
-"""What reading a JSON Lines file through :class:`ddpkit.data.stream_sources.JsonlStream` costs, against a plain reader.
+"""What reading a JSON Lines file through :class:`ddpkit.data._stream_sources.JsonlStream` costs, against a plain reader.
 
 One process, no loader workers, the file in the page cache (a first untimed pass reads it). Each round times,
 in turn:
@@ -31,8 +31,8 @@ import numpy as np
 import torch
 
 import ddpkit
-from ddpkit.data.stream_loader import StreamSamples
-from ddpkit.data.stream_sources import JsonlStream
+from ddpkit.data._stream_loader import StreamSamples
+from ddpkit.data._stream_sources import JsonlStream
 
 
 def write(path: Path, n: int) -> None:

@@ -42,10 +42,10 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import ddpkit
-import ddpkit.platforms.cpus
-from ddpkit.demo.models import DigitsCNN
-from ddpkit.training.config import LoggingConfig, SnapshotConfig
-from ddpkit.training.trainer import Trainer, TrainerConfig
+import ddpkit.platforms._cpus
+from ddpkit.demo._models import DigitsCNN
+from ddpkit.training._config import LoggingConfig, SnapshotConfig
+from ddpkit.training._trainer import Trainer, TrainerConfig
 
 
 def hand_loop(model: nn.Module, optimizer, loader: DataLoader, sampler: DistributedSampler, epoch: int) -> None:
@@ -216,7 +216,7 @@ def main() -> None:
     res = ddpkit.spawn(functools.partial(bench, a.steps, a.rounds, a.batch_size, a.default_malloc, a.model), a.nproc)[0]
     print(
         f"date {datetime.date.today()}  machine {platform.machine()} {platform.processor() or ''}, "
-        f"{ddpkit.platforms.cpus.cpu_count()} cores  python {platform.python_version()}  torch {torch.__version__}"
+        f"{ddpkit.platforms._cpus.cpu_count()} cores  python {platform.python_version()}  torch {torch.__version__}"
     )
     print(
         f"config: {a.nproc} ranks (gloo, CPU, {res['threads']} thread(s) each, "

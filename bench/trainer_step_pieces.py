@@ -22,12 +22,12 @@ from torch import nn
 from torch.utils.data import BatchSampler, DistributedSampler, TensorDataset
 
 from ddpkit.data import ShardedBatchSampler
-from ddpkit.strategies.ddp import all_finite as _all_finite
-from ddpkit.strategies.ddp import (
+from ddpkit.strategies._ddp import all_finite as _all_finite
+from ddpkit.strategies._ddp import (
     nan_gradient_if_nonfinite as _nan_gradient_if_nonfinite,
 )
-from ddpkit.training.loss_window import LossWindow as _LossWindow
-from ddpkit.training.step import batch_len as _batch_len
+from ddpkit.training._loss_window import LossWindow as _LossWindow
+from ddpkit.training._step import batch_len as _batch_len
 
 
 def fastest_us(fn, number: int = 20000) -> float:

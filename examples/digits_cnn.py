@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 
 import ddpkit
-from ddpkit.demo.datasets import digits, mnist
-from ddpkit.demo.models import (
+from ddpkit.demo import (
     DigitsCNN as Net,  # the DDP tutorials' CNN; other examples import it from here
 )
+from ddpkit.demo import digits, mnist
 
 
 def main():

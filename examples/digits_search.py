@@ -14,10 +14,9 @@ from pathlib import Path
 import torch
 
 import ddpkit
-from ddpkit.demo.datasets import digits
+from ddpkit import LoggingConfig, SnapshotConfig, Trainer, TrainerConfig
+from ddpkit.demo import digits
 from ddpkit.search import SearchConfig, choice, search, uniform
-from ddpkit.training.config import LoggingConfig, SnapshotConfig
-from ddpkit.training.trainer import Trainer, TrainerConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
 from digits_cnn import Net  # noqa: E402

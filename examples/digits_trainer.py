@@ -15,7 +15,7 @@ import torch
 
 import ddpkit
 from ddpkit import EarlyStoppingConfig, SnapshotConfig, Trainer, TrainerConfig
-from ddpkit.demo.datasets import digits
+from ddpkit.demo import digits
 
 sys.path.insert(0, str(Path(__file__).parent))
 from digits_cnn import Net  # noqa: E402  (the same model as the hand-written loop)

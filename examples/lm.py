@@ -21,8 +21,7 @@ import torch.nn.functional as F
 
 import ddpkit
 from ddpkit import EarlyStoppingConfig, LoggingConfig, SnapshotConfig, Trainer, TrainerConfig
-from ddpkit.demo.datasets import CHARS, IGNORE_INDEX, decode, encode, python_source
-from ddpkit.demo.models import TinyGPT
+from ddpkit.demo import CHARS, IGNORE_INDEX, TinyGPT, decode, encode, python_source
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--run-dir", default="runs/lm")

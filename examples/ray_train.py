@@ -21,7 +21,7 @@ def train_loop(config: dict) -> None:
 
     import ddpkit
     from ddpkit import SnapshotConfig, Trainer, TrainerConfig
-    from ddpkit.demo.datasets import digits
+    from ddpkit.demo import digits
 
     sys.path.insert(0, config["examples"])
     from digits_cnn import Net

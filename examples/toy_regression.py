@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import random_split
 
 import ddpkit
-from ddpkit.demo.datasets import toy_regression
+from ddpkit.demo import toy_regression
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--epochs", type=int, default=10)

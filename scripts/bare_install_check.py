@@ -20,7 +20,7 @@ import os, signal, sys
 import torch
 import ddpkit
 from ddpkit import SnapshotConfig, Trainer, TrainerConfig
-from ddpkit.training.callbacks import Callback
+from ddpkit.training._callbacks import Callback
 
 EXTRAS = ("sklearn", "optuna", "matplotlib", "tqdm", "tensorboard", "mlflow", "wandb", "safetensors")
 

@@ -122,9 +122,9 @@ else
   cat > "$one_gpu" <<'EOF'
 import functools, json, sys
 from types import SimpleNamespace
-from ddpkit.launch.spawn import spawn
-from ddpkit.tools.bench import _start_method, compare_data_parallel
-from ddpkit.tools.steptime import Knobs, measure_steps
+from ddpkit._launch.spawn import spawn
+from ddpkit.tools._bench import _start_method, compare_data_parallel
+from ddpkit.tools._steptime import Knobs, measure_steps
 
 
 def main():  # spawned ranks import this file again: nothing may run at import

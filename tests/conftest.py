@@ -85,22 +85,22 @@ def run_python(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., subpro
 # purpose: it numbers the process groups this process has made, so that no later group reads an earlier one's
 # keys in a store they share.
 DDPKIT_GLOBALS: dict[tuple[str, str], Any] = {
-    ("ddpkit.distributed.runtime", "_runtime"): None,
-    ("ddpkit.distributed.runtime", "_store_of"): None,
-    ("ddpkit.distributed.runtime", "_group_store"): None,
-    ("ddpkit.distributed.signals", "_pending"): None,
+    ("ddpkit.distributed._runtime", "_runtime"): None,
+    ("ddpkit.distributed._runtime", "_store_of"): None,
+    ("ddpkit.distributed._runtime", "_group_store"): None,
+    ("ddpkit.distributed._signals", "_pending"): None,
     # a rank's progress record for the launcher's stall watch: a test that opened one leaves it mapped
-    ("ddpkit.distributed.progress", "_buf"): None,
-    ("ddpkit.distributed.progress", "_ints"): None,
-    ("ddpkit.distributed.progress", "_floats"): None,
-    ("ddpkit.nn.dropout", "_layout"): None,
-    ("ddpkit.nn.dropout", "_calls"): {},
-    ("ddpkit.snapshot.staging", "_groups"): {},
-    ("ddpkit.tools.workload", "_modules"): {},
-    ("ddpkit.launch.worker", "_worker_store"): None,
-    ("ddpkit.launch.rendezvous_backend", "_jobs"): {},
-    ("ddpkit.launch.rendezvous_backend", "_relays"): {},
-    ("ddpkit.launch.forked_workers", "_server"): None,
+    ("ddpkit.distributed._progress", "_buf"): None,
+    ("ddpkit.distributed._progress", "_ints"): None,
+    ("ddpkit.distributed._progress", "_floats"): None,
+    ("ddpkit.nn._dropout", "_layout"): None,
+    ("ddpkit.nn._dropout", "_calls"): {},
+    ("ddpkit.snapshot._staging", "_groups"): {},
+    ("ddpkit.tools._workload", "_modules"): {},
+    ("ddpkit._launch.worker", "_worker_store"): None,
+    ("ddpkit._launch.rendezvous_backend", "_jobs"): {},
+    ("ddpkit._launch.rendezvous_backend", "_relays"): {},
+    ("ddpkit._launch.forked_workers", "_server"): None,
 }
 # hold_stop_signals() and the Trainer's stop_signals() install handlers for these in the process that calls them.
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -144,8 +144,8 @@ def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
     """Tests of features a torch older than they need refuses (naming the version) are skipped there, saying
     why: ``@pytest.mark.torch_at_least(2, 7, "why")``, and the CPU tests that train with fsdp (the strategy's
     refusal is tested by ``test_fsdp_on_the_cpu_is_refused_below_its_torch_naming_the_version``)."""
-    from ddpkit.internals.versions import TORCH_VERSION
-    from ddpkit.strategies.fsdp import FSDP_ON_CPU
+    from ddpkit._internals.versions import TORCH_VERSION
+    from ddpkit.strategies._fsdp import FSDP_ON_CPU
 
     for item in items:
         marker = item.get_closest_marker("torch_at_least")

@@ -4,7 +4,7 @@
 parsers' own help, never a copy that drifts.
 
 ``.. ddpkit-module:: ddpkit.data`` is ``automodule`` with ``:members:``, leaving out the members described on
-another page. A name re-exported by a package (``ddpkit.Trainer``, defined in ``ddpkit.training.trainer``) is
+another page. A name re-exported by a package (``ddpkit.Trainer``, defined in ``ddpkit.training._trainer``) is
 described once, where users import it from; an object described twice is a warning, and the build treats
 warnings as errors. References by the defining module's name (type hints, some docstrings) are sent there.
 """
@@ -136,8 +136,8 @@ class HelpDirective(SphinxDirective):
 def resolve_by_home(app: Sphinx, env: Any, node: Any, contnode: nodes.Element) -> nodes.Element | None:
     """A reference by the module that defines an object resolves to where the object is described.
 
-    Type hints name ``ddpkit.training.config.TrainerConfig``, described as ``ddpkit.TrainerConfig``; a docstring
-    in ``ddpkit.snapshot.run_dir`` names ``ConfigError``, which that module imports: found there, as Python
+    Type hints name ``ddpkit.training._config.TrainerConfig``, described as ``ddpkit.TrainerConfig``; a docstring
+    in ``ddpkit.snapshot._run_dir`` names ``ConfigError``, which that module imports: found there, as Python
     would. A TypeVar in a signature is shown as text.
     """
     if node.get("refdomain") != "py":

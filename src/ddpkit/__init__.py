@@ -13,8 +13,10 @@ A single-device script becomes a DDP script with a handful of calls::
 and runs with ``ddpkit run script.py``, ``torchrun``, ``srun`` or plain ``python``.
 """
 
+from ddpkit._errors import ConfigError, Preempted
+from ddpkit._launch.spawn import spawn
 from ddpkit.data import build_eval_loader, build_loader, to_device
-from ddpkit.distributed.collectives import (
+from ddpkit.distributed._collectives import (
     MetricSums,
     all_gather_object,
     all_reduce,
@@ -23,28 +25,26 @@ from ddpkit.distributed.collectives import (
     gather_tensors,
     main_first,
 )
-from ddpkit.distributed.groups import split_world
-from ddpkit.distributed.log import get_logger, print0
-from ddpkit.distributed.runtime import Runtime, get_runtime, init, shutdown
-from ddpkit.distributed.seeding import seed_everything
-from ddpkit.errors import ConfigError, Preempted
-from ddpkit.launch.spawn import spawn
-from ddpkit.snapshot.loop import Snapshots
-from ddpkit.snapshot.schedule import SnapshotConfig
+from ddpkit.distributed._groups import split_world
+from ddpkit.distributed._log import get_logger, print0
+from ddpkit.distributed._runtime import Runtime, get_runtime, init, shutdown
+from ddpkit.distributed._seeding import seed_everything
+from ddpkit.snapshot._loop import Snapshots
+from ddpkit.snapshot._schedule import SnapshotConfig
 from ddpkit.strategies import DDPConfig, FSDPConfig, ZeroConfig
-from ddpkit.strategies.prepare import no_sync, prepare_model, unwrap
-from ddpkit.training.callbacks import Callback
-from ddpkit.training.config import (
+from ddpkit.strategies._prepare import no_sync, prepare_model, unwrap
+from ddpkit.training._callbacks import Callback
+from ddpkit.training._config import (
     EarlyStoppingConfig,
     LoggingConfig,
     TrainerConfig,
 )
-from ddpkit.training.evaluation import (
+from ddpkit.training._evaluation import (
     classification_metrics,
     evaluate,
     regression_metrics,
 )
-from ddpkit.training.trainer import Trainer
+from ddpkit.training._trainer import Trainer
 
 __version__ = "0.1.0"
 

@@ -6,23 +6,23 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from ddpkit.errors import ConfigError
+from ddpkit._errors import ConfigError
 
 # name -> (module whose main(argv) runs it, one line of help). Imported only when used.
 COMMANDS = {
     "run": (
-        "ddpkit.launch.launcher",
+        "ddpkit._launch.launcher",
         "launch a training script on every GPU (or CPU share) of this node, or of several",
     ),
-    "sbatch": ("ddpkit.launch.sbatch", "write and submit a SLURM batch script that requeues itself when pre-empted"),
+    "sbatch": ("ddpkit._launch.sbatch", "write and submit a SLURM batch script that requeues itself when pre-empted"),
     "k8s": (
-        "ddpkit.launch.k8s",
+        "ddpkit._launch.k8s",
         "write a Kubernetes manifest (TrainJob, PyTorchJob or JobSet) that resumes after failures",
     ),
-    "env": ("ddpkit.tools.env", "versions, devices, the choices `run` would make, and a live all-reduce check"),
-    "bench": ("ddpkit.tools.bench", "step time at 1..N ranks, the all-reduce alone, and a prediction at larger sizes"),
-    "check": ("ddpkit.tools.check", "one process against N ranks, step by step; names the cause of a difference"),
-    "plot": ("ddpkit.tracking.curves", "a Trainer run's training and validation curves to RUN_DIR/curves.png"),
+    "env": ("ddpkit.tools._env", "versions, devices, the choices `run` would make, and a live all-reduce check"),
+    "bench": ("ddpkit.tools._bench", "step time at 1..N ranks, the all-reduce alone, and a prediction at larger sizes"),
+    "check": ("ddpkit.tools._check", "one process against N ranks, step by step; names the cause of a difference"),
+    "plot": ("ddpkit.tracking._curves", "a Trainer run's training and validation curves to RUN_DIR/curves.png"),
 }
 
 EXAMPLES = """examples:

@@ -48,10 +48,10 @@ from typing import Any, TypeVar
 import torch
 
 from ddpkit import platforms
+from ddpkit._launch.spawn import spawn
 from ddpkit.distributed import Group
-from ddpkit.distributed.collectives import all_gather_object
-from ddpkit.distributed.runtime import get_runtime, init
-from ddpkit.launch.spawn import spawn
+from ddpkit.distributed._collectives import all_gather_object
+from ddpkit.distributed._runtime import get_runtime, init
 
 __all__ = ["LAUNCH_VARIABLES", "assert_same_on_ranks", "run_job", "run_on_ranks", "wait_until", "without_launch_env"]
 

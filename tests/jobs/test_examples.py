@@ -67,7 +67,7 @@ DIGITS_EPOCHS = "4"
 
 @pytest.fixture(scope="module")
 def digits_test_size() -> int:
-    from ddpkit.demo.datasets import digits
+    from ddpkit.demo._datasets import digits
 
     return len(digits("test"))
 

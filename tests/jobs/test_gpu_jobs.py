@@ -199,9 +199,9 @@ _BENCH_ONE_GPU = """
 import functools, json
 from types import SimpleNamespace
 import torch, torch._dynamo
-from ddpkit.launch.spawn import spawn
-from ddpkit.tools.bench import _start_method, compare_data_parallel
-from ddpkit.tools.steptime import Knobs, measure_steps
+from ddpkit._launch.spawn import spawn
+from ddpkit.tools._bench import _start_method, compare_data_parallel
+from ddpkit.tools._steptime import Knobs, measure_steps
 
 # As a workload script may: it initialises the CUDA driver here, which a forked rank then cannot use.
 assert torch.cuda.is_available()

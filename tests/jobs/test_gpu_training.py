@@ -303,8 +303,8 @@ import torch
 import ddpkit
 from torch import nn
 from ddpkit.strategies import build_strategy, strategy_config
-from ddpkit.strategies.fsdp import _local
-from ddpkit.demo.models import Block
+from ddpkit.strategies._fsdp import _local
+from ddpkit.demo._models import Block
 
 
 def state_bytes(tensors):

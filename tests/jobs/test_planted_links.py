@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ddpkit.errors import ConfigError
-from ddpkit.snapshot.manager import SnapshotWriteError
+from ddpkit._errors import ConfigError
+from ddpkit.snapshot._manager import SnapshotWriteError
 
 VICTIM = b"a file of someone else's, outside the folder\n"
 THEIRS = b"another user's file\n"
@@ -127,7 +127,7 @@ def each_path_planted(
 
 
 def _trainer_run(run_dir: Path) -> None:
-    from ddpkit.tracking.curves import plot
+    from ddpkit.tracking._curves import plot
     from tests.jobs.scripts.train_job import train
 
     # One epoch of two steps with validation: snapshots, best.pt, weights files, records; then its curves.
@@ -209,7 +209,7 @@ def _records(folder: Path, n: int = 64) -> Path:
 
 
 def _stream(folder: Path) -> None:
-    from ddpkit.data.stream_sources import JsonlStream
+    from ddpkit.data._stream_sources import JsonlStream
 
     path = folder / "data.jsonl" if (folder / "data.jsonl").exists() else _records(folder)
     stream = JsonlStream(path)
@@ -229,8 +229,8 @@ def test_a_stream_writes_nothing_outside_its_data_folder(tmp_path, kind):
 def _poisoned_index(path: Path) -> Path:
     """A line index beside ``path`` whose header matches the file (its checksum too), every line pointing at
     record 0."""
-    from ddpkit.data import line_cache
-    from ddpkit.data.stream_sources import content_digest, index_header
+    from ddpkit.data import _line_cache as line_cache
+    from ddpkit.data._stream_sources import content_digest, index_header
 
     lines = np.tile(np.array([[0, len(json.dumps({"id": 0}))]], np.int64), (64, 1))
     cached = path.with_name(f".{path.name}.lines")
@@ -242,8 +242,8 @@ def _poisoned_index(path: Path) -> Path:
 
 @pytest.mark.parametrize("owner", ["this user", pytest.param("other user", marks=KINDS[-1].marks)])
 def test_a_planted_line_index_is_not_used_and_the_records_are_right(tmp_path, capfd, owner):
-    from ddpkit.data import line_cache
-    from ddpkit.data.stream_sources import JsonlStream, _scan_lines
+    from ddpkit.data import _line_cache as line_cache
+    from ddpkit.data._stream_sources import JsonlStream, _scan_lines
 
     line_cache._told.clear()
     path = _records(tmp_path / "data")
@@ -267,8 +267,8 @@ def test_a_planted_line_index_is_not_used_and_the_records_are_right(tmp_path, ca
 
 
 def test_a_data_folder_others_can_write_to_keeps_its_index_in_memory(tmp_path, capfd):
-    from ddpkit.data import line_cache
-    from ddpkit.data.stream_sources import JsonlStream
+    from ddpkit.data import _line_cache as line_cache
+    from ddpkit.data._stream_sources import JsonlStream
 
     line_cache._told.clear()
     path = _records(tmp_path / "data")
@@ -280,7 +280,7 @@ def test_a_data_folder_others_can_write_to_keeps_its_index_in_memory(tmp_path, c
 
 
 def test_a_planted_temporary_of_the_old_fixed_name_is_never_written(tmp_path):
-    from ddpkit.data.stream_sources import JsonlStream
+    from ddpkit.data._stream_sources import JsonlStream
 
     outside = Outside(tmp_path)
     path = _records(tmp_path / "data")
@@ -299,7 +299,7 @@ def test_a_planted_temporary_of_the_old_fixed_name_is_never_written(tmp_path):
     ],
 )
 def test_a_line_index_that_cannot_be_the_files_is_rebuilt(tmp_path, table):
-    from ddpkit.data.stream_sources import line_index
+    from ddpkit.data._stream_sources import line_index
 
     path = tmp_path / "a.jsonl"
     path.write_text('{"id": 0}\n{"id": 1}\n')
@@ -313,7 +313,7 @@ def test_a_line_index_that_cannot_be_the_files_is_rebuilt(tmp_path, table):
 
 
 def _batch_script(folder: Path) -> None:
-    from ddpkit.launch.sbatch import BatchConfig, submit
+    from ddpkit._launch.sbatch import BatchConfig, submit
 
     script = folder.parent / "train.py"
     script.write_text("print('hi')\n")
@@ -326,8 +326,8 @@ def test_a_batch_script_is_written_only_inside_its_output_dir(tmp_path, kind):
 
 
 def _bench_outputs(folder: Path) -> None:
-    from ddpkit.tools.bench import write_outputs
-    from ddpkit.tools.bench_config import BenchConfig
+    from ddpkit.tools._bench import write_outputs
+    from ddpkit.tools._bench_config import BenchConfig
 
     row = {"world_size": 2, "samples_per_s": 50.0}
     result = {
@@ -352,8 +352,8 @@ def test_the_bench_writes_its_json_and_plot_only_inside_its_out_folder(tmp_path,
 def test_a_line_index_cut_to_its_header_is_rebuilt_not_read_as_no_records(tmp_path, capfd):
     # Consistent as far as offsets go (no lines at all), with the data file's size and time in its header: only
     # the checksum of the offsets tells it from the truth.
-    from ddpkit.data import line_cache
-    from ddpkit.data.stream_sources import JsonlStream
+    from ddpkit.data import _line_cache as line_cache
+    from ddpkit.data._stream_sources import JsonlStream
 
     line_cache._told.clear()
     path = _records(tmp_path / "data")
@@ -375,7 +375,7 @@ def _tree(root: Path) -> dict[str, bytes]:
 
 @pytest.mark.parametrize("check", ["on", "off"])
 def test_training_in_a_copy_made_with_cp_al_leaves_the_original_run_byte_identical(tmp_path, check, monkeypatch):
-    from ddpkit.fs import safe
+    from ddpkit._fs import safe
     from tests.jobs.scripts.train_job import train
 
     original, copy = tmp_path / "original", tmp_path / "copy"
@@ -407,8 +407,8 @@ def test_training_in_a_copy_made_with_cp_al_leaves_the_original_run_byte_identic
 def test_mlflow_in_a_copy_made_with_cp_al_leaves_the_originals_store_byte_identical(tmp_path, check, monkeypatch):
     # SQLite opens mlflow.db in place by its name: the copy's logger gets a store of its own first.
     pytest.importorskip("mlflow")
-    from ddpkit.fs import safe
-    from ddpkit.tracking.trackers import MLflowLogger
+    from ddpkit._fs import safe
+    from ddpkit.tracking._trackers import MLflowLogger
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     original, copy = tmp_path / "original", tmp_path / "copy"

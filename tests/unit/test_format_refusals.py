@@ -12,10 +12,10 @@ import zlib
 import pytest
 import torch
 
-from ddpkit.errors import ConfigError
-from ddpkit.snapshot.manager import INDEX, MARKER, SnapshotManager
-from ddpkit.snapshot.memory import slot as mslot
-from ddpkit.snapshot.memory import store as ms
+from ddpkit._errors import ConfigError
+from ddpkit.snapshot._manager import INDEX, MARKER, SnapshotManager
+from ddpkit.snapshot._memory import slot as mslot
+from ddpkit.snapshot._memory import store as ms
 from tests.unit.snapshot.test_checkpoint import load, reseal, save
 from tests.unit.snapshot.test_memory_snapshots import save as save_slot
 from tests.unit.snapshot.test_memory_snapshots import store
@@ -197,9 +197,9 @@ def test_a_manifest_that_lies_with_a_valid_crc_is_refused_before_any_tensor_is_v
 
 @pytest.fixture
 def journal(tmp_path):
-    from ddpkit.search.config import SearchConfig
-    from ddpkit.search.search_dir import JOURNAL
-    from ddpkit.search.study import open_study
+    from ddpkit.search._config import SearchConfig
+    from ddpkit.search._search_dir import JOURNAL
+    from ddpkit.search._study import open_study
 
     cfg = SearchConfig(n_trials=2, search_dir=str(tmp_path))
     study = open_study(cfg, {}, create=True)
@@ -219,7 +219,7 @@ def journal(tmp_path):
     ids=["empty", "unknown-op", "missing-fields", "list"],
 )
 def test_a_hand_edited_journal_is_refused_naming_the_file_and_line(journal, line, what):
-    from ddpkit.search.study import open_study
+    from ddpkit.search._study import open_study
 
     cfg, path = journal
     lines = path.read_bytes().split(b"\n")[:-1]

@@ -21,9 +21,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ddpkit.errors import ConfigError
-from ddpkit.snapshot.manager import INDEX, MARKER, SnapshotManager
-from ddpkit.snapshot.memory import slot as mslot
+from ddpkit._errors import ConfigError
+from ddpkit.snapshot._manager import INDEX, MARKER, SnapshotManager
+from ddpkit.snapshot._memory import slot as mslot
 from tests.unit.snapshot.test_checkpoint import reseal, save
 from tests.unit.snapshot.test_memory_snapshots import save as save_slot
 from tests.unit.snapshot.test_memory_snapshots import store
@@ -215,7 +215,7 @@ def check_slot(path: Path, what: str) -> None:
     assert values["values"] == {"note": [1, 2.5, "x"]} and values["step"] == 4, what
     if [(t.dtype, t.shape) for t in tensors] != [(t.dtype, t.shape) for t in SAVED]:
         # Another layout than the state's: the Trainer refuses it before it copies anything (every tensor of
-        # its state present, of its shape and dtype: ddpkit.snapshot.memory.resume).
+        # its state present, of its shape and dtype: ddpkit.snapshot._memory.resume).
         return
     assert all(torch.equal(a, b) for a, b in zip(tensors, SAVED)), f"{what}: other values in the same layout"
 
@@ -297,9 +297,9 @@ def test_slot_manifest_and_values_lie_with_valid_crcs(tmp_path_factory, slot_byt
 
 @pytest.fixture(scope="module")
 def journal_bytes(tmp_path_factory) -> bytes:
-    from ddpkit.search.config import SearchConfig
-    from ddpkit.search.search_dir import JOURNAL
-    from ddpkit.search.study import open_study
+    from ddpkit.search._config import SearchConfig
+    from ddpkit.search._search_dir import JOURNAL
+    from ddpkit.search._study import open_study
 
     folder = tmp_path_factory.mktemp("journal")
     study = open_study(SearchConfig(n_trials=3, search_dir=str(folder)), {}, create=True)
@@ -314,9 +314,9 @@ def journal_bytes(tmp_path_factory) -> bytes:
 @FAST
 @given(mutation=byte_mutation(900), whole_line=st.booleans())
 def test_journal_mutated(tmp_path_factory, journal_bytes, mutation, whole_line):
-    from ddpkit.search.config import SearchConfig
-    from ddpkit.search.search_dir import JOURNAL, repair_journal
-    from ddpkit.search.study import open_study
+    from ddpkit.search._config import SearchConfig
+    from ddpkit.search._search_dir import JOURNAL, repair_journal
+    from ddpkit.search._study import open_study
 
     folder = tmp_path_factory.mktemp("j")
     data = mutate(journal_bytes, mutation)
@@ -338,7 +338,7 @@ def test_journal_mutated(tmp_path_factory, journal_bytes, mutation, whole_line):
 
 @pytest.fixture(scope="module")
 def stream_file(tmp_path_factory) -> tuple[Path, bytes, np.ndarray]:
-    from ddpkit.data.stream_sources import _scan_lines, line_index
+    from ddpkit.data._stream_sources import _scan_lines, line_index
 
     folder = tmp_path_factory.mktemp("stream")
     path = folder / "data.jsonl"
@@ -352,7 +352,7 @@ def stream_file(tmp_path_factory) -> tuple[Path, bytes, np.ndarray]:
 @FAST
 @given(mutation=byte_mutation(1100))
 def test_line_index_mutated(tmp_path_factory, stream_file, mutation):
-    from ddpkit.data.stream_sources import line_index
+    from ddpkit.data._stream_sources import line_index
 
     source, cache, truth = stream_file
     if not cache:

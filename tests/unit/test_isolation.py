@@ -31,11 +31,11 @@ import signal
 import torch
 
 import ddpkit
-from ddpkit.distributed import progress, runtime, seeding, signals
-from ddpkit.launch import forked_workers, rendezvous_backend, worker
-from ddpkit.nn import dropout
-from ddpkit.snapshot import staging
-from ddpkit.tools import workload
+from ddpkit.distributed import _progress as progress, _runtime as runtime, _seeding as seeding, _signals as signals
+from ddpkit._launch import forked_workers, rendezvous_backend, worker
+from ddpkit.nn import _dropout as dropout
+from ddpkit.snapshot import _staging as staging
+from ddpkit.tools import _workload as workload
 from tests.conftest import DDPKIT_GLOBALS
 
 ENTERED = []  # a block entered and never left, as by a test that failed inside it

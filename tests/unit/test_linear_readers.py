@@ -26,11 +26,12 @@ import pytest
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-from ddpkit.errors import ConfigError
-from ddpkit.snapshot import folders, storage
-from ddpkit.snapshot import region as mvalues
-from ddpkit.snapshot.chunks import check_chunks
-from ddpkit.snapshot.memory import slot as mslot
+from ddpkit._errors import ConfigError
+from ddpkit.snapshot import _folders as folders
+from ddpkit.snapshot import _region as mvalues
+from ddpkit.snapshot import _storage as storage
+from ddpkit.snapshot._chunks import check_chunks
+from ddpkit.snapshot._memory import slot as mslot
 
 GROWTH = (1, 4, 16, 64)
 PER_DOUBLING = 2.2
@@ -190,7 +191,7 @@ def test_a_storage_entry_at_no_chunk_is_refused():
 
 
 def test_a_dcp_index_beyond_its_bound_is_refused_naming_it(tmp_path):
-    from ddpkit.snapshot.manager import SnapshotManager
+    from ddpkit.snapshot._manager import SnapshotManager
     from tests.unit.snapshot.test_checkpoint import save
 
     save(SnapshotManager(tmp_path), 3)
@@ -323,8 +324,8 @@ def journal_maker(root: Path) -> Callable[[int], Path]:
 
 
 def read_journal(path: Path) -> None:
-    from ddpkit.search.search_dir import repair_journal
-    from ddpkit.search.study import check_journal
+    from ddpkit.search._search_dir import repair_journal
+    from ddpkit.search._study import check_journal
 
     repair_journal(path)
     try:
@@ -335,7 +336,7 @@ def read_journal(path: Path) -> None:
 
 @needs_optuna
 def test_the_search_journal_is_read_in_time_linear_in_its_records(tmp_path, monkeypatch):
-    from ddpkit.search import study
+    from ddpkit.search import _study as study
 
     # The floor is a constant allowance (16M entries copied: a fraction of a second); the growth beyond it is
     # what is measured.
@@ -345,7 +346,7 @@ def test_the_search_journal_is_read_in_time_linear_in_its_records(tmp_path, monk
 
 @needs_optuna
 def test_control_a_journal_replayed_without_its_budget_is_caught(tmp_path, monkeypatch):
-    from ddpkit.search import study
+    from ddpkit.search import _study as study
 
     monkeypatch.setattr(study, "_REPLAY_FLOOR", 1 << 62)
     with pytest.raises(AssertionError, match="superlinear"):
@@ -354,7 +355,7 @@ def test_control_a_journal_replayed_without_its_budget_is_caught(tmp_path, monke
 
 @needs_optuna
 def test_a_journal_whose_replay_would_be_quadratic_is_refused_naming_it(tmp_path):
-    from ddpkit.search.study import check_journal
+    from ddpkit.search._study import check_journal
 
     path = journal_of(tmp_path / "study.journal", reports(8000))
     with pytest.raises(ConfigError, match=f"the study's journal {path} would cost Optuna more than .* by line [0-9]+ "):
@@ -363,7 +364,7 @@ def test_a_journal_whose_replay_would_be_quadratic_is_refused_naming_it(tmp_path
 
 @needs_optuna
 def test_a_journal_step_past_int_hashing_is_refused_naming_it(tmp_path):
-    from ddpkit.search.study import check_journal
+    from ddpkit.search._study import check_journal
 
     records = reports(2)
     records[-1]["step"] = 2**61 - 1  # the hash of 0: such steps can all share one hash
@@ -374,8 +375,8 @@ def test_a_journal_step_past_int_hashing_is_refused_naming_it(tmp_path):
 
 @needs_optuna
 def test_a_journal_beyond_its_bound_is_refused_naming_it(tmp_path):
-    from ddpkit.search.search_dir import JOURNAL_LIMIT, repair_journal
-    from ddpkit.search.study import check_journal
+    from ddpkit.search._search_dir import JOURNAL_LIMIT, repair_journal
+    from ddpkit.search._study import check_journal
 
     path = journal_of(tmp_path / "study.journal", reports(2))
     os.truncate(path, JOURNAL_LIMIT + 1)  # sparse: never read
@@ -389,7 +390,7 @@ def test_a_journal_beyond_its_bound_is_refused_naming_it(tmp_path):
 
 def line_files(root: Path) -> Callable[[int], tuple[Path, np.ndarray, int]]:
     """A data file of n lines and its line index kept beside it, as the stream writes them."""
-    from ddpkit.data import line_cache
+    from ddpkit.data import _line_cache as line_cache
 
     def make(n: int) -> tuple[Path, np.ndarray, int]:
         folder = root / f"l{n}"
@@ -406,7 +407,7 @@ def line_files(root: Path) -> Callable[[int], tuple[Path, np.ndarray, int]]:
 
 
 def test_the_line_index_is_read_in_time_linear_in_its_lines(tmp_path):
-    from ddpkit.data import line_cache
+    from ddpkit.data import _line_cache as line_cache
 
     def read(args: tuple[Path, np.ndarray, int]) -> None:
         assert line_cache.read(*args) is not None
@@ -415,7 +416,7 @@ def test_the_line_index_is_read_in_time_linear_in_its_lines(tmp_path):
 
 
 def test_a_line_index_of_more_lines_than_its_file_holds_is_not_used_naming_it(tmp_path, capsys):
-    from ddpkit.data import line_cache
+    from ddpkit.data import _line_cache as line_cache
 
     cached, header, size = line_files(tmp_path)(8)
     # A line takes a byte and its newline: more than (size + 1) // 2 offsets cannot be the file's.
@@ -427,8 +428,8 @@ def test_a_line_index_of_more_lines_than_its_file_holds_is_not_used_naming_it(tm
 
 @needs_optuna
 def test_a_journal_line_nested_too_deep_is_refused_naming_it(tmp_path):
-    from ddpkit.search.search_dir import repair_journal
-    from ddpkit.search.study import check_journal
+    from ddpkit.search._search_dir import repair_journal
+    from ddpkit.search._study import check_journal
 
     path = tmp_path / "study.journal"
     path.write_text(json.dumps(reports(0)[0]) + "\n" + "[" * 200_000 + "\n")  # a RecursionError in json before
@@ -438,7 +439,7 @@ def test_a_journal_line_nested_too_deep_is_refused_naming_it(tmp_path):
 
 
 def test_an_index_nested_too_deep_is_refused_naming_it(tmp_path):
-    from ddpkit.snapshot.manager import SnapshotManager
+    from ddpkit.snapshot._manager import SnapshotManager
     from tests.unit.snapshot.test_checkpoint import save
 
     save(SnapshotManager(tmp_path), 3)

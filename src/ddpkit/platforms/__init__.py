@@ -1,22 +1,22 @@
 """Every platform ddpkit reads, one module each, and nothing outside this package reads their variables.
 
-Each module is a :class:`~ddpkit.platforms.base.Platform`: ``NAME``, ``detect(env)`` (was this process started
-by it?), ``world(env)`` (its :class:`~ddpkit.platforms.base.LaunchEnv`: ranks, sizes, rendezvous address) and
+Each module is a :class:`~ddpkit.platforms._base.Platform`: ``NAME``, ``detect(env)`` (was this process started
+by it?), ``world(env)`` (its :class:`~ddpkit.platforms._base.LaunchEnv`: ranks, sizes, rendezvous address) and
 ``launch_defaults(env)`` (the defaults of ``ddpkit run``'s options it set). :func:`current` asks them in the
 order of :data:`PLATFORMS`:
 
-1. :mod:`~ddpkit.platforms.kubernetes`: a PyTorchJob pod run without torchrun (``RANK`` and ``WORLD_SIZE``
+1. :mod:`~ddpkit.platforms._kubernetes`: a PyTorchJob pod run without torchrun (``RANK`` and ``WORLD_SIZE``
    but no ``LOCAL_RANK``, inside Kubernetes), before torchrun, which would refuse the missing ``LOCAL_RANK``;
-2. :mod:`~ddpkit.platforms.ray`: a Ray Train worker, whose variables are torchrun's, so before torchrun;
-3. :mod:`~ddpkit.platforms.torchrun`: ``ddpkit run``, torchrun, :func:`ddpkit.spawn`, or ``env://`` by hand;
+2. :mod:`~ddpkit.platforms._ray`: a Ray Train worker, whose variables are torchrun's, so before torchrun;
+3. :mod:`~ddpkit.platforms._torchrun`: ``ddpkit run``, torchrun, :func:`ddpkit.spawn`, or ``env://`` by hand;
    before MPI and SLURM, since ``srun ddpkit run`` and ``mpiexec ddpkit run`` are torchrun's ranks;
-4. :mod:`~ddpkit.platforms.mpi`: before SLURM, because under ``mpiexec`` in a SLURM job MPICH's and Open MPI's
+4. :mod:`~ddpkit.platforms._mpi`: before SLURM, because under ``mpiexec`` in a SLURM job MPICH's and Open MPI's
    launchers start one srun task per node and the ranks inside it, so ``SLURM_PROCID`` counts nodes there
    while the MPI variables count ranks;
-5. :mod:`~ddpkit.platforms.slurm`: a task ``srun`` started;
-6. :mod:`~ddpkit.platforms.none`: a world of one.
+5. :mod:`~ddpkit.platforms._slurm`: a task ``srun`` started;
+6. :mod:`~ddpkit.platforms._none`: a world of one.
 
-:mod:`~ddpkit.platforms.sge` (the slots Grid Engine granted) and :mod:`~ddpkit.platforms.cpus` (the cores this
+:mod:`~ddpkit.platforms._sge` (the slots Grid Engine granted) and :mod:`~ddpkit.platforms._cpus` (the cores this
 process may use) read the schedulers for the rest. The writers of these variables (``ddpkit sbatch``'s script,
 ``ddpkit k8s``'s manifests, the launcher that starts the workers) live with what they write.
 """
@@ -25,15 +25,21 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ddpkit.platforms import kubernetes, mpi, none, ray, sge, slurm, torchrun
-from ddpkit.platforms.base import LaunchDefault, LaunchEnv, Platform
+from ddpkit.platforms import _kubernetes as kubernetes
+from ddpkit.platforms import _mpi as mpi
+from ddpkit.platforms import _none as none
+from ddpkit.platforms import _ray as ray
+from ddpkit.platforms import _sge as sge
+from ddpkit.platforms import _slurm as slurm
+from ddpkit.platforms import _torchrun as torchrun
+from ddpkit.platforms._base import LaunchDefault, LaunchEnv, Platform
 
 PLATFORMS: tuple[Platform, ...] = (kubernetes, ray, torchrun, mpi, slurm, none)
 """The platforms in the order :func:`current` asks them (the first that detects itself wins)."""
 
 
 def current(env: Mapping[str, str]) -> Platform:
-    """The platform that started this process, as ``env`` tells it (:mod:`~ddpkit.platforms.none` if none)."""
+    """The platform that started this process, as ``env`` tells it (:mod:`~ddpkit.platforms._none` if none)."""
     return next(platform for platform in PLATFORMS if platform.detect(env))
 
 

@@ -29,8 +29,8 @@ try:
 except ImportError as err:  # pragma: no cover - depends on the optional extra
     raise ImportError("ddpkit.search needs Optuna: pip install 'ddpkit[search]'") from err
 
-from ddpkit.search.config import SearchConfig
-from ddpkit.search.engine import Candidate, search
-from ddpkit.search.space import choice, integer, uniform
+from ddpkit.search._config import SearchConfig
+from ddpkit.search._engine import Candidate, search
+from ddpkit.search._space import choice, integer, uniform
 
 __all__ = ["Candidate", "SearchConfig", "choice", "integer", "search", "uniform"]

@@ -1,5 +1,5 @@
 """How a model is spread over ranks: ``ddp`` (replicated), ``zero`` (sharded optimizer state), ``fsdp`` (all
-sharded). Each is one class behind :class:`~ddpkit.strategies.base.Strategy`, with a typed config next to it.
+sharded). Each is one class behind :class:`~ddpkit.strategies._base.Strategy`, with a typed config next to it.
 
 A hand-written loop builds one with :func:`build_strategy` and uses the same pieces the Trainer does.
 """
@@ -11,17 +11,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpkit.distributed.runtime import Runtime, get_runtime
-from ddpkit.errors import ConfigError
-from ddpkit.strategies.base import (
+from ddpkit._errors import ConfigError
+from ddpkit.distributed._runtime import Runtime, get_runtime
+from ddpkit.strategies._base import (
     GradientVerdict,
     Strategy,
     check_options,
     rebind_scheduler,
 )
-from ddpkit.strategies.ddp import DDPConfig, DDPStrategy
-from ddpkit.strategies.fsdp import FSDPConfig, FSDPStrategy
-from ddpkit.strategies.zero import ZeroConfig, ZeroStrategy
+from ddpkit.strategies._ddp import DDPConfig, DDPStrategy
+from ddpkit.strategies._fsdp import FSDPConfig, FSDPStrategy
+from ddpkit.strategies._zero import ZeroConfig, ZeroStrategy
 
 StrategyConfig = DDPConfig | ZeroConfig | FSDPConfig
 """A strategy and its options: what ``TrainerConfig.strategy`` and :func:`build_strategy` take (or a name)."""

@@ -1,13 +1,13 @@
 """The Trainer: its config, state, step loop, callbacks, evaluation and losses."""
 
-from ddpkit.training.callbacks import Callback
-from ddpkit.training.config import (
+from ddpkit.training._callbacks import Callback
+from ddpkit.training._config import (
     EarlyStoppingConfig,
     LoggingConfig,
     TrainerConfig,
 )
-from ddpkit.training.step_output import StopReason
-from ddpkit.training.trainer import Trainer
+from ddpkit.training._step_output import StopReason
+from ddpkit.training._trainer import Trainer
 
 __all__ = [
     "Callback",

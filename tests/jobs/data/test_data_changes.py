@@ -16,9 +16,9 @@ import torch
 from torch.utils.data import TensorDataset
 
 import ddpkit
-import ddpkit.data.epoch_loader
+import ddpkit.data._epoch_loader
 from ddpkit import ConfigError
-from ddpkit.data.stream_sources import IterableStream, JsonlStream
+from ddpkit.data._stream_sources import IterableStream, JsonlStream
 
 PER_RANK, WORLD, HEAD_STEPS = 8, 2, 4  # global batch 16: 160 records make 10 steps; stopped after 4
 SEED = 5
@@ -256,7 +256,7 @@ def test_the_trainer_refuses_a_resume_on_swapped_shards_before_any_step(tmp_path
     assert "shard 0: a.jsonl" in refused["refused"] and "-> b.jsonl" in refused["refused"]
     assert refused["trained"] == [] and refused["step"] == HEAD_STEPS  # refused before any step
     # Control: with the check off the resume trains on, ends normally, and the epoch repeats and skips records.
-    monkeypatch.setattr(ddpkit.data.epoch_loader, "changes", lambda saved, current: [])
+    monkeypatch.setattr(ddpkit.data._epoch_loader, "changes", lambda saved, current: [])
     tail = fit_stream(tmp_path / "control", swapped, max_steps=None)
     assert "refused" not in tail and tail["step"] == 10
     twice, never = twice_and_never(head["trained"] + tail["trained"], RECORDS["swapped"])

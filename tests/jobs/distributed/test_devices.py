@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.launch.launcher import flight_recorder_vars
+from ddpkit._launch.launcher import flight_recorder_vars
 from tests.device_support import DDPKIT, SCRIPTS, device_env, run
 
 PROBE = str(SCRIPTS / "device_probe.py")

@@ -10,10 +10,10 @@ import torch.distributed as dist
 from torch import nn
 
 import ddpkit
-from ddpkit.distributed.groups import split_world
-from ddpkit.errors import ConfigError
-from ddpkit.training.config import LoggingConfig, SnapshotConfig
-from ddpkit.training.trainer import Trainer, TrainerConfig
+from ddpkit._errors import ConfigError
+from ddpkit.distributed._groups import split_world
+from ddpkit.training._config import LoggingConfig, SnapshotConfig
+from ddpkit.training._trainer import Trainer, TrainerConfig
 from tests.jobs.scripts.search_job import Data
 from tests.trainer_checks import bitwise_equal
 

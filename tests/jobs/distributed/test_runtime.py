@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import ddpkit
-from ddpkit.distributed.runtime import DEFAULT_TIMEOUT, NotInitializedError
+from ddpkit.distributed._runtime import DEFAULT_TIMEOUT, NotInitializedError
 
 PLAIN_PYTHON = """
 import json, os
@@ -243,7 +243,7 @@ if __name__ == "__main__":
 
 @pytest.mark.timeout(120)
 def test_init_again_after_shutdown(run_python):
-    # shutdown() promises that init() may be called again. Under ddpkit.launch.spawn (and torchrun) the rendezvous
+    # shutdown() promises that init() may be called again. Under ddpkit._launch.spawn (and torchrun) the rendezvous
     # store outlives the group, so a second group must not read the first group's keys. The broken case can
     # hang beyond the group timeout, so it runs in a subprocess that is killed with its ranks after 45 s.
     proc = run_python(REINIT, timeout=45)
@@ -332,7 +332,7 @@ def test_spawn_passes_the_rank_first_as_mp_spawn_does():
 
 
 def test_spawn_says_pass_rank_when_the_function_takes_a_rank():
-    from ddpkit.errors import ConfigError
+    from ddpkit._errors import ConfigError
 
     # The DDP tutorials' train(rank, world_size) called the ddpkit way would fail in every child with a TypeError.
     with pytest.raises(ConfigError, match=r"takes the rank first.*pass_rank=True"):

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpkit.launch import manifests
+from ddpkit._launch import manifests
 from ddpkit.testing import wait_until
 from tests.jobs.launch import netns
 from tests.jobs.launch.netns import DDPKIT, ROOT

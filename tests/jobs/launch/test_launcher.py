@@ -270,7 +270,7 @@ def _fork_servers(parent: int) -> list[int]:
     found = []
     for pid in map(int, children):
         with contextlib.suppress(OSError):
-            if b"ddpkit.launch.forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            if b"ddpkit._launch.forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes():
                 found.append(pid)
     return found
 
@@ -383,7 +383,7 @@ def test_sigusr1_to_the_launcher_reaches_the_workers(clean_env, tmp_path):
     folder = tmp_path / "torchrun"
     folder.mkdir()
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    proc = _start(torchrun + ["-m", "ddpkit.launch.worker", PROBE, "hold-usr1", str(folder)], clean_env)
+    proc = _start(torchrun + ["-m", "ddpkit._launch.worker", PROBE, "hold-usr1", str(folder)], clean_env)
     pids = _wait_for_files([folder / "rank0.pid", folder / "rank1.pid"], proc)
     os.kill(proc.pid, signal.SIGUSR1)
     proc.wait(timeout=60)
@@ -459,7 +459,7 @@ def test_sigterm_to_the_launcher_lets_the_workers_save_and_exit_75(clean_env, tm
     folder = tmp_path / "torchrun"
     folder.mkdir()
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    proc = _start(torchrun + ["-m", "ddpkit.launch.worker", PROBE, "hold-term", str(folder)], clean_env)
+    proc = _start(torchrun + ["-m", "ddpkit._launch.worker", PROBE, "hold-term", str(folder)], clean_env)
     _wait_for_files([folder / "rank0.pid", folder / "rank1.pid"], proc)
     os.kill(proc.pid, signal.SIGTERM)
     out = _output(proc)

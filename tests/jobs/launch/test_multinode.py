@@ -331,7 +331,7 @@ def _attack(ns: str, *args: str) -> str:
 
 def _listening(root: int) -> set[tuple[str, int]]:
     """(address, port) of every TCP socket listening in ``root`` or below it, read from /proc."""
-    from ddpkit.launch.proctree import descendants
+    from ddpkit._launch.proctree import descendants
 
     inodes = set()
     for pid in [root, *descendants(root)]:

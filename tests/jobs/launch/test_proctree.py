@@ -1,5 +1,5 @@
 """Ending what a worker started: real process trees, made by small Python programs that load
-``ddpkit.launch.proctree`` alone (no torch, so each starts in a tenth of a second). End to end under ``ddpkit run``:
+``ddpkit._launch.proctree`` alone (no torch, so each starts in a tenth of a second). End to end under ``ddpkit run``:
 ``tests/test_launcher.py::test_what_the_workers_start_*``."""
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.launch.proctree import descendants, kill_descendants
+from ddpkit._launch.proctree import descendants, kill_descendants
 from ddpkit.testing import wait_until
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process trees are read from /proc")
 
-PROCTREE = Path(__file__).resolve().parents[3] / "src" / "ddpkit" / "launch" / "proctree.py"
+PROCTREE = Path(__file__).resolve().parents[3] / "src" / "ddpkit" / "_launch" / "proctree.py"
 LOAD = (
     "import importlib.util, os, signal, subprocess, sys, time\n"
     f"spec = importlib.util.spec_from_file_location('proctree', {str(PROCTREE)!r})\n"

@@ -77,7 +77,7 @@ def cluster():
 def _kill_node(addr: str) -> int:
     """SIGKILL every Ray process of the node at ``addr`` (its raylet and agents name the address on their
     command line) and all they started; the number killed. ``ray stop`` would end every node of this machine."""
-    from ddpkit.launch.proctree import descendants
+    from ddpkit._launch.proctree import descendants
 
     roots = []
     for pid in filter(str.isdigit, os.listdir("/proc")):

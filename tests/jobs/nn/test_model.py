@@ -17,8 +17,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpkit
-from ddpkit.distributed.seeding import rng_state, set_rng_state
-from ddpkit.nn.batchnorm import CPUSyncBatchNorm, convert_sync_batchnorm
+from ddpkit.distributed._seeding import rng_state, set_rng_state
+from ddpkit.nn._batchnorm import CPUSyncBatchNorm, convert_sync_batchnorm
 
 # ------------------------------------------------------------------------------------------ the model
 

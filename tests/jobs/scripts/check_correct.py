@@ -3,7 +3,7 @@
 import torch.nn.functional as F
 from check_common import mlp, sgd, toy_data
 
-from ddpkit.tools.workload import Workload
+from ddpkit.tools._workload import Workload
 
 
 def ddpkit_workload():

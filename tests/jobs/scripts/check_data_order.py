@@ -4,7 +4,7 @@ import torch.nn.functional as F
 from check_common import mlp, sgd, toy_data
 from torch.utils.data import DataLoader
 
-from ddpkit.tools.workload import Workload
+from ddpkit.tools._workload import Workload
 
 
 def loader(dataset, batch_size, rank, world_size):

@@ -4,7 +4,7 @@ the third step has 5, split 3 + 2), and the loss is each rank's mean."""
 import torch.nn.functional as F
 from check_common import mlp, sgd, toy_data
 
-from ddpkit.tools.workload import Workload
+from ddpkit.tools._workload import Workload
 
 
 def ddpkit_workload():

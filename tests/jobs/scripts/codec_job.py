@@ -54,8 +54,8 @@ class KeepsThings:
 
 def before_the_codec() -> None:
     """The control: a snapshot's values written with ``torch.save`` (anything pickles) and read with
-    ``torch.load(weights_only=True)``, as the disk snapshots did before :mod:`ddpkit.snapshot.codec`."""
-    from ddpkit.snapshot import codec
+    ``torch.load(weights_only=True)``, as the disk snapshots did before :mod:`ddpkit.snapshot._codec`."""
+    from ddpkit.snapshot import _codec as codec
 
     def file_bytes(value: Any, tensors: Any) -> bytes:
         buffer = io.BytesIO()

@@ -21,8 +21,8 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-import ddpkit.snapshot.memory.slot as mslot
-import ddpkit.snapshot.memory.store as ms
+import ddpkit.snapshot._memory.slot as mslot
+import ddpkit.snapshot._memory.store as ms
 from tests.jobs.scripts import memory_job
 
 

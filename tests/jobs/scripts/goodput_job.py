@@ -100,7 +100,7 @@ def tutorial_loop(a, mark: Timeline) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from ddpkit.demo.models import DigitsCNN
+    from ddpkit.demo._models import DigitsCNN
 
     mark("imports")
     dist.init_process_group("gloo")
@@ -153,9 +153,9 @@ def trainer_loop(a, mark: Timeline) -> None:
     import torch
 
     import ddpkit
-    from ddpkit.demo.models import DigitsCNN
-    from ddpkit.training.config import LoggingConfig, SnapshotConfig, TrainerConfig
-    from ddpkit.training.trainer import Trainer
+    from ddpkit.demo._models import DigitsCNN
+    from ddpkit.training._config import LoggingConfig, SnapshotConfig, TrainerConfig
+    from ddpkit.training._trainer import Trainer
 
     mark("imports")
     ddpkit.init()

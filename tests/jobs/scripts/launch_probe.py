@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 
 import ddpkit
-from ddpkit.distributed.signals import pending_stop_signal
-from ddpkit.errors import Preempted
+from ddpkit._errors import Preempted
+from ddpkit.distributed._signals import pending_stop_signal
 
 mode, rest = sys.argv[1], sys.argv[2:]
 if mode == "no-init":
@@ -122,7 +122,7 @@ elif mode == "wait-for":
     total = ddpkit.all_reduce(rt.rank + 1)
     print(f"rank={rt.rank} world={rt.world_size} sum={total} secret={'DDPKIT_RDZV_SECRET' in os.environ}", flush=True)
 elif mode == "info":
-    from ddpkit.distributed.environment import read_launch_env
+    from ddpkit.distributed._environment import read_launch_env
 
     total = ddpkit.all_reduce(rt.rank + 1)
     print(

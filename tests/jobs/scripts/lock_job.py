@@ -47,7 +47,7 @@ def main() -> None:
         batch_size=8,
         epochs=2,
         num_workers=0,
-        logging=ddpkit.training.config.LoggingConfig(progress=False),
+        logging=ddpkit.training._config.LoggingConfig(progress=False),
     )
     trainer = ddpkit.Trainer(
         model, torch.optim.SGD(model.parameters(), lr=0.1), data, config, callbacks=[Hold(*a.hold)] if a.hold else []

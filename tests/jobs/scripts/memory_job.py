@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import ddpkit
-import ddpkit.snapshot.memory.snapshots
-import ddpkit.snapshot.memory.store
+import ddpkit.snapshot._memory.snapshots
+import ddpkit.snapshot._memory.store
 from tests.jobs.scripts.train_job import train
 
 
@@ -66,7 +66,7 @@ class StepRecord:
 
 def kill_inside_copy(step: int, log: str) -> Any:
     """SIGKILL this process half-way through the copy of ``step`` into memory (first attempt only)."""
-    copy = ddpkit.snapshot.memory.store.copy_tensors
+    copy = ddpkit.snapshot._memory.store.copy_tensors
 
     def dying_copy(dests, sources):
         if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0 and dying_copy.trainer.step == step:
@@ -75,7 +75,7 @@ def kill_inside_copy(step: int, log: str) -> Any:
             _sigkill(log, f"in-copy-step{step}")
         copy(dests, sources)
 
-    ddpkit.snapshot.memory.store.copy_tensors = dying_copy
+    ddpkit.snapshot._memory.store.copy_tensors = dying_copy
     return dying_copy
 
 
@@ -109,7 +109,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     a = parse_args()
     if a.stall_budget is not None:
-        ddpkit.snapshot.memory.snapshots.STALL_BUDGET = a.stall_budget
+        ddpkit.snapshot._memory.snapshots.STALL_BUDGET = a.stall_budget
     rank = int(os.environ.get("RANK", "0"))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     Path(a.log, f"pid-rank{rank}-attempt{attempt}").write_text(str(os.getpid()))

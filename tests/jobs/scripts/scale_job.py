@@ -61,7 +61,8 @@ def instrument() -> None:
     changes: each wrapper calls the original."""
     import torch.distributed.checkpoint as dcp
 
-    from ddpkit.snapshot import manager, storage
+    from ddpkit.snapshot import _manager as manager
+    from ddpkit.snapshot import _storage as storage
 
     def after(owner, name: str, stage: str, before: str | None = None) -> None:
         original = getattr(owner, name)
@@ -86,7 +87,7 @@ def instrument() -> None:
     after(storage.Reader, "read_data", "read", before="planned")
 
     # A copy in memory: its CPU time (the Trainer keeps its wall time, MemorySnapshots.stalls).
-    from ddpkit.snapshot.memory.snapshots import MemorySnapshots
+    from ddpkit.snapshot._memory.snapshots import MemorySnapshots
 
     original = MemorySnapshots._save_timed
 
@@ -138,8 +139,8 @@ def main() -> None:
     import torch
 
     import ddpkit
-    from ddpkit.snapshot.manager import SnapshotManager
-    from ddpkit.training.config import LoggingConfig, SnapshotConfig, TrainerConfig
+    from ddpkit.snapshot._manager import SnapshotManager
+    from ddpkit.training._config import LoggingConfig, SnapshotConfig, TrainerConfig
 
     mark("imports")
     rt = ddpkit.init()

@@ -32,8 +32,8 @@ from torch import nn
 
 import ddpkit
 from ddpkit.search import SearchConfig, search, uniform
-from ddpkit.training.config import LoggingConfig, SnapshotConfig
-from ddpkit.training.trainer import Trainer, TrainerConfig
+from ddpkit.training._config import LoggingConfig, SnapshotConfig
+from ddpkit.training._trainer import Trainer, TrainerConfig
 
 SPACE = {"lr": uniform(0.01, 0.5, log=True), "momentum": uniform(0.0, 0.9)}
 
@@ -108,7 +108,7 @@ def wait_at_gate() -> None:
 
 
 def same_seed_every_start() -> None:
-    from ddpkit.search import study as search_study
+    from ddpkit.search import _study as search_study
 
     counted = search_study.count_start
 

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import ddpkit
-from ddpkit.training.config import LoggingConfig, SnapshotConfig, TrainerConfig
-from ddpkit.training.trainer import Trainer
+from ddpkit.training._config import LoggingConfig, SnapshotConfig, TrainerConfig
+from ddpkit.training._trainer import Trainer
 
 N, FEATURES, HIDDEN, CLASSES = 64, 32, 64, 4
 SLEEP, SLOW_SLEEP = 0.025, 0.075

@@ -23,7 +23,7 @@ import time
 import torch
 
 import ddpkit
-from ddpkit.distributed import progress
+from ddpkit.distributed import _progress as progress
 
 mode = sys.argv[1]
 at = int(sys.argv[2]) if len(sys.argv) > 2 else 5
@@ -49,9 +49,9 @@ class Samples(torch.utils.data.Dataset):
 
 
 if mode.startswith("trainer"):
-    from ddpkit.snapshot.schedule import SnapshotConfig
-    from ddpkit.training.config import LoggingConfig, TrainerConfig
-    from ddpkit.training.trainer import Trainer
+    from ddpkit.snapshot._schedule import SnapshotConfig
+    from ddpkit.training._config import LoggingConfig, TrainerConfig
+    from ddpkit.training._trainer import Trainer
 
     class SleepAtStep:
         def on_step_end(self, trainer, taken, output) -> None:

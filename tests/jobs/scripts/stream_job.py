@@ -20,9 +20,9 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 import ddpkit
 import ddpkit.data
-import ddpkit.training.trainer
+import ddpkit.training._trainer
 from ddpkit import LoggingConfig, SnapshotConfig, Trainer, TrainerConfig
-from ddpkit.data.stream_sources import IterableStream, JsonlStream
+from ddpkit.data._stream_sources import IterableStream, JsonlStream
 from tests.jobs.scripts.train_job import _sigkill_self, build_model, rank_state
 
 N_RECORDS, N_FEATURES = 240, 8

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import ddpkit
-from ddpkit.training.config import LoggingConfig, SnapshotConfig, TrainerConfig
-from ddpkit.training.trainer import Trainer
+from ddpkit.training._config import LoggingConfig, SnapshotConfig, TrainerConfig
+from ddpkit.training._trainer import Trainer
 
 VOCAB, SEQ, N_SEQ = 13, 12, 48
 IGNORE = -100

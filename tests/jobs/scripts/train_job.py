@@ -21,19 +21,19 @@ import torch
 from torch import nn
 
 import ddpkit
+import ddpkit._fs
 import ddpkit.data
-import ddpkit.fs
-import ddpkit.training.trainer
-from ddpkit.distributed.seeding import rng_state, set_rng_state
+import ddpkit.training._trainer
+from ddpkit.distributed._seeding import rng_state, set_rng_state
 from ddpkit.strategies import strategy_config
-from ddpkit.strategies.base import join_own
-from ddpkit.training.config import (
+from ddpkit.strategies._base import join_own
+from ddpkit.training._config import (
     EarlyStoppingConfig,
     LoggingConfig,
     SnapshotConfig,
     TrainerConfig,
 )
-from ddpkit.training.trainer import Trainer
+from ddpkit.training._trainer import Trainer
 
 N_SAMPLES, N_FEATURES = 240, 8
 
@@ -151,7 +151,7 @@ def rank_state(trainer) -> dict:
 
 def _kill_inside_snapshot_write(call_to_kill: int, marks: str | None) -> None:
     calls = {"n": 0}
-    write = ddpkit.fs.write_atomic
+    write = ddpkit._fs.write_atomic
 
     def dying_write(path, data, **kw):
         calls["n"] += 1
@@ -161,7 +161,7 @@ def _kill_inside_snapshot_write(call_to_kill: int, marks: str | None) -> None:
             _sigkill_self(marks, f"in-write-{call_to_kill}")
         write(path, data, **kw)
 
-    ddpkit.fs.write_atomic = dying_write
+    ddpkit._fs.write_atomic = dying_write
 
 
 def train(

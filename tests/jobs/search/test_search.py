@@ -18,11 +18,11 @@ from optuna.trial import TrialState
 from torch import nn
 
 import ddpkit
-from ddpkit.errors import ConfigError
+from ddpkit._errors import ConfigError
 from ddpkit.search import SearchConfig, choice, search, uniform
 from ddpkit.testing import run_job
-from ddpkit.training.config import LoggingConfig
-from ddpkit.training.trainer import Trainer, TrainerConfig
+from ddpkit.training._config import LoggingConfig
+from ddpkit.training._trainer import Trainer, TrainerConfig
 from tests.jobs.scripts.search_job import Data
 
 JOB = str(Path(__file__).parents[1] / "scripts" / "search_job.py")

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 
 import ddpkit
-from ddpkit.snapshot.layout import PER_RANK
-from ddpkit.snapshot.manager import (
+from ddpkit.snapshot._layout import PER_RANK
+from ddpkit.snapshot._manager import (
     SnapshotManager,
     SnapshotWriteError,
 )
@@ -33,15 +33,15 @@ def test_a_crash_during_a_background_write_leaves_the_previous_snapshot(tmp_path
     # save()); the folder of step 6 has all its data but no marker, so step 3 is the newest whole snapshot.
     code = textwrap.dedent(f"""
         import os, signal, torch
-        import ddpkit.fs
-        from ddpkit.snapshot.manager import SnapshotManager
-        write = ddpkit.fs.write_atomic
+        import ddpkit._fs
+        from ddpkit.snapshot._manager import SnapshotManager
+        write = ddpkit._fs.write_atomic
         def dying(path, data, **kw):
             if path.name == "complete.json" and "00000006" in str(path):
                 path.with_name(".complete.json.dead.tmp").write_bytes(data[: len(data) // 2])
                 os.kill(os.getpid(), signal.SIGKILL)
             write(path, data, **kw)
-        ddpkit.fs.write_atomic = dying
+        ddpkit._fs.write_atomic = dying
         ckpt = SnapshotManager({str(tmp_path)!r}, async_write=True)
         for step in (3, 6):
             ckpt.save(step, {{"model": {{"w": torch.full((1000,), float(step))}}}}, {{"step": step}})

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpkit.snapshot import region
-from ddpkit.snapshot.memory import folder as mf
-from ddpkit.snapshot.memory import slot as mslot
-from ddpkit.snapshot.memory import store as ms
+from ddpkit.snapshot import _region as region
+from ddpkit.snapshot._memory import folder as mf
+from ddpkit.snapshot._memory import slot as mslot
+from ddpkit.snapshot._memory import store as ms
 from ddpkit.testing import run_job as launch
 from ddpkit.testing import wait_until
 from tests.jobs.scripts.train_job import N_SAMPLES
@@ -43,7 +43,7 @@ STEPS = 30  # 3 epochs of 10 steps; no disk snapshot unless asked
 
 KILL_IN_COPY = textwrap.dedent("""
     import os, signal, torch
-    from ddpkit.snapshot.memory import store as ms
+    from ddpkit.snapshot._memory import store as ms
     from tests.unit.snapshot.test_memory_snapshots import save, store
     st = store({folder!r})
     tensors = [torch.full((4096,), 1.0), torch.full((4096,), 1.0)]
@@ -354,7 +354,7 @@ def test_zero_and_fsdp_resume_a_killed_worker_from_memory_bitwise(tmp_path, job_
 
 def _peers_job(roots: list[str], protocol: bool) -> tuple[int, bool]:
     """train_job's model for 6 steps with peers on; rank r's memory folder is ``roots[r]``."""
-    from ddpkit.snapshot.memory import snapshots as memory_snapshots
+    from ddpkit.snapshot._memory import snapshots as memory_snapshots
     from tests.jobs.scripts.train_job import train
 
     rank = int(os.environ["RANK"])

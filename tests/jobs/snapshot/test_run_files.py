@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import ddpkit
-from ddpkit.snapshot.manager import MARKER
+from ddpkit.snapshot._manager import MARKER
 from tests.jobs.scripts.train_job import train
 
 VICTIM_TEXT = "a file of someone else's, outside the run directory\n"
@@ -73,6 +73,6 @@ def test_resume_false_moves_the_previous_runs_records_aside_with_its_snapshots(t
     assert json.loads((aside / "config.json").read_text())["resume"] is True
     assert (aside / "best.pt").is_file() and (aside / "snapshots" / "step-00000002" / MARKER).is_file()
     # The aside folder has a run directory's layout: `ddpkit plot` reads it as one.
-    from ddpkit.tracking.curves import read_curves
+    from ddpkit.tracking._curves import read_curves
 
     assert sorted(read_curves(aside)["train/loss"]) == [1, 2]

@@ -15,12 +15,12 @@ import torch
 from torch import nn
 
 import ddpkit
-from ddpkit.internals.versions import TORCH_VERSION
-from ddpkit.snapshot import codec
-from ddpkit.snapshot.manager import SnapshotManager
+from ddpkit._internals.versions import TORCH_VERSION
+from ddpkit.snapshot import _codec as codec
+from ddpkit.snapshot._manager import SnapshotManager
 from ddpkit.strategies import build_strategy
-from ddpkit.strategies.base import join_own
-from ddpkit.strategies.fsdp import FSDP_ON_CPU
+from ddpkit.strategies._base import join_own
+from ddpkit.strategies._fsdp import FSDP_ON_CPU
 
 # fsdp on the CPU from the torch that runs it there (older ones refuse it, naming the version).
 STRATEGIES = ("ddp", "zero", "fsdp") if TORCH_VERSION >= FSDP_ON_CPU else ("ddp", "zero")

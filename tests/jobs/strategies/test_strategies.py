@@ -14,8 +14,9 @@ from torch import nn
 
 import ddpkit
 import ddpkit.strategies
-from ddpkit.errors import ConfigError
-from ddpkit.strategies import DDPConfig, build_strategy, hooks, strategy_config
+from ddpkit._errors import ConfigError
+from ddpkit.strategies import DDPConfig, build_strategy, strategy_config
+from ddpkit.strategies import _hooks as hooks
 from tests.jobs.scripts.train_job import train
 
 

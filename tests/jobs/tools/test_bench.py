@@ -69,7 +69,7 @@ def test_bench_end_to_end_writes_table_json_and_plot(tmp_path):
 
 
 def _lm_steps():
-    from ddpkit.tools.steptime import Knobs, measure_steps
+    from ddpkit.tools._steptime import Knobs, measure_steps
 
     return measure_steps("lm", Knobs(), 3, 1, False, False)
 
@@ -77,8 +77,8 @@ def _lm_steps():
 @pytest.mark.slow
 def test_the_step_timer_runs_the_built_in_language_model_on_two_ranks():
     import ddpkit
-    from ddpkit.demo.datasets import CHARS
-    from ddpkit.demo.models import TinyGPT
+    from ddpkit.demo._datasets import CHARS
+    from ddpkit.demo._models import TinyGPT
 
     runs = ddpkit.spawn(_lm_steps, 2)
     gpt_bytes = sum(p.numel() * 4 for p in TinyGPT(len(CHARS)).parameters())

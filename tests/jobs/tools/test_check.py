@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.errors import ConfigError
-from ddpkit.tools.check import CheckConfig, run_check
-from ddpkit.tools.check_causes import CAUSES
-from ddpkit.tools.workload import load_workload
+from ddpkit._errors import ConfigError
+from ddpkit.tools._check import CheckConfig, run_check
+from ddpkit.tools._check_causes import CAUSES
+from ddpkit.tools._workload import load_workload
 from tests.conftest import _clean_environ
 
 SCRIPTS = Path(__file__).parents[1] / "scripts"
@@ -120,7 +120,7 @@ import argparse, sys
 sys.path.insert(0, {str(SCRIPTS)!r})
 import torch.nn.functional as F
 from check_common import mlp, sgd, toy_data
-from ddpkit.tools.workload import Workload
+from ddpkit.tools._workload import Workload
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--batch", type=int, required=True)
@@ -171,7 +171,7 @@ def test_an_exception_in_the_script_is_reported_with_its_traceback_not_as_a_diff
     assert "raised in the 1-process run" in report and "Traceback" in report, report
     assert "RuntimeError: a bug in the script's loss" in report and "MISMATCH" not in report
     # Control: with the traceback left out (the check as it was), the same failure reads as a numerical one.
-    import ddpkit.tools.check as check
+    import ddpkit.tools._check as check
 
     train = check.train_steps
     monkeypatch.setattr(check, "train_steps", lambda *a, **k: train(*a, **k) | {"traceback": None})

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import ddpkit
-from ddpkit.tracking.curves import RANKS_PANEL, panels, read_curves
+from ddpkit.tracking._curves import RANKS_PANEL, panels, read_curves
 from tests.jobs.scripts.train_job import train
 
 

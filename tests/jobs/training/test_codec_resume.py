@@ -3,7 +3,7 @@ datetime and numpy array), SIGKILLed under ``ddpkit run --max-restarts 1``: the 
 snapshot and ends bit for bit where an uninterrupted run does, with the callback's state of the same types.
 
 The control: the same job with its values written with ``torch.save`` and read with
-``torch.load(weights_only=True)``, as before :mod:`ddpkit.snapshot.codec`, saves and then fails at the restart.
+``torch.load(weights_only=True)``, as before :mod:`ddpkit.snapshot._codec`, saves and then fails at the restart.
 """
 
 from __future__ import annotations

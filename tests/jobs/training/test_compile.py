@@ -12,7 +12,7 @@ import torch
 
 import ddpkit
 from ddpkit.testing import run_job
-from ddpkit.training.compiled import cpp_compiler
+from ddpkit.training._compiled import cpp_compiler
 from tests.conftest import _clean_environ
 from tests.jobs.scripts.token_loss_job import train
 from tests.trainer_checks import bitwise_equal

@@ -16,7 +16,7 @@ from torch.utils.data import TensorDataset
 
 import ddpkit
 from ddpkit import LoggingConfig, SnapshotConfig, Trainer, TrainerConfig
-from ddpkit.errors import ConfigError
+from ddpkit._errors import ConfigError
 from ddpkit.testing import run_on_ranks
 
 NOISE = 4

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ddpkit
-from ddpkit.strategies.ddp import stepped_parameters as _stepped_parameters
+from ddpkit.strategies._ddp import stepped_parameters as _stepped_parameters
 from tests.jobs.scripts.train_job import N_SAMPLES, train
 from tests.trainer_checks import (
     assert_each_sample_once,
@@ -54,7 +54,7 @@ def test_n_ranks_train_the_same_model_as_one_process(tmp_path):
 def _equal_rank_weights(trainer) -> None:
     # The control: every rank's mean counted alike in the last, uneven batch (what DDP alone does).
     # (One micro-batch a step: the divisor of a full step, 1.)
-    ddpkit.training.step.loss_divisor = lambda count, world, total: 1.0
+    ddpkit.training._step.loss_divisor = lambda count, world, total: 1.0
 
 
 def test_an_uneven_last_batch_trains_the_same_model_as_one_process(tmp_path):
@@ -159,7 +159,7 @@ def test_nonfinite_loss_stops_every_rank_at_the_same_step(tmp_path, what, option
 def test_control_a_nonfinite_loss_with_finite_gradients_needs_the_nan_gradient(tmp_path, monkeypatch, what):
     # Without the NaN put into a gradient, the all-reduced gradients look healthy and every rank trains on
     # through rank 1's non-finite loss. (spawn forks, so the children see the patch.)
-    monkeypatch.setattr(ddpkit.strategies.ddp, "nan_gradient_if_nonfinite", lambda loss, anchor, on_host: loss)
+    monkeypatch.setattr(ddpkit.strategies._ddp, "nan_gradient_if_nonfinite", lambda loss, anchor, on_host: loss)
     out = run(2, tmp_path / "run", event=(what, 1, 5), epochs=1)
     assert out["step"] == 10 and out["skipped_steps"] == 0
 
@@ -420,7 +420,7 @@ class _SignalAfterTheLastAgreement:
 
 
 def _train_then_pending(run_dir: str) -> tuple[str, str | None]:
-    from ddpkit.distributed import signals
+    from ddpkit.distributed import _signals as signals
 
     out = train(run_dir, epochs=2, callbacks=(_SignalAfterTheLastAgreement(),))
     pending = signals.pending_stop_signal()
@@ -432,7 +432,7 @@ def test_a_stop_signal_after_the_last_agreement_is_passed_on_not_lost(tmp_path, 
     candidate stops at once; a SIGTERM ends the process). Control: with nothing passed on, it is lost."""
     results = ddpkit.spawn(functools.partial(_train_then_pending, str(tmp_path / "run")), 2)
     assert results == [("epochs", None), ("epochs", "SIGUSR1")]
-    from ddpkit.distributed import signals
+    from ddpkit.distributed import _signals as signals
 
     monkeypatch.setattr(signals, "pass_on", lambda signum: None)  # fork: the children get the patched module
     lost = ddpkit.spawn(functools.partial(_train_then_pending, str(tmp_path / "control")), 2)

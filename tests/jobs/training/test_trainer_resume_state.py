@@ -126,9 +126,9 @@ def test_each_rank_gets_its_own_callback_and_extra_state_back_on_resume(tmp_path
 
 
 def test_extra_state_and_stateful_callbacks_are_named_and_checked(tmp_path):
-    from ddpkit.errors import ConfigError
-    from ddpkit.training.config import LoggingConfig
-    from ddpkit.training.trainer import TrainerConfig
+    from ddpkit._errors import ConfigError
+    from ddpkit.training._config import LoggingConfig
+    from ddpkit.training._trainer import TrainerConfig
 
     model = torch.nn.Linear(3, 2)
     data = torch.utils.data.TensorDataset(torch.randn(8, 3), torch.zeros(8, dtype=torch.long))
@@ -196,8 +196,8 @@ class _Generator(torch.nn.Linear):
 
 
 def _second_model(run_dir: str, max_steps: int | None, new_rank_state: str) -> dict:
-    from ddpkit.errors import ConfigError
-    from ddpkit.training.config import LoggingConfig, SnapshotConfig, TrainerConfig
+    from ddpkit._errors import ConfigError
+    from ddpkit.training._config import LoggingConfig, SnapshotConfig, TrainerConfig
 
     ddpkit.init()
     torch.manual_seed(0)
@@ -259,7 +259,7 @@ def test_a_resume_at_more_ranks_refuses_copies_or_freshens_a_ranks_own_state_nev
 @pytest.mark.timeout(600)
 def test_control_without_the_policy_the_new_rank_trains_another_generator_silently(tmp_path, monkeypatch):
     # The resume as it was: a rank beyond the old world started its part afresh and nobody was told.
-    from ddpkit.snapshot.state import RankStreams
+    from ddpkit.snapshot._state import RankStreams
 
     monkeypatch.setattr(RankStreams, "_policy", lambda self, part: "fresh")
     monkeypatch.setattr(RankStreams, "__init__", _silent(RankStreams.__init__))

@@ -76,7 +76,7 @@ def test_a_killed_run_validates_at_the_same_steps_and_picks_the_same_best_as_an_
 
 
 def _strict_load(path: Path):
-    from ddpkit.snapshot.export import load_weights
+    from ddpkit.snapshot._export import load_weights
 
     model = build_model()
     model.load_state_dict(load_weights(path), strict=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ddpkit import cli
-from ddpkit.tools import bench
+from ddpkit.tools import _bench as bench
 
 HELLO = str(Path(__file__).parents[2] / "jobs" / "scripts" / "hello.py")
 

@@ -101,9 +101,9 @@ def hostile_values(tmp_path: Path) -> dict[str, str]:
 @pytest.fixture
 def stand_ins(monkeypatch, tmp_path):
     """Stop each command where its work would start; restore what ``ddpkit run`` sets in this process."""
-    import ddpkit.launch.launcher as launcher
-    import ddpkit.tools.bench as bench
-    import ddpkit.tools.check as check
+    import ddpkit._launch.launcher as launcher
+    import ddpkit.tools._bench as bench
+    import ddpkit.tools._check as check
 
     def accepted(*args, **kwargs):
         raise Accepted
@@ -247,7 +247,7 @@ def test_the_rendezvous_secret_variable_is_checked_in_one_line(value, tmp_path):
 
 def test_a_long_secret_of_letters_is_accepted():
     # Control for the refusals above: the check lets a usable secret through.
-    from ddpkit.launch.rendezvous_auth import load_secret
+    from ddpkit._launch.rendezvous_auth import load_secret
 
     assert load_secret(None, {"DDPKIT_RDZV_SECRET": "x" * 300}) == b"x" * 300
 

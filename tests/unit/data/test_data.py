@@ -290,7 +290,7 @@ def test_an_iteration_left_before_its_end_does_not_count_as_an_epoch():
 
 
 def test_a_dataset_that_draws_nothing_is_not_seeded(monkeypatch):
-    import ddpkit.data.sample_seeding as sample_seeding
+    import ddpkit.data._sample_seeding as sample_seeding
 
     seeded = []
     real = sample_seeding.seed_sample
@@ -369,8 +369,8 @@ def _another_numpy_state() -> tuple:
 def test_draw_marks_see_every_draw_and_put_the_generators_back(draw):
     import numpy as np
 
-    from ddpkit.data.sample_seeding import draw_marks, drawn_since, set_draw_marks
-    from ddpkit.distributed.seeding import rng_state
+    from ddpkit.data._sample_seeding import draw_marks, drawn_since, set_draw_marks
+    from ddpkit.distributed._seeding import rng_state
 
     np.random.get_state()  # numpy.random imported: its generator is watched
     _cache_normals()
@@ -391,7 +391,7 @@ def test_a_cached_numpy_normal_used_is_a_draw():
     """numpy keeps the second of a pair of normal draws apart from its words: using it is a draw too."""
     import numpy as np
 
-    from ddpkit.data.sample_seeding import draw_marks, drawn_since
+    from ddpkit.data._sample_seeding import draw_marks, drawn_since
 
     _cache_normals()
     marks, words = draw_marks(), np.random.get_state()[1:3]
@@ -408,7 +408,7 @@ def test_a_batch_that_imports_numpy_random_is_taken_as_drawing():
 
     code = (
         "import sys\n"
-        "from ddpkit.data.sample_seeding import draw_marks, drawn_since\n"
+        "from ddpkit.data._sample_seeding import draw_marks, drawn_since\n"
         "marks = draw_marks()\n"
         "assert 'numpy.random' not in sys.modules and marks[1] is None\n"
         "import numpy.random\n"
@@ -426,7 +426,7 @@ def test_control_a_weaker_comparison_misses_draws(weaken, monkeypatch):
 
     import numpy as np
 
-    from ddpkit.data import sample_seeding as seeding
+    from ddpkit.data import _sample_seeding as seeding
 
     np.random.get_state()
     draw = {
@@ -454,7 +454,7 @@ def test_numpy_is_read_as_its_words_once_its_cache_is_seen_clear(monkeypatch):
     are each seen, through the words."""
     import numpy as np
 
-    from ddpkit.data import sample_seeding as seeding
+    from ddpkit.data import _sample_seeding as seeding
 
     np.random.seed(3)
     slow = []
@@ -476,7 +476,7 @@ def test_another_bit_generator_is_read_through_its_public_state():
     """A bit generator other than MT19937 behind numpy's global functions: its public ``state`` is compared."""
     import numpy as np
 
-    from ddpkit.data import sample_seeding as seeding
+    from ddpkit.data import _sample_seeding as seeding
 
     if not hasattr(np.random, "set_bit_generator"):
         pytest.skip("numpy < 1.25 has no set_bit_generator")
@@ -508,7 +508,7 @@ def _nothing_drawn_in_fork_rng() -> None:
     ],
 )
 def test_draw_marks_see_no_draw_where_a_state_is_set_to_itself(put_back):
-    from ddpkit.data.sample_seeding import draw_marks, drawn_since
+    from ddpkit.data._sample_seeding import draw_marks, drawn_since
 
     for _ in range(20):  # set_state writes its stack's bytes where no normal sample is cached: different each time
         torch.randn(())
@@ -525,7 +525,7 @@ def test_the_fingerprint_holds_the_global_batch_not_the_world_size():
     two = ShardedBatchSampler(100, 8, rank=1, world_size=2, seed=3).fingerprint()
     one = ShardedBatchSampler(100, 16, rank=0, world_size=1, seed=3).fingerprint()
     assert one == two and two["global batch"] == 16
-    from ddpkit.data.fingerprint import changes
+    from ddpkit.data._fingerprint import changes
 
     other = ShardedBatchSampler(90, 8, rank=0, world_size=1, seed=4, shuffle=False, drop_last=False).fingerprint()
     assert changes(one, other) == [
@@ -600,7 +600,7 @@ def test_a_changed_length_is_refused_or_restarts_the_epoch():
 
 
 def test_many_shards_are_kept_as_one_digest():
-    from ddpkit.data.fingerprint import LISTED_SHARDS, changes, shard_items
+    from ddpkit.data._fingerprint import LISTED_SHARDS, changes, shard_items
 
     few = shard_items(["a: 3 records", "b: 4 records"])
     assert few == {"shards": 2, "shard files": "a: 3 records\nb: 4 records"}

@@ -13,8 +13,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 import ddpkit
 from ddpkit import ConfigError
-from ddpkit.data import source_checks
-from ddpkit.data.stream_sources import IterableStream, JsonlStream, TokenStream
+from ddpkit.data import _source_checks as source_checks
+from ddpkit.data._stream_sources import IterableStream, JsonlStream, TokenStream
 
 
 def records(n: int = 40):

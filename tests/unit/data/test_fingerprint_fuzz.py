@@ -29,10 +29,10 @@ from torch.utils.data import ConcatDataset, Dataset, Subset, TensorDataset
 
 import ddpkit
 from ddpkit import ConfigError
-from ddpkit.data.fingerprint import changes, digest, shard_items
-from ddpkit.data.source_checks import HEAD_RECORDS
-from ddpkit.data.stream_loader import StreamSamples
-from ddpkit.data.stream_sources import IterableStream, JsonlStream, _scan_lines
+from ddpkit.data._fingerprint import changes, digest, shard_items
+from ddpkit.data._source_checks import HEAD_RECORDS
+from ddpkit.data._stream_loader import StreamSamples
+from ddpkit.data._stream_sources import IterableStream, JsonlStream, _scan_lines
 
 _DEEP = int(os.environ.get("DDPKIT_FUZZ_EXAMPLES", "0"))
 FAST = settings(max_examples=_DEEP or 30, deadline=None, suppress_health_check=list(HealthCheck), derandomize=not _DEEP)

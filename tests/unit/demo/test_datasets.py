@@ -1,4 +1,4 @@
-"""ddpkit.demo.datasets: the examples' data, built identically on every rank and never downloaded."""
+"""ddpkit.demo._datasets: the examples' data, built identically on every rank and never downloaded."""
 
 import gzip
 import struct
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from ddpkit.demo.datasets import MNIST_MEAN, MNIST_STD, digits, mnist, toy_regression
+from ddpkit.demo._datasets import MNIST_MEAN, MNIST_STD, digits, mnist, toy_regression
 
 # --- digits -------------------------------------------------------------------------------------------------
 

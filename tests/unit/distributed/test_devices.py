@@ -16,15 +16,15 @@ from torch.utils.data import Dataset, TensorDataset
 
 import ddpkit
 import ddpkit.data
-import ddpkit.data.sample_seeding
-import ddpkit.distributed.seeding
-from ddpkit.data.sample_seeding import loading_rng_state, seed_sample, set_loading_rng_state
-from ddpkit.distributed.runtime import Runtime, _pick_backend, _pick_device
-from ddpkit.distributed.seeding import rng_state, set_rng_state, stream_seed
-from ddpkit.errors import ConfigError
-from ddpkit.launch.launcher import flight_recorder_vars
-from ddpkit.platforms.base import LaunchEnv
-from ddpkit.training.config import LoggingConfig
+import ddpkit.data._sample_seeding
+import ddpkit.distributed._seeding
+from ddpkit._errors import ConfigError
+from ddpkit._launch.launcher import flight_recorder_vars
+from ddpkit.data._sample_seeding import loading_rng_state, seed_sample, set_loading_rng_state
+from ddpkit.distributed._runtime import Runtime, _pick_backend, _pick_device
+from ddpkit.distributed._seeding import rng_state, set_rng_state, stream_seed
+from ddpkit.platforms._base import LaunchEnv
+from ddpkit.training._config import LoggingConfig
 
 
 @pytest.fixture
@@ -37,7 +37,7 @@ def two_gpus(monkeypatch):
 def cuda_in_use(monkeypatch):
     """This process "has initialised CUDA": its generators are recorded instead of touched."""
     calls: dict[str, list] = {"manual_seed": [], "set_rng_state": [], "set_rng_state_all": []}
-    for module in (ddpkit.distributed.seeding, ddpkit.data.sample_seeding):
+    for module in (ddpkit.distributed._seeding, ddpkit.data._sample_seeding):
         monkeypatch.setattr(module, "cuda_in_use", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "manual_seed", lambda s: calls["manual_seed"].append(s))
@@ -76,7 +76,7 @@ def _runtime(device: str) -> Runtime:
 
 @pytest.mark.parametrize("device,pinned", [("cuda:0", True), ("cpu", False)])
 def test_the_loader_pins_batches_when_the_rank_trains_on_a_gpu(monkeypatch, device, pinned):
-    for module in (ddpkit.data.loader, ddpkit.data.sampler):
+    for module in (ddpkit.data._loader, ddpkit.data._sampler):
         monkeypatch.setattr(module, "get_runtime", lambda group=None: _runtime(device))
     data = TensorDataset(torch.arange(8.0))
     assert ddpkit.data.build_loader(data, 2, num_workers=0).pin_memory is pinned
@@ -113,14 +113,14 @@ def test_the_cuda_generators_are_part_of_the_rng_state_once_cuda_is_in_use(cuda_
 
 
 def test_before_cuda_is_in_use_the_rng_state_has_no_cuda_part(monkeypatch):
-    for module in (ddpkit.distributed.seeding, ddpkit.data.sample_seeding):
+    for module in (ddpkit.distributed._seeding, ddpkit.data._sample_seeding):
         monkeypatch.setattr(module, "cuda_in_use", lambda: False)
     monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: pytest.fail("CUDA touched"))
     assert "cuda" not in rng_state()
 
 
 def test_a_trainer_snapshot_holds_every_ranks_cuda_generators(cuda_in_use, tmp_path):
-    from ddpkit.training.trainer import Trainer, TrainerConfig
+    from ddpkit.training._trainer import Trainer, TrainerConfig
 
     data = TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,)))
     model = torch.nn.Linear(4, 2)
@@ -148,7 +148,7 @@ def test_a_sample_seeds_the_current_gpus_generator_where_cuda_is_in_use(cuda_in_
 
 def test_a_process_without_cuda_in_use_leaves_the_gpu_alone(monkeypatch):
     # A forked loader worker of a GPU rank is such a process: CUDA would raise there.
-    for module in (ddpkit.distributed.seeding, ddpkit.data.sample_seeding):
+    for module in (ddpkit.distributed._seeding, ddpkit.data._sample_seeding):
         monkeypatch.setattr(module, "cuda_in_use", lambda: False)
     for name in ("manual_seed", "get_rng_state", "set_rng_state"):
         monkeypatch.setattr(torch.cuda, name, lambda *a, **k: pytest.fail("CUDA touched"))
@@ -191,7 +191,7 @@ def test_each_sample_of_a_batch_seeds_the_gpu_and_the_batch_restores_it(cuda_in_
 
 
 def test_ddpkit_env_checks_gloo_everywhere_and_nccl_on_up_to_two_gpus():
-    from ddpkit.tools.env import live_checks
+    from ddpkit.tools._env import live_checks
 
     assert live_checks(0) == [("gloo", 2, "cpu")]
     # nccl refuses two processes on one GPU: one GPU gets a one-process check.
@@ -200,7 +200,7 @@ def test_ddpkit_env_checks_gloo_everywhere_and_nccl_on_up_to_two_gpus():
 
 
 def test_the_bench_spawns_gpu_jobs_afresh_and_forks_cpu_ones(monkeypatch):
-    from ddpkit.tools.bench import _start_method
+    from ddpkit.tools._bench import _start_method
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert _start_method() == "spawn"
@@ -209,7 +209,7 @@ def test_the_bench_spawns_gpu_jobs_afresh_and_forks_cpu_ones(monkeypatch):
 
 
 def test_the_all_reduce_span_on_a_gpu_is_read_from_cuda_events(monkeypatch):
-    from ddpkit.tools.steptime import _CommTimer
+    from ddpkit.tools._steptime import _CommTimer
 
     class Event:
         clock = 0.0
@@ -235,8 +235,8 @@ def test_the_all_reduce_span_on_a_gpu_is_read_from_cuda_events(monkeypatch):
 
 
 def test_debug_collectives_asks_for_the_flight_recorder():
-    from ddpkit.launch.launcher import worker_env
-    from ddpkit.launch.options import LaunchConfig
+    from ddpkit._launch.launcher import worker_env
+    from ddpkit._launch.options import LaunchConfig
 
     buffer, _ = flight_recorder_vars()
     env = worker_env(LaunchConfig(script="t.py", debug_collectives=True), 2)

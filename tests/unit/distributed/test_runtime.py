@@ -11,8 +11,8 @@ import ddpkit
 def test_more_local_ranks_than_gpus_names_the_fix(monkeypatch):
     # Pure logic: no GPU here, so the device count is mocked.
 
-    from ddpkit.distributed.runtime import _pick_device
-    from ddpkit.platforms.base import LaunchEnv
+    from ddpkit.distributed._runtime import _pick_device
+    from ddpkit.platforms._base import LaunchEnv
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -29,8 +29,8 @@ def _init_calls(monkeypatch, device: str | None, cuda: bool) -> dict:
     with (mocked) 2 GPUs or none: pure logic, no process group is made."""
     import torch.distributed as dist
 
-    from ddpkit.distributed import runtime
-    from ddpkit.platforms.base import LaunchEnv
+    from ddpkit.distributed import _runtime as runtime
+    from ddpkit.platforms._base import LaunchEnv
 
     calls: list[dict] = []
     launch = LaunchEnv(rank=1, local_rank=1, world_size=2, local_world_size=2, launcher="torchrun")

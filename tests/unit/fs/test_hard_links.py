@@ -1,4 +1,4 @@
-""":mod:`ddpkit.fs`: a file opened to write in place has no other hard link. ``O_NOFOLLOW`` stops a symbolic
+""":mod:`ddpkit._fs`: a file opened to write in place has no other hard link. ``O_NOFOLLOW`` stops a symbolic
 link, not a second name of the same file; such a file is refused (``linked="refuse"``, the default) or first
 replaced by a copy of its own (``linked="replace"``), and the file at the other name keeps its bytes."""
 
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit import fs
-from ddpkit.errors import ConfigError
-from ddpkit.fs import safe
+from ddpkit import _fs as fs
+from ddpkit._errors import ConfigError
+from ddpkit._fs import safe
 
 ORIGINAL = b"the original's records\n"
 
@@ -137,7 +137,7 @@ def test_a_symbolic_link_is_still_refused_whatever_linked_says(original, tmp_pat
 
 
 def _metrics(folder: Path) -> None:
-    from ddpkit.tracking.metrics import MetricsWriter
+    from ddpkit.tracking._metrics import MetricsWriter
 
     writer = MetricsWriter(folder, enabled=True)
     writer.epoch_end(2, {"epoch": 1, "step": 2})
@@ -145,7 +145,7 @@ def _metrics(folder: Path) -> None:
 
 
 def _journal(folder: Path) -> None:
-    from ddpkit.search.search_dir import repair_journal
+    from ddpkit.search._search_dir import repair_journal
 
     repair_journal(folder / "study.journal")
     with open(folder / "study.journal", "ab") as f:  # Optuna's own append, by name, after the repair
@@ -156,7 +156,7 @@ def _stack(folder: Path) -> None:
     import faulthandler
     import signal
 
-    from ddpkit.launch.worker import dump_stack_on_request
+    from ddpkit._launch.worker import dump_stack_on_request
 
     previous = signal.getsignal(signal.SIGUSR2)
     os.environ["DDPKIT_STACK_DIR"], os.environ["RANK"] = str(folder), "0"
@@ -169,7 +169,7 @@ def _stack(folder: Path) -> None:
 
 
 def _snapshot_file(folder: Path) -> None:
-    from ddpkit.snapshot.storage import _open_stream
+    from ddpkit.snapshot._storage import _open_stream
 
     with _open_stream(folder / "__0_0.distcp", "wb") as f:
         f.write(b"tensors\n")
@@ -214,7 +214,7 @@ def test_each_in_place_write_of_the_package_leaves_the_other_name_whole(tmp_path
 
 
 def _lock(folder: Path):
-    from ddpkit.fs.lock import FolderLock
+    from ddpkit._fs.lock import FolderLock
 
     return FolderLock(folder, what="run_dir", job="job", user="run", hazard="two jobs would write the same files")
 
@@ -271,7 +271,7 @@ def test_a_lock_held_in_a_folder_copied_while_its_job_runs_is_refused_saying_so(
 def test_a_taker_that_locks_the_old_file_after_it_was_replaced_does_not_hold_the_lock(tmp_path, monkeypatch):
     # B opens the shared file, then A takes the lock (and replaces the name's file), then B's flock of the old
     # file succeeds (control: recorded below); B must find the name's file changed and take that one: held.
-    from ddpkit.fs import lock as lock_module
+    from ddpkit._fs import lock as lock_module
 
     _, copy = _shared_lock(tmp_path)
     real_flock, got, taken, started = fcntl.flock, [], [], []
@@ -298,7 +298,7 @@ def test_a_taker_that_locks_the_old_file_after_it_was_replaced_does_not_hold_the
 
 
 def _take_and_hold(path: Path, start, taken, release) -> None:
-    from ddpkit.fs import lock as lock_module
+    from ddpkit._fs import lock as lock_module
 
     start.wait()
     fd, held = lock_module.take(path, wait=False)

@@ -1,4 +1,4 @@
-""":mod:`ddpkit.fs`: no write follows a link, temporaries are new files of unpredictable names in the destination
+""":mod:`ddpkit._fs`: no write follows a link, temporaries are new files of unpredictable names in the destination
 folder, and a folder of another user is refused naming its owner."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ddpkit import fs
-from ddpkit.errors import ConfigError
+from ddpkit import _fs as fs
+from ddpkit._errors import ConfigError
 
 VICTIM = b"a file of someone else's, outside the folder\n"
 NOBODY = 65534

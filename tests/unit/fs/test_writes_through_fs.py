@@ -1,5 +1,5 @@
-"""Every write of ddpkit goes through :mod:`ddpkit.fs`: a scan of the package's source for the calls that
-write, replace, truncate, rename, delete or create files and folders by path, anywhere but ``ddpkit/fs/``.
+"""Every write of ddpkit goes through :mod:`ddpkit._fs`: a scan of the package's source for the calls that
+write, replace, truncate, rename, delete or create files and folders by path, anywhere but ``ddpkit/_fs/``.
 
 A new write that bypasses the module fails here; a true exception is added to ``ALLOWED`` with its reason.
 """
@@ -16,12 +16,12 @@ import ddpkit
 PACKAGE = Path(ddpkit.__file__).parent
 
 ALLOWED: dict[tuple[str, str], str] = {
-    ("snapshot/folders.py", "os.unlink"): "prune: relative to a descriptor of snapshots/ opened O_NOFOLLOW, "
+    ("snapshot/_folders.py", "os.unlink"): "prune: relative to a descriptor of snapshots/ opened O_NOFOLLOW, "
     "each entry lstat-ed first (a link loses only itself)",
-    ("snapshot/folders.py", "shutil.rmtree"): "prune: rmtree(name, dir_fd=) of an entry lstat-ed as a folder; "
+    ("snapshot/_folders.py", "shutil.rmtree"): "prune: rmtree(name, dir_fd=) of an entry lstat-ed as a folder; "
     "rmtree walks by descriptors and never follows a link",
-    ("launch/forked_workers.py", "os.open"): "os.devnull opened read-write for a child's standard streams",
-    ("internals/interpreter.py", "open"): "/proc/self/mem opened r+b to rename the process: its memory, not a file",
+    ("_launch/forked_workers.py", "os.open"): "os.devnull opened read-write for a child's standard streams",
+    ("_internals/interpreter.py", "open"): "/proc/self/mem opened r+b to rename the process: its memory, not a file",
 }
 """``(module, call)``: why that module may make that call itself."""
 
@@ -35,7 +35,7 @@ _PATH_METHODS = {"write_text", "write_bytes", "unlink", "mkdir", "rename", "touc
 _WRITE_FLAGS = {"O_CREAT", "O_WRONLY", "O_RDWR", "O_TRUNC", "O_APPEND"}
 _TO_FILE_OBJECT = {"savefig": 0, "save": 1, "savez": 0, "savetxt": 0, "tofile": 0}
 """Calls that write to their argument at this position: fine into a file object (``io.BytesIO``, the file
-:func:`ddpkit.fs.write_with` hands a callback), not to a path."""
+:func:`ddpkit._fs.write_with` hands a callback), not to a path."""
 
 
 def _name(node: ast.expr) -> str:
@@ -48,7 +48,7 @@ def _name(node: ast.expr) -> str:
 
 def _file_objects(tree: ast.AST) -> set[str]:
     """Names bound to an ``io.BytesIO()``/``io.StringIO()``, and the parameters of lambdas (callbacks of
-    :func:`ddpkit.fs.write_with`, handed its file)."""
+    :func:`ddpkit._fs.write_with`, handed its file)."""
     names: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
@@ -113,7 +113,7 @@ def test_every_write_of_the_package_goes_through_ddpkit_fs():
     used = set()
     for path in sorted(PACKAGE.rglob("*.py")):
         module = path.relative_to(PACKAGE).as_posix()
-        if module.startswith("fs/"):
+        if module.startswith("_fs/"):
             continue
         for line, what in bypasses(path.read_text()):
             if (module, what) in ALLOWED:
@@ -121,7 +121,7 @@ def test_every_write_of_the_package_goes_through_ddpkit_fs():
             else:
                 found.append(f"src/ddpkit/{module}:{line}: {what}(...)")
     assert not found, (
-        "writes that bypass ddpkit.fs (use fs.write_atomic, fs.write_with, fs.open_append, fs.make_dirs, "
+        "writes that bypass ddpkit._fs (use fs.write_atomic, fs.write_with, fs.open_append, fs.make_dirs, "
         "fs.remove, fs.rename...; or add the call to ALLOWED with its reason):\n" + "\n".join(found)
     )
     assert used == set(ALLOWED), f"ALLOWED entries no longer needed: {sorted(set(ALLOWED) - used)}"

@@ -9,14 +9,14 @@ import sys
 import pytest
 import torch
 
-import ddpkit.internals
-from ddpkit.internals import dcp, optuna_journal
-from ddpkit.tools.env import internals_state
-from ddpkit.tools.env import main as env_main
+import ddpkit._internals
+from ddpkit._internals import dcp, optuna_journal
+from ddpkit.tools._env import internals_state
+from ddpkit.tools._env import main as env_main
 
 
 def _seam(monkeypatch, internals) -> None:
-    monkeypatch.setattr(ddpkit.internals, "all_internals", lambda: list(internals))
+    monkeypatch.setattr(ddpkit._internals, "all_internals", lambda: list(internals))
 
 
 def test_env_names_each_internal_ok_and_one_changed_with_the_version_and_what_differs(monkeypatch, capsys):
@@ -52,10 +52,10 @@ def test_optunas_internals_are_not_checked_where_it_is_not_installed(monkeypatch
 
 def test_a_seam_that_cannot_be_listed_is_reported_not_a_crash(monkeypatch, capsys):
     def missing() -> list:
-        raise ModuleNotFoundError("No module named 'ddpkit.internals.elastic'")
+        raise ModuleNotFoundError("No module named 'ddpkit._internals.elastic'")
 
-    monkeypatch.setattr(ddpkit.internals, "all_internals", missing)
+    monkeypatch.setattr(ddpkit._internals, "all_internals", missing)
     assert env_main(["--no-live"]) == 0
-    assert "  (all): cannot be listed: ModuleNotFoundError: No module named 'ddpkit.internals.elastic'" in (
+    assert "  (all): cannot be listed: ModuleNotFoundError: No module named 'ddpkit._internals.elastic'" in (
         capsys.readouterr().out
     )

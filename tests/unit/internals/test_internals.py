@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from ddpkit.internals import all_internals
-from ddpkit.internals.contract import Internal, problem
+from ddpkit._internals import all_internals
+from ddpkit._internals.contract import Internal, problem
 
 INTERNALS = all_internals()
 

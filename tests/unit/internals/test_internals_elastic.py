@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.internals import contract, elastic, interpreter
+from ddpkit._internals import contract, elastic, interpreter
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server is Linux only")
 
@@ -217,7 +217,7 @@ def test_the_command_line_is_written_only_where_its_memory_is_found(tmp_path):
     """A misread ``arg_start`` is refused (nothing written); the real one is rewritten (``ps`` shows it)."""
     code = (
         "import sys\n"
-        "from ddpkit.internals import interpreter as i\n"
+        "from ddpkit._internals import interpreter as i\n"
         "start, end = i._command_line_memory()\n"
         "real = i._command_line_memory\n"
         "i._command_line_memory = lambda: (start + 1, end + 1)\n"
@@ -247,7 +247,7 @@ def test_each_change_is_named_by_its_check_with_the_version(change, named, tmp_p
     """What ``ddpkit env`` and the contract tests print for a torch or CPython with the change: that internal,
     and only it, with the installed version."""
     code = REWRITE + TORCH_CHANGES[change]
-    code += "from ddpkit.internals import elastic, interpreter\nfrom ddpkit.internals.contract import problem\n"
+    code += "from ddpkit._internals import elastic, interpreter\nfrom ddpkit._internals.contract import problem\n"
     code += "print('\\n'.join(filter(None, map(problem, elastic.INTERNALS + interpreter.INTERNALS))))\n"
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

@@ -26,8 +26,8 @@ CHECK = """
 import sys
 from importlib import metadata
 from pathlib import Path
-from ddpkit.internals import ray_train
-from ddpkit.internals.contract import problem
+from ddpkit._internals import ray_train
+from ddpkit._internals.contract import problem
 
 (internal,) = ray_train.INTERNALS
 assert problem(internal) is None, problem(internal)

@@ -1,4 +1,4 @@
-"""Outside :mod:`ddpkit.internals`, ddpkit touches no private code of another project: no ``ctypes``, no ``torch._``
+"""Outside :mod:`ddpkit._internals`, ddpkit touches no private code of another project: no ``ctypes``, no ``torch._``
 name other than the ``torch._foreach_*`` operators, no private module, name or attribute of torch, CPython,
 numpy or Optuna where it can be seen in the source, and no override of another project's private method.
 
@@ -27,7 +27,7 @@ PUBLIC_UNDERSCORE_ATTRIBUTES = {
     "_asdict": "a named tuple's documented dict",
     "_make": "a named tuple's documented constructor from an iterable",
     # ddpkit's own: ShardedBatchSampler._first_step, read by ddpkit's loader on ddpkit's sampler.
-    "_first_step": "ddpkit.data.sampler.ShardedBatchSampler's own method",
+    "_first_step": "ddpkit.data._sampler.ShardedBatchSampler's own method",
 }
 NEUTRAL_BASES = {"object", "Protocol", "Generic", "ABC", "NamedTuple", "TypedDict"}
 
@@ -207,7 +207,7 @@ def test_outside_the_seam_no_private_code_of_another_project_is_touched() -> Non
     classes = _Classes([ast.parse(s) for s in sources.values()])
     found = [line for where, source in sources.items() for line in private_touches(source, where, classes)]
     found.sort(key=lambda line: (line.split(":")[0], int(line.split(":")[1])))
-    assert not found, "private code touched outside ddpkit.internals:\n" + "\n".join(found)
+    assert not found, "private code touched outside ddpkit._internals:\n" + "\n".join(found)
 
 
 def test_no_class_outside_the_seam_overrides_another_projects_private_method() -> None:

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddpkit.errors import ConfigError
-from ddpkit.internals import store, versions
+from ddpkit._errors import ConfigError
+from ddpkit._internals import store, versions
 
 
 @pytest.mark.parametrize(
@@ -79,6 +79,6 @@ def test_the_agent_store_variable_is_set_and_read_as_torchs_rendezvous_reads_it(
 
 
 def test_every_store_internal_holds_on_this_torch() -> None:
-    from ddpkit.internals.contract import problem
+    from ddpkit._internals.contract import problem
 
     assert [problem(i) for i in store.INTERNALS] == [None] * len(store.INTERNALS)

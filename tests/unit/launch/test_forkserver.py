@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.launch.forked_workers import ForkedProcess, _is_worker_command
-from ddpkit.launch.forkserver import JOB_SIGNALS, exec_dispositions, exit_status, ignored_signals
-from ddpkit.launch.options import build_parser, config_from_args
+from ddpkit._launch.forked_workers import ForkedProcess, _is_worker_command
+from ddpkit._launch.forkserver import JOB_SIGNALS, exec_dispositions, exit_status, ignored_signals
+from ddpkit._launch.options import build_parser, config_from_args
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server is Linux only")
 ROOT = Path(__file__).parents[3]
@@ -29,7 +29,7 @@ def test_exit_status_is_the_interpreters(capsys):
 
 END = """
 import atexit, sys, threading, time
-from ddpkit.launch.forkserver import run_as_main
+from ddpkit._launch.forkserver import run_as_main
 atexit.register(lambda: print("atexit", flush=True))
 def main():
     threading.Thread(target=lambda: (time.sleep(0.3), print("thread", flush=True))).start()  # ends after main
@@ -95,7 +95,7 @@ def test_a_forked_workers_signals_are_those_of_a_new_interpreter(ignored):
 
 GAP = """
 import os, signal
-from ddpkit.launch import forked_workers, proctree
+from ddpkit._launch import forked_workers, proctree
 forked_workers.PRELOAD = ()  # nothing to import: the fork is what is tested
 proctree.become_subreaper()  # this process is the agent, which adopts its forked workers
 server = forked_workers.ForkServer({preload!r})
@@ -163,13 +163,13 @@ def test_a_forked_process_answers_as_a_popen(monkeypatch, pidfds):
 
 
 def test_only_the_launchers_worker_command_is_forked():
-    assert _is_worker_command([sys.executable, "-u", "-m", "ddpkit.launch.worker", "train.py"])
+    assert _is_worker_command([sys.executable, "-u", "-m", "ddpkit._launch.worker", "train.py"])
     assert not _is_worker_command([sys.executable, "-u", "train.py"])  # not the launcher's command
-    assert not _is_worker_command(["numactl", "-N", "0", sys.executable, "-u", "-m", "ddpkit.launch.worker", "t.py"])
-    assert not _is_worker_command(["/usr/bin/other-python", "-u", "-m", "ddpkit.launch.worker", "t.py"])
+    assert not _is_worker_command(["numactl", "-N", "0", sys.executable, "-u", "-m", "ddpkit._launch.worker", "t.py"])
+    assert not _is_worker_command(["/usr/bin/other-python", "-u", "-m", "ddpkit._launch.worker", "t.py"])
     # Another virtual environment on the same interpreter (torchrun's PYTHON_EXEC): its own site-packages.
     if os.path.realpath(sys.executable) != sys.executable:
-        assert not _is_worker_command([os.path.realpath(sys.executable), "-u", "-m", "ddpkit.launch.worker", "t.py"])
+        assert not _is_worker_command([os.path.realpath(sys.executable), "-u", "-m", "ddpkit._launch.worker", "t.py"])
 
 
 def test_the_fork_server_serves_jobs_that_may_restart_unless_told():

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import yaml
 
-from ddpkit.errors import ConfigError
-from ddpkit.launch import k8s
-from ddpkit.launch import manifests as mf
+from ddpkit._errors import ConfigError
+from ddpkit._launch import k8s
+from ddpkit._launch import manifests as mf
 
 HERE = Path(__file__).resolve().parent / "k8s"
 SCHEMAS = {

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ddpkit.errors import ConfigError
-from ddpkit.launch import k8s, rendezvous_auth
-from ddpkit.launch import manifests as mf
-from ddpkit.launch.rendezvous_auth import SECRET_ENV, SECRET_FILE_ENV, load_secret
+from ddpkit._errors import ConfigError
+from ddpkit._launch import k8s, rendezvous_auth
+from ddpkit._launch import manifests as mf
+from ddpkit._launch.rendezvous_auth import SECRET_ENV, SECRET_FILE_ENV, load_secret
 
 SECRET = "0123456789abcdef0123456789abcdef"
 IMAGE = ["--image", "reg/train:1"]

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.errors import ConfigError
-from ddpkit.launch.launcher import torchrun_argv, worker_env
-from ddpkit.launch.options import LaunchConfig, resolve_nproc
+from ddpkit._errors import ConfigError
+from ddpkit._launch.launcher import torchrun_argv, worker_env
+from ddpkit._launch.options import LaunchConfig, resolve_nproc
 
 HELLO = str(Path(__file__).parents[2] / "jobs" / "scripts" / "hello.py")
 
@@ -23,7 +23,7 @@ def _in_tmp_path(tmp_path, monkeypatch):
 
 
 def test_script_arguments_are_the_scripts_even_when_they_look_like_ours():
-    from ddpkit.launch.options import build_parser, split_argv
+    from ddpkit._launch.options import build_parser, split_argv
 
     build_parser()
     ours, theirs = split_argv(["--nproc", "2", "--log-dir", "L", "train.py", "--log", "5", "--nproc", "3", "--max"])
@@ -47,7 +47,7 @@ def test_single_node_uses_a_free_loopback_port_and_shows_rank_zero_only():
     assert worker_env(cfg, 3)["GLOO_SOCKET_IFNAME"] == os.environ.get("GLOO_SOCKET_IFNAME", "lo")
     # Local ranks 1.. go to files through the logs spec (torchrun's --redirects takes one-digit ranks only).
     assert "--redirects" not in argv and "--tee" not in argv
-    assert argv[-5:] == ["-m", "ddpkit.launch.worker", "train.py", "--lr", "1"]
+    assert argv[-5:] == ["-m", "ddpkit._launch.worker", "train.py", "--lr", "1"]
 
 
 def test_all_ranks_tees_with_a_rank_prefix():
@@ -78,8 +78,8 @@ def test_module_mode_and_restarts():
     cfg = LaunchConfig(script="pkg.train", module=True, max_restarts=3)
     argv = torchrun_argv(cfg, nproc=1)
     assert argv[argv.index("--max-restarts") + 1] == "3"
-    assert argv[-4:] == ["-m", "ddpkit.launch.worker", "-m", "pkg.train"]
-    # Always: the workers' store is rank 0's, bound to MASTER_ADDR (ddpkit.launch.worker), fresh at each attempt.
+    assert argv[-4:] == ["-m", "ddpkit._launch.worker", "-m", "pkg.train"]
+    # Always: the workers' store is rank 0's, bound to MASTER_ADDR (ddpkit._launch.worker), fresh at each attempt.
     assert worker_env(cfg, 1)["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     assert worker_env(LaunchConfig(script="t.py"), 1)["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
 
@@ -136,7 +136,7 @@ def test_a_multi_node_job_without_a_secret_stops_before_anything_listens(monkeyp
 
 @pytest.mark.parametrize("nproc", ["99999999999999999999", "1" * 5000, "5000", "1025"])
 def test_nproc_is_bounded_before_anything_is_built(nproc, capsys, monkeypatch):
-    import ddpkit.launch.launcher as launcher
+    import ddpkit._launch.launcher as launcher
     from ddpkit.cli import main
 
     def built(*args, **kwargs):
@@ -153,7 +153,7 @@ def test_nproc_is_bounded_before_anything_is_built(nproc, capsys, monkeypatch):
 def test_nproc_above_four_per_core_needs_oversubscribe(monkeypatch, capsys):
     import torch
 
-    import ddpkit.launch.launcher as launcher
+    import ddpkit._launch.launcher as launcher
     from ddpkit.cli import main
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -194,7 +194,7 @@ def test_threads_per_worker_split_the_cores(monkeypatch):
 
 
 def test_log_folders_of_quiet_runs_are_removed_and_old_ones_pruned(tmp_path):
-    from ddpkit.launch.launcher import new_run_log_dir, tidy_log_dirs
+    from ddpkit._launch.launcher import new_run_log_dir, tidy_log_dirs
 
     root = tmp_path / "logs"
     old = [root / f"20250101-0000{i:02d}-1" for i in range(25)]
@@ -212,7 +212,7 @@ def test_log_folders_of_quiet_runs_are_removed_and_old_ones_pruned(tmp_path):
 
 def test_env_reports_versions_os_memory_and_the_distributed_variables(monkeypatch, capsys):
     from ddpkit import __version__
-    from ddpkit.tools.env import main as env_main
+    from ddpkit.tools._env import main as env_main
 
     monkeypatch.setenv("NCCL_DEBUG", "INFO")
     monkeypatch.setenv("SLURM_JOB_ID", "42")
@@ -279,7 +279,7 @@ def test_the_cause_of_a_failure_is_told_from_its_consequences():
     # Pure logic over torchrun's failure records (timestamps in whole seconds, often equal).
     from types import SimpleNamespace
 
-    from ddpkit.launch.agent import cause, exit_code
+    from ddpkit._launch.agent import cause, exit_code
 
     lost = "RuntimeError: [gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1"
     cases = [
@@ -300,7 +300,7 @@ def test_a_worker_killed_otherwise_is_a_failure_even_when_the_others_saved_and_e
     # exits 75. That is not a pre-emption: the job must be restarted (the search's kill test caught this).
     from types import SimpleNamespace
 
-    from ddpkit.launch.agent import preempted
+    from ddpkit._launch.agent import preempted
 
     def failures(*codes):
         return {rank: SimpleNamespace(exitcode=code) for rank, code in enumerate(codes)}
@@ -312,7 +312,7 @@ def test_a_worker_killed_otherwise_is_a_failure_even_when_the_others_saved_and_e
 def test_line_tagger_writes_whole_lines_and_throttles_redraws():
     import io
 
-    from ddpkit.launch.tail import PROGRESS_EVERY, LineTagger
+    from ddpkit._launch.tail import PROGRESS_EVERY, LineTagger
 
     now = [100.0]
     dst = io.StringIO()

@@ -27,9 +27,9 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
-from ddpkit.errors import ConfigError
-from ddpkit.internals.store import serve_store
-from ddpkit.launch.rendezvous_auth import (
+from ddpkit._errors import ConfigError
+from ddpkit._internals.store import serve_store
+from ddpkit._launch.rendezvous_auth import (
     BUSY_ADDRESS,
     SECRET_ENV,
     FramedSocket,
@@ -40,8 +40,8 @@ from ddpkit.launch.rendezvous_auth import (
     join_host,
     load_secret,
 )
-from ddpkit.launch.rendezvous_backend import SignedStateBackend
-from ddpkit.launch.rendezvous_relay import PER_ADDRESS, RelayServer
+from ddpkit._launch.rendezvous_backend import SignedStateBackend
+from ddpkit._launch.rendezvous_relay import PER_ADDRESS, RelayServer
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 
@@ -290,7 +290,7 @@ def test_dropped_connections_are_said_once_per_address_then_counted(capfd):
 def test_drops_from_ever_new_addresses_keep_a_bounded_record_and_are_said_once(capfd, monkeypatch):
     # A host flooded from many addresses (a scan) keeps no record past the first few hundred: said once, then
     # nothing more is kept or printed. Pure bookkeeping: the relay's record is fed directly.
-    from ddpkit.launch import rendezvous_relay
+    from ddpkit._launch import rendezvous_relay
 
     monkeypatch.setattr(rendezvous_relay, "_LOGGED_ADDRESSES", 4)
     store = _loopback_store()

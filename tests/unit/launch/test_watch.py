@@ -11,11 +11,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from ddpkit.distributed import progress
-from ddpkit.distributed.progress import MAGIC, RECORD, Phase
-from ddpkit.errors import ConfigError
-from ddpkit.launch import agent, watch
-from ddpkit.launch.options import build_parser, config_from_args
+from ddpkit._errors import ConfigError
+from ddpkit._launch import agent, watch
+from ddpkit._launch.options import build_parser, config_from_args
+from ddpkit.distributed import _progress as progress
+from ddpkit.distributed._progress import MAGIC, RECORD, Phase
 
 
 class Clock:

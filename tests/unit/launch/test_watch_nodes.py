@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from ddpkit.distributed.progress import MAGIC, RECORD, Phase
-from ddpkit.launch import watch, watch_nodes
-from ddpkit.launch.watch_nodes import View, decide, decode, encode
+from ddpkit._launch import watch, watch_nodes
+from ddpkit._launch.watch_nodes import View, decide, decode, encode
+from ddpkit.distributed._progress import MAGIC, RECORD, Phase
 
 
 def view(rank: int, node: int, *, step: int, idle: float, phase: int = Phase.LOOP, coll: int = 0,

@@ -8,12 +8,12 @@ import re
 import pytest
 
 from ddpkit import ConfigError
-from ddpkit.distributed.environment import read_launch_env
+from ddpkit.distributed._environment import read_launch_env
 from ddpkit.platforms import scheduler
-from ddpkit.platforms.base import LaunchEnv
-from ddpkit.platforms.cpus import cpu_count
-from ddpkit.platforms.slurm import expand_hostlist
-from ddpkit.platforms.torchrun import uneven_nodes
+from ddpkit.platforms._base import LaunchEnv
+from ddpkit.platforms._cpus import cpu_count
+from ddpkit.platforms._slurm import expand_hostlist
+from ddpkit.platforms._torchrun import uneven_nodes
 
 TORCHRUN_CORE = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 TORCHRUN = {
@@ -383,7 +383,7 @@ def test_scheduler(env, expected):
 def test_a_cgroup_cpu_quota_bounds_the_cores(tmp_path):
     """A pod limited to 1.5 CPUs (cgroup v2 ``cpu.max`` 150000/100000), under a parent limited to 4: 1.5.
     Control: no quota anywhere on the path (``max``) is no bound."""
-    from ddpkit.platforms.cpus import cgroup_cpu_quota
+    from ddpkit.platforms._cpus import cgroup_cpu_quota
 
     pod = tmp_path / "kubepods" / "pod1" / "ctr"
     pod.mkdir(parents=True)
@@ -401,7 +401,7 @@ def test_a_cgroup_cpu_quota_bounds_the_cores(tmp_path):
 
 
 def test_cpu_count_takes_the_quota_under_the_affinity(monkeypatch):
-    from ddpkit.platforms import cpus
+    from ddpkit.platforms import _cpus as cpus
 
     monkeypatch.setattr(cpus, "cgroup_cpu_quota", lambda: 0.5)
     assert cpu_count({}) == 1  # half a CPU: one process's worth

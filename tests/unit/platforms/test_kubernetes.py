@@ -9,11 +9,11 @@ import pytest
 import torch.distributed as dist
 
 import ddpkit
-from ddpkit.distributed import runtime
-from ddpkit.distributed.environment import read_launch_env
-from ddpkit.errors import ConfigError
-from ddpkit.launch.environment_defaults import typed_options, with_environment_defaults
-from ddpkit.platforms import kubernetes as k8s
+from ddpkit._errors import ConfigError
+from ddpkit._launch.environment_defaults import typed_options, with_environment_defaults
+from ddpkit.distributed import _runtime as runtime
+from ddpkit.distributed._environment import read_launch_env
+from ddpkit.platforms import _kubernetes as k8s
 
 POD = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"}
 # A PyTorchJob worker pod of 1 master + 2 workers, one process each, as training-operator v1.9 sets it

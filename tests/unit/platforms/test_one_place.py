@@ -24,11 +24,11 @@ PLATFORM_VARIABLE = re.compile(
 
 ALLOWED = {
     "platforms": "the platforms themselves",
-    "tools/env.py": "`ddpkit env` lists the variables that are set",
-    "launch/sbatch.py": "writes the batch script that SLURM reads",
-    "launch/manifests.py": "writes the manifests whose operators set the variables",
-    "launch/k8s.py": "writes the manifests whose operators set the variables",
-    "internals/store.py": "torch's private switch to the agent's store, behind the seam's check",
+    "tools/_env.py": "`ddpkit env` lists the variables that are set",
+    "_launch/sbatch.py": "writes the batch script that SLURM reads",
+    "_launch/manifests.py": "writes the manifests whose operators set the variables",
+    "_launch/k8s.py": "writes the manifests whose operators set the variables",
+    "_internals/store.py": "torch's private switch to the agent's store, behind the seam's check",
 }
 """Files (or folders) of the package that may name platform variables, and why."""
 
@@ -97,9 +97,9 @@ def _copy(tmp_path: Path, module: str, extra: str) -> Path:
 
 def test_a_module_that_reads_slurm_ntasks_is_flagged_by_file_and_line(tmp_path: Path) -> None:
     """Control: a copy of the launcher that reads ``SLURM_NTASKS`` is named with the line of the read."""
-    copy = _copy(tmp_path, "launch/launcher.py", '\n\ndef tasks():\n    return os.environ.get("SLURM_NTASKS")\n')
+    copy = _copy(tmp_path, "_launch/launcher.py", '\n\ndef tasks():\n    return os.environ.get("SLURM_NTASKS")\n')
     line = len(copy.read_text().splitlines())
-    assert readers(tmp_path / "ddpkit") == [f"launch/launcher.py:{line}: 'SLURM_NTASKS'"]
+    assert readers(tmp_path / "ddpkit") == [f"_launch/launcher.py:{line}: 'SLURM_NTASKS'"]
 
 
 def test_reads_in_other_forms_are_flagged_and_writes_are_not(tmp_path: Path) -> None:
@@ -117,17 +117,17 @@ def reads(env):
     os.environ.pop("GROUP_WORLD_SIZE", None)
     return {"WORLD_SIZE": "2"}, a, b, c, d
 """
-    copy = _copy(tmp_path, "launch/worker.py", reads)
+    copy = _copy(tmp_path, "_launch/worker.py", reads)
     first = len(copy.read_text().splitlines()) - 8  # the line of `def reads`
     assert readers(tmp_path / "ddpkit") == [
-        f"launch/worker.py:{first + 2}: 'RANK'",
-        f"launch/worker.py:{first + 3}: 'MASTER_ADDR'",
-        f"launch/worker.py:{first + 4}: 'PET_'",
-        f"launch/worker.py:{first + 5}: 'OMPI_COMM_WORLD_RANK'",
-        f"launch/worker.py:{first + 5}: 'NSLOTS'",
+        f"_launch/worker.py:{first + 2}: 'RANK'",
+        f"_launch/worker.py:{first + 3}: 'MASTER_ADDR'",
+        f"_launch/worker.py:{first + 4}: 'PET_'",
+        f"_launch/worker.py:{first + 5}: 'OMPI_COMM_WORLD_RANK'",
+        f"_launch/worker.py:{first + 5}: 'NSLOTS'",
     ]
 
 
 def test_the_same_read_inside_platforms_is_not_flagged(tmp_path: Path) -> None:
-    _copy(tmp_path, "platforms/slurm.py", '\n\ndef tasks(env):\n    return env.get("SLURM_NTASKS")\n')
+    _copy(tmp_path, "platforms/_slurm.py", '\n\ndef tasks(env):\n    return env.get("SLURM_NTASKS")\n')
     assert readers(tmp_path / "ddpkit") == []

@@ -1,4 +1,4 @@
-"""``PET_*`` values, parsed one way (:func:`ddpkit.platforms.kubernetes.pet_value`) by ``ddpkit run`` and by
+"""``PET_*`` values, parsed one way (:func:`ddpkit.platforms._kubernetes.pet_value`) by ``ddpkit run`` and by
 ``ddpkit.init()``: a bad one is a one-line ConfigError naming the variable and its value, never a ValueError
 traceback, and a digit of another script is not read as a number."""
 
@@ -9,11 +9,11 @@ import os
 import pytest
 
 import ddpkit
-from ddpkit.distributed import runtime
-from ddpkit.distributed.environment import read_launch_env
-from ddpkit.errors import ConfigError
-from ddpkit.launch.environment_defaults import with_environment_defaults
-from ddpkit.platforms import kubernetes as k8s
+from ddpkit._errors import ConfigError
+from ddpkit._launch.environment_defaults import with_environment_defaults
+from ddpkit.distributed import _runtime as runtime
+from ddpkit.distributed._environment import read_launch_env
+from ddpkit.platforms import _kubernetes as k8s
 from tests.unit.platforms.test_kubernetes import PYTORCHJOB_WORKER, TRAINJOB_NODE  # the operators' pods
 
 # "\u0663" is ARABIC-INDIC DIGIT THREE (int() reads it as 3), "\u00b2" SUPERSCRIPT TWO (isdigit() says yes,

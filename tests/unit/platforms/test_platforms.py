@@ -9,8 +9,13 @@ import sys
 import pytest
 
 from ddpkit import platforms
-from ddpkit.platforms import kubernetes, mpi, none, ray, slurm, torchrun
-from ddpkit.platforms.base import Platform
+from ddpkit.platforms import _kubernetes as kubernetes
+from ddpkit.platforms import _mpi as mpi
+from ddpkit.platforms import _none as none
+from ddpkit.platforms import _ray as ray
+from ddpkit.platforms import _slurm as slurm
+from ddpkit.platforms import _torchrun as torchrun
+from ddpkit.platforms._base import Platform
 
 TORCHRUN = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "29500"}
 SLURM = {

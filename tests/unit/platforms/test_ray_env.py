@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ddpkit.distributed.environment import read_launch_env
+from ddpkit.distributed._environment import read_launch_env
 
 # What Ray Train 2.60 sets in a worker of a 2-worker run (ray/train/torch/config.py): torchrun's names, the
 # node's rank, and the raylet's pid as in every Ray worker process.

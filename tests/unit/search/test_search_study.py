@@ -13,11 +13,11 @@ pytest.importorskip("optuna")
 import optuna  # noqa: E402
 from optuna.trial import TrialState  # noqa: E402
 
-from ddpkit.internals import optuna_journal  # noqa: E402
-from ddpkit.internals.contract import problem  # noqa: E402
+from ddpkit._internals import optuna_journal  # noqa: E402
+from ddpkit._internals.contract import problem  # noqa: E402
 from ddpkit.search import SearchConfig, choice, uniform  # noqa: E402
-from ddpkit.search.space import to_distributions  # noqa: E402
-from ddpkit.search.study import (  # noqa: E402
+from ddpkit.search._space import to_distributions  # noqa: E402
+from ddpkit.search._study import (  # noqa: E402
     _SEARCH_KEY,
     created_trial,
     draw_params,

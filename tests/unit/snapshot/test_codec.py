@@ -1,4 +1,4 @@
-"""The codec of a snapshot's values (:mod:`ddpkit.snapshot.codec`): what a save accepts a load gives back, equal and
+"""The codec of a snapshot's values (:mod:`ddpkit.snapshot._codec`): what a save accepts a load gives back, equal and
 of the same type, on both backends, and what it cannot hold is refused at the save, by name, before any file.
 
 The property tests run a modest number of derandomized examples by default; ``DDPKIT_FUZZ_EXAMPLES=2000`` runs as
@@ -29,11 +29,13 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import ddpkit
-from ddpkit.errors import ConfigError
-from ddpkit.snapshot import codec, export, region
-from ddpkit.snapshot.manager import SnapshotManager
-from ddpkit.snapshot.memory import slot as mslot
-from ddpkit.snapshot.memory import store as ms
+from ddpkit._errors import ConfigError
+from ddpkit.snapshot import _codec as codec
+from ddpkit.snapshot import _export as export
+from ddpkit.snapshot import _region as region
+from ddpkit.snapshot._manager import SnapshotManager
+from ddpkit.snapshot._memory import slot as mslot
+from ddpkit.snapshot._memory import store as ms
 
 _DEEP = int(os.environ.get("DDPKIT_FUZZ_EXAMPLES", "0"))
 # The default run skips shrinking (derandomized, a failure comes back the same); a deep run shrinks.
@@ -483,8 +485,8 @@ class Holds:
 def fit_with_memory(tmp: pathlib.Path, value: Any, monkeypatch: Any) -> None:
     """A Trainer of one process whose snapshots in memory are on (a memory folder, as ``ddpkit run``'s agent
     makes one): their first save is after step 1, the first disk snapshot at the epoch's end (step 4)."""
-    from ddpkit.snapshot.memory import folder as memory_folder
-    from ddpkit.training.config import LoggingConfig, SnapshotConfig, TrainerConfig
+    from ddpkit.snapshot._memory import folder as memory_folder
+    from ddpkit.training._config import LoggingConfig, SnapshotConfig, TrainerConfig
 
     (tmp / "mem").mkdir()
     monkeypatch.setenv(memory_folder.DIR_ENV, str(tmp / "mem"))

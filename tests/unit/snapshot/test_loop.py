@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ddpkit
-from ddpkit.errors import ConfigError
+from ddpkit._errors import ConfigError
 from ddpkit.testing import run_on_ranks
 from tests.jobs.scripts.hand_loop_job import GLOBAL_BATCH, dataset, train
 

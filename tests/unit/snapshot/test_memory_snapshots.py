@@ -13,13 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from ddpkit.errors import ConfigError
-from ddpkit.snapshot import codec, region
-from ddpkit.snapshot.memory import folder as mf
-from ddpkit.snapshot.memory import slot as mslot
-from ddpkit.snapshot.memory import store as ms
-from ddpkit.snapshot.memory.resume import Choice, choose
-from ddpkit.training.config import SnapshotConfig
+from ddpkit._errors import ConfigError
+from ddpkit.snapshot import _codec as codec
+from ddpkit.snapshot import _region as region
+from ddpkit.snapshot._memory import folder as mf
+from ddpkit.snapshot._memory import slot as mslot
+from ddpkit.snapshot._memory import store as ms
+from ddpkit.snapshot._memory.resume import Choice, choose
+from ddpkit.training._config import SnapshotConfig
 from tests.tmpfs import small_tmpfs
 
 

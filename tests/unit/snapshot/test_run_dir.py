@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from ddpkit.errors import ConfigError
-from ddpkit.snapshot.run_dir import RunDirLock
+from ddpkit._errors import ConfigError
+from ddpkit.snapshot._run_dir import RunDirLock
 
 
 def test_the_lock_in_one_process_names_its_holder_and_is_released(tmp_path):

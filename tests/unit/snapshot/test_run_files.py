@@ -10,12 +10,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from ddpkit import fs as run_files
-from ddpkit.errors import ConfigError
-from ddpkit.snapshot import folders
-from ddpkit.snapshot.manager import MARKER, SnapshotManager
-from ddpkit.snapshot.run_dir import RunDirLock, claim
-from ddpkit.tracking.metrics import MetricsWriter
+from ddpkit import _fs as run_files
+from ddpkit._errors import ConfigError
+from ddpkit.snapshot import _folders as folders
+from ddpkit.snapshot._manager import MARKER, SnapshotManager
+from ddpkit.snapshot._run_dir import RunDirLock, claim
+from ddpkit.tracking._metrics import MetricsWriter
 
 VICTIM_TEXT = "a file of someone else's, outside the run directory\n"
 

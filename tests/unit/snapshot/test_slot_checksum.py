@@ -1,4 +1,4 @@
-"""The memory slot's tensor checksum: a CRC-32C per block (:func:`ddpkit.snapshot.memory.slot.block_crcs`). Every change
+"""The memory slot's tensor checksum: a CRC-32C per block (:func:`ddpkit.snapshot._memory.slot.block_crcs`). Every change
 of 1, 2 or 3 bits and every burst of up to 32 bits in a slot's tensor bytes, anywhere, across block boundaries
 too, is refused by the slot reader. Control: changes that cancel within one block (+x in one int64 word, -x in
 another) passed the block sums before (kept here as ``block_sums``), and are refused now.
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from ddpkit.snapshot.memory import slot as mslot
-from ddpkit.snapshot.memory import store as ms
+from ddpkit.snapshot._memory import slot as mslot
+from ddpkit.snapshot._memory import store as ms
 
 SIZE = 3 * mslot.BLOCK + 4096 + 8  # four blocks, the last one short
 
@@ -201,6 +201,6 @@ def test_the_block_size_is_within_crc32cs_distance_4_length():
 
 
 def test_import_ddpkit_does_not_load_the_crc_package():
-    code = "import sys, ddpkit, ddpkit.snapshot.memory.store; assert 'crc32c' not in sys.modules, 'loaded'"
+    code = "import sys, ddpkit, ddpkit.snapshot._memory.store; assert 'crc32c' not in sys.modules, 'loaded'"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from ddpkit.snapshot import export
+from ddpkit.snapshot import _export as export
 
 
 class TiedLM(nn.Module):

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from ddpkit.strategies.prepare import keys_of_the_module
+from ddpkit.strategies._prepare import keys_of_the_module
 
 
 class Model(nn.Module):

@@ -8,7 +8,7 @@ from torch import nn
 
 import ddpkit
 import ddpkit.strategies
-from ddpkit.errors import ConfigError
+from ddpkit._errors import ConfigError
 from ddpkit.strategies import STRATEGIES, strategy_config
 
 
@@ -41,8 +41,8 @@ def test_fsdp_on_the_cpu_is_refused_below_its_torch_naming_the_version(monkeypat
     AttributeError from inside torch."""
     import types
 
-    from ddpkit.internals import versions
-    from ddpkit.strategies.fsdp import FSDPStrategy
+    from ddpkit._internals import versions
+    from ddpkit.strategies._fsdp import FSDPStrategy
 
     monkeypatch.setattr(versions, "TORCH_VERSION", (2, 6))
     cpu_rank = types.SimpleNamespace(distributed=True, device=torch.device("cpu"))

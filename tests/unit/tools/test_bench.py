@@ -2,10 +2,11 @@
 
 import pytest
 
-from ddpkit.errors import ConfigError
-from ddpkit.tools import allreduce, predict
-from ddpkit.tools.bench_config import BenchConfig
-from ddpkit.tools.workload import load_workload
+from ddpkit._errors import ConfigError
+from ddpkit.tools import _allreduce as allreduce
+from ddpkit.tools import _predict as predict
+from ddpkit.tools._bench_config import BenchConfig
+from ddpkit.tools._workload import load_workload
 
 
 def test_alpha_beta_fit_recovers_a_known_line():
@@ -86,7 +87,7 @@ def _one_rank_on_the_cpu(step_s: float) -> dict:
 
 
 def test_on_the_cpu_the_prediction_takes_the_all_reduce_as_a_step_meets_it():
-    from ddpkit.tools.bench_predict import compute_seconds, predictions
+    from ddpkit.tools._bench_predict import compute_seconds, predictions
 
     scaling = _one_rank_on_the_cpu(step_s=3.0e-3)
     fits = {2: allreduce.fit_alpha_beta(2, [(4, 1e-4), (4000, 2e-4), (1 << 24, 1e-2)])}

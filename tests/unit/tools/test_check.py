@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpkit.errors import ConfigError
-from ddpkit.tools.check import CheckConfig, run_check
-from ddpkit.tools.compare import compare
+from ddpkit._errors import ConfigError
+from ddpkit.tools._check import CheckConfig, run_check
+from ddpkit.tools._compare import compare
 
 SCRIPTS = Path(__file__).parents[2] / "jobs" / "scripts"
 

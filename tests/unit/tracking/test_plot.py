@@ -8,7 +8,7 @@ import json
 import pytest
 
 import ddpkit
-from ddpkit.tracking.curves import read_curves
+from ddpkit.tracking._curves import read_curves
 
 
 def test_redone_steps_draw_the_later_record_and_a_missing_run_is_named(tmp_path):

@@ -10,10 +10,10 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from ddpkit.tracking import flops
-from ddpkit.tracking.curves import RANKS_PANEL, panels, read_curves
-from ddpkit.tracking.flops import FlopCount, device_peak, mfu, peak_flops
-from ddpkit.tracking.timings import PHASES, RankTimes, RunSpeed, StepTimings
+from ddpkit.tracking import _flops as flops
+from ddpkit.tracking._curves import RANKS_PANEL, panels, read_curves
+from ddpkit.tracking._flops import FlopCount, device_peak, mfu, peak_flops
+from ddpkit.tracking._timings import PHASES, RankTimes, RunSpeed, StepTimings
 
 
 def _forward_backward(model: nn.Module, x: torch.Tensor) -> None:
@@ -153,8 +153,8 @@ def test_on_cuda_the_phases_are_read_from_events_on_the_device():
 
 
 def test_a_peak_that_is_not_positive_is_refused_naming_the_option():
-    from ddpkit.errors import ConfigError
-    from ddpkit.training.config import LoggingConfig
+    from ddpkit._errors import ConfigError
+    from ddpkit.training._config import LoggingConfig
 
     with pytest.raises(ConfigError, match="peak_flops=0 is not valid: see LoggingConfig.peak_flops"):
         LoggingConfig(peak_flops=0)

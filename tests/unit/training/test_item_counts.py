@@ -1,4 +1,4 @@
-"""Per-token weighting as arithmetic: the shares of :mod:`ddpkit.training.step` turn DDP's average over
+"""Per-token weighting as arithmetic: the shares of :mod:`ddpkit.training._step` turn DDP's average over
 ranks of summed micro-batch gradients into the gradient of the mean over every token (one process, no ranks:
 the ranks' gradients are computed one after another and averaged as DDP would)."""
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ddpkit.training.step import _as_count, loss_divisor
+from ddpkit.training._step import _as_count, loss_divisor
 
 
 def _grad(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, divisor: float) -> torch.Tensor:

@@ -10,11 +10,12 @@ import torch
 from torch import nn
 
 import ddpkit
-from ddpkit.errors import ConfigError
-from ddpkit.snapshot import codec, run_record
-from ddpkit.snapshot.run_record import RunRecord, module_types, tensor_shapes
-from ddpkit.training.config import LoggingConfig
-from ddpkit.training.trainer import TrainerConfig
+from ddpkit._errors import ConfigError
+from ddpkit.snapshot import _codec as codec
+from ddpkit.snapshot import _run_record as run_record
+from ddpkit.snapshot._run_record import RunRecord, module_types, tensor_shapes
+from ddpkit.training._config import LoggingConfig
+from ddpkit.training._trainer import TrainerConfig
 
 
 def fit(run_dir, activation: type[nn.Module], epochs: int, dropout: float = 0.2) -> ddpkit.Trainer:

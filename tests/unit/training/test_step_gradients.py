@@ -7,8 +7,8 @@ import torch
 from torch.utils.data import TensorDataset
 
 import ddpkit
-from ddpkit.training.config import LoggingConfig, TrainerConfig
-from ddpkit.training.step import OptimizerStep
+from ddpkit.training._config import LoggingConfig, TrainerConfig
+from ddpkit.training._step import OptimizerStep
 
 
 class LeavesGradients:

@@ -10,15 +10,15 @@ import torch
 from torch.utils.data import TensorDataset
 
 import ddpkit
-from ddpkit.errors import ConfigError
-from ddpkit.strategies.ddp import all_finite as _all_finite
-from ddpkit.strategies.ddp import (
+from ddpkit._errors import ConfigError
+from ddpkit.strategies._ddp import all_finite as _all_finite
+from ddpkit.strategies._ddp import (
     nan_gradient_if_nonfinite as _nan_gradient_if_nonfinite,
 )
-from ddpkit.training.config import EarlyStoppingConfig, LoggingConfig, SnapshotConfig
-from ddpkit.training.loss_window import LossWindow as _LossWindow
-from ddpkit.training.step import loss_divisor
-from ddpkit.training.trainer import TrainerConfig
+from ddpkit.training._config import EarlyStoppingConfig, LoggingConfig, SnapshotConfig
+from ddpkit.training._loss_window import LossWindow as _LossWindow
+from ddpkit.training._step import loss_divisor
+from ddpkit.training._trainer import TrainerConfig
 
 
 def test_a_ranks_loss_share_weighs_samples_not_ranks():
@@ -164,7 +164,7 @@ def test_the_default_loss_refuses_a_regression_model(tmp_path):
 
 
 def test_the_default_loss_refuses_float_targets_and_a_dict_output(tmp_path):
-    from ddpkit.training.losses import cross_entropy
+    from ddpkit.training._losses import cross_entropy
 
     scores = torch.randn(4, 3)
     with pytest.raises(ConfigError, match="targets are float32 of shape \\(4,\\)"):
@@ -239,7 +239,7 @@ def test_the_nested_configs_refuse_bad_values_naming_them(build, flag):
 
 
 def test_a_fresh_run_replaces_a_stale_best_and_a_resumed_one_keeps_it(tmp_path):
-    from ddpkit.snapshot.best import BestWeights
+    from ddpkit.snapshot._best import BestWeights
 
     path = tmp_path / "best.pt"
     model = torch.nn.Linear(2, 2)
@@ -298,7 +298,7 @@ def test_a_dict_batch_with_the_default_loss_asks_for_batch_loss_fn_at_the_first_
 
 
 def test_pairs_of_tensors_or_sequences_are_the_default_losss_batches():
-    from ddpkit.training.evaluation import inputs_and_targets
+    from ddpkit.training._evaluation import inputs_and_targets
 
     x, y = torch.zeros(2, 3), torch.zeros(2)
     assert inputs_and_targets((x, y), "") == (x, y) and inputs_and_targets([[x, x], y], "")[0] == [x, x]
@@ -396,7 +396,7 @@ def test_a_trainer_is_freed_when_its_last_reference_goes_without_a_garbage_colle
 
 
 def _stopped_inside_an_epoch(tmp_path, val_data) -> dict:
-    from ddpkit.training.trainer import Trainer, TrainerConfig
+    from ddpkit.training._trainer import Trainer, TrainerConfig
 
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))

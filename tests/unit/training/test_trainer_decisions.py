@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 import ddpkit
-from ddpkit.errors import ConfigError
-from ddpkit.nn.dropout import BatchLayout, GlobalBatchDropout, batch_layout, convert_dropout
-from ddpkit.training.config import EarlyStoppingConfig, LoggingConfig, SnapshotConfig
-from ddpkit.training.step_output import StopReason
-from ddpkit.training.trainer import TrainerConfig
+from ddpkit._errors import ConfigError
+from ddpkit.nn._dropout import BatchLayout, GlobalBatchDropout, batch_layout, convert_dropout
+from ddpkit.training._config import EarlyStoppingConfig, LoggingConfig, SnapshotConfig
+from ddpkit.training._step_output import StopReason
+from ddpkit.training._trainer import TrainerConfig
 
 
 def _trainer(run_dir: Path, *, samples: int = 32, val: bool = False, scheduler=None, lr: float = 0.1, **options):
@@ -77,7 +77,7 @@ def test_snapshots_exist_after_every_step_the_intervals_name(
 
 
 def test_the_schedule_defers_an_epochs_last_step_to_its_end():
-    from ddpkit.snapshot.schedule import SnapshotSchedule
+    from ddpkit.snapshot._schedule import SnapshotSchedule
 
     schedule = SnapshotSchedule(every_steps=4, every_epochs=3)
     assert not schedule.after_step(4, taken=True, last_in_epoch=True)  # the epoch end takes it
@@ -129,7 +129,7 @@ def test_a_metric_driven_scheduler_without_its_metric_is_refused_at_construction
 
 
 def test_a_restart_resumes_even_when_the_config_says_resume_false():
-    from ddpkit.training.trainer import resumes
+    from ddpkit.training._trainer import resumes
 
     assert not resumes(False, 0)  # the job's first attempt starts afresh, as asked
     assert resumes(False, 1) and resumes(False, 3)  # a restarted worker continues its own job
@@ -169,7 +169,7 @@ def test_global_batch_dropout_batch_first_masks_are_unchanged():
     x = torch.ones(6, 4)
     with batch_layout(BatchLayout(6, 2, key=3, size=2)):
         out = GlobalBatchDropout(0.5, layer_id=1)(x[2:4])
-    from ddpkit.distributed.seeding import mix_seed
+    from ddpkit.distributed._seeding import mix_seed
 
     g = torch.Generator().manual_seed(mix_seed(3, 1, 0))
     keep = torch.rand((6, 4), generator=g)[2:4]
@@ -198,7 +198,7 @@ class _Notice:
 def test_a_preemption_notice_snapshots_at_once_and_training_goes_on(tmp_path, monkeypatch, every_epochs, at,
                                                                      snapshots):  # fmt: skip
     notice = _Notice(at)
-    monkeypatch.setattr("ddpkit.distributed.signals.preemption_notice", lambda launcher, group=None: notice)
+    monkeypatch.setattr("ddpkit.distributed._signals.preemption_notice", lambda launcher, group=None: notice)
     snapshot = SnapshotConfig(every_epochs=every_epochs, async_write=False)
     logging = LoggingConfig(progress=False, every_steps=2)
     trainer = _trainer(tmp_path, samples=16, epochs=3, snapshot=snapshot, logging=logging)
@@ -215,7 +215,7 @@ def test_only_ray_gives_a_notice_to_ask_for_and_only_for_the_whole_job(monkeypat
     import sys
     import types
 
-    from ddpkit.distributed.signals import preemption_notice
+    from ddpkit.distributed._signals import preemption_notice
 
     assert preemption_notice("torchrun") is None and preemption_notice("slurm") is None
     ray = types.ModuleType("ray")

@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 import ddpkit
-from ddpkit.errors import ConfigError
-from ddpkit.snapshot.export import load_weights
-from ddpkit.training.config import EarlyStoppingConfig, LoggingConfig
-from ddpkit.training.trainer import TrainerConfig
+from ddpkit._errors import ConfigError
+from ddpkit.snapshot._export import load_weights
+from ddpkit.training._config import EarlyStoppingConfig, LoggingConfig
+from ddpkit.training._trainer import TrainerConfig
 
 
 def fit(run_dir, with_val: bool = True, **options) -> ddpkit.Trainer:

@@ -1,0 +1,85 @@
+"""``torch.nn`` modules, where ddpkit reaches past their public API.
+
+- ``nn.modules.batchnorm._BatchNorm``: the base of ``BatchNorm1d/2d/3d``, which ddpkit's CPU SyncBatchNorm
+  subclasses (:class:`BatchNormBase`), with the ``_check_input_dim`` it asks a subclass for.
+- ``OptimizedModule._orig_mod``: the module ``torch.compile`` wraps (:func:`compiled_inner`).
+- ``Module._buffers``: the dict a module keeps its buffers in; ddpkit's memory snapshots hold (dict, name)
+  pairs to find each buffer's current tensor in ~10 us a step (:func:`buffer_slots`).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, TypeGuard
+
+import torch
+from torch import nn
+
+from ddpkit._internals.contract import Internal
+
+
+class BatchNormBase(nn.modules.batchnorm._BatchNorm):
+    """torch's base of the BatchNorm layers, for inputs of any number of dimensions from 2 (``N, C, ...``)."""
+
+    def check_input(self, input: torch.Tensor) -> None:
+        self._check_input_dim(input)
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (N, C, ...), got {input.dim()}D")
+
+
+def is_batchnorm(module: nn.Module) -> TypeGuard[nn.modules.batchnorm._BatchNorm]:
+    """A BatchNorm layer of any dimension (torch's or ddpkit's), not an InstanceNorm."""
+    return isinstance(module, nn.modules.batchnorm._BatchNorm)
+
+
+def compiled_inner(module: nn.Module) -> nn.Module | None:
+    """The module ``torch.compile`` wrapped, for its wrapper (None for any other module)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # never imported here: it costs ~1 s
+    if eval_frame is None or not isinstance(module, eval_frame.OptimizedModule):
+        return None
+    inner = getattr(module, "_orig_mod", None)
+    return inner if isinstance(inner, nn.Module) else None
+
+
+def buffer_slots(module: nn.Module) -> list[tuple[dict[str, Any], str]]:
+    """(the dict, the name) of each buffer of ``module`` and its submodules: ``slot[0][slot[1]]`` is the
+    buffer's tensor now, whatever ``load_state_dict`` or a step put there since."""
+    return [(m._buffers, name) for m in module.modules() for name in m._buffers]
+
+
+def _check_batchnorm() -> str | None:
+    base = getattr(nn.modules.batchnorm, "_BatchNorm", None)
+    if base is None or not issubclass(nn.BatchNorm2d, base):
+        return "nn.modules.batchnorm._BatchNorm is not the base of BatchNorm2d"
+    return None if callable(getattr(base, "_check_input_dim", None)) else "it asks no _check_input_dim"
+
+
+def _check_compiled() -> str | None:
+    wrapped = nn.Linear(1, 1)
+    compiled: Any = torch.compile(wrapped)  # wraps at once; compiles at the first call, which never comes here
+    found = compiled_inner(compiled)
+    return None if found is wrapped else "a compiled module's _orig_mod is not the module compiled"
+
+
+def _check_buffers() -> str | None:
+    module = nn.BatchNorm1d(2)
+    slots = buffer_slots(module)
+    return (
+        None
+        if slots and all(d[name] is getattr(module, name) for d, name in slots)
+        else "_buffers is not where buffers are"
+    )
+
+
+INTERNALS = [
+    Internal("torch.nn.modules.batchnorm._BatchNorm", "torch", "SyncBatchNorm on the CPU (gloo)", _check_batchnorm),
+    Internal(
+        "torch._dynamo OptimizedModule._orig_mod",
+        "torch",
+        "unwrap() and no_sync() see through torch.compile's wrapper",
+        _check_compiled,
+    ),
+    Internal("torch.nn.Module._buffers", "torch", "memory snapshots find each buffer's tensor cheaply", _check_buffers),
+]

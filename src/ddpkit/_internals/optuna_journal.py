@@ -1,0 +1,212 @@
+"""Optuna's storages, where ddpkit's search reaches past their public API.
+
+- ``optuna.storages.journal._storage.JournalOperation``: the operation codes of a journal's records. Before
+  Optuna reads a journal, :func:`ddpkit.search._study.check_journal` refuses a record whose ``op_code`` is not
+  one of them, naming the line (Optuna's own replay fails on it with a bare ``AssertionError``, or skips it
+  under ``python -O``).
+- ``optuna.storages.get_storage``: the storage object a study opened on a storage writes through (Optuna puts
+  a cache in front of an ``RDBStorage``). A search creates each trial with its tag in one write through that
+  object's public ``create_new_trial``; a write that went around the cache would leave a trial the study's
+  cache does not know.
+
+Optuna is an optional extra (``ddpkit[search]``): this module imports without it, its records are listed all
+the same, and their checks return None (nothing to check, nothing relies on them) where Optuna is not
+installed. :func:`ddpkit._internals.contract.version_of` then names it "not installed".
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Any
+
+from ddpkit._internals.contract import Internal
+
+
+def journal_operations() -> frozenset[int]:
+    """The ``op_code`` values of the records Optuna writes to a journal and replays."""
+    from optuna.storages.journal._storage import JournalOperation
+
+    return frozenset(int(op) for op in JournalOperation)
+
+
+# A step as Optuna reports it (an int >= 0) below 2**61 - 1, where Python's hash of an int wraps: larger ones can
+# share one hash, and a dict of them costs time quadratic in their number.
+STEP_LIMIT = 2**61 - 1
+
+
+_FINISHED = (1, 2, 3)  # TrialState COMPLETE, PRUNED, FAIL
+
+
+class ReplayWork:
+    """The work of Optuna's replay of a journal (``JournalStorageReplayResult.apply_logs``, Optuna 3 to 5),
+    counted from the records in constant time each, in entries copied or trials scanned.
+
+    Each record's work grows with those before it: a new study is compared with every study's name, a trial's
+    parameter is looked for in the study's trials up to the first that has it, and an attribute, parameter or
+    intermediate value copies the dict it goes into. A journal of 16,000 trials, each with a parameter of its
+    own (5 MB), took 230 s to replay. Counts stand for dicts (a key set twice counts twice): never less than
+    the work done."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self._live: dict[str, int] = {}  # a live study's name -> its id
+        self._names: list[str | None] = []  # study id -> its name while it lives
+        self._trials_of: list[int] = []  # study id -> its trials (kept when it is deleted, as Optuna does)
+        self._study_attrs: list[int] = []
+        self._trials: list[tuple[int, int]] = []  # trial id -> (study id, its number in the study)
+        self._entries: list[int] = []  # trial id -> its params, attributes and intermediate values
+        self._done: list[bool] = []  # trial id -> finished (Optuna sets nothing more on it)
+        self._first: dict[tuple[int, str], int] = {}  # (study, param) -> the first trial number with it
+
+    def add(self, record: dict[str, Any]) -> int:
+        """Count ``record`` (already checked to have a known ``op_code``); the work of all so far."""
+        op, trial = record["op_code"], record.get("trial_id")
+        study: Any = record.get("study_id")
+        live = type(study) is int and 0 <= study < len(self._names) and self._names[study] is not None
+        if op == 0 and isinstance(record.get("study_name"), str):  # CREATE_STUDY
+            self.total += len(self._live)
+            if record["study_name"] not in self._live:
+                self._live[record["study_name"]] = len(self._names)
+                self._names.append(record["study_name"])
+                self._trials_of.append(0)
+                self._study_attrs.append(0)
+        elif op == 1 and live:  # DELETE_STUDY
+            del self._live[self._names[study]]
+            self._names[study] = None
+        elif op in (2, 3) and live:  # SET_STUDY_USER_ATTR, SET_STUDY_SYSTEM_ATTR
+            self.total += self._study_attrs[study]
+            self._study_attrs[study] += 1
+        elif op == 4 and live:  # CREATE_TRIAL
+            self._trials.append((study, self._trials_of[study]))
+            self._trials_of[study] += 1
+            self._entries.append(0)
+            self._done.append(record.get("state") in _FINISHED)
+        elif op == 6 and type(trial) is int and 0 <= trial < len(self._trials):  # SET_TRIAL_STATE_VALUES
+            self._done[trial] = self._done[trial] or record.get("state") in _FINISHED
+        elif op in (5, 7, 8, 9) and type(trial) is int and 0 <= trial < len(self._trials):  # SET_TRIAL_*
+            self.total += self._entries[trial]
+            self._entries[trial] += 1
+            name = record.get("param_name")
+            if op == 5 and isinstance(name, str):
+                study, number = self._trials[trial]
+                first = self._first.get((study, name))
+                self.total += self._trials_of[study] if first is None else first
+                if first is None and not self._done[trial]:  # set here: the first trial that has it
+                    self._first[(study, name)] = number
+        return self.total
+
+
+def study_storage(storage: Any) -> Any:
+    """The storage a study opened on ``storage`` writes through; pass it to ``optuna.create_study`` /
+    ``load_study`` and write through it, so that the study and ddpkit's own writes share one cache."""
+    import optuna
+
+    return optuna.storages.get_storage(storage)
+
+
+def _optuna() -> ModuleType | None:
+    try:
+        return importlib.import_module("optuna")
+    except ModuleNotFoundError as err:
+        if err.name != "optuna":
+            raise  # Optuna there but broken: the check reports what it raised
+        return None
+
+
+def _check_journal_operations() -> str | None:
+    if _optuna() is None:
+        return None
+    import enum
+
+    from optuna.storages.journal import BaseJournalBackend, JournalStorage
+
+    try:
+        from optuna.storages.journal._storage import JournalOperation
+    except ImportError:
+        return "optuna.storages.journal._storage has no JournalOperation"
+    if not issubclass(JournalOperation, enum.IntEnum):
+        return "JournalOperation is no IntEnum"
+
+    class Records(BaseJournalBackend):  # a journal in memory: what Optuna writes, as ddpkit's check reads it
+        def __init__(self) -> None:
+            self.logs: list[dict[str, Any]] = []
+
+        def read_logs(self, log_number_from: int) -> list[dict[str, Any]]:
+            return self.logs[log_number_from:]
+
+        def append_logs(self, logs: list[dict[str, Any]]) -> None:
+            self.logs += logs
+
+    import optuna
+
+    records = Records()
+    verbosity = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        study = optuna.create_study(storage=JournalStorage(records))
+        study.set_user_attr("a", 1)
+        trial = study.ask()
+        trial.suggest_float("x", 0.0, 1.0)
+        trial.set_user_attr("b", 2)
+        trial.report(0.5, 1)
+        study.tell(trial, 0.5)
+    finally:
+        optuna.logging.set_verbosity(verbosity)
+    codes = {int(op) for op in JournalOperation}
+    unknown = sorted({r.get("op_code") for r in records.logs} - codes, key=repr)
+    if unknown:
+        return f"Optuna wrote op_code {unknown}, not members of JournalOperation"
+    if not all(isinstance(r.get("worker_id"), str) for r in records.logs):
+        return "a journal record has no worker_id string"
+    return None
+
+
+def _check_study_storage() -> str | None:
+    optuna = _optuna()
+    if optuna is None:
+        return None
+    import warnings
+
+    from optuna.trial import TrialState, create_trial
+
+    get_storage = getattr(optuna.storages, "get_storage", None)
+    if not callable(get_storage):
+        return "optuna.storages has no get_storage"
+    verbosity = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            storage = get_storage(optuna.storages.RDBStorage("sqlite:///:memory:"))
+            if get_storage(storage) is not storage:
+                return "get_storage does not return the storage it made unchanged"
+            study = optuna.create_study(storage=storage)
+            study_id = storage.get_study_id_from_name(study.study_name)
+            template = create_trial(state=TrialState.RUNNING, user_attrs={"tag": 1})
+            trial = optuna.Trial(study, storage.create_new_trial(study_id, template_trial=template))
+            trial.suggest_float("x", 0.0, 1.0)  # through the cache: refused if it does not know the trial
+            found = study.get_trials(deepcopy=False)
+    finally:
+        optuna.logging.set_verbosity(verbosity)
+    if [(t.number, t.state, t.user_attrs, set(t.params)) for t in found] != [
+        (0, TrialState.RUNNING, {"tag": 1}, {"x"})
+    ]:
+        return "a trial created through the storage is not the study's running trial with its tag"
+    return None
+
+
+INTERNALS = [
+    Internal(
+        "optuna.storages.journal._storage.JournalOperation",
+        "Optuna",
+        "a damaged search journal is refused naming its line, not failed inside Optuna's replay",
+        _check_journal_operations,
+    ),
+    Internal(
+        "optuna.storages.get_storage",
+        "Optuna",
+        "a search on an RDB storage creates each trial with its tag in one write (a kill cannot leave an untagged one)",
+        _check_study_storage,
+    ),
+]

@@ -1,0 +1,92 @@
+"""Random generators' states read as raw bytes, where a public read copies them slowly: the loader's watch for
+draws (:mod:`ddpkit.data._sample_seeding`) reads them around every batch.
+
+- numpy's MT19937 bit generator: its words at the address the documented ctypes interface gives
+  (``BitGenerator.ctypes.state_address``), in the layout of numpy's ``mt19937_state`` struct (624 uint32 words,
+  then the position as a C int): <1 us, where the public ``state`` property copies the words one by one
+  (~65 us). The layout is checked against that property once per bit generator (:func:`mt19937_words`).
+- A tensor's bytes read at its ``data_ptr()`` (:func:`tensor_bytes`): ~3 us less than ``.numpy().tobytes()``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+from typing import Any
+
+import torch
+
+from ddpkit._internals.contract import Internal
+
+MT19937_BYTES = 624 * 4 + 4
+
+
+class MT19937Words:
+    """Reads a numpy MT19937 bit generator's words, once its layout was checked against its public ``state``."""
+
+    def __init__(self) -> None:
+        self.checked: tuple[int, int] | None = None
+        """``(id, state address)`` of the bit generator whose layout was checked."""
+
+    def __call__(self, bitgen: Any) -> bytes | None:
+        """The state's bytes (the words, then the position); None where ``bitgen`` is not an MT19937 or its
+        layout differs from the one read here (the caller then reads the public ``state``)."""
+        if type(bitgen).__name__ != "MT19937":
+            return None
+        address = bitgen.ctypes.state_address
+        words = ctypes.string_at(address, MT19937_BYTES)
+        if self.checked != (id(bitgen), address):
+            if _layout_problem(bitgen, words) is not None:
+                return None
+            self.checked = (id(bitgen), address)
+        return words
+
+
+def _layout_problem(bitgen: Any, words: bytes) -> str | None:
+    state = bitgen.state["state"]
+    pos = int.from_bytes(words[-4:], sys.byteorder, signed=True)
+    if state["key"].tobytes() != words[:-4] or int(state["pos"]) != pos:
+        return "the bytes at BitGenerator.ctypes.state_address are not MT19937's key and position"
+    return None
+
+
+def words_position(words: bytes) -> tuple[Any, int]:
+    """The key (a uint32 array) and the position of :class:`MT19937Words`' bytes, for ``set_state``."""
+    import numpy as np
+
+    return np.frombuffer(words[:-4], dtype=np.uint32), int.from_bytes(words[-4:], sys.byteorder, signed=True)
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """The bytes of a contiguous CPU tensor."""
+    return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())
+
+
+def _check_mt19937() -> str | None:
+    try:
+        import numpy as np
+    except ImportError:
+        return None
+    bitgen = np.random.MT19937(7)
+    return _layout_problem(bitgen, ctypes.string_at(bitgen.ctypes.state_address, MT19937_BYTES))
+
+
+def _check_tensor_bytes() -> str | None:
+    state = torch.default_generator.get_state()
+    return None if tensor_bytes(state) == bytes(state.tolist()) else "a tensor's bytes at data_ptr() differ"
+
+
+INTERNALS = [
+    Internal(
+        "numpy.random.MT19937 state struct (key[624], pos) at ctypes.state_address",
+        "numpy",
+        "the loader's watch for draws reads numpy's words in <1 us; where it differs, through the public state",
+        _check_mt19937,
+    ),
+    Internal(
+        "ctypes.string_at(tensor.data_ptr())",
+        "CPython",
+        "the loader's watch for draws reads torch's generator state as bytes",
+        _check_tensor_bytes,
+    ),
+]

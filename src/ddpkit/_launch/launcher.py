@@ -1,0 +1,354 @@
+"""``ddpkit run``: an argument builder over torchrun's elastic agent (``torch.distributed.run``).
+
+No process management of our own: anything that runs under torchrun runs under ``ddpkit run`` and vice versa.
+What it adds are defaults for what users trip over, and one readable summary when a worker fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+import secrets
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ddpkit import _fs as fs
+from ddpkit._errors import ConfigError
+from ddpkit._launch import agent, proctree, tail, watch
+from ddpkit._launch.environment_defaults import with_environment_defaults
+from ddpkit._launch.options import (
+    LaunchConfig,
+    build_parser,
+    config_from_args,
+    parse_seconds,
+    resolve_nproc,
+    split_argv,
+)
+from ddpkit._launch.rendezvous import (
+    NodeAddress,
+    interface_of,
+    node_address,
+    wait_reachable,
+)
+from ddpkit.platforms import _slurm as slurm
+from ddpkit.platforms import _torchrun as torchrun
+from ddpkit.platforms._cpus import cpu_count
+
+LOOPBACK = "127.0.0.1"
+
+
+def rdzv_id(cfg: LaunchConfig) -> str:
+    """The rendezvous id: ``--rdzv-id``, else ``SLURM_JOB_ID`` or ``ddpkit`` across nodes (every node must name
+    the same), else one of this process alone."""
+    if cfg.rdzv_id:
+        return cfg.rdzv_id
+    if cfg.networked:
+        job = slurm.job_id(os.environ)
+        return "ddpkit" if job is None else job
+    return f"ddpkit-{os.getpid()}"
+
+
+def torchrun_argv(
+    cfg: LaunchConfig, nproc: int, run_log_dir: str | None = None, node: NodeAddress | None = None
+) -> list[str]:
+    """The torchrun command line (without the program name) that carries out ``cfg``.
+
+    ``node`` is what :func:`ddpkit._launch.rendezvous.node_address` worked out for a multi-node job. The rendezvous is
+    ddpkit's (:mod:`ddpkit._launch.rendezvous_backend`): on one node its store listens on 127.0.0.1 at a free port
+    (two jobs on one machine never collide, no "address already in use"), and the workers' own store and
+    gloo's sockets are on 127.0.0.1 as well; across nodes only holders of the job's secret get in.
+    """
+    from ddpkit._launch.rendezvous_backend import BACKEND
+
+    argv = ["--nproc-per-node", str(nproc), "--max-restarts", str(cfg.restarts), "--rdzv-backend", BACKEND]
+    argv += ["--rdzv-id", rdzv_id(cfg)]
+    if not cfg.networked:
+        argv += ["--nnodes", "1", "--rdzv-endpoint", f"{LOOPBACK}:0"]
+        conf = []
+    else:
+        argv += ["--nnodes", cfg.nnodes, "--rdzv-endpoint", str(cfg.rdzv_endpoint)]
+        conf = [f"join_timeout={math.ceil(cfg.join_timeout)}"]
+        if node is not None:
+            conf.append(f"is_host={int(node.is_host)}")
+    if conf + cfg.rdzv_conf:
+        argv += ["--rdzv-conf", ",".join(conf + cfg.rdzv_conf)]
+    if cfg.node_rank is not None:
+        argv += ["--node-rank", str(cfg.node_rank)]
+    local_addr = _local_addr(cfg, node)
+    if local_addr:
+        argv += ["--local-addr", local_addr]
+    if run_log_dir:
+        argv += ["--log-dir", run_log_dir]
+    if cfg.all_ranks:
+        argv += ["--tee", "3"]
+    argv += ["-m", "ddpkit._launch.worker"] + (["-m"] if cfg.module else []) + [cfg.script, *cfg.script_args]
+    return argv
+
+
+def _run_torchrun(torchrun: Any, args: Any, quiet: range) -> None:
+    """``torchrun.run(args)``, with the local ranks ``quiet`` writing to files in the log folder.
+
+    Local rank 0 keeps the terminal itself, so its lines arrive unprefixed and a progress bar still sees a TTY.
+    torchrun's ``--redirects`` cannot say so beyond 10 processes (its pattern takes one-digit ranks), so the map
+    goes to the logs spec, which takes any rank. The rest is what ``torchrun.run`` does for ddpkit's arguments:
+    ddpkit always names its rendezvous backend and endpoint, so none of torchrun's defaults for them apply.
+    """
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.launcher.api import elastic_launch
+
+    config, entrypoint, cmd_args = torchrun.config_from_args(args)
+    if len(quiet):
+        config.logs_specs = DefaultLogsSpecs(log_dir=args.log_dir, redirects=dict.fromkeys(quiet, Std.ALL))
+    elastic_launch(config=config, entrypoint=entrypoint)(*cmd_args)
+
+
+def flight_recorder_vars() -> tuple[str, str]:
+    """The variables naming the flight recorder's buffer size and dump file: torch 2.8 renamed them
+    (``TORCH_FR_*``) and warns at every process start when the old names are set."""
+    import torch
+
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    if (major, minor) >= (2, 8):
+        return "TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE"
+    return "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"
+
+
+def _local_addr(cfg: LaunchConfig, node: NodeAddress | None) -> str | None:
+    """This node's address for torchrun, which the workers get as MASTER_ADDR: on one node, loopback."""
+    if cfg.local_addr:
+        return cfg.local_addr
+    if node is not None:
+        return node.local_addr
+    return None if cfg.networked else LOOPBACK
+
+
+def _interface(cfg: LaunchConfig, node: NodeAddress | None) -> str | None:
+    if node is not None:
+        return node.interface
+    return None if cfg.networked else interface_of(LOOPBACK)
+
+
+def worker_env(cfg: LaunchConfig, nproc: int, node: NodeAddress | None = None) -> dict[str, str]:
+    """Variables the agent passes to the workers."""
+    # The user's OMP_NUM_THREADS wins, and MKL's pool follows it unless MKL_NUM_THREADS says otherwise: MKL
+    # reads its own variable first, so a default set here would override the user's choice for every matmul.
+    omp = os.environ.get("OMP_NUM_THREADS") or str(max(1, cpu_count() // nproc))
+    env = {
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": omp,
+        "MKL_NUM_THREADS": os.environ.get("MKL_NUM_THREADS") or omp,
+        "DDPKIT_AGENT_PID": str(os.getpid()),
+    }
+    # gloo and nccl pick their interface from the host name unless told. Across nodes that is often a loopback
+    # or an unrouted address, and the first collective hangs; on one node it is an address the network
+    # reaches, where gloo's sockets would accept connections for nothing. The user's choice wins.
+    interface = _interface(cfg, node)
+    if interface:
+        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            env[name] = os.environ.get(name, interface)
+    if cfg.collective_timeout is not None:
+        env["DDPKIT_COLLECTIVE_TIMEOUT"] = str(cfg.collective_timeout)
+    if cfg.debug_collectives:
+        env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+        buffer = flight_recorder_vars()[0]
+        env[buffer] = os.environ.get(buffer, "2000")
+        env["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
+    if cfg.all_ranks:
+        env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = "[rank ${rank}] "
+    # The workers' store is served by global rank 0's worker, bound to MASTER_ADDR (ddpkit._launch.worker), not by the
+    # agent on every interface. A fresh store per attempt also keeps restarted workers from waiting forever on
+    # the address of a peer that died, and a node joining a running job from hanging both agents (3 hangs in 9
+    # restart trials seen with the agent's store shared).
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    return env
+
+
+def new_run_log_dir(root: str) -> Path:
+    """``ROOT/<date>-<time>-<pid>``: one folder per run, created now.
+
+    torchrun opens the workers' logs in place (``open(name, "w")``, not through :mod:`ddpkit._fs`), but in a
+    folder it makes inside this one with ``tempfile.mkdtemp``: new, of a random name, this user's alone, so
+    no link, symbolic or hard, can stand at their names. The stack files beside it go through ``ddpkit._fs``.
+    """
+    path = Path(root).absolute() / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    try:
+        fs.make_dirs(path)
+    except OSError as err:
+        raise ConfigError(f"cannot create the log folder {path} ({err.strerror}): pass --log-dir DIR") from None
+    return path
+
+
+def tidy_log_dirs(root: str, run: Path, keep: int = 20) -> None:
+    """Remove this run's folder when no rank wrote anything, and all but the newest ``keep`` run folders."""
+    if run.is_dir() and not any(f.stat().st_size for f in run.rglob("*") if f.is_file()):
+        fs.remove_tree(run)
+    ours = sorted(p for p in Path(root).glob("*-*-*") if p.is_dir() and re.fullmatch(r"\d{8}-\d{6}-\d+", p.name))
+    for old in ours[:-keep] if len(ours) > keep else []:
+        fs.remove_tree(old)
+    with contextlib.suppress(OSError):
+        fs.remove_empty_dir(Path(root))
+
+
+def check_target(cfg: LaunchConfig) -> None:
+    """Fail before any worker starts when the script or module does not exist."""
+    if cfg.module:
+        import importlib.util
+
+        sys.path.insert(0, os.getcwd())
+        try:
+            found = importlib.util.find_spec(cfg.script) is not None
+        except (ImportError, ValueError, OSError):  # OSError: a name longer than a file name may be
+            found = False
+        finally:
+            sys.path.pop(0)
+        if not found:
+            raise ConfigError(f"no module named {_shown(cfg.script)} (run with -m): check the name and PYTHONPATH")
+        return
+    try:
+        is_file = Path(cfg.script).is_file()
+        problem = "not found"
+    except (OSError, ValueError) as err:  # a name too long for the file system, a NUL byte
+        is_file, problem = False, f"cannot be read ({getattr(err, 'strerror', None) or err})"
+    if not is_file:
+        raise ConfigError(
+            f"script {_shown(cfg.script)} {problem} (from {os.getcwd()}): check the path"
+            + ("; to run a module, pass -m" if "/" not in cfg.script and not cfg.script.endswith(".py") else "")
+        )
+
+
+def _shown(text: str, limit: int = 80) -> str:
+    """``text`` quoted for a one-line message, cut to ``limit`` characters."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
+
+
+def launch(cfg: LaunchConfig) -> int:
+    """Run ``cfg`` under torchrun's agent; return the process exit code."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+    from torch.distributed.launcher import api as launcher_api
+
+    from ddpkit._launch import rendezvous_backend
+    from ddpkit._launch.rendezvous_auth import (
+        SECRET_ENV,
+        check_host,
+        derive,
+        load_secret,
+    )
+
+    check_target(cfg)
+    stall = watch.policy_from(cfg.stall_timeout, cfg.on_stall)  # $DDPKIT_STALL_TIMEOUT checked before any start
+    if cfg.collective_timeout is None and "DDPKIT_COLLECTIVE_TIMEOUT" in os.environ:
+        # Set by the user for the workers: checked here, once, rather than by every worker after its start.
+        parse_seconds("DDPKIT_COLLECTIVE_TIMEOUT", os.environ["DDPKIT_COLLECTIVE_TIMEOUT"])
+    nproc = resolve_nproc(cfg.nproc, cfg.oversubscribe)
+    node = None
+    if cfg.rdzv_endpoint:  # networked
+        secret = load_secret(cfg.rdzv_secret_file)
+        node = node_address(cfg.rdzv_endpoint)
+        if not node.is_host:
+            wait_reachable(node.host_ip, node.port, cfg.join_timeout)
+            check_host((node.host_ip, node.port), derive(secret, "relay"))
+        access = rendezvous_backend.JobAccess(secret, node.host_ip)
+    else:
+        access = rendezvous_backend.JobAccess(secrets.token_bytes(32), None)  # known to this process alone
+    os.environ.pop(SECRET_ENV, None)  # the workers, and all they start, have no use for it
+    run_id = rdzv_id(cfg)
+    rendezvous_backend.register(run_id, access)
+    # Orphans of the workers' children are re-parented to the agent, which ends them with the workers.
+    proctree.become_subreaper()
+    run_dir = new_run_log_dir(cfg.log_dir)
+    fs.make_dirs(run_dir / "stacks", root=run_dir)  # a second launch in the same second of one process
+    os.environ.update(worker_env(cfg, nproc, node))
+    os.environ["DDPKIT_STACK_DIR"] = str(run_dir / "stacks")
+    if cfg.debug_collectives:  # where nccl's flight recorder writes each rank's record on a timeout
+        os.environ.setdefault(flight_recorder_vars()[1], str(run_dir / "stacks" / "nccl_trace_rank_"))
+    argv = torchrun_argv(cfg, nproc, str(run_dir), node)
+    # The script's own arguments are set after parsing: torchrun's parser would take `--log 5` for an
+    # abbreviation of its --log-dir, and `--nproc 4` for its own option.
+    args = torchrun.parse_args(argv[: len(argv) - len(cfg.script_args)])
+    args.training_script_args += list(cfg.script_args)
+    if hasattr(args, "signals_to_handle"):  # torchrun's own SIGTERM handling would end the workers itself
+        args.signals_to_handle = agent.TORCHRUN_SIGNALS
+    agent.install(
+        launcher_api,
+        cfg.uses_fork_server,
+        cfg.preload,
+        display=[cfg.script, *cfg.script_args],
+        stall=stall,
+        run_dir=run_dir,
+    )
+    if cfg.all_ranks:
+        tail.install()  # whole lines behind each rank's tag, not the pieces torchrun's reader finds
+    try:
+        _run_torchrun(torchrun, args, quiet=range(1, nproc) if not cfg.all_ranks else range(0))
+    except ChildFailedError as err:
+        if agent.preempted(err.failures):
+            print(
+                f"ddpkit run: stopped by a signal after saving a snapshot (exit code {cfg.preempted_exit_code}); run "
+                "the same command again to resume",
+                file=sys.stderr,
+                flush=True,
+            )
+            return cfg.preempted_exit_code
+        ours = agent.Agent.current
+        named = ours.watch.stall if ours is not None and ours.watch is not None else None
+        print(
+            agent.summarize_failure(err, stall=named, where=ours.where if ours is not None else ""),
+            file=sys.stderr,
+            flush=True,
+        )
+        # This node's workers still running at the first failure wrote their stacks when the agent asked (when
+        # the stall watch named a rank, they were shown then).
+        files = [p for p in (run_dir / "stacks").glob("rank*.txt") if p.stem[4:].isdigit() and p.stat().st_size]
+        files = files if named is None else []
+        for line in agent.stacks(run_dir / "stacks", sorted(int(p.stem[4:]) for p in files)):
+            print(line, file=sys.stderr, flush=True)
+        for trace in sorted((run_dir / "stacks").glob("nccl_trace_rank_*")):  # --debug-collectives on nccl
+            print(
+                f"  nccl flight recorder of rank {trace.name.rsplit('_', 1)[-1]}: {trace}", file=sys.stderr, flush=True
+            )
+        print(f"  output of every rank: {run_dir}", file=sys.stderr, flush=True)
+        return agent.exit_code(err)
+    except RendezvousError as err:
+        print(
+            f"ddpkit run: the nodes did not come together at {cfg.rdzv_endpoint} ({type(err).__name__}: "
+            f"{err or 'no detail'}): start the same command on every node within --join-timeout "
+            f"({cfg.join_timeout:.0f} s), with the same --nnodes, --rdzv-endpoint and --rdzv-id",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
+    except SignalException as err:  # Ctrl-C or a scheduler's SIGTERM to the agent: workers were stopped
+        print(
+            f"ddpkit run: stopped by {err.sigval.name}; the workers were stopped too (their output: {run_dir})",
+            file=sys.stderr,
+        )
+        return 128 + int(err.sigval)
+    finally:
+        agent.uninstall()
+        rendezvous_backend.unregister(run_id)
+        proctree.kill_descendants()  # whatever the workers started and left behind, however the job ended
+    tidy_log_dirs(cfg.log_dir, run_dir)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    ours, script_args = split_argv(sys.argv[1:] if argv is None else argv)
+    if ours and not ours[-1].startswith("-"):  # a script named: else argparse says what is missing
+        ours, from_env = with_environment_defaults(ours, os.environ)
+        if from_env:
+            print(from_env, file=sys.stderr, flush=True)
+    # torchrun's parser reads any PET_* variable as the default of an option ddpkit does not pass (its master
+    # address, start method, log settings): what was meant for ddpkit run is in its options now, and nothing else
+    # of an operator's is left for torchrun to pick up behind them.
+    for name in torchrun.option_variables(os.environ):
+        del os.environ[name]
+    return launch(config_from_args(parser.parse_args(ours), script_args))

@@ -1,0 +1,244 @@
+"""Ending every process a worker started, however the worker ended.
+
+torchrun signals a worker's process group only while the worker itself still runs, so what a worker started
+outlived it: a ``subprocess.Popen(["sleep", "1000"])`` after a normal end, a multiprocessing child that ignores
+SIGTERM after a failure or a restart, and everything after the launcher was SIGKILLed (the worker died of its
+parent-death signal; its children were re-parented to init). Two mechanisms end them:
+
+- the agent is a *child subreaper* (``PR_SET_CHILD_SUBREAPER``): a process orphaned anywhere below it is
+  re-parented to it instead of to init, so once a worker group has stopped, every process still below the agent
+  belongs to the job and :func:`kill_descendants` ends it;
+- each worker forks a *guard* (:func:`start_guard`) that outlives it by design: when the worker dies, for any
+  reason including SIGKILL, the guard kills the worker's process group and every process whose environment
+  carries the worker's mark (:data:`MARK`), which reaches children that left the group with ``setsid``.
+
+Out of reach once the agent itself was SIGKILLed (while it lives, the subreaper still finds them): a process that
+left its worker's process group and does not carry the mark, that is one forked without ``exec`` (the kernel
+shows a forked child the environment its parent was started with, before the mark) or started with a cleared
+environment. Linux only; elsewhere these calls do nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import time
+import warnings
+from collections.abc import Collection, Iterable
+
+from ddpkit._internals.interpreter import (
+    LINUX,
+    PR_SET_CHILD_SUBREAPER,
+    PR_SET_NAME,
+    PR_SET_PDEATHSIG,
+    prctl,
+    set_command_line,
+)
+
+MARK = "DDPKIT_WORKER_MARK"
+"""Environment variable every process started by a worker inherits: ``<worker pid>.<worker start time>``."""
+
+
+def set_parent_death_signal(sig: int) -> bool:
+    """Have Linux send ``sig`` to this process when its parent dies; False where it cannot (not Linux)."""
+    return prctl(PR_SET_PDEATHSIG, int(sig))
+
+
+def become_subreaper() -> bool:
+    """Make this process adopt the orphans of its descendants; False where Linux does not offer it."""
+    return prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+def _stat(pid: int) -> tuple[str, int, int, int] | None:
+    """(state, parent pid, process group, start time in clock ticks) of ``pid``; None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    fields = text.rsplit(")", 1)[1].split()  # the command name in parentheses may hold spaces
+    return fields[0], int(fields[1]), int(fields[2]), int(fields[19])
+
+
+def state_code(pid: int) -> str:
+    """The state of ``pid`` as ``/proc/PID/stat`` gives it (``R``, ``S``, ``D``, ``T``, ``Z``...); ``?`` once it
+    is gone."""
+    stat = _stat(pid)
+    return stat[0] if stat is not None else "?"
+
+
+def parent_of(pid: int) -> int | None:
+    """The parent pid of ``pid``; None once it is gone."""
+    stat = _stat(pid)
+    return stat[1] if stat is not None else None
+
+
+def wait_exit(pid: int, timeout: float | None) -> bool | None:
+    """Wait until ``pid`` has exited (a pidfd becomes readable when its process ends, zombie or reaped), at most
+    ``timeout`` seconds; whether it has. None where there are no pidfds (a kernel before 5.3, a seccomp profile
+    that refuses them): the caller polls instead."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    except (OSError, AttributeError):
+        return None
+    try:
+        return bool(select.select([fd], [], [], timeout)[0])
+    finally:
+        os.close(fd)
+
+
+def _all_pids() -> list[int]:
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+
+def descendants(root: int) -> list[int]:
+    """Every live process below ``root`` (children, their children, ...), zombies left out."""
+    children: dict[int, list[int]] = {}
+    states = {}
+    for pid in _all_pids():
+        stat = _stat(pid)
+        if stat is not None:
+            states[pid] = stat[0]
+            children.setdefault(stat[1], []).append(pid)
+    found, todo = [], list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo += children.get(pid, [])
+    return [pid for pid in found if states.get(pid) not in ("Z", "X")]
+
+
+def _wait_gone(pids: Iterable[int], deadline: float) -> None:
+    """Until each of ``pids`` has exited (or ``deadline``): a pidfd becomes readable when its process ends."""
+    for pid in pids:
+        if wait_exit(pid, max(0.0, deadline - time.monotonic())) is None:  # no pidfds: the process table
+            while (stat := _stat(pid)) is not None and stat[0] not in ("Z", "X") and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+
+def _reap(pids: Iterable[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(pid, os.WNOHANG)
+
+
+def _own_zombies(keep: Collection[int]) -> list[int]:
+    me = os.getpid()
+    return [
+        pid for pid in _all_pids() if pid not in keep and (s := _stat(pid)) is not None and s[1] == me and s[0] == "Z"
+    ]
+
+
+def kill_descendants(root: int | None = None, keep: Collection[int] = (), timeout: float = 10.0) -> list[int]:
+    """SIGKILL every process below ``root`` (this process by default) and wait until they are gone.
+
+    Repeated until none is left, since a process may fork while its siblings die and orphans are re-parented
+    to a subreaper only as their parents go. This process's own children that end up as zombies are reaped,
+    except ``keep`` (those whose exit status another owner, such as a ``Popen`` object, still has to read).
+    Returns the pids killed.
+    """
+    if not LINUX:
+        return []
+    root = os.getpid() if root is None else root
+    deadline = time.monotonic() + timeout
+    killed: list[int] = []
+    while time.monotonic() < deadline:
+        live = [pid for pid in descendants(root) if pid not in keep]
+        if not live:
+            break
+        for pid in live:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        killed += live
+        _wait_gone(live, deadline)
+        if root == os.getpid():
+            _reap(_own_zombies(keep))
+    if root == os.getpid():
+        _reap(_own_zombies(keep))
+    return killed
+
+
+def _marked(pid: int, mark: bytes) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return mark in f.read().split(b"\0")
+    except OSError:  # gone, or another user's process
+        return False
+
+
+def kill_worker_tree(group: int | None, mark: str, timeout: float = 10.0) -> list[int]:
+    """SIGKILL every process in process group ``group`` or whose environment holds ``MARK=mark``, this one
+    excepted.
+
+    The group holds what the worker forked (a forked child shares the environment the worker was started with,
+    which has no mark); the mark reaches what it, or any descendant, started with ``exec`` (``subprocess``,
+    multiprocessing's spawn and forkserver), in whatever group or session.
+    """
+    me, entry = os.getpid(), f"{MARK}={mark}".encode()
+    deadline = time.monotonic() + timeout
+    killed: list[int] = []
+    while time.monotonic() < deadline:
+        found = []
+        for pid in _all_pids():
+            stat = _stat(pid)
+            if pid == me or stat is None or stat[0] in ("Z", "X"):
+                continue
+            if stat[2] == group or _marked(pid, entry):
+                found.append(pid)
+        if not found:
+            break
+        for pid in found:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        killed += found
+        _wait_gone(found, deadline)
+    return killed
+
+
+GUARD_TITLE = "ddpkit-guard"
+"""The guard's command line, followed by its worker's pid (``ps``, ``pgrep -f``)."""
+
+GUARD_SIGNAL = signal.SIGRTMIN if hasattr(signal, "SIGRTMIN") else signal.SIGUSR2
+"""What the kernel sends the guard when its worker dies (a real-time signal, which nothing else sends it)."""
+
+
+def start_guard() -> int | None:
+    """Mark this process's environment and fork its guard; returns the guard's pid (None where not Linux).
+
+    The guard blocks every signal but the parent-death one, so torchrun's SIGTERM to the worker's group, or a
+    Ctrl-C, cannot end it before its worker; it leaves the worker's process group for the same reason. It
+    costs one sleeping process per worker.
+    """
+    if not LINUX:
+        return None
+    worker = os.getpid()
+    stat = _stat(worker)
+    mark = f"{worker}.{stat[3] if stat else 0}"  # with the start time: a reused pid never matches
+    os.environ[MARK] = mark
+    # torchrun starts each worker in a session of its own; a worker that does not lead its group shares it
+    # with processes that are not its own (a shell's job), and only the mark is used.
+    group = worker if os.getpgid(0) == worker else None
+    with warnings.catch_warnings():
+        # Python 3.12 warns on fork() with threads running; the child below only makes system calls.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid:
+        return pid
+    try:  # the guard: never returns
+        os.setpgid(0, 0)
+        signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+        # A command line of its own (once out of reach of signals to the worker's group): the forked guard
+        # would otherwise show its worker's, and `pkill -f "ddpkit._launch.worker.*SCRIPT" --newest` would kill
+        # the guard instead of the worker.
+        set_command_line([GUARD_TITLE, str(worker)])
+        prctl(PR_SET_NAME, GUARD_TITLE)
+        set_parent_death_signal(GUARD_SIGNAL)
+        if os.getppid() == worker:  # else the worker died before prctl took effect: no signal will come
+            signal.sigwait({GUARD_SIGNAL})
+        kill_worker_tree(group, mark)
+    finally:
+        os._exit(0)

@@ -1,0 +1,337 @@
+"""``ddpkit sbatch``: write and submit a SLURM batch script that trains, survives pre-emption and resumes.
+
+The script runs one task per GPU (or per CPU share) with ``srun``, each task reading its rank from SLURM's
+variables (:mod:`ddpkit.platforms._slurm`). Before the time limit SLURM sends SIGUSR1 (``--signal=USR1@LEAD``) to the
+tasks; a Trainer saves its snapshot and exits with :data:`~ddpkit._errors.PREEMPTED_EXIT_CODE` (75), and the
+batch script then requeues the job, which resumes from the snapshot when it starts again. A run that finished
+(0) or failed (anything else) is not requeued. Output of every attempt is appended to one file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ddpkit import _fs as fs
+from ddpkit._errors import PREEMPTED_EXIT_CODE, ConfigError
+
+
+@dataclass(kw_only=True)
+class BatchConfig:
+    """What ``ddpkit sbatch`` asks SLURM for, and what it runs."""
+
+    script: str
+    """The training script, run as ``python SCRIPT ARGS`` by every task."""
+    script_args: list[str] = field(default_factory=list)
+    nodes: int = 1
+    gpus_per_node: int = 0
+    """GPUs per node; each gets its own task. 0 for a CPU job."""
+    ntasks_per_node: int | None = None
+    """Tasks (ranks) per node: the GPU count by default, else 1."""
+    cpus_per_task: int | None = None
+    """Cores per task; sets ``OMP_NUM_THREADS`` in the job. The partition's default when unset."""
+    time: str | None = None
+    """Time limit, as SLURM writes it (``4:00:00``, ``2-00:00:00``); the partition's default when unset."""
+    signal_lead: int = 120
+    """Seconds before the time limit at which SIGUSR1 asks the job to save and stop (SLURM may send it up to
+    60 s earlier than asked)."""
+    job_name: str | None = None
+    """The job's name; the script's file name without ``.py`` by default."""
+    partition: str | None = None
+    account: str | None = None
+    output_dir: str = "slurm-logs"
+    """Where the batch script and the job's output (``NAME-JOBID.out``, appended across requeues) go."""
+    sbatch_options: list[str] = field(default_factory=list)
+    """More ``#SBATCH`` options, verbatim (``--mem=32G``, ``--constraint=a100``)."""
+    python: str = sys.executable
+    """The Python that runs the script on the nodes (this one by default: the same environment)."""
+    workdir: str = field(default_factory=os.getcwd)
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "signal_lead"):
+            if getattr(self, name) < (1 if name == "nodes" else 0):
+                raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)}: too small")
+        if self.signal_lead > 65535:  # sbatch's --signal takes at most 65535 s
+            raise ConfigError(f"--signal-lead {self.signal_lead}: SLURM allows at most 65535 s")
+        if self.gpus_per_node < 0:
+            raise ConfigError(f"--gpus-per-node {self.gpus_per_node}: must be >= 0")
+        for name in ("ntasks_per_node", "cpus_per_task"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} {value}: must be >= 1")
+        for name in ("nodes", "gpus_per_node", "ntasks_per_node", "cpus_per_task"):
+            value = getattr(self, name)
+            if value is not None and value > _MAX_COUNT:  # SLURM keeps these in 32 bits; no cluster is that big
+                raise ConfigError(f"--{name.replace('_', '-')} {value}: at most {_MAX_COUNT}")
+        for option, value in self._texts():
+            _check_text(option, value)
+        limit = time_limit_seconds(self.time) if self.time is not None else None
+        if limit is not None and self.signal_lead >= limit:
+            raise ConfigError(
+                f"--signal-lead {self.signal_lead}: longer than the job may run (--time {self.time} is {limit} s), "
+                "so the signal to save and stop would be due before the job starts; give a shorter lead (with "
+                "time left for a snapshot) or a longer --time"
+            )
+        if self.job_name is not None and not _JOB_NAME.fullmatch(self.job_name):
+            raise ConfigError(
+                f"--job-name {self.job_name!r}: use letters, digits and . _ + - only, starting with a letter or "
+                "digit (it names the batch script and the output file in --output-dir)"
+            )
+        for option, value in (("--partition", self.partition), ("--account", self.account)):
+            if value is not None and not re.fullmatch(r"[^\s\"'\\#]+", value):
+                raise ConfigError(f"{option} {value!r}: a SLURM name has no spaces, quotes, backslashes or #")
+
+    def _texts(self) -> list[tuple[str, str]]:
+        """Every string that goes into the batch script, with the option (or source) that gave it."""
+        out = [
+            ("SCRIPT", self.script),
+            ("--output-dir", self.output_dir),
+            ("the current folder", self.workdir),
+            ("the Python (sys.executable)", self.python),
+        ]
+        out += [("a script argument", a) for a in self.script_args]
+        out += [("--sbatch-option", o) for o in self.sbatch_options]
+        out += [
+            (f"--{n.replace('_', '-')}", getattr(self, n))
+            for n in ("job_name", "partition", "account", "time")
+            if getattr(self, n) is not None
+        ]
+        return out
+
+    @property
+    def tasks_per_node(self) -> int:
+        return self.ntasks_per_node or self.gpus_per_node or 1
+
+    @property
+    def name(self) -> str:
+        # The default name comes from the script's file name, made safe for a file name and an #SBATCH line.
+        return self.job_name or re.sub(r"[^A-Za-z0-9._+-]", "_", Path(self.script).stem).lstrip(".-") or "ddpkit"
+
+
+_MAX_COUNT = 100_000
+_MAX_TIME = 365 * 86400
+_JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,199}")
+_SCRIPT_SINGLE_LINE = {"--sbatch-option", "--job-name", "--partition", "--account", "--time", "--output-dir"}
+
+
+def _check_text(option: str, value: str) -> None:
+    """Refuse what the batch script cannot hold: text that is not UTF-8, and a line break or control character
+    where it would end an #SBATCH line (the rest would run as shell lines, and sbatch stops reading #SBATCH
+    options at the first of them)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError(
+            f"{option} {value.encode('utf-8', 'surrogateescape')!r}: not valid UTF-8, and the batch "
+            "script is UTF-8 text: rename it (or the folder it is in)"
+        ) from None
+    if option in _SCRIPT_SINGLE_LINE and any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise ConfigError(
+            f"{option} {value!r}: a line break or control character would end the #SBATCH line "
+            "and run the rest as shell commands: remove it"
+        )
+
+
+_TIME = re.compile(r"([0-9]+)-([0-9]+)(?::([0-9]+)(?::([0-9]+))?)?|([0-9]+)(?::([0-9]+)(?::([0-9]+))?)?")
+
+
+def time_limit_seconds(text: str) -> int | None:
+    """Seconds in a SLURM time limit (``MIN``, ``MIN:SEC``, ``H:MIN:SEC``, ``D-H``, ``D-H:MIN``, ``D-H:MIN:SEC``);
+    None for no limit (``0``, ``UNLIMITED``, ``INFINITE``). Raises :class:`ConfigError` for anything else."""
+    if text.lower() in ("unlimited", "infinite"):
+        return None
+    match = _TIME.fullmatch(text)
+    if match is None:
+        raise ConfigError(f"--time {text!r}: use MINUTES, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS as SLURM does")
+    given = match.groups()
+    days, d_hours, d_minutes, d_seconds, a, b, c = (int(g or 0) for g in given)
+    if given[0] is not None:
+        seconds = days * 86400 + d_hours * 3600 + d_minutes * 60 + d_seconds
+    elif given[6] is not None:
+        seconds = a * 3600 + b * 60 + c  # HH:MM:SS
+    elif given[5] is not None:
+        seconds = a * 60 + b  # MM:SS
+    else:
+        seconds = a * 60  # minutes
+    if seconds > _MAX_TIME:
+        raise ConfigError(f"--time {text[:40]!r}: at most 365 days; for no limit give UNLIMITED")
+    return seconds or None  # SLURM reads a limit of 0 as none
+
+
+def _shown(text: str, limit: int = 80) -> str:
+    """``text`` quoted for a one-line message, cut to ``limit`` characters."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
+
+
+def _sbatch_value(text: str) -> str:
+    """``text`` as one argument on an #SBATCH line: sbatch splits these lines at spaces, groups quoted text,
+    and reads a backslash as an escape and an unquoted # as the start of a comment."""
+    if re.fullmatch(r"[A-Za-z0-9_./%:=,@+-]+", text):
+        return text
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def batch_script(cfg: BatchConfig) -> str:
+    """The text of the batch script for ``cfg``."""
+    out = Path(cfg.output_dir).absolute()
+    lines = [
+        "#!/bin/bash",
+        f"# Written by `ddpkit sbatch`; submit with `sbatch {cfg.name}.sbatch`.",
+        f"#SBATCH --job-name={cfg.name}",
+        f"#SBATCH --nodes={cfg.nodes}",
+        f"#SBATCH --ntasks-per-node={cfg.tasks_per_node}",
+    ]
+    if cfg.gpus_per_node:
+        lines.append(f"#SBATCH --gpus-per-node={cfg.gpus_per_node}")
+    if cfg.cpus_per_task:
+        lines.append(f"#SBATCH --cpus-per-task={cfg.cpus_per_task}")
+    if cfg.time:
+        lines.append(f"#SBATCH --time={cfg.time}")
+    if cfg.partition:
+        lines.append(f"#SBATCH --partition={cfg.partition}")
+    if cfg.account:
+        lines.append(f"#SBATCH --account={cfg.account}")
+    lines += [
+        # To the tasks (not B:, the batch shell): the Trainer in each rank saves and exits 75.
+        f"#SBATCH --signal=USR1@{cfg.signal_lead}",
+        "#SBATCH --requeue",
+        "#SBATCH --open-mode=append",
+        # %x (job name) and %j (job id) are SLURM's; a % of the folder's own is written %%.
+        f"#SBATCH --output={_sbatch_value(str(out).replace('%', '%%') + '/%x-%j.out')}",
+        *(f"#SBATCH {option}" for option in cfg.sbatch_options),
+        "",
+        f"cd {shlex.quote(str(Path(cfg.workdir).absolute()))}",
+        "export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-${OMP_NUM_THREADS:-1}}",
+        'echo "ddpkit: job $SLURM_JOB_ID attempt $((${SLURM_RESTART_COUNT:-0} + 1)) on $SLURM_JOB_NODELIST"',
+        " ".join(["srun", shlex.quote(cfg.python), "-u", shlex.quote(cfg.script), *map(shlex.quote, cfg.script_args)]),
+        "code=$?",
+        f"if [ $code -eq {PREEMPTED_EXIT_CODE} ]; then",
+        # The tasks saved a snapshot because they were told to stop: come back and resume. A finished run (0)
+        # or a failure (anything else) is left as it is.
+        '  echo "ddpkit: pre-empted after saving a snapshot; requeueing job $SLURM_JOB_ID"',
+        '  scontrol requeue "$SLURM_JOB_ID"',
+        "fi",
+        "exit $code",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def submit(cfg: BatchConfig, dry_run: bool = False) -> tuple[Path, str | None]:
+    """Write the batch script to ``OUTPUT_DIR/NAME.sbatch`` and, unless ``dry_run``, submit it; (path, job id)."""
+    try:
+        found = Path(cfg.script).is_file()
+    except OSError as err:  # a name too long for the file system
+        raise ConfigError(f"script {_shown(cfg.script)}: {err.strerror}: check the path") from None
+    if not found:
+        raise ConfigError(f"script {_shown(cfg.script)} not found (from {os.getcwd()}): check the path")
+    out = Path(cfg.output_dir)
+    try:
+        if out.exists() and not out.is_dir():
+            raise ConfigError(
+                f"--output-dir {_shown(cfg.output_dir)} is a file: give a folder for the batch script and the "
+                "job's output (it is created if missing)"
+            )
+        fs.make_dirs(out)
+        path = out / f"{cfg.name}.sbatch"
+        fs.write_atomic(path, batch_script(cfg).encode())
+    except OSError as err:  # /proc, a read-only file system, a name too long
+        raise ConfigError(
+            f"--output-dir {_shown(cfg.output_dir)}: cannot write the batch script there "
+            f"({err.strerror or err}): give a folder you can write to"
+        ) from None
+    if dry_run:
+        return path, None
+    if shutil.which("sbatch") is None:
+        raise ConfigError(f"sbatch is not on PATH: run on a SLURM login node, or submit {path} there")
+    done = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise ConfigError(f"sbatch refused {path}: {done.stderr.strip()}")
+    return path, done.stdout.strip().split(";")[0]
+
+
+DESCRIPTION = """Write a SLURM batch script for SCRIPT and submit it.
+
+Every task runs `python SCRIPT ARGS` and finds its rank with ddpkit.init(). Before the time limit SLURM sends
+SIGUSR1; the Trainer saves a snapshot and exits with code 75, and the batch script requeues the job, which
+resumes from the snapshot. Everything after SCRIPT is passed to the script."""
+
+EXAMPLES = """examples:
+  ddpkit sbatch --nodes 2 --gpus-per-node 4 --time 4:00:00 train.py --lr 0.1
+  ddpkit sbatch --ntasks-per-node 8 --cpus-per-task 4 --partition cpu train.py
+  ddpkit sbatch --dry-run train.py        # write slurm-logs/train.sbatch only"""
+
+_VALUE_OPTIONS = {
+    "--nodes",
+    "--gpus-per-node",
+    "--ntasks-per-node",
+    "--cpus-per-task",
+    "--time",
+    "--signal-lead",
+    "--job-name",
+    "--partition",
+    "--account",
+    "--output-dir",
+    "--sbatch-option",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ddpkit sbatch",
+        usage="ddpkit sbatch [options] SCRIPT [ARGS...]",
+        description=DESCRIPTION,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    add = parser.add_argument
+    add("--nodes", type=int, default=1, help="nodes (default 1)")
+    add("--gpus-per-node", type=int, default=0, help="GPUs per node, one task each (default 0: a CPU job)")
+    add("--ntasks-per-node", type=int, default=None, help="tasks (ranks) per node (default: GPUs, else 1)")
+    add("--cpus-per-task", type=int, default=None, help="cores per task; sets OMP_NUM_THREADS")
+    add("--time", default=None, help="time limit, e.g. 4:00:00 (default: the partition's)")
+    add("--signal-lead", type=int, default=120, help="seconds before the limit to save and stop (default 120)")
+    add("--job-name", default=None, help="job name (default: the script's name)")
+    add("--partition", default=None, help="SLURM partition")
+    add("--account", default=None, help="SLURM account")
+    add("--output-dir", default="slurm-logs", help="folder for the script and the job's output (slurm-logs)")
+    add("--sbatch-option", action="append", default=[], help="another #SBATCH option, e.g. --mem=32G")
+    add("--dry-run", action="store_true", help="write the batch script, do not submit it")
+    add("script", help="training script")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from ddpkit._launch.options import split_argv
+
+    ours, script_args = split_argv(sys.argv[1:] if argv is None else argv, _VALUE_OPTIONS)
+    ns = build_parser().parse_args(ours)
+    cfg = BatchConfig(
+        script=ns.script,
+        script_args=script_args,
+        nodes=ns.nodes,
+        gpus_per_node=ns.gpus_per_node,
+        ntasks_per_node=ns.ntasks_per_node,
+        cpus_per_task=ns.cpus_per_task,
+        time=ns.time,
+        signal_lead=ns.signal_lead,
+        job_name=ns.job_name,
+        partition=ns.partition,
+        account=ns.account,
+        output_dir=ns.output_dir,
+        sbatch_options=ns.sbatch_option,
+    )
+    path, job = submit(cfg, dry_run=ns.dry_run)
+    print(f"batch script: {path}")
+    if job:
+        print(f"submitted job {job}; output: {Path(cfg.output_dir).absolute()}/{cfg.name}-{job}.out")
+    return 0

@@ -1,0 +1,404 @@
+"""The agent's stall watch: a rank that stops making progress while the others wait for it, named in seconds.
+
+Each rank keeps a record of its step and phase in a folder the agent makes for the job in node-local shared
+memory (:mod:`ddpkit.distributed._progress`). The agent reads its own node's records at every poll of its
+workers, without a collective; across nodes, each agent publishes a summary of its ranks to the job's
+rendezvous store and judges with every node's (:mod:`ddpkit._launch.watch_nodes`).
+
+A rank is named when it is *behind* (the lowest step, then the lowest count of collectives entered, then the
+earliest phase of a step), at least one other rank of the job is ahead of it (waits for it, or goes on), and
+its record has not changed for longer than its allowance: ``max(floor, factor x its median step)``, or
+``long_factor x floor`` during its first step (compilation, warm-up) and while it saves a snapshot. Ranks that
+are all at the same place (everyone in a long evaluation, or in one collective the network holds up) are left
+to the collective timeout: nothing says which of them is the cause.
+
+Then the agent of its node says, for each of its ranks: host, pid, the process's state (``/proc/PID/stat``: a stopped
+process cannot answer), step, phase, seconds since its last mark, and its Python stack (asked with SIGUSR2,
+:func:`ddpkit._launch.worker.dump_stack_on_request`); for collectives, which ranks wait in which and who has
+not arrived; for the other nodes' ranks, where their agents last saw them. With ``on_stall="end"`` (the
+default) it kills the stalled rank (SIGKILL: a stopped process cannot act on a SIGTERM), so the job ends, or
+restarts under ``--max-restarts``, with that summary. The other nodes' agents say which rank their ranks wait
+for, with their own ranks' stacks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import statistics
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ddpkit import _fs as fs
+from ddpkit._errors import ConfigError
+from ddpkit._launch import watch_nodes as nodes
+from ddpkit._launch.proctree import state_code
+from ddpkit._launch.watch_nodes import STATES, View
+from ddpkit._launch.worker import ask_stacks
+from ddpkit.distributed._progress import DIR_ENV, MAGIC, OPS, RECORD, SIZE, Phase
+from ddpkit.snapshot._memory import folder as memory_folder
+
+TIMEOUT_ENV = "DDPKIT_STALL_TIMEOUT"
+"""The floor in seconds when ``--stall-timeout`` is not given; ``0`` turns the watch off."""
+DEFAULT_FLOOR = 30.0
+"""The floor in seconds when neither ``--stall-timeout`` nor :data:`TIMEOUT_ENV` gives one."""
+POLL_EVERY = 0.5
+"""Seconds between two reads of the records (torchrun polls its workers every 0.1 s)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StallPolicy:
+    """When a rank counts as stalled, and what the agent does then."""
+
+    floor: float = DEFAULT_FLOOR
+    """Seconds without progress a rank always gets; 0 turns the watch off."""
+    factor: float = 10.0
+    """A rank gets at least this many times its median step."""
+    long_factor: float = 10.0
+    """Its first step and a snapshot get ``long_factor x floor``."""
+    on_stall: str = "end"
+    """``end``: kill the stalled rank, so the job ends (or restarts); ``warn``: only say so."""
+
+    @property
+    def on(self) -> bool:
+        return self.floor > 0
+
+
+@dataclass(frozen=True)
+class Record:
+    pid: int
+    phase: int
+    op: str
+    step: int
+    steps: int
+    seq: int
+    coll: int
+    step_at: float
+    last_step: float
+
+
+def read_record(path: Path) -> Record | None:
+    """The rank's record at ``path``; None when missing or not (yet) one. Read twice: the rank may be writing."""
+    for _ in range(3):
+        try:
+            with open(path, "rb") as f:
+                first, second = f.read(SIZE), os.pread(f.fileno(), SIZE, 0)
+        except OSError:
+            return None
+        if first == second and len(first) == SIZE:
+            magic, pid, op, phase, seq, step, steps, coll, step_at, last_step = RECORD.unpack(first)
+            if magic != MAGIC:
+                return None
+            name = OPS[op] if 0 <= op < len(OPS) else "collective"
+            return Record(pid, phase, name, step, steps, seq, coll, step_at, last_step)
+    return None
+
+
+def process_state(pid: int) -> str:
+    """The state of process ``pid`` in words, from ``/proc/PID/stat``."""
+    code = state_code(pid)
+    return STATES.get(code, code)
+
+
+@dataclass
+class _Rank:
+    rank: int
+    local_rank: int
+    pid: int
+    record: Record | None = None
+    changed_at: float = 0.0
+    durations: deque[float] = field(default_factory=lambda: deque(maxlen=32))
+
+    def median_step(self) -> float:
+        """Of the steps seen ending (a poll sees one in several when steps are short), the first left out: it
+        compiles and warms up, and has an allowance of its own."""
+        return statistics.median(self.durations) if self.durations else 0.0
+
+
+@dataclass(frozen=True)
+class Stall:
+    ranks: list[int]
+    """The stalled ranks (global)."""
+    headline: str
+    """One line: which rank, for how long, doing what, and where the others wait."""
+    report: list[str]
+    """The headline and a line per rank, with stacks."""
+
+
+class Watch:
+    """The stall watch of one node's ranks for one attempt of the workers; with :meth:`connect`, judged with the
+    other nodes' ranks (:mod:`ddpkit._launch.watch_nodes`)."""
+
+    def __init__(
+        self,
+        folder: Path,
+        policy: StallPolicy,
+        stack_dir: Path | None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.folder, self.policy, self.stack_dir, self.clock = folder, policy, stack_dir, clock
+        self.ranks: dict[int, _Rank] = {}
+        self.stall: Stall | None = None
+        self.link = nodes.Link(max(nodes.GRACE, policy.floor))
+        self._warned: set[tuple[int, ...]] = set()
+        self._next_poll = 0.0
+
+    def start_attempt(self, workers: dict[int, tuple[int, int]]) -> None:
+        """A new attempt's workers: global rank -> (local rank, pid)."""
+        now = self.clock()
+        self.ranks = {g: _Rank(g, local, pid, changed_at=now) for g, (local, pid) in workers.items()}
+        self.stall = None
+        self.link.reset()
+        self._warned.clear()
+
+    def connect(self, store: Any, node: int, count: int, addr: str | None = None) -> None:
+        """Publish this node's ranks to the rendezvous round's ``store`` and judge with the other nodes' (this
+        is node ``node`` of ``count``; ``addr``: its address, shown beside its host name)."""
+        self.link.connect(store, node, count if self.policy.on else 1, addr, POLL_EVERY)
+
+    def disconnect(self) -> None:
+        """Say that this node's ranks have exited, and stop publishing."""
+        self.link.close()
+
+    def read(self) -> None:
+        now = self.clock()
+        for r in self.ranks.values():
+            record = read_record(self.folder / f"rank{r.rank}.progress")
+            if record is None or record.pid != r.pid:
+                continue  # not yet written by this attempt's process
+            if r.record is None or record.seq != r.record.seq:
+                r.changed_at = now
+                if record.steps > 2 and (r.record is None or record.steps != r.record.steps):
+                    r.durations.append(record.last_step)
+            r.record = record
+
+    def allowance(self, r: _Rank) -> float:
+        p = self.policy
+        base = max(p.floor, p.factor * r.median_step())
+        first = r.record is None or r.record.steps <= 1
+        if first or r.record is not None and r.record.phase == Phase.SNAPSHOT:
+            return max(base, p.long_factor * p.floor)
+        return base
+
+    def view(self, r: _Rank, now: float, state: str = "") -> View:
+        rec = r.record
+        step, coll, phase, op = (rec.step, rec.coll, rec.phase, rec.op) if rec else (-1, 0, 0, "collective")
+        fields = (step, coll, phase, op, now - r.changed_at, self.allowance(r), state)
+        return View(r.rank, self.link.node, self.link.host, r.local_rank, r.pid, *fields)
+
+    def poll(self, running: set[int]) -> Stall | None:
+        """Read the records (at most every :data:`POLL_EVERY` s); the stall found among the ``running`` ranks
+        (global) and the other nodes' ranks, if any, said and acted on once."""
+        now = self.clock()
+        if self.link.ending is not None:
+            self._end_when_heard(now)
+            return None
+        if not self.policy.on or self.stall is not None or now < self._next_poll:
+            return None
+        self._next_poll = now + POLL_EVERY
+        self.read()
+        live = [
+            self.view(r, now, state_code(r.pid) if self.link.exchange else "")
+            for g, r in self.ranks.items()
+            if g in running
+        ]
+        named = self.link.trade(live)
+        verdict = nodes.decide(self.link.node, live + self.link.remote, named)
+        overdue = self.link.waiting.overdue(verdict.waited_for, named, now)
+        if verdict.waited_for and not verdict.stalled:  # a stalled rank of its own is this node's to name
+            return self._wait(verdict.waited_for, overdue, live, now)
+        if not verdict.stalled:
+            return None
+        stalled = [self.ranks[v.rank] for v in verdict.stalled]
+        key = (stalled[0].rank, stalled[0].record.seq if stalled[0].record else 0)
+        if key in self._warned:
+            return None
+        self._warned.add(key)
+        self.link.named |= {r.rank for r in stalled}
+        stall = self._describe(stalled, now)
+        print("\n".join(stall.report), file=sys.stderr, flush=True)
+        if self.policy.on_stall == "end":
+            self.stall = stall
+            self.link.ending = (stall, now + nodes.HEARD_WAIT)
+            self.link.publish(live, want=True)  # that it named them, at once
+            self._end_when_heard(now)
+        return stall
+
+    def _end_when_heard(self, now: float) -> None:
+        """Kill the named ranks once every other node's agent said where its ranks wait (their stacks are lost
+        when the kill fails their collectives), or :data:`~ddpkit._launch.watch_nodes.HEARD_WAIT` s after."""
+        assert self.link.ending is not None
+        stall, deadline = self.link.ending
+        if now < deadline and not self.link.heard(stall.ranks):
+            return
+        self.link.ending = None
+        for r in self.ranks.values():  # the stalled, and any stopped rank: neither can act on a SIGTERM
+            if r.rank in stall.ranks or process_state(r.pid).startswith("stopped"):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(r.pid, signal.SIGKILL)
+
+    def _wait(self, waited: list[View], overdue: list[View], live: list[View], now: float) -> Stall | None:
+        """Say once which other node's rank this node's ranks wait for; end them once it is ``overdue``."""
+        first = waited[0]
+        key = (-1, first.rank, first.step, first.coll, bool(overdue))
+        if key in self._warned:
+            return None
+        self._warned.add(key)
+        names = ", ".join(f"rank {v.rank} on host {v.host}" for v in waited)
+        headline = (
+            f"ddpkit run: waiting for {names}: no progress for {first.idle:.1f} s (allowed {first.allowance:.1f} s), "
+            f"{first.state_words()}, at step {first.step}, {first.doing()}; "
+            + "; ".join(self._at(v) for v in sorted(live, key=lambda v: v.rank))
+        )
+        end = self.policy.on_stall == "end" and bool(overdue)
+        if end:
+            lines = [
+                headline,
+                f"  its node's agent has not named it {self.link.waiting.grace:.0f} s after this node saw it stalled; "
+                "ending this node's workers (SIGKILL), and the job with them",
+            ]
+        else:
+            lines = [headline, "  its node's agent names it, with its state and stack, and ends the job"]
+        lines += self._rank_lines(live, now)
+        print("\n".join(lines), file=sys.stderr, flush=True)
+        self.link.said |= {v.rank for v in waited}
+        self.link.awaited = waited
+        self.link.publish(live, want=True)  # the stalled rank's agent waits for this before it kills it
+        if not end:
+            return None
+        stall = Stall([v.rank for v in live], headline, lines)
+        self.stall = stall
+        for v in live:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(v.pid, signal.SIGKILL)
+        return stall
+
+    def _at(self, v: View) -> str:
+        host = f" on host {v.host}" if self.link.multi else ""
+        return f"rank {v.rank}{host} at step {v.step}, {v.doing()}"
+
+    def _describe(self, stalled: list[_Rank], now: float) -> Stall:
+        names = ", ".join(f"rank {r.rank}" for r in stalled)
+        first = stalled[0]
+        rec = self.view(first, now)
+        state = process_state(first.pid)
+        skip = {s.rank for s in stalled}
+        others = [self.view(r, now) for r in self.ranks.values() if r.rank not in skip and r.record is not None]
+        others += [v for v in self.link.remote if v.marked]
+        others.sort(key=lambda v: v.rank)
+        ahead = "; ".join(self._at(v) for v in others)
+        where = f" on host {self.link.host}" if self.link.multi else ""
+        headline = (
+            f"ddpkit run: {names} stalled: no progress for {now - first.changed_at:.1f} s (allowed "
+            f"{self.allowance(first):.1f} s){where}, {state}, at step {rec.step}, {rec.doing()}"
+            + (f"; {ahead}" if ahead else "")
+        )
+        lines = [headline]
+        waiting = [v for v in others if v.phase == Phase.COLLECTIVE and v.coll > rec.coll]
+        if waiting:
+            op, seq = waiting[0].op, waiting[0].coll
+            lines.append(
+                f"  collective {op} #{seq}: rank(s) {', '.join(self._who(v) for v in waiting)} wait in it; "
+                f"{names} ha{'ve' if len(stalled) > 1 else 's'} not arrived (entered {rec.coll} collective(s))"
+            )
+        views = [self.view(r, now) for r in self.ranks.values()] + self.link.remote
+        lines += self._rank_lines(views, now)
+        if self.policy.on_stall == "end":
+            lines.append(f"  ending the job: {names} killed (SIGKILL); --on-stall warn only says so")
+        else:
+            lines.append("  the job goes on (--on-stall warn)")
+        return Stall([r.rank for r in stalled], headline, lines)
+
+    def _who(self, v: View) -> str:
+        return f"{v.rank} (host {v.host})" if self.link.multi else str(v.rank)
+
+    def _rank_lines(self, views: list[View], now: float) -> list[str]:
+        """A line per rank with its stack (this node's) or where its node's agent last saw it (another's)."""
+        mine = [self.ranks[v.rank] for v in views if v.node == self.link.node and v.rank in self.ranks]
+        asked = {r.rank: r.pid for r in mine if not process_state(r.pid).startswith("stopped")}
+        dumps = ask_stacks(self.stack_dir, asked) if self.stack_dir is not None else {}
+        lines = []
+        for v in sorted(views, key=lambda v: v.rank):
+            remote = v.node != self.link.node
+            state = v.state_words() if remote else process_state(v.pid)
+            where = f"step {v.step}, {v.doing()}, {v.idle:.0f} s since its last mark" if v.marked else "no mark yet"
+            if remote:
+                where += " (as its node's agent last published it)"
+            lines.append(f"  rank {v.rank} (local rank {v.local_rank}, host {v.host}, pid {v.pid}): {state}; {where}")
+            if not remote and state.startswith("stopped"):
+                lines.append("    (a stopped process cannot answer for its stack)")
+            for frame in dumps.get(v.rank, []) if not remote else []:
+                lines.append(f"    {frame}")
+        return lines
+
+    def where(self) -> str:
+        """Where each rank was at its last mark, in one line (empty when no rank marked), with the other nodes'
+        ranks this node's waited for."""
+        now = self.clock()
+        views = [self.view(r, now) for r in self.ranks.values() if r.record is not None]
+        views += self.link.awaited
+        said = " (stalled: this node's ranks waited for it)"
+        return "; ".join(
+            self._at(v) + (said if v.node != self.link.node else "") for v in sorted(views, key=lambda v: v.rank)
+        )
+
+
+def policy_from(floor: float | None, on_stall: str, env: dict[str, str] | None = None) -> StallPolicy:
+    """The policy of ``--stall-timeout`` (else :data:`TIMEOUT_ENV`, else :data:`DEFAULT_FLOOR`) and ``--on-stall``."""
+    if floor is None:
+        text = (os.environ if env is None else env).get(TIMEOUT_ENV)
+        floor = parse_floor(TIMEOUT_ENV, text) if text is not None else DEFAULT_FLOOR
+    return StallPolicy(floor=floor, on_stall=on_stall)
+
+
+def parse_floor(option: str, text: str) -> float:
+    """Seconds for ``--stall-timeout``: 0 (off), or 1 to 30 days."""
+    from ddpkit.distributed._environment import parse_seconds
+
+    try:
+        if float(text) == 0:
+            return 0.0
+    except ValueError:
+        pass
+    try:
+        return parse_seconds(option, text)
+    except ConfigError as err:
+        raise ConfigError(f"{err}; or 0 to turn the stall watch off") from None
+
+
+# -- the job's folder of records ------------------------------------------------------------------------------
+
+
+def open_folder(fallback: Path) -> Path:
+    """Make the folder of this job's records and name it to the workers (:data:`~ddpkit.distributed._progress.DIR_ENV`): in node-local shared
+    memory where there is one, with an owner so that a later job sweeps it if this agent is killed
+    (:func:`ddpkit.snapshot._memory.folder.sweep_stale`); else ``fallback`` (the run's log folder)."""
+    root = Path(os.environ.get(memory_folder.ROOT_ENV, "/dev/shm"))
+    try:
+        base = memory_folder.private_base(root)
+        nonce = f"progress-{secrets.token_hex(8)}"
+        tmp = base / f".{nonce}"
+        fs.make_dir(tmp, root=base, mode=0o700)
+        pid = os.getpid()
+        fs.write_atomic(tmp / "owner", f"{pid} {memory_folder.start_time(pid)}\n".encode(), root=base)
+        folder = base / nonce
+        fs.rename(tmp, folder, root=base)
+    except (OSError, memory_folder.FolderUnavailable):
+        folder = fallback
+        fs.make_dirs(folder)
+    os.environ[DIR_ENV] = str(folder)
+    return folder
+
+
+def close_folder() -> None:
+    folder = os.environ.pop(DIR_ENV, None)
+    if folder and Path(folder).name.startswith("progress-"):
+        with contextlib.suppress(OSError):
+            fs.remove_tree(Path(folder))

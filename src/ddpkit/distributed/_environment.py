@@ -1,0 +1,52 @@
+"""Reading the launcher's environment: the platform that started this process (:mod:`ddpkit.platforms`:
+torchrun and ``ddpkit run``, SLURM ``srun``, ``mpiexec``, a Kubeflow PyTorchJob's pod, Ray Train, or nothing)
+names the ranks; ``ddpkit run``'s own ``DDPKIT_COLLECTIVE_TIMEOUT`` is read here.
+
+Pure logic (no process group, no torch), so every branch is tested with a mocked environment.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import replace
+
+from ddpkit import platforms
+from ddpkit._errors import ConfigError
+from ddpkit.platforms._base import LaunchEnv
+
+MAX_TIMEOUT = 30 * 24 * 3600.0
+"""The longest --join-timeout / --collective-timeout, in seconds (30 days): torch keeps timeouts in
+milliseconds, and a value beyond its range would overflow instead of meaning "never"."""
+MIN_TIMEOUT = 1.0
+"""The shortest: below a second, setting up the process group itself times out, and the job fails as if the
+ranks could not reach each other."""
+
+_SECONDS = f"use a number of seconds from {MIN_TIMEOUT:.0f} to {MAX_TIMEOUT:.0f} (30 days)"
+
+
+def check_seconds(option: str, value: float) -> float:
+    """``value`` when it is a usable number of seconds for ``option``; else a :class:`ConfigError`."""
+    if not (math.isfinite(value) and MIN_TIMEOUT <= value <= MAX_TIMEOUT):
+        raise ConfigError(f"{option} {value}: {_SECONDS}")
+    return value
+
+
+def parse_seconds(option: str, text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"{option} {text[:40]!r}: {_SECONDS}") from None
+    return check_seconds(option, value)
+
+
+def read_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
+    """Read rank, world size and rendezvous address from the launcher's environment variables
+    (:func:`ddpkit.platforms.read_world`), and the collective timeout ``ddpkit run`` set."""
+    env = os.environ if env is None else env
+    info = platforms.read_world(env)
+    if "DDPKIT_COLLECTIVE_TIMEOUT" in env and info.launcher != "none":
+        seconds = parse_seconds("DDPKIT_COLLECTIVE_TIMEOUT", env["DDPKIT_COLLECTIVE_TIMEOUT"])
+        info = replace(info, collective_timeout=seconds)
+    return info

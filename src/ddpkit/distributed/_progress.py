@@ -1,0 +1,211 @@
+"""Where this rank is: its step and phase, written where the launcher's agent reads them without a collective.
+
+Under ``ddpkit run`` the agent names a folder in node-local shared memory (:data:`DIR_ENV`); each rank keeps
+one record of ``SIZE`` bytes there, ``rank<RANK>.progress``, mapped into its memory and overwritten by
+every mark with plain stores (two stores into a ``memoryview`` of the page: no system call, a few hundred
+nanoseconds). The agent polls the records of its node's ranks (:mod:`ddpkit._launch.watch`) and names a rank
+that stopped making progress while the others wait for it. Outside ``ddpkit run`` every mark returns at once.
+
+Who marks: the Trainer's loop (data, forward/backward, optimizer, snapshot, callbacks); a ``build_loader``
+loader (loading data, and a step boundary at each batch handed over, for a hand-written loop); ddpkit's
+collectives (the op and a per-rank sequence number, which the agent compares across ranks).
+
+Record layout (:data:`RECORD`, 8-byte slots in native byte order): magic, pid, op, phase, marks made, step,
+steps begun in this process, collectives entered; the time the current step began (seconds of
+``CLOCK_MONOTONIC``) and the seconds the step before it took. A mark within a step writes the phase and the
+count of marks alone, the count last; the agent times a rank's silence by its own clock, between two counts it
+read.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from ddpkit.platforms import _torchrun as torchrun
+
+DIR_ENV = "DDPKIT_PROGRESS_DIR"
+"""The folder of the ranks' records on this node, set by ``ddpkit run``'s agent."""
+
+RECORD = struct.Struct("=qqqqqqqqdd")
+"""The record as the agent reads it (native byte order: the rank and its agent share the machine)."""
+SIZE = RECORD.size
+MAGIC = 0x314B5044  # "DPK1"
+# Slots of the record, 8 bytes each: what a mark writes with one store into a memoryview of the page.
+_MAGIC, _PID, _OP, _PHASE, _SEQ, _STEP, _STEPS, _COLL = range(8)
+_STEP_AT, _LAST_STEP = 8, 9
+
+
+class Phase:
+    """What a rank is doing (plain ints: an enum's conversion would cost a mark more than its store). ``LOOP``:
+    after a loader handed over a batch, in a loop ddpkit does not drive."""
+
+    STARTING = 0
+    DATA = 1
+    LOOP = 2
+    FORWARD_BACKWARD = 3
+    OPTIMIZER = 4
+    COLLECTIVE = 5
+    SNAPSHOT = 6
+    USER = 7
+
+
+PHASE_NAMES = {
+    Phase.STARTING: "starting (before its first step)",
+    Phase.DATA: "loading data",
+    Phase.LOOP: "in its loop (forward/backward, optimizer or user code)",
+    Phase.FORWARD_BACKWARD: "forward/backward",
+    Phase.OPTIMIZER: "the optimizer step",
+    Phase.COLLECTIVE: "in a collective",
+    Phase.SNAPSHOT: "saving a snapshot",
+    Phase.USER: "user code between steps (callbacks, validation)",
+}
+
+OPS = (
+    "collective",
+    "all_reduce",
+    "all_gather",
+    "gather_tensors",
+    "all_gather_object",
+    "gather_object",
+    "broadcast_object",
+    "barrier",
+    "first_failure",
+)
+"""The ops a record names, by their index; an op not listed is recorded as ``collective``."""
+_OP_CODES = {op: code for code, op in enumerate(OPS)}
+
+_buf: mmap.mmap | None = None
+_ints: memoryview[int] | None = None  # the page as 8-byte integers (slots 0-7)
+_floats: memoryview[float] | None = None  # and as doubles (slots 8-9)
+_opened = False  # tried to open (a missing folder is not tried again)
+_phase = Phase.STARTING
+_op = 0
+_step = 0
+_steps = 0
+_seq = 0
+_coll = 0
+_step_at = 0.0
+_last_step = 0.0
+_trainer_counts = False  # the Trainer numbers the steps; a loader's batches are then micro-batches
+_clock = time.monotonic
+
+
+def _open() -> bool:
+    global _opened, _buf, _ints, _floats
+    _opened = True
+    folder, rank = os.environ.get(DIR_ENV), torchrun.rank_text(os.environ)  # set by the agent with the folder
+    if not folder or rank is None or not rank.isdigit():
+        return False
+    from ddpkit import _fs as fs
+
+    try:
+        fd = fs.open_fd(Path(folder) / f"rank{rank}.progress", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    except OSError:
+        return False  # the agent's folder went away (the job is ending): nothing to report to
+    try:
+        os.ftruncate(fd, SIZE)
+        _buf = mmap.mmap(fd, SIZE)
+    finally:
+        os.close(fd)
+    _ints, _floats = memoryview(_buf).cast("q"), memoryview(_buf).cast("d")
+    _ints[_MAGIC], _ints[_PID] = MAGIC, os.getpid()
+    return True
+
+
+def _write() -> None:
+    global _seq
+    if _ints is None and (_opened or not _open()):
+        return
+    assert _ints is not None and _floats is not None
+    _seq += 1
+    _ints[_OP], _ints[_PHASE], _ints[_STEP], _ints[_STEPS], _ints[_COLL] = _op, _phase, _step, _steps, _coll
+    _floats[_STEP_AT], _floats[_LAST_STEP] = _step_at, _last_step
+    _ints[_SEQ] = _seq
+
+
+def mark(phase: int) -> None:
+    """This rank is now in ``phase`` (a :class:`Phase`): two stores into the page."""
+    global _phase, _seq
+    _phase = phase
+    if _ints is None:
+        _write()
+        return
+    _seq += 1
+    _ints[_PHASE] = phase
+    _ints[_SEQ] = _seq
+
+
+def begin_step(step: int) -> None:
+    """This rank starts step ``step`` (the Trainer: its optimizer step); loaders' batches no longer count steps."""
+    global _trainer_counts, _phase
+    _trainer_counts = True
+    _next_step(step)
+    _phase = Phase.DATA
+    _write()
+
+
+def batch_taken() -> None:
+    """A loader handed over a batch: in a hand-written loop, the next step begins."""
+    global _phase
+    if _trainer_counts:
+        mark(Phase.FORWARD_BACKWARD)
+        return
+    _next_step(_step + 1)
+    _phase = Phase.LOOP
+    _write()
+
+
+def _next_step(step: int) -> None:
+    global _step, _steps, _step_at, _last_step
+    now = _clock()
+    if _steps:
+        _last_step = now - _step_at
+    _step, _steps, _step_at = step, _steps + 1, now
+
+
+@contextmanager
+def phase(p: int) -> Iterator[None]:
+    """In ``p`` for the body; then back in the phase before."""
+    before = _phase
+    mark(p)
+    try:
+        yield
+    finally:
+        mark(before)
+
+
+class collective:  # noqa: N801  (used as a function: `with progress.collective("all_reduce"):`)
+    """In collective ``op``, the next in this rank's sequence; every rank enters the same ones in the same order.
+    A class rather than a generator: entered around every collective, it costs a third as much."""
+
+    __slots__ = ("before",)
+
+    def __init__(self, op: str) -> None:
+        global _phase, _op, _coll
+        self.before = _phase
+        _op = _OP_CODES.get(op, 0)
+        _coll += 1
+        _phase = Phase.COLLECTIVE
+
+    def __enter__(self) -> None:
+        _write()
+
+    def __exit__(self, *exc: object) -> None:
+        mark(self.before)
+
+
+def _after_fork_in_child() -> None:
+    # A rank's own children (DataLoader workers) inherit its mapping: they are not the rank, and must not write
+    # its record. A process forked before any mark (the launcher's fork server's workers) opens its own.
+    global _buf, _ints, _floats, _opened
+    if _buf is not None:
+        _ints, _floats, _buf, _opened = None, None, None, True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,72 @@
+"""MPI: ``mpiexec`` of Open MPI (``OMPI_COMM_WORLD_*``) or of MPICH's Hydra (``PMI_*``, ``MPI_LOCAL*``), which
+name the ranks but no rendezvous address (:func:`rendezvous_address` agrees on one)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from ddpkit._errors import ConfigError
+from ddpkit.platforms import _slurm as slurm
+from ddpkit.platforms._base import LaunchDefault, LaunchEnv, checked, read_int
+
+NAME = "mpi"
+
+VARIANTS = (
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+)
+"""(rank, world size, local rank, local world size) as Open MPI and MPICH's Hydra export them to each process."""
+
+
+def _variant(env: Mapping[str, str]) -> tuple[str, str, str, str] | None:
+    return next((names for names in VARIANTS if names[0] in env and names[1] in env), None)
+
+
+def detect(env: Mapping[str, str]) -> bool:
+    return _variant(env) is not None
+
+
+def world(env: Mapping[str, str]) -> LaunchEnv:
+    variant = _variant(env)
+    if variant is None:
+        raise ConfigError("no MPI rank variable is set: launch the job with mpiexec")
+    rank_var, size_var, local_var, local_size_var = variant
+    world_size = read_int(env, size_var)
+    return checked(
+        LaunchEnv(
+            rank=read_int(env, rank_var),
+            local_rank=read_int(env, local_var) if local_var in env else 0,
+            world_size=world_size,
+            local_world_size=read_int(env, local_size_var) if local_size_var in env else 1,
+            launcher=NAME,
+            # mpiexec names no rendezvous address: MASTER_ADDR/MASTER_PORT if exported (mpiexec -x / -genv),
+            # else rank 0's host and a free port there, broadcast over MPI by rendezvous_address().
+            master_addr=env.get("MASTER_ADDR"),
+            master_port=read_int(env, "MASTER_PORT") if "MASTER_PORT" in env else None,
+            restart_count=slurm.restarts(env),
+        )
+    )
+
+
+def launch_defaults(env: Mapping[str, str]) -> list[LaunchDefault]:
+    """None: mpiexec starts the ranks itself."""
+    return []
+
+
+def rendezvous_address() -> tuple[str, int]:
+    """Rank 0's host name and a port free there, agreed by every rank of an MPI job through ``mpi4py``."""
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise ConfigError(
+            "started by mpiexec without MASTER_ADDR and MASTER_PORT: install mpi4py (pip install 'ddpkit[mpi]') "
+            "so the ranks can agree on rank 0's address, or export both (mpiexec -x MASTER_ADDR -x MASTER_PORT)"
+        ) from None
+    import socket
+
+    address = None
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            address = (socket.gethostname(), s.getsockname()[1])
+    return MPI.COMM_WORLD.bcast(address, root=0)

@@ -1,0 +1,127 @@
+"""SLURM: a task that ``srun`` started for a job step, its node list, the rendezvous port every task derives
+alone, the requeue count, and the CPUs SLURM granted the node."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+from ddpkit._errors import ConfigError
+from ddpkit.platforms._base import LaunchDefault, LaunchEnv, checked, read_int
+
+NAME = "slurm"
+
+
+def detect(env: Mapping[str, str]) -> bool:
+    # Inside an allocation, a batch script or a salloc shell also carries SLURM_PROCID and SLURM_NTASKS; only a
+    # task that srun started for a step has SLURM_STEP_ID. Nothing else may turn SLURM off: a job's name says
+    # nothing (`srun -n2 bash -c "python train.py"` is named bash, and its two tasks are one job), and the
+    # terminal variable of `srun --pty bash` (SLURM_PTY_PORT) is inherited by every step srun starts from that
+    # shell. The shell's own step has one task unless asked otherwise, so a program run in it is a world of one.
+    return "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "SLURM_STEP_ID" in env
+
+
+def world(env: Mapping[str, str]) -> LaunchEnv:
+    world_size = (
+        read_int(env, "SLURM_NTASKS") if "SLURM_STEP_NUM_TASKS" not in env else read_int(env, "SLURM_STEP_NUM_TASKS")
+    )
+    node_id = read_int(env, "SLURM_NODEID") if "SLURM_NODEID" in env else 0
+    per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or str(world_size)
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not nodelist:
+        raise ConfigError("SLURM_PROCID is set but no SLURM node list is: launch the job with srun")
+    port = read_int(env, "MASTER_PORT") if "MASTER_PORT" in env else port_of_step(env)
+    return checked(
+        LaunchEnv(
+            rank=read_int(env, "SLURM_PROCID"),
+            local_rank=read_int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
+            world_size=world_size,
+            local_world_size=_tasks_on_node(per_node, node_id),
+            launcher=NAME,
+            master_addr=env.get("MASTER_ADDR") or expand_hostlist(nodelist)[0],
+            master_port=port,
+            restart_count=restarts(env),
+        )
+    )
+
+
+def launch_defaults(env: Mapping[str, str]) -> list[LaunchDefault]:
+    """None: ``ddpkit run`` asks SLURM only for the rendezvous id (:func:`job_id`) and the CPUs."""
+    return []
+
+
+def job_id(env: Mapping[str, str]) -> str | None:
+    """The job's id (``SLURM_JOB_ID``), the same on every node of the job; None outside SLURM."""
+    return env.get("SLURM_JOB_ID")
+
+
+def in_job(env: Mapping[str, str]) -> bool:
+    """Inside a SLURM job (a step's task, a batch script, a salloc shell)."""
+    return "SLURM_JOB_ID" in env
+
+
+def restarts(env: Mapping[str, str]) -> int:
+    """How many times SLURM requeued the job (``SLURM_RESTART_COUNT``), 0 outside SLURM."""
+    return read_int(env, "SLURM_RESTART_COUNT") if env.get("SLURM_RESTART_COUNT") else 0
+
+
+def cpus_granted(env: Mapping[str, str]) -> str | None:
+    """The CPUs SLURM granted this node's share of the job (``SLURM_CPUS_ON_NODE``) as set, or None."""
+    return env.get("SLURM_CPUS_ON_NODE")
+
+
+def expand_hostlist(hostlist: str) -> list[str]:
+    """Expand a SLURM node list such as ``gpu[01-03,07],login1`` or ``rack[1-2]-n[01-02]`` into host names.
+
+    Written here because the alternative, ``scontrol show hostnames``, needs SLURM's binaries inside the job.
+    """
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(hostlist + ","):
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            items.append(hostlist[start:i])
+            start = i + 1
+    return [host for item in items if item for host in _expand_one(item)]
+
+
+def _expand_one(name: str) -> list[str]:
+    m = re.match(r"([^\[]*)\[([^\]]+)\](.*)$", name)
+    if not m:
+        return [name]
+    prefix, ranges, rest = m.groups()
+    tails = _expand_one(rest)
+    hosts = []
+    for part in ranges.split(","):
+        lo, _, hi = part.partition("-")
+        for n in range(int(lo), int(hi or lo) + 1):
+            hosts += [f"{prefix}{n:0{len(lo)}d}{tail}" for tail in tails]
+    return hosts
+
+
+def _tasks_on_node(tasks_per_node: str, node_id: int) -> int:
+    # SLURM writes e.g. "2(x3),1": two tasks on each of three nodes, then one.
+    counts: list[int] = []
+    for item in tasks_per_node.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", item.strip())
+        if not m:
+            raise ConfigError(f"cannot read SLURM_TASKS_PER_NODE={tasks_per_node!r}")
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts[min(node_id, len(counts) - 1)]
+
+
+# Ports derived for SLURM steps lie below Linux's ephemeral range (32768-60999 by default), from which the
+# kernel hands out the source ports of outgoing connections: a derived port there can be taken by any client
+# socket on the node a moment before rank 0 binds it.
+PORT_BASE, PORT_JOBS, PORT_STEPS = 20000, 750, 16
+
+
+def port_of_step(env: Mapping[str, str]) -> int:
+    """The rendezvous port every task of a SLURM step derives alone: a function of the job id and step id.
+
+    Concurrent steps of one job (``srun ... &`` twice in a batch script) differ in their step id and so get
+    different ports; jobs whose ids differ by less than 750 never share a port. ``MASTER_PORT`` overrides it.
+    """
+    job = read_int(env, "SLURM_JOB_ID") if "SLURM_JOB_ID" in env else 0
+    step = env.get("SLURM_STEP_ID", "0")
+    step_id = int(step) if step.isascii() and step.isdigit() else 0  # "²".isdigit(), and int() refuses it
+    return PORT_BASE + (job % PORT_JOBS) * PORT_STEPS + step_id % PORT_STEPS

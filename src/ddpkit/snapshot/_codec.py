@@ -1,0 +1,472 @@
+"""The one codec of a snapshot's values: what may be saved is exactly what is loaded back, as an equal value of
+the same type, by both backends (a disk snapshot's ``values.pt`` and ``rank{N}.pt``, a memory snapshot's slot
+and the blobs its ranks exchange), and nothing is ever unpickled to read it.
+
+A value becomes a JSON *skeleton* whose tensors (and numpy arrays, as bytes) are set aside in a list and
+referenced by index (:func:`encode`); :func:`decode` is its inverse. Containers are tagged, so that tuples
+stay tuples (``random.setstate`` refuses a list), dict keys keep their types and order, and a deque keeps its
+``maxlen``. What it holds (docs/snapshots.md, "What a snapshot can hold"):
+
+- ``None``, ``bool``, ``int`` (any size), ``float`` (nan, inf, -0.0), ``complex``, ``str``, ``bytes``,
+  ``bytearray``;
+- ``dict`` (keys of any type below, in order), ``OrderedDict``, ``defaultdict`` whose factory is a builtin
+  type or None, ``Counter``, ``list``, ``tuple``, ``set``, ``frozenset``, ``deque`` (``maxlen`` kept), ``range``;
+- ``pathlib`` paths (the same class), ``datetime``/``date``/``time`` (naive, a fixed-offset ``timezone`` or a
+  ``zoneinfo.ZoneInfo``), ``timedelta``, ``Decimal``, ``Fraction``, ``uuid.UUID``;
+- numpy scalars and arrays of every dtype but ``object`` and structured ones (byte order and Fortran order
+  kept; ``longdouble`` exact on the same platform);
+- torch tensors of every dtype in :data:`ddpkit.snapshot._region.DTYPES` (CPU or device, strided; dtype,
+  shape and values kept, not strides nor ``requires_grad``), ``nn.Parameter`` (with its ``requires_grad``),
+  ``torch.dtype``, ``torch.device``, ``torch.Size``.
+
+Anything else is refused when the snapshot is saved, before any of it is written, by an
+:class:`UnsupportedValue` (a :class:`~ddpkit._errors.ConfigError`) naming its place in the state, its type and
+the way out. Named tuples, dataclasses, enums and other classes are among them: rebuilding one would need to
+import its class by name, which is what makes unpickling unsafe. A value shared between two places comes back
+as two equal copies.
+"""
+
+from __future__ import annotations
+
+import array
+import base64
+import collections
+import datetime as dt
+import decimal
+import fractions
+import io
+import json
+import pathlib
+import struct
+import sys
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ddpkit._errors import ConfigError
+from ddpkit.distributed._collectives import tensor_bytes
+from ddpkit.snapshot._region import DTYPES, checked_specs, layout, views
+
+FORMAT = 3
+"""The format of a disk snapshot's value files; a file of another is refused by name, never read as this one."""
+
+_INT64 = 1 << 63
+_FACTORIES = {f.__name__: f for f in (list, dict, set, frozenset, tuple, int, float, complex, str, bytes, bool)}
+_PATHS = {
+    c.__name__: c for c in (pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePosixPath, pathlib.PureWindowsPath)
+}
+_TORCH_DTYPES = {str(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
+class UnsupportedValue(ConfigError):
+    """A value of a state that a snapshot cannot hold; the message names where it is and what to do."""
+
+
+class FormatError(ValueError):
+    """A value file of another format than :data:`FORMAT`."""
+
+
+class _Refused(Exception):
+    def __init__(self, value: Any, why: str = "", advice: str = "") -> None:
+        self.value, self.why, self.advice = value, why, advice
+
+
+def _b64(data: bytes | bytearray) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _pairs(items: Any, tensors: list[torch.Tensor]) -> list[list[Any]]:
+    return [[_enc(k, tensors), _enc(v, tensors)] for k, v in items]
+
+
+def _tz(tz: Any, value: Any) -> Any:
+    if tz is None:
+        return None
+    if type(tz) is dt.timezone:
+        offset = tz.utcoffset(None)
+        name = tz.tzname(None)
+        return [
+            "tz",
+            offset.days,
+            offset.seconds,
+            offset.microseconds,
+            None if name == dt.timezone(offset).tzname(None) else name,
+        ]
+    zoneinfo = sys.modules.get("zoneinfo")
+    if zoneinfo is not None and type(tz) is zoneinfo.ZoneInfo and tz.key is not None:
+        return ["zi", tz.key]
+    raise _Refused(value, f" with a tzinfo of type {type(tz).__name__}")
+
+
+def _defaultdict(v: Any, t: list[torch.Tensor]) -> Any:
+    factory = v.default_factory
+    name = "" if factory is None else getattr(factory, "__name__", "?")
+    if factory is not None and _FACTORIES.get(name) is not factory:
+        raise _Refused(v, f" whose default_factory is {name}, not a builtin type", "a dict")
+    return {"dd": [name, _pairs(v.items(), t)]}
+
+
+_ENCODERS: dict[type, Any] = {
+    complex: lambda v, t: {"c": [v.real, v.imag]},
+    bytes: lambda v, t: {"b": _b64(v)},
+    bytearray: lambda v, t: {"ba": _b64(v)},
+    collections.OrderedDict: lambda v, t: {"o": _pairs(v.items(), t)},
+    collections.defaultdict: _defaultdict,
+    collections.Counter: lambda v, t: {"ct": _pairs(v.items(), t)},
+    set: lambda v, t: {"s": [_enc(x, t) for x in v]},
+    frozenset: lambda v, t: {"fs": [_enc(x, t) for x in v]},
+    collections.deque: lambda v, t: {"q": [v.maxlen, [_enc(x, t) for x in v]]},
+    range: lambda v, t: {"r": [_enc(v.start, t), _enc(v.stop, t), _enc(v.step, t)]},
+    **{c: (lambda v, t: {"p": [type(v).__name__, str(v)]}) for c in _PATHS.values()},
+    dt.datetime: lambda v, t: {
+        "DT": [v.year, v.month, v.day, v.hour, v.minute, v.second, v.microsecond, v.fold, _tz(v.tzinfo, v)]
+    },
+    dt.date: lambda v, t: {"D": [v.year, v.month, v.day]},
+    dt.time: lambda v, t: {"T": [v.hour, v.minute, v.second, v.microsecond, v.fold, _tz(v.tzinfo, v)]},
+    dt.timedelta: lambda v, t: {"TD": [v.days, v.seconds, v.microseconds]},
+    decimal.Decimal: lambda v, t: {"dec": str(v)},
+    fractions.Fraction: lambda v, t: {"fr": [_enc(v.numerator, t), _enc(v.denominator, t)]},
+    uuid.UUID: lambda v, t: {"uuid": v.hex},
+    torch.dtype: lambda v, t: {"dt": str(v)},
+    torch.device: lambda v, t: {"dv": str(v)},
+    torch.Size: lambda v, t: {"sz": list(v)},
+}
+
+
+def _tensor(value: torch.Tensor, tensors: list[torch.Tensor]) -> Any:
+    kind = type(value)
+    if kind is not torch.Tensor and kind is not torch.nn.Parameter:
+        raise _Refused(value, " (a subclass of torch.Tensor)", "a plain tensor (.as_subclass(torch.Tensor))")
+    if value.layout is not torch.strided or value.device.type == "meta":
+        raise _Refused(value, f" of layout {value.layout} on {value.device}", "a dense tensor (.to_dense())")
+    if str(value.dtype) not in DTYPES:
+        raise _Refused(value, f" of dtype {value.dtype}", "a tensor of another dtype")
+    tensors.append(value)
+    if kind is torch.nn.Parameter:
+        return {"P": [len(tensors) - 1, value.requires_grad]}
+    return {"t": len(tensors) - 1}
+
+
+def _dtype_name(dtype: Any) -> str:
+    # By its character, not its .str: 'q' (longlong) and 'l' (int64) are both '<i8', of two scalar types.
+    return dtype.str if dtype.kind in "mMUS" else dtype.str[0] + dtype.char
+
+
+def _numpy_value(value: Any, np: Any, tensors: list[torch.Tensor]) -> Any:
+    dtype = value.dtype
+    if dtype.kind not in "biufcmMUS" or dtype.itemsize == 0:
+        raise _Refused(value, f" of dtype {dtype}")
+    if isinstance(value, np.generic):
+        return {"n": [_dtype_name(dtype), value.tobytes().hex()]}
+    if type(value) is not np.ndarray:
+        raise _Refused(value, " (a subclass of numpy.ndarray)", "a plain array (numpy.asarray)")
+    fortran = value.ndim > 1 and value.flags.f_contiguous and not value.flags.c_contiguous
+    flat = np.ascontiguousarray(value.T if fortran else value).reshape(-1).view(np.uint8)
+    tensors.append(torch.from_numpy(flat if flat.flags.writeable else flat.copy()))
+    return {"a": [len(tensors) - 1, _dtype_name(dtype), list(value.shape), "F" if fortran else "C"]}
+
+
+def _enc(value: Any, tensors: list[torch.Tensor]) -> Any:
+    # The order of the tests is the memory snapshots' stall: the common kinds first.
+    kind = type(value)
+    if kind is str or kind is float or kind is bool or value is None:
+        return value
+    if kind is int:  # JSON holds any int, but python reads back at most 4300 digits
+        return value if -_INT64 <= value < _INT64 else {"I": hex(value)}
+    if kind is dict:
+        if all(type(k) is str for k in value):
+            return {"m": {k: _enc(v, tensors) for k, v in value.items()}}
+        return {"d": _pairs(value.items(), tensors)}
+    if kind is tuple or kind is list:
+        # Python's RNG state is a tuple of 625 ints: as one int64 tensor it costs a copy, not 625 JSON numbers.
+        if len(value) >= 32 and set(map(type, value)) == {int}:
+            try:
+                packed = array.array("q", value)  # ~20x faster than torch.tensor(value) for 625 ints
+            except OverflowError:
+                packed = None
+            if packed is not None:
+                tensors.append(torch.frombuffer(packed, dtype=torch.int64))
+                return {"i": [len(tensors) - 1, kind is tuple]}
+        return {"u" if kind is tuple else "l": [_enc(x, tensors) for x in value]}
+    if isinstance(value, torch.Tensor):
+        return _tensor(value, tensors)
+    encoder = _ENCODERS.get(kind)
+    if encoder is not None:
+        return encoder(value, tensors)
+    np = sys.modules.get("numpy")  # a numpy value exists only where numpy is imported: never imported here
+    if np is not None and isinstance(value, (np.generic, np.ndarray)):
+        return _numpy_value(value, np, tensors)
+    raise _Refused(value)
+
+
+def _children(value: Any) -> list[tuple[str, Any]]:
+    """``(how to name it, child)`` for each value inside a container, in :func:`_enc`'s order."""
+    kind = type(value)
+    if kind in (dict, collections.OrderedDict, collections.defaultdict, collections.Counter):
+        out = []
+        for k, v in value.items():
+            name = f".{k}" if type(k) is str else f"[{k!r:.60}]"
+            out += [(f"{name} (its key)", k), (name, v)]
+        return out
+    if kind in (list, tuple, collections.deque):
+        return [(f"[{i}]", v) for i, v in enumerate(value)]
+    if kind in (set, frozenset):
+        return [(" (an element)", v) for v in value]
+    return []
+
+
+def _where(value: Any, target: Any, path: str) -> str | None:
+    if value is target:
+        return path
+    for name, child in _children(value):
+        found = _where(child, target, path + name)
+        if found is not None:
+            return found
+    return None
+
+
+def _advice(value: Any) -> str:
+    if isinstance(value, tuple) and hasattr(type(value), "_fields"):
+        return "a tuple or a dict"
+    if hasattr(type(value), "__dataclass_fields__"):
+        return "a dict (dataclasses.asdict)"
+    if type(value).__module__ == "enum" or any(c.__module__ == "enum" for c in type(value).__mro__[1:]):
+        return "its .value"
+    return "a list, a dict or a str"
+
+
+def encode(value: Any, tensors: list[torch.Tensor], where: str = "") -> Any:
+    """A JSON-able skeleton of ``value`` whose tensors are appended to ``tensors`` and referenced by index.
+
+    Raises :class:`UnsupportedValue` naming the first value it cannot hold, as a path under ``where``.
+    Written here rather than with ``torch.save``: that costs ~200 us per call (its zip container), a tenth of a
+    small model's step, where a memory snapshot's stall must stay within 5%.
+    """
+    try:
+        return _enc(value, tensors)
+    except _Refused as refused:
+        bad = refused.value
+        at = (where + (_where(value, bad, "") or "")).lstrip(".") or "the state"
+        kind = f"{type(bad).__module__}.{type(bad).__qualname__}".removeprefix("builtins.")
+        raise UnsupportedValue(
+            f"ddpkit: a snapshot cannot hold {at}, a {kind}{refused.why}: convert it in state_dict(), e.g. to "
+            f"{refused.advice or _advice(bad)} (what a snapshot holds: docs/snapshots.md, 'What a snapshot can hold')"
+        ) from None
+    except RecursionError:
+        raise UnsupportedValue(
+            f"ddpkit: a snapshot cannot hold {where or 'the state'}: it is nested too deeply or holds itself"
+        ) from None
+
+
+def _numpy() -> Any:
+    try:
+        import numpy
+    except ModuleNotFoundError:
+        raise ModuleNotFoundError(
+            "this snapshot holds numpy values (a numpy generator's state, arrays): reading it needs numpy "
+            '(pip install "ddpkit[examples]" or numpy)'
+        ) from None
+    return numpy
+
+
+def _index(body: Any, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    if type(body) is not int or not 0 <= body < len(tensors):
+        raise ValueError(f"a tensor index {str(body)[:20]} out of range")
+    return tensors[body]
+
+
+def _untz(raw: Any) -> Any:
+    if raw is None:
+        return None
+    if raw[0] == "tz":
+        offset = dt.timedelta(raw[1], raw[2], raw[3])
+        return dt.timezone(offset, raw[4]) if raw[4] is not None else dt.timezone(offset)
+    if raw[0] == "zi" and type(raw[1]) is str:
+        import zoneinfo
+
+        return zoneinfo.ZoneInfo(raw[1])
+    raise ValueError("an unknown time zone")
+
+
+def _array(body: Any, tensors: Sequence[torch.Tensor]) -> Any:
+    np = _numpy()
+    index, dtype_str, shape, order = body
+    raw, dtype = _index(index, tensors), np.dtype(dtype_str)
+    if dtype.kind not in "biufcmMUS" or dtype.itemsize == 0 or raw.dtype != torch.uint8 or order not in "CF":
+        raise ValueError(f"an array of dtype {dtype_str!r:.40} that no save writes")
+    flat = raw.detach().cpu().reshape(-1).numpy().view(dtype)
+    if order == "F":
+        return flat.reshape(shape[::-1]).T.copy(order="K")
+    return flat.reshape(shape).copy()
+
+
+def _dec(s: Any, tensors: Sequence[torch.Tensor]) -> Any:
+    if not isinstance(s, dict):
+        if isinstance(s, list):
+            raise ValueError("an untagged list")
+        return s
+    ((tag, body),) = s.items()
+    if tag == "m":
+        return {k: _dec(v, tensors) for k, v in body.items()}
+    if tag == "t":
+        return _index(body, tensors)
+    if tag == "u":
+        return tuple(_dec(x, tensors) for x in body)
+    if tag == "l":
+        return [_dec(x, tensors) for x in body]
+    if tag == "d":
+        return {_dec(k, tensors): _dec(v, tensors) for k, v in body}
+    if tag == "i":
+        packed = _index(body[0], tensors)
+        if packed.dtype != torch.int64:
+            raise ValueError("packed ints that are not int64")
+        return tuple(packed.tolist()) if body[1] else packed.tolist()
+    if tag == "I":
+        return int(body, 16)
+    if tag == "n":
+        np = _numpy()
+        dtype = np.dtype(body[0])
+        if dtype.kind not in "biufcmMUS" or dtype.itemsize == 0:
+            raise ValueError(f"a numpy scalar of dtype {body[0]!r:.40} that no save writes")
+        return np.frombuffer(bytes.fromhex(body[1]), dtype=dtype)[0]
+    if tag == "a":
+        return _array(body, tensors)
+    if tag == "P":
+        return torch.nn.Parameter(_index(body[0], tensors), requires_grad=bool(body[1]))
+    return _decode_other(tag, body, tensors)
+
+
+def _decode_other(tag: str, body: Any, tensors: Sequence[torch.Tensor]) -> Any:
+    pairs = lambda: [(_dec(k, tensors), _dec(v, tensors)) for k, v in body]  # noqa: E731
+    if tag == "c":
+        return complex(*body)
+    if tag in ("b", "ba"):
+        data = base64.b64decode(body, validate=True)
+        return data if tag == "b" else bytearray(data)
+    if tag == "o":
+        return collections.OrderedDict(pairs())
+    if tag == "dd":
+        return collections.defaultdict(
+            _FACTORIES[body[0]] if body[0] else None, [(_dec(k, tensors), _dec(v, tensors)) for k, v in body[1]]
+        )
+    if tag == "ct":
+        return collections.Counter(dict(pairs()))
+    if tag == "s":
+        return {_dec(x, tensors) for x in body}
+    if tag == "fs":
+        return frozenset(_dec(x, tensors) for x in body)
+    if tag == "q":
+        return collections.deque((_dec(x, tensors) for x in body[1]), body[0])
+    if tag == "r":
+        return range(*(_dec(x, tensors) for x in body))
+    if tag == "p":
+        return _PATHS[body[0]](body[1])
+    if tag == "DT":
+        year, month, day, hour, minute, second, micro, fold, tz = body
+        return dt.datetime(year, month, day, hour, minute, second, micro, tzinfo=_untz(tz), fold=fold)
+    if tag == "D":
+        return dt.date(*body)
+    if tag == "T":
+        hour, minute, second, micro, fold, tz = body
+        return dt.time(hour, minute, second, micro, tzinfo=_untz(tz), fold=fold)
+    if tag == "TD":
+        return dt.timedelta(*body)
+    if tag == "dec":
+        return decimal.Decimal(body)
+    if tag == "fr":
+        return fractions.Fraction(_dec(body[0], tensors), _dec(body[1], tensors))
+    if tag == "uuid":
+        return uuid.UUID(hex=body)
+    if tag == "dt":
+        return _TORCH_DTYPES[body]
+    if tag == "dv":
+        return torch.device(body)
+    if tag == "sz":
+        return torch.Size(body)
+    raise ValueError(f"an unknown tag {tag!r:.20}")
+
+
+def decode(skeleton: Any, tensors: Sequence[torch.Tensor]) -> Any:
+    """The inverse of :func:`encode`. A skeleton that no save writes raises ``ValueError``, ``KeyError``,
+    ``IndexError``, ``TypeError``, ``AttributeError`` or ``RecursionError`` (never runs code)."""
+    try:
+        return _dec(skeleton, tensors)
+    except (ArithmeticError, RuntimeError, OSError) as err:  # Fraction(1, 0), Decimal("x"), torch.device("x")
+        raise ValueError(f"a value that no save writes ({type(err).__name__}: {str(err)[:80]})") from None
+
+
+MALFORMED = (ValueError, KeyError, IndexError, TypeError, AttributeError, RecursionError)
+"""What :func:`decode` (and reading a value file or a blob) raises for data that no save writes."""
+
+
+# -- a blob: what ranks exchange ------------------------------------------------------------------------
+
+
+def encode_blob(value: Any, where: str = "") -> bytes:
+    """``value`` as one self-contained byte string (JSON skeleton and raw tensors): what ranks exchange."""
+    tensors: list[torch.Tensor] = []
+    skeleton = encode(value, tensors, where)
+    specs, size = layout(tensors)
+    head = json.dumps({"v": skeleton, "s": [[s.dtype, s.shape, s.offset] for s in specs]}).encode()
+    region = torch.zeros(size, dtype=torch.uint8)
+    for dst, src in zip(views(region, specs), tensors):
+        dst.copy_(src.detach())
+    return struct.pack("<Q", len(head)) + head + tensor_bytes(region)
+
+
+def decode_blob(data: bytes | memoryview) -> Any:
+    """The inverse of :func:`encode_blob`; ``ValueError`` if ``data`` is not a whole blob."""
+    if len(data) < 8:
+        raise ValueError(f"a blob of {len(data)} bytes is shorter than its header")
+    (n,) = struct.unpack_from("<Q", data)
+    if 8 + n > len(data):
+        raise ValueError(f"a blob's header says {n} bytes of description, and {len(data) - 8} follow")
+    head = json.loads(bytes(data[8 : 8 + n]))
+    if not isinstance(head, dict) or "v" not in head:
+        raise ValueError("a blob's description is malformed")
+    region = (
+        torch.frombuffer(bytearray(data[8 + n :]), dtype=torch.uint8)
+        if len(data) > 8 + n
+        else torch.empty(0, dtype=torch.uint8)
+    )
+    specs = checked_specs(head.get("s"), region.numel())
+    return decode(head["v"], [v.clone() for v in views(region, specs)])
+
+
+# -- a value file of a disk snapshot --------------------------------------------------------------------
+
+
+def alone(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a tensor that owns exactly its bytes, a copy where it does not. torch.save writes a view's whole
+    storage, and writes a storage that is not a whole number of elements (a tensor viewing a byte buffer) into
+    a file that torch.load then refuses ("record size does not match")."""
+    t = t.detach().resolve_conj().resolve_neg()
+    if t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def file_bytes(skeleton: Any, tensors: Sequence[torch.Tensor]) -> bytes:
+    """The contents of a value file: an encoded value (:func:`encode`) as ``torch.save`` of plain data (the
+    format, the skeleton as JSON text, the tensors), which loads with ``torch.load(weights_only=True)``."""
+    buffer = io.BytesIO()
+    text = json.dumps(skeleton, separators=(",", ":"))
+    torch.save({"format": FORMAT, "values": text, "tensors": [alone(t) for t in tensors]}, buffer)
+    return buffer.getvalue()
+
+
+def read_file(file: Path, map_location: Any = None) -> Any:
+    """The value that :func:`file_bytes` wrote to ``file``. Raises ``pickle.UnpicklingError`` where the file holds
+    anything but plain data (nothing of it is unpickled), :class:`FormatError` for a file of another format, and
+    one of :data:`MALFORMED` for one whose values no save writes."""
+    saved = torch.load(file, map_location=map_location, weights_only=True)
+    if not isinstance(saved, dict) or saved.get("format") != FORMAT:
+        found = saved.get("format") if isinstance(saved, dict) else None
+        raise FormatError(f"format {found}" if type(found) is int else "no format number")
+    tensors = saved.get("tensors")
+    if not isinstance(saved.get("values"), str) or not isinstance(tensors, list):
+        raise ValueError("its values are not a skeleton and tensors")
+    return decode(json.loads(saved["values"]), tensors)

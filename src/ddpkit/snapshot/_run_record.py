@@ -1,0 +1,221 @@
+"""What a run was built with, recorded in every snapshot, and the check that a snapshot resumes only that run.
+
+A script rerun with another config (another learning rate, a resized layer, another activation) on a run
+directory that already holds snapshots would otherwise "resume" the old run and exit 0. :class:`RunRecord`
+holds what this run asks for: the config, the optimizer's hyper-parameters as the script built them, the model's
+tensor shapes and the class of each of its modules. :meth:`RunRecord.check` compares it with a snapshot's and
+refuses with every difference named and the ways out.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ddpkit import _fs as fs
+from ddpkit._errors import ConfigError
+from ddpkit.distributed._runtime import Runtime
+
+RESUMABLE_CHANGES = frozenset({
+    "run_dir", "resume", "epochs", "max_steps", "num_workers", "eval_batch_size", "raise_on_stop_signal",
+    "on_data_change", "new_rank_state",
+    "weights_format",
+    "snapshot.every_steps", "snapshot.every_epochs", "snapshot.keep", "snapshot.async_write",
+    "snapshot.memory", "snapshot.memory_every_steps",
+    "logging.every_steps", "logging.progress", "logging.tensorboard", "logging.trackers",
+    "early_stopping.patience",
+    "strategy.bucket_cap_mb", "strategy.gradient_as_bucket_view", "strategy.static_graph",
+    "strategy.find_unused_parameters", "strategy.parameters_as_bucket_view", "strategy.reshard_after_forward",
+})  # fmt: skip
+"""Config fields a resume may change: when and how the run stops, records and saves, and how fast the strategy
+communicates, not what the next step computes. (``batch_size`` and ``global_batch_size`` are checked as the
+global batch they make, which may stay the same at another world size.) ``num_workers`` is here because a
+sample's random draws are a function of ``(seed, epoch, index)``, not of the worker that loads it."""
+
+_NOT_COMPARED = frozenset({"batch_size", "global_batch_size", "precision"})  # precision: see precision_change
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+# Optimizer settings that schedulers move during training or that only choose an implementation.
+_OPTIMIZER_IMPLEMENTATION = frozenset({"params", "foreach", "fused", "capturable", "differentiable"})
+
+
+def optimizer_hparams(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """The hyper-parameters of each param group as the script built them (JSON values), and the group sizes.
+
+    Taken when the Trainer is built, before any step: a scheduler has moved ``lr`` by the time a snapshot is
+    written, so the value a resumed run asks for is compared with the value the first run asked for.
+    """
+    out = []
+    for group in optimizer.param_groups:
+        values = {k: v for k, v in group.items() if k not in _OPTIMIZER_IMPLEMENTATION}
+        out.append(json.loads(json.dumps(values, default=str)) | {"params": len(group["params"])})
+    return out
+
+
+def tensor_shapes(state: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """(shape, dtype) of each tensor of a state dict; a sharded tensor (DTensor) gives its global shape."""
+    return {
+        k: (tuple(v.shape), str(v.dtype).removeprefix("torch."))
+        for k, v in state.items()
+        if isinstance(v, torch.Tensor)
+    }
+
+
+def module_types(model: torch.nn.Module) -> dict[str, str]:
+    """The class name of every submodule by name (``""``: the model itself).
+
+    What a resume checks its model's structure against: the same shapes with another activation, or another
+    normalisation, would load and train on silently. Hyper-parameters a module holds (a dropout rate, a
+    negative slope) are not part of it, nor the module a class is defined in: a script's classes are in
+    ``__main__`` when it is run and in its own module when imported. fsdp's ``fully_shard`` swaps each sharded
+    module's class for a subclass (``FSDPLinear``); the class the script built is recorded.
+    """
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # imported only where fsdp is used: costs ~0.9 s
+    sharded = getattr(fsdp, "FSDPModule", None)
+    out = {}
+    for name, module in model.named_modules():
+        cls = type(module)
+        if sharded is not None and isinstance(module, sharded):
+            cls = next(c for c in cls.__mro__ if not issubclass(c, sharded))
+        out[name] = cls.__qualname__
+    return out
+
+
+def flat_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested config (``TrainerConfig.to_json()``) as ``{"snapshot.every_steps": ..., ...}``."""
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, Mapping):
+            out |= flat_config(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """What this run asks for, as a snapshot records it (``state_dict()``) and a resume checks it (:meth:`check`)."""
+
+    config: dict[str, Any]
+    """``TrainerConfig.to_json()``."""
+    optimizer_hparams: list[dict[str, Any]]
+    model_shapes: dict[str, tuple[tuple[int, ...], str]]
+    module_types: dict[str, str]
+
+    @classmethod
+    def of(cls, config: Any, optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> RunRecord:
+        """The record of a run: ``optimizer`` as the script built it (before any scheduler step), ``model``
+        unwrapped."""
+        return cls(
+            config.to_json(), optimizer_hparams(optimizer), tensor_shapes(model.state_dict()), module_types(model)
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "config": self.config,
+            "optimizer_hparams": self.optimizer_hparams,
+            "model_shapes": self.model_shapes,
+            "module_types": self.module_types,
+        }
+
+    def precision_change(self, saved: Mapping[str, Any]) -> tuple[str, str] | None:
+        """``(snapshot's precision, this run's)`` when they differ, else None.
+
+        A resume may change the precision: the snapshot holds fp32 weights and optimizer state under every
+        precision (autocast computes in bf16/fp16 but keeps the parameters in fp32), so the next step is
+        well defined, only not the one the snapshot's run would have taken: such a resume is not bitwise. fp16's
+        GradScaler is the one part that comes or goes: from fp16 it is dropped (the gradients it unscaled are
+        plain gradients); to fp16 a fresh one starts at its initial scale. What stays refused is what the record
+        checks apart from the config: a model whose parameters themselves changed dtype (``model.half()``).
+        """
+        old = (saved.get("config") or {}).get("precision")
+        new = self.config.get("precision")
+        if old is None or old == new:
+            return None
+        return str(old), str(new)
+
+    def check(self, saved: Mapping[str, Any], snapshot: str) -> None:
+        """Refuse the snapshot whose record is ``saved`` unless it was taken by a run like this one, naming every
+        difference. Entries a snapshot does not hold are not compared."""
+        problems = []
+        old, new = flat_config(saved.get("config") or {}), flat_config(self.config)
+        for name, value in new.items():
+            if name in RESUMABLE_CHANGES or name in _NOT_COMPARED or name not in old:
+                continue
+            if old[name] != value:
+                problems.append(f"TrainerConfig.{name}: {old[name]!r} in the snapshot, {value!r} now")
+        old_hparams = saved.get("optimizer_hparams")
+        if old_hparams is not None:
+            if len(old_hparams) != len(self.optimizer_hparams):
+                problems.append(
+                    f"optimizer: {len(old_hparams)} param groups in the snapshot, {len(self.optimizer_hparams)} now"
+                )
+            for i, (was, now) in enumerate(zip(old_hparams, self.optimizer_hparams)):
+                for key in sorted(was.keys() | now.keys()):
+                    if was.get(key) != now.get(key):
+                        problems.append(
+                            f"optimizer param group {i} {key}: {was.get(key)!r} in the snapshot, {now.get(key)!r} now"
+                        )
+        problems += _model_differences(saved.get("model_shapes") or {}, self.model_shapes)
+        if saved.get("module_types") is not None:
+            problems += _module_differences(saved["module_types"], self.module_types)
+        if problems:
+            allowed = ", ".join(sorted(RESUMABLE_CHANGES - {"run_dir", "resume"}))
+            listed = "\n  ".join(problems[:12] + ([f"... and {len(problems) - 12} more"] if len(problems) > 12 else []))
+            raise ConfigError(
+                f"{snapshot} was taken by a run with another config than this one:\n  {listed}\n"
+                "Resuming it would continue that run, not train this one. Give this run a new run_dir, or pass "
+                "TrainerConfig(resume=False) to start afresh in this one (the previous run's snapshots and records "
+                f"are moved aside), or change only what a resume may change ({allowed})"
+            )
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
+
+
+def _module_differences(old: Mapping[str, str], new: Mapping[str, str]) -> list[str]:
+    out = []
+    missing, extra = sorted(new.keys() - old.keys()), sorted(old.keys() - new.keys())
+    if missing:
+        out.append(f"model: submodules not in the snapshot: {_listed(missing)}")
+    if extra:
+        out.append(f"model: submodules only in the snapshot: {_listed(extra)}")
+    for name in [n for n in new if n in old and old[n] != new[n]]:
+        out.append(f"model {name or '(the model itself)'}: {old[name]} in the snapshot, {new[name]} now")
+    return out
+
+
+def _model_differences(old: Mapping[str, tuple], new: Mapping[str, tuple]) -> list[str]:
+    out = []
+    missing, extra = sorted(new.keys() - old.keys()), sorted(old.keys() - new.keys())
+    if missing:
+        out.append(f"model: not in the snapshot: {_listed(missing)}")
+    if extra:
+        out.append(f"model: only in the snapshot: {_listed(extra)}")
+    for name in sorted(old.keys() & new.keys()):
+        (old_shape, old_dtype), (shape, dtype) = old[name], new[name]
+        if tuple(old_shape) != tuple(shape) or old_dtype != dtype:
+            out.append(f"model {name}: {tuple(old_shape)} {old_dtype} in the snapshot, {tuple(shape)} {dtype} now")
+    return out
+
+
+def write_resolved_config(run_dir: Path, config: Any, runtime: Runtime, per_rank_batch: int) -> None:
+    """``run_dir/config.json`` (rank 0): the resolved config, with the world size, per-rank batch and versions."""
+    if not runtime.is_main:
+        return
+    resolved = config.to_json() | {
+        "world_size": runtime.world_size,
+        "per_rank_batch": per_rank_batch,
+        "backend": runtime.backend,
+        "device": str(runtime.device),
+        "torch": torch.__version__,
+    }
+    fs.write_atomic(run_dir / "config.json", (json.dumps(resolved, indent=2, default=str) + "\n").encode())

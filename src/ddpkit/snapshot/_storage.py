@@ -1,0 +1,371 @@
+"""The storage layer under snapshot folders: torch.distributed.checkpoint (DCP) files, read without unpickling.
+
+torch's ``FileSystemReader`` unpickles the folder's index (``.metadata``) and DCP's default load planner
+unpickles every non-tensor item (``torch.load(weights_only=False)``): whoever can write a snapshot folder
+could run code in the job that resumes from it, and the checksums of the marker do not help, as they are
+rewritten as easily. So a snapshot's DCP part holds tensors only (other values go to ``values.pt``, which loads
+with ``weights_only=True``), the index is also written as JSON (``INDEX``: ``metadata.json``), and a resume
+reads only that: each tensor is read with torch's ``weights_only`` loader. The pickled ``.metadata`` stays for
+torch's own tools (``dcp_to_torch_save``, ``dcp.load``), which unpickle it: use those on snapshots you trust.
+
+The files are written through a file system that keeps the ``OSError`` of a failed write: torch's zip writer
+turns a full disk into ``inline_container.cc: unexpected pos 704 vs 598``, and the reason is gone.
+
+The JSON form is written here rather than taken from a library: torch 2.13's one reader that unpickles
+nothing (``HuggingFaceStorageReader``) needs the ``safetensors`` package and a layout of its own, which
+torch's other tools do not read; this keeps DCP's layout, and torch as the only dependency.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import errno
+import io
+import json
+import os
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from ddpkit import _fs as fs
+from ddpkit._errors import ConfigError
+from ddpkit._internals.dcp import set_file_system, storage_info, transformed
+from ddpkit.snapshot import _folders as folders
+from ddpkit.snapshot._chunks import BadIndex, check_chunks
+from ddpkit.snapshot._folders import INDEX, read_bounded
+
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+_DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
+_INDEX_LIMIT = 1 << 30  # JSON of a tensor's place per chunk: ~200 bytes each; a GiB is millions of chunks
+
+
+# -- writing ----------------------------------------------------------------------------------------------
+
+
+class _ErrnoKeepingStream:
+    """A file whose failed writes are recorded (path, OSError) before torch's serializer can swallow them."""
+
+    def __init__(self, stream: Any, path: Path, failures: list[tuple[Path, OSError]]) -> None:
+        self._stream, self._path, self._failures = stream, path, failures
+
+    def _keep(self, call: Any, *args: Any) -> Any:
+        try:
+            return call(*args)
+        except OSError as err:
+            self._failures.append((self._path, err))
+            raise
+
+    def write(self, data: Any) -> int:
+        return self._keep(self._stream.write, data)
+
+    def flush(self) -> None:
+        self._keep(self._stream.flush)
+
+    def close(self) -> None:
+        self._keep(self._stream.close)
+
+    def __getattr__(self, name: str) -> Any:  # tell, fileno, seek...: the file's own
+        return getattr(self._stream, name)
+
+
+class _ErrnoKeepingFileSystem(FileSystem):
+    def __init__(self, failures: list[tuple[Path, OSError]]) -> None:
+        super().__init__()
+        self.failures = failures
+
+    @contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        try:
+            with _open_stream(Path(path), mode) as stream:
+                yield _ErrnoKeepingStream(stream, Path(path), self.failures)
+        except OSError as err:  # opening, or the flush of close()
+            if not any(e is err for _, e in self.failures):
+                self.failures.append((Path(path), err))
+            raise
+
+    # DCP's own path calls follow links; these go through ddpkit._fs, as every write of ddpkit does.
+    def rename(self, path: Any, new_path: Any) -> None:
+        fs.rename(Path(path), Path(new_path))
+
+    def mkdir(self, path: Any) -> None:
+        fs.make_dirs(Path(path))
+
+    def rm_file(self, path: Any) -> None:
+        fs.remove(Path(path), missing_ok=False)
+
+
+def _open_stream(path: Path, mode: str) -> IO[bytes]:
+    """A file of a snapshot, opened never through a link and only if it is this user's regular file."""
+    flags = {"rb": os.O_RDONLY, "wb": os.O_WRONLY | os.O_CREAT | os.O_TRUNC}.get(mode)
+    if flags is None:
+        raise ValueError(f"{path}: mode {mode!r} is not one a snapshot file is opened in")
+    return os.fdopen(fs.open_fd(path, flags, linked="replace"), mode)
+
+
+class Writer(FileSystemWriter):
+    """DCP's file writer, adding the JSON index next to ``.metadata`` and keeping the OS errors of its writes
+    in ``failures`` (this rank's, in order)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)  # one file per rank, fsynced
+        self.failures: list[tuple[Path, OSError]] = []
+        set_file_system(self, _ErrnoKeepingFileSystem(self.failures))
+
+    def finish(self, metadata: Metadata, results: list[list[Any]]) -> None:
+        super().finish(metadata, results)  # pickles the index, with where each item went, to .metadata
+        # Where each item went is taken from the results, not from ``metadata``: torch 2.13 fills it into the
+        # object it is given, earlier versions into a copy of it.
+        where = {result.index: result.storage_data for per_rank in results for result in per_rank}
+        metadata = dataclasses.replace(metadata, storage_data=where)
+        try:
+            fs.write_atomic(Path(self.path) / INDEX, json.dumps(index_to_json(metadata)).encode())
+        except OSError as err:
+            self.failures.append((Path(self.path) / INDEX, err))
+            raise
+
+
+def index_to_json(metadata: Metadata) -> dict[str, Any]:
+    """The parts of DCP's ``Metadata`` a load needs, as JSON values. Non-tensor items are refused: they would
+    be pickles."""
+    tensors = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata):
+            raise TypeError(f"snapshot item {fqn!r} is not a tensor: only tensors go into DCP files")
+        if md.properties.layout != torch.strided:
+            raise TypeError(f"snapshot item {fqn!r} has layout {md.properties.layout}: only strided tensors")
+        tensors[fqn] = {
+            "dtype": str(md.properties.dtype).removeprefix("torch."),
+            "size": list(md.size),
+            "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in md.chunks],
+        }
+    storage = []
+    for index, info in metadata.storage_data.items():
+        if transformed(info):
+            raise TypeError(f"snapshot item {index.fqn!r} was written through a stream transform: not supported")
+        storage.append(
+            {
+                "fqn": index.fqn,
+                "offset": None if index.offset is None else list(index.offset),
+                "file": info.relative_path,
+                "at": info.offset,
+                "length": info.length,
+            }
+        )
+    paths = {k: list(v) for k, v in (metadata.planner_data or {}).items()}
+    # Metadata.version: DCP's format version, recorded from torch 2.7 on.
+    return {"version": getattr(metadata, "version", None), "tensors": tensors, "storage": storage, "paths": paths}
+
+
+# -- why a write failed -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One rank's part in a failed write."""
+
+    what: str
+    file: str | None = None  # relative to the snapshot's folder when inside it
+    disk_full: bool = False
+    errno: int | None = None  # the OS error's number, when the failure was one
+
+
+def os_failure(err: OSError, file: Any, folder: Path) -> Failure:
+    file = Path(err.filename or file)
+    shown = str(file.relative_to(folder)) if file.is_relative_to(folder) else str(file)
+    what = "no space left on device" if err.errno == errno.ENOSPC else (err.strerror or str(err))
+    return Failure(what, shown, err.errno in _DISK_FULL, err.errno)
+
+
+def rank_failure(err: BaseException, kept: list[tuple[Path, OSError]], rank: int, folder: Path) -> Failure | None:
+    """This rank's part in a failed write: the first OS error its files met (torch's serializer replaces a
+    full disk's by a position mismatch), else its own exception; None when DCP reports other ranks' only."""
+    if kept:
+        return os_failure(kept[0][1], kept[0][0], folder)
+    failures = getattr(err, "failures", None)  # DCP's CheckpointException: every failed rank's exception
+    if isinstance(failures, dict) and failures:
+        if rank not in failures:
+            return None
+        err = failures[rank][0]
+    if isinstance(err, OSError):
+        return os_failure(err, folder, folder)
+    text = str(err).strip().splitlines()
+    return Failure(f"{type(err).__name__}: {text[0] if text else ''}")
+
+
+def first_rank_failure(err: BaseException, rank: int | None) -> str:
+    """The lowest failed rank's exception in DCP's ``CheckpointException`` (rank of the group -> (exception,
+    traceback)), as one line; the rank named where it is not ``rank`` (None: a load with no collective, whose
+    failures are this rank's own)."""
+    failures = err.failures  # type: ignore[attr-defined]
+    origin = min(failures)
+    first = failures[origin][0]
+    named = "" if rank is None or origin == rank else f" (on rank {origin})"
+    return f"{type(first).__name__}: {first}{named}"
+
+
+def describe(failures: list[tuple[int, Failure]]) -> str:
+    """``no space left on device (rank 0 writing __0_0.distcp, rank 1 writing __1_0.distcp)``, or each rank's
+    own reason where they differ."""
+
+    def where(rank: int, f: Failure) -> str:
+        return f"rank {rank} writing {f.file}" if f.file else f"rank {rank}"
+
+    whats = {f.what for _, f in failures}
+    if len(whats) == 1:
+        return f"{whats.pop()} ({', '.join(where(r, f) for r, f in failures)})"
+    return "; ".join(f"{where(r, f)}: {f.what}" for r, f in failures)
+
+
+# -- reading ----------------------------------------------------------------------------------------------
+
+
+def _ints(value: Any, what: str) -> list[int]:
+    if not isinstance(value, list) or not all(type(v) is int and v >= 0 for v in value):
+        raise BadIndex(f"{what} is not a list of non-negative integers")
+    return value
+
+
+def _dtype(name: Any, fqn: str) -> torch.dtype:
+    dtype = getattr(torch, name, None) if isinstance(name, str) and name.isidentifier() else None
+    if not isinstance(dtype, torch.dtype):
+        raise BadIndex(f"tensor {fqn!r} has an unknown dtype {name!r}")
+    return dtype
+
+
+def _among(ordered: list[Any], key: Any) -> bool:
+    at = bisect.bisect_left(ordered, key)
+    return at < len(ordered) and ordered[at] == key
+
+
+def index_from_json(data: Any) -> Metadata:
+    """DCP's ``Metadata`` from :func:`index_to_json`'s output, checked: tensors only, files of this folder
+    only (``__R_N.distcp``), sizes and offsets as integers. Raises :class:`BadIndex` naming the problem."""
+    if (
+        not isinstance(data, dict)
+        or not isinstance(data.get("tensors"), dict)
+        or not isinstance(data.get("storage"), list)
+    ):
+        raise BadIndex("it is not an index of tensors")
+    state: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}  # an index of tensors only: no bytes
+    holding: list[tuple[str, tuple[int, ...]]] = []  # (tensor, offsets) of each chunk that holds elements
+    empty: list[tuple[str, tuple[int, ...]]] = []
+    for fqn, md in data["tensors"].items():
+        if not isinstance(md, dict) or not isinstance(md.get("chunks"), list):
+            raise BadIndex(f"item {fqn!r} is not a tensor")
+        if not all(isinstance(c, dict) for c in md["chunks"]):
+            raise BadIndex(f"tensor {fqn!r} has a malformed chunk")
+        chunks = [
+            ChunkStorageMetadata(torch.Size(_ints(c.get("offsets"), fqn)), torch.Size(_ints(c.get("sizes"), fqn)))
+            for c in md["chunks"]
+        ]
+        size = torch.Size(_ints(md.get("size"), fqn))
+        full = check_chunks(fqn, size, chunks)
+        state[fqn] = TensorStorageMetadata(TensorProperties(dtype=_dtype(md.get("dtype"), fqn)), size, full)
+        holding.extend((fqn, tuple(c.offsets)) for c in full)
+        empty.extend((fqn, tuple(c.offsets)) for c in chunks if 0 in c.sizes)
+    # Each storage entry must be a chunk's, found by sorting, never by hashing: an int tuple's hash is not
+    # salted, and entries whose offsets collide (a 64-bit equation, solved for the last coordinate) would make
+    # each insertion below scan all the others. The chunks kept hold elements, so their offsets are distinct
+    # points of their tensor: fewer than 2**63, about one of any 2**64 hashes.
+    holding.sort()
+    empty.sort()
+    storage = {}
+    for entry in data["storage"]:
+        if not isinstance(entry, dict) or not isinstance(entry.get("fqn"), str) or entry["fqn"] not in state:
+            raise BadIndex("a storage entry names no tensor of the index")
+        fqn, name = entry["fqn"], entry.get("file")
+        if not isinstance(name, str) or not _DATA_FILE.match(name):
+            raise BadIndex(f"tensor {fqn!r} is said to be in {name!r}, not a data file of the folder")
+        offset = torch.Size(_ints(entry.get("offset"), fqn))
+        at, length = _ints([entry.get("at"), entry.get("length")], fqn)
+        if _among(holding, (fqn, tuple(offset))):
+            storage[MetadataIndex(fqn, offset)] = storage_info(name, at, length)
+        elif not _among(empty, (fqn, tuple(offset))):  # an empty chunk's: it loads nothing, and is left out
+            raise BadIndex(f"tensor {fqn!r} has a storage entry at {list(offset)[:8]} where it has no chunk")
+    for fqn, md in state.items():
+        for chunk in md.chunks if isinstance(md, TensorStorageMetadata) else ():
+            if MetadataIndex(fqn, chunk.offsets) not in storage:
+                raise BadIndex(f"tensor {fqn!r} has a chunk at {list(chunk.offsets)} that no data file holds")
+    paths = data.get("paths") or {}
+    if not isinstance(paths, dict) or not all(
+        isinstance(p, list) and all(type(k) in (str, int) for k in p) for p in paths.values()
+    ):
+        raise BadIndex("its key paths are malformed")
+    version = data.get("version") if isinstance(data.get("version"), str) else None
+    found = Metadata(
+        state, planner_data={k: tuple(v) for k, v in paths.items()}, storage_data=storage, storage_meta=StorageMeta()
+    )
+    if version is not None and hasattr(found, "version"):  # a field from torch 2.7 on
+        found.version = version
+    return found
+
+
+def read_index(folder: Path) -> Metadata:
+    """The checked index of a snapshot folder (:func:`index_from_json`); ``OSError`` if it is missing."""
+    raw = read_bounded(folder / INDEX, _INDEX_LIMIT)
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as err:  # RecursionError: nested too deep
+        raise BadIndex(f"it is not JSON ({err})") from None
+    return index_from_json(data)
+
+
+class Reader(FileSystemReader):
+    """DCP's file reader over an index already read and checked (:func:`read_index`): ``.metadata`` is never
+    opened. Tensors are read by torch with ``weights_only=True``."""
+
+    def __init__(self, path: Path, index: Metadata) -> None:
+        super().__init__(path)
+        self._index = index
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:
+            # DCP retries with a rank's own index when the global one fails; snapshots have no such file.
+            raise BadIndex("snapshot folders have one index, not one per rank")
+        return self._index
+
+
+class TensorsOnlyPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, minus its unpickling of non-tensor items (the index admits none; this
+    stops one that got through anyway)."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        raise BadIndex(f"item {read_item.dest_index.fqn!r} is not a tensor: refusing to unpickle it")
+
+
+def read_marked_index(folder: Path) -> Any:
+    """DCP's index of the snapshot, from JSON, refused by name unless the marker lists it and every file it reads."""
+    try:
+        # The index, and every data file it reads from, were checked against the marker (by rank 0, in
+        # latest()) only if the marker lists them.
+        files = folders.listed(folders.Found(0, folder))
+        if folders.INDEX not in files:
+            raise BadIndex(f"{folders.MARKER} does not list it")
+        index = read_index(folder)
+        for info in index.storage_data.values():
+            if info.relative_path not in files:
+                raise BadIndex(f"it reads {info.relative_path}, which {folders.MARKER} does not list")
+        return index
+    except (BadIndex, OSError, ValueError) as err:
+        raise ConfigError(
+            f"{folder / folders.INDEX} is not an index ddpkit wrote ({err}): refusing to load {folder}. Remove it "
+            "to resume from the snapshot before it"
+        ) from None

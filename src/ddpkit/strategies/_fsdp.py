@@ -1,0 +1,279 @@
+"""Fully sharded data parallelism: ``torch.distributed.fsdp.fully_shard`` (FSDP2).
+
+Parameters, gradients and optimizer state are sharded over the group's ranks (each holds ``1/N`` of every
+sharded tensor, as a DTensor). A block's parameters are all-gathered just before its forward (and again
+before its backward) and freed after; its gradients are reduce-scattered, so each rank ends the backward
+pass with only its shard of them.
+
+A rank's shard is not the model: whether a step's gradients are finite, and their norm for clipping, are
+decided over all shards, with one all-reduce of two numbers per step (the sum of squares of this rank's
+gradient shard, and whether its loss was finite).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddpkit._errors import ConfigError
+from ddpkit._internals.versions import require_torch
+from ddpkit.distributed._runtime import Runtime
+from ddpkit.nn._batchnorm import convert_sync_batchnorm
+from ddpkit.strategies._base import (
+    GradientVerdict,
+    join_own,
+    rebuild_optimizer,
+    separate_own,
+)
+from ddpkit.strategies._ddp import state_options
+
+# torch.distributed.fsdp and DTensor are imported where used: with torch.distributed.checkpoint they cost ~0.9 s
+# per process, which `import ddpkit` (and every other strategy) need not pay.
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(kw_only=True)
+class FSDPConfig:
+    """The ``fsdp`` strategy and its options: ``TrainerConfig(strategy=FSDPConfig(...))``."""
+
+    name: ClassVar[str] = "fsdp"
+
+    shard_blocks: list[str] = field(default_factory=list)
+    """Class names (``TransformerBlock``, or ``package.module.TransformerBlock``) of the blocks that are
+    sharded, gathered and freed one at a time; the root module holds the rest. Without any, the whole model is
+    one unit: all of it is gathered for the forward pass, and the saving is in optimizer state and gradients."""
+    param_dtype: str | None = None
+    """Mixed precision: the dtype (``bf16``, ``fp16``) parameters are gathered in and the forward and backward
+    run in; sharded parameters and optimizer state stay fp32. None: the parameters' own dtype."""
+    reduce_dtype: str | None = None
+    """The dtype gradients are reduce-scattered in (default: ``param_dtype``); ``fp32`` keeps the reduction
+    exact while computing in 16 bits."""
+    reshard_after_forward: bool = True
+    """Free gathered parameters after each block's forward and gather them again for its backward (least
+    memory); False keeps them from forward to backward (one all-gather less per block)."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state in host memory, and step the optimizer there
+    (for a model that fits only this way; each step copies shards to and from the device)."""
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value is not None and value not in _DTYPES:
+                raise ConfigError(f"{name}={value!r}: pick one of {', '.join(_DTYPES)} or None")
+        if isinstance(self.shard_blocks, str):
+            self.shard_blocks = [self.shard_blocks]
+
+    def mixed_precision(self) -> Any:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return MixedPrecisionPolicy(
+            param_dtype=_DTYPES[self.param_dtype] if self.param_dtype else None,
+            reduce_dtype=_DTYPES[self.reduce_dtype] if self.reduce_dtype else None,
+        )
+
+
+def shard_model(model: nn.Module, mesh: Any, config: FSDPConfig) -> nn.Module:
+    """Apply ``fully_shard`` to each block named in ``config.shard_blocks``, then to the root."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    kwargs: dict[str, Any] = {
+        "mesh": mesh,
+        "mp_policy": config.mixed_precision(),
+        "offload_policy": CPUOffloadPolicy() if config.cpu_offload else OffloadPolicy(),
+    }
+    found = set()
+    for module in list(model.modules())[1:]:
+        cls = type(module)
+        names = {cls.__name__, f"{cls.__module__}.{cls.__qualname__}"}
+        match = names & set(config.shard_blocks)
+        if match:
+            found |= match
+            fully_shard(module, reshard_after_forward=config.reshard_after_forward, **kwargs)
+    missing = set(config.shard_blocks) - found
+    if missing:
+        classes = sorted({type(m).__name__ for m in model.modules()})
+        raise ConfigError(
+            f"shard_blocks names {sorted(missing)}, which the model does not contain: its module classes are {classes}"
+        )
+    # The root's parameters are needed again at once by the backward pass: keep them gathered.
+    fully_shard(model, reshard_after_forward=False, **kwargs)
+    return model
+
+
+FSDP_ON_CPU = (2, 7)
+"""The first torch whose fully_shard runs on CPU tensors: before, it records events on CPU streams, which have
+no ``record_event``."""
+
+
+class FSDPStrategy:
+    """Sharded parameters, gradients and optimizer state; see the module docstring."""
+
+    name = "fsdp"
+    replicated = False
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        runtime: Runtime,
+        config: FSDPConfig | None = None,
+        sync_batchnorm: bool = False,
+    ) -> None:
+        if not runtime.distributed:
+            raise ConfigError(
+                "strategy 'fsdp' shards over a process group: launch with `ddpkit run` (or "
+                "ddpkit.spawn), or use strategy 'ddp' for a single process"
+            )
+        if runtime.device.type == "cpu":
+            require_torch(
+                "strategy 'fsdp' on the CPU (gloo)",
+                FSDP_ON_CPU,
+                instead="use strategy 'ddp' or 'zero' on the CPU, or fsdp on GPUs",
+            )
+        self.config = config or FSDPConfig()
+        self.runtime = runtime
+        group = runtime.group if runtime.group is not None else dist.group.WORLD
+        assert group is not None  # runtime.distributed: the default group exists
+        self.group = group
+        names = {id(p): n for n, p in model.named_parameters()}
+        model = model.to(runtime.device)
+        if sync_batchnorm:
+            model = convert_sync_batchnorm(model, runtime.device, runtime.group)
+        # Ranks start from rank 0's weights, as DDP makes them: fully_shard takes each rank's own copy as the
+        # source of its shard, so replicas that differ would silently give a model that no rank had.
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor.data, src=dist.get_global_rank(self.group, 0), group=self.group)
+        from torch.distributed.device_mesh import DeviceMesh
+
+        mesh = DeviceMesh.from_group(self.group, runtime.device.type)
+        self.model = shard_model(model, mesh, self.config)
+        self.optimizer = rebuild_optimizer(optimizer, dict(self.model.named_parameters()), names)
+        stepped = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        self.params = [p for p in self.model.parameters() if p.requires_grad and id(p) in stepped]
+        self._loss_flags: list[torch.Tensor] = []
+
+    @contextmanager
+    def _unsynced(self) -> Iterator[None]:
+        # Gradients of these micro-batches stay unsharded and local; the last micro-batch's backward
+        # reduce-scatters their sum.
+        from torch.distributed.fsdp import FSDPModule
+
+        root = self.model
+        assert isinstance(root, FSDPModule)  # shard_model's fully_shard made the root one
+        root.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            root.set_requires_gradient_sync(True)
+
+    def no_sync(self) -> AbstractContextManager[Any]:
+        return self._unsynced()
+
+    def mark_nonfinite(self, loss: torch.Tensor) -> torch.Tensor:
+        # No NaN is planted in a gradient (a sharded parameter's gradient arrives by reduce-scatter, on one
+        # rank only): the flag rides on the verdict's all-reduce instead.
+        self._loss_flags.append(~torch.isfinite(loss.detach()).all())
+        return loss
+
+    def check_gradients(self, max_norm: float | None = None) -> GradientVerdict:
+        local = [_local(p.grad) for p in self.params if p.grad is not None]
+        device = local[0].device if local else self.runtime.device
+        sumsq = torch.zeros((), dtype=torch.float64, device=device)
+        for norm in torch._foreach_norm(local) if local else []:
+            sumsq += norm.double() ** 2
+        bad_losses = torch.stack(self._loss_flags).sum() if self._loss_flags else torch.zeros(())
+        self._loss_flags.clear()
+        # Each element of a sharded gradient lives on exactly one rank, so the squares add up over ranks to
+        # the square of the global L2 norm; a NaN or inf in any shard makes the sum non-finite everywhere.
+        totals = torch.stack([sumsq, bad_losses.to(device=device, dtype=torch.float64)])
+        dist.all_reduce(totals, group=self.group)
+        norm = totals[0].sqrt()
+        if not math.isfinite(norm.item()) or totals[1].item():
+            return GradientVerdict(False, norm)
+        if max_norm is not None:
+            # torch's clip_grads_with_norm_ arithmetic, applied to the local shards.
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            torch._foreach_mul_(local, coef.to(local[0].dtype) if local else coef)
+        return GradientVerdict(True, norm)
+
+    @contextmanager
+    def _gathered(self) -> Iterator[None]:
+        # A sharded forward all-gathers each block's parameters, so ranks evaluating different numbers of
+        # batches (unpadded shards) would wait on each other forever. Gather every block once for the whole
+        # evaluation instead (the whole model in memory meanwhile), and keep it gathered across forwards.
+        from torch.distributed.fsdp import FSDPModule
+
+        modules = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+        for module in modules:
+            module.set_reshard_after_forward(False)
+            module.unshard()
+        # Buffers (BatchNorm running statistics) are not sharded and follow each rank's own batches: evaluate
+        # rank 0's everywhere, as DDP does.
+        for buffer in self.model.buffers():
+            dist.broadcast(buffer.data, src=dist.get_global_rank(self.group, 0), group=self.group)
+        try:
+            yield
+        finally:
+            for module in modules:
+                module.reshard()
+                module.set_reshard_after_forward(False if module is self.model else self.config.reshard_after_forward)
+
+    def evaluation(self) -> AbstractContextManager[Any]:
+        return self._gathered()
+
+    def join(self) -> AbstractContextManager[Any]:
+        raise ConfigError(
+            "strategy 'fsdp' cannot join uneven inputs (FSDP's all-gathers have no Join support in torch): give "
+            "every rank the same number of batches (the Trainer's sampler does, as does drop_last=True)"
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=state_options())
+        # Parameters and their optimizer state are DTensors (each rank saves its shard); buffers are not
+        # sharded and follow each rank's own batches.
+        return separate_own({"model": model_state, "optim": optim_state}, self.model)
+
+    def model_weights(self) -> dict[str, Any]:
+        """The whole model's weights on rank 0 of the group, on the CPU (collective: gathered from the shards)."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def full_state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        options = state_options(full_state_dict=True)
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=options)
+        return {"model": model_state, "optim": optim_state}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        state = join_own(state)
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=state_options(),
+        )
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (a view: writing to it writes the gradient), or the tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -1,0 +1,239 @@
+"""What ``ddpkit bench`` and ``ddpkit check`` train: the user's model, data, loss and optimizer, named by one hook.
+
+A script hands its training to the tools by defining a function ``ddpkit_workload()``::
+
+    def ddpkit_workload():
+        model = Net()
+        optimizer = lambda params: torch.optim.Adam(params, lr=1e-3)
+        return model, train_set, F.cross_entropy, optimizer
+
+or, for more control, returning a :class:`Workload`. The tools call it once per run in every rank's process,
+after seeding every rank alike, so it must build a fresh model each time; the script's
+``if __name__ == "__main__":`` block is not run (the file is imported under another name).
+
+A script without the hook that trains with :class:`~ddpkit.Trainer` needs none: the tools run it, with its
+default arguments, up to the point where it builds the Trainer, and take the model, optimizer, data and loss it
+hands the Trainer (:mod:`ddpkit.tools._trainer_capture`). Built-in workloads are named instead of a script:
+``digits`` (the default) and ``lm`` (the language-model example's small GPT).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+from ddpkit._errors import ConfigError
+from ddpkit.training._batch_loss import BatchLossFn, LossFn
+from ddpkit.training._config import TrainerConfig
+from ddpkit.training._losses import cross_entropy
+from ddpkit.training._step import CountFn, batch_len
+
+if TYPE_CHECKING:
+    from ddpkit.tools._trainer_capture import Captured
+
+HOOK = "ddpkit_workload"
+"""The function a script defines for ``ddpkit bench script.py`` and ``ddpkit check script.py``."""
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+LoaderFactory = Callable[[Dataset, int, int, int], Iterable[Any]]
+
+
+def _adam(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=2e-3)
+
+
+@dataclass(kw_only=True)
+class Workload:
+    """One training set-up: what the hook returns (a 4-tuple fills the first four fields)."""
+
+    model: nn.Module
+    """A freshly built model, on the CPU; the tools move and wrap it."""
+    dataset: Dataset
+    """Training samples ``(inputs, targets)``; the same on every rank."""
+    loss_fn: LossFn = F.cross_entropy
+    """``loss_fn(model(inputs), targets)``: a scalar, the mean over the batch as torch's losses return it."""
+    optimizer: OptimizerFactory = _adam
+    """Builds the optimizer from the (wrapped) model's parameters."""
+    batch_size: int = 32
+    """Samples per rank per step; one process takes ``batch_size x ranks`` in ``ddpkit check``."""
+    drop_last: bool = True
+    """For ddpkit's sampler: drop an epoch's last, smaller global batch (False splits it unevenly over ranks)."""
+    loader: LoaderFactory | None = None
+    """The script's own loader, ``loader(dataset, batch_size, rank, world_size)`` giving ``(inputs, targets)``
+    batches; by default ddpkit's :class:`~ddpkit.data.ShardedBatchSampler`. It is read in the training process
+    (no loader workers) and iterated again when an epoch ends."""
+    batch_loss_fn: BatchLossFn | None = None
+    """``batch_loss_fn(model, batch)`` for batches other than ``(inputs, targets)``; replaces ``loss_fn``."""
+    count_fn: CountFn | None = None
+    """How many items (tokens) a batch's mean loss is over (the Trainer's ``count_fn``); None: its samples. The
+    check weighs each rank's mean by it, as the Trainer does."""
+    sync_batchnorm: bool = False
+    """The script normalises over the global batch (a Trainer's ``sync_batchnorm``): the check's runs do too."""
+    name: str = "workload"
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Free-form notes printed with the results (e.g. the dataset's name)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, nn.Module):
+            raise ConfigError(f"{HOOK}() returned a model of type {type(self.model).__name__}: give an nn.Module")
+        if self.batch_size < 1:
+            raise ConfigError(f"batch_size={self.batch_size}: the per-rank batch must be >= 1")
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        if self.batch_loss_fn is not None:
+            return self.batch_loss_fn(model, batch)
+        inputs, targets = batch
+        return self.loss_fn(model(inputs), targets)
+
+    def count(self, batch: Any) -> int:
+        """What the batch's mean loss weighs: its items under ``count_fn``, else its samples."""
+        if self.count_fn is not None:
+            return int(self.count_fn(batch))
+        return batch_len(batch)
+
+
+def digits_workload() -> Workload:
+    """The built-in default: the DDP tutorials' CNN on scikit-learn's 8x8 digits (1,437 training images), Adam."""
+    from ddpkit.demo._datasets import digits
+    from ddpkit.demo._models import DigitsCNN
+
+    return Workload(
+        model=DigitsCNN(image_size=8),
+        dataset=digits("train"),
+        batch_size=32,
+        name="DDP tutorials' CNN on sklearn digits",
+    )
+
+
+def lm_workload() -> Workload:
+    """The language-model example's small GPT (``examples/lm.py``'s defaults) on the stdlib's sources, character
+    by character, with the loss averaged over tokens (the last window of a file is padded), AdamW."""
+    from ddpkit.demo._datasets import CHARS, IGNORE_INDEX, python_source
+    from ddpkit.demo._models import TinyGPT
+
+    def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+
+    return Workload(
+        model=TinyGPT(len(CHARS)),
+        dataset=python_source("train", max_chars=60_000),
+        loss_fn=token_loss,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.95)),
+        batch_size=8,
+        count_fn=lambda batch: (batch[1] != IGNORE_INDEX).sum(),
+        name="small GPT on the stdlib's sources (char-level)",
+    )
+
+
+BUILTINS: dict[str, Callable[[], Workload]] = {"digits": digits_workload, "lm": lm_workload}
+"""Workloads named instead of a script."""
+
+_modules: dict[str, Any] = {}
+
+
+def _load_script(path: str) -> Any:
+    file = Path(path).resolve()
+    if str(file) in _modules:
+        return _modules[str(file)]
+    if not file.is_file():
+        raise ConfigError(f"{path}: no such file; give the training script that defines {HOOK}()")
+    spec = importlib.util.spec_from_file_location(f"_ddpkit_workload_{len(_modules)}", file)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(file.parent))  # the script's own imports of its neighbours
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(file.parent))
+    _modules[str(file)] = module
+    return module
+
+
+def load_workload(script: str | None, world_size: int = 1, args: Sequence[str] = ()) -> Workload:
+    """Call ``script``'s :data:`HOOK`, or capture what it hands a Trainer (for ``world_size`` ranks); or build
+    a built-in workload, named by ``script`` (:data:`BUILTINS`; ``None`` is :func:`digits_workload`). The
+    script sees ``sys.argv == [script, *args]``."""
+    if script is None:
+        return digits_workload()
+    if script in BUILTINS and not Path(script).exists():
+        return BUILTINS[script]()
+    # Imported here: it imports the Trainer (torch's compiler stack, seconds), which a built-in workload or a
+    # script's hook does not need.
+    from ddpkit.tools._trainer_capture import Captured, intercept
+
+    imported = None
+    try:
+        # A script that trains at import (no main guard) stops where it builds its Trainer.
+        with intercept(script, args):
+            hook = getattr(_load_script(script), HOOK, None)
+    except Captured as found:
+        hook, imported = None, found
+    if not callable(hook):
+        captured = capture_trainer(script, world_size, imported, args)
+        if captured is None:
+            raise ConfigError(
+                f"{script} defines no function {HOOK}() and builds no ddpkit.Trainer: add one that returns "
+                "(model, dataset, loss_fn, optimizer_factory) or a ddpkit.tools._workload.Workload, or name a "
+                f"built-in workload ({', '.join(BUILTINS)}); see `ddpkit bench -h`"
+            )
+        return captured
+    argv, sys.argv = sys.argv, [script, *args]  # a hook may read its options too
+    try:
+        out = hook()
+    finally:
+        sys.argv = argv
+    if isinstance(out, Workload):
+        return out
+    if isinstance(out, tuple) and len(out) == 4:
+        model, dataset, loss_fn, optimizer = out
+        return Workload(model=model, dataset=dataset, loss_fn=loss_fn, optimizer=optimizer, name=Path(script).name)
+    raise ConfigError(
+        f"{script}: {HOOK}() returned {type(out).__name__}; return (model, dataset, loss_fn, optimizer_factory) "
+        "or a ddpkit.tools._workload.Workload"
+    )
+
+
+def capture_trainer(
+    script: str, world_size: int, imported: Captured | None = None, args: Sequence[str] = ()
+) -> Workload | None:
+    """The workload of the Trainer ``script`` builds (``imported``: as it did when imported), or None."""
+    from ddpkit.tools._trainer_capture import run_until_trainer
+
+    found = imported or run_until_trainer(script, args)
+    return None if found is None else workload_of(found, script, world_size)
+
+
+def workload_of(found: Captured, script: str, world_size: int) -> Workload:
+    """The :class:`Workload` of a captured Trainer, with the per-rank micro-batch the
+    Trainer would use on ``world_size`` ranks."""
+    names = ("model", "optimizer", "train_data", "config")
+    given = dict(zip(names, found.args)) | {k: v for k, v in found.kwargs.items() if k in names}
+    missing = [n for n in names if n not in given]
+    if missing:
+        raise ConfigError(f"{script}: the Trainer it builds is given no {', '.join(missing)}")
+    config: TrainerConfig = given["config"]
+    optimizer = given["optimizer"]
+    per_rank = config.per_rank_batch(world_size)  # global_batch_size / (ranks x accumulation steps)
+    return Workload(
+        model=given["model"],
+        dataset=given["train_data"],
+        loss_fn=found.kwargs.get("loss_fn") or cross_entropy,
+        batch_loss_fn=found.kwargs.get("batch_loss_fn"),
+        count_fn=found.kwargs.get("count_fn"),
+        # The optimizer the script built holds the model's own parameters, which DDP wraps without copying.
+        optimizer=lambda params: optimizer,
+        batch_size=per_rank,
+        drop_last=config.drop_last,
+        sync_batchnorm=config.sync_batchnorm,
+        name=Path(script).name,
+        extra={"workload": "captured from the Trainer the script builds"},
+    )

@@ -1,0 +1,135 @@
+"""What the main rank writes about a run: metrics as JSON lines and CSV, and TensorBoard or a tracker if asked."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import multiprocessing.util
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from ddpkit import _fs as fs
+
+
+class MetricsWriter:
+    """Appends records to ``run_dir/metrics.jsonl``, epoch summaries to ``run_dir/epochs.csv``.
+
+    Only the main rank writes; other ranks get a writer that does nothing, so call sites need no rank test.
+    Files are opened in append mode at the first record, not when the writer is made: a resumed run continues
+    the same files, and one with ``resume=False`` starts new ones once the previous run's are moved aside
+    (:func:`ddpkit.snapshot._run_dir.claim`). They are opened without following a symbolic link, and a file with
+    a second name (a run directory copied with ``cp -al``) is first replaced by a copy of its own.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        enabled: bool,
+        tensorboard: bool = False,
+        loggers: Sequence[str] = (),
+        params: dict[str, Any] | None = None,
+    ) -> None:
+        self.enabled = enabled
+        self.run_dir = Path(run_dir)
+        self._tensorboard, self._logger_names, self._params = tensorboard, tuple(loggers), params or {}
+        self._jsonl: IO[str] | None = None
+        self._started = False  # TensorBoard and the loggers made (once: each is a run of its own)
+        self._tb = None
+        self._loggers: list[Any] = []
+        if not enabled:
+            return
+        fs.make_dirs(self.run_dir)
+        # A missing extra is named now, when the Trainer is built, not at the first record.
+        if tensorboard:
+            _summary_writer()
+        if loggers:
+            from ddpkit.tracking._trackers import require
+
+            require(self._logger_names)
+
+    def _open(self) -> IO[str]:
+        if self._jsonl is not None:
+            return self._jsonl
+        fs.make_dirs(self.run_dir)
+        self._jsonl = fs.open_append(self.run_dir / "metrics.jsonl", linked="replace")
+        if self._started:
+            return self._jsonl
+        self._started = True
+        if self._tensorboard:
+            self._tb = _summary_writer()(str(self.run_dir / "tensorboard"))
+        if self._logger_names:
+            from ddpkit.tracking._trackers import build
+
+            self._loggers = build(self._logger_names, self.run_dir, self._params)
+            # Closed at exit, also in a process started by multiprocessing (ddpkit.spawn), where atexit hooks
+            # do not run; or when the writer is collected.
+            multiprocessing.util.Finalize(self, _close_all, args=(self._loggers,), exitpriority=10)
+        return self._jsonl
+
+    def log(self, kind: str, step: int, values: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        record = {"kind": kind, "step": step, "time": round(time.time(), 3), **values}
+        self._open().write(json.dumps(record, default=float) + "\n")
+        # Events, and the per-rank lists of a "ranks" record, are not curves; the speed is in the train records.
+        if kind in ("event", "ranks") or not (self._tb is not None or self._loggers):
+            return
+        scalars = {  # epoch and step are the x-axes, not curves
+            k: float(v)
+            for k, v in values.items()
+            if k not in ("epoch", "step") and isinstance(v, (int, float)) and math.isfinite(v)
+        }
+        if self._tb is not None:
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, step)
+        for logger in self._loggers:
+            logger.log(step, scalars)
+
+    def flush(self) -> None:
+        """Push TensorBoard's buffered events to disk (it writes every two minutes otherwise)."""
+        if self._tb is not None:
+            self._tb.flush()
+
+    def epoch_end(self, step: int, values: dict[str, Any]) -> None:
+        """An epoch's record, its row in the CSV, and everything pushed to disk."""
+        self.log("epoch", step, values)
+        self.epoch_row(values)
+        self.flush()
+
+    def epoch_row(self, values: dict[str, Any]) -> None:
+        """One CSV row per epoch; the columns are those of the first row written to the file."""
+        if not self.enabled:
+            return
+        self._open()
+        with fs.open_append(self.run_dir / "epochs.csv", read=True, linked="replace") as f:
+            f.seek(0)
+            header = next(csv.reader(f), None)
+            self._columns = header or list(values)
+            writer = csv.DictWriter(f, fieldnames=self._columns, extrasaction="ignore")
+            if header is None:
+                writer.writeheader()
+            writer.writerow(values)
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def _summary_writer() -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as err:  # pragma: no cover - depends on the optional extra
+        raise ImportError("tensorboard=True needs `pip install 'ddpkit[tensorboard]'`") from err
+    return SummaryWriter
+
+
+def _close_all(loggers: list[Any]) -> None:
+    for logger in loggers:
+        logger.close()

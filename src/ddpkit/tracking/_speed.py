@@ -1,0 +1,77 @@
+"""How fast a run goes: samples (and tokens) a second, MFU, and each rank's phases, at every log window.
+
+What the Trainer holds: :class:`~ddpkit.tracking._timings.StepTimings` (each rank's phases), the FLOPs of a
+sample (:mod:`ddpkit.tracking._flops`, counted at the first step where a peak is known), and the run's slowest
+rank for its summary. See docs/speed.md for how to read the numbers.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddpkit.distributed import Group
+from ddpkit.tracking._flops import FlopCount, device_peak, mfu
+from ddpkit.tracking._timings import RankTimes, RunSpeed, StepTimings, samples_in
+
+
+class Speed:
+    """A run's speed, measured on every rank and gathered at each log window (``LoggingConfig.step_timings``).
+
+    ``peak``: the peak FLOP/s of one device (``LoggingConfig.peak_flops``, else the table's for a known GPU);
+    with one, the FLOPs of the first micro-batch's forward and backward are counted once and MFU is reported.
+    ``compiled`` (the model runs under ``torch.compile``): no MFU (counting would run the first step eagerly),
+    and DDP's buffer broadcast stays in ``compute``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        device: torch.device,
+        *,
+        enabled: bool,
+        precision: str,
+        world_size: int,
+        peak_flops: float | None = None,
+        compiled: bool = False,
+    ) -> None:
+        self.enabled, self.world_size = enabled, world_size
+        self.timings = StepTimings(model, device, enabled, compiled)
+        self.peak = (peak_flops or device_peak(device, precision)) if enabled and not compiled else None
+        self.flops = FlopCount()
+        self._to_count = self.peak is not None
+        self.run = RunSpeed()
+
+    def counting(self, batch: Any) -> AbstractContextManager[None]:
+        """Around the forward and backward of a micro-batch: the first one's FLOPs are counted."""
+        if not self._to_count:
+            return nullcontext()
+        self._to_count = False
+        return self.flops.counting(samples_in(batch))
+
+    def window(self, wall: float, items: float | None, steps: int, group: Group) -> RankTimes | None:
+        """Every rank's phases in the window ending here (collective: every rank calls it); None when off.
+        ``items``: this rank's items (tokens) in the window's steps, under ``count_fn``."""
+        if not self.enabled:
+            return None
+        times = self.timings.window(wall, items or 0.0, steps, group)
+        if steps:
+            self.run.add(times, steps)
+        return times
+
+    def rates(self, times: RankTimes, tokens: bool) -> dict[str, float]:
+        """Samples (and tokens, with ``tokens``) a second over all ranks, and MFU where it is known."""
+        seconds = max(times.wall, 1e-9)
+        out = {"samples_per_s": times.samples / seconds}
+        if tokens:
+            out["tokens_per_s"] = times.items / seconds
+        utilisation = mfu(self.flops.per_sample, out["samples_per_s"], self.peak, self.world_size)
+        if utilisation is not None:
+            out["mfu"] = utilisation
+        return out
+
+    def close(self) -> None:
+        self.timings.close()

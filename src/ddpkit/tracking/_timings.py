@@ -1,0 +1,326 @@
+"""Where each rank's step time goes, and which rank holds the others up.
+
+Each rank splits its steps into phases, in seconds summed over a log window:
+
+- ``data``: blocked in the loader's ``next()`` (the host's wait; the batch's copy to the device is ``compute``);
+- ``compute``: the rest of the forward and backward passes of the step's micro-batches;
+- ``comm``: the gradient synchronisation that the backward did not hide: from the moment the last gradient of
+  the step's synchronising backward is accumulated (a ``post_accumulate_grad`` hook on every parameter) to the
+  moment ``backward()`` returns. DDP all-reduces buckets while the backward still runs; what is left when the
+  last gradient is ready is the wait for the slowest bucket's all-reduce, that is, for the slowest rank to
+  reach it, and the copy of the averaged gradients back. The all-reduce's own time, where the backward hid it,
+  is not in it. Also the broadcast of the module's buffers that DDP does before each forward
+  (``broadcast_buffers``), from DDP's forward starting to the wrapped module's: it too waits for every rank;
+- ``optimizer``: the strategy's gradient check, clipping, the optimizer and per-step scheduler step;
+- ``snapshot``: the copy in memory after a step and the snapshot's save.
+
+A rank's *busy* time is all but ``comm``: in DDP every rank waits at the all-reduce for the slowest, so
+every rank's wall time per step is the same and the slowest rank is the one with the most busy time; the
+others show its excess as ``comm``. At each window's end the ranks' phases travel in one all-gather of a few
+float64 per rank, beside the loss's all-reduce (one more small collective per window, none per step).
+
+On the CPU the phases are host clock times. On CUDA, ``compute``, ``comm`` and ``optimizer`` are read from CUDA
+events on the current stream (the host runs ahead of the device, and its clock would show where it waited, not
+where the device worked), resolved at the window's end, when the loss's agreement waits for the device anyway.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ddpkit.distributed import Group
+from ddpkit.distributed._collectives import comm_device, is_live
+
+PHASES = ("data", "compute", "comm", "optimizer", "snapshot")
+BUSY = ("data", "compute", "optimizer", "snapshot")  # a rank's own work; comm is waiting for the others
+SLOW_RATIO = 1.2
+"""A rank is named slow when its busy time per step is more than this times the median rank's, ..."""
+SLOW_SHARE = 0.05
+"""... and the excess is at least this share of the step's wall time (a tiny phase's noise is not news)."""
+
+
+def samples_in(batch: Any) -> int:
+    """The samples of a batch: the first dimension of its (first) tensor, as the Trainer counts them."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0]
+    if isinstance(batch, Mapping):
+        return samples_in(next(iter(batch.values())))
+    if isinstance(batch, (list, tuple)):
+        return samples_in(batch[0])
+    raise TypeError(f"cannot tell the batch size of a {type(batch).__name__}; batches hold tensors")
+
+
+class StepTimings:
+    """This rank's phase times since the last window's end (see the module's docstring).
+
+    The Trainer calls :meth:`start_step`, :meth:`before_optimizer`, :meth:`after_optimizer` around each step,
+    iterates the loader through :meth:`loader`, and wraps snapshot work in :meth:`phase`. Disabled, every call
+    is a no-op and the loader is iterated as is. ``compiled`` (the model runs under ``torch.compile``): DDP's
+    broadcast of buffers before the forward is not timed as ``comm`` (it stays in ``compute``).
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device, enabled: bool = True, compiled: bool = False) -> None:
+        self.enabled = enabled
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self.samples = 0  # this rank's samples read in the window
+        self._cuda = enabled and device.type == "cuda"
+        self._events: list[Any] = []  # CUDA: free events, reused from window to window
+        self._used: list[Any] = []  # CUDA: the window's events
+        self._data_in_compute = 0.0  # CUDA: host data waits inside the compute spans
+        self._spans: dict[str, list[tuple[Any, Any]]] = {p: [] for p in ("compute", "comm", "optimizer")}
+        self._last_grad: Any = None
+        self._hooks = []
+        self._forward_start: Any = None
+        self._stepping = False  # between start_step and before_optimizer: an evaluation's forward is not a step's
+        if enabled:
+            self._hooks = [
+                p.register_post_accumulate_grad_hook(self._grad_ready) for p in model.parameters() if p.requires_grad
+            ]
+            # Under torch.compile the forward's hooks would be traced (a clock read in the graph): not timed there.
+            if isinstance(model, DistributedDataParallel) and not compiled:
+                self._hooks.append(model.register_forward_pre_hook(self._ddp_forward))
+                self._hooks.append(model.module.register_forward_pre_hook(self._module_forward))
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    # The clock: host seconds on the CPU, CUDA events (resolved at the window's end) on a GPU.
+    def _mark(self) -> Any:
+        if not self._cuda:
+            return time.perf_counter()
+        event = self._events.pop() if self._events else torch.cuda.Event(enable_timing=True)
+        event.record()
+        self._used.append(event)
+        return event
+
+    def _span(self, phase: str, start: Any, end: Any) -> None:
+        if self._cuda:
+            self._spans[phase].append((start, end))
+        else:
+            self.seconds[phase] += end - start
+
+    def _grad_ready(self, _param: torch.Tensor) -> None:
+        if not self._cuda:
+            self._last_grad = time.perf_counter()
+            return
+        if self._last_grad is None:  # one event per backward, recorded again at each later gradient
+            self._last_grad = self._mark()
+        else:
+            self._last_grad.record()
+
+    def _ddp_forward(self, _module: nn.Module, _args: Any) -> None:
+        if self._stepping:
+            self._forward_start = self._mark()
+
+    def _module_forward(self, _module: nn.Module, _args: Any) -> None:
+        if self._forward_start is not None:
+            self._span("comm", self._forward_start, self._mark())
+            self._forward_start = None
+
+    def loader(self, batches: Iterable[Any]) -> Iterable[Any]:
+        """``batches``, its ``next()`` timed as ``data``; ``iter()`` is called now, as the caller would."""
+        return self._timed(iter(batches)) if self.enabled else batches
+
+    def _timed(self, it: Iterator[Any]) -> Iterator[Any]:
+        seconds, clock = self.seconds, time.perf_counter
+        while True:
+            start = clock()
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            seconds["data"] += clock() - start
+            self.samples += samples_in(batch)
+            yield batch
+
+    def start_step(self) -> None:
+        """Before the step reads its first micro-batch."""
+        if self.enabled:
+            self._start, self._data_before, self._comm_before = self._mark(), self.seconds["data"], self.seconds["comm"]
+            self._last_grad, self._stepping = None, True
+
+    def before_optimizer(self) -> None:
+        """After the step's last backward (the synchronising one) has returned."""
+        if not self.enabled:
+            return
+        self._mid = now = self._mark()
+        self._stepping = False
+        data = self.seconds["data"] - self._data_before
+        if self._last_grad is not None:
+            comm_start, self._last_grad = self._last_grad, None
+            self._span("comm", comm_start, now)
+        if self._cuda:  # the host's data wait is device idle time inside the span: taken out at the window's end
+            self._spans["compute"].append((self._start, now))
+            self._data_in_compute += data
+        else:
+            self.seconds["compute"] += now - self._start - data - (self.seconds["comm"] - self._comm_before)
+
+    def after_optimizer(self) -> None:
+        """After the optimizer step (taken or skipped)."""
+        if self.enabled:
+            self._span("optimizer", self._mid, self._mark())
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time the body as ``name`` (host time: snapshot work waits for what it copies)."""
+        if not self.enabled:
+            yield
+            return
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - start
+
+    def _resolve(self) -> dict[str, float]:
+        """The window's phase seconds; on CUDA, waits for the window's last event."""
+        seconds = dict(self.seconds)
+        if self._cuda:
+            torch.cuda.current_stream().synchronize()
+            for phase, spans in self._spans.items():
+                seconds[phase] += sum(a.elapsed_time(b) for a, b in spans) / 1000
+                spans.clear()
+            seconds["compute"] -= seconds["comm"] + self._data_in_compute
+            self._data_in_compute = 0.0
+            self._events += self._used
+            self._used = []
+        return seconds
+
+    def window(self, wall: float, items: float, steps: int, group: Group = None) -> RankTimes:
+        """Every rank's phases of the window that ends here, in ``steps`` steps and ``wall`` seconds on this
+        rank; this rank's ``items`` (tokens) too. Collective: one all-gather; every rank calls it at the same
+        window's end. The window's counts start afresh."""
+        seconds = self._resolve()
+        local = [seconds[p] for p in PHASES] + [wall, float(self.samples), float(items)]
+        self.seconds.update(dict.fromkeys(PHASES, 0.0))  # in place: the loader's pass holds this dict
+        self.samples = 0
+        if is_live(group):
+            mine = torch.tensor(local, dtype=torch.float64, device=comm_device(group))
+            rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(rows, mine, group=group)
+            table = [row.tolist() for row in rows]
+        else:
+            table = [local]
+        per_step = 1000 / max(steps, 1)
+        ms = {p: [row[i] * per_step for row in table] for i, p in enumerate(PHASES)}
+        return RankTimes(
+            ms=ms,
+            step_ms=[row[len(PHASES)] * per_step for row in table],
+            wall=wall,
+            samples=sum(row[len(PHASES) + 1] for row in table),
+            items=sum(row[len(PHASES) + 2] for row in table),
+        )
+
+
+@dataclass(frozen=True)
+class Slowest:
+    rank: int
+    excess_ms: float
+    """Its busy time per step minus the median rank's."""
+    ratio: float
+    """Its busy time over the median rank's."""
+    phase: str
+    """The busy phase whose excess over that phase's median is the largest."""
+    slow: bool
+    """Over both thresholds (``SLOW_RATIO``, ``SLOW_SHARE``): worth naming."""
+
+    def text(self) -> str:
+        return f"rank {self.rank} +{self.excess_ms:.3g}ms ({self.phase})"
+
+
+@dataclass(frozen=True)
+class RankTimes:
+    """A window's phases per rank, in ms per step (lists in rank order), and the samples of all ranks."""
+
+    ms: dict[str, list[float]]
+    step_ms: list[float]
+    """Each rank's wall time per step (the window's wall time over its steps)."""
+    wall: float
+    """This rank's window, in seconds."""
+    samples: float
+    items: float
+
+    @property
+    def busy_ms(self) -> list[float]:
+        return [sum(self.ms[p][r] for p in BUSY) for r in range(len(self.step_ms))]
+
+    def slowest(self) -> Slowest:
+        busy = self.busy_ms
+        rank = max(range(len(busy)), key=busy.__getitem__)
+        median = statistics.median(busy)
+        excess = busy[rank] - median
+        phase = max(BUSY, key=lambda p: self.ms[p][rank] - statistics.median(self.ms[p]))
+        ratio = busy[rank] / median if median > 0 else float("inf") if busy[rank] > 0 else 1.0
+        slow = ratio > SLOW_RATIO and excess >= SLOW_SHARE * statistics.median(self.step_ms)
+        return Slowest(rank, excess, ratio, phase, slow)
+
+    def record(self) -> dict[str, Any]:
+        """The window's ``ranks`` record: per-rank lists, and the slowest rank."""
+        out: dict[str, Any] = {f"{p}_ms": _rounded(v) for p, v in self.ms.items()}
+        out |= {"busy_ms": _rounded(self.busy_ms), "step_ms": _rounded(self.step_ms)}
+        s = self.slowest()
+        out |= {
+            "slowest_rank": s.rank,
+            "slowest_excess_ms": round(s.excess_ms, 3),
+            "slowest_ratio": round(s.ratio, 3),
+            "slowest_phase": s.phase,
+            "slow": s.slow,
+        }
+        return out
+
+
+def _rounded(values: list[float]) -> list[float]:
+    return [round(v, 3) for v in values]
+
+
+class RunSpeed:
+    """The run's slowest rank over all its windows: busy ms summed per rank, and the windows each named slow."""
+
+    def __init__(self) -> None:
+        self.busy: list[float] = []
+        self.phases: dict[str, list[float]] = {}
+        self.step_ms: list[float] = []
+        self.slow_windows: dict[int, int] = {}
+        self.windows = 0
+
+    def add(self, times: RankTimes, steps: int) -> None:
+        if not self.busy:
+            self.busy = [0.0] * len(times.step_ms)
+            self.phases = {p: [0.0] * len(times.step_ms) for p in PHASES}
+            self.step_ms = [0.0] * len(times.step_ms)
+        for r, v in enumerate(times.busy_ms):
+            self.busy[r] += v * steps
+            self.step_ms[r] += times.step_ms[r] * steps
+            for p in PHASES:
+                self.phases[p][r] += times.ms[p][r] * steps
+        self.windows += 1
+        slowest = times.slowest()
+        if slowest.slow:
+            self.slow_windows[slowest.rank] = self.slow_windows.get(slowest.rank, 0) + 1
+
+    def summary(self) -> str | None:
+        """A line for the run's summary: the slowest rank over the run, its excess and phase."""
+        if not self.busy:
+            return None
+        total = RankTimes(ms=self.phases, step_ms=self.step_ms, wall=0.0, samples=0.0, items=0.0).slowest()
+        named = self.slow_windows.get(total.rank, 0)
+        if len(self.busy) == 1:
+            return None
+        windows = f"slow in {named} of {self.windows} windows"
+        if total.slow:
+            return (
+                f"  slowest rank {total.rank}: {total.ratio:.2f}x the median busy time, mostly {total.phase}; {windows}"
+            )
+        return f"  ranks even (busiest: rank {total.rank}, {total.ratio:.2f}x the median busy time); {windows}"

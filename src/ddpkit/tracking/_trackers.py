@@ -1,0 +1,122 @@
+"""MLflow and Weights & Biases: the records the CSV and TensorBoard get, sent to an experiment tracker too.
+
+``TrainerConfig(logging=LoggingConfig(trackers=("mlflow", "wandb")))``; each is an optional extra
+(``pip install 'ddpkit[mlflow]'``, ``'ddpkit[wandb]'``). Only the main rank logs. Both work without a server
+or an account:
+
+- MLflow logs to ``$MLFLOW_TRACKING_URI`` if set, else to a local SQLite store, ``run_dir/mlflow.db`` (MLflow 3
+  refuses new file stores; browse it with ``mlflow ui --backend-store-uri sqlite:///run_dir/mlflow.db``);
+  experiment ``$MLFLOW_EXPERIMENT_NAME`` or ``ddpkit``;
+- W&B logs online when it has an API key, and offline to ``run_dir/wandb`` otherwise (or with
+  ``WANDB_MODE=offline``; ``wandb sync`` uploads later); project ``$WANDB_PROJECT`` or ``ddpkit``.
+
+A resumed run continues the same tracker run: their ids are kept in ``run_dir/loggers.json``. Work redone after
+a crash is logged again at the same steps; MLflow keeps both values, W&B ignores steps lower than one it has
+seen (so it keeps the first).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from ddpkit import _fs as fs
+
+LOGGERS = ("mlflow", "wandb")
+
+
+def _ids(run_dir: Path) -> dict[str, str]:
+    path = run_dir / "loggers.json"
+    return json.loads(fs.read_bytes(path)) if os.path.lexists(path) else {}
+
+
+def _remember(run_dir: Path, name: str, run_id: str) -> None:
+    ids = _ids(run_dir) | {name: run_id}
+    fs.write_atomic(run_dir / "loggers.json", (json.dumps(ids) + "\n").encode())
+
+
+def _need(module: str, extra: str) -> Any:
+    try:
+        return __import__(module)
+    except ImportError as err:
+        raise ImportError(f"LoggingConfig(trackers=[{extra!r}]) needs `pip install 'ddpkit[{extra}]'`") from err
+
+
+class MLflowLogger:
+    def __init__(self, run_dir: Path, params: dict[str, Any]) -> None:
+        mlflow = _need("mlflow", "mlflow")
+        from mlflow.entities import Metric, Param
+
+        self._metric = Metric
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
+        if not os.environ.get("MLFLOW_TRACKING_URI"):  # SQLite writes it in place: a copied run's is its own
+            fs.unshare(run_dir / "mlflow.db")
+        self.client = mlflow.MlflowClient(tracking_uri=uri)
+        self.run_id = _ids(run_dir).get("mlflow")
+        if self.run_id is None:
+            name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "ddpkit")
+            found = self.client.get_experiment_by_name(name)
+            experiment = found.experiment_id if found else self.client.create_experiment(name)
+            self.run_id = self.client.create_run(experiment, run_name=run_dir.name).info.run_id
+            # MLflow's params are flat: a nested config's fields as `logging.every_steps`.
+            self.client.log_batch(self.run_id, params=[Param(k, str(v)[:500]) for k, v in _flat(params).items()])
+            _remember(run_dir, "mlflow", self.run_id)
+        else:
+            self.client.update_run(self.run_id, status="RUNNING")
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[self._metric(k, v, now, step) for k, v in values.items()])
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+class WandbLogger:
+    def __init__(self, run_dir: Path, params: dict[str, Any]) -> None:
+        wandb = _need("wandb", "wandb")
+        offline = not (os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE"))
+        run_id = _ids(run_dir).get("wandb") or uuid.uuid4().hex[:8]
+        # Without a key wandb.init would ask for one on the terminal; offline it needs none.
+        self.run = wandb.init(
+            dir=str(run_dir),
+            project=os.environ.get("WANDB_PROJECT", "ddpkit"),
+            name=run_dir.name,
+            id=run_id,
+            resume="allow",
+            config=params,
+            mode="offline" if offline else None,
+        )
+        _remember(run_dir, "wandb", run_id)
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        self.run.log(values, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def require(names: tuple[str, ...] | list[str]) -> None:
+    """Import each logger's package now, so that a missing extra is named before training starts."""
+    for name in names:
+        _need(name, name)
+
+
+def _flat(params: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in params.items():
+        if isinstance(value, dict):
+            out |= _flat(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def build(names: tuple[str, ...] | list[str], run_dir: Path, params: dict[str, Any]) -> list[Any]:
+    """The loggers named (``"mlflow"``, ``"wandb"``), for the main rank."""
+    classes = {"mlflow": MLflowLogger, "wandb": WandbLogger}
+    return [classes[name](run_dir, params) for name in names]

@@ -1,0 +1,135 @@
+"""Exact distributed evaluation: every sample counted once, metrics reduced as sums and counts.
+
+Ranks hold shares that differ by up to one sample (see :mod:`ddpkit.data`), so they run different numbers of
+batches. Nothing collective may happen per batch: evaluation calls the unwrapped module (a DDP forward can
+broadcast buffers, a collective a rank with fewer batches would never join) and reduces once at the end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset
+
+from ddpkit._errors import ConfigError
+from ddpkit.data import build_eval_loader, to_device
+from ddpkit.distributed import Group
+from ddpkit.distributed._collectives import MetricSums
+from ddpkit.distributed._runtime import get_runtime
+from ddpkit.strategies._prepare import unwrap
+from ddpkit.training._losses import check_classification
+
+MetricFn = Callable[[nn.Module, Any], Mapping[str, Any]]
+"""``metric_fn(model, batch)`` returns named per-sample values (shape ``[batch]``), or ``(sum, count)`` pairs;
+the means over all samples are reported."""
+
+
+_METRIC_FN = "pass metric_fn=lambda model, batch: {name: per-sample values}, which reads the batch as it is"
+
+
+def inputs_and_targets(batch: Any, remedy: str) -> tuple[Any, Any]:
+    """``batch`` as ``(inputs, targets)``, each a tensor or a sequence of them (the inputs may be a dict); else a ConfigError that says what
+    the batch is and ends with ``remedy``. Unpacking a dict of two keys would give the keys (strings), which fail
+    later inside the model; of three keys, Python's "too many values to unpack"."""
+    pair = isinstance(batch, (list, tuple)) and len(batch) == 2
+    # The inputs go to model(inputs) whole: a dict of them is the model's business, a dict of targets is not.
+    if (
+        pair
+        and isinstance(batch[0], (torch.Tensor, list, tuple, Mapping))
+        and isinstance(batch[1], (torch.Tensor, list, tuple))
+    ):
+        return batch[0], batch[1]
+    if isinstance(batch, Mapping):
+        what = f"a dict with keys {list(batch)}"
+    elif isinstance(batch, (list, tuple)):
+        what = f"a {type(batch).__name__} of {len(batch)} ({', '.join(type(part).__name__ for part in batch)})"
+    else:
+        what = f"a {type(batch).__name__}"
+    raise ConfigError(f"the batch is {what}, not an (inputs, targets) pair of tensors: {remedy}")
+
+
+def classification_metrics(model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+    """Per-sample cross-entropy ``loss`` and ``accuracy`` for an ``(input, class index)`` batch.
+
+    Refuses a model with one output column or float targets (a regression model): both would report numbers
+    that mean nothing (a loss of 0, an accuracy of 0); use :func:`regression_metrics` there."""
+    inputs, targets = inputs_and_targets(batch, _METRIC_FN)
+    logits = model(inputs)
+    check_classification(logits, targets, "classification_metrics (evaluate's default metric_fn)", indices_only=True)
+    return {
+        "loss": F.cross_entropy(logits, targets, reduction="none"),
+        "accuracy": (logits.argmax(dim=1) == targets).float(),
+    }
+
+
+def regression_metrics(model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+    """Per-sample mean squared error ``loss`` (averaged over output features) for an ``(input, target)`` batch."""
+    inputs, targets = inputs_and_targets(batch, _METRIC_FN)
+    err = (model(inputs) - targets).pow(2)
+    return {"loss": err.reshape(err.shape[0], -1).mean(dim=1)}
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    data: Dataset | Iterable[Any],
+    metric_fn: MetricFn = classification_metrics,
+    *,
+    batch_size: int = 256,
+    group: Group = None,
+    autocast: Callable[[], Any] | None = None,
+) -> dict[str, float]:
+    """Means of ``metric_fn``'s per-sample values over every sample of ``data``, on every rank.
+
+    ``data`` is a dataset (sharded here with no padding) or a loader that is already sharded without padding,
+    such as one from :func:`~ddpkit.build_eval_loader`. Every rank of ``group`` must call this.
+    """
+    # Anything else is taken for a map-style dataset; build_eval_loader refuses one that is not.
+    loader = (
+        data
+        if isinstance(data, (DataLoader, list))
+        else build_eval_loader(cast(Dataset, data), batch_size, group=group)
+    )
+    module = unwrap(model)
+    _sync_buffers(model)
+    device = get_runtime().device
+    modes = [(m, m.training) for m in module.modules()]  # a frozen BatchNorm stays in eval mode afterwards
+    module.eval()
+    sums = MetricSums()
+    try:
+        for batch in loader:
+            batch = to_device(batch, device)
+            if autocast is not None:
+                with autocast():
+                    values = metric_fn(module, batch)
+            else:
+                values = metric_fn(module, batch)
+            for name, value in values.items():
+                if isinstance(value, tuple):
+                    sums.update(name, value[0], count=int(value[1]))
+                else:
+                    sums.update(name, value)
+    finally:
+        for m, training in modes:
+            m.training = training
+    return sums.compute(group)
+
+
+def _sync_buffers(model: nn.Module) -> None:
+    """Give every rank rank 0's buffers (BatchNorm running statistics), as DDP's next forward would.
+
+    After a training step each rank's running statistics hold its own last update; DDP copies rank 0's at the
+    start of the next forward, but evaluation calls the unwrapped module, so without this each rank would
+    evaluate a slightly different model and the metrics would describe none of them.
+    """
+    if isinstance(model, DDP) and model.broadcast_buffers:
+        group = model.process_group
+        src = dist.get_global_rank(group, 0)
+        for buffer in model.module.buffers():
+            dist.broadcast(buffer.data, src=src, group=group)

@@ -1,0 +1,375 @@
+"""The training step: a batch from the loader to ``optimizer.step()``, in the order it runs.
+
+1. :func:`epoch_steps` cuts the rest of an epoch into optimizer steps of ``grad_accum_steps`` micro-batches
+   (fewer at an epoch's end), each with its divisor (:func:`loss_divisor`) and its place in the global batch.
+2. :class:`TrainStep` runs one: the gradients set to None; for each micro-batch, under the strategy's
+   ``no_sync()`` but the last, the forward under autocast (:func:`autocast`), the loss into the
+   :class:`~ddpkit.training._loss_window.LossWindow`, the loss divided by its divisor and backward (through the
+   fp16 scaler, :func:`grad_scaler`); then :class:`OptimizerStep`: unscale, the strategy's verdict (clipping),
+   the step or its skip, the scheduler.
+
+One rule says what a micro-batch's mean loss is divided by, for samples and for items (a language model's
+tokens, ``count_fn``) alike, :func:`loss_divisor`::
+
+    DDP averages the ranks' gradients and micro-batch gradients add up, so the
+    step's gradient is sum_i grad(mean_i) / d_i / world. With
+    d_i = total / (count_i * world) that is sum_i count_i * grad(mean_i) / total:
+    every sample (item) alike, whichever rank and micro-batch holds it.
+
+For samples ``total`` is known from the sampler; when every micro-batch is full, ``d_i`` is the number of
+micro-batches (exactly: integers). Averaging the ranks' means instead would weigh the samples of a rank with
+fewer more (an epoch's last, uneven batch). Items differ between micro-batches (padding, ``ignore_index``), so
+their total needs every rank's counts before the first backward: the step's micro-batches are read first (they
+are already in memory or prefetched), counted, and ONE all-reduce of one number per step, issued asynchronously,
+overlaps the first forward. Scaling the losses, not the gradients, needs no pass over the gradients and comes
+before the strategy's finiteness check and clipping.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddpkit._errors import ConfigError
+from ddpkit.data._loader import to_device
+from ddpkit.data._sampler import ShardedBatchSampler
+from ddpkit.distributed import Group
+from ddpkit.distributed import _progress as marks
+from ddpkit.distributed._collectives import all_reduce, comm_device, is_live
+from ddpkit.distributed._progress import Phase
+from ddpkit.distributed._seeding import stream_seed
+from ddpkit.nn._dropout import BatchLayout, batch_layout
+from ddpkit.snapshot._state import TrainState
+from ddpkit.strategies import Strategy
+from ddpkit.tracking._speed import Speed
+from ddpkit.training._batch_loss import BatchLoss, CountFn, batch_len
+from ddpkit.training._config import TrainerConfig
+from ddpkit.training._loss_window import LossWindow
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    batch: Any
+    samples: int
+    """This rank's samples in it (its items, such as tokens, under ``count_fn``)."""
+    divisor: float
+    """What its mean loss is divided by (:func:`loss_divisor`)."""
+    last: bool
+    """The step's last micro-batch: its backward synchronises the gradients."""
+    index: int
+    """Its global batch's number in the epoch."""
+
+
+@dataclass(frozen=True)
+class Step:
+    """One optimizer step of an epoch; ``micro_batches`` reads them from the loader as the step trains."""
+
+    micro_batches: Iterator[MicroBatch]
+    first: int
+    """The number, in the epoch, of its first global batch."""
+    count: int
+    """How many micro-batches it has."""
+    cursor: int
+    """The epoch's cursor once the step is taken: samples trained on, over all ranks."""
+    last_in_epoch: bool
+
+
+def loss_divisor(count: Any, world_size: int, total: Any) -> Any:
+    """What a rank divides a micro-batch's mean loss over ``count`` samples (or items) by, so that the step
+    follows the mean over the ``total`` samples (items) of the step on all ranks (see the module's docstring).
+    Numbers for samples; float64 tensors for items (counts, exact up to 2**53)."""
+    return total / (count * world_size)
+
+
+def epoch_steps(
+    batches: Iterable[Any], sampler: ShardedBatchSampler, accum: int, first: int, device: torch.device | None = None
+) -> Iterator[Step]:
+    """The steps of the rest of an epoch whose first untrained global batch is number ``first``; ``batches`` is
+    the loader's pass over them (moved to ``device`` when given). A step's micro-batches must be read before
+    the next step is asked for."""
+    it = iter(batches)
+    end = sampler.steps_per_epoch
+    world, micro_global = sampler.world_size, sampler.global_batch_size
+    for start in range(first, end, accum):
+        count = min(accum, end - start)
+        step_samples = sampler.samples_in_step(start, accum)
+
+        def micro_batches(
+            start: int = start, count: int = count, step_samples: int = step_samples
+        ) -> Iterator[MicroBatch]:
+            for index in range(start, start + count):
+                batch = next(it)
+                if device is not None:
+                    batch = to_device(batch, device)
+                n = batch_len(batch)
+                divisor = float(loss_divisor(n, world, step_samples))
+                yield MicroBatch(batch, n, divisor, last=index == start + count - 1, index=index)
+
+        yield Step(
+            micro_batches(),
+            start,
+            count,
+            min((start + count) * micro_global, sampler.num_samples),
+            last_in_epoch=start + count == end,
+        )
+
+
+def step_layout(sampler: ShardedBatchSampler, micro: int, accum: int, seed: int, epoch: int) -> BatchLayout:
+    """This rank's place in the global batch of the optimizer step that micro-batch ``micro`` belongs to.
+
+    Keyed by the step, not the micro-batch, so :class:`~ddpkit.nn._dropout.GlobalBatchDropout` draws the same
+    masks with or without gradient accumulation: sample ``p`` of a step's global batch gets row ``p`` of its mask.
+    """
+    size, offset = sampler.place_in_step(micro, accum)
+    return BatchLayout(size, offset, key=stream_seed("dropout", seed, epoch, micro // accum))
+
+
+class WeightedStep:
+    """A step's micro-batches with their item counts (``count_fn``), the all-reduce of the step's total in flight.
+
+    Iterating yields the micro-batches with ``samples`` the item count; :meth:`divisor` of a micro-batch waits
+    for the total only when its loss is about to be scaled, so the all-reduce overlaps the first forward.
+    """
+
+    def __init__(self, step: Step, count_fn: CountFn, world_size: int, group: Group = None) -> None:
+        # Read every micro-batch of the step: the total must be known before the first backward.
+        self.micro = list(step.micro_batches)
+        self.world_size = world_size
+        self.counts = [_as_count(count_fn(m.batch)) for m in self.micro]
+        device = comm_device(group)
+        self.total = torch.stack([c.to(device) for c in self.counts]).sum()
+        self._work = dist.all_reduce(self.total, group=group, async_op=True) if is_live(group) else None
+
+    @classmethod
+    def of(cls, step: Step, count_fn: CountFn | None, world_size: int, group: Group = None) -> WeightedStep | None:
+        """The weighted step, or None without ``count_fn`` (the step weighs samples)."""
+        return None if count_fn is None else cls(step, count_fn, world_size, group)
+
+    def __iter__(self) -> Iterator[MicroBatch]:
+        for micro, count in zip(self.micro, self.counts):
+            yield replace(micro, samples=count)  # type: ignore[arg-type]  # a count: int or a 0-dim tensor
+
+    def divisor(self, micro: MicroBatch) -> torch.Tensor:
+        """The divisor of ``micro``'s mean loss; the first call waits for the step's total."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        count = micro.samples if isinstance(micro.samples, torch.Tensor) else torch.tensor(micro.samples)
+        return loss_divisor(count.to(self.total.device, torch.float64), self.world_size, self.total)
+
+
+def scale_loss(loss: torch.Tensor, micro: MicroBatch, weighted: WeightedStep | None) -> torch.Tensor:
+    """``micro``'s mean loss divided by its divisor in the step: per item with ``weighted``, else per sample."""
+    if weighted is not None:
+        return loss / weighted.divisor(micro).to(loss.dtype)
+    return loss / micro.divisor if micro.divisor != 1 else loss  # 1: the loss as it is, bit for bit
+
+
+def _as_count(value: Any) -> torch.Tensor:
+    # float64: counts stay exact up to 2**53 items, where float32 would round above 2**24.
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"count_fn returned a tensor of shape {tuple(value.shape)}: return one number")
+        return value.detach().reshape(()).to(torch.float64)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return torch.tensor(float(value), dtype=torch.float64)
+    raise TypeError(f"count_fn returned a {type(value).__name__}: return an int or a 0-dim tensor")
+
+
+def autocast(precision: str, device: torch.device) -> AbstractContextManager[Any]:
+    """``torch.autocast`` for ``bf16`` and ``fp16`` on ``device``'s type; nothing for ``fp32``."""
+    if precision == "fp32":
+        return nullcontext()
+    return torch.autocast(device.type, dtype=DTYPES[precision])
+
+
+def grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler | None:
+    """A GradScaler for ``fp16`` (its small exponent range underflows small gradients); none otherwise: bf16 has
+    fp32's range."""
+    return torch.amp.GradScaler(device.type) if precision == "fp16" else None
+
+
+class OptimizerStep:
+    """Clip and step when the synchronised gradients are finite; skip or stop everywhere alike when not.
+
+    Every rank reaches the same decision: the verdict comes from the synchronised gradients (and, under
+    ``fsdp``, one all-reduce over the shards). ``grad_norm`` is the global norm of the last step taken, before
+    clipping (known only when clipping); ``step_norm`` that of the step just done, where the strategy computed it
+    (clipping, or fsdp), and ``lr`` the learning rate it used (before a per-step scheduler moved it).
+
+    ``counts``: the step advances the Trainer's step counter and updates the fp16 scaler (a step of several
+    optimizers does both once, after the last).
+    """
+
+    def __init__(
+        self,
+        config: TrainerConfig,
+        strategy: Strategy,
+        *,
+        scheduler: Any,
+        scaler: torch.amp.GradScaler | None,
+        state: TrainState,
+        log: Callable[[str, int, dict[str, Any]], None],
+        group: Group,
+        counts: bool = True,
+    ) -> None:
+        self.config, self.strategy, self.scheduler, self.scaler = config, strategy, scheduler, scaler
+        self.state, self.log, self.group, self.counts = state, log, group, counts
+        self.grad_norm: torch.Tensor | None = None
+        self.step_norm: torch.Tensor | None = None
+        self.lr = 0.0
+
+    def begin(self) -> None:
+        """Before the step's first forward: the gradients set to None.
+
+        Here rather than after the previous step: what reached the gradients in between (a callback's backward
+        through the model, as a GAN's generator step through its discriminator; a script's backward before
+        ``fit()``) was otherwise added to this step's, silently. The forward still runs without them (peak memory
+        lower by their size), and ``on_step_end`` callbacks see the step's own gradients. A check refusing
+        leftover gradients instead would refuse that GAN step, and cost the same pass over the parameters.
+        """
+        self.strategy.optimizer.zero_grad(set_to_none=True)
+
+    def __call__(self, window: LossWindow) -> bool:
+        """True if the step was taken. The verdict costs a host sync per step (as a GradScaler's does)."""
+        cfg, optimizer = self.config, self.strategy.optimizer
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)  # clip and check true gradients, not scaled ones
+        verdict = self.strategy.check_gradients(cfg.clip_grad_norm)
+        self.lr, self.step_norm = optimizer.param_groups[0]["lr"], verdict.norm
+        if not verdict.finite:
+            return self._nonfinite(window)
+        if cfg.clip_grad_norm is not None:
+            self.grad_norm = verdict.norm
+        if self.scaler is not None:
+            self.scaler.step(optimizer)
+            if self.counts:
+                self.scaler.update()
+        else:
+            optimizer.step()
+        # The gradients stay, for on_step_end callbacks to read, until the next step's begin().
+        if self.scheduler is not None and cfg.scheduler_interval == "step":
+            self.scheduler.step()
+        if self.counts:
+            self.state.step += 1
+        return True
+
+    def _nonfinite(self, window: LossWindow) -> bool:
+        """Every rank is here at the same step (the gradients said so); find out why, then skip or stop."""
+        state = self.state
+        self.strategy.optimizer.zero_grad(set_to_none=True)
+        self.strategy.model.zero_grad(set_to_none=True)  # parameters outside the optimizer too: no NaN stays
+        # Rare, and entered by every rank together, so a collective is safe: how many ranks had a bad loss?
+        bad_ranks = int(all_reduce(float(not window.step_is_finite()), group=self.group))
+        if self.scaler is not None:
+            if self.counts:
+                self.scaler.update()  # the scaler saw the inf/NaN in unscale_: it lowers its scale
+            if not bad_ranks:  # fp16 overflow with finite losses: routine, the scaler's business
+                self.log("event", state.step, {"event": "fp16_overflow", "scale": self.scaler.get_scale()})
+                return False
+        what = f"non-finite loss on {bad_ranks} rank(s)" if bad_ranks else "non-finite gradients (losses finite)"
+        if self.config.on_nonfinite == "stop":
+            raise FloatingPointError(
+                f"{what} at optimizer step {state.step} (epoch {state.epoch}); every rank stops here. Lower the "
+                "learning rate, clip gradients (clip_grad_norm), or pass on_nonfinite='skip'"
+            )
+        state.skipped_steps += 1
+        self.log("event", state.step, {"event": "skipped_nonfinite", "reason": what, "skipped": state.skipped_steps})
+        return False
+
+
+class TrainStep:
+    """The Trainer's step of one model and one optimizer: forward and backward on each micro-batch, then the
+    optimizer step; calling it returns whether the step was taken."""
+
+    def __init__(
+        self,
+        config: TrainerConfig,
+        strategy: Strategy,
+        optimizer_step: OptimizerStep,
+        *,
+        forward: torch.nn.Module,
+        autocast: Callable[[], AbstractContextManager[Any]],
+        batch_loss: BatchLoss,
+        window: LossWindow,
+        sampler: ShardedBatchSampler,
+        scaler: torch.amp.GradScaler | None,
+        global_dropout: bool,
+        world_size: int,
+        group: Group,
+        speed: Speed | None = None,
+    ) -> None:
+        self.config, self.strategy, self.optimizer_step = config, strategy, optimizer_step
+        self.speed = speed
+        self.forward, self.batch_loss, self.window, self.sampler = forward, batch_loss, window, sampler
+        self.autocast = autocast
+        self.scaler, self.global_dropout, self.world_size, self.group = scaler, global_dropout, world_size, group
+
+    def __call__(self, step: Step) -> bool:
+        self.optimizer_step.begin()  # the gradients set to None before the step's first forward
+        speed = self.speed
+        if speed is not None:
+            speed.timings.start_step()
+        weighted = WeightedStep.of(step, self.batch_loss.count_fn, self.world_size, self.group)
+        for micro in weighted or step.micro_batches:
+            sync = nullcontext() if micro.last else self.strategy.no_sync()
+            counting = speed.counting(micro.batch) if speed is not None else nullcontext()
+            with sync, counting:
+                loss = self.micro_batch_loss(micro)
+                self.window.add(loss, micro.samples)
+                scaled = scale_loss(self.strategy.mark_nonfinite(loss), micro, weighted)
+                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+        if speed is not None:
+            speed.timings.before_optimizer()
+        marks.mark(Phase.OPTIMIZER)  # for the launcher's stall watch (ddpkit._launch.watch)
+        taken = self.optimizer_step(self.window)
+        marks.mark(Phase.USER)
+        if speed is not None:
+            speed.timings.after_optimizer()
+        self.window.end_step(taken)
+        return taken
+
+    def micro_batch_loss(self, micro: MicroBatch) -> torch.Tensor:
+        cfg = self.config
+        layout: Any = nullcontext()
+        if self.global_dropout:  # each sample's mask from its place in the global batch
+            at = step_layout(self.sampler, micro.index, cfg.grad_accum_steps, cfg.seed, self.optimizer_step.state.epoch)
+            layout = batch_layout(replace(at, size=batch_len(micro.batch)))
+        with self.autocast(), layout:
+            return self.batch_loss(self.forward, micro.batch)
+
+
+def metric_driven(scheduler: Any) -> bool:
+    """Whether ``scheduler.step()`` needs a metric (``ReduceLROnPlateau``, or one like it)."""
+    if scheduler is None:
+        return False
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        return True
+    try:
+        params = inspect.signature(scheduler.step).parameters
+    except (TypeError, ValueError):
+        return False
+    metrics = params.get("metrics")
+    return metrics is not None and metrics.default is inspect.Parameter.empty
+
+
+def check_metric_driven(config: TrainerConfig, scheduler: Any, val_data: Any) -> None:
+    name = type(scheduler).__name__
+    if val_data is None:
+        raise ConfigError(
+            f"scheduler={name} steps on a validation metric: pass Trainer(..., val_data=...), or use a scheduler "
+            "that steps without one"
+        )
+    if config.early_stopping.metric is None:
+        raise ConfigError(
+            f"scheduler={name} steps on a validation metric: name it with "
+            "EarlyStoppingConfig(metric='val/loss', patience=None) (patience=None: no early stopping)"
+        )

@@ -1,0 +1,214 @@
+"""When to validate, and what a validation decides: early stopping and the best weights, one metric and one
+comparison, decided alike everywhere.
+
+The metrics are agreed over ranks (:func:`~ddpkit.evaluate` is exact), so every rank takes the same decisions; only
+rank 0 writes the best weights, but every rank joins gathering them (a collective under ``fsdp``).
+
+By default the Trainer validates at the end of each epoch. With ``TrainerConfig.val_every_steps = N`` it
+validates after every N-th optimizer step instead (counted over the whole run, not within an epoch), and early
+stopping counts validations, not epochs: ``patience`` validations without improvement end the run, and the best
+weights record the step they were taken at.
+
+Exact on resume: a validation is due at a step count, which a snapshot restores, and it runs before any snapshot
+of that step is written, so the early-stopping state a snapshot holds already counts the validation of its own
+step. A run killed and resumed validates at the same steps as an uninterrupted one, gets the same values (the
+weights at those steps are the same, bit for bit) and so picks the same best step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from ddpkit._errors import ConfigError
+from ddpkit.data import build_eval_loader
+from ddpkit.distributed import Group
+from ddpkit.distributed._collectives import broadcast_object
+from ddpkit.distributed._log import print0
+from ddpkit.distributed._runtime import Runtime
+from ddpkit.snapshot import _export as export
+from ddpkit.snapshot._best import BestWeights
+from ddpkit.strategies._base import Strategy
+from ddpkit.training._config import TrainerConfig
+from ddpkit.training._early_stopping import EarlyStopping
+from ddpkit.training._evaluation import evaluate
+from ddpkit.training._step_output import StopReason
+
+
+class Evaluator:
+    """Exact metrics of a Trainer's model over a dataset (every sample counted once): its own evaluation loader,
+    the strategy's evaluation mode, the run's metrics and precision. It holds the Trainer's parts, never the
+    Trainer: a Trainer -> validation -> Trainer cycle would keep a finished Trainer alive until a garbage
+    collection, which then shuts its loader's workers down in whatever thread it runs (a snapshot writer's,
+    stalled for seconds)."""
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        metrics: Callable[[nn.Module, Any], Mapping[str, Any]],
+        autocast: Callable[[], Any],
+        batch_size: int,
+        num_workers: int | None,
+        group: Group,
+    ) -> None:
+        self.strategy, self.metrics, self.autocast = strategy, metrics, autocast
+        self.batch_size, self.num_workers, self.group = batch_size, num_workers, group
+
+    def __call__(self, data: Dataset, prefix: str = "test") -> dict[str, float]:
+        """The metrics over ``data``, named ``prefix/metric``."""
+        loader = build_eval_loader(data, self.batch_size, num_workers=self.num_workers, group=self.group)
+        with self.strategy.evaluation():  # fsdp: no collective per forward, as ranks' batch counts may differ
+            results = evaluate(self.strategy.model, loader, self.metrics, group=self.group, autocast=self.autocast)
+        return {f"{prefix}/{k}": v for k, v in results.items()}
+
+
+class Validation:
+    """Takes each validation's metrics to early stopping and the best weights; says when to validate and when
+    training must stop."""
+
+    def __init__(
+        self,
+        early_stopping: EarlyStopping,
+        best_weights: BestWeights,
+        model_weights: Callable[[], Mapping[str, torch.Tensor]],
+        log: Callable[[str, int, dict[str, Any]], None],
+        every_steps: int | None = None,
+        evaluate: Callable[[], dict[str, float]] | None = None,
+    ) -> None:
+        """``evaluate``: the validation's metrics (an :class:`Evaluator` on the validation data), needed with
+        ``every_steps``."""
+        self.early_stopping, self.best_weights = early_stopping, best_weights
+        self.model_weights, self.log = model_weights, log
+        self.every_steps, self.evaluate = every_steps, evaluate
+        self.latest: dict[str, Any] = {}
+        """The latest step-wise validation's metrics (``val/...``), which ``fit()`` returns with the epoch's."""
+        self.latest_step: int | None = None
+        self.weights_format: str | None = None  # of best.pt's companion and of the final weights (see `of`)
+        self.run_dir: Path | None = None
+        self.is_main = True
+        self.group: Group = None
+        self.plateau: Any = None
+        """A metric-driven LR scheduler, stepped with each validation's value of the early-stopping metric (before
+        any snapshot of the step, so that snapshots hold its state after the step)."""
+
+    @classmethod
+    def of(
+        cls,
+        config: TrainerConfig,
+        runtime: Runtime,
+        val_data: Any,
+        *,
+        evaluate: Evaluator,
+        model_weights: Callable[[], Mapping[str, torch.Tensor]],
+        log: Callable[[str, int, dict[str, Any]], None],
+        plateau: Any = None,
+    ) -> Validation:
+        """A Trainer's validation and weights files as ``config`` asks: early stopping, ``best.pt`` and, in
+        ``config.weights_format``, ``best.safetensors`` (or ``best_weights.pt``) and the final weights.
+        ``evaluate(val_data, "val")`` gives a validation's metrics. ``plateau``: a metric-driven LR scheduler
+        (``ReduceLROnPlateau``), stepped at each validation with ``early_stopping.metric``'s value."""
+        weights_format, notice = export.resolve_format(config.weights_format)  # safetensors, or .pt without it
+        if notice is not None:
+            print0(notice, group=runtime.group)
+        run_dir = Path(config.run_dir)
+        if config.val_every_steps is not None and val_data is None:
+            raise ConfigError(
+                f"val_every_steps={config.val_every_steps} needs validation data: pass Trainer(..., val_data=...), "
+                "or leave val_every_steps at None"
+            )
+        es = config.early_stopping
+        best = BestWeights(
+            run_dir / "best.pt",
+            es.metric,
+            es.mode,
+            enabled=runtime.is_main,
+            export_path=export.weights_path(run_dir, "best", weights_format) if weights_format else None,
+            export_format=weights_format,
+        )
+        best.at_step = config.val_every_steps is not None
+        validate = partial(evaluate, val_data, "val") if val_data is not None else None
+        out = cls(EarlyStopping(es), best, model_weights, log, config.val_every_steps, validate)
+        out.plateau = plateau
+        out.weights_format, out.run_dir, out.is_main, out.group = (
+            weights_format,
+            run_dir,
+            runtime.is_main,
+            runtime.group,
+        )
+        return out
+
+    @property
+    def at_epoch_end(self) -> bool:
+        """Validate at epoch ends (the default) rather than every ``every_steps`` optimizer steps."""
+        return self.every_steps is None
+
+    def due(self, step: int, taken: bool) -> bool:
+        """True after an optimizer step that a step-wise validation follows. A skipped step leaves the step count
+        where it was: the validation of that count followed the step that reached it."""
+        return self.every_steps is not None and taken and step % self.every_steps == 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """The latest step-wise validation, which ``fit()`` returns: kept by snapshots, so that a run resumed
+        after it (and before the next) returns it too."""
+        return {"latest": dict(self.latest), "latest_step": self.latest_step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.latest, self.latest_step = dict(state["latest"]), state["latest_step"]
+
+    def resume(self, group: Group) -> None:
+        """Read the best so far: the file is on rank 0's disk, and every rank must know it to decide alike."""
+        best = self.best_weights
+        best.load()
+        best.value, best.epoch, best.step = broadcast_object((best.value, best.epoch, best.step), group=group)
+
+    def update(self, metrics: Mapping[str, Any], epoch: int, step: int) -> bool:
+        """Count the metrics towards early stopping, keep the weights if best; True when training must stop."""
+        self.early_stopping.update(metrics)
+        metric = self.early_stopping.config.metric
+        if self.plateau is not None and metric is not None:
+            self.plateau.step(float(metrics[metric]))  # the same value on every rank: the same lr everywhere
+        best = self.best_weights
+        if best.update(metrics, self.model_weights, epoch, step) and best.metric is not None:
+            event: dict[str, Any] = {"event": "best", "file": best.path.name, best.metric: best.value}
+            if best.export_path is not None and best.export_format is not None:
+                event["weights"] = best.export_path.name
+            self.log("event", step, event)
+        return self.early_stopping.should_stop
+
+    def inside_epoch(self, epoch: int, step: int) -> dict[str, Any]:
+        """``max_steps`` stopped the run inside an epoch: validate there, and count it towards the best weights
+        and early stopping as an epoch's end would (else a short run ends with no val metrics and no best.pt).
+        Nothing to do when validating every N steps (a run validates where those fall) or without validation
+        data: {} then."""
+        if not self.at_epoch_end or self.evaluate is None:
+            return {}
+        metrics = {"epoch": epoch, "step": step} | self.evaluate()
+        self.update(metrics, epoch, step)
+        self.log("val", step, metrics)
+        return metrics
+
+    def after_step(self, epoch: int, step: int) -> dict[str, Any]:
+        """Validate now (the step is due): record the metrics as a ``val`` record at ``step`` and count them
+        (``early_stopping.should_stop`` then says whether training must stop); the metrics, with ``epoch``
+        and ``step``."""
+        assert self.evaluate is not None  # `of` refuses every_steps without validation data
+        metrics = self.evaluate()
+        self.latest, self.latest_step = dict(metrics), step
+        self.log("val", step, {"epoch": epoch, **metrics})
+        print0(" ".join([f"step {step}", *(f"{k} {v:.4g}" for k, v in metrics.items())]), group=self.group)
+        self.update(metrics, epoch, step)
+        return {"epoch": epoch, "step": step, **metrics}
+
+    def save_final_weights(self, epoch: int, step: int, stopped_by: str | None) -> None:
+        """``final.safetensors`` (or ``final_weights.pt``) in the run directory, when training ends: not after a
+        stop signal, which is not an end. Every rank calls it (gathering the weights is a collective under fsdp)."""
+        if self.run_dir is not None and stopped_by != StopReason.SIGNAL:
+            export.save_final_weights(
+                self.model_weights, self.run_dir, self.weights_format, is_main=self.is_main, epoch=epoch, step=step
+            )
