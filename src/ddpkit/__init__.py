@@ -48,8 +48,9 @@ from ddpkit.training._trainer import Trainer
 
 __version__ = "0.1.0"
 
-# What scripts call. Everything else (samplers, RNG state, sync BatchNorm layers, snapshots) is importable
-# from its module, e.g. ``ddpkit.data.ShardedBatchSampler``; tests/unit/test_api.py keeps this list from drifting.
+# What scripts call. The rest of the public API (samplers, RNG state, sync BatchNorm layers, snapshots) is in the
+# ``__all__`` of its subpackage, e.g. ``ddpkit.data.ShardedBatchSampler``; a module or package whose name starts
+# with an underscore is internal. tests/unit/test_api.py keeps these lists from drifting.
 __all__ = [
     # the job
     "init",

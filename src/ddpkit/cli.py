@@ -8,6 +8,8 @@ from collections.abc import Sequence
 
 from ddpkit._errors import ConfigError
 
+__all__ = ["main"]
+
 # name -> (module whose main(argv) runs it, one line of help). Imported only when used.
 COMMANDS = {
     "run": (

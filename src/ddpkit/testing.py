@@ -55,6 +55,8 @@ from ddpkit.distributed._runtime import get_runtime, init
 
 __all__ = ["LAUNCH_VARIABLES", "assert_same_on_ranks", "run_job", "run_on_ranks", "wait_until", "without_launch_env"]
 
+__all__ = ["LAUNCH_VARIABLES", "assert_same_on_ranks", "run_job", "run_on_ranks", "wait_until", "without_launch_env"]
+
 T = TypeVar("T")
 
 

@@ -1,5 +1,13 @@
 """Sharded data: a global sample order that does not depend on the world size, loaders over a rank's shard, and
-exact evaluation shards."""
+exact evaluation shards.
+
+Streams (:class:`Stream` and its adapters :class:`JsonlStream`, :class:`TokenStream`, :class:`IterableStream`)
+are an extra that needs numpy: the adapters are imported on first use, not by ``import ddpkit``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 from ddpkit.data._loader import (
     build_eval_loader,
@@ -15,11 +23,30 @@ from ddpkit.data._sampler import (
     epoch_permutation,
     shard_bounds,
 )
+from ddpkit.data._stream import Stream
+
+if TYPE_CHECKING:
+    from ddpkit.data._stream_sources import IterableStream, JsonlStream, TokenStream
+
+_STREAMS = ("IterableStream", "JsonlStream", "TokenStream")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _STREAMS:
+        from ddpkit.data import _stream_sources
+
+        return getattr(_stream_sources, name)
+    raise AttributeError(f"module 'ddpkit.data' has no attribute {name!r}")
+
 
 __all__ = [
     "EvalShardSampler",
+    "IterableStream",
+    "JsonlStream",
     "SeededSamples",
     "ShardedBatchSampler",
+    "Stream",
+    "TokenStream",
     "build_eval_loader",
     "build_loader",
     "check_map_style",

@@ -1,1 +1,6 @@
 """Layers for data parallelism: BatchNorm and dropout over the global batch."""
+
+from ddpkit.nn._batchnorm import CPUSyncBatchNorm, convert_sync_batchnorm
+from ddpkit.nn._dropout import GlobalBatchDropout, convert_dropout
+
+__all__ = ["CPUSyncBatchNorm", "GlobalBatchDropout", "convert_dropout", "convert_sync_batchnorm"]

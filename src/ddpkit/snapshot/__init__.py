@@ -12,3 +12,9 @@
 - the run directory's lock (:mod:`~ddpkit.snapshot._run_dir`), the exported weights (:mod:`~ddpkit.snapshot._export`)
   and the best weights (:mod:`~ddpkit.snapshot._best`).
 """
+
+from ddpkit.snapshot._manager import SnapshotManager, SnapshotWriteError
+from ddpkit.snapshot._run_record import RESUMABLE_CHANGES
+from ddpkit.snapshot._schedule import SnapshotSchedule
+
+__all__ = ["RESUMABLE_CHANGES", "SnapshotManager", "SnapshotSchedule", "SnapshotWriteError"]

@@ -6,14 +6,17 @@ from ddpkit.training._config import (
     LoggingConfig,
     TrainerConfig,
 )
-from ddpkit.training._step_output import StopReason
+from ddpkit.training._step import loss_divisor
+from ddpkit.training._step_output import StepOutput, StopReason
 from ddpkit.training._trainer import Trainer
 
 __all__ = [
     "Callback",
     "EarlyStoppingConfig",
     "LoggingConfig",
+    "StepOutput",
     "StopReason",
     "Trainer",
     "TrainerConfig",
+    "loss_divisor",
 ]
