@@ -15,8 +15,9 @@ NOT_TESTS = frozenset({"scripts", "__pycache__"})  # tests/jobs/scripts: the pro
 
 
 def strays(tree: Path, package: Path) -> list[str]:
-    """Test folders under ``tree`` that name no subpackage or module of ``package``."""
-    names = {p.stem for p in package.iterdir() if p.is_dir() or p.suffix == ".py"} - {"__init__", "__pycache__"}
+    """Test folders under ``tree`` that name no subpackage or module of ``package`` (a private one, ``_launch``,
+    by its name without the underscore: ``tests/unit/launch``)."""
+    names = {p.stem.lstrip("_") for p in package.iterdir() if p.is_dir() or p.suffix == ".py"} - {"init", "pycache"}
     return sorted(
         str(d.relative_to(tree.parent))
         for d in tree.iterdir()

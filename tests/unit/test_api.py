@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import importlib
+import importlib.util
 from pathlib import Path
 
 import ddpkit
@@ -28,18 +30,89 @@ def test_the_public_names_are_the_frozen_list():
     assert set(namespace) - {"__builtins__"} == PUBLIC
 
 
-def test_no_module_imports_another_modules_private_names():
-    src = Path(ddpkit.__file__).parent
+def _is_module(package: Path, dotted: str) -> bool:
+    """Whether ``ddpkit.x._y`` is a module or package of ddpkit (a private module is imported by name)."""
+    path = package.parent.joinpath(*dotted.split("."))
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
+def private_name_imports(package: Path) -> list[str]:
+    """``from ddpkit.x import _name`` where ``_name`` is not a module: a private name taken from another module."""
     offenders = []
-    for path in sorted(src.rglob("*.py")):
+    for path in sorted(package.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ddpkit"):
                 offenders += [
                     f"{path.name}: {node.module}.{a.name}"
                     for a in node.names
-                    if a.name.startswith("_") and not a.name.startswith("__")
+                    if a.name.startswith("_")
+                    and not a.name.startswith("__")
+                    and not _is_module(package, f"{node.module}.{a.name}")
                 ]
-    assert not offenders, offenders
+    return offenders
+
+
+def test_no_module_imports_another_modules_private_names():
+    assert not private_name_imports(Path(ddpkit.__file__).parent)
+
+
+def test_a_private_function_imported_is_flagged_and_a_private_module_is_not(tmp_path):
+    """Control: ``from ddpkit.a import _helper`` is caught, ``from ddpkit import _a`` (a module) is not."""
+    package = tmp_path / "ddpkit"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "_a.py").write_text("def _helper(): pass\n")
+    (package / "b.py").write_text("from ddpkit import _a\nfrom ddpkit._a import _helper\n")
+    assert private_name_imports(package) == ["b.py: ddpkit._a._helper"]
+
+
+def public_modules(package: Path) -> list[str]:
+    """Every module a user may import: no part of its path starts with an underscore (``__init__`` aside)."""
+    out = []
+    for path in sorted(package.rglob("*.py")):
+        parts = path.relative_to(package.parent).with_suffix("").parts
+        if not any(part.startswith("_") and part != "__init__" for part in parts):
+            out.append(".".join(part for part in parts if part != "__init__"))
+    return out
+
+
+def undeclared(package: Path) -> list[str]:
+    """Public modules without an ``__all__`` (what a user may import from them is then not declared)."""
+    missing = []
+    for name in public_modules(package):
+        path = package.parent.joinpath(*name.split("."))
+        source = (path / "__init__.py") if path.is_dir() else path.with_suffix(".py")
+        tree = ast.parse(source.read_text())
+        assigned = {
+            t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets if isinstance(t, ast.Name)
+        }
+        if "__all__" not in assigned:
+            missing.append(name)
+    return missing
+
+
+def test_every_public_module_declares_its_names_and_they_import():
+    package = Path(ddpkit.__file__).parent
+    assert not undeclared(package), "declare __all__ (or give the module a leading underscore)"
+    public = public_modules(package)
+    assert len(public) <= 16 and "ddpkit.cli" in public and "ddpkit.data" in public
+    for name in public:
+        if name == "ddpkit.search" and importlib.util.find_spec("optuna") is None:
+            continue
+        module = importlib.import_module(name)
+        assert [n for n in module.__all__ if not hasattr(module, n)] == [], name
+    assert sum(len(importlib.import_module(n).__all__) for n in public if n != "ddpkit.search") <= 200
+
+
+def test_a_public_module_without_all_is_flagged(tmp_path):
+    """Control: a public module without ``__all__`` is reported; a private one, and one with it, are not."""
+    package = tmp_path / "ddpkit"
+    (package / "data").mkdir(parents=True)
+    (package / "__init__.py").write_text("__all__ = []\n")
+    (package / "data" / "__init__.py").write_text("x = 1\n")
+    (package / "data" / "_loader.py").write_text("y = 1\n")
+    (package / "cli.py").write_text("__all__ = ['main']\n")
+    assert undeclared(package) == ["ddpkit.data"]
 
 
 def test_no_module_reads_another_modules_private_attributes():
