@@ -18,6 +18,7 @@ import importlib
 import inspect
 import io
 import os
+import sys
 from typing import Any, TypeVar
 
 from docutils import nodes
@@ -40,7 +41,12 @@ CONFIGS = (
     "ddpkit.strategies.FSDPConfig",
     "ddpkit.search.SearchConfig",
 )
-EXPORTING_PACKAGES = ("ddpkit", "ddpkit.data", "ddpkit.strategies", "ddpkit.training", "ddpkit.search")
+# Every public package: the rest of ddpkit is private (a leading underscore in its path) and not described.
+EXPORTING_PACKAGES = (
+    "ddpkit", "ddpkit.data", "ddpkit.distributed", "ddpkit.nn", "ddpkit.snapshot", "ddpkit.strategies",
+    "ddpkit.tracking", "ddpkit.training", "ddpkit.platforms", "ddpkit.search", "ddpkit.demo", "ddpkit.tools",
+    "ddpkit.testing",
+)  # fmt: skip
 
 
 def _keyed(obj: Any) -> bool:
@@ -60,6 +66,15 @@ def _exports() -> tuple[tuple[str, str, Any], ...]:
             if _keyed(obj := getattr(module, name)):
                 out.append((package, f"{package}.{name}", obj))
     return tuple(out)
+
+
+def _private(dotted: str) -> bool:
+    """Whether ``dotted`` names a private module, or a name found only there (no public package exports it)."""
+    if any(part.startswith("_") and not part.startswith("__") for part in dotted.split(".")):
+        return True
+    obj = _find(dotted)
+    module = getattr(obj, "__module__", None) if obj is not None else None
+    return _keyed(obj) and _home(obj) is None and module is not None and _private(module)
 
 
 def _home(obj: Any) -> tuple[str, str] | None:
@@ -93,7 +108,7 @@ class ModuleDirective(SphinxDirective):
         module = importlib.import_module(name)
         elsewhere = sorted(
             member
-            for member, obj in vars(module).items()
+            for member, obj in list(vars(module).items())
             if _keyed(obj) and (home := _home(obj)) is not None and home[0] != name
         )
         lines = [f".. automodule:: {name}", "   :members:"]
@@ -154,6 +169,9 @@ def resolve_by_home(app: Sphinx, env: Any, node: Any, contnode: nodes.Element) -
         if home is not None and home[1] != owner:
             new = f"{home[1]}.{rest}" if rest else home[1]
             return domain.resolve_xref(env, node["refdoc"], app.builder, node["reftype"], new, node, contnode)
+    # A private module or a name only a private module defines is not described: shown as text, not a link.
+    if full.startswith("ddpkit.") and _private(full):
+        return contnode
     # A bare name that a module imports only for type checkers (``Trainer`` under ``TYPE_CHECKING``) is not
     # found there at run time: it resolves when exactly one object described in ddpkit has that name.
     if "." not in target:
@@ -164,6 +182,13 @@ def resolve_by_home(app: Sphinx, env: Any, node: Any, contnode: nodes.Element) -
         ]
         if len(named) == 1:
             return domain.resolve_xref(env, node["refdoc"], app.builder, node["reftype"], named[0], node, contnode)
+        # A docstring of a re-exported object names its private neighbours bare (``SampleSeeder``).
+        if not named and any(
+            _private(name) and hasattr(mod, target)
+            for name, mod in list(sys.modules.items())
+            if name.startswith("ddpkit.") and mod is not None
+        ):
+            return contnode
     return None
 
 

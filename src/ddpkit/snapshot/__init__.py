@@ -14,7 +14,6 @@
 """
 
 from ddpkit.snapshot._manager import SnapshotManager, SnapshotWriteError
-from ddpkit.snapshot._run_record import RESUMABLE_CHANGES
 from ddpkit.snapshot._schedule import SnapshotSchedule
 
-__all__ = ["RESUMABLE_CHANGES", "SnapshotManager", "SnapshotSchedule", "SnapshotWriteError"]
+__all__ = ["SnapshotManager", "SnapshotSchedule", "SnapshotWriteError"]
