@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[3] / "src" / "ddpkit"
-SEAM = PACKAGE / "internals"
+SEAM = PACKAGE / "_internals"
 
 # Names spelled with an underscore that are public where they are used.
 PUBLIC_UNDERSCORE_ATTRIBUTES = {
