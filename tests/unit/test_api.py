@@ -136,3 +136,23 @@ def test_no_module_reads_another_modules_private_attributes():
             ):
                 offenders.append(f"{path.name}: {node.value.id}.{node.attr}")
     assert not offenders, offenders
+
+
+# The extras: each imported by the feature or the command that uses it, never by ``import ddpkit``.
+EXTRAS = (
+    "ddpkit._launch.forkserver", "ddpkit._launch.forked_workers", "ddpkit._launch.rendezvous_relay",
+    "ddpkit._launch.rendezvous_auth", "ddpkit._launch.k8s", "ddpkit._launch.manifests", "ddpkit._launch.sbatch",
+    "ddpkit.snapshot._memory", "ddpkit.tools", "ddpkit.search", "ddpkit.data._stream_sources",
+    "ddpkit.data._stream_loader",
+)  # fmt: skip
+LOADED = "import sys\n{}\nprint(' '.join(sorted(m for m in sys.modules if m in {!r})))"
+
+
+def test_import_ddpkit_loads_none_of_the_extras(run_python):
+    done = run_python(LOADED.format("import ddpkit", EXTRAS))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == []
+    # Control: a stream adapter taken from ddpkit.data loads its module, and the check sees it.
+    done = run_python(LOADED.format("import ddpkit.data\nddpkit.data.JsonlStream", EXTRAS))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "ddpkit.data._stream_sources" in done.stdout.split()

@@ -1,5 +1,6 @@
 """Snapshots in shared memory: a copy of each rank's state after steps, which outlives the worker, so that a
-restarted job resumes from the step it lost rather than from the last disk snapshot.
+restarted job resumes from the step it lost rather than from the last disk snapshot. An extra: imported only
+when a run asks for it (``SnapshotConfig(memory=...)``), never by ``import ddpkit``.
 
 - :mod:`~ddpkit.snapshot._memory.folder`: the job's folder in shared memory, made by the agent of ``ddpkit run``;
 - :mod:`~ddpkit.snapshot._memory.store`: a rank's two slots in it;
