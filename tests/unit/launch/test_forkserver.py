@@ -124,7 +124,9 @@ def test_a_signal_sent_as_the_worker_starts_is_not_lost(run_python, tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [str(-signal.SIGTERM)] and not (tmp_path / "ran").exists()
     control = GAP.format(script=str(script), preload=["tests.jobs.scripts.fork_unblocked"])
-    out = run_python(control, extra_env={"PYTHONPATH": str(ROOT)})
+    out = run_python(
+        control, extra_env={"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["0"] and (tmp_path / "ran").exists()
 
