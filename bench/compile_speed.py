@@ -1,11 +1,12 @@
-"""Step time with and without ``torch.compile``, as ``TrainerConfig(compile=True)`` runs it: the DDP-wrapped
-model compiled (Dynamo's DDP optimizer on), on N ranks (gloo on the CPU, nccl on GPUs).
+"""Step time with and without ``torch.compile``, as ``TrainerConfig(compile=True)`` runs it: the
+DDP-wrapped model compiled (Dynamo's DDP optimizer on), on N ranks (gloo on the CPU, nccl on GPUs).
 
-The language-model example's small GPT (``ddpkit.demo._models.TinyGPT``) on random tokens, AdamW; one step is
-forward, backward (the all-reduce overlapping it) and the optimizer step. Eager and compiled share the model
-and alternate round by round in the same processes, so other load on the machine falls on both alike; each
-round gives the ratio of the two medians (compiled / eager: below 1 is faster), and the median of those paired
-ratios is the figure. The time of the first compiled step (compilation) is reported apart.
+The language-model example's small GPT (``ddpkit.demo._models.TinyGPT``) on random tokens, AdamW;
+one step is forward, backward (the all-reduce overlapping it) and the optimizer step. Eager and
+compiled share the model and alternate round by round in the same processes, so other load on the
+machine falls on both alike; each round gives the ratio of the two medians (compiled / eager: below
+1 is faster), and the median of those paired ratios is the figure. The time of the first compiled
+step (compilation) is reported apart.
 
     python bench/compile_speed.py                         # 2 ranks, the example's defaults
     python bench/compile_speed.py --nproc 1 --width 128 --layers 6
@@ -51,7 +52,10 @@ def job(a: argparse.Namespace) -> dict:
     compiled = compile_for_training(model, rt.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(rt.rank)
-    x, y = (torch.randint(0, len(CHARS), (a.batch, a.block_size), generator=g).to(rt.device) for _ in range(2))
+    x, y = (
+        torch.randint(0, len(CHARS), (a.batch, a.block_size), generator=g).to(rt.device)
+        for _ in range(2)
+    )
     cuda = rt.device.type == "cuda"
     t0 = time.perf_counter()
     _steps(compiled, optimizer, x, y, 1, cuda)
@@ -87,18 +91,25 @@ def main() -> None:
     a = p.parse_args()
     r = ddpkit.spawn(functools.partial(job, a), a.nproc)[0]
     ratios = [c / e for c, e in zip(r["compiled"], r["eager"])]
-    print(f"# bench/compile_speed.py  {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
     print(
-        f"# {platform.node()} {platform.machine()}, torch {torch.__version__}, {r['device']}, {a.nproc} rank(s), "
-        f"{r['threads']} thread(s) per rank; TinyGPT {r['params'] / 1e3:.0f} K parameters (width {a.width}, "
-        f"{a.layers} layers, {a.block_size} tokens), batch {a.batch} per rank, AdamW; {a.rounds} rounds x "
-        f"{a.steps} steps per mode after {a.warmup} warm-up; rank 0's medians"
+        f"# bench/compile_speed.py  {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} "
+        "UTC"
+    )
+    print(
+        f"# {platform.node()} {platform.machine()}, torch {torch.__version__}, {r['device']}, "
+        f"{a.nproc} rank(s), {r['threads']} thread(s) per rank; TinyGPT {r['params'] / 1e3:.0f} K "
+        f"parameters (width {a.width}, {a.layers} layers, {a.block_size} tokens), batch {a.batch} "
+        f"per rank, AdamW; {a.rounds} rounds x {a.steps} steps per mode after {a.warmup} warm-up; "
+        "rank 0's medians"
     )
     print(f"first compiled step (compilation): {r['compile_s']:.1f} s")
     print(f"{'round':>5s} {'eager ms':>9s} {'compiled ms':>12s} {'ratio':>6s}")
     for i, (e, c, q) in enumerate(zip(r["eager"], r["compiled"], ratios)):
         print(f"{i:5d} {e * 1e3:9.2f} {c * 1e3:12.2f} {q:6.3f}")
-    print(f"compiled / eager step time: {statistics.median(ratios):.3f} (median of {len(ratios)} paired rounds)")
+    print(
+        f"compiled / eager step time: {statistics.median(ratios):.3f} (median of {len(ratios)} "
+        "paired rounds)"
+    )
 
 
 if __name__ == "__main__":

@@ -1,20 +1,23 @@
-"""What the data fingerprint costs: a ``Subset``'s indices hashed, and a JSON Lines file checked by its content.
+"""What the data fingerprint costs: a ``Subset``'s indices hashed, and a JSON Lines file checked by
+its content.
 
 One process. Each round times, in turn:
 
-- ``subset indices (list)``: :func:`ddpkit.data._fingerprint.dataset_items` of a ``Subset`` whose ``indices``
-  is a list of ``--indices`` ints (what ``random_split`` makes): numpy's conversion, then the hash;
+- ``subset indices (list)``: :func:`ddpkit.data._fingerprint.dataset_items` of a ``Subset`` whose
+  ``indices`` is a list of ``--indices`` ints (what ``random_split`` makes): numpy's conversion,
+  then the hash;
 - ``subset indices (tensor)``: the same with a tensor of indices;
-- ``read``: the file read once in 16 MiB pieces, nothing else done: the speed of the storage it sits on (here the
-  page cache; a first untimed pass reads it in);
-- ``content digest``: :func:`~ddpkit.data._stream_sources.content_digest`, the pass that checks a kept line
-  index against the file's bytes (what a stream costs to build when the index is kept);
-- ``index built``: :func:`~ddpkit.data._stream_sources.indexed_lines` with no kept index (newlines found and the
-  bytes hashed in one pass: a stream's first build, or one whose kept index is stale);
-- ``index kept``: ``indexed_lines`` with the index kept beside the file (hash, then the index mapped).
+- ``read``: the file read once in 16 MiB pieces, nothing else done: the speed of the storage it sits
+  on (here the page cache; a first untimed pass reads it in);
+- ``content digest``: :func:`~ddpkit.data._stream_sources.content_digest`, the pass that checks a
+  kept line index against the file's bytes (what a stream costs to build when the index is kept);
+- ``index built``: :func:`~ddpkit.data._stream_sources.indexed_lines` with no kept index (newlines
+  found and the bytes hashed in one pass: a stream's first build, or one whose kept index is stale);
+- ``index kept``: ``indexed_lines`` with the index kept beside the file (hash, then the index
+  mapped).
 
-and reports the median seconds over rounds, and for the file each pass's speed and its ratio to ``read``
-measured in the same round.
+and reports the median seconds over rounds, and for the file each pass's speed and its ratio to
+``read`` measured in the same round.
 
     python bench/data_fingerprint.py                     # 10^6 indices, a 320 MB file, 3 rounds
     python bench/data_fingerprint.py --mb 32 --rounds 5
@@ -40,10 +43,12 @@ from ddpkit.data._stream_sources import content_digest, indexed_lines
 
 
 def write(path: Path, megabytes: int) -> int:
-    """Records of ~190 bytes (as ``bench/stream_jsonl.py``'s) up to ``megabytes``: a block of 10,000 repeated."""
+    """Records of ~190 bytes (as ``bench/stream_jsonl.py``'s) up to ``megabytes``: a block of 10,000
+    repeated."""
     rng = np.random.default_rng(0)
     block = "".join(
-        json.dumps({"id": i, "text": "w" * int(rng.integers(100, 200)), "label": i % 7}) + "\n" for i in range(10_000)
+        json.dumps({"id": i, "text": "w" * int(rng.integers(100, 200)), "label": i % 7}) + "\n"
+        for i in range(10_000)
     ).encode()
     copies = max(1, megabytes * 10**6 // len(block))
     with open(path, "wb") as f:
@@ -70,10 +75,14 @@ def main() -> None:
     parser.add_argument("--indices", type=int, default=10**6)
     parser.add_argument("--mb", type=int, default=320, help="size of the JSON Lines file")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--dir", default=None, help="folder for the file (default: the system's temporary one)")
+    parser.add_argument(
+        "--dir", default=None, help="folder for the file (default: the system's temporary one)"
+    )
     args = parser.parse_args()
 
-    chosen = torch.randperm(2 * args.indices, generator=torch.Generator().manual_seed(0))[: args.indices]
+    chosen = torch.randperm(2 * args.indices, generator=torch.Generator().manual_seed(0))[
+        : args.indices
+    ]
     base = TensorDataset(torch.zeros(2 * args.indices, dtype=torch.uint8))
     as_list, as_tensor = Subset(base, chosen.tolist()), Subset(base, chosen)
 
@@ -95,13 +104,19 @@ def main() -> None:
                 ("index kept", lambda: indexed_lines(path)),
             ]:
                 times.setdefault(name, []).append(timed(fn))
-        assert kept.is_file(), "the index was not kept beside the file: the 'index kept' row would be a rebuild"
+        assert kept.is_file(), (
+            "the index was not kept beside the file: the 'index kept' row would be a rebuild"
+        )
 
     print(
-        f"{datetime.date.today()}, {platform.node()}, {platform.processor() or platform.machine()}, python "
-        f"{platform.python_version()}, torch {torch.__version__}, numpy {np.__version__}; {args.rounds} rounds, medians"
+        f"{datetime.date.today()}, {platform.node()}, "
+        f"{platform.processor() or platform.machine()}, python {platform.python_version()}, torch "
+        f"{torch.__version__}, numpy {np.__version__}; {args.rounds} rounds, medians"
     )
-    print(f"{args.indices:,} Subset indices; a JSON Lines file of {size / 1e6:.0f} MB, {records:,} records")
+    print(
+        f"{args.indices:,} Subset indices; a JSON Lines file of {size / 1e6:.0f} MB, {records:,} "
+        "records"
+    )
     for name, values in times.items():
         median = statistics.median(values)
         line = f"  {name:24s} {median:7.3f} s"

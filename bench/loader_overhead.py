@@ -1,22 +1,27 @@
-"""What ``build_loader`` and the Trainer cost over ``DataLoader`` + ``DistributedSampler`` on a plain Dataset.
+"""What ``build_loader`` and the Trainer cost over ``DataLoader`` + ``DistributedSampler`` on a
+plain Dataset.
 
-The case of pytorch/examples' ddp-tutorial-series: a ``Dataset`` (not a ``TensorDataset``) holding a list of
-``(torch.rand(20), torch.rand(1))`` pairs, read as they are, in the main process (no loader workers), a small
-MLP with MSE loss and SGD, ~2 ms steps. Five loops train on it in the same job, in interleaved rounds (one
-epoch of each per round, in an order that rotates), so that noise from other work on the machine falls on all.
-The hand loops share one model and the Trainer loops one Trainer, fed by each loader in turn:
+The case of pytorch/examples' ddp-tutorial-series: a ``Dataset`` (not a ``TensorDataset``) holding a
+list of ``(torch.rand(20), torch.rand(1))`` pairs, read as they are, in the main process (no loader
+workers), a small MLP with MSE loss and SGD, ~2 ms steps. Five loops train on it in the same job, in
+interleaved rounds (one epoch of each per round, in an order that rotates), so that noise from other
+work on the machine falls on all. The hand loops share one model and the Trainer loops one Trainer,
+fed by each loader in turn:
 
-- ``hand``: the tutorial's loop over ``DataLoader(dataset, batch_size, sampler=DistributedSampler(dataset))``;
-- ``hand+build_loader``: the same loop over ``ddpkit.build_loader(dataset, batch_size, num_workers=0)``
-  (per-sample seeding on, the default), and with ``seed_samples=False``;
+- ``hand``: the tutorial's loop over ``DataLoader(dataset, batch_size,
+  sampler=DistributedSampler(dataset))``;
+- ``hand+build_loader``: the same loop over ``ddpkit.build_loader(dataset,
+  batch_size, num_workers=0)`` (per-sample seeding on, the default), and with
+  ``seed_samples=False``;
 - ``trainer``: ``ddpkit.Trainer`` with its defaults (``seed_samples=True``);
 - ``trainer, seed_samples=False``: the Trainer with the seeding switched off.
 
-Step time is the time between consecutive optimizer steps on rank 0 (a post-step hook), so a step is all
-between two updates: loading the batch, forward, backward and its all-reduce, the update, bookkeeping. Per
-round, the median step of each loop; reported, for each pair, the median over rounds of the per-round ratio with
-a distribution-free 95% interval. Targets: ``hand+build_loader / hand`` and ``trainer / trainer,
-seed_samples=False`` at most 1.02. ``trainer / hand`` holds the Trainer's own per-step work as well (see
+Step time is the time between consecutive optimizer steps on rank 0 (a post-step hook), so a step is
+all between two updates: loading the batch, forward, backward and its all-reduce, the update,
+bookkeeping. Per round, the median step of each loop; reported, for each pair, the median over
+rounds of the per-round ratio with a distribution-free 95% interval. Targets:
+``hand+build_loader / hand`` and ``trainer / trainer, seed_samples=False`` at most 1.02.
+``trainer / hand`` holds the Trainer's own per-step work as well (see
 ``bench/trainer_overhead.py --model tiny``).
 
     python bench/loader_overhead.py                   # 2 ranks, batch 32 per rank, hidden 384, 400 rounds
@@ -47,7 +52,13 @@ import ddpkit.platforms._cpus
 from ddpkit.training._config import LoggingConfig, SnapshotConfig
 from ddpkit.training._trainer import Trainer, TrainerConfig
 
-LOOPS = ("hand", "hand+build_loader", "hand+build_loader, seed_samples=False", "trainer", "trainer, seed_samples=False")
+LOOPS = (
+    "hand",
+    "hand+build_loader",
+    "hand+build_loader, seed_samples=False",
+    "trainer",
+    "trainer, seed_samples=False",
+)
 PAIRS = [
     ("hand+build_loader", "hand"),
     ("hand+build_loader, seed_samples=False", "hand"),
@@ -71,11 +82,16 @@ class MyTrainDataset(Dataset):
 
 
 def mlp(hidden: int) -> nn.Module:
-    return nn.Sequential(nn.Linear(20, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+    return nn.Sequential(
+        nn.Linear(20, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 1)
+    )
 
 
-def hand_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, loader: DataLoader, epoch: int) -> None:
-    """The tutorial's _run_epoch: set_epoch where there is a DistributedSampler, then zero_grad, loss, step."""
+def hand_epoch(
+    model: nn.Module, optimizer: torch.optim.Optimizer, loader: DataLoader, epoch: int
+) -> None:
+    """The tutorial's _run_epoch: set_epoch where there is a DistributedSampler, then zero_grad,
+    loss, step."""
     if isinstance(loader.sampler, DistributedSampler):
         loader.sampler.set_epoch(epoch)
     for source, targets in loader:
@@ -101,8 +117,9 @@ def bench(steps: int, rounds: int, batch_size: int, hidden: int) -> dict:
         net = mlp(hidden)
         return net, torch.optim.SGD(net.parameters(), lr=1e-3)
 
-    # One model for the hand loops and one Trainer, each fed by the loaders in turn: two instances of the same
-    # model differ by a few percent in step time by where their tensors landed, which would hide a 2% effect.
+    # One model for the hand loops and one Trainer, each fed by the loaders in turn: two instances
+    # of the same model differ by a few percent in step time by where their tensors landed, which
+    # would hide a 2% effect.
     net, opt = model_and_optimizer()
     model = ddpkit.prepare_model(net)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -116,7 +133,9 @@ def bench(steps: int, rounds: int, batch_size: int, hidden: int) -> dict:
         ),
     ):
         runs[name] = functools.partial(hand_epoch, model, opt, loader)
-    run_dir = ddpkit.broadcast_object(tempfile.mkdtemp(prefix="ddpkit-bench-") if rt.is_main else "")
+    run_dir = ddpkit.broadcast_object(
+        tempfile.mkdtemp(prefix="ddpkit-bench-") if rt.is_main else ""
+    )
     net, trainer_opt = model_and_optimizer()
     config = TrainerConfig(
         run_dir=run_dir,
@@ -125,9 +144,12 @@ def bench(steps: int, rounds: int, batch_size: int, hidden: int) -> dict:
         num_workers=0,
         snapshot=SnapshotConfig(every_epochs=0),
         logging=LoggingConfig(progress=False),
-    )  # resume=True, with nothing to resume: resume=False sets the previous epoch's records aside each time
+        # resume=True, with nothing to resume: resume=False sets the previous epoch's records aside
+        # each time
+    )
     trainer = Trainer(net, trainer_opt, data, config, loss_fn=nn.functional.mse_loss)
-    # What TrainerConfig(seed_samples=False) builds (the same arguments as the Trainer's own loader).
+    # What TrainerConfig(seed_samples=False) builds (the same arguments as the Trainer's own
+    # loader).
     unseeded = ddpkit.build_loader(data, batch_size, num_workers=0, seed_samples=False)
     trainer_loaders = {"trainer": trainer.loader, "trainer, seed_samples=False": unseeded}
 
@@ -153,12 +175,16 @@ def bench(steps: int, rounds: int, batch_size: int, hidden: int) -> dict:
         ddpkit.barrier()
         return statistics.median(b - a for a, b in zip(stamps, stamps[1:]))
 
-    # The loaders alone, fetching one epoch with nothing else in the loop: the same extra as in a step, with
-    # less of the step's noise around it.
+    # The loaders alone, fetching one epoch with nothing else in the loop: the same extra as in a
+    # step, with less of the step's noise around it.
     alone = {
-        "DataLoader + DistributedSampler": DataLoader(data, batch_size=batch_size, sampler=DistributedSampler(data)),
+        "DataLoader + DistributedSampler": DataLoader(
+            data, batch_size=batch_size, sampler=DistributedSampler(data)
+        ),
         "build_loader": ddpkit.build_loader(data, batch_size, num_workers=0),
-        "build_loader, seed_samples=False": ddpkit.build_loader(data, batch_size, num_workers=0, seed_samples=False),
+        "build_loader, seed_samples=False": ddpkit.build_loader(
+            data, batch_size, num_workers=0, seed_samples=False
+        ),
     }
 
     def fetch(name: str, epoch: int) -> float:
@@ -176,13 +202,16 @@ def bench(steps: int, rounds: int, batch_size: int, hidden: int) -> dict:
         for names, run in ((LOOPS, timed), (tuple(alone), fetch)):
             k = r % len(names)
             order = list(names[k:] + names[:k])
-            for name in order if r % 2 == 0 else order[::-1]:  # every loop in every place, both ways round
+            # every loop in every place, both ways round
+            for name in order if r % 2 == 0 else order[::-1]:
                 out[name].append(run(name, r + 1))
     return {"steps": out, "pinned": pinned, "threads": threads, "steady_malloc": steady}
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--steps", type=int, default=10, help="steps per timed epoch")
     p.add_argument("--rounds", type=int, default=400)
@@ -191,7 +220,9 @@ def main() -> None:
     a = p.parse_args()
     import torch._dynamo  # noqa: F401  (DDP's constructor imports it: once here rather than in every rank)
 
-    res = ddpkit.spawn(functools.partial(bench, a.steps, a.rounds, a.batch_size, a.hidden), a.nproc)[0]
+    res = ddpkit.spawn(
+        functools.partial(bench, a.steps, a.rounds, a.batch_size, a.hidden), a.nproc
+    )[0]
     print(
         f"date {datetime.datetime.now():%Y-%m-%d %H:%M}  machine {platform.machine()}, "
         f"{ddpkit.platforms._cpus.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}  "
@@ -199,34 +230,42 @@ def main() -> None:
     )
     print(
         f"config: {a.nproc} rank(s) (gloo, CPU, {res['threads']} thread(s) each, "
-        f"{'pinned' if res['pinned'] else 'not pinned'}, {'fixed' if res['steady_malloc'] else 'adaptive'} malloc "
-        f"thresholds), MyTrainDataset (a list of (rand(20), rand(1))), MLP 20-{a.hidden}-{a.hidden}-1, batch "
-        f"{a.batch_size}/rank, no loader workers, {a.steps} steps x {a.rounds} interleaved rounds, warm-up excluded"
+        f"{'pinned' if res['pinned'] else 'not pinned'}, "
+        f"{'fixed' if res['steady_malloc'] else 'adaptive'} malloc thresholds), MyTrainDataset (a "
+        f"list of (rand(20), rand(1))), MLP 20-{a.hidden}-{a.hidden}-1, batch {a.batch_size}/rank, "
+        f"no loader workers, {a.steps} steps x {a.rounds} interleaved rounds, warm-up excluded"
     )
     steps = {name: [s * 1e3 for s in xs] for name, xs in res["steps"].items()}
     for name in LOOPS:
         print(f"  {name:38s} {statistics.median(steps[name]):.3f} ms/step (median over rounds)")
-    print("step time, median over rounds of the per-round ratio (95% interval), and of the difference:")
+    print(
+        "step time, median over rounds of the per-round ratio (95% interval), and of the "
+        "difference:"
+    )
     for top, bottom in PAIRS:
         ratios = sorted(t / b for t, b in zip(steps[top], steps[bottom]))
         lo, hi = median_interval(ratios)
         diffs = sorted((t - b) * 1e3 for t, b in zip(steps[top], steps[bottom]))
         dlo, dhi = median_interval(diffs)
         print(
-            f"  {top} / {bottom}: ratio {statistics.median(ratios):.3f}, 95% interval {lo:.3f}-{hi:.3f}; "
-            f"{statistics.median(diffs):+.0f} us/step ({dlo:+.0f} to {dhi:+.0f})"
+            f"  {top} / {bottom}: ratio {statistics.median(ratios):.3f}, 95% interval "
+            f"{lo:.3f}-{hi:.3f}; {statistics.median(diffs):+.0f} us/step ({dlo:+.0f} to {dhi:+.0f})"
         )
     hand = statistics.median(steps["hand"])
     reference = steps["DataLoader + DistributedSampler"]
-    print("the loaders alone (one epoch fetched per round), per batch, and as a share of the hand loop's step:")
+    print(
+        "the loaders alone (one epoch fetched per round), per batch, and as a share of the hand "
+        "loop's step:"
+    )
     for name in ("build_loader", "build_loader, seed_samples=False"):
         diffs = sorted((o - t) * 1e3 for o, t in zip(steps[name], reference))
         dlo, dhi = median_interval(diffs)
         extra = statistics.median(diffs)
         print(
-            f"  {name} {statistics.median(steps[name]) * 1e3:.1f} us, DataLoader + DistributedSampler "
-            f"{statistics.median(reference) * 1e3:.1f} us: {extra:+.1f} us/batch ({dlo:+.1f} to {dhi:+.1f}), "
-            f"{1 + extra / 1e3 / hand:.3f}x a {hand:.2f} ms step ({1 + dlo / 1e3 / hand:.3f}-{1 + dhi / 1e3 / hand:.3f})"
+            f"  {name} {statistics.median(steps[name]) * 1e3:.1f} us, DataLoader + "
+            f"DistributedSampler {statistics.median(reference) * 1e3:.1f} us: {extra:+.1f} "
+            f"us/batch ({dlo:+.1f} to {dhi:+.1f}), {1 + extra / 1e3 / hand:.3f}x a {hand:.2f} ms "
+            f"step ({1 + dlo / 1e3 / hand:.3f}-{1 + dhi / 1e3 / hand:.3f})"
         )
 
 

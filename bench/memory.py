@@ -1,23 +1,26 @@
-"""Memory per rank of parameters, gradients and optimizer state under ddp, zero and fsdp; step time vs ddp.
+"""Memory per rank of parameters, gradients and optimizer state under ddp, zero and fsdp; step time
+vs ddp.
 
-A stack of residual MLP blocks (``--blocks`` x 2 x ``--width`` x 4 ``--width``: ~59 M parameters by default),
-Adam, fp32, on ``--nproc`` ranks: one per GPU over nccl where there are GPUs, else CPU processes over gloo
-(``--device cpu`` forces those). Every strategy runs in the same invocation, in interleaved rounds (ddp, zero,
-fsdp, ddp, ...), each in a fresh job, so noise from other work on the machine falls on all.
+A stack of residual MLP blocks (``--blocks`` x 2 x ``--width`` x 4 ``--width``: ~59 M parameters by
+default), Adam, fp32, on ``--nproc`` ranks: one per GPU over nccl where there are GPUs, else CPU
+processes over gloo (``--device cpu`` forces those). Every strategy runs in the same invocation, in
+interleaved rounds (ddp, zero, fsdp, ddp, ...), each in a fresh job, so noise from other work on the
+machine falls on all.
 
 Two memory measures, per rank:
-- state: the bytes of parameters, gradients and optimizer state this rank holds, counted from the tensors
-  (each storage once) right after backward (gradients alive) and after the step (optimizer state alive). Target:
-  zero keeps ~1/N of the optimizer state, fsdp ~1/N of parameters, gradients and optimizer state.
-- peak RSS: the process's peak resident set over the measured steps (VmHWM, reset before them), less the
-  resident set before the model was built: everything the strategy costs, activations and the block fsdp
-  gathers for compute included.
-- on a GPU, peak CUDA: ``torch.cuda.max_memory_allocated`` over the measured steps (its peak reset before
-  them), less what was allocated before the model was built: the same account in the GPU's memory, where the
-  state lives (the resident set then holds only the host's share).
+- state: the bytes of parameters, gradients and optimizer state this rank holds, counted from the
+  tensors (each storage once) right after backward (gradients alive) and after the step (optimizer
+  state alive). Target: zero keeps ~1/N of the optimizer state, fsdp ~1/N of parameters, gradients
+  and optimizer state.
+- peak RSS: the process's peak resident set over the measured steps (VmHWM, reset before them), less
+  the resident set before the model was built: everything the strategy costs, activations and the
+  block fsdp gathers for compute included.
+- on a GPU, peak CUDA: ``torch.cuda.max_memory_allocated`` over the measured steps (its peak reset
+  before them), less what was allocated before the model was built: the same account in the GPU's
+  memory, where the state lives (the resident set then holds only the host's share).
 
-Step time: median over the measured steps of each strategy, as a ratio to ddp's in the same round; reported:
-the median ratio over rounds.
+Step time: median over the measured steps of each strategy, as a ratio to ddp's in the same round;
+reported: the median ratio over rounds.
 
     python bench/memory.py                       # 2 ranks, 59 M parameters, 2 rounds of 3 steps
     python bench/memory.py --width 512 --blocks 4 --rounds 1    # a quick look
@@ -93,7 +96,10 @@ def measure(name: str, width: int, blocks: int, batch: int, steps: int) -> dict:
     model = nn.Sequential(*[Block(width) for _ in range(blocks)])
     options = {"shard_blocks": ["Block"]} if name == "fsdp" else {}
     strategy = build_strategy(
-        strategy_config(name, options), model, torch.optim.Adam(model.parameters(), lr=1e-4), runtime=rt
+        strategy_config(name, options),
+        model,
+        torch.optim.Adam(model.parameters(), lr=1e-4),
+        runtime=rt,
     )
     del model
     x = torch.randn(batch, width, generator=torch.Generator().manual_seed(rt.rank)).to(rt.device)
@@ -130,15 +136,17 @@ def measure(name: str, width: int, blocks: int, batch: int, steps: int) -> dict:
 
 
 def job(name: str, width: int, blocks: int, batch: int, steps: int, device: str | None) -> dict:
-    # One strategy per job: a fresh process, so that its peak resident set is its own (freed heap of an
-    # earlier strategy would hide part of the next one's).
+    # One strategy per job: a fresh process, so that its peak resident set is its own (freed heap of
+    # an earlier strategy would hide part of the next one's).
     ddpkit.init(device=device)
     return measure(name, width, blocks, batch, steps)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--nproc", type=int, default=None, help="ranks (default: the GPUs, or 2 CPU processes)")
+    p.add_argument(
+        "--nproc", type=int, default=None, help="ranks (default: the GPUs, or 2 CPU processes)"
+    )
     p.add_argument(
         "--device",
         choices=("auto", "cpu"),
@@ -151,7 +159,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--rounds", type=int, default=2)
     a = p.parse_args()
-    gpus = torch.cuda.device_count() if a.device == "auto" else 0  # NVML: CUDA stays uninitialised here
+    # NVML: CUDA stays uninitialised here
+    gpus = torch.cuda.device_count() if a.device == "auto" else 0
     nproc = a.nproc or gpus or 2
     if gpus and nproc > gpus:
         raise SystemExit(
@@ -181,8 +190,8 @@ def main() -> None:
     )
     print(f"# bench/memory.py  {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
     print(
-        f"# {platform.node()} {platform.machine()}, torch {torch.__version__}, {nproc} rank(s) ({where}), "
-        f"{n_params / 1e6:.1f} M parameters (fp32, {n_params * 4 / mib:.0f} MiB), Adam, "
+        f"# {platform.node()} {platform.machine()}, torch {torch.__version__}, {nproc} rank(s) "
+        f"({where}), {n_params / 1e6:.1f} M parameters (fp32, {n_params * 4 / mib:.0f} MiB), Adam, "
         f"batch {a.batch}/rank, {a.rounds} rounds x {a.steps} steps (+1 untimed)"
     )
     print(
@@ -191,7 +200,12 @@ def main() -> None:
         + (f" {'peak CUDA MiB':>14s}" if cuda else "")
         + f" {'step s':>7s} {'step/ddp':>9s}"
     )
-    last = {(r["strategy"], rank): r for rank, rows in enumerate(results) for r in rows if r["round"] == a.rounds - 1}
+    last = {
+        (r["strategy"], rank): r
+        for rank, rows in enumerate(results)
+        for r in rows
+        if r["round"] == a.rounds - 1
+    }
     for name in STRATEGIES:
         for rank in range(nproc):
             row = last[(name, rank)]
@@ -199,8 +213,12 @@ def main() -> None:
             ddp = last[("ddp", rank)]
             ddp_total = ddp["params"] + ddp["grads"] + ddp["optimizer"]
             ratios = [
-                next(r for r in results[rank] if r["round"] == k and r["strategy"] == name)["step_s"]
-                / next(r for r in results[rank] if r["round"] == k and r["strategy"] == "ddp")["step_s"]
+                next(r for r in results[rank] if r["round"] == k and r["strategy"] == name)[
+                    "step_s"
+                ]
+                / next(r for r in results[rank] if r["round"] == k and r["strategy"] == "ddp")[
+                    "step_s"
+                ]
                 for k in range(a.rounds)
             ]
             print(

@@ -1,13 +1,14 @@
 """How long the snapshot in memory holds the training loop, against the step, as the model grows.
 
-The Trainer on 2 CPU ranks (gloo, 1 thread each; :func:`ddpkit.spawn`), snapshots in memory after every step
-into a job folder on ``/dev/shm`` (made here as the agent of ``ddpkit run`` makes it); the stall is the time
-the save takes (the copy of model, Adam state, RNG states and counters into the older slot, and its commit),
-the step the time between two steps' ends. Medians over the steps after the first 5 (the first save of each
-slot reserves and maps it). Two families: the DDP tutorials' CNN on 28x28 inputs at growing widths (batch 32 per
-rank), and an MLP of two residual blocks at growing widths (batch 32 per rank), whose step does ~6 x batch
-flops per parameter against the CNN's thousands: where the copy catches up with the step, and the 5% budget
-stops holding at every step (the Trainer then saves every N steps, N chosen after its first saves).
+The Trainer on 2 CPU ranks (gloo, 1 thread each; :func:`ddpkit.spawn`), snapshots in memory after
+every step into a job folder on ``/dev/shm`` (made here as the agent of ``ddpkit run`` makes it);
+the stall is the time the save takes (the copy of model, Adam state, RNG states and counters into
+the older slot, and its commit), the step the time between two steps' ends. Medians over the steps
+after the first 5 (the first save of each slot reserves and maps it). Two families: the DDP
+tutorials' CNN on 28x28 inputs at growing widths (batch 32 per rank), and an MLP of two residual
+blocks at growing widths (batch 32 per rank), whose step does ~6 x batch flops per parameter against
+the CNN's thousands: where the copy catches up with the step, and the 5% budget stops holding at
+every step (the Trainer then saves every N steps, N chosen after its first saves).
 
     python bench/memory_stall.py                  # both families, 40 steps each
     python bench/memory_stall.py --family cnn --steps 100
@@ -66,7 +67,9 @@ def job(family: str, width: int, steps: int, runs: str) -> dict:
         snapshot=SnapshotConfig(every_epochs=0, memory=True, memory_every_steps=1),
         logging=LoggingConfig(progress=False, every_steps=10_000),
     )
-    trainer = Trainer(model, torch.optim.Adam(model.parameters(), lr=1e-3), data, config, callbacks=[times])
+    trainer = Trainer(
+        model, torch.optim.Adam(model.parameters(), lr=1e-3), data, config, callbacks=[times]
+    )
     assert trainer.memory is not None, "no memory folder"
     trainer.fit()
     stalls = trainer.memory.stalls[5:]
@@ -83,12 +86,16 @@ def main() -> None:
     root = os.path.join("/dev/shm", f"ddpkit-memory-stall-{os.getpid()}")
     os.makedirs(root, mode=0o700)
     runs = tempfile.mkdtemp(prefix="memory-stall-")  # the run directories (disk)
-    os.environ[memory_folder.DIR_ENV], os.environ[memory_folder.KEY_ENV] = root, secrets.token_hex(8)
+    os.environ[memory_folder.DIR_ENV], os.environ[memory_folder.KEY_ENV] = (
+        root,
+        secrets.token_hex(8),
+    )
     families = ["cnn", "mlp"] if a.family == "both" else [a.family]
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     print(
-        f"memory snapshot stall: {platform.node()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-        f"2 ranks (gloo, 1 thread each), batch 32 per rank, Adam, {a.steps} steps; {now}"
+        f"memory snapshot stall: {platform.node()}, {os.cpu_count()} cores, torch "
+        f"{torch.__version__}, 2 ranks (gloo, 1 thread each), batch 32 per rank, Adam, {a.steps} "
+        f"steps; {now}"
     )
     print("| model | parameters | state copied (MB) | step (ms) | stall (us) | stall / step |")
     print("|---|---|---|---|---|---|")
@@ -98,10 +105,15 @@ def main() -> None:
                 run = functools.partial(job, family, width, a.steps, runs)
                 r = ddpkit.spawn(run, 2, threads_per_process=1)[0]
                 megabytes = 3 * 4 * r["params"] / 1e6  # weights and Adam's two moments, fp32
-                name = f"DDP tutorials' CNN, {width} channels" if family == "cnn" else f"MLP, 2 blocks of width {width}"
+                name = (
+                    f"DDP tutorials' CNN, {width} channels"
+                    if family == "cnn"
+                    else f"MLP, 2 blocks of width {width}"
+                )
                 print(
-                    f"| {name} | {r['params'] / 1e6:.2f} M | {megabytes:.1f} | {1e3 * r['step']:.1f} | "
-                    f"{1e6 * r['stall']:.0f} | {100 * r['stall'] / r['step']:.1f}% |",
+                    f"| {name} | {r['params'] / 1e6:.2f} M | {megabytes:.1f} | "
+                    f"{1e3 * r['step']:.1f} | {1e6 * r['stall']:.0f} | "
+                    f"{100 * r['stall'] / r['step']:.1f}% |",
                     flush=True,
                 )
     finally:

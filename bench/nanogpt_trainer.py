@@ -1,12 +1,14 @@
-"""nanoGPT's model and hyper-parameters on ddpkit's Trainer: the ``trainer`` variant of ``bench/nanogpt.py``.
+"""nanoGPT's model and hyper-parameters on ddpkit's Trainer: the ``trainer`` variant of
+``bench/nanogpt.py``.
 
-The same ``GPT`` (from a checkout's ``model.py``), data folder, AdamW (``model.configure_optimizers``),
-warm-up and cosine (a ``LambdaLR`` stepped after every optimizer step), clipping and gradient accumulation as
-``bench/nanogpt_port.py``, with the same options. What differs is the data's order: the Trainer reads a
-map-style dataset of every window of the token file, shuffled by its sampler (a permutation per epoch), where
-nanoGPT draws offsets with replacement from each rank's own stream; and there is no evaluation (nanoGPT's
-first one falls in the iterations the benchmark drops). A callback times each optimizer step and prints
-nanoGPT's line, ``iter N: loss X, time Yms``, on rank 0, so that ``bench/nanogpt.py`` reads all variants alike.
+The same ``GPT`` (from a checkout's ``model.py``), data folder, AdamW
+(``model.configure_optimizers``), warm-up and cosine (a ``LambdaLR`` stepped after every optimizer
+step), clipping and gradient accumulation as ``bench/nanogpt_port.py``, with the same options. What
+differs is the data's order: the Trainer reads a map-style dataset of every window of the token
+file, shuffled by its sampler (a permutation per epoch), where nanoGPT draws offsets with
+replacement from each rank's own stream; and there is no evaluation (nanoGPT's first one falls in
+the iterations the benchmark drops). A callback times each optimizer step and prints nanoGPT's line,
+``iter N: loss X, time Yms``, on rank 0, so that ``bench/nanogpt.py`` reads all variants alike.
 
     ddpkit run --nproc 2 bench/nanogpt_trainer.py --nanogpt ~/nanoGPT --data DIR --out_dir DIR
 """
@@ -25,7 +27,8 @@ import ddpkit
 
 
 class TokenWindows(Dataset):
-    """Every window of ``block_size + 1`` tokens of a token file, as (inputs, next-token targets)."""
+    """Every window of ``block_size + 1`` tokens of a token file, as (inputs, next-token
+    targets)."""
 
     def __init__(self, path: str, block_size: int) -> None:
         self.tokens = np.memmap(path, dtype=np.uint16, mode="r")
@@ -40,7 +43,8 @@ class TokenWindows(Dataset):
 
 
 class IterationLines(ddpkit.Callback):
-    """nanoGPT's per-iteration line on rank 0: the step's last micro-batch loss and the time between steps."""
+    """nanoGPT's per-iteration line on rank 0: the step's last micro-batch loss and the time between
+    steps."""
 
     def on_fit_start(self, trainer) -> None:
         self.t0 = time.time()
@@ -49,7 +53,9 @@ class IterationLines(ddpkit.Callback):
         t1 = time.time()
         dt, self.t0 = t1 - self.t0, t1
         # output.losses: this rank's micro-batch means; nanoGPT prints rank 0's last one.
-        ddpkit.print0(f"iter {output.step - 1}: loss {float(output.losses[-1]):.4f}, time {dt * 1000:.2f}ms")
+        ddpkit.print0(
+            f"iter {output.step - 1}: loss {float(output.losses[-1]):.4f}, time {dt * 1000:.2f}ms"
+        )
 
 
 def main() -> None:
@@ -58,9 +64,14 @@ def main() -> None:
     accum = micro_batches_per_rank(a, rt.world_size)
     ddpkit.seed_everything(1337)  # the same initial weights as nanoGPT's (rank 0's, seeded 1337)
     gpt = build_gpt(a)
-    optimizer = gpt.configure_optimizers(a.weight_decay, a.learning_rate, (a.beta1, a.beta2), rt.device.type)
-    # LambdaLR multiplies the optimizer's lr by the factor of the steps taken so far: nanoGPT's lr at iteration k.
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda it: nanogpt_lr(it, a) / a.learning_rate)
+    optimizer = gpt.configure_optimizers(
+        a.weight_decay, a.learning_rate, (a.beta1, a.beta2), rt.device.type
+    )
+    # LambdaLR multiplies the optimizer's lr by the factor of the steps taken so far: nanoGPT's lr
+    # at iteration k.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda it: nanogpt_lr(it, a) / a.learning_rate
+    )
     config = ddpkit.TrainerConfig(
         run_dir=a.out_dir,
         max_steps=a.max_iters + 1,  # nanoGPT's iterations 0..max_iters; the epoch is far longer
@@ -79,7 +90,8 @@ def main() -> None:
         data,
         config,
         scheduler=scheduler,
-        batch_loss_fn=lambda model, batch: model(*batch)[1],  # GPT returns (logits, mean loss over tokens)
+        # GPT returns (logits, mean loss over tokens)
+        batch_loss_fn=lambda model, batch: model(*batch)[1],
         callbacks=[IterationLines()],
     )
     trainer.fit()

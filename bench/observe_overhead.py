@@ -1,15 +1,16 @@
-"""What the step timings cost: the Trainer with ``LoggingConfig(step_timings=True)`` against the same Trainer with
-them off, in the same job.
+"""What the step timings cost: the Trainer with ``LoggingConfig(step_timings=True)`` against the
+same Trainer with them off, in the same job.
 
-Each rank builds two Trainers of the same model and data, one timing its steps (a ``post_accumulate_grad`` hook
-on every parameter, two forward pre-hooks, the loader's ``next()`` timed, a few clock reads per step, and at
-each log window an all-gather of 8 numbers per rank, the ``ranks`` record, rates and MFU), one not; rounds of one
-epoch each alternate (on, off, off, on, ...) so that noise from other work on the machine falls on both.
-Measures, on rank 0, as bench/trainer_overhead.py: the median step per round (between consecutive optimizer
-steps) and epoch time / steps (with the log windows' work in it); and the process's CPU time over the epoch /
-steps, which other processes' load on a shared machine moves far less than wall time. Reported: the median of
-the per-round ratios on / off, with a distribution-free 95% interval, and the difference in microseconds a step.
-Targets: <= 1.005 on the CNN's step, <= 1.02 on the tiny model's.
+Each rank builds two Trainers of the same model and data, one timing its steps (a
+``post_accumulate_grad`` hook on every parameter, two forward pre-hooks, the loader's ``next()``
+timed, a few clock reads per step, and at each log window an all-gather of 8 numbers per rank, the
+``ranks`` record, rates and MFU), one not; rounds of one epoch each alternate (on, off, off, on,
+...) so that noise from other work on the machine falls on both. Measures, on rank 0, as
+bench/trainer_overhead.py: the median step per round (between consecutive optimizer steps) and epoch
+time / steps (with the log windows' work in it); and the process's CPU time over the epoch / steps,
+which other processes' load on a shared machine moves far less than wall time. Reported: the median
+of the per-round ratios on / off, with a distribution-free 95% interval, and the difference in
+microseconds a step. Targets: <= 1.005 on the CNN's step, <= 1.02 on the tiny model's.
 
     python bench/observe_overhead.py                 # the digits CNN (ddpkit.demo), 2 ranks, batch 64 per rank
     python bench/observe_overhead.py --model tiny    # one linear layer: ~1 ms steps, where a per-step cost shows
@@ -45,7 +46,9 @@ def bench(steps: int, rounds: int, batch_size: int, model: str, every: int) -> d
     steady = steady_malloc()
     g = torch.Generator().manual_seed(0)
     n = steps * batch_size * rt.world_size
-    data = TensorDataset(torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g))
+    data = TensorDataset(
+        torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g)
+    )
     stamps: list[float] = []
 
     def trainer(timings: bool) -> Trainer:
@@ -57,7 +60,8 @@ def bench(steps: int, rounds: int, batch_size: int, model: str, every: int) -> d
             batch_size=batch_size,
             num_workers=0,
             snapshot=SnapshotConfig(every_epochs=0),
-            resume=True,  # each fit() goes on in the same folder (no snapshots: it trains the epoch again)
+            # each fit() goes on in the same folder (no snapshots: it trains the epoch again)
+            resume=True,
             logging=LoggingConfig(progress=False, every_steps=every, step_timings=timings),
         )
         t = Trainer(net, torch.optim.SGD(net.parameters(), lr=1e-3), data, config)
@@ -84,11 +88,17 @@ def bench(steps: int, rounds: int, batch_size: int, model: str, every: int) -> d
         order = [("on", on), ("off", off)] if r % 2 == 0 else [("off", off), ("on", on)]
         for name, t in order:
             results[name].append(timed(t))
-    return results | {"threads": threads, "steady": steady, "params": sum(p.numel() for p in on.model.parameters())}
+    return results | {
+        "threads": threads,
+        "steady": steady,
+        "params": sum(p.numel() for p in on.model.parameters()),
+    }
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--steps", type=int, default=20, help="steps per timed epoch")
     p.add_argument("--rounds", type=int, default=30)
@@ -102,15 +112,20 @@ def main() -> None:
     res = ddpkit.spawn(run, a.nproc)[0]
     print(
         f"date {datetime.date.today()}  machine {platform.machine()}, "
-        f"{ddpkit.platforms._cpus.cpu_count()} cores  python {platform.python_version()}  torch {torch.__version__}"
+        f"{ddpkit.platforms._cpus.cpu_count()} cores  python {platform.python_version()}  torch "
+        f"{torch.__version__}"
     )
     print(
-        f"config: {a.nproc} ranks (gloo, CPU, {res['threads']} thread(s) each), {MODEL_NAMES[a.model]} "
-        f"({res['params']} parameters), batch {a.batch_size}/rank, {a.steps} steps x {a.rounds} interleaved rounds, "
-        f"a log window every {a.every} steps, {'fixed' if res['steady'] else 'adaptive'} malloc thresholds, "
-        "warm-up excluded"
+        f"config: {a.nproc} ranks (gloo, CPU, {res['threads']} thread(s) each), "
+        f"{MODEL_NAMES[a.model]} ({res['params']} parameters), batch {a.batch_size}/rank, "
+        f"{a.steps} steps x {a.rounds} interleaved rounds, a log window every {a.every} steps, "
+        f"{'fixed' if res['steady'] else 'adaptive'} malloc thresholds, warm-up excluded"
     )
-    measures = ("step (median step per round)", "epoch / steps", "rank 0's CPU time (all its threads) / steps")
+    measures = (
+        "step (median step per round)",
+        "epoch / steps",
+        "rank 0's CPU time (all its threads) / steps",
+    )
     for i, what in enumerate(measures):
         on = [x[i] * 1000 for x in res["on"]]
         off = [x[i] * 1000 for x in res["off"]]
@@ -118,10 +133,14 @@ def main() -> None:
         lo, hi = median_interval(ratios)
         diffs = sorted((x - y) * 1000 for x, y in zip(on, off))
         dlo, dhi = median_interval(diffs)
-        print(f"{what}: timings on {statistics.median(on):.3f} ms, off {statistics.median(off):.3f} ms")
+        print(
+            f"{what}: timings on {statistics.median(on):.3f} ms, off {statistics.median(off):.3f} "
+            "ms"
+        )
         print(
             f"  ratio on / off {statistics.median(ratios):.4f}, 95% interval {lo:.4f}-{hi:.4f}; "
-            f"extra {statistics.median(diffs):+.0f} us/step, 95% interval {dlo:+.0f} to {dhi:+.0f} us"
+            f"extra {statistics.median(diffs):+.0f} us/step, 95% interval {dlo:+.0f} to {dhi:+.0f} "
+            "us"
         )
 
 

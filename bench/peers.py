@@ -1,30 +1,37 @@
-"""ddpkit against raw DDP and its peers: the same tiny model, data and steps in every framework, each under torchrun.
+"""ddpkit against raw DDP and its peers: the same tiny model, data and steps in every framework,
+each under torchrun.
 
-The case of pytorch/examples' ddp-tutorial-series, at the size where a framework's per-step cost shows: 2 ranks
-over gloo on the CPU, 1 thread each (``OMP_NUM_THREADS=1``), a plain map-style ``Dataset`` holding a list of
-``(torch.rand(20), torch.rand(1))`` pairs, read in the main process (no loader workers), batch 16 per rank, an MLP
-20-H-H-1 with MSE loss and SGD. Each framework's loop is written as its users write it:
+The case of pytorch/examples' ddp-tutorial-series, at the size where a framework's per-step cost
+shows: 2 ranks over gloo on the CPU, 1 thread each (``OMP_NUM_THREADS=1``), a plain map-style
+``Dataset`` holding a list of ``(torch.rand(20), torch.rand(1))`` pairs, read in the main process
+(no loader workers), batch 16 per rank, an MLP 20-H-H-1 with MSE loss and SGD. Each framework's loop
+is written as its users write it:
 
-- ``raw``: ``init_process_group`` + ``DistributedDataParallel`` + ``DataLoader(sampler=DistributedSampler)``,
-  the tutorial's loop;
-- ``ddpkit-loop``: ``ddpkit.init()``, ``ddpkit.prepare_model``, ``ddpkit.build_loader(..., num_workers=0)``;
-- ``ddpkit-trainer``: ``ddpkit.Trainer`` (no loader workers, no snapshot at the epoch's end, no progress bar);
-- ``accelerate``: Hugging Face Accelerate, ``Accelerator(cpu=True).prepare(model, optimizer, loader)``;
+- ``raw``: ``init_process_group`` + ``DistributedDataParallel`` +
+  ``DataLoader(sampler=DistributedSampler)``, the tutorial's loop;
+- ``ddpkit-loop``: ``ddpkit.init()``, ``ddpkit.prepare_model``,
+  ``ddpkit.build_loader(..., num_workers=0)``;
+- ``ddpkit-trainer``: ``ddpkit.Trainer`` (no loader workers, no snapshot at the epoch's end, no
+  progress bar);
+- ``accelerate``: Hugging Face Accelerate, ``Accelerator(cpu=True).prepare(model,
+  optimizer, loader)``;
 - ``fabric``: Lightning Fabric, ``Fabric(accelerator="cpu", strategy="ddp", devices=2)``, ``setup``,
   ``setup_dataloaders``;
-- ``lightning``: Lightning's ``Trainer`` on a ``LightningModule`` (no logger, checkpoints, progress bar or
-  model summary).
+- ``lightning``: Lightning's ``Trainer`` on a ``LightningModule`` (no logger, checkpoints, progress
+  bar or model summary).
 
 Every job is one epoch of ``--warmup`` + ``--steps`` optimizer steps, launched as
-``python -m torch.distributed.run --standalone --nproc-per-node 2 bench/peers.py --framework NAME ...``. Step time is
-measured inside the job the same way for all: a global optimizer post-step hook (every framework ends in a torch
-optimizer's ``step``) stamps each step on rank 0, and the job reports the median time between consecutive steps
-after the warm-up, so a step is all between two updates (loading the batch, forward, backward and its all-reduce,
-the update, the framework's bookkeeping) and start-up and teardown are left out. The driver runs every framework
-once per round, in an order that rotates and reverses from round to round, drops the first round, and reports
-each framework's step time (median over rounds, and the rounds' range) and its ratio to raw DDP: the median over
-rounds of the per-round ratio, with a distribution-free 95% interval and the rounds' range. A peer that is not
-installed is skipped, saying so (``pip install -e ".[bench]"`` installs them).
+``python -m torch.distributed.run --standalone --nproc-per-node 2 bench/peers.py --framework NAME
+...``. Step time is measured inside the job the same way for all: a global optimizer post-step hook
+(every framework ends in a torch optimizer's ``step``) stamps each step on rank 0, and the job
+reports the median time between consecutive steps after the warm-up, so a step is all between two
+updates (loading the batch, forward, backward and its all-reduce, the update, the framework's
+bookkeeping) and start-up and teardown are left out. The driver runs every framework once per round,
+in an order that rotates and reverses from round to round, drops the first round, and reports each
+framework's step time (median over rounds, and the rounds' range) and its ratio to raw DDP: the
+median over rounds of the per-round ratio, with a distribution-free 95% interval and the rounds'
+range. A peer that is not installed is skipped, saying so (``pip install -e ".[bench]"`` installs
+them).
 
     python bench/peers.py                              # 2 ranks, batch 16, hidden 384, 40 rounds x 300 steps
     python bench/peers.py --rounds 3 --steps 50        # a quick look (the first round is dropped)
@@ -78,10 +85,13 @@ class MyTrainDataset(Dataset):
 
 
 def mlp(hidden: int) -> nn.Module:
-    return nn.Sequential(nn.Linear(20, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+    return nn.Sequential(
+        nn.Linear(20, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 1)
+    )
 
 
-# The programs, one per framework. Each gets the dataset, the model and the per-rank batch, and trains one epoch.
+# The programs, one per framework. Each gets the dataset, the model and the per-rank batch, and
+# trains one epoch.
 
 
 def run_raw(data: Dataset, model: nn.Module, batch_size: int) -> None:
@@ -92,7 +102,9 @@ def run_raw(data: Dataset, model: nn.Module, batch_size: int) -> None:
     init_process_group(backend="gloo")
     model = DDP(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    loader = DataLoader(data, batch_size=batch_size, shuffle=False, sampler=DistributedSampler(data))
+    loader = DataLoader(
+        data, batch_size=batch_size, shuffle=False, sampler=DistributedSampler(data)
+    )
     loader.sampler.set_epoch(0)
     for source, targets in loader:
         optimizer.zero_grad()
@@ -130,7 +142,13 @@ def run_ddpkit_trainer(data: Dataset, model: nn.Module, batch_size: int, run_dir
         snapshot=SnapshotConfig(every_epochs=0),
         logging=LoggingConfig(progress=False),
     )
-    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=LR), data, config, loss_fn=nn.functional.mse_loss)
+    trainer = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=LR),
+        data,
+        config,
+        loss_fn=nn.functional.mse_loss,
+    )
     trainer.fit()
     ddpkit.shutdown()
 
@@ -138,8 +156,8 @@ def run_ddpkit_trainer(data: Dataset, model: nn.Module, batch_size: int, run_dir
 def run_accelerate(data: Dataset, model: nn.Module, batch_size: int) -> None:
     from accelerate import Accelerator
 
-    # cpu=True, as `accelerate launch --cpu` sets it: without a GPU, Accelerate takes torchrun's ranks for a
-    # multi-CPU job only when told (otherwise each rank trains alone, on all the data).
+    # cpu=True, as `accelerate launch --cpu` sets it: without a GPU, Accelerate takes torchrun's
+    # ranks for a multi-CPU job only when told (otherwise each rank trains alone, on all the data).
     accelerator = Accelerator(cpu=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     loader = DataLoader(data, batch_size=batch_size, shuffle=True)
@@ -200,7 +218,8 @@ def job(a: argparse.Namespace) -> None:
     stamps: list[float] = []
 
     def stamp(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-        # The SGD itself, not a framework's wrapper around it (Accelerate's is an Optimizer too): one stamp a step.
+        # The SGD itself, not a framework's wrapper around it (Accelerate's is an Optimizer
+        # too): one stamp a step.
         if isinstance(optimizer, torch.optim.SGD):
             stamps.append(time.perf_counter())
 
@@ -216,7 +235,12 @@ def job(a: argparse.Namespace) -> None:
     if os.environ["RANK"] == "0":
         timed = stamps[a.warmup :]
         step = statistics.median(b - x for x, b in zip(timed, timed[1:]))
-        result = {"framework": a.framework, "step_s": step, "steps": len(stamps), "threads": torch.get_num_threads()}
+        result = {
+            "framework": a.framework,
+            "step_s": step,
+            "steps": len(stamps),
+            "threads": torch.get_num_threads(),
+        }
         Path(a.job_out).write_text(json.dumps(result))
 
 
@@ -232,19 +256,40 @@ PROGRAMS = {
 def launch(a: argparse.Namespace, name: str, folder: Path, tag: str) -> dict:
     """Run ``name`` as a torchrun job of 2 ranks; its rank 0's result."""
     out, log = folder / f"{tag}.json", folder / f"{tag}.log"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(NPROC)]
-    cmd += [__file__, "--framework", name, "--job-out", str(out), "--job-dir", str(folder / f"{tag}-run")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(NPROC),
+    ]
+    cmd += [
+        __file__,
+        "--framework",
+        name,
+        "--job-out",
+        str(out),
+        "--job-dir",
+        str(folder / f"{tag}-run"),
+    ]
     cmd += ["--steps", str(a.steps), "--warmup", str(a.warmup), "--batch-size", str(a.batch_size)]
     cmd += ["--hidden", str(a.hidden)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with open(log, "w") as f:
-        proc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=a.job_timeout)
-    tail = log.read_text()[-4000:]  # the log goes with the bench's temporary folder: its end is shown here
+        proc = subprocess.run(
+            cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=a.job_timeout
+        )
+    # the log goes with the bench's temporary folder: its end is shown here
+    tail = log.read_text()[-4000:]
     if proc.returncode != 0 or not out.exists():
         raise SystemExit(f"{name} failed (exit {proc.returncode}); the end of its output:\n{tail}")
     result = json.loads(out.read_text())
-    if result["steps"] != a.warmup + a.steps:  # e.g. a framework that took the ranks for separate runs
-        raise SystemExit(f"{name} took {result['steps']} optimizer steps, not {a.warmup + a.steps}:\n{tail}")
+    # e.g. a framework that took the ranks for separate runs
+    if result["steps"] != a.warmup + a.steps:
+        raise SystemExit(
+            f"{name} took {result['steps']} optimizer steps, not {a.warmup + a.steps}:\n{tail}"
+        )
     return result
 
 
@@ -256,13 +301,20 @@ def version(package: str) -> str:
 
 
 def drive(a: argparse.Namespace) -> None:
-    from trainer_overhead import median_interval  # here, not at the top: it imports ddpkit, which raw DDP must not
+    # here, not at the top: it imports ddpkit, which raw DDP must not
+    from trainer_overhead import median_interval
 
     wanted = a.only.split(",") if a.only else list(FRAMEWORKS)
     unknown = [n for n in wanted if n not in FRAMEWORKS]
     if unknown or "raw" not in wanted:
-        raise SystemExit(f"--only: names from {', '.join(FRAMEWORKS)}, raw among them (got {a.only})")
-    skipped = {n: f"{FRAMEWORKS[n][1]} is not installed" for n in wanted if not _installed(FRAMEWORKS[n][1])}
+        raise SystemExit(
+            f"--only: names from {', '.join(FRAMEWORKS)}, raw among them (got {a.only})"
+        )
+    skipped = {
+        n: f"{FRAMEWORKS[n][1]} is not installed"
+        for n in wanted
+        if not _installed(FRAMEWORKS[n][1])
+    }
     names = [n for n in wanted if n not in skipped]
     steps: dict[str, list[float]] = {n: [] for n in names}
     threads: set[int] = set()
@@ -270,7 +322,8 @@ def drive(a: argparse.Namespace) -> None:
         for r in range(a.rounds):
             k = r % len(names)
             order = names[k:] + names[:k]
-            for name in order if r % 2 == 0 else order[::-1]:  # every framework in every place, both ways round
+            # every framework in every place, both ways round
+            for name in order if r % 2 == 0 else order[::-1]:
                 result = launch(a, name, Path(tmp), f"r{r}-{name}")
                 threads.add(result["threads"])
                 if r > 0:  # the first round warms the disk cache and the imports
@@ -278,18 +331,21 @@ def drive(a: argparse.Namespace) -> None:
             done = ", ".join(f"{n} {steps[n][-1]:.3f} ms" for n in names) if r > 0 else "dropped"
             print(f"round {r + 1}/{a.rounds}: {done}", flush=True)
     print(
-        f"date {datetime.datetime.now():%Y-%m-%d %H:%M}  machine {platform.machine()}, {os.cpu_count()} cores, "
-        f"load average {os.getloadavg()[0]:.1f}  python {platform.python_version()}  torch {torch.__version__}  "
+        f"date {datetime.datetime.now():%Y-%m-%d %H:%M}  machine {platform.machine()}, "
+        f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}  python "
+        f"{platform.python_version()}  torch {torch.__version__}  "
         + "  ".join(f"{p} {version(p)}" for p in ("ddpkit", "accelerate", "lightning"))
     )
     print(
-        f"config: {NPROC} ranks under torchrun (gloo, CPU, {'/'.join(map(str, sorted(threads)))} thread(s) each), "
-        f"MyTrainDataset (a list of (rand(20), rand(1))), MLP 20-{a.hidden}-{a.hidden}-1, MSE, SGD, batch "
-        f"{a.batch_size}/rank, no loader workers; a job: {a.warmup} warm-up + {a.steps} timed steps; {a.rounds} "
-        "interleaved rounds, the first dropped"
+        f"config: {NPROC} ranks under torchrun (gloo, CPU, {'/'.join(map(str, sorted(threads)))} "
+        "thread(s) each), MyTrainDataset (a list of (rand(20), rand(1))), MLP "
+        f"20-{a.hidden}-{a.hidden}-1, MSE, SGD, batch {a.batch_size}/rank, no loader workers; a "
+        f"job: {a.warmup} warm-up + {a.steps} timed steps; {a.rounds} interleaved rounds, the "
+        "first dropped"
     )
     print(
-        f"  {'':18s} {'ms/step (rounds: min-max)':30s} / raw DDP: median of per-round ratios (95% interval; rounds: min-max)"
+        f"  {'':18s} {'ms/step (rounds: min-max)':30s} / raw DDP: median of per-round ratios (95% "
+        "interval; rounds: min-max)"
     )
     report: dict = {"rounds": a.rounds - 1, "skipped": skipped, "frameworks": {}}
     for name in names:
@@ -299,7 +355,8 @@ def drive(a: argparse.Namespace) -> None:
         ratio = statistics.median(ratios)
         step = f"{statistics.median(ms):.3f} ({min(ms):.3f}-{max(ms):.3f})"
         print(
-            f"  {FRAMEWORKS[name][0]:18s} {step:30s} {ratio:.3f} ({lo:.3f}-{hi:.3f}; {ratios[0]:.3f}-{ratios[-1]:.3f})"
+            f"  {FRAMEWORKS[name][0]:18s} {step:30s} {ratio:.3f} ({lo:.3f}-{hi:.3f}; "
+            f"{ratios[0]:.3f}-{ratios[-1]:.3f})"
         )
         report["frameworks"][name] = {
             "label": FRAMEWORKS[name][0],
@@ -320,8 +377,15 @@ def _installed(package: str | None) -> bool:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=40, help="rounds of one job per framework; the first is dropped")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=40,
+        help="rounds of one job per framework; the first is dropped",
+    )
     p.add_argument("--steps", type=int, default=300, help="timed optimizer steps a job")
     p.add_argument("--warmup", type=int, default=20, help="optimizer steps before the timed ones")
     p.add_argument("--batch-size", type=int, default=16, help="per rank")
@@ -329,13 +393,16 @@ def main() -> None:
     p.add_argument("--only", help="a comma-separated subset of the frameworks (raw among them)")
     p.add_argument("--json", help="also write the figures to this file")
     p.add_argument("--job-timeout", type=float, default=600, help="seconds one job may take")
-    # One job, under torchrun (not --run: torchrun would take it for an abbreviation of its --run-path).
+    # One job, under torchrun (not --run: torchrun would take it for an abbreviation of its
+    # --run-path).
     p.add_argument("--framework", choices=list(FRAMEWORKS), help=argparse.SUPPRESS)
     p.add_argument("--job-out", help=argparse.SUPPRESS)
     p.add_argument("--job-dir", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.rounds < 2 or a.steps < 2 or a.warmup < 1:
-        raise SystemExit("--rounds at least 2 (the first is dropped), --steps at least 2, --warmup at least 1")
+        raise SystemExit(
+            "--rounds at least 2 (the first is dropped), --steps at least 2, --warmup at least 1"
+        )
     job(a) if a.framework else drive(a)
 
 

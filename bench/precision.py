@@ -1,12 +1,13 @@
-"""Step time by precision: fp32, bf16 (autocast) and fp16 (autocast with a GradScaler), as the Trainer's
-``precision`` runs them, on one GPU (the CPU where there is none).
+"""Step time by precision: fp32, bf16 (autocast) and fp16 (autocast with a GradScaler), as the
+Trainer's ``precision`` runs them, on one GPU (the CPU where there is none).
 
-A stack of residual MLP blocks (``--blocks`` x 2 x ``--width`` x 4 ``--width``: ~268 M parameters on a GPU by
-default), Adam, a batch of ``--batch`` rows. One step is forward under autocast, backward (of the scaled loss
-under fp16), unscale, optimizer step and zero_grad, ended by a device synchronisation. Precisions alternate
-round by round (fp32, tf32, bf16, fp16, fp32, ...) so that other load falls on all; each round's median step
-counts, and of the rounds the fastest. ``tf32`` is fp32 with TensorFloat-32 matrix products allowed
-(``torch.backends.cuda.matmul.allow_tf32``), which torch leaves off by default and the Trainer does not change.
+A stack of residual MLP blocks (``--blocks`` x 2 x ``--width`` x 4 ``--width``: ~268 M parameters on
+a GPU by default), Adam, a batch of ``--batch`` rows. One step is forward under autocast, backward
+(of the scaled loss under fp16), unscale, optimizer step and zero_grad, ended by a device
+synchronisation. Precisions alternate round by round (fp32, tf32, bf16, fp16, fp32, ...) so that
+other load falls on all; each round's median step counts, and of the rounds the fastest. ``tf32`` is
+fp32 with TensorFloat-32 matrix products allowed (``torch.backends.cuda.matmul.allow_tf32``), which
+torch leaves off by default and the Trainer does not change.
 
     python bench/precision.py                    # one GPU: width 2048, 8 blocks, batch 1024
     python bench/precision.py --width 512 --blocks 2 --batch 128 --device cpu
@@ -29,7 +30,9 @@ from ddpkit.demo._models import Block
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 
 
-def step_times(precision: str, model: nn.Module, x: torch.Tensor, steps: int, warmup: int) -> list[float]:
+def step_times(
+    precision: str, model: nn.Module, x: torch.Tensor, steps: int, warmup: int
+) -> list[float]:
     device = x.device
     cuda = device.type == "cuda"
     if cuda:
@@ -87,12 +90,17 @@ def main() -> None:
             times = step_times(name, model, x, a.steps, a.warmup)
             rounds[name].append(statistics.median(times))
     n_params = sum(q.numel() for q in model.parameters())
-    where = torch.cuda.get_device_name(device) if cuda else f"CPU, {torch.get_num_threads()} threads"
-    print(f"# bench/precision.py  {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
+    where = (
+        torch.cuda.get_device_name(device) if cuda else f"CPU, {torch.get_num_threads()} threads"
+    )
     print(
-        f"# {platform.node()} {platform.machine()}, torch {torch.__version__}, {where}; {n_params / 1e6:.0f} M "
-        f"parameters ({blocks} blocks of width {width}), batch {batch}, Adam; {a.rounds} rounds x {a.steps} "
-        f"steps after {a.warmup} warm-up; per round the median step, of the rounds the fastest"
+        f"# bench/precision.py  {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
+    )
+    print(
+        f"# {platform.node()} {platform.machine()}, torch {torch.__version__}, {where}; "
+        f"{n_params / 1e6:.0f} M parameters ({blocks} blocks of width {width}), batch {batch}, "
+        f"Adam; {a.rounds} rounds x {a.steps} steps after {a.warmup} warm-up; per round the median "
+        "step, of the rounds the fastest"
     )
     base = min(rounds["fp32"])
     print(f"{'precision':10s} {'step ms':>9s} {'vs fp32':>8s} {'rounds ms':>24s}")
@@ -101,7 +109,8 @@ def main() -> None:
             continue
         best = min(rounds[name])
         print(
-            f"{name:10s} {best * 1e3:9.3f} {best / base:8.2f} {' '.join(f'{r * 1e3:.2f}' for r in rounds[name]):>24s}"
+            f"{name:10s} {best * 1e3:9.3f} {best / base:8.2f} "
+            f"{' '.join(f'{r * 1e3:.2f}' for r in rounds[name]):>24s}"
         )
 
 

@@ -1,11 +1,13 @@
-"""What the stall watch's marks cost a step: a tiny model's training step with and without them, in one process.
+"""What the stall watch's marks cost a step: a tiny model's training step with and without them, in
+one process.
 
-The marks are those a step of the Trainer makes (a step begun, data, forward/backward, the optimizer, user code,
-one collective entered and left) plus a loader's two, into a mapped page of ``/dev/shm`` as under ``ddpkit
-run``. A step of a two-layer MLP of width 64 on a batch of 16 (about 0.1-0.3
-ms on a CPU: a step far cheaper than any real one, so the ratio is an upper bound). Marked and unmarked
-rounds alternate, so other load on the machine falls on both alike; each round gives the ratio of the two
-medians, and the median of those paired ratios is the figure. Also: one mark alone, in nanoseconds.
+The marks are those a step of the Trainer makes (a step begun, data, forward/backward, the
+optimizer, user code, one collective entered and left) plus a loader's two, into a mapped page of
+``/dev/shm`` as under ``ddpkit run``. A step of a two-layer MLP of width 64 on a batch of 16 (about
+0.1-0.3 ms on a CPU: a step far cheaper than any real one, so the ratio is an upper bound). Marked
+and unmarked rounds alternate, so other load on the machine falls on both alike; each round gives
+the ratio of the two medians, and the median of those paired ratios is the figure. Also: one mark
+alone, in nanoseconds.
 
     python bench/progress_marks.py
     python bench/progress_marks.py --rounds 30 --steps 400
@@ -74,17 +76,22 @@ def main() -> None:
         ratios.append(marked / plain)
         plain_ms.append(plain * 1e3)
     one = min(timeit.repeat(lambda: progress.mark(Phase.DATA), number=100_000, repeat=5)) / 100_000
-    empty = min(timeit.repeat(lambda: None, number=100_000, repeat=5)) / 100_000  # this machine's pace, now
+    # this machine's pace, now
+    empty = min(timeit.repeat(lambda: None, number=100_000, repeat=5)) / 100_000
     eight = min(timeit.repeat(marks, number=20_000, repeat=5)) / 20_000
-    print(f"date {datetime.date.today()}  python {platform.python_version()}  torch {torch.__version__}")
+    print(
+        f"date {datetime.date.today()}  python {platform.python_version()}  torch "
+        f"{torch.__version__}"
+    )
     print(f"machine {platform.machine()} {os.cpu_count()} cores (shared, noisy)  one thread")
     print(f"step without marks: median {statistics.median(plain_ms):.3f} ms")
     print(
-        f"one mark: {one * 1e9:.0f} ns; a step's eight marks: {eight * 1e9:.0f} ns; an empty call: {empty * 1e9:.0f} ns"
+        f"one mark: {one * 1e9:.0f} ns; a step's eight marks: {eight * 1e9:.0f} ns; an empty call: "
+        f"{empty * 1e9:.0f} ns"
     )
     print(
-        f"marked / unmarked step time: median of {args.rounds} paired rounds {statistics.median(ratios):.4f} "
-        f"(min {min(ratios):.4f}, max {max(ratios):.4f})"
+        f"marked / unmarked step time: median of {args.rounds} paired rounds "
+        f"{statistics.median(ratios):.4f} (min {min(ratios):.4f}, max {max(ratios):.4f})"
     )
     shutil.rmtree(folder)
 

@@ -1,16 +1,16 @@
 """What seeding each sample from (seed, epoch, index) costs when a batch is loaded.
 
-``build_loader`` wraps the dataset in :class:`ddpkit.data.SeededSamples`: a batch is read as it is with the
-generators' states compared around it; once a sample has drawn, each sample is read with python's ``random``,
-numpy's global generator and torch's CPU generator seeded, and in the main process (``num_workers=0``) their
-states are saved before a batch and restored after. This loads the same batches with and without the wrapper,
-in interleaved rounds within one process, and reports per round the time to fetch one batch (``__getitems__``
-of the keys, as the DataLoader's fetcher calls it), then the median over rounds of the difference and of the
-ratio seeded / plain.
+``build_loader`` wraps the dataset in :class:`ddpkit.data.SeededSamples`: a batch is read as it is
+with the generators' states compared around it; once a sample has drawn, each sample is read with
+python's ``random``, numpy's global generator and torch's CPU generator seeded, and in the main
+process (``num_workers=0``) their states are saved before a batch and restored after. This loads the
+same batches with and without the wrapper, in interleaved rounds within one process, and reports per
+round the time to fetch one batch (``__getitems__`` of the keys, as the DataLoader's fetcher calls
+it), then the median over rounds of the difference and of the ratio seeded / plain.
 
-Two datasets: pytorch/examples' case of pairs of tensors in a list, read as they are (nothing draws: the state
-check per batch is all it costs), and an 8x8 image with a light augmentation (a random shift and noise, as the
-digits would get: every sample seeded).
+Two datasets: pytorch/examples' case of pairs of tensors in a list, read as they are (nothing draws:
+the state check per batch is all it costs), and an 8x8 image with a light augmentation (a random
+shift and noise, as the digits would get: every sample seeded).
 
     python bench/sample_seeding.py                  # batch 64, 200 rounds
 """
@@ -68,8 +68,9 @@ def main() -> None:
     a = p.parse_args()
     torch.set_num_threads(1)
     print(
-        f"{datetime.date.today()} {platform.node()} python {platform.python_version()} torch {torch.__version__} "
-        f"numpy {np.__version__}; batch {a.batch_size}, {a.rounds} rounds of {a.repeats} batches; main process"
+        f"{datetime.date.today()} {platform.node()} python {platform.python_version()} torch "
+        f"{torch.__version__} numpy {np.__version__}; batch {a.batch_size}, {a.rounds} rounds of "
+        f"{a.repeats} batches; main process"
     )
     for name, data in [
         ("tensors in a list", Pairs(4096)),
@@ -83,8 +84,11 @@ def main() -> None:
                 ("plain", lambda data=data, keys=keys: [data[i] for _, i in keys]),
                 ("seeded", lambda seeded=seeded, keys=keys: seeded.__getitems__(keys)),
             ]
-            for label, fetch in pair if r % 2 == 0 else pair[::-1]:  # alternate the order: drift falls on both
-                (plain_ms if label == "plain" else seeded_ms).append(1e3 * fetch_time(fetch, a.repeats))
+            # alternate the order: drift falls on both
+            for label, fetch in pair if r % 2 == 0 else pair[::-1]:
+                (plain_ms if label == "plain" else seeded_ms).append(
+                    1e3 * fetch_time(fetch, a.repeats)
+                )
         extra = statistics.median(s - p for s, p in zip(seeded_ms, plain_ms))
         ratio = statistics.median(s / p for s, p in zip(seeded_ms, plain_ms))
         print(

@@ -1,19 +1,21 @@
-"""What ddpkit's control plane costs as the world grows: one job per world size and model, CPU processes over
-gloo with tiny compute, every rank timed; each cost fitted as a * n^b.
+"""What ddpkit's control plane costs as the world grows: one job per world size and model, CPU
+processes over gloo with tiny compute, every rank timed; each cost fitted as a * n^b.
 
-The job (``tests/jobs/scripts/scale_job.py``) runs under ``ddpkit run --max-restarts 1`` with snapshots in
-memory, and times on every rank: the launch (kernel start, script, imports, process group, Trainer built,
-first step), a copy in memory, a restart after a SIGKILL of the last rank (detected, torn down, rendezvous,
-spawned, ... first step: ``bench/goodput.py``'s stages), a disk snapshot saved synchronously (values gathered,
-planned, written, indexed, marked) and asynchronously (the stall), found and loaded (found and verified,
-planned, read), an exact evaluation, and ``split_world(2)`` (a search's groups of 2).
+The job (``tests/jobs/scripts/scale_job.py``) runs under ``ddpkit run --max-restarts 1`` with
+snapshots in memory, and times on every rank: the launch (kernel start, script, imports, process
+group, Trainer built, first step), a copy in memory, a restart after a SIGKILL of the last rank
+(detected, torn down, rendezvous, spawned, ... first step: ``bench/goodput.py``'s stages), a disk
+snapshot saved synchronously (values gathered, planned, written, indexed, marked) and asynchronously
+(the stall), found and loaded (found and verified, planned, read), an exact evaluation, and
+``split_world(2)`` (a search's groups of 2).
 
-The machine has fewer cores than the larger worlds have ranks. A stage's wall clock then counts the waits for
-a core: with every rank busy, n ranks on c cores take n/c times one rank's work, an exponent of 1 where each
-rank's work is the same at every size. A rank's CPU time (every thread of its process) is the work it would
-do on a core of its own, and what is fitted: the largest over the ranks (often rank 0, which plans and
-writes the index), with rank 0's and the other ranks' median beside it. Neither sees the network: gloo over
-loopback, not nccl over InfiniBand (see docs/scale.md).
+The machine has fewer cores than the larger worlds have ranks. A stage's wall clock then counts the
+waits for a core: with every rank busy, n ranks on c cores take n/c times one rank's work, an
+exponent of 1 where each rank's work is the same at every size. A rank's CPU time (every thread of
+its process) is the work it would do on a core of its own, and what is fitted: the largest over the
+ranks (often rank 0, which plans and writes the index), with rank 0's and the other ranks' median
+beside it. Neither sees the network: gloo over loopback, not nccl over InfiniBand (see
+docs/scale.md).
 
     python bench/scale.py                              # 2..64 ranks x 10, 1,000, 10,000 tensors
     python bench/scale.py --quick                      # 2 and 4 ranks, 10 and 1,000 tensors
@@ -42,15 +44,17 @@ JOB = ROOT / "tests" / "jobs" / "scripts" / "scale_job.py"
 
 _spec = importlib.util.spec_from_file_location("goodput", Path(__file__).with_name("goodput.py"))
 goodput = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(goodput)  # the launcher's instrumentation and the recovery's stages, shared
+# the launcher's instrumentation and the recovery's stages, shared
+_spec.loader.exec_module(goodput)
 
 LAUNCH_STAGES = ["rendezvous", "proc_start", "script", "imports", "init", "built", "first_step"]
-AGENT_STAGES = {"rendezvous", "proc_start", "detected", "torn_down", "spawned"}  # the agent's, not each rank's
+# the agent's, not each rank's
+AGENT_STAGES = {"rendezvous", "proc_start", "detected", "torn_down", "spawned"}
 # Two-sided 95% quantiles of Student's t by degrees of freedom (a fit of k sizes has k - 2).
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306}
 
 
-# -- one job ---------------------------------------------------------------------------------------------
+# -- one job ---------------------------------------------------------------------------------------
 
 
 def run(n: int, tensors: int, a: argparse.Namespace, root: Path) -> dict:
@@ -62,7 +66,15 @@ def run(n: int, tensors: int, a: argparse.Namespace, root: Path) -> dict:
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
     env["OMP_NUM_THREADS"] = "1"
     cmd = [sys.executable, str(Path(goodput.__file__)), "launch", str(timeline), "ddpkit"]
-    cmd += ["--nproc", str(n), "--oversubscribe", "--max-restarts", "1", "--log-dir", str(folder / "logs")]
+    cmd += [
+        "--nproc",
+        str(n),
+        "--oversubscribe",
+        "--max-restarts",
+        "1",
+        "--log-dir",
+        str(folder / "logs"),
+    ]
     cmd += [str(JOB), str(folder / "run"), "--timeline", str(timeline), "--tensors", str(tensors)]
     cmd += ["--steps", str(a.steps), "--repeats", str(a.repeats)]
     t0 = time.time()
@@ -78,14 +90,17 @@ def run(n: int, tensors: int, a: argparse.Namespace, root: Path) -> dict:
     return result
 
 
-# -- what a job's timeline says --------------------------------------------------------------------------
+# -- what a job's timeline says --------------------------------------------------------------------
 
 
 def measure(folder: Path) -> dict[str, dict[str, float]]:
-    """{cost: {"wall": s, "cpu": s, "cpu0": s, "cpu_others": s}} of one job (cpu* absent where only the wall
-    clock is known): each the largest over the ranks, rank 0's, and the median of the others'."""
+    """{cost: {"wall": s, "cpu": s, "cpu0": s, "cpu_others": s}} of one job (cpu* absent where only
+    the wall clock is known): each the largest over the ranks, rank 0's, and the median of the
+    others'."""
     result = json.loads((folder / "result.json").read_text())
-    events = [json.loads(line) for line in (folder / "timeline.jsonl").read_text().splitlines() if line]
+    events = [
+        json.loads(line) for line in (folder / "timeline.jsonl").read_text().splitlines() if line
+    ]
     out: dict[str, dict[str, float]] = {}
 
     # The launch: each stage's latest rank, since the launch, on the first attempt.
@@ -95,13 +110,16 @@ def measure(folder: Path) -> dict[str, dict[str, float]]:
         times = [e["t"] for e in first if e["event"] == stage]
         if not times:
             break
-        t = min(times) if stage == "rendezvous" else max(times)  # the agent's first, or the last rank's
+        # the agent's first, or the last rank's
+        t = min(times) if stage == "rendezvous" else max(times)
         out[f"launch: {stage}"] = {"wall": t - previous}
         previous = t
     out["launch to first step"] = {"wall": previous - result["launched"]}
 
     # The restart: goodput's stages, kill to first step.
-    recovery = next((r for r in goodput.analyse(folder / "timeline.jsonl")["recoveries"] if r["whole"]), None)
+    recovery = next(
+        (r for r in goodput.analyse(folder / "timeline.jsonl")["recoveries"] if r["whole"]), None
+    )
     if recovery is not None:
         before = 0.0
         for stage in goodput.STAGES:
@@ -111,25 +129,31 @@ def measure(folder: Path) -> dict[str, dict[str, float]]:
                 before = at
         out["restart to first step"] = {"wall": recovery["seconds"]}
 
-    # Operations timed inside the ranks: each rank's median over the repeats after the first (which pays for
-    # first-time imports and allocations), then over the ranks.
+    # Operations timed inside the ranks: each rank's median over the repeats after the first (which
+    # pays for first-time imports and allocations), then over the ranks.
     per_rank: dict[str, dict[int, list[tuple[float, float]]]] = {}
     for e in events:
         if e["event"] == "timed" and e["repeat"] > 0:
             for stage, (wall, cpu) in e["stages"].items():
-                if stage != "end" or len(e["stages"]) == 1:  # "end": the call's return, or the whole call
-                    per_rank.setdefault(f"{e['what']}: {stage}", {}).setdefault(e["rank"], []).append((wall, cpu))
+                # "end": the call's return, or the whole call
+                if stage != "end" or len(e["stages"]) == 1:
+                    per_rank.setdefault(f"{e['what']}: {stage}", {}).setdefault(
+                        e["rank"], []
+                    ).append((wall, cpu))
         if e["event"] == "done" and e["copies"]:
             copies = e["copies"][2:] or e["copies"]  # the first two map the slots
             per_rank.setdefault("memory copy", {})[e["rank"]] = [tuple(c) for c in copies]
     for name, ranks in per_rank.items():
-        out[name] = summary({r: [statistics.median(x[i] for x in v) for i in (0, 1)] for r, v in ranks.items()})
+        out[name] = summary(
+            {r: [statistics.median(x[i] for x in v) for i in (0, 1)] for r, v in ranks.items()}
+        )
     # Each operation whole: the sum of its stages, rank by rank.
     for what in ("save", "async save", "load", "evaluate", "split_world"):
         totals: dict[int, list[float]] = {}
         for e in events:
             if e["event"] == "timed" and e["what"] == what and e["repeat"] > 0:
-                # An asynchronous save's whole is up to its return; the write in the background is apart.
+                # An asynchronous save's whole is up to its return; the write in the background is
+                # apart.
                 kept = [wc for s, wc in e["stages"].items() if s != "written in the background"]
                 wall, cpu = sum(w for w, _ in kept), sum(c for _, c in kept)
                 totals.setdefault(e["rank"], []).append((wall, cpu))
@@ -137,16 +161,19 @@ def measure(folder: Path) -> dict[str, dict[str, float]]:
             out[f"{what} (whole)"] = summary(
                 {r: [statistics.median(x[i] for x in v) for i in (0, 1)] for r, v in totals.items()}
             )
-    # Where only the wall clock is known (the launch and the restart, across processes): the ranks' stages
-    # scaled by the share of a core each rank had (n ranks busy at once on c cores each get c/n of one), the
-    # agent's as they are (one process: detection, teardown, rendezvous, starting the workers one by one). An
-    # estimate of the wall clock with a core a rank; it counts a rank's waits for the others as work.
+    # Where only the wall clock is known (the launch and the restart, across processes): the ranks'
+    # stages scaled by the share of a core each rank had (n ranks busy at once on c cores each get
+    # c/n of one), the agent's as they are (one process: detection, teardown, rendezvous, starting
+    # the workers one by one). An estimate of the wall clock with a core a rank; it counts a rank's
+    # waits for the others as work.
     share = min(1.0, (os.cpu_count() or 1) / result["n"])
     for phase in ("launch", "restart"):
         total = 0.0
         for name, cost in out.items():
             if name.startswith(f"{phase}: "):
-                cost["share"] = cost["wall"] * (1.0 if name.split(": ")[1] in AGENT_STAGES else share)
+                cost["share"] = cost["wall"] * (
+                    1.0 if name.split(": ")[1] in AGENT_STAGES else share
+                )
                 total += cost["share"]
         if f"{phase} to first step" in out:
             out[f"{phase} to first step"]["share"] = total
@@ -164,7 +191,8 @@ def summary(by_rank: dict[int, list[float]]) -> dict[str, float]:
 
 
 def fit(points: list[tuple[int, float]]) -> tuple[float, float, float] | None:
-    """cost = a * n^b by least squares on logs: (a, b, the 95% half-width of b); None under 2 points."""
+    """cost = a * n^b by least squares on logs: (a, b, the 95% half-width of b); None under 2
+    points."""
     points = [(n, y) for n, y in points if y > 0]
     if len(points) < 2:
         return None
@@ -180,7 +208,7 @@ def fit(points: list[tuple[int, float]]) -> tuple[float, float, float] | None:
     return a, b, T95.get(dof, 1.96) * math.sqrt(s2 / sxx)
 
 
-# -- report ----------------------------------------------------------------------------------------------
+# -- report ----------------------------------------------------------------------------------------
 
 HEADLINE = [
     "launch to first step",
@@ -202,9 +230,12 @@ HEADLINE = [
 ]
 
 
-def extrapolate(points: list[tuple[int, float]], f: tuple[float, float, float], to: int) -> tuple[float, float, float]:
-    """The cost at ``to`` ranks: (low, fitted, high). Anchored at the largest world measured (its fitted value)
-    and carried on with the exponent's 95% interval, so the interval widens with the distance from it."""
+def extrapolate(
+    points: list[tuple[int, float]], f: tuple[float, float, float], to: int
+) -> tuple[float, float, float]:
+    """The cost at ``to`` ranks: (low, fitted, high). Anchored at the largest world measured (its
+    fitted value) and carried on with the exponent's 95% interval, so the interval widens with the
+    distance from it."""
     a, b, pm = f
     last = max(n for n, _ in points)
     at = a * last**b
@@ -212,12 +243,15 @@ def extrapolate(points: list[tuple[int, float]], f: tuple[float, float, float], 
     return tuple(at * (to / last) ** e for e in (b - pm, b, b + pm))  # type: ignore[return-value]
 
 
-def report(root: Path, sizes: list[int], tensor_counts: list[int], beyond: list[int] = ()) -> tuple[str, dict]:
+def report(
+    root: Path, sizes: list[int], tensor_counts: list[int], beyond: list[int] = ()
+) -> tuple[str, dict]:
     import torch
 
     lines = [
         f"scale: {platform.node()}, {os.cpu_count()} cores, torch {torch.__version__}, python "
-        f"{platform.python_version()}, {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
+        f"{platform.python_version()}, "
+        f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
         "",
     ]
     fits: dict = {}
@@ -236,12 +270,14 @@ def report(root: Path, sizes: list[int], tensor_counts: list[int], beyond: list[
             continue
         ns = sorted(measured)
         lines += [
-            f"## {tensors:,} parameter tensors ({3 * tensors + 2:,} tensors in a snapshot's state with Adam)",
+            f"## {tensors:,} parameter tensors ({3 * tensors + 2:,} tensors in a snapshot's state "
+            "with Adam)",
             "",
-            "cpu: the largest of the ranks' CPU seconds (rank 0's; the median of the others'), wall: the largest "
-            f"rank's wall clock, both in ms, on {os.cpu_count()} cores. Where only the wall clock is known, 'a core "
-            f"each' scales it by the share of a core each rank had ({os.cpu_count()}/n). b: the fitted exponent of "
-            "cpu (else of 'a core each'), with its 95% interval.",
+            "cpu: the largest of the ranks' CPU seconds (rank 0's; the median of the others'), "
+            f"wall: the largest rank's wall clock, both in ms, on {os.cpu_count()} cores. Where "
+            "only the wall clock is known, 'a core each' scales it by the share of a core each "
+            f"rank had ({os.cpu_count()}/n). b: the fitted exponent of cpu (else of 'a core "
+            "each'), with its 95% interval.",
             "",
             "| cost | " + " | ".join(f"{n} ranks" for n in ns) + " | b |",
             "|---|" + "---|" * (len(ns) + 1),
@@ -257,11 +293,13 @@ def report(root: Path, sizes: list[int], tensor_counts: list[int], beyond: list[
                     cells.append("-")
                 elif "cpu" in m:
                     cells.append(
-                        f"cpu {1e3 * m['cpu']:.1f} ({1e3 * m['cpu0']:.1f}; {1e3 * m['cpu_others']:.1f}), "
-                        f"wall {1e3 * m['wall']:.1f}"
+                        f"cpu {1e3 * m['cpu']:.1f} ({1e3 * m['cpu0']:.1f}; "
+                        f"{1e3 * m['cpu_others']:.1f}), wall {1e3 * m['wall']:.1f}"
                     )
                 else:
-                    cells.append(f"wall {1e3 * m['wall']:.1f} (a core each: {1e3 * m['share']:.1f})")
+                    cells.append(
+                        f"wall {1e3 * m['wall']:.1f} (a core each: {1e3 * m['share']:.1f})"
+                    )
             key = "cpu" if any("cpu" in measured[n].get(name, {}) for n in ns) else "share"
             points = [(n, measured[n][name][key]) for n in ns if name in measured[n]]
             f = fit(points)
@@ -273,13 +311,17 @@ def report(root: Path, sizes: list[int], tensor_counts: list[int], beyond: list[
             if f is not None and beyond and name in HEADLINE:
                 far.append(
                     f"| {name} ({key}) | "
-                    + " | ".join("{1:.3g} ({0:.3g} to {2:.3g})".format(*extrapolate(points, f, to)) for to in beyond)
+                    + " | ".join(
+                        "{1:.3g} ({0:.3g} to {2:.3g})".format(*extrapolate(points, f, to))
+                        for to in beyond
+                    )
                     + " |"
                 )
         lines.append("")
         if far:
             lines += [
-                f"Extrapolated, in seconds: the fit carried from {max(ns)} ranks with its exponent's 95% interval.",
+                f"Extrapolated, in seconds: the fit carried from {max(ns)} ranks with its "
+                "exponent's 95% interval.",
                 "",
                 "| cost | " + " | ".join(f"{to:,} ranks" for to in beyond) + " |",
                 "|---|" + "---|" * len(beyond),
@@ -291,7 +333,9 @@ def report(root: Path, sizes: list[int], tensor_counts: list[int], beyond: list[
     return "\n".join(lines), fits
 
 
-def plot(fits_path: Path, root: Path, sizes: list[int], tensor_counts: list[int], out: Path) -> None:
+def plot(
+    fits_path: Path, root: Path, sizes: list[int], tensor_counts: list[int], out: Path
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -299,18 +343,31 @@ def plot(fits_path: Path, root: Path, sizes: list[int], tensor_counts: list[int]
 
     shown = ["launch to first step", "restart to first step", "save (whole)", "load (whole)", "memory copy",
              "evaluate (whole)", "split_world (whole)", "async save: stall"]  # fmt: skip
-    fig, axes = plt.subplots(1, len(tensor_counts), figsize=(6 * len(tensor_counts), 4.5), squeeze=False)
+    fig, axes = plt.subplots(
+        1, len(tensor_counts), figsize=(6 * len(tensor_counts), 4.5), squeeze=False
+    )
     for ax, tensors in zip(axes[0], tensor_counts):
         measured = {}
         for n in sizes:
             folder = root / f"n{n}-t{tensors}"
-            if (folder / "result.json").exists() and json.loads((folder / "result.json").read_text())["exit"] == 0:
+            if (folder / "result.json").exists() and json.loads(
+                (folder / "result.json").read_text()
+            )["exit"] == 0:
                 measured[n] = measure(folder)
         for name in shown:
-            pts = [(n, m[name]["cpu" if "cpu" in m[name] else "share"]) for n, m in measured.items() if name in m]
+            pts = [
+                (n, m[name]["cpu" if "cpu" in m[name] else "share"])
+                for n, m in measured.items()
+                if name in m
+            ]
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
-        ax.set(xscale="log", yscale="log", xlabel="ranks", ylabel="seconds (cpu, else wall on a core each)")
+        ax.set(
+            xscale="log",
+            yscale="log",
+            xlabel="ranks",
+            ylabel="seconds (cpu, else wall on a core each)",
+        )
         ax.set_xticks(sizes, [str(n) for n in sizes], minor=False)  # the world sizes, not 2 x 10^0
         ax.set_xticks([], minor=True)
         ax.set_title(f"{tensors:,} parameter tensors")
@@ -325,17 +382,28 @@ def main() -> None:
     p.add_argument("--sizes", default="2,4,8,16,32,64", help="world sizes (default 2,4,8,16,32,64)")
     p.add_argument("--tensors", default="10,1000,10000", help="parameter tensors of the model")
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--repeats", type=int, default=4, help="of each timed operation; the first is left out")
+    p.add_argument(
+        "--repeats", type=int, default=4, help="of each timed operation; the first is left out"
+    )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds for one job")
-    p.add_argument("--quick", action="store_true", help="2 and 4 ranks, 10 and 1,000 tensors, 2 repeats")
+    p.add_argument(
+        "--quick", action="store_true", help="2 and 4 ranks, 10 and 1,000 tensors, 2 repeats"
+    )
     p.add_argument("--dir", default=None, help="where the jobs go (default: a temporary folder)")
-    p.add_argument("--report", action="store_true", help="only the tables, from the jobs already in --dir")
+    p.add_argument(
+        "--report", action="store_true", help="only the tables, from the jobs already in --dir"
+    )
     p.add_argument("--plot", default=None, help="a PNG of the costs against the ranks")
-    p.add_argument("--beyond", default="1024,16384", help="world sizes to extrapolate each fitted cost to")
+    p.add_argument(
+        "--beyond", default="1024,16384", help="world sizes to extrapolate each fitted cost to"
+    )
     a = p.parse_args()
     if a.quick:
         a.sizes, a.tensors, a.repeats = "2,4", "10,1000", 2
-    sizes, tensor_counts = [int(s) for s in a.sizes.split(",")], [int(t) for t in a.tensors.split(",")]
+    sizes, tensor_counts = (
+        [int(s) for s in a.sizes.split(",")],
+        [int(t) for t in a.tensors.split(",")],
+    )
     root = Path(a.dir or tempfile.mkdtemp(prefix="scale-"))
     if not a.report:
         for tensors in tensor_counts:
@@ -343,7 +411,10 @@ def main() -> None:
                 result = run(n, tensors, a, root)
                 print(json.dumps(result), flush=True)
                 if result["exit"] != 0:
-                    print(f"{n} ranks x {tensors} tensors stopped: {result['exit']}; larger worlds skipped")
+                    print(
+                        f"{n} ranks x {tensors} tensors stopped: {result['exit']}; larger worlds "
+                        "skipped"
+                    )
                     break
     text, fits = report(root, sizes, tensor_counts, [int(s) for s in a.beyond.split(",") if s])
     (root / "fits.json").write_text(json.dumps(fits, indent=1))

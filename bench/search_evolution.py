@@ -1,14 +1,17 @@
-"""Propulate's asynchronous evolution against Optuna's NSGA-II (and TPE, random) with asynchronous workers.
+"""Propulate's asynchronous evolution against Optuna's NSGA-II (and TPE, random) with asynchronous
+workers.
 
-Seed 003's search breeds each new candidate from every candidate finished so far, the moment a worker is
-free. Optuna's NSGA-II is a genetic algorithm too; this run shows how it behaves in the same setting. The
-workers are simulated in one process (no training): ``--workers`` candidates are in flight at once, each takes
-a random time, and whenever one finishes its result is told and the freed worker asks for the next. The
-objective is the 6-dimensional Rastrigin function on log-scaled and linear parameters (minimum 0).
+Seed 003's search breeds each new candidate from every candidate finished so far, the moment a
+worker is free. Optuna's NSGA-II is a genetic algorithm too; this run shows how it behaves in the
+same setting. The workers are simulated in one process (no training): ``--workers`` candidates are
+in flight at once, each takes a random time, and whenever one finishes its result is told and the
+freed worker asks for the next. The objective is the 6-dimensional Rastrigin function on log-scaled
+and linear parameters (minimum 0).
 
-Reported for each sampler, over ``--seeds`` runs: the best value after ``--trials`` candidates (median and
-quartiles), and how many finished candidates a new candidate's parents could be chosen from, on average
-("pool"): all finished ones for the steady-state evolution, the last complete generation for NSGA-II.
+Reported for each sampler, over ``--seeds`` runs: the best value after ``--trials`` candidates
+(median and quartiles), and how many finished candidates a new candidate's parents could be chosen
+from, on average ("pool"): all finished ones for the steady-state evolution, the last complete
+generation for NSGA-II.
 
     python bench/search_evolution.py                       # 8 workers, 200 candidates, 5 seeds
 """
@@ -35,7 +38,9 @@ def rastrigin(params: dict[str, float]) -> float:
     return 10 * len(xs) + sum(x * x - 10 * math.cos(2 * math.pi * x) for x in xs)
 
 
-def run(sampler: optuna.samplers.BaseSampler, trials: int, workers: int, seed: int) -> tuple[float, float]:
+def run(
+    sampler: optuna.samplers.BaseSampler, trials: int, workers: int, seed: int
+) -> tuple[float, float]:
     study = optuna.create_study(sampler=sampler)
     rng = random.Random(seed)
     clock, flying, pools = 0.0, [], []
@@ -57,7 +62,14 @@ def run(sampler: optuna.samplers.BaseSampler, trials: int, workers: int, seed: i
 def _pool(sampler, study: optuna.Study, trial: optuna.Trial) -> float:
     complete = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.COMPLETE]
     if isinstance(sampler, optuna.samplers.NSGAIISampler):
-        key = next((k for k in study.get_trials(deepcopy=False)[trial.number].system_attrs if "generation" in k), None)
+        key = next(
+            (
+                k
+                for k in study.get_trials(deepcopy=False)[trial.number].system_attrs
+                if "generation" in k
+            ),
+            None,
+        )
         if key is None:
             return 0.0
         gen = study.get_trials(deepcopy=False)[trial.number].system_attrs[key]
@@ -78,13 +90,20 @@ def main() -> None:
         "tpe (optuna)": lambda s: optuna.samplers.TPESampler(seed=s),
         "random": lambda s: optuna.samplers.RandomSampler(seed=s),
     }
-    print(f"# {a.workers} asynchronous workers, {a.trials} candidates, 6-D Rastrigin (min 0), {a.seeds} seeds")
+    print(
+        f"# {a.workers} asynchronous workers, {a.trials} candidates, 6-D Rastrigin (min 0), "
+        f"{a.seeds} seeds"
+    )
     print(f"{'sampler':>20} {'best: median':>13} {'q1':>7} {'q3':>7} {'parent pool':>12}")
     for name, make in samplers.items():
         results = [run(make(seed), a.trials, a.workers, seed) for seed in range(a.seeds)]
         best = sorted(r[0] for r in results)
         q = statistics.quantiles(best, n=4) if len(best) > 1 else [best[0]] * 3
-        pool = f"{statistics.mean(r[1] for r in results):.1f}" if "evolution" in name or "nsga2" in name else "-"
+        pool = (
+            f"{statistics.mean(r[1] for r in results):.1f}"
+            if "evolution" in name or "nsga2" in name
+            else "-"
+        )
         print(f"{name:>20} {statistics.median(best):>13.2f} {q[0]:>7.2f} {q[2]:>7.2f} {pool:>12}")
 
 

@@ -1,13 +1,15 @@
-"""How fast a search finishes candidates with k ranks per candidate, and what the search machinery costs.
+"""How fast a search finishes candidates with k ranks per candidate, and what the search machinery
+costs.
 
-A 2-rank job (gloo, CPU) runs the same budget of candidates twice on the digits CNN, each candidate a fixed
-amount of training (so the two runs do the same work):
+A 2-rank job (gloo, CPU) runs the same budget of candidates twice on the digits CNN, each candidate
+a fixed amount of training (so the two runs do the same work):
 - k = 1: two groups of one rank, two candidates at a time;
-- k = 2: one group of both ranks, one candidate at a time on all ranks (DDP), i.e. one after another.
-Reported: candidates finished per minute for each, and the overhead per candidate: wall time of the search
-the gap between the end of one candidate's objective and the start of the next on the same group (telling
-the result, the progress line, asking for the next, the broadcasts of the parameters and of the outcome), the
-median over all gaps of all groups. Target: under 50 ms.
+- k = 2: one group of both ranks, one candidate at a time on all ranks (DDP), i.e. one after
+  another.
+Reported: candidates finished per minute for each, and the overhead per candidate: wall time of the
+search the gap between the end of one candidate's objective and the start of the next on the same
+group (telling the result, the progress line, asking for the next, the broadcasts of the parameters
+and of the outcome), the median over all gaps of all groups. Target: under 50 ms.
 
     python bench/search_throughput.py                    # 8 candidates of 3 epochs each
     python bench/search_throughput.py --trials 12 --epochs 2
@@ -70,7 +72,9 @@ def _job(search_dir: str, k: int, trials: int, epochs: int) -> dict:
     search(
         objective,
         {"lr": uniform(1e-3, 1e-2, log=True), "channels": choice([16])},
-        SearchConfig(n_trials=trials, group_size=k, pruner="none", search_dir=search_dir, plots=False),
+        SearchConfig(
+            n_trials=trials, group_size=k, pruner="none", search_dir=search_dir, plots=False
+        ),
     )
     wall = time.perf_counter() - t0
     gaps = [start - end for (_, end), (start, _) in zip(spans, spans[1:])]
@@ -83,8 +87,8 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=3)
     a = p.parse_args()
     print(
-        f"# {datetime.date.today()} {platform.node()} torch {torch.__version__}, 2 ranks, gloo, CPU, "
-        f"{a.trials} candidates x {a.epochs} epoch(s) of the digits CNN, global batch 64"
+        f"# {datetime.date.today()} {platform.node()} torch {torch.__version__}, 2 ranks, gloo, "
+        f"CPU, {a.trials} candidates x {a.epochs} epoch(s) of the digits CNN, global batch 64"
     )
     rows = []
     for k in (1, 2):
@@ -94,15 +98,23 @@ def main() -> None:
         per_min = a.trials / wall * 60
         inside = [t for r in results for t in r["inside"]]
         rows.append(
-            (k, wall, per_min, statistics.median(inside), statistics.median([g for r in results for g in r["gaps"]]))
+            (
+                k,
+                wall,
+                per_min,
+                statistics.median(inside),
+                statistics.median([g for r in results for g in r["gaps"]]),
+            )
         )
     print(
-        f"{'ranks/candidate':>16} {'wall s':>8} {'cand/min':>9} {'median cand s':>14} {'overhead ms/cand (median)':>27}"
+        f"{'ranks/candidate':>16} {'wall s':>8} {'cand/min':>9} {'median cand s':>14} "
+        f"{'overhead ms/cand (median)':>27}"
     )
     for k, wall, per_min, med, over in rows:
         print(f"{k:>16} {wall:>8.1f} {per_min:>9.2f} {med:>14.2f} {1000 * over:>27.1f}")
     print(
-        f"k=1 finishes {rows[0][2] / rows[1][2]:.2f}x the candidates per minute of k=2 (one after another on all ranks)"
+        f"k=1 finishes {rows[0][2] / rows[1][2]:.2f}x the candidates per minute of k=2 (one after "
+        "another on all ranks)"
     )
 
 

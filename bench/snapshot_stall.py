@@ -1,16 +1,17 @@
-"""How long a snapshot stops training: asynchronous (copy to host memory, write in the background) against
-synchronous (write, fsync, checksum, marker), for a ~100 M parameter model with Adam state.
+"""How long a snapshot stops training: asynchronous (copy to host memory, write in the background)
+against synchronous (write, fsync, checksum, marker), for a ~100 M parameter model with Adam state.
 
-What is timed is what ``Trainer.save()`` does: the strategy's state dict, then :class:`ddpkit.snapshot._manager.
-SnapshotManager.save`; the stall is the time until it returns (rank 0's; every rank waits about as long, as the
-save is collective). Synchronous and asynchronous saves alternate (sync, async, sync, ...) in one job, each
-kind into its own folder (keeping the newest), after one untimed save of each kind (it allocates the host
-copy that later asynchronous saves reuse); after an asynchronous save the bench waits for the
-write to finish before the next save (its time is reported as "background write"). Target: the asynchronous
-stall is at most 10% of the synchronous one (median over repeats).
+What is timed is what ``Trainer.save()`` does: the strategy's state dict, then
+:class:`ddpkit.snapshot._manager. SnapshotManager.save`; the stall is the time until it returns
+(rank 0's; every rank waits about as long, as the save is collective). Synchronous and asynchronous
+saves alternate (sync, async, sync, ...) in one job, each kind into its own folder (keeping the
+newest), after one untimed save of each kind (it allocates the host copy that later asynchronous
+saves reuse); after an asynchronous save the bench waits for the write to finish before the next
+save (its time is reported as "background write"). Target: the asynchronous stall is at most 10% of
+the synchronous one (median over repeats).
 
-Ranks: one per GPU over nccl where there are GPUs (the stall then includes copying the state from the GPU to
-host memory), else CPU processes over gloo; ``--device cpu`` forces those.
+Ranks: one per GPU over nccl where there are GPUs (the stall then includes copying the state from
+the GPU to host memory), else CPU processes over gloo; ``--device cpu`` forces those.
 
     python bench/snapshot_stall.py                     # 2 ranks, ddp, 101 M parameters, 3 repeats
     python bench/snapshot_stall.py --strategy fsdp --repeats 5
@@ -37,23 +38,31 @@ from ddpkit.snapshot._manager import SnapshotManager
 from ddpkit.strategies import build_strategy, strategy_config
 
 
-def job(strategy_name: str, width: int, blocks: int, repeats: int, folder: str, device: str | None) -> dict:
+def job(
+    strategy_name: str, width: int, blocks: int, repeats: int, folder: str, device: str | None
+) -> dict:
     rt = ddpkit.init(device=device)
     torch.manual_seed(0)
     model = nn.Sequential(*[Block(width) for _ in range(blocks)])
     options = {"shard_blocks": ["Block"]} if strategy_name == "fsdp" else {}
     strategy = build_strategy(
-        strategy_config(strategy_name, options), model, torch.optim.Adam(model.parameters()), runtime=rt
+        strategy_config(strategy_name, options),
+        model,
+        torch.optim.Adam(model.parameters()),
+        runtime=rt,
     )
     del model
-    strategy.model(torch.randn(4, width, device=rt.device)).square().mean().backward()  # Adam's state exists
+    # Adam's state exists
+    strategy.model(torch.randn(4, width, device=rt.device)).square().mean().backward()
     strategy.optimizer.step()
     strategy.optimizer.zero_grad(set_to_none=True)
     extra = {"trainer": {"step": 1}, "rng": torch.get_rng_state()}
     times: dict[str, list[float]] = {"sync": [], "async": [], "background": []}
     step = 0
     checkpointers = {
-        mode: SnapshotManager(Path(folder) / mode, group=rt.group, keep_last=1, async_write=mode == "async")
+        mode: SnapshotManager(
+            Path(folder) / mode, group=rt.group, keep_last=1, async_write=mode == "async"
+        )
         for mode in ("sync", "async")
     }
     for i in range(repeats + 1):
@@ -70,14 +79,20 @@ def job(strategy_name: str, width: int, blocks: int, repeats: int, folder: str, 
     return times | {
         "where": [
             f"{rt.backend or 'no process group'}, "
-            + (torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else "CPU, 1 thread each")
+            + (
+                torch.cuda.get_device_name(rt.device)
+                if rt.device.type == "cuda"
+                else "CPU, 1 thread each"
+            )
         ]
     }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--nproc", type=int, default=None, help="ranks (default: the GPUs, or 2 CPU processes)")
+    p.add_argument(
+        "--nproc", type=int, default=None, help="ranks (default: the GPUs, or 2 CPU processes)"
+    )
     p.add_argument(
         "--device",
         choices=("auto", "cpu"),
@@ -90,7 +105,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
     a = p.parse_args()
-    gpus = torch.cuda.device_count() if a.device == "auto" else 0  # NVML: CUDA stays uninitialised here
+    # NVML: CUDA stays uninitialised here
+    gpus = torch.cuda.device_count() if a.device == "auto" else 0
     nproc = a.nproc or gpus or 2
     if gpus and nproc > gpus:
         raise SystemExit(
@@ -108,15 +124,28 @@ def main() -> None:
     n_params = a.blocks * (8 * a.width * a.width + 5 * a.width)
     r0 = ranks[0]
     sync, stall, bg = (statistics.median(r0[k]) for k in ("sync", "async", "background"))
-    print(f"# bench/snapshot_stall.py  {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
     print(
-        f"# {platform.node()} {platform.machine()}, torch {torch.__version__}, {nproc} rank(s) ({r0['where'][0]}), "
-        f"strategy {a.strategy}, {n_params / 1e6:.0f} M parameters + Adam state "
-        f"({3 * 4 * n_params / 2**30:.2f} GiB in all), {a.repeats} repeats after 1 warm-up, rank 0"
+        f"# bench/snapshot_stall.py  {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} "
+        "UTC"
     )
-    print(f"synchronous save          median {sync:7.3f} s   {' '.join(f'{t:.3f}' for t in r0['sync'])}")
-    print(f"asynchronous save (stall) median {stall:7.3f} s   {' '.join(f'{t:.3f}' for t in r0['async'])}")
-    print(f"  its background write    median {bg:7.3f} s   {' '.join(f'{t:.3f}' for t in r0['background'])}")
+    print(
+        f"# {platform.node()} {platform.machine()}, torch {torch.__version__}, {nproc} rank(s) "
+        f"({r0['where'][0]}), strategy {a.strategy}, {n_params / 1e6:.0f} M parameters + Adam "
+        f"state ({3 * 4 * n_params / 2**30:.2f} GiB in all), {a.repeats} repeats after 1 warm-up, "
+        "rank 0"
+    )
+    print(
+        f"synchronous save          median {sync:7.3f} s   "
+        f"{' '.join(f'{t:.3f}' for t in r0['sync'])}"
+    )
+    print(
+        f"asynchronous save (stall) median {stall:7.3f} s   "
+        f"{' '.join(f'{t:.3f}' for t in r0['async'])}"
+    )
+    print(
+        f"  its background write    median {bg:7.3f} s   "
+        f"{' '.join(f'{t:.3f}' for t in r0['background'])}"
+    )
     print(f"stall / synchronous save: {stall / sync:.3f} (target <= 0.10)")
 
 

@@ -1,17 +1,21 @@
-"""What reading a JSON Lines file through :class:`ddpkit.data._stream_sources.JsonlStream` costs, against a plain reader.
+"""What reading a JSON Lines file through :class:`ddpkit.data._stream_sources.JsonlStream` costs,
+against a plain reader.
 
-One process, no loader workers, the file in the page cache (a first untimed pass reads it). Each round times,
-in turn:
+One process, no loader workers, the file in the page cache (a first untimed pass reads it). Each
+round times, in turn:
 
-- ``plain``: ``for line in open(path): json.loads(line)``, the front-to-back reader a stream replaces;
-- ``stream, in order``: the records of an epoch by global position, ``batch`` at a time, as a loader's
-  batches ask them (``StreamSamples.__getitems__``), without shuffling (``pread`` of each line, then decoding);
+- ``plain``: ``for line in open(path): json.loads(line)``, the front-to-back reader a stream
+  replaces;
+- ``stream, in order``: the records of an epoch by global position, ``batch`` at a time, as a
+  loader's batches ask them (``StreamSamples.__getitems__``), without shuffling (``pread`` of each
+  line, then decoding);
 - ``stream, shuffled``: the same with the two-level shuffle (shards, blocks of ``window`` records);
-- ``loader, shuffled``: ``build_loader(stream, batch, num_workers=0)`` with a list collate, the DataLoader's
-  own overhead included.
+- ``loader, shuffled``: ``build_loader(stream, batch, num_workers=0)`` with a list collate, the
+  DataLoader's own overhead included.
 
-and reports the median records/s over rounds and each stream's ratio to ``plain`` measured in the same round.
-The line index is built once before the rounds (its time, and the time to open it from its cache, printed).
+and reports the median records/s over rounds and each stream's ratio to ``plain`` measured in the
+same round. The line index is built once before the rounds (its time, and the time to open it from
+its cache, printed).
 
     python bench/stream_jsonl.py                 # 200,000 records of ~190 bytes, batch 64, 5 rounds
 """
@@ -39,7 +43,10 @@ def write(path: Path, n: int) -> None:
     rng = np.random.default_rng(0)
     with open(path, "w") as f:
         for i in range(n):
-            f.write(json.dumps({"id": i, "text": "w" * int(rng.integers(100, 200)), "label": i % 7}) + "\n")
+            f.write(
+                json.dumps({"id": i, "text": "w" * int(rng.integers(100, 200)), "label": i % 7})
+                + "\n"
+            )
 
 
 def plain(path: Path) -> int:
@@ -84,12 +91,13 @@ def main() -> None:
         size = path.stat().st_size
         print(
             f"{datetime.date.today()} {platform.node()} python {platform.python_version()} torch "
-            f"{torch.__version__} numpy {np.__version__}; {a.records} records, {size / 1e6:.1f} MB, batch "
-            f"{a.batch}, window {stream.window}, {a.rounds} rounds; one process, no workers"
+            f"{torch.__version__} numpy {np.__version__}; {a.records} records, {size / 1e6:.1f} "
+            f"MB, batch {a.batch}, window {stream.window}, {a.rounds} rounds; one process, no "
+            "workers"
         )
         print(
-            f"line index: built in {built * 1e3:.0f} ms ({size / built / 1e6:.0f} MB/s), opened from its cache "
-            f"in {opened * 1e3:.1f} ms"
+            f"line index: built in {built * 1e3:.0f} ms ({size / built / 1e6:.0f} MB/s), opened "
+            f"from its cache in {opened * 1e3:.1f} ms"
         )
         cases = {
             "plain": lambda: plain(path),

@@ -1,20 +1,23 @@
-"""What the Trainer costs over a hand-written DDP loop like the DDP tutorials', and how long a snapshot stalls training.
+"""What the Trainer costs over a hand-written DDP loop like the DDP tutorials', and how long a
+snapshot stalls training.
 
-Both loops train the DDP tutorials' MNIST CNN (two conv+BatchNorm blocks, one linear layer; ``--model tiny``: one
-linear layer, ~1-2 ms steps, where a per-step cost in microseconds shows) on MNIST-shaped synthetic data, with
-the same per-rank batch, in the same job, in interleaved rounds (hand, trainer, trainer, hand, ...) so that
-noise from other work on the machine falls on both. A round is one epoch of each loop. Each rank is
-pinned to its own core(s) when there are enough, and glibc malloc's thresholds are fixed (see steady_malloc;
-``--default-malloc`` leaves them adaptive).
+Both loops train the DDP tutorials' MNIST CNN (two conv+BatchNorm blocks, one linear layer;
+``--model tiny``: one linear layer, ~1-2 ms steps, where a per-step cost in microseconds shows) on
+MNIST-shaped synthetic data, with the same per-rank batch, in the same job, in interleaved rounds
+(hand, trainer, trainer, hand, ...) so that noise from other work on the machine falls on both. A
+round is one epoch of each loop. Each rank is pinned to its own core(s) when there are enough, and
+glibc malloc's thresholds are fixed (see steady_malloc; ``--default-malloc`` leaves them adaptive).
 
 Two measures, both on rank 0:
-- step time: the time between consecutive optimizer steps (a post-step hook on each loop's optimizer), so a
-  step is everything between two updates (data, forward, backward and its all-reduce, update, bookkeeping).
-  Per round, the median step; reported: the median over rounds of the paired ratio trainer / hand, with a
-  distribution-free 95% interval. Target: <= 1.02 at ~20 ms steps.
+- step time: the time between consecutive optimizer steps (a post-step hook on each loop's
+  optimizer), so a step is everything between two updates (data, forward, backward and its
+  all-reduce, update, bookkeeping). Per round, the median step; reported: the median over rounds of
+  the paired ratio trainer / hand, with a distribution-free 95% interval. Target: <= 1.02 at ~20 ms
+  steps.
 - epoch time: barrier to barrier, divided by the steps, so that the Trainer's once-per-epoch and
   every-N-steps work (loss agreement, logging, the end of the epoch) is in it too.
-Each is also given as the Trainer's extra microseconds per step (median of the per-round differences).
+Each is also given as the Trainer's extra microseconds per step (median of the per-round
+differences).
 
 The loaders: the same rounds time one epoch of ``build_loader`` and one of ``DataLoader`` +
 ``DistributedSampler`` (same dataset, batch, no workers) with nothing else in the loop, per batch.
@@ -48,7 +51,9 @@ from ddpkit.training._config import LoggingConfig, SnapshotConfig
 from ddpkit.training._trainer import Trainer, TrainerConfig
 
 
-def hand_loop(model: nn.Module, optimizer, loader: DataLoader, sampler: DistributedSampler, epoch: int) -> None:
+def hand_loop(
+    model: nn.Module, optimizer, loader: DataLoader, sampler: DistributedSampler, epoch: int
+) -> None:
     """The DDP tutorials' loop: set_epoch, forward, loss, zero_grad, backward, step."""
     criterion = nn.CrossEntropyLoss()
     device = ddpkit.get_runtime().device
@@ -63,12 +68,14 @@ def hand_loop(model: nn.Module, optimizer, loader: DataLoader, sampler: Distribu
 
 
 def steady_malloc() -> bool:
-    """Fix glibc malloc's thresholds in this process, so that the loops are compared and not allocator luck.
+    """Fix glibc malloc's thresholds in this process, so that the loops are compared and not
+    allocator luck.
 
-    glibc serves large blocks (a batch's activations) with mmap, and raises its mmap and trim thresholds as
-    such blocks are freed; whether a step's tensors come from reused heap memory or from fresh pages (page
-    faults, zeroing) then depends on the history of the process, and flips between rounds by up to ~15% of a
-    step. Fixed thresholds make every step reuse the heap, for both loops alike.
+    glibc serves large blocks (a batch's activations) with mmap, and raises its mmap and trim
+    thresholds as such blocks are freed; whether a step's tensors come from reused heap memory or
+    from fresh pages (page faults, zeroing) then depends on the history of the process, and flips
+    between rounds by up to ~15% of a step. Fixed thresholds make every step reuse the heap, for
+    both loops alike.
     """
     try:
         libc = ctypes.CDLL("libc.so.6")
@@ -76,11 +83,14 @@ def steady_malloc() -> bool:
         return False
     m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
     big = 1 << 30
-    return all(libc.mallopt(opt, big) == 1 for opt in (m_mmap_threshold, m_trim_threshold, m_top_pad))
+    return all(
+        libc.mallopt(opt, big) == 1 for opt in (m_mmap_threshold, m_trim_threshold, m_top_pad)
+    )
 
 
 def tiny_model() -> nn.Module:
-    """One linear layer over the flattened image: a step is little more than DDP's all-reduce and the loop."""
+    """One linear layer over the flattened image: a step is little more than DDP's all-reduce and
+    the loop."""
     return nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 10))
 
 
@@ -88,10 +98,13 @@ MODELS = {"cnn": lambda: DigitsCNN(28), "tiny": tiny_model}
 MODEL_NAMES = {"cnn": "the DDP tutorials' CNN", "tiny": "one linear layer 784 -> 10"}
 
 
-def bench(steps: int, rounds: int, batch_size: int, default_malloc: bool = False, model: str = "cnn") -> dict:
+def bench(
+    steps: int, rounds: int, batch_size: int, default_malloc: bool = False, model: str = "cnn"
+) -> dict:
     rt = ddpkit.init()
     world = rt.world_size
-    # A rank that migrates between cores adds noise to both loops; give each rank cores of its own if it can.
+    # A rank that migrates between cores adds noise to both loops; give each rank cores of its own
+    # if it can.
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     threads = torch.get_num_threads()
     pinned = len(cores) >= world * threads
@@ -100,7 +113,9 @@ def bench(steps: int, rounds: int, batch_size: int, default_malloc: bool = False
     steady = not default_malloc and steady_malloc()
     g = torch.Generator().manual_seed(0)
     n = steps * batch_size * world
-    data = TensorDataset(torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g))
+    data = TensorDataset(
+        torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g)
+    )
 
     torch.manual_seed(0)
     build = MODELS[model]
@@ -124,7 +139,8 @@ def bench(steps: int, rounds: int, batch_size: int, default_malloc: bool = False
     )
     trainer = Trainer(net, torch.optim.SGD(net.parameters(), lr=1e-3), data, config)
 
-    stamps: list[float] = []  # perf_counter at the end of every optimizer step of the loop being timed
+    # perf_counter at the end of every optimizer step of the loop being timed
+    stamps: list[float] = []
     for opt in (hand_opt, trainer.optimizer):
         opt.register_step_post_hook(lambda *_: stamps.append(time.perf_counter()))
 
@@ -159,10 +175,16 @@ def bench(steps: int, rounds: int, batch_size: int, default_malloc: bool = False
     loader_epoch(ours, 0), loader_epoch(theirs, 0)
     hand, mine, load_ours, load_theirs = [], [], [], []
     for r in range(rounds):
-        order = [("hand", hand), ("trainer", mine)] if r % 2 == 0 else [("trainer", mine), ("hand", hand)]
+        order = (
+            [("hand", hand), ("trainer", mine)]
+            if r % 2 == 0
+            else [("trainer", mine), ("hand", hand)]
+        )
         for name, out in order:
             if name == "hand":
-                out.append(timed(lambda r=r: hand_loop(hand_model, hand_opt, loader, sampler, r + 1)))
+                out.append(
+                    timed(lambda r=r: hand_loop(hand_model, hand_opt, loader, sampler, r + 1))
+                )
             else:
                 out.append(timed(trainer_epoch))
         pair = [(ours, load_ours), (theirs, load_theirs)]
@@ -190,20 +212,25 @@ def bench(steps: int, rounds: int, batch_size: int, default_malloc: bool = False
 
 
 def median_interval(xs: list[float]) -> tuple[float, float]:
-    """A distribution-free 95% confidence interval for the median of sorted ``xs`` (normal approximation to the
-    binomial: the median lies between these order statistics with probability ~0.95)."""
+    """A distribution-free 95% confidence interval for the median of sorted ``xs`` (normal
+    approximation to the binomial: the median lies between these order statistics with probability
+    ~0.95)."""
     n = len(xs)
     half = 1.96 * math.sqrt(n) / 2
     return xs[max(0, math.floor(n / 2 - half))], xs[min(n - 1, math.ceil(n / 2 + half) - 1)]
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--steps", type=int, default=20, help="steps per timed epoch")
     p.add_argument("--rounds", type=int, default=120)
     p.add_argument("--batch-size", type=int, default=64, help="per rank")
-    p.add_argument("--default-malloc", action="store_true", help="leave glibc malloc's thresholds adaptive")
+    p.add_argument(
+        "--default-malloc", action="store_true", help="leave glibc malloc's thresholds adaptive"
+    )
     p.add_argument(
         "--model",
         choices=sorted(MODELS),
@@ -213,17 +240,21 @@ def main() -> None:
     a = p.parse_args()
     import torch._dynamo  # noqa: F401  (DDP's constructor imports it: once here rather than in every rank)
 
-    res = ddpkit.spawn(functools.partial(bench, a.steps, a.rounds, a.batch_size, a.default_malloc, a.model), a.nproc)[0]
+    res = ddpkit.spawn(
+        functools.partial(bench, a.steps, a.rounds, a.batch_size, a.default_malloc, a.model),
+        a.nproc,
+    )[0]
     print(
         f"date {datetime.date.today()}  machine {platform.machine()} {platform.processor() or ''}, "
-        f"{ddpkit.platforms._cpus.cpu_count()} cores  python {platform.python_version()}  torch {torch.__version__}"
+        f"{ddpkit.platforms._cpus.cpu_count()} cores  python {platform.python_version()}  torch "
+        f"{torch.__version__}"
     )
     print(
         f"config: {a.nproc} ranks (gloo, CPU, {res['threads']} thread(s) each, "
         f"{'each pinned to its core' if res['pinned'] else 'not pinned'}, "
         f"{'fixed' if res['steady_malloc'] else 'adaptive'} malloc thresholds), "
-        f"{MODEL_NAMES[a.model]} ({res['params']} parameters), "
-        f"batch {a.batch_size}/rank, {a.steps} steps x {a.rounds} interleaved rounds, warm-up excluded"
+        f"{MODEL_NAMES[a.model]} ({res['params']} parameters), batch {a.batch_size}/rank, "
+        f"{a.steps} steps x {a.rounds} interleaved rounds, warm-up excluded"
     )
     for i, what in enumerate(("step", "epoch")):
         hand = [h[i] * 1000 for h in res["hand"]]
@@ -238,21 +269,22 @@ def main() -> None:
             f"{statistics.median(mine):7.3f} ms/step   (medians over rounds)"
         )
         print(
-            f"  ratio trainer / hand  {statistics.median(pairs):.3f}, 95% interval {lo:.3f}-{hi:.3f} "
-            f"(median of per-round pairs; all pairs {pairs[0]:.3f}-{pairs[-1]:.3f})"
+            f"  ratio trainer / hand  {statistics.median(pairs):.3f}, 95% interval "
+            f"{lo:.3f}-{hi:.3f} (median of per-round pairs; all pairs "
+            f"{pairs[0]:.3f}-{pairs[-1]:.3f})"
         )
         print(
-            f"  Trainer's extra time  {statistics.median(diffs):+.0f} us/step, 95% interval {dlo:+.0f} to "
-            f"{dhi:+.0f} us (median of per-round differences)"
+            f"  Trainer's extra time  {statistics.median(diffs):+.0f} us/step, 95% interval "
+            f"{dlo:+.0f} to {dhi:+.0f} us (median of per-round differences)"
         )
     ours = [t * 1e6 for t in res["load_ours"]]
     theirs = [t * 1e6 for t in res["load_theirs"]]
     diffs = sorted(o - t for o, t in zip(ours, theirs))
     dlo, dhi = median_interval(diffs)
     print(
-        f"loader alone (per batch, epoch / batches): build_loader {statistics.median(ours):.1f} us, "
-        f"DataLoader + DistributedSampler {statistics.median(theirs):.1f} us; build_loader's extra "
-        f"{statistics.median(diffs):+.1f} us/batch, 95% interval {dlo:+.1f} to {dhi:+.1f} us"
+        f"loader alone (per batch, epoch / batches): build_loader {statistics.median(ours):.1f} "
+        f"us, DataLoader + DistributedSampler {statistics.median(theirs):.1f} us; build_loader's "
+        f"extra {statistics.median(diffs):+.1f} us/batch, 95% interval {dlo:+.1f} to {dhi:+.1f} us"
     )
     print(
         f"snapshot stall: median {statistics.median(res['stall']) * 1000:.1f} ms "

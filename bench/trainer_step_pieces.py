@@ -1,10 +1,11 @@
-"""The Trainer's per-step bookkeeping, piece by piece, on the tiny model of ``trainer_overhead.py --model tiny``.
+"""The Trainer's per-step bookkeeping, piece by piece, on the tiny model of
+``trainer_overhead.py --model tiny``.
 
-A whole-loop comparison (trainer_overhead.py) measures the Trainer's extra time per step, but on a machine
-shared with other work its interval is tens of microseconds wide. Each piece here is timed alone, many calls in
-a row, as the fastest of seven repeats (timeit's way: other work only adds time), so that microseconds show. It
-reads the Trainer's private helpers as they are at this commit; the pieces are what a step of
-``Trainer._train_epoch`` runs that a hand-written loop does not.
+A whole-loop comparison (trainer_overhead.py) measures the Trainer's extra time per step, but on a
+machine shared with other work its interval is tens of microseconds wide. Each piece here is timed
+alone, many calls in a row, as the fastest of seven repeats (timeit's way: other work only adds
+time), so that microseconds show. It reads the Trainer's private helpers as they are at this commit;
+the pieces are what a step of ``Trainer._train_epoch`` runs that a hand-written loop does not.
 
     python bench/trainer_step_pieces.py
 """
@@ -57,15 +58,21 @@ def main() -> None:
 
     flag, one = torch.zeros(1), torch.ones(1)
     pieces = {
-        "_all_finite(grads): NaN/inf verdict on the gradients": fastest_us(lambda: _all_finite(grads)),
-        "  of which torch.zeros(1) + torch.ones(1) per call": fastest_us(lambda: (torch.zeros(1), torch.ones(1))),
+        "_all_finite(grads): NaN/inf verdict on the gradients": fastest_us(
+            lambda: _all_finite(grads)
+        ),
+        "  of which torch.zeros(1) + torch.ones(1) per call": fastest_us(
+            lambda: (torch.zeros(1), torch.ones(1))
+        ),
         "  of which the fused check itself": fastest_us(
             lambda: torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, one)
         ),
         "_nan_gradient_if_nonfinite (CPU, finite loss)": fastest_us(
             lambda: _nan_gradient_if_nonfinite(loss, params[0], True)
         ),
-        "  of which anchor.reshape(-1)[0], built before the check": fastest_us(lambda: params[0].reshape(-1)[0]),
+        "  of which anchor.reshape(-1)[0], built before the check": fastest_us(
+            lambda: params[0].reshape(-1)[0]
+        ),
         "_LossWindow.add + end_step (loss.item())": fastest_us(window_step),
         "_batch_len(batch)": fastest_us(lambda: _batch_len((x, y))),
         "three context managers per micro-batch": fastest_us(contexts),
@@ -75,13 +82,17 @@ def main() -> None:
     ours = ShardedBatchSampler(n, 64, rank=0, world_size=2)
     theirs = BatchSampler(DistributedSampler(data, num_replicas=2, rank=0), 64, drop_last=False)
     per_batch = {}
-    for name, sampler in (("ShardedBatchSampler", ours), ("BatchSampler(DistributedSampler)", theirs)):
+    for name, sampler in (
+        ("ShardedBatchSampler", ours),
+        ("BatchSampler(DistributedSampler)", theirs),
+    ):
         batches = sum(1 for _ in sampler)
         per_batch[name] = fastest_us(lambda s=sampler: sum(1 for _ in s), number=20) / batches
 
     print(
         f"date {datetime.date.today()}  {platform.machine()}  python {platform.python_version()}  "
-        f"torch {torch.__version__}  1 thread; fastest of 7 repeats of 20,000 calls (samplers: 20 epochs)"
+        f"torch {torch.__version__}  1 thread; fastest of 7 repeats of 20,000 calls (samplers: 20 "
+        "epochs)"
     )
     for name, us in pieces.items():
         print(f"  {name:60} {us:7.2f} us")

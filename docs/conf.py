@@ -2,8 +2,9 @@
 
     .venv/bin/python -m sphinx -W --keep-going -n -b html docs docs/_build/html
 
-Markdown pages through myst; the API reference by autodoc from the docstrings; the CLI reference from the
-argparse parsers (docs/_ext/ddpkit_docs.py). Nitpicky: a reference that does not resolve is an error.
+Markdown pages through myst; the API reference by autodoc from the docstrings; the CLI reference
+from the argparse parsers (docs/_ext/ddpkit_docs.py). Nitpicky: a reference that does not resolve is
+an error.
 """
 
 import sys
@@ -31,14 +32,16 @@ html_css_files = ["tables.css"]
 
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
-# A method without a docstring of its own shows none: torch's (nn.Module.forward's) would cite names of torch.
+# A method without a docstring of its own shows none: torch's (nn.Module.forward's) would cite names
+# of torch.
 autodoc_inherit_docstrings = False
 
 nitpicky = True
-# No intersphinx: the build runs offline, so names of other projects (torch, optuna, the standard library
-# beyond builtins and typing) have no inventory to resolve against. They are shown as text, not links.
-# Only dotted names under these top-level modules are let through; any other dotted name (``Stream.read``
-# written without its module, a ``ddpkit.`` name that moved) must resolve, so a broken reference fails the build.
+# No intersphinx: the build runs offline, so names of other projects (torch, optuna, the standard
+# library beyond builtins and typing) have no inventory to resolve against. They are shown as text,
+# not links. Only dotted names under these top-level modules are let through; any other dotted name
+# (``Stream.read`` written without its module, a ``ddpkit.`` name that moved) must resolve, so a
+# broken reference fails the build.
 OUTSIDE = (
     "torch",
     "numpy",

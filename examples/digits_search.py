@@ -1,10 +1,12 @@
-"""Hyper-parameter search over the digits CNN: every candidate trains with DDP on its own group of ranks.
+"""Hyper-parameter search over the digits CNN: every candidate trains with DDP on its own group of
+ranks.
 
     ddpkit run --nproc 4 examples/digits_search.py --trials 12            # 2 candidates at a time, 2 ranks each
     ddpkit run --nproc 2 --max-restarts 2 examples/digits_search.py       # survives a crash, same study
 
-The study (a journal file), each trial's run directory, trials.csv and the plots are in --search-dir; run it
-again with the same folder and it goes on where it stopped, up to --trials finished trials.
+The study (a journal file), each trial's run directory, trials.csv and the plots are in
+--search-dir; run it again with the same folder and it goes on where it stopped, up to --trials
+finished trials.
 """
 
 import argparse
@@ -41,7 +43,8 @@ space = {
 
 
 def objective(candidate):
-    """Train one candidate on its group's ranks; the search reads val/loss after every epoch (pruning)."""
+    """Train one candidate on its group's ranks; the search reads val/loss after every epoch
+    (pruning)."""
     p = candidate.params
     ddpkit.seed_everything(0)
     model = Net(image_size=8, channels=p["channels"], dropout=p["dropout"])
@@ -55,10 +58,17 @@ def objective(candidate):
     )
     optimizer = torch.optim.Adam(model.parameters(), lr=p["lr"])
     trainer = Trainer(
-        model, optimizer, train_set, config, val_data=val_set, group=candidate.group, callbacks=[candidate]
+        model,
+        optimizer,
+        train_set,
+        config,
+        val_data=val_set,
+        group=candidate.group,
+        callbacks=[candidate],
     )  # it reports val/loss after each epoch: pruning
     trainer.fit()
-    return trainer.evaluate(val_set, prefix="val")  # also right for a trial resumed after it had finished
+    # also right for a trial resumed after it had finished
+    return trainer.evaluate(val_set, prefix="val")
 
 
 search(

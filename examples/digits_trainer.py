@@ -1,10 +1,12 @@
-"""The digits CNN on ddpkit's Trainer: snapshots, resume after a crash, exact validation and test metrics.
+"""The digits CNN on ddpkit's Trainer: snapshots, resume after a crash, exact validation and test
+metrics.
 
     ddpkit run --nproc 2 examples/digits_trainer.py --run-dir runs/digits
     ddpkit run --nproc 2 --max-restarts 3 examples/digits_trainer.py --run-dir runs/digits   # survives crashes
 
 Run it again with the same --run-dir and it resumes from the newest snapshot; kill a worker
-(``kill -9 <pid>``) under ``--max-restarts`` and the agent restarts the job, which resumes on its own.
+(``kill -9 <pid>``) under ``--max-restarts`` and the agent restarts the job, which resumes on its
+own.
 """
 
 import argparse

@@ -4,10 +4,10 @@
     ddpkit run --nproc 2 --max-restarts 1 examples/gan.py --run-dir runs/gan   # resumes both models after a crash
     python examples/gan.py
 
-The data is a ring of 8 Gaussians in the plane (std 0.05, radius 2). The Trainer wraps both models in DDP,
-agrees on each optimizer's non-finite verdict, clips, snapshots both models and optimizers, and records the
-mean of each loss over every rank (``train/loss_d``, ``train/loss_g``). At the end the generator's samples are
-counted near the ring's modes.
+The data is a ring of 8 Gaussians in the plane (std 0.05, radius 2). The Trainer wraps both models
+in DDP, agrees on each optimizer's non-finite verdict, clips, snapshots both models and optimizers,
+and records the mean of each loss over every rank (``train/loss_d``, ``train/loss_g``). At the end
+the generator's samples are counted near the ring's modes.
 """
 
 import argparse
@@ -43,22 +43,29 @@ def ring(n: int, seed: int) -> TensorDataset:
 
 def mlp(inputs: int, outputs: int) -> nn.Module:
     return nn.Sequential(
-        nn.Linear(inputs, 64), nn.LeakyReLU(0.2), nn.Linear(64, 64), nn.LeakyReLU(0.2), nn.Linear(64, outputs)
+        nn.Linear(inputs, 64),
+        nn.LeakyReLU(0.2),
+        nn.Linear(64, 64),
+        nn.LeakyReLU(0.2),
+        nn.Linear(64, outputs),
     )
 
 
 def gan_step(step):
     g, d = step.models["g"], step.models["d"]
     for (real,) in step.micro_batches():
-        fake = g(torch.randn(len(real), NOISE, device=real.device))  # noise from this rank's own stream
-        # One forward of the discriminator on real and fake together: DDP pairs each forward with one backward.
+        # noise from this rank's own stream
+        fake = g(torch.randn(len(real), NOISE, device=real.device))
+        # One forward of the discriminator on real and fake together: DDP pairs each forward with
+        # one backward.
         logits = d(torch.cat([real, fake.detach()]))
         labels = torch.cat([torch.ones(len(real), 1), torch.zeros(len(real), 1)]).to(logits)
         step.backward(F.binary_cross_entropy_with_logits(logits, labels), "d")
     step.optimizer_step("d")
     for (real,) in step.micro_batches():
         logits = d(g(torch.randn(len(real), NOISE, device=real.device)))
-        step.backward(F.binary_cross_entropy_with_logits(logits, torch.ones_like(logits)), "g")  # non-saturating
+        # non-saturating
+        step.backward(F.binary_cross_entropy_with_logits(logits, torch.ones_like(logits)), "g")
     step.optimizer_step("g")
 
 
@@ -78,7 +85,13 @@ config = TrainerConfig(
     clip_grad_norm=10.0,  # per optimizer: each one's own norm
     snapshot=SnapshotConfig(every_steps=20),
 )
-trainer = Trainer({"g": generator, "d": discriminator}, optimizers, ring(4096, args.seed), config, step_fn=gan_step)
+trainer = Trainer(
+    {"g": generator, "d": discriminator},
+    optimizers,
+    ring(4096, args.seed),
+    config,
+    step_fn=gan_step,
+)
 trainer.fit()
 
 with torch.no_grad():

@@ -1,10 +1,12 @@
-"""The digits CNN on ddpkit's Trainer inside Ray Train: Ray places and restarts the workers, ddpkit trains.
+"""The digits CNN on ddpkit's Trainer inside Ray Train: Ray places and restarts the workers, ddpkit
+trains.
 
     python examples/ray_train.py --workers 2 --run-dir /shared/runs/digits   # on the Ray head node
 
-Each Ray worker runs ``train_loop``: ``ddpkit.init()`` takes the process group Ray made (launcher "ray"), the
-Trainer snapshots into ``--run-dir``, which every node must reach (a shared file system), and after a worker
-or a node is lost Ray starts the group again and the Trainer resumes from the newest snapshot, bit for bit.
+Each Ray worker runs ``train_loop``: ``ddpkit.init()`` takes the process group Ray made (launcher
+"ray"), the Trainer snapshots into ``--run-dir``, which every node must reach (a shared file
+system), and after a worker or a node is lost Ray starts the group again and the Trainer resumes
+from the newest snapshot, bit for bit.
 """
 
 import argparse
@@ -40,7 +42,9 @@ def train_loop(config: dict) -> None:
     train_set, test_set = digits("train", seed=config["seed"]), digits("test", seed=config["seed"])
     trainer = Trainer(model, optimizer, train_set, trainer_config, val_data=test_set)
     metrics = trainer.fit()
-    ddpkit.print0(f"{rt.launcher}: rank 0 of {rt.world_size}, restarts {rt.restart_count}: {metrics}")
+    ddpkit.print0(
+        f"{rt.launcher}: rank 0 of {rt.world_size}, restarts {rt.restart_count}: {metrics}"
+    )
 
 
 def main() -> None:
@@ -53,16 +57,23 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--snapshot-every", type=int, default=10, help="optimizer steps")
     parser.add_argument("--max-failures", type=int, default=3, help="restarts of the worker group")
-    parser.add_argument("--address", default=None, help="a running cluster (default: start one here)")
+    parser.add_argument(
+        "--address", default=None, help="a running cluster (default: start one here)"
+    )
     args = parser.parse_args()
 
     ray.init(address=args.address)
-    config = vars(args) | {"run_dir": str(Path(args.run_dir).absolute()), "examples": str(Path(__file__).parent)}
+    config = vars(args) | {
+        "run_dir": str(Path(args.run_dir).absolute()),
+        "examples": str(Path(__file__).parent),
+    }
     TorchTrainer(
         train_loop,
         train_loop_config=config,
         scaling_config=ScalingConfig(num_workers=args.workers, resources_per_worker={"CPU": 1}),
-        run_config=RunConfig(name="ddpkit-digits", failure_config=FailureConfig(max_failures=args.max_failures)),
+        run_config=RunConfig(
+            name="ddpkit-digits", failure_config=FailureConfig(max_failures=args.max_failures)
+        ),
     ).fit()
 
 

@@ -1,10 +1,12 @@
-"""A linear model on a tiny synthetic regression with DistributedDataParallel: the DDP tutorials' toy regression.
+"""A linear model on a tiny synthetic regression with DistributedDataParallel: the DDP tutorials'
+toy regression.
 
     ddpkit run --nproc 2 examples/toy_regression.py
     torchrun --nproc-per-node 2 examples/toy_regression.py
     python examples/toy_regression.py
 
-The data is y = x @ w + b + noise with noise std 0.1, so a trained model's validation MSE approaches 0.01.
+The data is y = x @ w + b + noise with noise std 0.1, so a trained model's validation MSE approaches
+0.01.
 """
 
 import argparse
@@ -19,11 +21,18 @@ from ddpkit.demo import toy_regression
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--epochs", type=int, default=10)
-parser.add_argument("--batch-size", type=int, default=32, help="per rank: the global batch is this x world size")
 parser.add_argument(
-    "--lr", type=float, default=0.05, help="the DDP tutorials' 1e-3 is still at MSE 0.34 after 10 epochs"
+    "--batch-size", type=int, default=32, help="per rank: the global batch is this x world size"
 )
-parser.add_argument("--size", type=int, default=2048, help="samples in all; a fifth is held out for validation")
+parser.add_argument(
+    "--lr",
+    type=float,
+    default=0.05,
+    help="the DDP tutorials' 1e-3 is still at MSE 0.34 after 10 epochs",
+)
+parser.add_argument(
+    "--size", type=int, default=2048, help="samples in all; a fifth is held out for validation"
+)
 parser.add_argument("--seed", type=int, default=0)
 args = parser.parse_args()
 
@@ -34,7 +43,9 @@ data = toy_regression(size=args.size, seed=args.seed)
 # Every rank must draw the same split, or a rank would train on samples another rank validates on:
 # the split takes its own seeded generator, not the global RNG.
 n_val = len(data) // 5
-train_set, val_set = random_split(data, [len(data) - n_val, n_val], generator=torch.Generator().manual_seed(args.seed))
+train_set, val_set = random_split(
+    data, [len(data) - n_val, n_val], generator=torch.Generator().manual_seed(args.seed)
+)
 
 model = ddpkit.prepare_model(nn.Linear(20, 1))
 optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)

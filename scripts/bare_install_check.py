@@ -1,12 +1,13 @@
-"""A bare install's end to end check: ddpkit and its dependencies (torch, numpy), no extra, run from outside
-any checkout.
+"""A bare install's end to end check: ddpkit and its dependencies (torch, numpy), no extra, run from
+outside any checkout.
 
     python scripts/bare_install_check.py WORKDIR
 
 With the ``ddpkit`` command next to this Python: ``ddpkit --version``, ``ddpkit env``, then a 2-rank
-``ddpkit run`` of a Trainer twice: once uninterrupted, once SIGKILLed on rank 1 after step 5 and restarted by
-the launcher, resuming from its snapshots (in memory and on disk). The two runs' final weights must be equal
-bit for bit; any difference, failed command or import of an extra exits non-zero, saying which.
+``ddpkit run`` of a Trainer twice: once uninterrupted, once SIGKILLed on rank 1 after step 5 and
+restarted by the launcher, resuming from its snapshots (in memory and on disk). The two runs' final
+weights must be equal bit for bit; any difference, failed command or import of an extra exits
+non-zero, saying which.
 """
 
 from __future__ import annotations
@@ -72,16 +73,38 @@ def main() -> None:
     print(f"ddpkit env: {len(env.splitlines())} lines")
     (work / "job.py").write_text(JOB)
     for name, kill in (("whole", "-"), ("killed", "kill")):
-        _run(ddpkit, "run", "--nproc", "2", "--max-restarts", "1", "job.py", str(work / name), kill, cwd=work)
-    attempts = {name: sorted(p.name for p in (work / name).glob("attempt-*")) for name in ("whole", "killed")}
+        _run(
+            ddpkit,
+            "run",
+            "--nproc",
+            "2",
+            "--max-restarts",
+            "1",
+            "job.py",
+            str(work / name),
+            kill,
+            cwd=work,
+        )
+    attempts = {
+        name: sorted(p.name for p in (work / name).glob("attempt-*"))
+        for name in ("whole", "killed")
+    }
     if attempts != {"whole": ["attempt-0"], "killed": ["attempt-1"]}:
-        sys.exit(f"FAILED: the runs did not end in the attempts expected (killed once, then resumed): {attempts}")
+        sys.exit(
+            "FAILED: the runs did not end in the attempts expected (killed once, then resumed): "
+            f"{attempts}"
+        )
     whole = torch.load(work / "whole" / "weights.pt", weights_only=True)
     killed = torch.load(work / "killed" / "weights.pt", weights_only=True)
     different = [k for k in whole if not torch.equal(whole[k], killed[k])]
     if different:
-        sys.exit(f"FAILED: the run killed and resumed differs from the uninterrupted one in {different}")
-    print("a run SIGKILLed on rank 1 at step 5 and resumed ends with the uninterrupted run's weights, bit for bit")
+        sys.exit(
+            f"FAILED: the run killed and resumed differs from the uninterrupted one in {different}"
+        )
+    print(
+        "a run SIGKILLed on rank 1 at step 5 and resumed ends with the uninterrupted run's "
+        "weights, bit for bit"
+    )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""Shared helpers for the tests: a launcher-free environment, a way to run ``python -c`` in it, and ddpkit's module
-globals reset after each test."""
+"""Shared helpers for the tests: a launcher-free environment, a way to run ``python -c`` in it, and
+ddpkit's module globals reset after each test."""
 
 from __future__ import annotations
 
@@ -21,11 +21,14 @@ SRC = ROOT / "src"
 
 
 def _clean_environ() -> dict[str, str]:
-    # A subprocess that must run as "plain python" gets no launcher or scheduler variable, whatever the shell
-    # running pytest exported.
+    # A subprocess that must run as "plain python" gets no launcher or scheduler variable, whatever
+    # the shell running pytest exported.
     env = without_launch_env()
-    # src for ddpkit, the checkout for the job scripts (``tests.jobs.scripts``), which import each other as a package.
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SRC), str(ROOT), env.get("PYTHONPATH", "")) if p)
+    # src for ddpkit, the checkout for the job scripts (``tests.jobs.scripts``), which import each
+    # other as a package.
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(SRC), str(ROOT), env.get("PYTHONPATH", "")) if p
+    )
     # "No GPU" must hold for the subprocess even when the suite runs on a machine that has one.
     env["CUDA_VISIBLE_DEVICES"] = ""
     return env
@@ -38,11 +41,14 @@ def clean_env() -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def run_python(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., subprocess.CompletedProcess]:
-    """``run_python(code, env=None, extra_env=None, timeout=90)``: run ``python -c code`` as a fresh process.
+def run_python(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Callable[..., subprocess.CompletedProcess]:
+    """``run_python(code, env=None, extra_env=None, timeout=90)``: run ``python -c code`` as a fresh
+    process.
 
-    ``env`` defaults to the clean environment; ``extra_env`` is added on top. Output is captured as text. Past
-    ``timeout`` the process and all its descendants are killed and the test fails.
+    ``env`` defaults to the clean environment; ``extra_env`` is added on top. Output is captured as
+    text. Past ``timeout`` the process and all its descendants are killed and the test fails.
     """
     cwd = tmp_path_factory.mktemp("subprocess_cwd")
 
@@ -55,8 +61,9 @@ def run_python(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., subpro
         full_env = dict(_clean_environ() if env is None else env)
         full_env.update(extra_env or {})
         args = [sys.executable, "-c", code]
-        # A session of its own, so that on timeout the process and everything it started (ranks forked by
-        # ddpkit.spawn, loader workers) can be killed together and nothing outlives the test.
+        # A session of its own, so that on timeout the process and everything it started (ranks
+        # forked by ddpkit.spawn, loader workers) can be killed together and nothing outlives the
+        # test.
         proc = subprocess.Popen(
             args,
             env=full_env,
@@ -72,24 +79,26 @@ def run_python(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., subpro
             os.killpg(proc.pid, signal.SIGKILL)
             out, err = proc.communicate()
             raise AssertionError(
-                f"python -c ... did not finish within {timeout}s\n--- stdout\n{out}\n--- stderr (end)\n{err[-4000:]}"
+                f"python -c ... did not finish within {timeout}s\n--- stdout\n{out}\n--- stderr "
+                f"(end)\n{err[-4000:]}"
             ) from None
         return subprocess.CompletedProcess(args, proc.returncode, out, err)
 
     return run
 
 
-# ddpkit's module-level state, with its value at import: what a test run in this process may leave behind for
-# the next test to trip on (a runtime that makes the next init() a no-op, a held SIGUSR1 that stops the next
-# fit(), writer groups of a destroyed process group, a cached script). runtime._generation is left alone on
-# purpose: it numbers the process groups this process has made, so that no later group reads an earlier one's
-# keys in a store they share.
+# ddpkit's module-level state, with its value at import: what a test run in this process may leave
+# behind for the next test to trip on (a runtime that makes the next init() a no-op, a held SIGUSR1
+# that stops the next fit(), writer groups of a destroyed process group, a cached script).
+# runtime._generation is left alone on purpose: it numbers the process groups this process has made,
+# so that no later group reads an earlier one's keys in a store they share.
 DDPKIT_GLOBALS: dict[tuple[str, str], Any] = {
     ("ddpkit.distributed._runtime", "_runtime"): None,
     ("ddpkit.distributed._runtime", "_store_of"): None,
     ("ddpkit.distributed._runtime", "_group_store"): None,
     ("ddpkit.distributed._signals", "_pending"): None,
-    # a rank's progress record for the launcher's stall watch: a test that opened one leaves it mapped
+    # a rank's progress record for the launcher's stall watch: a test that opened one leaves it
+    # mapped
     ("ddpkit.distributed._progress", "_buf"): None,
     ("ddpkit.distributed._progress", "_ints"): None,
     ("ddpkit.distributed._progress", "_floats"): None,
@@ -102,7 +111,8 @@ DDPKIT_GLOBALS: dict[tuple[str, str], Any] = {
     ("ddpkit._launch.rendezvous_backend", "_relays"): {},
     ("ddpkit._launch.forked_workers", "_server"): None,
 }
-# hold_stop_signals() and the Trainer's stop_signals() install handlers for these in the process that calls them.
+# hold_stop_signals() and the Trainer's stop_signals() install handlers for these in the process
+# that calls them.
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
@@ -117,8 +127,8 @@ def _set_global(module: Any, name: str, value: Any) -> None:
 
 @pytest.fixture(autouse=True)
 def _reset_ddpkit_globals() -> Iterator[None]:
-    """Put ddpkit's module globals, the stop-signal handlers and torch's default process group back as they were
-    before the test: tests share one process, and none may see what another left."""
+    """Put ddpkit's module globals, the stop-signal handlers and torch's default process group back
+    as they were before the test: tests share one process, and none may see what another left."""
     before = {}
     for (module_name, name), _ in DDPKIT_GLOBALS.items():
         if module_name in sys.modules:
@@ -132,18 +142,23 @@ def _reset_ddpkit_globals() -> Iterator[None]:
     if not had_group and dist is not None and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     for sig, handler in handlers.items():
-        if handler is not None:  # None: installed from outside Python, nothing to put back from here
+        # None: installed from outside Python, nothing to put back from here
+        if handler is not None:
             signal.signal(sig, handler)
     for (module_name, name), initial in DDPKIT_GLOBALS.items():
-        if module_name in sys.modules:  # imported before the test, or by it (then back to its value at import)
+        # imported before the test, or by it (then back to its value at import)
+        if module_name in sys.modules:
             value = before.get((module_name, name), initial)
-            _set_global(sys.modules[module_name], name, dict(value) if isinstance(value, dict) else value)
+            _set_global(
+                sys.modules[module_name], name, dict(value) if isinstance(value, dict) else value
+            )
 
 
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
-    """Tests of features a torch older than they need refuses (naming the version) are skipped there, saying
-    why: ``@pytest.mark.torch_at_least(2, 7, "why")``, and the CPU tests that train with fsdp (the strategy's
-    refusal is tested by ``test_fsdp_on_the_cpu_is_refused_below_its_torch_naming_the_version``)."""
+    """Tests of features a torch older than they need refuses (naming the version) are skipped
+    there, saying why: ``@pytest.mark.torch_at_least(2, 7, "why")``, and the CPU tests that train
+    with fsdp (the strategy's refusal is tested by
+    ``test_fsdp_on_the_cpu_is_refused_below_its_torch_naming_the_version``)."""
     from ddpkit._internals.versions import TORCH_VERSION
     from ddpkit.strategies._fsdp import FSDP_ON_CPU
 
@@ -159,5 +174,7 @@ def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
             and item.get_closest_marker("gpu") is None
         ):
             item.add_marker(
-                pytest.mark.skip(reason=f"fsdp on the CPU needs torch >= {FSDP_ON_CPU[0]}.{FSDP_ON_CPU[1]}")
+                pytest.mark.skip(
+                    reason=f"fsdp on the CPU needs torch >= {FSDP_ON_CPU[0]}.{FSDP_ON_CPU[1]}"
+                )
             )

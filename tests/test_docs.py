@@ -1,9 +1,10 @@
-"""The docs say what the code does: every python block of the README and of docs/ runs as written, each in a fresh
-process in an empty folder, and every test the docs cite exists.
+"""The docs say what the code does: every python block of the README and of docs/ runs as written,
+each in a fresh process in an empty folder, and every test the docs cite exists.
 
-A block that is a sketch (it uses names the reader supplies) is marked with the line ``<!-- not run: why -->``
-right before its opening fence; the marker is invisible on a rendered page. Blocks of other languages
-(``bash``, ``text``) are not run. The Sphinx build itself (warnings as errors) is CI's, not a test here.
+A block that is a sketch (it uses names the reader supplies) is marked with the line
+``<!-- not run: why -->`` right before its opening fence; the marker is invisible on a rendered
+page. Blocks of other languages (``bash``, ``text``) are not run. The Sphinx build itself (warnings
+as errors) is CI's, not a test here.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())  # at any test depth
+# at any test depth
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 PAGES = [p for p in PAGES if "_build" not in p.relative_to(ROOT).parts]
 _BLOCK = re.compile(r"(?:^(<!-- not run[^\n]*-->)\n)?^```python\n(.*?)^```", re.M | re.S)
@@ -29,24 +31,33 @@ def blocks() -> list[tuple[str, int, str | None, str]]:
     for page in PAGES:
         text = page.read_text()
         name = str(page.relative_to(ROOT))
-        found += [(name, text[: m.start(2)].count("\n") + 1, m.group(1), m.group(2)) for m in _BLOCK.finditer(text)]
+        found += [
+            (name, text[: m.start(2)].count("\n") + 1, m.group(1), m.group(2))
+            for m in _BLOCK.finditer(text)
+        ]
     return found
 
 
-# Pages Sphinx writes itself into the site's root: a source page of the same name is overwritten by them.
+# Pages Sphinx writes itself into the site's root: a source page of the same name is overwritten by
+# them.
 SPHINX_PAGES = frozenset({"search", "genindex", "py-modindex"})
 CODE_WIDTH = 88  # characters of a code line that the page shows whole
 
 
 def built_name(source: Path) -> str:
-    """The page a source under docs/ becomes: ``docs/api/data.md`` -> ``api/data`` (``.html`` left out)."""
+    """The page a source under docs/ becomes: ``docs/api/data.md`` -> ``api/data`` (``.html`` left
+    out)."""
     return source.relative_to(ROOT / "docs").with_suffix("").as_posix()
 
 
 def page_name_clashes(names: list[str]) -> list[str]:
-    """The built page names that Sphinx overwrites with a page of its own, or that two sources share (on a
-    case-insensitive file system too)."""
-    clashes = [f"{name}: Sphinx writes its own {name}.html over it" for name in names if name in SPHINX_PAGES]
+    """The built page names that Sphinx overwrites with a page of its own, or that two sources share
+    (on a case-insensitive file system too)."""
+    clashes = [
+        f"{name}: Sphinx writes its own {name}.html over it"
+        for name in names
+        if name in SPHINX_PAGES
+    ]
     seen: dict[str, str] = {}
     for name in names:
         if name.lower() in seen:
@@ -65,20 +76,22 @@ def test_every_docs_page_is_built_under_a_name_of_its_own():
 
 def test_page_name_clashes_flags_sphinx_own_pages_and_shared_names():
     assert page_name_clashes(["index", "api/search", "hyperparameter-search"]) == []
-    assert len(page_name_clashes(["index", "search"])) == 1  # the guide's old name: search.html lost it
+    # the guide's old name: search.html lost it
+    assert len(page_name_clashes(["index", "search"])) == 1
     assert len(page_name_clashes(["genindex", "py-modindex"])) == 2
     assert len(page_name_clashes(["data", "Data"])) == 1
 
 
 def wide_code_lines(text: str, width: int = CODE_WIDTH) -> list[tuple[int, int]]:
-    """(line number, characters) of each line inside a fenced block (```` ``` ```` or ``~~~``, any language)
-    that is wider than ``width``. Prose is left out: the page wraps it."""
+    """(line number, characters) of each line inside a fenced block (```` ``` ```` or ``~~~``, any
+    language) that is wider than ``width``. Prose is left out: the page wraps it."""
     wide, fence = [], None
     for number, line in enumerate(text.splitlines(), 1):
         if fence is None:
             opening = re.match(r"\s*(`{3,}|~{3,})", line)
             fence = opening.group(1) if opening else None
-        elif set(line.strip()) == {fence[0]} and len(line.strip()) >= len(fence):  # its closing fence
+        # its closing fence
+        elif set(line.strip()) == {fence[0]} and len(line.strip()) >= len(fence):
             fence = None
         elif len(line) > width:
             wide.append((number, len(line)))
@@ -86,20 +99,29 @@ def wide_code_lines(text: str, width: int = CODE_WIDTH) -> list[tuple[int, int]]
 
 
 def test_code_lines_fit_the_page():
-    wide = [f"{page.relative_to(ROOT)}:{n}:{w}" for page in PAGES for n, w in wide_code_lines(page.read_text())]
-    assert not wide, f"code lines wider than {CODE_WIDTH} characters are cut off on the page:\n  " + "\n  ".join(wide)
+    wide = [
+        f"{page.relative_to(ROOT)}:{n}:{w}"
+        for page in PAGES
+        for n, w in wide_code_lines(page.read_text())
+    ]
+    assert not wide, (
+        f"code lines wider than {CODE_WIDTH} characters are cut off on the page:\n  "
+        + "\n  ".join(wide)
+    )
 
 
 def test_wide_code_lines_flags_an_89_character_line_in_a_block_only():
-    text = "\n".join(["x" * 120, "```python", "a" * 88, "b" * 89, "```", "~~~text", "c" * 100, "~~~", "d" * 95])
+    text = "\n".join(
+        ["x" * 120, "```python", "a" * 88, "b" * 89, "```", "~~~text", "c" * 100, "~~~", "d" * 95]
+    )
     assert wide_code_lines(text) == [(4, 89), (7, 100)]  # prose (lines 1 and 9) wraps on the page
     nested = "\n".join(["````markdown", "```python", "```", "e" * 90, "````", "f" * 90])
     assert wide_code_lines(nested) == [(4, 90)]  # a shorter fence inside does not close the block
 
 
 def docstring_literal_lines(doc: str) -> list[str]:
-    """The lines of a docstring's literal blocks (``text::`` then an indented block) as the API page shows
-    them: the block's common indent removed."""
+    """The lines of a docstring's literal blocks (``text::`` then an indented block) as the API page
+    shows them: the block's common indent removed."""
     lines, out, i = inspect.cleandoc(doc).splitlines(), [], 0
     while i < len(lines):
         if not lines[i].rstrip().endswith("::"):
@@ -107,7 +129,9 @@ def docstring_literal_lines(doc: str) -> list[str]:
             continue
         base, i = len(lines[i]) - len(lines[i].lstrip()), i + 1
         body = []
-        while i < len(lines) and (not lines[i].strip() or len(lines[i]) - len(lines[i].lstrip()) > base):
+        while i < len(lines) and (
+            not lines[i].strip() or len(lines[i]) - len(lines[i].lstrip()) > base
+        ):
             body += [lines[i]] if lines[i].strip() else []
             i += 1
         indent = min((len(line) - len(line.lstrip()) for line in body), default=0)
@@ -126,13 +150,16 @@ def test_docstring_code_fits_the_api_pages():
                     for line in docstring_literal_lines(doc)
                     if len(line) > CODE_WIDTH
                 ]
-    assert not wide, f"docstring code wider than {CODE_WIDTH} characters is cut off on the API page:\n  " + "\n  ".join(
-        wide
+    assert not wide, (
+        f"docstring code wider than {CODE_WIDTH} characters is cut off on the API page:\n  "
+        + "\n  ".join(wide)
     )
 
 
 def test_docstring_literal_lines_takes_the_block_only_without_its_indent():
-    doc = "Prose " + "p" * 100 + "::\n\n        " + "a" * 89 + "\n          b\n\n    After the block."
+    doc = (
+        "Prose " + "p" * 100 + "::\n\n        " + "a" * 89 + "\n          b\n\n    After the block."
+    )
     assert [len(line) for line in docstring_literal_lines(doc)] == [89, 3]
 
 
@@ -143,12 +170,15 @@ def test_the_pages_have_python_blocks_and_few_are_sketches():
     assert sum(marker is None for *_, marker, _ in found) >= len(found) - 2, "most blocks must run"
 
 
-@pytest.mark.parametrize("page, line, marker, code", blocks(), ids=[f"{page}:{line}" for page, line, *_ in blocks()])
+@pytest.mark.parametrize(
+    "page, line, marker, code", blocks(), ids=[f"{page}:{line}" for page, line, *_ in blocks()]
+)
 def test_block_runs(page, line, marker, code, run_python, tmp_path):
     if marker is not None:
         pytest.skip(f"{page} line {line}: {marker}")
-    # In a folder of its own (what one block writes, such as a run directory, another must not resume), and
-    # compiled under the page's name at the block's lines, so that a traceback points into the page.
+    # In a folder of its own (what one block writes, such as a run directory, another must not
+    # resume), and compiled under the page's name at the block's lines, so that a traceback points
+    # into the page.
     program = (
         f"import os\nos.chdir({str(tmp_path)!r})\n"
         f"exec(compile({chr(10) * (line - 1) + code!r}, {page!r}, 'exec'), globals())\n"
@@ -158,9 +188,9 @@ def test_block_runs(page, line, marker, code, run_python, tmp_path):
 
 
 def cited_tests(text: str) -> tuple[set[str], set[str], set[tuple[str, str]]]:
-    """What the inline code of ``text`` cites: test files (``tests/....py``, globs allowed), test functions
-    (``test_...``, a trailing ``*`` for a prefix) and ``file::function`` pairs. Fenced blocks are code, not
-    citations, and are left out."""
+    """What the inline code of ``text`` cites: test files (``tests/....py``, globs allowed), test
+    functions (``test_...``, a trailing ``*`` for a prefix) and ``file::function`` pairs. Fenced
+    blocks are code, not citations, and are left out."""
     files, names, pairs = set(), set(), set()
     for span in re.findall(r"`([^`\n]+)`", _FENCE.sub("", text)):
         for path, name in re.findall(r"(tests/[\w/*]+\.py)(?:::(\w+))?", span):
@@ -172,7 +202,11 @@ def cited_tests(text: str) -> tuple[set[str], set[str], set[tuple[str, str]]]:
 
 
 def _defined(paths: list[Path]) -> set[str]:
-    return {n for p in paths for n in re.findall(r"^\s*(?:async )?def (test_\w+)\(", p.read_text(), re.M)}
+    return {
+        n
+        for p in paths
+        for n in re.findall(r"^\s*(?:async )?def (test_\w+)\(", p.read_text(), re.M)
+    }
 
 
 def test_the_tests_the_docs_cite_exist():
@@ -183,21 +217,33 @@ def test_the_tests_the_docs_cite_exist():
         missing += [f"{page.name}: {f}" for f in sorted(files) if not list(ROOT.glob(f))]
         for name in sorted(names):
             prefix = name.rstrip("*")
-            if not any(d == name or (name.endswith("*") and d.startswith(prefix)) for d in everywhere):
+            if not any(
+                d == name or (name.endswith("*") and d.startswith(prefix)) for d in everywhere
+            ):
                 missing.append(f"{page.name}: {name}")
         for path, name in sorted(pairs):
             if name not in _defined(list(ROOT.glob(path))):
                 missing.append(f"{page.name}: {path}::{name}")
-    assert not missing, "the docs cite tests that do not exist (moved or renamed?):\n  " + "\n  ".join(missing)
+    assert not missing, (
+        "the docs cite tests that do not exist (moved or renamed?):\n  " + "\n  ".join(missing)
+    )
 
 
 def test_cited_tests_reads_inline_code_only():
-    text = "see `tests/test_a.py::test_one` and `test_two*`, not test_three\n```python\ntest_set = 1\n```\n"
-    assert cited_tests(text) == ({"tests/test_a.py"}, {"test_two*"}, {("tests/test_a.py", "test_one")})
+    text = (
+        "see `tests/test_a.py::test_one` and `test_two*`, not test_three\n```python\ntest_set = "
+        "1\n```\n"
+    )
+    assert cited_tests(text) == (
+        {"tests/test_a.py"},
+        {"test_two*"},
+        {("tests/test_a.py", "test_one")},
+    )
 
 
 def _resolves(dotted: str) -> bool:
-    """Whether ``ddpkit.a.b`` names a module, or an attribute of one (a class, a function, a class's member)."""
+    """Whether ``ddpkit.a.b`` names a module, or an attribute of one (a class, a function, a class's
+    member)."""
     parts = dotted.split(".")
     for cut in range(len(parts), 0, -1):
         try:
@@ -213,8 +259,8 @@ def _resolves(dotted: str) -> bool:
 
 
 def test_the_ddpkit_names_the_docs_and_docstrings_cite_exist():
-    """``ddpkit.data.ShardedBatchSampler`` in a page or a docstring names something real (Sphinx checks the
-    cross-references it resolves; this checks the names in plain code spans too)."""
+    """``ddpkit.data.ShardedBatchSampler`` in a page or a docstring names something real (Sphinx
+    checks the cross-references it resolves; this checks the names in plain code spans too)."""
     sources = PAGES + sorted((ROOT / "src" / "ddpkit").rglob("*.py"))
     cited = {
         (name, source.relative_to(ROOT))
@@ -227,14 +273,20 @@ def test_the_ddpkit_names_the_docs_and_docstrings_cite_exist():
 
 
 def test_the_strict_build_lets_through_only_names_of_other_projects():
-    """docs/conf.py's ``nitpick_ignore_regex`` passes ``torch.nn.Module`` (no inventory offline) but not a bare
-    ``Stream.read`` or a moved ``ddpkit.`` name: those must resolve, or the strict build fails."""
+    """docs/conf.py's ``nitpick_ignore_regex`` passes ``torch.nn.Module`` (no inventory offline) but
+    not a bare ``Stream.read`` or a moved ``ddpkit.`` name: those must resolve, or the strict build
+    fails."""
     conf = {"__file__": str(ROOT / "docs" / "conf.py")}
     exec(compile((ROOT / "docs" / "conf.py").read_text(), "conf.py", "exec"), conf)
     (_, pattern), *_ = conf["nitpick_ignore_regex"]
     passed = {
         name
-        for name in ("torch.nn.Module", "collections.abc.Callable", "Stream.read", "ddpkit.data.Gone")
+        for name in (
+            "torch.nn.Module",
+            "collections.abc.Callable",
+            "Stream.read",
+            "ddpkit.data.Gone",
+        )
         if re.fullmatch(pattern, name)
     }
     assert passed == {"torch.nn.Module", "collections.abc.Callable"}

@@ -1,6 +1,7 @@
-"""The test tree mirrors the package: ``tests/unit/<package>/`` holds one process's tests of ``ddpkit.<package>``,
-``tests/jobs/<package>/`` its tests with real ranks. Tests of the whole package (its public API, every format it
-reads, planted links, the examples, the GPU tier) sit at the top of ``tests/unit`` or ``tests/jobs``.
+"""The test tree mirrors the package: ``tests/unit/<package>/`` holds one process's tests of
+``ddpkit.<package>``, ``tests/jobs/<package>/`` its tests with real ranks. Tests of the whole
+package (its public API, every format it reads, planted links, the examples, the GPU tier) sit at
+the top of ``tests/unit`` or ``tests/jobs``.
 """
 
 from __future__ import annotations
@@ -15,9 +16,12 @@ NOT_TESTS = frozenset({"scripts", "__pycache__"})  # tests/jobs/scripts: the pro
 
 
 def strays(tree: Path, package: Path) -> list[str]:
-    """Test folders under ``tree`` that name no subpackage or module of ``package`` (a private one, ``_launch``,
-    by its name without the underscore: ``tests/unit/launch``)."""
-    names = {p.stem.lstrip("_") for p in package.iterdir() if p.is_dir() or p.suffix == ".py"} - {"init", "pycache"}
+    """Test folders under ``tree`` that name no subpackage or module of ``package`` (a private one,
+    ``_launch``, by its name without the underscore: ``tests/unit/launch``)."""
+    names = {p.stem.lstrip("_") for p in package.iterdir() if p.is_dir() or p.suffix == ".py"} - {
+        "init",
+        "pycache",
+    }
     return sorted(
         str(d.relative_to(tree.parent))
         for d in tree.iterdir()
@@ -30,13 +34,15 @@ def test_every_test_folder_names_a_part_of_the_package() -> None:
 
 
 def test_a_folder_named_for_nothing_in_the_package_is_flagged(tmp_path: Path) -> None:
-    """Control: a folder ``trainers`` (the package has ``training``) is reported, ``training`` is not."""
+    """Control: a folder ``trainers`` (the package has ``training``) is reported, ``training`` is
+    not."""
     (tmp_path / "unit" / "trainers").mkdir(parents=True)
     (tmp_path / "unit" / "training").mkdir()
     assert strays(tmp_path / "unit", PACKAGE) == ["unit/trainers"]
 
 
 def test_no_test_module_is_left_between_the_tiers() -> None:
-    """Every test module is under ``unit`` or ``jobs`` (or is a test of the tests' own tooling at the top)."""
+    """Every test module is under ``unit`` or ``jobs`` (or is a test of the tests' own tooling at
+    the top)."""
     top = sorted(p.name for p in ROOT.glob("test_*.py"))
     assert top == ["test_docs.py", "test_layout.py"]

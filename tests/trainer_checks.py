@@ -1,4 +1,5 @@
-"""Comparisons shared by the Trainer tests: final states, and the samples a run really trained on."""
+"""Comparisons shared by the Trainer tests: final states, and the samples a run really trained
+on."""
 
 from __future__ import annotations
 
@@ -17,21 +18,30 @@ def bitwise_equal(a: dict, b: dict) -> bool:
         return False
     sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
     if sa.keys() != sb.keys() or any(
-        not torch.equal(torch.as_tensor(sa[i][k]), torch.as_tensor(sb[i][k])) for i in sa for k in sa[i]
+        not torch.equal(torch.as_tensor(sa[i][k]), torch.as_tensor(sb[i][k]))
+        for i in sa
+        for k in sa[i]
     ):
         return False
-    return a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"] and a["scheduler"] == b["scheduler"]
+    return (
+        a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
+        and a["scheduler"] == b["scheduler"]
+    )
 
 
-def rank_differences(out: str | Path, reference: str | Path, world: int = 2) -> dict[int, list[str]]:
-    """For each rank, the keys of its final state (``out.rank<r>``, written by the test job) that are not
-    bitwise those of the same rank of ``reference``."""
+def rank_differences(
+    out: str | Path, reference: str | Path, world: int = 2
+) -> dict[int, list[str]]:
+    """For each rank, the keys of its final state (``out.rank<r>``, written by the test job) that
+    are not bitwise those of the same rank of ``reference``."""
     found = {}
     for rank in range(world):
         a = torch.load(f"{out}.rank{rank}", weights_only=False)
         b = torch.load(f"{reference}.rank{rank}", weights_only=False)
         assert a.keys() == b.keys(), f"rank {rank}: {sorted(a.keys() ^ b.keys())}"
-        found[rank] = [k for k in a if not (torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k])]
+        found[rank] = [
+            k for k in a if not (torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k])
+        ]
     return found
 
 
@@ -48,7 +58,9 @@ def rank_max_abs_diff(out: str | Path, reference: str | Path, world: int = 2) ->
 
 
 def max_abs_diff(a: dict, b: dict) -> float:
-    return max((a["model"][k].double() - b["model"][k].double()).abs().max().item() for k in a["model"])
+    return max(
+        (a["model"][k].double() - b["model"][k].double()).abs().max().item() for k in a["model"]
+    )
 
 
 def max_rel_diff(a: dict, b: dict) -> float:
@@ -56,7 +68,9 @@ def max_rel_diff(a: dict, b: dict) -> float:
     out = 0.0
     for k, ref in b["model"].items():
         if ref.is_floating_point():
-            diff = (a["model"][k].double() - ref.double()).norm() / ref.double().norm().clamp(min=1e-12)
+            diff = (a["model"][k].double() - ref.double()).norm() / ref.double().norm().clamp(
+                min=1e-12
+            )
             out = max(out, diff.item())
     return out
 
@@ -74,8 +88,8 @@ def resume_steps(run_dir: str | Path) -> dict[int, int]:
 def samples_per_epoch(log_dir: str | Path, resumed: dict[int, int]) -> dict[int, list[int]]:
     """Samples trained on in each epoch by the work that counted.
 
-    Work of attempt ``a`` at or after the step that attempt ``a + 1`` resumed from was lost with the crash
-    and redone, so it is left out; what remains is what the final weights were trained on.
+    Work of attempt ``a`` at or after the step that attempt ``a + 1`` resumed from was lost with the
+    crash and redone, so it is left out; what remains is what the final weights were trained on.
     """
     per_epoch: dict[int, list[int]] = defaultdict(list)
     for path in sorted(Path(log_dir).glob("rank*.jsonl")):
@@ -93,15 +107,20 @@ def assert_each_sample_once(per_epoch: dict[int, list[int]], n_samples: int, epo
     for epoch, idx in per_epoch.items():
         repeated = len(idx) - len(set(idx))
         missing = n_samples - len(set(idx))
-        assert repeated == 0 and missing == 0, f"epoch {epoch}: {repeated} samples twice, {missing} never"
+        assert repeated == 0 and missing == 0, (
+            f"epoch {epoch}: {repeated} samples twice, {missing} never"
+        )
 
 
 def newest_snapshot(run_dir: str | Path) -> tuple[int, dict]:
-    """(step, model state) of the newest whole snapshot folder (DCP), read into one file with torch's converter."""
+    """(step, model state) of the newest whole snapshot folder (DCP), read into one file with
+    torch's converter."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     markers = sorted((Path(run_dir) / "snapshots").glob("step-*/complete.json"))
     assert markers, f"no snapshot in {run_dir}"
     folder = markers[-1].parent
     dcp_to_torch_save(folder, Path(run_dir) / f"{folder.name}.pt")
-    return int(folder.name.split("-")[1]), torch.load(Path(run_dir) / f"{folder.name}.pt", weights_only=True)["model"]
+    return int(folder.name.split("-")[1]), torch.load(
+        Path(run_dir) / f"{folder.name}.pt", weights_only=True
+    )["model"]

@@ -1,12 +1,13 @@
 """What ddpkit's docs generate from the code at build time.
 
-``.. ddpkit-help:: run`` puts the output of ``ddpkit run -h`` in a literal block: the CLI reference is the
-parsers' own help, never a copy that drifts.
+``.. ddpkit-help:: run`` puts the output of ``ddpkit run -h`` in a literal block: the CLI reference
+is the parsers' own help, never a copy that drifts.
 
-``.. ddpkit-module:: ddpkit.data`` is ``automodule`` with ``:members:``, leaving out the members described on
-another page. A name re-exported by a package (``ddpkit.Trainer``, defined in ``ddpkit.training._trainer``) is
-described once, where users import it from; an object described twice is a warning, and the build treats
-warnings as errors. References by the defining module's name (type hints, some docstrings) are sent there.
+``.. ddpkit-module:: ddpkit.data`` is ``automodule`` with ``:members:``, leaving out the members
+described on another page. A name re-exported by a package (``ddpkit.Trainer``, defined in
+``ddpkit.training._trainer``) is described once, where users import it from; an object described
+twice is a warning, and the build treats warnings as errors. References by the defining module's
+name (type hints, some docstrings) are sent there.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from sphinx.util.docutils import SphinxDirective
 from sphinx.util.nodes import nested_parse_with_titles
 
 # Where each class and function is described: a name exported by ``ddpkit`` there, one exported by a
-# subpackage's ``__all__`` on that subpackage's page, the rest in the module that defines it. The configs have a
-# page of their own (docs/api/configs.md), which names them as listed here.
+# subpackage's ``__all__`` on that subpackage's page, the rest in the module that defines it. The
+# configs have a page of their own (docs/api/configs.md), which names them as listed here.
 CONFIGS_PAGE = "configs"
 CONFIGS = (
     "ddpkit.TrainerConfig",
@@ -41,7 +42,8 @@ CONFIGS = (
     "ddpkit.strategies.FSDPConfig",
     "ddpkit.search.SearchConfig",
 )
-# Every public package: the rest of ddpkit is private (a leading underscore in its path) and not described.
+# Every public package: the rest of ddpkit is private (a leading underscore in its path) and not
+# described.
 EXPORTING_PACKAGES = (
     "ddpkit", "ddpkit.data", "ddpkit.distributed", "ddpkit.nn", "ddpkit.snapshot", "ddpkit.strategies",
     "ddpkit.tracking", "ddpkit.training", "ddpkit.platforms", "ddpkit.search", "ddpkit.demo", "ddpkit.tools",
@@ -50,12 +52,14 @@ EXPORTING_PACKAGES = (
 
 
 def _keyed(obj: Any) -> bool:
-    return inspect.isclass(obj) or inspect.isfunction(obj)  # ints and strings share ids: never keyed
+    # ints and strings share ids: never keyed
+    return inspect.isclass(obj) or inspect.isfunction(obj)
 
 
 @functools.cache
 def _exports() -> tuple[tuple[str, str, Any], ...]:
-    """(page, the name it is described by, object), first match wins, for every re-exported class and function."""
+    """(page, the name it is described by, object), first match wins, for every re-exported class
+    and function."""
     out = []
     for dotted in CONFIGS:
         module, _, name = dotted.rpartition(".")
@@ -69,7 +73,8 @@ def _exports() -> tuple[tuple[str, str, Any], ...]:
 
 
 def _private(dotted: str) -> bool:
-    """Whether ``dotted`` names a private module, or a name found only there (no public package exports it)."""
+    """Whether ``dotted`` names a private module, or a name found only there (no public package
+    exports it)."""
     if any(part.startswith("_") and not part.startswith("__") for part in dotted.split(".")):
         return True
     obj = _find(dotted)
@@ -78,7 +83,8 @@ def _private(dotted: str) -> bool:
 
 
 def _home(obj: Any) -> tuple[str, str] | None:
-    """(page, name) where a re-exported ``obj`` is described; None for the rest (described where defined)."""
+    """(page, name) where a re-exported ``obj`` is described; None for the rest (described where
+    defined)."""
     return next(((page, name) for page, name, o in _exports() if o is obj), None)
 
 
@@ -116,12 +122,15 @@ class ModuleDirective(SphinxDirective):
             lines.append(f"   :exclude-members: {', '.join(elsewhere)}")
         node = nodes.section()
         node.document = self.state.document
-        nested_parse_with_titles(self.state, StringList(lines, source=self.get_source_info()[0]), node)
+        nested_parse_with_titles(
+            self.state, StringList(lines, source=self.get_source_info()[0]), node
+        )
         return node.children
 
 
 class HelpDirective(SphinxDirective):
-    """The ``-h`` output of one ``ddpkit`` command (``ddpkit`` alone: the command list), run in this process."""
+    """The ``-h`` output of one ``ddpkit`` command (``ddpkit`` alone: the command list), run in this
+    process."""
 
     required_arguments = 1
 
@@ -131,7 +140,8 @@ class HelpDirective(SphinxDirective):
         command = self.arguments[0]
         out = io.StringIO()
         old = os.environ.get("COLUMNS")
-        os.environ["COLUMNS"] = "88"  # argparse wraps at $COLUMNS: the page is the same on every machine, and fits it
+        # argparse wraps at $COLUMNS: the page is the same on every machine, and fits it
+        os.environ["COLUMNS"] = "88"
         try:
             with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
                 cli.main(["-h"] if command == "ddpkit" else [command, "-h"])
@@ -148,12 +158,15 @@ class HelpDirective(SphinxDirective):
         return [block]
 
 
-def resolve_by_home(app: Sphinx, env: Any, node: Any, contnode: nodes.Element) -> nodes.Element | None:
+def resolve_by_home(
+    app: Sphinx, env: Any, node: Any, contnode: nodes.Element
+) -> nodes.Element | None:
     """A reference by the module that defines an object resolves to where the object is described.
 
-    Type hints name ``ddpkit.training._config.TrainerConfig``, described as ``ddpkit.TrainerConfig``; a docstring
-    in ``ddpkit.snapshot._run_dir`` names ``ConfigError``, which that module imports: found there, as Python
-    would. A TypeVar in a signature is shown as text.
+    Type hints name ``ddpkit.training._config.TrainerConfig``, described as
+    ``ddpkit.TrainerConfig``; a docstring in ``ddpkit.snapshot._run_dir`` names ``ConfigError``,
+    which that module imports: found there, as Python would. A TypeVar in a signature is shown as
+    text.
     """
     if node.get("refdomain") != "py":
         return None
@@ -168,12 +181,16 @@ def resolve_by_home(app: Sphinx, env: Any, node: Any, contnode: nodes.Element) -
         home = _home(obj) if obj is not None else None
         if home is not None and home[1] != owner:
             new = f"{home[1]}.{rest}" if rest else home[1]
-            return domain.resolve_xref(env, node["refdoc"], app.builder, node["reftype"], new, node, contnode)
-    # A private module or a name only a private module defines is not described: shown as text, not a link.
+            return domain.resolve_xref(
+                env, node["refdoc"], app.builder, node["reftype"], new, node, contnode
+            )
+    # A private module or a name only a private module defines is not described: shown as text, not
+    # a link.
     if full.startswith("ddpkit.") and _private(full):
         return contnode
-    # A bare name that a module imports only for type checkers (``Trainer`` under ``TYPE_CHECKING``) is not
-    # found there at run time: it resolves when exactly one object described in ddpkit has that name.
+    # A bare name that a module imports only for type checkers (``Trainer`` under ``TYPE_CHECKING``)
+    # is not found there at run time: it resolves when exactly one object described in ddpkit has
+    # that name.
     if "." not in target:
         named = [
             name
@@ -181,7 +198,9 @@ def resolve_by_home(app: Sphinx, env: Any, node: Any, contnode: nodes.Element) -
             if name.startswith("ddpkit.") and name.endswith(f".{target}") and not entry.aliased
         ]
         if len(named) == 1:
-            return domain.resolve_xref(env, node["refdoc"], app.builder, node["reftype"], named[0], node, contnode)
+            return domain.resolve_xref(
+                env, node["refdoc"], app.builder, node["reftype"], named[0], node, contnode
+            )
         # A docstring of a re-exported object names its private neighbours bare (``SampleSeeder``).
         if not named and any(
             _private(name) and hasattr(mod, target)
@@ -193,10 +212,17 @@ def resolve_by_home(app: Sphinx, env: Any, node: Any, contnode: nodes.Element) -
 
 
 def dataclass_defaults(
-    app: Sphinx, what: str, name: str, obj: Any, options: Any, signature: str | None, return_annotation: str | None
+    app: Sphinx,
+    what: str,
+    name: str,
+    obj: Any,
+    options: Any,
+    signature: str | None,
+    return_annotation: str | None,
 ) -> tuple[str | None, str | None] | None:
-    """A config's field with a default factory shows as ``snapshot=SnapshotConfig()``, not ``<factory>``, which
-    is not Python: Sphinx would then split the signature at every comma, those inside types included."""
+    """A config's field with a default factory shows as ``snapshot=SnapshotConfig()``, not
+    ``<factory>``, which is not Python: Sphinx would then split the signature at every comma, those
+    inside types included."""
     if what != "class" or not signature or not dataclasses.is_dataclass(obj):
         return None
     for f in dataclasses.fields(obj):

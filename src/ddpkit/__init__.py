@@ -49,13 +49,14 @@ from ddpkit.training._trainer import Trainer
 
 __version__ = "0.1.0"
 
-# The module paths of earlier releases (ddpkit.training.trainer, ddpkit.launch.agent, ...) still import, for one
-# release, with a FutureWarning naming the package that exports their names.
+# The module paths of earlier releases (ddpkit.training.trainer, ddpkit.launch.agent, ...) still
+# import, for one release, with a FutureWarning naming the package that exports their names.
 _moved.install()
 
-# What scripts call. The rest of the public API (samplers, RNG state, sync BatchNorm layers, snapshots) is in the
-# ``__all__`` of its subpackage, e.g. ``ddpkit.data.ShardedBatchSampler``; a module or package whose name starts
-# with an underscore is internal. tests/unit/test_api.py keeps these lists from drifting.
+# What scripts call. The rest of the public API (samplers, RNG state, sync BatchNorm layers,
+# snapshots) is in the ``__all__`` of its subpackage, e.g. ``ddpkit.data.ShardedBatchSampler``; a
+# module or package whose name starts with an underscore is internal. tests/unit/test_api.py keeps
+# these lists from drifting.
 __all__ = [
     # the job
     "init",

@@ -1,9 +1,10 @@
-"""Module paths of ddpkit 0.1 that are private now: ``ddpkit.training.trainer`` is ``ddpkit.training._trainer``,
-``ddpkit.launch.agent`` is ``ddpkit._launch.agent``. For one release an old path still imports (the private
-module, under both names) with a FutureWarning naming where its public names are; then it goes.
+"""Module paths of ddpkit 0.1 that are private now: ``ddpkit.training.trainer`` is
+``ddpkit.training._trainer``, ``ddpkit.launch.agent`` is ``ddpkit._launch.agent``. For one release
+an old path still imports (the private module, under both names) with a FutureWarning naming where
+its public names are; then it goes.
 
-Written here rather than as a stub module per old path: one finder serves every path, and none can be left
-behind when a module moves again.
+Written here rather than as a stub module per old path: one finder serves every path, and none can
+be left behind when a module moves again.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from types import ModuleType
 
 
 def private_path(fullname: str) -> str | None:
-    """The private module an old public path of ddpkit names (one of its components with an underscore), or
-    None where there is none."""
+    """The private module an old public path of ddpkit names (one of its components with an
+    underscore), or None where there is none."""
     parts = fullname.split(".")
     if parts[0] != "ddpkit" or len(parts) < 2 or any(p.startswith("_") for p in parts[1:]):
         return None
@@ -43,8 +44,8 @@ class _Alias(importlib.abc.Loader):
             package = self.new.split("._", 1)[0]
             where = "ddpkit" if package == "ddpkit" else f"{package} (its __all__) or from ddpkit"
             warnings.warn(
-                f"{self.old} is private from this release on ({self.new}) and goes in the next one: import "
-                f"its public names from {where}",
+                f"{self.old} is private from this release on ({self.new}) and goes in the next "
+                f"one: import its public names from {where}",
                 FutureWarning,
                 stacklevel=2,
             )
@@ -57,9 +58,10 @@ class _Alias(importlib.abc.Loader):
 class _MovedModules(importlib.abc.MetaPathFinder):
     """First on ``sys.meta_path``, and answering only for ddpkit paths that no file has.
 
-    First, because a module under an old package path (``ddpkit.launch.agent``, once ``ddpkit.launch`` is the
-    alias of ``ddpkit._launch``) would otherwise be found by the path finder in the aliased package's folder and
-    run a second time as another module, with state of its own."""
+    First, because a module under an old package path (``ddpkit.launch.agent``, once
+    ``ddpkit.launch`` is the alias of ``ddpkit._launch``) would otherwise be found by the path
+    finder in the aliased package's folder and run a second time as another module, with state of
+    its own."""
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None = None, target: ModuleType | None = None
@@ -68,13 +70,21 @@ class _MovedModules(importlib.abc.MetaPathFinder):
             return None
         parent, _, last = fullname.rpartition(".")
         module = sys.modules.get(parent)
-        if module is not None and module.__name__ != parent:  # under an old path: the private module's child
+        # under an old path: the private module's child
+        if module is not None and module.__name__ != parent:
             child = f"{module.__name__}.{last}"
             return importlib.util.spec_from_loader(fullname, _Alias(fullname, child, warn=False))
-        if path is not None and importlib.machinery.PathFinder.find_spec(fullname, path) is not None:
+        if (
+            path is not None
+            and importlib.machinery.PathFinder.find_spec(fullname, path) is not None
+        ):
             return None  # a module of that name exists: the usual import
         new = private_path(fullname)
-        return None if new is None else importlib.util.spec_from_loader(fullname, _Alias(fullname, new, warn=True))
+        return (
+            None
+            if new is None
+            else importlib.util.spec_from_loader(fullname, _Alias(fullname, new, warn=True))
+        )
 
 
 def install() -> None:

@@ -16,15 +16,30 @@ COMMANDS = {
         "ddpkit._launch.launcher",
         "launch a training script on every GPU (or CPU share) of this node, or of several",
     ),
-    "sbatch": ("ddpkit._launch.sbatch", "write and submit a SLURM batch script that requeues itself when pre-empted"),
+    "sbatch": (
+        "ddpkit._launch.sbatch",
+        "write and submit a SLURM batch script that requeues itself when pre-empted",
+    ),
     "k8s": (
         "ddpkit._launch.k8s",
         "write a Kubernetes manifest (TrainJob, PyTorchJob or JobSet) that resumes after failures",
     ),
-    "env": ("ddpkit.tools._env", "versions, devices, the choices `run` would make, and a live all-reduce check"),
-    "bench": ("ddpkit.tools._bench", "step time at 1..N ranks, the all-reduce alone, and a prediction at larger sizes"),
-    "check": ("ddpkit.tools._check", "one process against N ranks, step by step; names the cause of a difference"),
-    "plot": ("ddpkit.tracking._curves", "a Trainer run's training and validation curves to RUN_DIR/curves.png"),
+    "env": (
+        "ddpkit.tools._env",
+        "versions, devices, the choices `run` would make, and a live all-reduce check",
+    ),
+    "bench": (
+        "ddpkit.tools._bench",
+        "step time at 1..N ranks, the all-reduce alone, and a prediction at larger sizes",
+    ),
+    "check": (
+        "ddpkit.tools._check",
+        "one process against N ranks, step by step; names the cause of a difference",
+    ),
+    "plot": (
+        "ddpkit.tracking._curves",
+        "a Trainer run's training and validation curves to RUN_DIR/curves.png",
+    ),
 }
 
 EXAMPLES = """examples:
@@ -41,7 +56,9 @@ def usage() -> str:
     width = max(map(len, COMMANDS))
     lines = [f"usage: ddpkit {{{','.join(COMMANDS)}}} ... | --version", ""]
     lines += [f"  {name:<{width}}  {text}" for name, (_, text) in COMMANDS.items()]
-    return "\n".join(lines + ["", "`ddpkit COMMAND -h` lists each command's options.", "", EXAMPLES])
+    return "\n".join(
+        lines + ["", "`ddpkit COMMAND -h` lists each command's options.", "", EXAMPLES]
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -61,7 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return importlib.import_module(COMMANDS[command][0]).main(rest)
     except ConfigError as err:
-        # A name given on the command line may hold bytes that are not text (kept by Python as surrogates):
+        # A name given on the command line may hold bytes that are not text (kept by Python as
+        # surrogates):
         # escaped, the message stays one printable line whatever stderr's encoding.
         text = str(err).encode("utf-8", "backslashreplace").decode("utf-8")
         print(f"ddpkit {command}: error: {text}", file=sys.stderr)

@@ -1,10 +1,11 @@
-"""Test your own distributed code the way ddpkit tests its own: real processes, real collectives, in one call.
+"""Test your own distributed code the way ddpkit tests its own: real processes, real collectives, in
+one call.
 
 :func:`run_on_ranks` runs a function on N processes of the CPU joined over gloo, each with
-:func:`ddpkit.init` already called, and returns what each rank returned; a rank that raises fails the call
-with its traceback, and a hang fails it after ``timeout`` seconds instead of blocking the test run.
-:func:`assert_same_on_ranks` checks, inside such a function, that every rank holds the same value (a model's
-weights after a step, a sampler's order): the property DDP training rests on::
+:func:`ddpkit.init` already called, and returns what each rank returned; a rank that raises fails
+the call with its traceback, and a hang fails it after ``timeout`` seconds instead of blocking the
+test run. :func:`assert_same_on_ranks` checks, inside such a function, that every rank holds the
+same value (a model's weights after a step, a sampler's order): the property DDP training rests on::
 
     import torch, ddpkit
     from ddpkit.testing import assert_same_on_ranks, run_on_ranks
@@ -21,9 +22,9 @@ weights after a step, a sampler's order): the property DDP training rests on::
     def test_ranks_stay_in_step():
         assert run_on_ranks(one_step, world_size=2) == [0, 1]
 
-:func:`run_job` runs a script the way a user starts it, under ``ddpkit run`` in a fresh process, from an
-environment without the variables of any job the tests themselves run in; :func:`wait_until` waits, with a
-deadline, for what a running job makes true (a file it writes, a process it ends)::
+:func:`run_job` runs a script the way a user starts it, under ``ddpkit run`` in a fresh process,
+from an environment without the variables of any job the tests themselves run in; :func:`wait_until`
+waits, with a deadline, for what a running job makes true (a file it writes, a process it ends)::
 
     from ddpkit.testing import run_job
 
@@ -53,9 +54,23 @@ from ddpkit.distributed import Group
 from ddpkit.distributed._collectives import all_gather_object
 from ddpkit.distributed._runtime import get_runtime, init
 
-__all__ = ["LAUNCH_VARIABLES", "assert_same_on_ranks", "run_job", "run_on_ranks", "wait_until", "without_launch_env"]
+__all__ = [
+    "LAUNCH_VARIABLES",
+    "assert_same_on_ranks",
+    "run_job",
+    "run_on_ranks",
+    "wait_until",
+    "without_launch_env",
+]
 
-__all__ = ["LAUNCH_VARIABLES", "assert_same_on_ranks", "run_job", "run_on_ranks", "wait_until", "without_launch_env"]
+__all__ = [
+    "LAUNCH_VARIABLES",
+    "assert_same_on_ranks",
+    "run_job",
+    "run_on_ranks",
+    "wait_until",
+    "without_launch_env",
+]
 
 T = TypeVar("T")
 
@@ -73,22 +88,29 @@ def run_on_ranks(
     timeout: float = 120.0,
     collective_timeout: float = 30.0,
 ) -> list[Any]:
-    """``fn(*args)`` on ``world_size`` local CPU processes joined over gloo; each rank's result, in rank order.
+    """``fn(*args)`` on ``world_size`` local CPU processes joined over gloo; each rank's result, in
+    rank order.
 
-    Inside ``fn`` the process group is up (:func:`ddpkit.get_runtime` says the rank). The processes are forked,
-    so ``fn`` may be a local function or a lambda; once this process has initialised CUDA they are started
-    afresh instead (CUDA does not survive a fork), and ``fn`` and ``args`` must then be picklable (a function
-    of a module). A collective that waits ``collective_timeout`` seconds
-    for a rank raises on the rank that waits; the whole call is bounded by ``timeout`` (:func:`ddpkit.spawn`).
+    Inside ``fn`` the process group is up (:func:`ddpkit.get_runtime` says the rank). The processes
+    are forked, so ``fn`` may be a local function or a lambda; once this process has initialised
+    CUDA they are started afresh instead (CUDA does not survive a fork), and ``fn`` and ``args``
+    must then be picklable (a function of a module). A collective that waits ``collective_timeout``
+    seconds for a rank raises on the rank that waits; the whole call is bounded by ``timeout``
+    (:func:`ddpkit.spawn`).
     """
-    return spawn(functools.partial(_on_rank, fn, args, collective_timeout), world_size, timeout=timeout)
+    return spawn(
+        functools.partial(_on_rank, fn, args, collective_timeout), world_size, timeout=timeout
+    )
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    # Bytes, not values: a NaN equals the same NaN, -0.0 differs from 0.0 (torch.equal says the opposite).
-    return torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
+    # Bytes, not values: a NaN equals the same NaN, -0.0 differs from 0.0 (torch.equal says the
+    # opposite).
+    return torch.equal(
+        a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)
+    )
 
 
 def _same_value(a: Any, b: Any) -> bool:
@@ -98,7 +120,8 @@ def _same_value(a: Any, b: Any) -> bool:
         return a == b or (a != a and b != b)  # NaN: the same on both ranks
     try:
         return bool(a == b)
-    except (TypeError, ValueError, RuntimeError):  # == gives an array (numpy), or no truth value: the bytes
+    # == gives an array (numpy), or no truth value: the bytes
+    except (TypeError, ValueError, RuntimeError):
         return pickle.dumps(a) == pickle.dumps(b)
 
 
@@ -117,11 +140,11 @@ def _differences(a: Any, b: Any, path: str = "value") -> list[str]:
 
 
 def assert_same_on_ranks(value: Any, group: Group = None) -> None:
-    """Raise :class:`AssertionError` on every rank unless every rank of ``group`` holds the same ``value``:
-    tensors bit for bit (a NaN equals the same NaN; their shape and dtype too), nested in dicts, lists and
-    tuples (named ones too), floats with NaN equal to NaN, other values by ``==`` (or their pickled bytes where
-    ``==`` gives an array). The message names the first rank that differs from rank 0 and where. A
-    collective: every rank calls it."""
+    """Raise :class:`AssertionError` on every rank unless every rank of ``group`` holds the same
+    ``value``: tensors bit for bit (a NaN equals the same NaN; their shape and dtype too), nested in
+    dicts, lists and tuples (named ones too), floats with NaN equal to NaN, other values by ``==``
+    (or their pickled bytes where ``==`` gives an array). The message names the first rank that
+    differs from rank 0 and where. A collective: every rank calls it."""
     every = all_gather_object(_on_cpu(value), group=group)
     for rank, theirs in enumerate(every[1:], start=1):
         differ = _differences(every[0], theirs)
@@ -135,8 +158,8 @@ def assert_same_on_ranks(value: Any, group: Group = None) -> None:
 
 
 def _on_cpu(value: Any) -> Any:
-    """``value`` with every tensor on the CPU: gathered as it is, a CUDA tensor would be unpickled onto the
-    sender's GPU on every other rank."""
+    """``value`` with every tensor on the CPU: gathered as it is, a CUDA tensor would be unpickled
+    onto the sender's GPU on every other rank."""
     if isinstance(value, torch.Tensor):
         return value.detach().cpu()
     if isinstance(value, Mapping):
@@ -167,23 +190,34 @@ def run_job(
     cwd: str | os.PathLike[str] | None = None,
     timeout: float = 300.0,
 ) -> subprocess.CompletedProcess[str]:
-    """``ddpkit run --nproc NPROC *launcher_args script *args`` as a fresh process; its exit status and output.
+    """``ddpkit run --nproc NPROC *launcher_args script *args`` as a fresh process; its exit status
+    and output.
 
-    The launcher starts from ``env`` (default: this process's environment) less the variables of an enclosing
-    job (:func:`without_launch_env`), so a test run under a launcher starts a job of its own. ``launcher_args``
-    go before the script (``("--max-restarts", "1")``; end them with ``"-m"`` to run a module). Output is
-    captured as text. A job still running after ``timeout`` seconds is killed with everything it started
-    (launcher, workers, their children) and :class:`TimeoutError` is raised with the end of its output::
+    The launcher starts from ``env`` (default: this process's environment) less the variables of an
+    enclosing job (:func:`without_launch_env`), so a test run under a launcher starts a job of its
+    own. ``launcher_args`` go before the script (``("--max-restarts", "1")``; end them with ``"-m"``
+    to run a module). Output is captured as text. A job still running after ``timeout`` seconds is
+    killed with everything it started (launcher, workers, their children) and :class:`TimeoutError`
+    is raised with the end of its output::
 
         done = run_job("train.py", "--epochs", "2", launcher_args=("--max-restarts", "1"))
         assert done.returncode == 0, done.stderr[-3000:]
     """
     if nproc < 1:
         raise ValueError(f"run_job: nproc={nproc}; give the number of worker processes, 1 or more")
-    argv = [sys.executable, "-m", "ddpkit.cli", "run", "--nproc", str(nproc), *launcher_args, os.fspath(script)]
+    argv = [
+        sys.executable,
+        "-m",
+        "ddpkit.cli",
+        "run",
+        "--nproc",
+        str(nproc),
+        *launcher_args,
+        os.fspath(script),
+    ]
     argv += list(args)
-    # A session of its own: on a timeout the launcher and every process under it are killed as one group, and
-    # nothing the job started outlives the test.
+    # A session of its own: on a timeout the launcher and every process under it are killed as one
+    # group, and nothing the job started outlives the test.
     proc = subprocess.Popen(
         argv,
         env=without_launch_env(env),
@@ -199,7 +233,8 @@ def run_job(
         os.killpg(proc.pid, signal.SIGKILL)
         try:
             out, err = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:  # a process that left the group still holds the pipes open
+        # a process that left the group still holds the pipes open
+        except subprocess.TimeoutExpired:
             proc.kill()
             out, err = "", ""
         raise TimeoutError(
@@ -217,18 +252,19 @@ def wait_until(
     interval: float = 0.01,
     max_interval: float = 0.5,
 ) -> T:
-    """Call ``predicate`` until it returns a true value, and return that value; after ``timeout`` seconds,
-    raise :class:`TimeoutError` naming ``what`` and the last value ``predicate`` returned.
+    """Call ``predicate`` until it returns a true value, and return that value; after ``timeout``
+    seconds, raise :class:`TimeoutError` naming ``what`` and the last value ``predicate`` returned.
 
-    The waits between calls start at ``interval`` and double up to ``max_interval``: a condition that comes
-    soon is seen soon, a long wait does not spin. An exception ``predicate`` raises (a process it checks has
-    died) ends the wait at once. ``what`` may be a function, called at the timeout: the message can then carry
-    what was true by then (the end of a log)::
+    The waits between calls start at ``interval`` and double up to ``max_interval``: a condition
+    that comes soon is seen soon, a long wait does not spin. An exception ``predicate`` raises (a
+    process it checks has died) ends the wait at once. ``what`` may be a function, called at the
+    timeout: the message can then carry what was true by then (the end of a log)::
 
         wait_until(lambda: (run_dir / "step-6").exists(), 60, what="the snapshot at step 6")
         pids = wait_until(lambda: sorted(folder.glob("*.pid")), what="the pid files")
     """
-    if not (timeout >= 0 and interval > 0 and max_interval >= interval):  # NaN fails every comparison
+    # NaN fails every comparison
+    if not (timeout >= 0 and interval > 0 and max_interval >= interval):
         raise ValueError(
             f"wait_until: timeout={timeout}, interval={interval}, max_interval={max_interval}; "
             "give timeout >= 0 and 0 < interval <= max_interval"

@@ -1,6 +1,6 @@
-"""``bench/peers.py`` end to end, 2 rounds of short jobs: every framework runs under torchrun and gets a ratio to
-raw DDP, and a peer that is not installed is skipped, saying so, while the rest run. The figures themselves are
-the benchmark's, not a test's (docs/speed.md)."""
+"""``bench/peers.py`` end to end, 2 rounds of short jobs: every framework runs under torchrun and
+gets a ratio to raw DDP, and a peer that is not installed is skipped, saying so, while the rest run.
+The figures themselves are the benchmark's, not a test's (docs/speed.md)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ def _bench(args: list[str], env: dict[str, str], out: Path) -> dict:
         env=env,
         capture_output=True,
         text=True,
-        timeout=840,  # within the test's own 900 s, so that a slow run fails here, with the bench's output
+        # within the test's own 900 s, so that a slow run fails here, with the bench's output
+        timeout=840,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return {"stdout": proc.stdout, **json.loads(out.read_text())}
@@ -52,8 +53,9 @@ def test_every_installed_framework_gets_a_finite_ratio_to_raw_ddp(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_peer_that_is_not_installed_is_skipped_and_the_rest_run(tmp_path):
-    """Accelerate hidden from the driver (a ``sitecustomize`` that marks it missing, as in an install without the
-    ``bench`` extra): raw DDP still runs, and Accelerate is named as skipped, with what to install."""
+    """Accelerate hidden from the driver (a ``sitecustomize`` that marks it missing, as in an
+    install without the ``bench`` extra): raw DDP still runs, and Accelerate is named as skipped,
+    with what to install."""
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text("import sys\nsys.modules['accelerate'] = None\n")

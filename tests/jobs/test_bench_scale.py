@@ -1,5 +1,6 @@
-"""``bench/scale.py --quick`` runs: jobs of 2 and 4 ranks at 10 and 1,000 parameter tensors, every cost of the
-report measured and fitted. The figures themselves are the benchmark's, not a test's (docs/scale.md)."""
+"""``bench/scale.py --quick`` runs: jobs of 2 and 4 ranks at 10 and 1,000 parameter tensors, every
+cost of the report measured and fitted. The figures themselves are the benchmark's, not a test's
+(docs/scale.md)."""
 
 from __future__ import annotations
 
@@ -34,14 +35,18 @@ def test_the_quick_scale_benchmark_measures_and_fits_every_cost(tmp_path):
         [sys.executable, str(ROOT / "bench" / "scale.py"), "--quick", "--dir", str(tmp_path)],
         capture_output=True,
         text=True,
-        timeout=840,  # within the test's own 900 s, so that a slow run fails here, with the bench's output
+        # within the test's own 900 s, so that a slow run fails here, with the bench's output
+        timeout=840,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     for tensors in (10, 1000):
         for n in (2, 4):
             folder = tmp_path / f"n{n}-t{tensors}"
-            assert json.loads((folder / "result.json").read_text())["exit"] == 0, (folder / "output.txt").read_text()
-            # The bench's timers wrap torch's agent without hiding it from ddpkit's check: ddpkit's agent ran.
+            assert json.loads((folder / "result.json").read_text())["exit"] == 0, (
+                folder / "output.txt"
+            ).read_text()
+            # The bench's timers wrap torch's agent without hiding it from ddpkit's check: ddpkit's
+            # agent ran.
             assert "is not what ddpkit relies on" not in (folder / "output.txt").read_text()
     fits = json.loads((tmp_path / "fits.json").read_text())
     for tensors in ("10", "1000"):

@@ -1,8 +1,10 @@
-"""The examples, run as users run them: real commands, real processes, numbers checked against each other.
+"""The examples, run as users run them: real commands, real processes, numbers checked against each
+other.
 
-Two ranks with a per-rank batch of B/2 take the same steps on the same samples as one process with a batch of
-B (ddpkit's sampler fixes the global batch, DDP averages the gradients), so their losses must agree: that
-compares the distributed run with a single-process reference instead of with a stored number alone.
+Two ranks with a per-rank batch of B/2 take the same steps on the same samples as one process with a
+batch of B (ddpkit's sampler fixes the global batch, DDP averages the gradients), so their losses
+must agree: that compares the distributed run with a single-process reference instead of with a
+stored number alone.
 """
 
 import re
@@ -23,7 +25,12 @@ pytestmark = pytest.mark.slow
 
 def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, *args], cwd=ROOT, env=_clean_environ(), capture_output=True, text=True, timeout=TIMEOUT
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=_clean_environ(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
     )
 
 
@@ -32,12 +39,22 @@ def _python(script: str, *args: str) -> subprocess.CompletedProcess:
 
 
 def _ddpkit_run(script: str, *args: str) -> subprocess.CompletedProcess:
-    return run_job(f"examples/{script}", *args, nproc=2, env=_clean_environ(), cwd=ROOT, timeout=TIMEOUT)
+    return run_job(
+        f"examples/{script}", *args, nproc=2, env=_clean_environ(), cwd=ROOT, timeout=TIMEOUT
+    )
 
 
 def _torchrun(script: str, *args: str) -> subprocess.CompletedProcess:
     # --standalone: a rendezvous on a free local port, so concurrent test runs do not collide.
-    return _run("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", f"examples/{script}", *args)
+    return _run(
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        f"examples/{script}",
+        *args,
+    )
 
 
 def _ok(proc: subprocess.CompletedProcess) -> str:
@@ -45,8 +62,9 @@ def _ok(proc: subprocess.CompletedProcess) -> str:
     hint = ""
     if "terminate called without an active exception" in out:
         hint = (
-            "\nA rank aborted at interpreter exit: a gloo worker thread released a finished collective's "
-            "tensors after Python began finalising (pytorch/pytorch#179291). See ddpkit.shutdown().\n"
+            "\nA rank aborted at interpreter exit: a gloo worker thread released a finished "
+            "collective's tensors after Python began finalising (pytorch/pytorch#179291). See "
+            "ddpkit.shutdown().\n"
         )
     assert proc.returncode == 0, f"exit code {proc.returncode}{hint}\n{out[-4000:]}"
     return proc.stdout
@@ -56,7 +74,7 @@ def _floats(pattern: str, text: str) -> list[float]:
     return [float(v) for v in re.findall(pattern, text)]
 
 
-# --- digits_cnn ---------------------------------------------------------------------------------------------
+# --- digits_cnn -----------------------------------------------------------------------------------
 
 ACCURACY = re.compile(r"^test accuracy: (\d\.\d{4}) \((\d+) samples\)$", re.M)
 TRAIN_LOSS = r"train loss (\d+\.\d+)"
@@ -87,22 +105,26 @@ def test_digits_one_process(digits_one_process, digits_test_size):
 
 @pytest.mark.parametrize("launch", [_torchrun, _ddpkit_run], ids=["torchrun", "ddpkit-run"])
 def test_digits_two_ranks_sync_bn_match_one_process(digits_one_process, digits_test_size, launch):
-    # 2 ranks x 16 with BatchNorm over the global batch is the 1 x 32 run of the fixture, step for step.
+    # 2 ranks x 16 with BatchNorm over the global batch is the 1 x 32 run of the fixture, step for
+    # step.
     out = _ok(launch("digits_cnn.py", "--epochs", DIGITS_EPOCHS, "--batch-size", "16", "--sync-bn"))
     assert "2 process(es), global batch 32" in out
     accuracy, count = ACCURACY.search(out).groups()
     assert float(accuracy) >= MIN_ACCURACY
-    assert int(count) == digits_test_size  # every test sample counted once: none padded, none dropped
-    # Float sums in another order differ in the last digits; per-rank BatchNorm (no --sync-bn) moves the
-    # losses by 2e-3 or more, so 5e-4 tells the two apart.
-    assert _floats(TRAIN_LOSS, out) == pytest.approx(_floats(TRAIN_LOSS, digits_one_process), abs=5e-4)
+    # every test sample counted once: none padded, none dropped
+    assert int(count) == digits_test_size
+    # Float sums in another order differ in the last digits; per-rank BatchNorm (no --sync-bn) moves
+    # the losses by 2e-3 or more, so 5e-4 tells the two apart.
+    assert _floats(TRAIN_LOSS, out) == pytest.approx(
+        _floats(TRAIN_LOSS, digits_one_process), abs=5e-4
+    )
     assert out.count("test accuracy") == 1  # printed by rank 0 only
 
 
 @pytest.mark.parametrize("launch", [_python, _torchrun], ids=["python", "torchrun"])
 def test_digits_missing_mnist_fails_with_a_clear_message(tmp_path, launch):
-    # Under torchrun rank 0 raises inside main_first() while rank 1 waits at its barrier: the job must end
-    # (the agent stops rank 1), not hang until the collective timeout.
+    # Under torchrun rank 0 raises inside main_first() while rank 1 waits at its barrier: the job
+    # must end (the agent stops rank 1), not hang until the collective timeout.
     proc = launch("digits_cnn.py", "--data", "mnist", "--data-dir", str(tmp_path))
     assert proc.returncode != 0
     assert "FileNotFoundError" in proc.stderr
@@ -110,7 +132,7 @@ def test_digits_missing_mnist_fails_with_a_clear_message(tmp_path, launch):
     assert "train-images-idx3-ubyte" in proc.stderr and "downloaded" in proc.stderr
 
 
-# --- toy_regression -----------------------------------------------------------------------------------------
+# --- toy_regression -------------------------------------------------------------------------------
 
 VAL_MSE = re.compile(r"^validation mse: (\d+\.\d{4}) \((\d+) samples\)$", re.M)
 TRAIN_MSE = r"train mse (\d+\.\d+)"
@@ -132,7 +154,8 @@ def test_toy_regression_one_process(toy_one_process):
 
 @pytest.mark.parametrize("launch", [_torchrun, _ddpkit_run], ids=["torchrun", "ddpkit-run"])
 def test_toy_regression_two_ranks_match_one_process(toy_one_process, launch):
-    # No BatchNorm here: 2 ranks x 16 must follow the 1 x 32 run exactly, up to float summation order.
+    # No BatchNorm here: 2 ranks x 16 must follow the 1 x 32 run exactly, up to float summation
+    # order.
     out = _ok(launch("toy_regression.py", "--epochs", TOY_EPOCHS, "--batch-size", "16"))
     mse, count = VAL_MSE.search(out).groups()
     assert int(count) == 2048 // 5
@@ -141,7 +164,7 @@ def test_toy_regression_two_ranks_match_one_process(toy_one_process, launch):
     assert _floats(TRAIN_MSE, out) == pytest.approx(_floats(TRAIN_MSE, toy_one_process), abs=2e-4)
 
 
-# --- digits_trainer -----------------------------------------------------------------------------------------
+# --- digits_trainer -------------------------------------------------------------------------------
 
 
 def test_digits_trainer_trains_snapshots_and_resumes(tmp_path):
@@ -152,33 +175,51 @@ def test_digits_trainer_trains_snapshots_and_resumes(tmp_path):
     assert (tmp_path / "run" / "config.json").exists() and list(
         (tmp_path / "run" / "snapshots").glob("*/complete.json")
     )
-    # Run again: it resumes from the last snapshot, has nothing left to train, and reports the same model.
+    # Run again: it resumes from the last snapshot, has nothing left to train, and reports the same
+    # model.
     again = _ok(_ddpkit_run("digits_trainer.py", "--run-dir", run_dir, "--epochs", "3"))
     assert "ddpkit: resumed from" in again and "epoch 3/3" not in again
     assert f"test accuracy: {accuracy:.4f}" in again
 
 
-# --- lm -----------------------------------------------------------------------------------------------------
+# --- lm -------------------------------------------------------------------------------------------
 
 VAL_LOSS = re.compile(r"^val/loss (\d+\.\d{4}) \(nats per character\) after (\d+) steps", re.M)
-# Tiny settings: one layer of width 32, 32 K characters, 2 epochs (32 steps); the untrained model is at
-# ln(96) = 4.56 nats per character.
-LM_TINY = ("--epochs", "2", "--max-chars", "32000", "--val-chars", "4000", "--layers", "1", "--width", "32")
+# Tiny settings: one layer of width 32, 32 K characters, 2 epochs (32 steps); the untrained model is
+# at ln(96) = 4.56 nats per character.
+LM_TINY = (
+    "--epochs",
+    "2",
+    "--max-chars",
+    "32000",
+    "--val-chars",
+    "4000",
+    "--layers",
+    "1",
+    "--width",
+    "32",
+)
 LM_TINY += ("--warmup", "4", "--val-every", "8")
 
 
 def test_lm_two_ranks_match_one_process_and_sample(tmp_path):
     one = _ok(_python("lm.py", "--run-dir", str(tmp_path / "one"), *LM_TINY, "--sample-chars", "0"))
-    two = _ok(_ddpkit_run("lm.py", "--run-dir", str(tmp_path / "two"), *LM_TINY, "--sample-chars", "40"))
-    (loss_one, steps_one), (loss_two, steps_two) = VAL_LOSS.search(one).groups(), VAL_LOSS.search(two).groups()
+    two = _ok(
+        _ddpkit_run("lm.py", "--run-dir", str(tmp_path / "two"), *LM_TINY, "--sample-chars", "40")
+    )
+    (loss_one, steps_one), (loss_two, steps_two) = (
+        VAL_LOSS.search(one).groups(),
+        VAL_LOSS.search(two).groups(),
+    )
     print(f"val/loss: 1 process {loss_one}, 2 ranks {loss_two}, after {steps_two} steps")
     assert steps_one == steps_two and float(loss_two) < 3.5
-    # Per-token losses and a fixed global batch: 2 ranks x 2 micro-batches train the one-process model.
+    # Per-token losses and a fixed global batch: 2 ranks x 2 micro-batches train the one-process
+    # model.
     assert float(loss_two) == pytest.approx(float(loss_one), abs=2e-4)
     assert two.count("sample:\ndef ") == 1  # rank 0 only, continuing the prompt
 
 
-# --- gan ----------------------------------------------------------------------------------------------------
+# --- gan ------------------------------------------------------------------------------------------
 
 GAN = re.compile(r"^samples near a mode: (\d\.\d{3}), modes covered: (\d)/8$", re.M)
 

@@ -1,9 +1,10 @@
 """Jobs on each device: the backend and device a rank gets, its collectives, placement under
-CUDA_VISIBLE_DEVICES, nccl's flight recorder on a hang, ``ddpkit env``, ``ddpkit check`` and ``ddpkit bench``.
+CUDA_VISIBLE_DEVICES, nccl's flight recorder on a hang, ``ddpkit env``, ``ddpkit check`` and
+``ddpkit bench``.
 
-Tests that take the device as a parameter run with gloo on CPU processes (``cpu``) and with nccl on the GPUs
-(``cuda``, marked ``gpu``): one rank per GPU, so one rank where there is one GPU (nccl refuses two ranks on
-one GPU). Tests that need two GPUs skip, saying so, where there are fewer.
+Tests that take the device as a parameter run with gloo on CPU processes (``cpu``) and with nccl on
+the GPUs (``cuda``, marked ``gpu``): one rank per GPU, so one rank where there is one GPU (nccl
+refuses two ranks on one GPU). Tests that need two GPUs skip, saying so, where there are fewer.
 """
 
 from __future__ import annotations
@@ -41,7 +42,17 @@ def test_a_job_gets_its_device_and_backend_and_exact_collectives_there(device, c
     n = nprocs(device)
     env = device_env(clean_env, device)
     out = run(
-        [*DDPKIT, "run", "--nproc", str(n), "--log-dir", str(tmp_path / "logs"), PROBE, "info", str(tmp_path)],
+        [
+            *DDPKIT,
+            "run",
+            "--nproc",
+            str(n),
+            "--log-dir",
+            str(tmp_path / "logs"),
+            PROBE,
+            "info",
+            str(tmp_path),
+        ],
         env,
         timeout=240,
         cwd=tmp_path,
@@ -52,7 +63,11 @@ def test_a_job_gets_its_device_and_backend_and_exact_collectives_there(device, c
     for r, seen in enumerate(ranks):
         where = "cpu" if device == "cpu" else f"cuda:{r}"
         assert seen["backend"] == ("gloo" if device == "cpu" else "nccl"), seen
-        assert seen["device"] == where and seen["all_reduce_device"] == where and seen["gathered_device"] == where
+        assert (
+            seen["device"] == where
+            and seen["all_reduce_device"] == where
+            and seen["gathered_device"] == where
+        )
         assert seen["current_device"] == (None if device == "cpu" else r)
         assert seen["all_reduce"] == [total] * 3 and seen["number"] == total
         assert seen["metrics"] == {"loss": 0.5 * total, "n": 2 * n}
@@ -61,15 +76,28 @@ def test_a_job_gets_its_device_and_backend_and_exact_collectives_there(device, c
     if device == "cuda":
         # One process per GPU, each on its own: no two ranks share a GPU.
         assert len({seen["uuid"] for seen in ranks}) == n
-        # Control: one process more than there are GPUs is refused before any rank trains, naming the fix.
+        # Control: one process more than there are GPUs is refused before any rank trains, naming
+        # the fix.
         out = run(
-            [*DDPKIT, "run", "--nproc", str(n + 1), "--log-dir", str(tmp_path / "logs"), PROBE, "info", str(tmp_path)],
+            [
+                *DDPKIT,
+                "run",
+                "--nproc",
+                str(n + 1),
+                "--log-dir",
+                str(tmp_path / "logs"),
+                PROBE,
+                "info",
+                str(tmp_path),
+            ],
             env,
             timeout=240,
             cwd=tmp_path,
         )
         assert out.returncode != 0
-        assert f"{n + 1} processes on this node but only {n} GPU(s) visible" in out.stderr, out.stderr[-3000:]
+        assert f"{n + 1} processes on this node but only {n} GPU(s) visible" in out.stderr, (
+            out.stderr[-3000:]
+        )
 
 
 @pytest.mark.gpu
@@ -79,10 +107,14 @@ def test_a_process_runs_on_the_gpu_cuda_visible_devices_names(clean_env):
     last = len(uuids) - 1
     env = device_env(clean_env, "cuda") | {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}  # nvidia-smi's order
     for visible in (str(last), uuids[last]):  # the last GPU by index, and by UUID
-        out = run([sys.executable, PROBE, "where"], env | {"CUDA_VISIBLE_DEVICES": visible}, timeout=120)
+        out = run(
+            [sys.executable, PROBE, "where"], env | {"CUDA_VISIBLE_DEVICES": visible}, timeout=120
+        )
         assert out.returncode == 0, out.stderr[-3000:]
         seen = json.loads(out.stdout.splitlines()[-1])
-        assert seen["device"] == "cuda:0" and seen["tensor"] == "cuda:0" and seen["sum"] == 64.0**3, seen
+        assert (
+            seen["device"] == "cuda:0" and seen["tensor"] == "cuda:0" and seen["sum"] == 64.0**3
+        ), seen
         assert _uuid(seen["uuid"]) == _uuid(uuids[last]), (visible, seen, uuids)
     # Control: an empty list hides every GPU, and the same script runs on the CPU.
     out = run([sys.executable, PROBE, "where"], env | {"CUDA_VISIBLE_DEVICES": ""}, timeout=120)
@@ -101,7 +133,17 @@ def test_rank_r_runs_on_the_rth_gpu_of_cuda_visible_devices(clean_env, tmp_path)
         "CUDA_VISIBLE_DEVICES": ",".join(map(str, order)),
     }
     out = run(
-        [*DDPKIT, "run", "--nproc", "2", "--log-dir", str(tmp_path / "logs"), PROBE, "info", str(tmp_path)],
+        [
+            *DDPKIT,
+            "run",
+            "--nproc",
+            "2",
+            "--log-dir",
+            str(tmp_path / "logs"),
+            PROBE,
+            "info",
+            str(tmp_path),
+        ],
         env,
         timeout=240,
         cwd=tmp_path,
@@ -116,9 +158,9 @@ def test_rank_r_runs_on_the_rth_gpu_of_cuda_visible_devices(clean_env, tmp_path)
 @requires_cuda
 @pytest.mark.timeout(300)
 def test_debug_collectives_writes_the_nccl_flight_record_of_a_hang(clean_env, tmp_path):
-    # One rank whose all-reduce waits behind a busy GPU: as stuck as one waiting for a peer, and possible on
-    # one GPU. The collective times out after 5 s; with --debug-collectives the flight recorder writes its
-    # record of the collectives to the run's folder, and the summary says where.
+    # One rank whose all-reduce waits behind a busy GPU: as stuck as one waiting for a peer, and
+    # possible on one GPU. The collective times out after 5 s; with --debug-collectives the flight
+    # recorder writes its record of the collectives to the run's folder, and the summary says where.
     env = device_env(clean_env, "cuda")
 
     def hang(*flags: str) -> tuple:
@@ -145,15 +187,22 @@ def test_debug_collectives_writes_the_nccl_flight_record_of_a_hang(clean_env, tm
 
     out, traces = hang("--debug-collectives")
     assert out.returncode != 0, "the hang ended without a failure"
-    # The watchdog reports the timeout; tearing the communicator down may wait for the spinning kernel, so the
-    # script can still print that its all-reduce finished before the process is ended.
+    # The watchdog reports the timeout; tearing the communicator down may wait for the spinning
+    # kernel, so the script can still print that its all-reduce finished before the process is
+    # ended.
     assert "queued the all-reduce" in out.stdout, out.stdout
     assert re.search(r"timeout|timed out", out.stderr, re.I), out.stderr[-4000:]
-    assert traces and all(t.name.startswith("nccl_trace_rank_0") for t in traces), (traces, out.stderr[-4000:])
+    assert traces and all(t.name.startswith("nccl_trace_rank_0") for t in traces), (
+        traces,
+        out.stderr[-4000:],
+    )
     record = max(traces, key=lambda t: t.stat().st_size)
     data = record.read_bytes()
-    assert b"all_reduce" in data, data[:2000]  # the record names the collective (pickled or JSON, as text)
-    assert "nccl flight recorder of rank 0" in out.stderr and str(record) in out.stderr, out.stderr[-3000:]
+    # the record names the collective (pickled or JSON, as text)
+    assert b"all_reduce" in data, data[:2000]
+    assert "nccl flight recorder of rank 0" in out.stderr and str(record) in out.stderr, out.stderr[
+        -3000:
+    ]
     print(f"\nflight record: {record} ({len(data)} bytes); exit code {out.returncode}")
     # Control: the same hang without the option also ends (the timeout), but writes no record there.
     out, traces = hang()
@@ -173,11 +222,17 @@ def test_ddpkit_env_reports_the_gpus_and_checks_each_backend(device, clean_env):
         assert "nccl all-reduce" not in text  # control: no GPU, no nccl check
         return
     n = min(GPUS, 2)
-    assert re.search(rf"^live check \({n} process{'es' if n > 1 else ''}, nccl all-reduce\) +ok in ", text, re.M), text
+    assert re.search(
+        rf"^live check \({n} process{'es' if n > 1 else ''}, nccl all-reduce\) +ok in ", text, re.M
+    ), text
     assert re.search(r"^cuda available +True$", text, re.M), text
-    names = run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], clean_env, timeout=60).stdout
+    names = run(
+        ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], clean_env, timeout=60
+    ).stdout
     gpus = next(line for line in text.splitlines() if line.startswith("gpus "))
-    assert names.splitlines()[0].strip() in gpus and "compute capability" in gpus and "GiB" in gpus, (gpus, names)
+    assert (
+        names.splitlines()[0].strip() in gpus and "compute capability" in gpus and "GiB" in gpus
+    ), (gpus, names)
     assert re.search(r"^nccl +\d+\.\d+\.\d+", text, re.M), text
 
 
@@ -185,14 +240,23 @@ def test_ddpkit_env_reports_the_gpus_and_checks_each_backend(device, clean_env):
 @requires_cuda
 @pytest.mark.timeout(400)
 def test_ddpkit_check_runs_on_a_gpu_machine_and_still_names_a_cause(clean_env):
-    # The check's ranks run over gloo on the CPU (any number fits one machine; nccl needs a GPU per rank), so
-    # a GPU machine must not change its verdicts: a correct script passes, and a mistake is named (control).
+    # The check's ranks run over gloo on the CPU (any number fits one machine; nccl needs a GPU per
+    # rank), so a GPU machine must not change its verdicts: a correct script passes, and a mistake
+    # is named (control).
     env = device_env(clean_env, "cuda")
-    out = run([*DDPKIT, "check", "--steps", "2", str(SCRIPTS / "check_correct.py")], env, timeout=300)
-    assert out.returncode == 0 and "OK: 2 ranks train the same model" in out.stdout, out.stdout + out.stderr[-2000:]
+    out = run(
+        [*DDPKIT, "check", "--steps", "2", str(SCRIPTS / "check_correct.py")], env, timeout=300
+    )
+    assert out.returncode == 0 and "OK: 2 ranks train the same model" in out.stdout, (
+        out.stdout + out.stderr[-2000:]
+    )
     assert "gloo" in out.stdout.splitlines()[0]
-    out = run([*DDPKIT, "check", "--steps", "2", str(SCRIPTS / "check_dropout.py")], env, timeout=300)
-    assert out.returncode == 1 and "cause: dropout drawing per rank" in out.stdout, out.stdout + out.stderr[-2000:]
+    out = run(
+        [*DDPKIT, "check", "--steps", "2", str(SCRIPTS / "check_dropout.py")], env, timeout=300
+    )
+    assert out.returncode == 1 and "cause: dropout drawing per rank" in out.stdout, (
+        out.stdout + out.stderr[-2000:]
+    )
 
 
 _BENCH_ONE_GPU = """
@@ -233,13 +297,17 @@ def test_bench_measures_ddp_one_gpu_and_data_parallel_on_cuda(clean_env, run_pyt
     assert 0 < parts["allreduce_span"] < parts["step"], parts
     single = dp["single_gpu"]
     assert single["gpus"] == 1 and single["step"] > 0 and single["samples"] == one["batch_size"]
-    assert dp["data_parallel"]["gpus"] == GPUS and dp["data_parallel"]["samples"] == GPUS * one["batch_size"]
-    # Control: a rank forked after is_available() cannot use CUDA; the bench's own ranks are spawned.
+    assert (
+        dp["data_parallel"]["gpus"] == GPUS
+        and dp["data_parallel"]["samples"] == GPUS * one["batch_size"]
+    )
+    # Control: a rank forked after is_available() cannot use CUDA; the bench's own ranks are
+    # spawned.
     assert "Cannot re-initialize CUDA in forked subprocess" in result["forked"], result["forked"]
     print(
         f"\nDDP on 1 GPU (nccl): step {parts['step'] * 1e3:.3f} ms, all-reduce span "
-        f"{parts['allreduce_span'] * 1e3:.3f} ms; one GPU without DDP: {single['step'] * 1e3:.3f} ms; "
-        f"DataParallel over {GPUS} GPU(s): {dp['data_parallel']['step'] * 1e3:.3f} ms"
+        f"{parts['allreduce_span'] * 1e3:.3f} ms; one GPU without DDP: {single['step'] * 1e3:.3f} "
+        f"ms; DataParallel over {GPUS} GPU(s): {dp['data_parallel']['step'] * 1e3:.3f} ms"
     )
 
 
@@ -324,4 +392,6 @@ def test_memory_and_snapshot_benches_report_cuda_figures(clean_env, tmp_path):
         timeout=300,
     )
     assert out.returncode == 0, out.stderr[-4000:]
-    assert "nccl" in out.stdout.splitlines()[1] and "stall / synchronous save" in out.stdout, out.stdout
+    assert "nccl" in out.stdout.splitlines()[1] and "stall / synchronous save" in out.stdout, (
+        out.stdout
+    )

@@ -1,8 +1,9 @@
-"""Training on each device: mixed precision killed and resumed bit for bit, a sample's random draws on the GPU,
-pinned batches and asynchronous copies, exact evaluation, and the sharding strategies with their memory.
+"""Training on each device: mixed precision killed and resumed bit for bit, a sample's random draws
+on the GPU, pinned batches and asynchronous copies, exact evaluation, and the sharding strategies
+with their memory.
 
-Tests that take the device as a parameter run with gloo on CPU processes (``cpu``) and with nccl on the GPUs
-(``cuda``, marked ``gpu``; one rank per GPU).
+Tests that take the device as a parameter run with gloo on CPU processes (``cpu``) and with nccl on
+the GPUs (``cuda``, marked ``gpu``; one rank per GPU).
 """
 
 from __future__ import annotations
@@ -74,27 +75,43 @@ def _train(tmp: Path, name: str, device: str, env: dict, *args: str) -> dict:
 def test_mixed_precision_killed_and_resumed_ends_bitwise_where_an_uninterrupted_run_does(
     device, precision, clean_env, tmp_path
 ):
-    # Dropout draws on the device (on a GPU, from the CUDA generator, whose state every snapshot holds), and
-    # every sample is perturbed by noise drawn on the device while loading (seeded from (seed, epoch, index)).
+    # Dropout draws on the device (on a GPU, from the CUDA generator, whose state every snapshot
+    # holds), and every sample is perturbed by noise drawn on the device while loading (seeded from
+    # (seed, epoch, index)).
     env = device_env(clean_env, device)
     reference = _train(tmp_path, "reference", device, env, "--precision", precision)
     killed = _train(tmp_path, "killed", device, env, "--precision", precision, "--kill-step", "7")
-    assert list((tmp_path / "killed-log").glob("killed-*")) and killed["attempt"] >= 1, "no kill, or no restart"
-    assert_each_sample_once(samples_per_epoch(tmp_path / "killed-log", resume_steps(tmp_path / "killed")), N_SAMPLES, 3)
+    assert list((tmp_path / "killed-log").glob("killed-*")) and killed["attempt"] >= 1, (
+        "no kill, or no restart"
+    )
+    assert_each_sample_once(
+        samples_per_epoch(tmp_path / "killed-log", resume_steps(tmp_path / "killed")), N_SAMPLES, 3
+    )
     if precision == "fp16":
         assert killed["scale"] == reference["scale"], (killed["scale"], reference["scale"])
     print(
-        f"\n{device} {precision}: killed at step 7, resumed from step {killed['resumed_from']}: max |dw| "
-        f"{max_abs_diff(killed, reference):.1e}"
+        f"\n{device} {precision}: killed at step 7, resumed from step {killed['resumed_from']}: "
+        f"max |dw| {max_abs_diff(killed, reference):.1e}"
     )
     assert bitwise_equal(killed, reference), f"max |dw| {max_abs_diff(killed, reference):.1e}"
     if device == "cuda" and precision == "bf16":
-        # Control: the same kill, resumed with everything but the CUDA generators' states, ends elsewhere (the
-        # dropout masks after the resume are not the uninterrupted run's).
+        # Control: the same kill, resumed with everything but the CUDA generators' states, ends
+        # elsewhere (the dropout masks after the resume are not the uninterrupted run's).
         control = _train(
-            tmp_path, "control", device, env, "--precision", precision, "--kill-step", "7", "--drop-cuda-rng"
+            tmp_path,
+            "control",
+            device,
+            env,
+            "--precision",
+            precision,
+            "--kill-step",
+            "7",
+            "--drop-cuda-rng",
         )
-        print(f"control, CUDA generators not restored: max |dw| {max_abs_diff(control, reference):.1e}")
+        print(
+            "control, CUDA generators not restored: max |dw| "
+            f"{max_abs_diff(control, reference):.1e}"
+        )
         assert control["attempt"] >= 1 and not bitwise_equal(control, reference)
 
 
@@ -146,17 +163,22 @@ print(json.dumps(out))
 
 
 @pytest.mark.parametrize("device", device_params(cpu_slow=True))
-def test_a_samples_draws_on_its_device_follow_the_sample_and_leave_the_training_stream(device, clean_env, run_python):
+def test_a_samples_draws_on_its_device_follow_the_sample_and_leave_the_training_stream(
+    device, clean_env, run_python
+):
     out = run_python(_SAMPLE_DRAWS, env=device_env(clean_env, device), timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.splitlines()[-1])
     seeded, plain = result["True"], result["False"]
     assert seeded == {"resumed_equal": True, "resumed": 4, "stream_moved": False}, seeded
-    # Control: drawn from the process's own stream, a resumed epoch draws other noise for the same samples,
-    # and loading moves the stream dropout draws from.
+    # Control: drawn from the process's own stream, a resumed epoch draws other noise for the same
+    # samples, and loading moves the stream dropout draws from.
     assert plain == {"resumed_equal": False, "resumed": 4, "stream_moved": True}, plain
-    if device == "cuda":  # the limit: such a dataset needs num_workers=0 (torch refuses CUDA in a forked worker)
-        assert "Cannot re-initialize CUDA in forked subprocess" in result["forked_workers"], result["forked_workers"]
+    # the limit: such a dataset needs num_workers=0 (torch refuses CUDA in a forked worker)
+    if device == "cuda":
+        assert "Cannot re-initialize CUDA in forked subprocess" in result["forked_workers"], result[
+            "forked_workers"
+        ]
 
 
 _PINNED = """
@@ -204,7 +226,9 @@ print(json.dumps(out))
 
 
 @pytest.mark.parametrize("device", device_params(cpu_slow=True))
-def test_the_loader_pins_batches_for_a_gpu_and_copies_them_without_waiting(device, clean_env, run_python):
+def test_the_loader_pins_batches_for_a_gpu_and_copies_them_without_waiting(
+    device, clean_env, run_python
+):
     out = run_python(_PINNED, env=device_env(clean_env, device), timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.splitlines()[-1])
@@ -215,14 +239,15 @@ def test_the_loader_pins_batches_for_a_gpu_and_copies_them_without_waiting(devic
         return
     copy_s, spin_s = result["copy_s"], result["spin_s"]
     assert all(result[f"equal_{k}"] and result[f"device_{k}"] == "cuda:0" for k in copy_s), result
-    # Pinned, non-blocking (build_loader's batches, to_device's default): queued, the host goes on at once.
+    # Pinned, non-blocking (build_loader's batches, to_device's default): queued, the host goes on
+    # at once.
     assert copy_s["pinned"] < 0.2 * spin_s, result
     # Control: a blocking copy waits for the busy GPU.
     assert copy_s["blocking"] > 0.5 * spin_s, result
     print(
         f"\nGPU busy {spin_s * 1e3:.0f} ms; host time of the copy: pinned non-blocking "
-        f"{copy_s['pinned'] * 1e3:.2f} ms, pageable non-blocking {copy_s['pageable'] * 1e3:.1f} ms, blocking "
-        f"{copy_s['blocking'] * 1e3:.1f} ms"
+        f"{copy_s['pinned'] * 1e3:.2f} ms, pageable non-blocking {copy_s['pageable'] * 1e3:.1f} "
+        f"ms, blocking {copy_s['blocking'] * 1e3:.1f} ms"
     )
 
 
@@ -278,20 +303,27 @@ print(json.dumps({"fp32": fp32, "bf16": bf16, "loss": loss, "accuracy": accuracy
 
 @pytest.mark.parametrize("device", device_params(cpu_slow=True))
 @pytest.mark.timeout(300)
-def test_evaluate_on_the_device_counts_every_sample_once_and_runs_autocast(device, clean_env, run_python):
+def test_evaluate_on_the_device_counts_every_sample_once_and_runs_autocast(
+    device, clean_env, run_python
+):
     n = nprocs(device)
-    out = run_python(_EVALUATE.replace("int(sys.argv[1])", str(n)), env=device_env(clean_env, device), timeout=240)
+    out = run_python(
+        _EVALUATE.replace("int(sys.argv[1])", str(n)),
+        env=device_env(clean_env, device),
+        timeout=240,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.splitlines()[-1])
     for rank, metrics in enumerate(result["fp32"]):
         assert metrics["device"] == ("cpu" if device == "cpu" else f"cuda:{rank}")
         assert metrics["backend"] == ("gloo" if device == "cpu" else "nccl")
         assert metrics["loss"] == pytest.approx(result["loss"], rel=1e-5), (metrics, result["loss"])
-        # A near tie between two logits may fall the other way in float32 than in float64: one sample's worth.
+        # A near tie between two logits may fall the other way in float32 than in float64: one
+        # sample's worth.
         assert metrics["accuracy"] == pytest.approx(result["accuracy"], abs=1.5 / 1001)
         assert metrics["in_bf16"] == 0.0
-    # With the Trainer's autocast every forward of the evaluation runs in bfloat16 (control: without it, none
-    # did), and the loss stays within bfloat16's rounding of the exact one.
+    # With the Trainer's autocast every forward of the evaluation runs in bfloat16 (control: without
+    # it, none did), and the loss stays within bfloat16's rounding of the exact one.
     for metrics in result["bf16"]:
         assert metrics["in_bf16"] == 1.0, metrics
         assert metrics["loss"] == pytest.approx(result["loss"], rel=1e-2)
@@ -372,7 +404,9 @@ print(json.dumps(ddpkit.spawn(rank_job, int(sys.argv[1]))))
 
 @pytest.mark.parametrize("device", device_params(cpu_slow=True))
 @pytest.mark.timeout(300)
-def test_zero_and_fsdp_train_what_ddp_trains_with_a_share_of_its_memory(device, clean_env, run_python):
+def test_zero_and_fsdp_train_what_ddp_trains_with_a_share_of_its_memory(
+    device, clean_env, run_python
+):
     n = nprocs(device)
     code = _STRATEGIES.replace("int(sys.argv[1])", str(n))
     out = run_python(code, env=device_env(clean_env, device), timeout=300)
@@ -383,7 +417,8 @@ def test_zero_and_fsdp_train_what_ddp_trains_with_a_share_of_its_memory(device, 
         assert seen["backend"] == ("gloo" if device == "cpu" else "nccl")
         vs_ddp, sizes = seen["vs_ddp"], seen["sizes"]
         assert vs_ddp["zero"] < 1e-5 and vs_ddp["fsdp"] < 1e-5, vs_ddp
-        # Control: bf16 parameters (fsdp's mixed precision) train measurably elsewhere: the comparison can fail.
+        # Control: bf16 parameters (fsdp's mixed precision) train measurably elsewhere: the
+        # comparison can fail.
         assert vs_ddp["fsdp_bf16"] > 1e-4, vs_ddp
         ddp = sizes["ddp"]
         if n > 1:  # the shares: zero keeps 1/N of the optimizer state, fsdp 1/N of all three
@@ -393,9 +428,10 @@ def test_zero_and_fsdp_train_what_ddp_trains_with_a_share_of_its_memory(device, 
         if device == "cuda":
             for name in ("ddp", "zero", "fsdp"):
                 r = sizes[name]
-                # Lower bounds: parameters and their gradients are on the GPU once backward is done, and
-                # parameters and optimizer state while the optimizer steps. (Whether gradients and optimizer
-                # state peak together is the allocator's business: fsdp at one rank measured below their sum.)
+                # Lower bounds: parameters and their gradients are on the GPU once backward is done,
+                # and parameters and optimizer state while the optimizer steps. (Whether gradients
+                # and optimizer state peak together is the allocator's business: fsdp at one rank
+                # measured below their sum.)
                 assert r["after_backward_cuda"] >= r["params"] + r["grads"], (name, r)
                 assert r["peak_cuda"] >= r["params"] + r["optimizer"], (name, r)
             print(

@@ -1,11 +1,12 @@
-"""Nothing a job writes leaves its folder: for every path a job of each kind writes (found by running it once),
-a symbolic link to a file outside is planted there; a hard link to a file outside holding what the job wrote
-there (a folder copied with ``cp -al``); and, as root, a file or folder of another user. The job is run again,
-and the file outside (and the other user's) must be byte-identical, and any refusal one line that names the
-path and why.
+"""Nothing a job writes leaves its folder: for every path a job of each kind writes (found by
+running it once), a symbolic link to a file outside is planted there; a hard link to a file outside
+holding what the job wrote there (a folder copied with ``cp -al``); and, as root, a file or folder
+of another user. The job is run again, and the file outside (and the other user's) must be
+byte-identical, and any refusal one line that names the path and why.
 
-Kinds: a Trainer run (snapshots, weights, best.pt, records, curves), a search (its lock, journal, trials.csv
-and plots), a JSON Lines stream (its line index beside the data), a batch script, and the bench's outputs.
+Kinds: a Trainer run (snapshots, weights, best.pt, records, curves), a search (its lock, journal,
+trials.csv and plots), a JSON Lines stream (its line index beside the data), a batch script, and the
+bench's outputs.
 """
 
 from __future__ import annotations
@@ -28,27 +29,33 @@ NOBODY = 65534
 KINDS = [
     "link",
     "hard link",
-    pytest.param("other user", marks=pytest.mark.skipif(os.geteuid() != 0, reason="chown needs root")),
+    pytest.param(
+        "other user", marks=pytest.mark.skipif(os.geteuid() != 0, reason="chown needs root")
+    ),
 ]
 
 
 class Outside:
-    """A file and a folder outside the job's folder that planted links point to, and what they held."""
+    """A file and a folder outside the job's folder that planted links point to, and what they
+    held."""
 
     def __init__(self, tmp_path: Path) -> None:
         self.folder = tmp_path / "elsewhere"
         self.folder.mkdir()
         self.file = self.folder / "victim.txt"
         self.file.write_bytes(VICTIM)
-        self.kept = tmp_path / "kept"  # hard links to the other user's planted files: their bytes, whatever
+        # hard links to the other user's planted files: their bytes, whatever
+        self.kept = tmp_path / "kept"
         self.kept.mkdir()  # the job does with their names
-        self.originals = tmp_path / "originals"  # the other names of planted hard links, and their bytes
+        # the other names of planted hard links, and their bytes
+        self.originals = tmp_path / "originals"
         self.originals.mkdir()
         self.held: dict[Path, bytes] = {}
 
     def plant(self, path: Path, kind: str, is_dir: bool, written: Path | None = None) -> bool:
-        """Plant ``kind`` at ``path``; False where it cannot be (a hard link to a folder). A hard link's other
-        name holds the bytes ``written`` (what the clean run wrote there), as in a copy made with ``cp -al``."""
+        """Plant ``kind`` at ``path``; False where it cannot be (a hard link to a folder). A hard
+        link's other name holds the bytes ``written`` (what the clean run wrote there), as in a copy
+        made with ``cp -al``."""
         path.parent.mkdir(parents=True, exist_ok=True)
         if kind == "link":
             path.symlink_to(self.folder if is_dir else self.file, target_is_directory=is_dir)
@@ -81,7 +88,9 @@ class Outside:
             message = str(error)
             assert isinstance(error, (ConfigError, SnapshotWriteError)), f"{name}: {error!r}"
             assert "\n" not in message.strip(), f"{name}: {message}"
-            assert Path(name).name in message or Path(name).parts[0] in message, f"{name}: {message}"
+            assert Path(name).name in message or Path(name).parts[0] in message, (
+                f"{name}: {message}"
+            )
             why = ("symbolic link", "other hard link", f"belongs to nobody (uid {NOBODY})")
             assert any(w in message for w in why), message
 
@@ -97,10 +106,14 @@ def written(root: Path) -> dict[str, bool]:
 
 
 def each_path_planted(
-    tmp_path: Path, kind: str, job: Callable[[Path], None], expected: set[str], inputs: tuple[str, ...] = ()
+    tmp_path: Path,
+    kind: str,
+    job: Callable[[Path], None],
+    expected: set[str],
+    inputs: tuple[str, ...] = (),
 ) -> list[str]:
-    """Run ``job`` in a clean folder, then once per path it wrote (but its ``inputs``) with that path
-    planted; the outcomes."""
+    """Run ``job`` in a clean folder, then once per path it wrote (but its ``inputs``) with that
+    path planted; the outcomes."""
     outside = Outside(tmp_path)
     clean = tmp_path / "clean"
     job(clean)
@@ -123,14 +136,15 @@ def each_path_planted(
     return outcomes
 
 
-# -- a Trainer run ----------------------------------------------------------------------------------------
+# -- a Trainer run ---------------------------------------------------------------------------------
 
 
 def _trainer_run(run_dir: Path) -> None:
     from ddpkit.tracking._curves import plot
     from tests.jobs.scripts.train_job import train
 
-    # One epoch of two steps with validation: snapshots, best.pt, weights files, records; then its curves.
+    # One epoch of two steps with validation: snapshots, best.pt, weights files, records; then its
+    # curves.
     train(str(run_dir), n_samples=48, epochs=1, early_stopping_patience=5, log_every_steps=1)
     plot(run_dir)
 
@@ -154,14 +168,15 @@ def test_a_trainer_run_writes_nothing_outside_its_run_dir(tmp_path, kind):
             "snapshots/step-00000002/__0_0.distcp",
         },
     )
-    if kind == "hard link":  # a copied run goes on: each file a copy of its own first, the other name whole
+    # a copied run goes on: each file a copy of its own first, the other name whole
+    if kind == "hard link":
         beside = {f"{name}: written beside it" for name in (".lock", "metrics.jsonl", "epochs.csv")}
         assert beside <= set(outcomes), outcomes
     else:
         assert "metrics.jsonl: refused" in outcomes and ".lock: refused" in outcomes, outcomes
 
 
-# -- a search ---------------------------------------------------------------------------------------------
+# -- a search --------------------------------------------------------------------------------------
 
 
 def _search(search_dir: Path) -> None:
@@ -169,13 +184,18 @@ def _search(search_dir: Path) -> None:
     from ddpkit.search import SearchConfig, search, uniform
 
     ddpkit.init()
-    search(lambda c: c.params["x"], {"x": uniform(0.0, 1.0)}, SearchConfig(n_trials=2, search_dir=str(search_dir)))
+    search(
+        lambda c: c.params["x"],
+        {"x": uniform(0.0, 1.0)},
+        SearchConfig(n_trials=2, search_dir=str(search_dir)),
+    )
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_search_writes_nothing_outside_its_search_dir(tmp_path, kind):
-    # The paths of the reproduction among them: .lock (was truncated and overwritten with the holder),
-    # trials.csv (its fixed temporary .trials.csv.tmp) and history.png (matplotlib followed the link).
+    # The paths of the reproduction among them: .lock (was truncated and overwritten with the
+    # holder), trials.csv (its fixed temporary .trials.csv.tmp) and history.png (matplotlib followed
+    # the link).
     expected = {".lock", ".ask.lock", "study.journal", "search_id", "trials.csv", "history.png"}
     outcomes = each_path_planted(tmp_path, kind, _search, expected)
     outcome = "written beside it" if kind == "hard link" else "refused"
@@ -195,10 +215,12 @@ def test_the_links_of_the_reproduction_leave_the_victim_whole(tmp_path, name):
     outside.check(name, error)
     assert (error is None) == (name in (".trials.csv.tmp", "history.png")), error
     if error is None:  # written beside the link: the files are the search's own
-        assert not (search_dir / "history.png").is_symlink() and (search_dir / "trials.csv").is_file()
+        assert (
+            not (search_dir / "history.png").is_symlink() and (search_dir / "trials.csv").is_file()
+        )
 
 
-# -- a JSON Lines stream and its line index ---------------------------------------------------------------
+# -- a JSON Lines stream and its line index --------------------------------------------------------
 
 
 def _records(folder: Path, n: int = 64) -> Path:
@@ -227,8 +249,8 @@ def test_a_stream_writes_nothing_outside_its_data_folder(tmp_path, kind):
 
 
 def _poisoned_index(path: Path) -> Path:
-    """A line index beside ``path`` whose header matches the file (its checksum too), every line pointing at
-    record 0."""
+    """A line index beside ``path`` whose header matches the file (its checksum too), every line
+    pointing at record 0."""
     from ddpkit.data import _line_cache as line_cache
     from ddpkit.data._stream_sources import content_digest, index_header
 
@@ -250,14 +272,22 @@ def test_a_planted_line_index_is_not_used_and_the_records_are_right(tmp_path, ca
     cached = _poisoned_index(path)
     if owner == "other user":
         os.chown(cached, NOBODY, NOBODY)
-    # Control: the index as planted is what the old code used (its header matches): every record is record 0.
+    # Control: the index as planted is what the old code used (its header matches): every record is
+    # record 0.
     table = np.fromfile(cached, np.int64).reshape(-1, 2)
     assert table[0, 1] == path.stat().st_size and not np.array_equal(table[2:], _scan_lines(path))
     stream = JsonlStream(path)
     assert [r["id"] for r in stream.read(0, np.arange(64))] == list(range(64))
     err = capfd.readouterr().err
-    why = "holds offsets that cannot be those of the file's lines" if owner == "this user" else "nobody (uid"
-    assert f"ddpkit: the line index beside the data in {tmp_path / 'data'} is not used ({cached.name}" in err
+    why = (
+        "holds offsets that cannot be those of the file's lines"
+        if owner == "this user"
+        else "nobody (uid"
+    )
+    assert (
+        f"ddpkit: the line index beside the data in {tmp_path / 'data'} is not used ({cached.name}"
+        in err
+    )
     assert why in err and err.count("\n") == 1, err
     JsonlStream(path)
     assert "is not used" not in capfd.readouterr().err  # said once
@@ -309,7 +339,7 @@ def test_a_line_index_that_cannot_be_the_files_is_rebuilt(tmp_path, table):
     assert line_index(path).tolist() == [[0, 9], [10, 19]]
 
 
-# -- a batch script, the bench's outputs ------------------------------------------------------------------
+# -- a batch script, the bench's outputs -----------------------------------------------------------
 
 
 def _batch_script(folder: Path) -> None:
@@ -333,7 +363,10 @@ def _bench_outputs(folder: Path) -> None:
     result = {
         "workload": "tiny",
         "conditions": {"device": "cpu", "backend": "gloo"},
-        "scaling": {1: {"batch_size": 32, "parts": {"step": 0.5}}, 2: {"batch_size": 32, "parts": {"step": 0.6}}},
+        "scaling": {
+            1: {"batch_size": 32, "parts": {"step": 0.5}},
+            2: {"batch_size": 32, "parts": {"step": 0.6}},
+        },
         "predictions": {
             "larger": {"ib": {"rows": [row, {"world_size": 4, "samples_per_s": 90.0}]}},
             "chosen": "ib",
@@ -350,8 +383,8 @@ def test_the_bench_writes_its_json_and_plot_only_inside_its_out_folder(tmp_path,
 
 
 def test_a_line_index_cut_to_its_header_is_rebuilt_not_read_as_no_records(tmp_path, capfd):
-    # Consistent as far as offsets go (no lines at all), with the data file's size and time in its header: only
-    # the checksum of the offsets tells it from the truth.
+    # Consistent as far as offsets go (no lines at all), with the data file's size and time in its
+    # header: only the checksum of the offsets tells it from the truth.
     from ddpkit.data import _line_cache as line_cache
     from ddpkit.data._stream_sources import JsonlStream
 
@@ -360,21 +393,26 @@ def test_a_line_index_cut_to_its_header_is_rebuilt_not_read_as_no_records(tmp_pa
     JsonlStream(path)  # builds and keeps the index
     cached = path.with_name(f".{path.name}.lines")
     cached.write_bytes(cached.read_bytes()[:32])
-    assert line_cache.consistent(np.zeros((0, 2), np.int64), path.stat().st_size)  # control: no check but the sum
+    # control: no check but the sum
+    assert line_cache.consistent(np.zeros((0, 2), np.int64), path.stat().st_size)
     stream = JsonlStream(path)
     assert [r["id"] for r in stream.read(0, np.arange(64))] == list(range(64))
     assert "holds offsets that cannot be those of the file's lines" in capfd.readouterr().err
 
 
-# -- a run directory copied with cp -al -------------------------------------------------------------------
+# -- a run directory copied with cp -al ------------------------------------------------------------
 
 
 def _tree(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
 
 
 @pytest.mark.parametrize("check", ["on", "off"])
-def test_training_in_a_copy_made_with_cp_al_leaves_the_original_run_byte_identical(tmp_path, check, monkeypatch):
+def test_training_in_a_copy_made_with_cp_al_leaves_the_original_run_byte_identical(
+    tmp_path, check, monkeypatch
+):
     from ddpkit._fs import safe
     from tests.jobs.scripts.train_job import train
 
@@ -383,7 +421,8 @@ def test_training_in_a_copy_made_with_cp_al_leaves_the_original_run_byte_identic
     subprocess.run(["cp", "-al", str(original), str(copy)], check=True)
     before = _tree(original)
     assert os.stat(copy / "metrics.jsonl").st_nlink == 2  # every file of the copy is a second name
-    if check == "off":  # control: the check switched off, the copy's records are written into the original's
+    # control: the check switched off, the copy's records are written into the original's
+    if check == "off":
         monkeypatch.setattr(safe, "other_names", lambda st: False)
     result = train(str(copy), n_samples=48, epochs=2)
     assert result["resumed_from"] is not None  # the copy went on from the original's snapshot
@@ -395,16 +434,19 @@ def test_training_in_a_copy_made_with_cp_al_leaves_the_original_run_byte_identic
     assert changed == [] and after.keys() == before.keys(), changed
     # The copy's records go on from the original's: the same bytes first, then epoch 2's.
     for name in ("metrics.jsonl", "epochs.csv"):
-        assert (copy / name).read_bytes().startswith(before[name]) and len((copy / name).read_bytes()) > len(
-            before[name]
-        )
+        assert (copy / name).read_bytes().startswith(before[name]) and len(
+            (copy / name).read_bytes()
+        ) > len(before[name])
         assert os.stat(copy / name).st_nlink == 1 and os.stat(original / name).st_nlink == 1
     assert len((copy / "epochs.csv").read_text().splitlines()) == 3  # the header and two epochs
-    assert os.stat(copy / ".lock").st_nlink == 1 and os.stat(original / ".lock").st_nlink == 1  # each its own
+    # each its own
+    assert os.stat(copy / ".lock").st_nlink == 1 and os.stat(original / ".lock").st_nlink == 1
 
 
 @pytest.mark.parametrize("check", ["on", "off"])
-def test_mlflow_in_a_copy_made_with_cp_al_leaves_the_originals_store_byte_identical(tmp_path, check, monkeypatch):
+def test_mlflow_in_a_copy_made_with_cp_al_leaves_the_originals_store_byte_identical(
+    tmp_path, check, monkeypatch
+):
     # SQLite opens mlflow.db in place by its name: the copy's logger gets a store of its own first.
     pytest.importorskip("mlflow")
     from ddpkit._fs import safe
@@ -418,8 +460,11 @@ def test_mlflow_in_a_copy_made_with_cp_al_leaves_the_originals_store_byte_identi
     before = _tree(original)
     if check == "off":  # control: SQLite writes the copy's run into the original's store
         monkeypatch.setattr(safe, "other_names", lambda st: False)
-    logger = MLflowLogger(copy, {"lr": 0.1})  # resumes the run named in loggers.json, in the copy's store
+    # resumes the run named in loggers.json, in the copy's store
+    logger = MLflowLogger(copy, {"lr": 0.1})
     logger.log(1, {"loss": 0.5})
     logger.close()
-    changed = (_tree(original)["mlflow.db"] != before["mlflow.db"]) or os.stat(original / "mlflow.db").st_nlink > 1
+    changed = (_tree(original)["mlflow.db"] != before["mlflow.db"]) or os.stat(
+        original / "mlflow.db"
+    ).st_nlink > 1
     assert changed == (check == "off")

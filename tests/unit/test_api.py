@@ -20,7 +20,9 @@ PUBLIC = {
 
 
 def test_the_public_names_are_the_frozen_list():
-    assert set(ddpkit.__all__) == PUBLIC, "a public name was added or removed: update PUBLIC and the README"
+    assert set(ddpkit.__all__) == PUBLIC, (
+        "a public name was added or removed: update PUBLIC and the README"
+    )
     assert len(ddpkit.__all__) == len(PUBLIC)
     for name in PUBLIC:
         assert getattr(ddpkit, name) is not None
@@ -31,13 +33,15 @@ def test_the_public_names_are_the_frozen_list():
 
 
 def _is_module(package: Path, dotted: str) -> bool:
-    """Whether ``ddpkit.x._y`` is a module or package of ddpkit (a private module is imported by name)."""
+    """Whether ``ddpkit.x._y`` is a module or package of ddpkit (a private module is imported by
+    name)."""
     path = package.parent.joinpath(*dotted.split("."))
     return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
 
 
 def private_name_imports(package: Path) -> list[str]:
-    """``from ddpkit.x import _name`` where ``_name`` is not a module: a private name taken from another module."""
+    """``from ddpkit.x import _name`` where ``_name`` is not a module: a private name taken from
+    another module."""
     offenders = []
     for path in sorted(package.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -57,7 +61,8 @@ def test_no_module_imports_another_modules_private_names():
 
 
 def test_a_private_function_imported_is_flagged_and_a_private_module_is_not(tmp_path):
-    """Control: ``from ddpkit.a import _helper`` is caught, ``from ddpkit import _a`` (a module) is not."""
+    """Control: ``from ddpkit.a import _helper`` is caught, ``from ddpkit import _a`` (a module) is
+    not."""
     package = tmp_path / "ddpkit"
     package.mkdir()
     (package / "__init__.py").write_text("")
@@ -67,7 +72,8 @@ def test_a_private_function_imported_is_flagged_and_a_private_module_is_not(tmp_
 
 
 def public_modules(package: Path) -> list[str]:
-    """Every module a user may import: no part of its path starts with an underscore (``__init__`` aside)."""
+    """Every module a user may import: no part of its path starts with an underscore (``__init__``
+    aside)."""
     out = []
     for path in sorted(package.rglob("*.py")):
         parts = path.relative_to(package.parent).with_suffix("").parts
@@ -77,14 +83,19 @@ def public_modules(package: Path) -> list[str]:
 
 
 def undeclared(package: Path) -> list[str]:
-    """Public modules without an ``__all__`` (what a user may import from them is then not declared)."""
+    """Public modules without an ``__all__`` (what a user may import from them is then not
+    declared)."""
     missing = []
     for name in public_modules(package):
         path = package.parent.joinpath(*name.split("."))
         source = (path / "__init__.py") if path.is_dir() else path.with_suffix(".py")
         tree = ast.parse(source.read_text())
         assigned = {
-            t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets if isinstance(t, ast.Name)
+            t.id
+            for node in tree.body
+            if isinstance(node, ast.Assign)
+            for t in node.targets
+            if isinstance(t, ast.Name)
         }
         if "__all__" not in assigned:
             missing.append(name)
@@ -101,11 +112,14 @@ def test_every_public_module_declares_its_names_and_they_import():
             continue
         module = importlib.import_module(name)
         assert [n for n in module.__all__ if not hasattr(module, n)] == [], name
-    assert sum(len(importlib.import_module(n).__all__) for n in public if n != "ddpkit.search") <= 200
+    assert (
+        sum(len(importlib.import_module(n).__all__) for n in public if n != "ddpkit.search") <= 200
+    )
 
 
 def test_a_public_module_without_all_is_flagged(tmp_path):
-    """Control: a public module without ``__all__`` is reported; a private one, and one with it, are not."""
+    """Control: a public module without ``__all__`` is reported; a private one, and one with it, are
+    not."""
     package = tmp_path / "ddpkit"
     (package / "data").mkdir(parents=True)
     (package / "__init__.py").write_text("__all__ = []\n")

@@ -1,6 +1,7 @@
-"""Files ddpkit reads that lie, each refused with a message naming the file: a snapshot marker naming files outside
-its folder or that are not regular files, a DCP index whose chunks do not cover its tensors, a memory slot whose
-tensor bytes changed or whose manifest places a tensor past its data region, a search journal edited by hand."""
+"""Files ddpkit reads that lie, each refused with a message naming the file: a snapshot marker
+naming files outside its folder or that are not regular files, a DCP index whose chunks do not cover
+its tensors, a memory slot whose tensor bytes changed or whose manifest places a tensor past its
+data region, a search journal edited by hand."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from tests.unit.snapshot.test_checkpoint import load, reseal, save
 from tests.unit.snapshot.test_memory_snapshots import save as save_slot
 from tests.unit.snapshot.test_memory_snapshots import store
 
-# -- the snapshot marker ----------------------------------------------------------------------------------
+# -- the snapshot marker ---------------------------------------------------------------------------
 
 
 def _point_marker_at(folder, name: str, size: int = 0) -> None:
@@ -42,7 +43,11 @@ def test_a_marker_naming_a_file_outside_its_folder_is_refused_by_name(tmp_path, 
     _point_marker_at(tmp_path / "step-00000006", name)
     warnings: list[str] = []
     assert ckpt.latest(warn=warnings.append).step == 3
-    assert len(warnings) == 1 and "step-00000006" in warnings[0] and "not a file of the folder" in warnings[0]
+    assert (
+        len(warnings) == 1
+        and "step-00000006" in warnings[0]
+        and "not a file of the folder" in warnings[0]
+    )
     assert repr(name) in warnings[0]
 
 
@@ -56,7 +61,8 @@ def test_a_marker_listing_a_link_a_device_a_fifo_or_a_folder_is_refused_by_name(
     if kind == "link-to-device":
         (folder / "extra.bin").symlink_to("/dev/zero")
     elif kind == "link-inside":
-        (folder / "extra.bin").symlink_to(folder / "values.pt")  # even a link to a file of the folder
+        # even a link to a file of the folder
+        (folder / "extra.bin").symlink_to(folder / "values.pt")
     elif kind == "fifo":
         os.mkfifo(folder / "extra.bin")
     else:
@@ -87,12 +93,15 @@ def test_an_index_not_listed_in_the_marker_is_refused(tmp_path):
     del marker["files"][INDEX]
     (folder / MARKER).write_text(json.dumps(marker))
     (folder / INDEX).unlink()
-    (folder / INDEX).symlink_to("/dev/zero")  # never read: it is not one of the files the marker vouches for
-    with pytest.raises(ConfigError, match=f"{INDEX} is not an index ddpkit wrote .{MARKER} does not list it"):
+    # never read: it is not one of the files the marker vouches for
+    (folder / INDEX).symlink_to("/dev/zero")
+    with pytest.raises(
+        ConfigError, match=f"{INDEX} is not an index ddpkit wrote .{MARKER} does not list it"
+    ):
         load(ckpt)
 
 
-# -- the DCP index ----------------------------------------------------------------------------------------
+# -- the DCP index ---------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -119,7 +128,9 @@ def test_an_index_whose_chunks_do_not_cover_each_tensor_exactly_is_refused_namin
     index["tensors"]["model.w"]["chunks"] = chunks
     (folder / INDEX).write_text(json.dumps(index))
     reseal(folder)
-    with pytest.raises(ConfigError, match=f"{folder / INDEX} is not an index ddpkit wrote .tensor 'model.w'") as info:
+    with pytest.raises(
+        ConfigError, match=f"{folder / INDEX} is not an index ddpkit wrote .tensor 'model.w'"
+    ) as info:
         load(ckpt)
     assert any(part in str(info.value) for part in refusal.split("|")), str(info.value)
 
@@ -132,11 +143,13 @@ def test_a_chunk_that_no_data_file_holds_is_refused(tmp_path):
     index["storage"] = [e for e in index["storage"] if e["fqn"] != "model.w"]
     (folder / INDEX).write_text(json.dumps(index))
     reseal(folder)
-    with pytest.raises(ConfigError, match="tensor 'model.w' has a chunk at .0. that no data file holds"):
+    with pytest.raises(
+        ConfigError, match="tensor 'model.w' has a chunk at .0. that no data file holds"
+    ):
         load(ckpt)
 
 
-# -- memory slots -----------------------------------------------------------------------------------------
+# -- memory slots ----------------------------------------------------------------------------------
 
 
 def _newest(st: ms.MemoryStore) -> ms.Found:
@@ -151,29 +164,44 @@ def test_a_slot_whose_tensor_bytes_changed_is_refused_naming_it(tmp_path):
     raw = bytearray(newest.path.read_bytes())
     record = mslot.Record.unpack(bytes(raw[: mslot.HEADER]))
     assert record is not None
-    raw[record.data[0] : record.data[0] + 4] = struct.pack("<f", 999.9)  # one weight, as a stray write would
+    # one weight, as a stray write would
+    raw[record.data[0] : record.data[0] + 4] = struct.pack("<f", 999.9)
     newest.path.write_bytes(bytes(raw))
-    # The record, manifest and values still check: the slot is found, and refused when its tensors are read.
+    # The record, manifest and values still check: the slot is found, and refused when its tensors
+    # are read.
     assert sorted(f.step for f in st.found()) == [1, 2]
-    with pytest.raises(mslot.BadSlot, match=f"{newest.path}: its tensors' bytes fail their checksum"):
+    with pytest.raises(
+        mslot.BadSlot, match=f"{newest.path}: its tensors' bytes fail their checksum"
+    ):
         mslot.read_slot(newest.path, data=True)
     older = min(st.found(), key=lambda f: f.step)
-    got = mslot.read_slot(older.path, data=True)  # control: the slot before is whole, and loads as saved
-    assert got is not None and torch.equal(mslot.tensors_of(got[3], got[0], got[1])[0], torch.full((16,), -0.098))
+    # control: the slot before is whole, and loads as saved
+    got = mslot.read_slot(older.path, data=True)
+    assert got is not None and torch.equal(
+        mslot.tensors_of(got[3], got[0], got[1])[0], torch.full((16,), -0.098)
+    )
 
 
 @pytest.mark.parametrize(
     "lie, refusal",
     [
-        (lambda m, size: m["specs"][0].__setitem__(2, size + 64), "lies past the end of the data region"),
-        (lambda m, size: m["specs"][0].__setitem__(1, [2, 8, 1000]), "lies past the end of the data region"),
+        (
+            lambda m, size: m["specs"][0].__setitem__(2, size + 64),
+            "lies past the end of the data region",
+        ),
+        (
+            lambda m, size: m["specs"][0].__setitem__(1, [2, 8, 1000]),
+            "lies past the end of the data region",
+        ),
         (lambda m, size: m["specs"][0].__setitem__(0, "torch.object"), "unknown dtype"),
         (lambda m, size: m["specs"][0].__setitem__(2, 3), "not an aligned position"),
         (lambda m, size: m.__setitem__("data_size", size * 2), "data size is not its record's"),
     ],
     ids=["offset", "shape", "dtype", "misaligned", "data-size"],
 )
-def test_a_manifest_that_lies_with_a_valid_crc_is_refused_before_any_tensor_is_viewed(tmp_path, lie, refusal):
+def test_a_manifest_that_lies_with_a_valid_crc_is_refused_before_any_tensor_is_viewed(
+    tmp_path, lie, refusal
+):
     st = store(tmp_path)
     save_slot(st, 1, [torch.ones(2, 8), torch.zeros(3)])
     (found,) = st.found()
@@ -185,14 +213,16 @@ def test_a_manifest_that_lies_with_a_valid_crc_is_refused_before_any_tensor_is_v
     lie(manifest, record.data[1])
     text = json.dumps(manifest).encode()
     raw[off : off + len(text)] = text
-    lied = mslot.Record(record.begin, record.end, (off, len(text), zlib.crc32(text)), record.values, record.data)
+    lied = mslot.Record(
+        record.begin, record.end, (off, len(text), zlib.crc32(text)), record.values, record.data
+    )
     raw[: len(lied.pack())] = lied.pack()
     found.path.write_bytes(bytes(raw))
     with pytest.raises(mslot.BadSlot, match=f"{found.path}: .*{refusal}"):
         mslot.read_slot(found.path, data=True)
 
 
-# -- the search journal -----------------------------------------------------------------------------------
+# -- the search journal ----------------------------------------------------------------------------
 
 
 @pytest.fixture

@@ -1,10 +1,12 @@
-"""Every format ddpkit reads, fuzzed: the snapshot marker, the DCP index, a memory slot (record, manifest, values
-and tensor bytes), the search journal and the stream line index, truncated, flipped, spliced and made to lie
-about sizes, offsets, chunks and paths. Each mutation is refused with a message naming the file, or loads exactly
-what was saved; never a hang (each test has a time limit), never a different state.
+"""Every format ddpkit reads, fuzzed: the snapshot marker, the DCP index, a memory slot (record,
+manifest, values and tensor bytes), the search journal and the stream line index, truncated,
+flipped, spliced and made to lie about sizes, offsets, chunks and paths. Each mutation is refused
+with a message naming the file, or loads exactly what was saved; never a hang (each test has a time
+limit), never a different state.
 
-The default run tries 40 mutations per test (seconds); ``DDPKIT_FUZZ_EXAMPLES=2000`` tries as many as asked.
-(``config.json`` in a run directory is written for people and tools, and read by no part of ddpkit.)
+The default run tries 40 mutations per test (seconds); ``DDPKIT_FUZZ_EXAMPLES=2000`` tries as many
+as asked. (``config.json`` in a run directory is written for people and tools, and read by no part
+of ddpkit.)
 """
 
 from __future__ import annotations
@@ -28,17 +30,24 @@ from tests.unit.snapshot.test_checkpoint import reseal, save
 from tests.unit.snapshot.test_memory_snapshots import save as save_slot
 from tests.unit.snapshot.test_memory_snapshots import store
 
-# DDPKIT_FUZZ_EXAMPLES=2000 for a deeper run, with fresh random examples (the default run is the same each time).
+# DDPKIT_FUZZ_EXAMPLES=2000 for a deeper run, with fresh random examples (the default run is the
+# same each time).
 _DEEP = int(os.environ.get("DDPKIT_FUZZ_EXAMPLES", "0"))
-FAST = settings(max_examples=_DEEP or 40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=not _DEEP)
+FAST = settings(
+    max_examples=_DEEP or 40,
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+    derandomize=not _DEEP,
+)
 
 
-# -- mutations of bytes -----------------------------------------------------------------------------------
+# -- mutations of bytes ----------------------------------------------------------------------------
 
 
 @st.composite
 def byte_mutation(draw: st.DrawFn, size: int) -> tuple[str, int, int, bytes]:
-    """(kind, at, length, payload): truncate at, flip a byte at, splice payload over [at, at + length)."""
+    """(kind, at, length, payload): truncate at, flip a byte at, splice payload over [at, at +
+    length)."""
     kind = draw(st.sampled_from(["truncate", "flip", "splice"]))
     at = draw(st.integers(0, max(size - 1, 0)))
     length = draw(st.integers(0, 64))
@@ -56,7 +65,7 @@ def mutate(data: bytes, mutation: tuple[str, int, int, bytes]) -> bytes:
     return data[:at] + payload + data[at + length :]
 
 
-# -- the snapshot marker ----------------------------------------------------------------------------------
+# -- the snapshot marker ---------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -99,16 +108,29 @@ def check_outcome(folder: Path, what: str) -> None:
         assert not warnings, f"{what}: step 6 loaded after a warning: {warnings}"
     else:
         assert step == 3 and warnings and "step-00000006" in warnings[0], (what, step, warnings)
-    assert w is not None and torch.equal(w, torch.full((4,), float(step))), f"{what}: another state loaded: {w}"
+    assert w is not None and torch.equal(w, torch.full((4,), float(step))), (
+        f"{what}: another state loaded: {w}"
+    )
 
 
 name_lies = st.sampled_from(
-    ["../../../../../../../../../../../../dev/zero", "/dev/zero", "..", ".", "", "a/b", "x\x00y", "values.pt/"]
+    [
+        "../../../../../../../../../../../../dev/zero",
+        "/dev/zero",
+        "..",
+        ".",
+        "",
+        "a/b",
+        "x\x00y",
+        "values.pt/",
+    ]
 )
 entry_lies = st.one_of(
     st.none(),
     st.integers(-5, 10**12),
-    st.dictionaries(st.sampled_from(["size", "sha256"]), st.one_of(st.integers(-1, 10**6), st.text(max_size=70))),
+    st.dictionaries(
+        st.sampled_from(["size", "sha256"]), st.one_of(st.integers(-1, 10**6), st.text(max_size=70))
+    ),
 )
 
 
@@ -137,7 +159,7 @@ def test_marker_lies_about_names_and_sizes(tmp_path_factory, snapshots, name, en
     check_outcome(folder, f"marker {name!r}: {entry!r}")
 
 
-# -- the DCP index ----------------------------------------------------------------------------------------
+# -- the DCP index ---------------------------------------------------------------------------------
 
 
 @pytest.mark.timeout(60)
@@ -158,16 +180,24 @@ ints = st.one_of(st.integers(-3, 12), st.just(2**62), st.text(max_size=3), st.no
 @FAST
 @given(
     chunks=st.lists(
-        st.fixed_dictionaries({"offsets": st.lists(ints, max_size=2), "sizes": st.lists(ints, max_size=2)}),
+        st.fixed_dictionaries(
+            {"offsets": st.lists(ints, max_size=2), "sizes": st.lists(ints, max_size=2)}
+        ),
         max_size=3,
     ),
     size=st.lists(ints, max_size=2),
     storage=st.fixed_dictionaries(
-        {"at": ints, "length": ints, "file": st.sampled_from(["__0_0.distcp", "../x", "values.pt", "__9_9.distcp"])}
+        {
+            "at": ints,
+            "length": ints,
+            "file": st.sampled_from(["__0_0.distcp", "../x", "values.pt", "__9_9.distcp"]),
+        }
     ),
     which=st.sampled_from(["chunks", "size", "storage"]),
 )
-def test_index_lies_about_chunks_sizes_and_offsets(tmp_path_factory, snapshots, chunks, size, storage, which):
+def test_index_lies_about_chunks_sizes_and_offsets(
+    tmp_path_factory, snapshots, chunks, size, storage, which
+):
     folder = fresh(snapshots, tmp_path_factory.mktemp("i"))
     path = folder / "step-00000006" / INDEX
     index = json.loads(path.read_text())
@@ -182,7 +212,7 @@ def test_index_lies_about_chunks_sizes_and_offsets(tmp_path_factory, snapshots, 
     check_outcome(folder, f"index {which}: {chunks, size, storage}")
 
 
-# -- memory slots -----------------------------------------------------------------------------------------
+# -- memory slots ----------------------------------------------------------------------------------
 
 SAVED = [torch.linspace(-1, 1, 40).reshape(5, 8), torch.arange(7), torch.tensor([True, False])]
 
@@ -214,10 +244,12 @@ def check_slot(path: Path, what: str) -> None:
     tensors = mslot.tensors_of(data, record, manifest)
     assert values["values"] == {"note": [1, 2.5, "x"]} and values["step"] == 4, what
     if [(t.dtype, t.shape) for t in tensors] != [(t.dtype, t.shape) for t in SAVED]:
-        # Another layout than the state's: the Trainer refuses it before it copies anything (every tensor of
-        # its state present, of its shape and dtype: ddpkit.snapshot._memory.resume).
+        # Another layout than the state's: the Trainer refuses it before it copies anything (every
+        # tensor of its state present, of its shape and dtype: ddpkit.snapshot._memory.resume).
         return
-    assert all(torch.equal(a, b) for a, b in zip(tensors, SAVED)), f"{what}: other values in the same layout"
+    assert all(torch.equal(a, b) for a, b in zip(tensors, SAVED)), (
+        f"{what}: other values in the same layout"
+    )
 
 
 def slot_regions(data: bytes) -> dict[str, tuple[int, int]]:
@@ -234,7 +266,9 @@ def slot_regions(data: bytes) -> dict[str, tuple[int, int]]:
 
 @pytest.mark.timeout(60)
 @FAST
-@given(data=st.data(), region=st.sampled_from(["record", "manifest", "values", "tensors", "anywhere"]))
+@given(
+    data=st.data(), region=st.sampled_from(["record", "manifest", "values", "tensors", "anywhere"])
+)
 def test_slot_bytes_mutated(tmp_path_factory, slot_bytes, data, region):
     start, length = slot_regions(slot_bytes)[region]
     kind, at, n, payload = data.draw(byte_mutation(max(length, 1)))
@@ -246,14 +280,21 @@ def test_slot_bytes_mutated(tmp_path_factory, slot_bytes, data, region):
 
 json_lies = st.recursive(
     st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.text(max_size=8)),
-    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=4), inner, max_size=3)),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=4), inner, max_size=3)
+    ),
     max_leaves=8,
 )
 
 
 @pytest.mark.timeout(60)
 @FAST
-@given(key=st.sampled_from(["specs", "data_size", "spec-offset", "spec-shape", "spec-dtype", "values"]), lie=json_lies)
+@given(
+    key=st.sampled_from(
+        ["specs", "data_size", "spec-offset", "spec-shape", "spec-dtype", "values"]
+    ),
+    lie=json_lies,
+)
 def test_slot_manifest_and_values_lie_with_valid_crcs(tmp_path_factory, slot_bytes, key, lie):
     raw = bytearray(slot_bytes)
     record = mslot.Record.unpack(slot_bytes[: mslot.HEADER])
@@ -279,20 +320,24 @@ def test_slot_manifest_and_values_lie_with_valid_crcs(tmp_path_factory, slot_byt
     path = tmp_path_factory.mktemp("s") / "run-a-rank0-0.slot"
     path.write_bytes(bytes(raw))
     if key == "values":
-        # The store's own checks stop here; what the Trainer reads of the values is checked where it reads them
-        # (tests/jobs/snapshot/test_memory_slot_damage.py). The slot must still never be read as other tensors.
+        # The store's own checks stop here; what the Trainer reads of the values is checked where it
+        # reads them (tests/jobs/snapshot/test_memory_slot_damage.py). The slot must still never be
+        # read as other tensors.
         try:
             got = mslot.read_slot(path, data=True)
         except mslot.BadSlot as err:
             assert str(path) in str(err)
             return
         assert got is not None
-        assert all(torch.equal(a, b) for a, b in zip(mslot.tensors_of(got[3], got[0], got[1]), SAVED, strict=True))
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(mslot.tensors_of(got[3], got[0], got[1]), SAVED, strict=True)
+        )
         return
     check_slot(path, f"manifest {key}={lie!r}")
 
 
-# -- the search journal -----------------------------------------------------------------------------------
+# -- the search journal ----------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -329,11 +374,12 @@ def test_journal_mutated(tmp_path_factory, journal_bytes, mutation, whole_line):
     except ConfigError as err:
         assert str(folder / JOURNAL) in str(err), f"{mutation}: a refusal that names no file: {err}"
         return
-    # Opened: a prefix of the records, or records that still replay (a value changed is a valid journal).
+    # Opened: a prefix of the records, or records that still replay (a value changed is a valid
+    # journal).
     assert len(study.trials) <= 2
 
 
-# -- the stream line index --------------------------------------------------------------------------------
+# -- the stream line index -------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")

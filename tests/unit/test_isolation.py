@@ -1,9 +1,10 @@
 """The suite's autouse fixture (``tests/conftest.py``) resets ddpkit's module globals between tests.
 
-An inner pytest session runs two tests in this process: the first leaves every global of ``DDPKIT_GLOBALS`` set
-through ddpkit's own calls, the second lists those it finds other than at import. With the fixture both pass;
-the control, the same session without it, fails the second, naming every global. A last test keeps the list
-complete: a module-level variable that ddpkit's code may change must be in it.
+An inner pytest session runs two tests in this process: the first leaves every global of
+``DDPKIT_GLOBALS`` set through ddpkit's own calls, the second lists those it finds other than at
+import. With the fixture both pass; the control, the same session without it, fails the second,
+naming every global. A last test keeps the list complete: a module-level variable that ddpkit's code
+may change must be in it.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from tests.conftest import DDPKIT_GLOBALS, SRC, _clean_environ
 
 pytest_plugins = ["pytester"]
 
-# Imported with this module, before any inner session: pytester drops the modules imported after its fixture is
-# set up, and torch's extensions cannot be imported a second time in one process.
+# Imported with this module, before any inner session: pytester drops the modules imported after its
+# fixture is set up, and torch's extensions cannot be imported a second time in one process.
 for _module in ["ddpkit", *(module for module, _ in DDPKIT_GLOBALS)]:
     importlib.import_module(_module)
 
@@ -76,8 +77,9 @@ def test_finds_them_as_at_import():
 
 @pytest.fixture
 def session(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch):
-    """``session(with_fixture)``: the two tests in an inner session of this process, with or without the suite's
-    fixture; plain python (no launcher variable), so that ``ddpkit.init()`` makes a world of one."""
+    """``session(with_fixture)``: the two tests in an inner session of this process, with or without
+    the suite's fixture; plain python (no launcher variable), so that ``ddpkit.init()`` makes a
+    world of one."""
     for name in set(os.environ) - set(_clean_environ()):
         monkeypatch.delenv(name)
     pytester.makepyfile(test_leftovers=LEAVE_AND_CHECK)
@@ -102,7 +104,8 @@ def test_control_without_the_fixture_the_next_test_finds_every_global_left_behin
 
 
 def _module_state(path: Path) -> set[str]:
-    """Module-level names bound to None or to an empty dict, list or set: state ddpkit's functions fill in."""
+    """Module-level names bound to None or to an empty dict, list or set: state ddpkit's functions
+    fill in."""
     found = set()
     for node in ast.parse(path.read_text()).body:
         if isinstance(node, ast.AnnAssign) and node.value is not None:
@@ -125,4 +128,6 @@ def test_every_module_global_of_ddpkit_is_reset():
         for path in (SRC / "ddpkit").rglob("*.py")
         for name in _module_state(path)
     }
-    assert found == set(DDPKIT_GLOBALS), "add new module state to tests/conftest.py's DDPKIT_GLOBALS"
+    assert found == set(DDPKIT_GLOBALS), (
+        "add new module state to tests/conftest.py's DDPKIT_GLOBALS"
+    )

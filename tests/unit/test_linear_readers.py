@@ -1,11 +1,12 @@
-"""Every reader of a ddpkit format takes time at most O(n log n) in the size of its file, and refuses a file
-beyond the size it admits naming the file.
+"""Every reader of a ddpkit format takes time at most O(n log n) in the size of its file, and
+refuses a file beyond the size it admits naming the file.
 
-Each adversarial input (chunks, entries, specs, records, lines) is grown 4x, 16x and 64x from a base, and the
-reading time may grow at most 2.2x per doubling: t(64x) / t(1x) <= 2.2**6 (a linear reader: 64, with room for
-a log factor and a noisy machine; a quadratic one: 4096). Times are compared within one run, each the minimum
-of a few repetitions in CPU time with the garbage collector off; no wall-clock threshold. The controls run the old
-quadratic readers (kept here) through the same assertion, and show it fails.
+Each adversarial input (chunks, entries, specs, records, lines) is grown 4x, 16x and 64x from a
+base, and the reading time may grow at most 2.2x per doubling: t(64x) / t(1x) <= 2.2**6 (a linear
+reader: 64, with room for a log factor and a noisy machine; a quadratic one: 4096). Times are
+compared within one run, each the minimum of a few repetitions in CPU time with the garbage
+collector off; no wall-clock threshold. The controls run the old quadratic readers (kept here)
+through the same assertion, and show it fails.
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ PER_DOUBLING = 2.2
 
 
 def times(read: Callable[[Any], Any], inputs: list[Any]) -> list[float]:
-    """The least CPU time of ``read`` on each input over 3 runs or more (until 50 ms are spent, at most 30): on
-    a shared machine a wall clock counts the time other processes run, more often the longer a run is."""
+    """The least CPU time of ``read`` on each input over 3 runs or more (until 50 ms are spent, at
+    most 30): on a shared machine a wall clock counts the time other processes run, more often the
+    longer a run is."""
     out = []
     for value in inputs:
         best, spent, runs = math.inf, 0.0, 0
@@ -58,17 +60,23 @@ def times(read: Callable[[Any], Any], inputs: list[Any]) -> list[float]:
 
 
 MEASURABLE = 0.002
-"""The least time a base input must take: below it, fixed costs and a loaded machine's noise (a cache miss, a
-page fault) are a large share of it and the ratio says nothing about growth."""
+"""The least time a base input must take: below it, fixed costs and a loaded machine's noise (a
+cache miss, a page fault) are a large share of it and the ratio says nothing about growth."""
 
 
 def assert_linear(
-    read: Callable[[Any], Any], make: Callable[[int], Any], base: int, growth=GROWTH, most: int | None = None
+    read: Callable[[Any], Any],
+    make: Callable[[int], Any],
+    base: int,
+    growth=GROWTH,
+    most: int | None = None,
 ) -> None:
-    """``read`` of ``make(base * g)`` for g in ``growth`` grows at most PER_DOUBLING per doubling of the input.
+    """``read`` of ``make(base * g)`` for g in ``growth`` grows at most PER_DOUBLING per doubling of
+    the input.
 
-    The base is doubled (up to 16x, and while the largest input stays within ``most``) until reading it takes
-    MEASURABLE: a sub-millisecond base failed this on a loaded machine for readers that are linear."""
+    The base is doubled (up to 16x, and while the largest input stays within ``most``) until reading
+    it takes MEASURABLE: a sub-millisecond base failed this on a loaded machine for readers that are
+    linear."""
     made: dict[int, Any] = {}
 
     def get(n: int) -> Any:
@@ -77,7 +85,9 @@ def assert_linear(
         return made[n]
 
     for _ in range(4):
-        if times(read, [get(base)])[0] >= MEASURABLE or (most is not None and 2 * base * growth[-1] > most):
+        if times(read, [get(base)])[0] >= MEASURABLE or (
+            most is not None and 2 * base * growth[-1] > most
+        ):
             break
         base *= 2
     inputs = [get(base * g) for g in growth]
@@ -89,11 +99,12 @@ def assert_linear(
     )
 
 
-# -- the DCP index ----------------------------------------------------------------------------------------
+# -- the DCP index ---------------------------------------------------------------------------------
 
 
 def one_element_chunks(n: int, width: int = 64) -> str:
-    """The index of one weight of n // width x width stored as n one-element chunks (the issue's 65,536)."""
+    """The index of one weight of n // width x width stored as n one-element chunks (the issue's
+    65,536)."""
     chunks = [{"offsets": [i // width, i % width], "sizes": [1, 1]} for i in range(n)]
     entries = [
         {"fqn": "w", "offset": c["offsets"], "file": "__0_0.distcp", "at": i * 4, "length": 4}
@@ -111,10 +122,15 @@ def quadratic_check_chunks(fqn: str, size: torch.Size, chunks: list[ChunkStorage
     """The chunk check before: every pair of chunks compared (4,096 chunks took 8.8 s)."""
     total = sum(c.sizes.numel() for c in chunks)
     if total != size.numel():
-        raise storage.BadIndex(f"tensor {fqn!r} has chunks covering {total} of its {size.numel()} elements")
+        raise storage.BadIndex(
+            f"tensor {fqn!r} has chunks covering {total} of its {size.numel()} elements"
+        )
     for i, a in enumerate(chunks):
         for b in chunks[i + 1 :]:
-            if all(ao < bo + bn and bo < ao + an for ao, an, bo, bn in zip(a.offsets, a.sizes, b.offsets, b.sizes)):
+            if all(
+                ao < bo + bn and bo < ao + an
+                for ao, an, bo, bn in zip(a.offsets, a.sizes, b.offsets, b.sizes)
+            ):
                 raise storage.BadIndex(f"tensor {fqn!r} has two chunks that overlap")
 
 
@@ -124,7 +140,9 @@ def test_the_dcp_index_is_read_in_time_linear_in_its_chunks():
 
 def test_control_the_old_pairwise_chunk_check_is_caught(monkeypatch):
     monkeypatch.setattr(
-        storage, "check_chunks", lambda fqn, size, chunks: quadratic_check_chunks(fqn, size, chunks) or chunks
+        storage,
+        "check_chunks",
+        lambda fqn, size, chunks: quadratic_check_chunks(fqn, size, chunks) or chunks,
     )
     read_index(one_element_chunks(256))  # still a reader of the same index: it accepts it
     with pytest.raises(AssertionError, match="superlinear"):
@@ -141,12 +159,21 @@ def dcp_chunks(size: list[int], chunks: list[tuple[list[int], list[int]]]) -> An
         ([4, 4], [([0, 0], [4, 2]), ([0, 2], [4, 2])], None),
         ([4, 4], [([0, 0], [2, 2]), ([0, 2], [2, 2]), ([2, 0], [2, 4])], None),  # not a grid
         ([2, 3, 4], [([0, 0, 0], [1, 3, 4]), ([1, 0, 0], [1, 1, 4]), ([1, 1, 0], [1, 2, 4])], None),
-        ([4, 4], [([0, 0], [4, 2]), ([0, 2], [4, 2]), ([0, 0], [0, 4]), ([4, 4], [0, 0])], None),  # empty ones
+        # empty ones
+        ([4, 4], [([0, 0], [4, 2]), ([0, 2], [4, 2]), ([0, 0], [0, 4]), ([4, 4], [0, 0])], None),
         ([0, 4], [([0, 0], [0, 4])], None),
         # The same volume, one element twice and one never: the volumes alone would pass it.
-        ([2, 2], [([0, 0], [1, 2]), ([1, 0], [1, 1]), ([0, 0], [1, 1])], "overlap, at element [0, 0]"),
+        (
+            [2, 2],
+            [([0, 0], [1, 2]), ([1, 0], [1, 1]), ([0, 0], [1, 1])],
+            "overlap, at element [0, 0]",
+        ),
         ([2, 2], [([0, 0], [2, 1]), ([0, 0], [1, 2])], "overlap, at element [0, 0]"),
-        ([3, 3], [([0, 0], [2, 2]), ([1, 1], [2, 2]), ([0, 2], [1, 1])], "overlap, at element [1, 1]"),
+        (
+            [3, 3],
+            [([0, 0], [2, 2]), ([1, 1], [2, 2]), ([0, 2], [1, 1])],
+            "overlap, at element [1, 1]",
+        ),
         ([4, 4], [([0, 0], [3, 4]), ([0, 0], [1, 4])], "overlap, at element [0, 0]"),
         ([4], [([0], [3]), ([2], [1])], "overlap, at element [2]"),
         ([2, 2, 2, 2, 2], [([0] * 5, [1] * 5)] * 32, "split along 5 dimensions"),
@@ -163,7 +190,8 @@ def test_the_chunk_check_is_exact(size, chunks, refusal):
 
 
 def test_the_chunk_check_agrees_with_counting_every_element():
-    """Random sets of boxes in a 3x4x5 tensor: refused exactly when some element is not covered once."""
+    """Random sets of boxes in a 3x4x5 tensor: refused exactly when some element is not covered
+    once."""
     rng = np.random.default_rng(0)
     shape = (3, 4, 5)
     for _ in range(400):
@@ -185,8 +213,12 @@ def test_the_chunk_check_agrees_with_counting_every_element():
 
 def test_a_storage_entry_at_no_chunk_is_refused():
     index = json.loads(one_element_chunks(64))
-    index["storage"].append({"fqn": "w", "offset": [7, 2**61 + 5], "file": "__0_0.distcp", "at": 0, "length": 4})
-    with pytest.raises(storage.BadIndex, match=r"storage entry at \[7, 2305843009213693957\] where it has no chunk"):
+    index["storage"].append(
+        {"fqn": "w", "offset": [7, 2**61 + 5], "file": "__0_0.distcp", "at": 0, "length": 4}
+    )
+    with pytest.raises(
+        storage.BadIndex, match=r"storage entry at \[7, 2305843009213693957\] where it has no chunk"
+    ):
         storage.index_from_json(index)
 
 
@@ -197,11 +229,13 @@ def test_a_dcp_index_beyond_its_bound_is_refused_naming_it(tmp_path):
     save(SnapshotManager(tmp_path), 3)
     folder = tmp_path / "step-00000003"
     os.truncate(folder / folders.INDEX, storage._INDEX_LIMIT + 1)  # sparse: no disk, and never read
-    with pytest.raises(ConfigError, match=f"{folder / folders.INDEX} is not an index ddpkit wrote .*more than"):
+    with pytest.raises(
+        ConfigError, match=f"{folder / folders.INDEX} is not an index ddpkit wrote .*more than"
+    ):
         storage.read_marked_index(folder)
 
 
-# -- the snapshot marker ----------------------------------------------------------------------------------
+# -- the snapshot marker ---------------------------------------------------------------------------
 
 
 def marker_folder(root: Path) -> Callable[[int], folders.Found]:
@@ -223,16 +257,22 @@ def test_the_marker_is_read_in_time_linear_in_its_entries(tmp_path):
 def test_a_marker_beyond_its_bound_is_refused_naming_it(tmp_path):
     found = marker_folder(tmp_path)(1)
     os.truncate(found.path / folders.MARKER, folders._MARKER_LIMIT + 1)
-    with pytest.raises(ValueError, match=f"unreadable {folders.MARKER} .{found.path / folders.MARKER} holds"):
+    with pytest.raises(
+        ValueError, match=f"unreadable {folders.MARKER} .{found.path / folders.MARKER} holds"
+    ):
         folders.listed(found)
 
 
-# -- the memory slot --------------------------------------------------------------------------------------
+# -- the memory slot -------------------------------------------------------------------------------
 
 
 def slot_bytes(n: int, shape: list[int] | None = None) -> bytes:
     """A whole slot of n one-element tensors (or one tensor of ``shape``)."""
-    specs = [["torch.float32", [1], 64 * i] for i in range(n)] if shape is None else [["torch.float32", shape, 0]]
+    specs = (
+        [["torch.float32", [1], 64 * i] for i in range(n)]
+        if shape is None
+        else [["torch.float32", shape, 0]]
+    )
     region = bytes(64 * max(n, 1))
     manifest = json.dumps({"specs": specs, "data_size": len(region)}).encode()
     values = json.dumps({"step": 1}).encode()
@@ -282,20 +322,25 @@ def test_a_slot_part_beyond_its_bound_is_refused_naming_it(tmp_path):
     record = mslot.Record.unpack(bytes(data[: mslot.HEADER]))
     assert record is not None
     big = mslot.PART_LIMIT + 1
-    lied = mslot.Record(1, 1, (record.manifest[0], big, record.manifest[2]), record.values, record.data)
+    lied = mslot.Record(
+        1, 1, (record.manifest[0], big, record.manifest[2]), record.values, record.data
+    )
     data[: len(lied.pack())] = lied.pack()
     path = tmp_path / "run-a-rank0-0.slot"
     path.write_bytes(bytes(data))
     with pytest.raises(mslot.BadSlot, match=f"slot: its manifest holds {big} bytes, more than"):
         mslot.parse_slot(bytes(data), "slot")
-    os.truncate(path, mslot.HEADER + big)  # sparse: the manifest lies inside the file, and is never read
+    # sparse: the manifest lies inside the file, and is never read
+    os.truncate(path, mslot.HEADER + big)
     with pytest.raises(mslot.BadSlot, match=f"{path}: its manifest holds {big} bytes, more than"):
         mslot.read_slot(path)
 
 
-# -- the search journal -----------------------------------------------------------------------------------
+# -- the search journal ----------------------------------------------------------------------------
 
-needs_optuna = pytest.mark.skipif(importlib.util.find_spec("optuna") is None, reason="needs ddpkit[search]")
+needs_optuna = pytest.mark.skipif(
+    importlib.util.find_spec("optuna") is None, reason="needs ddpkit[search]"
+)
 WORKER = "w-1"
 
 
@@ -305,12 +350,21 @@ def journal_of(path: Path, records: list[dict[str, Any]]) -> Path:
 
 
 def reports(n: int) -> list[dict[str, Any]]:
-    """One trial reporting n intermediate values: each copies every one before it in Optuna's replay."""
+    """One trial reporting n intermediate values: each copies every one before it in Optuna's
+    replay."""
     head = [
         {"op_code": 0, "worker_id": WORKER, "study_name": "ddpkit", "directions": [1]},
-        {"op_code": 4, "worker_id": WORKER, "study_id": 0, "datetime_start": "2026-11-25T21:52:36+00:00"},
+        {
+            "op_code": 4,
+            "worker_id": WORKER,
+            "study_id": 0,
+            "datetime_start": "2026-11-25T21:52:36+00:00",
+        },
     ]
-    steps = [{"op_code": 7, "worker_id": WORKER, "trial_id": 0, "step": i, "intermediate_value": 0.5} for i in range(n)]
+    steps = [
+        {"op_code": 7, "worker_id": WORKER, "trial_id": 0, "step": i, "intermediate_value": 0.5}
+        for i in range(n)
+    ]
     return head + steps
 
 
@@ -338,8 +392,8 @@ def read_journal(path: Path) -> None:
 def test_the_search_journal_is_read_in_time_linear_in_its_records(tmp_path, monkeypatch):
     from ddpkit.search import _study as study
 
-    # The floor is a constant allowance (16M entries copied: a fraction of a second); the growth beyond it is
-    # what is measured.
+    # The floor is a constant allowance (16M entries copied: a fraction of a second); the growth
+    # beyond it is what is measured.
     monkeypatch.setattr(study, "_REPLAY_FLOOR", 0)
     assert_linear(read_journal, journal_maker(tmp_path), 250)
 
@@ -358,7 +412,10 @@ def test_a_journal_whose_replay_would_be_quadratic_is_refused_naming_it(tmp_path
     from ddpkit.search._study import check_journal
 
     path = journal_of(tmp_path / "study.journal", reports(8000))
-    with pytest.raises(ConfigError, match=f"the study's journal {path} would cost Optuna more than .* by line [0-9]+ "):
+    with pytest.raises(
+        ConfigError,
+        match=f"the study's journal {path} would cost Optuna more than .* by line [0-9]+ ",
+    ):
         check_journal(path)
 
 
@@ -369,7 +426,9 @@ def test_a_journal_step_past_int_hashing_is_refused_naming_it(tmp_path):
     records = reports(2)
     records[-1]["step"] = 2**61 - 1  # the hash of 0: such steps can all share one hash
     path = journal_of(tmp_path / "study.journal", records)
-    with pytest.raises(ConfigError, match=f"the study's journal {path} is damaged at line 4 of 4: a step"):
+    with pytest.raises(
+        ConfigError, match=f"the study's journal {path} is damaged at line 4 of 4: a step"
+    ):
         check_journal(path)
 
 
@@ -381,11 +440,13 @@ def test_a_journal_beyond_its_bound_is_refused_naming_it(tmp_path):
     path = journal_of(tmp_path / "study.journal", reports(2))
     os.truncate(path, JOURNAL_LIMIT + 1)  # sparse: never read
     for read in (repair_journal, check_journal):
-        with pytest.raises(ConfigError, match=f"the study's journal {path} holds {JOURNAL_LIMIT + 1} bytes, more"):
+        with pytest.raises(
+            ConfigError, match=f"the study's journal {path} holds {JOURNAL_LIMIT + 1} bytes, more"
+        ):
             read(path)
 
 
-# -- the stream line index --------------------------------------------------------------------------------
+# -- the stream line index -------------------------------------------------------------------------
 
 
 def line_files(root: Path) -> Callable[[int], tuple[Path, np.ndarray, int]]:
@@ -423,7 +484,10 @@ def test_a_line_index_of_more_lines_than_its_file_holds_is_not_used_naming_it(tm
     lines = np.stack([np.arange(size) * 2, np.arange(size) * 2 + 1], axis=1).astype(np.int64)
     line_cache.write(cached, header, lines)  # its checksum recomputed: only the bound can tell
     assert line_cache.read(cached, header, size) is None
-    assert f"in {cached.parent} is not used ({cached.name} holds offsets that cannot be" in capsys.readouterr().err
+    assert (
+        f"in {cached.parent} is not used ({cached.name} holds offsets that cannot be"
+        in capsys.readouterr().err
+    )
 
 
 @needs_optuna
@@ -432,9 +496,12 @@ def test_a_journal_line_nested_too_deep_is_refused_naming_it(tmp_path):
     from ddpkit.search._study import check_journal
 
     path = tmp_path / "study.journal"
-    path.write_text(json.dumps(reports(0)[0]) + "\n" + "[" * 200_000 + "\n")  # a RecursionError in json before
+    # a RecursionError in json before
+    path.write_text(json.dumps(reports(0)[0]) + "\n" + "[" * 200_000 + "\n")
     for read in (repair_journal, check_journal):
-        with pytest.raises(ConfigError, match=f"the study's journal {path} is damaged at line 2 of 2"):
+        with pytest.raises(
+            ConfigError, match=f"the study's journal {path} is damaged at line 2 of 2"
+        ):
             read(path)
 
 
@@ -445,5 +512,7 @@ def test_an_index_nested_too_deep_is_refused_naming_it(tmp_path):
     save(SnapshotManager(tmp_path), 3)
     folder = tmp_path / "step-00000003"
     (folder / folders.INDEX).write_text("[" * 200_000)  # a RecursionError in json before
-    with pytest.raises(ConfigError, match=f"{folder / folders.INDEX} is not an index ddpkit wrote .it is not JSON"):
+    with pytest.raises(
+        ConfigError, match=f"{folder / folders.INDEX} is not an index ddpkit wrote .it is not JSON"
+    ):
         storage.read_marked_index(folder)

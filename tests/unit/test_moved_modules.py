@@ -1,4 +1,5 @@
-"""Module paths that became private keep importing for one release, with a FutureWarning (ddpkit._moved)."""
+"""Module paths that became private keep importing for one release, with a FutureWarning
+(ddpkit._moved)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ def test_an_old_path_names_its_private_module(old, new):
     assert private_path(old) == new
 
 
-@pytest.mark.parametrize("name", ["ddpkit.training.nothing", "ddpkit.data._loader", "numpy.linalg", "ddpkit"])
+@pytest.mark.parametrize(
+    "name", ["ddpkit.training.nothing", "ddpkit.data._loader", "numpy.linalg", "ddpkit"]
+)
 def test_control_no_private_module_no_alias(name):
     assert private_path(name) is None
 

@@ -1,4 +1,5 @@
-"""The one way ddpkit writes, replaces, truncates, renames and deletes files and folders (:mod:`ddpkit._fs.safe`).
+"""The one way ddpkit writes, replaces, truncates, renames and deletes files and folders
+(:mod:`ddpkit._fs.safe`).
 
 Call these through the package (``fs.write_atomic(...)``): a test can then stand in for one of them.
 """

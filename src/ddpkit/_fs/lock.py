@@ -1,13 +1,16 @@
-"""A folder that belongs to one job at a time: an advisory lock on ``FOLDER/.lock`` naming its holder.
+"""A folder that belongs to one job at a time: an advisory lock on ``FOLDER/.lock`` naming its
+holder.
 
-The main rank holds :func:`fcntl.flock` on the file for the life of the job. The kernel drops it when the
-process ends, however it ends, so a crashed or SIGKILLed job leaves nothing behind and a restarted one takes it
-again at once. The file is opened as every ddpkit file is (:mod:`ddpkit._fs.safe`): never through a link, never
-another user's file or folder; the holder's name is written into it only once the lock is ours.
+The main rank holds :func:`fcntl.flock` on the file for the life of the job. The kernel drops it
+when the process ends, however it ends, so a crashed or SIGKILLed job leaves nothing behind and a
+restarted one takes it again at once. The file is opened as every ddpkit file is
+(:mod:`ddpkit._fs.safe`): never through a link, never another user's file or folder; the holder's
+name is written into it only once the lock is ours.
 
-A lock is held on a file, not on a name, and a folder copied with ``cp -al`` shares its ``.lock`` with the
-original. :func:`take` gives the name a new file when the one it locked has other names, and only while it
-holds that one: the other names keep their file, unwritten, and the two folders stop excluding each other.
+A lock is held on a file, not on a name, and a folder copied with ``cp -al`` shares its ``.lock``
+with the original. :func:`take` gives the name a new file when the one it locked has other names,
+and only while it holds that one: the other names keep their file, unwritten, and the two folders
+stop excluding each other.
 """
 
 from __future__ import annotations
@@ -25,9 +28,9 @@ from ddpkit._fs import safe
 
 
 def take(path: Path, *, wait: bool) -> tuple[int, bool]:
-    """A descriptor of the lock file ``path`` (made if missing), and whether this process now holds the lock on
-    it: an exclusive :func:`fcntl.flock`, waited for with ``wait``. Not held, the caller reads the holder's
-    name from the descriptor and closes it."""
+    """A descriptor of the lock file ``path`` (made if missing), and whether this process now holds
+    the lock on it: an exclusive :func:`fcntl.flock`, waited for with ``wait``. Not held, the caller
+    reads the holder's name from the descriptor and closes it."""
     path = Path(path)
     with safe.folder(path.parent) as dir_fd:
         while True:
@@ -43,15 +46,18 @@ def take(path: Path, *, wait: bool) -> tuple[int, bool]:
                 except FileNotFoundError:
                     named = None
                 if named is None or (named.st_dev, named.st_ino) != (held.st_dev, held.st_ino):
-                    # Replaced after we opened it (by a taker that held it): the name's file is the lock now.
+                    # Replaced after we opened it (by a taker that held it): the name's file is the
+                    # lock now.
                     os.close(fd)
                     continue
                 if safe.other_names(held):
-                    # Renamed in locked, and the old file let go only then: a taker that locks the old file
-                    # afterwards finds another file under the name (above), and one that opens the new one
-                    # finds it held. Replaced without holding the old one, two jobs could each hold "the" lock.
+                    # Renamed in locked, and the old file let go only then: a taker that locks the
+                    # old file afterwards finds another file under the name (above), and one that
+                    # opens the new one finds it held. Replaced without holding the old one, two
+                    # jobs could each hold "the" lock.
                     tmp, new = safe._temporary(dir_fd, path.name, 0o644, os.O_RDWR)
-                    fcntl.flock(new, fcntl.LOCK_EX)  # a new file, of a name no one else knows: at once
+                    # a new file, of a name no one else knows: at once
+                    fcntl.flock(new, fcntl.LOCK_EX)
                     os.replace(tmp, path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
                     os.close(fd)
                     fd = new
@@ -62,11 +68,13 @@ def take(path: Path, *, wait: bool) -> tuple[int, bool]:
 
 
 class FolderLock:
-    """An exclusive advisory lock on ``folder/.lock``. For the message of a job that finds it taken: ``what``
-    names the folder (``run_dir``), ``job`` and ``user`` the kind of job in it (``job``, ``run``) and
-    ``hazard`` what two of them at once would do."""
+    """An exclusive advisory lock on ``folder/.lock``. For the message of a job that finds it taken:
+    ``what`` names the folder (``run_dir``), ``job`` and ``user`` the kind of job in it (``job``,
+    ``run``) and ``hazard`` what two of them at once would do."""
 
-    def __init__(self, folder: str | os.PathLike, *, what: str, job: str, user: str, hazard: str) -> None:
+    def __init__(
+        self, folder: str | os.PathLike, *, what: str, job: str, user: str, hazard: str
+    ) -> None:
         self.path = Path(folder) / ".lock"
         self.what, self.job, self.user, self.hazard = what, job, user, hazard
         self._fd: int | None = None
@@ -82,19 +90,25 @@ class FolderLock:
             raise ConfigError(
                 f"{self.what} {str(self.path.parent)!r} is in use by another {self.job} ({holder}"
                 + (
-                    f"; or a job of another folder whose {self.path.name} is this same file, as after cp -al"
+                    f"; or a job of another folder whose {self.path.name} is this same file, as "
+                    "after cp -al"
                     if shared
                     else ""
                 )
-                + f"): {self.hazard}. Wait for it to end, or give this {self.user} another {self.what}"
+                + f"): {self.hazard}. Wait for it to end, or give this {self.user} another "
+                f"{self.what}"
             )
-        # Holder written once the lock is ours (the file is ours too, checked above): a job that finds it
-        # locked reads a whole record.
+        # Holder written once the lock is ours (the file is ours too, checked above): a job that
+        # finds it locked reads a whole record.
         os.ftruncate(fd, 0)
         os.pwrite(
             fd,
             json.dumps(
-                {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+                {
+                    "host": socket.gethostname(),
+                    "pid": os.getpid(),
+                    "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+                }
             ).encode(),
             0,
         )

@@ -1,24 +1,28 @@
 """Writes that follow no symbolic link and stay inside the folder they are meant for.
 
-A run directory, a search directory or a data folder is often reused, copied or shared; a link left in it
-(``metrics.jsonl -> ~/.bashrc``, ``snapshots -> ../other-run/snapshots``, ``.lock -> victim``) must not make a
-job append to, replace, truncate or delete anything outside it. Every function here works relative to a
-verified directory descriptor:
+A run directory, a search directory or a data folder is often reused, copied or shared; a link left
+in it (``metrics.jsonl -> ~/.bashrc``, ``snapshots -> ../other-run/snapshots``, ``.lock -> victim``)
+must not make a job append to, replace, truncate or delete anything outside it. Every function here
+works relative to a verified directory descriptor:
 
-- the folder named by the caller (``root``, the run directory say) is opened as given: it may itself be a link
-  (to scratch storage); it must belong to this user (or be a shared sticky folder of root's, such as ``/tmp``),
-  else the write is refused naming its owner;
-- each folder below it is opened with ``O_NOFOLLOW`` (created first where asked), and must belong to this user;
-- the file itself is opened with ``O_NOFOLLOW`` relative to that descriptor: the kernel refuses a link instead
-  of following it, with no window between a check and the open; it must be a regular file of this user;
-- a file opened to write in place (append, truncate, read-modify-write) must have no other hard link:
-  ``O_NOFOLLOW`` stops a symbolic link, not a second name of the same file (a run directory copied with
-  ``cp -al``), and a write into one name is a write into all. The caller picks, per kind of file, what happens
-  to such a file (``linked``, see :func:`open_fd`): refused, or replaced by a copy of its own;
-- a file replaced whole is written to a new temporary file in the same folder, with an unpredictable name and
-  ``O_EXCL`` (never an existing file, nor a link planted under a name we would have used), then renamed over
-  its name: a rename replaces a link, it never writes through it. The same holds for a hard link: the rename
-  gives the name a new file, and the other names keep the old one, so these writes need no check of links.
+- the folder named by the caller (``root``, the run directory say) is opened as given: it may itself
+  be a link (to scratch storage); it must belong to this user (or be a shared sticky folder of
+  root's, such as ``/tmp``), else the write is refused naming its owner;
+- each folder below it is opened with ``O_NOFOLLOW`` (created first where asked), and must belong to
+  this user;
+- the file itself is opened with ``O_NOFOLLOW`` relative to that descriptor: the kernel refuses a
+  link instead of following it, with no window between a check and the open; it must be a regular
+  file of this user;
+- a file opened to write in place (append, truncate, read-modify-write) must have no other hard
+  link: ``O_NOFOLLOW`` stops a symbolic link, not a second name of the same file (a run directory
+  copied with ``cp -al``), and a write into one name is a write into all. The caller picks, per kind
+  of file, what happens to such a file (``linked``, see :func:`open_fd`): refused, or replaced by a
+  copy of its own;
+- a file replaced whole is written to a new temporary file in the same folder, with an unpredictable
+  name and ``O_EXCL`` (never an existing file, nor a link planted under a name we would have used),
+  then renamed over its name: a rename replaces a link, it never writes through it. The same holds
+  for a hard link: the rename gives the name a new file, and the other names keep the old one, so
+  these writes need no check of links.
 
 The name given may be a link only where noted (``remove`` and ``rename`` act on the link itself).
 """
@@ -45,16 +49,17 @@ _IN_PLACE = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_TRUNC
 Linked = Literal["refuse", "replace"]
 """What an open to write does with a file that has other hard links.
 
-- ``"refuse"`` (the default): a one-line :class:`ConfigError` naming it and the way out (remove it once no job
-  uses it). For files whose inode is the point: a memory slot is mapped by a second open of its name, which a
-  copy swapped in between would split in two. (Lock files are locked by inode too: :func:`ddpkit._fs.lock.take`
-  replaces one only while holding it, which a plain open cannot.)
-- ``"replace"``: the name is first given a fresh copy of the file (an empty one for an open that truncates),
-  made beside it and renamed over it, and the copy is opened. For records a copied folder goes on with
-  (``metrics.jsonl``, ``epochs.csv``, the search journal) and files rewritten whole in place (a snapshot's
-  data files, a worker's stack file): a ``cp -al`` copy of a run directory trains on, and the original keeps
-  its bytes. Safe because one job at a time writes in a folder (its ``.lock``): no writer of this name holds
-  the old file open, and one that holds it under the other name goes on writing there, as it should.
+- ``"refuse"`` (the default): a one-line :class:`ConfigError` naming it and the way out (remove it
+  once no job uses it). For files whose inode is the point: a memory slot is mapped by a second open
+  of its name, which a copy swapped in between would split in two. (Lock files are locked by inode
+  too: :func:`ddpkit._fs.lock.take` replaces one only while holding it, which a plain open cannot.)
+- ``"replace"``: the name is first given a fresh copy of the file (an empty one for an open that
+  truncates), made beside it and renamed over it, and the copy is opened. For records a copied
+  folder goes on with (``metrics.jsonl``, ``epochs.csv``, the search journal) and files rewritten
+  whole in place (a snapshot's data files, a worker's stack file): a ``cp -al`` copy of a run
+  directory trains on, and the original keeps its bytes. Safe because one job at a time writes in a
+  folder (its ``.lock``): no writer of this name holds the old file open, and one that holds it
+  under the other name goes on writing there, as it should.
 """
 
 
@@ -71,31 +76,34 @@ def other_owner(st: os.stat_result) -> int | None:
 
 
 def _shared_scratch(st: os.stat_result) -> bool:
-    # /tmp and /dev/shm: root's, writable by all, with the sticky bit (no one removes or renames another's
-    # files there). Writing a file of one's own there is what they are for.
+    # /tmp and /dev/shm: root's, writable by all, with the sticky bit (no one removes or renames
+    # another's files there). Writing a file of one's own there is what they are for.
     return st.st_uid == 0 and stat.S_ISDIR(st.st_mode) and bool(st.st_mode & stat.S_ISVTX)
 
 
 def owner_message(path: Path | str, uid: int, what: str = "", kind: str = "folder") -> str:
-    """Why ``path`` (a ``what``, inside a ``kind`` the user names) of user ``uid`` is not written to."""
+    """Why ``path`` (a ``what``, inside a ``kind`` the user names) of user ``uid`` is not written
+    to."""
     me = os.geteuid()
     owner, you = user_name(uid), user_name(me)
     return (
-        f"{what + ' ' if what else ''}{str(path)!r} belongs to {owner} (uid {uid}), not to you ({you}, uid {me}): "
-        f"ddpkit writes only into folders of its own user. Give this job a {kind} of your own, or have {owner} "
-        f"hand it over (chown -R {you} {str(path)!r})"
+        f"{what + ' ' if what else ''}{str(path)!r} belongs to {owner} (uid {uid}), not to you "
+        f"({you}, uid {me}): ddpkit writes only into folders of its own user. Give this job a "
+        f"{kind} of your own, or have {owner} hand it over (chown -R {you} {str(path)!r})"
     )
 
 
-def _refuse_other_owner(st: os.stat_result, path: Path | str, what: str, kind: str = "folder") -> None:
+def _refuse_other_owner(
+    st: os.stat_result, path: Path | str, what: str, kind: str = "folder"
+) -> None:
     uid = other_owner(st)
     if uid is not None:
         raise ConfigError(owner_message(path, uid, what, kind))
 
 
 def check_owned(path: Path, what: str, *, follow: bool, kind: str = "folder") -> None:
-    """Refuse ``path`` if it belongs to another user (and, unless ``follow``, if it is a link); absent is fine.
-    ``kind``: the option that names the folder, for the message (``run_dir``)."""
+    """Refuse ``path`` if it belongs to another user (and, unless ``follow``, if it is a link);
+    absent is fine. ``kind``: the option that names the folder, for the message (``run_dir``)."""
     try:
         st = os.stat(path) if follow else os.lstat(path)
     except FileNotFoundError:
@@ -122,19 +130,22 @@ def link_message(path: Path | str) -> str:
     except OSError:
         target = "?"
     return (
-        f"{str(path)!r} is a symbolic link (to {target!r}): ddpkit writes inside its own folders, never through "
-        "a link. Remove the link, or give this job another folder"
+        f"{str(path)!r} is a symbolic link (to {target!r}): ddpkit writes inside its own folders, "
+        "never through a link. Remove the link, or give this job another folder"
     )
 
 
 def _not_a_folder(path: Path) -> ConfigError:
-    return ConfigError(f"{str(path)!r} is not a folder: move it away, or give this job another folder")
+    return ConfigError(
+        f"{str(path)!r} is not a folder: move it away, or give this job another folder"
+    )
 
 
 @contextmanager
 def folder(path: Path, *, root: Path | None = None, create: bool = False) -> Iterator[int]:
-    """A descriptor of the folder ``path``: ``root`` (``path`` itself by default) opened as given, each folder
-    below it opened with ``O_NOFOLLOW`` (made first with ``create``); every one of them this user's."""
+    """A descriptor of the folder ``path``: ``root`` (``path`` itself by default) opened as given,
+    each folder below it opened with ``O_NOFOLLOW`` (made first with ``create``); every one of them
+    this user's."""
     path = Path(path)
     base = Path(root) if root is not None else path
     try:
@@ -142,7 +153,9 @@ def folder(path: Path, *, root: Path | None = None, create: bool = False) -> Ite
     except ValueError:
         parts = ("..",)
     if ".." in parts:
-        raise ConfigError(f"{str(path)!r} is not inside {str(base)!r}: ddpkit writes only inside its folders")
+        raise ConfigError(
+            f"{str(path)!r} is not inside {str(base)!r}: ddpkit writes only inside its folders"
+        )
     if create:
         os.makedirs(base, exist_ok=True)  # the folder the user named, wherever their path leads
     try:
@@ -180,14 +193,16 @@ def folder(path: Path, *, root: Path | None = None, create: bool = False) -> Ite
 
 
 def _not_a_file(path: Path) -> ConfigError:
-    return ConfigError(f"{str(path)!r} is not a regular file: move it away, or give this job another folder")
+    return ConfigError(
+        f"{str(path)!r} is not a regular file: move it away, or give this job another folder"
+    )
 
 
 def hard_link_message(path: Path | str, links: int) -> str:
     return (
-        f"{str(path)!r} has {links - 1} other hard link{'s' if links > 2 else ''} (a folder copied with cp -al?): "
-        "ddpkit writes in place only into a file of one name, never through a link. Remove it once no job uses "
-        "it, or give this job another folder"
+        f"{str(path)!r} has {links - 1} other hard link{'s' if links > 2 else ''} (a folder copied "
+        "with cp -al?): ddpkit writes in place only into a file of one name, never through a "
+        "link. Remove it once no job uses it, or give this job another folder"
     )
 
 
@@ -196,13 +211,18 @@ def other_names(st: os.stat_result) -> bool:
     return st.st_nlink > 1
 
 
-def _open_in(dir_fd: int, path: Path, flags: int, mode: int, linked: Linked | None = "refuse") -> int:
-    # linked=None: the caller deals with other names itself (a lock file, taken before it is replaced).
-    # Opened without blocking: a FIFO planted under the name would otherwise hold the open (and the job) until
-    # someone opens its other end. Blocking is put back once the descriptor is known to be a regular file.
-    # O_TRUNC is applied after the checks too: the open would cut a file of another user or name before them.
+def _open_in(
+    dir_fd: int, path: Path, flags: int, mode: int, linked: Linked | None = "refuse"
+) -> int:
+    # linked=None: the caller deals with other names itself (a lock file, taken before it is
+    # replaced). Opened without blocking: a FIFO planted under the name would otherwise hold the
+    # open (and the job) until someone opens its other end. Blocking is put back once the descriptor
+    # is known to be a regular file. O_TRUNC is applied after the checks too: the open would cut a
+    # file of another user or name before them.
     try:
-        fd = os.open(path.name, flags & ~os.O_TRUNC | _NO_FOLLOW | os.O_NONBLOCK, mode, dir_fd=dir_fd)
+        fd = os.open(
+            path.name, flags & ~os.O_TRUNC | _NO_FOLLOW | os.O_NONBLOCK, mode, dir_fd=dir_fd
+        )
     except OSError as err:
         if err.errno == errno.ELOOP:
             raise ConfigError(link_message(path)) from None
@@ -215,13 +235,15 @@ def _open_in(dir_fd: int, path: Path, flags: int, mode: int, linked: Linked | No
             raise _not_a_file(path)
         _refuse_other_owner(st, path, "file")
         if linked is not None and other_names(st) and flags & _IN_PLACE:
-            # Checked on the descriptor that is written, not on the name. A link made after the check needs write
-            # access to the file (fs.protected_hardlinks): this user, whose own link it then is.
+            # Checked on the descriptor that is written, not on the name. A link made after the
+            # check needs write access to the file (fs.protected_hardlinks): this user, whose own
+            # link it then is.
             if linked != "replace":
                 raise ConfigError(hard_link_message(path, st.st_nlink))
             _replace_by_copy(dir_fd, path, st, copy=not flags & os.O_TRUNC)
             os.close(fd)
-            # The copy, opened as any file: a link made to it in the meantime is refused, not copied again.
+            # The copy, opened as any file: a link made to it in the meantime is refused, not copied
+            # again.
             return _open_in(dir_fd, path, flags, mode)
         if flags & os.O_TRUNC:
             os.ftruncate(fd, 0)
@@ -234,17 +256,21 @@ def _open_in(dir_fd: int, path: Path, flags: int, mode: int, linked: Linked | No
 
 
 def _replace_by_copy(dir_fd: int, path: Path, st: os.stat_result, *, copy: bool) -> None:
-    """Give ``path`` (the file ``st``) a new file of its own holding the same bytes (none unless ``copy``)."""
+    """Give ``path`` (the file ``st``) a new file of its own holding the same bytes (none unless
+    ``copy``)."""
     tmp, out = _temporary(dir_fd, path.name, 0o600)
     try:
         os.fchmod(out, stat.S_IMODE(st.st_mode))
         if copy:
-            # Read through its own descriptor (the caller's may be write-only), checked to be the same file.
+            # Read through its own descriptor (the caller's may be write-only), checked to be the
+            # same file.
             src = os.open(path.name, os.O_RDONLY | _NO_FOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
             try:
                 now = os.fstat(src)
                 if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
-                    raise ConfigError(f"{str(path)!r} was replaced while it was opened: run the job again")
+                    raise ConfigError(
+                        f"{str(path)!r} was replaced while it was opened: run the job again"
+                    )
                 offset = 0
                 while sent := os.sendfile(out, src, offset, 1 << 30):
                     offset += sent
@@ -261,29 +287,46 @@ def _replace_by_copy(dir_fd: int, path: Path, st: os.stat_result, *, copy: bool)
     os.fsync(dir_fd)
 
 
-def open_fd(path: Path, flags: int, mode: int = 0o644, *, root: Path | None = None, linked: Linked = "refuse") -> int:
-    """``os.open`` of a regular file of this user at ``path``, never through a link; opened to write, a file
-    with other hard links is refused or replaced by a copy first, as ``linked`` says (:data:`Linked`)."""
+def open_fd(
+    path: Path,
+    flags: int,
+    mode: int = 0o644,
+    *,
+    root: Path | None = None,
+    linked: Linked = "refuse",
+) -> int:
+    """``os.open`` of a regular file of this user at ``path``, never through a link; opened to
+    write, a file with other hard links is refused or replaced by a copy first, as ``linked`` says
+    (:data:`Linked`)."""
     path = Path(path)
     with folder(path.parent, root=root) as dir_fd:
         return _open_in(dir_fd, path, flags, mode, linked)
 
 
-def open_append(path: Path, *, read: bool = False, root: Path | None = None, linked: Linked = "refuse") -> IO[str]:
-    """A text file opened to append to (created if missing; ``read``: also readable from the start)."""
-    fd = open_fd(path, (os.O_RDWR if read else os.O_WRONLY) | os.O_APPEND | os.O_CREAT, root=root, linked=linked)
+def open_append(
+    path: Path, *, read: bool = False, root: Path | None = None, linked: Linked = "refuse"
+) -> IO[str]:
+    """A text file opened to append to (created if missing; ``read``: also readable from the
+    start)."""
+    fd = open_fd(
+        path,
+        (os.O_RDWR if read else os.O_WRONLY) | os.O_APPEND | os.O_CREAT,
+        root=root,
+        linked=linked,
+    )
     return os.fdopen(fd, "a+" if read else "a", buffering=1, newline="" if read else None)
 
 
 def unshare(path: Path, *, root: Path | None = None) -> None:
-    """Where the file at ``path`` has other hard links, give the name a copy of its own (absent is fine): for
-    a file a library then opens in place by its name (Optuna appends to its journal)."""
+    """Where the file at ``path`` has other hard links, give the name a copy of its own (absent is
+    fine): for a file a library then opens in place by its name (Optuna appends to its journal)."""
     with contextlib.suppress(FileNotFoundError):
         os.close(open_fd(path, os.O_WRONLY, linked="replace", root=root))
 
 
 def open_exclusive(path: Path, *, root: Path | None = None, mode: int = 0o644) -> IO[bytes]:
-    """A new file at ``path``, opened to write; refused if anything (a file, a link) is there already."""
+    """A new file at ``path``, opened to write; refused if anything (a file, a link) is there
+    already."""
     return os.fdopen(open_fd(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode, root=root), "wb")
 
 
@@ -302,12 +345,15 @@ def truncate(path: Path, size: int, *, root: Path | None = None, linked: Linked 
 
 
 def _temporary(dir_fd: int, name: str, mode: int, flags: int = os.O_WRONLY) -> tuple[str, int]:
-    # A name of its own, created with O_EXCL: never an existing file, nor a link planted under a name we would
-    # have used. (Not tempfile.mkstemp: its files are 0600 whatever the umask, and results are often shared.)
+    # A name of its own, created with O_EXCL: never an existing file, nor a link planted under a
+    # name we would have used. (Not tempfile.mkstemp: its files are 0600 whatever the umask, and
+    # results are often shared.)
     while True:
         tmp = f".{name}.{secrets.token_hex(8)}.tmp"
         try:
-            return tmp, os.open(tmp, flags | os.O_CREAT | os.O_EXCL | _NO_FOLLOW, mode, dir_fd=dir_fd)
+            return tmp, os.open(
+                tmp, flags | os.O_CREAT | os.O_EXCL | _NO_FOLLOW, mode, dir_fd=dir_fd
+            )
         except FileExistsError:
             continue
 
@@ -315,8 +361,9 @@ def _temporary(dir_fd: int, name: str, mode: int, flags: int = os.O_WRONLY) -> t
 def write_with(
     path: Path, write: Callable[[IO[bytes]], object], *, root: Path | None = None, mode: int = 0o644
 ) -> None:
-    """Replace ``path`` by what ``write(file)`` writes, whole or not at all: for libraries that write to a file
-    object (``savefig``, ``torch.save``, ``ndarray.tofile``). A new file in the same folder, fsynced, renamed."""
+    """Replace ``path`` by what ``write(file)`` writes, whole or not at all: for libraries that
+    write to a file object (``savefig``, ``torch.save``, ``ndarray.tofile``). A new file in the same
+    folder, fsynced, renamed."""
     path = Path(path)
     with folder(path.parent, root=root, create=True) as dir_fd:
         tmp, fd = _temporary(dir_fd, path.name, mode)
@@ -325,7 +372,8 @@ def write_with(
                 write(f)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)  # replaces a link, never follows it
+            # replaces a link, never follows it
+            os.replace(tmp, path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         except BaseException:
             try:
                 os.unlink(tmp, dir_fd=dir_fd)
@@ -363,7 +411,9 @@ def remove(path: Path, *, root: Path | None = None, missing_ok: bool = True) -> 
     path = Path(path)
     try:
         with folder(path.parent, root=root) as dir_fd:
-            _refuse_other_owner(os.stat(path.name, dir_fd=dir_fd, follow_symlinks=False), path, "file")
+            _refuse_other_owner(
+                os.stat(path.name, dir_fd=dir_fd, follow_symlinks=False), path, "file"
+            )
             os.unlink(path.name, dir_fd=dir_fd)
     except FileNotFoundError:
         if not missing_ok:
@@ -378,8 +428,8 @@ def remove_empty_dir(path: Path, *, root: Path | None = None) -> None:
 
 
 def remove_tree(path: Path, *, root: Path | None = None) -> None:
-    """Delete the folder ``path`` and what it holds, never following a link inside it; a link at ``path`` is
-    removed itself, a file there is left; another user's folder is refused."""
+    """Delete the folder ``path`` and what it holds, never following a link inside it; a link at
+    ``path`` is removed itself, a file there is left; another user's folder is refused."""
     path = Path(path)
     try:
         with folder(path.parent, root=root) as dir_fd:
@@ -400,8 +450,8 @@ def remove_tree(path: Path, *, root: Path | None = None) -> None:
 
 
 def _empty(dir_fd: int) -> None:
-    """Delete what the folder ``dir_fd`` holds, by descriptors: a link inside loses only itself. Best effort,
-    as a folder being deleted can be (an entry that cannot go is left)."""
+    """Delete what the folder ``dir_fd`` holds, by descriptors: a link inside loses only itself.
+    Best effort, as a folder being deleted can be (an entry that cannot go is left)."""
     for entry in os.scandir(dir_fd):
         with contextlib.suppress(OSError):
             if entry.is_dir(follow_symlinks=False):

@@ -1,9 +1,11 @@
-"""``torch.compile``'s configuration and its C++ compiler probe, which live in torch's private modules.
+"""``torch.compile``'s configuration and its C++ compiler probe, which live in torch's private
+modules.
 
-- ``torch._dynamo``: imported once before forking ranks (DDP's constructor imports it, which takes seconds),
-  and its ``config.optimize_ddp``, which splits a compiled DDP model's graph at bucket boundaries so that
-  gradient all-reduces overlap the backward pass.
-- ``torch._inductor.cpp_builder.get_cpp_compiler``: the C++ compiler inductor builds CPU kernels with.
+- ``torch._dynamo``: imported once before forking ranks (DDP's constructor imports it, which takes
+  seconds), and its ``config.optimize_ddp``, which splits a compiled DDP model's graph at bucket
+  boundaries so that gradient all-reduces overlap the backward pass.
+- ``torch._inductor.cpp_builder.get_cpp_compiler``: the C++ compiler inductor builds CPU kernels
+  with.
 """
 
 from __future__ import annotations
@@ -16,39 +18,41 @@ from ddpkit._errors import ConfigError
 from ddpkit._internals.contract import Internal
 
 DYNAMO = "torch._dynamo"
-"""The module a process imports once so that its forks find it imported (see :func:`import_dynamo`)."""
+"""The module a process imports once so that its forks find it imported (see
+:func:`import_dynamo`)."""
 
 
 def import_dynamo() -> Any:
-    """``torch._dynamo``, imported: constructing DDP or an optimizer imports it (~1 s); done once in a process
-    that forks ranks, every rank inherits it."""
+    """``torch._dynamo``, imported: constructing DDP or an optimizer imports it (~1 s); done once in
+    a process that forks ranks, every rank inherits it."""
     import importlib
 
     return importlib.import_module(DYNAMO)
 
 
 def set_ddp_optimizer() -> None:
-    """Have Dynamo split a compiled DDP model's graph at its buckets (the default today; set, since the
-    overlap of all-reduces with the backward pass depends on it)."""
+    """Have Dynamo split a compiled DDP model's graph at its buckets (the default today; set, since
+    the overlap of all-reduces with the backward pass depends on it)."""
     import_dynamo().config.optimize_ddp = True
 
 
 def cpp_compiler() -> str | None:
     """The C++ compiler inductor would build CPU kernels with, or None when there is none.
 
-    A probe torch no longer has (an ImportError or AttributeError) is not taken as "no compiler": it raises a
-    ConfigError naming the internal and torch's version."""
+    A probe torch no longer has (an ImportError or AttributeError) is not taken as "no compiler": it
+    raises a ConfigError naming the internal and torch's version."""
     try:
         from torch._inductor.cpp_builder import get_cpp_compiler
     except (ImportError, AttributeError) as err:
         raise ConfigError(
             f"ddpkit cannot ask torch {torch.__version__} for its C++ compiler "
-            f"(torch._inductor.cpp_builder.get_cpp_compiler: {err}); set compile=False, or use a torch ddpkit "
-            "supports (`ddpkit env` lists what differs)"
+            f"(torch._inductor.cpp_builder.get_cpp_compiler: {err}); set compile=False, or use a "
+            "torch ddpkit supports (`ddpkit env` lists what differs)"
         ) from None
     try:
         return str(get_cpp_compiler())
-    except Exception:  # inductor raises its own error types (and may change them) when none is found
+    # inductor raises its own error types (and may change them) when none is found
+    except Exception:
         return None
 
 

@@ -1,12 +1,15 @@
 """torch.distributed.checkpoint's file-system storage, where ddpkit reaches past its public API.
 
-- ``FileSystemWriter.fs``: the file system a writer opens its files through; ddpkit's replaces it (through
-  :func:`set_file_system`) to keep the ``OSError`` of a failed write and to write through :mod:`ddpkit._fs`.
-- ``FileSystem.create_stream`` / ``rename`` / ``mkdir`` / ``rm_file``: the methods that replacement overrides.
-- ``_StorageInfo``: where an item lies in a data file (file, offset, length), which ``FileSystemReader`` reads
-  from ``Metadata.storage_data``; ddpkit builds it from its JSON index (:func:`storage_info`), so that a resume
-  never unpickles ``.metadata``. Its ``transform_descriptors`` (torch 2.8 and later) name stream transforms a
-  snapshot never uses (:func:`transformed`).
+- ``FileSystemWriter.fs``: the file system a writer opens its files through; ddpkit's replaces it
+  (through :func:`set_file_system`) to keep the ``OSError`` of a failed write and to write through
+  :mod:`ddpkit._fs`.
+- ``FileSystem.create_stream`` / ``rename`` / ``mkdir`` / ``rm_file``: the methods that replacement
+  overrides.
+- ``_StorageInfo``: where an item lies in a data file (file, offset, length), which
+  ``FileSystemReader`` reads from ``Metadata.storage_data``; ddpkit builds it from its JSON index
+  (:func:`storage_info`), so that a resume never unpickles ``.metadata``. Its
+  ``transform_descriptors`` (torch 2.8 and later) name stream transforms a snapshot never uses
+  (:func:`transformed`).
 """
 
 from __future__ import annotations
@@ -18,14 +21,16 @@ from ddpkit._internals.contract import Internal
 
 
 def storage_info(relative_path: str, offset: int, length: int) -> Any:
-    """The ``_StorageInfo`` of an item at ``offset`` in data file ``relative_path``, ``length`` bytes long."""
+    """The ``_StorageInfo`` of an item at ``offset`` in data file ``relative_path``, ``length``
+    bytes long."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
     return _StorageInfo(relative_path, offset, length)
 
 
 def transformed(info: Any) -> bool:
-    """Whether an item was written through a stream transform (compression, ...): never one of ddpkit's."""
+    """Whether an item was written through a stream transform (compression, ...): never one of
+    ddpkit's."""
     return bool(getattr(info, "transform_descriptors", None))
 
 
@@ -41,7 +46,9 @@ def _check_storage_info() -> str | None:
     if info is None or not dataclasses.is_dataclass(info):
         return "torch.distributed.checkpoint.filesystem has no _StorageInfo dataclass"
     names = [f.name for f in dataclasses.fields(info)][:3]
-    return None if names == ["relative_path", "offset", "length"] else f"its first fields are {names}"
+    return (
+        None if names == ["relative_path", "offset", "length"] else f"its first fields are {names}"
+    )
 
 
 def _check_writer_fs() -> str | None:
@@ -52,7 +59,11 @@ def _check_writer_fs() -> str | None:
 
     with tempfile.TemporaryDirectory() as folder:
         found = getattr(FileSystemWriter(folder), "fs", None)
-    return None if isinstance(found, FileSystem) else f"a FileSystemWriter's .fs is {type(found).__name__}"
+    return (
+        None
+        if isinstance(found, FileSystem)
+        else f"a FileSystemWriter's .fs is {type(found).__name__}"
+    )
 
 
 _OVERRIDDEN = {
@@ -61,7 +72,8 @@ _OVERRIDDEN = {
     "mkdir": ["path"],
     "rm_file": ["path"],
 }
-"""The methods of ``FileSystem`` ddpkit's file system overrides, with the arguments DCP calls them with."""
+"""The methods of ``FileSystem`` ddpkit's file system overrides, with the arguments DCP calls them
+with."""
 
 
 def _check_file_system_methods() -> str | None:
@@ -85,19 +97,23 @@ INTERNALS = [
     Internal(
         "torch.distributed.checkpoint.filesystem._StorageInfo",
         "torch",
-        "a resume reads each tensor's place from ddpkit's JSON index instead of unpickling .metadata",
+        "a resume reads each tensor's place from ddpkit's JSON index instead of unpickling "
+        ".metadata",
         _check_storage_info,
     ),
     Internal(
         "torch.distributed.checkpoint.FileSystemWriter.fs",
         "torch",
-        "snapshot files are written through ddpkit._fs (no links followed) and a full disk is named as such",
+        "snapshot files are written through ddpkit._fs (no links followed) and a full disk is "
+        "named as such",
         _check_writer_fs,
     ),
     Internal(
-        "torch.distributed.checkpoint.filesystem.FileSystem.create_stream / rename / mkdir / rm_file",
+        "torch.distributed.checkpoint.filesystem.FileSystem.create_stream / rename / mkdir / "
+        "rm_file",
         "torch",
-        "the methods ddpkit's snapshot file system overrides, to open no link and keep each write's OSError",
+        "the methods ddpkit's snapshot file system overrides, to open no link and keep each "
+        "write's OSError",
         _check_file_system_methods,
     ),
 ]

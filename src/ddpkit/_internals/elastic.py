@@ -1,16 +1,17 @@
 """torchrun's elastic agent and its worker processes, where ddpkit reaches past their public API.
 
-- The agent's ``_monitor_workers`` and ``_shutdown`` (:class:`HookedAgent`): ddpkit's agent asks the workers
-  still running for their stacks before torchrun stops them after a failure, restarts nothing after a
-  pre-emption, and ends whatever the workers left behind. Its ``_pcontext`` (the process context of the
-  current attempt: each worker's ``Popen``) and ``_remaining_restarts``.
-- The process context's ``SubprocessHandler._popen`` and ``_stdout`` / ``_stderr`` (the log files it opened
-  for a worker), and ``api.get_subprocess_handler``, through which workers are forked from ddpkit's server
-  instead of started as new interpreters.
+- The agent's ``_monitor_workers`` and ``_shutdown`` (:class:`HookedAgent`): ddpkit's agent asks the
+  workers still running for their stacks before torchrun stops them after a failure, restarts
+  nothing after a pre-emption, and ends whatever the workers left behind. Its ``_pcontext`` (the
+  process context of the current attempt: each worker's ``Popen``) and ``_remaining_restarts``.
+- The process context's ``SubprocessHandler._popen`` and ``_stdout`` / ``_stderr`` (the log files it
+  opened for a worker), and ``api.get_subprocess_handler``, through which workers are forked from
+  ddpkit's server instead of started as new interpreters.
 
-Each is checked when it is used. Where one is gone, the feature it serves is turned off with one warning
-naming it and torch's version: the fork server falls back to torch's own ``Popen`` (new interpreters, output
-where torchrun sends it), the agent's additions are left out, and the job runs as torchrun would run it.
+Each is checked when it is used. Where one is gone, the feature it serves is turned off with one
+warning naming it and torch's version: the fork server falls back to torch's own ``Popen`` (new
+interpreters, output where torchrun sends it), the agent's additions are left out, and the job runs
+as torchrun would run it.
 """
 
 from __future__ import annotations
@@ -29,23 +30,28 @@ def warn_once(internal: str, lost: str) -> None:
     warn_lost(internal, "torch", lost)
 
 
-# -- the agent -----------------------------------------------------------------------------------------------
+# -- the agent -------------------------------------------------------------------------------------
 
 
 def _agent_hooks_problem() -> str | None:
-    """Both hooks on torchrun's local agent; ``_monitor_workers`` taking the worker group (``_shutdown``'s
-    arguments are passed through as they come: they differ between torch versions)."""
+    """Both hooks on torchrun's local agent; ``_monitor_workers`` taking the worker group
+    (``_shutdown``'s arguments are passed through as they come: they differ between torch
+    versions)."""
     for name in ("_monitor_workers", "_shutdown"):
         if not callable(getattr(LocalElasticAgent, name, None)):
             return f"LocalElasticAgent has no {name}"
     found = list(inspect.signature(LocalElasticAgent._monitor_workers).parameters)
-    return None if found == ["self", "worker_group"] else f"LocalElasticAgent._monitor_workers takes {found}"
+    return (
+        None
+        if found == ["self", "worker_group"]
+        else f"LocalElasticAgent._monitor_workers takes {found}"
+    )
 
 
 class HookedAgent(LocalElasticAgent):
-    """torchrun's local agent, calling :meth:`before_monitor`, :meth:`after_monitor` and :meth:`after_shutdown`
-    around its private steps. Where those steps are not the ones this class was written against, the hooks are
-    never called, and one warning says so at construction."""
+    """torchrun's local agent, calling :meth:`before_monitor`, :meth:`after_monitor` and
+    :meth:`after_shutdown` around its private steps. Where those steps are not the ones this class
+    was written against, the hooks are never called, and one warning says so at construction."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -54,19 +60,21 @@ class HookedAgent(LocalElasticAgent):
         if problem is not None:
             warn_once(
                 "torch's LocalElasticAgent._monitor_workers/_shutdown",
-                "what ddpkit adds to torchrun's agent (stack dumps after a failure, no restart after a pre-emption, "
-                "the cleanup of what workers left)",
+                "what ddpkit adds to torchrun's agent (stack dumps after a failure, no restart "
+                "after a pre-emption, the cleanup of what workers left)",
             )
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
         self._monitored = False
         result = super().run(*args, **kwargs)
-        # torchrun's loop returns only with the result of a poll of the workers: a run that returned without
-        # going through _monitor_workers polled them through a step this class does not override.
+        # torchrun's loop returns only with the result of a poll of the workers: a run that returned
+        # without going through _monitor_workers polled them through a step this class does not
+        # override.
         if self.hooked and not self._monitored:
             warn_once(
                 "torch's LocalElasticAgent._monitor_workers (never called)",
-                "what ddpkit adds to torchrun's agent (stack dumps after a failure, no restart after a pre-emption)",
+                "what ddpkit adds to torchrun's agent (stack dumps after a failure, no restart "
+                "after a pre-emption)",
             )
         return result
 
@@ -98,7 +106,8 @@ class HookedAgent(LocalElasticAgent):
         return getattr(self, "_pcontext", None)
 
     def worker_processes(self) -> dict[int, Any]:
-        """Local rank -> the ``Popen`` (or ddpkit's forked stand-in) of each worker of the current attempt."""
+        """Local rank -> the ``Popen`` (or ddpkit's forked stand-in) of each worker of the current
+        attempt."""
         handlers = getattr(self.process_context(), "subprocess_handlers", None) or {}
         return {local: handler.proc for local, handler in handlers.items()}
 
@@ -112,30 +121,36 @@ class HookedAgent(LocalElasticAgent):
 
 
 def _check_agent_state() -> str | None:
-    """``_start_workers`` keeps the attempt's process context in ``_pcontext``; the run loop restarts only
-    while ``_remaining_restarts`` is above 0 (setting it to 0 ends the job with the current attempt)."""
+    """``_start_workers`` keeps the attempt's process context in ``_pcontext``; the run loop
+    restarts only while ``_remaining_restarts`` is above 0 (setting it to 0 ends the job with the
+    current attempt)."""
     from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
 
     if "self._pcontext = " not in inspect.getsource(LocalElasticAgent._start_workers):
         return "LocalElasticAgent._start_workers no longer sets self._pcontext"
     loop = inspect.getsource(SimpleElasticAgent._invoke_run)
     if "self._remaining_restarts > 0" not in loop or "self._remaining_restarts -= 1" not in loop:
-        return "SimpleElasticAgent._invoke_run no longer counts restarts down in self._remaining_restarts"
+        return (
+            "SimpleElasticAgent._invoke_run no longer counts restarts down in "
+            "self._remaining_restarts"
+        )
     return None
 
 
 def use_agent(launcher_api: Any, agent: type) -> None:
-    """Have torchrun's ``launch_agent`` (``launcher_api``: ``torch.distributed.launcher.api``) build ``agent``.
+    """Have torchrun's ``launch_agent`` (``launcher_api``: ``torch.distributed.launcher.api``) build
+    ``agent``.
 
-    It builds its agent by the module-level name ``LocalElasticAgent``; swapping it in this process (the
-    launcher's) is the one way in short of copying ``launch_agent``. Where ``launch_agent`` no longer builds
-    it by that name, ddpkit's agent would never run: said once, and the job runs with torchrun's."""
+    It builds its agent by the module-level name ``LocalElasticAgent``; swapping it in this process
+    (the launcher's) is the one way in short of copying ``launch_agent``. Where ``launch_agent`` no
+    longer builds it by that name, ddpkit's agent would never run: said once, and the job runs with
+    torchrun's."""
     problem = _check_launch_agent()
     if problem is not None:
         warn_once(
             "torch's launcher.api.LocalElasticAgent",
-            "what ddpkit adds to torchrun's agent (stack dumps after a failure, no restart after a pre-emption, "
-            "the cleanup of what workers left)",
+            "what ddpkit adds to torchrun's agent (stack dumps after a failure, no restart after a "
+            "pre-emption, the cleanup of what workers left)",
         )
     launcher_api.LocalElasticAgent = agent
 
@@ -150,11 +165,12 @@ def _check_launch_agent() -> str | None:
     return None
 
 
-# -- the workers' processes ----------------------------------------------------------------------------------
+# -- the workers' processes ------------------------------------------------------------------------
 
 
 def subprocess_handler_base() -> type | None:
-    """torchrun's ``SubprocessHandler``, where workers can be started through a subclass of it (else None)."""
+    """torchrun's ``SubprocessHandler``, where workers can be started through a subclass of it (else
+    None)."""
     from torch.distributed.elastic.multiprocessing import api
 
     base = getattr(api, "SubprocessHandler", None)
@@ -169,7 +185,8 @@ def subprocess_handler_base() -> type | None:
 
 
 def set_handler_factory(factory: Callable[..., Any] | None) -> None:
-    """Have torchrun's process context make each worker's handler with ``factory`` (None: torch's own)."""
+    """Have torchrun's process context make each worker's handler with ``factory`` (None: torch's
+    own)."""
     from torch.distributed.elastic.multiprocessing import api
     from torch.distributed.elastic.multiprocessing.subprocess_handler import get_subprocess_handler
 
@@ -177,9 +194,9 @@ def set_handler_factory(factory: Callable[..., Any] | None) -> None:
 
 
 def log_files(handler: Any) -> tuple[Any, Any] | None:
-    """The files a ``SubprocessHandler`` opened for its worker's output and errors (each None where not
-    redirected); None where the handler keeps them under other names (then ddpkit cannot redirect a forked
-    worker the same way, and must not fork it)."""
+    """The files a ``SubprocessHandler`` opened for its worker's output and errors (each None where
+    not redirected); None where the handler keeps them under other names (then ddpkit cannot
+    redirect a forked worker the same way, and must not fork it)."""
     if not (hasattr(handler, "_stdout") and hasattr(handler, "_stderr")):
         return None
     return handler._stdout, handler._stderr
@@ -188,10 +205,10 @@ def log_files(handler: Any) -> tuple[Any, Any] | None:
 def popen_override(
     base: type, popen: Callable[[Any, Any, Any], Any], bypassed: Callable[[], None] = lambda: None
 ) -> type:
-    """A subclass of ``base`` (``SubprocessHandler``) whose ``_popen(args, env)`` is ``popen(handler, args, env)``,
-    which returns None to start the worker as torch does. A handler whose ``__init__`` did not go through
-    ``_popen`` (torch changed how it starts workers: torch's own step started it) warns once and calls
-    ``bypassed``."""
+    """A subclass of ``base`` (``SubprocessHandler``) whose ``_popen(args, env)`` is
+    ``popen(handler, args, env)``, which returns None to start the worker as torch does. A handler
+    whose ``__init__`` did not go through ``_popen`` (torch changed how it starts workers: torch's
+    own step started it) warns once and calls ``bypassed``."""
 
     class Handler(base):  # torchrun's class, given at run time
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -212,7 +229,10 @@ def popen_override(
 def _check_handler() -> str | None:
     base = subprocess_handler_base()
     if base is None:
-        return "no api.SubprocessHandler with _popen(self, args, env), or no api.get_subprocess_handler"
+        return (
+            "no api.SubprocessHandler with _popen(self, args, env), or no "
+            "api.get_subprocess_handler"
+        )
     init = inspect.getsource(vars(base).get("__init__", object.__init__))
     if "self._popen(" not in init:
         return "SubprocessHandler.__init__ no longer starts its process through self._popen"
@@ -229,26 +249,31 @@ INTERNALS = [
     Internal(
         "torch.distributed.elastic LocalElasticAgent._monitor_workers / _shutdown",
         "torch",
-        "stack dumps of the ranks still running when one fails, no restart after a pre-emption, and the cleanup "
-        "of processes workers left",
+        "stack dumps of the ranks still running when one fails, no restart after a pre-emption, "
+        "and the cleanup of processes workers left",
         _agent_hooks_problem,
     ),
     Internal(
         "torch.distributed.elastic LocalElasticAgent._pcontext / _remaining_restarts",
         "torch",
-        "each worker's process for stack dumps and SIGTERM forwarding; no restart after a pre-emption",
+        "each worker's process for stack dumps and SIGTERM forwarding; no restart after a "
+        "pre-emption",
         _check_agent_state,
     ),
     Internal(
-        "torch.distributed.launcher.api.LocalElasticAgent (the name launch_agent builds its agent by)",
+        "torch.distributed.launcher.api.LocalElasticAgent (the name launch_agent builds its agent "
+        "by)",
         "torch",
-        "ddpkit's agent (stack dumps, no restart after a pre-emption, cleanup) runs instead of torchrun's",
+        "ddpkit's agent (stack dumps, no restart after a pre-emption, cleanup) runs instead of "
+        "torchrun's",
         _check_launch_agent,
     ),
     Internal(
-        "torch.distributed.elastic SubprocessHandler._popen / _stdout / _stderr, api.get_subprocess_handler",
+        "torch.distributed.elastic SubprocessHandler._popen / _stdout / _stderr, "
+        "api.get_subprocess_handler",
         "torch",
-        "workers forked from the job's server (restarts in half a second), their output in torchrun's log files",
+        "workers forked from the job's server (restarts in half a second), their output in "
+        "torchrun's log files",
         _check_handler,
     ),
 ]

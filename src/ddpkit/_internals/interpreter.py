@@ -1,16 +1,18 @@
-"""The process's own machinery, below what Python's standard library offers: CPython's interpreter exit,
-Linux's ``prctl`` and the command-line memory, and the CUDA driver's state, through ``ctypes``.
+"""The process's own machinery, below what Python's standard library offers: CPython's interpreter
+exit, Linux's ``prctl`` and the command-line memory, and the CUDA driver's state, through
+``ctypes``.
 
-- ``threading._shutdown`` and ``atexit._run_exitfuncs``: a worker forked from ddpkit's fork server runs the
-  script as ``__main__`` and must end as an interpreter ends (``Py_FinalizeEx``: join the non-daemon threads,
-  then the exit handlers) before ``os._exit``. Where either is gone, the launcher forks no worker (they start
-  as new interpreters), with one warning.
-- ``prctl`` (``PR_SET_PDEATHSIG``, ``PR_SET_CHILD_SUBREAPER``, ``PR_SET_NAME``) from the C library: no Python
-  module exposes it.
+- ``threading._shutdown`` and ``atexit._run_exitfuncs``: a worker forked from ddpkit's fork server
+  runs the script as ``__main__`` and must end as an interpreter ends (``Py_FinalizeEx``: join the
+  non-daemon threads, then the exit handlers) before ``os._exit``. Where either is gone, the
+  launcher forks no worker (they start as new interpreters), with one warning.
+- ``prctl`` (``PR_SET_PDEATHSIG``, ``PR_SET_CHILD_SUBREAPER``, ``PR_SET_NAME``) from the C library:
+  no Python module exposes it.
 - The command line the kernel shows (``/proc/self/cmdline``) is the memory between ``arg_start`` and
   ``arg_end`` of ``/proc/self/stat``; rewritten in place (through
   ``/proc/self/mem``) so that ``ps`` and ``pkill -f`` tell a forked worker's guard from the worker.
-- ``cuDeviceGetCount`` from ``libcuda``: whether this process initialised the CUDA driver, without doing it.
+- ``cuDeviceGetCount`` from ``libcuda``: whether this process initialised the CUDA driver, without
+  doing it.
 """
 
 from __future__ import annotations
@@ -39,13 +41,16 @@ def prctl(option: int, value: int | str) -> bool:
     """Linux's ``prctl(option, value)``; False where it fails or this is not Linux."""
     if not LINUX:
         return False
-    arg: int | ctypes.c_char_p = ctypes.c_char_p(value.encode()) if isinstance(value, str) else value
+    arg: int | ctypes.c_char_p = (
+        ctypes.c_char_p(value.encode()) if isinstance(value, str) else value
+    )
     libc = ctypes.CDLL(None, use_errno=True)
     return bool(libc.prctl(option, arg, 0, 0, 0) == 0)
 
 
 def _command_line_memory() -> tuple[int, int] | None:
-    """``arg_start`` and ``arg_end`` of this process (fields 48 and 49 of ``/proc/self/stat``), or None."""
+    """``arg_start`` and ``arg_end`` of this process (fields 48 and 49 of ``/proc/self/stat``), or
+    None."""
     try:
         with open("/proc/self/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
@@ -56,11 +61,11 @@ def _command_line_memory() -> tuple[int, int] | None:
 
 
 def set_command_line(args: Sequence[str]) -> bool:
-    """Show ``args`` as this process's command line (``/proc/self/cmdline``, ``ps``), cut to the room the
-    process started with; False where it cannot. The kernel reads it from the memory between ``arg_start`` and
-    ``arg_end``, which holds the original ``argv`` strings (Python has its own copies). Written through
-    ``/proc/self/mem``, and only where that memory holds what ``/proc/self/cmdline`` shows: a misread address
-    is refused, never written over."""
+    """Show ``args`` as this process's command line (``/proc/self/cmdline``, ``ps``), cut to the
+    room the process started with; False where it cannot. The kernel reads it from the memory
+    between ``arg_start`` and ``arg_end``, which holds the original ``argv`` strings (Python has its
+    own copies). Written through ``/proc/self/mem``, and only where that memory holds what
+    ``/proc/self/cmdline`` shows: a misread address is refused, never written over."""
     where = _command_line_memory()
     if where is None:
         return False
@@ -83,8 +88,9 @@ def set_command_line(args: Sequence[str]) -> bool:
 def cuda_driver_initialised() -> bool:
     """True when this process has initialised the CUDA driver (a fork of it could not use CUDA).
 
-    ``cuDeviceGetCount`` answers CUDA_ERROR_NOT_INITIALIZED (3) until ``cuInit`` has run, and initialises
-    nothing itself. Where no CUDA driver is loaded in this process, nothing was initialised.
+    ``cuDeviceGetCount`` answers CUDA_ERROR_NOT_INITIALIZED (3) until ``cuInit`` has run, and
+    initialises nothing itself. Where no CUDA driver is loaded in this process, nothing was
+    initialised.
     """
     try:
         with open("/proc/self/maps") as f:
@@ -97,10 +103,12 @@ def cuda_driver_initialised() -> bool:
 
 
 def finalize_as_interpreter() -> None:
-    """What ``Py_FinalizeEx`` does before the process ends, in its order: join the non-daemon threads (after
-    the callbacks ``concurrent.futures`` registers to stop its workers), then run the ``atexit`` handlers.
+    """What ``Py_FinalizeEx`` does before the process ends, in its order: join the non-daemon
+    threads (after the callbacks ``concurrent.futures`` registers to stop its workers), then run the
+    ``atexit`` handlers.
 
-    The launcher forks no worker where either is missing (:func:`forking_problem`); this is not reached then."""
+    The launcher forks no worker where either is missing (:func:`forking_problem`); this is not
+    reached then."""
     threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
 
@@ -110,7 +118,11 @@ def _check_threading() -> str | None:
 
 
 def _check_atexit() -> str | None:
-    return None if callable(getattr(atexit, "_run_exitfuncs", None)) else "atexit has no _run_exitfuncs"
+    return (
+        None
+        if callable(getattr(atexit, "_run_exitfuncs", None))
+        else "atexit has no _run_exitfuncs"
+    )
 
 
 def _check_prctl() -> str | None:
@@ -137,16 +149,25 @@ def _check_command_line() -> str | None:
             held = mem.read(end - start)
     except OSError as err:
         return f"the command line's memory cannot be read through /proc/self/mem ({err})"
-    return None if held == shown else "/proc/self/cmdline is not the memory between arg_start and arg_end"
+    return (
+        None
+        if held == shown
+        else "/proc/self/cmdline is not the memory between arg_start and arg_end"
+    )
 
 
 def _check_cuda_probe() -> str | None:
-    """Where this process has loaded the CUDA driver (else the probe is not used: nothing was initialised)."""
+    """Where this process has loaded the CUDA driver (else the probe is not used: nothing was
+    initialised)."""
     try:
         with open("/proc/self/maps") as f:
             if "libcuda.so" not in f.read():
                 return None
-        return None if callable(ctypes.CDLL("libcuda.so.1").cuDeviceGetCount) else "libcuda has no cuDeviceGetCount"
+        return (
+            None
+            if callable(ctypes.CDLL("libcuda.so.1").cuDeviceGetCount)
+            else "libcuda has no cuDeviceGetCount"
+        )
     except (OSError, AttributeError) as err:
         return f"libcuda.so.1's cuDeviceGetCount cannot be found: {err}"
 
@@ -179,13 +200,15 @@ INTERNALS = [
     Internal(
         "libcuda cuDeviceGetCount (ctypes)",
         "CPython",
-        "the fork server refuses to fork when importing initialised the CUDA driver (a fork could not use CUDA)",
+        "the fork server refuses to fork when importing initialised the CUDA driver (a fork could "
+        "not use CUDA)",
         _check_cuda_probe,
     ),
     Internal(
         "the command-line memory of /proc/self/stat (ctypes)",
         "CPython",
-        "a forked worker's guard shows a command line of its own (`pkill -f` finds the worker, not its guard)",
+        "a forked worker's guard shows a command line of its own (`pkill -f` finds the worker, "
+        "not its guard)",
         _check_command_line,
     ),
 ]

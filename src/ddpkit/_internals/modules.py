@@ -1,10 +1,11 @@
 """``torch.nn`` modules, where ddpkit reaches past their public API.
 
-- ``nn.modules.batchnorm._BatchNorm``: the base of ``BatchNorm1d/2d/3d``, which ddpkit's CPU SyncBatchNorm
-  subclasses (:class:`BatchNormBase`), with the ``_check_input_dim`` it asks a subclass for.
+- ``nn.modules.batchnorm._BatchNorm``: the base of ``BatchNorm1d/2d/3d``, which ddpkit's CPU
+  SyncBatchNorm subclasses (:class:`BatchNormBase`), with the ``_check_input_dim`` it asks a
+  subclass for.
 - ``OptimizedModule._orig_mod``: the module ``torch.compile`` wraps (:func:`compiled_inner`).
-- ``Module._buffers``: the dict a module keeps its buffers in; ddpkit's memory snapshots hold (dict, name)
-  pairs to find each buffer's current tensor in ~10 us a step (:func:`buffer_slots`).
+- ``Module._buffers``: the dict a module keeps its buffers in; ddpkit's memory snapshots hold (dict,
+  name) pairs to find each buffer's current tensor in ~10 us a step (:func:`buffer_slots`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from ddpkit._internals.contract import Internal
 
 
 class BatchNormBase(nn.modules.batchnorm._BatchNorm):
-    """torch's base of the BatchNorm layers, for inputs of any number of dimensions from 2 (``N, C, ...``)."""
+    """torch's base of the BatchNorm layers, for inputs of any number of dimensions from 2
+    (``N, C, ...``)."""
 
     def check_input(self, input: torch.Tensor) -> None:
         self._check_input_dim(input)
@@ -44,8 +46,8 @@ def compiled_inner(module: nn.Module) -> nn.Module | None:
 
 
 def buffer_slots(module: nn.Module) -> list[tuple[dict[str, Any], str]]:
-    """(the dict, the name) of each buffer of ``module`` and its submodules: ``slot[0][slot[1]]`` is the
-    buffer's tensor now, whatever ``load_state_dict`` or a step put there since."""
+    """(the dict, the name) of each buffer of ``module`` and its submodules: ``slot[0][slot[1]]`` is
+    the buffer's tensor now, whatever ``load_state_dict`` or a step put there since."""
     return [(m._buffers, name) for m in module.modules() for name in m._buffers]
 
 
@@ -53,12 +55,15 @@ def _check_batchnorm() -> str | None:
     base = getattr(nn.modules.batchnorm, "_BatchNorm", None)
     if base is None or not issubclass(nn.BatchNorm2d, base):
         return "nn.modules.batchnorm._BatchNorm is not the base of BatchNorm2d"
-    return None if callable(getattr(base, "_check_input_dim", None)) else "it asks no _check_input_dim"
+    return (
+        None if callable(getattr(base, "_check_input_dim", None)) else "it asks no _check_input_dim"
+    )
 
 
 def _check_compiled() -> str | None:
     wrapped = nn.Linear(1, 1)
-    compiled: Any = torch.compile(wrapped)  # wraps at once; compiles at the first call, which never comes here
+    # wraps at once; compiles at the first call, which never comes here
+    compiled: Any = torch.compile(wrapped)
     found = compiled_inner(compiled)
     return None if found is wrapped else "a compiled module's _orig_mod is not the module compiled"
 
@@ -74,12 +79,22 @@ def _check_buffers() -> str | None:
 
 
 INTERNALS = [
-    Internal("torch.nn.modules.batchnorm._BatchNorm", "torch", "SyncBatchNorm on the CPU (gloo)", _check_batchnorm),
+    Internal(
+        "torch.nn.modules.batchnorm._BatchNorm",
+        "torch",
+        "SyncBatchNorm on the CPU (gloo)",
+        _check_batchnorm,
+    ),
     Internal(
         "torch._dynamo OptimizedModule._orig_mod",
         "torch",
         "unwrap() and no_sync() see through torch.compile's wrapper",
         _check_compiled,
     ),
-    Internal("torch.nn.Module._buffers", "torch", "memory snapshots find each buffer's tensor cheaply", _check_buffers),
+    Internal(
+        "torch.nn.Module._buffers",
+        "torch",
+        "memory snapshots find each buffer's tensor cheaply",
+        _check_buffers,
+    ),
 ]

@@ -1,12 +1,13 @@
 """Optimizers, learning-rate schedulers and gradients, where ddpkit reaches past torch's public API.
 
-- An LR scheduler wraps its optimizer's ``step`` and marks it (``_wrapped_by_lr_sched``), and the wrapper
-  sets ``optimizer._opt_called`` when it runs: the scheduler warns "lr_scheduler.step() before
-  optimizer.step()" when the mark is missing. ddpkit moves a scheduler to the optimizer a strategy built
-  (ZeRO's), and gives that optimizer the same marks (:func:`mark_stepped_like`).
-- ``torch._amp_foreach_non_finite_check_and_unscale_``: the fused check GradScaler uses, one kernel per
-  device and dtype for "is any gradient inf or NaN" (:func:`any_non_finite`).
-- ``Tensor._values()``: the stored values of a sparse gradient (``nn.Embedding(sparse=True)``), uncoalesced.
+- An LR scheduler wraps its optimizer's ``step`` and marks it (``_wrapped_by_lr_sched``), and the
+  wrapper sets ``optimizer._opt_called`` when it runs: the scheduler warns "lr_scheduler.step()
+  before optimizer.step()" when the mark is missing. ddpkit moves a scheduler to the optimizer a
+  strategy built (ZeRO's), and gives that optimizer the same marks (:func:`mark_stepped_like`).
+- ``torch._amp_foreach_non_finite_check_and_unscale_``: the fused check GradScaler uses, one kernel
+  per device and dtype for "is any gradient inf or NaN" (:func:`any_non_finite`).
+- ``Tensor._values()``: the stored values of a sparse gradient (``nn.Embedding(sparse=True)``),
+  uncoalesced.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ _MARK = "_wrapped_by_lr_sched"
 
 
 def mark_stepped_like(old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
-    """Where a scheduler marked ``old.step``, wrap ``new.step`` the same way, so that the scheduler moved to
-    ``new`` does not warn that it stepped before the optimizer."""
+    """Where a scheduler marked ``old.step``, wrap ``new.step`` the same way, so that the scheduler
+    moved to ``new`` does not warn that it stepped before the optimizer."""
     if not hasattr(old.step, _MARK):
         return
     step = new.step
@@ -36,26 +37,31 @@ def mark_stepped_like(old: torch.optim.Optimizer, new: torch.optim.Optimizer) ->
 
 
 def any_non_finite(group: list[torch.Tensor], flag: torch.Tensor, one: torch.Tensor) -> bool:
-    """Whether any tensor of ``group`` (one device and dtype) holds inf or NaN: ``flag`` (zeroed) is set by
-    torch's fused check, ``one`` is its scale."""
+    """Whether any tensor of ``group`` (one device and dtype) holds inf or NaN: ``flag`` (zeroed) is
+    set by torch's fused check, ``one`` is its scale."""
     torch._amp_foreach_non_finite_check_and_unscale_(group, flag, one)
     return bool(flag.item())
 
 
 def sparse_values(t: torch.Tensor) -> torch.Tensor:
-    """The stored values of a sparse tensor, uncoalesced (coalescing would sum, and could overflow)."""
+    """The stored values of a sparse tensor, uncoalesced (coalescing would sum, and could
+    overflow)."""
     return t._values()
 
 
 def _check_scheduler_marks() -> str | None:
-    # A scheduler on a throwaway optimizer: it marks the optimizer's step at construction, and the marked step
-    # sets _opt_called when it runs.
+    # A scheduler on a throwaway optimizer: it marks the optimizer's step at construction, and the
+    # marked step sets _opt_called when it runs.
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
     torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: 1.0)
     if not hasattr(optimizer.step, _MARK):
         return f"a scheduler no longer marks its optimizer's step with {_MARK}"
     optimizer.step()
-    return None if getattr(optimizer, "_opt_called", False) else "the marked step no longer sets _opt_called"
+    return (
+        None
+        if getattr(optimizer, "_opt_called", False)
+        else "the marked step no longer sets _opt_called"
+    )
 
 
 def _check_fused_check() -> str | None:
@@ -71,7 +77,11 @@ def _check_sparse_values() -> str | None:
     t = torch.sparse_coo_tensor(
         torch.tensor([[0, 0]]), torch.tensor([1.0, 2.0]), (3,), check_invariants=False
     )  # two at one index: uncoalesced
-    return None if t._values().tolist() == [1.0, 2.0] else "_values() of an uncoalesced tensor is not its stored values"
+    return (
+        None
+        if t._values().tolist() == [1.0, 2.0]
+        else "_values() of an uncoalesced tensor is not its stored values"
+    )
 
 
 INTERNALS = [
@@ -87,5 +97,10 @@ INTERNALS = [
         "one fused inf/NaN check of all gradients per device and dtype",
         _check_fused_check,
     ),
-    Internal("torch.Tensor._values", "torch", "the inf/NaN check of sparse gradients", _check_sparse_values),
+    Internal(
+        "torch.Tensor._values",
+        "torch",
+        "the inf/NaN check of sparse gradients",
+        _check_sparse_values,
+    ),
 ]

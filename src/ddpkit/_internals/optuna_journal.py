@@ -1,17 +1,18 @@
 """Optuna's storages, where ddpkit's search reaches past their public API.
 
-- ``optuna.storages.journal._storage.JournalOperation``: the operation codes of a journal's records. Before
-  Optuna reads a journal, :func:`ddpkit.search._study.check_journal` refuses a record whose ``op_code`` is not
-  one of them, naming the line (Optuna's own replay fails on it with a bare ``AssertionError``, or skips it
-  under ``python -O``).
-- ``optuna.storages.get_storage``: the storage object a study opened on a storage writes through (Optuna puts
-  a cache in front of an ``RDBStorage``). A search creates each trial with its tag in one write through that
-  object's public ``create_new_trial``; a write that went around the cache would leave a trial the study's
-  cache does not know.
+- ``optuna.storages.journal._storage.JournalOperation``: the operation codes of a journal's records.
+  Before Optuna reads a journal, :func:`ddpkit.search._study.check_journal` refuses a record whose
+  ``op_code`` is not one of them, naming the line (Optuna's own replay fails on it with a bare
+  ``AssertionError``, or skips it under ``python -O``).
+- ``optuna.storages.get_storage``: the storage object a study opened on a storage writes through
+  (Optuna puts a cache in front of an ``RDBStorage``). A search creates each trial with its tag in
+  one write through that object's public ``create_new_trial``; a write that went around the cache
+  would leave a trial the study's cache does not know.
 
-Optuna is an optional extra (``ddpkit[search]``): this module imports without it, its records are listed all
-the same, and their checks return None (nothing to check, nothing relies on them) where Optuna is not
-installed. :func:`ddpkit._internals.contract.version_of` then names it "not installed".
+Optuna is an optional extra (``ddpkit[search]``): this module imports without it, its records are
+listed all the same, and their checks return None (nothing to check, nothing relies on them) where
+Optuna is not installed. :func:`ddpkit._internals.contract.version_of` then names it "not
+installed".
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ def journal_operations() -> frozenset[int]:
     return frozenset(int(op) for op in JournalOperation)
 
 
-# A step as Optuna reports it (an int >= 0) below 2**61 - 1, where Python's hash of an int wraps: larger ones can
-# share one hash, and a dict of them costs time quadratic in their number.
+# A step as Optuna reports it (an int >= 0) below 2**61 - 1, where Python's hash of an int
+# wraps: larger ones can share one hash, and a dict of them costs time quadratic in their number.
 STEP_LIMIT = 2**61 - 1
 
 
@@ -39,31 +40,36 @@ _FINISHED = (1, 2, 3)  # TrialState COMPLETE, PRUNED, FAIL
 
 
 class ReplayWork:
-    """The work of Optuna's replay of a journal (``JournalStorageReplayResult.apply_logs``, Optuna 3 to 5),
-    counted from the records in constant time each, in entries copied or trials scanned.
+    """The work of Optuna's replay of a journal (``JournalStorageReplayResult.apply_logs``, Optuna 3
+    to 5), counted from the records in constant time each, in entries copied or trials scanned.
 
-    Each record's work grows with those before it: a new study is compared with every study's name, a trial's
-    parameter is looked for in the study's trials up to the first that has it, and an attribute, parameter or
-    intermediate value copies the dict it goes into. A journal of 16,000 trials, each with a parameter of its
-    own (5 MB), took 230 s to replay. Counts stand for dicts (a key set twice counts twice): never less than
-    the work done."""
+    Each record's work grows with those before it: a new study is compared with every study's name,
+    a trial's parameter is looked for in the study's trials up to the first that has it, and an
+    attribute, parameter or intermediate value copies the dict it goes into. A journal of 16,000
+    trials, each with a parameter of its own (5 MB), took 230 s to replay. Counts stand for dicts (a
+    key set twice counts twice): never less than the work done."""
 
     def __init__(self) -> None:
         self.total = 0
         self._live: dict[str, int] = {}  # a live study's name -> its id
         self._names: list[str | None] = []  # study id -> its name while it lives
-        self._trials_of: list[int] = []  # study id -> its trials (kept when it is deleted, as Optuna does)
+        # study id -> its trials (kept when it is deleted, as Optuna does)
+        self._trials_of: list[int] = []
         self._study_attrs: list[int] = []
         self._trials: list[tuple[int, int]] = []  # trial id -> (study id, its number in the study)
         self._entries: list[int] = []  # trial id -> its params, attributes and intermediate values
         self._done: list[bool] = []  # trial id -> finished (Optuna sets nothing more on it)
-        self._first: dict[tuple[int, str], int] = {}  # (study, param) -> the first trial number with it
+        # (study, param) -> the first trial number with it
+        self._first: dict[tuple[int, str], int] = {}
 
     def add(self, record: dict[str, Any]) -> int:
-        """Count ``record`` (already checked to have a known ``op_code``); the work of all so far."""
+        """Count ``record`` (already checked to have a known ``op_code``); the work of all so
+        far."""
         op, trial = record["op_code"], record.get("trial_id")
         study: Any = record.get("study_id")
-        live = type(study) is int and 0 <= study < len(self._names) and self._names[study] is not None
+        live = (
+            type(study) is int and 0 <= study < len(self._names) and self._names[study] is not None
+        )
         if op == 0 and isinstance(record.get("study_name"), str):  # CREATE_STUDY
             self.total += len(self._live)
             if record["study_name"] not in self._live:
@@ -82,9 +88,11 @@ class ReplayWork:
             self._trials_of[study] += 1
             self._entries.append(0)
             self._done.append(record.get("state") in _FINISHED)
-        elif op == 6 and type(trial) is int and 0 <= trial < len(self._trials):  # SET_TRIAL_STATE_VALUES
+        # SET_TRIAL_STATE_VALUES
+        elif op == 6 and type(trial) is int and 0 <= trial < len(self._trials):
             self._done[trial] = self._done[trial] or record.get("state") in _FINISHED
-        elif op in (5, 7, 8, 9) and type(trial) is int and 0 <= trial < len(self._trials):  # SET_TRIAL_*
+        # SET_TRIAL_*
+        elif op in (5, 7, 8, 9) and type(trial) is int and 0 <= trial < len(self._trials):
             self.total += self._entries[trial]
             self._entries[trial] += 1
             name = record.get("param_name")
@@ -98,8 +106,9 @@ class ReplayWork:
 
 
 def study_storage(storage: Any) -> Any:
-    """The storage a study opened on ``storage`` writes through; pass it to ``optuna.create_study`` /
-    ``load_study`` and write through it, so that the study and ddpkit's own writes share one cache."""
+    """The storage a study opened on ``storage`` writes through; pass it to ``optuna.create_study``
+    / ``load_study`` and write through it, so that the study and ddpkit's own writes share one
+    cache."""
     import optuna
 
     return optuna.storages.get_storage(storage)
@@ -128,7 +137,8 @@ def _check_journal_operations() -> str | None:
     if not issubclass(JournalOperation, enum.IntEnum):
         return "JournalOperation is no IntEnum"
 
-    class Records(BaseJournalBackend):  # a journal in memory: what Optuna writes, as ddpkit's check reads it
+    # a journal in memory: what Optuna writes, as ddpkit's check reads it
+    class Records(BaseJournalBackend):
         def __init__(self) -> None:
             self.logs: list[dict[str, Any]] = []
 
@@ -185,7 +195,8 @@ def _check_study_storage() -> str | None:
             study_id = storage.get_study_id_from_name(study.study_name)
             template = create_trial(state=TrialState.RUNNING, user_attrs={"tag": 1})
             trial = optuna.Trial(study, storage.create_new_trial(study_id, template_trial=template))
-            trial.suggest_float("x", 0.0, 1.0)  # through the cache: refused if it does not know the trial
+            # through the cache: refused if it does not know the trial
+            trial.suggest_float("x", 0.0, 1.0)
             found = study.get_trials(deepcopy=False)
     finally:
         optuna.logging.set_verbosity(verbosity)
@@ -206,7 +217,8 @@ INTERNALS = [
     Internal(
         "optuna.storages.get_storage",
         "Optuna",
-        "a search on an RDB storage creates each trial with its tag in one write (a kill cannot leave an untagged one)",
+        "a search on an RDB storage creates each trial with its tag in one write (a kill cannot "
+        "leave an untagged one)",
         _check_study_storage,
     ),
 ]

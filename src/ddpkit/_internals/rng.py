@@ -1,11 +1,13 @@
-"""Random generators' states read as raw bytes, where a public read copies them slowly: the loader's watch for
-draws (:mod:`ddpkit.data._sample_seeding`) reads them around every batch.
+"""Random generators' states read as raw bytes, where a public read copies them slowly: the loader's
+watch for draws (:mod:`ddpkit.data._sample_seeding`) reads them around every batch.
 
 - numpy's MT19937 bit generator: its words at the address the documented ctypes interface gives
-  (``BitGenerator.ctypes.state_address``), in the layout of numpy's ``mt19937_state`` struct (624 uint32 words,
-  then the position as a C int): <1 us, where the public ``state`` property copies the words one by one
-  (~65 us). The layout is checked against that property once per bit generator (:func:`mt19937_words`).
-- A tensor's bytes read at its ``data_ptr()`` (:func:`tensor_bytes`): ~3 us less than ``.numpy().tobytes()``.
+  (``BitGenerator.ctypes.state_address``), in the layout of numpy's ``mt19937_state`` struct (624
+  uint32 words, then the position as a C int): <1 us, where the public ``state`` property copies the
+  words one by one (~65 us). The layout is checked against that property once per bit generator
+  (:func:`mt19937_words`).
+- A tensor's bytes read at its ``data_ptr()`` (:func:`tensor_bytes`): ~3 us less than
+  ``.numpy().tobytes()``.
 """
 
 from __future__ import annotations
@@ -22,15 +24,17 @@ MT19937_BYTES = 624 * 4 + 4
 
 
 class MT19937Words:
-    """Reads a numpy MT19937 bit generator's words, once its layout was checked against its public ``state``."""
+    """Reads a numpy MT19937 bit generator's words, once its layout was checked against its public
+    ``state``."""
 
     def __init__(self) -> None:
         self.checked: tuple[int, int] | None = None
         """``(id, state address)`` of the bit generator whose layout was checked."""
 
     def __call__(self, bitgen: Any) -> bytes | None:
-        """The state's bytes (the words, then the position); None where ``bitgen`` is not an MT19937 or its
-        layout differs from the one read here (the caller then reads the public ``state``)."""
+        """The state's bytes (the words, then the position); None where ``bitgen`` is not an MT19937
+        or its layout differs from the one read here (the caller then reads the public
+        ``state``)."""
         if type(bitgen).__name__ != "MT19937":
             return None
         address = bitgen.ctypes.state_address
@@ -51,10 +55,13 @@ def _layout_problem(bitgen: Any, words: bytes) -> str | None:
 
 
 def words_position(words: bytes) -> tuple[Any, int]:
-    """The key (a uint32 array) and the position of :class:`MT19937Words`' bytes, for ``set_state``."""
+    """The key (a uint32 array) and the position of :class:`MT19937Words`' bytes, for
+    ``set_state``."""
     import numpy as np
 
-    return np.frombuffer(words[:-4], dtype=np.uint32), int.from_bytes(words[-4:], sys.byteorder, signed=True)
+    return np.frombuffer(words[:-4], dtype=np.uint32), int.from_bytes(
+        words[-4:], sys.byteorder, signed=True
+    )
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
@@ -73,14 +80,19 @@ def _check_mt19937() -> str | None:
 
 def _check_tensor_bytes() -> str | None:
     state = torch.default_generator.get_state()
-    return None if tensor_bytes(state) == bytes(state.tolist()) else "a tensor's bytes at data_ptr() differ"
+    return (
+        None
+        if tensor_bytes(state) == bytes(state.tolist())
+        else "a tensor's bytes at data_ptr() differ"
+    )
 
 
 INTERNALS = [
     Internal(
         "numpy.random.MT19937 state struct (key[624], pos) at ctypes.state_address",
         "numpy",
-        "the loader's watch for draws reads numpy's words in <1 us; where it differs, through the public state",
+        "the loader's watch for draws reads numpy's words in <1 us; where it differs, through the "
+        "public state",
         _check_mt19937,
     ),
     Internal(

@@ -1,14 +1,15 @@
 """The TCPStore a launcher serves on a socket it bound itself, and torchrun's agent-store contract.
 
-ddpkit binds the store's listening socket itself (to one address, port chosen by the kernel or by the agent)
-and hands it to torch as ``master_listen_fd``. torch's libuv store backend, the default since 2.4, accepts
-such a socket only from torch 2.8 (before, it raises ``NotImplementedError``); the older, threaded backend
-has always accepted it, so below 2.8 that one serves the store. Both speak the same protocol: clients of
-either backend connect to it.
+ddpkit binds the store's listening socket itself (to one address, port chosen by the kernel or by
+the agent) and hands it to torch as ``master_listen_fd``. torch's libuv store backend, the default
+since 2.4, accepts such a socket only from torch 2.8 (before, it raises ``NotImplementedError``);
+the older, threaded backend has always accepted it, so below 2.8 that one serves the store. Both
+speak the same protocol: clients of either backend connect to it.
 
-``TORCHELASTIC_USE_AGENT_STORE=True`` in a worker's environment tells torch's ``env://`` rendezvous (which
-``init_process_group`` uses) to connect to the store as a client on every rank, rank 0 too, rather than have
-rank 0 start one: read in ``torch.distributed.rendezvous``; not a documented variable.
+``TORCHELASTIC_USE_AGENT_STORE=True`` in a worker's environment tells torch's ``env://`` rendezvous
+(which ``init_process_group`` uses) to connect to the store as a client on every rank, rank 0 too,
+rather than have rank 0 start one: read in ``torch.distributed.rendezvous``; not a documented
+variable.
 """
 
 from __future__ import annotations
@@ -33,7 +34,13 @@ def serve_store(listener_fd: int, host: str, port: int, timeout: timedelta) -> A
 
     kwargs: dict[str, Any] = {} if torch_at_least(LIBUV_LISTEN_FD) else {"use_libuv": False}
     return dist.TCPStore(
-        host, port, is_master=True, wait_for_workers=False, timeout=timeout, master_listen_fd=listener_fd, **kwargs
+        host,
+        port,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timeout,
+        master_listen_fd=listener_fd,
+        **kwargs,
     )
 
 
@@ -60,7 +67,8 @@ def _check_agent_store() -> str | None:
 def _check_listen_fd() -> str | None:
     import torch.distributed as dist
 
-    doc = dist.TCPStore.__init__.__doc__ or ""  # a pybind constructor: its signature is in its docstring
+    # a pybind constructor: its signature is in its docstring
+    doc = dist.TCPStore.__init__.__doc__ or ""
     return None if "master_listen_fd" in doc else "TCPStore takes no master_listen_fd"
 
 
@@ -68,8 +76,9 @@ INTERNALS = [
     Internal(
         f"torch.distributed.rendezvous: {AGENT_STORE_VARIABLE}",
         "torch",
-        "every rank connects to the store that rank 0's worker (or the agent) serves on one address; without "
-        "it rank 0's init_process_group would start a second store on every interface",
+        "every rank connects to the store that rank 0's worker (or the agent) serves on one "
+        "address; without it rank 0's init_process_group would start a second store on every "
+        "interface",
         _check_agent_store,
     ),
     Internal(

@@ -19,7 +19,8 @@ FLOOR = (2, 6)
 
 
 def parse_version(text: str) -> tuple[int, int]:
-    """``(major, minor)`` of a torch version string: ``2.6.0+cu124``, ``2.16.0a0+git1234``, ``2.13.0``."""
+    """``(major, minor)`` of a torch version string: ``2.6.0+cu124``, ``2.16.0a0+git1234``,
+    ``2.13.0``."""
     found = re.match(r"\s*(\d+)\.(\d+)", text)
     if found is None:
         raise ValueError(f"not a torch version: {text!r}")
@@ -34,12 +35,15 @@ def torch_at_least(version: tuple[int, int]) -> bool:
 
 
 def require_torch(feature: str, version: tuple[int, int], instead: str = "") -> None:
-    """Raise a ConfigError naming ``feature``, the torch it needs and the one installed, below ``version``."""
+    """Raise a ConfigError naming ``feature``, the torch it needs and the one installed, below
+    ``version``."""
     if TORCH_VERSION >= version:
         return
     needed = ".".join(map(str, version))
     hint = f", or {instead}" if instead else ""
-    raise ConfigError(f"{feature} needs torch >= {needed}; this is torch {torch.__version__}: upgrade torch{hint}")
+    raise ConfigError(
+        f"{feature} needs torch >= {needed}; this is torch {torch.__version__}: upgrade torch{hint}"
+    )
 
 
 INTERNALS: list[Internal] = []  # public version strings only

@@ -2,19 +2,23 @@
 
 Changes to the agent torchrun has no option for (a subclass, installed by :func:`install`):
 
-- a worker that exits with :data:`~ddpkit._errors.PREEMPTED_EXIT_CODE` saved its snapshot because it was told
-  to stop, so the agent does not restart it, and ``ddpkit run`` exits with that code;
-- SIGTERM, SIGUSR1 and SIGUSR2 reach the workers instead of ending the agent; and when a worker fails with an exception,
-  the agent asks the workers still running for their stacks (SIGUSR2, see :mod:`ddpkit._launch.worker`) before it
-  stops them, so that a hang's summary says where every rank was;
+- a worker that exits with :data:`~ddpkit._errors.PREEMPTED_EXIT_CODE` saved its snapshot because it
+  was told to stop, so the agent does not restart it, and ``ddpkit run`` exits with that code;
+- SIGTERM, SIGUSR1 and SIGUSR2 reach the workers instead of ending the agent; and when a worker
+  fails with an exception, the agent asks the workers still running for their stacks (SIGUSR2, see
+  :mod:`ddpkit._launch.worker`) before it stops them, so that a hang's summary says where every rank
+  was;
 - once the workers are stopped, so is every process they started (:mod:`ddpkit._launch.proctree`);
 - the job gets a folder in shared memory for the workers' snapshots in memory
-  (:mod:`ddpkit.snapshot._memory.folder`), made once per job and removed when the job ends, however it ends;
-- workers are forked from a server that imported torch once for the job (:mod:`ddpkit._launch.forked_workers`),
-  so a restart does not start an interpreter and import torch again;
-- a rank that stops making progress while the others wait for it is named in seconds, and the job ended
-  (:mod:`ddpkit._launch.watch`), across nodes through the rendezvous store (:mod:`ddpkit._launch.watch_nodes`);
-  before each restart the failure is summarised as at a job's end.
+  (:mod:`ddpkit.snapshot._memory.folder`), made once per job and removed when the job ends, however
+  it ends;
+- workers are forked from a server that imported torch once for the job
+  (:mod:`ddpkit._launch.forked_workers`), so a restart does not start an interpreter and import
+  torch again;
+- a rank that stops making progress while the others wait for it is named in seconds, and the job
+  ended (:mod:`ddpkit._launch.watch`), across nodes through the rendezvous store
+  (:mod:`ddpkit._launch.watch_nodes`); before each restart the failure is summarised as at a job's
+  end.
 """
 
 from __future__ import annotations
@@ -39,7 +43,11 @@ from ddpkit.snapshot._memory import folder as memory_folder
 
 
 def _describe(rank: int, failure: Any, stall: watch.Stall | None = None) -> str:
-    how = f"killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+    how = (
+        f"killed by {failure.signal_name()}"
+        if failure.exitcode < 0
+        else f"exit code {failure.exitcode}"
+    )
     if stall is not None and rank in stall.ranks:
         how = f"stalled, ended by the stall watch ({how})"
     return f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid}): {how}"
@@ -50,16 +58,22 @@ def _recorded(failure: Any) -> tuple[str, list[str]]:
     if not isinstance(data, dict):
         return "", []
     stack = data.get("extraInfo", {}).get("py_callstack", "").rstrip().splitlines()
-    # Drop the frames of the launch machinery (torch's @record wrapper, ddpkit._launch.worker, runpy): the user's
-    # frames start after the last runpy frame.
+    # Drop the frames of the launch machinery (torch's @record wrapper, ddpkit._launch.worker,
+    # runpy): the user's frames start after the last runpy frame.
     runpy_frames = [i for i, line in enumerate(stack) if "<frozen runpy>" in line]
     if runpy_frames:
         stack = stack[runpy_frames[-1] + 1 :]
     return data.get("message", ""), stack
 
 
-# What a rank's collective says when a peer process went away: the failure of another rank, not a cause.
-_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket closed")
+# What a rank's collective says when a peer process went away: the failure of another rank, not a
+# cause.
+_PEER_LOST = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Socket closed",
+)
 
 
 def _peer_lost(failure: Any) -> bool:
@@ -67,26 +81,28 @@ def _peer_lost(failure: Any) -> bool:
     return any(text in message for text in _PEER_LOST)
 
 
-# Signals the launcher itself sends to workers: a worker ended by one is a consequence of another's failure.
+# Signals the launcher itself sends to workers: a worker ended by one is a consequence of another's
+# failure.
 _OUR_SIGNALS = (-signal.SIGTERM, -signal.SIGUSR2)
 
 
 def cause(failures: dict[int, Any], stall: watch.Stall | None = None) -> tuple[int, Any]:
     """(rank, failure) of the worker whose failure ended the job.
 
-    Once one rank fails its peers fail too: a collective loses its peer, or the agent stops them. torchrun
-    orders failures by time, in whole seconds, stamped when a worker wrote its error or when the agent polled
-    it, so the first in time can be a consequence. In order of preference: an exception that is not a lost
-    peer, an exit with an error code, a death by a signal the launcher did not send (SIGKILL, SIGSEGV, the OOM
-    killer), then the earliest. A rank the stall watch named (``stall``) comes before all of them: the others'
-    errors followed from its kill.
+    Once one rank fails its peers fail too: a collective loses its peer, or the agent stops them.
+    torchrun orders failures by time, in whole seconds, stamped when a worker wrote its error or
+    when the agent polled it, so the first in time can be a consequence. In order of preference: an
+    exception that is not a lost peer, an exit with an error code, a death by a signal the launcher
+    did not send (SIGKILL, SIGSEGV, the OOM killer), then the earliest. A rank the stall watch named
+    (``stall``) comes before all of them: the others' errors followed from its kill.
     """
     by_time = sorted(failures.items(), key=lambda rf: (rf[1].timestamp, rf[0]))
     for rank, failure in by_time:
         if stall is not None and rank in stall.ranks:
             return rank, failure
-    # A rank the agent stopped while it was exiting with its own error keeps that error, but its exit code is
-    # the agent's signal: of two equal errors, the one that exited by itself comes first.
+    # A rank the agent stopped while it was exiting with its own error keeps that error, but its
+    # exit code is the agent's signal: of two equal errors, the one that exited by itself comes
+    # first.
     for rank, failure in sorted(by_time, key=lambda rf: rf[1].exitcode in _OUR_SIGNALS):
         message, _ = _recorded(failure)
         if message and not _peer_lost(failure):
@@ -100,18 +116,24 @@ def cause(failures: dict[int, Any], stall: watch.Stall | None = None) -> tuple[i
     return by_time[0]
 
 
-def summarize_failure(err: Any, tail: int = 12, stall: watch.Stall | None = None, where: str = "") -> str:
-    """The failed ranks: the first to fail with its exception and the end of its traceback, then the rest.
+def summarize_failure(
+    err: Any, tail: int = 12, stall: watch.Stall | None = None, where: str = ""
+) -> str:
+    """The failed ranks: the first to fail with its exception and the end of its traceback, then the
+    rest.
 
-    Once one rank fails, its peers fail too (a collective loses its peer, or the agent stops them), so the
-    first failure in time is the cause and the others are its consequences. ``stall``: what the stall watch
-    named; ``where``: each rank's step and phase at its last mark.
+    Once one rank fails, its peers fail too (a collective loses its peer, or the agent stops them),
+    so the first failure in time is the cause and the others are its consequences. ``stall``: what
+    the stall watch named; ``where``: each rank's step and phase at its last mark.
     """
     failures: dict[int, Any] = getattr(err, "failures", {})
     if not failures:
         return f"ddpkit run: the job failed: {err}"
     first_rank, first = cause(failures, stall)
-    lines = [f"ddpkit run: {len(failures)} worker(s) failed; first: {_describe(first_rank, first, stall)}"]
+    lines = [
+        f"ddpkit run: {len(failures)} worker(s) failed; first: "
+        f"{_describe(first_rank, first, stall)}"
+    ]
     message, stack = _recorded(first)
     if stall is not None and first_rank in stall.ranks:
         # Its stack, and every other rank's, were shown when it was named.
@@ -120,14 +142,18 @@ def summarize_failure(err: Any, tail: int = 12, stall: watch.Stall | None = None
         lines.append(f"  {message}")
         lines += ["  traceback (last lines):"] + [f"    {line}" for line in stack[-tail:]]
     elif first.exitcode < 0:
-        lines.append("  no Python exception: the process was killed (out of memory? the scheduler? a signal?)")
+        lines.append(
+            "  no Python exception: the process was killed (out of memory? the scheduler? a "
+            "signal?)"
+        )
     if where:
         lines.append(f"  where each rank was: {where}")
     others = [r for r in sorted(failures) if r != first_rank]
     for rank in others:
         message, _ = _recorded(failures[rank])
         lines.append(
-            f"  then {_describe(rank, failures[rank], stall)}" + (f": {message.splitlines()[0]}" if message else "")
+            f"  then {_describe(rank, failures[rank], stall)}"
+            + (f": {message.splitlines()[0]}" if message else "")
         )
     return "\n".join(lines)
 
@@ -135,23 +161,31 @@ def summarize_failure(err: Any, tail: int = 12, stall: watch.Stall | None = None
 def preempted(failures: dict[int, Any]) -> bool:
     """True when the workers stopped because they were told to: stopped by a signal, snapshot saved.
 
-    Some worker exited with the pre-empted code; the others have it too, or were ended by the agent's SIGTERM
-    while they were exiting themselves (torchrun stops the group as soon as one worker is gone). A worker that
-    died otherwise (SIGKILL, a crash) is a failure: the 75 of the others is then their answer to the agent's
-    SIGTERM as it tore the group down, and the job is restarted.
+    Some worker exited with the pre-empted code; the others have it too, or were ended by the
+    agent's SIGTERM while they were exiting themselves (torchrun stops the group as soon as one
+    worker is gone). A worker that died otherwise (SIGKILL, a crash) is a failure: the 75 of the
+    others is then their answer to the agent's SIGTERM as it tore the group down, and the job is
+    restarted.
     """
     codes = [f.exitcode for f in failures.values()]
-    return PREEMPTED_EXIT_CODE in codes and all(c in (PREEMPTED_EXIT_CODE, -signal.SIGTERM) for c in codes)
+    return PREEMPTED_EXIT_CODE in codes and all(
+        c in (PREEMPTED_EXIT_CODE, -signal.SIGTERM) for c in codes
+    )
 
 
 def exit_code(err: BaseException) -> int:
-    """The code ``ddpkit run`` exits with: 75 when pre-empted, else that of the failure that ended the job."""
+    """The code ``ddpkit run`` exits with: 75 when pre-empted, else that of the failure that ended
+    the job."""
     failures = getattr(err, "failures", {})
     if not failures:
         return 1
     if preempted(failures):
         return PREEMPTED_EXIT_CODE
-    stall = Agent.current.watch.stall if Agent.current is not None and Agent.current.watch is not None else None
+    stall = (
+        Agent.current.watch.stall
+        if Agent.current is not None and Agent.current.watch is not None
+        else None
+    )
     _, failure = cause(failures, stall)
     if failure.exitcode < 0:
         return 128 - failure.exitcode  # as a shell reports death by signal
@@ -161,15 +195,16 @@ def exit_code(err: BaseException) -> int:
 class Agent(HookedAgent):
     """torchrun's agent, with three changes torchrun has no option for.
 
-    - A worker that exits with :data:`~ddpkit._errors.PREEMPTED_EXIT_CODE` saved its snapshot because it was told
-      to stop: restarting it here would train on after the scheduler's warning. The agent stops instead, and
-      ``ddpkit run`` exits with that code so that the batch script requeues the job.
-    - SIGUSR1 (SLURM's ``--signal`` warning) and SIGTERM reach the workers instead of ending the agent; see
-      ``_forward_signals``.
-    - Stopping the workers (a restart, a failure, a signal) ends every process they started too: torchrun
-      signals a worker's process group only while the worker runs, and misses what left the group. The
-      launcher makes the agent a child subreaper, so all that is still below it then is the job's
-      (:mod:`ddpkit._launch.proctree`).
+    - A worker that exits with :data:`~ddpkit._errors.PREEMPTED_EXIT_CODE` saved its snapshot
+      because it was told to stop: restarting it here would train on after the scheduler's warning.
+      The agent stops instead, and ``ddpkit run`` exits with that code so that the batch script
+      requeues the job.
+    - SIGUSR1 (SLURM's ``--signal`` warning) and SIGTERM reach the workers instead of ending the
+      agent; see ``_forward_signals``.
+    - Stopping the workers (a restart, a failure, a signal) ends every process they started too:
+      torchrun signals a worker's process group only while the worker runs, and misses what left the
+      group. The launcher makes the agent a child subreaper, so all that is still below it then is
+      the job's (:mod:`ddpkit._launch.proctree`).
     """
 
     current: Agent | None = None
@@ -182,7 +217,11 @@ class Agent(HookedAgent):
         self._watched: int | None = None
         self._published_to: Any = None
         folder, stacks = os.environ.get(watch.DIR_ENV), os.environ.get("DDPKIT_STACK_DIR")
-        self.watch = watch.Watch(Path(folder), self.policy, Path(stacks) if stacks else None) if folder else None
+        self.watch = (
+            watch.Watch(Path(folder), self.policy, Path(stacks) if stacks else None)
+            if folder
+            else None
+        )
         self.where = ""
         """Each rank's step and phase at its last mark, when the last attempt failed."""
         Agent.current = self
@@ -196,14 +235,22 @@ class Agent(HookedAgent):
         if self._watched != attempt and processes:
             self._watched = attempt
             self.watch.start_attempt(
-                {w.global_rank: (w.local_rank, processes[w.local_rank].pid) for w in worker_group.workers}
+                {
+                    w.global_rank: (w.local_rank, processes[w.local_rank].pid)
+                    for w in worker_group.workers
+                }
             )
-        store = getattr(worker_group, "store", None)  # the rendezvous round's: a new one at each restart
+        # the rendezvous round's: a new one at each restart
+        store = getattr(worker_group, "store", None)
         if store is not None and self._published_to is not store and processes:
             self._published_to = store
             addr = getattr(worker_group.spec, "local_addr", None)  # not in every torch version
-            self.watch.connect(store, worker_group.group_rank or 0, worker_group.group_world_size or 1, addr)
-        running = {w.global_rank for w in worker_group.workers if processes[w.local_rank].poll() is None}
+            self.watch.connect(
+                store, worker_group.group_rank or 0, worker_group.group_world_size or 1, addr
+            )
+        running = {
+            w.global_rank for w in worker_group.workers if processes[w.local_rank].poll() is None
+        }
         self.watch.poll(running)
 
     def after_monitor(self, worker_group: Any, result: Any) -> None:
@@ -219,34 +266,45 @@ class Agent(HookedAgent):
         if preempted(result.failures):
             self.stop_restarting()
             return
-        if self.restarts_left() > 0:  # torchrun restarts next: say what failed first, as at a job's end
+        # torchrun restarts next: say what failed first, as at a job's end
+        if self.restarts_left() > 0:
             stall = self.watch.stall if self.watch is not None else None
-            print(summarize_failure(result, stall=stall, where=self.where), file=sys.stderr, flush=True)
             print(
-                f"ddpkit run: restarting the workers ({self.restarts_left() - 1} restart(s) left after this one)",
+                summarize_failure(result, stall=stall, where=self.where),
+                file=sys.stderr,
+                flush=True,
+            )
+            print(
+                f"ddpkit run: restarting the workers ({self.restarts_left() - 1} restart(s) left "
+                "after this one)",
                 file=sys.stderr,
                 flush=True,
             )
 
     def _stacks_before_teardown(self, worker_group: Any) -> None:
-        # torchrun stops the other workers in the same poll that finds a failed one; ask them where they are
-        # first. The exit codes come from the Popen objects torchrun's process context keeps (poll() caches
-        # the code, so its own poll that follows sees the same).
-        # Only after a Python exception (a collective that timed out, an error in user code): its time is in
-        # its error file. A worker killed by a signal has none, and torchrun stamps it when it polls; a delay
-        # here would let a peer's consequent error look earlier than the kill.
+        # torchrun stops the other workers in the same poll that finds a failed one; ask them where
+        # they are first. The exit codes come from the Popen objects torchrun's process context
+        # keeps (poll() caches the code, so its own poll that follows sees the same). Only after a
+        # Python exception (a collective that timed out, an error in user code): its time is in its
+        # error file. A worker killed by a signal has none, and torchrun stamps it when it polls; a
+        # delay here would let a peer's consequent error look earlier than the kill.
         codes = {local: proc.poll() for local, proc in self.worker_processes().items()}
         failed = {
-            local for local, code in codes.items() if code is not None and code > 0 and code != PREEMPTED_EXIT_CODE
+            local
+            for local, code in codes.items()
+            if code is not None and code > 0 and code != PREEMPTED_EXIT_CODE
         }
         attempt = id(self.process_context())
         if failed and self._stacks_asked != attempt:
             self._stacks_asked = attempt
-            running = {w.global_rank: w.id for w in worker_group.workers if codes.get(w.local_rank) is None}
+            running = {
+                w.global_rank: w.id for w in worker_group.workers if codes.get(w.local_rank) is None
+            }
             _ask_for_stacks(running)
         if any(code is not None and code != 0 for code in codes.values()):
-            # torchrun now sends SIGTERM to the rest and waits 30 s before SIGKILL: a stopped process cannot act
-            # on the SIGTERM, and would hold the job's end (or restart) for all of that time.
+            # torchrun now sends SIGTERM to the rest and waits 30 s before SIGKILL: a stopped
+            # process cannot act on the SIGTERM, and would hold the job's end (or restart) for all
+            # of that time.
             for local, proc in self.worker_processes().items():
                 if codes.get(local) is None and watch.process_state(proc.pid).startswith("stopped"):
                     with contextlib.suppress(ProcessLookupError):
@@ -255,8 +313,11 @@ class Agent(HookedAgent):
     def after_shutdown(self) -> None:
         if self.watch is not None:
             self.watch.disconnect()
-        # A worker torchrun gave up on (stuck in the kernel) keeps its Popen, which alone may collect it.
-        unreaped = [proc.pid for proc in self.worker_processes().values() if proc.returncode is None]
+        # A worker torchrun gave up on (stuck in the kernel) keeps its Popen, which alone may
+        # collect it.
+        unreaped = [
+            proc.pid for proc in self.worker_processes().values() if proc.returncode is None
+        ]
         server = forked_workers.current()  # serves the next attempt's workers too
         kill_descendants(keep=unreaped + ([server.pid] if server is not None else []))
 
@@ -266,7 +327,8 @@ class Agent(HookedAgent):
 
 
 def _ask_for_stacks(running: dict[int, int], wait: float = 3.0) -> None:
-    """SIGUSR2 to the workers still running (global rank -> pid); wait briefly for their stacks on disk."""
+    """SIGUSR2 to the workers still running (global rank -> pid); wait briefly for their stacks on
+    disk."""
     folder = os.environ.get("DDPKIT_STACK_DIR")
     if not folder:
         return
@@ -276,8 +338,13 @@ def _ask_for_stacks(running: dict[int, int], wait: float = 3.0) -> None:
             os.kill(pid, signal.SIGUSR2)
             asked.append(Path(folder, f"rank{rank}.txt"))
     deadline = time.monotonic() + wait
-    while asked and time.monotonic() < deadline and not all(p.exists() and p.stat().st_size for p in asked):
-        time.sleep(0.05)  # the workers write from their signal handlers; nothing to wait on but the files
+    while (
+        asked
+        and time.monotonic() < deadline
+        and not all(p.exists() and p.stat().st_size for p in asked)
+    ):
+        # the workers write from their signal handlers; nothing to wait on but the files
+        time.sleep(0.05)
 
 
 def stacks(folder: Path, ranks: Sequence[int], lines: int = 14) -> list[str]:
@@ -286,15 +353,21 @@ def stacks(folder: Path, ranks: Sequence[int], lines: int = 14) -> list[str]:
     for rank in ranks:
         path = folder / f"rank{rank}.txt"
         text = path.read_text(errors="replace") if path.exists() else ""
-        block = text.split("Current thread", 1)[1].splitlines()[1:] if "Current thread" in text else []
+        block = (
+            text.split("Current thread", 1)[1].splitlines()[1:] if "Current thread" in text else []
+        )
         frames = [line.strip() for line in block if line.strip().startswith("File ")]
         frames = [
             f
             for f in frames
-            if "ddpkit/_launch/worker.py" not in f and "<frozen runpy>" not in f and "errors/__init__.py" not in f
+            if "ddpkit/_launch/worker.py" not in f
+            and "<frozen runpy>" not in f
+            and "errors/__init__.py" not in f
         ]
         if frames:
-            out.append(f"  rank {rank} was still running when the first rank failed, at (innermost first):")
+            out.append(
+                f"  rank {rank} was still running when the first rank failed, at (innermost first):"
+            )
             out += [f"    {frame}" for frame in frames[:lines]]
     return out
 
@@ -308,18 +381,20 @@ TERM_GRACE = 60.0
 def _forward_signals() -> None:
     """Pass SIGTERM, SIGUSR1 and SIGUSR2 on to the workers, and let them finish.
 
-    torchrun's agent leaves SIGUSR1 at its default action, so ``srun ddpkit run`` died with exit code 138 on
-    SLURM's warning and the workers' snapshot raced the teardown of the step. On SIGTERM it stops the workers
-    itself and exits 143, whatever they did. Forwarded instead, the workers' Trainer saves and exits with the
-    pre-empted code, which the agent reports. After a SIGTERM the agent restarts nothing, and workers still
-    running after :data:`TERM_GRACE` seconds are killed. SIGINT (Ctrl-C), SIGHUP and SIGQUIT stay torchrun's.
+    torchrun's agent leaves SIGUSR1 at its default action, so ``srun ddpkit run`` died with exit
+    code 138 on SLURM's warning and the workers' snapshot raced the teardown of the step. On SIGTERM
+    it stops the workers itself and exits 143, whatever they did. Forwarded instead, the workers'
+    Trainer saves and exits with the pre-empted code, which the agent reports. After a SIGTERM the
+    agent restarts nothing, and workers still running after :data:`TERM_GRACE` seconds are killed.
+    SIGINT (Ctrl-C), SIGHUP and SIGQUIT stay torchrun's.
     """
 
     def forward(signum: int, frame: Any) -> None:
         agent = Agent.current
         pids = agent.worker_pids() if agent is not None else []
         if signum == signal.SIGTERM:
-            if agent is None or not pids:  # no workers yet (rendezvous) or any more: nothing to save, stop now
+            # no workers yet (rendezvous) or any more: nothing to save, stop now
+            if agent is None or not pids:
                 raise SystemExit(128 + signum)
             agent.stop_restarting()
             timer = threading.Timer(TERM_GRACE, _kill, (pids,))
@@ -329,8 +404,8 @@ def _forward_signals() -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
 
-    # torchrun's process context installs its handlers each time it starts workers; keep it off SIGTERM
-    # (``--signals-to-handle``, and the variable it sets, for versions without the option).
+    # torchrun's process context installs its handlers each time it starts workers; keep it off
+    # SIGTERM (``--signals-to-handle``, and the variable it sets, for versions without the option).
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = TORCHRUN_SIGNALS
     for sig in FORWARDED_SIGNALS:
         signal.signal(sig, forward)
@@ -350,10 +425,11 @@ def install(
     stall: watch.StallPolicy | None = None,
     run_dir: Path | None = None,
 ) -> None:
-    """Make torchrun's ``launch_agent`` build :class:`Agent`, and forward SIGTERM/SIGUSR1/SIGUSR2 to its workers;
-    with ``fork_server``, start the job's fork server (importing ``preload`` too; ``display``: the workers'
-    command, shown on its command line). ``launcher_api``: ``torch.distributed.launcher.api``. ``stall``: the
-    stall watch's policy; the ranks' progress records go to shared memory, else to ``run_dir/progress``.
+    """Make torchrun's ``launch_agent`` build :class:`Agent`, and forward SIGTERM/SIGUSR1/SIGUSR2 to
+    its workers; with ``fork_server``, start the job's fork server (importing ``preload`` too;
+    ``display``: the workers' command, shown on its command line). ``launcher_api``:
+    ``torch.distributed.launcher.api``. ``stall``: the stall watch's policy; the ranks' progress
+    records go to shared memory, else to ``run_dir/progress``.
     """
     use_agent(launcher_api, Agent)
     Agent.policy = stall if stall is not None else watch.StallPolicy(floor=0)
@@ -361,7 +437,8 @@ def install(
     _forward_signals()
     if fork_server:
         forked_workers.install(preload, display)
-    # Made by the agent, which outlives every attempt of the workers: a restarted worker finds its state there.
+    # Made by the agent, which outlives every attempt of the workers: a restarted worker finds its
+    # state there.
     if os.environ.get(memory_folder.OFF_ENV) != "0":
         memory_folder.open_job_folder()
 

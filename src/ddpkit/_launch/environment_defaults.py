@@ -1,7 +1,8 @@
-"""``ddpkit run``'s options from what a platform set in the environment (each platform's ``launch_defaults``,
-:func:`ddpkit.platforms.launch_defaults`: today a Kubernetes operator's ``PET_*``, torchrun's names, and JobSet's
-``JOB_COMPLETION_INDEX``, read by :mod:`ddpkit.platforms._kubernetes`), added to the command line where the user
-typed none, and said once at launch."""
+"""``ddpkit run``'s options from what a platform set in the environment (each platform's
+``launch_defaults``, :func:`ddpkit.platforms.launch_defaults`: today a Kubernetes operator's
+``PET_*``, torchrun's names, and JobSet's ``JOB_COMPLETION_INDEX``, read by
+:mod:`ddpkit.platforms._kubernetes`), added to the command line where the user typed none, and said
+once at launch."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from ddpkit.platforms import _kubernetes as kubernetes
 
 
 def typed_options(ours: Sequence[str], value_options: set[str] | None = None) -> dict[str, str]:
-    """The value options typed in ``ours`` (``--opt value`` or ``--opt=value``), option -> value as typed."""
+    """The value options typed in ``ours`` (``--opt value`` or ``--opt=value``), option -> value as
+    typed."""
     value_options = options.value_options() if value_options is None else value_options
     typed, i = {}, 0
     while i < len(ours) - 1:  # the last token is the script
@@ -25,10 +27,12 @@ def typed_options(ours: Sequence[str], value_options: set[str] | None = None) ->
     return typed
 
 
-def with_environment_defaults(ours: list[str], env: Mapping[str, str]) -> tuple[list[str], str | None]:
+def with_environment_defaults(
+    ours: list[str], env: Mapping[str, str]
+) -> tuple[list[str], str | None]:
     """``ours`` with the options a Kubernetes operator set for torchrun (``PET_*``; JobSet's
-    ``JOB_COMPLETION_INDEX``) added where the user gave none, and the line that says so (None if none).
-    A value the user typed that disagrees with the operator's is refused, naming both
+    ``JOB_COMPLETION_INDEX``) added where the user gave none, and the line that says so (None if
+    none). A value the user typed that disagrees with the operator's is refused, naming both
     (:func:`ddpkit.platforms._kubernetes.resolve_options`)."""
     defaults = platforms.launch_defaults(env)
     if not defaults:

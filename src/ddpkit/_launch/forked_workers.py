@@ -1,16 +1,19 @@
-"""The agent's side of the fork server: torchrun's workers forked from :mod:`ddpkit._launch.forkserver`.
+"""The agent's side of the fork server: torchrun's workers forked from
+:mod:`ddpkit._launch.forkserver`.
 
-torchrun's agent starts each worker through a ``SubprocessHandler`` whose ``_popen`` makes a ``Popen``. The
-handler here asks the fork server instead and gets back the pid of a worker that the agent has adopted (its
-child, in a session of its own), wrapped in :class:`ForkedProcess`, which answers what torchrun asks of a
-``Popen``: ``pid``, ``poll``, ``wait``, ``returncode``, signals. Everything else stays torchrun's: the
-process context, the worker's environment and log files, failures, restarts. Where the server cannot serve
-(it is starting, it refused, it died, the command is not a ``ddpkit._launch.worker`` one, NUMA binding wraps
-it), the handler makes the ``Popen`` as torchrun would.
+torchrun's agent starts each worker through a ``SubprocessHandler`` whose ``_popen`` makes a
+``Popen``. The handler here asks the fork server instead and gets back the pid of a worker that the
+agent has adopted (its child, in a session of its own), wrapped in :class:`ForkedProcess`, which
+answers what torchrun asks of a ``Popen``: ``pid``, ``poll``, ``wait``, ``returncode``, signals.
+Everything else stays torchrun's: the process context, the worker's environment and log files,
+failures, restarts. Where the server cannot serve (it is starting, it refused, it died, the command
+is not a ``ddpkit._launch.worker`` one, NUMA binding wraps it), the handler makes the ``Popen`` as
+torchrun would.
 
-Why not torchrun's own ``--start-method forkserver``: it applies to function entrypoints only, whose workers
-are children of multiprocessing's server, in the agent's session, with standard input closed and no ``atexit``
-handlers run; a script entrypoint under this handler keeps every behaviour of a torchrun worker.
+Why not torchrun's own ``--start-method forkserver``: it applies to function entrypoints only, whose
+workers are children of multiprocessing's server, in the agent's session, with standard input closed
+and no ``atexit`` handlers run; a script entrypoint under this handler keeps every behaviour of a
+torchrun worker.
 """
 
 from __future__ import annotations
@@ -27,19 +30,27 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ddpkit._internals.elastic import log_files, popen_override, set_handler_factory, subprocess_handler_base, warn_once
+from ddpkit._internals.elastic import (
+    log_files,
+    popen_override,
+    set_handler_factory,
+    subprocess_handler_base,
+    warn_once,
+)
 from ddpkit._internals.interpreter import forking_problem, warn_interpreter_once
 from ddpkit._launch.forkserver import MAX_MESSAGE, PRELOAD, ignored_signals
 from ddpkit._launch.proctree import wait_exit
 
 READY_TIMEOUT = 300.0
-"""Seconds the first worker waits for the server's imports before it is started as a new interpreter."""
+"""Seconds the first worker waits for the server's imports before it is started as a new
+interpreter."""
 
 _WORKER_COMMAND = ("-u", "-m", "ddpkit._launch.worker")
 
 
 class ForkedProcess:
-    """A worker forked by the server and adopted by this process, as torchrun's handler uses a ``Popen``."""
+    """A worker forked by the server and adopted by this process, as torchrun's handler uses a
+    ``Popen``."""
 
     def __init__(self, pid: int, args: Sequence[str]) -> None:
         self.pid, self.args = pid, list(args)
@@ -80,11 +91,12 @@ class ForkedProcess:
 
 
 class ForkServer:
-    """The job's fork server process, started at once; it imports in the background while the agent waits for
-    the rendezvous."""
+    """The job's fork server process, started at once; it imports in the background while the agent
+    waits for the rendezvous."""
 
     def __init__(self, preload: Sequence[str], display: Sequence[str] = ()) -> None:
-        """``display``: the workers' command, appended to the server's command line for ``ps`` (not read)."""
+        """``display``: the workers' command, appended to the server's command line for ``ps`` (not
+        read)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.sock = ours
         self.why_not: str | None = None
@@ -93,11 +105,20 @@ class ForkServer:
         self._ready: bool | None = None
         modules = ",".join(dict.fromkeys([*PRELOAD, *preload]))
         self.proc = subprocess.Popen(
-            [sys.executable, "-u", "-m", "ddpkit._launch.forkserver", str(theirs.fileno()), str(os.getpid()), modules]
+            [
+                sys.executable,
+                "-u",
+                "-m",
+                "ddpkit._launch.forkserver",
+                str(theirs.fileno()),
+                str(os.getpid()),
+                modules,
+            ]
             + ["--", *display],
             pass_fds=[theirs.fileno()],
             stdin=subprocess.DEVNULL,
-            start_new_session=True,  # out of reach of signals to the job's process group; it dies with the agent
+            # out of reach of signals to the job's process group; it dies with the agent
+            start_new_session=True,
         )
         theirs.close()
 
@@ -118,25 +139,36 @@ class ForkServer:
                 self._ready, self.failed = True, list(reply.get("failed", []))
                 if self.failed:
                     print(
-                        f"ddpkit run: --preload: the fork server could not import {', '.join(self.failed)}; "
-                        "each worker imports what its script imports",
+                        "ddpkit run: --preload: the fork server could not import "
+                        f"{', '.join(self.failed)}; each worker imports what its script imports",
                         file=sys.stderr,
                         flush=True,
                     )
         return self._ready
 
-    def spawn(self, argv: Sequence[str], env: dict[str, str], cwd: str, files: Sequence[int]) -> int | None:
-        """Fork a worker running ``python -u -m ddpkit._launch.worker ARGV`` with ``env`` in ``cwd``, ``files``
-        its standard input, output and error; its pid, or None when the server cannot.
+    def spawn(
+        self, argv: Sequence[str], env: dict[str, str], cwd: str, files: Sequence[int]
+    ) -> int | None:
+        """Fork a worker running ``python -u -m ddpkit._launch.worker ARGV`` with ``env`` in
+        ``cwd``, ``files`` its standard input, output and error; its pid, or None when the server
+        cannot.
 
-        The worker waits for a word on a pipe whose one open end comes back with its pid, and exits if the pipe
-        closes without it: a worker this process did not take (the server died before it answered, or answered
-        too late) never runs next to the new interpreter started for its rank instead."""
+        The worker waits for a word on a pipe whose one open end comes back with its pid, and exits
+        if the pipe closes without it: a worker this process did not take (the server died before it
+        answered, or answered too late) never runs next to the new interpreter started for its rank
+        instead."""
         if not self.ready():
             return None
-        # What a new interpreter started now would inherit of the agent's signals: those it ignores, its mask.
+        # What a new interpreter started now would inherit of the agent's signals: those it ignores,
+        # its mask.
         blocked = sorted(int(signum) for signum in signal.pthread_sigmask(signal.SIG_BLOCK, []))
-        request = {"argv": list(argv), "env": env, "cwd": cwd, "ignored": ignored_signals(), "blocked": blocked}
+        request = {
+            "argv": list(argv),
+            "env": env,
+            "cwd": cwd,
+            "ignored": ignored_signals(),
+            "blocked": blocked,
+        }
         message = json.dumps(request).encode()
         try:
             socket.send_fds(self.sock, [message], list(files))
@@ -168,7 +200,8 @@ class ForkServer:
         if self.why_not is None:
             self.why_not = why
             print(
-                f"ddpkit run: workers start as new interpreters (the fork server cannot fork them: {why})",
+                "ddpkit run: workers start as new interpreters (the fork server cannot fork "
+                f"them: {why})",
                 file=sys.stderr,
                 flush=True,
             )
@@ -208,9 +241,9 @@ def stop() -> None:
 
 
 def _standard_files(logs: tuple[Any, Any]) -> tuple[list[int], list[int]]:
-    """The worker's standard input, output and error: torchrun's log files where it redirects (``logs``), else
-    this process's own (what a ``Popen`` child inherits); and the descriptors opened here, for the caller to
-    close."""
+    """The worker's standard input, output and error: torchrun's log files where it redirects
+    (``logs``), else this process's own (what a ``Popen`` child inherits); and the descriptors
+    opened here, for the caller to close."""
     files, opened = [0, 1, 2], []
     by_fd = {1: logs[0], 2: logs[1]}
     for i in range(3):
@@ -219,7 +252,8 @@ def _standard_files(logs: tuple[Any, Any]) -> tuple[list[int], list[int]]:
             files[i] = log.fileno()
             continue
         try:
-            inherited = os.get_inheritable(i)  # not: one of this process's own (a socket that took a closed fd 0)
+            # not: one of this process's own (a socket that took a closed fd 0)
+            inherited = os.get_inheritable(i)
         except OSError:
             inherited = False
         if not inherited:  # a Popen child would have none there: the worker gets /dev/null instead
@@ -229,8 +263,9 @@ def _standard_files(logs: tuple[Any, Any]) -> tuple[list[int], list[int]]:
 
 
 def _fork(handler: Any, args: Sequence[str], env: dict[str, str]) -> Any:
-    """A worker forked from the server, or None to start it as torchrun does (no server, another command, or
-    log files ddpkit cannot find: forked there, a worker's output would go to the terminal)."""
+    """A worker forked from the server, or None to start it as torchrun does (no server, another
+    command, or log files ddpkit cannot find: forked there, a worker's output would go to the
+    terminal)."""
     server = _server
     if server is None or server.why_not is not None or not _is_worker_command(args):
         return None
@@ -254,17 +289,20 @@ def handler_class(base: type) -> type:
 
 
 def _is_worker_command(args: Sequence[str]) -> bool:
-    """``python -u -m ddpkit._launch.worker ...`` with this interpreter, as the launcher asks torchrun for."""
+    """``python -u -m ddpkit._launch.worker ...`` with this interpreter, as the launcher asks
+    torchrun for."""
     return (
         len(args) > len(_WORKER_COMMAND)
-        and args[0] == sys.executable  # not another interpreter (torchrun's PYTHON_EXEC), even one it links to
+        # not another interpreter (torchrun's PYTHON_EXEC), even one it links to
+        and args[0] == sys.executable
         and tuple(args[1 : 1 + len(_WORKER_COMMAND)]) == _WORKER_COMMAND
     )
 
 
 def install(preload: Sequence[str] = (), display: Sequence[str] = ()) -> ForkServer | None:
-    """Start the job's fork server and have torchrun's process context start workers through it. None (and
-    nothing changed) where torchrun has no handler to replace or the platform cannot adopt forked workers."""
+    """Start the job's fork server and have torchrun's process context start workers through it.
+    None (and nothing changed) where torchrun has no handler to replace or the platform cannot adopt
+    forked workers."""
     if not sys.platform.startswith("linux"):
         return None
     base = subprocess_handler_base()
@@ -272,7 +310,9 @@ def install(preload: Sequence[str] = (), display: Sequence[str] = ()) -> ForkSer
         warn_once("torch's SubprocessHandler._popen", "forking workers from the job's server")
         return None
     if forking_problem() is not None:  # a forked worker could not end as an interpreter ends
-        warn_interpreter_once("threading._shutdown/atexit._run_exitfuncs", "forking workers from the job's server")
+        warn_interpreter_once(
+            "threading._shutdown/atexit._run_exitfuncs", "forking workers from the job's server"
+        )
         return None
     forked = handler_class(base)
     set_handler_factory(lambda *args, **kwargs: forked(*args, **kwargs))

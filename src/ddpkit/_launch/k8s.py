@@ -1,6 +1,6 @@
-"""``ddpkit k8s``: write the Kubernetes manifest that trains a script on several pods (TrainJob, PyTorchJob or
-JobSet; what each holds: :mod:`ddpkit._launch.manifests`). Nothing is sent to a cluster: the file is applied with
-kubectl, after the job's secret is made.
+"""``ddpkit k8s``: write the Kubernetes manifest that trains a script on several pods (TrainJob,
+PyTorchJob or JobSet; what each holds: :mod:`ddpkit._launch.manifests`). Nothing is sent to a
+cluster: the file is applied with kubectl, after the job's secret is made.
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ def to_yaml(docs: list[dict[str, Any]]) -> str:
         raise ConfigError("writing a manifest needs PyYAML: pip install 'ddpkit[k8s]'") from None
 
     class Dumper(yaml.SafeDumper):
-        # A part shared by two places of the manifest (a PyTorchJob's Master and Worker templates) is written out
-        # at each: an anchor and alias would make an edit of one silently change the other.
+        # A part shared by two places of the manifest (a PyTorchJob's Master and Worker templates)
+        # is written out at each: an anchor and alias would make an edit of one silently change the
+        # other.
         def ignore_aliases(self, data: Any) -> bool:
             return True
 
@@ -39,14 +40,16 @@ def notes(cfg: ManifestConfig, path: str | None) -> list[str]:
     if cfg.nodes > 1:
         lines.append(
             f"once: kubectl create secret generic {cfg.secret_name} "
-            f'--from-literal={SECRET_KEY}="$({MAKE_SECRET})"' + (f" -n {cfg.namespace}" if cfg.namespace else "")
+            f'--from-literal={SECRET_KEY}="$({MAKE_SECRET})"'
+            + (f" -n {cfg.namespace}" if cfg.namespace else "")
         )
     if path:
         lines.append(f"then: kubectl apply -f {path}")
     if not cfg.pvc:
         lines.append(
-            "no --pvc: the run directory is in the container, so a recreated pod starts from its memory snapshot "
-            "only if it kept it, else from the beginning; give a ReadWriteMany claim for disk snapshots"
+            "no --pvc: the run directory is in the container, so a recreated pod starts from its "
+            "memory snapshot only if it kept it, else from the beginning; give a ReadWriteMany "
+            "claim for disk snapshots"
         )
     return lines
 
@@ -82,7 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add = parser.add_argument
     add("--kind", default="trainjob", help="trainjob (default), pytorchjob or jobset")
-    add("--image", required=True, help="the container image, with ddpkit and the script's dependencies")
+    add(
+        "--image",
+        required=True,
+        help="the container image, with ddpkit and the script's dependencies",
+    )
     add("--name", default=None, help="the job's name (default: the script's name)")
     add("--namespace", default=None, help="the namespace (default: kubectl's)")
     add("--nodes", type=int, default=1, help="pods, one per node (default 1)")
@@ -96,16 +103,36 @@ def build_parser() -> argparse.ArgumentParser:
         help="/dev/shm for the snapshots in memory (default 8Gi, or half of --memory below 16Gi)",
     )
     add("--secret", default=None, help="the Secret with the rendezvous secret (default NAME-rdzv)")
-    add("--pvc", default=None, help="a ReadWriteMany claim mounted on every pod, for the run directory")
+    add(
+        "--pvc",
+        default=None,
+        help="a ReadWriteMany claim mounted on every pod, for the run directory",
+    )
     add("--run-mount", default="/runs", help="where --pvc is mounted (default /runs)")
-    add("--max-restarts", type=int, default=3, help="restarts in place, and of the whole job (default 3)")
-    add("--grace-period", type=int, default=120, help="seconds to save a snapshot after SIGTERM (default 120)")
-    add("--env", action="append", default=[], help="NAME=VALUE for the container (repeatable; not the secret)")
+    add(
+        "--max-restarts",
+        type=int,
+        default=3,
+        help="restarts in place, and of the whole job (default 3)",
+    )
+    add(
+        "--grace-period",
+        type=int,
+        default=120,
+        help="seconds to save a snapshot after SIGTERM (default 120)",
+    )
+    add(
+        "--env",
+        action="append",
+        default=[],
+        help="NAME=VALUE for the container (repeatable; not the secret)",
+    )
     add(
         "--fs-group",
         type=int,
         default=FS_GROUP,
-        help=f"the pods' fsGroup, which may read the mounted Secret (nodes > 1; default {FS_GROUP})",
+        help="the pods' fsGroup, which may read the mounted Secret (nodes > 1; default "
+        f"{FS_GROUP})",
     )
     add("-o", "--output", default=None, help="the file to write (default NAME.k8s.yaml)")
     add("--dry-run", action="store_true", help="print the manifest, write nothing")
@@ -145,9 +172,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     path = Path(ns.output or f"{cfg.name}.k8s.yaml")
     try:
-        fs.write_atomic(path, ("".join(f"# {line}\n" for line in notes(cfg, str(path))) + text).encode())
+        fs.write_atomic(
+            path, ("".join(f"# {line}\n" for line in notes(cfg, str(path))) + text).encode()
+        )
     except OSError as err:
-        raise ConfigError(f"--output {str(path)[:80]!r}: cannot write there ({err.strerror or err})") from None
+        raise ConfigError(
+            f"--output {str(path)[:80]!r}: cannot write there ({err.strerror or err})"
+        ) from None
     print(f"manifest: {path}")
     for line in notes(cfg, str(path)):
         print(f"  {line}")

@@ -1,7 +1,8 @@
 """``ddpkit run``: an argument builder over torchrun's elastic agent (``torch.distributed.run``).
 
-No process management of our own: anything that runs under torchrun runs under ``ddpkit run`` and vice versa.
-What it adds are defaults for what users trip over, and one readable summary when a worker fails.
+No process management of our own: anything that runs under torchrun runs under ``ddpkit run`` and
+vice versa. What it adds are defaults for what users trip over, and one readable summary when a
+worker fails.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ LOOPBACK = "127.0.0.1"
 
 
 def rdzv_id(cfg: LaunchConfig) -> str:
-    """The rendezvous id: ``--rdzv-id``, else ``SLURM_JOB_ID`` or ``ddpkit`` across nodes (every node must name
-    the same), else one of this process alone."""
+    """The rendezvous id: ``--rdzv-id``, else ``SLURM_JOB_ID`` or ``ddpkit`` across nodes (every
+    node must name the same), else one of this process alone."""
     if cfg.rdzv_id:
         return cfg.rdzv_id
     if cfg.networked:
@@ -58,14 +59,22 @@ def torchrun_argv(
 ) -> list[str]:
     """The torchrun command line (without the program name) that carries out ``cfg``.
 
-    ``node`` is what :func:`ddpkit._launch.rendezvous.node_address` worked out for a multi-node job. The rendezvous is
-    ddpkit's (:mod:`ddpkit._launch.rendezvous_backend`): on one node its store listens on 127.0.0.1 at a free port
-    (two jobs on one machine never collide, no "address already in use"), and the workers' own store and
-    gloo's sockets are on 127.0.0.1 as well; across nodes only holders of the job's secret get in.
+    ``node`` is what :func:`ddpkit._launch.rendezvous.node_address` worked out for a multi-node job.
+    The rendezvous is ddpkit's (:mod:`ddpkit._launch.rendezvous_backend`): on one node its store
+    listens on 127.0.0.1 at a free port (two jobs on one machine never collide, no "address already
+    in use"), and the workers' own store and gloo's sockets are on 127.0.0.1 as well; across nodes
+    only holders of the job's secret get in.
     """
     from ddpkit._launch.rendezvous_backend import BACKEND
 
-    argv = ["--nproc-per-node", str(nproc), "--max-restarts", str(cfg.restarts), "--rdzv-backend", BACKEND]
+    argv = [
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        str(cfg.restarts),
+        "--rdzv-backend",
+        BACKEND,
+    ]
     argv += ["--rdzv-id", rdzv_id(cfg)]
     if not cfg.networked:
         argv += ["--nnodes", "1", "--rdzv-endpoint", f"{LOOPBACK}:0"]
@@ -86,24 +95,31 @@ def torchrun_argv(
         argv += ["--log-dir", run_log_dir]
     if cfg.all_ranks:
         argv += ["--tee", "3"]
-    argv += ["-m", "ddpkit._launch.worker"] + (["-m"] if cfg.module else []) + [cfg.script, *cfg.script_args]
+    argv += (
+        ["-m", "ddpkit._launch.worker"]
+        + (["-m"] if cfg.module else [])
+        + [cfg.script, *cfg.script_args]
+    )
     return argv
 
 
 def _run_torchrun(torchrun: Any, args: Any, quiet: range) -> None:
     """``torchrun.run(args)``, with the local ranks ``quiet`` writing to files in the log folder.
 
-    Local rank 0 keeps the terminal itself, so its lines arrive unprefixed and a progress bar still sees a TTY.
-    torchrun's ``--redirects`` cannot say so beyond 10 processes (its pattern takes one-digit ranks), so the map
-    goes to the logs spec, which takes any rank. The rest is what ``torchrun.run`` does for ddpkit's arguments:
-    ddpkit always names its rendezvous backend and endpoint, so none of torchrun's defaults for them apply.
+    Local rank 0 keeps the terminal itself, so its lines arrive unprefixed and a progress bar still
+    sees a TTY. torchrun's ``--redirects`` cannot say so beyond 10 processes (its pattern takes
+    one-digit ranks), so the map goes to the logs spec, which takes any rank. The rest is what
+    ``torchrun.run`` does for ddpkit's arguments: ddpkit always names its rendezvous backend and
+    endpoint, so none of torchrun's defaults for them apply.
     """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.launcher.api import elastic_launch
 
     config, entrypoint, cmd_args = torchrun.config_from_args(args)
     if len(quiet):
-        config.logs_specs = DefaultLogsSpecs(log_dir=args.log_dir, redirects=dict.fromkeys(quiet, Std.ALL))
+        config.logs_specs = DefaultLogsSpecs(
+            log_dir=args.log_dir, redirects=dict.fromkeys(quiet, Std.ALL)
+        )
     elastic_launch(config=config, entrypoint=entrypoint)(*cmd_args)
 
 
@@ -119,7 +135,8 @@ def flight_recorder_vars() -> tuple[str, str]:
 
 
 def _local_addr(cfg: LaunchConfig, node: NodeAddress | None) -> str | None:
-    """This node's address for torchrun, which the workers get as MASTER_ADDR: on one node, loopback."""
+    """This node's address for torchrun, which the workers get as MASTER_ADDR: on one node,
+    loopback."""
     if cfg.local_addr:
         return cfg.local_addr
     if node is not None:
@@ -135,8 +152,9 @@ def _interface(cfg: LaunchConfig, node: NodeAddress | None) -> str | None:
 
 def worker_env(cfg: LaunchConfig, nproc: int, node: NodeAddress | None = None) -> dict[str, str]:
     """Variables the agent passes to the workers."""
-    # The user's OMP_NUM_THREADS wins, and MKL's pool follows it unless MKL_NUM_THREADS says otherwise: MKL
-    # reads its own variable first, so a default set here would override the user's choice for every matmul.
+    # The user's OMP_NUM_THREADS wins, and MKL's pool follows it unless MKL_NUM_THREADS says
+    # otherwise: MKL reads its own variable first, so a default set here would override the user's
+    # choice for every matmul.
     omp = os.environ.get("OMP_NUM_THREADS") or str(max(1, cpu_count() // nproc))
     env = {
         "PYTHONUNBUFFERED": "1",
@@ -144,9 +162,10 @@ def worker_env(cfg: LaunchConfig, nproc: int, node: NodeAddress | None = None) -
         "MKL_NUM_THREADS": os.environ.get("MKL_NUM_THREADS") or omp,
         "DDPKIT_AGENT_PID": str(os.getpid()),
     }
-    # gloo and nccl pick their interface from the host name unless told. Across nodes that is often a loopback
-    # or an unrouted address, and the first collective hangs; on one node it is an address the network
-    # reaches, where gloo's sockets would accept connections for nothing. The user's choice wins.
+    # gloo and nccl pick their interface from the host name unless told. Across nodes that is often
+    # a loopback or an unrouted address, and the first collective hangs; on one node it is an
+    # address the network reaches, where gloo's sockets would accept connections for nothing. The
+    # user's choice wins.
     interface = _interface(cfg, node)
     if interface:
         for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
@@ -160,10 +179,11 @@ def worker_env(cfg: LaunchConfig, nproc: int, node: NodeAddress | None = None) -
         env["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
     if cfg.all_ranks:
         env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = "[rank ${rank}] "
-    # The workers' store is served by global rank 0's worker, bound to MASTER_ADDR (ddpkit._launch.worker), not by the
-    # agent on every interface. A fresh store per attempt also keeps restarted workers from waiting forever on
-    # the address of a peer that died, and a node joining a running job from hanging both agents (3 hangs in 9
-    # restart trials seen with the agent's store shared).
+    # The workers' store is served by global rank 0's worker, bound to MASTER_ADDR
+    # (ddpkit._launch.worker), not by the agent on every interface. A fresh store per attempt also
+    # keeps restarted workers from waiting forever on the address of a peer that died, and a node
+    # joining a running job from hanging both agents (3 hangs in 9 restart trials seen with the
+    # agent's store shared).
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     return env
 
@@ -171,23 +191,31 @@ def worker_env(cfg: LaunchConfig, nproc: int, node: NodeAddress | None = None) -
 def new_run_log_dir(root: str) -> Path:
     """``ROOT/<date>-<time>-<pid>``: one folder per run, created now.
 
-    torchrun opens the workers' logs in place (``open(name, "w")``, not through :mod:`ddpkit._fs`), but in a
-    folder it makes inside this one with ``tempfile.mkdtemp``: new, of a random name, this user's alone, so
-    no link, symbolic or hard, can stand at their names. The stack files beside it go through ``ddpkit._fs``.
+    torchrun opens the workers' logs in place (``open(name, "w")``, not through :mod:`ddpkit._fs`),
+    but in a folder it makes inside this one with ``tempfile.mkdtemp``: new, of a random name, this
+    user's alone, so no link, symbolic or hard, can stand at their names. The stack files beside it
+    go through ``ddpkit._fs``.
     """
     path = Path(root).absolute() / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     try:
         fs.make_dirs(path)
     except OSError as err:
-        raise ConfigError(f"cannot create the log folder {path} ({err.strerror}): pass --log-dir DIR") from None
+        raise ConfigError(
+            f"cannot create the log folder {path} ({err.strerror}): pass --log-dir DIR"
+        ) from None
     return path
 
 
 def tidy_log_dirs(root: str, run: Path, keep: int = 20) -> None:
-    """Remove this run's folder when no rank wrote anything, and all but the newest ``keep`` run folders."""
+    """Remove this run's folder when no rank wrote anything, and all but the newest ``keep`` run
+    folders."""
     if run.is_dir() and not any(f.stat().st_size for f in run.rglob("*") if f.is_file()):
         fs.remove_tree(run)
-    ours = sorted(p for p in Path(root).glob("*-*-*") if p.is_dir() and re.fullmatch(r"\d{8}-\d{6}-\d+", p.name))
+    ours = sorted(
+        p
+        for p in Path(root).glob("*-*-*")
+        if p.is_dir() and re.fullmatch(r"\d{8}-\d{6}-\d+", p.name)
+    )
     for old in ours[:-keep] if len(ours) > keep else []:
         fs.remove_tree(old)
     with contextlib.suppress(OSError):
@@ -207,7 +235,9 @@ def check_target(cfg: LaunchConfig) -> None:
         finally:
             sys.path.pop(0)
         if not found:
-            raise ConfigError(f"no module named {_shown(cfg.script)} (run with -m): check the name and PYTHONPATH")
+            raise ConfigError(
+                f"no module named {_shown(cfg.script)} (run with -m): check the name and PYTHONPATH"
+            )
         return
     try:
         is_file = Path(cfg.script).is_file()
@@ -217,7 +247,11 @@ def check_target(cfg: LaunchConfig) -> None:
     if not is_file:
         raise ConfigError(
             f"script {_shown(cfg.script)} {problem} (from {os.getcwd()}): check the path"
-            + ("; to run a module, pass -m" if "/" not in cfg.script and not cfg.script.endswith(".py") else "")
+            + (
+                "; to run a module, pass -m"
+                if "/" not in cfg.script and not cfg.script.endswith(".py")
+                else ""
+            )
         )
 
 
@@ -243,9 +277,11 @@ def launch(cfg: LaunchConfig) -> int:
     )
 
     check_target(cfg)
-    stall = watch.policy_from(cfg.stall_timeout, cfg.on_stall)  # $DDPKIT_STALL_TIMEOUT checked before any start
+    # $DDPKIT_STALL_TIMEOUT checked before any start
+    stall = watch.policy_from(cfg.stall_timeout, cfg.on_stall)
     if cfg.collective_timeout is None and "DDPKIT_COLLECTIVE_TIMEOUT" in os.environ:
-        # Set by the user for the workers: checked here, once, rather than by every worker after its start.
+        # Set by the user for the workers: checked here, once, rather than by every worker after its
+        # start.
         parse_seconds("DDPKIT_COLLECTIVE_TIMEOUT", os.environ["DDPKIT_COLLECTIVE_TIMEOUT"])
     nproc = resolve_nproc(cfg.nproc, cfg.oversubscribe)
     node = None
@@ -257,24 +293,30 @@ def launch(cfg: LaunchConfig) -> int:
             check_host((node.host_ip, node.port), derive(secret, "relay"))
         access = rendezvous_backend.JobAccess(secret, node.host_ip)
     else:
-        access = rendezvous_backend.JobAccess(secrets.token_bytes(32), None)  # known to this process alone
+        # known to this process alone
+        access = rendezvous_backend.JobAccess(secrets.token_bytes(32), None)
     os.environ.pop(SECRET_ENV, None)  # the workers, and all they start, have no use for it
     run_id = rdzv_id(cfg)
     rendezvous_backend.register(run_id, access)
-    # Orphans of the workers' children are re-parented to the agent, which ends them with the workers.
+    # Orphans of the workers' children are re-parented to the agent, which ends them with the
+    # workers.
     proctree.become_subreaper()
     run_dir = new_run_log_dir(cfg.log_dir)
-    fs.make_dirs(run_dir / "stacks", root=run_dir)  # a second launch in the same second of one process
+    # a second launch in the same second of one process
+    fs.make_dirs(run_dir / "stacks", root=run_dir)
     os.environ.update(worker_env(cfg, nproc, node))
     os.environ["DDPKIT_STACK_DIR"] = str(run_dir / "stacks")
     if cfg.debug_collectives:  # where nccl's flight recorder writes each rank's record on a timeout
-        os.environ.setdefault(flight_recorder_vars()[1], str(run_dir / "stacks" / "nccl_trace_rank_"))
+        os.environ.setdefault(
+            flight_recorder_vars()[1], str(run_dir / "stacks" / "nccl_trace_rank_")
+        )
     argv = torchrun_argv(cfg, nproc, str(run_dir), node)
-    # The script's own arguments are set after parsing: torchrun's parser would take `--log 5` for an
-    # abbreviation of its --log-dir, and `--nproc 4` for its own option.
+    # The script's own arguments are set after parsing: torchrun's parser would take `--log 5` for
+    # an abbreviation of its --log-dir, and `--nproc 4` for its own option.
     args = torchrun.parse_args(argv[: len(argv) - len(cfg.script_args)])
     args.training_script_args += list(cfg.script_args)
-    if hasattr(args, "signals_to_handle"):  # torchrun's own SIGTERM handling would end the workers itself
+    # torchrun's own SIGTERM handling would end the workers itself
+    if hasattr(args, "signals_to_handle"):
         args.signals_to_handle = agent.TORCHRUN_SIGNALS
     agent.install(
         launcher_api,
@@ -291,8 +333,8 @@ def launch(cfg: LaunchConfig) -> int:
     except ChildFailedError as err:
         if agent.preempted(err.failures):
             print(
-                f"ddpkit run: stopped by a signal after saving a snapshot (exit code {cfg.preempted_exit_code}); run "
-                "the same command again to resume",
+                "ddpkit run: stopped by a signal after saving a snapshot (exit code "
+                f"{cfg.preempted_exit_code}); run the same command again to resume",
                 file=sys.stderr,
                 flush=True,
             )
@@ -304,37 +346,48 @@ def launch(cfg: LaunchConfig) -> int:
             file=sys.stderr,
             flush=True,
         )
-        # This node's workers still running at the first failure wrote their stacks when the agent asked (when
-        # the stall watch named a rank, they were shown then).
-        files = [p for p in (run_dir / "stacks").glob("rank*.txt") if p.stem[4:].isdigit() and p.stat().st_size]
+        # This node's workers still running at the first failure wrote their stacks when the agent
+        # asked (when the stall watch named a rank, they were shown then).
+        files = [
+            p
+            for p in (run_dir / "stacks").glob("rank*.txt")
+            if p.stem[4:].isdigit() and p.stat().st_size
+        ]
         files = files if named is None else []
         for line in agent.stacks(run_dir / "stacks", sorted(int(p.stem[4:]) for p in files)):
             print(line, file=sys.stderr, flush=True)
-        for trace in sorted((run_dir / "stacks").glob("nccl_trace_rank_*")):  # --debug-collectives on nccl
+        # --debug-collectives on nccl
+        for trace in sorted((run_dir / "stacks").glob("nccl_trace_rank_*")):
             print(
-                f"  nccl flight recorder of rank {trace.name.rsplit('_', 1)[-1]}: {trace}", file=sys.stderr, flush=True
+                f"  nccl flight recorder of rank {trace.name.rsplit('_', 1)[-1]}: {trace}",
+                file=sys.stderr,
+                flush=True,
             )
         print(f"  output of every rank: {run_dir}", file=sys.stderr, flush=True)
         return agent.exit_code(err)
     except RendezvousError as err:
         print(
-            f"ddpkit run: the nodes did not come together at {cfg.rdzv_endpoint} ({type(err).__name__}: "
-            f"{err or 'no detail'}): start the same command on every node within --join-timeout "
-            f"({cfg.join_timeout:.0f} s), with the same --nnodes, --rdzv-endpoint and --rdzv-id",
+            f"ddpkit run: the nodes did not come together at {cfg.rdzv_endpoint} "
+            f"({type(err).__name__}: {err or 'no detail'}): start the same command on every node "
+            f"within --join-timeout ({cfg.join_timeout:.0f} s), with the same --nnodes, "
+            "--rdzv-endpoint and --rdzv-id",
             file=sys.stderr,
             flush=True,
         )
         return 1
-    except SignalException as err:  # Ctrl-C or a scheduler's SIGTERM to the agent: workers were stopped
+    # Ctrl-C or a scheduler's SIGTERM to the agent: workers were stopped
+    except SignalException as err:
         print(
-            f"ddpkit run: stopped by {err.sigval.name}; the workers were stopped too (their output: {run_dir})",
+            f"ddpkit run: stopped by {err.sigval.name}; the workers were stopped too (their "
+            f"output: {run_dir})",
             file=sys.stderr,
         )
         return 128 + int(err.sigval)
     finally:
         agent.uninstall()
         rendezvous_backend.unregister(run_id)
-        proctree.kill_descendants()  # whatever the workers started and left behind, however the job ended
+        # whatever the workers started and left behind, however the job ended
+        proctree.kill_descendants()
     tidy_log_dirs(cfg.log_dir, run_dir)
     return 0
 
@@ -346,9 +399,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         ours, from_env = with_environment_defaults(ours, os.environ)
         if from_env:
             print(from_env, file=sys.stderr, flush=True)
-    # torchrun's parser reads any PET_* variable as the default of an option ddpkit does not pass (its master
-    # address, start method, log settings): what was meant for ddpkit run is in its options now, and nothing else
-    # of an operator's is left for torchrun to pick up behind them.
+    # torchrun's parser reads any PET_* variable as the default of an option ddpkit does not pass
+    # (its master address, start method, log settings): what was meant for ddpkit run is in its
+    # options now, and nothing else of an operator's is left for torchrun to pick up behind them.
     for name in torchrun.option_variables(os.environ):
         del os.environ[name]
     return launch(config_from_args(parser.parse_args(ours), script_args))

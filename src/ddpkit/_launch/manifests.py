@@ -1,24 +1,26 @@
-"""The Kubernetes manifests ``ddpkit k8s`` writes (:mod:`ddpkit._launch.k8s`): a script trained on several pods,
-surviving pre-emption and the loss of a node, and resuming.
+"""The Kubernetes manifests ``ddpkit k8s`` writes (:mod:`ddpkit._launch.k8s`): a script trained on
+several pods, surviving pre-emption and the loss of a node, and resuming.
 
-One pod per node runs ``ddpkit run``, which starts the node's processes and restarts them in place after a
-failure (the pod, and its ``/dev/shm`` with the snapshots in memory, stay). Three kinds of job:
+One pod per node runs ``ddpkit run``, which starts the node's processes and restarts them in place
+after a failure (the pod, and its ``/dev/shm`` with the snapshots in memory, stay). Three kinds of
+job:
 
-- **TrainJob** (Kubeflow Trainer v2; the default): a ``TrainingRuntime`` of the job's own (its JobSet template:
-  the volumes, the failure policy) and the ``TrainJob`` that uses it; Trainer's torch plugin hands the nodes
-  torchrun's options as ``PET_*`` variables, which ``ddpkit run`` takes as its own.
-- **PyTorchJob** (Kubeflow training-operator v1): a master and ``nodes - 1`` workers; the rendezvous at the
-  master's service, the node rank from the operator's ``RANK``.
-- **JobSet**: one indexed Job of ``nodes`` pods; the rendezvous at pod 0's host name, the node rank from
-  ``JOB_COMPLETION_INDEX``.
+- **TrainJob** (Kubeflow Trainer v2; the default): a ``TrainingRuntime`` of the job's own (its
+  JobSet template: the volumes, the failure policy) and the ``TrainJob`` that uses it; Trainer's
+  torch plugin hands the nodes torchrun's options as ``PET_*`` variables, which ``ddpkit run`` takes
+  as its own.
+- **PyTorchJob** (Kubeflow training-operator v1): a master and ``nodes - 1`` workers; the rendezvous
+  at the master's service, the node rank from the operator's ``RANK``.
+- **JobSet**: one indexed Job of ``nodes`` pods; the rendezvous at pod 0's host name, the node rank
+  from ``JOB_COMPLETION_INDEX``.
 
-Each pod mounts an ``emptyDir`` of medium ``Memory`` at ``/dev/shm`` (a container's own is 64 MiB) and, across
-nodes, the job's secret from a Kubernetes Secret (mode 0440 for the pod's ``fsGroup``, :data:`SECRET_MODE`;
-:data:`~ddpkit._launch.rendezvous_auth.SECRET_FILE_ENV`).
-The failure policy: a pod stopped by a signal after its snapshot (exit code 75) or disrupted (a node drained,
-pre-empted or lost: the ``DisruptionTarget`` condition) is recreated without counting as a failure; the
-script's own error fails the job; anything else restarts the whole job, at most ``max_restarts`` times.
-Disk snapshots outlive a recreated pod only on a volume every pod mounts (``--pvc``).
+Each pod mounts an ``emptyDir`` of medium ``Memory`` at ``/dev/shm`` (a container's own is 64 MiB)
+and, across nodes, the job's secret from a Kubernetes Secret (mode 0440 for the pod's ``fsGroup``,
+:data:`SECRET_MODE`; :data:`~ddpkit._launch.rendezvous_auth.SECRET_FILE_ENV`). The failure policy: a
+pod stopped by a signal after its snapshot (exit code 75) or disrupted (a node drained, pre-empted
+or lost: the ``DisruptionTarget`` condition) is recreated without counting as a failure; the
+script's own error fails the job; anything else restarts the whole job, at most ``max_restarts``
+times. Disk snapshots outlive a recreated pod only on a volume every pod mounts (``--pvc``).
 """
 
 from __future__ import annotations
@@ -40,34 +42,40 @@ PORT = 29500
 SECRET_KEY = "rdzv-secret"
 SECRET_DIR = "/etc/ddpkit/rdzv"
 SECRET_MODE = 0o440
-"""The Secret volume's ``defaultMode``. A Secret's files are root's: 0400 is readable by a container running
-as root only. The kubelet gives them the pod's ``fsGroup`` as their group (and adds 0440, a Secret volume
-being read-only, which turned 0400 into 0440 anyway), and every container of the pod runs with the
-``fsGroup`` as a supplementary group: 0440 with :data:`FS_GROUP` is readable by the pod's own containers,
-whichever user they run as, and by no other user (the volume's folder on the node is the kubelet's alone).
-The reader accepts exactly that file (:func:`ddpkit._launch.rendezvous_auth.load_secret`)."""
+"""The Secret volume's ``defaultMode``. A Secret's files are root's: 0400 is readable by a container
+running as root only. The kubelet gives them the pod's ``fsGroup`` as their group (and adds 0440, a
+Secret volume being read-only, which turned 0400 into 0440 anyway), and every container of the pod
+runs with the ``fsGroup`` as a supplementary group: 0440 with :data:`FS_GROUP` is readable by the
+pod's own containers, whichever user they run as, and by no other user (the volume's folder on the
+node is the kubelet's alone). The reader accepts exactly that file
+(:func:`ddpkit._launch.rendezvous_auth.load_secret`)."""
 FS_GROUP = 2000
 """The pod's ``fsGroup`` where it mounts the Secret (``--fs-group``)."""
 SECRET_NAMES = (SECRET_ENV,)
-"""Variables the rendezvous reads as the secret itself: never written into a manifest, which anyone who can
-``get`` the job reads."""
+"""Variables the rendezvous reads as the secret itself: never written into a manifest, which anyone
+who can ``get`` the job reads."""
 CONTAINER = {"trainjob": "node", "pytorchjob": "pytorch", "jobset": "node"}
-"""The container's name: Trainer's torch plugin and the training-operator set their variables in the container
-of that name only."""
+"""The container's name: Trainer's torch plugin and the training-operator set their variables in the
+container of that name only."""
 PYTORCHJOB_PREEMPTED = 128 + 15
-"""A pre-empted node's exit code in a PyTorchJob: SIGTERM's, which the operator's ExitCode policy retries."""
+"""A pre-empted node's exit code in a PyTorchJob: SIGTERM's, which the operator's ExitCode policy
+retries."""
 JOIN_TIMEOUT = 600
-"""Seconds the nodes wait for a recreated pod (scheduling it, pulling its image) before the job fails."""
+"""Seconds the nodes wait for a recreated pod (scheduling it, pulling its image) before the job
+fails."""
 _QUANTITY = re.compile(r"([0-9]+(?:\.[0-9]+)?)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?")
 _SCALE = {"m": 1e-3, "": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18}
 _SCALE |= {f"{p}i": 1024.0 ** (i + 1) for i, p in enumerate("KMGTPE")}
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
-_DNS_SUBDOMAIN = re.compile(r"(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_DNS_SUBDOMAIN = re.compile(
+    r"(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+)
 
 
 def quantity(option: str, value: str, *, whole: bool = False) -> float:
-    """A Kubernetes quantity's value (``7500m`` -> 7.5, ``32Gi`` -> 34359738368.0). ``whole``: a number of
-    bytes, which Kubernetes takes in millis only with a warning (``500m`` of memory is half a byte)."""
+    """A Kubernetes quantity's value (``7500m`` -> 7.5, ``32Gi`` -> 34359738368.0). ``whole``: a
+    number of bytes, which Kubernetes takes in millis only with a warning (``500m`` of memory is
+    half a byte)."""
     match = _QUANTITY.fullmatch(value)
     if not match or whole and match[2] == "m":
         example = "32Gi, 512Mi" if whole else "8, 7500m"
@@ -80,8 +88,8 @@ class ManifestConfig:
     """What ``ddpkit k8s`` writes."""
 
     script: str
-    """The training script, as the container sees it (a path in the image, or relative to its working
-    directory)."""
+    """The training script, as the container sees it (a path in the image, or relative to its
+    working directory)."""
     script_args: list[str] = field(default_factory=list)
     image: str
     kind: Kind = "trainjob"
@@ -97,25 +105,28 @@ class ManifestConfig:
     memory: str | None = None
     """Memory per node (``32Gi``), requested and limited; ``/dev/shm`` counts against it."""
     shm_size: str | None = None
-    """The ``/dev/shm`` volume's size limit: two copies of each rank's model and optimizer state. By default
-    8Gi, or half of ``memory`` where that is less than 16Gi."""
+    """The ``/dev/shm`` volume's size limit: two copies of each rank's model and optimizer state. By
+    default 8Gi, or half of ``memory`` where that is less than 16Gi."""
     secret: str | None = None
-    """The Kubernetes Secret holding the job's rendezvous secret under the key ``rdzv-secret`` (nodes > 1);
-    ``<name>-rdzv`` by default."""
+    """The Kubernetes Secret holding the job's rendezvous secret under the key ``rdzv-secret``
+    (nodes > 1); ``<name>-rdzv`` by default."""
     pvc: str | None = None
-    """A PersistentVolumeClaim every pod mounts at ``run_mount`` (ReadWriteMany): where disk snapshots outlive
-    a pod."""
+    """A PersistentVolumeClaim every pod mounts at ``run_mount`` (ReadWriteMany): where disk
+    snapshots outlive a pod."""
     run_mount: str = "/runs"
     max_restarts: int = 3
-    """Restarts of a node's processes in place (``ddpkit run --max-restarts``), and of the whole job."""
+    """Restarts of a node's processes in place (``ddpkit run --max-restarts``), and of the whole
+    job."""
     grace_period: int = 120
     """Seconds a pod has after SIGTERM to save its snapshot before it is killed."""
     env: list[str] = field(default_factory=list)
     """``NAME=VALUE`` for the container; not the secret (:data:`SECRET_NAMES`), each name once."""
     fs_group: int = FS_GROUP
-    """The pod's ``fsGroup`` (nodes > 1), the group that may read the mounted Secret (:data:`SECRET_MODE`)."""
+    """The pod's ``fsGroup`` (nodes > 1), the group that may read the mounted Secret
+    (:data:`SECRET_MODE`)."""
     runtime: str = "torch-distributed"
-    """TrainJob: the ClusterTrainingRuntime whose settings the job's own runtime starts from (named in a label)."""
+    """TrainJob: the ClusterTrainingRuntime whose settings the job's own runtime starts from (named
+    in a label)."""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -124,49 +135,61 @@ class ManifestConfig:
         self.name = self.name or _dns_label(Path(self.script).stem)
         if not re.fullmatch(r"[a-z]([-a-z0-9]{0,38}[a-z0-9])?", self.name):
             given = (
-                f"--name {self.name[:60]!r}" if named else f"the script's name gives {self.name[:60]!r}; pass --name"
+                f"--name {self.name[:60]!r}"
+                if named
+                else f"the script's name gives {self.name[:60]!r}; pass --name"
             )
             raise ConfigError(
-                f"{given}: use 1 to 40 lowercase letters, digits or '-', starting with a letter (the pods' host names "
-                "are built from it)"
+                f"{given}: use 1 to 40 lowercase letters, digits or '-', starting with a letter "
+                "(the pods' host names are built from it)"
             )
         if self.namespace is not None and not _DNS_LABEL.fullmatch(self.namespace):
             raise ConfigError(
-                f"--namespace {self.namespace[:70]!r}: use lowercase letters, digits and '-' (63 at most)"
+                f"--namespace {self.namespace[:70]!r}: use lowercase letters, digits and '-' (63 "
+                "at most)"
             )
         for option, value in (("--secret", self.secret), ("--pvc", self.pvc)):
             if value is not None and not _DNS_SUBDOMAIN.fullmatch(value):
                 raise ConfigError(
-                    f"{option} {value[:70]!r}: a Kubernetes object's name: lowercase letters, digits, '-' and '.'"
+                    f"{option} {value[:70]!r}: a Kubernetes object's name: lowercase letters, "
+                    "digits, '-' and '.'"
                 )
         if not self.image.strip() or any(c.isspace() for c in self.image):
-            raise ConfigError(f"--image {self.image[:70]!r}: give the container image, as registry/name:tag")
+            raise ConfigError(
+                f"--image {self.image[:70]!r}: give the container image, as registry/name:tag"
+            )
         if not 1 <= self.nodes <= 10_000:
             raise ConfigError(f"--nodes {self.nodes}: use 1 to 10000")
         if not (self.nproc in ("auto", "gpu") or re.fullmatch("[1-9][0-9]{0,3}", self.nproc)):
-            raise ConfigError(f"--nproc {self.nproc[:20]!r}: use auto, gpu, or a number of processes per node")
+            raise ConfigError(
+                f"--nproc {self.nproc[:20]!r}: use auto, gpu, or a number of processes per node"
+            )
         if self.cpu is not None:
             quantity("--cpu", self.cpu)
         memory = None if self.memory is None else quantity("--memory", self.memory, whole=True)
         shm = None if self.shm_size is None else quantity("--shm-size", self.shm_size, whole=True)
         if self.shm_size is None:  # within the memory it counts against
             half = None if memory is None else memory / 2
-            self.shm_size = "8Gi" if half is None or half >= 8 * 2**30 else f"{max(1, int(half // 2**20))}Mi"
+            self.shm_size = (
+                "8Gi" if half is None or half >= 8 * 2**30 else f"{max(1, int(half // 2**20))}Mi"
+            )
             # Half of a tiny --memory rounds up to 1Mi, more than the limit itself.
             if memory is not None and quantity("--shm-size", self.shm_size, whole=True) > memory:
                 raise ConfigError(
-                    f"--memory {self.memory} is less than the default /dev/shm of {self.shm_size}, which counts "
-                    "against it: raise --memory, or give a smaller --shm-size"
+                    f"--memory {self.memory} is less than the default /dev/shm of {self.shm_size}, "
+                    "which counts against it: raise --memory, or give a smaller --shm-size"
                 )
         elif memory is not None and shm is not None and shm > memory:
             raise ConfigError(
-                f"--shm-size {self.shm_size} is more than --memory {self.memory}, which /dev/shm counts against: "
-                "raise --memory or lower --shm-size"
+                f"--shm-size {self.shm_size} is more than --memory {self.memory}, which /dev/shm "
+                "counts against: raise --memory or lower --shm-size"
             )
         if not 0 <= self.gpus_per_node <= 64:
             raise ConfigError(f"--gpus-per-node {self.gpus_per_node}: use 0 to 64")
         if self.nproc == "gpu" and not self.gpus_per_node:
-            raise ConfigError("--nproc gpu: give --gpus-per-node N (the pods get no GPU without it)")
+            raise ConfigError(
+                "--nproc gpu: give --gpus-per-node N (the pods get no GPU without it)"
+            )
         if not 0 <= self.max_restarts <= 1000:
             raise ConfigError(f"--max-restarts {self.max_restarts}: use 0 to 1000")
         if not 10 <= self.grace_period <= 86_400:
@@ -176,15 +199,20 @@ class ManifestConfig:
         self._check_env()
         if not self.run_mount.startswith("/"):
             raise ConfigError(f"--run-mount {self.run_mount!r}: an absolute path in the container")
-        # Only --pvc is mounted at --run-mount. Two volumes at one path are refused by Kubernetes; one inside the
-        # other would hide it (the secret under the runs' claim) or put the runs in memory.
+        # Only --pvc is mounted at --run-mount. Two volumes at one path are refused by Kubernetes;
+        # one inside the other would hide it (the secret under the runs' claim) or put the runs in
+        # memory.
         mount = posixpath.normpath("/" + self.run_mount.lstrip("/"))
         others = ["/dev/shm"] + ([SECRET_DIR] if self.nodes > 1 else [])
         for other in others if self.pvc else []:
-            if mount == other or (mount + "/").startswith(other + "/") or (other + "/").startswith(mount + "/"):
+            if (
+                mount == other
+                or (mount + "/").startswith(other + "/")
+                or (other + "/").startswith(mount + "/")
+            ):
                 raise ConfigError(
-                    f"--run-mount {self.run_mount!r}: overlaps the volume at {other}; mount the runs elsewhere "
-                    "(default /runs)"
+                    f"--run-mount {self.run_mount!r}: overlaps the volume at {other}; mount the "
+                    "runs elsewhere (default /runs)"
                 )
         self.run_mount = mount
 
@@ -193,8 +221,9 @@ class ManifestConfig:
         return self.secret or f"{self.name}-rdzv"
 
     def _check_env(self) -> None:
-        """Each ``--env`` a NAME=VALUE, not the secret (whose value would be shown to whoever reads the job),
-        and each name once, ours included: of two entries of one name, Kubernetes keeps the last one."""
+        """Each ``--env`` a NAME=VALUE, not the secret (whose value would be shown to whoever reads
+        the job), and each name once, ours included: of two entries of one name, Kubernetes keeps
+        the last one."""
         ours = {SECRET_FILE_ENV: f"{SECRET_DIR}/{SECRET_KEY}"} if self.nodes > 1 else {}
         seen: set[str] = set()
         for item in self.env:
@@ -203,14 +232,15 @@ class ManifestConfig:
             name = item.partition("=")[0]
             if name in SECRET_NAMES:
                 raise ConfigError(
-                    f"--env {name}=...: the manifest would hold the rendezvous secret in clear, for anyone who can "
-                    f"read the job; drop it: the pods read the secret from the Secret {self.secret_name} that "
-                    "ddpkit mounts (kubectl create secret, printed with the manifest)"
+                    f"--env {name}=...: the manifest would hold the rendezvous secret in clear, "
+                    "for anyone who can read the job; drop it: the pods read the secret from the "
+                    f"Secret {self.secret_name} that ddpkit mounts (kubectl create secret, printed "
+                    "with the manifest)"
                 )
             if name in ours:
                 raise ConfigError(
-                    f"--env {name}: ddpkit sets it to {ours[name]}, where the Secret {self.secret_name} is mounted; "
-                    "drop it (--secret NAME names another Secret)"
+                    f"--env {name}: ddpkit sets it to {ours[name]}, where the Secret "
+                    f"{self.secret_name} is mounted; drop it (--secret NAME names another Secret)"
                 )
             if name in seen:
                 raise ConfigError(f"--env {name} is given twice: give each name once")
@@ -226,13 +256,15 @@ def node0_host(cfg: ManifestConfig) -> str:
     """Pod 0's name as the other pods resolve it: the operator's service, or JobSet's host name."""
     if cfg.kind == "pytorchjob":
         return f"{cfg.name}-master-0"
-    return f"{cfg.name}-node-0-0.{cfg.name}"  # JobSet (and Trainer's JobSet): <jobset>-<job>-<index>-<pod>
+    # JobSet (and Trainer's JobSet): <jobset>-<job>-<index>-<pod>
+    return f"{cfg.name}-node-0-0.{cfg.name}"
 
 
 def command(cfg: ManifestConfig) -> list[str]:
-    """The container's command: ``ddpkit run`` with what the operator does not hand over itself. Trainer's
-    torch plugin and the training-operator set ``PET_NNODES``, ``PET_NPROC_PER_NODE``, ``PET_NODE_RANK`` and
-    the master's address and port (:mod:`ddpkit.platforms._kubernetes`); JobSet sets none of them."""
+    """The container's command: ``ddpkit run`` with what the operator does not hand over itself.
+    Trainer's torch plugin and the training-operator set ``PET_NNODES``, ``PET_NPROC_PER_NODE``,
+    ``PET_NODE_RANK`` and the master's address and port (:mod:`ddpkit.platforms._kubernetes`);
+    JobSet sets none of them."""
     argv = ["ddpkit", "run", "--max-restarts", str(cfg.max_restarts)]
     if cfg.kind == "pytorchjob":
         argv += ["--preempted-exit-code", str(PYTORCHJOB_PREEMPTED)]
@@ -258,10 +290,17 @@ def _resources(cfg: ManifestConfig) -> dict[str, Any]:
 
 def volumes(cfg: ManifestConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(the pod's volumes, the container's mounts)."""
-    vols: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": cfg.shm_size}}]
+    vols: list[dict[str, Any]] = [
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": cfg.shm_size}}
+    ]
     mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"}]
     if cfg.nodes > 1:
-        vols.append({"name": "rdzv-secret", "secret": {"secretName": cfg.secret_name, "defaultMode": SECRET_MODE}})
+        vols.append(
+            {
+                "name": "rdzv-secret",
+                "secret": {"secretName": cfg.secret_name, "defaultMode": SECRET_MODE},
+            }
+        )
         mounts.append({"name": "rdzv-secret", "mountPath": SECRET_DIR, "readOnly": True})
     if cfg.pvc:
         vols.append({"name": "runs", "persistentVolumeClaim": {"claimName": cfg.pvc}})
@@ -270,7 +309,10 @@ def volumes(cfg: ManifestConfig) -> tuple[list[dict[str, Any]], list[dict[str, A
 
 
 def environment(cfg: ManifestConfig) -> list[dict[str, str]]:
-    env = [{"name": name, "value": value} for name, _, value in (item.partition("=") for item in cfg.env)]
+    env = [
+        {"name": name, "value": value}
+        for name, _, value in (item.partition("=") for item in cfg.env)
+    ]
     if cfg.nodes > 1:
         env.append({"name": SECRET_FILE_ENV, "value": f"{SECRET_DIR}/{SECRET_KEY}"})
     return env
@@ -278,10 +320,15 @@ def environment(cfg: ManifestConfig) -> list[dict[str, str]]:
 
 def container(cfg: ManifestConfig) -> dict[str, Any]:
     vols, mounts = volumes(cfg)
-    spec: dict[str, Any] = {"name": CONTAINER[cfg.kind], "image": cfg.image, "command": command(cfg)}
+    spec: dict[str, Any] = {
+        "name": CONTAINER[cfg.kind],
+        "image": cfg.image,
+        "command": command(cfg),
+    }
     if env := environment(cfg):
         spec["env"] = env
-    if cfg.kind == "pytorchjob":  # the operator takes MASTER_PORT from the master's port of this name
+    # the operator takes MASTER_PORT from the master's port of this name
+    if cfg.kind == "pytorchjob":
         spec["ports"] = [{"name": "pytorchjob-port", "containerPort": PORT}]
     elif cfg.nodes > 1 and cfg.kind == "jobset":  # Trainer adds its own
         spec["ports"] = [{"name": "rdzv", "containerPort": PORT}]
@@ -296,7 +343,8 @@ def pod_spec(cfg: ManifestConfig) -> dict[str, Any]:
     if cfg.kind == "pytorchjob":  # the operator sets it from the replica's own restart policy
         spec = {}
     if cfg.nodes > 1:  # the group that reads the Secret (SECRET_MODE)
-        # OnRootMismatch: the kubelet gives a --pvc claim the group once, not file by file at every pod's start.
+        # OnRootMismatch: the kubelet gives a --pvc claim the group once, not file by file at every
+        # pod's start.
         spec["securityContext"] = {"fsGroup": cfg.fs_group, "fsGroupChangePolicy": "OnRootMismatch"}
     return spec | {
         "terminationGracePeriodSeconds": cfg.grace_period,
@@ -306,30 +354,45 @@ def pod_spec(cfg: ManifestConfig) -> dict[str, Any]:
 
 
 def pod_failure_policy(cfg: ManifestConfig) -> dict[str, Any]:
-    """The Job's: 75 (stopped after a snapshot) and disruption recreate the pod uncounted; another non-zero code
-    of the script's container fails the Job (and the JobSet, :func:`~ddpkit._launch.manifests.jobset_failure_policy`)."""
+    """The Job's: 75 (stopped after a snapshot) and disruption recreate the pod uncounted; another
+    non-zero code of the script's container fails the Job (and the JobSet,
+    :func:`~ddpkit._launch.manifests.jobset_failure_policy`)."""
     name = CONTAINER[cfg.kind]
     return {
         "rules": [
             {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]},
             {
                 "action": "Ignore",
-                "onExitCodes": {"containerName": name, "operator": "In", "values": [PREEMPTED_EXIT_CODE]},
+                "onExitCodes": {
+                    "containerName": name,
+                    "operator": "In",
+                    "values": [PREEMPTED_EXIT_CODE],
+                },
             },
             {
                 "action": "FailJob",
-                "onExitCodes": {"containerName": name, "operator": "NotIn", "values": [0, PREEMPTED_EXIT_CODE]},
+                "onExitCodes": {
+                    "containerName": name,
+                    "operator": "NotIn",
+                    "values": [0, PREEMPTED_EXIT_CODE],
+                },
             },
         ]
     }
 
 
 def jobset_failure_policy(cfg: ManifestConfig) -> dict[str, Any]:
-    """The JobSet's: a Job failed by its pod failure policy (the script's error) fails the JobSet; any other
-    failure of a Job restarts every pod, at most ``max_restarts`` times."""
+    """The JobSet's: a Job failed by its pod failure policy (the script's error) fails the JobSet;
+    any other failure of a Job restarts every pod, at most ``max_restarts`` times."""
     return {
         "maxRestarts": cfg.max_restarts,
-        "rules": [{"name": "script-error", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]}],
+        "rules": [
+            {
+                "name": "script-error",
+                "action": "FailJobSet",
+                "onJobFailureReasons": ["PodFailurePolicy"],
+            }
+        ],
     }
 
 
@@ -350,7 +413,10 @@ def jobset_spec(cfg: ManifestConfig) -> dict[str, Any]:
 
 
 def _metadata(cfg: ManifestConfig, name: str | None = None) -> dict[str, Any]:
-    meta: dict[str, Any] = {"name": name or cfg.name, "labels": {"app.kubernetes.io/created-by": "ddpkit"}}
+    meta: dict[str, Any] = {
+        "name": name or cfg.name,
+        "labels": {"app.kubernetes.io/created-by": "ddpkit"},
+    }
     if cfg.namespace:
         meta["namespace"] = cfg.namespace
     return meta
@@ -369,9 +435,10 @@ def manifests(cfg: ManifestConfig) -> list[dict[str, Any]]:
 
 
 def pytorchjob(cfg: ManifestConfig) -> dict[str, Any]:
-    # The operator's ExitCode restart policy recreates a pod for a code it takes for retryable (128 and above:
-    # killed by a signal) and fails the job for 1-127, the script's errors; a pre-empted node's launcher exits
-    # 143 (SIGTERM's) for it instead of 75.
+    # The operator's ExitCode restart policy recreates a pod for a code it takes for retryable (128
+    # and above:
+    # killed by a signal) and fails the job for 1-127, the script's errors; a pre-empted node's
+    # launcher exits 143 (SIGTERM's) for it instead of 75.
     replica = {"restartPolicy": "ExitCode", "template": {"spec": pod_spec(cfg)}}
     specs = {"Master": {"replicas": 1} | replica}
     if cfg.nodes > 1:
@@ -381,26 +448,39 @@ def pytorchjob(cfg: ManifestConfig) -> dict[str, Any]:
         "runPolicy": {"backoffLimit": cfg.max_restarts, "cleanPodPolicy": "None"},
         "pytorchReplicaSpecs": specs,
     }
-    return {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": _metadata(cfg), "spec": spec}
+    return {
+        "apiVersion": "kubeflow.org/v1",
+        "kind": "PyTorchJob",
+        "metadata": _metadata(cfg),
+        "spec": spec,
+    }
 
 
 def trainjob(cfg: ManifestConfig) -> list[dict[str, Any]]:
     runtime_name = f"{cfg.name}-ddpkit"
     jobset = jobset_spec(cfg)
-    # Trainer sizes the node Job (parallelism, completions, indexed) from the TrainJob, and finds the container
-    # to fill by the Job's ancestor label.
+    # Trainer sizes the node Job (parallelism, completions, indexed) from the TrainJob, and finds
+    # the container to fill by the Job's ancestor label.
     node_job = jobset["replicatedJobs"][0]
     for key in ("parallelism", "completions", "completionMode"):
         del node_job["template"]["spec"][key]
     del node_job["replicas"]
-    node_job["template"]["metadata"] = {"labels": {"trainer.kubeflow.org/trainjob-ancestor-step": "trainer"}}
-    # Trainer fills the node container's image, command, resources and PET_* from the TrainJob; the runtime
-    # holds what a TrainJob cannot say: the volumes, the Job's and the JobSet's failure policies.
+    node_job["template"]["metadata"] = {
+        "labels": {"trainer.kubeflow.org/trainjob-ancestor-step": "trainer"}
+    }
+    # Trainer fills the node container's image, command, resources and PET_* from the TrainJob; the
+    # runtime holds what a TrainJob cannot say: the volumes, the Job's and the JobSet's failure
+    # policies.
     runtime = {
         "apiVersion": "trainer.kubeflow.org/v1alpha1",
         "kind": "TrainingRuntime",
         "metadata": _metadata(cfg, runtime_name)
-        | {"labels": {"app.kubernetes.io/created-by": "ddpkit", "trainer.kubeflow.org/framework": "torch"}},
+        | {
+            "labels": {
+                "app.kubernetes.io/created-by": "ddpkit",
+                "trainer.kubeflow.org/framework": "torch",
+            }
+        },
         "spec": {
             "mlPolicy": {"numNodes": cfg.nodes, "torch": {}},
             "template": {"spec": jobset},
@@ -410,8 +490,9 @@ def trainjob(cfg: ManifestConfig) -> list[dict[str, Any]]:
     if cfg.nproc.isdigit():
         trainer["numProcPerNode"] = int(cfg.nproc)
     elif cfg.nproc == "auto" and not cfg.gpus_per_node and cfg.cpu:
-        # Trainer's own "auto" without GPUs is one process per requested CPU (32 at --cpu 32); ddpkit run's is
-        # one per core up to 8, as the other kinds get it: set here, not left to Trainer.
+        # Trainer's own "auto" without GPUs is one process per requested CPU (32 at --cpu 32);
+        # ddpkit run's is one per core up to 8, as the other kinds get it: set here, not left to
+        # Trainer.
         trainer["numProcPerNode"] = max(1, min(math.ceil(quantity("--cpu", cfg.cpu)), 8))
     if resources := _resources(cfg):
         trainer["resourcesPerNode"] = resources
@@ -422,7 +503,11 @@ def trainjob(cfg: ManifestConfig) -> list[dict[str, Any]]:
         "kind": "TrainJob",
         "metadata": _metadata(cfg),
         "spec": {
-            "runtimeRef": {"name": runtime_name, "apiGroup": "trainer.kubeflow.org", "kind": "TrainingRuntime"},
+            "runtimeRef": {
+                "name": runtime_name,
+                "apiGroup": "trainer.kubeflow.org",
+                "kind": "TrainingRuntime",
+            },
             "trainer": trainer,
         },
     }

@@ -1,21 +1,23 @@
 """Ending every process a worker started, however the worker ended.
 
-torchrun signals a worker's process group only while the worker itself still runs, so what a worker started
-outlived it: a ``subprocess.Popen(["sleep", "1000"])`` after a normal end, a multiprocessing child that ignores
-SIGTERM after a failure or a restart, and everything after the launcher was SIGKILLed (the worker died of its
-parent-death signal; its children were re-parented to init). Two mechanisms end them:
+torchrun signals a worker's process group only while the worker itself still runs, so what a worker
+started outlived it: a ``subprocess.Popen(["sleep", "1000"])`` after a normal end, a multiprocessing
+child that ignores SIGTERM after a failure or a restart, and everything after the launcher was
+SIGKILLed (the worker died of its parent-death signal; its children were re-parented to init). Two
+mechanisms end them:
 
-- the agent is a *child subreaper* (``PR_SET_CHILD_SUBREAPER``): a process orphaned anywhere below it is
-  re-parented to it instead of to init, so once a worker group has stopped, every process still below the agent
-  belongs to the job and :func:`kill_descendants` ends it;
-- each worker forks a *guard* (:func:`start_guard`) that outlives it by design: when the worker dies, for any
-  reason including SIGKILL, the guard kills the worker's process group and every process whose environment
-  carries the worker's mark (:data:`MARK`), which reaches children that left the group with ``setsid``.
+- the agent is a *child subreaper* (``PR_SET_CHILD_SUBREAPER``): a process orphaned anywhere below
+  it is re-parented to it instead of to init, so once a worker group has stopped, every process
+  still below the agent belongs to the job and :func:`kill_descendants` ends it;
+- each worker forks a *guard* (:func:`start_guard`) that outlives it by design: when the worker
+  dies, for any reason including SIGKILL, the guard kills the worker's process group and every
+  process whose environment carries the worker's mark (:data:`MARK`), which reaches children that
+  left the group with ``setsid``.
 
-Out of reach once the agent itself was SIGKILLed (while it lives, the subreaper still finds them): a process that
-left its worker's process group and does not carry the mark, that is one forked without ``exec`` (the kernel
-shows a forked child the environment its parent was started with, before the mark) or started with a cleared
-environment. Linux only; elsewhere these calls do nothing.
+Out of reach once the agent itself was SIGKILLed (while it lives, the subreaper still finds them): a
+process that left its worker's process group and does not carry the mark, that is one forked without
+``exec`` (the kernel shows a forked child the environment its parent was started with, before the
+mark) or started with a cleared environment. Linux only; elsewhere these calls do nothing.
 """
 
 from __future__ import annotations
@@ -38,21 +40,25 @@ from ddpkit._internals.interpreter import (
 )
 
 MARK = "DDPKIT_WORKER_MARK"
-"""Environment variable every process started by a worker inherits: ``<worker pid>.<worker start time>``."""
+"""Environment variable every process started by a worker inherits:
+``<worker pid>.<worker start time>``."""
 
 
 def set_parent_death_signal(sig: int) -> bool:
-    """Have Linux send ``sig`` to this process when its parent dies; False where it cannot (not Linux)."""
+    """Have Linux send ``sig`` to this process when its parent dies; False where it cannot (not
+    Linux)."""
     return prctl(PR_SET_PDEATHSIG, int(sig))
 
 
 def become_subreaper() -> bool:
-    """Make this process adopt the orphans of its descendants; False where Linux does not offer it."""
+    """Make this process adopt the orphans of its descendants; False where Linux does not offer
+    it."""
     return prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
 def _stat(pid: int) -> tuple[str, int, int, int] | None:
-    """(state, parent pid, process group, start time in clock ticks) of ``pid``; None once it is gone."""
+    """(state, parent pid, process group, start time in clock ticks) of ``pid``; None once it is
+    gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             text = f.read().decode(errors="replace")
@@ -63,8 +69,8 @@ def _stat(pid: int) -> tuple[str, int, int, int] | None:
 
 
 def state_code(pid: int) -> str:
-    """The state of ``pid`` as ``/proc/PID/stat`` gives it (``R``, ``S``, ``D``, ``T``, ``Z``...); ``?`` once it
-    is gone."""
+    """The state of ``pid`` as ``/proc/PID/stat`` gives it (``R``, ``S``, ``D``, ``T``, ``Z``...);
+    ``?`` once it is gone."""
     stat = _stat(pid)
     return stat[0] if stat is not None else "?"
 
@@ -76,9 +82,9 @@ def parent_of(pid: int) -> int | None:
 
 
 def wait_exit(pid: int, timeout: float | None) -> bool | None:
-    """Wait until ``pid`` has exited (a pidfd becomes readable when its process ends, zombie or reaped), at most
-    ``timeout`` seconds; whether it has. None where there are no pidfds (a kernel before 5.3, a seccomp profile
-    that refuses them): the caller polls instead."""
+    """Wait until ``pid`` has exited (a pidfd becomes readable when its process ends, zombie or
+    reaped), at most ``timeout`` seconds; whether it has. None where there are no pidfds (a kernel
+    before 5.3, a seccomp profile that refuses them): the caller polls instead."""
     try:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:
@@ -113,10 +119,16 @@ def descendants(root: int) -> list[int]:
 
 
 def _wait_gone(pids: Iterable[int], deadline: float) -> None:
-    """Until each of ``pids`` has exited (or ``deadline``): a pidfd becomes readable when its process ends."""
+    """Until each of ``pids`` has exited (or ``deadline``): a pidfd becomes readable when its
+    process ends."""
     for pid in pids:
-        if wait_exit(pid, max(0.0, deadline - time.monotonic())) is None:  # no pidfds: the process table
-            while (stat := _stat(pid)) is not None and stat[0] not in ("Z", "X") and time.monotonic() < deadline:
+        # no pidfds: the process table
+        if wait_exit(pid, max(0.0, deadline - time.monotonic())) is None:
+            while (
+                (stat := _stat(pid)) is not None
+                and stat[0] not in ("Z", "X")
+                and time.monotonic() < deadline
+            ):
                 time.sleep(0.01)
 
 
@@ -129,17 +141,21 @@ def _reap(pids: Iterable[int]) -> None:
 def _own_zombies(keep: Collection[int]) -> list[int]:
     me = os.getpid()
     return [
-        pid for pid in _all_pids() if pid not in keep and (s := _stat(pid)) is not None and s[1] == me and s[0] == "Z"
+        pid
+        for pid in _all_pids()
+        if pid not in keep and (s := _stat(pid)) is not None and s[1] == me and s[0] == "Z"
     ]
 
 
-def kill_descendants(root: int | None = None, keep: Collection[int] = (), timeout: float = 10.0) -> list[int]:
+def kill_descendants(
+    root: int | None = None, keep: Collection[int] = (), timeout: float = 10.0
+) -> list[int]:
     """SIGKILL every process below ``root`` (this process by default) and wait until they are gone.
 
-    Repeated until none is left, since a process may fork while its siblings die and orphans are re-parented
-    to a subreaper only as their parents go. This process's own children that end up as zombies are reaped,
-    except ``keep`` (those whose exit status another owner, such as a ``Popen`` object, still has to read).
-    Returns the pids killed.
+    Repeated until none is left, since a process may fork while its siblings die and orphans are
+    re-parented to a subreaper only as their parents go. This process's own children that end up as
+    zombies are reaped, except ``keep`` (those whose exit status another owner, such as a ``Popen``
+    object, still has to read). Returns the pids killed.
     """
     if not LINUX:
         return []
@@ -171,12 +187,12 @@ def _marked(pid: int, mark: bytes) -> bool:
 
 
 def kill_worker_tree(group: int | None, mark: str, timeout: float = 10.0) -> list[int]:
-    """SIGKILL every process in process group ``group`` or whose environment holds ``MARK=mark``, this one
-    excepted.
+    """SIGKILL every process in process group ``group`` or whose environment holds ``MARK=mark``,
+    this one excepted.
 
-    The group holds what the worker forked (a forked child shares the environment the worker was started with,
-    which has no mark); the mark reaches what it, or any descendant, started with ``exec`` (``subprocess``,
-    multiprocessing's spawn and forkserver), in whatever group or session.
+    The group holds what the worker forked (a forked child shares the environment the worker was
+    started with, which has no mark); the mark reaches what it, or any descendant, started with
+    ``exec`` (``subprocess``, multiprocessing's spawn and forkserver), in whatever group or session.
     """
     me, entry = os.getpid(), f"{MARK}={mark}".encode()
     deadline = time.monotonic() + timeout
@@ -203,15 +219,17 @@ GUARD_TITLE = "ddpkit-guard"
 """The guard's command line, followed by its worker's pid (``ps``, ``pgrep -f``)."""
 
 GUARD_SIGNAL = signal.SIGRTMIN if hasattr(signal, "SIGRTMIN") else signal.SIGUSR2
-"""What the kernel sends the guard when its worker dies (a real-time signal, which nothing else sends it)."""
+"""What the kernel sends the guard when its worker dies (a real-time signal, which nothing else
+sends it)."""
 
 
 def start_guard() -> int | None:
-    """Mark this process's environment and fork its guard; returns the guard's pid (None where not Linux).
+    """Mark this process's environment and fork its guard; returns the guard's pid (None where not
+    Linux).
 
-    The guard blocks every signal but the parent-death one, so torchrun's SIGTERM to the worker's group, or a
-    Ctrl-C, cannot end it before its worker; it leaves the worker's process group for the same reason. It
-    costs one sleeping process per worker.
+    The guard blocks every signal but the parent-death one, so torchrun's SIGTERM to the worker's
+    group, or a Ctrl-C, cannot end it before its worker; it leaves the worker's process group for
+    the same reason. It costs one sleeping process per worker.
     """
     if not LINUX:
         return None
@@ -219,8 +237,8 @@ def start_guard() -> int | None:
     stat = _stat(worker)
     mark = f"{worker}.{stat[3] if stat else 0}"  # with the start time: a reused pid never matches
     os.environ[MARK] = mark
-    # torchrun starts each worker in a session of its own; a worker that does not lead its group shares it
-    # with processes that are not its own (a shell's job), and only the mark is used.
+    # torchrun starts each worker in a session of its own; a worker that does not lead its group
+    # shares it with processes that are not its own (a shell's job), and only the mark is used.
     group = worker if os.getpgid(0) == worker else None
     with warnings.catch_warnings():
         # Python 3.12 warns on fork() with threads running; the child below only makes system calls.
@@ -231,13 +249,14 @@ def start_guard() -> int | None:
     try:  # the guard: never returns
         os.setpgid(0, 0)
         signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
-        # A command line of its own (once out of reach of signals to the worker's group): the forked guard
-        # would otherwise show its worker's, and `pkill -f "ddpkit._launch.worker.*SCRIPT" --newest` would kill
-        # the guard instead of the worker.
+        # A command line of its own (once out of reach of signals to the worker's group): the forked
+        # guard would otherwise show its worker's, and `pkill -f "ddpkit._launch.worker.*SCRIPT"
+        # --newest` would kill the guard instead of the worker.
         set_command_line([GUARD_TITLE, str(worker)])
         prctl(PR_SET_NAME, GUARD_TITLE)
         set_parent_death_signal(GUARD_SIGNAL)
-        if os.getppid() == worker:  # else the worker died before prctl took effect: no signal will come
+        # else the worker died before prctl took effect: no signal will come
+        if os.getppid() == worker:
             signal.sigwait({GUARD_SIGNAL})
         kill_worker_tree(group, mark)
     finally:

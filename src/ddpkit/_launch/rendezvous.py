@@ -1,18 +1,19 @@
 """Working out, on each node of a multi-node job, what torchrun's c10d rendezvous needs to be told.
 
-``ddpkit run --nnodes 2 --rdzv-endpoint HOST:PORT`` on every node is all a user writes. torchrun then also
-needs, or hangs without (seen across two network namespaces joined by a veth pair):
+``ddpkit run --nnodes 2 --rdzv-endpoint HOST:PORT`` on every node is all a user writes. torchrun
+then also needs, or hangs without (seen across two network namespaces joined by a veth pair):
 
-- ``is_host=1`` on the node that serves the rendezvous store (the one that owns HOST's address), 0 elsewhere:
-  by default torchrun guesses from host names, which fails where HOST is an address or a second interface;
-- ``--local-addr``: the address of this node that the others can reach, which it otherwise takes from the
-  host name (often 127.0.1.1 on Debian, unreachable from other nodes);
-- ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``: the interface that carries that address, since gloo
-  otherwise binds the one its host name resolves to.
+- ``is_host=1`` on the node that serves the rendezvous store (the one that owns HOST's address), 0
+  elsewhere: by default torchrun guesses from host names, which fails where HOST is an address or a
+  second interface;
+- ``--local-addr``: the address of this node that the others can reach, which it otherwise takes
+  from the host name (often 127.0.1.1 on Debian, unreachable from other nodes);
+- ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``: the interface that carries that address, since
+  gloo otherwise binds the one its host name resolves to.
 
-Each is derived here from the endpoint with the kernel's own routing: the source address a socket gets when
-it is pointed at HOST. Where the endpoint cannot be resolved or reached, the launch stops with a message
-naming the flag, before any worker starts.
+Each is derived here from the endpoint with the kernel's own routing: the source address a socket
+gets when it is pointed at HOST. Where the endpoint cannot be resolved or reached, the launch stops
+with a message naming the flag, before any worker starts.
 """
 
 from __future__ import annotations
@@ -54,16 +55,18 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
 
 def resolve(host: str) -> str:
     try:
-        return str(socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0])  # AF_INET: a str
+        # AF_INET: a str
+        return str(socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0])
     except socket.gaierror as err:
         raise ConfigError(
-            f"--rdzv-endpoint host {host!r} cannot be resolved ({err.strerror}): use a host name every node "
-            "can resolve, or the IP address of the node that hosts the rendezvous"
+            f"--rdzv-endpoint host {host!r} cannot be resolved ({err.strerror}): use a host name "
+            "every node can resolve, or the IP address of the node that hosts the rendezvous"
         ) from None
 
 
 def is_local_address(ip: str) -> bool:
-    """True when ``ip`` belongs to an interface of this machine (binding to it succeeds only then)."""
+    """True when ``ip`` belongs to an interface of this machine (binding to it succeeds only
+    then)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
             s.bind((ip, 0))
@@ -75,24 +78,28 @@ def is_local_address(ip: str) -> bool:
 
 
 def route_source(ip: str, port: int) -> str:
-    """The local address the kernel would send from to reach ``ip`` (no packet is sent: UDP connect only)."""
+    """The local address the kernel would send from to reach ``ip`` (no packet is sent: UDP connect
+    only)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             s.connect((ip, port))
         except OSError as err:
             raise ConfigError(
-                f"no route from this node to the rendezvous host {ip} ({err.strerror}): check --rdzv-endpoint "
-                "and this node's network"
+                f"no route from this node to the rendezvous host {ip} ({err.strerror}): check "
+                "--rdzv-endpoint and this node's network"
             ) from None
         return s.getsockname()[0]
 
 
 def interface_of(ip: str) -> str | None:
-    """The interface whose IPv4 address is ``ip``, found by asking each interface for its address."""
+    """The interface whose IPv4 address is ``ip``, found by asking each interface for its
+    address."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         for _, name in socket.if_nameindex():
             try:
-                packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+                packed = fcntl.ioctl(
+                    s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15])
+                )
             except OSError:
                 continue  # no IPv4 address on this interface
             if socket.inet_ntoa(packed[20:24]) == ip:
@@ -101,13 +108,14 @@ def interface_of(ip: str) -> str | None:
 
 
 def node_address(endpoint: str) -> NodeAddress:
-    """Everything this node tells torchrun for ``endpoint``; raises :class:`ConfigError` on a bad endpoint."""
+    """Everything this node tells torchrun for ``endpoint``; raises :class:`ConfigError` on a bad
+    endpoint."""
     host, port = split_endpoint(endpoint)
     host_ip = resolve(host)
     local = is_local_address(host_ip)
     source = host_ip if local else route_source(host_ip, port)
-    # Several agents on the machine that owns the endpoint (an elastic job tried on one machine, or a second
-    # job step): the first one to start hosts the store, the others join it.
+    # Several agents on the machine that owns the endpoint (an elastic job tried on one machine, or
+    # a second job step): the first one to start hosts the store, the others join it.
     hosting = local and not _listening(host_ip, port)
     return NodeAddress(host, port, host_ip, hosting, source, interface_of(source))
 
@@ -119,11 +127,12 @@ def _listening(ip: str, port: int) -> bool:
 
 
 def wait_reachable(ip: str, port: int, timeout: float) -> None:
-    """Wait until something accepts TCP connections at ``ip:port`` (the hosting node's agent), or fail.
+    """Wait until something accepts TCP connections at ``ip:port`` (the hosting node's agent), or
+    fail.
 
-    The hosting node may start a little later than this one, so a refused connection is retried; an address
-    that never answers (a wrong endpoint, a firewall that drops packets) or keeps refusing ends in an error
-    that says which, after ``timeout`` seconds instead of torchrun's silent wait.
+    The hosting node may start a little later than this one, so a refused connection is retried; an
+    address that never answers (a wrong endpoint, a firewall that drops packets) or keeps refusing
+    ends in an error that says which, after ``timeout`` seconds instead of torchrun's silent wait.
     """
     deadline = time.monotonic() + timeout
     last = "no answer"
@@ -131,10 +140,10 @@ def wait_reachable(ip: str, port: int, timeout: float) -> None:
         left = deadline - time.monotonic()
         if left <= 0:
             raise ConfigError(
-                f"the rendezvous at {ip}:{port} did not answer within {timeout:.0f} s ({last}): start "
-                f"`ddpkit run` with the same --rdzv-endpoint on the node that owns {ip} (it hosts the "
-                "rendezvous), check that --rdzv-endpoint names that node, and that no firewall blocks the port; "
-                "--join-timeout sets how long to wait"
+                f"the rendezvous at {ip}:{port} did not answer within {timeout:.0f} s ({last}): "
+                f"start `ddpkit run` with the same --rdzv-endpoint on the node that owns {ip} (it "
+                "hosts the rendezvous), check that --rdzv-endpoint names that node, and that no "
+                "firewall blocks the port; --join-timeout sets how long to wait"
             )
         try:
             with socket.create_connection((ip, port), timeout=min(2.0, left)):
@@ -146,5 +155,7 @@ def wait_reachable(ip: str, port: int, timeout: float) -> None:
         except OSError as err:
             last = err.strerror or str(err)
             if err.errno in (errno.ENETUNREACH, errno.EHOSTUNREACH):
-                raise ConfigError(f"the rendezvous host {ip} is unreachable ({last}): check --rdzv-endpoint") from None
+                raise ConfigError(
+                    f"the rendezvous host {ip} is unreachable ({last}): check --rdzv-endpoint"
+                ) from None
         time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))

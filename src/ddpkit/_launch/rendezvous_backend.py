@@ -1,16 +1,17 @@
-"""The rendezvous ``ddpkit run`` gives torchrun's agent: torch's dynamic rendezvous, on a store only the job reaches.
+"""The rendezvous ``ddpkit run`` gives torchrun's agent: torch's dynamic rendezvous, on a store only
+the job reaches.
 
-Registered with torch's handler registry as ``--rdzv-backend ddpkit``; torch's own ``c10d`` backend differs in
-three ways (see :mod:`ddpkit._launch.rendezvous_auth` for why):
+Registered with torch's handler registry as ``--rdzv-backend ddpkit``; torch's own ``c10d`` backend
+differs in three ways (see :mod:`ddpkit._launch.rendezvous_auth` for why):
 
-- the TCPStore is served from a socket bound to 127.0.0.1, where torch's listens on every interface whatever the
-  endpoint says;
-- a job on several nodes reaches it through the relay that admits only holders of the job's secret; a job on
-  one node has no relay, and nothing outside the machine reaches its store;
-- the rendezvous state, which torch pickles, is stored with an HMAC-SHA256 tag under a key of the job (derived
-  from the secret, or random for a job on one node) and handed to torch's unpickling only when the tag matches
-  (:class:`SignedStateBackend`): a process of this machine that writes to the loopback store cannot run code
-  in the agent either.
+- the TCPStore is served from a socket bound to 127.0.0.1, where torch's listens on every interface
+  whatever the endpoint says;
+- a job on several nodes reaches it through the relay that admits only holders of the job's secret;
+  a job on one node has no relay, and nothing outside the machine reaches its store;
+- the rendezvous state, which torch pickles, is stored with an HMAC-SHA256 tag under a key of the
+  job (derived from the secret, or random for a job on one node) and handed to torch's unpickling
+  only when the tag matches (:class:`SignedStateBackend`): a process of this machine that writes to
+  the loopback store cannot run code in the agent either.
 """
 
 from __future__ import annotations
@@ -49,13 +50,14 @@ BACKEND = "ddpkit"
 
 @dataclass(frozen=True)
 class JobAccess:
-    """What one job's agent needs to open its rendezvous store; kept in this process, never in torchrun's
-    arguments or logs."""
+    """What one job's agent needs to open its rendezvous store; kept in this process, never in
+    torchrun's arguments or logs."""
 
     secret: bytes
     """The job's secret (several nodes), or random bytes made for this job (one node)."""
     relay_ip: str | None
-    """The address the host's relay listens on (the endpoint's); None for a job on this machine only."""
+    """The address the host's relay listens on (the endpoint's); None for a job on this machine
+    only."""
 
 
 _jobs: dict[str, JobAccess] = {}  # rendezvous id -> access, for the jobs this process runs
@@ -64,7 +66,8 @@ _relays: dict[str, list[Any]] = {}
 
 def register(run_id: str, access: JobAccess) -> None:
     """Make ``--rdzv-backend ddpkit --rdzv-id RUN_ID`` open its store with ``access``."""
-    handler_registry.register(BACKEND, _create_handler)  # the same function each time: torch allows that
+    # the same function each time: torch allows that
+    handler_registry.register(BACKEND, _create_handler)
     _jobs[run_id] = access
 
 
@@ -77,14 +80,17 @@ def unregister(run_id: str) -> None:
 def _create_handler(params: RendezvousParameters) -> RendezvousHandler:
     access = _jobs.get(params.run_id)
     if access is None:
-        raise RendezvousConnectionError(f"no access registered for rendezvous {params.run_id!r} in this process")
+        raise RendezvousConnectionError(
+            f"no access registered for rendezvous {params.run_id!r} in this process"
+        )
     store = _open_store(params, access)
     backend = SignedStateBackend(store, params.run_id, derive(access.secret, "state"))
     return create_handler(store, backend, params)
 
 
 def _open_store(params: RendezvousParameters, access: JobAccess) -> dist.TCPStore:
-    host, _, port_text = params.endpoint.rpartition(":")  # checked by the launcher; port 0 on one node
+    # checked by the launcher; port 0 on one node
+    host, _, port_text = params.endpoint.rpartition(":")
     host, port = host.strip("[]"), int(port_text)
     timeout = timedelta(seconds=params.get_as_int("read_timeout", 60) or 60)
     relays = _relays.setdefault(params.run_id, [])
@@ -94,9 +100,13 @@ def _open_store(params: RendezvousParameters, access: JobAccess) -> dist.TCPStor
         store = serve_store(listener.detach(), "127.0.0.1", local_port, timeout)
         if access.relay_ip is not None:
             try:
-                relays.append(RelayServer((access.relay_ip, port), local_port, derive(access.secret, "relay")))
+                relays.append(
+                    RelayServer((access.relay_ip, port), local_port, derive(access.secret, "relay"))
+                )
             except OSError as err:
-                raise RendezvousConnectionError(f"cannot listen on {access.relay_ip}:{port}: {err.strerror}") from None
+                raise RendezvousConnectionError(
+                    f"cannot listen on {access.relay_ip}:{port}: {err.strerror}"
+                ) from None
         return store
     client = RelayClient((socket.gethostbyname(host), port), derive(access.secret, "relay"))
     relays.append(client)
@@ -107,14 +117,15 @@ class SignedStateBackend(RendezvousBackend):
     """torch's rendezvous state, stored with an HMAC tag and returned only when the tag matches.
 
     torch's state holder pickles the state it writes and unpickles the bytes a backend returns
-    (``_BackendRendezvousStateHolder.sync``); with torch's c10d backend those are whatever sits under the key,
-    so a value written there by anyone who reaches the store runs code in the agent. Here a value whose tag does
-    not match is never returned: the last state this node read with a valid tag (none, for a node that has read
-    no state yet) is put back in its place, by compare-and-set so that a genuine write in between wins, and the
-    rendezvous goes on.
+    (``_BackendRendezvousStateHolder.sync``); with torch's c10d backend those are whatever sits
+    under the key, so a value written there by anyone who reaches the store runs code in the agent.
+    Here a value whose tag does not match is never returned: the last state this node read with a
+    valid tag (none, for a node that has read no state yet) is put back in its place, by
+    compare-and-set so that a genuine write in between wins, and the rendezvous goes on.
     """
 
-    _EMPTY = b"-"  # the key's value before any node wrote a state: a store read blocks on a missing key
+    # the key's value before any node wrote a state: a store read blocks on a missing key
+    _EMPTY = b"-"
     _RESTORES = 20
 
     def __init__(self, store: dist.Store, run_id: str, key: bytes) -> None:
@@ -132,16 +143,19 @@ class SignedStateBackend(RendezvousBackend):
     def get_state(self) -> tuple[bytes, Token] | None:
         return self._open(self._call("get", self._name))
 
-    def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
-        if token is not None and not isinstance(token, bytes):  # not a token of ours: the write cannot succeed
+    def set_state(
+        self, state: bytes, token: Token | None = None
+    ) -> tuple[bytes, Token, bool] | None:
+        # not a token of ours: the write cannot succeed
+        if token is not None and not isinstance(token, bytes):
             current = self.get_state()
             return (*current, False) if current is not None else None
         sealed = self._seal(state)
         current = self._open(self._call("compare_set", self._name, token or self._EMPTY, sealed))
         if current is None and token is not None:
-            # The key was emptied under this node (a forged value replaced by a node that had read no state).
-            # torch would take None for "written" and go on with a state nobody stored: write it, as a first
-            # node does.
+            # The key was emptied under this node (a forged value replaced by a node that had read
+            # no state). torch would take None for "written" and go on with a state nobody
+            # stored: write it, as a first node does.
             current = self._open(self._call("compare_set", self._name, self._EMPTY, sealed))
         if current is None:
             return None
@@ -174,16 +188,20 @@ class SignedStateBackend(RendezvousBackend):
             if not self._warned:
                 self._warned = True
                 print(
-                    "ddpkit run: ignored a rendezvous state without this job's signature (written by a process "
-                    "outside the job) and put back the last valid one",
+                    "ddpkit run: ignored a rendezvous state without this job's signature (written "
+                    "by a process outside the job) and put back the last valid one",
                     file=sys.stderr,
                     flush=True,
                 )
             stored = self._call("compare_set", self._name, stored, self._last_valid)
-        raise RendezvousStateError("the rendezvous state keeps being overwritten by a process outside the job")
+        raise RendezvousStateError(
+            "the rendezvous state keeps being overwritten by a process outside the job"
+        )
 
     def _call(self, op: str, *args: Any) -> Any:
         try:
             return getattr(self._store, op)(*args)
         except (ValueError, RuntimeError, TimeoutError) as err:
-            raise RendezvousConnectionError(f"the connection to the rendezvous store failed: {err}") from err
+            raise RendezvousConnectionError(
+                f"the connection to the rendezvous store failed: {err}"
+            ) from err

@@ -1,9 +1,11 @@
-"""``ddpkit sbatch``: write and submit a SLURM batch script that trains, survives pre-emption and resumes.
+"""``ddpkit sbatch``: write and submit a SLURM batch script that trains, survives pre-emption and
+resumes.
 
-The script runs one task per GPU (or per CPU share) with ``srun``, each task reading its rank from SLURM's
-variables (:mod:`ddpkit.platforms._slurm`). Before the time limit SLURM sends SIGUSR1 (``--signal=USR1@LEAD``) to the
-tasks; a Trainer saves its snapshot and exits with :data:`~ddpkit._errors.PREEMPTED_EXIT_CODE` (75), and the
-batch script then requeues the job, which resumes from the snapshot when it starts again. A run that finished
+The script runs one task per GPU (or per CPU share) with ``srun``, each task reading its rank from
+SLURM's variables (:mod:`ddpkit.platforms._slurm`). Before the time limit SLURM sends SIGUSR1
+(``--signal=USR1@LEAD``) to the tasks; a Trainer saves its snapshot and exits with
+:data:`~ddpkit._errors.PREEMPTED_EXIT_CODE` (75), and the batch script then requeues the job, which
+resumes from the snapshot when it starts again. A run that finished
 (0) or failed (anything else) is not requeued. Output of every attempt is appended to one file.
 """
 
@@ -39,16 +41,18 @@ class BatchConfig:
     cpus_per_task: int | None = None
     """Cores per task; sets ``OMP_NUM_THREADS`` in the job. The partition's default when unset."""
     time: str | None = None
-    """Time limit, as SLURM writes it (``4:00:00``, ``2-00:00:00``); the partition's default when unset."""
+    """Time limit, as SLURM writes it (``4:00:00``, ``2-00:00:00``); the partition's default when
+    unset."""
     signal_lead: int = 120
-    """Seconds before the time limit at which SIGUSR1 asks the job to save and stop (SLURM may send it up to
-    60 s earlier than asked)."""
+    """Seconds before the time limit at which SIGUSR1 asks the job to save and stop (SLURM may send
+    it up to 60 s earlier than asked)."""
     job_name: str | None = None
     """The job's name; the script's file name without ``.py`` by default."""
     partition: str | None = None
     account: str | None = None
     output_dir: str = "slurm-logs"
-    """Where the batch script and the job's output (``NAME-JOBID.out``, appended across requeues) go."""
+    """Where the batch script and the job's output (``NAME-JOBID.out``, appended across requeues)
+    go."""
     sbatch_options: list[str] = field(default_factory=list)
     """More ``#SBATCH`` options, verbatim (``--mem=32G``, ``--constraint=a100``)."""
     python: str = sys.executable
@@ -69,28 +73,34 @@ class BatchConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} {value}: must be >= 1")
         for name in ("nodes", "gpus_per_node", "ntasks_per_node", "cpus_per_task"):
             value = getattr(self, name)
-            if value is not None and value > _MAX_COUNT:  # SLURM keeps these in 32 bits; no cluster is that big
+            # SLURM keeps these in 32 bits; no cluster is that big
+            if value is not None and value > _MAX_COUNT:
                 raise ConfigError(f"--{name.replace('_', '-')} {value}: at most {_MAX_COUNT}")
         for option, value in self._texts():
             _check_text(option, value)
         limit = time_limit_seconds(self.time) if self.time is not None else None
         if limit is not None and self.signal_lead >= limit:
             raise ConfigError(
-                f"--signal-lead {self.signal_lead}: longer than the job may run (--time {self.time} is {limit} s), "
-                "so the signal to save and stop would be due before the job starts; give a shorter lead (with "
-                "time left for a snapshot) or a longer --time"
+                f"--signal-lead {self.signal_lead}: longer than the job may run (--time "
+                f"{self.time} is {limit} s), so the signal to save and stop would be due before "
+                "the job starts; give a shorter lead (with time left for a snapshot) or a longer "
+                "--time"
             )
         if self.job_name is not None and not _JOB_NAME.fullmatch(self.job_name):
             raise ConfigError(
-                f"--job-name {self.job_name!r}: use letters, digits and . _ + - only, starting with a letter or "
-                "digit (it names the batch script and the output file in --output-dir)"
+                f"--job-name {self.job_name!r}: use letters, digits and . _ + - only, starting "
+                "with a letter or digit (it names the batch script and the output file in "
+                "--output-dir)"
             )
         for option, value in (("--partition", self.partition), ("--account", self.account)):
             if value is not None and not re.fullmatch(r"[^\s\"'\\#]+", value):
-                raise ConfigError(f"{option} {value!r}: a SLURM name has no spaces, quotes, backslashes or #")
+                raise ConfigError(
+                    f"{option} {value!r}: a SLURM name has no spaces, quotes, backslashes or #"
+                )
 
     def _texts(self) -> list[tuple[str, str]]:
-        """Every string that goes into the batch script, with the option (or source) that gave it."""
+        """Every string that goes into the batch script, with the option (or source) that gave
+        it."""
         out = [
             ("SCRIPT", self.script),
             ("--output-dir", self.output_dir),
@@ -112,26 +122,38 @@ class BatchConfig:
 
     @property
     def name(self) -> str:
-        # The default name comes from the script's file name, made safe for a file name and an #SBATCH line.
-        return self.job_name or re.sub(r"[^A-Za-z0-9._+-]", "_", Path(self.script).stem).lstrip(".-") or "ddpkit"
+        # The default name comes from the script's file name, made safe for a file name and an
+        # #SBATCH line.
+        return (
+            self.job_name
+            or re.sub(r"[^A-Za-z0-9._+-]", "_", Path(self.script).stem).lstrip(".-")
+            or "ddpkit"
+        )
 
 
 _MAX_COUNT = 100_000
 _MAX_TIME = 365 * 86400
 _JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,199}")
-_SCRIPT_SINGLE_LINE = {"--sbatch-option", "--job-name", "--partition", "--account", "--time", "--output-dir"}
+_SCRIPT_SINGLE_LINE = {
+    "--sbatch-option",
+    "--job-name",
+    "--partition",
+    "--account",
+    "--time",
+    "--output-dir",
+}
 
 
 def _check_text(option: str, value: str) -> None:
-    """Refuse what the batch script cannot hold: text that is not UTF-8, and a line break or control character
-    where it would end an #SBATCH line (the rest would run as shell lines, and sbatch stops reading #SBATCH
-    options at the first of them)."""
+    """Refuse what the batch script cannot hold: text that is not UTF-8, and a line break or control
+    character where it would end an #SBATCH line (the rest would run as shell lines, and sbatch
+    stops reading #SBATCH options at the first of them)."""
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
         raise ConfigError(
-            f"{option} {value.encode('utf-8', 'surrogateescape')!r}: not valid UTF-8, and the batch "
-            "script is UTF-8 text: rename it (or the folder it is in)"
+            f"{option} {value.encode('utf-8', 'surrogateescape')!r}: not valid UTF-8, and the "
+            "batch script is UTF-8 text: rename it (or the folder it is in)"
         ) from None
     if option in _SCRIPT_SINGLE_LINE and any(ord(c) < 32 or ord(c) == 127 for c in value):
         raise ConfigError(
@@ -140,17 +162,23 @@ def _check_text(option: str, value: str) -> None:
         )
 
 
-_TIME = re.compile(r"([0-9]+)-([0-9]+)(?::([0-9]+)(?::([0-9]+))?)?|([0-9]+)(?::([0-9]+)(?::([0-9]+))?)?")
+_TIME = re.compile(
+    r"([0-9]+)-([0-9]+)(?::([0-9]+)(?::([0-9]+))?)?|([0-9]+)(?::([0-9]+)(?::([0-9]+))?)?"
+)
 
 
 def time_limit_seconds(text: str) -> int | None:
-    """Seconds in a SLURM time limit (``MIN``, ``MIN:SEC``, ``H:MIN:SEC``, ``D-H``, ``D-H:MIN``, ``D-H:MIN:SEC``);
-    None for no limit (``0``, ``UNLIMITED``, ``INFINITE``). Raises :class:`ConfigError` for anything else."""
+    """Seconds in a SLURM time limit (``MIN``, ``MIN:SEC``, ``H:MIN:SEC``, ``D-H``, ``D-H:MIN``,
+    ``D-H:MIN:SEC``); None for no limit (``0``, ``UNLIMITED``, ``INFINITE``). Raises
+    :class:`ConfigError` for anything else."""
     if text.lower() in ("unlimited", "infinite"):
         return None
     match = _TIME.fullmatch(text)
     if match is None:
-        raise ConfigError(f"--time {text!r}: use MINUTES, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS as SLURM does")
+        raise ConfigError(
+            f"--time {text!r}: use MINUTES, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS as SLURM "
+            "does"
+        )
     given = match.groups()
     days, d_hours, d_minutes, d_seconds, a, b, c = (int(g or 0) for g in given)
     if given[0] is not None:
@@ -172,8 +200,8 @@ def _shown(text: str, limit: int = 80) -> str:
 
 
 def _sbatch_value(text: str) -> str:
-    """``text`` as one argument on an #SBATCH line: sbatch splits these lines at spaces, groups quoted text,
-    and reads a backslash as an escape and an unquoted # as the start of a comment."""
+    """``text`` as one argument on an #SBATCH line: sbatch splits these lines at spaces, groups
+    quoted text, and reads a backslash as an escape and an unquoted # as the start of a comment."""
     if re.fullmatch(r"[A-Za-z0-9_./%:=,@+-]+", text):
         return text
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
@@ -210,12 +238,21 @@ def batch_script(cfg: BatchConfig) -> str:
         "",
         f"cd {shlex.quote(str(Path(cfg.workdir).absolute()))}",
         "export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-${OMP_NUM_THREADS:-1}}",
-        'echo "ddpkit: job $SLURM_JOB_ID attempt $((${SLURM_RESTART_COUNT:-0} + 1)) on $SLURM_JOB_NODELIST"',
-        " ".join(["srun", shlex.quote(cfg.python), "-u", shlex.quote(cfg.script), *map(shlex.quote, cfg.script_args)]),
+        'echo "ddpkit: job $SLURM_JOB_ID attempt $((${SLURM_RESTART_COUNT:-0} + 1)) on '
+        '$SLURM_JOB_NODELIST"',
+        " ".join(
+            [
+                "srun",
+                shlex.quote(cfg.python),
+                "-u",
+                shlex.quote(cfg.script),
+                *map(shlex.quote, cfg.script_args),
+            ]
+        ),
         "code=$?",
         f"if [ $code -eq {PREEMPTED_EXIT_CODE} ]; then",
-        # The tasks saved a snapshot because they were told to stop: come back and resume. A finished run (0)
-        # or a failure (anything else) is left as it is.
+        # The tasks saved a snapshot because they were told to stop: come back and resume. A
+        # finished run (0) or a failure (anything else) is left as it is.
         '  echo "ddpkit: pre-empted after saving a snapshot; requeueing job $SLURM_JOB_ID"',
         '  scontrol requeue "$SLURM_JOB_ID"',
         "fi",
@@ -226,19 +263,22 @@ def batch_script(cfg: BatchConfig) -> str:
 
 
 def submit(cfg: BatchConfig, dry_run: bool = False) -> tuple[Path, str | None]:
-    """Write the batch script to ``OUTPUT_DIR/NAME.sbatch`` and, unless ``dry_run``, submit it; (path, job id)."""
+    """Write the batch script to ``OUTPUT_DIR/NAME.sbatch`` and, unless ``dry_run``, submit it;
+    (path, job id)."""
     try:
         found = Path(cfg.script).is_file()
     except OSError as err:  # a name too long for the file system
         raise ConfigError(f"script {_shown(cfg.script)}: {err.strerror}: check the path") from None
     if not found:
-        raise ConfigError(f"script {_shown(cfg.script)} not found (from {os.getcwd()}): check the path")
+        raise ConfigError(
+            f"script {_shown(cfg.script)} not found (from {os.getcwd()}): check the path"
+        )
     out = Path(cfg.output_dir)
     try:
         if out.exists() and not out.is_dir():
             raise ConfigError(
-                f"--output-dir {_shown(cfg.output_dir)} is a file: give a folder for the batch script and the "
-                "job's output (it is created if missing)"
+                f"--output-dir {_shown(cfg.output_dir)} is a file: give a folder for the batch "
+                "script and the job's output (it is created if missing)"
             )
         fs.make_dirs(out)
         path = out / f"{cfg.name}.sbatch"
@@ -251,7 +291,9 @@ def submit(cfg: BatchConfig, dry_run: bool = False) -> tuple[Path, str | None]:
     if dry_run:
         return path, None
     if shutil.which("sbatch") is None:
-        raise ConfigError(f"sbatch is not on PATH: run on a SLURM login node, or submit {path} there")
+        raise ConfigError(
+            f"sbatch is not on PATH: run on a SLURM login node, or submit {path} there"
+        )
     done = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True)
     if done.returncode != 0:
         raise ConfigError(f"sbatch refused {path}: {done.stderr.strip()}")
@@ -295,16 +337,40 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add = parser.add_argument
     add("--nodes", type=int, default=1, help="nodes (default 1)")
-    add("--gpus-per-node", type=int, default=0, help="GPUs per node, one task each (default 0: a CPU job)")
-    add("--ntasks-per-node", type=int, default=None, help="tasks (ranks) per node (default: GPUs, else 1)")
+    add(
+        "--gpus-per-node",
+        type=int,
+        default=0,
+        help="GPUs per node, one task each (default 0: a CPU job)",
+    )
+    add(
+        "--ntasks-per-node",
+        type=int,
+        default=None,
+        help="tasks (ranks) per node (default: GPUs, else 1)",
+    )
     add("--cpus-per-task", type=int, default=None, help="cores per task; sets OMP_NUM_THREADS")
     add("--time", default=None, help="time limit, e.g. 4:00:00 (default: the partition's)")
-    add("--signal-lead", type=int, default=120, help="seconds before the limit to save and stop (default 120)")
+    add(
+        "--signal-lead",
+        type=int,
+        default=120,
+        help="seconds before the limit to save and stop (default 120)",
+    )
     add("--job-name", default=None, help="job name (default: the script's name)")
     add("--partition", default=None, help="SLURM partition")
     add("--account", default=None, help="SLURM account")
-    add("--output-dir", default="slurm-logs", help="folder for the script and the job's output (slurm-logs)")
-    add("--sbatch-option", action="append", default=[], help="another #SBATCH option, e.g. --mem=32G")
+    add(
+        "--output-dir",
+        default="slurm-logs",
+        help="folder for the script and the job's output (slurm-logs)",
+    )
+    add(
+        "--sbatch-option",
+        action="append",
+        default=[],
+        help="another #SBATCH option, e.g. --mem=32G",
+    )
     add("--dry-run", action="store_true", help="write the batch script, do not submit it")
     add("script", help="training script")
     return parser
@@ -333,5 +399,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     path, job = submit(cfg, dry_run=ns.dry_run)
     print(f"batch script: {path}")
     if job:
-        print(f"submitted job {job}; output: {Path(cfg.output_dir).absolute()}/{cfg.name}-{job}.out")
+        print(
+            f"submitted job {job}; output: {Path(cfg.output_dir).absolute()}/{cfg.name}-{job}.out"
+        )
     return 0

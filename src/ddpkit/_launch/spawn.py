@@ -1,10 +1,12 @@
-"""Launch a function on N local processes from Python: for notebooks and tests, as the DDP tutorials' ``mp.spawn``.
+"""Launch a function on N local processes from Python: for notebooks and tests, as the DDP
+tutorials' ``mp.spawn``.
 
-Two ways to call the function. ddpkit's own, ``spawn(fn, nprocs, args)``, calls ``fn(*args)``: the rank and the
-world size are :func:`ddpkit.init`'s to tell. ``mp.spawn``'s, ``spawn(fn, args=..., nprocs=..., pass_rank=True)``,
-calls ``fn(rank, *args)``, as ``torch.multiprocessing.spawn`` does: a script written for it (the DDP tutorials'
-``train(rank, world_size)``) runs unchanged. Which one is said in the call, never guessed from ``fn``: a
-function that takes a rank first and one that takes its own first argument look alike.
+Two ways to call the function. ddpkit's own, ``spawn(fn, nprocs, args)``, calls ``fn(*args)``: the
+rank and the world size are :func:`ddpkit.init`'s to tell. ``mp.spawn``'s,
+``spawn(fn, args=..., nprocs=..., pass_rank=True)``, calls ``fn(rank, *args)``, as
+``torch.multiprocessing.spawn`` does: a script written for it (the DDP tutorials'
+``train(rank, world_size)``) runs unchanged. Which one is said in the call, never guessed from
+``fn``: a function that takes a rank first and one that takes its own first argument look alike.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ def _worker(
         MASTER_PORT=str(port),
         OMP_NUM_THREADS=str(threads),
     )
-    os.environ.pop(AGENT_STORE_VARIABLE, None)  # rank 0 hosts the store, as with a static rendezvous
+    # rank 0 hosts the store, as with a static rendezvous
+    os.environ.pop(AGENT_STORE_VARIABLE, None)
     os.environ.pop("GROUP_WORLD_SIZE", None)  # a torchrun job's node count, not this world's
     torch.set_num_threads(threads)
     runtime.forget()  # a forked child must not inherit the parent's runtime
@@ -53,7 +56,8 @@ def _worker(
         out = fn(local_rank, *args) if pass_rank else fn(*args)
         results.put((local_rank, pickle.dumps(out)))
     except BaseException:
-        runtime.shutdown(wait_for_peers=False)  # the others may be stuck waiting for this rank: do not wait for them
+        # the others may be stuck waiting for this rank: do not wait for them
+        runtime.shutdown(wait_for_peers=False)
         raise
     runtime.shutdown()
 
@@ -70,27 +74,31 @@ def spawn(
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``nprocs`` local processes that form one job; return each rank's result.
 
-    ``pass_rank=True`` calls ``fn(rank, *args)`` instead, as ``torch.multiprocessing.spawn(fn, args, nprocs)``
-    does: ``ddpkit.spawn(train, args=(world_size,), nprocs=world_size, pass_rank=True)`` runs the DDP tutorials'
-    ``train(rank, world_size)``. A call that cannot fit ``fn`` (a rank it needs, or one it does not take) is
-    refused before any process starts, naming ``pass_rank``.
+    ``pass_rank=True`` calls ``fn(rank, *args)`` instead, as ``torch.multiprocessing.spawn(fn,
+    args, nprocs)`` does: ``ddpkit.spawn(train, args=(world_size,),
+    nprocs=world_size, pass_rank=True)`` runs the DDP tutorials' ``train(rank, world_size)``. A call
+    that cannot fit ``fn`` (a rank it needs, or one it does not take) is refused before any process
+    starts, naming ``pass_rank``.
 
-    Inside ``fn``, :func:`ddpkit.init` sees RANK, WORLD_SIZE and the rest as under torchrun. If any process
-    raises, the others are stopped and the exception is raised here with that rank's traceback.
-    ``start_method`` defaults to ``"fork"`` where it is safe (POSIX, CUDA not yet initialised in this process),
-    so a function defined in a notebook cell works; else ``"spawn"``, which needs ``fn`` importable.
+    Inside ``fn``, :func:`ddpkit.init` sees RANK, WORLD_SIZE and the rest as under torchrun. If any
+    process raises, the others are stopped and the exception is raised here with that rank's
+    traceback. ``start_method`` defaults to ``"fork"`` where it is safe (POSIX, CUDA not yet
+    initialised in this process), so a function defined in a notebook cell works; else ``"spawn"``,
+    which needs ``fn`` importable.
 
-    Forked processes run one intra-op thread each: OpenMP's thread pool does not survive ``fork``, and a forked
-    child that starts a parallel region with more threads waits forever for workers that do not exist. For
-    more threads per process, pass ``start_method="spawn"``.
+    Forked processes run one intra-op thread each: OpenMP's thread pool does not survive ``fork``,
+    and a forked child that starts a parallel region with more threads waits forever for workers
+    that do not exist. For more threads per process, pass ``start_method="spawn"``.
 
-    ``timeout`` (seconds): processes still running by then are killed, and :class:`TimeoutError` names them
-    (a hang: a collective some rank never reached, a deadlock); None waits as long as they run.
+    ``timeout`` (seconds): processes still running by then are killed, and :class:`TimeoutError`
+    names them (a hang: a collective some rank never reached, a deadlock); None waits as long as
+    they run.
     """
     if not isinstance(nprocs, int) or not isinstance(args, tuple):
         raise ConfigError(
-            f"spawn(fn, nprocs={nprocs!r}, args={args!r}): nprocs is a number and args a tuple; torch's mp.spawn "
-            "takes args second, ddpkit.spawn nprocs: pass both by name (args=..., nprocs=...)"
+            f"spawn(fn, nprocs={nprocs!r}, args={args!r}): nprocs is a number and args a tuple; "
+            "torch's mp.spawn takes args second, ddpkit.spawn nprocs: pass both by name "
+            "(args=..., nprocs=...)"
         )
     if nprocs < 1:
         raise ValueError(f"nprocs={nprocs}: spawn needs at least one process")
@@ -101,16 +109,16 @@ def spawn(
     if start_method == "fork":
         if threads_per_process not in (None, 1):
             raise ConfigError(
-                f"threads_per_process={threads_per_process} with start_method='fork' would hang in OpenMP: "
-                "pass start_method='spawn' for more than one thread per process"
+                f"threads_per_process={threads_per_process} with start_method='fork' would hang in "
+                "OpenMP: pass start_method='spawn' for more than one thread per process"
             )
         threads = 1
     else:
         threads = threads_per_process or max(1, cpu_count() // nprocs)
-    # Rank 0 hosts the rendezvous store, not this process: a store here runs a server thread that resolves
-    # peer names (getnameinfo) as ranks connect, and a child forked while it holds glibc's resolver lock
-    # inherits the lock held and hangs in its own connect. The port is free now; if another program takes
-    # it before rank 0 binds it, init() says so.
+    # Rank 0 hosts the rendezvous store, not this process: a store here runs a server thread that
+    # resolves peer names (getnameinfo) as ranks connect, and a child forked while it holds glibc's
+    # resolver lock inherits the lock held and hangs in its own connect. The port is free now; if
+    # another program takes it before rank 0 binds it, init() says so.
     port = _free_port()
     results = mp.get_context(start_method).SimpleQueue()
     out: list[Any] = [None] * nprocs
@@ -135,8 +143,8 @@ def spawn(
             if deadline is not None and time.monotonic() > deadline:
                 running = [r for r, p in enumerate(context.processes) if p.is_alive()]
                 raise TimeoutError(
-                    f"ranks {running} of {nprocs} still running after {timeout:g} s: a collective some rank "
-                    "never reached, or a deadlock; they are killed"
+                    f"ranks {running} of {nprocs} still running after {timeout:g} s: a collective "
+                    "some rank never reached, or a deadlock; they are killed"
                 )
         drain()
         return out
@@ -149,10 +157,12 @@ def spawn(
 
 
 def _check_call(fn: Callable[..., Any], args: tuple[Any, ...], pass_rank: bool) -> None:
-    """Refuse, before any process starts, a call ``fn`` cannot take; say whether ``pass_rank`` would fit."""
+    """Refuse, before any process starts, a call ``fn`` cannot take; say whether ``pass_rank`` would
+    fit."""
     try:
         signature = inspect.signature(fn)
-    except (TypeError, ValueError):  # a builtin or C function without a signature: let the call decide
+    # a builtin or C function without a signature: let the call decide
+    except (TypeError, ValueError):
         return
     name = getattr(fn, "__qualname__", repr(fn))
 
@@ -167,14 +177,18 @@ def _check_call(fn: Callable[..., Any], args: tuple[Any, ...], pass_rank: bool) 
         return
     if not pass_rank and fits((0, *args)):
         raise ConfigError(
-            f"{name}{signature} takes the rank first, as under torch's mp.spawn: pass pass_rank=True "
-            "(ddpkit.spawn(fn, args=..., nprocs=..., pass_rank=True) calls fn(rank, *args)), or drop the "
-            "argument and read the rank from ddpkit.init()"
+            f"{name}{signature} takes the rank first, as under torch's mp.spawn: pass "
+            "pass_rank=True (ddpkit.spawn(fn, args=..., nprocs=..., pass_rank=True) calls "
+            "fn(rank, *args)), or drop the argument and read the rank from ddpkit.init()"
         )
     if pass_rank and fits(args):
-        raise ConfigError(f"{name}{signature} takes no rank: drop pass_rank=True, which calls fn(rank, *args)")
+        raise ConfigError(
+            f"{name}{signature} takes no rank: drop pass_rank=True, which calls fn(rank, *args)"
+        )
     how = "fn(rank, *args)" if pass_rank else "fn(*args)"
-    raise ConfigError(f"{name}{signature} cannot be called as {how} with args={args!r}: change args")
+    raise ConfigError(
+        f"{name}{signature} cannot be called as {how} with args={args!r}: change args"
+    )
 
 
 def _free_port() -> int:

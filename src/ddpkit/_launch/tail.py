@@ -1,16 +1,17 @@
 """``--all-ranks``: each rank's output tagged ``[rank N]`` line by line, whole lines only.
 
 torchrun's agent tees a worker's output through a file that a thread per local rank reads with
-``readline()`` and writes, behind the rank's tag, to the launcher's stdout or stderr. At the end of the file
-``readline()`` returns what is there, so a line a rank prints in pieces (``print(..., end="")``, a progress
-bar) comes out as several tagged pieces, with other ranks' lines between them. :func:`tail_lines` replaces
-that reader: it holds a rank's bytes until a newline, and writes each whole line in one write under one lock.
+``readline()`` and writes, behind the rank's tag, to the launcher's stdout or stderr. At the end of
+the file ``readline()`` returns what is there, so a line a rank prints in pieces
+(``print(..., end="")``, a progress bar) comes out as several tagged pieces, with other ranks' lines
+between them. :func:`tail_lines` replaces that reader: it holds a rank's bytes until a newline, and
+writes each whole line in one write under one lock.
 
-A progress bar redraws its line with ``\\r`` and ends it with ``\\n`` when done. Of a finished line only the
-text after its last ``\\r`` is written (what a terminal would show). While a line is still being redrawn, its
-latest state is written, tagged, at most every :data:`PROGRESS_EVERY` seconds, so that a long bar is seen to
-move without flooding the output with one line per redraw. What a rank printed without a final newline is
-written when its file ends.
+A progress bar redraws its line with ``\\r`` and ends it with ``\\n`` when done. Of a finished line
+only the text after its last ``\\r`` is written (what a terminal would show). While a line is still
+being redrawn, its latest state is written, tagged, at most every :data:`PROGRESS_EVERY` seconds, so
+that a long bar is seen to move without flooding the output with one line per redraw. What a rank
+printed without a final newline is written when its file ends.
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ from typing import Any, TextIO
 PROGRESS_EVERY = 5.0
 """Seconds between two tagged lines showing a line still being redrawn with ``\\r``."""
 
-_write_lock = threading.Lock()  # one line at a time on the shared stream, whichever rank's thread writes
+# one line at a time on the shared stream, whichever rank's thread writes
+_write_lock = threading.Lock()
 
 
 class LineTagger:
-    """Cuts one rank's output bytes into whole lines, each written as ``header + line`` to ``dst``."""
+    """Cuts one rank's output bytes into whole lines, each written as ``header + line`` to
+    ``dst``."""
 
     def __init__(
         self,
@@ -43,18 +46,25 @@ class LineTagger:
         self._last_progress = -PROGRESS_EVERY
 
     def feed(self, data: bytes) -> None:
-        """Take more output: write every line it completes, and a progress update when one is due."""
+        """Take more output: write every line it completes, and a progress update when one is
+        due."""
         *lines, self._pending = (self._pending + data).split(b"\n")
         for line in lines:
             self._write(_final_state(line))
             self._shown_progress, self._last_progress = b"", -PROGRESS_EVERY
         last_redraw = self._pending.rstrip(b"\r").rfind(b"\r")
         if last_redraw >= 0:
-            # The text between the last two \r is the latest complete redraw; what follows may be half written.
+            # The text between the last two \r is the latest complete redraw; what follows may be
+            # half written.
             latest = self._pending[:last_redraw].rsplit(b"\r", 1)[-1]
-            self._pending = self._pending[last_redraw:]  # earlier redraws are gone from the screen too
+            # earlier redraws are gone from the screen too
+            self._pending = self._pending[last_redraw:]
             now = self.clock()
-            if latest and latest != self._shown_progress and now - self._last_progress >= PROGRESS_EVERY:
+            if (
+                latest
+                and latest != self._shown_progress
+                and now - self._last_progress >= PROGRESS_EVERY
+            ):
                 self._write(latest)
                 self._shown_progress, self._last_progress = latest, now
 
@@ -74,8 +84,8 @@ class LineTagger:
 
 
 def _final_state(line: bytes) -> bytes:
-    """What a terminal shows of a line redrawn with ``\\r``: the text after the last one (a ``\\r\\n`` ending
-    is a line ending, not a redraw)."""
+    """What a terminal shows of a line redrawn with ``\\r``: the text after the last one (a
+    ``\\r\\n`` ending is a line ending, not a redraw)."""
     return line.rstrip(b"\r").rsplit(b"\r", 1)[-1]
 
 
@@ -88,8 +98,9 @@ def tail_lines(
     log_line_filter: Callable[[str], bool] | None = None,
     **_: Any,
 ) -> None:
-    """Follow ``file`` (a rank's output, still being written) until ``finished`` is set and it is read to
-    the end, writing its whole lines to ``dst`` behind ``header``: torchrun's ``tail_logfile``, by line."""
+    """Follow ``file`` (a rank's output, still being written) until ``finished`` is set and it is
+    read to the end, writing its whole lines to ``dst`` behind ``header``: torchrun's
+    ``tail_logfile``, by line."""
     while not os.path.exists(file):
         if finished.wait(interval_sec) and not os.path.exists(file):
             return
@@ -109,9 +120,9 @@ def tail_lines(
 
 
 def install() -> None:
-    """Make torchrun's ``TailLog`` (the agent's ``--tee``) write whole lines: it starts a thread per log file
-    on ``tail_log.tail_logfile``, looked up by that module-level name, which is the one way in short of
-    replacing torchrun's process context."""
+    """Make torchrun's ``TailLog`` (the agent's ``--tee``) write whole lines: it starts a thread per
+    log file on ``tail_log.tail_logfile``, looked up by that module-level name, which is the one way
+    in short of replacing torchrun's process context."""
     from torch.distributed.elastic.multiprocessing import tail_log
 
     tail_log.tail_logfile = tail_lines

@@ -1,24 +1,27 @@
-"""The agent's stall watch: a rank that stops making progress while the others wait for it, named in seconds.
+"""The agent's stall watch: a rank that stops making progress while the others wait for it, named in
+seconds.
 
-Each rank keeps a record of its step and phase in a folder the agent makes for the job in node-local shared
-memory (:mod:`ddpkit.distributed._progress`). The agent reads its own node's records at every poll of its
-workers, without a collective; across nodes, each agent publishes a summary of its ranks to the job's
-rendezvous store and judges with every node's (:mod:`ddpkit._launch.watch_nodes`).
+Each rank keeps a record of its step and phase in a folder the agent makes for the job in node-local
+shared memory (:mod:`ddpkit.distributed._progress`). The agent reads its own node's records at every
+poll of its workers, without a collective; across nodes, each agent publishes a summary of its ranks
+to the job's rendezvous store and judges with every node's (:mod:`ddpkit._launch.watch_nodes`).
 
-A rank is named when it is *behind* (the lowest step, then the lowest count of collectives entered, then the
-earliest phase of a step), at least one other rank of the job is ahead of it (waits for it, or goes on), and
-its record has not changed for longer than its allowance: ``max(floor, factor x its median step)``, or
-``long_factor x floor`` during its first step (compilation, warm-up) and while it saves a snapshot. Ranks that
-are all at the same place (everyone in a long evaluation, or in one collective the network holds up) are left
-to the collective timeout: nothing says which of them is the cause.
+A rank is named when it is *behind* (the lowest step, then the lowest count of collectives entered,
+then the earliest phase of a step), at least one other rank of the job is ahead of it (waits for it,
+or goes on), and its record has not changed for longer than its allowance:
+``max(floor, factor x its median step)``, or ``long_factor x floor`` during its first step
+(compilation, warm-up) and while it saves a snapshot. Ranks that are all at the same place (everyone
+in a long evaluation, or in one collective the network holds up) are left to the collective timeout:
+nothing says which of them is the cause.
 
-Then the agent of its node says, for each of its ranks: host, pid, the process's state (``/proc/PID/stat``: a stopped
-process cannot answer), step, phase, seconds since its last mark, and its Python stack (asked with SIGUSR2,
-:func:`ddpkit._launch.worker.dump_stack_on_request`); for collectives, which ranks wait in which and who has
-not arrived; for the other nodes' ranks, where their agents last saw them. With ``on_stall="end"`` (the
-default) it kills the stalled rank (SIGKILL: a stopped process cannot act on a SIGTERM), so the job ends, or
-restarts under ``--max-restarts``, with that summary. The other nodes' agents say which rank their ranks wait
-for, with their own ranks' stacks.
+Then the agent of its node says, for each of its ranks: host, pid, the process's state
+(``/proc/PID/stat``: a stopped process cannot answer), step, phase, seconds since its last mark, and
+its Python stack (asked with SIGUSR2, :func:`ddpkit._launch.worker.dump_stack_on_request`); for
+collectives, which ranks wait in which and who has not arrived; for the other nodes' ranks, where
+their agents last saw them. With ``on_stall="end"`` (the default) it kills the stalled rank
+(SIGKILL: a stopped process cannot act on a SIGTERM), so the job ends, or restarts under
+``--max-restarts``, with that summary. The other nodes' agents say which rank their ranks wait for,
+with their own ranks' stacks.
 """
 
 from __future__ import annotations
@@ -85,7 +88,8 @@ class Record:
 
 
 def read_record(path: Path) -> Record | None:
-    """The rank's record at ``path``; None when missing or not (yet) one. Read twice: the rank may be writing."""
+    """The rank's record at ``path``; None when missing or not (yet) one. Read twice: the rank may
+    be writing."""
     for _ in range(3):
         try:
             with open(path, "rb") as f:
@@ -117,8 +121,8 @@ class _Rank:
     durations: deque[float] = field(default_factory=lambda: deque(maxlen=32))
 
     def median_step(self) -> float:
-        """Of the steps seen ending (a poll sees one in several when steps are short), the first left out: it
-        compiles and warms up, and has an allowance of its own."""
+        """Of the steps seen ending (a poll sees one in several when steps are short), the first
+        left out: it compiles and warms up, and has an allowance of its own."""
         return statistics.median(self.durations) if self.durations else 0.0
 
 
@@ -133,8 +137,8 @@ class Stall:
 
 
 class Watch:
-    """The stall watch of one node's ranks for one attempt of the workers; with :meth:`connect`, judged with the
-    other nodes' ranks (:mod:`ddpkit._launch.watch_nodes`)."""
+    """The stall watch of one node's ranks for one attempt of the workers; with :meth:`connect`,
+    judged with the other nodes' ranks (:mod:`ddpkit._launch.watch_nodes`)."""
 
     def __init__(
         self,
@@ -153,14 +157,17 @@ class Watch:
     def start_attempt(self, workers: dict[int, tuple[int, int]]) -> None:
         """A new attempt's workers: global rank -> (local rank, pid)."""
         now = self.clock()
-        self.ranks = {g: _Rank(g, local, pid, changed_at=now) for g, (local, pid) in workers.items()}
+        self.ranks = {
+            g: _Rank(g, local, pid, changed_at=now) for g, (local, pid) in workers.items()
+        }
         self.stall = None
         self.link.reset()
         self._warned.clear()
 
     def connect(self, store: Any, node: int, count: int, addr: str | None = None) -> None:
-        """Publish this node's ranks to the rendezvous round's ``store`` and judge with the other nodes' (this
-        is node ``node`` of ``count``; ``addr``: its address, shown beside its host name)."""
+        """Publish this node's ranks to the rendezvous round's ``store`` and judge with the other
+        nodes' (this is node ``node`` of ``count``; ``addr``: its address, shown beside its host
+        name)."""
         self.link.connect(store, node, count if self.policy.on else 1, addr, POLL_EVERY)
 
     def disconnect(self) -> None:
@@ -189,13 +196,15 @@ class Watch:
 
     def view(self, r: _Rank, now: float, state: str = "") -> View:
         rec = r.record
-        step, coll, phase, op = (rec.step, rec.coll, rec.phase, rec.op) if rec else (-1, 0, 0, "collective")
+        step, coll, phase, op = (
+            (rec.step, rec.coll, rec.phase, rec.op) if rec else (-1, 0, 0, "collective")
+        )
         fields = (step, coll, phase, op, now - r.changed_at, self.allowance(r), state)
         return View(r.rank, self.link.node, self.link.host, r.local_rank, r.pid, *fields)
 
     def poll(self, running: set[int]) -> Stall | None:
-        """Read the records (at most every :data:`POLL_EVERY` s); the stall found among the ``running`` ranks
-        (global) and the other nodes' ranks, if any, said and acted on once."""
+        """Read the records (at most every :data:`POLL_EVERY` s); the stall found among the
+        ``running`` ranks (global) and the other nodes' ranks, if any, said and acted on once."""
         now = self.clock()
         if self.link.ending is not None:
             self._end_when_heard(now)
@@ -212,7 +221,8 @@ class Watch:
         named = self.link.trade(live)
         verdict = nodes.decide(self.link.node, live + self.link.remote, named)
         overdue = self.link.waiting.overdue(verdict.waited_for, named, now)
-        if verdict.waited_for and not verdict.stalled:  # a stalled rank of its own is this node's to name
+        # a stalled rank of its own is this node's to name
+        if verdict.waited_for and not verdict.stalled:
             return self._wait(verdict.waited_for, overdue, live, now)
         if not verdict.stalled:
             return None
@@ -232,20 +242,25 @@ class Watch:
         return stall
 
     def _end_when_heard(self, now: float) -> None:
-        """Kill the named ranks once every other node's agent said where its ranks wait (their stacks are lost
-        when the kill fails their collectives), or :data:`~ddpkit._launch.watch_nodes.HEARD_WAIT` s after."""
+        """Kill the named ranks once every other node's agent said where its ranks wait (their
+        stacks are lost when the kill fails their collectives), or
+        :data:`~ddpkit._launch.watch_nodes.HEARD_WAIT` s after."""
         assert self.link.ending is not None
         stall, deadline = self.link.ending
         if now < deadline and not self.link.heard(stall.ranks):
             return
         self.link.ending = None
-        for r in self.ranks.values():  # the stalled, and any stopped rank: neither can act on a SIGTERM
+        # the stalled, and any stopped rank: neither can act on a SIGTERM
+        for r in self.ranks.values():
             if r.rank in stall.ranks or process_state(r.pid).startswith("stopped"):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(r.pid, signal.SIGKILL)
 
-    def _wait(self, waited: list[View], overdue: list[View], live: list[View], now: float) -> Stall | None:
-        """Say once which other node's rank this node's ranks wait for; end them once it is ``overdue``."""
+    def _wait(
+        self, waited: list[View], overdue: list[View], live: list[View], now: float
+    ) -> Stall | None:
+        """Say once which other node's rank this node's ranks wait for; end them once it is
+        ``overdue``."""
         first = waited[0]
         key = (-1, first.rank, first.step, first.coll, bool(overdue))
         if key in self._warned:
@@ -253,24 +268,29 @@ class Watch:
         self._warned.add(key)
         names = ", ".join(f"rank {v.rank} on host {v.host}" for v in waited)
         headline = (
-            f"ddpkit run: waiting for {names}: no progress for {first.idle:.1f} s (allowed {first.allowance:.1f} s), "
-            f"{first.state_words()}, at step {first.step}, {first.doing()}; "
+            f"ddpkit run: waiting for {names}: no progress for {first.idle:.1f} s (allowed "
+            f"{first.allowance:.1f} s), {first.state_words()}, at step {first.step}, "
+            f"{first.doing()}; "
             + "; ".join(self._at(v) for v in sorted(live, key=lambda v: v.rank))
         )
         end = self.policy.on_stall == "end" and bool(overdue)
         if end:
             lines = [
                 headline,
-                f"  its node's agent has not named it {self.link.waiting.grace:.0f} s after this node saw it stalled; "
-                "ending this node's workers (SIGKILL), and the job with them",
+                f"  its node's agent has not named it {self.link.waiting.grace:.0f} s after this "
+                "node saw it stalled; ending this node's workers (SIGKILL), and the job with them",
             ]
         else:
-            lines = [headline, "  its node's agent names it, with its state and stack, and ends the job"]
+            lines = [
+                headline,
+                "  its node's agent names it, with its state and stack, and ends the job",
+            ]
         lines += self._rank_lines(live, now)
         print("\n".join(lines), file=sys.stderr, flush=True)
         self.link.said |= {v.rank for v in waited}
         self.link.awaited = waited
-        self.link.publish(live, want=True)  # the stalled rank's agent waits for this before it kills it
+        # the stalled rank's agent waits for this before it kills it
+        self.link.publish(live, want=True)
         if not end:
             return None
         stall = Stall([v.rank for v in live], headline, lines)
@@ -290,7 +310,11 @@ class Watch:
         rec = self.view(first, now)
         state = process_state(first.pid)
         skip = {s.rank for s in stalled}
-        others = [self.view(r, now) for r in self.ranks.values() if r.rank not in skip and r.record is not None]
+        others = [
+            self.view(r, now)
+            for r in self.ranks.values()
+            if r.rank not in skip and r.record is not None
+        ]
         others += [v for v in self.link.remote if v.marked]
         others.sort(key=lambda v: v.rank)
         ahead = "; ".join(self._at(v) for v in others)
@@ -305,13 +329,16 @@ class Watch:
         if waiting:
             op, seq = waiting[0].op, waiting[0].coll
             lines.append(
-                f"  collective {op} #{seq}: rank(s) {', '.join(self._who(v) for v in waiting)} wait in it; "
-                f"{names} ha{'ve' if len(stalled) > 1 else 's'} not arrived (entered {rec.coll} collective(s))"
+                f"  collective {op} #{seq}: rank(s) {', '.join(self._who(v) for v in waiting)} "
+                f"wait in it; {names} ha{'ve' if len(stalled) > 1 else 's'} not arrived (entered "
+                f"{rec.coll} collective(s))"
             )
         views = [self.view(r, now) for r in self.ranks.values()] + self.link.remote
         lines += self._rank_lines(views, now)
         if self.policy.on_stall == "end":
-            lines.append(f"  ending the job: {names} killed (SIGKILL); --on-stall warn only says so")
+            lines.append(
+                f"  ending the job: {names} killed (SIGKILL); --on-stall warn only says so"
+            )
         else:
             lines.append("  the job goes on (--on-stall warn)")
         return Stall([r.rank for r in stalled], headline, lines)
@@ -320,18 +347,28 @@ class Watch:
         return f"{v.rank} (host {v.host})" if self.link.multi else str(v.rank)
 
     def _rank_lines(self, views: list[View], now: float) -> list[str]:
-        """A line per rank with its stack (this node's) or where its node's agent last saw it (another's)."""
-        mine = [self.ranks[v.rank] for v in views if v.node == self.link.node and v.rank in self.ranks]
+        """A line per rank with its stack (this node's) or where its node's agent last saw it
+        (another's)."""
+        mine = [
+            self.ranks[v.rank] for v in views if v.node == self.link.node and v.rank in self.ranks
+        ]
         asked = {r.rank: r.pid for r in mine if not process_state(r.pid).startswith("stopped")}
         dumps = ask_stacks(self.stack_dir, asked) if self.stack_dir is not None else {}
         lines = []
         for v in sorted(views, key=lambda v: v.rank):
             remote = v.node != self.link.node
             state = v.state_words() if remote else process_state(v.pid)
-            where = f"step {v.step}, {v.doing()}, {v.idle:.0f} s since its last mark" if v.marked else "no mark yet"
+            where = (
+                f"step {v.step}, {v.doing()}, {v.idle:.0f} s since its last mark"
+                if v.marked
+                else "no mark yet"
+            )
             if remote:
                 where += " (as its node's agent last published it)"
-            lines.append(f"  rank {v.rank} (local rank {v.local_rank}, host {v.host}, pid {v.pid}): {state}; {where}")
+            lines.append(
+                f"  rank {v.rank} (local rank {v.local_rank}, host {v.host}, pid {v.pid}): "
+                f"{state}; {where}"
+            )
             if not remote and state.startswith("stopped"):
                 lines.append("    (a stopped process cannot answer for its stack)")
             for frame in dumps.get(v.rank, []) if not remote else []:
@@ -339,19 +376,23 @@ class Watch:
         return lines
 
     def where(self) -> str:
-        """Where each rank was at its last mark, in one line (empty when no rank marked), with the other nodes'
-        ranks this node's waited for."""
+        """Where each rank was at its last mark, in one line (empty when no rank marked), with the
+        other nodes' ranks this node's waited for."""
         now = self.clock()
         views = [self.view(r, now) for r in self.ranks.values() if r.record is not None]
         views += self.link.awaited
         said = " (stalled: this node's ranks waited for it)"
         return "; ".join(
-            self._at(v) + (said if v.node != self.link.node else "") for v in sorted(views, key=lambda v: v.rank)
+            self._at(v) + (said if v.node != self.link.node else "")
+            for v in sorted(views, key=lambda v: v.rank)
         )
 
 
-def policy_from(floor: float | None, on_stall: str, env: dict[str, str] | None = None) -> StallPolicy:
-    """The policy of ``--stall-timeout`` (else :data:`TIMEOUT_ENV`, else :data:`DEFAULT_FLOOR`) and ``--on-stall``."""
+def policy_from(
+    floor: float | None, on_stall: str, env: dict[str, str] | None = None
+) -> StallPolicy:
+    """The policy of ``--stall-timeout`` (else :data:`TIMEOUT_ENV`, else :data:`DEFAULT_FLOOR`) and
+    ``--on-stall``."""
     if floor is None:
         text = (os.environ if env is None else env).get(TIMEOUT_ENV)
         floor = parse_floor(TIMEOUT_ENV, text) if text is not None else DEFAULT_FLOOR
@@ -373,13 +414,15 @@ def parse_floor(option: str, text: str) -> float:
         raise ConfigError(f"{err}; or 0 to turn the stall watch off") from None
 
 
-# -- the job's folder of records ------------------------------------------------------------------------------
+# -- the job's folder of records -------------------------------------------------------------------
 
 
 def open_folder(fallback: Path) -> Path:
-    """Make the folder of this job's records and name it to the workers (:data:`~ddpkit.distributed._progress.DIR_ENV`): in node-local shared
-    memory where there is one, with an owner so that a later job sweeps it if this agent is killed
-    (:func:`ddpkit.snapshot._memory.folder.sweep_stale`); else ``fallback`` (the run's log folder)."""
+    """Make the folder of this job's records and name it to the workers
+    (:data:`~ddpkit.distributed._progress.DIR_ENV`): in node-local shared memory where there is one,
+    with an owner so that a later job sweeps it if this agent is killed
+    (:func:`ddpkit.snapshot._memory.folder.sweep_stale`); else ``fallback`` (the run's log
+    folder)."""
     root = Path(os.environ.get(memory_folder.ROOT_ENV, "/dev/shm"))
     try:
         base = memory_folder.private_base(root)
@@ -387,7 +430,9 @@ def open_folder(fallback: Path) -> Path:
         tmp = base / f".{nonce}"
         fs.make_dir(tmp, root=base, mode=0o700)
         pid = os.getpid()
-        fs.write_atomic(tmp / "owner", f"{pid} {memory_folder.start_time(pid)}\n".encode(), root=base)
+        fs.write_atomic(
+            tmp / "owner", f"{pid} {memory_folder.start_time(pid)}\n".encode(), root=base
+        )
         folder = base / nonce
         fs.rename(tmp, folder, root=base)
     except (OSError, memory_folder.FolderUnavailable):

@@ -1,23 +1,27 @@
-"""The stall watch across nodes: each node's agent publishes where its ranks are, and judges with the job's view.
+"""The stall watch across nodes: each node's agent publishes where its ranks are, and judges with
+the job's view.
 
-A rank's record lives in its node's shared memory (:mod:`ddpkit.distributed._progress`), where only that node's
-agent reads it. So that a rank is named when the ranks that wait for it are on other nodes (one rank per node,
-or a whole node waiting), each agent writes a summary of its own ranks to the job's rendezvous store, under one
-key per node that it overwrites (:data:`KEY`): for each running rank its step, collectives entered, phase, op,
-seconds since its record last changed, allowance, pid and process state, and the node's host; a few dozen bytes
-a rank. Nothing of it is on the ranks' path: the agent's own thread (:class:`Exchange`) talks to the store, and
-reads the other nodes' summaries only while one of its ranks has been idle for half its allowance, so a healthy
-job writes one small value per node and poll and reads none.
+A rank's record lives in its node's shared memory (:mod:`ddpkit.distributed._progress`), where only
+that node's agent reads it. So that a rank is named when the ranks that wait for it are on other
+nodes (one rank per node, or a whole node waiting), each agent writes a summary of its own ranks to
+the job's rendezvous store, under one key per node that it overwrites (:data:`KEY`): for each
+running rank its step, collectives entered, phase, op, seconds since its record last changed,
+allowance, pid and process state, and the node's host; a few dozen bytes a rank. Nothing of it is on
+the ranks' path: the agent's own thread (:class:`Exchange`) talks to the store, and reads the other
+nodes' summaries only while one of its ranks has been idle for half its allowance, so a healthy job
+writes one small value per node and poll and reads none.
 
-Every agent then judges the same view (:func:`decide`): the rank behind all others, idle past its allowance,
-is named by the agent of its node, the one that can read its ``/proc`` state, ask for its stack and kill it; an
-agent whose own ranks are idle waiting for a stalled rank of another node says which one, on which host, doing
-what, with its own ranks' stacks, and leaves the ending to that rank's agent, which kills the rank once the
-others have said so (:data:`HEARD_WAIT`); see :class:`Waiting` for when a waiting node ends the job itself.
+Every agent then judges the same view (:func:`decide`): the rank behind all others, idle past its
+allowance, is named by the agent of its node, the one that can read its ``/proc`` state, ask for its
+stack and kill it; an agent whose own ranks are idle waiting for a stalled rank of another node says
+which one, on which host, doing what, with its own ranks' stacks, and leaves the ending to that
+rank's agent, which kills the rank once the others have said so (:data:`HEARD_WAIT`); see
+:class:`Waiting` for when a waiting node ends the job itself.
 
-Times are never compared across machines: a summary carries durations, and a reader ages them by its own
-clock from the moment it first saw that publication (each carries a count that every publication raises), so
-the ranks of an agent that stopped publishing look ever more idle rather than frozen in time.
+Times are never compared across machines: a summary carries durations, and a reader ages them by its
+own clock from the moment it first saw that publication (each carries a count that every publication
+raises), so the ranks of an agent that stopped publishing look ever more idle rather than frozen in
+time.
 """
 
 from __future__ import annotations
@@ -33,17 +37,21 @@ from typing import Any
 from ddpkit.distributed._progress import OPS, PHASE_NAMES, Phase
 
 KEY = "ddpkit_watch/node{}"
-"""The store key of node N's summary, under the prefix torch gives each rendezvous round: a restarted job's
-agents never read the summaries of the attempt before."""
+"""The store key of node N's summary, under the prefix torch gives each rendezvous round: a
+restarted job's agents never read the summaries of the attempt before."""
 MAX_BYTES = 65536
-"""A summary longer than this is not read (a node of 1,024 ranks, the most ``--nproc`` takes, writes about 42 KB)."""
+"""A summary longer than this is not read (a node of 1,024 ranks, the most ``--nproc`` takes, writes
+about 42 KB)."""
 GRACE = 10.0
-"""Seconds a waiting node gives the stalled rank's own agent to name it, at least (the floor when longer)."""
+"""Seconds a waiting node gives the stalled rank's own agent to name it, at least (the floor when
+longer)."""
 HEARD_WAIT = 5.0
-"""Seconds the agent that named a rank waits, at most, for the other nodes' agents to say where their ranks wait
-before it kills it (their stacks are lost once their collectives fail): a stack dump (up to 3 s) and two turns."""
+"""Seconds the agent that named a rank waits, at most, for the other nodes' agents to say where
+their ranks wait before it kills it (their stacks are lost once their collectives fail): a stack
+dump (up to 3 s) and two turns."""
 
-# Where a phase falls within a step, for telling who is behind at the same step and collective count.
+# Where a phase falls within a step, for telling who is behind at the same step and collective
+# count.
 ORDER = {
     Phase.STARTING: 0,
     Phase.DATA: 1,
@@ -110,9 +118,10 @@ class View:
 
 
 def judge(views: list[View]) -> list[View]:
-    """The stalled ranks of ``views``: behind every other (the lowest step, then the fewest collectives
-    entered, then the earliest phase), with some rank ahead of them, and idle past their allowance. None while
-    a rank has not marked yet, or when all are at one place (nothing says which of them is the cause)."""
+    """The stalled ranks of ``views``: behind every other (the lowest step, then the fewest
+    collectives entered, then the earliest phase), with some rank ahead of them, and idle past their
+    allowance. None while a rank has not marked yet, or when all are at one place (nothing says
+    which of them is the cause)."""
     if len(views) < 2 or not all(v.marked for v in views):
         return []
     lowest = min(v.position for v in views)
@@ -131,10 +140,10 @@ class Verdict:
 
 
 def decide(node: int, views: list[View], named: frozenset[int] | set[int] = frozenset()) -> Verdict:
-    """What node ``node``'s agent does with the job's ``views`` (its own ranks and the other nodes'): name its
-    own stalled ranks; say which other node's stalled ranks its ranks wait for, once they are idle past their
-    allowance too, or once that rank's agent has named it (``named``: before it ends the job, it waits for
-    this node to say where its ranks are)."""
+    """What node ``node``'s agent does with the job's ``views`` (its own ranks and the other
+    nodes'): name its own stalled ranks; say which other node's stalled ranks its ranks wait for,
+    once they are idle past their allowance too, or once that rank's agent has named it (``named``:
+    before it ends the job, it waits for this node to say where its ranks are)."""
     stalled = judge(views)
     mine = [v for v in stalled if v.node == node]
     theirs = [v for v in stalled if v.node != node]
@@ -146,13 +155,14 @@ def decide(node: int, views: list[View], named: frozenset[int] | set[int] = froz
 class Waiting:
     """A waiting node's decision to end the job itself.
 
-    The stalled rank's own agent names it first: it alone can read the rank's ``/proc`` state, ask for its
-    stack, and kill it. That agent's summary says so (``named``); a waiting node that has seen a remote rank
-    stalled for :data:`GRACE` seconds (or the floor, when longer) without its agent naming it ends its own
-    workers, and the job with them, rather than wait out the collective timeout. That happens only when that
-    agent cannot act: it stopped publishing (killed, stuck, cut off from the store), so its summary ages on the
-    reader's clock, or its poll is stuck. An agent that does publish and chose not to end the job
-    (``--on-stall warn``) still lists the rank as named, and is left to its choice.
+    The stalled rank's own agent names it first: it alone can read the rank's ``/proc`` state, ask
+    for its stack, and kill it. That agent's summary says so (``named``); a waiting node that has
+    seen a remote rank stalled for :data:`GRACE` seconds (or the floor, when longer) without its
+    agent naming it ends its own workers, and the job with them, rather than wait out the collective
+    timeout. That happens only when that agent cannot act: it stopped publishing (killed, stuck, cut
+    off from the store), so its summary ages on the reader's clock, or its poll is stuck. An agent
+    that does publish and chose not to end the job (``--on-stall warn``) still lists the rank as
+    named, and is left to its choice.
     """
 
     grace: float
@@ -167,12 +177,14 @@ class Waiting:
                 del self.since[rank]  # it moved: the wait, if any, starts again
         for v in waited_for:
             self.since.setdefault(v.rank, now)
-        return [v for v in waited_for if v.rank not in named and now - self.since[v.rank] > self.grace]
+        return [
+            v for v in waited_for if v.rank not in named and now - self.since[v.rank] > self.grace
+        ]
 
 
 class Link:
-    """One node's side of the exchange, for the stall watch (:class:`ddpkit._launch.watch.Watch`): what it has
-    published, what it read, and what it said."""
+    """One node's side of the exchange, for the stall watch (:class:`ddpkit._launch.watch.Watch`):
+    what it has published, what it read, and what it said."""
 
     def __init__(self, grace: float) -> None:
         self.host = socket.gethostname()
@@ -187,10 +199,12 @@ class Link:
         self.said: set[int] = set()
         """The other nodes' ranks this node said its ranks wait for."""
         self.awaited: list[View] = []
-        """Those ranks as this node last saw them (for the summary at the job's end, once they are gone)."""
+        """Those ranks as this node last saw them (for the summary at the job's end, once they are
+        gone)."""
         self.waiting = Waiting(grace, {})
         self.ending: tuple[Any, float] | None = None
-        """The stall named here, and when to end it at the latest, while the other nodes are heard."""
+        """The stall named here, and when to end it at the latest, while the other nodes are
+        heard."""
         self._count = 0
 
     def reset(self) -> None:
@@ -201,11 +215,13 @@ class Link:
         self.ending = None
 
     def connect(self, store: Any, node: int, count: int, addr: str | None, every: float) -> None:
-        """Publish to the rendezvous round's ``store``, as node ``node`` of ``count`` at ``addr``."""
+        """Publish to the rendezvous round's ``store``, as node ``node`` of ``count`` at
+        ``addr``."""
         self.close()
         self.node, self.multi = node, count > 1
         if addr and addr not in ("127.0.0.1", "::1", "localhost"):
-            self.host = f"{socket.gethostname()} ({addr})"  # nodes of one machine (containers) share a name
+            # nodes of one machine (containers) share a name
+            self.host = f"{socket.gethostname()} ({addr})"
         if count > 1:
             self.exchange = Exchange(store, node, count, every)
 
@@ -216,8 +232,9 @@ class Link:
             self.exchange = None
 
     def trade(self, live: list[View]) -> set[int]:
-        """Publish ``live``; read the other nodes' ranks into :attr:`remote` while one of this node's is half-way
-        to its allowance (else none: nothing to judge). The ranks their agents named."""
+        """Publish ``live``; read the other nodes' ranks into :attr:`remote` while one of this
+        node's is half-way to its allowance (else none: nothing to judge). The ranks their agents
+        named."""
         if self.exchange is None:
             return set()
         want = any(v.idle > v.allowance / 2 for v in live)
@@ -228,15 +245,18 @@ class Link:
     def publish(self, live: list[View], want: bool) -> None:
         if self.exchange is not None:
             self._count += 1
-            self.exchange.publish(encode(self.node, self.host, self._count, self.named, live, self.said), want)
+            self.exchange.publish(
+                encode(self.node, self.host, self._count, self.named, live, self.said), want
+            )
 
     def heard(self, ranks: list[int]) -> bool:
-        """Whether every other node read has said where its ranks wait for ``ranks`` (true with none read)."""
+        """Whether every other node read has said where its ranks wait for ``ranks`` (true with none
+        read)."""
         heard = self.exchange.heard() if self.exchange is not None else {}
         return all(set(ranks) <= said for said in heard.values())
 
 
-# -- the summaries ---------------------------------------------------------------------------------------------
+# -- the summaries ---------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -275,12 +295,21 @@ def encode(
         ]
         for v in views
     ]
-    doc = {"v": 1, "n": node, "h": host[:255], "c": count, "x": sorted(named), "w": sorted(waiting), "r": rows}
+    doc = {
+        "v": 1,
+        "n": node,
+        "h": host[:255],
+        "c": count,
+        "x": sorted(named),
+        "w": sorted(waiting),
+        "r": rows,
+    }
     return json.dumps(doc, separators=(",", ":")).encode()
 
 
 def decode(data: bytes) -> Summary | None:
-    """The summary in ``data``; None for anything else (another version's, cut short, not one at all)."""
+    """The summary in ``data``; None for anything else (another version's, cut short, not one at
+    all)."""
     if len(data) > MAX_BYTES:
         return None
     try:
@@ -313,21 +342,29 @@ def decode(data: bytes) -> Summary | None:
 
 
 class Exchange:
-    """This node's summary to the store and the other nodes' from it, in a thread of the agent: a store that is
-    slow or gone (its host's agent ending) holds up this thread, never the agent's poll of its workers."""
+    """This node's summary to the store and the other nodes' from it, in a thread of the agent: a
+    store that is slow or gone (its host's agent ending) holds up this thread, never the agent's
+    poll of its workers."""
 
     def __init__(
-        self, store: Any, node: int, nodes: int, every: float, clock: Callable[[], float] = time.monotonic
+        self,
+        store: Any,
+        node: int,
+        nodes: int,
+        every: float,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.store, self.node, self.nodes, self.clock = store, node, nodes, clock
-        # Each agent reads the others' summaries once per interval: past 10 nodes the interval grows with the
-        # count, so the store's host answers at most ~20 reads a second, whatever the size of the job.
+        # Each agent reads the others' summaries once per interval: past 10 nodes the interval grows
+        # with the count, so the store's host answers at most ~20 reads a second, whatever the size
+        # of the job.
         self.every = max(every, 0.05 * nodes)
         self.failures = 0
         self._lock = threading.Lock()
         self._outgoing: bytes | None = None
         self._want = False
-        self._seen: dict[int, tuple[Summary, float]] = {}  # node -> (summary, when its count last changed)
+        # node -> (summary, when its count last changed)
+        self._seen: dict[int, tuple[Summary, float]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ddpkit-stall-exchange", daemon=True)
         self._thread.start()
@@ -338,8 +375,8 @@ class Exchange:
             self._outgoing, self._want = data, want
 
     def views(self) -> tuple[list[View], set[int]]:
-        """The other nodes' ranks, aged by this node's clock since each publication was first read, and the
-        ranks their agents named."""
+        """The other nodes' ranks, aged by this node's clock since each publication was first read,
+        and the ranks their agents named."""
         now = self.clock()
         with self._lock:
             seen = list(self._seen.values())
@@ -347,7 +384,10 @@ class Exchange:
         named: set[int] = set()
         for summary, at in seen:
             named |= summary.named
-            views += [View(**{**v.__dict__, "idle": v.idle + (now - at)}) if v.marked else v for v in summary.views]
+            views += [
+                View(**{**v.__dict__, "idle": v.idle + (now - at)}) if v.marked else v
+                for v in summary.views
+            ]
         return views, named
 
     def heard(self) -> dict[int, frozenset[int]]:
@@ -360,7 +400,8 @@ class Exchange:
         with self._lock:
             self._outgoing, self._want = last if last is not None else self._outgoing, False
         self._stop.set()
-        self._thread.join(timeout=2.0)  # a store call may hang on a host that went away: the thread is a daemon
+        # a store call may hang on a host that went away: the thread is a daemon
+        self._thread.join(timeout=2.0)
 
     def _run(self) -> None:
         sent: bytes | None = None
@@ -379,13 +420,14 @@ class Exchange:
                     with self._lock:
                         self._seen.clear()  # read afresh, and aged from then, at the next wait
             except Exception:  # noqa: BLE001  (any store error: the job is ending, or the host is gone)
-                # The watch must not end an agent, and a store error can be any of torch's exception types;
-                # the node goes on judging with what it read last, ageing it.
+                # The watch must not end an agent, and a store error can be any of torch's exception
+                # types; the node goes on judging with what it read last, ageing it.
                 self.failures += 1
 
     def _read(self) -> None:
         others = [n for n in range(self.nodes) if n != self.node]
-        # A get blocks on a missing key (a node not yet publishing): one check for all, then one per key.
+        # A get blocks on a missing key (a node not yet publishing): one check for all, then one per
+        # key.
         if self.store.check([KEY.format(n) for n in others]):
             present = others
         else:

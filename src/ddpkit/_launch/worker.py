@@ -1,11 +1,13 @@
-"""What ``ddpkit run`` starts in each worker: the user's script, with its exception recorded for the launcher.
+"""What ``ddpkit run`` starts in each worker: the user's script, with its exception recorded for the
+launcher.
 
-torchrun reports a failed worker's traceback only when the script's entry point is decorated with ``@record``;
-running the script through this module gives every script that, unchanged. Before the script starts, the
-worker ties its life to the agent's (a parent-death signal), forks the guard that ends whatever it starts once it
-is gone (:mod:`ddpkit._launch.proctree`), holds SIGUSR1 until a Trainer listens for it (:mod:`ddpkit.distributed._signals`), writes
-its stack when asked (SIGUSR2), and on global rank 0 serves the workers' store on ``MASTER_ADDR`` alone. Usage
-(by the launcher): ``python -m ddpkit._launch.worker [-m] TARGET ARGS...``.
+torchrun reports a failed worker's traceback only when the script's entry point is decorated with
+``@record``; running the script through this module gives every script that, unchanged. Before the
+script starts, the worker ties its life to the agent's (a parent-death signal), forks the guard that
+ends whatever it starts once it is gone (:mod:`ddpkit._launch.proctree`), holds SIGUSR1 until a
+Trainer listens for it (:mod:`ddpkit.distributed._signals`), writes its stack when asked (SIGUSR2),
+and on global rank 0 serves the workers' store on ``MASTER_ADDR`` alone. Usage (by the launcher):
+``python -m ddpkit._launch.worker [-m] TARGET ARGS...``.
 """
 
 from __future__ import annotations
@@ -34,15 +36,16 @@ from ddpkit.platforms import _torchrun as torchrun
 def die_with_parent(sig: int = signal.SIGKILL) -> bool:
     """Ask Linux to send ``sig`` to this process when its parent (the launcher's agent) dies.
 
-    A SIGKILLed agent cannot stop its workers, and they would train on to the end, reparented to init, holding
-    the GPUs and writing the run directory. SIGKILL, not SIGTERM: with the agent gone nobody would report or
-    restart anything, so a worker has no use for the time a snapshot takes. Returns False where the call does
-    not exist (not Linux).
+    A SIGKILLed agent cannot stop its workers, and they would train on to the end, reparented to
+    init, holding the GPUs and writing the run directory. SIGKILL, not SIGTERM: with the agent gone
+    nobody would report or restart anything, so a worker has no use for the time a snapshot takes.
+    Returns False where the call does not exist (not Linux).
     """
     parent = int(os.environ.get("DDPKIT_AGENT_PID", os.getppid()))
     if not set_parent_death_signal(sig):
         return False
-    # The parent may have died between fork and prctl; then no signal will come, and the parent is gone.
+    # The parent may have died between fork and prctl; then no signal will come, and the parent is
+    # gone.
     if os.getppid() != parent:
         os.kill(os.getpid(), sig)
     return True
@@ -51,26 +54,31 @@ def die_with_parent(sig: int = signal.SIGKILL) -> bool:
 def dump_stack_on_request() -> None:
     """On SIGUSR2, write every thread's Python stack to ``$DDPKIT_STACK_DIR/rank<RANK>.txt``.
 
-    The agent sends SIGUSR2 to the workers still running when one has failed, so that the failure summary can
-    say where each of them was (stuck in user code, or waiting in which collective); ``kill -USR2`` on the
-    agent asks every worker the same at any time. faulthandler writes from the signal handler itself, so a rank
-    blocked inside a C++ collective answers too.
+    The agent sends SIGUSR2 to the workers still running when one has failed, so that the failure
+    summary can say where each of them was (stuck in user code, or waiting in which collective);
+    ``kill -USR2`` on the agent asks every worker the same at any time. faulthandler writes from the
+    signal handler itself, so a rank blocked inside a C++ collective answers too.
     """
     folder = os.environ.get("DDPKIT_STACK_DIR")
     if not folder:
         return
     path = Path(folder) / f"rank{torchrun.rank_text(os.environ)}.txt"
     # Kept open for the life of the process: faulthandler writes to its descriptor.
-    stream = os.fdopen(fs.open_fd(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, linked="replace"), "w")
-    # Ignored underneath: faulthandler puts back the previous action while the interpreter exits, and a request
-    # that arrives then must not kill a worker that is finishing on its own.
+    stream = os.fdopen(
+        fs.open_fd(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, linked="replace"), "w"
+    )
+    # Ignored underneath: faulthandler puts back the previous action while the interpreter exits,
+    # and a request that arrives then must not kill a worker that is finishing on its own.
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     faulthandler.register(signal.SIGUSR2, file=stream, all_threads=True)
 
 
-def ask_stacks(folder: Path, pids: dict[int, int], wait: float = 3.0, lines: int = 10) -> dict[int, list[str]]:
-    """Each rank's main-thread stack (global rank -> pid), innermost first, asked now (SIGUSR2) of the workers
-    that write to ``folder`` (:func:`dump_stack_on_request`): only what each writes from now."""
+def ask_stacks(
+    folder: Path, pids: dict[int, int], wait: float = 3.0, lines: int = 10
+) -> dict[int, list[str]]:
+    """Each rank's main-thread stack (global rank -> pid), innermost first, asked now (SIGUSR2) of
+    the workers that write to ``folder`` (:func:`dump_stack_on_request`): only what each writes from
+    now."""
     paths = {g: folder / f"rank{g}.txt" for g in pids}
     before = {g: p.stat().st_size if p.exists() else 0 for g, p in paths.items()}
     asked = []
@@ -82,7 +90,8 @@ def ask_stacks(folder: Path, pids: dict[int, int], wait: float = 3.0, lines: int
     while time.monotonic() < deadline and not all(
         paths[g].exists() and paths[g].stat().st_size > before[g] for g in asked
     ):
-        time.sleep(0.05)  # written from the workers' signal handlers: nothing to wait on but the files
+        # written from the workers' signal handlers: nothing to wait on but the files
+        time.sleep(0.05)
     time.sleep(0.1)  # a dump just begun is written whole within milliseconds
     out = {}
     for g in asked:
@@ -93,8 +102,8 @@ def ask_stacks(folder: Path, pids: dict[int, int], wait: float = 3.0, lines: int
 
 
 def main_frames(dump: str) -> list[str]:
-    """The frames of the thread that answered (the main thread) in one faulthandler dump, innermost first,
-    without the launch machinery's."""
+    """The frames of the thread that answered (the main thread) in one faulthandler dump, innermost
+    first, without the launch machinery's."""
     block = dump.split("Current thread", 1)[1] if "Current thread" in dump else dump
     frames = []
     for line in block.splitlines()[1:]:
@@ -102,7 +111,8 @@ def main_frames(dump: str) -> list[str]:
         if line.startswith("Thread 0x") or line.startswith("Current thread"):
             break
         if line.startswith("File ") and not any(
-            skip in line for skip in ("ddpkit/_launch/worker.py", "<frozen runpy>", "elastic/multiprocessing")
+            skip in line
+            for skip in ("ddpkit/_launch/worker.py", "<frozen runpy>", "elastic/multiprocessing")
         ):
             frames.append(line)
     return frames
@@ -112,13 +122,15 @@ _worker_store: Any = None  # the store global rank 0 serves, alive as long as th
 
 
 def serve_worker_store() -> Any:
-    """On global rank 0, serve the workers' TCPStore on ``MASTER_ADDR:MASTER_PORT``, bound to that address only.
+    """On global rank 0, serve the workers' TCPStore on ``MASTER_ADDR:MASTER_PORT``, bound to that
+    address only.
 
-    ``torch.distributed``'s own env:// rendezvous has rank 0 start the store listening on every interface of its
-    node, whatever ``MASTER_ADDR`` says; a single-node job's ``MASTER_ADDR`` is 127.0.0.1, so that store would
-    be open to the network for nothing. Served here from a socket bound to ``MASTER_ADDR``'s address, and every
-    rank (this one too) told to connect as a client (``TORCHELASTIC_USE_AGENT_STORE``), which holds for scripts
-    that call ``torch.distributed.init_process_group`` themselves as much as for ``ddpkit.init()``.
+    ``torch.distributed``'s own env:// rendezvous has rank 0 start the store listening on every
+    interface of its node, whatever ``MASTER_ADDR`` says; a single-node job's ``MASTER_ADDR`` is
+    127.0.0.1, so that store would be open to the network for nothing. Served here from a socket
+    bound to ``MASTER_ADDR``'s address, and every rank (this one too) told to connect as a client
+    (``TORCHELASTIC_USE_AGENT_STORE``), which holds for scripts that call
+    ``torch.distributed.init_process_group`` themselves as much as for ``ddpkit.init()``.
     """
     global _worker_store
     master = torchrun.master_address(os.environ)
@@ -132,9 +144,9 @@ def serve_worker_store() -> Any:
             listener = socket.create_server((socket.gethostbyname(addr), int(port)), backlog=1024)
         except OSError as err:
             raise ConfigError(
-                f"rank 0 cannot serve the workers' store at {addr}:{port} ({err.strerror}): the agent picked this "
-                "port as free, and another program took it since, or --local-addr is not an address of this node; "
-                "run the job again"
+                f"rank 0 cannot serve the workers' store at {addr}:{port} ({err.strerror}): the "
+                "agent picked this port as free, and another program took it since, or "
+                "--local-addr is not an address of this node; run the job again"
             ) from None
         _worker_store = serve_store(listener.detach(), addr, int(port), timedelta(minutes=5))
     use_agent_store()

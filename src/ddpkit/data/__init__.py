@@ -1,8 +1,9 @@
-"""Sharded data: a global sample order that does not depend on the world size, loaders over a rank's shard, and
-exact evaluation shards.
+"""Sharded data: a global sample order that does not depend on the world size, loaders over a rank's
+shard, and exact evaluation shards.
 
-Streams (:class:`Stream` and its adapters :class:`JsonlStream`, :class:`TokenStream`, :class:`IterableStream`)
-are an extra that needs numpy: the adapters are imported on first use, not by ``import ddpkit``.
+Streams (:class:`Stream` and its adapters :class:`JsonlStream`, :class:`TokenStream`,
+:class:`IterableStream`) are an extra that needs numpy: the adapters are imported on first use, not
+by ``import ddpkit``.
 """
 
 from __future__ import annotations

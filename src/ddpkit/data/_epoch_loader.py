@@ -1,5 +1,5 @@
-"""The training loader: a DataLoader that counts an epoch only once its last batch is handed over, and whose
-state is where the loop stands, with the data's fingerprint."""
+"""The training loader: a DataLoader that counts an epoch only once its last batch is handed over,
+and whose state is where the loop stands, with the data's fingerprint."""
 
 from __future__ import annotations
 
@@ -8,7 +8,13 @@ from typing import Any, cast
 
 from torch.utils.data import DataLoader
 
-from ddpkit.data._fingerprint import OnDataChange, changes, check_on_data_change, dataset_items, refusal
+from ddpkit.data._fingerprint import (
+    OnDataChange,
+    changes,
+    check_on_data_change,
+    dataset_items,
+    refusal,
+)
 from ddpkit.data._sample_seeding import SeededSamples
 from ddpkit.data._sampler import ShardedBatchSampler
 from ddpkit.distributed import _progress as progress
@@ -16,49 +22,57 @@ from ddpkit.distributed._progress import Phase
 
 
 class EpochLoader(DataLoader):
-    """A DataLoader over a :class:`~ddpkit.data.ShardedBatchSampler` that counts an epoch when an iteration has
-    handed over its last batch: an iterator left before (a peek with ``next(iter(loader))``, a ``break``)
-    leaves the sampler where it was.
+    """A DataLoader over a :class:`~ddpkit.data.ShardedBatchSampler` that counts an epoch when an
+    iteration has handed over its last batch: an iterator left before (a peek with
+    ``next(iter(loader))``, a ``break``) leaves the sampler where it was.
 
-    The sampler cannot tell by itself: the DataLoader's workers read it ahead of the batches they return
-    (``prefetch_factor`` per worker), so a short epoch's indices are all read by the time the first batch is out.
+    The sampler cannot tell by itself: the DataLoader's workers read it ahead of the batches they
+    return (``prefetch_factor`` per worker), so a short epoch's indices are all read by the time the
+    first batch is out.
 
-    Its :meth:`state_dict` is where the loop stands (epoch, and samples of it handed over on all ranks) with the
-    data's fingerprint (:mod:`ddpkit.data._fingerprint`); :meth:`load_state_dict` resumes from it, refusing data
-    that changed since, unless ``on_data_change="restart_epoch"``.
+    Its :meth:`state_dict` is where the loop stands (epoch, and samples of it handed over on all
+    ranks) with the data's fingerprint (:mod:`ddpkit.data._fingerprint`); :meth:`load_state_dict`
+    resumes from it, refusing data that changed since, unless ``on_data_change="restart_epoch"``.
     """
 
     def __init__(self, *args: Any, on_data_change: OnDataChange = "error", **kwargs: Any) -> None:
-        """``DataLoader``'s arguments, with a :class:`~ddpkit.data.ShardedBatchSampler` as ``batch_sampler``."""
+        """``DataLoader``'s arguments, with a :class:`~ddpkit.data.ShardedBatchSampler` as
+        ``batch_sampler``."""
         check_on_data_change(on_data_change)
         super().__init__(*args, **kwargs)
         self.on_data_change = on_data_change
         self.data_changes: list[str] = []
-        """What :meth:`load_state_dict` found changed and accepted (``on_data_change="restart_epoch"``)."""
+        """What :meth:`load_state_dict` found changed and accepted
+        (``on_data_change="restart_epoch"``)."""
         self._pass: _CountedIterator | None = None
         self._fingerprint: dict[str, Any] | None = None
 
-    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # a wrapper of the DataLoader's iterator
+    # a wrapper of the DataLoader's iterator
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         sampler = self.batch_sampler
         assert isinstance(sampler, ShardedBatchSampler)  # build_loader's
         sampler.counts_epochs = False
-        token = sampler.position_token()  # before the DataLoader reads the sampler, which it starts on now
+        # before the DataLoader reads the sampler, which it starts on now
+        token = sampler.position_token()
         self._pass = _CountedIterator(super().__iter__(), sampler, token)
         return self._pass
 
     def fingerprint(self) -> dict[str, Any]:
-        """What decides which sample comes at which step: the sampler's settings and the dataset's layout (a
-        stream's files and window, a ``Subset``'s indices, a ``ConcatDataset``'s parts), the world size aside.
-        Computed once, at the first snapshot or resume."""
+        """What decides which sample comes at which step: the sampler's settings and the dataset's
+        layout (a stream's files and window, a ``Subset``'s indices, a ``ConcatDataset``'s parts),
+        the world size aside. Computed once, at the first snapshot or resume."""
         if self._fingerprint is None:
             sampler = cast(ShardedBatchSampler, self.batch_sampler)
-            dataset = self.dataset.dataset if isinstance(self.dataset, SeededSamples) else self.dataset
+            dataset = (
+                self.dataset.dataset if isinstance(self.dataset, SeededSamples) else self.dataset
+            )
             self._fingerprint = sampler.fingerprint() | dataset_items(dataset)
         return self._fingerprint
 
     def position(self) -> tuple[int, int]:
-        """``(epoch, cursor)``: the epoch of the batches being handed over (or the next one), and its samples
-        handed over so far on all ranks; an epoch handed over whole is the next epoch at cursor 0."""
+        """``(epoch, cursor)``: the epoch of the batches being handed over (or the next one), and
+        its samples handed over so far on all ranks; an epoch handed over whole is the next epoch at
+        cursor 0."""
         sampler = cast(ShardedBatchSampler, self.batch_sampler)
         live = self._pass
         if live is not None and live.token == sampler.position_token():
@@ -67,27 +81,31 @@ class EpochLoader(DataLoader):
                 return sampler.epoch + 1, 0
             return sampler.epoch, steps * sampler.global_batch_size
         epoch, first = sampler.epoch, sampler._first_step()
-        return (epoch + 1, 0) if first >= sampler.steps_per_epoch else (epoch, first * sampler.global_batch_size)
+        return (
+            (epoch + 1, 0)
+            if first >= sampler.steps_per_epoch
+            else (epoch, first * sampler.global_batch_size)
+        )
 
     @property
     def epoch(self) -> int:
-        """The epoch of the batches being handed over, or of the next ``iter()``: after a resume, the epoch the
-        snapshot was taken in (``for epoch in range(loader.epoch, epochs)``)."""
+        """The epoch of the batches being handed over, or of the next ``iter()``: after a resume,
+        the epoch the snapshot was taken in (``for epoch in range(loader.epoch, epochs)``)."""
         return self.position()[0]
 
     @property
     def batch_in_epoch(self) -> int:
-        """The index in its epoch of the batch handed over next: 0 at an epoch's start, ``k`` after a resume
-        from a snapshot taken after ``k`` batches of it. A loop keyed on the index in the epoch counts from it:
-        ``for i, batch in enumerate(loader, start=loader.batch_in_epoch)``."""
+        """The index in its epoch of the batch handed over next: 0 at an epoch's start, ``k`` after
+        a resume from a snapshot taken after ``k`` batches of it. A loop keyed on the index in the
+        epoch counts from it: ``for i, batch in enumerate(loader, start=loader.batch_in_epoch)``."""
         cursor = self.position()[1]
         return -(-cursor // cast(ShardedBatchSampler, self.batch_sampler).global_batch_size)
 
     @property
     def finishing_epoch(self) -> bool:
-        """The iteration under way has handed over its epoch's last batch and not yet ended: the code after
-        the loop over the batches (an epoch scheduler, an evaluation) has not run, though :meth:`position`
-        already says the next epoch."""
+        """The iteration under way has handed over its epoch's last batch and not yet ended: the
+        code after the loop over the batches (an epoch scheduler, an evaluation) has not run, though
+        :meth:`position` already says the next epoch."""
         sampler = cast(ShardedBatchSampler, self.batch_sampler)
         live = self._pass
         return (
@@ -97,21 +115,23 @@ class EpochLoader(DataLoader):
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """Where the loop stands (:meth:`position`) and the data's fingerprint: save it with the model."""
+        """Where the loop stands (:meth:`position`) and the data's fingerprint: save it with the
+        model."""
         epoch, cursor = self.position()
         return {"epoch": epoch, "cursor": cursor, "fingerprint": self.fingerprint()}
 
     def changes_since(self, state: dict[str, Any]) -> list[str]:
-        """What differs between the data of :meth:`state_dict`'s ``state`` and this loader's, item by item
-        (``"window: 32 -> 64"``): empty when a resume from it sees the same samples in the same steps. A check
-        to run before anything else is loaded; :meth:`load_state_dict` runs it too."""
+        """What differs between the data of :meth:`state_dict`'s ``state`` and this loader's, item
+        by item (``"window: 32 -> 64"``): empty when a resume from it sees the same samples in the
+        same steps. A check to run before anything else is loaded; :meth:`load_state_dict` runs it
+        too."""
         return changes(state["fingerprint"], self.fingerprint())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Make the next ``iter()`` continue where :meth:`state_dict` was taken (on any rank, at any world size
-        with the same global batch). Refused, naming each change, if the data's fingerprint differs; with
-        ``on_data_change="restart_epoch"`` the epoch starts again from its first step instead
-        (:attr:`data_changes` says why)."""
+        """Make the next ``iter()`` continue where :meth:`state_dict` was taken (on any rank, at any
+        world size with the same global batch). Refused, naming each change, if the data's
+        fingerprint differs; with ``on_data_change="restart_epoch"`` the epoch starts again from its
+        first step instead (:attr:`data_changes` says why)."""
         epoch, cursor = int(state["epoch"]), int(state["cursor"])
         self.data_changes = self.changes_since(state)
         sampler = cast(ShardedBatchSampler, self.batch_sampler)
@@ -123,7 +143,9 @@ class EpochLoader(DataLoader):
 
 
 class _CountedIterator:
-    def __init__(self, batches: Iterator[Any], sampler: ShardedBatchSampler, token: tuple[int, int]) -> None:
+    def __init__(
+        self, batches: Iterator[Any], sampler: ShardedBatchSampler, token: tuple[int, int]
+    ) -> None:
         self.batches, self.sampler, self.token = batches, sampler, token
         self.first = sampler._first_step()
         self.handed = 0
@@ -136,7 +158,8 @@ class _CountedIterator:
         return len(self.batches)  # type: ignore[arg-type]  # the DataLoader's iterator has one
 
     def __next__(self) -> Any:
-        progress.mark(Phase.DATA)  # for the launcher's stall watch: a few hundred nanoseconds, no system call
+        # for the launcher's stall watch: a few hundred nanoseconds, no system call
+        progress.mark(Phase.DATA)
         try:
             batch = next(self.batches)
         except StopIteration:

@@ -1,24 +1,26 @@
-"""The data's fingerprint: everything that decides which sample comes at which step, kept in a loader's state
-and compared when a run resumes.
+"""The data's fingerprint: everything that decides which sample comes at which step, kept in a
+loader's state and compared when a run resumes.
 
-A snapshot holds a global cursor (samples of the epoch already trained on). The cursor means something only
-over the order it was counted in: the dataset's length, the seed, shuffling, ``drop_last``, the global batch
-(per-rank batch x world size), and for a stream its files in their order, their sizes and where their records
-lie, and the shuffle window. Resumed over data that changed in any of these, the same cursor points into
-another order: some samples are trained on twice in the epoch and others never, and nothing fails. So the
-loader records them (:meth:`~ddpkit.data._epoch_loader.EpochLoader.state_dict`) and a resume that finds one changed
-is refused before any step, naming each change, unless the run asks to restart the epoch on the new data
-(``on_data_change="restart_epoch"``).
+A snapshot holds a global cursor (samples of the epoch already trained on). The cursor means
+something only over the order it was counted in: the dataset's length, the seed, shuffling,
+``drop_last``, the global batch (per-rank batch x world size), and for a stream its files in their
+order, their sizes and where their records lie, and the shuffle window. Resumed over data that
+changed in any of these, the same cursor points into another order: some samples are trained on
+twice in the epoch and others never, and nothing fails. So the loader records them
+(:meth:`~ddpkit.data._epoch_loader.EpochLoader.state_dict`) and a resume that finds one changed is
+refused before any step, naming each change, unless the run asks to restart the epoch on the new
+data (``on_data_change="restart_epoch"``).
 
 What decides it, beyond those settings, is the dataset's own layout: a ``Subset``'s indices, a
-``ConcatDataset``'s parts (:func:`dataset_items`), a stream's files by their content, an iterable's first
-records (:meth:`ddpkit.data._stream.Stream.fingerprint`). Each is kept as a digest: the fingerprint is saved
-after every step. What a map-style dataset returns for an index is not read (that is its items' contents,
-loaded by the workers, maybe from storage that costs by the byte): a dataset can say more through a
-``fingerprint()`` method of its own, returning a dict of short values.
+``ConcatDataset``'s parts (:func:`dataset_items`), a stream's files by their content, an iterable's
+first records (:meth:`ddpkit.data._stream.Stream.fingerprint`). Each is kept as a digest: the
+fingerprint is saved after every step. What a map-style dataset returns for an index is not read
+(that is its items' contents, loaded by the workers, maybe from storage that costs by the byte): a
+dataset can say more through a ``fingerprint()`` method of its own, returning a dict of short
+values.
 
-The world size itself is not in it: the global order does not depend on it, and a run resumes at another
-world size with the same global batch.
+The world size itself is not in it: the global order does not depend on it, and a run resumes at
+another world size with the same global batch.
 """
 
 from __future__ import annotations
@@ -30,14 +32,15 @@ from typing import Any, Literal
 from ddpkit._errors import ConfigError
 
 OnDataChange = Literal["error", "restart_epoch"]
-"""What a resume does when the data's fingerprint differs from the snapshot's: refuse (``"error"``), or train
-the snapshot's epoch again from its first step on the new data (``"restart_epoch"``)."""
+"""What a resume does when the data's fingerprint differs from the snapshot's: refuse (``"error"``),
+or train the snapshot's epoch again from its first step on the new data (``"restart_epoch"``)."""
 
 ON_DATA_CHANGE: tuple[str, ...] = ("error", "restart_epoch")
 
 LISTED_SHARDS = 64
-"""Shards described one by one in a fingerprint; beyond that, the list is kept as one digest (the fingerprint
-is saved with every snapshot, in memory after every step, where thousands of lines would cost)."""
+"""Shards described one by one in a fingerprint; beyond that, the list is kept as one digest (the
+fingerprint is saved with every snapshot, in memory after every step, where thousands of lines would
+cost)."""
 
 LISTED_CHANGES = 6
 """Changes named in a refusal; the rest are counted."""
@@ -46,8 +49,9 @@ LISTED_CHANGES = 6
 def check_on_data_change(value: str) -> None:
     if value not in ON_DATA_CHANGE:
         raise ConfigError(
-            f"on_data_change={value!r}: pass 'error' (refuse a resume on changed data) or 'restart_epoch' "
-            "(train the snapshot's epoch again from its first step on the new data)"
+            f"on_data_change={value!r}: pass 'error' (refuse a resume on changed data) or "
+            "'restart_epoch' (train the snapshot's epoch again from its first step on the new "
+            "data)"
         )
 
 
@@ -57,17 +61,17 @@ def digest(data: bytes | memoryview) -> str:
 
 
 def shard_items(descriptions: Sequence[str]) -> dict[str, Any]:
-    """The fingerprint's items for a list of shards, each described by one line (its name, records, bytes...):
-    the lines joined (one string is cheap to save after every step), or, past :data:`LISTED_SHARDS`, one
-    digest of the whole list."""
+    """The fingerprint's items for a list of shards, each described by one line (its name, records,
+    bytes...): the lines joined (one string is cheap to save after every step), or, past
+    :data:`LISTED_SHARDS`, one digest of the whole list."""
     if len(descriptions) <= LISTED_SHARDS:
         return {"shards": len(descriptions), "shard files": "\n".join(descriptions)}
     return {"shards": len(descriptions), "shard list": digest("\n".join(descriptions).encode())}
 
 
 def index_digest(indices: Any) -> str:
-    """A digest of a sequence of indices (a list, range, tuple, tensor or array) as int64s: one pass of
-    numpy's conversion and one of the hash, no Python loop over them."""
+    """A digest of a sequence of indices (a list, range, tuple, tensor or array) as int64s: one pass
+    of numpy's conversion and one of the hash, no Python loop over them."""
     import numpy as np  # only where a layout is described: the core imports without it
     import torch
 
@@ -80,11 +84,12 @@ def index_digest(indices: Any) -> str:
 
 
 def dataset_items(dataset: Any) -> dict[str, Any]:
-    """What decides which item sits at each index of a map-style dataset, beyond its length, as fingerprint
-    items: for a ``Subset``, its indices and its parent's length, for a ``ConcatDataset``, each part's length,
-    and each part described in turn (``dataset.datasets[1].dataset``...), and whatever a dataset's own
-    ``fingerprint()`` returns. The dataset itself (at the top) keeps the names its ``fingerprint()`` gives
-    (a stream's). Past :data:`LISTED_SHARDS` items, one digest of them all."""
+    """What decides which item sits at each index of a map-style dataset, beyond its length, as
+    fingerprint items: for a ``Subset``, its indices and its parent's length, for a
+    ``ConcatDataset``, each part's length, and each part described in turn
+    (``dataset.datasets[1].dataset``...), and whatever a dataset's own ``fingerprint()`` returns.
+    The dataset itself (at the top) keeps the names its ``fingerprint()`` gives (a stream's). Past
+    :data:`LISTED_SHARDS` items, one digest of them all."""
     own = getattr(dataset, "fingerprint", None)
     if callable(own):
         return dict(own())
@@ -104,19 +109,25 @@ def _describe(dataset: Any, path: str, found: dict[str, Any]) -> None:
         found |= {f"{path} {key}": value for key, value in own().items()}
     elif isinstance(dataset, Subset):
         parent = len(dataset.dataset) if hasattr(dataset.dataset, "__len__") else "?"
-        found[path] = f"Subset of {len(dataset.indices)} of {parent} items, indices {index_digest(dataset.indices)}"
+        found[path] = (
+            f"Subset of {len(dataset.indices)} of {parent} items, indices "
+            f"{index_digest(dataset.indices)}"
+        )
         _describe(dataset.dataset, f"{path}.dataset", found)
     elif isinstance(dataset, ConcatDataset):
         ends = dataset.cumulative_sizes
         lengths = [end - start for start, end in zip([0, *ends], ends)]
-        shown = ", ".join(map(str, lengths)) if len(lengths) <= 8 else f"digest {index_digest(lengths)}"
+        shown = (
+            ", ".join(map(str, lengths)) if len(lengths) <= 8 else f"digest {index_digest(lengths)}"
+        )
         found[path] = f"ConcatDataset of {len(lengths)} parts of lengths {shown}"
         for k, part in enumerate(dataset.datasets):
             _describe(part, f"{path}.datasets[{k}]", found)
 
 
 def _items(fingerprint: Mapping[str, Any]) -> dict[str, Any]:
-    """The fingerprint with its shards one item each (``"shard k"``), to name the one that changed."""
+    """The fingerprint with its shards one item each (``"shard k"``), to name the one that
+    changed."""
     out: dict[str, Any] = {}
     for key, value in fingerprint.items():
         if key == "shard files":
@@ -144,8 +155,9 @@ def refusal(found: list[str], epoch: int, cursor: int) -> ConfigError:
     if len(found) > LISTED_CHANGES:
         listed += f"; and {len(found) - LISTED_CHANGES} more"
     return ConfigError(
-        f"the data changed since the snapshot was taken ({listed}): resuming at sample {cursor} of epoch {epoch} "
-        "(counted from 0) would train some samples of that epoch twice and others never. Resume with the data, "
-        "seed and batch size as they were, or pass on_data_change='restart_epoch' (to build_loader, or in "
-        "TrainerConfig) to train that epoch again from its first step on the new data"
+        f"the data changed since the snapshot was taken ({listed}): resuming at sample {cursor} of "
+        f"epoch {epoch} (counted from 0) would train some samples of that epoch twice and others "
+        "never. Resume with the data, seed and batch size as they were, or pass "
+        "on_data_change='restart_epoch' (to build_loader, or in TrainerConfig) to train that "
+        "epoch again from its first step on the new data"
     )

@@ -1,24 +1,26 @@
-"""The line index of a JSON Lines file kept beside it (``.NAME.lines``), used only where it can be trusted.
+"""The line index of a JSON Lines file kept beside it (``.NAME.lines``), used only where it can be
+trusted.
 
-The index says where each record lies; a wrong one makes the stream return other records than the file holds,
-silently. So the file beside the data is read only when
+The index says where each record lies; a wrong one makes the stream return other records than the
+file holds, silently. So the file beside the data is read only when
 
-- it belongs to this user, and the data folder is this user's and not writable by others (a sticky folder such
-  as ``/tmp`` excepted: no one replaces another's files there): else another user could have planted or
-  replaced it;
-- it is not a link, its header names the data file's size and the digest of its content, hashed from the
-  file's bytes each time (a file rewritten at the same size with its modification time put back is another
-  file), its offsets match the checksum kept with them (a file cut short, a flipped byte, two copies
-  spliced), and they are consistent: in increasing order, each line within the file, none overlapping the
-  next.
+- it belongs to this user, and the data folder is this user's and not writable by others (a sticky
+  folder such as ``/tmp`` excepted: no one replaces another's files there): else another user could
+  have planted or replaced it;
+- it is not a link, its header names the data file's size and the digest of its content, hashed from
+  the file's bytes each time (a file rewritten at the same size with its modification time put back
+  is another file), its offsets match the checksum kept with them (a file cut short, a flipped byte,
+  two copies spliced), and they are consistent: in increasing order, each line within the file, none
+  overlapping the next.
 
-What is not checked is an index rewritten by its own user with offsets that are consistent, the content's
-digest copied and a checksum recomputed: telling that from the truth means finding every newline of the data
-file, the work the index exists to save (hashing the file costs about as much as reading it, the newline
-search as much again).
+What is not checked is an index rewritten by its own user with offsets that are consistent, the
+content's digest copied and a checksum recomputed: telling that from the truth means finding every
+newline of the data file, the work the index exists to save (hashing the file costs about as much as
+reading it, the newline search as much again).
 
-Otherwise the index is built in memory and used, and the reason is printed once per folder. It is written
-through :mod:`ddpkit._fs`: a new file of an unpredictable name in the data folder, renamed over the cache.
+Otherwise the index is built in memory and used, and the reason is printed once per folder. It is
+written through :mod:`ddpkit._fs`: a new file of an unpredictable name in the data folder, renamed
+over the cache.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ def _say_once(folder: Path, why: str) -> None:
     if key not in _told:
         _told.add(key)
         print(
-            f"ddpkit: the line index beside the data in {folder} is not used ({why}); it is built in memory",
+            f"ddpkit: the line index beside the data in {folder} is not used ({why}); it is built "
+            "in memory",
             file=sys.stderr,
             flush=True,
         )
@@ -65,18 +68,24 @@ def trusted_folder(folder: Path) -> bool:
 
 
 def read(cached: Path, header: np.ndarray, size: int) -> np.ndarray | None:
-    """The offsets kept in ``cached`` if it is this user's, matches ``header`` and is consistent, else None."""
+    """The offsets kept in ``cached`` if it is this user's, matches ``header`` and is consistent,
+    else None."""
     try:
         st = os.lstat(cached)
     except FileNotFoundError:
         return None
     owner = fs.other_owner(st)
     if stat.S_ISLNK(st.st_mode) or owner is not None:
-        whose = "a symbolic link" if owner is None else f"a file of {fs.user_name(owner)} (uid {owner}), not yours"
+        whose = (
+            "a symbolic link"
+            if owner is None
+            else f"a file of {fs.user_name(owner)} (uid {owner}), not yours"
+        )
         _say_once(cached.parent, f"{cached.name} is {whose}")
         return None
     try:
-        fd = fs.open_fd(cached, os.O_RDONLY | os.O_NONBLOCK)  # what was checked above, never through a link
+        # what was checked above, never through a link
+        fd = fs.open_fd(cached, os.O_RDONLY | os.O_NONBLOCK)
     except (ConfigError, OSError) as err:
         _say_once(cached.parent, f"{cached.name}: {err}")
         return None
@@ -89,7 +98,9 @@ def read(cached: Path, header: np.ndarray, size: int) -> np.ndarray | None:
         return None  # written for another version of the data file: rebuilt
     lines = table[2:]
     if table[1, 1] != checksum(lines) or not consistent(lines, size):
-        _say_once(cached.parent, f"{cached.name} holds offsets that cannot be those of the file's lines")
+        _say_once(
+            cached.parent, f"{cached.name} holds offsets that cannot be those of the file's lines"
+        )
         return None
     return lines
 
@@ -102,17 +113,22 @@ def checksum(lines: np.ndarray) -> int:
 
 
 def consistent(lines: np.ndarray, size: int) -> bool:
-    """Non-empty lines ``[start, end)`` within ``size`` bytes, in order, each ending before the next starts
-    (a newline between them)."""
+    """Non-empty lines ``[start, end)`` within ``size`` bytes, in order, each ending before the next
+    starts (a newline between them)."""
     if len(lines) == 0:
         return True
     starts, ends = lines[:, 0], lines[:, 1]
-    return bool(starts[0] >= 0 and ends[-1] <= size and np.all(ends > starts) and np.all(starts[1:] > ends[:-1]))
+    return bool(
+        starts[0] >= 0
+        and ends[-1] <= size
+        and np.all(ends > starts)
+        and np.all(starts[1:] > ends[:-1])
+    )
 
 
 def write(cached: Path, header: np.ndarray, lines: np.ndarray) -> None:
-    """Keep ``lines`` as ``cached`` under ``header`` (its checksum filled in); where that cannot be done (a
-    read-only folder) they stay in memory."""
+    """Keep ``lines`` as ``cached`` under ``header`` (its checksum filled in); where that cannot be
+    done (a read-only folder) they stay in memory."""
     table = np.concatenate([header, lines])
     table[1, 1] = checksum(lines)
     try:

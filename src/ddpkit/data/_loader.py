@@ -1,10 +1,11 @@
-"""Loaders over a rank's shard: :func:`build_loader` for training, :func:`build_eval_loader` for exact evaluation.
+"""Loaders over a rank's shard: :func:`build_loader` for training, :func:`build_eval_loader` for
+exact evaluation.
 
-Random draws while loading (augmentation). :func:`build_loader` reads each sample that draws with python, numpy
-and torch seeded from ``(seed, epoch, index)`` (:class:`~ddpkit.data.SeededSamples`): a sample is augmented the
-same way whichever rank or loader worker loads it, at any world size and number of workers, and a resumed run draws what the
-uninterrupted one drew. Without it each worker runs its own stream on across epochs (persistent workers),
-which no snapshot can restore.
+Random draws while loading (augmentation). :func:`build_loader` reads each sample that draws with
+python, numpy and torch seeded from ``(seed, epoch, index)`` (:class:`~ddpkit.data.SeededSamples`):
+a sample is augmented the same way whichever rank or loader worker loads it, at any world size and
+number of workers, and a resumed run draws what the uninterrupted one drew. Without it each worker
+runs its own stream on across epochs (persistent workers), which no snapshot can restore.
 """
 
 from __future__ import annotations
@@ -28,14 +29,21 @@ from ddpkit.platforms._cpus import cpu_count
 
 
 def check_map_style(dataset: Any) -> None:
-    """Refuse a dataset the samplers cannot shard: an ``IterableDataset`` or one without a length."""
-    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
+    """Refuse a dataset the samplers cannot shard: an ``IterableDataset`` or one without a
+    length."""
+    if (
+        isinstance(dataset, IterableDataset)
+        or not hasattr(dataset, "__getitem__")
+        or not hasattr(dataset, "__len__")
+    ):
         raise ConfigError(
-            f"a {type(dataset).__name__} is not a map-style dataset (with __len__ and __getitem__): build_loader "
-            "and the Trainer shard, shuffle and resume by sample index, which a plain stream does not have. Wrap "
-            "it in a stream of ddpkit.data._stream_sources (JsonlStream, TokenStream, IterableStream(dataset, "
-            "num_records), which every rank and loader worker reads whole) or a ddpkit.data._stream.Stream of your "
-            "own with positional reads, or load it into a map-style Dataset"
+            f"a {type(dataset).__name__} is not a map-style dataset (with __len__ and "
+            "__getitem__): build_loader and the Trainer shard, shuffle and resume by sample "
+            "index, which a plain stream does not have. Wrap it in a stream of "
+            "ddpkit.data._stream_sources (JsonlStream, TokenStream, IterableStream(dataset, "
+            "num_records), which every rank and loader worker reads whole) or a "
+            "ddpkit.data._stream.Stream of your own with positional reads, or load it into a "
+            "map-style Dataset"
         )
 
 
@@ -67,21 +75,23 @@ def build_loader(
 ) -> EpochLoader:
     """A training loader over this rank's shard; ``batch_size`` is per rank.
 
-    The loader gets its own ``torch.Generator``: without one, every ``iter()`` draws the workers' base seed
-    from the global RNG, which shifts dropout masks and any other draw that follows. ``seed_samples``: each
-    sample is loaded with the RNGs seeded from ``(seed, epoch, index)`` (see
-    :class:`~ddpkit.data.SeededSamples`); False leaves the draws to each worker's own stream (or the main
-    process's), as a plain DataLoader does. A ``TensorDataset`` is never wrapped: it draws nothing.
+    The loader gets its own ``torch.Generator``: without one, every ``iter()`` draws the workers'
+    base seed from the global RNG, which shifts dropout masks and any other draw that follows.
+    ``seed_samples``: each sample is loaded with the RNGs seeded from ``(seed, epoch, index)`` (see
+    :class:`~ddpkit.data.SeededSamples`); False leaves the draws to each worker's own stream (or the
+    main process's), as a plain DataLoader does. A ``TensorDataset`` is never wrapped: it draws
+    nothing.
 
-    ``loader.state_dict()`` is where the loop stands with the data's fingerprint (its length, or a stream's
-    files, sizes and window; the seed, shuffle, drop_last, the global batch); ``loader.load_state_dict(state)``
-    resumes there and refuses data that changed since, naming each change. ``on_data_change="restart_epoch"``
-    accepts the change and trains the saved epoch again from its first step
-    (:class:`~ddpkit.data._epoch_loader.EpochLoader`).
+    ``loader.state_dict()`` is where the loop stands with the data's fingerprint (its length, or a
+    stream's files, sizes and window; the seed, shuffle, drop_last, the global batch);
+    ``loader.load_state_dict(state)`` resumes there and refuses data that changed since, naming each
+    change. ``on_data_change="restart_epoch"`` accepts the change and trains the saved epoch again
+    from its first step (:class:`~ddpkit.data._epoch_loader.EpochLoader`).
     """
     check_on_data_change(on_data_change)
     if isinstance(dataset, Stream):
-        from ddpkit.data._stream_loader import build_stream_loader  # numpy: imported only for a stream
+        # numpy: imported only for a stream
+        from ddpkit.data._stream_loader import build_stream_loader
 
         return build_stream_loader(
             dataset,
@@ -108,7 +118,8 @@ def build_loader(
         keyed=seed_samples,
     )
     generator = torch.Generator()
-    generator.manual_seed(stream_seed("loader", seed, sampler.rank))  # per-rank worker seeds: ranks augment differently
+    # per-rank worker seeds: ranks augment differently
+    generator.manual_seed(stream_seed("loader", seed, sampler.rank))
     return EpochLoader(
         SeededSamples(dataset, seed) if seed_samples else dataset,
         batch_sampler=sampler,
@@ -133,7 +144,8 @@ def build_eval_loader(
     return DataLoader(
         dataset,
         batch_size=batch_size,
-        sampler=EvalShardSampler(cast(Sized, dataset), group=group),  # check_map_style made sure it has a length
+        # check_map_style made sure it has a length
+        sampler=EvalShardSampler(cast(Sized, dataset), group=group),
         collate_fn=collate_fn,
         generator=torch.Generator(),
         **_loader_kwargs(num_workers, pin_memory),

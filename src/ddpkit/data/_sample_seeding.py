@@ -1,6 +1,6 @@
-"""A sample's random draws as a function of ``(seed, epoch, index)``: what ``build_loader`` and streams load
-through (:class:`SampleSeeder`), the seeding of one sample, and the watch for draws that tells which batches
-need it.
+"""A sample's random draws as a function of ``(seed, epoch, index)``: what ``build_loader`` and
+streams load through (:class:`SampleSeeder`), the seeding of one sample, and the watch for draws
+that tells which batches need it.
 """
 
 from __future__ import annotations
@@ -24,20 +24,21 @@ except ImportError:  # pragma: no cover
 
 
 class SampleSeeder:
-    """Loads a batch so that each sample's random draws depend on ``(seed, epoch, index)`` only, and pays for
-    seeding only where samples draw.
+    """Loads a batch so that each sample's random draws depend on ``(seed, epoch, index)`` only, and
+    pays for seeding only where samples draw.
 
-    Seeding python, numpy and torch before every sample costs ~15 to 40 us a sample, and most datasets draw
-    nothing (a list of tensors, a decoded file without augmentation). So a batch is first read as it is, with
-    the generators' states read through their public APIs and compared around it
-    (:func:`draw_marks`, each read the cheapest exact one there is). In the main process that is two reads a
-    batch, ~30 us on the CPU CI machine, most of it python's ``getstate`` (there is no cheaper view of its
-    state); in a loader worker one read, beside the training step rather than in it.
-    If nothing drew, that is the batch. If a sample drew, the generators are put back and the batch is read again
-    with each sample seeded from ``(seed, epoch, index)``, and from then on this process seeds every sample
-    (a dataset that draws once draws again). Either way each draw a sample makes is the seeded one: a sample
-    that draws nothing has nothing to seed. ``read`` must give the same sample when called twice (as any
-    map-style dataset does; a dataset that counts its reads sees the first drawing batch of each process twice).
+    Seeding python, numpy and torch before every sample costs ~15 to 40 us a sample, and most
+    datasets draw nothing (a list of tensors, a decoded file without augmentation). So a batch is
+    first read as it is, with the generators' states read through their public APIs and compared
+    around it (:func:`draw_marks`, each read the cheapest exact one there is). In the main process
+    that is two reads a batch, ~30 us on the CPU CI machine, most of it python's ``getstate`` (there
+    is no cheaper view of its state); in a loader worker one read, beside the training step rather
+    than in it. If nothing drew, that is the batch. If a sample drew, the generators are put back
+    and the batch is read again with each sample seeded from ``(seed, epoch, index)``, and from then
+    on this process seeds every sample (a dataset that draws once draws again). Either way each draw
+    a sample makes is the seeded one: a sample that draws nothing has nothing to seed. ``read`` must
+    give the same sample when called twice (as any map-style dataset does; a dataset that counts its
+    reads sees the first drawing batch of each process twice).
     """
 
     def __init__(self, seed: int) -> None:
@@ -46,14 +47,22 @@ class SampleSeeder:
         """A sample drew in this process: seed each one before reading it."""
         self._after: tuple[int, tuple[Any, ...]] | None = None
 
-    def load(self, keys: Sequence[tuple[int, int]], read: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
-        """``[read(item) for item in items]``, where ``items[k]`` is the sample of key ``keys[k]``."""
+    def load(
+        self, keys: Sequence[tuple[int, int]], read: Callable[[Any], Any], items: Sequence[Any]
+    ) -> list[Any]:
+        """``[read(item) for item in items]``, where ``items[k]`` is the sample of key
+        ``keys[k]``."""
         if not self.draws:
             worker = get_worker_info() is not None
-            # In a loader worker nothing draws between two batches (a collate_fn that draws is taken as the
-            # dataset drawing): the state after one is the marks of the next, one read a batch, not two. Kept
-            # with the process id: a worker starts from a copy of the dataset, and of what it held.
-            kept = self._after if worker and self._after is not None and self._after[0] == os.getpid() else None
+            # In a loader worker nothing draws between two batches (a collate_fn that draws is taken
+            # as the dataset drawing): the state after one is the marks of the next, one read a
+            # batch, not two. Kept with the process id: a worker starts from a copy of the dataset,
+            # and of what it held.
+            kept = (
+                self._after
+                if worker and self._after is not None and self._after[0] == os.getpid()
+                else None
+            )
             marks = kept[1] if kept is not None else draw_marks()
             out = [read(item) for item in items]
             after = draw_marks()
@@ -63,8 +72,9 @@ class SampleSeeder:
             if not worker:
                 set_draw_marks(marks)
             self.draws = True
-        # In a worker the generators' own stream is of no use to anyone once samples are seeded: nothing to
-        # put back there. In the main process it is the training stream (dropout), which loading must not move.
+        # In a worker the generators' own stream is of no use to anyone once samples are
+        # seeded: nothing to put back there. In the main process it is the training stream
+        # (dropout), which loading must not move.
         main = get_worker_info() is None
         saved = loading_rng_state() if main else None
         try:
@@ -79,16 +89,17 @@ class SampleSeeder:
 
 
 class SeededSamples(Dataset):
-    """``dataset`` read at ``(epoch, index)`` keys, each sample's random draws seeded from ``(seed, epoch,
-    index)`` (:class:`SampleSeeder`).
+    """``dataset`` read at ``(epoch, index)`` keys, each sample's random draws seeded from
+    ``(seed, epoch, index)`` (:class:`SampleSeeder`).
 
-    Python's ``random``, numpy's global generator and torch's CPU generator are seeded before a sample that
-    draws, and so is the current CUDA device's generator in a process that uses CUDA: a sample drawing on the
-    GPU (``torch.randn(..., device="cuda")``) draws the same too. That process is the main one
-    (``num_workers=0``): CUDA cannot be used in a loader worker forked from a process that uses it. In the main
-    process the generators' states are put back after a batch, so loading leaves the training stream (dropout,
-    on the CPU or the GPU) where it was. Cost in the main process: see ``bench/loader_overhead.py`` (a dataset
-    that draws nothing) and ``bench/sample_seeding.py`` (one that draws).
+    Python's ``random``, numpy's global generator and torch's CPU generator are seeded before a
+    sample that draws, and so is the current CUDA device's generator in a process that uses CUDA: a
+    sample drawing on the GPU (``torch.randn(..., device="cuda")``) draws the same too. That process
+    is the main one (``num_workers=0``): CUDA cannot be used in a loader worker forked from a
+    process that uses it. In the main process the generators' states are put back after a batch, so
+    loading leaves the training stream (dropout, on the CPU or the GPU) where it was. Cost in the
+    main process: see ``bench/loader_overhead.py`` (a dataset that draws nothing) and
+    ``bench/sample_seeding.py`` (one that draws).
     """
 
     def __init__(self, dataset: Dataset, seed: int) -> None:
@@ -96,7 +107,8 @@ class SeededSamples(Dataset):
         self.seeder = SampleSeeder(seed)
 
     def __len__(self) -> int:
-        return len(self.dataset)  # type: ignore[arg-type]  # torch's Dataset declares no __len__; this one has it
+        # torch's Dataset declares no __len__; this one has it
+        return len(self.dataset)  # type: ignore[arg-type]
 
     def __getitem__(self, key: tuple[int, int]) -> Any:
         return self.__getitems__([key])[0]
@@ -106,13 +118,14 @@ class SeededSamples(Dataset):
 
 
 def seed_sample(seed: int, epoch: int, index: int) -> None:
-    """Seed python, numpy, torch's CPU generator and, where this process uses CUDA, the current CUDA device's
-    generator for loading sample ``index`` of ``epoch``.
+    """Seed python, numpy, torch's CPU generator and, where this process uses CUDA, the current CUDA
+    device's generator for loading sample ``index`` of ``epoch``.
 
     ``torch.default_generator.manual_seed``, not ``torch.manual_seed``: the latter also seeds every
-    accelerator backend and costs ~200 us, against ~1 us (measured on the CPU CI machine). The CUDA generator
-    is seeded only once CUDA is initialised in this process (a sample drawing on the GPU, in the main process
-    or a worker that initialised CUDA before its first sample): seeding it before would queue a call per sample.
+    accelerator backend and costs ~200 us, against ~1 us (measured on the CPU CI machine). The CUDA
+    generator is seeded only once CUDA is initialised in this process (a sample drawing on the GPU,
+    in the main process or a worker that initialised CUDA before its first sample): seeding it
+    before would queue a call per sample.
     """
     s = stream_seed("sample", seed, epoch, index)
     random.seed(s)
@@ -120,14 +133,21 @@ def seed_sample(seed: int, epoch: int, index: int) -> None:
         np.random.seed(s)
     torch.default_generator.manual_seed(s)
     if cuda_in_use():
-        torch.cuda.manual_seed(s)  # the current device's generator only: where a sample's draws on the GPU go
+        # the current device's generator only: where a sample's draws on the GPU go
+        torch.cuda.manual_seed(s)
 
 
 def loading_rng_state() -> tuple[Any, ...]:
-    """The states of the generators :func:`seed_sample` seeds, for ``set_loading_rng_state``: python's,
-    numpy's, torch's CPU generator and, where this process uses CUDA, the current device's generator."""
+    """The states of the generators :func:`seed_sample` seeds, for ``set_loading_rng_state``:
+    python's, numpy's, torch's CPU generator and, where this process uses CUDA, the current device's
+    generator."""
     cuda = torch.cuda.get_rng_state() if cuda_in_use() else None
-    return random.getstate(), np.random.get_state() if np is not None else None, torch.get_rng_state(), cuda
+    return (
+        random.getstate(),
+        np.random.get_state() if np is not None else None,
+        torch.get_rng_state(),
+        cuda,
+    )
 
 
 def set_loading_rng_state(state: tuple[Any, ...]) -> None:
@@ -140,24 +160,27 @@ def set_loading_rng_state(state: tuple[Any, ...]) -> None:
         torch.cuda.set_rng_state(cuda)
 
 
-# -- watching for draws -----------------------------------------------------------------------------------------
-# A loader seeds a sample's generators only when the sample draws, and finds out by comparing the generators'
-# states around each batch; in the main process that is two reads a batch on the path of every step, so each
-# read is the cheapest exact one a public API gives (measured on the CPU CI machine):
-# - python: ``random.getstate()`` (~12 us: a tuple of 625 ints; there is no cheaper view of the state);
+# -- watching for draws ----------------------------------------------------------------------------
+# A loader seeds a sample's generators only when the sample draws, and finds out by comparing the
+# generators' states around each batch; in the main process that is two reads a batch on the path of
+# every step, so each read is the cheapest exact one a public API gives (measured on the CPU CI
+# machine):
+# - python: ``random.getstate()`` (~12 us: a tuple of 625 ints; there is no cheaper view of the
+#   state);
 # - torch's CPU generator: ``get_state()``, its bytes read at its ``data_ptr()`` (~3 us);
-# - numpy's global generator, where ``numpy.random`` is imported (torch's compiler stack, and so DDP, imports
-#   it; a batch that imports it to draw is taken as drawing): the bit generator's words read through its
-#   documented ctypes interface (``BitGenerator.ctypes.state_address``, <1 us), where the public ``state``
-#   property copies them one by one (~65 us). The layout (624 words, then the position) is checked against that
-#   property once per bit generator; where it differs (another bit generator, another numpy) the property is
-#   read. The legacy generator keeps the second of a pair of normal samples apart from its words, and using it
-#   moves no word: that flag is read with ``get_state`` (the slow read) unless the words are those at which it
-#   was last read clear, as only a draw that moves the words sets it. (Not seen: ``np.random.set_state`` of a
-#   state with a cached normal and the very words the generator holds, when a batch then uses that normal.)
-# A loader worker, where nothing draws between batches, takes the state after one batch as the marks of the
-# next (:class:`SampleSeeder`). Every comparison is exact: two states are equal only if nothing drew, or the
-# generator was set back to the state it had.
+# - numpy's global generator, where ``numpy.random`` is imported (torch's compiler stack, and so
+#   DDP, imports it; a batch that imports it to draw is taken as drawing): the bit generator's words
+#   read through its documented ctypes interface (``BitGenerator.ctypes.state_address``, <1 us),
+#   where the public ``state`` property copies them one by one (~65 us). The layout (624 words, then
+#   the position) is checked against that property once per bit generator; where it differs (another
+#   bit generator, another numpy) the property is read. The legacy generator keeps the second of a
+#   pair of normal samples apart from its words, and using it moves no word: that flag is read with
+#   ``get_state`` (the slow read) unless the words are those at which it was last read clear, as
+#   only a draw that moves the words sets it. (Not seen: ``np.random.set_state`` of a state with a
+#   cached normal and the very words the generator holds, when a batch then uses that normal.)
+# A loader worker, where nothing draws between batches, takes the state after one batch as the marks
+# of the next (:class:`SampleSeeder`). Every comparison is exact: two states are equal only if
+# nothing drew, or the generator was set back to the state it had.
 
 
 class _NumpyWords:
@@ -183,7 +206,9 @@ class _NumpyWords:
         if words is None:
             return ("state", state)
         self.clear_at = None if state["has_gauss"] else words
-        return ("words", words) if not state["has_gauss"] else ("words+normal", words, state["gauss"])
+        return (
+            ("words", words) if not state["has_gauss"] else ("words+normal", words, state["gauss"])
+        )
 
 
 _numpy_words = _NumpyWords()
@@ -195,18 +220,18 @@ def _numpy_random() -> Any:
 
 
 def draw_marks() -> tuple[Any, ...]:
-    """The states of the generators :func:`seed_sample` seeds, to compare with :func:`drawn_since` or
-    :func:`changed`, and restorable with :func:`set_draw_marks`: python's, numpy's (None where
-    ``numpy.random`` is not imported), torch's CPU generator's and, where this process uses CUDA, the current
-    device's."""
+    """The states of the generators :func:`seed_sample` seeds, to compare with :func:`drawn_since`
+    or :func:`changed`, and restorable with :func:`set_draw_marks`: python's, numpy's (None where
+    ``numpy.random`` is not imported), torch's CPU generator's and, where this process uses CUDA,
+    the current device's."""
     cuda = torch.cuda.get_rng_state() if cuda_in_use() else None
     cpu = tensor_bytes(torch.default_generator.get_state())
     return random.getstate(), _numpy_words.mark(), cpu, cuda
 
 
 def _same_state(a: Any, b: Any) -> bool:
-    """Equality of two numpy generator states: nested dicts of ints, floats, strings and arrays (MT19937's key,
-    PCG64's integers, any other bit generator's)."""
+    """Equality of two numpy generator states: nested dicts of ints, floats, strings and arrays
+    (MT19937's key, PCG64's integers, any other bit generator's)."""
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
     if np is not None and isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
@@ -221,7 +246,8 @@ def _same_numpy(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
 
 
 def changed(before: tuple[Any, ...], after: tuple[Any, ...]) -> bool:
-    """True when a generator drew (or was seeded or set to another state) between two :func:`draw_marks`."""
+    """True when a generator drew (or was seeded or set to another state) between two
+    :func:`draw_marks`."""
     py0, npy0, cpu0, cuda0 = before
     py1, npy1, cpu1, cuda1 = after
     # The index of python's words first: it moves with every draw but a whole multiple of 624 words.

@@ -1,14 +1,16 @@
-"""Which samples each rank takes: a global order that does not depend on the world size, and exact evaluation
-shards.
+"""Which samples each rank takes: a global order that does not depend on the world size, and exact
+evaluation shards.
 
-Training (:class:`ShardedBatchSampler`). The permutation of epoch ``e`` is a pure function of ``(seed, e)``.
-It is cut into global batches of ``batch_size * world_size`` samples and rank ``r`` takes the ``r``-th slice of
-each. Concatenating the ranks' slices of a step gives the same global batch at 1, 2 or 8 ranks, so a run can
-resume at another world size with the same global batch and see the same samples in the same steps.
+Training (:class:`ShardedBatchSampler`). The permutation of epoch ``e`` is a pure function of
+``(seed, e)``. It is cut into global batches of ``batch_size * world_size`` samples and rank ``r``
+takes the ``r``-th slice of each. Concatenating the ranks' slices of a step gives the same global
+batch at 1, 2 or 8 ranks, so a run can resume at another world size with the same global batch and
+see the same samples in the same steps.
 
-Evaluation (:class:`EvalShardSampler`). ``DistributedSampler`` pads the dataset to a multiple of the world size
-by repeating samples, so every metric counts some samples twice (pytorch/pytorch#25162). Here each rank takes
-a contiguous, unpadded share; shares differ by at most one sample and every sample is counted exactly once.
+Evaluation (:class:`EvalShardSampler`). ``DistributedSampler`` pads the dataset to a multiple of the
+world size by repeating samples, so every metric counts some samples twice (pytorch/pytorch#25162).
+Here each rank takes a contiguous, unpadded share; shares differ by at most one sample and every
+sample is counted exactly once.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from ddpkit.distributed._seeding import stream_seed
 
 
 def _position(group: Group) -> tuple[int, int]:
-    """(rank, world size) to shard data by: a process outside ``group`` works alone, as a world of one."""
+    """(rank, world size) to shard data by: a process outside ``group`` works alone, as a world of
+    one."""
     rt = get_runtime(group)
     return (rt.rank, rt.world_size) if rt.rank >= 0 else (0, 1)
 
@@ -51,18 +54,18 @@ def shard_bounds(n: int, parts: int, index: int) -> tuple[int, int]:
 class ShardedBatchSampler(Sampler[list[int] | list[tuple[int, int]]]):
     """Yields this rank's indices for each step of an epoch; the epoch advances by itself.
 
-    An iteration that runs to its end moves to the next epoch (no ``set_epoch`` to forget), so ``for batch in
-    loader`` in an epoch loop reshuffles. One left before its end does not count: ``next(iter(loader))`` to peek
-    at a batch, or a loop left with ``break``, leaves the position where it was, and the next ``iter()`` yields
-    the same epoch from the same place. Under :func:`~ddpkit.build_loader` the loader counts an epoch when it has
-    handed over its last batch, since its workers read the sampler ahead of the batches (see
-    :attr:`counts_epochs`). :meth:`set_position` moves to a global sample ``cursor`` inside an epoch, for
-    resuming.
+    An iteration that runs to its end moves to the next epoch (no ``set_epoch`` to forget), so
+    ``for batch in loader`` in an epoch loop reshuffles. One left before its end does not count:
+    ``next(iter(loader))`` to peek at a batch, or a loop left with ``break``, leaves the position
+    where it was, and the next ``iter()`` yields the same epoch from the same place. Under
+    :func:`~ddpkit.build_loader` the loader counts an epoch when it has handed over its last batch,
+    since its workers read the sampler ahead of the batches (see :attr:`counts_epochs`).
+    :meth:`set_position` moves to a global sample ``cursor`` inside an epoch, for resuming.
 
-    With ``drop_last=True`` (default) a last global batch smaller than ``batch_size * world_size`` is dropped,
-    so every step has the same size at every world size. With ``drop_last=False`` it is split as evenly as
-    possible over the ranks (sizes differ by at most one); if it has fewer samples than ranks it is dropped,
-    since a rank without a sample cannot take a DDP step.
+    With ``drop_last=True`` (default) a last global batch smaller than ``batch_size * world_size``
+    is dropped, so every step has the same size at every world size. With ``drop_last=False`` it is
+    split as evenly as possible over the ranks (sizes differ by at most one); if it has fewer
+    samples than ranks it is dropped, since a rank without a sample cannot take a DDP step.
     """
 
     def __init__(
@@ -93,23 +96,25 @@ class ShardedBatchSampler(Sampler[list[int] | list[tuple[int, int]]]):
         self.global_batch_size = batch_size * self.world_size
         if self.steps_per_epoch == 0 and not drop_last:
             raise ConfigError(
-                f"{self.num_samples} samples are fewer than the {self.world_size} ranks: every rank needs a sample "
-                "to take a DDP step; use fewer ranks or more data"
+                f"{self.num_samples} samples are fewer than the {self.world_size} ranks: every "
+                "rank needs a sample to take a DDP step; use fewer ranks or more data"
             )
         if self.steps_per_epoch == 0:
             raise ConfigError(
                 f"{self.num_samples} samples make no global batch of {self.global_batch_size} "
-                f"({batch_size} per rank x {self.world_size} ranks): lower batch_size or pass drop_last=False"
+                f"({batch_size} per rank x {self.world_size} ranks): lower batch_size or pass "
+                "drop_last=False"
             )
         self.epoch = 0
         """The epoch the next ``iter()`` yields."""
         self._cursor = 0
-        self._moves = 0  # set_position calls and ends of epochs: an end counts only if nothing moved since
+        # set_position calls and ends of epochs: an end counts only if nothing moved since
+        self._moves = 0
         self.counts_epochs = True
-        """Move to the next epoch when an iteration of this sampler runs to its end. A DataLoader with workers
-        reads its batch sampler ahead (``prefetch_factor`` batches a worker): the end of that read is not the end
-        of the batches handed over, so ``build_loader``'s loader sets this False and calls :meth:`end_epoch`
-        itself once its own iteration ends."""
+        """Move to the next epoch when an iteration of this sampler runs to its end. A DataLoader
+        with workers reads its batch sampler ahead (``prefetch_factor`` batches a worker): the end
+        of that read is not the end of the batches handed over, so ``build_loader``'s loader sets
+        this False and calls :meth:`end_epoch` itself once its own iteration ends."""
 
     @property
     def steps_per_epoch(self) -> int:
@@ -117,32 +122,41 @@ class ShardedBatchSampler(Sampler[list[int] | list[tuple[int, int]]]):
         return full + (0 if self.drop_last or tail < self.world_size else 1)
 
     def samples_in_batch(self, micro: int) -> int:
-        """Samples over all ranks in global batch ``micro`` of an epoch (a micro-batch, under gradient
-        accumulation): the global batch size, or fewer in a last, smaller one (``drop_last=False``)."""
+        """Samples over all ranks in global batch ``micro`` of an epoch (a micro-batch, under
+        gradient accumulation): the global batch size, or fewer in a last, smaller one
+        (``drop_last=False``)."""
         return min(self.global_batch_size, self.num_samples - micro * self.global_batch_size)
 
     def samples_in_step(self, micro: int, accum: int) -> int:
-        """Samples over all ranks in the optimizer step that global batch ``micro`` belongs to, with ``accum``
-        batches a step (the epoch's last step may have fewer batches, and its last batch fewer samples)."""
+        """Samples over all ranks in the optimizer step that global batch ``micro`` belongs to, with
+        ``accum`` batches a step (the epoch's last step may have fewer batches, and its last batch
+        fewer samples)."""
         first = micro - micro % accum
-        return sum(self.samples_in_batch(m) for m in range(first, min(first + accum, self.steps_per_epoch)))
+        return sum(
+            self.samples_in_batch(m) for m in range(first, min(first + accum, self.steps_per_epoch))
+        )
 
     def place_in_step(self, micro: int, accum: int) -> tuple[int, int]:
-        """:meth:`samples_in_step`, and where this rank's first sample of global batch ``micro`` sits among
-        them (samples numbered batch after batch, and rank after rank within a batch)."""
+        """:meth:`samples_in_step`, and where this rank's first sample of global batch ``micro``
+        sits among them (samples numbered batch after batch, and rank after rank within a batch)."""
         rank_offset, _ = shard_bounds(self.samples_in_batch(micro), self.world_size, self.rank)
-        return self.samples_in_step(micro, accum), (micro % accum) * self.global_batch_size + rank_offset
+        return self.samples_in_step(micro, accum), (
+            micro % accum
+        ) * self.global_batch_size + rank_offset
 
     def set_epoch(self, epoch: int) -> None:
-        """Choose the epoch the next ``iter()`` yields (``DistributedSampler``'s method, kept for scripts)."""
+        """Choose the epoch the next ``iter()`` yields (``DistributedSampler``'s method, kept for
+        scripts)."""
         self.set_position(epoch, 0)
 
     def set_position(self, epoch: int, cursor: int) -> None:
-        """Make the next ``iter()`` yield ``epoch`` from global sample ``cursor`` (samples already trained on)."""
+        """Make the next ``iter()`` yield ``epoch`` from global sample ``cursor`` (samples already
+        trained on)."""
         if cursor % self.global_batch_size and cursor != self.num_samples:
             raise ConfigError(
-                f"cursor {cursor} is not a whole number of global batches of {self.global_batch_size}: resume "
-                "with the same global batch size (per-rank batch x world size) as the run that saved it"
+                f"cursor {cursor} is not a whole number of global batches of "
+                f"{self.global_batch_size}: resume with the same global batch size (per-rank batch "
+                "x world size) as the run that saved it"
             )
         self.epoch, self._cursor = epoch, cursor
         self._moves += 1
@@ -152,16 +166,17 @@ class ShardedBatchSampler(Sampler[list[int] | list[tuple[int, int]]]):
         return self.epoch, self._moves
 
     def end_epoch(self, token: tuple[int, int]) -> None:
-        """An iteration that started at ``token`` (:meth:`position_token`) ran to its end: the next ``iter()``
-        yields the next epoch from its start. Nothing happens if the position moved since (a ``set_position``, or
-        another iteration of the same epoch that ended first)."""
+        """An iteration that started at ``token`` (:meth:`position_token`) ran to its end: the next
+        ``iter()`` yields the next epoch from its start. Nothing happens if the position moved since
+        (a ``set_position``, or another iteration of the same epoch that ended first)."""
         if token == self.position_token():
             self.epoch, self._cursor = token[0] + 1, 0
             self._moves += 1
 
     def fingerprint(self) -> dict[str, Any]:
-        """What decides which sample comes at which step, the world size aside (:mod:`ddpkit.data._fingerprint`):
-        the order is a function of these and the epoch, cut into global batches."""
+        """What decides which sample comes at which step, the world size aside
+        (:mod:`ddpkit.data._fingerprint`): the order is a function of these and the epoch, cut into
+        global batches."""
         return {
             "sampler": type(self).__name__,
             "dataset length": self.num_samples,
@@ -181,8 +196,11 @@ class ShardedBatchSampler(Sampler[list[int] | list[tuple[int, int]]]):
     def __iter__(self) -> Iterator[list[int] | list[tuple[int, int]]]:
         token, epoch, first_step = self.position_token(), self.epoch, self._first_step()
         n, gbs = self.num_samples, self.global_batch_size
-        # One list per epoch, sliced per step: a tensor slice and .tolist() per step cost more (tiny models).
-        order = (epoch_permutation(n, self.seed, epoch) if self.shuffle else torch.arange(n)).tolist()
+        # One list per epoch, sliced per step: a tensor slice and .tolist() per step cost more (tiny
+        # models).
+        order = (
+            epoch_permutation(n, self.seed, epoch) if self.shuffle else torch.arange(n)
+        ).tolist()
         for step in range(first_step, self.steps_per_epoch):
             batch = order[step * gbs : min((step + 1) * gbs, n)]
             lo, hi = shard_bounds(len(batch), self.world_size, self.rank)

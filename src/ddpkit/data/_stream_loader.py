@@ -1,19 +1,20 @@
-"""How a :class:`~ddpkit.data._stream.Stream` is loaded: its order in each epoch, the batch sampler over its
-positions, and the map-style view a DataLoader reads.
+"""How a :class:`~ddpkit.data._stream.Stream` is loaded: its order in each epoch, the batch sampler
+over its positions, and the map-style view a DataLoader reads.
 
-Loader workers never see a stream: the DataLoader gets a map-style view keyed by ``(epoch, position)`` and our
-batch sampler, so each worker builds whole batches that the DataLoader returns in order. A torch
-``IterableDataset`` in ``k`` workers instead runs ``k`` copies of the stream, whose items the DataLoader
-interleaves worker by worker: without a split by worker every record comes ``k`` times, and with one a
-batch's records depend on the number of workers.
+Loader workers never see a stream: the DataLoader gets a map-style view keyed by
+``(epoch, position)`` and our batch sampler, so each worker builds whole batches that the DataLoader
+returns in order. A torch ``IterableDataset`` in ``k`` workers instead runs ``k`` copies of the
+stream, whose items the DataLoader interleaves worker by worker: without a split by worker every
+record comes ``k`` times, and with one a batch's records depend on the number of workers.
 
-Shuffling is two-level. The shards are permuted and their concatenation rotated by a random offset (both per
-epoch), cut into blocks of ``window`` records, the blocks permuted, and the records permuted within each
-block. A permutation of all ``N`` records would mix best but hold 8 bytes a record in every reading process
-and send each read anywhere in the data; shards alone leave neighbours together. Here a batch's reads fall
-in one or two blocks, the rotation changes which records share a block from epoch to epoch, and memory is
-``O(shards + N / window + window)``. A source that can only be iterated (:class:`IterableStream`) keeps its
-own order of blocks and is shuffled within each block (a shuffle buffer of ``window`` records).
+Shuffling is two-level. The shards are permuted and their concatenation rotated by a random offset
+(both per epoch), cut into blocks of ``window`` records, the blocks permuted, and the records
+permuted within each block. A permutation of all ``N`` records would mix best but hold 8 bytes a
+record in every reading process and send each read anywhere in the data; shards alone leave
+neighbours together. Here a batch's reads fall in one or two blocks, the rotation changes which
+records share a block from epoch to epoch, and memory is ``O(shards + N / window + window)``. A
+source that can only be iterated (:class:`IterableStream`) keeps its own order of blocks and is
+shuffled within each block (a shuffle buffer of ``window`` records).
 """
 
 from __future__ import annotations
@@ -40,7 +41,12 @@ class StreamOrder:
 
     def __init__(self, stream: Stream, seed: int, epoch: int, shuffle: bool) -> None:
         sizes = np.asarray(stream.shard_sizes, dtype=np.int64)
-        self.n, self.window, self.shuffle, self.epoch = int(sizes.sum()), stream.window, shuffle, epoch
+        self.n, self.window, self.shuffle, self.epoch = (
+            int(sizes.sum()),
+            stream.window,
+            shuffle,
+            epoch,
+        )
         self._keys = (seed, epoch)
         self._tau: dict[int, np.ndarray] = {}
         mixed = shuffle and stream.random_access
@@ -85,16 +91,17 @@ def _randperm(n: int, generator: torch.Generator) -> np.ndarray:
 
 
 def record_ids(stream: Stream, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
-    """The whole order of ``epoch`` as record numbers in the natural order (shard offset + index): for tests
-    and inspection, ``O(N)`` memory."""
+    """The whole order of ``epoch`` as record numbers in the natural order (shard offset + index):
+    for tests and inspection, ``O(N)`` memory."""
     shards, index = StreamOrder(stream, seed, epoch, shuffle).records(np.arange(len(stream)))
     offsets = np.concatenate([[0], np.cumsum(np.asarray(stream.shard_sizes, dtype=np.int64))])
     return offsets[shards] + index
 
 
 class StreamBatchSampler(ShardedBatchSampler):
-    """:class:`~ddpkit.data.ShardedBatchSampler` over global positions ``0..N-1`` in order (the stream's order
-    shuffles): this rank's ``(epoch, position)`` keys for each step, by arithmetic, with no list of ``N``."""
+    """:class:`~ddpkit.data.ShardedBatchSampler` over global positions ``0..N-1`` in order (the
+    stream's order shuffles): this rank's ``(epoch, position)`` keys for each step, by arithmetic,
+    with no list of ``N``."""
 
     def __init__(self, num_records: int, batch_size: int, **kwargs: Any) -> None:
         super().__init__(num_records, batch_size, shuffle=False, keyed=True, **kwargs)
@@ -113,14 +120,20 @@ class StreamBatchSampler(ShardedBatchSampler):
 class StreamSamples(Dataset):
     """The map-style view a DataLoader reads: key ``(epoch, position)`` -> ``transform(record)``.
 
-    A batch's records are read shard by shard (one :meth:`~ddpkit.data._stream.Stream.read` each). With
-    ``seed_samples``, each ``transform`` draws as if run with the RNGs seeded from ``(seed, epoch, position)``
-    (they are seeded where it draws, :class:`~ddpkit.data._sample_seeding.SampleSeeder`); in the main process
-    the RNG states are restored after the batch, so loading leaves the training stream (dropout) where it was.
+    A batch's records are read shard by shard (one :meth:`~ddpkit.data._stream.Stream.read` each).
+    With ``seed_samples``, each ``transform`` draws as if run with the RNGs seeded from
+    ``(seed, epoch, position)`` (they are seeded where it draws,
+    :class:`~ddpkit.data._sample_seeding.SampleSeeder`); in the main process the RNG states are
+    restored after the batch, so loading leaves the training stream (dropout) where it was.
     """
 
     def __init__(self, stream: Stream, seed: int, shuffle: bool, seed_samples: bool = True) -> None:
-        self.stream, self.seed, self.shuffle, self.seed_samples = stream, seed, shuffle, seed_samples
+        self.stream, self.seed, self.shuffle, self.seed_samples = (
+            stream,
+            seed,
+            shuffle,
+            seed_samples,
+        )
         self.seeder = SampleSeeder(seed)  # seeds a transform only where it draws
         self._order: StreamOrder | None = None
 
@@ -128,7 +141,8 @@ class StreamSamples(Dataset):
         return len(self.stream)
 
     def fingerprint(self) -> dict[str, Any]:
-        """The stream's fingerprint, and whether it shuffles (the sampler over positions does not)."""
+        """The stream's fingerprint, and whether it shuffles (the sampler over positions does
+        not)."""
         return self.stream.fingerprint() | {"shuffle": self.shuffle}
 
     def order(self, epoch: int) -> StreamOrder:
@@ -153,7 +167,9 @@ class StreamSamples(Dataset):
             return records
         if not self.seed_samples:
             return [transform(r) for r in records]
-        return self.seeder.load(list(zip(itertools.repeat(epoch), positions.tolist())), transform, records)
+        return self.seeder.load(
+            list(zip(itertools.repeat(epoch), positions.tolist())), transform, records
+        )
 
 
 def build_stream_loader(
@@ -169,10 +185,13 @@ def build_stream_loader(
     seed_samples: bool = True,
     on_data_change: OnDataChange = "error",
 ) -> EpochLoader:
-    """What :func:`ddpkit.build_loader` returns for a stream (call that): the same arguments and guarantees,
-    and a ``batch_sampler`` (:class:`StreamBatchSampler`) with what the Trainer resumes by. ``loader_kwargs``:
-    workers and pinning, as ``build_loader`` resolves them for map-style data."""
-    sampler = StreamBatchSampler(len(stream), batch_size, seed=seed, drop_last=drop_last, group=group)
+    """What :func:`ddpkit.build_loader` returns for a stream (call that): the same arguments and
+    guarantees, and a ``batch_sampler`` (:class:`StreamBatchSampler`) with what the Trainer resumes
+    by. ``loader_kwargs``: workers and pinning, as ``build_loader`` resolves them for map-style
+    data."""
+    sampler = StreamBatchSampler(
+        len(stream), batch_size, seed=seed, drop_last=drop_last, group=group
+    )
     stream.check_loading(loader_kwargs["num_workers"], sampler.world_size, group)
     generator = torch.Generator()
     generator.manual_seed(stream_seed("loader", seed, sampler.rank))

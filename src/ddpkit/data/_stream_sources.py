@@ -1,8 +1,9 @@
-"""Streams of files and iterables: JSON Lines files, flat token files, and a source that can only be iterated.
+"""Streams of files and iterables: JSON Lines files, flat token files, and a source that can only be
+iterated.
 
-Each is a :class:`~ddpkit.data._stream.Stream`: it knows its records' count per shard before reading, and reads
-records by position, so the loader gives every rank its slice of each global batch in the global order of
-``(seed, epoch)``.
+Each is a :class:`~ddpkit.data._stream.Stream`: it knows its records' count per shard before
+reading, and reads records by position, so the loader gives every rank its slice of each global
+batch in the global order of ``(seed, epoch)``.
 """
 
 from __future__ import annotations
@@ -34,12 +35,13 @@ def _paths(paths: str | os.PathLike | Sequence[str | os.PathLike], what: str) ->
     return found
 
 
-_INDEX_VERSION = 3  # 3: the header holds the digest of the file's content, not its modification time
+# 3: the header holds the digest of the file's content, not its modification time
+_INDEX_VERSION = 3
 
 
 def line_index(path: Path, cache: bool = True) -> np.ndarray:
-    """``(L, 2)`` start and end byte offsets of the ``L`` non-empty lines of ``path`` (end excludes ``\\n``):
-    :func:`indexed_lines` without the content's digest."""
+    """``(L, 2)`` start and end byte offsets of the ``L`` non-empty lines of ``path`` (end excludes
+    ``\\n``): :func:`indexed_lines` without the content's digest."""
     return indexed_lines(path, cache)[0]
 
 
@@ -47,21 +49,24 @@ def indexed_lines(path: Path, cache: bool = True) -> tuple[np.ndarray, str]:
     """The line index of ``path`` (:func:`line_index`) and the digest of the bytes it was found in
     (:func:`content_digest`), both checked against the file's bytes now.
 
-    Built by one pass over the file (newlines found by numpy, 16 MiB at a time, the bytes hashed on the way)
-    and kept next to it as ``.<name>.lines`` (raw int64: a 2-row header of version, file size, the content's
-    digest and a checksum of the offsets, then the offsets; written atomically, read memory-mapped, so the
-    page cache shares it among ranks and workers). 16 bytes a line. Where the folder is not writable, or the
-    index there cannot be trusted (:mod:`ddpkit.data._line_cache`), it stays in memory.
+    Built by one pass over the file (newlines found by numpy, 16 MiB at a time, the bytes hashed on
+    the way) and kept next to it as ``.<name>.lines`` (raw int64: a 2-row header of version, file
+    size, the content's digest and a checksum of the offsets, then the offsets; written atomically,
+    read memory-mapped, so the page cache shares it among ranks and workers). 16 bytes a line. Where
+    the folder is not writable, or the index there cannot be trusted
+    (:mod:`ddpkit.data._line_cache`), it stays in memory.
 
-    A kept index is used only for the bytes it was built from: the file is hashed (one pass, no newline
-    search) and the digest compared with the header's. Its size and modification time prove nothing: a file
-    rewritten at the same size with its time put back (``cp -p``, ``tar x``, ``rsync -t``) read at the old
-    offsets gives records cut in the wrong places. Cost: reading the file once per process that builds a
-    stream (``bench/data_fingerprint.py``), twice where a kept index is stale.
+    A kept index is used only for the bytes it was built from: the file is hashed (one pass, no
+    newline search) and the digest compared with the header's. Its size and modification time prove
+    nothing: a file rewritten at the same size with its time put back (``cp -p``, ``tar x``,
+    ``rsync -t``) read at the old offsets gives records cut in the wrong places. Cost: reading the
+    file once per process that builds a stream (``bench/data_fingerprint.py``), twice where a kept
+    index is stale.
     """
     size = path.stat().st_size
     cached = path.with_name(f".{path.name}.lines")
-    cache = cache and line_cache.trusted_folder(path.parent)  # else another user's index could be used
+    # else another user's index could be used
+    cache = cache and line_cache.trusted_folder(path.parent)
     if cache and os.path.lexists(cached):
         content = content_digest(path)
         if (table := line_cache.read(cached, index_header(size, content), size)) is not None:
@@ -70,20 +75,23 @@ def indexed_lines(path: Path, cache: bool = True) -> tuple[np.ndarray, str]:
     lines = _scan_lines(path, hasher)
     content = hasher.hexdigest()[:16]
     if cache:
-        line_cache.write(cached, index_header(size, content), lines)  # ranks building it at once each write it whole
+        # ranks building it at once each write it whole
+        line_cache.write(cached, index_header(size, content), lines)
     return lines, content
 
 
 def index_header(size: int, content: str) -> np.ndarray:
-    """The header a kept line index of a file of ``size`` bytes and content digest ``content`` must hold (its
-    last item, the offsets' checksum, left 0: :func:`~ddpkit.data._line_cache.write` fills it in)."""
+    """The header a kept line index of a file of ``size`` bytes and content digest ``content`` must
+    hold (its last item, the offsets' checksum, left 0: :func:`~ddpkit.data._line_cache.write` fills
+    it in)."""
     as_int = int.from_bytes(bytes.fromhex(content), "little", signed=True)
     return np.array([[_INDEX_VERSION, size], [as_int, 0]], dtype=np.int64)
 
 
 def _content_hasher() -> Any:
-    # SHA-256 rather than the fingerprint's BLAKE2b: with the SHA extensions of current x86 and ARM cores it
-    # hashes about 3x faster (1.4 GB/s against 0.46 on the CI machine), and a file's digest is read at that speed.
+    # SHA-256 rather than the fingerprint's BLAKE2b: with the SHA extensions of current x86 and ARM
+    # cores it hashes about 3x faster (1.4 GB/s against 0.46 on the CI machine), and a file's digest
+    # is read at that speed.
     return hashlib.sha256()
 
 
@@ -121,9 +129,9 @@ def _scan_lines(path: Path, hasher: Any = None) -> np.ndarray:
 
 
 def _runs(spans: list[list[int]], gap: int = 4096, most: int = 1 << 20) -> list[list[int]]:
-    """Indices of ``spans`` (``[start, stop)`` byte ranges) grouped into runs, by start, that one read covers:
-    lines at most ``gap`` bytes apart and ``most`` bytes in all. In order, a batch is one read; shuffled within
-    a block, about one read a line."""
+    """Indices of ``spans`` (``[start, stop)`` byte ranges) grouped into runs, by start, that one
+    read covers: lines at most ``gap`` bytes apart and ``most`` bytes in all. In order, a batch is
+    one read; shuffled within a block, about one read a line."""
     runs: list[list[int]] = []
     for k in sorted(range(len(spans)), key=lambda k: spans[k][0]):
         start, stop = spans[k]
@@ -135,7 +143,8 @@ def _runs(spans: list[list[int]], gap: int = 4096, most: int = 1 << 20) -> list[
 
 
 def json_record(raw: bytes) -> Any:
-    """A line's JSON value (``json.loads`` of bytes first guesses their encoding; JSON Lines are UTF-8)."""
+    """A line's JSON value (``json.loads`` of bytes first guesses their encoding; JSON Lines are
+    UTF-8)."""
     return _DECODER.decode(raw.decode("utf-8"))
 
 
@@ -143,8 +152,9 @@ _DECODER = json.JSONDecoder()
 
 
 class JsonlStream(Stream):
-    """JSON Lines files, one shard each, a record per non-empty line (``decode(bytes)``, :func:`json_record`
-    by default). Lines are found by :func:`line_index`; nearby lines of a batch are read with one ``pread``."""
+    """JSON Lines files, one shard each, a record per non-empty line (``decode(bytes)``,
+    :func:`json_record` by default). Lines are found by :func:`line_index`; nearby lines of a batch
+    are read with one ``pread``."""
 
     def __init__(
         self,
@@ -164,8 +174,8 @@ class JsonlStream(Stream):
         self._bytes = [p.stat().st_size for p in self.paths]
 
     def shard_descriptions(self) -> list[str]:
-        """Each file's name, records, bytes and the digest of its content, read when the stream was built: the
-        content decides where each record lies and which record it is."""
+        """Each file's name, records, bytes and the digest of its content, read when the stream was
+        built: the content decides where each record lies and which record it is."""
         return [
             f"{p.name}: {len(lines)} records, {size} bytes, content {content}"
             for p, lines, size, content in zip(self.paths, self.lines, self._bytes, self._contents)
@@ -187,15 +197,19 @@ class JsonlStream(Stream):
                 try:
                     out[k] = self.decode(raw[start - first : stop - first])
                 except ValueError as err:
-                    raise ValueError(f"{self.paths[shard]}: the line at byte {start} is not JSON ({err})") from None
+                    raise ValueError(
+                        f"{self.paths[shard]}: the line at byte {start} is not JSON ({err})"
+                    ) from None
         return out
 
 
 class TokenStream(Stream):
-    """Flat token files (numpy's ``tofile`` of ``dtype``), one shard each; record ``k`` of a file is tokens
-    ``[k * seq_len, (k + 1) * seq_len)`` as an int64 tensor (a file's last, shorter piece is left out).
+    """Flat token files (numpy's ``tofile`` of ``dtype``), one shard each; record ``k`` of a file is
+    tokens ``[k * seq_len, (k + 1) * seq_len)`` as an int64 tensor (a file's last, shorter piece is
+    left out).
 
-    For next-token prediction pass ``seq_len = context + 1`` and split a record into ``r[:-1]`` and ``r[1:]``.
+    For next-token prediction pass ``seq_len = context + 1`` and split a record into ``r[:-1]`` and
+    ``r[1:]``.
     """
 
     def __init__(
@@ -210,7 +224,11 @@ class TokenStream(Stream):
         super().__init__(transform=transform, window=window)
         if seq_len < 1:
             raise ConfigError(f"seq_len={seq_len}: a record needs at least one token")
-        self.paths, self.seq_len, self.dtype = _paths(paths, "TokenStream"), seq_len, np.dtype(dtype)
+        self.paths, self.seq_len, self.dtype = (
+            _paths(paths, "TokenStream"),
+            seq_len,
+            np.dtype(dtype),
+        )
         self._tokens = []
         for p in self.paths:
             size = p.stat().st_size
@@ -232,31 +250,40 @@ class TokenStream(Stream):
         return super().fingerprint() | {"seq_len": self.seq_len}
 
     def read(self, shard: int, indices: np.ndarray) -> list[Any]:
-        tokens = self.opened(shard, lambda: np.memmap(self.paths[shard], dtype=self.dtype, mode="r"))
+        tokens = self.opened(
+            shard, lambda: np.memmap(self.paths[shard], dtype=self.dtype, mode="r")
+        )
         t = self.seq_len
-        return [torch.from_numpy(tokens[k * t : (k + 1) * t].astype(np.int64)) for k in indices.tolist()]
+        return [
+            torch.from_numpy(tokens[k * t : (k + 1) * t].astype(np.int64)) for k in indices.tolist()
+        ]
 
 
 class IterableStream(Stream):
-    """A source that can only be iterated, read front to back: the fallback for data without positional reads.
+    """A source that can only be iterated, read front to back: the fallback for data without
+    positional reads.
 
-    Which sources work. Every rank and every loader worker reads the source from its start, every epoch, and
-    keeps its own batches; so each ``iter()``, in any process, must yield every record in the same order:
+    Which sources work. Every rank and every loader worker reads the source from its start, every
+    epoch, and keeps its own batches; so each ``iter()``, in any process, must yield every record in
+    the same order:
 
-    - a re-iterable: a list, a torch ``IterableDataset`` whose ``__iter__`` starts again, a ``datasets``
-      ``IterableDataset`` with ``num_workers=0`` (with loader workers it hands each a share: refused);
-    - a callable returning a fresh iterator: ``IterableStream(make_records, n)``, ``make_records`` a generator
-      function (called once a pass).
+    - a re-iterable: a list, a torch ``IterableDataset`` whose ``__iter__`` starts again, a
+      ``datasets`` ``IterableDataset`` with ``num_workers=0`` (with loader workers it hands each a
+      share: refused);
+    - a callable returning a fresh iterator: ``IterableStream(make_records, n)``, ``make_records`` a
+      generator function (called once a pass).
 
-    Refused: an iterator that is its own iterable (a generator object: ``iter(x) is x``), spent after one pass;
-    a source whose first :data:`~ddpkit.data._source_checks.HEAD_RECORDS` records differ between two passes
-    here or between ranks (checked once, when the loader is built); one that splits itself by rank or loader
-    worker (it ends early: the read raises). Later differences between processes cannot be seen.
+    Refused: an iterator that is its own iterable (a generator object: ``iter(x) is x``), spent
+    after one pass; a source whose first :data:`~ddpkit.data._source_checks.HEAD_RECORDS` records
+    differ between two passes here or between ranks (checked once, when the loader is built); one
+    that splits itself by rank or loader worker (it ends early: the read raises). Later differences
+    between processes cannot be seen.
 
-    ``num_records``: its length; without it (and without ``len()``) it is counted by one pass here. Cost: each
-    loader worker of each rank (or each rank's main process) reads the stream from its start every epoch, and
-    after a resume up to the cursor, keeping only its own batches; it holds one to two ``window`` blocks of
-    records. A source that ends early raises; records past ``num_records`` are left out.
+    ``num_records``: its length; without it (and without ``len()``) it is counted by one pass here.
+    Cost: each loader worker of each rank (or each rank's main process) reads the stream from its
+    start every epoch, and after a resume up to the cursor, keeping only its own batches; it holds
+    one to two ``window`` blocks of records. A source that ends early raises; records past
+    ``num_records`` are left out.
     """
 
     random_access = False
@@ -273,7 +300,9 @@ class IterableStream(Stream):
         self.dataset = dataset
         self._calls = source_checks.is_factory(dataset)
         if num_records is None:
-            num_records = len(dataset) if hasattr(dataset, "__len__") else sum(1 for _ in self._start())  # type: ignore[arg-type]
+            num_records = (
+                len(dataset) if hasattr(dataset, "__len__") else sum(1 for _ in self._start())
+            )  # type: ignore[arg-type]
         if num_records < 0:
             raise ConfigError(f"num_records={num_records}: a stream's length cannot be negative")
         self.num_records = int(num_records)
@@ -290,8 +319,8 @@ class IterableStream(Stream):
         return iter(source() if self._calls else source)
 
     def shard_descriptions(self) -> list[str]:
-        """The source's name, records, and the digest of its first records (what a pass yields first: the
-        order beyond them is not seen)."""
+        """The source's name, records, and the digest of its first records (what a pass yields
+        first: the order beyond them is not seen)."""
         name = getattr(self.dataset, "__name__", type(self.dataset).__name__)
         return [f"{name}: {self.num_records} records, first {self._head_count} {self._head}"]
 
@@ -301,9 +330,10 @@ class IterableStream(Stream):
             source_checks.check_same_order(self._head, self._head_count, group)
 
     def read(self, shard: int, indices: np.ndarray) -> list[Any]:
-        # Invariant: buffer holds records [base, next) of the pass that ``it`` makes. A batch needs records of
-        # one or two blocks; later batches of this process need later blocks only, so what lies before the
-        # block of the lowest index is dropped. A lower index than that (a new epoch, a resume) starts a pass.
+        # Invariant: buffer holds records [base, next) of the pass that ``it`` makes. A batch needs
+        # records of one or two blocks; later batches of this process need later blocks only, so
+        # what lies before the block of the lowest index is dropped. A lower index than that (a new
+        # epoch, a resume) starts a pass.
         state = self.local()
         wanted = indices.tolist()
         low, high = min(wanted), max(wanted)
@@ -319,9 +349,10 @@ class IterableStream(Stream):
                 record = next(state["it"])
             except StopIteration:
                 raise ConfigError(
-                    f"IterableStream: the stream ended after {state['next']} records, num_records is "
-                    f"{self.num_records}: it must yield every record in every process (an IterableDataset that "
-                    "splits itself by get_worker_info() or by rank yields a part), or num_records is too large"
+                    f"IterableStream: the stream ended after {state['next']} records, num_records "
+                    f"is {self.num_records}: it must yield every record in every process (an "
+                    "IterableDataset that splits itself by get_worker_info() or by rank yields a "
+                    "part), or num_records is too large"
                 ) from None
             if state["next"] >= floor:
                 state["buffer"].append(record)

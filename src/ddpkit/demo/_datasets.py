@@ -1,8 +1,10 @@
-"""Small datasets for the examples and tests: in memory, deterministic, never downloaded at run time.
+"""Small datasets for the examples and tests: in memory, deterministic, never downloaded at run
+time.
 
-Every rank of a job builds the same dataset from the same arguments, so the samplers of :mod:`ddpkit.data` can
-shard it by index. Anything random here is drawn from a generator seeded by the ``seed`` argument, never from
-the global RNG: ranks seeded differently (``seed_everything(per_rank=True)``) must still agree on the data.
+Every rank of a job builds the same dataset from the same arguments, so the samplers of
+:mod:`ddpkit.data` can shard it by index. Anything random here is drawn from a generator seeded by
+the ``seed`` argument, never from the global RNG: ranks seeded differently
+(``seed_everything(per_rank=True)``) must still agree on the data.
 """
 
 from __future__ import annotations
@@ -20,13 +22,15 @@ from torch.utils.data import TensorDataset
 _SPLITS = ("train", "test")
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
-"""Mean and standard deviation of the MNIST training pixels scaled to [0, 1]: the usual normalisation."""
+"""Mean and standard deviation of the MNIST training pixels scaled to [0, 1]: the usual
+normalisation."""
 
 _MNIST_FILES = {
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
     "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
 }
-_IDX_IMAGES, _IDX_LABELS = 2051, 2049  # IDX magic numbers: unsigned bytes, 3 dimensions / 1 dimension
+# IDX magic numbers: unsigned bytes, 3 dimensions / 1 dimension
+_IDX_IMAGES, _IDX_LABELS = 2051, 2049
 
 
 def _check_split(split: str) -> None:
@@ -35,11 +39,13 @@ def _check_split(split: str) -> None:
 
 
 def digits(split: str, seed: int = 0, test_fraction: float = 0.2) -> TensorDataset:
-    """scikit-learn's bundled handwritten digits: 1,797 8x8 images of 0-9, shipped with scikit-learn.
+    """scikit-learn's bundled handwritten digits: 1,797 8x8 images of 0-9, shipped with
+    scikit-learn.
 
-    Images are float32 of shape ``(1, 8, 8)``, scaled to [0, 1] and then normalised with the mean and standard
-    deviation of the train split's pixels; labels are int64. The split is stratified by class and a function of
-    ``(seed, test_fraction)`` alone, so "train" and "test" never share a sample (360 test samples by default).
+    Images are float32 of shape ``(1, 8, 8)``, scaled to [0, 1] and then normalised with the mean
+    and standard deviation of the train split's pixels; labels are int64. The split is stratified by
+    class and a function of ``(seed, test_fraction)`` alone, so "train" and "test" never share a
+    sample (360 test samples by default).
     """
     _check_split(split)
     if not 0.0 < test_fraction < 1.0:
@@ -49,7 +55,8 @@ def digits(split: str, seed: int = 0, test_fraction: float = 0.2) -> TensorDatas
         from sklearn.model_selection import train_test_split
     except ImportError as err:
         raise ImportError(
-            "ddpkit.demo._datasets.digits needs scikit-learn, which bundles the digits: pip install 'ddpkit[examples]'"
+            "ddpkit.demo._datasets.digits needs scikit-learn, which bundles the digits: pip "
+            "install 'ddpkit[examples]'"
         ) from err
     bunch = load_digits()
     images = (bunch.data / 16.0).astype(np.float32).reshape(-1, 1, 8, 8)  # pixel values are 0..16
@@ -57,7 +64,8 @@ def digits(split: str, seed: int = 0, test_fraction: float = 0.2) -> TensorDatas
     train_idx, test_idx = train_test_split(
         np.arange(len(labels)), test_size=test_fraction, random_state=seed, stratify=labels
     )
-    # Statistics of the train split only: normalising with the test pixels would leak them into training.
+    # Statistics of the train split only: normalising with the test pixels would leak them into
+    # training.
     mean, std = images[train_idx].mean(), images[train_idx].std()
     idx = train_idx if split == "train" else test_idx
     x = (images[idx] - mean) / std
@@ -69,25 +77,28 @@ def _read_idx(path: Path, magic: int) -> np.ndarray:
     ndim = 3 if magic == _IDX_IMAGES else 1
     header = 4 * (1 + ndim)
     if len(data) < header:
-        raise ValueError(f"{path}: {len(data)} bytes is too short for an IDX header; the file is truncated")
+        raise ValueError(
+            f"{path}: {len(data)} bytes is too short for an IDX header; the file is truncated"
+        )
     found, *shape = struct.unpack(f">{1 + ndim}I", data[:header])
     if found != magic:
         kind = "images" if magic == _IDX_IMAGES else "labels"
         raise ValueError(
-            f"{path}: magic number {found}, expected {magic} for MNIST {kind}; is it the right file, and "
-            "decompressed if its name does not end in .gz?"
+            f"{path}: magic number {found}, expected {magic} for MNIST {kind}; is it the right "
+            "file, and decompressed if its name does not end in .gz?"
         )
     expected = int(np.prod(shape))
     if len(data) - header != expected:
         raise ValueError(
-            f"{path}: {len(data) - header} bytes of data, expected {expected} for shape {tuple(shape)}; "
-            "the file is truncated or corrupt"
+            f"{path}: {len(data) - header} bytes of data, expected {expected} for shape "
+            f"{tuple(shape)}; the file is truncated or corrupt"
         )
     return np.frombuffer(data, dtype=np.uint8, offset=header).reshape(shape)
 
 
 def _find(root: Path, name: str) -> Path | None:
-    # torchvision keeps its download in <root>/MNIST/raw: accept it so a seed's existing download works.
+    # torchvision keeps its download in <root>/MNIST/raw: accept it so a seed's existing download
+    # works.
     for folder in (root, root / "MNIST" / "raw"):
         for candidate in (folder / name, folder / f"{name}.gz"):
             if candidate.is_file():
@@ -96,10 +107,12 @@ def _find(root: Path, name: str) -> Path | None:
 
 
 def mnist(root: str, split: str) -> TensorDataset:
-    """MNIST from the four standard IDX files in ``root`` (raw or ``.gz``), read with no extra dependency.
+    """MNIST from the four standard IDX files in ``root`` (raw or ``.gz``), read with no extra
+    dependency.
 
-    Images are float32 of shape ``(N, 1, 28, 28)`` normalised with MNIST's usual mean 0.1307 and std 0.3081;
-    labels are int64. Nothing is downloaded: fetch the files once, outside the job, into ``root``.
+    Images are float32 of shape ``(N, 1, 28, 28)`` normalised with MNIST's usual mean 0.1307 and std
+    0.3081; labels are int64. Nothing is downloaded: fetch the files once, outside the job, into
+    ``root``.
     """
     _check_split(split)
     folder = Path(root).expanduser()
@@ -111,13 +124,15 @@ def mnist(root: str, split: str) -> TensorDataset:
         every = ", ".join(name for pair in _MNIST_FILES.values() for name in pair)
         raise FileNotFoundError(
             f"MNIST {split} data not found in {folder.resolve()} (nor in its MNIST/raw): missing "
-            f"{', '.join(missing)} (raw or .gz). Nothing is downloaded at run time: put the MNIST IDX files "
-            f"({every}) in that folder first."
+            f"{', '.join(missing)} (raw or .gz). Nothing is downloaded at run time: put the MNIST "
+            f"IDX files ({every}) in that folder first."
         )
     images = _read_idx(paths[0], _IDX_IMAGES)
     labels = _read_idx(paths[1], _IDX_LABELS)
     if len(images) != len(labels):
-        raise ValueError(f"{paths[0]} holds {len(images)} images but {paths[1]} holds {len(labels)} labels")
+        raise ValueError(
+            f"{paths[0]} holds {len(images)} images but {paths[1]} holds {len(labels)} labels"
+        )
     x = (torch.from_numpy(images.astype(np.float32) / 255.0) - MNIST_MEAN) / MNIST_STD
     return TensorDataset(x.unsqueeze(1), torch.from_numpy(labels.astype(np.int64)))
 
@@ -125,9 +140,9 @@ def mnist(root: str, split: str) -> TensorDataset:
 def toy_regression(size: int = 2048, in_features: int = 20, seed: int = 0) -> TensorDataset:
     """``size`` samples ``(x, y)`` with ``y = x @ w + b + noise``: a linear model can learn it.
 
-    ``x`` is standard normal with ``in_features`` features, ``y`` has shape ``(1,)``; ``w`` and ``b`` are
-    fixed by ``seed`` (the same for every ``size``), and the noise has std 0.1, so the best possible mean
-    squared error is about 0.01.
+    ``x`` is standard normal with ``in_features`` features, ``y`` has shape ``(1,)``; ``w`` and
+    ``b`` are fixed by ``seed`` (the same for every ``size``), and the noise has std 0.1, so the
+    best possible mean squared error is about 0.01.
     """
     if size < 1 or in_features < 1:
         raise ValueError(f"size={size}, in_features={in_features}: both must be >= 1")
@@ -141,7 +156,8 @@ def toy_regression(size: int = 2048, in_features: int = 20, seed: int = 0) -> Te
 
 
 CHARS = "\n" + "".join(map(chr, range(32, 127)))
-"""The character vocabulary of :func:`python_source`: newline and printable ASCII; anything else reads as ``?``."""
+"""The character vocabulary of :func:`python_source`: newline and printable ASCII; anything else
+reads as ``?``."""
 IGNORE_INDEX = -100
 """The label of a padding position (``F.cross_entropy``'s default ``ignore_index``)."""
 _CODES = {c: i for i, c in enumerate(CHARS)}
@@ -157,13 +173,14 @@ def decode(tokens: Iterable[int]) -> str:
 
 
 def python_source(split: str, block_size: int = 64, max_chars: int = 400_000) -> TensorDataset:
-    """Character-level next-token samples ``(tokens [T], labels [T])`` from Python's own standard library sources
-    (shipped with every Python: nothing is downloaded), ``T = block_size``.
+    """Character-level next-token samples ``(tokens [T], labels [T])`` from Python's own standard
+    library sources (shipped with every Python: nothing is downloaded), ``T = block_size``.
 
-    The stdlib's top-level ``*.py`` files, in name order, are the documents; every tenth is in ``test``, the
-    others in ``train``, up to ``max_chars`` characters per split. A document is cut into windows of
-    ``block_size`` tokens; its last window is shorter, padded with labels :data:`IGNORE_INDEX`, so samples hold
-    different numbers of tokens that count. The text depends on the Python version.
+    The stdlib's top-level ``*.py`` files, in name order, are the documents; every tenth is in
+    ``test``, the others in ``train``, up to ``max_chars`` characters per split. A document is cut
+    into windows of ``block_size`` tokens; its last window is shorter, padded with labels
+    :data:`IGNORE_INDEX`, so samples hold different numbers of tokens that count. The text depends
+    on the Python version.
     """
     _check_split(split)
     files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))

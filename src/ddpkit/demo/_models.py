@@ -1,5 +1,6 @@
-"""The demo models: the DDP tutorials' CNN (shared by the examples, the benchmarks and ``ddpkit bench``'s default), the
-benchmarks' residual blocks, and a small GPT for the language-model example."""
+"""The demo models: the DDP tutorials' CNN (shared by the examples, the benchmarks and
+``ddpkit bench``'s default), the benchmarks' residual blocks, and a small GPT for the language-model
+example."""
 
 from __future__ import annotations
 
@@ -8,19 +9,25 @@ from torch import nn
 
 
 class DigitsCNN(nn.Module):
-    """Two conv(5x5) + BatchNorm + ReLU + max-pool blocks and one linear layer, as in the DDP tutorials' MNIST example.
+    """Two conv(5x5) + BatchNorm + ReLU + max-pool blocks and one linear layer, as in the DDP
+    tutorials' MNIST example.
 
-    ``image_size`` is the side of the square input: 28 for MNIST, 8 for scikit-learn's digits. ``channels`` (16
-    in the DDP tutorials) sets the first block's width, the second has twice as many; ``dropout`` before the linear layer
-    is off by default, as in the DDP tutorials.
+    ``image_size`` is the side of the square input: 28 for MNIST, 8 for scikit-learn's digits.
+    ``channels`` (16 in the DDP tutorials) sets the first block's width, the second has twice as
+    many; ``dropout`` before the linear layer is off by default, as in the DDP tutorials.
     """
 
-    def __init__(self, image_size: int = 28, num_classes: int = 10, channels: int = 16, dropout: float = 0.0) -> None:
+    def __init__(
+        self, image_size: int = 28, num_classes: int = 10, channels: int = 16, dropout: float = 0.0
+    ) -> None:
         super().__init__()
 
         def block(c_in: int, c_out: int) -> nn.Sequential:
             return nn.Sequential(
-                nn.Conv2d(c_in, c_out, kernel_size=5, padding=2), nn.BatchNorm2d(c_out), nn.ReLU(), nn.MaxPool2d(2)
+                nn.Conv2d(c_in, c_out, kernel_size=5, padding=2),
+                nn.BatchNorm2d(c_out),
+                nn.ReLU(),
+                nn.MaxPool2d(2),
             )
 
         self.features = nn.Sequential(block(1, channels), block(channels, 2 * channels))
@@ -33,8 +40,9 @@ class DigitsCNN(nn.Module):
 
 
 class Block(nn.Module):
-    """A residual MLP block (``x + W2 relu(W1 x)``, 4x wide inside): the unit of the large models of the memory
-    and snapshot benchmarks, and the class FSDP shards by (``shard_blocks=["Block"]``)."""
+    """A residual MLP block (``x + W2 relu(W1 x)``, 4x wide inside): the unit of the large models of
+    the memory and snapshot benchmarks, and the class FSDP shards by
+    (``shard_blocks=["Block"]``)."""
 
     def __init__(self, width: int) -> None:
         super().__init__()
@@ -56,14 +64,18 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
-        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in self.qkv(x).split(c, dim=2))
+        q, k, v = (
+            z.view(b, t, self.heads, c // self.heads).transpose(1, 2)
+            for z in self.qkv(x).split(c, dim=2)
+        )
         p = self.dropout if self.training else 0.0
         y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
         return self.proj(y.transpose(1, 2).reshape(b, t, c))
 
 
 class GPTBlock(nn.Module):
-    """Pre-norm transformer block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))`` with a 4x wide GELU MLP."""
+    """Pre-norm transformer block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))`` with a 4x wide GELU
+    MLP."""
 
     def __init__(self, width: int, heads: int, dropout: float) -> None:
         super().__init__()
@@ -79,11 +91,13 @@ class GPTBlock(nn.Module):
 
 
 class TinyGPT(nn.Module):
-    """A small GPT-style decoder: token and position embeddings, ``layers`` :class:`GPTBlock`, a final LayerNorm
-    and a head tied to the token embedding; ``forward(tokens [B, T])`` returns logits ``[B, T, vocab]``.
+    """A small GPT-style decoder: token and position embeddings, ``layers`` :class:`GPTBlock`, a
+    final LayerNorm and a head tied to the token embedding; ``forward(tokens [B, T])`` returns
+    logits ``[B, T, vocab]``.
 
-    The defaults (4 layers of width 64, 4 heads, 64 positions, a vocabulary of 98 characters) have about 210K
-    parameters; ``dropout`` is off by default, so N ranks train the same model as one process.
+    The defaults (4 layers of width 64, 4 heads, 64 positions, a vocabulary of 98 characters) have
+    about 210K parameters; ``dropout`` is off by default, so N ranks train the same model as one
+    process.
     """
 
     def __init__(
@@ -109,7 +123,9 @@ class TinyGPT(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         t = tokens.shape[1]
         if t > self.block_size:
-            raise ValueError(f"a sequence of {t} tokens is longer than block_size={self.block_size}")
+            raise ValueError(
+                f"a sequence of {t} tokens is longer than block_size={self.block_size}"
+            )
         x = self.drop(self.tok(tokens) + self.pos(torch.arange(t, device=tokens.device)))
         for block in self.blocks:
             x = block(x)
@@ -123,7 +139,8 @@ class TinyGPT(nn.Module):
         temperature: float = 0.8,
         generator: torch.Generator | None = None,
     ) -> torch.Tensor:
-        """Extend ``tokens [B, T]`` by ``new_tokens`` sampled ones (the last ``block_size`` tokens as context)."""
+        """Extend ``tokens [B, T]`` by ``new_tokens`` sampled ones (the last ``block_size`` tokens
+        as context)."""
         for _ in range(new_tokens):
             logits = self(tokens[:, -self.block_size :])[:, -1] / temperature
             nxt = torch.multinomial(torch.softmax(logits.float(), dim=-1), 1, generator=generator)

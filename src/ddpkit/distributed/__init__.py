@@ -1,4 +1,5 @@
-"""The distributed runtime: who this process is, the collectives, rank-aware printing, seeding, stop signals."""
+"""The distributed runtime: who this process is, the collectives, rank-aware printing, seeding, stop
+signals."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from typing import TypeAlias
 from torch.distributed import ProcessGroup
 
 Group: TypeAlias = ProcessGroup | None
-"""A process group, or None for the world (the default group): what every ``group=`` of ddpkit takes."""
+"""A process group, or None for the world (the default group): what every ``group=`` of ddpkit
+takes."""
 
 # After Group: the modules below import it from here.
 from ddpkit.distributed._runtime import NotInitializedError  # noqa: E402

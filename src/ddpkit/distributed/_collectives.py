@@ -1,8 +1,9 @@
 """What every seed writes by hand: barriers, main-first sections, reductions, broadcasts.
 
-Every helper takes an optional ``group`` (a ``torch.distributed`` process group) so that a subset of ranks,
-for example the ranks training one candidate of a hyper-parameter search, can use them on their own. Without
-a process group (plain ``python``) every helper acts as the identity over a world of one.
+Every helper takes an optional ``group`` (a ``torch.distributed`` process group) so that a subset of
+ranks, for example the ranks training one candidate of a hyper-parameter search, can use them on
+their own. Without a process group (plain ``python``) every helper acts as the identity over a world
+of one.
 """
 
 from __future__ import annotations
@@ -24,24 +25,27 @@ Number = int | float
 
 
 def is_live(group: Group = None) -> bool:
-    """True when collectives on ``group`` run: a process group exists and this process is a member."""
-    # A rank outside a new_group() holds torch's NON_GROUP_MEMBER sentinel (an int) in place of a group.
+    """True when collectives on ``group`` run: a process group exists and this process is a
+    member."""
+    # A rank outside a new_group() holds torch's NON_GROUP_MEMBER sentinel (an int) in place of a
+    # group.
     non_member: object = dist.GroupMember.NON_GROUP_MEMBER
     return dist.is_available() and dist.is_initialized() and (group is None or group != non_member)
 
 
 def comm_device(group: Group = None) -> torch.device:
     """Where tensors must be for a collective on ``group``: CUDA for nccl, the CPU otherwise."""
-    # nccl moves only CUDA tensors, gloo prefers CPU ones; the backend decides where a reduction runs.
+    # nccl moves only CUDA tensors, gloo prefers CPU ones; the backend decides where a reduction
+    # runs.
     if is_live(group) and dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
 def _watched(op: str, group: Group) -> AbstractContextManager[None]:
-    """The collective marked in this rank's progress record (:mod:`ddpkit.distributed._progress`): on the world
-    only, where every rank counts the same sequence, so that the launcher can tell which ranks have not
-    arrived."""
+    """The collective marked in this rank's progress record (:mod:`ddpkit.distributed._progress`):
+    on the world only, where every rank counts the same sequence, so that the launcher can tell
+    which ranks have not arrived."""
     return progress.collective(op) if group is None else nullcontext()
 
 
@@ -59,9 +63,10 @@ def barrier(group: Group = None) -> None:
 def main_first(local: bool = False, group: Group = None) -> Iterator[None]:
     """Run the body on rank 0 first while the others wait, then on the others.
 
-    For work that must happen once before the others read the result: a download, a preprocessing cache. With
-    ``local=True`` local rank 0 of every node goes first (node-local disks). Every rank calls the barrier once,
-    so the counts match; if the first rank raises, the launcher stops the others rather than letting them wait.
+    For work that must happen once before the others read the result: a download, a preprocessing
+    cache. With ``local=True`` local rank 0 of every node goes first (node-local disks). Every rank
+    calls the barrier once, so the counts match; if the first rank raises, the launcher stops the
+    others rather than letting them wait.
     """
     first = get_runtime().is_local_main if local else get_runtime(group).is_main
     if not first:
@@ -74,7 +79,11 @@ def main_first(local: bool = False, group: Group = None) -> Iterator[None]:
 def _flatten(values: Mapping[str, Any]) -> tuple[torch.Tensor, list[tuple[str, Any, torch.Size]]]:
     parts, layout = [], []
     for key, value in values.items():
-        t = value.detach() if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=torch.float64)
+        t = (
+            value.detach()
+            if isinstance(value, torch.Tensor)
+            else torch.tensor(value, dtype=torch.float64)
+        )
         layout.append((key, value, t.shape))
         # float64 keeps integer counts exact up to 2**53 and sums of float32 values without loss.
         parts.append(t.reshape(-1).to("cpu", torch.float64))
@@ -105,12 +114,14 @@ _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp
 def all_reduce(value: T, op: Literal["sum", "max", "min"] = "sum", group: Group = None) -> T:
     """Reduce a number, a tensor, or a dict of them over ``group``; every rank gets the result.
 
-    A dict travels as one flat float64 tensor, so many metrics cost one collective. ``op`` is ``"sum"``,
-    ``"max"`` or ``"min"``; there is deliberately no ``"mean"``: reduce sums and counts, then divide, so a rank
-    with fewer samples does not weigh as much as one with more.
+    A dict travels as one flat float64 tensor, so many metrics cost one collective. ``op`` is
+    ``"sum"``, ``"max"`` or ``"min"``; there is deliberately no ``"mean"``: reduce sums and counts,
+    then divide, so a rank with fewer samples does not weigh as much as one with more.
     """
     if op not in _OPS:
-        raise ValueError(f"op={op!r}: use one of {sorted(_OPS)} (for a mean, reduce a sum and a count)")
+        raise ValueError(
+            f"op={op!r}: use one of {sorted(_OPS)} (for a mean, reduce a sum and a count)"
+        )
     values = value if isinstance(value, Mapping) else {"_": value}
     flat, layout = _flatten(values)
     if is_live(group):
@@ -123,9 +134,11 @@ def all_reduce(value: T, op: Literal["sum", "max", "min"] = "sum", group: Group 
 
 
 def gather_tensors(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
-    """Concatenate every rank's ``tensor`` along dim 0 in rank order; ranks may hold different lengths.
+    """Concatenate every rank's ``tensor`` along dim 0 in rank order; ranks may hold different
+    lengths.
 
-    For metrics that need all predictions (AUC, a confusion matrix) after an exact, unpadded evaluation.
+    For metrics that need all predictions (AUC, a confusion matrix) after an exact, unpadded
+    evaluation.
     """
     if not is_live(group):
         return tensor
@@ -148,18 +161,21 @@ def _gather_tensors(tensor: torch.Tensor, group: Group) -> torch.Tensor:
     return torch.cat([c[: int(s.item())] for c, s in zip(chunks, all_sizes)]).to(tensor.device)
 
 
-# Objects travel as pickled bytes in uint8 tensors. torch's own object collectives (all_gather_object,
-# broadcast_object_list) turn the received tensor back into bytes through numpy, which a torch install need not
-# have ("Numpy is not available"); these copy it into a bytearray instead, and need torch alone.
+# Objects travel as pickled bytes in uint8 tensors. torch's own object collectives
+# (all_gather_object, broadcast_object_list) turn the received tensor back into bytes through numpy,
+# which a torch install need not have ("Numpy is not available"); these copy it into a bytearray
+# instead, and need torch alone.
 
 
 def _pickled(obj: Any, device: torch.device) -> torch.Tensor:
     data = bytearray(pickle.dumps(obj))
-    return torch.frombuffer(data, dtype=torch.uint8).to(device)  # never empty: a pickle has an opcode at least
+    # never empty: a pickle has an opcode at least
+    return torch.frombuffer(data, dtype=torch.uint8).to(device)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> bytes:
-    """The bytes of a contiguous CPU tensor, without numpy (``tensor.numpy().tobytes()`` needs it)."""
+    """The bytes of a contiguous CPU tensor, without numpy (``tensor.numpy().tobytes()`` needs
+    it)."""
     flat = tensor.reshape(-1).view(torch.uint8)
     data = bytearray(flat.numel())
     if data:
@@ -172,8 +188,9 @@ def _unpickled(payload: torch.Tensor) -> Any:
 
 
 def all_gather_object(obj: T, group: Group = None) -> list[T]:
-    """Every rank's picklable ``obj``, in rank order, on every rank (as torch's ``all_gather_object``, whose
-    ``gather_object`` sends them to one rank only); without a process group, ``[obj]``."""
+    """Every rank's picklable ``obj``, in rank order, on every rank (as torch's
+    ``all_gather_object``, whose ``gather_object`` sends them to one rank only); without a process
+    group, ``[obj]``."""
     if not is_live(group):
         return [obj]
     with _watched("all_gather_object", group):
@@ -183,10 +200,13 @@ def all_gather_object(obj: T, group: Group = None) -> list[T]:
 def _all_gather_object(obj: T, group: Group) -> list[T]:
     device = comm_device(group)
     mine = _pickled(obj, device)
-    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))]
+    sizes = [
+        torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))
+    ]
     dist.all_gather(sizes, torch.tensor([mine.numel()], device=device), group=group)
     lengths = [int(s.item()) for s in sizes]
-    # all_gather needs equal shapes: each rank's bytes padded to the longest, the padding cut away after.
+    # all_gather needs equal shapes: each rank's bytes padded to the longest, the padding cut away
+    # after.
     padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
     padded[: mine.numel()] = mine
     chunks = [torch.empty_like(padded) for _ in lengths]
@@ -195,12 +215,12 @@ def _all_gather_object(obj: T, group: Group) -> list[T]:
 
 
 def gather_object(obj: T, dst: int = 0, group: Group = None) -> list[T] | None:
-    """Every rank's picklable ``obj``, in rank order, on rank ``dst`` of ``group`` (None on the others), as
-    torch's ``gather_object``; without a process group, ``[obj]``.
+    """Every rank's picklable ``obj``, in rank order, on rank ``dst`` of ``group`` (None on the
+    others), as torch's ``gather_object``; without a process group, ``[obj]``.
 
-    Where one rank alone needs the parts, this is the collective to use: ``dst`` unpickles the world's parts
-    and every other rank none, where :func:`all_gather_object` has every rank unpickle every part (the world
-    squared in all)."""
+    Where one rank alone needs the parts, this is the collective to use: ``dst`` unpickles the
+    world's parts and every other rank none, where :func:`all_gather_object` has every rank unpickle
+    every part (the world squared in all)."""
     if not is_live(group):
         return [obj]
     with _watched("gather_object", group):
@@ -213,10 +233,15 @@ def _gather_object(obj: T, dst: int, group: Group) -> list[T] | None:
     receiver = dist.get_rank(group) == dst
     global_dst = dist.get_global_rank(group, dst) if group is not None else dst
     mine = _pickled(obj, device)
-    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(size)] if receiver else None
+    sizes = (
+        [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(size)]
+        if receiver
+        else None
+    )
     length = torch.tensor([mine.numel()], device=device)
     dist.gather(length, sizes, dst=global_dst, group=group)
-    # One length for every rank's bytes, as gather needs equal shapes: the longest, from rank dst to the others.
+    # One length for every rank's bytes, as gather needs equal shapes: the longest, from rank dst to
+    # the others.
     longest = torch.tensor([max(int(s.item()) for s in sizes) if sizes else 0], device=device)
     dist.broadcast(longest, src=global_dst, group=group)
     padded = torch.zeros(int(longest.item()), dtype=torch.uint8, device=device)
@@ -229,9 +254,10 @@ def _gather_object(obj: T, dst: int, group: Group) -> list[T] | None:
 
 
 def first_failure(mine: str | None, group: Group = None) -> str | None:
-    """The failure of the lowest rank of ``group`` that had one (``mine``: this rank's, or None), on every rank,
-    with that rank named on the others; None if no rank had one. Where ranks work apart (a load with no
-    collective), this keeps one rank's failure from leaving the others waiting in a later collective."""
+    """The failure of the lowest rank of ``group`` that had one (``mine``: this rank's, or None), on
+    every rank, with that rank named on the others; None if no rank had one. Where ranks work apart
+    (a load with no collective), this keeps one rank's failure from leaving the others waiting in a
+    later collective."""
     if not is_live(group):
         return mine
     with _watched("first_failure", group):
@@ -260,7 +286,9 @@ def _broadcast_object(obj: T, src: int, group: Group) -> T:
     global_src = dist.get_global_rank(group, src) if group is not None else src
     sender = dist.get_rank(group) == src
     payload = _pickled(obj, device) if sender else None
-    size = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64, device=device)
+    size = torch.tensor(
+        [payload.numel() if payload is not None else 0], dtype=torch.int64, device=device
+    )
     dist.broadcast(size, src=global_src, group=group)
     if payload is None:
         payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
@@ -271,8 +299,9 @@ def _broadcast_object(obj: T, src: int, group: Group) -> T:
 class MetricSums:
     """Sums and counts of named metrics, reduced once across ranks and divided once.
 
-    ``update("loss", per_sample_losses)`` adds a batch; ``compute()`` returns the means over every sample every
-    rank saw. One collective for all metrics; ranks that saw no sample contribute zeros.
+    ``update("loss", per_sample_losses)`` adds a batch; ``compute()`` returns the means over every
+    sample every rank saw. One collective for all metrics; ranks that saw no sample contribute
+    zeros.
     """
 
     def __init__(self) -> None:
@@ -281,10 +310,13 @@ class MetricSums:
         self.counts: dict[str, int] = {}
 
     def update(self, name: str, values: torch.Tensor | Number, count: int | None = None) -> None:
-        """Add per-sample ``values`` (a tensor), or a pre-summed ``values`` over ``count`` samples."""
+        """Add per-sample ``values`` (a tensor), or a pre-summed ``values`` over ``count``
+        samples."""
         if count is None:
             if not isinstance(values, torch.Tensor):
-                raise ValueError(f"metric {name!r}: give per-sample values as a tensor, or pass count=")
+                raise ValueError(
+                    f"metric {name!r}: give per-sample values as a tensor, or pass count="
+                )
             count = values.numel()
         total = (
             values.detach().double().sum()
@@ -299,7 +331,9 @@ class MetricSums:
         # A rank that saw no sample does not know the metric names: agree on them first, or the flat
         # tensors would differ in length across ranks.
         names = sorted(set().union(*all_gather_object(sorted(self.sums), group)))
-        flat = {f"s/{n}": self.sums.get(n, 0.0) for n in names} | {f"c/{n}": self.counts.get(n, 0) for n in names}
+        flat = {f"s/{n}": self.sums.get(n, 0.0) for n in names} | {
+            f"c/{n}": self.counts.get(n, 0) for n in names
+        }
         flat = all_reduce(flat, group=group)
         return {n: (float(flat[f"s/{n}"]), int(flat[f"c/{n}"])) for n in names}
 

@@ -1,6 +1,7 @@
-"""Reading the launcher's environment: the platform that started this process (:mod:`ddpkit.platforms`:
-torchrun and ``ddpkit run``, SLURM ``srun``, ``mpiexec``, a Kubeflow PyTorchJob's pod, Ray Train, or nothing)
-names the ranks; ``ddpkit run``'s own ``DDPKIT_COLLECTIVE_TIMEOUT`` is read here.
+"""Reading the launcher's environment: the platform that started this process
+(:mod:`ddpkit.platforms`: torchrun and ``ddpkit run``, SLURM ``srun``, ``mpiexec``, a Kubeflow
+PyTorchJob's pod, Ray Train, or nothing) names the ranks; ``ddpkit run``'s own
+``DDPKIT_COLLECTIVE_TIMEOUT`` is read here.
 
 Pure logic (no process group, no torch), so every branch is tested with a mocked environment.
 """
@@ -20,14 +21,15 @@ MAX_TIMEOUT = 30 * 24 * 3600.0
 """The longest --join-timeout / --collective-timeout, in seconds (30 days): torch keeps timeouts in
 milliseconds, and a value beyond its range would overflow instead of meaning "never"."""
 MIN_TIMEOUT = 1.0
-"""The shortest: below a second, setting up the process group itself times out, and the job fails as if the
-ranks could not reach each other."""
+"""The shortest: below a second, setting up the process group itself times out, and the job fails as
+if the ranks could not reach each other."""
 
 _SECONDS = f"use a number of seconds from {MIN_TIMEOUT:.0f} to {MAX_TIMEOUT:.0f} (30 days)"
 
 
 def check_seconds(option: str, value: float) -> float:
-    """``value`` when it is a usable number of seconds for ``option``; else a :class:`ConfigError`."""
+    """``value`` when it is a usable number of seconds for ``option``; else a
+    :class:`ConfigError`."""
     if not (math.isfinite(value) and MIN_TIMEOUT <= value <= MAX_TIMEOUT):
         raise ConfigError(f"{option} {value}: {_SECONDS}")
     return value

@@ -1,4 +1,5 @@
-"""Printing and logging from the main rank of a group only (the DDP tutorials' ``if rank == 0: print(...)``)."""
+"""Printing and logging from the main rank of a group only (the DDP tutorials'
+``if rank == 0: print(...)``)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ def print0(*args: Any, group: Group = None, **kwargs: Any) -> None:
 
 
 class _RankFilter(logging.Filter):
-    """Tags each record with the rank in ``group``; with ``main_only``, keeps only rank 0's records."""
+    """Tags each record with the rank in ``group``; with ``main_only``, keeps only rank 0's
+    records."""
 
     def __init__(self, group: Group, main_only: bool) -> None:
         super().__init__()
@@ -29,13 +31,16 @@ class _RankFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         rank = get_runtime(self.group).rank
-        record.__dict__["rank"] = rank  # a field of its own on the record, read by the format as %(rank)s
+        # a field of its own on the record, read by the format as %(rank)s
+        record.__dict__["rank"] = rank
         return not self.main_only or rank == 0
 
 
-def get_logger(name: str = "ddpkit", all_ranks: bool = False, group: Group = None) -> logging.Logger:
-    """A logger whose records are kept on rank 0 of ``group`` only, unless ``all_ranks`` (then tagged with the
-    rank in ``group``)."""
+def get_logger(
+    name: str = "ddpkit", all_ranks: bool = False, group: Group = None
+) -> logging.Logger:
+    """A logger whose records are kept on rank 0 of ``group`` only, unless ``all_ranks`` (then
+    tagged with the rank in ``group``)."""
     if group is not None and is_live(group):
         name = f"{name}.group{'-'.join(map(str, dist.get_process_group_ranks(group)))}"
     logger = logging.getLogger(name if not all_ranks else f"{name}.all_ranks")

@@ -1,20 +1,23 @@
-"""Where this rank is: its step and phase, written where the launcher's agent reads them without a collective.
+"""Where this rank is: its step and phase, written where the launcher's agent reads them without a
+collective.
 
-Under ``ddpkit run`` the agent names a folder in node-local shared memory (:data:`DIR_ENV`); each rank keeps
-one record of ``SIZE`` bytes there, ``rank<RANK>.progress``, mapped into its memory and overwritten by
-every mark with plain stores (two stores into a ``memoryview`` of the page: no system call, a few hundred
-nanoseconds). The agent polls the records of its node's ranks (:mod:`ddpkit._launch.watch`) and names a rank
-that stopped making progress while the others wait for it. Outside ``ddpkit run`` every mark returns at once.
+Under ``ddpkit run`` the agent names a folder in node-local shared memory (:data:`DIR_ENV`); each
+rank keeps one record of ``SIZE`` bytes there, ``rank<RANK>.progress``, mapped into its memory and
+overwritten by every mark with plain stores (two stores into a ``memoryview`` of the page: no system
+call, a few hundred nanoseconds). The agent polls the records of its node's ranks
+(:mod:`ddpkit._launch.watch`) and names a rank that stopped making progress while the others wait
+for it. Outside ``ddpkit run`` every mark returns at once.
 
-Who marks: the Trainer's loop (data, forward/backward, optimizer, snapshot, callbacks); a ``build_loader``
-loader (loading data, and a step boundary at each batch handed over, for a hand-written loop); ddpkit's
-collectives (the op and a per-rank sequence number, which the agent compares across ranks).
+Who marks: the Trainer's loop (data, forward/backward, optimizer, snapshot, callbacks); a
+``build_loader`` loader (loading data, and a step boundary at each batch handed over, for a
+hand-written loop); ddpkit's collectives (the op and a per-rank sequence number, which the agent
+compares across ranks).
 
-Record layout (:data:`RECORD`, 8-byte slots in native byte order): magic, pid, op, phase, marks made, step,
-steps begun in this process, collectives entered; the time the current step began (seconds of
-``CLOCK_MONOTONIC``) and the seconds the step before it took. A mark within a step writes the phase and the
-count of marks alone, the count last; the agent times a rank's silence by its own clock, between two counts it
-read.
+Record layout (:data:`RECORD`, 8-byte slots in native byte order): magic, pid, op, phase, marks
+made, step, steps begun in this process, collectives entered; the time the current step began
+(seconds of ``CLOCK_MONOTONIC``) and the seconds the step before it took. A mark within a step
+writes the phase and the count of marks alone, the count last; the agent times a rank's silence by
+its own clock, between two counts it read.
 """
 
 from __future__ import annotations
@@ -33,17 +36,19 @@ DIR_ENV = "DDPKIT_PROGRESS_DIR"
 """The folder of the ranks' records on this node, set by ``ddpkit run``'s agent."""
 
 RECORD = struct.Struct("=qqqqqqqqdd")
-"""The record as the agent reads it (native byte order: the rank and its agent share the machine)."""
+"""The record as the agent reads it (native byte order: the rank and its agent share the
+machine)."""
 SIZE = RECORD.size
 MAGIC = 0x314B5044  # "DPK1"
-# Slots of the record, 8 bytes each: what a mark writes with one store into a memoryview of the page.
+# Slots of the record, 8 bytes each: what a mark writes with one store into a memoryview of the
+# page.
 _MAGIC, _PID, _OP, _PHASE, _SEQ, _STEP, _STEPS, _COLL = range(8)
 _STEP_AT, _LAST_STEP = 8, 9
 
 
 class Phase:
-    """What a rank is doing (plain ints: an enum's conversion would cost a mark more than its store). ``LOOP``:
-    after a loader handed over a batch, in a loop ddpkit does not drive."""
+    """What a rank is doing (plain ints: an enum's conversion would cost a mark more than its
+    store). ``LOOP``: after a loader handed over a batch, in a loop ddpkit does not drive."""
 
     STARTING = 0
     DATA = 1
@@ -99,13 +104,16 @@ _clock = time.monotonic
 def _open() -> bool:
     global _opened, _buf, _ints, _floats
     _opened = True
-    folder, rank = os.environ.get(DIR_ENV), torchrun.rank_text(os.environ)  # set by the agent with the folder
+    # set by the agent with the folder
+    folder, rank = os.environ.get(DIR_ENV), torchrun.rank_text(os.environ)
     if not folder or rank is None or not rank.isdigit():
         return False
     from ddpkit import _fs as fs
 
     try:
-        fd = fs.open_fd(Path(folder) / f"rank{rank}.progress", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = fs.open_fd(
+            Path(folder) / f"rank{rank}.progress", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600
+        )
     except OSError:
         return False  # the agent's folder went away (the job is ending): nothing to report to
     try:
@@ -124,7 +132,13 @@ def _write() -> None:
         return
     assert _ints is not None and _floats is not None
     _seq += 1
-    _ints[_OP], _ints[_PHASE], _ints[_STEP], _ints[_STEPS], _ints[_COLL] = _op, _phase, _step, _steps, _coll
+    _ints[_OP], _ints[_PHASE], _ints[_STEP], _ints[_STEPS], _ints[_COLL] = (
+        _op,
+        _phase,
+        _step,
+        _steps,
+        _coll,
+    )
     _floats[_STEP_AT], _floats[_LAST_STEP] = _step_at, _last_step
     _ints[_SEQ] = _seq
 
@@ -142,7 +156,8 @@ def mark(phase: int) -> None:
 
 
 def begin_step(step: int) -> None:
-    """This rank starts step ``step`` (the Trainer: its optimizer step); loaders' batches no longer count steps."""
+    """This rank starts step ``step`` (the Trainer: its optimizer step); loaders' batches no longer
+    count steps."""
     global _trainer_counts, _phase
     _trainer_counts = True
     _next_step(step)
@@ -181,8 +196,9 @@ def phase(p: int) -> Iterator[None]:
 
 
 class collective:  # noqa: N801  (used as a function: `with progress.collective("all_reduce"):`)
-    """In collective ``op``, the next in this rank's sequence; every rank enters the same ones in the same order.
-    A class rather than a generator: entered around every collective, it costs a third as much."""
+    """In collective ``op``, the next in this rank's sequence; every rank enters the same ones in
+    the same order. A class rather than a generator: entered around every collective, it costs a
+    third as much."""
 
     __slots__ = ("before",)
 
@@ -201,8 +217,9 @@ class collective:  # noqa: N801  (used as a function: `with progress.collective(
 
 
 def _after_fork_in_child() -> None:
-    # A rank's own children (DataLoader workers) inherit its mapping: they are not the rank, and must not write
-    # its record. A process forked before any mark (the launcher's fork server's workers) opens its own.
+    # A rank's own children (DataLoader workers) inherit its mapping: they are not the rank, and
+    # must not write its record. A process forked before any mark (the launcher's fork server's
+    # workers) opens its own.
     global _buf, _ints, _floats, _opened
     if _buf is not None:
         _ints, _floats, _buf, _opened = None, None, None, True

@@ -1,13 +1,15 @@
 """Batch normalisation over the global batch on every backend.
 
-``torch.nn.SyncBatchNorm`` runs on CUDA only (DDP refuses it on CPU: "SyncBatchNorm layers only work with GPU
-modules"), so CPU jobs over gloo would silently normalise each rank's slice on its own. This module computes the
-same statistics with one differentiable all-reduce, on any device. On CUDA, ddpkit uses torch's own kernel.
+``torch.nn.SyncBatchNorm`` runs on CUDA only (DDP refuses it on CPU: "SyncBatchNorm layers only work
+with GPU modules"), so CPU jobs over gloo would silently normalise each rank's slice on its own.
+This module computes the same statistics with one differentiable all-reduce, on any device. On CUDA,
+ddpkit uses torch's own kernel.
 
-Forward: every rank sums ``x`` and ``x**2`` per channel and counts its elements; one all-reduce of the three
-gives the global mean and (biased) variance. Backward: the all-reduce's gradient is an all-reduce of the
-statistics' gradients over ranks, so each rank's input gradient holds the terms of every rank's loss, as
-when the whole batch is on one device; DDP's averaging of parameter gradients then yields the global mean.
+Forward: every rank sums ``x`` and ``x**2`` per channel and counts its elements; one all-reduce of
+the three gives the global mean and (biased) variance. Backward: the all-reduce's gradient is an
+all-reduce of the statistics' gradients over ranks, so each rank's input gradient holds the terms of
+every rank's loss, as when the whole batch is on one device; DDP's averaging of parameter gradients
+then yields the global mean.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from ddpkit.distributed._collectives import is_live
 
 
 class _AllReduceSum(torch.autograd.Function):
-    # torch.distributed.nn.functional.all_reduce does this too, but is deprecated in favour of a private module.
+    # torch.distributed.nn.functional.all_reduce does this too, but is deprecated in favour of a
+    # private module.
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, group: Group) -> torch.Tensor:
         ctx.group = group
@@ -42,21 +45,30 @@ class _AllReduceSum(torch.autograd.Function):
 class CPUSyncBatchNorm(BatchNormBase):
     """``BatchNorm{1,2,3}d`` whose training statistics span all ranks of ``process_group``."""
 
-    def __init__(self, num_features: int, *args: Any, process_group: Group = None, **kwargs: Any) -> None:
+    def __init__(
+        self, num_features: int, *args: Any, process_group: Group = None, **kwargs: Any
+    ) -> None:
         super().__init__(num_features, *args, **kwargs)
         self.process_group = process_group
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self.check_input(input)
-        # Only training syncs (as torch's SyncBatchNorm): evaluation runs on uneven shares, where a collective
-        # per forward would leave the rank with the extra batch waiting for the others.
-        if not self.training or not is_live(self.process_group) or dist.get_world_size(self.process_group) == 1:
+        # Only training syncs (as torch's SyncBatchNorm): evaluation runs on uneven shares, where a
+        # collective per forward would leave the rank with the extra batch waiting for the others.
+        if (
+            not self.training
+            or not is_live(self.process_group)
+            or dist.get_world_size(self.process_group) == 1
+        ):
             return super().forward(input)
         factor = self._momentum_factor()
         dims = [0, *range(2, input.dim())]
-        # float64 for E[x^2] - E[x]^2: in float32 the difference loses digits when the mean is large.
+        # float64 for E[x^2] - E[x]^2: in float32 the difference loses digits when the mean is
+        # large.
         x64 = input.double()
-        local = torch.cat([x64.sum(dims), (x64 * x64).sum(dims), x64.new_tensor([input.numel() / input.shape[1]])])
+        local = torch.cat(
+            [x64.sum(dims), (x64 * x64).sum(dims), x64.new_tensor([input.numel() / input.shape[1]])]
+        )
         total = _AllReduceSum.apply(local, self.process_group)
         c = self.num_features
         count = total[-1]
@@ -64,7 +76,8 @@ class CPUSyncBatchNorm(BatchNormBase):
         var = total[c : 2 * c] / count - mean * mean
         if self.track_running_stats:
             running_mean, running_var = self.running_mean, self.running_var
-            assert running_mean is not None and running_var is not None  # registered with track_running_stats
+            # registered with track_running_stats
+            assert running_mean is not None and running_var is not None
             with torch.no_grad():
                 unbiased = var * count / (count - 1).clamp(min=1)
                 running_mean.mul_(1 - factor).add_(mean.to(running_mean.dtype), alpha=factor)
@@ -85,8 +98,11 @@ class CPUSyncBatchNorm(BatchNormBase):
         return 1.0 / float(tracked) if self.momentum is None else self.momentum
 
 
-def convert_sync_batchnorm(module: nn.Module, device: torch.device, process_group: Group = None) -> nn.Module:
-    """Replace every BatchNorm layer by one that normalises over the global batch (in place where possible)."""
+def convert_sync_batchnorm(
+    module: nn.Module, device: torch.device, process_group: Group = None
+) -> nn.Module:
+    """Replace every BatchNorm layer by one that normalises over the global batch (in place where
+    possible)."""
     if device.type == "cuda":
         return nn.SyncBatchNorm.convert_sync_batchnorm(module, process_group)
     out = module

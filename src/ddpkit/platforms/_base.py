@@ -1,5 +1,6 @@
-"""What every platform module gives: the :class:`Platform` protocol, the world it reads (:class:`LaunchEnv`) and
-the option defaults it hands ``ddpkit run`` (:class:`LaunchDefault`). Pure logic, no torch."""
+"""What every platform module gives: the :class:`Platform` protocol, the world it reads
+(:class:`LaunchEnv`) and the option defaults it hands ``ddpkit run`` (:class:`LaunchDefault`). Pure
+logic, no torch."""
 
 from __future__ import annotations
 
@@ -19,19 +20,20 @@ class LaunchEnv:
     world_size: int = 1
     local_world_size: int = 1
     launcher: str = "none"
-    """``"torchrun"`` (also ``ddpkit run`` and ``ddpkit.spawn``), ``"slurm"``, ``"mpi"`` (Open MPI or MPICH
-    ``mpiexec``), ``"pytorchjob"`` (a Kubeflow PyTorchJob pod run without torchrun,
-    :mod:`ddpkit.platforms._kubernetes`), ``"ray"`` (a Ray Train worker), or ``"none"`` (plain python): the
-    ``NAME`` of the platform module that read it."""
+    """``"torchrun"`` (also ``ddpkit run`` and ``ddpkit.spawn``), ``"slurm"``, ``"mpi"`` (Open MPI
+    or MPICH ``mpiexec``), ``"pytorchjob"`` (a Kubeflow PyTorchJob pod run without torchrun,
+    :mod:`ddpkit.platforms._kubernetes`), ``"ray"`` (a Ray Train worker), or ``"none"`` (plain
+    python): the ``NAME`` of the platform module that read it."""
     master_addr: str | None = None
     master_port: int | None = None
     collective_timeout: float | None = None
     """Seconds a collective may wait before it raises, as ``ddpkit run --collective-timeout`` set it
     (``DDPKIT_COLLECTIVE_TIMEOUT``); None for ``init()``'s default."""
     restart_count: int = 0
-    """How many times the job has been restarted: by torchrun's agent (``TORCHELASTIC_RESTART_COUNT``) or by
-    a SLURM requeue (``SLURM_RESTART_COUNT``); both add up under ``srun ddpkit run``. Under Ray Train, counted
-    by :func:`ddpkit.distributed._runtime.init` (:mod:`ddpkit._internals.ray_train`)."""
+    """How many times the job has been restarted: by torchrun's agent
+    (``TORCHELASTIC_RESTART_COUNT``) or by a SLURM requeue (``SLURM_RESTART_COUNT``); both add up
+    under ``srun ddpkit run``. Under Ray Train, counted by :func:`ddpkit.distributed._runtime.init`
+    (:mod:`ddpkit._internals.ray_train`)."""
 
 
 @dataclass(frozen=True)
@@ -46,26 +48,29 @@ class LaunchDefault:
 
 @runtime_checkable
 class Platform(Protocol):
-    """One platform ddpkit reads: a module of :mod:`ddpkit.platforms` (``torchrun``, ``slurm``, ...).
+    """One platform ddpkit reads: a module of :mod:`ddpkit.platforms` (``torchrun``, ``slurm``,
+    ...).
 
-    Each function takes the environment as a mapping (``os.environ``, or a dict in a test) and reads nothing
-    else, so every branch is tested with a mocked environment."""
+    Each function takes the environment as a mapping (``os.environ``, or a dict in a test) and reads
+    nothing else, so every branch is tested with a mocked environment."""
 
     NAME: str
     """The platform's name, as :attr:`LaunchEnv.launcher` holds it."""
 
     def detect(self, env: Mapping[str, str]) -> bool:
         """Whether this process was started by this platform. Asked in the order of
-        :data:`ddpkit.platforms.PLATFORMS`, so it need not rule out the platforms asked before it."""
+        :data:`ddpkit.platforms.PLATFORMS`, so it need not rule out the platforms asked before
+        it."""
         ...
 
     def world(self, env: Mapping[str, str]) -> LaunchEnv:
-        """This process's place in the job (raises :class:`~ddpkit._errors.ConfigError` naming the variable to
-        fix); asked only where :func:`detect` said yes."""
+        """This process's place in the job (raises :class:`~ddpkit._errors.ConfigError` naming the
+        variable to fix); asked only where :func:`detect` said yes."""
         ...
 
     def launch_defaults(self, env: Mapping[str, str]) -> list[LaunchDefault]:
-        """The defaults of ``ddpkit run``'s options that this platform set in the environment (most set none)."""
+        """The defaults of ``ddpkit run``'s options that this platform set in the environment (most
+        set none)."""
         ...
 
 
@@ -88,23 +93,24 @@ def read_int(env: Mapping[str, str], name: str) -> int:
 
 
 def checked(info: LaunchEnv) -> LaunchEnv:
-    """``info`` when its ranks and sizes fit together, else a :class:`ConfigError` naming the launcher."""
+    """``info`` when its ranks and sizes fit together, else a :class:`ConfigError` naming the
+    launcher."""
     source = LAUNCHER_NAMES.get(info.launcher, info.launcher)
     if info.world_size < 1:
         raise ConfigError(f"world size {info.world_size} from {source} must be >= 1")
     if not 0 <= info.rank < info.world_size:
         raise ConfigError(
-            f"rank {info.rank} is outside the world of {info.world_size} processes set by {source}; "
-            "each rank must be in [0, world size)"
+            f"rank {info.rank} is outside the world of {info.world_size} processes set by "
+            f"{source}; each rank must be in [0, world size)"
         )
     if not 1 <= info.local_world_size <= info.world_size:
         raise ConfigError(
-            f"{info.local_world_size} processes on this node but {info.world_size} in the whole job "
-            f"({source}); the local world size must be between 1 and the world size"
+            f"{info.local_world_size} processes on this node but {info.world_size} in the whole "
+            f"job ({source}); the local world size must be between 1 and the world size"
         )
     if not 0 <= info.local_rank < info.local_world_size:
         raise ConfigError(
-            f"local rank {info.local_rank} is outside the {info.local_world_size} processes of this node "
-            f"set by {source}"
+            f"local rank {info.local_rank} is outside the {info.local_world_size} processes of "
+            f"this node set by {source}"
         )
     return info

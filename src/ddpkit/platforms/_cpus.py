@@ -1,5 +1,6 @@
 """The cores this process may use: a scheduler's grant (:mod:`~ddpkit.platforms._sge`,
-:mod:`~ddpkit.platforms._slurm`), else the affinity within the container's CPU quota (a Kubernetes pod's limit)."""
+:mod:`~ddpkit.platforms._slurm`), else the affinity within the container's CPU quota (a Kubernetes
+pod's limit)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from ddpkit.platforms import _slurm as slurm
 
 
 def cpu_count(env: Mapping[str, str] | None = None) -> int:
-    """Cores this process may use: the scheduler's grant (SGE ``NSLOTS``, ``SLURM_CPUS_ON_NODE``), else its
-    affinity within its cgroup's CPU quota (a container's CPU limit, rounded up)."""
+    """Cores this process may use: the scheduler's grant (SGE ``NSLOTS``, ``SLURM_CPUS_ON_NODE``),
+    else its affinity within its cgroup's CPU quota (a container's CPU limit, rounded up)."""
     env = os.environ if env is None else env
     for granted in (sge.cpus_granted(env), slurm.cpus_granted(env)):
         if granted is not None and granted.isascii() and granted.isdigit() and int(granted) > 0:
@@ -26,14 +27,17 @@ def cpu_count(env: Mapping[str, str] | None = None) -> int:
     return count if quota is None else max(1, min(count, math.ceil(quota)))
 
 
-def cgroup_cpu_quota(root: str = "/sys/fs/cgroup", membership: str = "/proc/self/cgroup") -> float | None:
-    """The CPUs this process's cgroup v2 quota allows (``cpu.max`` of its cgroup and of every parent, the
-    tightest), or None without one.
+def cgroup_cpu_quota(
+    root: str = "/sys/fs/cgroup", membership: str = "/proc/self/cgroup"
+) -> float | None:
+    """The CPUs this process's cgroup v2 quota allows (``cpu.max`` of its cgroup and of every
+    parent, the tightest), or None without one.
 
-    A Kubernetes pod's CPU limit is such a quota, while affinity still shows every core of the node: without
-    it, ``--nproc auto`` in a pod limited to 2 CPUs of a 64-core node would start 8 processes of 8 threads
-    each. Python's ``os.process_cpu_count`` and torch read affinity only, so this small read is ddpkit's own.
-    cgroup v1 hierarchies are not read (Kubernetes has kept them in maintenance only since 1.31)."""
+    A Kubernetes pod's CPU limit is such a quota, while affinity still shows every core of the node:
+    without it, ``--nproc auto`` in a pod limited to 2 CPUs of a 64-core node would start 8
+    processes of 8 threads each. Python's ``os.process_cpu_count`` and torch read affinity only, so
+    this small read is ddpkit's own. cgroup v1 hierarchies are not read (Kubernetes has kept them in
+    maintenance only since 1.31)."""
     try:
         with open(membership) as f:
             lines = f.read().splitlines()

@@ -1,20 +1,23 @@
 """What Kubernetes' training operators tell a pod, read in one place.
 
-- **PyTorchJob** (Kubeflow training-operator v1), one process per pod (``python train.py``): the operator sets
-  ``MASTER_ADDR`` (the master replica's service), ``MASTER_PORT``, ``WORLD_SIZE`` (pods) and ``RANK`` (the
-  pod's), and no ``LOCAL_RANK``: the platform ``"pytorchjob"`` (:func:`detect`, :func:`world`), local rank
-  0 of 1. With a number above 1 as ``nprocPerNode`` the same job is meant
-  for torchrun (``WORLD_SIZE`` counts processes, not pods), so a lone process there is refused rather than left
-  waiting for ranks that never come; a word (``auto``, the operator's default) counts one process a pod.
-- **PyTorchJob with an elastic policy or ``nprocPerNode``, and TrainJob** (Kubeflow Trainer v2, whose
-  ``torch-distributed`` runtime runs torchrun): torchrun's options as ``PET_*`` variables. torchrun reads them
-  itself; ``ddpkit run`` takes them as the defaults of its own options (:func:`launch_defaults`).
-- **JobSet**: no variable of its own; a pod of an indexed Job knows its index from ``JOB_COMPLETION_INDEX``,
-  which ``ddpkit run`` takes as the node rank of a job of fixed size.
+- **PyTorchJob** (Kubeflow training-operator v1), one process per pod (``python train.py``): the
+  operator sets ``MASTER_ADDR`` (the master replica's service), ``MASTER_PORT``, ``WORLD_SIZE``
+  (pods) and ``RANK`` (the pod's), and no ``LOCAL_RANK``: the platform ``"pytorchjob"``
+  (:func:`detect`, :func:`world`), local rank 0 of 1. With a number above 1 as ``nprocPerNode`` the
+  same job is meant for torchrun (``WORLD_SIZE`` counts processes, not pods), so a lone process
+  there is refused rather than left waiting for ranks that never come; a word (``auto``, the
+  operator's default) counts one process a pod.
+- **PyTorchJob with an elastic policy or ``nprocPerNode``, and TrainJob** (Kubeflow Trainer v2,
+  whose ``torch-distributed`` runtime runs torchrun): torchrun's options as ``PET_*`` variables.
+  torchrun reads them itself; ``ddpkit run`` takes them as the defaults of its own options
+  (:func:`launch_defaults`).
+- **JobSet**: no variable of its own; a pod of an indexed Job knows its index from
+  ``JOB_COMPLETION_INDEX``, which ``ddpkit run`` takes as the node rank of a job of fixed size.
 
-Every pod has ``KUBERNETES_SERVICE_HOST`` (the API server's service, injected by the kubelet): without it,
-``RANK`` and ``WORLD_SIZE`` with no ``LOCAL_RANK`` are a leftover ``export`` far more often than a launcher,
-and stay an error (:mod:`ddpkit.platforms._torchrun`). Pure logic, tested with mocked environments.
+Every pod has ``KUBERNETES_SERVICE_HOST`` (the API server's service, injected by the kubelet):
+without it, ``RANK`` and ``WORLD_SIZE`` with no ``LOCAL_RANK`` are a leftover ``export`` far more
+often than a launcher, and stay an error (:mod:`ddpkit.platforms._torchrun`). Pure logic, tested
+with mocked environments.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ OPERATOR_VARS = {
     "--rdzv-id": ("PET_RDZV_ID",),
     "--max-restarts": ("PET_MAX_RESTARTS",),
 }
-"""``ddpkit run``'s options and the ``PET_*`` variables (torchrun's names) that give their defaults."""
+"""``ddpkit run``'s options and the ``PET_*`` variables (torchrun's names) that give their
+defaults."""
 
 _VALUE_FORMS = {
     "PET_NNODES": ("[0-9]+(:[0-9]+)?", "use a number of nodes, or MIN:MAX for an elastic job"),
@@ -48,29 +52,34 @@ _VALUE_FORMS = {
     "PET_MAX_RESTARTS": ("[0-9]+", "use a number of restarts"),
     "PET_MASTER_PORT": ("[0-9]{1,5}", "use the master's port, a number"),
 }
-"""What torchrun takes in each variable, so that a wrong one is named as the variable, not as an option the
-user never typed. ``[0-9]`` is ASCII only, unlike ``int()`` and ``str.isdigit()``: ``int("٣")`` is 3 and
-``"²".isdigit()`` is True while ``int("²")`` raises."""
+"""What torchrun takes in each variable, so that a wrong one is named as the variable, not as an
+option the user never typed. ``[0-9]`` is ASCII only, unlike ``int()`` and ``str.isdigit()``:
+``int("٣")`` is 3 and ``"²".isdigit()`` is True while ``int("²")`` raises."""
 
 
 def pet_value(env: Mapping[str, str], name: str) -> str | None:
-    """The value of the ``PET_*`` variable ``name`` (one of ``_VALUE_FORMS``), stripped, or None where it
-    is unset: every reader of these variables parses them here, so that a value is taken or refused the same
-    way by ``ddpkit run`` and :func:`ddpkit.init`. Raises :class:`ConfigError` in one line naming the variable
-    and its value (shown with escapes, so that a digit of another script is seen for what it is) for anything
-    but the form torchrun takes: a sign, an empty value, a digit that is not ASCII."""
+    """The value of the ``PET_*`` variable ``name`` (one of ``_VALUE_FORMS``), stripped, or None
+    where it is unset: every reader of these variables parses them here, so that a value is taken or
+    refused the same way by ``ddpkit run`` and :func:`ddpkit.init`. Raises :class:`ConfigError` in
+    one line naming the variable and its value (shown with escapes, so that a digit of another
+    script is seen for what it is) for anything but the form torchrun takes: a sign, an empty value,
+    a digit that is not ASCII."""
     if name not in env:
         return None
     value = env[name].strip()
     form, hint = _VALUE_FORMS[name]
     if not (value.isascii() and re.fullmatch(form, value)):
-        raise ConfigError(f"{name}={env[name][:40]!a}, set in this pod's environment: {hint} (the job's spec sets it)")
+        raise ConfigError(
+            f"{name}={env[name][:40]!a}, set in this pod's environment: {hint} (the job's spec "
+            "sets it)"
+        )
     return value
 
 
 _RDZV_BACKENDS = ("c10d", "static")
-"""``PET_RDZV_BACKEND`` values ``ddpkit run`` stands in for: its own rendezvous is a c10d store at the endpoint
-(``static``: torchrun's fixed-size rendezvous at the master, which the endpoint then names)."""
+"""``PET_RDZV_BACKEND`` values ``ddpkit run`` stands in for: its own rendezvous is a c10d store at
+the endpoint (``static``: torchrun's fixed-size rendezvous at the master, which the endpoint then
+names)."""
 
 
 def in_pod(env: Mapping[str, str]) -> bool:
@@ -78,8 +87,8 @@ def in_pod(env: Mapping[str, str]) -> bool:
 
 
 def pod_variables(env: Mapping[str, str]) -> bool:
-    """The variables of a PyTorchJob pod started without torchrun: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
-    ``MASTER_PORT``, no ``LOCAL_RANK``, inside Kubernetes."""
+    """The variables of a PyTorchJob pod started without torchrun: ``RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR``, ``MASTER_PORT``, no ``LOCAL_RANK``, inside Kubernetes."""
     return (
         in_pod(env)
         and "LOCAL_RANK" not in env
@@ -109,51 +118,59 @@ def world(env: Mapping[str, str]) -> LaunchEnv:
 
 
 def check_one_process_per_pod(env: Mapping[str, str]) -> None:
-    """Refuse a lone process in a pod meant for several (``nprocPerNode`` above 1, or an elastic policy).
+    """Refuse a lone process in a pod meant for several (``nprocPerNode`` above 1, or an elastic
+    policy).
 
-    ``nprocPerNode`` as a word (``auto``, training-operator v1.9's default, ``cpu``, ``gpu``) counts one
-    process a pod in the operator's ``WORLD_SIZE`` (a number is multiplied in, a word is not), so a lone
-    ``python train.py`` in each pod is the world the operator announced."""
+    ``nprocPerNode`` as a word (``auto``, training-operator v1.9's default, ``cpu``, ``gpu``) counts
+    one process a pod in the operator's ``WORLD_SIZE`` (a number is multiplied in, a word is not),
+    so a lone ``python train.py`` in each pod is the world the operator announced."""
     nproc, nnodes = pet_value(env, "PET_NPROC_PER_NODE") or "1", pet_value(env, "PET_NNODES") or ""
     elastic = "PET_RDZV_ENDPOINT" in env or ":" in nnodes
     if not _one_process(nproc) or elastic:
         raise ConfigError(
             "this pod's PyTorchJob starts torchrun's processes ("
-            + (f"an elastic policy, PET_NNODES={nnodes[:20]}" if elastic else f"PET_NPROC_PER_NODE={nproc}")
-            + "), but this process was started alone: make the container's command `ddpkit run train.py` "
-            "(or torchrun), which reads the PET_* variables" + ("" if elastic else ", or set nprocPerNode to 1")
+            + (
+                f"an elastic policy, PET_NNODES={nnodes[:20]}"
+                if elastic
+                else f"PET_NPROC_PER_NODE={nproc}"
+            )
+            + "), but this process was started alone: make the container's command `ddpkit run "
+            "train.py` (or torchrun), which reads the PET_* variables"
+            + ("" if elastic else ", or set nprocPerNode to 1")
         )
 
 
 def check_not_alone_in_torchrun_pod(env: Mapping[str, str]) -> None:
-    """Refuse :func:`ddpkit.init` with no launcher and no process group in a pod whose job is meant for
-    torchrun across several pods or processes (a TrainJob's ``PET_*`` with no ``RANK``, an elastic
-    PyTorchJob's workers): started as ``python train.py``, every pod would train alone as rank 0, and nothing
-    would say so. A group the script made itself (``mp.spawn``) is not asked about."""
+    """Refuse :func:`ddpkit.init` with no launcher and no process group in a pod whose job is meant
+    for torchrun across several pods or processes (a TrainJob's ``PET_*`` with no ``RANK``, an
+    elastic PyTorchJob's workers): started as ``python train.py``, every pod would train alone as
+    rank 0, and nothing would say so. A group the script made itself (``mp.spawn``) is not asked
+    about."""
     if not in_pod(env) or "PET_NNODES" not in env:
         return
     nnodes, nproc = pet_value(env, "PET_NNODES") or "", pet_value(env, "PET_NPROC_PER_NODE") or "1"
     if one_node(nnodes) and _one_process(nproc):
         return  # one pod of one process: a world of one, as started
     raise ConfigError(
-        f"this pod's job is set for torchrun (PET_NNODES={nnodes[:20]}, PET_NPROC_PER_NODE={nproc[:20]}), but this "
-        "process was started alone and would train as the only rank: make the container's command "
-        "`ddpkit run train.py` (or torchrun), which reads the PET_* variables"
+        f"this pod's job is set for torchrun (PET_NNODES={nnodes[:20]}, "
+        f"PET_NPROC_PER_NODE={nproc[:20]}), but this process was started alone and would train as "
+        "the only rank: make the container's command `ddpkit run train.py` (or torchrun), which "
+        "reads the PET_* variables"
     )
 
 
 def launch_defaults(env: Mapping[str, str], cpu_count: int | None = None) -> list[LaunchDefault]:
-    """``ddpkit run``'s option defaults from a PyTorchJob's or TrainJob's ``PET_*`` variables, and from
-    JobSet's ``JOB_COMPLETION_INDEX`` (a node rank, used only by a job of fixed size; see
+    """``ddpkit run``'s option defaults from a PyTorchJob's or TrainJob's ``PET_*`` variables, and
+    from JobSet's ``JOB_COMPLETION_INDEX`` (a node rank, used only by a job of fixed size; see
     :func:`resolve_options`). ``PET_NPROC_PER_NODE=cpu`` is ``cpu_count`` processes (by default
-    :func:`ddpkit.platforms._cpus.cpu_count`). Raises :class:`ConfigError` for a rendezvous backend ``ddpkit run`` cannot
-    stand in for, or a value torchrun would not take either."""
+    :func:`ddpkit.platforms._cpus.cpu_count`). Raises :class:`ConfigError` for a rendezvous backend
+    ``ddpkit run`` cannot stand in for, or a value torchrun would not take either."""
     backend = env.get("PET_RDZV_BACKEND")
     if backend is not None and backend not in _RDZV_BACKENDS:
         raise ConfigError(
-            f"PET_RDZV_BACKEND={backend[:40]!r}: `ddpkit run` serves its own rendezvous at the endpoint, which "
-            f"stands in for {' or '.join(_RDZV_BACKENDS)} only; set the job's rendezvous backend to c10d, or start "
-            "the pods with torchrun"
+            f"PET_RDZV_BACKEND={backend[:40]!r}: `ddpkit run` serves its own rendezvous at the "
+            f"endpoint, which stands in for {' or '.join(_RDZV_BACKENDS)} only; set the job's "
+            "rendezvous backend to c10d, or start the pods with torchrun"
         )
     found = []
     for option, (name,) in OPERATOR_VARS.items():
@@ -167,25 +184,35 @@ def launch_defaults(env: Mapping[str, str], cpu_count: int | None = None) -> lis
     if "PET_RDZV_ENDPOINT" not in env and env.get("PET_MASTER_ADDR") and "PET_MASTER_PORT" in env:
         endpoint = f"{env['PET_MASTER_ADDR'].strip()}:{pet_value(env, 'PET_MASTER_PORT')}"
         found.append(LaunchDefault("--rdzv-endpoint", endpoint, "PET_MASTER_ADDR:PET_MASTER_PORT"))
-    if "PET_NODE_RANK" not in env and re.fullmatch("[0-9]{1,7}", env.get("JOB_COMPLETION_INDEX", "")):
-        found.append(LaunchDefault("--node-rank", env["JOB_COMPLETION_INDEX"], "JOB_COMPLETION_INDEX"))
+    if "PET_NODE_RANK" not in env and re.fullmatch(
+        "[0-9]{1,7}", env.get("JOB_COMPLETION_INDEX", "")
+    ):
+        found.append(
+            LaunchDefault("--node-rank", env["JOB_COMPLETION_INDEX"], "JOB_COMPLETION_INDEX")
+        )
     return found
 
 
 def _rdzv_conf(text: str) -> list[LaunchDefault]:
     """torchrun's ``--rdzv-conf`` from ``PET_RDZV_CONF``: its ``join_timeout`` is ``ddpkit run``'s
-    ``--join-timeout`` (which also bounds the wait for the host), the other settings go to the rendezvous."""
-    pairs = [(key.strip(), value.strip()) for key, _, value in (item.partition("=") for item in text.split(","))]
+    ``--join-timeout`` (which also bounds the wait for the host), the other settings go to the
+    rendezvous."""
+    pairs = [
+        (key.strip(), value.strip())
+        for key, _, value in (item.partition("=") for item in text.split(","))
+    ]
     for key, value in pairs:
         if not (re.fullmatch("[A-Za-z_][A-Za-z0-9_]*", key) and re.fullmatch("[^=]+", value)):
             raise ConfigError(
-                f"PET_RDZV_CONF={text[:80]!r}, set in this pod's environment: use KEY=VALUE[,KEY=VALUE] (the job's "
-                "spec sets it)"
+                f"PET_RDZV_CONF={text[:80]!r}, set in this pod's environment: use "
+                "KEY=VALUE[,KEY=VALUE] (the job's spec sets it)"
             )
     found = []
     if join := [value for key, value in pairs if key == "join_timeout"]:
         if not re.fullmatch(r"[0-9]+(\.[0-9]*)?", join[-1]):
-            raise ConfigError(f"PET_RDZV_CONF's join_timeout={join[-1][:20]!r}: use a number of seconds")
+            raise ConfigError(
+                f"PET_RDZV_CONF's join_timeout={join[-1][:20]!r}: use a number of seconds"
+            )
         found.append(LaunchDefault("--join-timeout", join[-1], "PET_RDZV_CONF's join_timeout"))
     if rest := [f"{key}={value}" for key, value in pairs if key != "join_timeout"]:
         found.append(LaunchDefault("--rdzv-conf", ",".join(rest), "PET_RDZV_CONF"))
@@ -198,43 +225,51 @@ def one_node(nnodes: str) -> bool:
 
 
 def _one_process(nproc: str) -> bool:
-    """``PET_NPROC_PER_NODE`` as the training-operator counts it in ``WORLD_SIZE``: a word (``auto``, ``cpu``,
-    ``gpu``) is one process a pod, a number is itself (``nproc`` as :func:`pet_value` took it)."""
+    """``PET_NPROC_PER_NODE`` as the training-operator counts it in ``WORLD_SIZE``: a word
+    (``auto``, ``cpu``, ``gpu``) is one process a pod, a number is itself (``nproc`` as
+    :func:`pet_value` took it)."""
     return not nproc.isdigit() or int(nproc) == 1
 
 
 def resolve_options(
     given: Mapping[str, str], defaults: list[LaunchDefault]
 ) -> tuple[dict[str, str], list[LaunchDefault]]:
-    """(the options to add to the command line, the defaults taken) from the options the user ``given``
-    (option -> value as typed) and the environment's ``defaults``.
+    """(the options to add to the command line, the defaults taken) from the options the user
+    ``given`` (option -> value as typed) and the environment's ``defaults``.
 
-    A default the user also gave with another value is refused, naming both: a pod whose command says
-    ``--nnodes 4`` in a job of 2 nodes would wait for nodes that never come. ``JOB_COMPLETION_INDEX`` is a node
-    rank only for a job of fixed size across several nodes (an elastic job's node ranks are handed out at
-    each rendezvous), and only where none is typed: in a JobSet of several Jobs the index counts pods within
-    one Job, and the command names the node rank itself.
+    A default the user also gave with another value is refused, naming both: a pod whose command
+    says ``--nnodes 4`` in a job of 2 nodes would wait for nodes that never come.
+    ``JOB_COMPLETION_INDEX`` is a node rank only for a job of fixed size across several nodes (an
+    elastic job's node ranks are handed out at each rendezvous), and only where none is typed: in a
+    JobSet of several Jobs the index counts pods within one Job, and the command names the node rank
+    itself.
 
-    A job of one node (``PET_NNODES=1``, as a TrainJob or PyTorchJob of one pod has) takes no endpoint from
-    the environment: there is no node to meet, and a rendezvous at the master's address would ask the lone
-    pod for a secret it has no use for."""
+    A job of one node (``PET_NNODES=1``, as a TrainJob or PyTorchJob of one pod has) takes no
+    endpoint from the environment: there is no node to meet, and a rendezvous at the master's
+    address would ask the lone pod for a secret it has no use for."""
     taken: list[LaunchDefault] = []
     for default in defaults:
         typed = given.get(default.option)
-        if typed is None or default.option == "--rdzv-conf":  # repeatable: the job's settings, then the typed
+        # repeatable: the job's settings, then the typed
+        if typed is None or default.option == "--rdzv-conf":
             if not any(t.option == default.option for t in taken):
                 taken.append(default)
-        elif default.source != "JOB_COMPLETION_INDEX" and not _same(default.option, typed, default.value):
+        elif default.source != "JOB_COMPLETION_INDEX" and not _same(
+            default.option, typed, default.value
+        ):
             raise ConfigError(
-                f"{default.option} {typed[:80]} disagrees with {default.source}={default.value[:80]} set in this pod "
-                f"by the job's operator: drop {default.option} from the command (the operator's value is used), "
-                "or change the job's spec so that they agree"
+                f"{default.option} {typed[:80]} disagrees with "
+                f"{default.source}={default.value[:80]} set in this pod by the job's operator: "
+                f"drop {default.option} from the command (the operator's value is used), or change "
+                "the job's spec so that they agree"
             )
     nnodes = given.get("--nnodes") or next((t.value for t in taken if t.option == "--nnodes"), "1")
     fixed_size_nodes = ":" not in nnodes and not one_node(nnodes)
     taken = [t for t in taken if t.source != "JOB_COMPLETION_INDEX" or fixed_size_nodes]
     if one_node(nnodes) and "--rdzv-endpoint" not in given:
-        taken = [t for t in taken if t.option not in ("--rdzv-endpoint", "--rdzv-id", "--node-rank")]
+        taken = [
+            t for t in taken if t.option not in ("--rdzv-endpoint", "--rdzv-id", "--node-rank")
+        ]
     return {t.option: t.value for t in taken}, taken
 
 
@@ -249,8 +284,8 @@ def _same(option: str, typed: str, value: str) -> bool:
 
 
 def summary(taken: list[LaunchDefault], env: Mapping[str, str]) -> str:
-    """One line for the launch: which options came from the environment (a pod's, in Kubernetes; torchrun
-    reads ``PET_*`` anywhere, and so does ``ddpkit run``)."""
+    """One line for the launch: which options came from the environment (a pod's, in Kubernetes;
+    torchrun reads ``PET_*`` anywhere, and so does ``ddpkit run``)."""
     items = ", ".join(f"{t.option} {t.value} ({t.source})" for t in taken)
     where = "the pod's environment (Kubernetes)" if in_pod(env) else "the environment"
     return f"ddpkit run: from {where}: {items}"

@@ -1,6 +1,6 @@
-"""Grid Engine (SGE): ddpkit reads from it only that the job runs there and the slots it granted (``NSLOTS``).
-It names no ranks (an SGE job runs ``ddpkit run`` or ``mpiexec``, read as those), so it is no
-:class:`~ddpkit.platforms._base.Platform`."""
+"""Grid Engine (SGE): ddpkit reads from it only that the job runs there and the slots it granted
+(``NSLOTS``). It names no ranks (an SGE job runs ``ddpkit run`` or ``mpiexec``, read as those), so
+it is no :class:`~ddpkit.platforms._base.Platform`."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""SLURM: a task that ``srun`` started for a job step, its node list, the rendezvous port every task derives
-alone, the requeue count, and the CPUs SLURM granted the node."""
+"""SLURM: a task that ``srun`` started for a job step, its node list, the rendezvous port every task
+derives alone, the requeue count, and the CPUs SLURM granted the node."""
 
 from __future__ import annotations
 
@@ -13,21 +13,28 @@ NAME = "slurm"
 
 
 def detect(env: Mapping[str, str]) -> bool:
-    # Inside an allocation, a batch script or a salloc shell also carries SLURM_PROCID and SLURM_NTASKS; only a
-    # task that srun started for a step has SLURM_STEP_ID. Nothing else may turn SLURM off: a job's name says
-    # nothing (`srun -n2 bash -c "python train.py"` is named bash, and its two tasks are one job), and the
-    # terminal variable of `srun --pty bash` (SLURM_PTY_PORT) is inherited by every step srun starts from that
-    # shell. The shell's own step has one task unless asked otherwise, so a program run in it is a world of one.
+    # Inside an allocation, a batch script or a salloc shell also carries SLURM_PROCID and
+    # SLURM_NTASKS; only a task that srun started for a step has SLURM_STEP_ID. Nothing else may
+    # turn SLURM off: a job's name says nothing (`srun -n2 bash -c "python train.py"` is named bash,
+    # and its two tasks are one job), and the terminal variable of `srun --pty bash`
+    # (SLURM_PTY_PORT) is inherited by every step srun starts from that shell. The shell's own step
+    # has one task unless asked otherwise, so a program run in it is a world of one.
     return "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "SLURM_STEP_ID" in env
 
 
 def world(env: Mapping[str, str]) -> LaunchEnv:
     world_size = (
-        read_int(env, "SLURM_NTASKS") if "SLURM_STEP_NUM_TASKS" not in env else read_int(env, "SLURM_STEP_NUM_TASKS")
+        read_int(env, "SLURM_NTASKS")
+        if "SLURM_STEP_NUM_TASKS" not in env
+        else read_int(env, "SLURM_STEP_NUM_TASKS")
     )
     node_id = read_int(env, "SLURM_NODEID") if "SLURM_NODEID" in env else 0
-    per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or str(world_size)
-    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    per_node = (
+        env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or str(world_size)
+    )
+    nodelist = (
+        env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    )
     if not nodelist:
         raise ConfigError("SLURM_PROCID is set but no SLURM node list is: launch the job with srun")
     port = read_int(env, "MASTER_PORT") if "MASTER_PORT" in env else port_of_step(env)
@@ -66,14 +73,17 @@ def restarts(env: Mapping[str, str]) -> int:
 
 
 def cpus_granted(env: Mapping[str, str]) -> str | None:
-    """The CPUs SLURM granted this node's share of the job (``SLURM_CPUS_ON_NODE``) as set, or None."""
+    """The CPUs SLURM granted this node's share of the job (``SLURM_CPUS_ON_NODE``) as set, or
+    None."""
     return env.get("SLURM_CPUS_ON_NODE")
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
-    """Expand a SLURM node list such as ``gpu[01-03,07],login1`` or ``rack[1-2]-n[01-02]`` into host names.
+    """Expand a SLURM node list such as ``gpu[01-03,07],login1`` or ``rack[1-2]-n[01-02]`` into host
+    names.
 
-    Written here because the alternative, ``scontrol show hostnames``, needs SLURM's binaries inside the job.
+    Written here because the alternative, ``scontrol show hostnames``, needs SLURM's binaries inside
+    the job.
     """
     items, depth, start = [], 0, 0
     for i, ch in enumerate(hostlist + ","):
@@ -109,19 +119,22 @@ def _tasks_on_node(tasks_per_node: str, node_id: int) -> int:
     return counts[min(node_id, len(counts) - 1)]
 
 
-# Ports derived for SLURM steps lie below Linux's ephemeral range (32768-60999 by default), from which the
-# kernel hands out the source ports of outgoing connections: a derived port there can be taken by any client
-# socket on the node a moment before rank 0 binds it.
+# Ports derived for SLURM steps lie below Linux's ephemeral range (32768-60999 by default), from
+# which the kernel hands out the source ports of outgoing connections: a derived port there can be
+# taken by any client socket on the node a moment before rank 0 binds it.
 PORT_BASE, PORT_JOBS, PORT_STEPS = 20000, 750, 16
 
 
 def port_of_step(env: Mapping[str, str]) -> int:
-    """The rendezvous port every task of a SLURM step derives alone: a function of the job id and step id.
+    """The rendezvous port every task of a SLURM step derives alone: a function of the job id and
+    step id.
 
-    Concurrent steps of one job (``srun ... &`` twice in a batch script) differ in their step id and so get
-    different ports; jobs whose ids differ by less than 750 never share a port. ``MASTER_PORT`` overrides it.
+    Concurrent steps of one job (``srun ... &`` twice in a batch script) differ in their step id and
+    so get different ports; jobs whose ids differ by less than 750 never share a port.
+    ``MASTER_PORT`` overrides it.
     """
     job = read_int(env, "SLURM_JOB_ID") if "SLURM_JOB_ID" in env else 0
     step = env.get("SLURM_STEP_ID", "0")
-    step_id = int(step) if step.isascii() and step.isdigit() else 0  # "²".isdigit(), and int() refuses it
+    # "²".isdigit(), and int() refuses it
+    step_id = int(step) if step.isascii() and step.isdigit() else 0
     return PORT_BASE + (job % PORT_JOBS) * PORT_STEPS + step_id % PORT_STEPS

@@ -1,6 +1,7 @@
-"""torchrun (and ``ddpkit run``, :func:`ddpkit.spawn`, and any launcher that exports PyTorch's ``env://``
-variables by hand): ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, and what
-torchrun's agent adds (``LOCAL_WORLD_SIZE``, ``GROUP_WORLD_SIZE``, ``TORCHELASTIC_*``)."""
+"""torchrun (and ``ddpkit run``, :func:`ddpkit.spawn`, and any launcher that exports PyTorch's
+``env://`` variables by hand): ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
+``MASTER_PORT``, and what torchrun's agent adds (``LOCAL_WORLD_SIZE``, ``GROUP_WORLD_SIZE``,
+``TORCHELASTIC_*``)."""
 
 from __future__ import annotations
 
@@ -24,31 +25,38 @@ def detect(env: Mapping[str, str]) -> bool:
 
 
 def world(env: Mapping[str, str], launcher: str = NAME) -> LaunchEnv:
-    """The ranks as ``env://`` names them; ``launcher`` names who set them (``"ray"``: Ray Train)."""
+    """The ranks as ``env://`` names them; ``launcher`` names who set them (``"ray"``: Ray
+    Train)."""
     present = [name for name in VARS if name in env]
     missing = [name for name in VARS if name not in env]
     if missing:
         raise ConfigError(
-            f"{', '.join(present)} set but {', '.join(missing)} not: launch with `ddpkit run` or torchrun, "
-            f"or unset {', '.join(present)} to run as a single process"
+            f"{', '.join(present)} set but {', '.join(missing)} not: launch with `ddpkit run` or "
+            f"torchrun, or unset {', '.join(present)} to run as a single process"
         )
     world_size = read_int(env, "WORLD_SIZE")
     for name in ("MASTER_ADDR", "MASTER_PORT"):
         if name not in env:
             raise ConfigError(
-                f"RANK and WORLD_SIZE are set but {name} is not: launch with `ddpkit run` or torchrun, "
-                f"which set it, or export {name}"
+                f"RANK and WORLD_SIZE are set but {name} is not: launch with `ddpkit run` or "
+                f"torchrun, which set it, or export {name}"
             )
     return checked(
         LaunchEnv(
             rank=read_int(env, "RANK"),
             local_rank=read_int(env, "LOCAL_RANK"),
             world_size=world_size,
-            local_world_size=read_int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else world_size,
+            local_world_size=read_int(env, "LOCAL_WORLD_SIZE")
+            if "LOCAL_WORLD_SIZE" in env
+            else world_size,
             launcher=launcher,
             master_addr=env["MASTER_ADDR"],
             master_port=read_int(env, "MASTER_PORT"),
-            restart_count=(read_int(env, "TORCHELASTIC_RESTART_COUNT") if "TORCHELASTIC_RESTART_COUNT" in env else 0)
+            restart_count=(
+                read_int(env, "TORCHELASTIC_RESTART_COUNT")
+                if "TORCHELASTIC_RESTART_COUNT" in env
+                else 0
+            )
             + slurm.restarts(env),
         )
     )
@@ -61,8 +69,8 @@ def launch_defaults(env: Mapping[str, str]) -> list[LaunchDefault]:
 
 
 def started_by_agent(env: Mapping[str, str]) -> bool:
-    """Started by torchrun's agent (``ddpkit run`` or torchrun), not by another launcher that exports its
-    variables."""
+    """Started by torchrun's agent (``ddpkit run`` or torchrun), not by another launcher that
+    exports its variables."""
     return "TORCHELASTIC_RUN_ID" in env
 
 
@@ -72,7 +80,8 @@ def run_id(env: Mapping[str, str]) -> str:
 
 
 def master_address(env: Mapping[str, str]) -> tuple[str, str] | None:
-    """(``MASTER_ADDR``, ``MASTER_PORT``) as set, where both are and the port is digits; else None."""
+    """(``MASTER_ADDR``, ``MASTER_PORT``) as set, where both are and the port is digits; else
+    None."""
     addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT", "")
     return (addr, port) if addr and port.isdigit() else None
 
@@ -94,20 +103,22 @@ def option_variables(env: Mapping[str, str]) -> list[str]:
 def uneven_nodes(env: Mapping[str, str]) -> str | None:
     """A warning when torchrun's nodes run different numbers of processes, else None.
 
-    torchrun accepts a different ``--nproc-per-node`` on each node and numbers the ranks node after node, so
-    such a job runs; but it is usually a typo on one node, and it leaves GPUs idle or oversubscribes a node.
-    Told from this process's variables alone (``GROUP_WORLD_SIZE`` nodes x ``LOCAL_WORLD_SIZE`` here against
-    ``WORLD_SIZE``), with no collective.
+    torchrun accepts a different ``--nproc-per-node`` on each node and numbers the ranks node after
+    node, so such a job runs; but it is usually a typo on one node, and it leaves GPUs idle or
+    oversubscribes a node. Told from this process's variables alone (``GROUP_WORLD_SIZE`` nodes x
+    ``LOCAL_WORLD_SIZE`` here against ``WORLD_SIZE``), with no collective.
     """
     try:
-        nodes, world, here = (int(env[name]) for name in ("GROUP_WORLD_SIZE", "WORLD_SIZE", "LOCAL_WORLD_SIZE"))
+        nodes, world, here = (
+            int(env[name]) for name in ("GROUP_WORLD_SIZE", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+        )
     except (KeyError, ValueError):
         return None
     if nodes < 2 or nodes * here == world:
         return None
     return (
-        f"ddpkit: {world} processes on {nodes} nodes, {here} of them on this node: the nodes run different "
-        "numbers of processes. Pass the same --nproc (torchrun: --nproc-per-node) on every node unless this is "
-        "meant (ranks are numbered node after node; per-node settings such as threads and GPUs then differ "
-        "between nodes)."
+        f"ddpkit: {world} processes on {nodes} nodes, {here} of them on this node: the nodes run "
+        "different numbers of processes. Pass the same --nproc (torchrun: --nproc-per-node) on "
+        "every node unless this is meant (ranks are numbered node after node; per-node settings "
+        "such as threads and GPUs then differ between nodes)."
     )

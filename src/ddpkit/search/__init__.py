@@ -20,8 +20,9 @@
     }
     search(objective, space, SearchConfig(n_trials=20, group_size=2, metric="val/loss"))
 
-Launch it like any ddpkit job (``ddpkit run --nproc 4 search.py``, ``srun``, ``mpiexec``); every group of
-``group_size`` ranks trains one candidate at a time. Needs ``pip install 'ddpkit[search]'`` (Optuna).
+Launch it like any ddpkit job (``ddpkit run --nproc 4 search.py``, ``srun``, ``mpiexec``); every
+group of ``group_size`` ranks trains one candidate at a time. Needs ``pip install 'ddpkit[search]'``
+(Optuna).
 """
 
 try:

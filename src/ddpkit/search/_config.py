@@ -24,19 +24,19 @@ class SearchConfig:
     group_size: int = 1
     """Ranks per candidate; the job's world size must divide by it."""
     metric: str = "val/loss"
-    """The validation metric a Trainer reports each epoch (pruning) and the objective's result, if the objective
-    returns the Trainer's metrics dict."""
+    """The validation metric a Trainer reports each epoch (pruning) and the objective's result, if
+    the objective returns the Trainer's metrics dict."""
     direction: Literal["minimize", "maximize"] = "minimize"
     sampler: Sampler = "tpe"
-    """``tpe`` (default), ``evolution`` (Propulate's asynchronous evolution), ``nsga2``, ``cmaes``, ``random``,
-    ``grid`` (choices only)."""
+    """``tpe`` (default), ``evolution`` (Propulate's asynchronous evolution), ``nsga2``, ``cmaes``,
+    ``random``, ``grid`` (choices only)."""
     pruner: Pruner = "median"
     """``median``, ``halving`` (successive halving), ``hyperband``, or ``none``."""
     search_dir: str = "runs/search"
     """Trials' run directories, the study's journal file (default storage), trials.csv and plots."""
     storage: str | None = None
-    """An RDB URL (``sqlite:///path.db``, ``postgresql://...``) to share a study between jobs; default: a journal
-    file in ``search_dir`` (nothing to start)."""
+    """An RDB URL (``sqlite:///path.db``, ``postgresql://...``) to share a study between jobs;
+    default: a journal file in ``search_dir`` (nothing to start)."""
     study_name: str = "ddpkit"
     seed: int = 0
     """Seeds the sampler: the same seed and the same order of results give the same candidates."""
@@ -54,4 +54,6 @@ class SearchConfig:
         }
         for name, ok in checks.items():
             if not ok:
-                raise ConfigError(f"{name}={getattr(self, name)!r} is not valid: see SearchConfig.{name}")
+                raise ConfigError(
+                    f"{name}={getattr(self, name)!r} is not valid: see SearchConfig.{name}"
+                )

@@ -1,15 +1,17 @@
 """The asynchronous evolution of Propulate (seed 003) as an Optuna sampler.
 
-Each new candidate is bred from the candidates finished so far, whenever a worker asks: no generations, so
-no worker waits for the slowest candidate of a generation. With probability ``random_share`` a candidate is
-drawn at random (exploration); otherwise two parents are chosen by tournaments among the ``top`` best
-finished candidates, each parameter is taken from either parent (uniform crossover), and each is mutated with
-probability ``mutation_prob``: floats and integers by a Gaussian step of ``mutation_scale`` of their range
-(in log space for log distributions), choices by a new draw.
+Each new candidate is bred from the candidates finished so far, whenever a worker asks: no
+generations, so no worker waits for the slowest candidate of a generation. With probability
+``random_share`` a candidate is drawn at random (exploration); otherwise two parents are chosen by
+tournaments among the ``top`` best finished candidates, each parameter is taken from either parent
+(uniform crossover), and each is mutated with probability ``mutation_prob``: floats and integers by
+a Gaussian step of ``mutation_scale`` of their range (in log space for log distributions), choices
+by a new draw.
 
-Optuna's NSGA-II (``sampler="nsga2"``) is a genetic algorithm too, but generational: parents come from the
-population of the last complete generation, which changes only once ``population_size`` candidates of the
-current one have finished (see bench/search_evolution.py for the two side by side).
+Optuna's NSGA-II (``sampler="nsga2"``) is a genetic algorithm too, but generational: parents come
+from the population of the last complete generation, which changes only once ``population_size``
+candidates of the current one have finished (see bench/search_evolution.py for the two side by
+side).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from optuna.trial import FrozenTrial, TrialState
 
 
 class EvolutionSampler(BaseSampler):
-    """Steady-state evolution: select, cross over and mutate the best finished candidates, or draw at random."""
+    """Steady-state evolution: select, cross over and mutate the best finished candidates, or draw
+    at random."""
 
     def __init__(
         self,
@@ -54,14 +57,24 @@ class EvolutionSampler(BaseSampler):
         self._rng = np.random.default_rng()
         self._random.reseed_rng()
 
-    def infer_relative_search_space(self, study: Study, trial: FrozenTrial) -> dict[str, BaseDistribution]:
+    def infer_relative_search_space(
+        self, study: Study, trial: FrozenTrial
+    ) -> dict[str, BaseDistribution]:
         return self._space.calculate(study)
 
     def sample_relative(
         self, study: Study, trial: FrozenTrial, search_space: dict[str, BaseDistribution]
     ) -> dict[str, Any]:
-        finished = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.value is not None]
-        if not search_space or len(finished) < self.min_finished or self._rng.random() < self.random_share:
+        finished = [
+            t
+            for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            if t.value is not None
+        ]
+        if (
+            not search_space
+            or len(finished) < self.min_finished
+            or self._rng.random() < self.random_share
+        ):
             return {}  # drawn at random by sample_independent
         reverse = study.direction == StudyDirection.MAXIMIZE
         best = sorted(finished, key=lambda t: cast(float, t.value), reverse=reverse)[: self.top]
@@ -72,7 +85,9 @@ class EvolutionSampler(BaseSampler):
             value = parent.params.get(name)
             if value is None:
                 continue
-            child[name] = self._mutate(value, dist) if self._rng.random() < self.mutation_prob else value
+            child[name] = (
+                self._mutate(value, dist) if self._rng.random() < self.mutation_prob else value
+            )
         return child
 
     def _tournament(self, ranked: Sequence[FrozenTrial], size: int = 2) -> FrozenTrial:
@@ -93,6 +108,10 @@ class EvolutionSampler(BaseSampler):
         return int(round(x)) if isinstance(dist, IntDistribution) else x
 
     def sample_independent(
-        self, study: Study, trial: FrozenTrial, param_name: str, param_distribution: BaseDistribution
+        self,
+        study: Study,
+        trial: FrozenTrial,
+        param_name: str,
+        param_distribution: BaseDistribution,
     ) -> Any:
         return self._random.sample_independent(study, trial, param_name, param_distribution)

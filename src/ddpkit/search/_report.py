@@ -1,4 +1,5 @@
-"""What a search leaves behind: the best trials printed, every trial as CSV, and Optuna's plots as PNG."""
+"""What a search leaves behind: the best trials printed, every trial as CSV, and Optuna's plots as
+PNG."""
 
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ def _fmt(v: Any) -> str:
 
 
 def save_plots(study: Any, out_dir: Path) -> list[Path]:
-    """Optimization history, parameter importances and intermediate values, as PNG (needs matplotlib)."""
+    """Optimization history, parameter importances and intermediate values, as PNG (needs
+    matplotlib)."""
     try:
         import matplotlib
 
@@ -82,8 +84,11 @@ def save_plots(study: Any, out_dir: Path) -> list[Path]:
                 ax = draw(study)
             path = out_dir / f"{name}.png"
             figure = ax.figure
-            # Into a file of ours, renamed over the name: savefig(path) would write through a link there.
-            fs.write_with(path, functools.partial(figure.savefig, format="png", dpi=100, bbox_inches="tight"))
+            # Into a file of ours, renamed over the name: savefig(path) would write through a link
+            # there.
+            fs.write_with(
+                path, functools.partial(figure.savefig, format="png", dpi=100, bbox_inches="tight")
+            )
             plt.close(ax.figure)
             saved.append(path)
         except (ValueError, RuntimeError) as err:  # e.g. importances need two complete trials
@@ -98,7 +103,9 @@ def write_results(study: Any, trials: list[FrozenTrial], config: Any) -> None:
         s.name.lower(): sum(t.state == s for t in trials)
         for s in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
     }
-    print(f"ddpkit search: {len(trials)} trials ({', '.join(f'{n} {k}' for k, n in counts.items())})")
+    print(
+        f"ddpkit search: {len(trials)} trials ({', '.join(f'{n} {k}' for k, n in counts.items())})"
+    )
     print(format_table(best_trials(trials, config.direction), config.metric))
     saved = save_plots(study, out) if config.plots else []
     print(

@@ -1,4 +1,5 @@
-"""A search space: names mapped to Optuna distributions, checked before any rank starts a candidate."""
+"""A search space: names mapped to Optuna distributions, checked before any rank starts a
+candidate."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from optuna.distributions import (
 from ddpkit._errors import ConfigError
 
 
-def uniform(low: float, high: float, *, log: bool = False, step: float | None = None) -> FloatDistribution:
+def uniform(
+    low: float, high: float, *, log: bool = False, step: float | None = None
+) -> FloatDistribution:
     """A float in ``[low, high]``, log-uniform with ``log=True``."""
     return _checked("uniform", FloatDistribution, low, high, log=log, step=step)
 
@@ -41,7 +44,8 @@ def to_distributions(space: Mapping[str, Any]) -> dict[str, BaseDistribution]:
     """``space`` as Optuna distributions; a list or tuple means a choice among its items."""
     if not space:
         raise ConfigError(
-            "the search space is empty: give at least one parameter, e.g. {'lr': uniform(1e-4, 1e-1, log=True)}"
+            "the search space is empty: give at least one parameter, e.g. {'lr': uniform(1e-4, "
+            "1e-1, log=True)}"
         )
     out = {}
     for name, spec in space.items():
@@ -54,7 +58,7 @@ def to_distributions(space: Mapping[str, Any]) -> dict[str, BaseDistribution]:
                 raise ConfigError(f"{type(spec).__name__} is not a distribution")
         except ConfigError as err:
             raise ConfigError(
-                f"search space parameter {name!r}: {err}; use ddpkit.search.uniform(low, high, log=...), "
-                "integer(low, high) or choice([...]) (or a list of options)"
+                f"search space parameter {name!r}: {err}; use ddpkit.search.uniform(low, high, "
+                "log=...), integer(low, high) or choice([...]) (or a list of options)"
             ) from None
     return out

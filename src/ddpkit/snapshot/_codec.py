@@ -1,29 +1,31 @@
-"""The one codec of a snapshot's values: what may be saved is exactly what is loaded back, as an equal value of
-the same type, by both backends (a disk snapshot's ``values.pt`` and ``rank{N}.pt``, a memory snapshot's slot
-and the blobs its ranks exchange), and nothing is ever unpickled to read it.
+"""The one codec of a snapshot's values: what may be saved is exactly what is loaded back, as an
+equal value of the same type, by both backends (a disk snapshot's ``values.pt`` and ``rank{N}.pt``,
+a memory snapshot's slot and the blobs its ranks exchange), and nothing is ever unpickled to read
+it.
 
-A value becomes a JSON *skeleton* whose tensors (and numpy arrays, as bytes) are set aside in a list and
-referenced by index (:func:`encode`); :func:`decode` is its inverse. Containers are tagged, so that tuples
-stay tuples (``random.setstate`` refuses a list), dict keys keep their types and order, and a deque keeps its
-``maxlen``. What it holds (docs/snapshots.md, "What a snapshot can hold"):
+A value becomes a JSON *skeleton* whose tensors (and numpy arrays, as bytes) are set aside in a list
+and referenced by index (:func:`encode`); :func:`decode` is its inverse. Containers are tagged, so
+that tuples stay tuples (``random.setstate`` refuses a list), dict keys keep their types and order,
+and a deque keeps its ``maxlen``. What it holds (docs/snapshots.md, "What a snapshot can hold"):
 
-- ``None``, ``bool``, ``int`` (any size), ``float`` (nan, inf, -0.0), ``complex``, ``str``, ``bytes``,
-  ``bytearray``;
-- ``dict`` (keys of any type below, in order), ``OrderedDict``, ``defaultdict`` whose factory is a builtin
-  type or None, ``Counter``, ``list``, ``tuple``, ``set``, ``frozenset``, ``deque`` (``maxlen`` kept), ``range``;
-- ``pathlib`` paths (the same class), ``datetime``/``date``/``time`` (naive, a fixed-offset ``timezone`` or a
-  ``zoneinfo.ZoneInfo``), ``timedelta``, ``Decimal``, ``Fraction``, ``uuid.UUID``;
-- numpy scalars and arrays of every dtype but ``object`` and structured ones (byte order and Fortran order
-  kept; ``longdouble`` exact on the same platform);
-- torch tensors of every dtype in :data:`ddpkit.snapshot._region.DTYPES` (CPU or device, strided; dtype,
-  shape and values kept, not strides nor ``requires_grad``), ``nn.Parameter`` (with its ``requires_grad``),
-  ``torch.dtype``, ``torch.device``, ``torch.Size``.
+- ``None``, ``bool``, ``int`` (any size), ``float`` (nan, inf, -0.0), ``complex``, ``str``,
+  ``bytes``, ``bytearray``;
+- ``dict`` (keys of any type below, in order), ``OrderedDict``, ``defaultdict`` whose factory is a
+  builtin type or None, ``Counter``, ``list``, ``tuple``, ``set``, ``frozenset``, ``deque``
+  (``maxlen`` kept), ``range``;
+- ``pathlib`` paths (the same class), ``datetime``/``date``/``time`` (naive, a fixed-offset
+  ``timezone`` or a ``zoneinfo.ZoneInfo``), ``timedelta``, ``Decimal``, ``Fraction``, ``uuid.UUID``;
+- numpy scalars and arrays of every dtype but ``object`` and structured ones (byte order and Fortran
+  order kept; ``longdouble`` exact on the same platform);
+- torch tensors of every dtype in :data:`ddpkit.snapshot._region.DTYPES` (CPU or device, strided;
+  dtype, shape and values kept, not strides nor ``requires_grad``), ``nn.Parameter`` (with its
+  ``requires_grad``), ``torch.dtype``, ``torch.device``, ``torch.Size``.
 
 Anything else is refused when the snapshot is saved, before any of it is written, by an
-:class:`UnsupportedValue` (a :class:`~ddpkit._errors.ConfigError`) naming its place in the state, its type and
-the way out. Named tuples, dataclasses, enums and other classes are among them: rebuilding one would need to
-import its class by name, which is what makes unpickling unsafe. A value shared between two places comes back
-as two equal copies.
+:class:`UnsupportedValue` (a :class:`~ddpkit._errors.ConfigError`) naming its place in the state,
+its type and the way out. Named tuples, dataclasses, enums and other classes are among them:
+rebuilding one would need to import its class by name, which is what makes unpickling unsafe. A
+value shared between two places comes back as two equal copies.
 """
 
 from __future__ import annotations
@@ -51,18 +53,29 @@ from ddpkit.distributed._collectives import tensor_bytes
 from ddpkit.snapshot._region import DTYPES, checked_specs, layout, views
 
 FORMAT = 3
-"""The format of a disk snapshot's value files; a file of another is refused by name, never read as this one."""
+"""The format of a disk snapshot's value files; a file of another is refused by name, never read as
+this one."""
 
 _INT64 = 1 << 63
-_FACTORIES = {f.__name__: f for f in (list, dict, set, frozenset, tuple, int, float, complex, str, bytes, bool)}
+_FACTORIES = {
+    f.__name__: f
+    for f in (list, dict, set, frozenset, tuple, int, float, complex, str, bytes, bool)
+}
 _PATHS = {
-    c.__name__: c for c in (pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePosixPath, pathlib.PureWindowsPath)
+    c.__name__: c
+    for c in (
+        pathlib.PosixPath,
+        pathlib.WindowsPath,
+        pathlib.PurePosixPath,
+        pathlib.PureWindowsPath,
+    )
 }
 _TORCH_DTYPES = {str(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 
 
 class UnsupportedValue(ConfigError):
-    """A value of a state that a snapshot cannot hold; the message names where it is and what to do."""
+    """A value of a state that a snapshot cannot hold; the message names where it is and what to
+    do."""
 
 
 class FormatError(ValueError):
@@ -122,10 +135,22 @@ _ENCODERS: dict[type, Any] = {
     range: lambda v, t: {"r": [_enc(v.start, t), _enc(v.stop, t), _enc(v.step, t)]},
     **{c: (lambda v, t: {"p": [type(v).__name__, str(v)]}) for c in _PATHS.values()},
     dt.datetime: lambda v, t: {
-        "DT": [v.year, v.month, v.day, v.hour, v.minute, v.second, v.microsecond, v.fold, _tz(v.tzinfo, v)]
+        "DT": [
+            v.year,
+            v.month,
+            v.day,
+            v.hour,
+            v.minute,
+            v.second,
+            v.microsecond,
+            v.fold,
+            _tz(v.tzinfo, v),
+        ]
     },
     dt.date: lambda v, t: {"D": [v.year, v.month, v.day]},
-    dt.time: lambda v, t: {"T": [v.hour, v.minute, v.second, v.microsecond, v.fold, _tz(v.tzinfo, v)]},
+    dt.time: lambda v, t: {
+        "T": [v.hour, v.minute, v.second, v.microsecond, v.fold, _tz(v.tzinfo, v)]
+    },
     dt.timedelta: lambda v, t: {"TD": [v.days, v.seconds, v.microseconds]},
     decimal.Decimal: lambda v, t: {"dec": str(v)},
     fractions.Fraction: lambda v, t: {"fr": [_enc(v.numerator, t), _enc(v.denominator, t)]},
@@ -139,9 +164,13 @@ _ENCODERS: dict[type, Any] = {
 def _tensor(value: torch.Tensor, tensors: list[torch.Tensor]) -> Any:
     kind = type(value)
     if kind is not torch.Tensor and kind is not torch.nn.Parameter:
-        raise _Refused(value, " (a subclass of torch.Tensor)", "a plain tensor (.as_subclass(torch.Tensor))")
+        raise _Refused(
+            value, " (a subclass of torch.Tensor)", "a plain tensor (.as_subclass(torch.Tensor))"
+        )
     if value.layout is not torch.strided or value.device.type == "meta":
-        raise _Refused(value, f" of layout {value.layout} on {value.device}", "a dense tensor (.to_dense())")
+        raise _Refused(
+            value, f" of layout {value.layout} on {value.device}", "a dense tensor (.to_dense())"
+        )
     if str(value.dtype) not in DTYPES:
         raise _Refused(value, f" of dtype {value.dtype}", "a tensor of another dtype")
     tensors.append(value)
@@ -151,7 +180,8 @@ def _tensor(value: torch.Tensor, tensors: list[torch.Tensor]) -> Any:
 
 
 def _dtype_name(dtype: Any) -> str:
-    # By its character, not its .str: 'q' (longlong) and 'l' (int64) are both '<i8', of two scalar types.
+    # By its character, not its .str: 'q' (longlong) and 'l' (int64) are both '<i8', of two scalar
+    # types.
     return dtype.str if dtype.kind in "mMUS" else dtype.str[0] + dtype.char
 
 
@@ -181,10 +211,12 @@ def _enc(value: Any, tensors: list[torch.Tensor]) -> Any:
             return {"m": {k: _enc(v, tensors) for k, v in value.items()}}
         return {"d": _pairs(value.items(), tensors)}
     if kind is tuple or kind is list:
-        # Python's RNG state is a tuple of 625 ints: as one int64 tensor it costs a copy, not 625 JSON numbers.
+        # Python's RNG state is a tuple of 625 ints: as one int64 tensor it costs a copy, not 625
+        # JSON numbers.
         if len(value) >= 32 and set(map(type, value)) == {int}:
             try:
-                packed = array.array("q", value)  # ~20x faster than torch.tensor(value) for 625 ints
+                # ~20x faster than torch.tensor(value) for 625 ints
+                packed = array.array("q", value)
             except OverflowError:
                 packed = None
             if packed is not None:
@@ -196,7 +228,8 @@ def _enc(value: Any, tensors: list[torch.Tensor]) -> Any:
     encoder = _ENCODERS.get(kind)
     if encoder is not None:
         return encoder(value, tensors)
-    np = sys.modules.get("numpy")  # a numpy value exists only where numpy is imported: never imported here
+    # a numpy value exists only where numpy is imported: never imported here
+    np = sys.modules.get("numpy")
     if np is not None and isinstance(value, (np.generic, np.ndarray)):
         return _numpy_value(value, np, tensors)
     raise _Refused(value)
@@ -233,17 +266,21 @@ def _advice(value: Any) -> str:
         return "a tuple or a dict"
     if hasattr(type(value), "__dataclass_fields__"):
         return "a dict (dataclasses.asdict)"
-    if type(value).__module__ == "enum" or any(c.__module__ == "enum" for c in type(value).__mro__[1:]):
+    if type(value).__module__ == "enum" or any(
+        c.__module__ == "enum" for c in type(value).__mro__[1:]
+    ):
         return "its .value"
     return "a list, a dict or a str"
 
 
 def encode(value: Any, tensors: list[torch.Tensor], where: str = "") -> Any:
-    """A JSON-able skeleton of ``value`` whose tensors are appended to ``tensors`` and referenced by index.
+    """A JSON-able skeleton of ``value`` whose tensors are appended to ``tensors`` and referenced by
+    index.
 
-    Raises :class:`UnsupportedValue` naming the first value it cannot hold, as a path under ``where``.
-    Written here rather than with ``torch.save``: that costs ~200 us per call (its zip container), a tenth of a
-    small model's step, where a memory snapshot's stall must stay within 5%.
+    Raises :class:`UnsupportedValue` naming the first value it cannot hold, as a path under
+    ``where``. Written here rather than with ``torch.save``: that costs ~200 us per call (its zip
+    container), a tenth of a small model's step, where a memory snapshot's stall must stay within
+    5%.
     """
     try:
         return _enc(value, tensors)
@@ -252,12 +289,14 @@ def encode(value: Any, tensors: list[torch.Tensor], where: str = "") -> Any:
         at = (where + (_where(value, bad, "") or "")).lstrip(".") or "the state"
         kind = f"{type(bad).__module__}.{type(bad).__qualname__}".removeprefix("builtins.")
         raise UnsupportedValue(
-            f"ddpkit: a snapshot cannot hold {at}, a {kind}{refused.why}: convert it in state_dict(), e.g. to "
-            f"{refused.advice or _advice(bad)} (what a snapshot holds: docs/snapshots.md, 'What a snapshot can hold')"
+            f"ddpkit: a snapshot cannot hold {at}, a {kind}{refused.why}: convert it in "
+            f"state_dict(), e.g. to {refused.advice or _advice(bad)} (what a snapshot holds: "
+            "docs/snapshots.md, 'What a snapshot can hold')"
         ) from None
     except RecursionError:
         raise UnsupportedValue(
-            f"ddpkit: a snapshot cannot hold {where or 'the state'}: it is nested too deeply or holds itself"
+            f"ddpkit: a snapshot cannot hold {where or 'the state'}: it is nested too deeply or "
+            "holds itself"
         ) from None
 
 
@@ -266,7 +305,8 @@ def _numpy() -> Any:
         import numpy
     except ModuleNotFoundError:
         raise ModuleNotFoundError(
-            "this snapshot holds numpy values (a numpy generator's state, arrays): reading it needs numpy "
+            "this snapshot holds numpy values (a numpy generator's state, arrays): reading it "
+            "needs numpy "
             '(pip install "ddpkit[examples]" or numpy)'
         ) from None
     return numpy
@@ -295,7 +335,12 @@ def _array(body: Any, tensors: Sequence[torch.Tensor]) -> Any:
     np = _numpy()
     index, dtype_str, shape, order = body
     raw, dtype = _index(index, tensors), np.dtype(dtype_str)
-    if dtype.kind not in "biufcmMUS" or dtype.itemsize == 0 or raw.dtype != torch.uint8 or order not in "CF":
+    if (
+        dtype.kind not in "biufcmMUS"
+        or dtype.itemsize == 0
+        or raw.dtype != torch.uint8
+        or order not in "CF"
+    ):
         raise ValueError(f"an array of dtype {dtype_str!r:.40} that no save writes")
     flat = raw.detach().cpu().reshape(-1).numpy().view(dtype)
     if order == "F":
@@ -350,7 +395,8 @@ def _decode_other(tag: str, body: Any, tensors: Sequence[torch.Tensor]) -> Any:
         return collections.OrderedDict(pairs())
     if tag == "dd":
         return collections.defaultdict(
-            _FACTORIES[body[0]] if body[0] else None, [(_dec(k, tensors), _dec(v, tensors)) for k, v in body[1]]
+            _FACTORIES[body[0]] if body[0] else None,
+            [(_dec(k, tensors), _dec(v, tensors)) for k, v in body[1]],
         )
     if tag == "ct":
         return collections.Counter(dict(pairs()))
@@ -366,7 +412,9 @@ def _decode_other(tag: str, body: Any, tensors: Sequence[torch.Tensor]) -> Any:
         return _PATHS[body[0]](body[1])
     if tag == "DT":
         year, month, day, hour, minute, second, micro, fold, tz = body
-        return dt.datetime(year, month, day, hour, minute, second, micro, tzinfo=_untz(tz), fold=fold)
+        return dt.datetime(
+            year, month, day, hour, minute, second, micro, tzinfo=_untz(tz), fold=fold
+        )
     if tag == "D":
         return dt.date(*body)
     if tag == "T":
@@ -390,23 +438,28 @@ def _decode_other(tag: str, body: Any, tensors: Sequence[torch.Tensor]) -> Any:
 
 
 def decode(skeleton: Any, tensors: Sequence[torch.Tensor]) -> Any:
-    """The inverse of :func:`encode`. A skeleton that no save writes raises ``ValueError``, ``KeyError``,
-    ``IndexError``, ``TypeError``, ``AttributeError`` or ``RecursionError`` (never runs code)."""
+    """The inverse of :func:`encode`. A skeleton that no save writes raises ``ValueError``,
+    ``KeyError``, ``IndexError``, ``TypeError``, ``AttributeError`` or ``RecursionError`` (never
+    runs code)."""
     try:
         return _dec(skeleton, tensors)
-    except (ArithmeticError, RuntimeError, OSError) as err:  # Fraction(1, 0), Decimal("x"), torch.device("x")
-        raise ValueError(f"a value that no save writes ({type(err).__name__}: {str(err)[:80]})") from None
+    # Fraction(1, 0), Decimal("x"), torch.device("x")
+    except (ArithmeticError, RuntimeError, OSError) as err:
+        raise ValueError(
+            f"a value that no save writes ({type(err).__name__}: {str(err)[:80]})"
+        ) from None
 
 
 MALFORMED = (ValueError, KeyError, IndexError, TypeError, AttributeError, RecursionError)
 """What :func:`decode` (and reading a value file or a blob) raises for data that no save writes."""
 
 
-# -- a blob: what ranks exchange ------------------------------------------------------------------------
+# -- a blob: what ranks exchange -------------------------------------------------------------------
 
 
 def encode_blob(value: Any, where: str = "") -> bytes:
-    """``value`` as one self-contained byte string (JSON skeleton and raw tensors): what ranks exchange."""
+    """``value`` as one self-contained byte string (JSON skeleton and raw tensors): what ranks
+    exchange."""
     tensors: list[torch.Tensor] = []
     skeleton = encode(value, tensors, where)
     specs, size = layout(tensors)
@@ -423,7 +476,9 @@ def decode_blob(data: bytes | memoryview) -> Any:
         raise ValueError(f"a blob of {len(data)} bytes is shorter than its header")
     (n,) = struct.unpack_from("<Q", data)
     if 8 + n > len(data):
-        raise ValueError(f"a blob's header says {n} bytes of description, and {len(data) - 8} follow")
+        raise ValueError(
+            f"a blob's header says {n} bytes of description, and {len(data) - 8} follow"
+        )
     head = json.loads(bytes(data[8 : 8 + n]))
     if not isinstance(head, dict) or "v" not in head:
         raise ValueError("a blob's description is malformed")
@@ -436,13 +491,14 @@ def decode_blob(data: bytes | memoryview) -> Any:
     return decode(head["v"], [v.clone() for v in views(region, specs)])
 
 
-# -- a value file of a disk snapshot --------------------------------------------------------------------
+# -- a value file of a disk snapshot ---------------------------------------------------------------
 
 
 def alone(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a tensor that owns exactly its bytes, a copy where it does not. torch.save writes a view's whole
-    storage, and writes a storage that is not a whole number of elements (a tensor viewing a byte buffer) into
-    a file that torch.load then refuses ("record size does not match")."""
+    """``t`` as a tensor that owns exactly its bytes, a copy where it does not. torch.save writes a
+    view's whole storage, and writes a storage that is not a whole number of elements (a tensor
+    viewing a byte buffer) into a file that torch.load then refuses ("record size does not
+    match")."""
     t = t.detach().resolve_conj().resolve_neg()
     if t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes:
         return t
@@ -450,8 +506,9 @@ def alone(t: torch.Tensor) -> torch.Tensor:
 
 
 def file_bytes(skeleton: Any, tensors: Sequence[torch.Tensor]) -> bytes:
-    """The contents of a value file: an encoded value (:func:`encode`) as ``torch.save`` of plain data (the
-    format, the skeleton as JSON text, the tensors), which loads with ``torch.load(weights_only=True)``."""
+    """The contents of a value file: an encoded value (:func:`encode`) as ``torch.save`` of plain
+    data (the format, the skeleton as JSON text, the tensors), which loads with
+    ``torch.load(weights_only=True)``."""
     buffer = io.BytesIO()
     text = json.dumps(skeleton, separators=(",", ":"))
     torch.save({"format": FORMAT, "values": text, "tensors": [alone(t) for t in tensors]}, buffer)
@@ -459,9 +516,9 @@ def file_bytes(skeleton: Any, tensors: Sequence[torch.Tensor]) -> bytes:
 
 
 def read_file(file: Path, map_location: Any = None) -> Any:
-    """The value that :func:`file_bytes` wrote to ``file``. Raises ``pickle.UnpicklingError`` where the file holds
-    anything but plain data (nothing of it is unpickled), :class:`FormatError` for a file of another format, and
-    one of :data:`MALFORMED` for one whose values no save writes."""
+    """The value that :func:`file_bytes` wrote to ``file``. Raises ``pickle.UnpicklingError`` where
+    the file holds anything but plain data (nothing of it is unpickled), :class:`FormatError` for a
+    file of another format, and one of :data:`MALFORMED` for one whose values no save writes."""
     saved = torch.load(file, map_location=map_location, weights_only=True)
     if not isinstance(saved, dict) or saved.get("format") != FORMAT:
         found = saved.get("format") if isinstance(saved, dict) else None

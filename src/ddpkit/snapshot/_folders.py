@@ -1,10 +1,11 @@
-"""The snapshot folders of a run: their names, the marker that makes one whole, its check, and the prune.
+"""The snapshot folders of a run: their names, the marker that makes one whole, its check, and the
+prune.
 
-The marker is read as data that may lie (a folder can be copied from elsewhere, or edited): every name it lists
-must be a plain file name of the folder (no separator, no ``..``), and every file a regular one, opened
-without following a link and read no further than the size the marker gives. A name such as
-``../../dev/zero`` would otherwise have the check read forever (a device reports size 0) and hold every rank
-at its next collective.
+The marker is read as data that may lie (a folder can be copied from elsewhere, or edited): every
+name it lists must be a plain file name of the folder (no separator, no ``..``), and every file a
+regular one, opened without following a link and read no further than the size the marker gives. A
+name such as ``../../dev/zero`` would otherwise have the check read forever (a device reports
+size 0) and hold every rank at its next collective.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def folder_name(step: int) -> str:
 
 
 def _open_regular(path: Path) -> int:
-    """A descriptor of the regular file ``path``: not through a link (ELOOP), never waiting on a FIFO."""
+    """A descriptor of the regular file ``path``: not through a link (ELOOP), never waiting on a
+    FIFO."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
@@ -56,7 +58,8 @@ def _open_regular(path: Path) -> int:
 
 
 def read_bounded(path: Path, limit: int) -> bytes:
-    """The bytes of the regular file ``path``, if it holds at most ``limit``; ``OSError`` otherwise."""
+    """The bytes of the regular file ``path``, if it holds at most ``limit``; ``OSError``
+    otherwise."""
     fd = _open_regular(path)
     try:
         size = os.fstat(fd).st_size
@@ -80,7 +83,8 @@ def sha256(path: Path, size: int | None = None) -> str:
 
 
 def plain_name(name: object) -> bool:
-    """True for the name of a file directly inside a folder: no separator, not ``.`` or ``..``, no NUL."""
+    """True for the name of a file directly inside a folder: no separator, not ``.`` or ``..``, no
+    NUL."""
     return (
         isinstance(name, str)
         and name not in ("", ".", "..")
@@ -105,8 +109,8 @@ def candidates(folder: Path) -> list[Found]:
 
 
 def listed(found: Found) -> dict[str, dict[str, Any]]:
-    """The files ``found``'s marker lists, each a plain name with a size and a SHA-256; ``ValueError`` (naming
-    the marker and the entry) if it is not such a list."""
+    """The files ``found``'s marker lists, each a plain name with a size and a SHA-256;
+    ``ValueError`` (naming the marker and the entry) if it is not such a list."""
     marker_path = found.path / MARKER
     try:
         marker = json.loads(read_bounded(marker_path, _MARKER_LIMIT))
@@ -117,7 +121,9 @@ def listed(found: Found) -> dict[str, dict[str, Any]]:
         raise ValueError(f"has a {MARKER} that lists no files")
     for name, want in files.items():
         if not plain_name(name):
-            raise ValueError(f"has a {MARKER} naming {name[:80]!r}, which is not a file of the folder: refused")
+            raise ValueError(
+                f"has a {MARKER} naming {name[:80]!r}, which is not a file of the folder: refused"
+            )
         if (
             not isinstance(want, dict)
             or type(want.get("size")) is not int
@@ -130,7 +136,8 @@ def listed(found: Found) -> dict[str, dict[str, Any]]:
 
 
 def verify(found: Found, required: tuple[str, ...] = ()) -> str | None:
-    """None if ``found`` is whole (its marker lists ``required`` among its files), else what is wrong with it."""
+    """None if ``found`` is whole (its marker lists ``required`` among its files), else what is
+    wrong with it."""
     try:
         files = listed(found)
     except ValueError as err:
@@ -147,7 +154,9 @@ def verify(found: Found, required: tuple[str, ...] = ()) -> str | None:
         except OSError as err:
             return f"has {name} unreadable ({err.strerror})"
         if not stat.S_ISREG(mode):
-            return f"has {name} that is not a regular file (a link, device, FIFO or folder): refused"
+            return (
+                f"has {name} that is not a regular file (a link, device, FIFO or folder): refused"
+            )
         try:
             size = os.stat(file, follow_symlinks=False).st_size
             if size != want["size"]:
@@ -161,12 +170,14 @@ def verify(found: Found, required: tuple[str, ...] = ()) -> str | None:
 
 
 def prune(folder_path: Path, keep_last: int, newest: int) -> None:
-    """Remove whole snapshots older than the newest ``keep_last``, and the debris of killed writes."""
+    """Remove whole snapshots older than the newest ``keep_last``, and the debris of killed
+    writes."""
     whole = candidates(folder_path)
     keep = {f.path.name for f in whole[:keep_last]}
-    # Every deletion goes through a descriptor of the folder opened without following links, and each
-    # entry is lstat-ed: a link named like a snapshot (to another run's, say) loses only itself, never what
-    # it points to; a snapshots/ that is itself a link is refused (ELOOP), not pruned.
+    # Every deletion goes through a descriptor of the folder opened without following links, and
+    # each entry is lstat-ed: a link named like a snapshot (to another run's, say) loses only
+    # itself, never what it points to; a snapshots/ that is itself a link is refused (ELOOP), not
+    # pruned.
     folder = os.open(folder_path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
         for name in os.listdir(folder):
@@ -177,8 +188,8 @@ def prune(folder_path: Path, keep_last: int, newest: int) -> None:
             if stat.S_ISLNK(mode):
                 os.unlink(name, dir_fd=folder)
             elif stat.S_ISDIR(mode):
-                # Marker first: a prune killed half-way leaves a folder without one (ignored), never a
-                # marker whose files are gone.
+                # Marker first: a prune killed half-way leaves a folder without one (ignored), never
+                # a marker whose files are gone.
                 step = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=folder)
                 try:
                     os.unlink(MARKER, dir_fd=step)
@@ -186,8 +197,9 @@ def prune(folder_path: Path, keep_last: int, newest: int) -> None:
                     pass
                 finally:
                     os.close(step)
-                # rmtree walks by descriptors and unlinks links inside without following them; through
-                # dir_fd from Python 3.11, by path before (the entry was lstat-ed as a folder just above).
+                # rmtree walks by descriptors and unlinks links inside without following them;
+                # through dir_fd from Python 3.11, by path before (the entry was lstat-ed as a
+                # folder just above).
                 if sys.version_info >= (3, 11):
                     shutil.rmtree(name, dir_fd=folder, ignore_errors=True)
                 else:
@@ -199,48 +211,54 @@ def prune(folder_path: Path, keep_last: int, newest: int) -> None:
 VALUES = "values.pt"
 """The file of a state's values other than DCP's tensors (every rank's, and rank 0's ``extra``)."""
 OWN = "rank{}.pt"
-"""The file of one rank's own values (``SnapshotManager.save``'s ``own``: its random streams, the callbacks'
-state), by rank. It and :data:`VALUES` are written and read by :mod:`ddpkit.snapshot._codec`."""
+"""The file of one rank's own values (``SnapshotManager.save``'s ``own``: its random streams, the
+callbacks' state), by rank. It and :data:`VALUES` are written and read by
+:mod:`ddpkit.snapshot._codec`."""
 INDEX = "metadata.json"
 """DCP's index of a snapshot, as JSON (:mod:`ddpkit.snapshot._storage` writes and reads it)."""
 
 
 def _load_plain(file: Path, folder: Path, map_location: Any) -> Any:
-    """The value file ``file`` of snapshot ``folder`` (:func:`ddpkit.snapshot._codec.read_file`); refused by name
-    when it holds anything but what the codec writes, or is of another format."""
+    """The value file ``file`` of snapshot ``folder`` (:func:`ddpkit.snapshot._codec.read_file`);
+    refused by name when it holds anything but what the codec writes, or is of another format."""
     try:
         return codec.read_file(file, map_location)
     except pickle.UnpicklingError:
         raise ConfigError(
-            f"{file} holds objects other than tensors and plain values, which ddpkit never writes: refusing to "
-            f"load it, as unpickling them could run code. Remove {folder} to resume from the snapshot before it"
+            f"{file} holds objects other than tensors and plain values, which ddpkit never writes: "
+            f"refusing to load it, as unpickling them could run code. Remove {folder} to resume "
+            "from the snapshot before it"
         ) from None
     except codec.FormatError as err:
         raise ConfigError(
-            f"{folder} was written by another version of ddpkit (its {file.name} is of {err}, this version reads "
-            f"format {codec.FORMAT}): resume it with that version, or start afresh here with "
-            "TrainerConfig(resume=False) (its snapshots are moved aside) or in another run_dir"
+            f"{folder} was written by another version of ddpkit (its {file.name} is of {err}, this "
+            f"version reads format {codec.FORMAT}): resume it with that version, or start afresh "
+            "here with TrainerConfig(resume=False) (its snapshots are moved aside) or in another "
+            "run_dir"
         ) from None
     except codec.MALFORMED as err:
         raise ConfigError(
-            f"{file} holds values that ddpkit never writes ({type(err).__name__}: {str(err)[:200]}): refusing it. "
-            f"Remove {folder} to resume from the snapshot before it"
+            f"{file} holds values that ddpkit never writes ({type(err).__name__}: "
+            f"{str(err)[:200]}): refusing it. Remove {folder} to resume from the snapshot before it"
         ) from None
 
 
 def read_values(folder: Path, map_location: Any) -> dict[str, Any]:
-    """The snapshot's :data:`VALUES`; refused by name when it holds anything but what the codec writes, is of
-    another format, or is not what a save writes there."""
+    """The snapshot's :data:`VALUES`; refused by name when it holds anything but what the codec
+    writes, is of another format, or is not what a save writes there."""
     saved = _load_plain(folder / VALUES, folder, map_location)
     keys = {"world_size", "values", "differences", "extra"}
     if not isinstance(saved, dict) or set(saved) != keys or type(saved["world_size"]) is not int:
-        raise ConfigError(f"{folder / VALUES} is not what ddpkit writes there: refusing it. Remove {folder}")
+        raise ConfigError(
+            f"{folder / VALUES} is not what ddpkit writes there: refusing it. Remove {folder}"
+        )
     return saved
 
 
 def read_own(found: Found, ranks: list[int], map_location: Any) -> list[Any]:
-    """The :data:`OWN` files of ``ranks`` in ``found``, each decoded by the codec; refused by name where the
-    marker does not list one (the marker's files are checked against their digests before a resume)."""
+    """The :data:`OWN` files of ``ranks`` in ``found``, each decoded by the codec; refused by name
+    where the marker does not list one (the marker's files are checked against their digests before
+    a resume)."""
     try:
         files = listed(found)
     except ValueError as err:
@@ -249,6 +267,9 @@ def read_own(found: Found, ranks: list[int], map_location: Any) -> list[Any]:
     for rank in ranks:
         name = OWN.format(rank)
         if name not in files:
-            raise ConfigError(f"{found.path} holds no values of rank {rank} ({name}): its {MARKER} does not list them")
+            raise ConfigError(
+                f"{found.path} holds no values of rank {rank} ({name}): its {MARKER} does not list "
+                "them"
+            )
         out.append(_load_plain(found.path / name, found.path, map_location))
     return out

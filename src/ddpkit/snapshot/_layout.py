@@ -1,12 +1,13 @@
-"""Where each value of a saved state goes: tensors to DCP's files, other values to ``values.pt``, and each
-rank's own values (:data:`~ddpkit.strategies._base.PER_RANK`) under a name of their own.
+"""Where each value of a saved state goes: tensors to DCP's files, other values to ``values.pt``,
+and each rank's own values (:data:`~ddpkit.strategies._base.PER_RANK`) under a name of their own.
 
-DCP keeps one copy of a key that several ranks save (replicated parameters) and gives every rank that copy on
-load, from whichever rank the planner picked to write it. Some values are the same key on every rank but each
-rank's own: BatchNorm's running statistics without sync BatchNorm follow each rank's own batches (DDP copies
-rank 0's into the others only at the next synchronised forward pass), as do parameters DDP was told to ignore.
-A state's :data:`~ddpkit.strategies._base.PER_RANK` part holds those: rank 0's copy is saved in the place of the shared key (so the
-shared part is one whole state, rank 0's, as DDP would converge to), rank ``r``'s under ``per_rank.rank<r>``.
+DCP keeps one copy of a key that several ranks save (replicated parameters) and gives every rank
+that copy on load, from whichever rank the planner picked to write it. Some values are the same key
+on every rank but each rank's own: BatchNorm's running statistics without sync BatchNorm follow each
+rank's own batches (DDP copies rank 0's into the others only at the next synchronised forward pass),
+as do parameters DDP was told to ignore. A state's :data:`~ddpkit.strategies._base.PER_RANK` part
+holds those: rank 0's copy is saved in the place of the shared key (so the shared part is one whole
+state, rank 0's, as DDP would converge to), rank ``r``'s under ``per_rank.rank<r>``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from typing import Any
 
 import torch
 
-from ddpkit.strategies._base import PER_RANK  # the strategies say which part of their state is a rank's own
+# the strategies say which part of their state is a rank's own
+from ddpkit.strategies._base import PER_RANK
 
 KeyPath = tuple[Any, ...]
 
@@ -40,7 +42,8 @@ def nest(items: list[tuple[KeyPath, Any]]) -> dict[str, Any]:
             node = node.setdefault(key, {})
         if path[-1] in node:
             raise ValueError(
-                f"two values are saved as {'.'.join(map(str, path))}: keep a rank's own values out of the shared part"
+                f"two values are saved as {'.'.join(map(str, path))}: keep a rank's own values out "
+                "of the shared part"
             )
         node[path[-1]] = value
     return root
@@ -54,8 +57,8 @@ def set_at(tree: dict[str, Any], path: KeyPath, value: Any) -> None:
 
 def stored_path(path: KeyPath, rank: int) -> KeyPath:
     """Where the value at ``path`` of a state is stored, for the copy of ``rank``: a value of the
-    :data:`~ddpkit.strategies._base.PER_RANK` part goes under the name of its rank, except rank 0's, which takes the place of the same
-    key in the shared part."""
+    :data:`~ddpkit.strategies._base.PER_RANK` part goes under the name of its rank, except rank 0's,
+    which takes the place of the same key in the shared part."""
     if path[0] != PER_RANK:
         return path
     return path[1:] if rank == 0 else (PER_RANK, f"rank{rank}", *path[1:])
@@ -64,12 +67,13 @@ def stored_path(path: KeyPath, rank: int) -> KeyPath:
 def stored_parts(
     state: dict[str, Any], rank: int, replicated_over: int = 1
 ) -> tuple[dict[str, Any], dict[KeyPath, Any]]:
-    """The tensors of ``state`` as DCP saves them (nested, at their :func:`stored_path`), and its other values
-    by stored path (for ``values.pt``).
+    """The tensors of ``state`` as DCP saves them (nested, at their :func:`stored_path`), and its
+    other values by stored path (for ``values.pt``).
 
-    ``replicated_over``: the number of ranks that hold the same shared tensors (every rank of a replicated
-    strategy's group). Each then keeps only its :func:`writer_of_shared` share of them, so DCP's planner on
-    the first rank gets every shared tensor once instead of once per rank (see that function)."""
+    ``replicated_over``: the number of ranks that hold the same shared tensors (every rank of a
+    replicated strategy's group). Each then keeps only its :func:`writer_of_shared` share of them,
+    so DCP's planner on the first rank gets every shared tensor once instead of once per rank (see
+    that function)."""
     # (stored path, value, whether it is of the per-rank part: rank 0's takes a shared key's path)
     items = [(stored_path(p, rank), v, p[0] == PER_RANK) for p, v in leaves(state)]
     tensors = [(p, v, own) for p, v, own in items if isinstance(v, torch.Tensor)]
@@ -78,12 +82,14 @@ def stored_parts(
             [(p, v.numel() * v.element_size()) for p, v, own in tensors if not own], replicated_over
         )
         tensors = [(p, v, own) for p, v, own in tensors if own or writer[p] == rank]
-    return nest([(p, v) for p, v, _ in tensors]), {p: v for p, v, _ in items if not isinstance(v, torch.Tensor)}
+    return nest([(p, v) for p, v, _ in tensors]), {
+        p: v for p, v, _ in items if not isinstance(v, torch.Tensor)
+    }
 
 
 def differences(values: dict[KeyPath, Any], common: dict[KeyPath, Any]) -> dict[KeyPath, Any]:
-    """The values that ``common`` (rank 0's) lacks or holds otherwise, to the bit (-0.0 is not 0.0): the same
-    type and the same pickle."""
+    """The values that ``common`` (rank 0's) lacks or holds otherwise, to the bit (-0.0 is not 0.0):
+    the same type and the same pickle."""
 
     def same(a: Any, b: Any) -> bool:
         return type(a) is type(b) and (a is b or pickle.dumps(a) == pickle.dumps(b))
@@ -92,15 +98,17 @@ def differences(values: dict[KeyPath, Any], common: dict[KeyPath, Any]) -> dict[
 
 
 def writer_of_shared(sizes: list[tuple[KeyPath, int]], ranks: int) -> dict[KeyPath, int]:
-    """Which rank writes each tensor that every one of ``ranks`` ranks holds alike: the largest first, each to
-    the rank with the fewest bytes so far (ties to the lower rank), so that every rank writes about the same.
+    """Which rank writes each tensor that every one of ``ranks`` ranks holds alike: the largest
+    first, each to the rank with the fewest bytes so far (ties to the lower rank), so that every
+    rank writes about the same.
 
-    DCP deduplicates such tensors itself, on its first rank, after gathering every rank's plan: that rank's
-    planning then grows with ranks x tensors, and at scale it is what a save waits for (the reports of
-    huggingface/accelerate#4086 and pytorch/pytorch#163548). Every rank computes the same answer from the same
-    shapes with no communication, so each plans only its share and the first rank's work grows with the
-    tensors alone. Sound only where the tensors really are the same on every rank (replicated DDP); a rank's
-    own values are in the per-rank part and never shared out."""
+    DCP deduplicates such tensors itself, on its first rank, after gathering every rank's plan: that
+    rank's planning then grows with ranks x tensors, and at scale it is what a save waits for (the
+    reports of huggingface/accelerate#4086 and pytorch/pytorch#163548). Every rank computes the same
+    answer from the same shapes with no communication, so each plans only its share and the first
+    rank's work grows with the tensors alone. Sound only where the tensors really are the same on
+    every rank (replicated DDP); a rank's own values are in the per-rank part and never shared
+    out."""
     loads = [(0, r) for r in range(ranks)]  # a heap of (bytes so far, rank)
     writer = {}
     for path, nbytes in sorted(sizes, key=lambda item: (-item[1], str(item[0]))):

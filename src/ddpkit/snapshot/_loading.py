@@ -1,10 +1,10 @@
 """A snapshot folder read back into a state, on every rank of a group (:meth:`SnapshotManager.load
 <ddpkit.snapshot._manager.SnapshotManager.load>`).
 
-``values.pt`` first (decoded by :mod:`ddpkit.snapshot._codec`, nothing unpickled), then the index from JSON, then DCP reads the
-tensors this rank needs into the current state's tensors, in place. Each rank reads on its own (DCP's
-``no_dist``, torch 2.7 and newer; a collective load before): a failure on one rank is made every rank's before
-anyone goes on (see :func:`load`).
+``values.pt`` first (decoded by :mod:`ddpkit.snapshot._codec`, nothing unpickled), then the index
+from JSON, then DCP reads the tensors this rank needs into the current state's tensors, in place.
+Each rank reads on its own (DCP's ``no_dist``, torch 2.7 and newer; a collective load before): a
+failure on one rank is made every rank's before anyone goes on (see :func:`load`).
 """
 
 from __future__ import annotations
@@ -28,13 +28,15 @@ from ddpkit.snapshot._layout import leaves, nest, set_at, stored_path
 
 @functools.cache
 def quiet_single_process_warning() -> None:
-    """In a world of one (no process group) DCP saves and loads in one process, and warns at every save and load that
-    "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to save in a single
-    process": that is the intent. Filtered by that text, from the first such save or load of ddpkit's (the
-    process is then a world of one); catch_warnings() would not do, as the save runs in the snapshot writer's
-    thread and the filters are the process's."""
+    """In a world of one (no process group) DCP saves and loads in one process, and warns at every
+    save and load that "torch.distributed is disabled, unavailable or uninitialized, assuming the
+    intent is to save in a single process": that is the intent. Filtered by that text, from the
+    first such save or load of ddpkit's (the process is then a world of one); catch_warnings() would
+    not do, as the save runs in the snapshot writer's thread and the filters are the process's."""
     warnings.filterwarnings(
-        "ignore", message="torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to"
+        "ignore",
+        message="torch.distributed is disabled, unavailable or uninitialized, assuming the intent "
+        "is to",
     )
 
 
@@ -47,13 +49,14 @@ def load(
     map_location: Any = None,
     check: Callable[[dict[str, Any]], None] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(state, extra)`` of a snapshot. ``template()`` gives the current state, whose tensors DCP fills in
-    place with this world size's parts (its :data:`~ddpkit.strategies._base.PER_RANK` part with this rank's
-    own copy at the same world size, rank 0's at another) and whose other values are replaced by the saved
-    ones. ``check(extra)`` runs before any tensor is read, and may refuse the snapshot by raising. A folder
-    holding anything but what the codec writes is refused (:class:`~ddpkit._errors.ConfigError`); nothing of
-    it is unpickled. Every rank of ``group`` calls it; ``distributed`` (default: whether a process
-    group is up) says whether there are ranks to agree with."""
+    """``(state, extra)`` of a snapshot. ``template()`` gives the current state, whose tensors DCP
+    fills in place with this world size's parts (its :data:`~ddpkit.strategies._base.PER_RANK` part
+    with this rank's own copy at the same world size, rank 0's at another) and whose other values
+    are replaced by the saved ones. ``check(extra)`` runs before any tensor is read, and may refuse
+    the snapshot by raising. A folder holding anything but what the codec writes is refused
+    (:class:`~ddpkit._errors.ConfigError`); nothing of it is unpickled. Every rank of ``group``
+    calls it; ``distributed`` (default: whether a process group is up) says whether there are ranks
+    to agree with."""
     import torch.distributed.checkpoint as dcp  # lazily, as in ddpkit.snapshot._manager
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -71,7 +74,11 @@ def load(
     source = rank if same else 0  # whose copy of the per-rank part
     # Other values: this rank's own at the same world size; else rank 0's, and where rank 0 had none
     # (zero: the hyper-parameters of parameters another rank owned), the first rank's that had one.
-    values = [saved["differences"][source], saved["values"]] if same else [saved["values"], *saved["differences"]]
+    values = (
+        [saved["differences"][source], saved["values"]]
+        if same
+        else [saved["values"], *saved["differences"]]
+    )
     tensors = []
     for path, value in leaves(state):
         where = stored_path(path, source)
@@ -88,16 +95,20 @@ def load(
     if not distributed:
         quiet_single_process_warning()
     # Each rank reads what it needs with no collective: a read needs no other rank's plan, and DCP's
-    # collective load has the first rank gather and check every rank's read plan (ranks x tensors, where
-    # every rank reads the whole replicated model). Where the torch has no no_dist (before 2.7) the load is
-    # collective. Either way one rank's failure must reach every rank, or the others would go on into the
-    # next collective and wait there for ever: one all-reduce of the outcome after the read says it.
+    # collective load has the first rank gather and check every rank's read plan (ranks x tensors,
+    # where every rank reads the whole replicated model). Where the torch has no no_dist (before
+    # 2.7) the load is collective. Either way one rank's failure must reach every rank, or the
+    # others would go on into the next collective and wait there for ever: one all-reduce of the
+    # outcome after the read says it.
     local = distributed and "no_dist" in inspect.signature(dcp.load).parameters
     failure: str | None = None
     error: BaseException | None = None
     try:
-        with warnings.catch_warnings():  # torch's warning that no_dist loads "in a single process": it does
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or")
+        # torch's warning that no_dist loads "in a single process": it does
+        with warnings.catch_warnings():
+            warnings.filterwarnings(
+                "ignore", message="torch.distributed is disabled, unavailable or"
+            )
             dcp.load(
                 nest(tensors),
                 storage_reader=dcp_files.Reader(found.path, index),

@@ -1,5 +1,5 @@
-"""Tensors laid out raw in one byte region: each at an aligned offset, described by its dtype, shape and offset
-(a :class:`Spec`). A memory snapshot's slot holds its tensors so, and so does a blob of
+"""Tensors laid out raw in one byte region: each at an aligned offset, described by its dtype, shape
+and offset (a :class:`Spec`). A memory snapshot's slot holds its tensors so, and so does a blob of
 :mod:`ddpkit.snapshot._codec` (what ranks exchange).
 """
 
@@ -18,13 +18,15 @@ ALIGN = 64
 
 
 _NAMES = (
-    "float64 float32 float16 bfloat16 int64 int32 int16 int8 uint64 uint32 uint16 uint8 bool complex128 complex64 "
-    "complex32 float8_e4m3fn float8_e4m3fnuz float8_e5m2 float8_e5m2fnuz float8_e8m0fnu float4_e2m1fn_x2 "
-    "bits8 bits16 bits1x8 bits2x4 bits4x2"
+    "float64 float32 float16 bfloat16 int64 int32 int16 int8 uint64 uint32 uint16 uint8 bool "
+    "complex128 complex64 complex32 float8_e4m3fn float8_e4m3fnuz float8_e5m2 float8_e5m2fnuz "
+    "float8_e8m0fnu float4_e2m1fn_x2 bits8 bits16 bits1x8 bits2x4 bits4x2"
 )
-DTYPES = {str(d): d for name in _NAMES.split() if isinstance(d := getattr(torch, name, None), torch.dtype)}
-"""The dtypes a region holds, by name: every dtype of the installed torch whose tensors can be copied on the CPU
-(the sub-byte ``int1``..``uint7`` cannot, quantized ones are not plain bytes)."""
+DTYPES = {
+    str(d): d for name in _NAMES.split() if isinstance(d := getattr(torch, name, None), torch.dtype)
+}
+"""The dtypes a region holds, by name: every dtype of the installed torch whose tensors can be
+copied on the CPU (the sub-byte ``int1``..``uint7`` cannot, quantized ones are not plain bytes)."""
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,8 @@ def layout(tensors: Sequence[torch.Tensor]) -> tuple[list[Spec], int]:
     for t in tensors:
         if str(t.dtype) not in DTYPES:
             raise ConfigError(
-                f"ddpkit: a snapshot cannot hold a tensor of dtype {t.dtype}: convert it to another dtype"
+                f"ddpkit: a snapshot cannot hold a tensor of dtype {t.dtype}: convert it to "
+                "another dtype"
             )
         spec = Spec(str(t.dtype), tuple(t.shape), offset)
         specs.append(spec)
@@ -60,9 +63,10 @@ def layout(tensors: Sequence[torch.Tensor]) -> tuple[list[Spec], int]:
 
 
 def checked_specs(raw: Any, region_size: int) -> list[Spec]:
-    """The specs of a manifest or blob (``[[dtype, shape, offset], ...]``), each checked to lie whole and aligned
-    inside a data region of ``region_size`` bytes before anything views it. Raises ``ValueError`` naming the
-    first that does not: a slot's CRC-32s show a torn or flipped byte, not a manifest written to lie."""
+    """The specs of a manifest or blob (``[[dtype, shape, offset], ...]``), each checked to lie
+    whole and aligned inside a data region of ``region_size`` bytes before anything views it. Raises
+    ``ValueError`` naming the first that does not: a slot's CRC-32s show a torn or flipped byte, not
+    a manifest written to lie."""
     if not isinstance(raw, list):
         raise ValueError("its tensor layout is not a list")
     specs = []
@@ -76,7 +80,8 @@ def checked_specs(raw: Any, region_size: int) -> list[Spec]:
             raise ValueError(f"tensor {i} has a shape that is not a list of sizes")
         if type(offset) is not int or offset < 0 or offset % ALIGN:
             raise ValueError(f"tensor {i} has an offset that is not an aligned position")
-        # The product stops once past the region: one of thousands of large sizes costs quadratic time.
+        # The product stops once past the region: one of thousands of large sizes costs quadratic
+        # time.
         nbytes = 0 if 0 in shape else DTYPES[dtype].itemsize
         for n in shape if nbytes else ():
             nbytes *= n
@@ -84,8 +89,8 @@ def checked_specs(raw: Any, region_size: int) -> list[Spec]:
                 break
         if offset + nbytes > region_size:
             raise ValueError(
-                f"tensor {i} ({dtype}{str(shape)[:80]} at {offset}) lies past the end of the data region "
-                f"({region_size} bytes)"
+                f"tensor {i} ({dtype}{str(shape)[:80]} at {offset}) lies past the end of the data "
+                f"region ({region_size} bytes)"
             )
         spec = Spec(dtype, tuple(shape), offset)
         specs.append(spec)
@@ -94,4 +99,6 @@ def checked_specs(raw: Any, region_size: int) -> list[Spec]:
 
 def views(region: torch.Tensor, specs: Sequence[Spec]) -> list[torch.Tensor]:
     """Tensors that view ``region`` (uint8) at each spec's place."""
-    return [region[s.offset : s.offset + s.nbytes].view(DTYPES[s.dtype]).view(s.shape) for s in specs]
+    return [
+        region[s.offset : s.offset + s.nbytes].view(DTYPES[s.dtype]).view(s.shape) for s in specs
+    ]

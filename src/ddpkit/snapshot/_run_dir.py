@@ -1,13 +1,14 @@
 """A run directory belongs to one job at a time.
 
-Two jobs on one ``run_dir`` would interleave their records and resume from each other's snapshots, and still
-exit 0: the group's rank 0 holds an advisory lock (:func:`fcntl.flock`) on ``run_dir/.lock`` for the life of
-``fit()``. The kernel drops it when the process ends, however it ends, so a crashed or SIGKILLed job leaves
-nothing behind and a restarted one takes it again at once. (That a snapshot resumes only the run that wrote it
-is :mod:`ddpkit.snapshot._run_record`'s check.)
+Two jobs on one ``run_dir`` would interleave their records and resume from each other's snapshots,
+and still exit 0: the group's rank 0 holds an advisory lock (:func:`fcntl.flock`) on
+``run_dir/.lock`` for the life of ``fit()``. The kernel drops it when the process ends, however it
+ends, so a crashed or SIGKILLed job leaves nothing behind and a restarted one takes it again at
+once. (That a snapshot resumes only the run that wrote it is :mod:`ddpkit.snapshot._run_record`'s
+check.)
 
-A run directory that belongs to another user, or that holds a symbolic link where the run writes, is refused
-too (:mod:`ddpkit._fs`): a job's writes and deletions stay inside its own run directory.
+A run directory that belongs to another user, or that holds a symbolic link where the run writes, is
+refused too (:mod:`ddpkit._fs`): a job's writes and deletions stay inside its own run directory.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from ddpkit.distributed._collectives import broadcast_object
 
 
 class RunDirLock(FolderLock):
-    """An exclusive advisory lock on ``run_dir/.lock``, naming its holder (host, pid) inside the file."""
+    """An exclusive advisory lock on ``run_dir/.lock``, naming its holder (host, pid) inside the
+    file."""
 
     def __init__(self, run_dir: str | os.PathLike) -> None:
         super().__init__(
@@ -32,8 +34,8 @@ class RunDirLock(FolderLock):
             what="run_dir",
             job="job",
             user="run",
-            hazard="two jobs on one run directory would interleave their records and resume from each other's "
-            "snapshots",
+            hazard="two jobs on one run directory would interleave their records and resume from "
+            "each other's snapshots",
         )
 
 
@@ -69,18 +71,21 @@ PREVIOUS_RUN = (
     "config.json",
     "curves.png",
 )
-"""What ``resume=False`` moves aside: the previous run's state and records, which the new run's would otherwise
-join at the same steps. (``mlflow.db`` and ``wandb/`` are stores of many runs; the new run is a new run in
-them, as ``loggers.json`` is moved.)"""
+"""What ``resume=False`` moves aside: the previous run's state and records, which the new run's
+would otherwise join at the same steps. (``mlflow.db`` and ``wandb/`` are stores of many runs; the
+new run is a new run in them, as ``loggers.json`` is moved.)"""
 
 
-def claim(run_dir: str | os.PathLike, *, is_main: bool, fresh: bool, group: Group = None) -> RunDirLock | None:
-    """Lock ``run_dir`` on the group's main rank; with ``fresh`` (``resume=False``) move the previous run aside.
+def claim(
+    run_dir: str | os.PathLike, *, is_main: bool, fresh: bool, group: Group = None
+) -> RunDirLock | None:
+    """Lock ``run_dir`` on the group's main rank; with ``fresh`` (``resume=False``) move the
+    previous run aside.
 
-    Refused (on every rank) when the run directory or its ``snapshots/`` belongs to another user, or when
-    anything the run writes there is a symbolic link. Collective over ``group``: the main rank's verdict is
-    broadcast, so every rank raises together rather than the others waiting in their first all-reduce for a
-    rank that has left.
+    Refused (on every rank) when the run directory or its ``snapshots/`` belongs to another user, or
+    when anything the run writes there is a symbolic link. Collective over ``group``: the main
+    rank's verdict is broadcast, so every rank raises together rather than the others waiting in
+    their first all-reduce for a rank that has left.
     """
     lock: RunDirLock | None = None
     error: tuple[str, int | None] | None = None
@@ -93,7 +98,10 @@ def claim(run_dir: str | os.PathLike, *, is_main: bool, fresh: bool, group: Grou
             lock.acquire()
             for name in RUN_FILES:
                 fs.check_owned(
-                    path / name, "the snapshots folder" if name == "snapshots" else "", follow=False, kind="run_dir"
+                    path / name,
+                    "the snapshots folder" if name == "snapshots" else "",
+                    follow=False,
+                    kind="run_dir",
                 )
             if fresh:
                 _set_aside_previous_run(path)
@@ -101,10 +109,14 @@ def claim(run_dir: str | os.PathLike, *, is_main: bool, fresh: bool, group: Grou
             lock.release()
             lock, error = None, (str(err), None)
         except OSError as err:
-            # An error of the machine (a full disk, a read-only file system) stays an OSError on every rank: a
-            # caller such as a search tells it from a mistake in the config by its errno.
+            # An error of the machine (a full disk, a read-only file system) stays an OSError on
+            # every rank: a caller such as a search tells it from a mistake in the config by its
+            # errno.
             lock.release()
-            lock, error = None, (f"cannot take run_dir {str(path)!r}: {err.strerror or err}", err.errno)
+            lock, error = (
+                None,
+                (f"cannot take run_dir {str(path)!r}: {err.strerror or err}", err.errno),
+            )
     error = broadcast_object(error, group=group)
     if error is not None:
         message, code = error
@@ -115,10 +127,10 @@ def claim(run_dir: str | os.PathLike, *, is_main: bool, fresh: bool, group: Grou
 
 
 def _set_aside_previous_run(run_dir: Path) -> None:
-    # Left in place, an old run's snapshots of later steps would be "newer" than this run's and be pruned last
-    # or resumed first, and its records would be followed by this run's at the same steps (two curves drawn as
-    # one); deleting them would destroy what the user may still want. The folder they go to has the layout of
-    # a run directory: `ddpkit plot` draws it.
+    # Left in place, an old run's snapshots of later steps would be "newer" than this run's and be
+    # pruned last or resumed first, and its records would be followed by this run's at the same
+    # steps (two curves drawn as one); deleting them would destroy what the user may still want. The
+    # folder they go to has the layout of a run directory: `ddpkit plot` draws it.
     snapshots = run_dir / "snapshots"
     present = [
         name
@@ -131,8 +143,10 @@ def _set_aside_previous_run(run_dir: Path) -> None:
     aside = run_dir / f"replaced-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     fs.make_dir(aside, root=run_dir)
     for name in present:
-        fs.rename(run_dir / name, aside / name, root=run_dir)  # moves a link itself, never what it points to
+        # moves a link itself, never what it points to
+        fs.rename(run_dir / name, aside / name, root=run_dir)
     print(
-        f"ddpkit: resume=False: the previous run's {', '.join(present)} moved to {aside}; this run starts them afresh",
+        f"ddpkit: resume=False: the previous run's {', '.join(present)} moved to {aside}; this "
+        "run starts them afresh",
         flush=True,
     )

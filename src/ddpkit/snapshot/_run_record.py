@@ -1,10 +1,12 @@
-"""What a run was built with, recorded in every snapshot, and the check that a snapshot resumes only that run.
+"""What a run was built with, recorded in every snapshot, and the check that a snapshot resumes only
+that run.
 
-A script rerun with another config (another learning rate, a resized layer, another activation) on a run
-directory that already holds snapshots would otherwise "resume" the old run and exit 0. :class:`RunRecord`
-holds what this run asks for: the config, the optimizer's hyper-parameters as the script built them, the model's
-tensor shapes and the class of each of its modules. :meth:`RunRecord.check` compares it with a snapshot's and
-refuses with every difference named and the ways out.
+A script rerun with another config (another learning rate, a resized layer, another activation) on a
+run directory that already holds snapshots would otherwise "resume" the old run and exit 0.
+:class:`RunRecord` holds what this run asks for: the config, the optimizer's hyper-parameters as the
+script built them, the model's tensor shapes and the class of each of its modules.
+:meth:`RunRecord.check` compares it with a snapshot's and refuses with every difference named and
+the ways out.
 """
 
 from __future__ import annotations
@@ -33,24 +35,30 @@ RESUMABLE_CHANGES = frozenset({
     "strategy.bucket_cap_mb", "strategy.gradient_as_bucket_view", "strategy.static_graph",
     "strategy.find_unused_parameters", "strategy.parameters_as_bucket_view", "strategy.reshard_after_forward",
 })  # fmt: skip
-"""Config fields a resume may change: when and how the run stops, records and saves, and how fast the strategy
-communicates, not what the next step computes. (``batch_size`` and ``global_batch_size`` are checked as the
-global batch they make, which may stay the same at another world size.) ``num_workers`` is here because a
-sample's random draws are a function of ``(seed, epoch, index)``, not of the worker that loads it."""
+"""Config fields a resume may change: when and how the run stops, records and saves, and how fast
+the strategy communicates, not what the next step computes. (``batch_size`` and
+``global_batch_size`` are checked as the global batch they make, which may stay the same at another
+world size.) ``num_workers`` is here because a sample's random draws are a function of
+``(seed, epoch, index)``, not of the worker that loads it."""
 
-_NOT_COMPARED = frozenset({"batch_size", "global_batch_size", "precision"})  # precision: see precision_change
+# precision: see precision_change
+_NOT_COMPARED = frozenset({"batch_size", "global_batch_size", "precision"})
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 # Optimizer settings that schedulers move during training or that only choose an implementation.
-_OPTIMIZER_IMPLEMENTATION = frozenset({"params", "foreach", "fused", "capturable", "differentiable"})
+_OPTIMIZER_IMPLEMENTATION = frozenset(
+    {"params", "foreach", "fused", "capturable", "differentiable"}
+)
 
 
 def optimizer_hparams(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """The hyper-parameters of each param group as the script built them (JSON values), and the group sizes.
+    """The hyper-parameters of each param group as the script built them (JSON values), and the
+    group sizes.
 
-    Taken when the Trainer is built, before any step: a scheduler has moved ``lr`` by the time a snapshot is
-    written, so the value a resumed run asks for is compared with the value the first run asked for.
+    Taken when the Trainer is built, before any step: a scheduler has moved ``lr`` by the time a
+    snapshot is written, so the value a resumed run asks for is compared with the value the first
+    run asked for.
     """
     out = []
     for group in optimizer.param_groups:
@@ -60,7 +68,8 @@ def optimizer_hparams(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
 
 
 def tensor_shapes(state: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
-    """(shape, dtype) of each tensor of a state dict; a sharded tensor (DTensor) gives its global shape."""
+    """(shape, dtype) of each tensor of a state dict; a sharded tensor (DTensor) gives its global
+    shape."""
     return {
         k: (tuple(v.shape), str(v.dtype).removeprefix("torch."))
         for k, v in state.items()
@@ -71,13 +80,15 @@ def tensor_shapes(state: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], 
 def module_types(model: torch.nn.Module) -> dict[str, str]:
     """The class name of every submodule by name (``""``: the model itself).
 
-    What a resume checks its model's structure against: the same shapes with another activation, or another
-    normalisation, would load and train on silently. Hyper-parameters a module holds (a dropout rate, a
-    negative slope) are not part of it, nor the module a class is defined in: a script's classes are in
-    ``__main__`` when it is run and in its own module when imported. fsdp's ``fully_shard`` swaps each sharded
-    module's class for a subclass (``FSDPLinear``); the class the script built is recorded.
+    What a resume checks its model's structure against: the same shapes with another activation, or
+    another normalisation, would load and train on silently. Hyper-parameters a module holds (a
+    dropout rate, a negative slope) are not part of it, nor the module a class is defined in: a
+    script's classes are in ``__main__`` when it is run and in its own module when imported. fsdp's
+    ``fully_shard`` swaps each sharded module's class for a subclass (``FSDPLinear``); the class the
+    script built is recorded.
     """
-    fsdp = sys.modules.get("torch.distributed.fsdp")  # imported only where fsdp is used: costs ~0.9 s
+    # imported only where fsdp is used: costs ~0.9 s
+    fsdp = sys.modules.get("torch.distributed.fsdp")
     sharded = getattr(fsdp, "FSDPModule", None)
     out = {}
     for name, module in model.named_modules():
@@ -101,7 +112,8 @@ def flat_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class RunRecord:
-    """What this run asks for, as a snapshot records it (``state_dict()``) and a resume checks it (:meth:`check`)."""
+    """What this run asks for, as a snapshot records it (``state_dict()``) and a resume checks it
+    (:meth:`check`)."""
 
     config: dict[str, Any]
     """``TrainerConfig.to_json()``."""
@@ -111,10 +123,13 @@ class RunRecord:
 
     @classmethod
     def of(cls, config: Any, optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> RunRecord:
-        """The record of a run: ``optimizer`` as the script built it (before any scheduler step), ``model``
-        unwrapped."""
+        """The record of a run: ``optimizer`` as the script built it (before any scheduler step),
+        ``model`` unwrapped."""
         return cls(
-            config.to_json(), optimizer_hparams(optimizer), tensor_shapes(model.state_dict()), module_types(model)
+            config.to_json(),
+            optimizer_hparams(optimizer),
+            tensor_shapes(model.state_dict()),
+            module_types(model),
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -128,12 +143,13 @@ class RunRecord:
     def precision_change(self, saved: Mapping[str, Any]) -> tuple[str, str] | None:
         """``(snapshot's precision, this run's)`` when they differ, else None.
 
-        A resume may change the precision: the snapshot holds fp32 weights and optimizer state under every
-        precision (autocast computes in bf16/fp16 but keeps the parameters in fp32), so the next step is
-        well defined, only not the one the snapshot's run would have taken: such a resume is not bitwise. fp16's
-        GradScaler is the one part that comes or goes: from fp16 it is dropped (the gradients it unscaled are
-        plain gradients); to fp16 a fresh one starts at its initial scale. What stays refused is what the record
-        checks apart from the config: a model whose parameters themselves changed dtype (``model.half()``).
+        A resume may change the precision: the snapshot holds fp32 weights and optimizer state under
+        every precision (autocast computes in bf16/fp16 but keeps the parameters in fp32), so the
+        next step is well defined, only not the one the snapshot's run would have taken: such a
+        resume is not bitwise. fp16's GradScaler is the one part that comes or goes: from fp16 it is
+        dropped (the gradients it unscaled are plain gradients); to fp16 a fresh one starts at its
+        initial scale. What stays refused is what the record checks apart from the config: a model
+        whose parameters themselves changed dtype (``model.half()``).
         """
         old = (saved.get("config") or {}).get("precision")
         new = self.config.get("precision")
@@ -142,38 +158,46 @@ class RunRecord:
         return str(old), str(new)
 
     def check(self, saved: Mapping[str, Any], snapshot: str) -> None:
-        """Refuse the snapshot whose record is ``saved`` unless it was taken by a run like this one, naming every
-        difference. Entries a snapshot does not hold are not compared."""
+        """Refuse the snapshot whose record is ``saved`` unless it was taken by a run like this one,
+        naming every difference. Entries a snapshot does not hold are not compared."""
         problems = []
         old, new = flat_config(saved.get("config") or {}), flat_config(self.config)
         for name, value in new.items():
             if name in RESUMABLE_CHANGES or name in _NOT_COMPARED or name not in old:
                 continue
             if old[name] != value:
-                problems.append(f"TrainerConfig.{name}: {old[name]!r} in the snapshot, {value!r} now")
+                problems.append(
+                    f"TrainerConfig.{name}: {old[name]!r} in the snapshot, {value!r} now"
+                )
         old_hparams = saved.get("optimizer_hparams")
         if old_hparams is not None:
             if len(old_hparams) != len(self.optimizer_hparams):
                 problems.append(
-                    f"optimizer: {len(old_hparams)} param groups in the snapshot, {len(self.optimizer_hparams)} now"
+                    f"optimizer: {len(old_hparams)} param groups in the snapshot, "
+                    f"{len(self.optimizer_hparams)} now"
                 )
             for i, (was, now) in enumerate(zip(old_hparams, self.optimizer_hparams)):
                 for key in sorted(was.keys() | now.keys()):
                     if was.get(key) != now.get(key):
                         problems.append(
-                            f"optimizer param group {i} {key}: {was.get(key)!r} in the snapshot, {now.get(key)!r} now"
+                            f"optimizer param group {i} {key}: {was.get(key)!r} in the snapshot, "
+                            f"{now.get(key)!r} now"
                         )
         problems += _model_differences(saved.get("model_shapes") or {}, self.model_shapes)
         if saved.get("module_types") is not None:
             problems += _module_differences(saved["module_types"], self.module_types)
         if problems:
             allowed = ", ".join(sorted(RESUMABLE_CHANGES - {"run_dir", "resume"}))
-            listed = "\n  ".join(problems[:12] + ([f"... and {len(problems) - 12} more"] if len(problems) > 12 else []))
+            listed = "\n  ".join(
+                problems[:12]
+                + ([f"... and {len(problems) - 12} more"] if len(problems) > 12 else [])
+            )
             raise ConfigError(
-                f"{snapshot} was taken by a run with another config than this one:\n  {listed}\n"
-                "Resuming it would continue that run, not train this one. Give this run a new run_dir, or pass "
-                "TrainerConfig(resume=False) to start afresh in this one (the previous run's snapshots and records "
-                f"are moved aside), or change only what a resume may change ({allowed})"
+                f"{snapshot} was taken by a run with another config than this one:\n  "
+                f"{listed}\nResuming it would continue that run, not train this one. Give this run "
+                "a new run_dir, or pass TrainerConfig(resume=False) to start afresh in this one "
+                "(the previous run's snapshots and records are moved aside), or change only what "
+                f"a resume may change ({allowed})"
             )
 
 
@@ -189,7 +213,9 @@ def _module_differences(old: Mapping[str, str], new: Mapping[str, str]) -> list[
     if extra:
         out.append(f"model: submodules only in the snapshot: {_listed(extra)}")
     for name in [n for n in new if n in old and old[n] != new[n]]:
-        out.append(f"model {name or '(the model itself)'}: {old[name]} in the snapshot, {new[name]} now")
+        out.append(
+            f"model {name or '(the model itself)'}: {old[name]} in the snapshot, {new[name]} now"
+        )
     return out
 
 
@@ -203,12 +229,18 @@ def _model_differences(old: Mapping[str, tuple], new: Mapping[str, tuple]) -> li
     for name in sorted(old.keys() & new.keys()):
         (old_shape, old_dtype), (shape, dtype) = old[name], new[name]
         if tuple(old_shape) != tuple(shape) or old_dtype != dtype:
-            out.append(f"model {name}: {tuple(old_shape)} {old_dtype} in the snapshot, {tuple(shape)} {dtype} now")
+            out.append(
+                f"model {name}: {tuple(old_shape)} {old_dtype} in the snapshot, {tuple(shape)} "
+                f"{dtype} now"
+            )
     return out
 
 
-def write_resolved_config(run_dir: Path, config: Any, runtime: Runtime, per_rank_batch: int) -> None:
-    """``run_dir/config.json`` (rank 0): the resolved config, with the world size, per-rank batch and versions."""
+def write_resolved_config(
+    run_dir: Path, config: Any, runtime: Runtime, per_rank_batch: int
+) -> None:
+    """``run_dir/config.json`` (rank 0): the resolved config, with the world size, per-rank batch
+    and versions."""
     if not runtime.is_main:
         return
     resolved = config.to_json() | {
@@ -218,4 +250,6 @@ def write_resolved_config(run_dir: Path, config: Any, runtime: Runtime, per_rank
         "device": str(runtime.device),
         "torch": torch.__version__,
     }
-    fs.write_atomic(run_dir / "config.json", (json.dumps(resolved, indent=2, default=str) + "\n").encode())
+    fs.write_atomic(
+        run_dir / "config.json", (json.dumps(resolved, indent=2, default=str) + "\n").encode()
+    )

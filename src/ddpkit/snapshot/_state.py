@@ -1,5 +1,5 @@
-"""Where training stands: the counters a snapshot restores next to the model and optimizer, and every rank's
-own state (its random streams, and the parts each rank keeps its own of)."""
+"""Where training stands: the counters a snapshot restores next to the model and optimizer, and
+every rank's own state (its random streams, and the parts each rank keeps its own of)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ class TrainState:
     step: int = 0
     """Optimizer steps taken."""
     cursor: int = 0
-    """Samples of the current epoch already trained on, over all ranks (a whole number of global batches)."""
+    """Samples of the current epoch already trained on, over all ranks (a whole number of global
+    batches)."""
     skipped_steps: int = 0
     """Steps skipped for a non-finite loss or non-finite gradients (not fp16 overflows)."""
 
@@ -46,19 +47,21 @@ class TrainState:
 
 
 class RankStreams:
-    """Every rank's own state: its random streams (python, numpy, torch CPU and CUDA), its loader's generator,
-    and ``own`` parts, objects with ``state_dict()`` / ``load_state_dict()`` of which each rank keeps its own
-    (the unagreed training losses, the callbacks' and the script's ``extra_state``).
+    """Every rank's own state: its random streams (python, numpy, torch CPU and CUDA), its loader's
+    generator, and ``own`` parts, objects with ``state_dict()`` / ``load_state_dict()`` of which
+    each rank keeps its own (the unagreed training losses, the callbacks' and the script's
+    ``extra_state``).
 
-    ``state_dict()`` gathers them (a collective). At the same world size each rank gets its own back and the
-    run continues bit for bit; at another, rank ``r``'s stream has no counterpart in the old run, so each is
-    reseeded from ``(seed, step, rank)``: reproducible, and equal to the uninterrupted run only within tolerance.
-    An own part then gets every old rank's state through ``load_rank_states(states, rank)`` where it has that
-    method; otherwise rank ``r`` takes old rank ``r``'s state, and a rank beyond the old world size gets what
-    ``new_rank_state`` says (the part's own ``new_rank_state`` attribute first): ``refuse`` (every rank refuses
-    the resume, naming the parts), ``copy`` (rank 0's state) or ``fresh`` (its state as built, with a warning
-    naming the parts; :attr:`fresh_parts`). Never silently fresh: a model kept in ``extra_state`` would keep its
-    initial weights on the new rank and train a different model there.
+    ``state_dict()`` gathers them (a collective). At the same world size each rank gets its own back
+    and the run continues bit for bit; at another, rank ``r``'s stream has no counterpart in the old
+    run, so each is reseeded from ``(seed, step, rank)``: reproducible, and equal to the
+    uninterrupted run only within tolerance. An own part then gets every old rank's state through
+    ``load_rank_states(states, rank)`` where it has that method; otherwise rank ``r`` takes old rank
+    ``r``'s state, and a rank beyond the old world size gets what ``new_rank_state`` says (the
+    part's own ``new_rank_state`` attribute first): ``refuse`` (every rank refuses the resume,
+    naming the parts), ``copy`` (rank 0's state) or ``fresh`` (its state as built, with a warning
+    naming the parts; :attr:`fresh_parts`). Never silently fresh: a model kept in ``extra_state``
+    would keep its initial weights on the new rank and train a different model there.
     """
 
     def __init__(
@@ -75,7 +78,8 @@ class RankStreams:
         self.own: dict[str, Any] = dict(own or {})
         self.new_rank_state, self.warn = new_rank_state, warn
         self.reseeded_from: int | None = None
-        """The world size of the snapshot whose streams were reseeded rather than restored, if so."""
+        """The world size of the snapshot whose streams were reseeded rather than restored, if
+        so."""
         self.fresh_parts: list[str] = []
         """Own parts this rank started afresh at another world size."""
 
@@ -90,7 +94,8 @@ class RankStreams:
     def state_dict(self) -> dict[str, Any]:
         return {
             "world_size": self.runtime.world_size,
-            # Every rank's on every rank (Trainer.state_dict); a disk snapshot has each rank write its own instead.
+            # Every rank's on every rank (Trainer.state_dict); a disk snapshot has each rank write
+            # its own instead.
             "ranks": all_gather_object(self.mine(), group=self.runtime.group),
         }
 
@@ -102,7 +107,8 @@ class RankStreams:
             self.generator.set_state(mine["loader_generator"])
             self._load_own(mine)
             return
-        seed = stream_seed("reseed", self.seed, self.train.step, rt.rank)  # needs the counters loaded first
+        # needs the counters loaded first
+        seed = stream_seed("reseed", self.seed, self.train.step, rt.rank)
         torch.manual_seed(seed)
         self.generator.manual_seed(seed)
         self.reseeded_from = state["world_size"]
@@ -111,15 +117,16 @@ class RankStreams:
         if "own" not in ranks[0]:
             return
         policies = {name: self._policy(part) for name, part in self.own.items()}
-        # Decided alike on every rank (the same parts, the same world sizes), so that all refuse or none does.
+        # Decided alike on every rank (the same parts, the same world sizes), so that all refuse or
+        # none does.
         refused = sorted(n for n, p in policies.items() if p == "refuse")
         if rt.world_size > len(ranks) and refused:
             raise ConfigError(
-                f"resuming a {len(ranks)}-rank snapshot on {rt.world_size} ranks: ranks {len(ranks)}.."
-                f"{rt.world_size - 1} have no state of their own for {refused} in it. Set "
-                "TrainerConfig(new_rank_state='copy') to give them rank 0's (state the same on every rank, such as "
-                "a model) or 'fresh' to start them afresh (or a `new_rank_state` attribute on the part), or resume "
-                f"on {len(ranks)} ranks"
+                f"resuming a {len(ranks)}-rank snapshot on {rt.world_size} ranks: ranks "
+                f"{len(ranks)}..{rt.world_size - 1} have no state of their own for {refused} in "
+                "it. Set TrainerConfig(new_rank_state='copy') to give them rank 0's (state the "
+                "same on every rank, such as a model) or 'fresh' to start them afresh (or a "
+                f"`new_rank_state` attribute on the part), or resume on {len(ranks)} ranks"
             )
         for name, part in self.own.items():
             if hasattr(part, "load_rank_states"):
@@ -131,10 +138,12 @@ class RankStreams:
             else:
                 self.fresh_parts.append(name)
         fresh = sorted(n for n, p in policies.items() if p == "fresh")
-        if rt.world_size > len(ranks) and fresh:  # said alike on every rank: ``warn`` prints once (rank 0)
+        # said alike on every rank: ``warn`` prints once (rank 0)
+        if rt.world_size > len(ranks) and fresh:
             self.warn(
-                f"ddpkit: WARNING: resuming a {len(ranks)}-rank snapshot on {rt.world_size} ranks: {fresh} start "
-                f"afresh on ranks {len(ranks)}..{rt.world_size - 1} (new_rank_state='fresh')"
+                f"ddpkit: WARNING: resuming a {len(ranks)}-rank snapshot on {rt.world_size} ranks: "
+                f"{fresh} start afresh on ranks {len(ranks)}..{rt.world_size - 1} "
+                "(new_rank_state='fresh')"
             )
 
     def _policy(self, part: Any) -> str:
@@ -142,7 +151,10 @@ class RankStreams:
             return "own"
         policy = getattr(part, "new_rank_state", None) or self.new_rank_state
         if policy not in NEW_RANK_STATES:
-            raise ConfigError(f"{type(part).__name__}.new_rank_state={policy!r} is not one of {list(NEW_RANK_STATES)}")
+            raise ConfigError(
+                f"{type(part).__name__}.new_rank_state={policy!r} is not one of "
+                f"{list(NEW_RANK_STATES)}"
+            )
         return str(policy)
 
     def _check_own(self, mine: Mapping[str, Any]) -> None:
@@ -152,8 +164,9 @@ class RankStreams:
         missing = sorted(set(self.own) - set(saved))
         if missing:
             raise ConfigError(
-                f"the snapshot holds no state of {missing} (it holds {sorted(saved)}): a callback or extra_state "
-                "entry added since, or renamed? Resume with the same callbacks and extra_state names"
+                f"the snapshot holds no state of {missing} (it holds {sorted(saved)}): a callback "
+                "or extra_state entry added since, or renamed? Resume with the same callbacks and "
+                "extra_state names"
             )
 
     def _load_own(self, mine: Mapping[str, Any]) -> None:
@@ -164,8 +177,8 @@ class RankStreams:
 
 
 def _on_cpu(value: Any) -> Any:
-    """``value`` with its tensors copied to the CPU: gathered to every rank (and pickled), a device tensor
-    would be re-created on the device of the rank that saved it."""
+    """``value`` with its tensors copied to the CPU: gathered to every rank (and pickled), a device
+    tensor would be re-created on the device of the rank that saved it."""
     if isinstance(value, torch.Tensor):
         return value.detach().cpu() if value.device.type != "cpu" else value.detach().clone()
     if isinstance(value, dict):

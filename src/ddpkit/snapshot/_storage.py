@@ -1,19 +1,23 @@
-"""The storage layer under snapshot folders: torch.distributed.checkpoint (DCP) files, read without unpickling.
+"""The storage layer under snapshot folders: torch.distributed.checkpoint (DCP) files, read without
+unpickling.
 
-torch's ``FileSystemReader`` unpickles the folder's index (``.metadata``) and DCP's default load planner
-unpickles every non-tensor item (``torch.load(weights_only=False)``): whoever can write a snapshot folder
-could run code in the job that resumes from it, and the checksums of the marker do not help, as they are
-rewritten as easily. So a snapshot's DCP part holds tensors only (other values go to ``values.pt``, which loads
-with ``weights_only=True``), the index is also written as JSON (``INDEX``: ``metadata.json``), and a resume
-reads only that: each tensor is read with torch's ``weights_only`` loader. The pickled ``.metadata`` stays for
-torch's own tools (``dcp_to_torch_save``, ``dcp.load``), which unpickle it: use those on snapshots you trust.
+torch's ``FileSystemReader`` unpickles the folder's index (``.metadata``) and DCP's default load
+planner unpickles every non-tensor item (``torch.load(weights_only=False)``): whoever can write a
+snapshot folder could run code in the job that resumes from it, and the checksums of the marker do
+not help, as they are rewritten as easily. So a snapshot's DCP part holds tensors only (other values
+go to ``values.pt``, which loads with ``weights_only=True``), the index is also written as JSON
+(``INDEX``: ``metadata.json``), and a resume reads only that: each tensor is read with torch's
+``weights_only`` loader. The pickled ``.metadata`` stays for torch's own tools
+(``dcp_to_torch_save``, ``dcp.load``), which unpickle it: use those on snapshots you trust.
 
-The files are written through a file system that keeps the ``OSError`` of a failed write: torch's zip writer
-turns a full disk into ``inline_container.cc: unexpected pos 704 vs 598``, and the reason is gone.
+The files are written through a file system that keeps the ``OSError`` of a failed write: torch's
+zip writer turns a full disk into ``inline_container.cc: unexpected pos 704 vs 598``, and the reason
+is gone.
 
-The JSON form is written here rather than taken from a library: torch 2.13's one reader that unpickles
-nothing (``HuggingFaceStorageReader``) needs the ``safetensors`` package and a layout of its own, which
-torch's other tools do not read; this keeps DCP's layout, and torch as the only dependency.
+The JSON form is written here rather than taken from a library: torch 2.13's one reader that
+unpickles nothing (``HuggingFaceStorageReader``) needs the ``safetensors`` package and a layout of
+its own, which torch's other tools do not read; this keeps DCP's layout, and torch as the only
+dependency.
 """
 
 from __future__ import annotations
@@ -54,14 +58,16 @@ from ddpkit.snapshot._folders import INDEX, read_bounded
 
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 _DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
-_INDEX_LIMIT = 1 << 30  # JSON of a tensor's place per chunk: ~200 bytes each; a GiB is millions of chunks
+# JSON of a tensor's place per chunk: ~200 bytes each; a GiB is millions of chunks
+_INDEX_LIMIT = 1 << 30
 
 
-# -- writing ----------------------------------------------------------------------------------------------
+# -- writing ---------------------------------------------------------------------------------------
 
 
 class _ErrnoKeepingStream:
-    """A file whose failed writes are recorded (path, OSError) before torch's serializer can swallow them."""
+    """A file whose failed writes are recorded (path, OSError) before torch's serializer can swallow
+    them."""
 
     def __init__(self, stream: Any, path: Path, failures: list[tuple[Path, OSError]]) -> None:
         self._stream, self._path, self._failures = stream, path, failures
@@ -113,7 +119,8 @@ class _ErrnoKeepingFileSystem(FileSystem):
 
 
 def _open_stream(path: Path, mode: str) -> IO[bytes]:
-    """A file of a snapshot, opened never through a link and only if it is this user's regular file."""
+    """A file of a snapshot, opened never through a link and only if it is this user's regular
+    file."""
     flags = {"rb": os.O_RDONLY, "wb": os.O_WRONLY | os.O_CREAT | os.O_TRUNC}.get(mode)
     if flags is None:
         raise ValueError(f"{path}: mode {mode!r} is not one a snapshot file is opened in")
@@ -121,8 +128,8 @@ def _open_stream(path: Path, mode: str) -> IO[bytes]:
 
 
 class Writer(FileSystemWriter):
-    """DCP's file writer, adding the JSON index next to ``.metadata`` and keeping the OS errors of its writes
-    in ``failures`` (this rank's, in order)."""
+    """DCP's file writer, adding the JSON index next to ``.metadata`` and keeping the OS errors of
+    its writes in ``failures`` (this rank's, in order)."""
 
     def __init__(self, path: Path) -> None:
         super().__init__(path)  # one file per rank, fsynced
@@ -130,9 +137,10 @@ class Writer(FileSystemWriter):
         set_file_system(self, _ErrnoKeepingFileSystem(self.failures))
 
     def finish(self, metadata: Metadata, results: list[list[Any]]) -> None:
-        super().finish(metadata, results)  # pickles the index, with where each item went, to .metadata
-        # Where each item went is taken from the results, not from ``metadata``: torch 2.13 fills it into the
-        # object it is given, earlier versions into a copy of it.
+        # pickles the index, with where each item went, to .metadata
+        super().finish(metadata, results)
+        # Where each item went is taken from the results, not from ``metadata``: torch 2.13 fills it
+        # into the object it is given, earlier versions into a copy of it.
         where = {result.index: result.storage_data for per_rank in results for result in per_rank}
         metadata = dataclasses.replace(metadata, storage_data=where)
         try:
@@ -143,14 +151,18 @@ class Writer(FileSystemWriter):
 
 
 def index_to_json(metadata: Metadata) -> dict[str, Any]:
-    """The parts of DCP's ``Metadata`` a load needs, as JSON values. Non-tensor items are refused: they would
-    be pickles."""
+    """The parts of DCP's ``Metadata`` a load needs, as JSON values. Non-tensor items are refused:
+    they would be pickles."""
     tensors = {}
     for fqn, md in metadata.state_dict_metadata.items():
         if not isinstance(md, TensorStorageMetadata):
-            raise TypeError(f"snapshot item {fqn!r} is not a tensor: only tensors go into DCP files")
+            raise TypeError(
+                f"snapshot item {fqn!r} is not a tensor: only tensors go into DCP files"
+            )
         if md.properties.layout != torch.strided:
-            raise TypeError(f"snapshot item {fqn!r} has layout {md.properties.layout}: only strided tensors")
+            raise TypeError(
+                f"snapshot item {fqn!r} has layout {md.properties.layout}: only strided tensors"
+            )
         tensors[fqn] = {
             "dtype": str(md.properties.dtype).removeprefix("torch."),
             "size": list(md.size),
@@ -159,7 +171,9 @@ def index_to_json(metadata: Metadata) -> dict[str, Any]:
     storage = []
     for index, info in metadata.storage_data.items():
         if transformed(info):
-            raise TypeError(f"snapshot item {index.fqn!r} was written through a stream transform: not supported")
+            raise TypeError(
+                f"snapshot item {index.fqn!r} was written through a stream transform: not supported"
+            )
         storage.append(
             {
                 "fqn": index.fqn,
@@ -171,10 +185,15 @@ def index_to_json(metadata: Metadata) -> dict[str, Any]:
         )
     paths = {k: list(v) for k, v in (metadata.planner_data or {}).items()}
     # Metadata.version: DCP's format version, recorded from torch 2.7 on.
-    return {"version": getattr(metadata, "version", None), "tensors": tensors, "storage": storage, "paths": paths}
+    return {
+        "version": getattr(metadata, "version", None),
+        "tensors": tensors,
+        "storage": storage,
+        "paths": paths,
+    }
 
 
-# -- why a write failed -----------------------------------------------------------------------------------
+# -- why a write failed ----------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -194,12 +213,16 @@ def os_failure(err: OSError, file: Any, folder: Path) -> Failure:
     return Failure(what, shown, err.errno in _DISK_FULL, err.errno)
 
 
-def rank_failure(err: BaseException, kept: list[tuple[Path, OSError]], rank: int, folder: Path) -> Failure | None:
-    """This rank's part in a failed write: the first OS error its files met (torch's serializer replaces a
-    full disk's by a position mismatch), else its own exception; None when DCP reports other ranks' only."""
+def rank_failure(
+    err: BaseException, kept: list[tuple[Path, OSError]], rank: int, folder: Path
+) -> Failure | None:
+    """This rank's part in a failed write: the first OS error its files met (torch's serializer
+    replaces a full disk's by a position mismatch), else its own exception; None when DCP reports
+    other ranks' only."""
     if kept:
         return os_failure(kept[0][1], kept[0][0], folder)
-    failures = getattr(err, "failures", None)  # DCP's CheckpointException: every failed rank's exception
+    # DCP's CheckpointException: every failed rank's exception
+    failures = getattr(err, "failures", None)
     if isinstance(failures, dict) and failures:
         if rank not in failures:
             return None
@@ -211,9 +234,9 @@ def rank_failure(err: BaseException, kept: list[tuple[Path, OSError]], rank: int
 
 
 def first_rank_failure(err: BaseException, rank: int | None) -> str:
-    """The lowest failed rank's exception in DCP's ``CheckpointException`` (rank of the group -> (exception,
-    traceback)), as one line; the rank named where it is not ``rank`` (None: a load with no collective, whose
-    failures are this rank's own)."""
+    """The lowest failed rank's exception in DCP's ``CheckpointException`` (rank of the group ->
+    (exception, traceback)), as one line; the rank named where it is not ``rank`` (None: a load with
+    no collective, whose failures are this rank's own)."""
     failures = err.failures  # type: ignore[attr-defined]
     origin = min(failures)
     first = failures[origin][0]
@@ -222,8 +245,8 @@ def first_rank_failure(err: BaseException, rank: int | None) -> str:
 
 
 def describe(failures: list[tuple[int, Failure]]) -> str:
-    """``no space left on device (rank 0 writing __0_0.distcp, rank 1 writing __1_0.distcp)``, or each rank's
-    own reason where they differ."""
+    """``no space left on device (rank 0 writing __0_0.distcp, rank 1 writing __1_0.distcp)``, or
+    each rank's own reason where they differ."""
 
     def where(rank: int, f: Failure) -> str:
         return f"rank {rank} writing {f.file}" if f.file else f"rank {rank}"
@@ -234,7 +257,7 @@ def describe(failures: list[tuple[int, Failure]]) -> str:
     return "; ".join(f"{where(r, f)}: {f.what}" for r, f in failures)
 
 
-# -- reading ----------------------------------------------------------------------------------------------
+# -- reading ---------------------------------------------------------------------------------------
 
 
 def _ints(value: Any, what: str) -> list[int]:
@@ -256,16 +279,19 @@ def _among(ordered: list[Any], key: Any) -> bool:
 
 
 def index_from_json(data: Any) -> Metadata:
-    """DCP's ``Metadata`` from :func:`index_to_json`'s output, checked: tensors only, files of this folder
-    only (``__R_N.distcp``), sizes and offsets as integers. Raises :class:`BadIndex` naming the problem."""
+    """DCP's ``Metadata`` from :func:`index_to_json`'s output, checked: tensors only, files of this
+    folder only (``__R_N.distcp``), sizes and offsets as integers. Raises :class:`BadIndex` naming
+    the problem."""
     if (
         not isinstance(data, dict)
         or not isinstance(data.get("tensors"), dict)
         or not isinstance(data.get("storage"), list)
     ):
         raise BadIndex("it is not an index of tensors")
-    state: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}  # an index of tensors only: no bytes
-    holding: list[tuple[str, tuple[int, ...]]] = []  # (tensor, offsets) of each chunk that holds elements
+    # an index of tensors only: no bytes
+    state: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+    # (tensor, offsets) of each chunk that holds elements
+    holding: list[tuple[str, tuple[int, ...]]] = []
     empty: list[tuple[str, tuple[int, ...]]] = []
     for fqn, md in data["tensors"].items():
         if not isinstance(md, dict) or not isinstance(md.get("chunks"), list):
@@ -273,37 +299,53 @@ def index_from_json(data: Any) -> Metadata:
         if not all(isinstance(c, dict) for c in md["chunks"]):
             raise BadIndex(f"tensor {fqn!r} has a malformed chunk")
         chunks = [
-            ChunkStorageMetadata(torch.Size(_ints(c.get("offsets"), fqn)), torch.Size(_ints(c.get("sizes"), fqn)))
+            ChunkStorageMetadata(
+                torch.Size(_ints(c.get("offsets"), fqn)), torch.Size(_ints(c.get("sizes"), fqn))
+            )
             for c in md["chunks"]
         ]
         size = torch.Size(_ints(md.get("size"), fqn))
         full = check_chunks(fqn, size, chunks)
-        state[fqn] = TensorStorageMetadata(TensorProperties(dtype=_dtype(md.get("dtype"), fqn)), size, full)
+        state[fqn] = TensorStorageMetadata(
+            TensorProperties(dtype=_dtype(md.get("dtype"), fqn)), size, full
+        )
         holding.extend((fqn, tuple(c.offsets)) for c in full)
         empty.extend((fqn, tuple(c.offsets)) for c in chunks if 0 in c.sizes)
-    # Each storage entry must be a chunk's, found by sorting, never by hashing: an int tuple's hash is not
-    # salted, and entries whose offsets collide (a 64-bit equation, solved for the last coordinate) would make
-    # each insertion below scan all the others. The chunks kept hold elements, so their offsets are distinct
-    # points of their tensor: fewer than 2**63, about one of any 2**64 hashes.
+    # Each storage entry must be a chunk's, found by sorting, never by hashing: an int tuple's hash
+    # is not salted, and entries whose offsets collide (a 64-bit equation, solved for the last
+    # coordinate) would make each insertion below scan all the others. The chunks kept hold
+    # elements, so their offsets are distinct points of their tensor: fewer than 2**63, about one of
+    # any 2**64 hashes.
     holding.sort()
     empty.sort()
     storage = {}
     for entry in data["storage"]:
-        if not isinstance(entry, dict) or not isinstance(entry.get("fqn"), str) or entry["fqn"] not in state:
+        if (
+            not isinstance(entry, dict)
+            or not isinstance(entry.get("fqn"), str)
+            or entry["fqn"] not in state
+        ):
             raise BadIndex("a storage entry names no tensor of the index")
         fqn, name = entry["fqn"], entry.get("file")
         if not isinstance(name, str) or not _DATA_FILE.match(name):
-            raise BadIndex(f"tensor {fqn!r} is said to be in {name!r}, not a data file of the folder")
+            raise BadIndex(
+                f"tensor {fqn!r} is said to be in {name!r}, not a data file of the folder"
+            )
         offset = torch.Size(_ints(entry.get("offset"), fqn))
         at, length = _ints([entry.get("at"), entry.get("length")], fqn)
         if _among(holding, (fqn, tuple(offset))):
             storage[MetadataIndex(fqn, offset)] = storage_info(name, at, length)
-        elif not _among(empty, (fqn, tuple(offset))):  # an empty chunk's: it loads nothing, and is left out
-            raise BadIndex(f"tensor {fqn!r} has a storage entry at {list(offset)[:8]} where it has no chunk")
+        # an empty chunk's: it loads nothing, and is left out
+        elif not _among(empty, (fqn, tuple(offset))):
+            raise BadIndex(
+                f"tensor {fqn!r} has a storage entry at {list(offset)[:8]} where it has no chunk"
+            )
     for fqn, md in state.items():
         for chunk in md.chunks if isinstance(md, TensorStorageMetadata) else ():
             if MetadataIndex(fqn, chunk.offsets) not in storage:
-                raise BadIndex(f"tensor {fqn!r} has a chunk at {list(chunk.offsets)} that no data file holds")
+                raise BadIndex(
+                    f"tensor {fqn!r} has a chunk at {list(chunk.offsets)} that no data file holds"
+                )
     paths = data.get("paths") or {}
     if not isinstance(paths, dict) or not all(
         isinstance(p, list) and all(type(k) in (str, int) for k in p) for p in paths.values()
@@ -311,7 +353,10 @@ def index_from_json(data: Any) -> Metadata:
         raise BadIndex("its key paths are malformed")
     version = data.get("version") if isinstance(data.get("version"), str) else None
     found = Metadata(
-        state, planner_data={k: tuple(v) for k, v in paths.items()}, storage_data=storage, storage_meta=StorageMeta()
+        state,
+        planner_data={k: tuple(v) for k, v in paths.items()},
+        storage_data=storage,
+        storage_meta=StorageMeta(),
     )
     if version is not None and hasattr(found, "version"):  # a field from torch 2.7 on
         found.version = version
@@ -319,7 +364,8 @@ def index_from_json(data: Any) -> Metadata:
 
 
 def read_index(folder: Path) -> Metadata:
-    """The checked index of a snapshot folder (:func:`index_from_json`); ``OSError`` if it is missing."""
+    """The checked index of a snapshot folder (:func:`index_from_json`); ``OSError`` if it is
+    missing."""
     raw = read_bounded(folder / INDEX, _INDEX_LIMIT)
     try:
         data = json.loads(raw)
@@ -329,8 +375,8 @@ def read_index(folder: Path) -> Metadata:
 
 
 class Reader(FileSystemReader):
-    """DCP's file reader over an index already read and checked (:func:`read_index`): ``.metadata`` is never
-    opened. Tensors are read by torch with ``weights_only=True``."""
+    """DCP's file reader over an index already read and checked (:func:`read_index`): ``.metadata``
+    is never opened. Tensors are read by torch with ``weights_only=True``."""
 
     def __init__(self, path: Path, index: Metadata) -> None:
         super().__init__(path)
@@ -338,34 +384,40 @@ class Reader(FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
-            # DCP retries with a rank's own index when the global one fails; snapshots have no such file.
+            # DCP retries with a rank's own index when the global one fails; snapshots have no such
+            # file.
             raise BadIndex("snapshot folders have one index, not one per rank")
         return self._index
 
 
 class TensorsOnlyPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, minus its unpickling of non-tensor items (the index admits none; this
-    stops one that got through anyway)."""
+    """DCP's default load planner, minus its unpickling of non-tensor items (the index admits none;
+    this stops one that got through anyway)."""
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        raise BadIndex(f"item {read_item.dest_index.fqn!r} is not a tensor: refusing to unpickle it")
+        raise BadIndex(
+            f"item {read_item.dest_index.fqn!r} is not a tensor: refusing to unpickle it"
+        )
 
 
 def read_marked_index(folder: Path) -> Any:
-    """DCP's index of the snapshot, from JSON, refused by name unless the marker lists it and every file it reads."""
+    """DCP's index of the snapshot, from JSON, refused by name unless the marker lists it and every
+    file it reads."""
     try:
-        # The index, and every data file it reads from, were checked against the marker (by rank 0, in
-        # latest()) only if the marker lists them.
+        # The index, and every data file it reads from, were checked against the marker (by rank 0,
+        # in latest()) only if the marker lists them.
         files = folders.listed(folders.Found(0, folder))
         if folders.INDEX not in files:
             raise BadIndex(f"{folders.MARKER} does not list it")
         index = read_index(folder)
         for info in index.storage_data.values():
             if info.relative_path not in files:
-                raise BadIndex(f"it reads {info.relative_path}, which {folders.MARKER} does not list")
+                raise BadIndex(
+                    f"it reads {info.relative_path}, which {folders.MARKER} does not list"
+                )
         return index
     except (BadIndex, OSError, ValueError) as err:
         raise ConfigError(
-            f"{folder / folders.INDEX} is not an index ddpkit wrote ({err}): refusing to load {folder}. Remove it "
-            "to resume from the snapshot before it"
+            f"{folder / folders.INDEX} is not an index ddpkit wrote ({err}): refusing to load "
+            f"{folder}. Remove it to resume from the snapshot before it"
         ) from None

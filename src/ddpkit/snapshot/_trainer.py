@@ -1,21 +1,23 @@
 """What a snapshot of a Trainer holds, and how a run resumes from one.
 
-The Trainer hands over its stateful parts, each with ``state_dict()`` / ``load_state_dict()``: the strategy
-(model and optimizer, each rank's own part: shards under zero and fsdp, each rank's own buffers under its own
-name), and the rest by name: the counters (:class:`~ddpkit.snapshot._state.TrainState`), every rank's random
-streams with the state each rank keeps its own of (its losses not yet agreed on, the callbacks' and the script's
-``extra_state``), the epoch's agreed losses, early stopping, the LR scheduler and the GradScaler. When a snapshot
-is due: :class:`~ddpkit.snapshot._schedule.SnapshotSchedule`. A snapshot is ``run_dir/snapshots/step-N/``
-(:mod:`ddpkit.snapshot._manager`): the strategy's part through :mod:`torch.distributed.checkpoint`, so it
-reshards on load; the others, with the run's record (:class:`~ddpkit.snapshot._run_record.RunRecord`), in
-``values.pt``.
+The Trainer hands over its stateful parts, each with ``state_dict()`` / ``load_state_dict()``: the
+strategy (model and optimizer, each rank's own part: shards under zero and fsdp, each rank's own
+buffers under its own name), and the rest by name: the counters
+(:class:`~ddpkit.snapshot._state.TrainState`), every rank's random streams with the state each rank
+keeps its own of (its losses not yet agreed on, the callbacks' and the script's ``extra_state``),
+the epoch's agreed losses, early stopping, the LR scheduler and the GradScaler. When a snapshot is
+due: :class:`~ddpkit.snapshot._schedule.SnapshotSchedule`. A snapshot is
+``run_dir/snapshots/step-N/`` (:mod:`ddpkit.snapshot._manager`): the strategy's part through
+:mod:`torch.distributed.checkpoint`, so it reshards on load; the others, with the run's record
+(:class:`~ddpkit.snapshot._run_record.RunRecord`), in ``values.pt``.
 
-A resume is refused, naming each difference, before any tensor is read when the config, the optimizer's
-hyper-parameters, the model's shapes or the classes of its modules differ from the snapshot's, or when the
-global micro-batch does. The precision may change (:meth:`~ddpkit.snapshot._run_record.RunRecord.precision_change`), with a warning that
-the resume is not bitwise, in the output and as a ``precision_change`` event. At the same world size every
-rank gets its own buffers and random streams back and the run continues bit for bit; at another, every rank
-takes rank 0's buffers and the random streams are reseeded from (seed, step, rank).
+A resume is refused, naming each difference, before any tensor is read when the config, the
+optimizer's hyper-parameters, the model's shapes or the classes of its modules differ from the
+snapshot's, or when the global micro-batch does. The precision may change
+(:meth:`~ddpkit.snapshot._run_record.RunRecord.precision_change`), with a warning that the resume is
+not bitwise, in the output and as a ``precision_change`` event. At the same world size every rank
+gets its own buffers and random streams back and the run continues bit for bit; at another, every
+rank takes rank 0's buffers and the random streams are reseeded from (seed, step, rank).
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from ddpkit.snapshot._run_record import RunRecord
 from ddpkit.snapshot._schedule import SnapshotConfig, SnapshotSchedule
 from ddpkit.strategies import Strategy
 
-if TYPE_CHECKING:  # the memory backend is imported when a run asks for it (SnapshotConfig(memory=True))
+# the memory backend is imported when a run asks for it (SnapshotConfig(memory=True))
+if TYPE_CHECKING:
     from ddpkit.snapshot._memory.snapshots import MemorySnapshots
 
 STREAMS = "rng"
@@ -60,8 +63,8 @@ class Counters(Stateful, Protocol):
 
 
 class TrainerSnapshots:
-    """Saves the Trainer's stateful parts to ``run_dir/snapshots`` and restores them; every rank calls every
-    method (saving and finding a snapshot are collectives)."""
+    """Saves the Trainer's stateful parts to ``run_dir/snapshots`` and restores them; every rank
+    calls every method (saving and finding a snapshot are collectives)."""
 
     def __init__(
         self,
@@ -77,27 +80,33 @@ class TrainerSnapshots:
         log: Callable[..., None],
         print0: Callable[[str], None],
     ) -> None:
-        """``states``: the parts besides the strategy, by name (None where the run has none, e.g. no scheduler);
-        ``train`` is loaded first, as the others may read it. ``log(kind, step, record)`` writes a record."""
+        """``states``: the parts besides the strategy, by name (None where the run has none, e.g. no
+        scheduler); ``train`` is loaded first, as the others may read it.
+        ``log(kind, step, record)`` writes a record."""
         self.runtime, self.strategy, self.train, self.record = runtime, strategy, train, record
         self.states = {"train": train, **{k: v for k, v in states.items() if v is not None}}
         self.global_micro_batch = global_micro_batch
         self.log, self.print0, self.run_dir = log, print0, run_dir
         self.manager = SnapshotManager(
-            run_dir / "snapshots", group=runtime.group, keep_last=config.keep, async_write=config.async_write
+            run_dir / "snapshots",
+            group=runtime.group,
+            keep_last=config.keep,
+            async_write=config.async_write,
         )
         self.schedule = SnapshotSchedule.of(config)
-        """When a snapshot is due (the Trainer and the snapshots in memory ask it), and what is written."""
+        """When a snapshot is due (the Trainer and the snapshots in memory ask it), and what is
+        written."""
         self.resumed_from: int | None = None
-        self._fresh: frozenset[str] = frozenset()  # parts this run starts afresh though the snapshot lacks them
+        # parts this run starts afresh though the snapshot lacks them
+        self._fresh: frozenset[str] = frozenset()
         self.memory: MemorySnapshots | None = None
         """The snapshots in memory (:meth:`open_memory`): a resume takes them when newer."""
         if config.memory:  # (a restart resumes from them even under resume=False: see Trainer.fit)
             self.open_memory(config.memory_every_steps)
 
     def open_memory(self, every_steps: int | None) -> MemorySnapshots | None:
-        """Copies of the state in shared memory after steps, beside the disk's (collective; None where the job
-        has no memory folder, with a line saying why)."""
+        """Copies of the state in shared memory after steps, beside the disk's (collective; None
+        where the job has no memory folder, with a line saying why)."""
         from ddpkit.snapshot._memory.snapshots import TrainerParts, open_memory_snapshots
 
         train = self.train
@@ -110,21 +119,27 @@ class TrainerSnapshots:
         return self.memory
 
     def after_step(self, step: int, taken: bool) -> None:
-        """After optimizer step ``step`` (every rank): the copy in memory, when one is due. The disk's snapshot of
-        a step is :meth:`save`, placed by the Trainer after the step's agreement and validation."""
+        """After optimizer step ``step`` (every rank): the copy in memory, when one is due. The
+        disk's snapshot of a step is :meth:`save`, placed by the Trainer after the step's agreement
+        and validation."""
         if self.memory is not None and self.schedule.in_memory(step, taken):
             self.memory.save()
 
     def close(self) -> None:
-        """At the end of ``fit()`` (not on a failure, whose restart resumes from memory): the copies in memory go."""
+        """At the end of ``fit()`` (not on a failure, whose restart resumes from memory): the copies
+        in memory go."""
         if self.memory is not None:
             self.memory.close(remove=True)
 
     def state_dict(self, streams: bool = True) -> dict[str, Any]:
-        """Everything the next step needs. Collective: every rank calls it (the random streams are gathered).
-        ``streams=False``: each rank's random streams left out (``"rng"`` holds the world size alone), with no
-        collective; a disk snapshot has each rank write its own."""
-        states = {name: part.state_dict() for name, part in self.states.items() if streams or name != STREAMS}
+        """Everything the next step needs. Collective: every rank calls it (the random streams are
+        gathered). ``streams=False``: each rank's random streams left out (``"rng"`` holds the world
+        size alone), with no collective; a disk snapshot has each rank write its own."""
+        states = {
+            name: part.state_dict()
+            for name, part in self.states.items()
+            if streams or name != STREAMS
+        }
         if not streams and STREAMS in self.states:
             states[STREAMS] = {"world_size": self.runtime.world_size}
         return {
@@ -135,15 +150,17 @@ class TrainerSnapshots:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output, its ``strategy`` part already loaded for this world size."""
+        """Restore :meth:`state_dict`'s output, its ``strategy`` part already loaded for this world
+        size."""
         if state["global_micro_batch"] != self.global_micro_batch:
             raise ConfigError(
-                f"the snapshot was taken with {state['global_micro_batch']} samples per global micro-batch, this "
-                f"run has {self.global_micro_batch}: keep global_batch_size (or batch_size x world size) and "
-                "grad_accum_steps as they were to resume"
+                f"the snapshot was taken with {state['global_micro_batch']} samples per global "
+                f"micro-batch, this run has {self.global_micro_batch}: keep global_batch_size (or "
+                "batch_size x world size) and grad_accum_steps as they were to resume"
             )
         self.strategy.load_state_dict(state["strategy"])
-        for name, part in self.states.items():  # "train" first: the random streams' reseed reads the step
+        # "train" first: the random streams' reseed reads the step
+        for name, part in self.states.items():
             if name not in state["states"]:
                 if name in self._fresh:
                     continue
@@ -154,17 +171,18 @@ class TrainerSnapshots:
             part.load_state_dict(state["states"][name])
 
     def disk_parts(self) -> tuple[dict[str, Any], dict[str, Any], Any]:
-        """What a disk snapshot of this step writes (no collective): the strategy's state (DCP's part), the
-        rest (rank 0's, in ``values.pt``), and this rank's own random streams, in a file of its own. Gathered
-        into rank 0's ``values.pt``, every rank would read every rank's streams (~20 kB each) on a load: a
-        cost growing with the world, on every rank."""
+        """What a disk snapshot of this step writes (no collective): the strategy's state (DCP's
+        part), the rest (rank 0's, in ``values.pt``), and this rank's own random streams, in a file
+        of its own. Gathered into rank 0's ``values.pt``, every rank would read every rank's streams
+        (~20 kB each) on a load: a cost growing with the world, on every rank."""
         state = self.state_dict(streams=False)
         own = self.states[STREAMS].mine() if STREAMS in self.states else None  # type: ignore[attr-defined]
         return state.pop("strategy"), state, own
 
     def save(self, wait: bool = False) -> None:
-        """Snapshot this step into ``run_dir/snapshots/step-N/`` (every rank writes its part). It returns once the
-        state is copied to host memory (asynchronous writes), or written; ``wait``: once it is whole on disk."""
+        """Snapshot this step into ``run_dir/snapshots/step-N/`` (every rank writes its part). It
+        returns once the state is copied to host memory (asynchronous writes), or written; ``wait``:
+        once it is whole on disk."""
         # A pre-emption notice is answered by this position on disk, whole before training goes on.
         position, wait = self.train.position, wait or self.schedule.notice is not None
         fresh = self.schedule.new_position(position)
@@ -173,7 +191,9 @@ class TrainerSnapshots:
             return
         t0 = time.perf_counter()
         sharded, extra, own = self.disk_parts()
-        self.manager.save(self.train.step, sharded, extra, replicated=self.strategy.replicated, own=own)
+        self.manager.save(
+            self.train.step, sharded, extra, replicated=self.strategy.replicated, own=own
+        )
         if wait:
             self.manager.wait()
         self.log(
@@ -195,14 +215,20 @@ class TrainerSnapshots:
             None: "",
         }[scaler]
         self.print0(
-            f"ddpkit: WARNING: precision changed from {old} (the snapshot's) to {new} on resume{note}. This run's "
-            "steps are not those the snapshot's run would have taken: the bitwise-resume guarantee does not hold "
-            "for this run"
+            f"ddpkit: WARNING: precision changed from {old} (the snapshot's) to {new} on "
+            f"resume{note}. This run's steps are not those the snapshot's run would have taken: "
+            "the bitwise-resume guarantee does not hold for this run"
         )
         self.log(
             "event",
             self.train.step,
-            {"event": "precision_change", "from": old, "to": new, "scaler": scaler, "bitwise_resume": False},
+            {
+                "event": "precision_change",
+                "from": old,
+                "to": new,
+                "scaler": scaler,
+                "bitwise_resume": False,
+            },
         )
 
     def wait(self) -> None:
@@ -217,8 +243,11 @@ class TrainerSnapshots:
         def precision(state: dict[str, Any]) -> None:
             nonlocal change
             change = self.record.precision_change(state["record"])
-            # To fp16 from another precision: the snapshot has no GradScaler state; a fresh scaler starts.
-            self._fresh = frozenset({"scaler"}) if change is not None and change[1] == "fp16" else frozenset()
+            # To fp16 from another precision: the snapshot has no GradScaler state; a fresh scaler
+            # starts.
+            self._fresh = (
+                frozenset({"scaler"}) if change is not None and change[1] == "fp16" else frozenset()
+            )
 
         got = restore(
             self.manager, self.memory, self.runtime, strategy_state=self.strategy.state_dict,
@@ -243,7 +272,10 @@ class TrainerSnapshots:
                 "samples in the same steps; random streams (dropout, augmentation) are reseeded"
             )
         t = self.train
-        self.print0(f"ddpkit: resumed from {source} (epoch {t.epoch}, step {t.step}, restart {rt.restart_count})")
+        self.print0(
+            f"ddpkit: resumed from {source} (epoch {t.epoch}, step {t.step}, restart "
+            f"{rt.restart_count})"
+        )
         self.log(
             "event",
             t.step,
@@ -282,14 +314,16 @@ def restore(
     warn: Callable[[str], None],
     prepare: Callable[[dict[str, Any]], None] | None = None,
 ) -> Resumed | None:
-    """The one load of a run's snapshots, for the Trainer and for a hand-written loop (:class:`ddpkit.Snapshots`):
-    the newest whole state every rank can take, the copy in memory when it is newer than the disk's newest whole
-    snapshot, else that snapshot; None when there is none. Collective: every rank calls it.
+    """The one load of a run's snapshots, for the Trainer and for a hand-written loop
+    (:class:`ddpkit.Snapshots`): the newest whole state every rank can take, the copy in memory when
+    it is newer than the disk's newest whole snapshot, else that snapshot; None when there is none.
+    Collective: every rank calls it.
 
-    ``strategy_state()``: the model and optimizer's state of this run, the template DCP reshards the snapshot's
-    into; ``check(saved, folder)`` refuses a snapshot of another run before any tensor is read; ``prepare(state)``
-    sees a disk snapshot's state before ``load(state)`` puts it into the run's parts. Each rank gets its own
-    random streams back at the same world size, and every old rank's at another (:class:`RankStreams` reseeds).
+    ``strategy_state()``: the model and optimizer's state of this run, the template DCP reshards the
+    snapshot's into; ``check(saved, folder)`` refuses a snapshot of another run before any tensor is
+    read; ``prepare(state)`` sees a disk snapshot's state before ``load(state)`` puts it into the
+    run's parts. Each rank gets its own random streams back at the same world size, and every old
+    rank's at another (:class:`RankStreams` reseeds).
     """
     if memory is not None:  # the copies in memory first, when newer than the disk's newest
         from ddpkit.snapshot._memory.resume import resume_from_memory
@@ -302,7 +336,9 @@ def restore(
     if found is None:
         return None
     folder = str(found.path)
-    sharded, extra = manager.load(found, strategy_state, map_location="cpu", check=lambda saved: check(saved, folder))
+    sharded, extra = manager.load(
+        found, strategy_state, map_location="cpu", check=lambda saved: check(saved, folder)
+    )
     streams = extra["states"].get(STREAMS)
     if streams is not None:  # this rank's own file at the same world size; every rank's at another
         size, rank = streams["world_size"], runtime.rank
@@ -319,7 +355,8 @@ def restore(
 
 
 def resumes(resume: bool, restart_count: int) -> bool:
-    """Whether ``fit()`` resumes from the run's snapshots: when the config asks (``resume=True``), and always on
-    a restart (``restart_count > 0``): ``resume=False`` means "this job starts afresh", which its first attempt
-    did; a restarted worker that started afresh again would move its own job's snapshots aside."""
+    """Whether ``fit()`` resumes from the run's snapshots: when the config asks (``resume=True``),
+    and always on a restart (``restart_count > 0``): ``resume=False`` means "this job starts
+    afresh", which its first attempt did; a restarted worker that started afresh again would move
+    its own job's snapshots aside."""
     return resume or restart_count > 0

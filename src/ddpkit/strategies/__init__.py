@@ -1,7 +1,9 @@
-"""How a model is spread over ranks: ``ddp`` (replicated), ``zero`` (sharded optimizer state), ``fsdp`` (all
-sharded). Each is one class behind :class:`~ddpkit.strategies._base.Strategy`, with a typed config next to it.
+"""How a model is spread over ranks: ``ddp`` (replicated), ``zero`` (sharded optimizer state),
+``fsdp`` (all sharded). Each is one class behind :class:`~ddpkit.strategies._base.Strategy`, with a
+typed config next to it.
 
-A hand-written loop builds one with :func:`build_strategy` and uses the same pieces the Trainer does.
+A hand-written loop builds one with :func:`build_strategy` and uses the same pieces the Trainer
+does.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from ddpkit.strategies._fsdp import FSDPConfig, FSDPStrategy
 from ddpkit.strategies._zero import ZeroConfig, ZeroStrategy
 
 StrategyConfig = DDPConfig | ZeroConfig | FSDPConfig
-"""A strategy and its options: what ``TrainerConfig.strategy`` and :func:`build_strategy` take (or a name)."""
+"""A strategy and its options: what ``TrainerConfig.strategy`` and :func:`build_strategy` take (or a
+name)."""
 
 STRATEGIES: dict[str, tuple[type, type]] = {
     "ddp": (DDPConfig, DDPStrategy),
@@ -33,9 +36,12 @@ STRATEGIES: dict[str, tuple[type, type]] = {
 }
 
 
-def strategy_config(strategy: str | StrategyConfig, options: dict[str, Any] | None = None) -> StrategyConfig:
-    """The typed config of ``strategy``: a config as it is, or a strategy's name with ``options`` (a JSON-friendly
-    dict, as read back from ``config.json``); errors name the strategy or the option."""
+def strategy_config(
+    strategy: str | StrategyConfig, options: dict[str, Any] | None = None
+) -> StrategyConfig:
+    """The typed config of ``strategy``: a config as it is, or a strategy's name with ``options`` (a
+    JSON-friendly dict, as read back from ``config.json``); errors name the strategy or the
+    option."""
     if not isinstance(strategy, str):
         if type(strategy) not in {cls for cls, _ in STRATEGIES.values()}:
             raise ConfigError(
@@ -44,7 +50,9 @@ def strategy_config(strategy: str | StrategyConfig, options: dict[str, Any] | No
             )
         return strategy
     if strategy not in STRATEGIES:
-        raise ConfigError(f"strategy={strategy!r} is not known: pick one of {', '.join(STRATEGIES)}")
+        raise ConfigError(
+            f"strategy={strategy!r} is not known: pick one of {', '.join(STRATEGIES)}"
+        )
     return check_options(STRATEGIES[strategy][0], strategy, dict(options or {}))
 
 
@@ -57,16 +65,22 @@ def build_strategy(
     sync_batchnorm: bool = False,
     scheduler: Any = None,
 ) -> Strategy:
-    """Wrap ``model`` the way ``strategy`` does (a name, or a config with its options), over the ranks of
-    ``runtime`` (default: the job's).
+    """Wrap ``model`` the way ``strategy`` does (a name, or a config with its options), over the
+    ranks of ``runtime`` (default: the job's).
 
-    Use ``strategy.model`` and ``strategy.optimizer`` from here on: ``zero`` and ``fsdp`` rebuild the optimizer
-    (same class, defaults and parameter groups) over the parameters they manage, and an LR ``scheduler`` built on
-    the old one is pointed at the new one.
+    Use ``strategy.model`` and ``strategy.optimizer`` from here on: ``zero`` and ``fsdp`` rebuild
+    the optimizer (same class, defaults and parameter groups) over the parameters they manage, and
+    an LR ``scheduler`` built on the old one is pointed at the new one.
     """
     config = strategy_config(strategy)
     cls = STRATEGIES[config.name][1]
-    built = cls(model, optimizer, runtime=runtime or get_runtime(), config=config, sync_batchnorm=sync_batchnorm)
+    built = cls(
+        model,
+        optimizer,
+        runtime=runtime or get_runtime(),
+        config=config,
+        sync_batchnorm=sync_batchnorm,
+    )
     rebind_scheduler(scheduler, optimizer, built.optimizer)
     return built
 

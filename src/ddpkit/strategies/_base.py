@@ -1,10 +1,10 @@
 """The seam between the training loop and how the model is distributed.
 
-A strategy owns everything that changes between replicated DDP, DDP with a sharded optimizer (ZeRO) and fully
-sharded data parallelism (FSDP): wrapping the model, skipping synchronisation on micro-batches, which
-parameters a step updates, whether the step's gradients are finite and what their global norm is, clipping,
-uneven inputs, and the state a snapshot holds. The Trainer's loop, or a hand-written one, reads the same at
-every strategy::
+A strategy owns everything that changes between replicated DDP, DDP with a sharded optimizer (ZeRO)
+and fully sharded data parallelism (FSDP): wrapping the model, skipping synchronisation on
+micro-batches, which parameters a step updates, whether the step's gradients are finite and what
+their global norm is, clipping, uneven inputs, and the state a snapshot holds. The Trainer's loop,
+or a hand-written one, reads the same at every strategy::
 
     strategy.optimizer.zero_grad(set_to_none=True)     # before the step's first forward
     for micro_batch in step:
@@ -30,9 +30,9 @@ from ddpkit._errors import ConfigError
 from ddpkit._internals.optim import mark_stepped_like
 
 PER_RANK = "per_rank"
-"""Key of the part of a strategy's state that is each rank's own (its shards' keys, its own buffers): a
-snapshot saves rank 0's in the shared key's place and each other rank's under its own name
-(:mod:`ddpkit.snapshot._layout`)."""
+"""Key of the part of a strategy's state that is each rank's own (its shards' keys, its own
+buffers): a snapshot saves rank 0's in the shared key's place and each other rank's under its own
+name (:mod:`ddpkit.snapshot._layout`)."""
 
 
 @dataclass(frozen=True)
@@ -40,9 +40,11 @@ class GradientVerdict:
     """What a step's gradients say, identically on every rank of the group."""
 
     finite: bool
-    """No gradient element (of any rank's shard) and no rank's loss was NaN or inf: take the step."""
+    """No gradient element (of any rank's shard) and no rank's loss was NaN or inf: take the
+    step."""
     norm: torch.Tensor | None
-    """The global L2 norm of the stepped gradients before clipping, when it was computed (clipping, or FSDP)."""
+    """The global L2 norm of the stepped gradients before clipping, when it was computed (clipping,
+    or FSDP)."""
 
 
 class Strategy(Protocol):
@@ -50,50 +52,54 @@ class Strategy(Protocol):
 
     name: str
     replicated: bool
-    """Every rank holds the same model and optimizer state, outside its per-rank part (DDP): a snapshot then
-    has each rank write a share of it (:func:`~ddpkit.snapshot._layout.writer_of_shared`)."""
+    """Every rank holds the same model and optimizer state, outside its per-rank part (DDP): a
+    snapshot then has each rank write a share of it
+    (:func:`~ddpkit.snapshot._layout.writer_of_shared`)."""
     model: nn.Module
     """The wrapped model: call it for the forward pass."""
     optimizer: torch.optim.Optimizer
-    """The optimizer to step: the one given, or one rebuilt over the wrapped (or sharded) parameters."""
+    """The optimizer to step: the one given, or one rebuilt over the wrapped (or sharded)
+    parameters."""
 
     def no_sync(self) -> AbstractContextManager[Any]:
-        """Backward passes inside accumulate gradients locally, without communication (all micro-batches of
-        a step but the last)."""
+        """Backward passes inside accumulate gradients locally, without communication (all
+        micro-batches of a step but the last)."""
 
     def mark_nonfinite(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss``, arranged so that a NaN/inf value on this rank reaches :meth:`check_gradients` on every
-        rank, even when its gradients are finite. Call before ``backward()``."""
+        """``loss``, arranged so that a NaN/inf value on this rank reaches :meth:`check_gradients`
+        on every rank, even when its gradients are finite. Call before ``backward()``."""
 
     def check_gradients(self, max_norm: float | None = None) -> GradientVerdict:
-        """Decide the step from the synchronised gradients, the same on every rank; clip them to ``max_norm``
-        (global L2 norm) when they are finite."""
+        """Decide the step from the synchronised gradients, the same on every rank; clip them to
+        ``max_norm`` (global L2 norm) when they are finite."""
 
     def evaluation(self) -> AbstractContextManager[Any]:
-        """A context for forward passes whose number may differ between ranks (evaluation on unpadded shards):
-        inside it a forward pass runs no collective."""
+        """A context for forward passes whose number may differ between ranks (evaluation on
+        unpadded shards): inside it a forward pass runs no collective."""
 
     def join(self) -> AbstractContextManager[Any]:
-        """A context for loops where ranks run different numbers of steps (uneven inputs): a rank that has
-        run out of data shadows the others' collectives until all are done."""
+        """A context for loops where ranks run different numbers of steps (uneven inputs): a rank
+        that has run out of data shadows the others' collectives until all are done."""
 
     def state_dict(self) -> dict[str, Any]:
-        """Model and optimizer state for :class:`~ddpkit.snapshot._manager.SnapshotManager`: tensors may be shards
-        (DTensors), so every rank saves its own part and a load reshards. Values that have one name on every
-        rank but may differ between ranks (buffers: BatchNorm's running statistics) go in the ``per_rank`` part
-        (:data:`PER_RANK`), as ``{"model": {name: tensor}, "optim": {key: value}}``."""
+        """Model and optimizer state for :class:`~ddpkit.snapshot._manager.SnapshotManager`: tensors
+        may be shards (DTensors), so every rank saves its own part and a load reshards. Values that
+        have one name on every rank but may differ between ranks (buffers: BatchNorm's running
+        statistics) go in the ``per_rank`` part (:data:`PER_RANK`), as
+        ``{"model": {name: tensor}, "optim": {key: value}}``."""
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (after a load into it, at any world size)."""
 
     def model_weights(self) -> dict[str, Any]:
-        """The whole model's weights by parameter name, at least on rank 0 of the group (collective under
-        sharding: every rank calls it). What ``best.pt`` holds."""
+        """The whole model's weights by parameter name, at least on rank 0 of the group (collective
+        under sharding: every rank calls it). What ``best.pt`` holds."""
 
     def full_state_dict(self) -> dict[str, Any]:
-        """The whole model and optimizer state, gathered on every rank (collective): ``{"model": {name:
-        tensor}, "optim": {"state.<name>.<key>": value, "param_groups.<name>.<key>": value}}``, the same
-        layout under every strategy, so runs under different strategies compare key by key."""
+        """The whole model and optimizer state, gathered on every rank (collective):
+        ``{"model": {name: tensor}, "optim":
+        {"state.<name>.<key>": value, "param_groups.<name>.<key>": value}}``, the same layout under
+        every strategy, so runs under different strategies compare key by key."""
 
 
 def check_options(cls: type, name: str, options: dict[str, Any]) -> Any:
@@ -102,7 +108,8 @@ def check_options(cls: type, name: str, options: dict[str, Any]) -> Any:
     unknown = sorted(set(options) - valid)
     if unknown:
         raise ConfigError(
-            f"strategy {name!r} has no option {', '.join(map(repr, unknown))}: its options are {sorted(valid)}"
+            f"strategy {name!r} has no option {', '.join(map(repr, unknown))}: its options are "
+            f"{sorted(valid)}"
         )
     return cls(**options)
 
@@ -114,16 +121,17 @@ def rebuild_optimizer(
     optimizer_class: Any = None,
     **extra: Any,
 ) -> torch.optim.Optimizer:
-    """An optimizer like ``optimizer`` (its class, defaults and parameter groups with their hyperparameters)
-    over new parameter objects: those ``fully_shard`` put in place of the originals, or the same ones handed to
-    a wrapper such as ``ZeroRedundancyOptimizer`` (``optimizer_class``).
+    """An optimizer like ``optimizer`` (its class, defaults and parameter groups with their
+    hyperparameters) over new parameter objects: those ``fully_shard`` put in place of the
+    originals, or the same ones handed to a wrapper such as ``ZeroRedundancyOptimizer``
+    (``optimizer_class``).
 
     ``names_by_id`` names the original parameters; ``params_by_name`` gives their replacements.
     """
     if optimizer.state:
         raise ConfigError(
-            "the optimizer has already taken steps: with strategy 'zero' or 'fsdp' pass a fresh optimizer (its "
-            "state is rebuilt over the sharded parameters)"
+            "the optimizer has already taken steps: with strategy 'zero' or 'fsdp' pass a fresh "
+            "optimizer (its state is rebuilt over the sharded parameters)"
         )
     groups = []
     for group in optimizer.param_groups:
@@ -131,7 +139,8 @@ def rebuild_optimizer(
             params = [params_by_name[names_by_id[id(p)]] for p in group["params"]]
         except KeyError as err:
             raise ConfigError(
-                f"the optimizer holds a parameter that is not in the model ({err}): give it model.parameters()"
+                f"the optimizer holds a parameter that is not in the model ({err}): give it "
+                "model.parameters()"
             ) from None
         groups.append({**group, "params": params})
     cls = type(optimizer)
@@ -139,43 +148,56 @@ def rebuild_optimizer(
         new = optimizer_class(groups, optimizer_class=cls, **optimizer.defaults, **extra)
     else:
         new = cls(groups, **optimizer.defaults)
-    # The script still holds the optimizer it built: point its groups at the new parameters too, or it would
-    # keep the replaced (whole, unsharded) tensors alive, a full copy of the model per rank.
+    # The script still holds the optimizer it built: point its groups at the new parameters too, or
+    # it would keep the replaced (whole, unsharded) tensors alive, a full copy of the model per
+    # rank.
     for old_group, group in zip(optimizer.param_groups, groups):
         old_group["params"] = list(group["params"])
     return new
 
 
-def rebind_scheduler(scheduler: Any, old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
-    """Point an LR scheduler built on ``old`` at ``new``: schedulers read and write ``optimizer.param_groups``
-    at each step, and ``new``'s groups were copied from ``old``'s (``initial_lr`` included)."""
+def rebind_scheduler(
+    scheduler: Any, old: torch.optim.Optimizer, new: torch.optim.Optimizer
+) -> None:
+    """Point an LR scheduler built on ``old`` at ``new``: schedulers read and write
+    ``optimizer.param_groups`` at each step, and ``new``'s groups were copied from ``old``'s
+    (``initial_lr`` included)."""
     if scheduler is None or new is old or getattr(scheduler, "optimizer", None) is not old:
         return
     scheduler.optimizer = new
-    mark_stepped_like(old, new)  # else the scheduler would warn at every run's start that it stepped first
+    # else the scheduler would warn at every run's start that it stepped first
+    mark_stepped_like(old, new)
 
 
 def separate_own(state: dict[str, Any], model: nn.Module, ignored: Any = ()) -> dict[str, Any]:
-    """``state`` (``{"model": ..., "optim": ...}`` by parameter name) with each rank's own values moved to its
-    ``per_rank`` part: the model's buffers, and the parameters in ``ignored`` with their optimizer state.
+    """``state`` (``{"model": ..., "optim": ...}`` by parameter name) with each rank's own values
+    moved to its ``per_rank`` part: the model's buffers, and the parameters in ``ignored`` with
+    their optimizer state.
 
-    Under data parallelism a buffer has one name on every rank and a value of each rank's own: BatchNorm
-    without sync BatchNorm updates its running statistics from the rank's own batch (DDP overwrites them with
-    rank 0's only at the next synchronised forward pass), and fsdp leaves buffers unsharded, each rank's own.
-    Parameters DDP was told to ignore get each rank's own gradients. Saved under one name, one rank's copy
-    would be given to every rank on resume.
+    Under data parallelism a buffer has one name on every rank and a value of each rank's own:
+    BatchNorm without sync BatchNorm updates its running statistics from the rank's own batch (DDP
+    overwrites them with rank 0's only at the next synchronised forward pass), and fsdp leaves
+    buffers unsharded, each rank's own. Parameters DDP was told to ignore get each rank's own
+    gradients. Saved under one name, one rank's copy would be given to every rank on resume.
     """
     names = {name for name, _ in model.named_buffers()} | set(ignored)
     shared_model, own_model = _partition(state["model"], lambda key: key in names)
-    prefixes = tuple(f"state.{name}." for name in ignored)  # flattened optimizer state: state.<param>.<key>
+    # flattened optimizer state: state.<param>.<key>
+    prefixes = tuple(f"state.{name}." for name in ignored)
     shared_optim, own_optim = _partition(
         state.get("optim") or {}, lambda key: bool(prefixes) and key.startswith(prefixes)
     )
-    return {**state, "model": shared_model, "optim": shared_optim, PER_RANK: {"model": own_model, "optim": own_optim}}
+    return {
+        **state,
+        "model": shared_model,
+        "optim": shared_optim,
+        PER_RANK: {"model": own_model, "optim": own_optim},
+    }
 
 
 def join_own(state: dict[str, Any]) -> dict[str, Any]:
-    """The inverse of :func:`separate_own`: each rank's own values back among the model's and optimizer's."""
+    """The inverse of :func:`separate_own`: each rank's own values back among the model's and
+    optimizer's."""
     own = state.get(PER_RANK) or {}
     joined = {k: v for k, v in state.items() if k != PER_RANK}
     joined["model"] = {**state["model"], **own.get("model", {})}
@@ -184,4 +206,6 @@ def join_own(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def _partition(values: dict[str, Any], own: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    return {k: v for k, v in values.items() if not own(k)}, {k: v for k, v in values.items() if own(k)}
+    return {k: v for k, v in values.items() if not own(k)}, {
+        k: v for k, v in values.items() if own(k)
+    }

@@ -1,4 +1,5 @@
-"""Replicated data parallelism: DistributedDataParallel, its knobs, and the step verdict without a collective."""
+"""Replicated data parallelism: DistributedDataParallel, its knobs, and the step verdict without a
+collective."""
 
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ from ddpkit.strategies._prepare import no_sync, prepare_model, unwrap
 
 
 def state_options(**kwargs: Any) -> Any:
-    """Options of torch's distributed state dicts: optimizer state keyed by parameter name, one entry per
-    tensor, so that ranks may hold different parameters (ZeRO) and a load at another world size finds each by
-    name. (torch.distributed.checkpoint is imported here, when used: it costs ~0.9 s per process.)"""
+    """Options of torch's distributed state dicts: optimizer state keyed by parameter name, one
+    entry per tensor, so that ranks may hold different parameters (ZeRO) and a load at another world
+    size finds each by name. (torch.distributed.checkpoint is imported here, when used: it costs
+    ~0.9 s per process.)"""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     return StateDictOptions(flatten_optimizer_state_dict=True, **kwargs)
@@ -30,29 +32,34 @@ def state_options(**kwargs: Any) -> Any:
 
 @dataclass(kw_only=True)
 class DDPConfig:
-    """The ``ddp`` strategy and DistributedDataParallel's knobs: ``TrainerConfig(strategy=DDPConfig(...))``."""
+    """The ``ddp`` strategy and DistributedDataParallel's knobs:
+    ``TrainerConfig(strategy=DDPConfig(...))``."""
 
     name: ClassVar[str] = "ddp"
 
     bucket_cap_mb: float | None = None
-    """Size of the gradient buckets DDP all-reduces while backward runs (torch's default: 25). Larger buckets
-    mean fewer, bigger messages; smaller ones start communicating earlier."""
+    """Size of the gradient buckets DDP all-reduces while backward runs (torch's default: 25).
+    Larger buckets mean fewer, bigger messages; smaller ones start communicating earlier."""
     static_graph: bool = False
-    """The set of parameters used and the graph are the same every step: DDP then learns the order once, and
-    supports unused parameters and reentrant activation checkpointing without searching the graph."""
+    """The set of parameters used and the graph are the same every step: DDP then learns the order
+    once, and supports unused parameters and reentrant activation checkpointing without searching
+    the graph."""
     gradient_as_bucket_view: bool = False
-    """Gradients are views into the all-reduce buckets: saves one copy of the gradients in memory."""
+    """Gradients are views into the all-reduce buckets: saves one copy of the gradients in
+    memory."""
     find_unused_parameters: bool = False
-    """Search the graph after every forward pass for parameters that get no gradient (costly); needed when
-    some parameters are not used in a step. Without it such a step fails with the parameters named."""
+    """Search the graph after every forward pass for parameters that get no gradient (costly);
+    needed when some parameters are not used in a step. Without it such a step fails with the
+    parameters named."""
     broadcast_buffers: bool = True
-    """Copy rank 0's buffers (BatchNorm running statistics) to every rank before each forward pass."""
+    """Copy rank 0's buffers (BatchNorm running statistics) to every rank before each forward
+    pass."""
     comm_hook: Literal["fp16", "bf16", "powersgd", "parameter_server"] | None = None
-    """What DDP does with each gradient bucket instead of an all-reduce in fp32: ``fp16`` or ``bf16``
-    (all-reduce compressed to 16 bits), ``powersgd`` (low-rank compression with error feedback),
-    ``parameter_server`` (each bucket summed on a server rank and sent back; see
-    :mod:`ddpkit.strategies._hooks`). Compression changes the gradients: runs agree with plain DDP within a
-    tolerance, not bitwise."""
+    """What DDP does with each gradient bucket instead of an all-reduce in fp32: ``fp16`` or
+    ``bf16`` (all-reduce compressed to 16 bits), ``powersgd`` (low-rank compression with error
+    feedback), ``parameter_server`` (each bucket summed on a server rank and sent back; see
+    :mod:`ddpkit.strategies._hooks`). Compression changes the gradients: runs agree with plain DDP
+    within a tolerance, not bitwise."""
     powersgd_rank: int = 1
     """PowerSGD's matrix approximation rank (higher: more accurate, more traffic)."""
     powersgd_start_iter: int = 10
@@ -60,7 +67,9 @@ class DDPConfig:
 
     def __post_init__(self) -> None:
         if self.comm_hook is not None and self.comm_hook not in hooks.COMM_HOOKS:
-            raise ConfigError(f"comm_hook={self.comm_hook!r}: pick one of {', '.join(hooks.COMM_HOOKS)} or None")
+            raise ConfigError(
+                f"comm_hook={self.comm_hook!r}: pick one of {', '.join(hooks.COMM_HOOKS)} or None"
+            )
         if self.powersgd_rank < 1 or self.powersgd_start_iter < 2:
             raise ConfigError("powersgd_rank must be >= 1 and powersgd_start_iter >= 2")
         if self.bucket_cap_mb is not None and self.bucket_cap_mb <= 0:
@@ -72,49 +81,58 @@ class DDPConfig:
             for k, v in asdict(self).items()
             if k in ("static_graph", "gradient_as_bucket_view", "find_unused_parameters")
         }
-        if not self.broadcast_buffers:  # passed only when changed: torch 2.13 warns that the name is deprecated
+        # passed only when changed: torch 2.13 warns that the name is deprecated
+        if not self.broadcast_buffers:
             out["broadcast_buffers"] = False
         if self.bucket_cap_mb is not None:
             out["bucket_cap_mb"] = self.bucket_cap_mb
         return out
 
 
-def nan_gradient_if_nonfinite(loss: torch.Tensor, anchor: torch.Tensor | None, on_host: bool) -> torch.Tensor:
-    """``loss``, made to give ``anchor`` (a parameter DDP all-reduces) a NaN gradient if its value is not finite.
+def nan_gradient_if_nonfinite(
+    loss: torch.Tensor, anchor: torch.Tensor | None, on_host: bool
+) -> torch.Tensor:
+    """``loss``, made to give ``anchor`` (a parameter DDP all-reduces) a NaN gradient if its value
+    is not finite.
 
-    A non-finite loss can have finite gradients: ``loss + inf``, or a cross-entropy whose targets are all
-    ``ignore_index`` (0/0 = NaN, with zero gradients); the rank that computed it would know and the others
-    would not. Multiplying the loss by NaN is not enough, as masking ops (ReLU, ignored targets) turn the NaN
-    back into zeros on its way down. So the NaN goes straight into the gradient of one element of ``anchor``;
-    DDP's all-reduce then puts it into every rank's gradients, and the verdict each rank reads from its own
-    gradients covers every rank's loss.
+    A non-finite loss can have finite gradients: ``loss + inf``, or a cross-entropy whose targets
+    are all ``ignore_index`` (0/0 = NaN, with zero gradients); the rank that computed it would know
+    and the others would not. Multiplying the loss by NaN is not enough, as masking ops (ReLU,
+    ignored targets) turn the NaN back into zeros on its way down. So the NaN goes straight into the
+    gradient of one element of ``anchor``; DDP's all-reduce then puts it into every rank's
+    gradients, and the verdict each rank reads from its own gradients covers every rank's loss.
 
-    ``on_host`` (CPU): reading the value is free and a tensor op is not, so a finite loss is returned untouched.
-    On an accelerator a read would wait for the device, so the term is always added, as ``0 x anchor`` for a
-    finite loss: the loss keeps its value, and the anchor's gradient gets ``+0.0``.
+    ``on_host`` (CPU): reading the value is free and a tensor op is not, so a finite loss is
+    returned untouched. On an accelerator a read would wait for the device, so the term is always
+    added, as ``0 x anchor`` for a finite loss: the loss keeps its value, and the anchor's gradient
+    gets ``+0.0``.
     """
     if anchor is None:
         return loss
-    if on_host:  # the view of the anchor is built only for a bad loss: a few us per step saved on tiny models
+    # the view of the anchor is built only for a bad loss: a few us per step saved on tiny models
+    if on_host:
         return loss if math.isfinite(loss.item()) else loss + anchor.reshape(-1)[0] * float("nan")
     element = anchor.reshape(-1)[0]
     bad = torch.where(torch.isfinite(loss.detach()), 0.0, float("nan")).to(element.dtype)
     return loss + element * bad
 
 
-def all_finite(tensors: list[torch.Tensor], flags: dict[Any, tuple[torch.Tensor, torch.Tensor]] | None = None) -> bool:
+def all_finite(
+    tensors: list[torch.Tensor], flags: dict[Any, tuple[torch.Tensor, torch.Tensor]] | None = None
+) -> bool:
     """True if no element of ``tensors`` is NaN or inf.
 
-    torch's fused check-and-unscale (what GradScaler runs) reads every tensor in one call; with a scale of 1
-    it leaves them bit for bit as they were. A norm (``get_total_norm``) would do too, but costs five times as
-    much on the CPU (measured in a training loop: ~40 vs ~210 us for the DDP tutorials' CNN). ``flags`` keeps the
-    (found-inf flag, scale of 1) tensors of each device from one call to the next: allocating them costs a few
-    us a step, which shows on tiny models.
+    torch's fused check-and-unscale (what GradScaler runs) reads every tensor in one call; with a
+    scale of 1 it leaves them bit for bit as they were. A norm (``get_total_norm``) would do too,
+    but costs five times as much on the CPU (measured in a training loop: ~40 vs ~210 us for the DDP
+    tutorials' CNN). ``flags`` keeps the (found-inf flag, scale of 1) tensors of each device from
+    one call to the next: allocating them costs a few us a step, which shows on tiny models.
     """
     flags = {} if flags is None else flags
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
-        if t.is_sparse:  # e.g. nn.Embedding(sparse=True): the stored values, uncoalesced (summing could overflow)
+        # e.g. nn.Embedding(sparse=True): the stored values, uncoalesced (summing could overflow)
+        if t.is_sparse:
             t = sparse_values(t)
         if t.is_complex():
             t = torch.view_as_real(t)
@@ -130,21 +148,29 @@ def all_finite(tensors: list[torch.Tensor], flags: dict[Any, tuple[torch.Tensor,
 
 
 def stepped_parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The parameters whose gradients decide whether a step is taken: those the optimizer updates, that need
-    gradients, and that DDP all-reduces (identical on every rank, so every rank reaches the same verdict).
-    Parameters DDP was told to ignore are left out: their gradients are each rank's own."""
+    """The parameters whose gradients decide whether a step is taken: those the optimizer updates,
+    that need gradients, and that DDP all-reduces (identical on every rank, so every rank reaches
+    the same verdict). Parameters DDP was told to ignore are left out: their gradients are each
+    rank's own."""
     ignored = {
-        id(p) for name, p in unwrap(model).named_parameters() if name in getattr(model, "parameters_to_ignore", ())
+        id(p)
+        for name, p in unwrap(model).named_parameters()
+        if name in getattr(model, "parameters_to_ignore", ())
     }
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    return [p for p in model.parameters() if p.requires_grad and id(p) in stepped and id(p) not in ignored]
+    return [
+        p
+        for p in model.parameters()
+        if p.requires_grad and id(p) in stepped and id(p) not in ignored
+    ]
 
 
 class DDPStrategy:
     """Every rank holds the whole model and optimizer; DDP all-reduces gradients during backward.
 
-    The step verdict costs no collective: once DDP has all-reduced them, the gradients are identical on every
-    rank, so each reaches the same decision from its own copy (one host sync per step, as a GradScaler has).
+    The step verdict costs no collective: once DDP has all-reduced them, the gradients are identical
+    on every rank, so each reaches the same decision from its own copy (one host sync per step, as a
+    GradScaler has).
     """
 
     name = "ddp"
@@ -160,8 +186,9 @@ class DDPStrategy:
         sync_batchnorm: bool = False,
         prepared: bool = False,
     ) -> None:
-        """``prepared``: ``model`` is already wrapped (one of :class:`~ddpkit.strategies._several.SeveralModels`'s),
-        this strategy only decides its ``optimizer``'s steps."""
+        """``prepared``: ``model`` is already wrapped (one of
+        :class:`~ddpkit.strategies._several.SeveralModels`'s), this strategy only decides its
+        ``optimizer``'s steps."""
         self.config = config or DDPConfig()
         self.runtime = runtime
         kwargs = self.config.ddp_kwargs()
@@ -179,10 +206,12 @@ class DDPStrategy:
             )
         self.on_host = runtime.device.type == "cpu"
         self.params = stepped_parameters(self.model, optimizer)
-        self.anchor = self.params[0] if self.params else None  # where a non-finite loss puts its NaN
+        # where a non-finite loss puts its NaN
+        self.anchor = self.params[0] if self.params else None
         self._finite_flags: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
-        # Without find_unused_parameters or static_graph, a parameter that gets no gradient stalls DDP's
-        # reducer, and torch's error arrives one forward pass later without naming it: check after backward.
+        # Without find_unused_parameters or static_graph, a parameter that gets no gradient stalls
+        # DDP's reducer, and torch's error arrives one forward pass later without naming it: check
+        # after backward.
         self._check_unused = runtime.distributed and not (
             kwargs.get("find_unused_parameters") or kwargs.get("static_graph")
         )
@@ -209,13 +238,15 @@ class DDPStrategy:
     def _raise_unused(self) -> None:
         unused = [self._names.get(id(p), "?") for p in self.params if p.grad is None]
         raise ConfigError(
-            f"parameter(s) {', '.join(unused)} got no gradient in this step, so DDP cannot finish its all-reduce: "
-            "pass strategy=DDPConfig(find_unused_parameters=True) (or static_graph=True when the same parameters "
-            "are unused every step), or leave them out of the optimizer and set requires_grad=False"
+            f"parameter(s) {', '.join(unused)} got no gradient in this step, so DDP cannot finish "
+            "its all-reduce: pass strategy=DDPConfig(find_unused_parameters=True) (or "
+            "static_graph=True when the same parameters are unused every step), or leave them out "
+            "of the optimizer and set requires_grad=False"
         )
 
     def evaluation(self) -> AbstractContextManager[Any]:
-        return nullcontext()  # evaluate() calls the module inside DDP, whose forward runs no collective
+        # evaluate() calls the module inside DDP, whose forward runs no collective
+        return nullcontext()
 
     def join(self) -> AbstractContextManager[Any]:
         if not isinstance(self.model, DDP):  # not distributed
@@ -227,12 +258,17 @@ class DDPStrategy:
     def state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        # The module, not DDP: DDP's state_dict() is keyed as its module's (prepare.keys_of_the_module), and
-        # torch's get_state_dict asserts DDP's own names from a DDP.
-        model_state, optim_state = get_state_dict(unwrap(self.model), self.optimizer, options=state_options())
+        # The module, not DDP: DDP's state_dict() is keyed as its module's
+        # (prepare.keys_of_the_module), and torch's get_state_dict asserts DDP's own names from a
+        # DDP.
+        model_state, optim_state = get_state_dict(
+            unwrap(self.model), self.optimizer, options=state_options()
+        )
         # Parameters are replicated; buffers, and parameters DDP ignores, are each rank's own.
         ignored = getattr(self.model, "parameters_to_ignore", ())
-        return separate_own({"model": model_state, "optim": optim_state}, unwrap(self.model), ignored)
+        return separate_own(
+            {"model": model_state, "optim": optim_state}, unwrap(self.model), ignored
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict

@@ -1,13 +1,13 @@
 """Fully sharded data parallelism: ``torch.distributed.fsdp.fully_shard`` (FSDP2).
 
-Parameters, gradients and optimizer state are sharded over the group's ranks (each holds ``1/N`` of every
-sharded tensor, as a DTensor). A block's parameters are all-gathered just before its forward (and again
-before its backward) and freed after; its gradients are reduce-scattered, so each rank ends the backward
-pass with only its shard of them.
+Parameters, gradients and optimizer state are sharded over the group's ranks (each holds ``1/N`` of
+every sharded tensor, as a DTensor). A block's parameters are all-gathered just before its forward
+(and again before its backward) and freed after; its gradients are reduce-scattered, so each rank
+ends the backward pass with only its shard of them.
 
-A rank's shard is not the model: whether a step's gradients are finite, and their norm for clipping, are
-decided over all shards, with one all-reduce of two numbers per step (the sum of squares of this rank's
-gradient shard, and whether its loss was finite).
+A rank's shard is not the model: whether a step's gradients are finite, and their norm for clipping,
+are decided over all shards, with one all-reduce of two numbers per step (the sum of squares of this
+rank's gradient shard, and whether its loss was finite).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from ddpkit.strategies._base import (
 )
 from ddpkit.strategies._ddp import state_options
 
-# torch.distributed.fsdp and DTensor are imported where used: with torch.distributed.checkpoint they cost ~0.9 s
-# per process, which `import ddpkit` (and every other strategy) need not pay.
+# torch.distributed.fsdp and DTensor are imported where used: with torch.distributed.checkpoint they
+# cost ~0.9 s per process, which `import ddpkit` (and every other strategy) need not pay.
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -46,21 +46,23 @@ class FSDPConfig:
     name: ClassVar[str] = "fsdp"
 
     shard_blocks: list[str] = field(default_factory=list)
-    """Class names (``TransformerBlock``, or ``package.module.TransformerBlock``) of the blocks that are
-    sharded, gathered and freed one at a time; the root module holds the rest. Without any, the whole model is
-    one unit: all of it is gathered for the forward pass, and the saving is in optimizer state and gradients."""
+    """Class names (``TransformerBlock``, or ``package.module.TransformerBlock``) of the blocks that
+    are sharded, gathered and freed one at a time; the root module holds the rest. Without any, the
+    whole model is one unit: all of it is gathered for the forward pass, and the saving is in
+    optimizer state and gradients."""
     param_dtype: str | None = None
-    """Mixed precision: the dtype (``bf16``, ``fp16``) parameters are gathered in and the forward and backward
-    run in; sharded parameters and optimizer state stay fp32. None: the parameters' own dtype."""
+    """Mixed precision: the dtype (``bf16``, ``fp16``) parameters are gathered in and the forward
+    and backward run in; sharded parameters and optimizer state stay fp32. None: the parameters' own
+    dtype."""
     reduce_dtype: str | None = None
-    """The dtype gradients are reduce-scattered in (default: ``param_dtype``); ``fp32`` keeps the reduction
-    exact while computing in 16 bits."""
+    """The dtype gradients are reduce-scattered in (default: ``param_dtype``); ``fp32`` keeps the
+    reduction exact while computing in 16 bits."""
     reshard_after_forward: bool = True
-    """Free gathered parameters after each block's forward and gather them again for its backward (least
-    memory); False keeps them from forward to backward (one all-gather less per block)."""
+    """Free gathered parameters after each block's forward and gather them again for its backward
+    (least memory); False keeps them from forward to backward (one all-gather less per block)."""
     cpu_offload: bool = False
-    """Keep sharded parameters, gradients and optimizer state in host memory, and step the optimizer there
-    (for a model that fits only this way; each step copies shards to and from the device)."""
+    """Keep sharded parameters, gradients and optimizer state in host memory, and step the optimizer
+    there (for a model that fits only this way; each step copies shards to and from the device)."""
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype"):
@@ -100,7 +102,8 @@ def shard_model(model: nn.Module, mesh: Any, config: FSDPConfig) -> nn.Module:
     if missing:
         classes = sorted({type(m).__name__ for m in model.modules()})
         raise ConfigError(
-            f"shard_blocks names {sorted(missing)}, which the model does not contain: its module classes are {classes}"
+            f"shard_blocks names {sorted(missing)}, which the model does not contain: its module "
+            f"classes are {classes}"
         )
     # The root's parameters are needed again at once by the backward pass: keep them gathered.
     fully_shard(model, reshard_after_forward=False, **kwargs)
@@ -108,8 +111,8 @@ def shard_model(model: nn.Module, mesh: Any, config: FSDPConfig) -> nn.Module:
 
 
 FSDP_ON_CPU = (2, 7)
-"""The first torch whose fully_shard runs on CPU tensors: before, it records events on CPU streams, which have
-no ``record_event``."""
+"""The first torch whose fully_shard runs on CPU tensors: before, it records events on CPU streams,
+which have no ``record_event``."""
 
 
 class FSDPStrategy:
@@ -147,8 +150,9 @@ class FSDPStrategy:
         model = model.to(runtime.device)
         if sync_batchnorm:
             model = convert_sync_batchnorm(model, runtime.device, runtime.group)
-        # Ranks start from rank 0's weights, as DDP makes them: fully_shard takes each rank's own copy as the
-        # source of its shard, so replicas that differ would silently give a model that no rank had.
+        # Ranks start from rank 0's weights, as DDP makes them: fully_shard takes each rank's own
+        # copy as the source of its shard, so replicas that differ would silently give a model that
+        # no rank had.
         for tensor in [*model.parameters(), *model.buffers()]:
             dist.broadcast(tensor.data, src=dist.get_global_rank(self.group, 0), group=self.group)
         from torch.distributed.device_mesh import DeviceMesh
@@ -178,8 +182,8 @@ class FSDPStrategy:
         return self._unsynced()
 
     def mark_nonfinite(self, loss: torch.Tensor) -> torch.Tensor:
-        # No NaN is planted in a gradient (a sharded parameter's gradient arrives by reduce-scatter, on one
-        # rank only): the flag rides on the verdict's all-reduce instead.
+        # No NaN is planted in a gradient (a sharded parameter's gradient arrives by reduce-scatter,
+        # on one rank only): the flag rides on the verdict's all-reduce instead.
         self._loss_flags.append(~torch.isfinite(loss.detach()).all())
         return loss
 
@@ -191,8 +195,9 @@ class FSDPStrategy:
             sumsq += norm.double() ** 2
         bad_losses = torch.stack(self._loss_flags).sum() if self._loss_flags else torch.zeros(())
         self._loss_flags.clear()
-        # Each element of a sharded gradient lives on exactly one rank, so the squares add up over ranks to
-        # the square of the global L2 norm; a NaN or inf in any shard makes the sum non-finite everywhere.
+        # Each element of a sharded gradient lives on exactly one rank, so the squares add up over
+        # ranks to the square of the global L2 norm; a NaN or inf in any shard makes the sum
+        # non-finite everywhere.
         totals = torch.stack([sumsq, bad_losses.to(device=device, dtype=torch.float64)])
         dist.all_reduce(totals, group=self.group)
         norm = totals[0].sqrt()
@@ -206,17 +211,18 @@ class FSDPStrategy:
 
     @contextmanager
     def _gathered(self) -> Iterator[None]:
-        # A sharded forward all-gathers each block's parameters, so ranks evaluating different numbers of
-        # batches (unpadded shards) would wait on each other forever. Gather every block once for the whole
-        # evaluation instead (the whole model in memory meanwhile), and keep it gathered across forwards.
+        # A sharded forward all-gathers each block's parameters, so ranks evaluating different
+        # numbers of batches (unpadded shards) would wait on each other forever. Gather every block
+        # once for the whole evaluation instead (the whole model in memory meanwhile), and keep it
+        # gathered across forwards.
         from torch.distributed.fsdp import FSDPModule
 
         modules = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
         for module in modules:
             module.set_reshard_after_forward(False)
             module.unshard()
-        # Buffers (BatchNorm running statistics) are not sharded and follow each rank's own batches: evaluate
-        # rank 0's everywhere, as DDP does.
+        # Buffers (BatchNorm running statistics) are not sharded and follow each rank's own
+        # batches: evaluate rank 0's everywhere, as DDP does.
         for buffer in self.model.buffers():
             dist.broadcast(buffer.data, src=dist.get_global_rank(self.group, 0), group=self.group)
         try:
@@ -224,33 +230,41 @@ class FSDPStrategy:
         finally:
             for module in modules:
                 module.reshard()
-                module.set_reshard_after_forward(False if module is self.model else self.config.reshard_after_forward)
+                module.set_reshard_after_forward(
+                    False if module is self.model else self.config.reshard_after_forward
+                )
 
     def evaluation(self) -> AbstractContextManager[Any]:
         return self._gathered()
 
     def join(self) -> AbstractContextManager[Any]:
         raise ConfigError(
-            "strategy 'fsdp' cannot join uneven inputs (FSDP's all-gathers have no Join support in torch): give "
-            "every rank the same number of batches (the Trainer's sampler does, as does drop_last=True)"
+            "strategy 'fsdp' cannot join uneven inputs (FSDP's all-gathers have no Join support in "
+            "torch): give every rank the same number of batches (the Trainer's sampler does, as "
+            "does drop_last=True)"
         )
 
     def state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=state_options())
-        # Parameters and their optimizer state are DTensors (each rank saves its shard); buffers are not
-        # sharded and follow each rank's own batches.
+        model_state, optim_state = get_state_dict(
+            self.model, self.optimizer, options=state_options()
+        )
+        # Parameters and their optimizer state are DTensors (each rank saves its shard); buffers are
+        # not sharded and follow each rank's own batches.
         return separate_own({"model": model_state, "optim": optim_state}, self.model)
 
     def model_weights(self) -> dict[str, Any]:
-        """The whole model's weights on rank 0 of the group, on the CPU (collective: gathered from the shards)."""
+        """The whole model's weights on rank 0 of the group, on the CPU (collective: gathered from
+        the shards)."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
         )
 
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return get_model_state_dict(
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
 
     def full_state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -273,7 +287,8 @@ class FSDPStrategy:
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (a view: writing to it writes the gradient), or the tensor itself."""
+    """This rank's shard of a DTensor (a view: writing to it writes the gradient), or the tensor
+    itself."""
     from torch.distributed.tensor import DTensor
 
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor

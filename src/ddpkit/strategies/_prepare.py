@@ -1,4 +1,5 @@
-"""Putting a model on the device, optionally with global-batch BatchNorm, inside DDP; and taking it out."""
+"""Putting a model on the device, optionally with global-batch BatchNorm, inside DDP; and taking it
+out."""
 
 from __future__ import annotations
 
@@ -27,23 +28,25 @@ def prepare_model(
 ) -> nn.Module:
     """Move ``model`` to this rank's device and wrap it in ``DistributedDataParallel``.
 
-    ``sync_batchnorm`` normalises BatchNorm layers over the global batch (torch's SyncBatchNorm on CUDA,
-    :class:`~ddpkit.nn._batchnorm.CPUSyncBatchNorm` elsewhere). Other keyword arguments go to DDP
-    (``find_unused_parameters``, ``static_graph``, ``gradient_as_bucket_view``...). Without a process group
-    (plain ``python``) the model is returned on its device, unwrapped: the same script runs as one process.
-    DDP broadcasts rank 0's parameters and buffers when it wraps, so every rank starts from the same weights.
-    ``process_group`` (default: the runtime's group, the whole job unless it is a group of
-    :func:`~ddpkit.split_world`) is the group whose ranks train this model together.
+    ``sync_batchnorm`` normalises BatchNorm layers over the global batch (torch's SyncBatchNorm on
+    CUDA, :class:`~ddpkit.nn._batchnorm.CPUSyncBatchNorm` elsewhere). Other keyword arguments go to
+    DDP (``find_unused_parameters``, ``static_graph``, ``gradient_as_bucket_view``...). Without a
+    process group (plain ``python``) the model is returned on its device, unwrapped: the same script
+    runs as one process. DDP broadcasts rank 0's parameters and buffers when it wraps, so every rank
+    starts from the same weights. ``process_group`` (default: the runtime's group, the whole job
+    unless it is a group of :func:`~ddpkit.split_world`) is the group whose ranks train this model
+    together.
 
-    Then, with ``seed_ranks`` (the default), each rank gets its own random streams (python, numpy, torch), seeded
-    from ``torch.initial_seed()`` (the seed :func:`~ddpkit.seed_everything` set) and its rank in the group
-    (:func:`~ddpkit.distributed._seeding.seed_rank`): the seed that made the initial weights alike would
-    otherwise give every rank the same dropout masks for its share of the global batch. A world of one draws
-    as rank 0. ``seed_ranks=False`` leaves the streams as they are.
+    Then, with ``seed_ranks`` (the default), each rank gets its own random streams (python, numpy,
+    torch), seeded from ``torch.initial_seed()`` (the seed :func:`~ddpkit.seed_everything` set) and
+    its rank in the group (:func:`~ddpkit.distributed._seeding.seed_rank`): the seed that made the
+    initial weights alike would otherwise give every rank the same dropout masks for its share of
+    the global batch. A world of one draws as rank 0. ``seed_ranks=False`` leaves the streams as
+    they are.
 
     ``state_dict()`` has the module's keys at every world size (without DDP's ``module.``), and
-    ``load_state_dict`` takes them (and DDP's): a checkpoint saved with ``torch.save(model.state_dict(), path)``
-    loads at any world size (:func:`keys_of_the_module`).
+    ``load_state_dict`` takes them (and DDP's): a checkpoint saved with
+    ``torch.save(model.state_dict(), path)`` loads at any world size (:func:`keys_of_the_module`).
     """
     rt = runtime or get_runtime()
     process_group = rt.group if process_group is None else process_group
@@ -61,30 +64,34 @@ def prepare_model(
 
 
 def keys_of_the_module(ddp: DDP) -> None:
-    """Make ``ddp.state_dict()`` keyed as its module's, without DDP's ``module.``, and ``ddp.load_state_dict``
-    take such keys (and DDP's own).
+    """Make ``ddp.state_dict()`` keyed as its module's, without DDP's ``module.``, and
+    ``ddp.load_state_dict`` take such keys (and DDP's own).
 
-    A world of one has no DDP around the module: with DDP's keys a checkpoint saved as pytorch/examples saves it
-    (``torch.save(model.state_dict(), path)``) would load strictly only at the world size it was saved at.
-    The hooks act at any depth (a DDP inside a container). The modules' version metadata keeps DDP's names; torch
-    reads a dict of the current layout without it. torch's distributed checkpoint (``get_state_dict``) expects
-    DDP's names from a DDP: give it :func:`unwrap`'s module, as the strategies do.
+    A world of one has no DDP around the module: with DDP's keys a checkpoint saved as
+    pytorch/examples saves it (``torch.save(model.state_dict(), path)``) would load strictly only at
+    the world size it was saved at. The hooks act at any depth (a DDP inside a container). The
+    modules' version metadata keeps DDP's names; torch reads a dict of the current layout without
+    it. torch's distributed checkpoint (``get_state_dict``) expects DDP's names from a DDP: give it
+    :func:`unwrap`'s module, as the strategies do.
     """
     ddp.register_state_dict_post_hook(_drop_prefix)
     ddp.register_load_state_dict_pre_hook(_add_prefix)
 
 
-def _drop_prefix(ddp: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+def _drop_prefix(
+    ddp: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+) -> None:
     inner = prefix + "module."
-    # DDP's entries are the dict's last (its post-hook runs once they are in): re-added in order, they stay so.
+    # DDP's entries are the dict's last (its post-hook runs once they are in): re-added in order,
+    # they stay so.
     for key in [k for k in state_dict if k.startswith(inner)]:
         state_dict[prefix + key[len(inner) :]] = state_dict.pop(key)
 
 
 def _add_prefix(ddp: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
-    # A key of the module as it is gets DDP's prefix; one already under it (a DDP checkpoint) is left. Where a
-    # key could be either (the module has a child named "module"), it is read as the module's: state_dict()
-    # writes no other.
+    # A key of the module as it is gets DDP's prefix; one already under it (a DDP checkpoint) is
+    # left. Where a key could be either (the module has a child named "module"), it is read as the
+    # module's: state_dict() writes no other.
     module = ddp.module
     assert isinstance(module, nn.Module)
     own = set(module.state_dict(keep_vars=True))
@@ -93,18 +100,20 @@ def _add_prefix(ddp: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any
 
 
 def no_sync(model: nn.Module) -> AbstractContextManager[Any]:
-    """``model.no_sync()`` inside DDP; nothing to skip otherwise. For gradient accumulation in a hand-written
-    loop: the backward passes of all micro-batches but a step's last run under it, so the gradients are
-    all-reduced once per step. :func:`prepare_model` returns the bare module in a world of one, which has no
-    ``no_sync``; with this the same loop runs there."""
+    """``model.no_sync()`` inside DDP; nothing to skip otherwise. For gradient accumulation in a
+    hand-written loop: the backward passes of all micro-batches but a step's last run under it, so
+    the gradients are all-reduced once per step. :func:`prepare_model` returns the bare module in a
+    world of one, which has no ``no_sync``; with this the same loop runs there."""
     inner: Any = model
-    while not isinstance(inner, DDP) and compiled_inner(inner) is not None:  # torch.compile's wrapper
+    # torch.compile's wrapper
+    while not isinstance(inner, DDP) and compiled_inner(inner) is not None:
         inner = compiled_inner(inner)
     return inner.no_sync() if isinstance(inner, DDP) else nullcontext()
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module inside DDP (and ``torch.compile``) wrappers: what to save, load or evaluate."""
+    """The user's module inside DDP (and ``torch.compile``) wrappers: what to save, load or
+    evaluate."""
     while True:
         if isinstance(model, DDP):
             inner = model.module
@@ -112,5 +121,6 @@ def unwrap(model: nn.Module) -> nn.Module:
             inner = compiled_inner(model)
         else:
             return model
-        assert isinstance(inner, nn.Module)  # read through Module.__getattr__, typed Tensor | Module
+        # read through Module.__getattr__, typed Tensor | Module
+        assert isinstance(inner, nn.Module)
         model = inner

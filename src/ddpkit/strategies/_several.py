@@ -1,12 +1,13 @@
-"""Several models and optimizers under ``ddp``: a GAN's generator and discriminator, a student beside a frozen
-teacher, two optimizers over one model.
+"""Several models and optimizers under ``ddp``: a GAN's generator and discriminator, a student
+beside a frozen teacher, two optimizers over one model.
 
-Each model with parameters to train is wrapped in its own DistributedDataParallel (a frozen one only moves to the
-device: DDP refuses a module with nothing to all-reduce). Each optimizer gets its own verdict, clipping and
-non-finite marker from a :class:`~ddpkit.strategies._ddp.DDPStrategy` over the model that holds its parameters
-(``SeveralModels.views``), so a non-finite loss or gradient of one optimizer is agreed on every rank without
-touching the others'. A snapshot holds every model and optimizer, keyed ``<model name>.<parameter>``: torch's
-distributed state dicts of one ``ModuleDict`` of the models with the list of optimizers.
+Each model with parameters to train is wrapped in its own DistributedDataParallel (a frozen one only
+moves to the device: DDP refuses a module with nothing to all-reduce). Each optimizer gets its own
+verdict, clipping and non-finite marker from a :class:`~ddpkit.strategies._ddp.DDPStrategy` over the
+model that holds its parameters (``SeveralModels.views``), so a non-finite loss or gradient of one
+optimizer is agreed on every rank without touching the others'. A snapshot holds every model and
+optimizer, keyed ``<model name>.<parameter>``: torch's distributed state dicts of one ``ModuleDict``
+of the models with the list of optimizers.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from ddpkit.strategies._prepare import no_sync, prepare_model, unwrap
 
 
 class SeveralModels:
-    """Named models and named optimizers, each model replicated with DDP; see the module docstring."""
+    """Named models and named optimizers, each model replicated with DDP; see the module
+    docstring."""
 
     name = "ddp"
     replicated = True
@@ -46,7 +48,13 @@ class SeveralModels:
         self.models: dict[str, nn.Module] = {}
         for name, model in models.items():
             if any(p.requires_grad for p in model.parameters()):
-                model = prepare_model(model, sync_batchnorm=sync_batchnorm, runtime=runtime, seed_ranks=False, **kwargs)
+                model = prepare_model(
+                    model,
+                    sync_batchnorm=sync_batchnorm,
+                    runtime=runtime,
+                    seed_ranks=False,
+                    **kwargs,
+                )
                 if self.config.comm_hook is not None and runtime.distributed:
                     hooks.register(
                         model, self.config.comm_hook, runtime.group, powersgd_rank=self.config.powersgd_rank,
@@ -57,7 +65,8 @@ class SeveralModels:
             self.models[name] = model
         self.optimizers = dict(optimizers)
         self.model: nn.Module = nn.ModuleDict(self.models)  # for the Trainer's walks over modules
-        self.modules = nn.ModuleDict({name: unwrap(m) for name, m in self.models.items()})  # what snapshots hold
+        # what snapshots hold
+        self.modules = nn.ModuleDict({name: unwrap(m) for name, m in self.models.items()})
         self.views = {name: self._view(name, opt) for name, opt in self.optimizers.items()}
         self.optimizer = next(iter(self.optimizers.values()))  # the learning rate the records show
 
@@ -66,10 +75,12 @@ class SeveralModels:
         holders = [m for m in self.models.values() if params <= {id(p) for p in m.parameters()}]
         if not holders:
             raise ConfigError(
-                f"optimizer {name!r} holds parameters of no single model: give each optimizer the parameters of one "
-                "model (two optimizers may share a model)"
+                f"optimizer {name!r} holds parameters of no single model: give each optimizer the "
+                "parameters of one model (two optimizers may share a model)"
             )
-        return DDPStrategy(holders[0], optimizer, runtime=self.runtime, config=self.config, prepared=True)
+        return DDPStrategy(
+            holders[0], optimizer, runtime=self.runtime, config=self.config, prepared=True
+        )
 
     def no_sync(self) -> AbstractContextManager[Any]:
         stack = ExitStack()

@@ -1,9 +1,9 @@
 """DDP with the optimizer state sharded over ranks: ``ZeroRedundancyOptimizer`` (ZeRO stage 1).
 
-Gradients are all-reduced by DDP as under ``ddp`` (so the step verdict and clipping need no collective of
-their own: every rank holds the same whole gradients); each rank then updates only the parameters it owns,
-keeping their optimizer state, and broadcasts them to the others. Adam's two moments, twice the parameters,
-shrink to about ``1/N`` per rank.
+Gradients are all-reduced by DDP as under ``ddp`` (so the step verdict and clipping need no
+collective of their own: every rank holds the same whole gradients); each rank then updates only the
+parameters it owns, keeping their optimizer state, and broadcasts them to the others. Adam's two
+moments, twice the parameters, shrink to about ``1/N`` per rank.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ class ZeroConfig(DDPConfig):
     name: ClassVar[str] = "zero"
 
     parameters_as_bucket_view: bool = False
-    """Pack each rank's parameters into one flat buffer per dtype, so the post-step broadcast sends few large
-    messages instead of one per parameter."""
+    """Pack each rank's parameters into one flat buffer per dtype, so the post-step broadcast sends
+    few large messages instead of one per parameter."""
 
 
 class ZeroStrategy:
@@ -63,8 +63,12 @@ class ZeroStrategy:
             )
         self.config = config or ZeroConfig()
         self.runtime = runtime
-        ddp_config = DDPConfig(**{f.name: getattr(self.config, f.name) for f in dataclasses.fields(DDPConfig)})
-        self.ddp = DDPStrategy(model, optimizer, runtime=runtime, config=ddp_config, sync_batchnorm=sync_batchnorm)
+        ddp_config = DDPConfig(
+            **{f.name: getattr(self.config, f.name) for f in dataclasses.fields(DDPConfig)}
+        )
+        self.ddp = DDPStrategy(
+            model, optimizer, runtime=runtime, config=ddp_config, sync_batchnorm=sync_batchnorm
+        )
         self.model = self.ddp.model
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -94,35 +98,43 @@ class ZeroStrategy:
         return self.ddp.evaluation()
 
     def join(self) -> AbstractContextManager[Any]:
-        # torch's Join([ddp_model, zero]) ends without a hang but trains the wrong model: a joined rank shadows
-        # DDP's all-reduces with zeros and drops the results, then steps the parameters it owns with its own
-        # stale gradients, so those parameters stop following the other ranks' data (measured: 0.9 off after
-        # two uneven steps of SGD on a 3-weight model, where DDP's Join is exact).
+        # torch's Join([ddp_model, zero]) ends without a hang but trains the wrong model: a joined
+        # rank shadows DDP's all-reduces with zeros and drops the results, then steps the parameters
+        # it owns with its own stale gradients, so those parameters stop following the other ranks'
+        # data (measured: 0.9 off after two uneven steps of SGD on a 3-weight model, where DDP's
+        # Join is exact).
         raise ConfigError(
-            "strategy 'zero' cannot join uneven inputs correctly (the parameters a joined rank owns would stop "
-            "training): give every rank the same number of batches, or use strategy 'ddp' with join()"
+            "strategy 'zero' cannot join uneven inputs correctly (the parameters a joined rank "
+            "owns would stop training): give every rank the same number of batches, or use "
+            "strategy 'ddp' with join()"
         )
 
     def state_dict(self) -> dict[str, Any]:
-        # Each rank saves the state of the parameters it owns, by name; the hyperparameters of every group
-        # (the scheduler's current LR among them) are the same on every rank and saved once.
+        # Each rank saves the state of the parameters it owns, by name; the hyperparameters of every
+        # group (the scheduler's current LR among them) are the same on every rank and saved once.
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        # Buffers are each rank's own (separate_own); the parameters a rank steps, even those DDP ignores, are
-        # broadcast to every rank by their owner, so they are replicated.
+        # Buffers are each rank's own (separate_own); the parameters a rank steps, even those DDP
+        # ignores, are broadcast to every rank by their owner, so they are replicated.
         local = self.optimizer.optim
         _copy_hyperparameters(self.optimizer.param_groups, local.param_groups)
         return separate_own(
             {
                 "model": unwrap(self.model).state_dict(),
-                "optim": get_optimizer_state_dict(unwrap(self.model), local, options=state_options()),
-                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
+                "optim": get_optimizer_state_dict(
+                    unwrap(self.model), local, options=state_options()
+                ),
+                "param_groups": [
+                    {k: v for k, v in g.items() if k != "params"}
+                    for g in self.optimizer.param_groups
+                ],
             },
             unwrap(self.model),
         )
 
     def model_weights(self) -> dict[str, Any]:
-        return self.ddp.model_weights()  # parameters are replicated; only the optimizer state is sharded
+        # parameters are replicated; only the optimizer state is sharded
+        return self.ddp.model_weights()
 
     def full_state_dict(self) -> dict[str, Any]:
         state = join_own(self.state_dict())
@@ -136,14 +148,16 @@ class ZeroStrategy:
 
         state = join_own(state)
         unwrap(self.model).load_state_dict(state["model"])
-        set_optimizer_state_dict(unwrap(self.model), self.optimizer.optim, state["optim"], options=state_options())
+        set_optimizer_state_dict(
+            unwrap(self.model), self.optimizer.optim, state["optim"], options=state_options()
+        )
         for group, saved in zip(self.optimizer.param_groups, state["param_groups"], strict=True):
             group.update(saved)
         _copy_hyperparameters(self.optimizer.param_groups, self.optimizer.optim.param_groups)
 
 
 def _copy_hyperparameters(source: list[dict[str, Any]], target: list[dict[str, Any]]) -> None:
-    # ZeroRedundancyOptimizer copies its groups' hyperparameters into the local optimizer only inside step();
-    # between steps (after a scheduler step, or a load) the two can differ.
+    # ZeroRedundancyOptimizer copies its groups' hyperparameters into the local optimizer only
+    # inside step(); between steps (after a scheduler step, or a load) the two can differ.
     for src, dst in zip(source, target, strict=True):
         dst.update({k: v for k, v in src.items() if k != "params"})

@@ -1,13 +1,14 @@
-"""The backend's all-reduce on its own: time against message size, an alpha-beta fit, and bus bandwidth.
+"""The backend's all-reduce on its own: time against message size, an alpha-beta fit, and bus
+bandwidth.
 
-Bandwidths are reported as nccl-tests define them (its doc/PERFORMANCE.md): for a message of ``S`` bytes that
-takes ``t`` seconds, the algorithm bandwidth is ``algbw = S / t``, and the bus bandwidth is
-``busbw = algbw * 2 (n - 1) / n`` at ``n`` ranks. A ring all-reduce sends every byte ``2 (n - 1) / n`` times over
-each link, so busbw is the speed of the links themselves, comparable across rank counts and with the hardware's
-peak.
+Bandwidths are reported as nccl-tests define them (its doc/PERFORMANCE.md): for a message of ``S``
+bytes that takes ``t`` seconds, the algorithm bandwidth is ``algbw = S / t``, and the bus bandwidth
+is ``busbw = algbw * 2 (n - 1) / n`` at ``n`` ranks. A ring all-reduce sends every byte
+``2 (n - 1) / n`` times over each link, so busbw is the speed of the links themselves, comparable
+across rank counts and with the hardware's peak.
 
-The fit is the alpha-beta (Hockney) model ``t(S) = alpha + S / beta``: alpha the fixed cost of one all-reduce
-(latency, launch), beta its asymptotic algorithm bandwidth.
+The fit is the alpha-beta (Hockney) model ``t(S) = alpha + S / beta``: alpha the fixed cost of one
+all-reduce (latency, launch), beta its asymptotic algorithm bandwidth.
 """
 
 from __future__ import annotations
@@ -41,10 +42,11 @@ class AllReduceFit:
         return self.alpha_s + nbytes / self.beta_bytes_per_s
 
     def measured_seconds(self, nbytes: float) -> float:
-        """The measured time at ``nbytes``, between the two nearest sizes measured (linear in log-log); the fit
-        outside them. On a CPU with more ranks than cores, one all-reduce costs about the same from 64 B to
-        1 MiB, waiting for the scheduler to run each rank in turn; the fit's straight line, pulled by the
-        16 MiB points, puts a 64 KiB message at a quarter of its measured time there."""
+        """The measured time at ``nbytes``, between the two nearest sizes measured (linear in
+        log-log); the fit outside them. On a CPU with more ranks than cores, one all-reduce costs
+        about the same from 64 B to 1 MiB, waiting for the scheduler to run each rank in turn; the
+        fit's straight line, pulled by the 16 MiB points, puts a 64 KiB message at a quarter of its
+        measured time there."""
         points = sorted(self.points)
         for (b0, t0), (b1, t1) in zip(points, points[1:]):
             if b0 <= nbytes <= b1:
@@ -85,7 +87,8 @@ def busbw_factor(n: int) -> float:
 
 
 def fit_alpha_beta(world_size: int, points: list[tuple[int, float]]) -> AllReduceFit:
-    """Least squares on the relative error (``sum ((model - t) / t)^2``), so that 4 bytes and 16 MiB count alike.
+    """Least squares on the relative error (``sum ((model - t) / t)^2``), so that 4 bytes and 16 MiB
+    count alike.
 
     With weights ``1/t``, the model is linear in ``(alpha, 1/beta)``; solved in closed form.
     """
@@ -106,9 +109,9 @@ def measure(
 ) -> list[tuple[int, float]]:
     """Seconds per float32 all-reduce of each size in bytes, on every rank of the job (collective).
 
-    Per size: a warm-up, then ``repeats`` timings of back-to-back all-reduces (as nccl-tests times them), each
-    long enough to last ``min_seconds``; the slowest rank's time counts, and the fastest repeat is kept (work
-    from other programs on the machine only ever adds time).
+    Per size: a warm-up, then ``repeats`` timings of back-to-back all-reduces (as nccl-tests times
+    them), each long enough to last ``min_seconds``; the slowest rank's time counts, and the fastest
+    repeat is kept (work from other programs on the machine only ever adds time).
     """
     device = comm_device()
     out = []
@@ -117,7 +120,8 @@ def measure(
         for _ in range(3):
             dist.all_reduce(x)
         _sync(device)
-        # The same iteration count on every rank, else ranks would enter different numbers of collectives.
+        # The same iteration count on every rank, else ranks would enter different numbers of
+        # collectives.
         t0 = time.perf_counter()
         dist.all_reduce(x)
         _sync(device)
@@ -131,20 +135,23 @@ def measure(
                 dist.all_reduce(x)
             _sync(device)
             times.append(all_reduce((time.perf_counter() - t0) / iters, op="max"))
-        out.append((x.numel() * 4, min(times)))  # other work only adds time: the least disturbed timing
+        # other work only adds time: the least disturbed timing
+        out.append((x.numel() * 4, min(times)))
     return out
 
 
-def measure_in_step(buckets: list[int], compute_s: float, steps: int = 60, warmup: int = 10) -> float:
-    """Seconds a step spends in the all-reduces of ``buckets`` (bytes, in the order DDP launches them) when each
-    step first computes for ``compute_s`` on every rank, as a DDP step on the CPU does: the slowest rank's
-    median (collective: run on every rank).
+def measure_in_step(
+    buckets: list[int], compute_s: float, steps: int = 60, warmup: int = 10
+) -> float:
+    """Seconds a step spends in the all-reduces of ``buckets`` (bytes, in the order DDP launches
+    them) when each step first computes for ``compute_s`` on every rank, as a DDP step on the CPU
+    does: the slowest rank's median (collective: run on every rank).
 
-    Back-to-back all-reduces on CPU processes are timed with the cores otherwise idle, and where a rank's threads
-    land then decides much of the time: 0.5 to 1.9 ms for 58 KB at 2 ranks here, by placement alone, where the
-    same all-reduce after a stretch of compute takes 0.4 to 0.5 ms every time. And with more ranks than cores, a
-    rank that reaches the all-reduce waits there for the others' compute, which takes turns on the cores: this
-    measures that wait too."""
+    Back-to-back all-reduces on CPU processes are timed with the cores otherwise idle, and where a
+    rank's threads land then decides much of the time: 0.5 to 1.9 ms for 58 KB at 2 ranks here, by
+    placement alone, where the same all-reduce after a stretch of compute takes 0.4 to 0.5 ms every
+    time. And with more ranks than cores, a rank that reaches the all-reduce waits there for the
+    others' compute, which takes turns on the cores: this measures that wait too."""
     x = torch.randn(128, 128)
     tensors = [torch.ones(max(1, b // 4), dtype=torch.float32) for b in buckets]
     times = []

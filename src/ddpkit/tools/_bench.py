@@ -1,18 +1,20 @@
-"""``ddpkit bench``: will more GPUs help? Step time at 1..N ranks, the all-reduce on its own, and a prediction.
+"""``ddpkit bench``: will more GPUs help? Step time at 1..N ranks, the all-reduce on its own, and a
+prediction.
 
 1. The workload's DDP step at 1, 2, ... N ranks on this machine (one job per world size, world sizes
-   interleaved over rounds so that other load on the machine falls on all of them; the fastest round counts),
-   broken into data, forward, backward, the exposed all-reduce and the optimizer step (see
+   interleaved over rounds so that other load on the machine falls on all of them; the fastest round
+   counts), broken into data, forward, backward, the exposed all-reduce and the optimizer step (see
    :mod:`ddpkit.tools._steptime`).
-2. The backend's all-reduce alone over message sizes at 2..N ranks: an alpha-beta fit and nccl-tests' bus
-   bandwidth (:mod:`ddpkit.tools._allreduce`).
-3. Predicted step times: at 2..N ranks here, from the 1-rank step and the all-reduce measured on its own (on
-   the CPU, in a step's rhythm), next to the measured ones (the predictor's error); and at larger world sizes
-   over a given interconnect (:mod:`ddpkit.tools._predict`).
+2. The backend's all-reduce alone over message sizes at 2..N ranks: an alpha-beta fit and
+   nccl-tests' bus bandwidth (:mod:`ddpkit.tools._allreduce`).
+3. Predicted step times: at 2..N ranks here, from the 1-rank step and the all-reduce measured on its
+   own (on the CPU, in a step's rhythm), next to the measured ones (the predictor's error); and at
+   larger world sizes over a given interconnect (:mod:`ddpkit.tools._predict`).
 4. DDP's knobs, each tried on its own at N ranks, and the best combination.
 5. DataParallel and one GPU against DDP, where there are GPUs.
 
-Writes a table to stdout, ``bench.json`` and (with matplotlib, ``pip install 'ddpkit[plot]'``) ``bench.png``.
+Writes a table to stdout, ``bench.json`` and (with matplotlib, ``pip install 'ddpkit[plot]'``)
+``bench.png``.
 """
 
 from __future__ import annotations
@@ -49,24 +51,31 @@ from ddpkit.tracking._curves import shown
 MS = 1e3
 
 
-# -- measuring ----------------------------------------------------------------------------------------------
+# -- measuring -------------------------------------------------------------------------------------
 
 
 def _fastest_round(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The round with the shortest median step (rank 0's; ranks wait for each other in the all-reduce).
+    """The round with the shortest median step (rank 0's; ranks wait for each other in the
+    all-reduce).
 
-    Other work on the machine only ever adds time, so the least disturbed round is the best estimate of the
-    machine's own speed (timeit's reasoning); the parts come from that round, so that they add up."""
+    Other work on the machine only ever adds time, so the least disturbed round is the best estimate
+    of the machine's own speed (timeit's reasoning); the parts come from that round, so that they
+    add up."""
     return min(runs, key=lambda r: r["medians"]["step"])
 
 
 def measure_scaling(cfg: BenchConfig, log: Any) -> dict[int, dict[str, Any]]:
     runs: dict[int, list[dict[str, Any]]] = {n: [] for n in range(1, cfg.nproc + 1)}
-    job = functools.partial(measure_steps, cfg.script, Knobs(), cfg.steps, cfg.warmup, True, cfg.pin)
+    job = functools.partial(
+        measure_steps, cfg.script, Knobs(), cfg.steps, cfg.warmup, True, cfg.pin
+    )
     for r in range(cfg.rounds):
         for n in runs:
             runs[n].append(spawn(job, n, start_method=_start_method())[0])
-            log(f"  round {r + 1}/{cfg.rounds}, {n} rank(s): step {runs[n][-1]['medians']['step'] * MS:.2f} ms")
+            log(
+                f"  round {r + 1}/{cfg.rounds}, {n} rank(s): step "
+                f"{runs[n][-1]['medians']['step'] * MS:.2f} ms"
+            )
     out = {}
     for n, rs in runs.items():
         best = _fastest_round(rs)
@@ -87,9 +96,9 @@ def measure_scaling(cfg: BenchConfig, log: Any) -> dict[int, dict[str, Any]]:
 def measure_allreduce(
     cfg: BenchConfig, buckets: list[int], compute_s: float
 ) -> tuple[dict[int, allreduce.AllReduceFit], dict[int, float], dict[int, float]]:
-    """The sweep at 2..N ranks (the bucket sizes among the sizes); on the CPU, the buckets' all-reduce in a
-    step's rhythm after ``compute_s`` of compute (:func:`~ddpkit.tools._allreduce.measure_in_step`); and the
-    buckets' all-reduce at one rank."""
+    """The sweep at 2..N ranks (the bucket sizes among the sizes); on the CPU, the buckets'
+    all-reduce in a step's rhythm after ``compute_s`` of compute
+    (:func:`~ddpkit.tools._allreduce.measure_in_step`); and the buckets' all-reduce at one rank."""
     sizes = tuple(sorted(set(allreduce.DEFAULT_SIZES) | set(buckets)))
     fits, in_step = {}, {}
     for n in range(2, cfg.nproc + 1):
@@ -126,18 +135,23 @@ KNOB_TRIALS = (
 
 
 def measure_knobs(cfg: BenchConfig, log: Any) -> dict[str, Any]:
-    """Each knob changed on its own from the defaults at ``nproc`` ranks, rounds interleaved; then the best of
-    each knob together. A knob "helps" only if it beats the defaults by more than the defaults' own spread."""
+    """Each knob changed on its own from the defaults at ``nproc`` ranks, rounds interleaved; then
+    the best of each knob together. A knob "helps" only if it beats the defaults by more than the
+    defaults' own spread."""
     trials = [Knobs(), *KNOB_TRIALS]
     if torch.cuda.device_count():  # not is_available(): see _start_method
         trials.append(Knobs(pin_memory=True))
     steps = max(10, cfg.steps // 2)
-    job = functools.partial(measure_steps, cfg.script, steps=steps, warmup=cfg.warmup, split_comm=False, pin=cfg.pin)
+    job = functools.partial(
+        measure_steps, cfg.script, steps=steps, warmup=cfg.warmup, split_comm=False, pin=cfg.pin
+    )
     results: dict[Knobs, list[float]] = {k: [] for k in trials}
     for r in range(max(2, cfg.rounds)):
         for k in trials:
             results[k].append(
-                spawn(functools.partial(job, knobs=k), cfg.nproc, start_method=_start_method())[0]["medians"]["step"]
+                spawn(functools.partial(job, knobs=k), cfg.nproc, start_method=_start_method())[0][
+                    "medians"
+                ]["step"]
             )
         log(
             f"  knobs, fastest after round {r + 1}: "
@@ -153,11 +167,14 @@ def measure_knobs(cfg: BenchConfig, log: Any) -> dict[str, Any]:
     combined = Knobs(**best)
     if best and combined not in results:
         results[combined] = [
-            spawn(functools.partial(job, knobs=combined), cfg.nproc, start_method=_start_method())[0]["medians"]["step"]
+            spawn(functools.partial(job, knobs=combined), cfg.nproc, start_method=_start_method())[
+                0
+            ]["medians"]["step"]
             for _ in range(max(2, cfg.rounds))
         ]
     rows = [
-        {"knobs": k.label(), "settings": asdict(k), "step_s": min(v), "rounds_step_s": v} for k, v in results.items()
+        {"knobs": k.label(), "settings": asdict(k), "step_s": min(v), "rounds_step_s": v}
+        for k, v in results.items()
     ]
     return {
         "world_size": cfg.nproc,
@@ -170,37 +187,41 @@ def measure_knobs(cfg: BenchConfig, log: Any) -> dict[str, Any]:
 
 
 def _start_method() -> str | None:
-    """How the bench starts each job's ranks: afresh (``"spawn"``) where GPUs are visible, else by fork.
+    """How the bench starts each job's ranks: afresh (``"spawn"``) where GPUs are visible, else by
+    fork.
 
-    A forked rank cannot use CUDA once this process has touched the CUDA driver, and ``torch.cuda.is_available()``
-    does (here or in a workload script's import), while ``torch.cuda.is_initialized()`` still says no; nothing
-    tells a forked child's fate in advance, so GPU jobs start clean, at a few seconds each. On the CPU, forking
-    saves every job the import of torch. (``torch.cuda.device_count()`` asks NVML and leaves the driver alone.)
+    A forked rank cannot use CUDA once this process has touched the CUDA driver, and
+    ``torch.cuda.is_available()`` does (here or in a workload script's import), while
+    ``torch.cuda.is_initialized()`` still says no; nothing tells a forked child's fate in advance,
+    so GPU jobs start clean, at a few seconds each. On the CPU, forking saves every job the import
+    of torch. (``torch.cuda.device_count()`` asks NVML and leaves the driver alone.)
     """
     return "spawn" if torch.cuda.device_count() else None
 
 
 def compare_data_parallel(cfg: BenchConfig) -> dict[str, Any]:
-    """One GPU (one process, no process group) and ``nn.DataParallel`` over every visible GPU, each at the
-    per-GPU batch of a DDP rank; where there are GPUs."""
+    """One GPU (one process, no process group) and ``nn.DataParallel`` over every visible GPU, each
+    at the per-GPU batch of a DDP rank; where there are GPUs."""
     gpus = torch.cuda.device_count()
     if gpus == 0:
         return {
-            "skipped": "no CUDA GPU on this machine: DataParallel splits each batch over the GPUs of one "
-            "process, and one GPU has nothing to compare with; DDP over gloo on CPU processes "
-            "is measured above"
+            "skipped": "no CUDA GPU on this machine: DataParallel splits each batch over the GPUs "
+            "of one process, and one GPU has nothing to compare with; DDP over gloo on CPU "
+            "processes is measured above"
         }
 
     def one_process(data_parallel: bool) -> dict[str, Any]:
-        job = functools.partial(single_process_steps, cfg.script, data_parallel, cfg.steps, cfg.warmup)
+        job = functools.partial(
+            single_process_steps, cfg.script, data_parallel, cfg.steps, cfg.warmup
+        )
         return spawn(job, 1, start_method=_start_method())[0]
 
-    # DataParallel over one GPU splits nothing, but still scatters each batch and gathers the outputs: what
-    # it costs over the plain GPU step is its own overhead.
+    # DataParallel over one GPU splits nothing, but still scatters each batch and gathers the
+    # outputs: what it costs over the plain GPU step is its own overhead.
     return {"single_gpu": one_process(False), "data_parallel": one_process(True)}
 
 
-# -- reporting ----------------------------------------------------------------------------------------------
+# -- reporting -------------------------------------------------------------------------------------
 
 
 def _conditions(cfg: BenchConfig, scaling: dict[int, dict[str, Any]]) -> dict[str, Any]:
@@ -221,14 +242,19 @@ def _conditions(cfg: BenchConfig, scaling: dict[int, dict[str, Any]]) -> dict[st
 
 
 def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
-    # DDP's constructor imports torch._dynamo, which takes seconds; imported once here, before ddpkit.spawn
-    # forks, every rank of every job inherits it.
+    # DDP's constructor imports torch._dynamo, which takes seconds; imported once here, before
+    # ddpkit.spawn forks, every rank of every job inherits it.
     import_dynamo()
 
-    w = load_workload(cfg.script)  # bad input fails here, with its message, rather than inside every rank
+    # bad input fails here, with its message, rather than inside every rank
+    w = load_workload(cfg.script)
     if w.loader is None:
         ShardedBatchSampler(
-            cast(Sized, w.dataset), w.batch_size, drop_last=w.drop_last, rank=0, world_size=cfg.nproc
+            cast(Sized, w.dataset),
+            w.batch_size,
+            drop_last=w.drop_last,
+            rank=0,
+            world_size=cfg.nproc,
         )  # checks the workload's sizes; a map-style dataset has a length
     log(f"measuring the step at 1..{cfg.nproc} ranks ({cfg.rounds} rounds)")
     scaling = measure_scaling(cfg, log)
@@ -258,9 +284,9 @@ OUTPUTS = ("bench.json", "bench.png")
 
 
 def check_out(out: str, overwrite: bool) -> None:
-    """Refuse an ``--out`` the results could not be written to, or one holding an earlier bench's results
-    (unless ``overwrite``), before anything is measured: the measurement takes minutes, and its results must
-    not be lost to a bad folder at the end, nor silently replace the last ones."""
+    """Refuse an ``--out`` the results could not be written to, or one holding an earlier bench's
+    results (unless ``overwrite``), before anything is measured: the measurement takes minutes, and
+    its results must not be lost to a bad folder at the end, nor silently replace the last ones."""
     path = Path(out)
     try:
         path.exists()
@@ -269,12 +295,14 @@ def check_out(out: str, overwrite: bool) -> None:
             f"--out {out[:80]!r}... ({len(out)} characters): {err.strerror}: give another --out"
         ) from None
     if path.exists() and not path.is_dir():
-        raise ConfigError(f"--out {out!r} is a file: give a folder for bench.json and bench.png (made if missing)")
+        raise ConfigError(
+            f"--out {out!r} is a file: give a folder for bench.json and bench.png (made if missing)"
+        )
     earlier = [name for name in OUTPUTS if os.path.lexists(path / name)]
     if earlier and not overwrite:
         raise ConfigError(
-            f"--out {out!r} already holds {' and '.join(earlier)} of an earlier bench: give another "
-            "--out, or --overwrite to replace them"
+            f"--out {out!r} already holds {' and '.join(earlier)} of an earlier bench: give "
+            "another --out, or --overwrite to replace them"
         )
     parent = path
     while not parent.exists():  # the nearest folder that exists is where the folders are made
@@ -315,15 +343,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="ddpkit bench",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=__doc__,
-        epilog=f"Your own training: a script defining {HOOK}() that returns (model, dataset, loss_fn, "
-        "optimizer_factory) or a ddpkit.tools._workload.Workload (batch_size per rank, loader, ...).",
+        epilog=f"Your own training: a script defining {HOOK}() that returns (model, dataset, "
+        "loss_fn, optimizer_factory) or a ddpkit.tools._workload.Workload (batch_size per rank, "
+        "loader, ...).",
     )
     p.add_argument(
         "script",
         nargs="?",
-        help=f"training script defining {HOOK}() or building a ddpkit.Trainer, or a built-in workload ("
-        + ", ".join(BUILTINS)
-        + "); default: the DDP tutorials' CNN",
+        help=f"training script defining {HOOK}() or building a ddpkit.Trainer, or a built-in "
+        "workload (" + ", ".join(BUILTINS) + "); default: the DDP tutorials' CNN",
     )
     gpus = torch.cuda.device_count()
     p.add_argument(
@@ -343,7 +371,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="world sizes to predict (default 1,2,4,...,256)",
     )
     p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--intra", default="measured", help="link within a node: measured (default) or a preset")
+    p.add_argument(
+        "--intra", default="measured", help="link within a node: measured (default) or a preset"
+    )
     p.add_argument(
         "--interconnect",
         default="infiniband",
@@ -357,10 +387,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="GB/s",
         help="bus bandwidth of the link between nodes, replacing the preset's",
     )
-    p.add_argument("--latency-us", type=float, help="latency of one ring step between nodes, replacing the preset's")
+    p.add_argument(
+        "--latency-us",
+        type=float,
+        help="latency of one ring step between nodes, replacing the preset's",
+    )
     p.add_argument("--no-knobs", dest="knobs", action="store_false", help="skip the knob trials")
     p.add_argument("--out", default="ddpkit-bench", help="folder for bench.json and bench.png")
-    p.add_argument("--overwrite", action="store_true", help="replace the results of an earlier bench in --out")
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace the results of an earlier bench in --out"
+    )
     p.add_argument("--no-pin", dest="pin", action="store_false", help="leave CPU ranks unpinned")
     a = p.parse_args(argv)
     cfg = BenchConfig(

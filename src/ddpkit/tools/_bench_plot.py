@@ -1,4 +1,5 @@
-"""``ddpkit bench``'s figure: measured and predicted throughput against world size, with the ideal line."""
+"""``ddpkit bench``'s figure: measured and predicted throughput against world size, with the ideal
+line."""
 
 from __future__ import annotations
 
@@ -53,7 +54,10 @@ def plot_throughput(result: dict[str, Any], path: Path) -> None:
     ax.set_xlabel("world size (ranks)")
     ax.set_ylabel("throughput (samples/s)")
     cond = result["conditions"]
-    ax.set_title(f"{result['workload']}: batch {batch}/rank ({cond['device']}, {cond['backend']})", fontsize=10)
+    ax.set_title(
+        f"{result['workload']}: batch {batch}/rank ({cond['device']}, {cond['backend']})",
+        fontsize=10,
+    )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()

@@ -1,5 +1,6 @@
-"""``ddpkit bench``'s predictions from what it measured: the step at 2..N ranks here (the predictor checked
-against the measured steps), at larger world sizes over an interconnect, and the assumptions behind them."""
+"""``ddpkit bench``'s predictions from what it measured: the step at 2..N ranks here (the predictor
+checked against the measured steps), at larger world sizes over an interconnect, and the assumptions
+behind them."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ MS = 1e3
 
 
 def compute_seconds(scaling: dict[int, dict[str, Any]]) -> float:
-    """One rank's step without its wait at the end of backward (backward with synchronisation minus backward
-    under no_sync): the rank's compute, data loading and optimizer included."""
+    """One rank's step without its wait at the end of backward (backward with synchronisation minus
+    backward under no_sync): the rank's compute, data loading and optimizer included."""
     one = scaling[1]["parts"]
     return one["step"] - max(0.0, one["backward"] - one.get("backward_no_sync", one["backward"]))
 
@@ -33,24 +34,26 @@ def predictions(
     on_cpu = scaling[1]["device"] == "cpu"
     buckets = predict.bucket_sizes(scaling[1]["param_bytes"], Knobs().bucket_cap_mb)
     batch = scaling[1]["batch_size"]
-    # DDP at one rank still all-reduces (over a group of one); that part is replaced by the n-rank all-reduce.
-    # One rank's step splits into compute and what its backward waits for after the last gradient (backward
-    # with synchronisation minus backward under no_sync). The wait holds the all-reduce over a group of one
-    # (measured alone) and DDP's fixed cost of finishing a reduction (waking the waiting thread, copying the
-    # buckets back), which every world size pays; the all-reduce at n ranks replaces the one-rank all-reduce.
+    # DDP at one rank still all-reduces (over a group of one); that part is replaced by the n-rank
+    # all-reduce. One rank's step splits into compute and what its backward waits for after the last
+    # gradient (backward with synchronisation minus backward under no_sync). The wait holds the
+    # all-reduce over a group of one (measured alone) and DDP's fixed cost of finishing a reduction
+    # (waking the waiting thread, copying the buckets back), which every world size pays; the
+    # all-reduce at n ranks replaces the one-rank all-reduce.
     compute = compute_seconds(scaling)
     exposed_one = one["step"] - compute
     fixed = max(0.0, exposed_one - sum(one_rank_allreduce.get(b, 0.0) for b in buckets))
     here = []
     for n, fit in fits.items():
-        # This machine's jitter (from the 1-rank rounds): the ranks wait for the slowest at every step.
+        # This machine's jitter (from the 1-rank rounds): the ranks wait for the slowest at every
+        # step.
         straggle = predict.straggler_seconds(scaling[1]["step_samples"], n)
         allreduce_s = fit.measured_seconds  # the sizes measured: the buckets are among them
         if on_cpu and in_step and n in in_step:
-            # On the CPU the buckets' all-reduce is taken as a step meets it, after each rank's compute
-            # (allreduce.measure_in_step): where ranks outnumber the cores, the wait there for the others'
-            # compute is in it, so no rank's compute is scaled besides. Shared out by bytes: on the CPU
-            # nothing of it is hidden behind backward, so only the sum counts.
+            # On the CPU the buckets' all-reduce is taken as a step meets it, after each rank's
+            # compute (allreduce.measure_in_step): where ranks outnumber the cores, the wait there
+            # for the others' compute is in it, so no rank's compute is scaled besides. Shared out
+            # by bytes: on the CPU nothing of it is hidden behind backward, so only the sum counts.
             allreduce_s = functools.partial(_share, total_s=in_step[n], total_bytes=sum(buckets))
         p = predict.predict(
             n=n,
@@ -122,43 +125,50 @@ def _share(nbytes: float, total_s: float, total_bytes: int) -> float:
     return total_s * nbytes / total_bytes
 
 
-def assumptions(cfg: BenchConfig, scaling: dict[int, dict[str, Any]], pred: dict[str, Any]) -> list[str]:
+def assumptions(
+    cfg: BenchConfig, scaling: dict[int, dict[str, Any]], pred: dict[str, Any]
+) -> list[str]:
     on_cpu = scaling[1]["device"] == "cpu"
     inter = cfg.inter_link()
     buckets = pred["buckets_bytes"]
     intra = pred["intra_link"]
     return [
-        "weak scaling: every rank keeps the per-rank batch, so the global batch grows with the world size",
-        "a rank's compute (data, forward, backward, optimizer) is the 1-rank step measured here, less the "
-        "wait at the end of its backward; of that wait, all but the all-reduce over a group of one (measured "
-        "alone) is DDP's fixed cost of finishing a reduction "
+        "weak scaling: every rank keeps the per-rank batch, so the global batch grows with the "
+        "world size",
+        "a rank's compute (data, forward, backward, optimizer) is the 1-rank step measured here, "
+        "less the wait at the end of its backward; of that wait, all but the all-reduce over a "
+        "group of one (measured alone) is DDP's fixed cost of finishing a reduction "
         f"({pred['one_rank']['fixed_sync_s'] * MS:.3f} ms here), added at every world size",
         f"gradients: {sum(buckets) / 1e6:.3f} MB in {len(buckets)} DDP bucket(s) "
         f"(first up to 1 MiB, then bucket_cap_mb={Knobs().bucket_cap_mb:g}); float32",
         (
-            "on this machine (CPU), the buckets' all-reduce as a step meets it: timed after the 1-rank compute "
-            "on every rank, so that ranks beyond the cores wait there for the others' compute, as in a step"
+            "on this machine (CPU), the buckets' all-reduce as a step meets it: timed after the "
+            "1-rank compute on every rank, so that ranks beyond the cores wait there for the "
+            "others' compute, as in a step"
             if on_cpu
-            else "on this machine, a bucket's all-reduce takes the time measured alone at its size, back to back"
+            else "on this machine, a bucket's all-reduce takes the time measured alone at its "
+            "size, back to back"
         )
         + "; at larger world sizes the ring model:",
         "ring all-reduce of S bytes at n ranks: 2(n-1) x hop latency + 2(n-1)/n x S / busbw",
-        "overlap: a bucket's all-reduce starts when backward has produced it (backward taken as uniform over "
-        "gradient bytes) and the previous bucket is done; only what outlasts backward adds to the step"
+        "overlap: a bucket's all-reduce starts when backward has produced it (backward taken as "
+        "uniform over gradient bytes) and the previous bucket is done; only what outlasts backward "
+        "adds to the step"
         + (
-            "; on this machine (CPU) communication shares the cores with compute, so none of it is hidden "
-            "in the predictions for this machine"
+            "; on this machine (CPU) communication shares the cores with compute, so none of it is "
+            "hidden in the predictions for this machine"
             if on_cpu
             else ""
         ),
         f"within a node (up to {cfg.gpus_per_node} ranks): {intra['name']}, busbw "
-        f"{intra['busbw_bytes_per_s'] / 1e9:.3g} GB/s, {intra['hop_latency_s'] * 1e6:.3g} us per ring step"
-        + (f" ({intra['note']})" if intra.get("note") else ""),
+        f"{intra['busbw_bytes_per_s'] / 1e9:.3g} GB/s, {intra['hop_latency_s'] * 1e6:.3g} us per "
+        "ring step" + (f" ({intra['note']})" if intra.get("note") else ""),
         f"between nodes: {inter.name}, busbw {inter.busbw_bytes_per_s / 1e9:.3g} GB/s, "
-        f"{inter.hop_latency_s * 1e6:.3g} us per ring step ({inter.note}); across nodes the ring runs at the "
-        "slower of the two links",
-        "stragglers: ranks wait for the slowest at every all-reduce; on this machine, the slowest of n draws "
-        "from the 1-rank run's step times (independent delays per rank); not carried to larger world sizes, "
-        "whose machines have their own jitter",
-        "not modelled: hierarchical/tree all-reduce, data loading that does not keep up, compression hooks",
+        f"{inter.hop_latency_s * 1e6:.3g} us per ring step ({inter.note}); across nodes the ring "
+        "runs at the slower of the two links",
+        "stragglers: ranks wait for the slowest at every all-reduce; on this machine, the slowest "
+        "of n draws from the 1-rank run's step times (independent delays per rank); not carried to "
+        "larger world sizes, whose machines have their own jitter",
+        "not modelled: hierarchical/tree all-reduce, data loading that does not keep up, "
+        "compression hooks",
     ]

@@ -1,13 +1,15 @@
-"""``ddpkit check``: do N ranks train the same model as one process on the same global batch? If not, why?
+"""``ddpkit check``: do N ranks train the same model as one process on the same global batch? If
+not, why?
 
-The script's training (see :mod:`ddpkit.tools._workload`) runs for a few steps as one process with the global
-batch, and as N ranks (ddpkit.spawn, gloo on the CPU) with ``1/N`` of it each, DDP averaging the gradients.
-Step by step, the global loss, rank 0's all-reduced gradients and its weights after the step are compared.
+The script's training (see :mod:`ddpkit.tools._workload`) runs for a few steps as one process with
+the global batch, and as N ranks (ddpkit.spawn, gloo on the CPU) with ``1/N`` of it each, DDP
+averaging the gradients. Step by step, the global loss, rank 0's all-reduced gradients and its
+weights after the step are compared.
 
-On a mismatch, each known cause has a switch that removes it (sync BatchNorm, global-batch dropout, ...). The
-runs are repeated with every switch on; if they then agree, each switch is turned off in turn, and a cause is
-named when the mismatch comes back without its switch. The single process is run twice in every set-up, so
-non-determinism shows as the process disagreeing with itself.
+On a mismatch, each known cause has a switch that removes it (sync BatchNorm, global-batch dropout,
+...). The runs are repeated with every switch on; if they then agree, each switch is turned off in
+turn, and a cause is named when the mismatch comes back without its switch. The single process is
+run twice in every set-up, so non-determinism shows as the process disagreeing with itself.
 """
 
 from __future__ import annotations
@@ -61,8 +63,9 @@ class CheckConfig:
     steps: int = 4
     """Optimizer steps compared."""
     rtol: float = 1e-4
-    """Relative difference (``|a - b| / |b|`` over a whole tensor) beyond which two runs differ. float32 sums in
-    another order differ by ~1e-7 per step; this leaves room for a few steps of Adam."""
+    """Relative difference (``|a - b| / |b|`` over a whole tensor) beyond which two runs differ.
+    float32 sums in another order differ by ~1e-7 per step; this leaves room for a few steps of
+    Adam."""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -75,22 +78,25 @@ class CheckConfig:
         if self.nproc > MAX_NPROC:
             raise ConfigError(f"--nproc {self.nproc}: at most {MAX_NPROC} ranks")
         if self.steps > MAX_STEPS:
-            raise ConfigError(f"--steps {self.steps}: at most {MAX_STEPS}; a difference shows in the first few")
+            raise ConfigError(
+                f"--steps {self.steps}: at most {MAX_STEPS}; a difference shows in the first few"
+            )
         if not 0 <= self.seed < 2**63:  # torch.manual_seed takes 64 bits
             raise ConfigError(f"--seed {self.seed}: use a whole number from 0 to 2**63 - 1")
 
 
 MAX_STEPS = 100_000
 SCRIPT_FAILED = 3
-"""``ddpkit check``'s exit code when the script itself raised: no comparison was made (0: the runs agree; 1: they
-differ; 2: bad options)."""
+"""``ddpkit check``'s exit code when the script itself raised: no comparison was made (0: the runs
+agree; 1: they differ; 2: bad options)."""
 
 
-# -- one training run ---------------------------------------------------------------------------------------
+# -- one training run ------------------------------------------------------------------------------
 
 
 def _batches(loader: Any, data: Dataset) -> Iterator[Any]:
-    for epoch in itertools.count():  # epoch after epoch (the loader runs in this process: no prefetching)
+    # epoch after epoch (the loader runs in this process: no prefetching)
+    for epoch in itertools.count():
         if isinstance(data, SampleSeeded):
             data.epoch = epoch
         empty = True
@@ -98,7 +104,9 @@ def _batches(loader: Any, data: Dataset) -> Iterator[Any]:
             empty = False
             yield batch
         if empty:
-            raise ConfigError("the loader gave no batch: the dataset is smaller than one global batch")
+            raise ConfigError(
+                "the loader gave no batch: the dataset is smaller than one global batch"
+            )
 
 
 def train_steps(
@@ -109,7 +117,8 @@ def train_steps(
     seed: int,
     args: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """Train ``steps`` steps with the switches in ``fixes`` on; this process's records (rank 0's are compared).
+    """Train ``steps`` steps with the switches in ``fixes`` on; this process's records (rank 0's are
+    compared).
 
     Collective when there is a process group: every rank calls it with the same arguments.
     """
@@ -131,13 +140,21 @@ def train_steps(
                     t.copy_(broadcast_object(t))
             digests = {name: float(t.double().sum()) for name, t in plain.items()}
             every = all_gather_object(digests)
-            records["differing_tensors"] = sorted(n for n in digests if any(d.get(n) != digests[n] for d in every))
-            ddp_kwargs: dict[str, Any] = {"find_unused_parameters": True} if "unused_parameters" in fixes else {}
-            model = prepare_model(model, sync_batchnorm="batchnorm" in fixes or w.sync_batchnorm, **ddp_kwargs)
+            records["differing_tensors"] = sorted(
+                n for n in digests if any(d.get(n) != digests[n] for d in every)
+            )
+            ddp_kwargs: dict[str, Any] = (
+                {"find_unused_parameters": True} if "unused_parameters" in fixes else {}
+            )
+            model = prepare_model(
+                model, sync_batchnorm="batchnorm" in fixes or w.sync_batchnorm, **ddp_kwargs
+            )
             optimizer = w.optimizer(model.parameters())
             data = SampleSeeded(w.dataset, seed) if "augmentation" in fixes else w.dataset
             if w.loader is None or "data_order" in fixes:
-                sampler = ShardedBatchSampler(cast(Sized, data), batch, seed=seed, drop_last=w.drop_last)
+                sampler = ShardedBatchSampler(
+                    cast(Sized, data), batch, seed=seed, drop_last=w.drop_last
+                )
                 loader: Any = DataLoader(data, batch_sampler=sampler, num_workers=0)
             else:
                 loader = w.loader(data, batch, rt.rank, rt.world_size)
@@ -145,14 +162,19 @@ def train_steps(
             model.train()
             for step in range(steps):
                 batch = to_device(next(batches), rt.device)
-                counts = all_gather_object(batch_len(batch))  # samples: each rank's place in the global batch
-                items = all_gather_object(w.count(batch))  # what each rank's mean loss is over: samples or tokens
+                # samples: each rank's place in the global batch
+                counts = all_gather_object(batch_len(batch))
+                # what each rank's mean loss is over: samples or tokens
+                items = all_gather_object(w.count(batch))
                 n, n_global = items[rt.rank], sum(items)
-                layout = BatchLayout(global_size=sum(counts), offset=sum(counts[: rt.rank]), key=mix_seed(seed, step))
+                layout = BatchLayout(
+                    global_size=sum(counts), offset=sum(counts[: rt.rank]), key=mix_seed(seed, step)
+                )
                 with batch_layout(layout) if "dropout" in fixes else nullcontext():
                     loss = w.loss(model, batch)
-                # Each rank's mean, weighted by its share: DDP's average over ranks is then the global mean. A
-                # workload that counts items (tokens) is weighted so always, as the Trainer's count_fn does.
+                # Each rank's mean, weighted by its share: DDP's average over ranks is then the
+                # global mean. A workload that counts items (tokens) is weighted so always, as the
+                # Trainer's count_fn does.
                 weigh = "uneven_mean" in fixes or w.count_fn is not None
                 scaled = loss * (n * rt.world_size / n_global) if weigh else loss
                 optimizer.zero_grad(set_to_none=True)
@@ -160,14 +182,19 @@ def train_steps(
                 params = list(unwrap(model).parameters())
                 grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
                 records["sizes"] = [p.numel() for p in params]
-                records["grad"].append(torch.cat([g.detach().reshape(-1).double().cpu() for g in grads]))
+                records["grad"].append(
+                    torch.cat([g.detach().reshape(-1).double().cpu() for g in grads])
+                )
                 # The global loss: each rank's mean times its samples, summed, over all samples.
                 records["loss"].append(sum(all_gather_object(loss.item() * n)) / n_global)
                 optimizer.step()
-                records["weights"].append(torch.cat([p.detach().reshape(-1).double().cpu() for p in params]))
+                records["weights"].append(
+                    torch.cat([p.detach().reshape(-1).double().cpu() for p in params])
+                )
         except ConfigError:
             raise
-        except Exception as err:  # a DDP error is a finding (e.g. unused parameters), not a crash of the check
+        # a DDP error is a finding (e.g. unused parameters), not a crash of the check
+        except Exception as err:
             records["error"] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}"
             records["traceback"] = traceback.format_exc()
     return records
@@ -181,18 +208,19 @@ def _ranks_run(
 
 
 def _failed(cfg: CheckConfig, where: str, trace: str) -> tuple[int, list[str]]:
-    """The script raised: its traceback, and no verdict on the ranks (a numerical comparison of a run that did
-    not happen would blame DDP for the script's own error)."""
+    """The script raised: its traceback, and no verdict on the ranks (a numerical comparison of a
+    run that did not happen would blame DDP for the script's own error)."""
     return SCRIPT_FAILED, [
-        f"ddpkit check: FAILED: {cfg.script or 'the workload'} raised {where}; nothing was compared:",
+        f"ddpkit check: FAILED: {cfg.script or 'the workload'} raised {where}; nothing was "
+        "compared:",
         trace.rstrip(),
     ]
 
 
-# -- comparing ----------------------------------------------------------------------------------------------
+# -- comparing -------------------------------------------------------------------------------------
 
 
-# -- the check ----------------------------------------------------------------------------------------------
+# -- the check -------------------------------------------------------------------------------------
 
 
 def _setups() -> list[frozenset[str]]:
@@ -211,8 +239,8 @@ def run_check(cfg: CheckConfig) -> tuple[int, list[str]]:
 
 
 def _check(cfg: CheckConfig) -> tuple[int, list[str]]:
-    # DDP's constructor imports torch._dynamo, which takes seconds; imported once here, before ddpkit.spawn
-    # forks, every rank of every job inherits it.
+    # DDP's constructor imports torch._dynamo, which takes seconds; imported once here, before
+    # ddpkit.spawn forks, every rank of every job inherits it.
     import_dynamo()
 
     setups = _setups()
@@ -225,7 +253,11 @@ def _check(cfg: CheckConfig) -> tuple[int, list[str]]:
         return _failed(cfg, "while its workload was built", traceback.format_exc())
     if w.loader is None:
         ShardedBatchSampler(
-            cast(Sized, w.dataset), w.batch_size, drop_last=w.drop_last, rank=0, world_size=cfg.nproc
+            cast(Sized, w.dataset),
+            w.batch_size,
+            drop_last=w.drop_last,
+            rank=0,
+            world_size=cfg.nproc,
         )  # checks the workload's sizes; a map-style dataset has a length
     run = functools.partial(_ranks_run, cfg.script, setups, cfg.steps, cfg.seed, cfg.script_args)
     ranks = spawn(run, cfg.nproc)[0]
@@ -233,19 +265,26 @@ def _check(cfg: CheckConfig) -> tuple[int, list[str]]:
     verdicts = []
     for fixes, dist_run in zip(setups, ranks):
         one = train_steps(cfg.script, fixes, cfg.steps, global_batch, cfg.seed, cfg.script_args)
-        if one["traceback"] is not None and not fixes:  # the reference itself failed: the script's error
+        # the reference itself failed: the script's error
+        if one["traceback"] is not None and not fixes:
             return _failed(cfg, "in the 1-process run", one["traceback"])
-        # The repeat finds non-determinism; with deterministic algorithms on (all but two set-ups) it can only
-        # agree, unless deterministic mode does not cure it, which the all-on set-up shows.
+        # The repeat finds non-determinism; with deterministic algorithms on (all but two set-ups)
+        # it can only agree, unless deterministic mode does not cure it, which the all-on set-up
+        # shows.
         repeat = "nondeterminism" not in fixes or fixes == frozenset(_KEYS)
-        again = train_steps(cfg.script, fixes, cfg.steps, global_batch, cfg.seed, cfg.script_args) if repeat else one
+        again = (
+            train_steps(cfg.script, fixes, cfg.steps, global_batch, cfg.seed, cfg.script_args)
+            if repeat
+            else one
+        )
         verdicts.append(Verdict(compare(dist_run, one), compare(again, one)))
         if fixes == frozenset():
             base_one, base_ranks = one, dist_run
     silent = verdicts[0].ranks.silent
     lines = [
-        f"ddpkit check: {cfg.script or w.name}: 1 process (batch {global_batch}) vs {cfg.nproc} ranks "
-        f"(batch {w.batch_size} each, gloo), {cfg.steps} steps, tolerance {cfg.rtol:g} relative",
+        f"ddpkit check: {cfg.script or w.name}: 1 process (batch {global_batch}) vs {cfg.nproc} "
+        f"ranks (batch {w.batch_size} each, gloo), {cfg.steps} steps, tolerance {cfg.rtol:g} "
+        "relative",
         _table(base_one, base_ranks, verdicts[0], cfg),
     ]
     if silent:
@@ -255,8 +294,13 @@ def _check(cfg: CheckConfig) -> tuple[int, list[str]]:
             "turns their rounding noise into full-size steps)"
         )
     base, fixed = verdicts[0], verdicts[1]
-    if ranks[1]["traceback"] is not None:  # with every known cause switched off: not a finding of DDP's
-        return _failed(cfg, f"in the {cfg.nproc}-rank run, with every known cause switched off", ranks[1]["traceback"])
+    # with every known cause switched off: not a finding of DDP's
+    if ranks[1]["traceback"] is not None:
+        return _failed(
+            cfg,
+            f"in the {cfg.nproc}-rank run, with every known cause switched off",
+            ranks[1]["traceback"],
+        )
     if not base.differs(cfg.rtol):
         lines.append(
             f"OK: {cfg.nproc} ranks train the same model as one process "
@@ -278,8 +322,8 @@ def _check(cfg: CheckConfig) -> tuple[int, list[str]]:
     found = [c for c, v in zip(CAUSES, verdicts[2:]) if v.differs(cfg.rtol)]
     if not found:
         lines.append(
-            "cause: the runs agree with every switch on, but no single switch brings the mismatch back "
-            "(causes that each suffice alone); switches: " + ", ".join(_KEYS)
+            "cause: the runs agree with every switch on, but no single switch brings the mismatch "
+            "back (causes that each suffice alone); switches: " + ", ".join(_KEYS)
         )
         return 1, lines
     for cause, v in zip(CAUSES, verdicts[2:]):
@@ -287,8 +331,8 @@ def _check(cfg: CheckConfig) -> tuple[int, list[str]]:
             lines += [
                 f"cause: {cause.what}",
                 f"  fix: {cause.fix}",
-                f"  evidence: every switch on, the runs agree (largest difference {fixed.size():.1e}); "
-                f"all but '{cause.key}', they differ ({_what(v, cfg)})",
+                "  evidence: every switch on, the runs agree (largest difference "
+                f"{fixed.size():.1e}); all but '{cause.key}', they differ ({_what(v, cfg)})",
             ]
     return 1, lines
 
@@ -310,7 +354,10 @@ def _what(v: Verdict, cfg: CheckConfig) -> str:
 
 def _describe_mismatch(v: Verdict, cfg: CheckConfig) -> str:
     parts = []
-    for label, c in ((f"{cfg.nproc} ranks vs 1 process", v.ranks), ("1 process vs itself", v.repeat)):
+    for label, c in (
+        (f"{cfg.nproc} ranks vs 1 process", v.ranks),
+        ("1 process vs itself", v.repeat),
+    ):
         first = c.first(cfg.rtol)
         if first is not None:
             step, q, d = first
@@ -337,30 +384,42 @@ def _table(one: dict[str, Any], ranks: dict[str, Any], v: Verdict, cfg: CheckCon
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="ddpkit check",
-        description="Train a few steps as one process and as N ranks on the same global batch, compare losses, "
-        "gradients and weights step by step, and name the cause of a difference. Exit code 0: they agree; "
-        f"1: they differ beyond the tolerance (causes named when found); {SCRIPT_FAILED}: the script raised "
-        "(its traceback is shown).",
-        epilog=f"The script defines {HOOK}() returning (model, dataset, loss_fn, optimizer_factory) or a "
-        "ddpkit.tools._workload.Workload, or builds a ddpkit.Trainer (run with its default arguments until then); "
-        "without a script, the DDP tutorials' CNN on sklearn digits.",
+        description="Train a few steps as one process and as N ranks on the same global batch, "
+        "compare losses, gradients and weights step by step, and name the cause of a difference. "
+        "Exit code 0: they agree; 1: they differ beyond the tolerance (causes named when found); "
+        f"{SCRIPT_FAILED}: the script raised (its traceback is shown).",
+        epilog=f"The script defines {HOOK}() returning (model, dataset, loss_fn, "
+        "optimizer_factory) or a ddpkit.tools._workload.Workload, or builds a ddpkit.Trainer (run "
+        "with its default arguments until then); without a script, the DDP tutorials' CNN on "
+        "sklearn digits.",
     )
     p.add_argument(
         "script",
         nargs="?",
-        help=f"a training script that defines {HOOK}() or builds a ddpkit.Trainer, or a built-in workload: "
-        + ", ".join(BUILTINS),
+        help=f"a training script that defines {HOOK}() or builds a ddpkit.Trainer, or a built-in "
+        "workload: " + ", ".join(BUILTINS),
     )
     p.add_argument("--nproc", type=int, default=2, help="ranks of the distributed run (default 2)")
     p.add_argument("--steps", type=int, default=4, help="optimizer steps compared (default 4)")
     p.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance (default 1e-4)")
     p.add_argument("--seed", type=int, default=0)
-    # The script's own arguments follow it, as under `ddpkit run` (check's options go before the script).
-    ours, script_args = split_argv(sys.argv[1:] if argv is None else argv, {"--nproc", "--steps", "--rtol", "--seed"})
-    p.usage = "ddpkit check [-h] [--nproc NPROC] [--steps STEPS] [--rtol RTOL] [--seed SEED] [script [ARGS ...]]"
+    # The script's own arguments follow it, as under `ddpkit run` (check's options go before the
+    # script).
+    ours, script_args = split_argv(
+        sys.argv[1:] if argv is None else argv, {"--nproc", "--steps", "--rtol", "--seed"}
+    )
+    p.usage = (
+        "ddpkit check [-h] [--nproc NPROC] [--steps STEPS] [--rtol RTOL] [--seed SEED] "
+        "[script [ARGS ...]]"
+    )
     a = p.parse_args(ours)
     cfg = CheckConfig(
-        script=a.script, script_args=tuple(script_args), nproc=a.nproc, steps=a.steps, rtol=a.rtol, seed=a.seed
+        script=a.script,
+        script_args=tuple(script_args),
+        nproc=a.nproc,
+        steps=a.steps,
+        rtol=a.rtol,
+        seed=a.seed,
     )
     code, lines = run_check(cfg)
     print("\n".join(lines), flush=True)

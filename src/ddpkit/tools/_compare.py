@@ -1,5 +1,5 @@
-"""Two training runs of the same steps, compared step by step: the global loss, the all-reduced gradients, and
-the weights after each step, as relative differences of whole tensors."""
+"""Two training runs of the same steps, compared step by step: the global loss, the all-reduced
+gradients, and the weights after each step, as relative differences of whole tensors."""
 
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ class Comparison:
     error: str | None = None
     """A run that raised, and what it raised."""
     silent: int = 0
-    """Parameters left out of the weights' comparison: their gradients are rounding noise (see compare)."""
+    """Parameters left out of the weights' comparison: their gradients are rounding noise (see
+    compare)."""
 
     def first(self, rtol: float) -> tuple[int, str, float] | None:
         """(step, quantity, relative difference) of the first difference beyond ``rtol``."""
@@ -47,15 +48,16 @@ class Comparison:
         return self.error is not None or self.first(rtol) is not None
 
 
-# A parameter whose gradient is this small next to the whole gradient gets only rounding noise: a bias that
-# BatchNorm cancels, for one. Adam divides a gradient by its own size, so it moves such a parameter by a full
-# learning rate in a direction set by the noise, and two runs that agree to 1e-7 move it in opposite directions.
+# A parameter whose gradient is this small next to the whole gradient gets only rounding noise: a
+# bias that BatchNorm cancels, for one. Adam divides a gradient by its own size, so it moves such a
+# parameter by a full learning rate in a direction set by the noise, and two runs that agree to 1e-7
+# move it in opposite directions.
 SILENT_GRADIENT = 1e-6
 
 
 def _silent_mask(reference: dict[str, Any], steps: int) -> tuple[torch.Tensor | None, int]:
-    """Elements of the weights to compare: those of parameters whose gradient was above rounding noise at every
-    step so far, in the reference run; and how many parameters are left out."""
+    """Elements of the weights to compare: those of parameters whose gradient was above rounding
+    noise at every step so far, in the reference run; and how many parameters are left out."""
     sizes = reference.get("sizes")
     if not sizes or not steps:
         return None, 0
@@ -79,7 +81,11 @@ def compare(a: dict[str, Any], b: dict[str, Any]) -> Comparison:
     silent = 0
     for i in range(n):
         mask, silent = _silent_mask(b, i + 1)
-        wa, wb = (a["weights"][i], b["weights"][i]) if mask is None else (a["weights"][i][mask], b["weights"][i][mask])
+        wa, wb = (
+            (a["weights"][i], b["weights"][i])
+            if mask is None
+            else (a["weights"][i][mask], b["weights"][i][mask])
+        )
         diffs.append(
             {
                 "loss": _rel(a["loss"][i], b["loss"][i]),

@@ -20,15 +20,17 @@ from ddpkit.platforms._cpus import cpu_count
 def _live_check(device: str | None) -> int:
     import ddpkit
 
-    rt = ddpkit.init(device=device)  # None: the device init() picks, cuda:LOCAL_RANK with nccl where GPUs are
+    # None: the device init() picks, cuda:LOCAL_RANK with nccl where GPUs are
+    rt = ddpkit.init(device=device)
     return int(ddpkit.all_reduce(rt.rank + 1))
 
 
 def live_checks(gpus: int) -> list[tuple[str, int, str | None]]:
     """The all-reduces ``ddpkit env`` runs: (backend, processes, device for ``ddpkit.init``).
 
-    gloo on 2 CPU processes everywhere; where GPUs are visible also nccl, one process per GPU up to 2 (nccl
-    refuses two processes on one GPU, so one GPU gets a one-process check: communicator and kernels, no peer).
+    gloo on 2 CPU processes everywhere; where GPUs are visible also nccl, one process per GPU up to
+    2 (nccl refuses two processes on one GPU, so one GPU gets a one-process check: communicator and
+    kernels, no peer).
     """
     checks: list[tuple[str, int, str | None]] = [("gloo", 2, "cpu")]
     if gpus:
@@ -38,7 +40,10 @@ def live_checks(gpus: int) -> list[tuple[str, int, str | None]]:
 
 def _gpu(index: int) -> str:
     props = torch.cuda.get_device_properties(index)
-    return f"{props.name} ({props.total_memory / 2**30:.1f} GiB, compute capability {props.major}.{props.minor})"
+    return (
+        f"{props.name} ({props.total_memory / 2**30:.1f} GiB, compute capability "
+        f"{props.major}.{props.minor})"
+    )
 
 
 # Variables through which launchers, schedulers and the communication libraries are steered.
@@ -70,9 +75,11 @@ _PREFIXES = (
 
 
 def distributed_variables(env: dict[str, str] | None = None) -> dict[str, str]:
-    """The launcher, scheduler and communication variables set in ``env`` (this process's by default)."""
+    """The launcher, scheduler and communication variables set in ``env`` (this process's by
+    default)."""
     env = dict(os.environ) if env is None else env
-    # A secret (DDPKIT_RDZV_SECRET) is reported as set, never shown: this output is pasted into bug reports.
+    # A secret (DDPKIT_RDZV_SECRET) is reported as set, never shown: this output is pasted into bug
+    # reports.
     return {
         k: "(set, not shown)" if "SECRET" in k else env[k]
         for k in sorted(env)
@@ -97,8 +104,9 @@ def _memory() -> str:
 
 
 def internals_state() -> dict[str, str]:
-    """Each private name of torch, CPython, numpy or Optuna that ddpkit relies on: "ok", or what differs in the
-    installed version (and what a user gets for it), so that a new release's change is seen at once."""
+    """Each private name of torch, CPython, numpy or Optuna that ddpkit relies on: "ok", or what
+    differs in the installed version (and what a user gets for it), so that a new release's change
+    is seen at once."""
     from ddpkit._internals import all_internals
     from ddpkit._internals.contract import problem, version_of
 
@@ -113,8 +121,11 @@ def internals_state() -> dict[str, str]:
             state[internal.name] = f"not checked: {version}"
             continue
         line = problem(internal)
-        # problem() names the internal first; the rest is the version, what differs and what it costs.
-        state[internal.name] = "ok" if line is None else "DIFFERS " + line[len(internal.name) :].lstrip()
+        # problem() names the internal first; the rest is the version, what differs and what it
+        # costs.
+        state[internal.name] = (
+            "ok" if line is None else "DIFFERS " + line[len(internal.name) :].lstrip()
+        )
     return state
 
 
@@ -123,7 +134,8 @@ def collect(live: bool = True) -> dict[str, Any]:
     from ddpkit._launch.options import resolve_nproc
     from ddpkit.data import default_num_workers
 
-    # The device count through NVML: unlike torch.cuda.is_available(), asking it leaves CUDA uninitialised.
+    # The device count through NVML: unlike torch.cuda.is_available(), asking it leaves CUDA
+    # uninitialised.
     gpus = torch.cuda.device_count()
     cuda = gpus > 0 and torch.cuda.is_available()
     info: dict[str, Any] = {
@@ -138,7 +150,9 @@ def collect(live: bool = True) -> dict[str, Any]:
         "gpus": [_gpu(i) for i in range(gpus)] if cuda else [],
         "cudnn": torch.backends.cudnn.version() if cuda else None,
         "bf16 on the GPU": torch.cuda.is_bf16_supported() if cuda else None,
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda and dist.is_nccl_available() else None,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version()))
+        if cuda and dist.is_nccl_available()
+        else None,
         "gloo available": dist.is_available() and dist.is_gloo_available(),
         "cpu cores (usable)": cpu_count(),
         "scheduler": scheduler(os.environ) or "none detected",
@@ -151,7 +165,9 @@ def collect(live: bool = True) -> dict[str, Any]:
     state = internals_state()
     unchecked = sum(value.startswith("not checked") for value in state.values())
     differing = sum(value != "ok" for value in state.values()) - unchecked
-    counts = f"{differing} of {len(state) - unchecked} differ" + (f", {unchecked} not checked" if unchecked else "")
+    counts = f"{differing} of {len(state) - unchecked} differ" + (
+        f", {unchecked} not checked" if unchecked else ""
+    )
     info[f"private internals relied on ({counts})"] = state
     if live:
         for backend, nprocs, device in live_checks(gpus if cuda else 0):
@@ -165,7 +181,8 @@ def _run_live_check(nprocs: int, device: str | None) -> str:
 
     start = time.perf_counter()
     try:
-        # Importable, so it also runs where CUDA is initialised here and the processes must be spawned afresh.
+        # Importable, so it also runs where CUDA is initialised here and the processes must be
+        # spawned afresh.
         sums = spawn(functools.partial(_live_check, device), nprocs)
     except Exception as err:  # report, do not crash: this is a diagnostic
         return f"FAILED: {type(err).__name__}: {err}"
@@ -177,17 +194,20 @@ def _run_live_check(nprocs: int, device: str | None) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="ddpkit env",
-        description="Print what this machine offers a DDP job (versions, devices, cores, memory, the launcher and\n"
-        "scheduler variables that are set, the choices `ddpkit run` would make, whether each private internal of\n"
-        "torch, CPython, numpy or Optuna that ddpkit relies on still has the shape it relies on) and check a\n"
-        "two-process all-reduce.",
+        description="Print what this machine offers a DDP job (versions, devices, cores, memory, "
+        "the launcher and\nscheduler variables that are set, the choices `ddpkit run` would make, "
+        "whether each private internal of\ntorch, CPython, numpy or Optuna that ddpkit relies on "
+        "still has the shape it relies on) and check a\ntwo-process all-reduce.",
         epilog="examples:\n  ddpkit env\n  ddpkit env --no-live      # skip the all-reduce check",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--no-live", action="store_true", help="skip the two-process rendezvous check")
+    parser.add_argument(
+        "--no-live", action="store_true", help="skip the two-process rendezvous check"
+    )
     ns = parser.parse_args(argv)
     info = collect(live=not ns.no_live)
-    width = max(len(k) for k, v in info.items() if not isinstance(v, dict))  # a dict's key heads its own lines
+    # a dict's key heads its own lines
+    width = max(len(k) for k, v in info.items() if not isinstance(v, dict))
     for key, value in info.items():
         if isinstance(value, dict):
             print(f"{key:<{width}}")
@@ -196,5 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"  {name}{separator}{setting}")
         else:
             print(f"{key:<{width}}  {value}")
-    failed = [k for k, v in info.items() if k.startswith("live check") and not str(v).startswith("ok")]
+    failed = [
+        k for k, v in info.items() if k.startswith("live check") and not str(v).startswith("ok")
+    ]
     return 1 if failed else 0

@@ -1,20 +1,24 @@
-"""One DDP job's step, timed part by part on every rank: data, forward, backward, exposed all-reduce, optimizer.
+"""One DDP job's step, timed part by part on every rank: data, forward, backward, exposed
+all-reduce, optimizer.
 
 How communication is measured, two ways:
 
-- **exposed all-reduce**: every other timed step runs its backward under DDP's ``no_sync()`` (no all-reduce;
-  its gradients are dropped and no optimizer step follows). The exposed all-reduce is the median backward with
-  synchronisation minus the median backward without: the time the all-reduce adds to the step.
-- **all-reduce span**: a DDP communication hook (torch's default ``allreduce_hook``, wrapped) stamps the moment
-  DDP launches the first bucket and the moment the last bucket's all-reduce completes; their difference is the
-  communication time of a step, hidden or not. On CUDA the stamps are CUDA events: nccl's future completes on
-  the host as soon as the all-reduce is queued, and its callback runs on a stream that waits for the
-  all-reduce, so an event recorded there marks the device's completion (a host clock would time the launch).
-  A hook written in Python costs the step itself: its callback waits for the GIL on the backend's thread
-  (0.4 to 0.6 ms a step over gloo at 2 ranks here, nothing at 1). So the hook is registered only after the
-  step and its parts are timed, and the span comes from steps of its own.
+- **exposed all-reduce**: every other timed step runs its backward under DDP's ``no_sync()`` (no
+  all-reduce; its gradients are dropped and no optimizer step follows). The exposed all-reduce is
+  the median backward with synchronisation minus the median backward without: the time the
+  all-reduce adds to the step.
+- **all-reduce span**: a DDP communication hook (torch's default ``allreduce_hook``, wrapped) stamps
+  the moment DDP launches the first bucket and the moment the last bucket's all-reduce completes;
+  their difference is the communication time of a step, hidden or not. On CUDA the stamps are CUDA
+  events: nccl's future completes on the host as soon as the all-reduce is queued, and its callback
+  runs on a stream that waits for the all-reduce, so an event recorded there marks the device's
+  completion (a host clock would time the launch). A hook written in Python costs the step itself:
+  its callback waits for the GIL on the backend's thread (0.4 to 0.6 ms a step over gloo at 2 ranks
+  here, nothing at 1). So the hook is registered only after the step and its parts are timed, and
+  the span comes from steps of its own.
 
-On CUDA every part ends with a device synchronisation, so its time is the device's, not the launch's.
+On CUDA every part ends with a device synchronisation, so its time is the device's, not the
+launch's.
 """
 
 from __future__ import annotations
@@ -66,8 +70,9 @@ class Knobs:
 
 
 class _CommTimer:
-    """A DDP communication hook that all-reduces as DDP does and stamps the first launch and last completion:
-    host clock readings on the CPU, CUDA events (read after the step's synchronisation) on a GPU."""
+    """A DDP communication hook that all-reduces as DDP does and stamps the first launch and last
+    completion: host clock readings on the CPU, CUDA events (read after the step's synchronisation)
+    on a GPU."""
 
     def __init__(self, cuda: bool = False) -> None:
         self.cuda = cuda
@@ -92,10 +97,15 @@ class _CommTimer:
         return allreduce_hook(state, bucket).then(done)
 
     # DDP checks a hook's annotations against the real types; this module's are strings (postponed).
-    hook.__annotations__ = {"state": object, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
+    hook.__annotations__ = {
+        "state": object,
+        "bucket": dist.GradBucket,
+        "return": torch.futures.Future[torch.Tensor],
+    }
 
     def take(self) -> float:
-        """The last step's span in seconds (0 if nothing was all-reduced); on CUDA, after a synchronisation."""
+        """The last step's span in seconds (0 if nothing was all-reduced); on CUDA, after a
+        synchronisation."""
         first, last = self.first, self.last
         self.first, self.last = None, None
         if first is None or last is None:
@@ -105,10 +115,12 @@ class _CommTimer:
 
 
 def pin_to_core(rank: int, world: int) -> bool:
-    """Give each rank a core of its own when there are enough, so that ranks do not migrate between cores.
+    """Give each rank a core of its own when there are enough, so that ranks do not migrate between
+    cores.
 
-    Every thread of the process: the backend's threads, which run its collectives, were started with the
-    process group, and a thread's affinity is its own (a thread started later inherits its starter's)."""
+    Every thread of the process: the backend's threads, which run its collectives, were started with
+    the process group, and a thread's affinity is its own (a thread started later inherits its
+    starter's)."""
     if not hasattr(os, "sched_setaffinity"):
         return False
     cores = sorted(os.sched_getaffinity(0))
@@ -129,9 +141,11 @@ def _cycle(loader: Any) -> Iterator[Any]:
 def measure_steps(
     script: str | None, knobs: Knobs, steps: int, warmup: int, split_comm: bool, pin: bool = True
 ) -> dict[str, Any]:
-    """Time ``steps`` DDP steps after ``warmup``; every rank's medians per part (collective: run on every rank).
+    """Time ``steps`` DDP steps after ``warmup``; every rank's medians per part (collective: run on
+    every rank).
 
-    With ``split_comm``, as many ``no_sync()`` backward steps are interleaved (see the module's docstring).
+    With ``split_comm``, as many ``no_sync()`` backward steps are interleaved (see the module's
+    docstring).
     """
     rt = init()
     pinned = pin_to_core(rt.rank, rt.world_size) if pin and rt.device.type == "cpu" else False
@@ -149,7 +163,9 @@ def measure_steps(
     if w.loader is not None:
         loader: Any = w.loader(w.dataset, w.batch_size, rt.rank, rt.world_size)
     else:
-        loader = build_loader(w.dataset, w.batch_size, num_workers=knobs.num_workers, pin_memory=knobs.pin_memory)
+        loader = build_loader(
+            w.dataset, w.batch_size, num_workers=knobs.num_workers, pin_memory=knobs.pin_memory
+        )
     batches = _cycle(loader)
     cuda = rt.device.type == "cuda"
 
@@ -163,7 +179,8 @@ def measure_steps(
     timed = warmup + (2 * steps if split_comm else steps)
     span_steps = max(10, steps // 2) if split_comm else 0
     for i in range(timed + span_steps):
-        if i == timed:  # the step is timed: now the span, in steps of its own (the module's docstring)
+        # the step is timed: now the span, in steps of its own (the module's docstring)
+        if i == timed:
             model.register_comm_hook(None, timer.hook)
         no_sync = split_comm and warmup <= i < timed and (i - warmup) % 2 == 1
         t0 = now()
@@ -186,7 +203,8 @@ def measure_steps(
             times["allreduce_span"].append(span)
         elif warmup <= i < timed:
             for part, seconds in zip(
-                ("data", "forward", "backward", "optimizer", "step"), (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0)
+                ("data", "forward", "backward", "optimizer", "step"),
+                (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0),
             ):
                 times[part].append(seconds)
     medians = {p: statistics.median(v) if v else None for p, v in times.items()}
@@ -205,9 +223,12 @@ def measure_steps(
     }
 
 
-def single_process_steps(script: str | None, data_parallel: bool, steps: int, warmup: int) -> dict[str, Any]:
-    """Median step of the workload on one GPU, or under ``nn.DataParallel`` over every visible GPU with the
-    per-GPU batch of a DDP rank (so the three compare at the same work per GPU). CUDA only; no process group."""
+def single_process_steps(
+    script: str | None, data_parallel: bool, steps: int, warmup: int
+) -> dict[str, Any]:
+    """Median step of the workload on one GPU, or under ``nn.DataParallel`` over every visible GPU
+    with the per-GPU batch of a DDP rank (so the three compare at the same work per GPU). CUDA only;
+    no process group."""
     seed_everything(0)
     w = load_workload(script)
     gpus = torch.cuda.device_count() if data_parallel else 1
@@ -215,7 +236,9 @@ def single_process_steps(script: str | None, data_parallel: bool, steps: int, wa
     if data_parallel:
         model = torch.nn.DataParallel(model)
     optimizer = w.optimizer(model.parameters())
-    loader = torch.utils.data.DataLoader(w.dataset, batch_size=w.batch_size * gpus, shuffle=True, drop_last=True)
+    loader = torch.utils.data.DataLoader(
+        w.dataset, batch_size=w.batch_size * gpus, shuffle=True, drop_last=True
+    )
     batches = _cycle(loader)
     device = torch.device("cuda", 0)
     out = []

@@ -1,13 +1,14 @@
-"""The workload of a script that only builds a :class:`~ddpkit.Trainer` and calls ``fit()``: no hook needed.
+"""The workload of a script that only builds a :class:`~ddpkit.Trainer` and calls ``fit()``: no hook
+needed.
 
-The script runs as ``__main__`` with the arguments the command was given after it (``sys.argv`` is the script's
-path and those, as under ``ddpkit run``) while
-``Trainer.__init__`` is replaced by one that records what it was given and raises :class:`Captured`, a
-``BaseException`` (a script's ``except Exception`` does not swallow it): the script stops where the Trainer
-would be built, before anything is wrapped, launched or written, and its model, optimizer, training data and
-loss become a workload (:func:`ddpkit.tools._workload.workload_of`). Running the script again builds a fresh
-model, as the tools need once per run. The learning-rate scheduler is not stepped: a few steps at the learning rate the
-optimizer has when the Trainer is built are compared.
+The script runs as ``__main__`` with the arguments the command was given after it (``sys.argv`` is
+the script's path and those, as under ``ddpkit run``) while ``Trainer.__init__`` is replaced by one
+that records what it was given and raises :class:`Captured`, a ``BaseException`` (a script's
+``except Exception`` does not swallow it): the script stops where the Trainer would be built, before
+anything is wrapped, launched or written, and its model, optimizer, training data and loss become a
+workload (:func:`ddpkit.tools._workload.workload_of`). Running the script again builds a fresh
+model, as the tools need once per run. The learning-rate scheduler is not stepped: a few steps at
+the learning rate the optimizer has when the Trainer is built are compared.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ class Captured(BaseException):
 
 @contextmanager
 def intercept(script: str, args: Sequence[str] = ()) -> Iterator[None]:
-    """Within: building a Trainer raises :class:`Captured`, and ``sys.argv`` is ``[script, *args]``."""
+    """Within: building a Trainer raises :class:`Captured`, and ``sys.argv`` is
+    ``[script, *args]``."""
     original, argv = Trainer.__init__, sys.argv
 
     def capture(self: Trainer, *args: Any, **kwargs: Any) -> None:
@@ -49,7 +51,8 @@ def intercept(script: str, args: Sequence[str] = ()) -> Iterator[None]:
 
 
 def run_until_trainer(script: str, args: Sequence[str] = ()) -> Captured | None:
-    """Run ``script`` as ``__main__`` until it builds a Trainer; what it gave the Trainer (None: it built none)."""
+    """Run ``script`` as ``__main__`` until it builds a Trainer; what it gave the Trainer (None: it
+    built none)."""
     file = Path(script).resolve()
     sys.path.insert(0, str(file.parent))  # the script's own imports of its neighbours
     try:
@@ -60,8 +63,8 @@ def run_until_trainer(script: str, args: Sequence[str] = ()) -> Captured | None:
     except SystemExit as exit_:
         given = f"with arguments {list(args)}" if args else "with no arguments"
         raise ConfigError(
-            f"{script} exited ({exit_.code}) before building a Trainer, run {given}: pass the arguments it needs "
-            "after the script's name"
+            f"{script} exited ({exit_.code}) before building a Trainer, run {given}: pass the "
+            "arguments it needs after the script's name"
         ) from None
     finally:
         sys.path.remove(str(file.parent))

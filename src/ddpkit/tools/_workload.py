@@ -1,4 +1,5 @@
-"""What ``ddpkit bench`` and ``ddpkit check`` train: the user's model, data, loss and optimizer, named by one hook.
+"""What ``ddpkit bench`` and ``ddpkit check`` train: the user's model, data, loss and optimizer,
+named by one hook.
 
 A script hands its training to the tools by defining a function ``ddpkit_workload()``::
 
@@ -7,14 +8,15 @@ A script hands its training to the tools by defining a function ``ddpkit_workloa
         optimizer = lambda params: torch.optim.Adam(params, lr=1e-3)
         return model, train_set, F.cross_entropy, optimizer
 
-or, for more control, returning a :class:`Workload`. The tools call it once per run in every rank's process,
-after seeding every rank alike, so it must build a fresh model each time; the script's
+or, for more control, returning a :class:`Workload`. The tools call it once per run in every rank's
+process, after seeding every rank alike, so it must build a fresh model each time; the script's
 ``if __name__ == "__main__":`` block is not run (the file is imported under another name).
 
-A script without the hook that trains with :class:`~ddpkit.Trainer` needs none: the tools run it, with its
-default arguments, up to the point where it builds the Trainer, and take the model, optimizer, data and loss it
-hands the Trainer (:mod:`ddpkit.tools._trainer_capture`). Built-in workloads are named instead of a script:
-``digits`` (the default) and ``lm`` (the language-model example's small GPT).
+A script without the hook that trains with :class:`~ddpkit.Trainer` needs none: the tools run it,
+with its default arguments, up to the point where it builds the Trainer, and take the model,
+optimizer, data and loss it hands the Trainer (:mod:`ddpkit.tools._trainer_capture`). Built-in
+workloads are named instead of a script: ``digits`` (the default) and ``lm`` (the language-model
+example's small GPT).
 """
 
 from __future__ import annotations
@@ -60,31 +62,37 @@ class Workload:
     dataset: Dataset
     """Training samples ``(inputs, targets)``; the same on every rank."""
     loss_fn: LossFn = F.cross_entropy
-    """``loss_fn(model(inputs), targets)``: a scalar, the mean over the batch as torch's losses return it."""
+    """``loss_fn(model(inputs), targets)``: a scalar, the mean over the batch as torch's losses
+    return it."""
     optimizer: OptimizerFactory = _adam
     """Builds the optimizer from the (wrapped) model's parameters."""
     batch_size: int = 32
     """Samples per rank per step; one process takes ``batch_size x ranks`` in ``ddpkit check``."""
     drop_last: bool = True
-    """For ddpkit's sampler: drop an epoch's last, smaller global batch (False splits it unevenly over ranks)."""
+    """For ddpkit's sampler: drop an epoch's last, smaller global batch (False splits it unevenly
+    over ranks)."""
     loader: LoaderFactory | None = None
-    """The script's own loader, ``loader(dataset, batch_size, rank, world_size)`` giving ``(inputs, targets)``
-    batches; by default ddpkit's :class:`~ddpkit.data.ShardedBatchSampler`. It is read in the training process
-    (no loader workers) and iterated again when an epoch ends."""
+    """The script's own loader, ``loader(dataset, batch_size, rank, world_size)`` giving
+    ``(inputs, targets)`` batches; by default ddpkit's :class:`~ddpkit.data.ShardedBatchSampler`. It
+    is read in the training process (no loader workers) and iterated again when an epoch ends."""
     batch_loss_fn: BatchLossFn | None = None
-    """``batch_loss_fn(model, batch)`` for batches other than ``(inputs, targets)``; replaces ``loss_fn``."""
+    """``batch_loss_fn(model, batch)`` for batches other than ``(inputs, targets)``; replaces
+    ``loss_fn``."""
     count_fn: CountFn | None = None
-    """How many items (tokens) a batch's mean loss is over (the Trainer's ``count_fn``); None: its samples. The
-    check weighs each rank's mean by it, as the Trainer does."""
+    """How many items (tokens) a batch's mean loss is over (the Trainer's ``count_fn``); None: its
+    samples. The check weighs each rank's mean by it, as the Trainer does."""
     sync_batchnorm: bool = False
-    """The script normalises over the global batch (a Trainer's ``sync_batchnorm``): the check's runs do too."""
+    """The script normalises over the global batch (a Trainer's ``sync_batchnorm``): the check's
+    runs do too."""
     name: str = "workload"
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form notes printed with the results (e.g. the dataset's name)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, nn.Module):
-            raise ConfigError(f"{HOOK}() returned a model of type {type(self.model).__name__}: give an nn.Module")
+            raise ConfigError(
+                f"{HOOK}() returned a model of type {type(self.model).__name__}: give an nn.Module"
+            )
         if self.batch_size < 1:
             raise ConfigError(f"batch_size={self.batch_size}: the per-rank batch must be >= 1")
 
@@ -102,7 +110,8 @@ class Workload:
 
 
 def digits_workload() -> Workload:
-    """The built-in default: the DDP tutorials' CNN on scikit-learn's 8x8 digits (1,437 training images), Adam."""
+    """The built-in default: the DDP tutorials' CNN on scikit-learn's 8x8 digits (1,437 training
+    images), Adam."""
     from ddpkit.demo._datasets import digits
     from ddpkit.demo._models import DigitsCNN
 
@@ -115,8 +124,9 @@ def digits_workload() -> Workload:
 
 
 def lm_workload() -> Workload:
-    """The language-model example's small GPT (``examples/lm.py``'s defaults) on the stdlib's sources, character
-    by character, with the loss averaged over tokens (the last window of a file is padded), AdamW."""
+    """The language-model example's small GPT (``examples/lm.py``'s defaults) on the stdlib's
+    sources, character by character, with the loss averaged over tokens (the last window of a file
+    is padded), AdamW."""
     from ddpkit.demo._datasets import CHARS, IGNORE_INDEX, python_source
     from ddpkit.demo._models import TinyGPT
 
@@ -159,15 +169,15 @@ def _load_script(path: str) -> Any:
 
 
 def load_workload(script: str | None, world_size: int = 1, args: Sequence[str] = ()) -> Workload:
-    """Call ``script``'s :data:`HOOK`, or capture what it hands a Trainer (for ``world_size`` ranks); or build
-    a built-in workload, named by ``script`` (:data:`BUILTINS`; ``None`` is :func:`digits_workload`). The
-    script sees ``sys.argv == [script, *args]``."""
+    """Call ``script``'s :data:`HOOK`, or capture what it hands a Trainer (for ``world_size``
+    ranks); or build a built-in workload, named by ``script`` (:data:`BUILTINS`; ``None`` is
+    :func:`digits_workload`). The script sees ``sys.argv == [script, *args]``."""
     if script is None:
         return digits_workload()
     if script in BUILTINS and not Path(script).exists():
         return BUILTINS[script]()
-    # Imported here: it imports the Trainer (torch's compiler stack, seconds), which a built-in workload or a
-    # script's hook does not need.
+    # Imported here: it imports the Trainer (torch's compiler stack, seconds), which a built-in
+    # workload or a script's hook does not need.
     from ddpkit.tools._trainer_capture import Captured, intercept
 
     imported = None
@@ -181,9 +191,10 @@ def load_workload(script: str | None, world_size: int = 1, args: Sequence[str] =
         captured = capture_trainer(script, world_size, imported, args)
         if captured is None:
             raise ConfigError(
-                f"{script} defines no function {HOOK}() and builds no ddpkit.Trainer: add one that returns "
-                "(model, dataset, loss_fn, optimizer_factory) or a ddpkit.tools._workload.Workload, or name a "
-                f"built-in workload ({', '.join(BUILTINS)}); see `ddpkit bench -h`"
+                f"{script} defines no function {HOOK}() and builds no ddpkit.Trainer: add one that "
+                "returns (model, dataset, loss_fn, optimizer_factory) or a "
+                "ddpkit.tools._workload.Workload, or name a built-in workload "
+                f"({', '.join(BUILTINS)}); see `ddpkit bench -h`"
             )
         return captured
     argv, sys.argv = sys.argv, [script, *args]  # a hook may read its options too
@@ -195,17 +206,24 @@ def load_workload(script: str | None, world_size: int = 1, args: Sequence[str] =
         return out
     if isinstance(out, tuple) and len(out) == 4:
         model, dataset, loss_fn, optimizer = out
-        return Workload(model=model, dataset=dataset, loss_fn=loss_fn, optimizer=optimizer, name=Path(script).name)
+        return Workload(
+            model=model,
+            dataset=dataset,
+            loss_fn=loss_fn,
+            optimizer=optimizer,
+            name=Path(script).name,
+        )
     raise ConfigError(
-        f"{script}: {HOOK}() returned {type(out).__name__}; return (model, dataset, loss_fn, optimizer_factory) "
-        "or a ddpkit.tools._workload.Workload"
+        f"{script}: {HOOK}() returned {type(out).__name__}; return (model, dataset, loss_fn, "
+        "optimizer_factory) or a ddpkit.tools._workload.Workload"
     )
 
 
 def capture_trainer(
     script: str, world_size: int, imported: Captured | None = None, args: Sequence[str] = ()
 ) -> Workload | None:
-    """The workload of the Trainer ``script`` builds (``imported``: as it did when imported), or None."""
+    """The workload of the Trainer ``script`` builds (``imported``: as it did when imported), or
+    None."""
     from ddpkit.tools._trainer_capture import run_until_trainer
 
     found = imported or run_until_trainer(script, args)
@@ -229,7 +247,8 @@ def workload_of(found: Captured, script: str, world_size: int) -> Workload:
         loss_fn=found.kwargs.get("loss_fn") or cross_entropy,
         batch_loss_fn=found.kwargs.get("batch_loss_fn"),
         count_fn=found.kwargs.get("count_fn"),
-        # The optimizer the script built holds the model's own parameters, which DDP wraps without copying.
+        # The optimizer the script built holds the model's own parameters, which DDP wraps without
+        # copying.
         optimizer=lambda params: optimizer,
         batch_size=per_rank,
         drop_last=config.drop_last,

@@ -1,10 +1,11 @@
-"""``ddpkit plot RUN_DIR``: the training and validation curves of a run, from its ``metrics.jsonl``, to a PNG.
+"""``ddpkit plot RUN_DIR``: the training and validation curves of a run, from its ``metrics.jsonl``,
+to a PNG.
 
-One panel per quantity: the losses (training loss every ``LoggingConfig.every_steps``, its epoch mean, validation loss)
-together, then each other validation metric, then the learning rate, then the speed (samples and tokens a
-second, MFU, and each rank's busy time per step from the ``ranks`` records); the x-axis is the optimizer step. Work
-redone after a crash appears twice in the records; the later record of a step is the one drawn.
-Needs matplotlib: ``pip install 'ddpkit[plot]'``.
+One panel per quantity: the losses (training loss every ``LoggingConfig.every_steps``, its epoch
+mean, validation loss) together, then each other validation metric, then the learning rate, then the
+speed (samples and tokens a second, MFU, and each rank's busy time per step from the ``ranks``
+records); the x-axis is the optimizer step. Work redone after a crash appears twice in the records;
+the later record of a step is the one drawn. Needs matplotlib: ``pip install 'ddpkit[plot]'``.
 """
 
 from __future__ import annotations
@@ -21,17 +22,23 @@ from ddpkit._errors import ConfigError
 
 
 def read_curves(run_dir: str | Path) -> dict[str, dict[int, float]]:
-    """``{name: {step: value}}`` for every numeric value of the train, epoch and test records, and each rank's
-    busy time per step (``busy_ms/rank0``, ...) from the ``ranks`` records."""
+    """``{name: {step: value}}`` for every numeric value of the train, epoch and test records, and
+    each rank's busy time per step (``busy_ms/rank0``, ...) from the ``ranks`` records."""
     path = Path(run_dir) / "metrics.jsonl"
     try:
         path.exists()
     except OSError as err:  # a name longer than the file system allows
-        raise ConfigError(f"RUN_DIR {str(run_dir)[:80]!r}...: {err.strerror}: give the run directory") from None
+        raise ConfigError(
+            f"RUN_DIR {str(run_dir)[:80]!r}...: {err.strerror}: give the run directory"
+        ) from None
     if not path.exists():
-        raise ConfigError(f"no {path}: give the run directory of a Trainer run (TrainerConfig.run_dir)")
+        raise ConfigError(
+            f"no {path}: give the run directory of a Trainer run (TrainerConfig.run_dir)"
+        )
     if not path.is_file():
-        raise ConfigError(f"{path} is not a file: give the run directory of a Trainer run (TrainerConfig.run_dir)")
+        raise ConfigError(
+            f"{path} is not a file: give the run directory of a Trainer run (TrainerConfig.run_dir)"
+        )
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
@@ -45,7 +52,13 @@ def read_curves(run_dir: str | Path) -> dict[str, dict[int, float]]:
             record = json.loads(line)
         except ValueError:
             continue  # a line cut short by a crash
-        if not isinstance(record, dict) or record.get("kind") not in ("train", "epoch", "val", "test", "ranks"):
+        if not isinstance(record, dict) or record.get("kind") not in (
+            "train",
+            "epoch",
+            "val",
+            "test",
+            "ranks",
+        ):
             continue
         step = record.get("step")
         if not isinstance(step, int) or isinstance(step, bool):
@@ -67,7 +80,11 @@ def read_curves(run_dir: str | Path) -> dict[str, dict[int, float]]:
 def _rank_curves(curves: dict[str, dict[int, float]], step: int, busy: object) -> None:
     if isinstance(busy, list):
         for rank, value in enumerate(busy):
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            if (
+                isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and math.isfinite(value)
+            ):
                 curves.setdefault(f"busy_ms/rank{rank}", {})[step] = float(value)
 
 
@@ -79,7 +96,8 @@ def panels(curves: dict[str, dict[int, float]]) -> list[tuple[str, list[str]]]:
     """How the curves are grouped: (title, names) per panel."""
     losses = [n for n in curves if n.endswith("loss")]
     ranks = sorted(
-        (n for n in curves if n.startswith("busy_ms/rank")), key=lambda n: int(n.removeprefix("busy_ms/rank"))
+        (n for n in curves if n.startswith("busy_ms/rank")),
+        key=lambda n: int(n.removeprefix("busy_ms/rank")),
     )
     skip = {"ms_per_step", "epoch_seconds", "grad_norm", "lr", *losses, *SPEED, *ranks}
     out = [("loss", losses)] if losses else []
@@ -93,8 +111,9 @@ def panels(curves: dict[str, dict[int, float]]) -> list[tuple[str, list[str]]]:
 def plot(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Draw the curves of ``run_dir`` to ``out`` (default ``run_dir/curves.png``); return its path.
 
-    The format follows ``out``'s extension (``.png``, ``.svg``, ``.pdf``, ...). The file is written whole or
-    not at all, by a rename that replaces a link at its name rather than writing through it."""
+    The format follows ``out``'s extension (``.png``, ``.svg``, ``.pdf``, ...). The file is written
+    whole or not at all, by a rename that replaces a link at its name rather than writing through
+    it."""
     try:
         import matplotlib
 
@@ -108,8 +127,12 @@ def plot(run_dir: str | Path, out: str | Path | None = None) -> Path:
     kind = _check_out(path, FigureCanvasBase.get_supported_filetypes(), out is not None)
     groups = panels(curves)
     if not groups:
-        raise ConfigError(f"{Path(run_dir) / 'metrics.jsonl'} holds no training or validation record yet")
-    fig, axes = plt.subplots(len(groups), 1, figsize=(7, 2.6 * len(groups)), sharex=True, squeeze=False)
+        raise ConfigError(
+            f"{Path(run_dir) / 'metrics.jsonl'} holds no training or validation record yet"
+        )
+    fig, axes = plt.subplots(
+        len(groups), 1, figsize=(7, 2.6 * len(groups)), sharex=True, squeeze=False
+    )
     for ax, (title, names) in zip(axes[:, 0], groups):
         for name in names:
             steps = sorted(curves[name])
@@ -127,24 +150,34 @@ def plot(run_dir: str | Path, out: str | Path | None = None) -> Path:
     try:
         fs.write_atomic(path, image.getvalue())
     except OSError as err:
-        raise ConfigError(f"cannot write {path}: {err.strerror}: give -o a file in a folder you can write to") from None
+        raise ConfigError(
+            f"cannot write {path}: {err.strerror}: give -o a file in a folder you can write to"
+        ) from None
     return path
 
 
 def _check_out(path: Path, formats: dict[str, str], given: bool) -> str:
-    """The image format of ``path`` (its extension), or a :class:`ConfigError` naming what to change."""
+    """The image format of ``path`` (its extension), or a :class:`ConfigError` naming what to
+    change."""
     option = "-o" if given else "the default output"
     try:
         path.is_dir() or path.parent.is_dir()
     except OSError as err:  # a name longer than the file system allows
-        text = str(path) if len(str(path)) <= 80 else f"{str(path)[:80]}... ({len(str(path))} characters)"
+        text = (
+            str(path)
+            if len(str(path)) <= 80
+            else f"{str(path)[:80]}... ({len(str(path))} characters)"
+        )
         raise ConfigError(f"{option} {text!r}: {err.strerror}: give a shorter file name") from None
     if path.is_dir():
-        raise ConfigError(f"{option} {str(path)!r} is a folder: give a file name, e.g. {str(path / 'curves.png')!r}")
+        raise ConfigError(
+            f"{option} {str(path)!r} is a folder: give a file name, e.g. "
+            f"{str(path / 'curves.png')!r}"
+        )
     if not path.parent.is_dir():
         raise ConfigError(
-            f"{option} {str(path)!r}: the folder {str(path.parent)!r} does not exist: create it, or "
-            "give a file in an existing folder"
+            f"{option} {str(path)!r}: the folder {str(path.parent)!r} does not exist: create it, "
+            "or give a file in an existing folder"
         )
     kind = path.suffix.lower().removeprefix(".")
     if kind not in formats:
@@ -163,14 +196,16 @@ def shown(path: str | Path) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="ddpkit plot",
-        description="Draw a run's training and validation curves from RUN_DIR/metrics.jsonl to a PNG.",
+        description="Draw a run's training and validation curves from RUN_DIR/metrics.jsonl to a "
+        "PNG.",
         epilog="example: ddpkit plot runs/digits        # writes runs/digits/curves.png",
     )
     parser.add_argument("run_dir", help="the run directory (TrainerConfig.run_dir)")
     parser.add_argument(
         "-o",
         "--out",
-        help="the image to write, its format from its extension: .png, .svg, .pdf, ... (default: RUN_DIR/curves.png)",
+        help="the image to write, its format from its extension: .png, .svg, .pdf, ... (default: "
+        "RUN_DIR/curves.png)",
     )
     args = parser.parse_args(argv)
     print(f"ddpkit plot: wrote {shown(plot(args.run_dir, args.out))}")

@@ -1,11 +1,11 @@
 """FLOPs per sample and the device's peak: what model FLOPs utilisation (MFU) is made of.
 
-MFU = (the model's FLOPs per sample x samples a second) / (the peak FLOP/s of every device of the job). The FLOPs
-of a sample are counted once, by :class:`torch.utils.flop_counter.FlopCounterMode` over the first micro-batch's
-forward and backward of a run (matmuls and convolutions, as the counter counts; elementwise work is left out,
-as MFU conventionally does). The peak comes from the table below, by the device's name and the precision the
-matmuls run in; a device not in it, and the CPU, get no MFU rather than a guess (``LoggingConfig.peak_flops``
-gives one's peak by hand).
+MFU = (the model's FLOPs per sample x samples a second) / (the peak FLOP/s of every device of the
+job). The FLOPs of a sample are counted once, by :class:`torch.utils.flop_counter.FlopCounterMode`
+over the first micro-batch's forward and backward of a run (matmuls and convolutions, as the counter
+counts; elementwise work is left out, as MFU conventionally does). The peak comes from the table
+below, by the device's name and the precision the matmuls run in; a device not in it, and the CPU,
+get no MFU rather than a guess (``LoggingConfig.peak_flops`` gives one's peak by hand).
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 _T = 1e12
 
-# Dense (no structured sparsity) tensor-core peaks, FLOP/s, from the vendors' datasheets; fp16 and bf16 with
-# fp32 accumulation (what PyTorch's matmuls use), fp32 without tensor cores. Where a card has no TF32 (Volta,
-# Turing), fp32 matmuls run at the fp32 peak; where it has no bf16, bf16 is absent (no MFU).
+# Dense (no structured sparsity) tensor-core peaks, FLOP/s, from the vendors' datasheets; fp16 and
+# bf16 with fp32 accumulation (what PyTorch's matmuls use), fp32 without tensor cores. Where a card
+# has no TF32 (Volta, Turing), fp32 matmuls run at the fp32 peak; where it has no bf16, bf16 is
+# absent (no MFU).
 #   H100 SXM / PCIe / NVL: NVIDIA H100 Tensor Core GPU datasheet (2023): bf16 989.4 / 756.5 / 835, tf32 494.7 /
 #     378 / 417.5, fp32 66.9 / 51.2 / 60 TFLOPS (the datasheet's "with sparsity" figures halved).
 #   H200 SXM / NVL: NVIDIA H200 datasheet (2024): as the H100 SXM / NVL (the same compute, more memory).
@@ -51,8 +52,9 @@ _PEAKS: list[tuple[str, dict[str, float]]] = [
 
 
 def peak_flops(device_name: str, dtype: str) -> float | None:
-    """The dense peak FLOP/s of the GPU named ``device_name`` (``torch.cuda.get_device_name()``) for matmuls in
-    ``dtype`` (``"bf16"``, ``"fp16"``, ``"tf32"`` or ``"fp32"``); None for a device or dtype not in the table."""
+    """The dense peak FLOP/s of the GPU named ``device_name`` (``torch.cuda.get_device_name()``) for
+    matmuls in ``dtype`` (``"bf16"``, ``"fp16"``, ``"tf32"`` or ``"fp32"``); None for a device or
+    dtype not in the table."""
     for pattern, peaks in _PEAKS:
         if re.search(pattern, device_name, flags=re.IGNORECASE):
             peak = peaks.get(dtype)
@@ -61,21 +63,24 @@ def peak_flops(device_name: str, dtype: str) -> float | None:
 
 
 def matmul_dtype(precision: str) -> str:
-    """The dtype the matmuls of a run at ``TrainerConfig.precision`` run in: fp32 ones in TF32 where allowed."""
+    """The dtype the matmuls of a run at ``TrainerConfig.precision`` run in: fp32 ones in TF32 where
+    allowed."""
     if precision in ("bf16", "fp16"):
         return precision
     return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 
 def device_peak(device: torch.device, precision: str) -> float | None:
-    """The peak FLOP/s of ``device`` at ``precision``; None on the CPU and for a GPU not in the table."""
+    """The peak FLOP/s of ``device`` at ``precision``; None on the CPU and for a GPU not in the
+    table."""
     if device.type != "cuda":
         return None
     return peak_flops(torch.cuda.get_device_name(device), matmul_dtype(precision))
 
 
 class FlopCount:
-    """The FLOPs of one micro-batch's forward and backward, counted once, and the samples they were for."""
+    """The FLOPs of one micro-batch's forward and backward, counted once, and the samples they were
+    for."""
 
     def __init__(self) -> None:
         self.flops: float | None = None
@@ -87,14 +92,18 @@ class FlopCount:
 
     @contextmanager
     def counting(self, samples: int) -> Iterator[None]:
-        """Count what runs inside (a forward and its backward) as the FLOPs of ``samples`` samples."""
+        """Count what runs inside (a forward and its backward) as the FLOPs of ``samples``
+        samples."""
         with FlopCounterMode(display=False) as counter:
             yield
         self.flops, self.samples = float(counter.get_total_flops()), samples
 
 
-def mfu(flops_per_sample: float | None, samples_per_s: float, peak: float | None, devices: int) -> float | None:
-    """Model FLOPs utilisation: the FLOP/s the samples needed over the peak of ``devices`` devices."""
+def mfu(
+    flops_per_sample: float | None, samples_per_s: float, peak: float | None, devices: int
+) -> float | None:
+    """Model FLOPs utilisation: the FLOP/s the samples needed over the peak of ``devices``
+    devices."""
     if not flops_per_sample or not peak:
         return None
     return flops_per_sample * samples_per_s / (peak * devices)

@@ -1,4 +1,5 @@
-"""What the main rank writes about a run: metrics as JSON lines and CSV, and TensorBoard or a tracker if asked."""
+"""What the main rank writes about a run: metrics as JSON lines and CSV, and TensorBoard or a
+tracker if asked."""
 
 from __future__ import annotations
 
@@ -17,11 +18,12 @@ from ddpkit import _fs as fs
 class MetricsWriter:
     """Appends records to ``run_dir/metrics.jsonl``, epoch summaries to ``run_dir/epochs.csv``.
 
-    Only the main rank writes; other ranks get a writer that does nothing, so call sites need no rank test.
-    Files are opened in append mode at the first record, not when the writer is made: a resumed run continues
-    the same files, and one with ``resume=False`` starts new ones once the previous run's are moved aside
-    (:func:`ddpkit.snapshot._run_dir.claim`). They are opened without following a symbolic link, and a file with
-    a second name (a run directory copied with ``cp -al``) is first replaced by a copy of its own.
+    Only the main rank writes; other ranks get a writer that does nothing, so call sites need no
+    rank test. Files are opened in append mode at the first record, not when the writer is made: a
+    resumed run continues the same files, and one with ``resume=False`` starts new ones once the
+    previous run's are moved aside (:func:`ddpkit.snapshot._run_dir.claim`). They are opened without
+    following a symbolic link, and a file with a second name (a run directory copied with
+    ``cp -al``) is first replaced by a copy of its own.
     """
 
     def __init__(
@@ -34,7 +36,11 @@ class MetricsWriter:
     ) -> None:
         self.enabled = enabled
         self.run_dir = Path(run_dir)
-        self._tensorboard, self._logger_names, self._params = tensorboard, tuple(loggers), params or {}
+        self._tensorboard, self._logger_names, self._params = (
+            tensorboard,
+            tuple(loggers),
+            params or {},
+        )
         self._jsonl: IO[str] | None = None
         self._started = False  # TensorBoard and the loggers made (once: each is a run of its own)
         self._tb = None
@@ -64,8 +70,8 @@ class MetricsWriter:
             from ddpkit.tracking._trackers import build
 
             self._loggers = build(self._logger_names, self.run_dir, self._params)
-            # Closed at exit, also in a process started by multiprocessing (ddpkit.spawn), where atexit hooks
-            # do not run; or when the writer is collected.
+            # Closed at exit, also in a process started by multiprocessing (ddpkit.spawn), where
+            # atexit hooks do not run; or when the writer is collected.
             multiprocessing.util.Finalize(self, _close_all, args=(self._loggers,), exitpriority=10)
         return self._jsonl
 
@@ -74,7 +80,8 @@ class MetricsWriter:
             return
         record = {"kind": kind, "step": step, "time": round(time.time(), 3), **values}
         self._open().write(json.dumps(record, default=float) + "\n")
-        # Events, and the per-rank lists of a "ranks" record, are not curves; the speed is in the train records.
+        # Events, and the per-rank lists of a "ranks" record, are not curves; the speed is in the
+        # train records.
         if kind in ("event", "ranks") or not (self._tb is not None or self._loggers):
             return
         scalars = {  # epoch and step are the x-axes, not curves

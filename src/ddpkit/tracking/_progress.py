@@ -1,4 +1,5 @@
-"""What the main rank shows while a run trains: a progress bar (or plain lines), and the summary at its end."""
+"""What the main rank shows while a run trains: a progress bar (or plain lines), and the summary at
+its end."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ from typing import Any
 
 
 class Progress:
-    """A tqdm bar on the main rank when stdout is a terminal; otherwise a plain line each time there is news.
+    """A tqdm bar on the main rank when stdout is a terminal; otherwise a plain line each time there
+    is news.
 
-    ``update()`` is called once per optimizer step; ``postfix`` (loss, speed) comes only every so many steps,
-    when the ranks have agreed on it, and a plain line is printed then.
+    ``update()`` is called once per optimizer step; ``postfix`` (loss, speed) comes only every so
+    many steps, when the ranks have agreed on it, and a plain line is printed then.
     """
 
     def __init__(self, enabled: bool, total: int, desc: str, initial: int = 0) -> None:
@@ -22,8 +24,11 @@ class Progress:
             try:
                 from tqdm.auto import tqdm
 
-                # Kept on screen when done: one line per epoch, with its time; tqdm shows the ETA while running.
-                self._bar = tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, leave=True)
+                # Kept on screen when done: one line per epoch, with its time; tqdm shows the ETA
+                # while running.
+                self._bar = tqdm(
+                    total=total, initial=initial, desc=desc, dynamic_ncols=True, leave=True
+                )
             except ImportError:
                 pass
 
@@ -35,7 +40,9 @@ class Progress:
             self._bar.update(1)
         if not postfix:
             return
-        text = " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in postfix.items())
+        text = " ".join(
+            f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in postfix.items()
+        )
         if self._bar is not None:
             self._bar.set_postfix_str(text, refresh=False)
         else:
@@ -47,24 +54,35 @@ class Progress:
 
 
 def format_metrics(metrics: dict[str, Any]) -> str:
-    return " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
+    return " ".join(
+        f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()
+    )
 
 
 def run_summary(
-    reason: str, state: Any, last: dict[str, Any], validation: Any, run_dir: Path, speed: str | None = None
+    reason: str,
+    state: Any,
+    last: dict[str, Any],
+    validation: Any,
+    run_dir: Path,
+    speed: str | None = None,
 ) -> str:
-    """The end of a run in a few lines: why it stopped, the best epoch, the final metrics, where the weights are.
+    """The end of a run in a few lines: why it stopped, the best epoch, the final metrics, where the
+    weights are.
 
-    ``state``: where training ended (``epoch``, ``step``, and ``cursor``, not 0 inside an epoch: ``max_steps``).
-    ``validation``: the run's :class:`~ddpkit.training._validation.Validation`: its ``best_weights`` (read on the
-    main rank, which prints this), and ``latest_step``, the step of the latest validation when the Trainer
-    validates every N steps (its ``val/...`` metrics in ``last`` are shown with it: they may be older than the end).
-    ``speed``: a line on the ranks' speed (:meth:`~ddpkit.tracking._timings.RunSpeed.summary`), if any.
+    ``state``: where training ended (``epoch``, ``step``, and ``cursor``, not 0 inside an epoch:
+    ``max_steps``). ``validation``: the run's :class:`~ddpkit.training._validation.Validation`: its
+    ``best_weights`` (read on the main rank, which prints this), and ``latest_step``, the step of
+    the latest validation when the Trainer validates every N steps (its ``val/...`` metrics in
+    ``last`` are shown with it: they may be older than the end). ``speed``: a line on the ranks'
+    speed (:meth:`~ddpkit.tracking._timings.RunSpeed.summary`), if any.
     """
     best, validated_at = validation.best_weights, validation.latest_step
     epoch, step = state.epoch, state.step
     where = (
-        f"{step} optimizer steps, in epoch {epoch + 1}" if state.cursor else f"{epoch} epoch(s), {step} optimizer steps"
+        f"{step} optimizer steps, in epoch {epoch + 1}"
+        if state.cursor
+        else f"{epoch} epoch(s), {step} optimizer steps"
     )
     lines = [f"ddpkit: done ({reason}) after {where}"]
     if best.enabled and best.value is not None:
@@ -72,11 +90,17 @@ def run_summary(
         lines.append(f"  best {best.metric} {best.value:.4g} at {at}: weights in {best.path}")
     if last:
         final = {k: v for k, v in last.items() if k not in ("epoch", "step")}
-        validated = {k: final.pop(k) for k in list(final) if validated_at is not None and k.startswith("val/")}
+        validated = {
+            k: final.pop(k)
+            for k in list(final)
+            if validated_at is not None and k.startswith("val/")
+        }
         if final:
             lines.append(f"  final: {format_metrics(final)}")
         if validated:
-            lines.append(f"  latest validation, at step {validated_at}: {format_metrics(validated)}")
+            lines.append(
+                f"  latest validation, at step {validated_at}: {format_metrics(validated)}"
+            )
     if speed:
         lines.append(speed)
     lines.append(f"  run directory {run_dir}: snapshots/, metrics.jsonl, epochs.csv")

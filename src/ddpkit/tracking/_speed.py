@@ -1,8 +1,9 @@
-"""How fast a run goes: samples (and tokens) a second, MFU, and each rank's phases, at every log window.
+"""How fast a run goes: samples (and tokens) a second, MFU, and each rank's phases, at every log
+window.
 
-What the Trainer holds: :class:`~ddpkit.tracking._timings.StepTimings` (each rank's phases), the FLOPs of a
-sample (:mod:`ddpkit.tracking._flops`, counted at the first step where a peak is known), and the run's slowest
-rank for its summary. See docs/speed.md for how to read the numbers.
+What the Trainer holds: :class:`~ddpkit.tracking._timings.StepTimings` (each rank's phases), the
+FLOPs of a sample (:mod:`ddpkit.tracking._flops`, counted at the first step where a peak is known),
+and the run's slowest rank for its summary. See docs/speed.md for how to read the numbers.
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ from ddpkit.tracking._timings import RankTimes, RunSpeed, StepTimings, samples_i
 
 
 class Speed:
-    """A run's speed, measured on every rank and gathered at each log window (``LoggingConfig.step_timings``).
+    """A run's speed, measured on every rank and gathered at each log window
+    (``LoggingConfig.step_timings``).
 
-    ``peak``: the peak FLOP/s of one device (``LoggingConfig.peak_flops``, else the table's for a known GPU);
-    with one, the FLOPs of the first micro-batch's forward and backward are counted once and MFU is reported.
-    ``compiled`` (the model runs under ``torch.compile``): no MFU (counting would run the first step eagerly),
-    and DDP's buffer broadcast stays in ``compute``.
+    ``peak``: the peak FLOP/s of one device (``LoggingConfig.peak_flops``, else the table's for a
+    known GPU); with one, the FLOPs of the first micro-batch's forward and backward are counted once
+    and MFU is reported. ``compiled`` (the model runs under ``torch.compile``): no MFU (counting
+    would run the first step eagerly), and DDP's buffer broadcast stays in ``compute``.
     """
 
     def __init__(
@@ -40,7 +42,9 @@ class Speed:
     ) -> None:
         self.enabled, self.world_size = enabled, world_size
         self.timings = StepTimings(model, device, enabled, compiled)
-        self.peak = (peak_flops or device_peak(device, precision)) if enabled and not compiled else None
+        self.peak = (
+            (peak_flops or device_peak(device, precision)) if enabled and not compiled else None
+        )
         self.flops = FlopCount()
         self._to_count = self.peak is not None
         self.run = RunSpeed()
@@ -52,9 +56,12 @@ class Speed:
         self._to_count = False
         return self.flops.counting(samples_in(batch))
 
-    def window(self, wall: float, items: float | None, steps: int, group: Group) -> RankTimes | None:
-        """Every rank's phases in the window ending here (collective: every rank calls it); None when off.
-        ``items``: this rank's items (tokens) in the window's steps, under ``count_fn``."""
+    def window(
+        self, wall: float, items: float | None, steps: int, group: Group
+    ) -> RankTimes | None:
+        """Every rank's phases in the window ending here (collective: every rank calls it); None
+        when off. ``items``: this rank's items (tokens) in the window's steps, under
+        ``count_fn``."""
         if not self.enabled:
             return None
         times = self.timings.window(wall, items or 0.0, steps, group)
@@ -63,7 +70,8 @@ class Speed:
         return times
 
     def rates(self, times: RankTimes, tokens: bool) -> dict[str, float]:
-        """Samples (and tokens, with ``tokens``) a second over all ranks, and MFU where it is known."""
+        """Samples (and tokens, with ``tokens``) a second over all ranks, and MFU where it is
+        known."""
         seconds = max(times.wall, 1e-9)
         out = {"samples_per_s": times.samples / seconds}
         if tokens:

@@ -2,26 +2,30 @@
 
 Each rank splits its steps into phases, in seconds summed over a log window:
 
-- ``data``: blocked in the loader's ``next()`` (the host's wait; the batch's copy to the device is ``compute``);
+- ``data``: blocked in the loader's ``next()`` (the host's wait; the batch's copy to the device is
+  ``compute``);
 - ``compute``: the rest of the forward and backward passes of the step's micro-batches;
-- ``comm``: the gradient synchronisation that the backward did not hide: from the moment the last gradient of
-  the step's synchronising backward is accumulated (a ``post_accumulate_grad`` hook on every parameter) to the
-  moment ``backward()`` returns. DDP all-reduces buckets while the backward still runs; what is left when the
-  last gradient is ready is the wait for the slowest bucket's all-reduce, that is, for the slowest rank to
-  reach it, and the copy of the averaged gradients back. The all-reduce's own time, where the backward hid it,
-  is not in it. Also the broadcast of the module's buffers that DDP does before each forward
-  (``broadcast_buffers``), from DDP's forward starting to the wrapped module's: it too waits for every rank;
+- ``comm``: the gradient synchronisation that the backward did not hide: from the moment the last
+  gradient of the step's synchronising backward is accumulated (a ``post_accumulate_grad`` hook on
+  every parameter) to the moment ``backward()`` returns. DDP all-reduces buckets while the backward
+  still runs; what is left when the last gradient is ready is the wait for the slowest bucket's
+  all-reduce, that is, for the slowest rank to reach it, and the copy of the averaged gradients
+  back. The all-reduce's own time, where the backward hid it, is not in it. Also the broadcast of
+  the module's buffers that DDP does before each forward (``broadcast_buffers``), from DDP's forward
+  starting to the wrapped module's: it too waits for every rank;
 - ``optimizer``: the strategy's gradient check, clipping, the optimizer and per-step scheduler step;
 - ``snapshot``: the copy in memory after a step and the snapshot's save.
 
-A rank's *busy* time is all but ``comm``: in DDP every rank waits at the all-reduce for the slowest, so
-every rank's wall time per step is the same and the slowest rank is the one with the most busy time; the
-others show its excess as ``comm``. At each window's end the ranks' phases travel in one all-gather of a few
-float64 per rank, beside the loss's all-reduce (one more small collective per window, none per step).
+A rank's *busy* time is all but ``comm``: in DDP every rank waits at the all-reduce for the slowest,
+so every rank's wall time per step is the same and the slowest rank is the one with the most busy
+time; the others show its excess as ``comm``. At each window's end the ranks' phases travel in one
+all-gather of a few float64 per rank, beside the loss's all-reduce (one more small collective per
+window, none per step).
 
-On the CPU the phases are host clock times. On CUDA, ``compute``, ``comm`` and ``optimizer`` are read from CUDA
-events on the current stream (the host runs ahead of the device, and its clock would show where it waited, not
-where the device worked), resolved at the window's end, when the loss's agreement waits for the device anyway.
+On the CPU the phases are host clock times. On CUDA, ``compute``, ``comm`` and ``optimizer`` are
+read from CUDA events on the current stream (the host runs ahead of the device, and its clock would
+show where it waited, not where the device worked), resolved at the window's end, when the loss's
+agreement waits for the device anyway.
 """
 
 from __future__ import annotations
@@ -42,15 +46,19 @@ from ddpkit.distributed import Group
 from ddpkit.distributed._collectives import comm_device, is_live
 
 PHASES = ("data", "compute", "comm", "optimizer", "snapshot")
-BUSY = ("data", "compute", "optimizer", "snapshot")  # a rank's own work; comm is waiting for the others
+# a rank's own work; comm is waiting for the others
+BUSY = ("data", "compute", "optimizer", "snapshot")
 SLOW_RATIO = 1.2
-"""A rank is named slow when its busy time per step is more than this times the median rank's, ..."""
+"""A rank is named slow when its busy time per step is more than this times the median rank's,
+..."""
 SLOW_SHARE = 0.05
-"""... and the excess is at least this share of the step's wall time (a tiny phase's noise is not news)."""
+"""... and the excess is at least this share of the step's wall time (a tiny phase's noise is not
+news)."""
 
 
 def samples_in(batch: Any) -> int:
-    """The samples of a batch: the first dimension of its (first) tensor, as the Trainer counts them."""
+    """The samples of a batch: the first dimension of its (first) tensor, as the Trainer counts
+    them."""
     if isinstance(batch, torch.Tensor):
         return batch.shape[0]
     if isinstance(batch, Mapping):
@@ -63,13 +71,16 @@ def samples_in(batch: Any) -> int:
 class StepTimings:
     """This rank's phase times since the last window's end (see the module's docstring).
 
-    The Trainer calls :meth:`start_step`, :meth:`before_optimizer`, :meth:`after_optimizer` around each step,
-    iterates the loader through :meth:`loader`, and wraps snapshot work in :meth:`phase`. Disabled, every call
-    is a no-op and the loader is iterated as is. ``compiled`` (the model runs under ``torch.compile``): DDP's
-    broadcast of buffers before the forward is not timed as ``comm`` (it stays in ``compute``).
+    The Trainer calls :meth:`start_step`, :meth:`before_optimizer`, :meth:`after_optimizer` around
+    each step, iterates the loader through :meth:`loader`, and wraps snapshot work in :meth:`phase`.
+    Disabled, every call is a no-op and the loader is iterated as is. ``compiled`` (the model runs
+    under ``torch.compile``): DDP's broadcast of buffers before the forward is not timed as ``comm``
+    (it stays in ``compute``).
     """
 
-    def __init__(self, model: nn.Module, device: torch.device, enabled: bool = True, compiled: bool = False) -> None:
+    def __init__(
+        self, model: nn.Module, device: torch.device, enabled: bool = True, compiled: bool = False
+    ) -> None:
         self.enabled = enabled
         self.seconds = dict.fromkeys(PHASES, 0.0)
         self.samples = 0  # this rank's samples read in the window
@@ -77,16 +88,22 @@ class StepTimings:
         self._events: list[Any] = []  # CUDA: free events, reused from window to window
         self._used: list[Any] = []  # CUDA: the window's events
         self._data_in_compute = 0.0  # CUDA: host data waits inside the compute spans
-        self._spans: dict[str, list[tuple[Any, Any]]] = {p: [] for p in ("compute", "comm", "optimizer")}
+        self._spans: dict[str, list[tuple[Any, Any]]] = {
+            p: [] for p in ("compute", "comm", "optimizer")
+        }
         self._last_grad: Any = None
         self._hooks = []
         self._forward_start: Any = None
-        self._stepping = False  # between start_step and before_optimizer: an evaluation's forward is not a step's
+        # between start_step and before_optimizer: an evaluation's forward is not a step's
+        self._stepping = False
         if enabled:
             self._hooks = [
-                p.register_post_accumulate_grad_hook(self._grad_ready) for p in model.parameters() if p.requires_grad
+                p.register_post_accumulate_grad_hook(self._grad_ready)
+                for p in model.parameters()
+                if p.requires_grad
             ]
-            # Under torch.compile the forward's hooks would be traced (a clock read in the graph): not timed there.
+            # Under torch.compile the forward's hooks would be traced (a clock read in the
+            # graph): not timed there.
             if isinstance(model, DistributedDataParallel) and not compiled:
                 self._hooks.append(model.register_forward_pre_hook(self._ddp_forward))
                 self._hooks.append(model.module.register_forward_pre_hook(self._module_forward))
@@ -130,7 +147,8 @@ class StepTimings:
             self._forward_start = None
 
     def loader(self, batches: Iterable[Any]) -> Iterable[Any]:
-        """``batches``, its ``next()`` timed as ``data``; ``iter()`` is called now, as the caller would."""
+        """``batches``, its ``next()`` timed as ``data``; ``iter()`` is called now, as the caller
+        would."""
         return self._timed(iter(batches)) if self.enabled else batches
 
     def _timed(self, it: Iterator[Any]) -> Iterator[Any]:
@@ -148,7 +166,11 @@ class StepTimings:
     def start_step(self) -> None:
         """Before the step reads its first micro-batch."""
         if self.enabled:
-            self._start, self._data_before, self._comm_before = self._mark(), self.seconds["data"], self.seconds["comm"]
+            self._start, self._data_before, self._comm_before = (
+                self._mark(),
+                self.seconds["data"],
+                self.seconds["comm"],
+            )
             self._last_grad, self._stepping = None, True
 
     def before_optimizer(self) -> None:
@@ -161,11 +183,14 @@ class StepTimings:
         if self._last_grad is not None:
             comm_start, self._last_grad = self._last_grad, None
             self._span("comm", comm_start, now)
-        if self._cuda:  # the host's data wait is device idle time inside the span: taken out at the window's end
+        # the host's data wait is device idle time inside the span: taken out at the window's end
+        if self._cuda:
             self._spans["compute"].append((self._start, now))
             self._data_in_compute += data
         else:
-            self.seconds["compute"] += now - self._start - data - (self.seconds["comm"] - self._comm_before)
+            self.seconds["compute"] += (
+                now - self._start - data - (self.seconds["comm"] - self._comm_before)
+            )
 
     def after_optimizer(self) -> None:
         """After the optimizer step (taken or skipped)."""
@@ -199,12 +224,13 @@ class StepTimings:
         return seconds
 
     def window(self, wall: float, items: float, steps: int, group: Group = None) -> RankTimes:
-        """Every rank's phases of the window that ends here, in ``steps`` steps and ``wall`` seconds on this
-        rank; this rank's ``items`` (tokens) too. Collective: one all-gather; every rank calls it at the same
-        window's end. The window's counts start afresh."""
+        """Every rank's phases of the window that ends here, in ``steps`` steps and ``wall`` seconds
+        on this rank; this rank's ``items`` (tokens) too. Collective: one all-gather; every rank
+        calls it at the same window's end. The window's counts start afresh."""
         seconds = self._resolve()
         local = [seconds[p] for p in PHASES] + [wall, float(self.samples), float(items)]
-        self.seconds.update(dict.fromkeys(PHASES, 0.0))  # in place: the loader's pass holds this dict
+        # in place: the loader's pass holds this dict
+        self.seconds.update(dict.fromkeys(PHASES, 0.0))
         self.samples = 0
         if is_live(group):
             mine = torch.tensor(local, dtype=torch.float64, device=comm_device(group))
@@ -242,7 +268,8 @@ class Slowest:
 
 @dataclass(frozen=True)
 class RankTimes:
-    """A window's phases per rank, in ms per step (lists in rank order), and the samples of all ranks."""
+    """A window's phases per rank, in ms per step (lists in rank order), and the samples of all
+    ranks."""
 
     ms: dict[str, list[float]]
     step_ms: list[float]
@@ -286,7 +313,8 @@ def _rounded(values: list[float]) -> list[float]:
 
 
 class RunSpeed:
-    """The run's slowest rank over all its windows: busy ms summed per rank, and the windows each named slow."""
+    """The run's slowest rank over all its windows: busy ms summed per rank, and the windows each
+    named slow."""
 
     def __init__(self) -> None:
         self.busy: list[float] = []
@@ -314,13 +342,19 @@ class RunSpeed:
         """A line for the run's summary: the slowest rank over the run, its excess and phase."""
         if not self.busy:
             return None
-        total = RankTimes(ms=self.phases, step_ms=self.step_ms, wall=0.0, samples=0.0, items=0.0).slowest()
+        total = RankTimes(
+            ms=self.phases, step_ms=self.step_ms, wall=0.0, samples=0.0, items=0.0
+        ).slowest()
         named = self.slow_windows.get(total.rank, 0)
         if len(self.busy) == 1:
             return None
         windows = f"slow in {named} of {self.windows} windows"
         if total.slow:
             return (
-                f"  slowest rank {total.rank}: {total.ratio:.2f}x the median busy time, mostly {total.phase}; {windows}"
+                f"  slowest rank {total.rank}: {total.ratio:.2f}x the median busy time, mostly "
+                f"{total.phase}; {windows}"
             )
-        return f"  ranks even (busiest: rank {total.rank}, {total.ratio:.2f}x the median busy time); {windows}"
+        return (
+            f"  ranks even (busiest: rank {total.rank}, {total.ratio:.2f}x the median busy "
+            f"time); {windows}"
+        )

@@ -1,18 +1,20 @@
-"""MLflow and Weights & Biases: the records the CSV and TensorBoard get, sent to an experiment tracker too.
+"""MLflow and Weights & Biases: the records the CSV and TensorBoard get, sent to an experiment
+tracker too.
 
 ``TrainerConfig(logging=LoggingConfig(trackers=("mlflow", "wandb")))``; each is an optional extra
-(``pip install 'ddpkit[mlflow]'``, ``'ddpkit[wandb]'``). Only the main rank logs. Both work without a server
-or an account:
+(``pip install 'ddpkit[mlflow]'``, ``'ddpkit[wandb]'``). Only the main rank logs. Both work without
+a server or an account:
 
-- MLflow logs to ``$MLFLOW_TRACKING_URI`` if set, else to a local SQLite store, ``run_dir/mlflow.db`` (MLflow 3
-  refuses new file stores; browse it with ``mlflow ui --backend-store-uri sqlite:///run_dir/mlflow.db``);
-  experiment ``$MLFLOW_EXPERIMENT_NAME`` or ``ddpkit``;
+- MLflow logs to ``$MLFLOW_TRACKING_URI`` if set, else to a local SQLite store,
+  ``run_dir/mlflow.db`` (MLflow 3 refuses new file stores; browse it with
+  ``mlflow ui --backend-store-uri sqlite:///run_dir/mlflow.db``); experiment
+  ``$MLFLOW_EXPERIMENT_NAME`` or ``ddpkit``;
 - W&B logs online when it has an API key, and offline to ``run_dir/wandb`` otherwise (or with
   ``WANDB_MODE=offline``; ``wandb sync`` uploads later); project ``$WANDB_PROJECT`` or ``ddpkit``.
 
-A resumed run continues the same tracker run: their ids are kept in ``run_dir/loggers.json``. Work redone after
-a crash is logged again at the same steps; MLflow keeps both values, W&B ignores steps lower than one it has
-seen (so it keeps the first).
+A resumed run continues the same tracker run: their ids are kept in ``run_dir/loggers.json``. Work
+redone after a crash is logged again at the same steps; MLflow keeps both values, W&B ignores steps
+lower than one it has seen (so it keeps the first).
 """
 
 from __future__ import annotations
@@ -43,7 +45,9 @@ def _need(module: str, extra: str) -> Any:
     try:
         return __import__(module)
     except ImportError as err:
-        raise ImportError(f"LoggingConfig(trackers=[{extra!r}]) needs `pip install 'ddpkit[{extra}]'`") from err
+        raise ImportError(
+            f"LoggingConfig(trackers=[{extra!r}]) needs `pip install 'ddpkit[{extra}]'`"
+        ) from err
 
 
 class MLflowLogger:
@@ -52,8 +56,12 @@ class MLflowLogger:
         from mlflow.entities import Metric, Param
 
         self._metric = Metric
-        uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
-        if not os.environ.get("MLFLOW_TRACKING_URI"):  # SQLite writes it in place: a copied run's is its own
+        uri = (
+            os.environ.get("MLFLOW_TRACKING_URI")
+            or f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
+        )
+        # SQLite writes it in place: a copied run's is its own
+        if not os.environ.get("MLFLOW_TRACKING_URI"):
             fs.unshare(run_dir / "mlflow.db")
         self.client = mlflow.MlflowClient(tracking_uri=uri)
         self.run_id = _ids(run_dir).get("mlflow")
@@ -63,14 +71,18 @@ class MLflowLogger:
             experiment = found.experiment_id if found else self.client.create_experiment(name)
             self.run_id = self.client.create_run(experiment, run_name=run_dir.name).info.run_id
             # MLflow's params are flat: a nested config's fields as `logging.every_steps`.
-            self.client.log_batch(self.run_id, params=[Param(k, str(v)[:500]) for k, v in _flat(params).items()])
+            self.client.log_batch(
+                self.run_id, params=[Param(k, str(v)[:500]) for k, v in _flat(params).items()]
+            )
             _remember(run_dir, "mlflow", self.run_id)
         else:
             self.client.update_run(self.run_id, status="RUNNING")
 
     def log(self, step: int, values: dict[str, float]) -> None:
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[self._metric(k, v, now, step) for k, v in values.items()])
+        self.client.log_batch(
+            self.run_id, metrics=[self._metric(k, v, now, step) for k, v in values.items()]
+        )
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)

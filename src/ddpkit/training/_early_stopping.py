@@ -1,9 +1,9 @@
-"""Early stopping: training ends once a validation metric has not improved for ``patience`` epochs (or
-validations, with ``TrainerConfig.val_every_steps``).
+"""Early stopping: training ends once a validation metric has not improved for ``patience`` epochs
+(or validations, with ``TrainerConfig.val_every_steps``).
 
-It shares its metric, its direction and its comparison (:func:`~ddpkit.snapshot._best.is_better`) with the best
-weights the run keeps (:class:`~ddpkit.snapshot._best.BestWeights`): the epoch that resets the patience is the
-epoch whose weights ``best.pt`` holds.
+It shares its metric, its direction and its comparison (:func:`~ddpkit.snapshot._best.is_better`)
+with the best weights the run keeps (:class:`~ddpkit.snapshot._best.BestWeights`): the epoch that
+resets the patience is the epoch whose weights ``best.pt`` holds.
 """
 
 from __future__ import annotations
@@ -17,20 +17,23 @@ from ddpkit.training._config import EarlyStoppingConfig
 
 
 class EarlyStopping:
-    """Counts validations without improvement of ``config.metric`` (one per epoch, unless ``val_every_steps``);
-    its state is part of every snapshot."""
+    """Counts validations without improvement of ``config.metric`` (one per epoch, unless
+    ``val_every_steps``); its state is part of every snapshot."""
 
     def __init__(self, config: EarlyStoppingConfig) -> None:
         self.config = config
         self.best: float | None = None
         """The best value of the metric so far."""
         self.bad_epochs = 0
-        """Validations (epochs, by default) since it last improved; the name is kept for snapshots' sake."""
+        """Validations (epochs, by default) since it last improved; the name is kept for snapshots'
+        sake."""
 
     @property
     def should_stop(self) -> bool:
         patience = self.config.patience
-        return self.config.metric is not None and patience is not None and self.bad_epochs >= patience
+        return (
+            self.config.metric is not None and patience is not None and self.bad_epochs >= patience
+        )
 
     def update(self, metrics: Mapping[str, Any]) -> None:
         """Take an epoch's metrics (the same on every rank, so every rank decides alike)."""
@@ -39,8 +42,8 @@ class EarlyStopping:
             return
         if metric not in metrics:
             raise ConfigError(
-                f"early_stopping.metric={metric!r} is not among the epoch's metrics {sorted(metrics)}: "
-                "give the Trainer val_data, or name one of these"
+                f"early_stopping.metric={metric!r} is not among the epoch's metrics "
+                f"{sorted(metrics)}: give the Trainer val_data, or name one of these"
             )
         value = float(metrics[metric])
         if is_better(value, self.best, self.config.mode):

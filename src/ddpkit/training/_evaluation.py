@@ -1,8 +1,9 @@
 """Exact distributed evaluation: every sample counted once, metrics reduced as sums and counts.
 
-Ranks hold shares that differ by up to one sample (see :mod:`ddpkit.data`), so they run different numbers of
-batches. Nothing collective may happen per batch: evaluation calls the unwrapped module (a DDP forward can
-broadcast buffers, a collective a rank with fewer batches would never join) and reduces once at the end.
+Ranks hold shares that differ by up to one sample (see :mod:`ddpkit.data`), so they run different
+numbers of batches. Nothing collective may happen per batch: evaluation calls the unwrapped module
+(a DDP forward can broadcast buffers, a collective a rank with fewer batches would never join) and
+reduces once at the end.
 """
 
 from __future__ import annotations
@@ -26,19 +27,23 @@ from ddpkit.strategies._prepare import unwrap
 from ddpkit.training._losses import check_classification
 
 MetricFn = Callable[[nn.Module, Any], Mapping[str, Any]]
-"""``metric_fn(model, batch)`` returns named per-sample values (shape ``[batch]``), or ``(sum, count)`` pairs;
-the means over all samples are reported."""
+"""``metric_fn(model, batch)`` returns named per-sample values (shape ``[batch]``), or
+``(sum, count)`` pairs; the means over all samples are reported."""
 
 
-_METRIC_FN = "pass metric_fn=lambda model, batch: {name: per-sample values}, which reads the batch as it is"
+_METRIC_FN = (
+    "pass metric_fn=lambda model, batch: {name: per-sample values}, which reads the batch as it is"
+)
 
 
 def inputs_and_targets(batch: Any, remedy: str) -> tuple[Any, Any]:
-    """``batch`` as ``(inputs, targets)``, each a tensor or a sequence of them (the inputs may be a dict); else a ConfigError that says what
-    the batch is and ends with ``remedy``. Unpacking a dict of two keys would give the keys (strings), which fail
-    later inside the model; of three keys, Python's "too many values to unpack"."""
+    """``batch`` as ``(inputs, targets)``, each a tensor or a sequence of them (the inputs may be a
+    dict); else a ConfigError that says what the batch is and ends with ``remedy``. Unpacking a dict
+    of two keys would give the keys (strings), which fail later inside the model; of three keys,
+    Python's "too many values to unpack"."""
     pair = isinstance(batch, (list, tuple)) and len(batch) == 2
-    # The inputs go to model(inputs) whole: a dict of them is the model's business, a dict of targets is not.
+    # The inputs go to model(inputs) whole: a dict of them is the model's business, a dict of
+    # targets is not.
     if (
         pair
         and isinstance(batch[0], (torch.Tensor, list, tuple, Mapping))
@@ -48,7 +53,10 @@ def inputs_and_targets(batch: Any, remedy: str) -> tuple[Any, Any]:
     if isinstance(batch, Mapping):
         what = f"a dict with keys {list(batch)}"
     elif isinstance(batch, (list, tuple)):
-        what = f"a {type(batch).__name__} of {len(batch)} ({', '.join(type(part).__name__ for part in batch)})"
+        what = (
+            f"a {type(batch).__name__} of {len(batch)} "
+            f"({', '.join(type(part).__name__ for part in batch)})"
+        )
     else:
         what = f"a {type(batch).__name__}"
     raise ConfigError(f"the batch is {what}, not an (inputs, targets) pair of tensors: {remedy}")
@@ -57,11 +65,14 @@ def inputs_and_targets(batch: Any, remedy: str) -> tuple[Any, Any]:
 def classification_metrics(model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
     """Per-sample cross-entropy ``loss`` and ``accuracy`` for an ``(input, class index)`` batch.
 
-    Refuses a model with one output column or float targets (a regression model): both would report numbers
-    that mean nothing (a loss of 0, an accuracy of 0); use :func:`regression_metrics` there."""
+    Refuses a model with one output column or float targets (a regression model): both would report
+    numbers that mean nothing (a loss of 0, an accuracy of 0); use :func:`regression_metrics`
+    there."""
     inputs, targets = inputs_and_targets(batch, _METRIC_FN)
     logits = model(inputs)
-    check_classification(logits, targets, "classification_metrics (evaluate's default metric_fn)", indices_only=True)
+    check_classification(
+        logits, targets, "classification_metrics (evaluate's default metric_fn)", indices_only=True
+    )
     return {
         "loss": F.cross_entropy(logits, targets, reduction="none"),
         "accuracy": (logits.argmax(dim=1) == targets).float(),
@@ -69,7 +80,8 @@ def classification_metrics(model: nn.Module, batch: Any) -> dict[str, torch.Tens
 
 
 def regression_metrics(model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
-    """Per-sample mean squared error ``loss`` (averaged over output features) for an ``(input, target)`` batch."""
+    """Per-sample mean squared error ``loss`` (averaged over output features) for an
+    ``(input, target)`` batch."""
     inputs, targets = inputs_and_targets(batch, _METRIC_FN)
     err = (model(inputs) - targets).pow(2)
     return {"loss": err.reshape(err.shape[0], -1).mean(dim=1)}
@@ -87,8 +99,9 @@ def evaluate(
 ) -> dict[str, float]:
     """Means of ``metric_fn``'s per-sample values over every sample of ``data``, on every rank.
 
-    ``data`` is a dataset (sharded here with no padding) or a loader that is already sharded without padding,
-    such as one from :func:`~ddpkit.build_eval_loader`. Every rank of ``group`` must call this.
+    ``data`` is a dataset (sharded here with no padding) or a loader that is already sharded without
+    padding, such as one from :func:`~ddpkit.build_eval_loader`. Every rank of ``group`` must call
+    this.
     """
     # Anything else is taken for a map-style dataset; build_eval_loader refuses one that is not.
     loader = (
@@ -99,7 +112,8 @@ def evaluate(
     module = unwrap(model)
     _sync_buffers(model)
     device = get_runtime().device
-    modes = [(m, m.training) for m in module.modules()]  # a frozen BatchNorm stays in eval mode afterwards
+    # a frozen BatchNorm stays in eval mode afterwards
+    modes = [(m, m.training) for m in module.modules()]
     module.eval()
     sums = MetricSums()
     try:
@@ -124,9 +138,9 @@ def evaluate(
 def _sync_buffers(model: nn.Module) -> None:
     """Give every rank rank 0's buffers (BatchNorm running statistics), as DDP's next forward would.
 
-    After a training step each rank's running statistics hold its own last update; DDP copies rank 0's at the
-    start of the next forward, but evaluation calls the unwrapped module, so without this each rank would
-    evaluate a slightly different model and the metrics would describe none of them.
+    After a training step each rank's running statistics hold its own last update; DDP copies rank
+    0's at the start of the next forward, but evaluation calls the unwrapped module, so without this
+    each rank would evaluate a slightly different model and the metrics would describe none of them.
     """
     if isinstance(model, DDP) and model.broadcast_buffers:
         group = model.process_group

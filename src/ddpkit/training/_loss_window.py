@@ -14,7 +14,8 @@ from ddpkit.distributed._collectives import all_reduce
 
 @dataclass
 class Agreed:
-    """What the ranks agreed on: the window's loss x samples and samples over all ranks, and a stop flag."""
+    """What the ranks agreed on: the window's loss x samples and samples over all ranks, and a stop
+    flag."""
 
     loss_sum: float
     samples: float
@@ -28,11 +29,13 @@ class Agreed:
 
 
 class LossWindow:
-    """This rank's training losses since the ranks last agreed on the mean; a skipped step's are dropped.
+    """This rank's training losses since the ranks last agreed on the mean; a skipped step's are
+    dropped.
 
-    On an accelerator the losses stay tensors until the ranks agree: reading each would wait for the device.
-    On the CPU (``on_host``) their values are read at once: a read is free there, and keeping the tiny tensors
-    alive between steps fragments the heap the next steps' activations are allocated from.
+    On an accelerator the losses stay tensors until the ranks agree: reading each would wait for the
+    device. On the CPU (``on_host``) their values are read at once: a read is free there, and
+    keeping the tiny tensors alive between steps fragments the heap the next steps' activations are
+    allocated from.
     """
 
     def __init__(self, on_host: bool) -> None:
@@ -47,7 +50,9 @@ class LossWindow:
 
     def add(self, loss: torch.Tensor, size: int | torch.Tensor, name: str | None = None) -> None:
         self.losses.append(loss.item() if self.on_host else loss.detach())
-        self.sizes.append(float(size) if self.on_host or not isinstance(size, torch.Tensor) else size.detach())
+        self.sizes.append(
+            float(size) if self.on_host or not isinstance(size, torch.Tensor) else size.detach()
+        )
         if name is not None:
             self.names.append(name)
 
@@ -56,12 +61,17 @@ class LossWindow:
 
     def end_step(self, taken: bool) -> None:
         self.tried += 1
-        # The step's own losses, for on_step_end (a skipped step's too: they may say why it was skipped).
+        # The step's own losses, for on_step_end (a skipped step's too: they may say why it was
+        # skipped).
         self.last_step = (self.losses[self._step_start :], self.sizes[self._step_start :])
         if taken:
             self.steps += 1
         else:
-            del self.losses[self._step_start :], self.sizes[self._step_start :], self.names[self._step_start :]
+            del (
+                self.losses[self._step_start :],
+                self.sizes[self._step_start :],
+                self.names[self._step_start :],
+            )
         self._step_start = len(self.losses)
 
     def local_sum(self, device: torch.device) -> torch.Tensor:
@@ -69,17 +79,25 @@ class LossWindow:
         if self.on_host or not self.losses:
             total = math.fsum(float(loss) * size for loss, size in zip(self.losses, self.sizes))
             return torch.tensor(total, dtype=torch.float64, device=device)
-        if any(isinstance(size, torch.Tensor) for size in self.sizes):  # item counts, left on the device
-            sizes = torch.stack([torch.as_tensor(s, dtype=torch.float64, device=device) for s in self.sizes])
+        # item counts, left on the device
+        if any(isinstance(size, torch.Tensor) for size in self.sizes):
+            sizes = torch.stack(
+                [torch.as_tensor(s, dtype=torch.float64, device=device) for s in self.sizes]
+            )
         else:
             sizes = torch.tensor(self.sizes, dtype=torch.float64, device=device)
-        # Tensors, off the host; numbers where a snapshot restored them (the float64 of the same values).
-        losses = [torch.as_tensor(loss, dtype=torch.float64, device=device).reshape(()) for loss in self.losses]
+        # Tensors, off the host; numbers where a snapshot restored them (the float64 of the same
+        # values).
+        losses = [
+            torch.as_tensor(loss, dtype=torch.float64, device=device).reshape(())
+            for loss in self.losses
+        ]
         return torch.stack(losses) @ sizes
 
     def state_dict(self) -> dict[str, Any]:
-        """The losses not yet agreed on (a snapshot between two agreements): each rank's own, as numbers, so
-        that the resumed run's agreement sums the very values the uninterrupted run's does."""
+        """The losses not yet agreed on (a snapshot between two agreements): each rank's own, as
+        numbers, so that the resumed run's agreement sums the very values the uninterrupted run's
+        does."""
         state = {
             "losses": [float(loss) for loss in self.losses],
             "sizes": [float(size) for size in self.sizes],
@@ -95,8 +113,8 @@ class LossWindow:
         self._step_start = len(self.losses)
 
     def load_rank_states(self, states: list[dict[str, Any]], rank: int) -> None:
-        """At another world size: rank 0 takes every old rank's losses, the others none, so that the next
-        agreement makes the same sum; the step counts are every rank's alike."""
+        """At another world size: rank 0 takes every old rank's losses, the others none, so that the
+        next agreement makes the same sum; the step counts are every rank's alike."""
         counts = {"steps": states[0]["steps"], "tried": states[0]["tried"]}
         if rank == 0:
             mine = {
@@ -113,7 +131,8 @@ class LossWindow:
         self.names = []
 
     def agree(self, device: torch.device, stop: bool, group: Group) -> Agreed:
-        """The global loss sum and sample count since the last agreement, and whether any rank must stop.
+        """The global loss sum and sample count since the last agreement, and whether any rank must
+        stop.
 
         Collective (one small all-reduce): every rank calls it after the same steps.
         """
@@ -122,12 +141,14 @@ class LossWindow:
             "samples": sum(self.sizes),
             "stop": float(stop),
         }
-        # Named losses (several models): each name's sums too, in the same all-reduce. Every rank ran the same
-        # step function, so every rank has the same names.
+        # Named losses (several models): each name's sums too, in the same all-reduce. Every rank
+        # ran the same step function, so every rank has the same names.
         names = sorted(set(self.names))
         for name in names:
             mine = [i for i, n in enumerate(self.names) if n == name]
-            sums[f"loss:{name}"] = math.fsum(float(self.losses[i]) * float(self.sizes[i]) for i in mine)
+            sums[f"loss:{name}"] = math.fsum(
+                float(self.losses[i]) * float(self.sizes[i]) for i in mine
+            )
             sums[f"samples:{name}"] = math.fsum(float(self.sizes[i]) for i in mine)
         total = all_reduce(sums, group=group)
         means = {n: float(total[f"loss:{n}"]) / float(total[f"samples:{n}"]) for n in names}
@@ -136,8 +157,9 @@ class LossWindow:
 
 @dataclass
 class EpochLoss:
-    """The sums agreed so far in the current epoch: loss x samples (or items), and samples; the same on every
-    rank. Part of every snapshot, so that a run resumed inside an epoch reports the mean over all its steps."""
+    """The sums agreed so far in the current epoch: loss x samples (or items), and samples; the same
+    on every rank. Part of every snapshot, so that a run resumed inside an epoch reports the mean
+    over all its steps."""
 
     loss_sum: float = 0.0
     samples: float = 0.0

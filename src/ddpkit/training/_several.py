@@ -13,9 +13,10 @@
         step.optimizer_step("g")
 
 The Trainer keeps doing what it does for one model: each micro-batch's loss divided by its divisor
-(:func:`~ddpkit.training._step.loss_divisor`), the fp16 scaler (one, updated once per step), the non-finite verdict
-agreed on every rank, per optimizer, clipping per optimizer, schedulers per optimizer, snapshots of every model
-and optimizer, and each named loss's exact mean over the ranks in the records (``train/loss_d``).
+(:func:`~ddpkit.training._step.loss_divisor`), the fp16 scaler (one, updated once per step), the
+non-finite verdict agreed on every rank, per optimizer, clipping per optimizer, schedulers per
+optimizer, snapshots of every model and optimizer, and each named loss's exact mean over the ranks
+in the records (``train/loss_d``).
 """
 
 from __future__ import annotations
@@ -41,20 +42,21 @@ from ddpkit.training._step import MicroBatch, OptimizerStep, Step, scale_loss
 
 
 class StepContext:
-    """What a step function gets: the wrapped ``models`` and ``optimizers`` by name, the micro-batches, and the
-    two calls that replace ``loss.backward()`` and ``optimizer.step()``."""
+    """What a step function gets: the wrapped ``models`` and ``optimizers`` by name, the
+    micro-batches, and the two calls that replace ``loss.backward()`` and ``optimizer.step()``."""
 
     def __init__(self, owner: ManualStep, micro: list[MicroBatch]) -> None:
         self._owner, self._micro = owner, micro
         self.models: dict[str, torch.nn.Module] = owner.strategy.models
         self.optimizers: dict[str, torch.optim.Optimizer] = owner.strategy.optimizers
-        self.taken: dict[str, bool] = {}  # each optimizer stepped so far: taken, or skipped (non-finite)
+        # each optimizer stepped so far: taken, or skipped (non-finite)
+        self.taken: dict[str, bool] = {}
         self._at: MicroBatch | None = None
 
     def micro_batches(self) -> Iterator[Any]:
-        """This rank's micro-batches of the step; may be iterated again (a GAN's generator pass). The body of the
-        loop runs under autocast, and, on all but the last micro-batch, under every model's ``no_sync()``: a
-        forward pass and its backward must both be inside the loop."""
+        """This rank's micro-batches of the step; may be iterated again (a GAN's generator pass).
+        The body of the loop runs under autocast, and, on all but the last micro-batch, under every
+        model's ``no_sync()``: a forward pass and its backward must both be inside the loop."""
         owner = self._owner
         for micro in self._micro:
             self._at = micro
@@ -64,28 +66,35 @@ class StepContext:
         self._at = None
 
     def backward(self, loss: torch.Tensor, *names: str) -> None:
-        """``loss`` (the current micro-batch's mean) backward, for the optimizers ``names``' verdict; recorded as
-        ``train/loss_<names joined by +>``. Divided by the micro-batch's divisor, scaled under fp16, and a
-        non-finite value put into the gradients every rank's verdict reads."""
+        """``loss`` (the current micro-batch's mean) backward, for the optimizers ``names``'
+        verdict; recorded as ``train/loss_<names joined by +>``. Divided by the micro-batch's
+        divisor, scaled under fp16, and a non-finite value put into the gradients every rank's
+        verdict reads."""
         owner, micro = self._owner, self._at
         if micro is None:
             raise RuntimeError("step.backward() runs inside `for batch in step.micro_batches():`")
         if not names or any(n not in owner.steps for n in names):
-            raise ConfigError(f"step.backward(loss, *names): name optimizers among {sorted(owner.steps)}")
+            raise ConfigError(
+                f"step.backward(loss, *names): name optimizers among {sorted(owner.steps)}"
+            )
         owner.window.add(loss, micro.samples, "+".join(names))
         for name in names:
             loss = owner.strategy.views[name].mark_nonfinite(loss)
         scaled = scale_loss(loss, micro, None)
-        with torch.autocast(owner.device_type, enabled=False):  # backward runs in the forward's dtypes anyway
+        # backward runs in the forward's dtypes anyway
+        with torch.autocast(owner.device_type, enabled=False):
             (owner.scaler.scale(scaled) if owner.scaler else scaled).backward()
 
     def optimizer_step(self, name: str) -> bool:
-        """Unscale (fp16), the verdict on every rank alike, clip (``clip_grad_norm``, this optimizer's own
-        norm), step and its scheduler, then its gradients set to None; False when skipped (non-finite,
-        ``on_nonfinite="skip"``). Raises FloatingPointError on every rank under ``on_nonfinite="stop"``."""
+        """Unscale (fp16), the verdict on every rank alike, clip (``clip_grad_norm``, this
+        optimizer's own norm), step and its scheduler, then its gradients set to None; False when
+        skipped (non-finite, ``on_nonfinite="skip"``). Raises FloatingPointError on every rank under
+        ``on_nonfinite="stop"``."""
         owner = self._owner
         if name not in owner.steps or name in self.taken:
-            raise ConfigError(f"step.optimizer_step({name!r}): once a step, for one of {sorted(owner.steps)}")
+            raise ConfigError(
+                f"step.optimizer_step({name!r}): once a step, for one of {sorted(owner.steps)}"
+            )
         taken = self.taken[name] = owner.steps[name](owner.window)
         self.optimizers[name].zero_grad(set_to_none=True)
         return taken
@@ -96,7 +105,8 @@ StepFn = Callable[[StepContext], Any]
 
 
 class ManualStep:
-    """The Trainer's step with a ``step_fn``: calling it returns whether every optimizer step was taken."""
+    """The Trainer's step with a ``step_fn``: calling it returns whether every optimizer step was
+    taken."""
 
     def __init__(
         self,
@@ -114,7 +124,13 @@ class ManualStep:
         speed: Speed | None = None,
     ) -> None:
         self.speed = speed
-        self.strategy, self.step_fn, self.scaler, self.state, self.window = strategy, step_fn, scaler, state, window
+        self.strategy, self.step_fn, self.scaler, self.state, self.window = (
+            strategy,
+            step_fn,
+            scaler,
+            state,
+            window,
+        )
         self.autocast, self.device_type = autocast, strategy.runtime.device.type
         scheduler_of = schedulers if config.scheduler_interval == "step" else {}
         self.steps = {
@@ -130,10 +146,12 @@ class ManualStep:
             )  # fmt: skip
             for name, view in strategy.views.items()
         }
-        self.optimizer_step = next(iter(self.steps.values()))  # the first optimizer's norm and lr, for the records
+        # the first optimizer's norm and lr, for the records
+        self.optimizer_step = next(iter(self.steps.values()))
 
     def __call__(self, step: Step) -> bool:
-        if self.speed is not None:  # the whole step counts as compute: the step function holds the backwards
+        # the whole step counts as compute: the step function holds the backwards
+        if self.speed is not None:
             self.speed.timings.start_step()
         for optimizer_step in self.steps.values():
             optimizer_step.begin()
@@ -141,13 +159,16 @@ class ManualStep:
         self.step_fn(context)
         unstepped = sorted(set(self.steps) - set(context.taken))
         if unstepped:
-            # Gradients left unstepped would have no verdict: a NaN from one rank would reach the next step.
+            # Gradients left unstepped would have no verdict: a NaN from one rank would reach the
+            # next step.
             raise RuntimeError(
-                f"the step function did not call step.optimizer_step() for {', '.join(unstepped)}: step every "
-                "optimizer once a step (leave one out of the Trainer's optimizers to keep it from stepping)"
+                f"the step function did not call step.optimizer_step() for {', '.join(unstepped)}: "
+                "step every optimizer once a step (leave one out of the Trainer's optimizers to "
+                "keep it from stepping)"
             )
         if self.scaler is not None:
-            self.scaler.update()  # once a step, after every optimizer's unscale_ (GradScaler's rule)
+            # once a step, after every optimizer's unscale_ (GradScaler's rule)
+            self.scaler.update()
         taken = all(context.taken.values())
         if taken:
             self.state.step += 1
@@ -174,32 +195,56 @@ class Schedulers:
 
 
 def several_models(
-    config: TrainerConfig, models: Any, optimizers: Any, scheduler: Any, runtime: Any, refused: dict[str, Any]
+    config: TrainerConfig,
+    models: Any,
+    optimizers: Any,
+    scheduler: Any,
+    runtime: Any,
+    refused: dict[str, Any],
 ) -> tuple[SeveralModels, Schedulers | None, RunRecord]:
-    """The strategy, the schedulers as one, and the run's record of a Trainer with a ``step_fn``; what such a
-    step does not support is refused, naming the way out."""
+    """The strategy, the schedulers as one, and the run's record of a Trainer with a ``step_fn``;
+    what such a step does not support is refused, naming the way out."""
     strategy = strategy_config(config.strategy)
     if strategy.name != "ddp":
         raise ConfigError(
-            f"step_fn with several models runs under strategy='ddp' (not {strategy.name!r}): pass strategy='ddp', "
-            "or train one model with zero/fsdp"
+            f"step_fn with several models runs under strategy='ddp' (not {strategy.name!r}): pass "
+            "strategy='ddp', or train one model with zero/fsdp"
         )
     if not isinstance(models, Mapping) or not models:
-        raise ConfigError("with step_fn, pass the models by name: Trainer({'g': G, 'd': D}, optimizers, ...)")
+        raise ConfigError(
+            "with step_fn, pass the models by name: Trainer({'g': G, 'd': D}, optimizers, ...)"
+        )
     if not isinstance(optimizers, Mapping) or not optimizers:
-        raise ConfigError("with step_fn, pass the optimizers by name: Trainer(models, {'g': opt_g, 'd': opt_d}, ...)")
+        raise ConfigError(
+            "with step_fn, pass the optimizers by name: Trainer(models, {'g': opt_g, 'd': opt_d}, "
+            "...)"
+        )
     if scheduler is not None and not isinstance(scheduler, Mapping):
-        raise ConfigError("with step_fn, pass the schedulers by optimizer name: scheduler={'g': sched_g}")
+        raise ConfigError(
+            "with step_fn, pass the schedulers by optimizer name: scheduler={'g': sched_g}"
+        )
     unknown = sorted(set(scheduler or {}) - set(optimizers))
     if unknown:
-        raise ConfigError(f"scheduler names {unknown} name no optimizer: use names among {sorted(optimizers)}")
+        raise ConfigError(
+            f"scheduler names {unknown} name no optimizer: use names among {sorted(optimizers)}"
+        )
     for what, value in refused.items():
         if value is not None and value is not False:
-            raise ConfigError(f"{what} is not supported with step_fn: leave it out (evaluate in a callback instead)")
-    # The record (checked on resume) holds every optimizer's groups, in order, as the script built them.
-    groups = SimpleNamespace(param_groups=[g for opt in optimizers.values() for g in opt.param_groups])
+            raise ConfigError(
+                f"{what} is not supported with step_fn: leave it out (evaluate in a callback "
+                "instead)"
+            )
+    # The record (checked on resume) holds every optimizer's groups, in order, as the script built
+    # them.
+    groups = SimpleNamespace(
+        param_groups=[g for opt in optimizers.values() for g in opt.param_groups]
+    )
     record = RunRecord.of(config, cast(torch.optim.Optimizer, groups), nn.ModuleDict(dict(models)))
     built = SeveralModels(
-        models, optimizers, runtime=runtime, config=cast(DDPConfig, strategy), sync_batchnorm=config.sync_batchnorm
+        models,
+        optimizers,
+        runtime=runtime,
+        config=cast(DDPConfig, strategy),
+        sync_batchnorm=config.sync_batchnorm,
     )
     return built, Schedulers(scheduler) if scheduler else None, record

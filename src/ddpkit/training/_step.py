@@ -1,28 +1,30 @@
 """The training step: a batch from the loader to ``optimizer.step()``, in the order it runs.
 
-1. :func:`epoch_steps` cuts the rest of an epoch into optimizer steps of ``grad_accum_steps`` micro-batches
-   (fewer at an epoch's end), each with its divisor (:func:`loss_divisor`) and its place in the global batch.
-2. :class:`TrainStep` runs one: the gradients set to None; for each micro-batch, under the strategy's
-   ``no_sync()`` but the last, the forward under autocast (:func:`autocast`), the loss into the
-   :class:`~ddpkit.training._loss_window.LossWindow`, the loss divided by its divisor and backward (through the
-   fp16 scaler, :func:`grad_scaler`); then :class:`OptimizerStep`: unscale, the strategy's verdict (clipping),
-   the step or its skip, the scheduler.
+1. :func:`epoch_steps` cuts the rest of an epoch into optimizer steps of ``grad_accum_steps``
+   micro-batches (fewer at an epoch's end), each with its divisor (:func:`loss_divisor`) and its
+   place in the global batch.
+2. :class:`TrainStep` runs one: the gradients set to None; for each micro-batch, under the
+   strategy's ``no_sync()`` but the last, the forward under autocast (:func:`autocast`), the loss
+   into the :class:`~ddpkit.training._loss_window.LossWindow`, the loss divided by its divisor and
+   backward (through the fp16 scaler, :func:`grad_scaler`); then :class:`OptimizerStep`: unscale,
+   the strategy's verdict (clipping), the step or its skip, the scheduler.
 
-One rule says what a micro-batch's mean loss is divided by, for samples and for items (a language model's
-tokens, ``count_fn``) alike, :func:`loss_divisor`::
+One rule says what a micro-batch's mean loss is divided by, for samples and for items (a language
+model's tokens, ``count_fn``) alike, :func:`loss_divisor`::
 
     DDP averages the ranks' gradients and micro-batch gradients add up, so the
     step's gradient is sum_i grad(mean_i) / d_i / world. With
     d_i = total / (count_i * world) that is sum_i count_i * grad(mean_i) / total:
     every sample (item) alike, whichever rank and micro-batch holds it.
 
-For samples ``total`` is known from the sampler; when every micro-batch is full, ``d_i`` is the number of
-micro-batches (exactly: integers). Averaging the ranks' means instead would weigh the samples of a rank with
-fewer more (an epoch's last, uneven batch). Items differ between micro-batches (padding, ``ignore_index``), so
-their total needs every rank's counts before the first backward: the step's micro-batches are read first (they
-are already in memory or prefetched), counted, and ONE all-reduce of one number per step, issued asynchronously,
-overlaps the first forward. Scaling the losses, not the gradients, needs no pass over the gradients and comes
-before the strategy's finiteness check and clipping.
+For samples ``total`` is known from the sampler; when every micro-batch is full, ``d_i`` is the
+number of micro-batches (exactly: integers). Averaging the ranks' means instead would weigh the
+samples of a rank with fewer more (an epoch's last, uneven batch). Items differ between
+micro-batches (padding, ``ignore_index``), so their total needs every rank's counts before the first
+backward: the step's micro-batches are read first (they are already in memory or prefetched),
+counted, and ONE all-reduce of one number per step, issued asynchronously, overlaps the first
+forward. Scaling the losses, not the gradients, needs no pass over the gradients and comes before
+the strategy's finiteness check and clipping.
 """
 
 from __future__ import annotations
@@ -70,7 +72,8 @@ class MicroBatch:
 
 @dataclass(frozen=True)
 class Step:
-    """One optimizer step of an epoch; ``micro_batches`` reads them from the loader as the step trains."""
+    """One optimizer step of an epoch; ``micro_batches`` reads them from the loader as the step
+    trains."""
 
     micro_batches: Iterator[MicroBatch]
     first: int
@@ -83,18 +86,23 @@ class Step:
 
 
 def loss_divisor(count: Any, world_size: int, total: Any) -> Any:
-    """What a rank divides a micro-batch's mean loss over ``count`` samples (or items) by, so that the step
-    follows the mean over the ``total`` samples (items) of the step on all ranks (see the module's docstring).
-    Numbers for samples; float64 tensors for items (counts, exact up to 2**53)."""
+    """What a rank divides a micro-batch's mean loss over ``count`` samples (or items) by, so that
+    the step follows the mean over the ``total`` samples (items) of the step on all ranks (see the
+    module's docstring). Numbers for samples; float64 tensors for items (counts, exact up to
+    2**53)."""
     return total / (count * world_size)
 
 
 def epoch_steps(
-    batches: Iterable[Any], sampler: ShardedBatchSampler, accum: int, first: int, device: torch.device | None = None
+    batches: Iterable[Any],
+    sampler: ShardedBatchSampler,
+    accum: int,
+    first: int,
+    device: torch.device | None = None,
 ) -> Iterator[Step]:
-    """The steps of the rest of an epoch whose first untrained global batch is number ``first``; ``batches`` is
-    the loader's pass over them (moved to ``device`` when given). A step's micro-batches must be read before
-    the next step is asked for."""
+    """The steps of the rest of an epoch whose first untrained global batch is number ``first``;
+    ``batches`` is the loader's pass over them (moved to ``device`` when given). A step's
+    micro-batches must be read before the next step is asked for."""
     it = iter(batches)
     end = sampler.steps_per_epoch
     world, micro_global = sampler.world_size, sampler.global_batch_size
@@ -122,21 +130,27 @@ def epoch_steps(
         )
 
 
-def step_layout(sampler: ShardedBatchSampler, micro: int, accum: int, seed: int, epoch: int) -> BatchLayout:
-    """This rank's place in the global batch of the optimizer step that micro-batch ``micro`` belongs to.
+def step_layout(
+    sampler: ShardedBatchSampler, micro: int, accum: int, seed: int, epoch: int
+) -> BatchLayout:
+    """This rank's place in the global batch of the optimizer step that micro-batch ``micro``
+    belongs to.
 
-    Keyed by the step, not the micro-batch, so :class:`~ddpkit.nn._dropout.GlobalBatchDropout` draws the same
-    masks with or without gradient accumulation: sample ``p`` of a step's global batch gets row ``p`` of its mask.
+    Keyed by the step, not the micro-batch, so :class:`~ddpkit.nn._dropout.GlobalBatchDropout` draws
+    the same masks with or without gradient accumulation: sample ``p`` of a step's global batch gets
+    row ``p`` of its mask.
     """
     size, offset = sampler.place_in_step(micro, accum)
     return BatchLayout(size, offset, key=stream_seed("dropout", seed, epoch, micro // accum))
 
 
 class WeightedStep:
-    """A step's micro-batches with their item counts (``count_fn``), the all-reduce of the step's total in flight.
+    """A step's micro-batches with their item counts (``count_fn``), the all-reduce of the step's
+    total in flight.
 
-    Iterating yields the micro-batches with ``samples`` the item count; :meth:`divisor` of a micro-batch waits
-    for the total only when its loss is about to be scaled, so the all-reduce overlaps the first forward.
+    Iterating yields the micro-batches with ``samples`` the item count; :meth:`divisor` of a
+    micro-batch waits for the total only when its loss is about to be scaled, so the all-reduce
+    overlaps the first forward.
     """
 
     def __init__(self, step: Step, count_fn: CountFn, world_size: int, group: Group = None) -> None:
@@ -146,28 +160,40 @@ class WeightedStep:
         self.counts = [_as_count(count_fn(m.batch)) for m in self.micro]
         device = comm_device(group)
         self.total = torch.stack([c.to(device) for c in self.counts]).sum()
-        self._work = dist.all_reduce(self.total, group=group, async_op=True) if is_live(group) else None
+        self._work = (
+            dist.all_reduce(self.total, group=group, async_op=True) if is_live(group) else None
+        )
 
     @classmethod
-    def of(cls, step: Step, count_fn: CountFn | None, world_size: int, group: Group = None) -> WeightedStep | None:
+    def of(
+        cls, step: Step, count_fn: CountFn | None, world_size: int, group: Group = None
+    ) -> WeightedStep | None:
         """The weighted step, or None without ``count_fn`` (the step weighs samples)."""
         return None if count_fn is None else cls(step, count_fn, world_size, group)
 
     def __iter__(self) -> Iterator[MicroBatch]:
         for micro, count in zip(self.micro, self.counts):
-            yield replace(micro, samples=count)  # type: ignore[arg-type]  # a count: int or a 0-dim tensor
+            # a count: int or a 0-dim tensor
+            yield replace(micro, samples=count)  # type: ignore[arg-type]
 
     def divisor(self, micro: MicroBatch) -> torch.Tensor:
         """The divisor of ``micro``'s mean loss; the first call waits for the step's total."""
         if self._work is not None:
             self._work.wait()
             self._work = None
-        count = micro.samples if isinstance(micro.samples, torch.Tensor) else torch.tensor(micro.samples)
+        count = (
+            micro.samples
+            if isinstance(micro.samples, torch.Tensor)
+            else torch.tensor(micro.samples)
+        )
         return loss_divisor(count.to(self.total.device, torch.float64), self.world_size, self.total)
 
 
-def scale_loss(loss: torch.Tensor, micro: MicroBatch, weighted: WeightedStep | None) -> torch.Tensor:
-    """``micro``'s mean loss divided by its divisor in the step: per item with ``weighted``, else per sample."""
+def scale_loss(
+    loss: torch.Tensor, micro: MicroBatch, weighted: WeightedStep | None
+) -> torch.Tensor:
+    """``micro``'s mean loss divided by its divisor in the step: per item with ``weighted``, else
+    per sample."""
     if weighted is not None:
         return loss / weighted.divisor(micro).to(loss.dtype)
     return loss / micro.divisor if micro.divisor != 1 else loss  # 1: the loss as it is, bit for bit
@@ -177,7 +203,9 @@ def _as_count(value: Any) -> torch.Tensor:
     # float64: counts stay exact up to 2**53 items, where float32 would round above 2**24.
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            raise ValueError(f"count_fn returned a tensor of shape {tuple(value.shape)}: return one number")
+            raise ValueError(
+                f"count_fn returned a tensor of shape {tuple(value.shape)}: return one number"
+            )
         return value.detach().reshape(()).to(torch.float64)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return torch.tensor(float(value), dtype=torch.float64)
@@ -192,21 +220,23 @@ def autocast(precision: str, device: torch.device) -> AbstractContextManager[Any
 
 
 def grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler | None:
-    """A GradScaler for ``fp16`` (its small exponent range underflows small gradients); none otherwise: bf16 has
-    fp32's range."""
+    """A GradScaler for ``fp16`` (its small exponent range underflows small gradients); none
+    otherwise: bf16 has fp32's range."""
     return torch.amp.GradScaler(device.type) if precision == "fp16" else None
 
 
 class OptimizerStep:
-    """Clip and step when the synchronised gradients are finite; skip or stop everywhere alike when not.
+    """Clip and step when the synchronised gradients are finite; skip or stop everywhere alike when
+    not.
 
-    Every rank reaches the same decision: the verdict comes from the synchronised gradients (and, under
-    ``fsdp``, one all-reduce over the shards). ``grad_norm`` is the global norm of the last step taken, before
-    clipping (known only when clipping); ``step_norm`` that of the step just done, where the strategy computed it
-    (clipping, or fsdp), and ``lr`` the learning rate it used (before a per-step scheduler moved it).
+    Every rank reaches the same decision: the verdict comes from the synchronised gradients (and,
+    under ``fsdp``, one all-reduce over the shards). ``grad_norm`` is the global norm of the last
+    step taken, before clipping (known only when clipping); ``step_norm`` that of the step just
+    done, where the strategy computed it (clipping, or fsdp), and ``lr`` the learning rate it used
+    (before a per-step scheduler moved it).
 
-    ``counts``: the step advances the Trainer's step counter and updates the fp16 scaler (a step of several
-    optimizers does both once, after the last).
+    ``counts``: the step advances the Trainer's step counter and updates the fp16 scaler (a step of
+    several optimizers does both once, after the last).
     """
 
     def __init__(
@@ -221,7 +251,12 @@ class OptimizerStep:
         group: Group,
         counts: bool = True,
     ) -> None:
-        self.config, self.strategy, self.scheduler, self.scaler = config, strategy, scheduler, scaler
+        self.config, self.strategy, self.scheduler, self.scaler = (
+            config,
+            strategy,
+            scheduler,
+            scaler,
+        )
         self.state, self.log, self.group, self.counts = state, log, group, counts
         self.grad_norm: torch.Tensor | None = None
         self.step_norm: torch.Tensor | None = None
@@ -230,16 +265,18 @@ class OptimizerStep:
     def begin(self) -> None:
         """Before the step's first forward: the gradients set to None.
 
-        Here rather than after the previous step: what reached the gradients in between (a callback's backward
-        through the model, as a GAN's generator step through its discriminator; a script's backward before
-        ``fit()``) was otherwise added to this step's, silently. The forward still runs without them (peak memory
-        lower by their size), and ``on_step_end`` callbacks see the step's own gradients. A check refusing
-        leftover gradients instead would refuse that GAN step, and cost the same pass over the parameters.
+        Here rather than after the previous step: what reached the gradients in between (a
+        callback's backward through the model, as a GAN's generator step through its discriminator;
+        a script's backward before ``fit()``) was otherwise added to this step's, silently. The
+        forward still runs without them (peak memory lower by their size), and ``on_step_end``
+        callbacks see the step's own gradients. A check refusing leftover gradients instead would
+        refuse that GAN step, and cost the same pass over the parameters.
         """
         self.strategy.optimizer.zero_grad(set_to_none=True)
 
     def __call__(self, window: LossWindow) -> bool:
-        """True if the step was taken. The verdict costs a host sync per step (as a GradScaler's does)."""
+        """True if the step was taken. The verdict costs a host sync per step (as a GradScaler's
+        does)."""
         cfg, optimizer = self.config, self.strategy.optimizer
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)  # clip and check true gradients, not scaled ones
@@ -263,32 +300,48 @@ class OptimizerStep:
         return True
 
     def _nonfinite(self, window: LossWindow) -> bool:
-        """Every rank is here at the same step (the gradients said so); find out why, then skip or stop."""
+        """Every rank is here at the same step (the gradients said so); find out why, then skip or
+        stop."""
         state = self.state
         self.strategy.optimizer.zero_grad(set_to_none=True)
-        self.strategy.model.zero_grad(set_to_none=True)  # parameters outside the optimizer too: no NaN stays
-        # Rare, and entered by every rank together, so a collective is safe: how many ranks had a bad loss?
+        # parameters outside the optimizer too: no NaN stays
+        self.strategy.model.zero_grad(set_to_none=True)
+        # Rare, and entered by every rank together, so a collective is safe: how many ranks had a
+        # bad loss?
         bad_ranks = int(all_reduce(float(not window.step_is_finite()), group=self.group))
         if self.scaler is not None:
             if self.counts:
                 self.scaler.update()  # the scaler saw the inf/NaN in unscale_: it lowers its scale
             if not bad_ranks:  # fp16 overflow with finite losses: routine, the scaler's business
-                self.log("event", state.step, {"event": "fp16_overflow", "scale": self.scaler.get_scale()})
+                self.log(
+                    "event",
+                    state.step,
+                    {"event": "fp16_overflow", "scale": self.scaler.get_scale()},
+                )
                 return False
-        what = f"non-finite loss on {bad_ranks} rank(s)" if bad_ranks else "non-finite gradients (losses finite)"
+        what = (
+            f"non-finite loss on {bad_ranks} rank(s)"
+            if bad_ranks
+            else "non-finite gradients (losses finite)"
+        )
         if self.config.on_nonfinite == "stop":
             raise FloatingPointError(
-                f"{what} at optimizer step {state.step} (epoch {state.epoch}); every rank stops here. Lower the "
-                "learning rate, clip gradients (clip_grad_norm), or pass on_nonfinite='skip'"
+                f"{what} at optimizer step {state.step} (epoch {state.epoch}); every rank stops "
+                "here. Lower the learning rate, clip gradients (clip_grad_norm), or pass "
+                "on_nonfinite='skip'"
             )
         state.skipped_steps += 1
-        self.log("event", state.step, {"event": "skipped_nonfinite", "reason": what, "skipped": state.skipped_steps})
+        self.log(
+            "event",
+            state.step,
+            {"event": "skipped_nonfinite", "reason": what, "skipped": state.skipped_steps},
+        )
         return False
 
 
 class TrainStep:
-    """The Trainer's step of one model and one optimizer: forward and backward on each micro-batch, then the
-    optimizer step; calling it returns whether the step was taken."""
+    """The Trainer's step of one model and one optimizer: forward and backward on each micro-batch,
+    then the optimizer step; calling it returns whether the step was taken."""
 
     def __init__(
         self,
@@ -309,9 +362,19 @@ class TrainStep:
     ) -> None:
         self.config, self.strategy, self.optimizer_step = config, strategy, optimizer_step
         self.speed = speed
-        self.forward, self.batch_loss, self.window, self.sampler = forward, batch_loss, window, sampler
+        self.forward, self.batch_loss, self.window, self.sampler = (
+            forward,
+            batch_loss,
+            window,
+            sampler,
+        )
         self.autocast = autocast
-        self.scaler, self.global_dropout, self.world_size, self.group = scaler, global_dropout, world_size, group
+        self.scaler, self.global_dropout, self.world_size, self.group = (
+            scaler,
+            global_dropout,
+            world_size,
+            group,
+        )
 
     def __call__(self, step: Step) -> bool:
         self.optimizer_step.begin()  # the gradients set to None before the step's first forward
@@ -341,7 +404,13 @@ class TrainStep:
         cfg = self.config
         layout: Any = nullcontext()
         if self.global_dropout:  # each sample's mask from its place in the global batch
-            at = step_layout(self.sampler, micro.index, cfg.grad_accum_steps, cfg.seed, self.optimizer_step.state.epoch)
+            at = step_layout(
+                self.sampler,
+                micro.index,
+                cfg.grad_accum_steps,
+                cfg.seed,
+                self.optimizer_step.state.epoch,
+            )
             layout = batch_layout(replace(at, size=batch_len(micro.batch)))
         with self.autocast(), layout:
             return self.batch_loss(self.forward, micro.batch)
@@ -365,11 +434,12 @@ def check_metric_driven(config: TrainerConfig, scheduler: Any, val_data: Any) ->
     name = type(scheduler).__name__
     if val_data is None:
         raise ConfigError(
-            f"scheduler={name} steps on a validation metric: pass Trainer(..., val_data=...), or use a scheduler "
-            "that steps without one"
+            f"scheduler={name} steps on a validation metric: pass Trainer(..., val_data=...), or "
+            "use a scheduler that steps without one"
         )
     if config.early_stopping.metric is None:
         raise ConfigError(
             f"scheduler={name} steps on a validation metric: name it with "
-            "EarlyStoppingConfig(metric='val/loss', patience=None) (patience=None: no early stopping)"
+            "EarlyStoppingConfig(metric='val/loss', patience=None) (patience=None: no early "
+            "stopping)"
         )

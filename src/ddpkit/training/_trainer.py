@@ -1,18 +1,22 @@
-"""The Trainer: DDP epochs with exact metrics, atomic snapshots, and resume that continues bit for bit.
+"""The Trainer: DDP epochs with exact metrics, atomic snapshots, and resume that continues bit for
+bit.
 
-Built on the same primitives a hand-written loop uses (:func:`~ddpkit.prepare_model` through a strategy,
-:class:`~ddpkit.data.ShardedBatchSampler`, :func:`~ddpkit.evaluate`, :mod:`ddpkit.snapshot`); nothing here is
-needed to write a loop by hand. The loop reads::
+Built on the same primitives a hand-written loop uses (:func:`~ddpkit.prepare_model` through a
+strategy, :class:`~ddpkit.data.ShardedBatchSampler`, :func:`~ddpkit.evaluate`,
+:mod:`ddpkit.snapshot`); nothing here is needed to write a loop by hand. The loop reads::
 
     for step in epoch_steps(...):       # each optimizer step's micro-batches
         taken = self._train_step(step)  # forward/backward on each, the optimizer step
         self._after_step(step, taken)   # log, agree, snapshot, stop?
 
-The step itself, from the loader's micro-batches to ``optimizer.step()``, is :mod:`ddpkit.training._step`: all
-micro-batches but the last under the strategy's ``no_sync()``, each loss divided by its divisor in the step
-(:func:`~ddpkit.training._step.loss_divisor`), so the step follows the mean over samples (or tokens), not over
-ranks; :class:`~ddpkit.training._step.OptimizerStep` takes, skips or stops it on every rank alike. Every ``logging.every_steps`` steps and at an epoch's end one small all-reduce gives the exact mean
-training loss and spreads a stop signal any rank received, so that all ranks save and stop after the same step.
+The step itself, from the loader's micro-batches to ``optimizer.step()``, is
+:mod:`ddpkit.training._step`: all micro-batches but the last under the strategy's ``no_sync()``,
+each loss divided by its divisor in the step (:func:`~ddpkit.training._step.loss_divisor`), so the
+step follows the mean over samples (or tokens), not over ranks;
+:class:`~ddpkit.training._step.OptimizerStep` takes, skips or stops it on every rank alike. Every
+``logging.every_steps`` steps and at an epoch's end one small all-reduce gives the exact mean
+training loss and spreads a stop signal any rank received, so that all ranks save and stop after the
+same step.
 """
 
 from __future__ import annotations
@@ -51,7 +55,9 @@ from ddpkit.training._callbacks import call, call_step_end, own_parts
 from ddpkit.training._compiled import compile_for_training
 from ddpkit.training._config import TrainerConfig  # noqa: F401  (imported from here by scripts)
 from ddpkit.training._loss_window import EpochLoss, LossWindow
-from ddpkit.training._several import ManualStep, StepFn, several_models  # StepContext: StepFn names it
+
+# StepContext: StepFn names it
+from ddpkit.training._several import ManualStep, StepFn, several_models
 from ddpkit.training._step import (
     CountFn,
     OptimizerStep,
@@ -70,23 +76,27 @@ from ddpkit.training._validation import Evaluator, Validation
 class Trainer:
     """DDP training of ``model`` with ``optimizer`` on ``train_data``; see :class:`TrainerConfig`.
 
-    ``loss_fn``, ``batch_loss_fn``, ``metric_fn`` and ``count_fn`` (per-token losses): see :class:`.BatchLoss`.
+    ``loss_fn``, ``batch_loss_fn``, ``metric_fn`` and ``count_fn`` (per-token losses): see
+    :class:`.BatchLoss`.
 
-    ``group`` (a group of :func:`~ddpkit.split_world`, or a process group) is the ranks that train this model
-    together; rank, world size, sharding, metrics, snapshots and records all count within it. ``callbacks``
-    are objects with some of :class:`~ddpkit.training._callbacks.Callback`'s methods.
+    ``group`` (a group of :func:`~ddpkit.split_world`, or a process group) is the ranks that train
+    this model together; rank, world size, sharding, metrics, snapshots and records all count within
+    it. ``callbacks`` are objects with some of :class:`~ddpkit.training._callbacks.Callback`'s
+    methods.
 
-    ``step_fn`` (with ``model`` and ``optimizer`` dicts by name, ``scheduler`` one by optimizer name): a step
-    of several models and optimizers written as one function (a GAN, distillation); see
-    :mod:`ddpkit.training._several`.
+    ``step_fn`` (with ``model`` and ``optimizer`` dicts by name, ``scheduler`` one by optimizer
+    name): a step of several models and optimizers written as one function (a GAN, distillation);
+    see :mod:`ddpkit.training._several`.
 
-    ``scheduler``: an LR scheduler, stepped every epoch or step (``scheduler_interval``); a metric-driven one
-    (``ReduceLROnPlateau``) is stepped at each validation instead, with ``early_stopping.metric``'s value.
+    ``scheduler``: an LR scheduler, stepped every epoch or step (``scheduler_interval``); a
+    metric-driven one (``ReduceLROnPlateau``) is stepped at each validation instead, with
+    ``early_stopping.metric``'s value.
 
-    Snapshots hold, besides the Trainer's own state, each rank's own state of every callback that has
-    ``state_dict()`` / ``load_state_dict()`` (under its ``state_key`` attribute, or its class name) and of each
-    object of ``extra_state`` (a name -> object with those two methods: a hidden state the script carries from
-    step to step, a counter): every rank saves its own and gets its own back on resume, tensors on the CPU.
+    Snapshots hold, besides the Trainer's own state, each rank's own state of every callback that
+    has ``state_dict()`` / ``load_state_dict()`` (under its ``state_key`` attribute, or its class
+    name) and of each object of ``extra_state`` (a name -> object with those two methods: a hidden
+    state the script carries from step to step, a counter): every rank saves its own and gets its
+    own back on resume, tensors on the CPU.
     """
 
     config: TrainerConfig
@@ -114,7 +124,8 @@ class Trainer:
         extra_state: Mapping[str, Any] | None = None,
         step_fn: StepFn | None = None,
     ) -> None:
-        # Rank, world size and "main" count in this group: the whole job, or one group of split_world().
+        # Rank, world size and "main" count in this group: the whole job, or one group of
+        # split_world().
         self.config, self.runtime = config, get_runtime(group, member=True)
         rt = self.runtime
         self.group = rt.group
@@ -123,11 +134,17 @@ class Trainer:
             convert_dropout(model)
         self.step_fn = step_fn
         if step_fn is None:
-            record = RunRecord.of(config, optimizer, model)  # the lr as asked, before any scheduler step
-            # The strategy wraps the model (and, for zero and fsdp, rebuilds the optimizer over what it shards,
-            # pointing the scheduler at the new one).
+            # the lr as asked, before any scheduler step
+            record = RunRecord.of(config, optimizer, model)
+            # The strategy wraps the model (and, for zero and fsdp, rebuilds the optimizer over what
+            # it shards, pointing the scheduler at the new one).
             self.strategy = build_strategy(
-                config.strategy, model, optimizer, runtime=rt, sync_batchnorm=config.sync_batchnorm, scheduler=scheduler
+                config.strategy,
+                model,
+                optimizer,
+                runtime=rt,
+                sync_batchnorm=config.sync_batchnorm,
+                scheduler=scheduler,
             )
         else:  # several models and optimizers, by name (ddpkit.training._several)
             refused = {
@@ -135,34 +152,50 @@ class Trainer:
                 "count_fn": count_fn, "compile": config.compile, "snapshot memory": config.snapshot.memory,
                 "global_batch_dropout": config.global_batch_dropout,
             }  # fmt: skip
-            self.strategy, scheduler, record = several_models(config, model, optimizer, scheduler, rt, refused)
-        self.model, self.optimizer, self.scheduler = self.strategy.model, self.strategy.optimizer, scheduler
+            self.strategy, scheduler, record = several_models(
+                config, model, optimizer, scheduler, rt, refused
+            )
+        self.model, self.optimizer, self.scheduler = (
+            self.strategy.model,
+            self.strategy.optimizer,
+            scheduler,
+        )
         self._plateau = metric_driven(scheduler)
         if self._plateau:
             check_metric_driven(config, scheduler, val_data)
-        self._forward = compile_for_training(self.model, rt.device) if config.compile else self.model
+        self._forward = (
+            compile_for_training(self.model, rt.device) if config.compile else self.model
+        )
         log = config.logging
         self.speed = Speed(
             self.model, rt.device, enabled=log.step_timings, precision=config.precision, world_size=rt.world_size,
             peak_flops=log.peak_flops, compiled=config.compile,
         )  # fmt: skip
-        # Scripts seed every rank alike so that models start identical; the strategy has now made them
-        # identical, and with one seed everywhere ranks would also draw identical dropout masks and augmentations.
+        # Scripts seed every rank alike so that models start identical; the strategy has now made
+        # them identical, and with one seed everywhere ranks would also draw identical dropout masks
+        # and augmentations.
         seed_rank(config.seed, rt.rank)
         self._global_dropout = any(isinstance(m, GlobalBatchDropout) for m in self.model.modules())
         self._on_cpu = rt.device.type == "cpu"
         self.scaler = grad_scaler(config.precision, rt.device)
         self.batch_loss = BatchLoss(loss_fn, batch_loss_fn, metric_fn, count_fn)
         self.train_data, self.val_data = train_data, val_data
-        self.loader = build_loader(train_data, group=self.group, **config.loader_args(rt.world_size))
+        self.loader = build_loader(
+            train_data, group=self.group, **config.loader_args(rt.world_size)
+        )
         self.sampler = cast(ShardedBatchSampler, self.loader.batch_sampler)  # build_loader's
         self.generator: torch.Generator = self.loader.generator
         self.state = TrainState()
-        self._window = LossWindow(on_host=self._on_cpu)  # each rank's losses since the ranks last agreed
+        # each rank's losses since the ranks last agreed
+        self._window = LossWindow(on_host=self._on_cpu)
         self.epoch_loss = EpochLoss()  # what they agreed on in this epoch
         self.run_dir = Path(config.run_dir)
         self.writer = MetricsWriter(
-            self.run_dir, enabled=rt.is_main, tensorboard=log.tensorboard, loggers=log.trackers, params=config.to_json()
+            self.run_dir,
+            enabled=rt.is_main,
+            tensorboard=log.tensorboard,
+            loggers=log.trackers,
+            params=config.to_json(),
         )
         self._autocast = partial(autocast, config.precision, rt.device)
         self.evaluator = Evaluator(
@@ -173,9 +206,15 @@ class Trainer:
             config, rt, val_data, evaluate=self.evaluator, model_weights=self.strategy.model_weights,
             log=self.writer.log, plateau=scheduler if self._plateau else None,
         )  # fmt: skip
-        self.early_stopping, self.best_weights = self.validation.early_stopping, self.validation.best_weights
-        # A resume on changed data is refused, naming the change: the loader's state holds the data's fingerprint.
-        own = own_parts(self._window, self.callbacks, extra_state)  # what each rank saves of its own
+        self.early_stopping, self.best_weights = (
+            self.validation.early_stopping,
+            self.validation.best_weights,
+        )
+        # A resume on changed data is refused, naming the change: the loader's state holds the
+        # data's fingerprint.
+        own = own_parts(
+            self._window, self.callbacks, extra_state
+        )  # what each rank saves of its own
         streams = RankStreams(
             rt, self.generator, config.seed, self.state, own=own, new_rank_state=config.new_rank_state,
             warn=partial(print0, group=self.group),
@@ -207,26 +246,32 @@ class Trainer:
             )  # fmt: skip
             self.optimizer_step = self.train_step.optimizer_step
         self._epoch_start = time.perf_counter()
-        self._last_taken = False  # whether the epoch's last step was taken (a step's snapshot may be due)
+        # whether the epoch's last step was taken (a step's snapshot may be due)
+        self._last_taken = False
         self._stop_signal, self.stopped_by = 0, None
-        self._notice = signals.preemption_notice(rt.launcher, self.group)  # Ray's warning of a node's loss
+        # Ray's warning of a node's loss
+        self._notice = signals.preemption_notice(rt.launcher, self.group)
 
     # The counters, as the state holds them.
     epoch = property(lambda self: self.state.epoch, lambda self, v: setattr(self.state, "epoch", v))
     step = property(lambda self: self.state.step, lambda self, v: setattr(self.state, "step", v))
-    cursor = property(lambda self: self.state.cursor, lambda self, v: setattr(self.state, "cursor", v))
+    cursor = property(
+        lambda self: self.state.cursor, lambda self, v: setattr(self.state, "cursor", v)
+    )
     skipped_steps = property(lambda self: self.state.skipped_steps)
     resumed_from = property(lambda self: self.snapshots.resumed_from)
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything the next step needs (collective); see :class:`~ddpkit.snapshot._trainer.TrainerSnapshots`."""
+        """Everything the next step needs (collective); see
+        :class:`~ddpkit.snapshot._trainer.TrainerSnapshots`."""
         return self.snapshots.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.snapshots.load_state_dict(state)
 
     def save(self) -> None:
-        """Snapshot this step (every rank must call it); with a stop decided, wait until it is whole on disk."""
+        """Snapshot this step (every rank must call it); with a stop decided, wait until it is whole
+        on disk."""
         with marks.phase(Phase.SNAPSHOT):
             self.snapshots.save(wait=self.stopped_by is not None)
 
@@ -236,14 +281,17 @@ class Trainer:
             self.snapshots.wait()
 
     def fit(self) -> dict[str, float]:
-        """Train until ``epochs`` (or ``max_steps``, early stopping, or a stop signal); return the last epoch's
-        metrics, with the latest validation's under ``val_every_steps``.
+        """Train until ``epochs`` (or ``max_steps``, early stopping, or a stop signal); return the
+        last epoch's metrics, with the latest validation's under ``val_every_steps``.
 
-        ``run_dir`` is locked for the duration (a second job on it is refused, naming this one). A stop signal
-        raises :class:`~ddpkit.Preempted` once the snapshot is saved, unless ``raise_on_stop_signal=False``.
+        ``run_dir`` is locked for the duration (a second job on it is refused, naming this one). A
+        stop signal raises :class:`~ddpkit.Preempted` once the snapshot is saved, unless
+        ``raise_on_stop_signal=False``.
         """
         self._resuming = resumes(self.config.resume, self.runtime.restart_count)
-        lock = run_dir_lib.claim(self.run_dir, is_main=self.runtime.is_main, fresh=not self._resuming, group=self.group)
+        lock = run_dir_lib.claim(
+            self.run_dir, is_main=self.runtime.is_main, fresh=not self._resuming, group=self.group
+        )
         try:
             return self._fit()
         finally:
@@ -253,13 +301,17 @@ class Trainer:
     def _fit(self) -> dict[str, float]:
         cfg, rt = self.config, self.runtime
         if self._resuming and self.snapshots.resume(self.load_state_dict):
-            if self.loader.data_changes:  # accepted (on_data_change="restart_epoch"): the epoch from its start,
-                self.cursor = 0  # and its loss counted afresh (what was agreed belongs to the old data's order)
+            # accepted (on_data_change="restart_epoch"): the epoch from its start,
+            if self.loader.data_changes:
+                # and its loss counted afresh (what was agreed belongs to the old data's order)
+                self.cursor = 0
                 self.epoch_loss.reset()
                 self._window.clear()
             self.validation.resume(self.group)
         else:
-            self.writer.log("event", self.step, {"event": "start", "restart_count": rt.restart_count})
+            self.writer.log(
+                "event", self.step, {"event": "start", "restart_count": rt.restart_count}
+            )
         write_resolved_config(self.run_dir, self.config, self.runtime, self.sampler.batch_size)
         call(self.callbacks, "on_fit_start", self)
         last: dict[str, float] = {}
@@ -273,7 +325,9 @@ class Trainer:
                 while self.epoch < cfg.epochs and self.stopped_by is None:
                     if not self._train_epoch():
                         stopped_inside = self.stopped_by == StopReason.MAX_STEPS
-                        if stopped_inside and (val := self.validation.inside_epoch(self.epoch, self.step)):
+                        if stopped_inside and (
+                            val := self.validation.inside_epoch(self.epoch, self.step)
+                        ):
                             last = val  # else `last` stays the last epoch's metrics
                             call(self.callbacks, "on_validation_end", self, last)
                         break
@@ -281,11 +335,16 @@ class Trainer:
             if self.stopped_by is None:
                 self.stopped_by = StopReason.EPOCHS
         except BaseException as err:
-            # The launcher's failure summary shows the end of the traceback, notes included (Python >= 3.11).
+            # The launcher's failure summary shows the end of the traceback, notes included (Python
+            # >= 3.11).
             if hasattr(err, "add_note"):
-                err.add_note(f"ddpkit: rank {rt.rank} failed in epoch {self.epoch}, at optimizer step {self.step}")
+                err.add_note(
+                    f"ddpkit: rank {rt.rank} failed in epoch {self.epoch}, at optimizer step "
+                    f"{self.step}"
+                )
             raise
-        last |= self.validation.latest  # with val_every_steps: the latest validation (at epoch ends: in `last`)
+        # with val_every_steps: the latest validation (at epoch ends: in `last`)
+        last |= self.validation.latest
         if self.snapshots.schedule.at_stop(self.stopped_by):
             self.save()  # (a no-op after an epoch end's snapshot of the same step)
         self.validation.save_final_weights(self.epoch, self.step, self.stopped_by)
@@ -297,12 +356,17 @@ class Trainer:
         self.snapshots.close()  # what a restart needs from here on is on disk
         if self.stopped_by != StopReason.SIGNAL:
             speed = self.speed.run.summary()  # the slowest rank over the run
-            print0(run_summary(str(reason), self.state, last, self.validation, self.run_dir, speed), group=self.group)
-            signals.pass_on(self._stop_signal)  # one that came after the last agreement, too late to stop it
+            print0(
+                run_summary(str(reason), self.state, last, self.validation, self.run_dir, speed),
+                group=self.group,
+            )
+            # one that came after the last agreement, too late to stop it
+            signals.pass_on(self._stop_signal)
         elif cfg.raise_on_stop_signal:
             preempted = Preempted.by(self._stop_signal, self.step)
             print0(
-                f"ddpkit: {preempted}; raising ddpkit.Preempted (exit code {PREEMPTED_EXIT_CODE}: pre-empted, resume me)",
+                f"ddpkit: {preempted}; raising ddpkit.Preempted (exit code {PREEMPTED_EXIT_CODE}: "
+                "pre-empted, resume me)",
                 group=self.group,
             )
             raise preempted
@@ -322,10 +386,14 @@ class Trainer:
         )
         # The window carries on: empty after the last epoch's agreement, or as a snapshot left it.
         self._window_start = self._epoch_start = time.perf_counter()
-        device = None if self._on_cpu else rt.device  # on the CPU, batches are already where they belong
+        # on the CPU, batches are already where they belong
+        device = None if self._on_cpu else rt.device
         try:
-            for step in epoch_steps(self.speed.timings.loader(self.loader), self.sampler, accum, first, device):
-                marks.begin_step(self.step + 1)  # for the launcher's stall watch (ddpkit._launch.watch)
+            for step in epoch_steps(
+                self.speed.timings.loader(self.loader), self.sampler, accum, first, device
+            ):
+                # for the launcher's stall watch (ddpkit._launch.watch)
+                marks.begin_step(self.step + 1)
                 taken = self._train_step(step)
                 self.state.cursor = step.cursor
                 if not self._after_step(step, taken, progress):
@@ -335,26 +403,43 @@ class Trainer:
             progress.close()
 
     def _train_step(self, step: Step) -> bool:
-        """Forward and backward on each of the step's micro-batches, then the optimizer step; True if taken."""
+        """Forward and backward on each of the step's micro-batches, then the optimizer step; True
+        if taken."""
         return self.train_step(step)
 
     def _after_step(self, step: Step, taken: bool, progress: Progress) -> bool:
-        """After a step: callbacks, validation, the agreement and its record, a snapshot; False to stop mid-epoch.
-        Every rank reaches the same decisions here: steps are taken or skipped everywhere alike."""
+        """After a step: callbacks, validation, the agreement and its record, a snapshot; False to
+        stop mid-epoch. Every rank reaches the same decisions here: steps are taken or skipped
+        everywhere alike."""
         cfg = self.config
         if self.callbacks:
-            call_step_end(self.callbacks, self, step_output(taken, self.state, self.optimizer_step, self._window))
+            call_step_end(
+                self.callbacks,
+                self,
+                step_output(taken, self.state, self.optimizer_step, self._window),
+            )
         with self.speed.timings.phase("snapshot"), marks.phase(Phase.SNAPSHOT):
-            self.snapshots.after_step(self.step, taken)  # a copy in memory, after the callbacks changed the state
+            # a copy in memory, after the callbacks changed the state
+            self.snapshots.after_step(self.step, taken)
         if cfg.max_steps is not None and self.step >= cfg.max_steps:
             self.stopped_by = StopReason.MAX_STEPS
-        # Before the step's snapshot (below, or fit's), whose early-stopping state then counts this validation:
+        # Before the step's snapshot (below, or fit's), whose early-stopping state then counts this
+        # validation:
         if self.validation.due(self.step, taken):
-            call(self.callbacks, "on_validation_end", self, self.validation.after_step(self.epoch, self.step))
+            call(
+                self.callbacks,
+                "on_validation_end",
+                self,
+                self.validation.after_step(self.epoch, self.step),
+            )
             if self.early_stopping.should_stop:
                 self.stopped_by = StopReason.EARLY_STOPPING
         postfix = None
-        if step.last_in_epoch or self.stopped_by or (taken and self.step % cfg.logging.every_steps == 0):
+        if (
+            step.last_in_epoch
+            or self.stopped_by
+            or (taken and self.step % cfg.logging.every_steps == 0)
+        ):
             postfix = self._log_window()
         progress.update(postfix)
         if self.stopped_by is not None and not step.last_in_epoch:
@@ -366,10 +451,13 @@ class Trainer:
         return True
 
     def _log_window(self) -> dict[str, Any]:
-        """Agree on the mean training loss since the last agreement, record it, and start a new window."""
+        """Agree on the mean training loss since the last agreement, record it, and start a new
+        window."""
         window = self._window
-        if self._notice is not None and (notice := self._notice()):  # a barrier under Ray: every rank asks here
-            self._notice = None  # one snapshot for a notice, at this step (the schedule's), then training goes on
+        # a barrier under Ray: every rank asks here
+        if self._notice is not None and (notice := self._notice()):
+            # one snapshot for a notice, at this step (the schedule's), then training goes on
+            self._notice = None
             self.snapshots.schedule.notice = notice
             self.writer.log("event", self.step, {"event": "preemption_notice", "notice": notice})
         agreed = window.agree(self.runtime.device, bool(self._stop_signal), self.group)
@@ -380,13 +468,22 @@ class Trainer:
         ms = 1000 * wall / max(window.tried, 1)
         tokens = self.batch_loss.count_fn is not None
         # Every rank's phases: one all-gather beside the all-reduce above, at window ends only.
-        times = self.speed.window(wall, float(sum(window.sizes)) if tokens else None, window.tried, self.group)
+        times = self.speed.window(
+            wall, float(sum(window.sizes)) if tokens else None, window.tried, self.group
+        )
         rates = self.speed.rates(times, tokens) if times is not None else {}
         if window.steps:
-            record = {"epoch": self.epoch, "train/loss": agreed.mean, "lr": self._lr(), "ms_per_step": round(ms, 3)}
-            record |= {f"train/loss_{name}": mean for name, mean in agreed.means.items()}  # several models'
+            record = {
+                "epoch": self.epoch,
+                "train/loss": agreed.mean,
+                "lr": self._lr(),
+                "ms_per_step": round(ms, 3),
+            }
+            # several models'
+            record |= {f"train/loss_{name}": mean for name, mean in agreed.means.items()}
             if self.optimizer_step.grad_norm is not None:
-                record["grad_norm"] = float(self.optimizer_step.grad_norm)  # of the last step taken, before clipping
+                # of the last step taken, before clipping
+                record["grad_norm"] = float(self.optimizer_step.grad_norm)
             self.writer.log("train", self.step, record | rates)
         if times is not None and window.tried:
             self.writer.log("ranks", self.step, times.record())
@@ -400,14 +497,16 @@ class Trainer:
 
     def _end_epoch(self) -> dict[str, float]:
         cfg = self.config
-        if self._window.tried:  # resumed from a copy in memory after the epoch's last step, before its agreement
+        # resumed from a copy in memory after the epoch's last step, before its agreement
+        if self._window.tried:
             self._log_window()
         self.state.epoch += 1
         self.state.cursor = 0
         if self.scheduler is not None and cfg.scheduler_interval == "epoch" and not self._plateau:
             self.scheduler.step()
         metrics: dict[str, float] = {"epoch": self.epoch, "step": self.step, "lr": self._lr()}
-        # The mean over all the epoch's steps: a snapshot holds the sums so far, and each rank's unagreed losses.
+        # The mean over all the epoch's steps: a snapshot holds the sums so far, and each rank's
+        # unagreed losses.
         metrics["train/epoch_loss"] = self.epoch_loss.mean
         self.epoch_loss.reset()
         if self.val_data is not None and self.validation.at_epoch_end:
@@ -415,29 +514,39 @@ class Trainer:
         seconds = round(time.perf_counter() - self._epoch_start, 3)  # training and validation
         if self.validation.at_epoch_end and self.validation.update(metrics, self.epoch, self.step):
             self.stopped_by = StopReason.EARLY_STOPPING
-        if self.snapshots.schedule.at_epoch_end(self.epoch, self.step, self._last_taken, self.stopped_by is not None):
+        if self.snapshots.schedule.at_epoch_end(
+            self.epoch, self.step, self._last_taken, self.stopped_by is not None
+        ):
             self.save()
-        # The records and callbacks get the epoch's time too; fit() returns only what the training determines.
+        # The records and callbacks get the epoch's time too; fit() returns only what the training
+        # determines.
         timed = metrics | {"epoch_seconds": seconds}
         self.writer.epoch_end(self.step, timed)
         print0(
-            " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in timed.items()), group=self.group
+            " ".join(
+                f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in timed.items()
+            ),
+            group=self.group,
         )
         if self.val_data is not None and self.validation.at_epoch_end:  # once recorded and counted
-            val = {k: v for k, v in metrics.items() if k.startswith("val/") or k in ("epoch", "step")}
+            val = {
+                k: v for k, v in metrics.items() if k.startswith("val/") or k in ("epoch", "step")
+            }
             call(self.callbacks, "on_validation_end", self, val)
         call(self.callbacks, "on_epoch_end", self, timed)
         return metrics
 
     def evaluate(self, data: Dataset, prefix: str = "test") -> dict[str, float]:
-        """Exact metrics over every sample of ``data`` (each counted once), named ``prefix/metric``."""
+        """Exact metrics over every sample of ``data`` (each counted once), named
+        ``prefix/metric``."""
         out = self.evaluator(data, prefix)
         if prefix != "val":
             self.writer.log(prefix, self.step, out)
         return out
 
     def _on_stop_signal(self, signum: int) -> None:
-        # Only a flag: the next agreement spreads it, and every rank saves and stops after the same step.
+        # Only a flag: the next agreement spreads it, and every rank saves and stops after the same
+        # step.
         self._stop_signal = signum
 
     def _lr(self) -> float:

@@ -1,18 +1,20 @@
-"""When to validate, and what a validation decides: early stopping and the best weights, one metric and one
-comparison, decided alike everywhere.
+"""When to validate, and what a validation decides: early stopping and the best weights, one metric
+and one comparison, decided alike everywhere.
 
-The metrics are agreed over ranks (:func:`~ddpkit.evaluate` is exact), so every rank takes the same decisions; only
-rank 0 writes the best weights, but every rank joins gathering them (a collective under ``fsdp``).
+The metrics are agreed over ranks (:func:`~ddpkit.evaluate` is exact), so every rank takes the same
+decisions; only rank 0 writes the best weights, but every rank joins gathering them (a collective
+under ``fsdp``).
 
-By default the Trainer validates at the end of each epoch. With ``TrainerConfig.val_every_steps = N`` it
-validates after every N-th optimizer step instead (counted over the whole run, not within an epoch), and early
-stopping counts validations, not epochs: ``patience`` validations without improvement end the run, and the best
-weights record the step they were taken at.
+By default the Trainer validates at the end of each epoch. With ``TrainerConfig.val_every_steps
+= N`` it validates after every N-th optimizer step instead (counted over the whole run, not within
+an epoch), and early stopping counts validations, not epochs: ``patience`` validations without
+improvement end the run, and the best weights record the step they were taken at.
 
-Exact on resume: a validation is due at a step count, which a snapshot restores, and it runs before any snapshot
-of that step is written, so the early-stopping state a snapshot holds already counts the validation of its own
-step. A run killed and resumed validates at the same steps as an uninterrupted one, gets the same values (the
-weights at those steps are the same, bit for bit) and so picks the same best step.
+Exact on resume: a validation is due at a step count, which a snapshot restores, and it runs before
+any snapshot of that step is written, so the early-stopping state a snapshot holds already counts
+the validation of its own step. A run killed and resumed validates at the same steps as an
+uninterrupted one, gets the same values (the weights at those steps are the same, bit for bit) and
+so picks the same best step.
 """
 
 from __future__ import annotations
@@ -42,11 +44,11 @@ from ddpkit.training._step_output import StopReason
 
 
 class Evaluator:
-    """Exact metrics of a Trainer's model over a dataset (every sample counted once): its own evaluation loader,
-    the strategy's evaluation mode, the run's metrics and precision. It holds the Trainer's parts, never the
-    Trainer: a Trainer -> validation -> Trainer cycle would keep a finished Trainer alive until a garbage
-    collection, which then shuts its loader's workers down in whatever thread it runs (a snapshot writer's,
-    stalled for seconds)."""
+    """Exact metrics of a Trainer's model over a dataset (every sample counted once): its own
+    evaluation loader, the strategy's evaluation mode, the run's metrics and precision. It holds the
+    Trainer's parts, never the Trainer: a Trainer -> validation -> Trainer cycle would keep a
+    finished Trainer alive until a garbage collection, which then shuts its loader's workers down in
+    whatever thread it runs (a snapshot writer's, stalled for seconds)."""
 
     def __init__(
         self,
@@ -62,15 +64,20 @@ class Evaluator:
 
     def __call__(self, data: Dataset, prefix: str = "test") -> dict[str, float]:
         """The metrics over ``data``, named ``prefix/metric``."""
-        loader = build_eval_loader(data, self.batch_size, num_workers=self.num_workers, group=self.group)
-        with self.strategy.evaluation():  # fsdp: no collective per forward, as ranks' batch counts may differ
-            results = evaluate(self.strategy.model, loader, self.metrics, group=self.group, autocast=self.autocast)
+        loader = build_eval_loader(
+            data, self.batch_size, num_workers=self.num_workers, group=self.group
+        )
+        # fsdp: no collective per forward, as ranks' batch counts may differ
+        with self.strategy.evaluation():
+            results = evaluate(
+                self.strategy.model, loader, self.metrics, group=self.group, autocast=self.autocast
+            )
         return {f"{prefix}/{k}": v for k, v in results.items()}
 
 
 class Validation:
-    """Takes each validation's metrics to early stopping and the best weights; says when to validate and when
-    training must stop."""
+    """Takes each validation's metrics to early stopping and the best weights; says when to validate
+    and when training must stop."""
 
     def __init__(
         self,
@@ -81,21 +88,24 @@ class Validation:
         every_steps: int | None = None,
         evaluate: Callable[[], dict[str, float]] | None = None,
     ) -> None:
-        """``evaluate``: the validation's metrics (an :class:`Evaluator` on the validation data), needed with
-        ``every_steps``."""
+        """``evaluate``: the validation's metrics (an :class:`Evaluator` on the validation data),
+        needed with ``every_steps``."""
         self.early_stopping, self.best_weights = early_stopping, best_weights
         self.model_weights, self.log = model_weights, log
         self.every_steps, self.evaluate = every_steps, evaluate
         self.latest: dict[str, Any] = {}
-        """The latest step-wise validation's metrics (``val/...``), which ``fit()`` returns with the epoch's."""
+        """The latest step-wise validation's metrics (``val/...``), which ``fit()`` returns with the
+        epoch's."""
         self.latest_step: int | None = None
-        self.weights_format: str | None = None  # of best.pt's companion and of the final weights (see `of`)
+        # of best.pt's companion and of the final weights (see `of`)
+        self.weights_format: str | None = None
         self.run_dir: Path | None = None
         self.is_main = True
         self.group: Group = None
         self.plateau: Any = None
-        """A metric-driven LR scheduler, stepped with each validation's value of the early-stopping metric (before
-        any snapshot of the step, so that snapshots hold its state after the step)."""
+        """A metric-driven LR scheduler, stepped with each validation's value of the early-stopping
+        metric (before any snapshot of the step, so that snapshots hold its state after the
+        step)."""
 
     @classmethod
     def of(
@@ -109,18 +119,20 @@ class Validation:
         log: Callable[[str, int, dict[str, Any]], None],
         plateau: Any = None,
     ) -> Validation:
-        """A Trainer's validation and weights files as ``config`` asks: early stopping, ``best.pt`` and, in
-        ``config.weights_format``, ``best.safetensors`` (or ``best_weights.pt``) and the final weights.
-        ``evaluate(val_data, "val")`` gives a validation's metrics. ``plateau``: a metric-driven LR scheduler
-        (``ReduceLROnPlateau``), stepped at each validation with ``early_stopping.metric``'s value."""
-        weights_format, notice = export.resolve_format(config.weights_format)  # safetensors, or .pt without it
+        """A Trainer's validation and weights files as ``config`` asks: early stopping, ``best.pt``
+        and, in ``config.weights_format``, ``best.safetensors`` (or ``best_weights.pt``) and the
+        final weights. ``evaluate(val_data, "val")`` gives a validation's metrics. ``plateau``: a
+        metric-driven LR scheduler (``ReduceLROnPlateau``), stepped at each validation with
+        ``early_stopping.metric``'s value."""
+        # safetensors, or .pt without it
+        weights_format, notice = export.resolve_format(config.weights_format)
         if notice is not None:
             print0(notice, group=runtime.group)
         run_dir = Path(config.run_dir)
         if config.val_every_steps is not None and val_data is None:
             raise ConfigError(
-                f"val_every_steps={config.val_every_steps} needs validation data: pass Trainer(..., val_data=...), "
-                "or leave val_every_steps at None"
+                f"val_every_steps={config.val_every_steps} needs validation data: pass "
+                "Trainer(..., val_data=...), or leave val_every_steps at None"
             )
         es = config.early_stopping
         best = BestWeights(
@@ -128,7 +140,9 @@ class Validation:
             es.metric,
             es.mode,
             enabled=runtime.is_main,
-            export_path=export.weights_path(run_dir, "best", weights_format) if weights_format else None,
+            export_path=export.weights_path(run_dir, "best", weights_format)
+            if weights_format
+            else None,
             export_format=weights_format,
         )
         best.at_step = config.val_every_steps is not None
@@ -145,47 +159,58 @@ class Validation:
 
     @property
     def at_epoch_end(self) -> bool:
-        """Validate at epoch ends (the default) rather than every ``every_steps`` optimizer steps."""
+        """Validate at epoch ends (the default) rather than every ``every_steps`` optimizer
+        steps."""
         return self.every_steps is None
 
     def due(self, step: int, taken: bool) -> bool:
-        """True after an optimizer step that a step-wise validation follows. A skipped step leaves the step count
-        where it was: the validation of that count followed the step that reached it."""
+        """True after an optimizer step that a step-wise validation follows. A skipped step leaves
+        the step count where it was: the validation of that count followed the step that reached
+        it."""
         return self.every_steps is not None and taken and step % self.every_steps == 0
 
     def state_dict(self) -> dict[str, Any]:
-        """The latest step-wise validation, which ``fit()`` returns: kept by snapshots, so that a run resumed
-        after it (and before the next) returns it too."""
+        """The latest step-wise validation, which ``fit()`` returns: kept by snapshots, so that a
+        run resumed after it (and before the next) returns it too."""
         return {"latest": dict(self.latest), "latest_step": self.latest_step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.latest, self.latest_step = dict(state["latest"]), state["latest_step"]
 
     def resume(self, group: Group) -> None:
-        """Read the best so far: the file is on rank 0's disk, and every rank must know it to decide alike."""
+        """Read the best so far: the file is on rank 0's disk, and every rank must know it to decide
+        alike."""
         best = self.best_weights
         best.load()
-        best.value, best.epoch, best.step = broadcast_object((best.value, best.epoch, best.step), group=group)
+        best.value, best.epoch, best.step = broadcast_object(
+            (best.value, best.epoch, best.step), group=group
+        )
 
     def update(self, metrics: Mapping[str, Any], epoch: int, step: int) -> bool:
-        """Count the metrics towards early stopping, keep the weights if best; True when training must stop."""
+        """Count the metrics towards early stopping, keep the weights if best; True when training
+        must stop."""
         self.early_stopping.update(metrics)
         metric = self.early_stopping.config.metric
         if self.plateau is not None and metric is not None:
-            self.plateau.step(float(metrics[metric]))  # the same value on every rank: the same lr everywhere
+            # the same value on every rank: the same lr everywhere
+            self.plateau.step(float(metrics[metric]))
         best = self.best_weights
         if best.update(metrics, self.model_weights, epoch, step) and best.metric is not None:
-            event: dict[str, Any] = {"event": "best", "file": best.path.name, best.metric: best.value}
+            event: dict[str, Any] = {
+                "event": "best",
+                "file": best.path.name,
+                best.metric: best.value,
+            }
             if best.export_path is not None and best.export_format is not None:
                 event["weights"] = best.export_path.name
             self.log("event", step, event)
         return self.early_stopping.should_stop
 
     def inside_epoch(self, epoch: int, step: int) -> dict[str, Any]:
-        """``max_steps`` stopped the run inside an epoch: validate there, and count it towards the best weights
-        and early stopping as an epoch's end would (else a short run ends with no val metrics and no best.pt).
-        Nothing to do when validating every N steps (a run validates where those fall) or without validation
-        data: {} then."""
+        """``max_steps`` stopped the run inside an epoch: validate there, and count it towards the
+        best weights and early stopping as an epoch's end would (else a short run ends with no val
+        metrics and no best.pt). Nothing to do when validating every N steps (a run validates where
+        those fall) or without validation data: {} then."""
         if not self.at_epoch_end or self.evaluate is None:
             return {}
         metrics = {"epoch": epoch, "step": step} | self.evaluate()
@@ -194,21 +219,30 @@ class Validation:
         return metrics
 
     def after_step(self, epoch: int, step: int) -> dict[str, Any]:
-        """Validate now (the step is due): record the metrics as a ``val`` record at ``step`` and count them
-        (``early_stopping.should_stop`` then says whether training must stop); the metrics, with ``epoch``
-        and ``step``."""
+        """Validate now (the step is due): record the metrics as a ``val`` record at ``step`` and
+        count them (``early_stopping.should_stop`` then says whether training must stop); the
+        metrics, with ``epoch`` and ``step``."""
         assert self.evaluate is not None  # `of` refuses every_steps without validation data
         metrics = self.evaluate()
         self.latest, self.latest_step = dict(metrics), step
         self.log("val", step, {"epoch": epoch, **metrics})
-        print0(" ".join([f"step {step}", *(f"{k} {v:.4g}" for k, v in metrics.items())]), group=self.group)
+        print0(
+            " ".join([f"step {step}", *(f"{k} {v:.4g}" for k, v in metrics.items())]),
+            group=self.group,
+        )
         self.update(metrics, epoch, step)
         return {"epoch": epoch, "step": step, **metrics}
 
     def save_final_weights(self, epoch: int, step: int, stopped_by: str | None) -> None:
-        """``final.safetensors`` (or ``final_weights.pt``) in the run directory, when training ends: not after a
-        stop signal, which is not an end. Every rank calls it (gathering the weights is a collective under fsdp)."""
+        """``final.safetensors`` (or ``final_weights.pt``) in the run directory, when training ends:
+        not after a stop signal, which is not an end. Every rank calls it (gathering the weights is
+        a collective under fsdp)."""
         if self.run_dir is not None and stopped_by != StopReason.SIGNAL:
             export.save_final_weights(
-                self.model_weights, self.run_dir, self.weights_format, is_main=self.is_main, epoch=epoch, step=step
+                self.model_weights,
+                self.run_dir,
+                self.weights_format,
+                is_main=self.is_main,
+                epoch=epoch,
+                step=step,
             )

@@ -17,7 +17,10 @@ HELLO = str(Path(__file__).parents[1] / "scripts" / "hello.py")
 def _run_dir(path: Path, metrics: bytes | str | None = None) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     if metrics is None:
-        records = [{"kind": "train", "step": s, "time": 0.0, "train/loss": 1.0 / s, "lr": 0.1} for s in (1, 2, 3)]
+        records = [
+            {"kind": "train", "step": s, "time": 0.0, "train/loss": 1.0 / s, "lr": 0.1}
+            for s in (1, 2, 3)
+        ]
         metrics = "".join(json.dumps(r) + "\n" for r in records)
     if isinstance(metrics, str):
         metrics = metrics.encode()

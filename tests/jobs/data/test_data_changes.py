@@ -1,7 +1,8 @@
-"""A resume on changed data is refused before any step, naming each change; ``on_data_change="restart_epoch"``
-trains the epoch again on the new data; an iterable source whose order differs between ranks is refused. Real
-2-rank jobs over gloo; each refusal has its control: the same resume by cursor alone (what a snapshot held
-before it had the data's fingerprint) trains records twice and others never, counted."""
+"""A resume on changed data is refused before any step, naming each change;
+``on_data_change="restart_epoch"`` trains the epoch again on the new data; an iterable source whose
+order differs between ranks is refused. Real 2-rank jobs over gloo; each refusal has its control:
+the same resume by cursor alone (what a snapshot held before it had the data's fingerprint) trains
+records twice and others never, counted."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ SEED = 5
 def write_shard(path: Path, ids: range) -> Path:
     with open(path, "w") as f:
         for i in ids:
-            f.write(json.dumps({"id": i, "pad": "x" * (i % 7)}) + "\n")  # lines of different lengths
+            # lines of different lengths
+            f.write(json.dumps({"id": i, "pad": "x" * (i % 7)}) + "\n")
     return path
 
 
@@ -44,20 +46,27 @@ def everyone(batches: list[list[int]]) -> list[int]:
     return [i for rank in ddpkit.all_gather_object(batches) for batch in rank for i in batch]
 
 
-def stream_loader(source: tuple[list[str], int], per_rank: int = PER_RANK, workers: int = 0, **kwargs):
+def stream_loader(
+    source: tuple[list[str], int], per_rank: int = PER_RANK, workers: int = 0, **kwargs
+):
     paths, window = source
     stream = JsonlStream(paths, window=window, cache_index=False)
-    return ddpkit.build_loader(stream, per_rank, seed=SEED, num_workers=workers, collate_fn=ids_only, **kwargs)
+    return ddpkit.build_loader(
+        stream, per_rank, seed=SEED, num_workers=workers, collate_fn=ids_only, **kwargs
+    )
 
 
 def map_loader(n: int, per_rank: int = PER_RANK, workers: int = 0, **kwargs):
     dataset = TensorDataset(torch.arange(n))
-    return ddpkit.build_loader(dataset, per_rank, seed=SEED, num_workers=workers, collate_fn=tensor_ids, **kwargs)
+    return ddpkit.build_loader(
+        dataset, per_rank, seed=SEED, num_workers=workers, collate_fn=tensor_ids, **kwargs
+    )
 
 
 def resume_each(make, base, variants: dict) -> dict:
-    """On every rank: 4 steps over ``base`` (2 loader workers, left with ``break``), then, for each variant of
-    the data, a resume from the loader's state, a control resumed by cursor alone, and a restarted epoch."""
+    """On every rank: 4 steps over ``base`` (2 loader workers, left with ``break``), then, for each
+    variant of the data, a resume from the loader's state, a control resumed by cursor alone, and a
+    restarted epoch."""
     ddpkit.init()
     head_loader = make(base, workers=2)
     head = []
@@ -123,14 +132,18 @@ CHANGED = {
         r"shard 0: a\.jsonl: 80 records, \d+ bytes, content \w+ -> b\.jsonl: 80 records",
         r"shard 1: b\.jsonl",
     ],
-    "appended": [r"records: 160 -> 184", r"shard 1: b\.jsonl: 80 records, \d+ bytes, content \w+ -> b\.jsonl: 104"],
+    "appended": [
+        r"records: 160 -> 184",
+        r"shard 1: b\.jsonl: 80 records, \d+ bytes, content \w+ -> b\.jsonl: 104",
+    ],
     "window": [r"window: 32 -> 64"],
 }
 
 
 def test_an_unchanged_stream_resumes_where_it_stopped(stream_runs):
     same = stream_runs["variants"]["same"]
-    assert stream_runs["state"]["cursor"] == HEAD_STEPS * PER_RANK * WORLD  # 4 batches handed over, 2 workers
+    # 4 batches handed over, 2 workers
+    assert stream_runs["state"]["cursor"] == HEAD_STEPS * PER_RANK * WORLD
     assert "refused" not in same and same["changes"] == []
     assert twice_and_never(stream_runs["head"] + same["tail"], RECORDS["same"]) == (0, 0)
     assert same["control"] == same["tail"]
@@ -155,10 +168,15 @@ def test_a_stream_resumed_on_changed_data_is_refused_naming_each_change(stream_r
 
 
 def test_a_map_style_dataset_whose_length_changed_is_refused():
-    out = ddpkit.spawn(resume_each, WORLD, (map_loader, 160, {"same": 160, "longer": 184, "shorter": 150}))[0]
+    out = ddpkit.spawn(
+        resume_each, WORLD, (map_loader, 160, {"same": 160, "longer": 184, "shorter": 150})
+    )[0]
     same, longer, shorter = (out["variants"][k] for k in ("same", "longer", "shorter"))
     assert twice_and_never(out["head"] + same["tail"], set(range(160))) == (0, 0)
-    assert "dataset length: 160 -> 184" in longer["refused"] and "dataset length: 160 -> 150" in shorter["refused"]
+    assert (
+        "dataset length: 160 -> 184" in longer["refused"]
+        and "dataset length: 160 -> 150" in shorter["refused"]
+    )
     for name, got, n in (("longer", longer, 184), ("shorter", shorter, 150)):
         twice, never = twice_and_never(out["head"] + got["control"], set(range(n)))
         print(f"\nmap-style {name}, resumed by cursor alone: {twice} records twice, {never} never")
@@ -166,23 +184,27 @@ def test_a_map_style_dataset_whose_length_changed_is_refused():
         assert twice_and_never(got["restarted"], set(range(n))) == (0, n % 16)
 
 
-def test_a_stream_stopped_at_two_ranks_resumes_at_one_with_the_same_global_batch(stream_runs, shards):
-    loader = stream_loader(shards["same"], per_rank=PER_RANK * WORLD)  # a world of one, the same global batch
+def test_a_stream_stopped_at_two_ranks_resumes_at_one_with_the_same_global_batch(
+    stream_runs, shards
+):
+    # a world of one, the same global batch
+    loader = stream_loader(shards["same"], per_rank=PER_RANK * WORLD)
     loader.load_state_dict(stream_runs["state"])
     tail = [i for batch in loader for i in batch]
     assert twice_and_never(stream_runs["head"] + tail, RECORDS["same"]) == (0, 0)
     assert sorted(tail) == sorted(stream_runs["variants"]["same"]["tail"])  # the same records
-    other_batch = stream_loader(shards["same"], per_rank=PER_RANK)  # global batch 8: another order of steps
+    # global batch 8: another order of steps
+    other_batch = stream_loader(shards["same"], per_rank=PER_RANK)
     with pytest.raises(ConfigError, match="global batch: 16 -> 8"):
         other_batch.load_state_dict(stream_runs["state"])
 
 
-# -- an iterable whose order differs between ranks ------------------------------------------------------------
+# -- an iterable whose order differs between ranks -------------------------------------------------
 
 
 class RankOrder:
-    """Records 0..299 in an order of each process's own (as a set of strings iterates under each process's hash
-    seed, or a shuffle seeded per process)."""
+    """Records 0..299 in an order of each process's own (as a set of strings iterates under each
+    process's hash seed, or a shuffle seeded per process)."""
 
     def __init__(self, rank: int) -> None:
         self.order = list(range(300))
@@ -206,7 +228,10 @@ def read_iterable(check: bool) -> dict:
 
 def test_an_iterable_whose_order_differs_between_ranks_is_refused_on_every_rank():
     for out in ddpkit.spawn(read_iterable, WORLD, (True,)):
-        assert "first 128 records differ between ranks (rank 0's differ from rank 1's)" in out["refused"]
+        assert (
+            "first 128 records differ between ranks (rank 0's differ from rank 1's)"
+            in out["refused"]
+        )
     # Control: unchecked, the epoch trains records twice and others never, and nothing fails.
     trained = ddpkit.spawn(read_iterable, WORLD, (False,))[0]["trained"]
     twice, never = twice_and_never(trained, set(range(300)))
@@ -214,15 +239,18 @@ def test_an_iterable_whose_order_differs_between_ranks_is_refused_on_every_rank(
     assert twice > 0 and never > 0
 
 
-# -- the Trainer ----------------------------------------------------------------------------------------------
+# -- the Trainer -----------------------------------------------------------------------------------
 
 
 def as_sample(record: dict) -> tuple[torch.Tensor, torch.Tensor, int]:
     return torch.tensor([float(record["id"])]), torch.tensor(record["id"] % 2), record["id"]
 
 
-def fit_stream(run_dir: Path, paths: list[str], max_steps: int | None, on_data_change: str = "error") -> dict:
-    """The Trainer on a stream of ``paths`` (one epoch, global batch 16, in this process): the ids it trained."""
+def fit_stream(
+    run_dir: Path, paths: list[str], max_steps: int | None, on_data_change: str = "error"
+) -> dict:
+    """The Trainer on a stream of ``paths`` (one epoch, global batch 16, in this process): the ids
+    it trained."""
     trained: list[int] = []
 
     def batch_loss(model, batch):
@@ -247,7 +275,9 @@ def fit_stream(run_dir: Path, paths: list[str], max_steps: int | None, on_data_c
     return {"trained": trained, "step": trainer.step, "metrics": metrics}
 
 
-def test_the_trainer_refuses_a_resume_on_swapped_shards_before_any_step(tmp_path, shards, monkeypatch):
+def test_the_trainer_refuses_a_resume_on_swapped_shards_before_any_step(
+    tmp_path, shards, monkeypatch
+):
     same, swapped = shards["same"][0], shards["swapped"][0]
     head = fit_stream(tmp_path / "run", same, max_steps=HEAD_STEPS)
     assert head["step"] == HEAD_STEPS and len(head["trained"]) == 64
@@ -255,7 +285,8 @@ def test_the_trainer_refuses_a_resume_on_swapped_shards_before_any_step(tmp_path
     refused = fit_stream(tmp_path / "run", swapped, max_steps=None)
     assert "shard 0: a.jsonl" in refused["refused"] and "-> b.jsonl" in refused["refused"]
     assert refused["trained"] == [] and refused["step"] == HEAD_STEPS  # refused before any step
-    # Control: with the check off the resume trains on, ends normally, and the epoch repeats and skips records.
+    # Control: with the check off the resume trains on, ends normally, and the epoch repeats and
+    # skips records.
     monkeypatch.setattr(ddpkit.data._epoch_loader, "changes", lambda saved, current: [])
     tail = fit_stream(tmp_path / "control", swapped, max_steps=None)
     assert "refused" not in tail and tail["step"] == 10
@@ -270,7 +301,11 @@ def test_the_trainer_with_restart_epoch_trains_the_epoch_again_on_the_new_data(t
     assert head["step"] == HEAD_STEPS
     tail = fit_stream(tmp_path / "run", swapped, max_steps=None, on_data_change="restart_epoch")
     assert "refused" not in tail
-    # The epoch from its first step on the swapped shards, in the order a fresh run takes: every record once.
-    assert tail["step"] == HEAD_STEPS + 10 and len(set(tail["trained"])) == len(tail["trained"]) == 10 * 16
+    # The epoch from its first step on the swapped shards, in the order a fresh run takes: every
+    # record once.
+    assert (
+        tail["step"] == HEAD_STEPS + 10
+        and len(set(tail["trained"])) == len(tail["trained"]) == 10 * 16
+    )
     fresh = fit_stream(tmp_path / "fresh", swapped, max_steps=None)
     assert fresh["trained"] == tail["trained"]

@@ -1,5 +1,6 @@
-"""Streams: each record once per epoch over ranks and loader workers, the same global order at any world size,
-and an exact resume after a SIGKILL, with real processes; the adapters' reads and refusals."""
+"""Streams: each record once per epoch over ranks and loader workers, the same global order at any
+world size, and an exact resume after a SIGKILL, with real processes; the adapters' reads and
+refusals."""
 
 from __future__ import annotations
 
@@ -53,10 +54,12 @@ def repeated_and_missing(records: list[int], n: int) -> tuple[int, int]:
     return len(records) - len(set(records)), n - len(set(records))
 
 
-# -- the order ------------------------------------------------------------------------------------------------
+# -- the order -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("sizes, window", [([57, 0, 100], 16), ([157], 1), ([10, 20, 30], 1000), ([5] * 40, 7)])
+@pytest.mark.parametrize(
+    "sizes, window", [([57, 0, 100], 16), ([157], 1), ([10, 20, 30], 1000), ([5] * 40, 7)]
+)
 def test_each_epochs_order_is_a_permutation_of_the_records_that_changes_by_epoch(sizes, window):
     stream = Sized(sizes, window)
     orders = [record_ids(stream, seed=3, epoch=e).tolist() for e in range(3)]
@@ -86,12 +89,13 @@ def test_the_order_keeps_a_few_block_permutations_not_one_of_every_record():
     assert len(order._tau) <= 2 and order.block_order.nbytes == 8 * 9766
 
 
-# -- the adapters ---------------------------------------------------------------------------------------------
+# -- the adapters ----------------------------------------------------------------------------------
 
 
 def test_jsonl_index_is_cached_next_to_the_file_and_rebuilt_when_it_changes(tmp_path):
     path = tmp_path / "a.jsonl"
-    path.write_text('{"id": 0}\n\n{"id": 1}\r\n   {"id": 2}')  # a blank line, CRLF, no final newline
+    # a blank line, CRLF, no final newline
+    path.write_text('{"id": 0}\n\n{"id": 1}\r\n   {"id": 2}')
     stream = JsonlStream(path)
     assert len(stream) == 3
     assert stream.read(0, np.array([2, 0, 1])) == [{"id": 2}, {"id": 0}, {"id": 1}]
@@ -152,35 +156,51 @@ class SplitsItself(torch.utils.data.IterableDataset):
 def test_an_iterable_that_splits_itself_among_workers_is_refused(tmp_path):
     stream = IterableStream(SplitsItself(), num_records=40, window=8)
     assert len(IterableStream(SplitsItself(), window=8)) == 40  # counted by one pass
-    in_main = [i for batch in ddpkit.build_loader(stream, 4, num_workers=0, collate_fn=list) for i in batch]
+    in_main = [
+        i for batch in ddpkit.build_loader(stream, 4, num_workers=0, collate_fn=list) for i in batch
+    ]
     assert sorted(in_main) == list(range(40))
     loader = ddpkit.build_loader(stream, 4, num_workers=2, collate_fn=list)
     with pytest.raises(ConfigError, match="the stream ended after 20 records, num_records is 40"):
         list(loader)
-    # Its persistent workers, stopped now: left to the garbage collector, they would stop in whichever process
-    # collects them, a rank forked by a later test included (two 5 s join timeouts there, on workers not its own).
+    # Its persistent workers, stopped now: left to the garbage collector, they would stop in
+    # whichever process collects them, a rank forked by a later test included (two 5 s join timeouts
+    # there, on workers not its own).
     loader._iterator._shutdown_workers()
 
 
-# -- ranks and workers, with real processes -------------------------------------------------------------------
+# -- ranks and workers, with real processes --------------------------------------------------------
 
 
-def expected_steps(data: Path, seed: int, epochs: int, window: int = 16, iterable: bool = False) -> list[list[int]]:
-    """The global batches of ``epochs``, from the order alone (the file read front to back for ``iterable``)."""
-    stream = Sized([N_RECORDS], window, random_access=False) if iterable else JsonlStream(data, window=window)
+def expected_steps(
+    data: Path, seed: int, epochs: int, window: int = 16, iterable: bool = False
+) -> list[list[int]]:
+    """The global batches of ``epochs``, from the order alone (the file read front to back for
+    ``iterable``)."""
+    stream = (
+        Sized([N_RECORDS], window, random_access=False)
+        if iterable
+        else JsonlStream(data, window=window)
+    )
     steps = []
     for epoch in range(epochs):
         order = record_ids(stream, seed, epoch).tolist()
-        steps += [order[s : s + GLOBAL_BATCH] for s in range(0, len(order) - GLOBAL_BATCH + 1, GLOBAL_BATCH)]
+        steps += [
+            order[s : s + GLOBAL_BATCH]
+            for s in range(0, len(order) - GLOBAL_BATCH + 1, GLOBAL_BATCH)
+        ]
     return steps
 
 
 @pytest.mark.parametrize("iterable", [False, True], ids=["jsonl", "iterable"])
 def test_each_record_once_per_epoch_over_two_ranks_and_two_workers(tmp_path, iterable):
     data = write_records(tmp_path / "records.jsonl")
-    per_rank = ddpkit.spawn(functools.partial(read_steps, str(data), 12, workers=2, epochs=2, iterable=iterable), 2)[0]
+    per_rank = ddpkit.spawn(
+        functools.partial(read_steps, str(data), 12, workers=2, epochs=2, iterable=iterable), 2
+    )[0]
     steps = global_steps(per_rank)
-    # Rank r's batch is slice r of the global batch, whichever worker read it: the order cut into steps.
+    # Rank r's batch is slice r of the global batch, whichever worker read it: the order cut into
+    # steps.
     assert steps == expected_steps(data, seed=11, epochs=2, iterable=iterable)
     for epoch in (steps[:10], steps[10:]):
         assert repeated_and_missing(sum(epoch, []), N_RECORDS) == (0, 0)
@@ -188,40 +208,66 @@ def test_each_record_once_per_epoch_over_two_ranks_and_two_workers(tmp_path, ite
 
 def test_control_a_plain_iterable_dataset_in_two_workers_yields_each_record_twice(tmp_path):
     data = write_records(tmp_path / "records.jsonl")
-    per_rank = ddpkit.spawn(functools.partial(naive_steps, str(data), 12, workers=2, by_worker=False), 2)[0]
+    per_rank = ddpkit.spawn(
+        functools.partial(naive_steps, str(data), 12, workers=2, by_worker=False), 2
+    )[0]
     assert repeated_and_missing(sum(global_steps(per_rank), []), N_RECORDS) == (N_RECORDS, 0)
 
 
 def test_a_stream_stopped_at_two_ranks_continues_at_three_in_the_same_order(tmp_path):
     data = write_records(tmp_path / "records.jsonl")
     head = ddpkit.spawn(functools.partial(read_steps, str(data), 12, workers=2, stop_after=5), 2)[0]
-    tail = ddpkit.spawn(functools.partial(read_steps, str(data), 8, workers=2, start=(0, 5 * GLOBAL_BATCH)), 3)[0]
+    tail = ddpkit.spawn(
+        functools.partial(read_steps, str(data), 8, workers=2, start=(0, 5 * GLOBAL_BATCH)), 3
+    )[0]
     steps = global_steps(head) + global_steps(tail)
-    assert [sorted(s) for s in steps] == [sorted(s) for s in expected_steps(data, seed=11, epochs=1)]
+    assert [sorted(s) for s in steps] == [
+        sorted(s) for s in expected_steps(data, seed=11, epochs=1)
+    ]
     assert repeated_and_missing(sum(steps, []), N_RECORDS) == (0, 0)
-    # Control: the usual split by rank and worker, resumed by skipping the cursor's share in each worker's
-    # part, repeats and skips records: its workers had read unequal amounts (5 steps over 2 workers).
-    head = ddpkit.spawn(functools.partial(naive_steps, str(data), 12, workers=2, stop_after=5), 2)[0]
-    tail = ddpkit.spawn(functools.partial(naive_steps, str(data), 8, workers=2, cursor=5 * GLOBAL_BATCH), 3)[0]
-    repeated, missing = repeated_and_missing(sum(global_steps(head) + global_steps(tail), []), N_RECORDS)
+    # Control: the usual split by rank and worker, resumed by skipping the cursor's share in each
+    # worker's part, repeats and skips records: its workers had read unequal amounts (5 steps over 2
+    # workers).
+    head = ddpkit.spawn(functools.partial(naive_steps, str(data), 12, workers=2, stop_after=5), 2)[
+        0
+    ]
+    tail = ddpkit.spawn(
+        functools.partial(naive_steps, str(data), 8, workers=2, cursor=5 * GLOBAL_BATCH), 3
+    )[0]
+    repeated, missing = repeated_and_missing(
+        sum(global_steps(head) + global_steps(tail), []), N_RECORDS
+    )
     assert repeated > 0 and missing > 0, (repeated, missing)
 
 
-# -- the Trainer under the launcher (slow) ---------------------------------------------------------------------
+# -- the Trainer under the launcher (slow) ---------------------------------------------------------
 
 
-def launch(tmp: Path, name: str, data: Path, *job_args: str, nproc: int = 2, restarts: int = 2, env: dict) -> dict:
+def launch(
+    tmp: Path, name: str, data: Path, *job_args: str, nproc: int = 2, restarts: int = 2, env: dict
+) -> dict:
     log = tmp / f"{name}-log"
     log.mkdir(exist_ok=True)
-    job = (str(tmp / name), "--data", str(data), "--sample-log", str(log), "--out", str(tmp / f"{name}.pt"))
+    job = (
+        str(tmp / name),
+        "--data",
+        str(data),
+        "--sample-log",
+        str(log),
+        "--out",
+        str(tmp / f"{name}.pt"),
+    )
     restart = ("--max-restarts", str(restarts))
-    proc = run_job(JOB, *job, *job_args, nproc=nproc, launcher_args=restart, env=env, cwd=tmp, timeout=300)
+    proc = run_job(
+        JOB, *job, *job_args, nproc=nproc, launcher_args=restart, env=env, cwd=tmp, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(tmp / f"{name}.pt", weights_only=False)
 
 
 def trained_steps(log_dir: Path) -> dict[int, list[int]]:
-    """Step -> the records trained on in it over all ranks, from the last attempt that trained it."""
+    """Step -> the records trained on in it over all ranks, from the last attempt that trained
+    it."""
     by_step: dict[int, dict[int, list[int]]] = {}
     for path in sorted(log_dir.glob("rank*.jsonl")):
         for line in path.read_text().splitlines():
@@ -230,21 +276,25 @@ def trained_steps(log_dir: Path) -> dict[int, list[int]]:
     return {step: attempts[max(attempts)] for step, attempts in by_step.items()}
 
 
-# Kills mid-epoch: (rank, step) -> the snapshots the restart may resume from (they are taken every 3 steps and at
-# the end of epoch 0, step 10): the newest, or the one before it when the newest was still being written in the
-# background.
+# Kills mid-epoch: (rank, step) -> the snapshots the restart may resume from (they are taken every 3
+# steps and at the end of epoch 0, step 10): the newest, or the one before it when the newest was
+# still being written in the background.
 STREAM_KILLS = {"rank 1 in epoch 0": (1, 7, (6, 3)), "rank 0 in epoch 1": (0, 14, (12, 10))}
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # five 2-rank jobs with 2 loader workers a rank: about a minute, more under load
+# five 2-rank jobs with 2 loader workers a rank: about a minute, more under load
+@pytest.mark.timeout(900)
 def test_sigkill_mid_epoch_with_loader_workers_resumes_bitwise(tmp_path, clean_env):
     data = write_records(tmp_path / "records.jsonl")
     reference = launch(tmp_path, "reference", data, env=clean_env)
     for what, (rank, step, resumed_from) in STREAM_KILLS.items():
         name = what.replace(" ", "-")
-        final = launch(tmp_path, name, data, "--kill-rank", str(rank), "--kill-step", str(step), env=clean_env)
-        # Proof of the kill: the worker's mark, and a restarted job that resumed from a snapshot mid-epoch.
+        final = launch(
+            tmp_path, name, data, "--kill-rank", str(rank), "--kill-step", str(step), env=clean_env
+        )
+        # Proof of the kill: the worker's mark, and a restarted job that resumed from a snapshot
+        # mid-epoch.
         assert list((tmp_path / f"{name}-log").glob("killed-*")) and final["attempt"] == 1, what
         assert final["resumed_from"] in resumed_from, (what, final["resumed_from"])
         per_epoch = samples_per_epoch(tmp_path / f"{name}-log", resume_steps(tmp_path / name))
@@ -254,11 +304,22 @@ def test_sigkill_mid_epoch_with_loader_workers_resumes_bitwise(tmp_path, clean_e
             f"{max_abs_diff(final, reference):.1e}"
         )
         assert bitwise_equal(final, reference), what
-        assert rank_differences(tmp_path / f"{name}.pt", tmp_path / "reference.pt") == {0: [], 1: []}, what
+        assert rank_differences(tmp_path / f"{name}.pt", tmp_path / "reference.pt") == {
+            0: [],
+            1: [],
+        }, what
     # Control: the transform's draws left to each worker's own stream: the same kill ends elsewhere.
     plain = launch(tmp_path, "plain", data, "--unseeded-samples", env=clean_env)
     plain_killed = launch(
-        tmp_path, "plain-killed", data, "--unseeded-samples", "--kill-rank", "1", "--kill-step", "7", env=clean_env
+        tmp_path,
+        "plain-killed",
+        data,
+        "--unseeded-samples",
+        "--kill-rank",
+        "1",
+        "--kill-step",
+        "7",
+        env=clean_env,
     )
     assert list((tmp_path / "plain-killed-log").glob("killed-*")) and plain_killed["attempt"] == 1
     print(f"control, unseeded transform: max |dw| {max_abs_diff(plain_killed, plain):.1e}")
@@ -267,13 +328,17 @@ def test_sigkill_mid_epoch_with_loader_workers_resumes_bitwise(tmp_path, clean_e
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_run_stopped_at_two_ranks_resumes_at_three_with_the_same_global_order(tmp_path, clean_env):
+def test_a_run_stopped_at_two_ranks_resumes_at_three_with_the_same_global_order(
+    tmp_path, clean_env
+):
     data = write_records(tmp_path / "records.jsonl")
     launch(tmp_path, "run", data, "--max-steps", "5", env=clean_env)
     final = launch(tmp_path, "run", data, "--workers", "1", nproc=3, env=clean_env)
     assert final["resumed_from"] == 5 and final["step"] == 20
     worlds = {
-        json.loads(line)["world"] for p in (tmp_path / "run-log").glob("*.jsonl") for line in p.read_text().splitlines()
+        json.loads(line)["world"]
+        for p in (tmp_path / "run-log").glob("*.jsonl")
+        for line in p.read_text().splitlines()
     }
     assert worlds == {2, 3}
     steps = trained_steps(tmp_path / "run-log")

@@ -33,7 +33,8 @@ def _all_reduce_worker() -> dict:
         out["mean"] = "no error"
     except ValueError as err:
         out["mean"] = "ValueError: " + str(err)
-    out["after_error"] = ddpkit.all_reduce(1)  # the rejected op entered no collective: the next one lines up
+    # the rejected op entered no collective: the next one lines up
+    out["after_error"] = ddpkit.all_reduce(1)
     return out
 
 
@@ -60,7 +61,9 @@ def test_all_reduce_values_and_types(n):
             assert it.tolist() == [[reduce(ranks), reduce(10 - r for r in ranks)]]
             d = got["dict"]
             assert set(d) == {"loss", "count", "flag", "f"}
-            assert isinstance(d["loss"], torch.Tensor) and d["loss"].item() == reduce(r * 1.5 for r in ranks)
+            assert isinstance(d["loss"], torch.Tensor) and d["loss"].item() == reduce(
+                r * 1.5 for r in ranks
+            )
             assert d["count"] == reduce(r + 1 for r in ranks) and type(d["count"]) is int
             assert type(d["flag"]) is bool and d["flag"] == bool(reduce(int(r == 0) for r in ranks))
             assert d["f"] == reduce(0.25 * r for r in ranks)
@@ -81,8 +84,8 @@ def _float_precision_worker() -> dict:
 
 
 def test_python_floats_keep_double_precision():
-    # A Python float is a double. The helpers promise float64 transport ("float64 keeps ... sums without
-    # loss"), and in a world of one they are the identity.
+    # A Python float is a double. The helpers promise float64 transport ("float64 keeps ... sums
+    # without loss"), and in a world of one they are the identity.
     assert ddpkit.all_reduce(0.1) == 0.1
     assert ddpkit.all_reduce({"third": 1 / 3}) == {"third": 1 / 3}
     sums = ddpkit.MetricSums()
@@ -90,7 +93,11 @@ def test_python_floats_keep_double_precision():
     sums.update("x", 1.0, count=1)
     assert sums.reduced()["x"] == (1e8 + 1.0, 2)
     for out in ddpkit.spawn(_float_precision_worker, 2):
-        assert out == {"scalar": 0.1 + 0.1, "dict": {"third": 1 / 3 + 1 / 3}, "metric_sum": 2 * (1e8 + 1.0)}
+        assert out == {
+            "scalar": 0.1 + 0.1,
+            "dict": {"third": 1 / 3 + 1 / 3},
+            "metric_sum": 2 * (1e8 + 1.0),
+        }
 
 
 VALUES = torch.arange(1, 11, dtype=torch.float64) ** 1.5  # ten samples
@@ -114,7 +121,12 @@ def _metric_worker() -> dict:
     if rt.rank == 0:
         sums.update("only_rank0", torch.tensor([2.0, 4.0]))  # a metric the other ranks never saw
     local = {k: (float(s), sums.counts[k]) for k, s in sums.sums.items()}
-    return {"local": local, "means": sums.compute(), "reduced": sums.reduced(), "empty": ddpkit.MetricSums().compute()}
+    return {
+        "local": local,
+        "means": sums.compute(),
+        "reduced": sums.reduced(),
+        "empty": ddpkit.MetricSums().compute(),
+    }
 
 
 @pytest.mark.parametrize("n", WORLDS)
@@ -131,7 +143,8 @@ def test_metric_sums_exact_mean_with_uneven_and_empty_ranks(n):
         assert out["reduced"]["loss"][1] == 10 and out["reduced"]["acc"][1] == 10
         assert out["empty"] == {}
     assert all(out["means"] == results[0]["means"] for out in results)
-    # Control: averaging the ranks' own means (what a per-rank mean then all_reduce/world gives) is wrong.
+    # Control: averaging the ranks' own means (what a per-rank mean then all_reduce/world gives) is
+    # wrong.
     per_rank = [s / c for out in results for (s, c) in [out["local"].get("loss", (0.0, 0))] if c]
     mean_of_means = sum(per_rank) / len(per_rank)
     assert abs(mean_of_means - expected_loss) > 1.0
@@ -158,7 +171,9 @@ def test_gather_and_broadcast(n):
     for out in results:
         rows = out["rows"]
         assert rows.dtype == torch.int64 and rows.shape == (total, 2)
-        assert rows[:, 0].tolist() == list(range(total)) and rows[:, 1].tolist() == [-i for i in range(total)]
+        assert rows[:, 0].tolist() == list(range(total)) and rows[:, 1].tolist() == [
+            -i for i in range(total)
+        ]
         assert out["floats"].tolist() == [r + 0.5 for r in range(n) for _ in range(r + 1)]
         assert out["all_empty"].shape == (0, 3)
         assert out["objects"] == [{"rank": r, "name": f"r{r}"} for r in range(n)]
@@ -173,8 +188,9 @@ def _barrier_worker(tmp: str) -> dict:
     ddpkit.barrier()
     # Every rank created its file before anyone left the barrier.
     out["after"] = sorted(p.name for p in Path(tmp).glob("arrived_*"))
-    # The other way round: the other ranks cannot leave the next barrier, and write "late" files, before rank 0
-    # has looked and arrived there. (Also shows the listing is not trivially complete.)
+    # The other way round: the other ranks cannot leave the next barrier, and write "late" files,
+    # before rank 0 has looked and arrived there. (Also shows the listing is not trivially
+    # complete.)
     if rt.rank == 0:
         out["late_seen_by_rank0"] = sorted(p.name for p in Path(tmp).glob("late_*"))
     ddpkit.barrier()
@@ -219,7 +235,8 @@ def test_main_first_runs_rank0_before_the_others(n, tmp_path):
     results = ddpkit.spawn(_main_first_worker, n, (str(tmp_path),))
     assert [out["global"] for out in results] == [False] + [True] * (n - 1)
     assert [out["local"] for out in results] == [False] + [True] * (n - 1)
-    assert [out["reversed"] for out in results] == [False] * n  # nobody saw the file: order not enforced
+    # nobody saw the file: order not enforced
+    assert [out["reversed"] for out in results] == [False] * n
 
 
 def _print_worker() -> dict:
@@ -265,7 +282,9 @@ def _subgroup_worker(tmp: str) -> dict:
         ddpkit.barrier(group)
         out["after_barrier"] = sorted(p.name for p in Path(tmp).glob("arrived_*"))
         with ddpkit.main_first(group=group):
-            out["main_first"] = _enter(Path(tmp, f"group_file_{r > 0}"), ddpkit.get_runtime(group).is_main)
+            out["main_first"] = _enter(
+                Path(tmp, f"group_file_{r > 0}"), ddpkit.get_runtime(group).is_main
+            )
         sums = ddpkit.MetricSums()
         if r == 1:
             sums.update("v", torch.tensor([1.0, 2.0, 3.0]))
@@ -296,12 +315,18 @@ def test_helpers_with_a_subgroup(tmp_path):
         assert out["world_sum"] == 3
     assert rank1["main_first"] is False and rank2["main_first"] is True
     assert rank1["stdout"] == "group main 1\n" and rank2["stdout"] == ""
-    # Members left the group barrier only once both members had arrived (rank 0 may or may not have).
+    # Members left the group barrier only once both members had arrived (rank 0 may or may not
+    # have).
     for out in (rank1, rank2):
         assert {"arrived_1", "arrived_2"} <= set(out["after_barrier"])
-    # A rank outside the group is no member (rank -1, not main, prints nothing); the collective helpers are
-    # identities for it and do not wait for the group.
-    assert (rank0["rank"], rank0["world_size"], rank0["sum"], rank0["objects"]) == (-1, -1, 0, ["r0"])
+    # A rank outside the group is no member (rank -1, not main, prints nothing); the collective
+    # helpers are identities for it and do not wait for the group.
+    assert (rank0["rank"], rank0["world_size"], rank0["sum"], rank0["objects"]) == (
+        -1,
+        -1,
+        0,
+        ["r0"],
+    )
     assert rank0["is_main"] is False and rank0["stdout"] == ""
     assert rank0["tensors"] == [] and rank0["bcast1"] == "from0"
     assert rank0["world_sum"] == 3

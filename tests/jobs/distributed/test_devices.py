@@ -1,4 +1,5 @@
-"""Where ``ddpkit run --debug-collectives`` has nccl's flight recorder write, in a real job on the CPU."""
+"""Where ``ddpkit run --debug-collectives`` has nccl's flight recorder write, in a real job on the
+CPU."""
 
 from __future__ import annotations
 
@@ -14,12 +15,19 @@ PROBE = str(SCRIPTS / "device_probe.py")
 
 
 @pytest.mark.slow
-def test_the_flight_record_goes_to_the_runs_stacks_folder_and_the_summary_names_it(clean_env, tmp_path):
+def test_the_flight_record_goes_to_the_runs_stacks_folder_and_the_summary_names_it(
+    clean_env, tmp_path
+):
     env = device_env(clean_env, "cpu")
     logs = tmp_path / "logs"
 
     def job(*args: str):
-        return run([*DDPKIT, "run", "--nproc", "1", "--log-dir", str(logs), *args], env, timeout=120, cwd=tmp_path)
+        return run(
+            [*DDPKIT, "run", "--nproc", "1", "--log-dir", str(logs), *args],
+            env,
+            timeout=120,
+            cwd=tmp_path,
+        )
 
     out = job("--debug-collectives", PROBE, "env")
     assert out.returncode == 0, out.stderr[-3000:]
@@ -28,8 +36,13 @@ def test_the_flight_record_goes_to_the_runs_stacks_folder_and_the_summary_names_
     assert seen[buffer] == "2000" and seen["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     prefix = Path(seen[dump_file])
     # ddpkit-logs/<run>/stacks/nccl_trace_rank_<N>, as the README says.
-    assert prefix.name == "nccl_trace_rank_" and prefix.parent.name == "stacks" and prefix.parents[1].parent == logs
-    # A rank that fails after writing its record (as nccl's watchdog does on a timeout): the summary names it.
+    assert (
+        prefix.name == "nccl_trace_rank_"
+        and prefix.parent.name == "stacks"
+        and prefix.parents[1].parent == logs
+    )
+    # A rank that fails after writing its record (as nccl's watchdog does on a timeout): the summary
+    # names it.
     out = job("--debug-collectives", PROBE, "dump-and-fail")
     assert out.returncode == 3
     (record,) = logs.glob("*/stacks/nccl_trace_rank_0")

@@ -1,4 +1,5 @@
-"""ddpkit on groups of ranks: a Trainer per group trains exactly what it trains alone, metrics stay exact."""
+"""ddpkit on groups of ranks: a Trainer per group trains exactly what it trains alone, metrics stay
+exact."""
 
 from __future__ import annotations
 
@@ -33,7 +34,12 @@ def _train(run_root: str, candidate: int, group=None) -> dict:
         logging=LoggingConfig(progress=False, every_steps=3),
     )
     trainer = Trainer(
-        model, torch.optim.Adam(model.parameters(), lr=lr), Data(120, 7), config, val_data=Data(37, 8), group=group
+        model,
+        torch.optim.Adam(model.parameters(), lr=lr),
+        Data(120, 7),
+        config,
+        val_data=Data(37, 8),
+        group=group,
     )
     metrics = trainer.fit()
     return {
@@ -71,7 +77,9 @@ def test_a_trainer_per_group_equals_each_trainer_alone(tmp_path):
     for candidate in (0, 1):
         alone = ddpkit.spawn(functools.partial(_alone, str(tmp_path / "alone"), candidate), 2)[0]
         grouped = results[2 * candidate]
-        assert bitwise_equal(grouped, alone), f"candidate {candidate} trained differently inside a group"
+        assert bitwise_equal(grouped, alone), (
+            f"candidate {candidate} trained differently inside a group"
+        )
         assert grouped["metrics"] == alone["metrics"]
         # Each group wrote its own run directory, once: one "start" event, its own epochs.
         log = (tmp_path / "groups" / f"candidate{candidate}" / "metrics.jsonl").read_text()
@@ -89,15 +97,23 @@ def _group_metrics() -> dict:
     model = ddpkit.prepare_model(nn.Linear(6, 2), runtime=grt)
     data = Data(37, 8)
     exact = ddpkit.evaluate(model, data, group=grt.group)
-    # The tutorial's way: each rank divides its shard's summed loss by the whole data set's size, the sums are
-    # all-reduced, and the result is divided by the world size once more.
+    # The tutorial's way: each rank divides its shard's summed loss by the whole data set's size,
+    # the sums are all-reduced, and the result is divided by the world size once more.
     loader = ddpkit.build_eval_loader(data, 16, num_workers=0, group=grt.group)
-    local = sum(nn.functional.cross_entropy(ddpkit.unwrap(model)(x), y, reduction="sum").item() for x, y in loader)
+    local = sum(
+        nn.functional.cross_entropy(ddpkit.unwrap(model)(x), y, reduction="sum").item()
+        for x, y in loader
+    )
     tutorial = ddpkit.all_reduce(local / len(data), group=grt.group) / grt.world_size
     # The same model evaluated by one process on all the data.
     x, y = data.x, data.y
     reference = nn.functional.cross_entropy(ddpkit.unwrap(model)(x), y).item()
-    return {"exact": exact["loss"], "tutorial": tutorial, "reference": reference, "group": grt.group_index}
+    return {
+        "exact": exact["loss"],
+        "tutorial": tutorial,
+        "reference": reference,
+        "group": grt.group_index,
+    }
 
 
 def test_group_metrics_are_exact_and_the_tutorials_are_off_by_the_world_size():
@@ -106,7 +122,8 @@ def test_group_metrics_are_exact_and_the_tutorials_are_off_by_the_world_size():
         assert r["exact"] == pytest.approx(r["reference"], rel=1e-6)
         # Control: the tutorial's reduction is world_size (2) times too small.
         assert r["tutorial"] == pytest.approx(r["reference"] / 2, rel=1e-6)
-    assert results[0]["reference"] != pytest.approx(results[2]["reference"], rel=1e-3)  # groups differ
+    # groups differ
+    assert results[0]["reference"] != pytest.approx(results[2]["reference"], rel=1e-3)
 
 
 def _helpers_follow_the_group() -> dict:

@@ -1,4 +1,5 @@
-"""``ddpkit.init``: plain python, real process groups under ``ddpkit.spawn``, and the errors a user can act on."""
+"""``ddpkit.init``: plain python, real process groups under ``ddpkit.spawn``, and the errors a user
+can act on."""
 
 from __future__ import annotations
 
@@ -50,7 +51,12 @@ def plain_python(run_python):
 def test_plain_python_is_a_world_of_one(plain_python):
     out = plain_python
     assert out["leaked"] == []
-    assert (out["rank"], out["local_rank"], out["world_size"], out["local_world_size"]) == (0, 0, 1, 1)
+    assert (out["rank"], out["local_rank"], out["world_size"], out["local_world_size"]) == (
+        0,
+        0,
+        1,
+        1,
+    )
     assert out["device"] == "cpu"
     assert out["backend"] is None
     assert out["launcher"] == "none"
@@ -107,7 +113,11 @@ def test_port_in_use_fails_fast_with_explanation(run_python):
         )
         elapsed = time.monotonic() - start
     assert proc.returncode == 0, proc.stderr
-    lines = dict(line.split(": ", 1) for line in proc.stdout.splitlines() if line.startswith(("BUSY", "FREE")))
+    lines = dict(
+        line.split(": ", 1)
+        for line in proc.stdout.splitlines()
+        if line.startswith(("BUSY", "FREE"))
+    )
     busy_line = lines["BUSY-PORT"]
     assert busy_line.startswith("ConfigError after"), busy_line
     assert f"port {port}" in busy_line and "in use" in busy_line
@@ -149,7 +159,10 @@ def _bad_env_worker() -> dict[str, str]:
 def test_inconsistent_environment_is_a_config_error():
     (seen,) = ddpkit.spawn(_bad_env_worker, 1)
     assert seen["rank_outside"].startswith("ConfigError: rank 3 is outside the world of 2")
-    assert seen["no_master_addr"].startswith("ConfigError: ") and "MASTER_ADDR" in seen["no_master_addr"]
+    assert (
+        seen["no_master_addr"].startswith("ConfigError: ")
+        and "MASTER_ADDR" in seen["no_master_addr"]
+    )
     assert seen["partial"].startswith("ConfigError: ") and "WORLD_SIZE" in seen["partial"]
     assert seen["not_integer"].startswith("ConfigError: LOCAL_RANK='zero'")
     assert seen["control"] == "gloo 1"
@@ -179,7 +192,8 @@ def _fields_worker() -> dict:
         "distributed": rt.distributed,
         "same_on_second_call": ddpkit.init() is rt and ddpkit.get_runtime() is rt,
         "dist": (dist.get_rank(), dist.get_world_size(), dist.get_backend()),
-        # What the process group itself was configured with (no public accessor; the gloo backend's options).
+        # What the process group itself was configured with (no public accessor; the gloo backend's
+        # options).
         "pg_timeout": dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout,
         "sum": ddpkit.all_reduce(rt.rank + 1),
     }
@@ -189,7 +203,8 @@ def _fields_worker() -> dict:
         refused = "no error"
     except NotInitializedError as err:
         refused = str(err)
-    # Shut down, the process is no longer part of the job, but the launcher's variables still say it was.
+    # Shut down, the process is no longer part of the job, but the launcher's variables still say it
+    # was.
     out["after_shutdown"] = (dist.is_initialized(), "call ddpkit.init()" in refused)
     return out
 
@@ -243,9 +258,10 @@ if __name__ == "__main__":
 
 @pytest.mark.timeout(120)
 def test_init_again_after_shutdown(run_python):
-    # shutdown() promises that init() may be called again. Under ddpkit._launch.spawn (and torchrun) the rendezvous
-    # store outlives the group, so a second group must not read the first group's keys. The broken case can
-    # hang beyond the group timeout, so it runs in a subprocess that is killed with its ranks after 45 s.
+    # shutdown() promises that init() may be called again. Under ddpkit._launch.spawn (and torchrun)
+    # the rendezvous store outlives the group, so a second group must not read the first group's
+    # keys. The broken case can hang beyond the group timeout, so it runs in a subprocess that is
+    # killed with its ranks after 45 s.
     proc = run_python(REINIT, timeout=45)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -295,7 +311,9 @@ def test_get_runtime_without_init_refuses_when_the_launcher_says_several_ranks()
 
 
 def test_get_runtime_without_init_in_plain_python_is_a_world_of_one(run_python):
-    proc = run_python("import ddpkit; rt = ddpkit.get_runtime(); print(rt.world_size, rt.distributed)")
+    proc = run_python(
+        "import ddpkit; rt = ddpkit.get_runtime(); print(rt.world_size, rt.distributed)"
+    )
     assert proc.returncode == 0 and proc.stdout.split() == ["1", "False"], proc.stderr
 
 
@@ -314,8 +332,13 @@ def _init_twice_worker() -> dict:
 def test_init_again_with_another_backend_or_device_raises():
     for out in ddpkit.spawn(_init_twice_worker, 2):
         assert out["same"]
-        assert "init(backend='mpi') but this process already runs with backend 'gloo'" in out["{'backend': 'mpi'}"]
-        assert "init(device='meta') but this process already runs on cpu" in out["{'device': 'meta'}"]
+        assert (
+            "init(backend='mpi') but this process already runs with backend 'gloo'"
+            in out["{'backend': 'mpi'}"]
+        )
+        assert (
+            "init(device='meta') but this process already runs on cpu" in out["{'device': 'meta'}"]
+        )
 
 
 def _seeds_train(rank: int, world_size: int, lr: float = 0.1) -> tuple[int, int, int, int, float]:
@@ -326,15 +349,20 @@ def _seeds_train(rank: int, world_size: int, lr: float = 0.1) -> tuple[int, int,
 
 def test_spawn_passes_the_rank_first_as_mp_spawn_does():
     results = ddpkit.spawn(_seeds_train, args=(2,), nprocs=2, pass_rank=True)
-    assert results == [(0, 2, 0, 3, 0.1), (1, 2, 1, 3, 0.1)]  # each process got its own rank, as init() says
+    # each process got its own rank, as init() says
+    assert results == [(0, 2, 0, 3, 0.1), (1, 2, 1, 3, 0.1)]
     # ddpkit's own form calls fn(*args): the rank is init()'s to tell.
-    assert ddpkit.spawn(_seeds_train, nprocs=2, args=(5, 2, 0.5)) == [(5, 2, 0, 12, 0.5), (5, 2, 1, 12, 0.5)]
+    assert ddpkit.spawn(_seeds_train, nprocs=2, args=(5, 2, 0.5)) == [
+        (5, 2, 0, 12, 0.5),
+        (5, 2, 1, 12, 0.5),
+    ]
 
 
 def test_spawn_says_pass_rank_when_the_function_takes_a_rank():
     from ddpkit._errors import ConfigError
 
-    # The DDP tutorials' train(rank, world_size) called the ddpkit way would fail in every child with a TypeError.
+    # The DDP tutorials' train(rank, world_size) called the ddpkit way would fail in every child
+    # with a TypeError.
     with pytest.raises(ConfigError, match=r"takes the rank first.*pass_rank=True"):
         ddpkit.spawn(_seeds_train, args=(2,), nprocs=2)
     with pytest.raises(ConfigError, match="takes no rank: drop pass_rank=True"):

@@ -1,6 +1,7 @@
-"""Nodes as network namespaces (``scripts/netns_nodes.sh``): the helpers the multi-node and Kubernetes jobs
-share. A node's own ``/etc/hosts`` is ``/etc/netns/<namespace>/hosts``, which ``ip netns exec`` mounts over
-``/etc/hosts``: how a pod's names (a headless service's DNS names, its own host name) are given here."""
+"""Nodes as network namespaces (``scripts/netns_nodes.sh``): the helpers the multi-node and
+Kubernetes jobs share. A node's own ``/etc/hosts`` is ``/etc/netns/<namespace>/hosts``, which
+``ip netns exec`` mounts over ``/etc/hosts``: how a pod's names (a headless service's DNS names, its
+own host name) are given here."""
 
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ def two_nodes(name: str) -> Iterator[list[tuple[str, str]]]:
 
 @contextmanager
 def hosts_files(names: dict[str, dict[str, str]]) -> Iterator[None]:
-    """``/etc/hosts`` of each namespace: ``{namespace: {host name: address}}``, removed afterwards."""
+    """``/etc/hosts`` of each namespace: ``{namespace: {host name: address}}``, removed
+    afterwards."""
     made = []
     try:
         for ns, entries in names.items():
@@ -71,16 +73,27 @@ def hosts_files(names: dict[str, dict[str, str]]) -> Iterator[None]:
 def clean_env(threads: int = 1) -> dict[str, str]:
     """This process's environment less any launcher's variables, at ``threads`` intra-op threads."""
     env = {
-        k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "PMI_", "OMPI_", "PET_"))
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "TORCHELASTIC_", "PMI_", "OMPI_", "PET_"))
     }
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME"):
+    for name in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "GLOO_SOCKET_IFNAME",
+    ):
         env.pop(name, None)
     for name in ("KUBERNETES_SERVICE_HOST", "JOB_COMPLETION_INDEX"):
         env.pop(name, None)
-    # Bitwise equality holds at equal intra-op thread counts: the launcher's default splits the node's cores
-    # between its processes, which differs between one node of 2 processes and two nodes of 1.
+    # Bitwise equality holds at equal intra-op thread counts: the launcher's default splits the
+    # node's cores between its processes, which differs between one node of 2 processes and two
+    # nodes of 1.
     env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = f"{ROOT / 'src'}{os.pathsep}{ROOT}"  # ddpkit, and the job scripts' own imports
+    # ddpkit, and the job scripts' own imports
+    env["PYTHONPATH"] = f"{ROOT / 'src'}{os.pathsep}{ROOT}"
     return env
 
 
@@ -97,7 +110,8 @@ def on(ns: str, argv: list[str], cwd: Path, log: str, env: dict[str, str]) -> su
 
 
 def finish(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
-    """Exit codes, None for a process still running after ``timeout`` (then killed with all it started)."""
+    """Exit codes, None for a process still running after ``timeout`` (then killed with all it
+    started)."""
     deadline = time.monotonic() + timeout
     codes: list[int | None] = []
     for p in procs:

@@ -1,5 +1,5 @@
-"""Running ``ddpkit run`` on ``tests/jobs/scripts/stall_job.py`` and timing what it says: shared by the stall
-watch's tests and ``bench/stall_watch_latency.py``."""
+"""Running ``ddpkit run`` on ``tests/jobs/scripts/stall_job.py`` and timing what it says: shared by
+the stall watch's tests and ``bench/stall_watch_latency.py``."""
 
 from __future__ import annotations
 
@@ -28,7 +28,11 @@ class Outcome:
 
     @property
     def to_named(self) -> float | None:
-        return None if self.named_at is None or self.stalled_at is None else self.named_at - self.stalled_at
+        return (
+            None
+            if self.named_at is None or self.stalled_at is None
+            else self.named_at - self.stalled_at
+        )
 
     @property
     def to_end(self) -> float | None:
@@ -36,9 +40,14 @@ class Outcome:
 
 
 def run_stall_job(
-    launcher_args: list[str], job_args: list[str], env: dict[str, str], cwd: Path, timeout: float = 240
+    launcher_args: list[str],
+    job_args: list[str],
+    env: dict[str, str],
+    cwd: Path,
+    timeout: float = 240,
 ) -> Outcome:
-    """``ddpkit run --nproc 2 LAUNCHER_ARGS stall_job.py JOB_ARGS`` in ``cwd``, its stderr timed line by line."""
+    """``ddpkit run --nproc 2 LAUNCHER_ARGS stall_job.py JOB_ARGS`` in ``cwd``, its stderr timed
+    line by line."""
     proc = subprocess.Popen(
         [*DDPKIT, "run", "--nproc", "2", *launcher_args, STALL_JOB, *job_args],
         env=env,
@@ -75,7 +84,16 @@ def run_stall_job(
         reader.join(timeout=10)
     stalled = None
     for log in (cwd / "ddpkit-logs").rglob("stdout.log"):
-        found = re.search(r"rank 1 stalls \(\S+\) after step \d+ at ([0-9.]+)", log.read_text(errors="replace"))
+        found = re.search(
+            r"rank 1 stalls \(\S+\) after step \d+ at ([0-9.]+)", log.read_text(errors="replace")
+        )
         if found:
             stalled = float(found[1])
-    return Outcome(proc.returncode, "".join(lines), "".join(stdout), named[0] if named else None, ended, stalled)
+    return Outcome(
+        proc.returncode,
+        "".join(lines),
+        "".join(stdout),
+        named[0] if named else None,
+        ended,
+        stalled,
+    )

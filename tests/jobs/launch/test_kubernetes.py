@@ -1,16 +1,18 @@
-"""Kubernetes pods as network namespaces: each pod's environment is exactly what its operator sets, its names
-are what the cluster's DNS gives (a headless service's names, the pod's own host name), and its command is
-the one the job's spec runs.
+"""Kubernetes pods as network namespaces: each pod's environment is exactly what its operator sets,
+its names are what the cluster's DNS gives (a headless service's names, the pod's own host name),
+and its command is the one the job's spec runs.
 
-- PyTorchJob (training-operator v1.9), one process per pod: ``python train.py`` with ``MASTER_ADDR`` (the
-  master replica's service), ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK`` and their ``PET_*`` names;
-- the same PyTorchJob with ``nprocPerNode``, and a TrainJob (Trainer v2's torch plugin: torchrun's ``PET_*``),
-  each with the command ``ddpkit k8s`` writes: ``ddpkit run`` takes its options from the ``PET_*``;
-- JobSet: ``ddpkit run --nnodes 2 --rdzv-endpoint <jobset>-node-0-0.<jobset>:29500 train.py`` (as ``ddpkit
-  k8s`` writes it), the node rank from the indexed Job's ``JOB_COMPLETION_INDEX``.
+- PyTorchJob (training-operator v1.9), one process per pod: ``python train.py`` with ``MASTER_ADDR``
+  (the master replica's service), ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK`` and their ``PET_*``
+  names;
+- the same PyTorchJob with ``nprocPerNode``, and a TrainJob (Trainer v2's torch plugin: torchrun's
+  ``PET_*``), each with the command ``ddpkit k8s`` writes: ``ddpkit run`` takes its options from the
+  ``PET_*``;
+- JobSet: ``ddpkit run --nnodes 2 --rdzv-endpoint <jobset>-node-0-0.<jobset>:29500 train.py`` (as
+  ``ddpkit k8s`` writes it), the node rank from the indexed Job's ``JOB_COMPLETION_INDEX``.
 
-Each trains to the bits of the same job on one node. Pods killed and recreated (a new, empty ``/dev/shm``)
-resume from the disk snapshot to the same bits; a pod with a wrong secret is refused.
+Each trains to the bits of the same job on one node. Pods killed and recreated (a new, empty
+``/dev/shm``) resume from the disk snapshot to the same bits; a pod with a wrong secret is refused.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 JOB = str(ROOT / "tests" / "jobs" / "scripts" / "memory_job.py")
 SECRET = "9f" * 32
-MASTER, NODE0 = "digits-master-0", "digits-node-0-0.digits"  # the operators' service names for pod 0
+# the operators' service names for pod 0
+MASTER, NODE0 = "digits-master-0", "digits-node-0-0.digits"
 WORKER = "digits-worker-0"
 POD = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"}
 
@@ -58,19 +61,39 @@ def reference(tmp_path_factory):
     """The same job on one node of two processes: the bits every Kubernetes job must end on."""
     tmp = tmp_path_factory.mktemp("reference")
     (tmp / "log").mkdir()
-    cmd = [*DDPKIT, "run", "--nproc", "2", JOB, str(tmp / "run"), "--log", str(tmp / "log"), "--out", "ref.pt"]
-    out = subprocess.run(cmd, env=netns.clean_env(), cwd=tmp, capture_output=True, text=True, timeout=300)
+    cmd = [
+        *DDPKIT,
+        "run",
+        "--nproc",
+        "2",
+        JOB,
+        str(tmp / "run"),
+        "--log",
+        str(tmp / "log"),
+        "--out",
+        "ref.pt",
+    ]
+    out = subprocess.run(
+        cmd, env=netns.clean_env(), cwd=tmp, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return torch.load(tmp / "ref.pt", weights_only=False)
 
 
 def operator_env(kind: str, index: int) -> dict[str, str]:
-    """What the operator sets in pod ``index`` of a 2-pod job named ``digits``, one process per pod."""
+    """What the operator sets in pod ``index`` of a 2-pod job named ``digits``, one process per
+    pod."""
     if kind.startswith("pytorchjob"):  # training-operator v1.9: envvar.go, master.go
         env = {"PYTHONUNBUFFERED": "1", "MASTER_PORT": "29500", "PET_MASTER_PORT": "29500"}
-        env |= {"MASTER_ADDR": MASTER, "PET_MASTER_ADDR": MASTER, "WORLD_SIZE": "2", "RANK": str(index)}
+        env |= {
+            "MASTER_ADDR": MASTER,
+            "PET_MASTER_ADDR": MASTER,
+            "WORLD_SIZE": "2",
+            "RANK": str(index),
+        }
         env |= {"PET_NODE_RANK": str(index), "PET_NNODES": "2"}
-        # nprocPerNode: "1" as `ddpkit k8s` writes it, else v1.9's default "auto" (pytorch_defaults.go).
+        # nprocPerNode: "1" as `ddpkit k8s` writes it, else v1.9's default "auto"
+        # (pytorch_defaults.go).
         return env | {"PET_NPROC_PER_NODE": "1" if kind == "pytorchjob-run" else "auto"}
     env = {"JOB_COMPLETION_INDEX": str(index)}  # every indexed Job's pod
     if kind == "trainjob":  # Trainer v2's torch plugin
@@ -79,20 +102,37 @@ def operator_env(kind: str, index: int) -> dict[str, str]:
     return env
 
 
-def pod(kind: str, index: int, tmp: Path, name: str, *job_args: str, secret: str = SECRET) -> tuple[list, dict]:
-    """(command, environment) of pod ``index`` of a 2-pod job of ``kind``: the operator's variables, and the
-    command ``ddpkit k8s`` writes (plain ``python`` for a PyTorchJob of one process per pod)."""
+def pod(
+    kind: str, index: int, tmp: Path, name: str, *job_args: str, secret: str = SECRET
+) -> tuple[list, dict]:
+    """(command, environment) of pod ``index`` of a 2-pod job of ``kind``: the operator's variables,
+    and the command ``ddpkit k8s`` writes (plain ``python`` for a PyTorchJob of one process per
+    pod)."""
     env = netns.clean_env() | POD | operator_env(kind, index)
     env["DDPKIT_MEMORY_ROOT"] = str(tmp / f"shm-{name}-{index}")
     Path(env["DDPKIT_MEMORY_ROOT"]).mkdir(exist_ok=True)
     (tmp / f"{name}-log").mkdir(exist_ok=True)
-    job = [str(tmp / name), "--log", str(tmp / f"{name}-log"), "--out", str(tmp / f"{name}.pt"), *job_args]
+    job = [
+        str(tmp / name),
+        "--log",
+        str(tmp / f"{name}-log"),
+        "--out",
+        str(tmp / f"{name}.pt"),
+        *job_args,
+    ]
     if kind == "pytorchjob":
         return [sys.executable, JOB, *job], env
     env["DDPKIT_RDZV_SECRET"] = secret  # an env var from a Kubernetes Secret (secretKeyRef)
     manifest_kind = "pytorchjob" if kind == "pytorchjob-run" else kind
     cfg = manifests.ManifestConfig(
-        script=JOB, script_args=job, image="-", kind=manifest_kind, name="digits", nodes=2, nproc="1", max_restarts=2
+        script=JOB,
+        script_args=job,
+        image="-",
+        kind=manifest_kind,
+        name="digits",
+        nodes=2,
+        nproc="1",
+        max_restarts=2,
     )
     argv = manifests.command(cfg)
     assert argv[:2] == ["ddpkit", "run"]
@@ -124,9 +164,15 @@ def test_two_pods_train_to_the_bits_of_one_node(pods, reference, kind, tmp_path)
     assert bitwise_equal(final, reference)
     if kind == "trainjob":  # the launch says where its options came from
         assert "--node-rank 1 (PET_NODE_RANK)" in logs(tmp_path, kind)[1]
-        assert f"--rdzv-endpoint {NODE0}:29500 (PET_MASTER_ADDR:PET_MASTER_PORT)" in logs(tmp_path, kind)[0]
+        assert (
+            f"--rdzv-endpoint {NODE0}:29500 (PET_MASTER_ADDR:PET_MASTER_PORT)"
+            in logs(tmp_path, kind)[0]
+        )
     if kind == "pytorchjob-run":
-        assert f"--rdzv-endpoint {MASTER}:29500 (PET_MASTER_ADDR:PET_MASTER_PORT)" in logs(tmp_path, kind)[0]
+        assert (
+            f"--rdzv-endpoint {MASTER}:29500 (PET_MASTER_ADDR:PET_MASTER_PORT)"
+            in logs(tmp_path, kind)[0]
+        )
     if kind == "jobset":
         assert "--node-rank 1 (JOB_COMPLETION_INDEX)" in logs(tmp_path, kind)[1]
     if kind == "pytorchjob":  # no agent in the pod: no memory folder, said once
@@ -135,12 +181,21 @@ def test_two_pods_train_to_the_bits_of_one_node(pods, reference, kind, tmp_path)
 
 @pytest.mark.parametrize("kind", ["trainjob", "pytorchjob"])
 def test_a_one_pod_job_of_two_processes_trains_without_a_secret(pods, reference, kind, tmp_path):
-    """The manifest ``ddpkit k8s --nodes 1 --nproc 2`` writes mounts no secret; its operator still sets the
-    master's address (the pod's own name). The pod trains on its own, to the bits of one node."""
+    """The manifest ``ddpkit k8s --nodes 1 --nproc 2`` writes mounts no secret; its operator still
+    sets the master's address (the pod's own name). The pod trains on its own, to the bits of one
+    node."""
     (ns_a, _), _ = pods
     master = NODE0 if kind == "trainjob" else MASTER
-    env = netns.clean_env() | POD | {"PET_NNODES": "1", "PET_NPROC_PER_NODE": "2", "PET_NODE_RANK": "0"}
-    env |= {"PET_MASTER_ADDR": master, "PET_MASTER_PORT": "29500", "DDPKIT_MEMORY_ROOT": str(tmp_path / "shm")}
+    env = (
+        netns.clean_env()
+        | POD
+        | {"PET_NNODES": "1", "PET_NPROC_PER_NODE": "2", "PET_NODE_RANK": "0"}
+    )
+    env |= {
+        "PET_MASTER_ADDR": master,
+        "PET_MASTER_PORT": "29500",
+        "DDPKIT_MEMORY_ROOT": str(tmp_path / "shm"),
+    }
     if kind == "trainjob":
         env["JOB_COMPLETION_INDEX"] = "0"
     else:  # training-operator v1.9 (envvar.go) sets these beside the PET_* names
@@ -148,23 +203,36 @@ def test_a_one_pod_job_of_two_processes_trains_without_a_secret(pods, reference,
     (tmp_path / "shm").mkdir()
     (tmp_path / "log").mkdir()
     job = [str(tmp_path / "run"), "--log", str(tmp_path / "log"), "--out", str(tmp_path / "one.pt")]
-    cfg = manifests.ManifestConfig(script=JOB, script_args=job, image="-", kind=kind, name="digits", nproc="2")
+    cfg = manifests.ManifestConfig(
+        script=JOB, script_args=job, image="-", kind=kind, name="digits", nproc="2"
+    )
     assert manifests.environment(cfg) == []  # no secret named
     argv = manifests.command(cfg)
-    codes = netns.finish([netns.on(ns_a, [*DDPKIT, *argv[1:]], tmp_path, "one.log", env)], timeout=300)
+    codes = netns.finish(
+        [netns.on(ns_a, [*DDPKIT, *argv[1:]], tmp_path, "one.log", env)], timeout=300
+    )
     assert codes == [0], (tmp_path / "one.log").read_text()[-3000:]
     assert bitwise_equal(torch.load(tmp_path / "one.pt", weights_only=False), reference)
     assert "--rdzv-endpoint" not in (tmp_path / "one.log").read_text()
 
 
 def _recreated(pods, tmp: Path, name: str, disk_every: int) -> tuple[dict, list[dict]]:
-    """Both pods of a TrainJob SIGKILLed while every rank holds after step 15 (a JobSet restart deletes every
-    pod), then recreated with a new, empty /dev/shm; returns the final state and the resume events."""
-    args = ("--disk-every-steps", str(disk_every), "--hold-after-step", "15", "--hold-file", str(tmp / f"{name}-go"))
+    """Both pods of a TrainJob SIGKILLed while every rank holds after step 15 (a JobSet restart
+    deletes every pod), then recreated with a new, empty /dev/shm; returns the final state and the
+    resume events."""
+    args = (
+        "--disk-every-steps",
+        str(disk_every),
+        "--hold-after-step",
+        "15",
+        "--hold-file",
+        str(tmp / f"{name}-go"),
+    )
     first = start(pods, "trainjob", tmp, name, *args)
     log = tmp / f"{name}-log"
-    # Disk snapshots are written in the background: the newest one before the hold (step 10 of every 5) may
-    # still be in flight when the ranks reach step 15. The pods are killed once its marker is there.
+    # Disk snapshots are written in the background: the newest one before the hold (step 10 of
+    # every 5) may still be in flight when the ranks reach step 15. The pods are killed once its
+    # marker is there.
     due = (14 // disk_every) * disk_every
     marker = tmp / name / "snapshots" / f"step-{due:08d}" / "complete.json"
 
@@ -182,7 +250,8 @@ def _recreated(pods, tmp: Path, name: str, disk_every: int) -> tuple[dict, list[
     second = []
     for index, (ns, _) in enumerate(pods):
         cmd, env = pod("trainjob", index, tmp, name, *args)
-        env["DDPKIT_MEMORY_ROOT"] = str(tmp / f"shm-{name}-{index}-recreated")  # the old pod's memory is gone
+        # the old pod's memory is gone
+        env["DDPKIT_MEMORY_ROOT"] = str(tmp / f"shm-{name}-{index}-recreated")
         Path(env["DDPKIT_MEMORY_ROOT"]).mkdir()
         second.append(netns.on(ns, cmd, tmp, f"{name}-{index}.log", env))
     codes = netns.finish(second, timeout=300)
@@ -190,14 +259,16 @@ def _recreated(pods, tmp: Path, name: str, disk_every: int) -> tuple[dict, list[
     return torch.load(tmp / f"{name}.pt", weights_only=False), resumes(tmp / name)
 
 
-def test_pods_killed_and_recreated_resume_from_the_disk_snapshot_to_the_same_bits(pods, reference, tmp_path):
+def test_pods_killed_and_recreated_resume_from_the_disk_snapshot_to_the_same_bits(
+    pods, reference, tmp_path
+):
     final, events = _recreated(pods, tmp_path, "recreated", disk_every=5)
     (event,) = events
     # Every rank held after step 15 before that step's snapshot: the newest on disk is step 10's.
     assert event["file"] == "step-00000010" and event["step"] == 10, event
     assert bitwise_equal(final, reference)
-    # Control: with no disk snapshot before the kill, the recreated pods have nothing to resume from (their
-    # memory is new) and start again at step 0, yet end on the same bits.
+    # Control: with no disk snapshot before the kill, the recreated pods have nothing to resume from
+    # (their memory is new) and start again at step 0, yet end on the same bits.
     final, events = _recreated(pods, tmp_path, "no-disk", disk_every=1000)
     assert events == [] and bitwise_equal(final, reference)
 
@@ -215,5 +286,7 @@ def test_a_pod_with_a_wrong_secret_is_refused(pods, tmp_path):
     finally:
         netns.finish([pod_a], timeout=0)
     assert out.returncode == 2, out.stderr[-3000:]
-    assert "host does not accept this node's secret" in out.stderr and NODE0 in out.stderr, out.stderr
+    assert "host does not accept this node's secret" in out.stderr and NODE0 in out.stderr, (
+        out.stderr
+    )
     assert "Traceback" not in out.stderr

@@ -26,7 +26,8 @@ DDPKIT = [sys.executable, "-m", "ddpkit.cli"]
 
 @pytest.fixture
 def clean_env() -> dict[str, str]:
-    """This environment without any launcher's variables (nor OMP_NUM_THREADS), as a user's shell would have it."""
+    """This environment without any launcher's variables (nor OMP_NUM_THREADS), as a user's shell
+    would have it."""
     env = without_launch_env({k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"})
     env["PYTHONUNBUFFERED"] = "1"
     return env
@@ -51,8 +52,8 @@ def test_rank_zero_output_by_default(clean_env):
 
 @pytest.mark.slow
 def test_more_than_ten_processes_keep_rank_zero_alone_on_the_terminal(clean_env, tmp_path):
-    # torchrun's --redirects pattern takes one-digit local ranks: "1:3,...,11:3" was a ValueError before any
-    # worker started. The map now goes to torchrun's logs spec.
+    # torchrun's --redirects pattern takes one-digit local ranks: "1:3,...,11:3" was a ValueError
+    # before any worker started. The map now goes to torchrun's logs spec.
     out = run(["run", "--nproc", "12", "--oversubscribe", HELLO], clean_env, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [line for line in out.stdout.splitlines() if line.startswith("hello")]
@@ -73,18 +74,31 @@ PIECES = str(Path(__file__).parents[1] / "scripts" / "pieces.py")
 
 @pytest.mark.slow
 def test_all_ranks_tags_whole_lines_not_pieces(clean_env):
-    # Two ranks print lines in pieces at the same time: each tagged line must be a whole line of one rank.
+    # Two ranks print lines in pieces at the same time: each tagged line must be a whole line of one
+    # rank.
     out = run(["run", "--nproc", "2", "--all-ranks", PIECES], clean_env)
     assert out.returncode == 0, out.stderr
     tagged = [line for line in out.stdout.splitlines() if line.startswith("[rank ")]
     for r in range(2):
-        mine = [line.removeprefix(f"[rank {r}] ") for line in tagged if line.startswith(f"[rank {r}] ")]
+        mine = [
+            line.removeprefix(f"[rank {r}] ") for line in tagged if line.startswith(f"[rank {r}] ")
+        ]
         pieces = ["".join(f"r{r}l{i}p{p};" for p in range(4)) for i in range(3)]
         bars = [line for line in mine if line.startswith(f"bar{r} ")]
         # Redraws of the bar may show (at most every few seconds); its final state ends its line.
-        assert bars and bars[-1] == f"bar{r} 100%" and all(b in (f"bar{r} 0%", f"bar{r} 50%") for b in bars[:-1])
-        assert [line for line in mine if not line.startswith("bar")] == [*pieces, f"last{r}"], out.stdout
-    assert all(line.startswith("[rank ") for line in out.stdout.splitlines() if "p0;" in line or "bar" in line)
+        assert (
+            bars
+            and bars[-1] == f"bar{r} 100%"
+            and all(b in (f"bar{r} 0%", f"bar{r} 50%") for b in bars[:-1])
+        )
+        assert [line for line in mine if not line.startswith("bar")] == [*pieces, f"last{r}"], (
+            out.stdout
+        )
+    assert all(
+        line.startswith("[rank ")
+        for line in out.stdout.splitlines()
+        if "p0;" in line or "bar" in line
+    )
 
 
 def test_failure_summary_names_rank_exception_and_line(clean_env, tmp_path):
@@ -94,7 +108,8 @@ def test_failure_summary_names_rank_exception_and_line(clean_env, tmp_path):
     assert "first: rank 1 (local rank 1" in summary
     assert "ValueError: planned failure on rank 1" in summary
     assert 'hello.py", line' in summary  # the user's frame, not only the launcher's
-    # Where rank 1's own output is: under ./ddpkit-logs, printed (it was a temporary folder, never named).
+    # Where rank 1's own output is: under ./ddpkit-logs, printed (it was a temporary folder, never
+    # named).
     line = next(line for line in summary.splitlines() if "output of every rank:" in line)
     folder = Path(line.split("output of every rank:")[1].strip())
     assert folder.is_relative_to(tmp_path / "ddpkit-logs")
@@ -104,7 +119,9 @@ def test_failure_summary_names_rank_exception_and_line(clean_env, tmp_path):
 
 @pytest.mark.slow  # a whole job with a restart or several launches: seconds each
 def test_restart_after_failure_resumes_the_job(clean_env):
-    out = run(["run", "--nproc", "2", "--max-restarts", "1", HELLO, "--fail-first-attempt"], clean_env)
+    out = run(
+        ["run", "--nproc", "2", "--max-restarts", "1", HELLO, "--fail-first-attempt"], clean_env
+    )
     assert out.returncode == 0, out.stderr
     assert "hello rank=0 world=2 attempt=0" in out.stdout
     assert "hello rank=0 world=2 attempt=1" in out.stdout
@@ -145,8 +162,8 @@ def test_env_command_reports_and_checks(clean_env):
 
 
 def test_script_arguments_that_look_like_launcher_options_reach_the_script(clean_env):
-    # Prefixes of ddpkit's and torchrun's options (--log-dir, --max-restarts, --node-rank, --master-addr) and
-    # --nproc itself, after the script: all of them belong to the script.
+    # Prefixes of ddpkit's and torchrun's options (--log-dir, --max-restarts, --node-rank,
+    # --master-addr) and --nproc itself, after the script: all of them belong to the script.
     args = ["--log", "5", "--max", "1", "--node", "x", "--master", "y", "--nproc", "3"]
     out = run(["run", "--nproc", "2", PROBE, "args", *args], clean_env)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -164,21 +181,27 @@ def test_missing_script_is_an_error_before_any_worker_starts(clean_env, tmp_path
 
 @pytest.mark.slow  # a whole job with a restart or several launches: seconds each
 def test_a_script_that_forgot_init_fails_instead_of_training_copies(clean_env):
-    # Without ddpkit.init(), each of the two ranks used to build a loader over the whole data set, train its
-    # own copy and exit 0 ("trained on 12 samples" twice).
+    # Without ddpkit.init(), each of the two ranks used to build a loader over the whole data set,
+    # train its own copy and exit 0 ("trained on 12 samples" twice).
     out = run(["run", "--nproc", "2", PROBE, "no-init"], clean_env)
     assert out.returncode == 1, out.stdout
     assert "trained on" not in out.stdout
-    assert "NotInitializedError" in out.stderr and "call ddpkit.init() at the start of the script" in out.stderr
+    assert (
+        "NotInitializedError" in out.stderr
+        and "call ddpkit.init() at the start of the script" in out.stderr
+    )
     # Control: the same script as plain python is a world of one and runs.
-    plain = subprocess.run([sys.executable, PROBE, "no-init"], env=clean_env, capture_output=True, text=True)
+    plain = subprocess.run(
+        [sys.executable, PROBE, "no-init"], env=clean_env, capture_output=True, text=True
+    )
     assert plain.returncode == 0 and "trained on 12 samples" in plain.stdout, plain.stderr
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("code", [None, 143])
 def test_preempted_exit_code_passes_through_without_a_restart(clean_env, code):
-    """75, or the code asked for (``--preempted-exit-code 143``: a PyTorchJob's ExitCode policy retries it)."""
+    """75, or the code asked for (``--preempted-exit-code 143``: a PyTorchJob's ExitCode policy
+    retries it)."""
     flags = [] if code is None else ["--preempted-exit-code", str(code)]
     out = run(["run", "--nproc", "2", "--max-restarts", "2", *flags, PROBE, "preempted"], clean_env)
     assert out.returncode == (code or 75), out.stderr[-3000:]
@@ -193,9 +216,10 @@ def test_no_temporary_folders_left_behind(clean_env, tmp_path):
     clean_env["TMPDIR"] = str(tmp)
     out = run(["run", "--nproc", "2", HELLO], clean_env)
     assert out.returncode == 0, out.stderr
-    # torchrun's default was a torchelastic_* folder in TMPDIR per run, never removed. Rank 1's output is
-    # in the run's own folder instead. torchinductor_<user> is torch's compile cache, kept across runs on
-    # purpose: importing torch._dynamo makes it (constructing any optimizer does; the fork server preloads it).
+    # torchrun's default was a torchelastic_* folder in TMPDIR per run, never removed. Rank 1's
+    # output is in the run's own folder instead. torchinductor_<user> is torch's compile cache, kept
+    # across runs on purpose: importing torch._dynamo makes it (constructing any optimizer does; the
+    # fork server preloads it).
     assert sorted(p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_")) == []
     runs = list((tmp_path / "ddpkit-logs").iterdir())
     assert len(runs) == 1
@@ -212,7 +236,8 @@ def _wait_for_files(paths: list[Path], proc: subprocess.Popen, timeout: float = 
 
 
 def _let_end(pids: list[int], timeout: float = 10) -> None:
-    """Give ``pids`` up to ``timeout`` seconds to end; those still alive then are the finding, not an error."""
+    """Give ``pids`` up to ``timeout`` seconds to end; those still alive then are the finding, not
+    an error."""
     with contextlib.suppress(TimeoutError):
         wait_until(lambda: all(map(_gone, pids)), timeout, what="the job's processes to end")
 
@@ -226,10 +251,12 @@ def _gone(pid: int) -> bool:
 
 
 def _start(argv: list[str], env: dict[str, str]) -> subprocess.Popen:
-    """Start ``argv``, whose last argument is a folder, with its output in FOLDER.log (not a pipe: workers
-    that outlive the launcher would hold a pipe open)."""
+    """Start ``argv``, whose last argument is a folder, with its output in FOLDER.log (not a pipe:
+    workers that outlive the launcher would hold a pipe open)."""
     with open(Path(argv[-1]).with_suffix(".log"), "w") as log:
-        return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
 
 def _output(proc: subprocess.Popen, timeout: float = 60) -> str:
@@ -237,11 +264,14 @@ def _output(proc: subprocess.Popen, timeout: float = 60) -> str:
     return Path(proc.args[-1]).with_suffix(".log").read_text()
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is a Linux feature")
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="the parent-death signal is a Linux feature"
+)
 @pytest.mark.slow
 def test_workers_die_with_a_sigkilled_launcher(clean_env, tmp_path):
     def survivors(argv: list[str], tag: str) -> tuple[list[int], int]:
-        """The processes of the job alive after its launcher was SIGKILLed (killed now), and its fork servers."""
+        """The processes of the job alive after its launcher was SIGKILLed (killed now), and its
+        fork servers."""
         folder = tmp_path / tag
         folder.mkdir()
         proc = _start(argv + [PROBE, "pids", str(folder)], clean_env)
@@ -260,7 +290,14 @@ def test_workers_die_with_a_sigkilled_launcher(clean_env, tmp_path):
     assert survivors(DDPKIT + ["run", "--nproc", "2", "--fork-server", "on"], "ddpkit") == ([], 1)
     assert survivors(DDPKIT + ["run", "--nproc", "2"], "ddpkit-no-server") == ([], 0)
     # Control: under torchrun's agent alone the workers outlive it (they would train on, orphaned).
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+    ]
     assert len(survivors(torchrun, "torchrun")[0]) == 2
 
 
@@ -277,11 +314,16 @@ def _fork_servers(parent: int) -> list[int]:
 
 def _family(folder: Path) -> list[int]:
     """The pids of what the workers of ``launch_probe.py family`` started, in every attempt."""
-    return [int(pid) for path in sorted(folder.glob("attempt*-rank*.pids")) for pid in path.read_text().split()]
+    return [
+        int(pid)
+        for path in sorted(folder.glob("attempt*-rank*.pids"))
+        for pid in path.read_text().split()
+    ]
 
 
 def _probe_process(pid: int) -> bool:
-    """``pid`` runs launch_probe.py or one of the sleeps it starts (not another program that reused the pid)."""
+    """``pid`` runs launch_probe.py or one of the sleeps it starts (not another program that reused
+    the pid)."""
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
@@ -301,13 +343,16 @@ def _alive_then_killed(pids: list[int]) -> list[int]:
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process trees are read from Linux's /proc")
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="process trees are read from Linux's /proc"
+)
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("how", ["end", "fail", "restart"])
 def test_what_the_workers_start_ends_with_them(how, clean_env, tmp_path):
-    """A ``sleep`` in the worker's process group, a forked child that ignores SIGTERM and a ``sleep`` in a session
-    of its own, started by each of two workers: gone when the job ends, fails, or restarts the workers."""
+    """A ``sleep`` in the worker's process group, a forked child that ignores SIGTERM and a
+    ``sleep`` in a session of its own, started by each of two workers: gone when the job ends,
+    fails, or restarts the workers."""
     probe = [PROBE, "family", "fail-first" if how == "restart" else how]
     restarts = ["--max-restarts", "1"] if how == "restart" else []
 
@@ -330,15 +375,17 @@ def test_what_the_workers_start_ends_with_them(how, clean_env, tmp_path):
     assert alive == []
     if how == "restart":  # gone before the second attempt started, not only at the end
         assert "rank=0 attempt=1 alive from the attempt before: [] of 6" in out, out[-3000:]
-    # Control: under torchrun's agent they outlive the job. (Its restarted workers hang on the shared store
-    # unless it is switched off, as ddpkit run does.)
+    # Control: under torchrun's agent they outlive the job. (Its restarted workers hang on the
+    # shared store unless it is switched off, as ddpkit run does.)
     out, alive = job(TORCHRUN, "torchrun", clean_env | {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     assert len(alive) >= 4, alive  # at least the forked and the detached children of both workers
     if how == "restart":
         assert "rank=0 attempt=1 alive from the attempt before: []" not in out, out[-3000:]
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is a Linux feature")
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="the parent-death signal is a Linux feature"
+)
 @pytest.mark.slow
 def test_what_the_workers_start_dies_with_a_sigkilled_launcher(clean_env, tmp_path):
     def survivors(launcher: list[str], tag: str) -> list[int]:
@@ -360,7 +407,9 @@ def test_what_the_workers_start_dies_with_a_sigkilled_launcher(clean_env, tmp_pa
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            _alive_then_killed(_family(folder) + [int(p.read_text()) for p in folder.glob("*.worker")])
+            _alive_then_killed(
+                _family(folder) + [int(p.read_text()) for p in folder.glob("*.worker")]
+            )
 
     assert survivors(DDPKIT + ["run", "--nproc", "2"], "ddpkit") == []
     # Control: under torchrun's agent all six outlive it (as do the workers themselves).
@@ -369,8 +418,9 @@ def test_what_the_workers_start_dies_with_a_sigkilled_launcher(clean_env, tmp_pa
 
 @pytest.mark.slow
 def test_sigusr1_to_the_launcher_reaches_the_workers(clean_env, tmp_path):
-    # SLURM's --signal=USR1@T warning, sent to `ddpkit run` (the srun task): the workers get it, stop as a
-    # pre-empted Trainer does, and the launcher exits 75 for the batch script to requeue the job.
+    # SLURM's --signal=USR1@T warning, sent to `ddpkit run` (the srun task): the workers get it,
+    # stop as a pre-empted Trainer does, and the launcher exits 75 for the batch script to requeue
+    # the job.
     folder = tmp_path / "ddpkit"
     folder.mkdir()
     proc = _start(DDPKIT + ["run", "--nproc", "2", PROBE, "hold-usr1", str(folder)], clean_env)
@@ -379,11 +429,21 @@ def test_sigusr1_to_the_launcher_reaches_the_workers(clean_env, tmp_path):
     out = _output(proc)
     assert proc.returncode == 75, out[-3000:]
     assert "rank=0 stopping on SIGUSR1" in out
-    # Control: torchrun's own agent dies of the signal (exit 138 in a shell), leaving the workers' save to chance.
+    # Control: torchrun's own agent dies of the signal (exit 138 in a shell), leaving the workers'
+    # save to chance.
     folder = tmp_path / "torchrun"
     folder.mkdir()
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    proc = _start(torchrun + ["-m", "ddpkit._launch.worker", PROBE, "hold-usr1", str(folder)], clean_env)
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+    ]
+    proc = _start(
+        torchrun + ["-m", "ddpkit._launch.worker", PROBE, "hold-usr1", str(folder)], clean_env
+    )
     pids = _wait_for_files([folder / "rank0.pid", folder / "rank1.pid"], proc)
     os.kill(proc.pid, signal.SIGUSR1)
     proc.wait(timeout=60)
@@ -395,7 +455,8 @@ def test_sigusr1_to_the_launcher_reaches_the_workers(clean_env, tmp_path):
 
 @pytest.mark.slow
 def test_sigusr1_before_the_trainer_listens_does_not_kill_a_worker(clean_env, tmp_path):
-    # The warning can come while the data loads: each worker holds it for a later fit() instead of dying.
+    # The warning can come while the data loads: each worker holds it for a later fit() instead of
+    # dying.
     folder = tmp_path / "ddpkit"
     folder.mkdir()
     proc = _start(DDPKIT + ["run", "--nproc", "2", PROBE, "hold-usr1", str(folder)], clean_env)
@@ -411,55 +472,101 @@ def test_sigusr1_before_the_trainer_listens_does_not_kill_a_worker(clean_env, tm
 def test_a_hang_ends_within_the_bound_with_every_ranks_stack(clean_env):
     # Rank 1 sleeps in user code while rank 0 waits for it in an all-reduce.
     start = time.monotonic()
-    out = run(["run", "--nproc", "2", "--collective-timeout", "5", PROBE, "hang"], clean_env, timeout=120)
+    out = run(
+        ["run", "--nproc", "2", "--collective-timeout", "5", PROBE, "hang"], clean_env, timeout=120
+    )
     elapsed = time.monotonic() - start
     assert out.returncode == 1, out.stderr[-3000:]
     summary = out.stderr[out.stderr.index("ddpkit run:") :]
     # Rank 0: the collective it waited in, from its own exception.
-    assert "first: rank 0" in summary and "Timed out waiting 5000ms" in summary and "all_reduce" in summary
+    assert (
+        "first: rank 0" in summary
+        and "Timed out waiting 5000ms" in summary
+        and "all_reduce" in summary
+    )
     # Rank 1: where it was when rank 0 gave up, from its stack.
     stack = summary[summary.index("rank 1 was still running") :]
     assert "in stuck_in_user_code" in stack and "launch_probe.py" in stack
     assert elapsed < 100  # the 5 s bound plus start-up and teardown, far from the 300 s sleep
-    # Control: under torchrun's agent alone the job also ends (the bound is the process group's), but nothing
-    # says where rank 1 was.
+    # Control: under torchrun's agent alone the job also ends (the bound is the process group's),
+    # but nothing says where rank 1 was.
     env = clean_env | {"DDPKIT_COLLECTIVE_TIMEOUT": "5"}
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    out = subprocess.run(torchrun + [PROBE, "hang"], env=env, capture_output=True, text=True, timeout=120)
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+    ]
+    out = subprocess.run(
+        torchrun + [PROBE, "hang"], env=env, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode != 0 and "stuck_in_user_code" not in out.stderr + out.stdout
 
 
 @pytest.mark.slow
 def test_mismatched_collectives_are_named_with_debug_collectives(clean_env):
     out = run(
-        ["run", "--nproc", "2", "--debug-collectives", "--collective-timeout", "10", PROBE, "mismatch"],
+        [
+            "run",
+            "--nproc",
+            "2",
+            "--debug-collectives",
+            "--collective-timeout",
+            "10",
+            PROBE,
+            "mismatch",
+        ],
         clean_env,
         timeout=120,
     )
     assert out.returncode == 1
-    assert "Detected mismatch between collectives" in out.stderr and "Tensor shapes: 3vs 2" in out.stderr
-    # Control: without the check, gloo gives no such diagnosis (it fails on sizes, or waits out the bound).
-    out = run(["run", "--nproc", "2", "--collective-timeout", "5", PROBE, "mismatch"], clean_env, timeout=120)
+    assert (
+        "Detected mismatch between collectives" in out.stderr
+        and "Tensor shapes: 3vs 2" in out.stderr
+    )
+    # Control: without the check, gloo gives no such diagnosis (it fails on sizes, or waits out the
+    # bound).
+    out = run(
+        ["run", "--nproc", "2", "--collective-timeout", "5", PROBE, "mismatch"],
+        clean_env,
+        timeout=120,
+    )
     assert out.returncode != 0 and "Detected mismatch between collectives" not in out.stderr
 
 
 @pytest.mark.slow
 def test_sigterm_to_the_launcher_lets_the_workers_save_and_exit_75(clean_env, tmp_path):
-    # A pre-emption's SIGTERM to `ddpkit run`: the workers get it, save (here: agree and stop) and exit 75,
-    # which the launcher passes on. torchrun's own agent stopped them itself and exited 143 whatever they did.
+    # A pre-emption's SIGTERM to `ddpkit run`: the workers get it, save (here: agree and stop) and
+    # exit 75, which the launcher passes on. torchrun's own agent stopped them itself and exited 143
+    # whatever they did.
     folder = tmp_path / "ddpkit"
     folder.mkdir()
-    proc = _start(DDPKIT + ["run", "--nproc", "2", "--max-restarts", "2", PROBE, "hold-term", str(folder)], clean_env)
+    proc = _start(
+        DDPKIT + ["run", "--nproc", "2", "--max-restarts", "2", PROBE, "hold-term", str(folder)],
+        clean_env,
+    )
     _wait_for_files([folder / "rank0.pid", folder / "rank1.pid"], proc)
     os.kill(proc.pid, signal.SIGTERM)
     out = _output(proc)
     assert proc.returncode == 75, out[-3000:]
     assert "rank=0 stopping on SIGTERM" in out
-    # Control: torchrun's agent passes SIGTERM on too, but ends with its own code, not the workers' 75.
+    # Control: torchrun's agent passes SIGTERM on too, but ends with its own code, not the
+    # workers' 75.
     folder = tmp_path / "torchrun"
     folder.mkdir()
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    proc = _start(torchrun + ["-m", "ddpkit._launch.worker", PROBE, "hold-term", str(folder)], clean_env)
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+    ]
+    proc = _start(
+        torchrun + ["-m", "ddpkit._launch.worker", PROBE, "hold-term", str(folder)], clean_env
+    )
     _wait_for_files([folder / "rank0.pid", folder / "rank1.pid"], proc)
     os.kill(proc.pid, signal.SIGTERM)
     out = _output(proc)
@@ -471,7 +578,8 @@ SNAPSHOTS_DOC = Path(__file__).parents[3] / "docs" / "snapshots.md"
 
 
 def _documented_kill_recipe() -> list[str]:
-    """The ``pkill`` line of docs/snapshots.md, aimed at :data:`KILL_JOB` instead of the example's script."""
+    """The ``pkill`` line of docs/snapshots.md, aimed at :data:`KILL_JOB` instead of the example's
+    script."""
     import shlex
 
     lines = [line for line in SNAPSHOTS_DOC.read_text().splitlines() if line.startswith("pkill ")]
@@ -486,11 +594,17 @@ def _documented_kill_recipe() -> list[str]:
 def test_the_documented_kill_recipe_kills_a_worker_and_the_job_restarts(clean_env, tmp_path):
     folder = tmp_path / "pids"
     folder.mkdir()
-    proc = _start([*DDPKIT, "run", "--nproc", "2", "--max-restarts", "1", KILL_JOB, str(folder)], clean_env)
+    proc = _start(
+        [*DDPKIT, "run", "--nproc", "2", "--max-restarts", "1", KILL_JOB, str(folder)], clean_env
+    )
     try:
         workers = _wait_for_files([folder / f"attempt0-rank{r}.pid" for r in (0, 1)], proc)
         killed = subprocess.run(
-            [*_documented_kill_recipe(), "--echo"], capture_output=True, text=True, timeout=30, check=True
+            [*_documented_kill_recipe(), "--echo"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
         )
         victim = int(re.findall(r"\(pid (\d+)\)", killed.stdout)[0])
         assert victim in workers, (victim, workers, killed.stdout)
@@ -506,11 +620,12 @@ def test_the_documented_kill_recipe_kills_a_worker_and_the_job_restarts(clean_en
 def test_a_worker_sees_the_users_omp_threads_for_mkl_too(clean_env, tmp_path):
     script = tmp_path / "threads.py"
     script.write_text(
-        "import os, ddpkit\nrt = ddpkit.init()\n"
-        "print(f\"rank={rt.rank} omp={os.environ.get('OMP_NUM_THREADS')} mkl={os.environ.get('MKL_NUM_THREADS')}\")\n"
-        "ddpkit.shutdown()\n"
+        'import os, ddpkit\nrt = ddpkit.init()\nprint(f"rank={rt.rank} '
+        "omp={os.environ.get('OMP_NUM_THREADS')} "
+        "mkl={os.environ.get('MKL_NUM_THREADS')}\")\nddpkit.shutdown()\n"
     )
     clean_env.pop("MKL_NUM_THREADS", None)
     out = run(["run", "--nproc", "2", str(script)], {**clean_env, "OMP_NUM_THREADS": "3"})
     assert out.returncode == 0, out.stderr
-    assert "rank=0 omp=3 mkl=3" in out.stdout, out.stdout  # (the user's own MKL_NUM_THREADS: test_launcher unit)
+    # (the user's own MKL_NUM_THREADS: test_launcher unit)
+    assert "rank=0 omp=3 mkl=3" in out.stdout, out.stdout

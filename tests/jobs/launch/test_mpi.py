@@ -1,4 +1,5 @@
-"""An MPI launch (``mpiexec -n N python train.py``, MPICH from pip) is read like SLURM's: one job of N ranks."""
+"""An MPI launch (``mpiexec -n N python train.py``, MPICH from pip) is read like SLURM's: one job of
+N ranks."""
 
 from __future__ import annotations
 
@@ -15,12 +16,20 @@ PROBE = str(Path(__file__).parents[1] / "scripts" / "launch_probe.py")
 MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
 
 
-@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec: pip install -e '.[mpi]' (MPICH and mpi4py)")
+@pytest.mark.skipif(
+    MPIEXEC is None, reason="no mpiexec: pip install -e '.[mpi]' (MPICH and mpi4py)"
+)
 def test_mpiexec_ranks_form_one_job(clean_env):
     pytest.importorskip("mpi4py", reason="pip install -e '.[mpi]'")
-    env = clean_env | {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{clean_env.get('PATH', '')}"}
+    env = clean_env | {
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{clean_env.get('PATH', '')}"
+    }
     out = subprocess.run(
-        [MPIEXEC, "-n", "2", sys.executable, PROBE, "info"], env=env, capture_output=True, text=True, timeout=120
+        [MPIEXEC, "-n", "2", sys.executable, PROBE, "info"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     # Before, each rank ran as a world of one (both "rank=0 world=1").
@@ -36,15 +45,30 @@ SEARCH_JOB = str(Path(__file__).parents[1] / "scripts" / "search_job.py")
 
 @pytest.mark.slow
 @pytest.mark.torch_at_least(2, 7, "snapshots of a group of ranks without the job's rank 0")
-@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec: pip install -e '.[mpi]' (MPICH and mpi4py)")
+@pytest.mark.skipif(
+    MPIEXEC is None, reason="no mpiexec: pip install -e '.[mpi]' (MPICH and mpi4py)"
+)
 def test_a_search_launched_with_mpiexec_runs_one_candidate_per_rank(clean_env, tmp_path):
     pytest.importorskip("mpi4py", reason="pip install -e '.[mpi]'")
     optuna = pytest.importorskip("optuna", reason="pip install -e '.[search]'")
     from optuna.storages.journal import JournalFileBackend, JournalStorage
 
-    env = clean_env | {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{clean_env.get('PATH', '')}"}
+    env = clean_env | {
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{clean_env.get('PATH', '')}"
+    }
     out = subprocess.run(
-        [MPIEXEC, "-n", "2", sys.executable, SEARCH_JOB, str(tmp_path), "--trials", "3", "--epochs", "1"],
+        [
+            MPIEXEC,
+            "-n",
+            "2",
+            sys.executable,
+            SEARCH_JOB,
+            str(tmp_path),
+            "--trials",
+            "3",
+            "--epochs",
+            "1",
+        ],
         env=env,
         capture_output=True,
         text=True,
@@ -52,9 +76,11 @@ def test_a_search_launched_with_mpiexec_runs_one_candidate_per_rank(clean_env, t
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     study = optuna.load_study(
-        study_name="ddpkit", storage=JournalStorage(JournalFileBackend(str(tmp_path / "study.journal")))
+        study_name="ddpkit",
+        storage=JournalStorage(JournalFileBackend(str(tmp_path / "study.journal"))),
     )
     assert [t.state.name for t in study.trials] == ["COMPLETE"] * 3
-    # One job of two groups of one rank (two worlds of one would both be group 0), both taking candidates.
+    # One job of two groups of one rank (two worlds of one would both be group 0), both taking
+    # candidates.
     assert "[group 0]" in out.stdout and "[group 1]" in out.stdout, out.stdout[-2000:]
     assert len(list(tmp_path.glob("trial-*"))) == 3

@@ -1,6 +1,6 @@
 """Ending what a worker started: real process trees, made by small Python programs that load
-``ddpkit._launch.proctree`` alone (no torch, so each starts in a tenth of a second). End to end under ``ddpkit run``:
-``tests/test_launcher.py::test_what_the_workers_start_*``."""
+``ddpkit._launch.proctree`` alone (no torch, so each starts in a tenth of a second). End to end
+under ``ddpkit run``: ``tests/test_launcher.py::test_what_the_workers_start_*``."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ import pytest
 from ddpkit._launch.proctree import descendants, kill_descendants
 from ddpkit.testing import wait_until
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process trees are read from /proc")
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="process trees are read from /proc"
+)
 
 PROCTREE = Path(__file__).resolve().parents[3] / "src" / "ddpkit" / "_launch" / "proctree.py"
 LOAD = (
@@ -24,8 +26,8 @@ LOAD = (
     f"spec = importlib.util.spec_from_file_location('proctree', {str(PROCTREE)!r})\n"
     "pt = importlib.util.module_from_spec(spec); spec.loader.exec_module(pt)\n"
 )
-# A worker's family: a sleep in its process group, a forked child that ignores SIGTERM, a sleep in a session of
-# its own; their pids on one line, then the worker waits for a line on stdin and exits.
+# A worker's family: a sleep in its process group, a forked child that ignores SIGTERM, a sleep in a
+# session of its own; their pids on one line, then the worker waits for a line on stdin and exits.
 FAMILY = (
     LOAD
     + """
@@ -54,7 +56,8 @@ def _gone(pid: int) -> bool:
 
 
 def _survivors(pids: list[int], timeout: float = 10.0) -> list[int]:
-    """Those of ``pids`` still alive after ``timeout`` (the guard acts on its own time); killed, then returned."""
+    """Those of ``pids`` still alive after ``timeout`` (the guard acts on its own time); killed,
+    then returned."""
     with contextlib.suppress(TimeoutError):  # what is still alive then is the finding, not an error
         wait_until(lambda: all(map(_gone, pids)), timeout, what="the processes to end")
     alive = [pid for pid in pids if not _gone(pid)]
@@ -88,12 +91,15 @@ def test_the_guard_ends_what_a_worker_started_however_the_worker_ends(end, guard
     alive = _survivors(family, timeout=10 if guarded else 0)
     if guarded:
         assert alive == []
-    else:  # control: without the guard they outlive the worker (the group's sleep dies of the group's SIGTERM)
+    # control: without the guard they outlive the worker (the group's sleep dies of the group's
+    # SIGTERM)
+    else:
         assert set(alive) >= set(family[1:]), alive
 
 
 def test_a_subreaper_keeps_orphans_below_it_and_kill_descendants_ends_them_all():
-    # root adopts what its children orphan (a shell that backgrounds a sleep and exits) when it is a subreaper.
+    # root adopts what its children orphan (a shell that backgrounds a sleep and exits) when it is a
+    # subreaper.
     code = (
         LOAD
         + """
@@ -109,14 +115,18 @@ sys.stdin.readline()
     trees = {}
     for mode in ("subreaper", "plain"):
         root = subprocess.Popen(
-            [sys.executable, "-c", code, mode], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            [sys.executable, "-c", code, mode],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
         )
         trees[mode] = (root, [int(pid) for pid in root.stdout.readline().split()])
     try:
         root, family = trees["subreaper"]
         assert set(descendants(root.pid)) >= set(family)
         assert set(kill_descendants(root.pid)) >= set(family)
-        assert all(map(_gone, family)) and root.poll() is None  # below it all gone, the root itself untouched
+        # below it all gone, the root itself untouched
+        assert all(map(_gone, family)) and root.poll() is None
         # Control: without the subreaper the orphan went to init, out of the root's tree.
         root, family = trees["plain"]
         assert family[2] not in descendants(root.pid) and not _gone(family[2])

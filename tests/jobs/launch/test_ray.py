@@ -1,12 +1,14 @@
-"""Ray Train as the engine, on a real Ray cluster: a head raylet and a worker raylet in two network namespaces
-(two nodes with their own addresses), one CPU each, so the two workers of a run are on different nodes.
+"""Ray Train as the engine, on a real Ray cluster: a head raylet and a worker raylet in two network
+namespaces (two nodes with their own addresses), one CPU each, so the two workers of a run are on
+different nodes.
 
-Each run trains ``examples/ray_train.py``'s loop. ``ddpkit.init()`` takes Ray's process group and says launcher
-``ray``, node ranks 0 and 1, local rank 0 of 1 on each. A worker SIGKILLed after a snapshot, and a whole worker
-raylet stopped and started again, each end on the bits of the uninterrupted run, the restarted workers counting
-their restart. A worker node drained for pre-emption (as a spot instance's reclaim drains it) gets a snapshot
-from every rank at the Trainer's next agreement, before the node is lost, and the run ends on the same bits.
-Needs ``.venv-ray`` (the ``ray`` extra in a venv of its own); skipped, saying so, without it.
+Each run trains ``examples/ray_train.py``'s loop. ``ddpkit.init()`` takes Ray's process group and
+says launcher ``ray``, node ranks 0 and 1, local rank 0 of 1 on each. A worker SIGKILLed after a
+snapshot, and a whole worker raylet stopped and started again, each end on the bits of the
+uninterrupted run, the restarted workers counting their restart. A worker node drained for
+pre-emption (as a spot instance's reclaim drains it) gets a snapshot from every rank at the
+Trainer's next agreement, before the node is lost, and the run ends on the same bits. Needs
+``.venv-ray`` (the ``ray`` extra in a venv of its own); skipped, saying so, without it.
 """
 
 from __future__ import annotations
@@ -29,16 +31,19 @@ from tests.jobs.launch.netns import ROOT
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 JOB = str(ROOT / "tests" / "jobs" / "scripts" / "ray_job.py")
-# Ray runs from a venv of its own (.ci/run makes it): ~500 MB that the rest of the suite does not need.
+# Ray runs from a venv of its own (.ci/run makes it): ~500 MB that the rest of the suite does not
+# need.
 PYTHON = ROOT / ".venv-ray" / "bin" / "python"
 RAY = str(PYTHON.with_name("ray"))
-# The kills act on a run that goes on training: the instant they wait for is polled at this rate, not backed off.
+# The kills act on a run that goes on training: the instant they wait for is polled at this rate,
+# not backed off.
 SOON = 0.01
 
 
 def _ray_env(ns: str) -> dict[str, str]:
     env = netns.clean_env() | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": TOKEN}
-    # gloo takes a node's address from its host name, which resolves to loopback here: its veth, named.
+    # gloo takes a node's address from its host name, which resolves to loopback here: its veth,
+    # named.
     env["GLOO_SOCKET_IFNAME"] = ns[: -len("-a")] + ("-va" if ns.endswith("-a") else "-vb")
     # Ray Train's watcher asks for drained nodes every 5 s; every 0.5 s here, for a shorter test.
     return env | {"RAY_USAGE_STATS_ENABLED": "0", "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "0.5"}
@@ -75,8 +80,9 @@ def cluster():
 
 
 def _kill_node(addr: str) -> int:
-    """SIGKILL every Ray process of the node at ``addr`` (its raylet and agents name the address on their
-    command line) and all they started; the number killed. ``ray stop`` would end every node of this machine."""
+    """SIGKILL every Ray process of the node at ``addr`` (its raylet and agents name the address on
+    their command line) and all they started; the number killed. ``ray stop`` would end every node
+    of this machine."""
     from ddpkit._launch.proctree import descendants
 
     roots = []
@@ -85,7 +91,10 @@ def _kill_node(addr: str) -> int:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if any(arg.endswith(f"={addr}".encode()) for arg in cmdline) and b"start" not in cmdline[1:3]:
+        if (
+            any(arg.endswith(f"={addr}".encode()) for arg in cmdline)
+            and b"start" not in cmdline[1:3]
+        ):
             roots.append(int(pid))
     victims = set(roots) | {child for pid in roots for child in descendants(pid)}
     for pid in victims:
@@ -94,12 +103,23 @@ def _kill_node(addr: str) -> int:
     return len(victims)
 
 
-def run(cluster, tmp: Path, name: str, *args: str, during=None) -> tuple[subprocess.CompletedProcess, list[dict]]:
+def run(
+    cluster, tmp: Path, name: str, *args: str, during=None
+) -> tuple[subprocess.CompletedProcess, list[dict]]:
     """The job on the cluster from the head node; ``during(facts folder)`` runs while it trains."""
     (ns_a, addr_a), _ = cluster
     facts = tmp / f"{name}-facts"
     facts.mkdir()
-    cmd = [str(PYTHON), JOB, "--address", f"{addr_a}:6379", "--run-dir", str(tmp / name), "--facts", str(facts)]
+    cmd = [
+        str(PYTHON),
+        JOB,
+        "--address",
+        f"{addr_a}:6379",
+        "--run-dir",
+        str(tmp / name),
+        "--facts",
+        str(facts),
+    ]
     proc = subprocess.Popen(["ip", "netns", "exec", ns_a, *cmd, *args], env=_ray_env(ns_a),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     if during is not None:
@@ -128,17 +148,27 @@ def test_ddpkit_reads_rays_ranks_across_nodes(cluster, uninterrupted):
     (ns_a, addr_a), (ns_b, addr_b) = cluster
     assert {f["launcher"] for f in facts} == {"ray"} and sorted(f["rank"] for f in facts) == [0, 1]
     assert {(f["local_rank"], f["local_world_size"], f["world_size"]) for f in facts} == {(0, 1, 2)}
-    assert {f["ip"] for f in facts} == {addr_a, addr_b} and sorted(f["node_rank"] for f in facts) == [0, 1]
+    assert {f["ip"] for f in facts} == {addr_a, addr_b} and sorted(
+        f["node_rank"] for f in facts
+    ) == [0, 1]
     assert {f["restart_count"] for f in facts} == {0}
 
 
-def test_a_worker_killed_resumes_to_the_bits_of_the_uninterrupted_run(cluster, uninterrupted, tmp_path):
+def test_a_worker_killed_resumes_to_the_bits_of_the_uninterrupted_run(
+    cluster, uninterrupted, tmp_path
+):
     done, facts = run(cluster, tmp_path, "killed", "--kill-rank", "1")
     assert done.returncode == 0, done.stdout[-5000:]
-    assert {(f["rank"], f["restart_count"]) for f in facts} == {(0, 0), (1, 0), (0, 1), (1, 1)}  # Ray restarted both
-    resumes = [json.loads(line) for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
+    # Ray restarted both
+    assert {(f["rank"], f["restart_count"]) for f in facts} == {(0, 0), (1, 0), (0, 1), (1, 1)}
+    resumes = [
+        json.loads(line)
+        for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()
+    ]
     resumes = [r for r in resumes if r.get("event") == "resume"]
-    assert len(resumes) == 1 and resumes[0]["step"] >= 10 and resumes[0]["restart_count"] == 1, resumes
+    assert len(resumes) == 1 and resumes[0]["step"] >= 10 and resumes[0]["restart_count"] == 1, (
+        resumes
+    )
     assert netns.same(weights(tmp_path / "killed"), uninterrupted[0])
 
 
@@ -148,7 +178,8 @@ def test_a_worker_node_lost_and_back_resumes_to_the_same_bits(cluster, uninterru
     def lose_node_b(facts: Path) -> None:
         marker = tmp_path / "node-lost" / "snapshots" / "step-00000010" / "complete.json"
         wait_until(marker.exists, 240, what="the run's snapshot at step 10", max_interval=SOON)
-        assert _kill_node(addr_b) > 0  # the raylet and every Ray process of node b, workers included
+        # the raylet and every Ray process of node b, workers included
+        assert _kill_node(addr_b) > 0
         _start_worker_node(ns_b, addr_b, addr_a)  # the node comes back (a replacement)
 
     done, facts = run(cluster, tmp_path, "node-lost", during=lose_node_b)
@@ -165,15 +196,18 @@ def _events(run_dir: Path) -> list[dict]:
 def test_a_node_drained_for_preemption_gets_a_snapshot_at_once_then_resumes_to_the_same_bits(
     cluster, uninterrupted, tmp_path
 ):
-    """Ray's notice reaches the Trainer (its workers train in a thread, where no signal arrives): every rank
-    snapshots at the next agreement (step 20; the loop waits at step 11 until the notice is out), training goes on,
-    the drained node is lost, and Ray's restart resumes from a snapshot at least that new."""
+    """Ray's notice reaches the Trainer (its workers train in a thread, where no signal arrives):
+    every rank snapshots at the next agreement (step 20; the loop waits at step 11 until the notice
+    is out), training goes on, the drained node is lost, and Ray's restart resumes from a snapshot
+    at least that new."""
     (_, addr_a), (ns_b, addr_b) = cluster
     run_dir = tmp_path / "drained"
 
     def drain_node_b(facts: Path) -> None:
         deadline = time.monotonic() + 240
-        wait_until((facts / "holding").exists, 240, what="the run to reach step 11", max_interval=SOON)
+        wait_until(
+            (facts / "holding").exists, 240, what="the run to reach step 11", max_interval=SOON
+        )
         node_b = next(json.loads(p.read_text())["node_id"] for p in facts.glob("*.json")
                       if json.loads(p.read_text())["ip"] == addr_b)  # fmt: skip
         drained = _ray(ns_b, "drain-node", f"--address={addr_a}:6379", f"--node-id={node_b}",
@@ -182,7 +216,12 @@ def test_a_node_drained_for_preemption_gets_a_snapshot_at_once_then_resumes_to_t
         assert drained.returncode == 0, drained.stderr[-3000:]
         noticed = run_dir / "snapshots" / "step-00000020" / "complete.json"
         left = max(0.0, deadline - time.monotonic())  # one deadline for both waits
-        wait_until(noticed.exists, left, what="a snapshot after Ray's pre-emption notice", max_interval=SOON)
+        wait_until(
+            noticed.exists,
+            left,
+            what="a snapshot after Ray's pre-emption notice",
+            max_interval=SOON,
+        )
         assert _kill_node(addr_b) > 0  # the reclaim
         _start_worker_node(ns_b, addr_b, addr_a)  # its replacement
 
@@ -192,8 +231,14 @@ def test_a_node_drained_for_preemption_gets_a_snapshot_at_once_then_resumes_to_t
     assert done.returncode == 0, done.stdout[-5000:]
     events = _events(run_dir)
     notices = [(e["step"], e["notice"]) for e in events if e["event"] == "preemption_notice"]
-    assert len(notices) == 1 and notices[0][0] == 20 and "Ray Train's pre-emption notice" in notices[0][1], events
+    assert (
+        len(notices) == 1
+        and notices[0][0] == 20
+        and "Ray Train's pre-emption notice" in notices[0][1]
+    ), events
     assert [e["step"] for e in events if e["event"] == "snapshot"][0] == 20
     resumes = [e for e in events if e["event"] == "resume"]
-    assert len(resumes) == 1 and resumes[0]["step"] >= 20 and resumes[0]["restart_count"] == 1, resumes
+    assert len(resumes) == 1 and resumes[0]["step"] >= 20 and resumes[0]["restart_count"] == 1, (
+        resumes
+    )
     assert netns.same(weights(run_dir), uninterrupted[0])

@@ -1,7 +1,7 @@
 """Under a real SLURM: a one-node cluster (Debian's slurmctld, slurmd, munge) brought up by
-``scripts/slurm_cluster.sh``. Each SLURM defect found by running ddpkit under it has a test here, and the
-digits Trainer is pre-empted (``scontrol requeue``, and SIGUSR1 as ``--signal`` sends it) and resumed to the
-weights of an uninterrupted run.
+``scripts/slurm_cluster.sh``. Each SLURM defect found by running ddpkit under it has a test here,
+and the digits Trainer is pre-empted (``scontrol requeue``, and SIGUSR1 as ``--signal`` sends it)
+and resumed to the weights of an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ PY = sys.executable
 
 @pytest.fixture(scope="module")
 def slurm() -> dict[str, str]:
-    """The environment to run SLURM commands in; the cluster is stopped afterwards if this fixture started it."""
+    """The environment to run SLURM commands in; the cluster is stopped afterwards if this fixture
+    started it."""
     if os.geteuid() != 0:
         pytest.skip("starting slurmd and munged needs root")
     if shutil.which("slurmctld") is None and shutil.which("apt-get") is None:
@@ -42,8 +43,19 @@ def slurm() -> dict[str, str]:
     up = subprocess.run(["bash", str(SCRIPT), "up"], capture_output=True, text=True, timeout=900)
     assert up.returncode == 0, up.stderr
     conf = re.search(r"export SLURM_CONF=(\S+)", up.stdout).group(1)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "PMI_", "OMPI_"))}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "TORCHELASTIC_", "PMI_", "OMPI_"))
+    }
+    for name in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ):
         env.pop(name, None)
     env.update(
         SLURM_CONF=conf,
@@ -58,7 +70,9 @@ def slurm() -> dict[str, str]:
         subprocess.run(["bash", str(SCRIPT), "down"], timeout=120)
 
 
-def sh(cmd: list[str], env: dict[str, str], cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess:
+def sh(
+    cmd: list[str], env: dict[str, str], cwd: Path, timeout: float = 180
+) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
@@ -74,7 +88,9 @@ def job_info(job: str, env: dict[str, str]) -> dict[str, str]:
     return dict(item.split("=", 1) for item in out.stdout.split() if "=" in item)
 
 
-def wait_for(job: str, env: dict[str, str], states: set[str], timeout: float = 300, **fields: str) -> dict:
+def wait_for(
+    job: str, env: dict[str, str], states: set[str], timeout: float = 300, **fields: str
+) -> dict:
     """Poll the job until its state is one of ``states`` (and its other ``fields`` match)."""
     deadline = time.monotonic() + timeout
     hurried = set()
@@ -82,11 +98,18 @@ def wait_for(job: str, env: dict[str, str], states: set[str], timeout: float = 3
         info = job_info(job, env)
         if info["JobState"] in states and all(info.get(k) == v for k, v in fields.items()):
             return info
-        assert time.monotonic() < deadline, f"job {job} still {info['JobState']} after {timeout}s: {info}"
-        if info["JobState"] == "PENDING" and info.get("Reason") == "BeginTime" and info["Restarts"] not in hurried:
-            # SLURM holds a requeued job for two minutes (its credential's lifetime); start it sooner, but not
-            # at once: slurmd refuses every credential of the job made in or before the second it revoked the
-            # old attempt's ("Killing non-startable batch job: Job credential revoked"), which fails the job.
+        assert time.monotonic() < deadline, (
+            f"job {job} still {info['JobState']} after {timeout}s: {info}"
+        )
+        if (
+            info["JobState"] == "PENDING"
+            and info.get("Reason") == "BeginTime"
+            and info["Restarts"] not in hurried
+        ):
+            # SLURM holds a requeued job for two minutes (its credential's lifetime); start it
+            # sooner, but not at once: slurmd refuses every credential of the job made in or before
+            # the second it revoked the old attempt's ("Killing non-startable batch job: Job
+            # credential revoked"), which fails the job.
             out = sh(["scontrol", "update", f"jobid={job}", "starttime=now+3"], env, Path("/"))
             assert out.returncode == 0, out.stderr
             hurried.add(info["Restarts"])
@@ -103,13 +126,16 @@ def write(path: Path, text: str) -> Path:
     return path
 
 
-# ------------------------------------------------------------------------------------------ the defects
+# -------------------------------------------------------------------------------------- the defects
 
 
 def test_salloc_and_srun_of_a_shell_are_one_world_not_two(slurm, tmp_path):
-    # Before: the job names "interactive" (salloc) and "bash" turned SLURM off, and each task ran as a world of
-    # one (both printed rank 0).
-    for cmd in (["salloc", "-n2", "srun", PY, PROBE, "info"], ["srun", "-n2", "bash", "-c", f"{PY} {PROBE} info"]):
+    # Before: the job names "interactive" (salloc) and "bash" turned SLURM off, and each task ran as
+    # a world of one (both printed rank 0).
+    for cmd in (
+        ["salloc", "-n2", "srun", PY, PROBE, "info"],
+        ["srun", "-n2", "bash", "-c", f"{PY} {PROBE} info"],
+    ):
         out = sh(cmd, slurm, tmp_path)
         assert out.returncode == 0, out.stderr[-3000:]
         ranks = sorted(re.findall(r"rank=(\d) world=(\d) launcher=(\w+)", out.stdout))
@@ -161,7 +187,12 @@ srun {PY} {PROBE} info
     wait_for(job, slurm, {"COMPLETED"}, Restarts="1")
     out = (tmp_path / "count.out").read_text()
     # Before: SLURM_RESTART_COUNT was not read and the second attempt also said 0.
-    assert sorted(re.findall(r"rank=(\d) .* restarts=(\d)", out)) == [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")]
+    assert sorted(re.findall(r"rank=(\d) .* restarts=(\d)", out)) == [
+        ("0", "0"),
+        ("0", "1"),
+        ("1", "0"),
+        ("1", "1"),
+    ]
 
 
 def test_srun_ddpkit_run_passes_sigusr1_to_the_workers(slurm, tmp_path):
@@ -183,9 +214,13 @@ echo "step exit code $?"
     )
     deadline = time.monotonic() + 120
     while not ((pids / "rank0.pid").exists() and (pids / "rank1.pid").exists()):
-        assert time.monotonic() < deadline and job_info(job, slurm)["JobState"] in ("PENDING", "RUNNING")
+        assert time.monotonic() < deadline and job_info(job, slurm)["JobState"] in (
+            "PENDING",
+            "RUNNING",
+        )
         time.sleep(0.2)
-    out = sh(["scancel", "--signal=USR1", job], slurm, tmp_path)  # what --signal=USR1@T sends to the steps
+    # what --signal=USR1@T sends to the steps
+    out = sh(["scancel", "--signal=USR1", job], slurm, tmp_path)
     assert out.returncode == 0, out.stderr
     wait_for(job, slurm, {"COMPLETED", "FAILED", "CANCELLED"})
     text = (tmp_path / "agent.out").read_text()
@@ -193,7 +228,8 @@ echo "step exit code $?"
 
 
 def test_the_generated_script_requeues_a_preempted_run_and_not_a_finished_one(slurm, tmp_path):
-    # The probe exits 75 on its first attempt (as a Trainer stopped by a signal does) and 0 on the next.
+    # The probe exits 75 on its first attempt (as a Trainer stopped by a signal does) and 0 on the
+    # next.
     cfg = BatchConfig(
         script=PROBE,
         script_args=["preempted"],
@@ -225,8 +261,11 @@ def test_the_generated_script_requeues_a_preempted_run_and_not_a_finished_one(sl
     assert "requeueing" not in (tmp_path / f"finished-{job}.out").read_text()
 
 
-def test_the_generated_script_writes_its_output_into_a_folder_with_a_space_and_a_percent(slurm, tmp_path):
-    # Before: the --output folder was unquoted, so sbatch read "--output=.../logs" and then "with" as the script.
+def test_the_generated_script_writes_its_output_into_a_folder_with_a_space_and_a_percent(
+    slurm, tmp_path
+):
+    # Before: the --output folder was unquoted, so sbatch read "--output=.../logs" and then "with"
+    # as the script.
     out = tmp_path / "logs with space 100%"
     cfg = BatchConfig(
         script=HELLO,
@@ -261,11 +300,17 @@ def _digits_job(tmp_path: Path, name: str, env: dict[str, str]) -> tuple[str, Pa
         workdir=str(tmp_path),
         job_name=name,
     )
-    return sbatch(write(tmp_path / f"{name}.sbatch", batch_script(cfg)), env), tmp_path / "runs" / name
+    return sbatch(
+        write(tmp_path / f"{name}.sbatch", batch_script(cfg)), env
+    ), tmp_path / "runs" / name
 
 
 def _snapshot_steps(run_dir: Path) -> int:
-    events = (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []
+    events = (
+        (run_dir / "metrics.jsonl").read_text().splitlines()
+        if (run_dir / "metrics.jsonl").exists()
+        else []
+    )
     return sum('"event": "snapshot"' in line for line in events)
 
 
@@ -274,13 +319,17 @@ def _final(run_dir: Path) -> dict:
     return {"step": step, "model": model}
 
 
-@pytest.mark.timeout(900)  # two jobs, one pre-empted and requeued, and SLURM's polling: minutes on 2 cores
+# two jobs, one pre-empted and requeued, and SLURM's polling: minutes on 2 cores
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("how", ["scontrol requeue", "SIGUSR1"])
 def test_digits_preempted_resumes_to_the_uninterrupted_weights(slurm, tmp_path, how):
     job, run_dir = _digits_job(tmp_path, "preempted", slurm)
     deadline = time.monotonic() + 240
     while _snapshot_steps(run_dir) < 2:  # mid-run: two snapshots written
-        assert time.monotonic() < deadline and job_info(job, slurm)["JobState"] in ("PENDING", "RUNNING")
+        assert time.monotonic() < deadline and job_info(job, slurm)["JobState"] in (
+            "PENDING",
+            "RUNNING",
+        )
         time.sleep(0.2)
     if how == "scontrol requeue":
         requeue(job, slurm)  # SIGTERM to every task, then the job goes back to the queue
@@ -288,8 +337,9 @@ def test_digits_preempted_resumes_to_the_uninterrupted_weights(slurm, tmp_path, 
         assert sh(["scancel", "--signal=USR1", job], slurm, tmp_path).returncode == 0
     first = wait_for(job, slurm, {"PENDING", "COMPLETED"}, timeout=240)
     if first["JobState"] == "COMPLETED":
-        # A Trainer that returns from fit() on a stop signal exits 0 and the script does not requeue it; once
-        # fit() raises Preempted (exit 75) the script requeues by itself. Either way the snapshot is there.
+        # A Trainer that returns from fit() on a stop signal exits 0 and the script does not requeue
+        # it; once fit() raises Preempted (exit 75) the script requeues by itself. Either way the
+        # snapshot is there.
         assert first["ExitCode"] == "0:0"
         requeue(job, slurm)
     info = wait_for(job, slurm, {"COMPLETED"}, timeout=400, Restarts="1")
@@ -301,7 +351,8 @@ def test_digits_preempted_resumes_to_the_uninterrupted_weights(slurm, tmp_path, 
         for e in events
         if e["kind"] == "event" and e["event"] not in ("snapshot", "best")
     ]
-    # Stopped by the signal mid-run, resumed from that step by the requeued job (SLURM_RESTART_COUNT read).
+    # Stopped by the signal mid-run, resumed from that step by the requeued job (SLURM_RESTART_COUNT
+    # read).
     (_, stop, _, _), (_, resume, _, _) = events[1:3]
     assert events == [
         ("start", 0, None, 0),

@@ -1,7 +1,9 @@
-"""The stall watch of ``ddpkit run``: a rank that stops making progress is named in seconds, with real jobs.
+"""The stall watch of ``ddpkit run``: a rank that stops making progress is named in seconds, with
+real jobs.
 
-Each test has its control: the watch off (``--stall-timeout 0``), where nothing is said and the job ends only
-at the collective timeout; or, for the allowances, the same pause where no allowance covers it.
+Each test has its control: the watch off (``--stall-timeout 0``), where nothing is said and the job
+ends only at the collective timeout; or, for the allowances, the same pause where no allowance
+covers it.
 """
 
 from __future__ import annotations
@@ -13,16 +15,31 @@ import pytest
 
 from tests.jobs.launch.stall_jobs import run_stall_job
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and /dev/shm")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and /dev/shm"),
+]
 
 FLOOR = "3"
 COLLECTIVE_TIMEOUT = 20.0  # the controls' bound: a job with the watch off ends only then
-_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
+_LAUNCH_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "OMP_NUM_THREADS",
+)
 
 
 @pytest.fixture
 def env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS and not k.startswith(("TORCHELASTIC", "SLURM"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in _LAUNCH_VARS and not k.startswith(("TORCHELASTIC", "SLURM"))
+    }
     env.pop("DDPKIT_STALL_TIMEOUT", None)
     return env | {"PYTHONUNBUFFERED": "1"}
 
@@ -32,20 +49,31 @@ def _named_then_ended(out, state: str, doing: str) -> None:
     assert out.named_at is not None, out.stderr[-3000:]
     headline = next(line for line in out.stderr.splitlines() if "rank 1 stalled:" in line)
     assert state in headline and doing in headline, headline
-    # The floor (3 s), a poll (0.5 s), the stacks (at most 3 s), on a machine shared by many: far below the
-    # collective timeout the job would otherwise have waited for.
+    # The floor (3 s), a poll (0.5 s), the stacks (at most 3 s), on a machine shared by many: far
+    # below the collective timeout the job would otherwise have waited for.
     assert out.to_named is not None and out.to_named < 3 + 9, (out.to_named, out.stderr[-3000:])
-    assert out.to_end is not None and out.to_end < COLLECTIVE_TIMEOUT, (out.to_end, out.stderr[-3000:])
+    assert out.to_end is not None and out.to_end < COLLECTIVE_TIMEOUT, (
+        out.to_end,
+        out.stderr[-3000:],
+    )
     summary = out.stderr[out.stderr.rindex("worker(s) failed") :]
     assert "first: rank 1" in summary and "stalled, ended by the stall watch" in summary, summary
 
 
 def _control(tmp_path, env, job: list[str]) -> None:
     out = run_stall_job(
-        ["--stall-timeout", "0", "--collective-timeout", str(COLLECTIVE_TIMEOUT)], job, env, tmp_path / "off"
+        ["--stall-timeout", "0", "--collective-timeout", str(COLLECTIVE_TIMEOUT)],
+        job,
+        env,
+        tmp_path / "off",
     )
-    assert out.returncode != 0 and out.named_at is None and "stalled" not in out.stderr, out.stderr[-3000:]
-    assert out.to_end is not None and out.to_end >= COLLECTIVE_TIMEOUT - 1, (out.to_end, out.stderr[-3000:])
+    assert out.returncode != 0 and out.named_at is None and "stalled" not in out.stderr, out.stderr[
+        -3000:
+    ]
+    assert out.to_end is not None and out.to_end >= COLLECTIVE_TIMEOUT - 1, (
+        out.to_end,
+        out.stderr[-3000:],
+    )
 
 
 @pytest.fixture
@@ -56,7 +84,9 @@ def dirs(tmp_path):
 
 
 def test_a_stopped_rank_is_named_and_killed_at_once(dirs, env):
-    out = run_stall_job(["--stall-timeout", FLOOR, "--collective-timeout", "60"], ["stop"], env, dirs / "on")
+    out = run_stall_job(
+        ["--stall-timeout", FLOOR, "--collective-timeout", "60"], ["stop"], env, dirs / "on"
+    )
     _named_then_ended(out, "stopped (SIGSTOP)", "at step 5")
     assert "a stopped process cannot answer for its stack" in out.stderr
     assert "rank 1 killed (SIGKILL)" in out.stderr
@@ -66,15 +96,20 @@ def test_a_stopped_rank_is_named_and_killed_at_once(dirs, env):
 
 
 def test_a_rank_stuck_in_user_code_between_steps_is_named(dirs, env):
-    out = run_stall_job(["--stall-timeout", FLOOR, "--collective-timeout", "60"], ["sleep"], env, dirs / "on")
+    out = run_stall_job(
+        ["--stall-timeout", FLOOR, "--collective-timeout", "60"], ["sleep"], env, dirs / "on"
+    )
     _named_then_ended(out, "sleeping", "in its loop")
     rank1 = out.stderr.split("rank 1 (local rank 1", 1)[1]
-    assert "stall_job.py" in rank1 and "<module>" in rank1, rank1  # its own stack, from the script's line
+    # its own stack, from the script's line
+    assert "stall_job.py" in rank1 and "<module>" in rank1, rank1
     _control(dirs, env, ["sleep"])
 
 
 def test_a_rank_stuck_in_a_loader_worker_is_named(dirs, env):
-    out = run_stall_job(["--stall-timeout", FLOOR, "--collective-timeout", "60"], ["loader"], env, dirs / "on")
+    out = run_stall_job(
+        ["--stall-timeout", FLOOR, "--collective-timeout", "60"], ["loader"], env, dirs / "on"
+    )
     _named_then_ended(out, "sleeping", "loading data")
     assert "dataloader.py" in out.stderr.split("rank 1 (local rank 1", 1)[1]
     _control(dirs, env, ["loader"])
@@ -89,13 +124,16 @@ def test_the_trainer_marks_its_phases_and_the_waiting_collective(dirs, env):
         dirs / "on",
     )
     _named_then_ended(out, "sleeping", "user code between steps")
-    # rank 0 went on into the step's snapshot and waits in its collective, which rank 1 has not reached
+    # rank 0 went on into the step's snapshot and waits in its collective, which rank 1 has not
+    # reached
     assert "rank(s) 0 wait in it; rank 1 has not arrived" in out.stderr, out.stderr[-3000:]
     _control(dirs, env, ["trainer-sleep", "5", "300", "12", str(dirs / "off" / "run")])
 
 
 def test_warn_only_says_so_and_the_job_goes_on(dirs, env):
-    out = run_stall_job(["--stall-timeout", FLOOR, "--on-stall", "warn"], ["sleep", "5", "8"], env, dirs / "on")
+    out = run_stall_job(
+        ["--stall-timeout", FLOOR, "--on-stall", "warn"], ["sleep", "5", "8"], env, dirs / "on"
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.named_at is not None and "the job goes on (--on-stall warn)" in out.stderr
     assert "rank 0 done after 12 steps" in out.stdout
@@ -122,19 +160,31 @@ def test_no_false_alarm_on_a_long_first_step_or_snapshot(dirs, env, job):
 def test_the_summary_before_a_restart_names_the_killed_rank(dirs, env):
     out = run_stall_job(["--max-restarts", "1"], ["kill"], env, dirs / "on")
     assert out.returncode == 0, out.stderr[-3000:]
-    before = out.stderr[: out.stderr.index("ddpkit run: restarting the workers (0 restart(s) left after this one)")]
+    before = out.stderr[
+        : out.stderr.index("ddpkit run: restarting the workers (0 restart(s) left after this one)")
+    ]
     summary = before[before.rindex("ddpkit run: ") :]
     assert "first: rank 1 (local rank 1" in summary and "killed by SIGKILL" in summary, summary
-    assert "where each rank was: rank 0 at step 6" in summary and "rank 1 at step 5" in summary, summary
+    assert "where each rank was: rank 0 at step 6" in summary and "rank 1 at step 5" in summary, (
+        summary
+    )
     assert "rank 0 done after 12 steps" in out.stdout
-    # Control: torchrun's agent alone logs one local rank's exit code (the first by its whole-second stamp,
-    # which can be a survivor it stopped itself), never the step nor where the other ranks were. (Its restart
-    # then fails for its own reasons, the workers' store; that is not what is tested here.)
+    # Control: torchrun's agent alone logs one local rank's exit code (the first by its whole-second
+    # stamp, which can be a survivor it stopped itself), never the step nor where the other ranks
+    # were. (Its restart then fails for its own reasons, the workers' store; that is not what is
+    # tested here.)
     import subprocess
 
     from tests.jobs.launch.stall_jobs import STALL_JOB
 
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+    ]
     plain = subprocess.run(
         [*torchrun, "--max-restarts", "1", STALL_JOB, "kill"],
         env=env,

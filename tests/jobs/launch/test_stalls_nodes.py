@@ -1,9 +1,10 @@
-"""The stall watch across nodes, for real: two network-namespace nodes of one rank each (``scripts/netns_nodes.sh``).
+"""The stall watch across nodes, for real: two network-namespace nodes of one rank each
+(``scripts/netns_nodes.sh``).
 
-Rank 1 sleeps in user code after step 5 (``tests/jobs/scripts/stall_job.py sleep``) while rank 0, on the other
-node, waits for it in the gradients' all-reduce. Neither node alone sees a rank waiting for another: the agents
-judge with each other's summaries in the rendezvous store. Control: the watch off, where nothing is said and
-the job ends only at the collective timeout.
+Rank 1 sleeps in user code after step 5 (``tests/jobs/scripts/stall_job.py sleep``) while rank 0, on
+the other node, waits for it in the gradients' all-reduce. Neither node alone sees a rank waiting
+for another: the agents judge with each other's summaries in the rendezvous store. Control: the
+watch off, where nothing is said and the job ends only at the collective timeout.
 """
 
 from __future__ import annotations
@@ -54,10 +55,21 @@ class Node:
 def _run(
     nodes, cwd: Path, port: int, flags: list[str], mode: str = "sleep", timeout: float = 240
 ) -> tuple[Node, Node, float]:
-    """The stall job in ``mode`` on both nodes; (the node of rank 1, the other, when rank 1 stalled)."""
+    """The stall job in ``mode`` on both nodes; (the node of rank 1, the other, when rank 1
+    stalled)."""
     env = netns.clean_env() | {"DDPKIT_RDZV_SECRET": SECRET}
     (_, addr_a), _ = nodes
-    argv = [*DDPKIT, "run", "--nnodes", "2", "--nproc", "1", "--rdzv-endpoint", f"{addr_a}:{port}", *flags]
+    argv = [
+        *DDPKIT,
+        "run",
+        "--nnodes",
+        "2",
+        "--nproc",
+        "1",
+        "--rdzv-endpoint",
+        f"{addr_a}:{port}",
+        *flags,
+    ]
     procs, outputs, readers = [], [], []
     for ns, _ in nodes:
         folder = cwd / ns
@@ -86,7 +98,10 @@ def _run(
     codes = netns.finish(procs, timeout)
     for reader in readers:
         reader.join(timeout=10)
-    ran = [Node(ns, addr, code, lines) for (ns, addr), code, lines in zip(nodes, codes, outputs, strict=True)]
+    ran = [
+        Node(ns, addr, code, lines)
+        for (ns, addr), code, lines in zip(nodes, codes, outputs, strict=True)
+    ]
     stalls = [n for n in ran if n.first(rf"rank 1 stalls \({mode}\)")]
     assert len(stalls) == 1, [n.text[-3000:] for n in ran]
     found = stalls[0].first(rf"rank 1 stalls \({mode}\) after step \d+ at ([0-9.]+)")
@@ -99,8 +114,11 @@ def _run(
 @pytest.mark.parametrize(
     ("mode", "state", "port"), [("sleep", "sleeping", 29410), ("stop", "stopped (SIGSTOP)", 29412)]
 )
-def test_a_rank_stalled_on_one_node_is_named_by_its_node_and_awaited_by_the_other(nodes, tmp_path, mode, state, port):
-    """Rank 1 sleeps in user code between steps, or stops itself with SIGSTOP (its agent alone can tell)."""
+def test_a_rank_stalled_on_one_node_is_named_by_its_node_and_awaited_by_the_other(
+    nodes, tmp_path, mode, state, port
+):
+    """Rank 1 sleeps in user code between steps, or stops itself with SIGSTOP (its agent alone can
+    tell)."""
     b, a, stalled_at = _run(
         nodes, tmp_path / "on", port, ["--stall-timeout", FLOOR, "--collective-timeout", "60"], mode
     )
@@ -109,15 +127,17 @@ def test_a_rank_stalled_on_one_node_is_named_by_its_node_and_awaited_by_the_othe
     headline = named[1]
     assert f"({b.addr}), {state}, at step 5, in its loop" in headline, headline
     assert "rank 0 on host" in headline and f"({a.addr}) at step 6" in headline, headline
-    # The floor (3 s), the polls and the exchange through the store (0.5 s each), the stacks (at most 3 s),
-    # on a machine shared by many: far below the collective timeout.
+    # The floor (3 s), the polls and the exchange through the store (0.5 s each), the stacks (at
+    # most 3 s), on a machine shared by many: far below the collective timeout.
     to_named = named[0] - stalled_at
     assert to_named < 3 + 9, (to_named, b.text[-5000:])
     print(f"\n{mode}: rank 1 named by its node {to_named:.1f} s after it stalled")
 
     waits = a.first(r"ddpkit run: waiting for rank 1 on host")
     assert waits is not None, a.text[-5000:]
-    assert f"({b.addr}): no progress for" in waits[1] and f"{state}, at step 5" in waits[1], waits[1]
+    assert f"({b.addr}): no progress for" in waits[1] and f"{state}, at step 5" in waits[1], waits[
+        1
+    ]
     assert "its node's agent names it" in a.text
 
     assert b.code not in (0, None) and a.code not in (0, None), (b.text[-3000:], a.text[-3000:])
@@ -131,7 +151,12 @@ def test_control_with_the_watch_off_nothing_is_named_until_the_collective_timeou
     flags = ["--stall-timeout", "0", "--collective-timeout", str(COLLECTIVE_TIMEOUT)]
     b, a, stalled_at = _run(nodes, tmp_path / "off", 29411, flags)
     for node in (a, b):
-        assert "stalled:" not in node.text and "waiting for rank" not in node.text, node.text[-3000:]
+        assert "stalled:" not in node.text and "waiting for rank" not in node.text, node.text[
+            -3000:
+        ]
         assert node.code not in (0, None), node.text[-3000:]
     first_failure = min(t for n in (a, b) for t, line in n.lines if "worker(s) failed" in line)
-    assert first_failure - stalled_at >= COLLECTIVE_TIMEOUT - 1, (first_failure - stalled_at, a.text[-3000:])
+    assert first_failure - stalled_at >= COLLECTIVE_TIMEOUT - 1, (
+        first_failure - stalled_at,
+        a.text[-3000:],
+    )

@@ -20,7 +20,7 @@ import ddpkit
 from ddpkit.distributed._seeding import rng_state, set_rng_state
 from ddpkit.nn._batchnorm import CPUSyncBatchNorm, convert_sync_batchnorm
 
-# ------------------------------------------------------------------------------------------ the model
+# ---------------------------------------------------------------------------------------- the model
 
 
 class Net(nn.Module):
@@ -29,7 +29,8 @@ class Net(nn.Module):
         self.conv = nn.Conv2d(3, 4, 3, padding=1)
         self.bn2d = nn.BatchNorm2d(4)
         self.fc1 = nn.Linear(4 * 2 * 2, 8)
-        self.bn1d = nn.BatchNorm1d(8, momentum=None)  # cumulative average: the other running-stat rule
+        # cumulative average: the other running-stat rule
+        self.bn1d = nn.BatchNorm1d(8, momentum=None)
         self.fc2 = nn.Linear(8, 3)
         self.register_buffer("scale", torch.randn(3))
 
@@ -45,16 +46,23 @@ def fixed_net() -> Net:
 
 def global_batches(steps: int, size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(99)
-    # Per-channel offsets and scales, so that the statistics of a slice and of the whole batch differ.
+    # Per-channel offsets and scales, so that the statistics of a slice and of the whole batch
+    # differ.
     offset = torch.tensor([0.5, -1.0, 2.0]).reshape(1, 3, 1, 1)
     return [
-        (torch.randn(size, 3, 5, 5, generator=g) * 1.5 + offset, torch.randint(0, 3, (size,), generator=g))
+        (
+            torch.randn(size, 3, 5, 5, generator=g) * 1.5 + offset,
+            torch.randint(0, 3, (size,), generator=g),
+        )
         for _ in range(steps)
     ]
 
 
 def checksums(module: nn.Module) -> dict[str, float]:
-    return {k: v.double().sum().item() + v.double().abs().sum().item() for k, v in module.state_dict().items()}
+    return {
+        k: v.double().sum().item() + v.double().abs().sum().item()
+        for k, v in module.state_dict().items()
+    }
 
 
 # ------------------------------------------------------------------------------------ prepare_model
@@ -77,7 +85,9 @@ def _prepare_worker() -> dict:
     return {
         "before": before,
         "after": after,
-        "after_step": {k: v for k, v in checksums(ddpkit.unwrap(wrapped)).items() if "running" not in k},
+        "after_step": {
+            k: v for k, v in checksums(ddpkit.unwrap(wrapped)).items() if "running" not in k
+        },
         "is_ddp": isinstance(wrapped, DDP),
         "unwrap_is_inner": ddpkit.unwrap(wrapped) is model and wrapped.module is model,
     }
@@ -96,26 +106,30 @@ def test_prepare_model_makes_every_rank_start_from_rank0(world):
 
 
 def _accumulate(skip_first_sync: bool, compiled: bool = False) -> list[float]:
-    """Two micro-batches of rank-specific data; the first backward under ``ddpkit.no_sync`` or not (given the
-    model as ``torch.compile`` wraps it, with ``compiled``). The gradient right after the first backward: this
-    rank's own if the all-reduce was skipped."""
+    """Two micro-batches of rank-specific data; the first backward under ``ddpkit.no_sync`` or not
+    (given the model as ``torch.compile`` wraps it, with ``compiled``). The gradient right after the
+    first backward: this rank's own if the all-reduce was skipped."""
     rt = ddpkit.init()
     torch.manual_seed(0)
     model = ddpkit.prepare_model(nn.Linear(3, 1))
     x = torch.full((2, 3), float(rt.rank + 1))
-    wrapped = torch.compile(model) if compiled else model  # compiled lazily: the forward below is the model's
+    # compiled lazily: the forward below is the model's
+    wrapped = torch.compile(model) if compiled else model
     with ddpkit.no_sync(wrapped) if skip_first_sync else contextlib.nullcontext():
         model(x).sum().backward()
     first = model.module.weight.grad.clone()
-    model(x).sum().backward()  # synchronised: the sum over both micro-batches, averaged over the ranks
+    # synchronised: the sum over both micro-batches, averaged over the ranks
+    model(x).sum().backward()
     return [first.sum().item(), model.module.weight.grad.sum().item()]
 
 
 def test_no_sync_skips_the_all_reduce_until_the_steps_last_micro_batch():
     skipped = ddpkit.spawn(functools.partial(_accumulate, True), 2)
     assert skipped[0][0] != skipped[1][0]  # each rank's own gradient: no all-reduce yet
-    assert skipped[0][1] == skipped[1][1] == pytest.approx(2 * (2 * 3 * (1 + 2) / 2))  # both micro-batches, averaged
-    # Control: without it the first backward is all-reduced too (the same gradient on both ranks at once).
+    # both micro-batches, averaged
+    assert skipped[0][1] == skipped[1][1] == pytest.approx(2 * (2 * 3 * (1 + 2) / 2))
+    # Control: without it the first backward is all-reduced too (the same gradient on both ranks at
+    # once).
     synced = ddpkit.spawn(functools.partial(_accumulate, False), 2)
     assert synced[0][0] == synced[1][0]
     # Given the model as torch.compile wraps it, it finds DDP inside.
@@ -162,8 +176,8 @@ def _sync_bn_worker(sync: bool, steps: int, size: int) -> dict:
         "momentum": inner.bn1d.momentum,
     }
     if rt.rank == 0:
-        # Eval mode uses the running statistics: no collective (rank 0 runs it alone), and a sample's output
-        # does not depend on the batch it is in.
+        # Eval mode uses the running statistics: no collective (rank 0 runs it alone), and a
+        # sample's output does not depend on the batch it is in.
         inner.eval()
         x = global_batches(1, 6)[0][0]
         out["eval_batch"] = inner(x).detach()
@@ -220,11 +234,17 @@ def test_plain_batchnorm_under_ddp_does_not_match_one_process():
 def test_convert_sync_batchnorm_keeps_parameters_buffers_and_modes():
     model = fixed_net()
     model.bn1d.eval()
-    bn2d_weight, bn2d_mean, bn1d_var = model.bn2d.weight, model.bn2d.running_mean, model.bn1d.running_var
+    bn2d_weight, bn2d_mean, bn1d_var = (
+        model.bn2d.weight,
+        model.bn2d.running_mean,
+        model.bn1d.running_var,
+    )
     x = global_batches(1, 6)[0][0]
     expected = model(x).detach()
     converted = convert_sync_batchnorm(model, torch.device("cpu"))
-    assert isinstance(converted.bn2d, CPUSyncBatchNorm) and isinstance(converted.bn1d, CPUSyncBatchNorm)
+    assert isinstance(converted.bn2d, CPUSyncBatchNorm) and isinstance(
+        converted.bn1d, CPUSyncBatchNorm
+    )
     assert converted.bn2d.weight is bn2d_weight and converted.bn2d.running_mean is bn2d_mean
     assert converted.bn1d.running_var is bn1d_var
     assert converted.bn2d.training and not converted.bn1d.training
@@ -255,7 +275,11 @@ def test_seed_everything_same_or_per_rank():
 
 
 def test_rng_state_round_trip_through_a_weights_only_file(tmp_path):
-    saved_torch, saved_py, saved_np = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    saved_torch, saved_py, saved_np = (
+        torch.get_rng_state(),
+        random.getstate(),
+        np.random.get_state(),
+    )
     try:
         ddpkit.seed_everything(3)
         torch.save(rng_state(), tmp_path / "rng.pt")
@@ -265,7 +289,8 @@ def test_rng_state_round_trip_through_a_weights_only_file(tmp_path):
         set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
         again = (torch.rand(3), random.random(), np.random.rand())
         assert torch.equal(first[0], again[0]) and first[1:] == again[1:]
-        assert not torch.equal(first[0], other[0]) and first[1:] != other[1:]  # control: seed 4 differs
+        # control: seed 4 differs
+        assert not torch.equal(first[0], other[0]) and first[1:] != other[1:]
     finally:
         torch.set_rng_state(saved_torch)
         random.setstate(saved_py)

@@ -1,4 +1,5 @@
-"""The pieces the ``ddpkit check`` test scripts share: a tiny classification problem and an MLP for it."""
+"""The pieces the ``ddpkit check`` test scripts share: a tiny classification problem and an MLP for
+it."""
 
 import torch
 from torch import nn
@@ -7,11 +8,15 @@ from torch.utils.data import TensorDataset
 
 def toy_data(n: int = 64, features: int = 8, classes: int = 3) -> TensorDataset:
     g = torch.Generator().manual_seed(1)
-    return TensorDataset(torch.randn(n, features, generator=g), torch.randint(0, classes, (n,), generator=g))
+    return TensorDataset(
+        torch.randn(n, features, generator=g), torch.randint(0, classes, (n,), generator=g)
+    )
 
 
 def mlp(*middle: nn.Module, features: int = 8, hidden: int = 16, classes: int = 3) -> nn.Sequential:
-    return nn.Sequential(nn.Linear(features, hidden), *middle, nn.ReLU(), nn.Linear(hidden, classes))
+    return nn.Sequential(
+        nn.Linear(features, hidden), *middle, nn.ReLU(), nn.Linear(hidden, classes)
+    )
 
 
 def sgd(params):

@@ -7,4 +7,6 @@ from ddpkit.tools._workload import Workload
 
 
 def ddpkit_workload():
-    return Workload(model=mlp(), dataset=toy_data(), loss_fn=F.cross_entropy, optimizer=sgd, batch_size=8)
+    return Workload(
+        model=mlp(), dataset=toy_data(), loss_fn=F.cross_entropy, optimizer=sgd, batch_size=8
+    )

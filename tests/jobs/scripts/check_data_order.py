@@ -1,4 +1,5 @@
-"""Mistake: a plain shuffled DataLoader on every rank (no sharding), so ranks train on the same samples."""
+"""Mistake: a plain shuffled DataLoader on every rank (no sharding), so ranks train on the same
+samples."""
 
 import torch.nn.functional as F
 from check_common import mlp, sgd, toy_data
@@ -13,5 +14,10 @@ def loader(dataset, batch_size, rank, world_size):
 
 def ddpkit_workload():
     return Workload(
-        model=mlp(), dataset=toy_data(), loss_fn=F.cross_entropy, optimizer=sgd, batch_size=8, loader=loader
+        model=mlp(),
+        dataset=toy_data(),
+        loss_fn=F.cross_entropy,
+        optimizer=sgd,
+        batch_size=8,
+        loader=loader,
     )

@@ -1,5 +1,5 @@
-"""Mistake: every rank seeds with its rank, and the model keeps a random projection as a plain attribute (not a
-buffer), which DDP does not broadcast."""
+"""Mistake: every rank seeds with its rank, and the model keeps a random projection as a plain
+attribute (not a buffer), which DDP does not broadcast."""
 
 import torch
 import torch.nn.functional as F

@@ -1,7 +1,8 @@
 """Mistake: an op whose result varies from run to run unless torch's deterministic mode is on.
 
 CPU kernels repeat themselves, so this stands in for a GPU one (an atomic scatter-add, say): outside
-deterministic mode it adds noise from an unseeded generator, as float atomics add in a varying order.
+deterministic mode it adds noise from an unseeded generator, as float atomics add in a varying
+order.
 """
 
 import os

@@ -1,13 +1,14 @@
-"""The memory-snapshot job (:mod:`tests.jobs.scripts.memory_job`) whose rank 0, on its first attempt, damages
-its own slot right after saving a given step, then dies of SIGKILL: the restart finds a whole slot (its commit
-record, manifest and values check) that lies.
+"""The memory-snapshot job (:mod:`tests.jobs.scripts.memory_job`) whose rank 0, on its first
+attempt, damages its own slot right after saving a given step, then dies of SIGKILL: the restart
+finds a whole slot (its commit record, manifest and values check) that lies.
 
     python -m tests.jobs.scripts.damaged_memory_job RUN_DIR --log DIR [memory_job's options]
 
 ``DDPKIT_TEST_DAMAGE=MODE:STEP``, MODE one of
 
 - ``weight``: the first float of the data region (a weight of the first layer) set to 999.9;
-- ``manifest``: the manifest rewritten, its CRC-32 too, so that the first tensor lies past the data region;
+- ``manifest``: the manifest rewritten, its CRC-32 too, so that the first tensor lies past the data
+  region;
 - ``both``: ``weight`` in both of rank 0's slots (the step saved and the one before).
 """
 
@@ -45,7 +46,9 @@ def _lie_about_layout(path: Path) -> None:
     text = json.dumps(manifest).encode()
     assert len(text) <= record.values[0] - off  # room before the values
     raw[off : off + len(text)] = text
-    lied = mslot.Record(record.begin, record.end, (off, len(text), zlib.crc32(text)), record.values, record.data)
+    lied = mslot.Record(
+        record.begin, record.end, (off, len(text), zlib.crc32(text)), record.values, record.data
+    )
     raw[: len(lied.pack())] = lied.pack()
     path.write_bytes(bytes(raw))
 
@@ -59,7 +62,11 @@ def main() -> None:
         save(self, values, *args)
         if not (first_attempt and self.rank == 0 and values["step"] == int(step)):
             return
-        slots = sorted((s for s in self.slots if s.record is not None), key=lambda s: s.record.end, reverse=True)
+        slots = sorted(
+            (s for s in self.slots if s.record is not None),
+            key=lambda s: s.record.end,
+            reverse=True,
+        )
         for slot in slots[: 2 if mode == "both" else 1]:
             (_lie_about_layout if mode == "manifest" else _lie_about_weight)(slot.path)
         os.kill(os.getpid(), signal.SIGKILL)

@@ -1,14 +1,15 @@
 """A job for the device tests; the first argument picks what it does.
 
-- ``info DIR``: on every rank, the device and backend ddpkit chose and the results of its collectives on tensors
-  of that device, written to ``DIR/rank<N>.json``.
-- ``where``: (plain python) the device and backend chosen, and the UUID of the GPU the device is, printed as
-  JSON.
-- ``hang``: (one rank under ``ddpkit run``, CUDA) an all-reduce queued behind a kernel that keeps the GPU busy
-  for minutes: the collective cannot finish within the collective timeout, as when a peer never joins.
+- ``info DIR``: on every rank, the device and backend ddpkit chose and the results of its
+  collectives on tensors of that device, written to ``DIR/rank<N>.json``.
+- ``where``: (plain python) the device and backend chosen, and the UUID of the GPU the device is,
+  printed as JSON.
+- ``hang``: (one rank under ``ddpkit run``, CUDA) an all-reduce queued behind a kernel that keeps
+  the GPU busy for minutes: the collective cannot finish within the collective timeout, as when a
+  peer never joins.
 - ``env``: print the flight recorder's variables as this process sees them, as JSON.
-- ``dump-and-fail``: write a file where nccl's flight recorder would write this rank's record, then fail (the
-  launcher's report of the record, without a GPU).
+- ``dump-and-fail``: write a file where nccl's flight recorder would write this rank's record, then
+  fail (the launcher's report of the record, without a GPU).
 """
 
 import json
@@ -59,7 +60,9 @@ cuda = rt.device.type == "cuda"
 if mode == "info":
     t = torch.full((3,), float(rt.rank + 1), device=rt.device)
     dist.all_reduce(t)  # in place, on the rank's device: nccl reduces CUDA tensors only
-    gathered = ddpkit.gather_tensors(torch.arange(rt.rank + 1, dtype=torch.float32, device=rt.device))
+    gathered = ddpkit.gather_tensors(
+        torch.arange(rt.rank + 1, dtype=torch.float32, device=rt.device)
+    )
     record = {
         "rank": rt.rank,
         "local_rank": rt.local_rank,
@@ -71,7 +74,9 @@ if mode == "info":
         "all_reduce": t.tolist(),
         "all_reduce_device": str(t.device),
         "number": ddpkit.all_reduce(rt.rank + 1),
-        "metrics": ddpkit.all_reduce({"loss": torch.tensor(0.5, device=rt.device) * (rt.rank + 1), "n": 2}),
+        "metrics": ddpkit.all_reduce(
+            {"loss": torch.tensor(0.5, device=rt.device) * (rt.rank + 1), "n": 2}
+        ),
         "gathered": gathered.tolist(),
         "gathered_device": str(gathered.device),
         "broadcast": ddpkit.broadcast_object({"from": rt.rank, "device": str(rt.device)}),
@@ -81,14 +86,15 @@ if mode == "info":
     Path(rest[0], f"rank{rt.rank}.json").write_text(json.dumps(record))
 elif mode == "hang":
     assert cuda and rt.world_size == 1, "hang: one rank on a GPU"
-    ddpkit.all_reduce(torch.ones(1, device=rt.device))  # the communicator is made, outside the timed collective
+    # the communicator is made, outside the timed collective
+    ddpkit.all_reduce(torch.ones(1, device=rt.device))
     torch.cuda.synchronize()
-    # A spin kernel (torch's own test helper, the one way to keep a GPU busy for a set number of cycles): the
-    # all-reduce queued after it on the same stream cannot start, so it outlives the collective timeout, as it
-    # would waiting for a peer. 2.4e10 cycles: about 12 s at 2 GHz, past a timeout of 5 s, and short
-    # enough that a teardown waiting for the kernel ends within a minute or so.
-    # (ddpkit.all_reduce would first copy its input to the host, which waits behind the kernel before the
-    # collective is even queued: torch's own all_reduce queues it at once.)
+    # A spin kernel (torch's own test helper, the one way to keep a GPU busy for a set number of
+    # cycles): the all-reduce queued after it on the same stream cannot start, so it outlives the
+    # collective timeout, as it would waiting for a peer. 2.4e10 cycles: about 12 s at 2 GHz, past a
+    # timeout of 5 s, and short enough that a teardown waiting for the kernel ends within a minute
+    # or so. (ddpkit.all_reduce would first copy its input to the host, which waits behind the
+    # kernel before the collective is even queued: torch's own all_reduce queues it at once.)
     torch.cuda._sleep(24_000_000_000)
     t = torch.ones(1, device=rt.device)
     dist.all_reduce(t)

@@ -1,9 +1,11 @@
-"""train_job's model and Trainer on the device ddpkit picks, for the device tests (``ddpkit run ... RUN_DIR``).
+"""train_job's model and Trainer on the device ddpkit picks, for the device tests
+(``ddpkit run ... RUN_DIR``).
 
-What it adds to :mod:`train_job`: a mixed ``--precision``, deterministic algorithms (with the cuBLAS workspace
-the environment sets on CUDA), a dataset whose ``__getitem__`` draws its noise on the rank's device (on a GPU,
-from the CUDA generator, as GPU augmentation does), and a control that restores every part of a snapshot but
-the CUDA generators' states. Dropout in the model draws on the device too.
+What it adds to :mod:`train_job`: a mixed ``--precision``, deterministic algorithms (with the cuBLAS
+workspace the environment sets on CUDA), a dataset whose ``__getitem__`` draws its noise on the
+rank's device (on a GPU, from the CUDA generator, as GPU augmentation does), and a control that
+restores every part of a snapshot but the CUDA generators' states. Dropout in the model draws on the
+device too.
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ class DeviceNoise(train_job.IndexedData):
     def __getitem__(self, i: int):
         x, y, i = super().__getitem__(i)
         noise = torch.randn(x.shape, device=ddpkit.get_runtime().device)
-        # Back to the host: the loader pins batches for the copy to the GPU, and only CPU tensors can be pinned.
+        # Back to the host: the loader pins batches for the copy to the GPU, and only CPU tensors
+        # can be pinned.
         return x + 0.3 * noise.cpu(), y, i
 
 
 def _restore_all_but_cuda_rng() -> None:
-    """Make the Trainer's resume leave the CUDA generators where this fresh process seeded them (a control)."""
+    """Make the Trainer's resume leave the CUDA generators where this fresh process seeded them (a
+    control)."""
     load = train_job.SabotagedTrainer.load_state_dict
 
     def load_state_dict(self, state):
@@ -47,14 +51,16 @@ def main() -> None:
     p.add_argument("--kill-step", type=int, default=None)
     p.add_argument("--drop-cuda-rng", action="store_true")
     a = p.parse_args()
-    # Bitwise resume needs the same kernels doing the same sums: deterministic algorithms where torch has them
-    # (warn_only: an op without one warns, and a difference would then show in the comparison).
+    # Bitwise resume needs the same kernels doing the same sums: deterministic algorithms where
+    # torch has them (warn_only: an op without one warns, and a difference would then show in the
+    # comparison).
     torch.use_deterministic_algorithms(True, warn_only=True)
     ddpkit.init()
     if a.drop_cuda_rng:
         _restore_all_but_cuda_rng()
     data_class = train_job.AugmentedData
-    train_job.AugmentedData = DeviceNoise  # train(augment=True) reads the data set through this name
+    # train(augment=True) reads the data set through this name
+    train_job.AugmentedData = DeviceNoise
     try:
         train_job.train(
             a.run_dir,

@@ -1,19 +1,21 @@
 """A job for the fork server's tests: what a worker finds at its start, and what it does at its end.
 
-``python fork_probe.py DIR [MODE]``; each rank writes ``DIR/rank<R>.json`` with, read at the script's first
-line: whether ``torch._dynamo`` is already imported (it is only in a worker forked from the server, which
-preloaded it), its parent, session, arguments, directory, rank variables, threads and signal dispositions;
-then a first draw of python's, numpy's and torch's generators, unseeded; and rank 0 what it reads on its standard input. At the end
-three things that a process must finish before it exits, each writing ``DIR/rank<R>.<what>``: an ``atexit``
-handler, a non-daemon thread, and a task left in a ``ThreadPoolExecutor`` (the last two 0.3 s after the script
+``python fork_probe.py DIR [MODE]``; each rank writes ``DIR/rank<R>.json`` with, read at the
+script's first line: whether ``torch._dynamo`` is already imported (it is only in a worker forked
+from the server, which preloaded it), its parent, session, arguments, directory, rank variables,
+threads and signal dispositions; then a first draw of python's, numpy's and torch's generators,
+unseeded; and rank 0 what it reads on its standard input. At the end three things that a process
+must finish before it exits, each writing ``DIR/rank<R>.<what>``: an ``atexit`` handler, a
+non-daemon thread, and a task left in a ``ThreadPoolExecutor`` (the last two 0.3 s after the script
 ended). Each process that runs a rank's script adds a line to ``DIR/rank<R>.starts``. MODE:
 
 - ``end`` (default): exit 0;
 - ``exit3``: ``sys.exit(3)`` on rank 0, 0 on the others;
 - ``message``: ``sys.exit("a message")`` on rank 0 (status 1, the message on standard error);
-- ``kill-first``: in the first attempt rank 1 kills itself with SIGKILL once both ranks wrote their files;
-  later attempts end normally;
-- ``kill-server-first``: the same, after rank 1 has SIGKILLed the job's fork server (as the OOM killer might);
+- ``kill-first``: in the first attempt rank 1 kills itself with SIGKILL once both ranks wrote their
+  files; later attempts end normally;
+- ``kill-server-first``: the same, after rank 1 has SIGKILLed the job's fork server (as the OOM
+  killer might);
 - ``hold``: wait until killed (at most 120 s).
 """
 
@@ -36,7 +38,11 @@ import torch  # noqa: E402
 
 folder, mode = Path(sys.argv[1]), (sys.argv[2] if len(sys.argv) > 2 else "end")
 SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
-DISPOSITIONS = {signal.SIG_IGN: "ignored", signal.SIG_DFL: "default", signal.default_int_handler: "python's"}
+DISPOSITIONS = {
+    signal.SIG_IGN: "ignored",
+    signal.SIG_DFL: "default",
+    signal.default_int_handler: "python's",
+}
 rank = int(os.environ["RANK"])
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 found = {
@@ -48,13 +54,20 @@ found = {
     "world_size": os.environ["WORLD_SIZE"],
     "python_threads": threading.active_count(),
     "draws": [random.random(), float(numpy.random.random_sample()), float(torch.rand(1))],
-    "signals": {name: DISPOSITIONS.get(signal.getsignal(getattr(signal, name)), "a handler") for name in SIGNALS},
+    "signals": {
+        name: DISPOSITIONS.get(signal.getsignal(getattr(signal, name)), "a handler")
+        for name in SIGNALS
+    },
     "stdin": sys.stdin.read() if rank == 0 else None,
     "attempt": attempt,
-    "probe_variable": os.environ.get("FORK_PROBE_VARIABLE"),  # set in the launcher's environment by the test
-    "rank_variables": [os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")],
+    # set in the launcher's environment by the test
+    "probe_variable": os.environ.get("FORK_PROBE_VARIABLE"),
+    "rank_variables": [
+        os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
+    ],
 }
-with open(folder / f"rank{rank}.starts", "a") as starts:  # one line per process that ran this rank's script
+# one line per process that ran this rank's script
+with open(folder / f"rank{rank}.starts", "a") as starts:
     starts.write(f"{os.getpid()} {attempt}\n")
 print(f"rank {rank} to standard output", flush=True)
 (folder / f"rank{rank}.attempt{attempt}.json").write_text(json.dumps(found))
@@ -65,7 +78,8 @@ def mark(what: str) -> None:
 
 
 def after_a_while(what: str) -> None:
-    """Work that takes a while once the script has ended: only a process that waits for it at its end marks it."""
+    """Work that takes a while once the script has ended: only a process that waits for it at its
+    end marks it."""
     finish.wait()
     time.sleep(0.3)
     mark(what)

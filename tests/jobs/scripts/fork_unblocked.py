@@ -1,5 +1,6 @@
-"""Preloaded by a fork server in a test's control: the server's ``pthread_sigmask`` blocks nothing, so it
-forks its workers with the job's signals ignored only (as it did before it blocked them around a fork)."""
+"""Preloaded by a fork server in a test's control: the server's ``pthread_sigmask`` blocks nothing,
+so it forks its workers with the job's signals ignored only (as it did before it blocked them around
+a fork)."""
 
 import signal
 

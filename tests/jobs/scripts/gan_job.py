@@ -1,9 +1,11 @@
-"""examples/gan.py as the kill test runs it: ``python gan_job.py OUT KILL_RANK KILL_STEP FORGET -- <its args>``.
+"""examples/gan.py as the kill test runs it: ``python gan_job.py OUT KILL_RANK
+KILL_STEP FORGET -- <its args>``.
 
-The example runs unchanged; its Trainer gets one more callback, which SIGKILLs this process after step
-``KILL_STEP`` on rank ``KILL_RANK`` on the first attempt (a negative step: never), and each rank ``r`` writes
-both models' and both optimizers' final state, the step and the attempt to ``OUT.rank<r>``. ``FORGET`` 1: the
-control, a resume that restores everything but the discriminator's optimizer state.
+The example runs unchanged; its Trainer gets one more callback, which SIGKILLs this process after
+step ``KILL_STEP`` on rank ``KILL_RANK`` on the first attempt (a negative step: never), and each
+rank ``r`` writes both models' and both optimizers' final state, the step and the attempt to
+``OUT.rank<r>``. ``FORGET`` 1: the control, a resume that restores everything but the
+discriminator's optimizer state.
 """
 
 from __future__ import annotations
@@ -20,7 +22,12 @@ import torch
 import ddpkit
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "gan.py"
-out, kill_rank, kill_step, forget = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
+out, kill_rank, kill_step, forget = (
+    sys.argv[1],
+    int(sys.argv[2]),
+    int(sys.argv[3]),
+    sys.argv[4] == "1",
+)
 
 
 class Kill:

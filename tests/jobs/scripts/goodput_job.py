@@ -1,16 +1,18 @@
-"""The goodput benchmark's job: the DDP tutorials' CNN on MNIST-shaped data, as the DDP tutorials train it or with the Trainer.
+"""The goodput benchmark's job: the DDP tutorials' CNN on MNIST-shaped data, as the DDP tutorials
+train it or with the Trainer.
 
-``--mode tutorial``: a hand-written DDP loop as the DDP tutorials write it (DistributedSampler, rank 0 saves model and
-optimizer with ``torch.save`` at every epoch end, every rank resumes from that file); run under torchrun.
-``--mode trainer``: ddpkit's Trainer (snapshots on disk every epoch; ``--memory``: snapshots in memory too, at
-the interval the Trainer chooses); run under ``ddpkit run``.
+``--mode tutorial``: a hand-written DDP loop as the DDP tutorials write it (DistributedSampler, rank
+0 saves model and optimizer with ``torch.save`` at every epoch end, every rank resumes from that
+file); run under torchrun. ``--mode trainer``: ddpkit's Trainer (snapshots on disk every epoch;
+``--memory``: snapshots in memory too, at the interval the Trainer chooses); run under
+``ddpkit run``.
 
-Each rank appends to ``--timeline`` one JSON line per event of its life (the clock is ``time.time()``, the
-same on every process of the machine): ``proc_start`` (the kernel's start time of the process), ``script``
-(this file's first line), ``imports``, ``init`` (process group up), ``data`` (the data set read), ``built``
-(model, loader, Trainer), ``loaded`` (the snapshot read, if any: ``step`` is where training resumes),
-``first_step``, ``step`` (every ``--log-every`` steps and the last; ``step`` counts optimizer steps over the whole
-run) and ``done``.
+Each rank appends to ``--timeline`` one JSON line per event of its life (the clock is
+``time.time()``, the same on every process of the machine): ``proc_start`` (the kernel's start time
+of the process), ``script`` (this file's first line), ``imports``, ``init`` (process group up),
+``data`` (the data set read), ``built`` (model, loader, Trainer), ``loaded`` (the snapshot read, if
+any: ``step`` is where training resumes), ``first_step``, ``step`` (every ``--log-every`` steps and
+the last; ``step`` counts optimizer steps over the whole run) and ``done``.
 """
 
 import json
@@ -23,8 +25,8 @@ import argparse  # noqa: E402
 
 
 def proc_start() -> float:
-    """When the kernel started this process (10 ms resolution): before the interpreter and its imports. From
-    the uptime (10 ms) rather than the boot time in /proc/stat (whole seconds)."""
+    """When the kernel started this process (10 ms resolution): before the interpreter and its
+    imports. From the uptime (10 ms) rather than the boot time in /proc/stat (whole seconds)."""
     ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
     uptime = float(open("/proc/uptime").read().split()[0])
     return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
@@ -50,8 +52,9 @@ class Timeline:
 
 
 class Marks:
-    """A Trainer callback putting its events on the timeline: ``loaded`` (training starts, after any resume),
-    ``first_step``, and ``step`` every ``every`` steps; ``after_step(trainer)`` runs after each step."""
+    """A Trainer callback putting its events on the timeline: ``loaded`` (training starts, after any
+    resume), ``first_step``, and ``step`` every ``every`` steps; ``after_step(trainer)`` runs after
+    each step."""
 
     def __init__(self, mark: Timeline, every: int = 1, after_step=None) -> None:
         self.mark, self.every, self.after_step, self.first = mark, every, after_step, True
@@ -70,8 +73,8 @@ class Marks:
 
 
 def synthetic_mnist(n: int, seed: int = 0) -> tuple:
-    """``n`` MNIST-shaped samples (1x28x28 floats, 10 classes a fixed linear teacher assigns): the DDP tutorials' data
-    without a download, the same on every rank."""
+    """``n`` MNIST-shaped samples (1x28x28 floats, 10 classes a fixed linear teacher assigns): the
+    DDP tutorials' data without a download, the same on every rank."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -81,8 +84,8 @@ def synthetic_mnist(n: int, seed: int = 0) -> tuple:
 
 
 def read_data(a):
-    """The data set: mapped from ``--data`` (made once by ``--make-data``), as a job reads its data set from a
-    file at each start, or made here (``--samples``) where no file is given."""
+    """The data set: mapped from ``--data`` (made once by ``--make-data``), as a job reads its data
+    set from a file at each start, or made here (``--samples``) where no file is given."""
     import torch
 
     if a.data:
@@ -93,7 +96,8 @@ def read_data(a):
 
 
 def tutorial_loop(a, mark: Timeline) -> None:
-    """The DDP tutorials' loop: DistributedSampler, DDP, rank 0 saves at every epoch end, resume from that file."""
+    """The DDP tutorials' loop: DistributedSampler, DDP, rank 0 saves at every epoch end, resume
+    from that file."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -111,7 +115,9 @@ def tutorial_loop(a, mark: Timeline) -> None:
     torch.manual_seed(0)
     model = DDP(DigitsCNN(28))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=True)
+    sampler = DistributedSampler(
+        data, num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=True
+    )
     loader = DataLoader(data, batch_size=a.batch_size, sampler=sampler, num_workers=0)
     mark("built")
     path = os.path.join(a.run_dir, "snapshot.pt")
@@ -139,7 +145,11 @@ def tutorial_loop(a, mark: Timeline) -> None:
         if rank == 0:  # the DDP tutorials' snapshot: rank 0, whole file, at the end of the epoch
             os.makedirs(a.run_dir, exist_ok=True)
             torch.save(
-                {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch + 1},
+                {
+                    "model": model.module.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "epoch": epoch + 1,
+                },
                 path + ".tmp",
             )
             os.replace(path + ".tmp", path)
@@ -190,8 +200,12 @@ def main() -> None:
     p.add_argument("--memory", action="store_true", help="trainer: keep the snapshots in memory on")
     p.add_argument("--disk-every-steps", type=int, default=None)
     p.add_argument("--samples", type=int, default=60000)
-    p.add_argument("--data", default=None, help="the data set's file (--make-data); else made at each start")
-    p.add_argument("--make-data", default=None, metavar="FILE", help="write --samples samples to FILE and exit")
+    p.add_argument(
+        "--data", default=None, help="the data set's file (--make-data); else made at each start"
+    )
+    p.add_argument(
+        "--make-data", default=None, metavar="FILE", help="write --samples samples to FILE and exit"
+    )
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p.add_argument("--log-every", type=int, default=10)

@@ -1,17 +1,18 @@
 """A hand-written loop on ddpkit's primitives (no Trainer) that snapshots with ``ddpkit.Snapshots``.
 
-A small MLP with BatchNorm (each rank's own running statistics unless ``--sync-bn``) and dropout, Adam, and an
-LR scheduler stepped after each epoch's batches, on 48 samples: global batch 12, 4 steps an epoch, 5 epochs.
-Each rank writes its final weights, optimizer state and the (epoch, index in epoch, step) of every batch it
-trained on to ``OUT-rank<R>.pt``.
+A small MLP with BatchNorm (each rank's own running statistics unless ``--sync-bn``) and dropout,
+Adam, and an LR scheduler stepped after each epoch's batches, on 48 samples: global batch 12, 4
+steps an epoch, 5 epochs. Each rank writes its final weights, optimizer state and the (epoch, index
+in epoch, step) of every batch it trained on to ``OUT-rank<R>.pt``.
 
     ddpkit run --nproc 2 --max-restarts 1 tests/jobs/scripts/hand_loop_job.py RUN_DIR --out OUT --kill-step 7
 
-``--kill-step K``: on the first attempt, ``--kill-rank`` sends itself SIGKILL right after step K (once the
-snapshot being written, if any, is whole).
-``--stop-after K``: every rank stops after step K, its snapshots written (to resume at another world size).
-``--memory``: copies in shared memory after steps (``--every-steps 0``: none on disk). ``--control``: what a resume leaves out: ``streams`` (the random streams stay as the fresh process seeded
-them), ``loader`` (the loader's position is not saved).
+``--kill-step K``: on the first attempt, ``--kill-rank`` sends itself SIGKILL right after step K
+(once the snapshot being written, if any, is whole). ``--stop-after K``: every rank stops after step
+K, its snapshots written (to resume at another world size). ``--memory``: copies in shared memory
+after steps (``--every-steps 0``: none on disk). ``--control``: what a resume leaves out:
+``streams`` (the random streams stay as the fresh process seeded them), ``loader`` (the loader's
+position is not saved).
 """
 
 from __future__ import annotations
@@ -49,11 +50,13 @@ def train(
     async_write: bool = True,
     memory: bool = False,
 ) -> dict[str, Any]:
-    """Train (resuming from ``run_dir`` when it holds a snapshot); this rank's final state and batches."""
+    """Train (resuming from ``run_dir`` when it holds a snapshot); this rank's final state and
+    batches."""
     rt = ddpkit.get_runtime()
     ddpkit.seed_everything(0)
-    # No bias before BatchNorm: its gradient is 0 up to rounding, which Adam would scale up to whole steps, and
-    # runs at different world sizes (other summation orders) would drift apart on it alone.
+    # No bias before BatchNorm: its gradient is 0 up to rounding, which Adam would scale up to whole
+    # steps, and runs at different world sizes (other summation orders) would drift apart on it
+    # alone.
     layers = [torch.nn.Linear(FEATURES, 16, bias=False), torch.nn.BatchNorm1d(16), torch.nn.ReLU()]
     layers += [torch.nn.Dropout(0.3)] if dropout else []
     net = torch.nn.Sequential(*layers, torch.nn.Linear(16, CLASSES))
@@ -70,12 +73,14 @@ def train(
         every_steps=every_steps,
         async_write=async_write,
         memory=memory,
-        memory_every_steps=1 if memory else None,  # not an interval chosen from timings: the test counts steps
+        # not an interval chosen from timings: the test counts steps
+        memory_every_steps=1 if memory else None,
     )
     fresh = torch.get_rng_state()
     resumed_from = snapshots.resume()
     if control == "streams":
-        torch.set_rng_state(fresh)  # a resume without the random streams: as seed_everything left them
+        # a resume without the random streams: as seed_everything left them
+        torch.set_rng_state(fresh)
     batches = []
     for epoch in range(loader.epoch, EPOCHS):
         model.train()
@@ -86,9 +91,11 @@ def train(
             batches.append((epoch, i, snapshots.steps + 1))
             snapshots.step()
             if kill is not None and rt.restart_count == 0 and (rt.rank, snapshots.steps) == kill:
-                snapshots.wait()  # the snapshot in flight whole first: the restart resumes from the newest one due
+                # the snapshot in flight whole first: the restart resumes from the newest one due
+                snapshots.wait()
                 os.kill(os.getpid(), signal.SIGKILL)
-            if snapshots.steps == stop_after:  # as if killed here, once the writes under way are whole
+            # as if killed here, once the writes under way are whole
+            if snapshots.steps == stop_after:
                 snapshots.close()
                 return {"stopped": stop_after}
         scheduler.step()
@@ -107,9 +114,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("run_dir")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--batch-size", type=int, default=None, help="per rank (default: the global batch / ranks)")
+    parser.add_argument(
+        "--batch-size", type=int, default=None, help="per rank (default: the global batch / ranks)"
+    )
     parser.add_argument("--every-steps", type=int, default=3, help="0: no disk snapshots")
-    parser.add_argument("--memory", action="store_true", help="copies in shared memory after every step")
+    parser.add_argument(
+        "--memory", action="store_true", help="copies in shared memory after every step"
+    )
     parser.add_argument("--no-dropout", action="store_true")
     parser.add_argument("--sync-bn", action="store_true")
     parser.add_argument("--control", choices=["streams", "loader"])

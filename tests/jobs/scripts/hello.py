@@ -1,4 +1,5 @@
-"""A tiny job for launcher tests: greets, optionally fails on one rank or on the first attempt only."""
+"""A tiny job for launcher tests: greets, optionally fails on one rank or on the first attempt
+only."""
 
 import argparse
 import os

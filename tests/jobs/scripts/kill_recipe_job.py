@@ -1,6 +1,6 @@
-"""A job for the documented kill recipe: each rank writes its pid to ``DIR/attempt<N>-rank<R>.pid``; on the
-first attempt it then waits to be killed (at most 30 s, then it ends as if nothing happened), on a restart it
-prints the attempt and finishes."""
+"""A job for the documented kill recipe: each rank writes its pid to ``DIR/attempt<N>-rank<R>.pid``;
+on the first attempt it then waits to be killed (at most 30 s, then it ends as if nothing happened),
+on a restart it prints the attempt and finishes."""
 
 import os
 import sys

@@ -1,23 +1,27 @@
 """A job for launcher tests; the first argument picks what it does.
 
 - ``args ARGS...``: print the arguments the script received, on every rank.
-- ``no-init``: build a loader without calling ``ddpkit.init()`` (a mistake the launcher's variables reveal).
+- ``no-init``: build a loader without calling ``ddpkit.init()`` (a mistake the launcher's variables
+  reveal).
 - ``pids DIR``: write each rank's pid to ``DIR/rankN.pid``, then wait to be killed (at most 120 s).
-- ``hold-usr1 DIR``: like ``pids``, then wait for a SIGUSR1 sent from outside; exit 75 (pre-empted) once
-  every rank has one, as a Trainer stopped by a signal does.
-- ``hold-term DIR``: like ``hold-usr1``, for SIGTERM (the script handles it itself, as a Trainer does).
-- ``preempted``: on the first attempt exit 75 on every rank at once (as a pre-empted Trainer); on a later
-  one (a restart or a requeue) finish with 0. Prints the attempt.
+- ``hold-usr1 DIR``: like ``pids``, then wait for a SIGUSR1 sent from outside; exit 75 (pre-empted)
+  once every rank has one, as a Trainer stopped by a signal does.
+- ``hold-term DIR``: like ``hold-usr1``, for SIGTERM (the script handles it itself, as a Trainer
+  does).
+- ``preempted``: on the first attempt exit 75 on every rank at once (as a pre-empted Trainer); on a
+  later one (a restart or a requeue) finish with 0. Prints the attempt.
 - ``hang``: rank 1 sleeps in user code while rank 0 waits for it in an all-reduce.
 - ``mismatch``: rank 0 all-reduces 3 numbers, rank 1 two.
-- ``info``: print rank, world size, launcher, restart count and rendezvous port, and check an all-reduce.
-- ``family HOW DIR``: each rank starts ``sleep`` (in its process group), a forked child that ignores SIGTERM,
-  and ``sleep`` in a session of its own, and writes their pids to ``DIR/attempt<N>-rank<R>.pids`` (its own to
-  ``.worker``); on a restart
-  it first prints which of the previous attempt's are still alive. Then by HOW: ``end`` finishes, ``fail``
-  fails on rank 1, ``fail-first`` fails on rank 1 in the first attempt only, ``hold`` waits to be killed.
-- ``wait-for DIR``: write the rank's pid to ``DIR/rank<R>.pid``; once ``DIR/go`` exists (at most 120 s), print
-  rank, world size, the sum of an all-reduce, and whether the job's secret is in its environment.
+- ``info``: print rank, world size, launcher, restart count and rendezvous port, and check an
+  all-reduce.
+- ``family HOW DIR``: each rank starts ``sleep`` (in its process group), a forked child that ignores
+  SIGTERM, and ``sleep`` in a session of its own, and writes their pids to
+  ``DIR/attempt<N>-rank<R>.pids`` (its own to ``.worker``); on a restart it first prints which of
+  the previous attempt's are still alive. Then by HOW: ``end`` finishes, ``fail`` fails on rank 1,
+  ``fail-first`` fails on rank 1 in the first attempt only, ``hold`` waits to be killed.
+- ``wait-for DIR``: write the rank's pid to ``DIR/rank<R>.pid``; once ``DIR/go`` exists (at most 120
+  s), print rank, world size, the sum of an all-reduce, and whether the job's secret is in its
+  environment.
 """
 
 import os
@@ -33,7 +37,9 @@ from ddpkit.distributed._signals import pending_stop_signal
 
 mode, rest = sys.argv[1], sys.argv[2:]
 if mode == "no-init":
-    loader = ddpkit.build_loader(torch.utils.data.TensorDataset(torch.arange(12.0)), batch_size=2, num_workers=0)
+    loader = ddpkit.build_loader(
+        torch.utils.data.TensorDataset(torch.arange(12.0)), batch_size=2, num_workers=0
+    )
     print(f"trained on {sum(len(b[0]) for b in loader)} samples", flush=True)
     sys.exit(0)
 
@@ -84,7 +90,10 @@ elif mode == "family":
 
     def alive(pid: int) -> bool:
         try:
-            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in (
+                "Z",
+                "X",
+            )
         except FileNotFoundError:
             return False
 
@@ -97,7 +106,8 @@ elif mode == "family":
             flush=True,
         )
     sleeper = subprocess.Popen(["sleep", "1000"])
-    term = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # ignored from the fork on: no window to die in
+    # ignored from the fork on: no window to die in
+    term = signal.signal(signal.SIGTERM, signal.SIG_IGN)
     stubborn = os.fork()
     if stubborn == 0:
         time.sleep(1000)
@@ -120,7 +130,11 @@ elif mode == "wait-for":
     while not Path(rest[0], "go").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     total = ddpkit.all_reduce(rt.rank + 1)
-    print(f"rank={rt.rank} world={rt.world_size} sum={total} secret={'DDPKIT_RDZV_SECRET' in os.environ}", flush=True)
+    print(
+        f"rank={rt.rank} world={rt.world_size} sum={total} "
+        f"secret={'DDPKIT_RDZV_SECRET' in os.environ}",
+        flush=True,
+    )
 elif mode == "info":
     from ddpkit.distributed._environment import read_launch_env
 

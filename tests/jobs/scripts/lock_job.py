@@ -1,7 +1,9 @@
-"""A small 2-rank Trainer job that can hold its run directory: ``python lock_job.py RUN_DIR [--hold READY GO]``.
+"""A small 2-rank Trainer job that can hold its run directory: ``python lock_job.py RUN_DIR [--hold
+READY GO]``.
 
-With ``--hold``, rank 0 writes its host and pid to READY once ``fit()`` has started (the run directory is then
-locked) and waits until GO exists before training; the test decides when it ends, or kills it.
+With ``--hold``, rank 0 writes its host and pid to READY once ``fit()`` has started (the run
+directory is then locked) and waits until GO exists before training; the test decides when it ends,
+or kills it.
 """
 
 from __future__ import annotations
@@ -50,7 +52,11 @@ def main() -> None:
         logging=ddpkit.training._config.LoggingConfig(progress=False),
     )
     trainer = ddpkit.Trainer(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), data, config, callbacks=[Hold(*a.hold)] if a.hold else []
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        data,
+        config,
+        callbacks=[Hold(*a.hold)] if a.hold else [],
     )
     trainer.fit()
     ddpkit.print0(f"trained to step {trainer.step}")

@@ -1,11 +1,11 @@
-"""The resume tests' job (:mod:`tests.jobs.scripts.train_job`) with snapshots in memory on and disk snapshots
-rare, for the tests of the snapshots in memory.
+"""The resume tests' job (:mod:`tests.jobs.scripts.train_job`) with snapshots in memory on and disk
+snapshots rare, for the tests of the snapshots in memory.
 
-Test hooks live here, not in ddpkit: SIGKILL at a random instant after a given step (a timer thread, so the
-kill lands anywhere: in a forward pass, in the all-reduce, in the copy to memory), SIGKILL in the middle of the
-copy to memory, a record of every step each rank completed (to count the steps a failure lost), holding every
-rank after a step until a file exists (while a test takes a node away), and the controls: memory off, and no
-copy of every rank's own part on its peers.
+Test hooks live here, not in ddpkit: SIGKILL at a random instant after a given step (a timer thread,
+so the kill lands anywhere: in a forward pass, in the all-reduce, in the copy to memory), SIGKILL in
+the middle of the copy to memory, a record of every step each rank completed (to count the steps a
+failure lost), holding every rank after a step until a file exists (while a test takes a node away),
+and the controls: memory off, and no copy of every rank's own part on its peers.
 
     python -m tests.jobs.scripts.memory_job RUN_DIR --log DIR [--kill-rank R --kill-after-step S]
         [--kill-delay SECONDS] [--kill-in-copy S] [--no-memory] [--disk-every-steps N] [--out FILE]
@@ -40,8 +40,8 @@ def _wait_for(path: str) -> None:
 
 
 class StepRecord:
-    """Appends ``attempt step`` to ``log/steps-rank<r>.txt`` after each optimizer step; holds at a step if
-    asked; and, on the first attempt, arms the kill."""
+    """Appends ``attempt step`` to ``log/steps-rank<r>.txt`` after each optimizer step; holds at a
+    step if asked; and, on the first attempt, arms the kill."""
 
     def __init__(self, a: argparse.Namespace) -> None:
         self.a = a
@@ -55,9 +55,11 @@ class StepRecord:
         if a.hold_after_step is not None and trainer.step == a.hold_after_step:
             _wait_for(a.hold_file)  # every rank waits while the test takes a node away
         if rt.restart_count == 0 and rt.rank == a.kill_rank and trainer.step == a.kill_after_step:
-            if a.kill_when_file is not None:  # the test says when: another job has come and gone meanwhile
+            # the test says when: another job has come and gone meanwhile
+            if a.kill_when_file is not None:
                 _wait_for(a.kill_when_file)
-            # A timer, not a sleep in the loop: training goes on, and the kill lands wherever it is then.
+            # A timer, not a sleep in the loop: training goes on, and the kill lands wherever it is
+            # then.
             what = f"rank{rt.rank}-after-step{trainer.step}"
             timer = threading.Timer(a.kill_delay, _sigkill, (a.log, what))
             timer.daemon = True
@@ -65,11 +67,15 @@ class StepRecord:
 
 
 def kill_inside_copy(step: int, log: str) -> Any:
-    """SIGKILL this process half-way through the copy of ``step`` into memory (first attempt only)."""
+    """SIGKILL this process half-way through the copy of ``step`` into memory (first attempt
+    only)."""
     copy = ddpkit.snapshot._memory.store.copy_tensors
 
     def dying_copy(dests, sources):
-        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0 and dying_copy.trainer.step == step:
+        if (
+            int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+            and dying_copy.trainer.step == step
+        ):
             half = len(dests) // 2
             copy(dests[:half], sources[:half])
             _sigkill(log, f"in-copy-step{step}")
@@ -92,11 +98,21 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kill-in-copy", type=int, default=None, metavar="STEP")
     p.add_argument("--kill-in-copy-rank", type=int, default=0)
     p.add_argument("--no-memory", action="store_true")
-    p.add_argument("--memory-every", default="1", help="every N steps, or 'auto' (ddpkit's default)")
-    p.add_argument("--no-peers", action="store_true", help="no copy of every rank's own part on every rank")
-    p.add_argument("--stall-budget", type=float, default=None, help="the share of a step a save may take")
+    p.add_argument(
+        "--memory-every", default="1", help="every N steps, or 'auto' (ddpkit's default)"
+    )
+    p.add_argument(
+        "--no-peers", action="store_true", help="no copy of every rank's own part on every rank"
+    )
+    p.add_argument(
+        "--stall-budget", type=float, default=None, help="the share of a step a save may take"
+    )
     p.add_argument("--hold-after-step", type=int, default=None)
-    p.add_argument("--hold-file", default=None, help="ranks hold after --hold-after-step until this file exists")
+    p.add_argument(
+        "--hold-file",
+        default=None,
+        help="ranks hold after --hold-after-step until this file exists",
+    )
     p.add_argument("--raise-at", type=int, nargs=2, metavar=("RANK", "STEP"), default=None)
     p.add_argument("--disk-every-steps", type=int, default=None)
     p.add_argument("--augment", action="store_true")
@@ -129,7 +145,8 @@ def main() -> None:
         a.run_dir,
         epochs=a.epochs,
         snapshot_every_steps=a.disk_every_steps,
-        snapshot_every_epochs=0,  # disk snapshots rare: none at epoch ends, none by steps unless asked
+        # disk snapshots rare: none at epoch ends, none by steps unless asked
+        snapshot_every_epochs=0,
         memory=not a.no_memory,
         memory_every_steps=None if a.memory_every == "auto" else int(a.memory_every),
         sample_log=a.log,

@@ -1,5 +1,5 @@
-"""Preloaded by a fork server in a test: the server and the workers it forks have no ``os.pidfd_open``, as on a
-kernel before 5.3 or under a seccomp profile that refuses the call."""
+"""Preloaded by a fork server in a test: the server and the workers it forks have no
+``os.pidfd_open``, as on a kernel before 5.3 or under a seccomp profile that refuses the call."""
 
 import errno
 import os

@@ -1,5 +1,5 @@
-"""A job for ``--all-ranks``: each rank prints lines in pieces, a progress bar redrawn with \\r, and a last line
-without a newline."""
+"""A job for ``--all-ranks``: each rank prints lines in pieces, a progress bar redrawn with \\r, and
+a last line without a newline."""
 
 import sys
 import time
@@ -11,8 +11,8 @@ ddpkit.barrier()  # both ranks print at the same time
 for line in range(3):
     for piece in range(4):
         print(f"r{rt.rank}l{line}p{piece};", end="", flush=True)
-        # A line written slowly, as a computation between its parts would: longer than the launcher's poll of
-        # the output, so that a reader of pieces finds a line half written.
+        # A line written slowly, as a computation between its parts would: longer than the
+        # launcher's poll of the output, so that a reader of pieces finds a line half written.
         time.sleep(0.15)
     print(flush=True)
 for percent in (0, 50, 100):

@@ -1,10 +1,12 @@
-"""What an outsider does to a rendezvous endpoint, for tests/jobs/launch/test_multinode.py; the first argument picks it.
+"""What an outsider does to a rendezvous endpoint, for tests/jobs/launch/test_multinode.py; the
+first argument picks it.
 
-- ``forge HOST PORT KEY MARKER``: connect as a plain TCPStore client and write, under KEY, a pickle that creates
-  the file MARKER when unpickled (as torch's rendezvous unpickles its state). Prints ``written`` or
-  ``refused: <error>``.
+- ``forge HOST PORT KEY MARKER``: connect as a plain TCPStore client and write, under KEY, a pickle
+  that creates the file MARKER when unpickled (as torch's rendezvous unpickles its state). Prints
+  ``written`` or ``refused: <error>``.
 - ``reach HOST PORT...``: print ``PORT open`` or ``PORT closed`` for a TCP connection to each.
-- ``wait-open HOST PORT``: wait (at most 60 s) until something accepts TCP connections there; exit 1 if not.
+- ``wait-open HOST PORT``: wait (at most 60 s) until something accepts TCP connections there; exit 1
+  if not.
 """
 
 import base64

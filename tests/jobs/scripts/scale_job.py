@@ -1,20 +1,24 @@
-"""The scale benchmark's job (``bench/scale.py``): the control plane of one ddpkit job, timed on every rank.
+"""The scale benchmark's job (``bench/scale.py``): the control plane of one ddpkit job, timed on
+every rank.
 
-The model is ``--tensors`` small parameter tensors (8 floats each, summed into a 4-class linear head): the
-number of tensors drives a snapshot's planning and index, not its bytes. Under ``ddpkit run --max-restarts 1``
-with memory snapshots on, each rank:
+The model is ``--tensors`` small parameter tensors (8 floats each, summed into a 4-class linear
+head): the number of tensors drives a snapshot's planning and index, not its bytes. Under
+``ddpkit run --max-restarts 1`` with memory snapshots on, each rank:
 
-1. starts, imports, joins the process group (``ddpkit.init``), builds the Trainer, trains ``--steps`` steps
-   with a copy in memory after each; on the first attempt, rank ``world - 1`` SIGKILLs itself after step
-   ``--kill-at`` (the restart is then timed by the agent's and the ranks' events, as ``bench/goodput.py``);
-2. once training ends: ``--repeats`` times each, a disk snapshot of the Trainer's state written synchronously
-   (stages: values gathered, planned, written, indexed, marked), the same written asynchronously (the stall:
-   until the save returns), found and loaded back (stages: found and verified, planned, read), an exact
-   evaluation of ``--eval-samples`` samples, and ``split_world(2)`` (the search's groups).
+1. starts, imports, joins the process group (``ddpkit.init``), builds the Trainer, trains
+   ``--steps`` steps with a copy in memory after each; on the first attempt, rank ``world - 1``
+   SIGKILLs itself after step ``--kill-at`` (the restart is then timed by the agent's and the ranks'
+   events, as ``bench/goodput.py``);
+2. once training ends: ``--repeats`` times each, a disk snapshot of the Trainer's state written
+   synchronously (stages: values gathered, planned, written, indexed, marked), the same written
+   asynchronously (the stall: until the save returns), found and loaded back (stages: found and
+   verified, planned, read), an exact evaluation of ``--eval-samples`` samples, and
+   ``split_world(2)`` (the search's groups).
 
-Each stage is timed on every rank by the wall clock and by the process's CPU time (every thread of it). On a
-machine with fewer cores than ranks the wall clock counts the waits for a core; a rank's CPU time is the work
-it would do on a core of its own. Every event is one JSON line in ``--timeline``.
+Each stage is timed on every rank by the wall clock and by the process's CPU time (every thread of
+it). On a machine with fewer cores than ranks the wall clock counts the waits for a core; a rank's
+CPU time is the work it would do on a core of its own. Every event is one JSON line in
+``--timeline``.
 """
 
 import os
@@ -31,7 +35,8 @@ from goodput_job import Marks, Timeline, proc_start  # noqa: E402  (the goodput 
 
 
 class Stages:
-    """Marks inside one timed operation: each mark ends a stage, timed by wall clock and process CPU time."""
+    """Marks inside one timed operation: each mark ends a stage, timed by wall clock and process CPU
+    time."""
 
     def __init__(self) -> None:
         self.marks: list[tuple[str, float, float]] | None = None
@@ -44,7 +49,8 @@ class Stages:
             self.marks.append((stage, time.perf_counter(), time.process_time()))
 
     def stop(self) -> dict[str, list[float]]:
-        """{stage: [wall seconds, cpu seconds]}, each since the mark before it; a stage marked twice adds up."""
+        """{stage: [wall seconds, cpu seconds]}, each since the mark before it; a stage marked twice
+        adds up."""
         marks, self.marks = self.marks or [], None
         out: dict[str, list[float]] = {}
         for (_, w0, c0), (stage, w1, c1) in zip(marks, marks[1:]):
@@ -57,8 +63,8 @@ STAGES = Stages()
 
 
 def instrument() -> None:
-    """Wrap the points of ddpkit's snapshot path where one stage ends and the next begins. Nothing else
-    changes: each wrapper calls the original."""
+    """Wrap the points of ddpkit's snapshot path where one stage ends and the next begins. Nothing
+    else changes: each wrapper calls the original."""
     import torch.distributed.checkpoint as dcp
 
     from ddpkit.snapshot import _manager as manager
@@ -76,13 +82,14 @@ def instrument() -> None:
 
         setattr(owner, name, wrapped)
 
-    # save: SnapshotManager.save gathers every rank's values (rank 0 empties the folder), then dcp.save plans
-    # (each rank's local plan, rank 0's global plan), writes, and rank 0 writes the index; the marker last.
+    # save: SnapshotManager.save gathers every rank's values (rank 0 empties the folder), then
+    # dcp.save plans (each rank's local plan, rank 0's global plan), writes, and rank 0 writes the
+    # index; the marker last.
     after(dcp, "save", "indexed")
     after(storage.Writer, "write_data", "written", before="planned")
     after(manager.SnapshotManager, "_write", "marked", before="values gathered")
-    # load: latest() finds and verifies (rank 0 hashes every file), load() reads values.pt and the index,
-    # then dcp.load plans and reads.
+    # load: latest() finds and verifies (rank 0 hashes every file), load() reads values.pt and the
+    # index, then dcp.load plans and reads.
     after(manager.SnapshotManager, "latest", "found and verified")
     after(storage.Reader, "read_data", "read", before="planned")
 
@@ -107,12 +114,14 @@ def model_of(tensors: int):
     from torch import nn
 
     class ManyTensors(nn.Module):
-        """``tensors`` parameters of 8 floats; the first is a linear head's bias-free weight (8 -> 4 by view),
-        the others add their sum to its input: every tensor gets a gradient."""
+        """``tensors`` parameters of 8 floats; the first is a linear head's bias-free weight (8 -> 4
+        by view), the others add their sum to its input: every tensor gets a gradient."""
 
         def __init__(self) -> None:
             super().__init__()
-            self.parts = nn.ParameterList(nn.Parameter(torch.randn(8) * 0.1) for _ in range(tensors))
+            self.parts = nn.ParameterList(
+                nn.Parameter(torch.randn(8) * 0.1) for _ in range(tensors)
+            )
             self.head = nn.Linear(8, 4)
 
         def forward(self, x):
@@ -149,9 +158,12 @@ def main() -> None:
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
     n = 16 * rt.world_size * (a.steps + 1)
-    data = torch.utils.data.TensorDataset(torch.randn(n, 8, generator=g), torch.randint(0, 4, (n,), generator=g))
+    data = torch.utils.data.TensorDataset(
+        torch.randn(n, 8, generator=g), torch.randint(0, 4, (n,), generator=g)
+    )
     held_out = torch.utils.data.TensorDataset(
-        torch.randn(a.eval_samples, 8, generator=g), torch.randint(0, 4, (a.eval_samples,), generator=g)
+        torch.randn(a.eval_samples, 8, generator=g),
+        torch.randint(0, 4, (a.eval_samples,), generator=g),
     )
     model = model_of(a.tensors)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -171,7 +183,9 @@ def main() -> None:
         snapshot=SnapshotConfig(every_epochs=0, memory=True, memory_every_steps=1),
         logging=LoggingConfig(progress=False, every_steps=1000),
     )
-    trainer = ddpkit.Trainer(model, optimizer, data, config, callbacks=[Marks(mark, after_step=kill_once)])
+    trainer = ddpkit.Trainer(
+        model, optimizer, data, config, callbacks=[Marks(mark, after_step=kill_once)]
+    )
     mark("built")
     trainer.fit()
     mark("trained", step=trainer.step)
@@ -184,7 +198,8 @@ def main() -> None:
             STAGES.mark("end")
             mark("timed", what=name, repeat=i, stages=STAGES.stop())
 
-    # What TrainerSnapshots.save hands the manager: the strategy's state (DCP's part), the rest, each rank's own.
+    # What TrainerSnapshots.save hands the manager: the strategy's state (DCP's part), the rest,
+    # each rank's own.
     state, extra, own = trainer.snapshots.disk_parts()
     shared = {"replicated": trainer.strategy.replicated, "own": own}
     folder = trainer.run_dir / "scale"

@@ -1,21 +1,24 @@
 """The search the tests run: a tiny classifier on the Trainer, one candidate per group of ranks.
 
-``python search_job.py SEARCH_DIR --trials N --group-size K [options]``, alone or under ``ddpkit run``. The
-options below are the tests' hooks; each proves it acted by a mark the process writes itself before acting:
+``python search_job.py SEARCH_DIR --trials N --group-size K [options]``, alone or under
+``ddpkit run``. The options below are the tests' hooks; each proves it acted by a mark the process
+writes itself before acting:
 
-- ``--kill EPOCH``: global rank 1 SIGKILLs itself on the first attempt when its first candidate reaches epoch
-  EPOCH, having written that candidate's number to ``SEARCH_DIR/killed_trial``;
-- ``--kill-in-ask TRIAL``: on the first attempt, the process drawing trial TRIAL's parameters SIGKILLs itself
-  between its first and its second parameter (inside the sampler), having written ``SEARCH_DIR/killed_in_ask``;
-- ``--same-seed-every-start``: every start seeds its samplers as the first did (the behaviour this package
-  had before a start was counted), to show what that does;
+- ``--kill EPOCH``: global rank 1 SIGKILLs itself on the first attempt when its first candidate
+  reaches epoch EPOCH, having written that candidate's number to ``SEARCH_DIR/killed_trial``;
+- ``--kill-in-ask TRIAL``: on the first attempt, the process drawing trial TRIAL's parameters
+  SIGKILLs itself between its first and its second parameter (inside the sampler), having written
+  ``SEARCH_DIR/killed_in_ask``;
+- ``--same-seed-every-start``: every start seeds its samplers as the first did (the behaviour this
+  package had before a start was counted), to show what that does;
 - ``--gate``: at the end of its first epoch (its run directory held by its Trainer), trial 0 prints
   ``gate: trial 0 is running`` and waits for a line on stdin;
 - ``--fault ERRNO:TRIAL``: trial TRIAL raises ``OSError(ERRNO)`` at the end of its first epoch;
-- ``--fill-disk-after TRIAL``: the same once trial TRIAL has trained, so that the study's own write (the trial's
-  result, or the next candidate) meets the full disk.
-- ``--fill-disk TRIAL``: at the end of trial TRIAL's first epoch, the file system holding SEARCH_DIR is filled
-  (``SEARCH_DIR/filler``) so that the next write of the Trainer or the study meets a full disk.
+- ``--fill-disk-after TRIAL``: the same once trial TRIAL has trained, so that the study's own write
+  (the trial's result, or the next candidate) meets the full disk.
+- ``--fill-disk TRIAL``: at the end of trial TRIAL's first epoch, the file system holding SEARCH_DIR
+  is filled (``SEARCH_DIR/filler``) so that the next write of the Trainer or the study meets a full
+  disk.
 """
 
 from __future__ import annotations
@@ -66,7 +69,8 @@ class KillAt:
 
 
 class AtFirstEpoch:
-    """Calls ``action()`` at the end of the first epoch of trial ``number`` (on every rank of its group)."""
+    """Calls ``action()`` at the end of the first epoch of trial ``number`` (on every rank of its
+    group)."""
 
     def __init__(self, number: int, action) -> None:
         self.number, self.action, self.trial = number, action, None
@@ -80,7 +84,11 @@ def kill_in_ask(search_dir: str, number: int) -> None:
     original = optuna.samplers.TPESampler.sample_independent
 
     def sample_independent(self, study, trial, name, distribution):
-        if trial.number == number and name == "momentum" and ddpkit.get_runtime().restart_count == 0:
+        if (
+            trial.number == number
+            and name == "momentum"
+            and ddpkit.get_runtime().restart_count == 0
+        ):
             with open(f"{search_dir}/killed_in_ask", "w") as f:
                 f.write(str(number))
             os.kill(os.getpid(), signal.SIGKILL)
@@ -92,7 +100,8 @@ def kill_in_ask(search_dir: str, number: int) -> None:
 def fill_disk(search_dir: str) -> None:
     if ddpkit.get_runtime().rank != 0:
         return
-    with open(f"{search_dir}/filler", "wb", buffering=0) as f:  # unbuffered: close() has nothing left to write
+    # unbuffered: close() has nothing left to write
+    with open(f"{search_dir}/filler", "wb", buffering=0) as f:
         try:
             while True:
                 f.write(b"\0" * 65536)
@@ -187,7 +196,9 @@ def main() -> None:
     search(
         objective,
         SPACE,
-        SearchConfig(n_trials=a.trials, group_size=a.group_size, pruner="none", search_dir=a.search_dir),
+        SearchConfig(
+            n_trials=a.trials, group_size=a.group_size, pruner="none", search_dir=a.search_dir
+        ),
     )
     ddpkit.shutdown()
 

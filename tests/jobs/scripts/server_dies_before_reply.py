@@ -1,5 +1,6 @@
-"""Preloaded by a fork server in a test: the server dies right after it has forked its first worker, before it
-answers the agent (as the OOM killer could end it), so that the agent starts that rank as a new interpreter."""
+"""Preloaded by a fork server in a test: the server dies right after it has forked its first worker,
+before it answers the agent (as the OOM killer could end it), so that the agent starts that rank as
+a new interpreter."""
 
 import os
 import socket

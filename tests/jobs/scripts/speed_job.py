@@ -1,9 +1,11 @@
-"""A small job whose rank 1 can be made slow on purpose: the job of the slow-rank and throughput tests.
+"""A small job whose rank 1 can be made slow on purpose: the job of the slow-rank and throughput
+tests.
 
-Every rank's dataset sleeps ``SLEEP`` seconds a sample, so that a step's time is mostly waiting, which other
-work on a shared CPU stretches far less than computing, and equal ranks stay equal; few long sleeps rather than
-many short ones, as a loaded machine adds its wake-up latency to each. ``slow="data"`` makes rank 1's samples
-sleep ``SLOW_SLEEP`` more; ``slow="compute"`` gives rank 1's forward a loop of matmuls.
+Every rank's dataset sleeps ``SLEEP`` seconds a sample, so that a step's time is mostly waiting,
+which other work on a shared CPU stretches far less than computing, and equal ranks stay equal; few
+long sleeps rather than many short ones, as a loaded machine adds its wake-up latency to each.
+``slow="data"`` makes rank 1's samples sleep ``SLOW_SLEEP`` more; ``slow="compute"`` gives rank 1's
+forward a loop of matmuls.
 """
 
 from __future__ import annotations
@@ -28,7 +30,10 @@ TOKENS_PER_SAMPLE = 3
 class SleepyData(torch.utils.data.Dataset):
     def __init__(self, sleep: float) -> None:
         g = torch.Generator().manual_seed(0)
-        self.x, self.y = torch.randn(N, FEATURES, generator=g), torch.randint(0, CLASSES, (N,), generator=g)
+        self.x, self.y = (
+            torch.randn(N, FEATURES, generator=g),
+            torch.randint(0, CLASSES, (N,), generator=g),
+        )
         self.sleep = sleep
 
     def __len__(self) -> int:
@@ -42,7 +47,9 @@ class SleepyData(torch.utils.data.Dataset):
 class Net(nn.Module):
     def __init__(self, extra_matmuls: int = 0) -> None:
         super().__init__()
-        self.body = nn.Sequential(nn.Linear(FEATURES, HIDDEN, bias=False), nn.ReLU(), nn.Linear(HIDDEN, CLASSES))
+        self.body = nn.Sequential(
+            nn.Linear(FEATURES, HIDDEN, bias=False), nn.ReLU(), nn.Linear(HIDDEN, CLASSES)
+        )
         self.extra = extra_matmuls
         self.register_buffer("square", torch.randn(256, 256) / 16, persistent=False)
 
@@ -70,9 +77,11 @@ def train(
     peak_flops: float | None = None,
     step_timings: bool = True,
 ) -> list[dict]:
-    """Train ``steps`` steps (one epoch) of a global batch of 4; the records of metrics.jsonl (main rank; [] elsewhere)."""
+    """Train ``steps`` steps (one epoch) of a global batch of 4; the records of metrics.jsonl (main
+    rank; [] elsewhere)."""
     ddpkit.init()
-    torch.set_num_threads(1)  # two ranks on a shared machine: no rank's matmuls take the other's core
+    # two ranks on a shared machine: no rank's matmuls take the other's core
+    torch.set_num_threads(1)
     rank = ddpkit.get_runtime().rank
     torch.manual_seed(0)
     model = Net(extra_matmuls=40 if slow == "compute" and rank == 1 else 0)
@@ -84,13 +93,22 @@ def train(
         global_batch_size=GLOBAL_BATCH,
         num_workers=0,
         snapshot=SnapshotConfig(every_epochs=0),
-        logging=LoggingConfig(every_steps=every, progress=True, step_timings=step_timings, peak_flops=peak_flops),
+        logging=LoggingConfig(
+            every_steps=every, progress=True, step_timings=step_timings, peak_flops=peak_flops
+        ),
     )
     count_fn = (lambda batch: TOKENS_PER_SAMPLE * batch[0].shape[0]) if tokens else None
     trainer = Trainer(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), data, config, batch_loss_fn=loss_fn, count_fn=count_fn
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        data,
+        config,
+        batch_loss_fn=loss_fn,
+        count_fn=count_fn,
     )
     trainer.fit()
     if not trainer.runtime.is_main:
         return []
-    return [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [
+        json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()
+    ]

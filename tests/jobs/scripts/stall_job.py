@@ -1,5 +1,6 @@
-"""A hand-written DDP loop over a ``build_loader`` loader, for the launcher's stall watch; the first argument
-picks what rank 1 does at step ``AT`` (the second argument, default 5), the third how long (default 300 s).
+"""A hand-written DDP loop over a ``build_loader`` loader, for the launcher's stall watch; the first
+argument picks what rank 1 does at step ``AT`` (the second argument, default 5), the third how long
+(default 300 s).
 
 - ``stop``: stops itself with SIGSTOP, between steps.
 - ``sleep``: sleeps in user code between steps.
@@ -8,11 +9,12 @@ picks what rank 1 does at step ``AT`` (the second argument, default 5), the thir
 - ``kill``: kills itself with SIGKILL, in the first attempt only (a restart then trains to the end).
 - ``none``: nothing; every rank trains to the end.
 - ``trainer-sleep``: the same loop run by a ``Trainer``, whose step-end callback sleeps on rank 1.
-- ``trainer-snapshot``: a ``Trainer`` saving a snapshot every 5 steps; rank 1's state takes SECONDS to save in
-  the snapshot of step AT (an ``extra_state`` whose ``state_dict`` sleeps).
+- ``trainer-snapshot``: a ``Trainer`` saving a snapshot every 5 steps; rank 1's state takes SECONDS
+  to save in the snapshot of step AT (an ``extra_state`` whose ``state_dict`` sleeps).
 
-Every step all-reduces the loss with ``ddpkit.all_reduce`` (a marked collective). The run lasts ``STEPS``
-steps (the fourth argument, default 12); the Trainer's modes take a run folder as the fifth.
+Every step all-reduces the loss with ``ddpkit.all_reduce`` (a marked collective). The run lasts
+``STEPS`` steps (the fourth argument, default 12); the Trainer's modes take a run folder as the
+fifth.
 """
 
 import os
@@ -93,7 +95,9 @@ if mode.startswith("trainer"):
     print(f"rank {rt.rank} done after {trainer.step} steps", flush=True)
     sys.exit(0)
 
-loader = ddpkit.build_loader(Samples(), batch_size=4, shuffle=False, num_workers=1 if mode == "loader" else 0)
+loader = ddpkit.build_loader(
+    Samples(), batch_size=4, shuffle=False, num_workers=1 if mode == "loader" else 0
+)
 model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
 opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 for step, (x, y) in enumerate(loader, start=1):

@@ -1,9 +1,10 @@
-"""Jobs on a JSON Lines stream: the Trainer on it (``python stream_job.py RUN_DIR --data FILE [options]`` under
-``ddpkit run``), and loops that only read it, for :func:`ddpkit.spawn` (the stream's loader, and the naive
-sharding users write, as a control).
+"""Jobs on a JSON Lines stream: the Trainer on it (``python stream_job.py RUN_DIR
+--data FILE [options]`` under ``ddpkit run``), and loops that only read it, for :func:`ddpkit.spawn`
+(the stream's loader, and the naive sharding users write, as a control).
 
-Every record is ``{"id": i, "x": [8 floats], "y": 0 or 1}``; the training job's transform augments ``x`` with
-torch, numpy and python draws, so a resume is bitwise only if each record's draws are restored.
+Every record is ``{"id": i, "x": [8 floats], "y": 0 or 1}``; the training job's transform augments
+``x`` with torch, numpy and python draws, so a resume is bitwise only if each record's draws are
+restored.
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ def write_records(path: str | Path, n: int = N_RECORDS) -> Path:
 
 def augment(record: dict) -> tuple[torch.Tensor, torch.Tensor, int]:
     x = torch.tensor(record["x"])
-    noise = 0.3 * torch.randn(N_FEATURES) + float(np.random.normal(0, 0.1)) + random.uniform(-0.1, 0.1)
+    noise = (
+        0.3 * torch.randn(N_FEATURES) + float(np.random.normal(0, 0.1)) + random.uniform(-0.1, 0.1)
+    )
     return x + noise, torch.tensor(record["y"]), record["id"]
 
 
@@ -48,7 +51,7 @@ def ids_only(batch: list) -> list[int]:
     return [r["id"] for r in batch]
 
 
-# -- loops that read only (for ddpkit.spawn) ----------------------------------------------------------------
+# -- loops that read only (for ddpkit.spawn) -------------------------------------------------------
 
 
 def read_steps(
@@ -62,15 +65,18 @@ def read_steps(
     iterable: bool = False,
     window: int = 16,
 ) -> list[list[list[int]]]:
-    """Each rank's record ids, step by step, from global cursor ``start = (epoch, cursor)``; gathered: one list
-    of steps per rank. ``iterable``: the same file through :class:`IterableStream` (read front to back)."""
+    """Each rank's record ids, step by step, from global cursor ``start = (epoch, cursor)``;
+    gathered: one list of steps per rank. ``iterable``: the same file through
+    :class:`IterableStream` (read front to back)."""
     ddpkit.init()
     if iterable:
         lines = _Lines(data)
         stream = IterableStream(lines, num_records=sum(1 for _ in lines), window=window)
     else:
         stream = JsonlStream(data, window=window)
-    loader = ddpkit.build_loader(stream, per_rank, seed=11, num_workers=workers, collate_fn=ids_only)
+    loader = ddpkit.build_loader(
+        stream, per_rank, seed=11, num_workers=workers, collate_fn=ids_only
+    )
     steps: list[list[int]] = []
     loader.batch_sampler.set_position(*start)
     for _ in range(epochs):
@@ -82,7 +88,8 @@ def read_steps(
 
 
 class _Lines:
-    """A file's records, read front to back on every ``iter()`` (a source with no positional read)."""
+    """A file's records, read front to back on every ``iter()`` (a source with no positional
+    read)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -94,12 +101,21 @@ class _Lines:
 
 
 class NaiveShards(IterableDataset):
-    """The usual streaming split: rank ``r``'s worker ``w`` of ``W`` takes every ``(world x W)``-th record from
-    ``r x W + w``, and a resume skips, in each worker's share, the cursor's worth of records
-    (``cursor / (world x W)``). ``by_worker=False``: split by rank only, as a plain IterableDataset is."""
+    """The usual streaming split: rank ``r``'s worker ``w`` of ``W`` takes every ``(world x W)``-th
+    record from ``r x W + w``, and a resume skips, in each worker's share, the cursor's worth of
+    records (``cursor / (world x W)``). ``by_worker=False``: split by rank only, as a plain
+    IterableDataset is."""
 
-    def __init__(self, path: str, rank: int, world: int, cursor: int = 0, by_worker: bool = True) -> None:
-        self.path, self.rank, self.world, self.cursor, self.by_worker = path, rank, world, cursor, by_worker
+    def __init__(
+        self, path: str, rank: int, world: int, cursor: int = 0, by_worker: bool = True
+    ) -> None:
+        self.path, self.rank, self.world, self.cursor, self.by_worker = (
+            path,
+            rank,
+            world,
+            cursor,
+            by_worker,
+        )
 
     def __iter__(self):
         info = get_worker_info()
@@ -110,7 +126,13 @@ class NaiveShards(IterableDataset):
 
 
 def naive_steps(
-    data: str, per_rank: int, *, workers: int, cursor: int = 0, stop_after: int | None = None, by_worker: bool = True
+    data: str,
+    per_rank: int,
+    *,
+    workers: int,
+    cursor: int = 0,
+    stop_after: int | None = None,
+    by_worker: bool = True,
 ) -> list[list[list[int]]]:
     """:func:`read_steps` with :class:`NaiveShards` in a plain DataLoader (the control)."""
     rt = ddpkit.init()
@@ -120,7 +142,7 @@ def naive_steps(
     return ddpkit.all_gather_object(steps)
 
 
-# -- the training job (under ddpkit run) ----------------------------------------------------------------------
+# -- the training job (under ddpkit run) -----------------------------------------------------------
 
 
 def train(
@@ -155,11 +177,20 @@ def train(
         logging=LoggingConfig(progress=False, every_steps=5),
     )
     attempt = rt.restart_count
-    log = open(Path(sample_log) / f"rank{rt.rank}-world{rt.world_size}.jsonl", "a", buffering=1) if sample_log else None
+    log = (
+        open(Path(sample_log) / f"rank{rt.rank}-world{rt.world_size}.jsonl", "a", buffering=1)
+        if sample_log
+        else None
+    )
 
     def batch_loss(model, batch):
         x, y, ids = batch
-        if kill_step is not None and attempt == 0 and rt.rank == kill_rank and trainer.step == kill_step:
+        if (
+            kill_step is not None
+            and attempt == 0
+            and rt.rank == kill_rank
+            and trainer.step == kill_step
+        ):
             _sigkill_self(sample_log, f"rank{rt.rank}-step{kill_step}")
         if log is not None:
             log.write(
@@ -177,7 +208,9 @@ def train(
         return torch.nn.functional.cross_entropy(model(x), y)
 
     stream = JsonlStream(data, transform=augment, window=64)
-    trainer = Trainer(model, optimizer, stream, config, scheduler=scheduler, batch_loss_fn=batch_loss)
+    trainer = Trainer(
+        model, optimizer, stream, config, scheduler=scheduler, batch_loss_fn=batch_loss
+    )
     trainer.fit()
     final = {
         "model": {k: v.clone() for k, v in ddpkit.unwrap(trainer.model).state_dict().items()},

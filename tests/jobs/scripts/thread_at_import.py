@@ -1,5 +1,5 @@
-"""A module that starts a thread when it is imported (for the fork server's tests: a server that preloads it
-must not fork)."""
+"""A module that starts a thread when it is imported (for the fork server's tests: a server that
+preloads it must not fork)."""
 
 import threading
 

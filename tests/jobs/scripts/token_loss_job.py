@@ -1,8 +1,10 @@
-"""A tiny next-token model on padded sequences of very different lengths: the job of the per-token loss tests.
+"""A tiny next-token model on padded sequences of very different lengths: the job of the per-token
+loss tests.
 
-Labels past a sequence's length are ``ignore_index`` (-100), so micro-batches hold different numbers of tokens.
-``count_tokens=True`` passes the Trainer ``count_fn`` (the step follows the mean over every token of the
-global batch); False leaves the default, each micro-batch's token mean weighted by its samples: the control.
+Labels past a sequence's length are ``ignore_index`` (-100), so micro-batches hold different numbers
+of tokens. ``count_tokens=True`` passes the Trainer ``count_fn`` (the step follows the mean over
+every token of the global batch); False leaves the default, each micro-batch's token mean weighted
+by its samples: the control.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ IGNORE = -100
 
 
 class PaddedSequences(torch.utils.data.Dataset):
-    """Random token sequences, each of a length from 1 to ``SEQ``; the labels are the next tokens."""
+    """Random token sequences, each of a length from 1 to ``SEQ``; the labels are the next
+    tokens."""
 
     def __init__(self) -> None:
         g = torch.Generator().manual_seed(7)
@@ -65,7 +68,8 @@ def train(
     resume: bool = True,
     drop_momentum: bool = False,
 ) -> dict:
-    """Train; rank 0's final weights, steps, and the first step's recorded training loss (main rank only)."""
+    """Train; rank 0's final weights, steps, and the first step's recorded training loss (main rank
+    only)."""
     ddpkit.init()
     model = build_model()
     config = TrainerConfig(
@@ -90,7 +94,8 @@ def train(
         batch_loss_fn=token_loss,
         count_fn=count_tokens if count else None,
     )
-    if drop_momentum:  # the control of the resume test: the snapshot's momentum buffers are not restored
+    # the control of the resume test: the snapshot's momentum buffers are not restored
+    if drop_momentum:
         load = trainer.load_state_dict
 
         def load_without_momentum(state):
@@ -100,11 +105,17 @@ def train(
         trainer.load_state_dict = load_without_momentum
     metrics = trainer.fit()
     weights = {k: v.detach().clone() for k, v in trainer.strategy.model_weights().items()}
-    optim = trainer.strategy.full_state_dict()["optim"]  # momentum buffers, gathered under every strategy
-    records = (trainer.run_dir / "metrics.jsonl").read_text().splitlines() if trainer.runtime.is_main else []
+    # momentum buffers, gathered under every strategy
+    optim = trainer.strategy.full_state_dict()["optim"]
+    records = (
+        (trainer.run_dir / "metrics.jsonl").read_text().splitlines()
+        if trainer.runtime.is_main
+        else []
+    )
     first = next((json.loads(r) for r in records if json.loads(r)["kind"] == "train"), {})
     graphs = 0
-    if compile:  # proof that the training forward ran compiled: the frames Dynamo compiled in this process
+    # proof that the training forward ran compiled: the frames Dynamo compiled in this process
+    if compile:
         from torch._dynamo.utils import counters
 
         graphs = counters["frames"]["ok"]  # frames Dynamo compiled
@@ -119,8 +130,8 @@ def train(
 
 
 def first_batch_token_mean(global_batch: int = 8) -> float:
-    """The mean loss over every token of the first step's global batch, with the initial weights: what the
-    first step's ``train/loss`` record must say."""
+    """The mean loss over every token of the first step's global batch, with the initial weights:
+    what the first step's ``train/loss`` record must say."""
     data = PaddedSequences()
     x, y = (torch.stack(t) for t in zip(*(data[i] for i in range(global_batch))))
     with torch.no_grad():

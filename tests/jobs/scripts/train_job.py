@@ -1,10 +1,11 @@
 """The job the resume tests train: an MLP with BatchNorm and dropout, Adam, a per-step LR schedule.
 
 Runs under ``ddpkit run`` (``python train_job.py RUN_DIR [options]``) or inside ``ddpkit.spawn`` via
-:func:`train`. Test hooks live here, not in ddpkit: killing this process at a step or inside a snapshot write
-(after damaging the newest snapshot, if asked), filling the disk, logging every sample it trains on, and the
-controls: leaving a part of the snapshot out on restore, or saving each rank's own values as one copy per key.
-With ``out``, rank 0 writes its final state there and every rank ``r`` its own to ``out.rank<r>``.
+:func:`train`. Test hooks live here, not in ddpkit: killing this process at a step or inside a
+snapshot write (after damaging the newest snapshot, if asked), filling the disk, logging every
+sample it trains on, and the controls: leaving a part of the snapshot out on restore, or saving each
+rank's own values as one copy per key. With ``out``, rank 0 writes its final state there and every
+rank ``r`` its own to ``out.rank<r>``.
 """
 
 from __future__ import annotations
@@ -54,17 +55,23 @@ class IndexedData(torch.utils.data.Dataset):
 
 
 class AugmentedData(IndexedData):
-    """The same set, each read perturbed with torch, numpy and python random draws (augmentation)."""
+    """The same set, each read perturbed with torch, numpy and python random draws
+    (augmentation)."""
 
     def __getitem__(self, i: int):
-        noise = 0.3 * torch.randn(N_FEATURES) + float(np.random.normal(0, 0.1)) + random.uniform(-0.1, 0.1)
+        noise = (
+            0.3 * torch.randn(N_FEATURES)
+            + float(np.random.normal(0, 0.1))
+            + random.uniform(-0.1, 0.1)
+        )
         return self.x[i] + noise, self.y[i], i
 
 
 def build_model(batchnorm: bool = True, hidden: int = 32) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
-        # No bias before BatchNorm: its gradient is zero up to rounding, which Adam would amplify to full steps.
+        # No bias before BatchNorm: its gradient is zero up to rounding, which Adam would amplify to
+        # full steps.
         nn.Linear(N_FEATURES, hidden, bias=False),
         nn.BatchNorm1d(hidden) if batchnorm else nn.Identity(),
         nn.ReLU(),
@@ -88,21 +95,25 @@ class SabotagedTrainer(Trainer):
         elif self.drop == "early_stopping":
             self.early_stopping.best, self.early_stopping.bad_epochs = None, 0
         elif self.drop == "scheduler":
-            self.scheduler.load_state_dict(torch.optim.lr_scheduler.StepLR(self.optimizer, 4, 0.7).state_dict())
+            self.scheduler.load_state_dict(
+                torch.optim.lr_scheduler.StepLR(self.optimizer, 4, 0.7).state_dict()
+            )
             for group in self.optimizer.param_groups:
                 group["lr"] = 0.05
 
 
 def _sigkill_self(marks: str | None, what: str) -> None:
-    """SIGKILL this process, first leaving ``marks/killed-<what>`` as proof that the kill was sent (the agent's
-    own log names one failed worker only, and it may name the peer whose collective failed first)."""
+    """SIGKILL this process, first leaving ``marks/killed-<what>`` as proof that the kill was sent
+    (the agent's own log names one failed worker only, and it may name the peer whose collective
+    failed first)."""
     if marks is not None:
         Path(marks, f"killed-{what}").write_text(str(os.getpid()))
     os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _damage_newest_snapshot(trainer) -> None:
-    """Flip the last bytes of rank 1's file in the newest whole snapshot: the restart must skip it."""
+    """Flip the last bytes of rank 1's file in the newest whole snapshot: the restart must skip
+    it."""
     trainer.wait_for_snapshot()
     newest = sorted((trainer.run_dir / "snapshots").glob("step-*/complete.json"))[-1].parent
     part = newest / "__1_0.distcp"
@@ -111,7 +122,8 @@ def _damage_newest_snapshot(trainer) -> None:
 
 
 def _fill_disk(trainer) -> None:
-    """Fill the file system of the snapshots (a small one the test mounted) once the last write is done."""
+    """Fill the file system of the snapshots (a small one the test mounted) once the last write is
+    done."""
     trainer.wait_for_snapshot()
     with open(trainer.run_dir / "snapshots" / "filler", "wb", buffering=0) as f:
         try:
@@ -122,14 +134,15 @@ def _fill_disk(trainer) -> None:
 
 
 def one_copy_per_key(strategy) -> None:
-    """Save and load each rank's own values (buffers) under the shared names, as DCP keeps one copy of a key
-    that every rank saves: the control for per-rank buffers."""
+    """Save and load each rank's own values (buffers) under the shared names, as DCP keeps one copy
+    of a key that every rank saves: the control for per-rank buffers."""
     state_dict = strategy.state_dict
     strategy.state_dict = lambda: join_own(state_dict())
 
 
 def rank_state(trainer) -> dict:
-    """Everything this rank holds of model and optimizer (shards as local tensors), its RNG and scheduler."""
+    """Everything this rank holds of model and optimizer (shards as local tensors), its RNG and
+    scheduler."""
     from torch.distributed.tensor import DTensor
 
     out = {"rng": torch.get_rng_state(), "scheduler": trainer.scheduler.state_dict()}
@@ -217,16 +230,17 @@ def train(
     memory: bool = False,
     memory_every_steps: int | None = None,
 ) -> dict:
-    """Train the job; ``event=(what, rank, step)`` makes ``rank`` produce a NaN loss (``nan``), an infinite
-    loss whose gradients are finite (``inf``), a NaN loss whose gradients are zero (``ignored``: every target
-    is ``ignore_index``), raise (``raise``, on the first attempt only) or receive SIGUSR1 (``signal``) when it
-    reaches ``step``. ``unseeded_samples``: the loader leaves augmentation to each worker's own stream (the
-    behaviour before samples were seeded from (seed, epoch, index)), for the controls. ``damage_newest``: the
-    rank that kills itself first damages the newest snapshot; ``kill_after_write``: it first waits for the
-    snapshot in flight. ``fill_disk_at``: rank 0 fills the disk of the snapshots at that step.
-    ``shared_buffers``: :func:`one_copy_per_key`. ``val_every_steps``: validate every that many steps, keeping
-    the best ``val/loss`` (early stopping after ``early_stopping_patience`` validations, if given). ``memory``:
-    snapshots in memory too (under ``ddpkit run``)."""
+    """Train the job; ``event=(what, rank, step)`` makes ``rank`` produce a NaN loss (``nan``), an
+    infinite loss whose gradients are finite (``inf``), a NaN loss whose gradients are zero
+    (``ignored``: every target is ``ignore_index``), raise (``raise``, on the first attempt only) or
+    receive SIGUSR1 (``signal``) when it reaches ``step``. ``unseeded_samples``: the loader leaves
+    augmentation to each worker's own stream (the behaviour before samples were seeded from (seed,
+    epoch, index)), for the controls. ``damage_newest``: the rank that kills itself first damages
+    the newest snapshot; ``kill_after_write``: it first waits for the snapshot in flight.
+    ``fill_disk_at``: rank 0 fills the disk of the snapshots at that step. ``shared_buffers``:
+    :func:`one_copy_per_key`. ``val_every_steps``: validate every that many steps, keeping the best
+    ``val/loss`` (early stopping after ``early_stopping_patience`` validations, if given).
+    ``memory``: snapshots in memory too (under ``ddpkit run``)."""
     rt = ddpkit.init()
     model = build_model(batchnorm, hidden)
     if not dropout:
@@ -265,7 +279,9 @@ def train(
         ),
         val_every_steps=val_every_steps,
         weights_format=weights_format,
-        logging=LoggingConfig(every_steps=log_every_steps, progress=False, tensorboard=tensorboard, trackers=loggers),
+        logging=LoggingConfig(
+            every_steps=log_every_steps, progress=False, tensorboard=tensorboard, trackers=loggers
+        ),
         drop_last=drop_last,
         compile=compile,
     )
@@ -279,18 +295,35 @@ def train(
 
     def batch_loss(model, batch):
         x, y, idx = batch
-        if kill_step is not None and attempt == 0 and rt.rank == kill_rank and trainer.step == kill_step:
+        if (
+            kill_step is not None
+            and attempt == 0
+            and rt.rank == kill_rank
+            and trainer.step == kill_step
+        ):
             if kill_after_write:  # the snapshot in flight is whole: the restart resumes from it
                 trainer.wait_for_snapshot()
             if damage_newest:
                 _damage_newest_snapshot(trainer)
             _sigkill_self(sample_log, f"rank{rt.rank}-step{kill_step}")
-        if fill_disk_at is not None and rt.rank == 0 and trainer.step == fill_disk_at and not filled:
+        if (
+            fill_disk_at is not None
+            and rt.rank == 0
+            and trainer.step == fill_disk_at
+            and not filled
+        ):
             filled.append(True)
             _fill_disk(trainer)
         if log is not None:
             log.write(
-                json.dumps({"attempt": attempt, "epoch": trainer.epoch, "step": trainer.step, "idx": idx.tolist()})
+                json.dumps(
+                    {
+                        "attempt": attempt,
+                        "epoch": trainer.epoch,
+                        "step": trainer.step,
+                        "idx": idx.tolist(),
+                    }
+                )
                 + "\n"
             )
         logits = model(x)  # one forward per micro-batch: sync BatchNorm is a collective
@@ -304,7 +337,8 @@ def train(
                 loss = loss + float("inf")  # the value is inf, the gradient that of the finite loss
             elif event[0] == "ignored" and not fired:
                 fired.append(True)
-                loss = nn.functional.cross_entropy(logits, torch.full_like(y, -100))  # mean over none: NaN
+                # mean over none: NaN
+                loss = nn.functional.cross_entropy(logits, torch.full_like(y, -100))
             elif event[0] == "raise" and attempt == 0:
                 raise RuntimeError(f"planned failure in user code on rank {rt.rank}")
             elif event[0] == "signal" and not trainer._stop_signal:
@@ -345,7 +379,8 @@ def train(
     full = trainer.strategy.full_state_dict() if rt.distributed else None  # collective: every rank
     final = {
         "preempted": preempted,
-        # Under zero and fsdp the optimizer's own state is this rank's shard: compare the gathered "full" state.
+        # Under zero and fsdp the optimizer's own state is this rank's shard: compare the gathered
+        # "full" state.
         "model": (
             {k: v.clone() for k, v in ddpkit.unwrap(trainer.model).state_dict().items()}
             if strategy == "ddp"
@@ -400,7 +435,9 @@ if __name__ == "__main__":
     p.add_argument("--drop", default=None)
     p.add_argument("--compile", action="store_true")
     a = p.parse_args()
-    event = ("raise", *a.raise_at) if a.raise_at else ("signal", *a.signal_at) if a.signal_at else None
+    event = (
+        ("raise", *a.raise_at) if a.raise_at else ("signal", *a.signal_at) if a.signal_at else None
+    )
     train(
         a.run_dir,
         global_batch=a.global_batch,

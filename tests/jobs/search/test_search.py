@@ -1,5 +1,5 @@
-"""The search on groups of ranks: budgets, pruning, failures, kills, restarts, a second job, a damaged journal
-and a full disk, with real processes."""
+"""The search on groups of ranks: budgets, pruning, failures, kills, restarts, a second job, a
+damaged journal and a full disk, with real processes."""
 
 from __future__ import annotations
 
@@ -36,12 +36,26 @@ def _study(search_dir: Path) -> optuna.Study:
 
 
 def _job(
-    search_dir: Path, *args: str, env: dict, nproc: int | None = None, restarts: int = 0, timeout: float = 150
+    search_dir: Path,
+    *args: str,
+    env: dict,
+    nproc: int | None = None,
+    restarts: int = 0,
+    timeout: float = 150,
 ) -> subprocess.CompletedProcess:
-    """The test search job, as plain python (one rank) or under ``ddpkit run`` with ``nproc`` ranks."""
+    """The test search job, as plain python (one rank) or under ``ddpkit run`` with ``nproc``
+    ranks."""
     if nproc:
         restart = ("--max-restarts", str(restarts))
-        return run_job(JOB, str(search_dir), *args, nproc=nproc, launcher_args=restart, env=env, timeout=timeout)
+        return run_job(
+            JOB,
+            str(search_dir),
+            *args,
+            nproc=nproc,
+            launcher_args=restart,
+            env=env,
+            timeout=timeout,
+        )
     cmd = [sys.executable, JOB, str(search_dir), *args]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -84,14 +98,22 @@ def _pruning(search_dir: str) -> dict:
     stopped = {}
 
     def objective(candidate):
-        # Trials 0 and 1 learn; trial 2 does not (lr 0), so the median pruner stops it after its first epoch.
+        # Trials 0 and 1 learn; trial 2 does not (lr 0), so the median pruner stops it after its
+        # first epoch.
         trainer = _tiny_trainer(candidate, lr=0.3 if candidate.number < 2 else 0.0)
         try:
             return trainer.fit()
         finally:
             stopped[candidate.number] = trainer.epoch
 
-    cfg = SearchConfig(n_trials=3, group_size=2, sampler="random", pruner="median", search_dir=search_dir, plots=False)
+    cfg = SearchConfig(
+        n_trials=3,
+        group_size=2,
+        sampler="random",
+        pruner="median",
+        search_dir=search_dir,
+        plots=False,
+    )
     search(objective, {"unused": uniform(0.0, 1.0)}, cfg)
     return stopped
 
@@ -101,7 +123,8 @@ def test_a_pruned_candidate_stops_at_the_same_epoch_on_every_rank_of_its_group(t
     states = {t.number: t.state for t in _study(tmp_path).trials}
     assert states == {0: TrialState.COMPLETE, 1: TrialState.COMPLETE, 2: TrialState.PRUNED}
     assert per_rank[0] == per_rank[1]
-    assert per_rank[0][2] == 2 and per_rank[0][0] == 3  # judged from epoch 2 on: pruned there; the others ran all 3
+    # judged from epoch 2 on: pruned there; the others ran all 3
+    assert per_rank[0][2] == 2 and per_rank[0][0] == 3
 
 
 def _reported(search_dir: str, val_every_steps: int | None, max_steps: int | None) -> None:
@@ -109,17 +132,24 @@ def _reported(search_dir: str, val_every_steps: int | None, max_steps: int | Non
     cfg = SearchConfig(n_trials=1, group_size=2, pruner="none", search_dir=search_dir, plots=False)
 
     def objective(candidate):
-        return _tiny_trainer(candidate, lr=0.3, val_every_steps=val_every_steps, max_steps=max_steps).fit()
+        return _tiny_trainer(
+            candidate, lr=0.3, val_every_steps=val_every_steps, max_steps=max_steps
+        ).fit()
 
     search(objective, {"x": uniform(0, 1)}, cfg)
 
 
 def test_the_candidate_reports_each_validation_at_epoch_ends_or_every_n_steps(tmp_path):
-    # 96 samples in global batches of 12: 8 steps an epoch, 3 epochs. Validating every 4 steps, the candidate
-    # reports val/loss at steps 4, 8, ..., 24 (where the epochs' metrics hold no val/loss, which once was taken
-    # for a Trainer without val_data); validating at epoch ends, at epochs 1, 2, 3; stopped by max_steps inside
-    # the second epoch, at epoch 1 and at the epoch begun, 2 (not at 1 again, which Optuna would ignore).
-    for every, max_steps, steps in ((4, None, [4, 8, 12, 16, 20, 24]), (None, None, [1, 2, 3]), (None, 12, [1, 2])):
+    # 96 samples in global batches of 12: 8 steps an epoch, 3 epochs. Validating every 4 steps, the
+    # candidate reports val/loss at steps 4, 8, ..., 24 (where the epochs' metrics hold no val/loss,
+    # which once was taken for a Trainer without val_data); validating at epoch ends, at epochs 1,
+    # 2, 3; stopped by max_steps inside the second epoch, at epoch 1 and at the epoch begun, 2 (not
+    # at 1 again, which Optuna would ignore).
+    for every, max_steps, steps in (
+        (4, None, [4, 8, 12, 16, 20, 24]),
+        (None, None, [1, 2, 3]),
+        (None, 12, [1, 2]),
+    ):
         search_dir = tmp_path / f"{every}-{max_steps}"
         ddpkit.spawn(functools.partial(_reported, str(search_dir), every, max_steps), 2)
         (trial,) = _study(search_dir).trials
@@ -164,7 +194,9 @@ def _budget(search_dir: str, group_size: int) -> list[int]:
         numbers.append(candidate.number)
         return _tiny_trainer(candidate, lr=candidate.params["lr"], epochs=1).fit()
 
-    cfg = SearchConfig(n_trials=5, group_size=group_size, pruner="none", search_dir=search_dir, plots=False)
+    cfg = SearchConfig(
+        n_trials=5, group_size=group_size, pruner="none", search_dir=search_dir, plots=False
+    )
     search(objective, {"lr": uniform(0.01, 0.5, log=True)}, cfg)
     return numbers
 
@@ -176,7 +208,8 @@ def test_groups_run_candidates_concurrently_and_the_budget_is_exact(tmp_path):
     assert len(study.trials) == 5 and all(t.state == TrialState.COMPLETE for t in study.trials)
     assert sorted(numbers[0] + numbers[1]) == [0, 1, 2, 3, 4]  # every trial run once, by one group
     assert numbers[0] and numbers[1]  # both groups worked
-    assert len({t.params["lr"] for t in study.trials}) == 5  # the groups' samplers do not draw alike
+    # the groups' samplers do not draw alike
+    assert len({t.params["lr"] for t in study.trials}) == 5
     # Each trial trained in its own run directory, written once by its group's main rank.
     for n in range(5):
         log = (tmp_path / f"trial-{n:04d}" / "metrics.jsonl").read_text()
@@ -187,18 +220,26 @@ def _bad(what: str, tmp: str) -> str:
     ddpkit.init()
     try:
         if what == "group_size":
-            search(lambda c: 0.0, {"x": choice([1])}, SearchConfig(n_trials=1, group_size=2, search_dir=tmp))
+            search(
+                lambda c: 0.0,
+                {"x": choice([1])},
+                SearchConfig(n_trials=1, group_size=2, search_dir=tmp),
+            )
         elif what == "sqlite":
             search(
                 lambda c: 0.0,
                 {"x": choice([1])},
-                SearchConfig(n_trials=1, storage=f"sqlite:///{tmp}/no/such/dir/study.db", search_dir=tmp),
+                SearchConfig(
+                    n_trials=1, storage=f"sqlite:///{tmp}/no/such/dir/study.db", search_dir=tmp
+                ),
             )
         elif what == "postgres":
             search(
                 lambda c: 0.0,
                 {"x": choice([1])},
-                SearchConfig(n_trials=1, storage="postgresql://ddpkit@127.0.0.1:1/study", search_dir=tmp),
+                SearchConfig(
+                    n_trials=1, storage="postgresql://ddpkit@127.0.0.1:1/study", search_dir=tmp
+                ),
             )
     except ConfigError as err:
         return str(err)
@@ -210,18 +251,27 @@ def _bad(what: str, tmp: str) -> str:
     [
         ("group_size", "group_size=2 does not divide the job's 3 ranks"),
         ("sqlite", "cannot open the study 'ddpkit' in storage sqlite:///"),
-        ("postgres", "cannot open the study 'ddpkit' in storage postgresql://ddpkit@127.0.0.1:1/study"),
+        (
+            "postgres",
+            "cannot open the study 'ddpkit' in storage postgresql://ddpkit@127.0.0.1:1/study",
+        ),
     ],
 )
 def test_bad_input_is_a_clear_error_on_every_rank(tmp_path, what, expected):
-    messages = ddpkit.spawn(functools.partial(_bad, what, str(tmp_path)), 3 if what == "group_size" else 2)
+    messages = ddpkit.spawn(
+        functools.partial(_bad, what, str(tmp_path)), 3 if what == "group_size" else 2
+    )
     assert all(expected in m for m in messages), messages
 
 
 def _search_once(search_dir: str) -> str:
     ddpkit.init()
     try:
-        search(lambda c: 0.0, {"x": uniform(0.0, 1.0)}, SearchConfig(n_trials=1, search_dir=search_dir, plots=False))
+        search(
+            lambda c: 0.0,
+            {"x": uniform(0.0, 1.0)},
+            SearchConfig(n_trials=1, search_dir=search_dir, plots=False),
+        )
     except ConfigError as err:
         return str(err)
     return "accepted"
@@ -244,8 +294,9 @@ def test_trial_folders_no_trial_of_the_study_owns_are_refused(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("seeding", ["per start", "same every start"])
 def test_a_sigkill_during_a_search_is_survived(tmp_path, clean_env, seeding):
-    # 2 groups of 1 rank; rank 1 kills itself after epoch 2 of its first trial on the first attempt. The agent
-    # restarts the job; that trial resumes from its snapshot, and the study ends with exactly 4 finished trials.
+    # 2 groups of 1 rank; rank 1 kills itself after epoch 2 of its first trial on the first attempt.
+    # The agent restarts the job; that trial resumes from its snapshot, and the study ends with
+    # exactly 4 finished trials.
     control = seeding == "same every start"
     proc = _job(
         tmp_path,
@@ -259,25 +310,32 @@ def test_a_sigkill_during_a_search_is_survived(tmp_path, clean_env, seeding):
         restarts=1,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    killed = int((tmp_path / "killed_trial").read_text())  # written by rank 1 just before it SIGKILLed itself
+    # written by rank 1 just before it SIGKILLed itself
+    killed = int((tmp_path / "killed_trial").read_text())
     study = _study(tmp_path)
     assert len(study.trials) == 6
-    assert all(t.state == TrialState.COMPLETE for t in study.trials), [t.state for t in study.trials]
+    assert all(t.state == TrialState.COMPLETE for t in study.trials), [
+        t.state for t in study.trials
+    ]
     log = (tmp_path / f"trial-{killed:04d}" / "metrics.jsonl").read_text()
     events = [json.loads(line) for line in log.splitlines()]
     resumes = [e for e in events if e.get("event") == "resume"]
-    # From its own snapshot: the epoch-2 one, or the one before it if the kill came while the epoch-2 snapshot
-    # was still being written in the background.
+    # From its own snapshot: the epoch-2 one, or the one before it if the kill came while the
+    # epoch-2 snapshot was still being written in the background.
     assert resumes and resumes[0]["restart_count"] == 1 and resumes[0]["step"] > 0, resumes
-    # The other group's candidate was stopped by the agent too: both were left running, both are resumed.
+    # The other group's candidate was stopped by the agent too: both were left running, both are
+    # resumed.
     line = next(x for x in proc.stdout.splitlines() if "a stopped job left running" in x)
     assert killed in json.loads(line.split("running: ")[1])
-    # The restarted job draws new candidates (a continuous space: a repeat by chance has probability 0).
-    # Control: seeded as the first start was, a group's first draw after the restart repeats its first draw
-    # of the first start.
+    # The restarted job draws new candidates (a continuous space: a repeat by chance has probability
+    # 0). Control: seeded as the first start was, a group's first draw after the restart repeats its
+    # first draw of the first start.
     params = _params(study)
     after = {n for n in params if _first_start(tmp_path / f"trial-{n:04d}")["restart_count"] == 1}
-    assert after, f"every candidate was drawn before the kill: the test shows nothing ({params})\n{proc.stderr[-4000:]}"
+    assert after, (
+        "every candidate was drawn before the kill: the test shows nothing "
+        f"({params})\n{proc.stderr[-4000:]}"
+    )
     repeats = [n for n in after if params[n] in {params[m] for m in params if m not in after}]
     assert repeats if control else not repeats, (after, params)
 
@@ -289,7 +347,9 @@ def _first_start(run_dir: Path) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_search_run_again_with_a_larger_budget_draws_new_candidates_and_replays_alike(tmp_path, clean_env):
+def test_a_search_run_again_with_a_larger_budget_draws_new_candidates_and_replays_alike(
+    tmp_path, clean_env
+):
     runs = {}
     for name, extra in [("a", []), ("b", []), ("control", ["--same-seed-every-start"])]:
         for trials in ("2", "4"):
@@ -304,19 +364,23 @@ def test_a_search_run_again_with_a_larger_budget_draws_new_candidates_and_replay
 
 @pytest.mark.slow
 def test_a_kill_inside_ask_leaves_a_trial_the_restart_resumes(tmp_path, clean_env):
-    # The process drawing trial 2's parameters SIGKILLs itself after drawing the first of two, inside the
-    # sampler: the trial exists in the study, half drawn. The agent restarts the job.
+    # The process drawing trial 2's parameters SIGKILLs itself after drawing the first of two,
+    # inside the sampler: the trial exists in the study, half drawn. The agent restarts the job.
     proc = _job(tmp_path, "--trials", "4", "--kill-in-ask", "2", env=clean_env, nproc=2, restarts=1)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert (tmp_path / "killed_in_ask").read_text() == "2"  # the mark the process wrote before its SIGKILL
+    # the mark the process wrote before its SIGKILL
+    assert (tmp_path / "killed_in_ask").read_text() == "2"
     study = _study(tmp_path)
     assert len(study.trials) == 4, [(t.number, t.state) for t in study.trials]
-    assert all(t.state == TrialState.COMPLETE for t in study.trials), [t.state for t in study.trials]
+    assert all(t.state == TrialState.COMPLETE for t in study.trials), [
+        t.state for t in study.trials
+    ]
     assert set(study.trials[2].params) == {"lr", "momentum"}
     line = next(x for x in proc.stdout.splitlines() if "a stopped job left running" in x)
     assert 2 in json.loads(line.split("running: ")[1])
     events = (tmp_path / "trial-0002" / "metrics.jsonl").read_text()
-    assert events.count('"event": "start"') == 1 and '"event": "resume"' not in events  # trained once, whole
+    # trained once, whole
+    assert events.count('"event": "start"') == 1 and '"event": "resume"' not in events
 
 
 @pytest.mark.slow
@@ -335,7 +399,9 @@ def test_a_second_job_on_a_search_dir_is_refused_and_the_first_goes_on(tmp_path,
             if line.startswith("gate: trial 0 is running"):
                 break
         else:
-            pytest.fail(f"the first job ended before trial 0 started: {first.stderr.read()[-3000:]}")
+            pytest.fail(
+                f"the first job ended before trial 0 started: {first.stderr.read()[-3000:]}"
+            )
         second = _job(tmp_path, "--trials", "2", env=clean_env)
         out, err = first.communicate(input="go\n", timeout=120)
     finally:
@@ -357,7 +423,9 @@ def test_a_search_goes_on_from_a_journal_cut_by_a_kill(tmp_path, clean_env):
     journal.write_bytes(journal.read_bytes()[:-20])  # the last record (trial 1's result) cut short
     proc = _job(tmp_path, "--trials", "3", env=clean_env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "ended in a record cut short" in proc.stdout and list(tmp_path.glob("study.journal.cut-*"))
+    assert "ended in a record cut short" in proc.stdout and list(
+        tmp_path.glob("study.journal.cut-*")
+    )
     trials = _study(tmp_path).trials
     assert [t.state for t in trials] == [TrialState.COMPLETE] * 3
     assert trials[0].value == before[0]
@@ -366,11 +434,15 @@ def test_a_search_goes_on_from_a_journal_cut_by_a_kill(tmp_path, clean_env):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fault, nproc", [(errno.ENOSPC, None), (errno.EROFS, 2)])
-def test_an_error_of_the_machine_stops_the_search_and_spends_no_budget(tmp_path, clean_env, fault, nproc):
-    # Trial 1 meets the error at the end of its first epoch: on the only rank, or on one rank of a group of 2
-    # while the other goes on into the next epoch's collectives.
+def test_an_error_of_the_machine_stops_the_search_and_spends_no_budget(
+    tmp_path, clean_env, fault, nproc
+):
+    # Trial 1 meets the error at the end of its first epoch: on the only rank, or on one rank of a
+    # group of 2 while the other goes on into the next epoch's collectives.
     group = ["--group-size", "2"] if nproc else []
-    proc = _job(tmp_path, "--trials", "3", "--fault", f"{fault}:1", *group, env=clean_env, nproc=nproc)
+    proc = _job(
+        tmp_path, "--trials", "3", "--fault", f"{fault}:1", *group, env=clean_env, nproc=nproc
+    )
     assert proc.returncode != 0, proc.stdout[-2000:]
     assert "trial 1 was stopped by the machine, not by the candidate" in proc.stderr
     assert os.strerror(fault) in proc.stderr
@@ -387,7 +459,9 @@ def small_disk(tmp_path):
     """A 16 MiB tmpfs mounted for the test (needs root; skipped where mounting is not allowed)."""
     disk = tmp_path / "disk"
     disk.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk)], capture_output=True).returncode:
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk)], capture_output=True
+    ).returncode:
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:
         yield disk
@@ -401,9 +475,16 @@ def test_a_full_disk_stops_the_search_and_it_goes_on_once_there_is_room(small_di
     proc = _job(search_dir, "--trials", "3", "--fill-disk", "1", env=clean_env)
     assert "filled the disk" in proc.stdout
     assert proc.returncode != 0, proc.stdout[-2000:]
-    # Met by the Trainer's snapshot, written in the background by torch.distributed.checkpoint, or by the study.
-    assert "trial 1 was stopped by the machine, not by the candidate: [Errno 28] No space left" in proc.stderr
-    assert {t.number: t.state for t in _study(search_dir).trials} == {0: TrialState.COMPLETE, 1: TrialState.RUNNING}
+    # Met by the Trainer's snapshot, written in the background by torch.distributed.checkpoint, or
+    # by the study.
+    assert (
+        "trial 1 was stopped by the machine, not by the candidate: [Errno 28] No space left"
+        in proc.stderr
+    )
+    assert {t.number: t.state for t in _study(search_dir).trials} == {
+        0: TrialState.COMPLETE,
+        1: TrialState.RUNNING,
+    }
     (search_dir / "filler").unlink()
     proc = _job(search_dir, "--trials", "3", env=clean_env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -414,16 +495,23 @@ def test_a_full_disk_stops_the_search_and_it_goes_on_once_there_is_room(small_di
 
 @pytest.mark.slow
 def test_a_full_disk_met_between_trials_stops_the_search_and_fails_no_trial(small_disk, clean_env):
-    # The disk fills after trial 0 has trained: the next write is the study's (the result, the next trial) or
-    # the next trial's run directory, whichever the file system's slack lets through first. Either way the
-    # search stops with the error named in one line, and no trial is failed for it (the run directory's claim
-    # used to turn the OSError into a ConfigError, which failed trial 1 and spent the budget).
+    # The disk fills after trial 0 has trained: the next write is the study's (the result, the next
+    # trial) or the next trial's run directory, whichever the file system's slack lets through
+    # first. Either way the search stops with the error named in one line, and no trial is failed
+    # for it (the run directory's claim used to turn the OSError into a ConfigError, which failed
+    # trial 1 and spent the budget).
     search_dir = small_disk / "search"
     proc = _job(search_dir, "--trials", "3", "--fill-disk-after", "0", env=clean_env)
     assert proc.returncode != 0, proc.stdout[-2000:]
     assert "filled the disk" in proc.stdout
-    named = [line for line in proc.stderr.splitlines() if line.startswith("ddpkit search: ") and "[Errno 28]" in line]
-    assert named and ("the study's storage" in named[0] or "stopped by the machine" in named[0]), proc.stderr[-3000:]
+    named = [
+        line
+        for line in proc.stderr.splitlines()
+        if line.startswith("ddpkit search: ") and "[Errno 28]" in line
+    ]
+    assert named and ("the study's storage" in named[0] or "stopped by the machine" in named[0]), (
+        proc.stderr[-3000:]
+    )
     assert all(t.state != TrialState.FAIL for t in _study(search_dir).trials)
 
 
@@ -431,8 +519,10 @@ def test_a_full_disk_met_between_trials_stops_the_search_and_fails_no_trial(smal
 def test_trial_folders_left_by_another_search_are_refused(tmp_path, clean_env):
     assert _job(tmp_path, "--trials", "2", env=clean_env).returncode == 0
     log = (tmp_path / "trial-0000" / "metrics.jsonl").read_text()
-    (tmp_path / "study.journal").write_bytes(b"")  # the study emptied; its trials' folders left behind
+    # the study emptied; its trials' folders left behind
+    (tmp_path / "study.journal").write_bytes(b"")
     proc = _job(tmp_path, "--trials", "2", env=clean_env)
     assert proc.returncode != 0, proc.stdout[-2000:]
     assert "trial-0000, trial-0001" in proc.stderr and "another search_dir" in proc.stderr
-    assert (tmp_path / "trial-0000" / "metrics.jsonl").read_text() == log  # nothing trained, nothing written
+    # nothing trained, nothing written
+    assert (tmp_path / "trial-0000" / "metrics.jsonl").read_text() == log

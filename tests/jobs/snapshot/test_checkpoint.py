@@ -1,5 +1,6 @@
-"""Folder snapshots across processes: a crash in the middle of a background write leaves the previous snapshot the
-newest whole one; a full disk is named on every rank, with the same message."""
+"""Folder snapshots across processes: a crash in the middle of a background write leaves the
+previous snapshot the newest whole one; a full disk is named on every rank, with the same
+message."""
 
 from __future__ import annotations
 
@@ -29,8 +30,9 @@ def load(ckpt: SnapshotManager, size: int = 4):
 
 
 def test_a_crash_during_a_background_write_leaves_the_previous_snapshot(tmp_path, run_python):
-    # SIGKILL from the writer thread while it writes step 6's marker (the training thread is already past
-    # save()); the folder of step 6 has all its data but no marker, so step 3 is the newest whole snapshot.
+    # SIGKILL from the writer thread while it writes step 6's marker (the training thread is already
+    # past save()); the folder of step 6 has all its data but no marker, so step 3 is the newest
+    # whole snapshot.
     code = textwrap.dedent(f"""
         import os, signal, torch
         import ddpkit._fs
@@ -50,8 +52,13 @@ def test_a_crash_during_a_background_write_leaves_the_previous_snapshot(tmp_path
         print("not reached")
     """)
     proc = run_python(code)
-    assert proc.returncode == -9 and "returned from save 6" in proc.stdout and "not reached" not in proc.stdout
-    assert (tmp_path / "step-00000006" / "__0_0.distcp").exists()  # the data was written: the kill was late
+    assert (
+        proc.returncode == -9
+        and "returned from save 6" in proc.stdout
+        and "not reached" not in proc.stdout
+    )
+    # the data was written: the kill was late
+    assert (tmp_path / "step-00000006" / "__0_0.distcp").exists()
     ckpt = SnapshotManager(tmp_path)
     found, sharded, _ = load(ckpt, size=1000)
     assert found.step == 3 and sharded["model"]["w"][0] == 3.0
@@ -68,7 +75,10 @@ def _fill_and_save(fs: str) -> list[str]:
     def state(step: int) -> dict:
         return {PER_RANK: {"model": {"w": torch.full((BIG,), float(step + rt.rank))}}}
 
-    checkpointers = [SnapshotManager(Path(fs) / f"async-{a}", group=rt.group, async_write=a) for a in (False, True)]
+    checkpointers = [
+        SnapshotManager(Path(fs) / f"async-{a}", group=rt.group, async_write=a)
+        for a in (False, True)
+    ]
     for ckpt in checkpointers:
         ckpt.save(3, state(3), {"step": 3})
         ckpt.wait()

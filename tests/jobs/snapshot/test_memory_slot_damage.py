@@ -1,7 +1,8 @@
-"""Snapshots in memory that lie: a 2-rank job under ``ddpkit run`` whose rank 0 damages its newest slot (a
-weight changed, or a manifest rewritten with its CRC-32 so that a tensor lies past the data region), then dies
-of SIGKILL. Every rank skips the damaged state, saying why, and resumes from the slot before it, or from the
-disk when both of rank 0's slots lie; the run ends bit for bit as an uninterrupted one."""
+"""Snapshots in memory that lie: a 2-rank job under ``ddpkit run`` whose rank 0 damages its newest
+slot (a weight changed, or a manifest rewritten with its CRC-32 so that a tensor lies past the data
+region), then dies of SIGKILL. Every rank skips the damaged state, saying why, and resumes from the
+slot before it, or from the disk when both of rank 0's slots lie; the run ends bit for bit as an
+uninterrupted one."""
 
 # ruff: noqa: F811  (job_env and plain_reference: fixtures of the memory tests, imported, then test arguments)
 
@@ -22,15 +23,26 @@ from tests.jobs.snapshot.test_memory_snapshots import (  # noqa: F401
 JOB = "tests.jobs.scripts.damaged_memory_job"
 
 
-def run_damaged(tmp: Path, name: str, mode: str, step: int, env: dict, *args: str) -> tuple[dict, str]:
+def run_damaged(
+    tmp: Path, name: str, mode: str, step: int, env: dict, *args: str
+) -> tuple[dict, str]:
     import torch
 
     from ddpkit.testing import run_job
 
     (tmp / f"{name}-log").mkdir()
-    job = (str(tmp / name), "--log", str(tmp / f"{name}-log"), "--out", str(tmp / f"{name}.pt"), *args)
+    job = (
+        str(tmp / name),
+        "--log",
+        str(tmp / f"{name}-log"),
+        "--out",
+        str(tmp / f"{name}.pt"),
+        *args,
+    )
     env = env | {"DDPKIT_TEST_DAMAGE": f"{mode}:{step}"}
-    proc = run_job(JOB, *job, launcher_args=("--max-restarts", "2", "-m"), env=env, cwd=tmp, timeout=300)
+    proc = run_job(
+        JOB, *job, launcher_args=("--max-restarts", "2", "-m"), env=env, cwd=tmp, timeout=300
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     return torch.load(tmp / f"{name}.pt", weights_only=False), out
@@ -52,19 +64,32 @@ def test_a_lying_slot_is_skipped_and_every_rank_resumes_from_the_one_before_bitw
     final, out = run_damaged(tmp_path, mode, mode, 12, job_env)
     assert final["attempt"] == 1, out[-3000:]
     assert "skipping the snapshot in memory at step 12" in out and expected in out, out[-3000:]
-    assert "-rank0-" in out.split("skipping the snapshot in memory at step 12")[1].splitlines()[0]  # the file named
+    # the file named
+    assert "-rank0-" in out.split("skipping the snapshot in memory at step 12")[1].splitlines()[0]
     # Rank 1 holds steps 12 and 11, rank 0 a lying 12 and a whole 11: every rank takes 11.
-    assert final["resumed_from"] == 11 and [r["file"] for r in resumes(tmp_path / mode)] == ["memory"]
+    assert final["resumed_from"] == 11 and [r["file"] for r in resumes(tmp_path / mode)] == [
+        "memory"
+    ]
     check_exact(tmp_path, mode, final, reference, f"a {mode} lie in the newest slot")
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_when_every_slot_lies_the_ranks_resume_from_the_disk_bitwise(tmp_path, job_env, plain_reference):
+def test_when_every_slot_lies_the_ranks_resume_from_the_disk_bitwise(
+    tmp_path, job_env, plain_reference
+):
     reference = use_reference(plain_reference, tmp_path)
     final, out = run_damaged(tmp_path, "both", "both", 14, job_env, "--disk-every-steps", "4")
-    assert "skipping the snapshot in memory at step 14" in out and "skipping the snapshot in memory at step 13" in out
-    # The newest disk snapshot whole at the kill: step 12's, or step 8's if the kill came before 12's marker.
+    assert (
+        "skipping the snapshot in memory at step 14" in out
+        and "skipping the snapshot in memory at step 13" in out
+    )
+    # The newest disk snapshot whole at the kill: step 12's, or step 8's if the kill came before
+    # 12's marker.
     (file,) = [r["file"] for r in resumes(tmp_path / "both")]
-    assert final["attempt"] == 1 and file == f"step-{final['resumed_from']:08d}" and final["resumed_from"] in (8, 12)
+    assert (
+        final["attempt"] == 1
+        and file == f"step-{final['resumed_from']:08d}"
+        and final["resumed_from"] in (8, 12)
+    )
     check_exact(tmp_path, "both", final, reference, "both slots lying")

@@ -1,4 +1,5 @@
-"""A run directory belongs to one job at a time, and resumes only the run that wrote it (real gloo jobs)."""
+"""A run directory belongs to one job at a time, and resumes only the run that wrote it (real gloo
+jobs)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def run(world: int, run_dir: Path, **kwargs) -> dict:
 
 
 def refusal(world: int, run_dir: Path, **kwargs) -> str:
-    """The error message of a run that must be refused (the rank's traceback, as spawn reports it)."""
+    """The error message of a run that must be refused (the rank's traceback, as spawn reports
+    it)."""
     with pytest.raises(Exception) as refused:
         run(world, run_dir, **kwargs)
     return str(refused.value)
@@ -34,7 +36,10 @@ def test_a_rerun_with_another_lr_model_or_config_is_refused_naming_what_differs(
     # The reported case: lr 0.1, then lr 0.5 on the same run directory "resumed" the first run.
     first = run(2, tmp_path / "run", lr=0.1, max_steps=4)
     message = refusal(2, tmp_path / "run", lr=0.5)
-    assert "ConfigError" in message and "step-00000004 was taken by a run with another config" in message
+    assert (
+        "ConfigError" in message
+        and "step-00000004 was taken by a run with another config" in message
+    )
     assert "optimizer param group 0 lr: 0.1 in the snapshot, 0.5 now" in message
     assert "new run_dir" in message and "resume=False" in message and "epochs, " in message
     # A resized layer: named, instead of torch's raw "size mismatch".
@@ -43,8 +48,8 @@ def test_a_rerun_with_another_lr_model_or_config_is_refused_naming_what_differs(
     assert "size mismatch" not in message
     message = refusal(2, tmp_path / "run", lr=0.1, seed=3)
     assert "TrainerConfig.seed: 0 in the snapshot, 3 now" in message
-    # Control: the same lr resumes, though the job's StepLR had moved the snapshot's lr away from it (the lr
-    # compared is the one asked for), and a resume may change max_steps.
+    # Control: the same lr resumes, though the job's StepLR had moved the snapshot's lr away from it
+    # (the lr compared is the one asked for), and a resume may change max_steps.
     assert first["optimizer"]["param_groups"][0]["lr"] != 0.1
     again = run(2, tmp_path / "run", lr=0.1, max_steps=6)
     assert again["resumed_from"] == 4 and again["step"] == 6
@@ -56,7 +61,8 @@ def test_resume_false_starts_afresh_and_moves_the_old_snapshots_aside(tmp_path):
     assert fresh["resumed_from"] is None and fresh["step"] == 6
     aside = [p for p in (tmp_path / "run").iterdir() if p.name.startswith("replaced-")]
     assert len(aside) == 1 and (aside[0] / "snapshots" / "step-00000020" / "complete.json").exists()
-    # What is left to resume is this run's: a rerun with lr 0.5 resumes it at step 6, not the old step 20.
+    # What is left to resume is this run's: a rerun with lr 0.5 resumes it at step 6, not the old
+    # step 20.
     assert run(2, tmp_path / "run", lr=0.5, max_steps=8)["resumed_from"] == 6
 
 
@@ -78,7 +84,12 @@ def _start_holder(tmp_path: Path, run_dir: Path, env: dict) -> tuple[subprocess.
         str(go),
     ]
     holder = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
 
     def began() -> str:  # the holder's rank 0 says when fit() has begun
@@ -90,7 +101,9 @@ def _start_holder(tmp_path: Path, run_dir: Path, env: dict) -> tuple[subprocess.
 
 
 @pytest.mark.slow
-def test_a_second_job_on_a_run_dir_in_use_is_refused_and_a_killed_job_leaves_no_lock(tmp_path, clean_env):
+def test_a_second_job_on_a_run_dir_in_use_is_refused_and_a_killed_job_leaves_no_lock(
+    tmp_path, clean_env
+):
     run_dir = tmp_path / "run"
     holder, who = _start_holder(tmp_path, run_dir, clean_env)
     try:

@@ -1,9 +1,10 @@
 """What each rank gets back from a snapshot, under every strategy, in real 2- and 3-rank gloo jobs.
 
-BatchNorm without sync BatchNorm keeps running statistics of each rank's own batches, and a parameter DDP
-ignores gets each rank's own gradients: one name, a value per rank. At the same world size every rank must get
-its own values back; at another, every rank gets rank 0's. Control: saved the way DCP saves a replicated key
-(one copy, written by one rank), some rank gets another rank's copy.
+BatchNorm without sync BatchNorm keeps running statistics of each rank's own batches, and a
+parameter DDP ignores gets each rank's own gradients: one name, a value per rank. At the same world
+size every rank must get its own values back; at another, every rank gets rank 0's. Control: saved
+the way DCP saves a replicated key (one copy, written by one rank), some rank gets another rank's
+copy.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from ddpkit.strategies._fsdp import FSDP_ON_CPU
 
 # fsdp on the CPU from the torch that runs it there (older ones refuse it, naming the version).
 STRATEGIES = ("ddp", "zero", "fsdp") if TORCH_VERSION >= FSDP_ON_CPU else ("ddp", "zero")
-IGNORED = "3.bias"  # under ddp: left out of DDP's all-reduce, so each rank steps it with its own gradient
+# under ddp: left out of DDP's all-reduce, so each rank steps it with its own gradient
+IGNORED = "3.bias"
 
 
 def model() -> nn.Module:
@@ -35,7 +37,9 @@ def model() -> nn.Module:
 def build(name: str, rt) -> object:
     net = model()
     if name == "ddp":
-        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(net, [IGNORED])
+        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            net, [IGNORED]
+        )
     return build_strategy(name, net, torch.optim.Adam(net.parameters(), lr=0.1), runtime=rt)
 
 
@@ -59,7 +63,9 @@ def own_view(strategy) -> dict[str, torch.Tensor]:
             if isinstance(v, dict):
                 walk(v, f"{prefix}{k}.")
             elif isinstance(v, torch.Tensor):
-                out[f"{prefix}{k}"] = (v.to_local() if isinstance(v, DTensor) else v).detach().clone()
+                out[f"{prefix}{k}"] = (
+                    (v.to_local() if isinstance(v, DTensor) else v).detach().clone()
+                )
 
     walk(join_own(strategy.state_dict()), "")
     return out
@@ -70,8 +76,8 @@ def buffers(strategy) -> dict[str, torch.Tensor]:
 
 
 def save_and_restore(folder: str) -> dict:
-    """For each strategy: this rank's state when saved, and after a load (with the fix, and saved as DCP
-    saves a replicated key: the control); the buffers saved for the other world size's load."""
+    """For each strategy: this rank's state when saved, and after a load (with the fix, and saved as
+    DCP saves a replicated key: the control); the buffers saved for the other world size's load."""
     rt = ddpkit.init()
     out = {}
     for name in STRATEGIES:
@@ -80,7 +86,8 @@ def save_and_restore(folder: str) -> dict:
         fixed = SnapshotManager(Path(folder) / name / "fixed", group=rt.group)
         one_copy = SnapshotManager(Path(folder) / name / "one-copy", group=rt.group)
         fixed.save(3, strategy.state_dict(), {"step": 3}, replicated=strategy.replicated)
-        one_copy.save(3, join_own(strategy.state_dict()), {"step": 3})  # no per-rank part: one copy per key
+        # no per-rank part: one copy per key
+        one_copy.save(3, join_own(strategy.state_dict()), {"step": 3})
         saved, saved_buffers = own_view(strategy), buffers(strategy)
         restored = {}
         for kind, ckpt, template in (
@@ -114,7 +121,8 @@ def differs(a: dict, b: dict) -> list[str]:
 
 
 def own(key: str) -> bool:
-    """A value that is each rank's own: running statistics, and ddp's ignored parameter with its Adam state."""
+    """A value that is each rank's own: running statistics, and ddp's ignored parameter with its
+    Adam state."""
     return "running_" in key or IGNORED in key
 
 
@@ -127,8 +135,11 @@ def test_every_rank_resumes_its_own_buffers_and_at_another_world_size_rank_0s(tm
         if name == "ddp":
             assert not torch.equal(r0["saved"][f"model.{IGNORED}"], r1["saved"][f"model.{IGNORED}"])
         for rank, r in enumerate((r0, r1)):
-            assert differs(r["fixed"], r["saved"]) == [], f"{name}: rank {rank} did not get its own state back"
-        # Control: one copy per key gives some rank the other's copy of what was its own (and nothing else).
+            assert differs(r["fixed"], r["saved"]) == [], (
+                f"{name}: rank {rank} did not get its own state back"
+            )
+        # Control: one copy per key gives some rank the other's copy of what was its own (and
+        # nothing else).
         wrong = {rank: differs(r["one-copy"], r["saved"]) for rank, r in enumerate((r0, r1))}
         print(f"{name}, one copy per key: keys not this rank's own after the load: {wrong}")
         assert any(wrong.values()), name
@@ -137,12 +148,15 @@ def test_every_rank_resumes_its_own_buffers_and_at_another_world_size_rank_0s(tm
     three = ddpkit.spawn(functools.partial(load_at_another_world_size, str(tmp_path)), 3)
     for name in STRATEGIES:
         for rank in range(3):
-            assert differs(three[rank][name], ranks[0][name]["buffers"]) == [], f"{name} at 3 ranks: rank {rank}"
+            assert differs(three[rank][name], ranks[0][name]["buffers"]) == [], (
+                f"{name} at 3 ranks: rank {rank}"
+            )
 
 
 def save_shared(folder: str, strategy_name: str, replicated: bool) -> dict:
-    """Save a trained strategy's state, each rank writing a share of the shared tensors when ``replicated``;
-    load it back: this rank's state when saved and after the load, or the load's error."""
+    """Save a trained strategy's state, each rank writing a share of the shared tensors when
+    ``replicated``; load it back: this rank's state when saved and after the load, or the load's
+    error."""
     rt = ddpkit.init()
     strategy = build(strategy_name, rt)
     train(strategy, rt.rank, 3, seed=0)
@@ -158,7 +172,9 @@ def save_shared(folder: str, strategy_name: str, replicated: bool) -> dict:
     return {"saved": saved, "restored": own_view(strategy)}
 
 
-def test_ddp_ranks_each_write_a_share_of_the_replicated_state_and_every_rank_gets_all_of_it(tmp_path):
+def test_ddp_ranks_each_write_a_share_of_the_replicated_state_and_every_rank_gets_all_of_it(
+    tmp_path,
+):
     import json
 
     ranks = ddpkit.spawn(functools.partial(save_shared, str(tmp_path / "ddp"), "ddp", True), 3)
@@ -170,17 +186,20 @@ def test_ddp_ranks_each_write_a_share_of_the_replicated_state_and_every_rank_get
     for item in index["storage"]:
         writers.setdefault(item["fqn"], []).append(item["file"])
     shared = [k for k in writers if not k.startswith("per_rank.")]
-    # Each shared tensor written once, and by every rank some: DCP's first rank plans them once, not per rank.
+    # Each shared tensor written once, and by every rank some: DCP's first rank plans them once, not
+    # per rank.
     assert all(len(writers[k]) == 1 for k in shared)
     assert {writers[k][0] for k in shared} == {"__0_0.distcp", "__1_0.distcp", "__2_0.distcp"}
-    # The other values (hyper-parameters by parameter) once, rank 0's: the other ranks' are the same.
+    # The other values (hyper-parameters by parameter) once, rank 0's: the other ranks' are the
+    # same.
     values = codec.read_file(folder / "values.pt")
     assert len(values["values"]) > 0 and values["differences"] == [{}, {}, {}]
 
 
 def test_a_state_that_is_not_replicated_saved_as_one_loses_what_other_ranks_own(tmp_path):
-    # Control: zero's optimizer state is each rank's own parameters'. Shared out as if every rank held all of
-    # it, some ranks drop what only they hold, and the snapshot no longer has it: why only ddp says replicated.
+    # Control: zero's optimizer state is each rank's own parameters'. Shared out as if every rank
+    # held all of it, some ranks drop what only they hold, and the snapshot no longer has it: why
+    # only ddp says replicated.
     ranks = ddpkit.spawn(functools.partial(save_shared, str(tmp_path / "zero"), "zero", True), 2)
     outcomes = [r.get("error") or differs(r["restored"], r["saved"]) for r in ranks]
     print(f"zero saved as replicated: {outcomes}")
@@ -198,13 +217,14 @@ def load_with_a_wrong_shape_on_rank_1(folder: str) -> str:
         ckpt.load(ckpt.latest(warn=print), lambda: {"w": torch.zeros(shape)})
     except RuntimeError as err:
         return str(err)
-    ddpkit.barrier()  # a rank that returned without the failure would wait here for the one that raised
+    # a rank that returned without the failure would wait here for the one that raised
+    ddpkit.barrier()
     return "loaded"
 
 
 def test_one_ranks_failed_load_fails_every_rank_with_its_message(tmp_path):
-    # Each rank reads with no collective, so a rank whose read fails alone must still stop the others, which
-    # would otherwise go on into the next collective and wait there for ever.
+    # Each rank reads with no collective, so a rank whose read fails alone must still stop the
+    # others, which would otherwise go on into the next collective and wait there for ever.
     messages = ddpkit.spawn(functools.partial(load_with_a_wrong_shape_on_rank_1, str(tmp_path)), 3)
     assert all(m.startswith("ddpkit: loading snapshot") for m in messages), messages
     assert all("(on rank 1)" in m for r, m in enumerate(messages) if r != 1), messages

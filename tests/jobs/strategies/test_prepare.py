@@ -1,5 +1,5 @@
-"""prepare_model in real 2-rank jobs: each rank its own random stream once the weights are alike, and
-``state_dict()`` keys that do not depend on the world size."""
+"""prepare_model in real 2-rank jobs: each rank its own random stream once the weights are alike,
+and ``state_dict()`` keys that do not depend on the world size."""
 
 from __future__ import annotations
 
@@ -16,13 +16,16 @@ from ddpkit.testing import assert_same_on_ranks, run_on_ranks
 
 
 def _recipe_masks(seed_ranks: bool) -> torch.Tensor:
-    """The README's hand-written loop up to its first forward: seed_everything, prepare_model, build_loader."""
+    """The README's hand-written loop up to its first forward: seed_everything, prepare_model,
+    build_loader."""
     ddpkit.seed_everything(0)
-    switch = {} if seed_ranks else {"seed_ranks": False}  # the recipe's call as it is, or the seeding off
+    # the recipe's call as it is, or the seeding off
+    switch = {} if seed_ranks else {"seed_ranks": False}
     model = ddpkit.prepare_model(nn.Sequential(nn.Linear(8, 64), nn.Dropout(0.5)), **switch)
     data = TensorDataset(torch.ones(16, 8), torch.zeros(16))
     x, _ = next(iter(ddpkit.build_loader(data, batch_size=4, num_workers=0)))
-    assert_same_on_ranks(ddpkit.unwrap(model).state_dict())  # the weights are rank 0's on every rank
+    # the weights are rank 0's on every rank
+    assert_same_on_ranks(ddpkit.unwrap(model).state_dict())
     return model(x) != 0  # the dropout mask of this rank's 4 samples
 
 
@@ -57,7 +60,8 @@ def _at_two_ranks(folder: str) -> list[str]:
     model = ddpkit.prepare_model(Net())
     model.load_state_dict(saved_at_one, strict=True)
     assert _same(model.state_dict(), saved_at_one)
-    model(torch.randn(8, 4)).sum().backward()  # a step: the weights are rank 0's broadcast, then trained alike
+    # a step: the weights are rank 0's broadcast, then trained alike
+    model(torch.randn(8, 4)).sum().backward()
     torch.optim.SGD(model.parameters(), lr=0.1).step()
     # Inside a container the same: the container's keys, without DDP's.
     box = nn.ModuleDict({"d": model})
@@ -72,7 +76,8 @@ def _at_two_ranks(folder: str) -> list[str]:
     if rank == 0:
         torch.save(model.state_dict(), Path(folder) / "two.pt")
         torch.save(plain.state_dict(), Path(folder) / "plain.pt")
-    with pytest.raises(RuntimeError, match="Missing key"):  # control: DDP's keys do not take a world of one's
+    # control: DDP's keys do not take a world of one's
+    with pytest.raises(RuntimeError, match="Missing key"):
         plain.load_state_dict(saved_at_one, strict=True)
     return list(model.state_dict())
 

@@ -1,8 +1,8 @@
 """zero and fsdp under the real launcher and at several world sizes (minutes: ``pytest -m slow``).
 
-SIGKILL at a random step resumes bit for bit, every rank's state (BatchNorm without sync BatchNorm: each rank's
-own running statistics); N ranks train what one process trains; a zero snapshot resumes at another world
-size."""
+SIGKILL at a random step resumes bit for bit, every rank's state (BatchNorm without sync BatchNorm:
+each rank's own running statistics); N ranks train what one process trains; a zero snapshot resumes
+at another world size."""
 
 from __future__ import annotations
 
@@ -44,7 +44,9 @@ def rel_diff(a: dict, b: dict) -> float:
     for k, ref in b["full"]["model"].items():
         if ref.is_floating_point():
             got = a["full"]["model"][k].double()
-            out = max(out, ((got - ref.double()).norm() / ref.double().norm().clamp(min=1e-12)).item())
+            out = max(
+                out, ((got - ref.double()).norm() / ref.double().norm().clamp(min=1e-12)).item()
+            )
     return out
 
 
@@ -67,18 +69,27 @@ def test_sigkill_at_a_random_step_resumes_bitwise(tmp_path, clean_env, strategy)
     reference, _ = launch(tmp_path, "reference", *job, clean_env=clean_env)
     trials = [
         ["--kill-rank", str(rng.randrange(2)), "--kill-step", str(rng.randrange(1, 30))],
-        ["--kill-in-snapshot", str(rng.randrange(1, 10))],  # a snapshot's index, values.pt or marker
+        # a snapshot's index, values.pt or marker
+        ["--kill-in-snapshot", str(rng.randrange(1, 10))],
     ]
     for i, args in enumerate(trials):
         final, stderr = launch(tmp_path, f"trial{i}", *job, *args, clean_env=clean_env)
-        # Proof of the kill: a restart, and the agent's report of the first failure: the killed rank (-9), or a
-        # survivor it stopped (-15) whose own error was stamped in an earlier second (the agent's timestamps are
-        # whole seconds; on a loaded machine its poll can fall a second behind the survivor's exception).
-        assert final["attempt"] >= 1 and ("exitcode: -9" in stderr or "exitcode: -15" in stderr), args
-        print(f"\n{strategy} (DDPKIT_KILL_SEED={SEED}) {' '.join(args)}: resumed from step {final['resumed_from']}")
+        # Proof of the kill: a restart, and the agent's report of the first failure: the killed rank
+        # (-9), or a survivor it stopped (-15) whose own error was stamped in an earlier second (the
+        # agent's timestamps are whole seconds; on a loaded machine its poll can fall a second
+        # behind the survivor's exception).
+        assert final["attempt"] >= 1 and ("exitcode: -9" in stderr or "exitcode: -15" in stderr), (
+            args
+        )
+        print(
+            f"\n{strategy} (DDPKIT_KILL_SEED={SEED}) {' '.join(args)}: resumed from step "
+            f"{final['resumed_from']}"
+        )
         assert bitwise_equal_full(final, reference), f"{strategy} {args}: final state differs"
         differs = rank_differences(tmp_path / f"trial{i}.pt", tmp_path / "reference.pt")
-        assert differs == {0: [], 1: []}, f"{strategy} {args}: a rank's own state differs: {differs}"
+        assert differs == {0: [], 1: []}, (
+            f"{strategy} {args}: a rank's own state differs: {differs}"
+        )
     # Control: a run that differs by one step of data is not bitwise equal, and the checks see it.
     shorter, _ = launch(tmp_path, "shorter", *job, "--max-steps", "29", clean_env=clean_env)
     assert not bitwise_equal_full(shorter, reference)
@@ -93,11 +104,17 @@ def run(world: int, run_dir: Path, **kwargs) -> dict:
 def test_n_ranks_train_the_same_model_as_one_process(tmp_path, strategy):
     one = run(1, tmp_path / "w1", global_dropout=True, strategy=strategy)
     for world in (2, 3):
-        diff = rel_diff(run(world, tmp_path / f"w{world}", global_dropout=True, strategy=strategy), one)
-        print(f"{strategy}: {world} ranks vs 1 process: largest relative weight difference {diff:.2e}")
+        diff = rel_diff(
+            run(world, tmp_path / f"w{world}", global_dropout=True, strategy=strategy), one
+        )
+        print(
+            f"{strategy}: {world} ranks vs 1 process: largest relative weight difference {diff:.2e}"
+        )
         assert diff < 1e-5
     # Control: BatchNorm over each rank's slice gives another model.
-    local_bn = run(2, tmp_path / "local_bn", global_dropout=True, sync_batchnorm=False, strategy=strategy)
+    local_bn = run(
+        2, tmp_path / "local_bn", global_dropout=True, sync_batchnorm=False, strategy=strategy
+    )
     assert rel_diff(local_bn, one) > 1e-2
 
 

@@ -1,6 +1,7 @@
-"""ddpkit.testing, as a user's test suite calls it: real processes over gloo, results per rank, a failing rank's
-error, a hang bounded, and the same-on-every-rank check with its control; a script under the launcher, started
-clean of an enclosing job's variables, and killed whole past its timeout."""
+"""ddpkit.testing, as a user's test suite calls it: real processes over gloo, results per rank, a
+failing rank's error, a hang bounded, and the same-on-every-rank check with its control; a script
+under the launcher, started clean of an enclosing job's variables, and killed whole past its
+timeout."""
 
 from __future__ import annotations
 
@@ -76,11 +77,18 @@ def test_values_compare_by_structure_and_bits():
 
     same = {"w": torch.tensor([1.0, 2.0]), "n": [1, (2, "x")]}
     assert _differences(same, {"w": torch.tensor([1.0, 2.0]), "n": [1, (2, "x")]}) == []
-    assert _differences(same, {"w": torch.tensor([1.0, 2.001]), "n": [1, (2, "x")]}) == ["value['w']"]
-    assert _differences(same, {"w": torch.tensor([1.0, 2.0], dtype=torch.float64), "n": [1, (2, "x")]})
-    assert _differences(same, {"w": torch.tensor([1.0, 2.0]), "n": [1, (2, "y")]}) == ["value['n'][1][1]"]
+    assert _differences(same, {"w": torch.tensor([1.0, 2.001]), "n": [1, (2, "x")]}) == [
+        "value['w']"
+    ]
+    assert _differences(
+        same, {"w": torch.tensor([1.0, 2.0], dtype=torch.float64), "n": [1, (2, "x")]}
+    )
+    assert _differences(same, {"w": torch.tensor([1.0, 2.0]), "n": [1, (2, "y")]}) == [
+        "value['n'][1][1]"
+    ]
     assert _differences(same, {"w": torch.tensor([1.0, 2.0])}) == ["value (keys)"]
-    # Bits, not values: the same NaN is equal (torch.equal says not), -0.0 is not 0.0 (torch.equal says it is).
+    # Bits, not values: the same NaN is equal (torch.equal says not), -0.0 is not 0.0 (torch.equal
+    # says it is).
     nan = torch.tensor([float("nan"), 1.0])
     assert _differences(nan, nan.clone()) == [] and not torch.equal(nan, nan.clone())
     assert _differences(torch.tensor([-0.0]), torch.tensor([0.0])) == ["value"]
@@ -88,7 +96,9 @@ def test_values_compare_by_structure_and_bits():
     # Values whose == gives an array are compared by their bytes.
     import numpy as np
 
-    assert _differences(np.arange(3), np.arange(3)) == [] and _differences(np.arange(3), np.zeros(3)) == ["value"]
+    assert _differences(np.arange(3), np.arange(3)) == [] and _differences(
+        np.arange(3), np.zeros(3)
+    ) == ["value"]
 
 
 def test_named_tuples_keep_their_type_on_the_way_to_the_cpu():
@@ -113,27 +123,54 @@ with open(os.path.join(sys.argv[1], f"rank{rt.rank}.txt"), "w") as f:
     f.write(line)
 ddpkit.shutdown()
 """
-# The variables of a job the test itself runs in (a SLURM allocation granting 7 cores), and one of the user's.
-ENCLOSING = {"RANK": "5", "WORLD_SIZE": "9", "SLURM_JOB_ID": "4242", "NSLOTS": "7", "OUTER_NOTE": "kept"}
+# The variables of a job the test itself runs in (a SLURM allocation granting 7 cores), and one of
+# the user's.
+ENCLOSING = {
+    "RANK": "5",
+    "WORLD_SIZE": "9",
+    "SLURM_JOB_ID": "4242",
+    "NSLOTS": "7",
+    "OUTER_NOTE": "kept",
+}
 
 
 def test_a_script_runs_under_the_launcher_on_its_own_ranks_with_its_arguments(tmp_path, clean_env):
     (tmp_path / "where.py").write_text(WHERE)
-    done = run_job(tmp_path / "where.py", str(tmp_path), "--lr", "0.1", env=clean_env | ENCLOSING, timeout=240)
+    done = run_job(
+        tmp_path / "where.py", str(tmp_path), "--lr", "0.1", env=clean_env | ENCLOSING, timeout=240
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [p.read_text() for p in sorted(tmp_path.glob("rank*.txt"))]
-    assert lines == [f"rank={r} world=2 sum=3 args=['--lr', '0.1'] inherited=['OUTER_NOTE']" for r in (0, 1)]
+    assert lines == [
+        f"rank={r} world=2 sum=3 args=['--lr', '0.1'] inherited=['OUTER_NOTE']" for r in (0, 1)
+    ]
     assert done.args[1:6] == ["-m", "ddpkit.cli", "run", "--nproc", "2"]
 
 
-def test_control_the_launcher_started_from_the_enclosing_environment_passes_its_job_on(tmp_path, clean_env):
-    """What run_job's cleaning prevents: started as is, the launcher hands the enclosing job's variables to
-    the workers (the scheduler's job id and core grant, read by ddpkit as this job's)."""
+def test_control_the_launcher_started_from_the_enclosing_environment_passes_its_job_on(
+    tmp_path, clean_env
+):
+    """What run_job's cleaning prevents: started as is, the launcher hands the enclosing job's
+    variables to the workers (the scheduler's job id and core grant, read by ddpkit as this
+    job's)."""
     (tmp_path / "where.py").write_text(WHERE)
-    argv = [sys.executable, "-m", "ddpkit.cli", "run", "--nproc", "2", str(tmp_path / "where.py"), str(tmp_path)]
-    done = subprocess.run(argv, env=clean_env | ENCLOSING, capture_output=True, text=True, timeout=240)
+    argv = [
+        sys.executable,
+        "-m",
+        "ddpkit.cli",
+        "run",
+        "--nproc",
+        "2",
+        str(tmp_path / "where.py"),
+        str(tmp_path),
+    ]
+    done = subprocess.run(
+        argv, env=clean_env | ENCLOSING, capture_output=True, text=True, timeout=240
+    )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "inherited=['NSLOTS', 'OUTER_NOTE', 'SLURM_JOB_ID']" in (tmp_path / "rank1.txt").read_text()
+    assert (
+        "inherited=['NSLOTS', 'OUTER_NOTE', 'SLURM_JOB_ID']" in (tmp_path / "rank1.txt").read_text()
+    )
 
 
 def test_a_failing_job_returns_its_exit_status_and_output(tmp_path, clean_env):

@@ -59,11 +59,16 @@ def test_bench_end_to_end_writes_table_json_and_plot(tmp_path):
         assert 0 < parts["forward"] < parts["step"] and 0 < parts["backward"] < parts["step"]
     fit = result["allreduce"]["2"]
     assert fit["alpha_s"] > 0 and fit["bus_bandwidth_bytes_per_s"] > 0
-    assert [r["world_size"] for r in result["predictions"]["larger"]["infiniband"]["rows"]] == [1, 2, 16]
+    assert [r["world_size"] for r in result["predictions"]["larger"]["infiniband"]["rows"]] == [
+        1,
+        2,
+        16,
+    ]
     row = result["predictions"]["this_machine"][0]
     assert row["world_size"] == 2 and row["measured_step_s"] > 0
     assert row["error"] == pytest.approx(row["step_s"] / row["measured_step_s"] - 1)
-    assert row["allreduce_in_step_s"] > 0  # on the CPU: the buckets' all-reduce timed in a step's rhythm
+    # on the CPU: the buckets' all-reduce timed in a step's rhythm
+    assert row["allreduce_in_step_s"] > 0
     png = (out / "bench.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 

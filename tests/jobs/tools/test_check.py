@@ -1,8 +1,10 @@
-"""``ddpkit check``: real ranks (ddpkit.spawn, gloo) against one process, on scripts with one known mistake each.
+"""``ddpkit check``: real ranks (ddpkit.spawn, gloo) against one process, on scripts with one known
+mistake each.
 
-Every mistake script is ``scripts/check_correct.py`` plus that one mistake; the correct script must pass, each
-mistake must get exactly its own cause named (a check that named causes at random, or always the same one, fails
-here), and a mistake outside the known list must be reported as unexplained, with a non-zero exit.
+Every mistake script is ``scripts/check_correct.py`` plus that one mistake; the correct script must
+pass, each mistake must get exactly its own cause named (a check that named causes at random, or
+always the same one, fails here), and a mistake outside the known list must be reported as
+unexplained, with a non-zero exit.
 """
 
 import subprocess
@@ -24,7 +26,9 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def _check(name: str) -> tuple[int, str]:
-    code, lines = run_check(CheckConfig(script=str(SCRIPTS / f"check_{name}.py"), steps=3 if name == "uneven" else 2))
+    code, lines = run_check(
+        CheckConfig(script=str(SCRIPTS / f"check_{name}.py"), steps=3 if name == "uneven" else 2)
+    )
     return code, "\n".join(lines)
 
 
@@ -65,7 +69,15 @@ def test_a_mistake_outside_the_list_is_unexplained_and_fails():
 
 def test_the_command_exits_non_zero_and_names_the_fix():
     proc = subprocess.run(
-        [sys.executable, "-m", "ddpkit.cli", "check", "--steps", "2", str(SCRIPTS / "check_batchnorm.py")],
+        [
+            sys.executable,
+            "-m",
+            "ddpkit.cli",
+            "check",
+            "--steps",
+            "2",
+            str(SCRIPTS / "check_batchnorm.py"),
+        ],
         cwd=ROOT,
         env=_clean_environ(),
         capture_output=True,
@@ -76,7 +88,7 @@ def test_the_command_exits_non_zero_and_names_the_fix():
     assert "fix: sync_batchnorm=True" in proc.stdout, proc.stdout
 
 
-# --- workloads without a hook ---------------------------------------------------------------------------------
+# --- workloads without a hook ---------------------------------------------------------------------
 
 
 def _named(report: str) -> list[str]:
@@ -85,17 +97,23 @@ def _named(report: str) -> list[str]:
 
 @pytest.mark.slow
 def test_an_unchanged_trainer_script_is_checked_from_the_trainer_it_builds(tmp_path, monkeypatch):
-    # examples/digits_trainer.py defines no ddpkit_workload(): the check runs it up to its Trainer and takes
-    # the model, optimizer, data and loss from there. Its CNN has BatchNorm and it leaves sync_batchnorm off.
+    # examples/digits_trainer.py defines no ddpkit_workload(): the check runs it up to its Trainer
+    # and takes the model, optimizer, data and loss from there. Its CNN has BatchNorm and it leaves
+    # sync_batchnorm off.
     monkeypatch.chdir(tmp_path)  # where the script's run_dir (runs/digits) would be written
-    code, lines = run_check(CheckConfig(script=str(ROOT / "examples" / "digits_trainer.py"), steps=2))
+    code, lines = run_check(
+        CheckConfig(script=str(ROOT / "examples" / "digits_trainer.py"), steps=2)
+    )
     report = "\n".join(lines)
     assert code == 1 and _named(report) == ["batchnorm"], report
-    assert not (tmp_path / "runs").exists()  # stopped where the Trainer would be built: nothing trained
+    # stopped where the Trainer would be built: nothing trained
+    assert not (tmp_path / "runs").exists()
     # The same script with sync_batchnorm=True passes: the check takes the Trainer's config too.
     for name in ("digits_trainer.py", "digits_cnn.py"):
         text = (ROOT / "examples" / name).read_text()
-        (tmp_path / name).write_text(text.replace("num_workers=0,", "num_workers=0, sync_batchnorm=True,"))
+        (tmp_path / name).write_text(
+            text.replace("num_workers=0,", "num_workers=0, sync_batchnorm=True,")
+        )
     code, lines = run_check(CheckConfig(script=str(tmp_path / "digits_trainer.py"), steps=2))
     assert code == 0, "\n".join(lines)
 
@@ -103,7 +121,9 @@ def test_an_unchanged_trainer_script_is_checked_from_the_trainer_it_builds(tmp_p
 @pytest.mark.slow
 def test_the_built_in_language_model_passes_with_per_token_weights():
     code, lines = run_check(CheckConfig(script="lm", steps=3))
-    assert code == 0 and "OK: 2 ranks train the same model as one process" in lines[-1], "\n".join(lines)
+    assert code == 0 and "OK: 2 ranks train the same model as one process" in lines[-1], "\n".join(
+        lines
+    )
 
 
 def test_a_script_that_builds_no_trainer_and_has_no_hook_is_refused(tmp_path):
@@ -113,7 +133,7 @@ def test_a_script_that_builds_no_trainer_and_has_no_hook_is_refused(tmp_path):
         load_workload(str(script))
 
 
-# --- a script's arguments and its own failures -----------------------------------------------------------------
+# --- a script's arguments and its own failures ----------------------------------------------------
 
 _WITH_OPTIONS = f"""
 import argparse, sys
@@ -154,14 +174,19 @@ def test_the_scripts_own_arguments_are_passed_on(tmp_path):
     proc = _check_cli(script, "--batch", "8")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "OK: 2 ranks train the same model as one process" in proc.stdout
-    # Control: the options are read by the script (without them its argparse stops it), and that stop is the
-    # script's failure, reported as such.
+    # Control: the options are read by the script (without them its argparse stops it), and that
+    # stop is the script's failure, reported as such.
     proc = _check_cli(script)
     assert proc.returncode == 3, proc.stdout + proc.stderr
-    assert "FAILED" in proc.stdout and "the following arguments are required: --batch" in proc.stderr + proc.stdout
+    assert (
+        "FAILED" in proc.stdout
+        and "the following arguments are required: --batch" in proc.stderr + proc.stdout
+    )
 
 
-def test_an_exception_in_the_script_is_reported_with_its_traceback_not_as_a_difference(tmp_path, monkeypatch):
+def test_an_exception_in_the_script_is_reported_with_its_traceback_not_as_a_difference(
+    tmp_path, monkeypatch
+):
     script = tmp_path / "with_options.py"
     script.write_text(_WITH_OPTIONS)
     cfg = CheckConfig(script=str(script), script_args=("--batch", "8", "--fail-at", "1"), steps=2)
@@ -170,7 +195,8 @@ def test_an_exception_in_the_script_is_reported_with_its_traceback_not_as_a_diff
     assert code == 3, report
     assert "raised in the 1-process run" in report and "Traceback" in report, report
     assert "RuntimeError: a bug in the script's loss" in report and "MISMATCH" not in report
-    # Control: with the traceback left out (the check as it was), the same failure reads as a numerical one.
+    # Control: with the traceback left out (the check as it was), the same failure reads as a
+    # numerical one.
     import ddpkit.tools._check as check
 
     train = check.train_steps

@@ -1,4 +1,5 @@
-"""MLflow (local SQLite store) and Weights & Biases (offline) get the records metrics.jsonl gets, across a resume."""
+"""MLflow (local SQLite store) and Weights & Biases (offline) get the records metrics.jsonl gets,
+across a resume."""
 
 from __future__ import annotations
 
@@ -28,11 +29,12 @@ def jsonl_curves(run_dir: Path) -> dict[str, dict[int, float]]:
 
 
 def wandb_history(run_dir: Path) -> list[dict[str, float]]:
-    """The history records of the offline W&B run in ``run_dir/wandb``, over all its processes (one folder each).
+    """The history records of the offline W&B run in ``run_dir/wandb``, over all its processes (one
+    folder each).
 
-    A ``.wandb`` file is a LevelDB-style log (W&B's own format, read here because the package no longer ships a
-    reader): a 7-byte header, then 32 KiB blocks of chunks (crc32, length, type: 1 whole, 2 first, 3 middle,
-    4 last), each whole record a protobuf ``Record``.
+    A ``.wandb`` file is a LevelDB-style log (W&B's own format, read here because the package no
+    longer ships a reader): a 7-byte header, then 32 KiB blocks of chunks (crc32, length, type: 1
+    whole, 2 first, 3 middle, 4 last), each whole record a protobuf ``Record``.
     """
     history = []
     for path in sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb")):
@@ -53,7 +55,10 @@ def wandb_history(run_dir: Path) -> list[dict[str, float]]:
                 pending = b""
                 if record.WhichOneof("record_type") == "history":
                     history.append(
-                        {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+                        {
+                            i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                            for i in record.history.item
+                        }
                     )
     return history
 
@@ -65,16 +70,25 @@ def test_mlflow_and_wandb_get_the_same_records_and_continue_after_a_resume(tmp_p
     monkeypatch.setenv("WANDB_SILENT", "true")
     run_dir = tmp_path / "run"
     job = functools.partial(
-        train, str(run_dir), loggers=("mlflow", "wandb"), early_stopping_patience=5, log_every_steps=5, epochs=2
+        train,
+        str(run_dir),
+        loggers=("mlflow", "wandb"),
+        early_stopping_patience=5,
+        log_every_steps=5,
+        epochs=2,
     )
     ddpkit.spawn(functools.partial(job, max_steps=13), 2)
     first_ids = json.loads((run_dir / "loggers.json").read_text())
     ddpkit.spawn(job, 2)  # resumes at step 13: the same tracker runs continue
-    assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 2  # one folder per process, one run id
+    # one folder per process, one run id
+    assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 2
     assert json.loads((run_dir / "loggers.json").read_text()) == first_ids
     expected = jsonl_curves(run_dir)
-    # The first job, stopped by max_steps inside its second epoch, validates where it stops (step 13).
-    assert sorted(expected["train/loss"]) == [5, 10, 13, 15, 20] and sorted(expected["val/loss"]) == [10, 13, 20]
+    # The first job, stopped by max_steps inside its second epoch, validates where it stops (step
+    # 13).
+    assert sorted(expected["train/loss"]) == [5, 10, 13, 15, 20] and sorted(
+        expected["val/loss"]
+    ) == [10, 13, 20]
 
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}")
     run = client.get_run(first_ids["mlflow"])

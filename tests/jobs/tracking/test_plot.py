@@ -11,7 +11,12 @@ from tests.jobs.scripts.train_job import train
 
 
 def test_ddpkit_plot_draws_a_trained_run(tmp_path, clean_env):
-    ddpkit.spawn(lambda: train(str(tmp_path / "run"), epochs=2, early_stopping_patience=5, log_every_steps=5), 1)
+    ddpkit.spawn(
+        lambda: train(
+            str(tmp_path / "run"), epochs=2, early_stopping_patience=5, log_every_steps=5
+        ),
+        1,
+    )
     done = subprocess.run(
         [sys.executable, "-m", "ddpkit.cli", "plot", str(tmp_path / "run")],
         env=clean_env,
@@ -24,6 +29,14 @@ def test_ddpkit_plot_draws_a_trained_run(tmp_path, clean_env):
     assert f"wrote {png}" in done.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     curves = read_curves(tmp_path / "run")
-    assert sorted(curves["train/loss"]) == [5, 10, 15, 20] and sorted(curves["val/loss"]) == [10, 20]
+    assert sorted(curves["train/loss"]) == [5, 10, 15, 20] and sorted(curves["val/loss"]) == [
+        10,
+        20,
+    ]
     assert panels(curves)[0] == ("loss", ["train/loss", "train/epoch_loss", "val/loss"])
-    assert [title for title, _ in panels(curves)[1:]] == ["val/accuracy", "lr", "samples_per_s", RANKS_PANEL]
+    assert [title for title, _ in panels(curves)[1:]] == [
+        "val/accuracy",
+        "lr",
+        "samples_per_s",
+        RANKS_PANEL,
+    ]

@@ -1,7 +1,8 @@
 """Slow ranks named, throughput and MFU, in real 2-rank gloo jobs (tests/jobs/scripts/speed_job.py).
 
-Every rank's samples sleep a little (a step is mostly waiting, so another process's load on a shared CPU barely
-moves it); rank 1 is made slow in its data or in its forward, and must be named with that phase.
+Every rank's samples sleep a little (a step is mostly waiting, so another process's load on a shared
+CPU barely moves it); rank 1 is made slow in its data or in its forward, and must be named with that
+phase.
 """
 
 from __future__ import annotations
@@ -11,7 +12,14 @@ import functools
 import pytest
 
 import ddpkit
-from tests.jobs.scripts.speed_job import CLASSES, FEATURES, GLOBAL_BATCH, HIDDEN, TOKENS_PER_SAMPLE, train
+from tests.jobs.scripts.speed_job import (
+    CLASSES,
+    FEATURES,
+    GLOBAL_BATCH,
+    HIDDEN,
+    TOKENS_PER_SAMPLE,
+    train,
+)
 
 
 def _run(run_dir, capfd=None, **kwargs) -> tuple[list[dict], str]:
@@ -31,14 +39,18 @@ def test_a_rank_with_slow_data_is_named_with_the_phase_data(tmp_path, capfd):
     for r in ranks:
         assert (r["slow"], r["slowest_rank"], r["slowest_phase"]) == (True, 1, "data"), r
         assert r["data_ms"][1] > 1.5 * r["data_ms"][0]
-        assert r["comm_ms"][0] > r["comm_ms"][1]  # rank 0 waits for rank 1 at the gradients' all-reduce
+        # rank 0 waits for rank 1 at the gradients' all-reduce
+        assert r["comm_ms"][0] > r["comm_ms"][1]
     assert "slow rank 1 +" in out and "(data)" in out  # the progress line
-    assert "slowest rank 1: " in out and "mostly data; slow in 4 of 4 windows" in out  # the run's summary
-    # MFU with a peak given by hand (on the CPU there is none otherwise): the FLOPs of a sample, as counted,
-    # times the samples a second, over both ranks' peaks.
+    # the run's summary
+    assert "slowest rank 1: " in out and "mostly data; slow in 4 of 4 windows" in out
+    # MFU with a peak given by hand (on the CPU there is none otherwise): the FLOPs of a sample, as
+    # counted, times the samples a second, over both ranks' peaks.
     flops_per_sample = 2 * (FEATURES * HIDDEN + HIDDEN * CLASSES) * 2 + 2 * HIDDEN * CLASSES
     for t in _kind(records, "train"):
-        assert t["mfu"] == pytest.approx(flops_per_sample * t["samples_per_s"] / (1e11 * 2), rel=1e-9)
+        assert t["mfu"] == pytest.approx(
+            flops_per_sample * t["samples_per_s"] / (1e11 * 2), rel=1e-9
+        )
 
 
 def test_a_rank_with_slow_compute_is_named_with_the_phase_compute(tmp_path, capfd):
@@ -51,14 +63,16 @@ def test_a_rank_with_slow_compute_is_named_with_the_phase_compute(tmp_path, capf
 def test_control_equal_ranks_name_nobody_and_the_rates_are_global(tmp_path, capfd):
     records, out = _run(tmp_path / "run", capfd, tokens=True)
     ranks = _kind(records, "ranks")
-    # The first window holds each rank's start-up (DDP's first iteration), which differs between processes.
+    # The first window holds each rank's start-up (DDP's first iteration), which differs between
+    # processes.
     for r in ranks[1:]:
         assert not r["slow"] and r["slowest_ratio"] < 1.2, r
     assert "slow rank" not in out and "ranks even" in out
     train_records = _kind(records, "train")
     for before, t in zip(train_records, train_records[1:]):
-        # Samples a second over all ranks: the global batch x the window's steps over the time between the
-        # two records (another clock than the Trainer's). A count of one rank's samples would be half of it.
+        # Samples a second over all ranks: the global batch x the window's steps over the time
+        # between the two records (another clock than the Trainer's). A count of one rank's samples
+        # would be half of it.
         expected = GLOBAL_BATCH * (t["step"] - before["step"]) / (t["time"] - before["time"])
         assert t["samples_per_s"] == pytest.approx(expected, rel=0.15)
     for t in train_records:

@@ -1,9 +1,11 @@
-"""A 2-rank job whose state holds the values real runs keep (a numpy learning rate; a callback's deque, Path,
-datetime and numpy array), SIGKILLed under ``ddpkit run --max-restarts 1``: the restart resumes from its disk
-snapshot and ends bit for bit where an uninterrupted run does, with the callback's state of the same types.
+"""A 2-rank job whose state holds the values real runs keep (a numpy learning rate; a callback's
+deque, Path, datetime and numpy array), SIGKILLed under ``ddpkit run --max-restarts 1``: the restart
+resumes from its disk snapshot and ends bit for bit where an uninterrupted run does, with the
+callback's state of the same types.
 
 The control: the same job with its values written with ``torch.save`` and read with
-``torch.load(weights_only=True)``, as before :mod:`ddpkit.snapshot._codec`, saves and then fails at the restart.
+``torch.load(weights_only=True)``, as before :mod:`ddpkit.snapshot._codec`, saves and then fails at
+the restart.
 """
 
 from __future__ import annotations
@@ -28,7 +30,14 @@ JOB = str(Path(__file__).parents[1] / "scripts" / "codec_job.py")
 def run(tmp: Path, name: str, *args: str, env: dict) -> subprocess.CompletedProcess:
     (tmp / f"{name}-log").mkdir()
     cmd = [sys.executable, "-m", "ddpkit.cli", "run", "--nproc", "2", "--max-restarts", "1", JOB]
-    cmd += [str(tmp / name), "--out", str(tmp / f"{name}.pt"), "--log", str(tmp / f"{name}-log"), *args]
+    cmd += [
+        str(tmp / name),
+        "--out",
+        str(tmp / f"{name}.pt"),
+        "--log",
+        str(tmp / f"{name}-log"),
+        *args,
+    ]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp)
 
 
@@ -44,12 +53,23 @@ def launch(tmp: Path, name: str, *args: str, env: dict) -> tuple[dict, list[dict
 @pytest.mark.timeout(600)  # two 2-rank jobs, one restarted
 def test_a_run_keeping_numpy_deque_path_datetime_resumes_bitwise_from_disk(tmp_path, clean_env):
     reference, ref_callbacks = launch(tmp_path, "reference", env=clean_env)
-    final, callbacks = launch(tmp_path, "killed", "--kill-rank", "1", "--kill-step", "8", env=clean_env)
+    final, callbacks = launch(
+        tmp_path, "killed", "--kill-rank", "1", "--kill-step", "8", env=clean_env
+    )
     assert list((tmp_path / "killed-log").glob("killed-*")), "no worker was killed"
-    assert final["attempt"] == 1 and final["resumed_from"] == 6, (final["attempt"], final["resumed_from"])
-    events = [json.loads(line) for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
-    assert [e["file"] for e in events if e.get("event") == "resume"] == ["step-00000006"]  # from disk
-    assert bitwise_equal(final, reference), "weights or optimizer state differ from the uninterrupted run"
+    assert final["attempt"] == 1 and final["resumed_from"] == 6, (
+        final["attempt"],
+        final["resumed_from"],
+    )
+    events = [
+        json.loads(line)
+        for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()
+    ]
+    # from disk
+    assert [e["file"] for e in events if e.get("event") == "resume"] == ["step-00000006"]
+    assert bitwise_equal(final, reference), (
+        "weights or optimizer state differ from the uninterrupted run"
+    )
     lrs = [g["lr"] for g in final["optimizer"]["param_groups"]]
     assert all(type(lr) is np.float64 for lr in lrs), lrs  # the scheduler's product of a numpy lr
     for rank, (got, want) in enumerate(zip(callbacks, ref_callbacks)):
@@ -68,9 +88,15 @@ def test_a_run_keeping_numpy_deque_path_datetime_resumes_bitwise_from_disk(tmp_p
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_control_the_same_run_with_values_pickled_as_before_the_codec_fails_at_the_restart(tmp_path, clean_env):
-    proc = run(tmp_path, "before", "--kill-rank", "1", "--kill-step", "8", "--before-codec", env=clean_env)
+def test_control_the_same_run_with_values_pickled_as_before_the_codec_fails_at_the_restart(
+    tmp_path, clean_env
+):
+    proc = run(
+        tmp_path, "before", "--kill-rank", "1", "--kill-step", "8", "--before-codec", env=clean_env
+    )
     assert list((tmp_path / "before-log").glob("killed-*")), "no worker was killed"
     assert proc.returncode != 0, "the run resumed: the control shows nothing"
     output = proc.stdout + proc.stderr
-    assert "step-00000006/values.pt holds objects other than tensors and plain values" in output, output[-3000:]
+    assert "step-00000006/values.pt holds objects other than tensors and plain values" in output, (
+        output[-3000:]
+    )

@@ -1,6 +1,7 @@
-"""``TrainerConfig(compile=True)``: the compiled step trains the same model on N ranks as on one process, under
-``ddp`` and ``fsdp``, and a stopped run resumes bit for bit. Compilation takes tens of seconds per process on a
-small CPU, so these are slow tests with a tiny model (the per-token job of test_token_loss)."""
+"""``TrainerConfig(compile=True)``: the compiled step trains the same model on N ranks as on one
+process, under ``ddp`` and ``fsdp``, and a stopped run resumes bit for bit. Compilation takes tens
+of seconds per process on a small CPU, so these are slow tests with a tiny model (the per-token job
+of test_token_loss)."""
 
 from __future__ import annotations
 
@@ -21,14 +22,25 @@ JOB = str(Path(__file__).parents[1] / "scripts" / "train_job.py")
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(600),  # compilation: tens of seconds per process, more under load
-    pytest.mark.skipif(cpp_compiler() is None, reason="inductor needs a C++ compiler for CPU kernels; none found"),
+    pytest.mark.skipif(
+        cpp_compiler() is None, reason="inductor needs a C++ compiler for CPU kernels; none found"
+    ),
 ]
 
 
 def _launch(tmp: Path, name: str, *args: str) -> dict:
     (tmp / f"{name}-log").mkdir()
-    job = [str(tmp / name), "--compile", "--sample-log", str(tmp / f"{name}-log"), "--out", str(tmp / f"{name}.pt")]
-    proc = run_job(JOB, *job, *args, launcher_args=("--max-restarts", "1"), env=_clean_environ(), timeout=500)
+    job = [
+        str(tmp / name),
+        "--compile",
+        "--sample-log",
+        str(tmp / f"{name}-log"),
+        "--out",
+        str(tmp / f"{name}.pt"),
+    ]
+    proc = run_job(
+        JOB, *job, *args, launcher_args=("--max-restarts", "1"), env=_clean_environ(), timeout=500
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(tmp / f"{name}.pt", weights_only=False)
 
@@ -42,7 +54,9 @@ def _max_abs_diff(a: dict, b: dict) -> float:
 
 
 def _equal(x, y) -> bool:
-    return torch.equal(x, y) if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) else x == y
+    return (
+        torch.equal(x, y) if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) else x == y
+    )
 
 
 def _bitwise(a: dict, b: dict) -> bool:
@@ -60,7 +74,9 @@ def one_process(tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_compiled_ranks_with_accumulation_train_the_same_model_as_one_process(tmp_path, one_process, strategy):
+def test_compiled_ranks_with_accumulation_train_the_same_model_as_one_process(
+    tmp_path, one_process, strategy
+):
     ranks = _run(2, tmp_path / strategy, grad_accum=2, strategy=strategy)
     diff = _max_abs_diff(ranks, one_process)
     print(f"compiled, {strategy}, 2 ranks x 2 micro-batches vs 1 process: max |dw| {diff:.1e}")
@@ -81,11 +97,12 @@ def test_a_compiled_run_stopped_and_resumed_is_bitwise_the_uninterrupted_one(tmp
     assert control["step"] == 12 and not _bitwise(control, whole)
 
 
-@pytest.mark.timeout(1200)  # two 2-rank jobs under the launcher, one restarted: each process compiles
+# two 2-rank jobs under the launcher, one restarted: each process compiles
+@pytest.mark.timeout(1200)
 def test_a_compiled_run_killed_with_sigkill_and_restarted_resumes_bitwise(tmp_path):
-    # The kill test's job (BatchNorm over the global batch, dropout, Adam, snapshots every 3 steps) compiled,
-    # under the real launcher: rank 1 SIGKILLs itself at step 7; the agent restarts both ranks, which compile
-    # again and resume from the snapshot of step 6.
+    # The kill test's job (BatchNorm over the global batch, dropout, Adam, snapshots every 3 steps)
+    # compiled, under the real launcher: rank 1 SIGKILLs itself at step 7; the agent restarts both
+    # ranks, which compile again and resume from the snapshot of step 6.
     reference = _launch(tmp_path, "reference")
     killed = _launch(tmp_path, "killed", "--kill-rank", "1", "--kill-step", "7")
     assert list((tmp_path / "killed-log").glob("killed-*")) and killed["attempt"] == 1

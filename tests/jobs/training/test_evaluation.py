@@ -1,4 +1,5 @@
-"""Exact distributed evaluation: every sample counted once at every remainder, compared with one process."""
+"""Exact distributed evaluation: every sample counted once at every remainder, compared with one
+process."""
 
 from __future__ import annotations
 
@@ -44,16 +45,24 @@ def direct_classification(n: int) -> dict[str, float]:
     }
 
 
-def padded_evaluation(model: nn.Module, dataset: TensorDataset, batch_size: int) -> dict[str, float]:
-    """The usual recipe: DistributedSampler (which pads) and a sum/count all-reduce. Used as the control."""
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=DistributedSampler(dataset, shuffle=False))
+def padded_evaluation(
+    model: nn.Module, dataset: TensorDataset, batch_size: int
+) -> dict[str, float]:
+    """The usual recipe: DistributedSampler (which pads) and a sum/count all-reduce. Used as the
+    control."""
+    loader = DataLoader(
+        dataset, batch_size=batch_size, sampler=DistributedSampler(dataset, shuffle=False)
+    )
     loss_sum, count = 0.0, 0
     with torch.no_grad():
         for x, y in loader:
             loss_sum += F.cross_entropy(model(x), y, reduction="sum").item()
             count += len(y)
     total = ddpkit.all_reduce({"loss": loss_sum, "count": count})
-    return {"loss": total["loss"] / total["count"] if total["count"] else math.nan, "count": total["count"]}
+    return {
+        "loss": total["loss"] / total["count"] if total["count"] else math.nan,
+        "count": total["count"],
+    }
 
 
 SIZES = {2: [0, 1, 10, 11], 3: [0, 1, 2, 9, 10, 11, 12]}
@@ -78,7 +87,8 @@ def test_evaluate_equals_one_process_at_every_remainder(world):
     sizes = SIZES[world]
     results = ddpkit.spawn(_classification_worker, world, (sizes,))
     for n in sizes:
-        reference = ddpkit.evaluate(fixed_linear(3), make_classification(n), batch_size=2)  # no process group
+        # no process group
+        reference = ddpkit.evaluate(fixed_linear(3), make_classification(n), batch_size=2)
         if n == 0:
             assert reference == {} and all(out[n]["ddpkit"] == {} for out in results)
             continue
@@ -92,7 +102,9 @@ def test_evaluate_equals_one_process_at_every_remainder(world):
             if n > 1:  # (repeating the only sample leaves its mean unchanged, not its count)
                 assert abs(padded["loss"] - reference["loss"]) > 1e-4
         else:
-            assert padded["count"] == n and padded["loss"] == pytest.approx(reference["loss"], rel=1e-6)
+            assert padded["count"] == n and padded["loss"] == pytest.approx(
+                reference["loss"], rel=1e-6
+            )
 
 
 def custom_metrics(model: nn.Module, batch) -> dict[str, torch.Tensor]:
@@ -101,7 +113,8 @@ def custom_metrics(model: nn.Module, batch) -> dict[str, torch.Tensor]:
 
 
 def summed_metrics(model: nn.Module, batch) -> dict[str, tuple]:
-    # The (sum, count) form: e.g. a token-level loss where a batch's count is not its number of rows.
+    # The (sum, count) form: e.g. a token-level loss where a batch's count is not its number of
+    # rows.
     x, target = batch
     err = (model(x) - target).pow(2)
     return {"sq_err_per_value": (err.sum(), err.numel()), "rows": (float(len(x)), len(x))}
@@ -119,7 +132,9 @@ def _metrics_worker(n: int) -> dict:
         "loader": ddpkit.evaluate(
             model, ddpkit.build_eval_loader(dataset, 3, num_workers=0), ddpkit.regression_metrics
         ),
-        "group": ddpkit.evaluate(model, dataset, ddpkit.regression_metrics, batch_size=2, group=group),
+        "group": ddpkit.evaluate(
+            model, dataset, ddpkit.regression_metrics, batch_size=2, group=group
+        ),
         "rank": rt.rank,
     }
 
@@ -135,10 +150,15 @@ def test_regression_custom_summed_metrics_loader_and_subgroup():
     assert 0 < expected_pos < 1
     for out in results:
         assert out["regression"] == pytest.approx({"loss": expected_mse}, rel=1e-6)
-        assert out["custom"] == pytest.approx({"abs_err": expected_abs, "positive": expected_pos}, rel=1e-6)
-        assert out["summed"] == pytest.approx({"sq_err_per_value": expected_mse, "rows": 1.0}, rel=1e-6)
+        assert out["custom"] == pytest.approx(
+            {"abs_err": expected_abs, "positive": expected_pos}, rel=1e-6
+        )
+        assert out["summed"] == pytest.approx(
+            {"sq_err_per_value": expected_mse, "rows": 1.0}, rel=1e-6
+        )
         assert out["loader"] == pytest.approx({"loss": expected_mse}, rel=1e-6)
-        # Group [1, 2] shares the data between its two members; rank 0, outside it, evaluates everything alone.
+        # Group [1, 2] shares the data between its two members; rank 0, outside it, evaluates
+        # everything alone.
         assert out["group"] == pytest.approx({"loss": expected_mse}, rel=1e-6)
 
 
@@ -152,7 +172,8 @@ def bn_model() -> nn.Module:
 
 
 def _ddp_bn_worker(sync: bool, n: int, train_step: bool) -> dict:
-    rt = ddpkit.init(timeout=timedelta(seconds=30))  # a hang surfaces as an error, well before pytest's limit
+    # a hang surfaces as an error, well before pytest's limit
+    rt = ddpkit.init(timeout=timedelta(seconds=30))
     model = ddpkit.prepare_model(bn_model(), sync_batchnorm=sync)
     if train_step:  # as in a real loop: every rank holds 4 of the same 8 samples
         x, y = make_classification(8).tensors
@@ -185,9 +206,10 @@ def test_evaluate_ddp_batchnorm_uneven_batches_does_not_hang(sync):
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("sync", [False, True])
 def test_evaluate_after_a_training_step_evaluates_rank0_model(sync):
-    # After a step, DDP treats rank 0's buffers as the model's (it broadcasts them before the next forward,
-    # and rank 0 is the rank that saves checkpoints). With plain BatchNorm each rank's running statistics saw
-    # only its own slice, so evaluating each rank's own copy measures a mixture of different models.
+    # After a step, DDP treats rank 0's buffers as the model's (it broadcasts them before the next
+    # forward, and rank 0 is the rank that saves checkpoints). With plain BatchNorm each rank's
+    # running statistics saw only its own slice, so evaluating each rank's own copy measures a
+    # mixture of different models.
     n = 5
     results = ddpkit.spawn(_ddp_bn_worker, 2, (sync, n, True))
     reference_model = bn_model()
@@ -195,24 +217,32 @@ def test_evaluate_after_a_training_step_evaluates_rank0_model(sync):
     reference = ddpkit.evaluate(reference_model, make_classification(n))
     stats = [out["state"]["1.running_mean"] for out in results]
     for out in results:
-        assert out["result"] == pytest.approx(reference, rel=1e-6, abs=1e-7), f"per-rank running means: {stats}"
+        assert out["result"] == pytest.approx(reference, rel=1e-6, abs=1e-7), (
+            f"per-rank running means: {stats}"
+        )
 
 
 def bn_no_running_stats_model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Conv2d(2, 3, 1), nn.BatchNorm2d(3, track_running_stats=False), nn.Flatten(), nn.Linear(12, 3)
+        nn.Conv2d(2, 3, 1),
+        nn.BatchNorm2d(3, track_running_stats=False),
+        nn.Flatten(),
+        nn.Linear(12, 3),
     )
 
 
 def _bn_no_running_stats_worker(n: int) -> dict:
     ddpkit.init(timeout=timedelta(seconds=3))  # a hang surfaces in seconds
     g = torch.Generator().manual_seed(7)
-    dataset = TensorDataset(torch.randn(n, 2, 2, 2, generator=g), torch.randint(0, 3, (n,), generator=g))
+    dataset = TensorDataset(
+        torch.randn(n, 2, 2, 2, generator=g), torch.randint(0, 3, (n,), generator=g)
+    )
     plain = bn_no_running_stats_model()
     synced = ddpkit.prepare_model(copy.deepcopy(plain), sync_batchnorm=True)
-    # In eval mode, a BatchNorm without running statistics normalises each batch by its own statistics,
-    # as torch's own SyncBatchNorm does in eval mode (it synchronises only while training).
+    # In eval mode, a BatchNorm without running statistics normalises each batch by its own
+    # statistics, as torch's own SyncBatchNorm does in eval mode (it synchronises only while
+    # training).
     expected = ddpkit.evaluate(plain, dataset, batch_size=2)
     return {"synced": ddpkit.evaluate(synced, dataset, batch_size=2), "expected": expected}
 

@@ -1,5 +1,6 @@
-"""examples/gan.py under ``ddpkit run --nproc 2 --max-restarts 1``: a rank SIGKILLed at a step, the job restarted,
-and both models and both optimizers end bit for bit where an uninterrupted run's do."""
+"""examples/gan.py under ``ddpkit run --nproc 2 --max-restarts 1``: a rank SIGKILLed at a step, the
+job restarted, and both models and both optimizers end bit for bit where an uninterrupted run's
+do."""
 
 from __future__ import annotations
 
@@ -14,8 +15,14 @@ import torch
 JOB = str(Path(__file__).parents[1] / "scripts" / "gan_job.py")
 
 
-def launch(tmp: Path, name: str, kill_rank: int, kill_step: int, forget: bool = False) -> tuple[list, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+def launch(
+    tmp: Path, name: str, kill_rank: int, kill_step: int, forget: bool = False
+) -> tuple[list, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
+    }
     cmd = [sys.executable, "-m", "ddpkit.cli", "run", "--nproc", "2", "--max-restarts", "1", JOB]
     cmd += [
         str(tmp / name),
@@ -55,14 +62,16 @@ def same_bits(a: dict, b: dict) -> bool:
 def test_sigkill_of_one_rank_resumes_both_models_and_optimizers_bitwise(tmp_path):
     reference, _ = launch(tmp_path, "reference", 0, -1)
     assert reference[0]["attempt"] == 0 and reference[0]["step"] == 96  # 3 epochs of 32 steps
-    # Snapshots every 20 steps and at epoch ends: a kill after step 47 resumes from step 40's (or 32's, where
-    # step 40's was still being written in the background).
+    # Snapshots every 20 steps and at epoch ends: a kill after step 47 resumes from step 40's (or
+    # 32's, where step 40's was still being written in the background).
     killed, out = launch(tmp_path, "killed", 1, 47)
     assert killed[0]["attempt"] == 1 and killed[0]["resumed_from"] in (32, 40), out[-2000:]
     assert any(k.startswith("g.") for k in killed[0]["strategy"]["model"])
     assert any(k.startswith("state.d.") for k in killed[0]["strategy"]["optim"])
     for rank in (0, 1):
-        assert same_bits(killed[rank], reference[rank]), f"rank {rank}: the resumed run's state differs"
+        assert same_bits(killed[rank], reference[rank]), (
+            f"rank {rank}: the resumed run's state differs"
+        )
     # Control: a resume that leaves the discriminator's optimizer state out ends elsewhere.
     forgot, _ = launch(tmp_path, "forgot", 1, 47, forget=True)
     assert forgot[0]["attempt"] == 1 and not same_bits(forgot[0], reference[0])

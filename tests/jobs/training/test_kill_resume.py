@@ -1,5 +1,5 @@
-"""Kill workers with SIGKILL under the real launcher; the restarted job must end bit for bit where an
-uninterrupted one does, having trained on every sample exactly once per epoch."""
+"""Kill workers with SIGKILL under the real launcher; the restarted job must end bit for bit where
+an uninterrupted one does, having trained on every sample exactly once per epoch."""
 
 from __future__ import annotations
 
@@ -29,10 +29,21 @@ STEPS = 30  # 3 epochs of 10 steps; snapshots every 3 steps and at epoch ends
 SEED = int(os.environ.get("DDPKIT_KILL_SEED", time.time_ns() % 100_000))
 
 
-def launch(tmp: Path, name: str, *job_args: str, restarts: int = 2, clean_env: dict) -> tuple[dict, str]:
+def launch(
+    tmp: Path, name: str, *job_args: str, restarts: int = 2, clean_env: dict
+) -> tuple[dict, str]:
     (tmp / f"{name}-log").mkdir()
-    job = (str(tmp / name), "--sample-log", str(tmp / f"{name}-log"), "--out", str(tmp / f"{name}.pt"), *job_args)
-    proc = run_job(JOB, *job, launcher_args=("--max-restarts", str(restarts)), env=clean_env, timeout=120)
+    job = (
+        str(tmp / name),
+        "--sample-log",
+        str(tmp / f"{name}-log"),
+        "--out",
+        str(tmp / f"{name}.pt"),
+        *job_args,
+    )
+    proc = run_job(
+        JOB, *job, launcher_args=("--max-restarts", str(restarts)), env=clean_env, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(tmp / f"{name}.pt", weights_only=False), proc.stdout + proc.stderr
 
@@ -43,31 +54,57 @@ def clean_env() -> dict[str, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)  # four 2-rank jobs, two of them restarted: about a minute, more under load
+# four 2-rank jobs, two of them restarted: about a minute, more under load
+@pytest.mark.timeout(600)
 def test_sigkill_at_random_steps_resumes_bitwise(tmp_path, clean_env):
     rng = random.Random(SEED)
     reference, _ = launch(tmp_path, "reference", clean_env=clean_env)
     trials = [
-        ("rank 0 at a random step", ["--kill-rank", "0", "--kill-step", str(rng.randrange(1, STEPS))]),
-        ("rank 1 at a random step", ["--kill-rank", "1", "--kill-step", str(rng.randrange(1, STEPS))]),
-        # write_atomic calls cycle through a snapshot's index, values.pt and marker; all are covered over runs
+        (
+            "rank 0 at a random step",
+            ["--kill-rank", "0", "--kill-step", str(rng.randrange(1, STEPS))],
+        ),
+        (
+            "rank 1 at a random step",
+            ["--kill-rank", "1", "--kill-step", str(rng.randrange(1, STEPS))],
+        ),
+        # write_atomic calls cycle through a snapshot's index, values.pt and marker; all are covered
+        # over runs
         ("rank 0 inside a snapshot write", ["--kill-in-snapshot", str(rng.randrange(1, 9))]),
     ]
     report = []
     for i, (what, args) in enumerate(trials):
         final, stderr = launch(tmp_path, f"trial{i}", *args, clean_env=clean_env)
-        # Proof of the kill: the worker sent itself SIGKILL (its mark), and the job went on as a restart.
-        assert list((tmp_path / f"trial{i}-log").glob("killed-*")), f"{what}: no worker was killed (seed {SEED})"
+        # Proof of the kill: the worker sent itself SIGKILL (its mark), and the job went on as a
+        # restart.
+        assert list((tmp_path / f"trial{i}-log").glob("killed-*")), (
+            f"{what}: no worker was killed (seed {SEED})"
+        )
         assert final["attempt"] >= 1, f"{what}: the job was not restarted (seed {SEED})"
         resumed = resume_steps(tmp_path / f"trial{i}")
-        assert_each_sample_once(samples_per_epoch(tmp_path / f"trial{i}-log", resumed), N_SAMPLES, 3)
-        report.append((what, " ".join(args), final["attempt"], final["resumed_from"], max_abs_diff(final, reference)))
+        assert_each_sample_once(
+            samples_per_epoch(tmp_path / f"trial{i}-log", resumed), N_SAMPLES, 3
+        )
+        report.append(
+            (
+                what,
+                " ".join(args),
+                final["attempt"],
+                final["resumed_from"],
+                max_abs_diff(final, reference),
+            )
+        )
         assert bitwise_equal(final, reference), f"{what} ({args}, seed {SEED}): final state differs"
         differs = rank_differences(tmp_path / f"trial{i}.pt", tmp_path / "reference.pt")
-        assert differs == {0: [], 1: []}, f"{what} ({args}, seed {SEED}): a rank's own state differs: {differs}"
+        assert differs == {0: [], 1: []}, (
+            f"{what} ({args}, seed {SEED}): a rank's own state differs: {differs}"
+        )
     print(f"\nkill trials (DDPKIT_KILL_SEED={SEED}): {len(report)} of {len(trials)} kills survived")
     for what, args, attempt, step, diff in report:
-        print(f"  {what:32s} {args:28s} restarts {attempt}  resumed from step {step}  max |dw| {diff:.1e}")
+        print(
+            f"  {what:32s} {args:28s} restarts {attempt}  resumed from step {step}  max |dw| "
+            f"{diff:.1e}"
+        )
 
 
 @pytest.mark.slow
@@ -81,9 +118,12 @@ def test_a_failing_rank_stops_the_job_fast_and_restart_resumes(tmp_path, clean_e
     assert "first: rank 1" in summary
     assert "RuntimeError: planned failure in user code on rank 1" in summary
     assert "rank 1 failed in epoch 0, at optimizer step 7" in summary
-    print(f"\nfailure at step 7 on rank 1: job ended in {elapsed:.1f}s (collective timeout is 300s)")
+    print(
+        f"\nfailure at step 7 on rank 1: job ended in {elapsed:.1f}s (collective timeout is 300s)"
+    )
     assert elapsed < 60
-    # With restarts the job resumes from the snapshot of step 6 and ends where an uninterrupted run does.
+    # With restarts the job resumes from the snapshot of step 6 and ends where an uninterrupted run
+    # does.
     reference, _ = launch(tmp_path, "reference", clean_env=clean_env)
     final, _ = launch(tmp_path, "restarted", "--raise-at", "1", "7", clean_env=clean_env)
     assert final["attempt"] == 1 and final["resumed_from"] == 6
@@ -93,10 +133,12 @@ def test_a_failing_rank_stops_the_job_fast_and_restart_resumes(tmp_path, clean_e
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", [[], ["--snapshot-sync"]], ids=["async", "sync"])
 def test_a_full_disk_during_a_snapshot_is_named_in_the_launchers_summary(tmp_path, clean_env, mode):
-    # The snapshots on a small file system of their own, which rank 0 fills at step 7: the snapshot of
-    # step 9 cannot be written (asynchronously: its error is raised by the save of step 10).
+    # The snapshots on a small file system of their own, which rank 0 fills at step 7: the snapshot
+    # of step 9 cannot be written (asynchronously: its error is raised by the save of step 10).
     with small_tmpfs(tmp_path / "run" / "snapshots", "1m"):
-        proc = run_job(JOB, str(tmp_path / "run"), "--fill-disk-at", "7", *mode, env=clean_env, timeout=120)
+        proc = run_job(
+            JOB, str(tmp_path / "run"), "--fill-disk-at", "7", *mode, env=clean_env, timeout=120
+        )
         whole = sorted(p.name for p in (tmp_path / "run" / "snapshots").glob("step-*"))
     assert proc.returncode == 1, proc.stderr[-3000:]
     summary = proc.stderr[proc.stderr.index("ddpkit run:") :]
@@ -109,25 +151,34 @@ def test_a_full_disk_during_a_snapshot_is_named_in_the_launchers_summary(tmp_pat
     assert whole == ["step-00000003", "step-00000006"]  # nothing half-written left
 
 
-# The step a kill lands on, and the snapshot the restarted job resumes from (snapshots every 3 steps and at
-# epoch ends; 10 steps per epoch): mid-epoch, and at the boundary of epochs 1 and 2.
-# Kill step -> the snapshots the job may resume from: the newest one, or the one before it when the newest
-# was still being written in the background (asynchronous snapshots) when the kill came.
+# The step a kill lands on, and the snapshot the restarted job resumes from (snapshots every 3 steps
+# and at epoch ends; 10 steps per epoch): mid-epoch, and at the boundary of epochs 1 and 2. Kill
+# step -> the snapshots the job may resume from: the newest one, or the one before it when the
+# newest was still being written in the background (asynchronous snapshots) when the kill came.
 WORKER_KILLS = {"mid-epoch": (14, (12, 10)), "epoch boundary": (10, (10, 9))}
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)  # five jobs of 2 ranks x 3 processes on 2 cores: about 2 minutes, more under load
+# five jobs of 2 ranks x 3 processes on 2 cores: about 2 minutes, more under load
+@pytest.mark.timeout(600)
 def test_sigkill_with_two_loader_workers_per_rank_resumes_bitwise(tmp_path, clean_env):
-    # Augmentation in __getitem__ (torch, numpy, python draws) in 2 persistent workers per rank: each sample's
-    # draws are a function of (seed, epoch, index), so the restarted job augments as the uninterrupted one.
-    # BatchNorm without sync BatchNorm: each rank's own running statistics.
+    # Augmentation in __getitem__ (torch, numpy, python draws) in 2 persistent workers per
+    # rank: each sample's draws are a function of (seed, epoch, index), so the restarted job
+    # augments as the uninterrupted one. BatchNorm without sync BatchNorm: each rank's own running
+    # statistics.
     workers = ["--augment", "--workers", "2", "--no-sync-bn"]
     reference, _ = launch(tmp_path, "reference", *workers, clean_env=clean_env)
     for what, (kill_step, resumed_from) in WORKER_KILLS.items():
         name = what.replace(" ", "-")
         final, stderr = launch(
-            tmp_path, name, *workers, "--kill-rank", "1", "--kill-step", str(kill_step), clean_env=clean_env
+            tmp_path,
+            name,
+            *workers,
+            "--kill-rank",
+            "1",
+            "--kill-step",
+            str(kill_step),
+            clean_env=clean_env,
         )
         killed = list((tmp_path / f"{name}-log").glob("killed-*"))
         assert killed and final["attempt"] == 1 and final["resumed_from"] in resumed_from, what
@@ -139,20 +190,32 @@ def test_sigkill_with_two_loader_workers_per_rank_resumes_bitwise(tmp_path, clea
             f"{max_abs_diff(final, reference):.1e}"
         )
         assert bitwise_equal(final, reference), what
-        assert rank_differences(tmp_path / f"{name}.pt", tmp_path / "reference.pt") == {0: [], 1: []}, what
-    # Control: left to the workers' own streams (how loaders draw without ddpkit's seeding), the same kill at
-    # the epoch boundary ends elsewhere: the restarted workers' streams start afresh.
+        assert rank_differences(tmp_path / f"{name}.pt", tmp_path / "reference.pt") == {
+            0: [],
+            1: [],
+        }, what
+    # Control: left to the workers' own streams (how loaders draw without ddpkit's seeding), the
+    # same kill at the epoch boundary ends elsewhere: the restarted workers' streams start afresh.
     unseeded = [*workers, "--unseeded-samples"]
     plain_reference, _ = launch(tmp_path, "plain-reference", *unseeded, clean_env=clean_env)
-    plain, _ = launch(tmp_path, "plain-killed", *unseeded, "--kill-rank", "1", "--kill-step", "10", clean_env=clean_env)
+    plain, _ = launch(
+        tmp_path,
+        "plain-killed",
+        *unseeded,
+        "--kill-rank",
+        "1",
+        "--kill-step",
+        "10",
+        clean_env=clean_env,
+    )
     assert plain["resumed_from"] in WORKER_KILLS["epoch boundary"][1]
     print(f"control, unseeded samples: max |dw| {max_abs_diff(plain, plain_reference):.1e}")
     assert not bitwise_equal(plain, plain_reference)
 
 
-# BatchNorm without sync BatchNorm keeps each rank's own running statistics; with dropout and 2 micro-batches
-# per step. The killed rank first waits for the snapshot in flight, so that the restart resumes from the
-# snapshot the trial is about: kill -> the snapshot resumed from.
+# BatchNorm without sync BatchNorm keeps each rank's own running statistics; with dropout and 2
+# micro-batches per step. The killed rank first waits for the snapshot in flight, so that the
+# restart resumes from the snapshot the trial is about: kill -> the snapshot resumed from.
 LOCAL_BN = ["--no-sync-bn", "--grad-accum", "2"]
 LOCAL_BN_KILLS = {
     "rank 1 mid-epoch": (["--kill-rank", "1", "--kill-step", "14", "--kill-after-write"], 12),
@@ -182,10 +245,12 @@ def test_sigkill_without_sync_batchnorm_resumes_every_rank_bitwise(tmp_path, cle
         )
         differs = rank_differences(tmp_path / f"{name}.pt", tmp_path / "reference.pt")
         assert differs == {0: [], 1: []}, f"{what}: {differs}"
-    # Control: each rank's own buffers saved as one copy per key (DCP's way with a replicated key, the save
-    # of the version before) make the same mid-epoch kill end elsewhere.
+    # Control: each rank's own buffers saved as one copy per key (DCP's way with a replicated key,
+    # the save of the version before) make the same mid-epoch kill end elsewhere.
     kill, resumed_from = LOCAL_BN_KILLS["rank 1 mid-epoch"]
-    final, _ = launch(tmp_path, "one-copy", *LOCAL_BN, *kill, "--shared-buffers", clean_env=clean_env)
+    final, _ = launch(
+        tmp_path, "one-copy", *LOCAL_BN, *kill, "--shared-buffers", clean_env=clean_env
+    )
     assert final["resumed_from"] == resumed_from
     differs = rank_differences(tmp_path / "one-copy.pt", tmp_path / "reference.pt")
     diff = rank_max_abs_diff(tmp_path / "one-copy.pt", tmp_path / "reference.pt")

@@ -1,6 +1,7 @@
-"""A step of several models and optimizers (``Trainer(models, optimizers, ..., step_fn=...)``) on 2 real gloo ranks:
-each optimizer's non-finite verdict agreed on every rank, clipping per optimizer, fp16's scaler shared by two
-optimizers, and a stop and resume that continues both models and both optimizers bit for bit."""
+"""A step of several models and optimizers (``Trainer(models, optimizers, ..., step_fn=...)``) on 2
+real gloo ranks: each optimizer's non-finite verdict agreed on every rank, clipping per optimizer,
+fp16's scaler shared by two optimizers, and a stop and resume that continues both models and both
+optimizers bit for bit."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ NOISE = 4
 
 
 def gan_step(step, bad: Any = None, times: Any = None, raw_d: bool = False) -> None:
-    """A GAN's step; ``bad()`` returns what to add to the discriminator's loss (0.0: nothing), ``times()`` what
-    to multiply it by; ``raw_d``: its backward() without the helper."""
+    """A GAN's step; ``bad()`` returns what to add to the discriminator's loss (0.0: nothing),
+    ``times()`` what to multiply it by; ``raw_d``: its backward() without the helper."""
     g, d = step.models["g"], step.models["d"]
     extra = bad() if bad else 0.0
     factor = times() if times else 1.0
@@ -42,7 +43,11 @@ def gan_step(step, bad: Any = None, times: Any = None, raw_d: bool = False) -> N
 
 
 def build(
-    run_dir: Path, step_fn: Any = gan_step, sgd: float | None = None, d_lr: float = 5e-2, **options: Any
+    run_dir: Path,
+    step_fn: Any = gan_step,
+    sgd: float | None = None,
+    d_lr: float = 5e-2,
+    **options: Any,
 ) -> Trainer:
     """A small GAN's Trainer; ``sgd``: both optimizers plain SGD at this learning rate."""
     ddpkit.seed_everything(0)
@@ -53,7 +58,10 @@ def build(
         "d": torch.optim.SGD(d.parameters(), lr=d_lr, momentum=0.9),
     }
     if sgd is not None:
-        optimizers = {"g": torch.optim.SGD(g.parameters(), lr=sgd), "d": torch.optim.SGD(d.parameters(), lr=sgd)}
+        optimizers = {
+            "g": torch.optim.SGD(g.parameters(), lr=sgd),
+            "d": torch.optim.SGD(d.parameters(), lr=sgd),
+        }
     data = TensorDataset(torch.randn(96, 2, generator=torch.Generator().manual_seed(1)) + 2.0)
     config = TrainerConfig(
         **{
@@ -69,7 +77,9 @@ def state(trainer: Trainer) -> dict[str, Any]:
     full = trainer.strategy.full_state_dict()
     return {
         "model": {k: v.clone() for k, v in full["model"].items()},
-        "optim": {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in full["optim"].items()},
+        "optim": {
+            k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in full["optim"].items()
+        },
         "step": trainer.step,
         "skipped": trainer.skipped_steps,
     }
@@ -79,11 +89,17 @@ def bitwise(a: dict[str, Any], b: dict[str, Any]) -> bool:
     def same(x: Any, y: Any) -> bool:
         if isinstance(x, torch.Tensor):
             same_type = isinstance(y, torch.Tensor) and x.dtype == y.dtype and x.shape == y.shape
-            return same_type and torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
+            return same_type and torch.equal(
+                x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)
+            )
         return x == y
 
     def flat(x: dict[str, Any]) -> dict[str, Any]:
-        return {f"{k}/{n}": w for k, v in x.items() for n, w in (v.items() if isinstance(v, dict) else [("", v)])}
+        return {
+            f"{k}/{n}": w
+            for k, v in x.items()
+            for n, w in (v.items() if isinstance(v, dict) else [("", v)])
+        }
 
     fa, fb = flat(a), flat(b)
     return fa.keys() == fb.keys() and all(same(fa[k], fb[k]) for k in fa)
@@ -100,7 +116,7 @@ def _fit(run_dir: Path, **options: Any) -> dict[str, Any]:
     return state(trainer)
 
 
-# --- the non-finite verdict ----------------------------------------------------------------------------------
+# --- the non-finite verdict -----------------------------------------------------------------------
 
 
 def bad_at(call: int, rank: int, value: float, otherwise: float = 0.0):
@@ -128,11 +144,16 @@ def _nonfinite_job(run_dir: Path, on_nonfinite: str, through_helper: bool) -> An
 def test_a_nonfinite_loss_of_one_optimizer_on_one_rank_skips_or_stops_every_rank(tmp_path):
     skip = run_on_ranks(_nonfinite_job, 2, (tmp_path / "skip", "skip", True), timeout=300)
     assert skip[0]["skipped"] == skip[1]["skipped"] == 1 and bitwise(skip[0], skip[1])
-    events = [r for r in records(tmp_path / "skip", "event") if r.get("event") == "skipped_nonfinite"]
+    events = [
+        r for r in records(tmp_path / "skip", "event") if r.get("event") == "skipped_nonfinite"
+    ]
     assert [(e["step"], e["reason"]) for e in events] == [(3, "non-finite loss on 1 rank(s)")]
     stop = run_on_ranks(_nonfinite_job, 2, (tmp_path / "stop", "stop", True), timeout=300)
-    assert all(isinstance(s, str) and "non-finite loss on 1 rank(s) at optimizer step 3" in s for s in stop)
-    # Control: the same loss backward()ed past the helper reaches no verdict: the step is taken everywhere.
+    assert all(
+        isinstance(s, str) and "non-finite loss on 1 rank(s) at optimizer step 3" in s for s in stop
+    )
+    # Control: the same loss backward()ed past the helper reaches no verdict: the step is taken
+    # everywhere.
     raw = run_on_ranks(_nonfinite_job, 2, (tmp_path / "raw", "stop", False), timeout=300)
     assert raw[0]["skipped"] == raw[1]["skipped"] == 0
 
@@ -163,11 +184,12 @@ def test_a_step_must_step_every_optimizer_and_what_is_unsupported_is_refused(tmp
     assert "strategy='ddp'" in zero and "compile is not supported with step_fn" in compiled
 
 
-# --- clipping per optimizer ------------------------------------------------------------------------------------
+# --- clipping per optimizer -----------------------------------------------------------------------
 
 
 def _clip_job(run_dir: Path, clip: float | None) -> list[tuple[float, float]]:
-    """Each step's update norms of g's and d's parameters, and their gradients' norms before clipping."""
+    """Each step's update norms of g's and d's parameters, and their gradients' norms before
+    clipping."""
     seen: list[tuple[float, float]] = []
 
     def step_fn(step) -> None:
@@ -193,19 +215,23 @@ def test_each_optimizer_is_clipped_to_its_own_norm(tmp_path):
     # Each model's update is clip long: its own norm was clipped, whatever the other's.
     for g, d in clipped:
         assert g == pytest.approx(clip, rel=1e-4) and d == pytest.approx(clip, rel=1e-4)
-    # Control: one norm over both optimizers would leave the model with the smaller gradients shorter than clip.
+    # Control: one norm over both optimizers would leave the model with the smaller gradients
+    # shorter than clip.
     g, d = unclipped[0]
     joint = (g * g + d * d) ** 0.5
     assert min(g, d) * clip / joint < clip * 0.99
 
 
-# --- fp16: one scaler, two optimizers ----------------------------------------------------------------------------
+# --- fp16: one scaler, two optimizers -------------------------------------------------------------
 
 
 def _fp16_job(run_dir: Path, overflow: bool) -> dict[str, Any]:
-    # The discriminator's loss x 1e6 at step 2 on rank 0: x 65536 (the scale) overflows fp16's gradients.
+    # The discriminator's loss x 1e6 at step 2 on rank 0: x 65536 (the scale) overflows fp16's
+    # gradients.
     times = bad_at(2, 0, 1e6, otherwise=1.0) if overflow else None
-    trainer = build(run_dir, step_fn=lambda step: gan_step(step, times=times), precision="fp16", epochs=1)
+    trainer = build(
+        run_dir, step_fn=lambda step: gan_step(step, times=times), precision="fp16", epochs=1
+    )
     trainer.fit()
     return state(trainer) | {"scale": trainer.scaler.get_scale() if trainer.scaler else None}
 
@@ -213,21 +239,28 @@ def _fp16_job(run_dir: Path, overflow: bool) -> dict[str, Any]:
 def test_fp16_one_scaler_for_two_optimizers_skips_alike_and_updates_once_a_step(tmp_path):
     clean = run_on_ranks(_fp16_job, 2, (tmp_path / "clean", False), timeout=300)
     over = run_on_ranks(_fp16_job, 2, (tmp_path / "over", True), timeout=300)
-    assert bitwise(over[0], over[1]) and over[0]["skipped"] == 0  # the scaler's business, not a skip
-    overflows = [r for r in records(tmp_path / "over", "event") if r.get("event") == "fp16_overflow"]
+    # the scaler's business, not a skip
+    assert bitwise(over[0], over[1]) and over[0]["skipped"] == 0
+    overflows = [
+        r for r in records(tmp_path / "over", "event") if r.get("event") == "fp16_overflow"
+    ]
     assert [r["step"] for r in overflows] == [2]
-    # One update a step: the overflow halves the scale once, and the discriminator's step alone is not taken.
+    # One update a step: the overflow halves the scale once, and the discriminator's step alone is
+    # not taken.
     assert over[0]["scale"] == clean[0]["scale"] / 2 and over[0]["step"] == clean[0]["step"] - 1
     # Control: without the overflow no event, no step lost.
-    assert not [r for r in records(tmp_path / "clean", "event") if r.get("event") == "fp16_overflow"]
+    assert not [
+        r for r in records(tmp_path / "clean", "event") if r.get("event") == "fp16_overflow"
+    ]
 
 
-# --- stop and resume ----------------------------------------------------------------------------------------------
+# --- stop and resume ------------------------------------------------------------------------------
 
 
 def _resume_job(run_dir: Path, max_steps: int | None, forget_d: bool) -> dict[str, Any]:
     trainer = build(run_dir, max_steps=max_steps)
-    if forget_d:  # the control: a resume that restores the models and g's optimizer, not d's momentum
+    # the control: a resume that restores the models and g's optimizer, not d's momentum
+    if forget_d:
         load = trainer.strategy.load_state_dict
 
         def load_without_d(state: dict[str, Any]) -> None:
@@ -247,7 +280,8 @@ def test_a_run_stopped_by_max_steps_resumes_both_models_and_optimizers_bitwise(t
     assert resumed[0]["step"] == whole[0]["step"] == 12 and bitwise(resumed[0], whole[0])
     assert bitwise(resumed[1], whole[1])
 
-    # The records of each loss agree too (the losses not yet agreed at the stop are each rank's own in it).
+    # The records of each loss agree too (the losses not yet agreed at the stop are each rank's own
+    # in it).
     def losses(d: Path) -> list[tuple[int, float, float]]:
         return [(r["step"], r["train/loss_d"], r["train/loss_g"]) for r in records(d, "train")]
 
@@ -256,7 +290,8 @@ def test_a_run_stopped_by_max_steps_resumes_both_models_and_optimizers_bitwise(t
     run_on_ranks(_resume_job, 2, (tmp_path / "forgot", 7, False), timeout=300)
     forgot = run_on_ranks(_resume_job, 2, (tmp_path / "forgot", None, True), timeout=300)
     assert not bitwise(forgot[0], whole[0])
-    # Every optimizer is in the run's record: a resume with the second optimizer's lr changed is refused.
+    # Every optimizer is in the run's record: a resume with the second optimizer's lr changed is
+    # refused.
     refused = run_on_ranks(_changed_lr_job, 2, (tmp_path / "stopped",), timeout=300)
     assert all("optimizer param group 1 lr: 0.05 in the snapshot, 0.07 now" in r for r in refused)
 
@@ -269,7 +304,7 @@ def _changed_lr_job(run_dir: Path) -> str:
     return "resumed"
 
 
-# --- other shapes: a frozen teacher, two optimizers over one model --------------------------------------------------
+# --- other shapes: a frozen teacher, two optimizers over one model --------------------------------
 
 
 def _shapes_job(run_dir: Path) -> dict[str, Any]:
@@ -289,13 +324,18 @@ def _shapes_job(run_dir: Path) -> dict[str, Any]:
             with torch.no_grad():
                 target = m["teacher"](x)
             step.backward(F.mse_loss(m["student"](x), target), "student")
-            step.backward(F.mse_loss(m["net"](x), target), "body", "head")  # one loss, two optimizers
+            # one loss, two optimizers
+            step.backward(F.mse_loss(m["net"](x), target), "body", "head")
         for name in ("student", "body", "head"):
             step.optimizer_step(name)
 
     data = TensorDataset(torch.randn(64, 2, generator=torch.Generator().manual_seed(1)))
     config = TrainerConfig(
-        run_dir=str(run_dir), epochs=2, batch_size=8, num_workers=0, logging=LoggingConfig(progress=False)
+        run_dir=str(run_dir),
+        epochs=2,
+        batch_size=8,
+        num_workers=0,
+        logging=LoggingConfig(progress=False),
     )
     models = {"teacher": teacher, "student": student, "net": net}
     trainer = Trainer(models, optimizers, data, config, step_fn=step_fn)

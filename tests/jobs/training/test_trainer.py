@@ -1,4 +1,5 @@
-"""The Trainer in real gloo jobs: N ranks equal one process, exact resume, and the controls that must fail."""
+"""The Trainer in real gloo jobs: N ranks equal one process, exact resume, and the controls that
+must fail."""
 
 from __future__ import annotations
 
@@ -40,14 +41,19 @@ def reference(tmp_path_factory) -> dict:
 
 
 def test_n_ranks_train_the_same_model_as_one_process(tmp_path):
-    # SyncBatchNorm and global-batch dropout make every rank's share of the work the same as one process's.
+    # SyncBatchNorm and global-batch dropout make every rank's share of the work the same as one
+    # process's.
     one = run(1, tmp_path / "w1", global_dropout=True)
     for world in (2, 3):
         diff = max_rel_diff(run(world, tmp_path / f"w{world}", global_dropout=True), one)
         print(f"{world} ranks vs 1 process: largest relative weight difference {diff:.2e}")
         assert diff < 1e-5
-    # Controls: BatchNorm over each rank's slice, or dropout masks drawn per rank, give another model.
-    assert max_rel_diff(run(2, tmp_path / "no_sync", global_dropout=True, sync_batchnorm=False), one) > 1e-2
+    # Controls: BatchNorm over each rank's slice, or dropout masks drawn per rank, give another
+    # model.
+    assert (
+        max_rel_diff(run(2, tmp_path / "no_sync", global_dropout=True, sync_batchnorm=False), one)
+        > 1e-2
+    )
     assert max_rel_diff(run(2, tmp_path / "rank_dropout"), one) > 1e-2
 
 
@@ -64,13 +70,18 @@ def test_an_uneven_last_batch_trains_the_same_model_as_one_process(tmp_path):
     assert one["step"] == 3 * 10
     for world in (2, 3):
         diff = max_rel_diff(run(world, tmp_path / f"w{world}", **uneven), one)
-        print(f"{world} ranks vs 1 process, uneven last batch: largest relative weight difference {diff:.2e}")
+        print(
+            f"{world} ranks vs 1 process, uneven last batch: largest relative weight difference "
+            f"{diff:.2e}"
+        )
         assert diff < 1e-5
-    control = max_rel_diff(run(2, tmp_path / "equal", trainer_hook=_equal_rank_weights, **uneven), one)
+    control = max_rel_diff(
+        run(2, tmp_path / "equal", trainer_hook=_equal_rank_weights, **uneven), one
+    )
     print(f"control, each rank's mean counted alike: {control:.2e}")
     assert control > 1e-3
-    # Two micro-batches a step: 235 samples make micro-batches of 12 and a last one of 7 (4/3, 3/2/2), so the
-    # epoch's last step weighs a full micro-batch against a short one.
+    # Two micro-batches a step: 235 samples make micro-batches of 12 and a last one of 7 (4/3,
+    # 3/2/2), so the epoch's last step weighs a full micro-batch against a short one.
     accum = dict(n_samples=235, drop_last=False, global_dropout=True, grad_accum=2)
     one = run(1, tmp_path / "a1", **accum)
     for world in (2, 3):
@@ -118,7 +129,9 @@ def test_rerun_with_the_same_max_steps_trains_no_further(tmp_path):
     first = run(2, tmp_path / "run", max_steps=4)
     again = run(2, tmp_path / "run", max_steps=4)
     assert again["resumed_from"] == 4 and again["step"] == 4 and bitwise_equal(again, first)
-    assert sorted(p.parent.name for p in (tmp_path / "run" / "snapshots").glob("*/complete.json")) == [
+    assert sorted(
+        p.parent.name for p in (tmp_path / "run" / "snapshots").glob("*/complete.json")
+    ) == [
         "step-00000003",
         "step-00000004",
     ]
@@ -144,28 +157,38 @@ def _error_of(run_dir: str, **kwargs) -> str:
         ("nan", {}),
         ("inf", {}),  # rank 1's loss is infinite but its gradients are finite
         ("ignored", {}),  # NaN loss, zero gradients: the NaN cannot travel down through the graph
-        ("nan", {"precision": "fp16"}),  # the GradScaler sees inf/NaN at every overflow: no overflow, this
+        # the GradScaler sees inf/NaN at every overflow: no overflow, this
+        ("nan", {"precision": "fp16"}),
         ("nan", {"grad_accum": 2}),  # in the first of two micro-batches, under no_sync
         ("inf", {"clip_grad_norm": 1.0}),  # the check reads the norm that clipping computes
     ],
 )
 def test_nonfinite_loss_stops_every_rank_at_the_same_step(tmp_path, what, options):
-    errors = ddpkit.spawn(functools.partial(_error_of, str(tmp_path / "stop"), event=(what, 1, 5), **options), 2)
+    errors = ddpkit.spawn(
+        functools.partial(_error_of, str(tmp_path / "stop"), event=(what, 1, 5), **options), 2
+    )
     for error in errors:  # both ranks raise, at the same step, knowing that it was rank 1's loss
         assert "non-finite loss on 1 rank(s) at optimizer step 5" in error
 
 
 @pytest.mark.parametrize("what", ["inf", "ignored"])
-def test_control_a_nonfinite_loss_with_finite_gradients_needs_the_nan_gradient(tmp_path, monkeypatch, what):
-    # Without the NaN put into a gradient, the all-reduced gradients look healthy and every rank trains on
-    # through rank 1's non-finite loss. (spawn forks, so the children see the patch.)
-    monkeypatch.setattr(ddpkit.strategies._ddp, "nan_gradient_if_nonfinite", lambda loss, anchor, on_host: loss)
+def test_control_a_nonfinite_loss_with_finite_gradients_needs_the_nan_gradient(
+    tmp_path, monkeypatch, what
+):
+    # Without the NaN put into a gradient, the all-reduced gradients look healthy and every rank
+    # trains on through rank 1's non-finite loss. (spawn forks, so the children see the patch.)
+    monkeypatch.setattr(
+        ddpkit.strategies._ddp, "nan_gradient_if_nonfinite", lambda loss, anchor, on_host: loss
+    )
     out = run(2, tmp_path / "run", event=(what, 1, 5), epochs=1)
     assert out["step"] == 10 and out["skipped_steps"] == 0
 
 
 def test_nonfinite_loss_skip_skips_the_step_everywhere(tmp_path):
-    out = ddpkit.spawn(functools.partial(train, str(tmp_path / "skip"), event=("nan", 1, 5), on_nonfinite="skip"), 2)
+    out = ddpkit.spawn(
+        functools.partial(train, str(tmp_path / "skip"), event=("nan", 1, 5), on_nonfinite="skip"),
+        2,
+    )
     for rank_out in out:  # the same decision on both ranks
         assert rank_out["skipped_steps"] == 1 and rank_out["step"] == 29
         assert all(torch.isfinite(v).all() for v in rank_out["model"].values())
@@ -173,11 +196,13 @@ def test_nonfinite_loss_skip_skips_the_step_everywhere(tmp_path):
 
 
 def test_signal_on_one_rank_saves_and_stops_all_then_resumes_bitwise(tmp_path, reference):
-    # Rank 1 gets SIGUSR1 during step 6; ranks agree every 4 steps, so both save and stop after step 8.
+    # Rank 1 gets SIGUSR1 during step 6; ranks agree every 4 steps, so both save and stop after
+    # step 8.
     job = functools.partial(train, str(tmp_path / "run"), event=("signal", 1, 5), log_every_steps=4)
     stopped = ddpkit.spawn(job, 2)
     assert [o["stopped_by"] for o in stopped] == ["signal", "signal"]
-    assert [o["preempted"] for o in stopped] == [75, 75]  # fit() raised ddpkit.Preempted on both ranks
+    # fit() raised ddpkit.Preempted on both ranks
+    assert [o["preempted"] for o in stopped] == [75, 75]
     assert [o["step"] for o in stopped] == [8, 8]
     assert (tmp_path / "run" / "snapshots" / "step-00000008" / "complete.json").exists()
     final = run(2, tmp_path / "run")
@@ -215,11 +240,16 @@ def _accumulation_job(run_dir: str, grad_accum: int) -> tuple[dict, int]:
 
 def test_gradient_accumulation_matches_a_larger_batch_and_syncs_once_per_step(tmp_path):
     # 24 samples per step either way: one micro-batch of 12 per rank, or four of 3 under no_sync.
-    (big, syncs_big), _ = ddpkit.spawn(functools.partial(_accumulation_job, str(tmp_path / "a"), 1), 2)
-    (acc, syncs_acc), _ = ddpkit.spawn(functools.partial(_accumulation_job, str(tmp_path / "b"), 4), 2)
+    (big, syncs_big), _ = ddpkit.spawn(
+        functools.partial(_accumulation_job, str(tmp_path / "a"), 1), 2
+    )
+    (acc, syncs_acc), _ = ddpkit.spawn(
+        functools.partial(_accumulation_job, str(tmp_path / "b"), 4), 2
+    )
     assert big["step"] == acc["step"] == 10
     assert max_rel_diff(acc, big) < 1e-5
-    assert syncs_acc == syncs_big  # gradients all-reduced once per optimizer step, not once per micro-batch
+    # gradients all-reduced once per optimizer step, not once per micro-batch
+    assert syncs_acc == syncs_big
 
 
 def test_bf16_trains_on_cpu(tmp_path):
@@ -236,18 +266,29 @@ def _start_scale(scale: float):
 
 
 def test_fp16_overflow_steps_are_skipped_alike_on_every_rank_and_resume_bitwise(tmp_path):
-    # A start scale of 2**20 overflows fp16 gradients: the scaler lowers it and those steps are not taken, on
-    # both ranks alike, without being mistaken for a non-finite loss.
+    # A start scale of 2**20 overflows fp16 gradients: the scaler lowers it and those steps are not
+    # taken, on both ranks alike, without being mistaken for a non-finite loss.
     job = functools.partial(train, precision="fp16", epochs=2, trainer_hook=_start_scale(2.0**20))
     whole = ddpkit.spawn(functools.partial(job, str(tmp_path / "whole")), 2)
-    records = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()
+    ]
     overflows = [r for r in records if r.get("event") == "fp16_overflow"]
     assert 0 < len(overflows) < 10 and whole[0]["skipped_steps"] == 0
     assert whole[0]["step"] == 20 - len(overflows) and whole[0]["scale"] < 2.0**20
     assert bitwise_equal(whole[0], whole[1])
     # Stopped and resumed, the scale and its growth tracker come back with the snapshot.
-    run(2, tmp_path / "resumed", max_steps=8, precision="fp16", epochs=2, trainer_hook=_start_scale(2.0**20))
-    resumed = run(2, tmp_path / "resumed", precision="fp16", epochs=2, trainer_hook=_start_scale(2.0**20))
+    run(
+        2,
+        tmp_path / "resumed",
+        max_steps=8,
+        precision="fp16",
+        epochs=2,
+        trainer_hook=_start_scale(2.0**20),
+    )
+    resumed = run(
+        2, tmp_path / "resumed", precision="fp16", epochs=2, trainer_hook=_start_scale(2.0**20)
+    )
     assert resumed["resumed_from"] == 8 and resumed["scale"] == whole[0]["scale"]
     assert bitwise_equal(resumed, whole[0])
 
@@ -257,27 +298,53 @@ def test_early_stopping_and_run_directory(tmp_path):
     assert out["stopped_by"] == "early_stopping" and out["epoch"] < 30
     rundir = tmp_path / "run"
     config = json.loads((rundir / "config.json").read_text())
-    assert config["world_size"] == 2 and config["per_rank_batch"] == 12 and config["early_stopping"]["patience"] == 1
-    kinds = [json.loads(line)["kind"] for line in (rundir / "metrics.jsonl").read_text().splitlines()]
+    assert (
+        config["world_size"] == 2
+        and config["per_rank_batch"] == 12
+        and config["early_stopping"]["patience"] == 1
+    )
+    kinds = [
+        json.loads(line)["kind"] for line in (rundir / "metrics.jsonl").read_text().splitlines()
+    ]
     assert kinds.count("epoch") == out["epoch"]
     rows = (rundir / "epochs.csv").read_text().splitlines()
     assert rows[0].split(",")[:3] == ["epoch", "step", "lr"] and len(rows) == out["epoch"] + 1
     # a rerun resumes the finished state and trains no further
-    again = run(2, tmp_path / "run", epochs=30, early_stopping_patience=1, snapshot_every_steps=None)
+    again = run(
+        2, tmp_path / "run", epochs=30, early_stopping_patience=1, snapshot_every_steps=None
+    )
     assert again["step"] == out["step"] and bitwise_equal(again, out)
 
 
 def test_tensorboard_gets_the_training_and_validation_scalars(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    run(1, tmp_path / "run", epochs=2, early_stopping_patience=5, snapshot_every_steps=None, tensorboard=True)
+    run(
+        1,
+        tmp_path / "run",
+        epochs=2,
+        early_stopping_patience=5,
+        snapshot_every_steps=None,
+        tensorboard=True,
+    )
     events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
     events.Reload()
     scalars = events.Tags()["scalars"]
-    expected = {"train/loss", "lr", "ms_per_step", "samples_per_s", "train/epoch_loss", "epoch_seconds", "val/loss"}
+    expected = {
+        "train/loss",
+        "lr",
+        "ms_per_step",
+        "samples_per_s",
+        "train/epoch_loss",
+        "epoch_seconds",
+        "val/loss",
+    }
     assert expected | {"val/accuracy"} == set(scalars)  # no events, no axes, no per-rank lists
-    assert [e.step for e in events.Scalars("val/loss")] == [10, 20]  # one per epoch, at its last step
-    jsonl = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    # one per epoch, at its last step
+    assert [e.step for e in events.Scalars("val/loss")] == [10, 20]
+    jsonl = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
     train = [r["train/loss"] for r in jsonl if r["kind"] == "train"]
     assert [e.value for e in events.Scalars("train/loss")] == pytest.approx(train)
 
@@ -286,8 +353,12 @@ def _stepped_names() -> list[str]:
     ddpkit.init()
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
     model[0].bias.requires_grad_(False)
-    torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ["1.weight"])
-    optimizer = torch.optim.SGD([*model[0].parameters(), *model[1].parameters(), model[2].weight], lr=0.1)
+    torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+        model, ["1.weight"]
+    )
+    optimizer = torch.optim.SGD(
+        [*model[0].parameters(), *model[1].parameters(), model[2].weight], lr=0.1
+    )
     wrapped = ddpkit.prepare_model(model)
     assert isinstance(wrapped, torch.nn.parallel.DistributedDataParallel)
     names = {id(p): name for name, p in model.named_parameters()}
@@ -295,7 +366,8 @@ def _stepped_names() -> list[str]:
 
 
 def test_the_step_verdict_reads_only_parameters_that_are_stepped_and_all_reduced():
-    # Left out: a frozen bias, a weight DDP ignores (each rank's own gradient), one outside the optimizer.
+    # Left out: a frozen bias, a weight DDP ignores (each rank's own gradient), one outside the
+    # optimizer.
     assert ddpkit.spawn(_stepped_names, 1) == [["0.weight", "1.bias", "2.weight"]]
 
 
@@ -303,18 +375,23 @@ JOB = str(Path(__file__).parents[1] / "scripts" / "train_job.py")
 
 
 @pytest.mark.slow
-def test_a_stop_signal_exits_75_after_the_snapshot_unless_the_script_asks_for_a_return(tmp_path, run_python):
-    # Plain `python train_job.py` (a world of one), SIGUSR1 at step 5, agreed at the end of epoch 1: uncaught Preempted.
+def test_a_stop_signal_exits_75_after_the_snapshot_unless_the_script_asks_for_a_return(
+    tmp_path, run_python
+):
+    # Plain `python train_job.py` (a world of one), SIGUSR1 at step 5, agreed at the end of epoch
+    # 1: uncaught Preempted.
     code = (
         f"import runpy, sys; sys.argv = {[JOB, str(tmp_path / 'run'), '--signal-at', '0', '5']!r}; "
         "runpy.run_path(sys.argv[0], run_name='__main__')"
     )
     stopped = run_python(code)
-    assert stopped.returncode == 75, stopped.stderr[-2000:]  # PREEMPTED_EXIT_CODE: "pre-empted, requeue me"
+    # PREEMPTED_EXIT_CODE: "pre-empted, requeue me"
+    assert stopped.returncode == 75, stopped.stderr[-2000:]
     assert "Traceback" not in stopped.stderr
     assert "stopped by SIGUSR1 after optimizer step 10; the snapshot is saved" in stopped.stdout
     assert (tmp_path / "run" / "snapshots" / "step-00000010" / "complete.json").exists()
-    # Control: asked for, fit() returns as before, and the script ends with 0 as if training were complete.
+    # Control: asked for, fit() returns as before, and the script ends with 0 as if training were
+    # complete.
     code = code.replace("'5']", "'5', '--no-raise-on-stop-signal']")
     returned = run_python(code.replace(str(tmp_path / "run"), str(tmp_path / "run2")))
     assert returned.returncode == 0, returned.stderr[-2000:]
@@ -337,11 +414,18 @@ def test_the_best_weights_are_kept_apart_and_load_outside_ddpkit(tmp_path, capfd
     )
     model.load_state_dict(torch.load(tmp_path / "run" / "best.pt", weights_only=True)["model"])
     best = torch.load(tmp_path / "run" / "best.pt", weights_only=True)
-    assert best["epoch"] == best_epoch and best["metric"] == "val/loss" and best["value"] == pytest.approx(min(losses))
-    # They are the weights of the best epoch's end (its snapshot, still among the newest 3), not the last ones.
+    assert (
+        best["epoch"] == best_epoch
+        and best["metric"] == "val/loss"
+        and best["value"] == pytest.approx(min(losses))
+    )
+    # They are the weights of the best epoch's end (its snapshot, still among the newest 3), not the
+    # last ones.
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    dcp_to_torch_save(tmp_path / "run" / "snapshots" / f"step-{10 * best_epoch:08d}", tmp_path / "best_epoch.pt")
+    dcp_to_torch_save(
+        tmp_path / "run" / "snapshots" / f"step-{10 * best_epoch:08d}", tmp_path / "best_epoch.pt"
+    )
     snapshot = torch.load(tmp_path / "best_epoch.pt", weights_only=True)["model"]
     assert snapshot.keys() == best["model"].keys()
     assert all(torch.equal(best["model"][k], snapshot[k]) for k in snapshot)
@@ -349,14 +433,19 @@ def test_the_best_weights_are_kept_apart_and_load_outside_ddpkit(tmp_path, capfd
     # The summary at the end says which epoch was best and where its weights are.
     printed = capfd.readouterr().out
     assert (
-        f"best val/loss {min(losses):.4g} at epoch {best_epoch}: weights in {tmp_path / 'run' / 'best.pt'}" in printed
+        f"best val/loss {min(losses):.4g} at epoch {best_epoch}: weights in "
+        f"{tmp_path / 'run' / 'best.pt'}" in printed
     )
     assert f"done (early_stopping) after {out['epoch']} epoch(s)" in printed
-    assert header[:5] == ["epoch", "step", "lr", "train/epoch_loss", "val/accuracy"] and "epoch_seconds" in header
+    assert (
+        header[:5] == ["epoch", "step", "lr", "train/epoch_loss", "val/accuracy"]
+        and "epoch_seconds" in header
+    )
 
 
 class _Recorder:
-    """Records every hook the Trainer calls; ends training after epoch 2 by setting ``stopped_by``."""
+    """Records every hook the Trainer calls; ends training after epoch 2 by setting
+    ``stopped_by``."""
 
     def __init__(self) -> None:
         self.calls: list[tuple] = []
@@ -368,7 +457,9 @@ class _Recorder:
         self.calls.append(("step_end", trainer.step, taken))
 
     def on_epoch_end(self, trainer, metrics) -> None:
-        self.calls.append(("epoch_end", metrics["epoch"], metrics["step"], metrics["train/epoch_loss"]))
+        self.calls.append(
+            ("epoch_end", metrics["epoch"], metrics["step"], metrics["train/epoch_loss"])
+        )
         if metrics["epoch"] == 2:
             trainer.stopped_by = "callback"
 
@@ -385,8 +476,13 @@ def _hooked(run_dir: str, max_steps: int | None) -> list[tuple]:
 def test_each_callback_hook_is_called_on_every_rank_in_order(tmp_path):
     calls = ddpkit.spawn(functools.partial(_hooked, str(tmp_path / "run"), 4), 2)
     assert calls[0] == calls[1]  # the same hooks, with the same values, on both ranks
-    assert calls[0] == [("fit_start", 0, 0), *[("step_end", s, True) for s in range(1, 5)], ("fit_end", 4, "max_steps")]
-    # Resumed at step 4: on_fit_start sees the restored position; a callback ends training after epoch 2.
+    assert calls[0] == [
+        ("fit_start", 0, 0),
+        *[("step_end", s, True) for s in range(1, 5)],
+        ("fit_end", 4, "max_steps"),
+    ]
+    # Resumed at step 4: on_fit_start sees the restored position; a callback ends training after
+    # epoch 2.
     calls = ddpkit.spawn(functools.partial(_hooked, str(tmp_path / "run"), None), 2)
     assert calls[0] == calls[1]
     kinds = [c[0] for c in calls[0]]
@@ -397,14 +493,18 @@ def test_each_callback_hook_is_called_on_every_rank_in_order(tmp_path):
 
 
 def _signal_before_fit(trainer) -> None:
-    # Rank 1 gets SIGUSR1 after the Trainer is built and before fit(): held by init(), then acted on by fit().
+    # Rank 1 gets SIGUSR1 after the Trainer is built and before fit(): held by init(), then acted on
+    # by fit().
     if trainer.runtime.rank == 1:
         os.kill(os.getpid(), signal.SIGUSR1)
 
 
 def test_a_stop_signal_before_fit_is_held_and_stops_every_rank_in_fit(tmp_path):
     results = ddpkit.spawn(
-        functools.partial(train, str(tmp_path / "run"), trainer_hook=_signal_before_fit, log_every_steps=4), 2
+        functools.partial(
+            train, str(tmp_path / "run"), trainer_hook=_signal_before_fit, log_every_steps=4
+        ),
+        2,
     )
     for r in results:
         assert r["preempted"] == 75 and r["stopped_by"] == "signal"
@@ -412,7 +512,8 @@ def test_a_stop_signal_before_fit_is_held_and_stops_every_rank_in_fit(tmp_path):
 
 
 class _SignalAfterTheLastAgreement:
-    """SIGUSR1 to rank 1 at the end of the last epoch: after the ranks' last agreement, too late to stop."""
+    """SIGUSR1 to rank 1 at the end of the last epoch: after the ranks' last agreement, too late to
+    stop."""
 
     def on_epoch_end(self, trainer, metrics) -> None:
         if trainer.runtime.rank == 1 and trainer.epoch == trainer.config.epochs:
@@ -428,12 +529,14 @@ def _train_then_pending(run_dir: str) -> tuple[str, str | None]:
 
 
 def test_a_stop_signal_after_the_last_agreement_is_passed_on_not_lost(tmp_path, monkeypatch):
-    """Training ends as planned on both ranks, and rank 1's signal is held for what runs next (a search's next
-    candidate stops at once; a SIGTERM ends the process). Control: with nothing passed on, it is lost."""
+    """Training ends as planned on both ranks, and rank 1's signal is held for what runs next (a
+    search's next candidate stops at once; a SIGTERM ends the process). Control: with nothing passed
+    on, it is lost."""
     results = ddpkit.spawn(functools.partial(_train_then_pending, str(tmp_path / "run")), 2)
     assert results == [("epochs", None), ("epochs", "SIGUSR1")]
     from ddpkit.distributed import _signals as signals
 
-    monkeypatch.setattr(signals, "pass_on", lambda signum: None)  # fork: the children get the patched module
+    # fork: the children get the patched module
+    monkeypatch.setattr(signals, "pass_on", lambda signum: None)
     lost = ddpkit.spawn(functools.partial(_train_then_pending, str(tmp_path / "control")), 2)
     assert lost == [("epochs", None), ("epochs", None)]

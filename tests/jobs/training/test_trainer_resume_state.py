@@ -1,5 +1,6 @@
-"""What a resumed 2-rank job gets back besides the weights: the epoch's training loss so far, each rank's own
-state of its callbacks and of the script's extra_state; and a restarted worker resumes under resume=False."""
+"""What a resumed 2-rank job gets back besides the weights: the epoch's training loss so far, each
+rank's own state of its callbacks and of the script's extra_state; and a restarted worker resumes
+under resume=False."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def run(world: int, run_dir: Path, **kwargs) -> dict:
 
 
 def epoch_losses(run_dir: Path) -> dict[int, float]:
-    """Epoch -> its train/epoch_loss, over every run of ``run_dir`` (each epoch is recorded once)."""
+    """Epoch -> its train/epoch_loss, over every run of ``run_dir`` (each epoch is recorded
+    once)."""
     found = {}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         rec = json.loads(line)
@@ -45,9 +47,11 @@ def test_the_epoch_loss_of_a_run_resumed_inside_an_epoch_is_the_uninterrupted_ru
     stopped = epoch_losses(tmp_path / "stopped")
     print(f"epoch 2: uninterrupted {whole[2]!r}, resumed at step 13 {stopped[2]!r}")
     assert stopped[1] == whole[1] and stopped[3] == whole[3]
-    assert abs(stopped[2] - whole[2]) <= 1e-12 * abs(whole[2])  # agreed as 11-13 + 14-20 instead of 11-20
-    # Resumed from step 12's snapshot, taken between two agreements (as after a crash at step 13): each rank's
-    # losses of steps 11-12 come back, and the agreement at step 20 sums the same values: bitwise.
+    # agreed as 11-13 + 14-20 instead of 11-20
+    assert abs(stopped[2] - whole[2]) <= 1e-12 * abs(whole[2])
+    # Resumed from step 12's snapshot, taken between two agreements (as after a crash at step
+    # 13): each rank's losses of steps 11-12 come back, and the agreement at step 20 sums the same
+    # values: bitwise.
     run(2, tmp_path / "crashed", max_steps=13)
     shutil.rmtree(tmp_path / "crashed" / "snapshots" / "step-00000013")
     final = run(2, tmp_path / "crashed")
@@ -71,7 +75,8 @@ class _RankBest:
         self.started_with = self.best
 
     def on_step_end(self, trainer, taken: bool, output) -> None:
-        value = 1000.0 * trainer.runtime.rank + 100.0 / trainer.step  # decreasing, and each rank's own
+        # decreasing, and each rank's own
+        value = 1000.0 * trainer.runtime.rank + 100.0 / trainer.step
         self.best = min(self.best, value)
 
 
@@ -93,7 +98,8 @@ def _with_state(run_dir: str, keep_state: bool, max_steps: int | None) -> dict:
 
     def carry(trainer) -> None:
         if keep_state:
-            trainer.snapshots.states["rng"].own["extra:hidden"] = hidden  # as extra_state={"hidden": ...} does
+            # as extra_state={"hidden": ...} does
+            trainer.snapshots.states["rng"].own["extra:hidden"] = hidden
 
     class Step:
         def on_step_end(self, trainer, taken: bool, output) -> None:
@@ -106,7 +112,12 @@ def _with_state(run_dir: str, keep_state: bool, max_steps: int | None) -> dict:
             started["h"] = hidden.h.clone()
 
     train(run_dir, max_steps=max_steps, callbacks=[callback, Step(), Start()], trainer_hook=carry)
-    return {"best": callback.best, "started_with": callback.started_with, "h": hidden.h, "h0": started["h"]}
+    return {
+        "best": callback.best,
+        "started_with": callback.started_with,
+        "h": hidden.h,
+        "h0": started["h"],
+    }
 
 
 def test_each_rank_gets_its_own_callback_and_extra_state_back_on_resume(tmp_path):
@@ -132,15 +143,23 @@ def test_extra_state_and_stateful_callbacks_are_named_and_checked(tmp_path):
 
     model = torch.nn.Linear(3, 2)
     data = torch.utils.data.TensorDataset(torch.randn(8, 3), torch.zeros(8, dtype=torch.long))
-    config = TrainerConfig(run_dir=str(tmp_path), batch_size=4, num_workers=0, logging=LoggingConfig(progress=False))
+    config = TrainerConfig(
+        run_dir=str(tmp_path), batch_size=4, num_workers=0, logging=LoggingConfig(progress=False)
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ConfigError, match=r"extra_state\['h'\] is a Tensor, which has no state_dict\(\)"):
+    with pytest.raises(
+        ConfigError, match=r"extra_state\['h'\] is a Tensor, which has no state_dict\(\)"
+    ):
         ddpkit.Trainer(model, optimizer, data, config, extra_state={"h": torch.zeros(2)})
     twins = [_RankBest(True), _RankBest(True)]
-    with pytest.raises(ConfigError, match="two callbacks keep their state under 'callback:_RankBest'"):
+    with pytest.raises(
+        ConfigError, match="two callbacks keep their state under 'callback:_RankBest'"
+    ):
         ddpkit.Trainer(model, optimizer, data, config, callbacks=twins)
     twins[1].state_key = "second"
-    trainer = ddpkit.Trainer(model, optimizer, data, config, callbacks=twins, extra_state={"h": _Hidden()})
+    trainer = ddpkit.Trainer(
+        model, optimizer, data, config, callbacks=twins, extra_state={"h": _Hidden()}
+    )
     assert set(trainer.snapshots.states["rng"].own) == {
         "loss_window",
         "callback:_RankBest",
@@ -156,39 +175,52 @@ REPO = Path(__file__).parents[3]
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_restarted_worker_resumes_its_own_run_under_resume_false(tmp_path):
-    # The job asks for a fresh start (resume=False); rank 0 is SIGKILLed at step 7 of its first attempt, and
-    # the restarted workers must go on from the snapshot at step 6, not move it aside and train from step 0.
+    # The job asks for a fresh start (resume=False); rank 0 is SIGKILLed at step 7 of its first
+    # attempt, and the restarted workers must go on from the snapshot at step 6, not move it aside
+    # and train from step 0.
     script = tmp_path / "fresh_job.py"
     script.write_text(
-        f"import sys\nsys.path.insert(0, {str(REPO)!r})\nimport ddpkit\n"
-        "from tests.jobs.scripts.train_job import train\n"
-        f"train({str(tmp_path / 'run')!r}, resume=False, kill_rank=0, kill_step=7, kill_after_write=True, out={str(tmp_path / 'out.pt')!r})\n"
-        "ddpkit.shutdown()\n"
+        f"import sys\nsys.path.insert(0, {str(REPO)!r})\nimport ddpkit\nfrom "
+        f"tests.jobs.scripts.train_job import train\ntrain({str(tmp_path / 'run')!r}, "
+        "resume=False, kill_rank=0, kill_step=7, kill_after_write=True, "
+        f"out={str(tmp_path / 'out.pt')!r})\nddpkit.shutdown()\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # the launcher's own choice
+    # the launcher's own choice
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     proc = launch(script, nproc=2, launcher_args=("--max-restarts", "1"), env=env, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     final = torch.load(tmp_path / "out.pt", weights_only=False)
-    assert final["attempt"] == 1 and final["resumed_from"] == 6, (final["attempt"], final["resumed_from"])
+    assert final["attempt"] == 1 and final["resumed_from"] == 6, (
+        final["attempt"],
+        final["resumed_from"],
+    )
     assert bitwise_equal(final, run(2, tmp_path / "reference"))
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_the_epoch_loss_after_a_resume_from_memory_is_the_uninterrupted_runs(tmp_path, job_env, plain_reference):  # noqa: F811
-    # Copies in memory after every step, none on disk: rank 1 is SIGKILLed just after step 13 (in step 14, or
-    # in a copy); the copy resumed from holds each rank's losses since step 10's agreement (not yet agreed on),
-    # and the agreement at step 20 sums the same values.
-    final, _ = run_job(tmp_path, "killed", "--kill-rank", "1", "--kill-after-step", "13", env=job_env)
+def test_the_epoch_loss_after_a_resume_from_memory_is_the_uninterrupted_runs(
+    tmp_path, job_env, plain_reference
+):  # noqa: F811
+    # Copies in memory after every step, none on disk: rank 1 is SIGKILLed just after step 13 (in
+    # step 14, or in a copy); the copy resumed from holds each rank's losses since step 10's
+    # agreement (not yet agreed on), and the agreement at step 20 sums the same values.
+    final, _ = run_job(
+        tmp_path, "killed", "--kill-rank", "1", "--kill-after-step", "13", env=job_env
+    )
     assert final["attempt"] == 1 and 10 < final["resumed_from"] < 20, final["resumed_from"]
     whole = epoch_losses(plain_reference / "reference")
     killed = epoch_losses(tmp_path / "killed")
-    print(f"epoch 2: uninterrupted {whole[2]!r}, resumed at step {final['resumed_from']} {killed[2]!r}")
+    print(
+        f"epoch 2: uninterrupted {whole[2]!r}, resumed at step {final['resumed_from']} "
+        f"{killed[2]!r}"
+    )
     assert killed == whole
 
 
 class _Generator(torch.nn.Linear):
-    """A second model kept in ``extra_state`` (a GAN's generator): stepped by a callback, alike on every rank."""
+    """A second model kept in ``extra_state`` (a GAN's generator): stepped by a callback, alike on
+    every rank."""
 
     def __init__(self) -> None:
         super().__init__(2, 2)
@@ -219,7 +251,9 @@ def _second_model(run_dir: str, max_steps: int | None, new_rank_state: str) -> d
         logging=LoggingConfig(progress=False),
     )  # fmt: skip
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    trainer = ddpkit.Trainer(model, optimizer, data, config, callbacks=[StepG()], extra_state={"g": g})
+    trainer = ddpkit.Trainer(
+        model, optimizer, data, config, callbacks=[StepG()], extra_state={"g": g}
+    )
     try:
         trainer.fit()
     except ConfigError as err:
@@ -239,12 +273,18 @@ def _stop_at_two_then(tmp_path: Path, policy: str) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_resume_at_more_ranks_refuses_copies_or_freshens_a_ranks_own_state_never_silently(tmp_path):
-    # Refused by default, on every rank alike (a refusal on the new rank alone would leave the others waiting).
+def test_a_resume_at_more_ranks_refuses_copies_or_freshens_a_ranks_own_state_never_silently(
+    tmp_path,
+):
+    # Refused by default, on every rank alike (a refusal on the new rank alone would leave the
+    # others waiting).
     refused = _stop_at_two_then(tmp_path, "refuse")
-    assert all("ranks 2..2 have no state of their own for ['extra:g']" in r["refused"] for r in refused), refused
+    assert all(
+        "ranks 2..2 have no state of their own for ['extra:g']" in r["refused"] for r in refused
+    ), refused
     assert all("new_rank_state='copy'" in r["refused"] for r in refused)
-    # copy: the new rank starts from rank 0's generator, as ranks 0 and 1 start from their own (3 steps).
+    # copy: the new rank starts from rank 0's generator, as ranks 0 and 1 start from their own (3
+    # steps).
     copied = _stop_at_two_then(tmp_path, "copy")
     assert all(torch.equal(c["started"], torch.full((2, 2), 3.0)) for c in copied)
     # fresh: the new rank keeps the generator as built, and says so.
@@ -257,7 +297,9 @@ def test_a_resume_at_more_ranks_refuses_copies_or_freshens_a_ranks_own_state_nev
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_control_without_the_policy_the_new_rank_trains_another_generator_silently(tmp_path, monkeypatch):
+def test_control_without_the_policy_the_new_rank_trains_another_generator_silently(
+    tmp_path, monkeypatch
+):
     # The resume as it was: a rank beyond the old world started its part afresh and nobody was told.
     from ddpkit.snapshot._state import RankStreams
 
@@ -265,7 +307,8 @@ def test_control_without_the_policy_the_new_rank_trains_another_generator_silent
     monkeypatch.setattr(RankStreams, "__init__", _silent(RankStreams.__init__))
     resumed = _stop_at_two_then(tmp_path, "refuse")
     assert "refused" not in resumed[2]
-    assert not torch.equal(resumed[2]["started"], resumed[0]["started"])  # two generators from here on
+    # two generators from here on
+    assert not torch.equal(resumed[2]["started"], resumed[0]["started"])
 
 
 def _silent(init):

@@ -24,15 +24,22 @@ def records(run_dir: Path, kind: str) -> list[dict]:
 
 
 def val_by_step(run_dir: Path) -> dict[int, dict]:
-    """The ``val`` records by step; a step validated again after a resume keeps its last record (the values
-    must be the same: the test compares them with an uninterrupted run's)."""
+    """The ``val`` records by step; a step validated again after a resume keeps its last record (the
+    values must be the same: the test compares them with an uninterrupted run's)."""
     return {r["step"]: {k: v for k, v in r.items() if k != "time"} for r in records(run_dir, "val")}
 
 
 def launch(tmp: Path, name: str, *job_args: str) -> dict:
     """The test job on 2 ranks under ``ddpkit run`` (restarts allowed); rank 0's final state."""
     (tmp / f"{name}-marks").mkdir()
-    job = (str(tmp / name), "--sample-log", str(tmp / f"{name}-marks"), "--out", str(tmp / f"{name}.pt"), *job_args)
+    job = (
+        str(tmp / name),
+        "--sample-log",
+        str(tmp / f"{name}-marks"),
+        "--out",
+        str(tmp / f"{name}.pt"),
+        *job_args,
+    )
     proc = run_job(JOB, *job, launcher_args=("--max-restarts", "1"), timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(tmp / f"{name}.pt", weights_only=False)
@@ -46,30 +53,38 @@ def _best(run_dir: Path) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)  # three 2-rank jobs of up to 60 steps under ddpkit run: 1-2 minutes, more under load
-def test_a_killed_run_validates_at_the_same_steps_and_picks_the_same_best_as_an_uninterrupted_one(tmp_path):
+# three 2-rank jobs of up to 60 steps under ddpkit run: 1-2 minutes, more under load
+@pytest.mark.timeout(600)
+def test_a_killed_run_validates_at_the_same_steps_and_picks_the_same_best_as_an_uninterrupted_one(
+    tmp_path,
+):
     whole = launch(tmp_path, "whole", *VAL)
     expected = val_by_step(tmp_path / "whole")
-    assert sorted(expected) == list(range(3, whole["step"] + 1, 3))  # every 3 steps, across epoch ends
+    # every 3 steps, across epoch ends
+    assert sorted(expected) == list(range(3, whole["step"] + 1, 3))
     assert whole["stopped_by"] == "early_stopping" and whole["step"] < 60
     best = _best(tmp_path / "whole")
     losses = {step: r["val/loss"] for step, r in expected.items()}
-    assert best["step"] == min(losses, key=losses.__getitem__) and best["value"] == min(losses.values())
+    assert best["step"] == min(losses, key=losses.__getitem__) and best["value"] == min(
+        losses.values()
+    )
     assert whole["step"] == best["step"] + 2 * 3  # two validations without improvement
-    # Killed (SIGKILL, rank 1) right after the first validation without improvement and its step's snapshot
-    # were written: the restart resumes from that step, with that validation counted.
+    # Killed (SIGKILL, rank 1) right after the first validation without improvement and its step's
+    # snapshot were written: the restart resumes from that step, with that validation counted.
     kill = ("--kill-rank", "1", "--kill-step", str(best["step"] + 3), "--kill-after-write")
     killed = launch(tmp_path, "killed", *VAL, *kill)
     assert list((tmp_path / "killed-marks").glob("killed-*")) and killed["attempt"] == 1
     assert killed["resumed_from"] == best["step"] + 3
     assert val_by_step(tmp_path / "killed") == expected
     killed_best = _best(tmp_path / "killed")
-    assert {k: v for k, v in killed_best.items() if k != "model"} == {k: v for k, v in best.items() if k != "model"}
+    assert {k: v for k, v in killed_best.items() if k != "model"} == {
+        k: v for k, v in best.items() if k != "model"
+    }
     assert all(torch.equal(killed_best["model"][k], v) for k, v in best["model"].items())
     assert killed["stopped_by"] == "early_stopping" and killed["step"] == whole["step"]
     assert bitwise_equal(killed, whole)
-    # Control: a resume that leaves early stopping's state out forgets the validation without improvement
-    # before the kill, and stops later than the uninterrupted run.
+    # Control: a resume that leaves early stopping's state out forgets the validation without
+    # improvement before the kill, and stops later than the uninterrupted run.
     control = launch(tmp_path, "control", *VAL, *kill, "--drop", "early_stopping")
     assert control["resumed_from"] == best["step"] + 3 and control["step"] > whole["step"]
     assert val_by_step(tmp_path / "control") != expected
@@ -85,18 +100,28 @@ def _strict_load(path: Path):
 
 @pytest.mark.parametrize(
     "strategy",
-    ["ddp", pytest.param("zero", marks=pytest.mark.slow), pytest.param("fsdp", marks=pytest.mark.slow)],
+    [
+        "ddp",
+        pytest.param("zero", marks=pytest.mark.slow),
+        pytest.param("fsdp", marks=pytest.mark.slow),
+    ],
 )
 def test_the_final_and_best_weights_files_load_strictly_into_a_plain_model(tmp_path, strategy):
     pytest.importorskip("safetensors")
     out = ddpkit.spawn(
         functools.partial(
-            train, str(tmp_path / "run"), epochs=1, val_every_steps=4, strategy=strategy, global_dropout=True
+            train,
+            str(tmp_path / "run"),
+            epochs=1,
+            val_every_steps=4,
+            strategy=strategy,
+            global_dropout=True,
         ),
         2,
     )[0]
     run_dir = tmp_path / "run"
-    trained = out["model"]  # ddp: the unwrapped model's state; zero and fsdp: gathered from every rank
+    # ddp: the unwrapped model's state; zero and fsdp: gathered from every rank
+    trained = out["model"]
     model = _strict_load(run_dir / "final.safetensors")
     assert model.state_dict().keys() == trained.keys()
     assert all(torch.equal(model.state_dict()[k], trained[k]) for k in trained)
@@ -133,12 +158,17 @@ def test_on_step_end_gets_the_ranks_own_loss_the_lr_and_the_global_grad_norm(tmp
     assert [o["step"] for o in r0] == list(range(1, 11)) and all(o["taken"] for o in r0)
     train_records = {r["step"]: r for r in records(tmp_path / "run", "train")}
     for a, b in zip(r0, r1):
-        # Each rank's loss is its own (no collective): they differ, and their sample-weighted mean is the
-        # agreed mean the train record holds (logged every step here).
+        # Each rank's loss is its own (no collective): they differ, and their sample-weighted mean
+        # is the agreed mean the train record holds (logged every step here).
         total = a["samples"] + b["samples"]
         agreed = train_records[a["step"]]["train/loss"]
-        assert (a["loss"] * a["samples"] + b["loss"] * b["samples"]) / total == pytest.approx(agreed, rel=1e-12)
+        assert (a["loss"] * a["samples"] + b["loss"] * b["samples"]) / total == pytest.approx(
+            agreed, rel=1e-12
+        )
         assert a["loss"] != b["loss"]
-        # The lr the step used (StepLR(4, 0.7) stepped after each step), and the global norm: the same on both.
+        # The lr the step used (StepLR(4, 0.7) stepped after each step), and the global norm: the
+        # same on both.
         assert a["lr"] == b["lr"] == pytest.approx(0.05 * 0.7 ** ((a["step"] - 1) // 4))
-        assert a["grad_norm"] == b["grad_norm"] == pytest.approx(train_records[a["step"]]["grad_norm"])
+        assert (
+            a["grad_norm"] == b["grad_norm"] == pytest.approx(train_records[a["step"]]["grad_norm"])
+        )

@@ -1,5 +1,6 @@
-"""Bad input to ``ddpkit plot``, ``bench`` and ``sbatch``: one line naming the option, exit code 2, no traceback,
-and nothing written where it should not be. ``sbatch --dry-run`` writes the batch script without submitting."""
+"""Bad input to ``ddpkit plot``, ``bench`` and ``sbatch``: one line naming the option, exit code 2,
+no traceback, and nothing written where it should not be. ``sbatch --dry-run`` writes the batch
+script without submitting."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ HELLO = str(Path(__file__).parents[2] / "jobs" / "scripts" / "hello.py")
 
 
 def ddpkit(argv: list[str], capsys) -> tuple[int, str, str]:
-    """``ddpkit ARGV`` in this process: (exit code, stdout, stderr). An exception escaping is a traceback."""
+    """``ddpkit ARGV`` in this process: (exit code, stdout, stderr). An exception escaping is a
+    traceback."""
     try:
         code = cli.main(argv)
     except SystemExit as stop:  # argparse's own errors
@@ -38,7 +40,10 @@ def refused(argv: list[str], capsys, option: str) -> str:
 def _run_dir(path: Path, metrics: bytes | str | None = None) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     if metrics is None:
-        records = [{"kind": "train", "step": s, "time": 0.0, "train/loss": 1.0 / s, "lr": 0.1} for s in (1, 2, 3)]
+        records = [
+            {"kind": "train", "step": s, "time": 0.0, "train/loss": 1.0 / s, "lr": 0.1}
+            for s in (1, 2, 3)
+        ]
         metrics = "".join(json.dumps(r) + "\n" for r in records)
     if isinstance(metrics, str):
         metrics = metrics.encode()
@@ -47,13 +52,21 @@ def _run_dir(path: Path, metrics: bytes | str | None = None) -> Path:
 
 
 PLOT_CASES = {
-    "binary metrics.jsonl": (lambda d: _run_dir(d, b"\x89PNG\r\n\x1a\n\x00\xff\xfe"), [], "not UTF-8 text"),
+    "binary metrics.jsonl": (
+        lambda d: _run_dir(d, b"\x89PNG\r\n\x1a\n\x00\xff\xfe"),
+        [],
+        "not UTF-8 text",
+    ),
     "record without a step": (
         lambda d: _run_dir(d, '{"kind": "train", "train/loss": 0.5}\n'),
         [],
         "line 1: a 'train' record without an integer 'step'",
     ),
-    "metrics.jsonl a folder": (lambda d: (d / "metrics.jsonl").mkdir(parents=True) or d, [], "is not a file"),
+    "metrics.jsonl a folder": (
+        lambda d: (d / "metrics.jsonl").mkdir(parents=True) or d,
+        [],
+        "is not a file",
+    ),
     "-o into a missing folder": (_run_dir, ["-o", "{tmp}/missing/curves.png"], "-o"),
     "-o unknown extension": (_run_dir, ["-o", "{tmp}/curves.xyz"], "-o"),
     "-o without extension": (_run_dir, ["-o", "{tmp}/curves"], "-o"),
@@ -67,11 +80,14 @@ def test_plot_refuses_bad_input_in_one_line(tmp_path, capsys, case):
     (tmp_path / "outdir").mkdir()
     run_dir = make(tmp_path / "run")
     refused(["plot", str(run_dir), *(o.format(tmp=tmp_path) for o in options)], capsys, expected)
-    # Nothing written: not the default image, not matplotlib's "<name>.png" next to a folder or a bare name.
+    # Nothing written: not the default image, not matplotlib's "<name>.png" next to a folder or a
+    # bare name.
     assert not list(tmp_path.rglob("*.png")) and not list(tmp_path.rglob("*.xyz"))
 
 
-def test_plot_writes_the_format_of_its_extension_and_replaces_a_link_without_following_it(tmp_path, capsys):
+def test_plot_writes_the_format_of_its_extension_and_replaces_a_link_without_following_it(
+    tmp_path, capsys
+):
     run_dir = _run_dir(tmp_path / "run")
     for name, magic in (("curves.svg", b"<?xml"), ("curves.pdf", b"%PDF")):
         code, out, err = ddpkit(["plot", str(run_dir), "-o", str(tmp_path / name)], capsys)
@@ -82,7 +98,9 @@ def test_plot_writes_the_format_of_its_extension_and_replaces_a_link_without_fol
     (run_dir / "curves.png").symlink_to(victim)
     assert ddpkit(["plot", str(run_dir)], capsys)[0] == 0
     assert victim.read_text() == "untouched"
-    assert (run_dir / "curves.png").read_bytes()[:4] == b"\x89PNG" and not (run_dir / "curves.png").is_symlink()
+    assert (run_dir / "curves.png").read_bytes()[:4] == b"\x89PNG" and not (
+        run_dir / "curves.png"
+    ).is_symlink()
 
 
 BENCH_CASES = {
@@ -117,8 +135,11 @@ def test_bench_refuses_bad_input_before_any_rank_starts(tmp_path, capsys, no_mea
     assert (tmp_path / "earlier" / "bench.json").read_text() == '{"earlier": true}'
 
 
-def test_bench_accepts_a_new_folder_and_earlier_results_with_overwrite(tmp_path, capsys, no_measuring):
-    # Control for the refusals above: the same options pass the checks and reach the measuring (refused here).
+def test_bench_accepts_a_new_folder_and_earlier_results_with_overwrite(
+    tmp_path, capsys, no_measuring
+):
+    # Control for the refusals above: the same options pass the checks and reach the measuring
+    # (refused here).
     (tmp_path / "earlier").mkdir()
     (tmp_path / "earlier" / "bench.json").write_text("{}")
     for options in (
@@ -138,12 +159,18 @@ SBATCH_CASES = {
     "newline in --partition": (["--partition", "cpu\nrm -rf ~"], "--partition"),
     "newline in --account": (["--account", "acct\ntouch /tmp/pwned"], "--account"),
     "newline in --job-name": (["--job-name", "x\ntouch /tmp/pwned"], "--job-name"),
-    "newline in --sbatch-option": (["--sbatch-option=--mem=1G\ntouch /tmp/pwned"], "--sbatch-option"),
+    "newline in --sbatch-option": (
+        ["--sbatch-option=--mem=1G\ntouch /tmp/pwned"],
+        "--sbatch-option",
+    ),
     "carriage return in --time": (["--time", "10\r"], "--time"),
     "--job-name with a path": (["--job-name", "../../x"], "--job-name"),
     "--partition with a space": (["--partition", "cpu gpu"], "--partition"),
     "--signal-lead past --time": (["--time", "1", "--signal-lead", "600"], "--signal-lead 600"),
-    "--signal-lead past --time MM:SS": (["--time", "5:00", "--signal-lead", "300"], "--signal-lead 300"),
+    "--signal-lead past --time MM:SS": (
+        ["--time", "5:00", "--signal-lead", "300"],
+        "--signal-lead 300",
+    ),
     "--time not SLURM's": (["--time", "1:2:3:4"], "--time"),
     "--output-dir a file": (["--output-dir", "{tmp}/afile"], "--output-dir"),
     "--output-dir not UTF-8": (["--output-dir", os.fsdecode(b"{tmp}/logs-\xff")], "--output-dir"),
@@ -156,12 +183,17 @@ def test_sbatch_refuses_bad_input_in_one_line_and_writes_nothing(tmp_path, capsy
     (tmp_path / "afile").write_text("not a folder")
     refused(sbatch(tmp_path, *(o.format(tmp=tmp_path) for o in options)), capsys, expected)
     written = [p for p in tmp_path.rglob("*") if p.name != "afile"]
-    assert written == [] and not Path("/tmp/pwned").exists() and not (tmp_path.parent / "x.sbatch").exists()
+    assert (
+        written == []
+        and not Path("/tmp/pwned").exists()
+        and not (tmp_path.parent / "x.sbatch").exists()
+    )
 
 
 def _sbatch_arguments(line: str) -> list[str]:
-    """The arguments sbatch reads from an #SBATCH line: split at unquoted spaces, quotes group, a backslash
-    escapes the next character, an unquoted # ends the line (SLURM's src/sbatch/opt.c, _get_argument)."""
+    """The arguments sbatch reads from an #SBATCH line: split at unquoted spaces, quotes group, a
+    backslash escapes the next character, an unquoted # ends the line (SLURM's src/sbatch/opt.c,
+    _get_argument)."""
     args, current, quote, escape, started = [], "", "", False, False
     for char in line.removeprefix("#SBATCH"):
         if escape:
@@ -208,7 +240,8 @@ def test_sbatch_quotes_an_output_folder_sbatch_and_bash_read_back(tmp_path, caps
     script = out / "hello.sbatch"
     text = script.read_text()
     (output,) = [line for line in text.splitlines() if line.startswith("#SBATCH --output")]
-    # As SLURM reads it: one argument, the folder with its own % doubled (SLURM's %% is a literal %).
+    # As SLURM reads it: one argument, the folder with its own % doubled (SLURM's %% is a literal
+    # %).
     assert _sbatch_arguments(output) == [f"--output={str(out).replace('%', '%%')}/%x-%j.out"]
     # Every #SBATCH line comes before the first command, and bash parses the script.
     lines = text.splitlines()
@@ -222,9 +255,13 @@ def test_sbatch_quotes_an_output_folder_sbatch_and_bash_read_back(tmp_path, caps
 def test_sbatch_default_job_name_from_an_odd_script_name_is_safe(tmp_path, capsys):
     script = tmp_path / "my train (v2).py"
     script.write_text("print('hi')\n")
-    code, stdout, err = ddpkit(["sbatch", "--dry-run", "--output-dir", str(tmp_path / "logs"), str(script)], capsys)
+    code, stdout, err = ddpkit(
+        ["sbatch", "--dry-run", "--output-dir", str(tmp_path / "logs"), str(script)], capsys
+    )
     assert code == 0, err
-    assert (tmp_path / "logs" / "my_train__v2_.sbatch").read_text().count("#SBATCH --job-name=my_train__v2_\n") == 1
+    assert (tmp_path / "logs" / "my_train__v2_.sbatch").read_text().count(
+        "#SBATCH --job-name=my_train__v2_\n"
+    ) == 1
 
 
 LONG = "a" * 300
@@ -247,7 +284,9 @@ LONG = "a" * 300
         (["sbatch", "--dry-run", LONG + ".py"], "script"),
     ],
 )
-def test_hostile_values_are_one_line_errors_naming_the_option(argv, option, tmp_path, monkeypatch, capsys):
+def test_hostile_values_are_one_line_errors_naming_the_option(
+    argv, option, tmp_path, monkeypatch, capsys
+):
     monkeypatch.chdir(tmp_path)
     refused(argv, capsys, option)
 
@@ -260,14 +299,26 @@ def test_plot_output_name_too_long_is_one_line(tmp_path, capsys):
 def test_a_secret_that_is_not_text_is_one_line_naming_the_variable(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("DDPKIT_RDZV_SECRET", os.fsdecode(b"\xff" * 40))  # bytes that are not UTF-8
-    refused(["run", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29461", HELLO], capsys, "DDPKIT_RDZV_SECRET")
+    refused(
+        ["run", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29461", HELLO],
+        capsys,
+        "DDPKIT_RDZV_SECRET",
+    )
 
 
 @pytest.mark.parametrize(
-    "kind", ["fifo", *(pytest.param(k, marks=pytest.mark.slow) for k in ("folder", "/proc/self/mem", "/dev/zero"))]
+    "kind",
+    [
+        "fifo",
+        *(
+            pytest.param(k, marks=pytest.mark.slow)
+            for k in ("folder", "/proc/self/mem", "/dev/zero")
+        ),
+    ],
 )
 def test_a_secret_file_that_is_not_a_regular_file_is_refused_at_once(tmp_path, kind):
-    """A FIFO used to block the launch forever, waiting for a writer: a real process, with a timeout."""
+    """A FIFO used to block the launch forever, waiting for a writer: a real process, with a
+    timeout."""
     path = tmp_path / "secret"
     if kind == "fifo":
         os.mkfifo(path, 0o600)
@@ -275,9 +326,22 @@ def test_a_secret_file_that_is_not_a_regular_file_is_refused_at_once(tmp_path, k
         path.mkdir(mode=0o700)
     else:
         path = Path(kind)
-    argv = ["run", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29462", "--rdzv-secret-file", str(path), HELLO]
+    argv = [
+        "run",
+        "--nnodes",
+        "2",
+        "--rdzv-endpoint",
+        "127.0.0.1:29462",
+        "--rdzv-secret-file",
+        str(path),
+        HELLO,
+    ]
     out = subprocess.run(
-        [sys.executable, "-m", "ddpkit.cli", *argv], capture_output=True, text=True, timeout=60, cwd=tmp_path
+        [sys.executable, "-m", "ddpkit.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
     )
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1 and "--rdzv-secret-file" in lines[0], out.stderr

@@ -1,9 +1,11 @@
-"""Every option of every ``ddpkit`` command, and every ``DDPKIT_*`` variable ddpkit reads, fed hostile values.
+"""Every option of every ``ddpkit`` command, and every ``DDPKIT_*`` variable ddpkit reads, fed
+hostile values.
 
-The options are found from the parsers themselves (argparse's ``_actions``), so a new option is fuzzed without a
-change here. Each value must be refused with a usage error naming the option (exit code 2, the error on one
-line, no traceback) within seconds, or accepted: a stand-in for the work each command would start (torchrun,
-the measurement, the comparison) stops the command once its options are checked. A traceback or a hang fails.
+The options are found from the parsers themselves (argparse's ``_actions``), so a new option is
+fuzzed without a change here. Each value must be refused with a usage error naming the option (exit
+code 2, the error on one line, no traceback) within seconds, or accepted: a stand-in for the work
+each command would start (torchrun, the measurement, the comparison) stops the command once its
+options are checked. A traceback or a hang fails.
 """
 
 from __future__ import annotations
@@ -54,16 +56,24 @@ def _value_options(parser: argparse.ArgumentParser) -> list[str]:
     return [
         action.option_strings[-1]
         for action in parser._actions
-        if action.option_strings and action.nargs != 0 and not isinstance(action, argparse._HelpAction)
+        if action.option_strings
+        and action.nargs != 0
+        and not isinstance(action, argparse._HelpAction)
     ]
 
 
 # What each command needs besides the fuzzed option, so that only that option is wrong.
-POSITIONALS = {"run": [HELLO], "sbatch": ["--dry-run", HELLO], "plot": ["{run_dir}"], "bench": [], "check": []}
+POSITIONALS = {
+    "run": [HELLO],
+    "sbatch": ["--dry-run", HELLO],
+    "plot": ["{run_dir}"],
+    "bench": [],
+    "check": [],
+}
 
 
-# Options whose value is a name, which a run of 30 digits may well be; every other option is a number or a
-# choice, and must refuse 10^30 - 1.
+# Options whose value is a name, which a run of 30 digits may well be; every other option is a
+# number or a choice, and must refuse 10^30 - 1.
 NAMES = {
     ("run", "--log-dir"),
     ("run", "--rdzv-id"),
@@ -100,7 +110,8 @@ def hostile_values(tmp_path: Path) -> dict[str, str]:
 
 @pytest.fixture
 def stand_ins(monkeypatch, tmp_path):
-    """Stop each command where its work would start; restore what ``ddpkit run`` sets in this process."""
+    """Stop each command where its work would start; restore what ``ddpkit run`` sets in this
+    process."""
     import ddpkit._launch.launcher as launcher
     import ddpkit.tools._bench as bench
     import ddpkit.tools._check as check
@@ -112,7 +123,8 @@ def stand_ins(monkeypatch, tmp_path):
     monkeypatch.setattr(launcher.proctree, "become_subreaper", lambda: False)
     monkeypatch.setattr(bench, "run_bench", accepted)
     monkeypatch.setattr(check, "run_check", accepted)
-    monkeypatch.setenv("DDPKIT_RDZV_SECRET", "0123456789abcdef" * 4)  # so that an endpoint is looked at
+    # so that an endpoint is looked at
+    monkeypatch.setenv("DDPKIT_RDZV_SECRET", "0123456789abcdef" * 4)
     monkeypatch.chdir(tmp_path)
     saved = dict(os.environ)
     yield
@@ -125,7 +137,8 @@ def _alarm(signum, frame):
 
 
 def _outcome(argv: list[str], capsys) -> tuple[str, int | None, str]:
-    """('accepted' | 'refused' | 'crashed: ...', exit code, stderr) of ``ddpkit ARGV`` in this process."""
+    """('accepted' | 'refused' | 'crashed: ...', exit code, stderr) of ``ddpkit ARGV`` in this
+    process."""
     previous = signal.signal(signal.SIGALRM, _alarm)
     signal.alarm(SECONDS)
     code: int | None = None
@@ -164,7 +177,9 @@ def test_every_option_refuses_hostile_values_in_one_line_or_accepts_them(
     assert options, command
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    (run_dir / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "time": 0.0, "train/loss": 1.0}\n')
+    (run_dir / "metrics.jsonl").write_text(
+        '{"kind": "train", "step": 1, "time": 0.0, "train/loss": 1.0}\n'
+    )
     rest = [a.replace("{run_dir}", str(run_dir)) for a in POSITIONALS[command]]
     problems = []
     for option in options:
@@ -172,7 +187,8 @@ def test_every_option_refuses_hostile_values_in_one_line_or_accepts_them(
             started, environ = time.monotonic(), dict(os.environ)
             kind, code, err = _outcome([command, option, value, *rest], capsys)
             took = time.monotonic() - started
-            os.environ.clear()  # `ddpkit run` sets its workers' variables here, and drops the secret
+            # `ddpkit run` sets its workers' variables here, and drops the secret
+            os.environ.clear()
             os.environ.update(environ)
             lines = err.strip().splitlines()
             names = _option_names(option, parser)
@@ -181,11 +197,15 @@ def test_every_option_refuses_hostile_values_in_one_line_or_accepts_them(
             elif kind == "refused" and not (
                 code == 2 and lines and "error:" in lines[-1] and any(n in lines[-1] for n in names)
             ):
-                problems.append(f"{option} {name}: exit {code}, not one line naming the option: {err[-300:]!r}")
+                problems.append(
+                    f"{option} {name}: exit {code}, not one line naming the option: {err[-300:]!r}"
+                )
             elif took > SECONDS:
                 problems.append(f"{option} {name}: took {took:.1f} s")
             elif kind == "accepted" and name == "huge" and (command, option) not in NAMES:
-                problems.append(f"{option} {name}: accepted 10^30 - 1, which no count or duration should be")
+                problems.append(
+                    f"{option} {name}: accepted 10^30 - 1, which no count or duration should be"
+                )
     assert not problems, "\n".join(problems)
 
 
@@ -211,7 +231,9 @@ def test_every_positional_argument_refuses_hostile_values_in_one_line_or_accepts
         if kind.startswith("crashed") or "Traceback" in err:
             problems.append(f"{positionals[0].dest} {name}: {kind} {err[-300:]}")
         elif kind == "refused" and not (code == 2 and lines and "error:" in lines[-1]):
-            problems.append(f"{positionals[0].dest} {name}: exit {code}, not a one-line error: {err[-300:]!r}")
+            problems.append(
+                f"{positionals[0].dest} {name}: exit {code}, not a one-line error: {err[-300:]!r}"
+            )
         elif took > SECONDS:
             problems.append(f"{positionals[0].dest} {name}: took {took:.1f} s")
     assert not problems, "\n".join(problems)
@@ -225,8 +247,9 @@ def _variables_read() -> set[str]:
     return found
 
 
-# Variables the launcher sets for its workers and reads back there; a user who sets them sets them for a
-# worker, and ddpkit.init() checks them (DDPKIT_COLLECTIVE_TIMEOUT) or uses them as paths it owns.
+# Variables the launcher sets for its workers and reads back there; a user who sets them sets them
+# for a worker, and ddpkit.init() checks them (DDPKIT_COLLECTIVE_TIMEOUT) or uses them as paths it
+# owns.
 def test_the_environment_variables_are_known(capsys):
     assert {"DDPKIT_RDZV_SECRET", "DDPKIT_COLLECTIVE_TIMEOUT"} <= _variables_read()
 
@@ -236,10 +259,13 @@ def test_the_environment_variables_are_known(capsys):
 def test_the_rendezvous_secret_variable_is_checked_in_one_line(value, tmp_path):
     env_b = {os.fsencode(k): os.fsencode(v) for k, v in os.environ.items()}
     env_b[b"DDPKIT_RDZV_SECRET"] = value
-    # An endpoint on this machine where nothing listens: a secret let through would end there, in a wait.
+    # An endpoint on this machine where nothing listens: a secret let through would end there, in a
+    # wait.
     endpoint = ["--rdzv-endpoint", "127.0.0.1:1", "--node-rank", "1", "--join-timeout", "1"]
     argv = [sys.executable, "-m", "ddpkit.cli", "run", "--nnodes", "2", *endpoint, HELLO]
-    out = subprocess.run([os.fsencode(a) for a in argv], env=env_b, capture_output=True, timeout=60, cwd=tmp_path)
+    out = subprocess.run(
+        [os.fsencode(a) for a in argv], env=env_b, capture_output=True, timeout=60, cwd=tmp_path
+    )
     err = out.stderr.decode(errors="replace").strip().splitlines()
     assert out.returncode == 2 and len(err) == 1 and "Traceback" not in err[0], err
     assert "DDPKIT_RDZV_SECRET" in err[0], err
@@ -252,8 +278,12 @@ def test_a_long_secret_of_letters_is_accepted():
     assert load_secret(None, {"DDPKIT_RDZV_SECRET": "x" * 300}) == b"x" * 300
 
 
-@pytest.mark.parametrize("name", ["huge", "negative", "zero", "tiny", "nan", "inf", "empty", "not UTF-8", "300 chars"])
-def test_the_collective_timeout_variable_is_checked_before_any_worker(name, tmp_path, capsys, stand_ins, monkeypatch):
+@pytest.mark.parametrize(
+    "name", ["huge", "negative", "zero", "tiny", "nan", "inf", "empty", "not UTF-8", "300 chars"]
+)
+def test_the_collective_timeout_variable_is_checked_before_any_worker(
+    name, tmp_path, capsys, stand_ins, monkeypatch
+):
     monkeypatch.setenv("DDPKIT_COLLECTIVE_TIMEOUT", hostile_values(tmp_path)[name])
     kind, code, err = _outcome(["run", HELLO], capsys)
     assert kind == "refused" and code == 2 and err.count("\n") == 1, (kind, err)

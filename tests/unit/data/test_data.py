@@ -1,4 +1,5 @@
-"""Sharded training order independent of the world size, the samplers' arithmetic, and what the loaders wrap."""
+"""Sharded training order independent of the world size, the samplers' arithmetic, and what the
+loaders wrap."""
 
 from __future__ import annotations
 
@@ -25,18 +26,24 @@ LAYOUTS = [(12, 1), (6, 2), (4, 3), (3, 4)]  # (per-rank batch, world size): the
 
 
 def make_samplers(n: int, per_rank: int, world: int, **kwargs) -> list[ShardedBatchSampler]:
-    return [ShardedBatchSampler(n, per_rank, rank=r, world_size=world, **kwargs) for r in range(world)]
+    return [
+        ShardedBatchSampler(n, per_rank, rank=r, world_size=world, **kwargs) for r in range(world)
+    ]
 
 
 def one_epoch(samplers: list[ShardedBatchSampler]) -> list[list[int]]:
     """The global batches of the next epoch: each step's rank batches concatenated in rank order."""
     per_rank = [list(s) for s in samplers]
     steps = len(per_rank[0])
-    assert all(len(batches) == steps for batches in per_rank), "ranks must take the same number of steps"
+    assert all(len(batches) == steps for batches in per_rank), (
+        "ranks must take the same number of steps"
+    )
     return [[i for batches in per_rank for i in batches[step]] for step in range(steps)]
 
 
-@pytest.mark.parametrize("n, drop_last", [(54, True), (54, False), (48, True), (48, False), (50, True)])
+@pytest.mark.parametrize(
+    "n, drop_last", [(54, True), (54, False), (48, True), (48, False), (50, True)]
+)
 def test_global_batches_do_not_depend_on_world_size(n, drop_last):
     per_layout = []
     for per_rank, world in LAYOUTS:
@@ -53,11 +60,17 @@ def test_global_batches_do_not_depend_on_world_size(n, drop_last):
 
 
 def test_control_distributed_sampler_batches_depend_on_world_size():
-    # Control for the test above: the usual DistributedSampler + per-rank batches reshuffles the data
-    # differently for each world size, so a run cannot resume at another world size with the same batches.
+    # Control for the test above: the usual DistributedSampler + per-rank batches reshuffles the
+    # data differently for each world size, so a run cannot resume at another world size with the
+    # same batches.
     def global_batches_of(per_rank: int, world: int) -> list[list[int]]:
-        per = [list(DistributedSampler(range(48), num_replicas=world, rank=r, seed=7)) for r in range(world)]
-        return [sum((p[s : s + per_rank] for p in per), []) for s in range(0, len(per[0]), per_rank)]
+        per = [
+            list(DistributedSampler(range(48), num_replicas=world, rank=r, seed=7))
+            for r in range(world)
+        ]
+        return [
+            sum((p[s : s + per_rank] for p in per), []) for s in range(0, len(per[0]), per_rank)
+        ]
 
     assert global_batches_of(6, 2) != global_batches_of(4, 3)
 
@@ -124,9 +137,12 @@ def test_epochs_differ_and_same_seed_epoch_repeats():
 
 
 def test_seed_changes_the_order():
-    # build_loader(seed=...) and ShardedBatchSampler(seed=...) promise an order that is a function of
-    # (seed, epoch): two runs with different seeds must not see the same sample order.
-    orders = {seed: list(ShardedBatchSampler(40, 5, rank=0, world_size=2, seed=seed)) for seed in (0, 1, 11, 12)}
+    # build_loader(seed=...) and ShardedBatchSampler(seed=...) promise an order that is a function
+    # of (seed, epoch): two runs with different seeds must not see the same sample order.
+    orders = {
+        seed: list(ShardedBatchSampler(40, 5, rank=0, world_size=2, seed=seed))
+        for seed in (0, 1, 11, 12)
+    }
     assert len({str(o) for o in orders.values()}) == 4, orders
     perms = {seed: tuple(epoch_permutation(100, seed, 3).tolist()) for seed in (0, 1, -5, 2**40)}
     assert len(set(perms.values())) == 4
@@ -141,7 +157,9 @@ def test_epoch_permutation_is_a_pure_function():
     torch.manual_seed(0)
     expected = torch.rand(3)
     torch.manual_seed(0)
-    perms = {(seed, e): epoch_permutation(100, seed, e) for seed in (0, -5, 2**40) for e in (0, 1, 2)}
+    perms = {
+        (seed, e): epoch_permutation(100, seed, e) for seed in (0, -5, 2**40) for e in (0, 1, 2)
+    }
     assert torch.equal(torch.rand(3), expected)  # the global RNG was not touched
     for (seed, e), p in perms.items():
         assert sorted(p.tolist()) == list(range(100))
@@ -164,9 +182,12 @@ def test_set_position_resumes_mid_epoch(drop_last, save_world, resume_world):
         s.set_epoch(epoch)
     full = one_epoch(save)
     assert len(full) == (5 if drop_last else 6)
-    for done_steps in range(n // GLOBAL_BATCH + 1):  # every cursor that is a whole number of global batches
+    # every cursor that is a whole number of global batches
+    for done_steps in range(n // GLOBAL_BATCH + 1):
         cursor = done_steps * GLOBAL_BATCH
-        resumed = make_samplers(n, GLOBAL_BATCH // resume_world, resume_world, drop_last=drop_last, seed=5)
+        resumed = make_samplers(
+            n, GLOBAL_BATCH // resume_world, resume_world, drop_last=drop_last, seed=5
+        )
         for s in resumed:
             s.set_position(epoch, cursor)
         assert [len(s) for s in resumed] == [len(full) - done_steps] * resume_world
@@ -183,8 +204,8 @@ def _epoch_at(n: int, drop_last: bool, epoch: int) -> list[ShardedBatchSampler]:
 
 @pytest.mark.parametrize("resume_world", [2, 3])
 def test_resume_after_the_last_partial_batch_yields_nothing(resume_world):
-    # drop_last=False: the last step trains the 7-sample tail, so a checkpoint after it saves cursor == n,
-    # which set_position accepts. Resuming there must not train the tail a second time.
+    # drop_last=False: the last step trains the 7-sample tail, so a checkpoint after it saves
+    # cursor == n, which set_position accepts. Resuming there must not train the tail a second time.
     n, epoch = 12 * 5 + 7, 2
     samplers = make_samplers(n, GLOBAL_BATCH // resume_world, resume_world, drop_last=False, seed=5)
     for s in samplers:
@@ -195,7 +216,9 @@ def test_resume_after_the_last_partial_batch_yields_nothing(resume_world):
 
 def test_cursor_must_be_whole_global_batches():
     s = ShardedBatchSampler(100, 6, rank=0, world_size=2)
-    with pytest.raises(ConfigError, match="cursor 18 is not a whole number of global batches of 12"):
+    with pytest.raises(
+        ConfigError, match="cursor 18 is not a whole number of global batches of 12"
+    ):
         s.set_position(1, 18)  # saved by a run with a global batch of 9 or 18
     s.set_position(1, 24)  # control: whole global batches are fine
     assert len(s) == 100 // 12 - 2
@@ -205,10 +228,12 @@ def test_too_few_samples_and_bad_batch_size():
     with pytest.raises(ConfigError, match="10 samples make no global batch of 12"):
         ShardedBatchSampler(10, 6, rank=0, world_size=2)
     with pytest.raises(ConfigError, match="10 samples make no global batch"):
-        ShardedBatchSampler(list(range(10)), 3, rank=1, world_size=4)  # a sized dataset works the same
+        # a sized dataset works the same
+        ShardedBatchSampler(list(range(10)), 3, rank=1, world_size=4)
     with pytest.raises(ConfigError, match="1 samples are fewer than the 2 ranks") as refused:
         ShardedBatchSampler(1, 4, rank=0, world_size=2, drop_last=False)  # 1 sample, 2 ranks
-    assert "drop_last" not in str(refused.value)  # already passed: suggesting it again would not help
+    # already passed: suggesting it again would not help
+    assert "drop_last" not in str(refused.value)
     with pytest.raises(ConfigError, match="batch_size=0"):
         ShardedBatchSampler(100, 0, rank=0, world_size=1)
     # Control: without drop_last, fewer samples than a global batch still make one (smaller) step.
@@ -228,7 +253,11 @@ def test_to_device_keeps_structure():
     Pair = namedtuple("Pair", "x y")
     batch = {"a": [torch.ones(2), (torch.zeros(1), "label")], "p": Pair(torch.arange(3), 5)}
     moved = ddpkit.to_device(batch, torch.device("cpu"))
-    assert isinstance(moved["a"], list) and isinstance(moved["a"][1], tuple) and isinstance(moved["p"], Pair)
+    assert (
+        isinstance(moved["a"], list)
+        and isinstance(moved["a"][1], tuple)
+        and isinstance(moved["p"], Pair)
+    )
     assert moved["a"][1][1] == "label" and moved["p"].y == 5
     assert torch.equal(moved["p"].x, torch.arange(3)) and torch.equal(moved["a"][0], torch.ones(2))
 
@@ -257,8 +286,9 @@ def test_only_datasets_that_may_draw_are_wrapped():
 
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_the_places_of_a_steps_samples_cover_it_once(drop_last):
-    # 235 samples, global batches of 12 (6 per rank on 2 ranks), two batches a step: the last batch has 7 (4/3)
-    # and is kept, or dropped with drop_last, which leaves the last step one batch of 12.
+    # 235 samples, global batches of 12 (6 per rank on 2 ranks), two batches a step: the last batch
+    # has 7 (4/3) and is kept, or dropped with drop_last, which leaves the last step one batch
+    # of 12.
     ranks = make_samplers(235, 6, 2, drop_last=drop_last)
     last = ranks[0].steps_per_epoch - 1
     assert (last, ranks[0].samples_in_batch(last)) == ((19, 7) if not drop_last else (18, 12))
@@ -294,9 +324,12 @@ def test_a_dataset_that_draws_nothing_is_not_seeded(monkeypatch):
 
     seeded = []
     real = sample_seeding.seed_sample
-    monkeypatch.setattr(sample_seeding, "seed_sample", lambda *key: seeded.append(key) or real(*key))
+    monkeypatch.setattr(
+        sample_seeding, "seed_sample", lambda *key: seeded.append(key) or real(*key)
+    )
 
-    class Plain(torch.utils.data.Dataset):  # pytorch/examples' dataset: tensors in a list, read as they are
+    # pytorch/examples' dataset: tensors in a list, read as they are
+    class Plain(torch.utils.data.Dataset):
         def __init__(self) -> None:
             self.data = [(torch.rand(4), torch.rand(1)) for _ in range(24)]
 
@@ -316,17 +349,19 @@ def test_a_dataset_that_draws_nothing_is_not_seeded(monkeypatch):
             return self.data[i]
 
     torch.randn(())
-    torch.randn(())  # a normal sample cached and used: its stale value is in the generator, set_state's differs
+    # a normal sample cached and used: its stale value is in the generator, set_state's differs
+    torch.randn(())
     list(ddpkit.build_loader(PutsBack(), 3, num_workers=0))
     assert seeded == []
-    # Control: a dataset that draws is seeded, every sample once (its first batch, read unseeded, drew: read again).
+    # Control: a dataset that draws is seeded, every sample once (its first batch, read unseeded,
+    # drew: read again).
     list(ddpkit.build_loader(Noisy(), 3, num_workers=0))
     assert sorted(index for _, _, index in seeded) == list(range(24))
 
 
 def _cache_normals() -> None:
-    """Leave a normal sample cached in python's, numpy's and torch's generators: each draws normals in pairs and
-    keeps the second apart from its words, so using it moves nothing but that cache."""
+    """Leave a normal sample cached in python's, numpy's and torch's generators: each draws normals
+    in pairs and keeps the second apart from its words, so using it moves nothing but that cache."""
     import random
 
     import numpy as np
@@ -335,12 +370,14 @@ def _cache_normals() -> None:
         random.gauss(0, 1)
     while not np.random.get_state()[3]:
         np.random.standard_normal()
-    torch.manual_seed(1234)  # torch's cache has no public reader: seeding empties it, then one normal fills it
+    # torch's cache has no public reader: seeding empties it, then one normal fills it
+    torch.manual_seed(1234)
     torch.randn(())
 
 
 def _another_numpy_state() -> tuple:
-    """numpy's global state with the same position and cached normal, but other words: only the key differs."""
+    """numpy's global state with the same position and cached normal, but other words: only the key
+    differs."""
     import numpy as np
 
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
@@ -351,7 +388,8 @@ def _another_numpy_state() -> tuple:
     "draw",
     [
         lambda: __import__("random").random(),
-        lambda: [__import__("random").getrandbits(32) for _ in range(624)],  # a whole twist: the index comes back
+        # a whole twist: the index comes back
+        lambda: [__import__("random").getrandbits(32) for _ in range(624)],
         lambda: __import__("random").gauss(0, 1),
         lambda: __import__("numpy").random.rand(),
         lambda: __import__("numpy").random.randint(0, 2**31, size=624),
@@ -359,11 +397,13 @@ def _another_numpy_state() -> tuple:
         lambda: torch.randn(()),  # only the normal sample torch cached before the marks
         lambda: torch.randn(3),
         lambda: torch.randint(0, 2**31, (624,)),
-        lambda: torch.manual_seed(torch.initial_seed()) and None,  # seeded again: the position moved back
+        # seeded again: the position moved back
+        lambda: torch.manual_seed(torch.initial_seed()) and None,
         lambda: __import__("random").seed(7),  # a dataset seeding the generators itself
         lambda: __import__("numpy").random.seed(7),
         lambda: __import__("numpy").random.set_state(_another_numpy_state()),
-        lambda: __import__("numpy").random.standard_normal(),  # only the normal sample numpy cached before the marks
+        # only the normal sample numpy cached before the marks
+        lambda: __import__("numpy").random.standard_normal(),
     ],
 )
 def test_draw_marks_see_every_draw_and_put_the_generators_back(draw):
@@ -384,11 +424,13 @@ def test_draw_marks_see_every_draw_and_put_the_generators_back(draw):
     assert after["python"] == full["python"] and torch.equal(after["torch"], full["torch"])
     assert all(np.array_equal(a, b) for a, b in zip(after["numpy"][1:5], full["numpy"][1:5]))
     if first is not None:
-        assert np.array_equal(np.asarray(draw()), np.asarray(first))  # the same draw again: the same state
+        # the same draw again: the same state
+        assert np.array_equal(np.asarray(draw()), np.asarray(first))
 
 
 def test_a_cached_numpy_normal_used_is_a_draw():
-    """numpy keeps the second of a pair of normal draws apart from its words: using it is a draw too."""
+    """numpy keeps the second of a pair of normal draws apart from its words: using it is a draw
+    too."""
     import numpy as np
 
     from ddpkit.data._sample_seeding import draw_marks, drawn_since
@@ -401,8 +443,8 @@ def test_a_cached_numpy_normal_used_is_a_draw():
 
 
 def test_a_batch_that_imports_numpy_random_is_taken_as_drawing():
-    """Before ``numpy.random`` is imported there is no numpy generator to watch; importing it during a batch
-    (to draw from it) is seen, in a process that had not imported it."""
+    """Before ``numpy.random`` is imported there is no numpy generator to watch; importing it during
+    a batch (to draw from it) is seen, in a process that had not imported it."""
     import subprocess
     import sys
 
@@ -421,7 +463,8 @@ def test_a_batch_that_imports_numpy_random_is_taken_as_drawing():
 
 @pytest.mark.parametrize("weaken", ["index only", "no numpy", "no torch"])
 def test_control_a_weaker_comparison_misses_draws(weaken, monkeypatch):
-    """Control: the comparison is what sees each kind of draw; leaving out a part of it misses that kind."""
+    """Control: the comparison is what sees each kind of draw; leaving out a part of it misses that
+    kind."""
     import random
 
     import numpy as np
@@ -449,9 +492,9 @@ def test_control_a_weaker_comparison_misses_draws(weaken, monkeypatch):
 
 
 def test_numpy_is_read_as_its_words_once_its_cache_is_seen_clear(monkeypatch):
-    """numpy's words are read through the bit generator's ctypes address; ``get_state`` (the slow public read) only
-    where the cached-normal flag is not known clear at those words. Control: a normal cached meanwhile and a draw
-    are each seen, through the words."""
+    """numpy's words are read through the bit generator's ctypes address; ``get_state`` (the slow
+    public read) only where the cached-normal flag is not known clear at those words. Control: a
+    normal cached meanwhile and a draw are each seen, through the words."""
     import numpy as np
 
     from ddpkit.data import _sample_seeding as seeding
@@ -463,17 +506,21 @@ def test_numpy_is_read_as_its_words_once_its_cache_is_seen_clear(monkeypatch):
     first = seeding.draw_marks()
     reads = len(slow)
     quiet = [seeding.draw_marks() for _ in range(5)]
-    assert len(slow) == reads and first[1][0] == "words"  # nothing drew: the words alone, no slow read
+    # nothing drew: the words alone, no slow read
+    assert len(slow) == reads and first[1][0] == "words"
     assert not any(seeding.changed(first, q) for q in quiet)
     np.random.standard_normal()  # a pair drawn, the second kept apart: the words move
     cached = seeding.draw_marks()
-    assert seeding.changed(first, cached) and cached[1][0] == "words+normal" and len(slow) == reads + 1
+    assert (
+        seeding.changed(first, cached) and cached[1][0] == "words+normal" and len(slow) == reads + 1
+    )
     np.random.standard_normal()  # the kept one used: only the flag moves, read the slow way
     assert seeding.changed(cached, seeding.draw_marks())
 
 
 def test_another_bit_generator_is_read_through_its_public_state():
-    """A bit generator other than MT19937 behind numpy's global functions: its public ``state`` is compared."""
+    """A bit generator other than MT19937 behind numpy's global functions: its public ``state`` is
+    compared."""
     import numpy as np
 
     from ddpkit.data import _sample_seeding as seeding
@@ -510,7 +557,8 @@ def _nothing_drawn_in_fork_rng() -> None:
 def test_draw_marks_see_no_draw_where_a_state_is_set_to_itself(put_back):
     from ddpkit.data._sample_seeding import draw_marks, drawn_since
 
-    for _ in range(20):  # set_state writes its stack's bytes where no normal sample is cached: different each time
+    # set_state writes its stack's bytes where no normal sample is cached: different each time
+    for _ in range(20):
         torch.randn(())
         torch.randn(())  # a normal sample cached, then used: its stale value stays in the generator
         marks = draw_marks()
@@ -518,7 +566,7 @@ def test_draw_marks_see_no_draw_where_a_state_is_set_to_itself(put_back):
         assert not drawn_since(marks)
 
 
-# -- the loader's state and the data's fingerprint -------------------------------------------------------------
+# -- the loader's state and the data's fingerprint -------------------------------------------------
 
 
 def test_the_fingerprint_holds_the_global_batch_not_the_world_size():
@@ -527,7 +575,9 @@ def test_the_fingerprint_holds_the_global_batch_not_the_world_size():
     assert one == two and two["global batch"] == 16
     from ddpkit.data._fingerprint import changes
 
-    other = ShardedBatchSampler(90, 8, rank=0, world_size=1, seed=4, shuffle=False, drop_last=False).fingerprint()
+    other = ShardedBatchSampler(
+        90, 8, rank=0, world_size=1, seed=4, shuffle=False, drop_last=False
+    ).fingerprint()
     assert changes(one, other) == [
         "dataset length: 100 -> 90",
         "seed: 3 -> 4",
@@ -554,7 +604,8 @@ def test_the_loader_state_is_the_batches_handed_over_and_resumes_there():
     rest = [batch[0].tolist() for batch in resumed]
     assert sorted(sum(first + rest, [])) == list(range(40))  # each sample once in the epoch
     assert resumed.position() == (1, 0)  # an epoch handed over whole is the next one
-    for _ in loader:  # the epoch's end without StopIteration (a loop that takes exactly its steps): the same
+    # the epoch's end without StopIteration (a loop that takes exactly its steps): the same
+    for _ in loader:
         pass
     tail = iter(loader)
     for _ in range(len(tail)):
@@ -575,9 +626,13 @@ def test_a_resumed_loader_says_its_epoch_and_the_index_of_its_next_batch():
     assert seen == [(0, False), (1, False), (2, False)]
     resumed = ddpkit.build_loader(data, 8, seed=1, num_workers=0)
     resumed.load_state_dict(loader.state_dict())
-    assert (resumed.epoch, resumed.batch_in_epoch) == (0, 3)  # not 0: the index the uninterrupted loop is at
-    rest = [(i, resumed.finishing_epoch) for i, _ in enumerate(resumed, start=resumed.batch_in_epoch)]
-    # At the last batch the loader says the next epoch, while the code after the loop has not run yet.
+    # not 0: the index the uninterrupted loop is at
+    assert (resumed.epoch, resumed.batch_in_epoch) == (0, 3)
+    rest = [
+        (i, resumed.finishing_epoch) for i, _ in enumerate(resumed, start=resumed.batch_in_epoch)
+    ]
+    # At the last batch the loader says the next epoch, while the code after the loop has not run
+    # yet.
     assert rest == [(3, False), (4, True)]
     assert (resumed.epoch, resumed.batch_in_epoch, resumed.finishing_epoch) == (1, 0, False)
 
@@ -588,10 +643,14 @@ def test_a_changed_length_is_refused_or_restarts_the_epoch():
     next(it), next(it)
     state = loader.state_dict()
     longer = TensorDataset(torch.arange(48))
-    with pytest.raises(ConfigError, match=r"dataset length: 40 -> 48\): resuming at sample 16 of epoch 0") as err:
+    with pytest.raises(
+        ConfigError, match=r"dataset length: 40 -> 48\): resuming at sample 16 of epoch 0"
+    ) as err:
         ddpkit.build_loader(longer, 8, seed=1, num_workers=0).load_state_dict(state)
     assert "\n" not in str(err.value) and "on_data_change='restart_epoch'" in str(err.value)
-    restarted = ddpkit.build_loader(longer, 8, seed=1, num_workers=0, on_data_change="restart_epoch")
+    restarted = ddpkit.build_loader(
+        longer, 8, seed=1, num_workers=0, on_data_change="restart_epoch"
+    )
     restarted.load_state_dict(state)
     assert restarted.data_changes == ["dataset length: 40 -> 48"]
     assert sorted(int(i) for (batch,) in restarted for i in batch) == list(range(48))
@@ -604,10 +663,17 @@ def test_many_shards_are_kept_as_one_digest():
 
     few = shard_items(["a: 3 records", "b: 4 records"])
     assert few == {"shards": 2, "shard files": "a: 3 records\nb: 4 records"}
-    assert changes(few, shard_items(["a: 3 records", "b: 5 records"])) == ["shard 1: b: 4 records -> b: 5 records"]
-    assert changes(few, shard_items(["a: 3 records"])) == ["shards: 2 -> 1", "shard 1: b: 4 records -> (none)"]
+    assert changes(few, shard_items(["a: 3 records", "b: 5 records"])) == [
+        "shard 1: b: 4 records -> b: 5 records"
+    ]
+    assert changes(few, shard_items(["a: 3 records"])) == [
+        "shards: 2 -> 1",
+        "shard 1: b: 4 records -> (none)",
+    ]
     many = [f"part{k}: 10 records" for k in range(LISTED_SHARDS + 1)]
     items = shard_items(many)
     assert set(items) == {"shards", "shard list"}
     swapped = shard_items([many[1], many[0], *many[2:]])
-    assert changes(items, swapped) == [f"shard list: {items['shard list']} -> {swapped['shard list']}"]
+    assert changes(items, swapped) == [
+        f"shard list: {items['shard list']} -> {swapped['shard list']}"
+    ]

@@ -1,15 +1,15 @@
 """The data fingerprint, fuzzed: datasets and changes to them are generated, and every change that
-docs/data.md says is detected is refused by ``load_state_dict`` with the old state, naming the changed item,
-before any step; unchanged data resume. A ``Subset``'s indices (nested, over a ``ConcatDataset``), a
-``ConcatDataset``'s parts, a JSON Lines file rewritten at the same size with its modification time put back, an
-iterable in another order.
+docs/data.md says is detected is refused by ``load_state_dict`` with the old state, naming the
+changed item, before any step; unchanged data resume. A ``Subset``'s indices (nested, over a
+``ConcatDataset``), a ``ConcatDataset``'s parts, a JSON Lines file rewritten at the same size with
+its modification time put back, an iterable in another order.
 
-Control: the fingerprint as it was (:func:`old_fingerprint`, a copy kept here) missed a ``Subset`` drawn with
-another seed, an iterable in another order, and a file rewritten at the same size and time, read at the old
-offsets. Each example asserts it still misses them.
+Control: the fingerprint as it was (:func:`old_fingerprint`, a copy kept here) missed a ``Subset``
+drawn with another seed, an iterable in another order, and a file rewritten at the same size and
+time, read at the old offsets. Each example asserts it still misses them.
 
-The default run tries 30 examples per test, the same each time; ``DDPKIT_FUZZ_EXAMPLES=2000`` tries as many,
-fresh (as ``tests/unit/test_formats_fuzz.py``).
+The default run tries 30 examples per test, the same each time; ``DDPKIT_FUZZ_EXAMPLES=2000`` tries
+as many, fresh (as ``tests/unit/test_formats_fuzz.py``).
 """
 
 from __future__ import annotations
@@ -35,13 +35,19 @@ from ddpkit.data._stream_loader import StreamSamples
 from ddpkit.data._stream_sources import IterableStream, JsonlStream, _scan_lines
 
 _DEEP = int(os.environ.get("DDPKIT_FUZZ_EXAMPLES", "0"))
-FAST = settings(max_examples=_DEEP or 30, deadline=None, suppress_health_check=list(HealthCheck), derandomize=not _DEEP)
+FAST = settings(
+    max_examples=_DEEP or 30,
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+    derandomize=not _DEEP,
+)
 
 
-# -- the fingerprint as it was: the control ---------------------------------------------------------------
+# -- the fingerprint as it was: the control --------------------------------------------------------
 
 _OLD_INDEX: dict[tuple[str, int, int], np.ndarray] = {}
-"""The line indices the old code kept beside each file, trusted while its size and modification time held."""
+"""The line indices the old code kept beside each file, trusted while its size and modification time
+held."""
 
 
 def _old_jsonl_shard(path: Path) -> str:
@@ -55,9 +61,10 @@ def _old_jsonl_shard(path: Path) -> str:
 
 
 def old_fingerprint(loader: Any) -> dict[str, Any]:
-    """The fingerprint before a dataset's layout was in it: the sampler's settings; a map-style dataset
-    (wrapped for seeding) by its length alone; a stream by its kind, records, window and shards, a JSON Lines
-    file by its line index as kept beside it, an iterable by its record count."""
+    """The fingerprint before a dataset's layout was in it: the sampler's settings; a map-style
+    dataset (wrapped for seeding) by its length alone; a stream by its kind, records, window and
+    shards, a JSON Lines file by its line index as kept beside it, an iterable by its record
+    count."""
     items = loader.batch_sampler.fingerprint()
     data = loader.dataset
     if not isinstance(data, StreamSamples):
@@ -79,7 +86,8 @@ def one_step(loader: Any) -> dict[str, Any]:
 
 
 def check_resume(state: dict[str, Any], loader: Any, detected: str | None) -> None:
-    """``detected``: the item the refusal names (None: the resume is accepted, at the saved position)."""
+    """``detected``: the item the refusal names (None: the resume is accepted, at the saved
+    position)."""
     if detected is None:
         loader.load_state_dict(state)
         assert loader.position() == (state["epoch"], state["cursor"])
@@ -93,11 +101,14 @@ def check_resume(state: dict[str, Any], loader: Any, detected: str | None) -> No
     assert "\n" not in message
 
 
-# -- map-style: Subsets of Subsets of a ConcatDataset -----------------------------------------------------
+# -- map-style: Subsets of Subsets of a ConcatDataset ----------------------------------------------
 
 
 def build(spec: dict[str, Any]) -> Dataset:
-    parts = [TensorDataset(torch.arange(n) + 1000 * k + spec["shift"]) for k, n in enumerate(spec["parts"])]
+    parts = [
+        TensorDataset(torch.arange(n) + 1000 * k + spec["shift"])
+        for k, n in enumerate(spec["parts"])
+    ]
     data: Dataset = ConcatDataset(parts)
     for indices in spec["subsets"]:  # innermost first
         data = Subset(data, indices)
@@ -120,13 +131,27 @@ def layouts(draw: st.DrawFn) -> dict[str, Any]:
     return {"parts": parts, "subsets": subsets, "shift": 0}
 
 
-MAP_CHANGES = ["none", "order", "membership", "reseeded", "part length", "parts order", "item contents"]
+MAP_CHANGES = [
+    "none",
+    "order",
+    "membership",
+    "reseeded",
+    "part length",
+    "parts order",
+    "item contents",
+]
 _SAME_LENGTH = {"order", "membership", "reseeded", "parts order", "item contents"}
 
 
-def change_layout(draw: st.DrawFn, spec: dict[str, Any], kind: str) -> tuple[dict[str, Any], str | None]:
+def change_layout(
+    draw: st.DrawFn, spec: dict[str, Any], kind: str
+) -> tuple[dict[str, Any], str | None]:
     """The changed spec and the item whose change names it (None: not detected, by design)."""
-    new = {"parts": list(spec["parts"]), "subsets": [list(s) for s in spec["subsets"]], "shift": spec["shift"]}
+    new = {
+        "parts": list(spec["parts"]),
+        "subsets": [list(s) for s in spec["subsets"]],
+        "shift": spec["shift"],
+    }
     names = paths(spec)  # outermost first
     if kind in ("order", "membership", "reseeded"):
         assume(new["subsets"])
@@ -139,12 +164,15 @@ def change_layout(draw: st.DrawFn, spec: dict[str, Any], kind: str) -> tuple[dic
             at, other = draw(st.integers(0, len(indices) - 1)), draw(st.integers(0, parent - 1))
             changed = [*indices[:at], other, *indices[at + 1 :]]
         else:  # another seed, as random_split would draw: the same length
-            changed = torch.randperm(parent, generator=torch.Generator().manual_seed(draw(st.integers(0, 99))))
+            changed = torch.randperm(
+                parent, generator=torch.Generator().manual_seed(draw(st.integers(0, 99)))
+            )
             changed = changed[: len(indices)].tolist()
         assume(changed != indices)
         new["subsets"][layer] = changed
         return new, names[len(new["subsets"]) - 1 - layer]
-    if kind == "part length":  # a part one longer: its Subsets index the same items, the epoch is as long
+    # a part one longer: its Subsets index the same items, the epoch is as long
+    if kind == "part length":
         new["parts"][draw(st.integers(0, len(new["parts"]) - 1))] += 1
         return new, names[-1]
     if kind == "parts order":
@@ -192,7 +220,9 @@ def test_a_datasets_own_fingerprint_is_kept_under_the_seeding_wrapper():
     # Control: the old fingerprint asked the seeding wrapper, which has none.
     assert changes(old_fingerprint(before), old_fingerprint(after)) == []
     check_resume(state, after, "version")
-    nested = ddpkit.build_loader(ConcatDataset([Versioned("v2"), Versioned("v1")]), 2, num_workers=0)
+    nested = ddpkit.build_loader(
+        ConcatDataset([Versioned("v2"), Versioned("v1")]), 2, num_workers=0
+    )
     check_resume(state, nested, "dataset length")
     both = ddpkit.build_loader(ConcatDataset([Versioned("v1"), Versioned("v1")]), 2, num_workers=0)
     other = ddpkit.build_loader(ConcatDataset([Versioned("v1"), Versioned("v3")]), 2, num_workers=0)
@@ -209,12 +239,13 @@ def test_a_large_layout_is_kept_as_one_digest():
     check_resume(state, after, "dataset layout")
 
 
-# -- JSON Lines files rewritten at the same size and time --------------------------------------------------
+# -- JSON Lines files rewritten at the same size and time ------------------------------------------
 
 
 def write_records(path: Path, pads: list[int], values: list[int]) -> bytes:
     text = "".join(
-        json.dumps({"id": i, "v": f"{v:03d}", "pad": "x" * p}) + "\n" for i, (p, v) in enumerate(zip(pads, values))
+        json.dumps({"id": i, "v": f"{v:03d}", "pad": "x" * p}) + "\n"
+        for i, (p, v) in enumerate(zip(pads, values))
     )
     path.write_text(text)
     return text.encode()
@@ -226,7 +257,9 @@ JSONL_CHANGES = ["none", "content", "order", "boundaries", "count"]
 @pytest.mark.timeout(300)
 @FAST
 @given(data=st.data())
-def test_a_rewritten_jsonl_file_is_refused_and_read_where_its_records_now_lie(tmp_path_factory, data):
+def test_a_rewritten_jsonl_file_is_refused_and_read_where_its_records_now_lie(
+    tmp_path_factory, data
+):
     n = data.draw(st.integers(2, 12))
     pads = data.draw(st.lists(st.integers(0, 6), min_size=n, max_size=n))
     values = data.draw(st.lists(st.integers(0, 999), min_size=n, max_size=n))
@@ -241,8 +274,14 @@ def test_a_rewritten_jsonl_file_is_refused_and_read_where_its_records_now_lie(tm
         values[at] = data.draw(st.integers(0, 999).filter(lambda v: v != values[at]))
     elif kind == "order":
         assume((pads[at], values[at]) != (pads[at + 1], values[at + 1]))
-        pads[at], pads[at + 1], values[at], values[at + 1] = pads[at + 1], pads[at], values[at + 1], values[at]
-    elif kind == "boundaries":  # one byte moved from a record to the next: the same size and line count
+        pads[at], pads[at + 1], values[at], values[at + 1] = (
+            pads[at + 1],
+            pads[at],
+            values[at + 1],
+            values[at],
+        )
+    # one byte moved from a record to the next: the same size and line count
+    elif kind == "boundaries":
         assume(pads[at] > 0)
         pads[at], pads[at + 1] = pads[at] - 1, pads[at + 1] + 1
     elif kind == "count":
@@ -252,18 +291,21 @@ def test_a_rewritten_jsonl_file_is_refused_and_read_where_its_records_now_lie(tm
     os.utime(path, ns=(times.st_atime_ns, times.st_mtime_ns))  # as cp -p or tar x leave it
     stream = JsonlStream(path, window=4)
     after = ddpkit.build_loader(stream, 1, num_workers=0, collate_fn=list)
-    if kind != "count":  # control: the old fingerprint, over the index kept for the file's size and time
+    # control: the old fingerprint, over the index kept for the file's size and time
+    if kind != "count":
         assert changes(old, old_fingerprint(after)) == []
     check_resume(state, after, None if kind == "none" else "shard 0")
-    # The records are where they now lie, not where the kept index said (the ids are at their lines).
+    # The records are where they now lie, not where the kept index said (the ids are at their
+    # lines).
     expected = [json.loads(line) for line in truth.decode().splitlines()]
     assert stream.read(0, np.arange(len(stream))) == expected
-    if kind == "boundaries":  # control: at the offsets kept for the file's size and time, cut in the wrong places
+    # control: at the offsets kept for the file's size and time, cut in the wrong places
+    if kind == "boundaries":
         stale = _OLD_INDEX[(str(path), times.st_size, times.st_mtime_ns)]
         assert [truth[a:b] for a, b in stale.tolist()] != truth.splitlines()
 
 
-# -- an iterable in another order -------------------------------------------------------------------------
+# -- an iterable in another order ------------------------------------------------------------------
 
 
 @pytest.mark.timeout(300)
@@ -280,10 +322,15 @@ def test_an_iterable_in_another_order_is_refused(data):
     else:
         changed = list(records)
     assume(kind == "none" or changed != records)
-    before = ddpkit.build_loader(IterableStream(records, window=4), 1, num_workers=0, collate_fn=list)
+    before = ddpkit.build_loader(
+        IterableStream(records, window=4), 1, num_workers=0, collate_fn=list
+    )
     state = one_step(before)
-    after = ddpkit.build_loader(IterableStream(changed, window=4), 1, num_workers=0, collate_fn=list)
-    assert changes(old_fingerprint(before), old_fingerprint(after)) == []  # control: the count alone
+    after = ddpkit.build_loader(
+        IterableStream(changed, window=4), 1, num_workers=0, collate_fn=list
+    )
+    # control: the count alone
+    assert changes(old_fingerprint(before), old_fingerprint(after)) == []
     check_resume(state, after, None if kind == "none" else "shard 0")
 
 
@@ -292,9 +339,16 @@ def test_an_iterable_reordered_past_its_first_records_is_not_seen():
     records = list(range(HEAD_RECORDS + 20))
     tail = records[HEAD_RECORDS:]
     random.Random(0).shuffle(tail)
-    before = ddpkit.build_loader(IterableStream(records, window=4), 1, num_workers=0, collate_fn=list)
+    before = ddpkit.build_loader(
+        IterableStream(records, window=4), 1, num_workers=0, collate_fn=list
+    )
     state = one_step(before)
-    after = ddpkit.build_loader(IterableStream(records[:HEAD_RECORDS] + tail, window=4), 1, num_workers=0)
+    after = ddpkit.build_loader(
+        IterableStream(records[:HEAD_RECORDS] + tail, window=4), 1, num_workers=0
+    )
     check_resume(state, after, None)
-    swapped = [records[1], records[0], *records[2:]]  # control: the same change within them is refused
-    check_resume(state, ddpkit.build_loader(IterableStream(swapped, window=4), 1, num_workers=0), "shard 0")
+    # control: the same change within them is refused
+    swapped = [records[1], records[0], *records[2:]]
+    check_resume(
+        state, ddpkit.build_loader(IterableStream(swapped, window=4), 1, num_workers=0), "shard 0"
+    )

@@ -1,4 +1,5 @@
-"""ddpkit.demo._datasets: the examples' data, built identically on every rank and never downloaded."""
+"""ddpkit.demo._datasets: the examples' data, built identically on every rank and never
+downloaded."""
 
 import gzip
 import struct
@@ -11,7 +12,7 @@ import torch
 
 from ddpkit.demo._datasets import MNIST_MEAN, MNIST_STD, digits, mnist, toy_regression
 
-# --- digits -------------------------------------------------------------------------------------------------
+# --- digits ---------------------------------------------------------------------------------------
 
 
 def _raw_rows(split_x: torch.Tensor, scale: float, shift: float) -> list[bytes]:
@@ -34,19 +35,23 @@ def test_digits_train_and_test_partition_the_whole_set():
 
     train, test = digits("train"), digits("test")
     xt = train.tensors[0]
-    # Both splits share one affine normalisation; pixels 0 and 16 occur in train, so its extremes fix it.
+    # Both splits share one affine normalisation; pixels 0 and 16 occur in train, so its extremes
+    # fix it.
     scale = 1.0 / float(xt.max() - xt.min())
     shift = -float(xt.min()) * scale
     bunch = load_digits()
     whole = Counter(zip((r.astype(np.uint8).tobytes() for r in bunch.data), bunch.target.tolist()))
     train_rows = Counter(zip(_raw_rows(xt, scale, shift), train.tensors[1].tolist()))
     test_rows = Counter(zip(_raw_rows(test.tensors[0], scale, shift), test.tensors[1].tolist()))
-    # Multisets add up to the whole set exactly: no sample is in both splits, none is lost or made up.
+    # Multisets add up to the whole set exactly: no sample is in both splits, none is lost or made
+    # up.
     assert train_rows + test_rows == whole
 
 
 def test_digits_split_is_stratified():
-    full = Counter(digits("train").tensors[1].tolist()) + Counter(digits("test").tensors[1].tolist())
+    full = Counter(digits("train").tensors[1].tolist()) + Counter(
+        digits("test").tensors[1].tolist()
+    )
     test = Counter(digits("test").tensors[1].tolist())
     for label, n in full.items():
         assert abs(test[label] - 0.2 * n) <= 1, (label, test[label], n)
@@ -56,7 +61,8 @@ def test_digits_is_deterministic_given_the_seed():
     a, b = digits("test", seed=3), digits("test", seed=3)
     assert all(torch.equal(u, v) for u, v in zip(a.tensors, b.tensors))
     other = digits("test", seed=4)
-    assert not torch.equal(a.tensors[0], other.tensors[0])  # control: the seed does choose the split
+    # control: the seed does choose the split
+    assert not torch.equal(a.tensors[0], other.tensors[0])
 
 
 def test_digits_normalised_with_train_statistics():
@@ -80,11 +86,13 @@ def test_digits_without_sklearn_names_the_extra(monkeypatch):
         digits("train")
 
 
-# --- mnist --------------------------------------------------------------------------------------------------
+# --- mnist ----------------------------------------------------------------------------------------
 
 
 def _write_idx(path, array: np.ndarray, magic: int, compress: bool = False, cut: int = 0) -> None:
-    data = struct.pack(f">{1 + array.ndim}I", magic, *array.shape) + array.astype(np.uint8).tobytes()
+    data = (
+        struct.pack(f">{1 + array.ndim}I", magic, *array.shape) + array.astype(np.uint8).tobytes()
+    )
     data = data[: len(data) - cut]
     if compress:
         path = path.with_name(path.name + ".gz")
@@ -132,7 +140,9 @@ def test_mnist_missing_file_names_directory_and_files(tmp_path):
 
 
 def test_mnist_empty_directory_lists_every_missing_file(tmp_path):
-    with pytest.raises(FileNotFoundError, match="missing t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte "):
+    with pytest.raises(
+        FileNotFoundError, match="missing t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte "
+    ):
         mnist(str(tmp_path), "test")
 
 
@@ -163,7 +173,7 @@ def test_mnist_rejects_unknown_split(tmp_path):
         mnist(str(tmp_path), "validation")
 
 
-# --- toy_regression -----------------------------------------------------------------------------------------
+# --- toy_regression -------------------------------------------------------------------------------
 
 
 def test_toy_regression_is_deterministic_given_the_seed():

@@ -1,4 +1,5 @@
-"""Collective helpers without a process group (identities in a world of one) and their refusals of bad arguments."""
+"""Collective helpers without a process group (identities in a world of one) and their refusals of
+bad arguments."""
 
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
-"""What can be checked about the GPU without one: which device a rank and its tensors go to, which backend it
-uses, that the loader pins and copies asynchronously for a GPU, that the CUDA generators are part of a
-snapshot and of a sample's seeding, the live checks ``ddpkit env`` runs, how the bench starts GPU jobs, and
-where ``--debug-collectives`` has nccl's flight recorder write.
+"""What can be checked about the GPU without one: which device a rank and its tensors go to, which
+backend it uses, that the loader pins and copies asynchronously for a GPU, that the CUDA generators
+are part of a snapshot and of a sample's seeding, the live checks ``ddpkit env`` runs, how the bench
+starts GPU jobs, and where ``--debug-collectives`` has nccl's flight recorder write.
 
-CUDA itself is mocked here (pure logic); the same behaviour on a real GPU is tested in test_gpu_*.py.
+CUDA itself is mocked here (pure logic); the same behaviour on a real GPU is tested in
+test_gpu_*.py.
 """
 
 from __future__ import annotations
@@ -41,14 +42,20 @@ def cuda_in_use(monkeypatch):
         monkeypatch.setattr(module, "cuda_in_use", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "manual_seed", lambda s: calls["manual_seed"].append(s))
-    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": torch.tensor([7, 7], dtype=torch.uint8))
-    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, device="cuda": calls["set_rng_state"].append(s))
+    monkeypatch.setattr(
+        torch.cuda, "get_rng_state", lambda device="cuda": torch.tensor([7, 7], dtype=torch.uint8)
+    )
+    monkeypatch.setattr(
+        torch.cuda, "set_rng_state", lambda s, device="cuda": calls["set_rng_state"].append(s)
+    )
     monkeypatch.setattr(
         torch.cuda,
         "get_rng_state_all",
         lambda: [torch.tensor([1, 2], dtype=torch.uint8), torch.tensor([3, 4], dtype=torch.uint8)],
     )
-    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: calls["set_rng_state_all"].append(states))
+    monkeypatch.setattr(
+        torch.cuda, "set_rng_state_all", lambda states: calls["set_rng_state_all"].append(states)
+    )
     return calls
 
 
@@ -57,7 +64,10 @@ def test_a_rank_goes_to_the_gpu_of_its_local_rank_and_talks_nccl_there(two_gpus)
     device = _pick_device(launch, None)
     assert device == torch.device("cuda", 1) and _pick_backend(device, None) == "nccl"
     # A device asked for wins, and its backend follows it: CPU processes talk gloo on a GPU machine.
-    assert _pick_device(launch, "cpu") == torch.device("cpu") and _pick_backend(torch.device("cpu"), None) == "gloo"
+    assert (
+        _pick_device(launch, "cpu") == torch.device("cpu")
+        and _pick_backend(torch.device("cpu"), None) == "gloo"
+    )
     # Control: nccl cannot move CPU tensors.
     with pytest.raises(ConfigError, match="backend 'nccl' cannot run collectives on cpu"):
         _pick_backend(torch.device("cpu"), "nccl")
@@ -97,7 +107,8 @@ def test_batches_go_to_a_gpu_without_blocking_and_to_the_cpu_as_they_are(monkeyp
     ddpkit.data.to_device(batch, torch.device("cuda", 0))
     assert moves == [("cuda:0", True)] * 3
     moves.clear()
-    ddpkit.data.to_device(batch, torch.device("cpu"))  # control: a copy to the CPU is not asynchronous
+    # control: a copy to the CPU is not asynchronous
+    ddpkit.data.to_device(batch, torch.device("cpu"))
     assert moves == [("cpu", False)] * 3
 
 
@@ -109,7 +120,9 @@ def test_the_cuda_generators_are_part_of_the_rng_state_once_cuda_is_in_use(cuda_
     buffer.seek(0)
     set_rng_state(torch.load(buffer, weights_only=True))
     (restored,) = cuda_in_use["set_rng_state_all"]
-    assert [s.tolist() for s in restored] == [[1, 2], [3, 4]] and all(s.device.type == "cpu" for s in restored)
+    assert [s.tolist() for s in restored] == [[1, 2], [3, 4]] and all(
+        s.device.type == "cpu" for s in restored
+    )
 
 
 def test_before_cuda_is_in_use_the_rng_state_has_no_cuda_part(monkeypatch):
@@ -124,7 +137,9 @@ def test_a_trainer_snapshot_holds_every_ranks_cuda_generators(cuda_in_use, tmp_p
 
     data = TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,)))
     model = torch.nn.Linear(4, 2)
-    config = TrainerConfig(run_dir=str(tmp_path), batch_size=4, num_workers=0, logging=LoggingConfig(progress=False))
+    config = TrainerConfig(
+        run_dir=str(tmp_path), batch_size=4, num_workers=0, logging=LoggingConfig(progress=False)
+    )
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, config)
     state = trainer.state_dict()
     (rank0,) = state["states"]["rng"]["ranks"]
@@ -133,8 +148,12 @@ def test_a_trainer_snapshot_holds_every_ranks_cuda_generators(cuda_in_use, tmp_p
     buffer = io.BytesIO()
     torch.save(state, buffer)
     buffer.seek(0)
-    trainer.load_state_dict(torch.load(buffer, weights_only=True) | {"strategy": trainer.strategy.state_dict()})
-    assert [[s.tolist() for s in states] for states in cuda_in_use["set_rng_state_all"]] == [[[1, 2], [3, 4]]]
+    trainer.load_state_dict(
+        torch.load(buffer, weights_only=True) | {"strategy": trainer.strategy.state_dict()}
+    )
+    assert [[s.tolist() for s in states] for states in cuda_in_use["set_rng_state_all"]] == [
+        [[1, 2], [3, 4]]
+    ]
 
 
 def test_a_sample_seeds_the_current_gpus_generator_where_cuda_is_in_use(cuda_in_use):
@@ -178,14 +197,19 @@ def test_each_sample_of_a_batch_seeds_the_gpu_and_the_batch_restores_it(cuda_in_
     cuda_in_use["set_rng_state"].clear()
     batch = next(it)
     assert cuda_in_use["manual_seed"] == [stream_seed("sample", 3, 0, int(i)) for i in batch]
-    assert len(cuda_in_use["set_rng_state"]) == 1  # the training stream's state, put back after the batch
+    # the training stream's state, put back after the batch
+    assert len(cuda_in_use["set_rng_state"]) == 1
     # A dataset that draws nothing has nothing to seed and nothing to put back.
     cuda_in_use["manual_seed"].clear()
     cuda_in_use["set_rng_state"].clear()
-    next(iter(ddpkit.build_loader(_Indexed(draws=False), 4, seed=3, num_workers=0, pin_memory=False)))
+    next(
+        iter(ddpkit.build_loader(_Indexed(draws=False), 4, seed=3, num_workers=0, pin_memory=False))
+    )
     assert cuda_in_use["manual_seed"] == [] and cuda_in_use["set_rng_state"] == []
     # Control: without per-sample seeding the loader leaves the GPU's generator to the dataset.
-    loader = ddpkit.build_loader(_Indexed(draws=True), 4, seed=3, num_workers=0, pin_memory=False, seed_samples=False)
+    loader = ddpkit.build_loader(
+        _Indexed(draws=True), 4, seed=3, num_workers=0, pin_memory=False, seed_samples=False
+    )
     next(iter(loader))
     assert cuda_in_use["manual_seed"] == []
 

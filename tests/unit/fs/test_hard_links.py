@@ -1,6 +1,7 @@
-""":mod:`ddpkit._fs`: a file opened to write in place has no other hard link. ``O_NOFOLLOW`` stops a symbolic
-link, not a second name of the same file; such a file is refused (``linked="refuse"``, the default) or first
-replaced by a copy of its own (``linked="replace"``), and the file at the other name keeps its bytes."""
+""":mod:`ddpkit._fs`: a file opened to write in place has no other hard link. ``O_NOFOLLOW`` stops a
+symbolic link, not a second name of the same file; such a file is refused (``linked="refuse"``, the
+default) or first replaced by a copy of its own (``linked="replace"``), and the file at the other
+name keeps its bytes."""
 
 from __future__ import annotations
 
@@ -41,7 +42,9 @@ def _append(path: Path, **kw) -> None:
         f.write("the copy's record\n")
 
 
-def test_control_an_append_that_follows_no_symbolic_link_still_writes_through_a_hard_link(original, linked):
+def test_control_an_append_that_follows_no_symbolic_link_still_writes_through_a_hard_link(
+    original, linked
+):
     # The defect: O_NOFOLLOW opens the second name as any file, and the write lands in the original.
     fd = os.open(linked, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW)
     os.write(fd, b"x\n")
@@ -49,7 +52,9 @@ def test_control_an_append_that_follows_no_symbolic_link_still_writes_through_a_
     assert original.read_bytes() == ORIGINAL + b"x\n"
 
 
-def test_control_with_the_check_off_the_module_writes_through_a_hard_link(original, linked, monkeypatch):
+def test_control_with_the_check_off_the_module_writes_through_a_hard_link(
+    original, linked, monkeypatch
+):
     monkeypatch.setattr(safe, "other_names", lambda st: False)
     _append(linked)
     assert original.read_bytes() != ORIGINAL
@@ -76,11 +81,14 @@ def test_an_in_place_open_of_a_hard_linked_file_is_refused_in_one_line(original,
     assert original.stat().st_nlink == 2  # refused: nothing renamed either
 
 
-def test_an_append_replaces_a_hard_linked_file_by_a_copy_and_leaves_the_other_name_whole(original, linked):
+def test_an_append_replaces_a_hard_linked_file_by_a_copy_and_leaves_the_other_name_whole(
+    original, linked
+):
     os.chmod(original, 0o640)
     _append(linked, linked="replace")
     assert original.read_bytes() == ORIGINAL
-    assert linked.read_bytes() == ORIGINAL + b"the copy's record\n"  # the history goes on in the copy
+    # the history goes on in the copy
+    assert linked.read_bytes() == ORIGINAL + b"the copy's record\n"
     assert original.stat().st_nlink == 1 and linked.stat().st_nlink == 1
     assert stat.S_IMODE(linked.stat().st_mode) == 0o640
     assert [p.name for p in linked.parent.iterdir()] == ["metrics.jsonl"]  # no temporary left
@@ -98,7 +106,9 @@ def test_a_read_modify_write_sees_the_copied_bytes(original, linked):
 
 
 def test_a_truncating_open_gives_the_name_a_new_empty_file(original, linked):
-    with os.fdopen(fs.open_fd(linked, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, linked="replace"), "wb") as f:
+    with os.fdopen(
+        fs.open_fd(linked, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, linked="replace"), "wb"
+    ) as f:
         f.write(b"new\n")
     assert original.read_bytes() == ORIGINAL and linked.read_bytes() == b"new\n"
 
@@ -133,7 +143,7 @@ def test_a_symbolic_link_is_still_refused_whatever_linked_says(original, tmp_pat
     assert original.read_bytes() == ORIGINAL
 
 
-# -- each in-place open of the package, with its kind's choice ---------------------------------------------
+# -- each in-place open of the package, with its kind's choice -------------------------------------
 
 
 def _metrics(folder: Path) -> None:
@@ -148,7 +158,8 @@ def _journal(folder: Path) -> None:
     from ddpkit.search._search_dir import repair_journal
 
     repair_journal(folder / "study.journal")
-    with open(folder / "study.journal", "ab") as f:  # Optuna's own append, by name, after the repair
+    # Optuna's own append, by name, after the repair
+    with open(folder / "study.journal", "ab") as f:
         f.write(b'{"op_code": 0}\n')
 
 
@@ -186,9 +197,11 @@ def _snapshot_file(folder: Path) -> None:
     ],
     ids=["metrics.jsonl", "epochs.csv", "journal", "worker-stack", "snapshot-file"],
 )
-def test_each_in_place_write_of_the_package_leaves_the_other_name_whole(tmp_path, monkeypatch, call, name, kept):
-    """Records a copied folder goes on with keep their bytes in the copy (``kept``); files rewritten whole
-    start empty. With the check off (control), each writes into the other name."""
+def test_each_in_place_write_of_the_package_leaves_the_other_name_whole(
+    tmp_path, monkeypatch, call, name, kept
+):
+    """Records a copied folder goes on with keep their bytes in the copy (``kept``); files rewritten
+    whole start empty. With the check off (control), each writes into the other name."""
     held = (
         b'{"op_code": 4}\n'
         if name == "study.journal"
@@ -203,20 +216,24 @@ def test_each_in_place_write_of_the_package_leaves_the_other_name_whole(tmp_path
             monkeypatch.setattr(safe, "other_names", lambda st: False)
         call(folder)
         if check == "off":
-            assert (other / name).read_bytes() != held, "the control no longer writes through the link"
+            assert (other / name).read_bytes() != held, (
+                "the control no longer writes through the link"
+            )
             continue
         assert (other / name).read_bytes() == held
         assert (folder / name).stat().st_nlink == 1
         assert (folder / name).read_bytes().startswith(held) == kept
 
 
-# -- lock files: replaced only while held -------------------------------------------------------------------
+# -- lock files: replaced only while held ----------------------------------------------------------
 
 
 def _lock(folder: Path):
     from ddpkit._fs.lock import FolderLock
 
-    return FolderLock(folder, what="run_dir", job="job", user="run", hazard="two jobs would write the same files")
+    return FolderLock(
+        folder, what="run_dir", job="job", user="run", hazard="two jobs would write the same files"
+    )
 
 
 def _shared_lock(tmp_path: Path) -> tuple[Path, Path]:
@@ -229,7 +246,9 @@ def _shared_lock(tmp_path: Path) -> tuple[Path, Path]:
 
 
 @pytest.mark.parametrize("check", ["on", "off"])
-def test_a_lock_file_with_a_second_name_is_replaced_while_held_and_the_other_left_whole(tmp_path, monkeypatch, check):
+def test_a_lock_file_with_a_second_name_is_replaced_while_held_and_the_other_left_whole(
+    tmp_path, monkeypatch, check
+):
     original, copy = _shared_lock(tmp_path)
     held = (original / ".lock").read_bytes()
     if check == "off":  # control: the holder's name is written through the link
@@ -246,7 +265,8 @@ def test_a_lock_file_with_a_second_name_is_replaced_while_held_and_the_other_lef
         other = _lock(original)  # the two folders no longer exclude each other
         other.acquire()
         other.release()
-        with pytest.raises(ConfigError, match="is in use by another job"):  # the copy's own lock holds
+        # the copy's own lock holds
+        with pytest.raises(ConfigError, match="is in use by another job"):
             _lock(copy).acquire()
     finally:
         lock.release()
@@ -263,14 +283,19 @@ def test_a_lock_held_in_a_folder_copied_while_its_job_runs_is_refused_saying_so(
             _lock(copy).acquire()
         message = str(refused.value)
         assert "\n" not in message and f"pid {os.getpid()}" in message, message
-        assert "or a job of another folder whose .lock is this same file, as after cp -al" in message, message
+        assert (
+            "or a job of another folder whose .lock is this same file, as after cp -al" in message
+        ), message
     finally:
         lock.release()
 
 
-def test_a_taker_that_locks_the_old_file_after_it_was_replaced_does_not_hold_the_lock(tmp_path, monkeypatch):
-    # B opens the shared file, then A takes the lock (and replaces the name's file), then B's flock of the old
-    # file succeeds (control: recorded below); B must find the name's file changed and take that one: held.
+def test_a_taker_that_locks_the_old_file_after_it_was_replaced_does_not_hold_the_lock(
+    tmp_path, monkeypatch
+):
+    # B opens the shared file, then A takes the lock (and replaces the name's file), then B's flock
+    # of the old file succeeds (control: recorded below); B must find the name's file changed and
+    # take that one: held.
     from ddpkit._fs import lock as lock_module
 
     _, copy = _shared_lock(tmp_path)
@@ -279,7 +304,8 @@ def test_a_taker_that_locks_the_old_file_after_it_was_replaced_does_not_hold_the
     def flock(fd: int, op: int) -> None:
         if not started:
             started.append(True)
-            taken.append(lock_module.take(copy / ".lock", wait=False))  # A, between B's open and B's flock
+            # A, between B's open and B's flock
+            taken.append(lock_module.take(copy / ".lock", wait=False))
             real_flock(fd, op)  # B on the old file: nothing holds it any more
             got.append(os.fstat(fd).st_ino)
             return
@@ -292,7 +318,8 @@ def test_a_taker_that_locks_the_old_file_after_it_was_replaced_does_not_hold_the
     try:
         assert got == [old]  # control: B did lock the old file, which the name no longer leads to
         assert held_a and os.fstat(fd_a).st_ino == os.stat(copy / ".lock").st_ino != old
-        assert not held_b and os.fstat(fd_b).st_ino == os.fstat(fd_a).st_ino  # B found A's file, held
+        # B found A's file, held
+        assert not held_b and os.fstat(fd_b).st_ino == os.fstat(fd_a).st_ino
     finally:
         os.close(fd_a), os.close(fd_b)
 
@@ -308,8 +335,9 @@ def _take_and_hold(path: Path, start, taken, release) -> None:
 
 
 def test_of_eight_processes_racing_for_a_shared_lock_file_exactly_one_holds_it(tmp_path):
-    # Real processes and the kernel's flock. The window the re-check after the lock closes is too narrow for them
-    # to hit (take() without it: 0 rounds of 100 with two holders): the interleaving test above is its control.
+    # Real processes and the kernel's flock. The window the re-check after the lock closes is too
+    # narrow for them to hit (take() without it: 0 rounds of 100 with two holders): the interleaving
+    # test above is its control.
     import multiprocessing
 
     context = multiprocessing.get_context("fork")
@@ -318,7 +346,8 @@ def test_of_eight_processes_racing_for_a_shared_lock_file_exactly_one_holds_it(t
         _, copy = _shared_lock(tmp_path / str(round_))
         start, release, taken = context.Barrier(8), context.Event(), context.Queue()
         workers = [
-            context.Process(target=_take_and_hold, args=(copy / ".lock", start, taken, release)) for _ in range(8)
+            context.Process(target=_take_and_hold, args=(copy / ".lock", start, taken, release))
+            for _ in range(8)
         ]
         for worker in workers:
             worker.start()

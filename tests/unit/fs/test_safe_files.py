@@ -1,5 +1,5 @@
-""":mod:`ddpkit._fs`: no write follows a link, temporaries are new files of unpredictable names in the destination
-folder, and a folder of another user is refused naming its owner."""
+""":mod:`ddpkit._fs`: no write follows a link, temporaries are new files of unpredictable names in
+the destination folder, and a folder of another user is refused naming its owner."""
 
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ def folder(tmp_path: Path) -> Path:
 
 
 def test_a_raw_create_and_truncate_writes_through_a_link(folder, victim):
-    # Control: the pattern a search's lock used (open O_RDWR|O_CREAT, then ftruncate) overwrites the victim.
+    # Control: the pattern a search's lock used (open O_RDWR|O_CREAT, then ftruncate) overwrites the
+    # victim.
     (folder / ".lock").symlink_to(victim)
     fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
     os.ftruncate(fd, 0)
@@ -81,9 +82,11 @@ def test_a_file_replaced_whole_replaces_a_link_and_leaves_its_target(folder, vic
     assert os.listdir(folder) == ["out.bin"]  # no temporary left
 
 
-def test_temporaries_are_unpredictable_and_a_planted_one_is_never_written(folder, victim, monkeypatch):
-    # Every name a temporary could have is planted as a link to the victim: the writer skips them (O_EXCL)
-    # and never writes through one. Then: two writes use two different names.
+def test_temporaries_are_unpredictable_and_a_planted_one_is_never_written(
+    folder, victim, monkeypatch
+):
+    # Every name a temporary could have is planted as a link to the victim: the writer skips them
+    # (O_EXCL) and never writes through one. Then: two writes use two different names.
     tokens = iter(["aaaa", "aaaa", "bbbb", "cccc"])
     monkeypatch.setattr(fs.safe.secrets, "token_hex", lambda n: next(tokens))
     (folder / ".out.bin.aaaa.tmp").symlink_to(victim)
@@ -93,7 +96,9 @@ def test_temporaries_are_unpredictable_and_a_planted_one_is_never_written(folder
     seen = []
     monkeypatch.undo()
     real = os.replace
-    monkeypatch.setattr(fs.safe.os, "replace", lambda a, b, **kw: (seen.append(a), real(a, b, **kw)))
+    monkeypatch.setattr(
+        fs.safe.os, "replace", lambda a, b, **kw: (seen.append(a), real(a, b, **kw))
+    )
     fs.write_atomic(folder / "x", b"1")
     fs.write_atomic(folder / "x", b"2")
     assert len(set(seen)) == 2 and all(len(name) >= len(".x..tmp") + 16 for name in seen)
@@ -123,7 +128,8 @@ def test_folders_below_the_root_are_never_links(folder, victim):
         with pytest.raises(ConfigError, match="snapshots' is a symbolic link"):
             call()
     assert sorted(os.listdir(victim.parent)) == ["victim.txt"] and victim.read_bytes() == VICTIM
-    # Control: without the root the folder is opened as the caller named it (a run directory may be a link).
+    # Control: without the root the folder is opened as the caller named it (a run directory may be
+    # a link).
     fs.write_atomic(folder / "snapshots" / "marker", b"x")
     assert (victim.parent / "marker").read_bytes() == b"x"
 
@@ -144,7 +150,9 @@ def test_remove_and_rename_act_on_a_link_itself(folder, victim):
 def test_a_folder_or_file_of_another_user_is_refused_naming_the_owner(folder, owned):
     (folder / "sub").mkdir()
     (folder / "sub" / "out.bin").write_bytes(b"theirs")
-    target = {"folder": folder, "file": folder / "sub" / "out.bin", "subfolder": folder / "sub"}[owned]
+    target = {"folder": folder, "file": folder / "sub" / "out.bin", "subfolder": folder / "sub"}[
+        owned
+    ]
     os.chown(target, NOBODY, NOBODY)
     with pytest.raises(ConfigError) as refused:
         if owned == "file":
@@ -160,7 +168,8 @@ def test_a_folder_or_file_of_another_user_is_refused_naming_the_owner(folder, ow
 
 
 def test_a_shared_sticky_folder_is_written_and_a_plain_file_where_a_folder_goes_is_named(tmp_path):
-    fs.write_atomic(Path("/tmp") / f"ddpkit-fs-test-{os.getpid()}", b"x")  # root's /tmp, sticky: usable
+    # root's /tmp, sticky: usable
+    fs.write_atomic(Path("/tmp") / f"ddpkit-fs-test-{os.getpid()}", b"x")
     fs.remove(Path("/tmp") / f"ddpkit-fs-test-{os.getpid()}")
     (tmp_path / "step").write_text("a file")
     with pytest.raises(FileExistsError, match="step"):
@@ -179,8 +188,9 @@ def test_a_shared_sticky_folder_is_written_and_a_plain_file_where_a_folder_goes_
     ids=["append", "append-read", "read", "truncate", "create"],
 )
 def test_a_fifo_planted_under_a_files_name_is_refused_not_waited_on(folder, call):
-    # Opening a FIFO blocks until its other end is opened: a job would wait on it for ever. The call runs in a
-    # thread so that a regression fails here instead of hanging the suite (the FIFO is then opened to free it).
+    # Opening a FIFO blocks until its other end is opened: a job would wait on it for ever. The call
+    # runs in a thread so that a regression fails here instead of hanging the suite (the FIFO is
+    # then opened to free it).
     import threading
 
     fifo = folder / "metrics.jsonl"

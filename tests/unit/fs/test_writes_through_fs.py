@@ -1,7 +1,9 @@
-"""Every write of ddpkit goes through :mod:`ddpkit._fs`: a scan of the package's source for the calls that
-write, replace, truncate, rename, delete or create files and folders by path, anywhere but ``ddpkit/_fs/``.
+"""Every write of ddpkit goes through :mod:`ddpkit._fs`: a scan of the package's source for the
+calls that write, replace, truncate, rename, delete or create files and folders by path, anywhere
+but ``ddpkit/_fs/``.
 
-A new write that bypasses the module fails here; a true exception is added to ``ALLOWED`` with its reason.
+A new write that bypasses the module fails here; a true exception is added to ``ALLOWED`` with its
+reason.
 """
 
 from __future__ import annotations
@@ -16,12 +18,24 @@ import ddpkit
 PACKAGE = Path(ddpkit.__file__).parent
 
 ALLOWED: dict[tuple[str, str], str] = {
-    ("snapshot/_folders.py", "os.unlink"): "prune: relative to a descriptor of snapshots/ opened O_NOFOLLOW, "
+    (
+        "snapshot/_folders.py",
+        "os.unlink",
+    ): "prune: relative to a descriptor of snapshots/ opened O_NOFOLLOW, "
     "each entry lstat-ed first (a link loses only itself)",
-    ("snapshot/_folders.py", "shutil.rmtree"): "prune: rmtree(name, dir_fd=) of an entry lstat-ed as a folder; "
+    (
+        "snapshot/_folders.py",
+        "shutil.rmtree",
+    ): "prune: rmtree(name, dir_fd=) of an entry lstat-ed as a folder; "
     "rmtree walks by descriptors and never follows a link",
-    ("_launch/forked_workers.py", "os.open"): "os.devnull opened read-write for a child's standard streams",
-    ("_internals/interpreter.py", "open"): "/proc/self/mem opened r+b to rename the process: its memory, not a file",
+    (
+        "_launch/forked_workers.py",
+        "os.open",
+    ): "os.devnull opened read-write for a child's standard streams",
+    (
+        "_internals/interpreter.py",
+        "open",
+    ): "/proc/self/mem opened r+b to rename the process: its memory, not a file",
 }
 """``(module, call)``: why that module may make that call itself."""
 
@@ -29,13 +43,23 @@ _OS_PATH_CALLS = {
     "replace", "rename", "renames", "unlink", "remove", "rmdir", "removedirs", "mkdir", "makedirs", "truncate",
     "symlink", "link", "mkfifo", "mknod", "chmod", "chown",
 }  # fmt: skip
-_SHUTIL_CALLS = {"rmtree", "move", "copy", "copy2", "copyfile", "copytree", "copymode", "copystat", "make_archive"}
+_SHUTIL_CALLS = {
+    "rmtree",
+    "move",
+    "copy",
+    "copy2",
+    "copyfile",
+    "copytree",
+    "copymode",
+    "copystat",
+    "make_archive",
+}
 _PATH_METHODS = {"write_text", "write_bytes", "unlink", "mkdir", "rename", "touch", "rmdir", "symlink_to",
                  "hardlink_to", "chmod"}  # fmt: skip
 _WRITE_FLAGS = {"O_CREAT", "O_WRONLY", "O_RDWR", "O_TRUNC", "O_APPEND"}
 _TO_FILE_OBJECT = {"savefig": 0, "save": 1, "savez": 0, "savetxt": 0, "tofile": 0}
-"""Calls that write to their argument at this position: fine into a file object (``io.BytesIO``, the file
-:func:`ddpkit._fs.write_with` hands a callback), not to a path."""
+"""Calls that write to their argument at this position: fine into a file object (``io.BytesIO``, the
+file :func:`ddpkit._fs.write_with` hands a callback), not to a path."""
 
 
 def _name(node: ast.expr) -> str:
@@ -47,8 +71,8 @@ def _name(node: ast.expr) -> str:
 
 
 def _file_objects(tree: ast.AST) -> set[str]:
-    """Names bound to an ``io.BytesIO()``/``io.StringIO()``, and the parameters of lambdas (callbacks of
-    :func:`ddpkit._fs.write_with`, handed its file)."""
+    """Names bound to an ``io.BytesIO()``/``io.StringIO()``, and the parameters of lambdas
+    (callbacks of :func:`ddpkit._fs.write_with`, handed its file)."""
     names: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
@@ -64,7 +88,11 @@ def _writes(call: ast.Call, file_objects: set[str]) -> str | None:
     func = call.func
     full = _name(func)
     if isinstance(func, ast.Name) and func.id == "open":
-        mode = call.args[1] if len(call.args) > 1 else next((k.value for k in call.keywords if k.arg == "mode"), None)
+        mode = (
+            call.args[1]
+            if len(call.args) > 1
+            else next((k.value for k in call.keywords if k.arg == "mode"), None)
+        )
         if mode is None:
             return None
         if not isinstance(mode, ast.Constant) or set(str(mode.value)) & set("wax+"):
@@ -77,7 +105,9 @@ def _writes(call: ast.Call, file_objects: set[str]) -> str | None:
         return None
     if full == "os.open":
         flags = (
-            {n.attr for n in ast.walk(call.args[1]) if isinstance(n, ast.Attribute)} if len(call.args) > 1 else set()
+            {n.attr for n in ast.walk(call.args[1]) if isinstance(n, ast.Attribute)}
+            if len(call.args) > 1
+            else set()
         )
         return "os.open" if flags & _WRITE_FLAGS else None
     if receiver == "os":
@@ -86,9 +116,12 @@ def _writes(call: ast.Call, file_objects: set[str]) -> str | None:
         return full if func.attr in _SHUTIL_CALLS else None
     if func.attr in _PATH_METHODS:
         return f".{func.attr}"
-    if func.attr == "replace" and len(call.args) == 1 and not call.keywords:  # Path.replace, not str.replace
+    # Path.replace, not str.replace
+    if func.attr == "replace" and len(call.args) == 1 and not call.keywords:
         return ".replace"
-    if func.attr in _TO_FILE_OBJECT and (func.attr != "save" or receiver in ("torch", "np", "numpy")):
+    if func.attr in _TO_FILE_OBJECT and (
+        func.attr != "save" or receiver in ("torch", "np", "numpy")
+    ):
         at = _TO_FILE_OBJECT[func.attr]
         target = call.args[at] if len(call.args) > at else None
         if isinstance(target, ast.Name) and target.id in file_objects:
@@ -121,8 +154,9 @@ def test_every_write_of_the_package_goes_through_ddpkit_fs():
             else:
                 found.append(f"src/ddpkit/{module}:{line}: {what}(...)")
     assert not found, (
-        "writes that bypass ddpkit._fs (use fs.write_atomic, fs.write_with, fs.open_append, fs.make_dirs, "
-        "fs.remove, fs.rename...; or add the call to ALLOWED with its reason):\n" + "\n".join(found)
+        "writes that bypass ddpkit._fs (use fs.write_atomic, fs.write_with, fs.open_append, "
+        "fs.make_dirs, fs.remove, fs.rename...; or add the call to ALLOWED with "
+        "its reason):\n" + "\n".join(found)
     )
     assert used == set(ALLOWED), f"ALLOWED entries no longer needed: {sorted(set(ALLOWED) - used)}"
 
@@ -148,8 +182,9 @@ def test_every_write_of_the_package_goes_through_ddpkit_fs():
     ],
 )
 def test_the_scan_finds_each_kind_of_write(source, call):
-    # Controls for the scan: each pattern the old code used (``os.open(O_RDWR | O_CREAT)`` for the search
-    # lock, ``tmp.replace`` of a fixed temporary name, ``savefig(path)``, ``tofile(tmp)``) is found.
+    # Controls for the scan: each pattern the old code used (``os.open(O_RDWR | O_CREAT)`` for the
+    # search lock, ``tmp.replace`` of a fixed temporary name, ``savefig(path)``, ``tofile(tmp)``) is
+    # found.
     assert bypasses(source) == [(1, call)]
 
 

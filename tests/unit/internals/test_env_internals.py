@@ -1,5 +1,5 @@
-"""``ddpkit env`` shows the seam's state: each private internal ddpkit relies on, ok or what differs in the
-installed version."""
+"""``ddpkit env`` shows the seam's state: each private internal ddpkit relies on, ok or what differs
+in the installed version."""
 
 from __future__ import annotations
 
@@ -19,19 +19,24 @@ def _seam(monkeypatch, internals) -> None:
     monkeypatch.setattr(ddpkit._internals, "all_internals", lambda: list(internals))
 
 
-def test_env_names_each_internal_ok_and_one_changed_with_the_version_and_what_differs(monkeypatch, capsys):
+def test_env_names_each_internal_ok_and_one_changed_with_the_version_and_what_differs(
+    monkeypatch, capsys
+):
     pytest.importorskip("optuna")
     good = [*dcp.INTERNALS, *optuna_journal.INTERNALS]
-    changed = dataclasses.replace(dcp.INTERNALS[0], check=lambda: "its first fields are ['path', 'start', 'size']")
+    changed = dataclasses.replace(
+        dcp.INTERNALS[0], check=lambda: "its first fields are ['path', 'start', 'size']"
+    )
     _seam(monkeypatch, [changed, *good[1:]])
-    assert env_main(["--no-live"]) == 0  # a diagnostic: it reports, the live check decides the status
+    # a diagnostic: it reports, the live check decides the status
+    assert env_main(["--no-live"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert f"private internals relied on (1 of {len(good)} differ)" in lines
     for internal in good[1:]:
         assert f"  {internal.name}: ok" in lines, internal.name
     expected = (
-        f"  {changed.name}: DIFFERS (torch {torch.__version__}): its first fields are ['path', 'start', 'size']; "
-        f"{changed.used_for}"
+        f"  {changed.name}: DIFFERS (torch {torch.__version__}): its first fields are ['path', "
+        f"'start', 'size']; {changed.used_for}"
     )
     assert expected in lines, lines
 
@@ -56,6 +61,7 @@ def test_a_seam_that_cannot_be_listed_is_reported_not_a_crash(monkeypatch, capsy
 
     monkeypatch.setattr(ddpkit._internals, "all_internals", missing)
     assert env_main(["--no-live"]) == 0
-    assert "  (all): cannot be listed: ModuleNotFoundError: No module named 'ddpkit._internals.elastic'" in (
-        capsys.readouterr().out
+    assert (
+        "  (all): cannot be listed: ModuleNotFoundError: No module named "
+        "'ddpkit._internals.elastic'" in (capsys.readouterr().out)
     )

@@ -1,5 +1,5 @@
-"""The seam: each private name ddpkit relies on still has the shape it relies on (a failure names the internal
-and the version), and the rest of the package touches no private code."""
+"""The seam: each private name ddpkit relies on still has the shape it relies on (a failure names
+the internal and the version), and the rest of the package touches no private code."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ def test_each_internal_has_the_shape_ddpkit_relies_on(internal: Internal) -> Non
 
 
 def test_a_changed_internal_is_reported_with_its_name_and_version() -> None:
-    """Control: a check that finds a difference (or raises) is reported, naming the internal and torch's version."""
+    """Control: a check that finds a difference (or raises) is reported, naming the internal and
+    torch's version."""
     import torch
 
     gone = Internal("torch.nowhere._gone", "torch", "nothing", lambda: "no such attribute")

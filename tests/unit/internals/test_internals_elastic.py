@@ -1,10 +1,10 @@
-"""torchrun's and CPython's private steps that ddpkit's launcher overrides: where one is not as ddpkit relies on,
-the feature it serves is turned off with one warning naming it and the version, and the job runs as torchrun
-would run it, each rank's output where the user asked for it.
+"""torchrun's and CPython's private steps that ddpkit's launcher overrides: where one is not as
+ddpkit relies on, the feature it serves is turned off with one warning naming it and the version,
+and the job runs as torchrun would run it, each rank's output where the user asked for it.
 
-The jobs below run ``ddpkit run`` in a launcher whose torch is rewritten first, from torch's own source, as a
-release that renamed or changed the internal would be (``REWRITE``): the real process context, agent and
-workers run, only the name differs.
+The jobs below run ``ddpkit run`` in a launcher whose torch is rewritten first, from torch's own
+source, as a release that renamed or changed the internal would be (``REWRITE``): the real process
+context, agent and workers run, only the name differs.
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ import pytest
 
 from ddpkit._internals import contract, elastic, interpreter
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server is Linux only")
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="the fork server is Linux only"
+)
 
 SCRIPTS = Path(__file__).parents[2] / "jobs" / "scripts"
 FORK_PROBE = str(SCRIPTS / "fork_probe.py")
@@ -56,11 +58,15 @@ AGENT_API = "torch.distributed.elastic.agent.server.api"
 
 TORCH_CHANGES = {
     # SubprocessHandler starts its process through a step of another name.
-    "popen renamed": 'rewrite(HANDLER, "SubprocessHandler", [(r"\\b_popen\\b", "_start_process")])\n',
-    # __init__ no longer starts its process through self._popen (a subclass's _popen is never called).
-    "popen not called": 'rewrite(HANDLER, "SubprocessHandler", [(r"self\\._popen\\(", "SubprocessHandler._popen(self, ")])\n',
+    "popen renamed": 'rewrite(HANDLER, "SubprocessHandler", [(r"\\b_popen\\b", '
+    '"_start_process")])\n',
+    # __init__ no longer starts its process through self._popen (a subclass's _popen is never
+    # called).
+    "popen not called": 'rewrite(HANDLER, "SubprocessHandler", [(r"self\\._popen\\(", '
+    '"SubprocessHandler._popen(self, ")])\n',
     # The log files a handler opened for its worker kept under other names.
-    "log files renamed": 'rewrite(HANDLER, "SubprocessHandler", [(r"\\b_stdout\\b", "_out"), (r"\\b_stderr\\b", "_err")])\n',
+    "log files renamed": 'rewrite(HANDLER, "SubprocessHandler", [(r"\\b_stdout\\b", "_out"), '
+    '(r"\\b_stderr\\b", "_err")])\n',
     # What a forked worker runs to end as an interpreter ends, gone from CPython.
     "atexit._run_exitfuncs gone": "import atexit\ndel atexit._run_exitfuncs\n",
     # The agent's poll of its workers renamed, in the agent and in the loop that calls it.
@@ -69,22 +75,28 @@ TORCH_CHANGES = {
         "from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent\n"
         "LocalElasticAgent._poll_workers = LocalElasticAgent._monitor_workers\n"
         "del LocalElasticAgent._monitor_workers, SimpleElasticAgent._monitor_workers\n"
-        'rewrite(AGENT_API, "SimpleElasticAgent._invoke_run", [(r"self\\._monitor_workers\\(", "self._poll_workers(")])\n'
+        'rewrite(AGENT_API, "SimpleElasticAgent._invoke_run", [(r"self\\._monitor_workers\\(", '
+        '"self._poll_workers(")])\n'
     ),
-    # The loop polls the workers through another step; _monitor_workers is still there, never called.
+    # The loop polls the workers through another step; _monitor_workers is still there, never
+    # called.
     "monitor bypassed": (
         "from torch.distributed.elastic.agent.server.api import SimpleElasticAgent\n"
         "from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent\n"
         "SimpleElasticAgent._poll_workers = LocalElasticAgent._monitor_workers\n"
-        'rewrite(AGENT_API, "SimpleElasticAgent._invoke_run", [(r"self\\._monitor_workers\\(", "self._poll_workers(")])\n'
+        'rewrite(AGENT_API, "SimpleElasticAgent._invoke_run", [(r"self\\._monitor_workers\\(", '
+        '"self._poll_workers(")])\n'
     ),
 }
 
 SAID = "is not what ddpkit relies on"
 
 
-def launch(tmp_path: Path, env: dict, change: str | None, *args: str) -> subprocess.CompletedProcess:
-    """``ddpkit run --nproc 2 ARGS`` in ``tmp_path``, in a launcher with ``TORCH_CHANGES[change]`` made first."""
+def launch(
+    tmp_path: Path, env: dict, change: str | None, *args: str
+) -> subprocess.CompletedProcess:
+    """``ddpkit run --nproc 2 ARGS`` in ``tmp_path``, in a launcher with ``TORCH_CHANGES[change]``
+    made first."""
     code = REWRITE + (TORCH_CHANGES[change] if change else "")
     code += "from ddpkit.cli import main\nsys.exit(main(sys.argv[1:]))\n"
     return subprocess.run(
@@ -108,7 +120,8 @@ def _fresh_warnings(monkeypatch):
     monkeypatch.setattr(contract, "_warned", set())
 
 
-@pytest.mark.slow  # a job each; the control of forking with torch as it is stays in the default suite
+# a job each; the control of forking with torch as it is stays in the default suite
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("change", "internal"),
     [
@@ -124,13 +137,15 @@ def test_workers_start_as_new_interpreters_with_one_warning_and_their_output_whe
     out = launch(tmp_path, clean_env, change, "--fork-server", "on", FORK_PROBE, str(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
     for rank in range(2):
-        assert json.loads((tmp_path / f"rank{rank}.attempt0.json").read_text())["preloaded"] is False
+        assert (
+            json.loads((tmp_path / f"rank{rank}.attempt0.json").read_text())["preloaded"] is False
+        )
     assert out.stderr.count(SAID) == 1, out.stderr[-3000:]
     version = "CPython " if "atexit" in change else "torch "
     assert f"ddpkit: {internal} {SAID} in {version}" in out.stderr
     assert "forking workers from the job's server is off" in out.stderr
-    # Rank 0 keeps the terminal, rank 1 writes to its log file, as without the fork server: a worker started
-    # through torch's own step still gets the files torchrun opened for it.
+    # Rank 0 keeps the terminal, rank 1 writes to its log file, as without the fork server: a worker
+    # started through torch's own step still gets the files torchrun opened for it.
     assert out.stdout.count("rank 0 to standard output") == 1 and "rank 1" not in out.stdout
     assert rank_log(tmp_path, 1) == "rank 1 to standard output\n"
 
@@ -146,11 +161,17 @@ def test_control_with_torch_as_it_is_workers_are_forked_and_nothing_is_said(clea
     assert rank_log(tmp_path, 1) == "rank 1 to standard output\n"
 
 
-@pytest.mark.slow  # a job each; the control of forking with torch as it is stays in the default suite
-def test_an_agent_whose_poll_was_renamed_warns_at_construction_and_runs_as_torchruns(clean_env, tmp_path):
-    """Without the poll ddpkit rides on, a pre-empted job restarts (torchrun's way) instead of stopping: the
-    warning names that loss once, at the agent's construction, and the job still runs."""
-    out = launch(tmp_path, clean_env, "monitor renamed", "--max-restarts", "1", LAUNCH_PROBE, "preempted")
+# a job each; the control of forking with torch as it is stays in the default suite
+@pytest.mark.slow
+def test_an_agent_whose_poll_was_renamed_warns_at_construction_and_runs_as_torchruns(
+    clean_env, tmp_path
+):
+    """Without the poll ddpkit rides on, a pre-empted job restarts (torchrun's way) instead of
+    stopping: the warning names that loss once, at the agent's construction, and the job still
+    runs."""
+    out = launch(
+        tmp_path, clean_env, "monitor renamed", "--max-restarts", "1", LAUNCH_PROBE, "preempted"
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "attempt=1" in out.stdout  # restarted: the stop after a pre-emption is what was lost
     assert out.stderr.count(SAID) == 1, out.stderr[-3000:]
@@ -158,16 +179,20 @@ def test_an_agent_whose_poll_was_renamed_warns_at_construction_and_runs_as_torch
     assert "no restart after a pre-emption" in out.stderr
 
 
-@pytest.mark.slow  # a job each; the control of forking with torch as it is stays in the default suite
+# a job each; the control of forking with torch as it is stays in the default suite
+@pytest.mark.slow
 def test_an_agent_whose_poll_is_never_called_says_so_once(clean_env, tmp_path):
-    out = launch(tmp_path, clean_env, "monitor bypassed", "--fork-server", "off", FORK_PROBE, str(tmp_path))
+    out = launch(
+        tmp_path, clean_env, "monitor bypassed", "--fork-server", "off", FORK_PROBE, str(tmp_path)
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stderr.count(SAID) == 1, out.stderr[-3000:]
     assert f"LocalElasticAgent._monitor_workers (never called) {SAID} in torch " in out.stderr
     assert "stack dumps after a failure, no restart after a pre-emption" in out.stderr
 
 
-@pytest.mark.slow  # a job each; the control of forking with torch as it is stays in the default suite
+# a job each; the control of forking with torch as it is stays in the default suite
+@pytest.mark.slow
 def test_control_an_agent_with_its_poll_stops_a_preempted_job_and_says_nothing(clean_env, tmp_path):
     out = launch(tmp_path, clean_env, None, "--max-restarts", "1", LAUNCH_PROBE, "preempted")
     assert out.returncode == 75, out.stderr[-3000:]
@@ -175,11 +200,12 @@ def test_control_an_agent_with_its_poll_stops_a_preempted_job_and_says_nothing(c
     assert SAID not in out.stderr
 
 
-# -- pure logic ----------------------------------------------------------------------------------------------
+# -- pure logic ------------------------------------------------------------------------------------
 
 
 class _Starts:
-    """A stand-in for torchrun's SubprocessHandler: starts its process in __init__, through _popen or not."""
+    """A stand-in for torchrun's SubprocessHandler: starts its process in __init__, through _popen
+    or not."""
 
     through_popen = True
 
@@ -196,7 +222,8 @@ def test_a_handler_override_is_used_and_says_nothing_where_popen_is_called():
         warnings.simplefilter("error")
         assert handler(["w"], {}).proc == "forked ['w']"
         assert handler(["w"], {}).proc == "forked ['w']"
-    declined = elastic.popen_override(_Starts, lambda h, args, env: None)  # None: start it as torch does
+    # None: start it as torch does
+    declined = elastic.popen_override(_Starts, lambda h, args, env: None)
     assert declined(["w"], {}).proc == "a new interpreter"
 
 
@@ -214,7 +241,8 @@ def test_forking_is_refused_where_a_forked_worker_could_not_end_as_an_interprete
 
 
 def test_the_command_line_is_written_only_where_its_memory_is_found(tmp_path):
-    """A misread ``arg_start`` is refused (nothing written); the real one is rewritten (``ps`` shows it)."""
+    """A misread ``arg_start`` is refused (nothing written); the real one is rewritten (``ps`` shows
+    it)."""
     code = (
         "import sys\n"
         "from ddpkit._internals import interpreter as i\n"
@@ -228,7 +256,9 @@ def test_the_command_line_is_written_only_where_its_memory_is_found(tmp_path):
         "assert i.set_command_line(['shown', 'as']) is True\n"
         "print(open('/proc/self/cmdline', 'rb').read().rstrip(b'\\0'))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ | {})
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=os.environ | {}
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "b'shown\\x00as'"
 
@@ -244,12 +274,19 @@ def test_the_command_line_is_written_only_where_its_memory_is_found(tmp_path):
     ],
 )
 def test_each_change_is_named_by_its_check_with_the_version(change, named, tmp_path):
-    """What ``ddpkit env`` and the contract tests print for a torch or CPython with the change: that internal,
-    and only it, with the installed version."""
+    """What ``ddpkit env`` and the contract tests print for a torch or CPython with the change: that
+    internal, and only it, with the installed version."""
     code = REWRITE + TORCH_CHANGES[change]
-    code += "from ddpkit._internals import elastic, interpreter\nfrom ddpkit._internals.contract import problem\n"
-    code += "print('\\n'.join(filter(None, map(problem, elastic.INTERNALS + interpreter.INTERNALS))))\n"
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    code += (
+        "from ddpkit._internals import elastic, interpreter\nfrom ddpkit._internals.contract "
+        "import problem\n"
+    )
+    code += (
+        "print('\\n'.join(filter(None, map(problem, elastic.INTERNALS + interpreter.INTERNALS))))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     (line,) = out.stdout.splitlines()
     assert named in line and ("(CPython 3." if "atexit" in change else "(torch 2.") in line, line

@@ -1,7 +1,7 @@
-"""The Ray internal ddpkit relies on (its key-value store, for the restart count), and its control. Run by the
-Python of ``.venv-ray`` (or this one, where Ray is installed): Ray lives in a venv of its own (.ci/run). The
-check reads Ray's source, never importing it: ``ddpkit env`` and every process that runs the checks stay free of
-Ray's threads and its start-up time."""
+"""The Ray internal ddpkit relies on (its key-value store, for the restart count), and its control.
+Run by the Python of ``.venv-ray`` (or this one, where Ray is installed): Ray lives in a venv of its
+own (.ci/run). The check reads Ray's source, never importing it: ``ddpkit env`` and every process
+that runs the checks stay free of Ray's threads and its start-up time."""
 
 from __future__ import annotations
 
@@ -13,12 +13,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
-RAY_PYTHON = sys.executable if importlib.util.find_spec("ray") else str(ROOT / ".venv-ray" / "bin" / "python")
+RAY_PYTHON = (
+    sys.executable
+    if importlib.util.find_spec("ray")
+    else str(ROOT / ".venv-ray" / "bin" / "python")
+)
 # Slow-marked: CI makes .venv-ray before its slow step (where the Ray cluster tests run too).
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
-        not Path(RAY_PYTHON).exists(), reason="no Ray: VENV=.venv-ray bash scripts/setup.sh ray,examples"
+        not Path(RAY_PYTHON).exists(),
+        reason="no Ray: VENV=.venv-ray bash scripts/setup.sh ray,examples",
     ),
 ]
 
@@ -46,8 +51,8 @@ print("ok")
 
 
 def test_the_key_value_store_is_as_relied_on_and_a_changed_one_is_named(tmp_path):
-    """The check passes on the installed Ray; controls: Ray's module without ``_internal_kv_put``, and with its
-    ``overwrite`` keyword renamed, are each reported with Ray's version."""
+    """The check passes on the installed Ray; controls: Ray's module without ``_internal_kv_put``,
+    and with its ``overwrite`` keyword renamed, are each reported with Ray's version."""
     out = subprocess.run([RAY_PYTHON, "-c", CHECK, str(tmp_path)], capture_output=True, text=True, timeout=120,
                          env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"})  # fmt: skip
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]

@@ -1,10 +1,12 @@
-"""Outside :mod:`ddpkit._internals`, ddpkit touches no private code of another project: no ``ctypes``, no ``torch._``
-name other than the ``torch._foreach_*`` operators, no private module, name or attribute of torch, CPython,
-numpy or Optuna where it can be seen in the source, and no override of another project's private method.
+"""Outside :mod:`ddpkit._internals`, ddpkit touches no private code of another project: no
+``ctypes``, no ``torch._`` name other than the ``torch._foreach_*`` operators, no private module,
+name or attribute of torch, CPython, numpy or Optuna where it can be seen in the source, and no
+override of another project's private method.
 
-What the source shows is checked (``ast``): a private name reached through a variable whose type is only known
-at run time (``obj._x`` where ``obj`` is one of ddpkit's own objects) cannot be told from another project's, so
-every ``x._y`` outside ``self``/``cls`` and ddpkit's own modules is flagged unless listed below with its reason.
+What the source shows is checked (``ast``): a private name reached through a variable whose type is
+only known at run time (``obj._x`` where ``obj`` is one of ddpkit's own objects) cannot be told from
+another project's, so every ``x._y`` outside ``self``/``cls`` and ddpkit's own modules is flagged
+unless listed below with its reason.
 """
 
 from __future__ import annotations
@@ -42,8 +44,9 @@ def _private_module(module: str) -> bool:
 
 
 class _Classes:
-    """ddpkit's classes by name: the names each defines (methods, class attributes, ``self.x = ...``) and its
-    bases, to tell ``self._x`` of ddpkit's own from one inherited from another project's class."""
+    """ddpkit's classes by name: the names each defines (methods, class attributes,
+    ``self.x = ...``) and its bases, to tell ``self._x`` of ddpkit's own from one inherited from
+    another project's class."""
 
     def __init__(self, trees: list[ast.Module]) -> None:
         self.own: dict[str, set[str]] = {}
@@ -54,8 +57,11 @@ class _Classes:
                     self.own.setdefault(node.name, set()).update(_defined_in(node))
                     self.bases[node.name] = [_base_name(b) for b in node.bases]
 
-    def names(self, cls: str, foreign_imports: set[str], seen: frozenset[str] = frozenset()) -> tuple[set[str], bool]:
-        """The names ddpkit defines on ``cls`` and its ddpkit bases; whether another project's class is a base."""
+    def names(
+        self, cls: str, foreign_imports: set[str], seen: frozenset[str] = frozenset()
+    ) -> tuple[set[str], bool]:
+        """The names ddpkit defines on ``cls`` and its ddpkit bases; whether another project's class
+        is a base."""
         names, foreign = set(self.own.get(cls, ())), False
         for base in self.bases.get(cls, []):
             if base in NEUTRAL_BASES:
@@ -92,13 +98,20 @@ def _defined_in(cls: ast.ClassDef) -> set[str]:
             targets = [node.target]
         for target in targets:
             for t in ast.walk(target):
-                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id in ("self", "cls"):
+                if (
+                    isinstance(t, ast.Attribute)
+                    and isinstance(t.value, ast.Name)
+                    and t.value.id in ("self", "cls")
+                ):
                     names.add(t.attr)
     return names
 
 
-def private_touches(source: str, where: str = "<snippet>", classes: _Classes | None = None) -> list[str]:
-    """Each place in ``source`` that touches private code of another project, as ``where:line: what``."""
+def private_touches(
+    source: str, where: str = "<snippet>", classes: _Classes | None = None
+) -> list[str]:
+    """Each place in ``source`` that touches private code of another project, as
+    ``where:line: what``."""
     tree = ast.parse(source)
     classes = classes or _Classes([tree])
     found: list[str] = []
@@ -130,15 +143,24 @@ def private_touches(source: str, where: str = "<snippet>", classes: _Classes | N
             flag(node, "ctypes")
         elif isinstance(node, ast.Call):
             func = ast.unparse(node.func)
-            text = node.args[0].value if node.args and isinstance(node.args[0], ast.Constant) else None
-            if func in ("__import__", "importlib.import_module", "import_module") and isinstance(text, str):
+            text = (
+                node.args[0].value if node.args and isinstance(node.args[0], ast.Constant) else None
+            )
+            if func in ("__import__", "importlib.import_module", "import_module") and isinstance(
+                text, str
+            ):
                 if _private_module(text):
                     flag(node, f"{func}({text!r})")
             if func in ("getattr", "hasattr", "setattr", "delattr") and len(node.args) > 1:
                 name = node.args[1].value if isinstance(node.args[1], ast.Constant) else None
                 target = node.args[0]
                 public = name in PUBLIC_UNDERSCORE_ATTRIBUTES
-                if isinstance(name, str) and _private(name) and not public and not _self_like(target):
+                if (
+                    isinstance(name, str)
+                    and _private(name)
+                    and not public
+                    and not _self_like(target)
+                ):
                     if not (isinstance(target, ast.Name) and target.id in ours):
                         flag(node, f"{func}({ast.unparse(target)}, {name!r})")
 
@@ -155,7 +177,8 @@ def private_touches(source: str, where: str = "<snippet>", classes: _Classes | N
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and _private(node.attr):
             attribute(node)
-    # self._x in a class with another project's base, where ddpkit never defines _x: that project's private.
+    # self._x in a class with another project's base, where ddpkit never defines _x: that project's
+    # private.
     for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
         names, foreign = classes.names(cls.name, foreign_imports)
         if not foreign:
@@ -164,8 +187,16 @@ def private_touches(source: str, where: str = "<snippet>", classes: _Classes | N
             name = None
             if isinstance(node, ast.Attribute) and _self_like(node.value):
                 name = node.attr
-            elif isinstance(node, ast.Call) and ast.unparse(node.func) in ("getattr", "hasattr", "setattr"):
-                if len(node.args) > 1 and _self_like(node.args[0]) and isinstance(node.args[1], ast.Constant):
+            elif isinstance(node, ast.Call) and ast.unparse(node.func) in (
+                "getattr",
+                "hasattr",
+                "setattr",
+            ):
+                if (
+                    len(node.args) > 1
+                    and _self_like(node.args[0])
+                    and isinstance(node.args[1], ast.Constant)
+                ):
                     name = node.args[1].value
             if isinstance(name, str) and _private(name) and name not in names:
                 flag(node, f"{cls.name}: self.{name}, inherited from another project's class")
@@ -177,18 +208,26 @@ def _self_like(node: ast.expr) -> bool:
 
 
 def overridden_privates(cls: type) -> list[str]:
-    """The private methods ``cls`` defines in its body that a class of another project in its MRO defines too
-    (what a metaclass adds, ``_abc_impl`` or an enum's ``_sunder_`` names, is not ddpkit's writing)."""
+    """The private methods ``cls`` defines in its body that a class of another project in its MRO
+    defines too (what a metaclass adds, ``_abc_impl`` or an enum's ``_sunder_`` names, is not
+    ddpkit's writing)."""
     found = []
     for name, value in vars(cls).items():
         function = getattr(value, "__func__", value)
-        written = inspect.isfunction(function) and function.__qualname__.startswith(f"{cls.__qualname__}.")
+        written = inspect.isfunction(function) and function.__qualname__.startswith(
+            f"{cls.__qualname__}."
+        )
         if not _private(name) or name.endswith("_") or not written:
             continue
         for other in cls.__mro__[1:]:
-            if other is not object and not other.__module__.startswith("ddpkit") and name in vars(other):
+            if (
+                other is not object
+                and not other.__module__.startswith("ddpkit")
+                and name in vars(other)
+            ):
                 found.append(
-                    f"{cls.__module__}.{cls.__qualname__}.{name} overrides {other.__module__}.{other.__name__}"
+                    f"{cls.__module__}.{cls.__qualname__}.{name} overrides "
+                    f"{other.__module__}.{other.__name__}"
                 )
                 break
     return found
@@ -205,7 +244,11 @@ def _sources() -> dict[str, str]:
 def test_outside_the_seam_no_private_code_of_another_project_is_touched() -> None:
     sources = _sources()
     classes = _Classes([ast.parse(s) for s in sources.values()])
-    found = [line for where, source in sources.items() for line in private_touches(source, where, classes)]
+    found = [
+        line
+        for where, source in sources.items()
+        for line in private_touches(source, where, classes)
+    ]
     found.sort(key=lambda line: (line.split(":")[0], int(line.split(":")[1])))
     assert not found, "private code touched outside ddpkit._internals:\n" + "\n".join(found)
 
@@ -219,7 +262,8 @@ def test_no_class_outside_the_seam_overrides_another_projects_private_method() -
         module_name = where[: -len(".py")].replace("/", ".").removesuffix(".__init__")
         try:
             module = importlib.import_module(module_name)
-        except ImportError as err:  # an optional extra not installed: its classes cannot be looked at
+        # an optional extra not installed: its classes cannot be looked at
+        except ImportError as err:
             if err.name and err.name.split(".")[0] == "ddpkit":
                 raise
             continue
@@ -249,8 +293,9 @@ def test_no_class_outside_the_seam_overrides_another_projects_private_method() -
         "import threading\nthreading._shutdown()",
         "from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent\n"
         "class A(LocalElasticAgent):\n    def f(self):\n        return self._pcontext",
-        "from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent\n"
-        "class A(LocalElasticAgent):\n    def f(self):\n        return getattr(self, '_pcontext', None)",
+        "from torch.distributed.elastic.agent.server.local_elastic_agent import "
+        "LocalElasticAgent\nclass A(LocalElasticAgent):\n    def f(self):\n        return "
+        "getattr(self, '_pcontext', None)",
         "class A(Base):\n    def _popen(self):\n        return super()._popen()",
     ],
 )
@@ -265,9 +310,11 @@ def test_each_kind_of_private_touch_is_flagged(snippet: str) -> None:
         "import torch\ntorch._foreach_mul_(grads, 0.5)",
         "import os\nos._exit(1)",
         "def f(batch):\n    return batch._fields",
-        "class A:\n    def __init__(self):\n        self._mine = 1\n    def f(self):\n        return self._mine",
-        "from torch import nn\nclass M(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
-        "        self._scale = 2\n    def forward(self, x):\n        return x * self._scale",
+        "class A:\n    def __init__(self):\n        self._mine = 1\n    def f(self):\n        "
+        "return self._mine",
+        "from torch import nn\nclass M(nn.Module):\n    def __init__(self):\n        "
+        "super().__init__()\n        self._scale = 2\n    def forward(self, x):\n        return x "
+        "* self._scale",
         "from ddpkit.search import study\nstudy._SEARCH_KEY",
         "from . import helpers\nhelpers._private_helper()",
         "x.__class__.__name__",

@@ -1,4 +1,5 @@
-"""The torch version gate, and the store a launcher serves on a socket it bound itself, on every torch."""
+"""The torch version gate, and the store a launcher serves on a socket it bound itself, on every
+torch."""
 
 from __future__ import annotations
 
@@ -38,7 +39,9 @@ def test_a_feature_above_the_installed_torch_is_refused_naming_both_versions() -
     with pytest.raises(ConfigError) as err:
         versions.require_torch("the frobnicator", newer, instead="set frobnicate=False")
     text = str(err.value)
-    assert "the frobnicator" in text and f"{newer[0]}.{newer[1]}" in text and torch.__version__ in text
+    assert (
+        "the frobnicator" in text and f"{newer[0]}.{newer[1]}" in text and torch.__version__ in text
+    )
     assert "set frobnicate=False" in text
     versions.require_torch("the frobnicator", versions.TORCH_VERSION)  # the installed one: no error
     assert versions.torch_at_least(versions.FLOOR) and not versions.torch_at_least(newer)
@@ -60,13 +63,18 @@ def test_the_store_serves_on_the_socket_it_is_handed_and_a_default_client_reache
 
 
 @pytest.mark.skipif(
-    versions.torch_at_least(store.LIBUV_LISTEN_FD), reason="this torch's libuv backend serves on a handed socket"
+    versions.torch_at_least(store.LIBUV_LISTEN_FD),
+    reason="this torch's libuv backend serves on a handed socket",
 )
-def test_below_its_version_the_libuv_backend_refuses_a_handed_socket_which_is_why_the_gate_exists() -> None:
+def test_below_its_version_the_libuv_backend_refuses_a_handed_socket_which_is_why_the_gate_exists() -> (
+    None
+):
     fd, port = _listener()
     try:
         with pytest.raises(NotImplementedError, match="listen fd"):
-            dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, master_listen_fd=fd)
+            dist.TCPStore(
+                "127.0.0.1", port, is_master=True, wait_for_workers=False, master_listen_fd=fd
+            )
     finally:
         socket.socket(fileno=fd).close()
 

@@ -1,6 +1,6 @@
-"""torch's internals behind ddpkit's seam: distributed checkpoint's storage, the scheduler's marks, the fused
-inf/NaN check, and the compiler probe. Each check holds on this torch, and names what differs when the shape
-it relies on changes (controls: the shape changed by hand)."""
+"""torch's internals behind ddpkit's seam: distributed checkpoint's storage, the scheduler's marks,
+the fused inf/NaN check, and the compiler probe. Each check holds on this torch, and names what
+differs when the shape it relies on changes (controls: the shape changed by hand)."""
 
 from __future__ import annotations
 
@@ -67,7 +67,10 @@ def test_an_overridden_method_with_other_arguments_is_named(monkeypatch):
 def test_a_renamed_scheduler_mark_is_named(monkeypatch):
     monkeypatch.setattr(optim, "_MARK", "_marked_by_scheduler")
     found = _named(optim, "torch.optim.lr_scheduler")
-    assert found is not None and "no longer marks its optimizer's step with _marked_by_scheduler" in found
+    assert (
+        found is not None
+        and "no longer marks its optimizer's step with _marked_by_scheduler" in found
+    )
 
 
 def _scheduler_warnings(rebind: bool) -> list[str]:
@@ -90,7 +93,8 @@ def test_a_scheduler_moved_to_another_optimizer_does_not_warn_that_it_stepped_fi
 
 
 @pytest.mark.parametrize(
-    ("values", "finite"), [([1.0, 2.0], True), ([1.0, float("inf")], False), ([float("nan")], False)]
+    ("values", "finite"),
+    [([1.0, 2.0], True), ([1.0, float("inf")], False), ([float("nan")], False)],
 )
 def test_the_fused_check_flags_inf_and_nan(values, finite):
     flag, one = torch.zeros(1), torch.ones(1)
@@ -100,23 +104,31 @@ def test_the_fused_check_flags_inf_and_nan(values, finite):
 @pytest.fixture
 def probe_gone(monkeypatch):
     """torch's compiler probe removed, as a release that moves it would."""
-    monkeypatch.setitem(sys.modules, "torch._inductor.cpp_builder", types.ModuleType("torch._inductor.cpp_builder"))
+    monkeypatch.setitem(
+        sys.modules, "torch._inductor.cpp_builder", types.ModuleType("torch._inductor.cpp_builder")
+    )
 
 
-def test_a_missing_compiler_probe_is_named_with_torchs_version_not_taken_for_no_compiler(probe_gone):
+def test_a_missing_compiler_probe_is_named_with_torchs_version_not_taken_for_no_compiler(
+    probe_gone,
+):
     from ddpkit.training._compiled import compile_for_training
 
     with pytest.raises(ConfigError) as caught:
         compile_for_training(nn.Linear(2, 2), torch.device("cpu"))
     message = str(caught.value)
-    assert "torch._inductor.cpp_builder.get_cpp_compiler" in message and f"torch {torch.__version__}" in message
+    assert (
+        "torch._inductor.cpp_builder.get_cpp_compiler" in message
+        and f"torch {torch.__version__}" in message
+    )
     assert "none was found" not in message
     found = _named(compiler, "torch._inductor.cpp_builder.get_cpp_compiler")
     assert found is not None and "cannot import it" in found
 
 
 def test_no_compiler_found_is_still_said_as_such(monkeypatch):
-    """Control: where the probe is there and finds no compiler, the message is the one naming g++."""
+    """Control: where the probe is there and finds no compiler, the message is the one naming
+    g++."""
     from ddpkit.training._compiled import compile_for_training
 
     def none_found() -> str:

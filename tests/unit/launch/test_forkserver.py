@@ -1,6 +1,6 @@
-"""The fork server's parts that need no job: the exit status a forked worker ends with, its signals, the handle
-the agent keeps of it, which commands it forks, and its options. (Forked workers in real jobs:
-tests/jobs/launch/test_forkserver.py.)"""
+"""The fork server's parts that need no job: the exit status a forked worker ends with, its signals,
+the handle the agent keeps of it, which commands it forks, and its options. (Forked workers in real
+jobs: tests/jobs/launch/test_forkserver.py.)"""
 
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ from ddpkit._launch.forked_workers import ForkedProcess, _is_worker_command
 from ddpkit._launch.forkserver import JOB_SIGNALS, exec_dispositions, exit_status, ignored_signals
 from ddpkit._launch.options import build_parser, config_from_args
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server is Linux only")
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="the fork server is Linux only"
+)
 ROOT = Path(__file__).parents[3]
 
 
@@ -49,8 +51,8 @@ print("status", code, flush=True)
     ],
 )
 def test_run_as_main_ends_as_an_interpreter_ends(run_python, body, status, err):
-    # The status first, then the threads and the atexit handlers, as Py_FinalizeEx; in a fresh process, whose
-    # atexit handlers are its own.
+    # The status first, then the threads and the atexit handlers, as Py_FinalizeEx; in a fresh
+    # process, whose atexit handlers are its own.
     out = run_python(END.format(body=body))
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["thread", "atexit", f"status {status}"]
@@ -63,23 +65,33 @@ def test_an_uncaught_keyboard_interrupt_ends_the_process_by_sigint(run_python):
     assert "KeyboardInterrupt" in out.stderr and out.stdout.splitlines() == ["thread", "atexit"]
 
 
-NAMES = {signal.SIG_IGN: "ignored", signal.SIG_DFL: "default", signal.default_int_handler: "python's"}
+NAMES = {
+    signal.SIG_IGN: "ignored",
+    signal.SIG_DFL: "default",
+    signal.default_int_handler: "python's",
+}
 SHOW = f"""import json, signal
 names = {{signal.SIG_IGN: "ignored", signal.SIG_DFL: "default", signal.default_int_handler: "python's"}}
 print(json.dumps({{s: names.get(signal.getsignal(s), "a handler") for s in {[int(s) for s in JOB_SIGNALS]}}}))
 """
 
 
-@pytest.mark.parametrize("ignored", [(), (signal.SIGINT, signal.SIGQUIT), (signal.SIGUSR2, signal.SIGHUP)])
+@pytest.mark.parametrize(
+    "ignored", [(), (signal.SIGINT, signal.SIGQUIT), (signal.SIGUSR2, signal.SIGHUP)]
+)
 def test_a_forked_workers_signals_are_those_of_a_new_interpreter(ignored):
-    """exec_dispositions against a real interpreter started by a process that ignores ``ignored`` and has a
-    Python handler on every other job signal (as torch's agent has on some)."""
+    """exec_dispositions against a real interpreter started by a process that ignores ``ignored``
+    and has a Python handler on every other job signal (as torch's agent has on some)."""
 
     def parent() -> None:
         for signum in JOB_SIGNALS:
-            signal.signal(signum, signal.SIG_IGN if signum in ignored else signal.default_int_handler)
+            signal.signal(
+                signum, signal.SIG_IGN if signum in ignored else signal.default_int_handler
+            )
 
-    new = subprocess.run([sys.executable, "-c", SHOW], capture_output=True, text=True, preexec_fn=parent, timeout=60)
+    new = subprocess.run(
+        [sys.executable, "-c", SHOW], capture_output=True, text=True, preexec_fn=parent, timeout=60
+    )
     assert new.returncode == 0, new.stderr
     expected = {str(int(s)): NAMES[h] for s, h in exec_dispositions(list(ignored)).items()}
     assert json.loads(new.stdout) == expected
@@ -115,9 +127,10 @@ server.close()
 
 
 def test_a_signal_sent_as_the_worker_starts_is_not_lost(run_python, tmp_path):
-    """SIGTERM reaches the forked worker before it has its own dispositions (the server ignores the job's
-    signals): it waits, blocked, and ends the worker as it would end a new interpreter; the script never runs.
-    Control: a worker forked without the job's signals blocked ignores it and runs the script."""
+    """SIGTERM reaches the forked worker before it has its own dispositions (the server ignores the
+    job's signals): it waits, blocked, and ends the worker as it would end a new interpreter; the
+    script never runs. Control: a worker forked without the job's signals blocked ignores it and
+    runs the script."""
     script = tmp_path / "script.py"
     script.write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n")
     out = run_python(GAP.format(script=str(script), preload=()))
@@ -125,7 +138,10 @@ def test_a_signal_sent_as_the_worker_starts_is_not_lost(run_python, tmp_path):
     assert out.stdout.split() == [str(-signal.SIGTERM)] and not (tmp_path / "ran").exists()
     control = GAP.format(script=str(script), preload=["tests.jobs.scripts.fork_unblocked"])
     out = run_python(
-        control, extra_env={"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        control,
+        extra_env={
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+        },
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["0"] and (tmp_path / "ran").exists()
@@ -142,7 +158,8 @@ def _child(read_fd: int | None = None, code: int = 0) -> int:
 
 @pytest.mark.parametrize("pidfds", [True, False])
 def test_a_forked_process_answers_as_a_popen(monkeypatch, pidfds):
-    if not pidfds:  # a kernel before 5.3, or a seccomp profile that refuses the call: waiting polls instead
+    # a kernel before 5.3, or a seccomp profile that refuses the call: waiting polls instead
+    if not pidfds:
 
         def refused(pid: int, flags: int = 0) -> int:
             raise OSError(38, "pidfd_open refused")
@@ -167,11 +184,18 @@ def test_a_forked_process_answers_as_a_popen(monkeypatch, pidfds):
 def test_only_the_launchers_worker_command_is_forked():
     assert _is_worker_command([sys.executable, "-u", "-m", "ddpkit._launch.worker", "train.py"])
     assert not _is_worker_command([sys.executable, "-u", "train.py"])  # not the launcher's command
-    assert not _is_worker_command(["numactl", "-N", "0", sys.executable, "-u", "-m", "ddpkit._launch.worker", "t.py"])
-    assert not _is_worker_command(["/usr/bin/other-python", "-u", "-m", "ddpkit._launch.worker", "t.py"])
-    # Another virtual environment on the same interpreter (torchrun's PYTHON_EXEC): its own site-packages.
+    assert not _is_worker_command(
+        ["numactl", "-N", "0", sys.executable, "-u", "-m", "ddpkit._launch.worker", "t.py"]
+    )
+    assert not _is_worker_command(
+        ["/usr/bin/other-python", "-u", "-m", "ddpkit._launch.worker", "t.py"]
+    )
+    # Another virtual environment on the same interpreter (torchrun's PYTHON_EXEC): its own
+    # site-packages.
     if os.path.realpath(sys.executable) != sys.executable:
-        assert not _is_worker_command([os.path.realpath(sys.executable), "-u", "-m", "ddpkit._launch.worker", "t.py"])
+        assert not _is_worker_command(
+            [os.path.realpath(sys.executable), "-u", "-m", "ddpkit._launch.worker", "t.py"]
+        )
 
 
 def test_the_fork_server_serves_jobs_that_may_restart_unless_told():
@@ -182,5 +206,7 @@ def test_the_fork_server_serves_jobs_that_may_restart_unless_told():
     assert uses("--max-restarts", "1")
     assert uses("--nnodes", "1:2", "--rdzv-endpoint", "h:1")  # elastic: restarts by default
     assert uses("--fork-server", "on") and not uses("--fork-server", "off", "--max-restarts", "3")
-    cfg = config_from_args(build_parser().parse_args(["--preload", "numpy,pandas", "--preload", "x.y", "t.py"]))
+    cfg = config_from_args(
+        build_parser().parse_args(["--preload", "numpy,pandas", "--preload", "x.y", "t.py"])
+    )
     assert cfg.preload == ["numpy", "pandas", "x.y"]

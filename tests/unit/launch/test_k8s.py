@@ -1,6 +1,7 @@
-"""``ddpkit k8s``: the manifests it writes, against golden files and against the resources' published schemas
-(the CRDs of Kubeflow Trainer, the training-operator and JobSet, with Kubernetes' own Pod fields checked
-through them; kept in ``tests/unit/launch/k8s/``, see its SOURCES.md), offline with ``jsonschema``."""
+"""``ddpkit k8s``: the manifests it writes, against golden files and against the resources'
+published schemas (the CRDs of Kubeflow Trainer, the training-operator and JobSet, with Kubernetes'
+own Pod fields checked through them; kept in ``tests/unit/launch/k8s/``, see its SOURCES.md),
+offline with ``jsonschema``."""
 
 from __future__ import annotations
 
@@ -46,15 +47,18 @@ def written(args: list[str], capsys) -> str:
 def test_the_manifest_is_the_golden_one(case, capsys):
     text = written(CASES[case], capsys)
     golden = HERE / f"{case}.yaml"
-    if os.environ.get("DDPKIT_UPDATE_GOLDEN"):  # after a deliberate change: write, then read the diff
+    # after a deliberate change: write, then read the diff
+    if os.environ.get("DDPKIT_UPDATE_GOLDEN"):
         golden.write_text(text)
-    assert text == golden.read_text(), f"rerun with DDPKIT_UPDATE_GOLDEN=1 if the change in {golden} is meant"
+    assert text == golden.read_text(), (
+        f"rerun with DDPKIT_UPDATE_GOLDEN=1 if the change in {golden} is meant"
+    )
 
 
 def _closed(schema: Any) -> Any:
-    """The schema with unknown fields refused: a CRD's structural schema prunes them on the server (a misspelt
-    field vanishes silently there), so here every object that lists its ``properties`` is closed unless it
-    says it keeps unknown fields."""
+    """The schema with unknown fields refused: a CRD's structural schema prunes them on the server
+    (a misspelt field vanishes silently there), so here every object that lists its ``properties``
+    is closed unless it says it keeps unknown fields."""
     if isinstance(schema, dict):
         schema = {key: _closed(value) for key, value in schema.items()}
         if "properties" in schema and not schema.get("x-kubernetes-preserve-unknown-fields"):
@@ -112,25 +116,41 @@ def test_the_failure_policy_recreates_preempted_and_disrupted_pods_and_fails_on_
 
 
 def test_pods_mount_shared_memory_and_the_secret_read_only_by_their_group():
-    cfg = mf.ManifestConfig(script="train.py", image="reg/train:1", kind="jobset", nodes=2, shm_size="16Gi")
+    cfg = mf.ManifestConfig(
+        script="train.py", image="reg/train:1", kind="jobset", nodes=2, shm_size="16Gi"
+    )
     vols, mounts = mf.volumes(cfg)
     assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}} in vols
-    assert {"name": "rdzv-secret", "secret": {"secretName": "train-rdzv", "defaultMode": 0o440}} in vols
-    assert mf.pod_spec(cfg)["securityContext"] == {"fsGroup": 2000, "fsGroupChangePolicy": "OnRootMismatch"}
-    assert {"name": "DDPKIT_RDZV_SECRET_FILE", "value": "/etc/ddpkit/rdzv/rdzv-secret"} in mf.environment(cfg)
+    assert {
+        "name": "rdzv-secret",
+        "secret": {"secretName": "train-rdzv", "defaultMode": 0o440},
+    } in vols
+    assert mf.pod_spec(cfg)["securityContext"] == {
+        "fsGroup": 2000,
+        "fsGroupChangePolicy": "OnRootMismatch",
+    }
+    assert {
+        "name": "DDPKIT_RDZV_SECRET_FILE",
+        "value": "/etc/ddpkit/rdzv/rdzv-secret",
+    } in mf.environment(cfg)
     one = mf.ManifestConfig(script="train.py", image="reg/train:1", kind="jobset")
     assert [v["name"] for v in mf.volumes(one)[0]] == ["dshm"]  # one node: no rendezvous to guard
     assert "securityContext" not in mf.pod_spec(one)  # ...and no group to give a claim
 
 
 def test_a_pytorchjobs_preempted_pod_exits_with_a_code_its_exit_code_policy_retries():
-    """The operator's ExitCode policy retries codes from 128 and fails 1-127: 75 would fail the job."""
+    """The operator's ExitCode policy retries codes from 128 and fails 1-127: 75 would fail the
+    job."""
     cfg = mf.ManifestConfig(script="train.py", image="reg/train:1", kind="pytorchjob", nodes=2)
     (job,) = mf.manifests(cfg)
     master = job["spec"]["pytorchReplicaSpecs"]["Master"]
     argv = master["template"]["spec"]["containers"][0]["command"]
-    assert master["restartPolicy"] == "ExitCode" and argv[argv.index("--preempted-exit-code") + 1] == "143"
-    assert "restartPolicy" not in master["template"]["spec"]  # the operator's to set from the replica's
+    assert (
+        master["restartPolicy"] == "ExitCode"
+        and argv[argv.index("--preempted-exit-code") + 1] == "143"
+    )
+    # the operator's to set from the replica's
+    assert "restartPolicy" not in master["template"]["spec"]
 
 
 @pytest.mark.parametrize(
@@ -148,9 +168,15 @@ def test_a_pytorchjobs_preempted_pod_exits_with_a_code_its_exit_code_policy_retr
         (["--secret", "Bad_Secret"], "--secret 'Bad_Secret': a Kubernetes object's name"),
         (["--pvc", "runs pvc"], "--pvc 'runs pvc': a Kubernetes object's name"),
         (["--image", ""], "--image '': give the container image"),
-        (["--pvc", "runs", "--run-mount", "//dev/shm"], "--run-mount '//dev/shm': overlaps the volume at /dev/shm"),
+        (
+            ["--pvc", "runs", "--run-mount", "//dev/shm"],
+            "--run-mount '//dev/shm': overlaps the volume at /dev/shm",
+        ),
         (["--pvc", "runs", "--run-mount", "/runs/../dev/shm/x"], "overlaps the volume at /dev/shm"),
-        (["--pvc", "runs", "--nodes", "2", "--run-mount", "/etc/ddpkit"], "overlaps the volume at /etc/ddpkit/rdzv"),
+        (
+            ["--pvc", "runs", "--nodes", "2", "--run-mount", "/etc/ddpkit"],
+            "overlaps the volume at /etc/ddpkit/rdzv",
+        ),
         (["--kind", "jobset", "--nproc", "gpu"], "--nproc gpu: give --gpus-per-node N"),
         (["--gpus-per-node", "-1"], "--gpus-per-node -1: use 0 to 64"),
         (["--max-restarts", "-1"], "--max-restarts -1: use 0 to 1000"),
@@ -170,23 +196,29 @@ def test_shm_defaults_within_memory_and_run_mount_is_checked_only_with_a_claim()
     assert cfg(memory="4Gi").shm_size == "2048Mi"  # 8Gi would be more than the pod may use
     assert cfg(run_mount="/dev/shm").run_mount == "/dev/shm"  # no --pvc: nothing is mounted there
     assert cfg(pvc="runs", run_mount="/data//runs/").run_mount == "/data/runs"
-    assert cfg(pvc="runs", run_mount="/dev/shmx").run_mount == "/dev/shmx"  # a neighbour, not inside
+    # a neighbour, not inside
+    assert cfg(pvc="runs", run_mount="/dev/shmx").run_mount == "/dev/shmx"
 
 
 def test_a_name_made_from_the_script_is_blamed_on_the_script_not_on_name():
     with pytest.raises(ConfigError, match="the script's name gives 'job-1234.*pass --name"):
-        k8s.main(["--dry-run", "--image", "reg/train:1", "1234567890123456789012345678901234567890.py"])
+        k8s.main(
+            ["--dry-run", "--image", "reg/train:1", "1234567890123456789012345678901234567890.py"]
+        )
 
 
 def test_a_trainjob_on_cpus_runs_ddpkit_runs_auto_not_one_process_per_cpu():
     """Trainer's own "auto" without GPUs is one process per requested CPU; ddpkit run's, up to 8."""
 
     def procs(*args: str) -> int | None:
-        cfg = mf.ManifestConfig(script="t.py", image="i", nodes=2, **dict(zip(args[::2], args[1::2])))
+        cfg = mf.ManifestConfig(
+            script="t.py", image="i", nodes=2, **dict(zip(args[::2], args[1::2]))
+        )
         return mf.manifests(cfg)[1]["spec"]["trainer"].get("numProcPerNode")
 
     assert (procs("cpu", "32"), procs("cpu", "7500m"), procs("cpu", "500m")) == (8, 8, 1)
-    assert procs("nproc", "3", "cpu", "32") == 3 and procs() is None  # typed; or no CPU given: Trainer's one
+    # typed; or no CPU given: Trainer's one
+    assert procs("nproc", "3", "cpu", "32") == 3 and procs() is None
 
 
 def test_the_file_is_written_whole_with_the_commands_to_apply_it(tmp_path, capsys, monkeypatch):

@@ -1,6 +1,7 @@
-"""``ddpkit k8s`` and the rendezvous secret: never in clear in the manifest, each variable once, a ``/dev/shm``
-within ``--memory``, and a Secret mounted so that the pod's containers, root or not, read it and nobody else
-does; the reader accepts that mount exactly as a kubelet lays it out, and nothing looser."""
+"""``ddpkit k8s`` and the rendezvous secret: never in clear in the manifest, each variable once, a
+``/dev/shm`` within ``--memory``, and a Secret mounted so that the pod's containers, root or not,
+read it and nobody else does; the reader accepts that mount exactly as a kubelet lays it out, and
+nothing looser."""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ def _env_lists(node) -> list[list[dict]]:
 
 
 def _leaks(docs: list[dict]) -> list[str]:
-    """What a reader of the job would find wrong: the secret in clear, a name twice in one env list."""
+    """What a reader of the job would find wrong: the secret in clear, a name twice in one env
+    list."""
     found = [f"secret in clear: {SECRET_ENV}" for doc in docs if SECRET in yaml.safe_dump(doc)]
     for env in (lst for doc in docs for lst in _env_lists(doc)):
         names = [entry["name"] for entry in env]
@@ -50,8 +52,14 @@ def _leaks(docs: list[dict]) -> list[str]:
 @pytest.mark.parametrize(
     ("env", "message"),
     [
-        (f"{SECRET_ENV}={SECRET}", f"--env {SECRET_ENV}=...: the manifest would hold the rendezvous secret in clear"),
-        (f"{SECRET_FILE_ENV}=/elsewhere", f"--env {SECRET_FILE_ENV}: ddpkit sets it to /etc/ddpkit/rdzv/rdzv-secret"),
+        (
+            f"{SECRET_ENV}={SECRET}",
+            f"--env {SECRET_ENV}=...: the manifest would hold the rendezvous secret in clear",
+        ),
+        (
+            f"{SECRET_FILE_ENV}=/elsewhere",
+            f"--env {SECRET_FILE_ENV}: ddpkit sets it to /etc/ddpkit/rdzv/rdzv-secret",
+        ),
     ],
 )
 def test_env_refuses_the_secret_and_the_names_ddpkit_sets(kind, env, message, capsys):
@@ -61,18 +69,37 @@ def test_env_refuses_the_secret_and_the_names_ddpkit_sets(kind, env, message, ca
 
 
 def test_env_refuses_a_name_given_twice_and_keeps_distinct_ones(capsys):
-    with pytest.raises(ConfigError, match="--env OMP_NUM_THREADS is given twice: give each name once"):
-        k8s.main(["--dry-run", *IMAGE, "--env", "OMP_NUM_THREADS=4", "--env", "OMP_NUM_THREADS=8", "train.py"])
-    # Control for the refusals: distinct names pass, and a one-node job sets no secret file of its own.
+    with pytest.raises(
+        ConfigError, match="--env OMP_NUM_THREADS is given twice: give each name once"
+    ):
+        k8s.main(
+            [
+                "--dry-run",
+                *IMAGE,
+                "--env",
+                "OMP_NUM_THREADS=4",
+                "--env",
+                "OMP_NUM_THREADS=8",
+                "train.py",
+            ]
+        )
+    # Control for the refusals: distinct names pass, and a one-node job sets no secret file of its
+    # own.
     docs = _docs(["--nodes", "2", "--env", "OMP_NUM_THREADS=4", "--env", "NCCL_DEBUG=WARN"], capsys)
     assert _leaks(docs) == []
     assert _leaks(_docs(["--env", f"{SECRET_FILE_ENV}=/x"], capsys)) == []
 
 
-def test_control_without_the_env_check_the_manifest_holds_the_secret_and_two_entries(capsys, monkeypatch):
-    # main's manifest, which took any --env: what the check above refuses is found by a reader of the job.
+def test_control_without_the_env_check_the_manifest_holds_the_secret_and_two_entries(
+    capsys, monkeypatch
+):
+    # main's manifest, which took any --env: what the check above refuses is found by a reader of
+    # the job.
     monkeypatch.setattr(mf.ManifestConfig, "_check_env", lambda self: None)
-    docs = _docs(["--nodes", "2", "--env", f"{SECRET_ENV}={SECRET}", "--env", f"{SECRET_FILE_ENV}=/x"], capsys)
+    docs = _docs(
+        ["--nodes", "2", "--env", f"{SECRET_ENV}={SECRET}", "--env", f"{SECRET_FILE_ENV}=/x"],
+        capsys,
+    )
     assert set(_leaks(docs)) == {f"secret in clear: {SECRET_ENV}", f"twice: {SECRET_FILE_ENV}"}
 
 
@@ -82,16 +109,23 @@ def _shm_over_memory(memory: str, shm: str) -> bool:
 
 @pytest.mark.parametrize("memory", ["1Ki", "1000", "1023Ki"])
 def test_the_default_shm_is_checked_against_memory(memory):
-    with pytest.raises(ConfigError, match=f"--memory {memory} is less than the default /dev/shm of 1Mi"):
+    with pytest.raises(
+        ConfigError, match=f"--memory {memory} is less than the default /dev/shm of 1Mi"
+    ):
         mf.ManifestConfig(script="t.py", image="i", memory=memory)
-    # Control for the refusal: from 2Mi the default, half of it, fits; a --shm-size within it is taken.
+    # Control for the refusal: from 2Mi the default, half of it, fits; a --shm-size within it is
+    # taken.
     assert mf.ManifestConfig(script="t.py", image="i", memory="2Mi").shm_size == "1Mi"
-    assert mf.ManifestConfig(script="t.py", image="i", memory=memory, shm_size=memory).shm_size == memory
+    assert (
+        mf.ManifestConfig(script="t.py", image="i", memory=memory, shm_size=memory).shm_size
+        == memory
+    )
 
 
 def test_control_mains_default_shm_was_larger_than_memory():
     half = mf.quantity("--memory", "1Ki", whole=True) / 2
-    mains_default = "8Gi" if half >= 8 * 2**30 else f"{max(1, int(half // 2**20))}Mi"  # main's rule, unchecked
+    # main's rule, unchecked
+    mains_default = "8Gi" if half >= 8 * 2**30 else f"{max(1, int(half // 2**20))}Mi"
     assert _shm_over_memory("1Ki", mains_default)
 
 
@@ -103,9 +137,10 @@ def test_the_secret_is_mounted_0440_for_the_pods_fsgroup(capsys):
         k8s.main(["--dry-run", *IMAGE, "--nodes", "2", "--fs-group", "0", "train.py"])
 
 
-# The secret's file as a kubelet writes a Secret volume (pkg/volume/util/atomic_writer.go): the keys are links
-# to ..data/KEY, ..data a link to a folder of the write's time, the files root's with the defaultMode, and, with
-# an fsGroup, the kubelet's SetVolumeOwnership gives them that group and adds 0440 (the volume is read-only).
+# The secret's file as a kubelet writes a Secret volume (pkg/volume/util/atomic_writer.go): the keys
+# are links to ..data/KEY, ..data a link to a folder of the write's time, the files root's with the
+# defaultMode, and, with an fsGroup, the kubelet's SetVolumeOwnership gives them that group and adds
+# 0440 (the volume is read-only).
 FS_GROUP = 2000
 
 
@@ -123,20 +158,23 @@ def _kubelet_volume(top: Path, mode: int, group: int) -> Path:
     return top / mf.SECRET_KEY
 
 
-root_only = pytest.mark.skipif(os.geteuid() != 0, reason="lays out root-owned files and starts another user")
+root_only = pytest.mark.skipif(
+    os.geteuid() != 0, reason="lays out root-owned files and starts another user"
+)
 
 
 @pytest.fixture
 def top() -> Iterator[Path]:
-    base = Path(tempfile.mkdtemp(prefix="kubelet-", dir="/tmp"))  # /tmp: the other user can reach it
+    # /tmp: the other user can reach it
+    base = Path(tempfile.mkdtemp(prefix="kubelet-", dir="/tmp"))
     yield base
     shutil.rmtree(base)
 
 
 def _read_as(path: Path, uid: int, groups: list[int]) -> str:
-    """load_secret in a process of a non-root container user, with ``groups`` as its supplementary groups (the
-    pod's fsGroup, or none): a fork that drops root before it reads (a new interpreter, under /root, would not
-    start as that user)."""
+    """load_secret in a process of a non-root container user, with ``groups`` as its supplementary
+    groups (the pod's fsGroup, or none): a fork that drops root before it reads (a new interpreter,
+    under /root, would not start as that user)."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: only calls into modules already imported, then leaves at once
@@ -199,7 +237,8 @@ def test_the_reader_accepts_exactly_the_kubelets_layout(top, tmp_path):
 
 @root_only
 def test_control_mains_reader_refuses_the_kubelets_0440_file(top, monkeypatch):
-    # main's reader: any group or other bit refused, the kubelet's 0440 for this process's group among them.
+    # main's reader: any group or other bit refused, the kubelet's 0440 for this process's group
+    # among them.
     monkeypatch.setattr(rendezvous_auth, "_kubelet_secret", lambda path, info: False)
     with pytest.raises(ConfigError, match=r"can be read by other users \(mode 440\)"):
         load_secret(str(_kubelet_volume(top, 0o440, os.getegid())), {})

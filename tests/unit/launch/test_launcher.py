@@ -1,5 +1,5 @@
-"""``ddpkit run`` without a job: the torchrun command it builds, its options and their errors, its log folders,
-the texts it prints, and how the cause of a failure is told."""
+"""``ddpkit run`` without a job: the torchrun command it builds, its options and their errors, its
+log folders, the texts it prints, and how the cause of a failure is told."""
 
 from __future__ import annotations
 
@@ -26,17 +26,23 @@ def test_script_arguments_are_the_scripts_even_when_they_look_like_ours():
     from ddpkit._launch.options import build_parser, split_argv
 
     build_parser()
-    ours, theirs = split_argv(["--nproc", "2", "--log-dir", "L", "train.py", "--log", "5", "--nproc", "3", "--max"])
+    ours, theirs = split_argv(
+        ["--nproc", "2", "--log-dir", "L", "train.py", "--log", "5", "--nproc", "3", "--max"]
+    )
     assert ours == ["--nproc", "2", "--log-dir", "L", "train.py"]
     assert theirs == ["--log", "5", "--nproc", "3", "--max"]
-    assert split_argv(["--all-ranks", "-m", "pkg.train", "-x"]) == (["--all-ranks", "-m", "pkg.train"], ["-x"])
+    assert split_argv(["--all-ranks", "-m", "pkg.train", "-x"]) == (
+        ["--all-ranks", "-m", "pkg.train"],
+        ["-x"],
+    )
     assert split_argv(["--nproc=2", "--", "-weird.py", "a"]) == (["--nproc=2", "-weird.py"], ["a"])
 
 
 def test_single_node_uses_a_free_loopback_port_and_shows_rank_zero_only():
     cfg = LaunchConfig(script="train.py", script_args=["--lr", "1"])
     argv = torchrun_argv(cfg, nproc=3)
-    # ddpkit's rendezvous, its store on a free port of 127.0.0.1; MASTER_ADDR (the node's address) loopback too.
+    # ddpkit's rendezvous, its store on a free port of 127.0.0.1; MASTER_ADDR (the node's address)
+    # loopback too.
     for flag, value in [
         ("--rdzv-backend", "ddpkit"),
         ("--rdzv-endpoint", "127.0.0.1:0"),
@@ -45,7 +51,8 @@ def test_single_node_uses_a_free_loopback_port_and_shows_rank_zero_only():
     ]:
         assert argv[argv.index(flag) + 1] == value
     assert worker_env(cfg, 3)["GLOO_SOCKET_IFNAME"] == os.environ.get("GLOO_SOCKET_IFNAME", "lo")
-    # Local ranks 1.. go to files through the logs spec (torchrun's --redirects takes one-digit ranks only).
+    # Local ranks 1.. go to files through the logs spec (torchrun's --redirects takes one-digit
+    # ranks only).
     assert "--redirects" not in argv and "--tee" not in argv
     assert argv[-5:] == ["-m", "ddpkit._launch.worker", "train.py", "--lr", "1"]
 
@@ -59,7 +66,12 @@ def test_all_ranks_tees_with_a_rank_prefix():
 
 def test_multi_node_flags_pass_through():
     cfg = LaunchConfig(
-        script="t.py", nnodes="2", rdzv_endpoint="node1:29400", rdzv_id="job7", node_rank=1, local_addr="10.0.0.2"
+        script="t.py",
+        nnodes="2",
+        rdzv_endpoint="node1:29400",
+        rdzv_id="job7",
+        node_rank=1,
+        local_addr="10.0.0.2",
     )
     argv = torchrun_argv(cfg, nproc=4)
     assert "--standalone" not in argv
@@ -79,7 +91,8 @@ def test_module_mode_and_restarts():
     argv = torchrun_argv(cfg, nproc=1)
     assert argv[argv.index("--max-restarts") + 1] == "3"
     assert argv[-4:] == ["-m", "ddpkit._launch.worker", "-m", "pkg.train"]
-    # Always: the workers' store is rank 0's, bound to MASTER_ADDR (ddpkit._launch.worker), fresh at each attempt.
+    # Always: the workers' store is rank 0's, bound to MASTER_ADDR (ddpkit._launch.worker), fresh at
+    # each attempt.
     assert worker_env(cfg, 1)["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     assert worker_env(LaunchConfig(script="t.py"), 1)["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
 
@@ -120,17 +133,24 @@ def test_bad_values_are_one_line_naming_the_option_and_what_is_valid(flags, vali
 
     assert main(["run", *flags, HELLO]) == 2  # argparse's code for a usage error
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith(f"ddpkit run: error: {flags[0]} ") and valid in err, err
+    assert (
+        err.count("\n") == 1 and err.startswith(f"ddpkit run: error: {flags[0]} ") and valid in err
+    ), err
     assert "Traceback" not in err
 
 
-def test_a_multi_node_job_without_a_secret_stops_before_anything_listens(monkeypatch, capsys, tmp_path):
+def test_a_multi_node_job_without_a_secret_stops_before_anything_listens(
+    monkeypatch, capsys, tmp_path
+):
     from ddpkit.cli import main
 
     monkeypatch.delenv("DDPKIT_RDZV_SECRET", raising=False)
     assert main(["run", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29499", HELLO]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "needs a secret that only its nodes know: export DDPKIT_RDZV_SECRET=" in err
+    assert (
+        err.count("\n") == 1
+        and "needs a secret that only its nodes know: export DDPKIT_RDZV_SECRET=" in err
+    )
     assert not (tmp_path / "ddpkit-logs").exists()
 
 
@@ -146,7 +166,9 @@ def test_nproc_is_bounded_before_anything_is_built(nproc, capsys, monkeypatch):
     started = time.monotonic()
     assert main(["run", "--nproc", nproc, HELLO]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "--nproc" in err and "from 1 to 1024" in err and len(err) < 300, err
+    assert (
+        err.count("\n") == 1 and "--nproc" in err and "from 1 to 1024" in err and len(err) < 300
+    ), err
     assert time.monotonic() - started < 5
 
 
@@ -159,10 +181,14 @@ def test_nproc_above_four_per_core_needs_oversubscribe(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setenv("NSLOTS", "2")
     assert resolve_nproc("8") == 8
-    with pytest.raises(ConfigError, match="--nproc 9: more than 4 processes per core .* pass --oversubscribe"):
+    with pytest.raises(
+        ConfigError, match="--nproc 9: more than 4 processes per core .* pass --oversubscribe"
+    ):
         resolve_nproc("9")
     assert resolve_nproc("9", oversubscribe=True) == 9
-    monkeypatch.setattr(launcher, "torchrun_argv", lambda *a, **k: pytest.fail("torchrun's arguments were built"))
+    monkeypatch.setattr(
+        launcher, "torchrun_argv", lambda *a, **k: pytest.fail("torchrun's arguments were built")
+    )
     assert main(["run", "--nproc", "100", HELLO]) == 2
     assert "pass --oversubscribe" in capsys.readouterr().err
 
@@ -225,7 +251,17 @@ def test_env_reports_versions_os_memory_and_the_distributed_variables(monkeypatc
     assert "  DDPKIT_RDZV_SECRET=(set, not shown)" in out and "must-not-be-printed" not in out
     for name in list(os.environ):
         if name.startswith(
-            ("SLURM_", "NCCL_", "GLOO_", "TORCHELASTIC_", "PMI_", "OMPI_", "PET_", "TORCH_", "DDPKIT_")
+            (
+                "SLURM_",
+                "NCCL_",
+                "GLOO_",
+                "TORCHELASTIC_",
+                "PMI_",
+                "OMPI_",
+                "PET_",
+                "TORCH_",
+                "DDPKIT_",
+            )
         ) or name in (
             "RANK",
             "WORLD_SIZE",
@@ -249,7 +285,9 @@ def test_version_and_help_texts(capsys):
     from ddpkit import __version__
     from ddpkit.cli import main as cli_main
 
-    assert cli_main(["--version"]) == 0 and capsys.readouterr().out.strip() == f"ddpkit {__version__}"
+    assert (
+        cli_main(["--version"]) == 0 and capsys.readouterr().out.strip() == f"ddpkit {__version__}"
+    )
     for args in (["--help"], ["run", "--help"], ["sbatch", "--help"], ["env", "--help"]):
         try:
             code = cli_main(args)
@@ -285,10 +323,19 @@ def test_the_cause_of_a_failure_is_told_from_its_consequences():
     cases = [
         # (failures by rank, the rank that caused it, exit code)
         ({0: _failure(1, 10, lost), 1: _failure(1, 10, "ValueError: boom")}, 1, 1),
-        ({0: _failure(1, 9, lost), 1: _failure(-9, 10)}, 1, 137),  # a SIGKILLed rank, a peer's consequence
-        ({0: _failure(-15, 10, "NotInitializedError: x"), 1: _failure(1, 10, "NotInitializedError: x")}, 1, 1),
+        # a SIGKILLed rank, a peer's consequence
+        ({0: _failure(1, 9, lost), 1: _failure(-9, 10)}, 1, 137),
+        (
+            {
+                0: _failure(-15, 10, "NotInitializedError: x"),
+                1: _failure(1, 10, "NotInitializedError: x"),
+            },
+            1,
+            1,
+        ),
         ({0: _failure(-15, 10), 1: _failure(-12, 10), 2: _failure(3, 11)}, 2, 3),
-        ({0: _failure(75, 10), 1: _failure(-15, 10)}, 0, 75),  # pre-empted: saved, then stopped by the agent
+        # pre-empted: saved, then stopped by the agent
+        ({0: _failure(75, 10), 1: _failure(-15, 10)}, 0, 75),
     ]
     for failures, rank, code in cases:
         assert cause(failures)[0] == rank, failures
@@ -296,8 +343,9 @@ def test_the_cause_of_a_failure_is_told_from_its_consequences():
 
 
 def test_a_worker_killed_otherwise_is_a_failure_even_when_the_others_saved_and_exited_75():
-    # The survivors of a SIGKILL get the agent's SIGTERM as it tears the group down; a Trainer then saves and
-    # exits 75. That is not a pre-emption: the job must be restarted (the search's kill test caught this).
+    # The survivors of a SIGKILL get the agent's SIGTERM as it tears the group down; a Trainer then
+    # saves and exits 75. That is not a pre-emption: the job must be restarted (the search's kill
+    # test caught this).
     from types import SimpleNamespace
 
     from ddpkit._launch.agent import preempted
@@ -306,7 +354,11 @@ def test_a_worker_killed_otherwise_is_a_failure_even_when_the_others_saved_and_e
         return {rank: SimpleNamespace(exitcode=code) for rank, code in enumerate(codes)}
 
     assert preempted(failures(75, 75)) and preempted(failures(75, -15))
-    assert not preempted(failures(75, -9)) and not preempted(failures(1, 75)) and not preempted(failures(-15, -15))
+    assert (
+        not preempted(failures(75, -9))
+        and not preempted(failures(1, 75))
+        and not preempted(failures(-15, -15))
+    )
 
 
 def test_line_tagger_writes_whole_lines_and_throttles_redraws():

@@ -1,6 +1,6 @@
-"""The relay's cap on unfinished handshakes of all addresses, filled with silent connections from many addresses
-on loopback (127/8 is all loopback, so each 127.0.1.x is an address of its own): a node that answers at once
-still gets through, and a node turned away is told why."""
+"""The relay's cap on unfinished handshakes of all addresses, filled with silent connections from
+many addresses on loopback (127/8 is all loopback, so each 127.0.1.x is an address of its own): a
+node that answers at once still gets through, and a node turned away is told why."""
 
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ ADDRESSES = PENDING // PER_ADDRESS + 1  # 65 addresses of 8 connections: more th
 
 
 def _silent(ip: str, server: RelayServer) -> tuple[socket.socket, bytes]:
-    """A connection from ``ip`` that never answers, and the relay's first words to it (read before the next
-    connection, so the relay has accepted each in turn: no wait, no race on the order)."""
+    """A connection from ``ip`` that never answers, and the relay's first words to it (read before
+    the next connection, so the relay has accepted each in turn: no wait, no race on the order)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.settimeout(30)
     sock.bind((ip, 0))
@@ -59,13 +59,15 @@ def test_a_node_gets_through_a_relay_filled_by_silent_connections_from_65_addres
     server = RelayServer(("127.0.0.1", 0), store.port, KEY, handshake_timeout=60.0)
     try:
         firsts = _fill(server, flood)
-        assert all(first.startswith(HELLO) for first in firsts)  # every one accepted: the cap holds 512 of 520
-        # The 8 connections past the cap evicted the oldest handshake of an address holding the most, the first
-        # of each of the first 8 addresses; each evicted peer is told so.
+        # every one accepted: the cap holds 512 of 520
+        assert all(first.startswith(HELLO) for first in firsts)
+        # The 8 connections past the cap evicted the oldest handshake of an address holding the
+        # most, the first of each of the first 8 addresses; each evicted peer is told so.
         for sock in flood[: PER_ADDRESS * PER_ADDRESS : PER_ADDRESS]:
             assert sock.recv(64) == EVICTED
-        # A node starts its handshake, the flood reopens 64 connections meanwhile, then the node answers: the
-        # reopened ones evict one another's addresses (8 each), never the node's single handshake.
+        # A node starts its handshake, the flood reopens 64 connections meanwhile, then the node
+        # answers: the reopened ones evict one another's addresses (8 each), never the node's single
+        # handshake.
         node = socket.create_connection(server.address, timeout=30)
         hello = node.recv(len(HELLO) + 32, socket.MSG_PEEK)
         assert hello.startswith(HELLO)
@@ -82,14 +84,16 @@ def test_a_node_gets_through_a_relay_filled_by_silent_connections_from_65_addres
 
 
 def test_control_without_eviction_the_node_is_turned_away_and_told_the_relay_is_full(flood):
-    # The relay before eviction: the cap filled by the flood keeps the node out for as long as it lasts. The
-    # node's launcher names the relay being full, not "what listens is not `ddpkit run`".
+    # The relay before eviction: the cap filled by the flood keeps the node out for as long as it
+    # lasts. The node's launcher names the relay being full, not "what listens is not `ddpkit run`".
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=False)
     server = RelayServer(("127.0.0.1", 0), store.port, KEY, handshake_timeout=60.0, evict=False)
     try:
         firsts = _fill(server, flood)
         assert firsts[PENDING:] == [BUSY_FULL] * (ADDRESSES * PER_ADDRESS - PENDING)
-        with pytest.raises(ConfigError, match="turned this node away .*full of unfinished handshakes") as info:
+        with pytest.raises(
+            ConfigError, match="turned this node away .*full of unfinished handshakes"
+        ) as info:
             check_host(server.address, KEY)
         assert "not `ddpkit run`" not in str(info.value)
     finally:
@@ -97,7 +101,8 @@ def test_control_without_eviction_the_node_is_turned_away_and_told_the_relay_is_
 
 
 def test_a_node_whose_handshake_is_evicted_says_so(flood):
-    # A cap of 2 makes the node's own handshake the one evicted: its launcher says the words, not a reset.
+    # A cap of 2 makes the node's own handshake the one evicted: its launcher says the words, not a
+    # reset.
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=False)
     server = RelayServer(("127.0.0.1", 0), store.port, KEY, handshake_timeout=60.0, pending=2)
     try:

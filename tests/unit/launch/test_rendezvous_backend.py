@@ -1,7 +1,9 @@
-"""The rendezvous of ``ddpkit run``: a forged state is never unpickled, the relay admits only the job's secret.
+"""The rendezvous of ``ddpkit run``: a forged state is never unpickled, the relay admits only the
+job's secret.
 
-Real TCPStores and sockets on 127.0.0.1, torch's own rendezvous handler on top; the same attack on torch's c10d
-backend is the control. Across network namespaces, end to end: ``tests/test_multinode.py``.
+Real TCPStores and sockets on 127.0.0.1, torch's own rendezvous handler on top; the same attack on
+torch's c10d backend is the control. Across network namespaces, end to end:
+``tests/test_multinode.py``.
 """
 
 from __future__ import annotations
@@ -75,7 +77,8 @@ def _params(store: dist.TCPStore) -> RendezvousParameters:
 
 
 def _forge(store: dist.TCPStore, marker: Path) -> bytes:
-    """What an attacker who reaches the store writes: a pickle under the key of the rendezvous state."""
+    """What an attacker who reaches the store writes: a pickle under the key of the rendezvous
+    state."""
     value = base64.b64encode(pickle.dumps(FileMaker(marker)))
     store.set("torch.rendezvous.job", value)
     return value
@@ -94,11 +97,13 @@ def test_a_forged_rendezvous_state_is_never_unpickled_and_the_rendezvous_goes_on
         assert (info.rank, info.world_size) == (0, 1)
         valid = store.get("torch.rendezvous.job")
         forged = _forge(store, tmp_path / "pwned")
-        # What the agent's state holder calls on its next sync (it serves reads from a cache for a second).
+        # What the agent's state holder calls on its next sync (it serves reads from a cache for a
+        # second).
         state, token = backend.get_state()
         assert "ignored a rendezvous state without this job's signature" in capfd.readouterr().err
         assert not (tmp_path / "pwned").exists()
-        assert store.get("torch.rendezvous.job") == token == valid != forged  # the valid state, put back
+        # the valid state, put back
+        assert store.get("torch.rendezvous.job") == token == valid != forged
         assert type(pickle.loads(state)).__name__ == "_RendezvousState"
         # Another agent, which has read no state yet, through torch's handler: nothing runs either.
         forged = _forge(store, tmp_path / "pwned2")
@@ -140,11 +145,14 @@ def test_a_node_with_the_secret_reaches_the_store_through_the_relay(relay):
     store, server = relay
     local = RelayClient(server.address, derive(SECRET, "relay"))
     try:
-        client = dist.TCPStore("127.0.0.1", local.port, is_master=False, timeout=timedelta(seconds=10))
+        client = dist.TCPStore(
+            "127.0.0.1", local.port, is_master=False, timeout=timedelta(seconds=10)
+        )
         client.set("from-node", "1")
         assert store.get("from-node") == b"1"
         assert client.compare_set("from-node", "1", "2") == b"2"
-        check_host(server.address, derive(SECRET, "relay"))  # the launcher's check before any worker starts
+        # the launcher's check before any worker starts
+        check_host(server.address, derive(SECRET, "relay"))
     finally:
         local.close()
 
@@ -153,9 +161,12 @@ def test_a_peer_without_the_secret_is_refused_before_it_reaches_the_store(relay,
     store, server = relay
     with pytest.raises(ConfigError, match="did not admit this node"):
         check_host(server.address, derive(b"not the secret of this job at all", "relay"))
-    # A plain store client (torchrun's agent, or anyone) at the relay's port: refused, nothing written.
+    # A plain store client (torchrun's agent, or anyone) at the relay's port: refused, nothing
+    # written.
     with pytest.raises((RuntimeError, dist.DistError)):
-        outsider = dist.TCPStore("127.0.0.1", server.address[1], is_master=False, timeout=timedelta(seconds=1))
+        outsider = dist.TCPStore(
+            "127.0.0.1", server.address[1], is_master=False, timeout=timedelta(seconds=1)
+        )
         outsider.set("torch.rendezvous.job", b"anything")
     assert not store.check(["torch.rendezvous.job"])
     assert "refused a connection to the rendezvous from 127.0.0.1" in capfd.readouterr().err
@@ -166,7 +177,8 @@ def test_a_frame_altered_on_the_way_ends_the_connection(relay):
     with socket.create_connection(server.address) as sock:
         session = join_host(sock, derive(SECRET, "relay"))  # a genuine session...
         forged = Session(send_key=derive(b"an on-path attacker", "x"), recv_key=session.recv_key)
-        FramedSocket(sock, forged).send(b"bytes injected into it")  # ...and a frame not made with its key
+        # ...and a frame not made with its key
+        FramedSocket(sock, forged).send(b"bytes injected into it")
         sock.settimeout(10)
         assert sock.recv(1) == b""  # closed by the relay
 
@@ -175,15 +187,23 @@ def test_the_local_end_of_the_relay_serves_its_own_process_only(relay):
     _, server = relay
     local = RelayClient(server.address, derive(SECRET, "relay"))
     try:
-        # Another process of this machine (another user) connects to the node's local port: closed unanswered.
+        # Another process of this machine (another user) connects to the node's local port: closed
+        # unanswered.
         code = (
             "import socket, sys; s = socket.create_connection(('127.0.0.1', int(sys.argv[1]))); "
             "s.settimeout(10); print(repr(s.recv(64)))"
         )
-        out = subprocess.run([sys.executable, "-c", code, str(local.port)], capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [sys.executable, "-c", code, str(local.port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.stdout.strip() == "b''", out.stderr
         # Control: from this process, the same port leads to the store.
-        client = dist.TCPStore("127.0.0.1", local.port, is_master=False, timeout=timedelta(seconds=10))
+        client = dist.TCPStore(
+            "127.0.0.1", local.port, is_master=False, timeout=timedelta(seconds=10)
+        )
         client.set("k", "v")
         assert client.get("k") == b"v"
     finally:
@@ -208,24 +228,30 @@ def test_the_secret_comes_from_a_private_file_or_the_environment(tmp_path):
 
 
 def _from(ip: str, server: RelayServer) -> socket.socket:
-    """A connection to the relay from ``ip``, a loopback address other than the node's (127/8 is all loopback)."""
+    """A connection to the relay from ``ip``, a loopback address other than the node's (127/8 is all
+    loopback)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind((ip, 0))
     sock.connect(server.address)
     return sock
 
 
-def test_a_genuine_node_joins_while_another_address_holds_64_slow_silent_or_garbage_connections(capfd):
-    """Connections from 127.0.0.2 that never finish the handshake hold none of the room a node needs: the node
-    is admitted at once, the host names the address, and a slow peer is dropped at the handshake's deadline
-    although it keeps sending a byte now and then."""
+def test_a_genuine_node_joins_while_another_address_holds_64_slow_silent_or_garbage_connections(
+    capfd,
+):
+    """Connections from 127.0.0.2 that never finish the handshake hold none of the room a node
+    needs: the node is admitted at once, the host names the address, and a slow peer is dropped at
+    the handshake's deadline although it keeps sending a byte now and then."""
     store = _loopback_store()
-    server = RelayServer(("127.0.0.1", 0), store.port, derive(SECRET, "relay"), handshake_timeout=3.0)
+    server = RelayServer(
+        ("127.0.0.1", 0), store.port, derive(SECRET, "relay"), handshake_timeout=3.0
+    )
     stop = threading.Event()
     hostile = [_from("127.0.0.2", server) for _ in range(64)]
     slow, garbage = hostile[0::3], hostile[1::3]  # the rest are silent
     for sock in garbage:
-        sock.sendall(b"GET / HTTP/1.0\r\n")  # fewer bytes than a proof: the relay waits for the rest
+        # fewer bytes than a proof: the relay waits for the rest
+        sock.sendall(b"GET / HTTP/1.0\r\n")
 
     def drip() -> None:  # one byte per second from every slow peer: under the deadline of each read
         while not stop.wait(1.0):
@@ -239,7 +265,9 @@ def test_a_genuine_node_joins_while_another_address_holds_64_slow_silent_or_garb
     try:
         started = time.monotonic()
         check_host(server.address, derive(SECRET, "relay"))  # the launcher's own check
-        client = dist.TCPStore("127.0.0.1", local.port, is_master=False, timeout=timedelta(seconds=10))
+        client = dist.TCPStore(
+            "127.0.0.1", local.port, is_master=False, timeout=timedelta(seconds=10)
+        )
         client.set("from-node", "1")
         assert store.get("from-node") == b"1"
         assert time.monotonic() - started < 2.0  # not queued behind the held connections
@@ -252,8 +280,9 @@ def test_a_genuine_node_joins_while_another_address_holds_64_slow_silent_or_garb
                 while sock.recv(4096):
                     pass
         assert time.monotonic() - started < 3.0 + 3.0
-        assert "dropped a connection to the rendezvous from 127.0.0.2: no complete handshake within 3 s" in (
-            capfd.readouterr().err
+        assert (
+            "dropped a connection to the rendezvous from 127.0.0.2: no complete handshake within 3 "
+            "s" in (capfd.readouterr().err)
         )
     finally:
         stop.set()
@@ -266,8 +295,11 @@ def test_a_genuine_node_joins_while_another_address_holds_64_slow_silent_or_garb
 
 def test_dropped_connections_are_said_once_per_address_then_counted(capfd):
     store = _loopback_store()
-    server = RelayServer(("127.0.0.1", 0), store.port, derive(SECRET, "relay"), per_address=1, log_interval=3600)
-    held = [_from("127.0.0.3", server) for _ in range(5)]  # the first holds the one slot, 4 are dropped
+    server = RelayServer(
+        ("127.0.0.1", 0), store.port, derive(SECRET, "relay"), per_address=1, log_interval=3600
+    )
+    # the first holds the one slot, 4 are dropped
+    held = [_from("127.0.0.3", server) for _ in range(5)]
     try:
         # The second address is said at once as well; its proof has the wrong secret.
         with pytest.raises(ConfigError, match="did not admit this node"):
@@ -279,8 +311,13 @@ def test_dropped_connections_are_said_once_per_address_then_counted(capfd):
         check_host(server.address, derive(SECRET, "relay"))  # the room of 127.0.0.1 is its own
         err = capfd.readouterr().err
         lines = [line for line in err.splitlines() if "127.0.0.3" in line]
-        assert len(lines) == 1 and "dropped a connection to the rendezvous from 127.0.0.3" in lines[0], lines
-        assert "refused a connection to the rendezvous from 127.0.0.1: it does not hold the job's secret" in err
+        assert (
+            len(lines) == 1 and "dropped a connection to the rendezvous from 127.0.0.3" in lines[0]
+        ), lines
+        assert (
+            "refused a connection to the rendezvous from 127.0.0.1: it does not hold the job's "
+            "secret" in err
+        )
     finally:
         server.close()
         for sock in held:
@@ -288,8 +325,9 @@ def test_dropped_connections_are_said_once_per_address_then_counted(capfd):
 
 
 def test_drops_from_ever_new_addresses_keep_a_bounded_record_and_are_said_once(capfd, monkeypatch):
-    # A host flooded from many addresses (a scan) keeps no record past the first few hundred: said once, then
-    # nothing more is kept or printed. Pure bookkeeping: the relay's record is fed directly.
+    # A host flooded from many addresses (a scan) keeps no record past the first few hundred: said
+    # once, then nothing more is kept or printed. Pure bookkeeping: the relay's record is fed
+    # directly.
     from ddpkit._launch import rendezvous_relay
 
     monkeypatch.setattr(rendezvous_relay, "_LOGGED_ADDRESSES", 4)

@@ -1,4 +1,5 @@
-"""The stall watch's decisions on records written by hand, a clock of the test's, and real process states."""
+"""The stall watch's decisions on records written by hand, a clock of the test's, and real process
+states."""
 
 from __future__ import annotations
 
@@ -54,13 +55,17 @@ def test_the_rank_behind_is_named_once_its_allowance_is_spent(tmp_path, capsys):
     assert poll_at(w, clock, 1002.9) is None  # within the floor
     stall = poll_at(w, clock, 1003.2)
     assert stall is not None and stall.ranks == [1]
-    assert "rank 1 stalled: no progress for 3.2 s" in stall.headline and "rank 0 at step 6" in stall.headline
+    assert (
+        "rank 1 stalled: no progress for 3.2 s" in stall.headline
+        and "rank 0 at step 6" in stall.headline
+    )
     assert "rank 1 stalled" in capsys.readouterr().err
     assert poll_at(w, clock, 1010.0) is None  # said once
 
 
 def test_ranks_all_at_the_same_place_are_left_to_the_collective_timeout(tmp_path):
-    # Control of the rule above: nobody is ahead, so nobody waits for anyone (a long evaluation everywhere).
+    # Control of the rule above: nobody is ahead, so nobody waits for anyone (a long evaluation
+    # everywhere).
     w, clock = make_watch(tmp_path)
     for rank in (0, 1):
         write(tmp_path, rank, step=5, seq=25)
@@ -86,7 +91,10 @@ def test_behind_in_collectives_at_the_same_step_names_who_has_not_arrived(tmp_pa
     poll_at(w, clock, 1000.0)
     stall = poll_at(w, clock, 1004.0)
     assert stall is not None and stall.ranks == [1]
-    assert any("all_reduce #12: rank(s) 0 wait in it; rank 1 has not arrived" in line for line in stall.report)
+    assert any(
+        "all_reduce #12: rank(s) 0 wait in it; rank 1 has not arrived" in line
+        for line in stall.report
+    )
 
 
 @pytest.mark.parametrize(
@@ -139,8 +147,8 @@ def test_off_says_nothing(tmp_path):
 def test_process_state_tells_a_stopped_process_from_a_sleeping_one():
     proc = subprocess.Popen(["sleep", "30"])
     try:
-        # control: a live process that was never stopped. Just after exec it may be running, sleeping or in
-        # disk sleep (its pages are still being read in), never stopped.
+        # control: a live process that was never stopped. Just after exec it may be running,
+        # sleeping or in disk sleep (its pages are still being read in), never stopped.
         before = watch.process_state(proc.pid)
         assert before != "gone" and not before.startswith("stopped"), before
         os.kill(proc.pid, signal.SIGSTOP)
@@ -181,8 +189,9 @@ def test_outside_ddpkit_run_marks_write_nothing(tmp_path, monkeypatch):
 
 
 def test_the_cause_is_the_killed_rank_not_the_survivor_stopped_after_it():
-    # torchrun stamps failures in whole seconds when it polls: the survivor it stopped with SIGTERM can carry
-    # the earlier stamp. Control: torchrun's own choice, the smallest stamp, names the survivor.
+    # torchrun stamps failures in whole seconds when it polls: the survivor it stopped with SIGTERM
+    # can carry the earlier stamp. Control: torchrun's own choice, the smallest stamp, names the
+    # survivor.
     def failure(rank, code, stamp):
         return SimpleNamespace(
             exitcode=code, local_rank=rank, pid=10 + rank, timestamp=stamp, error_file_data={},
@@ -192,7 +201,9 @@ def test_the_cause_is_the_killed_rank_not_the_survivor_stopped_after_it():
     failures = {0: failure(0, -signal.SIGTERM, 100), 1: failure(1, -signal.SIGKILL, 101)}
     assert agent.cause(failures)[0] == 1
     assert min(failures, key=lambda r: failures[r].timestamp) == 0
-    text = agent.summarize_failure(SimpleNamespace(failures=failures), where="rank 0 at step 6; rank 1 at step 5")
+    text = agent.summarize_failure(
+        SimpleNamespace(failures=failures), where="rank 0 at step 6; rank 1 at step 5"
+    )
     assert text.splitlines()[0].endswith("first: rank 1 (local rank 1, pid 11): killed by SIGKILL")
     assert "where each rank was: rank 0 at step 6; rank 1 at step 5" in text
 

@@ -1,5 +1,5 @@
-"""The stall watch across nodes: the decision on hand-made summaries, their encoding, and the exchange through a
-real store (in this process). The jobs across two network-namespace nodes are in
+"""The stall watch across nodes: the decision on hand-made summaries, their encoding, and the
+exchange through a real store (in this process). The jobs across two network-namespace nodes are in
 ``tests/jobs/launch/test_stalls_nodes.py``."""
 
 from __future__ import annotations
@@ -18,7 +18,20 @@ from ddpkit.distributed._progress import MAGIC, RECORD, Phase
 
 def view(rank: int, node: int, *, step: int, idle: float, phase: int = Phase.LOOP, coll: int = 0,
          allowance: float = 3.0, state: str = "S") -> View:  # fmt: skip
-    return View(rank, node, f"host{node}", 0, 100 + rank, step, coll, phase, "all_reduce", idle, allowance, state)
+    return View(
+        rank,
+        node,
+        f"host{node}",
+        0,
+        100 + rank,
+        step,
+        coll,
+        phase,
+        "all_reduce",
+        idle,
+        allowance,
+        state,
+    )
 
 
 # One rank per node: rank 1 (node 1) sleeps after step 5, rank 0 (node 0) waits for it in step 6.
@@ -31,15 +44,16 @@ def test_the_stalled_ranks_node_names_it_and_the_waiting_node_names_whom_it_wait
     on_b, on_a = decide(1, job), decide(0, job)
     assert on_b.stalled == [STALLED] and on_b.waited_for == []
     assert on_a.stalled == [] and on_a.waited_for == [STALLED]
-    # Control: each node judging its own ranks alone (the watch before it read the other nodes' summaries)
-    # names nobody on either node.
+    # Control: each node judging its own ranks alone (the watch before it read the other nodes'
+    # summaries) names nobody on either node.
     assert decide(1, [STALLED]) == watch_nodes.Verdict([], [])
     assert decide(0, [WAITING]) == watch_nodes.Verdict([], [])
 
 
 def test_no_verdict_within_the_allowance_nor_when_all_are_at_one_place():
     assert decide(1, [WAITING, view(1, 1, step=5, idle=2.9)]).stalled == []
-    same = [view(0, 0, step=5, idle=100.0), view(1, 1, step=5, idle=100.0)]  # a long evaluation everywhere
+    # a long evaluation everywhere
+    same = [view(0, 0, step=5, idle=100.0), view(1, 1, step=5, idle=100.0)]
     assert decide(0, same) == decide(1, same) == watch_nodes.Verdict([], [])
     unmarked = [WAITING, view(1, 1, step=-1, idle=100.0)]  # a rank not yet at its first mark
     assert decide(0, unmarked) == watch_nodes.Verdict([], [])
@@ -53,7 +67,10 @@ def test_a_node_whose_ranks_still_progress_does_not_say_it_waits():
 
 def test_behind_in_collectives_across_nodes():
     # rank 0 waits in all_reduce #12 on node 0; rank 1 on node 1 has entered 11 at the same step.
-    job = [view(0, 0, step=5, coll=12, phase=Phase.COLLECTIVE, idle=5.0), view(1, 1, step=5, coll=11, idle=5.0)]
+    job = [
+        view(0, 0, step=5, coll=12, phase=Phase.COLLECTIVE, idle=5.0),
+        view(1, 1, step=5, coll=11, idle=5.0),
+    ]
     assert [v.rank for v in decide(1, job).stalled] == [1]
     assert [v.rank for v in decide(0, job).waited_for] == [1]
 
@@ -63,11 +80,19 @@ def test_a_summary_is_small_and_reads_back():
     data = encode(2, "node-b (10.0.0.2)", 17, {3}, views)
     assert len(data) < 700, len(data)  # eight ranks
     summary = decode(data)
-    assert summary is not None and summary.node == 2 and summary.count == 17 and summary.named == {3}
+    assert (
+        summary is not None and summary.node == 2 and summary.count == 17 and summary.named == {3}
+    )
     back = summary.views[0]
     assert (back.rank, back.host, back.step, back.coll, back.op, back.idle) == (0, "node-b (10.0.0.2)", 7, 40,
                                                                                 "all_reduce", 1.2)  # fmt: skip
-    for bad in (b"", b"not json", b'{"v": 2}', b'{"v":1,"n":0,"h":"x","c":1,"x":[],"r":[[1,2]]}', b"x" * 70000):
+    for bad in (
+        b"",
+        b"not json",
+        b'{"v": 2}',
+        b'{"v":1,"n":0,"h":"x","c":1,"x":[],"r":[[1,2]]}',
+        b"x" * 70000,
+    ):
         assert decode(bad) is None, bad
 
 
@@ -83,7 +108,9 @@ def test_the_waiting_node_ends_the_job_only_when_the_stalled_ranks_agent_stays_s
 
 @pytest.fixture
 def store():
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    server = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False
+    )
     yield dist.PrefixStore("torch.rendezvous.job.1", server)
 
 
@@ -105,7 +132,8 @@ def test_two_exchanges_see_each_other_and_age_a_silent_node(store):
         # Node 1's agent says nothing new: its rank's idle time grows on node 0's clock.
         first = a.views()[0][0].idle
         _until(lambda: a.views()[0][0].idle > first + 0.2)
-        # It names rank 1, then its ranks exit: the summary says so, and node 0 no longer counts them.
+        # It names rank 1, then its ranks exit: the summary says so, and node 0 no longer counts
+        # them.
         b.publish(encode(1, "host1", 2, {1}, [STALLED]), want=True)
         _until(lambda: a.views()[1] == {1})
         b.close(encode(1, "host1", 3, {1}, []))
@@ -147,9 +175,9 @@ class Clock:
 
 
 def test_two_nodes_watches_name_the_rank_and_the_wait(store, tmp_path, capsys):
-    """Two agents' watches of one rank each, through one store: node 1's names rank 1 with node 0's rank in
-    its summary; node 0's says it waits for rank 1 on host1. Control: the same watches not connected (each
-    node judging alone, as before) say nothing."""
+    """Two agents' watches of one rank each, through one store: node 1's names rank 1 with node 0's
+    rank in its summary; node 0's says it waits for rank 1 on host1. Control: the same watches not
+    connected (each node judging alone, as before) say nothing."""
     clock = Clock()
     policy = watch.StallPolicy(floor=3.0, on_stall="warn")
     watches = []
@@ -179,7 +207,9 @@ def test_two_nodes_watches_name_the_rank_and_the_wait(store, tmp_path, capsys):
     try:
         _until(lambda: bool(poll_all(1005.0)) and all(w._warned for w in watches))
         err = capsys.readouterr().err
-        assert "ddpkit run: rank 1 stalled: no progress for 5.0 s (allowed 3.0 s) on host host1" in err, err
+        assert (
+            "ddpkit run: rank 1 stalled: no progress for 5.0 s (allowed 3.0 s) on host host1" in err
+        ), err
         assert "rank 0 on host host0 at step 6" in err, err
         assert "ddpkit run: waiting for rank 1 on host host1: no progress for" in err, err
         assert "its node's agent names it" in err, err
@@ -191,10 +221,12 @@ def test_two_nodes_watches_name_the_rank_and_the_wait(store, tmp_path, capsys):
 
 
 def test_a_rank_its_agent_named_is_reported_before_this_nodes_ranks_spend_their_allowance():
-    # The named rank's agent waits for the other nodes to say where their ranks are before it kills it.
+    # The named rank's agent waits for the other nodes to say where their ranks are before it kills
+    # it.
     busy = view(0, 0, step=6, idle=1.0)
     assert decide(0, [busy, STALLED], named={1}).waited_for == [STALLED]
-    assert decide(0, [busy, STALLED]).waited_for == []  # control: not named, and this node's rank still busy
+    # control: not named, and this node's rank still busy
+    assert decide(0, [busy, STALLED]).waited_for == []
 
 
 class _Heard:
@@ -215,10 +247,12 @@ def test_the_named_ranks_agent_ends_it_once_every_other_node_has_said_where_its_
 
 
 @pytest.mark.parametrize("named", [set(), {1}], ids=["silent", "control-named"])
-def test_a_waiting_node_ends_its_own_workers_when_the_stalled_ranks_agent_stays_silent(store, tmp_path, named):
-    """Node 1's summary (written by hand: its agent says nothing more) shows rank 1 stalled; node 0's rank (a
-    real process) waits. Past the grace node 0's agent kills its own worker, ending the job. Control: node 1's
-    agent named rank 1, so node 0 leaves the ending to it."""
+def test_a_waiting_node_ends_its_own_workers_when_the_stalled_ranks_agent_stays_silent(
+    store, tmp_path, named
+):
+    """Node 1's summary (written by hand: its agent says nothing more) shows rank 1 stalled; node
+    0's rank (a real process) waits. Past the grace node 0's agent kills its own worker, ending the
+    job. Control: node 1's agent named rank 1, so node 0 leaves the ending to it."""
     import subprocess
     import sys
 
@@ -257,7 +291,11 @@ def test_a_waiting_node_ends_its_own_workers_when_the_stalled_ranks_agent_stays_
 
 def test_two_nodes_stalled_at_one_place_are_each_named_by_their_own_node():
     job = [WAITING, STALLED, view(2, 2, step=5, idle=4.0)]
-    assert [v.rank for v in decide(1, job).stalled] == [1] and [v.rank for v in decide(2, job).stalled] == [2]
+    assert [v.rank for v in decide(1, job).stalled] == [1] and [
+        v.rank for v in decide(2, job).stalled
+    ] == [2]
     assert [v.rank for v in decide(0, job).waited_for] == [1, 2]
     # node 1 names its own rank, and says nothing of rank 2 until node 2's agent names it
-    assert decide(1, job).waited_for == [] and [v.rank for v in decide(1, job, named={2}).waited_for] == [2]
+    assert decide(1, job).waited_for == [] and [
+        v.rank for v in decide(1, job, named={2}).waited_for
+    ] == [2]

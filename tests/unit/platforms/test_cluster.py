@@ -1,4 +1,5 @@
-"""Reading the launcher's environment: pure logic, tested with mocked environments (no process is started)."""
+"""Reading the launcher's environment: pure logic, tested with mocked environments (no process is
+started)."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def torchrun(**changes: str | None) -> dict[str, str]:
     return changed(TORCHRUN, **changes)
 
 
-# ----------------------------------------------------------------------------------------------- torchrun
+# ----------------------------------------------------------------------------------------- torchrun
 
 
 def test_torchrun_variables_are_read():
@@ -66,19 +67,27 @@ def test_torchrun_restart_count():
 
 @pytest.mark.parametrize("value", ["inf", "nan", "1e300", "1e-300", "0", "-5", "soon"])
 def test_a_collective_timeout_outside_one_second_to_thirty_days_is_refused_by_the_worker_too(value):
-    # Outside `ddpkit run` (torchrun, SLURM) the worker is the first to read it: torch keeps the timeout in
-    # milliseconds, and inf or 1e300 would overflow rather than mean "never".
+    # Outside `ddpkit run` (torchrun, SLURM) the worker is the first to read it: torch keeps the
+    # timeout in milliseconds, and inf or 1e300 would overflow rather than mean "never".
     with pytest.raises(ConfigError, match="DDPKIT_COLLECTIVE_TIMEOUT.*from 1 to 2592000"):
         read_launch_env(torchrun(DDPKIT_COLLECTIVE_TIMEOUT=value))
-    assert read_launch_env(torchrun(DDPKIT_COLLECTIVE_TIMEOUT="30")).collective_timeout == 30.0  # control
+    # control
+    assert read_launch_env(torchrun(DDPKIT_COLLECTIVE_TIMEOUT="30")).collective_timeout == 30.0
 
 
 def test_nodes_with_different_process_counts_are_named():
-    # 2 nodes of 2 make the 4 of the world: nothing to say. 3 in all on 2 nodes, 2 here: one node differs.
-    assert uneven_nodes(torchrun(GROUP_WORLD_SIZE="4", WORLD_SIZE="8", LOCAL_WORLD_SIZE="2")) is None
-    message = uneven_nodes(torchrun(GROUP_WORLD_SIZE="2", WORLD_SIZE="3", LOCAL_WORLD_SIZE="2", LOCAL_RANK="0"))
+    # 2 nodes of 2 make the 4 of the world: nothing to say. 3 in all on 2 nodes, 2 here: one node
+    # differs.
+    assert (
+        uneven_nodes(torchrun(GROUP_WORLD_SIZE="4", WORLD_SIZE="8", LOCAL_WORLD_SIZE="2")) is None
+    )
+    message = uneven_nodes(
+        torchrun(GROUP_WORLD_SIZE="2", WORLD_SIZE="3", LOCAL_WORLD_SIZE="2", LOCAL_RANK="0")
+    )
     assert "3 processes on 2 nodes, 2 of them on this node" in message and "--nproc" in message
-    assert uneven_nodes(torchrun(GROUP_WORLD_SIZE="1", WORLD_SIZE="3", LOCAL_WORLD_SIZE="3")) is None
+    assert (
+        uneven_nodes(torchrun(GROUP_WORLD_SIZE="1", WORLD_SIZE="3", LOCAL_WORLD_SIZE="3")) is None
+    )
     assert uneven_nodes({}) is None  # not under torchrun
 
 
@@ -101,13 +110,19 @@ def test_partial_torchrun_set_names_the_missing_variables(present, missing):
     env = {name: TORCHRUN[name] for name in present} | {"MASTER_ADDR": "a", "MASTER_PORT": "1"}
     with pytest.raises(ConfigError) as err:
         read_launch_env(env)
-    # "<present> set but <missing> not: ..." -- the part naming what is absent lists exactly the missing ones.
+    # "<present> set but <missing> not: ..." -- the part naming what is absent lists exactly the
+    # missing ones.
     absent_part = str(err.value).split("set but", 1)[1].split(":", 1)[0]
     for name in TORCHRUN_CORE:
-        assert bool(re.search(rf"\b{name}\b", absent_part)) == (name in missing), (name, str(err.value))
+        assert bool(re.search(rf"\b{name}\b", absent_part)) == (name in missing), (
+            name,
+            str(err.value),
+        )
 
 
-@pytest.mark.parametrize("name", ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"])
+@pytest.mark.parametrize(
+    "name", ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"]
+)
 @pytest.mark.parametrize("value", ["two", "1.5", ""])
 def test_non_integer_variable_is_named(name, value):
     with pytest.raises(ConfigError, match=rf"{name}=.*not an integer"):
@@ -152,7 +167,7 @@ def test_torchrun_wins_over_slurm():
     assert read_launch_env(env).launcher == "torchrun"
 
 
-# --------------------------------------------------------------------------------------------------- SLURM
+# -------------------------------------------------------------------------------------------- SLURM
 
 SLURM = {
     "SLURM_PROCID": "5",
@@ -189,7 +204,9 @@ def test_slurm_tasks_per_node_repeat_syntax_last_node():
     info = read_launch_env(slurm(SLURM_PROCID="6", SLURM_LOCALID="0", SLURM_NODEID="3"))
     assert info.local_world_size == 1
     for node in range(3):
-        assert read_launch_env(slurm(SLURM_NODEID=str(node), SLURM_LOCALID="0")).local_world_size == 2
+        assert (
+            read_launch_env(slurm(SLURM_NODEID=str(node), SLURM_LOCALID="0")).local_world_size == 2
+        )
 
 
 def test_slurm_local_rank_outside_node():
@@ -206,16 +223,20 @@ def test_slurm_port_from_job_id_differs_between_jobs_and_master_port_overrides()
 
 
 def test_slurm_concurrent_steps_of_one_job_get_different_ports():
-    # Two `srun ... &` in one batch script: same job id, step ids 0 and 1. Keyed on the job id alone, both
-    # steps' rank 0 bound the same port and the second step failed (or joined the first one's store).
+    # Two `srun ... &` in one batch script: same job id, step ids 0 and 1. Keyed on the job id
+    # alone, both steps' rank 0 bound the same port and the second step failed (or joined the first
+    # one's store).
     ports = {read_launch_env(slurm(SLURM_STEP_ID=str(step))).master_port for step in range(16)}
     assert len(ports) == 16
 
 
-@pytest.mark.parametrize("job_id", ["0", "1", "749", "750", "19999", "123456", "987654321", "4294967294"])
+@pytest.mark.parametrize(
+    "job_id", ["0", "1", "749", "750", "19999", "123456", "987654321", "4294967294"]
+)
 @pytest.mark.parametrize("step_id", ["0", "3", "15", "40"])
 def test_slurm_port_stays_below_the_ephemeral_range(job_id, step_id):
-    # Linux hands out 32768-60999 as source ports of outgoing connections: a port derived there can be taken.
+    # Linux hands out 32768-60999 as source ports of outgoing connections: a port derived there can
+    # be taken.
     port = read_launch_env(slurm(SLURM_JOB_ID=job_id, SLURM_STEP_ID=step_id)).master_port
     assert 1024 < port < 32768
 
@@ -229,7 +250,12 @@ def test_slurm_requeue_count_is_the_restart_count():
     assert read_launch_env(SLURM).restart_count == 0
     assert read_launch_env(slurm(SLURM_RESTART_COUNT="2")).restart_count == 2
     # `srun ddpkit run`: the agent's restarts and the scheduler's requeues add up.
-    assert read_launch_env(torchrun(TORCHELASTIC_RESTART_COUNT="1") | {"SLURM_RESTART_COUNT": "2"}).restart_count == 3
+    assert (
+        read_launch_env(
+            torchrun(TORCHELASTIC_RESTART_COUNT="1") | {"SLURM_RESTART_COUNT": "2"}
+        ).restart_count
+        == 3
+    )
 
 
 def test_slurm_step_variables_take_precedence():
@@ -257,21 +283,23 @@ def test_slurm_bad_tasks_per_node():
 
 
 def test_slurm_rank_outside_world():
-    with pytest.raises(ConfigError, match="rank 7 is outside the world of 7 processes set by SLURM"):
+    with pytest.raises(
+        ConfigError, match="rank 7 is outside the world of 7 processes set by SLURM"
+    ):
         read_launch_env(slurm(SLURM_PROCID="7"))
 
 
 @pytest.mark.parametrize("name", ["bash", "interactive", "sh", "zsh", "train"])
 def test_slurm_job_name_does_not_turn_slurm_off(name):
-    # `srun -n2 bash -c "python train.py"` is a job named bash; `salloc -n2` names its job interactive. Their
-    # srun tasks are one job of two ranks, not two worlds of one.
+    # `srun -n2 bash -c "python train.py"` is a job named bash; `salloc -n2` names its job
+    # interactive. Their srun tasks are one job of two ranks, not two worlds of one.
     info = read_launch_env(slurm(SLURM_JOB_NAME=name))
     assert (info.launcher, info.rank, info.world_size) == ("slurm", 5, 7)
 
 
 def test_slurm_pty_variable_does_not_turn_slurm_off():
-    # `srun --pty bash` exports SLURM_PTY_PORT, and every `srun -n2 python ...` started from that shell inherits
-    # it (seen on SLURM 22.05), so it cannot mark a process as outside a job.
+    # `srun --pty bash` exports SLURM_PTY_PORT, and every `srun -n2 python ...` started from that
+    # shell inherits it (seen on SLURM 22.05), so it cannot mark a process as outside a job.
     assert read_launch_env(slurm(SLURM_PTY_PORT="42059")).world_size == 7
 
 
@@ -282,7 +310,7 @@ def test_slurm_without_step_id_is_a_world_of_one():
     assert read_launch_env(SLURM).launcher == "slurm"
 
 
-# ----------------------------------------------------------------------------------------------------- MPI
+# ---------------------------------------------------------------------------------------------- MPI
 
 OPEN_MPI = {
     "OMPI_COMM_WORLD_RANK": "2",
@@ -295,24 +323,44 @@ MPICH = {"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRA
 
 def test_open_mpi_is_read():
     info = read_launch_env(OPEN_MPI)
-    assert (info.launcher, info.rank, info.world_size, info.local_rank, info.local_world_size) == ("mpi", 2, 4, 0, 2)
+    assert (info.launcher, info.rank, info.world_size, info.local_rank, info.local_world_size) == (
+        "mpi",
+        2,
+        4,
+        0,
+        2,
+    )
     assert (info.master_addr, info.master_port) == (None, None)  # agreed over MPI at init
-    assert read_launch_env(OPEN_MPI | {"MASTER_ADDR": "h", "MASTER_PORT": "23456"}).master_port == 23456
+    assert (
+        read_launch_env(OPEN_MPI | {"MASTER_ADDR": "h", "MASTER_PORT": "23456"}).master_port
+        == 23456
+    )
 
 
 def test_mpich_is_read():
     info = read_launch_env(MPICH)
-    assert (info.launcher, info.rank, info.world_size, info.local_rank, info.local_world_size) == ("mpi", 3, 4, 1, 2)
+    assert (info.launcher, info.rank, info.world_size, info.local_rank, info.local_world_size) == (
+        "mpi",
+        3,
+        4,
+        1,
+        2,
+    )
 
 
 def test_mpi_inside_slurm_counts_ranks_not_nodes():
-    # mpiexec in a batch job starts one srun task per node (SLURM_PROCID counts nodes) and the ranks inside it.
-    info = read_launch_env(MPICH | slurm(SLURM_PROCID="0", SLURM_NTASKS="1", SLURM_LOCALID="0", SLURM_NODEID="0"))
+    # mpiexec in a batch job starts one srun task per node (SLURM_PROCID counts nodes) and the ranks
+    # inside it.
+    info = read_launch_env(
+        MPICH | slurm(SLURM_PROCID="0", SLURM_NTASKS="1", SLURM_LOCALID="0", SLURM_NODEID="0")
+    )
     assert (info.launcher, info.rank, info.world_size) == ("mpi", 3, 4)
 
 
 def test_mpi_rank_outside_world():
-    with pytest.raises(ConfigError, match="rank 4 is outside the world of 4 processes set by mpiexec"):
+    with pytest.raises(
+        ConfigError, match="rank 4 is outside the world of 4 processes set by mpiexec"
+    ):
         read_launch_env(MPICH | {"PMI_RANK": "4"})
 
 
@@ -322,10 +370,13 @@ def test_no_variables_is_a_world_of_one():
     assert (info.rank, info.local_rank, info.world_size, info.local_world_size) == (0, 0, 1, 1)
     assert (info.launcher, info.master_addr, info.master_port) == ("none", None, None)
     # Unrelated variables change nothing.
-    assert read_launch_env({"PATH": "/bin", "SLURM_JOB_ID": "5", "OMP_NUM_THREADS": "4"}) == LaunchEnv()
+    assert (
+        read_launch_env({"PATH": "/bin", "SLURM_JOB_ID": "5", "OMP_NUM_THREADS": "4"})
+        == LaunchEnv()
+    )
 
 
-# ------------------------------------------------------------------------------------------- host lists
+# --------------------------------------------------------------------------------------- host lists
 
 
 @pytest.mark.parametrize(
@@ -345,7 +396,7 @@ def test_expand_hostlist(hostlist, hosts):
     assert expand_hostlist(hostlist) == hosts
 
 
-# ------------------------------------------------------------------------------------- cores, scheduler
+# --------------------------------------------------------------------------------- cores, scheduler
 
 
 def test_cpu_count_scheduler_grant():
@@ -381,8 +432,8 @@ def test_scheduler(env, expected):
 
 
 def test_a_cgroup_cpu_quota_bounds_the_cores(tmp_path):
-    """A pod limited to 1.5 CPUs (cgroup v2 ``cpu.max`` 150000/100000), under a parent limited to 4: 1.5.
-    Control: no quota anywhere on the path (``max``) is no bound."""
+    """A pod limited to 1.5 CPUs (cgroup v2 ``cpu.max`` 150000/100000), under a parent limited to 4:
+    1.5. Control: no quota anywhere on the path (``max``) is no bound."""
     from ddpkit.platforms._cpus import cgroup_cpu_quota
 
     pod = tmp_path / "kubepods" / "pod1" / "ctr"

@@ -1,9 +1,10 @@
 """Every platform's variables are read in ``ddpkit.platforms`` and nowhere else in the package.
 
-A string constant naming a platform's variable (``SLURM_NTASKS``, a prefix such as ``PET_``, ``RANK``) outside
-``platforms/`` is flagged with its file and line, unless it is written there: a key of a dict literal (the
-environment a launcher gives its workers), the target of an assignment or ``del``, or the name given to
-``pop``/``setdefault``. Docstrings and comments may name variables. The files below may name them freely.
+A string constant naming a platform's variable (``SLURM_NTASKS``, a prefix such as ``PET_``,
+``RANK``) outside ``platforms/`` is flagged with its file and line, unless it is written there: a
+key of a dict literal (the environment a launcher gives its workers), the target of an assignment or
+``del``, or the name given to ``pop``/``setdefault``. Docstrings and comments may name variables.
+The files below may name them freely.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ WRITING_CALLS = frozenset({"pop", "setdefault"})
 
 
 def _docstrings(tree: ast.AST) -> set[int]:
-    """ids of the constants that are docstrings (of the module, a class, a function, or an attribute)."""
+    """ids of the constants that are docstrings (of the module, a class, a function, or an
+    attribute)."""
     found = set()
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
@@ -47,7 +49,8 @@ def _docstrings(tree: ast.AST) -> set[int]:
 
 
 def _written(tree: ast.AST) -> set[int]:
-    """ids of the constants in a writing position: dict keys, assigned or deleted subscripts, pop/setdefault."""
+    """ids of the constants in a writing position: dict keys, assigned or deleted subscripts,
+    pop/setdefault."""
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Dict):
@@ -61,7 +64,8 @@ def _written(tree: ast.AST) -> set[int]:
 
 
 def readers(package: Path) -> list[str]:
-    """``path:line: 'NAME'`` for each platform variable named outside the allowed files of ``package``."""
+    """``path:line: 'NAME'`` for each platform variable named outside the allowed files of
+    ``package``."""
     found = []
     for path in sorted(package.rglob("*.py")):
         relative = path.relative_to(package).as_posix()
@@ -86,7 +90,8 @@ def test_no_module_outside_platforms_reads_a_platform_variable() -> None:
 
 
 def _copy(tmp_path: Path, module: str, extra: str) -> Path:
-    """The package's ``module`` copied into a package tree under ``tmp_path``, with ``extra`` appended."""
+    """The package's ``module`` copied into a package tree under ``tmp_path``, with ``extra``
+    appended."""
     copy = tmp_path / "ddpkit" / module
     copy.parent.mkdir(parents=True)
     shutil.copyfile(PACKAGE / module, copy)
@@ -96,15 +101,20 @@ def _copy(tmp_path: Path, module: str, extra: str) -> Path:
 
 
 def test_a_module_that_reads_slurm_ntasks_is_flagged_by_file_and_line(tmp_path: Path) -> None:
-    """Control: a copy of the launcher that reads ``SLURM_NTASKS`` is named with the line of the read."""
-    copy = _copy(tmp_path, "_launch/launcher.py", '\n\ndef tasks():\n    return os.environ.get("SLURM_NTASKS")\n')
+    """Control: a copy of the launcher that reads ``SLURM_NTASKS`` is named with the line of the
+    read."""
+    copy = _copy(
+        tmp_path,
+        "_launch/launcher.py",
+        '\n\ndef tasks():\n    return os.environ.get("SLURM_NTASKS")\n',
+    )
     line = len(copy.read_text().splitlines())
     assert readers(tmp_path / "ddpkit") == [f"_launch/launcher.py:{line}: 'SLURM_NTASKS'"]
 
 
 def test_reads_in_other_forms_are_flagged_and_writes_are_not(tmp_path: Path) -> None:
-    """Control: a membership test, a subscript, a prefix and a tuple of names are reads; a dict of the
-    workers' variables, an assignment, a pop and a docstring are not."""
+    """Control: a membership test, a subscript, a prefix and a tuple of names are reads; a dict of
+    the workers' variables, an assignment, a pop and a docstring are not."""
     reads = """
 
 def reads(env):
@@ -129,5 +139,7 @@ def reads(env):
 
 
 def test_the_same_read_inside_platforms_is_not_flagged(tmp_path: Path) -> None:
-    _copy(tmp_path, "platforms/_slurm.py", '\n\ndef tasks(env):\n    return env.get("SLURM_NTASKS")\n')
+    _copy(
+        tmp_path, "platforms/_slurm.py", '\n\ndef tasks(env):\n    return env.get("SLURM_NTASKS")\n'
+    )
     assert readers(tmp_path / "ddpkit") == []

@@ -1,6 +1,6 @@
-"""``PET_*`` values, parsed one way (:func:`ddpkit.platforms._kubernetes.pet_value`) by ``ddpkit run`` and by
-``ddpkit.init()``: a bad one is a one-line ConfigError naming the variable and its value, never a ValueError
-traceback, and a digit of another script is not read as a number."""
+"""``PET_*`` values, parsed one way (:func:`ddpkit.platforms._kubernetes.pet_value`) by
+``ddpkit run`` and by ``ddpkit.init()``: a bad one is a one-line ConfigError naming the variable and
+its value, never a ValueError traceback, and a digit of another script is not read as a number."""
 
 from __future__ import annotations
 
@@ -14,10 +14,12 @@ from ddpkit._launch.environment_defaults import with_environment_defaults
 from ddpkit.distributed import _runtime as runtime
 from ddpkit.distributed._environment import read_launch_env
 from ddpkit.platforms import _kubernetes as k8s
-from tests.unit.platforms.test_kubernetes import PYTORCHJOB_WORKER, TRAINJOB_NODE  # the operators' pods
 
-# "\u0663" is ARABIC-INDIC DIGIT THREE (int() reads it as 3), "\u00b2" SUPERSCRIPT TWO (isdigit() says yes,
-# int() raises), "\uff11" FULLWIDTH DIGIT ONE.
+# the operators' pods
+from tests.unit.platforms.test_kubernetes import PYTORCHJOB_WORKER, TRAINJOB_NODE
+
+# "\u0663" is ARABIC-INDIC DIGIT THREE (int() reads it as 3), "\u00b2" SUPERSCRIPT TWO (isdigit()
+# says yes, int() raises), "\uff11" FULLWIDTH DIGIT ONE.
 BAD = ["\u0663", "\u00b2", "\uff11", "+2", "-1", "", " ", "1 2", "0x2", "2\n3"]
 NAMES = ["PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MAX_RESTARTS", "PET_MASTER_PORT"]
 
@@ -37,9 +39,12 @@ def test_ddpkit_run_and_init_refuse_it_the_same_way(value, monkeypatch):
     match = "PET_NPROC_PER_NODE=.*, set in this pod's environment"
     with pytest.raises(ConfigError, match=match):  # ddpkit run
         with_environment_defaults(["train.py"], TRAINJOB_NODE | {"PET_NPROC_PER_NODE": value})
-    with pytest.raises(ConfigError, match=match):  # ddpkit.init() in a PyTorchJob pod, without torchrun
+    # ddpkit.init() in a PyTorchJob pod, without torchrun
+    with pytest.raises(ConfigError, match=match):
         read_launch_env(PYTORCHJOB_WORKER | {"PET_NPROC_PER_NODE": value})
-    monkeypatch.setattr(os, "environ", TRAINJOB_NODE | {"PET_NNODES": "1", "PET_NPROC_PER_NODE": value})
+    monkeypatch.setattr(
+        os, "environ", TRAINJOB_NODE | {"PET_NNODES": "1", "PET_NPROC_PER_NODE": value}
+    )
     try:  # ddpkit.init() alone in a TrainJob's pod
         with pytest.raises(ConfigError, match=match):
             ddpkit.init()
@@ -64,12 +69,14 @@ def test_the_forms_torchrun_takes_are_taken():
 
 
 def _mains_one_process(nproc: str) -> bool:
-    """How main read PET_NPROC_PER_NODE in a PyTorchJob pod (kubernetes._one_process before pet_value)."""
+    """How main read PET_NPROC_PER_NODE in a PyTorchJob pod (kubernetes._one_process before
+    pet_value)."""
     return not nproc.strip().isdigit() or int(nproc) == 1
 
 
 def test_control_mains_parse_raises_a_bare_valueerror_or_takes_a_digit_of_another_script():
-    with pytest.raises(ValueError, match="invalid literal for int"):  # a traceback out of ddpkit.init()
+    # a traceback out of ddpkit.init()
+    with pytest.raises(ValueError, match="invalid literal for int"):
         _mains_one_process("\u00b2")
     assert _mains_one_process("\uff11")  # fullwidth one: taken as 1, the pod runs
     assert not _mains_one_process("\u0663")  # Arabic-Indic three: taken as 3

@@ -1,11 +1,12 @@
-"""A Ray Train worker's variables, read as ddpkit reads them (the cluster itself: tests/jobs/launch/test_ray.py)."""
+"""A Ray Train worker's variables, read as ddpkit reads them (the cluster itself:
+tests/jobs/launch/test_ray.py)."""
 
 from __future__ import annotations
 
 from ddpkit.distributed._environment import read_launch_env
 
-# What Ray Train 2.60 sets in a worker of a 2-worker run (ray/train/torch/config.py): torchrun's names, the
-# node's rank, and the raylet's pid as in every Ray worker process.
+# What Ray Train 2.60 sets in a worker of a 2-worker run (ray/train/torch/config.py): torchrun's
+# names, the node's rank, and the raylet's pid as in every Ray worker process.
 RAY_WORKER = {
     "RANK": "1",
     "LOCAL_RANK": "0",
@@ -21,10 +22,20 @@ RAY_WORKER = {
 
 def test_a_ray_train_worker_is_launcher_ray_with_its_ranks():
     info = read_launch_env(RAY_WORKER)
-    assert (info.launcher, info.rank, info.local_rank, info.world_size, info.local_world_size) == ("ray", 1, 0, 2, 1)
+    assert (info.launcher, info.rank, info.local_rank, info.world_size, info.local_world_size) == (
+        "ray",
+        1,
+        0,
+        2,
+        1,
+    )
 
 
 def test_torchrun_started_inside_a_ray_task_is_torchrun():
-    """Control: the raylet's pid alone does not make Ray the launcher when torchrun's agent started the process."""
+    """Control: the raylet's pid alone does not make Ray the launcher when torchrun's agent started
+    the process."""
     assert read_launch_env(RAY_WORKER | {"TORCHELASTIC_RUN_ID": "x"}).launcher == "torchrun"
-    assert read_launch_env({k: v for k, v in RAY_WORKER.items() if not k.startswith("RAY_")}).launcher == "torchrun"
+    assert (
+        read_launch_env({k: v for k, v in RAY_WORKER.items() if not k.startswith("RAY_")}).launcher
+        == "torchrun"
+    )

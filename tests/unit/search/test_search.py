@@ -1,5 +1,5 @@
-"""The search's parts with no rank started: a space Optuna rejects, the samplers seeded apart per start, errors of
-the machine told from a candidate's, and a damaged journal repaired or refused."""
+"""The search's parts with no rank started: a space Optuna rejects, the samplers seeded apart per
+start, errors of the machine told from a candidate's, and a damaged journal repaired or refused."""
 
 from __future__ import annotations
 
@@ -43,8 +43,8 @@ def test_each_start_seeds_the_samplers_apart_and_a_replayed_start_alike(sampler)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     first, replayed = _draws(sampler, group=0, start=0), _draws(sampler, group=0, start=0)
     restart, other_group = _draws(sampler, group=0, start=1), _draws(sampler, group=1, start=0)
-    # Seeded alike, samplers draw alike: what every start did when a start was not part of the seed (the
-    # control), and what a replayed start must still do.
+    # Seeded alike, samplers draw alike: what every start did when a start was not part of the seed
+    # (the control), and what a replayed start must still do.
     assert first == replayed
     assert not set(first) & set(restart)
     assert not set(first) & set(other_group)
@@ -74,7 +74,8 @@ def test_errors_of_the_machine_are_told_from_a_candidates_errors():
         OSError(errno.EIO, "I/O error"),
         # A snapshot written in the background is re-raised in the training thread from its error.
         _raised(RuntimeError("ddpkit: writing a snapshot in the background failed"), full),
-        # torch.distributed.checkpoint gathers each rank's error into one exception (a BaseException).
+        # torch.distributed.checkpoint gathers each rank's error into one exception (a
+        # BaseException).
         CheckpointException("save failed", {1: (read_only, None)}),
         _raised(RuntimeError("background"), CheckpointException("save failed", {0: (full, None)})),
         _raised(KeyError("cleanup failed too"), full, cause=False),
@@ -111,8 +112,10 @@ def test_a_journal_cut_at_its_end_is_repaired_keeping_every_whole_record(tmp_pat
     _optimize(_journal_study(path), 3)
     whole = path.read_bytes()
     values = [t.value for t in _journal_study(path).trials]
-    cut = whole[:-20]  # trial 2's last record (its result) cut short, as by a kill or a full disk mid-write
-    # Control: left as it is, the next record is glued to the cut one, and the study can no longer be read.
+    # trial 2's last record (its result) cut short, as by a kill or a full disk mid-write
+    cut = whole[:-20]
+    # Control: left as it is, the next record is glued to the cut one, and the study can no longer
+    # be read.
     path.write_bytes(cut)
     with pytest.raises(json.JSONDecodeError):
         _optimize(_journal_study(path), 1)
@@ -129,7 +132,8 @@ def test_a_journal_cut_at_its_end_is_repaired_keeping_every_whole_record(tmp_pat
     _optimize(study, 1)
     trials = _journal_study(path).trials
     complete, running = TrialState.COMPLETE, TrialState.RUNNING
-    assert [t.state for t in trials] == [complete, complete, running, complete]  # trial 2's result was cut
+    # trial 2's result was cut
+    assert [t.state for t in trials] == [complete, complete, running, complete]
     assert [t.value for t in trials[:2]] == values[:2]
     assert repair_journal(path) is None  # a whole journal is left alone
 
@@ -138,7 +142,8 @@ def test_a_journal_damaged_before_its_end_is_refused_naming_the_line_and_the_way
     path = tmp_path / "study.journal"
     _optimize(_journal_study(path), 2)
     lines = path.read_bytes().splitlines(keepends=True)
-    # What Optuna leaves after a cut last record: the next record glued to it, then the later records.
+    # What Optuna leaves after a cut last record: the next record glued to it, then the later
+    # records.
     damaged = b"".join(lines[:3] + [lines[3][:15] + lines[4]] + lines[5:])
     path.write_bytes(damaged)
     with pytest.raises(ConfigError) as err:

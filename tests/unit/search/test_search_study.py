@@ -1,5 +1,6 @@
-"""A search's trials are created with their tag in one write and resumed by number, on a journal and on an RDB
-storage, through Optuna's public storage API; Optuna's internals the search keeps are in the seam."""
+"""A search's trials are created with their tag in one write and resumed by number, on a journal and
+on an RDB storage, through Optuna's public storage API; Optuna's internals the search keeps are in
+the seam."""
 
 from __future__ import annotations
 
@@ -35,13 +36,16 @@ def _config(tmp_path, storage: str) -> SearchConfig:
 
 
 @pytest.mark.parametrize("storage", ["journal", "sqlite"])
-def test_a_created_trial_carries_its_tag_and_resumes_by_number_with_its_draws_kept(tmp_path, storage):
+def test_a_created_trial_carries_its_tag_and_resumes_by_number_with_its_draws_kept(
+    tmp_path, storage
+):
     cfg = _config(tmp_path, storage)
     first = open_search_study(cfg, SPACE, create=True)
     trial = created_trial(first, "search-a")
     assert trial.user_attrs == {_SEARCH_KEY: "search-a"}
     trial.suggest_float("lr", 1e-4, 1e-1, log=True)  # killed here: one parameter drawn of two
-    # A later start (another study object on the same storage) resumes it: the drawn one kept, the rest drawn.
+    # A later start (another study object on the same storage) resumes it: the drawn one kept, the
+    # rest drawn.
     again = open_search_study(cfg, SPACE, create=False)
     resumed = resumed_trial(again, trial.number, SPACE)
     assert resumed is not None and resumed.number == trial.number
@@ -53,8 +57,9 @@ def test_a_created_trial_carries_its_tag_and_resumes_by_number_with_its_draws_ke
 
 
 def test_a_trial_and_its_tag_are_one_record_of_the_journal(tmp_path):
-    """What makes a kill harmless: the tag is in the record that creates the trial. Control: ``study.ask()``
-    then the tag writes two records, and a kill between them leaves a trial of no search."""
+    """What makes a kill harmless: the tag is in the record that creates the trial. Control:
+    ``study.ask()`` then the tag writes two records, and a kill between them leaves a trial of no
+    search."""
     cfg = _config(tmp_path, "journal")
     handle = open_search_study(cfg, SPACE, create=True)
     journal = tmp_path / "study.journal"
@@ -71,7 +76,8 @@ def test_a_trial_and_its_tag_are_one_record_of_the_journal(tmp_path):
     control = handle.study.ask()
     control.set_user_attr(_SEARCH_KEY, "search-a")
     records = new_records(before)
-    assert records[0]["op_code"] == 4 and not records[0].get("user_attrs")  # tagged only by a second record
+    # tagged only by a second record
+    assert records[0]["op_code"] == 4 and not records[0].get("user_attrs")
 
 
 def test_optuna_internals_hold_and_a_damaged_journal_is_still_refused(tmp_path):
@@ -81,7 +87,8 @@ def test_optuna_internals_hold_and_a_damaged_journal_is_still_refused(tmp_path):
 
 
 def test_without_optuna_the_seam_imports_and_its_checks_do_not_apply(monkeypatch):
-    # Optuna is an extra: the seam lists its records all the same, and a check has nothing to look at.
+    # Optuna is an extra: the seam lists its records all the same, and a check has nothing to look
+    # at.
     for name in [m for m in sys.modules if m == "optuna" or m.startswith("optuna.")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "optuna", None)  # `import optuna` raises ModuleNotFoundError
@@ -92,9 +99,11 @@ def test_without_optuna_the_seam_imports_and_its_checks_do_not_apply(monkeypatch
 
 
 def test_a_study_storage_check_that_finds_a_difference_names_it(monkeypatch):
-    """Control: where ``get_storage`` wrapped the storage again, the study and ddpkit would write through two
-    caches; the check says so."""
-    monkeypatch.setattr(optuna.storages, "get_storage", lambda storage: optuna.storages.InMemoryStorage())
+    """Control: where ``get_storage`` wrapped the storage again, the study and ddpkit would write
+    through two caches; the check says so."""
+    monkeypatch.setattr(
+        optuna.storages, "get_storage", lambda storage: optuna.storages.InMemoryStorage()
+    )
     line = problem(optuna_journal.INTERNALS[1])
     assert line is not None and "optuna.storages.get_storage" in line and optuna.__version__ in line
 

@@ -1,5 +1,6 @@
-"""Folder snapshots in one process: whole or absent, checksummed, pruned, written in the background from a copy; a
-tampered folder runs no code on load; a full disk (a real tmpfs) is named, with the previous snapshot left whole."""
+"""Folder snapshots in one process: whole or absent, checksummed, pruned, written in the background
+from a copy; a tampered folder runs no code on load; a full disk (a real tmpfs) is named, with the
+previous snapshot left whole."""
 
 from __future__ import annotations
 
@@ -50,7 +51,11 @@ def test_layout_marker_and_pruning(tmp_path):
     assert set(marker["files"]) == {p.name for p in folder.iterdir()} - {MARKER}
     assert {".metadata", "values.pt", "__0_0.distcp"} <= set(marker["files"])
     found, sharded, extra = load(ckpt)
-    assert found.step == 9 and torch.equal(sharded["model"]["w"], torch.full((4,), 9.0)) and extra["step"] == 9
+    assert (
+        found.step == 9
+        and torch.equal(sharded["model"]["w"], torch.full((4,), 9.0))
+        and extra["step"] == 9
+    )
 
 
 def test_a_damaged_file_is_named_and_the_snapshot_before_is_used(tmp_path):
@@ -89,7 +94,8 @@ def test_async_save_writes_the_state_as_it_was_when_saved(tmp_path):
 
 
 class RunsCode:
-    """Unpickling this object creates the file ``path``: what a tampered snapshot could do instead."""
+    """Unpickling this object creates the file ``path``: what a tampered snapshot could do
+    instead."""
 
     def __init__(self, path) -> None:
         self.path = str(path)
@@ -99,7 +105,8 @@ class RunsCode:
 
 
 def reseal(folder) -> None:
-    """Rewrite the marker's sizes and checksums for the files as they now are: whoever can write the folder can."""
+    """Rewrite the marker's sizes and checksums for the files as they now are: whoever can write the
+    folder can."""
     marker = json.loads((folder / MARKER).read_text())
     marker["files"] = {
         name: {
@@ -118,7 +125,11 @@ def test_a_crafted_dcp_index_is_never_unpickled(tmp_path):
     (folder / ".metadata").write_bytes(pickle.dumps(RunsCode(ran)))
     reseal(folder)
     found, sharded, extra = load(ckpt)  # reads the JSON index; .metadata is left alone
-    assert not ran.exists() and found.step == 3 and torch.equal(sharded["model"]["w"], torch.full((4,), 3.0))
+    assert (
+        not ran.exists()
+        and found.step == 3
+        and torch.equal(sharded["model"]["w"], torch.full((4,), 3.0))
+    )
     # Control: torch's own reader unpickles .metadata, and the code runs.
     with contextlib.suppress(BaseException):
         dcp.load({"model": {"w": torch.zeros(4)}}, checkpoint_id=folder)
@@ -134,7 +145,8 @@ def test_a_crafted_non_tensor_item_is_never_unpickled(tmp_path):
     dcp.load({"w": torch.zeros(4), "hp": None}, checkpoint_id=stock)
     assert ran.exists()
     ran.unlink()
-    # ddpkit's planner refuses the same item (reached only past the JSON index, which admits no such item).
+    # ddpkit's planner refuses the same item (reached only past the JSON index, which admits no such
+    # item).
     with open(stock / ".metadata", "rb") as f:
         trusted = pickle.load(f)  # written by this test: safe to unpickle here
     with pytest.raises(BaseException, match="not a tensor: refusing to unpickle it"):
@@ -152,9 +164,12 @@ def test_a_crafted_non_tensor_item_is_never_unpickled(tmp_path):
     index["tensors"]["hp"] = {"bytes": True}
     (folder / INDEX).write_text(json.dumps(index))
     reseal(folder)
-    with pytest.raises(ConfigError, match="is not an index ddpkit wrote .item 'hp' is not a tensor"):
+    with pytest.raises(
+        ConfigError, match="is not an index ddpkit wrote .item 'hp' is not a tensor"
+    ):
         load(ckpt)
-    # A tensor entry pointing at a pickle instead of tensor data: torch's weights_only loader refuses it.
+    # A tensor entry pointing at a pickle instead of tensor data: torch's weights_only loader
+    # refuses it.
     payload = io.BytesIO()
     torch.save(RunsCode(ran), payload)
     (folder / "__0_0.distcp").write_bytes(payload.getvalue())
@@ -162,7 +177,9 @@ def test_a_crafted_non_tensor_item_is_never_unpickled(tmp_path):
     index["storage"][0].update(at=0, length=len(payload.getvalue()))
     (folder / INDEX).write_text(json.dumps(index))
     reseal(folder)
-    with pytest.raises(RuntimeError, match="loading snapshot .* failed: .*Weights only load failed"):
+    with pytest.raises(
+        RuntimeError, match="loading snapshot .* failed: .*Weights only load failed"
+    ):
         load(ckpt)
     assert not ran.exists()
     torch.load(folder / "__0_0.distcp", weights_only=False)  # control: unpickled, it runs
@@ -195,22 +212,31 @@ def test_a_trainer_state_holding_code_or_of_another_format_is_refused(tmp_path):
     folder, ran = tmp_path / "snapshots" / "step-00000003", tmp_path / "ran"
     good = (folder / VALUES).read_bytes()
     torch.save(
-        {"format": 2, "world_size": 1, "values": {}, "differences": [{}], "extra": RunsCode(ran)}, folder / VALUES
+        {"format": 2, "world_size": 1, "values": {}, "differences": [{}], "extra": RunsCode(ran)},
+        folder / VALUES,
     )
     reseal(folder)
-    with pytest.raises(ConfigError, match="values.pt holds objects other than tensors and plain values"):
+    with pytest.raises(
+        ConfigError, match="values.pt holds objects other than tensors and plain values"
+    ):
         load(ckpt)
     assert not ran.exists()
     torch.load(folder / VALUES, weights_only=False)  # control: unpickled, it runs
     assert ran.exists()
     # A folder of another format (here: format 2's values, plain data) is refused by name.
-    torch.save({"format": 2, "world_size": 1, "values": {}, "differences": [{}], "extra": {"step": 3}}, folder / VALUES)
+    torch.save(
+        {"format": 2, "world_size": 1, "values": {}, "differences": [{}], "extra": {"step": 3}},
+        folder / VALUES,
+    )
     reseal(folder)
     with pytest.raises(
-        ConfigError, match="written by another version of ddpkit.*format 2, this version reads format 3.*resume=False"
+        ConfigError,
+        match="written by another version of ddpkit.*format 2, this version reads format "
+        "3.*resume=False",
     ):
         load(ckpt)
-    # Values that the codec never writes (an unknown tag), in a file of this format: refused by name.
+    # Values that the codec never writes (an unknown tag), in a file of this format: refused by
+    # name.
     torch.save({"format": 3, "values": '{"zz": 1}', "tensors": []}, folder / VALUES)
     reseal(folder)
     with pytest.raises(ConfigError, match="values.pt holds values that ddpkit never writes"):
@@ -235,7 +261,10 @@ def test_a_full_disk_is_named_and_the_previous_snapshot_stays_whole(tmp_path, as
             ckpt.wait()
         message = str(info.value)
         print(message)
-        assert "no space left on device" in message and f"snapshot {fs / 'snapshots' / 'step-00000006'} " in message
+        assert (
+            "no space left on device" in message
+            and f"snapshot {fs / 'snapshots' / 'step-00000006'} " in message
+        )
         assert f"the previous snapshot, {fs / 'snapshots' / 'step-00000003'}, is whole" in message
         assert ("(written in the background)" in message) == async_write
         assert not (fs / "snapshots" / "step-00000006").exists()  # nothing half-written is left
@@ -267,17 +296,23 @@ def test_shared_tensors_are_each_written_by_one_rank_with_the_bytes_spread_evenl
 
     sizes = [(("model", f"w{i}"), 4 * (i % 7 + 1)) for i in range(50)]
     writer = writer_of_shared(sizes, 4)
-    assert writer == writer_of_shared(list(reversed(sizes)), 4)  # every rank the same answer, in any order
+    # every rank the same answer, in any order
+    assert writer == writer_of_shared(list(reversed(sizes)), 4)
     assert sorted(writer) == sorted(p for p, _ in sizes)
     loads = [sum(n for p, n in sizes if writer[p] == r) for r in range(4)]
     assert max(loads) - min(loads) <= max(n for _, n in sizes), loads
-    # A state: the shared tensors split without overlap over the ranks, each rank's own part kept by it.
-    state = {"model": {f"w{i}": torch.zeros(i + 1) for i in range(9)}, "per_rank": {"model": {"b": torch.ones(1)}}}
+    # A state: the shared tensors split without overlap over the ranks, each rank's own part kept by
+    # it.
+    state = {
+        "model": {f"w{i}": torch.zeros(i + 1) for i in range(9)},
+        "per_rank": {"model": {"b": torch.ones(1)}},
+    }
     parts = [stored_parts(state, r, replicated_over=3)[0] for r in range(3)]
     shared = [set(p["model"]) - {"b"} for p in parts]
     assert set().union(*shared) == {f"w{i}" for i in range(9)} and sum(map(len, shared)) == 9
     assert "b" in parts[0]["model"] and "b" in parts[1]["per_rank"]["rank1"]["model"]
-    assert stored_parts(state, 1)[0]["model"].keys() == {f"w{i}" for i in range(9)}  # not replicated: all
+    # not replicated: all
+    assert stored_parts(state, 1)[0]["model"].keys() == {f"w{i}" for i in range(9)}
 
 
 def test_a_ranks_own_values_are_a_file_of_its_own_read_back_only_when_the_marker_lists_it(tmp_path):
@@ -286,12 +321,15 @@ def test_a_ranks_own_values_are_a_file_of_its_own_read_back_only_when_the_marker
     found = ckpt.latest(warn=lambda msg: None)
     (own,) = ckpt.read_own(found, [0])
     assert own["seed"] == 7 and torch.equal(own["streams"], torch.arange(3))
-    assert "rank0.pt" in json.loads((found.path / MARKER).read_text())["files"]  # digested, checked by latest()
+    # digested, checked by latest()
+    assert "rank0.pt" in json.loads((found.path / MARKER).read_text())["files"]
     with pytest.raises(ConfigError, match="holds no values of rank 1"):
         ckpt.read_own(found, [1])
     ran = tmp_path / "ran"
     torch.save(RunsCode(ran), found.path / "rank0.pt")
     reseal(found.path)
-    with pytest.raises(ConfigError, match="rank0.pt holds objects other than tensors and plain values"):
+    with pytest.raises(
+        ConfigError, match="rank0.pt holds objects other than tensors and plain values"
+    ):
         ckpt.read_own(found, [0])
     assert not ran.exists()

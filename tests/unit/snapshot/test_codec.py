@@ -1,8 +1,9 @@
-"""The codec of a snapshot's values (:mod:`ddpkit.snapshot._codec`): what a save accepts a load gives back, equal and
-of the same type, on both backends, and what it cannot hold is refused at the save, by name, before any file.
+"""The codec of a snapshot's values (:mod:`ddpkit.snapshot._codec`): what a save accepts a load
+gives back, equal and of the same type, on both backends, and what it cannot hold is refused at the
+save, by name, before any file.
 
-The property tests run a modest number of derandomized examples by default; ``DDPKIT_FUZZ_EXAMPLES=2000`` runs as
-many fresh ones (as tests/unit/test_formats_fuzz.py does).
+The property tests run a modest number of derandomized examples by default;
+``DDPKIT_FUZZ_EXAMPLES=2000`` runs as many fresh ones (as tests/unit/test_formats_fuzz.py does).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ SOME = settings(
 )
 
 
-# -- what "the same" means: equal, of the same type, recursively; tensors bitwise -------------------------
+# -- what "the same" means: equal, of the same type, recursively; tensors bitwise ------------------
 
 
 def same(a: Any, b: Any, where: str = "") -> None:
@@ -62,7 +63,9 @@ def same(a: Any, b: Any, where: str = "") -> None:
         if isinstance(a, torch.nn.Parameter):
             assert a.requires_grad == b.requires_grad, where
     elif isinstance(a, np.ndarray):
-        assert (a.dtype, a.shape) == (b.dtype, b.shape), f"{where}: {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), (
+            f"{where}: {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
+        )
         assert a.dtype.type is b.dtype.type, f"{where}: {a.dtype.type} vs {b.dtype.type}"
         assert a.tobytes() == b.tobytes(), f"{where}: other bytes"
         if a.ndim > 1 and a.flags.f_contiguous and not a.flags.c_contiguous:
@@ -83,22 +86,30 @@ def same(a: Any, b: Any, where: str = "") -> None:
         if isinstance(a, collections.deque):
             assert a.maxlen == b.maxlen, where
     elif isinstance(a, float):
-        assert a == b and math.copysign(1, a) == math.copysign(1, b) or (math.isnan(a) and math.isnan(b)), where
+        assert (
+            a == b
+            and math.copysign(1, a) == math.copysign(1, b)
+            or (math.isnan(a) and math.isnan(b))
+        ), where
     elif isinstance(a, complex):
         same(a.real, b.real, where)
         same(a.imag, b.imag, where)
     elif isinstance(a, decimal.Decimal):
         assert str(a) == str(b), where
     elif isinstance(a, (dt.datetime, dt.time)):
-        assert a == b and a.fold == b.fold and a.tzinfo == b.tzinfo and str(a.tzinfo) == str(b.tzinfo), where
+        assert (
+            a == b and a.fold == b.fold and a.tzinfo == b.tzinfo and str(a.tzinfo) == str(b.tzinfo)
+        ), where
     else:
         assert a == b, f"{where}: {a!r} vs {b!r}"
 
 
-# -- generated states -------------------------------------------------------------------------------------
+# -- generated states ------------------------------------------------------------------------------
 
 NP_DTYPES = [
-    np.dtype(c).newbyteorder(o) if np.dtype(c).itemsize > 1 else np.dtype(c) for c in "?bBhHiIlLqQefdgFDG" for o in "<>"
+    np.dtype(c).newbyteorder(o) if np.dtype(c).itemsize > 1 else np.dtype(c)
+    for c in "?bBhHiIlLqQefdgFDG"
+    for o in "<>"
 ] + [np.dtype(x) for x in ("M8[s]", ">M8[ns]", "m8[us]", "U3", ">U2", "S4")]
 TORCH_DTYPES = list(region.DTYPES.values())
 TZS = [
@@ -117,7 +128,9 @@ def tensors(draw: Any) -> torch.Tensor:
     if draw(st.integers(0, 20)) == 0:
         shape = (70_000,)  # large: more than a page, a buffer
     n = math.prod(shape) * dtype.itemsize
-    data = torch.frombuffer(bytearray(draw(st.binary(min_size=8, max_size=8)) * (n // 8 + 1)), dtype=torch.uint8)
+    data = torch.frombuffer(
+        bytearray(draw(st.binary(min_size=8, max_size=8)) * (n // 8 + 1)), dtype=torch.uint8
+    )
     t = data[:n].view(dtype).view(shape) if n else torch.empty(shape, dtype=dtype)
     if dtype == torch.bool:
         t = t.view(torch.uint8).clamp(0, 1).view(torch.bool)  # a bool holds 0 or 1
@@ -128,7 +141,9 @@ def tensors(draw: Any) -> torch.Tensor:
         t = t[::2]
     elif how == "offset" and t.dim() >= 1 and t.shape[0] > 1:
         t = t[1:]
-    return torch.nn.Parameter(t.clone(), requires_grad=False) if draw(st.integers(0, 30)) == 0 else t
+    return (
+        torch.nn.Parameter(t.clone(), requires_grad=False) if draw(st.integers(0, 30)) == 0 else t
+    )
 
 
 @st.composite
@@ -144,7 +159,9 @@ def arrays(draw: Any) -> np.ndarray:
     return a
 
 
-NP_SCALARS = st.builds(lambda a: a[()] if a.ndim == 0 else a.reshape(-1)[0], arrays().filter(lambda a: a.size > 0))
+NP_SCALARS = st.builds(
+    lambda a: a[()] if a.ndim == 0 else a.reshape(-1)[0], arrays().filter(lambda a: a.size > 0)
+)
 
 LEAVES = st.one_of(
     st.none(),
@@ -159,7 +176,10 @@ LEAVES = st.one_of(
     st.decimals(),
     st.fractions(),
     st.builds(
-        lambda d, tz, fold: d.replace(tzinfo=tz, fold=fold), st.datetimes(), st.sampled_from(TZS), st.integers(0, 1)
+        lambda d, tz, fold: d.replace(tzinfo=tz, fold=fold),
+        st.datetimes(),
+        st.sampled_from(TZS),
+        st.integers(0, 1),
     ),
     st.dates(),
     st.builds(lambda t, tz: t.replace(tzinfo=tz), st.times(), st.sampled_from(TZS[:4])),
@@ -176,7 +196,10 @@ LEAVES = st.one_of(
     st.builds(torch.Size, st.lists(st.integers(0, 9), max_size=3)),
 )
 HASHABLE = st.one_of(
-    st.integers(), st.text(max_size=6), st.floats(allow_nan=False), st.tuples(st.integers(), st.text(max_size=3))
+    st.integers(),
+    st.text(max_size=6),
+    st.floats(allow_nan=False),
+    st.tuples(st.integers(), st.text(max_size=3)),
 )
 
 
@@ -254,7 +277,9 @@ OPTIMIZER_STATE = st.fixed_dictionaries(
             max_size=2,
         ),
         "state": st.dictionaries(
-            st.integers(0, 9), st.fixed_dictionaries({"step": tensors(), "exp_avg": tensors()}), max_size=2
+            st.integers(0, 9),
+            st.fixed_dictionaries({"step": tensors(), "exp_avg": tensors()}),
+            max_size=2,
         ),
     }
 )
@@ -269,10 +294,13 @@ STATES = st.fixed_dictionaries(
 
 def refused_by_name(err: ConfigError) -> None:
     text = str(err)
-    assert text.startswith("ddpkit: a snapshot cannot hold ") and "convert it in state_dict(), e.g. to" in text, text
+    assert (
+        text.startswith("ddpkit: a snapshot cannot hold ")
+        and "convert it in state_dict(), e.g. to" in text
+    ), text
 
 
-# -- the backends, as they save and load -------------------------------------------------------------------
+# -- the backends, as they save and load -----------------------------------------------------------
 
 
 def through_json(value: Any) -> Any:
@@ -282,7 +310,8 @@ def through_json(value: Any) -> Any:
 
 
 def through_disk(value: Any, folder: pathlib.Path) -> Any:
-    """A world of one: rank 0's values (``extra``) and its own file (``own``), through the manager."""
+    """A world of one: rank 0's values (``extra``) and its own file (``own``), through the
+    manager."""
     ckpt = SnapshotManager(folder)
     try:
         ckpt.save(1, {"model": {"w": torch.ones(2)}}, {"x": value}, own={"cb": value})
@@ -310,7 +339,9 @@ def through_memory(value: Any, folder: pathlib.Path) -> Any:
     specs, size = region.layout(held)
     manifest = {"specs": [[s.dtype, list(s.shape), s.offset] for s in specs], "data_size": size}
     store = ms.MemoryStore(folder, job="j", run="r", rank=0, world_size=1)
-    store.save({"step": 1, "position": [0, 1, 1], "peers": False, "values": skeleton}, held, manifest, 1)
+    store.save(
+        {"step": 1, "position": [0, 1, 1], "peers": False, "values": skeleton}, held, manifest, 1
+    )
     (found,) = store.found()
     got = mslot.read_slot(found.path, data=True)
     assert got is not None
@@ -321,7 +352,7 @@ def through_memory(value: Any, folder: pathlib.Path) -> Any:
     return back
 
 
-# -- the property ------------------------------------------------------------------------------------------
+# -- the property ----------------------------------------------------------------------------------
 
 
 def check_round_trip(state: Any, tmp: pathlib.Path, save_load: Any) -> None:
@@ -330,13 +361,16 @@ def check_round_trip(state: Any, tmp: pathlib.Path, save_load: Any) -> None:
     except ConfigError as err:
         refused_by_name(err)
         with pytest.raises(ConfigError):
-            codec.encode(state, [])  # refused for a value the codec cannot hold, not for another reason
+            # refused for a value the codec cannot hold, not for another reason
+            codec.encode(state, [])
         return
     same(state, back, "state")
 
 
 @pytest.mark.parametrize("backend", ["json", "disk", "memory"])
-def test_a_state_is_refused_at_save_by_name_or_loaded_equal_and_of_the_same_type(tmp_path_factory, backend):
+def test_a_state_is_refused_at_save_by_name_or_loaded_equal_and_of_the_same_type(
+    tmp_path_factory, backend
+):
     calls = {"json": lambda v, tmp: through_json(v), "disk": through_disk, "memory": through_memory}
 
     @SOME
@@ -356,7 +390,9 @@ def test_every_supported_value_round_trips(value):
 
 @SOME
 @given(
-    weights=st.dictionaries(st.text("abc.", min_size=1, max_size=5), tensors().map(lambda t: t.detach()), max_size=3)
+    weights=st.dictionaries(
+        st.text("abc.", min_size=1, max_size=5), tensors().map(lambda t: t.detach()), max_size=3
+    )
 )
 def test_exported_weights_load_as_saved_or_are_refused_by_name(tmp_path_factory, weights):
     for fmt in ["pt"] + (["safetensors"] if export.safetensors_available() else []):
@@ -364,21 +400,25 @@ def test_exported_weights_load_as_saved_or_are_refused_by_name(tmp_path_factory,
         try:
             export.save_weights(path, weights, fmt)
         except ConfigError as err:
-            assert fmt == "safetensors" and "which a safetensors file cannot hold" in str(err), str(err)
+            assert fmt == "safetensors" and "which a safetensors file cannot hold" in str(err), str(
+                err
+            )
             assert not path.exists()
             continue
         back = export.load_weights(path)
-        assert sorted(back) == sorted(weights)  # safetensors keeps them sorted: a state dict is read by name
+        # safetensors keeps them sorted: a state dict is read by name
+        assert sorted(back) == sorted(weights)
         for k in weights:
             same(weights[k].contiguous(), back[k], k)
 
 
-# -- the control: today's save and load fail the same property ---------------------------------------------
+# -- the control: today's save and load fail the same property -------------------------------------
 
 
 def through_torch_save(value: Any, tmp: pathlib.Path) -> Any:
     buffer = io.BytesIO()
-    torch.save({"x": value}, buffer)  # what the disk backend wrote before the codec: anything pickles
+    # what the disk backend wrote before the codec: anything pickles
+    torch.save({"x": value}, buffer)
     buffer.seek(0)
     return torch.load(buffer, weights_only=True)["x"]  # and how it read it back
 
@@ -399,7 +439,11 @@ def test_control_torch_save_and_weights_only_load_fail_the_property():
     no_shrink = [Phase.explicit, Phase.generate]  # a counterexample is all that is asked for
 
     @settings(
-        max_examples=200, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, phases=no_shrink
+        max_examples=200,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        derandomize=True,
+        phases=no_shrink,
     )
     @given(state=STATES)
     def run(state: Any) -> None:
@@ -413,7 +457,7 @@ def test_control_torch_save_and_weights_only_load_fail_the_property():
         run()
 
 
-# -- the refusal's form, and where it happens --------------------------------------------------------------
+# -- the refusal's form, and where it happens ------------------------------------------------------
 
 
 def test_the_refusal_names_the_key_path_the_type_and_the_way_out():
@@ -421,10 +465,13 @@ def test_the_refusal_names_the_key_path_the_type_and_the_way_out():
     with pytest.raises(ConfigError) as info:
         codec.encode(state, [])
     assert str(info.value).startswith(
-        "ddpkit: a snapshot cannot hold callbacks.MyCallback.history[3], a tests.unit.snapshot.test_codec.Point: "
-        "convert it in state_dict(), e.g. to a tuple or a dict"
+        "ddpkit: a snapshot cannot hold callbacks.MyCallback.history[3], a "
+        "tests.unit.snapshot.test_codec.Point: convert it in state_dict(), e.g. to a tuple or a "
+        "dict"
     ), info.value
-    with pytest.raises(ConfigError, match=r"cannot hold lr, a .*Stage: convert it in state_dict\(\), e.g. to its"):
+    with pytest.raises(
+        ConfigError, match=r"cannot hold lr, a .*Stage: convert it in state_dict\(\), e.g. to its"
+    ):
         codec.encode({"lr": Stage.warmup}, [])
     with pytest.raises(ConfigError, match=r"cannot hold x\[Box\(x=1\)\] \(its key\), a .*Box"):
         codec.encode({"x": {3: 1, Box(1): 2}}, [])
@@ -483,8 +530,9 @@ class Holds:
 
 
 def fit_with_memory(tmp: pathlib.Path, value: Any, monkeypatch: Any) -> None:
-    """A Trainer of one process whose snapshots in memory are on (a memory folder, as ``ddpkit run``'s agent
-    makes one): their first save is after step 1, the first disk snapshot at the epoch's end (step 4)."""
+    """A Trainer of one process whose snapshots in memory are on (a memory folder, as
+    ``ddpkit run``'s agent makes one): their first save is after step 1, the first disk snapshot at
+    the epoch's end (step 4)."""
     from ddpkit.snapshot._memory import folder as memory_folder
     from ddpkit.training._config import LoggingConfig, SnapshotConfig, TrainerConfig
 
@@ -504,15 +552,23 @@ def fit_with_memory(tmp: pathlib.Path, value: Any, monkeypatch: Any) -> None:
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     trainer = ddpkit.Trainer(model, optimizer, data, config, callbacks=[Holds(value)])
-    assert trainer.snapshots.memory is not None, "the snapshots in memory are off: the test shows nothing"
+    assert trainer.snapshots.memory is not None, (
+        "the snapshots in memory are off: the test shows nothing"
+    )
     trainer.fit()
 
 
-def test_the_memory_backend_refuses_at_its_first_save_before_any_slot_is_written(tmp_path, monkeypatch):
-    with pytest.raises(ConfigError, match=r"cannot hold own.own.callback:Holds.kept\[1\], a .*Point"):
+def test_the_memory_backend_refuses_at_its_first_save_before_any_slot_is_written(
+    tmp_path, monkeypatch
+):
+    with pytest.raises(
+        ConfigError, match=r"cannot hold own.own.callback:Holds.kept\[1\], a .*Point"
+    ):
         fit_with_memory(tmp_path, [1, Point(2)], monkeypatch)
     assert not list((tmp_path / "mem").glob("*.slot")), "a slot was written"
-    assert not list((tmp_path / "run" / "snapshots").glob("step-*")), "refused by the disk save, not the memory's"
+    assert not list((tmp_path / "run" / "snapshots").glob("step-*")), (
+        "refused by the disk save, not the memory's"
+    )
 
 
 def test_control_the_same_run_with_a_value_the_codec_holds_runs_to_its_end(tmp_path, monkeypatch):

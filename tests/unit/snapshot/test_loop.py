@@ -1,7 +1,8 @@
-"""``ddpkit.Snapshots`` in a hand-written loop on 2 real ranks: a run stopped after a step and resumed ends bit for
-bit where an uninterrupted run ends, every rank's weights, BatchNorm statistics and optimizer state, having
-numbered its batches as that run did; a resume that leaves out the random streams or the loader's position, or
-a snapshot taken at an epoch's last batch, is caught by the same comparison."""
+"""``ddpkit.Snapshots`` in a hand-written loop on 2 real ranks: a run stopped after a step and
+resumed ends bit for bit where an uninterrupted run ends, every rank's weights, BatchNorm statistics
+and optimizer state, having numbered its batches as that run did; a resume that leaves out the
+random streams or the loader's position, or a snapshot taken at an epoch's last batch, is caught by
+the same comparison."""
 
 from __future__ import annotations
 
@@ -16,52 +17,80 @@ from tests.jobs.scripts.hand_loop_job import GLOBAL_BATCH, dataset, train
 
 def same_bits(a, b) -> bool:
     if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        return (
+            isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a, b)
+        )
     if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same_bits(a[k], b[k]) for k in a)
+        return (
+            isinstance(b, dict) and a.keys() == b.keys() and all(same_bits(a[k], b[k]) for k in a)
+        )
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(same_bits(x, y) for x, y in zip(a, b))
     return a == b
 
 
-def interrupted(folder: str, stop_after: int, every_steps: int | None, control: str | None = None) -> tuple:
-    """Every rank: an uninterrupted run, then a run stopped after ``stop_after`` and one resumed from its
-    newest snapshot; (whether the ends are the same bits, the step resumed from, whether the batches
-    resumed match the uninterrupted run's)."""
+def interrupted(
+    folder: str, stop_after: int, every_steps: int | None, control: str | None = None
+) -> tuple:
+    """Every rank: an uninterrupted run, then a run stopped after ``stop_after`` and one resumed
+    from its newest snapshot; (whether the ends are the same bits, the step resumed from, whether
+    the batches resumed match the uninterrupted run's)."""
     batch = GLOBAL_BATCH // ddpkit.get_runtime().world_size
     reference = train(f"{folder}/reference", batch_size=batch, every_steps=every_steps)
-    train(f"{folder}/run", batch_size=batch, every_steps=every_steps, control=control, stop_after=stop_after)
+    train(
+        f"{folder}/run",
+        batch_size=batch,
+        every_steps=every_steps,
+        control=control,
+        stop_after=stop_after,
+    )
     resumed = train(f"{folder}/run", batch_size=batch, every_steps=every_steps, control=control)
-    ends_same = same_bits(resumed["model"], reference["model"]) and same_bits(resumed["optim"], reference["optim"])
+    ends_same = same_bits(resumed["model"], reference["model"]) and same_bits(
+        resumed["optim"], reference["optim"]
+    )
     batches_same = resumed["batches"] == reference["batches"][-len(resumed["batches"]) :]
     return ends_same, resumed["resumed_from"], batches_same, resumed["batches"][0]
 
 
 @pytest.mark.parametrize(
     ("stop_after", "every_steps", "resumed_from"),
-    # 4 steps an epoch. Saved at 3, 6: resumed mid-epoch (epoch 1, batch 2). Due at 4 (epoch 0's last batch):
+    # 4 steps an epoch. Saved at 3, 6: resumed mid-epoch (epoch 1, batch 2). Due at 4 (epoch 0's
+    # last batch):
     # saved after step 5 instead, past the scheduler's step at the epoch's end.
     [(7, 3, 6), (6, 4, 5)],
     ids=["mid-epoch", "due-at-an-epochs-end"],
 )
-def test_a_resumed_loop_ends_bitwise_where_an_uninterrupted_one_does(tmp_path, stop_after, every_steps, resumed_from):
+def test_a_resumed_loop_ends_bitwise_where_an_uninterrupted_one_does(
+    tmp_path, stop_after, every_steps, resumed_from
+):
     results = run_on_ranks(interrupted, 2, (str(tmp_path), stop_after, every_steps), timeout=300)
     for rank, (ends_same, step, batches_same, first) in enumerate(results):
         assert step == resumed_from, rank
         assert ends_same, f"rank {rank}: the resumed run ends elsewhere"
-        # The index in the epoch of the first batch after the resume is the uninterrupted run's, not 0.
-        assert batches_same and first == (resumed_from // 4, resumed_from % 4, resumed_from + 1), (rank, first)
+        # The index in the epoch of the first batch after the resume is the uninterrupted run's,
+        # not 0.
+        assert batches_same and first == (resumed_from // 4, resumed_from % 4, resumed_from + 1), (
+            rank,
+            first,
+        )
 
 
 @pytest.mark.parametrize("control", ["streams", "loader"])
-def test_control_a_resume_without_the_streams_or_the_loader_position_ends_elsewhere(tmp_path, control):
+def test_control_a_resume_without_the_streams_or_the_loader_position_ends_elsewhere(
+    tmp_path, control
+):
     results = run_on_ranks(interrupted, 2, (str(tmp_path), 7, 3, control), timeout=300)
-    assert not any(ends_same for ends_same, *_ in results), f"leaving out the {control} went unnoticed"
+    assert not any(ends_same for ends_same, *_ in results), (
+        f"leaving out the {control} went unnoticed"
+    )
 
 
 def epoch_end_save(folder: str) -> bool:
-    """Control for the deferral: a snapshot taken at epoch 0's last batch by save() (before the scheduler's step
-    after the loop) resumes into epoch 1 with the scheduler not stepped."""
+    """Control for the deferral: a snapshot taken at epoch 0's last batch by save() (before the
+    scheduler's step after the loop) resumes into epoch 1 with the scheduler not stepped."""
     batch = GLOBAL_BATCH // ddpkit.get_runtime().world_size
     reference = train(f"{folder}/reference", batch_size=batch, every_steps=None)
     # The same loop saving by hand at step 4, the epoch's last batch: what step() defers.
@@ -87,7 +116,8 @@ def test_control_a_snapshot_at_an_epochs_last_batch_skips_the_epochs_end(tmp_pat
 
 
 def stop_signal(folder: str) -> tuple[int, int | None]:
-    """Rank 1 gets SIGUSR1 during step 5: every rank saves after step 10 (the agreement) and raises Preempted."""
+    """Rank 1 gets SIGUSR1 during step 5: every rank saves after step 10 (the agreement) and raises
+    Preempted."""
     import os
     import signal
 
@@ -95,7 +125,9 @@ def stop_signal(folder: str) -> tuple[int, int | None]:
     model = ddpkit.prepare_model(torch.nn.Linear(8, 3))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = ddpkit.build_loader(dataset(), batch_size=6, num_workers=0)
-    snapshots = ddpkit.Snapshots(folder, model=model, optimizer=optimizer, loader=loader, signals_every_steps=10)
+    snapshots = ddpkit.Snapshots(
+        folder, model=model, optimizer=optimizer, loader=loader, signals_every_steps=10
+    )
     try:
         for _ in range(5):
             for x, y in loader:
@@ -110,7 +142,9 @@ def stop_signal(folder: str) -> tuple[int, int | None]:
     return -1, None
 
 
-def test_a_stop_signal_on_one_rank_saves_every_rank_after_the_same_step_and_raises_preempted(tmp_path):
+def test_a_stop_signal_on_one_rank_saves_every_rank_after_the_same_step_and_raises_preempted(
+    tmp_path,
+):
     assert run_on_ranks(stop_signal, 2, (str(tmp_path),), timeout=120) == [(10, 10), (10, 10)]
 
 
@@ -150,20 +184,31 @@ def test_bad_arguments_name_what_to_change(tmp_path):
     with pytest.raises(ConfigError, match="build_loader"):
         ddpkit.Snapshots(tmp_path, model=model, loader=torch.utils.data.DataLoader(range(4)))  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="optimizer 0 holds a parameter of no model"):
-        ddpkit.Snapshots(tmp_path, model=model, optimizer=torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=1))
+        ddpkit.Snapshots(
+            tmp_path,
+            model=model,
+            optimizer=torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=1),
+        )
 
 
 def two_models_or_a_strategy(folder: str, kind: str) -> bool:
-    """A DCGAN-like loop (two models, two optimizers, two schedulers, by name) or one on a ``zero`` strategy,
-    stopped after step 5 and resumed: True if it ends bitwise where an uninterrupted run does."""
+    """A DCGAN-like loop (two models, two optimizers, two schedulers, by name) or one on a ``zero``
+    strategy, stopped after step 5 and resumed: True if it ends bitwise where an uninterrupted run
+    does."""
     from ddpkit.strategies import build_strategy
 
     def run(run_dir: str, stop_after: int | None = None) -> dict | None:
         ddpkit.seed_everything(0)
         loader = ddpkit.build_loader(dataset(), batch_size=6, num_workers=0)
         if kind == "two models":
-            g, d = (ddpkit.prepare_model(torch.nn.Linear(8, 8)), ddpkit.prepare_model(torch.nn.Linear(8, 3)))
-            optimizers = [torch.optim.Adam(g.parameters(), lr=1e-2), torch.optim.SGD(d.parameters(), lr=0.1)]
+            g, d = (
+                ddpkit.prepare_model(torch.nn.Linear(8, 8)),
+                ddpkit.prepare_model(torch.nn.Linear(8, 3)),
+            )
+            optimizers = [
+                torch.optim.Adam(g.parameters(), lr=1e-2),
+                torch.optim.SGD(d.parameters(), lr=0.1),
+            ]
             models: dict = {"G": g, "D": d}
             forward = lambda x: d(torch.nn.functional.dropout(g(x), 0.3))  # noqa: E731
             given = {"model": models, "optimizer": optimizers}
@@ -171,9 +216,15 @@ def two_models_or_a_strategy(folder: str, kind: str) -> bool:
             net = torch.nn.Linear(8, 3)
             strategy = build_strategy("zero", net, torch.optim.Adam(net.parameters(), lr=1e-2))
             optimizers, forward, given = [strategy.optimizer], strategy.model, {"model": strategy}
-        schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in optimizers]
+        schedulers = [
+            torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in optimizers
+        ]
         snapshots = ddpkit.Snapshots(
-            run_dir, **given, scheduler=schedulers if kind == "two models" else None, loader=loader, every_steps=2
+            run_dir,
+            **given,
+            scheduler=schedulers if kind == "two models" else None,
+            loader=loader,
+            every_steps=2,
         )
         snapshots.resume()
         for _ in range(loader.epoch, 3):
@@ -198,7 +249,10 @@ def two_models_or_a_strategy(folder: str, kind: str) -> bool:
 
 @pytest.mark.parametrize("kind", ["two models", "zero"])
 def test_two_models_with_their_optimizers_or_a_strategy_resume_bitwise(tmp_path, kind):
-    assert run_on_ranks(two_models_or_a_strategy, 2, (str(tmp_path), kind), timeout=300) == [True, True]
+    assert run_on_ranks(two_models_or_a_strategy, 2, (str(tmp_path), kind), timeout=300) == [
+        True,
+        True,
+    ]
 
 
 class Counter:
@@ -216,7 +270,9 @@ def extra_and_own(folder: str) -> tuple[int, int]:
     """``extra``: rank 0's value comes back on every rank; ``own``: each rank's own."""
     rank = ddpkit.get_runtime().rank
     model = ddpkit.prepare_model(torch.nn.Linear(2, 2))
-    saved = ddpkit.Snapshots(folder, model=model, extra={"c": Counter(100 + rank)}, own={"r": Counter(10 * rank)})
+    saved = ddpkit.Snapshots(
+        folder, model=model, extra={"c": Counter(100 + rank)}, own={"r": Counter(10 * rank)}
+    )
     saved.step()
     saved.save()
     saved.close()

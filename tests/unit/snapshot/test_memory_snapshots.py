@@ -1,5 +1,5 @@
-"""Snapshots in shared memory, in one process: values without pickle, the double-buffered store and its keys,
-memory full, the job's folder, and where ranks agree to resume."""
+"""Snapshots in shared memory, in one process: values without pickle, the double-buffered store and
+its keys, memory full, the job's folder, and where ranks agree to resume."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def load(found: ms.Found) -> tuple[dict, list[torch.Tensor]]:
     return values, mslot.tensors_of(data, record, manifest)
 
 
-# -- values without pickle --------------------------------------------------------------------------------
+# -- values without pickle -------------------------------------------------------------------------
 
 
 def test_values_round_trip_with_their_types_and_python_numpy_torch_rng_states():
@@ -63,7 +63,11 @@ def test_values_round_trip_with_their_types_and_python_numpy_torch_rng_states():
     tensors: list[torch.Tensor] = []
     text = json.dumps(codec.encode(state, tensors))  # JSON only: nothing to unpickle
     back = codec.decode(json.loads(text), [t.clone() for t in tensors])
-    assert type(back["python"]) is tuple and type(back["python"][1]) is tuple and back["python"] == state["python"]
+    assert (
+        type(back["python"]) is tuple
+        and type(back["python"][1]) is tuple
+        and back["python"] == state["python"]
+    )
     assert back["int_keys"] == state["int_keys"] and type(back["int_keys"][7]) is tuple
     assert type(back["scalar"]) is np.float64 and back["dtype"] is torch.bfloat16
     assert back["nested"] == state["nested"] and np.isnan(back["nan"])
@@ -76,11 +80,13 @@ def test_values_round_trip_with_their_types_and_python_numpy_torch_rng_states():
     np.random.seed(4)
     torch.set_rng_state(state["torch"])
     assert drawn == (random.random(), np.random.rand(), torch.rand(1))
-    with pytest.raises(ConfigError, match="a snapshot cannot hold bad, a type: convert it in state_dict"):
+    with pytest.raises(
+        ConfigError, match="a snapshot cannot hold bad, a type: convert it in state_dict"
+    ):
         codec.encode({"bad": object}, [])
 
 
-# -- the store --------------------------------------------------------------------------------------------
+# -- the store -------------------------------------------------------------------------------------
 
 
 def test_a_save_overwrites_the_older_slot_and_the_newest_two_are_whole(tmp_path):
@@ -100,8 +106,10 @@ def test_a_save_overwrites_the_older_slot_and_the_newest_two_are_whole(tmp_path)
 
 def test_slots_of_another_job_run_dir_or_world_size_are_never_found(tmp_path):
     save(store(tmp_path, job="job-a", run="run-a"), 5, [torch.ones(3)])
-    assert [f.step for f in store(tmp_path, job="job-a", run="run-a").found()] == [5]  # control: same keys
-    assert store(tmp_path, job="job-b", run="run-a").found() == []  # an earlier job's slot in a reused folder
+    # control: same keys
+    assert [f.step for f in store(tmp_path, job="job-a", run="run-a").found()] == [5]
+    # an earlier job's slot in a reused folder
+    assert store(tmp_path, job="job-b", run="run-a").found() == []
     assert store(tmp_path, job="job-a", run="run-b").found() == []  # another Trainer of the job
     assert store(tmp_path, job="job-a", run="run-a", world=3).found() == []  # another world size
 
@@ -123,22 +131,29 @@ def test_a_full_memory_raises_before_any_page_is_touched_and_keeps_the_other_slo
         st = store(folder)
         save(st, 1, [torch.ones(1000)])
         # 1 MiB does not fit: posix_fallocate says ENOSPC; without it the copy would die of SIGBUS.
-        with pytest.raises(ms.MemoryUnavailable, match="no room for .* MiB in .*No space left on device"):
+        with pytest.raises(
+            ms.MemoryUnavailable, match="no room for .* MiB in .*No space left on device"
+        ):
             save(st, 2, [torch.ones(1 << 18)])
         assert [f.step for f in st.found()] == [1]
         assert len(list(folder.glob("*.slot"))) == 1  # the failed slot's file is gone
 
 
 def test_a_memory_too_small_for_two_copies_of_the_model_is_said_with_the_volume_to_mount(tmp_path):
-    """A container's 64 MiB /dev/shm, played by a 1 MiB tmpfs: 2 MiB needed is warned of, naming Kubernetes'
-    emptyDir of medium Memory and Docker's --shm-size; 512 KiB needed (the control) is not."""
+    """A container's 64 MiB /dev/shm, played by a 1 MiB tmpfs: 2 MiB needed is warned of, naming
+    Kubernetes' emptyDir of medium Memory and Docker's --shm-size; 512 KiB needed (the control) is
+    not."""
     with small_tmpfs(tmp_path / "shm", "1m") as folder:
         warning = mf.room_warning(folder, 2 << 20)
         assert warning is not None and "1 MiB free" in warning and "2 MiB" in warning
-        assert "emptyDir volume with medium: Memory mounted at /dev/shm" in warning and "--shm-size" in warning
+        assert (
+            "emptyDir volume with medium: Memory mounted at /dev/shm" in warning
+            and "--shm-size" in warning
+        )
         assert mf.room_warning(folder, 512 << 10) is None
         with pytest.raises(ms.MemoryUnavailable, match="emptyDir volume with medium: Memory"):
-            save(store(folder), 1, [torch.ones(1 << 19)])  # 2 MiB: the store says the same when it runs out
+            # 2 MiB: the store says the same when it runs out
+            save(store(folder), 1, [torch.ones(1 << 19)])
 
 
 def test_the_run_key_is_the_run_directorys_absolute_path(tmp_path, monkeypatch):
@@ -146,16 +161,19 @@ def test_the_run_key_is_the_run_directorys_absolute_path(tmp_path, monkeypatch):
     assert ms.run_key("runs/a") == ms.run_key(tmp_path / "runs" / "a") != ms.run_key("runs/b")
 
 
-# -- the job's folder -------------------------------------------------------------------------------------
+# -- the job's folder ------------------------------------------------------------------------------
 
 
-def test_the_job_folder_is_private_and_stale_folders_of_dead_agents_are_swept(tmp_path, monkeypatch):
+def test_the_job_folder_is_private_and_stale_folders_of_dead_agents_are_swept(
+    tmp_path, monkeypatch
+):
     monkeypatch.setenv(mf.ROOT_ENV, str(tmp_path))
     for name in (mf.DIR_ENV, mf.KEY_ENV, mf.UNAVAILABLE_ENV):
         monkeypatch.delenv(name, raising=False)
     base = tmp_path / f"ddpkit-memory-{os.getuid()}"
     base.mkdir(mode=0o700)
-    # A folder whose agent was SIGKILLed (the pid is dead), and one of a live agent (another job on the node).
+    # A folder whose agent was SIGKILLed (the pid is dead), and one of a live agent (another job on
+    # the node).
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     stale, live = base / "stale", base / "live"
@@ -166,7 +184,10 @@ def test_the_job_folder_is_private_and_stale_folders_of_dead_agents_are_swept(tm
     folder = mf.open_job_folder()
     assert folder is not None and folder.parent == base and os.environ[mf.DIR_ENV] == str(folder)
     assert not stale.exists() and live.exists()
-    assert oct(folder.stat().st_mode & 0o777) == "0o700" and oct(base.stat().st_mode & 0o777) == "0o700"
+    assert (
+        oct(folder.stat().st_mode & 0o777) == "0o700"
+        and oct(base.stat().st_mode & 0o777) == "0o700"
+    )
     key = mf.job_key()
     assert key is not None and key.endswith(f":{os.environ[mf.KEY_ENV]}")
     mf.close_job_folder()
@@ -190,7 +211,7 @@ def test_the_memory_interval_is_checked_where_it_is_given():
         SnapshotConfig(memory=True, memory_every_steps=0)
 
 
-# -- where every rank resumes -----------------------------------------------------------------------------
+# -- where every rank resumes ----------------------------------------------------------------------
 
 
 def _offer(own=(), peers=()):
@@ -211,7 +232,8 @@ def test_a_rank_without_state_is_served_by_a_rank_that_holds_every_ranks_part():
     # Rank 2's node is new: it holds nothing. Ranks 0 and 1 hold every rank's part (peers).
     offers = [_offer([a, b], [a, b]), _offer([a, b], [a, b]), _offer()]
     assert choose(offers, -1) == Choice(b, 0, (2,))
-    # Control: without peers nobody can give rank 2 its own state (RNG, buffers): no resume from memory.
+    # Control: without peers nobody can give rank 2 its own state (RNG, buffers): no resume from
+    # memory.
     assert choose([_offer([a, b]), _offer([a, b]), _offer()], -1) is None
     # A rank that took another's place holds that rank's slots with peers only: it is served too.
     assert choose([_offer([], [b]), _offer()], -1) == Choice(b, 0, (0, 1))

@@ -1,5 +1,6 @@
-"""What a run writes stays inside its run directory: no write or deletion follows a symbolic link out of it, a
-run directory of another user is refused, and ``resume=False`` keeps the previous run's records apart."""
+"""What a run writes stays inside its run directory: no write or deletion follows a symbolic link
+out of it, a run directory of another user is refused, and ``resume=False`` keeps the previous run's
+records apart."""
 
 from __future__ import annotations
 
@@ -37,7 +38,9 @@ def link(run_dir: Path, name: str, target: Path) -> Path:
 
 def test_the_lock_is_not_taken_through_a_link(tmp_path, victim):
     link(tmp_path / "run", ".lock", victim)
-    with pytest.raises(ConfigError, match=r"\.lock' is a symbolic link \(to .*victim.txt'\).*Remove the link"):
+    with pytest.raises(
+        ConfigError, match=r"\.lock' is a symbolic link \(to .*victim.txt'\).*Remove the link"
+    ):
         RunDirLock(tmp_path / "run").acquire()
     assert victim.read_text() == VICTIM_TEXT
     # Control: the same lock in a run directory without the link is taken, and names its holder.
@@ -59,14 +62,21 @@ def test_records_are_not_appended_through_a_link(tmp_path, victim, name):
 
 
 def test_records_are_appended_in_a_plain_run_directory(tmp_path):
-    # Control for the test above: the same calls write both files, and a second writer continues them.
+    # Control for the test above: the same calls write both files, and a second writer continues
+    # them.
     for step in (1, 2):
         writer = MetricsWriter(tmp_path, enabled=True)
         writer.log("train", step, {"train/loss": 0.5})
         writer.epoch_row({"epoch": step, "train/epoch_loss": 0.5})
         writer.close()
-    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
-    assert (tmp_path / "epochs.csv").read_text().splitlines() == ["epoch,train/epoch_loss", "1,0.5", "2,0.5"]
+    assert [
+        json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+    ] == [1, 2]
+    assert (tmp_path / "epochs.csv").read_text().splitlines() == [
+        "epoch,train/epoch_loss",
+        "1,0.5",
+        "2,0.5",
+    ]
 
 
 def test_a_file_replaced_whole_replaces_a_link_and_leaves_its_target(tmp_path, victim):
@@ -74,7 +84,8 @@ def test_a_file_replaced_whole_replaces_a_link_and_leaves_its_target(tmp_path, v
     run_files.write_atomic(path, b'{"lr": 0.1}\n')
     assert victim.read_text() == VICTIM_TEXT
     assert not path.is_symlink() and path.read_text() == '{"lr": 0.1}\n'
-    assert sorted(p.name for p in path.parent.iterdir()) == ["config.json"]  # no temporary file left
+    # no temporary file left
+    assert sorted(p.name for p in path.parent.iterdir()) == ["config.json"]
 
 
 def test_claim_refuses_a_link_where_the_run_writes_before_anything_is_written(tmp_path, victim):
@@ -97,7 +108,8 @@ def _snapshot_folder(path: Path, step: int) -> None:
 
 
 def test_pruning_removes_a_link_named_like_an_old_snapshot_never_what_it_points_to(tmp_path):
-    # Another run's whole snapshot, and a link to it among this run's snapshots, older than the ones kept.
+    # Another run's whole snapshot, and a link to it among this run's snapshots, older than the ones
+    # kept.
     other = tmp_path / "other-run" / "snapshots" / "step-00000001"
     _snapshot_folder(other, 1)
     own = tmp_path / "run" / "snapshots"
@@ -105,14 +117,19 @@ def test_pruning_removes_a_link_named_like_an_old_snapshot_never_what_it_points_
     _snapshot_folder(own / "step-00000005", 5)
     (own / "step-00000001").symlink_to(other, target_is_directory=True)
     SnapshotManager(own, keep_last=1)._prune(newest=5)
-    assert sorted(os.listdir(other)) == ["__0_0.distcp", MARKER]  # the other run's snapshot is whole
-    assert sorted(os.listdir(own)) == ["step-00000005"]  # the link and this run's old snapshot are pruned
+    # the other run's snapshot is whole
+    assert sorted(os.listdir(other)) == ["__0_0.distcp", MARKER]
+    # the link and this run's old snapshot are pruned
+    assert sorted(os.listdir(own)) == ["step-00000005"]
 
 
 @pytest.mark.parametrize("python", ["3.11", "3.10"])
-def test_pruning_removes_an_old_snapshot_whole_and_nothing_its_links_point_to(tmp_path, victim, monkeypatch, python):
+def test_pruning_removes_an_old_snapshot_whole_and_nothing_its_links_point_to(
+    tmp_path, victim, monkeypatch, python
+):
     if python == "3.10":
-        # shutil.rmtree takes dir_fd from Python 3.11 on; before, the prune removes the folder by its path.
+        # shutil.rmtree takes dir_fd from Python 3.11 on; before, the prune removes the folder by
+        # its path.
         monkeypatch.setattr(folders, "sys", SimpleNamespace(version_info=(3, 10, 0)))
     own = tmp_path / "run" / "snapshots"
     _snapshot_folder(own / "step-00000002", 2)
@@ -159,10 +176,19 @@ def test_a_run_dir_of_another_user_is_refused_naming_the_owner_and_the_ways_out(
     claim(run_dir, is_main=True, fresh=False).release()
 
 
-def test_claim_for_a_fresh_run_moves_the_previous_runs_state_and_records_into_one_folder(tmp_path, capsys):
+def test_claim_for_a_fresh_run_moves_the_previous_runs_state_and_records_into_one_folder(
+    tmp_path, capsys
+):
     run_dir = tmp_path / "run"
     _snapshot_folder(run_dir / "snapshots" / "step-00000002", 2)
-    names = ("metrics.jsonl", "epochs.csv", "best.pt", "best.safetensors", "final.safetensors", "loggers.json")
+    names = (
+        "metrics.jsonl",
+        "epochs.csv",
+        "best.pt",
+        "best.safetensors",
+        "final.safetensors",
+        "loggers.json",
+    )
     for name in (*names, "config.json", "mlflow.db"):
         (run_dir / name).write_text(name)
     (run_dir / "tensorboard").mkdir()
@@ -172,7 +198,9 @@ def test_claim_for_a_fresh_run_moves_the_previous_runs_state_and_records_into_on
     (aside,) = [p for p in run_dir.iterdir() if p.name.startswith("replaced-")]
     assert sorted(os.listdir(aside)) == sorted(["snapshots", *names, "tensorboard", "config.json"])
     assert (aside / "metrics.jsonl").read_text() == "metrics.jsonl"
-    assert sorted(os.listdir(run_dir)) == sorted([".lock", "mlflow.db", aside.name])  # a store of many runs stays
-    assert "the previous run's snapshots, best.pt, best.safetensors, final.safetensors, metrics.jsonl" in (
-        capsys.readouterr().out
+    # a store of many runs stays
+    assert sorted(os.listdir(run_dir)) == sorted([".lock", "mlflow.db", aside.name])
+    assert (
+        "the previous run's snapshots, best.pt, best.safetensors, final.safetensors, metrics.jsonl"
+        in (capsys.readouterr().out)
     )

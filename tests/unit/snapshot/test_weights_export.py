@@ -1,4 +1,5 @@
-"""The weights file for use outside ddpkit: a plain state dict that loads strictly, tied weights included."""
+"""The weights file for use outside ddpkit: a plain state dict that loads strictly, tied weights
+included."""
 
 from __future__ import annotations
 
@@ -73,7 +74,12 @@ def test_views_of_one_buffer_are_copied_apart(tmp_path):
 
 def test_safetensors_missing_falls_back_to_pt_saying_so(monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "safetensors" else real(name))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "safetensors" else real(name)
+    )
     fmt, notice = export.resolve_format("safetensors")
     assert fmt == "pt" and notice is not None and "ddpkit[safetensors]" in notice
-    assert export.resolve_format("pt") == ("pt", None) and export.resolve_format(None) == (None, None)
+    assert export.resolve_format("pt") == ("pt", None) and export.resolve_format(None) == (
+        None,
+        None,
+    )

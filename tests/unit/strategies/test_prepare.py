@@ -1,5 +1,5 @@
-"""prepare_model's state_dict keys in one process: the hooks on a module shaped as DDP (its model under
-``module``), whose own model has a child named ``module`` too."""
+"""prepare_model's state_dict keys in one process: the hooks on a module shaped as DDP (its model
+under ``module``), whose own model has a child named ``module`` too."""
 
 from __future__ import annotations
 
@@ -30,8 +30,13 @@ def test_the_keys_are_the_models_and_both_kinds_load_even_with_a_child_named_mod
     torch.manual_seed(0)
     model = wrapped()
     state = model.state_dict()
-    assert list(state) == list(Model().state_dict()) == ["module.weight", "module.bias", "head.weight", "head.bias"]
-    for saved in (state, {f"module.{k}": v for k, v in state.items()}):  # the model's keys, then DDP's own
+    assert (
+        list(state)
+        == list(Model().state_dict())
+        == ["module.weight", "module.bias", "head.weight", "head.bias"]
+    )
+    # the model's keys, then DDP's own
+    for saved in (state, {f"module.{k}": v for k, v in state.items()}):
         other = wrapped()
         other.load_state_dict(saved, strict=True)
         assert all(torch.equal(a, b) for a, b in zip(other.state_dict().values(), state.values()))

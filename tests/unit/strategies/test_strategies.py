@@ -37,8 +37,8 @@ def test_fsdp_needs_bf16_not_fp16_autocast():
 
 
 def test_fsdp_on_the_cpu_is_refused_below_its_torch_naming_the_version(monkeypatch):
-    """A torch whose fully_shard cannot run on CPU tensors gets a message naming the version it needs, not an
-    AttributeError from inside torch."""
+    """A torch whose fully_shard cannot run on CPU tensors gets a message naming the version it
+    needs, not an AttributeError from inside torch."""
     import types
 
     from ddpkit._internals import versions
@@ -46,8 +46,11 @@ def test_fsdp_on_the_cpu_is_refused_below_its_torch_naming_the_version(monkeypat
 
     monkeypatch.setattr(versions, "TORCH_VERSION", (2, 6))
     cpu_rank = types.SimpleNamespace(distributed=True, device=torch.device("cpu"))
-    with pytest.raises(ConfigError, match=r"strategy 'fsdp' on the CPU \(gloo\) needs torch >= 2\.7.*'ddp'"):
+    with pytest.raises(
+        ConfigError, match=r"strategy 'fsdp' on the CPU \(gloo\) needs torch >= 2\.7.*'ddp'"
+    ):
         FSDPStrategy(nn.Linear(2, 2), None, runtime=cpu_rank)  # type: ignore[arg-type]
-    monkeypatch.setattr(versions, "TORCH_VERSION", (2, 7))  # control: from 2.7 on, no refusal for the version
+    # control: from 2.7 on, no refusal for the version
+    monkeypatch.setattr(versions, "TORCH_VERSION", (2, 7))
     with pytest.raises(AttributeError):  # it goes on, and trips on the stand-in runtime instead
         FSDPStrategy(nn.Linear(2, 2), None, runtime=cpu_rank)  # type: ignore[arg-type]

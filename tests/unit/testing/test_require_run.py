@@ -1,6 +1,6 @@
-"""The suite's tier check (tests/require_run.py, set by CI's DDPKIT_REQUIRE_RUN=1): a pytest run in which every test
-skipped fails; one in which a test passed does not. Control: without the variable, the all-skipped run exits 0,
-which is what hid a tier that ran nothing."""
+"""The suite's tier check (tests/require_run.py, set by CI's DDPKIT_REQUIRE_RUN=1): a pytest run in
+which every test skipped fails; one in which a test passed does not. Control: without the variable,
+the all-skipped run exits 0, which is what hid a tier that ran nothing."""
 
 from __future__ import annotations
 
@@ -22,8 +22,12 @@ def test_on_the_cluster():
 ONE_PASSES = SKIPPED + "\n\ndef test_here():\n    pass\n"
 
 
-def _tier(tmp_path: Path, tests: str, require: bool, *options: str) -> subprocess.CompletedProcess[str]:
-    (tmp_path / "conftest.py").write_text("from tests.require_run import pytest_sessionfinish  # noqa: F401\n")
+def _tier(
+    tmp_path: Path, tests: str, require: bool, *options: str
+) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "conftest.py").write_text(
+        "from tests.require_run import pytest_sessionfinish  # noqa: F401\n"
+    )
     (tmp_path / "test_tier.py").write_text(tests)
     env = _clean_environ() | ({"DDPKIT_REQUIRE_RUN": "1"} if require else {})
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *options, str(tmp_path)]
@@ -47,7 +51,8 @@ def test_a_tier_in_which_one_test_passes_passes(tmp_path):
 
 
 def test_under_xdist_the_controller_counts_the_workers_tests(tmp_path):
-    """CI's slow step runs under xdist: the workers' passes count, and a run of only skips still fails."""
+    """CI's slow step runs under xdist: the workers' passes count, and a run of only skips still
+    fails."""
     assert _tier(tmp_path, ONE_PASSES, True, "-n", "1").returncode == pytest.ExitCode.OK
     done = _tier(tmp_path, SKIPPED, True, "-n", "1")
     assert done.returncode == pytest.ExitCode.TESTS_FAILED, done.stdout[-3000:]

@@ -1,5 +1,5 @@
-"""ddpkit.testing's helpers that need no ranks: waiting for a condition with a deadline, and the environment a
-job started from inside another gets."""
+"""ddpkit.testing's helpers that need no ranks: waiting for a condition with a deadline, and the
+environment a job started from inside another gets."""
 
 from __future__ import annotations
 
@@ -30,7 +30,9 @@ def test_wait_until_returns_the_first_true_value_without_waiting_out_the_timeout
 
 def test_a_condition_never_true_raises_after_the_timeout_naming_it_and_the_last_value():
     start = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"waited 0.3 s for the snapshot at step 6; last seen: 0$"):
+    with pytest.raises(
+        TimeoutError, match=r"waited 0.3 s for the snapshot at step 6; last seen: 0$"
+    ):
         wait_until(lambda: 0, 0.3, what="the snapshot at step 6")
     assert 0.3 <= time.monotonic() - start < 10
 
@@ -44,7 +46,9 @@ def test_what_given_as_a_function_is_read_at_the_timeout_only():
         return f"the job (log: {log[-1]})"
 
     log.append("worker 1 stuck in a collective")
-    with pytest.raises(TimeoutError, match=r"for the job \(log: worker 1 stuck in a collective\); last seen: ''"):
+    with pytest.raises(
+        TimeoutError, match=r"for the job \(log: worker 1 stuck in a collective\); last seen: ''"
+    ):
         wait_until(lambda: "", 0.05, what=describe)
     assert len(seen) == 1
     predicate, _ = _true_on_call(2)
@@ -118,7 +122,9 @@ def test_the_suites_clean_environment_is_the_packages_plus_its_own_settings(monk
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "outer")
     env = _clean_environ()
-    assert "RANK" not in env and "TORCHELASTIC_RUN_ID" not in env and env["CUDA_VISIBLE_DEVICES"] == ""
+    assert (
+        "RANK" not in env and "TORCHELASTIC_RUN_ID" not in env and env["CUDA_VISIBLE_DEVICES"] == ""
+    )
 
 
 def test_run_job_refuses_a_job_of_no_process_before_starting_one():

@@ -1,4 +1,5 @@
-"""``ddpkit bench``: the model's pure logic against hand-worked cases, and bad input refused before any rank starts."""
+"""``ddpkit bench``: the model's pure logic against hand-worked cases, and bad input refused before
+any rank starts."""
 
 import pytest
 
@@ -25,9 +26,11 @@ def test_the_measured_time_at_a_bucket_size_is_the_measurement_not_the_fit():
     points += [(1 << 20, 19.8e-3), (1 << 24, 64.9e-3)]
     fit = allreduce.fit_alpha_beta(8, points)
     assert fit.measured_seconds(65536) == 20.3e-3  # a size measured: its own time
-    between = fit.measured_seconds(32768)  # half-way in log size: the geometric mean of the neighbours
+    # half-way in log size: the geometric mean of the neighbours
+    between = fit.measured_seconds(32768)
     assert between == pytest.approx((16.6e-3 * 20.3e-3) ** 0.5)
-    assert fit.measured_seconds(1 << 26) == fit.seconds(1 << 26)  # beyond the sizes measured: the fit
+    # beyond the sizes measured: the fit
+    assert fit.measured_seconds(1 << 26) == fit.seconds(1 << 26)
     # Control: the fit's line puts a 58 KB bucket well under what was measured around it.
     assert fit.seconds(58536) < 0.8 * fit.measured_seconds(58536)
 
@@ -38,8 +41,13 @@ def test_ring_model_and_buckets():
     assert predict.ring_seconds(1e6, 4, link) == pytest.approx(6e-6 + 1.5 * 1e6 / 1e9)
     mib = predict.MIB
     # reverse order; the first bucket closes at 1 MiB, the next ones at the cap
-    assert predict.bucket_sizes([mib // 2] * 6, bucket_cap_mb=1.5) == [mib, int(1.5 * mib), mib // 2]
-    assert predict.bucket_sizes([4 * mib], bucket_cap_mb=1) == [4 * mib]  # too big for any bucket: its own
+    assert predict.bucket_sizes([mib // 2] * 6, bucket_cap_mb=1.5) == [
+        mib,
+        int(1.5 * mib),
+        mib // 2,
+    ]
+    # too big for any bucket: its own
+    assert predict.bucket_sizes([4 * mib], bucket_cap_mb=1) == [4 * mib]
     fast, slow = predict.PRESETS["nvlink"], predict.PRESETS["ethernet"]
     assert predict.link_for(8, 8, fast, slow) == (fast, 1)
     ring, nodes = predict.link_for(9, 8, fast, slow)  # across nodes: the slower link's pace
@@ -49,12 +57,17 @@ def test_ring_model_and_buckets():
 
 def test_overlap_hides_early_buckets_and_not_the_last():
     per_byte = lambda b: b * 1e-3  # noqa: E731
-    # two equal buckets, backward 10 s: the first is ready at 5 s and done at 5 + 2; the second at 10 + 2.
+    # two equal buckets, backward 10 s: the first is ready at 5 s and done at 5 + 2; the second at
+    # 10 + 2.
     assert predict.exposed_seconds([2000, 2000], 10.0, per_byte) == pytest.approx(2.0)
     # control: without overlap both all-reduces count in full
-    assert predict.exposed_seconds([2000, 2000], 10.0, per_byte, overlap=False) == pytest.approx(4.0)
+    assert predict.exposed_seconds([2000, 2000], 10.0, per_byte, overlap=False) == pytest.approx(
+        4.0
+    )
     # communication slower than backward: it queues, and all that outlasts backward is exposed
-    assert predict.exposed_seconds([2000, 2000], 1.0, lambda b: 3.0) == pytest.approx(0.5 + 6.0 - 1.0)
+    assert predict.exposed_seconds([2000, 2000], 1.0, lambda b: 3.0) == pytest.approx(
+        0.5 + 6.0 - 1.0
+    )
 
 
 def test_bad_options_name_the_flag():
@@ -81,8 +94,19 @@ def test_stragglers_cost_nothing_without_jitter_and_grow_with_ranks():
 
 
 def _one_rank_on_the_cpu(step_s: float) -> dict:
-    parts = {"data": 0.1e-3, "forward": 0.5e-3, "backward": 1.0e-3, "backward_no_sync": 0.8e-3, "optimizer": 0.2e-3}
-    one = {"parts": parts | {"step": 2.0e-3}, "device": "cpu", "param_bytes": [4000], "batch_size": 8}
+    parts = {
+        "data": 0.1e-3,
+        "forward": 0.5e-3,
+        "backward": 1.0e-3,
+        "backward_no_sync": 0.8e-3,
+        "optimizer": 0.2e-3,
+    }
+    one = {
+        "parts": parts | {"step": 2.0e-3},
+        "device": "cpu",
+        "param_bytes": [4000],
+        "batch_size": 8,
+    }
     return {1: one | {"step_samples": [2.0e-3] * 5}, 2: {"parts": {"step": step_s}}}
 
 
@@ -94,8 +118,10 @@ def test_on_the_cpu_the_prediction_takes_the_all_reduce_as_a_step_meets_it():
     one_rank = {4000: 0.05e-3}  # of the 1-rank wait of 0.2 ms: 0.15 ms is DDP's fixed cost
     assert compute_seconds(scaling) == pytest.approx(1.8e-3)
     (row,) = predictions(BenchConfig(nproc=2), scaling, fits, one_rank, {2: 0.7e-3})["this_machine"]
-    assert row["exposed_comm_s"] == pytest.approx(0.15e-3 + 0.7e-3)  # DDP's fixed cost + the in-step all-reduce
-    assert row["step_s"] == pytest.approx(1.8e-3 + 0.15e-3 + 0.7e-3)  # no straggler: every sample alike
+    # DDP's fixed cost + the in-step all-reduce
+    assert row["exposed_comm_s"] == pytest.approx(0.15e-3 + 0.7e-3)
+    # no straggler: every sample alike
+    assert row["step_s"] == pytest.approx(1.8e-3 + 0.15e-3 + 0.7e-3)
     assert row["allreduce_in_step_s"] == 0.7e-3
     # Control: without the in-step measurement, the bucket's time measured alone (back to back).
     (alone,) = predictions(BenchConfig(nproc=2), scaling, fits, one_rank)["this_machine"]

@@ -1,5 +1,5 @@
-"""``ddpkit check`` with no rank started: bad arguments named, parameters with rounding-noise gradients left out of
-the comparison, a dataset smaller than one global batch refused."""
+"""``ddpkit check`` with no rank started: bad arguments named, parameters with rounding-noise
+gradients left out of the comparison, a dataset smaller than one global batch refused."""
 
 from pathlib import Path
 
@@ -29,8 +29,9 @@ def _records(grad, weights):
 
 
 def test_parameters_with_rounding_noise_gradients_are_left_out_of_the_weights():
-    # The second parameter's gradient is rounding noise (a bias BatchNorm cancels): Adam moves it by a full
-    # learning rate either way, so its weights may differ; the comparison leaves it out and says so.
+    # The second parameter's gradient is rounding noise (a bias BatchNorm cancels): Adam moves it by
+    # a full learning rate either way, so its weights may differ; the comparison leaves it out and
+    # says so.
     ref = _records([1.0, 1.0, 1e-12], [1.0, 1.0, 0.001])
     other = _records([1.0, 1.0, -1e-12], [1.0, 1.0, -0.001])
     c = compare(other, ref)

@@ -1,4 +1,5 @@
-"""The pieces of a run's speed, without processes: FLOPs per sample, the GPU peak table, which rank is slow."""
+"""The pieces of a run's speed, without processes: FLOPs per sample, the GPU peak table, which rank
+is slow."""
 
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ def test_flops_per_sample_of_linear_layers_are_about_six_times_the_weights():
         _forward_backward(model, x)
     assert count.flops == own.get_total_flops()
     weights = 32 * 64 + 64 * 8
-    # Forward 2 per weight, the weights' gradients 2, the inputs' gradients 2, except the first layer's input
-    # (the data), which needs none: 6 x weights less 2 x the first layer's.
+    # Forward 2 per weight, the weights' gradients 2, the inputs' gradients 2, except the first
+    # layer's input (the data), which needs none: 6 x weights less 2 x the first layer's.
     assert count.per_sample == 6 * weights - 2 * 32 * 64
     assert 4 * weights < count.per_sample <= 6 * weights
     assert FlopCount().per_sample is None  # nothing counted yet
@@ -60,7 +61,8 @@ def test_the_peak_table_finds_gpus_by_name(name, dtype, tflops):
 
 
 def test_unknown_devices_and_dtypes_get_no_peak(monkeypatch):
-    assert peak_flops("NVIDIA GeForce RTX 3090 Ti", "bf16") is None  # another card, not the 3090's peak
+    # another card, not the 3090's peak
+    assert peak_flops("NVIDIA GeForce RTX 3090 Ti", "bf16") is None
     assert peak_flops("Tesla T4", "bf16") is None  # no bf16 on Turing
     assert peak_flops("Some Accelerator 9000", "fp32") is None
     assert device_peak(torch.device("cpu"), "fp32") is None  # the CPU: no MFU rather than a guess
@@ -100,7 +102,10 @@ def test_the_run_summary_names_the_slowest_rank_over_all_windows():
     run = RunSpeed()
     for _ in range(3):
         run.add(_times({"compute": [10.0, 30.0]}), steps=5)
-    assert run.summary() == "  slowest rank 1: 1.50x the median busy time, mostly compute; slow in 3 of 3 windows"
+    assert (
+        run.summary()
+        == "  slowest rank 1: 1.50x the median busy time, mostly compute; slow in 3 of 3 windows"
+    )
     single = RunSpeed()
     single.add(_times({"compute": [10.0]}), steps=5)
     assert single.summary() is None  # one rank: nobody to compare
@@ -156,5 +161,7 @@ def test_a_peak_that_is_not_positive_is_refused_naming_the_option():
     from ddpkit._errors import ConfigError
     from ddpkit.training._config import LoggingConfig
 
-    with pytest.raises(ConfigError, match="peak_flops=0 is not valid: see LoggingConfig.peak_flops"):
+    with pytest.raises(
+        ConfigError, match="peak_flops=0 is not valid: see LoggingConfig.peak_flops"
+    ):
         LoggingConfig(peak_flops=0)

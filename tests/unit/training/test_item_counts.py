@@ -1,6 +1,7 @@
-"""Per-token weighting as arithmetic: the shares of :mod:`ddpkit.training._step` turn DDP's average over
-ranks of summed micro-batch gradients into the gradient of the mean over every token (one process, no ranks:
-the ranks' gradients are computed one after another and averaged as DDP would)."""
+"""Per-token weighting as arithmetic: the shares of :mod:`ddpkit.training._step` turn DDP's average
+over ranks of summed micro-batch gradients into the gradient of the mean over every token (one
+process, no ranks: the ranks' gradients are computed one after another and averaged as DDP
+would)."""
 
 import pytest
 import torch
@@ -19,7 +20,8 @@ def _micro_batches():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(4, 5, generator=g)
     out = []
-    for tokens in (3, 9, 1, 6):  # 2 ranks x 2 micro-batches of different token counts (the rest is padding)
+    # 2 ranks x 2 micro-batches of different token counts (the rest is padding)
+    for tokens in (3, 9, 1, 6):
         x, y = torch.randn(9, 4, generator=g), torch.randint(0, 5, (9,), generator=g)
         y[tokens:] = -100
         out.append((x, y))
@@ -31,8 +33,13 @@ def test_item_shares_give_the_gradient_of_the_mean_over_every_token():
     world = 2
     counts = [int((y != -100).sum()) for _, y in micro]
     total = torch.tensor(float(sum(counts)), dtype=torch.float64)
-    shares = [float(loss_divisor(torch.tensor(float(c), dtype=torch.float64), world, total)) for c in counts]
-    ranks = [sum(_grad(w, *micro[r * 2 + i], shares[r * 2 + i]) for i in range(2)) for r in range(world)]
+    shares = [
+        float(loss_divisor(torch.tensor(float(c), dtype=torch.float64), world, total))
+        for c in counts
+    ]
+    ranks = [
+        sum(_grad(w, *micro[r * 2 + i], shares[r * 2 + i]) for i in range(2)) for r in range(world)
+    ]
     ddp = sum(ranks) / world
     x, y = torch.cat([m[0] for m in micro]), torch.cat([m[1] for m in micro])
     assert torch.allclose(ddp, _grad(w, x, y, 1.0), atol=1e-6)

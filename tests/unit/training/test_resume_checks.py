@@ -1,5 +1,5 @@
-"""A resume is refused when the model's structure changed though its shapes did not, and allowed, with a warning,
-when only the precision changed (one process, no launcher)."""
+"""A resume is refused when the model's structure changed though its shapes did not, and allowed,
+with a warning, when only the precision changed (one process, no launcher)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,11 @@ def fit(run_dir, activation: type[nn.Module], epochs: int, dropout: float = 0.2)
     model = nn.Sequential(nn.Linear(4, 8), activation(), nn.Dropout(dropout), nn.Linear(8, 2))
     data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
     config = TrainerConfig(
-        run_dir=str(run_dir), batch_size=8, epochs=epochs, logging=LoggingConfig(progress=False), num_workers=0
+        run_dir=str(run_dir),
+        batch_size=8,
+        epochs=epochs,
+        logging=LoggingConfig(progress=False),
+        num_workers=0,
     )
     trainer = ddpkit.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, config)
     trainer.fit()
@@ -34,25 +38,41 @@ def test_another_activation_with_the_same_shapes_is_refused_naming_it(tmp_path):
     fit(tmp_path, nn.ReLU, epochs=1)  # 4 steps, snapshot at the epoch's end
     with pytest.raises(ConfigError, match=r"model 1: ReLU in the snapshot, GELU now") as refused:
         fit(tmp_path, nn.GELU, epochs=2)
-    assert "model 0.weight" not in str(refused.value)  # the shapes are the same: only the class differs
-    # Control: the checks without the module classes (shapes, config, optimizer) let this model through.
-    saved = codec.read_file(tmp_path / "snapshots" / "step-00000004" / "values.pt")["extra"]["record"]
+    # the shapes are the same: only the class differs
+    assert "model 0.weight" not in str(refused.value)
+    # Control: the checks without the module classes (shapes, config, optimizer) let this model
+    # through.
+    saved = codec.read_file(tmp_path / "snapshots" / "step-00000004" / "values.pt")["extra"][
+        "record"
+    ]
     gelu = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Dropout(0.2), nn.Linear(8, 2))
     shapes = tensor_shapes(gelu.state_dict())
-    RunRecord(saved["config"], saved["optimizer_hparams"], shapes, saved["module_types"]).check(saved, "snapshot")
+    RunRecord(saved["config"], saved["optimizer_hparams"], shapes, saved["module_types"]).check(
+        saved, "snapshot"
+    )
     with pytest.raises(ConfigError, match="GELU now"):
-        RunRecord(saved["config"], saved["optimizer_hparams"], shapes, module_types(gelu)).check(saved, "snapshot")
-    # Control: the same classes resume, a module's hyper-parameter (the dropout rate) changed or not.
+        RunRecord(saved["config"], saved["optimizer_hparams"], shapes, module_types(gelu)).check(
+            saved, "snapshot"
+        )
+    # Control: the same classes resume, a module's hyper-parameter (the dropout rate) changed or
+    # not.
     assert fit(tmp_path, nn.ReLU, epochs=2, dropout=0.3).resumed_from == 4
 
 
 def test_module_types_name_the_class_the_script_built():
     model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.ReLU()))
-    assert module_types(model) == {"": "Sequential", "0": "Linear", "1": "Sequential", "1.0": "ReLU"}
+    assert module_types(model) == {
+        "": "Sequential",
+        "0": "Linear",
+        "1": "Sequential",
+        "1.0": "ReLU",
+    }
     old = {"": "Sequential", "0": "Linear", "1": "Sequential", "1.0": "Tanh", "2": "ReLU"}
     with pytest.raises(ConfigError) as refused:
         RunRecord({}, [], {}, module_types(model)).check({"module_types": old}, "snapshot")
-    lines = "model: submodules only in the snapshot: 2\n  model 1.0: Tanh in the snapshot, ReLU now\n"
+    lines = (
+        "model: submodules only in the snapshot: 2\n  model 1.0: Tanh in the snapshot, ReLU now\n"
+    )
     assert lines in str(refused.value)
 
 
@@ -84,20 +104,29 @@ def _events(run_dir, name: str) -> list[dict]:
     ("old", "new", "scaler"), [("fp32", "bf16", None), ("bf16", "fp32", None), ("fp16", "fp32", "dropped"),
                                ("fp32", "fp16", "fresh")]
 )  # fmt: skip
-def test_a_precision_change_resumes_with_a_warning_that_it_is_not_bitwise(tmp_path, capsys, old, new, scaler):
+def test_a_precision_change_resumes_with_a_warning_that_it_is_not_bitwise(
+    tmp_path, capsys, old, new, scaler
+):
     first = fit_precision(tmp_path, old, epochs=1)  # 4 steps, snapshot at the epoch's end
     assert (first.scaler is not None) == (old == "fp16")
     capsys.readouterr()
     resumed = fit_precision(tmp_path, new, epochs=2)
     assert resumed.resumed_from == 4 and resumed.step == 8
     assert (resumed.scaler is not None) == (new == "fp16")
-    if scaler == "fresh":  # a new scaler, at its initial scale: nothing of the fp32 run to take it from
+    # a new scaler, at its initial scale: nothing of the fp32 run to take it from
+    if scaler == "fresh":
         assert resumed.scaler is not None and resumed.scaler.get_scale() == 65536.0
     printed = capsys.readouterr().out
     assert f"WARNING: precision changed from {old} (the snapshot's) to {new} on resume" in printed
     assert "the bitwise-resume guarantee does not hold for this run" in printed
     [event] = _events(tmp_path, "precision_change")
-    assert event == event | {"from": old, "to": new, "scaler": scaler, "bitwise_resume": False, "step": 4}
+    assert event == event | {
+        "from": old,
+        "to": new,
+        "scaler": scaler,
+        "bitwise_resume": False,
+        "step": 4,
+    }
     # The same precision again resumes without a word about it.
     capsys.readouterr()
     again = fit_precision(tmp_path, new, epochs=3)
@@ -108,12 +137,16 @@ def test_a_precision_change_resumes_with_a_warning_that_it_is_not_bitwise(tmp_pa
 def test_control_the_precision_compared_as_before_refuses_the_change(tmp_path, monkeypatch):
     fit_precision(tmp_path, "fp32", epochs=1)
     monkeypatch.setattr(run_record, "_NOT_COMPARED", run_record._NOT_COMPARED - {"precision"})
-    with pytest.raises(ConfigError, match=r"TrainerConfig.precision: 'fp32' in the snapshot, 'bf16' now"):
+    with pytest.raises(
+        ConfigError, match=r"TrainerConfig.precision: 'fp32' in the snapshot, 'bf16' now"
+    ):
         fit_precision(tmp_path, "bf16", epochs=2)
 
 
 def test_parameters_of_another_dtype_are_still_refused(tmp_path):
     # The precision of autocast may change; the dtype of the parameters a snapshot holds may not.
     fit_precision(tmp_path, "fp32", epochs=1)
-    with pytest.raises(ConfigError, match=r"model 0.weight: \(8, 4\) float32 in the snapshot, \(8, 4\) float16 now"):
+    with pytest.raises(
+        ConfigError, match=r"model 0.weight: \(8, 4\) float32 in the snapshot, \(8, 4\) float16 now"
+    ):
         fit_precision(tmp_path, "fp32", epochs=2, half=True)

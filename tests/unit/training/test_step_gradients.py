@@ -12,8 +12,8 @@ from ddpkit.training._step import OptimizerStep
 
 
 class LeavesGradients:
-    """A GAN's generator step, as pytorch/examples' dcgan writes it: a backward through the discriminator (the
-    Trainer's model), whose gradients it leaves there."""
+    """A GAN's generator step, as pytorch/examples' dcgan writes it: a backward through the
+    discriminator (the Trainer's model), whose gradients it leaves there."""
 
     def __init__(self, value: float) -> None:
         self.x = torch.full((4, 4), 3.0)
@@ -32,13 +32,16 @@ def _weights(tmp_path, name, callbacks=(), **config):
         **config,
     )  # fmt: skip
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    trainer = ddpkit.Trainer(model, optimizer, data, cfg, loss_fn=torch.nn.functional.mse_loss, callbacks=callbacks)
+    trainer = ddpkit.Trainer(
+        model, optimizer, data, cfg, loss_fn=torch.nn.functional.mse_loss, callbacks=callbacks
+    )
     trainer.fit()
     return [p.detach().clone() for p in model.parameters()], trainer.skipped_steps
 
 
 def _old_order(monkeypatch):
-    """main's order: gradients zeroed after the optimizer step (before on_step_end), not before the next step."""
+    """main's order: gradients zeroed after the optimizer step (before on_step_end), not before the
+    next step."""
     step = OptimizerStep.__call__
 
     def zero_after(self, window):
@@ -54,18 +57,29 @@ def _old_order(monkeypatch):
     "config, value",
     [
         ({}, 1.0),
-        ({"grad_accum_steps": 2, "precision": "fp16"}, 1.0),  # micro-batches add up; the scaler unscales
-        ({"grad_accum_steps": 2, "on_nonfinite": "skip"}, float("nan")),  # a NaN left behind skips nothing
+        # micro-batches add up; the scaler unscales
+        ({"grad_accum_steps": 2, "precision": "fp16"}, 1.0),
+        # a NaN left behind skips nothing
+        ({"grad_accum_steps": 2, "on_nonfinite": "skip"}, float("nan")),
     ],
 )
-def test_gradients_a_callback_leaves_do_not_change_the_next_step(tmp_path, monkeypatch, config, value):
+def test_gradients_a_callback_leaves_do_not_change_the_next_step(
+    tmp_path, monkeypatch, config, value
+):
     plain, plain_skipped = _weights(tmp_path, "plain", **config)
     left, left_skipped = _weights(tmp_path, "left", [LeavesGradients(value)], **config)
     assert plain_skipped == left_skipped == 0
-    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(plain, left))  # bitwise
-    # Control: zeroed before on_step_end (main's order), the callback's gradients join the next step.
+    # bitwise
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(plain, left))
+    # Control: zeroed before on_step_end (main's order), the callback's gradients join the next
+    # step.
     _old_order(monkeypatch)
     again, _ = _weights(tmp_path, "plain_old", **config)
-    assert all(torch.equal(a, b) for a, b in zip(plain, again))  # without the callback the order changes nothing
+    # without the callback the order changes nothing
+    assert all(torch.equal(a, b) for a, b in zip(plain, again))
     old, old_skipped = _weights(tmp_path, "left_old", [LeavesGradients(value)], **config)
-    assert old_skipped > 0 if value != value else not all(torch.equal(a, b) for a, b in zip(plain, old))
+    assert (
+        old_skipped > 0
+        if value != value
+        else not all(torch.equal(a, b) for a, b in zip(plain, old))
+    )

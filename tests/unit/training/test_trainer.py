@@ -1,5 +1,6 @@
-"""The Trainer's parts in one process: a rank's share of the loss, the non-finite checks, the loss window, the
-configs' errors, the default loss's refusals, and best.pt across a fresh and a resumed run."""
+"""The Trainer's parts in one process: a rank's share of the loss, the non-finite checks, the loss
+window, the configs' errors, the default loss's refusals, and best.pt across a fresh and a resumed
+run."""
 
 from __future__ import annotations
 
@@ -22,22 +23,27 @@ from ddpkit.training._trainer import TrainerConfig
 
 
 def test_a_ranks_loss_share_weighs_samples_not_ranks():
-    # Full steps: the number of micro-batches, as before. 13 samples as 7/6 on 2 ranks: the rank with 7 divides
-    # by 13/14 (counts more), the one with 6 by 13/12; DDP's mean of the two then gives sum(loss_i) / 13.
+    # Full steps: the number of micro-batches, as before. 13 samples as 7/6 on 2 ranks: the rank
+    # with 7 divides by 13/14 (counts more), the one with 6 by 13/12; DDP's mean of the two then
+    # gives sum(loss_i) / 13.
     assert loss_divisor(12, 2, 24) == 1.0 and loss_divisor(12, 2, 48) == 2.0
     shares = [loss_divisor(n, 2, 13) for n in (7, 6)]
     assert shares == [13 / 14, 13 / 12]
-    # A sample's weight in the step: 1/n in its rank's mean, 1/divisor, 1/2 in DDP's average over the ranks.
+    # A sample's weight in the step: 1/n in its rank's mean, 1/divisor, 1/2 in DDP's average over
+    # the ranks.
     assert [1 / (n * d * 2) for n, d in zip((7, 6), shares)] == pytest.approx([1 / 13] * 2)
     # Two micro-batches a step, the second short (12 then 7 samples over 2 ranks: 6/6, then 4/3).
     weights = [1 / (n * loss_divisor(n, 2, 19) * 2) for n in (6, 6, 4, 3)]
     assert weights == pytest.approx([1 / 19] * 4)
-    # The control: each rank's mean counted alike gives a sample of the rank with 6 more weight than one of 7.
+    # The control: each rank's mean counted alike gives a sample of the rank with 6 more weight than
+    # one of 7.
     assert 1 / (6 * 2) > 1 / (7 * 2)
 
 
 @pytest.mark.parametrize("on_host", [True, False])
-def test_a_nonfinite_loss_puts_a_nan_into_the_anchor_gradient_and_a_finite_one_changes_nothing(on_host):
+def test_a_nonfinite_loss_puts_a_nan_into_the_anchor_gradient_and_a_finite_one_changes_nothing(
+    on_host,
+):
     # on_host=False is the accelerator path (no read of the value); both must agree on the CPU.
     w = torch.tensor([1.0, 2.0], requires_grad=True)
     anchor = torch.tensor([[5.0, 6.0]], requires_grad=True)
@@ -48,8 +54,11 @@ def test_a_nonfinite_loss_puts_a_nan_into_the_anchor_gradient_and_a_finite_one_c
         return w.grad, anchor.grad
 
     gw, ga = grads(_nan_gradient_if_nonfinite((w * 3).sum() * anchor.sum(), anchor, on_host))
-    assert torch.equal(gw, torch.tensor([33.0, 33.0])) and torch.equal(ga, torch.tensor([[9.0, 9.0]]))
-    # Controls: a non-finite loss can have finite gradients (inf added; NaN behind a ReLU that masks it).
+    assert torch.equal(gw, torch.tensor([33.0, 33.0])) and torch.equal(
+        ga, torch.tensor([[9.0, 9.0]])
+    )
+    # Controls: a non-finite loss can have finite gradients (inf added; NaN behind a ReLU that masks
+    # it).
     assert torch.isfinite(grads((w * 3).sum() + float("inf"))[0]).all()
     masked = torch.relu(-w).sum() * float("nan")
     assert torch.isfinite(grads(masked)[0]).all()
@@ -59,16 +68,25 @@ def test_a_nonfinite_loss_puts_a_nan_into_the_anchor_gradient_and_a_finite_one_c
 
 
 def test_all_finite_reads_every_tensor_of_every_dtype_and_changes_none():
-    tensors = [torch.randn(5), torch.randn(3, dtype=torch.bfloat16), torch.randn(2, dtype=torch.float64)]
+    tensors = [
+        torch.randn(5),
+        torch.randn(3, dtype=torch.bfloat16),
+        torch.randn(2, dtype=torch.float64),
+    ]
     before = [t.clone() for t in tensors]
     assert _all_finite(tensors) and all(torch.equal(a, b) for a, b in zip(tensors, before))
     for i, bad in [(0, float("nan")), (1, float("inf")), (2, float("-inf"))]:
         broken = [t.clone() for t in tensors]
         broken[i][-1] = bad
         assert not _all_finite(broken)
-    # The flag tensors kept from one step to the next are reset each time: a bad step does not stick.
+    # The flag tensors kept from one step to the next are reset each time: a bad step does not
+    # stick.
     flags: dict = {}
-    assert _all_finite(tensors, flags) and not _all_finite(broken, flags) and _all_finite(tensors, flags)
+    assert (
+        _all_finite(tensors, flags)
+        and not _all_finite(broken, flags)
+        and _all_finite(tensors, flags)
+    )
 
 
 @pytest.mark.parametrize("on_host", [True, False])
@@ -109,7 +127,8 @@ def test_global_batch_must_divide(tmp_path):
 
 
 def test_plain_python_trainer_clips_gradients(tmp_path):
-    # A world of one with no process group, as under `python train.py`; SGD so the update is lr x gradient.
+    # A world of one with no process group, as under `python train.py`; SGD so the update is lr x
+    # gradient.
     def one_step(clip):
         torch.manual_seed(0)
         model = torch.nn.Linear(4, 1)
@@ -124,10 +143,18 @@ def test_plain_python_trainer_clips_gradients(tmp_path):
             num_workers=0,
         )
         trainer = ddpkit.Trainer(
-            model, torch.optim.SGD(model.parameters(), lr=1.0), data, config, loss_fn=torch.nn.functional.mse_loss
+            model,
+            torch.optim.SGD(model.parameters(), lr=1.0),
+            data,
+            config,
+            loss_fn=torch.nn.functional.mse_loss,
         )
         trainer.fit()
-        return torch.cat([(p.detach() - s).flatten() for p, s in zip(model.parameters(), start)]).norm().item()
+        return (
+            torch.cat([(p.detach() - s).flatten() for p, s in zip(model.parameters(), start)])
+            .norm()
+            .item()
+        )
 
     assert one_step(None) > 1.0  # control: the raw gradient is large
     assert one_step(1e-3) == pytest.approx(1e-3, rel=1e-4)
@@ -138,9 +165,17 @@ def _regression_trainer(tmp_path, **kwargs):
     model = torch.nn.Linear(3, 1)
     data = torch.utils.data.TensorDataset(torch.randn(32, 3), torch.randn(32, 1))
     config = TrainerConfig(
-        run_dir=str(tmp_path / "run"), batch_size=8, epochs=1, logging=LoggingConfig(progress=False), num_workers=0
+        run_dir=str(tmp_path / "run"),
+        batch_size=8,
+        epochs=1,
+        logging=LoggingConfig(progress=False),
+        num_workers=0,
     )
-    return model, data, ddpkit.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, config, **kwargs)
+    return (
+        model,
+        data,
+        ddpkit.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, config, **kwargs),
+    )
 
 
 def test_the_default_loss_refuses_a_regression_model(tmp_path):
@@ -151,12 +186,17 @@ def test_the_default_loss_refuses_a_regression_model(tmp_path):
         r"metric_fn=ddpkit.regression_metrics",
     ):
         trainer.fit()
-    with pytest.raises(ConfigError, match=r"classification_metrics .*pass metric_fn=ddpkit.regression_metrics"):
+    with pytest.raises(
+        ConfigError, match=r"classification_metrics .*pass metric_fn=ddpkit.regression_metrics"
+    ):
         ddpkit.evaluate(model, data)
     assert set(ddpkit.evaluate(model, data, ddpkit.regression_metrics)) == {"loss"}
-    # Control: plain cross-entropy takes it without a word, and trains nothing (loss 0, weights unchanged).
+    # Control: plain cross-entropy takes it without a word, and trains nothing (loss 0, weights
+    # unchanged).
     model, _, trainer = _regression_trainer(
-        tmp_path / "control", loss_fn=torch.nn.functional.cross_entropy, metric_fn=ddpkit.regression_metrics
+        tmp_path / "control",
+        loss_fn=torch.nn.functional.cross_entropy,
+        metric_fn=ddpkit.regression_metrics,
     )
     before = [p.detach().clone() for p in model.parameters()]
     trainer.fit()
@@ -172,7 +212,8 @@ def test_the_default_loss_refuses_float_targets_and_a_dict_output(tmp_path):
     with pytest.raises(ConfigError, match="returned a dict \\(logits\\): pass batch_loss_fn"):
         cross_entropy({"logits": scores}, torch.zeros(4, dtype=torch.long))
 
-    # The same through the Trainer: a model whose forward returns a dict is pointed to batch_loss_fn.
+    # The same through the Trainer: a model whose forward returns a dict is pointed to
+    # batch_loss_fn.
     class DictNet(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -184,12 +225,16 @@ def test_the_default_loss_refuses_float_targets_and_a_dict_output(tmp_path):
     model = DictNet()
     data = torch.utils.data.TensorDataset(torch.randn(16, 3), torch.randint(0, 2, (16,)))
     config = TrainerConfig(
-        run_dir=str(tmp_path / "dict"), batch_size=8, logging=LoggingConfig(progress=False), num_workers=0
+        run_dir=str(tmp_path / "dict"),
+        batch_size=8,
+        logging=LoggingConfig(progress=False),
+        num_workers=0,
     )
     trainer = ddpkit.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, config)
     with pytest.raises(ConfigError, match="returned a dict \\(logits\\): pass batch_loss_fn"):
         trainer.fit()
-    # Controls: class indices, and class probabilities shaped like the scores, are what cross-entropy takes.
+    # Controls: class indices, and class probabilities shaped like the scores, are what
+    # cross-entropy takes.
     assert cross_entropy(scores, torch.tensor([0, 2, 1, 0])).item() > 0
     assert cross_entropy(scores, torch.softmax(torch.randn(4, 3), 1)).item() > 0
 
@@ -200,10 +245,15 @@ def test_an_iterable_dataset_is_refused_saying_what_is_supported(tmp_path):
             return iter([(torch.zeros(3), 0)] * 8)
 
     config = TrainerConfig(
-        run_dir=str(tmp_path / "run"), batch_size=4, logging=LoggingConfig(progress=False), num_workers=0
+        run_dir=str(tmp_path / "run"),
+        batch_size=4,
+        logging=LoggingConfig(progress=False),
+        num_workers=0,
     )
     model = torch.nn.Linear(3, 2)
-    with pytest.raises(ConfigError, match="Stream is not a map-style dataset .* Wrap it in a stream"):
+    with pytest.raises(
+        ConfigError, match="Stream is not a map-style dataset .* Wrap it in a stream"
+    ):
         ddpkit.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), Stream(), config)
 
 
@@ -212,7 +262,10 @@ def test_an_iterable_dataset_is_refused_saying_what_is_supported(tmp_path):
     [
         ({"batch_size": 0}, "batch_size=0"),
         ({"global_batch_size": 0}, "global_batch_size=0"),
-        ({"global_batch_size": 10, "grad_accum_steps": 3}, "does not divide into grad_accum_steps=3"),
+        (
+            {"global_batch_size": 10, "grad_accum_steps": 3},
+            "does not divide into grad_accum_steps=3",
+        ),
         ({"batch_size": 4, "logging": None}, "logging"),
         ({"batch_size": 4, "num_workers": -1}, "num_workers"),
     ],
@@ -243,12 +296,15 @@ def test_a_fresh_run_replaces_a_stale_best_and_a_resumed_one_keeps_it(tmp_path):
 
     path = tmp_path / "best.pt"
     model = torch.nn.Linear(2, 2)
-    BestWeights(path, "val/loss", "min", enabled=True).update({"val/loss": 0.1}, model.state_dict, 3, 30)
+    BestWeights(path, "val/loss", "min", enabled=True).update(
+        {"val/loss": 0.1}, model.state_dict, 3, 30
+    )
     fresh = BestWeights(path, "val/loss", "min", enabled=True)  # a new run, no snapshot to resume
     assert fresh.update({"val/loss": 0.5}, model.state_dict, 1, 10)
     assert torch.load(path, weights_only=True)["value"] == 0.5
     resumed = BestWeights(path, "val/loss", "min", enabled=True)
-    resumed.load()  # resumed: 0.5 is the best so far; 0.5 again (an epoch redone after a crash) is not better
+    # resumed: 0.5 is the best so far; 0.5 again (an epoch redone after a crash) is not better
+    resumed.load()
     assert not resumed.update({"val/loss": 0.5}, model.state_dict, 1, 10)
     assert resumed.update({"val/loss": 0.4}, model.state_dict, 2, 20)
 
@@ -263,35 +319,57 @@ class _DictBatches(torch.utils.data.Dataset):
         return 16
 
     def __getitem__(self, i: int) -> dict:
-        return {k: torch.full((3,), float(i)) if k != "labels" else torch.tensor(i % 2) for k in self.keys}
+        return {
+            k: torch.full((3,), float(i)) if k != "labels" else torch.tensor(i % 2)
+            for k in self.keys
+        }
 
 
 @pytest.mark.parametrize("keys", [("inputs", "labels"), ("input_ids", "attention_mask", "labels")])
-def test_a_dict_batch_with_the_default_loss_asks_for_batch_loss_fn_at_the_first_batch(tmp_path, keys):
+def test_a_dict_batch_with_the_default_loss_asks_for_batch_loss_fn_at_the_first_batch(
+    tmp_path, keys
+):
     model = torch.nn.Linear(3, 2)
-    # No loader workers: pytest keeps the error's traceback, and with it a loader whose workers (a process each)
-    # would be shut down whenever a garbage collection finds them, in a later test, in whatever thread runs it.
+    # No loader workers: pytest keeps the error's traceback, and with it a loader whose workers (a
+    # process each) would be shut down whenever a garbage collection finds them, in a later test, in
+    # whatever thread runs it.
     config = TrainerConfig(
-        run_dir=str(tmp_path / "run"), batch_size=4, num_workers=0, logging=LoggingConfig(progress=False)
+        run_dir=str(tmp_path / "run"),
+        batch_size=4,
+        num_workers=0,
+        logging=LoggingConfig(progress=False),
     )
-    trainer = ddpkit.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), _DictBatches(keys), config)
+    trainer = ddpkit.Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), _DictBatches(keys), config
+    )
     seen = []
     trainer.model.register_forward_pre_hook(lambda *_: seen.append(1))
-    # Before: with 2 keys the keys themselves were unpacked and failed inside linear(); with 3, "too many values".
-    with pytest.raises(ConfigError, match=re.escape(f"a dict with keys {list(keys)}") + ".*pass batch_loss_fn=") as err:
+    # Before: with 2 keys the keys themselves were unpacked and failed inside linear(); with 3, "too
+    # many values".
+    with pytest.raises(
+        ConfigError, match=re.escape(f"a dict with keys {list(keys)}") + ".*pass batch_loss_fn="
+    ) as err:
         trainer.fit()
-    assert "\n" not in str(err.value) and seen == [] and trainer.step == 0  # at once: no forward ran
+    # at once: no forward ran
+    assert "\n" not in str(err.value) and seen == [] and trainer.step == 0
     # Control: the same batches with a batch_loss_fn train.
     model = torch.nn.Linear(3, 2)
     config = TrainerConfig(
-        run_dir=str(tmp_path / "ok"), batch_size=4, num_workers=0, logging=LoggingConfig(progress=False)
+        run_dir=str(tmp_path / "ok"),
+        batch_size=4,
+        num_workers=0,
+        logging=LoggingConfig(progress=False),
     )
 
     def batch_loss_fn(model, batch):
         return torch.nn.functional.cross_entropy(model(batch[keys[0]]), batch["labels"])
 
     trainer = ddpkit.Trainer(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), _DictBatches(keys), config, batch_loss_fn=batch_loss_fn
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        _DictBatches(keys),
+        config,
+        batch_loss_fn=batch_loss_fn,
     )
     trainer.fit()
     assert trainer.step == 4
@@ -301,8 +379,12 @@ def test_pairs_of_tensors_or_sequences_are_the_default_losss_batches():
     from ddpkit.training._evaluation import inputs_and_targets
 
     x, y = torch.zeros(2, 3), torch.zeros(2)
-    assert inputs_and_targets((x, y), "") == (x, y) and inputs_and_targets([[x, x], y], "")[0] == [x, x]
-    assert inputs_and_targets(({"a": x}, y), "")[0] == {"a": x}  # inputs for a model that takes a dict
+    assert inputs_and_targets((x, y), "") == (x, y) and inputs_and_targets([[x, x], y], "")[0] == [
+        x,
+        x,
+    ]
+    # inputs for a model that takes a dict
+    assert inputs_and_targets(({"a": x}, y), "")[0] == {"a": x}
     for batch, what in [
         ((x, y, y), r"a tuple of 3 \(Tensor, Tensor, Tensor\)"),
         (x, "a Tensor"),
@@ -353,26 +435,35 @@ def test_a_run_stopped_by_max_steps_inside_an_epoch_validates_where_it_stops(tmp
             early_stopping=EarlyStoppingConfig(metric="val/loss", patience=2),
             logging=LoggingConfig(progress=False),
         )
-        trainer = ddpkit.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, config, val_data=val_data)
+        trainer = ddpkit.Trainer(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), data, config, val_data=val_data
+        )
         return trainer, trainer.fit(), model
 
     trainer, last, model = run("run", val)
     assert (trainer.epoch, trainer.step, str(trainer.stopped_by)) == (0, 5, "max_steps")
     # Before: no val metrics, no best.pt, no early-stopping count, although val_data was given.
-    assert last["val/loss"] == pytest.approx(ddpkit.evaluate(model, val)["loss"])  # the weights it stopped with
+    assert last["val/loss"] == pytest.approx(
+        ddpkit.evaluate(model, val)["loss"]
+    )  # the weights it stopped with
     best = torch.load(tmp_path / "run" / "best.pt", weights_only=True)
     assert (best["value"], best["step"]) == (pytest.approx(last["val/loss"]), 5)
     assert trainer.early_stopping.best == pytest.approx(last["val/loss"])
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["val/loss"] for r in records if r["kind"] == "val"] == [pytest.approx(last["val/loss"])]
+    records = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["val/loss"] for r in records if r["kind"] == "val"] == [
+        pytest.approx(last["val/loss"])
+    ]
     # Control: without val_data there is nothing to validate, and no best.pt.
     _, last, _ = run("control", None)
     assert "val/loss" not in last and not (tmp_path / "control" / "best.pt").exists()
 
 
 def test_a_trainer_is_freed_when_its_last_reference_goes_without_a_garbage_collection(tmp_path):
-    # A Trainer in a reference cycle lives on until a collection, with its loader's worker processes, which that
-    # collection then shuts down in whatever thread it runs (a snapshot writer's, stalling it for seconds).
+    # A Trainer in a reference cycle lives on until a collection, with its loader's worker
+    # processes, which that collection then shuts down in whatever thread it runs (a snapshot
+    # writer's, stalling it for seconds).
     import gc
     import weakref
 
@@ -380,12 +471,22 @@ def test_a_trainer_is_freed_when_its_last_reference_goes_without_a_garbage_colle
     data = torch.utils.data.TensorDataset(x, (x.sum(1) > 0).long())
     model = torch.nn.Linear(4, 2)
     config = TrainerConfig(
-        run_dir=str(tmp_path), batch_size=8, epochs=1, val_every_steps=4, logging=LoggingConfig(progress=False)
+        run_dir=str(tmp_path),
+        batch_size=8,
+        epochs=1,
+        val_every_steps=4,
+        logging=LoggingConfig(progress=False),
     )
     trainer = ddpkit.Trainer(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), data, config, val_data=data, callbacks=[ddpkit.Callback()]
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        data,
+        config,
+        val_data=data,
+        callbacks=[ddpkit.Callback()],
     )
-    trainer.fit()  # validation and callbacks used, loader workers started (one per rank on this machine)
+    # validation and callbacks used, loader workers started (one per rank on this machine)
+    trainer.fit()
     ref = weakref.ref(trainer)
     gc.disable()
     try:
@@ -409,10 +510,14 @@ def _stopped_inside_an_epoch(tmp_path, val_data) -> dict:
         num_workers=0,
         logging=LoggingConfig(progress=False),
     )
-    return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, config, val_data=val_data).fit()
+    return Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), data, config, val_data=val_data
+    ).fit()
 
 
-def test_max_steps_inside_an_epoch_returns_the_last_epochs_metrics_without_validation_data(tmp_path):
+def test_max_steps_inside_an_epoch_returns_the_last_epochs_metrics_without_validation_data(
+    tmp_path,
+):
     # 8 steps an epoch: step 12 is inside the second epoch, which never ends.
     last = _stopped_inside_an_epoch(tmp_path / "a", None)
     assert last["epoch"] == 1 and last["step"] == 8 and "train/epoch_loss" in last

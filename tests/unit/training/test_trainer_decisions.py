@@ -1,5 +1,6 @@
-"""The Trainer's decisions in one process: when snapshots are written, why fit() ended, a metric-driven LR
-scheduler, whether a restart resumes, and global-batch dropout on sequence-first tensors."""
+"""The Trainer's decisions in one process: when snapshots are written, why fit() ended, a
+metric-driven LR scheduler, whether a restart resumes, and global-batch dropout on sequence-first
+tensors."""
 
 from __future__ import annotations
 
@@ -18,7 +19,15 @@ from ddpkit.training._step_output import StopReason
 from ddpkit.training._trainer import TrainerConfig
 
 
-def _trainer(run_dir: Path, *, samples: int = 32, val: bool = False, scheduler=None, lr: float = 0.1, **options):
+def _trainer(
+    run_dir: Path,
+    *,
+    samples: int = 32,
+    val: bool = False,
+    scheduler=None,
+    lr: float = 0.1,
+    **options,
+):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     x = torch.randn(samples, 4)
@@ -41,13 +50,18 @@ def _records(run_dir: Path) -> list[dict]:
 
 
 def _expected_snapshot_steps(every_steps, every_epochs, steps_per_epoch, epochs) -> list[int]:
-    """Brute force: each step after which a snapshot must exist, so that a failure loses no more than asked."""
+    """Brute force: each step after which a snapshot must exist, so that a failure loses no more
+    than asked."""
     total = steps_per_epoch * epochs
     due = set()
     for step in range(1, total + 1):
         if every_steps and step % every_steps == 0:
             due.add(step)
-        if step % steps_per_epoch == 0 and every_epochs and (step // steps_per_epoch) % every_epochs == 0:
+        if (
+            step % steps_per_epoch == 0
+            and every_epochs
+            and (step // steps_per_epoch) % every_epochs == 0
+        ):
             due.add(step)
     if every_steps or every_epochs:
         due.add(total)  # where training ends: a rerun finds it finished
@@ -82,8 +96,11 @@ def test_the_schedule_defers_an_epochs_last_step_to_its_end():
     schedule = SnapshotSchedule(every_steps=4, every_epochs=3)
     assert not schedule.after_step(4, taken=True, last_in_epoch=True)  # the epoch end takes it
     assert schedule.at_epoch_end(1, 4, last_step_taken=True, stopping=False)
-    assert not schedule.at_epoch_end(1, 4, last_step_taken=False, stopping=False)  # a skipped step: step 4 is saved
-    assert schedule.after_step(4, taken=True, last_in_epoch=False) and not schedule.after_step(4, False, False)
+    # a skipped step: step 4 is saved
+    assert not schedule.at_epoch_end(1, 4, last_step_taken=False, stopping=False)
+    assert schedule.after_step(4, taken=True, last_in_epoch=False) and not schedule.after_step(
+        4, False, False
+    )
     assert schedule.new_position((0, 4, 16))
     schedule.written((0, 4, 16))
     assert not schedule.new_position((0, 4, 16))
@@ -103,15 +120,20 @@ def _plateau(optimizer):
 
 
 def test_a_metric_driven_scheduler_steps_on_the_validation_metric_and_resumes(tmp_path):
-    # lr=1e-7: the weights barely move, so val/loss plateaus and the lr halves at each epoch end after the first.
+    # lr=1e-7: the weights barely move, so val/loss plateaus and the lr halves at each epoch end
+    # after the first.
     options = dict(
-        val=True, scheduler=_plateau, lr=1e-7, early_stopping=EarlyStoppingConfig(metric="val/loss", patience=None)
+        val=True,
+        scheduler=_plateau,
+        lr=1e-7,
+        early_stopping=EarlyStoppingConfig(metric="val/loss", patience=None),
     )
     whole = _trainer(tmp_path / "whole", epochs=4, **options)
     whole.fit()
     lrs = [r["lr"] for r in _records(tmp_path / "whole") if r["kind"] == "epoch"]
     assert whole.optimizer.param_groups[0]["lr"] == pytest.approx(1e-7 / 8)
-    assert lrs == pytest.approx([1e-7, 1e-7, 1e-7 / 2, 1e-7 / 4])  # each epoch's lr (read before its validation)
+    # each epoch's lr (read before its validation)
+    assert lrs == pytest.approx([1e-7, 1e-7, 1e-7 / 2, 1e-7 / 4])
     # Stopped after epoch 2 and resumed: the scheduler's count and best come back with the snapshot.
     _trainer(tmp_path / "resumed", epochs=4, max_steps=16, **options).fit()
     resumed = _trainer(tmp_path / "resumed", epochs=4, **options)
@@ -122,7 +144,9 @@ def test_a_metric_driven_scheduler_steps_on_the_validation_metric_and_resumes(tm
 
 
 def test_a_metric_driven_scheduler_without_its_metric_is_refused_at_construction(tmp_path):
-    with pytest.raises(ConfigError, match="ReduceLROnPlateau steps on a validation metric: pass .*val_data"):
+    with pytest.raises(
+        ConfigError, match="ReduceLROnPlateau steps on a validation metric: pass .*val_data"
+    ):
         _trainer(tmp_path, scheduler=_plateau)
     with pytest.raises(ConfigError, match="EarlyStoppingConfig\\(metric="):
         _trainer(tmp_path, scheduler=_plateau, val=True)
@@ -136,7 +160,9 @@ def test_a_restart_resumes_even_when_the_config_says_resume_false():
     assert resumes(True, 0) and resumes(True, 2)
 
 
-def _dropout_outputs(layer: GlobalBatchDropout, x: torch.Tensor, parts: list[int], dim: int) -> torch.Tensor:
+def _dropout_outputs(
+    layer: GlobalBatchDropout, x: torch.Tensor, parts: list[int], dim: int
+) -> torch.Tensor:
     """The layer's output on ``x``'s global batch split over ``len(parts)`` ranks, joined again."""
     outs, offset = [], 0
     for n in parts:
@@ -152,20 +178,27 @@ def test_global_batch_dropout_takes_sequence_first_tensors_at_batch_dim_1_and_re
     one = _dropout_outputs(layer, seq_first, [6], 1)
     assert torch.equal(_dropout_outputs(layer, seq_first, [3, 3], 1), one)  # world-size independent
     assert torch.equal(_dropout_outputs(layer, seq_first, [2, 2, 2], 1), one)
-    # Each sample's mask varies along the sequence: a mask per (position, sample, feature), not one per sample.
+    # Each sample's mask varies along the sequence: a mask per (position, sample, feature), not one
+    # per sample.
     assert not torch.equal(one[0], one[1])
-    # Batch-first, the default, on the sequence-first tensor: its size at dim 0 (5) is not the 3 samples.
+    # Batch-first, the default, on the sequence-first tensor: its size at dim 0 (5) is not the 3
+    # samples.
     with pytest.raises(
-        ConfigError, match=r"size at batch_dim=0 is 5, where this rank's micro-batch has 3 .*batch_dim=1"
+        ConfigError,
+        match=r"size at batch_dim=0 is 5, where this rank's micro-batch has 3 .*batch_dim=1",
     ):
         _dropout_outputs(GlobalBatchDropout(0.5), seq_first, [3, 3], 1)
-    # convert_dropout passes batch_dim on; layers already converted keep theirs, with layer ids of their own.
-    model = convert_dropout(nn.Sequential(GlobalBatchDropout(0.1, layer_id=0, batch_dim=1), nn.Dropout(0.2)), 1)
+    # convert_dropout passes batch_dim on; layers already converted keep theirs, with layer ids of
+    # their own.
+    model = convert_dropout(
+        nn.Sequential(GlobalBatchDropout(0.1, layer_id=0, batch_dim=1), nn.Dropout(0.2)), 1
+    )
     assert [(m.layer_id, m.batch_dim) for m in model] == [(0, 1), (1, 1)]
 
 
 def test_global_batch_dropout_batch_first_masks_are_unchanged():
-    # The masks of batch-first inputs are those drawn before batch_dim existed (slices of one global draw).
+    # The masks of batch-first inputs are those drawn before batch_dim existed (slices of one global
+    # draw).
     x = torch.ones(6, 4)
     with batch_layout(BatchLayout(6, 2, key=3, size=2)):
         out = GlobalBatchDropout(0.5, layer_id=1)(x[2:4])
@@ -177,7 +210,8 @@ def test_global_batch_dropout_batch_first_masks_are_unchanged():
 
 
 class _Notice:
-    """A launcher's pre-emption notice given at its ``at``-th asking (as Ray's, which every rank asks alike)."""
+    """A launcher's pre-emption notice given at its ``at``-th asking (as Ray's, which every rank
+    asks alike)."""
 
     def __init__(self, at: int) -> None:
         self.at, self.asked = at, 0
@@ -190,15 +224,19 @@ class _Notice:
 @pytest.mark.parametrize(
     "every_epochs, at, snapshots",
     [
-        (0, 3, [6]),  # asked at steps 2, 4, 6: a snapshot after step 6, none other (the intervals are off)
+        # asked at steps 2, 4, 6: a snapshot after step 6, none other (the intervals are off)
+        (0, 3, [6]),
         (0, 2, [4]),  # at an epoch's last step: the epoch's end takes it
-        (1, 2, [4, 8, 12]),  # at a step already due: one snapshot there, and no snapshot after every step since
+        # at a step already due: one snapshot there, and no snapshot after every step since
+        (1, 2, [4, 8, 12]),
     ],
 )
 def test_a_preemption_notice_snapshots_at_once_and_training_goes_on(tmp_path, monkeypatch, every_epochs, at,
                                                                      snapshots):  # fmt: skip
     notice = _Notice(at)
-    monkeypatch.setattr("ddpkit.distributed._signals.preemption_notice", lambda launcher, group=None: notice)
+    monkeypatch.setattr(
+        "ddpkit.distributed._signals.preemption_notice", lambda launcher, group=None: notice
+    )
     snapshot = SnapshotConfig(every_epochs=every_epochs, async_write=False)
     logging = LoggingConfig(progress=False, every_steps=2)
     trainer = _trainer(tmp_path, samples=16, epochs=3, snapshot=snapshot, logging=logging)
@@ -226,7 +264,8 @@ def test_only_ray_gives_a_notice_to_ask_for_and_only_for_the_whole_job(monkeypat
     info = types.SimpleNamespace(preempted_node_ids=["a3f0c9e1d2b4"], preempted_ranks=[1])
     answers = iter([None, info])
     ray.train.get_preemption_info = lambda: next(answers)  # type: ignore[attr-defined]
-    assert preemption_notice("ray", group=object()) is None  # a group of split_world: the other groups never ask
+    # a group of split_world: the other groups never ask
+    assert preemption_notice("ray", group=object()) is None
     notice = preemption_notice("ray")
     assert notice is not None and notice() is None
     assert notice() == "Ray Train's pre-emption notice (node a3f0c9e1, ranks [1])"

@@ -1,4 +1,5 @@
-"""Validation every N steps and the weights files in one process (no launcher): where they go, what they hold."""
+"""Validation every N steps and the weights files in one process (no launcher): where they go, what
+they hold."""
 
 from __future__ import annotations
 
@@ -27,10 +28,18 @@ def build(run_dir, with_val: bool = True, **options) -> ddpkit.Trainer:
     x = torch.randn(32, 4)
     data = torch.utils.data.TensorDataset(x, (x.sum(1) > 0).long())
     config = TrainerConfig(
-        run_dir=str(run_dir), batch_size=8, logging=LoggingConfig(progress=False), num_workers=0, **options
+        run_dir=str(run_dir),
+        batch_size=8,
+        logging=LoggingConfig(progress=False),
+        num_workers=0,
+        **options,
     )
     return ddpkit.Trainer(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), data, config, val_data=data if with_val else None
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        data,
+        config,
+        val_data=data if with_val else None,
     )
 
 
@@ -45,11 +54,15 @@ def test_validation_every_3_steps_across_epoch_ends(tmp_path, capsys):
     assert best["value"] == min(val.values()) and val[best["step"]] == best["value"]
     assert f"best val/loss {best['value']:.4g} at step {best['step']}" in capsys.readouterr().out
     final = load_weights(tmp_path / "final.safetensors")
-    assert all(torch.equal(final[k], v) for k, v in ddpkit.unwrap(trainer.model).state_dict().items())
+    assert all(
+        torch.equal(final[k], v) for k, v in ddpkit.unwrap(trainer.model).state_dict().items()
+    )
 
 
 def test_val_every_steps_without_val_data_is_refused(tmp_path):
-    with pytest.raises(ConfigError, match=r"val_every_steps=3 needs validation data: pass Trainer\(..., val_data"):
+    with pytest.raises(
+        ConfigError, match=r"val_every_steps=3 needs validation data: pass Trainer\(..., val_data"
+    ):
         fit(tmp_path, with_val=False, val_every_steps=3)
 
 
@@ -60,21 +73,27 @@ def test_the_weights_format_names_the_files(tmp_path, fmt, files):
     assert found == files
     if fmt == "pt":
         model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-        model.load_state_dict(torch.load(tmp_path / "final_weights.pt", weights_only=True), strict=True)
+        model.load_state_dict(
+            torch.load(tmp_path / "final_weights.pt", weights_only=True), strict=True
+        )
         assert torch.equal(model[0].weight, ddpkit.unwrap(trainer.model)[0].weight)
 
 
 def test_a_resume_with_another_val_every_steps_is_refused(tmp_path):
     es = EarlyStoppingConfig(metric="val/loss", patience=2)
     fit(tmp_path, epochs=1, val_every_steps=3, early_stopping=es)
-    with pytest.raises(ConfigError, match=r"TrainerConfig.val_every_steps: 3 in the snapshot, 2 now"):
+    with pytest.raises(
+        ConfigError, match=r"TrainerConfig.val_every_steps: 3 in the snapshot, 2 now"
+    ):
         fit(tmp_path, epochs=2, val_every_steps=2, early_stopping=es)
-    assert fit(tmp_path, epochs=2, val_every_steps=3, early_stopping=es).resumed_from == 4  # control: the same
+    # control: the same
+    assert fit(tmp_path, epochs=2, val_every_steps=3, early_stopping=es).resumed_from == 4
 
 
 def test_a_run_resumed_after_its_last_validation_returns_it_and_says_so(tmp_path, capsys):
-    # Validations at steps 4 and 8 of a run stopped at step 10; resumed to step 11, no validation falls after
-    # the resume: fit() still returns the latest one (step 8), kept by the snapshot, and the summary says where.
+    # Validations at steps 4 and 8 of a run stopped at step 10; resumed to step 11, no validation
+    # falls after the resume: fit() still returns the latest one (step 8), kept by the snapshot, and
+    # the summary says where.
     first = fit(tmp_path, epochs=3, val_every_steps=4, max_steps=10)
     assert first.step == 10
     capsys.readouterr()

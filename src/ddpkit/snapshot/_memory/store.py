@@ -1,41 +1,46 @@
-"""Snapshots in node-local shared memory that outlive the worker process: one rank's double-buffered store.
+"""Snapshots in node-local shared memory that outlive the worker process: one rank's double-buffered
+store.
 
-A worker killed at any instant leaves its state in files on a memory file system (``/dev/shm``), in the job's
-folder the launcher's agent makes and removes (:mod:`ddpkit.snapshot._memory.folder`). The restarted worker
-finds it there without touching the disk. Each rank keeps two slot files, ``<run>-rank<r>-<i>.slot``
-(``<run>``: a hash of the run directory, ``i`` = 0, 1).
+A worker killed at any instant leaves its state in files on a memory file system (``/dev/shm``), in
+the job's folder the launcher's agent makes and removes (:mod:`ddpkit.snapshot._memory.folder`). The
+restarted worker finds it there without touching the disk. Each rank keeps two slot files,
+``<run>-rank<r>-<i>.slot`` (``<run>``: a hash of the run directory, ``i`` = 0, 1).
 
-Double buffering: a save overwrites the older of the rank's two slots, so the newer stays whole while the copy
-runs. Each slot file starts with a commit record::
+Double buffering: a save overwrites the older of the rank's two slots, so the newer stays whole
+while the copy runs. Each slot file starts with a commit record::
 
     magic | begin | end
     | offsets, lengths and CRC-32s of the manifest and the values
     | the data region's offset, length and the CRC-32C of its table
 
-and ends with the data region and its table, a CRC-32C per MiB of it (:func:`~ddpkit.snapshot._memory.slot.block_crcs`).
+and ends with the data region and its table, a CRC-32C per MiB of it
+(:func:`~ddpkit.snapshot._memory.slot.block_crcs`).
 
-``begin`` is set to the save's generation before anything else is written, ``end`` to the same number after
-everything else is: a slot counts only when ``begin == end``, so a kill during the copy leaves it not whole,
-and the other slot is the newest whole one. (A process killed by a signal stops at an instruction boundary:
-every store before it reached the page cache, none after it did, so ``end`` cannot land without the copy before
-it. A lost node loses the files anyway: that case is served by peers, :mod:`ddpkit.snapshot._memory.resume`.)
+``begin`` is set to the save's generation before anything else is written, ``end`` to the same
+number after everything else is: a slot counts only when ``begin == end``, so a kill during the copy
+leaves it not whole, and the other slot is the newest whole one. (A process killed by a signal stops
+at an instruction boundary: every store before it reached the page cache, none after it did, so
+``end`` cannot land without the copy before it. A lost node loses the files anyway: that case is
+served by peers, :mod:`ddpkit.snapshot._memory.resume`.)
 
-A slot holds its tensors raw, each at an aligned offset of the data region; a *manifest* (JSON: each tensor's
-dtype, shape and offset, and what the resume check compares), written when the layout changes; and the
-*values* of this save (JSON, :mod:`ddpkit.snapshot._codec`: the step, the keys below, the non-tensor
-values).
+A slot holds its tensors raw, each at an aligned offset of the data region; a *manifest* (JSON: each
+tensor's dtype, shape and offset, and what the resume check compares), written when the layout
+changes; and the *values* of this save (JSON, :mod:`ddpkit.snapshot._codec`: the step, the keys
+below, the non-tensor values).
 
-A slot that is whole but does not check (a checksum that fails, a manifest whose tensors lie outside the data
-region, values that are not what a save writes) is damaged: :func:`read_slot` raises :class:`BadSlot` naming
-the file and what is wrong, before any tensor is viewed, and a resume falls back to the slot before it or to
-the disk (:mod:`ddpkit.snapshot._memory.resume`).
+A slot that is whole but does not check (a checksum that fails, a manifest whose tensors lie outside
+the data region, values that are not what a save writes) is damaged: :func:`read_slot` raises
+:class:`BadSlot` naming the file and what is wrong, before any tensor is viewed, and a resume falls
+back to the slot before it or to the disk (:mod:`ddpkit.snapshot._memory.resume`).
 
-Keys: a slot is found only when its job key (the agent's random key and torchrun's run id), run key (the run
-directory's hash), world size and rank are this worker's: a slot of another job, of an earlier job on the node
-(its folder was another), or of another run directory of the same job is never loaded.
+Keys: a slot is found only when its job key (the agent's random key and torchrun's run id), run key
+(the run directory's hash), world size and rank are this worker's: a slot of another job, of an
+earlier job on the node (its folder was another), or of another run directory of the same job is
+never loaded.
 
 Memory full: a slot's pages are reserved with ``posix_fallocate`` before they are mapped, so a full
-``/dev/shm`` raises ENOSPC there (:class:`MemoryUnavailable`), never SIGBUS in the middle of the copy.
+``/dev/shm`` raises ENOSPC there (:class:`MemoryUnavailable`), never SIGBUS in the middle of the
+copy.
 """
 
 from __future__ import annotations
@@ -72,11 +77,13 @@ from ddpkit.snapshot._region import Spec, views
 
 
 class MemoryUnavailable(RuntimeError):
-    """Shared memory cannot hold the snapshot (full, or the folder gone); disk snapshots carry on alone."""
+    """Shared memory cannot hold the snapshot (full, or the folder gone); disk snapshots carry on
+    alone."""
 
 
 def run_key(run_dir: str | os.PathLike) -> str:
-    """A short hash of the run directory's absolute path: two Trainers of one job never share slots."""
+    """A short hash of the run directory's absolute path: two Trainers of one job never share
+    slots."""
     return hashlib.sha256(str(Path(run_dir).absolute()).encode()).hexdigest()[:16]
 
 
@@ -117,12 +124,15 @@ class _Slot:
 class MemoryStore:
     """This rank's two slots for one run directory, in the job's folder on this node.
 
-    ``save`` copies the state into the older slot and commits it; ``found`` lists the whole slots of this run
-    on this node (every rank's: a rank that took another's place after a restart may use them, see
-    :mod:`ddpkit.snapshot._memory.resume`). No collective here: every method acts on this rank's files alone.
+    ``save`` copies the state into the older slot and commits it; ``found`` lists the whole slots of
+    this run on this node (every rank's: a rank that took another's place after a restart may use
+    them, see :mod:`ddpkit.snapshot._memory.resume`). No collective here: every method acts on this
+    rank's files alone.
     """
 
-    def __init__(self, folder: str | os.PathLike, *, job: str, run: str, rank: int, world_size: int) -> None:
+    def __init__(
+        self, folder: str | os.PathLike, *, job: str, run: str, rank: int, world_size: int
+    ) -> None:
         self.folder = Path(folder)
         self.job, self.run, self.rank, self.world_size = job, run, rank, world_size
         if not self.folder.is_dir():
@@ -130,7 +140,8 @@ class MemoryStore:
         self.slots = [_Slot(self.folder / f"{run}-rank{rank}-{i}.slot") for i in (0, 1)]
         self.generation = 0
         self.damaged: list[str] = []
-        """What :meth:`found` last found wrong with whole slots it left out (each names its file)."""
+        """What :meth:`found` last found wrong with whole slots it left out (each names its
+        file)."""
         for slot in self.slots:
             try:
                 got = read_slot(slot.path)
@@ -148,12 +159,23 @@ class MemoryStore:
         return min(whole, key=lambda s: s.record.end if s.record is not None else 0)
 
     def save(
-        self, values: dict[str, Any], tensors: Sequence[torch.Tensor], manifest: dict[str, Any], layout_id: object
+        self,
+        values: dict[str, Any],
+        tensors: Sequence[torch.Tensor],
+        manifest: dict[str, Any],
+        layout_id: object,
     ) -> None:
-        """Commit ``tensors`` (laid out as ``manifest["specs"]``, a layout named by ``layout_id``) with the
-        JSON-able ``values`` into the older slot. Raises :class:`MemoryUnavailable` if memory is full."""
+        """Commit ``tensors`` (laid out as ``manifest["specs"]``, a layout named by ``layout_id``)
+        with the JSON-able ``values`` into the older slot. Raises :class:`MemoryUnavailable` if
+        memory is full."""
         slot = self._target()
-        values = {"job": self.job, "run": self.run, "rank": self.rank, "world_size": self.world_size, **values}
+        values = {
+            "job": self.job,
+            "run": self.run,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            **values,
+        }
         value_bytes = json.dumps(values).encode()
         if slot.layout_id != layout_id or len(value_bytes) > slot.values_capacity:
             self._map(slot, manifest, layout_id, len(value_bytes))
@@ -182,8 +204,11 @@ class MemoryStore:
         os.pwrite(fd, struct.pack("<Q", gen), END_OFFSET)
         slot.record = Record(gen, gen, record.manifest, record.values, record.data)
 
-    def _map(self, slot: _Slot, manifest: dict[str, Any], layout_id: object, values_len: int) -> None:
-        """(Re)make ``slot``'s file for a new layout; its pages are reserved before they are mapped."""
+    def _map(
+        self, slot: _Slot, manifest: dict[str, Any], layout_id: object, values_len: int
+    ) -> None:
+        """(Re)make ``slot``'s file for a new layout; its pages are reserved before they are
+        mapped."""
         slot.close()
         slot.manifest_bytes = json.dumps(manifest).encode()
         specs = [Spec(d, tuple(shape), o) for d, shape, o in manifest["specs"]]
@@ -209,7 +234,8 @@ class MemoryStore:
                 fs.remove(slot.path)
             if err.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
                 raise MemoryUnavailable(
-                    f"no room for {size / 2**20:.1f} MiB in {self.folder} ({err.strerror}): " + memory_folder.MOUNT_MORE
+                    f"no room for {size / 2**20:.1f} MiB in {self.folder} ({err.strerror}): "
+                    + memory_folder.MOUNT_MORE
                 ) from None
             raise MemoryUnavailable(f"cannot make {slot.path}: {err.strerror}") from None
         storage = torch.UntypedStorage.from_file(str(slot.path), shared=True, nbytes=size)
@@ -250,14 +276,22 @@ class MemoryStore:
                 self.damaged.append(f"{path}: its values do not say which rank and step it holds")
                 continue
             found = Found(
-                path, rank, record.end, step, tuple(position), self.world_size, bool(values.get("peers")), self.job
+                path,
+                rank,
+                record.end,
+                step,
+                tuple(position),
+                self.world_size,
+                bool(values.get("peers")),
+                self.job,
             )
             out.append(found)
         return out
 
     def discard_except(self, keep: Path | None = None) -> None:
-        """Make this rank's slots not whole, except ``keep``: after a resume, only the state resumed from (or
-        none) may be found again, so that a later restart never picks a slot of an abandoned course."""
+        """Make this rank's slots not whole, except ``keep``: after a resume, only the state resumed
+        from (or none) may be found again, so that a later restart never picks a slot of an
+        abandoned course."""
         for slot in self.slots:
             if slot.path == keep or not slot.path.exists():
                 continue
@@ -270,7 +304,8 @@ class MemoryStore:
             slot.record = None
 
     def remove(self) -> None:
-        """Delete this rank's slot files (the run finished: its last state is on disk, or not needed)."""
+        """Delete this rank's slot files (the run finished: its last state is on disk, or not
+        needed)."""
         for slot in self.slots:
             slot.close()
             with contextlib.suppress(OSError, ConfigError):
@@ -290,8 +325,9 @@ def _round(n: int, to: int) -> int:
 
 
 def copy_tensors(dests: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
-    """Copy ``sources`` into ``dests`` (the mapped slot). One fused call: a copy per tensor costs ~1 us of
-    dispatch each, which shows on small models (measured: 25 us against 12 us for the DDP tutorials' CNN)."""
+    """Copy ``sources`` into ``dests`` (the mapped slot). One fused call: a copy per tensor costs ~1
+    us of dispatch each, which shows on small models (measured: 25 us against 12 us for the DDP
+    tutorials' CNN)."""
     if dests:
         with torch.no_grad():
             torch._foreach_copy_(list(dests), list(sources))
