@@ -22,8 +22,8 @@ from ddpkit.snapshot._memory import slot
 from ddpkit.snapshot._memory.slot import block_crcs
 
 HIDDEN = (
-    "numpy", "sklearn", "optuna", "matplotlib", "tqdm", "tensorboard", "mlflow", "wandb", "safetensors", "mpi4py", "yaml",
-    "ray",
+    "numpy", "sklearn", "optuna", "matplotlib", "tqdm", "tensorboard", "mlflow", "wandb",
+    "safetensors", "mpi4py", "yaml", "ray",
 )  # fmt: skip
 HELLO = str(Path(__file__).parent / "scripts" / "hello.py")
 DDPKIT = [sys.executable, "-m", "ddpkit.cli"]

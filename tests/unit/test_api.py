@@ -12,10 +12,11 @@ import ddpkit
 PUBLIC = {
     "init", "shutdown", "get_runtime", "Runtime", "split_world", "spawn", "seed_everything",
     "prepare_model", "unwrap", "no_sync", "build_loader", "build_eval_loader", "to_device",
-    "evaluate", "classification_metrics", "regression_metrics", "Trainer", "TrainerConfig", "SnapshotConfig",
-    "EarlyStoppingConfig", "LoggingConfig", "DDPConfig", "ZeroConfig", "FSDPConfig", "Callback", "Snapshots",
-    "print0", "get_logger", "barrier", "main_first", "all_reduce", "broadcast_object", "all_gather_object",
-    "gather_tensors", "MetricSums", "ConfigError", "Preempted",
+    "evaluate", "classification_metrics", "regression_metrics", "Trainer", "TrainerConfig",
+    "SnapshotConfig", "EarlyStoppingConfig", "LoggingConfig", "DDPConfig", "ZeroConfig",
+    "FSDPConfig", "Callback", "Snapshots", "print0", "get_logger", "barrier", "main_first",
+    "all_reduce", "broadcast_object", "all_gather_object", "gather_tensors", "MetricSums",
+    "ConfigError", "Preempted",
 }  # fmt: skip
 
 

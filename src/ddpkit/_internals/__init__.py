@@ -32,7 +32,8 @@ import importlib
 from ddpkit._internals.contract import Internal, problem
 
 MODULES = (
-    "versions", "store", "dcp", "elastic", "interpreter", "optim", "compiler", "modules", "optuna_journal", "ray_train", "rng",
+    "versions", "store", "dcp", "elastic", "interpreter", "optim", "compiler", "modules",
+    "optuna_journal", "ray_train", "rng",
 )  # fmt: skip
 
 

@@ -68,9 +68,9 @@ EXAMPLES = """examples:
   ddpkit k8s --dry-run --image registry/train:1 train.py     # print, write nothing"""
 
 _VALUE_OPTIONS = {
-    "--kind", "--image", "--name", "--namespace", "--nodes", "--nproc", "--gpus-per-node", "--cpu", "--memory",
-    "--shm-size", "--secret", "--pvc", "--run-mount", "--max-restarts", "--grace-period", "--env", "--fs-group",
-    "--output", "-o",
+    "--kind", "--image", "--name", "--namespace", "--nodes", "--nproc", "--gpus-per-node", "--cpu",
+    "--memory", "--shm-size", "--secret", "--pvc", "--run-mount", "--max-restarts",
+    "--grace-period", "--env", "--fs-group", "--output", "-o",
 }  # fmt: skip
 
 

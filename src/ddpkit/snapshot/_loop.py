@@ -177,8 +177,8 @@ class Snapshots:
         if seed is None:
             seed = getattr(loader.batch_sampler, "seed", 0) if loader is not None else 0
         self.streams = RankStreams(
-            rt, generator, seed, self.train, own=_listed_map(own, "own"), new_rank_state=new_rank_state,
-            warn=lambda line: print0(line, group=rt.group),
+            rt, generator, seed, self.train, own=_listed_map(own, "own"),
+            new_rank_state=new_rank_state, warn=lambda line: print0(line, group=rt.group),
         )  # fmt: skip
         # "train" first: the streams' reseed at another world size reads the step.
         self.parts: dict[str, Any] = {"train": self.train}
@@ -203,7 +203,8 @@ class Snapshots:
 
             parts = TrainerParts(
                 runtime=rt, run_dir=Path(run_dir), strategy=self.model, schedule=self.schedule,
-                states={**self.parts, STREAMS: self.streams}, record=_Record(self._record, self._check_record),
+                states={**self.parts, STREAMS: self.streams},
+                record=_Record(self._record, self._check_record),
                 global_micro_batch=getattr(loader.batch_sampler, "global_batch_size", 0) if loader else 0,
                 position=self._position, log=lambda kind, step, record: None,
             )  # fmt: skip

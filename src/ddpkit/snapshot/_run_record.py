@@ -25,15 +25,16 @@ from ddpkit._errors import ConfigError
 from ddpkit.distributed._runtime import Runtime
 
 RESUMABLE_CHANGES = frozenset({
-    "run_dir", "resume", "epochs", "max_steps", "num_workers", "eval_batch_size", "raise_on_stop_signal",
-    "on_data_change", "new_rank_state",
+    "run_dir", "resume", "epochs", "max_steps", "num_workers", "eval_batch_size",
+    "raise_on_stop_signal", "on_data_change", "new_rank_state",
     "weights_format",
     "snapshot.every_steps", "snapshot.every_epochs", "snapshot.keep", "snapshot.async_write",
     "snapshot.memory", "snapshot.memory_every_steps",
     "logging.every_steps", "logging.progress", "logging.tensorboard", "logging.trackers",
     "early_stopping.patience",
     "strategy.bucket_cap_mb", "strategy.gradient_as_bucket_view", "strategy.static_graph",
-    "strategy.find_unused_parameters", "strategy.parameters_as_bucket_view", "strategy.reshard_after_forward",
+    "strategy.find_unused_parameters", "strategy.parameters_as_bucket_view",
+    "strategy.reshard_after_forward",
 })  # fmt: skip
 """Config fields a resume may change: when and how the run stops, records and saves, and how fast
 the strategy communicates, not what the next step computes. (``batch_size`` and

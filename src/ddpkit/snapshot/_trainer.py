@@ -111,9 +111,10 @@ class TrainerSnapshots:
 
         train = self.train
         parts = TrainerParts(
-            runtime=self.runtime, run_dir=self.run_dir, strategy=self.strategy, schedule=self.schedule,
-            states=self.states, record=self.record, global_micro_batch=self.global_micro_batch,
-            position=lambda: train.position, log=self.log,
+            runtime=self.runtime, run_dir=self.run_dir, strategy=self.strategy,
+            schedule=self.schedule, states=self.states, record=self.record,
+            global_micro_batch=self.global_micro_batch, position=lambda: train.position,
+            log=self.log,
         )  # fmt: skip
         self.memory = open_memory_snapshots(parts, every_steps)
         return self.memory
@@ -251,8 +252,8 @@ class TrainerSnapshots:
 
         got = restore(
             self.manager, self.memory, self.runtime, strategy_state=self.strategy.state_dict,
-            check=lambda saved, folder: self.record.check(saved["record"], folder), load=load, warn=self.print0,
-            prepare=precision,
+            check=lambda saved, folder: self.record.check(saved["record"], folder), load=load,
+            warn=self.print0, prepare=precision,
         )  # fmt: skip
         if got is None:
             return False

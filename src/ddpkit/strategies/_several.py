@@ -57,7 +57,8 @@ class SeveralModels:
                 )
                 if self.config.comm_hook is not None and runtime.distributed:
                     hooks.register(
-                        model, self.config.comm_hook, runtime.group, powersgd_rank=self.config.powersgd_rank,
+                        model, self.config.comm_hook, runtime.group,
+                        powersgd_rank=self.config.powersgd_rank,
                         powersgd_start_iter=self.config.powersgd_start_iter,
                     )  # fmt: skip
             else:  # frozen (a teacher): nothing to all-reduce, so no DDP

@@ -237,9 +237,9 @@ class TrainerConfig:
         """:func:`~ddpkit.build_loader`'s arguments for the training data on ``world_size``
         ranks."""
         return {
-            "batch_size": self.per_rank_batch(world_size), "shuffle": self.shuffle, "seed": self.seed,
-            "drop_last": self.drop_last, "num_workers": self.num_workers, "seed_samples": self.seed_samples,
-            "on_data_change": self.on_data_change,
+            "batch_size": self.per_rank_batch(world_size), "shuffle": self.shuffle,
+            "seed": self.seed, "drop_last": self.drop_last, "num_workers": self.num_workers,
+            "seed_samples": self.seed_samples, "on_data_change": self.on_data_change,
         }  # fmt: skip
 
     def to_json(self) -> dict[str, Any]:

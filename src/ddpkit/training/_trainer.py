@@ -148,8 +148,9 @@ class Trainer:
             )
         else:  # several models and optimizers, by name (ddpkit.training._several)
             refused = {
-                "val_data": val_data, "loss_fn": loss_fn, "batch_loss_fn": batch_loss_fn, "metric_fn": metric_fn,
-                "count_fn": count_fn, "compile": config.compile, "snapshot memory": config.snapshot.memory,
+                "val_data": val_data, "loss_fn": loss_fn, "batch_loss_fn": batch_loss_fn,
+                "metric_fn": metric_fn, "count_fn": count_fn, "compile": config.compile,
+                "snapshot memory": config.snapshot.memory,
                 "global_batch_dropout": config.global_batch_dropout,
             }  # fmt: skip
             self.strategy, scheduler, record = several_models(
@@ -168,8 +169,8 @@ class Trainer:
         )
         log = config.logging
         self.speed = Speed(
-            self.model, rt.device, enabled=log.step_timings, precision=config.precision, world_size=rt.world_size,
-            peak_flops=log.peak_flops, compiled=config.compile,
+            self.model, rt.device, enabled=log.step_timings, precision=config.precision,
+            world_size=rt.world_size, peak_flops=log.peak_flops, compiled=config.compile,
         )  # fmt: skip
         # Scripts seed every rank alike so that models start identical; the strategy has now made
         # them identical, and with one seed everywhere ranks would also draw identical dropout masks
@@ -199,12 +200,13 @@ class Trainer:
         )
         self._autocast = partial(autocast, config.precision, rt.device)
         self.evaluator = Evaluator(
-            self.strategy, self.batch_loss.metrics, self._autocast, config.eval_batch_size, config.num_workers,
-            self.group,
+            self.strategy, self.batch_loss.metrics, self._autocast, config.eval_batch_size,
+            config.num_workers, self.group,
         )  # fmt: skip
         self.validation = Validation.of(
-            config, rt, val_data, evaluate=self.evaluator, model_weights=self.strategy.model_weights,
-            log=self.writer.log, plateau=scheduler if self._plateau else None,
+            config, rt, val_data, evaluate=self.evaluator,
+            model_weights=self.strategy.model_weights, log=self.writer.log,
+            plateau=scheduler if self._plateau else None,
         )  # fmt: skip
         self.early_stopping, self.best_weights = (
             self.validation.early_stopping,
@@ -216,33 +218,36 @@ class Trainer:
             self._window, self.callbacks, extra_state
         )  # what each rank saves of its own
         streams = RankStreams(
-            rt, self.generator, config.seed, self.state, own=own, new_rank_state=config.new_rank_state,
-            warn=partial(print0, group=self.group),
+            rt, self.generator, config.seed, self.state, own=own,
+            new_rank_state=config.new_rank_state, warn=partial(print0, group=self.group),
         )  # fmt: skip
         states = {
-            "data": self.loader, "rng": streams, "epoch_loss": self.epoch_loss, "early_stopping": self.early_stopping,
-            "validation": self.validation, "scheduler": scheduler, "scaler": self.scaler,
+            "data": self.loader, "rng": streams, "epoch_loss": self.epoch_loss,
+            "early_stopping": self.early_stopping, "validation": self.validation,
+            "scheduler": scheduler, "scaler": self.scaler,
         }  # fmt: skip
         self.snapshots = TrainerSnapshots(
-            self.run_dir, config.snapshot, runtime=rt, strategy=self.strategy, train=self.state, states=states,
-            record=record, global_micro_batch=self.sampler.global_batch_size, log=self.writer.log,
-            print0=partial(print0, group=self.group),
+            self.run_dir, config.snapshot, runtime=rt, strategy=self.strategy, train=self.state,
+            states=states, record=record, global_micro_batch=self.sampler.global_batch_size,
+            log=self.writer.log, print0=partial(print0, group=self.group),
         )  # fmt: skip
         self.memory = self.snapshots.memory  # copies in shared memory after steps (None: off)
         self.optimizer_step = OptimizerStep(
-            config, self.strategy, scheduler=None if self._plateau else scheduler, scaler=self.scaler,
-            state=self.state, log=self.writer.log, group=self.group,
+            config, self.strategy, scheduler=None if self._plateau else scheduler,
+            scaler=self.scaler, state=self.state, log=self.writer.log, group=self.group,
         )  # fmt: skip
         self.train_step: TrainStep | ManualStep = TrainStep(
-            config, self.strategy, self.optimizer_step, forward=self._forward, autocast=self._autocast,
-            batch_loss=self.batch_loss, window=self._window, sampler=self.sampler, scaler=self.scaler,
-            global_dropout=self._global_dropout, world_size=rt.world_size, group=self.group, speed=self.speed,
+            config, self.strategy, self.optimizer_step, forward=self._forward,
+            autocast=self._autocast, batch_loss=self.batch_loss, window=self._window,
+            sampler=self.sampler, scaler=self.scaler, global_dropout=self._global_dropout,
+            world_size=rt.world_size, group=self.group, speed=self.speed,
         )  # fmt: skip
         if step_fn is not None:
             self.train_step = ManualStep(
-                config, cast(SeveralModels, self.strategy), step_fn, scaler=self.scaler, state=self.state,
-                schedulers=scheduler.schedulers if scheduler else {}, window=self._window, autocast=self._autocast,
-                log=self.writer.log, group=self.group, speed=self.speed,
+                config, cast(SeveralModels, self.strategy), step_fn, scaler=self.scaler,
+                state=self.state, schedulers=scheduler.schedulers if scheduler else {},
+                window=self._window, autocast=self._autocast, log=self.writer.log, group=self.group,
+                speed=self.speed,
             )  # fmt: skip
             self.optimizer_step = self.train_step.optimizer_step
         self._epoch_start = time.perf_counter()

@@ -261,8 +261,8 @@ def fit_stream(
     torch.manual_seed(0)
     model = torch.nn.Linear(1, 2)
     config = ddpkit.TrainerConfig(
-        run_dir=str(run_dir), epochs=1, max_steps=max_steps, global_batch_size=16, num_workers=0, seed=SEED,
-        logging=ddpkit.LoggingConfig(progress=False), on_data_change=on_data_change,
+        run_dir=str(run_dir), epochs=1, max_steps=max_steps, global_batch_size=16, num_workers=0,
+        seed=SEED, logging=ddpkit.LoggingConfig(progress=False), on_data_change=on_data_change,
     )  # fmt: skip
     stream = JsonlStream(paths, transform=as_sample, window=32, cache_index=False)
     trainer = ddpkit.Trainer(

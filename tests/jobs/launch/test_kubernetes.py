@@ -280,8 +280,8 @@ def test_a_pod_with_a_wrong_secret_is_refused(pods, tmp_path):
     pod_a = netns.on(ns_a, good_cmd, tmp_path, "secret-0.log", good_env)
     try:
         out = subprocess.run(
-            ["ip", "netns", "exec", ns_b, *bad_cmd], env=bad_env, cwd=tmp_path, capture_output=True, text=True,
-            timeout=120,
+            ["ip", "netns", "exec", ns_b, *bad_cmd], env=bad_env, cwd=tmp_path, capture_output=True,
+            text=True, timeout=120,
         )  # fmt: skip
     finally:
         netns.finish([pod_a], timeout=0)

@@ -66,9 +66,8 @@ def build(
     config = TrainerConfig(
         **{
             "run_dir": str(run_dir), "epochs": 2, "batch_size": 8, "seed": 0, "num_workers": 0,
-            "logging": LoggingConfig(progress=False, every_steps=4), "snapshot": SnapshotConfig(every_steps=5),
-        }
-        | options
+            "logging": LoggingConfig(progress=False, every_steps=4),
+            "snapshot": SnapshotConfig(every_steps=5), } | options
     )  # fmt: skip
     return Trainer({"g": g, "d": d}, optimizers, data, config, step_fn=step_fn)
 

@@ -142,8 +142,7 @@ class _Outputs:
 
     def on_step_end(self, trainer, taken, output) -> None:
         self.outputs.append(
-            {"step": output.step, "taken": taken, "loss": output.loss, "samples": output.samples, "lr": output.lr,
-             "grad_norm": output.grad_norm, "epoch": output.epoch}
+            {"step": output.step, "taken": taken, "loss": output.loss, "samples": output.samples, "lr": output.lr, "grad_norm": output.grad_norm, "epoch": output.epoch}
         )  # fmt: skip
 
 

@@ -40,8 +40,8 @@ ALLOWED: dict[tuple[str, str], str] = {
 """``(module, call)``: why that module may make that call itself."""
 
 _OS_PATH_CALLS = {
-    "replace", "rename", "renames", "unlink", "remove", "rmdir", "removedirs", "mkdir", "makedirs", "truncate",
-    "symlink", "link", "mkfifo", "mknod", "chmod", "chown",
+    "replace", "rename", "renames", "unlink", "remove", "rmdir", "removedirs", "mkdir", "makedirs",
+    "truncate", "symlink", "link", "mkfifo", "mknod", "chmod", "chown",
 }  # fmt: skip
 _SHUTIL_CALLS = {
     "rmtree",

@@ -26,15 +26,15 @@ SCHEMAS = {
     "JobSet": "jobset.json",
 }
 CASES = {  # golden file -> command line
-    "trainjob-2-nodes": ["--image", "reg/train:1", "--nodes", "2", "--gpus-per-node", "8", "--pvc", "runs",
-                         "train.py", "--lr", "0.1"],
-    "pytorchjob-3-nodes": ["--kind", "pytorchjob", "--image", "reg/train:1", "--nodes", "3", "--nproc", "2",
-                           "--cpu", "8", "--memory", "32Gi", "train.py"],
-    "jobset-2-nodes": ["--kind", "jobset", "--image", "reg/train:1", "--nodes", "2", "--namespace", "ml",
-                       "--env", "OMP_NUM_THREADS=4", "train.py"],
+    "trainjob-2-nodes": ["--image", "reg/train:1", "--nodes", "2", "--gpus-per-node", "8",
+                         "--pvc", "runs", "train.py", "--lr", "0.1"],
+    "pytorchjob-3-nodes": ["--kind", "pytorchjob", "--image", "reg/train:1", "--nodes", "3",
+                           "--nproc", "2", "--cpu", "8", "--memory", "32Gi", "train.py"],
+    "jobset-2-nodes": ["--kind", "jobset", "--image", "reg/train:1", "--nodes", "2",
+                       "--namespace", "ml", "--env", "OMP_NUM_THREADS=4", "train.py"],
     "jobset-1-node": ["--kind", "jobset", "--image", "reg/train:1", "--name", "solo", "train.py"],
-    "trainjob-1-node-cpu": ["--image", "reg/train:1", "--cpu", "6", "--memory", "16Gi", "--shm-size", "2Gi",
-                            "train.py"],
+    "trainjob-1-node-cpu": ["--image", "reg/train:1", "--cpu", "6", "--memory", "16Gi",
+                            "--shm-size", "2Gi", "train.py"],
 }  # fmt: skip
 
 

@@ -120,7 +120,8 @@ def test_the_same_variables_outside_kubernetes_stay_an_error():
 def test_ddpkit_run_in_a_pytorchjob_pod_takes_the_operators_nodes_rank_and_master():
     ours, _ = with_environment_defaults(SCRIPT, PYTORCHJOB_WORKER | {"PET_NPROC_PER_NODE": "2"})
     assert ours == [
-        "--nnodes", "3", "--nproc", "2", "--node-rank", "2", "--rdzv-endpoint", "digits-master-0:23456", "train.py",
+        "--nnodes", "3", "--nproc", "2", "--node-rank", "2", "--rdzv-endpoint",
+        "digits-master-0:23456", "train.py",
     ]  # fmt: skip
 
 

@@ -28,8 +28,8 @@ def _weights(tmp_path, name, callbacks=(), **config):
     model = torch.nn.Linear(4, 1)
     data = TensorDataset(torch.randn(48, 4), torch.randn(48, 1))
     cfg = TrainerConfig(
-        run_dir=str(tmp_path / name), batch_size=4, epochs=1, num_workers=0, logging=LoggingConfig(progress=False),
-        **config,
+        run_dir=str(tmp_path / name), batch_size=4, epochs=1, num_workers=0,
+        logging=LoggingConfig(progress=False), **config,
     )  # fmt: skip
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     trainer = ddpkit.Trainer(
