@@ -200,8 +200,10 @@ def test_a_restarted_worker_resumes_its_own_run_under_resume_false(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_epoch_loss_after_a_resume_from_memory_is_the_uninterrupted_runs(
-    tmp_path, job_env, plain_reference
-):  # noqa: F811
+    tmp_path,
+    job_env,  # noqa: F811
+    plain_reference,  # noqa: F811
+):
     # Copies in memory after every step, none on disk: rank 1 is SIGKILLed just after step 13 (in
     # step 14, or in a copy); the copy resumed from holds each rank's losses since step 10's
     # agreement (not yet agreed on), and the agreement at step 20 sums the same values.
