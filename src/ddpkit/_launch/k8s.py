@@ -54,13 +54,14 @@ def notes(cfg: ManifestConfig, path: str | None) -> list[str]:
     return lines
 
 
-DESCRIPTION = """Write the Kubernetes manifest that trains SCRIPT on NODES pods, one `ddpkit run` per pod.
+DESCRIPTION = """Write the Kubernetes manifest that trains SCRIPT on NODES pods, one `ddpkit run`
+per pod.
 
-TrainJob (Kubeflow Trainer v2) by default; PyTorchJob (training-operator v1) or JobSet with --kind. Each pod
-gets a /dev/shm volume for the snapshots in memory and, across nodes, the job's secret from a Kubernetes
-Secret. A pod stopped by a signal after its snapshot (exit code 75) or disrupted (a node drained or lost) is
-recreated and the job resumes; the script's error fails the job. Nothing is sent to a cluster: apply the file
-with kubectl. Everything after SCRIPT is passed to the script."""
+TrainJob (Kubeflow Trainer v2) by default; PyTorchJob (training-operator v1) or JobSet with --kind.
+Each pod gets a /dev/shm volume for the snapshots in memory and, across nodes, the job's secret from
+a Kubernetes Secret. A pod stopped by a signal after its snapshot (exit code 75) or disrupted (a
+node drained or lost) is recreated and the job resumes; the script's error fails the job. Nothing is
+sent to a cluster: apply the file with kubectl. Everything after SCRIPT is passed to the script."""
 
 EXAMPLES = """examples:
   ddpkit k8s --image registry/train:1 --nodes 4 --gpus-per-node 8 --pvc runs train.py --lr 0.1

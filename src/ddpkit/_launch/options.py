@@ -256,19 +256,21 @@ def resolve_nproc(nproc: str, oversubscribe: bool = False) -> int:
 
 DESCRIPTION = """Start SCRIPT on every process of this node under torchrun's elastic agent.
 
-One process per GPU (or a share of the CPU cores) by default. Each process finds its rank, world size and
-device with ddpkit.init(). Local rank 0's output goes to the terminal; the other ranks' output goes to
-LOG_DIR/<date>-<time>-<pid>/, whose path is printed when the job fails. Everything after SCRIPT is passed to
-the script, including options that look like these.
+One process per GPU (or a share of the CPU cores) by default. Each process finds its rank, world
+size and device with ddpkit.init(). Local rank 0's output goes to the terminal; the other ranks'
+output goes to LOG_DIR/<date>-<time>-<pid>/, whose path is printed when the job fails. Everything
+after SCRIPT is passed to the script, including options that look like these.
 
 One node: the rendezvous, the workers' store and gloo listen on 127.0.0.1 only.
 
-Several nodes: run the same command on each, with --nnodes and --rdzv-endpoint naming a host:port on one of
-them; that node hosts the rendezvous, and each node's own address and network interface are worked out. Every
-node must hold the job's secret (DDPKIT_RDZV_SECRET, or --rdzv-secret-file); the rendezvous admits no other.
+Several nodes: run the same command on each, with --nnodes and --rdzv-endpoint naming a host:port on
+one of them; that node hosts the rendezvous, and each node's own address and network interface are
+worked out. Every node must hold the job's secret (DDPKIT_RDZV_SECRET, or --rdzv-secret-file); the
+rendezvous admits no other.
 
-Exit code: 0 when every worker finished, 75 when the workers were stopped by a signal (SIGTERM/SIGUSR1) and
-saved a snapshot (run the command again to resume), else the first failed worker's code."""
+Exit code: 0 when every worker finished, 75 when the workers were stopped by a signal
+(SIGTERM/SIGUSR1) and saved a snapshot (run the command again to resume), else the first failed
+worker's code."""
 
 
 EXAMPLES = """examples:

@@ -302,9 +302,10 @@ def submit(cfg: BatchConfig, dry_run: bool = False) -> tuple[Path, str | None]:
 
 DESCRIPTION = """Write a SLURM batch script for SCRIPT and submit it.
 
-Every task runs `python SCRIPT ARGS` and finds its rank with ddpkit.init(). Before the time limit SLURM sends
-SIGUSR1; the Trainer saves a snapshot and exits with code 75, and the batch script requeues the job, which
-resumes from the snapshot. Everything after SCRIPT is passed to the script."""
+Every task runs `python SCRIPT ARGS` and finds its rank with ddpkit.init(). Before the time limit
+SLURM sends SIGUSR1; the Trainer saves a snapshot and exits with code 75, and the batch script
+requeues the job, which resumes from the snapshot. Everything after SCRIPT is passed to the
+script."""
 
 EXAMPLES = """examples:
   ddpkit sbatch --nodes 2 --gpus-per-node 4 --time 4:00:00 train.py --lr 0.1
