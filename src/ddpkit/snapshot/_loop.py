@@ -205,7 +205,9 @@ class Snapshots:
                 runtime=rt, run_dir=Path(run_dir), strategy=self.model, schedule=self.schedule,
                 states={**self.parts, STREAMS: self.streams},
                 record=_Record(self._record, self._check_record),
-                global_micro_batch=getattr(loader.batch_sampler, "global_batch_size", 0) if loader else 0,
+                global_micro_batch=(
+                    getattr(loader.batch_sampler, "global_batch_size", 0) if loader else 0
+                ),
                 position=self._position, log=lambda kind, step, record: None,
             )  # fmt: skip
             self.memory = open_memory_snapshots(parts, memory_every_steps)

@@ -23,19 +23,21 @@ _T = 1e12
 # bf16 with fp32 accumulation (what PyTorch's matmuls use), fp32 without tensor cores. Where a card
 # has no TF32 (Volta, Turing), fp32 matmuls run at the fp32 peak; where it has no bf16, bf16 is
 # absent (no MFU).
-#   H100 SXM / PCIe / NVL: NVIDIA H100 Tensor Core GPU datasheet (2023): bf16 989.4 / 756.5 / 835, tf32 494.7 /
-#     378 / 417.5, fp32 66.9 / 51.2 / 60 TFLOPS (the datasheet's "with sparsity" figures halved).
-#   H200 SXM / NVL: NVIDIA H200 datasheet (2024): as the H100 SXM / NVL (the same compute, more memory).
+#   H100 SXM / PCIe / NVL: NVIDIA H100 Tensor Core GPU datasheet (2023): bf16 989.4 / 756.5 / 835,
+#     tf32 494.7 / 378 / 417.5, fp32 66.9 / 51.2 / 60 TFLOPS (the datasheet's "with sparsity"
+#     figures halved).
+#   H200 SXM / NVL: NVIDIA H200 datasheet (2024): as the H100 SXM / NVL (the same compute, more
+#     memory).
 #   A100 40GB and 80GB, SXM and PCIe: NVIDIA A100 datasheet: bf16 312, tf32 156, fp32 19.5 TFLOPS.
 #   L4: NVIDIA L4 datasheet: bf16 121, tf32 60, fp32 30.3 TFLOPS (sparsity halved).
-#   A10G: AWS's variant of the A10, with no datasheet of its own; the NVIDIA A10 datasheet's bf16 125, tf32 62.5,
-#     fp32 31.2 TFLOPS (sparsity halved).
+#   A10G: AWS's variant of the A10, with no datasheet of its own; the NVIDIA A10 datasheet's bf16
+#     125, tf32 62.5, fp32 31.2 TFLOPS (sparsity halved).
 #   V100 SXM2 / PCIe: NVIDIA V100 datasheet: fp16 125 / 112, fp32 15.7 / 14 TFLOPS.
 #   T4: NVIDIA T4 datasheet: fp16 65, fp32 8.1 TFLOPS.
-#   RTX 4090: NVIDIA Ada GPU architecture whitepaper, appendix: fp16/bf16 with fp32 accumulate 165.2, tf32
-#     82.6, fp32 82.6 TFLOPS.
-#   RTX 3090: NVIDIA Ampere GA102 GPU architecture whitepaper: fp16/bf16 with fp32 accumulate 71, tf32 35.6,
-#     fp32 35.6 TFLOPS.
+#   RTX 4090: NVIDIA Ada GPU architecture whitepaper, appendix: fp16/bf16 with fp32 accumulate
+#     165.2, tf32 82.6, fp32 82.6 TFLOPS.
+#   RTX 3090: NVIDIA Ampere GA102 GPU architecture whitepaper: fp16/bf16 with fp32 accumulate 71,
+#     tf32 35.6, fp32 35.6 TFLOPS.
 _PEAKS: list[tuple[str, dict[str, float]]] = [
     (r"H100.*PCIe", {"bf16": 756.5, "fp16": 756.5, "tf32": 378.0, "fp32": 51.2}),
     (r"H100.*NVL|H200.*NVL", {"bf16": 835.0, "fp16": 835.0, "tf32": 417.5, "fp32": 60.0}),
