@@ -35,7 +35,7 @@ The agent's stages come from torch's elastic agent, instrumented in the launcher
 (``python bench/goodput.py launch``): its methods are wrapped to write a timestamp, nothing else
 changes.
 
-    python bench/goodput.py                         # T=60 s, 30000 samples x 20 epochs, every variant
+    python bench/goodput.py  # T=60 s, 30000 samples x 20 epochs, every variant
     python bench/goodput.py --interval 30 --epochs 5 --variants memory,tutorial
     python bench/goodput.py --interval 30 --nproc 8 --variants memory --failures-only
 """

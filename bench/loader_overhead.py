@@ -24,8 +24,8 @@ rounds of the per-round ratio with a distribution-free 95% interval. Targets:
 ``trainer / hand`` holds the Trainer's own per-step work as well (see
 ``bench/trainer_overhead.py --model tiny``).
 
-    python bench/loader_overhead.py                   # 2 ranks, batch 32 per rank, hidden 384, 400 rounds
-    python bench/loader_overhead.py --nproc 1         # one process: no all-reduce in the step
+    python bench/loader_overhead.py            # 2 ranks, batch 32 per rank, hidden 384, 400 rounds
+    python bench/loader_overhead.py --nproc 1  # one process: no all-reduce in the step
 """
 
 from __future__ import annotations

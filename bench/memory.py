@@ -22,9 +22,12 @@ Two memory measures, per rank:
 Step time: median over the measured steps of each strategy, as a ratio to ddp's in the same round;
 reported: the median ratio over rounds.
 
-    python bench/memory.py                       # 2 ranks, 59 M parameters, 2 rounds of 3 steps
-    python bench/memory.py --width 512 --blocks 4 --rounds 1    # a quick look
-    python bench/memory.py --device cpu                          # CPU ranks over gloo on a GPU machine
+    # 2 ranks, 59 M parameters, 2 rounds of 3 steps
+    python bench/memory.py
+    # a quick look
+    python bench/memory.py --width 512 --blocks 4 --rounds 1
+    # CPU ranks over gloo on a GPU machine
+    python bench/memory.py --device cpu
 """
 
 from __future__ import annotations

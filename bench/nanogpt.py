@@ -36,8 +36,10 @@ comparison are reported for every round. The Trainer draws its batches from a sh
 instead: its losses are not compared.
 
     git clone https://github.com/karpathy/nanoGPT ~/nanoGPT
-    python bench/nanogpt.py --nanogpt ~/nanoGPT                        # 8 rounds x 40 iterations, ~5 minutes
-    python bench/nanogpt.py --nanogpt ~/nanoGPT --rounds 2 --iters 20  # a quick check
+    # 8 rounds x 40 iterations, ~5 minutes
+    python bench/nanogpt.py --nanogpt ~/nanoGPT
+    # a quick check
+    python bench/nanogpt.py --nanogpt ~/nanoGPT --rounds 2 --iters 20
 """
 
 from __future__ import annotations

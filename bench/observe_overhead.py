@@ -12,8 +12,10 @@ which other processes' load on a shared machine moves far less than wall time. R
 of the per-round ratios on / off, with a distribution-free 95% interval, and the difference in
 microseconds a step. Targets: <= 1.005 on the CNN's step, <= 1.02 on the tiny model's.
 
-    python bench/observe_overhead.py                 # the digits CNN (ddpkit.demo), 2 ranks, batch 64 per rank
-    python bench/observe_overhead.py --model tiny    # one linear layer: ~1 ms steps, where a per-step cost shows
+    # the digits CNN (ddpkit.demo), 2 ranks, batch 64 per rank
+    python bench/observe_overhead.py
+    # one linear layer: ~1 ms steps, where a per-step cost shows
+    python bench/observe_overhead.py --model tiny
 """
 
 from __future__ import annotations

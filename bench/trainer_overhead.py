@@ -22,9 +22,12 @@ differences).
 The loaders: the same rounds time one epoch of ``build_loader`` and one of ``DataLoader`` +
 ``DistributedSampler`` (same dataset, batch, no workers) with nothing else in the loop, per batch.
 
-    python bench/trainer_overhead.py                      # 2 ranks, gloo, batch 64 per rank
-    python bench/trainer_overhead.py --batch-size 24      # ~20 ms steps on a 2-core machine
-    python bench/trainer_overhead.py --model tiny         # a linear layer: ~1-2 ms steps, the cost in us
+    # 2 ranks, gloo, batch 64 per rank
+    python bench/trainer_overhead.py
+    # ~20 ms steps on a 2-core machine
+    python bench/trainer_overhead.py --batch-size 24
+    # a linear layer: ~1-2 ms steps, the cost in us
+    python bench/trainer_overhead.py --model tiny
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """Hyper-parameter search over the digits CNN: every candidate trains with DDP on its own group of
 ranks.
 
-    ddpkit run --nproc 4 examples/digits_search.py --trials 12            # 2 candidates at a time, 2 ranks each
-    ddpkit run --nproc 2 --max-restarts 2 examples/digits_search.py       # survives a crash, same study
+    # 2 candidates at a time, 2 ranks each
+    ddpkit run --nproc 4 examples/digits_search.py --trials 12
+    # survives a crash, same study
+    ddpkit run --nproc 2 --max-restarts 2 examples/digits_search.py
 
 The study (a journal file), each trial's run directory, trials.csv and the plots are in
 --search-dir; run it again with the same folder and it goes on where it stopped, up to --trials

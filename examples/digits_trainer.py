@@ -2,7 +2,8 @@
 metrics.
 
     ddpkit run --nproc 2 examples/digits_trainer.py --run-dir runs/digits
-    ddpkit run --nproc 2 --max-restarts 3 examples/digits_trainer.py --run-dir runs/digits   # survives crashes
+    # survives crashes
+    ddpkit run --nproc 2 --max-restarts 3 examples/digits_trainer.py --run-dir runs/digits
 
 Run it again with the same --run-dir and it resumes from the newest snapshot; kill a worker
 (``kill -9 <pid>``) under ``--max-restarts`` and the agent restarts the job, which resumes on its

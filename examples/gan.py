@@ -1,7 +1,8 @@
 """A GAN on the Trainer: a generator and a discriminator, two optimizers, one step function.
 
     ddpkit run --nproc 2 examples/gan.py --run-dir runs/gan
-    ddpkit run --nproc 2 --max-restarts 1 examples/gan.py --run-dir runs/gan   # resumes both models after a crash
+    # resumes both models after a crash
+    ddpkit run --nproc 2 --max-restarts 1 examples/gan.py --run-dir runs/gan
     python examples/gan.py
 
 The data is a ring of 8 Gaussians in the plane (std 0.05, radius 2). The Trainer wraps both models
