@@ -341,8 +341,16 @@ def plot(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shown = ["launch to first step", "restart to first step", "save (whole)", "load (whole)", "memory copy",
-             "evaluate (whole)", "split_world (whole)", "async save: stall"]  # fmt: skip
+    shown = [
+        "launch to first step",
+        "restart to first step",
+        "save (whole)",
+        "load (whole)",
+        "memory copy",
+        "evaluate (whole)",
+        "split_world (whole)",
+        "async save: stall",
+    ]
     fig, axes = plt.subplots(
         1, len(tensor_counts), figsize=(6 * len(tensor_counts), 4.5), squeeze=False
     )

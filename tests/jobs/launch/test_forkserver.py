@@ -168,9 +168,9 @@ def test_a_fork_server_killed_during_the_job_leaves_the_restart_to_new_interpret
     out = job(clean_env, tmp_path, "--max-restarts", "1", mode="kill-server-first")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "workers start as new interpreters (the fork server cannot fork them" in out.stderr
-    assert [found(tmp_path, rank, attempt)["preloaded"] for attempt in (0, 1) for rank in (0, 1)] == [
-        True, True, False, False
-    ]  # fmt: skip
+    assert [
+        found(tmp_path, rank, attempt)["preloaded"] for attempt in (0, 1) for rank in (0, 1)
+    ] == [True, True, False, False]
     assert ended(tmp_path, 1, 1) == ["atexit", "executor", "thread"]
 
 

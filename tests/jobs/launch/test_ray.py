@@ -53,8 +53,13 @@ TOKEN = secrets.token_hex(32)
 
 
 def _ray(ns: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", "netns", "exec", ns, RAY, *args], env=_ray_env(ns), capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    return subprocess.run(
+        ["ip", "netns", "exec", ns, RAY, *args],
+        env=_ray_env(ns),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def _start_worker_node(ns: str, addr: str, head: str) -> None:
@@ -68,8 +73,16 @@ def cluster():
     if not PYTHON.exists():
         pytest.skip("no .venv-ray with Ray: VENV=.venv-ray bash scripts/setup.sh ray,examples")
     with netns.two_nodes(f"dray{os.getpid() % 1000}") as ((ns_a, addr_a), (ns_b, addr_b)):
-        head = _ray(ns_a, "start", "--head", f"--node-ip-address={addr_a}", "--port=6379", "--num-cpus=1",
-                    "--include-dashboard=false", "--disable-usage-stats")  # fmt: skip
+        head = _ray(
+            ns_a,
+            "start",
+            "--head",
+            f"--node-ip-address={addr_a}",
+            "--port=6379",
+            "--num-cpus=1",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+        )
         assert head.returncode == 0, head.stderr[-3000:]
         try:
             _start_worker_node(ns_b, addr_b, addr_a)
@@ -120,8 +133,13 @@ def run(
         "--facts",
         str(facts),
     ]
-    proc = subprocess.Popen(["ip", "netns", "exec", ns_a, *cmd, *args], env=_ray_env(ns_a),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        ["ip", "netns", "exec", ns_a, *cmd, *args],
+        env=_ray_env(ns_a),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     if during is not None:
         during(facts)
     out, _ = proc.communicate(timeout=600)
@@ -210,9 +228,15 @@ def test_a_node_drained_for_preemption_gets_a_snapshot_at_once_then_resumes_to_t
         )
         node_b = next(json.loads(p.read_text())["node_id"] for p in facts.glob("*.json")
                       if json.loads(p.read_text())["ip"] == addr_b)  # fmt: skip
-        drained = _ray(ns_b, "drain-node", f"--address={addr_a}:6379", f"--node-id={node_b}",
-                       "--reason=DRAIN_NODE_REASON_PREEMPTION", "--reason-message=spot instance reclaimed",
-                       "--deadline-remaining-seconds=10")  # fmt: skip
+        drained = _ray(
+            ns_b,
+            "drain-node",
+            f"--address={addr_a}:6379",
+            f"--node-id={node_b}",
+            "--reason=DRAIN_NODE_REASON_PREEMPTION",
+            "--reason-message=spot instance reclaimed",
+            "--deadline-remaining-seconds=10",
+        )
         assert drained.returncode == 0, drained.stderr[-3000:]
         noticed = run_dir / "snapshots" / "step-00000020" / "complete.json"
         left = max(0.0, deadline - time.monotonic())  # one deadline for both waits

@@ -142,8 +142,16 @@ class _Outputs:
 
     def on_step_end(self, trainer, taken, output) -> None:
         self.outputs.append(
-            {"step": output.step, "taken": taken, "loss": output.loss, "samples": output.samples, "lr": output.lr, "grad_norm": output.grad_norm, "epoch": output.epoch}
-        )  # fmt: skip
+            {
+                "step": output.step,
+                "taken": taken,
+                "loss": output.loss,
+                "samples": output.samples,
+                "lr": output.lr,
+                "grad_norm": output.grad_norm,
+                "epoch": output.epoch,
+            }
+        )
 
 
 def _with_outputs(run_dir: str) -> list[dict]:

@@ -54,8 +54,18 @@ _SHUTIL_CALLS = {
     "copystat",
     "make_archive",
 }
-_PATH_METHODS = {"write_text", "write_bytes", "unlink", "mkdir", "rename", "touch", "rmdir", "symlink_to",
-                 "hardlink_to", "chmod"}  # fmt: skip
+_PATH_METHODS = {
+    "write_text",
+    "write_bytes",
+    "unlink",
+    "mkdir",
+    "rename",
+    "touch",
+    "rmdir",
+    "symlink_to",
+    "hardlink_to",
+    "chmod",
+}
 _WRITE_FLAGS = {"O_CREAT", "O_WRONLY", "O_RDWR", "O_TRUNC", "O_APPEND"}
 _TO_FILE_OBJECT = {"savefig": 0, "save": 1, "savez": 0, "savetxt": 0, "tofile": 0}
 """Calls that write to their argument at this position: fine into a file object (``io.BytesIO``, the

@@ -53,6 +53,11 @@ print("ok")
 def test_the_key_value_store_is_as_relied_on_and_a_changed_one_is_named(tmp_path):
     """The check passes on the installed Ray; controls: Ray's module without ``_internal_kv_put``,
     and with its ``overwrite`` keyword renamed, are each reported with Ray's version."""
-    out = subprocess.run([RAY_PYTHON, "-c", CHECK, str(tmp_path)], capture_output=True, text=True, timeout=120,
-                         env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"})  # fmt: skip
+    out = subprocess.run(
+        [RAY_PYTHON, "-c", CHECK, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"},
+    )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]

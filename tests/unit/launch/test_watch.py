@@ -27,8 +27,18 @@ class Clock:
         return self.now
 
 
-def write(folder: Path, rank: int, *, step: int, phase: int = Phase.LOOP, coll: int = 0, seq: int = 1, steps=None,
-          last_step: float = 0.1, pid: int = 0) -> None:  # fmt: skip
+def write(
+    folder: Path,
+    rank: int,
+    *,
+    step: int,
+    phase: int = Phase.LOOP,
+    coll: int = 0,
+    seq: int = 1,
+    steps=None,
+    last_step: float = 0.1,
+    pid: int = 0,
+) -> None:
     steps = step if steps is None else steps
     data = RECORD.pack(MAGIC, pid or 100 + rank, 1, phase, seq, step, steps, coll, 0.0, last_step)
     (folder / f"rank{rank}.progress").write_bytes(data)

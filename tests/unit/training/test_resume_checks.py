@@ -102,8 +102,13 @@ def _events(run_dir, name: str) -> list[dict]:
 
 @pytest.mark.parametrize(
     ("old", "new", "scaler"),
-    [("fp32", "bf16", None), ("bf16", "fp32", None), ("fp16", "fp32", "dropped"), ("fp32", "fp16", "fresh")]
-)  # fmt: skip
+    [
+        ("fp32", "bf16", None),
+        ("bf16", "fp32", None),
+        ("fp16", "fp32", "dropped"),
+        ("fp32", "fp16", "fresh"),
+    ],
+)
 def test_a_precision_change_resumes_with_a_warning_that_it_is_not_bitwise(
     tmp_path, capsys, old, new, scaler
 ):

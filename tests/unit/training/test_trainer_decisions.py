@@ -231,8 +231,9 @@ class _Notice:
         (1, 2, [4, 8, 12]),
     ],
 )
-def test_a_preemption_notice_snapshots_at_once_and_training_goes_on(tmp_path, monkeypatch, every_epochs, at,
-                                                                     snapshots):  # fmt: skip
+def test_a_preemption_notice_snapshots_at_once_and_training_goes_on(
+    tmp_path, monkeypatch, every_epochs, at, snapshots
+):
     notice = _Notice(at)
     monkeypatch.setattr(
         "ddpkit.distributed._signals.preemption_notice", lambda launcher, group=None: notice
