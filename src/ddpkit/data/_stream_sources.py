@@ -301,8 +301,10 @@ class IterableStream(Stream):
         self._calls = source_checks.is_factory(dataset)
         if num_records is None:
             num_records = (
-                len(dataset) if hasattr(dataset, "__len__") else sum(1 for _ in self._start())
-            )  # type: ignore[arg-type]
+                len(dataset)  # type: ignore[arg-type]
+                if hasattr(dataset, "__len__")
+                else sum(1 for _ in self._start())
+            )
         if num_records < 0:
             raise ConfigError(f"num_records={num_records}: a stream's length cannot be negative")
         self.num_records = int(num_records)
