@@ -21,11 +21,12 @@ Goodput = (a)'s time / (b)'s time. Steps lost per failure: the steps any rank co
 kill minus the step resumed from. A recovery is timed from the kill to the first step after it, in
 stages, each the latest over the ranks:
 
-    kill -> detected (the agent sees a worker gone) -> torn down (the other workers stopped) -> rendezvous
-    (the agents agree on the new world) -> spawned (worker processes created) -> process start (the kernel's
-    start time of the worker) -> script (the job's first line: the interpreter and ``ddpkit.worker`` started)
-    -> imports (torch, ddpkit) -> init (process group) -> data (the data set mapped from its file) -> built
-    (model, Trainer) -> loaded (snapshot read) -> first step
+    kill -> detected (the agent sees a worker gone) -> torn down (the other workers stopped)
+    -> rendezvous (the agents agree on the new world) -> spawned (worker processes created)
+    -> process start (the kernel's start time of the worker) -> script (the job's first line: the
+    interpreter and ``ddpkit.worker`` started) -> imports (torch, ddpkit) -> init (process group)
+    -> data (the data set mapped from its file) -> built (model, Trainer) -> loaded (snapshot read)
+    -> first step
 
 The data set is written to a file once, before the runs, and each start maps it
 (``torch.load(mmap=True)``), as a job reads its data set: made afresh at each start (``randn`` of

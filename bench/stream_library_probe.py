@@ -16,10 +16,12 @@ Not part of the test suite and not dependencies of ddpkit: both libraries pull a
 (through torchvision) and mosaicml-streaming pins numpy<2.2, so install them beside the CPU torch
 without their dependencies:
 
-    .venv/bin/pip install --no-deps mosaicml-streaming==0.13.0 transformers==4.57.6 huggingface_hub==0.36.2 \
-        tokenizers==0.22.2 safetensors regex Brotli python-snappy cramjam zstd catalogue
+    .venv/bin/pip install --no-deps mosaicml-streaming==0.13.0 transformers==4.57.6 \
+        huggingface_hub==0.36.2 tokenizers==0.22.2 safetensors regex Brotli python-snappy cramjam \
+        zstd catalogue
     .venv/bin/python bench/stream_library_probe.py [N] [global_batch]
-    .venv/bin/pip install --no-deps litdata==0.2.76 lightning-utilities obstore boto3 botocore s3transfer jmespath
+    .venv/bin/pip install --no-deps litdata==0.2.76 lightning-utilities obstore boto3 botocore \
+        s3transfer jmespath
     .venv/bin/python bench/stream_library_probe.py --litdata
 
 Its package ``__init__`` imports its vision and multimodal datasets, hence torchvision, whose wheels

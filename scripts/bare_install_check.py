@@ -23,14 +23,17 @@ import ddpkit
 from ddpkit import SnapshotConfig, Trainer, TrainerConfig
 from ddpkit.training._callbacks import Callback
 
-EXTRAS = ("sklearn", "optuna", "matplotlib", "tqdm", "tensorboard", "mlflow", "wandb", "safetensors")
+EXTRAS = (
+    "sklearn", "optuna", "matplotlib", "tqdm", "tensorboard", "mlflow", "wandb", "safetensors"
+)
 
 
 class KillOnce(Callback):
     """Rank 1 SIGKILLs itself after step 5 of the first attempt."""
 
     def on_step_end(self, trainer, taken, output):
-        if kill and trainer.step == 5 and ddpkit.get_runtime().rank == 1 and ddpkit.get_runtime().restart_count == 0:
+        rt = ddpkit.get_runtime()
+        if kill and trainer.step == 5 and rt.rank == 1 and rt.restart_count == 0:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -40,7 +43,9 @@ ddpkit.seed_everything(0)
 g = torch.Generator().manual_seed(0)
 inputs, targets = torch.randn(96, 8, generator=g), torch.randint(0, 3, (96,), generator=g)
 data = torch.utils.data.TensorDataset(inputs, targets)
-model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(16, 3))
+model = torch.nn.Sequential(
+    torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(16, 3)
+)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 config = TrainerConfig(
     run_dir=run_dir, epochs=3, batch_size=8, num_workers=0,

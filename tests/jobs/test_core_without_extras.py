@@ -34,7 +34,8 @@ from ddpkit import Trainer, TrainerConfig
 ddpkit.init()
 data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
 model = torch.nn.Linear(4, 2)
-Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, TrainerConfig(run_dir=sys.argv[1], epochs=1, batch_size=8, num_workers=0)).fit()
+config = TrainerConfig(run_dir=sys.argv[1], epochs=1, batch_size=8, num_workers=0)
+Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, config).fit()
 """
 
 
@@ -100,7 +101,8 @@ except ModuleNotFoundError:
     pass
 for size in {SIZES!r}:
     data = bytes((i * 7 + size) % 251 for i in range(size))
-    tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+    empty = torch.empty(0, dtype=torch.uint8)
+    tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8) if size else empty
     assert block_crcs(tensor) == block_crcs(data), size
     print(block_crcs(tensor).hex())
 """

@@ -267,7 +267,8 @@ from ddpkit._launch.spawn import spawn
 from ddpkit.tools._bench import _start_method, compare_data_parallel
 from ddpkit.tools._steptime import Knobs, measure_steps
 
-# As a workload script may: it initialises the CUDA driver here, which a forked rank then cannot use.
+# As a workload script may: it initialises the CUDA driver here, which a forked rank then cannot
+# use.
 assert torch.cuda.is_available()
 job = functools.partial(measure_steps, None, Knobs(pin_memory=True), 20, 5, True, True)
 one = spawn(job, 1, start_method=_start_method())[0]

@@ -122,7 +122,8 @@ import ddpkit
 from torch.utils.data import Dataset
 
 rt = ddpkit.init()  # a world of one, on the GPU where there is one
-model = torch.nn.Linear(3, 3).to(rt.device)  # as in training, the model is on the device before any batch
+# As in training, the model is on the device before any batch.
+model = torch.nn.Linear(3, 3).to(rt.device)
 
 
 class DrawsOnTheDevice(Dataset):
@@ -134,7 +135,9 @@ class DrawsOnTheDevice(Dataset):
 
 
 def draws(seed_samples, cursor=0, bs=4):
-    loader = ddpkit.build_loader(DrawsOnTheDevice(), bs, seed=5, num_workers=0, seed_samples=seed_samples)
+    loader = ddpkit.build_loader(
+        DrawsOnTheDevice(), bs, seed=5, num_workers=0, seed_samples=seed_samples
+    )
     loader.batch_sampler.set_position(0, cursor)  # a run resumed after `cursor` samples of epoch 0
     return {int(i): x.tolist() for xs, idx in loader for x, i in zip(xs, idx)}
 
@@ -150,9 +153,13 @@ def stream_moved(seed_samples):
 out = {}
 for seeded in (True, False):
     whole, resumed = draws(seeded), draws(seeded, cursor=8)
-    out[str(seeded)] = {"resumed_equal": all(resumed[i] == whole[i] for i in resumed), "resumed": len(resumed),
-                        "stream_moved": stream_moved(seeded)}
-if rt.device.type == "cuda":  # what is not supported: CUDA in a loader worker forked from a process using it
+    out[str(seeded)] = {
+        "resumed_equal": all(resumed[i] == whole[i] for i in resumed),
+        "resumed": len(resumed),
+        "stream_moved": stream_moved(seeded),
+    }
+# What is not supported: CUDA in a loader worker forked from a process using it.
+if rt.device.type == "cuda":
     try:
         next(iter(ddpkit.build_loader(DrawsOnTheDevice(), 4, seed=5, num_workers=2)))
         out["forked_workers"] = "ran"
@@ -198,8 +205,9 @@ unpinned = [t.clone() for t in batch]
 plain = ddpkit.build_loader(data, 8, num_workers=0, pin_memory=False)
 out["control_pin_false"] = [plain.pin_memory, next(iter(plain))[0].is_pinned()]
 if rt.device.type == "cuda":
-    # A kernel that keeps the GPU busy (torch's spin kernel; cycles measured first) makes the difference
-    # between a copy that waits for the GPU and one that is queued behind its work observable on the host.
+    # A kernel that keeps the GPU busy (torch's spin kernel; cycles measured first) makes the
+    # difference between a copy that waits for the GPU and one that is queued behind its work
+    # observable on the host.
     def spin(cycles):
         t0 = time.perf_counter()
         torch.cuda._sleep(cycles)
@@ -280,7 +288,8 @@ def rank_job(bf16):
     rt = ddpkit.init()
     m = ddpkit.prepare_model(model())
     m.train()
-    m(x[:32].to(rt.device)).sum().backward()  # a training forward: BatchNorm's running statistics move
+    # A training forward: BatchNorm's running statistics move.
+    m(x[:32].to(rt.device)).sum().backward()
     autocast = (lambda: torch.autocast(rt.device.type, dtype=torch.bfloat16)) if bf16 else None
     metrics = ddpkit.evaluate(m, data, metric_fn, batch_size=64, autocast=autocast)
     return metrics | {"device": str(rt.device), "backend": rt.backend}
@@ -288,7 +297,8 @@ def rank_job(bf16):
 
 n = int(sys.argv[1])
 fp32, bf16 = (ddpkit.spawn(rank_job, n, args=(b,)) for b in (False, True))
-# The reference: one process, float64, on the CPU, with the statistics the first training forward left.
+# The reference: one process, float64, on the CPU, with the statistics the first training forward
+# left.
 ref = model().double()
 ref.train()
 ref(x[:32].double())
@@ -352,15 +362,17 @@ def state_bytes(tensors):
 def train(name, options):
     rt = ddpkit.get_runtime()
     cuda = rt.device.type == "cuda"
-    gc.collect()  # what an earlier strategy left is freed before the baseline, not during this one's steps
+    # What an earlier strategy left is freed before the baseline, not during this one's steps.
+    gc.collect()
     if cuda:
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated(rt.device)
         torch.cuda.reset_peak_memory_stats(rt.device)
     torch.manual_seed(0)
     model = nn.Sequential(*[Block(256) for _ in range(2)])
-    strategy = build_strategy(strategy_config(name, options), model, torch.optim.Adam(model.parameters(), lr=1e-3),
-                              runtime=rt)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    strategy = build_strategy(strategy_config(name, options), model, optimizer, runtime=rt)
+    del optimizer
     del model
     g = torch.Generator().manual_seed(rt.rank)
     for _ in range(5):
@@ -375,7 +387,9 @@ def train(name, options):
     sizes = {
         "params": state_bytes(strategy.model.parameters()),
         "grads": grads,
-        "optimizer": state_bytes(v for s in optim.state.values() for v in s.values() if torch.is_tensor(v)),
+        "optimizer": state_bytes(
+            v for s in optim.state.values() for v in s.values() if torch.is_tensor(v)
+        ),
         "peak_cuda": torch.cuda.max_memory_allocated(rt.device) - base if cuda else None,
         "after_backward_cuda": after_backward,
     }
@@ -438,7 +452,7 @@ def test_zero_and_fsdp_train_what_ddp_trains_with_a_share_of_its_memory(
                 f"\nrank {rank} of {n}, MiB of max_memory_allocated (of state): "
                 + ", ".join(
                     f"{name} {sizes[name]['peak_cuda'] / mib:.2f} "
-                    f"({(sizes[name]['params'] + sizes[name]['grads'] + sizes[name]['optimizer']) / mib:.2f})"
+                    f"({sum(sizes[name][k] for k in ('params', 'grads', 'optimizer')) / mib:.2f})"
                     for name in ("ddp", "zero", "fsdp")
                 )
                 + ("; one rank: the 1/N shares need 2 GPUs" if n == 1 else "")

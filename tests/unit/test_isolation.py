@@ -60,7 +60,8 @@ def test_leaves_every_global_set(tmp_path):
     forked_workers._server = object()  # stands for the job's fork server, as the agent keeps it
     runtime._store_of = (("env://", 0, 2), object())  # a rendezvous store kept across init()s
     runtime._group_store = object()
-    progress._buf, progress._ints, progress._floats = object(), object(), object()  # a record left mapped
+    # A record left mapped.
+    progress._buf, progress._ints, progress._floats = object(), object(), object()
 
 
 def test_finds_them_as_at_import():

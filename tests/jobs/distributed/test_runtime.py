@@ -21,7 +21,8 @@ import json, os
 import torch.distributed as dist
 import ddpkit
 
-out = {"leaked": sorted(k for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR") if k in os.environ)}
+launch_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
+out = {"leaked": sorted(k for k in launch_vars if k in os.environ)}
 try:
     ddpkit.init(backend="nccl")
     out["nccl"] = "no error"
@@ -31,11 +32,15 @@ except Exception as err:
     out["nccl"] = type(err).__name__ + ": " + str(err)
 rt = ddpkit.init()
 out.update(
-    rank=rt.rank, local_rank=rt.local_rank, world_size=rt.world_size, local_world_size=rt.local_world_size,
-    device=str(rt.device), backend=rt.backend, launcher=rt.launcher, distributed=rt.distributed,
-    is_main=rt.is_main, same_on_second_call=ddpkit.init() is rt, get_runtime_same=ddpkit.get_runtime() is rt,
+    rank=rt.rank, local_rank=rt.local_rank, world_size=rt.world_size,
+    local_world_size=rt.local_world_size, device=str(rt.device), backend=rt.backend,
+    launcher=rt.launcher, distributed=rt.distributed, is_main=rt.is_main,
+    same_on_second_call=ddpkit.init() is rt, get_runtime_same=ddpkit.get_runtime() is rt,
     process_group=dist.is_initialized(),
-    helpers=[ddpkit.get_runtime().rank, ddpkit.get_runtime().world_size, ddpkit.all_reduce(5), ddpkit.all_gather_object("x")],
+    helpers=[
+        ddpkit.get_runtime().rank, ddpkit.get_runtime().world_size, ddpkit.all_reduce(5),
+        ddpkit.all_gather_object("x"),
+    ],
 )
 print(json.dumps(out))
 """
@@ -87,7 +92,9 @@ except Exception as err:
     print(f"BUSY-PORT: {type(err).__name__}: {err}")
 
 # Control: the same launch on a free port starts (a world of one needs no other process).
-probe = socket.socket(); probe.bind(("127.0.0.1", 0)); os.environ["MASTER_PORT"] = str(probe.getsockname()[1])
+probe = socket.socket()
+probe.bind(("127.0.0.1", 0))
+os.environ["MASTER_PORT"] = str(probe.getsockname()[1])
 probe.close()
 rt = ddpkit.init()
 print(f"FREE-PORT: backend={rt.backend} world={rt.world_size} sum={ddpkit.all_reduce(2)}")
@@ -240,8 +247,8 @@ from datetime import timedelta
 import ddpkit
 
 def worker(rounds):
-    # A failed rendezvous must not cost the default 5 minutes; 20 s leaves room for the occasional 5 s stall
-    # seen on this machine when a TCPStore client connects.
+    # A failed rendezvous must not cost the default 5 minutes; 20 s leaves room for the occasional
+    # 5 s stall seen on this machine when a TCPStore client connects.
     short = timedelta(seconds=20)
     ddpkit.init(timeout=short)
     sums = [ddpkit.all_reduce(1)]

@@ -34,7 +34,8 @@ FAMILY = (
 if sys.argv[1] == "guard":
     pt.start_guard()
 sleeper = subprocess.Popen(["sleep", "1000"])
-term = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # ignored from the fork on: no window to die in
+# Ignored from the fork on: no window to die in.
+term = signal.signal(signal.SIGTERM, signal.SIG_IGN)
 child = os.fork()
 if child == 0:
     time.sleep(1000)

@@ -5,8 +5,8 @@ and a callback whose state holds a ``deque``, a ``Path``, a ``datetime`` and a n
 is whole); with ``--out``, the final state is written there and each rank's callback state, with the
 types it was loaded back as, to ``out.callback<r>``.
 
-    python tests/jobs/scripts/codec_job.py RUN_DIR --out FILE [--kill-rank R --kill-step S --log DIR]
-        [--before-codec]
+    python tests/jobs/scripts/codec_job.py RUN_DIR --out FILE
+        [--kill-rank R --kill-step S --log DIR] [--before-codec]
 """
 
 from __future__ import annotations

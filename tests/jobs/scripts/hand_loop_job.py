@@ -5,7 +5,8 @@ Adam, and an LR scheduler stepped after each epoch's batches, on 48 samples: glo
 steps an epoch, 5 epochs. Each rank writes its final weights, optimizer state and the (epoch, index
 in epoch, step) of every batch it trained on to ``OUT-rank<R>.pt``.
 
-    ddpkit run --nproc 2 --max-restarts 1 tests/jobs/scripts/hand_loop_job.py RUN_DIR --out OUT --kill-step 7
+    ddpkit run --nproc 2 --max-restarts 1 tests/jobs/scripts/hand_loop_job.py RUN_DIR
+        --out OUT --kill-step 7
 
 ``--kill-step K``: on the first attempt, ``--kill-rank`` sends itself SIGKILL right after step K
 (once the snapshot being written, if any, is whole). ``--stop-after K``: every rank stops after step

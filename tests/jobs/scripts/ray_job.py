@@ -6,8 +6,8 @@ while the loop trains); with ``--hold-for-notice``, every worker of the first st
 11 until Ray's pre-emption notice is out (asking Ray, as the Trainer does, the same number of times
 on every rank), so that the Trainer meets it at its next agreement, not after training has ended.
 
-    python tests/jobs/scripts/ray_job.py --address HOST:PORT --run-dir DIR --facts DIR [--kill-rank R]
-        [--hold-for-notice] [--snapshot-every STEPS]
+    python tests/jobs/scripts/ray_job.py --address HOST:PORT --run-dir DIR --facts DIR
+        [--kill-rank R] [--hold-for-notice] [--snapshot-every STEPS]
 """
 
 from __future__ import annotations

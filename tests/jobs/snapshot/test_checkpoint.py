@@ -46,7 +46,8 @@ def test_a_crash_during_a_background_write_leaves_the_previous_snapshot(tmp_path
         ddpkit._fs.write_atomic = dying
         ckpt = SnapshotManager({str(tmp_path)!r}, async_write=True)
         for step in (3, 6):
-            ckpt.save(step, {{"model": {{"w": torch.full((1000,), float(step))}}}}, {{"step": step}})
+            model = {{"w": torch.full((1000,), float(step))}}
+            ckpt.save(step, {{"model": model}}, {{"step": step}})
             print("returned from save", step, flush=True)
         ckpt.wait()
         print("not reached")

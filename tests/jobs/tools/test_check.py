@@ -157,7 +157,9 @@ def loss(out, y):
 
 
 def ddpkit_workload():
-    return Workload(model=mlp(), dataset=toy_data(), loss_fn=loss, optimizer=sgd, batch_size=args.batch)
+    return Workload(
+        model=mlp(), dataset=toy_data(), loss_fn=loss, optimizer=sgd, batch_size=args.batch
+    )
 """
 
 

@@ -32,18 +32,22 @@ REWRITE = '''
 import inspect, re, sys, tempfile, textwrap
 
 def rewrite(module_name, target, edits):
-    """Define ``target`` (a class of the module, or ``Class.method``) again from torch's source, with each
-    (pattern, replacement) of ``edits`` applied, in a file of its own (where ``inspect`` finds the new source);
-    every module that imported the old class gets the new one."""
+    """Define ``target`` (a class of the module, or ``Class.method``) again from torch's source,
+    with each (pattern, replacement) of ``edits`` applied, in a file of its own (where ``inspect``
+    finds the new source); every module that imported the old class gets the new one."""
     module = __import__(module_name, fromlist=["_"])
-    owner, name = (getattr(module, target.split(".")[0]), target.split(".")[1]) if "." in target else (module, target)
+    if "." in target:
+        owner, name = getattr(module, target.split(".")[0]), target.split(".")[1]
+    else:
+        owner, name = module, target
     old = getattr(owner, name)
     source = textwrap.dedent(inspect.getsource(old))
     for pattern, replacement in edits:
         source, count = re.subn(pattern, replacement, source)
         assert count, (pattern, target)
     scope = dict(vars(module))
-    with tempfile.NamedTemporaryFile("w", suffix=".py", dir=".", delete=False) as f:  # the test\'s folder
+    # In the test\'s folder.
+    with tempfile.NamedTemporaryFile("w", suffix=".py", dir=".", delete=False) as f:
         f.write(source)
     exec(compile(source, f.name, "exec"), scope)
     setattr(owner, name, scope[name])

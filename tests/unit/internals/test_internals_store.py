@@ -66,9 +66,7 @@ def test_the_store_serves_on_the_socket_it_is_handed_and_a_default_client_reache
     versions.torch_at_least(store.LIBUV_LISTEN_FD),
     reason="this torch's libuv backend serves on a handed socket",
 )
-def test_below_its_version_the_libuv_backend_refuses_a_handed_socket_which_is_why_the_gate_exists() -> (
-    None
-):
+def test_below_its_version_libuv_refuses_a_handed_socket_which_is_why_the_gate_exists() -> None:
     fd, port = _listener()
     try:
         with pytest.raises(NotImplementedError, match="listen fd"):

@@ -34,7 +34,8 @@ import atexit, sys, threading, time
 from ddpkit._launch.forkserver import run_as_main
 atexit.register(lambda: print("atexit", flush=True))
 def main():
-    threading.Thread(target=lambda: (time.sleep(0.3), print("thread", flush=True))).start()  # ends after main
+    # Ends after main.
+    threading.Thread(target=lambda: (time.sleep(0.3), print("thread", flush=True))).start()
     {body}
 code = run_as_main(main)
 print("status", code, flush=True)
@@ -71,8 +72,11 @@ NAMES = {
     signal.default_int_handler: "python's",
 }
 SHOW = f"""import json, signal
-names = {{signal.SIG_IGN: "ignored", signal.SIG_DFL: "default", signal.default_int_handler: "python's"}}
-print(json.dumps({{s: names.get(signal.getsignal(s), "a handler") for s in {[int(s) for s in JOB_SIGNALS]}}}))
+names = {{
+    signal.SIG_IGN: "ignored", signal.SIG_DFL: "default", signal.default_int_handler: "python's"
+}}
+signals = {[int(s) for s in JOB_SIGNALS]}
+print(json.dumps({{s: names.get(signal.getsignal(s), "a handler") for s in signals}}))
 """
 
 
@@ -116,7 +120,8 @@ receive = server._receive
 
 def signalled_before_the_word(timeout):
     reply, fds = receive(timeout)
-    os.kill(reply["pid"], signal.SIGTERM)  # the worker still has the server's dispositions: all ignored
+    # The worker still has the server's dispositions: all ignored.
+    os.kill(reply["pid"], signal.SIGTERM)
     return reply, fds
 
 server._receive = signalled_before_the_word

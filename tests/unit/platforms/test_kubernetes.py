@@ -180,7 +180,7 @@ def test_an_elastic_pytorchjobs_variables_become_ddpkit_run_options():
     ]  # fmt: skip
 
 
-def test_an_option_the_user_typed_that_agrees_is_kept_and_one_that_disagrees_is_refused_naming_both():
+def test_a_user_option_that_agrees_is_kept_and_one_that_disagrees_is_refused_naming_both():
     ours, _ = with_environment_defaults(["--nnodes=2", "--nproc", "1", *SCRIPT], TRAINJOB_NODE)
     assert (
         ours[:3] == ["--nnodes=2", "--nproc", "1"]
