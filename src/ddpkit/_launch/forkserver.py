@@ -118,7 +118,8 @@ def preload(modules: Sequence[str]) -> tuple[list[str], str | None]:
         for name in names:
             try:
                 importlib.import_module(name)
-            except Exception:  # noqa: BLE001 (a --preload module may fail any way; the worker imports it)
+            except Exception:  # noqa: BLE001
+                # A --preload module may fail any way; the worker imports it.
                 failed.append(name)
 
     load(PRELOAD)
@@ -166,7 +167,8 @@ def run_as_main(main: Callable[[], Any]) -> int:
     except KeyboardInterrupt:
         traceback.print_exc()
         code, interrupted = 1, True
-    except BaseException:  # noqa: BLE001 (as the interpreter: any uncaught exception is printed, status 1)
+    except BaseException:  # noqa: BLE001
+        # As the interpreter: any uncaught exception is printed, status 1.
         sys.excepthook(*sys.exc_info())
         code = 1
     finalize_as_interpreter()  # what Py_FinalizeEx does: threads joined, then the exit handlers
@@ -266,7 +268,8 @@ def _become_worker(
         set_command_line([sys.executable, "-u", "-m", "ddpkit._launch.worker", *request["argv"]])
         sys.argv = [worker.__file__, *request["argv"]]
         code = run_as_main(worker.main)
-    except BaseException:  # noqa: BLE001 (before the script: said here, as os._exit below says nothing)
+    except BaseException:  # noqa: BLE001
+        # Before the script: said here, as os._exit below says nothing.
         traceback.print_exc()
     finally:
         os._exit(code)

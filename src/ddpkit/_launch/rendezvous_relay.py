@@ -150,8 +150,10 @@ class RelayServer:
                 for key, _ in self._selector.select(wait):
                     if key.fileobj is self._sock:
                         self._accept()
-                    elif (pending := self._pending.get(key.fileobj)) is not None:  # type: ignore[call-overload]
-                        self._read(pending)
+                    else:
+                        pending = self._pending.get(key.fileobj)  # type: ignore[call-overload]
+                        if pending is not None:
+                            self._read(pending)
                 now = time.monotonic()
                 for pending in [p for p in self._pending.values() if p.deadline <= now]:
                     self._drop(

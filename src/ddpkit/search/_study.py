@@ -194,7 +194,8 @@ def check_journal(path: Path) -> None:
     replay = _Replay(records)
     try:
         JournalStorage(replay)
-    except Exception as err:  # noqa: BLE001  (KeyError, TypeError, AssertionError...: each a bad record)
+    except Exception as err:  # noqa: BLE001
+        # KeyError, TypeError, AssertionError...: each a bad record.
         refuse(replay.handed, f"Optuna cannot replay it ({type(err).__name__}: {str(err)[:200]})")
 
 

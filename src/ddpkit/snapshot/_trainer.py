@@ -177,7 +177,9 @@ class TrainerSnapshots:
         of its own. Gathered into rank 0's ``values.pt``, every rank would read every rank's streams
         (~20 kB each) on a load: a cost growing with the world, on every rank."""
         state = self.state_dict(streams=False)
-        own = self.states[STREAMS].mine() if STREAMS in self.states else None  # type: ignore[attr-defined]
+        own = None
+        if STREAMS in self.states:
+            own = self.states[STREAMS].mine()  # type: ignore[attr-defined]
         return state.pop("strategy"), state, own
 
     def save(self, wait: bool = False) -> None:
