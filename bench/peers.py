@@ -33,8 +33,8 @@ median over rounds of the per-round ratio, with a distribution-free 95% interval
 range. A peer that is not installed is skipped, saying so (``pip install -e ".[bench]"`` installs
 them).
 
-    python bench/peers.py                              # 2 ranks, batch 16, hidden 384, 40 rounds x 300 steps
-    python bench/peers.py --rounds 3 --steps 50        # a quick look (the first round is dropped)
+    python bench/peers.py                        # 2 ranks, batch 16, 40 rounds x 300 steps
+    python bench/peers.py --rounds 3 --steps 50  # a quick look (the first round is dropped)
     python bench/peers.py --only raw,ddpkit-loop,ddpkit-trainer --json peers.json
 """
 

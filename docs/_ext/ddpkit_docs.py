@@ -45,8 +45,9 @@ CONFIGS = (
 # Every public package: the rest of ddpkit is private (a leading underscore in its path) and not
 # described.
 EXPORTING_PACKAGES = (
-    "ddpkit", "ddpkit.data", "ddpkit.distributed", "ddpkit.nn", "ddpkit.snapshot", "ddpkit.strategies",
-    "ddpkit.tracking", "ddpkit.training", "ddpkit.platforms", "ddpkit.search", "ddpkit.demo", "ddpkit.tools",
+    "ddpkit", "ddpkit.data", "ddpkit.distributed", "ddpkit.nn", "ddpkit.snapshot",
+    "ddpkit.strategies", "ddpkit.tracking", "ddpkit.training", "ddpkit.platforms", "ddpkit.search",
+    "ddpkit.demo", "ddpkit.tools",
     "ddpkit.testing",
 )  # fmt: skip
 

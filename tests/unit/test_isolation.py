@@ -32,7 +32,10 @@ import signal
 import torch
 
 import ddpkit
-from ddpkit.distributed import _progress as progress, _runtime as runtime, _seeding as seeding, _signals as signals
+from ddpkit.distributed import _progress as progress
+from ddpkit.distributed import _runtime as runtime
+from ddpkit.distributed import _seeding as seeding
+from ddpkit.distributed import _signals as signals
 from ddpkit._launch import forked_workers, rendezvous_backend, worker
 from ddpkit.nn import _dropout as dropout
 from ddpkit.snapshot import _staging as staging

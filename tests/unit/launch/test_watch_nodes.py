@@ -84,8 +84,8 @@ def test_a_summary_is_small_and_reads_back():
         summary is not None and summary.node == 2 and summary.count == 17 and summary.named == {3}
     )
     back = summary.views[0]
-    assert (back.rank, back.host, back.step, back.coll, back.op, back.idle) == (0, "node-b (10.0.0.2)", 7, 40,
-                                                                                "all_reduce", 1.2)  # fmt: skip
+    got = (back.rank, back.host, back.step, back.coll, back.op, back.idle)
+    assert got == (0, "node-b (10.0.0.2)", 7, 40, "all_reduce", 1.2)
     for bad in (
         b"",
         b"not json",
