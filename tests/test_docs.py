@@ -13,6 +13,7 @@ import ast
 import importlib
 import inspect
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -261,14 +262,23 @@ def _resolves(dotted: str) -> bool:
 def test_the_ddpkit_names_the_docs_and_docstrings_cite_exist():
     """``ddpkit.data.ShardedBatchSampler`` in a page or a docstring names something real (Sphinx
     checks the cross-references it resolves; this checks the names in plain code spans too)."""
-    sources = PAGES + sorted((ROOT / "src" / "ddpkit").rglob("*.py"))
+    # The old module paths ddpkit._moved still imports are for scripts of the last release: a page or
+    # docstring citing one is stale (_moved.py itself names them on purpose).
+    moved = ROOT / "src" / "ddpkit" / "_moved.py"
+    sources = PAGES + sorted(p for p in (ROOT / "src" / "ddpkit").rglob("*.py") if p != moved)
     cited = {
         (name, source.relative_to(ROOT))
         for source in sources
         for name in re.findall(r"\bddpkit(?:\.[A-Za-z_]\w*)+", source.read_text())
         if not name.endswith((".md", ".py"))
     }
-    missing = sorted(f"{source}: {name}" for name, source in cited if not _resolves(name))
+    finders = [f for f in sys.meta_path if type(f).__name__ == "_MovedModules"]
+    for finder in finders:
+        sys.meta_path.remove(finder)
+    try:
+        missing = sorted(f"{source}: {name}" for name, source in cited if not _resolves(name))
+    finally:
+        sys.meta_path[:0] = finders
     assert not missing, "names that do not exist:\n  " + "\n  ".join(missing)
 
 

@@ -49,8 +49,8 @@ from ddpkit.training._trainer import Trainer
 
 __version__ = "0.1.0"
 
-# The module paths of earlier releases (ddpkit.training.trainer, ddpkit.launch.agent, ...) still
-# import, for one release, with a FutureWarning naming the package that exports their names.
+# The module paths of the last release, private now, still import for one release, with a
+# FutureWarning naming the package that exports their names (ddpkit._moved).
 _moved.install()
 
 # What scripts call. The rest of the public API (samplers, RNG state, sync BatchNorm layers,
