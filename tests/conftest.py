@@ -107,9 +107,9 @@ DDPKIT_GLOBALS: dict[tuple[str, str], Any] = {
     ("ddpkit.snapshot._staging", "_groups"): {},
     ("ddpkit.tools._workload", "_modules"): {},
     ("ddpkit._launch.worker", "_worker_store"): None,
-    ("ddpkit._launch.rendezvous_backend", "_jobs"): {},
-    ("ddpkit._launch.rendezvous_backend", "_relays"): {},
-    ("ddpkit._launch.forked_workers", "_server"): None,
+    ("ddpkit._launch.rendezvous.backend", "_jobs"): {},
+    ("ddpkit._launch.rendezvous.backend", "_relays"): {},
+    ("ddpkit._launch.forkserver.workers", "_server"): None,
 }
 # hold_stop_signals() and the Trainer's stop_signals() install handlers for these in the process
 # that calls them.

@@ -36,7 +36,9 @@ from ddpkit.distributed import _progress as progress
 from ddpkit.distributed import _runtime as runtime
 from ddpkit.distributed import _seeding as seeding
 from ddpkit.distributed import _signals as signals
-from ddpkit._launch import forked_workers, rendezvous_backend, worker
+from ddpkit._launch import worker
+from ddpkit._launch.forkserver import workers as forked
+from ddpkit._launch.rendezvous import backend
 from ddpkit.nn import _dropout as dropout
 from ddpkit.snapshot import _staging as staging
 from ddpkit.tools import _workload as workload
@@ -57,10 +59,10 @@ def test_leaves_every_global_set(tmp_path):
     script = tmp_path / "script.py"
     script.write_text("def ddpkit_workload(): ...")
     workload._load_script(str(script))
-    rendezvous_backend.register("run-1", rendezvous_backend.JobAccess(b"secret", None))
-    rendezvous_backend._relays["run-1"] = []
+    backend.register("run-1", backend.JobAccess(b"secret", None))
+    backend._relays["run-1"] = []
     worker._worker_store = object()
-    forked_workers._server = object()  # stands for the job's fork server, as the agent keeps it
+    forked._server = object()  # stands for the job's fork server, as the agent keeps it
     runtime._store_of = (("env://", 0, 2), object())  # a rendezvous store kept across init()s
     runtime._group_store = object()
     # A record left mapped.

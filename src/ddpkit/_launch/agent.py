@@ -13,7 +13,7 @@ Changes to the agent torchrun has no option for (a subclass, installed by :func:
   (:mod:`ddpkit.snapshot._memory.folder`), made once per job and removed when the job ends, however
   it ends;
 - workers are forked from a server that imported torch once for the job
-  (:mod:`ddpkit._launch.forked_workers`), so a restart does not start an interpreter and import
+  (:mod:`ddpkit._launch.forkserver.workers`), so a restart does not start an interpreter and import
   torch again;
 - a rank that stops making progress while the others wait for it is named in seconds, and the job
   ended (:mod:`ddpkit._launch.watch`), across nodes through the rendezvous store
@@ -37,7 +37,8 @@ from torch.distributed.elastic.agent.server.api import WorkerState
 
 from ddpkit._errors import PREEMPTED_EXIT_CODE
 from ddpkit._internals.elastic import HookedAgent, use_agent
-from ddpkit._launch import forked_workers, watch
+from ddpkit._launch import watch
+from ddpkit._launch.forkserver import workers as forked
 from ddpkit._launch.proctree import kill_descendants
 from ddpkit.snapshot._memory import folder as memory_folder
 
@@ -318,7 +319,7 @@ class Agent(HookedAgent):
         unreaped = [
             proc.pid for proc in self.worker_processes().values() if proc.returncode is None
         ]
-        server = forked_workers.current()  # serves the next attempt's workers too
+        server = forked.current()  # serves the next attempt's workers too
         kill_descendants(keep=unreaped + ([server.pid] if server is not None else []))
 
     def worker_pids(self) -> list[int]:
@@ -436,7 +437,7 @@ def install(
     watch.open_folder((run_dir or Path.cwd()) / "progress")
     _forward_signals()
     if fork_server:
-        forked_workers.install(preload, display)
+        forked.install(preload, display)
     # Made by the agent, which outlives every attempt of the workers: a restarted worker finds its
     # state there.
     if os.environ.get(memory_folder.OFF_ENV) != "0":
@@ -444,7 +445,7 @@ def install(
 
 
 def uninstall() -> None:
-    forked_workers.uninstall()
+    forked.uninstall()
     Agent.current = None
     for sig in FORWARDED_SIGNALS:
         signal.signal(sig, signal.SIG_DFL)

@@ -14,7 +14,7 @@ from typing import Any
 from ddpkit import _fs as fs
 from ddpkit._errors import ConfigError
 from ddpkit._launch.manifests import FS_GROUP, SECRET_KEY, ManifestConfig, manifests
-from ddpkit._launch.rendezvous_auth import MAKE_SECRET
+from ddpkit._launch.rendezvous.auth import MAKE_SECRET
 
 
 def to_yaml(docs: list[dict[str, Any]]) -> str:

@@ -60,12 +60,12 @@ def torchrun_argv(
     """The torchrun command line (without the program name) that carries out ``cfg``.
 
     ``node`` is what :func:`ddpkit._launch.rendezvous.node_address` worked out for a multi-node job.
-    The rendezvous is ddpkit's (:mod:`ddpkit._launch.rendezvous_backend`): on one node its store
+    The rendezvous is ddpkit's (:mod:`ddpkit._launch.rendezvous.backend`): on one node its store
     listens on 127.0.0.1 at a free port (two jobs on one machine never collide, no "address already
     in use"), and the workers' own store and gloo's sockets are on 127.0.0.1 as well; across nodes
     only holders of the job's secret get in.
     """
-    from ddpkit._launch.rendezvous_backend import BACKEND
+    from ddpkit._launch.rendezvous.backend import BACKEND
 
     argv = [
         "--nproc-per-node",
@@ -268,8 +268,8 @@ def launch(cfg: LaunchConfig) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher import api as launcher_api
 
-    from ddpkit._launch import rendezvous_backend
-    from ddpkit._launch.rendezvous_auth import (
+    from ddpkit._launch.rendezvous import backend
+    from ddpkit._launch.rendezvous.auth import (
         SECRET_ENV,
         check_host,
         derive,
@@ -291,13 +291,13 @@ def launch(cfg: LaunchConfig) -> int:
         if not node.is_host:
             wait_reachable(node.host_ip, node.port, cfg.join_timeout)
             check_host((node.host_ip, node.port), derive(secret, "relay"))
-        access = rendezvous_backend.JobAccess(secret, node.host_ip)
+        access = backend.JobAccess(secret, node.host_ip)
     else:
         # known to this process alone
-        access = rendezvous_backend.JobAccess(secrets.token_bytes(32), None)
+        access = backend.JobAccess(secrets.token_bytes(32), None)
     os.environ.pop(SECRET_ENV, None)  # the workers, and all they start, have no use for it
     run_id = rdzv_id(cfg)
-    rendezvous_backend.register(run_id, access)
+    backend.register(run_id, access)
     # Orphans of the workers' children are re-parented to the agent, which ends them with the
     # workers.
     proctree.become_subreaper()
@@ -385,7 +385,7 @@ def launch(cfg: LaunchConfig) -> int:
         return 128 + int(err.sigval)
     finally:
         agent.uninstall()
-        rendezvous_backend.unregister(run_id)
+        backend.unregister(run_id)
         # whatever the workers started and left behind, however the job ended
         proctree.kill_descendants()
     tidy_log_dirs(cfg.log_dir, run_dir)

@@ -16,7 +16,7 @@ job:
 
 Each pod mounts an ``emptyDir`` of medium ``Memory`` at ``/dev/shm`` (a container's own is 64 MiB)
 and, across nodes, the job's secret from a Kubernetes Secret (mode 0440 for the pod's ``fsGroup``,
-:data:`SECRET_MODE`; :data:`~ddpkit._launch.rendezvous_auth.SECRET_FILE_ENV`). The failure policy: a
+:data:`SECRET_MODE`; :data:`~ddpkit._launch.rendezvous.auth.SECRET_FILE_ENV`). The failure policy: a
 pod stopped by a signal after its snapshot (exit code 75) or disrupted (a node drained, pre-empted
 or lost: the ``DisruptionTarget`` condition) is recreated without counting as a failure; the
 script's own error fails the job; anything else restarts the whole job, at most ``max_restarts``
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from ddpkit._errors import PREEMPTED_EXIT_CODE, ConfigError
-from ddpkit._launch.rendezvous_auth import SECRET_ENV, SECRET_FILE_ENV
+from ddpkit._launch.rendezvous.auth import SECRET_ENV, SECRET_FILE_ENV
 
 Kind = Literal["trainjob", "pytorchjob", "jobset"]
 KINDS: tuple[str, ...] = get_args(Kind)
@@ -48,7 +48,7 @@ Secret volume being read-only, which turned 0400 into 0440 anyway), and every co
 runs with the ``fsGroup`` as a supplementary group: 0440 with :data:`FS_GROUP` is readable by the
 pod's own containers, whichever user they run as, and by no other user (the volume's folder on the
 node is the kubelet's alone). The reader accepts exactly that file
-(:func:`ddpkit._launch.rendezvous_auth.load_secret`)."""
+(:func:`ddpkit._launch.rendezvous.auth.load_secret`)."""
 FS_GROUP = 2000
 """The pod's ``fsGroup`` where it mounts the Secret (``--fs-group``)."""
 SECRET_NAMES = (SECRET_ENV,)

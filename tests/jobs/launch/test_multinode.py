@@ -18,10 +18,12 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from ddpkit.testing import wait_until
 from tests.jobs.launch import netns
 from tests.jobs.launch.netns import DDPKIT, ROOT, SECRET
 
@@ -278,13 +280,14 @@ def test_elastic_job_goes_on_without_a_killed_node(nodes, tmp_path):
     node_a = _on(ns_a, DDPKIT + flags + job, tmp_path, "a.log")
     # waits for node a's rendezvous if it is first
     node_b = _on(ns_b, DDPKIT + flags + job, tmp_path, "b.log")
-    deadline = time.monotonic() + 240
-    while _steps_logged(samples) < 60:  # both nodes trained a while, with snapshots every 3 steps
-        assert time.monotonic() < deadline and node_a.poll() is None and node_b.poll() is None, (
-            (tmp_path / "a.log").read_text()[-3000:],
-            (tmp_path / "b.log").read_text()[-3000:],
-        )
-        time.sleep(0.1)
+    # both nodes trained a while, with snapshots every 3 steps
+    _wait_while_running(
+        lambda: _steps_logged(samples) >= 60,
+        [node_a, node_b],
+        [tmp_path / "a.log", tmp_path / "b.log"],
+        240,
+        "60 steps logged",
+    )
     # node b's agent; its worker dies with it (parent-death signal)
     os.kill(node_b.pid, signal.SIGKILL)
     node_b.wait()
@@ -336,12 +339,14 @@ def test_a_node_that_joins_an_elastic_job_is_taken_in_at_a_restart(nodes, tmp_pa
     flags = ["run", "--nnodes", "1:2", "--nproc", "1", "--rdzv-endpoint", f"{addr_a}:29404"]
     job = [TRAIN_JOB, "run", "--epochs", str(EPOCHS_JOINED), "--sample-log", str(samples)]
     node_a = _on(ns_a, DDPKIT + flags + job, tmp_path, "a.log")
-    deadline = time.monotonic() + 240
-    while _steps_logged(samples) < 10:  # node a trained alone a while, with snapshots every 3 steps
-        assert time.monotonic() < deadline and node_a.poll() is None, (
-            tmp_path / "a.log"
-        ).read_text()[-3000:]
-        time.sleep(0.1)
+    # node a trained alone a while, with snapshots every 3 steps
+    _wait_while_running(
+        lambda: _steps_logged(samples) >= 10,
+        [node_a],
+        [tmp_path / "a.log"],
+        240,
+        "10 steps logged by node a alone",
+    )
     node_b = _on(ns_b, DDPKIT + flags + job, tmp_path, "b.log")
     codes = _finish([node_a, node_b], timeout=300)
     logs = [(tmp_path / f"{n}.log").read_text()[-3000:] for n in "ab"]
@@ -437,13 +442,42 @@ def _loopback(addr: str) -> bool:
     return addr in ("127.0.0.1", "::1", "::ffff:127.0.0.1")
 
 
+def _wait_while_running(
+    condition: Callable[[], bool],
+    procs: list[subprocess.Popen],
+    logs: list[Path],
+    timeout: float,
+    what: str,
+    interval: float = 0.1,
+) -> None:
+    """Poll ``condition`` until it holds; one of ``procs`` that ends first fails the wait at once.
+    Either failure carries the end of every log in ``logs``."""
+
+    def tails() -> str:
+        return "\n".join(f"{log.name}: {log.read_text()[-3000:]}" for log in logs)
+
+    def holds() -> bool:
+        if condition():
+            return True
+        assert all(p.poll() is None for p in procs), tails()
+        return False
+
+    wait_until(
+        holds, timeout, what=lambda: f"{what}\n{tails()}", interval=interval, max_interval=interval
+    )
+
+
 def _wait_for_pids(
     folder: Path, count: int, proc: subprocess.Popen, log: Path, timeout: float = 120
 ) -> None:
-    deadline = time.monotonic() + timeout
-    while len(list(folder.glob("rank*.pid"))) < count:
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-        time.sleep(0.05)
+    _wait_while_running(
+        lambda: len(list(folder.glob("rank*.pid"))) >= count,
+        [proc],
+        [log],
+        timeout,
+        f"{count} pid files in {folder}",
+        interval=0.05,
+    )
 
 
 @pytest.mark.timeout(600)
@@ -563,12 +597,16 @@ def test_a_multi_node_rendezvous_admits_only_holders_of_the_secret(nodes, tmp_pa
             for port in local
         ]
         assert "written" in "".join(results), results
-        deadline = time.monotonic() + 60
-        while "ignored a rendezvous state without this job's signature" not in "".join(
-            (tmp_path / f"{n}.log").read_text() for n in "ab"
-        ):
-            assert time.monotonic() < deadline, (tmp_path / "a.log").read_text()[-3000:]
-            time.sleep(0.1)
+        _wait_while_running(
+            lambda: (
+                "ignored a rendezvous state without this job's signature"
+                in "".join((tmp_path / f"{n}.log").read_text() for n in "ab")
+            ),
+            [],
+            [tmp_path / "a.log"],
+            60,
+            "the forged state to be ignored",
+        )
         (folder / "go").touch()
         codes = _finish([node_a, node_b], timeout=120)
     finally:
@@ -610,10 +648,10 @@ def test_a_multi_node_rendezvous_admits_only_holders_of_the_secret(nodes, tmp_pa
             _attack(ns_b, "forge", addr_a, "29406", "torch.rendezvous.job", str(marker))
             == "written\n"
         )
-        deadline = time.monotonic() + 60
-        while not marker.exists():  # the agent unpickles the state at its next sync
-            assert time.monotonic() < deadline, (tmp_path / "torchrun.log").read_text()[-3000:]
-            time.sleep(0.1)
+        # the agent unpickles the state at its next sync
+        _wait_while_running(
+            marker.exists, [], [tmp_path / "torchrun.log"], 60, "the forged state's code to run"
+        )
     finally:
         (folder / "go").touch()
         _finish([proc], timeout=0)

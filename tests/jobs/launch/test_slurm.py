@@ -12,13 +12,14 @@ import re
 import shutil
 import subprocess
 import sys
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
 from ddpkit._launch.sbatch import BatchConfig, batch_script, submit
+from ddpkit.testing import wait_until
 from tests.trainer_checks import newest_snapshot
 
 pytestmark = pytest.mark.slow
@@ -92,15 +93,14 @@ def wait_for(
     job: str, env: dict[str, str], states: set[str], timeout: float = 300, **fields: str
 ) -> dict:
     """Poll the job until its state is one of ``states`` (and its other ``fields`` match)."""
-    deadline = time.monotonic() + timeout
     hurried = set()
-    while True:
-        info = job_info(job, env)
+    last: dict[str, str] = {}
+
+    def reached() -> dict[str, str] | None:
+        nonlocal last
+        info = last = job_info(job, env)
         if info["JobState"] in states and all(info.get(k) == v for k, v in fields.items()):
             return info
-        assert time.monotonic() < deadline, (
-            f"job {job} still {info['JobState']} after {timeout}s: {info}"
-        )
         if (
             info["JobState"] == "PENDING"
             and info.get("Reason") == "BeginTime"
@@ -113,7 +113,31 @@ def wait_for(
             out = sh(["scontrol", "update", f"jobid={job}", "starttime=now+3"], env, Path("/"))
             assert out.returncode == 0, out.stderr
             hurried.add(info["Restarts"])
-        time.sleep(0.5)
+        return None
+
+    return wait_until(
+        reached,
+        timeout,
+        what=lambda: f"job {job} to be one of {sorted(states)}, with {fields}; it is {last}",
+        interval=0.5,
+        max_interval=0.5,
+    )
+
+
+def wait_while_queued_or_running(
+    job: str, env: dict[str, str], condition: Callable[[], bool], timeout: float, what: str
+) -> None:
+    """Poll ``condition`` until it holds; a job that ends first (neither PENDING nor RUNNING) fails
+    the wait at once, naming its state."""
+
+    def holds() -> bool:
+        if condition():
+            return True
+        state = job_info(job, env)["JobState"]
+        assert state in ("PENDING", "RUNNING"), f"job {job} is {state} before {what}"
+        return False
+
+    wait_until(holds, timeout, what=what, interval=0.2, max_interval=0.2)
 
 
 def requeue(job: str, env: dict[str, str]) -> None:
@@ -212,13 +236,13 @@ echo "step exit code $?"
         ),
         slurm,
     )
-    deadline = time.monotonic() + 120
-    while not ((pids / "rank0.pid").exists() and (pids / "rank1.pid").exists()):
-        assert time.monotonic() < deadline and job_info(job, slurm)["JobState"] in (
-            "PENDING",
-            "RUNNING",
-        )
-        time.sleep(0.2)
+    wait_while_queued_or_running(
+        job,
+        slurm,
+        lambda: (pids / "rank0.pid").exists() and (pids / "rank1.pid").exists(),
+        120,
+        "both ranks' pid files",
+    )
     # what --signal=USR1@T sends to the steps
     out = sh(["scancel", "--signal=USR1", job], slurm, tmp_path)
     assert out.returncode == 0, out.stderr
@@ -324,13 +348,10 @@ def _final(run_dir: Path) -> dict:
 @pytest.mark.parametrize("how", ["scontrol requeue", "SIGUSR1"])
 def test_digits_preempted_resumes_to_the_uninterrupted_weights(slurm, tmp_path, how):
     job, run_dir = _digits_job(tmp_path, "preempted", slurm)
-    deadline = time.monotonic() + 240
-    while _snapshot_steps(run_dir) < 2:  # mid-run: two snapshots written
-        assert time.monotonic() < deadline and job_info(job, slurm)["JobState"] in (
-            "PENDING",
-            "RUNNING",
-        )
-        time.sleep(0.2)
+    # mid-run: two snapshots written
+    wait_while_queued_or_running(
+        job, slurm, lambda: _snapshot_steps(run_dir) >= 2, 240, "two snapshots"
+    )
     if how == "scontrol requeue":
         requeue(job, slurm)  # SIGTERM to every task, then the job goes back to the queue
     else:

@@ -12,12 +12,12 @@ import argparse
 import json
 import os
 import socket
-import time
 from pathlib import Path
 
 import torch
 
 import ddpkit
+from ddpkit.testing import wait_until
 
 
 class Hold:
@@ -28,11 +28,8 @@ class Hold:
         if not trainer.runtime.is_main:
             return
         self.ready.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
-        deadline = time.monotonic() + 90
-        while not self.go.exists():  # waiting on the test's signal file, not standing in for one
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.go} never appeared")
-            time.sleep(0.05)
+        # waiting on the test's signal file, not standing in for one
+        wait_until(self.go.exists, 90, what=str(self.go), interval=0.05, max_interval=0.05)
 
 
 def main() -> None:

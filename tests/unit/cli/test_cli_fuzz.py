@@ -273,7 +273,7 @@ def test_the_rendezvous_secret_variable_is_checked_in_one_line(value, tmp_path):
 
 def test_a_long_secret_of_letters_is_accepted():
     # Control for the refusals above: the check lets a usable secret through.
-    from ddpkit._launch.rendezvous_auth import load_secret
+    from ddpkit._launch.rendezvous.auth import load_secret
 
     assert load_secret(None, {"DDPKIT_RDZV_SECRET": "x" * 300}) == b"x" * 300
 

@@ -15,9 +15,10 @@ import pytest
 import yaml
 
 from ddpkit._errors import ConfigError
-from ddpkit._launch import k8s, rendezvous_auth
+from ddpkit._launch import k8s
 from ddpkit._launch import manifests as mf
-from ddpkit._launch.rendezvous_auth import SECRET_ENV, SECRET_FILE_ENV, load_secret
+from ddpkit._launch.rendezvous import auth
+from ddpkit._launch.rendezvous.auth import SECRET_ENV, SECRET_FILE_ENV, load_secret
 
 SECRET = "0123456789abcdef0123456789abcdef"
 IMAGE = ["--image", "reg/train:1"]
@@ -239,6 +240,6 @@ def test_the_reader_accepts_exactly_the_kubelets_layout(top, tmp_path):
 def test_control_mains_reader_refuses_the_kubelets_0440_file(top, monkeypatch):
     # main's reader: any group or other bit refused, the kubelet's 0440 for this process's group
     # among them.
-    monkeypatch.setattr(rendezvous_auth, "_kubelet_secret", lambda path, info: False)
+    monkeypatch.setattr(auth, "_kubelet_secret", lambda path, info: False)
     with pytest.raises(ConfigError, match=r"can be read by other users \(mode 440\)"):
         load_secret(str(_kubelet_volume(top, 0o440, os.getegid())), {})

@@ -11,7 +11,7 @@ import pytest
 import torch.distributed as dist
 
 from ddpkit._errors import ConfigError
-from ddpkit._launch.rendezvous_auth import (
+from ddpkit._launch.rendezvous.auth import (
     BUSY_FULL,
     EVICTED,
     HELLO,
@@ -20,7 +20,7 @@ from ddpkit._launch.rendezvous_auth import (
     derive,
     join_host,
 )
-from ddpkit._launch.rendezvous_relay import PENDING, PER_ADDRESS, RelayServer
+from ddpkit._launch.rendezvous.relay import PENDING, PER_ADDRESS, RelayServer
 
 KEY = derive(b"0123456789abcdef0123456789abcdef", "relay")
 ADDRESSES = PENDING // PER_ADDRESS + 1  # 65 addresses of 8 connections: more than the cap holds

@@ -31,7 +31,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handl
 
 from ddpkit._errors import ConfigError
 from ddpkit._internals.store import serve_store
-from ddpkit._launch.rendezvous_auth import (
+from ddpkit._launch.rendezvous.auth import (
     BUSY_ADDRESS,
     SECRET_ENV,
     FramedSocket,
@@ -42,8 +42,8 @@ from ddpkit._launch.rendezvous_auth import (
     join_host,
     load_secret,
 )
-from ddpkit._launch.rendezvous_backend import SignedStateBackend
-from ddpkit._launch.rendezvous_relay import PER_ADDRESS, RelayServer
+from ddpkit._launch.rendezvous.backend import SignedStateBackend
+from ddpkit._launch.rendezvous.relay import PER_ADDRESS, RelayServer
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 
@@ -328,9 +328,9 @@ def test_drops_from_ever_new_addresses_keep_a_bounded_record_and_are_said_once(c
     # A host flooded from many addresses (a scan) keeps no record past the first few hundred: said
     # once, then nothing more is kept or printed. Pure bookkeeping: the relay's record is fed
     # directly.
-    from ddpkit._launch import rendezvous_relay
+    from ddpkit._launch.rendezvous import relay as relay_module
 
-    monkeypatch.setattr(rendezvous_relay, "_LOGGED_ADDRESSES", 4)
+    monkeypatch.setattr(relay_module, "_LOGGED_ADDRESSES", 4)
     store = _loopback_store()
     server = RelayServer(("127.0.0.1", 0), store.port, derive(SECRET, "relay"), log_interval=3600)
     try:

@@ -4,7 +4,6 @@ exchange through a real store (in this process). The jobs across two network-nam
 
 from __future__ import annotations
 
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import torch.distributed as dist
 from ddpkit._launch import watch, watch_nodes
 from ddpkit._launch.watch_nodes import View, decide, decode, encode
 from ddpkit.distributed._progress import MAGIC, RECORD, Phase
+from ddpkit.testing import wait_until
 
 
 def view(rank: int, node: int, *, step: int, idle: float, phase: int = Phase.LOOP, coll: int = 0,
@@ -115,10 +115,8 @@ def store():
 
 
 def _until(condition, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline
-        time.sleep(0.02)  # the exchange's thread writes and reads on its own turn
+    # the exchange's thread writes and reads on its own turn
+    wait_until(condition, timeout, interval=0.02, max_interval=0.02)
 
 
 def test_two_exchanges_see_each_other_and_age_a_silent_node(store):

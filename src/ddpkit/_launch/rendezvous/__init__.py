@@ -14,6 +14,12 @@ then also needs, or hangs without (seen across two network namespaces joined by 
 Each is derived here from the endpoint with the kernel's own routing: the source address a socket
 gets when it is pointed at HOST. Where the endpoint cannot be resolved or reached, the launch stops
 with a message naming the flag, before any worker starts.
+
+The rendezvous itself is ddpkit's torch rendezvous backend
+(:mod:`~ddpkit._launch.rendezvous.backend`), whose store only the job's nodes reach: through a relay
+(:mod:`~ddpkit._launch.rendezvous.relay`) that checks the job's secret
+(:mod:`~ddpkit._launch.rendezvous.auth`). Those are imported by ``ddpkit run`` alone, never by
+``import ddpkit``.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ A worker started as a new interpreter spends most of a restart importing: on the
 ``python`` and ``import torch`` take 1.2 s and the first optimizer's import of Dynamo
 (torch.compile's tracer) another 1.0 s, against 0.06 s to load a snapshot from memory
 (``bench/goodput.py``). The agent starts this server once per job
-(:mod:`ddpkit._launch.forked_workers`); it imports :data:`PRELOAD` (and ``--preload``), then forks a
-worker for each one torchrun's agent starts, at every attempt.
+(:mod:`ddpkit._launch.forkserver.workers`); it imports :data:`PRELOAD` (and ``--preload``), then
+forks a worker for each one torchrun's agent starts, at every attempt.
 
 A forked worker must be what a new interpreter would have been. What fork carries over, and how each
 is put right:
@@ -56,7 +56,7 @@ agent's working directory first on ``sys.path`` (the script's folder is first fo
 script imports). ``ddpkit run`` uses the server where the job may restart its workers
 (``--max-restarts``, elastic jobs); ``--fork-server on|off`` decides otherwise.
 
-Usage (by the agent): ``python -u -m ddpkit._launch.forkserver FD AGENT_PID PRELOAD -- WORKER
+Usage (by the agent): ``python -u -m ddpkit._launch.forkserver.server FD AGENT_PID PRELOAD -- WORKER
 COMMAND...``.
 """
 

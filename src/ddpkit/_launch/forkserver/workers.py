@@ -1,5 +1,5 @@
 """The agent's side of the fork server: torchrun's workers forked from
-:mod:`ddpkit._launch.forkserver`.
+:mod:`ddpkit._launch.forkserver.server`.
 
 torchrun's agent starts each worker through a ``SubprocessHandler`` whose ``_popen`` makes a
 ``Popen``. The handler here asks the fork server instead and gets back the pid of a worker that the
@@ -38,7 +38,7 @@ from ddpkit._internals.elastic import (
     warn_once,
 )
 from ddpkit._internals.interpreter import forking_problem, warn_interpreter_once
-from ddpkit._launch.forkserver import MAX_MESSAGE, PRELOAD, ignored_signals
+from ddpkit._launch.forkserver.server import MAX_MESSAGE, PRELOAD, ignored_signals
 from ddpkit._launch.proctree import wait_exit
 
 READY_TIMEOUT = 300.0
@@ -109,7 +109,7 @@ class ForkServer:
                 sys.executable,
                 "-u",
                 "-m",
-                "ddpkit._launch.forkserver",
+                "ddpkit._launch.forkserver.server",
                 str(theirs.fileno()),
                 str(os.getpid()),
                 modules,

@@ -4,7 +4,7 @@ torch's c10d rendezvous store is a TCPStore that accepts any connection and has 
 client's identity, and torch unpickles the rendezvous state it reads from it: anyone who reached the
 endpoint could write a value that ran code in every agent. Under ``ddpkit run`` the store listens on
 127.0.0.1 only. Other nodes reach it through a relay on the endpoint's port
-(:mod:`ddpkit._launch.rendezvous_relay`) which, before one byte of the peer's reaches the store, has
+(:mod:`ddpkit._launch.rendezvous.relay`) which, before one byte of the peer's reaches the store, has
 the peer prove that it holds the job's secret (an HMAC-SHA256 challenge-response with fresh nonces
 on both sides, so that the host proves it too), and then carries the store's traffic in frames that
 each bear an HMAC under a key of that session, so that bytes altered or injected on the way end the

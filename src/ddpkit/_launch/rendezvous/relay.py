@@ -1,12 +1,12 @@
 """The rendezvous host's relay: admits a peer that proves it holds the job's secret, then carries
-its traffic to the store on 127.0.0.1 (the protocol: :mod:`ddpkit._launch.rendezvous_auth`).
+its traffic to the store on 127.0.0.1 (the protocol: :mod:`ddpkit._launch.rendezvous.auth`).
 
 The endpoint is reachable by anyone on the network, so what a peer can make the relay hold is
 bounded:
 
 - every handshake runs in one selector thread, so a genuine node is answered as soon as its bytes
   arrive, never queued behind connections that are slow, silent or send garbage;
-- a handshake has :data:`~ddpkit._launch.rendezvous_auth.HANDSHAKE_TIMEOUT` seconds in all from the
+- a handshake has :data:`~ddpkit._launch.rendezvous.auth.HANDSHAKE_TIMEOUT` seconds in all from the
   connection, not per read: a peer that sends one byte every few seconds is dropped at the deadline;
 - one address may hold at most :data:`PER_ADDRESS` unfinished handshakes; a connection beyond that
   is told so and closed at once, so one address cannot fill the others' room;
@@ -15,7 +15,7 @@ bounded:
   from many addresses, reopened as soon as they are dropped, cannot keep a node that answers at once
   out;
 - a peer turned away or evicted is told so in words (``BUSY_ADDRESS``, ``BUSY_FULL`` of
-  :mod:`ddpkit._launch.rendezvous_auth`), which its launcher says instead of blaming the endpoint;
+  :mod:`ddpkit._launch.rendezvous.auth`), which its launcher says instead of blaming the endpoint;
 - every dropped connection is said on the host's stderr, at once for the first from an address (for
   each reason), then as a count at most once a minute, so that the user of a rendezvous that will
   not form sees who holds it.
@@ -32,7 +32,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from ddpkit._launch.rendezvous_auth import (
+from ddpkit._launch.rendezvous.auth import (
     ANSWER,
     BUSY_ADDRESS,
     BUSY_FULL,

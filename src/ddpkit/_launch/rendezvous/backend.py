@@ -2,7 +2,7 @@
 the job reaches.
 
 Registered with torch's handler registry as ``--rdzv-backend ddpkit``; torch's own ``c10d`` backend
-differs in three ways (see :mod:`ddpkit._launch.rendezvous_auth` for why):
+differs in three ways (see :mod:`ddpkit._launch.rendezvous.auth` for why):
 
 - the TCPStore is served from a socket bound to 127.0.0.1, where torch's listens on every interface
   whatever the endpoint says;
@@ -42,8 +42,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from ddpkit._internals.store import serve_store
-from ddpkit._launch.rendezvous_auth import RelayClient, derive
-from ddpkit._launch.rendezvous_relay import RelayServer
+from ddpkit._launch.rendezvous.auth import RelayClient, derive
+from ddpkit._launch.rendezvous.relay import RelayServer
 
 BACKEND = "ddpkit"
 
