@@ -262,8 +262,8 @@ def _resolves(dotted: str) -> bool:
 def test_the_ddpkit_names_the_docs_and_docstrings_cite_exist():
     """``ddpkit.data.ShardedBatchSampler`` in a page or a docstring names something real (Sphinx
     checks the cross-references it resolves; this checks the names in plain code spans too)."""
-    # The old module paths ddpkit._moved still imports are for scripts of the last release: a page or
-    # docstring citing one is stale (_moved.py itself names them on purpose).
+    # The old module paths ddpkit._moved still imports are for scripts of the last release: a page
+    # or docstring citing one is stale (_moved.py itself names them on purpose).
     moved = ROOT / "src" / "ddpkit" / "_moved.py"
     sources = PAGES + sorted(p for p in (ROOT / "src" / "ddpkit").rglob("*.py") if p != moved)
     cited = {
