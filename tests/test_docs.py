@@ -15,6 +15,7 @@ import inspect
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -171,9 +172,20 @@ def test_the_pages_have_python_blocks_and_few_are_sketches():
     assert sum(marker is None for *_, marker, _ in found) >= len(found) - 2, "most blocks must run"
 
 
-@pytest.mark.parametrize(
-    "page, line, marker, code", blocks(), ids=[f"{page}:{line}" for page, line, *_ in blocks()]
-)
+def _tiered(found: list[tuple[str, int, str | None, str]]) -> list[Any]:
+    """The README's blocks in the default tier (the first page a user runs); the docs pages' in the
+    slow one: nearly every block starts ranks, 5 to 20 s each, a third of the default suite."""
+    return [
+        pytest.param(
+            *block,
+            id=f"{block[0]}:{block[1]}",
+            marks=() if block[0] == "README.md" else pytest.mark.slow,
+        )
+        for block in found
+    ]
+
+
+@pytest.mark.parametrize("page, line, marker, code", _tiered(blocks()))
 def test_block_runs(page, line, marker, code, run_python, tmp_path):
     if marker is not None:
         pytest.skip(f"{page} line {line}: {marker}")
