@@ -2,12 +2,12 @@
 refuses a file beyond the size it admits naming the file.
 
 Each adversarial input (chunks, entries, specs, records, lines) is grown 4x, 16x and 64x from a
-base, and the reading time t ~ n**k between the two largest inputs has k at most 1.5 (a linear
-reader: 1, n log n about 1.1, a quadratic one: 2, and closer to 2 the larger n is: a quadratic term
-shows most there). Not the ratio of the largest to the smallest: a base that fits a cache reads
-fast and alone made a linear reader look superlinear on a loaded machine (1x 2.3 ms, 4x 18.8 ms,
-64x 277 ms); nor a fit over all of them, which a large linear term pulls under 1.5 for a reader
-that is quadratic (Optuna's replay: 1x 4.1 ms, 4x 21.6 ms, 16x 157 ms, 64x 1690 ms). Times are
+base, and the reading time t ~ n**k may have k at most 1.3 over the whole range and at most 1.5
+between the two largest inputs (a linear reader: 1, n log n about 1.1, a quadratic one: 2, and
+closer to 2 the larger n is). Two bounds, each with room: a base that fits a cache reads fast and
+made a linear reader's whole-range k 1.16 on a loaded machine (1x 2.3 ms, 4x 18.8 ms, 64x 277 ms),
+while a large linear term holds a quadratic reader's last k near 1.5 in some runs (Optuna's replay:
+1x 4.1 ms, 16x 157 ms, 64x 1690 ms: whole-range k 1.45). Times are
 compared within one run, each the minimum of a few repetitions in CPU time with the garbage
 collector off; no wall-clock threshold. The controls run the old quadratic readers (kept here)
 through the same assertion, and show it fails.
@@ -39,7 +39,10 @@ from ddpkit.snapshot._chunks import check_chunks
 from ddpkit.snapshot._memory import slot as mslot
 
 GROWTH = (1, 4, 16, 64)
-EXPONENT = 1.5
+EXPONENT = 1.3
+"""Over the whole range of inputs."""
+LAST_EXPONENT = 1.5
+"""Between the two largest inputs."""
 
 
 def last_exponent(sizes: list[int], times_: list[float]) -> float:
@@ -81,7 +84,7 @@ def assert_linear(
     most: int | None = None,
 ) -> None:
     """``read`` of ``make(base * g)`` for g in ``growth`` takes time ~ n**k in the input's size,
-    k between the two largest inputs at most EXPONENT.
+    k at most EXPONENT over the range and LAST_EXPONENT between the two largest inputs.
 
     The base is doubled (up to 16x, and while the largest input stays within ``most``) until reading
     it takes MEASURABLE: a sub-millisecond base failed this on a loaded machine for readers that are
@@ -101,9 +104,13 @@ def assert_linear(
         base *= 2
     inputs = [get(base * g) for g in growth]
     t = times(read, inputs)
-    k = last_exponent([base * g for g in growth], t)
+    whole = math.log(t[-1] / t[0]) / math.log(growth[-1] / growth[0])
+    last = last_exponent([base * g for g in growth], t)
     shown = ", ".join(f"{g}x {s * 1e3:.1f} ms" for g, s in zip(growth, t))
-    assert k <= EXPONENT, f"superlinear from a base of {base}: {shown}, t ~ n**{k:.2f}"
+    assert whole <= EXPONENT and last <= LAST_EXPONENT, (
+        f"superlinear from a base of {base}: {shown}, t ~ n**{whole:.2f} over the range, "
+        f"n**{last:.2f} between the two largest"
+    )
 
 
 # -- the DCP index ---------------------------------------------------------------------------------
@@ -410,8 +417,9 @@ def test_control_a_journal_replayed_without_its_budget_is_caught(tmp_path, monke
     from ddpkit.search import _study as study
 
     monkeypatch.setattr(study, "_REPLAY_FLOOR", 1 << 62)
+    # From 250 records: from 125, the replay's linear part still held its last k near 1.4 at times.
     with pytest.raises(AssertionError, match="superlinear"):
-        assert_linear(read_journal, journal_maker(tmp_path), 125)
+        assert_linear(read_journal, journal_maker(tmp_path), 250)
 
 
 @needs_optuna
