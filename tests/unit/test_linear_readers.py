@@ -82,13 +82,17 @@ def assert_linear(
     base: int,
     growth=GROWTH,
     most: int | None = None,
+    attempts: int = 3,
 ) -> None:
     """``read`` of ``make(base * g)`` for g in ``growth`` takes time ~ n**k in the input's size,
-    k at most EXPONENT over the range and LAST_EXPONENT between the two largest inputs.
+    k at most EXPONENT over the range and LAST_EXPONENT between the two largest inputs, in one of
+    ``attempts`` measurements.
 
     The base is doubled (up to 16x, and while the largest input stays within ``most``) until reading
     it takes MEASURABLE: a sub-millisecond base failed this on a loaded machine for readers that are
-    linear."""
+    linear. A linear reader passes once noise spares one measurement (another process on a 2-core
+    machine can slow one input several times over); a quadratic one fails every measurement, as
+    its exponent is a property of the reader, not of the machine. The controls measure once."""
     made: dict[int, Any] = {}
 
     def get(n: int) -> Any:
@@ -103,14 +107,18 @@ def assert_linear(
             break
         base *= 2
     inputs = [get(base * g) for g in growth]
-    t = times(read, inputs)
-    whole = math.log(t[-1] / t[0]) / math.log(growth[-1] / growth[0])
-    last = last_exponent([base * g for g in growth], t)
-    shown = ", ".join(f"{g}x {s * 1e3:.1f} ms" for g, s in zip(growth, t))
-    assert whole <= EXPONENT and last <= LAST_EXPONENT, (
-        f"superlinear from a base of {base}: {shown}, t ~ n**{whole:.2f} over the range, "
-        f"n**{last:.2f} between the two largest"
-    )
+    seen = []
+    for _ in range(attempts):
+        t = times(read, inputs)
+        whole = math.log(t[-1] / t[0]) / math.log(growth[-1] / growth[0])
+        last = last_exponent([base * g for g in growth], t)
+        if whole <= EXPONENT and last <= LAST_EXPONENT:
+            return
+        shown = ", ".join(f"{g}x {s * 1e3:.1f} ms" for g, s in zip(growth, t))
+        seen.append(
+            f"{shown}: t ~ n**{whole:.2f} over the range, n**{last:.2f} between the two largest"
+        )
+    raise AssertionError(f"superlinear from a base of {base}: " + "; ".join(seen))
 
 
 # -- the DCP index ---------------------------------------------------------------------------------
@@ -160,7 +168,7 @@ def test_control_the_old_pairwise_chunk_check_is_caught(monkeypatch):
     )
     read_index(one_element_chunks(256))  # still a reader of the same index: it accepts it
     with pytest.raises(AssertionError, match="superlinear"):
-        assert_linear(read_index, one_element_chunks, 64, growth=(1, 4, 16))
+        assert_linear(read_index, one_element_chunks, 64, growth=(1, 4, 16), attempts=1)
 
 
 def dcp_chunks(size: list[int], chunks: list[tuple[list[int], list[int]]]) -> Any:
@@ -328,7 +336,7 @@ def test_control_the_old_product_of_sizes_is_caught(monkeypatch):
     # The size of a spec before: the product of every size, a zero among them or not.
     monkeypatch.setattr(mvalues.Spec, "nbytes", property(lambda s: math.prod(s.shape) * 4))
     with pytest.raises(AssertionError, match="superlinear"):
-        assert_linear(read_specs, many_dims, 500, growth=(1, 4, 16))
+        assert_linear(read_specs, many_dims, 500, growth=(1, 4, 16), attempts=1)
 
 
 def test_a_slot_part_beyond_its_bound_is_refused_naming_it(tmp_path):
@@ -419,7 +427,7 @@ def test_control_a_journal_replayed_without_its_budget_is_caught(tmp_path, monke
     monkeypatch.setattr(study, "_REPLAY_FLOOR", 1 << 62)
     # From 250 records: from 125, the replay's linear part still held its last k near 1.4 at times.
     with pytest.raises(AssertionError, match="superlinear"):
-        assert_linear(read_journal, journal_maker(tmp_path), 250)
+        assert_linear(read_journal, journal_maker(tmp_path), 250, attempts=1)
 
 
 @needs_optuna
