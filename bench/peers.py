@@ -326,9 +326,11 @@ def drive(a: argparse.Namespace) -> None:
             for name in order if r % 2 == 0 else order[::-1]:
                 result = launch(a, name, Path(tmp), f"r{r}-{name}")
                 threads.add(result["threads"])
-                if r > 0:  # the first round warms the disk cache and the imports
+                # the first round warms the disk cache and the imports
+                if r > 0 or a.keep_first:
                     steps[name].append(result["step_s"] * 1e3)
-            done = ", ".join(f"{n} {steps[n][-1]:.3f} ms" for n in names) if r > 0 else "dropped"
+            kept = r > 0 or a.keep_first
+            done = ", ".join(f"{n} {steps[n][-1]:.3f} ms" for n in names) if kept else "dropped"
             print(f"round {r + 1}/{a.rounds}: {done}", flush=True)
     print(
         f"date {datetime.datetime.now():%Y-%m-%d %H:%M}  machine {platform.machine()}, "
@@ -341,13 +343,17 @@ def drive(a: argparse.Namespace) -> None:
         "thread(s) each), MyTrainDataset (a list of (rand(20), rand(1))), MLP "
         f"20-{a.hidden}-{a.hidden}-1, MSE, SGD, batch {a.batch_size}/rank, no loader workers; a "
         f"job: {a.warmup} warm-up + {a.steps} timed steps; {a.rounds} interleaved rounds, the "
-        "first dropped"
+        + ("first kept (a check, not a measurement)" if a.keep_first else "first dropped")
     )
     print(
         f"  {'':18s} {'ms/step (rounds: min-max)':30s} / raw DDP: median of per-round ratios (95% "
         "interval; rounds: min-max)"
     )
-    report: dict = {"rounds": a.rounds - 1, "skipped": skipped, "frameworks": {}}
+    report: dict = {
+        "rounds": a.rounds - (0 if a.keep_first else 1),
+        "skipped": skipped,
+        "frameworks": {},
+    }
     for name in names:
         ms = steps[name]
         ratios = sorted(x / b for x, b in zip(ms, steps["raw"]))
@@ -395,13 +401,19 @@ def main() -> None:
     p.add_argument("--job-timeout", type=float, default=600, help="seconds one job may take")
     # One job, under torchrun (not --run: torchrun would take it for an abbreviation of its
     # --run-path).
+    p.add_argument(
+        "--keep-first",
+        action="store_true",
+        help="keep the first round: a check that every job runs, not a measurement",
+    )
     p.add_argument("--framework", choices=list(FRAMEWORKS), help=argparse.SUPPRESS)
     p.add_argument("--job-out", help=argparse.SUPPRESS)
     p.add_argument("--job-dir", help=argparse.SUPPRESS)
     a = p.parse_args()
-    if a.rounds < 2 or a.steps < 2 or a.warmup < 1:
+    if a.rounds < (1 if a.keep_first else 2) or a.steps < 2 or a.warmup < 1:
         raise SystemExit(
-            "--rounds at least 2 (the first is dropped), --steps at least 2, --warmup at least 1"
+            "--rounds at least 2 (the first is dropped; 1 with --keep-first), --steps at least 2, "
+            "--warmup at least 1"
         )
     job(a) if a.framework else drive(a)
 

@@ -343,10 +343,22 @@ def _final(run_dir: Path) -> dict:
     return {"step": step, "model": model}
 
 
-# two jobs, one pre-empted and requeued, and SLURM's polling: minutes on 2 cores
+@pytest.fixture(scope="module")
+def uninterrupted(slurm, tmp_path_factory) -> dict:
+    """The final snapshot of the digits job run through without a stop: one job for every way of
+    pre-empting it."""
+    tmp_path = tmp_path_factory.mktemp("reference")
+    ref_job, ref_dir = _digits_job(tmp_path, "reference", slurm)
+    ref = wait_for(ref_job, slurm, {"COMPLETED", "FAILED"}, timeout=400)
+    assert ref["JobState"] == "COMPLETED" and ref["Restarts"] == "0"
+    return _final(ref_dir)
+
+
+# a pre-empted and requeued job (and, once for the module, the uninterrupted one), and SLURM's
+# polling: minutes on 2 cores
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("how", ["scontrol requeue", "SIGUSR1"])
-def test_digits_preempted_resumes_to_the_uninterrupted_weights(slurm, tmp_path, how):
+def test_digits_preempted_resumes_to_the_uninterrupted_weights(slurm, tmp_path, how, uninterrupted):
     job, run_dir = _digits_job(tmp_path, "preempted", slurm)
     # mid-run: two snapshots written
     wait_while_queued_or_running(
@@ -383,9 +395,6 @@ def test_digits_preempted_resumes_to_the_uninterrupted_weights(slurm, tmp_path, 
     ], events
     assert 0 < stop < EPOCHS * 22
 
-    ref_job, ref_dir = _digits_job(tmp_path, "reference", slurm)
-    ref = wait_for(ref_job, slurm, {"COMPLETED", "FAILED"}, timeout=400)
-    assert ref["JobState"] == "COMPLETED" and ref["Restarts"] == "0"
-    got, want = _final(run_dir), _final(ref_dir)
+    got, want = _final(run_dir), uninterrupted
     assert got["step"] == want["step"] == EPOCHS * 22
     assert all(torch.equal(got["model"][k], want["model"][k]) for k in want["model"])
