@@ -174,12 +174,13 @@ def test_the_pages_have_python_blocks_and_few_are_sketches():
 
 def _tiered(found: list[tuple[str, int, str | None, str]]) -> list[Any]:
     """The README's blocks in the default tier (the first page a user runs); the docs pages' in the
-    slow one: nearly every block starts ranks, 5 to 20 s each, a third of the default suite."""
+    extended one (``-m extended``): nearly every block starts ranks, 5 to 20 s each, a third of the
+    default suite, and the job tests run their code on every torch."""
     return [
         pytest.param(
             *block,
             id=f"{block[0]}:{block[1]}",
-            marks=() if block[0] == "README.md" else pytest.mark.slow,
+            marks=() if block[0] == "README.md" else pytest.mark.extended,
         )
         for block in found
     ]

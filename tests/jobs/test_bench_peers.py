@@ -34,7 +34,7 @@ def _bench(args: list[str], env: dict[str, str], out: Path) -> dict:
     return {"stdout": proc.stdout, **json.loads(out.read_text())}
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.timeout(900)  # 6 torchrun jobs; Lightning's import alone takes seconds
 def test_every_installed_framework_gets_a_finite_ratio_to_raw_ddp(tmp_path):
     missing = {name for name, package in PEERS.items() if importlib.util.find_spec(package) is None}
@@ -50,7 +50,7 @@ def test_every_installed_framework_gets_a_finite_ratio_to_raw_ddp(tmp_path):
         print(f"not installed, skipped by the bench: {sorted(missing)} (pip install -e '.[bench]')")
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.timeout(300)
 def test_a_peer_that_is_not_installed_is_skipped_and_the_rest_run(tmp_path):
     """Accelerate hidden from the driver (a ``sitecustomize`` that marks it missing, as in an

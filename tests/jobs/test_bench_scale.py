@@ -28,7 +28,7 @@ MEASURED = [
 ]
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.timeout(900)  # four jobs, each with a restart after a SIGKILL
 def test_the_quick_scale_benchmark_measures_and_fits_every_cost(tmp_path):
     out = subprocess.run(
