@@ -428,6 +428,25 @@ def test_draw_marks_see_every_draw_and_put_the_generators_back(draw):
         assert np.array_equal(np.asarray(draw()), np.asarray(first))
 
 
+@pytest.mark.parametrize("twists", [1, 2, 3])
+def test_whole_twists_of_python_words_from_many_states_are_draws(twists):
+    """The comparison of python's state reads its index, its cached normal and 16 of its 624 words
+    (every 39th): a draw of whole twists brings the index back and must show in those words, from
+    any state. Control: the index alone misses every one of them."""
+    import random
+
+    from ddpkit.data._sample_seeding import changed, draw_marks
+
+    for seed in range(200):
+        random.seed(seed)
+        random.getrandbits(32 * (seed % 624 + 1))  # any index
+        marks = draw_marks()
+        random.getrandbits(32 * 624 * twists)
+        after = draw_marks()
+        assert changed(marks, after), seed
+        assert marks[0][1][-1] == after[0][1][-1]  # control: the index came back
+
+
 def test_a_cached_numpy_normal_used_is_a_draw():
     """numpy keeps the second of a pair of normal draws apart from its words: using it is a draw
     too."""
