@@ -51,7 +51,7 @@ def last_exponent(sizes: list[int], times_: list[float]) -> float:
 
 
 def times(read: Callable[[Any], Any], inputs: list[Any]) -> list[float]:
-    """The least CPU time of ``read`` on each input over 3 runs or more (until 50 ms are spent, at
+    """The least CPU time of ``read`` on each input over 3 runs or more (until 200 ms are spent, at
     most 30): on a shared machine a wall clock counts the time other processes run, more often the
     longer a run is."""
     out = []
@@ -60,7 +60,7 @@ def times(read: Callable[[Any], Any], inputs: list[Any]) -> list[float]:
         gc.collect()
         gc.disable()
         try:
-            while runs < 3 or (spent < 0.05 and runs < 30):
+            while runs < 3 or (spent < 0.2 and runs < 30):
                 start = time.process_time()
                 read(value)
                 took = time.process_time() - start
@@ -425,9 +425,11 @@ def test_control_a_journal_replayed_without_its_budget_is_caught(tmp_path, monke
     from ddpkit.search import _study as study
 
     monkeypatch.setattr(study, "_REPLAY_FLOOR", 1 << 62)
-    # From 250 records: from 125, the replay's linear part still held its last k near 1.4 at times.
+    # From 1,000 records grown 16x (the same largest journal as the test's 250 grown 64x): Optuna's
+    # replay has a large linear part, which from 250 held its whole-range k near 1.45 (1x 4.1 ms,
+    # 64x 1690 ms) and a loaded machine once brought it under 1.3; from 1,000 it is about 1.6.
     with pytest.raises(AssertionError, match="superlinear"):
-        assert_linear(read_journal, journal_maker(tmp_path), 250, attempts=1)
+        assert_linear(read_journal, journal_maker(tmp_path), 1000, growth=(1, 4, 16), attempts=1)
 
 
 @needs_optuna
