@@ -179,8 +179,9 @@ def set_loading_rng_state(state: tuple[Any, ...]) -> None:
 #   only a draw that moves the words sets it. (Not seen: ``np.random.set_state`` of a state with a
 #   cached normal and the very words the generator holds, when a batch then uses that normal.)
 # A loader worker, where nothing draws between batches, takes the state after one batch as the marks
-# of the next (:class:`SampleSeeder`). Every comparison is exact: two states are equal only if
-# nothing drew, or the generator was set back to the state it had.
+# of the next (:class:`SampleSeeder`). Every comparison is exact (two states are equal only if
+# nothing drew, or the generator was set back to the state it had) but python's, which reads 16 of
+# its 624 words besides its index: see :func:`changed`.
 
 
 class _NumpyWords:
