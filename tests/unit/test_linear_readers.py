@@ -45,9 +45,9 @@ LAST_EXPONENT = 1.5
 """Between the two largest inputs."""
 
 
-def last_exponent(sizes: list[int], times_: list[float]) -> float:
-    """k of t ~ n**k between the two largest inputs."""
-    return math.log(times_[-1] / times_[-2]) / math.log(sizes[-1] / sizes[-2])
+def exponent(sizes: list[int], times_: list[float], i: int, j: int) -> float:
+    """k of t ~ n**k between inputs ``i`` and ``j``."""
+    return math.log(times_[j] / times_[i]) / math.log(sizes[j] / sizes[i])
 
 
 def times(read: Callable[[Any], Any], inputs: list[Any]) -> list[float]:
@@ -110,8 +110,7 @@ def assert_linear(
     seen = []
     for _ in range(attempts):
         t = times(read, inputs)
-        whole = math.log(t[-1] / t[0]) / math.log(growth[-1] / growth[0])
-        last = last_exponent([base * g for g in growth], t)
+        whole, last = exponent(growth, t, 0, -1), exponent(growth, t, -2, -1)
         if whole <= EXPONENT and last <= LAST_EXPONENT:
             return
         shown = ", ".join(f"{g}x {s * 1e3:.1f} ms" for g, s in zip(growth, t))

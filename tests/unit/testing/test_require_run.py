@@ -29,10 +29,7 @@ def _tier(
         "from tests.require_run import pytest_sessionfinish  # noqa: F401\n"
     )
     (tmp_path / "test_tier.py").write_text(tests)
-    # The suite itself may run under DDPKIT_REQUIRE_RUN=1 (CI's matrix cells): the inner run gets
-    # the variable only where the test asks for it.
-    env = {k: v for k, v in _clean_environ().items() if k != "DDPKIT_REQUIRE_RUN"}
-    env |= {"DDPKIT_REQUIRE_RUN": "1"} if require else {}
+    env = _clean_environ() | ({"DDPKIT_REQUIRE_RUN": "1"} if require else {})
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *options, str(tmp_path)]
     return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
 
