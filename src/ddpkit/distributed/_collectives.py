@@ -133,6 +133,21 @@ def all_reduce(value: T, op: Literal["sum", "max", "min"] = "sum", group: Group 
     return out if isinstance(value, Mapping) else out["_"]  # type: ignore[return-value]
 
 
+def gather_values(values: Mapping[str, Any], group: Group = None) -> list[dict[str, Any]]:
+    """Every rank's ``values`` (numbers and tensors, as :func:`all_reduce` takes them), in rank
+    order: one all-gather of one flat float64 tensor. For an agreement that needs each rank's values
+    as well as their sums; the sums taken from the table, in rank order, are the same on every rank.
+    """
+    flat, layout = _flatten(values)
+    if not is_live(group):
+        return [_unflatten(flat, layout)]
+    with _watched("all_gather", group):
+        mine = flat.to(comm_device(group))
+        rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(rows, mine, group=group)
+    return [_unflatten(row.cpu(), layout) for row in rows]
+
+
 def gather_tensors(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` along dim 0 in rank order; ranks may hold different
     lengths.

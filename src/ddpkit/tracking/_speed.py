@@ -14,7 +14,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpkit.distributed import Group
 from ddpkit.tracking._flops import FlopCount, device_peak, mfu
 from ddpkit.tracking._timings import RankTimes, RunSpeed, StepTimings, samples_in
 
@@ -56,15 +55,18 @@ class Speed:
         self._to_count = False
         return self.flops.counting(samples_in(batch))
 
-    def window(
-        self, wall: float, items: float | None, steps: int, group: Group
-    ) -> RankTimes | None:
-        """Every rank's phases in the window ending here (collective: every rank calls it); None
-        when off. ``items``: this rank's items (tokens) in the window's steps, under
+    def row(self, wall: float, items: float | None) -> list[float]:
+        """This rank's phases in the window ending here, for the window's agreement to gather;
+        empty when off. ``items``: this rank's items (tokens) in the window's steps, under
         ``count_fn``."""
+        return self.timings.row(wall, items or 0.0) if self.enabled else []
+
+    def times(self, table: list[list[float]], wall: float, steps: int) -> RankTimes | None:
+        """Every rank's phases in the window, from every rank's :meth:`row` (in rank order); None
+        when off."""
         if not self.enabled:
             return None
-        times = self.timings.window(wall, items or 0.0, steps, group)
+        times = StepTimings.times(table, wall, steps)
         if steps:
             self.run.add(times, steps)
         return times

@@ -18,9 +18,9 @@ Each rank splits its steps into phases, in seconds summed over a log window:
 
 A rank's *busy* time is all but ``comm``: in DDP every rank waits at the all-reduce for the slowest,
 so every rank's wall time per step is the same and the slowest rank is the one with the most busy
-time; the others show its excess as ``comm``. At each window's end the ranks' phases travel in one
-all-gather of a few float64 per rank, beside the loss's all-reduce (one more small collective per
-window, none per step).
+time; the others show its excess as ``comm``. At each window's end the ranks' phases travel in the
+loss's agreement, a few float64 per rank in its one all-gather (no collective of their own, none per
+step).
 
 On the CPU the phases are host clock times. On CUDA, ``compute``, ``comm`` and ``optimizer`` are
 read from CUDA events on the current stream (the host runs ahead of the device, and its clock would
@@ -38,12 +38,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-
-from ddpkit.distributed import Group
-from ddpkit.distributed._collectives import comm_device, is_live
 
 PHASES = ("data", "compute", "comm", "optimizer", "snapshot")
 # a rank's own work; comm is waiting for the others
@@ -223,22 +219,20 @@ class StepTimings:
             self._used = []
         return seconds
 
-    def window(self, wall: float, items: float, steps: int, group: Group = None) -> RankTimes:
-        """Every rank's phases of the window that ends here, in ``steps`` steps and ``wall`` seconds
-        on this rank; this rank's ``items`` (tokens) too. Collective: one all-gather; every rank
-        calls it at the same window's end. The window's counts start afresh."""
+    def row(self, wall: float, items: float) -> list[float]:
+        """This rank's phases in the window that ends here, its ``wall`` seconds, samples and
+        ``items`` (tokens), for the window's agreement to gather (:meth:`LossWindow.agree
+        <ddpkit.training._loss_window.LossWindow.agree>`). The window's counts start afresh."""
         seconds = self._resolve()
         local = [seconds[p] for p in PHASES] + [wall, float(self.samples), float(items)]
         # in place: the loader's pass holds this dict
         self.seconds.update(dict.fromkeys(PHASES, 0.0))
         self.samples = 0
-        if is_live(group):
-            mine = torch.tensor(local, dtype=torch.float64, device=comm_device(group))
-            rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(rows, mine, group=group)
-            table = [row.tolist() for row in rows]
-        else:
-            table = [local]
+        return local
+
+    @staticmethod
+    def times(table: list[list[float]], wall: float, steps: int) -> RankTimes:
+        """Every rank's :meth:`row`, in rank order, per step of a window of ``steps`` steps."""
         per_step = 1000 / max(steps, 1)
         ms = {p: [row[i] * per_step for row in table] for i, p in enumerate(PHASES)}
         return RankTimes(

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ddpkit.distributed import Group
-from ddpkit.distributed._collectives import all_reduce
+from ddpkit.distributed._collectives import gather_values
 
 
 @dataclass
@@ -22,6 +23,8 @@ class Agreed:
     stop: bool
     means: dict[str, float] = field(default_factory=dict)
     """The mean of each named loss (a step of several models: each ``backward(loss, name)``'s)."""
+    rows: list[list[float]] = field(default_factory=list)
+    """Every rank's ``row`` passed to :meth:`LossWindow.agree`, in rank order."""
 
     @property
     def mean(self) -> float:
@@ -130,29 +133,42 @@ class LossWindow:
         self.losses, self.sizes, self.steps, self.tried, self._step_start = [], [], 0, 0, 0
         self.names = []
 
-    def agree(self, device: torch.device, stop: bool, group: Group) -> Agreed:
-        """The global loss sum and sample count since the last agreement, and whether any rank must
-        stop.
+    def agree(
+        self, device: torch.device, stop: bool, group: Group, row: Sequence[float] = ()
+    ) -> Agreed:
+        """The global loss sum and sample count since the last agreement, whether any rank must
+        stop, and every rank's ``row`` (the window's step timings).
 
-        Collective (one small all-reduce): every rank calls it after the same steps.
+        Collective (one small all-gather): every rank calls it after the same steps. One all-gather
+        of every rank's sums and row costs what an all-reduce of the sums does (a few numbers: the
+        latency is the cost), and saves a second collective for the rows. The totals are summed
+        from the table in rank order, the same on every rank.
         """
-        sums: dict[str, torch.Tensor | float] = {
+        mine: dict[str, Any] = {
             "loss": self.local_sum(device),
             "samples": sum(self.sizes),
             "stop": float(stop),
         }
-        # Named losses (several models): each name's sums too, in the same all-reduce. Every rank
+        # Named losses (several models): each name's sums too, in the same all-gather. Every rank
         # ran the same step function, so every rank has the same names.
         names = sorted(set(self.names))
         for name in names:
-            mine = [i for i, n in enumerate(self.names) if n == name]
-            sums[f"loss:{name}"] = math.fsum(
-                float(self.losses[i]) * float(self.sizes[i]) for i in mine
+            at = [i for i, n in enumerate(self.names) if n == name]
+            mine[f"loss:{name}"] = math.fsum(
+                float(self.losses[i]) * float(self.sizes[i]) for i in at
             )
-            sums[f"samples:{name}"] = math.fsum(float(self.sizes[i]) for i in mine)
-        total = all_reduce(sums, group=group)
-        means = {n: float(total[f"loss:{n}"]) / float(total[f"samples:{n}"]) for n in names}
-        return Agreed(float(total["loss"]), float(total["samples"]), bool(total["stop"]), means)
+            mine[f"samples:{name}"] = math.fsum(float(self.sizes[i]) for i in at)
+        mine["row"] = torch.tensor(list(row), dtype=torch.float64)
+        table = gather_values(mine, group)
+        total = {k: math.fsum(float(r[k]) for r in table) for k in mine if k != "row"}
+        means = {n: total[f"loss:{n}"] / total[f"samples:{n}"] for n in names}
+        return Agreed(
+            total["loss"],
+            total["samples"],
+            bool(total["stop"]),
+            means,
+            [r["row"].tolist() for r in table],
+        )
 
 
 @dataclass

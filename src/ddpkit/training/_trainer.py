@@ -465,17 +465,19 @@ class Trainer:
             self._notice = None
             self.snapshots.schedule.notice = notice
             self.writer.log("event", self.step, {"event": "preemption_notice", "notice": notice})
-        agreed = window.agree(self.runtime.device, bool(self._stop_signal), self.group)
+        # The window ends here on each rank, before the agreement: a rank's wall time is its own,
+        # not the wait for the slowest rank's arrival; that wait is the next window's.
+        end = time.perf_counter()
+        wall = end - self._window_start
+        tokens = self.batch_loss.count_fn is not None
+        # Every rank's phases travel in the agreement's one collective, at window ends only.
+        row = self.speed.row(wall, float(sum(window.sizes)) if tokens else None)
+        agreed = window.agree(self.runtime.device, bool(self._stop_signal), self.group, row)
         self.epoch_loss.add(agreed)
         if agreed.stop and self.stopped_by is None:
             self.stopped_by = StopReason.SIGNAL
-        wall = time.perf_counter() - self._window_start
         ms = 1000 * wall / max(window.tried, 1)
-        tokens = self.batch_loss.count_fn is not None
-        # Every rank's phases: one all-gather beside the all-reduce above, at window ends only.
-        times = self.speed.window(
-            wall, float(sum(window.sizes)) if tokens else None, window.tried, self.group
-        )
+        times = self.speed.times(agreed.rows, wall, window.tried)
         rates = self.speed.rates(times, tokens) if times is not None else {}
         if window.steps:
             record = {
@@ -493,7 +495,7 @@ class Trainer:
         if times is not None and window.tried:
             self.writer.log("ranks", self.step, times.record())
         window.clear()
-        self._window_start = time.perf_counter()
+        self._window_start = end
         postfix: dict[str, Any] = {"loss": agreed.mean, "ms/step": ms}
         postfix |= {k.replace("_per_s", "/s"): v for k, v in rates.items()}
         if times is not None and (slowest := times.slowest()).slow:

@@ -85,3 +85,66 @@ def test_step_timings_off_records_none_of_it(tmp_path, capfd):
     assert not _kind(records, "ranks")
     assert all("samples_per_s" not in t for t in _kind(records, "train"))
     assert "slow rank" not in out and "samples/s" not in out
+
+
+_COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list",
+    "barrier", "reduce", "gather", "scatter", "all_to_all",
+)  # fmt: skip
+
+
+def _counted(calls: list[str], name: str, real, *args, **kwargs):
+    calls.append(name)
+    return real(*args, **kwargs)
+
+
+def _count_collectives(run_dir: str, every: int, step_timings: bool) -> tuple[int, int]:
+    """The torch.distributed collectives this rank's fit calls (DDP's own all-reduce of the
+    gradients runs in its reducer, not through these), and the ``ranks`` records written."""
+    import json
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from ddpkit.training._config import LoggingConfig, SnapshotConfig, TrainerConfig
+    from ddpkit.training._trainer import Trainer
+
+    calls = []
+    for name in _COLLECTIVES:
+        real = getattr(dist, name)
+        setattr(dist, name, functools.partial(_counted, calls, name, real))
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
+    model = nn.Linear(8, 1)
+    config = TrainerConfig(
+        run_dir=run_dir,
+        max_steps=16,
+        epochs=100,
+        global_batch_size=4,
+        num_workers=0,
+        snapshot=SnapshotConfig(every_epochs=0),
+        logging=LoggingConfig(every_steps=every, progress=False, step_timings=step_timings),
+    )
+    trainer = Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), data, config,
+        loss_fn=nn.functional.mse_loss,
+    )  # fmt: skip
+    trainer.fit()
+    lines = (trainer.run_dir / "metrics.jsonl").read_text().splitlines()
+    ranks = [r for r in map(json.loads, lines) if r["kind"] == "ranks"]
+    return len(calls), len(ranks)
+
+
+def test_the_step_timings_travel_in_the_agreement_and_add_no_collective(tmp_path):
+    from ddpkit.testing import run_on_ranks
+
+    def counts(name, every, timings):
+        return run_on_ranks(_count_collectives, 2, (str(tmp_path / name), every, timings))
+
+    on, off = counts("on", 4, True), counts("off", 4, False)
+    assert [n for n, _ in on] == [n for n, _ in off], (on, off)
+    assert on[0][1] == 4 and off[0][1] == 0  # 16 steps, a window every 4: every rank's rows
+    # Control: the count sees the agreement's collective: twice the windows, four more of them.
+    twice = counts("twice", 2, True)
+    assert [n for n, _ in twice] == [n + 4 for n, _ in on], (twice, on)

@@ -284,6 +284,66 @@ def test_only_datasets_that_may_draw_are_wrapped():
     assert ddpkit.build_loader(tensors, 3, num_workers=0).dataset is tensors
 
 
+class Plain(torch.utils.data.Dataset):
+    """No ``__getitems__``: read one sample at a time."""
+
+    def __len__(self) -> int:
+        return 23
+
+    def __getitem__(self, i: int):
+        return {"x": torch.full((2,), float(i)), "i": i}
+
+
+def _pairs(batch):
+    return [(d["i"], d["x"].sum().item()) for d in batch]
+
+
+@pytest.mark.parametrize(
+    "dataset, kwargs",
+    [(Noisy, {}), (Plain, {"seed_samples": False, "collate_fn": _pairs, "drop_last": False})],
+)
+def test_the_loaders_own_iteration_gives_the_dataloaders_batches(dataset, kwargs):
+    """In the main process the loader iterates itself (``_Batches``): the very batches the
+    DataLoader's iterator gives, with and without per-sample seeding, ``__getitems__`` or a
+    ``collate_fn``, over epochs."""
+    from torch.utils.data import DataLoader
+
+    own = ddpkit.build_loader(dataset(), 3, num_workers=0, **kwargs)
+    theirs = ddpkit.build_loader(dataset(), 3, num_workers=0, **kwargs)
+    for _ in range(2):
+        mine = list(own)
+        # the DataLoader's own iterator over the same dataset and sampler (which counts the epoch
+        # itself, read outside the loader's pass)
+        batches = list(DataLoader.__iter__(theirs))
+        assert len(mine) == len(batches) == len(own.batch_sampler) > 0
+        for a, b in zip(mine, batches):
+            assert repr(a) == repr(b)
+    assert own.epoch == theirs.epoch == 2
+
+
+def test_the_loaders_own_iteration_is_annotated_only_under_a_profiler(monkeypatch):
+    """The DataLoader's per-batch profiler annotation (~17 us a batch on the CPU) is made only while
+    a profiler runs, under the DataLoader's name, so that a trace reads the same."""
+    import torch.autograd.profiler as autograd_profiler
+    from torch.profiler import ProfilerActivity, profile
+    from torch.utils.data import DataLoader
+
+    name = "enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__"
+    loader = ddpkit.build_loader(TensorDataset(torch.arange(24)), 4, num_workers=0)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        assert len(list(loader)) == 6
+    # each next(), the one that ends the pass too, as the DataLoader's
+    assert [e.count for e in prof.key_averages() if e.key == name] == [7]
+    made = []
+    real = autograd_profiler.record_function
+    monkeypatch.setattr(autograd_profiler, "record_function", lambda *a: made.append(a) or real(*a))
+    list(loader)
+    assert made == []
+    # Control: the DataLoader's iterator makes it for every batch, profiler or not.
+    list(DataLoader.__iter__(loader))
+    assert len(made) == 7
+
+
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_the_places_of_a_steps_samples_cover_it_once(drop_last):
     # 235 samples, global batches of 12 (6 per rank on 2 ranks), two batches a step: the last batch
