@@ -1,11 +1,14 @@
-"""``torch.compile``'s configuration and its C++ compiler probe, which live in torch's private
-modules.
+"""``torch.compile``'s configuration, its C++ compiler probe and the profiler's flag, which live in
+torch's private modules.
 
 - ``torch._dynamo``: imported once before forking ranks (DDP's constructor imports it, which takes
   seconds), and its ``config.optimize_ddp``, which splits a compiled DDP model's graph at bucket
   boundaries so that gradient all-reduces overlap the backward pass.
 - ``torch._inductor.cpp_builder.get_cpp_compiler``: the C++ compiler inductor builds CPU kernels
   with.
+- ``torch.autograd.profiler._is_profiler_enabled``: whether a profiler runs, the flag torch's
+  compiled code reads to annotate its work only then (:func:`profiler_running`). ddpkit's loader
+  does the same with the DataLoader's per-batch annotation.
 """
 
 from __future__ import annotations
@@ -69,6 +72,24 @@ def _check_cpp_compiler() -> str | None:
     return None if callable(get_cpp_compiler) else "it is not a function"
 
 
+def profiler_running() -> bool:
+    """Whether a torch profiler runs in this process; True where the flag is gone (annotating
+    always is what torch's DataLoader does)."""
+    return bool(getattr(torch.autograd.profiler, "_is_profiler_enabled", True))
+
+
+def _check_profiler_flag() -> str | None:
+    profiler = torch.autograd.profiler
+    if not isinstance(getattr(profiler, "_is_profiler_enabled", None), bool):
+        return "torch.autograd.profiler._is_profiler_enabled is not a bool"
+    # what a profiler's start and stop call to set it
+    if not all(
+        callable(getattr(profiler, f"_run_on_profiler_{e}", None)) for e in ("start", "stop")
+    ):
+        return "torch.autograd.profiler has no _run_on_profiler_start/_stop to set the flag"
+    return None
+
+
 INTERNALS = [
     Internal(
         "torch._dynamo.config.optimize_ddp",
@@ -81,5 +102,12 @@ INTERNALS = [
         "torch",
         "compile=True on the CPU says at once when there is no C++ compiler",
         _check_cpp_compiler,
+    ),
+    Internal(
+        "torch.autograd.profiler._is_profiler_enabled",
+        "torch",
+        "the loader's batches in the main process are annotated for a profiler only while one "
+        "runs (~17 us a batch saved otherwise); where it is gone, always",
+        _check_profiler_flag,
     ),
 ]

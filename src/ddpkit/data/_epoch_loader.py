@@ -9,6 +9,7 @@ from typing import Any, cast
 import torch
 from torch.utils.data import DataLoader
 
+from ddpkit._internals.compiler import profiler_running
 from ddpkit.data._fingerprint import (
     OnDataChange,
     changes,
@@ -182,7 +183,7 @@ class _Batches:
     The DataLoader's iterator wraps each batch in a profiler annotation, ``record_function``, which
     costs ~17 us a batch on the CPU CI machine (torch 2.13) whether or not a profiler runs: more
     than the watch for draws of :mod:`ddpkit.data._sample_seeding`. Here the annotation is made only
-    while a profiler runs (the flag torch's own compiled code reads for the same purpose), under the
+    while a profiler runs (:func:`~ddpkit._internals.compiler.profiler_running`), under the
     DataLoader's name, so that a trace reads the same. Nothing else of that iterator applies to a
     map-style dataset read by a batch sampler in this process: its base seed is drawn for workers,
     from the loader's own generator.
@@ -207,7 +208,7 @@ class _Batches:
         return self
 
     def __next__(self) -> Any:
-        if getattr(torch.autograd.profiler, "_is_profiler_enabled", True):
+        if profiler_running():
             with torch.autograd.profiler.record_function(
                 "enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__"
             ):
