@@ -58,6 +58,7 @@ if [ "$installed" != "$version" ]; then
 fi
 # ddpkit and what the tests need, keeping that torch (a range it satisfies installs nothing more).
 pipq -e ".[dev]" "torch==$version"
+"$venv/bin/python" -m compileall -q src/ddpkit  # as scripts/setup.sh does, for this Python
 echo "torch_matrix: torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)') on Python $pyv ($venv)"
 [ -n "$prepare" ] && exit 0
 exec "$venv/bin/python" -m pytest "$@"

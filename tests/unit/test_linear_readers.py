@@ -11,6 +11,9 @@ while a large linear term holds a quadratic reader's last k near 1.5 in some run
 compared within one run, each the minimum of a few repetitions in CPU time with the garbage
 collector off; no wall-clock threshold. The controls run the old quadratic readers (kept here)
 through the same assertion, and show it fails.
+
+The timed tests are in the slow tier: each input is read for 200 ms at each size, three times
+where a measurement falls outside the bounds, about 45 s in all on the 2-core CI machine.
 """
 
 from __future__ import annotations
@@ -155,10 +158,12 @@ def quadratic_check_chunks(fqn: str, size: torch.Size, chunks: list[ChunkStorage
                 raise storage.BadIndex(f"tensor {fqn!r} has two chunks that overlap")
 
 
+@pytest.mark.slow
 def test_the_dcp_index_is_read_in_time_linear_in_its_chunks():
     assert_linear(read_index, one_element_chunks, 128)
 
 
+@pytest.mark.slow
 def test_control_the_old_pairwise_chunk_check_is_caught(monkeypatch):
     monkeypatch.setattr(
         storage,
@@ -270,6 +275,7 @@ def marker_folder(root: Path) -> Callable[[int], folders.Found]:
     return make
 
 
+@pytest.mark.slow
 def test_the_marker_is_read_in_time_linear_in_its_entries(tmp_path):
     # 8192 entries: 0.9 MiB, under its bound: the base grows instead of the growth
     assert_linear(folders.listed, marker_folder(tmp_path), 512, growth=(1, 4, 16), most=8192)
@@ -315,6 +321,7 @@ def slot_bytes(n: int, shape: list[int] | None = None) -> bytes:
     return bytes(body)
 
 
+@pytest.mark.slow
 def test_a_memory_slot_is_read_in_time_linear_in_its_tensors():
     assert_linear(lambda data: mslot.parse_slot(data, "slot"), slot_bytes, 1000)
 
@@ -327,10 +334,12 @@ def read_specs(raw: list[Any]) -> list[int]:
     return [s.nbytes for s in mvalues.checked_specs(raw, 64)]
 
 
+@pytest.mark.slow
 def test_a_slot_manifest_is_checked_in_time_linear_in_its_sizes():
     assert_linear(read_specs, many_dims, 500)
 
 
+@pytest.mark.slow
 def test_control_the_old_product_of_sizes_is_caught(monkeypatch):
     # The size of a spec before: the product of every size, a zero among them or not.
     monkeypatch.setattr(mvalues.Spec, "nbytes", property(lambda s: math.prod(s.shape) * 4))
@@ -409,6 +418,7 @@ def read_journal(path: Path) -> None:
         assert "would cost Optuna more than" in str(err), err
 
 
+@pytest.mark.slow
 @needs_optuna
 def test_the_search_journal_is_read_in_time_linear_in_its_records(tmp_path, monkeypatch):
     from ddpkit.search import _study as study
@@ -419,6 +429,7 @@ def test_the_search_journal_is_read_in_time_linear_in_its_records(tmp_path, monk
     assert_linear(read_journal, journal_maker(tmp_path), 250)
 
 
+@pytest.mark.slow
 @needs_optuna
 def test_control_a_journal_replayed_without_its_budget_is_caught(tmp_path, monkeypatch):
     from ddpkit.search import _study as study
@@ -491,6 +502,7 @@ def line_files(root: Path) -> Callable[[int], tuple[Path, np.ndarray, int]]:
     return make
 
 
+@pytest.mark.slow
 def test_the_line_index_is_read_in_time_linear_in_its_lines(tmp_path):
     from ddpkit.data import _line_cache as line_cache
 

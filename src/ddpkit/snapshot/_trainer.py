@@ -119,12 +119,16 @@ class TrainerSnapshots:
         self.memory = open_memory_snapshots(parts, every_steps)
         return self.memory
 
-    def after_step(self, step: int, taken: bool) -> None:
-        """After optimizer step ``step`` (every rank): the copy in memory, when one is due. The
-        disk's snapshot of a step is :meth:`save`, placed by the Trainer after the step's agreement
-        and validation."""
-        if self.memory is not None and self.schedule.in_memory(step, taken):
-            self.memory.save()
+    def in_memory_due(self, step: int, taken: bool) -> bool:
+        """A copy in memory is due after optimizer step ``step`` (the same on every rank)."""
+        return self.memory is not None and self.schedule.in_memory(step, taken)
+
+    def save_in_memory(self) -> None:
+        """The copy in memory (every rank), when :meth:`in_memory_due` says so. The disk's snapshot
+        of a step is :meth:`save`, placed by the Trainer after the step's agreement and
+        validation."""
+        assert self.memory is not None
+        self.memory.save()
 
     def close(self) -> None:
         """At the end of ``fit()`` (not on a failure, whose restart resumes from memory): the copies

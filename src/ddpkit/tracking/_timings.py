@@ -99,8 +99,13 @@ class StepTimings:
                 if p.requires_grad
             ]
             # Under torch.compile the forward's hooks would be traced (a clock read in the
-            # graph): not timed there.
-            if isinstance(model, DistributedDataParallel) and not compiled:
+            # graph): not timed there. Nor where DDP broadcasts nothing (no buffers, or
+            # broadcast_buffers=False): a module with a forward hook takes its slow call path.
+            if (
+                isinstance(model, DistributedDataParallel)
+                and not compiled
+                and getattr(model, "will_sync_module_buffers", lambda: True)()
+            ):
                 self._hooks.append(model.register_forward_pre_hook(self._ddp_forward))
                 self._hooks.append(model.module.register_forward_pre_hook(self._module_forward))
 

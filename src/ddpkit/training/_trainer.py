@@ -423,9 +423,10 @@ class Trainer:
                 self,
                 step_output(taken, self.state, self.optimizer_step, self._window),
             )
-        with self.speed.timings.phase("snapshot"), marks.phase(Phase.SNAPSHOT):
-            # a copy in memory, after the callbacks changed the state
-            self.snapshots.after_step(self.step, taken)
+        if self.snapshots.in_memory_due(self.step, taken):
+            with self.speed.timings.phase("snapshot"), marks.phase(Phase.SNAPSHOT):
+                # a copy in memory, after the callbacks changed the state
+                self.snapshots.save_in_memory()
         if cfg.max_steps is not None and self.step >= cfg.max_steps:
             self.stopped_by = StopReason.MAX_STEPS
         # Before the step's snapshot (below, or fit's), whose early-stopping state then counts this
