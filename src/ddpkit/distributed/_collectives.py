@@ -135,17 +135,26 @@ def all_reduce(value: T, op: Literal["sum", "max", "min"] = "sum", group: Group 
 
 def gather_values(values: Mapping[str, Any], group: Group = None) -> list[dict[str, Any]]:
     """Every rank's ``values`` (numbers and tensors, as :func:`all_reduce` takes them), in rank
-    order: one all-gather of one flat float64 tensor. For an agreement that needs each rank's values
-    as well as their sums; the sums taken from the table, in rank order, are the same on every rank.
-    """
+    order, on the host: numbers as Python numbers, tensors on the CPU. One all-gather of one flat
+    float64 tensor into one buffer, copied to the host once. For an agreement that needs each rank's
+    values as well as their sums; sums taken from the table in rank order are the same on every
+    rank."""
     flat, layout = _flatten(values)
+    # a tensor comes back on the CPU, with its dtype: no copy back to a device per rank
+    host = [
+        (key, torch.empty(0, dtype=v.dtype) if isinstance(v, torch.Tensor) else v, shape)
+        for key, v, shape in layout
+    ]
     if not is_live(group):
-        return [_unflatten(flat, layout)]
+        return [_unflatten(flat, host)]
     with _watched("all_gather", group):
         mine = flat.to(comm_device(group))
-        rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(rows, mine, group=group)
-    return [_unflatten(row.cpu(), layout) for row in rows]
+        size = dist.get_world_size(group)
+        table = torch.empty((size, mine.numel()), dtype=mine.dtype, device=mine.device)
+        # rows of one contiguous buffer, each contiguous as all_gather asks
+        dist.all_gather(list(table.unbind(0)), mine, group=group)
+        table = table.cpu()
+    return [_unflatten(row, host) for row in table]
 
 
 def gather_tensors(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:

@@ -467,7 +467,10 @@ class Trainer:
             self.snapshots.schedule.notice = notice
             self.writer.log("event", self.step, {"event": "preemption_notice", "notice": notice})
         # The window ends here on each rank, before the agreement: a rank's wall time is its own,
-        # not the wait for the slowest rank's arrival; that wait is the next window's.
+        # not the wait for the slowest rank's arrival; that wait is the next window's. On a GPU,
+        # once the device has done the window's work (the agreement would wait for it anyway).
+        if self.runtime.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
         end = time.perf_counter()
         wall = end - self._window_start
         tokens = self.batch_loss.count_fn is not None

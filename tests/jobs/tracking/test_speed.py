@@ -88,8 +88,10 @@ def test_step_timings_off_records_none_of_it(tmp_path, capfd):
 
 
 _COLLECTIVES = (
-    "all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list",
-    "barrier", "reduce", "gather", "scatter", "all_to_all",
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
+    "broadcast_object_list", "barrier", "monitored_barrier", "reduce", "reduce_scatter",
+    "reduce_scatter_tensor", "gather", "gather_object", "scatter", "scatter_object_list",
+    "all_to_all", "all_to_all_single",
 )  # fmt: skip
 
 
@@ -99,8 +101,9 @@ def _counted(calls: list[str], name: str, real, *args, **kwargs):
 
 
 def _count_collectives(run_dir: str, every: int, step_timings: bool) -> tuple[int, int]:
-    """The torch.distributed collectives this rank's fit calls (DDP's own all-reduce of the
-    gradients runs in its reducer, not through these), and the ``ranks`` records written."""
+    """The torch.distributed collectives this rank's fit calls through the public API (DDP's own
+    all-reduce of the gradients runs in its reducer, not through these), and the ``ranks`` records
+    written."""
     import json
 
     import torch

@@ -308,16 +308,24 @@ def test_the_loaders_own_iteration_gives_the_dataloaders_batches(dataset, kwargs
     ``collate_fn``, over epochs."""
     from torch.utils.data import DataLoader
 
-    own = ddpkit.build_loader(dataset(), 3, num_workers=0, **kwargs)
-    theirs = ddpkit.build_loader(dataset(), 3, num_workers=0, **kwargs)
+    from ddpkit.data._epoch_loader import _Batches
+
+    # pin_memory=False: on a CUDA machine build_loader pins, and pinned batches take the
+    # DataLoader's iterator
+    own = ddpkit.build_loader(dataset(), 3, num_workers=0, pin_memory=False, **kwargs)
+    theirs = ddpkit.build_loader(dataset(), 3, num_workers=0, pin_memory=False, **kwargs)
     for _ in range(2):
-        mine = list(own)
+        it = iter(own)
+        assert isinstance(it.batches, _Batches)
+        mine = list(it)
         # the DataLoader's own iterator over the same dataset and sampler (which counts the epoch
         # itself, read outside the loader's pass)
         batches = list(DataLoader.__iter__(theirs))
         assert len(mine) == len(batches) == len(own.batch_sampler) > 0
         for a, b in zip(mine, batches):
-            assert repr(a) == repr(b)
+            assert type(a) is type(b) and len(a) == len(b)
+            for x, y in zip(a, b):
+                assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, (x, y)
     assert own.epoch == theirs.epoch == 2
 
 
@@ -329,7 +337,9 @@ def test_the_loaders_own_iteration_is_annotated_only_under_a_profiler(monkeypatc
     from torch.utils.data import DataLoader
 
     name = "enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__"
-    loader = ddpkit.build_loader(TensorDataset(torch.arange(24)), 4, num_workers=0)
+    loader = ddpkit.build_loader(
+        TensorDataset(torch.arange(24)), 4, num_workers=0, pin_memory=False
+    )
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         assert len(list(loader)) == 6
     # each next(), the one that ends the pass too, as the DataLoader's

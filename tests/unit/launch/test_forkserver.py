@@ -137,6 +137,7 @@ server.close()
 """
 
 
+@pytest.mark.slow  # two fork servers started, each importing torch: ~17 s
 def test_a_signal_sent_as_the_worker_starts_is_not_lost(run_python, tmp_path):
     """SIGTERM reaches the forked worker before it has its own dispositions (the server ignores the
     job's signals): it waits, blocked, and ends the worker as it would end a new interpreter; the
