@@ -10,6 +10,8 @@ the ``seed`` argument, never from the global RNG: ranks seeded differently
 from __future__ import annotations
 
 import gzip
+import importlib.util
+import math
 import struct
 import sysconfig
 from collections.abc import Iterable
@@ -45,31 +47,69 @@ def digits(split: str, seed: int = 0, test_fraction: float = 0.2) -> TensorDatas
     Images are float32 of shape ``(1, 8, 8)``, scaled to [0, 1] and then normalised with the mean
     and standard deviation of the train split's pixels; labels are int64. The split is stratified by
     class and a function of ``(seed, test_fraction)`` alone, so "train" and "test" never share a
-    sample (360 test samples by default).
+    sample (360 test samples by default); each split keeps the bundled order.
     """
     _check_split(split)
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction={test_fraction}: must be between 0 and 1")
-    try:
-        from sklearn.datasets import load_digits
-        from sklearn.model_selection import train_test_split
-    except ImportError as err:
-        raise ImportError(
-            "ddpkit.demo._datasets.digits needs scikit-learn, which bundles the digits: pip "
-            "install 'ddpkit[examples]'"
-        ) from err
-    bunch = load_digits()
-    images = (bunch.data / 16.0).astype(np.float32).reshape(-1, 1, 8, 8)  # pixel values are 0..16
-    labels = bunch.target.astype(np.int64)
-    train_idx, test_idx = train_test_split(
-        np.arange(len(labels)), test_size=test_fraction, random_state=seed, stratify=labels
-    )
+    pixels, labels = _bundled_digits()
+    images = (pixels / 16.0).astype(np.float32).reshape(-1, 1, 8, 8)  # pixel values are 0..16
+    train_idx, test_idx = _stratified_split(labels, test_fraction, seed)
     # Statistics of the train split only: normalising with the test pixels would leak them into
     # training.
     mean, std = images[train_idx].mean(), images[train_idx].std()
     idx = train_idx if split == "train" else test_idx
     x = (images[idx] - mean) / std
     return TensorDataset(torch.from_numpy(x), torch.from_numpy(labels[idx]))
+
+
+def _bundled_digits() -> tuple[np.ndarray, np.ndarray]:
+    """The digits' pixels (float64, 0..16) and labels (int64), as ``sklearn.datasets.load_digits``
+    gives them.
+
+    Read from scikit-learn's own file, found without importing scikit-learn: its import takes about
+    2 s (it imports SciPy's statistics), paid by every rank of every job that trains on the
+    digits. Where the file is not at its usual place in the package, ``load_digits`` reads it.
+    """
+    try:
+        spec = importlib.util.find_spec("sklearn")  # finds the package; runs none of it
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(
+            "ddpkit.demo._datasets.digits needs scikit-learn, which bundles the digits: pip "
+            "install 'ddpkit[examples]'"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / "datasets/data/digits.csv.gz"
+    if path.is_file():
+        table = np.loadtxt(path, delimiter=",")  # 64 pixels, then the label, per row
+        return table[:, :-1], table[:, -1].astype(np.int64)
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    return bunch.data, bunch.target.astype(np.int64)
+
+
+def _stratified_split(
+    labels: np.ndarray, test_fraction: float, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(train, test) indices: ``ceil(test_fraction x n)`` test samples, each class giving its share
+    of them rounded down, the rest one each to the classes that rounding cut most (ties in a seeded
+    order); which of a class's samples go to test is a seeded draw. Indices in increasing order."""
+    rng = np.random.default_rng(seed)
+    n_test = math.ceil(test_fraction * len(labels))
+    classes, counts = np.unique(labels, return_counts=True)
+    share = counts * (n_test / len(labels))
+    take = np.floor(share).astype(np.int64)
+    cut = share - take
+    # np.lexsort sorts by its last key first: the largest cut, then a seeded tie-break.
+    order = np.lexsort((rng.permutation(len(classes)), -cut))
+    take[order[: n_test - int(take.sum())]] += 1
+    test = np.zeros(len(labels), dtype=bool)
+    for label, k in zip(classes, take):
+        members = np.flatnonzero(labels == label)
+        test[rng.choice(members, size=int(k), replace=False)] = True
+    return np.flatnonzero(~test), np.flatnonzero(test)
 
 
 def _read_idx(path: Path, magic: int) -> np.ndarray:

@@ -32,6 +32,7 @@ import functools
 import importlib.util
 import io
 import json
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -106,7 +107,10 @@ def _safetensors_dtypes() -> frozenset[torch.dtype]:
     found = set()
     for dtype in DTYPES.values():
         try:
-            if load(save({"x": torch.zeros(2, dtype=dtype)}))["x"].dtype == dtype:
+            with warnings.catch_warnings():  # torch warns on making a complex32 tensor: a probe's
+                warnings.simplefilter("ignore")  # noise, not the user's
+                probe = torch.zeros(2, dtype=dtype)
+            if load(save({"x": probe}))["x"].dtype == dtype:
                 found.add(dtype)
         except Exception:  # noqa: BLE001 - whatever safetensors raises for a dtype it lacks
             continue

@@ -211,6 +211,19 @@ def _events(run_dir: Path) -> list[dict]:
     return [r for r in records if "event" in r]
 
 
+def _snapshot_logged(run_dir: Path, step: int) -> bool:
+    """Whether rank 0 has recorded its snapshot of ``step``: its save returned."""
+    with contextlib.suppress(FileNotFoundError):
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        # a line being written may be cut short: whole lines only
+        return any(
+            json.loads(line).get("event") == "snapshot" and json.loads(line)["step"] == step
+            for line in lines
+            if line.endswith("}")
+        )
+    return False
+
+
 def test_a_node_drained_for_preemption_gets_a_snapshot_at_once_then_resumes_to_the_same_bits(
     cluster, uninterrupted, tmp_path
 ):
@@ -238,10 +251,12 @@ def test_a_node_drained_for_preemption_gets_a_snapshot_at_once_then_resumes_to_t
             "--deadline-remaining-seconds=10",
         )
         assert drained.returncode == 0, drained.stderr[-3000:]
-        noticed = run_dir / "snapshots" / "step-00000020" / "complete.json"
         left = max(0.0, deadline - time.monotonic())  # one deadline for both waits
+        # The snapshot's event, not its marker: rank 0 writes the marker, then tells every rank
+        # the write's outcome (a collective) and only then records the event. A node lost between
+        # the two leaves a whole snapshot with no record of it.
         wait_until(
-            noticed.exists,
+            lambda: _snapshot_logged(run_dir, 20),
             left,
             what="a snapshot after Ray's pre-emption notice",
             max_interval=SOON,
@@ -249,7 +264,7 @@ def test_a_node_drained_for_preemption_gets_a_snapshot_at_once_then_resumes_to_t
         assert _kill_node(addr_b) > 0  # the reclaim
         _start_worker_node(ns_b, addr_b, addr_a)  # its replacement
 
-    # Snapshots at epoch ends only (step 23, ...): the one at step 20 is the notice's.
+    # Snapshots at epoch ends only (step 22, ...): the one at step 20 is the notice's.
     done, facts = run(cluster, tmp_path, "drained", "--hold-for-notice", "--snapshot-every", "1000",
                       during=drain_node_b)  # fmt: skip
     assert done.returncode == 0, done.stdout[-5000:]

@@ -1,8 +1,9 @@
 """The stall watch across nodes, for real: two network-namespace nodes of one rank each
 (``scripts/netns_nodes.sh``).
 
-Rank 1 sleeps in user code after step 5 (``tests/jobs/scripts/stall_job.py sleep``) while rank 0, on
-the other node, waits for it in the gradients' all-reduce. Neither node alone sees a rank waiting
+Rank 1 stalls after step 5 (``tests/jobs/scripts/stall_job.py``: it sleeps in user code, stops
+itself, waits for its loader's worker, or sleeps in a Trainer's callback) while rank 0, on the other
+node, waits for it in a collective. Neither node alone sees a rank waiting
 for another: the agents judge with each other's summaries in the rendezvous store. Control: the
 watch off, where nothing is said and the job ends only at the collective timeout.
 """
@@ -53,7 +54,13 @@ class Node:
 
 
 def _run(
-    nodes, cwd: Path, port: int, flags: list[str], mode: str = "sleep", timeout: float = 240
+    nodes,
+    cwd: Path,
+    port: int,
+    flags: list[str],
+    mode: str = "sleep",
+    job_args: tuple[str, ...] = (),
+    timeout: float = 240,
 ) -> tuple[Node, Node, float]:
     """The stall job in ``mode`` on both nodes; (the node of rank 1, the other, when rank 1
     stalled)."""
@@ -75,7 +82,7 @@ def _run(
         folder = cwd / ns
         folder.mkdir(parents=True)
         proc = subprocess.Popen(
-            ["ip", "netns", "exec", ns, *argv, STALL_JOB, mode],
+            ["ip", "netns", "exec", ns, *argv, STALL_JOB, mode, *job_args],
             cwd=folder,
             env=env,
             stdout=subprocess.PIPE,
@@ -111,33 +118,56 @@ def _run(
     return stalls[0], other, stalled_at
 
 
-@pytest.mark.parametrize(
-    ("mode", "state", "port"), [("sleep", "sleeping", 29410), ("stop", "stopped (SIGSTOP)", 29412)]
-)
+# mode, rank 1's state and what it was doing (as its agent names them: the step, a pattern, and
+# the phase), the rendezvous port
+STALLS = [
+    ("sleep", "sleeping", "at step 5, in its loop", 29410),
+    ("stop", "stopped (SIGSTOP)", "at step 5, in its loop", 29412),
+    # its loader's worker sleeps reading a sample of step 6, fetched ahead of the step
+    ("loader", "sleeping", "at step \\d+, loading data", 29413),
+    # a Trainer's step-end callback sleeps; rank 0 goes on into step 5's snapshot
+    ("trainer-sleep", "sleeping", "at step 5, user code between steps", 29414),
+]
+
+
+@pytest.mark.parametrize(("mode", "state", "doing", "port"), STALLS, ids=[s[0] for s in STALLS])
 def test_a_rank_stalled_on_one_node_is_named_by_its_node_and_awaited_by_the_other(
-    nodes, tmp_path, mode, state, port
+    nodes, tmp_path, mode, state, doing, port
 ):
-    """Rank 1 sleeps in user code between steps, or stops itself with SIGSTOP (its agent alone can
-    tell)."""
+    """Rank 1 sleeps in user code between steps, stops itself with SIGSTOP (its agent alone can
+    tell), waits for its loader's worker, or sleeps in a Trainer's callback."""
+    # The Trainer's snapshots go to one folder both nodes reach, as a shared file system would be.
+    job_args = ("5", "300", "12", str(tmp_path / "run")) if mode.startswith("trainer") else ()
     b, a, stalled_at = _run(
-        nodes, tmp_path / "on", port, ["--stall-timeout", FLOOR, "--collective-timeout", "60"], mode
+        nodes,
+        tmp_path / "on",
+        port,
+        ["--stall-timeout", FLOOR, "--collective-timeout", "60"],
+        mode,
+        job_args,
     )
     named = b.first(r"ddpkit run: rank 1 stalled:")
     assert named is not None, b.text[-5000:]
     headline = named[1]
-    assert f"({b.addr}), {state}, at step 5, in its loop" in headline, headline
-    assert "rank 0 on host" in headline and f"({a.addr}) at step 6" in headline, headline
+    assert re.search(rf"\({b.addr}\), {re.escape(state)}, {doing}", headline), headline
+    assert "rank 0 on host" in headline and f"({a.addr}) at step" in headline, headline
     # The floor (3 s), the polls and the exchange through the store (0.5 s each), the stacks (at
     # most 3 s), on a machine shared by many: far below the collective timeout.
     to_named = named[0] - stalled_at
     assert to_named < 3 + 9, (to_named, b.text[-5000:])
     print(f"\n{mode}: rank 1 named by its node {to_named:.1f} s after it stalled")
+    if mode == "trainer-sleep":
+        # the collective rank 0 waits in, read from the other node's record in the store
+        assert re.search(
+            rf"collective all_reduce #\d+: rank\(s\) 0 \(host .*\({a.addr}\)\) wait in it; "
+            r"rank 1 has not arrived",
+            b.text,
+        ), b.text[-5000:]
 
     waits = a.first(r"ddpkit run: waiting for rank 1 on host")
     assert waits is not None, a.text[-5000:]
-    assert f"({b.addr}): no progress for" in waits[1] and f"{state}, at step 5" in waits[1], waits[
-        1
-    ]
+    assert f"({b.addr}): no progress for" in waits[1], waits[1]
+    assert re.search(rf"{re.escape(state)}, {doing}", waits[1]), waits[1]
     assert "its node's agent names it" in a.text
 
     assert b.code not in (0, None) and a.code not in (0, None), (b.text[-3000:], a.text[-3000:])

@@ -84,7 +84,10 @@ def train(
     torch.set_num_threads(1)
     rank = ddpkit.get_runtime().rank
     torch.manual_seed(0)
-    model = Net(extra_matmuls=40 if slow == "compute" and rank == 1 else 0)
+    # Rank 1's forward takes ~2x the 50 ms its samples sleep: with two ranks the median is their
+    # mean, so a busy time b against a's gives a ratio 2b / (a + b), far above the 1.2 that names
+    # a slow rank (40 matmuls, ~29 ms here, gave 1.21: one faster core away from not slow).
+    model = Net(extra_matmuls=160 if slow == "compute" and rank == 1 else 0)
     data = SleepyData(SLEEP + (SLOW_SLEEP if slow == "data" and rank == 1 else 0.0))
     config = TrainerConfig(
         run_dir=run_dir,

@@ -2,7 +2,10 @@
 downloaded."""
 
 import gzip
+import importlib.machinery
+import importlib.util
 import struct
+import subprocess
 import sys
 from collections import Counter
 
@@ -10,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from ddpkit.demo import _datasets
 from ddpkit.demo._datasets import MNIST_MEAN, MNIST_STD, digits, mnist, toy_regression
 
 # --- digits ---------------------------------------------------------------------------------------
@@ -81,9 +85,39 @@ def test_digits_rejects_bad_arguments():
 
 
 def test_digits_without_sklearn_names_the_extra(monkeypatch):
-    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)  # makes the import fail
+    monkeypatch.setitem(sys.modules, "sklearn", None)  # as if not installed: found by no import
     with pytest.raises(ImportError, match=r"pip install 'ddpkit\[examples\]'"):
         digits("train")
+
+
+def test_digits_are_read_without_importing_sklearn_and_as_load_digits_gives_them(monkeypatch):
+    """Every rank of a digits job reads them: scikit-learn's import (~2 s, SciPy's statistics
+    with it) is not paid for a 500 kB file."""
+    code = (
+        "import sys; from ddpkit.demo import digits; digits('train'); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('sklearn', 'scipy')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    pixels, labels = _datasets._bundled_digits()
+    assert np.array_equal(pixels, bunch.data) and np.array_equal(labels, bunch.target)
+    assert labels.dtype == np.int64 and pixels.dtype == bunch.data.dtype
+    # Control, and the fallback: where the file is not at its usual place, load_digits reads it.
+    real_find_spec = importlib.util.find_spec
+    elsewhere = importlib.machinery.ModuleSpec("sklearn", None, is_package=True)
+    elsewhere.submodule_search_locations = ["/nonexistent-sklearn"]
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: elsewhere if name == "sklearn" else real_find_spec(name, *a),
+    )
+    monkeypatch.delitem(sys.modules, "sklearn.datasets", raising=False)
+    fallback = _datasets._bundled_digits()
+    assert "sklearn.datasets" in sys.modules
+    assert np.array_equal(fallback[0], pixels) and np.array_equal(fallback[1], labels)
 
 
 # --- mnist ----------------------------------------------------------------------------------------
