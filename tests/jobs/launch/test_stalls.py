@@ -127,7 +127,9 @@ def test_the_trainer_marks_its_phases_and_the_waiting_collective(dirs, env):
     # rank 0 went on into the step's snapshot and waits in its collective, which rank 1 has not
     # reached
     assert "rank(s) 0 wait in it; rank 1 has not arrived" in out.stderr, out.stderr[-3000:]
-    _control(dirs, env, ["trainer-sleep", "5", "300", "12", str(dirs / "off" / "run")])
+    # Rank 1 sleeps 30 s here, past the 20 s timeout: asleep in a callback, it would hold the job's
+    # end through torchrun's 30 s SIGTERM grace after rank 0's failure; it wakes and fails instead.
+    _control(dirs, env, ["trainer-sleep", "5", "30", "12", str(dirs / "off" / "run")])
 
 
 def test_warn_only_says_so_and_the_job_goes_on(dirs, env):
