@@ -71,21 +71,25 @@ def _bundled_digits() -> tuple[np.ndarray, np.ndarray]:
     2 s (it imports SciPy's statistics), paid by every rank of every job that trains on the
     digits. Where the file is not at its usual place in the package, ``load_digits`` reads it.
     """
+    missing = (
+        "ddpkit.demo._datasets.digits needs scikit-learn, which bundles the digits: pip install "
+        "'ddpkit[examples]'"
+    )
     try:
         spec = importlib.util.find_spec("sklearn")  # finds the package; runs none of it
-    except (ImportError, ValueError):
+    except ValueError:  # a module object without a spec stands for it
         spec = None
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError(
-            "ddpkit.demo._datasets.digits needs scikit-learn, which bundles the digits: pip "
-            "install 'ddpkit[examples]'"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / "datasets/data/digits.csv.gz"
-    if path.is_file():
-        table = np.loadtxt(path, delimiter=",")  # 64 pixels, then the label, per row
-        return table[:, :-1], table[:, -1].astype(np.int64)
-    from sklearn.datasets import load_digits
-
+    if spec is None:
+        raise ImportError(missing)
+    for folder in spec.submodule_search_locations or ():
+        path = Path(folder) / "datasets" / "data" / "digits.csv.gz"
+        if path.is_file():
+            table = np.loadtxt(path, delimiter=",")  # 64 pixels, then the label, per row
+            return table[:, :-1], table[:, -1].astype(np.int64)
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as err:
+        raise ImportError(f"{missing} ({err})") from err
     bunch = load_digits()
     return bunch.data, bunch.target.astype(np.int64)
 
@@ -95,10 +99,21 @@ def _stratified_split(
 ) -> tuple[np.ndarray, np.ndarray]:
     """(train, test) indices: ``ceil(test_fraction x n)`` test samples, each class giving its share
     of them rounded down, the rest one each to the classes that rounding cut most (ties in a seeded
-    order); which of a class's samples go to test is a seeded draw. Indices in increasing order."""
-    rng = np.random.default_rng(seed)
+    order); which of a class's samples go to test is a seeded draw. Indices in increasing order.
+
+    The draws come from numpy's ``RandomState``, whose streams numpy keeps the same from version to
+    version (``Generator``'s may change): ranks with different numpy versions, or a resume after an
+    upgrade, split alike."""
+    rng = np.random.RandomState(seed)
     n_test = math.ceil(test_fraction * len(labels))
     classes, counts = np.unique(labels, return_counts=True)
+    if not len(classes) <= n_test <= len(labels) - len(classes):
+        raise ValueError(
+            f"test_fraction={test_fraction} gives {n_test} of {len(labels)} samples to test: each "
+            f"split needs at least one sample of each of the {len(classes)} classes; take a "
+            f"fraction between {len(classes) / len(labels):.4f} and "
+            f"{1 - len(classes) / len(labels):.4f}"
+        )
     share = counts * (n_test / len(labels))
     take = np.floor(share).astype(np.int64)
     cut = share - take

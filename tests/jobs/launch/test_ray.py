@@ -214,13 +214,11 @@ def _events(run_dir: Path) -> list[dict]:
 def _snapshot_logged(run_dir: Path, step: int) -> bool:
     """Whether rank 0 has recorded its snapshot of ``step``: its save returned."""
     with contextlib.suppress(FileNotFoundError):
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-        # a line being written may be cut short: whole lines only
-        return any(
-            json.loads(line).get("event") == "snapshot" and json.loads(line)["step"] == step
-            for line in lines
-            if line.endswith("}")
-        )
+        # A record being written may be cut short (a long one is written in pieces): lines ended
+        # by their newline only.
+        lines = (run_dir / "metrics.jsonl").read_text().split("\n")[:-1]
+        records = [json.loads(line) for line in lines]
+        return any(r.get("event") == "snapshot" and r["step"] == step for r in records)
     return False
 
 

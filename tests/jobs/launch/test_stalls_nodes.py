@@ -119,20 +119,28 @@ def _run(
 
 
 # mode, rank 1's state and what it was doing (as its agent names them: the step, a pattern, and
-# the phase), the rendezvous port
+# the phase), where rank 0 is (a pattern), the rendezvous port
 STALLS = [
-    ("sleep", "sleeping", "at step 5, in its loop", 29410),
-    ("stop", "stopped (SIGSTOP)", "at step 5, in its loop", 29412),
+    ("sleep", "sleeping", "at step 5, in its loop", "at step 6", 29410),
+    ("stop", "stopped (SIGSTOP)", "at step 5, in its loop", "at step 6", 29412),
     # its loader's worker sleeps reading a sample of step 6, fetched ahead of the step
-    ("loader", "sleeping", "at step \\d+, loading data", 29413),
+    ("loader", "sleeping", "at step \\d+, loading data", "at step \\d+", 29413),
     # a Trainer's step-end callback sleeps; rank 0 goes on into step 5's snapshot
-    ("trainer-sleep", "sleeping", "at step 5, user code between steps", 29414),
+    (
+        "trainer-sleep",
+        "sleeping",
+        "at step 5, user code between steps",
+        "at step 5, in collective all_reduce",
+        29414,
+    ),
 ]
 
 
-@pytest.mark.parametrize(("mode", "state", "doing", "port"), STALLS, ids=[s[0] for s in STALLS])
+@pytest.mark.parametrize(
+    ("mode", "state", "doing", "rank0", "port"), STALLS, ids=[s[0] for s in STALLS]
+)
 def test_a_rank_stalled_on_one_node_is_named_by_its_node_and_awaited_by_the_other(
-    nodes, tmp_path, mode, state, doing, port
+    nodes, tmp_path, mode, state, doing, rank0, port
 ):
     """Rank 1 sleeps in user code between steps, stops itself with SIGSTOP (its agent alone can
     tell), waits for its loader's worker, or sleeps in a Trainer's callback."""
@@ -149,8 +157,8 @@ def test_a_rank_stalled_on_one_node_is_named_by_its_node_and_awaited_by_the_othe
     named = b.first(r"ddpkit run: rank 1 stalled:")
     assert named is not None, b.text[-5000:]
     headline = named[1]
-    assert re.search(rf"\({b.addr}\), {re.escape(state)}, {doing}", headline), headline
-    assert "rank 0 on host" in headline and f"({a.addr}) at step" in headline, headline
+    assert re.search(rf"\({re.escape(b.addr)}\), {re.escape(state)}, {doing}", headline), headline
+    assert re.search(rf"rank 0 on host .*\({re.escape(a.addr)}\) {rank0}", headline), headline
     # The floor (3 s), the polls and the exchange through the store (0.5 s each), the stacks (at
     # most 3 s), on a machine shared by many: far below the collective timeout.
     to_named = named[0] - stalled_at
@@ -159,8 +167,8 @@ def test_a_rank_stalled_on_one_node_is_named_by_its_node_and_awaited_by_the_othe
     if mode == "trainer-sleep":
         # the collective rank 0 waits in, read from the other node's record in the store
         assert re.search(
-            rf"collective all_reduce #\d+: rank\(s\) 0 \(host .*\({a.addr}\)\) wait in it; "
-            r"rank 1 has not arrived",
+            rf"collective all_reduce #\d+: rank\(s\) 0 \(host .*\({re.escape(a.addr)}\)\) "
+            r"wait in it; rank 1 has not arrived",
             b.text,
         ), b.text[-5000:]
 

@@ -82,6 +82,16 @@ def test_digits_rejects_bad_arguments():
         digits("val")
     with pytest.raises(ValueError, match="test_fraction"):
         digits("train", test_fraction=1.5)
+    # Splits that would leave a class out of one of them (1,797 samples, 10 classes)
+    for fraction in (0.001, 0.995):
+        with pytest.raises(ValueError, match="at least one sample of each of the 10 classes"):
+            digits("test", test_fraction=fraction)
+    # Control: the extremes that keep every class in both splits
+    for fraction, n_test in ((0.0056, 11), (0.994, 1787)):
+        test = digits("test", test_fraction=fraction)
+        train = digits("train", test_fraction=fraction)
+        assert len(test) == n_test and len(train) == 1797 - n_test
+        assert set(test.tensors[1].tolist()) == set(train.tensors[1].tolist()) == set(range(10))
 
 
 def test_digits_without_sklearn_names_the_extra(monkeypatch):
@@ -114,9 +124,12 @@ def test_digits_are_read_without_importing_sklearn_and_as_load_digits_gives_them
         "find_spec",
         lambda name, *a: elsewhere if name == "sklearn" else real_find_spec(name, *a),
     )
-    monkeypatch.delitem(sys.modules, "sklearn.datasets", raising=False)
+    import sklearn.datasets
+
+    calls = []
+    monkeypatch.setattr(sklearn.datasets, "load_digits", lambda: calls.append(1) or load_digits())
     fallback = _datasets._bundled_digits()
-    assert "sklearn.datasets" in sys.modules
+    assert calls == [1]
     assert np.array_equal(fallback[0], pixels) and np.array_equal(fallback[1], labels)
 
 
