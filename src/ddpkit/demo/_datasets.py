@@ -35,6 +35,20 @@ _MNIST_FILES = {
 _IDX_IMAGES, _IDX_LABELS = 2051, 2049
 
 
+class DemoDataset(TensorDataset):
+    """A ``TensorDataset`` whose fingerprint holds its content: the same sizes drawn another way (a
+    new split, other MNIST files) are different data to a resume, which then refuses or restarts the
+    epoch as ``on_data_change`` says (:mod:`ddpkit.data`), rather than resume on other samples."""
+
+    def fingerprint(self) -> dict[str, str]:
+        """Computed once, at a run's first snapshot or resume (a hash of the tensors' bytes)."""
+        from ddpkit.data._fingerprint import digest
+
+        parts = [t.contiguous().numpy().tobytes() for t in self.tensors]
+        shapes = ", ".join("x".join(map(str, t.shape)) for t in self.tensors)
+        return {"dataset": f"{len(self)} samples ({shapes}), content {digest(b''.join(parts))}"}
+
+
 def _check_split(split: str) -> None:
     if split not in _SPLITS:
         raise ValueError(f"split={split!r}: use 'train' or 'test'")
@@ -60,7 +74,7 @@ def digits(split: str, seed: int = 0, test_fraction: float = 0.2) -> TensorDatas
     mean, std = images[train_idx].mean(), images[train_idx].std()
     idx = train_idx if split == "train" else test_idx
     x = (images[idx] - mean) / std
-    return TensorDataset(torch.from_numpy(x), torch.from_numpy(labels[idx]))
+    return DemoDataset(torch.from_numpy(x), torch.from_numpy(labels[idx]))
 
 
 def _bundled_digits() -> tuple[np.ndarray, np.ndarray]:
@@ -101,10 +115,10 @@ def _stratified_split(
     of them rounded down, the rest one each to the classes that rounding cut most (ties in a seeded
     order); which of a class's samples go to test is a seeded draw. Indices in increasing order.
 
-    The draws come from numpy's ``RandomState``, whose streams numpy keeps the same from version to
-    version (``Generator``'s may change): ranks with different numpy versions, or a resume after an
-    upgrade, split alike."""
-    rng = np.random.RandomState(seed)
+    The draws come from numpy's ``Generator``, whose streams numpy may change in a new version: the
+    datasets' fingerprint holds their content (:class:`DemoDataset`), so a resume after such a
+    change is refused, or restarts the epoch, rather than resume on other samples."""
+    rng = np.random.default_rng(seed)
     n_test = math.ceil(test_fraction * len(labels))
     classes, counts = np.unique(labels, return_counts=True)
     if not len(classes) <= n_test <= len(labels) - len(classes):
@@ -189,7 +203,7 @@ def mnist(root: str, split: str) -> TensorDataset:
             f"{paths[0]} holds {len(images)} images but {paths[1]} holds {len(labels)} labels"
         )
     x = (torch.from_numpy(images.astype(np.float32) / 255.0) - MNIST_MEAN) / MNIST_STD
-    return TensorDataset(x.unsqueeze(1), torch.from_numpy(labels.astype(np.int64)))
+    return DemoDataset(x.unsqueeze(1), torch.from_numpy(labels.astype(np.int64)))
 
 
 def toy_regression(size: int = 2048, in_features: int = 20, seed: int = 0) -> TensorDataset:
@@ -207,7 +221,7 @@ def toy_regression(size: int = 2048, in_features: int = 20, seed: int = 0) -> Te
     b = torch.randn(1, generator=g)
     x = torch.randn(size, in_features, generator=g)
     y = x @ w + b + 0.1 * torch.randn(size, 1, generator=g)
-    return TensorDataset(x, y)
+    return DemoDataset(x, y)
 
 
 CHARS = "\n" + "".join(map(chr, range(32, 127)))
@@ -253,4 +267,4 @@ def python_source(split: str, block_size: int = 64, max_chars: int = 400_000) ->
             ys.append(y)
         if used >= max_chars:
             break
-    return TensorDataset(torch.stack(xs), torch.stack(ys))
+    return DemoDataset(torch.stack(xs), torch.stack(ys))

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+import ddpkit
 from ddpkit.demo import _datasets
 from ddpkit.demo._datasets import MNIST_MEAN, MNIST_STD, digits, mnist, toy_regression
 
@@ -248,3 +249,26 @@ def test_toy_regression_is_learnable_by_a_linear_model():
     # The map depends on the seed alone, not on the size.
     small, _ = _least_squares(512)
     torch.testing.assert_close(small, coef, atol=0.03, rtol=0)
+
+
+def test_a_resume_over_another_digits_split_is_refused_naming_the_content():
+    """The same sizes drawn another way (here another seed's split; a version of the split, or
+    other MNIST files, alike) are other samples at each index: a resume says so."""
+    from ddpkit._errors import ConfigError
+
+    loader = ddpkit.build_loader(digits("train", seed=0), 32, seed=1, num_workers=0)
+    it = iter(loader)
+    next(it), next(it)
+    state = loader.state_dict()
+    same = ddpkit.build_loader(digits("train", seed=0), 32, seed=1, num_workers=0)
+    same.load_state_dict(state)  # the same split: resumed
+    assert same.batch_in_epoch == 2
+    other = ddpkit.build_loader(digits("train", seed=1), 32, seed=1, num_workers=0)
+    with pytest.raises(ConfigError, match=r"the data changed .*dataset: 1437 samples .*content"):
+        other.load_state_dict(state)
+    # Control: as plain TensorDatasets of the same sizes, the two splits look alike to a resume.
+    plain = [torch.utils.data.TensorDataset(*digits("train", seed=s).tensors) for s in (0, 1)]
+    loader = ddpkit.build_loader(plain[0], 32, seed=1, num_workers=0)
+    it = iter(loader)
+    next(it), next(it)
+    ddpkit.build_loader(plain[1], 32, seed=1, num_workers=0).load_state_dict(loader.state_dict())
