@@ -1,21 +1,24 @@
 """What the step timings cost: the Trainer with ``LoggingConfig(step_timings=True)`` against the
 same Trainer with them off, in the same job.
 
-Each rank builds two Trainers of the same model and data, one timing its steps (a
-``post_accumulate_grad`` hook on every parameter, two forward pre-hooks, the loader's ``next()``
-timed, a few clock reads per step, and at each log window an all-gather of 8 numbers per rank, the
-``ranks`` record, rates and MFU), one not; rounds of one epoch each alternate (on, off, off, on,
-...) so that noise from other work on the machine falls on both. Measures, on rank 0, as
-bench/trainer_overhead.py: the median step per round (between consecutive optimizer steps) and epoch
-time / steps (with the log windows' work in it); and the process's CPU time over the epoch / steps,
-which other processes' load on a shared machine moves far less than wall time. Reported: the median
-of the per-round ratios on / off, with a distribution-free 95% interval, and the difference in
-microseconds a step. Targets: <= 1.005 on the CNN's step, <= 1.02 on the tiny model's.
+Each rank builds two Trainers of the same model and data, one timing its steps (a hook at the
+model's last parameter that queues a callback of the autograd engine in the synchronising
+backward, two forward pre-hooks where DDP broadcasts buffers, the loader's ``next()`` timed, a few
+clock reads per step, and at each log window an all-gather of 8 numbers per rank, the ``ranks``
+record, rates and MFU), one not; rounds of one epoch each alternate (on, off, off, on, ...) so that
+noise from other work on the machine falls on both. Measures, on rank 0, as
+bench/trainer_overhead.py: the median step per round (between consecutive optimizer steps) and
+epoch time / steps (with the log windows' work in it); and the process's CPU time over the epoch /
+steps, which other processes' load on a shared machine moves far less than wall time. Reported: the
+median of the per-round ratios on / off, with a distribution-free 95% interval, and the difference
+in microseconds a step. Targets: <= 1.005 on the CNN's step, <= 1.02 on the tiny model's.
 
     # the digits CNN (ddpkit.demo), 2 ranks, batch 64 per rank
     python bench/observe_overhead.py
     # one linear layer: ~1 ms steps, where a per-step cost shows
     python bench/observe_overhead.py --model tiny
+    # 196 parameters in narrow layers, where a per-parameter cost shows
+    python bench/observe_overhead.py --model deep
 """
 
 from __future__ import annotations

@@ -97,8 +97,19 @@ def tiny_model() -> nn.Module:
     return nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 10))
 
 
-MODELS = {"cnn": lambda: DigitsCNN(28), "tiny": tiny_model}
-MODEL_NAMES = {"cnn": "the DDP tutorials' CNN", "tiny": "one linear layer 784 -> 10"}
+def deep_model() -> nn.Module:
+    """48 narrow blocks (Linear 64 -> 64, LayerNorm): 196 parameters, where a cost per parameter
+    (a hook on each) shows."""
+    blocks = [m for _ in range(48) for m in (nn.Linear(64, 64), nn.LayerNorm(64), nn.ReLU())]
+    return nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 64), *blocks, nn.Linear(64, 10))
+
+
+MODELS = {"cnn": lambda: DigitsCNN(28), "tiny": tiny_model, "deep": deep_model}
+MODEL_NAMES = {
+    "cnn": "the DDP tutorials' CNN",
+    "tiny": "one linear layer 784 -> 10",
+    "deep": "48 blocks of Linear 64 -> 64 and LayerNorm",
+}
 
 
 def bench(

@@ -1,5 +1,6 @@
-"""``torch.compile``'s configuration, its C++ compiler probe and the profiler's state, which live in
-torch's private modules.
+"""``torch.compile``'s configuration, its C++ compiler probe, and two pieces of the autograd
+engine: the profiler's state and the callbacks run at a backward pass's end, which live in torch's
+private modules.
 
 - ``torch._dynamo``: imported once before forking ranks (DDP's constructor imports it, which takes
   seconds), and its ``config.optimize_ddp``, which splits a compiled DDP model's graph at bucket
@@ -10,10 +11,16 @@ torch's private modules.
   state, which every profiler sets: ``torch.profiler``, the legacy one, on-demand tracing), read in
   ~50 ns (:func:`profiler_running`). ddpkit's loader annotates its batches only then, as the
   DataLoader does always.
+- ``torch.autograd.Variable._execution_engine.queue_callback``: a function the engine calls once the
+  backward pass it runs has computed and accumulated every gradient, before ``backward()`` returns
+  (:func:`at_backward_end`); DDP and FSDP wait for their gradient collectives in callbacks queued
+  the same way. The step timings mark the moment the step's last gradient is ready with it: one
+  call a backward, where a hook on every parameter costs one Python call per parameter.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -89,6 +96,30 @@ def _check_profiler_enabled() -> str | None:
     )
 
 
+def _engine() -> Any:
+    variable = getattr(torch.autograd, "Variable", None)
+    return getattr(variable, "_execution_engine", None)
+
+
+def at_backward_end(callback: Callable[[], None]) -> bool:
+    """Have the backward pass that runs now call ``callback`` once it has accumulated every
+    gradient, ahead of any callback queued later in it (DDP queues its wait for the all-reduces at
+    the last gradient); call it from a hook inside that backward. Returns False (nothing queued)
+    where torch no longer has the engine's ``queue_callback``."""
+    queue = getattr(_engine(), "queue_callback", None)
+    if queue is None:
+        return False
+    queue(callback)
+    return True
+
+
+def _check_queue_callback() -> str | None:
+    engine = _engine()
+    if engine is None:
+        return "torch.autograd.Variable has no _execution_engine"
+    return None if callable(getattr(engine, "queue_callback", None)) else "it has no queue_callback"
+
+
 INTERNALS = [
     Internal(
         "torch._dynamo.config.optimize_ddp",
@@ -108,5 +139,12 @@ INTERNALS = [
         "the loader's batches in the main process are annotated for a profiler only while one "
         "records (~17 us a batch saved otherwise); where it is gone, always",
         _check_profiler_enabled,
+    ),
+    Internal(
+        "torch.autograd.Variable._execution_engine.queue_callback",
+        "torch",
+        "the step timings mark the moment a step's last gradient is ready with one call a "
+        "backward; where it is gone, the gradients' synchronisation is counted as compute",
+        _check_queue_callback,
     ),
 ]

@@ -6,11 +6,17 @@ Each rank splits its steps into phases, in seconds summed over a log window:
   ``compute``);
 - ``compute``: the rest of the forward and backward passes of the step's micro-batches;
 - ``comm``: the gradient synchronisation that the backward did not hide: from the moment the last
-  gradient of the step's synchronising backward is accumulated (a ``post_accumulate_grad`` hook on
-  every parameter) to the moment ``backward()`` returns. DDP all-reduces buckets while the backward
-  still runs; what is left when the last gradient is ready is the wait for the slowest bucket's
-  all-reduce, that is, for the slowest rank to reach it, and the copy of the averaged gradients
-  back. The all-reduce's own time, where the backward hid it, is not in it. Also the broadcast of
+  gradient of the step's synchronising backward is accumulated to the moment ``backward()``
+  returns. DDP all-reduces buckets while the backward still runs; what is left when the last
+  gradient is ready is the wait for the slowest bucket's all-reduce, that is, for the slowest rank
+  to reach it, and the copy of the averaged gradients back. The all-reduce's own time, where the
+  backward hid it, is not in it. The moment is marked by a callback of the autograd engine, which
+  it runs once every gradient is accumulated. The callback is queued early in the backward, at the
+  gradient of the model's last parameter (the output layer's, among the first computed), so it
+  runs before DDP's own, queued at the last gradient, which waits for the all-reduces: two Python
+  calls a step, where a hook on every parameter costs one per parameter (hundreds, in a deep
+  model). Where that parameter gets no gradient in a step, the wait is counted as ``compute``.
+  Also the broadcast of
   the module's buffers that DDP does before each forward (``broadcast_buffers``), from DDP's forward
   starting to the wrapped module's: it too waits for every rank;
 - ``optimizer``: the strategy's gradient check, clipping, the optimizer and per-step scheduler step;
@@ -35,11 +41,14 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+
+from ddpkit._internals.compiler import at_backward_end
 
 PHASES = ("data", "compute", "comm", "optimizer", "snapshot")
 # a rank's own work; comm is waiting for the others
@@ -55,12 +64,13 @@ news)."""
 def samples_in(batch: Any) -> int:
     """The samples of a batch: the first dimension of its (first) tensor, as the Trainer counts
     them."""
+    # in the order of their frequency: the check against Mapping, an abstract class, costs most
+    if isinstance(batch, (list, tuple)):
+        return samples_in(batch[0])
     if isinstance(batch, torch.Tensor):
         return batch.shape[0]
     if isinstance(batch, Mapping):
         return samples_in(next(iter(batch.values())))
-    if isinstance(batch, (list, tuple)):
-        return samples_in(batch[0])
     raise TypeError(f"cannot tell the batch size of a {type(batch).__name__}; batches hold tensors")
 
 
@@ -88,16 +98,14 @@ class StepTimings:
             p: [] for p in ("compute", "comm", "optimizer")
         }
         self._last_grad: Any = None
-        self._hooks = []
+        self._hooks: list[Any] = []
         self._forward_start: Any = None
         # between start_step and before_optimizer: an evaluation's forward is not a step's
         self._stepping = False
+        self._sync = False  # the step's synchronising backward is next, or runs
         if enabled:
-            self._hooks = [
-                p.register_post_accumulate_grad_hook(self._grad_ready)
-                for p in model.parameters()
-                if p.requires_grad
-            ]
+            last = [p for p in model.parameters() if p.requires_grad][-1:]
+            self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in last]
             # Under torch.compile the forward's hooks would be traced (a clock read in the
             # graph): not timed there. Nor where DDP broadcasts nothing (no buffers, or
             # broadcast_buffers=False): a module with a forward hook takes its slow call path.
@@ -129,14 +137,23 @@ class StepTimings:
         else:
             self.seconds[phase] += end - start
 
+    def sync_backward(self) -> None:
+        """Before the step's synchronising backward (its last micro-batch's): the moment its last
+        gradient is ready is marked, the start of ``comm``."""
+        self._sync = True
+
     def _grad_ready(self, _param: torch.Tensor) -> None:
-        if not self._cuda:
-            self._last_grad = time.perf_counter()
-            return
-        if self._last_grad is None:  # one event per backward, recorded again at each later gradient
-            self._last_grad = self._mark()
-        else:
-            self._last_grad.record()
+        # Queued at a gradient before the last one, or at the last one ahead of DDP's (a
+        # parameter's own hooks run before the hooks of its gradient's accumulator, where DDP's
+        # is), the callback runs before DDP's wait for the all-reduces.
+        if self._sync:
+            self._sync = False
+            at_backward_end(self._grads_ready)
+
+    def _grads_ready(self) -> None:
+        # on CUDA the engine runs callbacks on the caller's stream, once it waits for the
+        # gradients' streams: the event follows every gradient's kernel
+        self._last_grad = self._mark()
 
     def _ddp_forward(self, _module: nn.Module, _args: Any) -> None:
         if self._stepping:
@@ -172,7 +189,7 @@ class StepTimings:
                 self.seconds["data"],
                 self.seconds["comm"],
             )
-            self._last_grad, self._stepping = None, True
+            self._last_grad, self._stepping, self._sync = None, True, False
 
     def before_optimizer(self) -> None:
         """After the step's last backward (the synchronising one) has returned."""
@@ -278,11 +295,15 @@ class RankTimes:
     samples: float
     items: float
 
-    @property
+    @cached_property
     def busy_ms(self) -> list[float]:
         return [sum(self.ms[p][r] for p in BUSY) for r in range(len(self.step_ms))]
 
     def slowest(self) -> Slowest:
+        return self._slowest
+
+    @cached_property
+    def _slowest(self) -> Slowest:
         busy = self.busy_ms
         rank = max(range(len(busy)), key=busy.__getitem__)
         median = statistics.median(busy)

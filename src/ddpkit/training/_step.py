@@ -389,6 +389,8 @@ class TrainStep:
                 loss = self.micro_batch_loss(micro)
                 self.window.add(loss, micro.samples)
                 scaled = scale_loss(self.strategy.mark_nonfinite(loss), micro, weighted)
+                if speed is not None and micro.last:
+                    speed.timings.sync_backward()
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
         if speed is not None:
             speed.timings.before_optimizer()

@@ -21,7 +21,11 @@ pytestmark = [
 ]
 
 FLOOR = "3"
-COLLECTIVE_TIMEOUT = 20.0  # the controls' bound: a job with the watch off ends only then
+# The controls' collective timeout: a job with the watch off ends only then, past the watch's floor
+# (3 s) and the 3 + 9 s within which it names a stall.
+COLLECTIVE_TIMEOUT = 10.0
+# A job with the watch on (and a 60 s collective timeout) ends within this bound.
+ENDED_WITHIN = 20.0
 _LAUNCH_VARS = (
     "RANK",
     "WORLD_SIZE",
@@ -52,7 +56,7 @@ def _named_then_ended(out, state: str, doing: str) -> None:
     # The floor (3 s), a poll (0.5 s), the stacks (at most 3 s), on a machine shared by many: far
     # below the collective timeout the job would otherwise have waited for.
     assert out.to_named is not None and out.to_named < 3 + 9, (out.to_named, out.stderr[-3000:])
-    assert out.to_end is not None and out.to_end < COLLECTIVE_TIMEOUT, (
+    assert out.to_end is not None and out.to_end < ENDED_WITHIN, (
         out.to_end,
         out.stderr[-3000:],
     )
@@ -127,9 +131,9 @@ def test_the_trainer_marks_its_phases_and_the_waiting_collective(dirs, env):
     # rank 0 went on into the step's snapshot and waits in its collective, which rank 1 has not
     # reached
     assert "rank(s) 0 wait in it; rank 1 has not arrived" in out.stderr, out.stderr[-3000:]
-    # Rank 1 sleeps 30 s here, past the 20 s timeout: asleep in a callback, it would hold the job's
+    # Rank 1 sleeps 15 s here, past the 10 s timeout: asleep in a callback, it would hold the job's
     # end through torchrun's 30 s SIGTERM grace after rank 0's failure; it wakes and fails instead.
-    _control(dirs, env, ["trainer-sleep", "5", "30", "12", str(dirs / "off" / "run")])
+    _control(dirs, env, ["trainer-sleep", "5", "15", "12", str(dirs / "off" / "run")])
 
 
 def test_warn_only_says_so_and_the_job_goes_on(dirs, env):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 
 import pytest
 import torch
@@ -136,6 +137,58 @@ def test_counting_flops_leaves_the_gradients_bitwise_the_same():
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
+class _SlowBackward(torch.autograd.Function):
+    """Identity forward; its backward sleeps, before any parameter's gradient is ready."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(PAUSE)
+        return grad
+
+
+PAUSE = 0.3
+
+
+def _timed_step(mark: bool) -> dict[str, float]:
+    """One step of a model whose backward sleeps PAUSE in its middle (compute), and where a callback
+    queued by a hook of a gradient's accumulator sleeps PAUSE more, as DDP queues its wait for the
+    all-reduces. The hook is on the accumulator of the very parameter whose gradient the timings
+    queue their mark at, where DDP's hooks are."""
+    from ddpkit._internals.compiler import at_backward_end
+
+    first, second = nn.Linear(4, 4), nn.Linear(4, 1)
+    model = nn.Sequential(first, nn.Tanh(), second)
+    timings = StepTimings(model, torch.device("cpu"))
+    assert list(model.parameters())[-1] is second.bias  # the one the timings hook
+    accumulator = second.bias.view_as(second.bias).grad_fn.next_functions[0][0]
+    accumulator.register_hook(lambda *_: at_backward_end(lambda: time.sleep(PAUSE)) and None)
+    timings.start_step()
+    for x in timings.loader([torch.randn(2, 4)]):
+        loss = second(_SlowBackward.apply(torch.tanh(first(x)))).square().mean()
+        if mark:
+            timings.sync_backward()
+        loss.backward()
+    timings.before_optimizer()
+    timings.after_optimizer()
+    del accumulator
+    return dict(zip(PHASES, timings.row(wall=1.0, items=0.0)))
+
+
+def test_comm_is_the_wait_after_the_last_gradient_and_compute_the_backward_before_it():
+    seconds = _timed_step(mark=True)
+    # the callback's sleep, queued at a gradient: after the mark (which the engine runs first)
+    assert PAUSE <= seconds["comm"] < 1.8 * PAUSE, seconds
+    # the backward's own sleep, before the gradients were ready
+    assert PAUSE <= seconds["compute"] < 1.8 * PAUSE, seconds
+    # Control: with the step's backward not marked, both sleeps are compute.
+    seconds = _timed_step(mark=False)
+    assert seconds["comm"] == 0 and seconds["compute"] >= 2 * PAUSE, seconds
+
+
 @pytest.mark.gpu
 def test_on_cuda_the_phases_are_read_from_events_on_the_device():
     if not torch.cuda.is_available():
@@ -145,8 +198,11 @@ def test_on_cuda_the_phases_are_read_from_events_on_the_device():
     x = torch.randn(512, 2048, device="cuda")
     for _ in range(5):
         timings.start_step()
-        for batch in timings.loader([x, x]):
-            model(batch).square().mean().backward()
+        for i, batch in enumerate(timings.loader([x, x])):
+            loss = model(batch).square().mean()
+            if i == 1:
+                timings.sync_backward()
+            loss.backward()
         timings.before_optimizer()
         for _ in range(100):  # device work queued in the optimizer's span: the host returns at once
             x @ x.T
