@@ -5,7 +5,9 @@ exit, Linux's ``prctl`` and the command-line memory, and the CUDA driver's state
 - ``threading._shutdown`` and ``atexit._run_exitfuncs``: a worker forked from ddpkit's fork server
   runs the script as ``__main__`` and must end as an interpreter ends (``Py_FinalizeEx``: join the
   non-daemon threads, then the exit handlers) before ``os._exit``. Where either is gone, the
-  launcher forks no worker (they start as new interpreters), with one warning.
+  launcher forks no worker (they start as new interpreters), with one warning. ``ddpkit run``'s
+  own process ends the same way, without the teardown of torch's modules (:func:`ddpkit.cli.entry`);
+  where either is gone, with a normal exit.
 - ``prctl`` (``PR_SET_PDEATHSIG``, ``PR_SET_CHILD_SUBREAPER``, ``PR_SET_NAME``) from the C library:
   no Python module exposes it.
 - The command line the kernel shows (``/proc/self/cmdline``) is the memory between ``arg_start`` and
@@ -107,8 +109,7 @@ def finalize_as_interpreter() -> None:
     threads (after the callbacks ``concurrent.futures`` registers to stop its workers), then run the
     ``atexit`` handlers.
 
-    The launcher forks no worker where either is missing (:func:`forking_problem`); this is not
-    reached then."""
+    Not called where either is missing (:func:`finalize_problem`)."""
     threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
 
@@ -172,8 +173,8 @@ def _check_cuda_probe() -> str | None:
         return f"libcuda.so.1's cuDeviceGetCount cannot be found: {err}"
 
 
-def forking_problem() -> str | None:
-    """Why a worker forked from a server could not end as an interpreter ends (None: it can)."""
+def finalize_problem() -> str | None:
+    """Why :func:`finalize_as_interpreter` cannot run here (None: it can)."""
     return _check_threading() or _check_atexit()
 
 
@@ -181,13 +182,14 @@ INTERNALS = [
     Internal(
         "threading._shutdown",
         "CPython",
-        "a forked worker joins its non-daemon threads as the interpreter does at exit",
+        "a forked worker, and `ddpkit run` as it ends, join their non-daemon threads as the "
+        "interpreter does at exit",
         _check_threading,
     ),
     Internal(
         "atexit._run_exitfuncs",
         "CPython",
-        "a forked worker runs its atexit handlers before it ends",
+        "a forked worker, and `ddpkit run`, run their atexit handlers before they end",
         _check_atexit,
     ),
     Internal(

@@ -50,6 +50,66 @@ def test_rank_zero_output_by_default(clean_env):
     assert lines == ["hello rank=0 world=2 attempt=0 sum=3 threads=1 words=['a', 'b']"]
 
 
+# In every process of the job: an exit handler and an object that tells when the interpreter's
+# teardown deletes it, each leaving a file named by the process's pid.
+_EXIT_PROBE = """
+import atexit, os
+from pathlib import Path
+
+_FOLDER = Path(os.environ["EXIT_PROBE"])
+atexit.register(lambda: (_FOLDER / f"{os.getpid()}.atexit").touch())
+
+
+class _TornDown:
+    def __del__(self):
+        (_FOLDER / f"{os.getpid()}.teardown").touch()
+
+
+_torn_down = _TornDown()
+"""
+
+
+def _exit_probe_env(clean_env: dict[str, str], folder: Path) -> dict[str, str]:
+    (folder / "site").mkdir(parents=True)
+    (folder / "site" / "sitecustomize.py").write_text(_EXIT_PROBE)
+    path = os.pathsep.join(filter(None, [str(folder / "site"), clean_env.get("PYTHONPATH")]))
+    return clean_env | {"PYTHONPATH": path, "EXIT_PROBE": str(folder)}
+
+
+def test_ddpkit_run_ends_after_its_exit_handlers_without_the_interpreters_teardown(
+    clean_env, tmp_path
+):
+    env = _exit_probe_env(clean_env, tmp_path / "probe")
+    proc = subprocess.Popen(
+        [*DDPKIT, "run", "--nproc", "2", HELLO, "a"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    out, err = proc.communicate(timeout=90)
+    assert proc.returncode == 0, err[-3000:]
+    # rank 0's line reached the pipe: the launcher's standard output was flushed before it ended
+    assert "hello rank=0 world=2" in out, out
+    probe = tmp_path / "probe"
+    assert (probe / f"{proc.pid}.atexit").exists()  # the exit handlers ran (logging's flush too)
+    assert not (probe / f"{proc.pid}.teardown").exists()  # torch's modules were not torn down
+    # the workers, which run the user's script, end as interpreters do
+    workers = {p.stem for p in probe.glob("*.teardown")}
+    assert len(workers) == 2, sorted(p.name for p in probe.iterdir())
+    # Control: the same probe sees the teardown of a process that exits normally, here `main`
+    # called without the console script's end (a usage error, before any worker starts).
+    control = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from ddpkit.cli import main; sys.exit(main())",
+         "run", "--nproc", "gpu", HELLO],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    _, control_err = control.communicate(timeout=90)
+    assert control.returncode == 2, control_err[-3000:]
+    assert (probe / f"{control.pid}.atexit").exists()
+    assert (probe / f"{control.pid}.teardown").exists()
+
+
 @pytest.mark.slow
 def test_more_than_ten_processes_keep_rank_zero_alone_on_the_terminal(clean_env, tmp_path):
     # torchrun's --redirects pattern takes one-digit local ranks: "1:3,...,11:3" was a ValueError

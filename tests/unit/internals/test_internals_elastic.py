@@ -234,14 +234,14 @@ def test_a_handler_override_is_used_and_says_nothing_where_popen_is_called():
 def test_every_internal_holds_on_this_torch_and_python():
     for internal in elastic.INTERNALS + interpreter.INTERNALS:
         assert internal.check() is None, internal.name
-    assert interpreter.forking_problem() is None
+    assert interpreter.finalize_problem() is None
 
 
 def test_forking_is_refused_where_a_forked_worker_could_not_end_as_an_interpreter(monkeypatch):
     import atexit
 
     monkeypatch.delattr(atexit, "_run_exitfuncs")
-    assert interpreter.forking_problem() == "atexit has no _run_exitfuncs"
+    assert interpreter.finalize_problem() == "atexit has no _run_exitfuncs"
 
 
 def test_the_command_line_is_written_only_where_its_memory_is_found(tmp_path):

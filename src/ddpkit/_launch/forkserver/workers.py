@@ -37,7 +37,7 @@ from ddpkit._internals.elastic import (
     subprocess_handler_base,
     warn_once,
 )
-from ddpkit._internals.interpreter import forking_problem, warn_interpreter_once
+from ddpkit._internals.interpreter import finalize_problem, warn_interpreter_once
 from ddpkit._launch.forkserver.server import MAX_MESSAGE, PRELOAD, ignored_signals
 from ddpkit._launch.proctree import wait_exit
 
@@ -309,7 +309,7 @@ def install(preload: Sequence[str] = (), display: Sequence[str] = ()) -> ForkSer
     if base is None:
         warn_once("torch's SubprocessHandler._popen", "forking workers from the job's server")
         return None
-    if forking_problem() is not None:  # a forked worker could not end as an interpreter ends
+    if finalize_problem() is not None:  # a forked worker could not end as an interpreter ends
         warn_interpreter_once(
             "threading._shutdown/atexit._run_exitfuncs", "forking workers from the job's server"
         )
