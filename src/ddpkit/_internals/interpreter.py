@@ -20,7 +20,10 @@ exit, Linux's ``prctl`` and the command-line memory, and the CUDA driver's state
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
+import gc
+import io
 import sys
 import threading
 from collections.abc import Sequence
@@ -106,12 +109,36 @@ def cuda_driver_initialised() -> bool:
 
 def finalize_as_interpreter() -> None:
     """What ``Py_FinalizeEx`` does before the process ends, in its order: join the non-daemon
-    threads (after the callbacks ``concurrent.futures`` registers to stop its workers), then run the
-    ``atexit`` handlers.
+    threads (after the callbacks ``concurrent.futures`` registers to stop its workers), run the
+    ``atexit`` handlers, then flush every file object still open (:func:`flush_open_files`), which
+    the teardown of the modules holding them would do.
 
     Not called where either is missing (:func:`finalize_problem`)."""
     threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
+    flush_open_files()
+
+
+# Buffered file objects: what the teardown would flush. The raw FileIO holds no buffer.
+_BUFFERED = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
+
+
+def flush_open_files() -> int:
+    """Flush every buffered file object of this process still open for writing; how many.
+
+    A process that ends with ``os._exit`` skips the teardown of its modules, in which a file held in
+    a module's global (a log a script opened once and never closed) is flushed as it is deleted:
+    without this, what it buffered would be lost. Found among the objects the garbage collector
+    tracks (file objects are), by exact type: ~50 ms over the ~170,000 objects of a process that
+    imported torch."""
+    flushed = 0
+    for obj in gc.get_objects():
+        if type(obj) in _BUFFERED and not obj.closed:
+            with contextlib.suppress(Exception):  # not writable, a broken pipe: nothing to keep
+                if obj.writable():
+                    obj.flush()
+                    flushed += 1
+    return flushed
 
 
 def _check_threading() -> str | None:

@@ -17,6 +17,7 @@ import pytest
 
 from ddpkit.testing import wait_until
 from tests.jobs.launch.test_launcher import DDPKIT
+from tests.jobs.scripts.fork_probe_log import TEXT as UNCLOSED
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="the fork server is Linux only"
@@ -68,9 +69,12 @@ def found(folder: Path, rank: int, attempt: int = 0) -> dict:
 
 
 def ended(folder: Path, rank: int, attempt: int = 0) -> list[str]:
-    """What the rank finished before its process exited (see fork_probe.py)."""
+    """What the rank finished before its process exited (see fork_probe.py); ``unclosed``: the text
+    its module's file held, whole."""
     return sorted(
-        p.suffix[1:] for p in folder.glob(f"rank{rank}.attempt{attempt}.*") if p.suffix != ".json"
+        p.suffix[1:]
+        for p in folder.glob(f"rank{rank}.attempt{attempt}.*")
+        if p.suffix != ".json" and (p.suffix != ".unclosed" or p.read_text() == UNCLOSED)
     )
 
 
@@ -117,7 +121,7 @@ def test_workers_are_forked_and_start_and_end_as_new_interpreters(clean_env, tmp
         assert (
             ended(tmp_path / "forked", rank)
             == ended(tmp_path / "new", rank)
-            == ["atexit", "executor", "thread"]
+            == ["atexit", "executor", "thread", "unclosed"]
         )
     # Rank 0's standard output is the launcher's, rank 1's its log file, each printed once.
     for out in (forked, new):
@@ -141,7 +145,7 @@ def test_the_scripts_exit_status_is_the_jobs(clean_env, tmp_path, mode, code, st
     assert out.returncode == code, out.stderr[-3000:]
     assert found(tmp_path, 0)["preloaded"]
     # the end of an interpreter, after the status
-    assert ended(tmp_path, 0) == ["atexit", "executor", "thread"]
+    assert ended(tmp_path, 0) == ["atexit", "executor", "thread", "unclosed"]
     logs = "".join(p.read_text() for p in Path("ddpkit-logs").rglob("*.log")) + out.stderr
     assert stderr in logs
 
@@ -158,7 +162,7 @@ def test_a_restart_after_a_sigkill_forks_the_workers_again(clean_env, tmp_path):
         found(tmp_path, rank, attempt)["preloaded"] for attempt in (0, 1) for rank in (0, 1)
     ] == [True] * 4
     assert ended(tmp_path, 1, 0) == []  # SIGKILLed: nothing ran at its end
-    assert ended(tmp_path, 1, 1) == ["atexit", "executor", "thread"]
+    assert ended(tmp_path, 1, 1) == ["atexit", "executor", "thread", "unclosed"]
 
 
 @pytest.mark.slow
@@ -171,7 +175,7 @@ def test_a_fork_server_killed_during_the_job_leaves_the_restart_to_new_interpret
     assert [
         found(tmp_path, rank, attempt)["preloaded"] for attempt in (0, 1) for rank in (0, 1)
     ] == [True, True, False, False]
-    assert ended(tmp_path, 1, 1) == ["atexit", "executor", "thread"]
+    assert ended(tmp_path, 1, 1) == ["atexit", "executor", "thread", "unclosed"]
 
 
 def _processes_naming(text: str) -> list[int]:

@@ -7,7 +7,9 @@ threads and signal dispositions; then a first draw of python's, numpy's and torc
 unseeded; and rank 0 what it reads on its standard input. At the end three things that a process
 must finish before it exits, each writing ``DIR/rank<R>.<what>``: an ``atexit`` handler, a
 non-daemon thread, and a task left in a ``ThreadPoolExecutor`` (the last two 0.3 s after the script
-ended). Each process that runs a rank's script adds a line to ``DIR/rank<R>.starts``. MODE:
+ended); and a file its own module ``fork_probe_log`` keeps open and never closes, whose text is on
+disk only if the process flushed it as it ended (``rank<R>.unclosed``). Each process that runs a
+rank's script adds a line to ``DIR/rank<R>.starts``. MODE:
 
 - ``end`` (default): exit 0;
 - ``exit3``: ``sys.exit(3)`` on rank 0, 0 on the others;
@@ -33,6 +35,7 @@ import threading  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import fork_probe_log  # noqa: E402
 import numpy  # noqa: E402
 import torch  # noqa: E402
 
@@ -86,6 +89,7 @@ def after_a_while(what: str) -> None:
 
 
 atexit.register(mark, "atexit")
+fork_probe_log.write(folder / f"rank{rank}.attempt{attempt}.unclosed")
 finish = threading.Event()
 threading.Thread(target=after_a_while, args=("thread",)).start()  # not a daemon: joined at exit
 pool = concurrent.futures.ThreadPoolExecutor(1)

@@ -244,6 +244,36 @@ def test_forking_is_refused_where_a_forked_worker_could_not_end_as_an_interprete
     assert interpreter.finalize_problem() == "atexit has no _run_exitfuncs"
 
 
+_ENDS_AT_ONCE = """
+import io, os, sys, threading, atexit
+from ddpkit._internals import interpreter
+sys.modules["json"].kept = open(sys.argv[1], "w")  # a file held in a module's global, never closed
+sys.modules["json"].kept.write("whole")
+sys.modules["json"].binary = open(sys.argv[1] + ".bin", "wb")
+sys.modules["json"].binary.write(b"bytes")
+sys.modules["json"].read = open(sys.argv[1] + ".bin", "rb")  # open for reading: left alone
+if sys.argv[2] == "finalize":
+    interpreter.finalize_as_interpreter()
+else:  # what a forked worker did before: threads joined and the exit handlers only
+    threading._shutdown()
+    atexit._run_exitfuncs()
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("ending", ["finalize", "control"])
+def test_a_process_ended_at_once_flushes_the_files_its_modules_keep_open(tmp_path, ending):
+    out = tmp_path / "kept.txt"
+    done = subprocess.run(
+        [sys.executable, "-c", _ENDS_AT_ONCE, str(out), ending], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    if ending == "finalize":
+        assert out.read_text() == "whole" and (tmp_path / "kept.txt.bin").read_bytes() == b"bytes"
+    else:  # Control: without the flush, os._exit loses what the files buffered.
+        assert out.read_text() == "" and (tmp_path / "kept.txt.bin").read_bytes() == b""
+
+
 def test_the_command_line_is_written_only_where_its_memory_is_found(tmp_path):
     """A misread ``arg_start`` is refused (nothing written); the real one is rewritten (``ps`` shows
     it)."""
