@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
@@ -103,10 +104,9 @@ def entry() -> None:
         if finalize_problem() is None:  # else a normal exit
             finalize_as_interpreter()
             for stream in (sys.stdout, sys.stderr):
-                try:
+                # None where the descriptor was closed; a closed pipe: nothing to lose
+                with contextlib.suppress(Exception):
                     stream.flush()
-                except (OSError, ValueError):  # a closed pipe, a closed stream: nothing to lose
-                    pass
             os._exit(code)
     sys.exit(code)
 

@@ -131,11 +131,13 @@ def flush_open_files() -> int:
     without this, what it buffered would be lost. Found among the objects the garbage collector
     tracks (file objects are), by exact type: ~50 ms over the ~170,000 objects of a process that
     imported torch."""
+    gc.unfreeze()  # what a script froze (gc.freeze, before forking loader workers) is listed too
     flushed = 0
     for obj in gc.get_objects():
-        if type(obj) in _BUFFERED and not obj.closed:
-            with contextlib.suppress(Exception):  # not writable, a broken pipe: nothing to keep
-                if obj.writable():
+        if type(obj) in _BUFFERED:
+            # closed, detached (.closed raises), not writable, a broken pipe: nothing to keep
+            with contextlib.suppress(Exception):
+                if not obj.closed and obj.writable():
                     obj.flush()
                     flushed += 1
     return flushed

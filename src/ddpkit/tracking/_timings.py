@@ -11,11 +11,11 @@ Each rank splits its steps into phases, in seconds summed over a log window:
   gradient is ready is the wait for the slowest bucket's all-reduce, that is, for the slowest rank
   to reach it, and the copy of the averaged gradients back. The all-reduce's own time, where the
   backward hid it, is not in it. The moment is marked by a callback of the autograd engine, which
-  it runs once every gradient is accumulated. The callback is queued early in the backward, at the
-  gradient of the model's last parameter (the output layer's, among the first computed), so it
-  runs before DDP's own, queued at the last gradient, which waits for the all-reduces: two Python
-  calls a step, where a hook on every parameter costs one per parameter (hundreds, in a deep
-  model). Where that parameter gets no gradient in a step, the wait is counted as ``compute``.
+  it runs once every gradient is accumulated, in the order callbacks were queued. It is queued by a
+  hook on the loss's node, which the backward runs first: ahead of DDP's callback, queued at the
+  last gradient, and of FSDP's, queued at the root module's output, both of which wait for their
+  gradients' collectives. A hook and a callback a step (~10 us), where a hook on every parameter
+  costs one Python call per parameter (hundreds, in a deep model).
   Also the broadcast of
   the module's buffers that DDP does before each forward (``broadcast_buffers``), from DDP's forward
   starting to the wrapped module's: it too waits for every rank;
@@ -102,10 +102,7 @@ class StepTimings:
         self._forward_start: Any = None
         # between start_step and before_optimizer: an evaluation's forward is not a step's
         self._stepping = False
-        self._sync = False  # the step's synchronising backward is next, or runs
         if enabled:
-            last = [p for p in model.parameters() if p.requires_grad][-1:]
-            self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in last]
             # Under torch.compile the forward's hooks would be traced (a clock read in the
             # graph): not timed there. Nor where DDP broadcasts nothing (no buffers, or
             # broadcast_buffers=False): a module with a forward hook takes its slow call path.
@@ -137,18 +134,15 @@ class StepTimings:
         else:
             self.seconds[phase] += end - start
 
-    def sync_backward(self) -> None:
-        """Before the step's synchronising backward (its last micro-batch's): the moment its last
-        gradient is ready is marked, the start of ``comm``."""
-        self._sync = True
+    def sync_backward(self, loss: torch.Tensor) -> None:
+        """Before ``loss.backward()``, the step's synchronising backward (its last micro-batch's):
+        the moment its last gradient is ready is marked, the start of ``comm``."""
+        node = loss.grad_fn if self.enabled else None
+        if node is not None:
+            node.register_prehook(self._backward_started)
 
-    def _grad_ready(self, _param: torch.Tensor) -> None:
-        # Queued at a gradient before the last one, or at the last one ahead of DDP's (a
-        # parameter's own hooks run before the hooks of its gradient's accumulator, where DDP's
-        # is), the callback runs before DDP's wait for the all-reduces.
-        if self._sync:
-            self._sync = False
-            at_backward_end(self._grads_ready)
+    def _backward_started(self, _grad_outputs: Any) -> None:
+        at_backward_end(self._grads_ready)
 
     def _grads_ready(self) -> None:
         # on CUDA the engine runs callbacks on the caller's stream, once it waits for the
@@ -189,7 +183,7 @@ class StepTimings:
                 self.seconds["data"],
                 self.seconds["comm"],
             )
-            self._last_grad, self._stepping, self._sync = None, True, False
+            self._last_grad, self._stepping = None, True
 
     def before_optimizer(self) -> None:
         """After the step's last backward (the synchronising one) has returned."""

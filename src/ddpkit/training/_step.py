@@ -390,7 +390,7 @@ class TrainStep:
                 self.window.add(loss, micro.samples)
                 scaled = scale_loss(self.strategy.mark_nonfinite(loss), micro, weighted)
                 if speed is not None and micro.last:
-                    speed.timings.sync_backward()
+                    speed.timings.sync_backward(scaled)
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
         if speed is not None:
             speed.timings.before_optimizer()

@@ -252,6 +252,11 @@ sys.modules["json"].kept.write("whole")
 sys.modules["json"].binary = open(sys.argv[1] + ".bin", "wb")
 sys.modules["json"].binary.write(b"bytes")
 sys.modules["json"].read = open(sys.argv[1] + ".bin", "rb")  # open for reading: left alone
+detached = io.TextIOWrapper(io.BytesIO())
+detached.detach()  # reading its .closed raises, as sys.__stdout__'s after a script rewraps stdout
+sys.modules["json"].detached = detached
+import gc
+gc.freeze()  # as a script does before forking loader workers: get_objects() no longer lists them
 if sys.argv[2] == "finalize":
     interpreter.finalize_as_interpreter()
 else:  # what a forked worker did before: threads joined and the exit handlers only

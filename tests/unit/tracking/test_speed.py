@@ -155,26 +155,26 @@ PAUSE = 0.3
 
 def _timed_step(mark: bool) -> dict[str, float]:
     """One step of a model whose backward sleeps PAUSE in its middle (compute), and where a callback
-    queued by a hook of a gradient's accumulator sleeps PAUSE more, as DDP queues its wait for the
-    all-reduces. The hook is on the accumulator of the very parameter whose gradient the timings
-    queue their mark at, where DDP's hooks are."""
+    queued by a hook on the model's output sleeps PAUSE more, as FSDP queues its wait for the
+    gradients' collectives there and DDP at the last gradient, later."""
     from ddpkit._internals.compiler import at_backward_end
 
     first, second = nn.Linear(4, 4), nn.Linear(4, 1)
-    model = nn.Sequential(first, nn.Tanh(), second)
-    timings = StepTimings(model, torch.device("cpu"))
-    assert list(model.parameters())[-1] is second.bias  # the one the timings hook
-    accumulator = second.bias.view_as(second.bias).grad_fn.next_functions[0][0]
-    accumulator.register_hook(lambda *_: at_backward_end(lambda: time.sleep(PAUSE)) and None)
+    timings = StepTimings(nn.Sequential(first, nn.Tanh(), second), torch.device("cpu"))
+
+    def queue_the_wait(_grad: torch.Tensor) -> None:
+        at_backward_end(lambda: time.sleep(PAUSE))
+
     timings.start_step()
     for x in timings.loader([torch.randn(2, 4)]):
-        loss = second(_SlowBackward.apply(torch.tanh(first(x)))).square().mean()
+        out = second(_SlowBackward.apply(torch.tanh(first(x))))
+        out.register_hook(queue_the_wait)
+        loss = out.square().mean()
         if mark:
-            timings.sync_backward()
+            timings.sync_backward(loss)
         loss.backward()
     timings.before_optimizer()
     timings.after_optimizer()
-    del accumulator
     return dict(zip(PHASES, timings.row(wall=1.0, items=0.0)))
 
 
@@ -190,18 +190,31 @@ def test_comm_is_the_wait_after_the_last_gradient_and_compute_the_backward_befor
 
 
 @pytest.mark.gpu
-def test_on_cuda_the_phases_are_read_from_events_on_the_device():
+@pytest.mark.parametrize("mark", [True, False], ids=["marked", "control"])
+def test_on_cuda_the_phases_are_read_from_events_on_the_device(mark):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
+    from ddpkit._internals.compiler import at_backward_end
+
     model = nn.Linear(2048, 2048).cuda()
     timings = StepTimings(model, torch.device("cuda"))
     x = torch.randn(512, 2048, device="cuda")
+
+    def device_work() -> None:  # queued as DDP queues its wait: device time after the gradients
+        for _ in range(30):
+            x @ x.T
+
+    def queue_device_work(_grad: torch.Tensor) -> None:
+        at_backward_end(device_work)
+
     for _ in range(5):
         timings.start_step()
         for i, batch in enumerate(timings.loader([x, x])):
-            loss = model(batch).square().mean()
-            if i == 1:
-                timings.sync_backward()
+            out = model(batch)
+            out.register_hook(queue_device_work)
+            loss = out.square().mean()
+            if mark and i == 1:
+                timings.sync_backward(loss)
             loss.backward()
         timings.before_optimizer()
         for _ in range(100):  # device work queued in the optimizer's span: the host returns at once
@@ -210,7 +223,10 @@ def test_on_cuda_the_phases_are_read_from_events_on_the_device():
     times = StepTimings.times([timings.row(wall=1.0, items=0.0)], wall=1.0, steps=5)
     assert times.samples == 5 * 2 * 512
     assert 0 < times.ms["compute"][0] < times.ms["optimizer"][0]
-    assert times.ms["comm"][0] >= 0
+    if mark:  # the last backward's queued device work, after its gradients' event
+        assert times.ms["comm"][0] > 0.2 * times.ms["compute"][0]
+    else:  # Control: with no mark, all of it is compute.
+        assert times.ms["comm"][0] == 0
 
 
 def test_a_peak_that_is_not_positive_is_refused_naming_the_option():

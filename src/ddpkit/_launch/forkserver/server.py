@@ -80,6 +80,7 @@ from ddpkit._internals.compiler import DYNAMO
 from ddpkit._internals.interpreter import (
     cuda_driver_initialised,
     finalize_as_interpreter,
+    flush_open_files,
     set_command_line,
 )
 from ddpkit._launch.proctree import parent_of, set_parent_death_signal, wait_exit
@@ -326,6 +327,9 @@ def serve(sock: socket.socket, agent: int, modules: Sequence[str]) -> None:
     for signum in JOB_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
     failed, refused = preload(modules)
+    # What a preloaded module buffered in a file is written now, once: a worker that inherited the
+    # buffer would write it again as it ends (it flushes its open files).
+    flush_open_files()
     try:
         sock.send(json.dumps({"ready": refused is None, "why": refused, "failed": failed}).encode())
     # the agent hung up before the imports ended (its job ended, or it forks nothing)
