@@ -94,7 +94,7 @@ def entry() -> None:
     ``ddpkit run`` ends without tearing its interpreter down. Once its workers have ended, it has
     nothing left to write: its records are written whole (fsynced), and torch's agent has closed
     the workers' log files, to which only the workers wrote. What a normal exit would add is the
-    teardown of every module of torch, ~0.7 s of each job's end here. It still ends as an
+    teardown of every module of torch, ~0.6 s of each job's end here. It still ends as an
     interpreter ends up to that point: the non-daemon threads joined, the ``atexit`` handlers run
     (``logging``'s flush among them), the standard streams flushed."""
     code = main()

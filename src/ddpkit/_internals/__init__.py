@@ -16,7 +16,8 @@ operators (``tests/unit/internals/test_internals_seam.py`` enforces both).
 - :mod:`~ddpkit._internals.optim`: optimizers and learning-rate schedulers;
 - :mod:`~ddpkit._internals.modules`: ``torch.nn`` modules (BatchNorm's base, compiled and buffer
   internals);
-- :mod:`~ddpkit._internals.compiler`: ``torch.compile``'s configuration and its compiler probe;
+- :mod:`~ddpkit._internals.compiler`: ``torch.compile``'s configuration and its compiler probe, the
+  profiler's state, and the autograd engine's callbacks at a backward's end;
 - :mod:`~ddpkit._internals.optuna_journal`: Optuna's storages: a journal's operation codes, the
   storage a study writes through;
 - :mod:`~ddpkit._internals.ray_train`: Ray's key-value store, where each rank counts Ray Train's
