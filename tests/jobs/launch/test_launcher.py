@@ -94,9 +94,10 @@ def test_ddpkit_run_ends_after_its_exit_handlers_without_the_interpreters_teardo
     probe = tmp_path / "probe"
     assert (probe / f"{proc.pid}.atexit").exists()  # the exit handlers ran (logging's flush too)
     assert not (probe / f"{proc.pid}.teardown").exists()  # torch's modules were not torn down
-    # the workers, which run the user's script, end as interpreters do
+    # the workers, which run the user's script, end as interpreters do (and any helper process a
+    # torch starts beside them)
     workers = {p.stem for p in probe.glob("*.teardown")}
-    assert len(workers) == 2, sorted(p.name for p in probe.iterdir())
+    assert len(workers) >= 2, sorted(p.name for p in probe.iterdir())
     # Control: the same probe sees the teardown of a process that exits normally, here `main`
     # called without the console script's end (a usage error, before any worker starts).
     control = subprocess.Popen(
