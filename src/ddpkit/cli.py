@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import os
 import sys
@@ -103,10 +102,6 @@ def entry() -> None:
 
         if finalize_problem() is None:  # else a normal exit
             finalize_as_interpreter()
-            for stream in (sys.stdout, sys.stderr):
-                # None where the descriptor was closed; a closed pipe: nothing to lose
-                with contextlib.suppress(Exception):
-                    stream.flush()
             os._exit(code)
     sys.exit(code)
 

@@ -14,8 +14,9 @@ private modules.
 - ``torch.autograd.Variable._execution_engine.queue_callback``: a function the engine calls once the
   backward pass it runs has computed and accumulated every gradient, before ``backward()`` returns
   (:func:`at_backward_end`); DDP and FSDP wait for their gradient collectives in callbacks queued
-  the same way. The step timings mark the moment the step's last gradient is ready with it: one
-  call a backward, where a hook on every parameter costs one Python call per parameter.
+  the same way. The step timings mark the moment the step's last gradient is ready with it: a hook
+  on the loss and one callback a step, where a hook on every parameter costs one Python call per
+  parameter.
 """
 
 from __future__ import annotations

@@ -111,12 +111,17 @@ def finalize_as_interpreter() -> None:
     """What ``Py_FinalizeEx`` does before the process ends, in its order: join the non-daemon
     threads (after the callbacks ``concurrent.futures`` registers to stop its workers), run the
     ``atexit`` handlers, then flush every file object still open (:func:`flush_open_files`), which
-    the teardown of the modules holding them would do.
+    the teardown of the modules holding them would do, and the standard streams, whatever object
+    they are now.
 
     Not called where either is missing (:func:`finalize_problem`)."""
     threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
     flush_open_files()
+    for stream in (sys.stdout, sys.stderr):
+        # None where the descriptor was closed; a closed pipe: nothing to lose
+        with contextlib.suppress(Exception):
+            stream.flush()
 
 
 # Buffered file objects: what the teardown would flush. The raw FileIO holds no buffer.

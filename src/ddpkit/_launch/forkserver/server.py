@@ -62,7 +62,6 @@ COMMAND...``.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import json
 import os
@@ -172,10 +171,8 @@ def run_as_main(main: Callable[[], Any]) -> int:
         # As the interpreter: any uncaught exception is printed, status 1.
         sys.excepthook(*sys.exc_info())
         code = 1
-    finalize_as_interpreter()  # what Py_FinalizeEx does: threads joined, then the exit handlers
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
+    # what Py_FinalizeEx does: threads joined, the exit handlers, files and streams flushed
+    finalize_as_interpreter()
     if interrupted:  # as the interpreter does since 3.8: die of the signal, so the parent sees it
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
