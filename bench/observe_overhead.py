@@ -1,11 +1,11 @@
 """What the step timings cost: the Trainer with ``LoggingConfig(step_timings=True)`` against the
 same Trainer with them off, in the same job.
 
-Each rank builds two Trainers of the same model and data, one timing its steps (a hook at the
-model's last parameter that queues a callback of the autograd engine in the synchronising
+Each rank builds one Trainer and switches its step timings on and off between rounds (what they
+add: a hook on the loss's node that queues a callback of the autograd engine in the synchronising
 backward, two forward pre-hooks where DDP broadcasts buffers, the loader's ``next()`` timed, a few
-clock reads per step, and at each log window an all-gather of 8 numbers per rank, the ``ranks``
-record, rates and MFU), one not; rounds of one epoch each alternate (on, off, off, on, ...) so that
+clock reads per step, and at each log window 8 more numbers per rank in the loss's all-gather, the
+``ranks`` record, rates and MFU); rounds of one epoch each alternate (on, off, off, on, ...) so that
 noise from other work on the machine falls on both. Measures, on rank 0, as
 bench/trainer_overhead.py: the median step per round (between consecutive optimizer steps) and
 epoch time / steps (with the log windows' work in it); and the process's CPU time over the epoch /
@@ -38,6 +38,7 @@ from trainer_overhead import MODEL_NAMES, MODELS, median_interval, steady_malloc
 
 import ddpkit
 import ddpkit.platforms._cpus
+from ddpkit.tracking._speed import Speed
 from ddpkit.training._config import LoggingConfig, SnapshotConfig
 from ddpkit.training._trainer import Trainer, TrainerConfig
 
@@ -56,26 +57,36 @@ def bench(steps: int, rounds: int, batch_size: int, model: str, every: int) -> d
     )
     stamps: list[float] = []
 
-    def trainer(timings: bool) -> Trainer:
-        torch.manual_seed(0)
-        net = MODELS[model]()
-        run_dir = tempfile.mkdtemp(prefix="ddpkit-bench-") if rt.is_main else ""
-        config = TrainerConfig(
-            run_dir=ddpkit.broadcast_object(run_dir),
-            batch_size=batch_size,
-            num_workers=0,
-            snapshot=SnapshotConfig(every_epochs=0),
-            # each fit() goes on in the same folder (no snapshots: it trains the epoch again)
-            resume=True,
-            logging=LoggingConfig(progress=False, every_steps=every, step_timings=timings),
-        )
-        t = Trainer(net, torch.optim.SGD(net.parameters(), lr=1e-3), data, config)
-        t.optimizer.register_step_post_hook(lambda *_: stamps.append(time.perf_counter()))
-        return t
+    torch.manual_seed(0)
+    net = MODELS[model]()
+    run_dir = tempfile.mkdtemp(prefix="ddpkit-bench-") if rt.is_main else ""
+    config = TrainerConfig(
+        run_dir=ddpkit.broadcast_object(run_dir),
+        batch_size=batch_size,
+        num_workers=0,
+        snapshot=SnapshotConfig(every_epochs=0),
+        # each fit() goes on in the same folder (no snapshots: it trains the epoch again)
+        resume=True,
+        logging=LoggingConfig(progress=False, every_steps=every, step_timings=True),
+    )
+    # One Trainer, its timings switched on and off between rounds: two instances of the same model
+    # differ by a few percent in step time by where their tensors landed, which would hide a 1%
+    # effect (as in bench/loader_overhead.py).
+    t = Trainer(net, torch.optim.SGD(net.parameters(), lr=1e-3), data, config)
+    t.optimizer.register_step_post_hook(lambda *_: stamps.append(time.perf_counter()))
 
-    on, off = trainer(True), trainer(False)
+    def timings(enabled: bool) -> None:
+        """The Trainer with its step timings on or off, as ``LoggingConfig(step_timings=...)``
+        builds them: a fresh ``Speed`` (an enabled one registers its hooks; the one it replaces
+        removes its own)."""
+        t.speed.close()
+        t.speed = t.train_step.speed = Speed(
+            t.model, rt.device, enabled=enabled, precision=config.precision,
+            world_size=rt.world_size,
+        )  # fmt: skip
 
-    def timed(t: Trainer) -> tuple[float, float, float]:
+    def timed(enabled: bool) -> tuple[float, float, float]:
+        timings(enabled)
         stamps.clear()
         t.epoch = t.cursor = 0  # the same single epoch again
         t.stopped_by = None
@@ -87,16 +98,16 @@ def bench(steps: int, rounds: int, batch_size: int, model: str, every: int) -> d
         epoch = (time.perf_counter() - start) / steps
         return statistics.median(b - a for a, b in zip(stamps, stamps[1:])), epoch, cpu
 
-    timed(on), timed(off)  # warm-up, excluded
+    timed(True), timed(False)  # warm-up, excluded
     results: dict[str, list[tuple[float, float, float]]] = {"on": [], "off": []}
     for r in range(rounds):
-        order = [("on", on), ("off", off)] if r % 2 == 0 else [("off", off), ("on", on)]
-        for name, t in order:
-            results[name].append(timed(t))
+        order = [("on", True), ("off", False)] if r % 2 == 0 else [("off", False), ("on", True)]
+        for name, enabled in order:
+            results[name].append(timed(enabled))
     return results | {
         "threads": threads,
         "steady": steady,
-        "params": sum(p.numel() for p in on.model.parameters()),
+        "params": sum(p.numel() for p in t.model.parameters()),
     }
 
 
