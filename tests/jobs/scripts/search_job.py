@@ -19,6 +19,7 @@ writes itself before acting:
 - ``--fill-disk TRIAL``: at the end of trial TRIAL's first epoch, the file system holding SEARCH_DIR
   is filled (``SEARCH_DIR/filler``) so that the next write of the Trainer or the study meets a full
   disk.
+- ``--plots``: the search's report draws Optuna's plots (``SearchConfig(plots=False)`` otherwise).
 """
 
 from __future__ import annotations
@@ -141,6 +142,9 @@ def main() -> None:
     p.add_argument("--fault", default=None, metavar="ERRNO:TRIAL")
     p.add_argument("--fill-disk", type=int, default=None, metavar="TRIAL")
     p.add_argument("--fill-disk-after", type=int, default=None, metavar="TRIAL")
+    # Optuna's plots cost ~3 s a job (sklearn's import for the importances, matplotlib's layout):
+    # drawn only where a test looks at them
+    p.add_argument("--plots", action="store_true")
     a = p.parse_args()
     ddpkit.init()
     hooks = []
@@ -197,7 +201,11 @@ def main() -> None:
         objective,
         SPACE,
         SearchConfig(
-            n_trials=a.trials, group_size=a.group_size, pruner="none", search_dir=a.search_dir
+            n_trials=a.trials,
+            group_size=a.group_size,
+            pruner="none",
+            search_dir=a.search_dir,
+            plots=a.plots,
         ),
     )
     ddpkit.shutdown()

@@ -353,9 +353,14 @@ def test_a_search_run_again_with_a_larger_budget_draws_new_candidates_and_replay
     runs = {}
     for name, extra in [("a", []), ("b", []), ("control", ["--same-seed-every-start"])]:
         for trials in ("2", "4"):
-            proc = _job(tmp_path / name, "--trials", trials, *extra, env=clean_env)
+            plots = ["--plots"] if (name, trials) == ("a", "4") else []
+            proc = _job(tmp_path / name, "--trials", trials, *extra, *plots, env=clean_env)
             assert proc.returncode == 0, proc.stderr[-3000:]
         runs[name] = _params(_study(tmp_path / name))
+    # the report of the second start plots all four trials (the others' jobs draw no plots)
+    plots = ("history.png", "importances.png", "intermediate.png")
+    assert all((tmp_path / "a" / p).stat().st_size > 0 for p in plots)
+    assert not list((tmp_path / "b").glob("*.png"))
     assert sorted(runs["a"]) == [0, 1, 2, 3]
     assert len(set(runs["a"].values())) == 4  # the second start drew candidates of its own
     assert runs["a"] == runs["b"]  # the same starts replayed: the same candidates
