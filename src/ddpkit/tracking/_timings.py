@@ -14,10 +14,11 @@ Each rank splits its steps into phases, in seconds summed over a log window:
   it runs once every gradient is accumulated, in the order callbacks were queued. It is queued by a
   hook on the loss's node, which the backward runs first: ahead of DDP's callback, queued at the
   last gradient, and of FSDP's, queued at the root module's output, both of which wait for their
-  gradients' collectives. A hook and a callback a step (~20 us), where a hook on every parameter
-  costs one Python call per parameter (hundreds, in a deep model). Also the broadcast of the
-  module's buffers that DDP does before each forward (``broadcast_buffers``), from DDP's forward
-  starting to the wrapped module's: it too waits for every rank;
+  gradients' collectives. A hook and a callback a step (~20 us in one process, ~50 us under
+  2-rank DDP, most of it torch's cost of any Python hook in a backward: docs/speed.md), where a
+  hook on every parameter costs one Python call per parameter (hundreds, in a deep model). Also
+  the broadcast of the module's buffers that DDP does before each forward (``broadcast_buffers``),
+  from DDP's forward starting to the wrapped module's: it too waits for every rank;
 - ``optimizer``: the strategy's gradient check, clipping, the optimizer and per-step scheduler step;
 - ``snapshot``: the copy in memory after a step and the snapshot's save.
 
