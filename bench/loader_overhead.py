@@ -5,8 +5,9 @@ The case of pytorch/examples' ddp-tutorial-series: a ``Dataset`` (not a ``Tensor
 list of ``(torch.rand(20), torch.rand(1))`` pairs, read as they are, in the main process (no loader
 workers), a small MLP with MSE loss and SGD, ~2 ms steps. Five loops train on it in the same job, in
 interleaved rounds (one epoch of each per round, in an order that rotates), so that noise from other
-work on the machine falls on all. The hand loops share one model and the Trainer loops one Trainer,
-fed by each loader in turn:
+work on the machine falls on all. Every loop trains the same model with the same optimizer, the
+Trainer's (DDP-wrapped as ``prepare_model`` wraps it), and the Trainer loops are one Trainer, fed by
+each loader in turn:
 
 - ``hand``: the tutorial's loop over ``DataLoader(dataset, batch_size,
   sampler=DistributedSampler(dataset))``;
@@ -14,7 +15,11 @@ fed by each loader in turn:
   batch_size, num_workers=0)`` (per-sample seeding on, the default), and with
   ``seed_samples=False``;
 - ``trainer``: ``ddpkit.Trainer`` with its defaults (``seed_samples=True``);
-- ``trainer, seed_samples=False``: the Trainer with the seeding switched off.
+- ``trainer, seed_samples=False``: the Trainer with the seeding switched off;
+- ``trainer, seed_samples=False, no NaN/inf verdict``: the same with the strategy's check of the
+  gradients replaced by a finite verdict (a private helper, for this bench only: no option turns it
+  off), to show what the verdict costs inside a step, where the gradients are no longer in cache,
+  against ``bench/trainer_step_pieces.py``'s figure for it alone.
 
 Step time is the time between consecutive optimizer steps on rank 0 (a post-step hook), so a step is
 all between two updates: loading the batch, forward, backward and its all-reduce, the update,
@@ -49,6 +54,7 @@ from trainer_overhead import median_interval, steady_malloc
 
 import ddpkit
 import ddpkit.platforms._cpus
+from ddpkit.strategies._ddp import GradientVerdict
 from ddpkit.training._config import LoggingConfig, SnapshotConfig
 from ddpkit.training._trainer import Trainer, TrainerConfig
 
@@ -58,6 +64,7 @@ LOOPS = (
     "hand+build_loader, seed_samples=False",
     "trainer",
     "trainer, seed_samples=False",
+    "trainer, seed_samples=False, no NaN/inf verdict",
 )
 PAIRS = [
     ("hand+build_loader", "hand"),
@@ -65,6 +72,10 @@ PAIRS = [
     ("hand+build_loader", "hand+build_loader, seed_samples=False"),
     ("trainer", "trainer, seed_samples=False"),
     ("trainer", "hand"),
+    # the Trainer's own per-step work, each on the same loader as the hand loop
+    ("trainer, seed_samples=False", "hand+build_loader, seed_samples=False"),
+    # ... less the verdict on the gradients (a pass over every gradient, every step)
+    ("trainer, seed_samples=False, no NaN/inf verdict", "hand+build_loader, seed_samples=False"),
 ]
 
 
@@ -112,31 +123,14 @@ def bench(steps: int, rounds: int, batch_size: int, hidden: int) -> dict:
     torch.manual_seed(0)
     data = MyTrainDataset(steps * batch_size * rt.world_size)
 
-    def model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
-        torch.manual_seed(0)
-        net = mlp(hidden)
-        return net, torch.optim.SGD(net.parameters(), lr=1e-3)
-
-    # One model for the hand loops and one Trainer, each fed by the loaders in turn: two instances
-    # of the same model differ by a few percent in step time by where their tensors landed, which
-    # would hide a 2% effect.
-    net, opt = model_and_optimizer()
-    model = ddpkit.prepare_model(net)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    runs: dict[str, Any] = {}
-    for name, loader in (
-        ("hand", DataLoader(data, batch_size=batch_size, sampler=DistributedSampler(data))),
-        ("hand+build_loader", ddpkit.build_loader(data, batch_size, num_workers=0)),
-        (
-            "hand+build_loader, seed_samples=False",
-            ddpkit.build_loader(data, batch_size, num_workers=0, seed_samples=False),
-        ),
-    ):
-        runs[name] = functools.partial(hand_epoch, model, opt, loader)
+    # One model and optimizer for every loop: the Trainer's, which the hand loops train too. Two
+    # instances of the same model differ by a few percent in step time by where their tensors
+    # landed, which would hide a 2% effect.
+    torch.manual_seed(0)
+    net = mlp(hidden)
     run_dir = ddpkit.broadcast_object(
         tempfile.mkdtemp(prefix="ddpkit-bench-") if rt.is_main else ""
     )
-    net, trainer_opt = model_and_optimizer()
     config = TrainerConfig(
         run_dir=run_dir,
         batch_size=batch_size,
@@ -147,26 +141,54 @@ def bench(steps: int, rounds: int, batch_size: int, hidden: int) -> dict:
         # resume=True, with nothing to resume: resume=False sets the previous epoch's records aside
         # each time
     )
-    trainer = Trainer(net, trainer_opt, data, config, loss_fn=nn.functional.mse_loss)
+    trainer = Trainer(
+        net,
+        torch.optim.SGD(net.parameters(), lr=1e-3),
+        data,
+        config,
+        loss_fn=nn.functional.mse_loss,
+    )
+    # the DDP-wrapped model prepare_model gives, as a hand loop has it
+    model, opt = trainer.model, trainer.optimizer
+    runs: dict[str, Any] = {}
+    for name, loader in (
+        ("hand", DataLoader(data, batch_size=batch_size, sampler=DistributedSampler(data))),
+        ("hand+build_loader", ddpkit.build_loader(data, batch_size, num_workers=0)),
+        (
+            "hand+build_loader, seed_samples=False",
+            ddpkit.build_loader(data, batch_size, num_workers=0, seed_samples=False),
+        ),
+    ):
+        runs[name] = functools.partial(hand_epoch, model, opt, loader)
     # What TrainerConfig(seed_samples=False) builds (the same arguments as the Trainer's own
     # loader).
     unseeded = ddpkit.build_loader(data, batch_size, num_workers=0, seed_samples=False)
-    trainer_loaders = {"trainer": trainer.loader, "trainer, seed_samples=False": unseeded}
+    trainer_loaders = {
+        "trainer": trainer.loader,
+        "trainer, seed_samples=False": unseeded,
+        "trainer, seed_samples=False, no NaN/inf verdict": unseeded,
+    }
+    strategy = trainer.strategy
+    finite = GradientVerdict(True, None)
 
     def trainer_epoch(name: str, epoch: int) -> None:
         trainer.loader = trainer_loaders[name]
         trainer.sampler = trainer.loader.batch_sampler  # type: ignore[assignment]
         trainer.epoch = trainer.cursor = 0  # the same single epoch again
         trainer.stopped_by = None  # as a new Trainer has it: fit() ends with the reason it stopped
-        with contextlib.redirect_stdout(io.StringIO()):  # its summary of each fit()
-            trainer.fit()
+        if name.endswith("no NaN/inf verdict"):
+            strategy.check_gradients = lambda max_norm=None: finite  # type: ignore[method-assign]
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):  # its summary of each fit()
+                trainer.fit()
+        finally:
+            vars(strategy).pop("check_gradients", None)
 
     for name in trainer_loaders:
         runs[name] = functools.partial(trainer_epoch, name)
 
     stamps: list[float] = []
-    for optimizer in (opt, trainer.optimizer):
-        optimizer.register_step_post_hook(lambda *_: stamps.append(time.perf_counter()))
+    opt.register_step_post_hook(lambda *_: stamps.append(time.perf_counter()))
 
     def timed(name: str, epoch: int) -> float:
         stamps.clear()
@@ -237,7 +259,7 @@ def main() -> None:
     )
     steps = {name: [s * 1e3 for s in xs] for name, xs in res["steps"].items()}
     for name in LOOPS:
-        print(f"  {name:38s} {statistics.median(steps[name]):.3f} ms/step (median over rounds)")
+        print(f"  {name:48s} {statistics.median(steps[name]):.3f} ms/step (median over rounds)")
     print(
         "step time, median over rounds of the per-round ratio (95% interval), and of the "
         "difference:"

@@ -5,16 +5,18 @@ that tells which batches need it.
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
 from ddpkit._internals.rng import MT19937Words, tensor_bytes, words_position
+from ddpkit.data._sampler import EpochIndices
 from ddpkit.distributed._seeding import cuda_in_use, stream_seed
 
 try:  # numpy is optional: seeded only where it is installed
@@ -48,10 +50,14 @@ class SampleSeeder:
         self._after: tuple[int, tuple[Any, ...]] | None = None
 
     def load(
-        self, keys: Sequence[tuple[int, int]], read: Callable[[Any], Any], items: Sequence[Any]
+        self,
+        keys: EpochIndices | Sequence[tuple[int, int]],
+        read: Callable[[Any], Any],
+        items: Sequence[Any],
     ) -> list[Any]:
-        """``[read(item) for item in items]``, where ``items[k]`` is the sample of key
-        ``keys[k]``."""
+        """``[read(item) for item in items]``, where ``items[k]`` is the sample of key ``keys[k]``:
+        ``keys`` a batch's :class:`~ddpkit.data._sampler.EpochIndices`, or ``(epoch, index)``
+        pairs."""
         if not self.draws:
             worker = get_worker_info() is not None
             # In a loader worker nothing draws between two batches (a collate_fn that draws is taken
@@ -79,13 +85,20 @@ class SampleSeeder:
         saved = loading_rng_state() if main else None
         try:
             out = []
-            for (epoch, index), item in zip(keys, items):
+            for (epoch, index), item in zip(epoch_index_pairs(keys), items):
                 seed_sample(self.seed, epoch, index)
                 out.append(read(item))
             return out
         finally:
             if saved is not None:
                 set_loading_rng_state(saved)
+
+
+def epoch_index_pairs(
+    keys: EpochIndices | Iterable[tuple[int, int]],
+) -> Iterable[tuple[int, int]]:
+    """Each sample's ``(epoch, index)``."""
+    return zip(itertools.repeat(keys.epoch), keys) if isinstance(keys, EpochIndices) else keys
 
 
 class SeededSamples(Dataset):
@@ -113,8 +126,11 @@ class SeededSamples(Dataset):
     def __getitem__(self, key: tuple[int, int]) -> Any:
         return self.__getitems__([key])[0]
 
-    def __getitems__(self, keys: list[tuple[int, int]]) -> list[Any]:
-        return self.seeder.load(keys, self.dataset.__getitem__, [index for _, index in keys])
+    def __getitems__(self, keys: EpochIndices | list[tuple[int, int]]) -> list[Any]:
+        """The samples of a batch's keys: the :class:`~ddpkit.data._sampler.EpochIndices` a keyed
+        :class:`~ddpkit.data.ShardedBatchSampler` yields, or ``(epoch, index)`` pairs."""
+        items = keys if isinstance(keys, EpochIndices) else [index for _, index in keys]
+        return self.seeder.load(keys, self.dataset.__getitem__, items)
 
 
 def seed_sample(seed: int, epoch: int, index: int) -> None:

@@ -15,7 +15,7 @@ sample is counted exactly once.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sized
+from collections.abc import Iterable, Iterator, Sized
 from typing import Any
 
 import torch
@@ -25,6 +25,25 @@ from ddpkit._errors import ConfigError
 from ddpkit.distributed import Group
 from ddpkit.distributed._runtime import get_runtime
 from ddpkit.distributed._seeding import stream_seed
+
+
+class EpochIndices(list[int]):
+    """One batch's sample indices and the epoch they belong to: the keys a keyed sampler yields
+    (``ShardedBatchSampler(keyed=True)``), which :class:`~ddpkit.data.SeededSamples` reads as the
+    ``(epoch, index)`` of each sample. One object a batch rather than a pair a sample: a batch is
+    read on the path of every step."""
+
+    __slots__ = ("epoch",)
+
+    def __init__(self, indices: Iterable[int], epoch: int) -> None:
+        super().__init__(indices)
+        self.epoch = epoch
+
+    def __reduce__(self) -> tuple[Any, ...]:  # to a loader worker, by its queue
+        return (EpochIndices, (list(self), self.epoch))
+
+    def __repr__(self) -> str:
+        return f"EpochIndices({list(self)!r}, epoch={self.epoch})"
 
 
 def _position(group: Group) -> tuple[int, int]:
@@ -51,7 +70,7 @@ def shard_bounds(n: int, parts: int, index: int) -> tuple[int, int]:
     return start, start + base + (1 if index < extra else 0)
 
 
-class ShardedBatchSampler(Sampler[list[int] | list[tuple[int, int]]]):
+class ShardedBatchSampler(Sampler[list[int]]):
     """Yields this rank's indices for each step of an epoch; the epoch advances by itself.
 
     An iteration that runs to its end moves to the next epoch (no ``set_epoch`` to forget), so
@@ -82,7 +101,8 @@ class ShardedBatchSampler(Sampler[list[int] | list[tuple[int, int]]]):
         keyed: bool = False,
     ) -> None:
         self.keyed = keyed
-        """Yield ``(epoch, index)`` pairs instead of indices, for :class:`SeededSamples`."""
+        """Yield each batch as :class:`EpochIndices` (its indices and their epoch), for
+        :class:`~ddpkit.data.SeededSamples`."""
         self.num_samples = dataset if isinstance(dataset, int) else len(dataset)
         if batch_size < 1:
             raise ConfigError(f"batch_size={batch_size}: the per-rank batch size must be >= 1")
@@ -193,7 +213,7 @@ class ShardedBatchSampler(Sampler[list[int] | list[tuple[int, int]]]):
     def __len__(self) -> int:
         return max(0, self.steps_per_epoch - self._first_step())
 
-    def __iter__(self) -> Iterator[list[int] | list[tuple[int, int]]]:
+    def __iter__(self) -> Iterator[list[int]]:
         token, epoch, first_step = self.position_token(), self.epoch, self._first_step()
         n, gbs = self.num_samples, self.global_batch_size
         # One list per epoch, sliced per step: a tensor slice and .tolist() per step cost more (tiny
@@ -205,7 +225,7 @@ class ShardedBatchSampler(Sampler[list[int] | list[tuple[int, int]]]):
             batch = order[step * gbs : min((step + 1) * gbs, n)]
             lo, hi = shard_bounds(len(batch), self.world_size, self.rank)
             mine = batch[lo:hi]
-            yield [(epoch, i) for i in mine] if self.keyed else mine
+            yield EpochIndices(mine, epoch) if self.keyed else mine
         if self.counts_epochs:
             self.end_epoch(token)
 

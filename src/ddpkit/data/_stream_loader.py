@@ -19,7 +19,6 @@ shuffled within each block (a shuffle buffer of ``window`` records).
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -30,7 +29,7 @@ from torch.utils.data import Dataset
 from ddpkit.data._epoch_loader import EpochLoader
 from ddpkit.data._fingerprint import OnDataChange
 from ddpkit.data._sample_seeding import SampleSeeder
-from ddpkit.data._sampler import ShardedBatchSampler, shard_bounds
+from ddpkit.data._sampler import EpochIndices, ShardedBatchSampler, shard_bounds
 from ddpkit.data._stream import Stream
 from ddpkit.distributed import Group
 from ddpkit.distributed._seeding import stream_seed
@@ -106,13 +105,13 @@ class StreamBatchSampler(ShardedBatchSampler):
     def __init__(self, num_records: int, batch_size: int, **kwargs: Any) -> None:
         super().__init__(num_records, batch_size, shuffle=False, keyed=True, **kwargs)
 
-    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+    def __iter__(self) -> Iterator[list[int]]:
         token, epoch, first_step = self.position_token(), self.epoch, self._first_step()
         gbs = self.global_batch_size
         for step in range(first_step, self.steps_per_epoch):
             start = step * gbs
             lo, hi = shard_bounds(min(gbs, self.num_samples - start), self.world_size, self.rank)
-            yield [(epoch, p) for p in range(start + lo, start + hi)]
+            yield EpochIndices(range(start + lo, start + hi), epoch)
         if self.counts_epochs:
             self.end_epoch(token)
 
@@ -153,9 +152,12 @@ class StreamSamples(Dataset):
     def __getitem__(self, key: tuple[int, int]) -> Any:
         return self.__getitems__([key])[0]
 
-    def __getitems__(self, keys: list[tuple[int, int]]) -> list[Any]:
-        epoch = keys[0][0]  # a batch never spans two epochs
-        positions = np.fromiter((p for _, p in keys), dtype=np.int64, count=len(keys))
+    def __getitems__(self, keys: EpochIndices | list[tuple[int, int]]) -> list[Any]:
+        if not isinstance(keys, EpochIndices):  # (epoch, position) pairs
+            # a batch never spans two epochs
+            keys = EpochIndices((p for _, p in keys), keys[0][0])
+        epoch = keys.epoch
+        positions = np.fromiter(keys, dtype=np.int64, count=len(keys))
         shards, index = self.order(epoch).records(positions)
         records: list[Any] = [None] * len(keys)
         for shard in np.unique(shards):
@@ -167,9 +169,7 @@ class StreamSamples(Dataset):
             return records
         if not self.seed_samples:
             return [transform(r) for r in records]
-        return self.seeder.load(
-            list(zip(itertools.repeat(epoch), positions.tolist())), transform, records
-        )
+        return self.seeder.load(keys, transform, records)
 
 
 def build_stream_loader(

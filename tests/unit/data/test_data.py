@@ -284,6 +284,29 @@ def test_only_datasets_that_may_draw_are_wrapped():
     assert ddpkit.build_loader(tensors, 3, num_workers=0).dataset is tensors
 
 
+def test_a_batchs_epoch_indices_and_its_epoch_index_pairs_read_the_same_draws():
+    """A keyed sampler yields one ``EpochIndices`` a batch (one object, not a pair a sample);
+    ``SeededSamples`` reads it as the ``(epoch, index)`` pairs a DataLoader over another sampler
+    gives, and it travels to a loader worker (pickled) with its epoch. Control: another epoch draws
+    otherwise."""
+    import pickle
+
+    from ddpkit.data import SeededSamples, ShardedBatchSampler
+    from ddpkit.data._sampler import EpochIndices
+
+    sampler = ShardedBatchSampler(24, 3, keyed=True, rank=0, world_size=1)
+    sampler.set_position(4, 0)
+    keys = next(iter(sampler))
+    assert isinstance(keys, EpochIndices) and keys.epoch == 4 and len(keys) == 3
+    sent = pickle.loads(pickle.dumps(keys))
+    assert type(sent) is EpochIndices and (list(sent), sent.epoch) == (list(keys), 4)
+    pairs = [(4, i) for i in keys]
+    read = [SeededSamples(Noisy(), seed=7).__getitems__(k) for k in (keys, sent, pairs)]
+    assert read[0] == read[1] == read[2]
+    # a drawing batch is read twice (the first time as it is): a new SeededSamples for each key form
+    assert SeededSamples(Noisy(), seed=7).__getitems__(EpochIndices(keys, 5)) != read[0]
+
+
 class Plain(torch.utils.data.Dataset):
     """No ``__getitems__``: read one sample at a time."""
 
