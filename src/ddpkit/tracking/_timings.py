@@ -11,12 +11,16 @@ Each rank splits its steps into phases, in seconds summed over a log window:
   gradient is ready is the wait for the slowest bucket's all-reduce, that is, for the slowest rank
   to reach it, and the copy of the averaged gradients back. The all-reduce's own time, where the
   backward hid it, is not in it. The moment is marked by a callback of the autograd engine, which
-  it runs once every gradient is accumulated, in the order callbacks were queued. It is queued by a
-  hook on the loss's node, which the backward runs first: ahead of DDP's callback, queued at the
-  last gradient, and of FSDP's, queued at the root module's output, both of which wait for their
-  gradients' collectives. A hook and a callback a step (~20 us in one process, ~50 us under
-  2-rank DDP, most of it torch's cost of any Python hook in a backward: docs/speed.md), where a
-  hook on every parameter costs one Python call per parameter (hundreds, in a deep model). Also
+  it runs once every gradient is accumulated, in the order callbacks were queued. It must be queued
+  ahead of the callbacks that wait for the gradients' collectives: DDP's, queued at the last
+  gradient, and FSDP's, queued at the root module's output. Under DDP, which requires a gradient
+  for every parameter (unless ``find_unused_parameters`` or ``static_graph``), it is queued by a
+  hook on the gradient accumulation of one parameter, registered once and armed for the step's
+  synchronising backward: it runs before that gradient is accumulated, so no later than the last
+  gradient, where DDP queues its wait. Elsewhere, by a hook on the loss's node, which the backward
+  runs first, registered each step: ~40 us more a step under 2-rank DDP than the armed hook
+  (bench/backward_mark.py). A hook on every parameter would cost one Python call per parameter
+  (hundreds, in a deep model). Also
   the broadcast of the module's buffers that DDP does before each forward (``broadcast_buffers``),
   from DDP's forward starting to the wrapped module's: it too waits for every rank;
 - ``optimizer``: the strategy's gradient check, clipping, the optimizer and per-step scheduler step;
@@ -74,6 +78,25 @@ def samples_in(batch: Any) -> int:
     raise TypeError(f"cannot tell the batch size of a {type(batch).__name__}; batches hold tensors")
 
 
+def _accumulation_of_a_parameter(model: nn.Module) -> Any:
+    """Under DDP, the gradient accumulation node of a parameter that DDP requires a gradient for in
+    every backward; None elsewhere, and where DDP does not require them all
+    (``find_unused_parameters``, ``static_graph``)."""
+    edge_of = getattr(torch.autograd.graph, "get_gradient_edge", None)
+    if (
+        not isinstance(model, DistributedDataParallel)
+        or edge_of is None
+        or model.find_unused_parameters
+        or model.static_graph
+    ):
+        return None
+    ignored = set(getattr(model, "parameters_to_ignore", ()))
+    for name, p in model.module.named_parameters():
+        if p.requires_grad and name not in ignored:
+            return edge_of(p).node
+    return None
+
+
 class StepTimings:
     """This rank's phase times since the last window's end (see the module's docstring).
 
@@ -98,6 +121,10 @@ class StepTimings:
             p: [] for p in ("compute", "comm", "optimizer")
         }
         self._last_grad: Any = None
+        # DDP: the accumulation of a parameter that gets a gradient in every backward, with a hook
+        # that marks the step's synchronising backward when armed (see sync_backward)
+        self._anchor: Any = None
+        self._armed = False
         self._hooks: list[Any] = []
         self._forward_start: Any = None
         # between start_step and before_optimizer: an evaluation's forward is not a step's
@@ -113,11 +140,17 @@ class StepTimings:
             ):
                 self._hooks.append(model.register_forward_pre_hook(self._ddp_forward))
                 self._hooks.append(model.module.register_forward_pre_hook(self._module_forward))
+            # Held with its hook (DDP holds it too): a node nobody holds is made anew each
+            # forward, without the hook.
+            self._anchor = None if compiled else _accumulation_of_a_parameter(model)
+            if self._anchor is not None:
+                self._hooks.append(self._anchor.register_prehook(self._accumulating))
 
     def close(self) -> None:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        self._anchor = None
 
     # The clock: host seconds on the CPU, CUDA events (resolved at the window's end) on a GPU.
     def _mark(self) -> Any:
@@ -137,12 +170,24 @@ class StepTimings:
     def sync_backward(self, loss: torch.Tensor) -> None:
         """Before ``loss.backward()``, the step's synchronising backward (its last micro-batch's):
         the moment its last gradient is ready is marked, the start of ``comm``."""
-        node = loss.grad_fn if self.enabled else None
+        if not self.enabled:
+            return
+        if self._anchor is not None:
+            self._armed = True
+            return
+        node = loss.grad_fn
         if node is not None:
             node.register_prehook(self._backward_started)
 
     def _backward_started(self, _grad_outputs: Any) -> None:
         at_backward_end(self._grads_ready)
+
+    def _accumulating(self, _grad_outputs: Any) -> None:
+        # the anchor parameter's gradient is about to be accumulated, in any backward through the
+        # model: only the step's synchronising one is marked
+        if self._armed:
+            self._armed = False
+            at_backward_end(self._grads_ready)
 
     def _grads_ready(self) -> None:
         # on CUDA the engine runs callbacks on the caller's stream, once it waits for the
@@ -189,6 +234,7 @@ class StepTimings:
         """After the step's last backward (the synchronising one) has returned."""
         if not self.enabled:
             return
+        self._armed = False
         self._mid = now = self._mark()
         self._stepping = False
         data = self.seconds["data"] - self._data_before

@@ -189,6 +189,52 @@ def test_comm_is_the_wait_after_the_last_gradient_and_compute_the_backward_befor
     assert seconds["comm"] == 0 and seconds["compute"] >= 2 * PAUSE, seconds
 
 
+@pytest.mark.parametrize("unused", [False, True], ids=["anchored", "find_unused_parameters"])
+def test_under_ddp_the_step_is_marked_by_a_hook_on_a_parameters_accumulation(tmp_path, unused):
+    """Under DDP (which requires every parameter's gradient) the mark is a hook registered once on
+    one parameter's gradient accumulation, armed for the step's synchronising backward, and it is
+    queued ahead of a wait queued after the last gradient, as DDP queues its own: that wait is comm.
+    With ``find_unused_parameters`` (a parameter may get no gradient) the hook on the loss's node
+    marks the step the same. Control: a backward through the model outside a step is not marked."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ddpkit._internals.compiler import at_backward_end
+
+    dist.init_process_group("gloo", init_method=(tmp_path / "store").as_uri(), rank=0, world_size=1)
+    first, second = nn.Linear(4, 4), nn.Linear(4, 1)
+    model = DistributedDataParallel(
+        nn.Sequential(first, _Slow(), second), find_unused_parameters=unused
+    )
+    timings = StepTimings(model, torch.device("cpu"))
+    assert (timings._anchor is None) == unused
+
+    def queue_the_wait(_param: torch.Tensor) -> None:
+        at_backward_end(lambda: time.sleep(PAUSE))
+
+    # first.weight's gradient is the last one ready: a wait queued once it is accumulated
+    first.weight.register_post_accumulate_grad_hook(queue_the_wait)
+    timings.start_step()
+    for x in timings.loader([torch.randn(2, 4)]):
+        loss = model(x).square().mean()
+        timings.sync_backward(loss)
+        loss.backward()
+    timings.before_optimizer()
+    timings.after_optimizer()
+    seconds = dict(zip(PHASES, timings.row(wall=1.0, items=0.0)))
+    assert PAUSE <= seconds["comm"] < 1.8 * PAUSE, seconds
+    assert PAUSE <= seconds["compute"] < 1.8 * PAUSE, seconds
+    # outside a step (a callback's own backward through the model): nothing marked
+    model(torch.randn(2, 4)).sum().backward()
+    assert timings._last_grad is None and not timings._armed
+    timings.close()
+
+
+class _Slow(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _SlowBackward.apply(torch.tanh(x))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mark", [True, False], ids=["marked", "control"])
 def test_on_cuda_the_phases_are_read_from_events_on_the_device(mark):
