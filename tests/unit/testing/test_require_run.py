@@ -29,8 +29,25 @@ def _tier(
         "from tests.require_run import pytest_sessionfinish  # noqa: F401\n"
     )
     (tmp_path / "test_tier.py").write_text(tests)
-    env = _clean_environ() | ({"DDPKIT_REQUIRE_RUN": "1"} if require else {})
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *options, str(tmp_path)]
+    # The installed plugins are not what is tested, and loading them costs ~1 s a run (xdist's
+    # worker loads them again): only xdist, where the run uses it.
+    env = (
+        _clean_environ()
+        | {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+        | ({"DDPKIT_REQUIRE_RUN": "1"} if require else {})
+    )
+    plugins = ["-p", "xdist"] if "-n" in options else []
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        *plugins,
+        *options,
+        str(tmp_path),
+    ]
     return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
