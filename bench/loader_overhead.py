@@ -76,6 +76,8 @@ PAIRS = [
     ("trainer, seed_samples=False", "hand+build_loader, seed_samples=False"),
     # ... less the verdict on the gradients (a pass over every gradient, every step)
     ("trainer, seed_samples=False, no NaN/inf verdict", "hand+build_loader, seed_samples=False"),
+    # the verdict alone
+    ("trainer, seed_samples=False", "trainer, seed_samples=False, no NaN/inf verdict"),
 ]
 
 
@@ -148,7 +150,9 @@ def bench(steps: int, rounds: int, batch_size: int, hidden: int) -> dict:
         config,
         loss_fn=nn.functional.mse_loss,
     )
-    # the DDP-wrapped model prepare_model gives, as a hand loop has it
+    # The DDP-wrapped model prepare_model gives, as a hand loop has it. It carries the Trainer's
+    # step-timings hook on one parameter's gradient accumulation, which returns at once in the hand
+    # loops' backward (one Python call a step: a few us).
     model, opt = trainer.model, trainer.optimizer
     runs: dict[str, Any] = {}
     for name, loader in (

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import functools
 import os
 import runpy
 import signal
@@ -23,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
 from ddpkit import _fs as fs
 from ddpkit._errors import ConfigError
@@ -153,7 +154,36 @@ def serve_worker_store() -> Any:
     return _worker_store
 
 
-@record
+class WholeErrorFile(ErrorHandler):
+    """torch's error handler, its file (``TORCHELASTIC_ERROR_FILE``) written whole or not at all.
+
+    torch writes it in place. A worker stopped in the middle of that write (the agent ending the
+    survivors of a failed rank) left a truncated file, and the agent's next poll, which reads every
+    failed worker's file, raised on it and ended the whole launcher with a JSON error. Here torch
+    writes a file of its own beside it, renamed over it once whole: a worker stopped before the
+    rename has no file, and its failure reads as its exit status."""
+
+    _writing: str | None = None
+
+    def _get_error_file_path(self) -> str | None:
+        return self._writing or super()._get_error_file_path()
+
+    def record_exception(self, e: BaseException) -> None:
+        final = super()._get_error_file_path()
+        if not final:
+            super().record_exception(e)
+            return
+        self._writing = f"{final}.{os.getpid()}.partial"
+        try:
+            super().record_exception(e)
+            os.replace(self._writing, final)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._writing)
+            self._writing = None
+
+
+@functools.partial(record, error_handler=WholeErrorFile())
 def _run(target: str, as_module: bool) -> None:
     serve_worker_store()
     if as_module:

@@ -19,6 +19,7 @@ from ddpkit.data._loader import (
 )
 from ddpkit.data._sample_seeding import SeededSamples
 from ddpkit.data._sampler import (
+    EpochIndices,
     EvalShardSampler,
     ShardedBatchSampler,
     epoch_permutation,
@@ -41,6 +42,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "EpochIndices",
     "EvalShardSampler",
     "IterableStream",
     "JsonlStream",

@@ -129,7 +129,16 @@ class SeededSamples(Dataset):
     def __getitems__(self, keys: EpochIndices | list[tuple[int, int]]) -> list[Any]:
         """The samples of a batch's keys: the :class:`~ddpkit.data._sampler.EpochIndices` a keyed
         :class:`~ddpkit.data.ShardedBatchSampler` yields, or ``(epoch, index)`` pairs."""
-        items = keys if isinstance(keys, EpochIndices) else [index for _, index in keys]
+        if isinstance(keys, EpochIndices):
+            items: list[int] = keys
+        elif all(isinstance(key, (tuple, list)) and len(key) == 2 for key in keys):
+            items = [index for _, index in keys]
+        else:
+            raise TypeError(
+                f"SeededSamples reads a batch's keys with their epoch; got {keys!r}: pass the "
+                "EpochIndices a keyed ShardedBatchSampler yields (a slice of one loses its epoch: "
+                "EpochIndices(batch[a:b], batch.epoch)) or (epoch, index) pairs"
+            )
         return self.seeder.load(keys, self.dataset.__getitem__, items)
 
 

@@ -31,7 +31,8 @@ class EpochIndices(list[int]):
     """One batch's sample indices and the epoch they belong to: the keys a keyed sampler yields
     (``ShardedBatchSampler(keyed=True)``), which :class:`~ddpkit.data.SeededSamples` reads as the
     ``(epoch, index)`` of each sample. One object a batch rather than a pair a sample: a batch is
-    read on the path of every step."""
+    read on the path of every step. A list's own operations (a slice, ``+``) give plain lists,
+    without the epoch."""
 
     __slots__ = ("epoch",)
 

@@ -99,8 +99,8 @@ def record_ids(stream: Stream, seed: int, epoch: int, shuffle: bool = True) -> n
 
 class StreamBatchSampler(ShardedBatchSampler):
     """:class:`~ddpkit.data.ShardedBatchSampler` over global positions ``0..N-1`` in order (the
-    stream's order shuffles): this rank's ``(epoch, position)`` keys for each step, by arithmetic,
-    with no list of ``N``."""
+    stream's order shuffles): this rank's positions for each step with their epoch
+    (:class:`~ddpkit.data.EpochIndices`), by arithmetic, with no list of ``N``."""
 
     def __init__(self, num_records: int, batch_size: int, **kwargs: Any) -> None:
         super().__init__(num_records, batch_size, shuffle=False, keyed=True, **kwargs)

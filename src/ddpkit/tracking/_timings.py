@@ -17,10 +17,12 @@ Each rank splits its steps into phases, in seconds summed over a log window:
   for every parameter (unless ``find_unused_parameters`` or ``static_graph``), it is queued by a
   hook on the gradient accumulation of one parameter, registered once and armed for the step's
   synchronising backward: it runs before that gradient is accumulated, so no later than the last
-  gradient, where DDP queues its wait. Elsewhere, by a hook on the loss's node, which the backward
-  runs first, registered each step: ~40 us more a step under 2-rank DDP than the armed hook
-  (bench/backward_mark.py). A hook on every parameter would cost one Python call per parameter
-  (hundreds, in a deep model). Also
+  gradient, where DDP queues its wait (checked once, against the other way: a parameter whose
+  gradient is accumulated in a nested backward, as under reentrant activation checkpointing,
+  would mark too early). Elsewhere (FSDP, a world of one, ``torch.compile``), by a hook on the
+  loss's node, which the backward runs first, registered each step: ~40 us more a step under
+  2-rank DDP than the armed hook (bench/backward_mark.py). A hook on every parameter would cost
+  one Python call per parameter (hundreds, in a deep model). Also
   the broadcast of the module's buffers that DDP does before each forward (``broadcast_buffers``),
   from DDP's forward starting to the wrapped module's: it too waits for every rank;
 - ``optimizer``: the strategy's gradient check, clipping, the optimizer and per-step scheduler step;
@@ -124,7 +126,13 @@ class StepTimings:
         # DDP: the accumulation of a parameter that gets a gradient in every backward, with a hook
         # that marks the step's synchronising backward when armed (see sync_backward)
         self._anchor: Any = None
+        self._anchor_hook: Any = None
         self._armed = False
+        # The first synchronising backward is marked both ways, to check the anchor's mark lands
+        # where the loss's node's does (see _check_anchor).
+        self._anchor_checked = False
+        self._outer_at: float | None = None
+        self._anchor_at: float | None = None
         self._hooks: list[Any] = []
         self._forward_start: Any = None
         # between start_step and before_optimizer: an evaluation's forward is not a step's
@@ -144,13 +152,14 @@ class StepTimings:
             # forward, without the hook.
             self._anchor = None if compiled else _accumulation_of_a_parameter(model)
             if self._anchor is not None:
-                self._hooks.append(self._anchor.register_prehook(self._accumulating))
+                self._anchor_hook = self._anchor.register_prehook(self._accumulating)
+                self._hooks.append(self._anchor_hook)
 
     def close(self) -> None:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        self._anchor = None
+        self._anchor = self._anchor_hook = None
 
     # The clock: host seconds on the CPU, CUDA events (resolved at the window's end) on a GPU.
     def _mark(self) -> Any:
@@ -174,7 +183,8 @@ class StepTimings:
             return
         if self._anchor is not None:
             self._armed = True
-            return
+            if self._anchor_checked:
+                return
         node = loss.grad_fn
         if node is not None:
             node.register_prehook(self._backward_started)
@@ -184,15 +194,38 @@ class StepTimings:
 
     def _accumulating(self, _grad_outputs: Any) -> None:
         # the anchor parameter's gradient is about to be accumulated, in any backward through the
-        # model: only the step's synchronising one is marked
+        # model (every micro-batch's, a callback's): only the step's synchronising one is marked
         if self._armed:
             self._armed = False
-            at_backward_end(self._grads_ready)
+            at_backward_end(self._grads_ready if self._anchor_checked else self._anchor_ready)
 
     def _grads_ready(self) -> None:
         # on CUDA the engine runs callbacks on the caller's stream, once it waits for the
         # gradients' streams: the event follows every gradient's kernel
         self._last_grad = self._mark()
+        if not self._anchor_checked:
+            self._outer_at = time.perf_counter()
+
+    def _anchor_ready(self) -> None:
+        self._anchor_at = time.perf_counter()
+
+    def _check_anchor(self) -> None:
+        """After the first synchronising backward, marked both ways. The engine runs a backward's
+        callbacks in the order they were queued, so the anchor's runs after the loss node's, unless
+        the anchor's gradient was accumulated in a backward nested in the step's (a block under
+        reentrant activation checkpointing), whose callbacks run when it ends, before the step's
+        backward is done: then the anchor would mark too early, and the loss's node marks every
+        step."""
+        outer, anchor = self._outer_at, self._anchor_at
+        self._outer_at = self._anchor_at = None
+        if outer is None:  # the loss had no node: nothing to check against yet
+            return
+        if anchor is not None and anchor >= outer:
+            self._anchor_checked = True
+            return
+        self._hooks.remove(self._anchor_hook)
+        self._anchor_hook.remove()
+        self._anchor = self._anchor_hook = None
 
     def _ddp_forward(self, _module: nn.Module, _args: Any) -> None:
         if self._stepping:
@@ -228,13 +261,16 @@ class StepTimings:
                 self.seconds["data"],
                 self.seconds["comm"],
             )
-            self._last_grad, self._stepping = None, True
+            # armed by a step whose backward raised before reaching the anchor: not this step's
+            self._last_grad, self._stepping, self._armed = None, True, False
 
     def before_optimizer(self) -> None:
         """After the step's last backward (the synchronising one) has returned."""
         if not self.enabled:
             return
         self._armed = False
+        if self._anchor is not None and not self._anchor_checked:
+            self._check_anchor()
         self._mid = now = self._mark()
         self._stepping = False
         data = self.seconds["data"] - self._data_before

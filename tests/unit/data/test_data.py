@@ -305,6 +305,9 @@ def test_a_batchs_epoch_indices_and_its_epoch_index_pairs_read_the_same_draws():
     assert read[0] == read[1] == read[2]
     # a drawing batch is read twice (the first time as it is): a new SeededSamples for each key form
     assert SeededSamples(Noisy(), seed=7).__getitems__(EpochIndices(keys, 5)) != read[0]
+    # a slice is a plain list, without the epoch: refused, naming the way to keep it
+    with pytest.raises(TypeError, match=r"EpochIndices\(batch\[a:b\], batch.epoch\)"):
+        SeededSamples(Noisy(), seed=7).__getitems__(keys[:2])
 
 
 class Plain(torch.utils.data.Dataset):

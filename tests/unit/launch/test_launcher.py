@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -386,3 +387,49 @@ def test_line_tagger_writes_whole_lines_and_throttles_redraws():
         "[rank 1] 100%",
         "[rank 1] \u00e9 end",
     ]
+
+
+def test_a_workers_error_file_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """A worker stopped while its error file is written (here the write stops half-way) leaves no
+    file, where torch's own handler leaves a truncated one that the agent's poll fails to parse
+    (torch's ProcessFailure raises, and the launcher ended on it). A write that completes gives the
+    file torch reads, message and traceback."""
+    import json
+
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, ProcessFailure
+
+    from ddpkit._launch.worker import WholeErrorFile
+
+    def record(handler: ErrorHandler, name: str) -> Path:
+        path = tmp_path / name
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+        try:
+            raise ValueError("bad input on rank 1")
+        except ValueError as e:
+            handler.record_exception(e)
+        return path
+
+    whole = record(WholeErrorFile(), "whole.json")
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(whole))
+    assert failure.message["message"] == "ValueError: bad input on rank 1"
+    assert "bad input on rank 1" in failure.message["extraInfo"]["py_callstack"]
+
+    real_dump = json.dump
+
+    def stopped_half_way(data: Any, fp: Any) -> None:
+        fp.write(json.dumps(data)[:12])
+        fp.flush()
+        raise KeyboardInterrupt  # as a worker stopped there
+
+    monkeypatch.setattr(json, "dump", stopped_half_way)
+    for handler, name in ((WholeErrorFile(), "ddpkit.json"), (ErrorHandler(), "torch.json")):
+        with pytest.raises(KeyboardInterrupt):
+            record(handler, name)
+    monkeypatch.setattr(json, "dump", real_dump)
+    assert not (tmp_path / "ddpkit.json").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["torch.json", "whole.json"]
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=-9, error_file=str(tmp_path / "x"))
+    assert failure.exitcode == -9  # no file: the exit status speaks
+    # Control: torch's handler left a truncated file, on which torch's poll raises.
+    with pytest.raises(json.JSONDecodeError):
+        ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(tmp_path / "torch.json"))

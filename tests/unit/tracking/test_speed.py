@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -189,50 +190,120 @@ def test_comm_is_the_wait_after_the_last_gradient_and_compute_the_backward_befor
     assert seconds["comm"] == 0 and seconds["compute"] >= 2 * PAUSE, seconds
 
 
-@pytest.mark.parametrize("unused", [False, True], ids=["anchored", "find_unused_parameters"])
-def test_under_ddp_the_step_is_marked_by_a_hook_on_a_parameters_accumulation(tmp_path, unused):
-    """Under DDP (which requires every parameter's gradient) the mark is a hook registered once on
-    one parameter's gradient accumulation, armed for the step's synchronising backward, and it is
-    queued ahead of a wait queued after the last gradient, as DDP queues its own: that wait is comm.
-    With ``find_unused_parameters`` (a parameter may get no gradient) the hook on the loss's node
-    marks the step the same. Control: a backward through the model outside a step is not marked."""
+SHORT = 0.1
+
+
+class _ShortBackward(torch.autograd.Function):
+    """Identity forward; its backward sleeps SHORT, before any parameter's gradient is ready."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(SHORT)
+        return grad
+
+
+def _ddp_steps(
+    tmp_path, module: nn.Module, last: nn.Linear, **ddp: Any
+) -> tuple[StepTimings, list[dict[str, float]], nn.Module]:
+    """Two steps of ``module`` under DDP (a world of one), each a ``no_sync`` micro-batch and a
+    synchronising one. Every backward sleeps SHORT before the gradients are ready
+    (``_ShortBackward``); the synchronising one also queues a wait of SHORT once ``last``'s
+    gradient, the last one ready, is accumulated, as DDP queues its own (registered before the
+    timings, as DDP's is). Returns the timings, each step's phases and the DDP model."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     from ddpkit._internals.compiler import at_backward_end
 
     dist.init_process_group("gloo", init_method=(tmp_path / "store").as_uri(), rank=0, world_size=1)
-    first, second = nn.Linear(4, 4), nn.Linear(4, 1)
-    model = DistributedDataParallel(
-        nn.Sequential(first, _Slow(), second), find_unused_parameters=unused
-    )
-    timings = StepTimings(model, torch.device("cpu"))
-    assert (timings._anchor is None) == unused
+    model = DistributedDataParallel(module, **ddp)
+    syncing = [False]
 
     def queue_the_wait(_param: torch.Tensor) -> None:
-        at_backward_end(lambda: time.sleep(PAUSE))
+        if syncing[0]:
+            at_backward_end(lambda: time.sleep(SHORT))
 
-    # first.weight's gradient is the last one ready: a wait queued once it is accumulated
-    first.weight.register_post_accumulate_grad_hook(queue_the_wait)
-    timings.start_step()
-    for x in timings.loader([torch.randn(2, 4)]):
-        loss = model(x).square().mean()
-        timings.sync_backward(loss)
-        loss.backward()
-    timings.before_optimizer()
-    timings.after_optimizer()
-    seconds = dict(zip(PHASES, timings.row(wall=1.0, items=0.0)))
-    assert PAUSE <= seconds["comm"] < 1.8 * PAUSE, seconds
-    assert PAUSE <= seconds["compute"] < 1.8 * PAUSE, seconds
+    last.weight.register_post_accumulate_grad_hook(queue_the_wait)
+    timings = StepTimings(model, torch.device("cpu"))
+    steps = []
+    for _ in range(2):
+        timings.start_step()
+        for i, x in enumerate(timings.loader([torch.randn(2, 4), torch.randn(2, 4)])):
+            syncing[0] = i == 1
+            with model.no_sync() if i == 0 else contextlib.nullcontext():
+                loss = model(x).square().mean()
+                if syncing[0]:
+                    timings.sync_backward(loss)
+                loss.backward()
+        timings.before_optimizer()
+        timings.after_optimizer()
+        steps.append(dict(zip(PHASES, timings.row(wall=1.0, items=0.0))))
+    return timings, steps, model
+
+
+@pytest.mark.parametrize("unused", [False, True], ids=["anchored", "find_unused_parameters"])
+def test_under_ddp_the_step_is_marked_by_a_hook_on_a_parameters_accumulation(tmp_path, unused):
+    """Under DDP (which requires every parameter's gradient) the mark is a hook registered once on
+    one parameter's gradient accumulation, armed for the step's synchronising backward (checked
+    against the hook on the loss's node at the first), and queued ahead of DDP's wait, queued at the
+    last gradient: that wait is comm, the no_sync micro-batch's backward is compute. With
+    ``find_unused_parameters`` (a parameter may get no gradient) the hook on the loss's node marks
+    the step the same. Control: a backward through the model outside a step is not marked."""
+    first, second = nn.Linear(4, 4), nn.Linear(4, 1)
+    timings, steps, model = _ddp_steps(
+        tmp_path,
+        nn.Sequential(first, _Short(), second),
+        first,
+        find_unused_parameters=unused,
+    )
+    # anchored, and checked at the first step: the second was marked by the anchor alone
+    assert (timings._anchor is not None and timings._anchor_checked) == (not unused)
+    for seconds in steps:
+        assert SHORT <= seconds["comm"] < SHORT + 0.25, seconds
+        assert 2 * SHORT <= seconds["compute"] < 2 * SHORT + 0.25, seconds
     # outside a step (a callback's own backward through the model): nothing marked
     model(torch.randn(2, 4)).sum().backward()
     assert timings._last_grad is None and not timings._armed
     timings.close()
 
 
-class _Slow(nn.Module):
+class _Short(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _SlowBackward.apply(torch.tanh(x))
+        return _ShortBackward.apply(torch.tanh(x))
+
+
+class _Checkpointed(nn.Module):
+    """A first layer, a middle block under activation checkpointing (its parameters named first:
+    the anchor), a head."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.middle, self.first, self.head = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1)
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        x = checkpoint(self.middle, self.first(x), use_reentrant=self.reentrant)
+        return self.head(_ShortBackward.apply(torch.tanh(x)))
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "control"])
+def test_an_anchor_accumulated_in_a_nested_backward_gives_way_to_the_loss_node(tmp_path, reentrant):
+    """Under reentrant activation checkpointing, a parameter of the checkpointed block has its
+    gradient accumulated in a backward nested in the step's, whose callbacks run when it ends: a
+    mark queued there would come before the rest of the step's backward. The first step's check
+    sees it and the loss's node marks from then on, with the wait still comm. Control: without
+    reentrance the anchor stays."""
+    module = _Checkpointed(reentrant)
+    timings, steps, _ = _ddp_steps(tmp_path, module, module.first)
+    assert (timings._anchor is None) == reentrant
+    for seconds in steps:
+        assert SHORT <= seconds["comm"] < SHORT + 0.25, seconds
 
 
 @pytest.mark.gpu
