@@ -15,12 +15,14 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import functools
+import json
 import os
 import runpy
 import signal
 import socket
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -159,28 +161,26 @@ class WholeErrorFile(ErrorHandler):
 
     torch writes it in place. A worker stopped in the middle of that write (the agent ending the
     survivors of a failed rank) left a truncated file, and the agent's next poll, which reads every
-    failed worker's file, raised on it and ended the whole launcher with a JSON error. Here torch
-    writes a file of its own beside it, renamed over it once whole: a worker stopped before the
-    rename has no file, and its failure reads as its exit status."""
-
-    _writing: str | None = None
-
-    def _get_error_file_path(self) -> str | None:
-        return self._writing or super()._get_error_file_path()
+    failed worker's file, raised on it and ended the whole launcher with a JSON error. Here the same
+    record (torch's format: the message, the traceback, the time) replaces the file whole
+    (:func:`ddpkit._fs.write_atomic`): a worker stopped before that has no file, and its failure
+    reads as its exit status."""
 
     def record_exception(self, e: BaseException) -> None:
-        final = super()._get_error_file_path()
-        if not final:
-            super().record_exception(e)
+        path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        if not path:
+            super().record_exception(e)  # torch logs what it would have written
             return
-        self._writing = f"{final}.{os.getpid()}.partial"
-        try:
-            super().record_exception(e)
-            os.replace(self._writing, final)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._writing)
-            self._writing = None
+        record = {
+            "message": {
+                "message": f"{type(e).__name__}: {e}",
+                "extraInfo": {
+                    "py_callstack": traceback.format_exc(),
+                    "timestamp": str(int(time.time())),
+                },
+            }
+        }
+        fs.write_atomic(Path(path), json.dumps(record).encode())
 
 
 @functools.partial(record, error_handler=WholeErrorFile())

@@ -390,8 +390,8 @@ def test_line_tagger_writes_whole_lines_and_throttles_redraws():
 
 
 def test_a_workers_error_file_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
-    """A worker stopped while its error file is written (here the write stops half-way) leaves no
-    file, where torch's own handler leaves a truncated one that the agent's poll fails to parse
+    """A worker stopped while its error file is written leaves no file, where torch's own handler
+    stopped half-way leaves a truncated one that the agent's poll fails to parse
     (torch's ProcessFailure raises, and the launcher ended on it). A write that completes gives the
     file torch reads, message and traceback."""
     import json
@@ -414,19 +414,23 @@ def test_a_workers_error_file_is_written_whole_or_not_at_all(tmp_path, monkeypat
     assert failure.message["message"] == "ValueError: bad input on rank 1"
     assert "bad input on rank 1" in failure.message["extraInfo"]["py_callstack"]
 
-    real_dump = json.dump
-
     def stopped_half_way(data: Any, fp: Any) -> None:
         fp.write(json.dumps(data)[:12])
         fp.flush()
         raise KeyboardInterrupt  # as a worker stopped there
 
-    monkeypatch.setattr(json, "dump", stopped_half_way)
-    for handler, name in ((WholeErrorFile(), "ddpkit.json"), (ErrorHandler(), "torch.json")):
+    def stopped_before_the_rename(fd: int) -> None:
+        raise KeyboardInterrupt  # the record is in the new file, not yet renamed
+
+    # each stopped in the middle of its write
+    with monkeypatch.context() as m:
+        m.setattr(os, "fsync", stopped_before_the_rename)
         with pytest.raises(KeyboardInterrupt):
-            record(handler, name)
-    monkeypatch.setattr(json, "dump", real_dump)
-    assert not (tmp_path / "ddpkit.json").exists()
+            record(WholeErrorFile(), "ddpkit.json")
+    with monkeypatch.context() as m:
+        m.setattr(json, "dump", stopped_half_way)
+        with pytest.raises(KeyboardInterrupt):
+            record(ErrorHandler(), "torch.json")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["torch.json", "whole.json"]
     failure = ProcessFailure(local_rank=0, pid=1, exitcode=-9, error_file=str(tmp_path / "x"))
     assert failure.exitcode == -9  # no file: the exit status speaks
