@@ -167,7 +167,7 @@ class WholeErrorFile(ErrorHandler):
     reads as its exit status."""
 
     def record_exception(self, e: BaseException) -> None:
-        path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        path = torchrun.error_file(os.environ)
         if not path:
             super().record_exception(e)  # torch logs what it would have written
             return

@@ -79,6 +79,11 @@ def run_id(env: Mapping[str, str]) -> str:
     return env.get("TORCHELASTIC_RUN_ID", "")
 
 
+def error_file(env: Mapping[str, str]) -> str | None:
+    """Where the agent reads a failed worker's exception (``TORCHELASTIC_ERROR_FILE``), or None."""
+    return env.get("TORCHELASTIC_ERROR_FILE") or None
+
+
 def master_address(env: Mapping[str, str]) -> tuple[str, str] | None:
     """(``MASTER_ADDR``, ``MASTER_PORT``) as set, where both are and the port is digits; else
     None."""

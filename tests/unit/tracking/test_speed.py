@@ -138,20 +138,22 @@ def test_counting_flops_leaves_the_gradients_bitwise_the_same():
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
+PAUSE = 0.3
+
+
 class _SlowBackward(torch.autograd.Function):
-    """Identity forward; its backward sleeps, before any parameter's gradient is ready."""
+    """Identity forward; its backward sleeps ``seconds``, before any parameter's gradient is
+    ready."""
 
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, seconds=PAUSE):
+        ctx.seconds = seconds
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        time.sleep(PAUSE)
-        return grad
-
-
-PAUSE = 0.3
+        time.sleep(ctx.seconds)
+        return grad, None
 
 
 def _timed_step(mark: bool) -> dict[str, float]:
@@ -193,25 +195,12 @@ def test_comm_is_the_wait_after_the_last_gradient_and_compute_the_backward_befor
 SHORT = 0.1
 
 
-class _ShortBackward(torch.autograd.Function):
-    """Identity forward; its backward sleeps SHORT, before any parameter's gradient is ready."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(SHORT)
-        return grad
-
-
 def _ddp_steps(
     tmp_path, module: nn.Module, last: nn.Linear, **ddp: Any
 ) -> tuple[StepTimings, list[dict[str, float]], nn.Module]:
     """Two steps of ``module`` under DDP (a world of one), each a ``no_sync`` micro-batch and a
     synchronising one. Every backward sleeps SHORT before the gradients are ready
-    (``_ShortBackward``); the synchronising one also queues a wait of SHORT once ``last``'s
+    (``_SlowBackward``); the synchronising one also queues a wait of SHORT once ``last``'s
     gradient, the last one ready, is accumulated, as DDP queues its own (registered before the
     timings, as DDP's is). Returns the timings, each step's phases and the DDP model."""
     import torch.distributed as dist
@@ -273,7 +262,7 @@ def test_under_ddp_the_step_is_marked_by_a_hook_on_a_parameters_accumulation(tmp
 
 class _Short(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _ShortBackward.apply(torch.tanh(x))
+        return _SlowBackward.apply(torch.tanh(x), SHORT)
 
 
 class _Checkpointed(nn.Module):
@@ -289,7 +278,7 @@ class _Checkpointed(nn.Module):
         from torch.utils.checkpoint import checkpoint
 
         x = checkpoint(self.middle, self.first(x), use_reentrant=self.reentrant)
-        return self.head(_ShortBackward.apply(torch.tanh(x)))
+        return self.head(_SlowBackward.apply(torch.tanh(x), SHORT))
 
 
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "control"])
