@@ -56,7 +56,7 @@ class SampleSeeder:
         items: Sequence[Any],
     ) -> list[Any]:
         """``[read(item) for item in items]``, where ``items[k]`` is the sample of key ``keys[k]``:
-        ``keys`` a batch's :class:`~ddpkit.data._sampler.EpochIndices`, or ``(epoch, index)``
+        ``keys`` a batch's :class:`~ddpkit.data.EpochIndices`, or ``(epoch, index)``
         pairs."""
         if not self.draws:
             worker = get_worker_info() is not None
@@ -127,7 +127,7 @@ class SeededSamples(Dataset):
         return self.__getitems__([key])[0]
 
     def __getitems__(self, keys: EpochIndices | list[tuple[int, int]]) -> list[Any]:
-        """The samples of a batch's keys: the :class:`~ddpkit.data._sampler.EpochIndices` a keyed
+        """The samples of a batch's keys: the :class:`~ddpkit.data.EpochIndices` a keyed
         :class:`~ddpkit.data.ShardedBatchSampler` yields, or ``(epoch, index)`` pairs."""
         if isinstance(keys, EpochIndices):
             items: list[int] = keys

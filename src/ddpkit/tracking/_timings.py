@@ -203,7 +203,7 @@ class StepTimings:
         # on CUDA the engine runs callbacks on the caller's stream, once it waits for the
         # gradients' streams: the event follows every gradient's kernel
         self._last_grad = self._mark()
-        if not self._anchor_checked:
+        if self._anchor is not None and not self._anchor_checked:
             self._outer_at = time.perf_counter()
 
     def _anchor_ready(self) -> None:
