@@ -1,17 +1,19 @@
 """What the step timings cost: the Trainer with ``LoggingConfig(step_timings=True)`` against the
 same Trainer with them off, in the same job.
 
-Each rank builds one Trainer and switches its step timings on and off between rounds (what they
-add: a hook on the loss's node that queues a callback of the autograd engine in the synchronising
-backward, two forward pre-hooks where DDP broadcasts buffers, the loader's ``next()`` timed, a few
-clock reads per step, and at each log window 8 more numbers per rank in the loss's all-gather, the
-``ranks`` record, rates and MFU); rounds of one epoch each alternate (on, off, off, on, ...) so that
-noise from other work on the machine falls on both. Measures, on rank 0, as
-bench/trainer_overhead.py: the median step per round (between consecutive optimizer steps) and
-epoch time / steps (with the log windows' work in it); and the process's CPU time over the epoch /
-steps, which other processes' load on a shared machine moves far less than wall time. Reported: the
-median of the per-round ratios on / off, with a distribution-free 95% interval, and the difference
-in microseconds a step. Targets: <= 1.005 on the CNN's step, <= 1.02 on the tiny model's.
+Each rank builds one Trainer and switches its step timings on and off between rounds (what they add:
+a hook that queues a callback of the autograd engine in the synchronising backward, under DDP
+registered once on one parameter's gradient accumulation and armed each step, two forward pre-hooks
+where DDP broadcasts buffers, the loader's ``next()`` timed, a few clock reads per step, and at each
+log window 8 more numbers per rank in the loss's all-gather, the ``ranks`` record, rates and MFU);
+rounds of one epoch each alternate (on, off, off, on, ...) so that noise from other work on the
+machine falls on both. Measures, on rank 0, as bench/trainer_overhead.py: the median step per round
+(between consecutive optimizer steps) and epoch time / steps (with the log windows' work in it); and
+the process's CPU time over the epoch / steps, which other processes' load on a shared machine moves
+far less than wall time, and the CPU time of its main thread (where the timings' work runs, without
+gloo's threads). Reported: the median of the per-round ratios on / off, with a distribution-free 95%
+interval, and the difference in microseconds a step. Targets: <= 1.005 on the CNN's step, <= 1.02 on
+the tiny model's.
 
     # the digits CNN (ddpkit.demo), 2 ranks, batch 64 per rank
     python bench/observe_overhead.py
@@ -85,21 +87,23 @@ def bench(steps: int, rounds: int, batch_size: int, model: str, every: int) -> d
             world_size=rt.world_size,
         )  # fmt: skip
 
-    def timed(enabled: bool) -> tuple[float, float, float]:
+    def timed(enabled: bool) -> tuple[float, float, float, float]:
         timings(enabled)
         stamps.clear()
         t.epoch = t.cursor = 0  # the same single epoch again
         t.stopped_by = None
         ddpkit.barrier()
-        start, cpu = time.perf_counter(), time.process_time()
+        start, cpu, thread = time.perf_counter(), time.process_time(), time.thread_time()
         t.fit()
+        thread = (time.thread_time() - thread) / steps
         cpu = (time.process_time() - cpu) / steps
         ddpkit.barrier()
         epoch = (time.perf_counter() - start) / steps
-        return statistics.median(b - a for a, b in zip(stamps, stamps[1:])), epoch, cpu
+        step = statistics.median(b - a for a, b in zip(stamps, stamps[1:]))
+        return step, epoch, cpu, thread
 
     timed(True), timed(False)  # warm-up, excluded
-    results: dict[str, list[tuple[float, float, float]]] = {"on": [], "off": []}
+    results: dict[str, list[tuple[float, float, float, float]]] = {"on": [], "off": []}
     for r in range(rounds):
         order = [("on", True), ("off", False)] if r % 2 == 0 else [("off", False), ("on", True)]
         for name, enabled in order:
@@ -141,6 +145,7 @@ def main() -> None:
         "step (median step per round)",
         "epoch / steps",
         "rank 0's CPU time (all its threads) / steps",
+        "rank 0's main thread's CPU time / steps",
     )
     for i, what in enumerate(measures):
         on = [x[i] * 1000 for x in res["on"]]

@@ -20,18 +20,21 @@ is written as its users write it:
 - ``lightning``: Lightning's ``Trainer`` on a ``LightningModule`` (no logger, checkpoints, progress
   bar or model summary).
 
-Every job is one epoch of ``--warmup`` + ``--steps`` optimizer steps, launched as
-``python -m torch.distributed.run --standalone --nproc-per-node 2 bench/peers.py --framework NAME
-...``. Step time is measured inside the job the same way for all: a global optimizer post-step hook
-(every framework ends in a torch optimizer's ``step``) stamps each step on rank 0, and the job
-reports the median time between consecutive steps after the warm-up, so a step is all between two
-updates (loading the batch, forward, backward and its all-reduce, the update, the framework's
-bookkeeping) and start-up and teardown are left out. The driver runs every framework once per round,
-in an order that rotates and reverses from round to round, drops the first round, and reports each
-framework's step time (median over rounds, and the rounds' range) and its ratio to raw DDP: the
-median over rounds of the per-round ratio, with a distribution-free 95% interval and the rounds'
-range. A peer that is not installed is skipped, saying so (``pip install -e ".[bench]"`` installs
-them).
+Every job is one epoch of ``--warmup`` + ``--steps`` optimizer steps, launched as ``python -m
+torch.distributed.run --standalone --nproc-per-node 2 bench/peers.py --framework NAME ...``, with
+glibc malloc's thresholds fixed (``MALLOC_MMAP_THRESHOLD_`` and the like, as
+``bench/trainer_overhead.py``'s ``steady_malloc``) for every framework alike. The ranks are not
+pinned to cores: under torchrun, pinned, the steps of every framework stretched toward the
+scheduler's 4 ms tick in most rounds. Step time is measured inside the job the same way for all: a
+global optimizer post-step hook (every framework ends in a torch optimizer's ``step``) stamps each
+step on rank 0, and the job reports the median time between consecutive steps after the warm-up, so
+a step is all between two updates (loading the batch, forward, backward and its all-reduce, the
+update, the framework's bookkeeping) and start-up and teardown are left out. The driver runs every
+framework once per round, in an order that rotates and reverses from round to round, drops the first
+round, and reports each framework's step time (median over rounds, and the rounds' range) and its
+ratio to raw DDP: the median over rounds of the per-round ratio, with a distribution-free 95%
+interval and the rounds' range. A peer that is not installed is skipped, saying so (``pip install -e
+".[bench]"`` installs them).
 
     python bench/peers.py                        # 2 ranks, batch 16, 40 rounds x 300 steps
     python bench/peers.py --rounds 3 --steps 50  # a quick look (the first round is dropped)
@@ -275,15 +278,32 @@ def launch(a: argparse.Namespace, name: str, folder: Path, tag: str) -> dict:
     ]
     cmd += ["--steps", str(a.steps), "--warmup", str(a.warmup), "--batch-size", str(a.batch_size)]
     cmd += ["--hidden", str(a.hidden)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # glibc malloc's thresholds fixed, for every framework alike (bench/trainer_overhead.py's
+    # steady_malloc, set here through glibc's environment so that no job imports ddpkit for it)
+    big = str(1 << 30)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MALLOC_MMAP_THRESHOLD_": big,
+        "MALLOC_TRIM_THRESHOLD_": big,
+        "MALLOC_TOP_PAD_": big,
+    }
     with open(log, "w") as f:
         proc = subprocess.run(
             cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=a.job_timeout
         )
     # the log goes with the bench's temporary folder: its end is shown here
     tail = log.read_text()[-4000:]
-    if proc.returncode != 0 or not out.exists():
+    if not out.exists():
         raise SystemExit(f"{name} failed (exit {proc.returncode}); the end of its output:\n{tail}")
+    if proc.returncode != 0:
+        # Rank 0 wrote its result after its last step, so every rank took every step (each step's
+        # all-reduce needs them all): the job failed in its teardown. Seen with Lightning 2.6 on
+        # torch 2.13, now and then: a rank aborts at exit with "terminate called without an active
+        # exception". The figure stands; the failure is said.
+        said = [line for line in tail.splitlines() if "terminate" in line or "Error" in line]
+        said = said or [""]
+        print(f"  {name}: exit {proc.returncode} after its steps were timed ({said[0][:120]})")
     result = json.loads(out.read_text())
     # e.g. a framework that took the ranks for separate runs
     if result["steps"] != a.warmup + a.steps:
@@ -340,7 +360,8 @@ def drive(a: argparse.Namespace) -> None:
     )
     print(
         f"config: {NPROC} ranks under torchrun (gloo, CPU, {'/'.join(map(str, sorted(threads)))} "
-        "thread(s) each), MyTrainDataset (a list of (rand(20), rand(1))), MLP "
+        "thread(s) each, fixed malloc thresholds), "
+        "MyTrainDataset (a list of (rand(20), rand(1))), MLP "
         f"20-{a.hidden}-{a.hidden}-1, MSE, SGD, batch {a.batch_size}/rank, no loader workers; a "
         f"job: {a.warmup} warm-up + {a.steps} timed steps; {a.rounds} interleaved rounds, the "
         + ("first kept (a check, not a measurement)" if a.keep_first else "first dropped")

@@ -40,7 +40,7 @@ class Speed:
         compiled: bool = False,
     ) -> None:
         self.enabled, self.world_size = enabled, world_size
-        self.timings = StepTimings(model, device, enabled, compiled)
+        self.timings = StepTimings(model, device, enabled, compiled, world_size > 1)
         self.peak = (
             (peak_flops or device_peak(device, precision)) if enabled and not compiled else None
         )

@@ -19,12 +19,13 @@ Each rank splits its steps into phases, in seconds summed over a log window:
   synchronising backward: it runs before that gradient is accumulated, so no later than the last
   gradient, where DDP queues its wait (checked once, against the other way: a parameter whose
   gradient is accumulated in a nested backward, as under reentrant activation checkpointing,
-  would mark too early). Elsewhere (FSDP, a world of one, ``torch.compile``), by a hook on the
-  loss's node, which the backward runs first, registered each step: ~40 us more a step under
-  2-rank DDP than the armed hook (bench/backward_mark.py). A hook on every parameter would cost
-  one Python call per parameter (hundreds, in a deep model). Also
-  the broadcast of the module's buffers that DDP does before each forward (``broadcast_buffers``),
-  from DDP's forward starting to the wrapped module's: it too waits for every rank;
+  would mark too early). Elsewhere (FSDP, ``torch.compile``), by a hook on the loss's node,
+  which the backward runs first, registered each step: ~40 us more a step under 2-rank DDP than
+  the armed hook (bench/backward_mark.py). A hook on every parameter would cost one Python call
+  per parameter (hundreds, in a deep model). In a world of one nothing is marked: there is no
+  ``comm``, and the backward's end is where it returns. Also the broadcast of the module's
+  buffers that DDP does before each forward (``broadcast_buffers``), from DDP's forward starting
+  to the wrapped module's: it too waits for every rank;
 - ``optimizer``: the strategy's gradient check, clipping, the optimizer and per-step scheduler step;
 - ``snapshot``: the copy in memory after a step and the snapshot's save.
 
@@ -106,13 +107,21 @@ class StepTimings:
     each step, iterates the loader through :meth:`loader`, and wraps snapshot work in :meth:`phase`.
     Disabled, every call is a no-op and the loader is iterated as is. ``compiled`` (the model runs
     under ``torch.compile``): DDP's broadcast of buffers before the forward is not timed as ``comm``
-    (it stays in ``compute``).
+    (it stays in ``compute``). Without ``communicates`` (a world of one) no ``comm`` is marked: the
+    backward's end is where it returns.
     """
 
     def __init__(
-        self, model: nn.Module, device: torch.device, enabled: bool = True, compiled: bool = False
+        self,
+        model: nn.Module,
+        device: torch.device,
+        enabled: bool = True,
+        compiled: bool = False,
+        communicates: bool = True,
     ) -> None:
         self.enabled = enabled
+        # a world of one: nothing to wait for after the last gradient, and no hook to pay for it
+        self._communicates = communicates
         self.seconds = dict.fromkeys(PHASES, 0.0)
         self.samples = 0  # this rank's samples read in the window
         self._cuda = enabled and device.type == "cuda"
@@ -179,7 +188,7 @@ class StepTimings:
     def sync_backward(self, loss: torch.Tensor) -> None:
         """Before ``loss.backward()``, the step's synchronising backward (its last micro-batch's):
         the moment its last gradient is ready is marked, the start of ``comm``."""
-        if not self.enabled:
+        if not (self.enabled and self._communicates):
             return
         if self._anchor is not None:
             self._armed = True

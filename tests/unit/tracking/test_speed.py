@@ -16,6 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from ddpkit.tracking import _flops as flops
 from ddpkit.tracking._curves import RANKS_PANEL, panels, read_curves
 from ddpkit.tracking._flops import FlopCount, device_peak, mfu, peak_flops
+from ddpkit.tracking._speed import Speed
 from ddpkit.tracking._timings import PHASES, RankTimes, RunSpeed, StepTimings
 
 
@@ -156,14 +157,15 @@ class _SlowBackward(torch.autograd.Function):
         return grad, None
 
 
-def _timed_step(mark: bool) -> dict[str, float]:
+def _timed_step(mark: bool, communicates: bool = True) -> dict[str, float]:
     """One step of a model whose backward sleeps PAUSE in its middle (compute), and where a callback
     queued by a hook on the model's output sleeps PAUSE more, as FSDP queues its wait for the
     gradients' collectives there and DDP at the last gradient, later."""
     from ddpkit._internals.compiler import at_backward_end
 
     first, second = nn.Linear(4, 4), nn.Linear(4, 1)
-    timings = StepTimings(nn.Sequential(first, nn.Tanh(), second), torch.device("cpu"))
+    model = nn.Sequential(first, nn.Tanh(), second)
+    timings = StepTimings(model, torch.device("cpu"), communicates=communicates)
 
     def queue_the_wait(_grad: torch.Tensor) -> None:
         at_backward_end(lambda: time.sleep(PAUSE))
@@ -190,6 +192,17 @@ def test_comm_is_the_wait_after_the_last_gradient_and_compute_the_backward_befor
     # Control: with the step's backward not marked, both sleeps are compute.
     seconds = _timed_step(mark=False)
     assert seconds["comm"] == 0 and seconds["compute"] >= 2 * PAUSE, seconds
+
+
+def test_in_a_world_of_one_the_backward_is_compute_and_no_hook_is_registered():
+    """Nothing communicates in a world of one: the step's backward is not marked (no hook a step to
+    pay for), and all of it is compute. Control: the same step where ranks communicate,
+    test_comm_is_the_wait_after_the_last_gradient_and_compute_the_backward_before_it."""
+    seconds = _timed_step(mark=True, communicates=False)
+    assert seconds["comm"] == 0 and seconds["compute"] >= 2 * PAUSE, seconds
+    model, cpu = nn.Linear(2, 1), torch.device("cpu")
+    speed = Speed(model, cpu, enabled=True, precision="fp32", world_size=1)
+    assert not speed.timings._communicates
 
 
 SHORT = 0.1
