@@ -164,10 +164,20 @@ class WholeErrorFile(ErrorHandler):
     failed worker's file, raised on it and ended the whole launcher with a JSON error. Here the same
     record (torch's format: the message, the traceback, the time) replaces the file whole
     (:func:`ddpkit._fs.write_atomic`): a worker stopped before that has no file, and its failure
-    reads as its exit status."""
+    reads as its exit status.
+
+    A script's own ``@record`` (torchrun's documentation asks for one on ``main``) would write the
+    agent's file in place too, before this handler sees the exception it re-raises. So the worker
+    points the variable a script reads at another file (:data:`SCRIPT_SUFFIX`, :func:`main`), which
+    the agent never reads; :attr:`path` keeps the agent's.
+    """
+
+    path: str | None = None
+    """The agent's file; None: the one ``TORCHELASTIC_ERROR_FILE`` names when the exception is
+    recorded."""
 
     def record_exception(self, e: BaseException) -> None:
-        path = torchrun.error_file(os.environ)
+        path = self.path or torchrun.error_file(os.environ)
         if not path:
             super().record_exception(e)  # torch logs what it would have written
             return
@@ -181,15 +191,31 @@ class WholeErrorFile(ErrorHandler):
             }
         }
         fs.write_atomic(Path(path), json.dumps(record).encode())
+        # what the script's own @record wrote, whole or not: this record replaces it
+        fs.remove(Path(path + SCRIPT_SUFFIX))
 
 
-@functools.partial(record, error_handler=WholeErrorFile())
+SCRIPT_SUFFIX = ".script"
+"""Added to the agent's error file for the one a script's own ``@record`` writes."""
+
+_error_file = WholeErrorFile()
+
+
+@functools.partial(record, error_handler=_error_file)
 def _run(target: str, as_module: bool) -> None:
     serve_worker_store()
     if as_module:
         runpy.run_module(target, run_name="__main__", alter_sys=True)
     else:
         runpy.run_path(target, run_name="__main__")
+
+
+def redirect_error_file(handler: WholeErrorFile = _error_file) -> None:
+    """``handler`` writes the agent's error file; the script's own ``@record``, if it has one, the
+    file beside it that the agent never reads (see :class:`WholeErrorFile`)."""
+    handler.path = torchrun.error_file(os.environ)
+    if handler.path:
+        torchrun.set_error_file(os.environ, handler.path + SCRIPT_SUFFIX)
 
 
 def main() -> None:
@@ -203,6 +229,7 @@ def main() -> None:
     start_guard()
     hold_stop_signals()
     dump_stack_on_request()
+    redirect_error_file()
     target = argv[0]
     sys.argv = argv
     # As `python script.py` does: the script's folder first on the import path, not ours.

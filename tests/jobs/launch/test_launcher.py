@@ -178,6 +178,33 @@ def test_failure_summary_names_rank_exception_and_line(clean_env, tmp_path):
     assert rank1 and "planned failure on rank 1" in rank1[0].read_text()
 
 
+_RECORDED = """
+import os
+from torch.distributed.elastic.multiprocessing.errors import record
+
+@record
+def main():
+    if os.environ["RANK"] == "1":
+        raise ValueError("recorded failure on rank 1")
+
+main()
+"""
+
+
+def test_a_scripts_own_record_is_read_from_the_workers_whole_file(clean_env, tmp_path):
+    """A script with torch's ``@record`` on its ``main``: its handler writes beside the agent's
+    file, the worker's record replaces it, and the summary names the script's exception."""
+    script = tmp_path / "recorded.py"
+    script.write_text(_RECORDED)
+    out = run(["run", "--nproc", "2", str(script)], clean_env)
+    assert out.returncode == 1
+    summary = out.stderr[out.stderr.index("ddpkit run:") :]
+    assert "first: rank 1 (local rank 1" in summary
+    assert "ValueError: recorded failure on rank 1" in summary
+    errors = sorted(p.name for p in (tmp_path / "ddpkit-logs").rglob("error.json*"))
+    assert errors == ["error.json"], errors
+
+
 @pytest.mark.slow  # a whole job with a restart or several launches: seconds each
 def test_restart_after_failure_resumes_the_job(clean_env):
     out = run(
