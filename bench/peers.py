@@ -297,14 +297,20 @@ def launch(a: argparse.Namespace, name: str, folder: Path, tag: str) -> dict:
     if not out.exists():
         raise SystemExit(f"{name} failed (exit {proc.returncode}); the end of its output:\n{tail}")
     if proc.returncode != 0:
-        # Rank 0 wrote its result after its last step, so every rank took every step (each step's
-        # all-reduce needs them all): the job failed in its teardown. Seen with Lightning 2.6 on
-        # torch 2.13, now and then: a rank aborts at exit with "terminate called without an active
-        # exception". The figure stands; the failure is said.
+        # Rank 0 wrote its result after its last step, whose all-reduce every rank joined: the job
+        # failed in its teardown. Seen with Lightning 2.6 on torch 2.13, now and then: a rank aborts
+        # at exit with "terminate called without an active exception". The figure stands; the
+        # failure is said, and marked in the report.
         said = [line for line in tail.splitlines() if "terminate" in line or "Error" in line]
         said = said or [""]
         print(f"  {name}: exit {proc.returncode} after its steps were timed ({said[0][:120]})")
-    result = json.loads(out.read_text())
+    try:
+        result = json.loads(out.read_text())
+    except ValueError:  # rank 0 stopped while it wrote it
+        raise SystemExit(
+            f"{name}'s result is torn (exit {proc.returncode}); the end of its output:\n{tail}"
+        ) from None
+    result["exit"] = proc.returncode
     # e.g. a framework that took the ranks for separate runs
     if result["steps"] != a.warmup + a.steps:
         raise SystemExit(
@@ -337,6 +343,8 @@ def drive(a: argparse.Namespace) -> None:
     }
     names = [n for n in wanted if n not in skipped]
     steps: dict[str, list[float]] = {n: [] for n in names}
+    # per framework, the kept rounds (from 0) whose job exited non-zero after its steps
+    failed_exits: dict[str, list[int]] = {n: [] for n in names}
     threads: set[int] = set()
     with tempfile.TemporaryDirectory(prefix="ddpkit-peers-") as tmp:
         for r in range(a.rounds):
@@ -349,6 +357,8 @@ def drive(a: argparse.Namespace) -> None:
                 # the first round warms the disk cache and the imports
                 if r > 0 or a.keep_first:
                     steps[name].append(result["step_s"] * 1e3)
+                    if result["exit"] != 0:  # kept, and said in the report
+                        failed_exits[name].append(len(steps[name]) - 1)
             kept = r > 0 or a.keep_first
             done = ", ".join(f"{n} {steps[n][-1]:.3f} ms" for n in names) if kept else "dropped"
             print(f"round {r + 1}/{a.rounds}: {done}", flush=True)
@@ -392,6 +402,7 @@ def drive(a: argparse.Namespace) -> None:
             "ratio": ratio,
             "ratio_interval": [lo, hi],
             "ratio_range": [ratios[0], ratios[-1]],
+            "rounds_failed_in_teardown": failed_exits[name],
         }
     for name, why in skipped.items():
         print(f'  {FRAMEWORKS[name][0]:18s} skipped: {why} (pip install -e ".[bench]")')

@@ -7,6 +7,9 @@
 - The process context's ``SubprocessHandler._popen`` and ``_stdout`` / ``_stderr`` (the log files it
   opened for a worker), and ``api.get_subprocess_handler``, through which workers are forked from
   ddpkit's server instead of started as new interpreters.
+- ``errors.get_error_handler``, the name by which torch's ``@record`` builds its error handler
+  (:func:`record_with`): a script's own ``@record`` writes its error file whole, through ddpkit's
+  handler.
 
 Each is checked when it is used. Where one is gone, the feature it serves is turned off with one
 warning naming it and torch's version: the fork server falls back to torch's own ``Popen`` (new
@@ -168,6 +171,35 @@ def _check_launch_agent() -> str | None:
 # -- the workers' processes ------------------------------------------------------------------------
 
 
+def record_with(handler: type) -> None:
+    """Have torch's ``@record``, applied from now on in this process (a script's own, on its
+    ``main``), use a ``handler()``.
+
+    ``record`` builds its handler by the name ``get_error_handler`` of its module when it decorates
+    a function; that name is public (``errors.__all__``), its use by ``record`` is not. Where that
+    changed, a script's ``@record`` writes with torch's handler (its file in place, truncated where
+    the worker is stopped mid-write): said once."""
+    from torch.distributed.elastic.multiprocessing import errors
+
+    if _check_record_handler() is not None:
+        warn_once(
+            "torch's errors.get_error_handler in @record",
+            "a script's own @record writing its error file whole (the worker's record does)",
+        )
+        return
+    errors.get_error_handler = handler
+
+
+def _check_record_handler() -> str | None:
+    from torch.distributed.elastic.multiprocessing import errors
+
+    if not callable(vars(errors).get("get_error_handler")):
+        return "torch.distributed.elastic.multiprocessing.errors has no get_error_handler"
+    if "get_error_handler()" not in inspect.getsource(errors.record):
+        return "record no longer builds its handler as get_error_handler()"
+    return None
+
+
 def subprocess_handler_base() -> type | None:
     """torchrun's ``SubprocessHandler``, where workers can be started through a subclass of it (else
     None)."""
@@ -275,5 +307,13 @@ INTERNALS = [
         "workers forked from the job's server (restarts in half a second), their output in "
         "torchrun's log files",
         _check_handler,
+    ),
+    Internal(
+        "torch.distributed.elastic.multiprocessing.errors.get_error_handler (the name record "
+        "builds its handler by)",
+        "torch",
+        "a script's own @record writes its error file whole, so that the agent never reads a "
+        "truncated one",
+        _check_record_handler,
     ),
 ]

@@ -30,6 +30,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, recor
 
 from ddpkit import _fs as fs
 from ddpkit._errors import ConfigError
+from ddpkit._internals.elastic import record_with
 from ddpkit._internals.store import agent_store_in_use, serve_store, use_agent_store
 from ddpkit._launch.proctree import set_parent_death_signal, start_guard
 from ddpkit.distributed._signals import hold_stop_signals
@@ -164,20 +165,11 @@ class WholeErrorFile(ErrorHandler):
     failed worker's file, raised on it and ended the whole launcher with a JSON error. Here the same
     record (torch's format: the message, the traceback, the time) replaces the file whole
     (:func:`ddpkit._fs.write_atomic`): a worker stopped before that has no file, and its failure
-    reads as its exit status.
-
-    A script's own ``@record`` (torchrun's documentation asks for one on ``main``) would write the
-    agent's file in place too, before this handler sees the exception it re-raises. So the worker
-    points the variable a script reads at another file (:data:`SCRIPT_SUFFIX`, :func:`main`), which
-    the agent never reads; :attr:`path` keeps the agent's.
-    """
-
-    path: str | None = None
-    """The agent's file; None: the one ``TORCHELASTIC_ERROR_FILE`` names when the exception is
-    recorded."""
+    reads as its exit status. A script's own ``@record`` (torchrun's documentation asks for one on
+    ``main``) writes through it too (:func:`main`)."""
 
     def record_exception(self, e: BaseException) -> None:
-        path = self.path or torchrun.error_file(os.environ)
+        path = torchrun.error_file(os.environ)
         if not path:
             super().record_exception(e)  # torch logs what it would have written
             return
@@ -191,31 +183,15 @@ class WholeErrorFile(ErrorHandler):
             }
         }
         fs.write_atomic(Path(path), json.dumps(record).encode())
-        # what the script's own @record wrote, whole or not: this record replaces it
-        fs.remove(Path(path + SCRIPT_SUFFIX))
 
 
-SCRIPT_SUFFIX = ".script"
-"""Added to the agent's error file for the one a script's own ``@record`` writes."""
-
-_error_file = WholeErrorFile()
-
-
-@functools.partial(record, error_handler=_error_file)
+@functools.partial(record, error_handler=WholeErrorFile())
 def _run(target: str, as_module: bool) -> None:
     serve_worker_store()
     if as_module:
         runpy.run_module(target, run_name="__main__", alter_sys=True)
     else:
         runpy.run_path(target, run_name="__main__")
-
-
-def redirect_error_file(handler: WholeErrorFile = _error_file) -> None:
-    """``handler`` writes the agent's error file; the script's own ``@record``, if it has one, the
-    file beside it that the agent never reads (see :class:`WholeErrorFile`)."""
-    handler.path = torchrun.error_file(os.environ)
-    if handler.path:
-        torchrun.set_error_file(os.environ, handler.path + SCRIPT_SUFFIX)
 
 
 def main() -> None:
@@ -229,7 +205,9 @@ def main() -> None:
     start_guard()
     hold_stop_signals()
     dump_stack_on_request()
-    redirect_error_file()
+    # A script's own @record, applied as its module runs, writes the agent's file whole too: torch's
+    # handler would write it in place, before this worker's sees the exception it re-raises.
+    record_with(WholeErrorFile)
     target = argv[0]
     sys.argv = argv
     # As `python script.py` does: the script's folder first on the import path, not ours.

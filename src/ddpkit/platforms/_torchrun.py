@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping
 
 from ddpkit._errors import ConfigError
 from ddpkit.platforms import _slurm as slurm
@@ -82,11 +82,6 @@ def run_id(env: Mapping[str, str]) -> str:
 def error_file(env: Mapping[str, str]) -> str | None:
     """Where the agent reads a failed worker's exception (``TORCHELASTIC_ERROR_FILE``), or None."""
     return env.get("TORCHELASTIC_ERROR_FILE") or None
-
-
-def set_error_file(env: MutableMapping[str, str], path: str) -> None:
-    """Where torch's ``@record`` in this process writes an exception from now on."""
-    env["TORCHELASTIC_ERROR_FILE"] = path
 
 
 def master_address(env: Mapping[str, str]) -> tuple[str, str] | None:

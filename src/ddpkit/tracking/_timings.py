@@ -146,7 +146,8 @@ class StepTimings:
         self._forward_start: Any = None
         # between start_step and before_optimizer: an evaluation's forward is not a step's
         self._stepping = False
-        if enabled:
+        # A world of one, even wrapped in DDP (`ddpkit run --nproc 1`), waits for nobody: no hook.
+        if enabled and communicates:
             # Under torch.compile the forward's hooks would be traced (a clock read in the
             # graph): not timed there. Nor where DDP broadcasts nothing (no buffers, or
             # broadcast_buffers=False): a module with a forward hook takes its slow call path.

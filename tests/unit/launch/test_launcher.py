@@ -439,54 +439,55 @@ def test_a_workers_error_file_is_written_whole_or_not_at_all(tmp_path, monkeypat
         ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(tmp_path / "torch.json"))
 
 
-@pytest.mark.parametrize("redirected", [True, False])
+@pytest.mark.parametrize("whole", [True, False])
 def test_a_scripts_own_record_stopped_half_way_never_leaves_the_agent_a_truncated_file(
-    tmp_path, monkeypatch, redirected
+    tmp_path, monkeypatch, whole
 ):
-    """torchrun's documentation asks for ``@record`` on a script's ``main``: torch's handler, which
-    writes in place, runs before the worker's own. The worker points it at a file beside the
-    agent's; stopped half-way, it leaves the agent's file absent (the failure reads as its exit
-    status), and a whole write is replaced by the worker's record. Control: not redirected, the
-    script's handler stopped half-way leaves the agent a truncated file, on which its poll
-    raises."""
+    """torchrun's documentation asks for torch's ``@record`` on a script's ``main``; its handler
+    runs before the worker's. In a worker, ``record`` builds ddpkit's handler
+    (``record_with(WholeErrorFile)``): stopped in the middle of its write, it leaves no file (the
+    failure reads as its exit status); a write that completes gives the file torch reads. Control
+    (``whole=False``): torch's handler stopped half-way leaves the agent a truncated file, on which
+    its poll raises."""
     import json
 
-    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, ProcessFailure
+    from torch.distributed.elastic.multiprocessing import errors
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    from ddpkit._launch.worker import SCRIPT_SUFFIX, WholeErrorFile, redirect_error_file
+    from ddpkit._internals.elastic import record_with
+    from ddpkit._launch.worker import WholeErrorFile
 
     agent = tmp_path / "error.json"
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(agent))
-    worker = WholeErrorFile()
-    if redirected:
-        redirect_error_file(worker)
+    monkeypatch.setattr(errors, "get_error_handler", errors.get_error_handler)  # put back after
+    if whole:
+        record_with(WholeErrorFile)
+
+    @errors.record  # as a script decorates its main, once the worker has started
+    def main() -> None:
+        raise ValueError("bad input on rank 1")
 
     def stopped_half_way(data: Any, fp: Any) -> None:
         fp.write(json.dumps(data)[:12])
         fp.flush()
         raise KeyboardInterrupt  # as a worker stopped there
 
-    def raise_and_record(*handlers: ErrorHandler) -> None:
-        try:
-            raise ValueError("bad input on rank 1")
-        except ValueError as e:
-            for handler in handlers:
-                handler.record_exception(e)
+    def stopped_before_the_rename(fd: int) -> None:
+        raise KeyboardInterrupt  # the record is in the new file, not yet renamed
 
     with monkeypatch.context() as m:
         m.setattr(json, "dump", stopped_half_way)
+        m.setattr(os, "fsync", stopped_before_the_rename)
         with pytest.raises(KeyboardInterrupt):
-            raise_and_record(ErrorHandler())  # the script's own @record
-    if not redirected:
+            main()
+    if not whole:
         with pytest.raises(json.JSONDecodeError):
             ProcessFailure(local_rank=0, pid=1, exitcode=-15, error_file=str(agent))
         return
     assert not agent.exists()
     assert ProcessFailure(local_rank=0, pid=1, exitcode=-15, error_file=str(agent)).exitcode == -15
-    # A whole write by the script's handler, then the worker's: the agent reads the worker's record,
-    # and the script's file is gone.
-    raise_and_record(ErrorHandler(), worker)
+    with pytest.raises(ValueError):
+        main()
     failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(agent))
     assert failure.message["message"] == "ValueError: bad input on rank 1"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["error.json"]
-    assert not Path(str(agent) + SCRIPT_SUFFIX).exists()
+    assert "bad input on rank 1" in failure.message["extraInfo"]["py_callstack"]

@@ -194,22 +194,31 @@ def test_comm_is_the_wait_after_the_last_gradient_and_compute_the_backward_befor
     assert seconds["comm"] == 0 and seconds["compute"] >= 2 * PAUSE, seconds
 
 
-def test_in_a_world_of_one_the_backward_is_compute_and_no_hook_is_registered():
-    """Nothing communicates in a world of one: the step's backward is not marked (no hook a step to
-    pay for), and all of it is compute. Control: the same step where ranks communicate,
-    test_comm_is_the_wait_after_the_last_gradient_and_compute_the_backward_before_it."""
+def test_in_a_world_of_one_the_backward_is_compute_and_no_hook_is_registered(tmp_path):
+    """Nothing communicates in a world of one, DDP-wrapped or not (``ddpkit run --nproc 1`` makes a
+    process group): no hook is registered (none to pay for, in the backward or around DDP's
+    forward), the step's backward is not marked, and all of it is compute. Controls: the same steps
+    where ranks communicate, in the tests just before and after this one, put the queued wait in
+    comm."""
     seconds = _timed_step(mark=True, communicates=False)
     assert seconds["comm"] == 0 and seconds["compute"] >= 2 * PAUSE, seconds
     model, cpu = nn.Linear(2, 1), torch.device("cpu")
     speed = Speed(model, cpu, enabled=True, precision="fp32", world_size=1)
     assert not speed.timings._communicates
+    # DDP in a world of one, with a buffer DDP would broadcast before each forward
+    first, second = nn.Linear(4, 4), nn.Linear(4, 1)
+    module = nn.Sequential(first, nn.BatchNorm1d(4), _Short(), second)
+    timings, steps, _ = _ddp_steps(tmp_path, module, first, communicates=False)
+    assert timings._hooks == []
+    for seconds in steps:  # the wait queued at the last gradient is compute too
+        assert seconds["comm"] == 0 and 3 * SHORT <= seconds["compute"] < 3 * SHORT + 0.25, seconds
 
 
 SHORT = 0.1
 
 
 def _ddp_steps(
-    tmp_path, module: nn.Module, last: nn.Linear, **ddp: Any
+    tmp_path, module: nn.Module, last: nn.Linear, communicates: bool = True, **ddp: Any
 ) -> tuple[StepTimings, list[dict[str, float]], nn.Module]:
     """Two steps of ``module`` under DDP (a world of one), each a ``no_sync`` micro-batch and a
     synchronising one. Every backward sleeps SHORT before the gradients are ready
@@ -230,7 +239,7 @@ def _ddp_steps(
             at_backward_end(lambda: time.sleep(SHORT))
 
     last.weight.register_post_accumulate_grad_hook(queue_the_wait)
-    timings = StepTimings(model, torch.device("cpu"))
+    timings = StepTimings(model, torch.device("cpu"), communicates=communicates)
     steps = []
     for _ in range(2):
         timings.start_step()
