@@ -389,6 +389,20 @@ def test_line_tagger_writes_whole_lines_and_throttles_redraws():
     ]
 
 
+def _stopped_half_way(data: Any, fp: Any) -> None:
+    """torch's handler writing its error file (``json.dump``), stopped after a few bytes."""
+    import json
+
+    fp.write(json.dumps(data)[:12])
+    fp.flush()
+    raise KeyboardInterrupt  # as a worker stopped there
+
+
+def _stopped_before_the_rename(fd: int) -> None:
+    """ddpkit's atomic write stopped with the record in the new file, not yet renamed."""
+    raise KeyboardInterrupt
+
+
 def test_a_workers_error_file_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
     """A worker stopped while its error file is written leaves no file, where torch's own handler
     stopped half-way leaves a truncated one that the agent's poll fails to parse
@@ -414,21 +428,13 @@ def test_a_workers_error_file_is_written_whole_or_not_at_all(tmp_path, monkeypat
     assert failure.message["message"] == "ValueError: bad input on rank 1"
     assert "bad input on rank 1" in failure.message["extraInfo"]["py_callstack"]
 
-    def stopped_half_way(data: Any, fp: Any) -> None:
-        fp.write(json.dumps(data)[:12])
-        fp.flush()
-        raise KeyboardInterrupt  # as a worker stopped there
-
-    def stopped_before_the_rename(fd: int) -> None:
-        raise KeyboardInterrupt  # the record is in the new file, not yet renamed
-
     # each stopped in the middle of its write
     with monkeypatch.context() as m:
-        m.setattr(os, "fsync", stopped_before_the_rename)
+        m.setattr(os, "fsync", _stopped_before_the_rename)
         with pytest.raises(KeyboardInterrupt):
             record(WholeErrorFile(), "ddpkit.json")
     with monkeypatch.context() as m:
-        m.setattr(json, "dump", stopped_half_way)
+        m.setattr(json, "dump", _stopped_half_way)
         with pytest.raises(KeyboardInterrupt):
             record(ErrorHandler(), "torch.json")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["torch.json", "whole.json"]
@@ -467,17 +473,9 @@ def test_a_scripts_own_record_stopped_half_way_never_leaves_the_agent_a_truncate
     def main() -> None:
         raise ValueError("bad input on rank 1")
 
-    def stopped_half_way(data: Any, fp: Any) -> None:
-        fp.write(json.dumps(data)[:12])
-        fp.flush()
-        raise KeyboardInterrupt  # as a worker stopped there
-
-    def stopped_before_the_rename(fd: int) -> None:
-        raise KeyboardInterrupt  # the record is in the new file, not yet renamed
-
     with monkeypatch.context() as m:
-        m.setattr(json, "dump", stopped_half_way)
-        m.setattr(os, "fsync", stopped_before_the_rename)
+        m.setattr(json, "dump", _stopped_half_way)
+        m.setattr(os, "fsync", _stopped_before_the_rename)
         with pytest.raises(KeyboardInterrupt):
             main()
     if not whole:
