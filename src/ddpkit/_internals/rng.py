@@ -8,6 +8,12 @@ watch for draws (:mod:`ddpkit.data._sample_seeding`) reads them around every bat
   (:func:`mt19937_words`).
 - A tensor's bytes read at its ``data_ptr()`` (:func:`tensor_bytes`): ~3 us less than
   ``.numpy().tobytes()``.
+- Whether torch runs Python code on a tensor's indexing (:func:`torch_runs_python`): a torch
+  function mode or a dispatch mode on its stacks (``_len_torch_function_stack``,
+  ``_len_torch_dispatch_stack``), the Python dispatcher enabled (its dispatch key in the thread's
+  included set), or ``torch.Tensor.__getitem__`` other than ``TensorBase``'s. Any of them may draw;
+  the loader then watches a dataset it would otherwise read unwatched
+  (``ddpkit.data._held_reads``). No public API tells.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ddpkit._internals.contract import Internal
+from ddpkit._internals.contract import Internal, warn_lost
 
 MT19937_BYTES = 624 * 4 + 4
 
@@ -69,6 +75,56 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
     return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())
 
 
+_C = torch._C
+_MODES = "torch._C._len_torch_function_stack, _len_torch_dispatch_stack, DispatchKey"
+# TensorBase is a C type: its own __getitem__ cannot be replaced, only torch.Tensor's shadowing it
+_INDEXING = vars(getattr(_C, "TensorBase", object)).get("__getitem__")
+_PYTHON_DISPATCHER: Any = getattr(getattr(_C, "DispatchKey", None), "PythonDispatcher", None)
+
+
+def torch_runs_python() -> bool:
+    """Indexing a tensor may run Python code in this thread: a torch function or dispatch mode, the
+    Python dispatcher, or a patched ``torch.Tensor.__getitem__``. True, with one warning, where
+    torch's private names for these are gone: then nothing is read unwatched."""
+    try:
+        return bool(
+            _C._len_torch_function_stack()
+            or _C._len_torch_dispatch_stack()
+            or _C._dispatch_tls_is_dispatch_key_included(_PYTHON_DISPATCHER)
+            or _INDEXING is None
+            or torch.Tensor.__getitem__ is not _INDEXING
+        )
+    except (AttributeError, TypeError):
+        warn_lost(_MODES, "torch", "reading a dataset proven to draw nothing without its watch")
+        return True
+
+
+def _check_modes() -> str | None:
+    from torch._dispatch.python import enable_python_dispatcher
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Function(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            return func(*args, **(kwargs or {}))
+
+    class Dispatch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            return func(*args, **(kwargs or {}))
+
+    if torch_runs_python():
+        return "Python code is seen on tensor ops where none was entered"
+    for name, context in (
+        ("a torch function mode", Function),
+        ("a torch dispatch mode", Dispatch),
+        ("the Python dispatcher", enable_python_dispatcher),
+    ):
+        with context():
+            if not torch_runs_python():
+                return f"{name}, entered, is not seen"
+    return None
+
+
 def _check_mt19937() -> str | None:
     try:
         import numpy as np
@@ -94,6 +150,13 @@ INTERNALS = [
         "the loader's watch for draws reads numpy's words in <1 us; where it differs, through the "
         "public state",
         _check_mt19937,
+    ),
+    Internal(
+        _MODES + ".PythonDispatcher, TensorBase.__getitem__",
+        "torch",
+        "the loader reads a dataset proven to draw nothing without watching it, except where torch "
+        "runs Python code on tensor ops; where gone, every dataset is watched, as before",
+        _check_modes,
     ),
     Internal(
         "ctypes.string_at(tensor.data_ptr())",

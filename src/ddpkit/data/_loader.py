@@ -14,7 +14,7 @@ from collections.abc import Callable, Sized
 from typing import Any, cast
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from ddpkit._errors import ConfigError
 from ddpkit.data._epoch_loader import EpochLoader
@@ -79,8 +79,8 @@ def build_loader(
     base seed from the global RNG, which shifts dropout masks and any other draw that follows.
     ``seed_samples``: each sample is loaded with the RNGs seeded from ``(seed, epoch, index)`` (see
     :class:`~ddpkit.data.SeededSamples`); False leaves the draws to each worker's own stream (or the
-    main process's), as a plain DataLoader does. A ``TensorDataset`` is never wrapped: it draws
-    nothing.
+    main process's), as a plain DataLoader does. A dataset whose reads provably draw nothing (a
+    ``TensorDataset``, pytorch/examples' list of samples) is read with no watch for draws.
 
     ``loader.state_dict()`` is where the loop stands with the data's fingerprint (its length, or a
     stream's files, sizes and window; the seed, shuffle, drop_last, the global batch);
@@ -106,8 +106,6 @@ def build_loader(
             on_data_change=on_data_change,
         )
     check_map_style(dataset)
-    # A TensorDataset only indexes tensors: it draws nothing, not even worth watching for draws.
-    seed_samples = seed_samples and type(dataset) is not TensorDataset
     sampler = ShardedBatchSampler(
         cast(Sized, dataset),  # check_map_style made sure it has a length
         batch_size,

@@ -1,11 +1,14 @@
 """A sample's random draws as a function of ``(seed, epoch, index)``: what ``build_loader`` and
-streams load through (:class:`SampleSeeder`), the seeding of one sample, and the watch for draws
-that tells which batches need it.
+streams load through (:class:`SampleSeeder`), the seeding of one sample, the watch for draws that
+tells which batches need it, and the proof that spares the watch a ``__getitem__`` that cannot
+draw.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
+import operator
 import os
 import random
 import sys
@@ -16,6 +19,7 @@ import torch
 from torch.utils.data import Dataset, get_worker_info
 
 from ddpkit._internals.rng import MT19937Words, tensor_bytes, words_position
+from ddpkit.data._held_reads import held_reads
 from ddpkit.data._sampler import EpochIndices
 from ddpkit.distributed._seeding import cuda_in_use, stream_seed
 
@@ -110,14 +114,30 @@ class SeededSamples(Dataset):
     sample drawing on the GPU (``torch.randn(..., device="cuda")``) draws the same too. That process
     is the main one (``num_workers=0``): CUDA cannot be used in a loader worker forked from a
     process that uses it. In the main process the generators' states are put back after a batch, so
-    loading leaves the training stream (dropout, on the CPU or the GPU) where it was. Cost in the
-    main process: see ``bench/loader_overhead.py`` (a dataset that draws nothing) and
-    ``bench/sample_seeding.py`` (one that draws).
+    loading leaves the training stream (dropout, on the CPU or the GPU) where it was.
+
+    A ``__getitem__`` that only subscripts, with the index, lists, tuples, tensors or numpy arrays
+    the dataset holds (pytorch/examples' ``return self.data[index]``) is read as it is, with no
+    watch at all: its code is proven to draw nothing (``ddpkit.data._held_reads``). Any other is
+    watched (:class:`SampleSeeder`). Either way a sample is read as ``dataset[index]``, as a
+    DataLoader reads it: through the class's ``__getitem__``, not one set on the instance. Cost in
+    the main process: see ``bench/loader_overhead.py`` (datasets that draw nothing, read both ways)
+    and ``bench/sample_seeding.py`` (one that draws).
     """
 
     def __init__(self, dataset: Dataset, seed: int) -> None:
         self.dataset, self.seed = dataset, seed
         self.seeder = SampleSeeder(seed)
+        self._proof: Any = None
+        """The proof that ``dataset[index]`` draws nothing (``ddpkit.data._held_reads``); None
+        where it may draw."""
+        self._proof_made = False
+        """``_proof`` was made in this process (at its first batch)."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        # To a loader worker: the proof holds the dataset's class and function, which need not be
+        # importable by name; the worker reads the code again.
+        return {**vars(self), "_proof": None, "_proof_made": False}
 
     def __len__(self) -> int:
         # torch's Dataset declares no __len__; this one has it
@@ -139,7 +159,14 @@ class SeededSamples(Dataset):
                 "EpochIndices a keyed ShardedBatchSampler yields (a slice of one loses its epoch: "
                 "EpochIndices(batch[a:b], batch.epoch)) or (epoch, index) pairs"
             )
-        return self.seeder.load(keys, self.dataset.__getitem__, items)
+        if not self._proof_made:
+            self._proof, self._proof_made = held_reads(self.dataset), True
+        # dataset[index], as a DataLoader reads it: through the class's __getitem__ (an instance's
+        # own is not looked up), with no attribute lookup on the dataset before the watch
+        dataset = self.dataset
+        if self._proof is not None and self._proof.hold(dataset, items):
+            return [dataset[item] for item in items]  # nothing to watch: the read runs no code
+        return self.seeder.load(keys, functools.partial(operator.getitem, dataset), items)
 
 
 def seed_sample(seed: int, epoch: int, index: int) -> None:

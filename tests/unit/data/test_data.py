@@ -276,12 +276,47 @@ class Noisy(torch.utils.data.Dataset):
         return i, torch.rand(()).item(), float(np.random.rand()), random.random()
 
 
-def test_only_datasets_that_may_draw_are_wrapped():
+def test_a_tensor_dataset_is_read_unwatched_by_the_one_proof_every_dataset_goes_through(
+    monkeypatch,
+):
+    """Every dataset is wrapped, and the proof decides what is watched: a ``TensorDataset`` (and a
+    subclass that keeps its ``__getitem__``, as the demo's digits) is read without the watch; one
+    read under a torch mode that draws is watched, and its draws seeded."""
+    import random
+
+    import ddpkit.data._sample_seeding as sample_seeding
     from ddpkit.data import SeededSamples
+    from ddpkit.demo import digits
 
     assert isinstance(ddpkit.build_loader(Noisy(), 3, num_workers=0).dataset, SeededSamples)
-    tensors = TensorDataset(torch.arange(24))  # indexing draws nothing: not worth ~10 us a sample
-    assert ddpkit.build_loader(tensors, 3, num_workers=0).dataset is tensors
+    for tensors in (TensorDataset(torch.arange(24)), digits("train")):
+        loader = ddpkit.build_loader(tensors, 3, num_workers=0)
+        assert isinstance(loader.dataset, SeededSamples)
+        with monkeypatch.context() as m:
+            m.setattr(sample_seeding, "draw_marks", _fail_if_watched)
+            plain = [repr(b) for b in ddpkit.build_loader(tensors, 3, num_workers=0)]
+        assert plain == [
+            repr(b) for b in ddpkit.build_loader(tensors, 3, num_workers=0, seed_samples=False)
+        ]
+
+    from torch.overrides import TorchFunctionMode
+
+    class Draws(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            random.random()
+            return func(*args, **(kwargs or {}))
+
+    tensors = TensorDataset(torch.arange(24))
+    watched = []
+    real = sample_seeding.draw_marks
+    monkeypatch.setattr(sample_seeding, "draw_marks", lambda: watched.append(1) or real())
+    with Draws():
+        next(iter(ddpkit.build_loader(tensors, 3, num_workers=0)))
+    assert watched  # control: under the mode the batch is watched
+
+
+def _fail_if_watched():
+    raise AssertionError("a batch of a dataset that cannot draw was watched")
 
 
 def test_a_batchs_epoch_indices_and_its_epoch_index_pairs_read_the_same_draws():
