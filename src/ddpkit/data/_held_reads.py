@@ -155,8 +155,15 @@ class _Proof:
     from the instance are unset in every class (a property would be read instead). Each membership
     test is a dictionary's, at C speed."""
 
-    def __init__(self, cls: type, function: types.FunctionType, names: Iterable[str] = ()) -> None:
-        self.cls, self.mro, self.function, self.code = cls, cls.__mro__, function, function.__code__
+    def __init__(
+        self,
+        cls: type,
+        function: types.FunctionType,
+        names: Iterable[str] = (),
+        code: types.CodeType | None = None,
+    ) -> None:
+        self.cls, self.mro, self.function = cls, cls.__mro__, function
+        self.code = function.__code__ if code is None else code  # the code the proof read
         dicts = [k.__dict__ for k in self.mro]
 
         def first(name: str) -> int:
@@ -229,8 +236,8 @@ class _TorchReads(_Proof):
     """torch's functions and code, as they were when this module was imported."""
 
     def __init__(self, cls: type, base: type, inner: HeldReads | _TorchReads | None = None) -> None:
-        super().__init__(cls, self.GETITEM[base], self.FIELDS[base])
-        self.code = self.CODE[base]  # torch's, not the function's as it is now
+        # torch's code as imported, not the function's as it is now
+        super().__init__(cls, self.GETITEM[base], self.FIELDS[base], self.CODE[base])
         self.inner = inner
 
     def _hold(self, dataset: Any, items: Sequence[Any]) -> bool:
