@@ -37,8 +37,8 @@ def mark_stepped_like(old: torch.optim.Optimizer, new: torch.optim.Optimizer) ->
 
 
 def any_non_finite(group: list[torch.Tensor], flag: torch.Tensor, one: torch.Tensor) -> bool:
-    """Whether any tensor of ``group`` (one device and dtype) holds inf or NaN: ``flag`` (zeroed) is
-    set by torch's fused check, ``one`` is its scale."""
+    """Whether any tensor of ``group`` (one device; one dtype for the kernel's fast route on CUDA)
+    holds inf or NaN: ``flag`` (zero) is set by torch's fused check, ``one`` is its scale."""
     torch._amp_foreach_non_finite_check_and_unscale_(group, flag, one)
     return bool(flag.item())
 

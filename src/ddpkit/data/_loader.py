@@ -10,7 +10,7 @@ runs its own stream on across epochs (persistent workers), which no snapshot can
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sized
+from collections.abc import Callable, Mapping, Sized
 from typing import Any, cast
 
 import torch
@@ -148,6 +148,19 @@ def build_eval_loader(
         generator=torch.Generator(),
         **_loader_kwargs(num_workers, pin_memory),
     )
+
+
+def batch_len(batch: Any) -> int:
+    """The samples of a batch: the first dimension of its (first) tensor. What the Trainer divides a
+    micro-batch's loss by, and what its speed counts, alike."""
+    # in the order of their frequency: the check against Mapping, an abstract class, costs most
+    if isinstance(batch, (list, tuple)):
+        return batch_len(batch[0])
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0]
+    if isinstance(batch, Mapping):
+        return batch_len(next(iter(batch.values())))
+    raise TypeError(f"cannot tell the batch size of a {type(batch).__name__}; batches hold tensors")
 
 
 def to_device(batch: Any, device: torch.device, non_blocking: bool = True) -> Any:

@@ -153,9 +153,11 @@ class ShardedBatchSampler(Sampler[list[int]]):
         ``accum`` batches a step (the epoch's last step may have fewer batches, and its last batch
         fewer samples)."""
         first = micro - micro % accum
-        return sum(
-            self.samples_in_batch(m) for m in range(first, min(first + accum, self.steps_per_epoch))
-        )
+        batches = min(first + accum, self.steps_per_epoch) - first
+        # Every batch of the epoch is full but its last, which holds what is left when it is one of
+        # the epoch's (steps_per_epoch): the sum of samples_in_batch over the step's batches.
+        global_batch = self.global_batch_size
+        return min(batches * global_batch, self.num_samples - first * global_batch)
 
     def place_in_step(self, micro: int, accum: int) -> tuple[int, int]:
         """:meth:`samples_in_step`, and where this rank's first sample of global batch ``micro``

@@ -14,8 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ddpkit.data._loader import batch_len
 from ddpkit.tracking._flops import FlopCount, device_peak, mfu
-from ddpkit.tracking._timings import RankTimes, RunSpeed, StepTimings, samples_in
+from ddpkit.tracking._timings import RankTimes, RunSpeed, StepTimings
 
 
 class Speed:
@@ -45,15 +46,17 @@ class Speed:
             (peak_flops or device_peak(device, precision)) if enabled and not compiled else None
         )
         self.flops = FlopCount()
-        self._to_count = self.peak is not None
+        self.to_count = self.peak is not None
+        """The next micro-batch's FLOPs are to be counted (:meth:`counting`): the first one's, once
+        a peak is known."""
         self.run = RunSpeed()
 
     def counting(self, batch: Any) -> AbstractContextManager[None]:
         """Around the forward and backward of a micro-batch: the first one's FLOPs are counted."""
-        if not self._to_count:
+        if not self.to_count:
             return nullcontext()
-        self._to_count = False
-        return self.flops.counting(samples_in(batch))
+        self.to_count = False
+        return self.flops.counting(batch_len(batch))
 
     def row(self, wall: float, items: float | None) -> list[float]:
         """This rank's phases in the window ending here, for the window's agreement to gather;

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
@@ -56,6 +56,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ddpkit._internals.compiler import at_backward_end
+from ddpkit.data._loader import batch_len
 
 PHASES = ("data", "compute", "comm", "optimizer", "snapshot")
 # a rank's own work; comm is waiting for the others
@@ -66,19 +67,6 @@ SLOW_RATIO = 1.2
 SLOW_SHARE = 0.05
 """... and the excess is at least this share of the step's wall time (a tiny phase's noise is not
 news)."""
-
-
-def samples_in(batch: Any) -> int:
-    """The samples of a batch: the first dimension of its (first) tensor, as the Trainer counts
-    them."""
-    # in the order of their frequency: the check against Mapping, an abstract class, costs most
-    if isinstance(batch, (list, tuple)):
-        return samples_in(batch[0])
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0]
-    if isinstance(batch, Mapping):
-        return samples_in(next(iter(batch.values())))
-    raise TypeError(f"cannot tell the batch size of a {type(batch).__name__}; batches hold tensors")
 
 
 def _accumulation_of_a_parameter(model: nn.Module) -> Any:
@@ -260,7 +248,7 @@ class StepTimings:
             except StopIteration:
                 return
             seconds["data"] += clock() - start
-            self.samples += samples_in(batch)
+            self.samples += batch_len(batch)
             yield batch
 
     def start_step(self) -> None:

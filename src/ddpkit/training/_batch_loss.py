@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ddpkit._errors import ConfigError
+from ddpkit.data._loader import batch_len
 from ddpkit.training._evaluation import classification_metrics, inputs_and_targets
 from ddpkit.training._losses import cross_entropy
 
@@ -19,16 +20,6 @@ MetricFn = Callable[[nn.Module, Any], Mapping[str, Any]]
 CountFn = Callable[[Any], "int | torch.Tensor"]
 """``count_fn(batch)``: how many items (e.g. tokens whose label is not ignored) the batch's mean
 loss is over."""
-
-
-def batch_len(batch: Any) -> int:
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0]
-    if isinstance(batch, Mapping):
-        return batch_len(next(iter(batch.values())))
-    if isinstance(batch, (list, tuple)):
-        return batch_len(batch[0])
-    raise TypeError(f"cannot tell the batch size of a {type(batch).__name__}; batches hold tensors")
 
 
 _BATCH_LOSS_FN = (

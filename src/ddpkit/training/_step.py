@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -50,6 +50,7 @@ from ddpkit.nn._dropout import BatchLayout, batch_layout
 from ddpkit.snapshot._state import TrainState
 from ddpkit.strategies import Strategy
 from ddpkit.tracking._speed import Speed
+from ddpkit.tracking._timings import StepTimings
 from ddpkit.training._batch_loss import BatchLoss, CountFn, batch_len
 from ddpkit.training._config import TrainerConfig
 from ddpkit.training._loss_window import LossWindow
@@ -57,7 +58,8 @@ from ddpkit.training._loss_window import LossWindow
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-@dataclass(frozen=True)
+# Not frozen: a frozen dataclass sets each field through object.__setattr__, several us a step.
+@dataclass(slots=True)
 class MicroBatch:
     batch: Any
     samples: int
@@ -70,7 +72,7 @@ class MicroBatch:
     """Its global batch's number in the epoch."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Step:
     """One optimizer step of an epoch; ``micro_batches`` reads them from the loader as the step
     trains."""
@@ -104,30 +106,35 @@ def epoch_steps(
     ``batches`` is the loader's pass over them (moved to ``device`` when given). A step's
     micro-batches must be read before the next step is asked for."""
     it = iter(batches)
-    end = sampler.steps_per_epoch
+    end, num_samples = sampler.steps_per_epoch, sampler.num_samples
     world, micro_global = sampler.world_size, sampler.global_batch_size
     for start in range(first, end, accum):
         count = min(accum, end - start)
-        step_samples = sampler.samples_in_step(start, accum)
-
-        def micro_batches(
-            start: int = start, count: int = count, step_samples: int = step_samples
-        ) -> Iterator[MicroBatch]:
-            for index in range(start, start + count):
-                batch = next(it)
-                if device is not None:
-                    batch = to_device(batch, device)
-                n = batch_len(batch)
-                divisor = float(loss_divisor(n, world, step_samples))
-                yield MicroBatch(batch, n, divisor, last=index == start + count - 1, index=index)
-
         yield Step(
-            micro_batches(),
+            _micro_batches(it, device, start, count, sampler.samples_in_step(start, accum), world),
             start,
             count,
-            min((start + count) * micro_global, sampler.num_samples),
-            last_in_epoch=start + count == end,
+            min((start + count) * micro_global, num_samples),
+            start + count == end,
         )
+
+
+def _micro_batches(
+    it: Iterator[Any],
+    device: torch.device | None,
+    start: int,
+    count: int,
+    step_samples: int,
+    world: int,
+) -> Iterator[MicroBatch]:
+    last = start + count - 1
+    for index in range(start, start + count):
+        batch = next(it)
+        if device is not None:
+            batch = to_device(batch, device)
+        n = batch_len(batch)
+        divisor = float(loss_divisor(n, world, step_samples))
+        yield MicroBatch(batch, n, divisor, index == last, index)
 
 
 def step_layout(
@@ -163,13 +170,6 @@ class WeightedStep:
         self._work = (
             dist.all_reduce(self.total, group=group, async_op=True) if is_live(group) else None
         )
-
-    @classmethod
-    def of(
-        cls, step: Step, count_fn: CountFn | None, world_size: int, group: Group = None
-    ) -> WeightedStep | None:
-        """The weighted step, or None without ``count_fn`` (the step weighs samples)."""
-        return None if count_fn is None else cls(step, count_fn, world_size, group)
 
     def __iter__(self) -> Iterator[MicroBatch]:
         for micro, count in zip(self.micro, self.counts):
@@ -362,6 +362,8 @@ class TrainStep:
     ) -> None:
         self.config, self.strategy, self.optimizer_step = config, strategy, optimizer_step
         self.speed = speed
+        # fp32 (no autocast) and no global batch dropout: the forward enters no context
+        self.plain_forward = config.precision == "fp32" and not global_dropout
         self.forward, self.batch_loss, self.window, self.sampler = (
             forward,
             batch_loss,
@@ -378,43 +380,68 @@ class TrainStep:
 
     def __call__(self, step: Step) -> bool:
         self.optimizer_step.begin()  # the gradients set to None before the step's first forward
+        # The timings are called only when on: a call that returns at once still costs its call.
         speed = self.speed
-        if speed is not None:
-            speed.timings.start_step()
-        weighted = WeightedStep.of(step, self.batch_loss.count_fn, self.world_size, self.group)
+        timings = speed.timings if speed is not None and speed.enabled else None
+        if timings is not None:
+            timings.start_step()
+        weighted = (
+            None
+            if self.batch_loss.count_fn is None
+            else WeightedStep(step, self.batch_loss.count_fn, self.world_size, self.group)
+        )
         for micro in weighted or step.micro_batches:
-            sync = nullcontext() if micro.last else self.strategy.no_sync()
-            counting = speed.counting(micro.batch) if speed is not None else nullcontext()
-            with sync, counting:
-                loss = self.micro_batch_loss(micro)
-                self.window.add(loss, micro.samples)
-                scaled = scale_loss(self.strategy.mark_nonfinite(loss), micro, weighted)
-                if speed is not None and micro.last:
-                    speed.timings.sync_backward(scaled)
-                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-        if speed is not None:
-            speed.timings.before_optimizer()
+            # the run's first micro-batch, once a peak is known: its forward and backward counted
+            counting = speed is not None and speed.to_count
+            if micro.last and not counting:  # its backward synchronises the gradients
+                self.micro_batch(micro, weighted, timings)
+                continue
+            with ExitStack() as around:
+                if speed is not None and counting:
+                    around.enter_context(speed.counting(micro.batch))
+                if not micro.last:
+                    around.enter_context(self.strategy.no_sync())
+                self.micro_batch(micro, weighted, timings)
+        if timings is not None:
+            timings.before_optimizer()
         marks.mark(Phase.OPTIMIZER)  # for the launcher's stall watch (ddpkit._launch.watch)
         taken = self.optimizer_step(self.window)
         marks.mark(Phase.USER)
-        if speed is not None:
-            speed.timings.after_optimizer()
+        if timings is not None:
+            timings.after_optimizer()
         self.window.end_step(taken)
         return taken
 
+    def micro_batch(
+        self, micro: MicroBatch, weighted: WeightedStep | None, timings: StepTimings | None
+    ) -> None:
+        """Forward, loss and backward of one micro-batch."""
+        if self.plain_forward:
+            loss = self.batch_loss(self.forward, micro.batch)
+        else:
+            loss = self.micro_batch_loss(micro)
+        self.window.add(loss, micro.samples)
+        scaled = scale_loss(self.strategy.mark_nonfinite(loss), micro, weighted)
+        if micro.last and timings is not None:
+            timings.sync_backward(scaled)
+        (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+
     def micro_batch_loss(self, micro: MicroBatch) -> torch.Tensor:
+        """The forward and loss under autocast and the global batch's dropout layout, where they
+        apply."""
+        if not self.global_dropout:
+            with self.autocast():
+                return self.batch_loss(self.forward, micro.batch)
+        # each sample's mask from its place in the global batch
         cfg = self.config
-        layout: Any = nullcontext()
-        if self.global_dropout:  # each sample's mask from its place in the global batch
-            at = step_layout(
-                self.sampler,
-                micro.index,
-                cfg.grad_accum_steps,
-                cfg.seed,
-                self.optimizer_step.state.epoch,
-            )
-            layout = batch_layout(replace(at, size=batch_len(micro.batch)))
-        with self.autocast(), layout:
+        at = step_layout(
+            self.sampler,
+            micro.index,
+            cfg.grad_accum_steps,
+            cfg.seed,
+            self.optimizer_step.state.epoch,
+        )
+        with self.autocast(), batch_layout(replace(at, size=batch_len(micro.batch))):
             return self.batch_loss(self.forward, micro.batch)
 
 

@@ -6,7 +6,7 @@ strategy, :class:`~ddpkit.data.ShardedBatchSampler`, :func:`~ddpkit.evaluate`,
 :mod:`ddpkit.snapshot`); nothing here is needed to write a loop by hand. The loop reads::
 
     for step in epoch_steps(...):       # each optimizer step's micro-batches
-        taken = self._train_step(step)  # forward/backward on each, the optimizer step
+        taken = self.train_step(step)   # forward/backward on each, the optimizer step
         self._after_step(step, taken)   # log, agree, snapshot, stop?
 
 The step itself, from the loader's micro-batches to ``optimizer.step()``, is
@@ -399,7 +399,7 @@ class Trainer:
             ):
                 # for the launcher's stall watch (ddpkit._launch.watch)
                 marks.begin_step(self.step + 1)
-                taken = self._train_step(step)
+                taken = self.train_step(step)  # ddpkit.training._step
                 self.state.cursor = step.cursor
                 if not self._after_step(step, taken, progress):
                     return False
@@ -407,51 +407,48 @@ class Trainer:
         finally:
             progress.close()
 
-    def _train_step(self, step: Step) -> bool:
-        """Forward and backward on each of the step's micro-batches, then the optimizer step; True
-        if taken."""
-        return self.train_step(step)
-
     def _after_step(self, step: Step, taken: bool, progress: Progress) -> bool:
         """After a step: callbacks, validation, the agreement and its record, a snapshot; False to
         stop mid-epoch. Every rank reaches the same decisions here: steps are taken or skipped
         everywhere alike."""
-        cfg = self.config
+        cfg, count = self.config, self.state.step
         if self.callbacks:
             call_step_end(
                 self.callbacks,
                 self,
                 step_output(taken, self.state, self.optimizer_step, self._window),
             )
-        if self.snapshots.in_memory_due(self.step, taken):
+            count = self.state.step  # a callback may move it
+        if self.snapshots.in_memory_due(count, taken):
             with self.speed.timings.phase("snapshot"), marks.phase(Phase.SNAPSHOT):
                 # a copy in memory, after the callbacks changed the state
                 self.snapshots.save_in_memory()
-        if cfg.max_steps is not None and self.step >= cfg.max_steps:
+        if cfg.max_steps is not None and count >= cfg.max_steps:
             self.stopped_by = StopReason.MAX_STEPS
         # Before the step's snapshot (below, or fit's), whose early-stopping state then counts this
         # validation:
-        if self.validation.due(self.step, taken):
+        if self.validation.due(count, taken):
             call(
                 self.callbacks,
                 "on_validation_end",
                 self,
-                self.validation.after_step(self.epoch, self.step),
+                self.validation.after_step(self.epoch, count),
             )
             if self.early_stopping.should_stop:
                 self.stopped_by = StopReason.EARLY_STOPPING
+            count = self.state.step
         postfix = None
         if (
             step.last_in_epoch
             or self.stopped_by
-            or (taken and self.step % cfg.logging.every_steps == 0)
+            or (taken and count % cfg.logging.every_steps == 0)
         ):
             postfix = self._log_window()
         progress.update(postfix)
         if self.stopped_by is not None and not step.last_in_epoch:
             return False
         self._last_taken = taken
-        if self.snapshots.schedule.after_step(self.step, taken, step.last_in_epoch):
+        if self.snapshots.schedule.after_step(count, taken, step.last_in_epoch):
             with self.speed.timings.phase("snapshot"):
                 self.save()
         return True

@@ -12,7 +12,7 @@ from torch.utils.data import TensorDataset
 
 import ddpkit
 from ddpkit._errors import ConfigError
-from ddpkit.strategies._ddp import all_finite as _all_finite
+from ddpkit.strategies._ddp import FiniteCheck as _FiniteCheck
 from ddpkit.strategies._ddp import (
     nan_gradient_if_nonfinite as _nan_gradient_if_nonfinite,
 )
@@ -67,6 +67,10 @@ def test_a_nonfinite_loss_puts_a_nan_into_the_anchor_gradient_and_a_finite_one_c
         assert torch.isnan(ga[0, 0])
 
 
+def _all_finite(tensors: list) -> bool:
+    return _FiniteCheck(tensors)(tensors)
+
+
 def test_all_finite_reads_every_tensor_of_every_dtype_and_changes_none():
     tensors = [
         torch.randn(5),
@@ -79,14 +83,37 @@ def test_all_finite_reads_every_tensor_of_every_dtype_and_changes_none():
         broken = [t.clone() for t in tensors]
         broken[i][-1] = bad
         assert not _all_finite(broken)
-    # The flag tensors kept from one step to the next are reset each time: a bad step does not
-    # stick.
-    flags: dict = {}
-    assert (
-        _all_finite(tensors, flags)
-        and not _all_finite(broken, flags)
-        and _all_finite(tensors, flags)
-    )
+
+
+@pytest.mark.parametrize(
+    "kind", ["one dtype", "mixed dtypes", "sparse", "complex", "sparse among dense"]
+)
+def test_a_finite_check_kept_from_step_to_step_forgets_a_bad_step(kind):
+    """The check keeps its flag from one call to the next: a bad step must not stick, whichever
+    path (one fused call, the grouped one, a refused sparse tensor) found it."""
+
+    def make(bad: bool) -> list:
+        dense = [torch.randn(4), torch.randn(3)]
+        if bad:
+            dense[1][0] = float("nan")
+        return {
+            "one dtype": dense,
+            "mixed dtypes": [dense[0], dense[1].double()],
+            "sparse": [dense[0].to_sparse(), dense[1].to_sparse()],
+            "complex": [dense[0], torch.complex(dense[1], dense[1])],
+            "sparse among dense": [dense[0], dense[1].to_sparse()],
+        }[kind]
+
+    good, bad = make(False), make(True)
+    check = _FiniteCheck([t.to_dense() for t in good])
+    assert [check(good), check(bad), check(good), check(bad)] == [True, False, True, False]
+    # Control: the flag is read as the last call left it (not zeroed before each call), so one left
+    # set would call the good step bad. (A sparse gradient, refused by the fused kernel, clears it
+    # on its way to the grouped path.)
+    if "sparse" not in kind:
+        for flag, _ in check._flags.values():
+            flag.fill_(1.0)
+        assert check(good) is False
 
 
 @pytest.mark.parametrize("on_host", [True, False])
