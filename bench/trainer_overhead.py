@@ -147,7 +147,8 @@ def bench(
         epochs=1,
         num_workers=0,
         snapshot=SnapshotConfig(every_epochs=0),
-        resume=False,
+        # resume=True (the default), with nothing to resume: resume=False sets the previous fit's
+        # records aside, and refuses a run_dir taken by the last fit
         logging=LoggingConfig(progress=False),
         seed=0,
     )
@@ -170,6 +171,7 @@ def bench(
 
     def trainer_epoch() -> None:
         trainer.epoch = trainer.cursor = 0  # the same single epoch again
+        trainer.stopped_by = None  # as a new Trainer has it: fit() ends with the reason it stopped
         trainer.fit()
 
     ours = ddpkit.build_loader(data, batch_size, num_workers=0)
