@@ -23,12 +23,12 @@ from torch import nn
 from torch.utils.data import BatchSampler, DistributedSampler, TensorDataset
 
 from ddpkit.data import ShardedBatchSampler
+from ddpkit.data._loader import batch_len as _batch_len
 from ddpkit.strategies._ddp import FiniteCheck as _FiniteCheck
 from ddpkit.strategies._ddp import (
     nan_gradient_if_nonfinite as _nan_gradient_if_nonfinite,
 )
 from ddpkit.training._loss_window import LossWindow as _LossWindow
-from ddpkit.training._step import batch_len as _batch_len
 
 
 def fastest_us(fn, number: int = 20000) -> float:
@@ -73,6 +73,7 @@ def main() -> None:
         ),
         "_LossWindow.add + end_step (loss.item())": fastest_us(window_step),
         "_batch_len(batch)": fastest_us(lambda: _batch_len((x, y))),
+        # bf16/fp16 or global batch dropout: an fp32 step without it enters none
         "three context managers per micro-batch": fastest_us(contexts),
     }
     n = 64 * 200

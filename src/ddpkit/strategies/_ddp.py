@@ -129,13 +129,15 @@ class FiniteCheck:
     training step, where the gradients are no longer in cache.
 
     What costs on a tiny model is what surrounds the kernel, so the per-step path does only per-step
-    work. The parameters' devices and dtypes, which their gradients share (torch refuses a gradient
-    of another), are read once: when they are all one device and one real dtype, the step's
-    gradients go to the kernel in one call, as they are. Its (found-inf flag, scale of 1) tensors
-    are kept per device, the flag at zero between calls (zeroed after a call that set it, not
-    before every call). The kernel refuses sparse gradients (``nn.Embedding(sparse=True)``: their
-    stored values are checked, uncoalesced, as summing could overflow) and complex ones (checked
-    as pairs of reals): those, and mixed devices or dtypes, take the grouped path.
+    work. The parameters' devices and dtypes are read once: when they are all one device and one
+    real dtype, the step's gradients go to the kernel in one call, as they are (a gradient of
+    another real dtype, which torch allows through ``grad_dtype``, is read all the same: the kernel
+    takes mixed dtypes). Its (found-inf flag, scale of 1) tensors are kept per device, the flag at
+    zero between calls (zeroed after a call that set it, not before every call). The kernel
+    refuses sparse gradients (``nn.Embedding(sparse=True)``: their stored values are checked,
+    uncoalesced, as summing could overflow) before it reads any tensor; after one refusal every
+    step takes the grouped path, as do complex parameters (checked as pairs of reals) and mixed
+    devices or dtypes.
     """
 
     def __init__(self, params: list[torch.Tensor]) -> None:
@@ -149,8 +151,8 @@ class FiniteCheck:
         if self._one_group:
             try:
                 return not self._any_non_finite(tensors[0].device, tensors)
-            except (RuntimeError, NotImplementedError):  # a sparse gradient: grouped below
-                pass
+            except NotImplementedError:  # a sparse gradient: grouped, now and from now on
+                self._one_group = False
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for t in tensors:
             if t.is_sparse:
@@ -255,7 +257,7 @@ class DDPStrategy:
         return nan_gradient_if_nonfinite(loss, self.anchor, self.on_host)
 
     def check_gradients(self, max_norm: float | None = None) -> GradientVerdict:
-        grads = [p.grad for p in self.params if p.grad is not None]
+        grads = [g for p in self.params if (g := p.grad) is not None]  # each .grad read once
         if self._check_unused and len(grads) < len(self.params):
             self._raise_unused()
         if max_norm is None:

@@ -37,6 +37,7 @@ from ddpkit._internals.compiler import import_dynamo
 from ddpkit._launch.options import MAX_NPROC, split_argv
 from ddpkit._launch.spawn import spawn
 from ddpkit.data import ShardedBatchSampler, to_device
+from ddpkit.data._loader import batch_len
 from ddpkit.distributed._collectives import all_gather_object, broadcast_object
 from ddpkit.distributed._runtime import get_runtime, init
 from ddpkit.distributed._seeding import mix_seed, seed_everything
@@ -45,7 +46,6 @@ from ddpkit.strategies._prepare import prepare_model, unwrap
 from ddpkit.tools._check_causes import CAUSES, SampleSeeded, deterministic, plain_tensors
 from ddpkit.tools._compare import QUANTITIES, Verdict, compare
 from ddpkit.tools._workload import BUILTINS, HOOK, load_workload
-from ddpkit.training._step import batch_len
 
 _KEYS = tuple(c.key for c in CAUSES)
 

@@ -34,10 +34,11 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ddpkit._errors import ConfigError
+from ddpkit.data._loader import batch_len
 from ddpkit.training._batch_loss import BatchLossFn, LossFn
 from ddpkit.training._config import TrainerConfig
 from ddpkit.training._losses import cross_entropy
-from ddpkit.training._step import CountFn, batch_len
+from ddpkit.training._step import CountFn
 
 if TYPE_CHECKING:
     from ddpkit.tools._trainer_capture import Captured

@@ -90,7 +90,8 @@ def test_all_finite_reads_every_tensor_of_every_dtype_and_changes_none():
 )
 def test_a_finite_check_kept_from_step_to_step_forgets_a_bad_step(kind):
     """The check keeps its flag from one call to the next: a bad step must not stick, whichever
-    path (one fused call, the grouped one, a refused sparse tensor) found it."""
+    path found it (one fused call; the grouped one, for mixed dtypes, complex parameters, and sparse
+    gradients after the fused kernel refused them)."""
 
     def make(bad: bool) -> list:
         dense = [torch.randn(4), torch.randn(3)]
@@ -114,6 +115,46 @@ def test_a_finite_check_kept_from_step_to_step_forgets_a_bad_step(kind):
         for flag, _ in check._flags.values():
             flag.fill_(1.0)
         assert check(good) is False
+
+
+def test_a_sparse_gradient_is_refused_by_the_fused_kernel_once_not_every_step(monkeypatch):
+    """nn.Embedding(sparse=True) has a dense parameter and a sparse gradient: the fused call is
+    tried on the parameters' word and refused; from then on the grouped path goes first (a refusal
+    costs tens of us: torch's error message is kilobytes)."""
+    import ddpkit.strategies._ddp as ddp_module
+
+    refused = []
+    real = ddp_module.any_non_finite
+
+    def counted(group, flag, one):
+        try:
+            return real(group, flag, one)
+        except NotImplementedError:
+            refused.append(1)
+            raise
+
+    monkeypatch.setattr(ddp_module, "any_non_finite", counted)
+    embedding = torch.nn.Embedding(10, 4, sparse=True)
+    linear = torch.nn.Linear(4, 1)
+    params = [embedding.weight, *linear.parameters()]
+    check = _FiniteCheck(params)
+
+    def step(bad: bool) -> list:
+        for p in params:
+            p.grad = None
+        out = linear(embedding(torch.tensor([1, 2, 3]))).sum()
+        (out * float("nan") if bad else out).backward()
+        assert embedding.weight.grad.is_sparse
+        return [p.grad for p in params]
+
+    assert [check(step(False)), check(step(True)), check(step(False))] == [True, False, True]
+    assert len(refused) == 1
+    # Control: a check that tries the fused call every step is refused every step.
+    again = _FiniteCheck(params)
+    for _ in range(3):
+        again._one_group = True
+        again(step(False))
+    assert len(refused) == 4
 
 
 @pytest.mark.parametrize("on_host", [True, False])
