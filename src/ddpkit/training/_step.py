@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit._errors import ConfigError
-from ddpkit.data._loader import to_device
+from ddpkit.data._loader import batch_len, to_device
 from ddpkit.data._sampler import ShardedBatchSampler
 from ddpkit.distributed import Group
 from ddpkit.distributed import _progress as marks
@@ -51,7 +51,7 @@ from ddpkit.snapshot._state import TrainState
 from ddpkit.strategies import Strategy
 from ddpkit.tracking._speed import Speed
 from ddpkit.tracking._timings import StepTimings
-from ddpkit.training._batch_loss import BatchLoss, CountFn, batch_len
+from ddpkit.training._batch_loss import BatchLoss, CountFn
 from ddpkit.training._config import TrainerConfig
 from ddpkit.training._loss_window import LossWindow
 
