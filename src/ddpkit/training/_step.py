@@ -29,7 +29,6 @@ the strategy's finiteness check and clipping.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, replace
@@ -38,7 +37,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpkit._errors import ConfigError
 from ddpkit.data._loader import batch_len, to_device
 from ddpkit.data._sampler import ShardedBatchSampler
 from ddpkit.distributed import Group
@@ -443,32 +441,3 @@ class TrainStep:
         )
         with self.autocast(), batch_layout(replace(at, size=batch_len(micro.batch))):
             return self.batch_loss(self.forward, micro.batch)
-
-
-def metric_driven(scheduler: Any) -> bool:
-    """Whether ``scheduler.step()`` needs a metric (``ReduceLROnPlateau``, or one like it)."""
-    if scheduler is None:
-        return False
-    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-        return True
-    try:
-        params = inspect.signature(scheduler.step).parameters
-    except (TypeError, ValueError):
-        return False
-    metrics = params.get("metrics")
-    return metrics is not None and metrics.default is inspect.Parameter.empty
-
-
-def check_metric_driven(config: TrainerConfig, scheduler: Any, val_data: Any) -> None:
-    name = type(scheduler).__name__
-    if val_data is None:
-        raise ConfigError(
-            f"scheduler={name} steps on a validation metric: pass Trainer(..., val_data=...), or "
-            "use a scheduler that steps without one"
-        )
-    if config.early_stopping.metric is None:
-        raise ConfigError(
-            f"scheduler={name} steps on a validation metric: name it with "
-            "EarlyStoppingConfig(metric='val/loss', patience=None) (patience=None: no early "
-            "stopping)"
-        )

@@ -64,13 +64,11 @@ from ddpkit.training._step import (
     Step,
     TrainStep,
     autocast,
-    check_metric_driven,
     epoch_steps,
     grad_scaler,
-    metric_driven,
 )
 from ddpkit.training._step_output import StopReason, step_output
-from ddpkit.training._validation import Evaluator, Validation
+from ddpkit.training._validation import Evaluator, Validation, check_metric_driven, metric_driven
 
 
 class Trainer:

@@ -19,6 +19,7 @@ so picks the same best step.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
@@ -246,3 +247,32 @@ class Validation:
                 epoch=epoch,
                 step=step,
             )
+
+
+def metric_driven(scheduler: Any) -> bool:
+    """Whether ``scheduler.step()`` needs a metric (``ReduceLROnPlateau``, or one like it)."""
+    if scheduler is None:
+        return False
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        return True
+    try:
+        params = inspect.signature(scheduler.step).parameters
+    except (TypeError, ValueError):
+        return False
+    metrics = params.get("metrics")
+    return metrics is not None and metrics.default is inspect.Parameter.empty
+
+
+def check_metric_driven(config: TrainerConfig, scheduler: Any, val_data: Any) -> None:
+    name = type(scheduler).__name__
+    if val_data is None:
+        raise ConfigError(
+            f"scheduler={name} steps on a validation metric: pass Trainer(..., val_data=...), or "
+            "use a scheduler that steps without one"
+        )
+    if config.early_stopping.metric is None:
+        raise ConfigError(
+            f"scheduler={name} steps on a validation metric: name it with "
+            "EarlyStoppingConfig(metric='val/loss', patience=None) (patience=None: no early "
+            "stopping)"
+        )
