@@ -38,6 +38,7 @@ from ddpkit._errors import ConfigError
 from ddpkit._internals.compiler import import_dynamo
 from ddpkit._launch.spawn import spawn
 from ddpkit.data import ShardedBatchSampler
+from ddpkit.strategies._prepare import GRADIENT_AS_BUCKET_VIEW
 from ddpkit.tools import _allreduce as allreduce
 from ddpkit.tools import _predict as predict
 from ddpkit.tools import _steptime as steptime
@@ -128,7 +129,7 @@ def _sweep_at(
 KNOB_TRIALS = (
     Knobs(bucket_cap_mb=1.0),
     Knobs(bucket_cap_mb=100.0),
-    Knobs(gradient_as_bucket_view=True),
+    Knobs(gradient_as_bucket_view=not GRADIENT_AS_BUCKET_VIEW),
     Knobs(static_graph=True),
     Knobs(num_workers=1),
 )

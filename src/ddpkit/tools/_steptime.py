@@ -42,7 +42,7 @@ from ddpkit.distributed._collectives import all_gather_object
 from ddpkit.distributed._runtime import init
 from ddpkit.distributed._seeding import seed_everything
 from ddpkit.platforms._cpus import cpu_count
-from ddpkit.strategies._prepare import prepare_model
+from ddpkit.strategies._prepare import GRADIENT_AS_BUCKET_VIEW, prepare_model
 from ddpkit.tools._workload import load_workload
 
 PARTS = ("data", "forward", "backward", "backward_no_sync", "optimizer", "step", "allreduce_span")
@@ -50,12 +50,13 @@ PARTS = ("data", "forward", "backward", "backward_no_sync", "optimizer", "step",
 
 @dataclass(frozen=True, kw_only=True)
 class Knobs:
-    """The DDP and loader settings a timed run uses (the defaults are DDP's and the bench's)."""
+    """The DDP and loader settings a timed run uses (the defaults are ``prepare_model``'s and the
+    bench's)."""
 
     bucket_cap_mb: float = 25.0
     """DDP's bucket size (MiB)."""
-    gradient_as_bucket_view: bool = False
-    """Gradients are views into DDP's buckets: no copy into the bucket, less memory."""
+    gradient_as_bucket_view: bool = GRADIENT_AS_BUCKET_VIEW
+    """Gradients are views into DDP's buckets: no copy out of the bucket, less memory."""
     static_graph: bool = False
     """DDP may assume the same parameters get gradients in the same order every step."""
     num_workers: int = 0

@@ -95,3 +95,75 @@ def test_a_state_dict_saved_at_one_world_size_loads_strictly_at_another(tmp_path
     # Control: main's keys, saved at 2 ranks, do not load strictly at 1.
     with pytest.raises(RuntimeError, match='Unexpected key.*"module.fc.weight"'):
         one.load_state_dict(torch.load(tmp_path / "plain.pt", weights_only=True), strict=True)
+
+
+def _trained(view: bool | None) -> tuple[int, list[torch.Tensor]]:
+    """Three steps of two micro-batches (the first under ``no_sync()``) with momentum, each rank on
+    its own data; how many storages the gradients live in, and the weights."""
+    torch.manual_seed(0)
+    switch = {} if view is None else {"gradient_as_bucket_view": view}
+    model = ddpkit.prepare_model(
+        nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)), seed_ranks=False, **switch
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    data = torch.Generator().manual_seed(ddpkit.get_runtime().rank)
+    for _ in range(3):
+        optimizer.zero_grad()
+        with model.no_sync():
+            model(torch.randn(4, 8, generator=data)).pow(2).sum().backward()
+        model(torch.randn(4, 8, generator=data)).pow(2).sum().backward()
+        optimizer.step()
+    storages = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
+    weights = [p.detach().clone() for p in model.parameters()]
+    assert_same_on_ranks(weights)
+    return len(storages), weights
+
+
+def _views_and_copies() -> dict[bool | None, tuple[int, list[torch.Tensor]]]:
+    return {view: _trained(view) for view in (None, False)}
+
+
+def test_gradients_are_views_into_ddps_bucket_and_train_as_torchs_copies_do():
+    out = run_on_ranks(_views_and_copies, 2)[0]
+    (views, trained), (copies, as_torch) = out[None], out[False]
+    # prepare_model's default: the four gradients are views into one bucket (no copy out of it)
+    assert views == 1
+    # control: torch's default gives each gradient its own storage
+    assert copies == 4
+    # the same arithmetic: bit for bit the weights torch's default trains
+    assert all(torch.equal(a, b) for a, b in zip(trained, as_torch, strict=True))
+
+
+def _verdicts() -> list[tuple[int, bool, bool]]:
+    """Each step: the runs the step's verdict read, its verdict on the gradients, and on them with
+    an inf in one rank's gradient before the all-reduce (a hook on one parameter)."""
+    from ddpkit.strategies._ddp import FiniteCheck
+
+    rank = ddpkit.get_runtime().rank
+    torch.manual_seed(0)
+    model = ddpkit.prepare_model(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1)))
+    params = list(model.parameters())
+    check = FiniteCheck(params)
+    out = []
+    for step in range(4):
+        poisoned = params[step % len(params)]
+        handle = None
+        if step % 2 and rank == 1:  # rank 1's gradient of this parameter is inf before the sum
+            handle = poisoned.register_hook(lambda g: torch.full_like(g, float("inf")))
+        model.zero_grad()
+        model(torch.randn(2, 3)).sum().backward()
+        if handle is not None:
+            handle.remove()
+        finite = check([p.grad for p in params])
+        out.append((len(check._runs), finite, bool(step % 2)))
+    # derived twice: DDP's first bucket, and the one it rebuilds in the order of the first backward
+    assert FiniteCheck.LAYOUTS - check._layouts == 2
+    return out
+
+
+def test_the_verdict_reads_ddps_bucket_as_one_run_and_sees_any_ranks_inf():
+    for steps in run_on_ranks(_verdicts, 2):
+        # after DDP's first step moves its bucket the layout is derived again: one run each step
+        assert [runs for runs, _, _ in steps] == [1, 1, 1, 1]
+        # every rank's verdict says what rank 1 put in before the all-reduce
+        assert [finite for _, finite, _ in steps] == [not bad for _, _, bad in steps]

@@ -1,0 +1,137 @@
+"""The step's NaN/inf verdict (``FiniteCheck``) on gradients laid out as DDP lays them: views back
+to back in bucket buffers, beside gradients of their own, with NaN, inf, sums that overflow, and
+storages swapped between steps. Its answer is the exact one, element by element, every call."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import ddpkit.strategies._ddp as ddp_module
+from ddpkit.strategies._ddp import FiniteCheck, runs_of
+
+_DEEP = int(os.environ.get("DDPKIT_FUZZ_EXAMPLES", "0"))
+FAST = settings(
+    max_examples=_DEEP or 60,
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+    derandomize=not _DEEP,
+)
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+POISONS = ["nan", "inf", "-inf", "inf and -inf", "overflowing sum"]
+
+
+def _exact(tensors: list[torch.Tensor]) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def _layout(data: st.DataObject) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Gradients as DDP may leave them: buckets of views back to back (a gap where a parameter
+    outside the optimizer sits), in any order, and gradients of their own. Returns the gradients and
+    the tensors that hold them (the buckets, and the gradients of their own)."""
+    grads: list[torch.Tensor] = []
+    buffers = []
+    dtype = data.draw(st.sampled_from(DTYPES))
+    for _ in range(data.draw(st.integers(0, 3))):
+        sizes = data.draw(st.lists(st.integers(0, 40), min_size=1, max_size=6))
+        gaps = data.draw(st.lists(st.integers(0, 3), min_size=len(sizes), max_size=len(sizes)))
+        buffer = torch.randn(sum(sizes) + sum(gaps), dtype=torch.float64).to(dtype)
+        buffers.append(buffer)
+        at = 0
+        for size, gap in zip(sizes, gaps, strict=True):
+            at += gap
+            grads.append(buffer[at : at + size])
+            at += size
+    for _ in range(data.draw(st.integers(0 if grads else 1, 3))):
+        own = torch.randn(data.draw(st.integers(1, 30)), dtype=torch.float64).to(dtype)
+        grads.append(own)
+        buffers.append(own)
+    order = data.draw(st.permutations(range(len(grads))))
+    return [grads[i] for i in order], buffers
+
+
+def _poison(data: st.DataObject, grads: list[torch.Tensor]) -> None:
+    filled = [t for t in grads if t.numel()]
+    if not filled:
+        return
+    kind = data.draw(st.sampled_from(POISONS))
+    t = data.draw(st.sampled_from(filled))
+    i = data.draw(st.integers(0, t.numel() - 1))
+    if kind == "overflowing sum":  # every element finite, the sum not: the exact check decides
+        big = torch.finfo(t.dtype).max
+        for u in filled:
+            u.fill_(big / 2)
+        return
+    if kind == "inf and -inf":  # a sum of them is NaN
+        u = data.draw(st.sampled_from(filled))
+        t[i] = float("inf")
+        u[data.draw(st.integers(0, u.numel() - 1))] = float("-inf")
+        return
+    t[i] = float(kind)
+
+
+@FAST
+@given(data=st.data())
+def test_the_verdict_is_the_exact_one_for_every_layout_and_every_bad_element(data):
+    grads, buffers = _layout(data)
+    check = FiniteCheck([g.detach().clone() for g in grads])
+    for _ in range(data.draw(st.integers(1, 4))):  # the same check, step after step
+        clean = data.draw(st.booleans())
+        for b in buffers:  # a new step's gradients, in place
+            b.copy_(torch.randn(b.shape, dtype=torch.float64).to(b.dtype))
+        if not clean:
+            _poison(data, grads)
+        assert check(grads) is _exact(grads)
+
+
+def test_bucket_views_are_read_by_one_sum_and_the_exact_check_only_when_it_is_not_finite(
+    monkeypatch,
+):
+    exact = []
+    real = ddp_module.any_non_finite
+
+    def counted(group, flag, one):
+        exact.append(len(group))
+        return real(group, flag, one)
+
+    monkeypatch.setattr(ddp_module, "any_non_finite", counted)
+    bucket = torch.randn(10)
+    grads = [bucket[6:], bucket[:2], bucket[2:6]]  # DDP fills buckets in the order of backward
+    check = FiniteCheck([g.clone() for g in grads])
+    assert check(grads) is True
+    assert check._runs == [(1, 0, 10)]  # from the second tensor, the bucket's first, 10 elements
+    assert exact == []  # the sum proved it
+    bucket.fill_(torch.finfo(torch.float32).max)  # finite elements, a sum that overflows
+    assert check(grads) is True and exact == [3]
+    bucket[7] = float("nan")
+    assert check(grads) is False and exact == [3, 3]
+    # Control: gradients of their own (torch's DDP default) are left to the exact check alone.
+    own = [g.clone() for g in grads]
+    assert runs_of(own) == []
+    exact.clear()
+    assert FiniteCheck(own)(own) is False and exact == [3]
+
+
+def test_a_gradient_whose_storage_is_swapped_is_read_where_it_now_lies():
+    """``p.grad.data = t`` keeps the gradient object and moves its elements: the layout is keyed by
+    address, not by object."""
+    bucket = torch.zeros(8)
+    grads = [bucket[:4], bucket[4:]]
+    check = FiniteCheck([g.clone() for g in grads])
+    assert check(grads) is True
+    kept = grads[1]
+    kept.data = torch.tensor([0.0, float("nan"), 0.0, 0.0])  # same object, another storage
+    assert grads[1] is kept
+    assert check(grads) is False
+    # Control: a check that kept its layout for the same objects reads the old bucket, still finite.
+    stale = FiniteCheck([g.clone() for g in grads])
+    stale._placed = (list(map(torch.Tensor.data_ptr, grads)), [4, 4])
+    stale._runs = [(0, 0, 8)]
+    assert stale(grads) is True
+    # A kept layout whose first storage has become too short for its run: the exact check decides.
+    short = FiniteCheck([g.clone() for g in grads])
+    short._placed, short._runs = stale._placed, [(1, 0, 8)]
+    assert short(grads) is False and short._runs == []
