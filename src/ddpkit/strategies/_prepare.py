@@ -20,9 +20,16 @@ GRADIENT_AS_BUCKET_VIEW = True
 """DDP's ``gradient_as_bucket_view`` where the caller does not set it (torch's default is False).
 
 Each gradient is then a view into the bucket DDP all-reduces, so the all-reduced bucket is not
-copied back into separate gradient tensors, and the gradients take no memory of their own. The
-values are the same bit for bit. Measured on ``bench/loader_overhead.py``'s MLP (620 KB of
-gradients, 1 and 2 ranks on the CPU), 14 to 24 us a step less."""
+copied back into separate gradient tensors, and the gradients take no memory of their own (one copy
+of the gradients less per rank). Measured on ``bench/loader_overhead.py``'s MLP (620 KB of
+gradients, 1 and 2 ranks on the CPU, paired in one job), 14 to 24 us a step less.
+
+The values are torch's default's bit for bit where the gradients are set to None between steps
+(``zero_grad()``'s default, and the Trainer's). Where they are zeroed in place
+(``zero_grad(set_to_none=False)``) torch divides the bucket views by the world size where it
+multiplied the copies by its inverse, which may differ in the last bit at a world size that is not a
+power of two. A script that detaches a gradient in place (``p.grad.detach_()``) gets torch's error
+naming this option: pass ``gradient_as_bucket_view=False``."""
 
 
 def prepare_model(

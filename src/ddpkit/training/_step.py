@@ -266,8 +266,9 @@ class OptimizerStep:
         Here rather than after the previous step: what reached the gradients in between (a
         callback's backward through the model, as a GAN's generator step through its discriminator;
         a script's backward before ``fit()``) was otherwise added to this step's, silently. The
-        forward still runs without them (peak memory lower by their size), and ``on_step_end``
-        callbacks see the step's own gradients. A check refusing leftover gradients instead would
+        forward still runs without them (where they are copies of their own rather than views into
+        DDP's buckets, peak memory is lower by their size), and ``on_step_end`` callbacks see the
+        step's own gradients. A check refusing leftover gradients instead would
         refuse that GAN step, and cost the same pass over the parameters.
         """
         self.strategy.optimizer.zero_grad(set_to_none=True)

@@ -99,7 +99,8 @@ def test_a_state_dict_saved_at_one_world_size_loads_strictly_at_another(tmp_path
 
 def _trained(view: bool | None) -> tuple[int, list[torch.Tensor]]:
     """Three steps of two micro-batches (the first under ``no_sync()``) with momentum, each rank on
-    its own data; how many storages the gradients live in, and the weights."""
+    its own data, the gradients set to None between steps (``zero_grad()``'s default); how many
+    storages the gradients live in, and the weights."""
     torch.manual_seed(0)
     switch = {} if view is None else {"gradient_as_bucket_view": view}
     model = ddpkit.prepare_model(
@@ -123,8 +124,9 @@ def _views_and_copies() -> dict[bool | None, tuple[int, list[torch.Tensor]]]:
     return {view: _trained(view) for view in (None, False)}
 
 
-def test_gradients_are_views_into_ddps_bucket_and_train_as_torchs_copies_do():
-    out = run_on_ranks(_views_and_copies, 2)[0]
+@pytest.mark.parametrize("world", [2, 3])
+def test_gradients_are_views_into_ddps_bucket_and_train_as_torchs_copies_do(world):
+    out = run_on_ranks(_views_and_copies, world)[0]
     (views, trained), (copies, as_torch) = out[None], out[False]
     # prepare_model's default: the four gradients are views into one bucket (no copy out of it)
     assert views == 1

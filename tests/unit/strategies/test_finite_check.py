@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -102,36 +103,67 @@ def test_bucket_views_are_read_by_one_sum_and_the_exact_check_only_when_it_is_no
     grads = [bucket[6:], bucket[:2], bucket[2:6]]  # DDP fills buckets in the order of backward
     check = FiniteCheck([g.clone() for g in grads])
     assert check(grads) is True
-    assert check._runs == [(1, 0, 10)]  # from the second tensor, the bucket's first, 10 elements
+    assert check._runs == [(1, 10)]  # from the second tensor, the bucket's first: 10 elements
     assert exact == []  # the sum proved it
     bucket.fill_(torch.finfo(torch.float32).max)  # finite elements, a sum that overflows
     assert check(grads) is True and exact == [3]
     bucket[7] = float("nan")
     assert check(grads) is False and exact == [3, 3]
-    # Control: gradients of their own (torch's DDP default) are left to the exact check alone.
+    # Control: gradients of their own (torch's DDP default) are left to the exact check alone, from
+    # the first call on, without reading their layout again: even where their addresses stay.
     own = [g.clone() for g in grads]
     assert runs_of(own) == []
     exact.clear()
-    assert FiniteCheck(own)(own) is False and exact == [3]
+    alone = FiniteCheck(own)
+    assert alone(own) is False and exact == [3] and alone._layouts == 0
+    own[0].zero_(), own[1].zero_(), own[2].zero_()
+    assert alone(own) is True and exact == [3, 3]
 
 
-def test_a_gradient_whose_storage_is_swapped_is_read_where_it_now_lies():
-    """``p.grad.data = t`` keeps the gradient object and moves its elements: the layout is keyed by
-    address, not by object."""
+@pytest.mark.parametrize(
+    "how",
+    [
+        "another storage",  # at another address
+        "strided, at the same address",  # same address and size, every 4th element
+        "another dtype, at the same address",  # same address and size, half the bytes
+    ],
+)
+def test_a_gradient_swapped_in_place_is_read_where_it_now_lies(how):
+    """``p.grad.data = t`` keeps the gradient object and moves its elements: the layout is kept
+    only while every gradient has the address, size, dtype and contiguity it was derived from."""
+    bucket = torch.zeros(40)
+    grads = [bucket[:10], bucket[10:20]]
+    check = FiniteCheck([g.clone() for g in grads])
+    assert check(grads) is True and check._runs == [(0, 20)]
+    kept = grads[0]
+    if how == "another storage":
+        kept.data = torch.zeros(10)
+        kept.data[3] = float("nan")
+    elif how == "strided, at the same address":
+        kept.data = bucket[0:40:4]
+        bucket[36] = float("nan")  # the swapped gradient's last element
+    else:
+        kept.data = bucket.view(torch.bfloat16)[:10]
+        kept.data[8] = float("nan")  # the low half of the bucket's fifth float32
+    assert grads[0] is kept  # the same object
+    assert check(grads) is False
+    # Control: the run the layout was derived from still reads finite; kept for the same objects
+    # (or for the same addresses and sizes alone) it would call this step finite.
+    assert bool(torch.isfinite(bucket[:20].sum()))
+
+
+def test_a_kept_layout_whose_first_storage_ends_sooner_goes_to_the_exact_check():
     bucket = torch.zeros(8)
     grads = [bucket[:4], bucket[4:]]
     check = FiniteCheck([g.clone() for g in grads])
     assert check(grads) is True
-    kept = grads[1]
-    kept.data = torch.tensor([0.0, float("nan"), 0.0, 0.0])  # same object, another storage
-    assert grads[1] is kept
-    assert check(grads) is False
-    # Control: a check that kept its layout for the same objects reads the old bucket, still finite.
-    stale = FiniteCheck([g.clone() for g in grads])
-    stale._placed = (list(map(torch.Tensor.data_ptr, grads)), [4, 4])
-    stale._runs = [(0, 0, 8)]
-    assert stale(grads) is True
-    # A kept layout whose first storage has become too short for its run: the exact check decides.
+    grads[1].data = torch.tensor([0.0, float("nan"), 0.0, 0.0])
     short = FiniteCheck([g.clone() for g in grads])
-    short._placed, short._runs = stale._placed, [(1, 0, 8)]
-    assert short(grads) is False and short._runs == []
+    short._placed = (
+        list(map(torch.Tensor.data_ptr, grads)),
+        [4, 4],
+        [torch.float32] * 2,
+        [True, True],
+    )
+    short._runs = [(1, 8)]  # 8 elements through a storage of 4
+    assert short(grads) is False and short._placed == ()
