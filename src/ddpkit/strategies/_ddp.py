@@ -4,7 +4,6 @@ collective."""
 from __future__ import annotations
 
 import math
-import operator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Literal
@@ -123,29 +122,17 @@ class FiniteCheck:
     """Whether no element of a step's gradients is NaN or inf: called with the gradients of
     ``params`` (fewer where some have none).
 
-    Gradients that are views into DDP's buckets (``gradient_as_bucket_view``, ddpkit's default) lie
-    side by side in one buffer per bucket: each run of them is read as one flat view, by one sum.
-    The sum of finite numbers is finite unless it overflows, and any NaN or inf makes it NaN or inf,
-    so a finite sum proves the run finite; a sum that is not finite (an element, or an overflow) is
-    decided by the exact check below. A sum only reads, where the exact check writes every element
-    back, and on 2 ranks the all-reduce has just written the bucket from another thread: in
-    ``bench/loader_overhead.py``'s step (an MLP with 620 KB of gradients, one bucket), paired in one
-    job, the step took 9.1 us less with the sum than with the exact check alone on 2 ranks (95%
-    interval 1.1 to 16.8 us), 2.8 us less in one process (0.2 to 5.7).
-    The layout (which gradient starts each run, and the run's length) is derived once and used while
-    every gradient has the address, size, dtype and contiguity it was derived from (so a gradient
-    swapped in place, ``p.grad.data = t``, is seen); the views are made at each call, from each
-    run's first gradient as it is then, and dropped, so no bucket DDP has let go of is held.
-    Gradients that are not views side by side (torch's DDP default, a world without DDP, a
-    channels_last weight's gradient, which is not contiguous) find no runs the first time, and from
-    then on take the exact check alone, with no other per-step cost.
-
-    The exact check: torch's fused check-and-unscale (what GradScaler runs) reads every tensor in
-    one call; with a scale of 1 it leaves them bit for bit as they were. A norm (``get_total_norm``)
-    would do too, but costs five times as much on the CPU (measured in a training loop: ~40 vs ~210
-    us for the DDP tutorials' CNN). A sum of each separate gradient, which only reads, is faster
-    alone (7.5 against 12.5 us hot for that MLP) but not inside its training step (24 against 21
-    us), where the gradients are no longer in cache: one sum of one view is what pays.
+    torch's fused check-and-unscale (what GradScaler runs) reads every tensor in one call; with a
+    scale of 1 it leaves them bit for bit as they were. A norm (``get_total_norm``) would do too,
+    but costs five times as much on the CPU (measured in a training loop: ~40 vs ~210 us for the DDP
+    tutorials' CNN). A sum of each large tensor, which only reads, is faster alone (7.5 against
+    12.5 us hot for the 620 KB of ``bench/loader_overhead.py``'s MLP) but not inside its training
+    step (24 against 21 us), where the gradients are no longer in cache. With the gradients as
+    views side by side in DDP's bucket (ddpkit's default), one sum over each run of them, kept as
+    a layout, was 9 us a step faster on 2 ranks (paired, the bench's MLP); but a layout that sees
+    every way a gradient can be swapped in place (``p.grad.data = t`` at the same address, strided
+    or of another dtype) must read each gradient's address, size, dtype and contiguity every step,
+    and with those reads the two were level (-2 us, 95% interval -9 to +6). Left as it is.
 
     What costs on a tiny model is what surrounds the kernel, so the per-step path does only per-step
     work. The parameters' devices and dtypes are read once: when they are all one device and one
@@ -159,25 +146,15 @@ class FiniteCheck:
     devices or dtypes.
     """
 
-    LAYOUTS = 8
-    """Layouts derived before the runs are given up: DDP's buckets move once, after its first step;
-    a layout that keeps changing (``find_unused_parameters`` with a changing set of unused
-    parameters) would be derived every step, which costs more than the exact check."""
-
     def __init__(self, params: list[torch.Tensor]) -> None:
         kinds = {(p.device, p.dtype) for p in params}
         self._one_group = len(kinds) == 1 and not next(iter(kinds))[1].is_complex
         self._flags: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._layouts = self.LAYOUTS  # left to derive (0: the exact check alone, for good)
-        self._placed: tuple[list[Any], ...] = ()  # what the layout was derived from
-        self._runs: list[tuple[int, int]] = []  # (first tensor, the run's elements)
 
     def __call__(self, tensors: list[torch.Tensor]) -> bool:
         if not tensors:
             return True
         if self._one_group:
-            if self._layouts and self._runs_finite(tensors):
-                return True
             try:
                 return not self._any_non_finite(tensors[0].device, tensors)
             except NotImplementedError:  # a sparse gradient: grouped, now and from now on
@@ -191,42 +168,6 @@ class FiniteCheck:
             groups.setdefault((t.device, t.dtype), []).append(t)
         return not any(self._any_non_finite(device, g) for (device, _), g in groups.items())
 
-    def _runs_finite(self, tensors: list[torch.Tensor]) -> bool:
-        """True when the sums of the runs prove every element finite; False when the exact check
-        must decide (a sum not finite, or no runs)."""
-        # What decides which memory a gradient's elements are: its address, size, dtype and
-        # contiguity (read each step: ~1.5 us for six gradients). Not its identity: a gradient
-        # swapped in place (``p.grad.data = t``) is the same object.
-        try:
-            placed = (
-                list(map(torch.Tensor.data_ptr, tensors)),
-                list(map(torch.Tensor.numel, tensors)),
-                list(map(_DTYPE, tensors)),
-                list(map(torch.Tensor.is_contiguous, tensors)),
-            )
-        except RuntimeError:  # a gradient without storage (sparse): not a view into a bucket
-            self._layouts = 0
-            return False
-        if placed != self._placed:
-            self._layouts -= 1
-            self._placed, self._runs = placed, runs_of(tensors)
-            if not self._runs:  # nothing side by side: not DDP's bucket views
-                self._layouts = 0
-                return False
-        total = None
-        for first, size in self._runs:
-            t = tensors[first]
-            try:
-                # The run's elements, through its first gradient's storage. The others lie right
-                # after it, by their addresses: inside that storage, or as_strided refuses.
-                run = t.as_strided((size,), (1,), t.storage_offset())
-            except RuntimeError:  # that storage ends sooner: derive the layout again next step
-                self._placed = ()
-                return False
-            part = run.sum(dtype=_accumulator(run.dtype))
-            total = part if total is None else total + part
-        return total is not None and math.isfinite(total.item())  # one host sync, as the exact's
-
     def _any_non_finite(self, device: torch.device, group: list[torch.Tensor]) -> bool:
         if device not in self._flags:
             self._flags[device] = (torch.zeros(1, device=device), torch.ones(1, device=device))
@@ -239,43 +180,6 @@ class FiniteCheck:
         if found:
             flag.zero_()
         return found
-
-
-_DTYPE = operator.attrgetter("dtype")
-
-
-def _accumulator(dtype: torch.dtype) -> torch.dtype:
-    # 16-bit gradients are summed in fp32: their own range would overflow on sums of finite values
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def runs_of(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
-    """The runs of tensors lying back to back in one storage (DDP's bucket views), as (index of the
-    run's first tensor, the run's elements): together they cover every element of ``tensors``.
-    Empty where that takes as many runs as there are tensors (no two lie so: the exact check reads
-    them for less) or where a tensor is not dense and contiguous.
-
-    A run covers exactly its tensors' elements: of one dtype, each starting where the one before
-    ends."""
-    if any(t.layout != torch.strided or not t.is_contiguous() for t in tensors):
-        return []
-    placed = sorted(
-        (t.untyped_storage().data_ptr(), int(t.storage_offset()), i)
-        for i, t in enumerate(tensors)
-        if t.numel()  # an empty tensor has nothing to check
-    )
-    runs: list[list[int]] = []  # [first tensor, elements]
-    end: tuple[int, int, torch.dtype] | None = None
-    for storage, offset, i in placed:
-        size, dtype = int(tensors[i].numel()), tensors[i].dtype
-        if end == (storage, offset, dtype):
-            runs[-1][1] += size
-        else:
-            runs.append([i, size])
-        end = (storage, offset + size, dtype)
-    if len(runs) >= len(placed):
-        return []
-    return [(first, size) for first, size in runs]
 
 
 def stepped_parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -1,6 +1,7 @@
 """The step's NaN/inf verdict (``FiniteCheck``) on gradients laid out as DDP lays them: views back
-to back in bucket buffers, beside gradients of their own, with NaN, inf, sums that overflow, and
-storages swapped between steps. Its answer is the exact one, element by element, every call."""
+to back in bucket buffers (ddpkit's default), beside gradients of their own, with NaN, inf, finite
+values whose sum overflows, and storages swapped between steps, through one check kept from step to
+step. Its answer is the exact one, element by element, every call."""
 
 from __future__ import annotations
 
@@ -11,8 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import ddpkit.strategies._ddp as ddp_module
-from ddpkit.strategies._ddp import FiniteCheck, runs_of
+from ddpkit.strategies._ddp import FiniteCheck
 
 _DEEP = int(os.environ.get("DDPKIT_FUZZ_EXAMPLES", "0"))
 FAST = settings(
@@ -88,38 +88,6 @@ def test_the_verdict_is_the_exact_one_for_every_layout_and_every_bad_element(dat
         assert check(grads) is _exact(grads)
 
 
-def test_bucket_views_are_read_by_one_sum_and_the_exact_check_only_when_it_is_not_finite(
-    monkeypatch,
-):
-    exact = []
-    real = ddp_module.any_non_finite
-
-    def counted(group, flag, one):
-        exact.append(len(group))
-        return real(group, flag, one)
-
-    monkeypatch.setattr(ddp_module, "any_non_finite", counted)
-    bucket = torch.randn(10)
-    grads = [bucket[6:], bucket[:2], bucket[2:6]]  # DDP fills buckets in the order of backward
-    check = FiniteCheck([g.clone() for g in grads])
-    assert check(grads) is True
-    assert check._runs == [(1, 10)]  # from the second tensor, the bucket's first: 10 elements
-    assert exact == []  # the sum proved it
-    bucket.fill_(torch.finfo(torch.float32).max)  # finite elements, a sum that overflows
-    assert check(grads) is True and exact == [3]
-    bucket[7] = float("nan")
-    assert check(grads) is False and exact == [3, 3]
-    # Control: gradients of their own (torch's DDP default) are left to the exact check alone, from
-    # the first call on, without reading their layout again: even where their addresses stay.
-    own = [g.clone() for g in grads]
-    assert runs_of(own) == []
-    exact.clear()
-    alone = FiniteCheck(own)
-    assert alone(own) is False and exact == [3] and alone._layouts == 0
-    own[0].zero_(), own[1].zero_(), own[2].zero_()
-    assert alone(own) is True and exact == [3, 3]
-
-
 @pytest.mark.parametrize(
     "how",
     [
@@ -129,12 +97,12 @@ def test_bucket_views_are_read_by_one_sum_and_the_exact_check_only_when_it_is_no
     ],
 )
 def test_a_gradient_swapped_in_place_is_read_where_it_now_lies(how):
-    """``p.grad.data = t`` keeps the gradient object and moves its elements: the layout is kept
-    only while every gradient has the address, size, dtype and contiguity it was derived from."""
+    """``p.grad.data = t`` keeps the gradient object and moves its elements: a check kept from step
+    to step reads them where they now lie."""
     bucket = torch.zeros(40)
     grads = [bucket[:10], bucket[10:20]]
     check = FiniteCheck([g.clone() for g in grads])
-    assert check(grads) is True and check._runs == [(0, 20)]
+    assert check(grads) is True
     kept = grads[0]
     if how == "another storage":
         kept.data = torch.zeros(10)
@@ -147,23 +115,6 @@ def test_a_gradient_swapped_in_place_is_read_where_it_now_lies(how):
         kept.data[8] = float("nan")  # the low half of the bucket's fifth float32
     assert grads[0] is kept  # the same object
     assert check(grads) is False
-    # Control: the run the layout was derived from still reads finite; kept for the same objects
-    # (or for the same addresses and sizes alone) it would call this step finite.
+    # Control: the bucket the gradients lay in before still reads finite: a check that kept where
+    # they lay, by object (or by address and size alone), would call this step finite.
     assert bool(torch.isfinite(bucket[:20].sum()))
-
-
-def test_a_kept_layout_whose_first_storage_ends_sooner_goes_to_the_exact_check():
-    bucket = torch.zeros(8)
-    grads = [bucket[:4], bucket[4:]]
-    check = FiniteCheck([g.clone() for g in grads])
-    assert check(grads) is True
-    grads[1].data = torch.tensor([0.0, float("nan"), 0.0, 0.0])
-    short = FiniteCheck([g.clone() for g in grads])
-    short._placed = (
-        list(map(torch.Tensor.data_ptr, grads)),
-        [4, 4],
-        [torch.float32] * 2,
-        [True, True],
-    )
-    short._runs = [(1, 8)]  # 8 elements through a storage of 4
-    assert short(grads) is False and short._placed == ()
