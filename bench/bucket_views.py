@@ -1,0 +1,110 @@
+"""What ``gradient_as_bucket_view`` (ddpkit's default, torch's DDP off) saves a DDP step.
+
+With it each gradient is a view into the bucket DDP all-reduces; without it DDP copies the
+all-reduced bucket back into gradients of their own after every backward. The model is
+``bench/loader_overhead.py``'s MLP (20-H-H-1, 620 KB of gradients at H = 384), SGD, batch 32 a rank,
+one fixed batch (no loader: the step alone). Several instances of each kind are made, since two
+instances of one model differ by a few percent in step time by where their tensors landed; they
+train in interleaved rounds (an order that rotates), and each view instance is paired with the copy
+instance made beside it. Per round, the median of 10 timed steps after 3 untimed; reported per
+pair, the median over rounds of the difference (views - copies) with a distribution-free 95%
+interval.
+
+    python bench/bucket_views.py             # 2 ranks (gloo, 1 thread each, pinned)
+    python bench/bucket_views.py --nproc 1   # one rank: DDP at a world of one
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import os
+import platform
+import statistics
+import time
+
+import torch
+from torch import nn
+from trainer_overhead import median_interval, steady_malloc
+
+import ddpkit
+import ddpkit.platforms._cpus
+
+
+def mlp(hidden: int) -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(20, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 1)
+    )
+
+
+def bench(rounds: int, hidden: int, instances: int) -> dict:
+    rt = ddpkit.init()
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cores) >= rt.world_size:  # a rank that migrates between cores adds noise to both kinds
+        os.sched_setaffinity(0, {cores[rt.rank]})
+    steady_malloc()
+    runs = {}
+    for i in range(instances):
+        for view in (True, False):
+            torch.manual_seed(0)
+            model = ddpkit.prepare_model(mlp(hidden), gradient_as_bucket_view=view)
+            runs[(view, i)] = (model, torch.optim.SGD(model.parameters(), lr=1e-3))
+    x, y = torch.randn(32, 20), torch.randn(32, 1)
+
+    def step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+
+    names = list(runs)
+    out: dict[tuple[bool, int], list[float]] = {name: [] for name in names}
+    for r in range(rounds + 1):  # the first round warms up, excluded
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            for _ in range(3):
+                step(*runs[name])
+            times = []
+            for _ in range(10):
+                start = time.perf_counter()
+                step(*runs[name])
+                times.append(time.perf_counter() - start)
+            if r:
+                out[name].append(statistics.median(times))
+    return {f"{'views' if view else 'copies'} {i}": xs for (view, i), xs in out.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=200)
+    p.add_argument("--hidden", type=int, default=384)
+    p.add_argument("--instances", type=int, default=3)
+    a = p.parse_args()
+    import torch._dynamo  # noqa: F401  (DDP's constructor imports it: once here rather than in every rank)
+
+    res = ddpkit.spawn(functools.partial(bench, a.rounds, a.hidden, a.instances), a.nproc)[0]
+    print(
+        f"date {datetime.datetime.now():%Y-%m-%d %H:%M}  machine {platform.machine()}, "
+        f"{ddpkit.platforms._cpus.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}  "
+        f"python {platform.python_version()}  torch {torch.__version__}"
+    )
+    print(
+        f"config: {a.nproc} rank(s) (gloo, CPU), MLP 20-{a.hidden}-{a.hidden}-1, batch 32/rank, "
+        f"{a.instances} instances of each kind, {a.rounds} interleaved rounds"
+    )
+    for i in range(a.instances):
+        views, copies = res[f"views {i}"], res[f"copies {i}"]
+        diffs = sorted((v - c) * 1e6 for v, c in zip(views, copies, strict=True))
+        lo, hi = median_interval(diffs)
+        print(
+            f"  instance {i}: views {statistics.median(views) * 1e3:.3f} ms, copies "
+            f"{statistics.median(copies) * 1e3:.3f} ms; views - copies "
+            f"{statistics.median(diffs):+.1f} us/step (95% interval {lo:+.1f} to {hi:+.1f})"
+        )
+
+
+if __name__ == "__main__":
+    main()
