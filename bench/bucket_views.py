@@ -10,26 +10,42 @@ instance made beside it. Per round, the median of 10 timed steps after 3 untimed
 pair, the median over rounds of the difference (views - copies) with a distribution-free 95%
 interval.
 
+``--trainer``: the same pairs as ``ddpkit.Trainer`` runs
+(``DDPConfig(gradient_as_bucket_view=...)``, its defaults otherwise: NaN/inf verdict, step
+timings, per-sample seeding) on
+``bench/loader_overhead.py``'s dataset, one epoch of 10 steps a round, the step time the median
+between consecutive optimizer steps. The Trainer's verdict reads every gradient after the
+all-reduce: with views it is the first to read what the all-reduce wrote, which DDP's copy read
+before.
+
     python bench/bucket_views.py             # 2 ranks (gloo, 1 thread each, pinned)
     python bench/bucket_views.py --nproc 1   # one rank: DDP at a world of one
+    python bench/bucket_views.py --trainer   # the Trainer's steps
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import functools
+import io
 import os
 import platform
 import statistics
+import tempfile
 import time
 
 import torch
+from loader_overhead import MyTrainDataset
 from torch import nn
 from trainer_overhead import median_interval, steady_malloc
 
 import ddpkit
 import ddpkit.platforms._cpus
+from ddpkit.strategies import DDPConfig
+from ddpkit.training._config import LoggingConfig, SnapshotConfig
+from ddpkit.training._trainer import Trainer, TrainerConfig
 
 
 def mlp(hidden: int) -> nn.Module:
@@ -38,40 +54,89 @@ def mlp(hidden: int) -> nn.Module:
     )
 
 
-def bench(rounds: int, hidden: int, instances: int) -> dict:
+def bench(rounds: int, hidden: int, instances: int, trainer: bool) -> dict:
     rt = ddpkit.init()
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     if len(cores) >= rt.world_size:  # a rank that migrates between cores adds noise to both kinds
         os.sched_setaffinity(0, {cores[rt.rank]})
     steady_malloc()
-    runs = {}
-    for i in range(instances):
-        for view in (True, False):
-            torch.manual_seed(0)
-            model = ddpkit.prepare_model(mlp(hidden), gradient_as_bucket_view=view)
-            runs[(view, i)] = (model, torch.optim.SGD(model.parameters(), lr=1e-3))
-    x, y = torch.randn(32, 20), torch.randn(32, 1)
-
-    def step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        optimizer.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        optimizer.step()
-
+    make = trainer_run if trainer else step_run
+    runs = {(view, i): make(view, hidden) for i in range(instances) for view in (True, False)}
     names = list(runs)
     out: dict[tuple[bool, int], list[float]] = {name: [] for name in names}
     for r in range(rounds + 1):  # the first round warms up, excluded
         k = r % len(names)
         for name in names[k:] + names[:k]:
-            for _ in range(3):
-                step(*runs[name])
-            times = []
-            for _ in range(10):
-                start = time.perf_counter()
-                step(*runs[name])
-                times.append(time.perf_counter() - start)
+            seconds = runs[name]()
             if r:
-                out[name].append(statistics.median(times))
+                out[name].append(seconds)
     return {f"{'views' if view else 'copies'} {i}": xs for (view, i), xs in out.items()}
+
+
+def step_run(view: bool, hidden: int):
+    """A prepare_model'd MLP on one fixed batch: 10 timed steps after 3 untimed, their median."""
+    torch.manual_seed(0)
+    model = ddpkit.prepare_model(mlp(hidden), gradient_as_bucket_view=view)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = torch.randn(32, 20), torch.randn(32, 1)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+
+    def run() -> float:
+        for _ in range(3):
+            step()
+        times = []
+        for _ in range(10):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    return run
+
+
+def trainer_run(view: bool, hidden: int):
+    """A Trainer over 10 steps of 32 samples a rank: one epoch a call, its median step."""
+    rt = ddpkit.get_runtime()
+    torch.manual_seed(0)
+    data = MyTrainDataset(10 * 32 * rt.world_size)
+    net = mlp(hidden)
+    run_dir = ddpkit.broadcast_object(
+        tempfile.mkdtemp(prefix="ddpkit-bench-") if rt.is_main else ""
+    )
+    config = TrainerConfig(
+        run_dir=run_dir,
+        batch_size=32,
+        epochs=1,
+        num_workers=0,
+        snapshot=SnapshotConfig(every_epochs=0),
+        logging=LoggingConfig(progress=False),
+        strategy=DDPConfig(gradient_as_bucket_view=view),
+    )
+    trainer = Trainer(
+        net,
+        torch.optim.SGD(net.parameters(), lr=1e-3),
+        data,
+        config,
+        loss_fn=nn.functional.mse_loss,
+    )
+    stamps: list[float] = []
+    trainer.optimizer.register_step_post_hook(lambda *_: stamps.append(time.perf_counter()))
+
+    def run() -> float:
+        stamps.clear()
+        trainer.epoch = trainer.cursor = 0  # the same single epoch again, as a new Trainer
+        trainer.stopped_by = None
+        ddpkit.barrier()
+        with contextlib.redirect_stdout(io.StringIO()):  # its summary of each fit()
+            trainer.fit()
+        ddpkit.barrier()
+        return statistics.median(b - a for a, b in zip(stamps, stamps[1:]))
+
+    return run
 
 
 def main() -> None:
@@ -82,10 +147,13 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=200)
     p.add_argument("--hidden", type=int, default=384)
     p.add_argument("--instances", type=int, default=3)
+    p.add_argument("--trainer", action="store_true", help="the Trainer's steps")
     a = p.parse_args()
     import torch._dynamo  # noqa: F401  (DDP's constructor imports it: once here rather than in every rank)
 
-    res = ddpkit.spawn(functools.partial(bench, a.rounds, a.hidden, a.instances), a.nproc)[0]
+    res = ddpkit.spawn(
+        functools.partial(bench, a.rounds, a.hidden, a.instances, a.trainer), a.nproc
+    )[0]
     print(
         f"date {datetime.datetime.now():%Y-%m-%d %H:%M}  machine {platform.machine()}, "
         f"{ddpkit.platforms._cpus.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}  "
@@ -93,7 +161,8 @@ def main() -> None:
     )
     print(
         f"config: {a.nproc} rank(s) (gloo, CPU), MLP 20-{a.hidden}-{a.hidden}-1, batch 32/rank, "
-        f"{a.instances} instances of each kind, {a.rounds} interleaved rounds"
+        f"{'the Trainer' if a.trainer else 'a hand step'}, {a.instances} instances of each kind, "
+        f"{a.rounds} interleaved rounds"
     )
     for i in range(a.instances):
         views, copies = res[f"views {i}"], res[f"copies {i}"]
