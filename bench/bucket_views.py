@@ -27,17 +27,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import functools
 import io
 import os
-import platform
 import statistics
 import tempfile
 import time
 
 import torch
-from loader_overhead import MyTrainDataset
+from loader_overhead import MyTrainDataset, mlp, run_line
 from torch import nn
 from trainer_overhead import median_interval, steady_malloc
 
@@ -46,12 +44,6 @@ import ddpkit.platforms._cpus
 from ddpkit.strategies import DDPConfig
 from ddpkit.training._config import LoggingConfig, SnapshotConfig
 from ddpkit.training._trainer import Trainer, TrainerConfig
-
-
-def mlp(hidden: int) -> nn.Module:
-    return nn.Sequential(
-        nn.Linear(20, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 1)
-    )
 
 
 def bench(rounds: int, hidden: int, instances: int, trainer: bool) -> dict:
@@ -154,11 +146,7 @@ def main() -> None:
     res = ddpkit.spawn(
         functools.partial(bench, a.rounds, a.hidden, a.instances, a.trainer), a.nproc
     )[0]
-    print(
-        f"date {datetime.datetime.now():%Y-%m-%d %H:%M}  machine {platform.machine()}, "
-        f"{ddpkit.platforms._cpus.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}  "
-        f"python {platform.python_version()}  torch {torch.__version__}"
-    )
+    print(run_line())
     print(
         f"config: {a.nproc} rank(s) (gloo, CPU), MLP 20-{a.hidden}-{a.hidden}-1, batch 32/rank, "
         f"{'the Trainer' if a.trainer else 'a hand step'}, {a.instances} instances of each kind, "

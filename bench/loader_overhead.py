@@ -255,6 +255,15 @@ def bench(steps: int, rounds: int, batch_size: int, hidden: int) -> dict:
     return {"steps": out, "pinned": pinned, "threads": threads, "steady_malloc": steady}
 
 
+def run_line() -> str:
+    """When and where a run was made: the date, the machine, its load, Python and torch."""
+    return (
+        f"date {datetime.datetime.now():%Y-%m-%d %H:%M}  machine {platform.machine()}, "
+        f"{ddpkit.platforms._cpus.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}  "
+        f"python {platform.python_version()}  torch {torch.__version__}"
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -270,11 +279,7 @@ def main() -> None:
     res = ddpkit.spawn(
         functools.partial(bench, a.steps, a.rounds, a.batch_size, a.hidden), a.nproc
     )[0]
-    print(
-        f"date {datetime.datetime.now():%Y-%m-%d %H:%M}  machine {platform.machine()}, "
-        f"{ddpkit.platforms._cpus.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}  "
-        f"python {platform.python_version()}  torch {torch.__version__}"
-    )
+    print(run_line())
     print(
         f"config: {a.nproc} rank(s) (gloo, CPU, {res['threads']} thread(s) each, "
         f"{'pinned' if res['pinned'] else 'not pinned'}, "

@@ -12,7 +12,6 @@ of ddpkit.)
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import zlib
 from pathlib import Path
@@ -20,25 +19,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from ddpkit._errors import ConfigError
 from ddpkit.snapshot._manager import INDEX, MARKER, SnapshotManager
 from ddpkit.snapshot._memory import slot as mslot
+from tests.fuzz import examples
 from tests.unit.snapshot.test_checkpoint import reseal, save
 from tests.unit.snapshot.test_memory_snapshots import save as save_slot
 from tests.unit.snapshot.test_memory_snapshots import store
 
-# DDPKIT_FUZZ_EXAMPLES=2000 for a deeper run, with fresh random examples (the default run is the
-# same each time).
-_DEEP = int(os.environ.get("DDPKIT_FUZZ_EXAMPLES", "0"))
-FAST = settings(
-    max_examples=_DEEP or 40,
-    deadline=None,
-    suppress_health_check=list(HealthCheck),
-    derandomize=not _DEEP,
-)
+FAST = examples(40)
 
 
 # -- mutations of bytes ----------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import assume, given
 from hypothesis import strategies as st
 from torch.utils.data import ConcatDataset, Dataset, Subset, TensorDataset
 
@@ -33,14 +33,9 @@ from ddpkit.data._fingerprint import changes, digest, shard_items
 from ddpkit.data._source_checks import HEAD_RECORDS
 from ddpkit.data._stream_loader import StreamSamples
 from ddpkit.data._stream_sources import IterableStream, JsonlStream, _scan_lines
+from tests.fuzz import examples
 
-_DEEP = int(os.environ.get("DDPKIT_FUZZ_EXAMPLES", "0"))
-FAST = settings(
-    max_examples=_DEEP or 30,
-    deadline=None,
-    suppress_health_check=list(HealthCheck),
-    derandomize=not _DEEP,
-)
+FAST = examples(30)
 
 
 # -- the fingerprint as it was: the control --------------------------------------------------------

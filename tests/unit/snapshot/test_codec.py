@@ -16,7 +16,6 @@ import enum
 import io
 import json
 import math
-import os
 import pathlib
 import typing
 import zoneinfo
@@ -37,16 +36,9 @@ from ddpkit.snapshot import _region as region
 from ddpkit.snapshot._manager import SnapshotManager
 from ddpkit.snapshot._memory import slot as mslot
 from ddpkit.snapshot._memory import store as ms
+from tests.fuzz import examples
 
-_DEEP = int(os.environ.get("DDPKIT_FUZZ_EXAMPLES", "0"))
-# The default run skips shrinking (derandomized, a failure comes back the same); a deep run shrinks.
-SOME = settings(
-    max_examples=_DEEP or 25,
-    deadline=None,
-    suppress_health_check=list(HealthCheck),
-    derandomize=not _DEEP,
-    phases=list(Phase) if _DEEP else [Phase.explicit, Phase.reuse, Phase.generate],
-)
+SOME = examples(25, shrink=False)
 
 
 # -- what "the same" means: equal, of the same type, recursively; tensors bitwise ------------------

@@ -5,22 +5,15 @@ step. Its answer is the exact one, element by element, every call."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from ddpkit.strategies._ddp import FiniteCheck
+from tests.fuzz import examples
 
-_DEEP = int(os.environ.get("DDPKIT_FUZZ_EXAMPLES", "0"))
-FAST = settings(
-    max_examples=_DEEP or 60,
-    deadline=None,
-    suppress_health_check=list(HealthCheck),
-    derandomize=not _DEEP,
-)
+FAST = examples(60)
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 POISONS = ["nan", "inf", "-inf", "inf and -inf", "overflowing sum"]
 
