@@ -5,10 +5,10 @@ all-reduced bucket back into gradients of their own after every backward. The mo
 ``bench/loader_overhead.py``'s MLP (20-H-H-1, 620 KB of gradients at H = 384), SGD, batch 32 a rank,
 one fixed batch (no loader: the step alone). Several instances of each kind are made, since two
 instances of one model differ by a few percent in step time by where their tensors landed; they
-train in interleaved rounds (an order that rotates), and each view instance is paired with the copy
-instance made beside it. Per round, the median of 10 timed steps after 3 untimed; reported per
-pair, the median over rounds of the difference (views - copies) with a distribution-free 95%
-interval.
+train in interleaved rounds (an order that rotates and reverses), and each view instance is
+paired with the copy instance made beside it. Per round, the median of 10 timed steps after 3
+untimed; reported per pair, the median over rounds of the difference (views - copies) with a
+distribution-free 95% interval.
 
 ``--trainer``: the same pairs as ``ddpkit.Trainer`` runs
 (``DDPConfig(gradient_as_bucket_view=...)``, its defaults otherwise: NaN/inf verdict, step
@@ -58,7 +58,9 @@ def bench(rounds: int, hidden: int, instances: int, trainer: bool) -> dict:
     out: dict[tuple[bool, int], list[float]] = {name: [] for name in names}
     for r in range(rounds + 1):  # the first round warms up, excluded
         k = r % len(names)
-        for name in names[k:] + names[:k]:
+        order = names[k:] + names[:k]
+        # every instance in every place, both ways round
+        for name in order if r % 2 == 0 else order[::-1]:
             seconds = runs[name]()
             if r:
                 out[name].append(seconds)

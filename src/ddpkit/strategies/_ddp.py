@@ -129,10 +129,11 @@ class FiniteCheck:
     12.5 us hot for the 620 KB of ``bench/loader_overhead.py``'s MLP) but not inside its training
     step (24 against 21 us), where the gradients are no longer in cache. With the gradients as
     views side by side in DDP's bucket (ddpkit's default), one sum over each run of them, kept as
-    a layout, was 9 us a step faster on 2 ranks (paired, the bench's MLP); but a layout that sees
-    every way a gradient can be swapped in place (``p.grad.data = t`` at the same address, strided
-    or of another dtype) must read each gradient's address, size, dtype and contiguity every step,
-    and with those reads the two were level (-2 us, 95% interval -9 to +6). Left as it is.
+    a layout, was 9 us a step faster on 2 ranks (95% interval 1 to 17, paired, the bench's MLP);
+    but a layout that sees every way a gradient can be swapped in place (``p.grad.data = t`` at the
+    same address, strided or of another dtype) must read each gradient's address, size, dtype and
+    contiguity every step, and with those reads the two were level (-2 us, 95% interval -9 to +6).
+    Left as it is.
 
     What costs on a tiny model is what surrounds the kernel, so the per-step path does only per-step
     work. The parameters' devices and dtypes are read once: when they are all one device and one

@@ -22,7 +22,7 @@ GRADIENT_AS_BUCKET_VIEW = True
 Each gradient is then a view into the bucket DDP all-reduces, so the all-reduced bucket is not
 copied back into separate gradient tensors, and the gradients take no memory of their own (one copy
 of the gradients less per rank). ``python bench/bucket_views.py`` (an MLP with 620 KB of gradients,
-three instances of each kind paired in one job, 2026-11-27): 13 to 19 us a step less in one
+three instances of each kind paired in one job, 2026-11-27): 12 to 19 us a step less in one
 process, for a hand-written step and the Trainer's alike; on 2 ranks over gloo on 2 cores, -21 to +2
 us for a hand-written step and -10 to +15 us for the Trainer's, whose NaN/inf verdict is then the
 first to read what the all-reduce wrote (docs/trainer.md).

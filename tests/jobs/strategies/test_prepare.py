@@ -97,10 +97,10 @@ def test_a_state_dict_saved_at_one_world_size_loads_strictly_at_another(tmp_path
         one.load_state_dict(torch.load(tmp_path / "plain.pt", weights_only=True), strict=True)
 
 
-def _trained(view: bool | None) -> tuple[int, list[torch.Tensor]]:
+def _trained(view: bool | None, set_to_none: bool = True) -> tuple[int, list[torch.Tensor]]:
     """Three steps of two micro-batches (the first under ``no_sync()``) with momentum, each rank on
-    its own data, the gradients set to None between steps (``zero_grad()``'s default); how many
-    storages the gradients live in, and the weights."""
+    its own data, the gradients set to None between steps (``zero_grad()``'s default) or zeroed in
+    place; how many storages the gradients live in, and the weights."""
     torch.manual_seed(0)
     switch = {} if view is None else {"gradient_as_bucket_view": view}
     model = ddpkit.prepare_model(
@@ -109,7 +109,7 @@ def _trained(view: bool | None) -> tuple[int, list[torch.Tensor]]:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     data = torch.Generator().manual_seed(ddpkit.get_runtime().rank)
     for _ in range(3):
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=set_to_none)
         with model.no_sync():
             model(torch.randn(4, 8, generator=data)).pow(2).sum().backward()
         model(torch.randn(4, 8, generator=data)).pow(2).sum().backward()
@@ -120,25 +120,32 @@ def _trained(view: bool | None) -> tuple[int, list[torch.Tensor]]:
     return len(storages), weights
 
 
-def _views_and_copies() -> dict[bool | None, tuple[int, list[torch.Tensor]]]:
-    return {view: _trained(view) for view in (None, False)}
+def _views_and_copies() -> dict[tuple[bool | None, bool], tuple[int, list[torch.Tensor]]]:
+    return {(view, none): _trained(view, none) for view in (None, False) for none in (True, False)}
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_gradients_are_views_into_ddps_bucket_and_train_as_torchs_copies_do(world):
     out = run_on_ranks(_views_and_copies, world)[0]
-    (views, trained), (copies, as_torch) = out[None], out[False]
+    (views, trained), (copies, as_torch) = out[None, True], out[False, True]
     # prepare_model's default: the four gradients are views into one bucket (no copy out of it)
     assert views == 1
     # control: torch's default gives each gradient its own storage
     assert copies == 4
     # the same arithmetic: bit for bit the weights torch's default trains
     assert all(torch.equal(a, b) for a, b in zip(trained, as_torch, strict=True))
+    # Zeroed in place, torch divides the views by the world size where it multiplies the copies by
+    # its inverse: the same at 2 ranks (a power of two), and a control that the comparison can fail
+    # at 3.
+    zeroed, zeroed_torch = out[None, False][1], out[False, False][1]
+    same = all(torch.equal(a, b) for a, b in zip(zeroed, zeroed_torch, strict=True))
+    assert same is (world == 2)
 
 
 def _verdicts() -> list[tuple[bool, bool]]:
-    """Each step: the verdict on the gradients (views into DDP's bucket), and whether rank 1 put an
-    inf into its gradient of one parameter before the all-reduce (a hook on that parameter)."""
+    """Each step: the verdict on the gradients (views into DDP's bucket), and whether a rank (rank 0
+    at step 1, rank 1 at step 3) put an inf into its gradient of one parameter before the
+    all-reduce (a hook on that parameter)."""
     from ddpkit.strategies._ddp import FiniteCheck
 
     rank = ddpkit.get_runtime().rank
@@ -150,7 +157,7 @@ def _verdicts() -> list[tuple[bool, bool]]:
     for step in range(4):
         poisoned = params[step % len(params)]
         handle = None
-        if step % 2 and rank == 1:
+        if step % 2 and rank == step // 2 % 2:
             handle = poisoned.register_hook(lambda g: torch.full_like(g, float("inf")))
         model.zero_grad()
         model(torch.randn(2, 3)).sum().backward()
@@ -162,6 +169,6 @@ def _verdicts() -> list[tuple[bool, bool]]:
     return out
 
 
-def test_every_ranks_verdict_on_the_bucket_views_sees_any_ranks_inf():
+def test_every_ranks_verdict_on_the_bucket_views_sees_either_ranks_inf():
     for steps in run_on_ranks(_verdicts, 2):
         assert [finite for finite, _ in steps] == [not bad for _, bad in steps]

@@ -22,7 +22,14 @@ def _exact(tensors: list[torch.Tensor]) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
-def _layout(data: st.DataObject) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _values(data: st.DataObject) -> torch.Generator:
+    """The tensors' values from a seed hypothesis draws: a failure replays with the same values."""
+    return torch.Generator().manual_seed(data.draw(st.integers(0, 2**32 - 1)))
+
+
+def _layout(
+    data: st.DataObject, values: torch.Generator
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Gradients as DDP may leave them: buckets of views back to back (a gap where a parameter
     outside the optimizer sits), in any order, and gradients of their own. Returns the gradients and
     the tensors that hold them (the buckets, and the gradients of their own)."""
@@ -32,7 +39,8 @@ def _layout(data: st.DataObject) -> tuple[list[torch.Tensor], list[torch.Tensor]
     for _ in range(data.draw(st.integers(0, 3))):
         sizes = data.draw(st.lists(st.integers(0, 40), min_size=1, max_size=6))
         gaps = data.draw(st.lists(st.integers(0, 3), min_size=len(sizes), max_size=len(sizes)))
-        buffer = torch.randn(sum(sizes) + sum(gaps), dtype=torch.float64).to(dtype)
+        buffer = torch.randn(sum(sizes) + sum(gaps), dtype=torch.float64, generator=values)
+        buffer = buffer.to(dtype)
         buffers.append(buffer)
         at = 0
         for size, gap in zip(sizes, gaps, strict=True):
@@ -40,7 +48,8 @@ def _layout(data: st.DataObject) -> tuple[list[torch.Tensor], list[torch.Tensor]
             grads.append(buffer[at : at + size])
             at += size
     for _ in range(data.draw(st.integers(0 if grads else 1, 3))):
-        own = torch.randn(data.draw(st.integers(1, 30)), dtype=torch.float64).to(dtype)
+        own = torch.randn(data.draw(st.integers(1, 30)), dtype=torch.float64, generator=values)
+        own = own.to(dtype)
         grads.append(own)
         buffers.append(own)
     order = data.draw(st.permutations(range(len(grads))))
@@ -70,12 +79,13 @@ def _poison(data: st.DataObject, grads: list[torch.Tensor]) -> None:
 @FAST
 @given(data=st.data())
 def test_the_verdict_is_the_exact_one_for_every_layout_and_every_bad_element(data):
-    grads, buffers = _layout(data)
+    values = _values(data)
+    grads, buffers = _layout(data, values)
     check = FiniteCheck([g.detach().clone() for g in grads])
     for _ in range(data.draw(st.integers(1, 4))):  # the same check, step after step
         clean = data.draw(st.booleans())
         for b in buffers:  # a new step's gradients, in place
-            b.copy_(torch.randn(b.shape, dtype=torch.float64).to(b.dtype))
+            b.copy_(torch.randn(b.shape, dtype=torch.float64, generator=values).to(b.dtype))
         if not clean:
             _poison(data, grads)
         assert check(grads) is _exact(grads)
@@ -106,8 +116,8 @@ def test_a_gradient_swapped_in_place_is_read_where_it_now_lies(how):
     else:
         kept.data = bucket.view(torch.bfloat16)[:10]
         kept.data[8] = float("nan")  # the low half of the bucket's fifth float32
-    assert grads[0] is kept  # the same object
     assert check(grads) is False
-    # Control: the bucket the gradients lay in before still reads finite: a check that kept where
-    # they lay, by object (or by address and size alone), would call this step finite.
+    # Control: where the gradient lay before (the bucket's first 20 elements) still reads finite
+    # (the bf16 NaN lies in the low half of a little-endian float32): a check that kept where the
+    # gradients lay, by object or by address and size, would call this step finite.
     assert bool(torch.isfinite(bucket[:20].sum()))
