@@ -22,10 +22,10 @@ GRADIENT_AS_BUCKET_VIEW = True
 Each gradient is then a view into the bucket DDP all-reduces, so the all-reduced bucket is not
 copied back into separate gradient tensors, and the gradients take no memory of their own (one copy
 of the gradients less per rank). ``python bench/bucket_views.py`` (an MLP with 620 KB of gradients,
-three instances of each kind paired in one job, 2026-11-27): 12 to 19 us a step less in one
-process, for a hand-written step and the Trainer's alike; on 2 ranks over gloo on 2 cores, -21 to +2
-us for a hand-written step and -10 to +15 us for the Trainer's, whose NaN/inf verdict is then the
-first to read what the all-reduce wrote (docs/trainer.md).
+three instances of each kind paired in one job, 2026-11-27): in one process, 14 to 19 us a step
+less for a hand-written step and 9 to 14 us for the Trainer's; on 2 ranks over gloo on 2 cores, -24
+to +7 us, 2 of 12 intervals below zero and none above, where the Trainer's NaN/inf verdict is then
+the first to read what the all-reduce wrote (docs/trainer.md).
 
 The values are torch's default's bit for bit where the gradients are set to None between steps
 (``zero_grad()``'s default, and the Trainer's). Where they are zeroed in place
