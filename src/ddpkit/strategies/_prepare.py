@@ -48,13 +48,12 @@ def prepare_model(
 
     ``sync_batchnorm`` normalises BatchNorm layers over the global batch (torch's SyncBatchNorm on
     CUDA, :class:`~ddpkit.nn._batchnorm.CPUSyncBatchNorm` elsewhere). Other keyword arguments go to
-    DDP (``find_unused_parameters``, ``static_graph``, ``gradient_as_bucket_view``, True unless
-    given: :data:`GRADIENT_AS_BUCKET_VIEW`...). Without a
-    process group (plain ``python``) the model is returned on its device, unwrapped: the same script
-    runs as one process. DDP broadcasts rank 0's parameters and buffers when it wraps, so every rank
-    starts from the same weights. ``process_group`` (default: the runtime's group, the whole job
-    unless it is a group of :func:`~ddpkit.split_world`) is the group whose ranks train this model
-    together.
+    DDP (``find_unused_parameters``, ``static_graph``, ``gradient_as_bucket_view``: True unless
+    given, :data:`GRADIENT_AS_BUCKET_VIEW`). Without a process group (plain ``python``) the model is
+    returned on its device, unwrapped: the same script runs as one process. DDP broadcasts rank 0's
+    parameters and buffers when it wraps, so every rank starts from the same weights.
+    ``process_group`` (default: the runtime's group, the whole job unless it is a group of
+    :func:`~ddpkit.split_world`) is the group whose ranks train this model together.
 
     Then, with ``seed_ranks`` (the default), each rank gets its own random streams (python, numpy,
     torch), seeded from ``torch.initial_seed()`` (the seed :func:`~ddpkit.seed_everything` set) and

@@ -268,8 +268,8 @@ class OptimizerStep:
         a script's backward before ``fit()``) was otherwise added to this step's, silently. The
         forward still runs without them (where they are copies of their own rather than views into
         DDP's buckets, peak memory is lower by their size), and ``on_step_end`` callbacks see the
-        step's own gradients. A check refusing leftover gradients instead would
-        refuse that GAN step, and cost the same pass over the parameters.
+        step's own gradients. A check refusing leftover gradients instead would refuse that GAN
+        step, and cost the same pass over the parameters.
         """
         self.strategy.optimizer.zero_grad(set_to_none=True)
 
