@@ -21,6 +21,11 @@ before.
     python bench/bucket_views.py             # 2 ranks (gloo, 1 thread each, pinned)
     python bench/bucket_views.py --nproc 1   # one rank: DDP at a world of one
     python bench/bucket_views.py --trainer   # the Trainer's steps
+    python bench/bucket_views.py --nproc 1 --hidden 4096   # on a GPU (nccl)
+
+On a GPU each rank takes its runtime's device (nccl); the step is timed between synchronizations,
+and each instance's memory held after its first step (model, gradients, DDP's buckets) is
+reported.
 """
 
 from __future__ import annotations
@@ -53,7 +58,18 @@ def bench(rounds: int, hidden: int, instances: int, trainer: bool) -> dict:
         os.sched_setaffinity(0, {cores[rt.rank]})
     steady_malloc()
     make = trainer_run if trainer else step_run
-    runs = {(view, i): make(view, hidden) for i in range(instances) for view in (True, False)}
+    held: dict[tuple[bool, int], int] = {}
+    if rt.device.type == "cuda":
+        # What the first step on a device allocates once (cuBLAS's workspaces, 65 MiB on an H200)
+        # is allocated here, outside every instance's count.
+        make(True, hidden)
+    runs = {}
+    for i in range(instances):
+        for view in (True, False):
+            before = torch.cuda.memory_allocated() if rt.device.type == "cuda" else 0
+            runs[view, i] = make(view, hidden)
+            if rt.device.type == "cuda":
+                held[view, i] = torch.cuda.memory_allocated() - before
     names = list(runs)
     out: dict[tuple[bool, int], list[float]] = {name: [] for name in names}
     for r in range(rounds + 1):  # the first round warms up, excluded
@@ -64,15 +80,21 @@ def bench(rounds: int, hidden: int, instances: int, trainer: bool) -> dict:
             seconds = runs[name]()
             if r:
                 out[name].append(seconds)
-    return {f"{'views' if view else 'copies'} {i}": xs for (view, i), xs in out.items()}
+    res = {f"{'views' if view else 'copies'} {i}": xs for (view, i), xs in out.items()}
+    res["held"] = {f"{'views' if view else 'copies'} {i}": b for (view, i), b in held.items()}
+    res["device"] = str(rt.device)
+    return res
 
 
 def step_run(view: bool, hidden: int):
-    """A prepare_model'd MLP on one fixed batch: 10 timed steps after 3 untimed, their median."""
+    """A prepare_model'd MLP on one fixed batch: 10 timed steps after 3 untimed, their median.
+    Built and stepped once here, so that what it holds is counted where it is made."""
+    device = ddpkit.get_runtime().device
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     torch.manual_seed(0)
     model = ddpkit.prepare_model(mlp(hidden), gradient_as_bucket_view=view)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    x, y = torch.randn(32, 20), torch.randn(32, 1)
+    x, y = torch.randn(32, 20, device=device), torch.randn(32, 1, device=device)
 
     def step() -> None:
         optimizer.zero_grad()
@@ -84,11 +106,15 @@ def step_run(view: bool, hidden: int):
             step()
         times = []
         for _ in range(10):
+            sync()
             start = time.perf_counter()
             step()
+            sync()
             times.append(time.perf_counter() - start)
         return statistics.median(times)
 
+    step()
+    sync()
     return run
 
 
@@ -150,7 +176,8 @@ def main() -> None:
     )[0]
     print(run_line())
     print(
-        f"config: {a.nproc} rank(s) (gloo, CPU), MLP 20-{a.hidden}-{a.hidden}-1, batch 32/rank, "
+        f"config: {a.nproc} rank(s) ({res['device']}), MLP 20-{a.hidden}-{a.hidden}-1, "
+        "batch 32/rank, "
         f"{'the Trainer' if a.trainer else 'a hand step'}, {a.instances} instances of each kind, "
         f"{a.rounds} interleaved rounds"
     )
@@ -163,6 +190,8 @@ def main() -> None:
             f"{statistics.median(copies) * 1e3:.3f} ms; views - copies "
             f"{statistics.median(diffs):+.1f} us/step (95% interval {lo:+.1f} to {hi:+.1f})"
         )
+    for name, held in res["held"].items():
+        print(f"  {name}: {held / 2**20:.1f} MiB held after its first step")
 
 
 if __name__ == "__main__":
