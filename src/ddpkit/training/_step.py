@@ -249,12 +249,8 @@ class OptimizerStep:
         group: Group,
         counts: bool = True,
     ) -> None:
-        self.config, self.strategy, self.scheduler, self.scaler = (
-            config,
-            strategy,
-            scheduler,
-            scaler,
-        )
+        self.config, self.strategy = config, strategy
+        self.scheduler, self.scaler = scheduler, scaler
         self.state, self.log, self.group, self.counts = state, log, group, counts
         self.grad_norm: torch.Tensor | None = None
         self.step_norm: torch.Tensor | None = None
@@ -363,19 +359,9 @@ class TrainStep:
         self.speed = speed
         # fp32 (no autocast) and no global batch dropout: the forward enters no context
         self.plain_forward = config.precision == "fp32" and not global_dropout
-        self.forward, self.batch_loss, self.window, self.sampler = (
-            forward,
-            batch_loss,
-            window,
-            sampler,
-        )
-        self.autocast = autocast
-        self.scaler, self.global_dropout, self.world_size, self.group = (
-            scaler,
-            global_dropout,
-            world_size,
-            group,
-        )
+        self.forward, self.batch_loss, self.autocast = forward, batch_loss, autocast
+        self.window, self.sampler, self.scaler = window, sampler, scaler
+        self.global_dropout, self.world_size, self.group = global_dropout, world_size, group
 
     def __call__(self, step: Step) -> bool:
         self.optimizer_step.begin()  # the gradients set to None before the step's first forward

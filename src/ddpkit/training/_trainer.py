@@ -154,11 +154,8 @@ class Trainer:
             self.strategy, scheduler, record = several_models(
                 config, model, optimizer, scheduler, rt, refused
             )
-        self.model, self.optimizer, self.scheduler = (
-            self.strategy.model,
-            self.strategy.optimizer,
-            scheduler,
-        )
+        self.model, self.optimizer = self.strategy.model, self.strategy.optimizer
+        self.scheduler = scheduler
         self._plateau = metric_driven(scheduler)
         if self._plateau:
             check_metric_driven(config, scheduler, val_data)
@@ -206,15 +203,11 @@ class Trainer:
             model_weights=self.strategy.model_weights, log=self.writer.log,
             plateau=scheduler if self._plateau else None,
         )  # fmt: skip
-        self.early_stopping, self.best_weights = (
-            self.validation.early_stopping,
-            self.validation.best_weights,
-        )
+        self.early_stopping = self.validation.early_stopping
+        self.best_weights = self.validation.best_weights
         # A resume on changed data is refused, naming the change: the loader's state holds the
-        # data's fingerprint.
-        own = own_parts(
-            self._window, self.callbacks, extra_state
-        )  # what each rank saves of its own
+        # data's fingerprint. `own`: what each rank saves of its own.
+        own = own_parts(self._window, self.callbacks, extra_state)
         streams = RankStreams(
             rt, self.generator, config.seed, self.state, own=own,
             new_rank_state=config.new_rank_state, warn=partial(print0, group=self.group),
