@@ -36,6 +36,7 @@ import collections
 import datetime as dt
 import decimal
 import fractions
+import hashlib
 import io
 import json
 import pathlib
@@ -57,6 +58,13 @@ FORMAT = 3
 this one."""
 
 _INT64 = 1 << 63
+MAX_DEPTH = 100
+"""How deep containers may nest in a value (a list in a dict is 2 deep). One limit for saving and
+loading alike: a limit left to Python's recursion would depend on how deep the call stack already
+is, and on how many frames a container takes on each side, so a save could write what a load cannot
+read."""
+_DEEP = "a value nested less deeply, whose containers do not hold themselves"
+_NAN = struct.pack(">d", float("nan"))
 _FACTORIES = {
     f.__name__: f
     for f in (list, dict, set, frozenset, tuple, int, float, complex, str, bytes, bool)
@@ -91,8 +99,8 @@ def _b64(data: bytes | bytearray) -> str:
     return base64.b64encode(data).decode("ascii")
 
 
-def _pairs(items: Any, tensors: list[torch.Tensor]) -> list[list[Any]]:
-    return [[_enc(k, tensors), _enc(v, tensors)] for k, v in items]
+def _pairs(items: Any, tensors: list[torch.Tensor], d: int) -> list[list[Any]]:
+    return [[_enc(k, tensors, d), _enc(v, tensors, d)] for k, v in items]
 
 
 def _tz(tz: Any, value: Any) -> Any:
@@ -114,27 +122,27 @@ def _tz(tz: Any, value: Any) -> Any:
     raise _Refused(value, f" with a tzinfo of type {type(tz).__name__}")
 
 
-def _defaultdict(v: Any, t: list[torch.Tensor]) -> Any:
+def _defaultdict(v: Any, t: list[torch.Tensor], d: int) -> Any:
     factory = v.default_factory
     name = "" if factory is None else getattr(factory, "__name__", "?")
     if factory is not None and _FACTORIES.get(name) is not factory:
         raise _Refused(v, f" whose default_factory is {name}, not a builtin type", "a dict")
-    return {"dd": [name, _pairs(v.items(), t)]}
+    return {"dd": [name, _pairs(v.items(), t, d)]}
 
 
 _ENCODERS: dict[type, Any] = {
-    complex: lambda v, t: {"c": [v.real, v.imag]},
-    bytes: lambda v, t: {"b": _b64(v)},
-    bytearray: lambda v, t: {"ba": _b64(v)},
-    collections.OrderedDict: lambda v, t: {"o": _pairs(v.items(), t)},
+    complex: lambda v, t, d: {"c": [_float(v.real), _float(v.imag)]},
+    bytes: lambda v, t, d: {"b": _b64(v)},
+    bytearray: lambda v, t, d: {"ba": _b64(v)},
+    collections.OrderedDict: lambda v, t, d: {"o": _pairs(v.items(), t, d)},
     collections.defaultdict: _defaultdict,
-    collections.Counter: lambda v, t: {"ct": _pairs(v.items(), t)},
-    set: lambda v, t: {"s": [_enc(x, t) for x in v]},
-    frozenset: lambda v, t: {"fs": [_enc(x, t) for x in v]},
-    collections.deque: lambda v, t: {"q": [v.maxlen, [_enc(x, t) for x in v]]},
-    range: lambda v, t: {"r": [_enc(v.start, t), _enc(v.stop, t), _enc(v.step, t)]},
-    **{c: (lambda v, t: {"p": [type(v).__name__, str(v)]}) for c in _PATHS.values()},
-    dt.datetime: lambda v, t: {
+    collections.Counter: lambda v, t, d: {"ct": _pairs(v.items(), t, d)},
+    set: lambda v, t, d: {"s": [_enc(x, t, d) for x in v]},
+    frozenset: lambda v, t, d: {"fs": [_enc(x, t, d) for x in v]},
+    collections.deque: lambda v, t, d: {"q": [v.maxlen, [_enc(x, t, d) for x in v]]},
+    range: lambda v, t, d: {"r": [_enc(v.start, t, d), _enc(v.stop, t, d), _enc(v.step, t, d)]},
+    **{c: (lambda v, t, d: {"p": [type(v).__name__, str(v)]}) for c in _PATHS.values()},
+    dt.datetime: lambda v, t, d: {
         "DT": [
             v.year,
             v.month,
@@ -147,17 +155,19 @@ _ENCODERS: dict[type, Any] = {
             _tz(v.tzinfo, v),
         ]
     },
-    dt.date: lambda v, t: {"D": [v.year, v.month, v.day]},
-    dt.time: lambda v, t: {
+    dt.date: lambda v, t, d: {"D": [v.year, v.month, v.day]},
+    dt.time: lambda v, t, d: {
         "T": [v.hour, v.minute, v.second, v.microsecond, v.fold, _tz(v.tzinfo, v)]
     },
-    dt.timedelta: lambda v, t: {"TD": [v.days, v.seconds, v.microseconds]},
-    decimal.Decimal: lambda v, t: {"dec": str(v)},
-    fractions.Fraction: lambda v, t: {"fr": [_enc(v.numerator, t), _enc(v.denominator, t)]},
-    uuid.UUID: lambda v, t: {"uuid": v.hex},
-    torch.dtype: lambda v, t: {"dt": str(v)},
-    torch.device: lambda v, t: {"dv": str(v)},
-    torch.Size: lambda v, t: {"sz": list(v)},
+    dt.timedelta: lambda v, t, d: {"TD": [v.days, v.seconds, v.microseconds]},
+    decimal.Decimal: lambda v, t, d: {"dec": str(v)},
+    fractions.Fraction: lambda v, t, d: {
+        "fr": [_enc(v.numerator, t, d), _enc(v.denominator, t, d)]
+    },
+    uuid.UUID: lambda v, t, d: {"uuid": v.hex},
+    torch.dtype: lambda v, t, d: {"dt": str(v)},
+    torch.device: lambda v, t, d: {"dv": str(v)},
+    torch.Size: lambda v, t, d: {"sz": list(v)},
 }
 
 
@@ -187,9 +197,11 @@ def _dtype_name(dtype: Any) -> str:
 
 def _numpy_value(value: Any, np: Any, tensors: list[torch.Tensor]) -> Any:
     dtype = value.dtype
-    if dtype.kind not in "biufcmMUS" or dtype.itemsize == 0:
+    scalar = isinstance(value, np.generic)
+    # an empty str_ or bytes_ is of itemsize 0; an array of itemsize 0 has no bytes to hold
+    if dtype.kind not in "biufcmMUS" or (dtype.itemsize == 0 and not scalar):
         raise _Refused(value, f" of dtype {dtype}")
-    if isinstance(value, np.generic):
+    if scalar:
         return {"n": [_dtype_name(dtype), value.tobytes().hex()]}
     if type(value) is not np.ndarray:
         raise _Refused(value, " (a subclass of numpy.ndarray)", "a plain array (numpy.asarray)")
@@ -199,17 +211,29 @@ def _numpy_value(value: Any, np: Any, tensors: list[torch.Tensor]) -> Any:
     return {"a": [len(tensors) - 1, _dtype_name(dtype), list(value.shape), "F" if fortran else "C"]}
 
 
-def _enc(value: Any, tensors: list[torch.Tensor]) -> Any:
+def _float(value: float) -> Any:
+    # JSON's NaN is one NaN: another (its sign, its payload) is kept by its bits.
+    if value == value or struct.pack(">d", value) == _NAN:
+        return value
+    return {"f": struct.pack(">d", value).hex()}
+
+
+def _enc(value: Any, tensors: list[torch.Tensor], depth: int = 0) -> Any:
     # The order of the tests is the memory snapshots' stall: the common kinds first.
     kind = type(value)
-    if kind is str or kind is float or kind is bool or value is None:
+    if kind is str or kind is bool or value is None:
         return value
+    if kind is float:
+        return value if value == value else _float(value)
     if kind is int:  # JSON holds any int, but python reads back at most 4300 digits
         return value if -_INT64 <= value < _INT64 else {"I": hex(value)}
+    if depth >= MAX_DEPTH:  # only containers come deeper than this
+        raise _Refused(value, f" nested more than {MAX_DEPTH} levels deep", _DEEP)
+    d = depth + 1
     if kind is dict:
         if all(type(k) is str for k in value):
-            return {"m": {k: _enc(v, tensors) for k, v in value.items()}}
-        return {"d": _pairs(value.items(), tensors)}
+            return {"m": {k: _enc(v, tensors, d) for k, v in value.items()}}
+        return {"d": _pairs(value.items(), tensors, d)}
     if kind is tuple or kind is list:
         # Python's RNG state is a tuple of 625 ints: as one int64 tensor it costs a copy, not 625
         # JSON numbers.
@@ -222,12 +246,12 @@ def _enc(value: Any, tensors: list[torch.Tensor]) -> Any:
             if packed is not None:
                 tensors.append(torch.frombuffer(packed, dtype=torch.int64))
                 return {"i": [len(tensors) - 1, kind is tuple]}
-        return {"u" if kind is tuple else "l": [_enc(x, tensors) for x in value]}
+        return {"u" if kind is tuple else "l": [_enc(x, tensors, d) for x in value]}
     if isinstance(value, torch.Tensor):
         return _tensor(value, tensors)
     encoder = _ENCODERS.get(kind)
     if encoder is not None:
-        return encoder(value, tensors)
+        return encoder(value, tensors, d)
     # a numpy value exists only where numpy is imported: never imported here
     np = sys.modules.get("numpy")
     if np is not None and isinstance(value, (np.generic, np.ndarray)):
@@ -300,6 +324,66 @@ def encode(value: Any, tensors: list[torch.Tensor], where: str = "") -> Any:
         ) from None
 
 
+def copied(value: Any, where: str = "") -> Any:
+    """``value`` as a load gives it back, its tensors detached copies on the CPU: what a snapshot
+    keeps of a state that goes on changing (a rank's own parts, copied when a snapshot is taken),
+    of the types and values a resume gives, by construction (an ``OrderedDict`` stays one, an
+    ``nn.Parameter`` keeps its ``requires_grad``). Refuses what :func:`encode` refuses."""
+    tensors: list[torch.Tensor] = []
+    skeleton = encode(value, tensors, where)
+    return decode(skeleton, [t.detach().to("cpu", copy=True) for t in tensors])
+
+
+def fingerprint(value: Any) -> str:
+    """A text of ``value`` that two values share exactly when they are equal, in any process: what
+    a resume compares the settings a run asks for by. Tensors and arrays by dtype, shape and every
+    element (``str()`` of a tensor shows 4 digits: 0.01003 read as 0.01), sets and the pairs of a
+    dict in a sorted order (a set's order changes with the hash seed, from one process to the
+    next), NaN equal to itself. A value the codec cannot hold is known by its type alone."""
+    tensors: list[torch.Tensor] = []
+    try:
+        skeleton = encode(value, tensors)
+    except UnsupportedValue:
+        return f"<a {type(value).__module__}.{type(value).__qualname__}>"
+    return json.dumps(_canonical(skeleton, tensors), sort_keys=True)
+
+
+def _canonical(s: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(s, list):
+        return [_canonical(x, tensors) for x in s]
+    if not isinstance(s, dict):
+        return s
+    ((tag, body),) = s.items()
+    if tag == "m":  # str keys: json.dumps sorts them
+        return {tag: {k: _canonical(v, tensors) for k, v in body.items()}}
+    if tag in ("t", "P", "a", "i"):  # a tensor's (or array's, packed ints') index: its contents
+        index = body if tag == "t" else body[0]
+        t = alone(tensors[index]).cpu()
+        raw = t.view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
+        data = tensor_bytes(raw)
+        # the values, to be read in a refusal, where they are few and of a kind JSON holds
+        shown: Any = hashlib.sha256(data).hexdigest()
+        if t.numel() <= 16 and not t.is_complex():
+            try:
+                shown = t.tolist()
+            except (TypeError, RuntimeError):  # bit and quantized dtypes
+                pass
+        exact = "" if isinstance(shown, str) else data.hex()  # the hash, or the bits themselves
+        contents = [str(t.dtype), list(t.shape), shown, exact]
+        return {tag: contents if tag == "t" else [contents, *body[1:]]}
+    if tag in ("s", "fs"):  # in the order of their texts
+        return {tag: sorted((_canonical(x, tensors) for x in body), key=_text)}
+    if tag in ("d", "ct", "dd"):  # dicts compare without their order
+        pairs = body[1] if tag == "dd" else body
+        ordered = sorted((_canonical(p, tensors) for p in pairs), key=_text)
+        return {tag: [body[0], ordered] if tag == "dd" else ordered}
+    return {tag: _canonical(body, tensors)}
+
+
+def _text(value: Any) -> str:
+    return json.dumps(value, sort_keys=True)
+
+
 def _numpy() -> Any:
     try:
         import numpy
@@ -348,22 +432,27 @@ def _array(body: Any, tensors: Sequence[torch.Tensor]) -> Any:
     return flat.reshape(shape).copy()
 
 
-def _dec(s: Any, tensors: Sequence[torch.Tensor]) -> Any:
+def _dec(s: Any, tensors: Sequence[torch.Tensor], depth: int = 0) -> Any:
     if not isinstance(s, dict):
         if isinstance(s, list):
             raise ValueError("an untagged list")
         return s
     ((tag, body),) = s.items()
+    if tag == "f":  # a NaN other than JSON's
+        return struct.unpack(">d", bytes.fromhex(body))[0]
+    if depth >= MAX_DEPTH:
+        raise ValueError(f"values nested more than {MAX_DEPTH} levels deep, which no save writes")
+    d = depth + 1
     if tag == "m":
-        return {k: _dec(v, tensors) for k, v in body.items()}
+        return {k: _dec(v, tensors, d) for k, v in body.items()}
     if tag == "t":
         return _index(body, tensors)
     if tag == "u":
-        return tuple(_dec(x, tensors) for x in body)
+        return tuple(_dec(x, tensors, d) for x in body)
     if tag == "l":
-        return [_dec(x, tensors) for x in body]
+        return [_dec(x, tensors, d) for x in body]
     if tag == "d":
-        return {_dec(k, tensors): _dec(v, tensors) for k, v in body}
+        return {_dec(k, tensors, d): _dec(v, tensors, d) for k, v in body}
     if tag == "i":
         packed = _index(body[0], tensors)
         if packed.dtype != torch.int64:
@@ -374,20 +463,22 @@ def _dec(s: Any, tensors: Sequence[torch.Tensor]) -> Any:
     if tag == "n":
         np = _numpy()
         dtype = np.dtype(body[0])
-        if dtype.kind not in "biufcmMUS" or dtype.itemsize == 0:
+        if dtype.kind not in "biufcmMUS" or (dtype.itemsize == 0 and dtype.kind not in "US"):
             raise ValueError(f"a numpy scalar of dtype {body[0]!r:.40} that no save writes")
+        if dtype.itemsize == 0:
+            return dtype.type()  # '' of str_ or bytes_
         return np.frombuffer(bytes.fromhex(body[1]), dtype=dtype)[0]
     if tag == "a":
         return _array(body, tensors)
     if tag == "P":
         return torch.nn.Parameter(_index(body[0], tensors), requires_grad=bool(body[1]))
-    return _decode_other(tag, body, tensors)
+    return _decode_other(tag, body, tensors, d)
 
 
-def _decode_other(tag: str, body: Any, tensors: Sequence[torch.Tensor]) -> Any:
-    pairs = lambda: [(_dec(k, tensors), _dec(v, tensors)) for k, v in body]  # noqa: E731
+def _decode_other(tag: str, body: Any, tensors: Sequence[torch.Tensor], d: int) -> Any:
+    pairs = lambda: [(_dec(k, tensors, d), _dec(v, tensors, d)) for k, v in body]  # noqa: E731
     if tag == "c":
-        return complex(*body)
+        return complex(_dec(body[0], tensors, d), _dec(body[1], tensors, d))
     if tag in ("b", "ba"):
         data = base64.b64decode(body, validate=True)
         return data if tag == "b" else bytearray(data)
@@ -396,18 +487,18 @@ def _decode_other(tag: str, body: Any, tensors: Sequence[torch.Tensor]) -> Any:
     if tag == "dd":
         return collections.defaultdict(
             _FACTORIES[body[0]] if body[0] else None,
-            [(_dec(k, tensors), _dec(v, tensors)) for k, v in body[1]],
+            [(_dec(k, tensors, d), _dec(v, tensors, d)) for k, v in body[1]],
         )
     if tag == "ct":
         return collections.Counter(dict(pairs()))
     if tag == "s":
-        return {_dec(x, tensors) for x in body}
+        return {_dec(x, tensors, d) for x in body}
     if tag == "fs":
-        return frozenset(_dec(x, tensors) for x in body)
+        return frozenset(_dec(x, tensors, d) for x in body)
     if tag == "q":
-        return collections.deque((_dec(x, tensors) for x in body[1]), body[0])
+        return collections.deque((_dec(x, tensors, d) for x in body[1]), body[0])
     if tag == "r":
-        return range(*(_dec(x, tensors) for x in body))
+        return range(*(_dec(x, tensors, d) for x in body))
     if tag == "p":
         return _PATHS[body[0]](body[1])
     if tag == "DT":
@@ -425,7 +516,7 @@ def _decode_other(tag: str, body: Any, tensors: Sequence[torch.Tensor]) -> Any:
     if tag == "dec":
         return decimal.Decimal(body)
     if tag == "fr":
-        return fractions.Fraction(_dec(body[0], tensors), _dec(body[1], tensors))
+        return fractions.Fraction(_dec(body[0], tensors, d), _dec(body[1], tensors, d))
     if tag == "uuid":
         return uuid.UUID(hex=body)
     if tag == "dt":

@@ -6,6 +6,12 @@ name it lists must be a plain file name of the folder (no separator, no ``..``),
 regular one, opened without following a link and read no further than the size the marker gives. A
 name such as ``../../dev/zero`` would otherwise have the check read forever (a device reports
 size 0) and hold every rank at its next collective.
+
+A folder is trusted by nothing but what it holds: ``step-N`` is the snapshot of step N only if it is
+a folder of its own (not a link), N is written as ddpkit writes it (:func:`folder_name`), and its
+marker records step N. A copy or rename of another step's folder (``cp -a step-00000002
+step-00000099``), or a link to another run's, would otherwise be taken for the newest snapshot,
+loaded in place of the newer whole one and counted among those the prune keeps.
 """
 
 from __future__ import annotations
@@ -43,24 +49,33 @@ class Found:
     path: Path
 
 
+PARTIAL = "has no marker"
+"""What :func:`scan` says of a folder written up to before its marker: the debris of a killed
+write, not yet a snapshot (nor a stray), removed by the next prune."""
+
+
 def folder_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def _open_regular(path: Path) -> int:
-    """A descriptor of the regular file ``path``: not through a link (ELOOP), never waiting on a
-    FIFO."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+def _open_regular(path: Path, dir_fd: int | None = None) -> int:
+    """A descriptor of the regular file ``path`` (the name ``path.name`` in the folder ``dir_fd``,
+    when given): not through a link (ELOOP), never waiting on a FIFO."""
+    fd = os.open(
+        path if dir_fd is None else path.name,
+        os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+        dir_fd=dir_fd,
+    )
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise NotRegular(f"{path} is not a regular file")
     return fd
 
 
-def read_bounded(path: Path, limit: int) -> bytes:
-    """The bytes of the regular file ``path``, if it holds at most ``limit``; ``OSError``
-    otherwise."""
-    fd = _open_regular(path)
+def read_bounded(path: Path, limit: int, dir_fd: int | None = None) -> bytes:
+    """The bytes of the regular file ``path`` (in ``dir_fd``: :func:`_open_regular`), if it holds at
+    most ``limit``; ``OSError`` otherwise."""
+    fd = _open_regular(path, dir_fd)
     try:
         size = os.fstat(fd).st_size
         if size > limit:
@@ -98,24 +113,95 @@ def digest(paths: list[Path]) -> dict[str, dict[str, Any]]:
     return {p.name: {"size": p.stat().st_size, "sha256": sha256(p)} for p in paths}
 
 
+def scan(folder: Path) -> list[tuple[Found, str | None]]:
+    """Every entry of ``folder`` named ``step-N``, newest first (by N), with what keeps it from
+    being the snapshot of step N: None for a snapshot (not yet verified), :data:`PARTIAL` for a
+    folder without a marker, else why it is none (a stray: never loaded, never counted as one).
+    Each entry is looked at through a descriptor opened without following links."""
+    try:
+        top = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    try:
+        entries = []
+        for name in os.listdir(top):
+            match = _FOLDER.match(name)
+            if match:
+                step = int(match.group(1))
+                path = folder / name
+                entries.append((Found(step, path), _not_a_snapshot(top, path, step)))
+    finally:
+        os.close(top)
+    return sorted(entries, key=lambda e: (e[0].step, e[0].path.name), reverse=True)
+
+
+def _not_a_snapshot(top: int, path: Path, step: int) -> str | None:
+    """Why ``path``, an entry of the folder ``top``, is not the snapshot of ``step``
+    (:func:`scan`)."""
+    name = path.name
+    try:
+        mode = os.stat(name, dir_fd=top, follow_symlinks=False).st_mode
+        if stat.S_ISLNK(mode):
+            return (
+                f"is a link (to {os.readlink(name, dir_fd=top)!r}): a snapshot is read from a "
+                "folder of its own, never through a link"
+            )
+        if not stat.S_ISDIR(mode):
+            return "is not a folder"
+        if name != folder_name(step):
+            return f"is not named as the snapshot of step {step} is ({folder_name(step)})"
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=top)
+    except OSError as err:  # replaced since it was listed, or not ours to read
+        return f"is unreadable ({err.strerror or err})"
+    try:
+        try:
+            os.stat(MARKER, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return PARTIAL
+        except OSError:
+            pass  # named by the read below
+        marker = _read_marker(path / MARKER, fd)
+    except ValueError as err:
+        return str(err)
+    finally:
+        os.close(fd)
+    return _step_problem(marker, step)
+
+
 def candidates(folder: Path) -> list[Found]:
-    """Snapshot folders with a marker, newest first; not yet verified."""
-    found = []
-    for path in folder.glob("step-*") if folder.is_dir() else []:
-        match = _FOLDER.match(path.name)
-        if match and path.is_dir() and (path / MARKER).exists():
-            found.append(Found(int(match.group(1)), path))
-    return sorted(found, key=lambda f: f.step, reverse=True)
+    """Snapshot folders of ``folder`` (:func:`scan`), newest first; not yet verified."""
+    return [found for found, problem in scan(folder) if problem is None]
+
+
+def _read_marker(path: Path, dir_fd: int | None = None) -> Any:
+    """The marker at ``path`` (in ``dir_fd``: :func:`_open_regular`), parsed; ``ValueError``
+    (naming it) if it cannot be read."""
+    try:
+        return json.loads(read_bounded(path, _MARKER_LIMIT, dir_fd))
+    except (OSError, ValueError, RecursionError) as err:
+        raise ValueError(f"has an unreadable {MARKER} ({err})") from None
+
+
+def _step_problem(marker: Any, step: int) -> str | None:
+    """None if ``marker`` records ``step``, the step of its folder's name; else what it records."""
+    recorded = marker.get("step") if isinstance(marker, dict) else None
+    if type(recorded) is int and recorded == step:
+        return None
+    what = f"step {recorded}" if type(recorded) is int else "no step"
+    return (
+        f"has a {MARKER} that records {what}, not {step}: a copy or a rename of another step's "
+        "folder is never loaded"
+    )
 
 
 def listed(found: Found) -> dict[str, dict[str, Any]]:
     """The files ``found``'s marker lists, each a plain name with a size and a SHA-256;
     ``ValueError`` (naming the marker and the entry) if it is not such a list."""
-    marker_path = found.path / MARKER
-    try:
-        marker = json.loads(read_bounded(marker_path, _MARKER_LIMIT))
-    except (OSError, ValueError, RecursionError) as err:
-        raise ValueError(f"has an unreadable {MARKER} ({err})") from None
+    return _files(_read_marker(found.path / MARKER))
+
+
+def _files(marker: Any) -> dict[str, dict[str, Any]]:
+    """The files ``marker`` lists (:func:`listed`)."""
     files = marker.get("files") if isinstance(marker, dict) else None
     if not isinstance(files, dict) or not files:
         raise ValueError(f"has a {MARKER} that lists no files")
@@ -136,12 +222,16 @@ def listed(found: Found) -> dict[str, dict[str, Any]]:
 
 
 def verify(found: Found, required: tuple[str, ...] = ()) -> str | None:
-    """None if ``found`` is whole (its marker lists ``required`` among its files), else what is
-    wrong with it."""
+    """None if ``found`` is whole (its marker records its step and lists ``required`` among its
+    files), else what is wrong with it."""
     try:
-        files = listed(found)
+        marker = _read_marker(found.path / MARKER)
+        files = _files(marker)
     except ValueError as err:
         return str(err)
+    problem = _step_problem(marker, found.step)
+    if problem is not None:
+        return problem
     for name in required:
         if name not in files:
             return f"has a {MARKER} that does not list {name}"
@@ -170,10 +260,14 @@ def verify(found: Found, required: tuple[str, ...] = ()) -> str | None:
 
 
 def prune(folder_path: Path, keep_last: int, newest: int) -> None:
-    """Remove whole snapshots older than the newest ``keep_last``, and the debris of killed
-    writes."""
-    whole = candidates(folder_path)
+    """Remove snapshots older than the newest ``keep_last``, and the debris of killed writes (a
+    folder without a marker, of any step). An entry named like a snapshot that is none (a stray,
+    :func:`scan`) never counts among those kept: older than ``newest``, it goes as an old snapshot
+    would (a link loses only itself); newer, it is left, and named at every resume."""
+    entries = scan(folder_path)
+    whole = [found for found, problem in entries if problem is None]
     keep = {f.path.name for f in whole[:keep_last]}
+    partial = {found.path.name for found, problem in entries if problem == PARTIAL}
     # Every deletion goes through a descriptor of the folder opened without following links, and
     # each entry is lstat-ed: a link named like a snapshot (to another run's, say) loses only
     # itself, never what it points to; a snapshots/ that is itself a link is refused (ELOOP), not
@@ -182,7 +276,7 @@ def prune(folder_path: Path, keep_last: int, newest: int) -> None:
     try:
         for name in os.listdir(folder):
             match = _FOLDER.match(name)
-            if not match or name in keep or int(match.group(1)) >= newest:
+            if not match or name in keep or (int(match.group(1)) >= newest and name not in partial):
                 continue
             mode = os.stat(name, dir_fd=folder, follow_symlinks=False).st_mode
             if stat.S_ISLNK(mode):

@@ -17,9 +17,11 @@ Layout of ``run_dir/snapshots``::
 
 A folder is a snapshot only once ``complete.json`` exists, and the marker is written (atomically, by
 rank 0) only after every rank's files are on disk: a process killed at any instant leaves the
-previous snapshot as the newest whole one. On load, a snapshot whose files are missing or altered is
-reported by name and the one before it is used. DCP reshards on load, so a snapshot taken on N ranks
-resumes on M.
+previous snapshot as the newest whole one. A folder's name is not trusted: ``step-N`` is the
+snapshot of step N only if it is no link and its marker records step N
+(:func:`~ddpkit.snapshot._folders.scan`). On load, a snapshot whose files are missing or altered,
+and a newer folder named like one that is none, is reported by name and the one before it is used.
+DCP reshards on load, so a snapshot taken on N ranks resumes on M.
 
 What differs between ranks is saved per rank: see :mod:`ddpkit.snapshot._layout`. At the same world
 size every rank loads its own copy back; at another, every rank loads rank 0's.
@@ -394,12 +396,17 @@ class SnapshotManager:
 
     def latest(self, warn: Callable[[str], None] = print) -> Found | None:
         """The newest whole snapshot, the same on every rank (rank 0 checks the files and tells the
-        others)."""
+        others). A damaged one, and anything newer named like one that is none (a link, a copy or
+        rename of another step's folder: :func:`~ddpkit.snapshot._folders.scan`), is named through
+        ``warn`` and passed over."""
         self.wait()
         choice = None
         if self._rank == 0:
-            for found in self.candidates():
-                problem = self.verify(found)
+            for found, problem in folders.scan(self.folder):
+                if problem == folders.PARTIAL:  # a write killed before its marker: not a snapshot
+                    continue  # yet, and the next prune removes it
+                if problem is None:
+                    problem = self.verify(found)
                 if problem is None:
                     choice = found
                     break

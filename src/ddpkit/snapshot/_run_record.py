@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ import torch
 from ddpkit import _fs as fs
 from ddpkit._errors import ConfigError
 from ddpkit.distributed._runtime import Runtime
+from ddpkit.snapshot import _codec as codec
 
 RESUMABLE_CHANGES = frozenset({
     "run_dir", "resume", "epochs", "max_steps", "num_workers", "eval_batch_size",
@@ -53,18 +54,35 @@ _OPTIMIZER_IMPLEMENTATION = frozenset(
 )
 
 
-def optimizer_hparams(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """The hyper-parameters of each param group as the script built them (JSON values), and the
-    group sizes.
+def optimizer_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, str]]:
+    """The hyper-parameters of each param group as the script built them, and the group sizes, each
+    as its :func:`~ddpkit.snapshot._codec.fingerprint`: equal exactly when the values are (a tensor
+    lr to its last bit, a set whatever the hash seed, NaN to itself).
 
     Taken when the Trainer is built, before any step: a scheduler has moved ``lr`` by the time a
     snapshot is written, so the value a resumed run asks for is compared with the value the first
     run asked for.
     """
-    out = []
+    return [
+        {k: codec.fingerprint(v) for k, v in group.items() if k not in _OPTIMIZER_IMPLEMENTATION}
+        | {"params": codec.fingerprint(len(group["params"]))}
+        for group in optimizer.param_groups
+    ]
+
+
+def optimizer_hparams(optimizer: torch.optim.Optimizer) -> list[dict[str, Any] | None]:
+    """The same as JSON values (``str()`` of what JSON does not hold), as snapshots recorded them
+    before :func:`optimizer_settings`: compared only with those. None for a group that JSON refuses
+    (a dict with tuple keys)."""
+    out: list[dict[str, Any] | None] = []
     for group in optimizer.param_groups:
         values = {k: v for k, v in group.items() if k not in _OPTIMIZER_IMPLEMENTATION}
-        out.append(json.loads(json.dumps(values, default=str)) | {"params": len(group["params"])})
+        try:
+            out.append(
+                json.loads(json.dumps(values, default=str)) | {"params": len(group["params"])}
+            )
+        except (TypeError, ValueError):
+            out.append(None)
     return out
 
 
@@ -118,9 +136,12 @@ class RunRecord:
 
     config: dict[str, Any]
     """``TrainerConfig.to_json()``."""
-    optimizer_hparams: list[dict[str, Any]]
+    optimizer_hparams: list[dict[str, Any] | None]
     model_shapes: dict[str, tuple[tuple[int, ...], str]]
     module_types: dict[str, str]
+    optimizer_settings: list[dict[str, str]] | None = None
+    """What a resume compares the optimizer by (:func:`optimizer_settings`); ``optimizer_hparams``
+    is compared only with a snapshot that holds no settings."""
 
     @classmethod
     def of(cls, config: Any, optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> RunRecord:
@@ -131,6 +152,7 @@ class RunRecord:
             optimizer_hparams(optimizer),
             tensor_shapes(model.state_dict()),
             module_types(model),
+            optimizer_settings(optimizer),
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -139,6 +161,7 @@ class RunRecord:
             "optimizer_hparams": self.optimizer_hparams,
             "model_shapes": self.model_shapes,
             "module_types": self.module_types,
+            "optimizer_settings": self.optimizer_settings,
         }
 
     def precision_change(self, saved: Mapping[str, Any]) -> tuple[str, str] | None:
@@ -170,20 +193,11 @@ class RunRecord:
                 problems.append(
                     f"TrainerConfig.{name}: {old[name]!r} in the snapshot, {value!r} now"
                 )
-        old_hparams = saved.get("optimizer_hparams")
-        if old_hparams is not None:
-            if len(old_hparams) != len(self.optimizer_hparams):
-                problems.append(
-                    f"optimizer: {len(old_hparams)} param groups in the snapshot, "
-                    f"{len(self.optimizer_hparams)} now"
-                )
-            for i, (was, now) in enumerate(zip(old_hparams, self.optimizer_hparams)):
-                for key in sorted(was.keys() | now.keys()):
-                    if was.get(key) != now.get(key):
-                        problems.append(
-                            f"optimizer param group {i} {key}: {was.get(key)!r} in the snapshot, "
-                            f"{now.get(key)!r} now"
-                        )
+        settings = saved.get("optimizer_settings")
+        if settings is not None and self.optimizer_settings is not None:
+            problems += _group_differences(settings, self.optimizer_settings, str)
+        elif saved.get("optimizer_hparams") is not None:  # a snapshot from before the settings
+            problems += _group_differences(saved["optimizer_hparams"], self.optimizer_hparams, repr)
         problems += _model_differences(saved.get("model_shapes") or {}, self.model_shapes)
         if saved.get("module_types") is not None:
             problems += _module_differences(saved["module_types"], self.module_types)
@@ -200,6 +214,22 @@ class RunRecord:
                 "(the previous run's snapshots and records are moved aside), or change only what "
                 f"a resume may change ({allowed})"
             )
+
+
+def _group_differences(old: list[Any], new: list[Any], show: Callable[[Any], str]) -> list[str]:
+    out = []
+    if len(old) != len(new):
+        out.append(f"optimizer: {len(old)} param groups in the snapshot, {len(new)} now")
+    for i, (was, now) in enumerate(zip(old, new)):
+        if was is None or now is None:  # not recorded (a snapshot's JSON values refused it)
+            continue
+        for key in sorted(was.keys() | now.keys()):
+            if was.get(key) != now.get(key):
+                out.append(
+                    f"optimizer param group {i} {key}: {show(was.get(key))} in the snapshot, "
+                    f"{show(now.get(key))} now"
+                )
+    return out
 
 
 def _listed(names: list[str]) -> str:

@@ -13,6 +13,7 @@ from ddpkit._errors import ConfigError
 from ddpkit.distributed._collectives import all_gather_object
 from ddpkit.distributed._runtime import Runtime
 from ddpkit.distributed._seeding import rng_state, set_rng_state, stream_seed
+from ddpkit.snapshot import _codec as codec
 
 NewRankState = Literal["refuse", "copy", "fresh"]
 """What a rank beyond a snapshot's world size gets of a part each rank keeps its own of
@@ -88,7 +89,7 @@ class RankStreams:
         return {
             "rng": rng_state(),
             "loader_generator": self.generator.get_state(),
-            "own": {name: _on_cpu(part.state_dict()) for name, part in self.own.items()},
+            "own": {name: _own(part.state_dict(), name) for name, part in self.own.items()},
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -176,13 +177,14 @@ class RankStreams:
                 part.load_state_dict(mine["own"][name])
 
 
-def _on_cpu(value: Any) -> Any:
-    """``value`` with its tensors copied to the CPU: gathered to every rank (and pickled), a device
-    tensor would be re-created on the device of the rank that saved it."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu() if value.device.type != "cpu" else value.detach().clone()
-    if isinstance(value, dict):
-        return {k: _on_cpu(v) for k, v in value.items()}
-    if type(value) in (list, tuple):
-        return type(value)(_on_cpu(v) for v in value)
-    return value
+def _own(value: Any, name: str) -> Any:
+    """A copy of a part's ``state_dict()`` as a resume gives it back (:func:`codec.copied`): a
+    snapshot in memory or gathered by ``state_dict()`` holds what a disk snapshot's load would give,
+    tensors on the CPU (gathered to every rank and pickled, a device tensor would be re-created on
+    the device of the rank that saved it), and no type is lost on the way. A value the codec cannot
+    hold is left as it is: the snapshot refuses it on every rank together, naming it
+    (``SnapshotManager``), where refusing here would leave the other ranks waiting."""
+    try:
+        return codec.copied(value, f"own.{name}")
+    except codec.UnsupportedValue:
+        return value

@@ -9,6 +9,7 @@ import hashlib
 import io
 import json
 import pickle
+import shutil
 
 import pytest
 import torch
@@ -78,6 +79,98 @@ def test_a_folder_without_its_marker_does_not_count_and_is_cleared(tmp_path):
     assert ckpt.latest(warn=print).step == 3
     save(ckpt, 9)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000003", "step-00000009"]
+
+
+def _stray(snapshots, kind: str, other_run) -> str:
+    """Put a folder named like a snapshot newer than the run's, that is not one, into
+    ``snapshots``; what its warning names."""
+    stray = snapshots / "step-00000099"
+    if kind == "copy":  # cp -a step-00000002 step-00000099
+        shutil.copytree(snapshots / "step-00000002", stray, symlinks=True)
+        return "records step 2"
+    if kind == "link":  # to another run's snapshot
+        SnapshotManager(other_run, keep_last=3).save(2, *state(2))
+        stray.symlink_to(other_run / "step-00000002", target_is_directory=True)
+        return "is a link"
+    if kind == "unpadded":  # a copy given a name ddpkit never gives, its marker made to agree
+        stray = snapshots / "step-99"
+        shutil.copytree(snapshots / "step-00000002", stray)
+        marker = json.loads((stray / MARKER).read_text())
+        (stray / MARKER).write_text(json.dumps(marker | {"step": 99}))
+        return "step-00000099"
+    shutil.copytree(snapshots / "step-00000002", stray)
+    marker = stray / MARKER
+    marker.write_bytes(marker.read_bytes()[:20])
+    return f"unreadable {MARKER}"
+
+
+@pytest.mark.parametrize("kind", ["copy", "link", "unpadded", "unreadable-marker"])
+def test_a_folder_named_like_a_newer_snapshot_that_is_not_one_is_never_loaded_nor_kept(
+    tmp_path, kind
+):
+    snapshots, other_run = tmp_path / "snapshots", tmp_path / "other-run"
+    ckpt = SnapshotManager(snapshots, keep_last=3)
+    for step in (2, 4, 6):
+        save(ckpt, step)
+    named = _stray(snapshots, kind, other_run)
+    stray = next(p for p in snapshots.iterdir() if p.name.endswith("99"))
+    warnings: list[str] = []
+    found = ckpt.latest(warn=warnings.append)
+    assert found.step == 6 and found.path == snapshots / "step-00000006"
+    assert len(warnings) == 1 and str(stray) in warnings[0] and named in warnings[0], warnings
+    assert [f.step for f in ckpt.candidates()] == [6, 4, 2]
+    sharded, extra = ckpt.load(found, lambda: {"model": {"w": torch.zeros(4)}})
+    assert extra["step"] == 6 and torch.equal(sharded["model"]["w"], torch.full((4,), 6.0))
+    # The stray is left as it is (newer than any snapshot: each resume names it); the prune keeps
+    # the newest 3 whole snapshots, never counting it among them.
+    save(ckpt, 8)
+    assert sorted(p.name for p in snapshots.iterdir()) == sorted(
+        ["step-00000004", "step-00000006", "step-00000008", stray.name]
+    )
+    # Control: a whole snapshot newer than the stray is loaded, and the prune then removes the
+    # stray, older than it, as it would an old snapshot (a link loses only itself).
+    save(ckpt, 120)
+    warnings.clear()
+    assert ckpt.latest(warn=warnings.append).step == 120 and not warnings
+    assert sorted(p.name for p in snapshots.iterdir()) == [
+        "step-00000006",
+        "step-00000008",
+        "step-00000120",
+    ]
+    if kind == "link":  # never followed: the other run's snapshot is whole
+        assert SnapshotManager(other_run).latest(warn=warnings.append).step == 2 and not warnings
+
+
+def test_a_marker_that_records_another_step_is_named_and_the_snapshot_before_is_used(tmp_path):
+    ckpt = SnapshotManager(tmp_path, keep_last=3)
+    save(ckpt, 3)
+    save(ckpt, 6)
+    marker = tmp_path / "step-00000006" / MARKER
+    recorded = json.loads(marker.read_text())
+    marker.write_text(json.dumps(recorded | {"step": 7}))
+    warnings: list[str] = []
+    assert ckpt.latest(warn=warnings.append).step == 3
+    assert len(warnings) == 1 and "step-00000006" in warnings[0] and "records step 7" in warnings[0]
+    # Control: the marker as written.
+    marker.write_text(json.dumps(recorded))
+    assert ckpt.latest(warn=warnings.append).step == 6 and len(warnings) == 1
+
+
+def test_a_partial_folder_of_any_step_is_cleared_without_a_warning(tmp_path):
+    ckpt = SnapshotManager(tmp_path, keep_last=3)
+    for step in (2, 4, 6):
+        save(ckpt, step)
+    for partial in ("step-00000005", "step-00000099"):  # a write killed before its marker
+        (tmp_path / partial).mkdir()
+        shutil.copy(tmp_path / "step-00000006" / VALUES, tmp_path / partial)
+    warnings: list[str] = []
+    assert ckpt.latest(warn=warnings.append).step == 6 and not warnings
+    save(ckpt, 8)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step-00000004",
+        "step-00000006",
+        "step-00000008",
+    ]
 
 
 def test_async_save_writes_the_state_as_it_was_when_saved(tmp_path):

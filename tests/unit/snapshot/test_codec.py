@@ -17,6 +17,7 @@ import io
 import json
 import math
 import pathlib
+import struct
 import typing
 import zoneinfo
 from typing import Any
@@ -36,6 +37,7 @@ from ddpkit.snapshot import _region as region
 from ddpkit.snapshot._manager import SnapshotManager
 from ddpkit.snapshot._memory import slot as mslot
 from ddpkit.snapshot._memory import store as ms
+from ddpkit.snapshot._state import RankStreams, TrainState
 from tests.fuzz import examples
 
 SOME = examples(25, shrink=False)
@@ -77,12 +79,8 @@ def same(a: Any, b: Any, where: str = "") -> None:
             same(x, y, f"{where}[{i}]")
         if isinstance(a, collections.deque):
             assert a.maxlen == b.maxlen, where
-    elif isinstance(a, float):
-        assert (
-            a == b
-            and math.copysign(1, a) == math.copysign(1, b)
-            or (math.isnan(a) and math.isnan(b))
-        ), where
+    elif isinstance(a, float):  # by its bits: -0.0, and a NaN's sign and payload
+        assert struct.pack(">d", a) == struct.pack(">d", b), f"{where}: {a!r} vs {b!r}"
     elif isinstance(a, complex):
         same(a.real, b.real, where)
         same(a.imag, b.imag, where)
@@ -161,7 +159,12 @@ LEAVES = st.one_of(
     st.integers(),
     st.integers(min_value=-(10**60), max_value=10**60),
     st.floats(),
+    # NaNs of every sign and payload, beside the one JSON writes
+    st.integers(0, 2**51 - 1).map(
+        lambda m: struct.unpack(">d", struct.pack(">Q", 0x7FF8000000000000 | m | (m & 1) << 63))[0]
+    ),
     st.complex_numbers(),
+    st.sampled_from([np.str_(""), np.bytes_(b"")]),
     st.text(max_size=8),
     st.binary(max_size=8),
     st.builds(bytearray, st.binary(max_size=4)),
@@ -469,8 +472,49 @@ def test_the_refusal_names_the_key_path_the_type_and_the_way_out():
         codec.encode({"x": {3: 1, Box(1): 2}}, [])
     loop: list[Any] = []
     loop.append(loop)
-    with pytest.raises(ConfigError, match="nested too deeply or holds itself"):
+    with pytest.raises(ConfigError, match="cannot hold the state, a list nested more than 100"):
         codec.encode(loop, [])
+
+
+NESTS = {
+    "list": lambda v: [v],
+    "tuple": lambda v: (v, 1),
+    "dict": lambda v: {"k": v},
+    "dict of int keys": lambda v: {1: v},
+    "OrderedDict": lambda v: collections.OrderedDict(a=v),
+    "deque": lambda v: collections.deque([v], 3),
+    "frozenset": lambda v: frozenset({v}),
+}
+
+
+def _at_depth(frames: int, call: Any) -> Any:
+    """``call()`` with ``frames`` more frames on the stack: a load runs deeper than a save."""
+    return call() if frames == 0 else _at_depth(frames - 1, call)
+
+
+@pytest.mark.parametrize("kind", NESTS)
+def test_one_depth_limit_for_save_and_load_wherever_each_runs(kind):
+    """What a save accepts, a load reads, however deep in the stack either runs: the codec counts
+    levels (codec.MAX_DEPTH) instead of leaving it to Python's recursion limit, which each side
+    meets at another depth (a deque took more frames to decode than to encode: 330 levels saved,
+    not read)."""
+    nest = NESTS[kind]
+    deepest: Any = 1
+    for _ in range(codec.MAX_DEPTH):
+        deepest = nest(deepest)
+    held: list[torch.Tensor] = []
+    skeleton = json.loads(json.dumps(_at_depth(0, lambda: codec.encode(deepest, held))))
+    back = _at_depth(300, lambda: codec.decode(skeleton, held))
+    assert back == deepest
+    same(deepest, codec.decode_blob(_at_depth(300, lambda: codec.encode_blob(deepest))), kind)
+    # one level more is refused at save, naming the limit, from a shallow stack as from a deep one
+    for frames in (0, 300):
+        with pytest.raises(ConfigError, match=f"nested more than {codec.MAX_DEPTH} levels deep"):
+            _at_depth(frames, lambda: codec.encode(nest(deepest), []))
+    # control: a skeleton one level deeper than any save writes is refused as malformed on load
+    too_deep = {"l": [skeleton]}
+    with pytest.raises(ValueError, match="nested more than"):
+        codec.decode(too_deep, held)
 
 
 def test_a_disk_snapshot_refused_at_save_writes_nothing_and_leaves_the_previous_whole(tmp_path):
@@ -566,3 +610,69 @@ def test_the_memory_backend_refuses_at_its_first_save_before_any_slot_is_written
 def test_control_the_same_run_with_a_value_the_codec_holds_runs_to_its_end(tmp_path, monkeypatch):
     fit_with_memory(tmp_path, [1, collections.deque([2], maxlen=3)], monkeypatch)
     assert [p.name for p in (tmp_path / "run" / "snapshots").glob("step-*")] == ["step-00000004"]
+
+
+class _Part:
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"v": self.value}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.value = state["v"]
+
+
+@SOME
+@given(value=SUPPORTED)
+def test_a_ranks_own_state_is_kept_as_a_load_gives_it_back(value):
+    """A rank's own parts (callbacks, extra_state) are copied when a snapshot is taken
+    (``RankStreams.mine``: what a snapshot in memory keeps, and ``state_dict()`` gathers); the copy
+    is the value a disk snapshot's load gives, type for type (an ``OrderedDict``, a ``Counter``, an
+    ``nn.Parameter`` came back as ``dict`` and ``Tensor`` from a copy that rebuilt containers
+    itself), and its tensors are copies, not the live ones."""
+    streams = RankStreams(
+        ddpkit.get_runtime(), torch.Generator(), 0, TrainState(), own={"p": _Part(value)}
+    )
+    kept = streams.mine()["own"]["p"]["v"]
+    same(value, kept, "kept")
+    same(through_json(value), kept, "kept vs loaded")
+    live = [t for t in _flat(value) if isinstance(t, torch.Tensor) and t.numel()]
+    copies = [t for t in _flat(kept) if isinstance(t, torch.Tensor) and t.numel()]
+    assert not {t.untyped_storage().data_ptr() for t in live} & {
+        t.untyped_storage().data_ptr() for t in copies
+    }, "the copy shares a live tensor's storage"
+
+
+def _flat(value: Any) -> list[Any]:
+    if isinstance(value, dict):
+        return [x for k, v in value.items() for x in (*_flat(k), *_flat(v))]
+    if isinstance(value, (list, tuple, set, frozenset, collections.deque)):
+        return [x for v in value for x in _flat(v)]
+    return [value]
+
+
+def test_a_ranks_own_value_the_codec_refuses_is_left_for_the_snapshot_to_refuse_by_name(
+    tmp_path,
+):
+    """Refused in ``mine()``, a bad value would stop this rank alone, the others left waiting in
+    the snapshot's collectives; it is left as it is, and the snapshot refuses it on every rank,
+    naming it (``SnapshotManager._check_values``)."""
+    for bad in (torch.empty(2, device="meta"), collections.defaultdict(lambda: 0)):
+        streams = RankStreams(
+            ddpkit.get_runtime(), torch.Generator(), 0, TrainState(), own={"p": _Part([1, bad])}
+        )
+        own = streams.mine()["own"]
+        assert own["p"]["v"][1] is bad
+        with pytest.raises(ConfigError, match=r"cannot hold own.p.v\[1\]"):
+            SnapshotManager(tmp_path).save(1, {"model": {"w": torch.ones(2)}}, {}, own=own)
+
+
+@SOME
+@given(value=SUPPORTED)
+def test_a_value_and_what_a_load_gives_back_share_one_fingerprint(value):
+    """What a resume compares a run's settings by: a value saved and loaded back is the same
+    setting (NaN included); a value with one element changed is another (control)."""
+    assert codec.fingerprint(value) == codec.fingerprint(through_json(value))
+    changed = [value, 0]
+    assert codec.fingerprint(changed) != codec.fingerprint([value, 1])

@@ -4,7 +4,11 @@ with a warning, when only the precision changed (one process, no launcher)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -155,3 +159,90 @@ def test_parameters_of_another_dtype_are_still_refused(tmp_path):
         ConfigError, match=r"model 0.weight: \(8, 4\) float32 in the snapshot, \(8, 4\) float16 now"
     ):
         fit_precision(tmp_path, "fp32", epochs=2, half=True)
+
+
+def _record(**group: object) -> RunRecord:
+    param = nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    optimizer.param_groups[0].update(group)
+    return RunRecord.of(TrainerConfig(run_dir="r", batch_size=8), optimizer, nn.Linear(2, 2))
+
+
+def _through_a_snapshot(record: RunRecord) -> dict:
+    """The record as a resume reads it back: through the codec and JSON."""
+    held: list[torch.Tensor] = []
+    skeleton = json.loads(json.dumps(codec.encode(record.state_dict(), held)))
+    return codec.decode(skeleton, held)
+
+
+@pytest.mark.parametrize(
+    "saved, now",
+    [
+        (torch.tensor(0.01), torch.tensor(0.01003)),  # str() shows both as tensor(0.0100)
+        (torch.tensor([0.9, 0.999]), torch.tensor([0.9, 0.998])),
+        (float("nan"), 0.5),
+        (np.arange(2000.0), np.arange(2000.0) + np.eye(1, 2000, 1999)[0]),  # str() elides it
+    ],
+)
+def test_a_changed_optimizer_setting_is_refused_to_its_last_bit(saved, now):
+    record = _through_a_snapshot(_record(lr=saved))
+    with pytest.raises(ConfigError, match="optimizer param group 0 lr"):
+        _record(lr=now).check(record, "snapshot")
+    # control: the same value is let through, NaN included
+    _record(lr=saved).check(record, "snapshot")
+
+
+def test_a_setting_json_cannot_hold_is_recorded_and_compared():
+    """A dict with tuple keys in a param group (the codec holds it; JSON does not) stopped the
+    Trainer being built, in the record's JSON text."""
+    record = _through_a_snapshot(_record(seen={(1, 2): 3}))
+    _record(seen={(1, 2): 3}).check(record, "snapshot")
+    with pytest.raises(ConfigError, match="optimizer param group 0 seen"):
+        _record(seen={(1, 2): 4}).check(record, "snapshot")
+
+
+def test_a_setting_that_saves_resumes_in_any_process():
+    """A set of strings iterates in another order under another hash seed, and NaN is not equal to
+    itself: the record compares each setting by its fingerprint, so a run that saved resumes. Each
+    record is made in a process of its own, as a job and its restart are."""
+    script = (
+        "import json, sys, torch\n"
+        "from torch import nn\n"
+        "from ddpkit.snapshot import _codec as codec\n"
+        "from ddpkit.snapshot._run_record import RunRecord\n"
+        "from ddpkit.training._trainer import TrainerConfig\n"
+        "opt = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)\n"
+        "opt.param_groups[0].update(tags={'encoder', 'decoder', 'head', 'lora', 'frozen'},\n"
+        "                           last_metric=float('nan'))\n"
+        "r = RunRecord.of(TrainerConfig(run_dir='r', batch_size=8), opt, nn.Linear(2, 2))\n"
+        "held = []\n"
+        "print(json.dumps(codec.encode(r.state_dict(), held)))\n"
+    )
+    records = []
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        out = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+        )
+        records.append(codec.decode(json.loads(out.stdout), []))
+    first, second = records
+    assert first["optimizer_settings"][0]["tags"] != repr(
+        {"encoder", "decoder", "head", "lora", "frozen"}
+    )
+    RunRecord(
+        second["config"],
+        second["optimizer_hparams"],
+        second["model_shapes"],
+        second["module_types"],
+        second["optimizer_settings"],
+    ).check(first, "snapshot")
+    # control: compared as JSON text (what the record held before its settings), the same run is
+    # refused: the set's text changed with the seed, and NaN differs from itself
+    old_way = dict(first, optimizer_settings=None)
+    with pytest.raises(ConfigError, match="last_metric"):
+        RunRecord(
+            second["config"],
+            second["optimizer_hparams"],
+            second["model_shapes"],
+            second["module_types"],
+        ).check(old_way, "snapshot")
