@@ -68,8 +68,40 @@ class SeveralModels:
         self.model: nn.Module = nn.ModuleDict(self.models)  # for the Trainer's walks over modules
         # what snapshots hold
         self.modules = nn.ModuleDict({name: unwrap(m) for name, m in self.models.items()})
+        stepped = self._owners()
         self.views = {name: self._view(name, opt) for name, opt in self.optimizers.items()}
+        # Per optimizer, the parameters of its model that no optimizer holds: a skip clears their
+        # gradients with its own (no NaN stays), and leaves those of another optimizer over the same
+        # model, which has its own verdict still to come.
+        self.outside = {
+            name: [p for p in view.model.parameters() if id(p) not in stepped]
+            for name, view in self.views.items()
+        }
         self.optimizer = next(iter(self.optimizers.values()))  # the learning rate the records show
+
+    def _owners(self) -> dict[int, str]:
+        """The optimizer holding each parameter, by ``id``; a parameter in two is refused: one
+        optimizer's step sets its gradient to None before the other's, and a snapshot keys optimizer
+        state by parameter name, so it holds only one optimizer's."""
+        owners: dict[int, str] = {}
+        for name, optimizer in self.optimizers.items():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    first = owners.setdefault(id(p), name)
+                    if first != name:
+                        raise ConfigError(
+                            f"parameter {self._name_of(p)} is in optimizers {first!r} and "
+                            f"{name!r}: give each parameter to one optimizer (leave it out of "
+                            "one of them)"
+                        )
+        return owners
+
+    def _name_of(self, param: torch.Tensor) -> str:
+        for model_name, model in self.modules.items():
+            for name, p in model.named_parameters():
+                if p is param:
+                    return f"{model_name}.{name}"
+        return "(of no model)"
 
     def _view(self, name: str, optimizer: torch.optim.Optimizer) -> DDPStrategy:
         params = {id(p) for group in optimizer.param_groups for p in group["params"]}

@@ -234,6 +234,12 @@ def capture_trainer(
 def workload_of(found: Captured, script: str, world_size: int) -> Workload:
     """The :class:`Workload` of a captured Trainer, with the per-rank micro-batch the
     Trainer would use on ``world_size`` ranks."""
+    if found.kwargs.get("step_fn") is not None:
+        raise ConfigError(
+            f"{script}: its Trainer has a step_fn (several models and optimizers), which `ddpkit "
+            "check` and `ddpkit bench` do not run: they train one model with one loss; to check "
+            f"one of its models, define {HOOK}() returning it with its loss and optimizer"
+        )
     names = ("model", "optimizer", "train_data", "config")
     given = dict(zip(names, found.args)) | {k: v for k, v in found.kwargs.items() if k in names}
     missing = [n for n in names if n not in given]

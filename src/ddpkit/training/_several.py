@@ -39,6 +39,7 @@ from ddpkit.tracking._speed import Speed
 from ddpkit.training._config import TrainerConfig
 from ddpkit.training._loss_window import LossWindow
 from ddpkit.training._step import MicroBatch, OptimizerStep, Step, scale_loss
+from ddpkit.training._validation import metric_driven
 
 
 class StepContext:
@@ -52,24 +53,32 @@ class StepContext:
         # each optimizer stepped so far: taken, or skipped (non-finite)
         self.taken: dict[str, bool] = {}
         self._at: MicroBatch | None = None
+        # The optimizers whose latest backward ran under no_sync(): their gradients are this rank's
+        # own until a backward on the step's last micro-batch all-reduces them.
+        self._unsynced: set[str] = set()
 
     def micro_batches(self) -> Iterator[Any]:
         """This rank's micro-batches of the step; may be iterated again (a GAN's generator pass).
         The body of the loop runs under autocast, and, on all but the last micro-batch, under every
-        model's ``no_sync()``: a forward pass and its backward must both be inside the loop."""
+        model's ``no_sync()``: a forward pass and its backward must both be inside the loop, and
+        the loop must run to its end."""
         owner = self._owner
-        for micro in self._micro:
-            self._at = micro
-            sync = nullcontext() if micro.last else owner.strategy.no_sync()
-            with sync, owner.autocast():
-                yield micro.batch
-        self._at = None
+        try:
+            for micro in self._micro:
+                self._at = micro
+                sync = nullcontext() if micro.last else owner.strategy.no_sync()
+                with sync, owner.autocast():
+                    yield micro.batch
+        finally:
+            # Left early too (a break, zip with a shorter iterable, next(iter(...))): a backward
+            # after it would run outside the micro-batch's no_sync() and autocast.
+            self._at = None
 
     def backward(self, loss: torch.Tensor, *names: str) -> None:
-        """``loss`` (the current micro-batch's mean) backward, for the optimizers ``names``'
-        verdict; recorded as ``train/loss_<names joined by +>``. Divided by the micro-batch's
-        divisor, scaled under fp16, and a non-finite value put into the gradients every rank's
-        verdict reads."""
+        """``loss`` (the current micro-batch's mean, a 0-dim tensor) backward, for the optimizers
+        ``names``' verdict; recorded as ``train/loss_<names joined by +>``. Divided by the
+        micro-batch's divisor, scaled under fp16, and a non-finite value put into the gradients
+        every rank's verdict reads."""
         owner, micro = self._owner, self._at
         if micro is None:
             raise RuntimeError("step.backward() runs inside `for batch in step.micro_batches():`")
@@ -77,7 +86,23 @@ class StepContext:
             raise ConfigError(
                 f"step.backward(loss, *names): name optimizers among {sorted(owner.steps)}"
             )
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            got = (
+                f"shape {tuple(loss.shape)}"
+                if isinstance(loss, torch.Tensor)
+                else f"type {type(loss).__name__}"
+            )
+            raise ConfigError(
+                f"step.backward(loss, {', '.join(map(repr, names))}) got a loss of {got}: pass "
+                "the micro-batch's mean, a 0-dim tensor (loss.mean(), or reduction='mean')"
+            )
+        if loss.ndim:
+            loss = loss.reshape(())  # the loss window stacks 0-dim losses
         owner.window.add(loss, micro.samples, "+".join(names))
+        if micro.last:
+            self._unsynced.difference_update(names)
+        else:
+            self._unsynced.update(names)
         for name in names:
             loss = owner.strategy.views[name].mark_nonfinite(loss)
         scaled = scale_loss(loss, micro, None)
@@ -94,6 +119,16 @@ class StepContext:
         if name not in owner.steps or name in self.taken:
             raise ConfigError(
                 f"step.optimizer_step({name!r}): once a step, for one of {sorted(owner.steps)}"
+            )
+        if name in self._unsynced:
+            # Every rank is here alike: the same step function over the same number of
+            # micro-batches.
+            raise RuntimeError(
+                f"step.optimizer_step({name!r}): the step's last micro-batch had no "
+                f"step.backward(..., {name!r}) after one under no_sync(), so the gradients of "
+                f"{name!r} were never all-reduced and each rank would step with its own: run `for "
+                "batch in step.micro_batches():` to its end (no break), with a backward on every "
+                "micro-batch"
             )
         taken = self.taken[name] = owner.steps[name](owner.window)
         self.optimizers[name].zero_grad(set_to_none=True)
@@ -143,6 +178,7 @@ class ManualStep:
                 log=log,
                 group=group,
                 counts=False,
+                outside=strategy.outside[name],
             )  # fmt: skip
             for name, view in strategy.views.items()
         }
@@ -194,6 +230,26 @@ class Schedulers:
             s.load_state_dict(state[name])
 
 
+def _check_scheduler(name: str, scheduler: Any, optimizers: Mapping[str, Any]) -> None:
+    """Refuse a scheduler filed under another optimizer's name, or one that needs a metric (the
+    step of several models has no validation to give it one)."""
+    what = f"scheduler={{{name!r}: {type(scheduler).__name__}}}"
+    target = getattr(scheduler, "optimizer", None)
+    if target is not None and target is not optimizers[name]:
+        owner = next((n for n, o in optimizers.items() if o is target), None)
+        built = f"optimizer {owner!r}" if owner else "an optimizer the Trainer is not given"
+        raise ConfigError(
+            f"{what} was built with {built}, not {name!r}: file each scheduler under the name of "
+            "the optimizer it was built with"
+        )
+    if metric_driven(scheduler):
+        raise ConfigError(
+            f"{what} steps on a validation metric, and a Trainer with step_fn has no validation: "
+            "use a scheduler that steps without one, or leave it out of scheduler= and step it in "
+            "a callback that evaluates (extra_state={...} keeps its state in snapshots)"
+        )
+
+
 def several_models(
     config: TrainerConfig,
     models: Any,
@@ -228,6 +284,8 @@ def several_models(
         raise ConfigError(
             f"scheduler names {unknown} name no optimizer: use names among {sorted(optimizers)}"
         )
+    for name, sched in (scheduler or {}).items():
+        _check_scheduler(name, sched, optimizers)
     for what, value in refused.items():
         if value is not None and value is not False:
             raise ConfigError(

@@ -235,6 +235,11 @@ class OptimizerStep:
 
     ``counts``: the step advances the Trainer's step counter and updates the fp16 scaler (a step of
     several optimizers does both once, after the last).
+
+    ``outside``: the parameters beside the optimizer's whose gradients a skip sets to None too, so
+    that no NaN stays; None: every parameter of the strategy's model (one optimizer). Under several
+    optimizers over one model, those of no optimizer: another optimizer's gradients wait for its own
+    verdict.
     """
 
     def __init__(
@@ -248,10 +253,12 @@ class OptimizerStep:
         log: Callable[[str, int, dict[str, Any]], None],
         group: Group,
         counts: bool = True,
+        outside: list[torch.nn.Parameter] | None = None,
     ) -> None:
         self.config, self.strategy = config, strategy
         self.scheduler, self.scaler = scheduler, scaler
         self.state, self.log, self.group, self.counts = state, log, group, counts
+        self.outside = outside
         self.grad_norm: torch.Tensor | None = None
         self.step_norm: torch.Tensor | None = None
         self.lr = 0.0
@@ -300,7 +307,11 @@ class OptimizerStep:
         state = self.state
         self.strategy.optimizer.zero_grad(set_to_none=True)
         # parameters outside the optimizer too: no NaN stays
-        self.strategy.model.zero_grad(set_to_none=True)
+        if self.outside is None:
+            self.strategy.model.zero_grad(set_to_none=True)
+        else:
+            for p in self.outside:
+                p.grad = None
         # Rare, and entered by every rank together, so a collective is safe: how many ranks had a
         # bad loss?
         bad_ranks = int(all_reduce(float(not window.step_is_finite()), group=self.group))

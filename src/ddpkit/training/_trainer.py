@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from ddpkit._errors import PREEMPTED_EXIT_CODE, Preempted
+from ddpkit._errors import PREEMPTED_EXIT_CODE, ConfigError, Preempted
 from ddpkit.data import ShardedBatchSampler, build_loader
 from ddpkit.distributed import Group
 from ddpkit.distributed import _progress as marks
@@ -538,6 +538,12 @@ class Trainer:
     def evaluate(self, data: Dataset, prefix: str = "test") -> dict[str, float]:
         """Exact metrics over every sample of ``data`` (each counted once), named
         ``prefix/metric``."""
+        if self.step_fn is not None:
+            raise ConfigError(
+                "trainer.evaluate() is not supported with step_fn (several models have no one "
+                "forward and loss): evaluate in a callback instead (on_epoch_end, with "
+                "trainer.model['<name>'])"
+            )
         out = self.evaluator(data, prefix)
         if prefix != "val":
             self.writer.log(prefix, self.step, out)

@@ -5,6 +5,7 @@ optimizers bit for bit."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -355,3 +356,99 @@ def test_a_frozen_teacher_and_two_optimizers_over_one_model(tmp_path):
     assert any(k.startswith("state.net.2.") and k.endswith("exp_avg") for k in ranks[0]["optim"])
     names = {"train/loss_student", "train/loss_body+head"}
     assert all(names <= set(r) for r in records(tmp_path, "train"))
+
+
+# --- two optimizers over one model: a skip of one -------------------------------------------------
+
+
+class _Overflow(torch.autograd.Function):
+    """The identity, whose gradient is infinite while ``ON[0]``: the layers before it overflow,
+    the loss and the layers after it stay finite."""
+
+    ON = [False]
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * float("inf") if _Overflow.ON[0] else grad
+
+
+class Overflow(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Overflow.apply(x)
+
+
+def _body_head_job(run_dir: Path, order: tuple[str, str], accum: int = 1, how: str = "") -> Any:
+    """One model, the body's optimizer and the head's; the body's gradients overflow on rank 1 at
+    the step function's call 2. Each call's (body taken, head taken, head moved), and the final
+    state; ``how``: the micro-batches' loop left early (``break``: a backward after it; ``islice``:
+    a backward on the first micro-batch only), returning the error."""
+    ddpkit.seed_everything(0)
+    net = nn.Sequential(nn.Linear(2, 8), Overflow(), nn.Tanh(), nn.Linear(8, 1))
+    optimizers = {
+        "body": torch.optim.SGD(net[0].parameters(), lr=0.1),
+        "head": torch.optim.SGD(net[3].parameters(), lr=0.1, momentum=0.9),
+    }
+    calls: list[tuple[bool, bool, bool]] = []
+
+    def step_fn(step) -> None:
+        model = step.models["net"]
+        _Overflow.ON[0] = (len(calls), ddpkit.get_runtime().rank) == (2, 1)
+        if how == "break":
+            for (x,) in step.micro_batches():
+                out = model(x)
+                break
+            step.backward(out.pow(2).mean(), "body", "head")
+        elif how == "islice":
+            for (x,) in itertools.islice(step.micro_batches(), 1):
+                step.backward(model(x).pow(2).mean(), "body", "head")
+        else:
+            for (x,) in step.micro_batches():
+                step.backward(model(x).pow(2).mean(), "body", "head")
+        _Overflow.ON[0] = False
+        head = [p.detach().clone() for p in net[3].parameters()]
+        taken = {name: step.optimizer_step(name) for name in order}
+        moved = any(not torch.equal(p, h) for p, h in zip(net[3].parameters(), head))
+        calls.append((taken["body"], taken["head"], moved))
+
+    data = TensorDataset(torch.randn(64, 2, generator=torch.Generator().manual_seed(1)))
+    config = TrainerConfig(
+        run_dir=str(run_dir), epochs=1, batch_size=8, num_workers=0, on_nonfinite="skip",
+        grad_accum_steps=accum, logging=LoggingConfig(progress=False),
+    )  # fmt: skip
+    trainer = Trainer({"net": net}, optimizers, data, config, step_fn=step_fn)
+    try:
+        trainer.fit()
+    except RuntimeError as err:
+        return str(err)
+    return state(trainer) | {"calls": calls}
+
+
+def test_a_skip_by_one_of_two_optimizers_over_one_model_leaves_the_others_step(tmp_path):
+    ranks = run_on_ranks(_body_head_job, 2, (tmp_path / "body", ("body", "head")), timeout=300)
+    # The body's step is skipped on every rank; the head's, with finite gradients, is taken and
+    # moves the head (its gradients were not cleared by the body's skip).
+    calls = ranks[0]["calls"]
+    assert [c[:2] for c in calls] == [(True, True), (True, True), (False, True), (True, True)]
+    assert all(moved for _, _, moved in calls)
+    assert ranks[0]["skipped"] == ranks[1]["skipped"] == 1 and bitwise(ranks[0], ranks[1])
+    # Control: the head stepped first gives the same run, bit for bit.
+    head_first = run_on_ranks(_body_head_job, 2, (tmp_path / "head", ("head", "body")), timeout=300)
+    assert bitwise(head_first[0], ranks[0]) and head_first[0]["calls"] == ranks[0]["calls"]
+
+
+def test_leaving_the_micro_batches_early_is_refused_on_every_rank(tmp_path):
+    # Two micro-batches a step: the first's forward and backward run under no_sync(), so a backward
+    # after a break, or none on the last micro-batch, would leave each rank its own gradients.
+    broke = run_on_ranks(_body_head_job, 2, (tmp_path / "b", ("body", "head"), 2, "break"))
+    assert all(isinstance(r, str) and "step.backward() runs inside" in r for r in broke)
+    sliced = run_on_ranks(_body_head_job, 2, (tmp_path / "s", ("body", "head"), 2, "islice"))
+    assert all(
+        isinstance(r, str) and "the gradients of 'body' were never all-reduced" in r for r in sliced
+    )
+    # Control: the whole loop keeps the ranks' replicas equal.
+    whole = run_on_ranks(_body_head_job, 2, (tmp_path / "w", ("body", "head"), 2))
+    assert bitwise(whole[0], whole[1]) and whole[0]["step"] == 2

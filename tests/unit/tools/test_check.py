@@ -1,5 +1,6 @@
 """``ddpkit check`` with no rank started: bad arguments named, parameters with rounding-noise
-gradients left out of the comparison, a dataset smaller than one global batch refused."""
+gradients left out of the comparison, a dataset smaller than one global batch refused, a Trainer
+with ``step_fn`` refused."""
 
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import torch
 from ddpkit._errors import ConfigError
 from ddpkit.tools._check import CheckConfig, run_check
 from ddpkit.tools._compare import compare
+from ddpkit.tools._workload import load_workload
 
 SCRIPTS = Path(__file__).parents[2] / "jobs" / "scripts"
 
@@ -53,3 +55,39 @@ def test_a_dataset_smaller_than_one_global_batch_is_refused_before_any_rank_star
     )
     with pytest.raises(ConfigError, match="no global batch of 64"):
         run_check(CheckConfig(script=str(script)))
+
+
+_TWO_MODELS = """
+import sys
+import torch
+import ddpkit
+
+g, d = torch.nn.Linear(4, 2), torch.nn.Linear(2, 1)
+data = torch.utils.data.TensorDataset(torch.randn(64, 2), torch.zeros(64, dtype=torch.long))
+config = ddpkit.TrainerConfig(run_dir="runs/gan", epochs=1, batch_size=8, num_workers=0)
+if "--one" in sys.argv:
+    trainer = ddpkit.Trainer(d, torch.optim.SGD(d.parameters(), lr=0.1), data, config)
+else:
+    optimizers = {"g": torch.optim.SGD(g.parameters()), "d": torch.optim.SGD(d.parameters())}
+    trainer = ddpkit.Trainer(
+        {"g": g, "d": d},
+        optimizers,
+        data,
+        config,
+        step_fn=lambda step: None,
+    )
+trainer.fit()
+"""
+
+
+def test_a_script_whose_trainer_has_a_step_fn_is_refused_naming_step_fn(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    script = tmp_path / "gan.py"
+    script.write_text(_TWO_MODELS)
+    with pytest.raises(ConfigError, match="its Trainer has a step_fn .* do not run") as err:
+        load_workload(str(script))
+    assert "returned a model" not in str(err.value)
+    # Control: the same script building one model's Trainer is checked from it.
+    workload = load_workload(str(script), args=("--one",))
+    assert isinstance(workload.model, torch.nn.Linear) and workload.model.in_features == 2
+    assert not (tmp_path / "runs").exists()  # stopped where the Trainer would be built

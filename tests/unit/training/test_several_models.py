@@ -1,0 +1,253 @@
+"""A step of several models and optimizers (``step_fn``) in one process: what it cannot train is
+refused when the Trainer is built (a parameter in two optimizers, a scheduler needing a metric or
+filed under another optimizer), or at the call that goes wrong (``evaluate()``, a loss that is not
+the micro-batch's mean, a backward after leaving ``micro_batches()``, an optimizer step whose
+gradients were never all-reduced), and a skip clears only its own optimizer's gradients."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from itertools import islice
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import ddpkit
+from ddpkit._errors import ConfigError
+from ddpkit.training._config import LoggingConfig, TrainerConfig
+
+DATA = TensorDataset(torch.randn(32, 4, generator=torch.Generator().manual_seed(1)))
+
+
+def body_head(tmp_path: Any, step_fn: Any = None, **kw: Any):
+    """One model, the body's optimizer and the head's; ``scheduler``: a function of the optimizers
+    returning the schedulers by name; other options to the config."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    optimizers = {
+        "body": torch.optim.SGD(net[0].parameters(), lr=0.1),
+        "head": torch.optim.SGD(net[2].parameters(), lr=0.1),
+    }
+    scheduler = kw.pop("scheduler", None)
+    config = TrainerConfig(
+        run_dir=str(tmp_path / "run"), epochs=1, batch_size=8, num_workers=0,
+        logging=LoggingConfig(progress=False), **kw,
+    )  # fmt: skip
+    built = ddpkit.Trainer(
+        {"net": net},
+        optimizers,
+        DATA,
+        config,
+        step_fn=step_fn or body_head_step,
+        scheduler=scheduler(optimizers) if scheduler else None,
+    )
+    return net, optimizers, built
+
+
+def body_head_step(step: Any) -> None:
+    for (x,) in step.micro_batches():
+        step.backward(step.models["net"](x).pow(2).mean(), "body", "head")
+    step.optimizer_step("body")
+    step.optimizer_step("head")
+
+
+# --- refused when the Trainer is built ------------------------------------------------------------
+
+
+def test_a_parameter_in_two_optimizers_is_refused_naming_it_and_both(tmp_path):
+    # o1 over the whole model, o2 over its head: the head's weight is in both.
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    optimizers = {
+        "o1": torch.optim.Adam(net.parameters()),
+        "o2": torch.optim.Adam(net[2].parameters()),
+    }
+    config = TrainerConfig(
+        run_dir=str(tmp_path / "shared"), epochs=1, batch_size=8, num_workers=0,
+        logging=LoggingConfig(progress=False),
+    )  # fmt: skip
+    with pytest.raises(
+        ConfigError, match=r"parameter net\.2\.weight is in optimizers 'o1' and 'o2'"
+    ):
+        ddpkit.Trainer({"net": net}, optimizers, DATA, config, step_fn=body_head_step)
+    # Control: the body's and the head's optimizers over one model, each parameter in one, build.
+    net, _, built = body_head(tmp_path)
+    assert set(built.strategy.views) == {"body", "head"}  # type: ignore[attr-defined]
+
+
+def test_a_scheduler_needing_a_metric_or_filed_under_another_optimizer_is_refused(tmp_path):
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau
+    step_lr = torch.optim.lr_scheduler.StepLR
+    with pytest.raises(ConfigError, match=r"scheduler=\{'head': ReduceLROnPlateau\} steps on a"):
+        body_head(tmp_path, scheduler=lambda o: {"head": plateau(o["head"])})
+    # per step too: refused before the first step, not at it
+    with pytest.raises(ConfigError, match="ReduceLROnPlateau"):
+        body_head(
+            tmp_path, scheduler=lambda o: {"head": plateau(o["head"])}, scheduler_interval="step"
+        )
+    with pytest.raises(
+        ConfigError, match=r"scheduler=\{'head': StepLR\} was built with optimizer 'body', not"
+    ):
+        body_head(tmp_path, scheduler=lambda o: {"head": step_lr(o["body"], 2)})
+    stray = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    with pytest.raises(ConfigError, match="an optimizer the Trainer is not given"):
+        body_head(tmp_path, scheduler=lambda o: {"head": step_lr(stray, 2)})
+    # Control: a scheduler filed under its own optimizer's name builds and steps that optimizer.
+    net, optimizers, built = body_head(
+        tmp_path, scheduler=lambda o: {"head": step_lr(o["head"], 1, gamma=0.5)}
+    )
+    built.fit()
+    assert optimizers["head"].param_groups[0]["lr"] == 0.05
+    assert optimizers["body"].param_groups[0]["lr"] == 0.1
+
+
+def test_evaluate_with_step_fn_is_refused_saying_to_evaluate_in_a_callback(tmp_path):
+    _, _, built = body_head(tmp_path)
+    built.fit()
+    with pytest.raises(ConfigError, match="evaluate in a callback"):
+        built.evaluate(DATA)
+    # Control: one model's Trainer evaluates the same data.
+    model = nn.Linear(4, 1)
+    config = TrainerConfig(
+        run_dir=str(tmp_path / "one"), epochs=1, batch_size=8, num_workers=0,
+        logging=LoggingConfig(progress=False),
+    )  # fmt: skip
+    one = ddpkit.Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        DATA,
+        config,
+        batch_loss_fn=lambda m, batch: m(batch[0]).pow(2).mean(),
+    )
+    assert set(one.evaluate(DATA)) == {"test/loss"}
+
+
+# --- refused at the call --------------------------------------------------------------------------
+
+
+def test_a_loss_that_is_not_the_micro_batchs_mean_is_refused_at_backward(tmp_path):
+    def per_sample(step: Any) -> None:
+        for (x,) in step.micro_batches():
+            step.backward(step.models["net"](x).pow(2).squeeze(1), "body", "head")
+
+    with pytest.raises(ConfigError, match=r"a loss of shape \(8,\): pass the micro-batch's mean"):
+        body_head(tmp_path, per_sample)[2].fit()
+
+    # Control: a one-element loss of shape (1,) trains as its 0-dim value would.
+    def one_element(step: Any) -> None:
+        for (x,) in step.micro_batches():
+            step.backward(step.models["net"](x).pow(2).mean().reshape(1), "body", "head")
+        step.optimizer_step("body")
+        step.optimizer_step("head")
+
+    net_a, _, a = body_head(tmp_path / "a", one_element)
+    net_b, _, b = body_head(tmp_path / "b")
+    a.fit()
+    b.fit()
+    assert all(torch.equal(p, q) for p, q in zip(net_a.parameters(), net_b.parameters()))
+
+
+def _left_early(how: str) -> Callable[[Any], None]:
+    def step_fn(step: Any) -> None:
+        net = step.models["net"]
+        if how == "break":
+            for (x,) in step.micro_batches():
+                out = net(x)
+                break
+            step.backward(out.pow(2).mean(), "body", "head")
+        elif how == "next":
+            (x,) = next(iter(step.micro_batches()))
+            step.backward(net(x).pow(2).mean(), "body", "head")
+        elif how == "islice":
+            # a backward inside the loop, on the first of the two micro-batches only
+            for (x,) in islice(step.micro_batches(), 1):
+                step.backward(net(x).pow(2).mean(), "body", "head")
+        step.optimizer_step("body")
+        step.optimizer_step("head")
+
+    return step_fn
+
+
+@pytest.mark.parametrize("how", ["break", "next"])
+def test_a_backward_after_leaving_the_micro_batches_early_is_refused(tmp_path, how):
+    with pytest.raises(RuntimeError, match="step.backward\\(\\) runs inside"):
+        body_head(tmp_path, _left_early(how), grad_accum_steps=2)[2].fit()
+
+
+def test_an_optimizer_step_whose_last_micro_batch_had_no_backward_is_refused(tmp_path):
+    # Its backward ran under no_sync() only: under DDP each rank would step with its own gradients.
+    with pytest.raises(RuntimeError, match="the gradients of 'body' were never all-reduced"):
+        body_head(tmp_path, _left_early("islice"), grad_accum_steps=2)[2].fit()
+    # Control: with one micro-batch a step, that one is the last (its backward synchronises).
+    _, _, built = body_head(tmp_path / "one", _left_early("islice"))
+    built.fit()
+    assert built.step == 4
+    # Control: the whole loop, two micro-batches a step, trains.
+    _, _, built = body_head(tmp_path / "two", grad_accum_steps=2)
+    built.fit()
+    assert built.step == 2
+
+
+# --- a skip: its own optimizer's gradients only ---------------------------------------------------
+
+
+class _Overflow(torch.autograd.Function):
+    """The identity, whose gradient is infinite while ``ON[0]``: a gradient overflow in the layers
+    before it, with the loss finite."""
+
+    ON = [False]
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * float("inf") if _Overflow.ON[0] else grad
+
+
+class Overflow(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Overflow.apply(x)
+
+
+def test_a_skip_clears_its_own_optimizers_gradients_and_those_of_no_optimizer_only(tmp_path):
+    # body: net[0]; head: net[3]; net[4] in no optimizer. The body's gradients overflow at step 1.
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), Overflow(), nn.Tanh(), nn.Linear(8, 4), nn.Linear(4, 1))
+    optimizers = {
+        "body": torch.optim.SGD(net[0].parameters(), lr=0.1),
+        "head": torch.optim.SGD(net[3].parameters(), lr=0.1),
+    }
+    seen: list[tuple[bool, bool, bool, bool]] = []
+
+    def step_fn(step: Any) -> None:
+        _Overflow.ON[0] = len(seen) == 1
+        for (x,) in step.micro_batches():
+            step.backward(step.models["net"](x).pow(2).mean(), "body", "head")
+        _Overflow.ON[0] = False
+        head = [p.detach().clone() for p in net[3].parameters()]
+        body = step.optimizer_step("body")
+        outside = all(p.grad is None for p in net[4].parameters())
+        taken = step.optimizer_step("head")
+        moved = any(not torch.equal(p, h) for p, h in zip(net[3].parameters(), head))
+        seen.append((body, taken, moved, outside))
+
+    config = TrainerConfig(
+        run_dir=str(tmp_path / "run"), epochs=1, batch_size=8, num_workers=0,
+        on_nonfinite="skip", logging=LoggingConfig(progress=False),
+    )  # fmt: skip
+    built = ddpkit.Trainer({"net": net}, optimizers, DATA, config, step_fn=step_fn)
+    built.fit()
+    # The body's step is skipped; the head's, whose gradients are finite, is taken and moves it.
+    # The parameters of no optimizer lose their gradients with the skip (no infinity stays).
+    skip = seen[1]
+    assert skip[0] is False and skip[1] is True and skip[3] is True
+    assert all(head for _, head, _, _ in seen)
+    # Control: the head's step after the skip moved the head, as every other step's does.
+    assert all(moved for _, _, moved, _ in seen)
+    # Control: without a skip, the parameters of no optimizer keep their gradients.
+    assert not seen[0][3] and built.skipped_steps == 1
