@@ -54,6 +54,16 @@ _OPTIMIZER_IMPLEMENTATION = frozenset(
 )
 
 
+def named_settings(optimizers: Mapping[str, torch.optim.Optimizer]) -> list[dict[str, str]]:
+    """:func:`optimizer_settings` of several optimizers by name, in the order of their names, each
+    group's ``optimizer`` its optimizer's name."""
+    return [
+        group | {"optimizer": codec.fingerprint(name)}
+        for name in sorted(optimizers)
+        for group in optimizer_settings(optimizers[name])
+    ]
+
+
 def optimizer_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, str]]:
     """The hyper-parameters of each param group as the script built them, and the group sizes, each
     as its :func:`~ddpkit.snapshot._codec.fingerprint`: equal exactly when the values are (a tensor
@@ -144,15 +154,22 @@ class RunRecord:
     is compared only with a snapshot that holds no settings."""
 
     @classmethod
-    def of(cls, config: Any, optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> RunRecord:
+    def of(
+        cls,
+        config: Any,
+        optimizer: torch.optim.Optimizer,
+        model: torch.nn.Module,
+        named: Mapping[str, torch.optim.Optimizer] | None = None,
+    ) -> RunRecord:
         """The record of a run: ``optimizer`` as the script built it (before any scheduler step),
-        ``model`` unwrapped."""
+        ``model`` unwrapped; ``named``: the optimizers by name of a step of several, whose settings
+        are compared by name."""
         return cls(
             config.to_json(),
             optimizer_hparams(optimizer),
             tensor_shapes(model.state_dict()),
             module_types(model),
-            optimizer_settings(optimizer),
+            optimizer_settings(optimizer) if named is None else named_settings(named),
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -220,14 +237,20 @@ def _group_differences(old: list[Any], new: list[Any], show: Callable[[Any], str
     out = []
     if len(old) != len(new):
         out.append(f"optimizer: {len(old)} param groups in the snapshot, {len(new)} now")
-    for i, (was, now) in enumerate(zip(old, new)):
+    seen: dict[Any, int] = {}  # groups so far of each optimizer (by name, under several)
+    for was, now in zip(old, new):
+        name = (now or {}).get("optimizer")
+        i = seen[name] = seen.get(name, -1) + 1
         if was is None or now is None:  # not recorded (a snapshot's JSON values refused it)
             continue
+        where = f"optimizer {name} param group {i}" if name else f"optimizer param group {i}"
         for key in sorted(was.keys() | now.keys()):
-            if was.get(key) != now.get(key):
+            if key == "initial_lr" and (key in was) != (key in now):  # set by a scheduler
+                run = "the snapshot's run had" if key in was else "this run has"
+                out.append(f"{where}: {run} a learning-rate scheduler, the other none")
+            elif was.get(key) != now.get(key):
                 out.append(
-                    f"optimizer param group {i} {key}: {show(was.get(key))} in the snapshot, "
-                    f"{show(now.get(key))} now"
+                    f"{where} {key}: {show(was.get(key))} in the snapshot, {show(now.get(key))} now"
                 )
     return out
 

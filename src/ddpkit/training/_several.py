@@ -292,12 +292,15 @@ def several_models(
                 f"{what} is not supported with step_fn: leave it out (evaluate in a callback "
                 "instead)"
             )
-    # The record (checked on resume) holds every optimizer's groups, in order, as the script built
-    # them.
+    # The record (checked on resume) holds every optimizer's groups as the script built them, each
+    # by its optimizer's name (not by its place in the dict: the same optimizers in another order
+    # are the same run).
     groups = SimpleNamespace(
         param_groups=[g for opt in optimizers.values() for g in opt.param_groups]
     )
-    record = RunRecord.of(config, cast(torch.optim.Optimizer, groups), nn.ModuleDict(dict(models)))
+    record = RunRecord.of(
+        config, cast(torch.optim.Optimizer, groups), nn.ModuleDict(dict(models)), named=optimizers
+    )
     built = SeveralModels(
         models,
         optimizers,

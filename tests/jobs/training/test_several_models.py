@@ -291,9 +291,10 @@ def test_a_run_stopped_by_max_steps_resumes_both_models_and_optimizers_bitwise(t
     forgot = run_on_ranks(_resume_job, 2, (tmp_path / "forgot", None, True), timeout=300)
     assert not bitwise(forgot[0], whole[0])
     # Every optimizer is in the run's record: a resume with the second optimizer's lr changed is
-    # refused.
+    # refused, naming it.
     refused = run_on_ranks(_changed_lr_job, 2, (tmp_path / "stopped",), timeout=300)
-    assert all("optimizer param group 1 lr: 0.05 in the snapshot, 0.07 now" in r for r in refused)
+    expected = 'optimizer "d" param group 0 lr: 0.05 in the snapshot, 0.07 now'
+    assert all(expected in r for r in refused), refused
 
 
 def _changed_lr_job(run_dir: Path) -> str:

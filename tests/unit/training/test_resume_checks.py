@@ -246,3 +246,31 @@ def test_a_setting_that_saves_resumes_in_any_process():
             second["model_shapes"],
             second["module_types"],
         ).check(old_way, "snapshot")
+
+
+def _named(lr_g: float, lr_d: float, order: str = "gd", scheduler: bool = False) -> RunRecord:
+    params = {name: nn.Parameter(torch.zeros(2)) for name in "gd"}
+    lrs = {"g": lr_g, "d": lr_d}
+    optimizers = {n: torch.optim.SGD([params[n]], lr=lrs[n]) for n in order}
+    if scheduler:
+        torch.optim.lr_scheduler.StepLR(optimizers["g"], 2)
+    groups = [g for opt in optimizers.values() for g in opt.param_groups]
+    joined = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)
+    joined.param_groups = groups
+    config = TrainerConfig(run_dir="r", batch_size=8)
+    return RunRecord.of(config, joined, nn.Linear(2, 2), named=optimizers)
+
+
+def test_several_optimizers_settings_are_compared_by_name_not_by_place():
+    """A step of several optimizers: the same optimizers passed in another order are the same run,
+    and a changed one is named (as it was not: 'param group 0' of whichever came first)."""
+    saved = _through_a_snapshot(_named(0.01, 0.001, "gd"))
+    _named(0.01, 0.001, "dg").check(saved, "snapshot")
+    with pytest.raises(ConfigError, match=r'optimizer "d" param group 0 lr: 0.001 in the snapshot'):
+        _named(0.01, 0.002, "dg").check(saved, "snapshot")
+    with pytest.raises(ConfigError, match=r'optimizer "g" param group 0: this run has a learning-'):
+        _named(0.01, 0.001, "gd", scheduler=True).check(saved, "snapshot")
+    # control: compared by place, the reordered run is refused
+    by_place = dict(saved, optimizer_settings=None)
+    with pytest.raises(ConfigError, match="optimizer param group 0 lr"):
+        _named(0.01, 0.001, "dg").check(by_place, "snapshot")
