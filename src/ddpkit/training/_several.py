@@ -208,6 +208,8 @@ class ManualStep:
         taken = all(context.taken.values())
         if taken:
             self.state.step += 1
+        elif any(self.steps[name].skipped for name in context.taken):
+            self.state.skipped_steps += 1  # once, however many of its optimizers skipped
         self.window.end_step(taken)
         return taken
 

@@ -262,6 +262,9 @@ class OptimizerStep:
         self.grad_norm: torch.Tensor | None = None
         self.step_norm: torch.Tensor | None = None
         self.lr = 0.0
+        self.skipped = False
+        """This step was skipped for non-finite values (not an fp16 overflow): under several
+        optimizers, the step counts once in ``skipped_steps`` however many of them skipped."""
 
     def begin(self) -> None:
         """Before the step's first forward: the gradients set to None.
@@ -275,6 +278,7 @@ class OptimizerStep:
         step, and cost the same pass over the parameters.
         """
         self.strategy.optimizer.zero_grad(set_to_none=True)
+        self.skipped = False
 
     def __call__(self, window: LossWindow) -> bool:
         """True if the step was taken. The verdict costs a host sync per step (as a GradScaler's
@@ -336,11 +340,13 @@ class OptimizerStep:
                 "here. Lower the learning rate, clip gradients (clip_grad_norm), or pass "
                 "on_nonfinite='skip'"
             )
-        state.skipped_steps += 1
+        self.skipped = True
+        if self.counts:
+            state.skipped_steps += 1
+        # under several optimizers, the step this one is skipped in counts once, when it ends
+        skipped = state.skipped_steps + (0 if self.counts else 1)
         self.log(
-            "event",
-            state.step,
-            {"event": "skipped_nonfinite", "reason": what, "skipped": state.skipped_steps},
+            "event", state.step, {"event": "skipped_nonfinite", "reason": what, "skipped": skipped}
         )
         return False
 

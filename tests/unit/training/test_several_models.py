@@ -6,6 +6,7 @@ gradients were never all-reduced), and a skip clears only its own optimizer's gr
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from itertools import islice
 from typing import Any
@@ -251,3 +252,36 @@ def test_a_skip_clears_its_own_optimizers_gradients_and_those_of_no_optimizer_on
     assert all(moved for _, _, moved, _ in seen)
     # Control: without a skip, the parameters of no optimizer keep their gradients.
     assert not seen[0][3] and built.skipped_steps == 1
+
+
+def test_a_step_counts_once_among_the_skipped_however_many_optimizers_skip(tmp_path):
+    """``skipped_steps`` counts steps: a NaN loss for both optimizers of one step is one skipped
+    step, as its two events say; two steps each with one optimizer skipped are two (control)."""
+    nan_at: dict[int, tuple[str, ...]] = {}
+    calls = [0]
+
+    def step_fn(step: Any) -> None:
+        names = nan_at.get(calls[0], ())
+        calls[0] += 1
+        for (x,) in step.micro_batches():
+            for name in ("body", "head"):
+                bad = float("nan") if name in names else 0.0
+                step.backward(step.models["net"](x).pow(2).mean() + bad, name)
+        step.optimizer_step("body")
+        step.optimizer_step("head")
+
+    nan_at.update({1: ("body", "head")})
+    _, _, both = body_head(tmp_path / "both", step_fn, on_nonfinite="skip")
+    both.fit()
+    assert both.skipped_steps == 1
+    events = [
+        json.loads(line)
+        for line in (tmp_path / "both" / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [e["skipped"] for e in events if e.get("event") == "skipped_nonfinite"] == [1, 1]
+    nan_at.clear()
+    nan_at.update({1: ("body",), 2: ("head",)})
+    calls[0] = 0
+    _, _, apart = body_head(tmp_path / "apart", step_fn, on_nonfinite="skip")
+    apart.fit()
+    assert apart.skipped_steps == 2
