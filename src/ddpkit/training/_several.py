@@ -120,6 +120,12 @@ class StepContext:
             raise ConfigError(
                 f"step.optimizer_step({name!r}): once a step, for one of {sorted(owner.steps)}"
             )
+        if not _has_gradients(self.optimizers[name]):
+            raise ConfigError(
+                f"step.optimizer_step({name!r}) in a step with no step.backward(..., {name!r}): "
+                f"leave the call out on the steps that do not train {name!r} (a WGAN's generator "
+                "between its critic's steps): an optimizer with no gradients is not stepped"
+            )
         if name in self._unsynced:
             # Every rank is here alike: the same step function over the same number of
             # micro-batches.
@@ -133,6 +139,10 @@ class StepContext:
         taken = self.taken[name] = owner.steps[name](owner.window)
         self.optimizers[name].zero_grad(set_to_none=True)
         return taken
+
+
+def _has_gradients(optimizer: torch.optim.Optimizer) -> bool:
+    return any(p.grad is not None for g in optimizer.param_groups for p in g["params"])
 
 
 StepFn = Callable[[StepContext], Any]
@@ -193,14 +203,19 @@ class ManualStep:
             optimizer_step.begin()
         context = StepContext(self, list(step.micro_batches))
         self.step_fn(context)
-        unstepped = sorted(set(self.steps) - set(context.taken))
+        # An optimizer with no backward in this step has no gradients (set to None at its start)
+        # and is not stepped, nor is its scheduler: a WGAN's generator between its critic's steps.
+        # Gradients left unstepped would have no verdict: a NaN from one rank would reach the next
+        # step.
+        unstepped = sorted(
+            name
+            for name in set(self.steps) - set(context.taken)
+            if _has_gradients(self.strategy.optimizers[name])
+        )
         if unstepped:
-            # Gradients left unstepped would have no verdict: a NaN from one rank would reach the
-            # next step.
             raise RuntimeError(
-                f"the step function did not call step.optimizer_step() for {', '.join(unstepped)}: "
-                "step every optimizer once a step (leave one out of the Trainer's optimizers to "
-                "keep it from stepping)"
+                f"the step function did not call step.optimizer_step() for {', '.join(unstepped)}, "
+                "whose gradients a backward made: step every optimizer a step trains, once"
             )
         if self.scaler is not None:
             # once a step, after every optimizer's unscale_ (GradScaler's rule)

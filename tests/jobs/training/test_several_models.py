@@ -159,8 +159,11 @@ def test_a_nonfinite_loss_of_one_optimizer_on_one_rank_skips_or_stops_every_rank
 
 
 def _half_step(step) -> None:
+    """g's gradients made, and left without its optimizer step."""
+    g, d = step.models["g"], step.models["d"]
     for (real,) in step.micro_batches():
-        step.backward(step.models["d"](real).mean(), "d")
+        step.backward(d(real).mean(), "d")
+        step.backward(d(g(torch.randn(len(real), NOISE))).mean(), "g")
     step.optimizer_step("d")
 
 
@@ -180,8 +183,39 @@ def _refused_job(run_dir: Path) -> list[str]:
 
 def test_a_step_must_step_every_optimizer_and_what_is_unsupported_is_refused(tmp_path):
     unstepped, zero, compiled = run_on_ranks(_refused_job, 2, (tmp_path,), timeout=300)[0]
-    assert "did not call step.optimizer_step() for g" in unstepped
+    assert "did not call step.optimizer_step() for g, whose gradients a backward made" in unstepped
     assert "strategy='ddp'" in zero and "compile is not supported with step_fn" in compiled
+
+
+def _n_critic_job(run_dir: Path) -> dict[str, Any]:
+    """A WGAN's rhythm: the critic every step, the generator every second one; between them the
+    generator's fakes are made under no_grad, and its optimizer is left out of the step."""
+    moved: list[bool] = []
+
+    def step_fn(step) -> None:
+        g, d = step.models["g"], step.models["d"]
+        train_g = len(moved) % 2 == 1  # decided alike on every rank: by the step
+        before = [p.detach().clone() for p in g.parameters()]
+        for (real,) in step.micro_batches():
+            with torch.no_grad():
+                fake = g(torch.randn(len(real), NOISE))
+            step.backward(d(fake).mean() - d(real).mean(), "d")
+        step.optimizer_step("d")
+        if train_g:
+            for (real,) in step.micro_batches():
+                step.backward(-d(g(torch.randn(len(real), NOISE))).mean(), "g")
+            step.optimizer_step("g")
+        moved.append(any(not torch.equal(p, b) for p, b in zip(g.parameters(), before)))
+
+    out = _fit(run_dir, step_fn=step_fn, grad_accum_steps=2)
+    return out | {"moved": moved}
+
+
+def test_a_generator_stepped_every_second_step_trains_alike_on_every_rank(tmp_path):
+    ranks = run_on_ranks(_n_critic_job, 2, (tmp_path,), timeout=300)
+    moved = ranks[0]["moved"]
+    assert moved == [i % 2 == 1 for i in range(len(moved))] and len(moved) >= 4
+    assert ranks[0]["skipped"] == 0 and bitwise(ranks[0], ranks[1])
 
 
 # --- clipping per optimizer -----------------------------------------------------------------------

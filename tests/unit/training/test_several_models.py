@@ -285,3 +285,45 @@ def test_a_step_counts_once_among_the_skipped_however_many_optimizers_skip(tmp_p
     _, _, apart = body_head(tmp_path / "apart", step_fn, on_nonfinite="skip")
     apart.fit()
     assert apart.skipped_steps == 2
+
+
+def test_an_optimizer_a_step_does_not_train_is_not_stepped(tmp_path):
+    """A WGAN's generator steps once every ``n_critic`` steps: on the others it has no backward and
+    no gradients, and is left out of the step, with its per-step scheduler. An optimizer step with
+    no backward for it is refused, naming it (control)."""
+    moved: list[bool] = []
+
+    def n_critic_step(step: Any) -> None:
+        net = step.models["net"]  # a world of one: the module itself
+        train_head = len(moved) % 2 == 1
+        head = [p.detach().clone() for p in net[2].parameters()]
+        for (x,) in step.micro_batches():
+            if train_head:
+                step.backward(net(x).pow(2).mean(), "body", "head")
+            else:  # the body alone: no gradient reaches the head
+                step.backward(net[0](x).pow(2).mean(), "body")
+        step.optimizer_step("body")
+        if train_head:
+            step.optimizer_step("head")
+        moved.append(any(not torch.equal(p, h) for p, h in zip(net[2].parameters(), head)))
+
+    _, optimizers, built = body_head(
+        tmp_path / "n",
+        n_critic_step,
+        scheduler=lambda o: {"head": torch.optim.lr_scheduler.StepLR(o["head"], 1, gamma=0.5)},
+        scheduler_interval="step",
+    )
+    built.fit()
+    assert built.step == 4 and built.skipped_steps == 0
+    assert moved == [False, True, False, True]
+    assert optimizers["head"].param_groups[0]["lr"] == 0.1 * 0.5**2  # stepped with it, twice
+
+    def stepped_without_backward(step: Any) -> None:
+        for (x,) in step.micro_batches():
+            step.backward(step.models["net"][0](x).pow(2).mean(), "body")
+        step.optimizer_step("body")
+        step.optimizer_step("head")
+
+    _, _, refused = body_head(tmp_path / "r", stepped_without_backward)
+    with pytest.raises(ConfigError, match=r"optimizer_step\('head'\) in a step with no step"):
+        refused.fit()
