@@ -62,8 +62,9 @@ PHASES = ("data", "compute", "comm", "optimizer", "snapshot")
 # a rank's own work; comm is waiting for the others
 BUSY = ("data", "compute", "optimizer", "snapshot")
 SLOW_RATIO = 1.2
-"""A rank is named slow when its busy time per step is more than this times the median rank's,
-..."""
+"""A rank is named slow when its busy time per step is more than this times the median of the other
+ranks' (itself left out: at 2 ranks a median with it would be the mean of the two, and a rank would
+need to be 1.5x the other to pass 1.2x), ..."""
 SLOW_SHARE = 0.05
 """... and the excess is at least this share of the step's wall time (a tiny phase's noise is not
 news)."""
@@ -344,11 +345,11 @@ class StepTimings:
 class Slowest:
     rank: int
     excess_ms: float
-    """Its busy time per step minus the median rank's."""
+    """Its busy time per step minus the median of the other ranks'."""
     ratio: float
-    """Its busy time over the median rank's."""
+    """Its busy time over the median of the other ranks'."""
     phase: str
-    """The busy phase whose excess over that phase's median is the largest."""
+    """The busy phase whose excess over the other ranks' median of it is the largest."""
     slow: bool
     """Over both thresholds (``SLOW_RATIO``, ``SLOW_SHARE``): worth naming."""
 
@@ -380,9 +381,15 @@ class RankTimes:
     def _slowest(self) -> Slowest:
         busy = self.busy_ms
         rank = max(range(len(busy)), key=busy.__getitem__)
-        median = statistics.median(busy)
+        if len(busy) == 1:
+            return Slowest(rank, 0.0, 1.0, BUSY[0], False)
+
+        def others(values: list[float]) -> float:  # the median without the rank judged
+            return statistics.median(values[:rank] + values[rank + 1 :])
+
+        median = others(busy)
         excess = busy[rank] - median
-        phase = max(BUSY, key=lambda p: self.ms[p][rank] - statistics.median(self.ms[p]))
+        phase = max(BUSY, key=lambda p: self.ms[p][rank] - others(self.ms[p]))
         ratio = busy[rank] / median if median > 0 else float("inf") if busy[rank] > 0 else 1.0
         slow = ratio > SLOW_RATIO and excess >= SLOW_SHARE * statistics.median(self.step_ms)
         return Slowest(rank, excess, ratio, phase, slow)
@@ -445,10 +452,10 @@ class RunSpeed:
         windows = f"slow in {named} of {self.windows} windows"
         if total.slow:
             return (
-                f"  slowest rank {total.rank}: {total.ratio:.2f}x the median busy time, mostly "
-                f"{total.phase}; {windows}"
+                f"  slowest rank {total.rank}: {total.ratio:.2f}x the other ranks' median busy "
+                f"time, mostly {total.phase}; {windows}"
             )
         return (
-            f"  ranks even (busiest: rank {total.rank}, {total.ratio:.2f}x the median busy "
-            f"time); {windows}"
+            f"  ranks even (busiest: rank {total.rank}, {total.ratio:.2f}x the other ranks' "
+            f"median busy time); {windows}"
         )

@@ -88,10 +88,22 @@ def test_the_slowest_rank_is_named_with_its_excess_and_phase():
     times = _times({"data": [10.0, 10.0, 40.0, 10.0], "compute": [50.0, 52.0, 50.0, 51.0]})
     slowest = times.slowest()
     assert (slowest.rank, slowest.phase, slowest.slow) == (2, "data", True)
-    assert slowest.excess_ms == pytest.approx(90.0 - 61.5)  # over the median rank's busy time
-    assert slowest.text() == "rank 2 +28.5ms (data)"
+    assert slowest.excess_ms == pytest.approx(90.0 - 61.0)  # over the other ranks' median
+    assert slowest.text() == "rank 2 +29ms (data)"
     record = times.record()
     assert record["busy_ms"] == [60.0, 62.0, 90.0, 61.0] and record["slowest_phase"] == "data"
+
+
+def test_a_rank_slower_than_the_other_of_two_by_more_than_the_ratio_is_named():
+    """At 2 ranks the rank is compared with the other (a median that holds it would be the mean of
+    the two: 1.37x the other read as 1.16x, 'ranks even'); at 3 the median of the two others."""
+    two = _times({"compute": [20.0, 27.4]}).slowest()
+    assert (two.rank, two.slow) == (1, True) and two.ratio == pytest.approx(1.37)
+    three = _times({"compute": [20.0, 21.0, 27.0]}).slowest()
+    assert three.slow and three.ratio == pytest.approx(27.0 / 20.5)
+    # control: within the ratio of the other, nobody is named
+    assert not _times({"compute": [20.0, 23.0]}).slowest().slow
+    assert _times({"compute": [10.0]}).slowest().ratio == 1.0  # one rank: nobody to compare
 
 
 def test_control_ranks_within_the_thresholds_are_not_named():
@@ -107,7 +119,8 @@ def test_the_run_summary_names_the_slowest_rank_over_all_windows():
         run.add(_times({"compute": [10.0, 30.0]}), steps=5)
     assert (
         run.summary()
-        == "  slowest rank 1: 1.50x the median busy time, mostly compute; slow in 3 of 3 windows"
+        == "  slowest rank 1: 3.00x the other ranks' median busy time, mostly compute; slow in 3 "
+        "of 3 windows"
     )
     single = RunSpeed()
     single.add(_times({"compute": [10.0]}), steps=5)
