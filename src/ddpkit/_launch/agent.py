@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,20 +39,58 @@ from torch.distributed.elastic.agent.server.api import WorkerState
 from ddpkit._errors import PREEMPTED_EXIT_CODE
 from ddpkit._internals.elastic import HookedAgent, use_agent
 from ddpkit._launch import watch
+from ddpkit._launch import watch_nodes as nodes
 from ddpkit._launch.forkserver import workers as forked
 from ddpkit._launch.proctree import kill_descendants
+from ddpkit.distributed._progress import Phase
 from ddpkit.snapshot._memory import folder as memory_folder
 
 
-def _describe(rank: int, failure: Any, stall: watch.Stall | None = None) -> str:
+def _describe(
+    rank: int, failure: Any, stall: watch.Stall | None = None, disagreement: str = ""
+) -> str:
     how = (
         f"killed by {failure.signal_name()}"
         if failure.exitcode < 0
         else f"exit code {failure.exitcode}"
     )
     if stall is not None and rank in stall.ranks:
-        how = f"stalled, ended by the stall watch ({how})"
+        how = (
+            f"ended by the stall watch ({how})"
+            if disagreement
+            else f"stalled, ended by the stall watch ({how})"
+        )
     return f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid}): {how}"
+
+
+@dataclass(frozen=True)
+class Left:
+    """A worker that exited with code 0 while the others of its node went on."""
+
+    rank: int
+    local_rank: int
+    pid: int
+    step: int | None
+    """Its step at its last mark (None: it never marked one)."""
+
+
+def _left_line(left: Sequence[Left], first_rank: int) -> str:
+    """The line, before a failed job's summary, that says which ranks left the job early."""
+    if len(left) == 1:
+        one = left[0]
+        at = f" at step {one.step}" if one.step is not None else ""
+        who = f"rank {one.rank} (local rank {one.local_rank}, pid {one.pid}) left the job"
+    else:
+        at = ""
+        who = "ranks " + ", ".join(
+            f"{g.rank}" + (f" (step {g.step})" if g.step is not None else "") for g in left
+        )
+        who += " left the job"
+    return (
+        f"ddpkit run: {who} with exit code 0{at} while the others went on; rank {first_rank} then "
+        "failed (below): a script that returns, or calls sys.exit(0), on some ranks only leaves "
+        "the others to fail in their next collective; end every rank at the same step"
+    )
 
 
 def _recorded(failure: Any) -> tuple[str, list[str]]:
@@ -118,25 +157,43 @@ def cause(failures: dict[int, Any], stall: watch.Stall | None = None) -> tuple[i
 
 
 def summarize_failure(
-    err: Any, tail: int = 12, stall: watch.Stall | None = None, where: str = ""
+    err: Any,
+    tail: int = 12,
+    stall: watch.Stall | None = None,
+    where: str = "",
+    left: Sequence[Left] | None = None,
+    disagreement: str | None = None,
 ) -> str:
     """The failed ranks: the first to fail with its exception and the end of its traceback, then the
     rest.
 
     Once one rank fails, its peers fail too (a collective loses its peer, or the agent stops them),
     so the first failure in time is the cause and the others are its consequences. ``stall``: what
-    the stall watch named; ``where``: each rank's step and phase at its last mark.
+    the stall watch named; ``where``: each rank's step and phase at its last mark. ``left``: the
+    ranks that exited with code 0 while the others went on, said first (their exit is no failure to
+    torchrun, and the first failure is then a survivor's); ``disagreement``: the stall watch's line
+    on ranks in one collective under different ops. Both default to what this process's
+    :class:`Agent` saw.
     """
     failures: dict[int, Any] = getattr(err, "failures", {})
     if not failures:
         return f"ddpkit run: the job failed: {err}"
+    ours = Agent.current
+    if left is None:
+        left = ours.left if ours is not None else []
+    if disagreement is None:
+        disagreement = ours.disagreement if ours is not None else ""
     first_rank, first = cause(failures, stall)
-    lines = [
+    named = stall is not None and first_rank in stall.ranks
+    lines = [_left_line(left, first_rank)] if left else []
+    lines.append(
         f"ddpkit run: {len(failures)} worker(s) failed; first: "
-        f"{_describe(first_rank, first, stall)}"
-    ]
+        f"{_describe(first_rank, first, stall, disagreement if named else '')}"
+    )
     message, stack = _recorded(first)
     if stall is not None and first_rank in stall.ranks:
+        if disagreement:
+            lines.append(f"  {disagreement}")
         # Its stack, and every other rank's, were shown when it was named.
         lines.append(f"  {stall.headline.removeprefix('ddpkit run: ')}")
     elif message:
@@ -225,6 +282,18 @@ class Agent(HookedAgent):
         )
         self.where = ""
         """Each rank's step and phase at its last mark, when the last attempt failed."""
+        self.left: list[Left] = []
+        """This node's workers that exited with code 0 while the others went on, when the last
+        attempt failed."""
+        self.disagreement = ""
+        """The stall watch's line on ranks in one collective under different ops, in this
+        attempt."""
+        self._collectives: dict[int, watch.Record] = {}
+        """Global rank -> its record when the stall watch last read it waiting in a collective."""
+        self._polls = 0
+        self._exits_of: int | None = None
+        self._exit_seen: dict[int, int] = {}
+        """Local rank -> the poll that first saw its worker exited, in this attempt."""
         Agent.current = self
 
     def before_monitor(self, worker_group: Any) -> None:
@@ -235,6 +304,8 @@ class Agent(HookedAgent):
         attempt = id(self.process_context())
         if self._watched != attempt and processes:
             self._watched = attempt
+            self.disagreement = ""
+            self._collectives.clear()
             self.watch.start_attempt(
                 {
                     w.global_rank: (w.local_rank, processes[w.local_rank].pid)
@@ -252,13 +323,35 @@ class Agent(HookedAgent):
         running = {
             w.global_rank for w in worker_group.workers if processes[w.local_rank].poll() is None
         }
-        self.watch.poll(running)
+        if self.watch.poll(running) is not None:
+            self._say_disagreement(running)
+        for g, r in self.watch.ranks.items():
+            if r.record is not None and r.record.phase == Phase.COLLECTIVE:
+                self._collectives[g] = r.record
+
+    def _say_disagreement(self, running: set[int]) -> None:
+        """Once the stall watch named ranks: say so when the job's ranks wait in one collective
+        under different ops (the ranks named are those whose op is not the others')."""
+        assert self.watch is not None
+        now = self.watch.clock()
+        views = [self.watch.view(r, now) for g, r in self.watch.ranks.items() if g in running]
+        disagree = nodes.disagreement(views + self.watch.link.remote)
+        if disagree:
+            self.disagreement = nodes.disagreement_words(disagree, self.watch.link.multi)
+            print(f"ddpkit run: {self.disagreement}", file=sys.stderr, flush=True)
 
     def after_monitor(self, worker_group: Any, result: Any) -> None:
         failed = result.state == WorkerState.FAILED
+        self.left = self._left_early(worker_group) if failed else []
         if self.watch is not None and (failed or result.state == WorkerState.SUCCEEDED):
             if failed and self.watch.stall is None and not preempted(result.failures):
                 self.watch.read()  # a stall's headline says where they were
+                for g, r in self.watch.ranks.items():
+                    # A collective that failed (its timeout, a lost peer) hands the rank back to the
+                    # phase it was in before, and the line would say "user code": say the
+                    # collective it was last seen waiting in, when it has entered none since.
+                    if _left_collective(self._collectives.get(g), r.record):
+                        r.record = self._collectives[g]
                 self.where = self.watch.where()
             self.watch.disconnect()  # the other nodes no longer count this node's ranks
             self._published_to = None
@@ -290,6 +383,8 @@ class Agent(HookedAgent):
         # error file. A worker killed by a signal has none, and torchrun stamps it when it polls; a
         # delay here would let a peer's consequent error look earlier than the kill.
         codes = {local: proc.poll() for local, proc in self.worker_processes().items()}
+        self._polls += 1
+        self._note_exits(codes)
         failed = {
             local
             for local, code in codes.items()
@@ -311,6 +406,60 @@ class Agent(HookedAgent):
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(proc.pid, signal.SIGKILL)
 
+    def _note_exits(self, codes: dict[int, int | None]) -> None:
+        """Note the poll at which each worker of this attempt was first seen exited (``codes``:
+        local rank -> exit code, None while it runs)."""
+        attempt = id(self.process_context())
+        if self._exits_of != attempt:
+            self._exits_of, self._exit_seen = attempt, {}
+        for local, code in codes.items():
+            if code is not None:
+                self._exit_seen.setdefault(local, self._polls)
+
+    def _left_early(self, worker_group: Any) -> list[Left]:
+        """This node's workers that exited with code 0, no later than the first failure, while the
+        others went on.
+
+        torchrun counts an exit with code 0 as a success and waits for the rest: the others then
+        fail in their next collective ("Connection closed by peer"), and the first failure is a
+        survivor's. Went on: another rank's last mark is past its own (a later step, or more
+        collectives entered). A worker that finished with the others marked as far as they did, and
+        one that left after the failure (a script that catches its collective's error and returns)
+        is not behind the rank that failed. Where the ranks never marked (a loop ddpkit does not
+        see), its exit must have been seen while another worker still ran, before any failed.
+        """
+        processes = self.worker_processes()
+        codes = {local: proc.poll() for local, proc in processes.items()}
+        self._note_exits(codes)  # torchrun's poll, after this poll's own, may have seen some exit
+        failed_at = min(
+            (self._exit_seen.get(local, self._polls) for local, code in codes.items() if code),
+            default=self._polls,
+        )
+        marks: dict[int, watch.Record] = {}
+        for w in worker_group.workers:
+            proc = processes.get(w.local_rank)
+            if self.watch is None or proc is None:
+                continue
+            record = watch.read_record(self.watch.folder / f"rank{w.global_rank}.progress")
+            if record is not None and record.pid == proc.pid and record.step >= 0:
+                marks[w.global_rank] = record
+        left = []
+        for w in worker_group.workers:
+            seen = self._exit_seen.get(w.local_rank)
+            if codes.get(w.local_rank) != 0 or seen is None or seen > failed_at:
+                continue
+            mine = marks.get(w.global_rank)
+            others = [r for g, r in marks.items() if g != w.global_rank]
+            if mine is not None and others:
+                went_on = any((r.step, r.coll) > (mine.step, mine.coll) for r in others)
+            else:
+                still_ran = any(self._exit_seen.get(local, seen + 1) > seen for local in codes)
+                went_on = seen < failed_at and still_ran
+            if went_on:
+                step = mine.step if mine is not None else None
+                left.append(Left(w.global_rank, w.local_rank, processes[w.local_rank].pid, step))
+        return left
+
     def after_shutdown(self) -> None:
         if self.watch is not None:
             self.watch.disconnect()
@@ -325,6 +474,18 @@ class Agent(HookedAgent):
     def worker_pids(self) -> list[int]:
         pcontext = self.process_context()
         return list(pcontext.pids().values()) if pcontext is not None else []
+
+
+def _left_collective(before: watch.Record | None, after: watch.Record | None) -> bool:
+    """Whether a rank seen waiting in a collective (``before``) has left it and entered no other
+    collective nor step since (``after``)."""
+    return (
+        before is not None
+        and after is not None
+        and before.phase == Phase.COLLECTIVE
+        and after.phase != Phase.COLLECTIVE
+        and (after.coll, after.steps) == (before.coll, before.steps)
+    )
 
 
 def _ask_for_stacks(running: dict[int, int], wait: float = 3.0) -> None:

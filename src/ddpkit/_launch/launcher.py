@@ -277,12 +277,21 @@ def launch(cfg: LaunchConfig) -> int:
     )
 
     check_target(cfg)
-    # $DDPKIT_STALL_TIMEOUT checked before any start
-    stall = watch.policy_from(cfg.stall_timeout, cfg.on_stall)
-    if cfg.collective_timeout is None and "DDPKIT_COLLECTIVE_TIMEOUT" in os.environ:
+    collective_timeout = cfg.collective_timeout
+    if collective_timeout is None and "DDPKIT_COLLECTIVE_TIMEOUT" in os.environ:
         # Set by the user for the workers: checked here, once, rather than by every worker after its
         # start.
-        parse_seconds("DDPKIT_COLLECTIVE_TIMEOUT", os.environ["DDPKIT_COLLECTIVE_TIMEOUT"])
+        collective_timeout = parse_seconds(
+            "DDPKIT_COLLECTIVE_TIMEOUT", os.environ["DDPKIT_COLLECTIVE_TIMEOUT"]
+        )
+    if collective_timeout is None:
+        from ddpkit.distributed._runtime import DEFAULT_TIMEOUT  # imports torch: here, not at start
+
+        collective_timeout = DEFAULT_TIMEOUT.total_seconds()  # what init() gives the workers
+    # $DDPKIT_STALL_TIMEOUT checked before any start
+    stall = watch.policy_from(
+        cfg.stall_timeout, cfg.on_stall, collective_timeout=collective_timeout
+    )
     nproc = resolve_nproc(cfg.nproc, cfg.oversubscribe)
     node = None
     if cfg.rdzv_endpoint:  # networked

@@ -56,6 +56,14 @@ POLL_EVERY = 0.5
 """Seconds between two reads of the records (torchrun polls its workers every 0.1 s)."""
 
 
+LONG_PHASES = (Phase.SNAPSHOT, Phase.EVALUATION)
+"""Phases that may keep a rank longer than its steps while the others wait for it: a snapshot's
+copy, an evaluation over a shard slower than the others' (marked at every batch, but one batch may
+be long)."""
+LONG_SHARE = 0.5
+"""The long allowance is at most this share of the collective timeout."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class StallPolicy:
     """When a rank counts as stalled, and what the agent does then."""
@@ -65,7 +73,10 @@ class StallPolicy:
     factor: float = 10.0
     """A rank gets at least this many times its median step."""
     long_factor: float = 10.0
-    """Its first step and a snapshot get ``long_factor x floor``."""
+    """Its first step, a snapshot and an evaluation get ``long_factor x floor`` (at most
+    :data:`LONG_SHARE` of ``collective_timeout``)."""
+    collective_timeout: float | None = None
+    """Seconds the ranks' collectives wait before they fail (``--collective-timeout``)."""
     on_stall: str = "end"
     """``end``: kill the stalled rank, so the job ends (or restarts); ``warn``: only say so."""
 
@@ -190,8 +201,13 @@ class Watch:
         p = self.policy
         base = max(p.floor, p.factor * r.median_step())
         first = r.record is None or r.record.steps <= 1
-        if first or r.record is not None and r.record.phase == Phase.SNAPSHOT:
-            return max(base, p.long_factor * p.floor)
+        if first or r.record is not None and r.record.phase in LONG_PHASES:
+            long = p.long_factor * p.floor
+            if p.collective_timeout is not None:
+                # Named before the waiting ranks' collectives fail and end the job without a word
+                # (10 x the default 30 s was the default collective timeout itself).
+                long = min(long, LONG_SHARE * p.collective_timeout)
+            return max(base, long)
         return base
 
     def view(self, r: _Rank, now: float, state: str = "") -> View:
@@ -389,14 +405,17 @@ class Watch:
 
 
 def policy_from(
-    floor: float | None, on_stall: str, env: dict[str, str] | None = None
+    floor: float | None,
+    on_stall: str,
+    env: dict[str, str] | None = None,
+    collective_timeout: float | None = None,
 ) -> StallPolicy:
-    """The policy of ``--stall-timeout`` (else :data:`TIMEOUT_ENV`, else :data:`DEFAULT_FLOOR`) and
-    ``--on-stall``."""
+    """The policy of ``--stall-timeout`` (else :data:`TIMEOUT_ENV`, else :data:`DEFAULT_FLOOR`),
+    ``--on-stall`` and the ranks' collective timeout."""
     if floor is None:
         text = (os.environ if env is None else env).get(TIMEOUT_ENV)
         floor = parse_floor(TIMEOUT_ENV, text) if text is not None else DEFAULT_FLOOR
-    return StallPolicy(floor=floor, on_stall=on_stall)
+    return StallPolicy(floor=floor, on_stall=on_stall, collective_timeout=collective_timeout)
 
 
 def parse_floor(option: str, text: str) -> float:

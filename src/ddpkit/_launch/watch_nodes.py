@@ -12,11 +12,12 @@ nodes' summaries only while one of its ranks has been idle for half its allowanc
 writes one small value per node and poll and reads none.
 
 Every agent then judges the same view (:func:`decide`): the rank behind all others, idle past its
-allowance, is named by the agent of its node, the one that can read its ``/proc`` state, ask for its
-stack and kill it; an agent whose own ranks are idle waiting for a stalled rank of another node says
-which one, on which host, doing what, with its own ranks' stacks, and leaves the ending to that
-rank's agent, which kills the rank once the others have said so (:data:`HEARD_WAIT`); see
-:class:`Waiting` for when a waiting node ends the job itself.
+allowance (or, when every rank waits in one collective under different ops, the ranks whose op is
+not the others': :func:`disagreement`), is named by the agent of its node, the one that can read its
+``/proc`` state, ask for its stack and kill it; an agent whose own ranks are idle waiting for a
+stalled rank of another node says which one, on which host, doing what, with its own ranks' stacks,
+and leaves the ending to that rank's agent, which kills the rank once the others have said so
+(:data:`HEARD_WAIT`); see :class:`Waiting` for when a waiting node ends the job itself.
 
 Times are never compared across machines: a summary carries durations, and a reader ages them by its
 own clock from the moment it first saw that publication (each carries a count that every publication
@@ -31,7 +32,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ddpkit.distributed._progress import OPS, PHASE_NAMES, Phase
@@ -57,10 +58,14 @@ ORDER = {
     Phase.DATA: 1,
     Phase.LOOP: 2,
     Phase.FORWARD_BACKWARD: 2,
-    Phase.OPTIMIZER: 3,
-    Phase.SNAPSHOT: 4,
-    Phase.USER: 4,
-    Phase.COLLECTIVE: 5,  # arrived, waiting for the others
+    # its backward computed, waiting in DDP's all-reduce of the gradients (or, in a loop ddpkit
+    # does not drive, anywhere after it): ahead of a rank still in its forward or backward
+    Phase.GRADIENT_SYNC: 3,
+    Phase.OPTIMIZER: 4,
+    Phase.SNAPSHOT: 5,
+    Phase.USER: 5,
+    Phase.EVALUATION: 5,
+    Phase.COLLECTIVE: 6,  # arrived, waiting for the others
 }
 
 STATES = {
@@ -121,14 +126,66 @@ def judge(views: list[View]) -> list[View]:
     """The stalled ranks of ``views``: behind every other (the lowest step, then the fewest
     collectives entered, then the earliest phase), with some rank ahead of them, and idle past their
     allowance. None while a rank has not marked yet, or when all are at one place (nothing says
-    which of them is the cause)."""
+    which of them is the cause), unless they are in one collective under different ops
+    (:func:`disagreement`): then the ranks whose op is not the others' (:func:`odd_ones`), so that
+    their node's agent ends the job as it would for a stalled rank."""
     if len(views) < 2 or not all(v.marked for v in views):
         return []
     lowest = min(v.position for v in views)
     behind = [v for v in views if v.position == lowest]
     if len(behind) == len(views):
-        return []
+        return odd_ones(disagreement(views))
     return [v for v in behind if v.over]
+
+
+def disagreement(views: list[View]) -> list[View]:
+    """``views`` by rank when every rank waits in a collective of the same count, idle past its
+    allowance, and not all of them in the same op; else none.
+
+    Only the world's collectives are counted (:mod:`ddpkit.distributed._progress`), and every rank
+    enters them in the same order: collective #N is one op on every rank, so ranks that wait in #N
+    under different ops wait for each other forever (a collective called on some ranks only, or in
+    another order), until the collective timeout. Ranks in the same op, all idle (a collective the
+    network holds up), are still left to it: nothing says which of them is the cause."""
+    if len(views) < 2:
+        return []
+    if not all(v.marked and v.phase == Phase.COLLECTIVE and v.over for v in views):
+        return []
+    if len({v.coll for v in views}) > 1 or len({v.op for v in views}) < 2:
+        return []
+    return sorted(views, key=lambda v: v.rank)
+
+
+def odd_ones(views: list[View]) -> list[View]:
+    """Of ranks that disagree on a collective, those whose op is not the one most ranks are in (of
+    equal counts, the lowest rank's op counts as the others'). Every node picks the same ranks from
+    the same view: one node's agent names them, and the others say they wait for them."""
+    if not views:
+        return []
+    counts: dict[str, int] = {}
+    for v in views:
+        counts[v.op] = counts.get(v.op, 0) + 1
+    # views are by rank: max() keeps the first op of the highest count, the lowest rank's on a tie
+    common = max(counts, key=lambda op: counts[op])
+    return [v for v in views if v.op != common]
+
+
+def disagreement_words(views: list[View], hosts: bool = False) -> str:
+    """One line for ranks that disagree on a collective (:func:`disagreement`): every rank with its
+    op, and what to change. ``hosts``: name each rank's host (a job of several nodes)."""
+    by_op: dict[str, list[View]] = {}
+    for v in views:
+        by_op.setdefault(v.op, []).append(v)
+    parts = []
+    for op, group in sorted(by_op.items(), key=lambda item: item[1][0].rank):
+        names = [f"{v.rank}" + (f" (host {v.host})" if hosts else "") for v in group[:8]]
+        more = f", ... ({len(group)} ranks)" if len(group) > 8 else ""
+        who = f"rank {names[0]}" if len(group) == 1 else f"ranks {', '.join(names)}{more}"
+        parts.append(f"{who} in {op}")
+    return (
+        f"ranks disagree on collective #{views[0].coll}: {', '.join(parts)}: a collective called "
+        "on some ranks only, or in another order (each rank's stack shows where it called its own)"
+    )
 
 
 @dataclass(frozen=True)
@@ -137,6 +194,9 @@ class Verdict:
     """This node's ranks to name."""
     waited_for: list[View]
     """Other nodes' stalled ranks, for which this node's idle ranks wait."""
+    disagree: list[View] = field(default_factory=list)
+    """Every rank of the job, when they disagree on a collective (:func:`disagreement`): the ranks
+    named, here or by another node's agent, are those whose op is not the others'."""
 
 
 def decide(node: int, views: list[View], named: frozenset[int] | set[int] = frozenset()) -> Verdict:
@@ -148,7 +208,8 @@ def decide(node: int, views: list[View], named: frozenset[int] | set[int] = froz
     mine = [v for v in stalled if v.node == node]
     theirs = [v for v in stalled if v.node != node]
     idle_here = any(v.over for v in views if v.node == node and v not in stalled)
-    return Verdict(mine, [v for v in theirs if idle_here or v.rank in named])
+    disagree = disagreement(views) if stalled else []
+    return Verdict(mine, [v for v in theirs if idle_here or v.rank in named], disagree)
 
 
 @dataclass

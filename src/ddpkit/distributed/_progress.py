@@ -58,6 +58,8 @@ class Phase:
     COLLECTIVE = 5
     SNAPSHOT = 6
     USER = 7
+    GRADIENT_SYNC = 8
+    EVALUATION = 9
 
 
 PHASE_NAMES = {
@@ -69,6 +71,8 @@ PHASE_NAMES = {
     Phase.COLLECTIVE: "in a collective",
     Phase.SNAPSHOT: "saving a snapshot",
     Phase.USER: "user code between steps (callbacks, validation)",
+    Phase.GRADIENT_SYNC: "after its backward: DDP's all-reduce of the gradients, or past it",
+    Phase.EVALUATION: "evaluating (validation)",
 }
 
 OPS = (
@@ -141,6 +145,12 @@ def _write() -> None:
     )
     _floats[_STEP_AT], _floats[_LAST_STEP] = _step_at, _last_step
     _ints[_SEQ] = _seq
+
+
+def watched() -> bool:
+    """Whether a launcher's agent reads this rank's marks (under ``ddpkit run``): elsewhere a mark
+    returns at once, and what only feeds marks need not run."""
+    return _ints is not None or (not _opened and _open())
 
 
 def mark(phase: int) -> None:

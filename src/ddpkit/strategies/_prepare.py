@@ -3,6 +3,7 @@ out."""
 
 from __future__ import annotations
 
+import weakref
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -10,8 +11,11 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ddpkit._internals.compiler import at_backward_end
 from ddpkit._internals.modules import compiled_inner
 from ddpkit.distributed import Group
+from ddpkit.distributed import _progress as marks
+from ddpkit.distributed._progress import Phase
 from ddpkit.distributed._runtime import Runtime, get_runtime
 from ddpkit.distributed._seeding import seed_rank
 from ddpkit.nn._batchnorm import convert_sync_batchnorm
@@ -78,10 +82,46 @@ def prepare_model(
         ddp_kwargs.setdefault("gradient_as_bucket_view", GRADIENT_AS_BUCKET_VIEW)
         model = DDP(model, device_ids=device_ids, process_group=process_group, **ddp_kwargs)
         keys_of_the_module(model)
+        mark_gradient_sync(model)
     if seed_ranks:  # after DDP's broadcast: the weights are rank 0's everywhere
         rank = rt.rank if process_group is rt.group else get_runtime(process_group).rank
         seed_rank(torch.initial_seed(), rank)
     return model
+
+
+def mark_gradient_sync(ddp: DDP) -> None:
+    """Under ``ddpkit run``, mark the end of each backward through ``ddp``, where DDP waits for the
+    all-reduce of the gradients (:data:`~ddpkit.distributed._progress.Phase.GRADIENT_SYNC`).
+
+    A rank stalled in its forward and a rank that waits for it in that all-reduce were both in
+    "forward/backward" at the same step, so the launcher's stall watch saw them at one place and
+    named neither until the collective timeout: marked so, the waiting rank is ahead, and the
+    stalled one is named in seconds. A hook before the accumulation of one parameter's gradient
+    queues the mark at the backward's end, ahead of DDP's wait (queued at the last gradient): one
+    call a backward, none a forward, and nothing outside ``ddpkit run``. Where that parameter gets
+    no gradient in a step (``find_unused_parameters``), or a backward nested in the step's
+    (reentrant checkpointing) accumulates it, the step's mark is missing or early: the watch then
+    judges as it did without it.
+    """
+    edge_of = getattr(torch.autograd.graph, "get_gradient_edge", None)
+    param = next((p for p in ddp.module.parameters() if p.requires_grad), None)
+    if edge_of is None or param is None or not marks.watched():
+        return
+    node = edge_of(param).node  # the parameter's AccumulateGrad
+    node.register_prehook(_accumulating)
+    # a leaf keeps its accumulation node only while something refers to it: the hook with it
+    _ACCUMULATION[ddp] = node
+
+
+_ACCUMULATION: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+
+
+def _accumulating(_grad_outputs: Any) -> None:
+    at_backward_end(_gradients_computed)
+
+
+def _gradients_computed() -> None:
+    marks.mark(Phase.GRADIENT_SYNC)
 
 
 def keys_of_the_module(ddp: DDP) -> None:

@@ -21,7 +21,9 @@ from torch.utils.data import DataLoader, Dataset
 from ddpkit._errors import ConfigError
 from ddpkit.data import build_eval_loader, to_device
 from ddpkit.distributed import Group
+from ddpkit.distributed import _progress as marks
 from ddpkit.distributed._collectives import MetricSums
+from ddpkit.distributed._progress import Phase
 from ddpkit.distributed._runtime import get_runtime
 from ddpkit.strategies._prepare import unwrap
 from ddpkit.training._losses import check_classification
@@ -116,19 +118,24 @@ def evaluate(
     modes = [(m, m.training) for m in module.modules()]
     module.eval()
     sums = MetricSums()
+    # Marked at every batch for the launcher's stall watch: a rank slower through its shard than
+    # the others (an unpadded shard, slower data) makes progress, and is not taken for stalled
+    # while they wait for it in the metrics' all-reduce.
     try:
-        for batch in loader:
-            batch = to_device(batch, device)
-            if autocast is not None:
-                with autocast():
-                    values = metric_fn(module, batch)
-            else:
-                values = metric_fn(module, batch)
-            for name, value in values.items():
-                if isinstance(value, tuple):
-                    sums.update(name, value[0], count=int(value[1]))
+        with marks.phase(Phase.EVALUATION):
+            for batch in loader:
+                marks.mark(Phase.EVALUATION)
+                batch = to_device(batch, device)
+                if autocast is not None:
+                    with autocast():
+                        values = metric_fn(module, batch)
                 else:
-                    sums.update(name, value)
+                    values = metric_fn(module, batch)
+                for name, value in values.items():
+                    if isinstance(value, tuple):
+                        sums.update(name, value[0], count=int(value[1]))
+                    else:
+                        sums.update(name, value)
     finally:
         for m, training in modes:
             m.training = training

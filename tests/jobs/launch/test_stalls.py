@@ -202,3 +202,55 @@ def test_the_summary_before_a_restart_names_the_killed_rank(dirs, env):
     assert plain.returncode != 0, plain.stderr[-3000:]
     assert "rank 1 stalls (kill)" in plain.stdout + plain.stderr  # the kill did happen
     assert "first: rank 1" not in plain.stderr and "where each rank was" not in plain.stderr
+
+
+@pytest.mark.parametrize(
+    ("job", "doing"),
+    [(["forward"], "in its loop"), (["trainer-forward"], "forward/backward")],
+    ids=["hand-loop", "trainer"],
+)
+def test_a_rank_stalled_in_its_forward_is_named_while_the_other_waits_in_the_all_reduce(
+    dirs, env, job, doing
+):
+    """Rank 0 waits for rank 1 in DDP's all-reduce of the gradients, at the same step: it marks
+    that wait (``prepare_model``), so rank 1, still in its forward, is behind, and named."""
+    job = job + (["5", "300", "12", str(dirs / "on" / "run")] if job[0].startswith("t") else [])
+    out = run_stall_job(
+        ["--stall-timeout", FLOOR, "--collective-timeout", "60"], job, env, dirs / "on"
+    )
+    _named_then_ended(out, "sleeping", doing)
+    assert "rank 0 at step 6, after its backward: DDP's all-reduce" in out.stderr, out.stderr[
+        -3000:
+    ]
+    assert "in forward" in out.stderr.split("rank 1 (local rank 1", 1)[1]
+
+
+def test_control_over_torchs_ddp_built_by_hand_the_forward_stall_is_left_to_the_timeout(dirs, env):
+    """Without the mark (torch's DDP wrapped by hand, not by ``prepare_model``) both ranks are in
+    their loop at step 6, and nothing says which one is the cause: the collective timeout ends the
+    job."""
+    out = run_stall_job(
+        ["--stall-timeout", FLOOR, "--collective-timeout", str(COLLECTIVE_TIMEOUT)],
+        ["forward-raw"],
+        env,
+        dirs / "on",
+    )
+    assert out.returncode != 0 and out.named_at is None, out.stderr[-3000:]
+    assert out.to_end is not None and out.to_end >= COLLECTIVE_TIMEOUT - 1, out.stderr[-3000:]
+
+
+def test_a_validation_slower_on_one_rank_is_not_a_stall(dirs, env):
+    """Rank 1 validates for 12 s, four times the stall timeout, in one batch, while rank 0 waits
+    for it in the metrics' all-reduce: an evaluation has the long allowance (10 x the floor, at
+    most half the collective timeout), so the run ends well (it was named and killed). The control,
+    the same pause in user code where no allowance covers it, is
+    `test_no_false_alarm_on_a_long_first_step_or_snapshot`'s."""
+    run_dir = str(dirs / "on" / "run")
+    out = run_stall_job(
+        ["--stall-timeout", FLOOR, "--collective-timeout", "60"],
+        ["trainer-validation", "5", "12", "8", run_dir],
+        env,
+        dirs / "on",
+    )
+    assert out.returncode == 0 and out.named_at is None, out.stderr[-3000:]
+    assert out.to_end is not None and out.to_end > 12, (out.to_end, out.stderr[-3000:])

@@ -11,6 +11,11 @@ argument picks what rank 1 does at step ``AT`` (the second argument, default 5),
 - ``trainer-sleep``: the same loop run by a ``Trainer``, whose step-end callback sleeps on rank 1.
 - ``trainer-snapshot``: a ``Trainer`` saving a snapshot every 5 steps; rank 1's state takes SECONDS
   to save in the snapshot of step AT (an ``extra_state`` whose ``state_dict`` sleeps).
+- ``forward``: the loop over ``prepare_model``'s DDP; rank 1 sleeps inside the forward of step
+  AT + 1, while rank 0 waits for it in DDP's all-reduce of the gradients. ``forward-raw``: the same
+  over torch's DDP, built by hand. ``trainer-forward``: the same in a ``Trainer``.
+- ``trainer-validation``: a ``Trainer`` that validates at step AT; rank 1's validation samples take
+  SECONDS in all (a slower shard, not a stall).
 
 Every step all-reduces the loss with ``ddpkit.all_reduce`` (a marked collective). The run lasts
 ``STEPS`` steps (the fourth argument, default 12); the Trainer's modes take a run folder as the
@@ -36,6 +41,34 @@ stalling = rt.rank == 1
 
 
 read = 0  # samples this process (rank 1's loader worker) has read
+
+
+class Net(torch.nn.Linear):
+    """A linear model whose forward sleeps on rank 1 at its call ``at + 1`` (``*forward``)."""
+
+    calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        Net.calls += 1
+        if mode.endswith("forward") or mode == "forward-raw":
+            if stalling and Net.calls == at + 1:
+                print(f"rank 1 stalls ({mode}) after step {at} at {time.time():.3f}", flush=True)
+                time.sleep(seconds)
+        return super().forward(x)
+
+
+class SlowShard(torch.utils.data.Dataset):
+    """Validation samples: rank 1's take SECONDS in all."""
+
+    def __len__(self) -> int:
+        return 2 * 16
+
+    def __getitem__(self, i: int):
+        if stalling:
+            if i == 16:  # rank 1's first sample
+                print(f"rank 1 stalls ({mode}) after step {at} at {time.time():.3f}", flush=True)
+            time.sleep(seconds / 16)
+        return torch.zeros(4), torch.tensor([1.0])
 
 
 class Samples(torch.utils.data.Dataset):
@@ -71,6 +104,7 @@ if mode.startswith("trainer"):
         def load_state_dict(self, state: dict) -> None:
             pass
 
+    validating = mode == "trainer-validation"
     config = TrainerConfig(
         run_dir=sys.argv[5],
         batch_size=4,
@@ -80,13 +114,16 @@ if mode.startswith("trainer"):
         weights_format=None,
         logging=LoggingConfig(progress=False),
         snapshot=SnapshotConfig(every_steps=5, async_write=False),
+        val_every_steps=at if validating else None,
+        eval_batch_size=16,  # rank 1 reads its shard as one batch of SECONDS
     )
-    model = torch.nn.Linear(4, 1)
+    model = Net(4, 1)
     trainer = Trainer(
         model,
         torch.optim.SGD(model.parameters(), lr=1e-3),
         Samples(),
         config,
+        val_data=SlowShard() if validating else None,
         loss_fn=torch.nn.functional.mse_loss,
         callbacks=[SleepAtStep()],
         extra_state={"slow": SlowState()},
@@ -98,7 +135,10 @@ if mode.startswith("trainer"):
 loader = ddpkit.build_loader(
     Samples(), batch_size=4, shuffle=False, num_workers=1 if mode == "loader" else 0
 )
-model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+if mode == "forward":
+    model = ddpkit.prepare_model(Net(4, 1))
+else:
+    model = torch.nn.parallel.DistributedDataParallel(Net(4, 1))
 opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 for step, (x, y) in enumerate(loader, start=1):
     loss = torch.nn.functional.mse_loss(model(x), y)

@@ -44,9 +44,12 @@ def write(
     (folder / f"rank{rank}.progress").write_bytes(data)
 
 
-def make_watch(tmp_path: Path, floor: float = 3.0) -> tuple[watch.Watch, Clock]:
+def make_watch(
+    tmp_path: Path, floor: float = 3.0, collective_timeout: float | None = None
+) -> tuple[watch.Watch, Clock]:
     clock = Clock()
-    w = watch.Watch(tmp_path, watch.StallPolicy(floor=floor, on_stall="warn"), None, clock=clock)
+    policy = watch.StallPolicy(floor=floor, on_stall="warn", collective_timeout=collective_timeout)
+    w = watch.Watch(tmp_path, policy, None, clock=clock)
     w.start_attempt({0: (0, 100), 1: (1, 101)})
     return w, clock
 
@@ -108,15 +111,21 @@ def test_behind_in_collectives_at_the_same_step_names_who_has_not_arrived(tmp_pa
 
 
 @pytest.mark.parametrize(
-    ("how", "allowed"),
+    ("how", "allowed", "collective_timeout"),
     [
-        ({"steps": 1}, 30.0),  # the first step: 10 x floor
-        ({"phase": Phase.SNAPSHOT}, 30.0),  # a snapshot: 10 x floor
-        ({}, 3.0),  # control: any other step gets the floor
+        ({"steps": 1}, 30.0, None),  # the first step: 10 x floor
+        ({"phase": Phase.SNAPSHOT}, 30.0, None),  # a snapshot: 10 x floor
+        ({"phase": Phase.EVALUATION}, 30.0, None),  # an evaluation: 10 x floor
+        # at most half the collective timeout: named before the waiting ranks' collectives fail
+        ({"steps": 1}, 10.0, 20.0),
+        ({"phase": Phase.SNAPSHOT}, 10.0, 20.0),
+        ({"phase": Phase.SNAPSHOT}, 30.0, 300.0),
+        ({}, 3.0, None),  # control: any other step gets the floor
+        ({}, 3.0, 4.0),  # ... which the collective timeout does not lower
     ],
 )
-def test_first_step_and_snapshot_allowances(tmp_path, how, allowed):
-    w, clock = make_watch(tmp_path)
+def test_first_step_snapshot_and_evaluation_allowances(tmp_path, how, allowed, collective_timeout):
+    w, clock = make_watch(tmp_path, collective_timeout=collective_timeout)
     write(tmp_path, 0, step=6, seq=30)
     write(tmp_path, 1, step=5, seq=25, **how)
     poll_at(w, clock, 1000.0)

@@ -297,3 +297,54 @@ def test_two_nodes_stalled_at_one_place_are_each_named_by_their_own_node():
     assert decide(1, job).waited_for == [] and [
         v.rank for v in decide(1, job, named={2}).waited_for
     ] == [2]
+
+
+def _in(rank: int, node: int, op: str, *, coll: int = 2, idle: float = 4.0) -> View:
+    """Rank ``rank`` of node ``node`` waiting in collective ``op`` #``coll`` at step 5."""
+    v = view(rank, node, step=5, idle=idle, phase=Phase.COLLECTIVE, coll=coll)
+    return View(**{**v.__dict__, "op": op})
+
+
+def test_ranks_in_one_collective_under_different_ops_are_named_at_once():
+    # A Trainer: rank 1 calls an extra barrier in a step-end callback while rank 0 enters the log
+    # window's all_gather; both records say collective #2, at step 5.
+    job = [_in(0, 0, "all_gather"), _in(1, 0, "barrier")]
+    verdict = decide(0, job)
+    assert [v.rank for v in verdict.stalled] == [1], verdict
+    assert [(v.rank, v.op) for v in verdict.disagree] == [(0, "all_gather"), (1, "barrier")]
+    assert watch_nodes.disagreement_words(verdict.disagree) == (
+        "ranks disagree on collective #2: rank 0 in all_gather, rank 1 in barrier: a collective "
+        "called on some ranks only, or in another order (each rank's stack shows where it called "
+        "its own)"
+    )
+    # Control: every rank in the same op (a collective the network holds up) is left to the
+    # collective timeout, as before.
+    same = [_in(0, 0, "all_gather"), _in(1, 0, "all_gather")]
+    assert decide(0, same) == watch_nodes.Verdict([], [])
+    # Within the allowance (rank 1 has just entered): nothing yet.
+    assert decide(0, [_in(0, 0, "all_gather"), _in(1, 0, "barrier", idle=2.0)]).stalled == []
+
+
+def test_of_ranks_that_disagree_those_off_the_common_op_are_named():
+    # rank 0 alone calls a barrier (`if rank == 0: ddpkit.barrier()`), the other three the step's
+    # all_reduce
+    job = [_in(0, 0, "barrier")] + [_in(r, 0, "all_reduce") for r in (1, 2, 3)]
+    assert [v.rank for v in decide(0, job).stalled] == [0]
+    words = watch_nodes.disagreement_words(watch_nodes.disagreement(job))
+    assert "#2: rank 0 in barrier, ranks 1, 2, 3 in all_reduce:" in words, words
+    # one that has not entered collective #2 yet is behind: named as before, the others not
+    behind = [_in(0, 0, "all_gather"), _in(1, 0, "barrier"), _in(2, 0, "all_gather", coll=1)]
+    assert [v.rank for v in decide(0, behind).stalled] == [2]
+
+
+def test_ranks_that_disagree_across_nodes_are_named_by_their_node_and_waited_for_by_the_other():
+    job = [_in(0, 0, "all_gather"), _in(1, 1, "barrier")]
+    on_a, on_b = decide(0, job), decide(1, job)
+    assert [v.rank for v in on_b.stalled] == [1] and on_b.waited_for == []
+    assert on_a.stalled == [] and [v.rank for v in on_a.waited_for] == [1]
+    assert [v.rank for v in on_a.disagree] == [v.rank for v in on_b.disagree] == [0, 1]
+    words = watch_nodes.disagreement_words(on_a.disagree, hosts=True)
+    assert "rank 0 (host host0) in all_gather, rank 1 (host host1) in barrier" in words, words
+    # Control: the same op on both nodes, all idle: neither node names nor waits.
+    same = [_in(0, 0, "all_gather"), _in(1, 1, "all_gather")]
+    assert decide(0, same) == decide(1, same) == watch_nodes.Verdict([], [])

@@ -1,0 +1,162 @@
+"""The failed job's summary in the agent of ``ddpkit run``: a rank that left the job with exit
+code 0 while the others went on, and ranks that disagreed on a collective. Pure logic over hand-made
+exit codes, progress records and failures; the jobs are in ``tests/jobs/launch/test_disagree.py``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+from ddpkit._launch import agent as agent_module
+from ddpkit._launch import watch
+from ddpkit._launch.agent import Agent, Left, summarize_failure
+from ddpkit.distributed._progress import MAGIC, RECORD, Phase
+
+LOST = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1"
+
+
+def _failure(exitcode: int, message: str | None = None, local_rank: int = 0, pid: int = 100):
+    data = {"message": {"message": message, "extraInfo": {"py_callstack": ""}}} if message else {}
+    return SimpleNamespace(
+        exitcode=exitcode,
+        timestamp=10,
+        error_file_data=data,
+        local_rank=local_rank,
+        pid=pid,
+        signal_name=lambda: f"signal {-exitcode}",
+    )
+
+
+class _Proc:
+    def __init__(self, pid: int) -> None:
+        self.pid, self.code = pid, None
+
+    def poll(self):
+        return self.code
+
+
+def _agent(tmp_path: Path, nproc: int = 2):
+    """An agent of ``nproc`` workers (global rank = local rank), without torchrun behind it."""
+    agent = object.__new__(Agent)
+    procs = {local: _Proc(100 + local) for local in range(nproc)}
+    context = object()
+    agent.worker_processes = lambda: procs  # type: ignore[method-assign]
+    agent.process_context = lambda: context  # type: ignore[method-assign]
+    agent.watch = SimpleNamespace(folder=tmp_path)  # type: ignore[assignment]
+    agent._polls, agent._exits_of, agent._exit_seen = 0, None, {}
+    group = SimpleNamespace(
+        workers=[SimpleNamespace(local_rank=r, global_rank=r) for r in range(nproc)]
+    )
+    return agent, procs, group
+
+
+def _polls(agent, procs, *timeline: dict[int, int]) -> None:
+    """Each entry: the workers that have exited by that poll, with their codes."""
+    for exited in timeline:
+        for local, code in exited.items():
+            procs[local].code = code
+        agent._polls += 1
+        agent._note_exits({local: p.code for local, p in procs.items()})
+
+
+def _mark(folder: Path, rank: int, step: int, coll: int, phase: int = Phase.USER) -> None:
+    data = RECORD.pack(MAGIC, 100 + rank, 1, phase, 40, step, step, coll, 0.0, 0.1)
+    (folder / f"rank{rank}.progress").write_bytes(data)
+
+
+def test_a_rank_that_exits_0_while_the_others_go_on_is_said_before_the_survivors_failure(tmp_path):
+    # A Trainer: rank 1 calls sys.exit(0) in a step-end callback at step 5; rank 0 enters the log
+    # window's all_gather (its second collective) and loses its peer.
+    agent, procs, group = _agent(tmp_path)
+    _mark(tmp_path, 0, step=5, coll=2)
+    _mark(tmp_path, 1, step=5, coll=1)
+    _polls(agent, procs, {}, {1: 0}, {0: 1})
+    left = agent._left_early(group)
+    assert left == [Left(1, 1, 101, 5)], left
+    err = SimpleNamespace(failures={0: _failure(1, LOST)})
+    summary = summarize_failure(err, left=left, disagreement="")
+    first, second = summary.splitlines()[:2]
+    assert first.startswith(
+        "ddpkit run: rank 1 (local rank 1, pid 101) left the job with exit code 0 at step 5 while "
+        "the others went on; rank 0 then failed (below): a script that returns, or calls "
+        "sys.exit(0), on some ranks only"
+    ), first
+    assert second.startswith("ddpkit run: 1 worker(s) failed; first: rank 0"), second
+    # seen in the same poll as the failure: the marks still say it left first
+    agent, procs, group = _agent(tmp_path)
+    _polls(agent, procs, {}, {0: 1, 1: 0})
+    assert [g.rank for g in agent._left_early(group)] == [1]
+
+
+def test_no_such_line_when_the_rank_that_exited_0_had_not_left_early(tmp_path):
+    # Control: every rank reached the last step's collectives; rank 1 exited 0 at its end, then rank
+    # 0 failed on its own (writing its weights).
+    agent, procs, group = _agent(tmp_path)
+    _mark(tmp_path, 0, step=12, coll=12)
+    _mark(tmp_path, 1, step=12, coll=12)
+    _polls(agent, procs, {}, {1: 0}, {0: 1})
+    assert agent._left_early(group) == []
+    err = SimpleNamespace(failures={0: _failure(1, "OSError: disk full")})
+    assert "left the job" not in summarize_failure(err, left=[], disagreement="")
+    # Behind, but it exited after the failure (a script that catches its collective's error and
+    # returns): not the cause.
+    _mark(tmp_path, 1, step=5, coll=5)
+    agent, procs, group = _agent(tmp_path)
+    _polls(agent, procs, {}, {0: 1}, {1: 0})
+    assert agent._left_early(group) == []
+
+
+def test_without_marks_an_exit_0_counts_only_when_seen_before_the_failure(tmp_path):
+    agent, procs, group = _agent(tmp_path)  # no records: a loop ddpkit does not see
+    _polls(agent, procs, {}, {1: 0}, {}, {0: 1})
+    assert agent._left_early(group) == [Left(1, 1, 101, None)]
+    summary = summarize_failure(
+        SimpleNamespace(failures={0: _failure(1, LOST)}), left=agent._left_early(group)
+    )
+    assert "left the job with exit code 0 while the others went on" in summary, summary
+    # control: the exit and the failure in one poll, nothing else to tell them apart
+    agent, procs, group = _agent(tmp_path)
+    _polls(agent, procs, {}, {0: 1, 1: 0})
+    assert agent._left_early(group) == []
+
+
+def test_a_success_says_nothing_of_ranks_that_left(tmp_path, monkeypatch):
+    # Every rank exits 0: torchrun reports a success, and the agent keeps no ranks that left.
+    agent, procs, group = _agent(tmp_path)
+    _polls(agent, procs, {}, {1: 0}, {0: 0})
+    agent._collectives, agent._published_to = {}, None
+    agent.watch = None
+    agent.after_monitor(group, SimpleNamespace(state=agent_module.WorkerState.SUCCEEDED))
+    assert agent.left == []
+
+
+def test_ranks_that_disagreed_on_a_collective_are_said_in_the_summary():
+    stall = watch.Stall(
+        [1],
+        "ddpkit run: rank 1 stalled: no progress for 3.0 s (allowed 3.0 s), sleeping, at step 5, "
+        "in collective barrier #2; rank 0 at step 5, in collective all_gather #2",
+        [],
+    )
+    words = "ranks disagree on collective #2: rank 0 in all_gather, rank 1 in barrier: ..."
+    err = SimpleNamespace(failures={1: _failure(-9, local_rank=1), 0: _failure(-15, LOST)})
+    lines = summarize_failure(err, stall=stall, left=[], disagreement=words).splitlines()
+    assert lines[0].endswith("first: rank 1 (local rank 1, pid 100): ended by the stall watch "
+                             "(killed by signal 9)"), lines  # fmt: skip
+    assert lines[1] == f"  {words}" and lines[2].startswith("  rank 1 stalled:"), lines
+    # control: a plain stall keeps its words
+    lines = summarize_failure(err, stall=stall, left=[], disagreement="").splitlines()
+    assert "stalled, ended by the stall watch" in lines[0] and "disagree" not in "\n".join(lines)
+
+
+def test_the_collective_a_rank_left_as_the_job_failed_is_kept_for_where_it_was():
+    def record(phase: int, coll: int, steps: int = 5) -> watch.Record:
+        return watch.Record(100, phase, "all_reduce", 5, steps, 40, coll, 0.0, 0.1)
+
+    waiting = record(Phase.COLLECTIVE, 4)
+    assert agent_module._left_collective(waiting, record(Phase.USER, 4))
+    # it went on: another collective, or another step
+    assert not agent_module._left_collective(waiting, record(Phase.USER, 5))
+    assert not agent_module._left_collective(waiting, record(Phase.DATA, 4, steps=6))
+    assert not agent_module._left_collective(waiting, record(Phase.COLLECTIVE, 4))
+    assert not agent_module._left_collective(None, record(Phase.USER, 4))
