@@ -106,11 +106,16 @@ def at_backward_end(callback: Callable[[], None]) -> bool:
     """Have the backward pass that runs now call ``callback`` once it has accumulated every
     gradient, ahead of any callback queued later in it (DDP queues its wait for the all-reduces at
     the last gradient); call it from a hook inside that backward. Returns False (nothing queued)
-    where torch no longer has the engine's ``queue_callback``."""
+    where torch no longer has the engine's ``queue_callback``, or where a backward under compiled
+    autograd refuses it (``torch._dynamo.config.compiled_autograd`` without ``fullgraph``: an
+    AssertionError): the callback is left out, and the backward goes on."""
     queue = getattr(_engine(), "queue_callback", None)
     if queue is None:
         return False
-    queue(callback)
+    try:
+        queue(callback)
+    except (AssertionError, RuntimeError):
+        return False
     return True
 
 

@@ -96,6 +96,8 @@ class Record:
     coll: int
     step_at: float
     last_step: float
+    timeout: float = 0.0
+    """Its process group's collective timeout, in seconds (0: not known)."""
 
 
 def read_record(path: Path) -> Record | None:
@@ -108,11 +110,12 @@ def read_record(path: Path) -> Record | None:
         except OSError:
             return None
         if first == second and len(first) == SIZE:
-            magic, pid, op, phase, seq, step, steps, coll, step_at, last_step = RECORD.unpack(first)
+            fields = RECORD.unpack(first)
+            magic, pid, op, phase, seq, step, steps, coll, step_at, last_step, timeout = fields
             if magic != MAGIC:
                 return None
             name = OPS[op] if 0 <= op < len(OPS) else "collective"
-            return Record(pid, phase, name, step, steps, seq, coll, step_at, last_step)
+            return Record(pid, phase, name, step, steps, seq, coll, step_at, last_step, timeout)
     return None
 
 
@@ -203,10 +206,13 @@ class Watch:
         first = r.record is None or r.record.steps <= 1
         if first or r.record is not None and r.record.phase in LONG_PHASES:
             long = p.long_factor * p.floor
-            if p.collective_timeout is not None:
-                # Named before the waiting ranks' collectives fail and end the job without a word
-                # (10 x the default 30 s was the default collective timeout itself).
-                long = min(long, LONG_SHARE * p.collective_timeout)
+            # The rank's own group's timeout (a script may give ddpkit.init its own), else the
+            # launcher's: named before the waiting ranks' collectives fail and end the job without
+            # a word (10 x the default 30 s was the default collective timeout itself).
+            timeout = r.record.timeout if r.record is not None and r.record.timeout > 0 else None
+            timeout = timeout if timeout is not None else p.collective_timeout
+            if timeout is not None:
+                long = min(long, LONG_SHARE * timeout)
             return max(base, long)
         return base
 

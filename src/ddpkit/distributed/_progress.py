@@ -15,9 +15,10 @@ compares across ranks).
 
 Record layout (:data:`RECORD`, 8-byte slots in native byte order): magic, pid, op, phase, marks
 made, step, steps begun in this process, collectives entered; the time the current step began
-(seconds of ``CLOCK_MONOTONIC``) and the seconds the step before it took. A mark within a step
-writes the phase and the count of marks alone, the count last; the agent times a rank's silence by
-its own clock, between two counts it read.
+(seconds of ``CLOCK_MONOTONIC``), the seconds the step before it took, and the process group's
+collective timeout in seconds (0: not known, a group made past :func:`ddpkit.init`). A mark within
+a step writes the phase and the count of marks alone, the count last; the agent times a rank's
+silence by its own clock, between two counts it read.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from ddpkit.platforms import _torchrun as torchrun
 DIR_ENV = "DDPKIT_PROGRESS_DIR"
 """The folder of the ranks' records on this node, set by ``ddpkit run``'s agent."""
 
-RECORD = struct.Struct("=qqqqqqqqdd")
+RECORD = struct.Struct("=qqqqqqqqddd")
 """The record as the agent reads it (native byte order: the rank and its agent share the
 machine)."""
 SIZE = RECORD.size
@@ -43,7 +44,7 @@ MAGIC = 0x314B5044  # "DPK1"
 # Slots of the record, 8 bytes each: what a mark writes with one store into a memoryview of the
 # page.
 _MAGIC, _PID, _OP, _PHASE, _SEQ, _STEP, _STEPS, _COLL = range(8)
-_STEP_AT, _LAST_STEP = 8, 9
+_STEP_AT, _LAST_STEP, _TIMEOUT = 8, 9, 10
 
 
 class Phase:
@@ -101,6 +102,7 @@ _seq = 0
 _coll = 0
 _step_at = 0.0
 _last_step = 0.0
+_timeout = 0.0
 _trainer_counts = False  # the Trainer numbers the steps; a loader's batches are then micro-batches
 _clock = time.monotonic
 
@@ -143,8 +145,16 @@ def _write() -> None:
         _steps,
         _coll,
     )
-    _floats[_STEP_AT], _floats[_LAST_STEP] = _step_at, _last_step
+    _floats[_STEP_AT], _floats[_LAST_STEP], _floats[_TIMEOUT] = _step_at, _last_step, _timeout
     _ints[_SEQ] = _seq
+
+
+def collective_timeout(seconds: float) -> None:
+    """The process group waits this long in a collective before it fails: the stall watch names a
+    rank before then (its long allowance is at most half of it)."""
+    global _timeout
+    _timeout = seconds
+    _write()
 
 
 def watched() -> bool:

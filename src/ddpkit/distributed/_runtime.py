@@ -17,6 +17,7 @@ import torch.distributed as dist
 from ddpkit._errors import ConfigError
 from ddpkit._internals import ray_train
 from ddpkit.distributed import Group
+from ddpkit.distributed import _progress as progress
 from ddpkit.distributed._environment import read_launch_env
 from ddpkit.distributed._signals import hold_stop_signals
 from ddpkit.platforms import _kubernetes as kubernetes
@@ -186,6 +187,7 @@ def init(
         except (RuntimeError, dist.DistError) as err:
             raise _explain_init_error(err, launch) from err
         atexit.register(_destroy_at_exit)
+        progress.collective_timeout(timeout.total_seconds())  # what the stall watch must beat
     if launch.local_rank == 0 and (uneven := torchrun.uneven_nodes(os.environ)):
         print(uneven, file=sys.stderr, flush=True)
     _runtime = Runtime(

@@ -40,6 +40,7 @@ import hashlib
 import io
 import json
 import pathlib
+import re
 import struct
 import sys
 import uuid
@@ -64,6 +65,12 @@ loading alike: a limit left to Python's recursion would depend on how deep the c
 is, and on how many frames a container takes on each side, so a save could write what a load cannot
 read."""
 _DEEP = "a value nested less deeply, whose containers do not hold themselves"
+_CONTAINERS = frozenset({
+    dict, list, tuple, set, frozenset, collections.OrderedDict, collections.defaultdict,
+    collections.Counter, collections.deque,
+})  # fmt: skip
+"""What nests, on saving: what :data:`_CONTAINER_TAGS` tags."""
+_CONTAINER_TAGS = frozenset({"m", "d", "u", "l", "o", "dd", "ct", "s", "fs", "q"})
 _NAN = struct.pack(">d", float("nan"))
 _FACTORIES = {
     f.__name__: f
@@ -227,7 +234,7 @@ def _enc(value: Any, tensors: list[torch.Tensor], depth: int = 0) -> Any:
         return value if value == value else _float(value)
     if kind is int:  # JSON holds any int, but python reads back at most 4300 digits
         return value if -_INT64 <= value < _INT64 else {"I": hex(value)}
-    if depth >= MAX_DEPTH:  # only containers come deeper than this
+    if depth >= MAX_DEPTH and kind in _CONTAINERS:  # containers alone count: _dec counts alike
         raise _Refused(value, f" nested more than {MAX_DEPTH} levels deep", _DEEP)
     d = depth + 1
     if kind is dict:
@@ -344,7 +351,10 @@ def fingerprint(value: Any) -> str:
     try:
         skeleton = encode(value, tensors)
     except UnsupportedValue:
-        return f"<a {type(value).__module__}.{type(value).__qualname__}>"
+        # Its repr, less the addresses a default repr shows (another in every process): an enum
+        # member, a named tuple, every entry beside the value that is not held.
+        shown = re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))
+        return f"<a {type(value).__module__}.{type(value).__qualname__}: {shown}>"
     return json.dumps(_canonical(skeleton, tensors), sort_keys=True)
 
 
@@ -440,7 +450,7 @@ def _dec(s: Any, tensors: Sequence[torch.Tensor], depth: int = 0) -> Any:
     ((tag, body),) = s.items()
     if tag == "f":  # a NaN other than JSON's
         return struct.unpack(">d", bytes.fromhex(body))[0]
-    if depth >= MAX_DEPTH:
+    if depth >= MAX_DEPTH and tag in _CONTAINER_TAGS:
         raise ValueError(f"values nested more than {MAX_DEPTH} levels deep, which no save writes")
     d = depth + 1
     if tag == "m":

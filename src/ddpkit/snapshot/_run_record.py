@@ -233,17 +233,38 @@ class RunRecord:
             )
 
 
+def _by_optimizer(groups: list[Any]) -> dict[Any, list[Any]]:
+    """Groups by their optimizer's name (None: one optimizer), in order."""
+    out: dict[Any, list[Any]] = {}
+    for group in groups:
+        out.setdefault((group or {}).get("optimizer"), []).append(group)
+    return out
+
+
 def _group_differences(old: list[Any], new: list[Any], show: Callable[[Any], str]) -> list[str]:
+    """Each difference of two records' param groups, those of several optimizers paired by name."""
+    was_by, now_by = _by_optimizer(old), _by_optimizer(new)
+    out = []
+    for name in [n for n in was_by if n not in now_by]:
+        out.append(f"optimizer {name}: in the snapshot, not now")
+    for name in [n for n in now_by if n not in was_by]:
+        out.append(f"optimizer {name}: now, not in the snapshot")
+    for name in [n for n in now_by if n in was_by]:
+        out += _groups_of_one(name, was_by[name], now_by[name], show)
+    return out
+
+
+def _groups_of_one(
+    name: Any, old: list[Any], new: list[Any], show: Callable[[Any], str]
+) -> list[str]:
+    of = f"optimizer {name}" if name else "optimizer"
     out = []
     if len(old) != len(new):
-        out.append(f"optimizer: {len(old)} param groups in the snapshot, {len(new)} now")
-    seen: dict[Any, int] = {}  # groups so far of each optimizer (by name, under several)
-    for was, now in zip(old, new):
-        name = (now or {}).get("optimizer")
-        i = seen[name] = seen.get(name, -1) + 1
+        out.append(f"{of}: {len(old)} param groups in the snapshot, {len(new)} now")
+    for i, (was, now) in enumerate(zip(old, new)):
         if was is None or now is None:  # not recorded (a snapshot's JSON values refused it)
             continue
-        where = f"optimizer {name} param group {i}" if name else f"optimizer param group {i}"
+        where = f"{of} param group {i}"
         for key in sorted(was.keys() | now.keys()):
             if key == "initial_lr" and (key in was) != (key in now):  # set by a scheduler
                 run = "the snapshot's run had" if key in was else "this run has"

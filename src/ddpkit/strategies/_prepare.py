@@ -98,14 +98,15 @@ def mark_gradient_sync(ddp: DDP) -> None:
     named neither until the collective timeout: marked so, the waiting rank is ahead, and the
     stalled one is named in seconds. A hook before the accumulation of one parameter's gradient
     queues the mark at the backward's end, ahead of DDP's wait (queued at the last gradient): one
-    call a backward, none a forward, and nothing outside ``ddpkit run``. Where that parameter gets
-    no gradient in a step (``find_unused_parameters``), or a backward nested in the step's
-    (reentrant checkpointing) accumulates it, the step's mark is missing or early: the watch then
-    judges as it did without it.
+    call a backward, none a forward, and nothing outside ``ddpkit run``. Under
+    ``find_unused_parameters`` that parameter may get a gradient on some ranks only, and a rank
+    waiting unmarked would look behind one waiting marked: no mark then. Where a backward nested
+    in the step's (reentrant checkpointing) accumulates it, or under compiled autograd, a step's
+    mark is early or missing on every rank alike: the watch then judges as it did without it.
     """
     edge_of = getattr(torch.autograd.graph, "get_gradient_edge", None)
     param = next((p for p in ddp.module.parameters() if p.requires_grad), None)
-    if edge_of is None or param is None or not marks.watched():
+    if edge_of is None or param is None or ddp.find_unused_parameters or not marks.watched():
         return
     node = edge_of(param).node  # the parameter's AccumulateGrad
     node.register_prehook(_accumulating)
@@ -117,7 +118,10 @@ _ACCUMULATION: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictio
 
 
 def _accumulating(_grad_outputs: Any) -> None:
-    at_backward_end(_gradients_computed)
+    # Under compiled autograd the hook is traced into the backward's graph, where the engine's
+    # callbacks are refused: that backward goes unmarked.
+    if not torch.compiler.is_compiling():
+        at_backward_end(_gradients_computed)
 
 
 def _gradients_computed() -> None:

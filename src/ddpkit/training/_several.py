@@ -56,6 +56,8 @@ class StepContext:
         # The optimizers whose latest backward ran under no_sync(): their gradients are this rank's
         # own until a backward on the step's last micro-batch all-reduces them.
         self._unsynced: set[str] = set()
+        # The optimizers some step.backward() named in this step: the ones it trains.
+        self.trained: set[str] = set()
 
     def micro_batches(self) -> Iterator[Any]:
         """This rank's micro-batches of the step; may be iterated again (a GAN's generator pass).
@@ -99,6 +101,7 @@ class StepContext:
         if loss.ndim:
             loss = loss.reshape(())  # the loss window stacks 0-dim losses
         owner.window.add(loss, micro.samples, "+".join(names))
+        self.trained.update(names)
         if micro.last:
             self._unsynced.difference_update(names)
         else:
@@ -120,11 +123,15 @@ class StepContext:
             raise ConfigError(
                 f"step.optimizer_step({name!r}): once a step, for one of {sorted(owner.steps)}"
             )
-        if not _has_gradients(self.optimizers[name]):
+        if name not in self.trained:
+            # Its gradients, if any, come from a backward its verdict did not see (another
+            # optimizer's loss, or loss.backward() past step.backward: a non-finite loss of one
+            # rank would go unseen).
             raise ConfigError(
                 f"step.optimizer_step({name!r}) in a step with no step.backward(..., {name!r}): "
-                f"leave the call out on the steps that do not train {name!r} (a WGAN's generator "
-                "between its critic's steps): an optimizer with no gradients is not stepped"
+                f"run its loss's backward through step.backward(loss, {name!r}), or leave the call "
+                f"out on the steps that do not train {name!r} (a WGAN's generator between its "
+                "critic's steps)"
             )
         if name in self._unsynced:
             # Every rank is here alike: the same step function over the same number of
@@ -139,10 +146,6 @@ class StepContext:
         taken = self.taken[name] = owner.steps[name](owner.window)
         self.optimizers[name].zero_grad(set_to_none=True)
         return taken
-
-
-def _has_gradients(optimizer: torch.optim.Optimizer) -> bool:
-    return any(p.grad is not None for g in optimizer.param_groups for p in g["params"])
 
 
 StepFn = Callable[[StepContext], Any]
@@ -203,19 +206,16 @@ class ManualStep:
             optimizer_step.begin()
         context = StepContext(self, list(step.micro_batches))
         self.step_fn(context)
-        # An optimizer with no backward in this step has no gradients (set to None at its start)
-        # and is not stepped, nor is its scheduler: a WGAN's generator between its critic's steps.
-        # Gradients left unstepped would have no verdict: a NaN from one rank would reach the next
-        # step.
-        unstepped = sorted(
-            name
-            for name in set(self.steps) - set(context.taken)
-            if _has_gradients(self.strategy.optimizers[name])
-        )
+        # An optimizer no step.backward() named in this step is not stepped, nor is its scheduler:
+        # a WGAN's generator between its critic's steps, or a discriminator the generator's loss
+        # reached (its gradients from that loss are not its own; the next step sets them to None).
+        # One that a backward named must step: its gradients would have no verdict, and a NaN from
+        # one rank would reach the next step.
+        unstepped = sorted(context.trained - set(context.taken))
         if unstepped:
             raise RuntimeError(
                 f"the step function did not call step.optimizer_step() for {', '.join(unstepped)}, "
-                "whose gradients a backward made: step every optimizer a step trains, once"
+                "which a step.backward() named: step every optimizer a step trains, once"
             )
         if self.scaler is not None:
             # once a step, after every optimizer's unscale_ (GradScaler's rule)

@@ -61,7 +61,7 @@ def _polls(agent, procs, *timeline: dict[int, int]) -> None:
 
 
 def _mark(folder: Path, rank: int, step: int, coll: int, phase: int = Phase.USER) -> None:
-    data = RECORD.pack(MAGIC, 100 + rank, 1, phase, 40, step, step, coll, 0.0, 0.1)
+    data = RECORD.pack(MAGIC, 100 + rank, 1, phase, 40, step, step, coll, 0.0, 0.1, 0.0)
     (folder / f"rank{rank}.progress").write_bytes(data)
 
 

@@ -38,9 +38,11 @@ def write(
     steps=None,
     last_step: float = 0.1,
     pid: int = 0,
+    timeout: float = 0.0,
 ) -> None:
     steps = step if steps is None else steps
-    data = RECORD.pack(MAGIC, pid or 100 + rank, 1, phase, seq, step, steps, coll, 0.0, last_step)
+    fields = (pid or 100 + rank, 1, phase, seq, step, steps, coll, 0.0, last_step, timeout)
+    data = RECORD.pack(MAGIC, *fields)
     (folder / f"rank{rank}.progress").write_bytes(data)
 
 
@@ -122,6 +124,9 @@ def test_behind_in_collectives_at_the_same_step_names_who_has_not_arrived(tmp_pa
         ({"phase": Phase.SNAPSHOT}, 30.0, 300.0),
         ({}, 3.0, None),  # control: any other step gets the floor
         ({}, 3.0, 4.0),  # ... which the collective timeout does not lower
+        # the rank's own group's timeout (ddpkit.init(timeout=...)) before the launcher's
+        ({"phase": Phase.SNAPSHOT, "timeout": 40.0}, 20.0, 6.0),
+        ({"phase": Phase.SNAPSHOT, "timeout": 120.0}, 30.0, 6.0),
     ],
 )
 def test_first_step_snapshot_and_evaluation_allowances(tmp_path, how, allowed, collective_timeout):

@@ -161,7 +161,7 @@ def test_a_store_that_is_gone_never_reaches_the_watch():
 
 def _record(folder: Path, rank: int, step: int, seq: int) -> None:
     folder.mkdir(exist_ok=True)
-    data = RECORD.pack(MAGIC, 100 + rank, 1, Phase.LOOP, seq, step, step, 0, 0.0, 0.1)
+    data = RECORD.pack(MAGIC, 100 + rank, 1, Phase.LOOP, seq, step, step, 0, 0.0, 0.1, 0.0)
     (folder / f"rank{rank}.progress").write_bytes(data)
 
 
@@ -260,7 +260,7 @@ def test_a_waiting_node_ends_its_own_workers_when_the_stalled_ranks_agent_stays_
         clock.now = 1000.0
         w = watch.Watch(tmp_path, watch.StallPolicy(floor=3.0), None, clock=clock)
         w.start_attempt({0: (0, child.pid)})
-        data = RECORD.pack(MAGIC, child.pid, 1, Phase.LOOP, 30, 6, 6, 0, 0.0, 0.1)
+        data = RECORD.pack(MAGIC, child.pid, 1, Phase.LOOP, 30, 6, 6, 0, 0.0, 0.1, 0.0)
         (tmp_path / "rank0.progress").write_bytes(data)
         store.set(watch_nodes.KEY.format(1), encode(1, "host1", 1, named, [STALLED]))
         w.connect(store, 0, 2)

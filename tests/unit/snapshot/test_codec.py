@@ -13,6 +13,7 @@ import dataclasses
 import datetime as dt
 import decimal
 import enum
+import fractions
 import io
 import json
 import math
@@ -517,6 +518,23 @@ def test_one_depth_limit_for_save_and_load_wherever_each_runs(kind):
         codec.decode(too_deep, held)
 
 
+@pytest.mark.parametrize(
+    "leaf",
+    [2**70, fractions.Fraction(2**70, 3), range(2**70), torch.ones(2), np.float32(1.5), b"x"],
+    ids=["big-int", "fraction", "range", "tensor", "numpy", "bytes"],
+)
+def test_only_containers_count_toward_the_depth_limit(leaf):
+    """A leaf inside the deepest container a save accepts is read back: the limit counts the same
+    containers on both sides (an int past 64 bits, tagged, was written at the limit and refused on
+    load)."""
+    value: Any = leaf
+    for _ in range(codec.MAX_DEPTH):
+        value = [value]
+    held: list[torch.Tensor] = []
+    skeleton = json.loads(json.dumps(codec.encode(value, held)))
+    same(value, codec.decode(skeleton, held), "leaf at the limit")
+
+
 def test_a_disk_snapshot_refused_at_save_writes_nothing_and_leaves_the_previous_whole(tmp_path):
     ckpt = SnapshotManager(tmp_path)
     ckpt.save(1, {"model": {"w": torch.ones(2)}}, {"step": 1}, own={"cb": [1]})
@@ -676,3 +694,22 @@ def test_a_value_and_what_a_load_gives_back_share_one_fingerprint(value):
     assert codec.fingerprint(value) == codec.fingerprint(through_json(value))
     changed = [value, 0]
     assert codec.fingerprint(changed) != codec.fingerprint([value, 1])
+
+
+class _Mode(enum.Enum):
+    A = 1
+    B = 2
+
+
+def test_a_value_the_codec_cannot_hold_is_fingerprinted_by_what_it_shows():
+    """A setting the codec does not hold (an enum, a class of the script) still tells a change:
+    its repr, less the addresses a default repr shows, so that another process gives the same."""
+    assert codec.fingerprint(_Mode.A) != codec.fingerprint(_Mode.B)
+    assert codec.fingerprint({"lr": 0.1, "m": _Mode.A}) != codec.fingerprint(
+        {"lr": 0.5, "m": _Mode.A}
+    )
+    assert codec.fingerprint({"lr": 0.1, "m": _Mode.A}) == codec.fingerprint(
+        {"lr": 0.1, "m": _Mode.A}
+    )
+    # control: an object with a default repr, two instances alike but at two addresses
+    assert codec.fingerprint(object()) == codec.fingerprint(object())

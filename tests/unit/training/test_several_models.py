@@ -327,3 +327,49 @@ def test_an_optimizer_a_step_does_not_train_is_not_stepped(tmp_path):
     _, _, refused = body_head(tmp_path / "r", stepped_without_backward)
     with pytest.raises(ConfigError, match=r"optimizer_step\('head'\) in a step with no step"):
         refused.fit()
+
+
+def test_an_optimizer_a_step_does_not_name_is_left_out_though_another_loss_reached_it(tmp_path):
+    """A GAN whose discriminator trains every second step: the generator's loss puts gradients on
+    the discriminator too, yet no step.backward() named it, so it is left out of the step (those
+    gradients are not its own); stepping it there is refused, naming step.backward (control)."""
+    torch.manual_seed(0)
+    g, d = nn.Linear(4, 4), nn.Linear(4, 1)
+    optimizers = {
+        "g": torch.optim.SGD(g.parameters(), lr=0.1),
+        "d": torch.optim.SGD(d.parameters(), lr=0.1),
+    }
+    moved: list[bool] = []
+
+    def step_fn(step: Any) -> None:
+        g, d = step.models["g"], step.models["d"]
+        train_d = len(moved) % 2 == 0
+        before = [p.detach().clone() for p in d.parameters()]
+        for (x,) in step.micro_batches():
+            if train_d:
+                step.backward(d(g(x).detach()).mean() - d(x).mean(), "d")
+            step.backward(-d(g(x)).mean(), "g")  # reaches d's parameters too
+        if train_d:
+            step.optimizer_step("d")
+        step.optimizer_step("g")
+        moved.append(any(not torch.equal(p, b) for p, b in zip(d.parameters(), before)))
+
+    def build(fn: Any, run: str) -> Any:
+        config = TrainerConfig(
+            run_dir=str(tmp_path / run), epochs=1, batch_size=8, num_workers=0,
+            logging=LoggingConfig(progress=False),
+        )  # fmt: skip
+        return ddpkit.Trainer({"g": g, "d": d}, optimizers, DATA, config, step_fn=fn)
+
+    built = build(step_fn, "gan")
+    built.fit()
+    assert moved == [True, False, True, False] and built.step == 4
+
+    def steps_d_on_gs_loss(step: Any) -> None:
+        for (x,) in step.micro_batches():
+            step.backward(-step.models["d"](step.models["g"](x)).mean(), "g")
+        step.optimizer_step("g")
+        step.optimizer_step("d")
+
+    with pytest.raises(ConfigError, match=r"optimizer_step\('d'\) in a step with no step"):
+        build(steps_d_on_gs_loss, "refused").fit()
