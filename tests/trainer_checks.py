@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch import nn
 
 
 def bitwise_equal(a: dict, b: dict) -> bool:
@@ -124,3 +126,27 @@ def newest_snapshot(run_dir: str | Path) -> tuple[int, dict]:
     return int(folder.name.split("-")[1]), torch.load(
         Path(run_dir) / f"{folder.name}.pt", weights_only=True
     )["model"]
+
+
+class _Overflow(torch.autograd.Function):
+    """The identity, whose gradient is infinite while ``ON[0]``: a gradient overflow in the layers
+    before it, with the loss and the layers after it finite."""
+
+    ON = [False]
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * float("inf") if _Overflow.ON[0] else grad
+
+
+class Overflow(nn.Module):
+    """:class:`_Overflow` as a layer; ``Overflow.ON[0] = True`` turns it on."""
+
+    ON = _Overflow.ON
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Overflow.apply(x)

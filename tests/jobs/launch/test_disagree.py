@@ -8,7 +8,6 @@ ranks all exit 0 at its end is a success with no such line.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -16,29 +15,18 @@ from pathlib import Path
 
 import pytest
 
+from ddpkit.testing import without_launch_env
+
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and /dev/shm"),
 ]
 
 JOB = str(Path(__file__).with_name("disagree_job.py"))
-_LAUNCH_VARS = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "OMP_NUM_THREADS",
-)
 
 
 def _run(tmp_path: Path, mode: str, *launcher: str) -> tuple[subprocess.CompletedProcess, float]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in _LAUNCH_VARS and not k.startswith(("TORCHELASTIC", "SLURM", "DDPKIT_STALL"))
-    }
+    env = {k: v for k, v in without_launch_env().items() if not k.startswith("DDPKIT_STALL")}
     start = time.monotonic()
     out = subprocess.run(
         [sys.executable, "-m", "ddpkit.cli", "run", "--nproc", "2", *launcher, JOB, mode],

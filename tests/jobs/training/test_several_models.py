@@ -20,6 +20,7 @@ import ddpkit
 from ddpkit import LoggingConfig, SnapshotConfig, Trainer, TrainerConfig
 from ddpkit._errors import ConfigError
 from ddpkit.testing import run_on_ranks
+from tests.trainer_checks import Overflow
 
 NOISE = 4
 
@@ -396,26 +397,6 @@ def test_a_frozen_teacher_and_two_optimizers_over_one_model(tmp_path):
 # --- two optimizers over one model: a skip of one -------------------------------------------------
 
 
-class _Overflow(torch.autograd.Function):
-    """The identity, whose gradient is infinite while ``ON[0]``: the layers before it overflow,
-    the loss and the layers after it stay finite."""
-
-    ON = [False]
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad * float("inf") if _Overflow.ON[0] else grad
-
-
-class Overflow(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Overflow.apply(x)
-
-
 def _body_head_job(run_dir: Path, order: tuple[str, str], accum: int = 1, how: str = "") -> Any:
     """One model, the body's optimizer and the head's; the body's gradients overflow on rank 1 at
     the step function's call 2. Each call's (body taken, head taken, head moved), and the final
@@ -431,7 +412,7 @@ def _body_head_job(run_dir: Path, order: tuple[str, str], accum: int = 1, how: s
 
     def step_fn(step) -> None:
         model = step.models["net"]
-        _Overflow.ON[0] = (len(calls), ddpkit.get_runtime().rank) == (2, 1)
+        Overflow.ON[0] = (len(calls), ddpkit.get_runtime().rank) == (2, 1)
         if how == "break":
             for (x,) in step.micro_batches():
                 out = model(x)
@@ -443,7 +424,7 @@ def _body_head_job(run_dir: Path, order: tuple[str, str], accum: int = 1, how: s
         else:
             for (x,) in step.micro_batches():
                 step.backward(model(x).pow(2).mean(), "body", "head")
-        _Overflow.ON[0] = False
+        Overflow.ON[0] = False
         head = [p.detach().clone() for p in net[3].parameters()]
         taken = {name: step.optimizer_step(name) for name in order}
         moved = any(not torch.equal(p, h) for p, h in zip(net[3].parameters(), head))

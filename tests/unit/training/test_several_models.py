@@ -19,6 +19,7 @@ from torch.utils.data import TensorDataset
 import ddpkit
 from ddpkit._errors import ConfigError
 from ddpkit.training._config import LoggingConfig, TrainerConfig
+from tests.trainer_checks import Overflow
 
 DATA = TensorDataset(torch.randn(32, 4, generator=torch.Generator().manual_seed(1)))
 
@@ -195,26 +196,6 @@ def test_an_optimizer_step_whose_last_micro_batch_had_no_backward_is_refused(tmp
 # --- a skip: its own optimizer's gradients only ---------------------------------------------------
 
 
-class _Overflow(torch.autograd.Function):
-    """The identity, whose gradient is infinite while ``ON[0]``: a gradient overflow in the layers
-    before it, with the loss finite."""
-
-    ON = [False]
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad * float("inf") if _Overflow.ON[0] else grad
-
-
-class Overflow(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Overflow.apply(x)
-
-
 def test_a_skip_clears_its_own_optimizers_gradients_and_those_of_no_optimizer_only(tmp_path):
     # body: net[0]; head: net[3]; net[4] in no optimizer. The body's gradients overflow at step 1.
     torch.manual_seed(0)
@@ -226,10 +207,10 @@ def test_a_skip_clears_its_own_optimizers_gradients_and_those_of_no_optimizer_on
     seen: list[tuple[bool, bool, bool, bool]] = []
 
     def step_fn(step: Any) -> None:
-        _Overflow.ON[0] = len(seen) == 1
+        Overflow.ON[0] = len(seen) == 1
         for (x,) in step.micro_batches():
             step.backward(step.models["net"](x).pow(2).mean(), "body", "head")
-        _Overflow.ON[0] = False
+        Overflow.ON[0] = False
         head = [p.detach().clone() for p in net[3].parameters()]
         body = step.optimizer_step("body")
         outside = all(p.grad is None for p in net[4].parameters())
