@@ -151,10 +151,11 @@ def _write() -> None:
 
 def collective_timeout(seconds: float) -> None:
     """The process group waits this long in a collective before it fails: the stall watch names a
-    rank before then (its long allowance is at most half of it)."""
+    rank before then (its long allowance is at most half of it). Written with the rank's next mark,
+    not now: a rank with no mark yet has no record, and holds the watch's judgement until it has
+    one (a record made here would let rank 0's download before its first mark count as a stall)."""
     global _timeout
     _timeout = seconds
-    _write()
 
 
 def watched() -> bool:

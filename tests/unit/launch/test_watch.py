@@ -203,6 +203,27 @@ def test_marks_write_a_record_the_watch_reads(tmp_path, monkeypatch):
     progress._buf.close()
 
 
+def test_the_group_timeout_reaches_the_record_with_the_first_mark_not_before(tmp_path, monkeypatch):
+    """``ddpkit.init`` records its group's collective timeout for the watch's cap; a rank with no
+    mark yet keeps no record (it holds the watch's judgement, as before: rank 0 downloading before
+    its first mark is no stall)."""
+    monkeypatch.setenv(progress.DIR_ENV, str(tmp_path))
+    monkeypatch.setenv("RANK", "2")
+    for name in ("_buf", "_ints", "_floats"):
+        monkeypatch.setattr(progress, name, None)
+    monkeypatch.setattr(progress, "_opened", False)
+    for name, value in {"_timeout": 0.0, "_trainer_counts": False, "_step": 0, "_steps": 0}.items():
+        monkeypatch.setattr(progress, name, value)  # begin_step sets them: put back after
+    progress.collective_timeout(42.0)
+    assert not (tmp_path / "rank2.progress").exists()
+    progress.begin_step(1)
+    record = watch.read_record(tmp_path / "rank2.progress")
+    assert record is not None and record.timeout == 42.0 and record.step == 1
+    progress._ints.release()
+    progress._floats.release()
+    progress._buf.close()
+
+
 def test_outside_ddpkit_run_marks_write_nothing(tmp_path, monkeypatch):
     monkeypatch.delenv(progress.DIR_ENV, raising=False)
     for name in ("_buf", "_ints", "_floats"):
