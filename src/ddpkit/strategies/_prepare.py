@@ -99,22 +99,41 @@ def mark_gradient_sync(ddp: DDP) -> None:
     stalled one is named in seconds. A hook before the accumulation of one parameter's gradient
     queues the mark at the backward's end, ahead of DDP's wait (queued at the last gradient): one
     call a backward, none a forward, and nothing outside ``ddpkit run``. Under
-    ``find_unused_parameters`` that parameter may get a gradient on some ranks only, and a rank
-    waiting unmarked would look behind one waiting marked: no mark then. Where a backward nested
-    in the step's (reentrant checkpointing) accumulates it, or under compiled autograd, a step's
-    mark is early or missing on every rank alike: the watch then judges as it did without it.
+    ``find_unused_parameters`` (or ``static_graph``) that parameter may get no gradient, on some
+    ranks only, and a rank waiting unmarked would look behind one waiting marked: no mark then.
+    Where a backward nested in the step's (reentrant checkpointing) accumulates it, or under
+    compiled autograd, a step's mark is early or missing on every rank alike: the watch then judges
+    as it did without it.
     """
-    edge_of = getattr(torch.autograd.graph, "get_gradient_edge", None)
-    param = next((p for p in ddp.module.parameters() if p.requires_grad), None)
-    if edge_of is None or param is None or ddp.find_unused_parameters or not marks.watched():
+    node = accumulation_of_a_parameter(ddp)
+    if node is None or not marks.watched():
         return
-    node = edge_of(param).node  # the parameter's AccumulateGrad
     node.register_prehook(_accumulating)
     # a leaf keeps its accumulation node only while something refers to it: the hook with it
     _ACCUMULATION[ddp] = node
 
 
 _ACCUMULATION: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+
+
+def accumulation_of_a_parameter(model: nn.Module) -> Any:
+    """Under DDP, the gradient accumulation node of a parameter that DDP requires a gradient for in
+    every backward; None elsewhere, and where DDP does not require them all
+    (``find_unused_parameters``, ``static_graph``). What a hook of every backward's end hangs on
+    (the stall watch's mark here, the step timings' ``comm``)."""
+    edge_of = getattr(torch.autograd.graph, "get_gradient_edge", None)
+    if (
+        not isinstance(model, DDP)
+        or edge_of is None
+        or model.find_unused_parameters
+        or model.static_graph
+    ):
+        return None
+    ignored = set(getattr(model, "parameters_to_ignore", ()))
+    for name, p in model.module.named_parameters():
+        if p.requires_grad and name not in ignored:
+            return edge_of(p).node
+    return None
 
 
 def _accumulating(_grad_outputs: Any) -> None:

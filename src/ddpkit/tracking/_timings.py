@@ -57,6 +57,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddpkit._internals.compiler import at_backward_end
 from ddpkit.data._loader import batch_len
+from ddpkit.strategies._prepare import accumulation_of_a_parameter
 
 PHASES = ("data", "compute", "comm", "optimizer", "snapshot")
 # a rank's own work; comm is waiting for the others
@@ -68,25 +69,6 @@ need to be 1.5x the other to pass 1.2x), ..."""
 SLOW_SHARE = 0.05
 """... and the excess is at least this share of the step's wall time (a tiny phase's noise is not
 news)."""
-
-
-def _accumulation_of_a_parameter(model: nn.Module) -> Any:
-    """Under DDP, the gradient accumulation node of a parameter that DDP requires a gradient for in
-    every backward; None elsewhere, and where DDP does not require them all
-    (``find_unused_parameters``, ``static_graph``)."""
-    edge_of = getattr(torch.autograd.graph, "get_gradient_edge", None)
-    if (
-        not isinstance(model, DistributedDataParallel)
-        or edge_of is None
-        or model.find_unused_parameters
-        or model.static_graph
-    ):
-        return None
-    ignored = set(getattr(model, "parameters_to_ignore", ()))
-    for name, p in model.module.named_parameters():
-        if p.requires_grad and name not in ignored:
-            return edge_of(p).node
-    return None
 
 
 class StepTimings:
@@ -149,7 +131,7 @@ class StepTimings:
                 self._hooks.append(model.module.register_forward_pre_hook(self._module_forward))
             # Held with its hook (DDP holds it too): a node nobody holds is made anew each
             # forward, without the hook.
-            self._anchor = None if compiled else _accumulation_of_a_parameter(model)
+            self._anchor = None if compiled else accumulation_of_a_parameter(model)
             if self._anchor is not None:
                 self._anchor_hook = self._anchor.register_prehook(self._accumulating)
                 self._hooks.append(self._anchor_hook)
