@@ -140,9 +140,29 @@ def run(
         stderr=subprocess.STDOUT,
         text=True,
     )
-    if during is not None:
-        during(facts)
-    out, _ = proc.communicate(timeout=600)
+    try:
+        if during is not None:
+            during(facts)
+        out, _ = proc.communicate(timeout=600)
+    except BaseException:
+        # Every worker still alive writes its threads' stacks (tests/jobs/scripts/ray_job.py);
+        # then the driver's end ends the job's workers: a run left going would hold the cluster's
+        # CPUs from the tests after it. The stacks and the driver's output are the evidence.
+        asked = []
+        for stacks in facts.glob("stacks-*"):
+            pid = int(stacks.name[len("stacks-") :])
+            with contextlib.suppress(OSError):  # gone, or its pid now another's
+                if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::"):
+                    os.kill(pid, signal.SIGUSR2)
+                    asked.append(stacks)
+        with contextlib.suppress(TimeoutError):
+            wait_until(lambda: all(s.stat().st_size for s in asked), 10, what="the stacks")
+        for stacks in asked:
+            print(f"== {stacks.name}\n{stacks.read_text()}")
+        proc.kill()
+        out, _ = proc.communicate()
+        print(out[-20000:])
+        raise
     done = subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
     return done, [json.loads(p.read_text()) for p in sorted(facts.glob("*.json"))]
 

@@ -13,6 +13,7 @@ on every rank), so that the Trainer meets it at its next agreement, not after tr
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import signal
@@ -31,6 +32,10 @@ EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 def loop(config: dict) -> None:
     import ddpkit
 
+    # A run that does not end is asked for every thread's stack: the test sends SIGUSR2 to the pid
+    # each file is named by, and the stacks are written into it. Open for the process's life.
+    stacks = Path(config["facts"], f"stacks-{os.getpid()}").open("w")
+    faulthandler.register(signal.SIGUSR2, file=stacks, all_threads=True)
     rt = ddpkit.init()
     facts = {
         "launcher": rt.launcher,
