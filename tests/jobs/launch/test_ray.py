@@ -159,6 +159,8 @@ def run(
             wait_until(lambda: all(s.stat().st_size for s in asked), 10, what="the stacks")
         for stacks in asked:
             print(f"== {stacks.name}\n{stacks.read_text()}")
+        # the cluster as Ray sees it: its nodes alive or dead, what holds their CPUs
+        print("== ray status\n" + _ray(ns_a, "status", f"--address={addr_a}:6379").stdout)
         proc.kill()
         out, _ = proc.communicate()
         print(out[-20000:])
