@@ -145,28 +145,39 @@ def run(
             during(facts)
         out, _ = proc.communicate(timeout=600)
     except BaseException:
-        # Every worker still alive writes its threads' stacks (tests/jobs/scripts/ray_job.py);
-        # then the driver's end ends the job's workers: a run left going would hold the cluster's
-        # CPUs from the tests after it. The stacks and the driver's output are the evidence.
-        asked = []
-        for stacks in facts.glob("stacks-*"):
-            pid = int(stacks.name[len("stacks-") :])
-            with contextlib.suppress(OSError):  # gone, or its pid now another's
-                if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::"):
-                    os.kill(pid, signal.SIGUSR2)
-                    asked.append(stacks)
-        with contextlib.suppress(TimeoutError):
-            wait_until(lambda: all(s.stat().st_size for s in asked), 10, what="the stacks")
-        for stacks in asked:
-            print(f"== {stacks.name}\n{stacks.read_text()}")
-        # the cluster as Ray sees it: its nodes alive or dead, what holds their CPUs
-        print("== ray status\n" + _ray(ns_a, "status", f"--address={addr_a}:6379").stdout)
-        proc.kill()
-        out, _ = proc.communicate()
-        print(out[-20000:])
+        # The driver's end ends the job's workers: a run left going would hold the cluster's CPUs
+        # from the tests after it. Before it, what the run was doing is printed as evidence.
+        try:
+            _print_where_it_waits(facts, ns_a, addr_a)
+        finally:
+            proc.kill()
+            out, _ = proc.communicate()
+            print(out[-20000:])
         raise
     done = subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
     return done, [json.loads(p.read_text()) for p in sorted(facts.glob("*.json"))]
+
+
+def _print_where_it_waits(facts: Path, ns: str, addr: str) -> None:
+    """Every worker of the run still alive writes its threads' stacks
+    (tests/jobs/scripts/ray_job.py), printed with the cluster as Ray sees it: its nodes alive or
+    dead, what holds their CPUs."""
+    asked = []
+    for stacks in facts.glob("stacks-*"):
+        pid = int(stacks.name[len("stacks-") :])
+        with contextlib.suppress(OSError):  # gone, or its pid now another's
+            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::"):
+                os.kill(pid, signal.SIGUSR2)
+                asked.append(stacks)
+    with contextlib.suppress(TimeoutError):
+        wait_until(lambda: all(s.stat().st_size for s in asked), 10, what="the stacks")
+    for stacks in asked:
+        print(f"== {stacks.name}\n{stacks.read_text()}")
+    try:
+        status = _ray(ns, "status", f"--address={addr}:6379")
+        print(f"== ray status\n{status.stdout}{status.stderr[-2000:]}")
+    except subprocess.TimeoutExpired:
+        print("== ray status: no answer in 120 s")
 
 
 def weights(run_dir: Path):
