@@ -2,7 +2,8 @@
 
 The core: ``ddpkit run`` (:mod:`~ddpkit._launch.launcher`) over torchrun's elastic agent
 (:mod:`~ddpkit._launch.agent`), its rendezvous (:mod:`~ddpkit._launch.rendezvous`), the workers,
-the stall watch, and ``spawn`` for notebooks.
+the stall watch, the summary of a failed job (:mod:`~ddpkit._launch.failure`), and ``spawn`` for
+notebooks.
 
 Extras, imported only by the command that uses them (``import ddpkit`` imports none):
 

@@ -1,4 +1,4 @@
-"""torchrun's elastic agent as ``ddpkit run`` runs it, and the summary of a failed job.
+"""torchrun's elastic agent as ``ddpkit run`` runs it.
 
 Changes to the agent torchrun has no option for (a subclass, installed by :func:`install`):
 
@@ -18,7 +18,7 @@ Changes to the agent torchrun has no option for (a subclass, installed by :func:
 - a rank that stops making progress while the others wait for it is named in seconds, and the job
   ended (:mod:`ddpkit._launch.watch`), across nodes through the rendezvous store
   (:mod:`ddpkit._launch.watch_nodes`); before each restart the failure is summarised as at a job's
-  end.
+  end (:mod:`ddpkit._launch.failure`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,214 +39,11 @@ from ddpkit._errors import PREEMPTED_EXIT_CODE
 from ddpkit._internals.elastic import HookedAgent, use_agent
 from ddpkit._launch import watch
 from ddpkit._launch import watch_nodes as nodes
+from ddpkit._launch.failure import Left, preempted, summarize_failure
 from ddpkit._launch.forkserver import workers as forked
 from ddpkit._launch.proctree import kill_descendants
 from ddpkit.distributed._progress import Phase
 from ddpkit.snapshot._memory import folder as memory_folder
-
-
-def _describe(
-    rank: int, failure: Any, stall: watch.Stall | None = None, disagreement: str = ""
-) -> str:
-    how = (
-        f"killed by {failure.signal_name()}"
-        if failure.exitcode < 0
-        else f"exit code {failure.exitcode}"
-    )
-    if stall is not None and rank in stall.ranks:
-        how = (
-            f"ended by the stall watch ({how})"
-            if disagreement
-            else f"stalled, ended by the stall watch ({how})"
-        )
-    return f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid}): {how}"
-
-
-@dataclass(frozen=True)
-class Left:
-    """A worker that exited with code 0 while the others of its node went on."""
-
-    rank: int
-    local_rank: int
-    pid: int
-    step: int | None
-    """Its step at its last mark (None: it never marked one)."""
-
-
-def _left_line(left: Sequence[Left], first_rank: int) -> str:
-    """The line, before a failed job's summary, that says which ranks left the job early."""
-    if len(left) == 1:
-        one = left[0]
-        at = f" at step {one.step}" if one.step is not None else ""
-        who = f"rank {one.rank} (local rank {one.local_rank}, pid {one.pid}) left the job"
-    else:
-        at = ""
-        who = "ranks " + ", ".join(
-            f"{g.rank}" + (f" (step {g.step})" if g.step is not None else "") for g in left
-        )
-        who += " left the job"
-    return (
-        f"ddpkit run: {who} with exit code 0{at} while the others went on; rank {first_rank} then "
-        "failed (below): a script that returns, or calls sys.exit(0), on some ranks only leaves "
-        "the others to fail in their next collective; end every rank at the same step"
-    )
-
-
-def _recorded(failure: Any) -> tuple[str, list[str]]:
-    data = (failure.error_file_data or {}).get("message")
-    if not isinstance(data, dict):
-        return "", []
-    stack = data.get("extraInfo", {}).get("py_callstack", "").rstrip().splitlines()
-    # Drop the frames of the launch machinery (torch's @record wrapper, ddpkit._launch.worker,
-    # runpy): the user's frames start after the last runpy frame.
-    runpy_frames = [i for i, line in enumerate(stack) if "<frozen runpy>" in line]
-    if runpy_frames:
-        stack = stack[runpy_frames[-1] + 1 :]
-    return data.get("message", ""), stack
-
-
-# What a rank's collective says when a peer process went away: the failure of another rank, not a
-# cause.
-_PEER_LOST = (
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "Broken pipe",
-    "Socket closed",
-)
-
-
-def _peer_lost(failure: Any) -> bool:
-    message, _ = _recorded(failure)
-    return any(text in message for text in _PEER_LOST)
-
-
-# Signals the launcher itself sends to workers: a worker ended by one is a consequence of another's
-# failure.
-_OUR_SIGNALS = (-signal.SIGTERM, -signal.SIGUSR2)
-
-
-def cause(failures: dict[int, Any], stall: watch.Stall | None = None) -> tuple[int, Any]:
-    """(rank, failure) of the worker whose failure ended the job.
-
-    Once one rank fails its peers fail too: a collective loses its peer, or the agent stops them.
-    torchrun orders failures by time, in whole seconds, stamped when a worker wrote its error or
-    when the agent polled it, so the first in time can be a consequence. In order of preference: an
-    exception that is not a lost peer, an exit with an error code, a death by a signal the launcher
-    did not send (SIGKILL, SIGSEGV, the OOM killer), then the earliest. A rank the stall watch named
-    (``stall``) comes before all of them: the others' errors followed from its kill.
-    """
-    by_time = sorted(failures.items(), key=lambda rf: (rf[1].timestamp, rf[0]))
-    for rank, failure in by_time:
-        if stall is not None and rank in stall.ranks:
-            return rank, failure
-    # A rank the agent stopped while it was exiting with its own error keeps that error, but its
-    # exit code is the agent's signal: of two equal errors, the one that exited by itself comes
-    # first.
-    for rank, failure in sorted(by_time, key=lambda rf: rf[1].exitcode in _OUR_SIGNALS):
-        message, _ = _recorded(failure)
-        if message and not _peer_lost(failure):
-            return rank, failure
-    for rank, failure in by_time:  # exited with its own code (sys.exit(3)), no exception recorded
-        if failure.exitcode > 0 and not _peer_lost(failure):
-            return rank, failure
-    for rank, failure in by_time:
-        if failure.exitcode < 0 and failure.exitcode not in _OUR_SIGNALS:
-            return rank, failure
-    return by_time[0]
-
-
-def summarize_failure(
-    err: Any,
-    tail: int = 12,
-    stall: watch.Stall | None = None,
-    where: str = "",
-    left: Sequence[Left] | None = None,
-    disagreement: str | None = None,
-) -> str:
-    """The failed ranks: the first to fail with its exception and the end of its traceback, then the
-    rest.
-
-    Once one rank fails, its peers fail too (a collective loses its peer, or the agent stops them),
-    so the first failure in time is the cause and the others are its consequences. ``stall``: what
-    the stall watch named; ``where``: each rank's step and phase at its last mark. ``left``: the
-    ranks that exited with code 0 while the others went on, said first (their exit is no failure to
-    torchrun, and the first failure is then a survivor's); ``disagreement``: the stall watch's line
-    on ranks in one collective under different ops. Both default to what this process's
-    :class:`Agent` saw.
-    """
-    failures: dict[int, Any] = getattr(err, "failures", {})
-    if not failures:
-        return f"ddpkit run: the job failed: {err}"
-    ours = Agent.current
-    if left is None:
-        left = ours.left if ours is not None else []
-    if disagreement is None:
-        disagreement = ours.disagreement if ours is not None else ""
-    first_rank, first = cause(failures, stall)
-    named = stall is not None and first_rank in stall.ranks
-    lines = [_left_line(left, first_rank)] if left else []
-    lines.append(
-        f"ddpkit run: {len(failures)} worker(s) failed; first: "
-        f"{_describe(first_rank, first, stall, disagreement if named else '')}"
-    )
-    message, stack = _recorded(first)
-    if stall is not None and first_rank in stall.ranks:
-        if disagreement:
-            lines.append(f"  {disagreement}")
-        # Its stack, and every other rank's, were shown when it was named.
-        lines.append(f"  {stall.headline.removeprefix('ddpkit run: ')}")
-    elif message:
-        lines.append(f"  {message}")
-        lines += ["  traceback (last lines):"] + [f"    {line}" for line in stack[-tail:]]
-    elif first.exitcode < 0:
-        lines.append(
-            "  no Python exception: the process was killed (out of memory? the scheduler? a "
-            "signal?)"
-        )
-    if where:
-        lines.append(f"  where each rank was: {where}")
-    others = [r for r in sorted(failures) if r != first_rank]
-    for rank in others:
-        message, _ = _recorded(failures[rank])
-        lines.append(
-            f"  then {_describe(rank, failures[rank], stall)}"
-            + (f": {message.splitlines()[0]}" if message else "")
-        )
-    return "\n".join(lines)
-
-
-def preempted(failures: dict[int, Any]) -> bool:
-    """True when the workers stopped because they were told to: stopped by a signal, snapshot saved.
-
-    Some worker exited with the pre-empted code; the others have it too, or were ended by the
-    agent's SIGTERM while they were exiting themselves (torchrun stops the group as soon as one
-    worker is gone). A worker that died otherwise (SIGKILL, a crash) is a failure: the 75 of the
-    others is then their answer to the agent's SIGTERM as it tore the group down, and the job is
-    restarted.
-    """
-    codes = [f.exitcode for f in failures.values()]
-    return PREEMPTED_EXIT_CODE in codes and all(
-        c in (PREEMPTED_EXIT_CODE, -signal.SIGTERM) for c in codes
-    )
-
-
-def exit_code(err: BaseException) -> int:
-    """The code ``ddpkit run`` exits with: 75 when pre-empted, else that of the failure that ended
-    the job."""
-    failures = getattr(err, "failures", {})
-    if not failures:
-        return 1
-    if preempted(failures):
-        return PREEMPTED_EXIT_CODE
-    stall = (
-        Agent.current.watch.stall
-        if Agent.current is not None and Agent.current.watch is not None
-        else None
-    )
-    _, failure = cause(failures, stall)
-    if failure.exitcode < 0:
-        return 128 - failure.exitcode  # as a shell reports death by signal
-    return failure.exitcode or 1
 
 
 class Agent(HookedAgent):
@@ -364,7 +160,13 @@ class Agent(HookedAgent):
         if self.restarts_left() > 0:
             stall = self.watch.stall if self.watch is not None else None
             print(
-                summarize_failure(result, stall=stall, where=self.where),
+                summarize_failure(
+                    result,
+                    stall=stall,
+                    where=self.where,
+                    left=self.left,
+                    disagreement=self.disagreement,
+                ),
                 file=sys.stderr,
                 flush=True,
             )

@@ -20,7 +20,7 @@ from typing import Any
 
 from ddpkit import _fs as fs
 from ddpkit._errors import ConfigError
-from ddpkit._launch import agent, proctree, tail, watch
+from ddpkit._launch import agent, failure, proctree, tail, watch
 from ddpkit._launch.environment_defaults import with_environment_defaults
 from ddpkit._launch.options import (
     LaunchConfig,
@@ -340,7 +340,7 @@ def launch(cfg: LaunchConfig) -> int:
     try:
         _run_torchrun(torchrun, args, quiet=range(1, nproc) if not cfg.all_ranks else range(0))
     except ChildFailedError as err:
-        if agent.preempted(err.failures):
+        if failure.preempted(err.failures):
             print(
                 "ddpkit run: stopped by a signal after saving a snapshot (exit code "
                 f"{cfg.preempted_exit_code}); run the same command again to resume",
@@ -351,7 +351,13 @@ def launch(cfg: LaunchConfig) -> int:
         ours = agent.Agent.current
         named = ours.watch.stall if ours is not None and ours.watch is not None else None
         print(
-            agent.summarize_failure(err, stall=named, where=ours.where if ours is not None else ""),
+            failure.summarize_failure(
+                err,
+                stall=named,
+                where=ours.where if ours is not None else "",
+                left=ours.left if ours is not None else (),
+                disagreement=ours.disagreement if ours is not None else "",
+            ),
             file=sys.stderr,
             flush=True,
         )
@@ -373,7 +379,7 @@ def launch(cfg: LaunchConfig) -> int:
                 flush=True,
             )
         print(f"  output of every rank: {run_dir}", file=sys.stderr, flush=True)
-        return agent.exit_code(err)
+        return failure.exit_code(err, stall=named)
     except RendezvousError as err:
         print(
             f"ddpkit run: the nodes did not come together at {cfg.rdzv_endpoint} "

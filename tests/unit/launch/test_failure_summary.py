@@ -10,7 +10,8 @@ from types import SimpleNamespace
 
 from ddpkit._launch import agent as agent_module
 from ddpkit._launch import watch
-from ddpkit._launch.agent import Agent, Left, summarize_failure
+from ddpkit._launch.agent import Agent
+from ddpkit._launch.failure import Left, summarize_failure
 from ddpkit.distributed._progress import MAGIC, RECORD, Phase
 
 LOST = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1"

@@ -318,7 +318,7 @@ def test_the_cause_of_a_failure_is_told_from_its_consequences():
     # Pure logic over torchrun's failure records (timestamps in whole seconds, often equal).
     from types import SimpleNamespace
 
-    from ddpkit._launch.agent import cause, exit_code
+    from ddpkit._launch.failure import cause, exit_code
 
     lost = "RuntimeError: [gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1"
     cases = [
@@ -349,7 +349,7 @@ def test_a_worker_killed_otherwise_is_a_failure_even_when_the_others_saved_and_e
     # test caught this).
     from types import SimpleNamespace
 
-    from ddpkit._launch.agent import preempted
+    from ddpkit._launch.failure import preempted
 
     def failures(*codes):
         return {rank: SimpleNamespace(exitcode=code) for rank, code in enumerate(codes)}

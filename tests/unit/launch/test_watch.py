@@ -13,7 +13,8 @@ from types import SimpleNamespace
 import pytest
 
 from ddpkit._errors import ConfigError
-from ddpkit._launch import agent, watch
+from ddpkit._launch import watch
+from ddpkit._launch.failure import cause, summarize_failure
 from ddpkit._launch.options import build_parser, config_from_args
 from ddpkit.distributed import _progress as progress
 from ddpkit.distributed._progress import MAGIC, RECORD, Phase
@@ -244,9 +245,9 @@ def test_the_cause_is_the_killed_rank_not_the_survivor_stopped_after_it():
         )  # fmt: skip
 
     failures = {0: failure(0, -signal.SIGTERM, 100), 1: failure(1, -signal.SIGKILL, 101)}
-    assert agent.cause(failures)[0] == 1
+    assert cause(failures)[0] == 1
     assert min(failures, key=lambda r: failures[r].timestamp) == 0
-    text = agent.summarize_failure(
+    text = summarize_failure(
         SimpleNamespace(failures=failures), where="rank 0 at step 6; rank 1 at step 5"
     )
     assert text.splitlines()[0].endswith("first: rank 1 (local rank 1, pid 11): killed by SIGKILL")
