@@ -42,6 +42,7 @@ class RunDirLock(FolderLock):
 RUN_FILES = (
     "snapshots",
     "metrics.jsonl",
+    "metrics.rewound.jsonl",
     "epochs.csv",
     "config.json",
     "best.pt",
@@ -65,6 +66,7 @@ PREVIOUS_RUN = (
     "final.safetensors",
     "final_weights.pt",
     "metrics.jsonl",
+    "metrics.rewound.jsonl",
     "epochs.csv",
     "tensorboard",
     "loggers.json",

@@ -22,7 +22,6 @@ rank takes rank 0's buffers and the random streams are reseeded from (seed, step
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +40,9 @@ if TYPE_CHECKING:
 
 STREAMS = "rng"
 """The part of ``TrainerSnapshots.states`` that holds each rank's random streams (a RankStreams)."""
+OPTIONAL = frozenset({"records"})
+"""Parts a snapshot of an earlier version may lack: the run goes on without restoring them (the
+records' ends: nothing is rewound)."""
 
 
 class Stateful(Protocol):
@@ -167,7 +169,7 @@ class TrainerSnapshots:
         # "train" first: the random streams' reseed reads the step
         for name, part in self.states.items():
             if name not in state["states"]:
-                if name in self._fresh:
+                if name in self._fresh or name in OPTIONAL:
                     continue
                 raise ConfigError(
                     f"the snapshot holds no {name!r} state: it was written by a run without one "
@@ -196,23 +198,15 @@ class TrainerSnapshots:
         self.schedule.written(position)
         if not fresh:
             return
-        t0 = time.perf_counter()
+        # Recorded before the state is taken: the records' end it holds (a resume rewinds the
+        # records to it) is past this snapshot's own record.
+        step = self.train.step
+        event = {"event": "snapshot", "file": folder_name(step), "async": self.manager.async_write}
+        self.log("event", step, event)
         sharded, extra, own = self.disk_parts()
-        self.manager.save(
-            self.train.step, sharded, extra, replicated=self.strategy.replicated, own=own
-        )
+        self.manager.save(step, sharded, extra, replicated=self.strategy.replicated, own=own)
         if wait:
             self.manager.wait()
-        self.log(
-            "event",
-            self.train.step,
-            {
-                "event": "snapshot",
-                "file": folder_name(self.train.step),
-                "seconds": round(time.perf_counter() - t0, 4),
-                "async": self.manager.async_write,
-            },
-        )
 
     def _warn_precision_change(self, old: str, new: str) -> None:
         scaler = "fresh" if new == "fp16" else "dropped" if old == "fp16" else None
@@ -293,6 +287,8 @@ class TrainerSnapshots:
                 "cursor": t.cursor,
                 "restart_count": rt.restart_count,
                 "world_size": rt.world_size,
+                # records written after the snapshot, moved to metrics.rewound.jsonl
+                "rewound_records": getattr(self.states.get("records"), "rewound", 0),
             },
         )
         return True

@@ -7,6 +7,7 @@ import csv
 import json
 import math
 import multiprocessing.util
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,7 +25,15 @@ class MetricsWriter:
     previous run's are moved aside (:func:`ddpkit.snapshot._run_dir.claim`). They are opened without
     following a symbolic link, and a file with a second name (a run directory copied with
     ``cp -al``) is first replaced by a copy of its own.
+
+    Its state (:meth:`state_dict`) is where the files end: a snapshot holds it, and a resume from
+    that snapshot moves the records written after it (which the resumed run writes again) to
+    ``metrics.rewound.jsonl``, so that ``metrics.jsonl`` reads as the uninterrupted run's, with its
+    ``resume`` events.
     """
+
+    FILES = ("metrics.jsonl", "epochs.csv")
+    REWOUND = "metrics.rewound.jsonl"
 
     def __init__(
         self,
@@ -45,6 +54,8 @@ class MetricsWriter:
         self._started = False  # TensorBoard and the loggers made (once: each is a run of its own)
         self._tb = None
         self._loggers: list[Any] = []
+        self.rewound = 0
+        """Records the last :meth:`load_state_dict` moved to ``metrics.rewound.jsonl``."""
         if not enabled:
             return
         fs.make_dirs(self.run_dir)
@@ -119,6 +130,40 @@ class MetricsWriter:
             if header is None:
                 writer.writeheader()
             writer.writerow(values)
+
+    def state_dict(self) -> dict[str, int]:
+        """The size of each file now (the main rank's; empty on the others)."""
+        if not self.enabled:
+            return {}
+        sizes = {}
+        for name in self.FILES:
+            try:
+                sizes[name] = os.stat(self.run_dir / name, follow_symlinks=False).st_size
+            except FileNotFoundError:
+                sizes[name] = 0
+        return sizes
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Cut each file back to its size in ``state``; what ``metrics.jsonl`` held past it is
+        appended to ``metrics.rewound.jsonl`` (:attr:`rewound`: how many records)."""
+        self.rewound = 0
+        if not self.enabled or not state:
+            return
+        self.close()
+        for name in self.FILES:
+            path, size = self.run_dir / name, int(state.get(name, 0))
+            try:
+                now = os.stat(path, follow_symlinks=False).st_size
+            except FileNotFoundError:
+                continue
+            if now <= size:
+                continue
+            if name == "metrics.jsonl":
+                tail = fs.read_bytes(path)[size:]
+                self.rewound = tail.count(b"\n")
+                with fs.open_append(self.run_dir / self.REWOUND, linked="replace") as f:
+                    f.write(tail.decode("utf-8", "replace"))
+            fs.truncate(path, size, linked="replace")
 
     def close(self) -> None:
         if self._jsonl is not None:

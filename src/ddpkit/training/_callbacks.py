@@ -42,9 +42,9 @@ class Callback:
         ``epoch`` (epochs completed) and ``step``."""
 
     def on_epoch_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
-        """After an epoch's validation, records and snapshot. Setting ``trainer.stopped_by`` (a
-        string) ends training after this epoch; raising ends it at once, on every rank that
-        raises."""
+        """After an epoch's validation and records, before its snapshots (which hold what the
+        callback changed). Setting ``trainer.stopped_by`` (a string) ends training after this
+        epoch; raising ends it at once, on every rank that raises."""
 
     def on_fit_end(self, trainer: Trainer) -> None:
         """When training ends without an error: epochs done, max_steps, early stopping, or a stop

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 from typing import Any, cast
@@ -215,7 +216,7 @@ class Trainer:
         states = {
             "data": self.loader, "rng": streams, "epoch_loss": self.epoch_loss,
             "early_stopping": self.early_stopping, "validation": self.validation,
-            "scheduler": scheduler, "scaler": self.scaler,
+            "scheduler": scheduler, "scaler": self.scaler, "records": self.writer,
         }  # fmt: skip
         self.snapshots = TrainerSnapshots(
             self.run_dir, config.snapshot, runtime=rt, strategy=self.strategy, train=self.state,
@@ -373,7 +374,8 @@ class Trainer:
         cfg, rt = self.config, self.runtime
         accum = cfg.grad_accum_steps
         self.sampler.set_position(self.epoch, self.cursor)
-        first = self.cursor // self.sampler.global_batch_size
+        # (an epoch's last global batch may be partial: a cursor at the epoch's end leaves no step)
+        first = -(-self.cursor // self.sampler.global_batch_size)
         progress = Progress(
             rt.is_main and cfg.logging.progress,
             total=-(-self.sampler.steps_per_epoch // accum),
@@ -399,9 +401,9 @@ class Trainer:
             progress.close()
 
     def _after_step(self, step: Step, taken: bool, progress: Progress) -> bool:
-        """After a step: callbacks, validation, the agreement and its record, a snapshot; False to
-        stop mid-epoch. Every rank reaches the same decisions here: steps are taken or skipped
-        everywhere alike."""
+        """After a step: callbacks, validation, the agreement and its record, then its snapshots;
+        False to stop mid-epoch. Every rank reaches the same decisions here: steps are taken or
+        skipped everywhere alike."""
         cfg, count = self.config, self.state.step
         if self.callbacks:
             call_step_end(
@@ -410,10 +412,6 @@ class Trainer:
                 step_output(taken, self.state, self.optimizer_step, self._window),
             )
             count = self.state.step  # a callback may move it
-        if self.snapshots.in_memory_due(count, taken):
-            with self.speed.timings.phase("snapshot"), marks.phase(Phase.SNAPSHOT):
-                # a copy in memory, after the callbacks changed the state
-                self.snapshots.save_in_memory()
         if cfg.max_steps is not None and count >= cfg.max_steps:
             self.stopped_by = StopReason.MAX_STEPS
         # Before the step's snapshot (below, or fit's), whose early-stopping state then counts this
@@ -439,10 +437,24 @@ class Trainer:
         if self.stopped_by is not None and not step.last_in_epoch:
             return False
         self._last_taken = taken
-        if self.snapshots.schedule.after_step(count, taken, step.last_in_epoch):
-            with self.speed.timings.phase("snapshot"):
-                self.save()
+        if step.last_in_epoch:  # its snapshots come once the epoch's end is done (_end_epoch)
+            return True
+        self._snapshot(count, taken, self.snapshots.schedule.after_step(count, taken, False))
         return True
+
+    def _snapshot(self, count: int, taken: bool, disk: bool, *, in_window: bool = True) -> None:
+        """The snapshots due where the run stands now, once everything of the step (or of the
+        epoch's end) is done: a copy is then a state an uninterrupted run passes through, and a
+        resume from it does only what comes after it; a kill before them resumes from the copy
+        before, doing this step and what followed it again, once. ``in_window``: timed as the log
+        window's (not at an epoch's end, whose window is recorded)."""
+        timed = self.speed.timings.phase("snapshot") if in_window else nullcontext()
+        with timed:
+            if disk:
+                self.save()
+            if self.snapshots.in_memory_due(count, taken):
+                with marks.phase(Phase.SNAPSHOT):
+                    self.snapshots.save_in_memory()
 
     def _log_window(self) -> dict[str, Any]:
         """Agree on the mean training loss since the last agreement, record it, and start a new
@@ -496,7 +508,8 @@ class Trainer:
 
     def _end_epoch(self) -> dict[str, float]:
         cfg = self.config
-        # resumed from a copy in memory after the epoch's last step, before its agreement
+        # resumed from a copy taken after the epoch's last step, before its agreement (a version
+        # that copied there)
         if self._window.tried:
             self._log_window()
         self.state.epoch += 1
@@ -513,10 +526,6 @@ class Trainer:
         seconds = round(time.perf_counter() - self._epoch_start, 3)  # training and validation
         if self.validation.at_epoch_end and self.validation.update(metrics, self.epoch, self.step):
             self.stopped_by = StopReason.EARLY_STOPPING
-        if self.snapshots.schedule.at_epoch_end(
-            self.epoch, self.step, self._last_taken, self.stopped_by is not None
-        ):
-            self.save()
         # The records and callbacks get the epoch's time too; fit() returns only what the training
         # determines.
         timed = metrics | {"epoch_seconds": seconds}
@@ -533,6 +542,11 @@ class Trainer:
             }
             call(self.callbacks, "on_validation_end", self, val)
         call(self.callbacks, "on_epoch_end", self, timed)
+        # The epoch's end is whole: its snapshots hold it (a callback's changes and stop included).
+        disk = self.snapshots.schedule.at_epoch_end(
+            self.epoch, self.step, self._last_taken, self.stopped_by is not None
+        )
+        self._snapshot(self.step, self._last_taken, disk, in_window=False)
         return metrics
 
     def evaluate(self, data: Dataset, prefix: str = "test") -> dict[str, float]:
