@@ -2,10 +2,12 @@
 
 MFU = (the model's FLOPs per sample x samples a second) / (the peak FLOP/s of every device of the
 job). The FLOPs of a sample are counted once, by :class:`torch.utils.flop_counter.FlopCounterMode`
-over the first micro-batch's forward and backward of a run (matmuls and convolutions, as the counter
-counts; elementwise work is left out, as MFU conventionally does). The peak comes from the table
-below, by the device's name and the precision the matmuls run in; a device not in it, and the CPU,
-get no MFU rather than a guess (``LoggingConfig.peak_flops`` gives one's peak by hand).
+over the first micro-batch's forward and backward of a run (matmuls, convolutions and attention, as
+the counter counts; elementwise work is left out, as MFU conventionally does). The counter has no
+formula for the CPU's fused attention kernels: :data:`ATTENTION` gives them the standard count. The
+peak comes from the table below, by the device's name and the precision the matmuls run in; a
+device not in it, and the CPU, get no MFU rather than a guess (``LoggingConfig.peak_flops`` gives
+one's peak by hand).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -80,6 +83,38 @@ def device_peak(device: torch.device, precision: str) -> float | None:
     return peak_flops(torch.cuda.get_device_name(device), matmul_dtype(precision))
 
 
+def attention_flops(query: Any, key: Any, value: Any, *_args: Any, **_kwargs: Any) -> int:
+    """The forward FLOPs of ``softmax(query @ key^T) @ value`` for shapes ``[batch, heads, length,
+    head dim]`` (key and value may have fewer heads, shared by groups of the query's): two batched
+    matmuls over every pair of positions, those a mask hides included (the standard count ignores
+    causality)."""
+    batch, heads, q_len, q_dim = query
+    k_len, v_dim = key[-2], value[-1]
+    # scores: [q_len, q_dim] @ [q_dim, k_len]; out: [q_len, k_len] @ [k_len, v_dim]
+    return 2 * batch * heads * q_len * k_len * (q_dim + v_dim)
+
+
+def attention_backward_flops(
+    grad_out: Any, query: Any, key: Any, value: Any, *_args: Any, **_kwargs: Any
+) -> int:
+    """The backward FLOPs of :func:`attention_flops`'s product: twice the forward's, the four
+    batched matmuls of the unfused backward (the scores' and the value's gradients from the
+    output's, the query's and the key's from the scores'). A fused kernel also recomputes the
+    scores, which is not the model's work."""
+    return 2 * attention_flops(query, key, value)
+
+
+_aten = torch.ops.aten
+ATTENTION: dict[Any, Any] = {
+    _aten._scaled_dot_product_flash_attention_for_cpu: attention_flops,
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward: attention_backward_flops,
+}
+"""Formulas for the fused attention kernels :class:`~torch.utils.flop_counter.FlopCounterMode`
+counts nothing for (the CPU's), as its ``custom_mapping`` (called with the op's arguments as shapes,
+as its own formulas are): the standard count, 6N + 12 x layers x heads x head dim x length a token,
+which the unfused (math) path gives."""
+
+
 class FlopCount:
     """The FLOPs of one micro-batch's forward and backward, counted once, and the samples they were
     for."""
@@ -96,7 +131,7 @@ class FlopCount:
     def counting(self, samples: int) -> Iterator[None]:
         """Count what runs inside (a forward and its backward) as the FLOPs of ``samples``
         samples."""
-        with FlopCounterMode(display=False) as counter:
+        with FlopCounterMode(display=False, custom_mapping=ATTENTION) as counter:
             yield
         self.flops, self.samples = float(counter.get_total_flops()), samples
 

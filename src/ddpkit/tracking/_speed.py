@@ -3,12 +3,16 @@ window.
 
 What the Trainer holds: :class:`~ddpkit.tracking._timings.StepTimings` (each rank's phases), the
 FLOPs of a sample (:mod:`ddpkit.tracking._flops`, counted at the first step where a peak is known),
-and the run's slowest rank for its summary. See docs/speed.md for how to read the numbers.
+the work of a window that is not training (a validation), and the run's slowest rank for its
+summary. See docs/speed.md for how to read the numbers.
 """
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
+import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,6 +21,14 @@ from torch import nn
 from ddpkit.data._loader import batch_len
 from ddpkit.tracking._flops import FlopCount, device_peak, mfu
 from ddpkit.tracking._timings import RankTimes, RunSpeed, StepTimings
+
+
+@dataclass
+class Aside:
+    """Work of a window set aside (:meth:`Speed.aside`)."""
+
+    seconds: float = 0.0
+    """How long the work set aside took (known once it is done)."""
 
 
 class Speed:
@@ -50,6 +62,30 @@ class Speed:
         """The next micro-batch's FLOPs are to be counted (:meth:`counting`): the first one's, once
         a peak is known."""
         self.run = RunSpeed()
+        self.aside_seconds = 0.0
+        """This rank's seconds of work set aside (:meth:`aside`) since the window started."""
+        self._cuda = device.type == "cuda"
+
+    @contextmanager
+    def aside(self) -> Iterator[Aside]:
+        """Around work inside a log window that is not training (a validation): its seconds are
+        left out of the window's wall time (:meth:`window_seconds`), with the timings on or off.
+        On CUDA the window's queued work is waited for first: it is training's."""
+        if self._cuda:
+            torch.cuda.current_stream().synchronize()
+        took = Aside()
+        start = time.perf_counter()
+        try:
+            yield took
+        finally:
+            took.seconds = time.perf_counter() - start
+            self.aside_seconds += took.seconds
+
+    def window_seconds(self, start: float, end: float) -> float:
+        """The wall time of the window from ``start`` to ``end`` (``time.perf_counter()``) less the
+        work set aside in it; the next window's count starts afresh."""
+        aside, self.aside_seconds = self.aside_seconds, 0.0
+        return end - start - aside
 
     def counting(self, batch: Any) -> AbstractContextManager[None]:
         """Around the forward and backward of a micro-batch: the first one's FLOPs are counted."""

@@ -76,10 +76,12 @@ class StepTimings:
 
     The Trainer calls :meth:`start_step`, :meth:`before_optimizer`, :meth:`after_optimizer` around
     each step, iterates the loader through :meth:`loader`, and wraps snapshot work in :meth:`phase`.
-    Disabled, every call is a no-op and the loader is iterated as is. ``compiled`` (the model runs
-    under ``torch.compile``): DDP's broadcast of buffers before the forward is not timed as ``comm``
-    (it stays in ``compute``). Without ``communicates`` (a world of one) no ``comm`` is marked: the
-    backward's end is where it returns.
+    A step of several optimizers (``step_fn``) marks each optimizer step the same way, and each
+    synchronising backward's end (:meth:`backward_returned`); what runs between them is
+    ``compute``, until :meth:`end_step`. Disabled, every call is a no-op and the loader is iterated
+    as is. ``compiled`` (the model runs under ``torch.compile``): DDP's broadcast of buffers before
+    the forward is not timed as ``comm`` (it stays in ``compute``). Without ``communicates`` (a
+    world of one) no ``comm`` is marked: the backward's end is where it returns.
     """
 
     def __init__(
@@ -237,13 +239,24 @@ class StepTimings:
     def start_step(self) -> None:
         """Before the step reads its first micro-batch."""
         if self.enabled:
-            self._start, self._data_before, self._comm_before = (
-                self._mark(),
-                self.seconds["data"],
-                self.seconds["comm"],
-            )
+            self._compute_from(self._mark())
             # armed by a step whose backward raised before reaching the anchor: not this step's
-            self._last_grad, self._stepping, self._armed = None, True, False
+            self._last_grad, self._armed = None, False
+
+    def _compute_from(self, start: Any) -> None:
+        self._start, self._data_before, self._comm_before = (
+            start,
+            self.seconds["data"],
+            self.seconds["comm"],
+        )
+        self._stepping = True
+
+    def backward_returned(self) -> None:
+        """After a synchronising backward returned, where more of the step follows before the
+        optimizer's (a step of several optimizers): its ``comm`` ends here."""
+        if self.enabled and self._last_grad is not None:
+            comm_start, self._last_grad = self._last_grad, None
+            self._span("comm", comm_start, self._mark())
 
     def before_optimizer(self) -> None:
         """After the step's last backward (the synchronising one) has returned."""
@@ -252,7 +265,12 @@ class StepTimings:
         self._armed = False
         if self._anchor is not None and not self._anchor_checked:
             self._check_anchor()
-        self._mid = now = self._mark()
+        self._mid = self._end_compute()
+
+    def _end_compute(self) -> Any:
+        """The compute since :meth:`_compute_from` ends now: its span less the data and comm in it;
+        the mark of now."""
+        now = self._mark()
         self._stepping = False
         data = self.seconds["data"] - self._data_before
         if self._last_grad is not None:
@@ -266,11 +284,22 @@ class StepTimings:
             self.seconds["compute"] += (
                 now - self._start - data - (self.seconds["comm"] - self._comm_before)
             )
+        return now
 
-    def after_optimizer(self) -> None:
-        """After the optimizer step (taken or skipped)."""
+    def after_optimizer(self, more: bool = False) -> None:
+        """After the optimizer step (taken or skipped). ``more``: the step goes on (a step of
+        several optimizers): what follows is ``compute``, until the next :meth:`before_optimizer`
+        or :meth:`end_step`."""
         if self.enabled:
-            self._span("optimizer", self._mid, self._mark())
+            end = self._mark()
+            self._span("optimizer", self._mid, end)
+            if more:
+                self._compute_from(end)
+
+    def end_step(self) -> None:
+        """After a step of several optimizers: the compute since its last optimizer step ends."""
+        if self.enabled and self._stepping:
+            self._end_compute()
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:

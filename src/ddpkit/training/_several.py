@@ -36,6 +36,7 @@ from ddpkit.snapshot._state import TrainState
 from ddpkit.strategies import DDPConfig, strategy_config
 from ddpkit.strategies._several import SeveralModels
 from ddpkit.tracking._speed import Speed
+from ddpkit.tracking._timings import StepTimings
 from ddpkit.training._config import TrainerConfig
 from ddpkit.training._loss_window import LossWindow
 from ddpkit.training._step import MicroBatch, OptimizerStep, Step, scale_loss
@@ -109,9 +110,14 @@ class StepContext:
         for name in names:
             loss = owner.strategy.views[name].mark_nonfinite(loss)
         scaled = scale_loss(loss, micro, None)
+        timings = owner.timings if micro.last else None  # its backward synchronises
+        if timings is not None:
+            timings.sync_backward(scaled)
         # backward runs in the forward's dtypes anyway
         with torch.autocast(owner.device_type, enabled=False):
             (owner.scaler.scale(scaled) if owner.scaler else scaled).backward()
+        if timings is not None:
+            timings.backward_returned()
 
     def optimizer_step(self, name: str) -> bool:
         """Unscale (fp16), the verdict on every rank alike, clip (``clip_grad_norm``, this
@@ -143,8 +149,13 @@ class StepContext:
                 "batch in step.micro_batches():` to its end (no break), with a backward on every "
                 "micro-batch"
             )
+        timings = owner.timings
+        if timings is not None:
+            timings.before_optimizer()
         taken = self.taken[name] = owner.steps[name](owner.window)
         self.optimizers[name].zero_grad(set_to_none=True)
+        if timings is not None:
+            timings.after_optimizer(more=True)
         return taken
 
 
@@ -172,6 +183,10 @@ class ManualStep:
         speed: Speed | None = None,
     ) -> None:
         self.speed = speed
+        self.timings: StepTimings | None = speed.timings if speed and speed.enabled else None
+        """The step's phases, as :class:`~ddpkit.training._step.TrainStep` records them: the
+        backwards and what runs between the optimizer steps are ``compute``, each synchronising
+        backward's wait after its last gradient ``comm``, each optimizer step ``optimizer``."""
         self.strategy, self.step_fn, self.scaler, self.state, self.window = (
             strategy,
             step_fn,
@@ -199,13 +214,14 @@ class ManualStep:
         self.optimizer_step = next(iter(self.steps.values()))
 
     def __call__(self, step: Step) -> bool:
-        # the whole step counts as compute: the step function holds the backwards
-        if self.speed is not None:
-            self.speed.timings.start_step()
+        if self.timings is not None:
+            self.timings.start_step()
         for optimizer_step in self.steps.values():
             optimizer_step.begin()
         context = StepContext(self, list(step.micro_batches))
         self.step_fn(context)
+        if self.timings is not None:
+            self.timings.end_step()
         # An optimizer no step.backward() named in this step is not stepped, nor is its scheduler:
         # a WGAN's generator between its critic's steps, or a discriminator the generator's loss
         # reached (its gradients from that loss are not its own; the next step sets them to None).

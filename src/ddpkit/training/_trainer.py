@@ -417,12 +417,14 @@ class Trainer:
         # Before the step's snapshot (below, or fit's), whose early-stopping state then counts this
         # validation:
         if self.validation.due(count, taken):
-            call(
-                self.callbacks,
-                "on_validation_end",
-                self,
-                self.validation.after_step(self.epoch, count),
+            # Not training: left out of the window's wall time, its time in a record of its own.
+            # Each rank leaves out its own, entered after the same step's gradients' all-reduce.
+            with self.speed.aside() as took:
+                val = self.validation.after_step(self.epoch, count)
+            self.writer.log(
+                "event", count, {"event": "validation", "seconds": round(took.seconds, 3)}
             )
+            call(self.callbacks, "on_validation_end", self, val)
             if self.early_stopping.should_stop:
                 self.stopped_by = StopReason.EARLY_STOPPING
             count = self.state.step
@@ -472,7 +474,7 @@ class Trainer:
         if self.runtime.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
         end = time.perf_counter()
-        wall = end - self._window_start
+        wall = self.speed.window_seconds(self._window_start, end)  # less a validation's time
         tokens = self.batch_loss.count_fn is not None
         # Every rank's phases travel in the agreement's one collective, at window ends only.
         row = self.speed.row(wall, float(sum(window.sizes)) if tokens else None)
