@@ -17,6 +17,8 @@ private modules.
   the same way. The step timings mark the moment the step's last gradient is ready with it: a hook
   on the loss and one callback a step, where a hook on every parameter costs one Python call per
   parameter.
+- ``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`` and its backward: the CPU's fused
+  attention kernels, which torch's FLOP counter has no formula for (:func:`cpu_attention_ops`).
 """
 
 from __future__ import annotations
@@ -126,7 +128,32 @@ def _check_queue_callback() -> str | None:
     return None if callable(getattr(engine, "queue_callback", None)) else "it has no queue_callback"
 
 
+_CPU_ATTENTION = (
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention_for_cpu_backward",
+)
+
+
+def cpu_attention_ops() -> tuple[Any, Any]:
+    """The CPU's fused attention kernels: (forward, backward), None where this torch lacks one."""
+    aten = torch.ops.aten
+    forward, backward = (getattr(aten, name, None) for name in _CPU_ATTENTION)
+    return forward, backward
+
+
+def _check_cpu_attention() -> str | None:
+    missing = [name for name in _CPU_ATTENTION if not hasattr(torch.ops.aten, name)]
+    return f"torch.ops.aten has no {', '.join(missing)}" if missing else None
+
+
 INTERNALS = [
+    Internal(
+        "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu",
+        "torch",
+        "attention's FLOPs on the CPU are counted (MFU); where it is gone, whatever torch's "
+        "counter gives",
+        _check_cpu_attention,
+    ),
     Internal(
         "torch._dynamo.config.optimize_ddp",
         "torch",

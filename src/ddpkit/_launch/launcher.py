@@ -222,6 +222,56 @@ def tidy_log_dirs(root: str, run: Path, keep: int = 20) -> None:
         fs.remove_empty_dir(Path(root))
 
 
+_DETAIL_PROBE = """
+import os, sys, tempfile, torch, torch.distributed as dist
+path = os.path.join(tempfile.mkdtemp(), "store")
+dist.init_process_group("gloo", init_method="file://" + path, rank=0, world_size=1)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+model(torch.randn(3, 4)).sum().backward()
+dist.destroy_process_group()
+"""
+
+
+def check_debug_collectives() -> None:
+    """Refuse ``--debug-collectives`` where torch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` crashes:
+    tried first in a process of its own (DDP built and stepped over gloo at a world of one), since
+    on some builds DDP's constructor segfaults on every rank in that mode."""
+    import subprocess
+
+    from ddpkit.platforms import without_launch_env
+
+    env = without_launch_env(os.environ)
+    env |= {"TORCH_DISTRIBUTED_DEBUG": "DETAIL", "CUDA_VISIBLE_DEVICES": ""}
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _DETAIL_PROBE], env=env, capture_output=True, timeout=120
+        )
+    except subprocess.TimeoutExpired:
+        code, how = None, "did not finish in 120 s"
+    else:
+        code = done.returncode
+        how = f"was killed by {signal_name(-code)}" if code < 0 else f"exited with {code}"
+    if code == 0:
+        return
+    import torch
+
+    raise ConfigError(
+        f"--debug-collectives: with TORCH_DISTRIBUTED_DEBUG=DETAIL, DDP on torch "
+        f"{torch.__version__} {how} (a world of one, tried before the job); leave "
+        "--debug-collectives out: the stall watch names ranks that wait in different collectives "
+        "(op, number and size) without it"
+    )
+
+
+def signal_name(number: int) -> str:
+    import signal
+
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
 def check_target(cfg: LaunchConfig) -> None:
     """Fail before any worker starts when the script or module does not exist."""
     if cfg.module:
@@ -277,6 +327,8 @@ def launch(cfg: LaunchConfig) -> int:
     )
 
     check_target(cfg)
+    if cfg.debug_collectives:
+        check_debug_collectives()
     collective_timeout = cfg.collective_timeout
     if collective_timeout is None and "DDPKIT_COLLECTIVE_TIMEOUT" in os.environ:
         # Set by the user for the workers: checked here, once, rather than by every worker after its

@@ -97,6 +97,53 @@ def wait_exit(pid: int, timeout: float | None) -> bool | None:
         os.close(fd)
 
 
+def _children(pid: int) -> list[int]:
+    """The children of ``pid`` (each thread's, from ``/proc/PID/task/TID/children``)."""
+    found: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                found += [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+    return found
+
+
+def activity(root: int) -> tuple[int, int] | None:
+    """What ``root`` and every process below it have done so far: CPU time in clock ticks (every
+    thread's) and bytes read and written (``rchar + wchar``: files, pipes and sockets; 0 where
+    ``/proc/PID/io`` cannot be read). None once ``root`` is gone. Two readings that differ say it
+    moved: it computes, or it reads or writes."""
+    ticks = chars = 0
+    todo, seen = [root], set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            if pid == root:
+                return None
+            continue
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime
+        try:
+            with open(f"/proc/{pid}/io", "rb") as f:
+                for line in f:
+                    if line.startswith((b"rchar:", b"wchar:")):
+                        chars += int(line.split()[1])
+        except OSError:
+            pass
+        todo += _children(pid)
+    return ticks, chars
+
+
 def _all_pids() -> list[int]:
     return [int(name) for name in os.listdir("/proc") if name.isdigit()]
 
@@ -221,6 +268,15 @@ GUARD_TITLE = "ddpkit-guard"
 GUARD_SIGNAL = signal.SIGRTMIN if hasattr(signal, "SIGRTMIN") else signal.SIGUSR2
 """What the kernel sends the guard when its worker dies (a real-time signal, which nothing else
 sends it)."""
+
+
+def is_guard(pid: int) -> bool:
+    """Whether ``pid`` is a worker's guard (:func:`start_guard`), by its command line."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().startswith(GUARD_TITLE.encode())
+    except OSError:
+        return False
 
 
 def start_guard() -> int | None:

@@ -6,22 +6,25 @@ shared memory (:mod:`ddpkit.distributed._progress`). The agent reads its own nod
 poll of its workers, without a collective; across nodes, each agent publishes a summary of its ranks
 to the job's rendezvous store and judges with every node's (:mod:`ddpkit._launch.watch_nodes`).
 
-A rank is named when it is *behind* (the lowest step, then the lowest count of collectives entered,
-then the earliest phase of a step), at least one other rank of the job is ahead of it (waits for it,
-or goes on), and its record has not changed for longer than its allowance:
-``max(floor, factor x its median step)``, or ``long_factor x floor`` during its first step
-(compilation, warm-up) and while it saves a snapshot. Ranks that are all at the same place (everyone
-in a long evaluation, or in one collective the network holds up) are left to the collective timeout:
-nothing says which of them is the cause.
+A verdict needs evidence (:func:`ddpkit._launch.watch_nodes.judge`): that the others wait for a
+rank, and whether it can progress. Besides each rank's record, the agent reads what its ranks do
+(:func:`ddpkit._launch.proctree.activity`: CPU time, bytes read and written, theirs and their loader
+workers'). A rank is *stalled* (ended with ``on_stall="end"``, the default) when it is stopped, when
+the ranks wait for each other in collectives that are not one, or when every other rank has waited
+for it longer than its allowance while nothing of it moved for as long; it is *slow* (named, with
+its stack, again every allowance while it lasts, never ended: the collective timeout does that if
+it comes) when the others have waited that long but it runs. Its allowance: ``max(floor, factor x
+its median step)``, ``long_factor x floor`` in its first step and in ddpkit's long phases
+(``main_first``'s body, a snapshot, an evaluation, the best weights' export), each at most
+:data:`LONG_SHARE` of the collective timeout. Work every rank does is no stall: nobody waits.
 
-Then the agent of its node says, for each of its ranks: host, pid, the process's state
-(``/proc/PID/stat``: a stopped process cannot answer), step, phase, seconds since its last mark, and
-its Python stack (asked with SIGUSR2, :func:`ddpkit._launch.worker.dump_stack_on_request`); for
-collectives, which ranks wait in which and who has not arrived; for the other nodes' ranks, where
-their agents last saw them. With ``on_stall="end"`` (the default) it kills the stalled rank
-(SIGKILL: a stopped process cannot act on a SIGTERM), so the job ends, or restarts under
-``--max-restarts``, with that summary. The other nodes' agents say which rank their ranks wait for,
-with their own ranks' stacks.
+When it names a rank, the agent of its node says, for each of its ranks: host, pid, the process's
+state (``/proc/PID/stat``: a stopped process cannot answer), step, phase, seconds since its last
+mark, and its Python stack (:func:`ddpkit._launch.worker.ask_stacks`), with its loader workers' when
+it waits for them; for collectives, which ranks wait in which and who has not arrived; for the other
+nodes' ranks, where their agents last saw them. A stalled rank is killed (SIGKILL: a stopped process
+cannot act on a SIGTERM), so the job ends, or restarts under ``--max-restarts``, with that summary.
+The other nodes' agents say which rank their ranks wait for, with their own ranks' stacks.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from typing import Any
 
 from ddpkit import _fs as fs
 from ddpkit._errors import ConfigError
+from ddpkit._launch import proctree
 from ddpkit._launch import watch_nodes as nodes
 from ddpkit._launch.proctree import state_code
 from ddpkit._launch.watch_nodes import STATES, View
@@ -56,10 +60,20 @@ POLL_EVERY = 0.5
 """Seconds between two reads of the records (torchrun polls its workers every 0.1 s)."""
 
 
-LONG_PHASES = (Phase.SNAPSHOT, Phase.EVALUATION)
-"""Phases that may keep a rank longer than its steps while the others wait for it: a snapshot's
-copy, an evaluation over a shard slower than the others' (marked at every batch, but one batch may
-be long)."""
+LONG_PHASES = (
+    Phase.STARTING, Phase.SNAPSHOT, Phase.EVALUATION, Phase.MAIN_FIRST, Phase.EXPORT,
+)  # fmt: skip
+"""Phases that may keep a rank longer than its steps while the others wait for it: before its
+first step, a snapshot's copy, an evaluation over a shard slower than the others' (marked at every
+batch, but one batch may be long), ``main_first``'s body on the first rank (a download, a cache),
+the best weights written on rank 0."""
+MOVED = (5, 4096)
+"""CPU clock ticks (50 ms at 100 a second) and bytes read or written within :data:`WINDOW` seconds
+that count as a rank moving: less is a blocked process's background noise."""
+WINDOW = 2.0
+EVIDENCE_AFTER = 1.0
+"""Seconds a rank's record must stay unchanged before its activity is read (a rank that marks needs
+no more evidence)."""
 LONG_SHARE = 0.5
 """The long allowance is at most this share of the collective timeout."""
 
@@ -94,6 +108,7 @@ class Record:
     steps: int
     seq: int
     coll: int
+    numel: int
     step_at: float
     last_step: float
     timeout: float = 0.0
@@ -111,11 +126,11 @@ def read_record(path: Path) -> Record | None:
             return None
         if first == second and len(first) == SIZE:
             fields = RECORD.unpack(first)
-            magic, pid, op, phase, seq, step, steps, coll, step_at, last_step, timeout = fields
+            magic, pid, op, phase, seq, step, steps, coll, numel = fields[:9]
             if magic != MAGIC:
                 return None
             name = OPS[op] if 0 <= op < len(OPS) else "collective"
-            return Record(pid, phase, name, step, steps, seq, coll, step_at, last_step, timeout)
+            return Record(pid, phase, name, step, steps, seq, coll, numel, *fields[9:])
     return None
 
 
@@ -133,6 +148,15 @@ class _Rank:
     record: Record | None = None
     changed_at: float = 0.0
     durations: deque[float] = field(default_factory=lambda: deque(maxlen=32))
+    moved_at: float = 0.0
+    """When its CPU time or I/O last moved, as read (its record's changes: ``changed_at``)."""
+    samples: deque[tuple[float, int, int]] = field(default_factory=deque)
+    """Its activity read over the last :data:`WINDOW` seconds: (when, CPU ticks, bytes)."""
+    slow_said: float = 0.0
+    """When it was last named slow."""
+
+    def quiet(self, now: float) -> float:
+        return max(0.0, now - max(self.changed_at, self.moved_at))
 
     def median_step(self) -> float:
         """Of the steps seen ending (a poll sees one in several when steps are short), the first
@@ -160,8 +184,12 @@ class Watch:
         policy: StallPolicy,
         stack_dir: Path | None,
         clock: Callable[[], float] = time.monotonic,
+        activity: Callable[[int], tuple[int, int] | None] = proctree.activity,
     ) -> None:
+        """``activity(pid)``: CPU ticks and bytes read and written so far by a rank and its
+        children (:func:`~ddpkit._launch.proctree.activity`)."""
         self.folder, self.policy, self.stack_dir, self.clock = folder, policy, stack_dir, clock
+        self.activity = activity
         self.ranks: dict[int, _Rank] = {}
         self.stall: Stall | None = None
         self.link = nodes.Link(max(nodes.GRACE, policy.floor))
@@ -172,7 +200,8 @@ class Watch:
         """A new attempt's workers: global rank -> (local rank, pid)."""
         now = self.clock()
         self.ranks = {
-            g: _Rank(g, local, pid, changed_at=now) for g, (local, pid) in workers.items()
+            g: _Rank(g, local, pid, changed_at=now, moved_at=now)
+            for g, (local, pid) in workers.items()
         }
         self.stall = None
         self.link.reset()
@@ -199,30 +228,50 @@ class Watch:
                 if record.steps > 2 and (r.record is None or record.steps != r.record.steps):
                     r.durations.append(record.last_step)
             r.record = record
+            self._read_activity(r, now)
+
+    def _read_activity(self, r: _Rank, now: float) -> None:
+        """Whether ``r`` moved in the last :data:`WINDOW` seconds (its CPU or its reads and
+        writes), read while its record stays unchanged."""
+        if now - r.changed_at < EVIDENCE_AFTER:
+            r.samples.clear()
+            return
+        got = self.activity(r.pid)
+        if got is None:
+            return
+        r.samples.append((now, *got))
+        while len(r.samples) > 1 and r.samples[1][0] <= now - WINDOW:
+            r.samples.popleft()
+        _, ticks, chars = r.samples[0]
+        if got[0] - ticks >= MOVED[0] or got[1] - chars >= MOVED[1]:
+            r.moved_at = now
+            r.samples.clear()
+            r.samples.append((now, *got))
 
     def allowance(self, r: _Rank) -> float:
         p = self.policy
-        base = max(p.floor, p.factor * r.median_step())
+        allowed = max(p.floor, p.factor * r.median_step())
         first = r.record is None or r.record.steps <= 1
         if first or r.record is not None and r.record.phase in LONG_PHASES:
-            long = p.long_factor * p.floor
-            # The rank's own group's timeout (a script may give ddpkit.init its own), else the
-            # launcher's: named before the waiting ranks' collectives fail and end the job without
-            # a word (10 x the default 30 s was the default collective timeout itself).
-            timeout = r.record.timeout if r.record is not None and r.record.timeout > 0 else None
-            timeout = timeout if timeout is not None else p.collective_timeout
-            if timeout is not None:
-                long = min(long, LONG_SHARE * timeout)
-            return max(base, long)
-        return base
+            allowed = max(allowed, p.long_factor * p.floor)
+        # The rank's own group's timeout (a script may give ddpkit.init its own), else the
+        # launcher's: named before the waiting ranks' collectives fail and end the job without a
+        # word, blaming a rank that waited.
+        timeout = r.record.timeout if r.record is not None and r.record.timeout > 0 else None
+        timeout = timeout if timeout is not None else p.collective_timeout
+        return min(allowed, LONG_SHARE * timeout) if timeout is not None else allowed
 
     def view(self, r: _Rank, now: float, state: str = "") -> View:
         rec = r.record
-        step, coll, phase, op = (
-            (rec.step, rec.coll, rec.phase, rec.op) if rec else (-1, 0, 0, "collective")
+        step, coll, phase, op, numel = (
+            (rec.step, rec.coll, rec.phase, rec.op, rec.numel)
+            if rec
+            else (-1, 0, 0, "collective", -1)
         )
-        fields = (step, coll, phase, op, now - r.changed_at, self.allowance(r), state)
-        return View(r.rank, self.link.node, self.link.host, r.local_rank, r.pid, *fields)
+        return View(
+            r.rank, self.link.node, self.link.host, r.local_rank, r.pid, step, coll, phase, op,
+            now - r.changed_at, self.allowance(r), state, quiet=r.quiet(now), numel=numel,
+        )  # fmt: skip
 
     def poll(self, running: set[int]) -> Stall | None:
         """Read the records (at most every :data:`POLL_EVERY` s); the stall found among the
@@ -235,17 +284,15 @@ class Watch:
             return None
         self._next_poll = now + POLL_EVERY
         self.read()
-        live = [
-            self.view(r, now, state_code(r.pid) if self.link.exchange else "")
-            for g, r in self.ranks.items()
-            if g in running
-        ]
+        live = [self.view(r, now, state_code(r.pid)) for g, r in self.ranks.items() if g in running]
         named = self.link.trade(live)
         verdict = nodes.decide(self.link.node, live + self.link.remote, named)
         overdue = self.link.waiting.overdue(verdict.waited_for, named, now)
         # a stalled rank of its own is this node's to name
         if verdict.waited_for and not verdict.stalled:
             return self._wait(verdict.waited_for, overdue, live, now)
+        if verdict.slow and not verdict.stalled:
+            self._say_slow([self.ranks[v.rank] for v in verdict.slow], verdict.waited, now)
         if not verdict.stalled:
             return None
         stalled = [self.ranks[v.rank] for v in verdict.stalled]
@@ -322,6 +369,33 @@ class Watch:
                 os.kill(v.pid, signal.SIGKILL)
         return stall
 
+    def _say_slow(self, slow: list[_Rank], waited: float, now: float) -> None:
+        """Name ranks the others wait for that still run, with their stacks: once, then again every
+        allowance while it lasts. Not ended: slow is not stalled."""
+        first = slow[0]
+        allowance = self.allowance(first)
+        if first.slow_said and now - first.slow_said < allowance:
+            return
+        for r in slow:
+            r.slow_said = now
+        rec = self.view(first, now)
+        timeout = first.record.timeout if first.record and first.record.timeout > 0 else None
+        timeout = timeout if timeout is not None else self.policy.collective_timeout
+        names = ", ".join(f"rank {r.rank}" for r in slow)
+        headline = (
+            f"ddpkit run: {names} slow: the other ranks have waited {waited:.1f} s for "
+            f"{'it' if len(slow) == 1 else 'them'} (allowed {allowance:.1f} s); it runs (its CPU "
+            f"or I/O moved {first.quiet(now):.1f} s ago), {process_state(first.pid)}, at step "
+            f"{rec.step}, {rec.doing()}; not ended"
+            + (
+                f" (the collective timeout, {timeout:.0f} s, ends the job if it lasts)"
+                if timeout
+                else ""
+            )
+        )
+        views = [self.view(r, now) for r in self.ranks.values()] + self.link.remote
+        print("\n".join([headline, *self._rank_lines(views, now)]), file=sys.stderr, flush=True)
+
     def _at(self, v: View) -> str:
         host = f" on host {v.host}" if self.link.multi else ""
         return f"rank {v.rank}{host} at step {v.step}, {v.doing()}"
@@ -342,7 +416,7 @@ class Watch:
         ahead = "; ".join(self._at(v) for v in others)
         where = f" on host {self.link.host}" if self.link.multi else ""
         headline = (
-            f"ddpkit run: {names} stalled: no progress for {now - first.changed_at:.1f} s (allowed "
+            f"ddpkit run: {names} stalled: no progress for {first.quiet(now):.1f} s (allowed "
             f"{self.allowance(first):.1f} s){where}, {state}, at step {rec.step}, {rec.doing()}"
             + (f"; {ahead}" if ahead else "")
         )
@@ -395,6 +469,25 @@ class Watch:
                 lines.append("    (a stopped process cannot answer for its stack)")
             for frame in dumps.get(v.rank, []) if not remote else []:
                 lines.append(f"    {frame}")
+            if not remote and v.phase == Phase.DATA:
+                lines += self._loader_lines(v.pid)
+        return lines
+
+    def _loader_lines(self, pid: int) -> list[str]:
+        """A rank's loader workers (the processes it started, but ddpkit's guard): pid, state and
+        stack, for a rank that waits for its data."""
+        workers = [c for c in proctree.descendants(pid) if not proctree.is_guard(c)]
+        if not workers:
+            return []
+        dumps = (
+            ask_stacks(self.stack_dir, {c: c for c in workers})
+            if self.stack_dir is not None
+            else {}
+        )
+        lines = []
+        for c in workers:
+            lines.append(f"    its loader worker pid {c}: {process_state(c)}")
+            lines += [f"      {frame}" for frame in dumps.get(c, [])]
         return lines
 
     def where(self) -> str:

@@ -100,6 +100,11 @@ class View:
     allowance: float
     state: str
     """The ``/proc`` state code (``?``: gone)."""
+    quiet: float = -1.0
+    """Seconds since anything of it last moved: its record, its CPU time or its reads and writes
+    (its own and its children's: loader workers); -1: not read (its record alone counts)."""
+    numel: int = -1
+    """The elements of its collective's first tensor (-1: not said)."""
 
     @property
     def marked(self) -> bool:
@@ -113,103 +118,213 @@ class View:
     def over(self) -> bool:
         return self.idle > self.allowance
 
+    @property
+    def still(self) -> float:
+        """Seconds it has not moved (its record alone, where its CPU and I/O were not read)."""
+        return self.quiet if self.quiet >= 0 else self.idle
+
+    @property
+    def blocked(self) -> bool:
+        """Nothing of it moved for longer than its allowance: it cannot progress on its own."""
+        return self.still > self.allowance
+
+    @property
+    def stopped(self) -> bool:
+        return self.state in STOPPED
+
+    @property
+    def in_collective(self) -> bool:
+        """In a collective: one of ddpkit's or ``torch.distributed``'s, or DDP's all-reduce of the
+        gradients (after its backward, not moving)."""
+        return self.phase == Phase.COLLECTIVE or (
+            self.phase == Phase.GRADIENT_SYNC and self.still > 1.0
+        )
+
+    @property
+    def waiting(self) -> float:
+        """Seconds it has waited: in a collective, since it entered it; elsewhere, since it last
+        moved (a rank that runs waits for nobody)."""
+        return self.idle if self.phase == Phase.COLLECTIVE else self.still
+
+    @property
+    def collective(self) -> tuple[int, int, str, int]:
+        """Which collective it waits in: DDP's (after collective number ``coll``) or number
+        ``coll`` under its op and size."""
+        if self.phase == Phase.GRADIENT_SYNC:
+            return 0, self.coll, "DDP's all-reduce of the gradients", -1
+        return 1, self.coll, self.op, self.numel
+
     def doing(self) -> str:
         if self.phase == Phase.COLLECTIVE:
-            return f"in collective {self.op} #{self.coll}"
+            size = f" of {self.numel} elements" if self.numel >= 0 else ""
+            return f"in collective {self.op} #{self.coll}{size}"
         return PHASE_NAMES.get(self.phase, f"phase {int(self.phase)}")
 
     def state_words(self) -> str:
         return STATES.get(self.state, self.state)
 
 
-def judge(views: list[View]) -> list[View]:
-    """The stalled ranks of ``views``: behind every other (the lowest step, then the fewest
-    collectives entered, then the earliest phase), with some rank ahead of them, and idle past their
-    allowance. None while a rank has not marked yet, or when all are at one place (nothing says
-    which of them is the cause), unless they are in one collective under different ops
-    (:func:`disagreement`): then the ranks whose op is not the others' (:func:`odd_ones`), so that
-    their node's agent ends the job as it would for a stalled rank."""
+STOPPED = ("T", "t")
+"""Process states in which a rank cannot progress whatever it waits for: named at once."""
+
+
+@dataclass(frozen=True)
+class Judged:
+    """What the job's views show (:func:`judge`)."""
+
+    stalled: list[View] = field(default_factory=list)
+    """Ranks that cannot progress while the others wait for them: ended (``--on-stall end``)."""
+    slow: list[View] = field(default_factory=list)
+    """Ranks the others have waited for past their allowance that still run (their CPU time or
+    I/O moves): named, not ended (the collective timeout ends them if it comes)."""
+    disagree: list[View] = field(default_factory=list)
+    """Every rank of the job, when they all wait in collectives that are not one
+    (:func:`disagreement`)."""
+    waited: float = 0.0
+    """How long the others have waited for the ``stalled`` or ``slow`` ranks."""
+
+
+def judge(views: list[View]) -> Judged:
+    """The verdict on the job's ``views``, from evidence, not from one rank's silence alone.
+
+    - A stopped rank (SIGSTOP, a debugger) cannot progress: stalled at once.
+    - Every rank waiting in a collective, none moving past its allowance, not all in the same one
+      (number, op and size, or DDP's all-reduce): they wait for each other forever; those off the
+      common one are stalled (:func:`disagreement`, :func:`odd_ones`). All in the same one (a
+      collective the network holds up): left to the collective timeout.
+    - Else the ranks behind every other (the lowest step, then the fewest collectives entered, then
+      the earliest phase of a step), once every rank ahead has waited for them longer than their
+      allowance (in a collective since it entered it, elsewhere without moving): stalled when
+      nothing of them moved for longer than their allowance either, slow when something did.
+
+    Work every rank does is no stall (nobody waits); nothing is judged while a rank has not
+    marked."""
     if len(views) < 2 or not all(v.marked for v in views):
-        return []
+        return Judged()
+    stopped = [v for v in views if v.stopped and v.idle > 0.4]
+    if stopped:
+        return Judged(stalled=stopped)
+    disagree = disagreement(views)
+    if disagree:
+        return Judged(stalled=odd_ones(disagree), disagree=disagree)
     lowest = min(v.position for v in views)
     behind = [v for v in views if v.position == lowest]
-    if len(behind) == len(views):
-        return odd_ones(disagreement(views))
-    return [v for v in behind if v.over]
+    ahead = [v for v in views if v.position != lowest]
+    if not ahead:
+        return Judged()
+    waited = min(v.waiting for v in ahead)
+    late = [v for v in behind if waited > v.allowance]
+    return Judged(
+        stalled=[v for v in late if v.blocked],
+        slow=[v for v in late if not v.blocked],
+        waited=waited,
+    )
 
 
 def disagreement(views: list[View]) -> list[View]:
-    """``views`` by rank when every rank waits in a collective of the same count, idle past its
-    allowance, and not all of them in the same op; else none.
+    """``views`` by rank when no rank has moved past its allowance and they wait in collectives
+    that are not one; else none.
 
     Only the world's collectives are counted (:mod:`ddpkit.distributed._progress`), and every rank
-    enters them in the same order: collective #N is one op on every rank, so ranks that wait in #N
-    under different ops wait for each other forever (a collective called on some ranks only, or in
-    another order), until the collective timeout. Ranks in the same op, all idle (a collective the
-    network holds up), are still left to it: nothing says which of them is the cause."""
-    if len(views) < 2:
+    enters them in the same order: collective #N is one op of one size on every rank. So ranks that
+    wait in different ones (another op or size at #N, another count, DDP's all-reduce against a
+    collective) wait for each other forever, until the collective timeout: a collective called on
+    some ranks only, or in another order. The same when the ranks behind all others wait in a
+    collective while those ahead of them, past it, are blocked too (in a collective nothing marks:
+    a DDP built by hand, a library's own). Ranks all in the same one, all still (a collective the
+    network holds up), are left to the timeout: nothing says which of them is the cause."""
+    if len(views) < 2 or not all(v.marked and v.blocked for v in views):
         return []
-    if not all(v.marked and v.phase == Phase.COLLECTIVE and v.over for v in views):
-        return []
-    if len({v.coll for v in views}) > 1 or len({v.op for v in views}) < 2:
-        return []
+    if all(v.in_collective for v in views):
+        if len({v.collective for v in views}) < 2:
+            return []
+    else:
+        lowest = min(v.position for v in views)
+        if not all(v.in_collective for v in views if v.position == lowest):
+            return []  # one behind outside any collective: the others wait for it (a stall)
     return sorted(views, key=lambda v: v.rank)
 
 
 def odd_ones(views: list[View]) -> list[View]:
-    """Of ranks that disagree on a collective, those whose op is not the one most ranks are in (of
-    equal counts, the lowest rank's op counts as the others'). Every node picks the same ranks from
-    the same view: one node's agent names them, and the others say they wait for them."""
+    """Of ranks that disagree on a collective, those to name: the ranks behind the others in a
+    collective the others went past; where all wait in collectives, those not in the one most
+    ranks are in (of equal counts, the lowest rank's counts as the others'). Every node picks the
+    same ranks from the same view: one node's agent names them, and the others say they wait for
+    them."""
     if not views:
         return []
-    counts: dict[str, int] = {}
+    if not all(v.in_collective for v in views):
+        lowest = min(v.position for v in views)
+        return [v for v in views if v.position == lowest]
+    counts: dict[tuple[int, int, str, int], int] = {}
     for v in views:
-        counts[v.op] = counts.get(v.op, 0) + 1
-    # views are by rank: max() keeps the first op of the highest count, the lowest rank's on a tie
-    common = max(counts, key=lambda op: counts[op])
-    return [v for v in views if v.op != common]
+        counts[v.collective] = counts.get(v.collective, 0) + 1
+    # views are by rank: max() keeps the first of the highest count, the lowest rank's on a tie
+    common = max(counts, key=lambda key: counts[key])
+    return [v for v in views if v.collective != common]
 
 
 def disagreement_words(views: list[View], hosts: bool = False) -> str:
-    """One line for ranks that disagree on a collective (:func:`disagreement`): every rank with its
-    op, and what to change. ``hosts``: name each rank's host (a job of several nodes)."""
-    by_op: dict[str, list[View]] = {}
+    """One line for ranks that disagree on a collective (:func:`disagreement`): every rank with the
+    collective it waits in (or where it is blocked), and what to change. ``hosts``: name each
+    rank's host (a job of several nodes)."""
+    groups: dict[tuple[int, int, str, int], list[View]] = {}
     for v in views:
-        by_op.setdefault(v.op, []).append(v)
+        key = v.collective if v.in_collective else (2, v.step, v.doing(), -1)
+        groups.setdefault(key, []).append(v)
+    numbered = len({k[1] for k in groups if k[0] == 1}) > 1 or any(k[0] != 1 for k in groups)
     parts = []
-    for op, group in sorted(by_op.items(), key=lambda item: item[1][0].rank):
+    for key, group in sorted(groups.items(), key=lambda item: item[1][0].rank):
         names = [f"{v.rank}" + (f" (host {v.host})" if hosts else "") for v in group[:8]]
         more = f", ... ({len(group)} ranks)" if len(group) > 8 else ""
         who = f"rank {names[0]}" if len(group) == 1 else f"ranks {', '.join(names)}{more}"
-        parts.append(f"{who} in {op}")
+        parts.append(f"{who} {_collective_words(key, numbered)}")
+    counts = sorted({v.coll for v in views if v.phase == Phase.COLLECTIVE})
+    at = f"collective #{counts[0]}" if len(counts) == 1 and not numbered else "their collectives"
     return (
-        f"ranks disagree on collective #{views[0].coll}: {', '.join(parts)}: a collective called "
-        "on some ranks only, or in another order (each rank's stack shows where it called its own)"
+        f"ranks disagree on {at}: {', '.join(parts)}: a collective called on some ranks only, or "
+        "in another order (each rank's stack shows where it called its own)"
     )
+
+
+def _collective_words(key: tuple[int, int, str, int], numbered: bool) -> str:
+    kind, coll, op, numel = key
+    if kind == 0:
+        return f"in {op} (after collective #{coll})"
+    if kind == 2:
+        return f"blocked at step {coll}, {op}, in no collective ddpkit sees (DDP built by hand?)"
+    size = f" of {numel} elements" if numel >= 0 else ""
+    return f"in {op}{' #' + str(coll) if numbered else ''}{size}"
 
 
 @dataclass(frozen=True)
 class Verdict:
     stalled: list[View]
-    """This node's ranks to name."""
+    """This node's ranks to name and end."""
     waited_for: list[View]
     """Other nodes' stalled ranks, for which this node's idle ranks wait."""
     disagree: list[View] = field(default_factory=list)
     """Every rank of the job, when they disagree on a collective (:func:`disagreement`): the ranks
-    named, here or by another node's agent, are those whose op is not the others'."""
+    named, here or by another node's agent, are those off the common one."""
+    slow: list[View] = field(default_factory=list)
+    """This node's ranks the others wait for that still run: named, not ended."""
+    waited: float = 0.0
+    """How long the others have waited for them."""
 
 
 def decide(node: int, views: list[View], named: frozenset[int] | set[int] = frozenset()) -> Verdict:
     """What node ``node``'s agent does with the job's ``views`` (its own ranks and the other
-    nodes'): name its own stalled ranks; say which other node's stalled ranks its ranks wait for,
-    once they are idle past their allowance too, or once that rank's agent has named it (``named``:
-    before it ends the job, it waits for this node to say where its ranks are)."""
-    stalled = judge(views)
-    mine = [v for v in stalled if v.node == node]
-    theirs = [v for v in stalled if v.node != node]
-    idle_here = any(v.over for v in views if v.node == node and v not in stalled)
-    disagree = disagreement(views) if stalled else []
-    return Verdict(mine, [v for v in theirs if idle_here or v.rank in named], disagree)
+    nodes'): name its own stalled and slow ranks; say which other node's stalled ranks its ranks
+    wait for, once they are idle past their allowance too, or once that rank's agent has named it
+    (``named``: before it ends the job, it waits for this node to say where its ranks are)."""
+    j = judge(views)
+    mine = [v for v in j.stalled if v.node == node]
+    idle_here = any(v.over for v in views if v.node == node and v not in j.stalled)
+    theirs = [
+        v for v in views if v.node != node and (v in j.stalled and idle_here or v.rank in named)
+    ]
+    slow = [v for v in j.slow if v.node == node]
+    return Verdict(mine, theirs, j.disagree, slow, j.waited)
 
 
 @dataclass
@@ -353,11 +468,13 @@ def encode(
             round(v.idle, 1),
             round(v.allowance, 1),
             v.state,
+            round(v.quiet, 1),
+            v.numel,
         ]
         for v in views
     ]
     doc = {
-        "v": 1,
+        "v": 2,
         "n": node,
         "h": host[:255],
         "c": count,
@@ -379,7 +496,7 @@ def decode(data: bytes) -> Summary | None:
         named = frozenset(int(r) for r in doc["x"])
         waiting = frozenset(int(r) for r in doc["w"])
         views = []
-        for rank, local, pid, step, coll, phase, op, idle, allowance, state in doc["r"]:
+        for rank, local, pid, step, coll, phase, op, idle, allowance, state, quiet, n in doc["r"]:
             name = OPS[op] if isinstance(op, int) and 0 <= op < len(OPS) else "collective"
             views.append(
                 View(
@@ -395,11 +512,17 @@ def decode(data: bytes) -> Summary | None:
                     float(idle),
                     float(allowance),
                     str(state)[:1],
+                    float(quiet),
+                    int(n),
                 )  # fmt: skip
             )
     except (ValueError, TypeError, KeyError, IndexError, AttributeError):
         return None
-    return Summary(node, host, count, named, waiting, views) if doc.get("v") == 1 else None
+    return Summary(node, host, count, named, waiting, views) if doc.get("v") == 2 else None
+
+
+def _aged(quiet: float, seconds: float) -> float:
+    return quiet + seconds if quiet >= 0 else quiet
 
 
 class Exchange:
@@ -446,7 +569,11 @@ class Exchange:
         for summary, at in seen:
             named |= summary.named
             views += [
-                View(**{**v.__dict__, "idle": v.idle + (now - at)}) if v.marked else v
+                View(
+                    **{**v.__dict__, "idle": v.idle + (now - at), "quiet": _aged(v.quiet, now - at)}
+                )
+                if v.marked
+                else v
                 for v in summary.views
             ]
         return views, named

@@ -33,6 +33,7 @@ from ddpkit._errors import ConfigError
 from ddpkit._internals.elastic import record_with
 from ddpkit._internals.store import agent_store_in_use, serve_store, use_agent_store
 from ddpkit._launch.proctree import set_parent_death_signal, start_guard
+from ddpkit.distributed._progress import watch_torch_collectives
 from ddpkit.distributed._signals import hold_stop_signals
 from ddpkit.platforms import _torchrun as torchrun
 
@@ -205,6 +206,9 @@ def main() -> None:
     start_guard()
     hold_stop_signals()
     dump_stack_on_request()
+    # the world's collectives the script calls through torch.distributed, marked for the stall
+    # watch (a rank that calls another one than the others is named)
+    watch_torch_collectives()
     # A script's own @record, applied as its module runs, writes the agent's file whole too: torch's
     # handler would write it in place, before this worker's sees the exception it re-raises.
     record_with(WholeErrorFile)

@@ -71,9 +71,12 @@ def main_first(local: bool = False, group: Group = None) -> Iterator[None]:
     first = get_runtime().is_local_main if local else get_runtime(group).is_main
     if not first:
         barrier(group)
-    yield
-    if first:
-        barrier(group)
+        yield
+        return
+    # the others wait in the barrier: the stall watch gives this body its long allowance
+    with progress.phase(progress.Phase.MAIN_FIRST) if group is None else nullcontext():
+        yield
+    barrier(group)
 
 
 def _flatten(values: Mapping[str, Any]) -> tuple[torch.Tensor, list[tuple[str, Any, torch.Size]]]:

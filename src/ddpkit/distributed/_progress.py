@@ -14,37 +14,44 @@ hand-written loop); ddpkit's collectives (the op and a per-rank sequence number,
 compares across ranks).
 
 Record layout (:data:`RECORD`, 8-byte slots in native byte order): magic, pid, op, phase, marks
-made, step, steps begun in this process, collectives entered; the time the current step began
-(seconds of ``CLOCK_MONOTONIC``), the seconds the step before it took, and the process group's
-collective timeout in seconds (0: not known, a group made past :func:`ddpkit.init`). A mark within
-a step writes the phase and the count of marks alone, the count last; the agent times a rank's
-silence by its own clock, between two counts it read.
+made, step, steps begun in this process, collectives entered, the elements of the collective's
+first tensor (-1: none); the time the current step began (seconds of ``CLOCK_MONOTONIC``), the
+seconds the step before it took, and the process group's collective timeout in seconds (0: not
+known, a group made past :func:`ddpkit.init`). A mark within a step writes the phase and the count
+of marks alone, the count last; the agent times a rank's silence by its own clock, between two
+counts it read.
+
+Collectives called through ``torch.distributed`` itself are marked too, once
+:func:`watch_torch_collectives` has wrapped them (``ddpkit run``'s workers, before the script
+starts): the world's collectives only, as ddpkit's own (a group's ranks call their own).
 """
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from ddpkit.platforms import _torchrun as torchrun
 
 DIR_ENV = "DDPKIT_PROGRESS_DIR"
 """The folder of the ranks' records on this node, set by ``ddpkit run``'s agent."""
 
-RECORD = struct.Struct("=qqqqqqqqddd")
+RECORD = struct.Struct("=qqqqqqqqqddd")
 """The record as the agent reads it (native byte order: the rank and its agent share the
 machine)."""
 SIZE = RECORD.size
-MAGIC = 0x314B5044  # "DPK1"
+MAGIC = 0x324B5044  # "DPK2"
 # Slots of the record, 8 bytes each: what a mark writes with one store into a memoryview of the
 # page.
-_MAGIC, _PID, _OP, _PHASE, _SEQ, _STEP, _STEPS, _COLL = range(8)
-_STEP_AT, _LAST_STEP, _TIMEOUT = 8, 9, 10
+_MAGIC, _PID, _OP, _PHASE, _SEQ, _STEP, _STEPS, _COLL, _NUMEL = range(9)
+_STEP_AT, _LAST_STEP, _TIMEOUT = 9, 10, 11
 
 
 class Phase:
@@ -61,6 +68,8 @@ class Phase:
     USER = 7
     GRADIENT_SYNC = 8
     EVALUATION = 9
+    MAIN_FIRST = 10
+    EXPORT = 11
 
 
 PHASE_NAMES = {
@@ -74,6 +83,8 @@ PHASE_NAMES = {
     Phase.USER: "user code between steps (callbacks, validation)",
     Phase.GRADIENT_SYNC: "after its backward: DDP's all-reduce of the gradients, or past it",
     Phase.EVALUATION: "evaluating (validation)",
+    Phase.MAIN_FIRST: "alone in main_first()'s body (the others wait for it)",
+    Phase.EXPORT: "writing the best weights",
 }
 
 OPS = (
@@ -86,13 +97,26 @@ OPS = (
     "broadcast_object",
     "barrier",
     "first_failure",
+    "broadcast",
+    "reduce",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "gather",
+    "scatter",
+    "broadcast_object_list",
+    "scatter_object_list",
+    "monitored_barrier",
+    "shutdown",
 )
 """The ops a record names, by their index; an op not listed is recorded as ``collective``."""
 _OP_CODES = {op: code for code, op in enumerate(OPS)}
 
 _buf: mmap.mmap | None = None
-_ints: memoryview[int] | None = None  # the page as 8-byte integers (slots 0-7)
-_floats: memoryview[float] | None = None  # and as doubles (slots 8-9)
+_ints: memoryview[int] | None = None  # the page as 8-byte integers (slots 0-8)
+_floats: memoryview[float] | None = None  # and as doubles (slots 9-11)
 _opened = False  # tried to open (a missing folder is not tried again)
 _phase = Phase.STARTING
 _op = 0
@@ -100,6 +124,7 @@ _step = 0
 _steps = 0
 _seq = 0
 _coll = 0
+_numel = -1
 _step_at = 0.0
 _last_step = 0.0
 _timeout = 0.0
@@ -138,12 +163,13 @@ def _write() -> None:
         return
     assert _ints is not None and _floats is not None
     _seq += 1
-    _ints[_OP], _ints[_PHASE], _ints[_STEP], _ints[_STEPS], _ints[_COLL] = (
+    _ints[_OP], _ints[_PHASE], _ints[_STEP], _ints[_STEPS], _ints[_COLL], _ints[_NUMEL] = (
         _op,
         _phase,
         _step,
         _steps,
         _coll,
+        _numel,
     )
     _floats[_STEP_AT], _floats[_LAST_STEP], _floats[_TIMEOUT] = _step_at, _last_step, _timeout
     _ints[_SEQ] = _seq
@@ -217,24 +243,104 @@ def phase(p: int) -> Iterator[None]:
 
 
 class collective:  # noqa: N801  (used as a function: `with progress.collective("all_reduce"):`)
-    """In collective ``op``, the next in this rank's sequence; every rank enters the same ones in
-    the same order. A class rather than a generator: entered around every collective, it costs a
-    third as much."""
+    """In collective ``op`` (of ``numel`` elements, -1: not said), the next in this rank's
+    sequence; every rank enters the same ones in the same order. A collective inside another (a
+    ``torch.distributed`` call under one of ddpkit's) counts once, as the outer one. A class rather
+    than a generator: entered around every collective, it costs a third as much."""
 
-    __slots__ = ("before",)
+    __slots__ = ("before", "outer")
 
-    def __init__(self, op: str) -> None:
-        global _phase, _op, _coll
+    def __init__(self, op: str, numel: int = -1) -> None:
+        global _phase, _op, _coll, _numel, _depth
+        self.outer = _depth == 0
+        _depth += 1
+        if not self.outer:
+            return
         self.before = _phase
-        _op = _OP_CODES.get(op, 0)
+        _op, _numel = _OP_CODES.get(op, 0), numel
         _coll += 1
         _phase = Phase.COLLECTIVE
 
     def __enter__(self) -> None:
-        _write()
+        if self.outer:
+            _write()
 
     def __exit__(self, *exc: object) -> None:
-        mark(self.before)
+        global _depth
+        _depth -= 1
+        if self.outer:
+            mark(self.before)
+
+
+_depth = 0  # collectives entered and not yet left (nested: one inside another)
+
+TORCH_COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_object", "gather_object", "barrier", "broadcast",
+    "reduce", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
+    "all_to_all_single", "gather", "scatter", "broadcast_object_list", "scatter_object_list",
+    "monitored_barrier",
+)  # fmt: skip
+"""The ``torch.distributed`` collectives :func:`watch_torch_collectives` marks: those every rank of
+the group calls (not ``send``/``recv``)."""
+
+
+def _numel_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """The elements of a collective's first tensor argument (a list's first), -1 without one."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, (list, tuple)) and value:
+            value = value[0]
+        if hasattr(value, "numel") and callable(value.numel):
+            return int(value.numel())
+    return -1
+
+
+def _watched_call(op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    import inspect
+
+    import torch.distributed as dist
+
+    try:
+        at = list(inspect.signature(fn).parameters).index("group")
+    except (ValueError, TypeError):
+        at = None
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        group = args[at] if at is not None and len(args) > at else kwargs.get("group")
+        # A group's collectives are its ranks' alone: counted, ranks of other groups would seem
+        # to disagree.
+        if _depth or (group is not None and group is not dist.GroupMember.WORLD):
+            return fn(*args, **kwargs)
+        with collective(op, _numel_of(args, kwargs)):
+            return fn(*args, **kwargs)
+
+    call.__ddpkit_watched__ = fn  # type: ignore[attr-defined]
+    return call
+
+
+def watch_torch_collectives() -> list[str]:
+    """Mark the world's collectives called through ``torch.distributed`` (``dist.all_reduce(t)``,
+    ``dist.barrier()``...) as ddpkit's own are: the op, its number in the rank's sequence and its
+    first tensor's size, for the stall watch to name ranks that call different ones. Under ``ddpkit
+    run`` only (elsewhere nothing reads the marks); once. Returns the ops wrapped: those of
+    :data:`TORCH_COLLECTIVES` this torch has (a name it lacks is left out)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if not os.environ.get(DIR_ENV):
+        return []
+    wrapped = []
+    for op in TORCH_COLLECTIVES:
+        fn = getattr(dist, op, None)
+        if fn is None or not callable(fn):
+            continue
+        if not hasattr(fn, "__ddpkit_watched__"):
+            call = _watched_call(op, fn)
+            setattr(dist, op, call)
+            if getattr(c10d, op, None) is fn:
+                setattr(c10d, op, call)
+        wrapped.append(op)
+    return wrapped
 
 
 def _after_fork_in_child() -> None:

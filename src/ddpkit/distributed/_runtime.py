@@ -378,9 +378,10 @@ def _store_barrier(world_size: int) -> None:
     if store is None or world_size < 2:
         return
     try:
-        if store.add("shutdown", 1) == world_size:
-            store.set("shutdown/all", "1")
-        store.wait(["shutdown/all"], SHUTDOWN_BARRIER_TIMEOUT)
+        with progress.collective("shutdown"):  # every rank waits here for the others
+            if store.add("shutdown", 1) == world_size:
+                store.set("shutdown/all", "1")
+            store.wait(["shutdown/all"], SHUTDOWN_BARRIER_TIMEOUT)
     except (RuntimeError, dist.DistError):
         pass  # a peer is gone or the store with it: nothing left to protect
 

@@ -26,6 +26,7 @@ import torch
 
 from ddpkit import _fs as fs
 from ddpkit._errors import ConfigError
+from ddpkit.distributed import _progress as marks
 from ddpkit.snapshot import _export as export
 
 
@@ -100,24 +101,23 @@ class BestWeights:
         self.value, self.epoch, self.step = value, epoch, step
         state = weights()
         if self.enabled:
-            state = {k: v.detach().cpu() for k, v in state.items()}
-            # The weights file first, best.pt last: a resume reads the best value from best.pt, so a
-            # crash between the two leaves the old value there, and the step that beats it writes
-            # both again.
-            if self.export_path is not None and self.export_format is not None:
-                info = {"epoch": epoch, "step": step, "metric": metric, "value": value}
-                export.save_weights(self.export_path, state, self.export_format, info)
-            buffer = io.BytesIO()
-            torch.save(
-                {
-                    "model": state,
-                    "epoch": epoch,
-                    "step": step,
-                    "metric": self.metric,
-                    "value": value,
-                },
-                buffer,
-            )
-            # replaces a link at the name, never follows it
-            fs.write_atomic(self.path, buffer.getvalue())
+            # rank 0 alone writes (the others wait in the next collective): the stall watch's long
+            # allowance
+            with marks.phase(marks.Phase.EXPORT):
+                self._write(state, metric, value, epoch, step)
         return True
+
+    def _write(self, state: dict, metric: str, value: float, epoch: int, step: int) -> None:
+        state = {k: v.detach().cpu() for k, v in state.items()}
+        # The weights file first, best.pt last: a resume reads the best value from best.pt, so a
+        # crash between the two leaves the old value there, and the step that beats it writes both
+        # again.
+        if self.export_path is not None and self.export_format is not None:
+            info = {"epoch": epoch, "step": step, "metric": metric, "value": value}
+            export.save_weights(self.export_path, state, self.export_format, info)
+        buffer = io.BytesIO()
+        torch.save(
+            {"model": state, "epoch": epoch, "step": step, "metric": metric, "value": value}, buffer
+        )
+        # replaces a link at the name, never follows it
+        fs.write_atomic(self.path, buffer.getvalue())

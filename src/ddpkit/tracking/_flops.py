@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from ddpkit._internals.compiler import cpu_attention_ops
+
 _T = 1e12
 
 # Dense (no structured sparsity) tensor-core peaks, FLOP/s, from the vendors' datasheets; fp16 and
@@ -104,10 +106,10 @@ def attention_backward_flops(
     return 2 * attention_flops(query, key, value)
 
 
-_aten = torch.ops.aten
 ATTENTION: dict[Any, Any] = {
-    _aten._scaled_dot_product_flash_attention_for_cpu: attention_flops,
-    _aten._scaled_dot_product_flash_attention_for_cpu_backward: attention_backward_flops,
+    op: formula
+    for op, formula in zip(cpu_attention_ops(), (attention_flops, attention_backward_flops))
+    if op is not None
 }
 """Formulas for the fused attention kernels :class:`~torch.utils.flop_counter.FlopCounterMode`
 counts nothing for (the CPU's), as its ``custom_mapping`` (called with the op's arguments as shapes,

@@ -254,3 +254,120 @@ def test_a_validation_slower_on_one_rank_is_not_a_stall(dirs, env):
     )
     assert out.returncode == 0 and out.named_at is None, out.stderr[-3000:]
     assert out.to_end is not None and out.to_end > 12, (out.to_end, out.stderr[-3000:])
+
+
+# -- healthy pauses: nothing stalled, nothing ended ------------------------------------------------
+
+
+def _healthy(out) -> None:
+    assert out.returncode == 0, out.stderr[-3000:]
+    # the pause did happen (said by rank 1, in its log; by rank 0 on the launcher's output)
+    assert out.stalled_at is not None or "stalls (" in out.stdout, out.stderr[-3000:]
+    assert "stalled:" not in out.stderr and "killed (SIGKILL)" not in out.stderr, out.stderr[-3000:]
+    assert "rank 0 done after 12 steps" in out.stdout
+
+
+@pytest.mark.parametrize("mode", ["same-sleep", "same-cpu"])
+def test_the_same_long_work_on_every_rank_finished_apart_is_no_stall(dirs, env, mode):
+    """Every rank pauses 8 s (asleep, or computing) after step 3, rank 1 1.5 s longer than rank 0:
+    nobody waits past the floor (3 s) for anybody. The watch before this judged the last rank by
+    its own silence (8 s since its last mark) and killed it as the first one moved on. Control: the
+    same 8 s on rank 1 alone is named and ended."""
+    out = run_stall_job(
+        ["--stall-timeout", FLOOR, "--collective-timeout", "60"], [mode, "3", "8"], env, dirs / "on"
+    )
+    _healthy(out)
+    assert "slow:" not in out.stderr, out.stderr[-3000:]
+    out = run_stall_job(
+        ["--stall-timeout", FLOOR, "--collective-timeout", "60"], ["sleep", "3", "8"], env,
+        dirs / "off",
+    )  # fmt: skip
+    _named_then_ended(out, "sleeping", "in its loop")
+
+
+@pytest.mark.parametrize(
+    ("mode", "args"),
+    [
+        ("main-first", ["3", "12"]),  # rank 0 alone in main_first()'s body, 12 s asleep
+        ("trainer-export", ["5", "8", "12"]),  # rank 0 writes the best weights for 8 s
+    ],
+)
+def test_ddpkits_own_phases_on_rank_0_alone_have_their_allowance(dirs, env, mode, args):
+    """Rank 0 works alone where ddpkit knows it does (main_first's body, the best weights' export)
+    while rank 1 waits: the long allowance (10 x the floor) covers it; nothing is named. Control:
+    the same pause in user code (`test_the_same_long_work..`'s) is ended."""
+    args = args + ([str(dirs / "on" / "run")] if mode.startswith("trainer") else [])
+    out = run_stall_job(
+        ["--stall-timeout", FLOOR, "--collective-timeout", "60"], [mode, *args], env, dirs / "on"
+    )
+    _healthy(out)
+    assert "slow:" not in out.stderr, out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("mode", ["barrier-cpu", "slow"])
+def test_a_rank_that_computes_while_the_others_wait_is_named_slow_and_not_ended(dirs, env, mode):
+    """Rank 0 computes 8 s before a barrier (or rank 1 after its step) while the other waits: named
+    as slow once the wait passes the floor and again each floor while it lasts, with its stack;
+    never killed: the job ends well. Control: the same rank asleep as long (`sleep`) is stalled and
+    ended (`test_a_rank_stuck_in_user_code_between_steps_is_named`)."""
+    out = run_stall_job(
+        ["--stall-timeout", FLOOR, "--collective-timeout", "60"], [mode, "3", "8"], env, dirs / "on"
+    )
+    _healthy(out)
+    slow = 0 if mode == "barrier-cpu" else 1
+    lines = [line for line in out.stderr.splitlines() if f"rank {slow} slow:" in line]
+    assert len(lines) >= 2, out.stderr[-3000:]  # said again while it lasts
+    assert "it runs" in lines[0] and "not ended" in lines[0], lines[0]
+    assert "spin" in out.stderr.split(f"rank {slow} (local rank {slow}", 1)[1]  # its stack
+
+
+# -- what must be named ---------------------------------------------------------------------------
+
+
+def test_ranks_in_different_torch_collectives_are_named_within_the_allowance(dirs, env):
+    """A logging branch: rank 0 alone calls ``torch.distributed.broadcast`` after step 3, rank 1
+    goes on into the next step's all-reduce (a DDP built by hand, which nothing marks). torch's own
+    collectives are marked: the ranks are named as waiting in different collectives after the
+    floor, and the job ended. Control: the watch off waits out the collective timeout."""
+    out = run_stall_job(
+        ["--stall-timeout", FLOOR, "--collective-timeout", "60"], ["desync", "3"], env, dirs / "on"
+    )
+    assert out.returncode != 0, out.stderr[-3000:]
+    line = next(line for line in out.stderr.splitlines() if "ranks disagree" in line)
+    assert "rank 0 in broadcast #" in line and "of 3 elements" in line, line
+    assert "rank 1 blocked at step 4" in line, line
+    assert out.to_end is not None and out.to_end < ENDED_WITHIN, (out.to_end, out.stderr[-3000:])
+    _control(dirs, env, ["desync", "3"])
+
+
+def test_a_stopped_rank_is_named_whatever_the_collective_timeout(dirs, env):
+    """A collective timeout (4 s) below the floor (30 s, the default): the stopped rank is named
+    and ended before the timeout would blame the rank that waited for it. Every allowance is at
+    most half the collective timeout, and a stopped rank needs none."""
+    out = run_stall_job(["--collective-timeout", "4"], ["stop"], env, dirs / "on")
+    _named_then_ended(out, "stopped (SIGSTOP)", "at step 5")
+    assert "timed out" not in out.stderr.split("worker(s) failed", 1)[1], out.stderr[-3000:]
+
+
+def test_debug_collectives_is_refused_where_torchs_detail_mode_crashes(dirs, env):
+    """``TORCH_DISTRIBUTED_DEBUG=DETAIL`` segfaults DDP's constructor on some builds (torch 2.13's
+    CPU wheel): ``--debug-collectives`` is tried first and refused with the reason, before any
+    worker starts. Where it works, the job runs with it."""
+    from ddpkit._errors import ConfigError
+    from ddpkit._launch.launcher import check_debug_collectives
+
+    try:
+        check_debug_collectives()
+        works = True
+    except ConfigError:
+        works = False
+    out = run_stall_job(["--debug-collectives"], ["none", "3", "1", "4"], env, dirs / "on")
+    if works:
+        assert out.returncode == 0, out.stderr[-3000:]
+    else:
+        assert (
+            out.returncode != 0
+            and "--debug-collectives: with TORCH_DISTRIBUTED_DEBUG=DETAIL" in out.stderr
+        )
+        assert "SIGSEGV" in out.stderr or "exited with" in out.stderr, out.stderr[-3000:]
+        assert "rank 0 done" not in out.stdout  # refused before any worker started

@@ -126,12 +126,12 @@ STALLS = [
     ("stop", "stopped (SIGSTOP)", "at step 5, in its loop", "at step 6", 29412),
     # its loader's worker sleeps reading a sample of step 6, fetched ahead of the step
     ("loader", "sleeping", "at step \\d+, loading data", "at step \\d+", 29413),
-    # a Trainer's step-end callback sleeps; rank 0 goes on into step 5's snapshot
+    # a Trainer's step-end callback sleeps; rank 0 goes on into step 5's agreement and snapshot
     (
         "trainer-sleep",
         "sleeping",
         "at step 5, user code between steps",
-        "at step 5, in collective all_reduce",
+        "at step 5, in collective \\w+",
         29414,
     ),
 ]
@@ -168,7 +168,7 @@ def test_a_rank_stalled_on_one_node_is_named_by_its_node_and_awaited_by_the_othe
     if mode == "trainer-sleep":
         # the collective rank 0 waits in, read from the other node's record in the store
         assert re.search(
-            rf"collective all_reduce #\d+: rank\(s\) 0 \(host .*\({re.escape(a.addr)}\)\) "
+            rf"collective \w+ #\d+: rank\(s\) 0 \(host .*\({re.escape(a.addr)}\)\) "
             r"wait in it; rank 1 has not arrived",
             b.text,
         ), b.text[-5000:]
@@ -199,3 +199,45 @@ def test_control_with_the_watch_off_nothing_is_named_until_the_collective_timeou
         first_failure - stalled_at,
         a.text[-3000:],
     )
+
+
+@pytest.mark.parametrize(
+    ("mode", "port"), [("same-sleep", 29415), ("slow", 29416)], ids=["same-work", "slow"]
+)
+def test_across_nodes_work_every_rank_does_and_a_slow_rank_end_well(nodes, tmp_path, mode, port):
+    """Across two nodes: every rank sleeps 8 s after step 3, rank 1 1.5 s longer (nobody waits past
+    the floor: nothing is said); rank 1 computes 8 s while rank 0 waits (named slow by its node, not
+    ended). Both jobs end with 0 on both nodes. Control: a rank asleep alone as long
+    (`test_a_rank_stalled_on_one_node_is_named...[sleep]`) is ended."""
+    b, a, _ = _run(
+        nodes, tmp_path / "on", port, ["--stall-timeout", FLOOR, "--collective-timeout", "60"],
+        mode, ("3", "8"),
+    )  # fmt: skip
+    assert b.code == 0 and a.code == 0, (b.text[-3000:], a.text[-3000:])
+    for node in (a, b):
+        assert "stalled:" not in node.text and "killed (SIGKILL)" not in node.text, node.text[
+            -3000:
+        ]
+    if mode == "slow":
+        said = b.first(r"ddpkit run: rank 1 slow:")
+        assert said is not None and "it runs" in said[1], b.text[-3000:]
+    else:
+        assert "slow:" not in a.text + b.text, (a.text[-3000:], b.text[-3000:])
+
+
+def test_ranks_in_different_torch_collectives_across_nodes_are_named(nodes, tmp_path):
+    """Rank 0 (node a) alone calls ``torch.distributed.broadcast`` after step 3 while rank 1 (node
+    b) goes on into the next step's all-reduce: node a's agent names the disagreement from node b's
+    summary and ends the job within the allowance. Control: the watch off
+    (`test_control_with_the_watch_off...`) waits out the collective timeout."""
+    b, a, stalled_at = _run(
+        nodes, tmp_path / "on", 29417, ["--stall-timeout", FLOOR, "--collective-timeout", "60"],
+        "desync", ("3",),
+    )  # fmt: skip
+    said = a.first(r"ddpkit run: ranks disagree")
+    assert said is not None, a.text[-5000:]
+    assert "rank 0 (host" in said[1] and "in broadcast #" in said[1], said[1]
+    assert "rank 1 (host" in said[1] and "blocked at step 4" in said[1], said[1]
+    assert a.code not in (0, None) and b.code not in (0, None)
+    ended = max(t for n in (a, b) for t, _ in n.lines[-1:])
+    assert ended - stalled_at < ENDED_WITHIN, (ended - stalled_at, a.text[-3000:])

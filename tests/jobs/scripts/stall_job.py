@@ -16,6 +16,22 @@ argument picks what rank 1 does at step ``AT`` (the second argument, default 5),
   over torch's DDP, built by hand. ``trainer-forward``: the same in a ``Trainer``.
 - ``trainer-validation``: a ``Trainer`` that validates at step AT; rank 1's validation samples take
   SECONDS in all (a slower shard, not a stall).
+- ``trainer-export``: a ``Trainer`` that validates at step AT and keeps the best weights; rank 0's
+  export of them takes SECONDS (asleep: a slow disk), while rank 1 waits.
+
+Healthy pauses (no rank is stalled; each must finish):
+
+- ``same-sleep`` / ``same-cpu``: after step AT every rank sleeps (or computes) SECONDS + 1.5 s x its
+  rank, then the loop goes on: the same long work everywhere, finished a second or two apart.
+- ``main-first``: before the loop, rank 0 sleeps SECONDS alone in ``ddpkit.main_first()`` (a
+  download) while rank 1 waits.
+- ``barrier-cpu``: after step AT rank 0 computes SECONDS before ``ddpkit.barrier()``, where rank 1
+  waits: slow, not stalled.
+- ``slow``: after step AT rank 1 computes SECONDS while rank 0 waits for it.
+
+And what must be named: ``desync``: after step AT rank 0 alone calls ``torch.distributed.broadcast``
+(a logging branch taken on one rank), the most common way ranks come to wait in different
+collectives.
 
 Every step all-reduces the loss with ``ddpkit.all_reduce`` (a marked collective). The run lasts
 ``STEPS`` steps (the fourth argument, default 12); the Trainer's modes take a run folder as the
@@ -83,9 +99,29 @@ class Samples(torch.utils.data.Dataset):
         return torch.full((4,), float(i)), torch.tensor([1.0])
 
 
+def spin(seconds: float) -> None:
+    """Compute (CPU time moves) for ``seconds``."""
+    end = time.monotonic() + seconds
+    x = torch.ones(64, 64)
+    while time.monotonic() < end:
+        x = (x @ x).clamp(-1, 1)
+
+
+def say_stalls() -> None:
+    print(f"rank 1 stalls ({mode}) after step {at} at {time.time():.3f}", flush=True)
+
+
+if mode == "main-first":
+    if rt.rank == 1:
+        say_stalls()  # (rank 1 waits for rank 0: the pause the test times)
+    with ddpkit.main_first():
+        if rt.rank == 0:
+            time.sleep(seconds)
+
+
 if mode.startswith("trainer"):
     from ddpkit.snapshot._schedule import SnapshotConfig
-    from ddpkit.training._config import LoggingConfig, TrainerConfig
+    from ddpkit.training._config import EarlyStoppingConfig, LoggingConfig, TrainerConfig
     from ddpkit.training._trainer import Trainer
 
     class SleepAtStep:
@@ -104,14 +140,28 @@ if mode.startswith("trainer"):
         def load_state_dict(self, state: dict) -> None:
             pass
 
-    validating = mode == "trainer-validation"
+    validating = mode in ("trainer-validation", "trainer-export")
+    if mode == "trainer-export":
+        import ddpkit.snapshot._export as export
+
+        save_weights = export.save_weights
+
+        def slow_save(*args, **kwargs):
+            say_stalls()
+            time.sleep(seconds)
+            save_weights(*args, **kwargs)
+
+        export.save_weights = slow_save
     config = TrainerConfig(
         run_dir=sys.argv[5],
         batch_size=4,
         max_steps=steps,
         shuffle=False,
         num_workers=0,
-        weights_format=None,
+        weights_format="pt" if mode == "trainer-export" else None,
+        early_stopping=EarlyStoppingConfig(
+            metric="val/loss" if mode == "trainer-export" else None, patience=100
+        ),
         logging=LoggingConfig(progress=False),
         snapshot=SnapshotConfig(every_steps=5, async_write=False),
         val_every_steps=at if validating else None,
@@ -123,7 +173,9 @@ if mode.startswith("trainer"):
         torch.optim.SGD(model.parameters(), lr=1e-3),
         Samples(),
         config,
-        val_data=SlowShard() if validating else None,
+        val_data=(SlowShard() if mode == "trainer-validation" else Samples())
+        if validating
+        else None,
         loss_fn=torch.nn.functional.mse_loss,
         callbacks=[SleepAtStep()],
         extra_state={"slow": SlowState()},
@@ -157,6 +209,27 @@ for step, (x, y) in enumerate(loader, start=1):
         elif mode == "snapshot":
             with progress.phase(progress.Phase.SNAPSHOT):
                 time.sleep(seconds)
+    if step == at and mode in ("same-sleep", "same-cpu"):
+        if rt.rank == 1:
+            say_stalls()
+        pause = time.sleep if mode == "same-sleep" else spin
+        pause(seconds + 1.5 * rt.rank)
+    elif step == at and mode == "barrier-cpu":
+        if rt.rank == 1:
+            say_stalls()
+        else:
+            spin(seconds)
+        ddpkit.barrier()
+    elif step == at and mode == "slow" and stalling:
+        say_stalls()
+        spin(seconds)
+    elif step == at and mode == "desync":
+        import torch.distributed as dist
+
+        if stalling:
+            say_stalls()
+        if rt.rank == 0:  # a logging branch taken on rank 0 alone
+            dist.broadcast(torch.zeros(3), 0)
     if step == steps:
         break
 print(f"rank {rt.rank} done after {step} steps", flush=True)

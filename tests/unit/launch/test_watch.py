@@ -42,7 +42,7 @@ def write(
     timeout: float = 0.0,
 ) -> None:
     steps = step if steps is None else steps
-    fields = (pid or 100 + rank, 1, phase, seq, step, steps, coll, 0.0, last_step, timeout)
+    fields = (pid or 100 + rank, 1, phase, seq, step, steps, coll, -1, 0.0, last_step, timeout)
     data = RECORD.pack(MAGIC, *fields)
     (folder / f"rank{rank}.progress").write_bytes(data)
 
@@ -52,7 +52,8 @@ def make_watch(
 ) -> tuple[watch.Watch, Clock]:
     clock = Clock()
     policy = watch.StallPolicy(floor=floor, on_stall="warn", collective_timeout=collective_timeout)
-    w = watch.Watch(tmp_path, policy, None, clock=clock)
+    # the ranks' CPU and I/O never move: their records alone tell
+    w = watch.Watch(tmp_path, policy, None, clock=clock, activity=lambda pid: (0, 0))
     w.start_attempt({0: (0, 100), 1: (1, 101)})
     return w, clock
 
@@ -119,12 +120,14 @@ def test_behind_in_collectives_at_the_same_step_names_who_has_not_arrived(tmp_pa
         ({"steps": 1}, 30.0, None),  # the first step: 10 x floor
         ({"phase": Phase.SNAPSHOT}, 30.0, None),  # a snapshot: 10 x floor
         ({"phase": Phase.EVALUATION}, 30.0, None),  # an evaluation: 10 x floor
+        ({"phase": Phase.MAIN_FIRST}, 30.0, None),  # main_first()'s body on the first rank
+        ({"phase": Phase.EXPORT}, 30.0, None),  # the best weights written on rank 0
         # at most half the collective timeout: named before the waiting ranks' collectives fail
         ({"steps": 1}, 10.0, 20.0),
         ({"phase": Phase.SNAPSHOT}, 10.0, 20.0),
         ({"phase": Phase.SNAPSHOT}, 30.0, 300.0),
         ({}, 3.0, None),  # control: any other step gets the floor
-        ({}, 3.0, 4.0),  # ... which the collective timeout does not lower
+        ({}, 2.0, 4.0),  # ... at most half the collective timeout too
         # the rank's own group's timeout (ddpkit.init(timeout=...)) before the launcher's
         ({"phase": Phase.SNAPSHOT, "timeout": 40.0}, 20.0, 6.0),
         ({"phase": Phase.SNAPSHOT, "timeout": 120.0}, 30.0, 6.0),
@@ -269,3 +272,34 @@ def test_stall_timeout_option_and_variable(monkeypatch):
     assert watch.policy_from(5.0, "warn", {watch.TIMEOUT_ENV: "0"}).floor == 5.0  # the option wins
     with pytest.raises(ConfigError, match=watch.TIMEOUT_ENV):
         watch.policy_from(None, "end", {watch.TIMEOUT_ENV: "-3"})
+
+
+def test_a_rank_whose_cpu_moves_is_named_slow_again_while_it_lasts_and_never_ended(
+    tmp_path, capsys
+):
+    clock = Clock()
+    # pids no process has (the policy ends stalls: a kill must reach nobody)
+    pid0, pid1 = 2**31 - 2, 2**31 - 1
+    ticks = {pid1: 0}
+
+    def activity(pid: int) -> tuple[int, int]:
+        if pid == pid1:  # rank 1 computes: 50 clock ticks a second
+            ticks[pid1] = int((clock.now - 1000.0) * 50)
+        return ticks.get(pid, 0), 0
+
+    policy = watch.StallPolicy(floor=3.0, on_stall="end")
+    w = watch.Watch(tmp_path, policy, None, clock=clock, activity=activity)
+    w.start_attempt({0: (0, pid0), 1: (1, pid1)})
+    write(tmp_path, 0, step=6, seq=30, phase=Phase.COLLECTIVE, coll=9, pid=pid0)  # waits for 1
+    write(tmp_path, 1, step=5, seq=25, coll=8, pid=pid1)
+    for t in [1000.0 + 0.5 * i for i in range(30)]:  # 15 s
+        assert poll_at(w, clock, t) is None  # nothing ended
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if line.startswith("ddpkit run: rank 1 slow:")]
+    assert len(said) >= 3, err  # at 3 s, then every 3 s while it lasts
+    assert "it runs" in said[0] and "not ended" in said[0] and "stalled" not in err
+    # control: its CPU stops moving; past its allowance it is stalled
+    w.activity = lambda pid: (0, 0)
+    assert poll_at(w, clock, 1016.0) is None
+    stall = poll_at(w, clock, 1019.5)
+    assert stall is not None and stall.ranks == [1]

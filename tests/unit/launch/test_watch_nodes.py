@@ -59,10 +59,13 @@ def test_no_verdict_within_the_allowance_nor_when_all_are_at_one_place():
     assert decide(0, unmarked) == watch_nodes.Verdict([], [])
 
 
-def test_a_node_whose_ranks_still_progress_does_not_say_it_waits():
+def test_a_rank_nobody_waits_for_is_not_stalled():
+    # rank 0 goes on (it marked 0.5 s ago): nobody waits for rank 1 yet
     busy = view(0, 0, step=6, idle=0.5)
     assert decide(0, [busy, STALLED]).waited_for == []
-    assert decide(1, [busy, STALLED]).stalled == [STALLED]  # the stalled rank is named all the same
+    assert decide(1, [busy, STALLED]).stalled == []
+    # control: once rank 0 has waited past rank 1's allowance, rank 1 is named
+    assert decide(1, [WAITING, STALLED]).stalled == [STALLED]
 
 
 def test_behind_in_collectives_across_nodes():
@@ -161,8 +164,13 @@ def test_a_store_that_is_gone_never_reaches_the_watch():
 
 def _record(folder: Path, rank: int, step: int, seq: int) -> None:
     folder.mkdir(exist_ok=True)
-    data = RECORD.pack(MAGIC, 100 + rank, 1, Phase.LOOP, seq, step, step, 0, 0.0, 0.1, 0.0)
+    data = RECORD.pack(MAGIC, 100 + rank, 1, Phase.LOOP, seq, step, step, 0, -1, 0.0, 0.1, 0.0)
     (folder / f"rank{rank}.progress").write_bytes(data)
+
+
+def _still(pid: int) -> tuple[int, int]:
+    """A rank's activity that never moves: its record alone tells."""
+    return 0, 0
 
 
 class Clock:
@@ -180,7 +188,7 @@ def test_two_nodes_watches_name_the_rank_and_the_wait(store, tmp_path, capsys):
     policy = watch.StallPolicy(floor=3.0, on_stall="warn")
     watches = []
     for node in (0, 1):
-        w = watch.Watch(tmp_path / f"n{node}", policy, None, clock=clock)
+        w = watch.Watch(tmp_path / f"n{node}", policy, None, clock=clock, activity=_still)
         w.start_attempt({node: (0, 100 + node)})
         w.link.host = f"host{node}"
         watches.append(w)
@@ -221,10 +229,10 @@ def test_two_nodes_watches_name_the_rank_and_the_wait(store, tmp_path, capsys):
 def test_a_rank_its_agent_named_is_reported_before_this_nodes_ranks_spend_their_allowance():
     # The named rank's agent waits for the other nodes to say where their ranks are before it kills
     # it.
-    busy = view(0, 0, step=6, idle=1.0)
-    assert decide(0, [busy, STALLED], named={1}).waited_for == [STALLED]
-    # control: not named, and this node's rank still busy
-    assert decide(0, [busy, STALLED]).waited_for == []
+    waiting = view(0, 0, step=6, idle=1.0)
+    assert decide(0, [waiting, STALLED], named={1}).waited_for == [STALLED]
+    # control: not named, and this node's rank within its allowance
+    assert decide(0, [waiting, STALLED]).waited_for == []
 
 
 class _Heard:
@@ -258,9 +266,9 @@ def test_a_waiting_node_ends_its_own_workers_when_the_stalled_ranks_agent_stays_
     try:
         clock = Clock()
         clock.now = 1000.0
-        w = watch.Watch(tmp_path, watch.StallPolicy(floor=3.0), None, clock=clock)
+        w = watch.Watch(tmp_path, watch.StallPolicy(floor=3.0), None, clock=clock, activity=_still)
         w.start_attempt({0: (0, child.pid)})
-        data = RECORD.pack(MAGIC, child.pid, 1, Phase.LOOP, 30, 6, 6, 0, 0.0, 0.1, 0.0)
+        data = RECORD.pack(MAGIC, child.pid, 1, Phase.LOOP, 30, 6, 6, 0, -1, 0.0, 0.1, 0.0)
         (tmp_path / "rank0.progress").write_bytes(data)
         store.set(watch_nodes.KEY.format(1), encode(1, "host1", 1, named, [STALLED]))
         w.connect(store, 0, 2)
@@ -332,9 +340,10 @@ def test_of_ranks_that_disagree_those_off_the_common_op_are_named():
     assert [v.rank for v in decide(0, job).stalled] == [0]
     words = watch_nodes.disagreement_words(watch_nodes.disagreement(job))
     assert "#2: rank 0 in barrier, ranks 1, 2, 3 in all_reduce:" in words, words
-    # one that has not entered collective #2 yet is behind: named as before, the others not
+    # one that waits in collective #1 while the others wait in #2: every rank waits in another
+    # one, none the most common; those off the lowest rank's are named
     behind = [_in(0, 0, "all_gather"), _in(1, 0, "barrier"), _in(2, 0, "all_gather", coll=1)]
-    assert [v.rank for v in decide(0, behind).stalled] == [2]
+    assert [v.rank for v in decide(0, behind).stalled] == [1, 2]
 
 
 def test_ranks_that_disagree_across_nodes_are_named_by_their_node_and_waited_for_by_the_other():
@@ -348,3 +357,84 @@ def test_ranks_that_disagree_across_nodes_are_named_by_their_node_and_waited_for
     # Control: the same op on both nodes, all idle: neither node names nor waits.
     same = [_in(0, 0, "all_gather"), _in(1, 1, "all_gather")]
     assert decide(0, same) == decide(1, same) == watch_nodes.Verdict([], [])
+
+
+# -- verdicts from evidence: who waits, and whether the rank waited for can progress ---------------
+
+
+def _w(rank: int, *, step: int, idle: float, quiet: float = -1.0, phase: int = Phase.LOOP,
+       coll: int = 0, op: str = "all_reduce", numel: int = -1,
+       state: str = "S") -> View:  # fmt: skip
+    v = view(rank, 0, step=step, idle=idle, phase=phase, coll=coll, state=state)
+    return View(**{**v.__dict__, "op": op, "quiet": quiet, "numel": numel})
+
+
+def test_a_rank_the_others_wait_for_that_runs_is_slow_and_one_that_does_not_is_stalled():
+    waiting = _w(0, step=6, idle=10.0, phase=Phase.COLLECTIVE, coll=9)
+    runs = _w(1, step=5, idle=10.0, quiet=0.3, coll=8)  # no mark for 10 s, its CPU moves
+    verdict = decide(0, [waiting, runs])
+    assert verdict.stalled == [] and verdict.slow == [runs] and verdict.waited == 10.0
+    # control: the same rank with nothing moving for 10 s
+    still = _w(1, step=5, idle=10.0, quiet=10.0, coll=8)
+    assert decide(0, [waiting, still]).stalled == [still]
+
+
+def test_work_every_rank_does_finished_a_few_seconds_apart_is_no_stall():
+    # rank 1 is still in a 35 s pause every rank took; rank 0 finished it 2 s ago and waits
+    finished = _w(0, step=5, idle=2.0, phase=Phase.COLLECTIVE, coll=9)
+    pausing = _w(1, step=5, idle=35.0, quiet=35.0, phase=Phase.USER, coll=8)
+    assert decide(0, [finished, pausing]) == watch_nodes.Verdict([], [], [], [], 2.0)
+    # control: rank 0 waiting past rank 1's allowance: rank 1 is named
+    assert decide(0, [_w(0, step=5, idle=3.5, phase=Phase.COLLECTIVE, coll=9), pausing]).stalled
+
+
+def test_a_rank_ahead_that_runs_waits_for_nobody():
+    ahead = _w(0, step=7, idle=30.0, quiet=0.2)  # no mark, but it computes (a long hand validation)
+    behind = _w(1, step=5, idle=30.0, quiet=30.0)
+    assert decide(0, [ahead, behind]).stalled == []
+
+
+def test_a_stopped_rank_is_stalled_at_once_whatever_its_allowance():
+    stopped = _w(1, step=5, idle=0.5, state="T")
+    assert decide(0, [_w(0, step=6, idle=0.5), stopped]).stalled == [stopped]
+    # control: the same rank sleeping
+    assert decide(0, [_w(0, step=6, idle=0.5), _w(1, step=5, idle=0.5)]).stalled == []
+
+
+def test_a_collective_against_ddps_all_reduce_disagrees():
+    # rank 0 logs with an extra all_reduce (#5); rank 1 went on into DDP's all-reduce of the next
+    # step's gradients, after collective #4
+    extra = _w(0, step=5, idle=5.0, phase=Phase.COLLECTIVE, coll=5, numel=1)
+    ddp = _w(1, step=6, idle=5.0, phase=Phase.GRADIENT_SYNC, coll=4)
+    verdict = decide(0, [extra, ddp])
+    assert [v.rank for v in verdict.disagree] == [0, 1] and verdict.stalled
+    words = watch_nodes.disagreement_words(verdict.disagree)
+    assert "rank 0 in all_reduce #5 of 1 elements" in words, words
+    assert "rank 1 in DDP's all-reduce of the gradients (after collective #4)" in words, words
+
+
+def test_one_op_of_different_sizes_disagrees_and_of_one_size_is_left_to_the_timeout():
+    job = [
+        _w(0, step=5, idle=5.0, phase=Phase.COLLECTIVE, coll=3, numel=3),
+        _w(1, step=5, idle=5.0, phase=Phase.COLLECTIVE, coll=3, numel=2),
+    ]
+    assert [v.rank for v in decide(0, job).disagree] == [0, 1]
+    same = [job[0], _w(1, step=5, idle=5.0, phase=Phase.COLLECTIVE, coll=3, numel=3)]
+    assert decide(0, same) == watch_nodes.Verdict([], [])
+
+
+def test_the_rank_behind_in_a_collective_the_others_went_past_while_they_block_disagrees():
+    # rank 0 alone broadcasts (#4); rank 1, a step ahead, blocks in a DDP built by hand
+    # (unmarked)
+    alone = _w(0, step=3, idle=5.0, phase=Phase.COLLECTIVE, coll=4, op="broadcast", numel=3)
+    blocked = _w(1, step=4, idle=5.0, quiet=5.0, coll=3)
+    verdict = decide(0, [alone, blocked])
+    assert [v.rank for v in verdict.stalled] == [0] and len(verdict.disagree) == 2
+    words = watch_nodes.disagreement_words(verdict.disagree)
+    assert "rank 0 in broadcast #4 of 3 elements, rank 1 blocked at step 4" in words, words
+    # control: the rank behind is outside any collective (asleep in user code) while the other
+    # waits in one: a stall of the rank behind, not a disagreement
+    sleeping = _w(0, step=3, idle=5.0, quiet=5.0, phase=Phase.USER, coll=3)
+    waits = _w(1, step=4, idle=5.0, phase=Phase.COLLECTIVE, coll=4)
+    verdict = decide(0, [sleeping, waits])
+    assert verdict.disagree == [] and verdict.stalled == [sleeping]
