@@ -13,7 +13,6 @@ import ast
 import importlib
 import inspect
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -275,23 +274,14 @@ def _resolves(dotted: str) -> bool:
 def test_the_ddpkit_names_the_docs_and_docstrings_cite_exist():
     """``ddpkit.data.ShardedBatchSampler`` in a page or a docstring names something real (Sphinx
     checks the cross-references it resolves; this checks the names in plain code spans too)."""
-    # The old module paths ddpkit._moved still imports are for scripts of the last release: a page
-    # or docstring citing one is stale (_moved.py itself names them on purpose).
-    moved = ROOT / "src" / "ddpkit" / "_moved.py"
-    sources = PAGES + sorted(p for p in (ROOT / "src" / "ddpkit").rglob("*.py") if p != moved)
+    sources = PAGES + sorted((ROOT / "src" / "ddpkit").rglob("*.py"))
     cited = {
         (name, source.relative_to(ROOT))
         for source in sources
         for name in re.findall(r"\bddpkit(?:\.[A-Za-z_]\w*)+", source.read_text())
         if not name.endswith((".md", ".py"))
     }
-    finders = [f for f in sys.meta_path if type(f).__name__ == "_MovedModules"]
-    for finder in finders:
-        sys.meta_path.remove(finder)
-    try:
-        missing = sorted(f"{source}: {name}" for name, source in cited if not _resolves(name))
-    finally:
-        sys.meta_path[:0] = finders
+    missing = sorted(f"{source}: {name}" for name, source in cited if not _resolves(name))
     assert not missing, "names that do not exist:\n  " + "\n  ".join(missing)
 
 

@@ -13,7 +13,6 @@ A single-device script becomes a DDP script with a handful of calls::
 and runs with ``ddpkit run script.py``, ``torchrun``, ``srun`` or plain ``python``.
 """
 
-from ddpkit import _moved
 from ddpkit._errors import ConfigError, Preempted
 from ddpkit._launch.spawn import spawn
 from ddpkit.data import build_eval_loader, build_loader, to_device
@@ -48,10 +47,6 @@ from ddpkit.training._evaluation import (
 from ddpkit.training._trainer import Trainer
 
 __version__ = "0.1.0"
-
-# The module paths of the last release, private now, still import for one release, with a
-# FutureWarning naming the package that exports their names (ddpkit._moved).
-_moved.install()
 
 # What scripts call. The rest of the public API (samplers, RNG state, sync BatchNorm layers,
 # snapshots) is in the ``__all__`` of its subpackage, e.g. ``ddpkit.data.ShardedBatchSampler``; a

@@ -16,9 +16,8 @@ from typing import Any, Literal, TypeVar
 import torch
 import torch.distributed as dist
 
-from ddpkit.distributed import Group
 from ddpkit.distributed import _progress as progress
-from ddpkit.distributed._runtime import get_runtime
+from ddpkit.distributed._runtime import Group, get_runtime
 
 T = TypeVar("T")
 Number = int | float

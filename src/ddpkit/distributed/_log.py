@@ -9,9 +9,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ddpkit.distributed import Group
 from ddpkit.distributed._collectives import is_live
-from ddpkit.distributed._runtime import get_runtime
+from ddpkit.distributed._runtime import Group, get_runtime
 
 
 def print0(*args: Any, group: Group = None, **kwargs: Any) -> None:

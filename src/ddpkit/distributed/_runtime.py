@@ -9,14 +9,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 import torch.distributed as dist
 
 from ddpkit._errors import ConfigError
 from ddpkit._internals import ray_train
-from ddpkit.distributed import Group
 from ddpkit.distributed import _progress as progress
 from ddpkit.distributed._environment import read_launch_env
 from ddpkit.distributed._signals import hold_stop_signals
@@ -25,6 +24,10 @@ from ddpkit.platforms import _mpi as mpi
 from ddpkit.platforms import _ray as ray
 from ddpkit.platforms import _torchrun as torchrun
 from ddpkit.platforms._base import LAUNCHER_NAMES, LaunchEnv
+
+Group: TypeAlias = dist.ProcessGroup | None
+"""A process group, or None for the world (the default group): what every ``group=`` of ddpkit
+takes."""
 
 # A hung collective (a rank died, or one rank skipped a collective the others entered) should
 # surface in minutes, not after torch's default of 30 minutes for gloo or 10 for nccl.

@@ -9,8 +9,7 @@ from typing import Any
 
 import torch
 
-from ddpkit.distributed import Group
-from ddpkit.distributed._runtime import get_runtime
+from ddpkit.distributed._runtime import Group, get_runtime
 
 try:  # numpy is optional: seed and save it only when it is installed
     import numpy as np

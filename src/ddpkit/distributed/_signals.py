@@ -21,9 +21,10 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ddpkit.distributed import Group
+if TYPE_CHECKING:  # _runtime imports this module
+    from ddpkit.distributed._runtime import Group
 
 HELD_SIGNALS = (signal.SIGUSR1,)
 

@@ -107,7 +107,9 @@ class BestWeights:
                 self._write(state, metric, value, epoch, step)
         return True
 
-    def _write(self, state: dict, metric: str, value: float, epoch: int, step: int) -> None:
+    def _write(
+        self, state: Mapping[str, Any], metric: str, value: float, epoch: int, step: int
+    ) -> None:
         state = {k: v.detach().cpu() for k, v in state.items()}
         # The weights file first, best.pt last: a resume reads the best value from best.pt, so a
         # crash between the two leaves the old value there, and the step that beats it writes both
