@@ -535,6 +535,11 @@ def parse_floor(option: str, text: str) -> float:
 # -- the job's folder of records -------------------------------------------------------------------
 
 
+ROOM = 1 << 20
+"""Bytes free in node-local shared memory below which the ranks' records go to disk (a record is a
+page a rank; 256 ranks of 4 KiB)."""
+
+
 def open_folder(fallback: Path) -> Path:
     """Make the folder of this job's records and name it to the workers
     (:data:`~ddpkit.distributed._progress.DIR_ENV`): in node-local shared memory where there is one,
@@ -543,6 +548,9 @@ def open_folder(fallback: Path) -> Path:
     folder)."""
     root = Path(os.environ.get(memory_folder.ROOT_ENV, "/dev/shm"))
     try:
+        room = os.statvfs(root)
+        if room.f_bavail * room.f_frsize < ROOM:  # a full /dev/shm: records on disk instead
+            raise memory_folder.FolderUnavailable(f"{root} has no room for the ranks' records")
         base = memory_folder.private_base(root)
         nonce = f"progress-{secrets.token_hex(8)}"
         tmp = base / f".{nonce}"

@@ -148,8 +148,20 @@ def _open() -> bool:
     except OSError:
         return False  # the agent's folder went away (the job is ending): nothing to report to
     try:
-        os.ftruncate(fd, SIZE)
+        # The page's room taken now: a full tmpfs fails here, where a store into a mapped page
+        # without room would end the process with SIGBUS.
+        os.posix_fallocate(fd, 0, SIZE)
         _buf = mmap.mmap(fd, SIZE)
+    except OSError as err:
+        import sys
+
+        print(
+            f"ddpkit: rank {rank} keeps no progress record ({err.strerror}: {folder}): the stall "
+            "watch does not judge this job",
+            file=sys.stderr,
+            flush=True,
+        )
+        return False
     finally:
         os.close(fd)
     _ints, _floats = memoryview(_buf).cast("q"), memoryview(_buf).cast("d")

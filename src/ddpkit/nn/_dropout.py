@@ -2,11 +2,16 @@
 
 ``nn.Dropout`` draws each rank's mask from that rank's RNG, so a run at 2 ranks and one at 1 rank
 drop different units of the same sample: they cannot match, and a run resumed at another world size
-continues with other masks. :class:`GlobalBatchDropout` draws the mask of the whole global
-micro-batch from a key that every rank shares (seed, epoch, micro-step, layer, call) and keeps its
-own rows, so sample ``i`` of a global batch gets the same mask at any world size. The price: every
-rank draws ``world_size`` times the random numbers of its own mask. Outside a :func:`batch_layout`
-context (e.g. a hand-written loop) it is plain dropout.
+continues with other masks. Inside :func:`batch_layout` (the Trainer's forward with
+``global_batch_dropout``; :func:`global_batch` in a hand loop) every dropout draws the mask of the
+whole global micro-batch from a key every rank shares (seed, epoch, micro-step, layer, call) and
+keeps its own rows, so sample ``i`` of a global batch gets the same mask at any world size: a
+:class:`GlobalBatchDropout` layer, and every ``torch.nn.functional`` dropout the forward calls
+(``nn.Dropout``, ``nn.Dropout1d/2d/3d``, a script's own ``F.dropout``), taken by a
+:class:`~torch.overrides.TorchFunctionMode`. What draws its own mask out of reach (an attention
+kernel's ``dropout_p``: ``nn.MultiheadAttention`` and the Transformer layers, ``alpha_dropout``) is
+refused, naming it. The price: every rank draws ``world_size`` times the random numbers of its own
+mask, and the forward's torch calls pass through the mode.
 """
 
 from __future__ import annotations
@@ -14,13 +19,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from ddpkit._errors import ConfigError
-from ddpkit.distributed._seeding import mix_seed
+from ddpkit.data._sampler import ShardedBatchSampler, shard_bounds
+from ddpkit.distributed._seeding import mix_seed, stream_seed
 
 
 @dataclass(frozen=True)
@@ -40,17 +48,149 @@ _layout: BatchLayout | None = None
 _calls: dict[int, int] = {}
 
 
+FUNCTIONAL = -1
+"""The layer id of the dropouts a forward calls through ``torch.nn.functional`` (each call its own
+mask, by its order in the forward)."""
+_CHANNELS = {F.dropout1d: 2, F.dropout2d: 3, F.dropout3d: 4}  # the input's dims with a batch
+
+
 @contextmanager
 def batch_layout(layout: BatchLayout) -> Iterator[None]:
-    """Make :class:`GlobalBatchDropout` layers draw the masks of ``layout``'s global batch inside
-    the block."""
+    """Make every dropout of the block draw the masks of ``layout``'s global batch."""
     global _layout
     previous, _layout = _layout, layout
     _calls.clear()
     try:
-        yield
+        with _Dropouts():
+            yield
     finally:
         _layout = previous
+
+
+def step_layout(
+    sampler: ShardedBatchSampler, micro: int, accum: int, seed: int, epoch: int
+) -> BatchLayout:
+    """This rank's place in the global batch of the optimizer step that global batch ``micro`` of
+    ``epoch`` belongs to, ``accum`` batches a step.
+
+    Keyed by the step, not the micro-batch, so the masks are the same with or without gradient
+    accumulation: sample ``p`` of a step's global batch gets row ``p`` of its mask.
+    """
+    size, offset = sampler.place_in_step(micro, accum)
+    return BatchLayout(size, offset, key=stream_seed("dropout", seed, epoch, micro // accum))
+
+
+@contextmanager
+def global_batch(loader: Any, accum_steps: int = 1) -> Iterator[None]:
+    """Every dropout of the block (a hand loop's forward) draws the masks of the global batch the
+    ``build_loader`` loader handed over last, as the Trainer's ``global_batch_dropout`` does::
+
+        for x, y in loader:
+            with ddpkit.nn.global_batch(loader):
+                loss = F.cross_entropy(model(x), y)
+
+    so that N ranks train what one process trains. ``accum_steps``: batches an optimizer step
+    (gradient accumulation). Refused before any batch of the epoch was handed over."""
+    sampler = getattr(loader, "batch_sampler", None)
+    if not isinstance(sampler, ShardedBatchSampler) or not hasattr(loader, "position"):
+        raise ConfigError(
+            "global_batch(loader) takes a ddpkit.build_loader loader: its sampler knows each "
+            "rank's place in the global batch"
+        )
+    epoch, cursor = loader.position()
+    if loader.finishing_epoch:  # its last batch handed over: position() says the next epoch
+        epoch, index = epoch - 1, sampler.steps_per_epoch - 1
+    else:
+        index = cursor // sampler.global_batch_size - 1
+    if index < 0:
+        raise ConfigError(
+            "global_batch(loader): the loader has handed over no batch of this epoch yet: enter "
+            "it inside `for batch in loader:`"
+        )
+    layout = step_layout(sampler, index, accum_steps, sampler.seed, epoch)
+    start, end = shard_bounds(sampler.samples_in_batch(index), sampler.world_size, sampler.rank)
+    with batch_layout(BatchLayout(layout.global_size, layout.offset, layout.key, end - start)):
+        yield
+
+
+class _Dropouts(TorchFunctionMode):
+    """Functional dropout inside :func:`batch_layout` follows the layout; what draws its own mask
+    out of reach is refused."""
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is F.dropout or func in _CHANNELS:
+            names = ("input", "p", "training", "inplace")
+            got = dict(zip(names, args)) | kwargs
+            p, training = float(got.get("p", 0.5)), bool(got.get("training", True))
+            if training and p > 0:
+                out = _masked(got["input"], p, FUNCTIONAL, 0, channels=func in _CHANNELS)
+                return got["input"].copy_(out) if got.get("inplace") else out
+        elif func is F.scaled_dot_product_attention:
+            p = (args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)) or 0.0
+            if p > 0:
+                raise ConfigError(
+                    f"scaled_dot_product_attention(dropout_p={p}) draws its attention dropout "
+                    "inside the kernel, per rank, which global-batch dropout cannot reach: pass "
+                    "dropout_p=0.0 (or nn.MultiheadAttention(dropout=0.0)), or turn "
+                    "global_batch_dropout off"
+                )
+        elif func in (F.alpha_dropout, F.feature_alpha_dropout):
+            got = dict(zip(("input", "p", "training"), args)) | kwargs
+            if got.get("training", False) and float(got.get("p", 0.5)) > 0:
+                raise ConfigError(
+                    f"{func.__name__} is not covered by global-batch dropout: use dropout, or turn "
+                    "global_batch_dropout off"
+                )
+        return func(*args, **kwargs)
+
+
+def _masked(
+    input: torch.Tensor, p: float, layer_id: int, dim: int, channels: bool = False
+) -> torch.Tensor:
+    """``input`` with the global batch's mask for this rank's rows at ``dim`` (every element, or
+    with ``channels`` each sample's channel, dim 1, whole), scaled by ``1 / (1 - p)``."""
+    layout = _layout
+    assert layout is not None
+    if not -input.dim() <= dim < input.dim():
+        raise ConfigError(
+            f"dropout (layer_id={layer_id}, batch_dim={dim}) got an input of shape "
+            f"{tuple(input.shape)}, which has no dimension {dim}: give the batch's dimension as "
+            "batch_dim"
+        )
+    n = input.shape[dim]
+    if (
+        n != (layout.size if layout.size is not None else n)
+        or layout.offset + n > layout.global_size
+    ):
+        expected = (
+            layout.size
+            if layout.size is not None
+            else f"at most {layout.global_size - layout.offset}"
+        )
+        where = (
+            "a functional dropout"
+            if layer_id == FUNCTIONAL
+            else f"GlobalBatchDropout(layer_id={layer_id})"
+        )
+        raise ConfigError(
+            f"{where} got an input of shape {tuple(input.shape)} whose size at batch_dim={dim} is "
+            f"{n}, where this rank's micro-batch has {expected} samples: for sequence-first "
+            "tensors (seq, batch, ...) pass batch_dim=1 (convert_dropout(model, batch_dim=1), or "
+            "build GlobalBatchDropout(p, layer_id, batch_dim=1) in the model)"
+        )
+    call = _calls.get(layer_id, 0)  # a layer applied twice in one forward draws two masks
+    _calls[layer_id] = call + 1
+    g = torch.Generator(device=input.device)
+    g.manual_seed(mix_seed(layout.key, layer_id, call))  # the same on every rank
+    shape = list(input.shape[:2] if channels else input.shape)
+    shape[dim] = layout.global_size
+    keep = torch.rand(shape, generator=g, device=input.device).narrow(dim, layout.offset, n)
+    if channels:
+        keep = keep.reshape(*keep.shape, *([1] * (input.dim() - 2)))
+    return input * (keep >= p).to(input.dtype) / (1 - p)
 
 
 class GlobalBatchDropout(nn.Dropout):
@@ -69,47 +209,39 @@ class GlobalBatchDropout(nn.Dropout):
         self.layer_id, self.batch_dim = layer_id, batch_dim
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        layout = _layout
-        if not self.training or self.p == 0 or layout is None:
+        if not self.training or self.p == 0 or _layout is None:
             return F.dropout(input, self.p, self.training)
-        dim = self.batch_dim
-        if not -input.dim() <= dim < input.dim():
-            raise ConfigError(
-                f"GlobalBatchDropout(layer_id={self.layer_id}, batch_dim={dim}) got an input of "
-                f"shape {tuple(input.shape)}, which has no dimension {dim}: give the batch's "
-                "dimension as batch_dim"
+        return _masked(input, self.p, self.layer_id, self.batch_dim)
+
+
+def uncovered(module: nn.Module) -> list[str]:
+    """The submodules of ``module`` whose dropout global-batch dropout cannot reach, each with
+    what to change: attention whose kernel draws its own mask, alpha dropout."""
+    found = []
+    for name, m in module.named_modules():
+        where = name or type(module).__name__
+        if isinstance(m, nn.MultiheadAttention) and m.dropout > 0:
+            found.append(
+                f"{where} (nn.MultiheadAttention, dropout={m.dropout}: its attention dropout is "
+                f"drawn inside torch's attention kernel, per rank; set {where}.dropout = 0.0, the "
+                "layer's other dropouts are covered)"
             )
-        n = input.shape[dim]
-        if (
-            n != (layout.size if layout.size is not None else n)
-            or layout.offset + n > layout.global_size
-        ):
-            expected = (
-                layout.size
-                if layout.size is not None
-                else f"at most {layout.global_size - layout.offset}"
-            )
-            raise ConfigError(
-                f"GlobalBatchDropout(layer_id={self.layer_id}) got an input of shape "
-                f"{tuple(input.shape)} whose size at batch_dim={dim} is {n}, where this rank's "
-                f"micro-batch has {expected} samples: for sequence-first tensors (seq, batch, ...) "
-                "pass batch_dim=1 (convert_dropout(model, batch_dim=1), or build "
-                "GlobalBatchDropout(p, layer_id, batch_dim=1) in the model)"
-            )
-        call = _calls.get(self.layer_id, 0)  # a layer applied twice in one forward draws two masks
-        _calls[self.layer_id] = call + 1
-        g = torch.Generator(device=input.device)
-        g.manual_seed(mix_seed(layout.key, self.layer_id, call))  # the same on every rank
-        shape = list(input.shape)
-        shape[dim] = layout.global_size
-        keep = torch.rand(shape, generator=g, device=input.device).narrow(dim, layout.offset, n)
-        return input * (keep >= self.p).to(input.dtype) / (1 - self.p)
+        elif isinstance(m, (nn.AlphaDropout, nn.FeatureAlphaDropout)) and m.p > 0:
+            found.append(f"{where} ({type(m).__name__}: use nn.Dropout)")
+    return found
 
 
 def convert_dropout(module: nn.Module, batch_dim: int = 0) -> nn.Module:
     """Replace every ``nn.Dropout`` in ``module`` by a :class:`GlobalBatchDropout` whose inputs hold
     the samples at ``batch_dim`` (in place; returns it). A :class:`GlobalBatchDropout` already there
-    is kept as it is."""
+    is kept as it is. Refused, naming each, where the module holds a dropout global-batch dropout
+    cannot reach (:func:`uncovered`); the other kinds (``nn.Dropout1d/2d/3d``, functional dropout)
+    follow the layout through :func:`batch_layout`."""
+    if missed := uncovered(module):
+        raise ConfigError(
+            "global-batch dropout cannot cover the dropout of " + "; ".join(missed) + "; or turn "
+            "global_batch_dropout off"
+        )
     taken = [m.layer_id for m in module.modules() if isinstance(m, GlobalBatchDropout)]
     counter = iter(range(max(taken, default=-1) + 1, 1 << 30))  # a layer id of its own for each
 

@@ -41,8 +41,8 @@ CAUSES: tuple[Cause, ...] = (
     Cause(
         "dropout",
         "dropout drawing per rank: each rank draws the masks of its own slice from its own RNG",
-        "global_batch_dropout=True (TrainerConfig), or ddpkit.nn._dropout.convert_dropout(model) "
-        "inside ddpkit.nn._dropout.batch_layout(...) in a hand-written loop",
+        "global_batch_dropout=True (TrainerConfig), or the forward inside "
+        "`with ddpkit.nn.global_batch(loader):` in a hand-written loop",
     ),
     Cause(
         "augmentation",

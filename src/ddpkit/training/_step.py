@@ -43,8 +43,7 @@ from ddpkit.distributed import Group
 from ddpkit.distributed import _progress as marks
 from ddpkit.distributed._collectives import all_reduce, comm_device, is_live
 from ddpkit.distributed._progress import Phase
-from ddpkit.distributed._seeding import stream_seed
-from ddpkit.nn._dropout import BatchLayout, batch_layout
+from ddpkit.nn._dropout import batch_layout, step_layout
 from ddpkit.snapshot._state import TrainState
 from ddpkit.strategies import Strategy
 from ddpkit.tracking._speed import Speed
@@ -133,20 +132,6 @@ def _micro_batches(
         n = batch_len(batch)
         divisor = float(loss_divisor(n, world, step_samples))
         yield MicroBatch(batch, n, divisor, index == last, index)
-
-
-def step_layout(
-    sampler: ShardedBatchSampler, micro: int, accum: int, seed: int, epoch: int
-) -> BatchLayout:
-    """This rank's place in the global batch of the optimizer step that micro-batch ``micro``
-    belongs to.
-
-    Keyed by the step, not the micro-batch, so :class:`~ddpkit.nn._dropout.GlobalBatchDropout` draws
-    the same masks with or without gradient accumulation: sample ``p`` of a step's global batch gets
-    row ``p`` of its mask.
-    """
-    size, offset = sampler.place_in_step(micro, accum)
-    return BatchLayout(size, offset, key=stream_seed("dropout", seed, epoch, micro // accum))
 
 
 class WeightedStep:

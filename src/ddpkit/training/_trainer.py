@@ -41,7 +41,7 @@ from ddpkit.distributed._log import print0
 from ddpkit.distributed._progress import Phase
 from ddpkit.distributed._runtime import get_runtime
 from ddpkit.distributed._seeding import seed_rank
-from ddpkit.nn._dropout import GlobalBatchDropout, convert_dropout
+from ddpkit.nn._dropout import convert_dropout
 from ddpkit.snapshot import _run_dir as run_dir_lib
 from ddpkit.snapshot._run_record import RunRecord, write_resolved_config
 from ddpkit.snapshot._state import RankStreams, TrainState
@@ -172,7 +172,8 @@ class Trainer:
         # them identical, and with one seed everywhere ranks would also draw identical dropout masks
         # and augmentations.
         seed_rank(config.seed, rt.rank)
-        self._global_dropout = any(isinstance(m, GlobalBatchDropout) for m in self.model.modules())
+        # every dropout of the forward follows the global batch (functional ones too)
+        self._global_dropout = config.global_batch_dropout and step_fn is None
         self._on_cpu = rt.device.type == "cpu"
         self.scaler = grad_scaler(config.precision, rt.device)
         self.batch_loss = BatchLoss(loss_fn, batch_loss_fn, metric_fn, count_fn)
