@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import collections.abc
+import functools
 import signal
-from typing import Any
+import types
+import typing
+from typing import Any, Literal, Union, get_args, get_origin
 
 PREEMPTED_EXIT_CODE = 75
 """Exit code of a run stopped by SIGTERM/SIGUSR1 after saving its snapshot: ``EX_TEMPFAIL`` of
@@ -14,6 +18,80 @@ failure to restart."""
 
 class ConfigError(ValueError):
     """A launch, environment or option value that cannot work; the message names what to change."""
+
+
+def check_types(config: Any) -> None:
+    """Raise a ``ConfigError`` naming the first field of the dataclass ``config`` whose value is
+    not of its annotated type (an int for a float is fine, a bool for an int is not), with the
+    value and what the field takes. Run first in a config's ``__post_init__``: its own checks
+    compare values, which a string or None would make a bare ``TypeError``."""
+    for name, hint in _hints(type(config)).items():  # type: ignore[arg-type]
+        value = getattr(config, name)
+        if not _matches(value, hint):
+            takes = _words(hint)
+            kind = type(value).__name__
+            shown = repr(value) if len(repr(value)) <= 40 else ""
+            article = "an" if kind[0] in "aeiou" else "a"
+            got = "None" if value is None else f"{article} {kind} {shown}".rstrip()
+            # a command line's value, not converted
+            hint_str = (
+                " (argparse gives strings: pass type=int or type=float)"
+                if isinstance(value, str) and ("int" in takes or "number" in takes)
+                else ""
+            )
+            raise ConfigError(
+                f"{type(config).__name__}({name}={value!r}): {name} takes {takes}, got {got}"
+                f"{hint_str}"
+            )
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    import dataclasses
+
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.name in hints}
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    origin = get_origin(hint)
+    if hint is Any:
+        return True
+    if origin is Union or origin is types.UnionType:
+        return any(_matches(value, arg) for arg in get_args(hint))
+    if hint is type(None):
+        return value is None
+    if origin is Literal:
+        return any(value == arg and type(value) is type(arg) for arg in get_args(hint))
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if origin in (tuple, list, collections.abc.Sequence):
+        args = [a for a in get_args(hint) if a is not Ellipsis]
+        ok = isinstance(value, (tuple, list)) and not isinstance(value, str)
+        return ok and (not args or all(_matches(v, args[0]) for v in value))
+    if origin in (dict, collections.abc.Mapping):
+        return isinstance(value, collections.abc.Mapping)
+    if isinstance(hint, type) and origin is None:
+        return isinstance(value, hint)
+    return True  # a callable, a protocol: not checked here
+
+
+def _words(hint: Any) -> str:
+    origin = get_origin(hint)
+    if origin is Union or origin is types.UnionType:
+        parts = [_words(a) for a in get_args(hint) if a is not type(None)]
+        none = type(None) in get_args(hint)
+        return " or ".join(parts) + (" or None (off)" if none else "")
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(hint))
+    if origin in (tuple, list, collections.abc.Sequence):
+        return "a list or tuple"
+    names = {bool: "True or False", int: "an int", float: "a number", str: "a str"}
+    return names.get(hint, f"a {getattr(hint, '__name__', hint)}")
 
 
 def check_fields(config: Any, checks: dict[str, bool]) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from ddpkit._errors import ConfigError
+from ddpkit._errors import ConfigError, check_types
 
 Sampler = Literal["tpe", "evolution", "nsga2", "cmaes", "random", "grid"]
 SAMPLERS: tuple[str, ...] = get_args(Sampler)
@@ -45,6 +45,7 @@ class SearchConfig:
     sampler_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        check_types(self)
         checks = {
             "n_trials": self.n_trials >= 1,
             "group_size": self.group_size >= 1,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ddpkit._errors import check_fields
+from ddpkit._errors import check_fields, check_types
 
 _ALWAYS_SAVED = ("max_steps", "signal", "early_stopping")
 """Stops (``ddpkit.training.StopReason``, a ``str`` enum) that snapshot whatever the intervals: a
@@ -46,6 +46,7 @@ class SnapshotConfig:
     hold the loop longer than 5% of a step, then the smallest interval that keeps them within."""
 
     def __post_init__(self) -> None:
+        check_types(self)
         check_fields(
             self,
             {

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddpkit._errors import ConfigError
+from ddpkit._errors import ConfigError, check_types
 from ddpkit._internals.optim import any_non_finite, sparse_values
 from ddpkit.distributed._runtime import Runtime
 from ddpkit.strategies import _hooks as hooks
@@ -67,6 +67,7 @@ class DDPConfig:
     """Steps of plain all-reduce before PowerSGD starts compressing (at least 2)."""
 
     def __post_init__(self) -> None:
+        check_types(self)
         if self.comm_hook is not None and self.comm_hook not in hooks.COMM_HOOKS:
             raise ConfigError(
                 f"comm_hook={self.comm_hook!r}: pick one of {', '.join(hooks.COMM_HOOKS)} or None"

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit._errors import ConfigError
+from ddpkit._errors import ConfigError, check_types
 from ddpkit._internals.versions import require_torch
 from ddpkit.distributed._runtime import Runtime
 from ddpkit.nn._batchnorm import convert_sync_batchnorm
@@ -65,6 +65,7 @@ class FSDPConfig:
     there (for a model that fits only this way; each step copies shards to and from the device)."""
 
     def __post_init__(self) -> None:
+        check_types(self)
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self, name)
             if value is not None and value not in _DTYPES:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ddpkit._errors import ConfigError
+from ddpkit._errors import ConfigError, check_types
 from ddpkit._launch.options import MAX_NPROC
 from ddpkit.tools import _predict as predict
 
@@ -55,6 +55,7 @@ class BenchConfig:
     case; on a machine busy with other work, a pinned rank cannot move away from a busy core)."""
 
     def __post_init__(self) -> None:
+        check_types(self)
         if self.nproc < 2:
             raise ConfigError(
                 f"--nproc {self.nproc}: measure at least 2 ranks, or there is nothing to scale"

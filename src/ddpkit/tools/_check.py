@@ -32,7 +32,7 @@ try:  # numpy is optional, as in ddpkit.distributed._seeding
 except ImportError:  # pragma: no cover
     np = None  # type: ignore[assignment]
 
-from ddpkit._errors import ConfigError
+from ddpkit._errors import ConfigError, check_types
 from ddpkit._internals.compiler import import_dynamo
 from ddpkit._launch.options import MAX_NPROC, split_argv
 from ddpkit._launch.spawn import spawn
@@ -69,6 +69,7 @@ class CheckConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        check_types(self)
         if self.nproc < 2:
             raise ConfigError(f"--nproc {self.nproc}: compare with at least 2 ranks")
         if self.steps < 1:

@@ -18,7 +18,7 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
-from ddpkit._errors import ConfigError
+from ddpkit._errors import ConfigError, check_types
 from ddpkit._errors import check_fields as _check
 from ddpkit.data._fingerprint import OnDataChange
 from ddpkit.snapshot._schedule import SnapshotConfig
@@ -42,6 +42,7 @@ class EarlyStoppingConfig:
     None keeps the best weights without stopping."""
 
     def __post_init__(self) -> None:
+        check_types(self)
         _check(
             self,
             {
@@ -75,6 +76,7 @@ class LoggingConfig:
     """One device's peak FLOP/s, for MFU on a device not in :mod:`ddpkit.tracking._flops`' table."""
 
     def __post_init__(self) -> None:
+        check_types(self)
         self.trackers = (self.trackers,) if isinstance(self.trackers, str) else tuple(self.trackers)
         _check(
             self,
@@ -178,6 +180,7 @@ class TrainerConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self) -> None:
+        check_types(self)
         if (self.batch_size is None) == (self.global_batch_size is None):
             raise ConfigError("give exactly one of batch_size (per rank) and global_batch_size")
         self.strategy = strategy_config(self.strategy)  # names a bad strategy

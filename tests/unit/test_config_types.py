@@ -1,0 +1,92 @@
+"""Every field of every typed config refuses a value of another type in words: the config, the
+field, the value and what it takes (``None`` where it means off), never a bare ``TypeError`` from
+inside ddpkit (argparse's strings, ``None`` for "off" where a number is needed)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ddpkit._errors as errors
+from ddpkit import (
+    DDPConfig,
+    EarlyStoppingConfig,
+    FSDPConfig,
+    LoggingConfig,
+    SnapshotConfig,
+    TrainerConfig,
+    ZeroConfig,
+)
+from ddpkit._errors import ConfigError, _hints, _matches
+from ddpkit.search import SearchConfig
+from ddpkit.tools._bench_config import BenchConfig
+from ddpkit.tools._check import CheckConfig
+
+CONFIGS = [
+    TrainerConfig, SnapshotConfig, EarlyStoppingConfig, LoggingConfig, DDPConfig, ZeroConfig,
+    FSDPConfig, SearchConfig, BenchConfig, CheckConfig,
+]  # fmt: skip
+REQUIRED = {
+    TrainerConfig: {"batch_size": 8},
+    SearchConfig: {"n_trials": 2},
+    BenchConfig: {},
+    CheckConfig: {},
+}
+WRONG = ["3", None, True, 2.5, {"a": 1}, object()]
+
+
+def _cases() -> list[tuple[type, str, object]]:
+    found = []
+    for cls in CONFIGS:
+        for name, hint in _hints(cls).items():
+            for value in WRONG:
+                if not _matches(value, hint):
+                    found.append((cls, name, value))
+    return found
+
+
+CASES = _cases()
+
+
+def _build(cls: type, **kwargs: object) -> object:
+    base = dict(REQUIRED.get(cls, {}))
+    return cls(**(base | kwargs))
+
+
+def test_the_cases_cover_every_field_of_every_config():
+    fields = {(c, f.name) for c in CONFIGS for f in dataclasses.fields(c) if f.init}
+    covered = {(cls, name) for cls, name, _ in CASES}
+    assert fields - covered == set(), sorted((c.__name__, n) for c, n in fields - covered)
+
+
+def test_a_value_of_another_type_is_refused_naming_the_field_and_what_it_takes():
+    wrong = []
+    for cls, name, value in CASES:
+        try:
+            _build(cls, **{name: value})
+            wrong.append(f"{cls.__name__}({name}={value!r}): accepted")
+        except ConfigError as refused:
+            if not str(refused).startswith(f"{cls.__name__}({name}=") or " takes " not in str(
+                refused
+            ):
+                wrong.append(f"{cls.__name__}({name}={value!r}): {refused}")
+        except Exception as err:  # noqa: BLE001  (anything else is the defect)
+            wrong.append(f"{cls.__name__}({name}={value!r}): {type(err).__name__}: {err}")
+    assert not wrong, "\n".join(wrong)
+    assert len(CASES) > 400
+
+
+def test_control_without_the_type_check_some_values_end_in_a_bare_type_error(monkeypatch):
+    monkeypatch.setattr(errors, "check_types", lambda config: None)
+    for module in ("ddpkit.training._config", "ddpkit.snapshot._schedule"):
+        monkeypatch.setattr(f"{module}.check_types", lambda config: None)
+    bare = []
+    for make in (
+        lambda: SnapshotConfig(every_epochs=None),
+        lambda: SnapshotConfig(every_steps="5"),
+        lambda: TrainerConfig(batch_size=8, epochs="3"),
+    ):
+        try:
+            make()
+        except TypeError:
+            bare.append(make)
+    assert len(bare) == 3  # what the issue's users met
