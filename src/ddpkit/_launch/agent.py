@@ -4,10 +4,11 @@ Changes to the agent torchrun has no option for (a subclass, installed by :func:
 
 - a worker that exits with :data:`~ddpkit._errors.PREEMPTED_EXIT_CODE` saved its snapshot because it
   was told to stop, so the agent does not restart it, and ``ddpkit run`` exits with that code;
-- SIGTERM, SIGUSR1 and SIGUSR2 reach the workers instead of ending the agent; and when a worker
-  fails with an exception, the agent asks the workers still running for their stacks (SIGUSR2, see
-  :mod:`ddpkit._launch.worker`) before it stops them, so that a hang's summary says where every rank
-  was;
+- SIGTERM and SIGUSR1 reach the workers instead of ending the agent, and SIGUSR2 asks every worker
+  for its stack; when a worker fails with an exception, the agent asks the workers still running for
+  their stacks before it stops them, so that a hang's summary says where every rank was. A stack
+  request signals no worker (:func:`ddpkit._launch.worker.serve_stacks`), and none of the three
+  signals ends the launcher once its workers are gone;
 - once the workers are stopped, so is every process they started (:mod:`ddpkit._launch.proctree`);
 - the job gets a folder in shared memory for the workers' snapshots in memory
   (:mod:`ddpkit.snapshot._memory.folder`), made once per job and removed when the job ends, however
@@ -25,19 +26,20 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import signal
 import sys
 import threading
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from torch.distributed.elastic.agent.server.api import WorkerState
 
-from ddpkit._errors import PREEMPTED_EXIT_CODE
+from ddpkit import _fs as fs
+from ddpkit._errors import PREEMPTED_EXIT_CODE, ConfigError
 from ddpkit._internals.elastic import HookedAgent, use_agent
-from ddpkit._launch import watch
+from ddpkit._launch import watch, worker
 from ddpkit._launch import watch_nodes as nodes
 from ddpkit._launch.failure import Left, preempted, summarize_failure
 from ddpkit._launch.forkserver import workers as forked
@@ -54,7 +56,7 @@ class Agent(HookedAgent):
       The agent stops instead, and ``ddpkit run`` exits with that code so that the batch script
       requeues the job.
     - SIGUSR1 (SLURM's ``--signal`` warning) and SIGTERM reach the workers instead of ending the
-      agent; see ``_forward_signals``.
+      agent, and SIGUSR2 asks them for their stacks; see ``_forward_signals``.
     - Stopping the workers (a restart, a failure, a signal) ends every process they started too:
       torchrun signals a worker's process group only while the worker runs, and misses what left the
       group. The launcher makes the agent a child subreaper, so all that is still below it then is
@@ -198,7 +200,7 @@ class Agent(HookedAgent):
             running = {
                 w.global_rank: w.id for w in worker_group.workers if codes.get(w.local_rank) is None
             }
-            _ask_for_stacks(running)
+            _ask_for_stacks(running, [w.global_rank for w in worker_group.workers])
         if any(code is not None and code != 0 for code in codes.values()):
             # torchrun now sends SIGTERM to the rest and waits 30 s before SIGKILL: a stopped
             # process cannot act on the SIGTERM, and would hold the job's end (or restart) for all
@@ -272,6 +274,7 @@ class Agent(HookedAgent):
         ]
         server = forked.current()  # serves the next attempt's workers too
         kill_descendants(keep=unreaped + ([server.pid] if server is not None else []))
+        _sweep_stack_requests()
 
     def worker_pids(self) -> list[int]:
         pcontext = self.process_context()
@@ -290,44 +293,46 @@ def _left_collective(before: watch.Record | None, after: watch.Record | None) ->
     )
 
 
-def _ask_for_stacks(running: dict[int, int], wait: float = 3.0) -> None:
-    """SIGUSR2 to the workers still running (global rank -> pid); wait briefly for their stacks on
-    disk."""
-    folder = os.environ.get("DDPKIT_STACK_DIR")
-    if not folder:
+def _stack_dir() -> Path | None:
+    folder = os.environ.get(worker.STACK_DIR_ENV)
+    return Path(folder) if folder else None
+
+
+def _ask_for_stacks(running: dict[int, int], ranks: Sequence[int], wait: float = 3.0) -> None:
+    """Ask the workers still running (global rank -> pid) for their stacks, and wait for their
+    answers (``wait`` seconds at most): each in ``rank<N>.txt``, where an earlier answer of any of
+    this node's ``ranks`` is removed first (it says where the rank was then, not at the failure)."""
+    folder = _stack_dir()
+    if folder is None:
         return
-    asked = []
-    for rank, pid in running.items():
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGUSR2)
-            asked.append(Path(folder, f"rank{rank}.txt"))
-    deadline = time.monotonic() + wait
-    while (
-        asked
-        and time.monotonic() < deadline
-        and not all(p.exists() and p.stat().st_size for p in asked)
-    ):
-        # the workers write from their signal handlers; nothing to wait on but the files
-        time.sleep(0.05)
+    for rank in ranks:
+        with contextlib.suppress(OSError, ConfigError):
+            fs.remove(folder / f"rank{rank}.txt")
+    worker.ask_stacks(folder, running, wait)
+
+
+def _sweep_stack_requests() -> None:
+    """Once the workers and all they started have ended: their FIFOs and answers by pid (a killed
+    process leaves its own)."""
+    folder = _stack_dir()
+    if folder is None:
+        return
+    with contextlib.suppress(OSError):
+        for path in folder.glob("stack-*"):
+            with contextlib.suppress(OSError, ConfigError):
+                fs.remove(path)
 
 
 def stacks(folder: Path, ranks: Sequence[int], lines: int = 14) -> list[str]:
-    """Each rank's main-thread stack as faulthandler wrote it, innermost frames first."""
+    """Each rank's main-thread stack as its worker last answered (``rank<N>.txt``), innermost
+    frames first."""
     out = []
     for rank in ranks:
-        path = folder / f"rank{rank}.txt"
-        text = path.read_text(errors="replace") if path.exists() else ""
-        block = (
-            text.split("Current thread", 1)[1].splitlines()[1:] if "Current thread" in text else []
-        )
-        frames = [line.strip() for line in block if line.strip().startswith("File ")]
-        frames = [
-            f
-            for f in frames
-            if "ddpkit/_launch/worker.py" not in f
-            and "<frozen runpy>" not in f
-            and "errors/__init__.py" not in f
-        ]
+        try:
+            text = fs.read_bytes(folder / f"rank{rank}.txt").decode(errors="replace")
+        except (OSError, ConfigError):
+            continue
+        frames = worker.main_frames(text)
         if frames:
             out.append(
                 f"  rank {rank} was still running when the first rank failed, at (innermost first):"
@@ -336,43 +341,88 @@ def stacks(folder: Path, ranks: Sequence[int], lines: int = 14) -> list[str]:
     return out
 
 
-FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+REQUESTS = (signal.SIGUSR1, signal.SIGUSR2)
+"""A warning and a stack request: neither ends the launcher, at any time."""
 TORCHRUN_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"
 TERM_GRACE = 60.0
 """Seconds the workers get to save and exit after a SIGTERM to the agent, before they are killed."""
 
 
 def _forward_signals() -> None:
-    """Pass SIGTERM, SIGUSR1 and SIGUSR2 on to the workers, and let them finish.
+    """Pass SIGTERM and SIGUSR1 on to the workers, and let them finish; on SIGUSR2, ask every worker
+    for its stack.
 
     torchrun's agent leaves SIGUSR1 at its default action, so ``srun ddpkit run`` died with exit
     code 138 on SLURM's warning and the workers' snapshot raced the teardown of the step. On SIGTERM
     it stops the workers itself and exits 143, whatever they did. Forwarded instead, the workers'
     Trainer saves and exits with the pre-empted code, which the agent reports. After a SIGTERM the
     agent restarts nothing, and workers still running after :data:`TERM_GRACE` seconds are killed.
-    SIGINT (Ctrl-C), SIGHUP and SIGQUIT stay torchrun's.
+    SIGINT (Ctrl-C), SIGHUP and SIGQUIT stay torchrun's. SIGUSR2 signals no worker: each worker and
+    its loader workers answer through a FIFO (:func:`ddpkit._launch.worker.request_every_stack`),
+    in ``rank<N>.txt`` and ``rank<N>-loader<W>.txt`` of the stack folder.
     """
 
-    def forward(signum: int, frame: Any) -> None:
+    def terminate(signum: int, frame: Any) -> None:
         agent = Agent.current
         pids = agent.worker_pids() if agent is not None else []
-        if signum == signal.SIGTERM:
-            # no workers yet (rendezvous) or any more: nothing to save, stop now
-            if agent is None or not pids:
-                raise SystemExit(128 + signum)
-            agent.stop_restarting()
-            timer = threading.Timer(TERM_GRACE, _kill, (pids,))
-            timer.daemon = True
-            timer.start()
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signum)
+        # no workers yet (rendezvous) or any more: nothing to save, stop now
+        if agent is None or not pids:
+            raise SystemExit(128 + signum)
+        agent.stop_restarting()
+        timer = threading.Timer(TERM_GRACE, _kill, (pids,))
+        timer.daemon = True
+        timer.start()
+        _send(pids, signum)
 
     # torchrun's process context installs its handlers each time it starts workers; keep it off
     # SIGTERM (``--signals-to-handle``, and the variable it sets, for versions without the option).
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = TORCHRUN_SIGNALS
-    for sig in FORWARDED_SIGNALS:
-        signal.signal(sig, forward)
+    signal.signal(signal.SIGTERM, terminate)
+    _answer_requests()
+
+
+_requests: queue.SimpleQueue[int] = queue.SimpleQueue()
+_answering: threading.Thread | None = None
+
+
+def _note_request(signum: int, frame: Any) -> None:
+    # Only noted: the thread below acts on it. A handler that used the agent, run by the main
+    # thread wherever a loop of `kill -USR1` found it, crashed CPython 3.11 (the agent freed while
+    # still in use: SIGSEGV as the launcher ended).
+    _requests.put_nowait(signum)
+
+
+def _answer_requests() -> None:
+    """Act on SIGUSR1 and SIGUSR2 from a thread of the agent's own: SIGUSR1 sent on to the workers
+    of the current attempt, SIGUSR2 a stack request to every worker."""
+    global _answering
+    if _answering is None:
+        _answering = threading.Thread(target=_answer, name="ddpkit-signals", daemon=True)
+        _answering.start()
+    for sig in REQUESTS:
+        signal.signal(sig, _note_request)
+
+
+def _answer() -> None:
+    while True:
+        signum = _requests.get()
+        try:
+            if signum == signal.SIGUSR2:
+                folder = _stack_dir()
+                if folder is not None:
+                    worker.request_every_stack(folder)
+            else:
+                agent = Agent.current
+                _send(agent.worker_pids() if agent is not None else [], signum)
+        except Exception:  # noqa: BLE001
+            continue  # the workers of an attempt that ends as they are read: none left to reach
+
+
+def _send(pids: list[int], signum: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
 
 
 def _kill(pids: list[int]) -> None:
@@ -407,10 +457,22 @@ def install(
         memory_folder.open_job_folder()
 
 
+def ignore_requests() -> None:
+    """Ignore SIGUSR1 and SIGUSR2 until :func:`install` handles them: a warning or a stack request
+    that comes before any worker has nothing to reach, and must not end the launcher."""
+    for sig in REQUESTS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def uninstall() -> None:
+    """Undo :func:`install` once the workers have ended. SIGTERM, SIGUSR1 and SIGUSR2 are ignored
+    from here on, not given their default action back: one that comes as the job ends has nothing
+    left to reach, and would end the launcher with 143, 138 or 140 after its workers succeeded.
+    Ignored rather than handled: the interpreter gives a signal with a Python handler its default
+    action back while it exits."""
+    for sig in HANDLED_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
     forked.uninstall()
     Agent.current = None
-    for sig in FORWARDED_SIGNALS:
-        signal.signal(sig, signal.SIG_DFL)
     memory_folder.close_job_folder()
     watch.close_folder()

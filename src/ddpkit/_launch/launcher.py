@@ -312,6 +312,7 @@ def _shown(text: str, limit: int = 80) -> str:
 
 def launch(cfg: LaunchConfig) -> int:
     """Run ``cfg`` under torchrun's agent; return the process exit code."""
+    agent.ignore_requests()  # until the agent handles them, and after it (agent.uninstall)
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

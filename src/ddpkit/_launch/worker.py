@@ -5,26 +5,35 @@ torchrun reports a failed worker's traceback only when the script's entry point 
 ``@record``; running the script through this module gives every script that, unchanged. Before the
 script starts, the worker ties its life to the agent's (a parent-death signal), forks the guard that
 ends whatever it starts once it is gone (:mod:`ddpkit._launch.proctree`), holds SIGUSR1 until a
-Trainer listens for it (:mod:`ddpkit.distributed._signals`), writes its stack when asked (SIGUSR2),
-and on global rank 0 serves the workers' store on ``MASTER_ADDR`` alone. Usage (by the launcher):
-``python -m ddpkit._launch.worker [-m] TARGET ARGS...``.
+Trainer listens for it (:mod:`ddpkit.distributed._signals`), answers stack requests from a thread of
+its own (:func:`serve_stacks`), and on global rank 0 serves the workers' store on ``MASTER_ADDR``
+alone. Usage (by the launcher): ``python -m ddpkit._launch.worker [-m] TARGET ARGS...``.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
-import faulthandler
 import functools
 import json
+import multiprocessing.util
 import os
+import re
 import runpy
+import secrets
 import signal
 import socket
+import stat
 import sys
+import threading
 import time
 import traceback
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from types import FrameType
+from typing import Any, TypeVar
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
@@ -36,6 +45,8 @@ from ddpkit._launch.proctree import set_parent_death_signal, start_guard
 from ddpkit.distributed._progress import watch_torch_collectives
 from ddpkit.distributed._signals import hold_stop_signals
 from ddpkit.platforms import _torchrun as torchrun
+
+K = TypeVar("K")
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> bool:
@@ -56,70 +67,241 @@ def die_with_parent(sig: int = signal.SIGKILL) -> bool:
     return True
 
 
-def dump_stack_on_request() -> None:
-    """On SIGUSR2, write every thread's Python stack to ``$DDPKIT_STACK_DIR/rank<RANK>.txt``.
+STACK_DIR_ENV = "DDPKIT_STACK_DIR"
+"""The folder where each worker serves stack requests and writes its answers (set by the
+launcher)."""
+NO_ANSWER = "(no answer within {wait:g} s: a process holding the GIL cannot answer)"
+""":func:`ask_stacks`'s one line for a process asked that did not answer in time."""
+_TOKEN = re.compile(r"[0-9a-f]{16}")
+_TOKENS_KEPT = 64  # an answer names the last requests its process read, its own among them
+_SKIPPED = (
+    "ddpkit/_launch/worker.py",
+    "ddpkit/_launch/forkserver/",
+    "<frozen runpy>",
+    "elastic/multiprocessing",
+)
+"""Frames of the launch machinery, left out of a worker's stack as shown."""
 
-    The agent sends SIGUSR2 to the workers still running when one has failed, so that the failure
-    summary can say where each of them was (stuck in user code, or waiting in which collective);
-    ``kill -USR2`` on the agent asks every worker the same at any time. faulthandler writes from the
-    signal handler itself, so a rank blocked inside a C++ collective answers too.
+
+@dataclass
+class _Serving:
+    pid: int
+    fd: int
+    fifo: Path
+    answers: list[Path]
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    closed: bool = False
+
+
+_serving: _Serving | None = None  # this process's, once it serves
+_fork_hook = False
+
+
+def serve_stacks(name: str | None = None) -> bool:
+    """Answer stack requests (:func:`ask_stacks`) from a daemon thread of this process, for as long
+    as it lives; False where nothing serves them (no ``$DDPKIT_STACK_DIR``, or it cannot be used).
+
+    The thread blocks on a FIFO of this user's, ``$DDPKIT_STACK_DIR/stack-<pid>.fifo``. On each
+    request it writes every thread's Python stack (from ``sys._current_frames()``, holding the GIL:
+    main thread first, then the others, each innermost first) whole to ``stack-<pid>.txt`` and to
+    ``<name>.txt`` (default ``rank<RANK>``). Nothing is signalled: a request can never kill the
+    process, whatever it runs, at its start or its end. A main thread blocked in C (a collective, a
+    sleep) has released the GIL, so its process answers; one that holds the GIL does not answer.
     """
-    folder = os.environ.get("DDPKIT_STACK_DIR")
-    if not folder:
+    global _serving, _fork_hook
+    pid = os.getpid()
+    folder_name = os.environ.get(STACK_DIR_ENV)
+    if not folder_name or (_serving is not None and _serving.pid == pid):
+        return _serving is not None
+    folder = Path(folder_name)
+    fifo = folder / f"stack-{pid}.fifo"
+    # the one askers wait on last: the other is written when they see it
+    answers = [folder / f"{name or 'rank' + torchrun.rank_text(os.environ)}.txt"]
+    answers.append(folder / f"stack-{pid}.txt")
+    try:
+        for path in (fifo, *answers):  # a dead process's of the same pid; an earlier attempt's
+            fs.remove(path)
+        with fs.folder(folder) as dir_fd:
+            os.mkfifo(fifo.name, 0o600, dir_fd=dir_fd)
+            fd = os.open(fifo.name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        st = os.fstat(fd)
+        if not stat.S_ISFIFO(st.st_mode) or st.st_uid != os.getuid():
+            os.close(fd)
+            return False
+    except (OSError, ConfigError):
+        return False
+    serving = _serving = _Serving(pid, fd, fifo, answers)
+    if not _fork_hook:
+        # A forked child (a loader worker) inherits the descriptor, not the thread: it would hold a
+        # reader open on this process's FIFO that never answers.
+        os.register_at_fork(after_in_child=_forget_in_child)
+        _fork_hook = True
+    atexit.register(_close, serving)
+    # A loader worker ends through multiprocessing, which runs its finalizers and not atexit's.
+    multiprocessing.util.Finalize(None, _close, args=(serving,), exitpriority=0)
+    threading.Thread(target=_serve, args=(serving,), name="ddpkit-stacks", daemon=True).start()
+    return True
+
+
+def _forget_in_child() -> None:
+    global _serving
+    if _serving is not None:
+        with contextlib.suppress(OSError):
+            os.close(_serving.fd)
+        _serving = None
+
+
+def _close(serving: _Serving) -> None:
+    """At the process's end: no more answers, and no FIFO left to ask (an answer being written is
+    finished first)."""
+    if serving.pid != os.getpid():  # a forked child's inherited exit handler
         return
-    path = Path(folder) / f"rank{torchrun.rank_text(os.environ)}.txt"
-    # Kept open for the life of the process: faulthandler writes to its descriptor.
-    stream = os.fdopen(
-        fs.open_fd(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, linked="replace"), "w"
-    )
-    # Ignored underneath: faulthandler puts back the previous action while the interpreter exits,
-    # and a request that arrives then must not kill a worker that is finishing on its own.
-    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
-    faulthandler.register(signal.SIGUSR2, file=stream, all_threads=True)
+    acquired = serving.lock.acquire(timeout=5)
+    try:
+        serving.closed = True
+        with contextlib.suppress(OSError, ConfigError):
+            fs.remove(serving.fifo)
+    finally:
+        if acquired:
+            serving.lock.release()
+
+
+def _serve(serving: _Serving) -> None:
+    asked: deque[str] = deque(maxlen=_TOKENS_KEPT)
+    me = threading.get_ident()
+    while True:
+        try:
+            data = os.read(serving.fd, 4096)
+        except OSError:
+            return
+        if not data:  # never while this process holds the FIFO open to write too
+            return
+        asked.extend(t for t in data.decode("ascii", "replace").split() if _TOKEN.fullmatch(t))
+        try:
+            text = f"stacks of pid {serving.pid}, asked by: {' '.join(asked)}\n" + format_stacks(me)
+            with serving.lock:
+                if serving.closed:
+                    return
+                for path in serving.answers:
+                    fs.write_atomic(path, text.encode(errors="replace"))
+        except Exception:  # noqa: BLE001
+            # A folder removed or full: this answer is lost, the next request is served.
+            continue
+
+
+def format_stacks(skip: int | None = None, limit: int = 100) -> str:
+    """Every thread's Python stack but ``skip``'s (a thread ident), main thread first, each
+    innermost first (at most ``limit`` frames): faulthandler's layout, the main thread's block
+    headed ``Main thread``. Call it holding the GIL (any Python code does)."""
+    frames = sys._current_frames()
+    names = {t.ident: t.name for t in threading.enumerate()}
+    main = threading.main_thread().ident
+    blocks = []
+    for ident in sorted(frames, key=lambda i: i != main):
+        if ident == skip:
+            continue
+        head = "Main thread" if ident == main else "Thread"
+        name = "" if ident == main else f" {names.get(ident, '?')!r}"
+        lines = [f"{head} 0x{ident:016x}{name} (most recent call first):"]
+        frame: FrameType | None = frames[ident]
+        while frame is not None and len(lines) <= limit:
+            code = frame.f_code
+            lines.append(f'  File "{code.co_filename}", line {frame.f_lineno} in {code.co_name}')
+            frame = frame.f_back
+        if frame is not None:
+            lines.append("  ...")
+        blocks.append("\n".join(lines))
+    if main not in frames:
+        blocks.insert(0, "Main thread: no Python frame (the interpreter is ending)")
+    return "\n\n".join(blocks) + "\n"
+
+
+def request_stack(folder: Path, pid: int) -> str | None:
+    """Ask process ``pid`` for its stacks through its FIFO in ``folder``, without waiting; the
+    request's token (its answer names it), or None where nothing serves there (no FIFO, or nobody
+    reading it: the process has ended), or its FIFO is full (it reads none)."""
+    token = secrets.token_hex(8)
+    try:
+        with fs.folder(folder) as dir_fd:
+            fd = os.open(
+                f"stack-{pid}.fifo",
+                os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC,
+                dir_fd=dir_fd,
+            )
+    except (OSError, ConfigError):  # ENXIO: no reader; ENOENT: none made
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISFIFO(st.st_mode) or st.st_uid != os.getuid():
+            return None
+        os.write(fd, f"{token}\n".encode())
+    except OSError:  # EAGAIN: its pipe is full
+        return None
+    finally:
+        os.close(fd)
+    return token
+
+
+def request_every_stack(folder: Path) -> int:
+    """Ask every process serving stack requests in ``folder`` (ranks and their loader workers),
+    without waiting: each writes its answer (:func:`serve_stacks`). How many were asked."""
+    try:
+        pids = [int(p.name[6:-5]) for p in folder.glob("stack-*.fifo") if p.name[6:-5].isdigit()]
+    except OSError:
+        return 0
+    return sum(request_stack(folder, pid) is not None for pid in pids)
+
+
+def _answer(folder: Path, pid: int, token: str) -> str | None:
+    """Process ``pid``'s answer in ``folder``, where it answers the request ``token``."""
+    try:
+        text = fs.read_bytes(folder / f"stack-{pid}.txt").decode(errors="replace")
+    except (OSError, ConfigError):
+        return None
+    head, _, body = text.partition("\n")
+    return body if token in head.split() else None
 
 
 def ask_stacks(
-    folder: Path, pids: dict[int, int], wait: float = 3.0, lines: int = 10
-) -> dict[int, list[str]]:
-    """Each rank's main-thread stack (global rank -> pid), innermost first, asked now (SIGUSR2) of
-    the workers that write to ``folder`` (:func:`dump_stack_on_request`): only what each writes from
-    now."""
-    paths = {g: folder / f"rank{g}.txt" for g in pids}
-    before = {g: p.stat().st_size if p.exists() else 0 for g, p in paths.items()}
-    asked = []
-    for g, pid in pids.items():
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGUSR2)
-            asked.append(g)
+    folder: Path, pids: Mapping[K, int], wait: float = 3.0, lines: int = 10
+) -> dict[K, list[str]]:
+    """Each process's main-thread stack (``key -> pid``: a global rank, a loader worker's pid, any
+    key), innermost first and without the launch machinery's frames, asked now of the processes
+    serving stack requests in ``folder`` (:func:`serve_stacks`), at most ``wait`` seconds in all.
+
+    A key whose process serves none (ended, or not started by ``ddpkit run``) is left out; one that
+    did not answer in time (it holds the GIL) gets the single line :data:`NO_ANSWER`. Nothing is
+    signalled: asking kills nothing."""
+    asked = {key: (pid, t) for key, pid in pids.items() if (t := request_stack(folder, pid))}
+    out: dict[K, list[str]] = {}
     deadline = time.monotonic() + wait
-    while time.monotonic() < deadline and not all(
-        paths[g].exists() and paths[g].stat().st_size > before[g] for g in asked
-    ):
-        # written from the workers' signal handlers: nothing to wait on but the files
-        time.sleep(0.05)
-    time.sleep(0.1)  # a dump just begun is written whole within milliseconds
-    out = {}
-    for g in asked:
-        with contextlib.suppress(OSError), open(paths[g], "rb") as f:
-            f.seek(before[g])
-            out[g] = main_frames(f.read().decode(errors="replace"))[:lines]
+    while True:
+        for key, (pid, token) in asked.items():
+            if key not in out and (text := _answer(folder, pid, token)) is not None:
+                out[key] = main_frames(text)[:lines]
+        if len(out) == len(asked) or time.monotonic() >= deadline:
+            break
+        # answered from the other process's thread: nothing to wait on but the file
+        time.sleep(0.01)
+    for key in asked:
+        out.setdefault(key, [NO_ANSWER.format(wait=wait)])
     return out
 
 
 def main_frames(dump: str) -> list[str]:
-    """The frames of the thread that answered (the main thread) in one faulthandler dump, innermost
-    first, without the launch machinery's."""
-    block = dump.split("Current thread", 1)[1] if "Current thread" in dump else dump
+    """The main thread's frames in one answer (:func:`format_stacks`), innermost first, without
+    the launch machinery's."""
     frames = []
-    for line in block.splitlines()[1:]:
-        line = line.strip()
-        if line.startswith("Thread 0x") or line.startswith("Current thread"):
+    inside = False
+    for line in dump.splitlines():
+        if line.startswith("Main thread"):
+            inside = True
+        elif inside and (line.startswith("Thread") or not line.strip()):
             break
-        if line.startswith("File ") and not any(
-            skip in line
-            for skip in ("ddpkit/_launch/worker.py", "<frozen runpy>", "elastic/multiprocessing")
-        ):
-            frames.append(line)
+        elif inside:
+            line = line.strip()
+            if line.startswith("File ") and not any(skip in line for skip in _SKIPPED):
+                frames.append(line)
     return frames
 
 
@@ -186,6 +368,14 @@ class WholeErrorFile(ErrorHandler):
         fs.write_atomic(Path(path), json.dumps(record).encode())
 
 
+def _ignore_warnings_at_exit() -> None:
+    # Once the script has ended a SIGUSR1 (forwarded by the agent) has nothing left to stop, and the
+    # interpreter gives a signal with a Python handler its default action back while it exits (for
+    # torch's modules, ~0.6 s): the warning would kill a worker that has finished. Ignored instead.
+    with contextlib.suppress(ValueError):  # not the main thread
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+
 @functools.partial(record, error_handler=WholeErrorFile())
 def _run(target: str, as_module: bool) -> None:
     serve_worker_store()
@@ -205,7 +395,10 @@ def main() -> None:
     die_with_parent()
     start_guard()
     hold_stop_signals()
-    dump_stack_on_request()
+    atexit.register(_ignore_warnings_at_exit)  # run after the script's own exit handlers
+    # Nothing sends it: a stray one (a `kill` to the worker's group) must not kill the worker.
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    serve_stacks()
     # the world's collectives the script calls through torch.distributed, marked for the stall
     # watch (a rank that calls another one than the others is named)
     watch_torch_collectives()

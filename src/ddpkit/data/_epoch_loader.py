@@ -3,6 +3,8 @@ and whose state is where the loop stands, with the data's fingerprint."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Callable, Iterator
 from typing import Any, cast
 
@@ -23,6 +25,25 @@ from ddpkit.distributed import _progress as progress
 from ddpkit.distributed._progress import Phase
 
 
+class ServeStacks:
+    """A loader's ``worker_init_fn``: under ``ddpkit run`` the loader worker answers stack requests
+    (:func:`ddpkit._launch.worker.serve_stacks`, as ``rank<RANK>-loader<ID>``), then ``then`` (the
+    user's own ``worker_init_fn``, if any) runs."""
+
+    def __init__(self, then: Callable[[int], None] | None = None) -> None:
+        self.then = then
+
+    def __call__(self, worker_id: int) -> None:
+        if os.environ.get("DDPKIT_STACK_DIR"):  # under ddpkit run (ddpkit._launch.worker)
+            from ddpkit._launch.worker import serve_stacks
+
+            # the worker loads its data all the same; asked, it does not answer
+            with contextlib.suppress(Exception):
+                serve_stacks(f"rank{os.environ.get('RANK', '0')}-loader{worker_id}")
+        if self.then is not None:
+            self.then(worker_id)
+
+
 class EpochLoader(DataLoader):
     """A DataLoader over a :class:`~ddpkit.data.ShardedBatchSampler` that counts an epoch when an
     iteration has handed over its last batch: an iterator left before (a peek with
@@ -41,6 +62,7 @@ class EpochLoader(DataLoader):
         """``DataLoader``'s arguments, with a :class:`~ddpkit.data.ShardedBatchSampler` as
         ``batch_sampler``."""
         check_on_data_change(on_data_change)
+        kwargs["worker_init_fn"] = ServeStacks(kwargs.get("worker_init_fn"))
         super().__init__(*args, **kwargs)
         self.on_data_change = on_data_change
         self.data_changes: list[str] = []

@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from ddpkit._errors import ConfigError
-from ddpkit.data._epoch_loader import EpochLoader
+from ddpkit.data._epoch_loader import EpochLoader, ServeStacks
 from ddpkit.data._fingerprint import OnDataChange, check_on_data_change
 from ddpkit.data._sample_seeding import SeededSamples
 from ddpkit.data._sampler import EvalShardSampler, ShardedBatchSampler
@@ -146,6 +146,7 @@ def build_eval_loader(
         sampler=EvalShardSampler(cast(Sized, dataset), group=group),
         collate_fn=collate_fn,
         generator=torch.Generator(),
+        worker_init_fn=ServeStacks(),
         **_loader_kwargs(num_workers, pin_memory),
     )
 

@@ -111,7 +111,7 @@ def test_workers_are_forked_and_start_and_end_as_new_interpreters(clean_env, tmp
                 "session_leader": True,  # a session of its own, as torchrun's start_new_session
                 "cwd": str(tmp_path),
                 "world_size": "2",
-                "python_threads": 1,
+                "python_threads": 2,  # the main thread and the one answering stack requests
                 "stdin": "to rank 0\n" if rank == 0 else None,
                 "attempt": 0,
                 "probe_variable": "from the launcher's environment",

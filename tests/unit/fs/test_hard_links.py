@@ -163,22 +163,6 @@ def _journal(folder: Path) -> None:
         f.write(b'{"op_code": 0}\n')
 
 
-def _stack(folder: Path) -> None:
-    import faulthandler
-    import signal
-
-    from ddpkit._launch.worker import dump_stack_on_request
-
-    previous = signal.getsignal(signal.SIGUSR2)
-    os.environ["DDPKIT_STACK_DIR"], os.environ["RANK"] = str(folder), "0"
-    try:
-        dump_stack_on_request()
-    finally:
-        faulthandler.unregister(signal.SIGUSR2)
-        signal.signal(signal.SIGUSR2, previous)
-        del os.environ["DDPKIT_STACK_DIR"], os.environ["RANK"]
-
-
 def _snapshot_file(folder: Path) -> None:
     from ddpkit.snapshot._storage import _open_stream
 
@@ -192,10 +176,9 @@ def _snapshot_file(folder: Path) -> None:
         (_metrics, "metrics.jsonl", True),
         (_metrics, "epochs.csv", True),
         (_journal, "study.journal", True),
-        (_stack, "rank0.txt", False),
         (_snapshot_file, "__0_0.distcp", False),
     ],
-    ids=["metrics.jsonl", "epochs.csv", "journal", "worker-stack", "snapshot-file"],
+    ids=["metrics.jsonl", "epochs.csv", "journal", "snapshot-file"],
 )
 def test_each_in_place_write_of_the_package_leaves_the_other_name_whole(
     tmp_path, monkeypatch, call, name, kept
