@@ -56,7 +56,7 @@ Linked = Literal["refuse", "replace"]
 - ``"replace"``: the name is first given a fresh copy of the file (an empty one for an open that
   truncates), made beside it and renamed over it, and the copy is opened. For records a copied
   folder goes on with (``metrics.jsonl``, ``epochs.csv``, the search journal) and files rewritten
-  whole in place (a snapshot's data files, a worker's stack file): a ``cp -al`` copy of a run
+  whole in place (a snapshot's data files): a ``cp -al`` copy of a run
   directory trains on, and the original keeps its bytes. Safe because one job at a time writes in a
   folder (its ``.lock``): no writer of this name holds the old file open, and one that holds it
   under the other name goes on writing there, as it should.

@@ -94,9 +94,9 @@ def _peer_lost(failure: Any) -> bool:
     return any(text in message for text in _PEER_LOST)
 
 
-# Signals the launcher itself sends to workers: a worker ended by one is a consequence of another's
+# The signal the launcher itself sends to workers: a worker ended by it is a consequence of another's
 # failure.
-_OUR_SIGNALS = (-signal.SIGTERM, -signal.SIGUSR2)
+_OUR_SIGNALS = (-signal.SIGTERM,)
 
 
 def cause(failures: dict[int, Any], stall: watch.Stall | None = None) -> tuple[int, Any]:

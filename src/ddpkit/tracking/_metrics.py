@@ -144,8 +144,10 @@ class MetricsWriter:
         return sizes
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Cut each file back to its size in ``state``; what ``metrics.jsonl`` held past it is
-        appended to ``metrics.rewound.jsonl`` (:attr:`rewound`: how many records)."""
+        """Cut each file back to its size in ``state``: the training loop's records written past it
+        (the resumed run writes them again) move to ``metrics.rewound.jsonl`` (:attr:`rewound`: how
+        many); the others stay (a stop, a pre-emption notice, an evaluation after ``fit()``, a
+        script's own records: not written again)."""
         self.rewound = 0
         if not self.enabled or not state:
             return
@@ -158,12 +160,18 @@ class MetricsWriter:
                 continue
             if now <= size:
                 continue
+            kept = b""
             if name == "metrics.jsonl":
-                tail = fs.read_bytes(path)[size:]
-                self.rewound = tail.count(b"\n")
+                tail = fs.read_bytes(path)[size:].splitlines(keepends=True)
+                again = [line for line in tail if _written_again(line)]
+                kept = b"".join(line for line in tail if not _written_again(line))
+                self.rewound = len(again)
                 with fs.open_append(self.run_dir / self.REWOUND, linked="replace") as f:
-                    f.write(tail.decode("utf-8", "replace"))
+                    f.write(b"".join(again).decode("utf-8", "replace"))
             fs.truncate(path, size, linked="replace")
+            if kept:
+                with fs.open_append(path, linked="replace") as f:
+                    f.write(kept.decode("utf-8", "replace"))
 
     def close(self) -> None:
         if self._jsonl is not None:
@@ -172,6 +180,22 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+
+_LOOP_KINDS = ("train", "epoch", "val", "ranks", "event")
+_KEPT_EVENTS = ("stop", "preemption_notice", "start", "resume")
+
+
+def _written_again(line: bytes) -> bool:
+    """Whether a record is the training loop's, which a run resumed before it writes again."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return True  # a line cut short by the kill
+    kind = record.get("kind") if isinstance(record, dict) else None
+    if kind not in _LOOP_KINDS:
+        return False
+    return kind != "event" or record.get("event") not in _KEPT_EVENTS
 
 
 def _summary_writer() -> Any:

@@ -115,7 +115,12 @@ def test_a_rank_stuck_in_a_loader_worker_is_named(dirs, env):
         ["--stall-timeout", FLOOR, "--collective-timeout", "60"], ["loader"], env, dirs / "on"
     )
     _named_then_ended(out, "sleeping", "loading data")
-    assert "dataloader.py" in out.stderr.split("rank 1 (local rank 1", 1)[1]
+    rank1 = out.stderr.split("rank 1 (local rank 1", 1)[1]
+    assert "dataloader.py" in rank1
+    # the worker it waits for: its pid, state and stack, where it hangs
+    worker = rank1.split("its loader worker pid", 1)[1]
+    assert worker.split("\n", 1)[0].strip().split(": ", 1)[1] == "sleeping", worker[:300]
+    assert "in __getitem__" in worker.split("ending the job", 1)[0], worker[:2000]
     _control(dirs, env, ["loader"])
 
 
