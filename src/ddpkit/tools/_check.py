@@ -182,6 +182,7 @@ def train_steps(
                 scaled.backward()
                 params = list(unwrap(model).parameters())
                 grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+                records["no_grad"] = sum(p.grad is None for p in params)
                 records["sizes"] = [p.numel() for p in params]
                 records["grad"].append(
                     torch.cat([g.detach().reshape(-1).double().cpu() for g in grads])
@@ -224,9 +225,9 @@ def _failed(cfg: CheckConfig, where: str, trace: str) -> tuple[int, list[str]]:
 # -- the check -------------------------------------------------------------------------------------
 
 
-def _setups() -> list[frozenset[str]]:
-    everything = frozenset(_KEYS)
-    return [frozenset(), everything, *(everything - {k} for k in _KEYS)]
+def _setups(keys: Sequence[str] = _KEYS) -> list[frozenset[str]]:
+    everything = frozenset(keys)
+    return [frozenset(), everything, *(everything - {k} for k in keys)]
 
 
 def run_check(cfg: CheckConfig) -> tuple[int, list[str]]:
@@ -244,7 +245,6 @@ def _check(cfg: CheckConfig) -> tuple[int, list[str]]:
     # ddpkit.spawn forks, every rank of every job inherits it.
     import_dynamo()
 
-    setups = _setups()
     # Bad input fails here, with its message, rather than inside every rank.
     try:
         w = load_workload(cfg.script, cfg.nproc, cfg.script_args)
@@ -252,6 +252,17 @@ def _check(cfg: CheckConfig) -> tuple[int, list[str]]:
         raise
     except BaseException:  # SystemExit too: a script's argparse error, say
         return _failed(cfg, "while its workload was built", traceback.format_exc())
+    global_batch = w.batch_size * cfg.nproc
+    reference = train_steps(
+        cfg.script, frozenset(), cfg.steps, global_batch, cfg.seed, cfg.script_args
+    )
+    if reference["traceback"] is not None:
+        return _failed(cfg, "in the 1-process run", reference["traceback"])
+    # A switch only where it can matter: find_unused_parameters, which DDP cannot honour for a
+    # forward whose output it cannot search for tensors (a SimpleNamespace), where a parameter
+    # went without a gradient.
+    keys = [k for k in _KEYS if k != "unused_parameters" or reference.get("no_grad")]
+    setups = _setups(keys)
     if w.loader is None:
         ShardedBatchSampler(
             cast(Sized, w.dataset),
@@ -262,17 +273,20 @@ def _check(cfg: CheckConfig) -> tuple[int, list[str]]:
         )  # checks the workload's sizes; a map-style dataset has a length
     run = functools.partial(_ranks_run, cfg.script, setups, cfg.steps, cfg.seed, cfg.script_args)
     ranks = spawn(run, cfg.nproc)[0]
-    global_batch = w.batch_size * cfg.nproc
     verdicts = []
     for fixes, dist_run in zip(setups, ranks):
-        one = train_steps(cfg.script, fixes, cfg.steps, global_batch, cfg.seed, cfg.script_args)
+        one = (
+            reference
+            if not fixes
+            else train_steps(cfg.script, fixes, cfg.steps, global_batch, cfg.seed, cfg.script_args)
+        )
         # the reference itself failed: the script's error
         if one["traceback"] is not None and not fixes:
             return _failed(cfg, "in the 1-process run", one["traceback"])
         # The repeat finds non-determinism; with deterministic algorithms on (all but two set-ups)
         # it can only agree, unless deterministic mode does not cure it, which the all-on set-up
         # shows.
-        repeat = "nondeterminism" not in fixes or fixes == frozenset(_KEYS)
+        repeat = "nondeterminism" not in fixes or fixes == frozenset(keys)
         again = (
             train_steps(cfg.script, fixes, cfg.steps, global_batch, cfg.seed, cfg.script_args)
             if repeat
@@ -286,6 +300,7 @@ def _check(cfg: CheckConfig) -> tuple[int, list[str]]:
         f"ddpkit check: {cfg.script or w.name}: 1 process (batch {global_batch}) vs {cfg.nproc} "
         f"ranks (batch {w.batch_size} each, gloo), {cfg.steps} steps, tolerance {cfg.rtol:g} "
         "relative",
+        *([f"  workload: {w.extra['workload']}"] if "workload" in w.extra else []),
         _table(base_one, base_ranks, verdicts[0], cfg),
     ]
     if silent:
@@ -320,14 +335,15 @@ def _check(cfg: CheckConfig) -> tuple[int, list[str]]:
             f"({_what(fixed, cfg)}); none of ddpkit's known causes accounts for it"
         )
         return 1, lines
-    found = [c for c, v in zip(CAUSES, verdicts[2:]) if v.differs(cfg.rtol)]
+    causes = [c for c in CAUSES if c.key in keys]
+    found = [c for c, v in zip(causes, verdicts[2:]) if v.differs(cfg.rtol)]
     if not found:
         lines.append(
             "cause: the runs agree with every switch on, but no single switch brings the mismatch "
-            "back (causes that each suffice alone); switches: " + ", ".join(_KEYS)
+            "back (causes that each suffice alone); switches: " + ", ".join(keys)
         )
         return 1, lines
-    for cause, v in zip(CAUSES, verdicts[2:]):
+    for cause, v in zip(causes, verdicts[2:]):
         if cause in found:
             lines += [
                 f"cause: {cause.what}",

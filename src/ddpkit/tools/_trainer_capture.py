@@ -36,17 +36,29 @@ class Captured(BaseException):
 def intercept(script: str, args: Sequence[str] = ()) -> Iterator[None]:
     """Within: building a Trainer raises :class:`Captured`, and ``sys.argv`` is
     ``[script, *args]``."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
     original, argv = Trainer.__init__, sys.argv
 
     def capture(self: Trainer, *args: Any, **kwargs: Any) -> None:
         raise Captured(args, kwargs)
 
+    def refuse_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+        # a hand-written loop: stopped before its first step changes anything
+        raise ConfigError(
+            f"{script} takes an optimizer step before building a ddpkit.Trainer (a hand-written "
+            "loop): define ddpkit_workload() returning its model, data, loss and optimizer, and "
+            "keep the loop under `if __name__ == '__main__':`"
+        )
+
     Trainer.__init__ = capture  # type: ignore[method-assign]  # restored below
+    hook = register_optimizer_step_pre_hook(refuse_step)
     sys.argv = [script, *args]
     try:
         yield
     finally:
         Trainer.__init__ = original  # type: ignore[method-assign]
+        hook.remove()
         sys.argv = argv
 
 

@@ -21,6 +21,7 @@ example's small GPT).
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -169,6 +170,35 @@ def _load_script(path: str) -> Any:
     return module
 
 
+def read_source(path: str) -> tuple[bool, list[int]]:
+    """Whether the script at ``path`` defines :data:`HOOK` at its top level, and the lines where it
+    calls a ``...Trainer(...)``: read from its source, without running it."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"{path}: no such file; give the training script that defines {HOOK}()")
+    try:
+        tree = ast.parse(file.read_bytes(), filename=str(file))
+    except SyntaxError as err:
+        raise ConfigError(f"{path} is not Python: {err}") from None
+    hook = any(
+        isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == HOOK
+        for node in tree.body
+    )
+    trainers = sorted(
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and _called(node.func).endswith("Trainer")
+    )
+    return hook, trainers
+
+
+def _called(func: ast.expr) -> str:
+    """The name a call calls: ``Trainer`` for ``Trainer(...)`` and ``ddpkit.Trainer(...)``."""
+    if isinstance(func, ast.Name):
+        return func.id
+    return func.attr if isinstance(func, ast.Attribute) else ""
+
+
 def load_workload(script: str | None, world_size: int = 1, args: Sequence[str] = ()) -> Workload:
     """Call ``script``'s :data:`HOOK`, or capture what it hands a Trainer (for ``world_size``
     ranks); or build a built-in workload, named by ``script`` (:data:`BUILTINS`; ``None`` is
@@ -181,6 +211,15 @@ def load_workload(script: str | None, world_size: int = 1, args: Sequence[str] =
     # workload or a script's hook does not need.
     from ddpkit.tools._trainer_capture import Captured, intercept
 
+    has_hook, trainers = read_source(script)
+    no_workload = (
+        f"{script} defines no function {HOOK}() and builds no ddpkit.Trainer: add one that "
+        "returns (model, dataset, loss_fn, optimizer_factory) or a "
+        f"ddpkit.tools._workload.Workload, or name a built-in workload ({', '.join(BUILTINS)}); "
+        "see `ddpkit bench -h`"
+    )
+    if not has_hook and not trainers:  # read from its source: nothing of it runs
+        raise ConfigError(f"{no_workload} (read from its source, which was not run)")
     imported = None
     try:
         # A script that trains at import (no main guard) stops where it builds its Trainer.
@@ -191,11 +230,11 @@ def load_workload(script: str | None, world_size: int = 1, args: Sequence[str] =
     if not callable(hook):
         captured = capture_trainer(script, world_size, imported, args)
         if captured is None:
-            raise ConfigError(
-                f"{script} defines no function {HOOK}() and builds no ddpkit.Trainer: add one that "
-                "returns (model, dataset, loss_fn, optimizer_factory) or a "
-                "ddpkit.tools._workload.Workload, or name a built-in workload "
-                f"({', '.join(BUILTINS)}); see `ddpkit bench -h`"
+            raise ConfigError(no_workload)
+        if len(trainers) > 1:
+            captured.extra["workload"] += (
+                f" (the first it builds; its source builds Trainers at lines "
+                f"{', '.join(map(str, trainers))}: define {HOOK}() to check another)"
             )
         return captured
     argv, sys.argv = sys.argv, [script, *args]  # a hook may read its options too

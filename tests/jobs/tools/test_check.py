@@ -205,3 +205,85 @@ def test_an_exception_in_the_script_is_reported_with_its_traceback_not_as_a_diff
     monkeypatch.setattr(check, "train_steps", lambda *a, **k: train(*a, **k) | {"traceback": None})
     code, lines = run_check(cfg)
     assert code == 1 and "MISMATCH" in "\n".join(lines)
+
+
+# --- the check checks what it says ----------------------------------------------------------------
+
+_NAMESPACE = f"""
+import sys
+from types import SimpleNamespace
+sys.path.insert(0, {str(SCRIPTS)!r})
+import torch.nn.functional as F
+from torch import nn
+from check_common import mlp, sgd, toy_data
+from ddpkit.tools._workload import Workload
+
+
+class Wrapped(nn.Module):
+    '''A model whose forward returns its logits in a SimpleNamespace, as HF models' outputs are
+    objects: DDP cannot search it for tensors.'''
+
+    def __init__(self):
+        super().__init__()
+        self.inner = mlp()
+
+    def forward(self, x):
+        return SimpleNamespace(logits=self.inner(x))
+
+
+def ddpkit_workload():
+    return Workload(model=Wrapped(), dataset=toy_data(), optimizer=sgd, batch_size=8,
+                    loss_fn=lambda out, y: F.cross_entropy(out.logits, y))
+"""
+
+
+def test_a_correct_model_with_namespace_outputs_passes_and_is_not_failed_by_a_switch(
+    tmp_path, monkeypatch
+):
+    import ddpkit.tools._check as check
+
+    script = tmp_path / "namespace.py"
+    script.write_text(_NAMESPACE)
+    code, lines = run_check(CheckConfig(script=str(script), steps=2))
+    assert code == 0, "\n".join(lines)
+    # Control: find_unused_parameters switched on whatever the model (the set-ups before): DDP
+    # cannot honour it for this output, and the check blamed the script for its own switch.
+    old = check._setups
+    monkeypatch.setattr(check, "_setups", lambda keys: old(check._KEYS))
+    code, lines = run_check(CheckConfig(script=str(script), steps=2))
+    assert code == check.SCRIPT_FAILED and "FAILED" in lines[0], "\n".join(lines)
+
+
+def test_a_hand_loop_without_a_workload_is_refused_before_it_runs(tmp_path):
+    run_dir = tmp_path / "runs" / "x"
+    script = tmp_path / "hand.py"
+    script.write_text(
+        f"import pathlib, torch\npathlib.Path({str(run_dir)!r}).mkdir(parents=True)\n"
+        "w = torch.zeros(1, requires_grad=True)\nopt = torch.optim.SGD([w], lr=0.1)\n"
+        "for _ in range(3):\n    (w * 2).sum().backward()\n    opt.step()\n"
+    )
+    with pytest.raises(ConfigError, match="read from its source, which was not run"):
+        load_workload(str(script))
+    assert not run_dir.exists()  # nothing of it ran
+    # One whose source builds a Trainer only where it never runs stops at its first optimizer step.
+    script.write_text(
+        script.read_text() + "\nif False:\n    from ddpkit import Trainer\n    Trainer()\n"
+    )
+    with pytest.raises(ConfigError, match="takes an optimizer step before building"):
+        load_workload(str(script))
+    assert run_dir.exists()  # it ran up to the step: the control that the refusal above ran nothing
+
+
+def test_a_script_of_several_trainings_names_the_one_it_checks(tmp_path):
+    # a teacher, then a student: the check takes the first Trainer the script builds, and says so
+    for name in ("digits_trainer.py", "digits_cnn.py"):
+        (tmp_path / name).write_text((ROOT / "examples" / name).read_text())
+    script = tmp_path / "digits_trainer.py"
+    first = script.read_text().count("\n", 0, script.read_text().index("Trainer(model")) + 1
+    script.write_text(
+        script.read_text() + "student = Trainer(model, optimizer, train_set, config)\n"
+    )
+    last = script.read_text().count("\n")
+    w = load_workload(str(script), 2, ["--epochs", "1"])
+    note = w.extra["workload"]
+    assert f"the first it builds; its source builds Trainers at lines {first}, {last}" in note, note
