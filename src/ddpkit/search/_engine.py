@@ -194,8 +194,13 @@ def _search_on_groups(
     # A study per process: the storage is shared, the samplers' random state is not.
     handle = (
         open_search_study(
-            cfg, distributions, create=False, group_index=grt.group_index, start=begun.start
-        )
+            cfg,
+            distributions,
+            create=False,
+            group_index=grt.group_index,
+            start=begun.start,
+            search_id=begun.search_id,
+        )  # fmt: skip
         if grt.is_main
         else None
     )

@@ -58,14 +58,21 @@ _STARTS_KEY = "ddpkit_starts"  # a study's user attribute: how many times a sear
 
 
 def new_sampler(
-    cfg: SearchConfig, distributions: dict[str, Any], group_index: int = 0, start: int = 0
+    cfg: SearchConfig,
+    distributions: dict[str, Any],
+    group_index: int = 0,
+    start: int = 0,
+    search_id: str = "",
 ) -> optuna.samplers.BaseSampler:
     # Each group's sampler draws its own random numbers: with one seed everywhere, groups asking at
     # the same time would draw the same "random" candidates. Each start of the search too: the
     # samplers' random state is not in the study, so a restarted job (or a rerun with a larger
     # budget) seeded as the first start was would draw the first start's candidates again. `start`
-    # is counted in the study, so the same starts replayed draw the same candidates.
-    seed = mix_seed(cfg.seed, "sampler", start, group_index)
+    # is counted in the study, so the same starts replayed draw the same candidates. A study shared
+    # through a database may be started by several searches at once, which read the same count:
+    # each search's own id (kept in its search_dir) sets theirs apart.
+    shared = (search_id,) if cfg.storage is not None else ()
+    seed = mix_seed(cfg.seed, "sampler", start, group_index, *shared)
     opts = dict(cfg.sampler_options)
     if cfg.sampler == "tpe":
         return optuna.samplers.TPESampler(seed=seed, **opts)
@@ -233,13 +240,14 @@ def open_search_study(
     create: bool,
     group_index: int = 0,
     start: int = 0,
+    search_id: str = "",
 ) -> SearchStudy:
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # ddpkit prints its own progress
     try:
         if cfg.storage is None:
             check_journal(Path(cfg.search_dir) / JOURNAL)
         storage = open_storage(cfg)
-        sampler = new_sampler(cfg, distributions, group_index, start)
+        sampler = new_sampler(cfg, distributions, group_index, start, search_id)
         if create:
             study = optuna.create_study(
                 study_name=cfg.study_name,

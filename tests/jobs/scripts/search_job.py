@@ -11,6 +11,10 @@ writes itself before acting:
   ``SEARCH_DIR/killed_in_ask``;
 - ``--same-seed-every-start``: every start seeds its samplers as the first did (the behaviour this
   package had before a start was counted), to show what that does;
+- ``--storage URL``: the study in a database, which several searches may share;
+  ``--first-start``: this start reads the study's count of starts as 0 (as two searches that start
+  together both do); ``--seed-without-search-id``: the sampler's seed leaves out the search's own
+  id (the behaviour before it was in), to show what that does;
 - ``--gate``: at the end of its first epoch (its run directory held by its Trainer), trial 0 prints
   ``gate: trial 0 is running`` and waits for a line on stdin;
 - ``--fault ERRNO:TRIAL``: trial TRIAL raises ``OSError(ERRNO)`` at the end of its first epoch;
@@ -138,6 +142,9 @@ def main() -> None:
     p.add_argument("--kill", type=int, default=None, metavar="EPOCH")
     p.add_argument("--kill-in-ask", type=int, default=None, metavar="TRIAL")
     p.add_argument("--same-seed-every-start", action="store_true")
+    p.add_argument("--storage", default=None)
+    p.add_argument("--first-start", action="store_true")
+    p.add_argument("--seed-without-search-id", action="store_true")
     p.add_argument("--gate", action="store_true")
     p.add_argument("--fault", default=None, metavar="ERRNO:TRIAL")
     p.add_argument("--fill-disk", type=int, default=None, metavar="TRIAL")
@@ -152,8 +159,13 @@ def main() -> None:
         hooks.append(KillAt(a.search_dir, a.kill))
     if a.kill_in_ask is not None:
         kill_in_ask(a.search_dir, a.kill_in_ask)
-    if a.same_seed_every_start:
+    if a.same_seed_every_start or a.first_start:
         same_seed_every_start()
+    if a.seed_without_search_id:
+        from ddpkit.search import _study as search_study
+
+        sampler = search_study.new_sampler
+        search_study.new_sampler = lambda *args: sampler(*args[:4])
     if a.fault:
         code, number = (int(x) for x in a.fault.split(":"))
 
@@ -205,6 +217,7 @@ def main() -> None:
             group_size=a.group_size,
             pruner="none",
             search_dir=a.search_dir,
+            storage=a.storage,
             plots=a.plots,
         ),
     )

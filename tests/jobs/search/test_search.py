@@ -531,3 +531,27 @@ def test_trial_folders_left_by_another_search_are_refused(tmp_path, clean_env):
     assert "trial-0000, trial-0001" in proc.stderr and "another search_dir" in proc.stderr
     # nothing trained, nothing written
     assert (tmp_path / "trial-0000" / "metrics.jsonl").read_text() == log
+
+
+def test_searches_sharing_a_study_draw_candidates_of_their_own_however_they_start(
+    tmp_path, clean_env
+):
+    """Two searches on one database study (their own search dirs), each reading the study's count
+    of starts as 0, as two started together do: their samplers' seeds differ by the search's own
+    id, so they draw other candidates. Control: seeded without the id, they draw the same."""
+    found = {}
+    for name, extra in [("own", []), ("control", ["--seed-without-search-id"])]:
+        url = f"sqlite:///{tmp_path / name}.db"
+        for one in ("a", "b"):
+            args = ["--trials", "2", "--epochs", "1", "--storage", url, "--first-start", *extra]
+            proc = _job(tmp_path / name / one, *args, env=clean_env)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+        study = optuna.load_study(study_name="ddpkit", storage=url)
+        by_search: dict[str, list] = {}
+        for t in sorted(study.trials, key=lambda t: t.number):
+            by_search.setdefault(t.user_attrs["ddpkit_search"], []).append(t.params)
+        found[name] = list(by_search.values())
+    own_a, own_b = found["own"]
+    assert own_a != own_b, found
+    control_a, control_b = found["control"]
+    assert control_a == control_b, found
