@@ -60,6 +60,18 @@ class StepContext:
         # The optimizers some step.backward() named in this step: the ones it trains.
         self.trained: set[str] = set()
 
+    @property
+    def step(self) -> int:
+        """This step's number: the optimizer steps taken before it, counted over the run (a resume
+        goes on counting), as ``trainer.step`` reads before the step: a WGAN's ``step.step %
+        n_critic``."""
+        return self._owner.state.step
+
+    @property
+    def epoch(self) -> int:
+        """The epoch this step belongs to (epochs completed before it)."""
+        return self._owner.state.epoch
+
     def micro_batches(self) -> Iterator[Any]:
         """This rank's micro-batches of the step; may be iterated again (a GAN's generator pass).
         The body of the loop runs under autocast, and, on all but the last micro-batch, under every

@@ -468,3 +468,39 @@ def test_leaving_the_micro_batches_early_is_refused_on_every_rank(tmp_path):
     # Control: the whole loop keeps the ranks' replicas equal.
     whole = run_on_ranks(_body_head_job, 2, (tmp_path / "w", ("body", "head"), 2))
     assert bitwise(whole[0], whole[1]) and whole[0]["step"] == 2
+
+
+# --- the step function knows its step -------------------------------------------------------------
+
+
+def _rhythm_job(run_dir: Path, max_steps: int | None, by: str) -> dict[str, Any]:
+    """The generator every third step, by ``step.step`` (``by="step"``) or by a counter of the
+    script's own (``by="counter"``, which starts again at 0 in a resumed process)."""
+    calls = [0]
+
+    def step_fn(step) -> None:
+        n = step.step if by == "step" else calls[0]
+        calls[0] += 1
+        g, d = step.models["g"], step.models["d"]
+        for (real,) in step.micro_batches():
+            with torch.no_grad():
+                fake = g(torch.randn(len(real), NOISE))
+            step.backward(d(fake).mean() - d(real).mean(), "d")
+        step.optimizer_step("d")
+        if n % 3 == 2:
+            for (real,) in step.micro_batches():
+                step.backward(-d(g(torch.randn(len(real), NOISE))).mean(), "g")
+            step.optimizer_step("g")
+
+    trainer = build(run_dir, step_fn=step_fn, max_steps=max_steps)
+    trainer.fit()
+    return state(trainer)
+
+
+@pytest.mark.parametrize("by", ["step", "counter"], ids=["step.step", "control-counter"])
+def test_a_step_functions_rhythm_by_step_step_resumes_bitwise(tmp_path, by):
+    whole = run_on_ranks(_rhythm_job, 2, (tmp_path / "whole", None, by), timeout=300)
+    run_on_ranks(_rhythm_job, 2, (tmp_path / "stopped", 7, by), timeout=300)
+    resumed = run_on_ranks(_rhythm_job, 2, (tmp_path / "stopped", None, by), timeout=300)
+    # a counter of the script's own restarts at 0 in the resumed process: another rhythm
+    assert bitwise(resumed[0], whole[0]) == (by == "step")
