@@ -1,7 +1,7 @@
 """What the memory snapshot's tensor checksum costs against the copy it checks.
 
 A save into a memory slot copies the state into the slot's data region, then takes its checksum
-(:mod:`ddpkit.snapshot._memory.store`); both hold the training loop. This times, on one state
+(:mod:`ddpkit.snapshot._slots`); both hold the training loop. This times, on one state
 (``--mb`` MB of float32 tensors, 8 of them, as a model and its Adam moments would be), in
 interleaved rounds whose order rotates so that noise from other work on the machine falls on all:
 
@@ -10,7 +10,7 @@ interleaved rounds whose order rotates so that noise from other work on the mach
 - block sums: the checksum of slot format 2, the CRC-32 of the wrapping int64 sums of 4 KiB blocks
   (numpy), kept here as the reference: it let changes that cancel within a block through;
 - CRC-32C: the checksum of format 3, a CRC-32C per MiB
-  (:func:`ddpkit.snapshot._memory.slot.block_crcs`, the ``crc32c`` package: SSE 4.2 / ARMv8 CRC
+  (:func:`ddpkit.snapshot._slots.block_crcs`, the ``crc32c`` package: SSE 4.2 / ARMv8 CRC
   instructions where the CPU has them), on one thread, as a save takes it;
 - CRC-32C on 2 threads: the same blocks split in two halves (the CRC releases the GIL), to show the
   pieces run in parallel; not what a save does (the loop's other threads, data loading, want the
@@ -54,8 +54,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from ddpkit.snapshot._memory.slot import BLOCK, block_crcs
-from ddpkit.snapshot._memory.store import copy_tensors
+from ddpkit.snapshot._slots import BLOCK, block_crcs, copy_tensors
 
 
 def block_sums(region: torch.Tensor) -> int:

@@ -33,7 +33,7 @@ from torch import nn
 
 import ddpkit
 from ddpkit.demo._models import Block, DigitsCNN
-from ddpkit.snapshot._memory import folder as memory_folder
+from ddpkit.snapshot import _slots as memory_folder
 from ddpkit.training._config import LoggingConfig, SnapshotConfig, TrainerConfig
 from ddpkit.training._trainer import Trainer
 

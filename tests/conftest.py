@@ -107,7 +107,7 @@ DDPKIT_GLOBALS: dict[tuple[str, str], Any] = {
     ("ddpkit.distributed._progress", "_floats"): None,
     ("ddpkit.nn._dropout", "_layout"): None,
     ("ddpkit.nn._dropout", "_calls"): {},
-    ("ddpkit.snapshot._staging", "_groups"): {},
+    ("ddpkit.snapshot._disk", "_groups"): {},
     ("ddpkit.tools._workload", "_modules"): {},
     ("ddpkit._launch.worker", "_worker_store"): None,
     ("ddpkit._launch.rendezvous.backend", "_jobs"): {},

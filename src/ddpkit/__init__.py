@@ -29,8 +29,8 @@ from ddpkit.distributed._groups import split_world
 from ddpkit.distributed._log import get_logger, print0
 from ddpkit.distributed._runtime import Runtime, get_runtime, init, shutdown
 from ddpkit.distributed._seeding import seed_everything
-from ddpkit.snapshot._loop import Snapshots
-from ddpkit.snapshot._schedule import SnapshotConfig
+from ddpkit.snapshot._snapshots import Snapshots
+from ddpkit.snapshot._state import SnapshotConfig
 from ddpkit.strategies import DDPConfig, FSDPConfig, ZeroConfig
 from ddpkit.strategies._prepare import no_sync, prepare_model, unwrap
 from ddpkit.training._callbacks import Callback

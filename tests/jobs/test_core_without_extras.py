@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpkit.snapshot._memory import slot
-from ddpkit.snapshot._memory.slot import block_crcs
+from ddpkit.snapshot import _slots as slot
+from ddpkit.snapshot._slots import block_crcs
 
 HIDDEN = (
     "numpy", "sklearn", "optuna", "matplotlib", "tqdm", "tensorboard", "mlflow", "wandb",
@@ -93,7 +93,7 @@ def test_a_trainer_of_several_ranks_without_numpy_is_refused_at_its_start_naming
 SIZES = (0, 8, 4096, (1 << 20) + 40, 3 * (1 << 20))
 CHECKSUMS = f"""
 import sys, torch
-from ddpkit.snapshot._memory.slot import block_crcs
+from ddpkit.snapshot._slots import block_crcs
 try:
     import numpy
     sys.exit("numpy is not hidden")

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from ddpkit._errors import ConfigError
-from ddpkit.snapshot._manager import SnapshotWriteError
+from ddpkit.snapshot._disk import SnapshotWriteError
 
 VICTIM = b"a file of someone else's, outside the folder\n"
 THEIRS = b"another user's file\n"

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from ddpkit._errors import ConfigError
-from ddpkit.snapshot._manager import INDEX, MARKER, SnapshotManager
-from ddpkit.snapshot._memory import slot as mslot
-from ddpkit.snapshot._memory import store as ms
+from ddpkit.snapshot import _slots as ms
+from ddpkit.snapshot import _slots as mslot
+from ddpkit.snapshot._disk import INDEX, MARKER, SnapshotManager
 from tests.unit.snapshot.test_checkpoint import load, reseal, save
 from tests.unit.snapshot.test_memory_snapshots import save as save_slot
 from tests.unit.snapshot.test_memory_snapshots import store
@@ -152,7 +152,7 @@ def test_a_chunk_that_no_data_file_holds_is_refused(tmp_path):
 # -- memory slots ----------------------------------------------------------------------------------
 
 
-def _newest(st: ms.MemoryStore) -> ms.Found:
+def _newest(st: ms.Slots) -> ms.Found:
     return max(st.found(), key=lambda f: f.step)
 
 

@@ -23,8 +23,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ddpkit._errors import ConfigError
-from ddpkit.snapshot._manager import INDEX, MARKER, SnapshotManager
-from ddpkit.snapshot._memory import slot as mslot
+from ddpkit.snapshot import _slots as mslot
+from ddpkit.snapshot._disk import INDEX, MARKER, SnapshotManager
 from tests.fuzz import examples
 from tests.unit.snapshot.test_checkpoint import reseal, save
 from tests.unit.snapshot.test_memory_snapshots import save as save_slot
@@ -237,7 +237,7 @@ def check_slot(path: Path, what: str) -> None:
     assert values["values"] == {"note": [1, 2.5, "x"]} and values["step"] == 4, what
     if [(t.dtype, t.shape) for t in tensors] != [(t.dtype, t.shape) for t in SAVED]:
         # Another layout than the state's: the Trainer refuses it before it copies anything (every
-        # tensor of its state present, of its shape and dtype: ddpkit.snapshot._memory.resume).
+        # tensor of its state present, of its shape and dtype: ddpkit.snapshot._memory.MemoryStore).
         return
     assert all(torch.equal(a, b) for a, b in zip(tensors, SAVED)), (
         f"{what}: other values in the same layout"

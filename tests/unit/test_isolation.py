@@ -40,7 +40,7 @@ from ddpkit._launch import worker
 from ddpkit._launch.forkserver import workers as forked
 from ddpkit._launch.rendezvous import backend
 from ddpkit.nn import _dropout as dropout
-from ddpkit.snapshot import _staging as staging
+from ddpkit.snapshot import _disk as staging
 from ddpkit.tools import _workload as workload
 from tests.conftest import DDPKIT_GLOBALS
 

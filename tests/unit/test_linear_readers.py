@@ -35,11 +35,11 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 from ddpkit._errors import ConfigError
+from ddpkit.snapshot import _codec as mvalues
+from ddpkit.snapshot import _dcp as storage
 from ddpkit.snapshot import _folders as folders
-from ddpkit.snapshot import _region as mvalues
-from ddpkit.snapshot import _storage as storage
-from ddpkit.snapshot._chunks import check_chunks
-from ddpkit.snapshot._memory import slot as mslot
+from ddpkit.snapshot import _slots as mslot
+from ddpkit.snapshot._dcp import check_chunks
 
 GROWTH = (1, 4, 16, 64)
 EXPONENT = 1.3
@@ -249,7 +249,7 @@ def test_a_storage_entry_at_no_chunk_is_refused():
 
 
 def test_a_dcp_index_beyond_its_bound_is_refused_naming_it(tmp_path):
-    from ddpkit.snapshot._manager import SnapshotManager
+    from ddpkit.snapshot._disk import SnapshotManager
     from tests.unit.snapshot.test_checkpoint import save
 
     save(SnapshotManager(tmp_path), 3)
@@ -542,7 +542,7 @@ def test_a_journal_line_nested_too_deep_is_refused_naming_it(tmp_path):
 
 
 def test_an_index_nested_too_deep_is_refused_naming_it(tmp_path):
-    from ddpkit.snapshot._manager import SnapshotManager
+    from ddpkit.snapshot._disk import SnapshotManager
     from tests.unit.snapshot.test_checkpoint import save
 
     save(SnapshotManager(tmp_path), 3)

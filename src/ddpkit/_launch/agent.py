@@ -11,7 +11,7 @@ Changes to the agent torchrun has no option for (a subclass, installed by :func:
   signals ends the launcher once its workers are gone;
 - once the workers are stopped, so is every process they started (:mod:`ddpkit._launch.proctree`);
 - the job gets a folder in shared memory for the workers' snapshots in memory
-  (:mod:`ddpkit.snapshot._memory.folder`), made once per job and removed when the job ends, however
+  (:mod:`ddpkit.snapshot._slots`), made once per job and removed when the job ends, however
   it ends;
 - workers are forked from a server that imported torch once for the job
   (:mod:`ddpkit._launch.forkserver.workers`), so a restart does not start an interpreter and import
@@ -45,7 +45,7 @@ from ddpkit._launch.failure import Left, preempted, summarize_failure
 from ddpkit._launch.forkserver import workers as forked
 from ddpkit._launch.proctree import kill_descendants
 from ddpkit.distributed._progress import Phase
-from ddpkit.snapshot._memory import folder as memory_folder
+from ddpkit.snapshot import _slots as memory_folder
 
 
 class Agent(HookedAgent):

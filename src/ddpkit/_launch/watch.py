@@ -50,7 +50,7 @@ from ddpkit._launch.proctree import state_code
 from ddpkit._launch.watch_nodes import STATES, View
 from ddpkit._launch.worker import ask_stacks
 from ddpkit.distributed._progress import DIR_ENV, MAGIC, OPS, RECORD, SIZE, Phase
-from ddpkit.snapshot._memory import folder as memory_folder
+from ddpkit.snapshot import _slots as memory_folder
 
 TIMEOUT_ENV = "DDPKIT_STALL_TIMEOUT"
 """The floor in seconds when ``--stall-timeout`` is not given; ``0`` turns the watch off."""
@@ -544,7 +544,7 @@ def open_folder(fallback: Path) -> Path:
     """Make the folder of this job's records and name it to the workers
     (:data:`~ddpkit.distributed._progress.DIR_ENV`): in node-local shared memory where there is one,
     with an owner so that a later job sweeps it if this agent is killed
-    (:func:`ddpkit.snapshot._memory.folder.sweep_stale`); else ``fallback`` (the run's log
+    (:func:`ddpkit.snapshot._slots.sweep_stale`); else ``fallback`` (the run's log
     folder)."""
     root = Path(os.environ.get(memory_folder.ROOT_ENV, "/dev/shm"))
     try:

@@ -1,31 +1,13 @@
-"""The one codec of a snapshot's values: what may be saved is exactly what is loaded back, as an
-equal value of the same type, by both backends (a disk snapshot's ``values.pt`` and ``rank{N}.pt``,
-a memory snapshot's slot and the blobs its ranks exchange), and nothing is ever unpickled to read
-it.
+"""The one codec of a snapshot's values, for the disk (``values.pt``, ``rank{N}.pt``) and the memory
+(a slot, the blobs ranks exchange) alike: what a save accepts, a load gives back as an equal value
+of the same type, and nothing is ever unpickled.
 
 A value becomes a JSON *skeleton* whose tensors (and numpy arrays, as bytes) are set aside in a list
-and referenced by index (:func:`encode`); :func:`decode` is its inverse. Containers are tagged, so
-that tuples stay tuples (``random.setstate`` refuses a list), dict keys keep their types and order,
-and a deque keeps its ``maxlen``. What it holds (docs/snapshots.md, "What a snapshot can hold"):
-
-- ``None``, ``bool``, ``int`` (any size), ``float`` (nan, inf, -0.0), ``complex``, ``str``,
-  ``bytes``, ``bytearray``;
-- ``dict`` (keys of any type below, in order), ``OrderedDict``, ``defaultdict`` whose factory is a
-  builtin type or None, ``Counter``, ``list``, ``tuple``, ``set``, ``frozenset``, ``deque``
-  (``maxlen`` kept), ``range``;
-- ``pathlib`` paths (the same class), ``datetime``/``date``/``time`` (naive, a fixed-offset
-  ``timezone`` or a ``zoneinfo.ZoneInfo``), ``timedelta``, ``Decimal``, ``Fraction``, ``uuid.UUID``;
-- numpy scalars and arrays of every dtype but ``object`` and structured ones (byte order and Fortran
-  order kept; ``longdouble`` exact on the same platform);
-- torch tensors of every dtype in :data:`ddpkit.snapshot._region.DTYPES` (CPU or device, strided;
-  dtype, shape and values kept, not strides nor ``requires_grad``), ``nn.Parameter`` (with its
-  ``requires_grad``), ``torch.dtype``, ``torch.device``, ``torch.Size``.
-
-Anything else is refused when the snapshot is saved, before any of it is written, by an
-:class:`UnsupportedValue` (a :class:`~ddpkit._errors.ConfigError`) naming its place in the state,
-its type and the way out. Named tuples, dataclasses, enums and other classes are among them:
-rebuilding one would need to import its class by name, which is what makes unpickling unsafe. A
-value shared between two places comes back as two equal copies.
+and referenced by index (:func:`encode`; :func:`decode` is its inverse). Containers are tagged, so
+that tuples stay tuples and dict keys keep their types and order. The types it holds are listed in
+docs/snapshots.md ("What a snapshot can hold"); anything else raises :class:`UnsupportedValue` at
+the save, naming its place in the state, its type and the way out. A slot's or a blob's tensors lie
+raw in one byte region, each at an aligned offset (:class:`Spec`).
 """
 
 from __future__ import annotations
@@ -45,6 +27,7 @@ import struct
 import sys
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +35,6 @@ import torch
 
 from ddpkit._errors import ConfigError
 from ddpkit.distributed._collectives import tensor_bytes
-from ddpkit.snapshot._region import DTYPES, checked_specs, layout, views
 
 FORMAT = 3
 """The format of a disk snapshot's value files; a file of another is refused by name, never read as
@@ -60,10 +42,8 @@ this one."""
 
 _INT64 = 1 << 63
 MAX_DEPTH = 100
-"""How deep containers may nest in a value (a list in a dict is 2 deep). One limit for saving and
-loading alike: a limit left to Python's recursion would depend on how deep the call stack already
-is, and on how many frames a container takes on each side, so a save could write what a load cannot
-read."""
+"""How deep containers may nest in a value (a list in a dict is 2 deep), counted alike on saving and
+loading, so that a save never writes what a load cannot read."""
 _DEEP = "a value nested less deeply, whose containers do not hold themselves"
 _CONTAINERS = frozenset({
     dict, list, tuple, set, frozenset, collections.OrderedDict, collections.defaultdict,
@@ -86,6 +66,97 @@ _PATHS = {
     )
 }
 _TORCH_DTYPES = {str(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
+# -- tensors in a byte region ----------------------------------------------------------------------
+
+ALIGN = 64
+"""Each tensor of a data region starts at a multiple of this many bytes."""
+_NAMES = (
+    "float64 float32 float16 bfloat16 int64 int32 int16 int8 uint64 uint32 uint16 uint8 bool "
+    "complex128 complex64 complex32 float8_e4m3fn float8_e4m3fnuz float8_e5m2 float8_e5m2fnuz "
+    "float8_e8m0fnu float4_e2m1fn_x2 bits8 bits16 bits1x8 bits2x4 bits4x2"
+)
+DTYPES = {
+    str(d): d for name in _NAMES.split() if isinstance(d := getattr(torch, name, None), torch.dtype)
+}
+"""The dtypes a region holds, by name: every dtype of the installed torch whose tensors can be
+copied on the CPU (the sub-byte ``int1``..``uint7`` cannot, quantized ones are not plain bytes)."""
+
+
+@dataclass(frozen=True)
+class Spec:
+    """Where one tensor lies in a data region."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        if 0 in self.shape:  # before a product of the other sizes, which a manifest may make large
+            return 0
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * DTYPES[self.dtype].itemsize
+
+
+def layout(tensors: Sequence[torch.Tensor]) -> tuple[list[Spec], int]:
+    """Each tensor's place in a data region (aligned, in order), and the region's size."""
+    specs, offset = [], 0
+    for t in tensors:
+        if str(t.dtype) not in DTYPES:
+            raise ConfigError(
+                f"ddpkit: a snapshot cannot hold a tensor of dtype {t.dtype}: convert it to "
+                "another dtype"
+            )
+        spec = Spec(str(t.dtype), tuple(t.shape), offset)
+        specs.append(spec)
+        offset += -(-spec.nbytes // ALIGN) * ALIGN
+    return specs, offset
+
+
+def checked_specs(raw: Any, region_size: int) -> list[Spec]:
+    """The specs of a manifest or blob (``[[dtype, shape, offset], ...]``), each checked to lie
+    whole and aligned inside a data region of ``region_size`` bytes before anything views it;
+    ``ValueError`` naming the first that does not."""
+    if not isinstance(raw, list):
+        raise ValueError("its tensor layout is not a list")
+    specs = []
+    for i, item in enumerate(raw):
+        if not (isinstance(item, list) and len(item) == 3):
+            raise ValueError(f"tensor {i} of its layout is malformed")
+        dtype, shape, offset = item
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            raise ValueError(f"tensor {i} has an unknown dtype {str(dtype)[:40]!r}")
+        if not isinstance(shape, list) or not all(type(n) is int and 0 <= n < 2**63 for n in shape):
+            raise ValueError(f"tensor {i} has a shape that is not a list of sizes")
+        if type(offset) is not int or offset < 0 or offset % ALIGN:
+            raise ValueError(f"tensor {i} has an offset that is not an aligned position")
+        # stopped once past the region: a product of thousands of large sizes is quadratic
+        nbytes = 0 if 0 in shape else DTYPES[dtype].itemsize
+        for n in shape if nbytes else ():
+            nbytes *= n
+            if nbytes > region_size:
+                break
+        if offset + nbytes > region_size:
+            raise ValueError(
+                f"tensor {i} ({dtype}{str(shape)[:80]} at {offset}) lies past the end of the data "
+                f"region ({region_size} bytes)"
+            )
+        specs.append(Spec(dtype, tuple(shape), offset))
+    return specs
+
+
+def views(region: torch.Tensor, specs: Sequence[Spec]) -> list[torch.Tensor]:
+    """Tensors that view ``region`` (uint8) at each spec's place."""
+    return [
+        region[s.offset : s.offset + s.nbytes].view(DTYPES[s.dtype]).view(s.shape) for s in specs
+    ]
+
+
+# -- values ----------------------------------------------------------------------------------------
 
 
 class UnsupportedValue(ConfigError):
@@ -242,11 +313,9 @@ def _enc(value: Any, tensors: list[torch.Tensor], depth: int = 0) -> Any:
             return {"m": {k: _enc(v, tensors, d) for k, v in value.items()}}
         return {"d": _pairs(value.items(), tensors, d)}
     if kind is tuple or kind is list:
-        # Python's RNG state is a tuple of 625 ints: as one int64 tensor it costs a copy, not 625
-        # JSON numbers.
+        # Python's RNG state is a tuple of 625 ints: packed as one int64 tensor
         if len(value) >= 32 and set(map(type, value)) == {int}:
             try:
-                # ~20x faster than torch.tensor(value) for 625 ints
                 packed = array.array("q", value)
             except OverflowError:
                 packed = None
@@ -306,13 +375,8 @@ def _advice(value: Any) -> str:
 
 def encode(value: Any, tensors: list[torch.Tensor], where: str = "") -> Any:
     """A JSON-able skeleton of ``value`` whose tensors are appended to ``tensors`` and referenced by
-    index.
-
-    Raises :class:`UnsupportedValue` naming the first value it cannot hold, as a path under
-    ``where``. Written here rather than with ``torch.save``: that costs ~200 us per call (its zip
-    container), a tenth of a small model's step, where a memory snapshot's stall must stay within
-    5%.
-    """
+    index. Raises :class:`UnsupportedValue` naming the first value it cannot hold, as a path under
+    ``where``."""
     try:
         return _enc(value, tensors)
     except _Refused as refused:

@@ -1,29 +1,15 @@
-"""One file of a model's weights for use outside ddpkit: the plain model's state dict, its own
-parameter names.
+"""The model's weights for use outside ddpkit: ``final.safetensors`` (or ``final_weights.pt``), and
+the best epoch's in ``best.pt`` and ``best.safetensors``.
 
-A snapshot is a folder of shards (:mod:`ddpkit.snapshot._manager`) that only DCP reads back;
-``best.pt`` wraps the weights in a dict with the metric. What inference code, ``transformers``'
-``from_pretrained`` or a hand-written ``load_state_dict`` wants is the state dict of the model as
-the script built it, whole, under the names its modules give. The strategies give exactly that
-(:meth:`~ddpkit.strategies.Strategy.model_weights`: ``ddp`` and ``zero`` unwrap the DDP module, so
-there is no ``module.`` prefix; ``fsdp`` gathers the full tensors from the shards onto rank 0); this
-module writes it, on one rank, whole or not at all (a rename over the name).
-
-Two formats:
-
-- ``safetensors`` (the ``safetensors`` extra): ``safetensors.torch.load_file(path)``; a flat,
-  memory-mappable file that holds tensors only, and ``{"format": "pt"}`` in its metadata, which
-  ``from_pretrained`` asks for. A tensor of a dtype that the installed safetensors cannot write and
-  read back (complex128, float8_e8m0fnu) is refused at the save, by name, rather than written into a
-  file that does not load.
-- ``pt``: ``torch.load(path, weights_only=True)``: the state dict itself.
-
-Tied weights (an embedding and the output layer sharing one tensor, as in GPT-2 and nanoGPT) appear
-under both names in a state dict. safetensors refuses tensors that share memory; dropping one name
-would make ``load_state_dict(strict=True)`` fail on the missing key, so the second name gets a copy
-of its own: the file loads strictly into a fresh model (which ties the two again itself), at the
-cost of the tied tensor's size once more on disk. The metadata's ``tied`` entry lists each copied
-name and the name it was tied to.
+Each file is the plain model's state dict, under the names its modules give, whole, written on one
+rank by a rename over the name (:meth:`~ddpkit.strategies.Strategy.model_weights` unwraps DDP and
+gathers fsdp's shards). ``safetensors`` files load with ``safetensors.torch.load_file`` (a dtype the
+installed safetensors cannot write and read back is refused at the save, by name); ``pt`` files with
+``torch.load(path, weights_only=True)``. A tied weight (an embedding shared with the output layer)
+is written under both names, the second as a copy, so that the file loads strictly into a fresh
+model; the metadata's ``tied`` entry names each copy. ``best.pt`` holds the best weights with their
+``epoch``, ``step``, ``metric`` and ``value``: a resumed run reads the best value from it, so none
+of this lives in the snapshots, which keep only the newest ``SnapshotConfig.keep``.
 """
 
 from __future__ import annotations
@@ -41,8 +27,8 @@ import torch
 
 from ddpkit import _fs as fs
 from ddpkit._errors import ConfigError
-from ddpkit.snapshot._codec import alone
-from ddpkit.snapshot._region import DTYPES
+from ddpkit.distributed import _progress as marks
+from ddpkit.snapshot._codec import DTYPES, alone
 
 FORMATS = ("safetensors", "pt")
 
@@ -72,12 +58,8 @@ def resolve_format(requested: str | None) -> tuple[str | None, str | None]:
 
 
 def plain_tensors(state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """``state``'s tensors on the CPU, contiguous, and none sharing memory with another; and the
-    tied names.
-
-    Returns the tensors and ``{copied name: the name it shared memory with}``. A tensor that shares
-    memory with an earlier one (a tied weight, or two views of one buffer) is copied.
-    """
+    """``state``'s tensors on the CPU, each owning its bytes, and ``{copied name: the name it shared
+    memory with}``: a tensor sharing memory with an earlier one (a tied weight) is copied."""
     out: dict[str, torch.Tensor] = {}
     tied: dict[str, str] = {}
     owners: dict[int, str] = {}  # a storage's address -> the first name that used it
@@ -93,8 +75,7 @@ def plain_tensors(state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], di
             tensor = tensor.clone(memory_format=torch.contiguous_format)
         elif address:
             owners[address] = name
-        out[name] = alone(tensor)
-    # A view gets a copy of its own; a whole tensor (most weights) is written without a copy.
+        out[name] = alone(tensor)  # a view gets a copy of its own
     return out, tied
 
 
@@ -164,21 +145,6 @@ def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
     return torch.load(path, weights_only=True, map_location="cpu")
 
 
-def save_model_weights(
-    weights: Callable[[], Mapping[str, Any]],
-    path: Path,
-    fmt: str,
-    *,
-    is_main: bool,
-    metadata: Mapping[str, Any] | None = None,
-) -> None:
-    """Gather the whole model's weights (``weights``, e.g. ``strategy.model_weights``: a collective
-    under fsdp, so every rank calls this) and write them to ``path`` on the main rank."""
-    state = weights()
-    if is_main:
-        save_weights(path, state, fmt, metadata)
-
-
 def save_final_weights(
     weights: Callable[[], Mapping[str, Any]],
     run_dir: Path,
@@ -189,9 +155,101 @@ def save_final_weights(
     step: int,
 ) -> None:
     """``run_dir/final.safetensors`` (or ``final_weights.pt``) when training ends; nothing when
-    ``fmt`` is None. Every rank calls it (gathering the weights may be a collective)."""
+    ``fmt`` is None. Every rank calls it: ``weights()`` may be a collective (fsdp)."""
     if fmt is not None:
-        metadata = {"epoch": epoch, "step": step}
-        save_model_weights(
-            weights, weights_path(run_dir, "final", fmt), fmt, is_main=is_main, metadata=metadata
-        )
+        state = weights()
+        if is_main:
+            save_weights(
+                weights_path(run_dir, "final", fmt), state, fmt, {"epoch": epoch, "step": step}
+            )
+
+
+# -- the best weights ------------------------------------------------------------------------------
+
+
+def is_better(value: float, best: float | None, mode: str) -> bool:
+    """True if ``value`` improves on ``best`` (None: nothing yet) in direction ``mode`` (``min`` or
+    ``max``). An equal value does not: an epoch retrained after a crash gives the same value
+    again."""
+    return best is None or (value < best if mode == "min" else value > best)
+
+
+class BestWeights:
+    """Writes ``path`` when ``metric`` improves (``mode`` ``min`` or ``max``); only where
+    ``enabled`` (rank 0)."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        metric: str | None,
+        mode: str,
+        enabled: bool,
+        export_path: Path | None = None,
+        export_format: str | None = None,
+    ) -> None:
+        """``export_path``: also write the weights alone there, in ``export_format``."""
+        self.path, self.metric, self.mode = Path(path), metric, mode
+        self.export_path, self.export_format = export_path, export_format
+        # Every rank tracks the best value (the epoch's metrics are agreed, so every rank decides
+        # alike and can join the gather of sharded weights); only an enabled rank writes the file.
+        self.tracking = metric is not None
+        self.enabled = enabled and self.tracking
+        self.value: float | None = None
+        self.epoch: int | None = None
+        self.step: int | None = None
+        self.at_step = False
+        """The best is a step's rather than an epoch's (validation every N steps): the summary says
+        so."""
+
+    def load(self) -> None:
+        """Take the best so far from the file: for a resumed run only (a fresh one replaces a stale
+        file)."""
+        if self.enabled and self.path.exists():
+            saved = torch.load(self.path, weights_only=True)
+            if saved.get("metric") == self.metric:
+                self.value, self.epoch, self.step = (
+                    saved["value"],
+                    saved["epoch"],
+                    saved.get("step"),
+                )
+
+    def update(
+        self,
+        metrics: Mapping[str, Any],
+        weights: Callable[[], Mapping[str, torch.Tensor]],
+        epoch: int,
+        step: int,
+    ) -> bool:
+        """Save ``weights()`` if ``metrics[metric]`` beats the best so far; True if it did. Every
+        rank calls it: ``weights()`` may be a collective (the whole model gathered from its
+        shards)."""
+        metric = self.metric
+        if metric is None:  # not tracking
+            return False
+        if metric not in metrics:
+            raise ConfigError(
+                f"early_stopping.metric={metric!r} is not among the epoch's metrics "
+                f"{sorted(metrics)}"
+            )
+        value = float(metrics[metric])
+        if not is_better(value, self.value, self.mode):
+            return False
+        self.value, self.epoch, self.step = value, epoch, step
+        state = weights()
+        if self.enabled:
+            # rank 0 alone writes while the others wait: the stall watch's long allowance
+            with marks.phase(marks.Phase.EXPORT):
+                self._write(state, metric, value, epoch, step)
+        return True
+
+    def _write(
+        self, state: Mapping[str, Any], metric: str, value: float, epoch: int, step: int
+    ) -> None:
+        state = {k: v.detach().cpu() for k, v in state.items()}
+        info = {"epoch": epoch, "step": step, "metric": metric, "value": value}
+        # best.pt last: a crash between the two leaves the old best value, whose beater writes both
+        if self.export_path is not None and self.export_format is not None:
+            save_weights(self.export_path, state, self.export_format, info)
+        buffer = io.BytesIO()
+        torch.save({"model": state, **info}, buffer)
+        fs.write_atomic(self.path, buffer.getvalue())

@@ -1,17 +1,11 @@
-"""The snapshot folders of a run: their names, the marker that makes one whole, its check, and the
-prune.
+"""A snapshot folder's files: its name, the marker that makes it whole, the marker's check, the
+prune, and the value files (``values.pt``, ``rank{r}.pt``).
 
-The marker is read as data that may lie (a folder can be copied from elsewhere, or edited): every
-name it lists must be a plain file name of the folder (no separator, no ``..``), and every file a
-regular one, opened without following a link and read no further than the size the marker gives. A
-name such as ``../../dev/zero`` would otherwise have the check read forever (a device reports
-size 0) and hold every rank at its next collective.
-
-A folder is trusted by nothing but what it holds: ``step-N`` is the snapshot of step N only if it is
-a folder of its own (not a link), N is written as ddpkit writes it (:func:`folder_name`), and its
-marker records step N. A copy or rename of another step's folder (``cp -a step-00000002
-step-00000099``), or a link to another run's, would otherwise be taken for the newest snapshot,
-loaded in place of the newer whole one and counted among those the prune keeps.
+A folder is trusted by what it holds, never by its name: ``step-N`` is the snapshot of step N only
+if it is a folder of its own (not a link), named as :func:`folder_name` names it, and its marker
+records step N. The marker is read as data that may lie: every name it lists must be a plain file
+name of the folder, and every file a regular one, opened without following a link and read no
+further than the size the marker gives (``../../dev/zero`` would otherwise be read for ever).
 """
 
 from __future__ import annotations
@@ -309,7 +303,7 @@ OWN = "rank{}.pt"
 callbacks' state), by rank. It and :data:`VALUES` are written and read by
 :mod:`ddpkit.snapshot._codec`."""
 INDEX = "metadata.json"
-"""DCP's index of a snapshot, as JSON (:mod:`ddpkit.snapshot._storage` writes and reads it)."""
+"""DCP's index of a snapshot, as JSON (:mod:`ddpkit.snapshot._dcp` writes and reads it)."""
 
 
 def _load_plain(file: Path, folder: Path, map_location: Any) -> Any:

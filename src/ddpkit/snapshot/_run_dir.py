@@ -1,14 +1,7 @@
-"""A run directory belongs to one job at a time.
-
-Two jobs on one ``run_dir`` would interleave their records and resume from each other's snapshots,
-and still exit 0: the group's rank 0 holds an advisory lock (:func:`fcntl.flock`) on
-``run_dir/.lock`` for the life of ``fit()``. The kernel drops it when the process ends, however it
-ends, so a crashed or SIGKILLed job leaves nothing behind and a restarted one takes it again at
-once. (That a snapshot resumes only the run that wrote it is :mod:`ddpkit.snapshot._run_record`'s
-check.)
-
-A run directory that belongs to another user, or that holds a symbolic link where the run writes, is
-refused too (:mod:`ddpkit._fs`): a job's writes and deletions stay inside its own run directory.
+"""A run directory belongs to one job at a time: the group's rank 0 holds an advisory lock
+(:func:`fcntl.flock`) on ``run_dir/.lock`` for the life of ``fit()``, which the kernel drops however
+the process ends. A run directory of another user, or with a symbolic link where the run writes, is
+refused (:mod:`ddpkit._fs`); ``resume=False`` moves the previous run's files aside.
 """
 
 from __future__ import annotations
@@ -39,81 +32,43 @@ class RunDirLock(FolderLock):
         )
 
 
-RUN_FILES = (
-    "snapshots",
-    "metrics.jsonl",
-    "metrics.rewound.jsonl",
-    "epochs.csv",
-    "config.json",
-    "best.pt",
-    "best.safetensors",
-    "best_weights.pt",
-    "final.safetensors",
-    "final_weights.pt",
-    "tensorboard",
-    "loggers.json",
-    "mlflow.db",
-    "wandb",
-    "curves.png",
-)
-"""What a run writes in its run directory (besides ``.lock``): none of it may be a symbolic link."""
-
 PREVIOUS_RUN = (
-    "snapshots",
-    "best.pt",
-    "best.safetensors",
-    "best_weights.pt",
-    "final.safetensors",
-    "final_weights.pt",
-    "metrics.jsonl",
-    "metrics.rewound.jsonl",
-    "epochs.csv",
-    "tensorboard",
-    "loggers.json",
-    "config.json",
-    "curves.png",
-)
+    "snapshots", "best.pt", "best.safetensors", "best_weights.pt", "final.safetensors",
+    "final_weights.pt", "metrics.jsonl", "metrics.rewound.jsonl", "epochs.csv", "tensorboard",
+    "loggers.json", "config.json", "curves.png",
+)  # fmt: skip
 """What ``resume=False`` moves aside: the previous run's state and records, which the new run's
-would otherwise join at the same steps. (``mlflow.db`` and ``wandb/`` are stores of many runs; the
-new run is a new run in them, as ``loggers.json`` is moved.)"""
+would otherwise join at the same steps. ``mlflow.db`` and ``wandb/`` hold many runs: they stay."""
+RUN_FILES = (*PREVIOUS_RUN, "mlflow.db", "wandb")
+"""What a run writes in its run directory (besides ``.lock``): none of it may be a symbolic link."""
 
 
 def claim(
     run_dir: str | os.PathLike, *, is_main: bool, fresh: bool, group: Group = None
 ) -> RunDirLock | None:
     """Lock ``run_dir`` on the group's main rank; with ``fresh`` (``resume=False``) move the
-    previous run aside.
-
-    Refused (on every rank) when the run directory or its ``snapshots/`` belongs to another user, or
-    when anything the run writes there is a symbolic link. Collective over ``group``: the main
-    rank's verdict is broadcast, so every rank raises together rather than the others waiting in
-    their first all-reduce for a rank that has left.
-    """
+    previous run aside. Refused on every rank (the main rank's verdict is broadcast) when the run
+    directory or its ``snapshots/`` belongs to another user, or when anything the run writes there
+    is a symbolic link."""
     lock: RunDirLock | None = None
     error: tuple[str, int | None] | None = None
     if is_main:
         path = Path(run_dir)
         lock = RunDirLock(path)
         try:
-            # Checked before the lock file is made: nothing is created in another user's folder.
+            # before the lock file is made: nothing is created in another user's folder
             fs.check_owned(path, "run_dir", follow=True, kind="run_dir")
             lock.acquire()
             for name in RUN_FILES:
-                fs.check_owned(
-                    path / name,
-                    "the snapshots folder" if name == "snapshots" else "",
-                    follow=False,
-                    kind="run_dir",
-                )
+                what = "the snapshots folder" if name == "snapshots" else ""
+                fs.check_owned(path / name, what, follow=False, kind="run_dir")
             if fresh:
                 _set_aside_previous_run(path)
         except ConfigError as err:
             lock.release()
             lock, error = None, (str(err), None)
         except OSError as err:
-            # An error of the machine (a full disk, a read-only file system) stays an OSError on
-            # every rank: a caller such as a search tells it from a mistake in the config by its
-            # errno.
+            # stays an OSError on every rank: a search tells the machine's errors by their errno
             lock.release()
             lock, error = (
                 None,
@@ -129,10 +84,8 @@ def claim(
 
 
 def _set_aside_previous_run(run_dir: Path) -> None:
-    # Left in place, an old run's snapshots of later steps would be "newer" than this run's and be
-    # pruned last or resumed first, and its records would be followed by this run's at the same
-    # steps (two curves drawn as one); deleting them would destroy what the user may still want. The
-    # folder they go to has the layout of a run directory: `ddpkit plot` draws it.
+    # left, an old run's later snapshots would be resumed first; the folder they go to is laid out
+    # as a run directory: `ddpkit plot` draws it
     snapshots = run_dir / "snapshots"
     present = [
         name

@@ -1,12 +1,7 @@
-"""What a run was built with, recorded in every snapshot, and the check that a snapshot resumes only
-that run.
-
-A script rerun with another config (another learning rate, a resized layer, another activation) on a
-run directory that already holds snapshots would otherwise "resume" the old run and exit 0.
-:class:`RunRecord` holds what this run asks for: the config, the optimizer's hyper-parameters as the
-script built them, the model's tensor shapes and the class of each of its modules.
-:meth:`RunRecord.check` compares it with a snapshot's and refuses with every difference named and
-the ways out.
+"""What a run was built with, recorded in every snapshot, and the one check that a snapshot resumes
+only that run (:meth:`RunRecord.check`): a rerun with another learning rate, a resized layer or
+another activation on a run directory that holds snapshots is refused, naming every difference,
+rather than "resumed" with exit code 0.
 """
 
 from __future__ import annotations
@@ -142,7 +137,7 @@ def flat_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 @dataclass(frozen=True)
 class RunRecord:
     """What this run asks for, as a snapshot records it (``state_dict()``) and a resume checks it
-    (:meth:`check`)."""
+    (:meth:`check`): a Trainer's (:meth:`of`) or a hand loop's (:meth:`of_loop`)."""
 
     config: dict[str, Any]
     """``TrainerConfig.to_json()``."""
@@ -152,6 +147,10 @@ class RunRecord:
     optimizer_settings: list[dict[str, str]] | None = None
     """What a resume compares the optimizer by (:func:`optimizer_settings`); ``optimizer_hparams``
     is compared only with a snapshot that holds no settings."""
+    parts: list[str] | None = None
+    """A hand loop's parts by name (``Snapshots``' schedulers, loader, ``extra``)."""
+    own: list[str] | None = None
+    """A hand loop's parts each rank keeps its own of (``Snapshots(own=...)``)."""
 
     @classmethod
     def of(
@@ -172,14 +171,21 @@ class RunRecord:
             optimizer_settings(optimizer) if named is None else named_settings(named),
         )
 
+    @classmethod
+    def of_loop(cls, parts: list[str], own: list[str], model: torch.nn.Module) -> RunRecord:
+        """The record of a hand loop: its parts, its own parts, and ``model`` unwrapped."""
+        shapes = tensor_shapes(model.state_dict())
+        return cls({}, [], shapes, module_types(model), None, sorted(parts), sorted(own))
+
     def state_dict(self) -> dict[str, Any]:
-        return {
+        state = {
             "config": self.config,
             "optimizer_hparams": self.optimizer_hparams,
             "model_shapes": self.model_shapes,
             "module_types": self.module_types,
             "optimizer_settings": self.optimizer_settings,
         }
+        return state if self.parts is None else state | {"parts": self.parts, "own": self.own}
 
     def precision_change(self, saved: Mapping[str, Any]) -> tuple[str, str] | None:
         """``(snapshot's precision, this run's)`` when they differ, else None.
@@ -218,6 +224,16 @@ class RunRecord:
         problems += _model_differences(saved.get("model_shapes") or {}, self.model_shapes)
         if saved.get("module_types") is not None:
             problems += _module_differences(saved["module_types"], self.module_types)
+        for what in ("parts", "own"):
+            was, now = saved.get(what), getattr(self, what)
+            if (was is not None or now is not None) and was != now:
+                problems.append(f"{what}: {was} in the snapshot, {now} now")
+        if problems and self.parts is not None:
+            raise ConfigError(
+                f"ddpkit: {snapshot} holds another loop's snapshots:\n  "
+                + "\n  ".join(problems[:12])
+                + "\nBuild Snapshots with the same parts and model, or give another run_dir"
+            )
         if problems:
             allowed = ", ".join(sorted(RESUMABLE_CHANGES - {"run_dir", "resume"}))
             listed = "\n  ".join(

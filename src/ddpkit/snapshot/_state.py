@@ -1,15 +1,23 @@
-"""Where training stands: the counters a snapshot restores next to the model and optimizer, and
-every rank's own state (its random streams, and the parts each rank keeps its own of)."""
+"""Where training stands, and when a snapshot of it is due: the counters (:class:`TrainState`),
+every rank's own state (:class:`RankStreams`: its random streams, and the parts each rank keeps its
+own of), the snapshot settings (:class:`SnapshotConfig`) and every decision "is a snapshot due now?"
+(:class:`SnapshotSchedule`).
+
+A step's snapshot that falls on an epoch's last step is taken at the epoch's end instead, after its
+validation and the scheduler's step, whether or not that epoch's end is due on its own; the same
+position (epoch, step, cursor) is never written twice. A launcher's notice of a coming pre-emption
+(:func:`ddpkit.distributed._signals.preemption_notice`) makes the next snapshot due at once.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
 import torch
 
-from ddpkit._errors import ConfigError
+from ddpkit._errors import ConfigError, check_fields, check_types
 from ddpkit.distributed._collectives import all_gather_object
 from ddpkit.distributed._runtime import Runtime
 from ddpkit.distributed._seeding import rng_state, set_rng_state, stream_seed
@@ -53,16 +61,12 @@ class RankStreams:
     each rank keeps its own (the unagreed training losses, the callbacks' and the script's
     ``extra_state``).
 
-    ``state_dict()`` gathers them (a collective). At the same world size each rank gets its own back
-    and the run continues bit for bit; at another, rank ``r``'s stream has no counterpart in the old
-    run, so each is reseeded from ``(seed, step, rank)``: reproducible, and equal to the
-    uninterrupted run only within tolerance. An own part then gets every old rank's state through
-    ``load_rank_states(states, rank)`` where it has that method; otherwise rank ``r`` takes old rank
-    ``r``'s state, and a rank beyond the old world size gets what ``new_rank_state`` says (the
-    part's own ``new_rank_state`` attribute first): ``refuse`` (every rank refuses the resume,
-    naming the parts), ``copy`` (rank 0's state) or ``fresh`` (its state as built, with a warning
-    naming the parts; :attr:`fresh_parts`). Never silently fresh: a model kept in ``extra_state``
-    would keep its initial weights on the new rank and train a different model there.
+    ``state_dict()`` gathers them (a collective). At the same world size each rank gets its own
+    back; at another, each stream is reseeded from ``(seed, step, rank)``, and an own part gets
+    every old rank's state through its ``load_rank_states(states, rank)``, else old rank ``r``'s,
+    and a rank beyond the old world what ``new_rank_state`` says (the part's own attribute first):
+    ``refuse``, ``copy`` (rank 0's) or ``fresh`` (with a warning; :attr:`fresh_parts`), never
+    silently fresh.
     """
 
     def __init__(
@@ -178,13 +182,117 @@ class RankStreams:
 
 
 def _own(value: Any, name: str) -> Any:
-    """A copy of a part's ``state_dict()`` as a resume gives it back (:func:`codec.copied`): a
-    snapshot in memory or gathered by ``state_dict()`` holds what a disk snapshot's load would give,
-    tensors on the CPU (gathered to every rank and pickled, a device tensor would be re-created on
-    the device of the rank that saved it), and no type is lost on the way. A value the codec cannot
-    hold is left as it is: the snapshot refuses it on every rank together, naming it
-    (``SnapshotManager``), where refusing here would leave the other ranks waiting."""
+    """A copy of a part's ``state_dict()`` as a load gives it back (:func:`codec.copied`: tensors on
+    the CPU, no type lost). A value the codec cannot hold is left for the snapshot to refuse on
+    every rank together, by name, where refusing here would leave the other ranks waiting."""
     try:
         return codec.copied(value, f"own.{name}")
     except codec.UnsupportedValue:
         return value
+
+
+# -- when a snapshot is due ------------------------------------------------------------------------
+
+_ALWAYS_SAVED = ("max_steps", "signal", "early_stopping")
+"""Stops (``ddpkit.training.StopReason``) that snapshot whatever the intervals: a restart must find
+where they stopped."""
+
+
+@dataclass(kw_only=True)
+class SnapshotConfig:
+    """When the Trainer snapshots, how many it keeps, and how it writes them."""
+
+    every_steps: int | None = None
+    """Also snapshot every this many optimizer steps (None: at epoch ends only)."""
+    every_epochs: int = 1
+    """Snapshot every this many epochs; 0 turns epoch-end snapshots off."""
+    keep: int = 2
+    """Whole snapshots kept in ``run_dir/snapshots``; older ones are removed once a newer one is
+    whole."""
+    async_write: bool = True
+    """Write in a background thread: the step waits only while the state is copied to host
+    memory."""
+    memory: bool = False
+    """Also copy the state into shared memory on the node after steps (under ``ddpkit run``, which
+    keeps a folder there for the job): a restarted worker resumes from it when it is newer than the
+    newest disk snapshot, so a failure loses at most ``memory_every_steps`` steps
+    (:mod:`ddpkit.snapshot._memory`)."""
+    memory_every_steps: int | None = None
+    """Copy to memory every this many optimizer steps; None: every step, unless the first copies
+    hold the loop longer than 5% of a step, then the smallest interval that keeps them within."""
+
+    def __post_init__(self) -> None:
+        check_types(self)
+        check_fields(
+            self,
+            {
+                "every_steps": self.every_steps is None or self.every_steps >= 1,
+                "every_epochs": self.every_epochs >= 0,
+                "keep": self.keep >= 1,
+                "memory_every_steps": self.memory_every_steps is None
+                or self.memory_every_steps >= 1,
+            },
+        )
+
+
+@dataclass
+class SnapshotSchedule:
+    """Says when a snapshot (on disk, or in memory) is due; every rank asks with the same values and
+    gets the same answer, so every rank saves after the same steps."""
+
+    every_steps: int | None = None
+    every_epochs: int = 1
+    memory_every_steps: int = 1
+    """The interval of the copies in memory, once chosen."""
+    notice: str | None = None
+    """A pre-emption notice not yet acted on: the next :meth:`after_step` or :meth:`at_epoch_end` is
+    due."""
+    _saved_at: tuple[int, int, int] | None = field(default=None, repr=False)
+
+    @classmethod
+    def of(cls, config: SnapshotConfig) -> SnapshotSchedule:
+        return cls(config.every_steps, config.every_epochs, config.memory_every_steps or 1)
+
+    def _step_due(self, step: int) -> bool:
+        return self.every_steps is not None and step % self.every_steps == 0
+
+    def after_step(self, step: int, taken: bool, last_in_epoch: bool) -> bool:
+        """A disk snapshot right after optimizer step ``step`` (the count once it is taken) inside
+        an epoch. At the epoch's last step: no, :meth:`at_epoch_end` decides, counting this step."""
+        return taken and not last_in_epoch and (self._step_due(step) or self.notice is not None)
+
+    def at_epoch_end(
+        self, epochs_done: int, step: int, last_step_taken: bool, stopping: bool
+    ) -> bool:
+        """A disk snapshot at the end of epoch number ``epochs_done`` (counted from 1), whose last
+        step made the count ``step``: due by the epochs' interval, by the steps' (the epoch's last
+        step), or a stop."""
+        by_epochs = self.every_epochs > 0 and epochs_done % self.every_epochs == 0
+        return (
+            by_epochs
+            or (last_step_taken and self._step_due(step))
+            or stopping
+            or self.notice is not None
+        )
+
+    def at_stop(self, reason: str | None) -> bool:
+        """A disk snapshot where training ends: always after ``max_steps``, a stop signal or early
+        stopping; after the last epoch or a callback's stop, when snapshots are on at all (either
+        interval)."""
+        if reason in _ALWAYS_SAVED:
+            return True
+        return self.every_steps is not None or self.every_epochs > 0
+
+    def in_memory(self, step: int, taken: bool) -> bool:
+        """A copy in memory after optimizer step ``step``."""
+        return taken and step % self.memory_every_steps == 0
+
+    def new_position(self, position: tuple[int, int, int]) -> bool:
+        """Whether ``position`` has not been written yet (a save there is then due); false after
+        :meth:`written` of the same position, so that an epoch end and a stop at the same step write
+        once."""
+        return position != self._saved_at
+
+    def written(self, position: tuple[int, int, int]) -> None:
+        """``position`` is on disk (saved, or the snapshot a run resumed from)."""
+        self._saved_at, self.notice = position, None

@@ -32,7 +32,7 @@ from ddpkit._internals.optim import mark_stepped_like
 PER_RANK = "per_rank"
 """Key of the part of a strategy's state that is each rank's own (its shards' keys, its own
 buffers): a snapshot saves rank 0's in the shared key's place and each other rank's under its own
-name (:mod:`ddpkit.snapshot._layout`)."""
+name (:mod:`ddpkit.snapshot._disk`)."""
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class Strategy(Protocol):
     replicated: bool
     """Every rank holds the same model and optimizer state, outside its per-rank part (DDP): a
     snapshot then has each rank write a share of it
-    (:func:`~ddpkit.snapshot._layout.writer_of_shared`)."""
+    (:func:`~ddpkit.snapshot._disk.writer_of_shared`)."""
     model: nn.Module
     """The wrapped model: call it for the forward pass."""
     optimizer: torch.optim.Optimizer
@@ -82,7 +82,7 @@ class Strategy(Protocol):
         that has run out of data shadows the others' collectives until all are done."""
 
     def state_dict(self) -> dict[str, Any]:
-        """Model and optimizer state for :class:`~ddpkit.snapshot._manager.SnapshotManager`: tensors
+        """Model and optimizer state for :class:`~ddpkit.snapshot.SnapshotManager`: tensors
         may be shards (DTensors), so every rank saves its own part and a load reshards. Values that
         have one name on every rank but may differ between ranks (buffers: BatchNorm's running
         statistics) go in the ``per_rank`` part (:data:`PER_RANK`), as

@@ -21,8 +21,7 @@ from typing import Any, Literal
 from ddpkit._errors import ConfigError, check_types
 from ddpkit._errors import check_fields as _check
 from ddpkit.data._fingerprint import OnDataChange
-from ddpkit.snapshot._schedule import SnapshotConfig
-from ddpkit.snapshot._state import NEW_RANK_STATES, NewRankState
+from ddpkit.snapshot._state import NEW_RANK_STATES, NewRankState, SnapshotConfig
 from ddpkit.strategies import StrategyConfig, strategy_config
 
 

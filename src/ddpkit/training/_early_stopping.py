@@ -1,8 +1,8 @@
 """Early stopping: training ends once a validation metric has not improved for ``patience`` epochs
 (or validations, with ``TrainerConfig.val_every_steps``).
 
-It shares its metric, its direction and its comparison (:func:`~ddpkit.snapshot._best.is_better`)
-with the best weights the run keeps (:class:`~ddpkit.snapshot._best.BestWeights`): the epoch that
+It shares its metric, its direction and its comparison (:func:`~ddpkit.snapshot._export.is_better`)
+with the best weights the run keeps (:class:`~ddpkit.snapshot._export.BestWeights`): the epoch that
 resets the patience is the epoch whose weights ``best.pt`` holds.
 """
 
@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ddpkit._errors import ConfigError
-from ddpkit.snapshot._best import is_better
+from ddpkit.snapshot._export import is_better
 from ddpkit.training._config import EarlyStoppingConfig
 
 

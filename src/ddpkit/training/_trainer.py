@@ -44,8 +44,8 @@ from ddpkit.distributed._seeding import seed_rank
 from ddpkit.nn._dropout import convert_dropout
 from ddpkit.snapshot import _run_dir as run_dir_lib
 from ddpkit.snapshot._run_record import RunRecord, write_resolved_config
+from ddpkit.snapshot._snapshots import Snapshots, resumes
 from ddpkit.snapshot._state import RankStreams, TrainState
-from ddpkit.snapshot._trainer import TrainerSnapshots, resumes
 from ddpkit.strategies import Strategy, build_strategy
 from ddpkit.strategies._several import SeveralModels
 from ddpkit.tracking._metrics import MetricsWriter
@@ -219,10 +219,11 @@ class Trainer:
             "early_stopping": self.early_stopping, "validation": self.validation,
             "scheduler": scheduler, "scaler": self.scaler, "records": self.writer,
         }  # fmt: skip
-        self.snapshots = TrainerSnapshots(
-            self.run_dir, config.snapshot, runtime=rt, strategy=self.strategy, train=self.state,
-            states=states, record=record, global_micro_batch=self.sampler.global_batch_size,
-            log=self.writer.log, print0=partial(print0, group=self.group),
+        self.snapshots = Snapshots.of_trainer(
+            self.run_dir, config.snapshot, runtime=rt, strategy=self.strategy,
+            states={"train": self.state, **states}, record=record,
+            global_micro_batch=self.sampler.global_batch_size, log=self.writer.log,
+            print0=partial(print0, group=self.group),
         )  # fmt: skip
         self.memory = self.snapshots.memory  # copies in shared memory after steps (None: off)
         self.optimizer_step = OptimizerStep(
@@ -261,7 +262,7 @@ class Trainer:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything the next step needs (collective); see
-        :class:`~ddpkit.snapshot._trainer.TrainerSnapshots`."""
+        :meth:`~ddpkit.Snapshots.state_dict`."""
         return self.snapshots.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -298,7 +299,9 @@ class Trainer:
 
     def _fit(self) -> dict[str, float]:
         cfg, rt = self.config, self.runtime
-        if self._resuming and self.snapshots.resume(self.load_state_dict):
+        if self._resuming:
+            self.snapshots.resume(self.load_state_dict)
+        if self.resumed_from is not None:
             # accepted (on_data_change="restart_epoch"): the epoch from its start,
             if self.loader.data_changes:
                 # and its loss counted afresh (what was agreed belongs to the old data's order)
@@ -351,7 +354,7 @@ class Trainer:
         self.writer.log("event", self.step, {"event": "stop", "reason": str(reason)})
         self.writer.flush()
         call(self.callbacks, "on_fit_end", self)
-        self.snapshots.close()  # what a restart needs from here on is on disk
+        self.snapshots.close(finished=True)  # what a restart needs from here on is on disk
         if self.stopped_by != StopReason.SIGNAL:
             speed = self.speed.run.summary()  # the slowest rank over the run
             print0(

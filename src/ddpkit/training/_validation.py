@@ -36,7 +36,7 @@ from ddpkit.distributed._collectives import broadcast_object
 from ddpkit.distributed._log import print0
 from ddpkit.distributed._runtime import Runtime
 from ddpkit.snapshot import _export as export
-from ddpkit.snapshot._best import BestWeights
+from ddpkit.snapshot._export import BestWeights
 from ddpkit.strategies._base import Strategy
 from ddpkit.training._config import TrainerConfig
 from ddpkit.training._early_stopping import EarlyStopping

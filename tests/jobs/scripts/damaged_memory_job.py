@@ -22,8 +22,8 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-import ddpkit.snapshot._memory.slot as mslot
-import ddpkit.snapshot._memory.store as ms
+import ddpkit.snapshot._slots as ms
+import ddpkit.snapshot._slots as mslot
 from tests.jobs.scripts import memory_job
 
 
@@ -57,9 +57,9 @@ def _lie_about_layout(path: Path) -> None:
 def main() -> None:
     mode, step = os.environ["DDPKIT_TEST_DAMAGE"].split(":")
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    save = ms.MemoryStore.save
+    save = ms.Slots.save
 
-    def damaging_save(self: ms.MemoryStore, values: dict[str, Any], *args: Any) -> None:
+    def damaging_save(self: ms.Slots, values: dict[str, Any], *args: Any) -> None:
         save(self, values, *args)
         if not (first_attempt and self.rank == 0 and values["step"] == int(step)):
             return
@@ -72,7 +72,7 @@ def main() -> None:
             (_lie_about_layout if mode == "manifest" else _lie_about_weight)(slot.path)
         os.kill(os.getpid(), signal.SIGKILL)
 
-    ms.MemoryStore.save = damaging_save  # type: ignore[method-assign]
+    ms.Slots.save = damaging_save  # type: ignore[method-assign]
     memory_job.main()
 
 

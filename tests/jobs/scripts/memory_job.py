@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import ddpkit
-import ddpkit.snapshot._memory.snapshots
-import ddpkit.snapshot._memory.store
+import ddpkit.snapshot._memory
+import ddpkit.snapshot._slots
 from tests.jobs.scripts.train_job import train
 
 
@@ -69,7 +69,7 @@ class StepRecord:
 def kill_inside_copy(step: int, log: str) -> Any:
     """SIGKILL this process half-way through the copy of ``step`` into memory (first attempt
     only)."""
-    copy = ddpkit.snapshot._memory.store.copy_tensors
+    copy = ddpkit.snapshot._slots.copy_tensors
 
     def dying_copy(dests, sources):
         if (
@@ -81,7 +81,7 @@ def kill_inside_copy(step: int, log: str) -> Any:
             _sigkill(log, f"in-copy-step{step}")
         copy(dests, sources)
 
-    ddpkit.snapshot._memory.store.copy_tensors = dying_copy
+    ddpkit.snapshot._slots.copy_tensors = dying_copy
     return dying_copy
 
 
@@ -125,7 +125,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     a = parse_args()
     if a.stall_budget is not None:
-        ddpkit.snapshot._memory.snapshots.STALL_BUDGET = a.stall_budget
+        ddpkit.snapshot._memory.STALL_BUDGET = a.stall_budget
     rank = int(os.environ.get("RANK", "0"))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     Path(a.log, f"pid-rank{rank}-attempt{attempt}").write_text(str(os.getpid()))

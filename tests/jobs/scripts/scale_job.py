@@ -67,8 +67,8 @@ def instrument() -> None:
     else changes: each wrapper calls the original."""
     import torch.distributed.checkpoint as dcp
 
-    from ddpkit.snapshot import _manager as manager
-    from ddpkit.snapshot import _storage as storage
+    from ddpkit.snapshot import _dcp as storage
+    from ddpkit.snapshot import _disk as manager
 
     def after(owner, name: str, stage: str, before: str | None = None) -> None:
         original = getattr(owner, name)
@@ -93,17 +93,17 @@ def instrument() -> None:
     after(manager.SnapshotManager, "latest", "found and verified")
     after(storage.Reader, "read_data", "read", before="planned")
 
-    # A copy in memory: its CPU time (the Trainer keeps its wall time, MemorySnapshots.stalls).
-    from ddpkit.snapshot._memory.snapshots import MemorySnapshots
+    # A copy in memory: its CPU time (the Trainer keeps its wall time, MemoryStore.stalls).
+    from ddpkit.snapshot._memory import MemoryStore
 
-    original = MemorySnapshots._save_timed
+    original = MemoryStore._save_timed
 
-    def save_timed(self):
+    def save_timed(self, snapshots):
         c0 = time.process_time()
-        original(self)
+        original(self, snapshots)
         COPY_CPU.append(time.process_time() - c0)
 
-    MemorySnapshots._save_timed = save_timed
+    MemoryStore._save_timed = save_timed
 
 
 COPY_CPU: list[float] = []
@@ -148,7 +148,7 @@ def main() -> None:
     import torch
 
     import ddpkit
-    from ddpkit.snapshot._manager import SnapshotManager
+    from ddpkit.snapshot._disk import SnapshotManager
     from ddpkit.training._config import LoggingConfig, SnapshotConfig, TrainerConfig
 
     mark("imports")
@@ -198,7 +198,7 @@ def main() -> None:
             STAGES.mark("end")
             mark("timed", what=name, repeat=i, stages=STAGES.stop())
 
-    # What TrainerSnapshots.save hands the manager: the strategy's state (DCP's part), the rest,
+    # What Snapshots.save hands the disk store: the strategy's state (DCP's part), the rest,
     # each rank's own.
     state, extra, own = trainer.snapshots.disk_parts()
     shared = {"replicated": trainer.strategy.replicated, "own": own}

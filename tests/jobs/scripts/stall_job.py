@@ -120,7 +120,7 @@ if mode == "main-first":
 
 
 if mode.startswith("trainer"):
-    from ddpkit.snapshot._schedule import SnapshotConfig
+    from ddpkit.snapshot._state import SnapshotConfig
     from ddpkit.training._config import EarlyStoppingConfig, LoggingConfig, TrainerConfig
     from ddpkit.training._trainer import Trainer
 

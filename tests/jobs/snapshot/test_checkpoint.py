@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 
 import ddpkit
-from ddpkit.snapshot._layout import PER_RANK
-from ddpkit.snapshot._manager import (
+from ddpkit.snapshot._disk import (
+    PER_RANK,
     SnapshotManager,
     SnapshotWriteError,
 )
@@ -36,7 +36,7 @@ def test_a_crash_during_a_background_write_leaves_the_previous_snapshot(tmp_path
     code = textwrap.dedent(f"""
         import os, signal, torch
         import ddpkit._fs
-        from ddpkit.snapshot._manager import SnapshotManager
+        from ddpkit.snapshot._disk import SnapshotManager
         write = ddpkit._fs.write_atomic
         def dying(path, data, **kw):
             if path.name == "complete.json" and "00000006" in str(path):

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpkit.snapshot._memory import folder as mf
+from ddpkit.snapshot import _slots as mf
 from ddpkit.testing import run_job
 from tests.jobs.scripts.epoch_end_job import EPOCHS, write_records
 

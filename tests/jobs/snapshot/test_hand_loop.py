@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpkit.snapshot._memory import folder as memory_folder
+from ddpkit.snapshot import _slots as memory_folder
 from tests.jobs.scripts.hand_loop_job import EPOCHS, GLOBAL_BATCH, N_SAMPLES
 
 JOB = str(Path(__file__).parents[1] / "scripts" / "hand_loop_job.py")

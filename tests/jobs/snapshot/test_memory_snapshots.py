@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpkit.snapshot import _region as region
-from ddpkit.snapshot._memory import folder as mf
-from ddpkit.snapshot._memory import slot as mslot
-from ddpkit.snapshot._memory import store as ms
+from ddpkit.snapshot import _codec as region
+from ddpkit.snapshot import _slots as mf
+from ddpkit.snapshot import _slots as ms
+from ddpkit.snapshot import _slots as mslot
 from ddpkit.testing import run_job as launch
 from ddpkit.testing import wait_until
 from tests.jobs.scripts.train_job import N_SAMPLES
@@ -44,7 +44,7 @@ STEPS = 30  # 3 epochs of 10 steps; no disk snapshot unless asked
 
 KILL_IN_COPY = textwrap.dedent("""
     import os, signal, torch
-    from ddpkit.snapshot._memory import store as ms
+    from ddpkit.snapshot import _slots as ms
     from tests.unit.snapshot.test_memory_snapshots import save, store
     st = store({folder!r})
     tensors = [torch.full((4096,), 1.0), torch.full((4096,), 1.0)]
@@ -459,22 +459,22 @@ def test_zero_and_fsdp_resume_a_killed_worker_from_memory_bitwise(tmp_path, job_
 
 def _peers_job(roots: list[str], protocol: bool) -> tuple[int, bool]:
     """train_job's model for 6 steps with peers on; rank r's memory folder is ``roots[r]``."""
-    from ddpkit.snapshot._memory import snapshots as memory_snapshots
+    from ddpkit.snapshot import _memory as memory_snapshots
     from tests.jobs.scripts.train_job import train
 
     rank = int(os.environ["RANK"])
     os.environ[mf.DIR_ENV], os.environ[mf.KEY_ENV] = roots[rank], "job"
     # the control: a rank that stops just stops, as if saves were not collective with peers
     if not protocol:
-        original = memory_snapshots.MemorySnapshots.save
+        original = memory_snapshots.MemoryStore.save_step
 
-        def save(self):
+        def save(self, snapshots):
             self._leave_next = False
             if self.enabled:
-                original(self)
+                original(self, snapshots)
                 self._leave_next = False
 
-        memory_snapshots.MemorySnapshots.save = save  # type: ignore[method-assign]
+        memory_snapshots.MemoryStore.save_step = save  # type: ignore[method-assign]
     held = []
 
     def hook(trainer):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import ddpkit
-from ddpkit.snapshot._manager import MARKER
+from ddpkit.snapshot._disk import MARKER
 from tests.jobs.scripts.train_job import train
 
 VICTIM_TEXT = "a file of someone else's, outside the run directory\n"

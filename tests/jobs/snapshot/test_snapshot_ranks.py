@@ -18,7 +18,7 @@ from torch import nn
 import ddpkit
 from ddpkit._internals.versions import TORCH_VERSION
 from ddpkit.snapshot import _codec as codec
-from ddpkit.snapshot._manager import SnapshotManager
+from ddpkit.snapshot._disk import SnapshotManager
 from ddpkit.strategies import build_strategy
 from ddpkit.strategies._base import join_own
 from ddpkit.strategies._fsdp import FSDP_ON_CPU

@@ -164,7 +164,7 @@ def _journal(folder: Path) -> None:
 
 
 def _snapshot_file(folder: Path) -> None:
-    from ddpkit.snapshot._storage import _open_stream
+    from ddpkit.snapshot._dcp import _open_stream
 
     with _open_stream(folder / "__0_0.distcp", "wb") as f:
         f.write(b"tensors\n")

@@ -16,8 +16,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ddpkit._errors import ConfigError
-from ddpkit.snapshot import _storage as dcp_files
-from ddpkit.snapshot._manager import (
+from ddpkit.snapshot import _dcp as dcp_files
+from ddpkit.snapshot._disk import (
     INDEX,
     MARKER,
     VALUES,
@@ -385,7 +385,7 @@ def test_a_snapshot_folder_that_cannot_be_made_is_named(tmp_path):
 
 
 def test_shared_tensors_are_each_written_by_one_rank_with_the_bytes_spread_evenly():
-    from ddpkit.snapshot._layout import stored_parts, writer_of_shared
+    from ddpkit.snapshot._disk import stored_parts, writer_of_shared
 
     sizes = [(("model", f"w{i}"), 4 * (i % 7 + 1)) for i in range(50)]
     writer = writer_of_shared(sizes, 4)

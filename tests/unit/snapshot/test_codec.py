@@ -33,11 +33,11 @@ from hypothesis.extra import numpy as hnp
 import ddpkit
 from ddpkit._errors import ConfigError
 from ddpkit.snapshot import _codec as codec
+from ddpkit.snapshot import _codec as region
 from ddpkit.snapshot import _export as export
-from ddpkit.snapshot import _region as region
-from ddpkit.snapshot._manager import SnapshotManager
-from ddpkit.snapshot._memory import slot as mslot
-from ddpkit.snapshot._memory import store as ms
+from ddpkit.snapshot import _slots as ms
+from ddpkit.snapshot import _slots as mslot
+from ddpkit.snapshot._disk import SnapshotManager
 from ddpkit.snapshot._state import RankStreams, TrainState
 from tests.fuzz import examples
 
@@ -324,7 +324,7 @@ def through_disk(value: Any, folder: pathlib.Path) -> Any:
 
 def through_memory(value: Any, folder: pathlib.Path) -> Any:
     """A memory snapshot's slot: the skeleton in its values and the tensors in its data region, as
-    MemorySnapshots._save writes them and memory.resume reads them; and the blob ranks exchange."""
+    MemoryStore._save writes them and MemoryStore._read reads them; and the blob ranks exchange."""
     extra: list[torch.Tensor] = []
     try:
         skeleton = codec.encode({"own": value}, extra)
@@ -334,7 +334,7 @@ def through_memory(value: Any, folder: pathlib.Path) -> Any:
     held = [torch.ones(3), *extra]  # the strategy's tensors first, then the values'
     specs, size = region.layout(held)
     manifest = {"specs": [[s.dtype, list(s.shape), s.offset] for s in specs], "data_size": size}
-    store = ms.MemoryStore(folder, job="j", run="r", rank=0, world_size=1)
+    store = ms.Slots(folder, job="j", run="r", rank=0, world_size=1)
     store.save(
         {"step": 1, "position": [0, 1, 1], "peers": False, "values": skeleton}, held, manifest, 1
     )
@@ -587,7 +587,7 @@ def fit_with_memory(tmp: pathlib.Path, value: Any, monkeypatch: Any) -> None:
     """A Trainer of one process whose snapshots in memory are on (a memory folder, as
     ``ddpkit run``'s agent makes one): their first save is after step 1, the first disk snapshot at
     the epoch's end (step 4)."""
-    from ddpkit.snapshot._memory import folder as memory_folder
+    from ddpkit.snapshot import _slots as memory_folder
     from ddpkit.training._config import LoggingConfig, SnapshotConfig, TrainerConfig
 
     (tmp / "mem").mkdir()

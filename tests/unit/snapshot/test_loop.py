@@ -137,7 +137,7 @@ def stop_signal(folder: str) -> tuple[int, int | None]:
                     os.kill(os.getpid(), signal.SIGUSR1)
                 snapshots.step()
     except ddpkit.Preempted as stopped:
-        found = snapshots.manager.latest()
+        found = snapshots.disk.latest()
         return stopped.step, None if found is None else found.step
     return -1, None
 
@@ -240,7 +240,7 @@ def two_models_or_a_strategy(folder: str, kind: str) -> bool:
             for s in schedulers:
                 s.step()
         snapshots.close()
-        return {"model": snapshots.model.state_dict()}
+        return {"model": snapshots.strategy.state_dict()}
 
     reference = run(f"{folder}/reference")
     run(f"{folder}/run", stop_after=5)

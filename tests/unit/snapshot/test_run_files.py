@@ -14,7 +14,7 @@ import pytest
 from ddpkit import _fs as run_files
 from ddpkit._errors import ConfigError
 from ddpkit.snapshot import _folders as folders
-from ddpkit.snapshot._manager import MARKER, SnapshotManager
+from ddpkit.snapshot._disk import MARKER, SnapshotManager
 from ddpkit.snapshot._run_dir import RunDirLock, claim
 from ddpkit.tracking._metrics import MetricsWriter
 

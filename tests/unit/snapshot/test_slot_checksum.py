@@ -1,5 +1,5 @@
 """The memory slot's tensor checksum: a CRC-32C per block
-(:func:`ddpkit.snapshot._memory.slot.block_crcs`). Every change of 1, 2 or 3 bits and every burst of
+(:func:`ddpkit.snapshot._slots.block_crcs`). Every change of 1, 2 or 3 bits and every burst of
 up to 32 bits in a slot's tensor bytes, anywhere, across block boundaries too, is refused by the
 slot reader. Control: changes that cancel within one block (+x in one int64 word, -x in another)
 passed the block sums before (kept here as ``block_sums``), and are refused now.
@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from ddpkit.snapshot._memory import slot as mslot
-from ddpkit.snapshot._memory import store as ms
+from ddpkit.snapshot import _slots as ms
+from ddpkit.snapshot import _slots as mslot
 
 SIZE = 3 * mslot.BLOCK + 4096 + 8  # four blocks, the last one short
 
@@ -37,7 +37,7 @@ def slot(tmp_path_factory) -> tuple[bytes, int]:
     """A slot's bytes as a save writes them, holding SIZE random bytes, and its data region's
     offset."""
     folder = tmp_path_factory.mktemp("slots")
-    st = ms.MemoryStore(folder, job="job-a", run="run-a", rank=0, world_size=1)
+    st = ms.Slots(folder, job="job-a", run="run-a", rank=0, world_size=1)
     weights = torch.from_numpy(np.random.default_rng(0).integers(0, 256, SIZE, dtype=np.uint8))
     manifest = {"specs": [["torch.uint8", [SIZE], 0]], "data_size": SIZE}
     st.save(
@@ -224,8 +224,7 @@ def test_the_block_size_is_within_crc32cs_distance_4_length():
 
 def test_import_ddpkit_does_not_load_the_crc_package():
     code = (
-        "import sys, ddpkit, ddpkit.snapshot._memory.store; assert 'crc32c' not in sys.modules, "
-        "'loaded'"
+        "import sys, ddpkit, ddpkit.snapshot._slots; assert 'crc32c' not in sys.modules, 'loaded'"
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]

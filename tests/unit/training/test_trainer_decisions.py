@@ -91,7 +91,7 @@ def test_snapshots_exist_after_every_step_the_intervals_name(
 
 
 def test_the_schedule_defers_an_epochs_last_step_to_its_end():
-    from ddpkit.snapshot._schedule import SnapshotSchedule
+    from ddpkit.snapshot._state import SnapshotSchedule
 
     schedule = SnapshotSchedule(every_steps=4, every_epochs=3)
     assert not schedule.after_step(4, taken=True, last_in_epoch=True)  # the epoch end takes it

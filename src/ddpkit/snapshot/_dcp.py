@@ -1,23 +1,13 @@
-"""The storage layer under snapshot folders: torch.distributed.checkpoint (DCP) files, read without
+"""A snapshot folder's torch.distributed.checkpoint (DCP) files, written and read without
 unpickling.
 
-torch's ``FileSystemReader`` unpickles the folder's index (``.metadata``) and DCP's default load
-planner unpickles every non-tensor item (``torch.load(weights_only=False)``): whoever can write a
-snapshot folder could run code in the job that resumes from it, and the checksums of the marker do
-not help, as they are rewritten as easily. So a snapshot's DCP part holds tensors only (other values
-go to ``values.pt``, which loads with ``weights_only=True``), the index is also written as JSON
-(``INDEX``: ``metadata.json``), and a resume reads only that: each tensor is read with torch's
-``weights_only`` loader. The pickled ``.metadata`` stays for torch's own tools
-(``dcp_to_torch_save``, ``dcp.load``), which unpickle it: use those on snapshots you trust.
-
-The files are written through a file system that keeps the ``OSError`` of a failed write: torch's
-zip writer turns a full disk into ``inline_container.cc: unexpected pos 704 vs 598``, and the reason
-is gone.
-
-The JSON form is written here rather than taken from a library: torch 2.13's one reader that
-unpickles nothing (``HuggingFaceStorageReader``) needs the ``safetensors`` package and a layout of
-its own, which torch's other tools do not read; this keeps DCP's layout, and torch as the only
-dependency.
+torch's ``FileSystemReader`` unpickles the index (``.metadata``), and DCP's default load planner
+every non-tensor item: whoever can write a snapshot folder could run code in the job that resumes
+from it. So a snapshot's DCP part holds tensors only, its index is also written as JSON
+(``metadata.json``), checked (:func:`index_from_json`, :func:`check_chunks`) and read instead, and
+each tensor is read with ``weights_only``. ``.metadata`` stays for torch's own tools, which unpickle
+it: use them only on snapshots you trust. Writes go through a file system that keeps a failed
+write's ``OSError`` (torch's zip writer turns a full disk into ``unexpected pos 704 vs 598``).
 """
 
 from __future__ import annotations
@@ -26,6 +16,7 @@ import bisect
 import dataclasses
 import errno
 import io
+import itertools
 import json
 import os
 import re
@@ -40,7 +31,6 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
@@ -53,13 +43,16 @@ from ddpkit import _fs as fs
 from ddpkit._errors import ConfigError
 from ddpkit._internals.dcp import set_file_system, storage_info, transformed
 from ddpkit.snapshot import _folders as folders
-from ddpkit.snapshot._chunks import BadIndex, check_chunks
 from ddpkit.snapshot._folders import INDEX, read_bounded
 
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 _DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
 # JSON of a tensor's place per chunk: ~200 bytes each; a GiB is millions of chunks
 _INDEX_LIMIT = 1 << 30
+
+
+class BadIndex(ValueError):
+    """The JSON index is not one :func:`index_to_json` wrote: what is wrong with it."""
 
 
 # -- writing ---------------------------------------------------------------------------------------
@@ -257,6 +250,110 @@ def describe(failures: list[tuple[int, Failure]]) -> str:
     return "; ".join(f"{where(r, f)}: {f.what}" for r, f in failures)
 
 
+# -- the chunks of a tensor ------------------------------------------------------------------------
+
+_NUMEL_LIMIT = 2**63 - 1  # a tensor's number of elements is an int64 in torch
+# FSDP splits along dim 0, a DTensor along one dimension per mesh dimension (three at most known);
+# the check costs 2**(dimensions split) corners a chunk
+_SPLIT_DIMS = 4
+
+
+def _numel(sizes: torch.Size) -> int:
+    """The product of ``sizes``, or ``_NUMEL_LIMIT + 1`` once past it (quadratic time otherwise)."""
+    if 0 in sizes:
+        return 0
+    n = 1
+    for s in sizes:
+        n *= s
+        if n > _NUMEL_LIMIT:
+            return _NUMEL_LIMIT + 1
+    return n
+
+
+def _corners(
+    chunk: ChunkStorageMetadata, split: list[int], sign: int
+) -> Iterator[tuple[tuple[int, ...], int]]:
+    """(corner, weight) of the box ``chunk`` in the dimensions ``split`` (:func:`check_chunks`)."""
+    ends = [((chunk.offsets[k], 1), (chunk.offsets[k] + chunk.sizes[k], -1)) for k in split]
+    for combo in itertools.product(*ends):
+        weight = sign
+        for _, w in combo:
+            weight *= w
+        yield tuple(p for p, _ in combo), weight
+
+
+def check_chunks(
+    fqn: str, size: torch.Size, chunks: list[ChunkStorageMetadata]
+) -> list[ChunkStorageMetadata]:
+    """The chunks of a tensor cover it exactly once: each inside its shape, none overlapping
+    another, their volumes adding up to its number of elements (else DCP would leave a part
+    uncovered as the fresh model's, without a word). Returns the chunks that hold elements. In O(m
+    log m) for the m corners of the chunks (docs/snapshots.md, "Reading a folder"): a box's
+    indicator is the signed sum of the orthants at its 2**k corners, and orthants of distinct
+    corners are independent, so the chunks tile the tensor exactly when the weights of equal corners
+    cancel, the tensor's counted negatively; the first corner left with a weight is an element
+    covered twice (> 0) or never."""
+    numel = _numel(size)
+    if numel > _NUMEL_LIMIT:
+        raise BadIndex(f"tensor {fqn!r} of shape {list(size)[:8]} has more than 2**63 - 1 elements")
+    full, total = [], 0
+    for chunk in chunks:
+        if len(chunk.offsets) != len(size) or len(chunk.sizes) != len(size):
+            raise BadIndex(
+                f"tensor {fqn!r} of shape {list(size)} has a chunk of another number of dimensions"
+            )
+        if any(o + n > s for o, n, s in zip(chunk.offsets, chunk.sizes, size)):
+            raise BadIndex(
+                f"tensor {fqn!r} of shape {list(size)} has a chunk at {list(chunk.offsets)} of "
+                f"{list(chunk.sizes)} that lies outside it"
+            )
+        volume = _numel(chunk.sizes)  # inside the tensor: at most its number of elements
+        if volume:
+            full.append(chunk)
+            total += volume
+    if total != numel:
+        raise BadIndex(
+            f"tensor {fqn!r} of shape {list(size)} has chunks covering {total} of its {numel} "
+            "elements"
+        )
+    if not numel:
+        return full
+    split = [k for k, s in enumerate(size) if any(c.offsets[k] or c.sizes[k] != s for c in full)]
+    if len(split) > _SPLIT_DIMS:
+        raise BadIndex(
+            f"tensor {fqn!r} of shape {list(size)} is split along {len(split)} dimensions, more "
+            f"than the {_SPLIT_DIMS} a snapshot's chunks split a tensor along"
+        )
+    whole = ChunkStorageMetadata(torch.Size([0] * len(size)), size)
+    corners = [c for chunk in full for c in _corners(chunk, split, 1)]
+    corners += _corners(whole, split, -1)
+    corners.sort(key=lambda c: c[0])
+    residual = _first_residual(corners)
+    if residual is not None:
+        element = [0] * len(size)
+        for k, p in zip(split, residual[0]):
+            element[k] = p
+        if residual[1] > 0:
+            raise BadIndex(f"tensor {fqn!r} has two chunks that overlap, at element {element}")
+        raise BadIndex(
+            f"tensor {fqn!r} has chunks that leave element {element} uncovered (and overlap "
+            f"elsewhere: their sizes add up to its {numel} elements)"
+        )
+    return full
+
+
+def _first_residual(corners: list[tuple[tuple[int, ...], int]]) -> tuple[Any, int] | None:
+    """The first of the sorted ``corners`` whose weights do not cancel, with its weight."""
+    i = 0
+    while i < len(corners):
+        point, weight, i = corners[i][0], corners[i][1], i + 1
+        while i < len(corners) and corners[i][0] == point:
+            weight, i = weight + corners[i][1], i + 1
+        if weight:
+            return point, weight
+    return None
+
+
 # -- reading ---------------------------------------------------------------------------------------
 
 
@@ -288,12 +385,37 @@ def index_from_json(data: Any) -> Metadata:
         or not isinstance(data.get("storage"), list)
     ):
         raise BadIndex("it is not an index of tensors")
-    # an index of tensors only: no bytes
-    state: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
-    # (tensor, offsets) of each chunk that holds elements
-    holding: list[tuple[str, tuple[int, ...]]] = []
-    empty: list[tuple[str, tuple[int, ...]]] = []
-    for fqn, md in data["tensors"].items():
+    state, holding, empty = _tensor_entries(data["tensors"])
+    storage = _storage_entries(data["storage"], state, holding, empty)
+    paths = data.get("paths") or {}
+    if not isinstance(paths, dict) or not all(
+        isinstance(p, list) and all(type(k) in (str, int) for k in p) for p in paths.values()
+    ):
+        raise BadIndex("its key paths are malformed")
+    version = data.get("version") if isinstance(data.get("version"), str) else None
+    found = Metadata(
+        state,  # type: ignore[arg-type]
+        planner_data={k: tuple(v) for k, v in paths.items()},
+        storage_data=storage,
+        storage_meta=StorageMeta(),
+    )
+    if version is not None and hasattr(found, "version"):  # a field from torch 2.7 on
+        found.version = version
+    return found
+
+
+Chunk = tuple[str, tuple[int, ...]]  # (tensor, offsets)
+
+
+def _tensor_entries(
+    tensors: dict[str, Any],
+) -> tuple[dict[str, TensorStorageMetadata], list[Chunk], list[Chunk]]:
+    """Each tensor's metadata, its chunks checked, and the sorted chunks that hold elements and
+    those that hold none."""
+    state: dict[str, TensorStorageMetadata] = {}
+    holding: list[Chunk] = []
+    empty: list[Chunk] = []
+    for fqn, md in tensors.items():
         if not isinstance(md, dict) or not isinstance(md.get("chunks"), list):
             raise BadIndex(f"item {fqn!r} is not a tensor")
         if not all(isinstance(c, dict) for c in md["chunks"]):
@@ -311,15 +433,20 @@ def index_from_json(data: Any) -> Metadata:
         )
         holding.extend((fqn, tuple(c.offsets)) for c in full)
         empty.extend((fqn, tuple(c.offsets)) for c in chunks if 0 in c.sizes)
-    # Each storage entry must be a chunk's, found by sorting, never by hashing: an int tuple's hash
-    # is not salted, and entries whose offsets collide (a 64-bit equation, solved for the last
-    # coordinate) would make each insertion below scan all the others. The chunks kept hold
-    # elements, so their offsets are distinct points of their tensor: fewer than 2**63, about one of
-    # any 2**64 hashes.
-    holding.sort()
-    empty.sort()
+    # Found by sorting, never by hashing: an int tuple's hash is not salted, and offsets chosen to
+    # collide would make each lookup scan all the others.
+    return state, sorted(holding), sorted(empty)
+
+
+def _storage_entries(
+    entries: list[Any],
+    state: dict[str, TensorStorageMetadata],
+    holding: list[Chunk],
+    empty: list[Chunk],
+) -> dict[MetadataIndex, Any]:
+    """Where each chunk that holds elements is stored: every one exactly, in a data file."""
     storage = {}
-    for entry in data["storage"]:
+    for entry in entries:
         if (
             not isinstance(entry, dict)
             or not isinstance(entry.get("fqn"), str)
@@ -335,32 +462,17 @@ def index_from_json(data: Any) -> Metadata:
         at, length = _ints([entry.get("at"), entry.get("length")], fqn)
         if _among(holding, (fqn, tuple(offset))):
             storage[MetadataIndex(fqn, offset)] = storage_info(name, at, length)
-        # an empty chunk's: it loads nothing, and is left out
-        elif not _among(empty, (fqn, tuple(offset))):
+        elif not _among(empty, (fqn, tuple(offset))):  # an empty chunk's loads nothing
             raise BadIndex(
                 f"tensor {fqn!r} has a storage entry at {list(offset)[:8]} where it has no chunk"
             )
     for fqn, md in state.items():
-        for chunk in md.chunks if isinstance(md, TensorStorageMetadata) else ():
+        for chunk in md.chunks:
             if MetadataIndex(fqn, chunk.offsets) not in storage:
                 raise BadIndex(
                     f"tensor {fqn!r} has a chunk at {list(chunk.offsets)} that no data file holds"
                 )
-    paths = data.get("paths") or {}
-    if not isinstance(paths, dict) or not all(
-        isinstance(p, list) and all(type(k) in (str, int) for k in p) for p in paths.values()
-    ):
-        raise BadIndex("its key paths are malformed")
-    version = data.get("version") if isinstance(data.get("version"), str) else None
-    found = Metadata(
-        state,
-        planner_data={k: tuple(v) for k, v in paths.items()},
-        storage_data=storage,
-        storage_meta=StorageMeta(),
-    )
-    if version is not None and hasattr(found, "version"):  # a field from torch 2.7 on
-        found.version = version
-    return found
+    return storage
 
 
 def read_index(folder: Path) -> Metadata:

@@ -1,0 +1,641 @@
+"""The disk store: snapshots as ``run_dir/snapshots/step-N/`` folders, written by every rank through
+torch.distributed.checkpoint (DCP) and made whole by a marker rank 0 writes last.
+
+A folder counts only once its marker (:mod:`ddpkit.snapshot._folders`) is written, after every
+rank's files are on disk: a process killed at any instant leaves the previous snapshot the newest
+whole one. DCP reshards on load, so a snapshot of N ranks resumes on M. Nothing is unpickled: DCP's
+files hold tensors (:mod:`ddpkit.snapshot._dcp`), every other value goes through
+:mod:`ddpkit.snapshot._codec` into ``values.pt`` and each rank's ``rank{r}.pt``, and a value the
+codec cannot hold is refused on every rank before any file is written. A write that fails (a full
+disk) raises :class:`SnapshotWriteError` on every rank, naming the error, the file and the previous
+snapshot, which stays whole.
+
+Where each value of a state goes: tensors to DCP, other values to ``values.pt``. A state's
+:data:`~ddpkit.strategies._base.PER_RANK` part holds what has one name on every rank but is each
+rank's own (BatchNorm's statistics without sync BatchNorm): rank 0's copy is saved in the shared
+key's place, rank ``r``'s under ``per_rank.rank<r>``. At the same world size each rank loads its own
+copy back; at another, every rank loads rank 0's, as DDP's broadcast would give.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import heapq
+import importlib.util
+import inspect
+import json
+import os
+import pickle
+import threading
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import torch
+import torch.distributed as dist
+
+from ddpkit import _fs as fs
+from ddpkit._errors import ConfigError
+from ddpkit._internals.versions import require_torch
+from ddpkit.distributed import Group
+from ddpkit.distributed._collectives import broadcast_object, first_failure, gather_object
+from ddpkit.snapshot import _codec as codec
+from ddpkit.snapshot import _folders as folders
+from ddpkit.snapshot._folders import INDEX, MARKER, OWN, VALUES, Found, digest, folder_name
+from ddpkit.strategies._base import PER_RANK
+
+if TYPE_CHECKING:
+    from ddpkit.snapshot._snapshots import Resumed, Snapshots
+
+# torch.distributed.checkpoint (and ddpkit.snapshot._dcp, built on it) is imported where it is
+# used: it pulls in sympy, ~0.9 s that `import ddpkit` and the launcher need not pay.
+
+STREAMS = "rng"
+"""The part of a snapshot's states that holds each rank's random streams (a RankStreams)."""
+KeyPath = tuple[Any, ...]
+Failed = tuple[str, "int | None", "str | None"]
+"""A failed write as every rank learns it: the message, and the OS error's number and file."""
+
+
+class SnapshotWriteError(RuntimeError):
+    """A snapshot could not be written; the message names why, where, and the snapshot a restart
+    resumes from. When an OS error was the reason (a full disk), it is the ``__cause__``, on every
+    rank."""
+
+
+def _raise(failed: Failed) -> NoReturn:
+    message, code, filename = failed
+    if code is None:
+        raise SnapshotWriteError(message)
+    # rebuilt on every rank: a search tells a full disk from a mistake by the cause's errno
+    raise SnapshotWriteError(message) from OSError(code, os.strerror(code), filename)
+
+
+class DiskStore:
+    """Writes and finds the snapshots of one folder, for the ranks of ``group``; every rank calls
+    every method. ``keep_last``: whole snapshots kept (older ones, and the debris of writes killed
+    before their marker, go). ``async_write``: :meth:`save` returns once the state is copied to
+    host memory, and a thread writes it, its collectives on a gloo group of its own."""
+
+    def __init__(
+        self,
+        folder: str | Path,
+        *,
+        group: Group = None,
+        keep_last: int = 2,
+        async_write: bool = False,
+    ):
+        self.folder = Path(folder)
+        self.group = group
+        self.keep_last = max(1, keep_last)
+        self.async_write = async_write
+        self.distributed = dist.is_available() and dist.is_initialized()
+        if self.distributed and importlib.util.find_spec("numpy") is None:
+            # DCP exchanges its plans with object collectives, which need numpy
+            raise ConfigError(
+                "snapshots of a job of several ranks are written by torch.distributed.checkpoint, "
+                "whose object collectives need numpy, which is not installed: pip install numpy"
+            )
+        if self.distributed and group is not None and dist.get_global_rank(group, 0) != 0:
+            # before 2.7 DCP gathers its plans to the group's first rank as if it were the job's
+            require_torch(
+                "snapshots of a group of ranks that does not hold the job's rank 0 "
+                "(ddpkit.split_world, a search's candidates)",
+                (2, 7),
+            )
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._staged: Any = None  # host copy of the last asynchronous save, reused by the next
+        self.last_write_seconds: float | None = None
+
+    @property
+    def _rank(self) -> int:
+        return dist.get_rank(self.group) if self.distributed else 0
+
+    @property
+    def _size(self) -> int:
+        return dist.get_world_size(self.group) if self.distributed else 1
+
+    # -- the store of the front door (ddpkit.snapshot._snapshots.Store) ----------------------------
+
+    def save_step(self, snapshots: Snapshots) -> None:
+        sharded, extra, own = snapshots.disk_parts()
+        self.save(
+            snapshots.train.step, sharded, extra, replicated=snapshots.strategy.replicated, own=own
+        )
+
+    def newest(self, warn: Callable[[str], None]) -> Found | None:
+        return self.latest(warn)
+
+    def load_step(
+        self, found: Found, snapshots: Snapshots, load: Callable[[dict[str, Any]], None]
+    ) -> Resumed:
+        from ddpkit.snapshot._snapshots import Resumed
+
+        where = str(found.path)
+        sharded, extra = self.load(
+            found, snapshots.strategy.state_dict, "cpu", lambda saved: snapshots.check(saved, where)
+        )
+        streams = extra["states"].get(STREAMS)
+        if (
+            streams is not None
+        ):  # this rank's own file at the same world size; every rank's at another
+            size, rank = streams["world_size"], snapshots.runtime.rank
+            wanted = [rank] if size == snapshots.runtime.world_size else list(range(size))
+            ranks: list[Any] = [None] * size
+            for r, own in zip(wanted, self.read_own(found, wanted, map_location="cpu")):
+                ranks[r] = own
+            streams["ranks"] = ranks
+        load(extra | {"strategy": sharded})
+        return Resumed(where, found.path.name, disk=True)
+
+    def newest_marked(self) -> int:
+        """The step of the newest folder with a marker, not verified (-1: none); the same on every
+        rank."""
+        found = self.candidates() if self._rank == 0 else []
+        step = found[0].step if found else -1
+        return broadcast_object(step, group=self.group) if self.distributed else step
+
+    # -- writing -----------------------------------------------------------------------------------
+
+    def save(
+        self,
+        step: int,
+        state: dict[str, Any],
+        extra: dict[str, Any],
+        *,
+        replicated: bool = False,
+        own: Any = None,
+    ) -> None:
+        """Snapshot ``step``: ``state`` (every rank's own part, for DCP: its tensors, shards and the
+        per-rank part; its other values go to ``values.pt``) and ``extra`` (rank 0's, in
+        ``values.pt``). ``replicated``: the tensors of ``state`` outside its per-rank part are the
+        same on every rank, and each rank writes a share of them. ``own``: values of this rank
+        alone, in a file of its own (:meth:`read_own`).
+
+        Returns once the state is safe from the training loop: written, or copied to host memory
+        with the write under way (``async_write``); :class:`SnapshotWriteError` if it is not."""
+        self.wait()
+        path = self.folder / folder_name(step)
+        tensors, values = stored_parts(state, self._rank, self._size if replicated else 1)
+        own_bytes = self._check_values(values, extra, own)
+        # Rank 0 empties the folder before its word reaches the others. Every rank's non-tensor
+        # values go to values.pt: rank 0's whole, of the others only what differs from rank 0's.
+        word = (self._clear(path, step), values) if self._rank == 0 else None
+        if self.distributed:
+            word = broadcast_object(word, group=self.group)
+        assert word is not None
+        cleared, common = word
+        if cleared is not None:
+            _raise(cleared)
+        differing = differences(values, common)
+        every_rank = gather_object(differing, group=self.group) if self.distributed else [differing]
+        extra_bytes = b""
+        if self._rank == 0:
+            held: list[torch.Tensor] = []
+            saved = {"world_size": self._size, "values": common, "differences": every_rank}
+            extra_bytes = codec.file_bytes(codec.encode(saved | {"extra": extra}, held), held)
+        if not self.async_write:
+            self._write(path, step, tensors, extra_bytes, own_bytes, self.group)
+            return
+        group = writer_group(self.group) if self.distributed else None
+        # the previous write is done (wait() above): its host buffers are free to reuse
+        self._staged = staged = stage(tensors, self._staged)
+        self._thread = threading.Thread(
+            target=self._write_in_background,
+            args=(path, step, staged, extra_bytes, own_bytes, group),
+            name=f"ddpkit-snapshot-{step}",
+            daemon=False,  # an interpreter that exits first finishes the write
+        )
+        self._thread.start()
+
+    def _check_values(
+        self, values: dict[Any, Any], extra: dict[str, Any], own: Any
+    ) -> bytes | None:
+        """This rank's ``own`` file, once every rank has encoded what it saves: a value the codec
+        cannot hold is refused on every rank, by name, before any file is written (collective)."""
+        refusal, own_bytes = None, None
+        try:
+            for key, value in values.items():
+                codec.encode(value, [], ".".join(map(str, key)))
+            if self._rank == 0:
+                codec.encode(extra, [])
+            if own is not None:
+                held: list[torch.Tensor] = []
+                own_bytes = codec.file_bytes(codec.encode(own, held, "own"), held)
+        except codec.UnsupportedValue as err:
+            refusal = str(err)
+        if self.distributed:
+            refusal = first_failure(refusal, group=self.group)
+        if refusal is not None:
+            raise codec.UnsupportedValue(refusal)
+        return own_bytes
+
+    def _clear(self, path: Path, step: int) -> Failed | None:
+        """Rank 0: make ``path`` an empty folder (the debris of a killed write of this step, perhaps
+        of another world size, goes); the failure if it cannot."""
+        from ddpkit.snapshot import _dcp
+
+        try:
+            fs.remove_tree(path, root=self.folder)
+            fs.make_dirs(path, root=self.folder)
+        except OSError as err:
+            return self._failure(path, step, [(0, _dcp.os_failure(err, path, self.folder))])
+        except ConfigError as err:  # a link or another user's folder where the snapshots go
+            return self._failure(path, step, [(0, _dcp.Failure(str(err)))])
+        return None
+
+    def _write_in_background(self, *args: Any) -> None:
+        try:
+            self._write(*args)
+        except BaseException as err:  # raised in the training thread by the next wait()
+            self._error = err
+
+    def _write(
+        self,
+        path: Path,
+        step: int,
+        tensors: dict[str, Any],
+        extra: bytes,
+        own: bytes | None,
+        group: Group,
+    ) -> None:
+        """Every rank writes its files; rank 0 then writes the marker or, if any rank failed,
+        removes the folder, and every rank raises the same :class:`SnapshotWriteError`."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from ddpkit.snapshot import _dcp
+
+        t0 = time.perf_counter()
+        rank = dist.get_rank(group) if self.distributed else 0
+        writer = _dcp.Writer(path)
+        digests, failure, failed = {}, None, False
+        try:
+            if not self.distributed:
+                quiet_single_process_warning()
+            # returns on every rank once every rank's files and the index are fsynced
+            dcp.save(tensors, storage_writer=writer, process_group=group)
+            mine = sorted(path.glob(f"__{rank}_*.distcp"))
+            if own is not None:
+                fs.write_atomic(path / OWN.format(rank), own)
+                mine.append(path / OWN.format(rank))
+            if rank == 0:
+                fs.write_atomic(path / VALUES, extra)
+                mine += [path / ".metadata", path / INDEX, path / VALUES]
+            digests = digest(mine)
+        except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
+            failed, failure = True, _dcp.rank_failure(err, writer.failures, rank, path)
+            if not writer.failures and not isinstance(err, OSError):
+                traceback.print_exc()  # not the machine's fault: where it came from
+        part = (digests, failure, failed)
+        parts = gather_object(part, group=group) if self.distributed else [part]
+        failed_write = self._finish(path, step, parts) if parts is not None else None
+        if self.distributed:
+            failed_write = broadcast_object(failed_write, group=group)
+        if failed_write is not None:
+            _raise(failed_write)
+        self.last_write_seconds = time.perf_counter() - t0
+
+    def _finish(self, path: Path, step: int, parts: list[tuple[dict, Any, bool]]) -> Failed | None:
+        """Rank 0, once every rank is done with ``path``: the marker, or the failure."""
+        from ddpkit.snapshot import _dcp
+
+        failures = [(r, f) for r, (_, f, _) in enumerate(parts) if f is not None]
+        if any(failed for _, _, failed in parts):
+            failures = failures or [
+                (0, _dcp.Failure("the write failed on another rank; see its traceback"))
+            ]
+        else:
+            files = {name: d for digests, _, _ in parts for name, d in digests.items()}
+            marker = {"step": step, "files": files}
+            try:
+                fs.write_atomic(path / MARKER, json.dumps(marker, indent=1).encode())
+            except OSError as err:
+                failures = [(0, _dcp.os_failure(err, path / MARKER, path))]
+            else:
+                self._prune(newest=step)
+                return None
+        fs.remove_tree(path, root=self.folder)  # every rank is past its writes
+        return self._failure(path, step, failures)
+
+    def _failure(self, path: Path, step: int, failures: list[tuple[int, Any]]) -> Failed:
+        """What every rank raises: what failed where, what is left, and the first OS error's number
+        and file, if a rank met one."""
+        from ddpkit.snapshot import _dcp
+
+        previous = next((f for f in self.candidates() if f.step != step), None)
+        if previous is not None:
+            kept = (
+                f"the previous snapshot, {previous.path}, is whole and untouched: a restart "
+                "resumes from it"
+            )
+        else:
+            kept = "there is no earlier snapshot: a restart starts from the beginning"
+        advice = ""
+        if any(f.disk_full for _, f in failures):
+            advice = (
+                ". Free space there, keep fewer snapshots (SnapshotConfig.keep), or give the "
+                "run another run_dir"
+            )
+        message = (
+            f"ddpkit: snapshot {path} was not written: {_dcp.describe(failures)}. Its partial "
+            f"folder is removed; {kept}{advice}"
+        )
+        os_error = next((f for _, f in failures if f.errno is not None), None)
+        if os_error is None:
+            return message, None, None
+        return message, os_error.errno, str(path / os_error.file) if os_error.file else str(path)
+
+    def wait(self) -> None:
+        """Block until the write in flight (if any) is done; raise its error here if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            if isinstance(err, SnapshotWriteError):
+                raise SnapshotWriteError(f"{err} (written in the background)") from err
+            raise RuntimeError(
+                f"ddpkit: writing a snapshot in the background failed: {err!r}"
+            ) from err
+
+    # -- finding and loading -----------------------------------------------------------------------
+
+    def candidates(self) -> list[Found]:
+        """Snapshot folders with a marker, newest first; not yet verified."""
+        return folders.candidates(self.folder)
+
+    def verify(self, found: Found) -> str | None:
+        """None if ``found`` is whole, else what is wrong with it."""
+        return folders.verify(found, required=(VALUES,))
+
+    def _prune(self, newest: int) -> None:
+        folders.prune(self.folder, self.keep_last, newest)
+
+    def latest(self, warn: Callable[[str], None] = print) -> Found | None:
+        """The newest whole snapshot, the same on every rank (rank 0 checks the files and tells the
+        others). A damaged one, and anything newer named like one that is none, is named through
+        ``warn`` and passed over."""
+        self.wait()
+        choice = None
+        if self._rank == 0:
+            for found, problem in folders.scan(self.folder):
+                if problem == folders.PARTIAL:  # a killed write's debris: the next prune's
+                    continue
+                if problem is None:
+                    problem = self.verify(found)
+                if problem is None:
+                    choice = found
+                    break
+                warn(
+                    f"ddpkit: skipping snapshot {found.path}: it {problem}; trying the one before "
+                    "it"
+                )
+        if self.distributed:
+            choice = broadcast_object(choice, group=self.group)
+        return choice
+
+    def load(
+        self,
+        found: Found,
+        template: Callable[[], dict[str, Any]],
+        map_location: Any = None,
+        check: Callable[[dict[str, Any]], None] | None = None,
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``(state, extra)`` of a snapshot. ``template()`` gives the current state, whose tensors
+        DCP fills in place with this world size's parts and whose other values are replaced by the
+        saved ones. ``check(extra)`` runs before any tensor is read and may refuse the snapshot. A
+        folder holding anything but what the codec writes is refused by name. Each rank reads with
+        no collective; one rank's failure is raised on every rank."""
+        from ddpkit.snapshot import _dcp
+
+        saved = folders.read_values(found.path, map_location)
+        if check is not None:
+            check(saved["extra"])
+        index = _dcp.read_marked_index(found.path)
+        state = template()
+        same = saved["world_size"] == self._size
+        source = self._rank if same else 0  # whose copy of the per-rank part
+        # Other values: this rank's own at the same world size; else rank 0's, and where rank 0 had
+        # none (zero: another rank's parameters' hyper-parameters), the first rank's that had one.
+        values = (
+            [saved["differences"][source], saved["values"]]
+            if same
+            else [saved["values"], *saved["differences"]]
+        )
+        tensors = []
+        for path, value in leaves(state):
+            where = stored_path(path, source)
+            if isinstance(value, torch.Tensor):
+                tensors.append((where, value))
+                continue
+            held = [v[where] for v in values if where in v]
+            if not held:
+                raise ConfigError(
+                    f"{found.path} holds no value for {'.'.join(map(str, path))}: it was written "
+                    "for another model or optimizer"
+                )
+            set_at(state, path, held[0])
+        self._read_tensors(found, index, nest(tensors))
+        return state, saved["extra"]
+
+    def _read_tensors(self, found: Found, index: Any, tensors: dict[str, Any]) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from ddpkit.snapshot import _dcp
+
+        if not self.distributed:
+            quiet_single_process_warning()
+        # No collective where torch has no_dist (2.7 on): a read needs no other rank's plan. Either
+        # way one all-reduce of the outcome makes a rank's failure every rank's, never a hang.
+        local = self.distributed and "no_dist" in inspect.signature(dcp.load).parameters
+        failure: str | None = None
+        error: BaseException | None = None
+        try:
+            with warnings.catch_warnings():  # no_dist loads "in a single process": it does
+                warnings.filterwarnings(
+                    "ignore", message="torch.distributed is disabled, unavailable or"
+                )
+                dcp.load(
+                    tensors,
+                    storage_reader=_dcp.Reader(found.path, index),
+                    planner=_dcp.TensorsOnlyPlanner(),
+                    process_group=self.group,
+                    **({"no_dist": True} if local else {}),
+                )
+        except CheckpointException as err:  # a BaseException: every rank's traceback
+            collective = self.distributed and not local
+            failure = _dcp.first_rank_failure(err, self._rank if collective else None)
+            error = err
+        except Exception as err:
+            if not local:
+                raise
+            failure, error = f"{type(err).__name__}: {err}", err
+        if local:
+            failure = first_failure(failure, group=self.group)
+        if failure is not None:
+            raise RuntimeError(
+                f"ddpkit: loading snapshot {found.path} failed: {failure}"
+            ) from error
+
+    def read_own(self, found: Found, ranks: list[int], map_location: Any = None) -> list[Any]:
+        """The ``own`` values that ``ranks`` saved in ``found`` (:meth:`save`)."""
+        return folders.read_own(found, ranks, map_location)
+
+
+SnapshotManager = DiskStore
+"""The disk store's public name (:mod:`ddpkit.snapshot`)."""
+
+
+@functools.cache
+def quiet_single_process_warning() -> None:
+    """Filter DCP's warning, at every save and load in a world of one, that it assumes "the intent
+    is to save in a single process": it is. A filter of the process (the save runs in the writer's
+    thread), from ddpkit's first such save or load on."""
+    warnings.filterwarnings(
+        "ignore",
+        message="torch.distributed is disabled, unavailable or uninitialized, assuming the intent "
+        "is to",
+    )
+
+
+# -- where each value of a state goes --------------------------------------------------------------
+
+
+def leaves(tree: dict[str, Any], prefix: KeyPath = ()) -> Iterator[tuple[KeyPath, Any]]:
+    """(path, value) of every value of a nested dict that is not itself a dict."""
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from leaves(value, (*prefix, key))
+        else:
+            yield (*prefix, key), value
+
+
+def nest(items: list[tuple[KeyPath, Any]]) -> dict[str, Any]:
+    root: dict[str, Any] = {}
+    for path, value in items:
+        node = root
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        if path[-1] in node:
+            raise ValueError(
+                f"two values are saved as {'.'.join(map(str, path))}: keep a rank's own values out "
+                "of the shared part"
+            )
+        node[path[-1]] = value
+    return root
+
+
+def set_at(tree: dict[str, Any], path: KeyPath, value: Any) -> None:
+    for key in path[:-1]:
+        tree = tree[key]
+    tree[path[-1]] = value
+
+
+def stored_path(path: KeyPath, rank: int) -> KeyPath:
+    """Where the value at ``path`` is stored for the copy of ``rank``: a value of the per-rank part
+    under its rank's name, except rank 0's, which takes the shared key's place."""
+    if path[0] != PER_RANK:
+        return path
+    return path[1:] if rank == 0 else (PER_RANK, f"rank{rank}", *path[1:])
+
+
+def stored_parts(
+    state: dict[str, Any], rank: int, replicated_over: int = 1
+) -> tuple[dict[str, Any], dict[KeyPath, Any]]:
+    """The tensors of ``state`` as DCP saves them (nested, at their :func:`stored_path`), and its
+    other values by stored path. ``replicated_over``: the ranks that hold the same shared tensors;
+    each then keeps only its :func:`writer_of_shared` share of them."""
+    # (stored path, value, whether it is of the per-rank part)
+    items = [(stored_path(p, rank), v, p[0] == PER_RANK) for p, v in leaves(state)]
+    tensors = [(p, v, own) for p, v, own in items if isinstance(v, torch.Tensor)]
+    if replicated_over > 1:
+        writer = writer_of_shared(
+            [(p, v.numel() * v.element_size()) for p, v, own in tensors if not own], replicated_over
+        )
+        tensors = [(p, v, own) for p, v, own in tensors if own or writer[p] == rank]
+    return nest([(p, v) for p, v, _ in tensors]), {
+        p: v for p, v, _ in items if not isinstance(v, torch.Tensor)
+    }
+
+
+def differences(values: dict[KeyPath, Any], common: dict[KeyPath, Any]) -> dict[KeyPath, Any]:
+    """The values that ``common`` (rank 0's) lacks or holds otherwise, to the bit (-0.0 is not 0.0):
+    the same type and the same pickle."""
+
+    def same(a: Any, b: Any) -> bool:
+        return type(a) is type(b) and (a is b or pickle.dumps(a) == pickle.dumps(b))
+
+    return {k: v for k, v in values.items() if k not in common or not same(common[k], v)}
+
+
+def writer_of_shared(sizes: list[tuple[KeyPath, int]], ranks: int) -> dict[KeyPath, int]:
+    """Which rank writes each tensor that every one of ``ranks`` ranks holds alike: the largest
+    first, each to the rank with the fewest bytes so far (ties to the lower rank). Every rank
+    computes the same answer with no communication, so DCP's first rank plans each tensor once
+    rather than ranks x tensors. Sound only where the tensors are the same on every rank."""
+    loads = [(0, r) for r in range(ranks)]  # a heap of (bytes so far, rank)
+    writer = {}
+    for path, nbytes in sorted(sizes, key=lambda item: (-item[1], str(item[0]))):
+        written, r = heapq.heappop(loads)
+        writer[path] = r
+        heapq.heappush(loads, (written + nbytes, r))
+    return writer
+
+
+# -- the copy an asynchronous save writes ----------------------------------------------------------
+
+
+def stage(value: Any, cache: Any) -> Any:
+    """``value`` copied into host memory, reusing the tensors of ``cache`` (the previous copy) where
+    they fit: a fresh allocation's page faults cost more than the copy. DTensors keep their
+    placement; their local shard is copied."""
+    if isinstance(value, dict):
+        cache = cache if isinstance(cache, dict) else {}
+        return {k: stage(v, cache.get(k)) for k, v in value.items()}
+    if isinstance(value, list):
+        same = isinstance(cache, list) and len(cache) == len(value)
+        return [stage(v, c) for v, c in zip(value, cache if same else [None] * len(value))]
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        local = value.to_local()
+        buffer = stage(local, cache.to_local() if isinstance(cache, DTensor) else None)
+        return DTensor.from_local(
+            buffer,
+            value.device_mesh,
+            value.placements,
+            run_check=False,
+            shape=value.shape,
+            stride=value.stride(),
+        )
+    if isinstance(value, torch.Tensor):
+        fits = (
+            isinstance(cache, torch.Tensor)
+            and cache.shape == value.shape
+            and cache.dtype == value.dtype
+            and cache.device.type == "cpu"
+        )
+        buffer = cache if fits else torch.empty(value.shape, dtype=value.dtype, device="cpu")
+        return buffer.copy_(value.detach())
+    return copy.deepcopy(value)
+
+
+_groups: dict[tuple[int, ...], Any] = {}
+
+
+def writer_group(group: Group) -> Any:
+    """A gloo group over the ranks of ``group`` for the background writer: two threads issuing
+    collectives on one group could pair a checkpoint message with another rank's all-reduce. Made
+    once per set of ranks, by those ranks alone (a group of :func:`~ddpkit.split_world` must not
+    need the rest of the job)."""
+    ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    if ranks not in _groups:
+        _groups[ranks] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+    return _groups[ranks]

@@ -1,0 +1,597 @@
+"""What snapshots in memory keep on a node: the job's folder in shared memory, each rank's two slot
+files in it, and a slot's format and checks (docs/snapshots.md, "Snapshots in memory").
+
+The agent of ``ddpkit run`` makes one folder per job and node (:func:`open_job_folder`; mode 700, a
+random name its workers learn from :data:`DIR_ENV`) and removes it when the job ends, however it
+ends; a SIGKILLed launcher's folder is swept by the next job (:func:`sweep_stale`). Layout::
+
+    <root>/ddpkit-memory-<uid>/<nonce>/owner                  the agent's pid and start time
+    <root>/ddpkit-memory-<uid>/<nonce>/<run>-rank<r>-<i>.slot  rank r's slots 0 and 1
+
+A save overwrites the older of a rank's two slots (:class:`Slots`). A slot is a commit record (its
+parts' offsets, lengths and checksums between ``begin`` and ``end`` generation numbers), a JSON
+manifest (the tensors' layout, what a resume checks), the JSON values, and the raw tensors with a
+CRC-32C per MiB (:func:`block_crcs`). ``begin`` is written first and ``end`` last: a slot counts
+only when they are equal, so a kill during a copy leaves the other slot the newest whole one. A
+whole slot that does not check raises :class:`BadSlot` naming the file before any tensor is viewed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import os
+import secrets
+import stat
+import struct
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ddpkit import _fs as fs
+from ddpkit._errors import ConfigError
+from ddpkit.distributed._collectives import tensor_bytes
+from ddpkit.platforms import _torchrun as torchrun
+from ddpkit.snapshot._codec import Spec, checked_specs, views
+
+ROOT_ENV = "DDPKIT_MEMORY_ROOT"
+"""Where the agent makes the job's folder (default ``/dev/shm``)."""
+DIR_ENV = "DDPKIT_MEMORY_DIR"
+"""The job's folder on this node, set by the agent for its workers."""
+KEY_ENV = "DDPKIT_MEMORY_KEY"
+"""The job's random key (the folder's name), set by the agent with :data:`DIR_ENV`."""
+UNAVAILABLE_ENV = "DDPKIT_MEMORY_UNAVAILABLE"
+"""Why the agent made no folder, for the workers to say."""
+OFF_ENV = "DDPKIT_MEMORY_SNAPSHOTS"
+"""``0`` in the launcher's environment: the agent makes no folder (snapshots in memory are off)."""
+MOUNT_MORE = (
+    "give the node more shared memory: in Kubernetes an emptyDir volume with medium: Memory "
+    "mounted at /dev/shm (`ddpkit k8s` writes one), in Docker --shm-size"
+)
+
+# 1: no checksum of the data region; 2: CRC-32 of block sums (slots of either are not found)
+MAGIC = b"DDPKMEM3"
+HEADER = 4096
+_RECORD = struct.Struct("<8sQQQQIQQIQQI")  # magic begin end, (off len crc) of manifest values data
+BLOCK = 1 << 20
+"""Bytes of the data region per CRC-32C: a 256th of its Hamming-distance-4 length."""
+BEGIN_OFFSET, END_OFFSET = 8, 16  # of the generation numbers in the record
+PART_LIMIT = 1 << 30
+"""The most bytes of a slot's manifest or values (JSON parsed whole: millions of entries)."""
+
+
+class FolderUnavailable(RuntimeError):
+    """The memory file system cannot hold the job's folder."""
+
+
+class MemoryUnavailable(RuntimeError):
+    """Shared memory cannot hold the snapshot (full, or the folder gone); disk snapshots carry on
+    alone."""
+
+
+class BadSlot(ValueError):
+    """A whole slot that does not check: its message names the slot and what is wrong."""
+
+
+# -- the job's folder ------------------------------------------------------------------------------
+
+
+def start_time(pid: int) -> str | None:
+    """The start time of process ``pid`` in clock ticks since boot (with the pid, a process's
+    identity: pids are reused), or None if it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text.rsplit(")", 1)[1].split()[19]  # field 22; the command name in (...) may hold spaces
+
+
+def _owner_alive(folder: Path) -> bool:
+    try:
+        pid, started = (folder / "owner").read_text().split()
+        return start_time(int(pid)) == started
+    except (OSError, ValueError):
+        return False
+
+
+def private_base(root: Path) -> Path:
+    """``root/ddpkit-memory-<uid>``, made with mode 700; refused if it is a link, or someone else's:
+    another user could otherwise plant slots for this user's jobs to load."""
+    base = root / f"ddpkit-memory-{os.getuid()}"
+    with contextlib.suppress(FileExistsError):
+        fs.make_dir(base, mode=0o700)
+    info = os.lstat(base)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise FolderUnavailable(
+            f"{base} is not a private folder of this user (a link, or open to others)"
+        )
+    return base
+
+
+def sweep_stale(base: Path) -> list[Path]:
+    """Remove the folders under ``base`` whose agent is dead; return them."""
+    removed = []
+    for folder in base.iterdir() if base.is_dir() else []:
+        if folder.is_dir() and not folder.is_symlink() and not _owner_alive(folder):
+            fs.remove_tree(folder, root=base)
+            removed.append(folder)
+    return removed
+
+
+def open_job_folder(pid: int | None = None) -> Path | None:
+    """Make this job's folder (the agent, once per job), sweep stale ones first, and export it to
+    the workers; None, with the reason in :data:`UNAVAILABLE_ENV`, when the memory file system is
+    missing or not usable."""
+    root = Path(os.environ.get(ROOT_ENV, "/dev/shm"))
+    pid = os.getpid() if pid is None else pid
+    try:
+        if not root.is_dir():
+            raise FolderUnavailable(f"{root} does not exist")
+        base = private_base(root)
+        sweep_stale(base)
+        nonce = secrets.token_hex(8)
+        # renamed into place once its owner is written: a sweep never sees a folder without one
+        tmp = base / f".{nonce}"
+        fs.make_dir(tmp, root=base, mode=0o700)
+        fs.write_atomic(tmp / "owner", f"{pid} {start_time(pid)}\n".encode(), root=base)
+        folder = base / nonce
+        fs.rename(tmp, folder, root=base)
+    except (OSError, FolderUnavailable, ConfigError) as err:
+        os.environ[UNAVAILABLE_ENV] = str(err)
+        return None
+    os.environ[DIR_ENV] = str(folder)
+    os.environ[KEY_ENV] = nonce
+    return folder
+
+
+def close_job_folder() -> None:
+    """Remove this job's folder (the agent, when the job ends however it ends)."""
+    folder = os.environ.pop(DIR_ENV, None)
+    os.environ.pop(KEY_ENV, None)
+    os.environ.pop(UNAVAILABLE_ENV, None)
+    if folder:
+        fs.remove_tree(Path(folder))
+
+
+def job_key() -> str | None:
+    """This job's key as the agent set it: its nonce, with torchrun's run id; None outside
+    ``ddpkit run``."""
+    nonce = os.environ.get(KEY_ENV)
+    return f"{torchrun.run_id(os.environ)}:{nonce}" if nonce else None
+
+
+def room_warning(folder: str | os.PathLike[str], need: int) -> str | None:
+    """A warning when the file system of ``folder`` has less free room than ``need`` bytes (a
+    container's 64 MiB ``/dev/shm``), said at the start of a run rather than at its first save."""
+    try:
+        info = os.statvfs(folder)
+    except OSError:
+        return None
+    free = info.f_bavail * info.f_frsize
+    if free >= need:
+        return None
+    return (
+        f"the shared memory holding {folder} has {free / 2**20:.0f} MiB free, less than the "
+        f"{need / 2**20:.0f} MiB that the snapshots in memory of this node's ranks need at least "
+        "(two copies of each rank's model, more with its optimizer's state): they will stop at "
+        f"the first save; {MOUNT_MORE}"
+    )
+
+
+def run_key(run_dir: str | os.PathLike) -> str:
+    """A short hash of the run directory's absolute path: two Trainers of one job never share
+    slots."""
+    return hashlib.sha256(str(Path(run_dir).absolute()).encode()).hexdigest()[:16]
+
+
+# -- a slot's format -------------------------------------------------------------------------------
+
+
+def block_crcs(region: Any) -> bytes:
+    """The table a slot keeps after its data region: the CRC-32C of each :data:`BLOCK` bytes of
+    ``region`` (a contiguous CPU tensor, bytes or a memoryview), little-endian uint32s in order.
+    CRC-32C keeps Hamming distance 4 up to 2,147,483,615 bits (Koopman): every change of up to 3
+    bits, and every burst of up to 32, within a block moves its entry (docs/snapshots.md)."""
+    import crc32c  # not at `import ddpkit`
+
+    view = _bytes_of(region)
+    crcs = [crc32c.crc32c(view[i : i + BLOCK]) for i in range(0, len(view), BLOCK)]
+    return struct.pack(f"<{len(crcs)}I", *crcs)
+
+
+def table_size(region_size: int) -> int:
+    """The bytes of the table of :func:`block_crcs` of a data region of ``region_size`` bytes."""
+    return 4 * -(-region_size // BLOCK)
+
+
+def table_crc(table: bytes) -> int:
+    """The record's CRC-32C of the table itself: a table damaged alone is named as such."""
+    import crc32c
+
+    return crc32c.crc32c(table)
+
+
+def _bytes_of(region: Any) -> memoryview:
+    if not isinstance(region, torch.Tensor):
+        return memoryview(region).cast("B")
+    flat = region.reshape(-1).view(torch.uint8)
+    # `import ddpkit` and the launcher run without numpy: then the tensor's bytes are copied first
+    try:
+        import numpy  # noqa: F401
+    except ModuleNotFoundError:
+        return memoryview(tensor_bytes(flat))
+    return flat.numpy().data  # shares the tensor's memory
+
+
+@dataclass(frozen=True)
+class Record:
+    """A slot's commit record."""
+
+    begin: int
+    end: int
+    manifest: tuple[int, int, int]  # offset, length, CRC-32
+    values: tuple[int, int, int]
+    data: tuple[int, int, int]  # offset, length, CRC-32C of its table (right after it)
+
+    @property
+    def whole(self) -> bool:
+        return self.begin == self.end != 0
+
+    def pack(self) -> bytes:
+        return _RECORD.pack(MAGIC, self.begin, self.end, *self.manifest, *self.values, *self.data)
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> Record | None:
+        if len(raw) < _RECORD.size:
+            return None
+        magic, begin, end, mo, ml, mc, vo, vl, vc, do, dl, dc = _RECORD.unpack_from(raw)
+        return cls(begin, end, (mo, ml, mc), (vo, vl, vc), (do, dl, dc)) if magic == MAGIC else None
+
+
+def read_slot(path: Path, data: bool = False) -> tuple[Record, dict, dict, bytes] | None:
+    """(record, manifest, values, the file's bytes if ``data`` else b"") of a whole slot file, or
+    None if it is not whole. Without ``data`` only the record and values are read and the manifest's
+    CRC checked (a resume looks at every slot of the node); with it, the manifest's layout and the
+    data region's checksums too. A whole slot that does not check raises :class:`BadSlot`."""
+    try:
+        # O_NONBLOCK: a FIFO planted under a slot's name opens at once; fstat then refuses it
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise BadSlot(f"{path} is not a regular file")
+        if data:
+            with os.fdopen(os.dup(fd), "rb") as f:  # a loop of reads: one read stops at 2 GiB
+                return parse_slot(f.read(), str(path))
+        record = Record.unpack(os.pread(fd, HEADER, 0))
+        if record is None or not record.whole:
+            return None
+        _check_parts(record, os.fstat(fd).st_size, str(path))
+        parts = [os.pread(fd, length, off) for off, length, _ in (record.manifest, record.values)]
+    finally:
+        os.close(fd)
+    return _checked(record, parts, b"", str(path))
+
+
+def parse_slot(data: bytes, name: str = "a slot") -> tuple[Record, dict, dict, bytes] | None:
+    """:func:`read_slot` of a slot's bytes (read from its file, or sent by a peer; ``name`` says
+    which, in a :class:`BadSlot`)."""
+    record = Record.unpack(data[:HEADER])
+    if record is None or not record.whole:
+        return None
+    _check_parts(record, len(data), name)
+    parts = [data[off : off + length] for off, length, _ in (record.manifest, record.values)]
+    return _checked(record, parts, data, name)
+
+
+def _check_parts(record: Record, size: int, name: str) -> None:
+    """The manifest and values lie inside the slot and within :data:`PART_LIMIT` (the record has no
+    checksum of its own: its lengths are read before anything vouches for them)."""
+    for what, (off, length, _) in (("manifest", record.manifest), ("values", record.values)):
+        if length > PART_LIMIT:
+            raise BadSlot(
+                f"{name}: its {what} holds {length} bytes, more than the {PART_LIMIT} a slot's may"
+            )
+        if off + length > size:
+            raise BadSlot(f"{name}: its {what} lies past the end of the file")
+
+
+def _checked(
+    record: Record, parts: list[bytes], data: bytes, name: str
+) -> tuple[Record, dict, dict, bytes]:
+    for what, (_, length, crc), raw in zip(
+        ("manifest", "values"), (record.manifest, record.values), parts
+    ):
+        if len(raw) != length:
+            raise BadSlot(f"{name}: its {what} lies past the end of the file")
+        if zlib.crc32(raw) != crc:
+            raise BadSlot(f"{name}: its {what} fail their CRC-32")
+    try:
+        manifest, values = json.loads(parts[0]) if data else {}, json.loads(parts[1])
+    except (ValueError, RecursionError) as err:
+        raise BadSlot(f"{name}: its manifest or values are not JSON ({err})") from None
+    if not isinstance(manifest, dict) or not isinstance(values, dict):
+        raise BadSlot(f"{name}: its manifest or values are not a record")
+    if data:
+        _check_data(data, record, manifest, name)
+    return record, manifest, values, data
+
+
+def _region(data: bytes | memoryview, record: Record) -> torch.Tensor:
+    off, length, _ = record.data
+    if length == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(data[off : off + length]), dtype=torch.uint8)
+
+
+def _check_data(data: bytes, record: Record, manifest: dict, name: str) -> None:
+    """The manifest's layout inside the data region, and the region's table of CRC-32Cs entry by
+    entry, before any tensor is viewed."""
+    off, length, want = record.data
+    end = off + length + table_size(length)
+    if off < HEADER or end > len(data):
+        raise BadSlot(
+            f"{name}: its data region ({length} bytes at {off}) lies past the end of the file "
+            f"({len(data)})"
+        )
+    if manifest.get("data_size") != length:
+        raise BadSlot(f"{name}: its manifest's data size is not its record's ({length} bytes)")
+    try:
+        specs(manifest, length)
+    except ValueError as err:
+        raise BadSlot(f"{name}: {err}") from None
+    table = bytes(data[off + length : end])
+    if table_crc(table) != want:
+        raise BadSlot(f"{name}: its table of the tensors' checksums fails its CRC-32C")
+    if block_crcs(memoryview(data)[off : off + length]) != table:
+        raise BadSlot(
+            f"{name}: its tensors' bytes fail their checksum (changed since they were saved)"
+        )
+
+
+def specs(manifest: dict, region_size: int) -> list[Spec]:
+    """The manifest's tensor layout, each checked to lie inside a region of ``region_size``
+    bytes."""
+    return checked_specs(manifest.get("specs"), region_size)
+
+
+def tensors_of(data: bytes | memoryview, record: Record, manifest: dict) -> list[torch.Tensor]:
+    """Copies of a slot's tensors, from :func:`read_slot`'s checked parts: each its own tensor
+    (``torch.set_rng_state`` reads a tensor's storage from its start)."""
+    region = _region(data, record)
+    try:
+        layout = specs(manifest, region.numel())
+    except ValueError as err:
+        raise BadSlot(str(err)) from None
+    return [v.clone() for v in views(region, layout)]
+
+
+# -- a rank's two slots ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Found:
+    """A whole slot of this run on this node (of any rank), as read from its record and values."""
+
+    path: Path
+    rank: int
+    generation: int
+    step: int
+    position: tuple[int, ...]
+    world_size: int
+    peers: bool
+    job: str
+
+
+class _Slot:
+    """One slot file of this rank, mapped while its layout lasts."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.record: Record | None = None
+        self.fd: int | None = None
+        self.region: torch.Tensor | None = None  # the data region, mapped
+        self.dests: list[torch.Tensor] = []
+        self.layout_id: object = None
+        self.manifest_bytes = b""
+        self.values_capacity = self.values_offset = self.data_offset = self.data_size = 0
+
+    def close(self) -> None:
+        self.region, self.dests, self.layout_id = None, [], None
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+class Slots:
+    """This rank's two slots for one run directory, in the job's folder on this node. No collective:
+    every method acts on this rank's files alone (:meth:`found` lists every rank's)."""
+
+    def __init__(
+        self, folder: str | os.PathLike, *, job: str, run: str, rank: int, world_size: int
+    ) -> None:
+        self.folder = Path(folder)
+        self.job, self.run, self.rank, self.world_size = job, run, rank, world_size
+        if not self.folder.is_dir():
+            raise MemoryUnavailable(f"the job's memory folder {self.folder} is gone")
+        self.slots = [_Slot(self.folder / f"{run}-rank{rank}-{i}.slot") for i in (0, 1)]
+        self.generation = 0
+        self.damaged: list[str] = []
+        """What :meth:`found` last found wrong with whole slots it left out, each naming its
+        file."""
+        for slot in self.slots:
+            try:
+                got = read_slot(slot.path)
+            except BadSlot:
+                got = None  # overwritten by the next saves; a resume says what is wrong with it
+            if got is not None:
+                slot.record = got[0]
+                self.generation = max(self.generation, got[0].end)
+
+    def _target(self) -> _Slot:
+        """The slot to overwrite: not the newest whole one."""
+        whole = [s for s in self.slots if s.record is not None and s.record.whole]
+        if len(whole) < 2:
+            return next(s for s in self.slots if s not in whole)
+        return min(whole, key=lambda s: s.record.end if s.record is not None else 0)
+
+    def save(
+        self,
+        values: dict[str, Any],
+        tensors: Sequence[torch.Tensor],
+        manifest: dict[str, Any],
+        layout_id: object,
+    ) -> None:
+        """Commit ``tensors`` (laid out as ``manifest["specs"]``, a layout named by ``layout_id``)
+        with the JSON-able ``values`` into the older slot; :class:`MemoryUnavailable` if memory is
+        full."""
+        slot = self._target()
+        values = {
+            "job": self.job,
+            "run": self.run,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            **values,
+        }
+        value_bytes = json.dumps(values).encode()
+        if slot.layout_id != layout_id or len(value_bytes) > slot.values_capacity:
+            self._map(slot, manifest, layout_id, len(value_bytes))
+        fd = slot.fd
+        assert fd is not None and slot.region is not None  # mapped above
+        self.generation += 1
+        gen = self.generation
+        # begin first (the slot stops being whole), then everything, then end
+        os.pwrite(fd, struct.pack("<Q", gen), BEGIN_OFFSET)
+        slot.record = None
+        copy_tensors(slot.dests, tensors)
+        table = block_crcs(slot.region)
+        os.pwrite(fd, value_bytes, slot.values_offset)
+        os.pwrite(fd, table, slot.data_offset + slot.data_size)
+        record = Record(
+            gen,
+            0,
+            (HEADER, len(slot.manifest_bytes), zlib.crc32(slot.manifest_bytes)),
+            (slot.values_offset, len(value_bytes), zlib.crc32(value_bytes)),
+            (slot.data_offset, slot.data_size, table_crc(table)),
+        )
+        os.pwrite(fd, record.pack(), 0)
+        os.pwrite(fd, struct.pack("<Q", gen), END_OFFSET)
+        slot.record = Record(gen, gen, record.manifest, record.values, record.data)
+
+    def _map(
+        self, slot: _Slot, manifest: dict[str, Any], layout_id: object, values_len: int
+    ) -> None:
+        """(Re)make ``slot``'s file for a new layout; its pages are reserved (``posix_fallocate``)
+        before they are mapped, so a full memory is an error here, never SIGBUS in a copy."""
+        slot.close()
+        slot.manifest_bytes = json.dumps(manifest).encode()
+        specs = [Spec(d, tuple(shape), o) for d, shape, o in manifest["specs"]]
+        data_size = manifest["data_size"]
+        slot.values_capacity = max(1 << 16, 4 * values_len)
+        slot.values_offset = _round(HEADER + len(slot.manifest_bytes), 4096)
+        slot.data_offset = _round(slot.values_offset + slot.values_capacity, 4096)
+        slot.data_size = data_size
+        size = slot.data_offset + max(data_size + table_size(data_size), 1)
+        try:
+            fd = fs.open_fd(slot.path, os.O_RDWR | os.O_CREAT, 0o600)
+        except ConfigError as err:  # a link, or another user's file, in the job's folder
+            raise MemoryUnavailable(f"cannot make {slot.path}: {err}") from None
+        try:
+            os.pwrite(fd, bytes(HEADER), 0)  # not whole from here on, whatever the file holds
+            os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, size)
+            os.pwrite(fd, slot.manifest_bytes, HEADER)
+        except OSError as err:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                fs.remove(slot.path)
+            if err.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+                raise MemoryUnavailable(
+                    f"no room for {size / 2**20:.1f} MiB in {self.folder} ({err.strerror}): "
+                    + MOUNT_MORE
+                ) from None
+            raise MemoryUnavailable(f"cannot make {slot.path}: {err.strerror}") from None
+        storage = torch.UntypedStorage.from_file(str(slot.path), shared=True, nbytes=size)
+        mapped = torch.empty(0, dtype=torch.uint8).set_(storage)  # type: ignore[arg-type]
+        slot.fd, slot.layout_id = fd, layout_id
+        slot.region = mapped[slot.data_offset : slot.data_offset + data_size]
+        slot.dests = views(slot.region, specs)
+        slot.record = None
+
+    def found(self) -> list[Found]:
+        """The whole slots of this run and job on this node, every rank's, at this world size."""
+        out, self.damaged = [], []
+        for path in sorted(self.folder.glob(f"{self.run}-rank*-*.slot")):
+            try:
+                got = read_slot(path)
+            except BadSlot as err:
+                self.damaged.append(str(err))
+                continue
+            if got is None:
+                continue
+            record, _, values, _ = got
+            if values.get("job") != self.job or values.get("run") != self.run:
+                continue
+            if values.get("world_size") != self.world_size:
+                continue
+            rank, step, position = values.get("rank"), values.get("step"), values.get("position")
+            if not (
+                type(rank) is int
+                and 0 <= rank < self.world_size
+                and type(step) is int
+                and isinstance(position, list)
+                and len(position) == 3
+                and all(type(p) is int for p in position)
+                and position[1] == step
+            ):
+                self.damaged.append(f"{path}: its values do not say which rank and step it holds")
+                continue
+            peers = bool(values.get("peers"))
+            position = tuple(position)
+            out.append(
+                Found(path, rank, record.end, step, position, self.world_size, peers, self.job)
+            )
+        return out
+
+    def discard_except(self, keep: Path | None = None) -> None:
+        """Make this rank's slots not whole, except ``keep``: after a resume only the state resumed
+        from may be found again, never a slot of an abandoned course."""
+        for slot in self.slots:
+            if slot.path == keep or not slot.path.exists():
+                continue
+            with contextlib.suppress(OSError, ConfigError):
+                fd = fs.open_fd(slot.path, os.O_WRONLY)
+                try:
+                    os.pwrite(fd, bytes(24), 0)
+                finally:
+                    os.close(fd)
+            slot.record = None
+
+    def remove(self) -> None:
+        """Delete this rank's slot files (the run finished)."""
+        for slot in self.slots:
+            slot.close()
+            with contextlib.suppress(OSError, ConfigError):
+                fs.remove(slot.path)
+
+    def close(self) -> None:
+        for slot in self.slots:
+            slot.close()
+
+
+def _round(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def copy_tensors(dests: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
+    """Copy ``sources`` into ``dests`` (the mapped slot) in one fused call."""
+    if dests:
+        with torch.no_grad():
+            torch._foreach_copy_(list(dests), list(sources))
