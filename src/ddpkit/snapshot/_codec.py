@@ -185,19 +185,18 @@ def _tz(tz: Any, value: Any) -> Any:
     if tz is None:
         return None
     if type(tz) is dt.timezone:
-        offset = tz.utcoffset(None)
-        name = tz.tzname(None)
-        return [
-            "tz",
-            offset.days,
-            offset.seconds,
-            offset.microseconds,
-            None if name == dt.timezone(offset).tzname(None) else name,
-        ]
+        offset, name = tz.utcoffset(None), tz.tzname(None)
+        named = None if name == dt.timezone(offset).tzname(None) else name
+        return ["tz", offset.days, offset.seconds, offset.microseconds, named]
     zoneinfo = sys.modules.get("zoneinfo")
     if zoneinfo is not None and type(tz) is zoneinfo.ZoneInfo and tz.key is not None:
         return ["zi", tz.key]
     raise _Refused(value, f" with a tzinfo of type {type(tz).__name__}")
+
+
+def _clock(v: Any) -> list[Any]:
+    """A datetime's or a time's hour, minute, second, microsecond, fold and zone."""
+    return [v.hour, v.minute, v.second, v.microsecond, v.fold, _tz(v.tzinfo, v)]
 
 
 def _defaultdict(v: Any, t: list[torch.Tensor], d: int) -> Any:
@@ -220,23 +219,9 @@ _ENCODERS: dict[type, Any] = {
     collections.deque: lambda v, t, d: {"q": [v.maxlen, [_enc(x, t, d) for x in v]]},
     range: lambda v, t, d: {"r": [_enc(v.start, t, d), _enc(v.stop, t, d), _enc(v.step, t, d)]},
     **{c: (lambda v, t, d: {"p": [type(v).__name__, str(v)]}) for c in _PATHS.values()},
-    dt.datetime: lambda v, t, d: {
-        "DT": [
-            v.year,
-            v.month,
-            v.day,
-            v.hour,
-            v.minute,
-            v.second,
-            v.microsecond,
-            v.fold,
-            _tz(v.tzinfo, v),
-        ]
-    },
+    dt.datetime: lambda v, t, d: {"DT": [v.year, v.month, v.day, *_clock(v)]},
     dt.date: lambda v, t, d: {"D": [v.year, v.month, v.day]},
-    dt.time: lambda v, t, d: {
-        "T": [v.hour, v.minute, v.second, v.microsecond, v.fold, _tz(v.tzinfo, v)]
-    },
+    dt.time: lambda v, t, d: {"T": _clock(v)},
     dt.timedelta: lambda v, t, d: {"TD": [v.days, v.seconds, v.microseconds]},
     decimal.Decimal: lambda v, t, d: {"dec": str(v)},
     fractions.Fraction: lambda v, t, d: {

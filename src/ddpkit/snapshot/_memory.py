@@ -46,8 +46,6 @@ STALL_BUDGET = 0.05
 """The share of a step the copy to memory may hold the training loop when the interval is chosen."""
 TUNE_AFTER = 8
 """Saves (one per step) measured before the interval is chosen."""
-_MALFORMED = (ValueError, KeyError, IndexError, TypeError, AttributeError, RecursionError)
-"""What reading a slot's values raises when they lie (their CRC-32 rewritten to match)."""
 
 
 class PeerStopped(RuntimeError):
@@ -475,7 +473,7 @@ class MemoryStore:
             raise slots_lib.BadSlot(f"{name}: {err}") from None
         except ConfigError:  # another config or model: refused as a disk snapshot is, not skipped
             raise
-        except _MALFORMED as err:
+        except codec.MALFORMED as err:  # values that lie, their CRC-32 rewritten to match
             raise slots_lib.BadSlot(
                 f"{name}: its values are not what a save writes ({type(err).__name__}: {err})"
             ) from None
