@@ -85,7 +85,7 @@ def static_counts(src: Path) -> dict[str, object]:
     }
 
 
-TRACE = r'''
+TRACE = r"""
 import json, sys, tempfile, torch
 from pathlib import Path
 import ddpkit
@@ -116,7 +116,7 @@ def build(run_dir):
 
 
 def job(run_dir):
-    rank = ddpkit.get_runtime().rank
+    rank = ddpkit.init().rank
     seen = Seen()
     sys.setprofile(seen)
 
@@ -147,7 +147,7 @@ def job(run_dir):
 
 out = ddpkit.spawn(job, 2, args=(tempfile.mkdtemp(),))
 print(json.dumps(out[0]))
-'''
+"""
 
 
 def traced_counts(src: Path) -> dict[str, int]:

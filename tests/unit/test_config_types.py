@@ -77,7 +77,7 @@ def test_a_value_of_another_type_is_refused_naming_the_field_and_what_it_takes()
 
 def test_control_without_the_type_check_some_values_end_in_a_bare_type_error(monkeypatch):
     monkeypatch.setattr(errors, "check_types", lambda config: None)
-    for module in ("ddpkit.training._config", "ddpkit.snapshot._schedule"):
+    for module in ("ddpkit.training._config", "ddpkit.snapshot._state"):
         monkeypatch.setattr(f"{module}.check_types", lambda config: None)
     bare = []
     for make in (

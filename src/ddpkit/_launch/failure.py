@@ -94,8 +94,8 @@ def _peer_lost(failure: Any) -> bool:
     return any(text in message for text in _PEER_LOST)
 
 
-# The signal the launcher itself sends to workers: a worker ended by it is a consequence of another's
-# failure.
+# The signal the launcher itself sends to workers: a worker ended by it is a consequence of
+# another's failure.
 _OUR_SIGNALS = (-signal.SIGTERM,)
 
 

@@ -36,7 +36,7 @@ import faulthandler, os, signal, sys
 from pathlib import Path
 import torch
 import ddpkit
-from ddpkit.snapshot._schedule import SnapshotConfig
+from ddpkit import SnapshotConfig
 from ddpkit.training._callbacks import Callback
 from ddpkit.training._config import LoggingConfig, TrainerConfig
 from ddpkit.training._step_output import StopReason
