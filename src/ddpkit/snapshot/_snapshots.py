@@ -37,6 +37,7 @@ from ddpkit.distributed._log import print0
 from ddpkit.distributed._runtime import Runtime, get_runtime
 from ddpkit.snapshot._disk import STREAMS, DiskStore
 from ddpkit.snapshot._folders import folder_name
+from ddpkit.snapshot._run_dir import claim
 from ddpkit.snapshot._run_record import RunRecord
 from ddpkit.snapshot._state import (
     NewRankState,
@@ -168,6 +169,9 @@ class Snapshots:
             every_steps=every_steps, every_epochs=0, keep=keep, async_write=async_write,
             memory=memory, memory_every_steps=memory_every_steps,
         )  # fmt: skip
+        # One job at a time on a run directory, whichever front door writes it (the Trainer's
+        # fit() takes the same lock): a second would resume from and prune this one's snapshots.
+        self._lock = claim(run_dir, is_main=rt.is_main, fresh=False, group=rt.group)
         self._open(Path(run_dir), config, rt, strategy, states, record, None)
         self.loader, self.signals_every_steps = loader, signals_every_steps
         self._signals.enter_context(signals.stop_signals(self._on_signal))
@@ -190,7 +194,7 @@ class Snapshots:
         :class:`~ddpkit.snapshot._state.TrainState`, first; None where it has none), ``"rng"``
         among them; ``log(kind, step, record)`` writes a record."""
         self = cls.__new__(cls)
-        self.loader = None
+        self.loader, self._lock = None, None  # fit() holds the run directory
         parts = {k: v for k, v in states.items() if v is not None}
         self._open(
             run_dir, config, runtime, strategy, parts, record, global_micro_batch, log, print0
@@ -324,6 +328,9 @@ class Snapshots:
             self.memory.close(remove=finished)
             self.memory = None
         self._signals.close()
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
         if not self._stopping and self._signal:
             sig, self._signal = self._signal, 0
             signals.pass_on(sig)
