@@ -552,3 +552,55 @@ def test_an_index_nested_too_deep_is_refused_naming_it(tmp_path):
         ConfigError, match=f"{folder / folders.INDEX} is not an index ddpkit wrote .it is not JSON"
     ):
         storage.read_marked_index(folder)
+
+
+# -- the codec's sets and dicts --------------------------------------------------------------------
+
+_M = 2**61 - 1  # Python hashes k * (2**61 - 1) as 0: every such integer collides
+
+
+def colliding_set(n: int) -> Any:
+    """The skeleton of a set of n integers of one hash, as a planted values.pt would hold it."""
+    return {"s": [{"I": format(k * _M, "x")} for k in range(n)]}
+
+
+def decode_or_refusal(skeleton: Any) -> None:
+    try:
+        mvalues.decode(skeleton, [])
+    except ValueError:
+        pass  # refused: what a save never writes
+
+
+@pytest.mark.slow
+def test_the_codec_decodes_in_time_linear_in_its_input_whatever_the_hashes():
+    assert_linear(decode_or_refusal, colliding_set, 500)
+
+
+@pytest.mark.slow
+def test_control_a_set_built_whatever_its_hashes_is_caught(monkeypatch):
+    monkeypatch.setattr(mvalues, "_distinct_hashes", lambda pairs: pairs)
+    with pytest.raises(AssertionError, match="superlinear"):
+        assert_linear(
+            decode_or_refusal, colliding_set, 50, growth=(1, 4, 16), most=3200, attempts=1
+        )
+
+
+def test_a_set_of_many_keys_of_one_hash_is_refused_and_a_few_load():
+    with pytest.raises(ValueError, match="many of one hash"):
+        mvalues.decode(colliding_set(200), [])
+    few = mvalues.decode(colliding_set(mvalues.HASH_COLLISIONS), [])  # control: a few load
+    assert few == {k * _M for k in range(mvalues.HASH_COLLISIONS)}
+
+
+def test_a_value_file_with_a_compressed_entry_is_refused_before_it_inflates(tmp_path):
+    import zipfile
+
+    good = tmp_path / "values.pt"
+    good.write_bytes(mvalues.file_bytes({"m": {}}, [torch.zeros(4)]))
+    assert mvalues.read_file(good) == {}  # control: ddpkit's own file, stored
+    planted = tmp_path / "planted.pt"
+    with zipfile.ZipFile(good) as src, zipfile.ZipFile(planted, "w") as dst:
+        for entry in src.infolist():
+            dst.writestr(entry.filename, src.read(entry), compress_type=zipfile.ZIP_DEFLATED)
+    with pytest.raises(mvalues.FormatError, match="is compressed"):
+        mvalues.read_file(planted)

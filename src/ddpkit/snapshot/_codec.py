@@ -26,6 +26,7 @@ import re
 import struct
 import sys
 import uuid
+import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -511,7 +512,7 @@ def _dec(s: Any, tensors: Sequence[torch.Tensor], depth: int = 0) -> Any:
     if tag == "l":
         return [_dec(x, tensors, d) for x in body]
     if tag == "d":
-        return {_dec(k, tensors, d): _dec(v, tensors, d) for k, v in body}
+        return dict(_distinct_hashes([(_dec(k, tensors, d), _dec(v, tensors, d)) for k, v in body]))
     if tag == "i":
         packed = _index(body[0], tensors)
         if packed.dtype != torch.int64:
@@ -534,8 +535,27 @@ def _dec(s: Any, tensors: Sequence[torch.Tensor], depth: int = 0) -> Any:
     return _decode_other(tag, body, tensors, d)
 
 
+HASH_COLLISIONS = 64
+"""Keys of one set or dict sharing a hash, at most: a table of n keys of one hash takes n x n
+steps to build, and a file of such keys (integers k x (2**61 - 1), which Python hashes alike) would
+hold a resume for minutes; no value a script keeps has so many."""
+
+
+def _distinct_hashes(pairs: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
+    """``pairs``, refused where more than :data:`HASH_COLLISIONS` of their keys share hashes."""
+    if len(pairs) > HASH_COLLISIONS and len(pairs) - len({hash(k) for k, _ in pairs}) > (
+        HASH_COLLISIONS
+    ):
+        raise ValueError(
+            f"a set or dict of {len(pairs)} keys, many of one hash, which no save writes"
+        )
+    return pairs
+
+
 def _decode_other(tag: str, body: Any, tensors: Sequence[torch.Tensor], d: int) -> Any:
-    pairs = lambda: [(_dec(k, tensors, d), _dec(v, tensors, d)) for k, v in body]  # noqa: E731
+    pairs = lambda: _distinct_hashes(  # noqa: E731
+        [(_dec(k, tensors, d), _dec(v, tensors, d)) for k, v in body]
+    )
     if tag == "c":
         return complex(_dec(body[0], tensors, d), _dec(body[1], tensors, d))
     if tag in ("b", "ba"):
@@ -546,14 +566,16 @@ def _decode_other(tag: str, body: Any, tensors: Sequence[torch.Tensor], d: int) 
     if tag == "dd":
         return collections.defaultdict(
             _FACTORIES[body[0]] if body[0] else None,
-            [(_dec(k, tensors, d), _dec(v, tensors, d)) for k, v in body[1]],
+            _distinct_hashes([(_dec(k, tensors, d), _dec(v, tensors, d)) for k, v in body[1]]),
         )
     if tag == "ct":
         return collections.Counter(dict(pairs()))
     if tag == "s":
-        return {_dec(x, tensors, d) for x in body}
+        return {k for k, _ in _distinct_hashes([(_dec(x, tensors, d), None) for x in body])}
     if tag == "fs":
-        return frozenset(_dec(x, tensors, d) for x in body)
+        return frozenset(
+            k for k, _ in _distinct_hashes([(_dec(x, tensors, d), None) for x in body])
+        )
     if tag == "q":
         return collections.deque((_dec(x, tensors, d) for x in body[1]), body[0])
     if tag == "r":
@@ -665,10 +687,29 @@ def file_bytes(skeleton: Any, tensors: Sequence[torch.Tensor]) -> bytes:
     return buffer.getvalue()
 
 
+def _stored_only(file: Path) -> None:
+    """Refuse a value file with a compressed entry: ``torch.save`` stores its entries as they are,
+    and a deflated one (a megabyte that inflates to gigabytes) would make every rank that reads it
+    allocate what it inflates to."""
+    try:
+        with zipfile.ZipFile(file) as archive:
+            entries = archive.infolist()
+    except zipfile.BadZipFile:
+        return  # not a zip archive: torch.load says what it is
+    size = file.stat().st_size
+    for entry in entries:
+        if entry.compress_type != zipfile.ZIP_STORED or entry.file_size > size:
+            raise FormatError(
+                f"its entry {entry.filename[:80]!r} is compressed ({entry.compress_size} bytes "
+                f"that inflate to {entry.file_size}), which no save writes"
+            )
+
+
 def read_file(file: Path, map_location: Any = None) -> Any:
     """The value that :func:`file_bytes` wrote to ``file``. Raises ``pickle.UnpicklingError`` where
     the file holds anything but plain data (nothing of it is unpickled), :class:`FormatError` for a
     file of another format, and one of :data:`MALFORMED` for one whose values no save writes."""
+    _stored_only(file)
     saved = torch.load(file, map_location=map_location, weights_only=True)
     if not isinstance(saved, dict) or saved.get("format") != FORMAT:
         found = saved.get("format") if isinstance(saved, dict) else None
