@@ -282,7 +282,8 @@ def submit(cfg: BatchConfig, dry_run: bool = False) -> tuple[Path, str | None]:
             )
         fs.make_dirs(out)
         path = out / f"{cfg.name}.sbatch"
-        fs.write_atomic(path, batch_script(cfg).encode())
+        # the names it holds as their bytes: a path that is not UTF-8 runs as given
+        fs.write_atomic(path, batch_script(cfg).encode("utf-8", "surrogateescape"))
     except OSError as err:  # /proc, a read-only file system, a name too long
         raise ConfigError(
             f"--output-dir {_shown(cfg.output_dir)}: cannot write the batch script there "

@@ -24,7 +24,8 @@ def mix_seed(*values: int | str) -> int:
     ``(seed, epoch)`` as ``seed << 32 | epoch`` would ignore the seed; a hash spreads every input
     over those 32 bits.
     """
-    digest = hashlib.blake2b(",".join(map(str, values)).encode(), digest_size=4).digest()
+    text = ",".join(map(str, values)).encode("utf-8", "surrogateescape")  # a name's own bytes
+    digest = hashlib.blake2b(text, digest_size=4).digest()
     return int.from_bytes(digest, "little")
 
 

@@ -187,7 +187,8 @@ def room_warning(folder: str | os.PathLike[str], need: int) -> str | None:
 def run_key(run_dir: str | os.PathLike) -> str:
     """A short hash of the run directory's absolute path: two Trainers of one job never share
     slots."""
-    return hashlib.sha256(str(Path(run_dir).absolute()).encode()).hexdigest()[:16]
+    # a path's own bytes: a name that is not UTF-8 is a name all the same
+    return hashlib.sha256(os.fsencode(Path(run_dir).absolute())).hexdigest()[:16]
 
 
 # -- a slot's format -------------------------------------------------------------------------------
