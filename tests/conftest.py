@@ -110,6 +110,8 @@ DDPKIT_GLOBALS: dict[tuple[str, str], Any] = {
     ("ddpkit.snapshot._disk", "_groups"): {},
     ("ddpkit.tools._workload", "_modules"): {},
     ("ddpkit._launch.worker", "_worker_store"): None,
+    ("ddpkit._launch.worker", "_serving"): None,
+    ("ddpkit._launch.agent", "_answering"): None,
     ("ddpkit._launch.rendezvous.backend", "_jobs"): {},
     ("ddpkit._launch.rendezvous.backend", "_relays"): {},
     ("ddpkit._launch.forkserver.workers", "_server"): None,

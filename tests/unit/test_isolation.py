@@ -37,6 +37,7 @@ from ddpkit.distributed import _runtime as runtime
 from ddpkit.distributed import _seeding as seeding
 from ddpkit.distributed import _signals as signals
 from ddpkit._launch import worker
+from ddpkit._launch import agent
 from ddpkit._launch.forkserver import workers as forked
 from ddpkit._launch.rendezvous import backend
 from ddpkit.nn import _dropout as dropout
@@ -62,6 +63,8 @@ def test_leaves_every_global_set(tmp_path):
     backend.register("run-1", backend.JobAccess(b"secret", None))
     backend._relays["run-1"] = []
     worker._worker_store = object()
+    worker._serving = object()  # a stack server's state, as a worker keeps it
+    agent._answering = object()  # the thread an agent answers stack requests from
     forked._server = object()  # stands for the job's fork server, as the agent keeps it
     runtime._store_of = (("env://", 0, 2), object())  # a rendezvous store kept across init()s
     runtime._group_store = object()

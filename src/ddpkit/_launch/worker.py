@@ -40,6 +40,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, recor
 from ddpkit import _fs as fs
 from ddpkit._errors import ConfigError
 from ddpkit._internals.elastic import record_with
+from ddpkit._internals.interpreter import current_frames
 from ddpkit._internals.store import agent_store_in_use, serve_store, use_agent_store
 from ddpkit._launch.proctree import set_parent_death_signal, start_guard
 from ddpkit.distributed._progress import watch_torch_collectives
@@ -193,7 +194,7 @@ def format_stacks(skip: int | None = None, limit: int = 100) -> str:
     """Every thread's Python stack but ``skip``'s (a thread ident), main thread first, each
     innermost first (at most ``limit`` frames): faulthandler's layout, the main thread's block
     headed ``Main thread``. Call it holding the GIL (any Python code does)."""
-    frames = sys._current_frames()
+    frames = current_frames()
     names = {t.ident: t.name for t in threading.enumerate()}
     main = threading.main_thread().ident
     blocks = []

@@ -23,6 +23,7 @@ from ddpkit.data._sample_seeding import SeededSamples
 from ddpkit.data._sampler import ShardedBatchSampler
 from ddpkit.distributed import _progress as progress
 from ddpkit.distributed._progress import Phase
+from ddpkit.platforms import _torchrun as torchrun
 
 
 class ServeStacks:
@@ -39,7 +40,7 @@ class ServeStacks:
 
             # the worker loads its data all the same; asked, it does not answer
             with contextlib.suppress(Exception):
-                serve_stacks(f"rank{os.environ.get('RANK', '0')}-loader{worker_id}")
+                serve_stacks(f"rank{torchrun.rank_text(os.environ) or 0}-loader{worker_id}")
         if self.then is not None:
             self.then(worker_id)
 

@@ -533,6 +533,8 @@ def test_trial_folders_left_by_another_search_are_refused(tmp_path, clean_env):
     assert (tmp_path / "trial-0000" / "metrics.jsonl").read_text() == log
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_searches_sharing_a_study_draw_candidates_of_their_own_however_they_start(
     tmp_path, clean_env
 ):
