@@ -56,6 +56,8 @@ class MetricsWriter:
         self._loggers: list[Any] = []
         self.rewound = 0
         """Records the last :meth:`load_state_dict` moved to ``metrics.rewound.jsonl``."""
+        self.fault: tuple[str, int, str] | None = None
+        """The first write of the run directory that failed: (file, errno, reason)."""
         if not enabled:
             return
         fs.make_dirs(self.run_dir)
@@ -86,11 +88,22 @@ class MetricsWriter:
             multiprocessing.util.Finalize(self, _close_all, args=(self._loggers,), exitpriority=10)
         return self._jsonl
 
+    def record_fault(self, path: Path, err: OSError) -> None:
+        """A write of the run directory failed (the main rank's): the first is kept for the ranks'
+        next agreement to stop every rank with (:attr:`fault`), and records stop."""
+        if self.fault is None:
+            self.fault = (str(path), err.errno or 0, err.strerror or str(err))
+        self.enabled = False
+
     def log(self, kind: str, step: int, values: dict[str, Any]) -> None:
         if not self.enabled:
             return
         record = {"kind": kind, "step": step, "time": round(time.time(), 3), **values}
-        self._open().write(json.dumps(record, default=float) + "\n")
+        try:
+            self._open().write(json.dumps(record, default=float) + "\n")
+        except OSError as err:
+            self.record_fault(self.run_dir / "metrics.jsonl", err)
+            return
         # Events, and the per-rank lists of a "ranks" record, are not curves; the speed is in the
         # train records.
         if kind in ("event", "ranks") or not (self._tb is not None or self._loggers):
@@ -121,15 +134,18 @@ class MetricsWriter:
         """One CSV row per epoch; the columns are those of the first row written to the file."""
         if not self.enabled:
             return
-        self._open()
-        with fs.open_append(self.run_dir / "epochs.csv", read=True, linked="replace") as f:
-            f.seek(0)
-            header = next(csv.reader(f), None)
-            self._columns = header or list(values)
-            writer = csv.DictWriter(f, fieldnames=self._columns, extrasaction="ignore")
-            if header is None:
-                writer.writeheader()
-            writer.writerow(values)
+        try:
+            self._open()
+            with fs.open_append(self.run_dir / "epochs.csv", read=True, linked="replace") as f:
+                f.seek(0)
+                header = next(csv.reader(f), None)
+                self._columns = header or list(values)
+                writer = csv.DictWriter(f, fieldnames=self._columns, extrasaction="ignore")
+                if header is None:
+                    writer.writeheader()
+                writer.writerow(values)
+        except OSError as err:
+            self.record_fault(self.run_dir / "epochs.csv", err)
 
     def state_dict(self) -> dict[str, int]:
         """The size of each file now (the main rank's; empty on the others)."""

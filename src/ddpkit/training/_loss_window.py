@@ -25,6 +25,8 @@ class Agreed:
     """The mean of each named loss (a step of several models: each ``backward(loss, name)``'s)."""
     rows: list[list[float]] = field(default_factory=list)
     """Every rank's ``row`` passed to :meth:`LossWindow.agree`, in rank order."""
+    fault: int = 0
+    """The errno of a failed write of the run directory on some rank (0: none)."""
 
     @property
     def mean(self) -> float:
@@ -134,7 +136,12 @@ class LossWindow:
         self.names = []
 
     def agree(
-        self, device: torch.device, stop: bool, group: Group, row: Sequence[float] = ()
+        self,
+        device: torch.device,
+        stop: bool,
+        group: Group,
+        row: Sequence[float] = (),
+        fault: int = 0,
     ) -> Agreed:
         """The global loss sum and sample count since the last agreement, whether any rank must
         stop, and every rank's ``row`` (the window's step timings).
@@ -148,6 +155,7 @@ class LossWindow:
             "loss": self.local_sum(device),
             "samples": sum(self.sizes),
             "stop": float(stop),
+            "fault": float(fault),  # a failed write of the run directory: its errno
         }
         # Named losses (several models): each name's sums too, in the same all-gather. Every rank
         # ran the same step function, so every rank has the same names.
@@ -168,6 +176,7 @@ class LossWindow:
             bool(total["stop"]),
             means,
             [r["row"].tolist() for r in table],
+            int(max(float(r["fault"]) for r in table)),
         )
 
 

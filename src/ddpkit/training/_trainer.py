@@ -22,8 +22,8 @@ same step.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
 from functools import partial
 from pathlib import Path
 from typing import Any, cast
@@ -37,6 +37,7 @@ from ddpkit.data import ShardedBatchSampler, build_loader
 from ddpkit.distributed import Group
 from ddpkit.distributed import _progress as marks
 from ddpkit.distributed import _signals as signals
+from ddpkit.distributed._collectives import all_reduce, broadcast_object
 from ddpkit.distributed._log import print0
 from ddpkit.distributed._progress import Phase
 from ddpkit.distributed._runtime import get_runtime
@@ -313,7 +314,8 @@ class Trainer:
             self.writer.log(
                 "event", self.step, {"event": "start", "restart_count": rt.restart_count}
             )
-        write_resolved_config(self.run_dir, self.config, self.runtime, self.sampler.batch_size)
+        with self._run_dir_write(self.run_dir / "config.json"):
+            write_resolved_config(self.run_dir, self.config, self.runtime, self.sampler.batch_size)
         call(self.callbacks, "on_fit_start", self)
         last: dict[str, float] = {}
         # A finished run, resumed: nothing left to train.
@@ -348,11 +350,13 @@ class Trainer:
         last |= self.validation.latest
         if self.snapshots.schedule.at_stop(self.stopped_by):
             self.save()  # (a no-op after an epoch end's snapshot of the same step)
-        self.validation.save_final_weights(self.epoch, self.step, self.stopped_by)
+        with self._run_dir_write(self.run_dir / "final weights"):
+            self.validation.save_final_weights(self.epoch, self.step, self.stopped_by)
         self.wait_for_snapshot()  # the run's last snapshot is whole before fit() returns
         reason = self.stopped_by
         self.writer.log("event", self.step, {"event": "stop", "reason": str(reason)})
         self.writer.flush()
+        self._stop_on_fault(one_more=True)  # a write since the last agreement
         call(self.callbacks, "on_fit_end", self)
         self.snapshots.close(finished=True)  # what a restart needs from here on is on disk
         if self.stopped_by != StopReason.SIGNAL:
@@ -423,8 +427,9 @@ class Trainer:
         if self.validation.due(count, taken):
             # Not training: left out of the window's wall time, its time in a record of its own.
             # Each rank leaves out its own, entered after the same step's gradients' all-reduce.
-            with self.speed.aside() as took:
-                val = self.validation.after_step(self.epoch, count)
+            with self.speed.aside() as took, self._run_dir_write(self.best_weights.path):
+                self.validation.after_step(self.epoch, count)
+            val = {"epoch": self.epoch, "step": count, **self.validation.latest}
             self.writer.log(
                 "event", count, {"event": "validation", "seconds": round(took.seconds, 3)}
             )
@@ -482,7 +487,12 @@ class Trainer:
         tokens = self.batch_loss.count_fn is not None
         # Every rank's phases travel in the agreement's one collective, at window ends only.
         row = self.speed.row(wall, float(sum(window.sizes)) if tokens else None)
-        agreed = window.agree(self.runtime.device, bool(self._stop_signal), self.group, row)
+        fault = self.writer.fault[1] or 1 if self.writer.fault else 0
+        agreed = window.agree(
+            self.runtime.device, bool(self._stop_signal), self.group, row, fault=fault
+        )
+        if agreed.fault:
+            self._stop_on_fault()
         self.epoch_loss.add(agreed)
         if agreed.stop and self.stopped_by is None:
             self.stopped_by = StopReason.SIGNAL
@@ -530,8 +540,11 @@ class Trainer:
         if self.val_data is not None and self.validation.at_epoch_end:
             metrics |= self.evaluator(self.val_data, "val")
         seconds = round(time.perf_counter() - self._epoch_start, 3)  # training and validation
-        if self.validation.at_epoch_end and self.validation.update(metrics, self.epoch, self.step):
-            self.stopped_by = StopReason.EARLY_STOPPING
+        if self.validation.at_epoch_end:
+            with self._run_dir_write(self.best_weights.path):
+                self.validation.update(metrics, self.epoch, self.step)
+            if self.early_stopping.should_stop:
+                self.stopped_by = StopReason.EARLY_STOPPING
         # The records and callbacks get the epoch's time too; fit() returns only what the training
         # determines.
         timed = metrics | {"epoch_seconds": seconds}
@@ -573,6 +586,40 @@ class Trainer:
         # Only a flag: the next agreement spreads it, and every rank saves and stops after the same
         # step.
         self._stop_signal = signum
+
+    @contextmanager
+    def _run_dir_write(self, path: Path) -> Iterator[None]:
+        """A write of the run directory that only the main rank makes: failed (a full disk), it is
+        kept for the ranks' next agreement, which stops every rank together (:meth:`_stop_on_fault`)
+        rather than this rank alone while the others wait for it."""
+        try:
+            yield
+        except OSError as err:
+            if not self.runtime.is_main:
+                raise
+            self.writer.record_fault(Path(err.filename or path), err)
+
+    def _stop_on_fault(self, one_more: bool = False) -> None:
+        """Raise on every rank when a write of the run directory failed on the main rank, naming
+        the file, the reason and where a restart resumes from (collective: every rank calls it;
+        ``one_more``: the ranks first agree on it, past their last agreement)."""
+        group = self.group
+        if one_more:
+            fault = self.writer.fault[1] or 1 if self.writer.fault else 0
+            if not all_reduce(float(fault), op="max", group=group):
+                return
+        path, errno, reason = broadcast_object(self.writer.fault, group=group) or ("?", 0, "")
+        done = self.snapshots.schedule._saved_at
+        where = (
+            f"the snapshot of step {done[1]} (or a newer copy in memory)"
+            if done is not None
+            else "the newest snapshot on disk or in memory, or the start"
+        )
+        raise OSError(
+            errno,
+            f"ddpkit: cannot write {path} ({reason}): every rank stops at step {self.step}; free "
+            f"room there, and a restart resumes from {where}",
+        )
 
     def _lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
