@@ -121,6 +121,8 @@ class _Dropouts(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
+        if _layout is None:  # left on the stack by a block never left (a fork inherits it)
+            return func(*args, **kwargs)
         if func is F.dropout or func in _CHANNELS:
             names = ("input", "p", "training", "inplace")
             got = dict(zip(names, args)) | kwargs

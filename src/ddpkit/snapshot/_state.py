@@ -293,6 +293,11 @@ class SnapshotSchedule:
         once."""
         return position != self._saved_at
 
+    @property
+    def saved_at(self) -> tuple[int, int, int] | None:
+        """The position (epoch, step, batch) last written to disk, or ``None``."""
+        return self._saved_at
+
     def written(self, position: tuple[int, int, int]) -> None:
         """``position`` is on disk (saved, or the snapshot a run resumed from)."""
         self._saved_at, self.notice = position, None

@@ -609,7 +609,7 @@ class Trainer:
             if not all_reduce(float(fault), op="max", group=group):
                 return
         path, errno, reason = broadcast_object(self.writer.fault, group=group) or ("?", 0, "")
-        done = self.snapshots.schedule._saved_at
+        done = self.snapshots.schedule.saved_at
         where = (
             f"the snapshot of step {done[1]} (or a newer copy in memory)"
             if done is not None

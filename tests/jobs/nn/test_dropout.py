@@ -101,6 +101,26 @@ def test_a_forwards_attention_dropout_and_alpha_dropout_are_refused_at_the_call(
         F.scaled_dot_product_attention(q, q, q)
 
 
+def test_a_mode_left_without_a_layout_lets_dropout_draw_its_own_mask(monkeypatch):
+    # A block entered and never left keeps its mode on torch's stack (a forked child inherits it);
+    # once the layout is gone, dropout is torch's own again.
+    x = torch.ones(4, 64)
+    torch.manual_seed(0)
+    plain = F.dropout(x, 0.5)
+    block = batch_layout(BatchLayout(global_size=4, offset=0, key=1, size=4))
+    block.__enter__()
+    try:
+        torch.manual_seed(0)
+        masked = F.dropout(x, 0.5)  # control: the layout's mask, not the RNG's
+        monkeypatch.setattr(dropout, "_layout", None)
+        torch.manual_seed(0)
+        stale = F.dropout(x, 0.5)
+    finally:
+        monkeypatch.undo()
+        block.__exit__(None, None, None)
+    assert torch.equal(stale, plain) and not torch.equal(masked, plain)
+
+
 def _hand_loop(global_dropout: bool) -> dict[str, torch.Tensor]:
     """A hand-written loop on ``build_loader`` and ``prepare_model`` (global batch 12 at any world
     size), its forward inside ``ddpkit.nn.global_batch`` or not."""
