@@ -23,7 +23,6 @@ import runpy
 import secrets
 import signal
 import socket
-import stat
 import sys
 import threading
 import time
@@ -121,14 +120,10 @@ def serve_stacks(name: str | None = None) -> bool:
     try:
         for path in (fifo, *answers):  # a dead process's of the same pid; an earlier attempt's
             fs.remove(path)
-        with fs.folder(folder) as dir_fd:
-            os.mkfifo(fifo.name, 0o600, dir_fd=dir_fd)
-            fd = os.open(fifo.name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-        st = os.fstat(fd)
-        if not stat.S_ISFIFO(st.st_mode) or st.st_uid != os.getuid():
-            os.close(fd)
-            return False
+        fd = fs.open_fifo(fifo, os.O_RDWR, create=True)
     except (OSError, ConfigError):
+        return False
+    if fd is None:
         return False
     serving = _serving = _Serving(pid, fd, fifo, answers)
     if not _fork_hook:
@@ -222,18 +217,12 @@ def request_stack(folder: Path, pid: int) -> str | None:
     reading it: the process has ended), or its FIFO is full (it reads none)."""
     token = secrets.token_hex(8)
     try:
-        with fs.folder(folder) as dir_fd:
-            fd = os.open(
-                f"stack-{pid}.fifo",
-                os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC,
-                dir_fd=dir_fd,
-            )
+        fd = fs.open_fifo(folder / f"stack-{pid}.fifo", os.O_WRONLY | os.O_NONBLOCK)
     except (OSError, ConfigError):  # ENXIO: no reader; ENOENT: none made
         return None
+    if fd is None:
+        return None
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISFIFO(st.st_mode) or st.st_uid != os.getuid():
-            return None
         os.write(fd, f"{token}\n".encode())
     except OSError:  # EAGAIN: its pipe is full
         return None
