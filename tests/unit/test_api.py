@@ -158,7 +158,7 @@ EXTRAS = (
     "ddpkit._launch.forkserver", "ddpkit._launch.forkserver.server",
     "ddpkit._launch.forkserver.workers", "ddpkit._launch.rendezvous.backend",
     "ddpkit._launch.rendezvous.relay", "ddpkit._launch.rendezvous.auth", "ddpkit._launch.k8s",
-    "ddpkit._launch.manifests", "ddpkit._launch.sbatch",
+    "ddpkit._launch.sbatch",
     "ddpkit.snapshot._memory", "ddpkit.tools", "ddpkit.search", "ddpkit.data._stream_sources",
     "ddpkit.data._stream_loader",
 )  # fmt: skip
