@@ -317,46 +317,23 @@ def pod_spec(cfg: ManifestConfig) -> dict[str, Any]:
 def pod_failure_policy(cfg: ManifestConfig) -> dict[str, Any]:
     """The Job's: 75 (stopped after a snapshot) and disruption recreate the pod uncounted; another
     non-zero code of the script's container fails the Job (and the JobSet)."""
-    name = CONTAINER[cfg.kind]
+
+    def on_codes(action: str, operator: str, values: list[int]) -> dict[str, Any]:
+        on = {"containerName": CONTAINER[cfg.kind], "operator": operator, "values": values}
+        return {"action": action, "onExitCodes": on}
+
     return {
         "rules": [
             {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]},
-            {
-                "action": "Ignore",
-                "onExitCodes": {
-                    "containerName": name,
-                    "operator": "In",
-                    "values": [PREEMPTED_EXIT_CODE],
-                },
-            },
-            {
-                "action": "FailJob",
-                "onExitCodes": {
-                    "containerName": name,
-                    "operator": "NotIn",
-                    "values": [0, PREEMPTED_EXIT_CODE],
-                },
-            },
+            on_codes("Ignore", "In", [PREEMPTED_EXIT_CODE]),
+            on_codes("FailJob", "NotIn", [0, PREEMPTED_EXIT_CODE]),
         ]
     }
 
 
-def jobset_failure_policy(cfg: ManifestConfig) -> dict[str, Any]:
-    """The JobSet's: a Job failed by its pod failure policy (the script's error) fails the JobSet;
-    any other failure of a Job restarts every pod, at most ``max_restarts`` times."""
-    return {
-        "maxRestarts": cfg.max_restarts,
-        "rules": [
-            {
-                "name": "script-error",
-                "action": "FailJobSet",
-                "onJobFailureReasons": ["PodFailurePolicy"],
-            }
-        ],
-    }
-
-
 def jobset_spec(cfg: ManifestConfig) -> dict[str, Any]:
+    """A JobSet of one indexed Job of ``nodes`` pods; a Job failed by its pod failure policy (the
+    script's error) fails the JobSet, any other failure restarts every pod (``max_restarts``)."""
     job = {
         "parallelism": cfg.nodes,
         "completions": cfg.nodes,
@@ -365,30 +342,34 @@ def jobset_spec(cfg: ManifestConfig) -> dict[str, Any]:
         "podFailurePolicy": pod_failure_policy(cfg),
         "template": {"spec": pod_spec(cfg)},
     }
+    script_error = {
+        "name": "script-error",
+        "action": "FailJobSet",
+        "onJobFailureReasons": ["PodFailurePolicy"],
+    }
     return {
         "network": {"enableDNSHostnames": True},
-        "failurePolicy": jobset_failure_policy(cfg),
+        "failurePolicy": {"maxRestarts": cfg.max_restarts, "rules": [script_error]},
         "replicatedJobs": [{"name": "node", "replicas": 1, "template": {"spec": job}}],
     }
 
 
-def _metadata(cfg: ManifestConfig, name: str | None = None) -> dict[str, Any]:
+def _resource(
+    cfg: ManifestConfig, api: str, kind: str, spec: Any, name: str = "", **labels: str
+) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "name": name or cfg.name,
-        "labels": {"app.kubernetes.io/created-by": "ddpkit"},
+        "labels": {"app.kubernetes.io/created-by": "ddpkit", **labels},
     }
     if cfg.namespace:
         meta["namespace"] = cfg.namespace
-    return meta
+    return {"apiVersion": api, "kind": kind, "metadata": meta, "spec": spec}
 
 
 def manifests(cfg: ManifestConfig) -> list[dict[str, Any]]:
     """The resources to apply, in order."""
     if cfg.kind == "jobset":
-        return [
-            {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "metadata": _metadata(cfg)}
-            | {"spec": jobset_spec(cfg)}
-        ]
+        return [_resource(cfg, "jobset.x-k8s.io/v1alpha2", "JobSet", jobset_spec(cfg))]
     if cfg.kind == "pytorchjob":
         return [pytorchjob(cfg)]
     return trainjob(cfg)
@@ -405,15 +386,15 @@ def pytorchjob(cfg: ManifestConfig) -> dict[str, Any]:
         "runPolicy": {"backoffLimit": cfg.max_restarts, "cleanPodPolicy": "None"},
         "pytorchReplicaSpecs": specs,
     }
-    return {
-        "apiVersion": "kubeflow.org/v1",
-        "kind": "PyTorchJob",
-        "metadata": _metadata(cfg),
-        "spec": spec,
-    }
+    return _resource(cfg, "kubeflow.org/v1", "PyTorchJob", spec)
+
+
+TRAINER = "trainer.kubeflow.org"
 
 
 def trainjob(cfg: ManifestConfig) -> list[dict[str, Any]]:
+    """A TrainingRuntime of the job's own (what a TrainJob cannot hold: the volumes, the failure
+    policies) and the TrainJob that uses it."""
     runtime_name = f"{cfg.name}-ddpkit"
     jobset = jobset_spec(cfg)
     # Trainer sizes the node Job from the TrainJob, and finds it by the ancestor label
@@ -421,25 +402,12 @@ def trainjob(cfg: ManifestConfig) -> list[dict[str, Any]]:
     for key in ("parallelism", "completions", "completionMode"):
         del node_job["template"]["spec"][key]
     del node_job["replicas"]
-    node_job["template"]["metadata"] = {
-        "labels": {"trainer.kubeflow.org/trainjob-ancestor-step": "trainer"}
-    }
-    # the runtime holds what a TrainJob cannot: the volumes, the failure policies
-    runtime = {
-        "apiVersion": "trainer.kubeflow.org/v1alpha1",
-        "kind": "TrainingRuntime",
-        "metadata": _metadata(cfg, runtime_name)
-        | {
-            "labels": {
-                "app.kubernetes.io/created-by": "ddpkit",
-                "trainer.kubeflow.org/framework": "torch",
-            }
-        },
-        "spec": {
-            "mlPolicy": {"numNodes": cfg.nodes, "torch": {}},
-            "template": {"spec": jobset},
-        },
-    }
+    node_job["template"]["metadata"] = {"labels": {f"{TRAINER}/trainjob-ancestor-step": "trainer"}}
+    runtime_spec = {"mlPolicy": {"numNodes": cfg.nodes, "torch": {}}, "template": {"spec": jobset}}
+    runtime = _resource(
+        cfg, f"{TRAINER}/v1alpha1", "TrainingRuntime", runtime_spec, runtime_name,
+        **{f"{TRAINER}/framework": "torch"},
+    )  # fmt: skip
     trainer: dict[str, Any] = {"image": cfg.image, "command": command(cfg), "numNodes": cfg.nodes}
     if cfg.nproc.isdigit():
         trainer["numProcPerNode"] = int(cfg.nproc)
@@ -450,20 +418,9 @@ def trainjob(cfg: ManifestConfig) -> list[dict[str, Any]]:
         trainer["resourcesPerNode"] = resources
     if env := environment(cfg):
         trainer["env"] = env
-    job = {
-        "apiVersion": "trainer.kubeflow.org/v1alpha1",
-        "kind": "TrainJob",
-        "metadata": _metadata(cfg),
-        "spec": {
-            "runtimeRef": {
-                "name": runtime_name,
-                "apiGroup": "trainer.kubeflow.org",
-                "kind": "TrainingRuntime",
-            },
-            "trainer": trainer,
-        },
-    }
-    return [runtime, job]
+    ref = {"name": runtime_name, "apiGroup": TRAINER, "kind": "TrainingRuntime"}
+    spec = {"runtimeRef": ref, "trainer": trainer}
+    return [runtime, _resource(cfg, f"{TRAINER}/v1alpha1", "TrainJob", spec)]
 
 
 def to_yaml(docs: list[dict[str, Any]]) -> str:

@@ -18,7 +18,7 @@ from typing import Any
 
 from ddpkit import _fs as fs
 from ddpkit._errors import ConfigError
-from ddpkit._launch import agent, failure, proctree, tail, watch
+from ddpkit._launch import agent, failure, proctree, say, tail, watch
 from ddpkit._launch.options import (
     LaunchConfig,
     build_parser,
@@ -338,10 +338,6 @@ def launch(cfg: LaunchConfig) -> int:
         proctree.kill_descendants()  # whatever the workers left behind, however the job ended
     tidy_log_dirs(cfg.log_dir, run_dir)
     return 0
-
-
-def say(line: str) -> None:
-    print(f"ddpkit run: {line}", file=sys.stderr, flush=True)
 
 
 def collective_seconds(cfg: LaunchConfig) -> float:

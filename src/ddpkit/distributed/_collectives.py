@@ -148,22 +148,18 @@ def gather_tensors(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
     if not is_live(group):
         return tensor
     with _watched("gather_tensors", group):
-        return _gather_tensors(tensor, group)
-
-
-def _gather_tensors(tensor: torch.Tensor, group: Group) -> torch.Tensor:
-    device = comm_device(group)
-    local = tensor.detach().to(device)
-    sizes = torch.tensor([local.shape[0]], device=device)
-    all_sizes = [torch.zeros_like(sizes) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(all_sizes, sizes, group=group)
-    longest = int(max(s.item() for s in all_sizes))
-    # all_gather needs equal shapes: pad to the longest, then cut each rank's padding away.
-    padded = local.new_zeros((longest, *local.shape[1:]))
-    padded[: local.shape[0]] = local
-    chunks = [torch.zeros_like(padded) for _ in all_sizes]
-    dist.all_gather(chunks, padded, group=group)
-    return torch.cat([c[: int(s.item())] for c, s in zip(chunks, all_sizes)]).to(tensor.device)
+        device = comm_device(group)
+        local = tensor.detach().to(device)
+        sizes = torch.tensor([local.shape[0]], device=device)
+        all_sizes = [torch.zeros_like(sizes) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(all_sizes, sizes, group=group)
+        longest = int(max(s.item() for s in all_sizes))
+        # all_gather needs equal shapes: pad to the longest, then cut each rank's padding away.
+        padded = local.new_zeros((longest, *local.shape[1:]))
+        padded[: local.shape[0]] = local
+        chunks = [torch.zeros_like(padded) for _ in all_sizes]
+        dist.all_gather(chunks, padded, group=group)
+        return torch.cat([c[: int(s.item())] for c, s in zip(chunks, all_sizes)]).to(tensor.device)
 
 
 # Objects travel as pickled bytes in uint8 tensors, read back without numpy (which torch's own
@@ -197,23 +193,20 @@ def all_gather_object(obj: T, group: Group = None) -> list[T]:
     if not is_live(group):
         return [obj]
     with _watched("all_gather_object", group):
-        return _all_gather_object(obj, group)
-
-
-def _all_gather_object(obj: T, group: Group) -> list[T]:
-    device = comm_device(group)
-    mine = _pickled(obj, device)
-    sizes = [
-        torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))
-    ]
-    dist.all_gather(sizes, torch.tensor([mine.numel()], device=device), group=group)
-    lengths = [int(s.item()) for s in sizes]
-    # all_gather needs equal shapes: padded to the longest, the padding cut away after
-    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
-    padded[: mine.numel()] = mine
-    chunks = [torch.empty_like(padded) for _ in lengths]
-    dist.all_gather(chunks, padded, group=group)
-    return [_unpickled(chunk[:n].cpu()) for chunk, n in zip(chunks, lengths)]
+        device = comm_device(group)
+        mine = _pickled(obj, device)
+        sizes = [
+            torch.zeros(1, dtype=torch.int64, device=device)
+            for _ in range(dist.get_world_size(group))
+        ]
+        dist.all_gather(sizes, torch.tensor([mine.numel()], device=device), group=group)
+        lengths = [int(s.item()) for s in sizes]
+        # all_gather needs equal shapes: padded to the longest, the padding cut away after
+        padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
+        padded[: mine.numel()] = mine
+        chunks = [torch.empty_like(padded) for _ in lengths]
+        dist.all_gather(chunks, padded, group=group)
+        return [_unpickled(chunk[:n].cpu()) for chunk, n in zip(chunks, lengths)]
 
 
 def gather_object(obj: T, dst: int = 0, group: Group = None) -> list[T] | None:
@@ -222,32 +215,28 @@ def gather_object(obj: T, dst: int = 0, group: Group = None) -> list[T] | None:
     if not is_live(group):
         return [obj]
     with _watched("gather_object", group):
-        return _gather_object(obj, dst, group)
-
-
-def _gather_object(obj: T, dst: int, group: Group) -> list[T] | None:
-    device = comm_device(group)
-    size = dist.get_world_size(group)
-    receiver = dist.get_rank(group) == dst
-    global_dst = dist.get_global_rank(group, dst) if group is not None else dst
-    mine = _pickled(obj, device)
-    sizes = (
-        [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(size)]
-        if receiver
-        else None
-    )
-    length = torch.tensor([mine.numel()], device=device)
-    dist.gather(length, sizes, dst=global_dst, group=group)
-    # gather needs equal shapes: the longest, from rank dst to the others
-    longest = torch.tensor([max(int(s.item()) for s in sizes) if sizes else 0], device=device)
-    dist.broadcast(longest, src=global_dst, group=group)
-    padded = torch.zeros(int(longest.item()), dtype=torch.uint8, device=device)
-    padded[: mine.numel()] = mine
-    chunks = [torch.empty_like(padded) for _ in range(size)] if receiver else None
-    dist.gather(padded, chunks, dst=global_dst, group=group)
-    if chunks is None or sizes is None:
-        return None
-    return [_unpickled(chunk[: int(n.item())].cpu()) for chunk, n in zip(chunks, sizes)]
+        device = comm_device(group)
+        size = dist.get_world_size(group)
+        receiver = dist.get_rank(group) == dst
+        global_dst = dist.get_global_rank(group, dst) if group is not None else dst
+        mine = _pickled(obj, device)
+        sizes = (
+            [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(size)]
+            if receiver
+            else None
+        )
+        length = torch.tensor([mine.numel()], device=device)
+        dist.gather(length, sizes, dst=global_dst, group=group)
+        # gather needs equal shapes: the longest, from rank dst to the others
+        longest = torch.tensor([max(int(s.item()) for s in sizes) if sizes else 0], device=device)
+        dist.broadcast(longest, src=global_dst, group=group)
+        padded = torch.zeros(int(longest.item()), dtype=torch.uint8, device=device)
+        padded[: mine.numel()] = mine
+        chunks = [torch.empty_like(padded) for _ in range(size)] if receiver else None
+        dist.gather(padded, chunks, dst=global_dst, group=group)
+        if chunks is None or sizes is None:
+            return None
+        return [_unpickled(chunk[: int(n.item())].cpu()) for chunk, n in zip(chunks, sizes)]
 
 
 def first_failure(mine: str | None, group: Group = None) -> str | None:
@@ -256,16 +245,12 @@ def first_failure(mine: str | None, group: Group = None) -> str | None:
     if not is_live(group):
         return mine
     with _watched("first_failure", group):
-        return _first_failure(mine, group)
-
-
-def _first_failure(mine: str | None, group: Group) -> str | None:
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    first = int(all_reduce(rank if mine is not None else size, op="min", group=group))
-    if first == size:
-        return None
-    failure = broadcast_object(mine, src=first, group=group)
-    return failure if first == rank else f"{failure} (on rank {first})"
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        first = int(all_reduce(rank if mine is not None else size, op="min", group=group))
+        if first == size:
+            return None
+        failure = broadcast_object(mine, src=first, group=group)
+        return failure if first == rank else f"{failure} (on rank {first})"
 
 
 def broadcast_object(obj: T, src: int = 0, group: Group = None) -> T:
@@ -273,22 +258,18 @@ def broadcast_object(obj: T, src: int = 0, group: Group = None) -> T:
     if not is_live(group):
         return obj
     with _watched("broadcast_object", group):
-        return _broadcast_object(obj, src, group)
-
-
-def _broadcast_object(obj: T, src: int, group: Group) -> T:
-    device = comm_device(group)
-    global_src = dist.get_global_rank(group, src) if group is not None else src
-    sender = dist.get_rank(group) == src
-    payload = _pickled(obj, device) if sender else None
-    size = torch.tensor(
-        [payload.numel() if payload is not None else 0], dtype=torch.int64, device=device
-    )
-    dist.broadcast(size, src=global_src, group=group)
-    if payload is None:
-        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    dist.broadcast(payload, src=global_src, group=group)
-    return obj if sender else _unpickled(payload.cpu())
+        device = comm_device(group)
+        global_src = dist.get_global_rank(group, src) if group is not None else src
+        sender = dist.get_rank(group) == src
+        payload = _pickled(obj, device) if sender else None
+        size = torch.tensor(
+            [payload.numel() if payload is not None else 0], dtype=torch.int64, device=device
+        )
+        dist.broadcast(size, src=global_src, group=group)
+        if payload is None:
+            payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+        dist.broadcast(payload, src=global_src, group=group)
+        return obj if sender else _unpickled(payload.cpu())
 
 
 class MetricSums:
