@@ -114,7 +114,7 @@ DDPKIT_GLOBALS: dict[tuple[str, str], Any] = {
     ("ddpkit._launch.agent", "_answering"): None,
     ("ddpkit._launch.rendezvous.backend", "_jobs"): {},
     ("ddpkit._launch.rendezvous.backend", "_relays"): {},
-    ("ddpkit._launch.forkserver.workers", "_server"): None,
+    ("ddpkit._launch.forkserver", "_server"): None,
 }
 # hold_stop_signals() and the Trainer's stop_signals() install handlers for these in the process
 # that calls them.

@@ -421,7 +421,7 @@ def _tree(root: Path) -> dict[str, bytes]:
 def test_training_in_a_copy_made_with_cp_al_leaves_the_original_run_byte_identical(
     tmp_path, check, monkeypatch
 ):
-    from ddpkit._fs import safe
+    from ddpkit import _fs as fs
     from tests.jobs.scripts.train_job import train
 
     original, copy = tmp_path / "original", tmp_path / "copy"
@@ -431,7 +431,7 @@ def test_training_in_a_copy_made_with_cp_al_leaves_the_original_run_byte_identic
     assert os.stat(copy / "metrics.jsonl").st_nlink == 2  # every file of the copy is a second name
     # control: the check switched off, the copy's records are written into the original's
     if check == "off":
-        monkeypatch.setattr(safe, "other_names", lambda st: False)
+        monkeypatch.setattr(fs, "other_names", lambda st: False)
     result = train(str(copy), n_samples=48, epochs=2)
     assert result["resumed_from"] is not None  # the copy went on from the original's snapshot
     after = _tree(original)
@@ -457,7 +457,7 @@ def test_mlflow_in_a_copy_made_with_cp_al_leaves_the_originals_store_byte_identi
 ):
     # SQLite opens mlflow.db in place by its name: the copy's logger gets a store of its own first.
     pytest.importorskip("mlflow")
-    from ddpkit._fs import safe
+    from ddpkit import _fs as fs
     from ddpkit.tracking._trackers import MLflowLogger
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -467,7 +467,7 @@ def test_mlflow_in_a_copy_made_with_cp_al_leaves_the_originals_store_byte_identi
     subprocess.run(["cp", "-al", str(original), str(copy)], check=True)
     before = _tree(original)
     if check == "off":  # control: SQLite writes the copy's run into the original's store
-        monkeypatch.setattr(safe, "other_names", lambda st: False)
+        monkeypatch.setattr(fs, "other_names", lambda st: False)
     # resumes the run named in loggers.json, in the copy's store
     logger = MLflowLogger(copy, {"lr": 0.1})
     logger.log(1, {"loss": 0.5})

@@ -38,7 +38,7 @@ from ddpkit.distributed import _seeding as seeding
 from ddpkit.distributed import _signals as signals
 from ddpkit._launch import worker
 from ddpkit._launch import agent
-from ddpkit._launch.forkserver import workers as forked
+from ddpkit._launch import forkserver as forked
 from ddpkit._launch.rendezvous import backend
 from ddpkit.nn import _dropout as dropout
 from ddpkit.snapshot import _disk as staging

@@ -1,16 +1,7 @@
-"""A folder that belongs to one job at a time: an advisory lock on ``FOLDER/.lock`` naming its
-holder.
-
-The main rank holds :func:`fcntl.flock` on the file for the life of the job. The kernel drops it
-when the process ends, however it ends, so a crashed or SIGKILLed job leaves nothing behind and a
-restarted one takes it again at once. The file is opened as every ddpkit file is
-(:mod:`ddpkit._fs.safe`): never through a link, never another user's file or folder; the holder's
-name is written into it only once the lock is ours.
-
-A lock is held on a file, not on a name, and a folder copied with ``cp -al`` shares its ``.lock``
-with the original. :func:`take` gives the name a new file when the one it locked has other names,
-and only while it holds that one: the other names keep their file, unwritten, and the two folders
-stop excluding each other.
+"""A folder that belongs to one job at a time: an advisory :func:`fcntl.flock` on ``FOLDER/.lock``,
+held by the main rank for the life of the job (the kernel drops it however the process ends), with
+the holder's name written in once it is ours. A ``.lock`` shared with another folder (``cp -al``)
+is given a new file, only while the old one is held.
 """
 
 from __future__ import annotations
@@ -23,8 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ddpkit import _fs as fs
 from ddpkit._errors import ConfigError
-from ddpkit._fs import safe
 
 
 def take(path: Path, *, wait: bool) -> tuple[int, bool]:
@@ -32,9 +23,9 @@ def take(path: Path, *, wait: bool) -> tuple[int, bool]:
     the lock on it: an exclusive :func:`fcntl.flock`, waited for with ``wait``. Not held, the caller
     reads the holder's name from the descriptor and closes it."""
     path = Path(path)
-    with safe.folder(path.parent) as dir_fd:
+    with fs.folder(path.parent) as dir_fd:
         while True:
-            fd = safe._open_in(dir_fd, path, os.O_RDWR | os.O_CREAT, 0o644, linked=None)
+            fd = fs.open_in(dir_fd, path, os.O_RDWR | os.O_CREAT, 0o644, linked=None)
             try:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
@@ -46,17 +37,12 @@ def take(path: Path, *, wait: bool) -> tuple[int, bool]:
                 except FileNotFoundError:
                     named = None
                 if named is None or (named.st_dev, named.st_ino) != (held.st_dev, held.st_ino):
-                    # Replaced after we opened it (by a taker that held it): the name's file is the
-                    # lock now.
-                    os.close(fd)
+                    os.close(fd)  # replaced since we opened it: the name's file is the lock now
                     continue
-                if safe.other_names(held):
-                    # Renamed in locked, and the old file let go only then: a taker that locks the
-                    # old file afterwards finds another file under the name (above), and one that
-                    # opens the new one finds it held. Replaced without holding the old one, two
-                    # jobs could each hold "the" lock.
-                    tmp, new = safe._temporary(dir_fd, path.name, 0o644, os.O_RDWR)
-                    # a new file, of a name no one else knows: at once
+                if fs.other_names(held):
+                    # Renamed in locked, the old file let go only then: replaced without holding
+                    # the old one, two jobs could each hold "the" lock.
+                    tmp, new = fs.temporary(dir_fd, path.name, 0o644, os.O_RDWR)
                     fcntl.flock(new, fcntl.LOCK_EX)
                     os.replace(tmp, path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
                     os.close(fd)
@@ -81,11 +67,11 @@ class FolderLock:
 
     def acquire(self) -> None:
         """Take the lock, or raise :class:`ConfigError` naming the job that holds it."""
-        safe.make_dirs(self.path.parent)
+        fs.make_dirs(self.path.parent)
         fd, held = take(self.path, wait=False)
         if not held:
             holder = _read_holder(fd)
-            shared = safe.other_names(os.fstat(fd))
+            shared = fs.other_names(os.fstat(fd))
             os.close(fd)
             raise ConfigError(
                 f"{self.what} {str(self.path.parent)!r} is in use by another {self.job} ({holder}"
@@ -98,8 +84,7 @@ class FolderLock:
                 + f"): {self.hazard}. Wait for it to end, or give this {self.user} another "
                 f"{self.what}"
             )
-        # Holder written once the lock is ours (the file is ours too, checked above): a job that
-        # finds it locked reads a whole record.
+        # written once the lock is ours: a job that finds it locked reads a whole record
         os.ftruncate(fd, 0)
         os.pwrite(
             fd,

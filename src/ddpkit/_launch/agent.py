@@ -1,25 +1,8 @@
-"""torchrun's elastic agent as ``ddpkit run`` runs it.
-
-Changes to the agent torchrun has no option for (a subclass, installed by :func:`install`):
-
-- a worker that exits with :data:`~ddpkit._errors.PREEMPTED_EXIT_CODE` saved its snapshot because it
-  was told to stop, so the agent does not restart it, and ``ddpkit run`` exits with that code;
-- SIGTERM and SIGUSR1 reach the workers instead of ending the agent, and SIGUSR2 asks every worker
-  for its stack; when a worker fails with an exception, the agent asks the workers still running for
-  their stacks before it stops them, so that a hang's summary says where every rank was. A stack
-  request signals no worker (:func:`ddpkit._launch.worker.serve_stacks`), and none of the three
-  signals ends the launcher once its workers are gone;
-- once the workers are stopped, so is every process they started (:mod:`ddpkit._launch.proctree`);
-- the job gets a folder in shared memory for the workers' snapshots in memory
-  (:mod:`ddpkit.snapshot._slots`), made once per job and removed when the job ends, however
-  it ends;
-- workers are forked from a server that imported torch once for the job
-  (:mod:`ddpkit._launch.forkserver.workers`), so a restart does not start an interpreter and import
-  torch again;
-- a rank that stops making progress while the others wait for it is named in seconds, and the job
-  ended (:mod:`ddpkit._launch.watch`), across nodes through the rendezvous store
-  (:mod:`ddpkit._launch.watch_nodes`); before each restart the failure is summarised as at a job's
-  end (:mod:`ddpkit._launch.failure`).
+"""torchrun's elastic agent as ``ddpkit run`` runs it (:class:`Agent`, installed by
+:func:`install`): a pre-empted worker stops the job rather than restart it; SIGTERM and SIGUSR1
+reach the workers and SIGUSR2 asks them for their stacks, never ending the launcher; the stall
+watch, the workers' stacks and a failure summary before each restart; every process the workers
+started ended with them; the fork server; and the job's folder in shared memory.
 """
 
 from __future__ import annotations
@@ -39,33 +22,23 @@ from torch.distributed.elastic.agent.server.api import WorkerState
 from ddpkit import _fs as fs
 from ddpkit._errors import PREEMPTED_EXIT_CODE, ConfigError
 from ddpkit._internals.elastic import HookedAgent, use_agent
-from ddpkit._launch import watch, worker
+from ddpkit._launch import forkserver as forked
+from ddpkit._launch import say, watch, worker
 from ddpkit._launch import watch_nodes as nodes
 from ddpkit._launch.failure import Left, preempted, summarize_failure
-from ddpkit._launch.forkserver import workers as forked
 from ddpkit._launch.proctree import kill_descendants
 from ddpkit.distributed._progress import Phase
 from ddpkit.snapshot import _slots as memory_folder
 
 
 class Agent(HookedAgent):
-    """torchrun's agent, with three changes torchrun has no option for.
-
-    - A worker that exits with :data:`~ddpkit._errors.PREEMPTED_EXIT_CODE` saved its snapshot
-      because it was told to stop: restarting it here would train on after the scheduler's warning.
-      The agent stops instead, and ``ddpkit run`` exits with that code so that the batch script
-      requeues the job.
-    - SIGUSR1 (SLURM's ``--signal`` warning) and SIGTERM reach the workers instead of ending the
-      agent, and SIGUSR2 asks them for their stacks; see ``_forward_signals``.
-    - Stopping the workers (a restart, a failure, a signal) ends every process they started too:
-      torchrun signals a worker's process group only while the worker runs, and misses what left the
-      group. The launcher makes the agent a child subreaper, so all that is still below it then is
-      the job's (:mod:`ddpkit._launch.proctree`).
-    """
+    """torchrun's agent with the changes torchrun has no option for: a worker that exits with
+    :data:`~ddpkit._errors.PREEMPTED_EXIT_CODE` stops the job instead of being restarted; the stall
+    watch polled with the workers; stacks asked of the running workers before torchrun stops them;
+    and, once they are stopped, every process still below the agent (a child subreaper) ended."""
 
     current: Agent | None = None
-    policy = watch.StallPolicy(floor=0)
-    """The stall watch's, set by :func:`install`."""
+    policy = watch.StallPolicy(floor=0)  # set by install()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -78,20 +51,15 @@ class Agent(HookedAgent):
             if folder
             else None
         )
+        # when the last attempt failed: each rank's step and phase, the workers that exited 0
+        # while the others went on, the line on ranks in one collective under different ops
         self.where = ""
-        """Each rank's step and phase at its last mark, when the last attempt failed."""
         self.left: list[Left] = []
-        """This node's workers that exited with code 0 while the others went on, when the last
-        attempt failed."""
         self.disagreement = ""
-        """The stall watch's line on ranks in one collective under different ops, in this
-        attempt."""
-        self._collectives: dict[int, watch.Record] = {}
-        """Global rank -> its record when the stall watch last read it waiting in a collective."""
+        self._collectives: dict[int, watch.Record] = {}  # a rank's last record in a collective
         self._polls = 0
         self._exits_of: int | None = None
-        self._exit_seen: dict[int, int] = {}
-        """Local rank -> the poll that first saw its worker exited, in this attempt."""
+        self._exit_seen: dict[int, int] = {}  # local rank -> the poll that first saw it exited
         Agent.current = self
 
     def before_monitor(self, worker_group: Any) -> None:
@@ -110,7 +78,6 @@ class Agent(HookedAgent):
                     for w in worker_group.workers
                 }
             )
-        # the rendezvous round's: a new one at each restart
         store = getattr(worker_group, "store", None)
         if store is not None and self._published_to is not store and processes:
             self._published_to = store
@@ -128,15 +95,15 @@ class Agent(HookedAgent):
                 self._collectives[g] = r.record
 
     def _say_disagreement(self, running: set[int]) -> None:
-        """Once the stall watch named ranks: say so when the job's ranks wait in one collective
-        under different ops (the ranks named are those whose op is not the others')."""
+        """Once the stall watch named ranks: say so when they wait in one collective under
+        different ops."""
         assert self.watch is not None
         now = self.watch.clock()
         views = [self.watch.view(r, now) for g, r in self.watch.ranks.items() if g in running]
         disagree = nodes.disagreement(views + self.watch.link.remote)
         if disagree:
             self.disagreement = nodes.disagreement_words(disagree, self.watch.link.multi)
-            print(f"ddpkit run: {self.disagreement}", file=sys.stderr, flush=True)
+            say(self.disagreement)
 
     def after_monitor(self, worker_group: Any, result: Any) -> None:
         failed = result.state == WorkerState.FAILED
@@ -145,9 +112,8 @@ class Agent(HookedAgent):
             if failed and self.watch.stall is None and not preempted(result.failures):
                 self.watch.read()  # a stall's headline says where they were
                 for g, r in self.watch.ranks.items():
-                    # A collective that failed (its timeout, a lost peer) hands the rank back to the
-                    # phase it was in before, and the line would say "user code": say the
-                    # collective it was last seen waiting in, when it has entered none since.
+                    # a failed collective hands the rank back to its phase before: say the
+                    # collective it was last seen waiting in
                     if _left_collective(self._collectives.get(g), r.record):
                         r.record = self._collectives[g]
                 self.where = self.watch.where()
@@ -158,8 +124,7 @@ class Agent(HookedAgent):
         if preempted(result.failures):
             self.stop_restarting()
             return
-        # torchrun restarts next: say what failed first, as at a job's end
-        if self.restarts_left() > 0:
+        if self.restarts_left() > 0:  # torchrun restarts next: say what failed, as at a job's end
             stall = self.watch.stall if self.watch is not None else None
             print(
                 summarize_failure(
@@ -172,20 +137,13 @@ class Agent(HookedAgent):
                 file=sys.stderr,
                 flush=True,
             )
-            print(
-                f"ddpkit run: restarting the workers ({self.restarts_left() - 1} restart(s) left "
-                "after this one)",
-                file=sys.stderr,
-                flush=True,
-            )
+            left = self.restarts_left() - 1
+            say(f"restarting the workers ({left} restart(s) left after this one)")
 
     def _stacks_before_teardown(self, worker_group: Any) -> None:
-        # torchrun stops the other workers in the same poll that finds a failed one; ask them where
-        # they are first. The exit codes come from the Popen objects torchrun's process context
-        # keeps (poll() caches the code, so its own poll that follows sees the same). Only after a
-        # Python exception (a collective that timed out, an error in user code): its time is in its
-        # error file. A worker killed by a signal has none, and torchrun stamps it when it polls; a
-        # delay here would let a peer's consequent error look earlier than the kill.
+        # torchrun stops the other workers in the poll that finds a failed one: ask them for their
+        # stacks first. Only after an exception, whose time is in its error file: a worker killed
+        # by a signal is stamped when torchrun polls, and a delay would make it look later.
         codes = {local: proc.poll() for local, proc in self.worker_processes().items()}
         self._polls += 1
         self._note_exits(codes)
@@ -202,9 +160,7 @@ class Agent(HookedAgent):
             }
             _ask_for_stacks(running, [w.global_rank for w in worker_group.workers])
         if any(code is not None and code != 0 for code in codes.values()):
-            # torchrun now sends SIGTERM to the rest and waits 30 s before SIGKILL: a stopped
-            # process cannot act on the SIGTERM, and would hold the job's end (or restart) for all
-            # of that time.
+            # torchrun's SIGTERM, then 30 s: a stopped process would hold the job's end that long
             for local, proc in self.worker_processes().items():
                 if codes.get(local) is None and watch.process_state(proc.pid).startswith("stopped"):
                     with contextlib.suppress(ProcessLookupError):
@@ -222,19 +178,11 @@ class Agent(HookedAgent):
 
     def _left_early(self, worker_group: Any) -> list[Left]:
         """This node's workers that exited with code 0, no later than the first failure, while the
-        others went on.
-
-        torchrun counts an exit with code 0 as a success and waits for the rest: the others then
-        fail in their next collective ("Connection closed by peer"), and the first failure is a
-        survivor's. Went on: another rank's last mark is past its own (a later step, or more
-        collectives entered). A worker that finished with the others marked as far as they did, and
-        one that left after the failure (a script that catches its collective's error and returns)
-        is not behind the rank that failed. Where the ranks never marked (a loop ddpkit does not
-        see), its exit must have been seen while another worker still ran, before any failed.
-        """
+        others went on: another rank's last mark is past its own, or, where no rank marked, its exit
+        was seen while another still ran, before any failed."""
         processes = self.worker_processes()
         codes = {local: proc.poll() for local, proc in processes.items()}
-        self._note_exits(codes)  # torchrun's poll, after this poll's own, may have seen some exit
+        self._note_exits(codes)  # torchrun's poll, after our own, may have seen some exit
         failed_at = min(
             (self._exit_seen.get(local, self._polls) for local, code in codes.items() if code),
             default=self._polls,
@@ -267,8 +215,7 @@ class Agent(HookedAgent):
     def after_shutdown(self) -> None:
         if self.watch is not None:
             self.watch.disconnect()
-        # A worker torchrun gave up on (stuck in the kernel) keeps its Popen, which alone may
-        # collect it.
+        # one torchrun gave up on (stuck in the kernel) is its Popen's alone to collect
         unreaped = [
             proc.pid for proc in self.worker_processes().values() if proc.returncode is None
         ]
@@ -299,9 +246,9 @@ def _stack_dir() -> Path | None:
 
 
 def _ask_for_stacks(running: dict[int, int], ranks: Sequence[int], wait: float = 3.0) -> None:
-    """Ask the workers still running (global rank -> pid) for their stacks, and wait for their
-    answers (``wait`` seconds at most): each in ``rank<N>.txt``, where an earlier answer of any of
-    this node's ``ranks`` is removed first (it says where the rank was then, not at the failure)."""
+    """Ask the workers still running (global rank -> pid) for their stacks, and wait (``wait``
+    seconds at most) for their answers in ``rank<N>.txt``; this node's ``ranks``' earlier answers
+    are removed first."""
     folder = _stack_dir()
     if folder is None:
         return
@@ -312,8 +259,7 @@ def _ask_for_stacks(running: dict[int, int], ranks: Sequence[int], wait: float =
 
 
 def _sweep_stack_requests() -> None:
-    """Once the workers and all they started have ended: their FIFOs and answers by pid (a killed
-    process leaves its own)."""
+    """Once the workers and all they started have ended: remove their FIFOs and answers by pid."""
     folder = _stack_dir()
     if folder is None:
         return
@@ -342,32 +288,21 @@ def stacks(folder: Path, ranks: Sequence[int], lines: int = 14) -> list[str]:
 
 
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
-REQUESTS = (signal.SIGUSR1, signal.SIGUSR2)
-"""A warning and a stack request: neither ends the launcher, at any time."""
+REQUESTS = (signal.SIGUSR1, signal.SIGUSR2)  # a warning and a stack request: never the end
 TORCHRUN_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"
-TERM_GRACE = 60.0
-"""Seconds the workers get to save and exit after a SIGTERM to the agent, before they are killed."""
+TERM_GRACE = 60.0  # seconds the workers get to save and exit after a SIGTERM to the agent
 
 
 def _forward_signals() -> None:
-    """Pass SIGTERM and SIGUSR1 on to the workers, and let them finish; on SIGUSR2, ask every worker
-    for its stack.
-
-    torchrun's agent leaves SIGUSR1 at its default action, so ``srun ddpkit run`` died with exit
-    code 138 on SLURM's warning and the workers' snapshot raced the teardown of the step. On SIGTERM
-    it stops the workers itself and exits 143, whatever they did. Forwarded instead, the workers'
-    Trainer saves and exits with the pre-empted code, which the agent reports. After a SIGTERM the
-    agent restarts nothing, and workers still running after :data:`TERM_GRACE` seconds are killed.
-    SIGINT (Ctrl-C), SIGHUP and SIGQUIT stay torchrun's. SIGUSR2 signals no worker: each worker and
-    its loader workers answer through a FIFO (:func:`ddpkit._launch.worker.request_every_stack`),
-    in ``rank<N>.txt`` and ``rank<N>-loader<W>.txt`` of the stack folder.
-    """
+    """Pass SIGTERM and SIGUSR1 on to the workers, whose Trainer saves and exits with the pre-empted
+    code; after a SIGTERM restart nothing, and kill workers still running :data:`TERM_GRACE`
+    seconds later. SIGUSR2 asks every worker for its stack (signalling none). SIGINT, SIGHUP and
+    SIGQUIT stay torchrun's."""
 
     def terminate(signum: int, frame: Any) -> None:
         agent = Agent.current
         pids = agent.worker_pids() if agent is not None else []
-        # no workers yet (rendezvous) or any more: nothing to save, stop now
-        if agent is None or not pids:
+        if agent is None or not pids:  # no workers yet (rendezvous) or any more: stop now
             raise SystemExit(128 + signum)
         agent.stop_restarting()
         timer = threading.Timer(TERM_GRACE, _kill, (pids,))
@@ -375,8 +310,7 @@ def _forward_signals() -> None:
         timer.start()
         _send(pids, signum)
 
-    # torchrun's process context installs its handlers each time it starts workers; keep it off
-    # SIGTERM (``--signals-to-handle``, and the variable it sets, for versions without the option).
+    # torchrun's process context installs its handlers at each start: keep it off SIGTERM
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = TORCHRUN_SIGNALS
     signal.signal(signal.SIGTERM, terminate)
     _answer_requests()
@@ -387,15 +321,13 @@ _answering: threading.Thread | None = None
 
 
 def _note_request(signum: int, frame: Any) -> None:
-    # Only noted: the thread below acts on it. A handler that used the agent, run by the main
-    # thread wherever a loop of `kill -USR1` found it, crashed CPython 3.11 (the agent freed while
-    # still in use: SIGSEGV as the launcher ended).
+    # only noted: a handler that used the agent, wherever the main thread was, could use it freed
     _requests.put_nowait(signum)
 
 
 def _answer_requests() -> None:
-    """Act on SIGUSR1 and SIGUSR2 from a thread of the agent's own: SIGUSR1 sent on to the workers
-    of the current attempt, SIGUSR2 a stack request to every worker."""
+    """Act on SIGUSR1 (sent on to the current workers) and SIGUSR2 (a stack request to every
+    worker) from a thread of the agent's own."""
     global _answering
     if _answering is None:
         _answering = threading.Thread(target=_answer, name="ddpkit-signals", daemon=True)
@@ -415,8 +347,8 @@ def _answer() -> None:
             else:
                 agent = Agent.current
                 _send(agent.worker_pids() if agent is not None else [], signum)
-        except Exception:  # noqa: BLE001
-            continue  # the workers of an attempt that ends as they are read: none left to reach
+        except Exception:  # noqa: BLE001  (an attempt ending as it is read: none left to reach)
+            continue
 
 
 def _send(pids: list[int], signum: int) -> None:
@@ -439,37 +371,32 @@ def install(
     stall: watch.StallPolicy | None = None,
     run_dir: Path | None = None,
 ) -> None:
-    """Make torchrun's ``launch_agent`` build :class:`Agent`, and forward SIGTERM/SIGUSR1/SIGUSR2 to
-    its workers; with ``fork_server``, start the job's fork server (importing ``preload`` too;
-    ``display``: the workers' command, shown on its command line). ``launcher_api``:
-    ``torch.distributed.launcher.api``. ``stall``: the stall watch's policy; the ranks' progress
-    records go to shared memory, else to ``run_dir/progress``.
-    """
+    """Make torchrun's ``launch_agent`` (of ``launcher_api``) build :class:`Agent` with the stall
+    watch's policy ``stall``, and forward signals to its workers; with ``fork_server``, start the
+    job's fork server (importing ``preload``; ``display``: the workers' command). The ranks'
+    progress records go to shared memory, else to ``run_dir/progress``."""
     use_agent(launcher_api, Agent)
     Agent.policy = stall if stall is not None else watch.StallPolicy(floor=0)
     watch.open_folder((run_dir or Path.cwd()) / "progress")
     _forward_signals()
     if fork_server:
         forked.install(preload, display)
-    # Made by the agent, which outlives every attempt of the workers: a restarted worker finds its
-    # state there.
+    # made by the agent, which outlives every attempt: a restarted worker finds its state there
     if os.environ.get(memory_folder.OFF_ENV) != "0":
         memory_folder.open_job_folder()
 
 
 def ignore_requests() -> None:
-    """Ignore SIGUSR1 and SIGUSR2 until :func:`install` handles them: a warning or a stack request
-    that comes before any worker has nothing to reach, and must not end the launcher."""
+    """Ignore SIGUSR1 and SIGUSR2 until :func:`install` handles them: before any worker they have
+    nothing to reach."""
     for sig in REQUESTS:
         signal.signal(sig, signal.SIG_IGN)
 
 
 def uninstall() -> None:
     """Undo :func:`install` once the workers have ended. SIGTERM, SIGUSR1 and SIGUSR2 are ignored
-    from here on, not given their default action back: one that comes as the job ends has nothing
-    left to reach, and would end the launcher with 143, 138 or 140 after its workers succeeded.
-    Ignored rather than handled: the interpreter gives a signal with a Python handler its default
-    action back while it exits."""
+    from here on (a handler would get its default action back as the interpreter exits): one that
+    comes as the job ends must not end the launcher after its workers succeeded."""
     for sig in HANDLED_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     forked.uninstall()

@@ -1,11 +1,6 @@
-"""The summary of a failed ``ddpkit run`` job, and the code it exits with.
-
-Once one rank fails its peers fail too (a collective loses its peer, or the agent stops them), and
-torchrun orders the failures by whole seconds: :func:`cause` picks the failure that ended the job,
-:func:`summarize_failure` says it first, with what the agent saw (a rank the stall watch named,
-ranks that left early with code 0, ranks that disagreed on a collective), and :func:`exit_code` is
-the code the launcher exits with. Printed at a job's end (:mod:`ddpkit._launch.launcher`) and before
-each restart (:mod:`ddpkit._launch.agent`).
+"""The summary of a failed ``ddpkit run`` job, and the code it exits with: :func:`cause` picks the
+failure that ended the job among its consequences, :func:`summarize_failure` says it first, with
+what the agent saw. Printed at a job's end and before each restart.
 """
 
 from __future__ import annotations
@@ -43,8 +38,7 @@ class Left:
     rank: int
     local_rank: int
     pid: int
-    step: int | None
-    """Its step at its last mark (None: it never marked one)."""
+    step: int | None  # at its last mark (None: it never marked one)
 
 
 def _left_line(left: Sequence[Left], first_rank: int) -> str:
@@ -71,16 +65,14 @@ def _recorded(failure: Any) -> tuple[str, list[str]]:
     if not isinstance(data, dict):
         return "", []
     stack = data.get("extraInfo", {}).get("py_callstack", "").rstrip().splitlines()
-    # Drop the frames of the launch machinery (torch's @record wrapper, ddpkit._launch.worker,
-    # runpy): the user's frames start after the last runpy frame.
+    # the user's frames start after the last runpy frame (the launch machinery's)
     runpy_frames = [i for i, line in enumerate(stack) if "<frozen runpy>" in line]
     if runpy_frames:
         stack = stack[runpy_frames[-1] + 1 :]
     return data.get("message", ""), stack
 
 
-# What a rank's collective says when a peer process went away: the failure of another rank, not a
-# cause.
+# what a rank's collective says when a peer went away: another rank's failure, not a cause
 _PEER_LOST = (
     "Connection closed by peer",
     "Connection reset by peer",
@@ -94,28 +86,20 @@ def _peer_lost(failure: Any) -> bool:
     return any(text in message for text in _PEER_LOST)
 
 
-# The signal the launcher itself sends to workers: a worker ended by it is a consequence of
-# another's failure.
+# the signal the launcher sends its workers: a worker ended by it is a consequence
 _OUR_SIGNALS = (-signal.SIGTERM,)
 
 
 def cause(failures: dict[int, Any], stall: watch.Stall | None = None) -> tuple[int, Any]:
-    """(rank, failure) of the worker whose failure ended the job.
-
-    Once one rank fails its peers fail too: a collective loses its peer, or the agent stops them.
-    torchrun orders failures by time, in whole seconds, stamped when a worker wrote its error or
-    when the agent polled it, so the first in time can be a consequence. In order of preference: an
-    exception that is not a lost peer, an exit with an error code, a death by a signal the launcher
-    did not send (SIGKILL, SIGSEGV, the OOM killer), then the earliest. A rank the stall watch named
-    (``stall``) comes before all of them: the others' errors followed from its kill.
-    """
+    """(rank, failure) of the worker whose failure ended the job. torchrun orders failures in whole
+    seconds, so the first in time can be a consequence. In order: a rank the stall watch named
+    (``stall``), an exception that is not a lost peer, an exit with an error code, a death by a
+    signal the launcher did not send, then the earliest."""
     by_time = sorted(failures.items(), key=lambda rf: (rf[1].timestamp, rf[0]))
     for rank, failure in by_time:
         if stall is not None and rank in stall.ranks:
             return rank, failure
-    # A rank the agent stopped while it was exiting with its own error keeps that error, but its
-    # exit code is the agent's signal: of two equal errors, the one that exited by itself comes
-    # first.
+    # of two errors, the one that exited by itself first (not by the agent's signal)
     for rank, failure in sorted(by_time, key=lambda rf: rf[1].exitcode in _OUR_SIGNALS):
         message, _ = _recorded(failure)
         if message and not _peer_lost(failure):
@@ -137,17 +121,10 @@ def summarize_failure(
     left: Sequence[Left] = (),
     disagreement: str = "",
 ) -> str:
-    """The failed ranks: the first to fail with its exception and the end of its traceback, then the
-    rest.
-
-    Once one rank fails, its peers fail too (a collective loses its peer, or the agent stops them),
-    so the first failure in time is the cause and the others are its consequences. ``stall``: what
-    the stall watch named; ``where``: each rank's step and phase at its last mark. ``left``: the
-    ranks that exited with code 0 while the others went on, said first (their exit is no failure to
-    torchrun, and the first failure is then a survivor's); ``disagreement``: the stall watch's line
-    on ranks in one collective under different ops (both kept by the agent,
-    :class:`ddpkit._launch.agent.Agent`).
-    """
+    """The failed ranks: the cause (:func:`cause`) with its exception and the end of its traceback,
+    then the rest. ``stall``: what the stall watch named; ``where``: each rank's step and phase at
+    its last mark; ``left``: the ranks that exited with code 0 while the others went on, said
+    first; ``disagreement``: the stall watch's line on ranks off one collective."""
     failures: dict[int, Any] = getattr(err, "failures", {})
     if not failures:
         return f"ddpkit run: the job failed: {err}"
@@ -162,7 +139,6 @@ def summarize_failure(
     if stall is not None and first_rank in stall.ranks:
         if disagreement:
             lines.append(f"  {disagreement}")
-        # Its stack, and every other rank's, were shown when it was named.
         lines.append(f"  {stall.headline.removeprefix('ddpkit run: ')}")
     elif message:
         lines.append(f"  {message}")
@@ -185,14 +161,9 @@ def summarize_failure(
 
 
 def preempted(failures: dict[int, Any]) -> bool:
-    """True when the workers stopped because they were told to: stopped by a signal, snapshot saved.
-
-    Some worker exited with the pre-empted code; the others have it too, or were ended by the
-    agent's SIGTERM while they were exiting themselves (torchrun stops the group as soon as one
-    worker is gone). A worker that died otherwise (SIGKILL, a crash) is a failure: the 75 of the
-    others is then their answer to the agent's SIGTERM as it tore the group down, and the job is
-    restarted.
-    """
+    """True when the workers stopped because they were told to (snapshot saved): a worker exited
+    with the pre-empted code, and the others with it too or by the agent's SIGTERM. A worker that
+    died otherwise is a failure, and the job is restarted."""
     codes = [f.exitcode for f in failures.values()]
     return PREEMPTED_EXIT_CODE in codes and all(
         c in (PREEMPTED_EXIT_CODE, -signal.SIGTERM) for c in codes

@@ -1,8 +1,6 @@
-"""``ddpkit run``: an argument builder over torchrun's elastic agent (``torch.distributed.run``).
-
-No process management of our own: anything that runs under torchrun runs under ``ddpkit run`` and
-vice versa. What it adds are defaults for what users trip over, and one readable summary when a
-worker fails.
+"""``ddpkit run``: an argument builder over torchrun's elastic agent (``torch.distributed.run``),
+with defaults for what users trip over and one readable summary when a worker fails
+(docs/launcher.md).
 """
 
 from __future__ import annotations
@@ -20,8 +18,7 @@ from typing import Any
 
 from ddpkit import _fs as fs
 from ddpkit._errors import ConfigError
-from ddpkit._launch import agent, failure, proctree, tail, watch
-from ddpkit._launch.environment_defaults import with_environment_defaults
+from ddpkit._launch import agent, failure, proctree, say, tail, watch
 from ddpkit._launch.options import (
     LaunchConfig,
     build_parser,
@@ -29,6 +26,7 @@ from ddpkit._launch.options import (
     parse_seconds,
     resolve_nproc,
     split_argv,
+    with_environment_defaults,
 )
 from ddpkit._launch.rendezvous import (
     NodeAddress,
@@ -44,8 +42,8 @@ LOOPBACK = "127.0.0.1"
 
 
 def rdzv_id(cfg: LaunchConfig) -> str:
-    """The rendezvous id: ``--rdzv-id``, else ``SLURM_JOB_ID`` or ``ddpkit`` across nodes (every
-    node must name the same), else one of this process alone."""
+    """``--rdzv-id``, else ``SLURM_JOB_ID`` or ``ddpkit`` across nodes (every node must name the
+    same), else one of this process alone."""
     if cfg.rdzv_id:
         return cfg.rdzv_id
     if cfg.networked:
@@ -57,14 +55,9 @@ def rdzv_id(cfg: LaunchConfig) -> str:
 def torchrun_argv(
     cfg: LaunchConfig, nproc: int, run_log_dir: str | None = None, node: NodeAddress | None = None
 ) -> list[str]:
-    """The torchrun command line (without the program name) that carries out ``cfg``.
-
-    ``node`` is what :func:`ddpkit._launch.rendezvous.node_address` worked out for a multi-node job.
-    The rendezvous is ddpkit's (:mod:`ddpkit._launch.rendezvous.backend`): on one node its store
-    listens on 127.0.0.1 at a free port (two jobs on one machine never collide, no "address already
-    in use"), and the workers' own store and gloo's sockets are on 127.0.0.1 as well; across nodes
-    only holders of the job's secret get in.
-    """
+    """The torchrun command line (without the program name) that carries out ``cfg``, on ddpkit's
+    rendezvous (:mod:`ddpkit._launch.rendezvous.backend`): on one node at a free port of 127.0.0.1;
+    across nodes at the endpoint, ``node`` being this node's address there."""
     from ddpkit._launch.rendezvous.backend import BACKEND
 
     argv = [
@@ -104,14 +97,9 @@ def torchrun_argv(
 
 
 def _run_torchrun(torchrun: Any, args: Any, quiet: range) -> None:
-    """``torchrun.run(args)``, with the local ranks ``quiet`` writing to files in the log folder.
-
-    Local rank 0 keeps the terminal itself, so its lines arrive unprefixed and a progress bar still
-    sees a TTY. torchrun's ``--redirects`` cannot say so beyond 10 processes (its pattern takes
-    one-digit ranks), so the map goes to the logs spec, which takes any rank. The rest is what
-    ``torchrun.run`` does for ddpkit's arguments: ddpkit always names its rendezvous backend and
-    endpoint, so none of torchrun's defaults for them apply.
-    """
+    """``torchrun.run(args)``, with the local ranks ``quiet`` writing to files in the log folder
+    (local rank 0 keeps the terminal). The map goes to the logs spec: ``--redirects`` takes
+    one-digit ranks only."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.launcher.api import elastic_launch
 
@@ -124,8 +112,8 @@ def _run_torchrun(torchrun: Any, args: Any, quiet: range) -> None:
 
 
 def flight_recorder_vars() -> tuple[str, str]:
-    """The variables naming the flight recorder's buffer size and dump file: torch 2.8 renamed them
-    (``TORCH_FR_*``) and warns at every process start when the old names are set."""
+    """The variables naming the flight recorder's buffer size and dump file (``TORCH_FR_*`` from
+    torch 2.8, which warns at every start when the old names are set)."""
     import torch
 
     major, minor = (int(part) for part in torch.__version__.split(".")[:2])
@@ -135,8 +123,7 @@ def flight_recorder_vars() -> tuple[str, str]:
 
 
 def _local_addr(cfg: LaunchConfig, node: NodeAddress | None) -> str | None:
-    """This node's address for torchrun, which the workers get as MASTER_ADDR: on one node,
-    loopback."""
+    """This node's address for torchrun, the workers' MASTER_ADDR: on one node, loopback."""
     if cfg.local_addr:
         return cfg.local_addr
     if node is not None:
@@ -152,9 +139,7 @@ def _interface(cfg: LaunchConfig, node: NodeAddress | None) -> str | None:
 
 def worker_env(cfg: LaunchConfig, nproc: int, node: NodeAddress | None = None) -> dict[str, str]:
     """Variables the agent passes to the workers."""
-    # The user's OMP_NUM_THREADS wins, and MKL's pool follows it unless MKL_NUM_THREADS says
-    # otherwise: MKL reads its own variable first, so a default set here would override the user's
-    # choice for every matmul.
+    # the user's OMP_NUM_THREADS wins, and MKL follows it (it reads its own variable first)
     omp = os.environ.get("OMP_NUM_THREADS") or str(max(1, cpu_count() // nproc))
     env = {
         "PYTHONUNBUFFERED": "1",
@@ -162,10 +147,8 @@ def worker_env(cfg: LaunchConfig, nproc: int, node: NodeAddress | None = None) -
         "MKL_NUM_THREADS": os.environ.get("MKL_NUM_THREADS") or omp,
         "DDPKIT_AGENT_PID": str(os.getpid()),
     }
-    # gloo and nccl pick their interface from the host name unless told. Across nodes that is often
-    # a loopback or an unrouted address, and the first collective hangs; on one node it is an
-    # address the network reaches, where gloo's sockets would accept connections for nothing. The
-    # user's choice wins.
+    # Else gloo and nccl take the host name's interface: across nodes often unrouted (the first
+    # collective hangs), on one node open to the network. The user's choice wins.
     interface = _interface(cfg, node)
     if interface:
         for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
@@ -179,23 +162,15 @@ def worker_env(cfg: LaunchConfig, nproc: int, node: NodeAddress | None = None) -
         env["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
     if cfg.all_ranks:
         env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = "[rank ${rank}] "
-    # The workers' store is served by global rank 0's worker, bound to MASTER_ADDR
-    # (ddpkit._launch.worker), not by the agent on every interface. A fresh store per attempt also
-    # keeps restarted workers from waiting forever on the address of a peer that died, and a node
-    # joining a running job from hanging both agents (3 hangs in 9 restart trials seen with the
-    # agent's store shared).
+    # The workers' store is served by global rank 0 on MASTER_ADDR (ddpkit._launch.worker), fresh
+    # at each attempt: restarted workers never wait on a dead peer's address.
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     return env
 
 
 def new_run_log_dir(root: str) -> Path:
-    """``ROOT/<date>-<time>-<pid>``: one folder per run, created now.
-
-    torchrun opens the workers' logs in place (``open(name, "w")``, not through :mod:`ddpkit._fs`),
-    but in a folder it makes inside this one with ``tempfile.mkdtemp``: new, of a random name, this
-    user's alone, so no link, symbolic or hard, can stand at their names. The stack files beside it
-    go through ``ddpkit._fs``.
-    """
+    """``ROOT/<date>-<time>-<pid>``: one folder per run, created now. (torchrun writes the workers'
+    logs in a new folder of a random name inside it, where no link can stand.)"""
     path = Path(root).absolute() / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     try:
         fs.make_dirs(path)
@@ -233,9 +208,8 @@ dist.destroy_process_group()
 
 
 def check_debug_collectives() -> None:
-    """Refuse ``--debug-collectives`` where torch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` crashes:
-    tried first in a process of its own (DDP built and stepped over gloo at a world of one), since
-    on some builds DDP's constructor segfaults on every rank in that mode."""
+    """Refuse ``--debug-collectives`` where torch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` crashes DDP
+    (some builds): tried first in a process of its own, a DDP step at a world of one."""
     import subprocess
 
     from ddpkit.platforms import without_launch_env
@@ -280,7 +254,7 @@ def check_target(cfg: LaunchConfig) -> None:
         sys.path.insert(0, os.getcwd())
         try:
             found = importlib.util.find_spec(cfg.script) is not None
-        except (ImportError, ValueError, OSError):  # OSError: a name longer than a file name may be
+        except (ImportError, ValueError, OSError):  # OSError: a name too long for a file
             found = False
         finally:
             sys.path.pop(0)
@@ -320,51 +294,87 @@ def launch(cfg: LaunchConfig) -> int:
     from torch.distributed.launcher import api as launcher_api
 
     from ddpkit._launch.rendezvous import backend
-    from ddpkit._launch.rendezvous.auth import (
-        SECRET_ENV,
-        check_host,
-        derive,
-        load_secret,
-    )
 
     check_target(cfg)
     if cfg.debug_collectives:
         check_debug_collectives()
-    collective_timeout = cfg.collective_timeout
-    if collective_timeout is None and "DDPKIT_COLLECTIVE_TIMEOUT" in os.environ:
-        # Set by the user for the workers: checked here, once, rather than by every worker after its
-        # start.
-        collective_timeout = parse_seconds(
-            "DDPKIT_COLLECTIVE_TIMEOUT", os.environ["DDPKIT_COLLECTIVE_TIMEOUT"]
-        )
-    if collective_timeout is None:
-        from ddpkit.distributed._runtime import DEFAULT_TIMEOUT  # imports torch: here, not at start
-
-        collective_timeout = DEFAULT_TIMEOUT.total_seconds()  # what init() gives the workers
-    # $DDPKIT_STALL_TIMEOUT checked before any start
+    # $DDPKIT_STALL_TIMEOUT and $DDPKIT_COLLECTIVE_TIMEOUT checked before any start
     stall = watch.policy_from(
-        cfg.stall_timeout, cfg.on_stall, collective_timeout=collective_timeout
+        cfg.stall_timeout, cfg.on_stall, collective_timeout=collective_seconds(cfg)
     )
     nproc = resolve_nproc(cfg.nproc, cfg.oversubscribe)
+    access, node = job_access(cfg)
+    run_id = rdzv_id(cfg)
+    backend.register(run_id, access)
+    proctree.become_subreaper()  # the orphans of the workers' children stay the agent's to end
+    run_dir = prepare_workers(cfg, nproc, node)
+    argv = torchrun_argv(cfg, nproc, str(run_dir), node)
+    # the script's arguments set after parsing: torchrun would read `--log 5` as its --log-dir
+    args = torchrun.parse_args(argv[: len(argv) - len(cfg.script_args)])
+    args.training_script_args += list(cfg.script_args)
+    if hasattr(args, "signals_to_handle"):  # torchrun's SIGTERM handling would stop the workers
+        args.signals_to_handle = agent.TORCHRUN_SIGNALS
+    display = [cfg.script, *cfg.script_args]
+    agent.install(launcher_api, cfg.uses_fork_server, cfg.preload, display, stall, run_dir)
+    if cfg.all_ranks:
+        tail.install()
+    try:
+        _run_torchrun(torchrun, args, quiet=range(1, nproc) if not cfg.all_ranks else range(0))
+    except ChildFailedError as err:
+        return report_failure(cfg, err, run_dir)
+    except RendezvousError as err:
+        say(
+            f"the nodes did not come together at {cfg.rdzv_endpoint} ({type(err).__name__}: "
+            f"{err or 'no detail'}): start the same command on every node within --join-timeout "
+            f"({cfg.join_timeout:.0f} s), with the same --nnodes, --rdzv-endpoint and --rdzv-id"
+        )
+        return 1
+    except SignalException as err:  # Ctrl-C, or a scheduler's SIGTERM to the agent
+        say(f"stopped by {err.sigval.name}; the workers were stopped too (their output: {run_dir})")
+        return 128 + int(err.sigval)
+    finally:
+        agent.uninstall()
+        backend.unregister(run_id)
+        proctree.kill_descendants()  # whatever the workers left behind, however the job ended
+    tidy_log_dirs(cfg.log_dir, run_dir)
+    return 0
+
+
+def collective_seconds(cfg: LaunchConfig) -> float:
+    """The workers' collective timeout: ``--collective-timeout``, ``$DDPKIT_COLLECTIVE_TIMEOUT``
+    (checked here, once, rather than by every worker), or :func:`ddpkit.init`'s default."""
+    if cfg.collective_timeout is not None:
+        return cfg.collective_timeout
+    if "DDPKIT_COLLECTIVE_TIMEOUT" in os.environ:
+        return parse_seconds("DDPKIT_COLLECTIVE_TIMEOUT", os.environ["DDPKIT_COLLECTIVE_TIMEOUT"])
+    from ddpkit.distributed._runtime import DEFAULT_TIMEOUT  # imports torch: here, not at start
+
+    return DEFAULT_TIMEOUT.total_seconds()
+
+
+def job_access(cfg: LaunchConfig) -> tuple[Any, NodeAddress | None]:
+    """The rendezvous's access for this job (:class:`~ddpkit._launch.rendezvous.backend.JobAccess`)
+    and, across nodes, this node's address, once the host admits this node's secret."""
+    from ddpkit._launch.rendezvous.auth import SECRET_ENV, check_host, derive, load_secret
+    from ddpkit._launch.rendezvous.backend import JobAccess
+
     node = None
-    if cfg.rdzv_endpoint:  # networked
+    if cfg.networked:
         secret = load_secret(cfg.rdzv_secret_file)
-        node = node_address(cfg.rdzv_endpoint)
+        node = node_address(str(cfg.rdzv_endpoint))
         if not node.is_host:
             wait_reachable(node.host_ip, node.port, cfg.join_timeout)
             check_host((node.host_ip, node.port), derive(secret, "relay"))
-        access = backend.JobAccess(secret, node.host_ip)
+        access = JobAccess(secret, node.host_ip)
     else:
-        # known to this process alone
-        access = backend.JobAccess(secrets.token_bytes(32), None)
+        access = JobAccess(secrets.token_bytes(32), None)  # known to this process alone
     os.environ.pop(SECRET_ENV, None)  # the workers, and all they start, have no use for it
-    run_id = rdzv_id(cfg)
-    backend.register(run_id, access)
-    # Orphans of the workers' children are re-parented to the agent, which ends them with the
-    # workers.
-    proctree.become_subreaper()
+    return access, node
+
+
+def prepare_workers(cfg: LaunchConfig, nproc: int, node: NodeAddress | None) -> Path:
+    """The run's log folder, made now, and the workers' variables set in this process."""
     run_dir = new_run_log_dir(cfg.log_dir)
-    # a second launch in the same second of one process
     fs.make_dirs(run_dir / "stacks", root=run_dir)
     os.environ.update(worker_env(cfg, nproc, node))
     os.environ["DDPKIT_STACK_DIR"] = str(run_dir / "stacks")
@@ -372,92 +382,40 @@ def launch(cfg: LaunchConfig) -> int:
         os.environ.setdefault(
             flight_recorder_vars()[1], str(run_dir / "stacks" / "nccl_trace_rank_")
         )
-    argv = torchrun_argv(cfg, nproc, str(run_dir), node)
-    # The script's own arguments are set after parsing: torchrun's parser would take `--log 5` for
-    # an abbreviation of its --log-dir, and `--nproc 4` for its own option.
-    args = torchrun.parse_args(argv[: len(argv) - len(cfg.script_args)])
-    args.training_script_args += list(cfg.script_args)
-    # torchrun's own SIGTERM handling would end the workers itself
-    if hasattr(args, "signals_to_handle"):
-        args.signals_to_handle = agent.TORCHRUN_SIGNALS
-    agent.install(
-        launcher_api,
-        cfg.uses_fork_server,
-        cfg.preload,
-        display=[cfg.script, *cfg.script_args],
-        stall=stall,
-        run_dir=run_dir,
+    return run_dir
+
+
+def report_failure(cfg: LaunchConfig, err: Any, run_dir: Path) -> int:
+    """Say how the job failed (a torchrun ``ChildFailedError``); the code to exit with."""
+    if failure.preempted(err.failures):
+        say(
+            f"stopped by a signal after saving a snapshot (exit code {cfg.preempted_exit_code}); "
+            "run the same command again to resume"
+        )
+        return cfg.preempted_exit_code
+    ours = agent.Agent.current
+    named = ours.watch.stall if ours is not None and ours.watch is not None else None
+    summary = failure.summarize_failure(
+        err,
+        stall=named,
+        where=ours.where if ours is not None else "",
+        left=ours.left if ours is not None else (),
+        disagreement=ours.disagreement if ours is not None else "",
     )
-    if cfg.all_ranks:
-        tail.install()  # whole lines behind each rank's tag, not the pieces torchrun's reader finds
-    try:
-        _run_torchrun(torchrun, args, quiet=range(1, nproc) if not cfg.all_ranks else range(0))
-    except ChildFailedError as err:
-        if failure.preempted(err.failures):
-            print(
-                "ddpkit run: stopped by a signal after saving a snapshot (exit code "
-                f"{cfg.preempted_exit_code}); run the same command again to resume",
-                file=sys.stderr,
-                flush=True,
-            )
-            return cfg.preempted_exit_code
-        ours = agent.Agent.current
-        named = ours.watch.stall if ours is not None and ours.watch is not None else None
-        print(
-            failure.summarize_failure(
-                err,
-                stall=named,
-                where=ours.where if ours is not None else "",
-                left=ours.left if ours is not None else (),
-                disagreement=ours.disagreement if ours is not None else "",
-            ),
-            file=sys.stderr,
-            flush=True,
-        )
-        # This node's workers still running at the first failure wrote their stacks when the agent
-        # asked (when the stall watch named a rank, they were shown then).
-        files = [
-            p
-            for p in (run_dir / "stacks").glob("rank*.txt")
-            if p.stem[4:].isdigit() and p.stat().st_size
-        ]
-        files = files if named is None else []
-        for line in agent.stacks(run_dir / "stacks", sorted(int(p.stem[4:]) for p in files)):
-            print(line, file=sys.stderr, flush=True)
-        # --debug-collectives on nccl
-        for trace in sorted((run_dir / "stacks").glob("nccl_trace_rank_*")):
-            print(
-                f"  nccl flight recorder of rank {trace.name.rsplit('_', 1)[-1]}: {trace}",
-                file=sys.stderr,
-                flush=True,
-            )
-        print(f"  output of every rank: {run_dir}", file=sys.stderr, flush=True)
-        return failure.exit_code(err, stall=named)
-    except RendezvousError as err:
-        print(
-            f"ddpkit run: the nodes did not come together at {cfg.rdzv_endpoint} "
-            f"({type(err).__name__}: {err or 'no detail'}): start the same command on every node "
-            f"within --join-timeout ({cfg.join_timeout:.0f} s), with the same --nnodes, "
-            "--rdzv-endpoint and --rdzv-id",
-            file=sys.stderr,
-            flush=True,
-        )
-        return 1
-    # Ctrl-C or a scheduler's SIGTERM to the agent: workers were stopped
-    except SignalException as err:
-        print(
-            f"ddpkit run: stopped by {err.sigval.name}; the workers were stopped too (their "
-            f"output: {run_dir})",
-            file=sys.stderr,
-        )
-        return 128 + int(err.sigval)
-    finally:
-        agent.uninstall()
-        backend.unregister(run_id)
-        # whatever the workers started and left behind, however the job ended
-        proctree.kill_descendants()
-    tidy_log_dirs(cfg.log_dir, run_dir)
-    return 0
+    lines = [summary]
+    # the stacks this node's running workers wrote at the first failure (shown already, when the
+    # stall watch named a rank)
+    stacks = run_dir / "stacks"
+    if named is None:
+        files = stacks.glob("rank*.txt")
+        ranks = [int(p.stem[4:]) for p in files if p.stem[4:].isdigit() and p.stat().st_size]
+        lines += agent.stacks(stacks, sorted(ranks))
+    for trace in sorted(stacks.glob("nccl_trace_rank_*")):  # --debug-collectives on nccl
+        lines.append(f"  nccl flight recorder of rank {trace.name.rsplit('_', 1)[-1]}: {trace}")
+    lines.append(f"  output of every rank: {run_dir}")
+    for line in lines:
+        print(line, file=sys.stderr, flush=True)
+    return failure.exit_code(err, stall=named)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -467,9 +425,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ours, from_env = with_environment_defaults(ours, os.environ)
         if from_env:
             print(from_env, file=sys.stderr, flush=True)
-    # torchrun's parser reads any PET_* variable as the default of an option ddpkit does not pass
-    # (its master address, start method, log settings): what was meant for ddpkit run is in its
-    # options now, and nothing else of an operator's is left for torchrun to pick up behind them.
+    # torchrun reads any PET_* as the default of an option: what was meant for ddpkit run is in
+    # its options now, and nothing else of an operator's is left for torchrun behind them
     for name in torchrun.option_variables(os.environ):
         del os.environ[name]
     return launch(config_from_args(parser.parse_args(ours), script_args))

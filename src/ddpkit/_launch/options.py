@@ -1,112 +1,76 @@
-"""``ddpkit run``'s options: :class:`LaunchConfig`, the checks of each value, and the command line
-that builds it."""
+"""``ddpkit run``'s options (:class:`LaunchConfig`, the checks of each value), and the command lines
+of ``ddpkit run``, ``sbatch`` and ``k8s``: each a table of options, split from its script's own
+arguments, turned into its config by :func:`config_from`; ``ddpkit run``'s defaults from a
+platform's environment (:func:`with_environment_defaults`)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import ipaddress
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
+from ddpkit import platforms
 from ddpkit._errors import PREEMPTED_EXIT_CODE, ConfigError
 from ddpkit.distributed._environment import check_seconds, parse_seconds
+from ddpkit.platforms import _kubernetes as kubernetes
 from ddpkit.platforms._cpus import cpu_count
 
 MAX_RESTARTS = 100_000
-"""The most --max-restarts: a job failing that often is not going to succeed."""
 MAX_NODES = 100_000
-MAX_RDZV_ID = 128
-"""torch names temporary folders after the rendezvous id; a file name holds at most 255 bytes."""
-
+MAX_RDZV_ID = 128  # torch names folders after the rendezvous id
 MAX_NPROC = 1024
-"""The most worker processes on one node, whatever else is said: each is an interpreter with torch
-loaded."""
+"""The most worker processes on one node, whatever else is said."""
 OVERSUBSCRIBE_FACTOR = 4
 """More processes than this many per core (or per GPU, where there are more GPUs) need
 ``--oversubscribe``."""
 
-# options of `ddpkit run` that take a value, filled by add_arguments
-_VALUE_OPTIONS: set[str] = set()
-
 
 @dataclass(kw_only=True)
 class LaunchConfig:
-    """Options of ``ddpkit run``; each maps onto torchrun's."""
+    """Options of ``ddpkit run``; each maps onto torchrun's (``ddpkit run -h`` says what each
+    does)."""
 
     script: str
     """The training script (or module, with ``module=True``)."""
     script_args: list[str] = field(default_factory=list)
     module: bool = False
     nproc: str = "auto"
-    """``auto`` (one per GPU, or a count that fits the cores), ``gpu``, or a number."""
     nnodes: str = "1"
-    """Number of nodes, or ``MIN:MAX`` for an elastic job."""
     node_rank: int | None = None
     rdzv_endpoint: str | None = None
-    """``HOST:PORT`` every node can reach; needed with more than one node. The node owning HOST
-    hosts it."""
     rdzv_id: str | None = None
     rdzv_secret_file: str | None = None
-    """A file (readable only by its owner) holding the secret every node of a multi-node job must
-    know; else ``$DDPKIT_RDZV_SECRET``. A node without it is not admitted to the rendezvous."""
     rdzv_conf: list[str] = field(default_factory=list)
-    """Extra ``KEY=VALUE`` settings for torchrun's c10d rendezvous (``--rdzv-conf``)."""
     local_addr: str | None = None
-    """This node's address as the others reach it; worked out from the route to the endpoint when
-    unset."""
     join_timeout: float = 120.0
-    """Seconds a node waits for the rendezvous host to answer, and for all nodes to join, before
-    failing."""
     collective_timeout: float | None = None
-    """Seconds a collective may wait before it raises (``ddpkit.init``'s default is 5 minutes): the
-    bound on a hang, after which the job ends with each rank's stack in the summary."""
     max_restarts: int | None = None
-    """How many times the agent restarts all workers after one fails: 0 by default, 3 for an elastic
-    job."""
     debug_collectives: bool = False
-    """Have torch check that every rank calls the same collective with the same shapes
-    (``TORCH_DISTRIBUTED_DEBUG=DETAIL``: a mismatch raises at once, naming both) and, on nccl, keep
-    a record of recent collectives that is written out on a timeout (the flight recorder). Slower;
-    for diagnosis."""
     all_ranks: bool = False
-    """Show every rank's output, each line prefixed with ``[rank N]``; by default only local rank
-    0's."""
     log_dir: str = "ddpkit-logs"
-    """Where each run's folder of rank output and error files goes:
-    ``LOG_DIR/<date>-<time>-<pid>/``."""
     fork_server: Literal["auto", "on", "off"] = "auto"
-    """``on``: fork the workers from a process that imported torch once for the job
-    (:mod:`ddpkit._launch.forkserver`), so that a restart after a failure skips the interpreter's
-    start and torch's import; ``off``: every worker is a new interpreter, as under torchrun;
-    ``auto`` (the default): on when the job may restart its workers (``--max-restarts`` above 0, or
-    an elastic job)."""
     preload: list[str] = field(default_factory=list)
-    """Modules the fork server imports besides torch and ddpkit (a script's own heavy imports)."""
     preempted_exit_code: int = PREEMPTED_EXIT_CODE
-    """The launcher's exit code when the workers were stopped by a signal after saving a snapshot. A
-    PyTorchJob's ``ExitCode`` restart policy recreates a pod only for codes from 128 (``ddpkit k8s``
-    passes 143, SIGTERM's)."""
     stall_timeout: float | None = None
-    """Seconds a rank may make no progress while the others wait for it before the agent names it
-    (at least 10 times its median step; its first step and a snapshot get 10 times this):
-    ``$DDPKIT_STALL_TIMEOUT``, else
-    30. 0 turns the watch off (:mod:`ddpkit._launch.watch`)."""
+    """None: ``$DDPKIT_STALL_TIMEOUT``, else 30; 0 turns the stall watch off."""
     on_stall: Literal["end", "warn"] = "end"
-    """``end``: the stalled rank is killed and the job ends, or restarts under ``max_restarts``;
-    ``warn``: only said."""
     oversubscribe: bool = False
-    """Allow ``nproc`` above :data:`OVERSUBSCRIBE_FACTOR` processes per core or GPU (never above
-    :data:`MAX_NPROC`)."""
 
     def __post_init__(self) -> None:
+        self._check_sizes()
+        self._check_places()
+        self._check_times()
+        self._check_names()
+
+    def _check_sizes(self) -> None:
         if self.max_restarts is not None and not 0 <= self.max_restarts <= MAX_RESTARTS:
             raise ConfigError(f"--max-restarts {self.max_restarts}: use 0 to {MAX_RESTARTS}")
-        # ASCII digits only: str.isdigit() also accepts "²", which int() then rejects. The length
-        # first: int() of thousands of digits raises, and a huge count would be built into
-        # torchrun's per-rank arguments (gigabytes of "--redirects") before anything else looked at
-        # it.
+        # ASCII digits, and few: int() of thousands of digits raises, and a huge count would be
+        # built into torchrun's per-rank arguments before anything else looked at it
         if self.nproc not in ("auto", "gpu") and not (
             re.fullmatch("[0-9]{1,6}", self.nproc) and 0 < int(self.nproc) <= MAX_NPROC
         ):
@@ -115,6 +79,10 @@ class LaunchConfig:
                 f"1 to {MAX_NPROC}"
             )
         node_range(self.nnodes)
+        if not 1 <= self.preempted_exit_code <= 255:
+            raise ConfigError(f"--preempted-exit-code {self.preempted_exit_code}: use 1 to 255")
+
+    def _check_places(self) -> None:
         if self.max_nodes > 1 and not self.rdzv_endpoint:
             raise ConfigError(
                 f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT reachable from every node"
@@ -129,16 +97,18 @@ class LaunchConfig:
                 f"--local-addr {self.local_addr[:80]!r}: give this node's IP address or host name "
                 "as the other nodes reach it"
             )
+
+    def _check_times(self) -> None:
         if self.collective_timeout is not None:
             check_seconds("--collective-timeout", self.collective_timeout)
         check_seconds("--join-timeout", self.join_timeout)
-        if not 1 <= self.preempted_exit_code <= 255:
-            raise ConfigError(f"--preempted-exit-code {self.preempted_exit_code}: use 1 to 255")
         if self.stall_timeout is not None and self.stall_timeout != 0:
             try:
                 check_seconds("--stall-timeout", self.stall_timeout)
             except ConfigError as err:
                 raise ConfigError(f"{err}; or 0 to turn the stall watch off") from None
+
+    def _check_names(self) -> None:
         if self.on_stall not in ("end", "warn"):
             raise ConfigError(f"--on-stall {self.on_stall[:40]!r}: use end or warn")
         if self.fork_server not in ("auto", "on", "off"):
@@ -177,15 +147,12 @@ class LaunchConfig:
 
     @property
     def networked(self) -> bool:
-        """The rendezvous is served to other nodes (an endpoint was named), so a secret guards
-        it."""
+        """The rendezvous is served to other nodes (an endpoint was named): a secret guards it."""
         return bool(self.rdzv_endpoint)
 
     @property
     def restarts(self) -> int:
-        # Elastic membership works through restarts: a lost node fails the survivors' collectives,
-        # and the agents re-rendezvous and restart the workers at the new size only while restarts
-        # are left.
+        # an elastic job changes size only through restarts
         if self.max_restarts is not None:
             return self.max_restarts
         return 3 if self.elastic else 0
@@ -204,8 +171,7 @@ def node_range(nnodes: str) -> tuple[int, int]:
 
 
 def _is_host(text: str) -> bool:
-    """True for an IPv4 or IPv6 address, or a host name as DNS allows it (letters, digits, hyphens;
-    not all digits at the end)."""
+    """True for an IPv4 or IPv6 address, or a host name as DNS allows it."""
     try:
         ipaddress.ip_address(text.strip("[]"))
         return True
@@ -224,12 +190,8 @@ def _is_host(text: str) -> bool:
 
 def resolve_nproc(nproc: str, oversubscribe: bool = False) -> int:
     """Processes per node for ``--nproc``: GPUs visible, or on a CPU-only machine one per core up
-    to 8.
-
-    A number above :data:`OVERSUBSCRIBE_FACTOR` per core (or per GPU) is refused unless
-    ``oversubscribe``: it is far more often a typo than a plan, and each process is an interpreter
-    with torch loaded.
-    """
+    to 8. A number above :data:`OVERSUBSCRIBE_FACTOR` per core (or per GPU) is refused unless
+    ``oversubscribe``: far more often a typo than a plan."""
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -240,9 +202,7 @@ def resolve_nproc(nproc: str, oversubscribe: bool = False) -> int:
             )
         return gpus
     if nproc == "auto":
-        # On CPUs every process runs its own intra-op thread pool; past ~8 processes gloo's
-        # all-reduce costs more than the extra processes bring, so larger machines get more threads
-        # per process instead.
+        # past ~8 CPU processes gloo's all-reduce costs more than they bring: more threads each
         return gpus or max(1, min(cpu_count(), 8))
     count, room = int(nproc), OVERSUBSCRIBE_FACTOR * max(cpu_count(), gpus)
     if count > room and not oversubscribe:
@@ -252,6 +212,85 @@ def resolve_nproc(nproc: str, oversubscribe: bool = False) -> int:
             "--oversubscribe if that is what you mean"
         )
     return count
+
+
+# -- command lines ---------------------------------------------------------------------------------
+
+Option = tuple[tuple[str, ...], dict[str, Any]]
+"""One argument of a command: its names and ``add_argument``'s keywords."""
+C = TypeVar("C")
+
+
+def argument(*names: str, **kwargs: Any) -> Option:
+    return names, kwargs
+
+
+def command_parser(
+    prog: str, usage: str, description: str, epilog: str, options: Sequence[Option]
+) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        usage=usage,
+        description=description,
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    for names, kwargs in options:
+        parser.add_argument(*names, **kwargs)
+    return parser
+
+
+def value_options(options: Sequence[Option]) -> set[str]:
+    """The names of the options in ``options`` that take a value (``--nproc``, not
+    ``--all-ranks``)."""
+    flags = ("store_true", "store_false", "count")
+    return {
+        name
+        for names, kwargs in options
+        if kwargs.get("action") not in flags
+        for name in names
+        if name.startswith("-")
+    }
+
+
+def split_argv(
+    argv: Sequence[str], value_options: set[str] | None = None
+) -> tuple[list[str], list[str]]:
+    """(the command's options and the script, the script's arguments): everything after the script
+    is the script's, which argparse alone would read as the command's (``train.py --nproc 4``, or
+    ``--log 5``, a prefix of ``--log-dir``). ``value_options``: ``ddpkit run``'s by default."""
+    argv = list(argv)
+    value_options = RUN_VALUE_OPTIONS if value_options is None else value_options
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--":
+            return argv[:i] + argv[i + 1 : i + 2], argv[i + 2 :]
+        if not token.startswith("-") or token == "-":
+            return argv[: i + 1], argv[i + 1 :]
+        if token in value_options:  # "--opt value"; "--opt=value" is one token
+            i += 1
+        i += 1
+    return argv, []
+
+
+def parse_command(
+    parser: argparse.ArgumentParser, options: Sequence[Option], argv: Sequence[str]
+) -> tuple[argparse.Namespace, list[str]]:
+    """(the command's options parsed, the script's arguments) of ``argv``."""
+    ours, script_args = split_argv(argv, value_options(options))
+    return parser.parse_args(ours), script_args
+
+
+def config_from(
+    cls: type[C], ns: argparse.Namespace, script_args: Sequence[str], **converted: Any
+) -> C:
+    """The config ``cls`` (a dataclass) of a parsed command line: each field from the option of its
+    name, ``converted`` over them."""
+    fields = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    given = {name: value for name, value in vars(ns).items() if name in fields}
+    return cls(**{**given, "script_args": list(script_args), **converted})
 
 
 DESCRIPTION = """Start SCRIPT on every process of this node under torchrun's elastic agent.
@@ -280,230 +319,116 @@ EXAMPLES = """examples:
   ddpkit run --nnodes 2 --rdzv-endpoint node1:29400 train.py      # on node1 and on node2
   ddpkit run --nnodes 1:4 --rdzv-endpoint node1:29400 train.py    # elastic: 1 to 4 nodes"""
 
-
-def _option(parser: argparse.ArgumentParser, *names: str, **kwargs: Any) -> None:
-    parser.add_argument(*names, **kwargs)
-    if kwargs.get("action") not in ("store_true", "store_false", "count"):
-        _VALUE_OPTIONS.update(names)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    _option(
-        parser,
-        "--nproc",
-        default="auto",
-        help="processes per node: auto (default), gpu, or a number",
-    )
-    _option(
-        parser,
-        "--nnodes",
-        default="1",
-        help="nodes in the job, or MIN:MAX for an elastic job (default 1)",
-    )
-    _option(
-        parser,
-        "--rdzv-endpoint",
-        default=None,
-        help="HOST:PORT on one node, the same on every node",
-    )
-    _option(
-        parser,
-        "--node-rank",
-        type=int,
-        default=None,
-        help="this node's rank (default: assigned at join)",
-    )
-    _option(
-        parser, "--rdzv-id", default=None, help="job id shared by all nodes (default: SLURM_JOB_ID)"
-    )
-    _option(
-        parser,
-        "--rdzv-secret-file",
-        default=None,
-        help="file (mode 600) with the secret every node of a multi-node job holds (default: "
-        "$DDPKIT_RDZV_SECRET)",
-    )
-    _option(
-        parser,
-        "--rdzv-conf",
-        action="append",
-        default=None,
-        help="extra KEY=VALUE[,KEY=VALUE] for torchrun's c10d rendezvous (repeatable)",
-    )
-    _option(
-        parser,
-        "--local-addr",
-        default=None,
-        help="this node's address (default: the route to the endpoint)",
-    )
-    # Seconds are checked by LaunchConfig, not argparse: one line naming the valid range for inf,
-    # nan, 1e30 or x.
-    _option(
-        parser,
-        "--join-timeout",
-        default="120",
-        help="seconds to wait for the rendezvous host and for all nodes (default 120)",
-    )
-    _option(
-        parser,
-        "--collective-timeout",
-        default=None,
-        help="seconds a collective may wait before the job ends with every rank's stack (default "
-        "300)",
-    )
-    _option(
-        parser,
-        "--stall-timeout",
-        default=None,
-        help="seconds a rank may make no progress while the others wait for it before the job ends "
-        "naming it, with every rank's stack (default 30, or $DDPKIT_STALL_TIMEOUT; 0: off)",
-    )
-    _option(
-        parser,
-        "--on-stall",
-        default="end",
-        help="end (default): kill the stalled rank, so the job ends or restarts; warn: only say so",
-    )
-    _option(
-        parser,
-        "--debug-collectives",
-        action="store_true",
-        help="check that ranks call the same collectives with the same shapes (slower; for "
-        "diagnosis)",
-    )
-    _option(
-        parser,
-        "--max-restarts",
-        type=int,
-        default=None,
-        help="restarts of all workers after a failure (default 0; 3 for an elastic job)",
-    )
-    _option(
-        parser,
-        "--preempted-exit-code",
-        type=int,
-        default=PREEMPTED_EXIT_CODE,
-        help=f"exit code after a stop signal and a snapshot (default {PREEMPTED_EXIT_CODE})",
-    )
-    _option(
-        parser,
-        "--log-dir",
-        default="ddpkit-logs",
-        help="folder for each run's rank output (default ddpkit-logs)",
-    )
-    _option(
-        parser,
-        "--all-ranks",
-        action="store_true",
-        help="show every rank's output, prefixed [rank N]",
-    )
-    _option(
-        parser,
-        "--fork-server",
-        default="auto",
-        help="fork the workers from a process that imported torch once, for fast restarts: auto "
-        "(on when the job may restart; the default), on, off",
-    )
-    _option(
-        parser,
-        "--preload",
-        action="append",
-        default=None,
-        help="modules the fork server imports before forking workers, besides torch "
-        "(comma-separated, repeatable)",
-    )
-    _option(
-        parser,
-        "--oversubscribe",
-        action="store_true",
-        help=f"allow --nproc above {OVERSUBSCRIBE_FACTOR} processes per core or GPU (at most "
-        f"{MAX_NPROC})",
-    )
-    _option(
-        parser, "-m", "--module", action="store_true", help="run SCRIPT as a module, like python -m"
-    )
-    parser.add_argument("script", help="training script (or module with -m)")
+# Seconds are checked by LaunchConfig, not argparse: one line naming the valid range for inf, nan,
+# 1e30 or x.
+OPTIONS = [
+    argument("--nproc", default="auto",
+             help="processes per node: auto (default), gpu, or a number"),
+    argument("--nnodes", default="1",
+             help="nodes in the job, or MIN:MAX for an elastic job (default 1)"),
+    argument("--rdzv-endpoint", default=None, help="HOST:PORT on one node, the same on every node"),
+    argument("--node-rank", type=int, default=None,
+             help="this node's rank (default: assigned at join)"),
+    argument("--rdzv-id", default=None, help="job id shared by all nodes (default: SLURM_JOB_ID)"),
+    argument("--rdzv-secret-file", default=None,
+             help="file (mode 600) with the secret every node of a multi-node job holds (default: "
+             "$DDPKIT_RDZV_SECRET)"),
+    argument("--rdzv-conf", action="append", default=None,
+             help="extra KEY=VALUE[,KEY=VALUE] for torchrun's c10d rendezvous (repeatable)"),
+    argument("--local-addr", default=None,
+             help="this node's address (default: the route to the endpoint)"),
+    argument("--join-timeout", default="120",
+             help="seconds to wait for the rendezvous host and for all nodes (default 120)"),
+    argument("--collective-timeout", default=None,
+             help="seconds a collective may wait before the job ends with every rank's stack "
+             "(default 300)"),
+    argument("--stall-timeout", default=None,
+             help="seconds a rank may make no progress while the others wait for it before the "
+             "job ends naming it, with every rank's stack (default 30, or $DDPKIT_STALL_TIMEOUT; "
+             "0: off)"),
+    argument("--on-stall", default="end",
+             help="end (default): kill the stalled rank, so the job ends or restarts; warn: only "
+             "say so"),
+    argument("--debug-collectives", action="store_true",
+             help="check that ranks call the same collectives with the same shapes (slower; for "
+             "diagnosis)"),
+    argument("--max-restarts", type=int, default=None,
+             help="restarts of all workers after a failure (default 0; 3 for an elastic job)"),
+    argument("--preempted-exit-code", type=int, default=PREEMPTED_EXIT_CODE,
+             help=f"exit code after a stop signal and a snapshot (default {PREEMPTED_EXIT_CODE})"),
+    argument("--log-dir", default="ddpkit-logs",
+             help="folder for each run's rank output (default ddpkit-logs)"),
+    argument("--all-ranks", action="store_true",
+             help="show every rank's output, prefixed [rank N]"),
+    argument("--fork-server", default="auto",
+             help="fork the workers from a process that imported torch once, for fast restarts: "
+             "auto (on when the job may restart; the default), on, off"),
+    argument("--preload", action="append", default=None,
+             help="modules the fork server imports before forking workers, besides torch "
+             "(comma-separated, repeatable)"),
+    argument("--oversubscribe", action="store_true",
+             help=f"allow --nproc above {OVERSUBSCRIBE_FACTOR} processes per core or GPU (at most "
+             f"{MAX_NPROC})"),
+    argument("-m", "--module", action="store_true", help="run SCRIPT as a module, like python -m"),
+    argument("script", help="training script (or module with -m)"),
+]  # fmt: skip
+RUN_VALUE_OPTIONS = value_options(OPTIONS)
 
 
-def value_options() -> set[str]:
-    """The options of ``ddpkit run`` that take a value (``--nproc``, not ``--all-ranks``)."""
-    if not _VALUE_OPTIONS:  # filled as the parser is built
-        build_parser()
-    return _VALUE_OPTIONS
-
-
-def split_argv(
-    argv: Sequence[str], value_options: set[str] | None = None
-) -> tuple[list[str], list[str]]:
-    """(launcher options and the script, the script's arguments): everything after the script is the
-    script's.
-
-    argparse alone would read ``train.py --nproc 4`` or ``train.py --log 5`` (a prefix of
-    ``--log-dir``) as the launcher's own options.
-    """
-    argv = list(argv)
-    value_options = _VALUE_OPTIONS if value_options is None else value_options
-    i = 0
-    while i < len(argv):
-        token = argv[i]
-        if token == "--":
-            return argv[:i] + argv[i + 1 : i + 2], argv[i + 2 :]
-        if not token.startswith("-") or token == "-":
-            return argv[: i + 1], argv[i + 1 :]
-        if token in value_options:  # "--opt value"; "--opt=value" is one token
-            i += 1
-        i += 1
-    return argv, []
+def build_parser() -> argparse.ArgumentParser:
+    return command_parser(
+        "ddpkit run", "ddpkit run [options] SCRIPT [ARGS...]", DESCRIPTION, EXAMPLES, OPTIONS
+    )
 
 
 def config_from_args(ns: argparse.Namespace, script_args: Sequence[str] = ()) -> LaunchConfig:
-    conf = [item for value in ns.rdzv_conf or [] for item in value.split(",") if item]
-    return LaunchConfig(
-        script=ns.script,
-        script_args=list(script_args),
-        module=ns.module,
-        nproc=str(ns.nproc),
-        nnodes=str(ns.nnodes),
-        node_rank=ns.node_rank,
-        rdzv_endpoint=ns.rdzv_endpoint,
-        rdzv_id=ns.rdzv_id,
-        rdzv_secret_file=ns.rdzv_secret_file,
-        rdzv_conf=conf,
-        local_addr=ns.local_addr,
+    """``ddpkit run``'s :class:`LaunchConfig` of its parsed command line."""
+    from ddpkit._launch.watch import parse_floor  # the watch's reading, as of its variable
+
+    def items(values: list[str] | None) -> list[str]:
+        return [item for value in values or [] for item in value.split(",") if item]
+
+    return config_from(
+        LaunchConfig,
+        ns,
+        script_args,
+        rdzv_conf=items(ns.rdzv_conf),
+        preload=items(ns.preload),
         join_timeout=parse_seconds("--join-timeout", ns.join_timeout),
         collective_timeout=(
             None
             if ns.collective_timeout is None
             else parse_seconds("--collective-timeout", ns.collective_timeout)
         ),
-        debug_collectives=ns.debug_collectives,
-        stall_timeout=None if ns.stall_timeout is None else _stall_seconds(ns.stall_timeout),
-        on_stall=ns.on_stall,
-        max_restarts=ns.max_restarts,
-        all_ranks=ns.all_ranks,
-        log_dir=ns.log_dir,
-        fork_server=ns.fork_server,
-        preload=[name for value in ns.preload or [] for name in value.split(",") if name],
-        oversubscribe=ns.oversubscribe,
-        preempted_exit_code=ns.preempted_exit_code,
+        stall_timeout=(
+            None if ns.stall_timeout is None else parse_floor("--stall-timeout", ns.stall_timeout)
+        ),
     )
 
 
-def _stall_seconds(text: str) -> float:
-    # the watch's own reading of a floor, as of its variable
-    from ddpkit._launch.watch import parse_floor
+def typed_options(ours: Sequence[str], value_options: set[str] | None = None) -> dict[str, str]:
+    """The value options typed in ``ours`` (``--opt value`` or ``--opt=value``), option -> value as
+    typed."""
+    value_options = RUN_VALUE_OPTIONS if value_options is None else value_options
+    typed, i = {}, 0
+    while i < len(ours) - 1:  # the last token is the script
+        name, eq, value = ours[i].partition("=")
+        if name in value_options:
+            typed[name] = value if eq else ours[i + 1]
+            i += 0 if eq else 1
+        i += 1
+    return typed
 
-    return parse_floor("--stall-timeout", text)
 
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="ddpkit run",
-        usage="ddpkit run [options] SCRIPT [ARGS...]",
-        description=DESCRIPTION,
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        allow_abbrev=False,
-    )
-    add_arguments(parser)
-    return parser
+def with_environment_defaults(
+    ours: list[str], env: Mapping[str, str]
+) -> tuple[list[str], str | None]:
+    """``ours`` with the options a platform set in ``env`` (a Kubernetes operator's ``PET_*``,
+    JobSet's ``JOB_COMPLETION_INDEX``) added where the user gave none, and the line that says so
+    (None if none). A typed value that disagrees with the operator's is refused, naming both."""
+    defaults = platforms.launch_defaults(env)
+    if not defaults:
+        return ours, None
+    added, taken = kubernetes.resolve_options(typed_options(ours), defaults)
+    extra = [token for option, value in added.items() for token in (option, value)]
+    return ours[:-1] + extra + ours[-1:], kubernetes.summary(taken, env) if taken else None

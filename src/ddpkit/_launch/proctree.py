@@ -1,23 +1,8 @@
-"""Ending every process a worker started, however the worker ended.
-
-torchrun signals a worker's process group only while the worker itself still runs, so what a worker
-started outlived it: a ``subprocess.Popen(["sleep", "1000"])`` after a normal end, a multiprocessing
-child that ignores SIGTERM after a failure or a restart, and everything after the launcher was
-SIGKILLed (the worker died of its parent-death signal; its children were re-parented to init). Two
-mechanisms end them:
-
-- the agent is a *child subreaper* (``PR_SET_CHILD_SUBREAPER``): a process orphaned anywhere below
-  it is re-parented to it instead of to init, so once a worker group has stopped, every process
-  still below the agent belongs to the job and :func:`kill_descendants` ends it;
-- each worker forks a *guard* (:func:`start_guard`) that outlives it by design: when the worker
-  dies, for any reason including SIGKILL, the guard kills the worker's process group and every
-  process whose environment carries the worker's mark (:data:`MARK`), which reaches children that
-  left the group with ``setsid``.
-
-Out of reach once the agent itself was SIGKILLed (while it lives, the subreaper still finds them): a
-process that left its worker's process group and does not carry the mark, that is one forked without
-``exec`` (the kernel shows a forked child the environment its parent was started with, before the
-mark) or started with a cleared environment. Linux only; elsewhere these calls do nothing.
+"""Ending every process a worker started, however the worker ended (torchrun signals a worker's
+process group only while the worker runs). The agent is a child subreaper, so that orphans stay
+below it for :func:`kill_descendants`; each worker forks a guard (:func:`start_guard`) that, once
+the worker dies, kills its process group and every process carrying its mark (:data:`MARK`).
+Linux only; elsewhere these calls do nothing.
 """
 
 from __future__ import annotations
@@ -40,8 +25,7 @@ from ddpkit._internals.interpreter import (
 )
 
 MARK = "DDPKIT_WORKER_MARK"
-"""Environment variable every process started by a worker inherits:
-``<worker pid>.<worker start time>``."""
+"""The variable every process a worker starts inherits: ``<worker pid>.<worker start time>``."""
 
 
 def set_parent_death_signal(sig: int) -> bool:
@@ -82,9 +66,9 @@ def parent_of(pid: int) -> int | None:
 
 
 def wait_exit(pid: int, timeout: float | None) -> bool | None:
-    """Wait until ``pid`` has exited (a pidfd becomes readable when its process ends, zombie or
-    reaped), at most ``timeout`` seconds; whether it has. None where there are no pidfds (a kernel
-    before 5.3, a seccomp profile that refuses them): the caller polls instead."""
+    """Wait until ``pid`` has exited (zombie or reaped), at most ``timeout`` seconds; whether it
+    has. None where there are no pidfds (a kernel before 5.3, a seccomp profile): the caller
+    polls."""
     try:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:
@@ -114,10 +98,9 @@ def _children(pid: int) -> list[int]:
 
 
 def activity(root: int) -> tuple[int, int] | None:
-    """What ``root`` and every process below it have done so far: CPU time in clock ticks (every
-    thread's) and bytes read and written (``rchar + wchar``: files, pipes and sockets; 0 where
-    ``/proc/PID/io`` cannot be read). None once ``root`` is gone. Two readings that differ say it
-    moved: it computes, or it reads or writes."""
+    """What ``root`` and every process below it have done so far: CPU time in clock ticks and bytes
+    read and written (``rchar + wchar``; 0 where ``/proc/PID/io`` cannot be read). None once
+    ``root`` is gone."""
     ticks = chars = 0
     todo, seen = [root], set()
     while todo:
@@ -166,10 +149,8 @@ def descendants(root: int) -> list[int]:
 
 
 def _wait_gone(pids: Iterable[int], deadline: float) -> None:
-    """Until each of ``pids`` has exited (or ``deadline``): a pidfd becomes readable when its
-    process ends."""
+    """Until each of ``pids`` has exited (or ``deadline``)."""
     for pid in pids:
-        # no pidfds: the process table
         if wait_exit(pid, max(0.0, deadline - time.monotonic())) is None:
             while (
                 (stat := _stat(pid)) is not None
@@ -197,13 +178,9 @@ def _own_zombies(keep: Collection[int]) -> list[int]:
 def kill_descendants(
     root: int | None = None, keep: Collection[int] = (), timeout: float = 10.0
 ) -> list[int]:
-    """SIGKILL every process below ``root`` (this process by default) and wait until they are gone.
-
-    Repeated until none is left, since a process may fork while its siblings die and orphans are
-    re-parented to a subreaper only as their parents go. This process's own children that end up as
-    zombies are reaped, except ``keep`` (those whose exit status another owner, such as a ``Popen``
-    object, still has to read). Returns the pids killed.
-    """
+    """SIGKILL every process below ``root`` (this process by default), again until none is left,
+    and wait until they are gone; reap this process's own zombies but ``keep`` (whose status a
+    ``Popen`` has to read). Returns the pids killed."""
     if not LINUX:
         return []
     root = os.getpid() if root is None else root
@@ -234,13 +211,9 @@ def _marked(pid: int, mark: bytes) -> bool:
 
 
 def kill_worker_tree(group: int | None, mark: str, timeout: float = 10.0) -> list[int]:
-    """SIGKILL every process in process group ``group`` or whose environment holds ``MARK=mark``,
-    this one excepted.
-
-    The group holds what the worker forked (a forked child shares the environment the worker was
-    started with, which has no mark); the mark reaches what it, or any descendant, started with
-    ``exec`` (``subprocess``, multiprocessing's spawn and forkserver), in whatever group or session.
-    """
+    """SIGKILL every process in process group ``group`` (what the worker forked) or whose
+    environment holds ``MARK=mark`` (what it started with ``exec``, in any group), this one
+    excepted."""
     me, entry = os.getpid(), f"{MARK}={mark}".encode()
     deadline = time.monotonic() + timeout
     killed: list[int] = []
@@ -262,12 +235,9 @@ def kill_worker_tree(group: int | None, mark: str, timeout: float = 10.0) -> lis
     return killed
 
 
-GUARD_TITLE = "ddpkit-guard"
-"""The guard's command line, followed by its worker's pid (``ps``, ``pgrep -f``)."""
-
+GUARD_TITLE = "ddpkit-guard"  # the guard's command line, then its worker's pid
+# what the kernel sends the guard when its worker dies (a signal nothing else sends it)
 GUARD_SIGNAL = signal.SIGRTMIN if hasattr(signal, "SIGRTMIN") else signal.SIGUSR2
-"""What the kernel sends the guard when its worker dies (a real-time signal, which nothing else
-sends it)."""
 
 
 def is_guard(pid: int) -> bool:
@@ -280,24 +250,18 @@ def is_guard(pid: int) -> bool:
 
 
 def start_guard() -> int | None:
-    """Mark this process's environment and fork its guard; returns the guard's pid (None where not
-    Linux).
-
-    The guard blocks every signal but the parent-death one, so torchrun's SIGTERM to the worker's
-    group, or a Ctrl-C, cannot end it before its worker; it leaves the worker's process group for
-    the same reason. It costs one sleeping process per worker.
-    """
+    """Mark this process's environment and fork its guard, which blocks every signal but the
+    parent-death one and leaves the worker's group; the guard's pid (None where not Linux)."""
     if not LINUX:
         return None
     worker = os.getpid()
     stat = _stat(worker)
     mark = f"{worker}.{stat[3] if stat else 0}"  # with the start time: a reused pid never matches
     os.environ[MARK] = mark
-    # torchrun starts each worker in a session of its own; a worker that does not lead its group
-    # shares it with processes that are not its own (a shell's job), and only the mark is used.
+    # a worker that does not lead its group shares it with others (a shell's job): the mark only
     group = worker if os.getpgid(0) == worker else None
     with warnings.catch_warnings():
-        # Python 3.12 warns on fork() with threads running; the child below only makes system calls.
+        # 3.12 warns of fork() with threads; the child below only makes system calls
         warnings.simplefilter("ignore", DeprecationWarning)
         pid = os.fork()
     if pid:
@@ -305,14 +269,11 @@ def start_guard() -> int | None:
     try:  # the guard: never returns
         os.setpgid(0, 0)
         signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
-        # A command line of its own (once out of reach of signals to the worker's group): the forked
-        # guard would otherwise show its worker's, and `pkill -f "ddpkit._launch.worker.*SCRIPT"
-        # --newest` would kill the guard instead of the worker.
+        # a command line of its own, or `pkill -f ... --newest` would find it for its worker
         set_command_line([GUARD_TITLE, str(worker)])
         prctl(PR_SET_NAME, GUARD_TITLE)
         set_parent_death_signal(GUARD_SIGNAL)
-        # else the worker died before prctl took effect: no signal will come
-        if os.getppid() == worker:
+        if os.getppid() == worker:  # else it died before prctl: no signal will come
             signal.sigwait({GUARD_SIGNAL})
         kill_worker_tree(group, mark)
     finally:

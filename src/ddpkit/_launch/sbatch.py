@@ -1,12 +1,6 @@
 """``ddpkit sbatch``: write and submit a SLURM batch script that trains, survives pre-emption and
-resumes.
-
-The script runs one task per GPU (or per CPU share) with ``srun``, each task reading its rank from
-SLURM's variables (:mod:`ddpkit.platforms._slurm`). Before the time limit SLURM sends SIGUSR1
-(``--signal=USR1@LEAD``) to the tasks; a Trainer saves its snapshot and exits with
-:data:`~ddpkit._errors.PREEMPTED_EXIT_CODE` (75), and the batch script then requeues the job, which
-resumes from the snapshot when it starts again. A run that finished
-(0) or failed (anything else) is not requeued. Output of every attempt is appended to one file.
+resumes: one task per GPU (or CPU share) under ``srun``; SIGUSR1 before the time limit, on which a
+Trainer saves and exits 75, and the script then requeues the job (docs/many-machines.md).
 """
 
 from __future__ import annotations
@@ -24,6 +18,8 @@ from pathlib import Path
 
 from ddpkit import _fs as fs
 from ddpkit._errors import PREEMPTED_EXIT_CODE, ConfigError
+from ddpkit._launch import options
+from ddpkit._launch.options import argument
 
 
 @dataclass(kw_only=True)
@@ -35,28 +31,18 @@ class BatchConfig:
     script_args: list[str] = field(default_factory=list)
     nodes: int = 1
     gpus_per_node: int = 0
-    """GPUs per node; each gets its own task. 0 for a CPU job."""
     ntasks_per_node: int | None = None
     """Tasks (ranks) per node: the GPU count by default, else 1."""
     cpus_per_task: int | None = None
-    """Cores per task; sets ``OMP_NUM_THREADS`` in the job. The partition's default when unset."""
     time: str | None = None
-    """Time limit, as SLURM writes it (``4:00:00``, ``2-00:00:00``); the partition's default when
-    unset."""
     signal_lead: int = 120
-    """Seconds before the time limit at which SIGUSR1 asks the job to save and stop (SLURM may send
-    it up to 60 s earlier than asked)."""
+    """Seconds before the time limit at which SIGUSR1 asks the job to save and stop."""
     job_name: str | None = None
-    """The job's name; the script's file name without ``.py`` by default."""
     partition: str | None = None
     account: str | None = None
     output_dir: str = "slurm-logs"
-    """Where the batch script and the job's output (``NAME-JOBID.out``, appended across requeues)
-    go."""
     sbatch_options: list[str] = field(default_factory=list)
-    """More ``#SBATCH`` options, verbatim (``--mem=32G``, ``--constraint=a100``)."""
     python: str = sys.executable
-    """The Python that runs the script on the nodes (this one by default: the same environment)."""
     workdir: str = field(default_factory=os.getcwd)
 
     def __post_init__(self) -> None:
@@ -73,7 +59,6 @@ class BatchConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} {value}: must be >= 1")
         for name in ("nodes", "gpus_per_node", "ntasks_per_node", "cpus_per_task"):
             value = getattr(self, name)
-            # SLURM keeps these in 32 bits; no cluster is that big
             if value is not None and value > _MAX_COUNT:
                 raise ConfigError(f"--{name.replace('_', '-')} {value}: at most {_MAX_COUNT}")
         for option, value in self._texts():
@@ -99,8 +84,7 @@ class BatchConfig:
                 )
 
     def _texts(self) -> list[tuple[str, str]]:
-        """Every string that goes into the batch script, with the option (or source) that gave
-        it."""
+        """Every string that goes into the batch script, with what gave it."""
         out = [
             ("SCRIPT", self.script),
             ("--output-dir", self.output_dir),
@@ -122,8 +106,6 @@ class BatchConfig:
 
     @property
     def name(self) -> str:
-        # The default name comes from the script's file name, made safe for a file name and an
-        # #SBATCH line.
         return (
             self.job_name
             or re.sub(r"[^A-Za-z0-9._+-]", "_", Path(self.script).stem).lstrip(".-")
@@ -146,8 +128,7 @@ _SCRIPT_SINGLE_LINE = {
 
 def _check_text(option: str, value: str) -> None:
     """Refuse what the batch script cannot hold: text that is not UTF-8, and a line break or control
-    character where it would end an #SBATCH line (the rest would run as shell lines, and sbatch
-    stops reading #SBATCH options at the first of them)."""
+    character where it would end an #SBATCH line (the rest would run as shell lines)."""
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
@@ -200,8 +181,8 @@ def _shown(text: str, limit: int = 80) -> str:
 
 
 def _sbatch_value(text: str) -> str:
-    """``text`` as one argument on an #SBATCH line: sbatch splits these lines at spaces, groups
-    quoted text, and reads a backslash as an escape and an unquoted # as the start of a comment."""
+    """``text`` as one argument on an #SBATCH line, which sbatch splits at spaces, reading quotes,
+    backslashes and an unquoted # as a shell would."""
     if re.fullmatch(r"[A-Za-z0-9_./%:=,@+-]+", text):
         return text
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
@@ -251,8 +232,6 @@ def batch_script(cfg: BatchConfig) -> str:
         ),
         "code=$?",
         f"if [ $code -eq {PREEMPTED_EXIT_CODE} ]; then",
-        # The tasks saved a snapshot because they were told to stop: come back and resume. A
-        # finished run (0) or a failure (anything else) is left as it is.
         '  echo "ddpkit: pre-empted after saving a snapshot; requeueing job $SLURM_JOB_ID"',
         '  scontrol requeue "$SLURM_JOB_ID"',
         "fi",
@@ -313,91 +292,39 @@ EXAMPLES = """examples:
   ddpkit sbatch --ntasks-per-node 8 --cpus-per-task 4 --partition cpu train.py
   ddpkit sbatch --dry-run train.py        # write slurm-logs/train.sbatch only"""
 
-_VALUE_OPTIONS = {
-    "--nodes",
-    "--gpus-per-node",
-    "--ntasks-per-node",
-    "--cpus-per-task",
-    "--time",
-    "--signal-lead",
-    "--job-name",
-    "--partition",
-    "--account",
-    "--output-dir",
-    "--sbatch-option",
-}
+OPTIONS = [
+    argument("--nodes", type=int, default=1, help="nodes (default 1)"),
+    argument("--gpus-per-node", type=int, default=0,
+             help="GPUs per node, one task each (default 0: a CPU job)"),
+    argument("--ntasks-per-node", type=int, default=None,
+             help="tasks (ranks) per node (default: GPUs, else 1)"),
+    argument("--cpus-per-task", type=int, default=None,
+             help="cores per task; sets OMP_NUM_THREADS"),
+    argument("--time", default=None, help="time limit, e.g. 4:00:00 (default: the partition's)"),
+    argument("--signal-lead", type=int, default=120,
+             help="seconds before the limit to save and stop (default 120)"),
+    argument("--job-name", default=None, help="job name (default: the script's name)"),
+    argument("--partition", default=None, help="SLURM partition"),
+    argument("--account", default=None, help="SLURM account"),
+    argument("--output-dir", default="slurm-logs",
+             help="folder for the script and the job's output (slurm-logs)"),
+    argument("--sbatch-option", action="append", default=[],
+             help="another #SBATCH option, e.g. --mem=32G"),
+    argument("--dry-run", action="store_true", help="write the batch script, do not submit it"),
+    argument("script", help="training script"),
+]  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="ddpkit sbatch",
-        usage="ddpkit sbatch [options] SCRIPT [ARGS...]",
-        description=DESCRIPTION,
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        allow_abbrev=False,
-    )
-    add = parser.add_argument
-    add("--nodes", type=int, default=1, help="nodes (default 1)")
-    add(
-        "--gpus-per-node",
-        type=int,
-        default=0,
-        help="GPUs per node, one task each (default 0: a CPU job)",
-    )
-    add(
-        "--ntasks-per-node",
-        type=int,
-        default=None,
-        help="tasks (ranks) per node (default: GPUs, else 1)",
-    )
-    add("--cpus-per-task", type=int, default=None, help="cores per task; sets OMP_NUM_THREADS")
-    add("--time", default=None, help="time limit, e.g. 4:00:00 (default: the partition's)")
-    add(
-        "--signal-lead",
-        type=int,
-        default=120,
-        help="seconds before the limit to save and stop (default 120)",
-    )
-    add("--job-name", default=None, help="job name (default: the script's name)")
-    add("--partition", default=None, help="SLURM partition")
-    add("--account", default=None, help="SLURM account")
-    add(
-        "--output-dir",
-        default="slurm-logs",
-        help="folder for the script and the job's output (slurm-logs)",
-    )
-    add(
-        "--sbatch-option",
-        action="append",
-        default=[],
-        help="another #SBATCH option, e.g. --mem=32G",
-    )
-    add("--dry-run", action="store_true", help="write the batch script, do not submit it")
-    add("script", help="training script")
-    return parser
+    usage = "ddpkit sbatch [options] SCRIPT [ARGS...]"
+    return options.command_parser("ddpkit sbatch", usage, DESCRIPTION, EXAMPLES, OPTIONS)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from ddpkit._launch.options import split_argv
-
-    ours, script_args = split_argv(sys.argv[1:] if argv is None else argv, _VALUE_OPTIONS)
-    ns = build_parser().parse_args(ours)
-    cfg = BatchConfig(
-        script=ns.script,
-        script_args=script_args,
-        nodes=ns.nodes,
-        gpus_per_node=ns.gpus_per_node,
-        ntasks_per_node=ns.ntasks_per_node,
-        cpus_per_task=ns.cpus_per_task,
-        time=ns.time,
-        signal_lead=ns.signal_lead,
-        job_name=ns.job_name,
-        partition=ns.partition,
-        account=ns.account,
-        output_dir=ns.output_dir,
-        sbatch_options=ns.sbatch_option,
+    ns, script_args = options.parse_command(
+        build_parser(), OPTIONS, sys.argv[1:] if argv is None else argv
     )
+    cfg = options.config_from(BatchConfig, ns, script_args, sbatch_options=ns.sbatch_option)
     path, job = submit(cfg, dry_run=ns.dry_run)
     print(f"batch script: {path}")
     if job:

@@ -1,12 +1,6 @@
-"""Launch a function on N local processes from Python: for notebooks and tests, as the DDP
-tutorials' ``mp.spawn``.
-
-Two ways to call the function. ddpkit's own, ``spawn(fn, nprocs, args)``, calls ``fn(*args)``: the
-rank and the world size are :func:`ddpkit.init`'s to tell. ``mp.spawn``'s,
-``spawn(fn, args=..., nprocs=..., pass_rank=True)``, calls ``fn(rank, *args)``, as
-``torch.multiprocessing.spawn`` does: a script written for it (the DDP tutorials'
-``train(rank, world_size)``) runs unchanged. Which one is said in the call, never guessed from
-``fn``: a function that takes a rank first and one that takes its own first argument look alike.
+"""Launch a function on N local processes from Python (notebooks, tests), as ``mp.spawn``:
+``spawn(fn, nprocs, args)`` calls ``fn(*args)``, ``pass_rank=True`` ``fn(rank, *args)``, said in
+the call, never guessed from ``fn``.
 """
 
 from __future__ import annotations
@@ -47,7 +41,6 @@ def _worker(
         MASTER_PORT=str(port),
         OMP_NUM_THREADS=str(threads),
     )
-    # rank 0 hosts the store, as with a static rendezvous
     os.environ.pop(AGENT_STORE_VARIABLE, None)
     os.environ.pop("GROUP_WORLD_SIZE", None)  # a torchrun job's node count, not this world's
     torch.set_num_threads(threads)
@@ -74,25 +67,17 @@ def spawn(
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``nprocs`` local processes that form one job; return each rank's result.
 
-    ``pass_rank=True`` calls ``fn(rank, *args)`` instead, as ``torch.multiprocessing.spawn(fn,
-    args, nprocs)`` does: ``ddpkit.spawn(train, args=(world_size,),
-    nprocs=world_size, pass_rank=True)`` runs the DDP tutorials' ``train(rank, world_size)``. A call
-    that cannot fit ``fn`` (a rank it needs, or one it does not take) is refused before any process
-    starts, naming ``pass_rank``.
+    ``pass_rank=True`` calls ``fn(rank, *args)`` instead, as ``torch.multiprocessing.spawn`` does
+    (the DDP tutorials' ``train(rank, world_size)``); a call that cannot fit ``fn`` is refused
+    before any process starts, naming ``pass_rank``. Inside ``fn``, :func:`ddpkit.init` sees the
+    ranks as under torchrun. If any process raises, the others are stopped and the exception is
+    raised here with that rank's traceback.
 
-    Inside ``fn``, :func:`ddpkit.init` sees RANK, WORLD_SIZE and the rest as under torchrun. If any
-    process raises, the others are stopped and the exception is raised here with that rank's
-    traceback. ``start_method`` defaults to ``"fork"`` where it is safe (POSIX, CUDA not yet
-    initialised in this process), so a function defined in a notebook cell works; else ``"spawn"``,
-    which needs ``fn`` importable.
-
-    Forked processes run one intra-op thread each: OpenMP's thread pool does not survive ``fork``,
-    and a forked child that starts a parallel region with more threads waits forever for workers
-    that do not exist. For more threads per process, pass ``start_method="spawn"``.
-
-    ``timeout`` (seconds): processes still running by then are killed, and :class:`TimeoutError`
-    names them (a hang: a collective some rank never reached, a deadlock); None waits as long as
-    they run.
+    ``start_method`` is ``"fork"`` where it is safe (POSIX, CUDA not initialised here), so a
+    function of a notebook cell works, else ``"spawn"``, which needs ``fn`` importable. A forked
+    process runs one intra-op thread (OpenMP's pool does not survive ``fork``); pass
+    ``start_method="spawn"`` for more. ``timeout`` (seconds): processes still running by then are
+    killed, and :class:`TimeoutError` names them; None waits as long as they run.
     """
     if not isinstance(nprocs, int) or not isinstance(args, tuple):
         raise ConfigError(
@@ -103,31 +88,11 @@ def spawn(
     if nprocs < 1:
         raise ValueError(f"nprocs={nprocs}: spawn needs at least one process")
     _check_call(fn, args, pass_rank)
-    if start_method is None:
-        forkable = "fork" in mp.get_all_start_methods() and not torch.cuda.is_initialized()
-        start_method = "fork" if forkable else "spawn"
-    if start_method == "fork":
-        if threads_per_process not in (None, 1):
-            raise ConfigError(
-                f"threads_per_process={threads_per_process} with start_method='fork' would hang in "
-                "OpenMP: pass start_method='spawn' for more than one thread per process"
-            )
-        threads = 1
-    else:
-        threads = threads_per_process or max(1, cpu_count() // nprocs)
-    # Rank 0 hosts the rendezvous store, not this process: a store here runs a server thread that
-    # resolves peer names (getnameinfo) as ranks connect, and a child forked while it holds glibc's
-    # resolver lock inherits the lock held and hangs in its own connect. The port is free now; if
-    # another program takes it before rank 0 binds it, init() says so.
+    start_method, threads = _start_method(start_method, threads_per_process, nprocs)
+    # Rank 0 hosts the store, not this process: a child forked while a store thread here holds
+    # glibc's resolver lock would hang in its own connect.
     port = _free_port()
     results = mp.get_context(start_method).SimpleQueue()
-    out: list[Any] = [None] * nprocs
-
-    def drain() -> None:
-        while not results.empty():
-            r, payload = results.get()
-            out[r] = pickle.loads(payload)
-
     context = mp.start_processes(
         _worker,
         args=(fn, args, nprocs, port, threads, results, pass_rank),
@@ -135,25 +100,48 @@ def spawn(
         join=False,
         start_method=start_method,
     )
-    deadline = None if timeout is None else time.monotonic() + timeout
     try:
-        # Drain results while waiting: a child blocked on a full pipe would otherwise never exit.
-        while not context.join(timeout=0.05):
-            drain()
-            if deadline is not None and time.monotonic() > deadline:
-                running = [r for r, p in enumerate(context.processes) if p.is_alive()]
-                raise TimeoutError(
-                    f"ranks {running} of {nprocs} still running after {timeout:g} s: a collective "
-                    "some rank never reached, or a deadlock; they are killed"
-                )
-        drain()
-        return out
+        return _results(context, results, nprocs, timeout)
     finally:
-        # Interrupted (Ctrl-C in a notebook, a test's timeout) or failed: leave no process behind.
         for process in context.processes:
             if process.is_alive():
                 process.kill()
                 process.join()
+
+
+def _start_method(method: str | None, threads: int | None, nprocs: int) -> tuple[str, int]:
+    """(start method, threads per process): fork where it is safe, and one thread when forked."""
+    if method is None:
+        forkable = "fork" in mp.get_all_start_methods() and not torch.cuda.is_initialized()
+        method = "fork" if forkable else "spawn"
+    if method != "fork":
+        return method, threads or max(1, cpu_count() // nprocs)
+    if threads not in (None, 1):
+        raise ConfigError(
+            f"threads_per_process={threads} with start_method='fork' would hang in OpenMP: pass "
+            "start_method='spawn' for more than one thread per process"
+        )
+    return method, 1
+
+
+def _results(context: Any, results: Any, nprocs: int, timeout: float | None) -> list[Any]:
+    """Each rank's result, as the processes of ``context`` end (a :class:`TimeoutError` after
+    ``timeout`` seconds)."""
+    out: list[Any] = [None] * nprocs
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        done = context.join(timeout=0.05)
+        while not results.empty():  # drained while waiting: a child on a full pipe never exits
+            rank, payload = results.get()
+            out[rank] = pickle.loads(payload)
+        if done:
+            return out
+        if deadline is not None and time.monotonic() > deadline:
+            running = [r for r, p in enumerate(context.processes) if p.is_alive()]
+            raise TimeoutError(
+                f"ranks {running} of {nprocs} still running after {timeout:g} s: a collective some "
+                "rank never reached, or a deadlock; they are killed"
+            )
 
 
 def _check_call(fn: Callable[..., Any], args: tuple[Any, ...], pass_rank: bool) -> None:
@@ -161,8 +149,7 @@ def _check_call(fn: Callable[..., Any], args: tuple[Any, ...], pass_rank: bool) 
     fit."""
     try:
         signature = inspect.signature(fn)
-    # a builtin or C function without a signature: let the call decide
-    except (TypeError, ValueError):
+    except (TypeError, ValueError):  # no signature (a builtin): the call decides
         return
     name = getattr(fn, "__qualname__", repr(fn))
 

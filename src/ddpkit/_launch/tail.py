@@ -1,17 +1,8 @@
-"""``--all-ranks``: each rank's output tagged ``[rank N]`` line by line, whole lines only.
-
-torchrun's agent tees a worker's output through a file that a thread per local rank reads with
-``readline()`` and writes, behind the rank's tag, to the launcher's stdout or stderr. At the end of
-the file ``readline()`` returns what is there, so a line a rank prints in pieces
-(``print(..., end="")``, a progress bar) comes out as several tagged pieces, with other ranks' lines
-between them. :func:`tail_lines` replaces that reader: it holds a rank's bytes until a newline, and
-writes each whole line in one write under one lock.
-
-A progress bar redraws its line with ``\\r`` and ends it with ``\\n`` when done. Of a finished line
-only the text after its last ``\\r`` is written (what a terminal would show). While a line is still
-being redrawn, its latest state is written, tagged, at most every :data:`PROGRESS_EVERY` seconds, so
-that a long bar is seen to move without flooding the output with one line per redraw. What a rank
-printed without a final newline is written when its file ends.
+"""``--all-ranks``: each rank's output tagged ``[rank N]`` by whole lines, in place of torchrun's
+reader, which tags whatever ``readline()`` finds at the end of the file (a line printed in pieces
+comes out as several, mixed with other ranks'). A line redrawn with ``\\r`` (a progress bar) is
+written as a terminal shows it, and while it is redrawn at most every :data:`PROGRESS_EVERY`
+seconds.
 """
 
 from __future__ import annotations
@@ -22,8 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
-PROGRESS_EVERY = 5.0
-"""Seconds between two tagged lines showing a line still being redrawn with ``\\r``."""
+PROGRESS_EVERY = 5.0  # seconds between two tagged lines of a line still being redrawn
 
 # one line at a time on the shared stream, whichever rank's thread writes
 _write_lock = threading.Lock()
@@ -54,10 +44,8 @@ class LineTagger:
             self._shown_progress, self._last_progress = b"", -PROGRESS_EVERY
         last_redraw = self._pending.rstrip(b"\r").rfind(b"\r")
         if last_redraw >= 0:
-            # The text between the last two \r is the latest complete redraw; what follows may be
-            # half written.
+            # between the last two \r: the latest whole redraw (what follows may be half written)
             latest = self._pending[:last_redraw].rsplit(b"\r", 1)[-1]
-            # earlier redraws are gone from the screen too
             self._pending = self._pending[last_redraw:]
             now = self.clock()
             if (
@@ -107,8 +95,7 @@ def tail_lines(
     tagger = LineTagger(header, dst, log_line_filter)
     with open(file, "rb") as fp:
         while True:
-            # Set once the workers exited: all they wrote is in the file before a read that follows.
-            done = finished.is_set()
+            done = finished.is_set()  # then all they wrote is in the file before the read
             data = fp.read(1 << 16)
             if data:
                 tagger.feed(data)
@@ -120,9 +107,8 @@ def tail_lines(
 
 
 def install() -> None:
-    """Make torchrun's ``TailLog`` (the agent's ``--tee``) write whole lines: it starts a thread per
-    log file on ``tail_log.tail_logfile``, looked up by that module-level name, which is the one way
-    in short of replacing torchrun's process context."""
+    """Make torchrun's ``TailLog`` (the agent's ``--tee``) write whole lines: its threads run
+    ``tail_log.tail_logfile``, looked up by that module-level name."""
     from torch.distributed.elastic.multiprocessing import tail_log
 
     tail_log.tail_logfile = tail_lines

@@ -1,30 +1,10 @@
 """The agent's stall watch: a rank that stops making progress while the others wait for it, named in
-seconds.
+seconds, with every rank's state and stack, and killed (``on_stall="end"``).
 
-Each rank keeps a record of its step and phase in a folder the agent makes for the job in node-local
-shared memory (:mod:`ddpkit.distributed._progress`). The agent reads its own node's records at every
-poll of its workers, without a collective; across nodes, each agent publishes a summary of its ranks
-to the job's rendezvous store and judges with every node's (:mod:`ddpkit._launch.watch_nodes`).
-
-A verdict needs evidence (:func:`ddpkit._launch.watch_nodes.judge`): that the others wait for a
-rank, and whether it can progress. Besides each rank's record, the agent reads what its ranks do
-(:func:`ddpkit._launch.proctree.activity`: CPU time, bytes read and written, theirs and their loader
-workers'). A rank is *stalled* (ended with ``on_stall="end"``, the default) when it is stopped, when
-the ranks wait for each other in collectives that are not one, or when every other rank has waited
-for it longer than its allowance while nothing of it moved for as long; it is *slow* (named, with
-its stack, again every allowance while it lasts, never ended: the collective timeout does that if
-it comes) when the others have waited that long but it runs. Its allowance: ``max(floor, factor x
-its median step)``, ``long_factor x floor`` in its first step and in ddpkit's long phases
-(``main_first``'s body, a snapshot, an evaluation, the best weights' export), each at most
-:data:`LONG_SHARE` of the collective timeout. Work every rank does is no stall: nobody waits.
-
-When it names a rank, the agent of its node says, for each of its ranks: host, pid, the process's
-state (``/proc/PID/stat``: a stopped process cannot answer), step, phase, seconds since its last
-mark, and its Python stack (:func:`ddpkit._launch.worker.ask_stacks`), with its loader workers' when
-it waits for them; for collectives, which ranks wait in which and who has not arrived; for the other
-nodes' ranks, where their agents last saw them. A stalled rank is killed (SIGKILL: a stopped process
-cannot act on a SIGTERM), so the job ends, or restarts under ``--max-restarts``, with that summary.
-The other nodes' agents say which rank their ranks wait for, with their own ranks' stacks.
+The agent reads its node's ranks' progress records (:mod:`ddpkit.distributed._progress`) and what
+each process does (its CPU time and I/O), and judges with the other nodes' ranks
+(:mod:`ddpkit._launch.watch_nodes`). The rules and what is said: docs/launcher.md, "When a job
+hangs".
 """
 
 from __future__ import annotations
@@ -52,30 +32,20 @@ from ddpkit._launch.worker import ask_stacks
 from ddpkit.distributed._progress import DIR_ENV, MAGIC, OPS, RECORD, SIZE, Phase
 from ddpkit.snapshot import _slots as memory_folder
 
-TIMEOUT_ENV = "DDPKIT_STALL_TIMEOUT"
-"""The floor in seconds when ``--stall-timeout`` is not given; ``0`` turns the watch off."""
+TIMEOUT_ENV = "DDPKIT_STALL_TIMEOUT"  # the floor without --stall-timeout; 0: off
 DEFAULT_FLOOR = 30.0
-"""The floor in seconds when neither ``--stall-timeout`` nor :data:`TIMEOUT_ENV` gives one."""
-POLL_EVERY = 0.5
-"""Seconds between two reads of the records (torchrun polls its workers every 0.1 s)."""
-
+POLL_EVERY = 0.5  # seconds between two reads of the records
 
 LONG_PHASES = (
     Phase.STARTING, Phase.SNAPSHOT, Phase.EVALUATION, Phase.MAIN_FIRST, Phase.EXPORT,
 )  # fmt: skip
-"""Phases that may keep a rank longer than its steps while the others wait for it: before its
-first step, a snapshot's copy, an evaluation over a shard slower than the others' (marked at every
-batch, but one batch may be long), ``main_first``'s body on the first rank (a download, a cache),
-the best weights written on rank 0."""
+"""Phases that may keep a rank longer than its steps while the others wait for it."""
 MOVED = (5, 4096)
-"""CPU clock ticks (50 ms at 100 a second) and bytes read or written within :data:`WINDOW` seconds
-that count as a rank moving: less is a blocked process's background noise."""
+"""CPU clock ticks and bytes read or written within :data:`WINDOW` seconds that count as a rank
+moving: less is a blocked process's background noise."""
 WINDOW = 2.0
-EVIDENCE_AFTER = 1.0
-"""Seconds a rank's record must stay unchanged before its activity is read (a rank that marks needs
-no more evidence)."""
-LONG_SHARE = 0.5
-"""The long allowance is at most this share of the collective timeout."""
+EVIDENCE_AFTER = 1.0  # seconds a record stays unchanged before the rank's activity is read
+LONG_SHARE = 0.5  # the long allowance is at most this share of the collective timeout
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,10 +57,9 @@ class StallPolicy:
     factor: float = 10.0
     """A rank gets at least this many times its median step."""
     long_factor: float = 10.0
-    """Its first step, a snapshot and an evaluation get ``long_factor x floor`` (at most
-    :data:`LONG_SHARE` of ``collective_timeout``)."""
+    """:data:`LONG_PHASES` get ``long_factor x floor`` (at most :data:`LONG_SHARE` of
+    ``collective_timeout``)."""
     collective_timeout: float | None = None
-    """Seconds the ranks' collectives wait before they fail (``--collective-timeout``)."""
     on_stall: str = "end"
     """``end``: kill the stalled rank, so the job ends (or restarts); ``warn``: only say so."""
 
@@ -111,13 +80,12 @@ class Record:
     numel: int
     step_at: float
     last_step: float
-    timeout: float = 0.0
-    """Its process group's collective timeout, in seconds (0: not known)."""
+    timeout: float = 0.0  # its process group's collective timeout (0: not known)
 
 
 def read_record(path: Path) -> Record | None:
-    """The rank's record at ``path``; None when missing or not (yet) one. Read twice: the rank may
-    be writing."""
+    """The rank's record at ``path``; None when missing or not (yet) one. Read twice, alike: the
+    rank may be writing."""
     for _ in range(3):
         try:
             with open(path, "rb") as f:
@@ -148,30 +116,24 @@ class _Rank:
     record: Record | None = None
     changed_at: float = 0.0
     durations: deque[float] = field(default_factory=lambda: deque(maxlen=32))
-    moved_at: float = 0.0
-    """When its CPU time or I/O last moved, as read (its record's changes: ``changed_at``)."""
-    samples: deque[tuple[float, int, int]] = field(default_factory=deque)
-    """Its activity read over the last :data:`WINDOW` seconds: (when, CPU ticks, bytes)."""
-    slow_said: float = 0.0
-    """When it was last named slow."""
+    moved_at: float = 0.0  # when its CPU time or I/O last moved
+    samples: deque[tuple[float, int, int]] = field(default_factory=deque)  # (when, ticks, bytes)
+    slow_said: float = 0.0  # when it was last named slow
 
     def quiet(self, now: float) -> float:
         return max(0.0, now - max(self.changed_at, self.moved_at))
 
     def median_step(self) -> float:
-        """Of the steps seen ending (a poll sees one in several when steps are short), the first
-        left out: it compiles and warms up, and has an allowance of its own."""
+        """Of the steps seen ending, the first left out (it warms up, with an allowance of its
+        own)."""
         return statistics.median(self.durations) if self.durations else 0.0
 
 
 @dataclass(frozen=True)
 class Stall:
-    ranks: list[int]
-    """The stalled ranks (global)."""
-    headline: str
-    """One line: which rank, for how long, doing what, and where the others wait."""
-    report: list[str]
-    """The headline and a line per rank, with stacks."""
+    ranks: list[int]  # global
+    headline: str  # which rank, for how long, doing what, and where the others wait
+    report: list[str]  # the headline and a line per rank, with stacks
 
 
 class Watch:
@@ -187,7 +149,7 @@ class Watch:
         activity: Callable[[int], tuple[int, int] | None] = proctree.activity,
     ) -> None:
         """``activity(pid)``: CPU ticks and bytes read and written so far by a rank and its
-        children (:func:`~ddpkit._launch.proctree.activity`)."""
+        children."""
         self.folder, self.policy, self.stack_dir, self.clock = folder, policy, stack_dir, clock
         self.activity = activity
         self.ranks: dict[int, _Rank] = {}
@@ -231,8 +193,8 @@ class Watch:
             self._read_activity(r, now)
 
     def _read_activity(self, r: _Rank, now: float) -> None:
-        """Whether ``r`` moved in the last :data:`WINDOW` seconds (its CPU or its reads and
-        writes), read while its record stays unchanged."""
+        """Whether ``r`` moved (its CPU or its reads and writes) in the last :data:`WINDOW` seconds,
+        read while its record stays unchanged."""
         if now - r.changed_at < EVIDENCE_AFTER:
             r.samples.clear()
             return
@@ -254,9 +216,7 @@ class Watch:
         first = r.record is None or r.record.steps <= 1
         if first or r.record is not None and r.record.phase in LONG_PHASES:
             allowed = max(allowed, p.long_factor * p.floor)
-        # The rank's own group's timeout (a script may give ddpkit.init its own), else the
-        # launcher's: named before the waiting ranks' collectives fail and end the job without a
-        # word, blaming a rank that waited.
+        # named before the waiting ranks' collectives fail: its own group's timeout, else ours
         timeout = r.record.timeout if r.record is not None and r.record.timeout > 0 else None
         timeout = timeout if timeout is not None else p.collective_timeout
         return min(allowed, LONG_SHARE * timeout) if timeout is not None else allowed
@@ -275,7 +235,7 @@ class Watch:
 
     def poll(self, running: set[int]) -> Stall | None:
         """Read the records (at most every :data:`POLL_EVERY` s); the stall found among the
-        ``running`` ranks (global) and the other nodes' ranks, if any, said and acted on once."""
+        ``running`` ranks (global) and the other nodes', if any, said and acted on once."""
         now = self.clock()
         if self.link.ending is not None:
             self._end_when_heard(now)
@@ -288,7 +248,6 @@ class Watch:
         named = self.link.trade(live)
         verdict = nodes.decide(self.link.node, live + self.link.remote, named)
         overdue = self.link.waiting.overdue(verdict.waited_for, named, now)
-        # a stalled rank of its own is this node's to name
         if verdict.waited_for and not verdict.stalled:
             return self._wait(verdict.waited_for, overdue, live, now)
         if verdict.slow and not verdict.stalled:
@@ -312,14 +271,12 @@ class Watch:
 
     def _end_when_heard(self, now: float) -> None:
         """Kill the named ranks once every other node's agent said where its ranks wait (their
-        stacks are lost when the kill fails their collectives), or
-        :data:`~ddpkit._launch.watch_nodes.HEARD_WAIT` s after."""
+        stacks are lost once the kill fails their collectives), or ``HEARD_WAIT`` s after."""
         assert self.link.ending is not None
         stall, deadline = self.link.ending
         if now < deadline and not self.link.heard(stall.ranks):
             return
         self.link.ending = None
-        # the stalled, and any stopped rank: neither can act on a SIGTERM
         for r in self.ranks.values():
             if r.rank in stall.ranks or process_state(r.pid).startswith("stopped"):
                 with contextlib.suppress(ProcessLookupError):
@@ -358,7 +315,6 @@ class Watch:
         print("\n".join(lines), file=sys.stderr, flush=True)
         self.link.said |= {v.rank for v in waited}
         self.link.awaited = waited
-        # the stalled rank's agent waits for this before it kills it
         self.link.publish(live, want=True)
         if not end:
             return None
@@ -370,8 +326,8 @@ class Watch:
         return stall
 
     def _say_slow(self, slow: list[_Rank], waited: float, now: float) -> None:
-        """Name ranks the others wait for that still run, with their stacks: once, then again every
-        allowance while it lasts. Not ended: slow is not stalled."""
+        """Name ranks the others wait for that still run, with their stacks: once, then every
+        allowance while it lasts; never ended."""
         first = slow[0]
         allowance = self.allowance(first)
         if first.slow_said and now - first.slow_said < allowance:
@@ -443,8 +399,7 @@ class Watch:
         return f"{v.rank} (host {v.host})" if self.link.multi else str(v.rank)
 
     def _rank_lines(self, views: list[View], now: float) -> list[str]:
-        """A line per rank with its stack (this node's) or where its node's agent last saw it
-        (another's)."""
+        """A line per rank, with its stack (this node's) or where its agent last saw it."""
         mine = [
             self.ranks[v.rank] for v in views if v.node == self.link.node and v.rank in self.ranks
         ]
@@ -474,8 +429,7 @@ class Watch:
         return lines
 
     def _loader_lines(self, pid: int) -> list[str]:
-        """A rank's loader workers (the processes it started, but ddpkit's guard): pid, state and
-        stack, for a rank that waits for its data."""
+        """A rank's loader workers (its processes but the guard): pid, state and stack."""
         workers = [c for c in proctree.descendants(pid) if not proctree.is_guard(c)]
         if not workers:
             return []
@@ -491,7 +445,7 @@ class Watch:
         return lines
 
     def where(self) -> str:
-        """Where each rank was at its last mark, in one line (empty when no rank marked), with the
+        """Where each rank was at its last mark, in one line (empty when none marked), with the
         other nodes' ranks this node's waited for."""
         now = self.clock()
         views = [self.view(r, now) for r in self.ranks.values() if r.record is not None]
@@ -532,24 +486,17 @@ def parse_floor(option: str, text: str) -> float:
         raise ConfigError(f"{err}; or 0 to turn the stall watch off") from None
 
 
-# -- the job's folder of records -------------------------------------------------------------------
-
-
-ROOM = 1 << 20
-"""Bytes free in node-local shared memory below which the ranks' records go to disk (a record is a
-page a rank; 256 ranks of 4 KiB)."""
+ROOM = 1 << 20  # bytes of /dev/shm below which the records go to disk (a page a rank)
 
 
 def open_folder(fallback: Path) -> Path:
-    """Make the folder of this job's records and name it to the workers
-    (:data:`~ddpkit.distributed._progress.DIR_ENV`): in node-local shared memory where there is one,
-    with an owner so that a later job sweeps it if this agent is killed
-    (:func:`ddpkit.snapshot._slots.sweep_stale`); else ``fallback`` (the run's log
-    folder)."""
+    """Make the folder of this job's records and name it to the workers (``DIR_ENV``): in node-local
+    shared memory, with an owner so that a later job sweeps it if this agent is killed; else
+    ``fallback``."""
     root = Path(os.environ.get(memory_folder.ROOT_ENV, "/dev/shm"))
     try:
         room = os.statvfs(root)
-        if room.f_bavail * room.f_frsize < ROOM:  # a full /dev/shm: records on disk instead
+        if room.f_bavail * room.f_frsize < ROOM:
             raise memory_folder.FolderUnavailable(f"{root} has no room for the ranks' records")
         base = memory_folder.private_base(root)
         nonce = f"progress-{secrets.token_hex(8)}"

@@ -1,13 +1,8 @@
-"""What ``ddpkit run`` starts in each worker: the user's script, with its exception recorded for the
-launcher.
-
-torchrun reports a failed worker's traceback only when the script's entry point is decorated with
-``@record``; running the script through this module gives every script that, unchanged. Before the
-script starts, the worker ties its life to the agent's (a parent-death signal), forks the guard that
-ends whatever it starts once it is gone (:mod:`ddpkit._launch.proctree`), holds SIGUSR1 until a
-Trainer listens for it (:mod:`ddpkit.distributed._signals`), answers stack requests from a thread of
-its own (:func:`serve_stacks`), and on global rank 0 serves the workers' store on ``MASTER_ADDR``
-alone. Usage (by the launcher): ``python -m ddpkit._launch.worker [-m] TARGET ARGS...``.
+"""What ``ddpkit run`` starts in each worker (``python -m ddpkit._launch.worker [-m] TARGET
+ARGS...``): the user's script, its exception recorded for the launcher, after the worker has tied
+its life to the agent's, forked its guard (:mod:`ddpkit._launch.proctree`), held SIGUSR1 until a
+Trainer listens, started answering stack requests (:func:`serve_stacks`), and, on global rank 0,
+started serving the workers' store on ``MASTER_ADDR`` alone.
 """
 
 from __future__ import annotations
@@ -23,7 +18,6 @@ import runpy
 import secrets
 import signal
 import socket
-import stat
 import sys
 import threading
 import time
@@ -51,37 +45,28 @@ K = TypeVar("K")
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> bool:
-    """Ask Linux to send ``sig`` to this process when its parent (the launcher's agent) dies.
-
-    A SIGKILLed agent cannot stop its workers, and they would train on to the end, reparented to
-    init, holding the GPUs and writing the run directory. SIGKILL, not SIGTERM: with the agent gone
-    nobody would report or restart anything, so a worker has no use for the time a snapshot takes.
-    Returns False where the call does not exist (not Linux).
-    """
+    """Have Linux send ``sig`` to this process when its parent (the agent) dies: SIGKILL, since
+    nobody would report or restart anything. False where the call does not exist (not Linux)."""
     parent = int(os.environ.get("DDPKIT_AGENT_PID", os.getppid()))
     if not set_parent_death_signal(sig):
         return False
-    # The parent may have died between fork and prctl; then no signal will come, and the parent is
-    # gone.
+    # the parent may have died before prctl: then no signal will come
     if os.getppid() != parent:
         os.kill(os.getpid(), sig)
     return True
 
 
-STACK_DIR_ENV = "DDPKIT_STACK_DIR"
-"""The folder where each worker serves stack requests and writes its answers (set by the
-launcher)."""
+STACK_DIR_ENV = "DDPKIT_STACK_DIR"  # where workers serve stack requests (set by the launcher)
 NO_ANSWER = "(no answer within {wait:g} s: a process holding the GIL cannot answer)"
-""":func:`ask_stacks`'s one line for a process asked that did not answer in time."""
 _TOKEN = re.compile(r"[0-9a-f]{16}")
 _TOKENS_KEPT = 64  # an answer names the last requests its process read, its own among them
 _SKIPPED = (
     "ddpkit/_launch/worker.py",
-    "ddpkit/_launch/forkserver/",
+    "ddpkit/_launch/forkserver.py",
     "<frozen runpy>",
     "elastic/multiprocessing",
 )
-"""Frames of the launch machinery, left out of a worker's stack as shown."""
+"""Frames of the launch machinery, left out of a stack as shown."""
 
 
 @dataclass
@@ -102,12 +87,10 @@ def serve_stacks(name: str | None = None) -> bool:
     """Answer stack requests (:func:`ask_stacks`) from a daemon thread of this process, for as long
     as it lives; False where nothing serves them (no ``$DDPKIT_STACK_DIR``, or it cannot be used).
 
-    The thread blocks on a FIFO of this user's, ``$DDPKIT_STACK_DIR/stack-<pid>.fifo``. On each
-    request it writes every thread's Python stack (from ``sys._current_frames()``, holding the GIL:
-    main thread first, then the others, each innermost first) whole to ``stack-<pid>.txt`` and to
+    The thread blocks on a FIFO of this user's, ``stack-<pid>.fifo``; on each request it writes
+    every thread's Python stack (:func:`format_stacks`) whole to ``stack-<pid>.txt`` and to
     ``<name>.txt`` (default ``rank<RANK>``). Nothing is signalled: a request can never kill the
-    process, whatever it runs, at its start or its end. A main thread blocked in C (a collective, a
-    sleep) has released the GIL, so its process answers; one that holds the GIL does not answer.
+    process. One whose main thread holds the GIL does not answer.
     """
     global _serving, _fork_hook
     pid = os.getpid()
@@ -116,29 +99,24 @@ def serve_stacks(name: str | None = None) -> bool:
         return _serving is not None
     folder = Path(folder_name)
     fifo = folder / f"stack-{pid}.fifo"
-    # the one askers wait on last: the other is written when they see it
+    # the one askers wait on, last
     answers = [folder / f"{name or 'rank' + torchrun.rank_text(os.environ)}.txt"]
     answers.append(folder / f"stack-{pid}.txt")
     try:
-        for path in (fifo, *answers):  # a dead process's of the same pid; an earlier attempt's
+        for path in (fifo, *answers):  # a dead process's of this pid, or an earlier attempt's
             fs.remove(path)
-        with fs.folder(folder) as dir_fd:
-            os.mkfifo(fifo.name, 0o600, dir_fd=dir_fd)
-            fd = os.open(fifo.name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-        st = os.fstat(fd)
-        if not stat.S_ISFIFO(st.st_mode) or st.st_uid != os.getuid():
-            os.close(fd)
-            return False
+        fd = fs.open_fifo(fifo, os.O_RDWR, create=True)
     except (OSError, ConfigError):
+        return False
+    if fd is None:
         return False
     serving = _serving = _Serving(pid, fd, fifo, answers)
     if not _fork_hook:
-        # A forked child (a loader worker) inherits the descriptor, not the thread: it would hold a
-        # reader open on this process's FIFO that never answers.
+        # a forked child inherits the descriptor, not the thread: a reader that never answers
         os.register_at_fork(after_in_child=_forget_in_child)
         _fork_hook = True
     atexit.register(_close, serving)
-    # A loader worker ends through multiprocessing, which runs its finalizers and not atexit's.
+    # a loader worker ends through multiprocessing's finalizers, not atexit's
     multiprocessing.util.Finalize(None, _close, args=(serving,), exitpriority=0)
     threading.Thread(target=_serve, args=(serving,), name="ddpkit-stacks", daemon=True).start()
     return True
@@ -153,8 +131,7 @@ def _forget_in_child() -> None:
 
 
 def _close(serving: _Serving) -> None:
-    """At the process's end: no more answers, and no FIFO left to ask (an answer being written is
-    finished first)."""
+    """At the process's end: no more answers (one being written is finished), no FIFO left."""
     if serving.pid != os.getpid():  # a forked child's inherited exit handler
         return
     acquired = serving.lock.acquire(timeout=5)
@@ -185,15 +162,13 @@ def _serve(serving: _Serving) -> None:
                     return
                 for path in serving.answers:
                     fs.write_atomic(path, text.encode(errors="replace"))
-        except Exception:  # noqa: BLE001
-            # A folder removed or full: this answer is lost, the next request is served.
+        except Exception:  # noqa: BLE001  (a folder removed or full: the next one is served)
             continue
 
 
 def format_stacks(skip: int | None = None, limit: int = 100) -> str:
     """Every thread's Python stack but ``skip``'s (a thread ident), main thread first, each
-    innermost first (at most ``limit`` frames): faulthandler's layout, the main thread's block
-    headed ``Main thread``. Call it holding the GIL (any Python code does)."""
+    innermost first (at most ``limit`` frames), in faulthandler's layout; read holding the GIL."""
     frames = current_frames()
     names = {t.ident: t.name for t in threading.enumerate()}
     main = threading.main_thread().ident
@@ -219,22 +194,16 @@ def format_stacks(skip: int | None = None, limit: int = 100) -> str:
 
 def request_stack(folder: Path, pid: int) -> str | None:
     """Ask process ``pid`` for its stacks through its FIFO in ``folder``, without waiting; the
-    request's token (its answer names it), or None where nothing serves there (no FIFO, or nobody
-    reading it: the process has ended), or its FIFO is full (it reads none)."""
+    request's token (its answer names it), or None where nothing serves there or its FIFO is
+    full."""
     token = secrets.token_hex(8)
     try:
-        with fs.folder(folder) as dir_fd:
-            fd = os.open(
-                f"stack-{pid}.fifo",
-                os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC,
-                dir_fd=dir_fd,
-            )
+        fd = fs.open_fifo(folder / f"stack-{pid}.fifo", os.O_WRONLY | os.O_NONBLOCK)
     except (OSError, ConfigError):  # ENXIO: no reader; ENOENT: none made
         return None
+    if fd is None:
+        return None
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISFIFO(st.st_mode) or st.st_uid != os.getuid():
-            return None
         os.write(fd, f"{token}\n".encode())
     except OSError:  # EAGAIN: its pipe is full
         return None
@@ -245,7 +214,7 @@ def request_stack(folder: Path, pid: int) -> str | None:
 
 def request_every_stack(folder: Path) -> int:
     """Ask every process serving stack requests in ``folder`` (ranks and their loader workers),
-    without waiting: each writes its answer (:func:`serve_stacks`). How many were asked."""
+    without waiting; how many were asked."""
     try:
         pids = [int(p.name[6:-5]) for p in folder.glob("stack-*.fifo") if p.name[6:-5].isdigit()]
     except OSError:
@@ -266,13 +235,10 @@ def _answer(folder: Path, pid: int, token: str) -> str | None:
 def ask_stacks(
     folder: Path, pids: Mapping[K, int], wait: float = 3.0, lines: int = 10
 ) -> dict[K, list[str]]:
-    """Each process's main-thread stack (``key -> pid``: a global rank, a loader worker's pid, any
-    key), innermost first and without the launch machinery's frames, asked now of the processes
-    serving stack requests in ``folder`` (:func:`serve_stacks`), at most ``wait`` seconds in all.
-
-    A key whose process serves none (ended, or not started by ``ddpkit run``) is left out; one that
-    did not answer in time (it holds the GIL) gets the single line :data:`NO_ANSWER`. Nothing is
-    signalled: asking kills nothing."""
+    """Each process's main-thread stack (``key -> pid``), innermost first, without the launch
+    machinery's frames, asked now of the processes serving stack requests in ``folder``, at most
+    ``wait`` seconds in all. A process that serves none is left out; one that did not answer in
+    time gets the single line :data:`NO_ANSWER`. Nothing is signalled."""
     asked = {key: (pid, t) for key, pid in pids.items() if (t := request_stack(folder, pid))}
     out: dict[K, list[str]] = {}
     deadline = time.monotonic() + wait
@@ -282,7 +248,6 @@ def ask_stacks(
                 out[key] = main_frames(text)[:lines]
         if len(out) == len(asked) or time.monotonic() >= deadline:
             break
-        # answered from the other process's thread: nothing to wait on but the file
         time.sleep(0.01)
     for key in asked:
         out.setdefault(key, [NO_ANSWER.format(wait=wait)])
@@ -290,8 +255,7 @@ def ask_stacks(
 
 
 def main_frames(dump: str) -> list[str]:
-    """The main thread's frames in one answer (:func:`format_stacks`), innermost first, without
-    the launch machinery's."""
+    """The main thread's frames in one answer, innermost first, without the launch machinery's."""
     frames = []
     inside = False
     for line in dump.splitlines():
@@ -306,20 +270,13 @@ def main_frames(dump: str) -> list[str]:
     return frames
 
 
-_worker_store: Any = None  # the store global rank 0 serves, alive as long as the process
+_worker_store: Any = None  # the store global rank 0 serves, as long as the process lives
 
 
 def serve_worker_store() -> Any:
     """On global rank 0, serve the workers' TCPStore on ``MASTER_ADDR:MASTER_PORT``, bound to that
-    address only.
-
-    ``torch.distributed``'s own env:// rendezvous has rank 0 start the store listening on every
-    interface of its node, whatever ``MASTER_ADDR`` says; a single-node job's ``MASTER_ADDR`` is
-    127.0.0.1, so that store would be open to the network for nothing. Served here from a socket
-    bound to ``MASTER_ADDR``'s address, and every rank (this one too) told to connect as a client
-    (``TORCHELASTIC_USE_AGENT_STORE``), which holds for scripts that call
-    ``torch.distributed.init_process_group`` themselves as much as for ``ddpkit.init()``.
-    """
+    address only (torch's env:// rendezvous listens on every interface), and have every rank
+    connect to it as a client, also where a script makes its process group itself."""
     global _worker_store
     master = torchrun.master_address(os.environ)
     if master is None or agent_store_in_use():
@@ -342,20 +299,15 @@ def serve_worker_store() -> Any:
 
 
 class WholeErrorFile(ErrorHandler):
-    """torch's error handler, its file (``TORCHELASTIC_ERROR_FILE``) written whole or not at all.
-
-    torch writes it in place. A worker stopped in the middle of that write (the agent ending the
-    survivors of a failed rank) left a truncated file, and the agent's next poll, which reads every
-    failed worker's file, raised on it and ended the whole launcher with a JSON error. Here the same
-    record (torch's format: the message, the traceback, the time) replaces the file whole
-    (:func:`ddpkit._fs.write_atomic`): a worker stopped before that has no file, and its failure
-    reads as its exit status. A script's own ``@record`` (torchrun's documentation asks for one on
-    ``main``) writes through it too (:func:`main`)."""
+    """torch's error handler, its file (``TORCHELASTIC_ERROR_FILE``) written whole or not at all: a
+    truncated one, from a worker stopped as torch wrote it in place, ended the agent's poll with a
+    JSON error. The same record in torch's format; a script's own ``@record`` writes through it
+    too."""
 
     def record_exception(self, e: BaseException) -> None:
         path = torchrun.error_file(os.environ)
         if not path:
-            super().record_exception(e)  # torch logs what it would have written
+            super().record_exception(e)  # torch logs it
             return
         record = {
             "message": {
@@ -370,9 +322,8 @@ class WholeErrorFile(ErrorHandler):
 
 
 def _ignore_warnings_at_exit() -> None:
-    # Once the script has ended a SIGUSR1 (forwarded by the agent) has nothing left to stop, and the
-    # interpreter gives a signal with a Python handler its default action back while it exits (for
-    # torch's modules, ~0.6 s): the warning would kill a worker that has finished. Ignored instead.
+    # once the script has ended, a SIGUSR1 (its handler reset as the interpreter exits) would kill
+    # a worker that finished
     with contextlib.suppress(ValueError):  # not the main thread
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
@@ -397,18 +348,14 @@ def main() -> None:
     start_guard()
     hold_stop_signals()
     atexit.register(_ignore_warnings_at_exit)  # run after the script's own exit handlers
-    # Nothing sends it: a stray one (a `kill` to the worker's group) must not kill the worker.
+    # nothing sends it: a stray one (a `kill` to the worker's group) must not kill the worker
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     serve_stacks()
-    # the world's collectives the script calls through torch.distributed, marked for the stall
-    # watch (a rank that calls another one than the others is named)
-    watch_torch_collectives()
-    # A script's own @record, applied as its module runs, writes the agent's file whole too: torch's
-    # handler would write it in place, before this worker's sees the exception it re-raises.
-    record_with(WholeErrorFile)
+    watch_torch_collectives()  # marked for the stall watch
+    record_with(WholeErrorFile)  # a script's own @record writes the agent's file whole too
     target = argv[0]
     sys.argv = argv
-    # As `python script.py` does: the script's folder first on the import path, not ours.
+    # as `python script.py`: the script's folder first on the import path
     sys.path[0] = os.getcwd() if as_module else os.path.dirname(os.path.abspath(target))
     _run(target, as_module)
 

@@ -1,10 +1,5 @@
-"""What every seed writes by hand: barriers, main-first sections, reductions, broadcasts.
-
-Every helper takes an optional ``group`` (a ``torch.distributed`` process group) so that a subset of
-ranks, for example the ranks training one candidate of a hyper-parameter search, can use them on
-their own. Without a process group (plain ``python``) every helper acts as the identity over a world
-of one.
-"""
+"""What every script writes by hand: barriers, main-first sections, reductions, broadcasts. Each
+takes an optional ``group``; without a process group each is the identity over a world of one."""
 
 from __future__ import annotations
 
@@ -26,25 +21,21 @@ Number = int | float
 def is_live(group: Group = None) -> bool:
     """True when collectives on ``group`` run: a process group exists and this process is a
     member."""
-    # A rank outside a new_group() holds torch's NON_GROUP_MEMBER sentinel (an int) in place of a
-    # group.
+    # a rank outside a new_group() holds torch's NON_GROUP_MEMBER sentinel in place of a group
     non_member: object = dist.GroupMember.NON_GROUP_MEMBER
     return dist.is_available() and dist.is_initialized() and (group is None or group != non_member)
 
 
 def comm_device(group: Group = None) -> torch.device:
     """Where tensors must be for a collective on ``group``: CUDA for nccl, the CPU otherwise."""
-    # nccl moves only CUDA tensors, gloo prefers CPU ones; the backend decides where a reduction
-    # runs.
     if is_live(group) and dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
 def _watched(op: str, group: Group) -> AbstractContextManager[None]:
-    """The collective marked in this rank's progress record (:mod:`ddpkit.distributed._progress`):
-    on the world only, where every rank counts the same sequence, so that the launcher can tell
-    which ranks have not arrived."""
+    """The collective marked in this rank's progress record, on the world only (where every rank
+    counts the same sequence)."""
     return progress.collective(op) if group is None else nullcontext()
 
 
@@ -60,13 +51,9 @@ def barrier(group: Group = None) -> None:
 
 @contextmanager
 def main_first(local: bool = False, group: Group = None) -> Iterator[None]:
-    """Run the body on rank 0 first while the others wait, then on the others.
-
-    For work that must happen once before the others read the result: a download, a preprocessing
-    cache. With ``local=True`` local rank 0 of every node goes first (node-local disks). Every rank
-    calls the barrier once, so the counts match; if the first rank raises, the launcher stops the
-    others rather than letting them wait.
-    """
+    """Run the body on rank 0 first while the others wait, then on the others: for work done once
+    before the others read it (a download, a cache). With ``local=True`` local rank 0 of every node
+    goes first (node-local disks). If the first rank raises, the launcher stops the others."""
     first = get_runtime().is_local_main if local else get_runtime(group).is_main
     if not first:
         barrier(group)
@@ -116,9 +103,8 @@ _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp
 def all_reduce(value: T, op: Literal["sum", "max", "min"] = "sum", group: Group = None) -> T:
     """Reduce a number, a tensor, or a dict of them over ``group``; every rank gets the result.
 
-    A dict travels as one flat float64 tensor, so many metrics cost one collective. ``op`` is
-    ``"sum"``, ``"max"`` or ``"min"``; there is deliberately no ``"mean"``: reduce sums and counts,
-    then divide, so a rank with fewer samples does not weigh as much as one with more.
+    A dict travels as one flat float64 tensor: one collective. ``op`` is ``"sum"``, ``"max"`` or
+    ``"min"``; no ``"mean"``: reduce sums and counts, then divide, so each sample weighs the same.
     """
     if op not in _OPS:
         raise ValueError(
@@ -137,10 +123,7 @@ def all_reduce(value: T, op: Literal["sum", "max", "min"] = "sum", group: Group 
 
 def gather_values(values: Mapping[str, Any], group: Group = None) -> list[dict[str, Any]]:
     """Every rank's ``values`` (numbers and tensors, as :func:`all_reduce` takes them), in rank
-    order, on the host: numbers as Python numbers, tensors on the CPU. One all-gather of one flat
-    float64 tensor into one buffer, copied to the host once. For an agreement that needs each rank's
-    values as well as their sums; sums taken from the table in rank order are the same on every
-    rank."""
+    order, on the host: one all-gather of one flat float64 tensor, copied to the host once."""
     flat, layout = _flatten(values)
     # a tensor comes back on the CPU, with its dtype: no copy back to a device per rank
     host = [
@@ -161,36 +144,26 @@ def gather_values(values: Mapping[str, Any], group: Group = None) -> list[dict[s
 
 def gather_tensors(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` along dim 0 in rank order; ranks may hold different
-    lengths.
-
-    For metrics that need all predictions (AUC, a confusion matrix) after an exact, unpadded
-    evaluation.
-    """
+    lengths (all predictions for an AUC or a confusion matrix)."""
     if not is_live(group):
         return tensor
     with _watched("gather_tensors", group):
-        return _gather_tensors(tensor, group)
+        device = comm_device(group)
+        local = tensor.detach().to(device)
+        sizes = torch.tensor([local.shape[0]], device=device)
+        all_sizes = [torch.zeros_like(sizes) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(all_sizes, sizes, group=group)
+        longest = int(max(s.item() for s in all_sizes))
+        # all_gather needs equal shapes: pad to the longest, then cut each rank's padding away.
+        padded = local.new_zeros((longest, *local.shape[1:]))
+        padded[: local.shape[0]] = local
+        chunks = [torch.zeros_like(padded) for _ in all_sizes]
+        dist.all_gather(chunks, padded, group=group)
+        return torch.cat([c[: int(s.item())] for c, s in zip(chunks, all_sizes)]).to(tensor.device)
 
 
-def _gather_tensors(tensor: torch.Tensor, group: Group) -> torch.Tensor:
-    device = comm_device(group)
-    local = tensor.detach().to(device)
-    sizes = torch.tensor([local.shape[0]], device=device)
-    all_sizes = [torch.zeros_like(sizes) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(all_sizes, sizes, group=group)
-    longest = int(max(s.item() for s in all_sizes))
-    # all_gather needs equal shapes: pad to the longest, then cut each rank's padding away.
-    padded = local.new_zeros((longest, *local.shape[1:]))
-    padded[: local.shape[0]] = local
-    chunks = [torch.zeros_like(padded) for _ in all_sizes]
-    dist.all_gather(chunks, padded, group=group)
-    return torch.cat([c[: int(s.item())] for c, s in zip(chunks, all_sizes)]).to(tensor.device)
-
-
-# Objects travel as pickled bytes in uint8 tensors. torch's own object collectives
-# (all_gather_object, broadcast_object_list) turn the received tensor back into bytes through numpy,
-# which a torch install need not have ("Numpy is not available"); these copy it into a bytearray
-# instead, and need torch alone.
+# Objects travel as pickled bytes in uint8 tensors, read back without numpy (which torch's own
+# object collectives need).
 
 
 def _pickled(obj: Any, device: torch.device) -> torch.Tensor:
@@ -220,83 +193,64 @@ def all_gather_object(obj: T, group: Group = None) -> list[T]:
     if not is_live(group):
         return [obj]
     with _watched("all_gather_object", group):
-        return _all_gather_object(obj, group)
-
-
-def _all_gather_object(obj: T, group: Group) -> list[T]:
-    device = comm_device(group)
-    mine = _pickled(obj, device)
-    sizes = [
-        torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))
-    ]
-    dist.all_gather(sizes, torch.tensor([mine.numel()], device=device), group=group)
-    lengths = [int(s.item()) for s in sizes]
-    # all_gather needs equal shapes: each rank's bytes padded to the longest, the padding cut away
-    # after.
-    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
-    padded[: mine.numel()] = mine
-    chunks = [torch.empty_like(padded) for _ in lengths]
-    dist.all_gather(chunks, padded, group=group)
-    return [_unpickled(chunk[:n].cpu()) for chunk, n in zip(chunks, lengths)]
+        device = comm_device(group)
+        mine = _pickled(obj, device)
+        sizes = [
+            torch.zeros(1, dtype=torch.int64, device=device)
+            for _ in range(dist.get_world_size(group))
+        ]
+        dist.all_gather(sizes, torch.tensor([mine.numel()], device=device), group=group)
+        lengths = [int(s.item()) for s in sizes]
+        # all_gather needs equal shapes: padded to the longest, the padding cut away after
+        padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
+        padded[: mine.numel()] = mine
+        chunks = [torch.empty_like(padded) for _ in lengths]
+        dist.all_gather(chunks, padded, group=group)
+        return [_unpickled(chunk[:n].cpu()) for chunk, n in zip(chunks, lengths)]
 
 
 def gather_object(obj: T, dst: int = 0, group: Group = None) -> list[T] | None:
     """Every rank's picklable ``obj``, in rank order, on rank ``dst`` of ``group`` (None on the
-    others), as torch's ``gather_object``; without a process group, ``[obj]``.
-
-    Where one rank alone needs the parts, this is the collective to use: ``dst`` unpickles the
-    world's parts and every other rank none, where :func:`all_gather_object` has every rank unpickle
-    every part (the world squared in all)."""
+    others), as torch's ``gather_object``; without a process group, ``[obj]``."""
     if not is_live(group):
         return [obj]
     with _watched("gather_object", group):
-        return _gather_object(obj, dst, group)
-
-
-def _gather_object(obj: T, dst: int, group: Group) -> list[T] | None:
-    device = comm_device(group)
-    size = dist.get_world_size(group)
-    receiver = dist.get_rank(group) == dst
-    global_dst = dist.get_global_rank(group, dst) if group is not None else dst
-    mine = _pickled(obj, device)
-    sizes = (
-        [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(size)]
-        if receiver
-        else None
-    )
-    length = torch.tensor([mine.numel()], device=device)
-    dist.gather(length, sizes, dst=global_dst, group=group)
-    # One length for every rank's bytes, as gather needs equal shapes: the longest, from rank dst to
-    # the others.
-    longest = torch.tensor([max(int(s.item()) for s in sizes) if sizes else 0], device=device)
-    dist.broadcast(longest, src=global_dst, group=group)
-    padded = torch.zeros(int(longest.item()), dtype=torch.uint8, device=device)
-    padded[: mine.numel()] = mine
-    chunks = [torch.empty_like(padded) for _ in range(size)] if receiver else None
-    dist.gather(padded, chunks, dst=global_dst, group=group)
-    if chunks is None or sizes is None:
-        return None
-    return [_unpickled(chunk[: int(n.item())].cpu()) for chunk, n in zip(chunks, sizes)]
+        device = comm_device(group)
+        size = dist.get_world_size(group)
+        receiver = dist.get_rank(group) == dst
+        global_dst = dist.get_global_rank(group, dst) if group is not None else dst
+        mine = _pickled(obj, device)
+        sizes = (
+            [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(size)]
+            if receiver
+            else None
+        )
+        length = torch.tensor([mine.numel()], device=device)
+        dist.gather(length, sizes, dst=global_dst, group=group)
+        # gather needs equal shapes: the longest, from rank dst to the others
+        longest = torch.tensor([max(int(s.item()) for s in sizes) if sizes else 0], device=device)
+        dist.broadcast(longest, src=global_dst, group=group)
+        padded = torch.zeros(int(longest.item()), dtype=torch.uint8, device=device)
+        padded[: mine.numel()] = mine
+        chunks = [torch.empty_like(padded) for _ in range(size)] if receiver else None
+        dist.gather(padded, chunks, dst=global_dst, group=group)
+        if chunks is None or sizes is None:
+            return None
+        return [_unpickled(chunk[: int(n.item())].cpu()) for chunk, n in zip(chunks, sizes)]
 
 
 def first_failure(mine: str | None, group: Group = None) -> str | None:
     """The failure of the lowest rank of ``group`` that had one (``mine``: this rank's, or None), on
-    every rank, with that rank named on the others; None if no rank had one. Where ranks work apart
-    (a load with no collective), this keeps one rank's failure from leaving the others waiting in a
-    later collective."""
+    every rank, with that rank named on the others; None if no rank had one."""
     if not is_live(group):
         return mine
     with _watched("first_failure", group):
-        return _first_failure(mine, group)
-
-
-def _first_failure(mine: str | None, group: Group) -> str | None:
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    first = int(all_reduce(rank if mine is not None else size, op="min", group=group))
-    if first == size:
-        return None
-    failure = broadcast_object(mine, src=first, group=group)
-    return failure if first == rank else f"{failure} (on rank {first})"
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        first = int(all_reduce(rank if mine is not None else size, op="min", group=group))
+        if first == size:
+            return None
+        failure = broadcast_object(mine, src=first, group=group)
+        return failure if first == rank else f"{failure} (on rank {first})"
 
 
 def broadcast_object(obj: T, src: int = 0, group: Group = None) -> T:
@@ -304,30 +258,25 @@ def broadcast_object(obj: T, src: int = 0, group: Group = None) -> T:
     if not is_live(group):
         return obj
     with _watched("broadcast_object", group):
-        return _broadcast_object(obj, src, group)
-
-
-def _broadcast_object(obj: T, src: int, group: Group) -> T:
-    device = comm_device(group)
-    global_src = dist.get_global_rank(group, src) if group is not None else src
-    sender = dist.get_rank(group) == src
-    payload = _pickled(obj, device) if sender else None
-    size = torch.tensor(
-        [payload.numel() if payload is not None else 0], dtype=torch.int64, device=device
-    )
-    dist.broadcast(size, src=global_src, group=group)
-    if payload is None:
-        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    dist.broadcast(payload, src=global_src, group=group)
-    return obj if sender else _unpickled(payload.cpu())
+        device = comm_device(group)
+        global_src = dist.get_global_rank(group, src) if group is not None else src
+        sender = dist.get_rank(group) == src
+        payload = _pickled(obj, device) if sender else None
+        size = torch.tensor(
+            [payload.numel() if payload is not None else 0], dtype=torch.int64, device=device
+        )
+        dist.broadcast(size, src=global_src, group=group)
+        if payload is None:
+            payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+        dist.broadcast(payload, src=global_src, group=group)
+        return obj if sender else _unpickled(payload.cpu())
 
 
 class MetricSums:
     """Sums and counts of named metrics, reduced once across ranks and divided once.
 
     ``update("loss", per_sample_losses)`` adds a batch; ``compute()`` returns the means over every
-    sample every rank saw. One collective for all metrics; ranks that saw no sample contribute
-    zeros.
+    sample every rank saw (one collective for all metrics).
     """
 
     def __init__(self) -> None:
@@ -354,8 +303,7 @@ class MetricSums:
 
     def reduced(self, group: Group = None) -> dict[str, tuple[float, int]]:
         """(sum, count) of each metric over all ranks."""
-        # A rank that saw no sample does not know the metric names: agree on them first, or the flat
-        # tensors would differ in length across ranks.
+        # a rank that saw no sample does not know the names: agree on them first
         names = sorted(set().union(*all_gather_object(sorted(self.sums), group)))
         flat = {f"s/{n}": self.sums.get(n, 0.0) for n in names} | {
             f"c/{n}": self.counts.get(n, 0) for n in names

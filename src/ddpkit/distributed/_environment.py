@@ -1,10 +1,5 @@
-"""Reading the launcher's environment: the platform that started this process
-(:mod:`ddpkit.platforms`: torchrun and ``ddpkit run``, SLURM ``srun``, ``mpiexec``, a Kubeflow
-PyTorchJob's pod, Ray Train, or nothing) names the ranks; ``ddpkit run``'s own
-``DDPKIT_COLLECTIVE_TIMEOUT`` is read here.
-
-Pure logic (no process group, no torch), so every branch is tested with a mocked environment.
-"""
+"""Reading the launcher's environment: the ranks as the platform that started this process names
+them (:mod:`ddpkit.platforms`), and ``ddpkit run``'s ``DDPKIT_COLLECTIVE_TIMEOUT``."""
 
 from __future__ import annotations
 
@@ -17,12 +12,10 @@ from ddpkit import platforms
 from ddpkit._errors import ConfigError
 from ddpkit.platforms._base import LaunchEnv
 
+# The range of --join-timeout and --collective-timeout: torch keeps milliseconds, and overflows
+# past 30 days; below a second the process group's own setup times out.
 MAX_TIMEOUT = 30 * 24 * 3600.0
-"""The longest --join-timeout / --collective-timeout, in seconds (30 days): torch keeps timeouts in
-milliseconds, and a value beyond its range would overflow instead of meaning "never"."""
 MIN_TIMEOUT = 1.0
-"""The shortest: below a second, setting up the process group itself times out, and the job fails as
-if the ranks could not reach each other."""
 
 _SECONDS = f"use a number of seconds from {MIN_TIMEOUT:.0f} to {MAX_TIMEOUT:.0f} (30 days)"
 

@@ -1,29 +1,9 @@
-"""Where this rank is: its step and phase, written where the launcher's agent reads them without a
-collective.
+"""Where this rank is: its step, phase and collectives, in a record the launcher's agent reads
+without a collective (:mod:`ddpkit._launch.watch`).
 
-Under ``ddpkit run`` the agent names a folder in node-local shared memory (:data:`DIR_ENV`); each
-rank keeps one record of ``SIZE`` bytes there, ``rank<RANK>.progress``, mapped into its memory and
-overwritten by every mark with plain stores (two stores into a ``memoryview`` of the page: no system
-call, a few hundred nanoseconds). The agent polls the records of its node's ranks
-(:mod:`ddpkit._launch.watch`) and names a rank that stopped making progress while the others wait
-for it. Outside ``ddpkit run`` every mark returns at once.
-
-Who marks: the Trainer's loop (data, forward/backward, optimizer, snapshot, callbacks); a
-``build_loader`` loader (loading data, and a step boundary at each batch handed over, for a
-hand-written loop); ddpkit's collectives (the op and a per-rank sequence number, which the agent
-compares across ranks).
-
-Record layout (:data:`RECORD`, 8-byte slots in native byte order): magic, pid, op, phase, marks
-made, step, steps begun in this process, collectives entered, the elements of the collective's
-first tensor (-1: none); the time the current step began (seconds of ``CLOCK_MONOTONIC``), the
-seconds the step before it took, and the process group's collective timeout in seconds (0: not
-known, a group made past :func:`ddpkit.init`). A mark within a step writes the phase and the count
-of marks alone, the count last; the agent times a rank's silence by its own clock, between two
-counts it read.
-
-Collectives called through ``torch.distributed`` itself are marked too, once
-:func:`watch_torch_collectives` has wrapped them (``ddpkit run``'s workers, before the script
-starts): the world's collectives only, as ddpkit's own (a group's ranks call their own).
+Under ``ddpkit run`` each rank maps one page, ``rank<RANK>.progress`` in the folder the agent names
+(:data:`DIR_ENV`); a mark is a few plain stores into it. Outside ``ddpkit run`` a mark returns at
+once. Who marks and what the agent makes of it: docs/launcher.md, "When a job hangs".
 """
 
 from __future__ import annotations
@@ -44,12 +24,12 @@ DIR_ENV = "DDPKIT_PROGRESS_DIR"
 """The folder of the ranks' records on this node, set by ``ddpkit run``'s agent."""
 
 RECORD = struct.Struct("=qqqqqqqqqddd")
-"""The record as the agent reads it (native byte order: the rank and its agent share the
-machine)."""
+"""The record, in native byte order (the rank and its agent share the machine): magic, pid, op,
+phase, marks made, step, steps begun, collectives entered, the elements of the collective's first
+tensor (-1: none); when the step began (``CLOCK_MONOTONIC``), the seconds the step before took, the
+group's collective timeout (0: not known). A mark writes the count of marks last."""
 SIZE = RECORD.size
 MAGIC = 0x324B5044  # "DPK2"
-# Slots of the record, 8 bytes each: what a mark writes with one store into a memoryview of the
-# page.
 _MAGIC, _PID, _OP, _PHASE, _SEQ, _STEP, _STEPS, _COLL, _NUMEL = range(9)
 _STEP_AT, _LAST_STEP, _TIMEOUT = 9, 10, 11
 
@@ -88,29 +68,12 @@ PHASE_NAMES = {
 }
 
 OPS = (
-    "collective",
-    "all_reduce",
-    "all_gather",
-    "gather_tensors",
-    "all_gather_object",
-    "gather_object",
-    "broadcast_object",
-    "barrier",
-    "first_failure",
-    "broadcast",
-    "reduce",
-    "all_gather_into_tensor",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "all_to_all",
-    "all_to_all_single",
-    "gather",
-    "scatter",
-    "broadcast_object_list",
-    "scatter_object_list",
-    "monitored_barrier",
-    "shutdown",
-)
+    "collective", "all_reduce", "all_gather", "gather_tensors", "all_gather_object",
+    "gather_object", "broadcast_object", "barrier", "first_failure", "broadcast", "reduce",
+    "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
+    "all_to_all_single", "gather", "scatter", "broadcast_object_list", "scatter_object_list",
+    "monitored_barrier", "shutdown",
+)  # fmt: skip
 """The ops a record names, by their index; an op not listed is recorded as ``collective``."""
 _OP_CODES = {op: code for code, op in enumerate(OPS)}
 
@@ -135,7 +98,6 @@ _clock = time.monotonic
 def _open() -> bool:
     global _opened, _buf, _ints, _floats
     _opened = True
-    # set by the agent with the folder
     folder, rank = os.environ.get(DIR_ENV), torchrun.rank_text(os.environ)
     if not folder or rank is None or not rank.isdigit():
         return False
@@ -148,8 +110,7 @@ def _open() -> bool:
     except OSError:
         return False  # the agent's folder went away (the job is ending): nothing to report to
     try:
-        # The page's room taken now: a full tmpfs fails here, where a store into a mapped page
-        # without room would end the process with SIGBUS.
+        # the room taken now: a store into a mapped page of a full tmpfs is a SIGBUS
         os.posix_fallocate(fd, 0, SIZE)
         _buf = mmap.mmap(fd, SIZE)
     except OSError as err:
@@ -188,10 +149,9 @@ def _write() -> None:
 
 
 def collective_timeout(seconds: float) -> None:
-    """The process group waits this long in a collective before it fails: the stall watch names a
-    rank before then (its long allowance is at most half of it). Written with the rank's next mark,
-    not now: a rank with no mark yet has no record, and holds the watch's judgement until it has
-    one (a record made here would let rank 0's download before its first mark count as a stall)."""
+    """The process group waits this long in a collective before it fails (the stall watch names a
+    rank before then). Written with the rank's next mark: a record made before its first mark would
+    let a rank's work before it count as a stall."""
     global _timeout
     _timeout = seconds
 
@@ -256,9 +216,8 @@ def phase(p: int) -> Iterator[None]:
 
 class collective:  # noqa: N801  (used as a function: `with progress.collective("all_reduce"):`)
     """In collective ``op`` (of ``numel`` elements, -1: not said), the next in this rank's
-    sequence; every rank enters the same ones in the same order. A collective inside another (a
-    ``torch.distributed`` call under one of ddpkit's) counts once, as the outer one. A class rather
-    than a generator: entered around every collective, it costs a third as much."""
+    sequence; a collective inside another counts once, as the outer one. A class rather than a
+    generator: it costs a third as much."""
 
     __slots__ = ("before", "outer")
 
@@ -292,8 +251,8 @@ TORCH_COLLECTIVES = (
     "all_to_all_single", "gather", "scatter", "broadcast_object_list", "scatter_object_list",
     "monitored_barrier",
 )  # fmt: skip
-"""The ``torch.distributed`` collectives :func:`watch_torch_collectives` marks: those every rank of
-the group calls (not ``send``/``recv``)."""
+"""The ``torch.distributed`` collectives :func:`watch_torch_collectives` marks (not
+``send``/``recv``)."""
 
 
 def _numel_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
@@ -319,8 +278,7 @@ def _watched_call(op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
         group = args[at] if at is not None and len(args) > at else kwargs.get("group")
-        # A group's collectives are its ranks' alone: counted, ranks of other groups would seem
-        # to disagree.
+        # a group's collectives are its ranks' alone: counted, other groups would seem to disagree
         if _depth or (group is not None and group is not dist.GroupMember.WORLD):
             return fn(*args, **kwargs)
         with collective(op, _numel_of(args, kwargs)):
@@ -331,11 +289,9 @@ def _watched_call(op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def watch_torch_collectives() -> list[str]:
-    """Mark the world's collectives called through ``torch.distributed`` (``dist.all_reduce(t)``,
-    ``dist.barrier()``...) as ddpkit's own are: the op, its number in the rank's sequence and its
-    first tensor's size, for the stall watch to name ranks that call different ones. Under ``ddpkit
-    run`` only (elsewhere nothing reads the marks); once. Returns the ops wrapped: those of
-    :data:`TORCH_COLLECTIVES` this torch has (a name it lacks is left out)."""
+    """Mark the world's collectives called through ``torch.distributed`` as ddpkit's own are (the
+    op, its number, its first tensor's size), under ``ddpkit run`` only, once. Returns the ops
+    wrapped: those of :data:`TORCH_COLLECTIVES` this torch has."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
@@ -356,9 +312,8 @@ def watch_torch_collectives() -> list[str]:
 
 
 def _after_fork_in_child() -> None:
-    # A rank's own children (DataLoader workers) inherit its mapping: they are not the rank, and
-    # must not write its record. A process forked before any mark (the launcher's fork server's
-    # workers) opens its own.
+    # A rank's children (loader workers) inherit its mapping and must not write its record; one
+    # forked before any mark (the fork server's workers) opens its own.
     global _buf, _ints, _floats, _opened
     if _buf is not None:
         _ints, _floats, _buf, _opened = None, None, None, True

@@ -29,8 +29,7 @@ Group: TypeAlias = dist.ProcessGroup | None
 """A process group, or None for the world (the default group): what every ``group=`` of ddpkit
 takes."""
 
-# A hung collective (a rank died, or one rank skipped a collective the others entered) should
-# surface in minutes, not after torch's default of 30 minutes for gloo or 10 for nccl.
+# a hung collective surfaces in minutes, not after torch's 30 (gloo) or 10 (nccl)
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 
 
@@ -51,7 +50,7 @@ class Runtime:
     """How many times the launcher has restarted this job's workers after a failure."""
     group: Group = field(default=None, compare=False)
     """The process group that ``rank``, ``world_size`` and ``is_main`` count in: None for the whole
-    job, or a group of :func:`ddpkit.split_world` (then ``rank`` is the rank within the group)."""
+    job, or a group of :func:`ddpkit.split_world`."""
     group_index: int = 0
     """Which group of :func:`ddpkit.split_world` this is (0 for the whole job)."""
 
@@ -99,8 +98,6 @@ def _pick_backend(device: torch.device, backend: str | None) -> str:
     if backend is None:
         return "nccl" if device.type == "cuda" else "gloo"
     if "nccl" in backend and not torch.cuda.is_available():
-        # The same mistake otherwise ends in "ProcessGroupNCCL is only supported with GPUs, no GPUs
-        # found!".
         raise ConfigError(
             f"backend {backend!r} needs CUDA GPUs but none is available on this machine: leave "
             "backend unset (gloo on CPU, nccl on GPU) or pass backend='gloo'"
@@ -130,67 +127,36 @@ def init(
 ) -> Runtime:
     """Start this process's part of the job and return its :class:`Runtime`.
 
-    Works the same under ``ddpkit run``, torchrun, SLURM ``srun``, :func:`ddpkit.spawn`, and plain
+    The same under ``ddpkit run``, torchrun, SLURM ``srun``, :func:`ddpkit.spawn`, and plain
     ``python`` (a world of one with no process group). The device is ``cuda:LOCAL_RANK`` when CUDA
     is there, else the CPU; the backend follows the device (nccl for CUDA, gloo for CPU) unless
-    ``backend`` names one. ``timeout`` bounds every collective: a rank left waiting that long raises
-    instead of hanging; by default the launcher's ``--collective-timeout``, else ``DEFAULT_TIMEOUT``
-    (5 minutes). Calling it again returns the same runtime; asking then for another backend or
-    device is an error (the process group cannot change under the objects already built on it).
+    ``backend`` names one. ``timeout`` bounds every collective: by default the launcher's
+    ``--collective-timeout``, else ``DEFAULT_TIMEOUT`` (5 minutes). Calling it again returns the
+    same runtime; asking then for another backend or device is an error.
     """
     global _runtime
     if _runtime is not None:
         _check_same(_runtime, backend, device)
         return _runtime
     launch = read_launch_env()
-    # Ray Train's context holds no count of its restarts: each rank keeps its own
-    if launch.launcher == "ray":
-        launch = dataclasses.replace(
-            launch, restart_count=ray_train.count_start(launch.rank, ray.job_id(os.environ))
-        )
+    if (
+        launch.launcher == "ray"
+    ):  # Ray's context holds no count of its restarts: each rank keeps one
+        count = ray_train.count_start(launch.rank, ray.job_id(os.environ))
+        launch = dataclasses.replace(launch, restart_count=count)
     if timeout is None:
-        timeout = (
-            timedelta(seconds=launch.collective_timeout)
-            if launch.collective_timeout
-            else DEFAULT_TIMEOUT
-        )
+        seconds = launch.collective_timeout
+        timeout = timedelta(seconds=seconds) if seconds else DEFAULT_TIMEOUT
     dev = _pick_device(launch, device)
     if launch.launcher == "none":
-        # no launcher, no group made by hand
-        if not (dist.is_available() and dist.is_initialized()):
-            kubernetes.check_not_alone_in_torchrun_pod(os.environ)
-        if backend is not None:
-            _pick_backend(dev, backend)  # still reject nccl without GPUs, as a real launch would
-        _runtime = Runtime(0, 0, 1, 1, dev, None, "none")
+        _runtime = _alone(dev, backend)
         return _runtime
     pg_backend = _pick_backend(dev, backend)
-    # A scheduler's warning (SLURM --signal=USR1) can come at any time; before fit() listens it must
-    # not kill.
-    hold_stop_signals()
+    hold_stop_signals()  # a scheduler's warning (SLURM --signal=USR1) before fit() listens
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
-        global _generation
-        try:
-            store = _rendezvous_store(launch, timeout)
-            # The rendezvous store outlives a destroyed group: a second init in the same processes
-            # would read the first group's addresses under torch's key prefix. A prefix per init
-            # keeps them apart.
-            _generation += 1
-            global _group_store
-            _group_store = dist.PrefixStore(f"ddpkit/{_generation}", store)
-            dist.init_process_group(
-                pg_backend,
-                store=_group_store,
-                rank=launch.rank,
-                world_size=launch.world_size,
-                timeout=timeout,
-                **bound_device(dev, pg_backend),
-            )
-        except (RuntimeError, dist.DistError) as err:
-            raise _explain_init_error(err, launch) from err
-        atexit.register(_destroy_at_exit)
-        progress.collective_timeout(timeout.total_seconds())  # what the stall watch must beat
+        _join(launch, pg_backend, dev, timeout)
     if launch.local_rank == 0 and (uneven := torchrun.uneven_nodes(os.environ)):
         print(uneven, file=sys.stderr, flush=True)
     _runtime = Runtime(
@@ -206,12 +172,42 @@ def init(
     return _runtime
 
 
+def _alone(dev: torch.device, backend: str | None) -> Runtime:
+    """The runtime of a process no launcher started: a world of one, no process group."""
+    if not (dist.is_available() and dist.is_initialized()):  # nor a group made by hand
+        kubernetes.check_not_alone_in_torchrun_pod(os.environ)
+    if backend is not None:
+        _pick_backend(dev, backend)  # nccl without GPUs refused, as a real launch would
+    return Runtime(0, 0, 1, 1, dev, None, "none")
+
+
+def _join(launch: LaunchEnv, backend: str, dev: torch.device, timeout: timedelta) -> None:
+    """Make the job's process group on its rendezvous store."""
+    global _generation, _group_store
+    try:
+        store = _rendezvous_store(launch, timeout)
+        # The store outlives a destroyed group: a key prefix per init keeps a second group from
+        # reading the first one's addresses.
+        _generation += 1
+        _group_store = dist.PrefixStore(f"ddpkit/{_generation}", store)
+        dist.init_process_group(
+            backend,
+            store=_group_store,
+            rank=launch.rank,
+            world_size=launch.world_size,
+            timeout=timeout,
+            **bound_device(dev, backend),
+        )
+    except (RuntimeError, dist.DistError) as err:
+        raise _explain_init_error(err, launch) from err
+    atexit.register(_destroy_at_exit)
+    progress.collective_timeout(timeout.total_seconds())  # what the stall watch must beat
+
+
 def bound_device(dev: torch.device, backend: str) -> dict[str, Any]:
     """``init_process_group``'s ``device_id`` for a rank whose collectives run through NCCL: its
-    communicators are made for that GPU, where torch's newer NCCL group would otherwise pick one
-    from ``LOCAL_RANK`` or the global rank, another rank's GPU when ranks are mapped to GPUs
-    otherwise (``device='cuda:1'`` on local rank 0): two ranks on one GPU, which NCCL refuses
-    ("Duplicate GPU detected"). Nothing on the CPU or on gloo."""
+    own GPU, where torch would otherwise pick one from ``LOCAL_RANK`` (another rank's, for
+    ``device='cuda:1'`` on local rank 0: "Duplicate GPU detected"). Nothing on the CPU or gloo."""
     if dev.type != "cuda" or "nccl" not in backend:
         return {}
     return {
@@ -222,13 +218,9 @@ def bound_device(dev: torch.device, backend: str) -> dict[str, Any]:
 
 
 def _rendezvous_store(launch: LaunchEnv, timeout: timedelta) -> Any:
-    """The job's rendezvous store, made once per process and kept for every later init().
-
-    Rendezvous again after a shutdown() would have rank 0 start a new store server on the port of
-    the old one, which it may not have closed yet: a peer that connects at that moment reaches the
-    old server as it goes ("Connection was likely closed"). One store for the process's lifetime, a
-    key prefix per group.
-    """
+    """The job's rendezvous store, made once per process and kept for every later init(): a new
+    store server on the old one's port, after a shutdown(), could be reached by a peer as the old
+    one goes."""
     global _store_of
     key = (_init_method(launch), launch.rank, launch.world_size)
     if _store_of is None or _store_of[0] != key:
@@ -285,20 +277,13 @@ def get_runtime(group: Group = None, member: bool = False) -> Runtime:
     """Who this process is: its :class:`Runtime` in the job, or with ``group``, in that group.
 
     ``group`` is a group of :func:`~ddpkit.split_world` (returned as it is), a process group made by
-    hand (its rank and size, with ``group`` set; -1 for both on a process outside it), or None for
-    the whole job. This is the one place ddpkit asks where a process sits; everything that takes a
-    ``group`` asks here.
+    hand (its rank and size; -1 for both on a process outside it), or None for the whole job.
+    ``member``: a process outside ``group`` is refused (a Trainer's group).
 
-    Before :func:`init`, plain ``python`` (or a launcher that started one process) is a world of one
-    on the CPU, and a process group the script made itself with
-    ``torch.distributed.init_process_group`` is taken as it is. Under a launcher whose variables say
-    there are several ranks, and no process group, it raises
-    :class:`~ddpkit.distributed._runtime.NotInitializedError`: a world of one there would train one
-    independent copy per rank on the whole data set, every copy writing the same files, and exit 0.
-    Refusing, as ``torch.distributed`` does before ``init_process_group``, is chosen over starting
-    the process group here: joining a job is a collective that every rank must reach at the same
-    point, which a call hidden in a loader or a Trainer cannot promise. ``member``: a process
-    outside ``group`` is refused (a Trainer's group).
+    Before :func:`init`, plain ``python`` is a world of one on the CPU, and a process group the
+    script made itself is taken as it is. Under a launcher that started several ranks, with no
+    process group, it raises :class:`~ddpkit.distributed._runtime.NotInitializedError` rather than
+    train one copy per rank (joining the job is a collective no hidden call can promise).
     """
     if isinstance(group, Runtime):
         if member and group.rank < 0:
@@ -307,8 +292,7 @@ def get_runtime(group: Group = None, member: bool = False) -> Runtime:
     rt = _runtime if _runtime is not None else _without_init()
     if group is None or group is dist.GroupMember.WORLD or not rt.distributed:
         return rt
-    # A process outside ``group`` gets rank and size -1, as from torch.distributed: it is not the
-    # group's main rank, and the collective helpers leave it alone.
+    # outside ``group``: rank and size -1, as torch.distributed says
     rank = dist.get_rank(group)
     if member and rank < 0:
         raise ConfigError(_NOT_A_MEMBER.format(rank=rt.rank))
@@ -354,12 +338,8 @@ def forget() -> None:
 
 def shutdown(*, wait_for_peers: bool = True) -> None:
     """Destroy the process group (if any) and forget the runtime, so :func:`init` may be called
-    again.
-
-    Every rank of the job calls it (as every rank called :func:`init`); it returns once all have.
-    ``wait_for_peers=False`` is for a rank that failed: its peers may be stuck in a collective and
-    never come, and waiting for them would only hold the failure back (by up to 30 s).
-    """
+    again. Every rank calls it, and it returns once all have; ``wait_for_peers=False`` is for a
+    rank that failed, whose peers may never come."""
     global _runtime
     if wait_for_peers and dist.is_initialized() and _runtime is not None:
         _store_barrier(_runtime.world_size)
@@ -367,16 +347,9 @@ def shutdown(*, wait_for_peers: bool = True) -> None:
 
 
 def _store_barrier(world_size: int) -> None:
-    """Wait until every rank has reached shutdown(), through the store rather than the group's
-    connections.
-
-    A collective returns on a rank once it has what it needs, possibly before a peer has read the
-    last bytes this rank sent it; a rank that then destroyed its group would close that connection
-    under the peer, whose collective fails ("Connection closed by peer"). A barrier over the group
-    itself has the same race on its own last message; the store's is answered by the store's server,
-    independent of the group's connections. Bounded: a peer that never comes (it died; its launcher
-    is ending the job) delays the exit, never hangs it.
-    """
+    """Wait (bounded) until every rank has reached shutdown(), through the store: a rank that
+    destroyed its group as soon as its last collective returned could close a connection a peer
+    still reads ("Connection closed by peer"), and a barrier over the group has the same race."""
     store = _group_store
     if store is None or world_size < 2:
         return
@@ -392,11 +365,8 @@ def _store_barrier(world_size: int) -> None:
 def _destroy() -> None:
     global _runtime, _group_store
     if dist.is_initialized():
-        # After a collective returns, a gloo worker thread can still hold the work and its tensors
-        # for a moment. If the interpreter is finalising when it lets go, releasing a tensor needs
-        # the GIL and the process aborts ("terminate called without an active exception", seen in ~1
-        # of 10 exits; pytorch#179291). There is no handle to wait on, so let the workers settle
-        # before tearing down.
+        # A gloo worker thread may still hold a finished collective's tensors; released while the
+        # interpreter finalises, they abort it (pytorch#179291). No handle to wait on: settle.
         time.sleep(0.1)
         dist.destroy_process_group()
     _runtime = None
@@ -404,9 +374,6 @@ def _destroy() -> None:
 
 
 def _destroy_at_exit() -> None:
-    # Runs while the interpreter is still whole, for scripts that do not call shutdown() themselves.
-    # No barrier:
-    # at exit a peer may have failed, and nothing of this process's is left to run after the
-    # teardown.
+    # For scripts that do not call shutdown(); no barrier: at exit a peer may have failed.
     if dist.is_initialized():
         _destroy()

@@ -18,38 +18,24 @@ except ImportError:  # pragma: no cover
 
 
 def mix_seed(*values: int | str) -> int:
-    """A 32-bit seed from several values, different for every combination.
-
-    ``torch.Generator.manual_seed`` keeps only the low 32 bits of its argument, so packing
-    ``(seed, epoch)`` as ``seed << 32 | epoch`` would ignore the seed; a hash spreads every input
-    over those 32 bits.
-    """
+    """A 32-bit seed from several values, different for every combination (a hash: ``manual_seed``
+    keeps only the low 32 bits, so ``seed << 32 | epoch`` would drop the seed)."""
     text = ",".join(map(str, values)).encode("utf-8", "surrogateescape")  # a name's own bytes
     digest = hashlib.blake2b(text, digest_size=4).digest()
     return int.from_bytes(digest, "little")
 
 
 STREAMS = ("shuffle", "loader", "rank", "dropout", "reseed", "sample")
-"""The random streams ddpkit derives from a run's seed, one name each:
-
-- ``shuffle``: the sample order of an epoch, keyed by the epoch;
-- ``loader``: the loader's generator (its workers' base seeds), keyed by the rank;
-- ``rank``: each rank's python, numpy and torch streams once the model is wrapped
-  (:func:`seed_rank`: dropout masks, augmentation in the main process);
-- ``dropout``: :class:`~ddpkit.nn._dropout.GlobalBatchDropout` masks, keyed by (epoch, step);
-- ``reseed``: a rank's streams after a resume at another world size, keyed by (step, rank);
-- ``sample``: the random draws of one sample's loading (augmentation), keyed by (epoch, index): the
-  same whichever rank or loader worker loads it, and however many there are.
-"""
+"""The random streams ddpkit derives from a run's seed: ``shuffle`` (an epoch's sample order, by
+epoch), ``loader`` (the loader's generator, by rank), ``rank`` (each rank's streams once the model
+is wrapped, :func:`seed_rank`), ``dropout`` (:class:`~ddpkit.nn._dropout.GlobalBatchDropout`, by
+epoch and step), ``reseed`` (after a resume at another world size, by step and rank), ``sample``
+(one sample's loading, by epoch and index, whichever rank or worker loads it)."""
 
 
 def stream_seed(stream: str, seed: int, *keys: int) -> int:
-    """The seed of ``stream`` (one of :data:`STREAMS`) for ``keys``.
-
-    The name is part of the hash, so two streams never share a seed, whatever their keys: with one
-    unnamed mix, the loader's seed of rank ``r`` and the shuffle seed of epoch ``r`` were the same
-    number.
-    """
+    """The seed of ``stream`` (one of :data:`STREAMS`) for ``keys``; the name is hashed in, so two
+    streams never share a seed whatever their keys."""
     if stream not in STREAMS:
         raise ValueError(f"unknown random stream {stream!r}: one of {STREAMS}")
     return mix_seed(stream, seed, *keys)
@@ -58,13 +44,10 @@ def stream_seed(stream: str, seed: int, *keys: int) -> int:
 def seed_everything(seed: int, per_rank: bool = False, group: Group = None) -> int:
     """Seed python, numpy and torch (CPU and every CUDA device); return the seed used.
 
-    The same seed on every rank makes model initialisation identical everywhere (DDP also broadcasts
-    rank 0's weights when it wraps a model, but buffers created later and any randomness before
-    wrapping still need it). Once the model is wrapped, :func:`~ddpkit.prepare_model` gives each
-    rank its own streams from this seed and the rank (:func:`seed_rank`): dropout masks then differ
-    between ranks, as between the samples of one process. ``per_rank=True`` adds the rank to the
-    seed, so ranks draw different random streams from here on, before any model is wrapped: for
-    reinforcement learning environments.
+    The same seed on every rank makes model initialisation identical everywhere; once the model is
+    wrapped, :func:`~ddpkit.prepare_model` gives each rank its own streams (:func:`seed_rank`).
+    ``per_rank=True`` adds the rank to the seed, so ranks draw differently from here on (for
+    reinforcement learning environments).
     """
     if per_rank:
         seed = seed + get_runtime(group).rank
@@ -77,14 +60,8 @@ def seed_everything(seed: int, per_rank: bool = False, group: Group = None) -> i
 
 def seed_rank(seed: int, rank: int) -> int:
     """Seed python, numpy and torch (CPU and every CUDA device) with rank ``rank``'s own stream of
-    ``seed`` (the ``rank`` stream); return the seed used.
-
-    Called once the weights are the same on every rank (:func:`~ddpkit.prepare_model` after DDP's
-    broadcast, the Trainer after its strategy's): with :func:`seed_everything`'s one seed
-    everywhere, each rank would draw the same dropout masks and augmentations for its share of the
-    global batch, which one process never does. Rank 0's stream is a world of one's, so a world of
-    one draws as rank 0 of N.
-    """
+    ``seed``; return the seed used. Called once the weights are the same on every rank, so that
+    ranks draw different dropout masks and augmentations; a world of one draws as rank 0 of N."""
     rank_seed = stream_seed("rank", seed, rank)
     random.seed(rank_seed)
     if np is not None:
@@ -94,12 +71,8 @@ def seed_rank(seed: int, rank: int) -> int:
 
 
 def cuda_in_use() -> bool:
-    """True when this process has initialised CUDA: then its generators draw, and are saved and
-    seeded.
-
-    Never initialises CUDA itself, and is False in a loader worker forked from a process that had
-    (CUDA cannot be used there at all; touching it would raise).
-    """
+    """True when this process has initialised CUDA (its generators are then saved and seeded);
+    never initialises it, and False in a loader worker forked from a process that had."""
     return torch.cuda.is_initialized()
 
 
@@ -107,9 +80,8 @@ def rng_state() -> dict[str, Any]:
     """The RNG states of this process: python, numpy, torch CPU and each CUDA device."""
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if np is not None:
-        # As plain values and a tensor, so a snapshot loads with torch.load(weights_only=True).
+        # plain values and a tensor: a snapshot loads with torch.load(weights_only=True)
         legacy = np.random.get_state()
-        # the global generator is a Mersenne Twister: the 5-tuple form
         assert isinstance(legacy, tuple)
         kind, keys, pos, has_gauss, gauss = legacy
         state["numpy"] = (

@@ -1,17 +1,7 @@
-"""Stop signals that arrive while nothing listens for them yet.
-
-A scheduler warns a job before it ends it: SLURM's ``--signal=USR1@90`` sends SIGUSR1 90 s before
-the time limit, whatever the job is doing at that moment. SIGUSR1's default action is to terminate,
-so a warning that lands before ``Trainer.fit()`` has installed its handlers (while the data loads,
-the model builds, or between two ``fit()`` calls) killed the process with exit code 138 and no
-snapshot. :func:`hold_stop_signals`, called by ``ddpkit run``'s worker entry point and by
-:func:`ddpkit.init`, replaces that default with a handler that only remembers the signal; ``fit()``
-asks :func:`pending_stop_signal` when it starts and acts on it as on a signal received during
-training.
-
-SIGTERM keeps its default: a process told to terminate outside ``fit()`` terminates.
-
-Some launchers warn by a call, not a signal: :func:`preemption_notice`.
+"""Stop signals: SIGUSR1 (a scheduler's warning before it ends the job, as SLURM's
+``--signal=USR1@90``) held until ``Trainer.fit()`` listens, rather than killing the process with
+its default action; the handlers ``fit()`` installs; and a launcher's warning by a call
+(:func:`preemption_notice`). SIGTERM keeps its default outside ``fit()``.
 """
 
 from __future__ import annotations
@@ -37,12 +27,8 @@ def _remember(signum: int, frame: FrameType | None) -> None:
 
 
 def hold_stop_signals() -> None:
-    """Remember SIGUSR1 instead of dying of it, where the process still has the default action for
-    it.
-
-    A handler the program installed itself is left alone; so is a process that runs this from a
-    thread other than the main one (Python installs handlers only from the main thread).
-    """
+    """Remember SIGUSR1 instead of dying of it, where the process still has its default action
+    (a handler of the program's own is left; from a thread other than the main one, nothing)."""
     if threading.current_thread() is not threading.main_thread():
         return
     for sig in HELD_SIGNALS:
@@ -52,10 +38,7 @@ def hold_stop_signals() -> None:
 
 def pending_stop_signal(clear: bool = False) -> signal.Signals | None:
     """The stop signal received while only :func:`hold_stop_signals`'s handler was listening, if
-    any.
-
-    ``clear=True`` forgets it once read, so that one signal stops one ``fit()``.
-    """
+    any; ``clear=True`` forgets it once read, so that one signal stops one ``fit()``."""
     global _pending
     sig = _pending
     if clear:
@@ -76,8 +59,7 @@ def stop_signals(on_signal: Callable[[int], None]) -> Iterator[None]:
         except ValueError:  # not the main thread
             break
     try:
-        # Read after the handlers are in: a signal that lands in between is then either held or
-        # passed on.
+        # read after the handlers are in: a signal landing in between is held or passed on
         held = pending_stop_signal(clear=True)
         if held is not None:
             on_signal(int(held))
@@ -89,29 +71,17 @@ def stop_signals(on_signal: Callable[[int], None]) -> Iterator[None]:
 
 def pass_on(signum: int) -> None:
     """Deliver ``signum`` (0: none) again, to the handlers in place now that ``fit()`` has put back
-    its own.
-
-    A stop signal that lands after the ranks' last agreement comes too late to stop training, which
-    ends as planned; dropped there, it would be lost for what runs next (a search going on to its
-    next candidates while its launcher waits for it to stop). Passed on, SIGTERM's default ends the
-    process, and a SIGUSR1 held by :func:`hold_stop_signals` stops the next ``fit()``."""
+    its own: a stop signal too late to stop training is not lost for what runs next."""
     if signum:
         signal.raise_signal(signum)
 
 
 def preemption_notice(launcher: str, group: Group = None) -> Callable[[], str | None] | None:
-    """Where the launcher warns of a pre-emption by a call rather than a signal: a function that
-    asks it, returning the notice in words (None while there is none). None where there is nothing
-    to ask.
-
-    Ray Train runs the training function in a thread of its own, where no signal handler runs. When
-    a node of the worker group is being drained (a spot instance reclaimed, a node taken away by the
-    autoscaler), Ray's watcher marks every worker, and ``ray.train.get_preemption_info()`` (Ray 2.60
-    and newer) reads the mark. That call is a barrier across all of Ray's workers: every rank must
-    make it, the same number of times. The Trainer asks at each agreement of its ranks, which every
-    rank reaches after the same step; a Trainer on a group of :func:`~ddpkit.split_world` does not
-    ask (its agreements are not the other groups'), nor does any other launcher.
-    """
+    """Where the launcher warns of a pre-emption by a call rather than a signal (Ray Train 2.60 and
+    newer, whose training thread gets no signal): a function that asks it, returning the notice in
+    words (None while there is none); None where there is nothing to ask. The call is a barrier
+    across Ray's workers: every rank must make it at the same point (a Trainer's agreements), so a
+    group of :func:`~ddpkit.split_world` does not ask."""
     if launcher != "ray" or group is not None:
         return None
     import ray.train

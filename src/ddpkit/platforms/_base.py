@@ -1,6 +1,5 @@
-"""What every platform module gives: the :class:`Platform` protocol, the world it reads
-(:class:`LaunchEnv`) and the option defaults it hands ``ddpkit run`` (:class:`LaunchDefault`). Pure
-logic, no torch."""
+"""What every platform gives: the :class:`Platform` protocol, the world it reads
+(:class:`LaunchEnv`) and the option defaults it hands ``ddpkit run`` (:class:`LaunchDefault`)."""
 
 from __future__ import annotations
 
@@ -20,20 +19,16 @@ class LaunchEnv:
     world_size: int = 1
     local_world_size: int = 1
     launcher: str = "none"
-    """``"torchrun"`` (also ``ddpkit run`` and ``ddpkit.spawn``), ``"slurm"``, ``"mpi"`` (Open MPI
-    or MPICH ``mpiexec``), ``"pytorchjob"`` (a Kubeflow PyTorchJob pod run without torchrun,
-    :mod:`ddpkit.platforms._kubernetes`), ``"ray"`` (a Ray Train worker), or ``"none"`` (plain
-    python): the ``NAME`` of the platform module that read it."""
+    """The ``NAME`` of the platform that read it: ``"torchrun"`` (also ``ddpkit run`` and
+    ``ddpkit.spawn``), ``"slurm"``, ``"mpi"``, ``"pytorchjob"``, ``"ray"`` or ``"none"``."""
     master_addr: str | None = None
     master_port: int | None = None
     collective_timeout: float | None = None
     """Seconds a collective may wait before it raises, as ``ddpkit run --collective-timeout`` set it
     (``DDPKIT_COLLECTIVE_TIMEOUT``); None for ``init()``'s default."""
     restart_count: int = 0
-    """How many times the job has been restarted: by torchrun's agent
-    (``TORCHELASTIC_RESTART_COUNT``) or by a SLURM requeue (``SLURM_RESTART_COUNT``); both add up
-    under ``srun ddpkit run``. Under Ray Train, counted by :func:`ddpkit.distributed._runtime.init`
-    (:mod:`ddpkit._internals.ray_train`)."""
+    """How many times the job has been restarted: by torchrun's agent, by SLURM requeues (both add
+    up under ``srun ddpkit run``), or as counted under Ray Train."""
 
 
 @dataclass(frozen=True)
@@ -48,29 +43,24 @@ class LaunchDefault:
 
 @runtime_checkable
 class Platform(Protocol):
-    """One platform ddpkit reads: a module of :mod:`ddpkit.platforms` (``torchrun``, ``slurm``,
-    ...).
-
-    Each function takes the environment as a mapping (``os.environ``, or a dict in a test) and reads
-    nothing else, so every branch is tested with a mocked environment."""
+    """One platform ddpkit reads (in :mod:`ddpkit.platforms`). Each function reads the
+    environment it is given (``os.environ``, or a dict in a test) and nothing else."""
 
     NAME: str
     """The platform's name, as :attr:`LaunchEnv.launcher` holds it."""
 
     def detect(self, env: Mapping[str, str]) -> bool:
-        """Whether this process was started by this platform. Asked in the order of
-        :data:`ddpkit.platforms.PLATFORMS`, so it need not rule out the platforms asked before
-        it."""
+        """Whether this platform started this process (asked in the order of
+        :data:`ddpkit.platforms.PLATFORMS`)."""
         ...
 
     def world(self, env: Mapping[str, str]) -> LaunchEnv:
-        """This process's place in the job (raises :class:`~ddpkit._errors.ConfigError` naming the
-        variable to fix); asked only where :func:`detect` said yes."""
+        """This process's place in the job (:class:`~ddpkit._errors.ConfigError` naming the variable
+        to fix); asked only where :func:`detect` said yes."""
         ...
 
     def launch_defaults(self, env: Mapping[str, str]) -> list[LaunchDefault]:
-        """The defaults of ``ddpkit run``'s options that this platform set in the environment (most
-        set none)."""
+        """The defaults of ``ddpkit run``'s options this platform set (most set none)."""
         ...
 
 

@@ -1,6 +1,6 @@
-"""The cores this process may use: a scheduler's grant (:mod:`~ddpkit.platforms._sge`,
-:mod:`~ddpkit.platforms._slurm`), else the affinity within the container's CPU quota (a Kubernetes
-pod's limit)."""
+"""The cores this process may use: a scheduler's grant (SLURM, Grid Engine), else the affinity
+within the container's CPU quota (a Kubernetes pod's limit). Grid Engine names no ranks (its jobs
+run ``ddpkit run`` or ``mpiexec``), so it is read here only, and is no platform."""
 
 from __future__ import annotations
 
@@ -8,15 +8,18 @@ import math
 import os
 from collections.abc import Mapping
 
-from ddpkit.platforms import _sge as sge
 from ddpkit.platforms import _slurm as slurm
+
+
+def in_sge_job(env: Mapping[str, str]) -> bool:
+    return "SGE_TASK_ID" in env or "NSLOTS" in env or "JOB_ID" in env and "SGE_ROOT" in env
 
 
 def cpu_count(env: Mapping[str, str] | None = None) -> int:
     """Cores this process may use: the scheduler's grant (SGE ``NSLOTS``, ``SLURM_CPUS_ON_NODE``),
     else its affinity within its cgroup's CPU quota (a container's CPU limit, rounded up)."""
     env = os.environ if env is None else env
-    for granted in (sge.cpus_granted(env), slurm.cpus_granted(env)):
+    for granted in (env.get("NSLOTS"), slurm.cpus_granted(env)):
         if granted is not None and granted.isascii() and granted.isdigit() and int(granted) > 0:
             return int(granted)
     try:
@@ -31,13 +34,8 @@ def cgroup_cpu_quota(
     root: str = "/sys/fs/cgroup", membership: str = "/proc/self/cgroup"
 ) -> float | None:
     """The CPUs this process's cgroup v2 quota allows (``cpu.max`` of its cgroup and of every
-    parent, the tightest), or None without one.
-
-    A Kubernetes pod's CPU limit is such a quota, while affinity still shows every core of the node:
-    without it, ``--nproc auto`` in a pod limited to 2 CPUs of a 64-core node would start 8
-    processes of 8 threads each. Python's ``os.process_cpu_count`` and torch read affinity only, so
-    this small read is ddpkit's own. cgroup v1 hierarchies are not read (Kubernetes has kept them in
-    maintenance only since 1.31)."""
+    parent, the tightest), or None without one. Affinity (what torch and Python read) shows every
+    core of the node in a pod limited to a few; cgroup v1 is not read."""
     try:
         with open(membership) as f:
             lines = f.read().splitlines()

@@ -1,23 +1,7 @@
-"""What Kubernetes' training operators tell a pod, read in one place.
-
-- **PyTorchJob** (Kubeflow training-operator v1), one process per pod (``python train.py``): the
-  operator sets ``MASTER_ADDR`` (the master replica's service), ``MASTER_PORT``, ``WORLD_SIZE``
-  (pods) and ``RANK`` (the pod's), and no ``LOCAL_RANK``: the platform ``"pytorchjob"``
-  (:func:`detect`, :func:`world`), local rank 0 of 1. With a number above 1 as ``nprocPerNode`` the
-  same job is meant for torchrun (``WORLD_SIZE`` counts processes, not pods), so a lone process
-  there is refused rather than left waiting for ranks that never come; a word (``auto``, the
-  operator's default) counts one process a pod.
-- **PyTorchJob with an elastic policy or ``nprocPerNode``, and TrainJob** (Kubeflow Trainer v2,
-  whose ``torch-distributed`` runtime runs torchrun): torchrun's options as ``PET_*`` variables.
-  torchrun reads them itself; ``ddpkit run`` takes them as the defaults of its own options
-  (:func:`launch_defaults`).
-- **JobSet**: no variable of its own; a pod of an indexed Job knows its index from
-  ``JOB_COMPLETION_INDEX``, which ``ddpkit run`` takes as the node rank of a job of fixed size.
-
-Every pod has ``KUBERNETES_SERVICE_HOST`` (the API server's service, injected by the kubelet):
-without it, ``RANK`` and ``WORLD_SIZE`` with no ``LOCAL_RANK`` are a leftover ``export`` far more
-often than a launcher, and stay an error (:mod:`ddpkit.platforms._torchrun`). Pure logic, tested
-with mocked environments.
+"""What Kubernetes' training operators tell a pod: a PyTorchJob pod run without torchrun (the
+platform ``"pytorchjob"``: ``RANK``, ``WORLD_SIZE``, no ``LOCAL_RANK``, inside Kubernetes), and the
+``PET_*`` variables (torchrun's options) and JobSet's ``JOB_COMPLETION_INDEX`` that ``ddpkit run``
+takes as its options' defaults. Which operator sets what: docs/kubernetes-and-ray.md.
 """
 
 from __future__ import annotations
@@ -31,20 +15,20 @@ from ddpkit.platforms._base import LaunchDefault, LaunchEnv, checked, read_int
 
 NAME = "pytorchjob"
 
-POD_ENV = "KUBERNETES_SERVICE_HOST"
-"""Set in every container Kubernetes starts."""
+POD_ENV = "KUBERNETES_SERVICE_HOST"  # set in every container Kubernetes starts
 
 OPERATOR_VARS = {
-    "--nnodes": ("PET_NNODES",),
-    "--nproc": ("PET_NPROC_PER_NODE",),
-    "--node-rank": ("PET_NODE_RANK",),
-    "--rdzv-endpoint": ("PET_RDZV_ENDPOINT",),
-    "--rdzv-id": ("PET_RDZV_ID",),
-    "--max-restarts": ("PET_MAX_RESTARTS",),
+    "--nnodes": "PET_NNODES",
+    "--nproc": "PET_NPROC_PER_NODE",
+    "--node-rank": "PET_NODE_RANK",
+    "--rdzv-endpoint": "PET_RDZV_ENDPOINT",
+    "--rdzv-id": "PET_RDZV_ID",
+    "--max-restarts": "PET_MAX_RESTARTS",
 }
-"""``ddpkit run``'s options and the ``PET_*`` variables (torchrun's names) that give their
-defaults."""
+"""``ddpkit run``'s options and the ``PET_*`` variables that give their defaults."""
 
+# What torchrun takes in each variable, so that a wrong one is named as the variable. [0-9] is ASCII
+# only: int("٣") is 3, and "²".isdigit() is True while int("²") raises.
 _VALUE_FORMS = {
     "PET_NNODES": ("[0-9]+(:[0-9]+)?", "use a number of nodes, or MIN:MAX for an elastic job"),
     "PET_NPROC_PER_NODE": ("[0-9]+|auto|gpu|cpu", "use a number of processes, auto, gpu or cpu"),
@@ -52,18 +36,13 @@ _VALUE_FORMS = {
     "PET_MAX_RESTARTS": ("[0-9]+", "use a number of restarts"),
     "PET_MASTER_PORT": ("[0-9]{1,5}", "use the master's port, a number"),
 }
-"""What torchrun takes in each variable, so that a wrong one is named as the variable, not as an
-option the user never typed. ``[0-9]`` is ASCII only, unlike ``int()`` and ``str.isdigit()``:
-``int("٣")`` is 3 and ``"²".isdigit()`` is True while ``int("²")`` raises."""
 
 
 def pet_value(env: Mapping[str, str], name: str) -> str | None:
-    """The value of the ``PET_*`` variable ``name`` (one of ``_VALUE_FORMS``), stripped, or None
-    where it is unset: every reader of these variables parses them here, so that a value is taken or
-    refused the same way by ``ddpkit run`` and :func:`ddpkit.init`. Raises :class:`ConfigError` in
-    one line naming the variable and its value (shown with escapes, so that a digit of another
-    script is seen for what it is) for anything but the form torchrun takes: a sign, an empty value,
-    a digit that is not ASCII."""
+    """The value of the ``PET_*`` variable ``name``, stripped, or None where it is unset: the one
+    reading of these variables, for ``ddpkit run`` and :func:`ddpkit.init`. Anything but the form
+    torchrun takes (a sign, an empty value, a digit that is not ASCII) is a :class:`ConfigError`
+    naming the variable and its value, shown with escapes."""
     if name not in env:
         return None
     value = env[name].strip()
@@ -76,10 +55,8 @@ def pet_value(env: Mapping[str, str], name: str) -> str | None:
     return value
 
 
+# what the rendezvous ddpkit run serves at the endpoint stands in for
 _RDZV_BACKENDS = ("c10d", "static")
-"""``PET_RDZV_BACKEND`` values ``ddpkit run`` stands in for: its own rendezvous is a c10d store at
-the endpoint (``static``: torchrun's fixed-size rendezvous at the master, which the endpoint then
-names)."""
 
 
 def in_pod(env: Mapping[str, str]) -> bool:
@@ -97,7 +74,6 @@ def pod_variables(env: Mapping[str, str]) -> bool:
 
 
 def detect(env: Mapping[str, str]) -> bool:
-    """A PyTorchJob pod run without torchrun (:func:`pod_variables`)."""
     return pod_variables(env)
 
 
@@ -118,12 +94,8 @@ def world(env: Mapping[str, str]) -> LaunchEnv:
 
 
 def check_one_process_per_pod(env: Mapping[str, str]) -> None:
-    """Refuse a lone process in a pod meant for several (``nprocPerNode`` above 1, or an elastic
-    policy).
-
-    ``nprocPerNode`` as a word (``auto``, training-operator v1.9's default, ``cpu``, ``gpu``) counts
-    one process a pod in the operator's ``WORLD_SIZE`` (a number is multiplied in, a word is not),
-    so a lone ``python train.py`` in each pod is the world the operator announced."""
+    """Refuse a lone process in a pod meant for several (``nprocPerNode`` a number above 1, or an
+    elastic policy); a word (``auto``, ``cpu``, ``gpu``) counts one process a pod."""
     nproc, nnodes = pet_value(env, "PET_NPROC_PER_NODE") or "1", pet_value(env, "PET_NNODES") or ""
     elastic = "PET_RDZV_ENDPOINT" in env or ":" in nnodes
     if not _one_process(nproc) or elastic:
@@ -141,11 +113,8 @@ def check_one_process_per_pod(env: Mapping[str, str]) -> None:
 
 
 def check_not_alone_in_torchrun_pod(env: Mapping[str, str]) -> None:
-    """Refuse :func:`ddpkit.init` with no launcher and no process group in a pod whose job is meant
-    for torchrun across several pods or processes (a TrainJob's ``PET_*`` with no ``RANK``, an
-    elastic PyTorchJob's workers): started as ``python train.py``, every pod would train alone as
-    rank 0, and nothing would say so. A group the script made itself (``mp.spawn``) is not asked
-    about."""
+    """Refuse :func:`ddpkit.init` with no launcher in a pod whose job is meant for torchrun across
+    several pods or processes (``PET_*`` and no ``RANK``): every pod would train alone as rank 0."""
     if not in_pod(env) or "PET_NNODES" not in env:
         return
     nnodes, nproc = pet_value(env, "PET_NNODES") or "", pet_value(env, "PET_NPROC_PER_NODE") or "1"
@@ -160,11 +129,10 @@ def check_not_alone_in_torchrun_pod(env: Mapping[str, str]) -> None:
 
 
 def launch_defaults(env: Mapping[str, str], cpu_count: int | None = None) -> list[LaunchDefault]:
-    """``ddpkit run``'s option defaults from a PyTorchJob's or TrainJob's ``PET_*`` variables, and
-    from JobSet's ``JOB_COMPLETION_INDEX`` (a node rank, used only by a job of fixed size; see
-    :func:`resolve_options`). ``PET_NPROC_PER_NODE=cpu`` is ``cpu_count`` processes (by default
-    :func:`ddpkit.platforms._cpus.cpu_count`). Raises :class:`ConfigError` for a rendezvous backend
-    ``ddpkit run`` cannot stand in for, or a value torchrun would not take either."""
+    """``ddpkit run``'s option defaults from the ``PET_*`` variables and JobSet's
+    ``JOB_COMPLETION_INDEX`` (``PET_NPROC_PER_NODE=cpu``: ``cpu_count`` processes, by default this
+    pod's cores). A :class:`ConfigError` for a rendezvous backend ``ddpkit run`` cannot stand in
+    for, or a value torchrun would not take either."""
     backend = env.get("PET_RDZV_BACKEND")
     if backend is not None and backend not in _RDZV_BACKENDS:
         raise ConfigError(
@@ -173,7 +141,7 @@ def launch_defaults(env: Mapping[str, str], cpu_count: int | None = None) -> lis
             "rendezvous backend to c10d, or start the pods with torchrun"
         )
     found = []
-    for option, (name,) in OPERATOR_VARS.items():
+    for option, name in OPERATOR_VARS.items():
         value = pet_value(env, name) if name in _VALUE_FORMS else env.get(name, "").strip() or None
         if value is not None:
             if name == "PET_NPROC_PER_NODE" and value == "cpu":  # torchrun: one per core
@@ -194,9 +162,7 @@ def launch_defaults(env: Mapping[str, str], cpu_count: int | None = None) -> lis
 
 
 def _rdzv_conf(text: str) -> list[LaunchDefault]:
-    """torchrun's ``--rdzv-conf`` from ``PET_RDZV_CONF``: its ``join_timeout`` is ``ddpkit run``'s
-    ``--join-timeout`` (which also bounds the wait for the host), the other settings go to the
-    rendezvous."""
+    """``PET_RDZV_CONF``: its ``join_timeout`` is ``--join-timeout``, the rest ``--rdzv-conf``."""
     pairs = [
         (key.strip(), value.strip())
         for key, _, value in (item.partition("=") for item in text.split(","))
@@ -225,9 +191,8 @@ def one_node(nnodes: str) -> bool:
 
 
 def _one_process(nproc: str) -> bool:
-    """``PET_NPROC_PER_NODE`` as the training-operator counts it in ``WORLD_SIZE``: a word
-    (``auto``, ``cpu``, ``gpu``) is one process a pod, a number is itself (``nproc`` as
-    :func:`pet_value` took it)."""
+    """``PET_NPROC_PER_NODE`` as the training-operator counts it in ``WORLD_SIZE``: a word is one
+    process a pod, a number is itself."""
     return not nproc.isdigit() or int(nproc) == 1
 
 
@@ -237,16 +202,9 @@ def resolve_options(
     """(the options to add to the command line, the defaults taken) from the options the user
     ``given`` (option -> value as typed) and the environment's ``defaults``.
 
-    A default the user also gave with another value is refused, naming both: a pod whose command
-    says ``--nnodes 4`` in a job of 2 nodes would wait for nodes that never come.
-    ``JOB_COMPLETION_INDEX`` is a node rank only for a job of fixed size across several nodes (an
-    elastic job's node ranks are handed out at each rendezvous), and only where none is typed: in a
-    JobSet of several Jobs the index counts pods within one Job, and the command names the node rank
-    itself.
-
-    A job of one node (``PET_NNODES=1``, as a TrainJob or PyTorchJob of one pod has) takes no
-    endpoint from the environment: there is no node to meet, and a rendezvous at the master's
-    address would ask the lone pod for a secret it has no use for."""
+    A default the user gave with another value is refused, naming both. ``JOB_COMPLETION_INDEX`` is
+    a node rank only for a job of fixed size across several nodes where none is typed; a job of one
+    node takes no endpoint (nor rendezvous id, nor node rank) from the environment."""
     taken: list[LaunchDefault] = []
     for default in defaults:
         typed = given.get(default.option)
@@ -284,8 +242,7 @@ def _same(option: str, typed: str, value: str) -> bool:
 
 
 def summary(taken: list[LaunchDefault], env: Mapping[str, str]) -> str:
-    """One line for the launch: which options came from the environment (a pod's, in Kubernetes;
-    torchrun reads ``PET_*`` anywhere, and so does ``ddpkit run``)."""
+    """One line for the launch: which options came from the environment."""
     items = ", ".join(f"{t.option} {t.value} ({t.source})" for t in taken)
     where = "the pod's environment (Kubernetes)" if in_pod(env) else "the environment"
     return f"ddpkit run: from {where}: {items}"

@@ -1,6 +1,5 @@
-"""MPI: ``mpiexec`` of Open MPI (``OMPI_COMM_WORLD_*``) or of MPICH's Hydra (``PMI_*``,
-``MPI_LOCAL*``), which name the ranks but no rendezvous address (:func:`rendezvous_address` agrees
-on one)."""
+"""MPI: ``mpiexec`` of Open MPI (``OMPI_COMM_WORLD_*``) or MPICH's Hydra (``PMI_*``), which name
+the ranks but no rendezvous address (:func:`rendezvous_address` agrees on one)."""
 
 from __future__ import annotations
 
@@ -13,16 +12,11 @@ from ddpkit.platforms._base import LaunchDefault, LaunchEnv, checked, read_int
 NAME = "mpi"
 
 VARIANTS = (
-    (
-        "OMPI_COMM_WORLD_RANK",
-        "OMPI_COMM_WORLD_SIZE",
-        "OMPI_COMM_WORLD_LOCAL_RANK",
-        "OMPI_COMM_WORLD_LOCAL_SIZE",
-    ),
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+     "OMPI_COMM_WORLD_LOCAL_SIZE"),
     ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
-)
-"""(rank, world size, local rank, local world size) as Open MPI and MPICH's Hydra export them to
-each process."""
+)  # fmt: skip
+"""(rank, world size, local rank, local world size) as Open MPI and MPICH export them."""
 
 
 def _variant(env: Mapping[str, str]) -> tuple[str, str, str, str] | None:
@@ -46,9 +40,7 @@ def world(env: Mapping[str, str]) -> LaunchEnv:
             world_size=world_size,
             local_world_size=read_int(env, local_size_var) if local_size_var in env else 1,
             launcher=NAME,
-            # mpiexec names no rendezvous address: MASTER_ADDR/MASTER_PORT if exported (mpiexec -x /
-            # -genv), else rank 0's host and a free port there, broadcast over MPI by
-            # rendezvous_address().
+            # if exported; else rendezvous_address()
             master_addr=env.get("MASTER_ADDR"),
             master_port=read_int(env, "MASTER_PORT") if "MASTER_PORT" in env else None,
             restart_count=slurm.restarts(env),

@@ -1,6 +1,5 @@
-"""Ray Train: its workers carry torchrun's variables (:mod:`ddpkit.platforms._torchrun`) and, as
-every Ray worker process, the raylet's pid. Nothing here imports Ray; the count of Ray Train's
-restarts is kept through a private Ray API behind a check (:mod:`ddpkit._internals.ray_train`)."""
+"""Ray Train: its workers carry torchrun's variables and, as every Ray worker, the raylet's pid.
+Nothing here imports Ray."""
 
 from __future__ import annotations
 
@@ -13,14 +12,13 @@ NAME = "ray"
 
 
 def detect(env: Mapping[str, str]) -> bool:
-    # Ray Train's workers carry torchrun's variables (and the raylet's pid): Ray started them,
-    # unless torchrun's agent did inside a Ray task.
+    # unless torchrun's agent started it inside a Ray task
     return torchrun.detect(env) and "RAY_RAYLET_PID" in env and not torchrun.started_by_agent(env)
 
 
 def world(env: Mapping[str, str]) -> LaunchEnv:
-    """torchrun's reading of the ranks, as launcher ``"ray"``; its ``restart_count`` is set by
-    :func:`ddpkit.distributed._runtime.init`, which counts the starts."""
+    """torchrun's reading of the ranks, as launcher ``"ray"`` (:func:`ddpkit.init` counts the
+    restarts)."""
     return torchrun.world(env, launcher=NAME)
 
 

@@ -13,12 +13,8 @@ NAME = "slurm"
 
 
 def detect(env: Mapping[str, str]) -> bool:
-    # Inside an allocation, a batch script or a salloc shell also carries SLURM_PROCID and
-    # SLURM_NTASKS; only a task that srun started for a step has SLURM_STEP_ID. Nothing else may
-    # turn SLURM off: a job's name says nothing (`srun -n2 bash -c "python train.py"` is named bash,
-    # and its two tasks are one job), and the terminal variable of `srun --pty bash`
-    # (SLURM_PTY_PORT) is inherited by every step srun starts from that shell. The shell's own step
-    # has one task unless asked otherwise, so a program run in it is a world of one.
+    # A batch script or a salloc shell carries SLURM_PROCID and SLURM_NTASKS too; only a task that
+    # srun started for a step has SLURM_STEP_ID (an `srun --pty bash` step is a world of one).
     return "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "SLURM_STEP_ID" in env
 
 
@@ -80,11 +76,7 @@ def cpus_granted(env: Mapping[str, str]) -> str | None:
 
 def expand_hostlist(hostlist: str) -> list[str]:
     """Expand a SLURM node list such as ``gpu[01-03,07],login1`` or ``rack[1-2]-n[01-02]`` into host
-    names.
-
-    Written here because the alternative, ``scontrol show hostnames``, needs SLURM's binaries inside
-    the job.
-    """
+    names (``scontrol show hostnames`` without SLURM's binaries)."""
     items, depth, start = [], 0, 0
     for i, ch in enumerate(hostlist + ","):
         depth += {"[": 1, "]": -1}.get(ch, 0)
@@ -119,20 +111,14 @@ def _tasks_on_node(tasks_per_node: str, node_id: int) -> int:
     return counts[min(node_id, len(counts) - 1)]
 
 
-# Ports derived for SLURM steps lie below Linux's ephemeral range (32768-60999 by default), from
-# which the kernel hands out the source ports of outgoing connections: a derived port there can be
-# taken by any client socket on the node a moment before rank 0 binds it.
+# Below Linux's ephemeral range (32768-60999), whose ports any client socket may take before rank 0
+# binds it.
 PORT_BASE, PORT_JOBS, PORT_STEPS = 20000, 750, 16
 
 
 def port_of_step(env: Mapping[str, str]) -> int:
-    """The rendezvous port every task of a SLURM step derives alone: a function of the job id and
-    step id.
-
-    Concurrent steps of one job (``srun ... &`` twice in a batch script) differ in their step id and
-    so get different ports; jobs whose ids differ by less than 750 never share a port.
-    ``MASTER_PORT`` overrides it.
-    """
+    """The rendezvous port every task of a SLURM step derives alone from the job and step ids:
+    concurrent steps of one job differ, and so do jobs whose ids differ by less than 750."""
     job = read_int(env, "SLURM_JOB_ID") if "SLURM_JOB_ID" in env else 0
     step = env.get("SLURM_STEP_ID", "0")
     # "²".isdigit(), and int() refuses it

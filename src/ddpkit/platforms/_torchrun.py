@@ -1,7 +1,6 @@
-"""torchrun (and ``ddpkit run``, :func:`ddpkit.spawn`, and any launcher that exports PyTorch's
-``env://`` variables by hand): ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
-``MASTER_PORT``, and what torchrun's agent adds (``LOCAL_WORLD_SIZE``, ``GROUP_WORLD_SIZE``,
-``TORCHELASTIC_*``)."""
+"""torchrun, ``ddpkit run``, :func:`ddpkit.spawn`, or any launcher that exports PyTorch's
+``env://`` variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``),
+and what torchrun's agent adds (``LOCAL_WORLD_SIZE``, ``GROUP_WORLD_SIZE``, ``TORCHELASTIC_*``)."""
 
 from __future__ import annotations
 
@@ -16,8 +15,7 @@ NAME = "torchrun"
 VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 """Any of these set means a launcher meant this process to be a rank; all three must then be set."""
 
-OPTION_PREFIX = "PET_"
-"""torchrun's parser reads ``PET_<OPTION>`` as the default of each of its options."""
+OPTION_PREFIX = "PET_"  # torchrun's parser reads PET_<OPTION> as each option's default
 
 
 def detect(env: Mapping[str, str]) -> bool:
@@ -63,8 +61,7 @@ def world(env: Mapping[str, str], launcher: str = NAME) -> LaunchEnv:
 
 
 def launch_defaults(env: Mapping[str, str]) -> list[LaunchDefault]:
-    """None of its own: the ``PET_*`` variables an operator sets are read with Kubernetes
-    (:func:`ddpkit.platforms._kubernetes.launch_defaults`)."""
+    """None: the ``PET_*`` an operator sets are read with Kubernetes."""
     return []
 
 
@@ -106,13 +103,8 @@ def option_variables(env: Mapping[str, str]) -> list[str]:
 
 
 def uneven_nodes(env: Mapping[str, str]) -> str | None:
-    """A warning when torchrun's nodes run different numbers of processes, else None.
-
-    torchrun accepts a different ``--nproc-per-node`` on each node and numbers the ranks node after
-    node, so such a job runs; but it is usually a typo on one node, and it leaves GPUs idle or
-    oversubscribes a node. Told from this process's variables alone (``GROUP_WORLD_SIZE`` nodes x
-    ``LOCAL_WORLD_SIZE`` here against ``WORLD_SIZE``), with no collective.
-    """
+    """A warning when torchrun's nodes run different numbers of processes (a job that runs, most
+    often a typo on one node), told from this process's variables alone; else None."""
     try:
         nodes, world, here = (
             int(env[name]) for name in ("GROUP_WORLD_SIZE", "WORLD_SIZE", "LOCAL_WORLD_SIZE")

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpkit._launch import manifests
+from ddpkit._launch import k8s
 from ddpkit.testing import wait_until
 from tests.jobs.launch import netns
 from tests.jobs.launch.netns import DDPKIT, ROOT
@@ -124,7 +124,7 @@ def pod(
         return [sys.executable, JOB, *job], env
     env["DDPKIT_RDZV_SECRET"] = secret  # an env var from a Kubernetes Secret (secretKeyRef)
     manifest_kind = "pytorchjob" if kind == "pytorchjob-run" else kind
-    cfg = manifests.ManifestConfig(
+    cfg = k8s.ManifestConfig(
         script=JOB,
         script_args=job,
         image="-",
@@ -134,7 +134,7 @@ def pod(
         nproc="1",
         max_restarts=2,
     )
-    argv = manifests.command(cfg)
+    argv = k8s.command(cfg)
     assert argv[:2] == ["ddpkit", "run"]
     return [*DDPKIT, *argv[1:]], env
 
@@ -203,11 +203,11 @@ def test_a_one_pod_job_of_two_processes_trains_without_a_secret(pods, reference,
     (tmp_path / "shm").mkdir()
     (tmp_path / "log").mkdir()
     job = [str(tmp_path / "run"), "--log", str(tmp_path / "log"), "--out", str(tmp_path / "one.pt")]
-    cfg = manifests.ManifestConfig(
+    cfg = k8s.ManifestConfig(
         script=JOB, script_args=job, image="-", kind=kind, name="digits", nproc="2"
     )
-    assert manifests.environment(cfg) == []  # no secret named
-    argv = manifests.command(cfg)
+    assert k8s.environment(cfg) == []  # no secret named
+    argv = k8s.command(cfg)
     codes = netns.finish(
         [netns.on(ns_a, [*DDPKIT, *argv[1:]], tmp_path, "one.log", env)], timeout=300
     )

@@ -400,7 +400,7 @@ def _fork_servers(parent: int) -> list[int]:
     found = []
     for pid in map(int, children):
         with contextlib.suppress(OSError):
-            if b"ddpkit._launch.forkserver.server" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            if b"ddpkit._launch.forkserver\x00" in Path(f"/proc/{pid}/cmdline").read_bytes():
                 found.append(pid)
     return found
 

@@ -15,7 +15,6 @@ import pytest
 
 from ddpkit import _fs as fs
 from ddpkit._errors import ConfigError
-from ddpkit._fs import safe
 
 ORIGINAL = b"the original's records\n"
 
@@ -55,7 +54,7 @@ def test_control_an_append_that_follows_no_symbolic_link_still_writes_through_a_
 def test_control_with_the_check_off_the_module_writes_through_a_hard_link(
     original, linked, monkeypatch
 ):
-    monkeypatch.setattr(safe, "other_names", lambda st: False)
+    monkeypatch.setattr(fs, "other_names", lambda st: False)
     _append(linked)
     assert original.read_bytes() != ORIGINAL
 
@@ -196,7 +195,7 @@ def test_each_in_place_write_of_the_package_leaves_the_other_name_whole(
         (other / name).write_bytes(held)
         os.link(other / name, folder / name)
         if check == "off":
-            monkeypatch.setattr(safe, "other_names", lambda st: False)
+            monkeypatch.setattr(fs, "other_names", lambda st: False)
         call(folder)
         if check == "off":
             assert (other / name).read_bytes() != held, (
@@ -235,7 +234,7 @@ def test_a_lock_file_with_a_second_name_is_replaced_while_held_and_the_other_lef
     original, copy = _shared_lock(tmp_path)
     held = (original / ".lock").read_bytes()
     if check == "off":  # control: the holder's name is written through the link
-        monkeypatch.setattr(safe, "other_names", lambda st: False)
+        monkeypatch.setattr(fs, "other_names", lambda st: False)
     lock = _lock(copy)
     lock.acquire()
     try:

@@ -88,7 +88,7 @@ def test_temporaries_are_unpredictable_and_a_planted_one_is_never_written(
     # Every name a temporary could have is planted as a link to the victim: the writer skips them
     # (O_EXCL) and never writes through one. Then: two writes use two different names.
     tokens = iter(["aaaa", "aaaa", "bbbb", "cccc"])
-    monkeypatch.setattr(fs.safe.secrets, "token_hex", lambda n: next(tokens))
+    monkeypatch.setattr(fs.secrets, "token_hex", lambda n: next(tokens))
     (folder / ".out.bin.aaaa.tmp").symlink_to(victim)
     fs.write_atomic(folder / "out.bin", b"new")
     assert victim.read_bytes() == VICTIM and (folder / "out.bin").read_bytes() == b"new"
@@ -96,9 +96,7 @@ def test_temporaries_are_unpredictable_and_a_planted_one_is_never_written(
     seen = []
     monkeypatch.undo()
     real = os.replace
-    monkeypatch.setattr(
-        fs.safe.os, "replace", lambda a, b, **kw: (seen.append(a), real(a, b, **kw))
-    )
+    monkeypatch.setattr(fs.os, "replace", lambda a, b, **kw: (seen.append(a), real(a, b, **kw)))
     fs.write_atomic(folder / "x", b"1")
     fs.write_atomic(folder / "x", b"2")
     assert len(set(seen)) == 2 and all(len(name) >= len(".x..tmp") + 16 for name in seen)

@@ -29,7 +29,7 @@ ALLOWED: dict[tuple[str, str], str] = {
     ): "prune: rmtree(name, dir_fd=) of an entry lstat-ed as a folder; "
     "rmtree walks by descriptors and never follows a link",
     (
-        "_launch/forkserver/workers.py",
+        "_launch/forkserver.py",
         "os.open",
     ): "os.devnull opened read-write for a child's standard streams",
     (

@@ -13,13 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit._launch.forkserver.server import (
+from ddpkit._launch.forkserver import (
     JOB_SIGNALS,
+    ForkedProcess,
+    _is_worker_command,
     exec_dispositions,
     exit_status,
     ignored_signals,
 )
-from ddpkit._launch.forkserver.workers import ForkedProcess, _is_worker_command
 from ddpkit._launch.options import build_parser, config_from_args
 
 pytestmark = pytest.mark.skipif(
@@ -36,7 +37,7 @@ def test_exit_status_is_the_interpreters(capsys):
 
 END = """
 import atexit, sys, threading, time
-from ddpkit._launch.forkserver.server import run_as_main
+from ddpkit._launch.forkserver import run_as_main
 atexit.register(lambda: print("atexit", flush=True))
 def main():
     # Ends after main.
@@ -117,7 +118,7 @@ def test_a_forked_workers_signals_are_those_of_a_new_interpreter(ignored):
 GAP = """
 import os, signal
 from ddpkit._launch import proctree
-from ddpkit._launch.forkserver import workers as forked
+from ddpkit._launch import forkserver as forked
 forked.PRELOAD = ()  # nothing to import: the fork is what is tested
 proctree.become_subreaper()  # this process is the agent, which adopts its forked workers
 server = forked.ForkServer({preload!r})

@@ -16,7 +16,6 @@ import yaml
 
 from ddpkit._errors import ConfigError
 from ddpkit._launch import k8s
-from ddpkit._launch import manifests as mf
 
 HERE = Path(__file__).resolve().parent / "k8s"
 SCHEMAS = {
@@ -89,8 +88,8 @@ def test_the_manifest_is_valid_against_the_published_schemas(case, capsys):
 
 def test_the_schemas_refuse_a_misspelt_field_and_a_wrong_type():
     """Controls: the check can fail. A field misspelt deep in the pod, a count written as text."""
-    cfg = mf.ManifestConfig(script="train.py", image="reg/train:1", kind="jobset", nodes=2)
-    (jobset,) = mf.manifests(cfg)
+    cfg = k8s.ManifestConfig(script="train.py", image="reg/train:1", kind="jobset", nodes=2)
+    (jobset,) = k8s.manifests(cfg)
     broken = copy.deepcopy(jobset)
     pod = broken["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     pod["containers"][0]["volumeMount"] = pod["containers"][0].pop("volumeMounts")
@@ -98,14 +97,14 @@ def test_the_schemas_refuse_a_misspelt_field_and_a_wrong_type():
     found = errors(broken)
     assert any("volumeMount" in e and "Additional properties" in e for e in found), found
     assert any(e.startswith("spec/replicatedJobs/0/replicas") for e in found), found
-    trainjob = mf.manifests(mf.ManifestConfig(script="t.py", image="i", nodes=2))[1]
+    trainjob = k8s.manifests(k8s.ManifestConfig(script="t.py", image="i", nodes=2))[1]
     trainjob["spec"]["trainer"]["numNodes"] = "two"
     assert any("numNodes" in e for e in errors(trainjob))
 
 
 def test_the_failure_policy_recreates_preempted_and_disrupted_pods_and_fails_on_the_scripts_error():
-    cfg = mf.ManifestConfig(script="train.py", image="reg/train:1", kind="jobset", nodes=2)
-    rules = mf.pod_failure_policy(cfg)["rules"]
+    cfg = k8s.ManifestConfig(script="train.py", image="reg/train:1", kind="jobset", nodes=2)
+    rules = k8s.pod_failure_policy(cfg)["rules"]
     assert rules[0] == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]}
     assert rules[1]["action"] == "Ignore" and rules[1]["onExitCodes"]["values"] == [75]
     assert rules[2]["action"] == "FailJob" and rules[2]["onExitCodes"] == {
@@ -116,33 +115,33 @@ def test_the_failure_policy_recreates_preempted_and_disrupted_pods_and_fails_on_
 
 
 def test_pods_mount_shared_memory_and_the_secret_read_only_by_their_group():
-    cfg = mf.ManifestConfig(
+    cfg = k8s.ManifestConfig(
         script="train.py", image="reg/train:1", kind="jobset", nodes=2, shm_size="16Gi"
     )
-    vols, mounts = mf.volumes(cfg)
+    vols, mounts = k8s.volumes(cfg)
     assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}} in vols
     assert {
         "name": "rdzv-secret",
         "secret": {"secretName": "train-rdzv", "defaultMode": 0o440},
     } in vols
-    assert mf.pod_spec(cfg)["securityContext"] == {
+    assert k8s.pod_spec(cfg)["securityContext"] == {
         "fsGroup": 2000,
         "fsGroupChangePolicy": "OnRootMismatch",
     }
     assert {
         "name": "DDPKIT_RDZV_SECRET_FILE",
         "value": "/etc/ddpkit/rdzv/rdzv-secret",
-    } in mf.environment(cfg)
-    one = mf.ManifestConfig(script="train.py", image="reg/train:1", kind="jobset")
-    assert [v["name"] for v in mf.volumes(one)[0]] == ["dshm"]  # one node: no rendezvous to guard
-    assert "securityContext" not in mf.pod_spec(one)  # ...and no group to give a claim
+    } in k8s.environment(cfg)
+    one = k8s.ManifestConfig(script="train.py", image="reg/train:1", kind="jobset")
+    assert [v["name"] for v in k8s.volumes(one)[0]] == ["dshm"]  # one node: no rendezvous to guard
+    assert "securityContext" not in k8s.pod_spec(one)  # ...and no group to give a claim
 
 
 def test_a_pytorchjobs_preempted_pod_exits_with_a_code_its_exit_code_policy_retries():
     """The operator's ExitCode policy retries codes from 128 and fails 1-127: 75 would fail the
     job."""
-    cfg = mf.ManifestConfig(script="train.py", image="reg/train:1", kind="pytorchjob", nodes=2)
-    (job,) = mf.manifests(cfg)
+    cfg = k8s.ManifestConfig(script="train.py", image="reg/train:1", kind="pytorchjob", nodes=2)
+    (job,) = k8s.manifests(cfg)
     master = job["spec"]["pytorchReplicaSpecs"]["Master"]
     argv = master["template"]["spec"]["containers"][0]["command"]
     assert (
@@ -190,7 +189,7 @@ def test_bad_options_name_what_to_change(args, message):
 
 def test_shm_defaults_within_memory_and_run_mount_is_checked_only_with_a_claim():
     def cfg(**kw):
-        return mf.ManifestConfig(script="t.py", image="i", **kw)
+        return k8s.ManifestConfig(script="t.py", image="i", **kw)
 
     assert cfg().shm_size == "8Gi" and cfg(memory="32Gi").shm_size == "8Gi"
     assert cfg(memory="4Gi").shm_size == "2048Mi"  # 8Gi would be more than the pod may use
@@ -211,10 +210,10 @@ def test_a_trainjob_on_cpus_runs_ddpkit_runs_auto_not_one_process_per_cpu():
     """Trainer's own "auto" without GPUs is one process per requested CPU; ddpkit run's, up to 8."""
 
     def procs(*args: str) -> int | None:
-        cfg = mf.ManifestConfig(
+        cfg = k8s.ManifestConfig(
             script="t.py", image="i", nodes=2, **dict(zip(args[::2], args[1::2]))
         )
-        return mf.manifests(cfg)[1]["spec"]["trainer"].get("numProcPerNode")
+        return k8s.manifests(cfg)[1]["spec"]["trainer"].get("numProcPerNode")
 
     assert (procs("cpu", "32"), procs("cpu", "7500m"), procs("cpu", "500m")) == (8, 8, 1)
     # typed; or no CPU given: Trainer's one

@@ -16,7 +16,6 @@ import yaml
 
 from ddpkit._errors import ConfigError
 from ddpkit._launch import k8s
-from ddpkit._launch import manifests as mf
 from ddpkit._launch.rendezvous import auth
 from ddpkit._launch.rendezvous.auth import SECRET_ENV, SECRET_FILE_ENV, load_secret
 
@@ -96,7 +95,7 @@ def test_control_without_the_env_check_the_manifest_holds_the_secret_and_two_ent
 ):
     # main's manifest, which took any --env: what the check above refuses is found by a reader of
     # the job.
-    monkeypatch.setattr(mf.ManifestConfig, "_check_env", lambda self: None)
+    monkeypatch.setattr(k8s.ManifestConfig, "_check_env", lambda self: None)
     docs = _docs(
         ["--nodes", "2", "--env", f"{SECRET_ENV}={SECRET}", "--env", f"{SECRET_FILE_ENV}=/x"],
         capsys,
@@ -105,7 +104,9 @@ def test_control_without_the_env_check_the_manifest_holds_the_secret_and_two_ent
 
 
 def _shm_over_memory(memory: str, shm: str) -> bool:
-    return mf.quantity("--shm-size", shm, whole=True) > mf.quantity("--memory", memory, whole=True)
+    return k8s.quantity("--shm-size", shm, whole=True) > k8s.quantity(
+        "--memory", memory, whole=True
+    )
 
 
 @pytest.mark.parametrize("memory", ["1Ki", "1000", "1023Ki"])
@@ -113,18 +114,18 @@ def test_the_default_shm_is_checked_against_memory(memory):
     with pytest.raises(
         ConfigError, match=f"--memory {memory} is less than the default /dev/shm of 1Mi"
     ):
-        mf.ManifestConfig(script="t.py", image="i", memory=memory)
+        k8s.ManifestConfig(script="t.py", image="i", memory=memory)
     # Control for the refusal: from 2Mi the default, half of it, fits; a --shm-size within it is
     # taken.
-    assert mf.ManifestConfig(script="t.py", image="i", memory="2Mi").shm_size == "1Mi"
+    assert k8s.ManifestConfig(script="t.py", image="i", memory="2Mi").shm_size == "1Mi"
     assert (
-        mf.ManifestConfig(script="t.py", image="i", memory=memory, shm_size=memory).shm_size
+        k8s.ManifestConfig(script="t.py", image="i", memory=memory, shm_size=memory).shm_size
         == memory
     )
 
 
 def test_control_mains_default_shm_was_larger_than_memory():
-    half = mf.quantity("--memory", "1Ki", whole=True) / 2
+    half = k8s.quantity("--memory", "1Ki", whole=True) / 2
     # main's rule, unchecked
     mains_default = "8Gi" if half >= 8 * 2**30 else f"{max(1, int(half // 2**20))}Mi"
     assert _shm_over_memory("1Ki", mains_default)
@@ -150,13 +151,13 @@ def _kubelet_volume(top: Path, mode: int, group: int) -> Path:
     dated = top / "..2024_11_25_21_00_00.123456789"
     dated.mkdir()
     os.chmod(dated, 0o2755)
-    real = dated / mf.SECRET_KEY
+    real = dated / k8s.SECRET_KEY
     real.write_text(SECRET)
     os.chown(real, 0, group)
     os.chmod(real, mode)
     (top / "..data").symlink_to(dated.name)
-    (top / mf.SECRET_KEY).symlink_to(f"..data/{mf.SECRET_KEY}")
-    return top / mf.SECRET_KEY
+    (top / k8s.SECRET_KEY).symlink_to(f"..data/{k8s.SECRET_KEY}")
+    return top / k8s.SECRET_KEY
 
 
 root_only = pytest.mark.skipif(
@@ -231,7 +232,7 @@ def test_the_reader_accepts_exactly_the_kubelets_layout(top, tmp_path):
     flat = tmp_path / "flat"
     flat.write_text(SECRET)
     os.chmod(flat, 0o440)
-    for path in (flat, next(top.glob("..2024*")) / mf.SECRET_KEY):
+    for path in (flat, next(top.glob("..2024*")) / k8s.SECRET_KEY):
         with pytest.raises(ConfigError, match=refused):
             load_secret(str(path), {})
 

@@ -15,12 +15,14 @@ from ddpkit._launch.rendezvous.auth import (
     BUSY_FULL,
     EVICTED,
     HELLO,
+    PENDING,
+    PER_ADDRESS,
     Busy,
+    RelayServer,
     check_host,
     derive,
     join_host,
 )
-from ddpkit._launch.rendezvous.relay import PENDING, PER_ADDRESS, RelayServer
 
 KEY = derive(b"0123456789abcdef0123456789abcdef", "relay")
 ADDRESSES = PENDING // PER_ADDRESS + 1  # 65 addresses of 8 connections: more than the cap holds

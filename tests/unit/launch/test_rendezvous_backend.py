@@ -33,9 +33,11 @@ from ddpkit._errors import ConfigError
 from ddpkit._internals.store import serve_store
 from ddpkit._launch.rendezvous.auth import (
     BUSY_ADDRESS,
+    PER_ADDRESS,
     SECRET_ENV,
     FramedSocket,
     RelayClient,
+    RelayServer,
     Session,
     check_host,
     derive,
@@ -43,7 +45,6 @@ from ddpkit._launch.rendezvous.auth import (
     load_secret,
 )
 from ddpkit._launch.rendezvous.backend import SignedStateBackend
-from ddpkit._launch.rendezvous.relay import PER_ADDRESS, RelayServer
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 
@@ -328,7 +329,7 @@ def test_drops_from_ever_new_addresses_keep_a_bounded_record_and_are_said_once(c
     # A host flooded from many addresses (a scan) keeps no record past the first few hundred: said
     # once, then nothing more is kept or printed. Pure bookkeeping: the relay's record is fed
     # directly.
-    from ddpkit._launch.rendezvous import relay as relay_module
+    from ddpkit._launch.rendezvous import auth as relay_module
 
     monkeypatch.setattr(relay_module, "_LOGGED_ADDRESSES", 4)
     store = _loopback_store()

@@ -27,7 +27,6 @@ ALLOWED = {
     "platforms": "the platforms themselves",
     "tools/_env.py": "`ddpkit env` lists the variables that are set",
     "_launch/sbatch.py": "writes the batch script that SLURM reads",
-    "_launch/manifests.py": "writes the manifests whose operators set the variables",
     "_launch/k8s.py": "writes the manifests whose operators set the variables",
     "_internals/store.py": "torch's private switch to the agent's store, behind the seam's check",
 }

@@ -11,10 +11,10 @@ import pytest
 from ddpkit import platforms
 from ddpkit.platforms import _kubernetes as kubernetes
 from ddpkit.platforms import _mpi as mpi
-from ddpkit.platforms import _none as none
 from ddpkit.platforms import _ray as ray
 from ddpkit.platforms import _slurm as slurm
 from ddpkit.platforms import _torchrun as torchrun
+from ddpkit.platforms import none
 from ddpkit.platforms._base import Platform
 
 TORCHRUN = {

@@ -1,25 +1,8 @@
-"""Working out, on each node of a multi-node job, what torchrun's c10d rendezvous needs to be told.
-
-``ddpkit run --nnodes 2 --rdzv-endpoint HOST:PORT`` on every node is all a user writes. torchrun
-then also needs, or hangs without (seen across two network namespaces joined by a veth pair):
-
-- ``is_host=1`` on the node that serves the rendezvous store (the one that owns HOST's address), 0
-  elsewhere: by default torchrun guesses from host names, which fails where HOST is an address or a
-  second interface;
-- ``--local-addr``: the address of this node that the others can reach, which it otherwise takes
-  from the host name (often 127.0.1.1 on Debian, unreachable from other nodes);
-- ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``: the interface that carries that address, since
-  gloo otherwise binds the one its host name resolves to.
-
-Each is derived here from the endpoint with the kernel's own routing: the source address a socket
-gets when it is pointed at HOST. Where the endpoint cannot be resolved or reached, the launch stops
-with a message naming the flag, before any worker starts.
-
-The rendezvous itself is ddpkit's torch rendezvous backend
-(:mod:`~ddpkit._launch.rendezvous.backend`), whose store only the job's nodes reach: through a relay
-(:mod:`~ddpkit._launch.rendezvous.relay`) that checks the job's secret
-(:mod:`~ddpkit._launch.rendezvous.auth`). Those are imported by ``ddpkit run`` alone, never by
-``import ddpkit``.
+"""What each node of a multi-node job tells torchrun about itself, worked out from the endpoint with
+the kernel's own routing (torchrun's guesses from host names hang across networks): whether it hosts
+the rendezvous (``is_host``), its address as the others reach it (``--local-addr``), and the
+interface that carries it (``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``). The rendezvous itself:
+:mod:`~ddpkit._launch.rendezvous.backend`, :mod:`~ddpkit._launch.rendezvous.auth`.
 """
 
 from __future__ import annotations
@@ -42,14 +25,10 @@ class NodeAddress:
 
     host: str
     port: int
-    host_ip: str
-    """HOST resolved to an IPv4 address."""
-    is_host: bool
-    """This node owns ``host_ip``, so its agent serves the rendezvous store."""
-    local_addr: str
-    """The address of this node on the route towards ``host_ip``."""
-    interface: str | None
-    """The network interface that carries ``local_addr`` (None where it cannot be told)."""
+    host_ip: str  # HOST's IPv4 address
+    is_host: bool  # this node owns host_ip: its agent serves the rendezvous store
+    local_addr: str  # this node's address on the route towards host_ip
+    interface: str | None  # the interface that carries local_addr (None: not told)
 
 
 def split_endpoint(endpoint: str) -> tuple[str, int]:
@@ -61,7 +40,6 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
 
 def resolve(host: str) -> str:
     try:
-        # AF_INET: a str
         return str(socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0])
     except socket.gaierror as err:
         raise ConfigError(
@@ -71,8 +49,7 @@ def resolve(host: str) -> str:
 
 
 def is_local_address(ip: str) -> bool:
-    """True when ``ip`` belongs to an interface of this machine (binding to it succeeds only
-    then)."""
+    """True when ``ip`` belongs to an interface of this machine (binding to it succeeds)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
             s.bind((ip, 0))
@@ -84,8 +61,7 @@ def is_local_address(ip: str) -> bool:
 
 
 def route_source(ip: str, port: int) -> str:
-    """The local address the kernel would send from to reach ``ip`` (no packet is sent: UDP connect
-    only)."""
+    """The local address the kernel would send from to reach ``ip`` (a UDP connect: no packet)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             s.connect((ip, port))
@@ -98,8 +74,7 @@ def route_source(ip: str, port: int) -> str:
 
 
 def interface_of(ip: str) -> str | None:
-    """The interface whose IPv4 address is ``ip``, found by asking each interface for its
-    address."""
+    """The interface whose IPv4 address is ``ip``."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         for _, name in socket.if_nameindex():
             try:
@@ -120,8 +95,7 @@ def node_address(endpoint: str) -> NodeAddress:
     host_ip = resolve(host)
     local = is_local_address(host_ip)
     source = host_ip if local else route_source(host_ip, port)
-    # Several agents on the machine that owns the endpoint (an elastic job tried on one machine, or
-    # a second job step): the first one to start hosts the store, the others join it.
+    # of several agents on the endpoint's machine, the first to start hosts the store
     hosting = local and not _listening(host_ip, port)
     return NodeAddress(host, port, host_ip, hosting, source, interface_of(source))
 
@@ -133,13 +107,8 @@ def _listening(ip: str, port: int) -> bool:
 
 
 def wait_reachable(ip: str, port: int, timeout: float) -> None:
-    """Wait until something accepts TCP connections at ``ip:port`` (the hosting node's agent), or
-    fail.
-
-    The hosting node may start a little later than this one, so a refused connection is retried; an
-    address that never answers (a wrong endpoint, a firewall that drops packets) or keeps refusing
-    ends in an error that says which, after ``timeout`` seconds instead of torchrun's silent wait.
-    """
+    """Wait until something accepts TCP connections at ``ip:port`` (the hosting node's agent, which
+    may start later), or fail after ``timeout`` seconds saying why."""
     deadline = time.monotonic() + timeout
     last = "no answer"
     while True:

@@ -1,20 +1,11 @@
 """Letting only a job's own nodes into its rendezvous: the job's secret, and a relay that checks it.
 
-torch's c10d rendezvous store is a TCPStore that accepts any connection and has no notion of a
-client's identity, and torch unpickles the rendezvous state it reads from it: anyone who reached the
-endpoint could write a value that ran code in every agent. Under ``ddpkit run`` the store listens on
-127.0.0.1 only. Other nodes reach it through a relay on the endpoint's port
-(:mod:`ddpkit._launch.rendezvous.relay`) which, before one byte of the peer's reaches the store, has
-the peer prove that it holds the job's secret (an HMAC-SHA256 challenge-response with fresh nonces
-on both sides, so that the host proves it too), and then carries the store's traffic in frames that
-each bear an HMAC under a key of that session, so that bytes altered or injected on the way end the
-connection. On the other nodes the agent's store client talks to a local end of the relay
-(:class:`RelayClient`), which admits connections from its own process only. Nothing is encrypted:
-the rendezvous state holds addresses, not data.
-
-Written here because the standard library has nothing that fits: TLS with a pre-shared key needs
-Python 3.13, and ``multiprocessing.connection``'s authkey handshake uses HMAC-MD5 before Python 3.12
-and hands over a connection whose ``recv()`` unpickles.
+Under ``ddpkit run`` the rendezvous store listens on 127.0.0.1 only. Other nodes reach it through
+the relay on the endpoint's port (:class:`RelayServer`), which has a peer prove it holds the job's
+secret (an HMAC-SHA256 challenge-response, both ways) before one byte of its reaches the store, then
+carries the store's traffic in frames that each bear an HMAC of the session (:class:`FramedSocket`).
+On the other nodes the agent's store client talks to a local end (:class:`RelayClient`). Nothing is
+encrypted. Why, and what a flood of connections can and cannot do: docs/many-machines.md.
 """
 
 from __future__ import annotations
@@ -22,24 +13,24 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
+import ipaddress
 import os
 import secrets
+import selectors
 import socket
 import stat
 import struct
-import sys
 import threading
+import time
+from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ddpkit._errors import ConfigError
+from ddpkit._launch import say
 
-SECRET_ENV = "DDPKIT_RDZV_SECRET"
-"""Environment variable holding the job's secret, the same on every node (or
-``--rdzv-secret-file``)."""
-SECRET_FILE_ENV = "DDPKIT_RDZV_SECRET_FILE"
-"""The default of ``--rdzv-secret-file``: where a container finds a mounted secret (a Kubernetes
-Secret volume, ``defaultMode: 0440`` with the pod's ``fsGroup``, as ``ddpkit k8s`` writes it)."""
+SECRET_ENV = "DDPKIT_RDZV_SECRET"  # the job's secret, the same on every node
+SECRET_FILE_ENV = "DDPKIT_RDZV_SECRET_FILE"  # the default of --rdzv-secret-file (a mounted Secret)
 MIN_SECRET_CHARS = 32
 MAKE_SECRET = "python -c 'import secrets; print(secrets.token_hex(32))'"
 
@@ -47,35 +38,26 @@ HELLO = b"ddpkit rendezvous relay 1\n"
 _NONCE = 32
 _TAG = 32  # HMAC-SHA256
 _REFUSED = b"refused: not this job's secret".ljust(_TAG, b"\n")
+# The relay's words, in place of its proof to a peer whose handshake it evicted, and in place of
+# HELLO to a connection beyond its unfinished handshakes from one address, or of all of them.
 EVICTED = b"evicted: the relay is full".ljust(_TAG, b"\n")
-"""The relay's last words to a peer whose unfinished handshake it evicted (in place of its
-proof)."""
 BUSY = b"ddpkit rendezvous relay busy: "
 BUSY_ADDRESS = BUSY + b"address\n"
-"""The relay's only words to a connection beyond its unfinished handshakes from one address (in
-place of ``HELLO``)."""
 BUSY_FULL = BUSY + b"full\n"
-"""... beyond its unfinished handshakes of all addresses (a relay that does not evict)."""
 _BUSY_WORDS = {
     BUSY_ADDRESS: "its relay already holds as many unfinished handshakes from this node's address "
     "as it takes",
     BUSY_FULL: "its relay is full of unfinished handshakes from other addresses",
 }
 _MAX_FRAME = 1 << 20  # the relay writes at most 64 KiB per frame; anything larger is not ours
-HANDSHAKE_TIMEOUT = 10.0
-"""Seconds a peer has, from its connection, to finish the whole handshake before the relay drops
-it."""
-ANSWER = _NONCE + _TAG
-"""Bytes a node sends the relay in the handshake: its nonce and its proof."""
+HANDSHAKE_TIMEOUT = 10.0  # seconds a peer has, from its connection, for the whole handshake
+ANSWER = _NONCE + _TAG  # what a node sends in the handshake: its nonce and its proof
 
 
 def load_secret(path: str | None, env: Mapping[str, str] | None = None) -> bytes:
     """The job's secret from ``path`` (``--rdzv-secret-file``, else :data:`SECRET_FILE_ENV`), else
-    from :data:`SECRET_ENV`.
-
-    A file that other users can read is refused, as ssh refuses such a key; so is a secret too short
-    to resist guessing. Raises :class:`ConfigError` saying how to make one.
-    """
+    from :data:`SECRET_ENV`: a file other users can read, or a secret too short to resist guessing,
+    is a :class:`ConfigError` saying how to make one."""
     env = os.environ if env is None else env
     option = "--rdzv-secret-file" if path else SECRET_FILE_ENV
     path = path or env.get(SECRET_FILE_ENV)
@@ -92,8 +74,7 @@ def load_secret(path: str | None, env: Mapping[str, str] | None = None) -> bytes
         source = SECRET_ENV
         try:
             text = env[SECRET_ENV].strip().encode()
-        # bytes the locale could not decode, kept as surrogates by Python
-        except UnicodeEncodeError:
+        except UnicodeEncodeError:  # bytes the locale could not decode
             raise ConfigError(
                 f"{SECRET_ENV} holds bytes that are not text in this locale: use a secret of "
                 f"letters and digits, the same on every node ({MAKE_SECRET})"
@@ -117,15 +98,10 @@ _MAX_SECRET_FILE = 1 << 16
 
 
 def _kubelet_secret(path: str, info: os.stat_result) -> bool:
-    """Whether ``path`` (opened, ``info`` its fstat) is a key of a Kubernetes Secret volume, mounted
-    for this pod's ``fsGroup``, exactly as the kubelet lays it out: ``path`` a link to
-    ``..data/<name>``, ``..data`` a link to a folder ``..<timestamp>`` beside it that holds the
-    file, owned by root, mode 0440, its group one of this process's groups (the ``fsGroup``, which
-    the kubelet gives to the pod's containers only).
-
-    Group-readable is private there: only the pod's containers are in that group, and the kubelet
-    writes the volume, so no user of the container put a copy there. Any other group-readable file
-    stays refused, and so does a world-readable one (``defaultMode: 0444``)."""
+    """Whether ``path`` (opened, ``info`` its fstat) is a key of a Kubernetes Secret volume mounted
+    for this pod's ``fsGroup``, exactly as the kubelet lays it out (``path -> ..data/<name>``,
+    ``..data -> ..<timestamp>``, the file root's, mode 0440, its group one of this process's):
+    group-readable is private there."""
     if info.st_uid != 0 or stat.S_IMODE(info.st_mode) != 0o440:
         return False
     if info.st_gid != os.getegid() and info.st_gid not in os.getgroups():
@@ -147,11 +123,8 @@ def _kubelet_secret(path: str, info: os.stat_result) -> bool:
 
 
 def _read_secret_file(path: str, source: str) -> tuple[bytes, os.stat_result]:
-    """(the stripped contents, the status) of the regular file at ``path``.
-
-    Opened without blocking and checked to be a regular file before any read: a FIFO would block the
-    launch forever waiting for a writer, and a device could be read without end.
-    """
+    """(the stripped contents, the status) of the regular file at ``path``, checked to be one before
+    any read (a FIFO would block, a device read without end)."""
     how = f"write the job's secret there ({MAKE_SECRET})"
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
@@ -173,8 +146,7 @@ def _read_secret_file(path: str, source: str) -> tuple[bytes, os.stat_result]:
 
 
 def derive(secret: bytes, purpose: str) -> bytes:
-    """A key for one use of the secret, so that a tag made for one use is worth nothing in
-    another."""
+    """A key for one use of the secret: a tag made for one use is worth nothing in another."""
     return hmac.new(secret, b"ddpkit rendezvous: " + purpose.encode(), hashlib.sha256).digest()
 
 
@@ -276,10 +248,7 @@ def join_host(sock: socket.socket, key: bytes) -> Session:
 
 class FramedSocket:
     """A socket whose every message bears an HMAC over its sequence number and bytes (no replay, no
-    reorder).
-
-    One thread sends and one receives: each direction keeps its own counter.
-    """
+    reorder); one thread sends and one receives."""
 
     def __init__(self, sock: socket.socket, session: Session) -> None:
         self.sock, self._session = sock, session
@@ -306,8 +275,7 @@ class FramedSocket:
 def splice(framed: FramedSocket, plain: socket.socket) -> None:
     """Carry bytes both ways between ``plain`` and ``framed`` on two threads; when one way ends,
     close both."""
-    # A store request is several small writes; with Nagle's algorithm each relayed piece waits for
-    # the ACK of the one before (a round trip through the relay took 12 ms instead of 0.1 ms).
+    # a store request is several small writes: Nagle's algorithm would hold each for an ACK
     for s in (framed.sock, plain):
         with contextlib.suppress(OSError):
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -325,7 +293,6 @@ def splice(framed: FramedSocket, plain: socket.socket) -> None:
         close()
 
     def inward() -> None:
-        # Refused is an OSError: a bad frame ends the connection
         with contextlib.suppress(OSError, EOFError):
             while True:
                 plain.sendall(framed.recv())
@@ -333,10 +300,6 @@ def splice(framed: FramedSocket, plain: socket.socket) -> None:
 
     for target in (outward, inward):
         threading.Thread(target=target, daemon=True, name="ddpkit-relay").start()
-
-
-def say(message: str) -> None:
-    print(f"ddpkit run: {message}", file=sys.stderr, flush=True)
 
 
 def _from_this_process(peer: tuple[str, int]) -> bool:
@@ -352,16 +315,15 @@ def _from_this_process(peer: tuple[str, int]) -> bool:
                 addr, port = s.getsockname()[:2]
         except OSError:
             continue
-        # torch's store client connects from an IPv6 socket: ::ffff:127.0.0.1 is 127.0.0.1.
+        # torch's store client connects from an IPv6 socket: ::ffff:127.0.0.1 is 127.0.0.1
         if port == peer[1] and addr.removeprefix("::ffff:") == peer[0]:
             return True
     return False
 
 
 class RelayClient:
-    """A node's local end of the relay: a port on 127.0.0.1 for this process's store client, whose
-    traffic it carries to the rendezvous host after the handshake. Connections from other processes
-    (another user of this machine) are closed unanswered."""
+    """A node's local end of the relay: a port on 127.0.0.1 for this process's store client (other
+    processes' connections are closed unanswered), carried to the host after the handshake."""
 
     def __init__(self, host: tuple[str, int], key: bytes) -> None:
         self._host, self._key = host, key
@@ -395,7 +357,7 @@ class RelayClient:
 
 
 def check_host(host: tuple[str, int], key: bytes) -> None:
-    """Handshake once with the rendezvous host, so that a wrong secret is one clear error before any
+    """Handshake once with the rendezvous host: a wrong secret is one clear error before any
     worker."""
     where = f"{host[0]}:{host[1]}"
     try:
@@ -422,3 +384,270 @@ def check_host(host: tuple[str, int], key: bytes) -> None:
         raise ConfigError(
             f"the rendezvous at {where} failed during the handshake ({err}): check --rdzv-endpoint"
         ) from None
+
+
+# -- the rendezvous host's relay -------------------------------------------------------------------
+
+PER_ADDRESS = 8  # unfinished handshakes one address may hold
+PENDING = 512  # unfinished handshakes of all addresses (a socket each, no thread)
+LOG_INTERVAL = 60.0  # seconds between two lines about the connections dropped from one address
+_LOGGED_ADDRESSES = 256  # (address, reason) pairs said; past that, further ones are not shown
+
+
+@dataclass
+class _Pending:
+    """A connection that has not finished the handshake."""
+
+    sock: socket.socket
+    address: str
+    nonce: bytes
+    deadline: float
+    answer: bytearray = field(default_factory=bytearray)
+
+
+@dataclass
+class _Drops:
+    """The connections dropped from one address for one reason, not said yet."""
+
+    count: int = 0
+    said_at: float | None = None
+
+
+def address_key(ip: str) -> str:
+    """The unit a cap counts: the address, or its /64 for IPv6 (one host's, commonly)."""
+    try:
+        addr = ipaddress.ip_address(ip.removeprefix("::ffff:"))
+    except ValueError:
+        return ip
+    if addr.version == 6:
+        return str(ipaddress.ip_network(f"{addr}/64", strict=False))
+    return str(addr)
+
+
+class RelayServer:
+    """The rendezvous host's relay on ``address``, in front of the store at
+    ``127.0.0.1:store_port``: every handshake served in one selector thread as its bytes arrive,
+    within ``handshake_timeout`` seconds in all; at most ``per_address`` unfinished ones from one
+    address and ``pending`` in all, past which the oldest of the address holding the most is
+    evicted; every dropped connection said, once per address and reason, then counted."""
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        store_port: int,
+        key: bytes,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT,
+        per_address: int = PER_ADDRESS,
+        log_interval: float = LOG_INTERVAL,
+        pending: int = PENDING,
+        evict: bool = True,
+    ) -> None:
+        """``evict=False`` turns a connection beyond ``pending`` away instead (a test's
+        control)."""
+        self._store_port, self._key = store_port, key
+        self._timeout, self._per_address, self._log_interval = (
+            handshake_timeout,
+            per_address,
+            log_interval,
+        )
+        if pending < 1:
+            raise ValueError(
+                f"pending={pending}: the relay holds at least one unfinished handshake"
+            )
+        self._cap, self._evict = pending, evict
+        self._pending: dict[socket.socket, _Pending] = {}
+        self._per: Counter[str] = Counter()
+        self._drops: dict[tuple[str, str], _Drops] = {}
+        self._drops_unshown = False
+        self._sock = socket.create_server(address, backlog=128)
+        self._sock.setblocking(False)
+        self.address = self._sock.getsockname()[:2]
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._sock, selectors.EVENT_READ)
+        self._selector.register(self._wake_r, selectors.EVENT_READ)
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="ddpkit-relay")
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop listening and drop the unfinished handshakes (admitted peers keep their
+        connections)."""
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+        self._thread.join(timeout=5.0)
+
+    def _loop(self) -> None:
+        try:
+            while not self._closed:
+                soonest = min((p.deadline for p in self._pending.values()), default=None)
+                wait = None if soonest is None else max(0.0, soonest - time.monotonic())
+                for key, _ in self._selector.select(wait):
+                    if key.fileobj is self._sock:
+                        self._accept()
+                    else:
+                        pending = self._pending.get(key.fileobj)  # type: ignore[call-overload]
+                        if pending is not None:
+                            self._read(pending)
+                now = time.monotonic()
+                for pending in [p for p in self._pending.values() if p.deadline <= now]:
+                    self._drop(
+                        pending,
+                        f"no complete handshake within {self._timeout:g} s (slow or silent)",
+                    )
+        finally:
+            for pending in list(self._pending.values()):
+                self._forget(pending)
+                pending.sock.close()
+            self._selector.close()
+            for s in (self._sock, self._wake_r, self._wake_w):
+                s.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, peer = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # out of descriptors: the deadlines free some; no spin meanwhile
+                time.sleep(0.05)
+                return
+            where = address_key(peer[0])
+            if self._per[where] >= self._per_address:
+                self._turn_away(conn, where, BUSY_ADDRESS, "too many unfinished handshakes at once")
+                continue
+            if len(self._pending) >= self._cap:
+                if not self._evict:
+                    self._turn_away(
+                        conn,
+                        where,
+                        BUSY_FULL,
+                        f"{self._cap} unfinished handshakes of all addresses",
+                    )
+                    continue
+                victim = self._victim()
+                self._forget(victim)
+                self._note(
+                    victim.address, f"evicted: {self._cap} unfinished handshakes of all addresses"
+                )
+                refuse(victim.sock, EVICTED)
+            nonce, hello = greeting()
+            conn.setblocking(False)
+            try:
+                conn.send(hello)  # a fresh connection's buffer holds these few bytes whole
+            except OSError:
+                conn.close()
+                continue
+            pending = _Pending(conn, where, nonce, time.monotonic() + self._timeout)
+            self._pending[conn] = pending
+            self._per[where] += 1
+            self._selector.register(conn, selectors.EVENT_READ)
+
+    def _victim(self) -> _Pending:
+        """The handshake to evict when all addresses together hold the cap: the oldest of the
+        address holding the most, so a node that holds one is never evicted while any holds
+        two."""
+        heaviest = max(self._per.values())
+        return next(p for p in self._pending.values() if self._per[p.address] == heaviest)
+
+    def _turn_away(self, conn: socket.socket, where: str, words: bytes, reason: str) -> None:
+        """Close a fresh connection with the words its node says (it has sent nothing, so no reset
+        eats them)."""
+        self._note(where, reason)
+        conn.setblocking(False)
+        with contextlib.suppress(OSError):
+            conn.send(words)
+        conn.close()
+
+    def _read(self, pending: _Pending) -> None:
+        try:
+            data = pending.sock.recv(ANSWER - len(pending.answer))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            if pending.answer:  # something, not a proof: a client of another protocol
+                self._refuse(pending)
+            else:  # a port probe, or a reset
+                self._forget(pending)
+                pending.sock.close()
+            return
+        pending.answer += data
+        if len(pending.answer) < ANSWER:
+            return
+        try:
+            proof, session = check_answer(self._key, pending.nonce, bytes(pending.answer))
+        except Refused:
+            self._refuse(pending)
+            return
+        self._forget(pending)
+        threading.Thread(
+            target=self._connect,
+            args=(pending.sock, proof, session),
+            daemon=True,
+            name="ddpkit-relay",
+        ).start()
+
+    def _connect(self, conn: socket.socket, proof: bytes, session: Session) -> None:
+        """Send the relay's proof and carry the admitted peer's traffic to the store."""
+        try:
+            conn.setblocking(True)
+            conn.settimeout(self._timeout)
+            conn.sendall(proof)
+            conn.settimeout(None)
+            store = socket.create_connection(("127.0.0.1", self._store_port))
+        except OSError:
+            conn.close()
+            return
+        splice(FramedSocket(conn, session), store)
+
+    def _refuse(self, pending: _Pending) -> None:
+        self._forget(pending)
+        self._note(pending.address, "it does not hold the job's secret", refused=True)
+        refuse(pending.sock)
+
+    def _drop(self, pending: _Pending, reason: str) -> None:
+        self._forget(pending)
+        self._note(pending.address, reason)  # said before the peer sees the close
+        pending.sock.close()
+
+    def _forget(self, pending: _Pending) -> None:
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(pending.sock)
+        if self._pending.pop(pending.sock, None) is not None:
+            self._per[pending.address] -= 1
+            if not self._per[pending.address]:
+                del self._per[pending.address]
+
+    def _note(self, where: str, reason: str, refused: bool = False) -> None:
+        """Say a dropped connection: the first from an address for each reason at once, then a count
+        of the further ones at most every ``log_interval`` seconds."""
+        drops = self._drops.get((where, reason))
+        if drops is None:
+            if len(self._drops) >= _LOGGED_ADDRESSES:
+                if not self._drops_unshown:
+                    say(
+                        "dropping connections to the rendezvous from further addresses too (not "
+                        "shown)"
+                    )
+                self._drops_unshown = True
+                return
+            drops = self._drops[(where, reason)] = _Drops()
+        drops.count += 1
+        now = time.monotonic()
+        if drops.said_at is None:
+            say(
+                f"{'refused' if refused else 'dropped'} a connection to the rendezvous from "
+                f"{where}: {reason} (further ones from {where} are counted every "
+                f"{self._log_interval:g} s)"
+            )
+        elif now - drops.said_at >= self._log_interval:
+            say(
+                f"dropped {drops.count} connections to the rendezvous from {where} in "
+                f"{now - drops.said_at:.0f} s: {reason}"
+            )
+        else:
+            return
+        drops.count, drops.said_at = 0, now

@@ -1,17 +1,7 @@
-"""The rendezvous ``ddpkit run`` gives torchrun's agent: torch's dynamic rendezvous, on a store only
-the job reaches.
-
-Registered with torch's handler registry as ``--rdzv-backend ddpkit``; torch's own ``c10d`` backend
-differs in three ways (see :mod:`ddpkit._launch.rendezvous.auth` for why):
-
-- the TCPStore is served from a socket bound to 127.0.0.1, where torch's listens on every interface
-  whatever the endpoint says;
-- a job on several nodes reaches it through the relay that admits only holders of the job's secret;
-  a job on one node has no relay, and nothing outside the machine reaches its store;
-- the rendezvous state, which torch pickles, is stored with an HMAC-SHA256 tag under a key of the
-  job (derived from the secret, or random for a job on one node) and handed to torch's unpickling
-  only when the tag matches (:class:`SignedStateBackend`): a process of this machine that writes to
-  the loopback store cannot run code in the agent either.
+"""The rendezvous ``ddpkit run`` gives torchrun's agent (``--rdzv-backend ddpkit``): torch's
+dynamic rendezvous on a store served on 127.0.0.1, reached across nodes only through the relay
+(:mod:`~ddpkit._launch.rendezvous.auth`), its state stored with an HMAC tag of the job
+(:class:`SignedStateBackend`).
 """
 
 from __future__ import annotations
@@ -21,7 +11,6 @@ import binascii
 import hashlib
 import hmac
 import socket
-import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -42,8 +31,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from ddpkit._internals.store import serve_store
-from ddpkit._launch.rendezvous.auth import RelayClient, derive
-from ddpkit._launch.rendezvous.relay import RelayServer
+from ddpkit._launch import say
+from ddpkit._launch.rendezvous.auth import RelayClient, RelayServer, derive
 
 BACKEND = "ddpkit"
 
@@ -53,11 +42,8 @@ class JobAccess:
     """What one job's agent needs to open its rendezvous store; kept in this process, never in
     torchrun's arguments or logs."""
 
-    secret: bytes
-    """The job's secret (several nodes), or random bytes made for this job (one node)."""
-    relay_ip: str | None
-    """The address the host's relay listens on (the endpoint's); None for a job on this machine
-    only."""
+    secret: bytes  # the job's secret (several nodes), or random bytes of this job (one node)
+    relay_ip: str | None  # where the host's relay listens; None for a job on this machine only
 
 
 _jobs: dict[str, JobAccess] = {}  # rendezvous id -> access, for the jobs this process runs
@@ -66,7 +52,6 @@ _relays: dict[str, list[Any]] = {}
 
 def register(run_id: str, access: JobAccess) -> None:
     """Make ``--rdzv-backend ddpkit --rdzv-id RUN_ID`` open its store with ``access``."""
-    # the same function each time: torch allows that
     handler_registry.register(BACKEND, _create_handler)
     _jobs[run_id] = access
 
@@ -89,7 +74,6 @@ def _create_handler(params: RendezvousParameters) -> RendezvousHandler:
 
 
 def _open_store(params: RendezvousParameters, access: JobAccess) -> dist.TCPStore:
-    # checked by the launcher; port 0 on one node
     host, _, port_text = params.endpoint.rpartition(":")
     host, port = host.strip("[]"), int(port_text)
     timeout = timedelta(seconds=params.get_as_int("read_timeout", 60) or 60)
@@ -114,24 +98,18 @@ def _open_store(params: RendezvousParameters, access: JobAccess) -> dist.TCPStor
 
 
 class SignedStateBackend(RendezvousBackend):
-    """torch's rendezvous state, stored with an HMAC tag and returned only when the tag matches.
+    """torch's rendezvous state, stored with an HMAC tag and returned only when the tag matches
+    (torch unpickles what a backend returns). A value whose tag does not match is replaced, by
+    compare-and-set, with the last state this node read with a valid one, and the rendezvous goes
+    on."""
 
-    torch's state holder pickles the state it writes and unpickles the bytes a backend returns
-    (``_BackendRendezvousStateHolder.sync``); with torch's c10d backend those are whatever sits
-    under the key, so a value written there by anyone who reaches the store runs code in the agent.
-    Here a value whose tag does not match is never returned: the last state this node read with a
-    valid tag (none, for a node that has read no state yet) is put back in its place, by
-    compare-and-set so that a genuine write in between wins, and the rendezvous goes on.
-    """
-
-    # the key's value before any node wrote a state: a store read blocks on a missing key
-    _EMPTY = b"-"
+    _EMPTY = b"-"  # the key's value before any state: a read blocks on a missing key
     _RESTORES = 20
 
     def __init__(self, store: dist.Store, run_id: str, key: bytes) -> None:
         self._store, self._key = store, key
         self._name = "torch.rendezvous." + run_id  # the key torch's c10d backend uses
-        self._context = run_id.encode() + b"\0"  # a state signed for another job is not valid here
+        self._context = run_id.encode() + b"\0"  # a state signed for another job is not valid
         self._last_valid = self._EMPTY
         self._warned = False
         self._call("compare_set", self._name, "", self._EMPTY)
@@ -146,16 +124,14 @@ class SignedStateBackend(RendezvousBackend):
     def set_state(
         self, state: bytes, token: Token | None = None
     ) -> tuple[bytes, Token, bool] | None:
-        # not a token of ours: the write cannot succeed
         if token is not None and not isinstance(token, bytes):
             current = self.get_state()
             return (*current, False) if current is not None else None
         sealed = self._seal(state)
         current = self._open(self._call("compare_set", self._name, token or self._EMPTY, sealed))
         if current is None and token is not None:
-            # The key was emptied under this node (a forged value replaced by a node that had read
-            # no state). torch would take None for "written" and go on with a state nobody
-            # stored: write it, as a first node does.
+            # emptied under this node (a forged value replaced): torch would take None for
+            # "written" and go on with a state nobody stored
             current = self._open(self._call("compare_set", self._name, self._EMPTY, sealed))
         if current is None:
             return None
@@ -187,11 +163,9 @@ class SignedStateBackend(RendezvousBackend):
                 return state, stored
             if not self._warned:
                 self._warned = True
-                print(
-                    "ddpkit run: ignored a rendezvous state without this job's signature (written "
-                    "by a process outside the job) and put back the last valid one",
-                    file=sys.stderr,
-                    flush=True,
+                say(
+                    "ignored a rendezvous state without this job's signature (written by a process "
+                    "outside the job) and put back the last valid one"
                 )
             stored = self._call("compare_set", self._name, stored, self._last_valid)
         raise RendezvousStateError(
