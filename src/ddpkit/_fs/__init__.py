@@ -51,8 +51,7 @@ def _shared_scratch(st: os.stat_result) -> bool:
 
 
 def owner_message(path: Path | str, uid: int, what: str = "", kind: str = "folder") -> str:
-    """Why ``path`` (a ``what``, inside a ``kind`` the user names) of user ``uid`` is not written
-    to."""
+    """Why ``path`` (a ``what`` in a ``kind`` the user names) of user ``uid`` is refused."""
     me = os.geteuid()
     owner, you = user_name(uid), user_name(me)
     return (
@@ -181,8 +180,7 @@ def other_names(st: os.stat_result) -> bool:
 def open_in(
     dir_fd: int, path: Path, flags: int, mode: int, linked: Linked | None = "refuse"
 ) -> int:
-    """``os.open`` of ``path.name`` in the folder ``dir_fd``, as :func:`open_fd`; ``linked=None``:
-    the caller deals with other hard links itself (a lock file)."""
+    """:func:`open_fd` in the folder ``dir_fd``; ``linked=None``: the caller sees to hard links."""
     # Non-blocking: a FIFO planted under the name would hold the open. O_TRUNC only after the
     # checks: the open would cut another user's file, or another name's, before them.
     try:
@@ -218,8 +216,7 @@ def open_in(
 
 
 def _replace_by_copy(dir_fd: int, path: Path, st: os.stat_result, *, copy: bool) -> None:
-    """Give ``path`` (the file ``st``) a new file of its own holding the same bytes (none unless
-    ``copy``)."""
+    """Give ``path`` (the file ``st``) a file of its own with its bytes (none unless ``copy``)."""
     tmp, out = temporary(dir_fd, path.name, 0o600)
     try:
         os.fchmod(out, stat.S_IMODE(st.st_mode))
@@ -281,8 +278,7 @@ def open_fifo(path: Path, flags: int, *, create: bool = False) -> int | None:
 def open_append(
     path: Path, *, read: bool = False, root: Path | None = None, linked: Linked = "refuse"
 ) -> IO[str]:
-    """A text file opened to append to (created if missing; ``read``: also readable from the
-    start)."""
+    """A text file opened to append to (made if missing; ``read``: readable from the start)."""
     fd = open_fd(
         path,
         (os.O_RDWR if read else os.O_WRONLY) | os.O_APPEND | os.O_CREAT,
@@ -300,8 +296,7 @@ def unshare(path: Path, *, root: Path | None = None) -> None:
 
 
 def open_exclusive(path: Path, *, root: Path | None = None, mode: int = 0o644) -> IO[bytes]:
-    """A new file at ``path``, opened to write; refused if anything (a file, a link) is there
-    already."""
+    """A new file at ``path``, opened to write; refused if anything is there already."""
     return os.fdopen(open_fd(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode, root=root), "wb")
 
 
@@ -422,8 +417,7 @@ def remove_tree(path: Path, *, root: Path | None = None) -> None:
 
 
 def _empty(dir_fd: int) -> None:
-    """Delete what the folder ``dir_fd`` holds, by descriptors (a link inside loses only itself);
-    best effort."""
+    """Delete what the folder ``dir_fd`` holds, by descriptors; best effort."""
     for entry in os.scandir(dir_fd):
         with contextlib.suppress(OSError):
             if entry.is_dir(follow_symlinks=False):

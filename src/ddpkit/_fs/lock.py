@@ -86,17 +86,9 @@ class FolderLock:
             )
         # written once the lock is ours: a job that finds it locked reads a whole record
         os.ftruncate(fd, 0)
-        os.pwrite(
-            fd,
-            json.dumps(
-                {
-                    "host": socket.gethostname(),
-                    "pid": os.getpid(),
-                    "since": time.strftime("%Y-%m-%d %H:%M:%S"),
-                }
-            ).encode(),
-            0,
-        )
+        since = time.strftime("%Y-%m-%d %H:%M:%S")
+        record = {"host": socket.gethostname(), "pid": os.getpid(), "since": since}
+        os.pwrite(fd, json.dumps(record).encode(), 0)
         self._fd = fd
 
     def release(self) -> None:

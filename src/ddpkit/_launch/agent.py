@@ -95,8 +95,7 @@ class Agent(HookedAgent):
                 self._collectives[g] = r.record
 
     def _say_disagreement(self, running: set[int]) -> None:
-        """Once the stall watch named ranks: say so when they wait in one collective under
-        different ops."""
+        """Once the stall watch named ranks: say if they wait in one collective under two ops."""
         assert self.watch is not None
         now = self.watch.clock()
         views = [self.watch.view(r, now) for g, r in self.watch.ranks.items() if g in running]
@@ -125,20 +124,24 @@ class Agent(HookedAgent):
             self.stop_restarting()
             return
         if self.restarts_left() > 0:  # torchrun restarts next: say what failed, as at a job's end
-            stall = self.watch.stall if self.watch is not None else None
-            print(
-                summarize_failure(
-                    result,
-                    stall=stall,
-                    where=self.where,
-                    left=self.left,
-                    disagreement=self.disagreement,
-                ),
-                file=sys.stderr,
-                flush=True,
-            )
+            print(self.summary(result), file=sys.stderr, flush=True)
             left = self.restarts_left() - 1
             say(f"restarting the workers ({left} restart(s) left after this one)")
+
+    @property
+    def stall(self) -> watch.Stall | None:
+        """What the stall watch named in this attempt."""
+        return self.watch.stall if self.watch is not None else None
+
+    def summary(self, failed: Any) -> str:
+        """The summary of a failed attempt (torchrun's result or error), with what it saw."""
+        return summarize_failure(
+            failed,
+            stall=self.stall,
+            where=self.where,
+            left=self.left,
+            disagreement=self.disagreement,
+        )
 
     def _stacks_before_teardown(self, worker_group: Any) -> None:
         # torchrun stops the other workers in the poll that finds a failed one: ask them for their
@@ -167,8 +170,7 @@ class Agent(HookedAgent):
                         os.kill(proc.pid, signal.SIGKILL)
 
     def _note_exits(self, codes: dict[int, int | None]) -> None:
-        """Note the poll at which each worker of this attempt was first seen exited (``codes``:
-        local rank -> exit code, None while it runs)."""
+        """Note the poll that first saw each worker of this attempt exited."""
         attempt = id(self.process_context())
         if self._exits_of != attempt:
             self._exits_of, self._exit_seen = attempt, {}
@@ -229,8 +231,7 @@ class Agent(HookedAgent):
 
 
 def _left_collective(before: watch.Record | None, after: watch.Record | None) -> bool:
-    """Whether a rank seen waiting in a collective (``before``) has left it and entered no other
-    collective nor step since (``after``)."""
+    """Whether a rank seen in a collective (``before``) left it and entered none (``after``)."""
     return (
         before is not None
         and after is not None
@@ -270,8 +271,7 @@ def _sweep_stack_requests() -> None:
 
 
 def stacks(folder: Path, ranks: Sequence[int], lines: int = 14) -> list[str]:
-    """Each rank's main-thread stack as its worker last answered (``rank<N>.txt``), innermost
-    frames first."""
+    """Each rank's main-thread stack as its worker last answered, innermost first."""
     out = []
     for rank in ranks:
         try:
@@ -326,8 +326,7 @@ def _note_request(signum: int, frame: Any) -> None:
 
 
 def _answer_requests() -> None:
-    """Act on SIGUSR1 (sent on to the current workers) and SIGUSR2 (a stack request to every
-    worker) from a thread of the agent's own."""
+    """Act on SIGUSR1 (to the workers) and SIGUSR2 (a stack request) from a thread of its own."""
     global _answering
     if _answering is None:
         _answering = threading.Thread(target=_answer, name="ddpkit-signals", daemon=True)
@@ -387,8 +386,7 @@ def install(
 
 
 def ignore_requests() -> None:
-    """Ignore SIGUSR1 and SIGUSR2 until :func:`install` handles them: before any worker they have
-    nothing to reach."""
+    """Ignore SIGUSR1 and SIGUSR2 until :func:`install` handles them (no worker to reach)."""
     for sig in REQUESTS:
         signal.signal(sig, signal.SIG_IGN)
 

@@ -74,11 +74,8 @@ def _recorded(failure: Any) -> tuple[str, list[str]]:
 
 # what a rank's collective says when a peer went away: another rank's failure, not a cause
 _PEER_LOST = (
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "Broken pipe",
-    "Socket closed",
-)
+    "Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket closed",
+)  # fmt: skip
 
 
 def _peer_lost(failure: Any) -> bool:
@@ -171,8 +168,7 @@ def preempted(failures: dict[int, Any]) -> bool:
 
 
 def exit_code(err: BaseException, stall: watch.Stall | None = None) -> int:
-    """The code ``ddpkit run`` exits with: 75 when pre-empted, else that of the failure that ended
-    the job (``stall``: what the stall watch named, as for :func:`cause`)."""
+    """The code ``ddpkit run`` exits with: 75 when pre-empted, else the cause's (:func:`cause`)."""
     failures = getattr(err, "failures", {})
     if not failures:
         return 1

@@ -46,8 +46,7 @@ from ddpkit._launch import say
 from ddpkit._launch.proctree import parent_of, set_parent_death_signal, wait_exit
 
 PRELOAD = ("torch", "torch.distributed", DYNAMO, "ddpkit.training._trainer")
-"""Imported by the server before its first fork: Dynamo is what an optimizer or DDP imports; the
-Trainer brings torch's distributed checkpoint."""
+"""Imported before the first fork (Dynamo: what an optimizer or DDP imports)."""
 MAX_MESSAGE = 1 << 20  # bytes of a request: a worker's environment and command line
 
 
@@ -103,8 +102,7 @@ def exit_status(code: Any) -> int:
 
 
 def run_as_main(main: Callable[[], Any]) -> int:
-    """Run ``main`` and end as an interpreter ends after its ``__main__`` (threads joined,
-    ``atexit`` handlers, output flushed); the exit status."""
+    """Run ``main`` and end as an interpreter ends after ``__main__``; the exit status."""
     code = 0
     interrupted = False
     try:
@@ -129,8 +127,7 @@ JOB_SIGNALS = tuple(
     for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
     if hasattr(signal, name)
 )
-"""Signals sent to a job's process group: the server ignores them, its workers get a new
-interpreter's dispositions (:func:`exec_dispositions`)."""
+"""A job's signals: the server ignores them, its workers get a new interpreter's dispositions."""
 
 
 def ignored_signals() -> list[int]:
@@ -154,8 +151,7 @@ def exec_dispositions(ignored: Sequence[int]) -> dict[int, Any]:
 
 
 def _wait_adopted(agent: int, deadline: float = 30.0) -> bool:
-    """Wait until this process's parent is ``agent``, a subreaper that adopts it once the
-    intermediate that forked it has exited (a pidfd of the intermediate, else polling)."""
+    """Wait until this process's parent is ``agent``, which adopts it as the intermediate exits."""
     parent = os.getppid()
     if parent != agent and wait_exit(parent, deadline) is None:
         end = time.monotonic() + deadline
@@ -216,8 +212,7 @@ def _become_worker(
 def _fork_worker(
     request: dict[str, Any], fds: Sequence[int], agent: int, server: socket.socket
 ) -> tuple[int, int]:
-    """Fork a worker through an intermediate process; return its pid, once the agent has adopted it,
-    and the write end of the pipe the worker waits on before it runs anything."""
+    """Fork a worker through an intermediate; its pid once adopted, and the pipe it waits on."""
     pid_read, pid_write = os.pipe()
     go_read, go_write = os.pipe()
     # Blocked, not only ignored: the agent may signal the worker before it has its own
@@ -257,8 +252,7 @@ def _fork_worker(
 
 
 def serve(sock: socket.socket, agent: int, modules: Sequence[str]) -> None:
-    """Preload, say whether this server can fork workers, then fork one per request until the agent
-    hangs up."""
+    """Preload, say whether this server forks, then fork one per request until hung up."""
     for signum in JOB_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
     failed, refused = preload(modules)
@@ -318,8 +312,7 @@ _WORKER_COMMAND = ("-u", "-m", "ddpkit._launch.worker")
 
 
 class ForkedProcess:
-    """A worker forked by the server and adopted by this process, as torchrun's handler uses a
-    ``Popen``: ``pid``, ``poll``, ``wait``, ``returncode``, signals."""
+    """A worker forked by the server and adopted here, as torchrun's handler uses a ``Popen``."""
 
     def __init__(self, pid: int, args: Sequence[str]) -> None:
         self.pid, self.args = pid, list(args)
@@ -360,8 +353,7 @@ class ForkedProcess:
 
 
 class ForkServer:
-    """The job's fork server process, started at once; it imports in the background while the agent
-    waits for the rendezvous."""
+    """The job's fork server, started at once: it imports while the agent meets the others."""
 
     def __init__(self, preload: Sequence[str], display: Sequence[str] = ()) -> None:
         """``display``: the workers' command, shown on the server's command line."""
@@ -518,8 +510,7 @@ def _standard_files(logs: tuple[Any, Any]) -> tuple[list[int], list[int]]:
 
 
 def _fork(handler: Any, args: Sequence[str], env: dict[str, str]) -> Any:
-    """A worker forked from the server, or None to start it as torchrun does (no server, another
-    command, or log files ddpkit cannot find)."""
+    """A worker forked from the server, or None to start it as torchrun does."""
     server = _server
     if server is None or server.why_not is not None or not _is_worker_command(args):
         return None
@@ -543,8 +534,7 @@ def handler_class(base: type) -> type:
 
 
 def _is_worker_command(args: Sequence[str]) -> bool:
-    """``python -u -m ddpkit._launch.worker ...`` with this very interpreter (not torchrun's
-    PYTHON_EXEC, even one it links to), as the launcher asks torchrun for."""
+    """``python -u -m ddpkit._launch.worker ...`` with this very interpreter."""
     return (
         len(args) > len(_WORKER_COMMAND)
         and args[0] == sys.executable

@@ -32,8 +32,7 @@ the pod's containers whichever user they run as, and by no other user; the file 
 (:func:`ddpkit._launch.rendezvous.auth.load_secret`) accepts."""
 FS_GROUP = 2000
 SECRET_NAMES = (SECRET_ENV,)
-"""Variables read as the secret itself: never written into a manifest, which whoever can ``get``
-the job reads."""
+"""Read as the secret itself: never in a manifest, which whoever can ``get`` it reads."""
 # The operators set their variables in the container of this name only.
 CONTAINER = {"trainjob": "node", "pytorchjob": "pytorch", "jobset": "node"}
 PYTORCHJOB_PREEMPTED = 128 + 15  # SIGTERM's code, which a PyTorchJob's ExitCode policy retries
@@ -48,8 +47,7 @@ _DNS_SUBDOMAIN = re.compile(
 
 
 def quantity(option: str, value: str, *, whole: bool = False) -> float:
-    """A Kubernetes quantity's value (``7500m`` -> 7.5, ``32Gi`` -> 34359738368.0). ``whole``: a
-    number of bytes, refused in millis (``500m`` of memory is half a byte)."""
+    """A Kubernetes quantity's value (``7500m``: 7.5); ``whole``: bytes, refused in millis."""
     match = _QUANTITY.fullmatch(value)
     if not match or whole and match[2] == "m":
         example = "32Gi, 512Mi" if whole else "8, 7500m"
@@ -187,8 +185,7 @@ class ManifestConfig:
         return self.secret or f"{self.name}-rdzv"
 
     def _check_env(self) -> None:
-        """Each ``--env`` a NAME=VALUE, not the secret (:data:`SECRET_NAMES`), and each name once,
-        ours included (Kubernetes keeps the last of two)."""
+        """Each ``--env`` a NAME=VALUE, not the secret, each name once (ours included)."""
         ours = {SECRET_FILE_ENV: f"{SECRET_DIR}/{SECRET_KEY}"} if self.nodes > 1 else {}
         seen: set[str] = set()
         for item in self.env:
@@ -226,8 +223,7 @@ def node0_host(cfg: ManifestConfig) -> str:
 
 
 def command(cfg: ManifestConfig) -> list[str]:
-    """The container's command: ``ddpkit run`` with what the operator does not hand over itself
-    (JobSet hands over nothing; the others, ``PET_*``)."""
+    """The container's command: ``ddpkit run`` with what the operator does not hand over."""
     argv = ["ddpkit", "run", "--max-restarts", str(cfg.max_restarts)]
     if cfg.kind == "pytorchjob":
         argv += ["--preempted-exit-code", str(PYTORCHJOB_PREEMPTED)]
@@ -315,8 +311,7 @@ def pod_spec(cfg: ManifestConfig) -> dict[str, Any]:
 
 
 def pod_failure_policy(cfg: ManifestConfig) -> dict[str, Any]:
-    """The Job's: 75 (stopped after a snapshot) and disruption recreate the pod uncounted; another
-    non-zero code of the script's container fails the Job (and the JobSet)."""
+    """The Job's: 75 and disruption recreate the pod uncounted; the script's error fails it."""
 
     def on_codes(action: str, operator: str, values: list[int]) -> dict[str, Any]:
         on = {"containerName": CONTAINER[cfg.kind], "operator": operator, "values": values}
@@ -332,8 +327,7 @@ def pod_failure_policy(cfg: ManifestConfig) -> dict[str, Any]:
 
 
 def jobset_spec(cfg: ManifestConfig) -> dict[str, Any]:
-    """A JobSet of one indexed Job of ``nodes`` pods; a Job failed by its pod failure policy (the
-    script's error) fails the JobSet, any other failure restarts every pod (``max_restarts``)."""
+    """A JobSet of one indexed Job of ``nodes`` pods: the script's error fails it, else restarts."""
     job = {
         "parallelism": cfg.nodes,
         "completions": cfg.nodes,
@@ -393,8 +387,7 @@ TRAINER = "trainer.kubeflow.org"
 
 
 def trainjob(cfg: ManifestConfig) -> list[dict[str, Any]]:
-    """A TrainingRuntime of the job's own (what a TrainJob cannot hold: the volumes, the failure
-    policies) and the TrainJob that uses it."""
+    """A TrainingRuntime of the job's own (volumes, failure policies) and its TrainJob."""
     runtime_name = f"{cfg.name}-ddpkit"
     jobset = jobset_spec(cfg)
     # Trainer sizes the node Job from the TrainJob, and finds it by the ancestor label

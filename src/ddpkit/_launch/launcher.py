@@ -28,12 +28,7 @@ from ddpkit._launch.options import (
     split_argv,
     with_environment_defaults,
 )
-from ddpkit._launch.rendezvous import (
-    NodeAddress,
-    interface_of,
-    node_address,
-    wait_reachable,
-)
+from ddpkit._launch.rendezvous import NodeAddress, interface_of, node_address, wait_reachable
 from ddpkit.platforms import _slurm as slurm
 from ddpkit.platforms import _torchrun as torchrun
 from ddpkit.platforms._cpus import cpu_count
@@ -42,8 +37,7 @@ LOOPBACK = "127.0.0.1"
 
 
 def rdzv_id(cfg: LaunchConfig) -> str:
-    """``--rdzv-id``, else ``SLURM_JOB_ID`` or ``ddpkit`` across nodes (every node must name the
-    same), else one of this process alone."""
+    """``--rdzv-id``, else ``SLURM_JOB_ID`` or ``ddpkit`` across nodes, else this process's own."""
     if cfg.rdzv_id:
         return cfg.rdzv_id
     if cfg.networked:
@@ -112,8 +106,7 @@ def _run_torchrun(torchrun: Any, args: Any, quiet: range) -> None:
 
 
 def flight_recorder_vars() -> tuple[str, str]:
-    """The variables naming the flight recorder's buffer size and dump file (``TORCH_FR_*`` from
-    torch 2.8, which warns at every start when the old names are set)."""
+    """The flight recorder's buffer size and dump file variables (``TORCH_FR_*`` from torch 2.8)."""
     import torch
 
     major, minor = (int(part) for part in torch.__version__.split(".")[:2])
@@ -169,8 +162,7 @@ def worker_env(cfg: LaunchConfig, nproc: int, node: NodeAddress | None = None) -
 
 
 def new_run_log_dir(root: str) -> Path:
-    """``ROOT/<date>-<time>-<pid>``: one folder per run, created now. (torchrun writes the workers'
-    logs in a new folder of a random name inside it, where no link can stand.)"""
+    """``ROOT/<date>-<time>-<pid>``: one folder per run, created now."""
     path = Path(root).absolute() / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     try:
         fs.make_dirs(path)
@@ -182,8 +174,7 @@ def new_run_log_dir(root: str) -> Path:
 
 
 def tidy_log_dirs(root: str, run: Path, keep: int = 20) -> None:
-    """Remove this run's folder when no rank wrote anything, and all but the newest ``keep`` run
-    folders."""
+    """Remove this run's folder if no rank wrote anything, and all but the newest ``keep``."""
     if run.is_dir() and not any(f.stat().st_size for f in run.rglob("*") if f.is_file()):
         fs.remove_tree(run)
     ours = sorted(
@@ -208,8 +199,7 @@ dist.destroy_process_group()
 
 
 def check_debug_collectives() -> None:
-    """Refuse ``--debug-collectives`` where torch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` crashes DDP
-    (some builds): tried first in a process of its own, a DDP step at a world of one."""
+    """Refuse ``--debug-collectives`` where its mode crashes DDP, tried first in a process alone."""
     import subprocess
 
     from ddpkit.platforms import without_launch_env
@@ -341,8 +331,7 @@ def launch(cfg: LaunchConfig) -> int:
 
 
 def collective_seconds(cfg: LaunchConfig) -> float:
-    """The workers' collective timeout: ``--collective-timeout``, ``$DDPKIT_COLLECTIVE_TIMEOUT``
-    (checked here, once, rather than by every worker), or :func:`ddpkit.init`'s default."""
+    """The workers' collective timeout: the option's, the variable's (checked once), or init()'s."""
     if cfg.collective_timeout is not None:
         return cfg.collective_timeout
     if "DDPKIT_COLLECTIVE_TIMEOUT" in os.environ:
@@ -353,8 +342,7 @@ def collective_seconds(cfg: LaunchConfig) -> float:
 
 
 def job_access(cfg: LaunchConfig) -> tuple[Any, NodeAddress | None]:
-    """The rendezvous's access for this job (:class:`~ddpkit._launch.rendezvous.backend.JobAccess`)
-    and, across nodes, this node's address, once the host admits this node's secret."""
+    """This job's rendezvous access and, across nodes, this node's address, once admitted."""
     from ddpkit._launch.rendezvous.auth import SECRET_ENV, check_host, derive, load_secret
     from ddpkit._launch.rendezvous.backend import JobAccess
 
@@ -394,15 +382,8 @@ def report_failure(cfg: LaunchConfig, err: Any, run_dir: Path) -> int:
         )
         return cfg.preempted_exit_code
     ours = agent.Agent.current
-    named = ours.watch.stall if ours is not None and ours.watch is not None else None
-    summary = failure.summarize_failure(
-        err,
-        stall=named,
-        where=ours.where if ours is not None else "",
-        left=ours.left if ours is not None else (),
-        disagreement=ours.disagreement if ours is not None else "",
-    )
-    lines = [summary]
+    named = ours.stall if ours is not None else None
+    lines = [ours.summary(err) if ours is not None else failure.summarize_failure(err)]
     # the stacks this node's running workers wrote at the first failure (shown already, when the
     # stall watch named a rank)
     stacks = run_dir / "stacks"

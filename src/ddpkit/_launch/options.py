@@ -25,14 +25,12 @@ MAX_RDZV_ID = 128  # torch names folders after the rendezvous id
 MAX_NPROC = 1024
 """The most worker processes on one node, whatever else is said."""
 OVERSUBSCRIBE_FACTOR = 4
-"""More processes than this many per core (or per GPU, where there are more GPUs) need
-``--oversubscribe``."""
+"""More processes per core (or per GPU, if more) need ``--oversubscribe``."""
 
 
 @dataclass(kw_only=True)
 class LaunchConfig:
-    """Options of ``ddpkit run``; each maps onto torchrun's (``ddpkit run -h`` says what each
-    does)."""
+    """Options of ``ddpkit run``, each mapped onto torchrun's (``ddpkit run -h``)."""
 
     script: str
     """The training script (or module, with ``module=True``)."""
@@ -242,8 +240,7 @@ def command_parser(
 
 
 def value_options(options: Sequence[Option]) -> set[str]:
-    """The names of the options in ``options`` that take a value (``--nproc``, not
-    ``--all-ranks``)."""
+    """The names of the options that take a value (``--nproc``, not ``--all-ranks``)."""
     flags = ("store_true", "store_false", "count")
     return {
         name
@@ -286,8 +283,7 @@ def parse_command(
 def config_from(
     cls: type[C], ns: argparse.Namespace, script_args: Sequence[str], **converted: Any
 ) -> C:
-    """The config ``cls`` (a dataclass) of a parsed command line: each field from the option of its
-    name, ``converted`` over them."""
+    """The config ``cls`` of a parsed command line: each field its option's, ``converted`` over."""
     fields = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     given = {name: value for name, value in vars(ns).items() if name in fields}
     return cls(**{**given, "script_args": list(script_args), **converted})
@@ -407,8 +403,7 @@ def config_from_args(ns: argparse.Namespace, script_args: Sequence[str] = ()) ->
 
 
 def typed_options(ours: Sequence[str], value_options: set[str] | None = None) -> dict[str, str]:
-    """The value options typed in ``ours`` (``--opt value`` or ``--opt=value``), option -> value as
-    typed."""
+    """The value options typed in ``ours`` (``--opt value``, ``--opt=value``): option -> value."""
     value_options = RUN_VALUE_OPTIONS if value_options is None else value_options
     typed, i = {}, 0
     while i < len(ours) - 1:  # the last token is the script

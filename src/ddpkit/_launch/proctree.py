@@ -29,20 +29,17 @@ MARK = "DDPKIT_WORKER_MARK"
 
 
 def set_parent_death_signal(sig: int) -> bool:
-    """Have Linux send ``sig`` to this process when its parent dies; False where it cannot (not
-    Linux)."""
+    """Have Linux send ``sig`` when this process's parent dies; False where not Linux."""
     return prctl(PR_SET_PDEATHSIG, int(sig))
 
 
 def become_subreaper() -> bool:
-    """Make this process adopt the orphans of its descendants; False where Linux does not offer
-    it."""
+    """Make this process adopt its descendants' orphans; False where Linux does not."""
     return prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
 def _stat(pid: int) -> tuple[str, int, int, int] | None:
-    """(state, parent pid, process group, start time in clock ticks) of ``pid``; None once it is
-    gone."""
+    """(state, parent, process group, start time in ticks) of ``pid``; None once gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             text = f.read().decode(errors="replace")
@@ -53,8 +50,7 @@ def _stat(pid: int) -> tuple[str, int, int, int] | None:
 
 
 def state_code(pid: int) -> str:
-    """The state of ``pid`` as ``/proc/PID/stat`` gives it (``R``, ``S``, ``D``, ``T``, ``Z``...);
-    ``?`` once it is gone."""
+    """The state of ``pid`` as ``/proc/PID/stat`` gives it (``R``, ``S``...); ``?`` once gone."""
     stat = _stat(pid)
     return stat[0] if stat is not None else "?"
 

@@ -117,18 +117,12 @@ _MAX_COUNT = 100_000
 _MAX_TIME = 365 * 86400
 _JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,199}")
 _SCRIPT_SINGLE_LINE = {
-    "--sbatch-option",
-    "--job-name",
-    "--partition",
-    "--account",
-    "--time",
-    "--output-dir",
-}
+    "--sbatch-option", "--job-name", "--partition", "--account", "--time", "--output-dir",
+}  # fmt: skip
 
 
 def _check_text(option: str, value: str) -> None:
-    """Refuse what the batch script cannot hold: text that is not UTF-8, and a line break or control
-    character where it would end an #SBATCH line (the rest would run as shell lines)."""
+    """Refuse text that is not UTF-8, or a control character that would end an #SBATCH line."""
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
@@ -181,8 +175,7 @@ def _shown(text: str, limit: int = 80) -> str:
 
 
 def _sbatch_value(text: str) -> str:
-    """``text`` as one argument on an #SBATCH line, which sbatch splits at spaces, reading quotes,
-    backslashes and an unquoted # as a shell would."""
+    """``text`` as one argument on an #SBATCH line (split at spaces, quoted as a shell reads it)."""
     if re.fullmatch(r"[A-Za-z0-9_./%:=,@+-]+", text):
         return text
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
@@ -242,8 +235,7 @@ def batch_script(cfg: BatchConfig) -> str:
 
 
 def submit(cfg: BatchConfig, dry_run: bool = False) -> tuple[Path, str | None]:
-    """Write the batch script to ``OUTPUT_DIR/NAME.sbatch`` and, unless ``dry_run``, submit it;
-    (path, job id)."""
+    """Write ``OUTPUT_DIR/NAME.sbatch`` and, unless ``dry_run``, submit it; (path, job id)."""
     try:
         found = Path(cfg.script).is_file()
     except OSError as err:  # a name too long for the file system

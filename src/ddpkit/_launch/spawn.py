@@ -125,8 +125,7 @@ def _start_method(method: str | None, threads: int | None, nprocs: int) -> tuple
 
 
 def _results(context: Any, results: Any, nprocs: int, timeout: float | None) -> list[Any]:
-    """Each rank's result, as the processes of ``context`` end (a :class:`TimeoutError` after
-    ``timeout`` seconds)."""
+    """Each rank's result as ``context``'s processes end (a TimeoutError after ``timeout`` s)."""
     out: list[Any] = [None] * nprocs
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
@@ -145,8 +144,7 @@ def _results(context: Any, results: Any, nprocs: int, timeout: float | None) -> 
 
 
 def _check_call(fn: Callable[..., Any], args: tuple[Any, ...], pass_rank: bool) -> None:
-    """Refuse, before any process starts, a call ``fn`` cannot take; say whether ``pass_rank`` would
-    fit."""
+    """Refuse a call ``fn`` cannot take, saying whether ``pass_rank`` would fit."""
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # no signature (a builtin): the call decides

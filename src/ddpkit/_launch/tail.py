@@ -20,8 +20,7 @@ _write_lock = threading.Lock()
 
 
 class LineTagger:
-    """Cuts one rank's output bytes into whole lines, each written as ``header + line`` to
-    ``dst``."""
+    """Cuts one rank's output into whole lines, each written as ``header + line`` to ``dst``."""
 
     def __init__(
         self,
@@ -36,8 +35,7 @@ class LineTagger:
         self._last_progress = -PROGRESS_EVERY
 
     def feed(self, data: bytes) -> None:
-        """Take more output: write every line it completes, and a progress update when one is
-        due."""
+        """Take more output: write every line it completes, and a progress update if due."""
         *lines, self._pending = (self._pending + data).split(b"\n")
         for line in lines:
             self._write(_final_state(line))
@@ -72,8 +70,7 @@ class LineTagger:
 
 
 def _final_state(line: bytes) -> bytes:
-    """What a terminal shows of a line redrawn with ``\\r``: the text after the last one (a
-    ``\\r\\n`` ending is a line ending, not a redraw)."""
+    """What a terminal shows of a line redrawn with ``\\r``: the text after the last one."""
     return line.rstrip(b"\r").rsplit(b"\r", 1)[-1]
 
 
@@ -107,8 +104,7 @@ def tail_lines(
 
 
 def install() -> None:
-    """Make torchrun's ``TailLog`` (the agent's ``--tee``) write whole lines: its threads run
-    ``tail_log.tail_logfile``, looked up by that module-level name."""
+    """Make torchrun's ``TailLog`` (``--tee``) write whole lines, through its module's name."""
     from torch.distributed.elastic.multiprocessing import tail_log
 
     tail_log.tail_logfile = tail_lines

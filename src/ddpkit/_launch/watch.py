@@ -41,8 +41,7 @@ LONG_PHASES = (
 )  # fmt: skip
 """Phases that may keep a rank longer than its steps while the others wait for it."""
 MOVED = (5, 4096)
-"""CPU clock ticks and bytes read or written within :data:`WINDOW` seconds that count as a rank
-moving: less is a blocked process's background noise."""
+"""CPU ticks and bytes read or written in :data:`WINDOW` s that count as moving (less: noise)."""
 WINDOW = 2.0
 EVIDENCE_AFTER = 1.0  # seconds a record stays unchanged before the rank's activity is read
 LONG_SHARE = 0.5  # the long allowance is at most this share of the collective timeout
@@ -57,8 +56,7 @@ class StallPolicy:
     factor: float = 10.0
     """A rank gets at least this many times its median step."""
     long_factor: float = 10.0
-    """:data:`LONG_PHASES` get ``long_factor x floor`` (at most :data:`LONG_SHARE` of
-    ``collective_timeout``)."""
+    """:data:`LONG_PHASES` get ``long_factor x floor`` (:data:`LONG_SHARE` of the timeout)."""
     collective_timeout: float | None = None
     on_stall: str = "end"
     """``end``: kill the stalled rank, so the job ends (or restarts); ``warn``: only say so."""
@@ -84,8 +82,7 @@ class Record:
 
 
 def read_record(path: Path) -> Record | None:
-    """The rank's record at ``path``; None when missing or not (yet) one. Read twice, alike: the
-    rank may be writing."""
+    """The rank's record at ``path``, read twice alike (it may be writing); None if none yet."""
     for _ in range(3):
         try:
             with open(path, "rb") as f:
@@ -124,8 +121,7 @@ class _Rank:
         return max(0.0, now - max(self.changed_at, self.moved_at))
 
     def median_step(self) -> float:
-        """Of the steps seen ending, the first left out (it warms up, with an allowance of its
-        own)."""
+        """Of the steps seen ending, the first left out (it warms up, with an allowance)."""
         return statistics.median(self.durations) if self.durations else 0.0
 
 
@@ -137,8 +133,7 @@ class Stall:
 
 
 class Watch:
-    """The stall watch of one node's ranks for one attempt of the workers; with :meth:`connect`,
-    judged with the other nodes' ranks (:mod:`ddpkit._launch.watch_nodes`)."""
+    """The stall watch of one node's ranks for one attempt; judged with the other nodes' ranks."""
 
     def __init__(
         self,
@@ -148,8 +143,7 @@ class Watch:
         clock: Callable[[], float] = time.monotonic,
         activity: Callable[[int], tuple[int, int] | None] = proctree.activity,
     ) -> None:
-        """``activity(pid)``: CPU ticks and bytes read and written so far by a rank and its
-        children."""
+        """``activity(pid)``: CPU ticks and bytes read and written by a rank and its children."""
         self.folder, self.policy, self.stack_dir, self.clock = folder, policy, stack_dir, clock
         self.activity = activity
         self.ranks: dict[int, _Rank] = {}
@@ -170,9 +164,7 @@ class Watch:
         self._warned.clear()
 
     def connect(self, store: Any, node: int, count: int, addr: str | None = None) -> None:
-        """Publish this node's ranks to the rendezvous round's ``store`` and judge with the other
-        nodes' (this is node ``node`` of ``count``; ``addr``: its address, shown beside its host
-        name)."""
+        """Publish this node's ranks (node ``node`` of ``count``, at ``addr``) to ``store``."""
         self.link.connect(store, node, count if self.policy.on else 1, addr, POLL_EVERY)
 
     def disconnect(self) -> None:
@@ -193,8 +185,7 @@ class Watch:
             self._read_activity(r, now)
 
     def _read_activity(self, r: _Rank, now: float) -> None:
-        """Whether ``r`` moved (its CPU or its reads and writes) in the last :data:`WINDOW` seconds,
-        read while its record stays unchanged."""
+        """Whether ``r``'s CPU or I/O moved in the last :data:`WINDOW` s, while its record stays."""
         if now - r.changed_at < EVIDENCE_AFTER:
             r.samples.clear()
             return
@@ -216,10 +207,15 @@ class Watch:
         first = r.record is None or r.record.steps <= 1
         if first or r.record is not None and r.record.phase in LONG_PHASES:
             allowed = max(allowed, p.long_factor * p.floor)
-        # named before the waiting ranks' collectives fail: its own group's timeout, else ours
-        timeout = r.record.timeout if r.record is not None and r.record.timeout > 0 else None
-        timeout = timeout if timeout is not None else p.collective_timeout
+        # named before the waiting ranks' collectives fail
+        timeout = self._timeout(r)
         return min(allowed, LONG_SHARE * timeout) if timeout is not None else allowed
+
+    def _timeout(self, r: _Rank) -> float | None:
+        """The rank's collective timeout: its own group's, else the launcher's."""
+        if r.record is not None and r.record.timeout > 0:
+            return r.record.timeout
+        return self.policy.collective_timeout
 
     def view(self, r: _Rank, now: float, state: str = "") -> View:
         rec = r.record
@@ -234,8 +230,7 @@ class Watch:
         )  # fmt: skip
 
     def poll(self, running: set[int]) -> Stall | None:
-        """Read the records (at most every :data:`POLL_EVERY` s); the stall found among the
-        ``running`` ranks (global) and the other nodes', if any, said and acted on once."""
+        """Read the records (every :data:`POLL_EVERY` s); the stall among ``running``, said once."""
         now = self.clock()
         if self.link.ending is not None:
             self._end_when_heard(now)
@@ -270,8 +265,7 @@ class Watch:
         return stall
 
     def _end_when_heard(self, now: float) -> None:
-        """Kill the named ranks once every other node's agent said where its ranks wait (their
-        stacks are lost once the kill fails their collectives), or ``HEARD_WAIT`` s after."""
+        """Kill the named ranks once the others said where theirs wait, or ``HEARD_WAIT`` s on."""
         assert self.link.ending is not None
         stall, deadline = self.link.ending
         if now < deadline and not self.link.heard(stall.ranks):
@@ -285,8 +279,7 @@ class Watch:
     def _wait(
         self, waited: list[View], overdue: list[View], live: list[View], now: float
     ) -> Stall | None:
-        """Say once which other node's rank this node's ranks wait for; end them once it is
-        ``overdue``."""
+        """Say once which remote ranks this node's wait for; end them once ``overdue``."""
         first = waited[0]
         key = (-1, first.rank, first.step, first.coll, bool(overdue))
         if key in self._warned:
@@ -300,18 +293,13 @@ class Watch:
             + "; ".join(self._at(v) for v in sorted(live, key=lambda v: v.rank))
         )
         end = self.policy.on_stall == "end" and bool(overdue)
-        if end:
-            lines = [
-                headline,
-                f"  its node's agent has not named it {self.link.waiting.grace:.0f} s after this "
-                "node saw it stalled; ending this node's workers (SIGKILL), and the job with them",
-            ]
-        else:
-            lines = [
-                headline,
-                "  its node's agent names it, with its state and stack, and ends the job",
-            ]
-        lines += self._rank_lines(live, now)
+        said = (
+            f"  its node's agent has not named it {self.link.waiting.grace:.0f} s after this node "
+            "saw it stalled; ending this node's workers (SIGKILL), and the job with them"
+            if end
+            else "  its node's agent names it, with its state and stack, and ends the job"
+        )
+        lines = [headline, said, *self._rank_lines(live, now)]
         print("\n".join(lines), file=sys.stderr, flush=True)
         self.link.said |= {v.rank for v in waited}
         self.link.awaited = waited
@@ -326,29 +314,23 @@ class Watch:
         return stall
 
     def _say_slow(self, slow: list[_Rank], waited: float, now: float) -> None:
-        """Name ranks the others wait for that still run, with their stacks: once, then every
-        allowance while it lasts; never ended."""
+        """Name ranks waited for that still run, with stacks, once an allowance; never end them."""
         first = slow[0]
         allowance = self.allowance(first)
         if first.slow_said and now - first.slow_said < allowance:
             return
         for r in slow:
             r.slow_said = now
-        rec = self.view(first, now)
-        timeout = first.record.timeout if first.record and first.record.timeout > 0 else None
-        timeout = timeout if timeout is not None else self.policy.collective_timeout
+        rec, timeout = self.view(first, now), self._timeout(first)
         names = ", ".join(f"rank {r.rank}" for r in slow)
         headline = (
             f"ddpkit run: {names} slow: the other ranks have waited {waited:.1f} s for "
             f"{'it' if len(slow) == 1 else 'them'} (allowed {allowance:.1f} s); it runs (its CPU "
             f"or I/O moved {first.quiet(now):.1f} s ago), {process_state(first.pid)}, at step "
             f"{rec.step}, {rec.doing()}; not ended"
-            + (
-                f" (the collective timeout, {timeout:.0f} s, ends the job if it lasts)"
-                if timeout
-                else ""
-            )
         )
+        if timeout:
+            headline += f" (the collective timeout, {timeout:.0f} s, ends the job if it lasts)"
         views = [self.view(r, now) for r in self.ranks.values()] + self.link.remote
         print("\n".join([headline, *self._rank_lines(views, now)]), file=sys.stderr, flush=True)
 
@@ -387,12 +369,10 @@ class Watch:
             )
         views = [self.view(r, now) for r in self.ranks.values()] + self.link.remote
         lines += self._rank_lines(views, now)
-        if self.policy.on_stall == "end":
-            lines.append(
-                f"  ending the job: {names} killed (SIGKILL); --on-stall warn only says so"
-            )
-        else:
-            lines.append("  the job goes on (--on-stall warn)")
+        ending = f"  ending the job: {names} killed (SIGKILL); --on-stall warn only says so"
+        lines.append(
+            ending if self.policy.on_stall == "end" else "  the job goes on (--on-stall warn)"
+        )
         return Stall([r.rank for r in stalled], headline, lines)
 
     def _who(self, v: View) -> str:
@@ -403,8 +383,9 @@ class Watch:
         mine = [
             self.ranks[v.rank] for v in views if v.node == self.link.node and v.rank in self.ranks
         ]
-        asked = {r.rank: r.pid for r in mine if not process_state(r.pid).startswith("stopped")}
-        dumps = ask_stacks(self.stack_dir, asked) if self.stack_dir is not None else {}
+        dumps = self._stacks(
+            {r.rank: r.pid for r in mine if not process_state(r.pid).startswith("stopped")}
+        )
         lines = []
         for v in sorted(views, key=lambda v: v.rank):
             remote = v.node != self.link.node
@@ -433,20 +414,17 @@ class Watch:
         workers = [c for c in proctree.descendants(pid) if not proctree.is_guard(c)]
         if not workers:
             return []
-        dumps = (
-            ask_stacks(self.stack_dir, {c: c for c in workers})
-            if self.stack_dir is not None
-            else {}
-        )
-        lines = []
+        dumps, lines = self._stacks({c: c for c in workers}), []
         for c in workers:
             lines.append(f"    its loader worker pid {c}: {process_state(c)}")
             lines += [f"      {frame}" for frame in dumps.get(c, [])]
         return lines
 
+    def _stacks(self, pids: dict[int, int]) -> dict[int, list[str]]:
+        return ask_stacks(self.stack_dir, pids) if self.stack_dir is not None else {}
+
     def where(self) -> str:
-        """Where each rank was at its last mark, in one line (empty when none marked), with the
-        other nodes' ranks this node's waited for."""
+        """Each rank's last mark in one line, with the other nodes' ranks this node's waited for."""
         now = self.clock()
         views = [self.view(r, now) for r in self.ranks.values() if r.record is not None]
         views += self.link.awaited
@@ -463,8 +441,7 @@ def policy_from(
     env: dict[str, str] | None = None,
     collective_timeout: float | None = None,
 ) -> StallPolicy:
-    """The policy of ``--stall-timeout`` (else :data:`TIMEOUT_ENV`, else :data:`DEFAULT_FLOOR`),
-    ``--on-stall`` and the ranks' collective timeout."""
+    """The policy of ``--stall-timeout`` (else :data:`TIMEOUT_ENV`), ``--on-stall``, the timeout."""
     if floor is None:
         text = (os.environ if env is None else env).get(TIMEOUT_ENV)
         floor = parse_floor(TIMEOUT_ENV, text) if text is not None else DEFAULT_FLOOR

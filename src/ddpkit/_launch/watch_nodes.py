@@ -22,8 +22,7 @@ MAX_BYTES = 65536  # a longer summary is not read (1,024 ranks write about 42 KB
 GRACE = 10.0
 """Seconds a waiting node gives the stalled rank's own agent to name it, at least."""
 HEARD_WAIT = 5.0
-"""Seconds the agent that named a rank waits, at most, for the other nodes' agents to say where
-their ranks wait, before it kills it."""
+"""Seconds the naming agent waits, at most, for the others to say where their ranks wait."""
 
 # where a phase falls within a step: who is behind at the same step and collective count
 ORDER = {
@@ -69,8 +68,7 @@ class View:
     allowance: float
     state: str  # the /proc state code ("?": gone)
     quiet: float = -1.0
-    """Seconds since anything of it last moved (its record, its and its children's CPU time and
-    I/O); -1: not read, its record alone counts."""
+    """Seconds since anything of it (record, CPU, I/O, its children's) moved; -1: not read."""
     numel: int = -1  # the elements of its collective's first tensor (-1: not said)
 
     @property
@@ -101,22 +99,19 @@ class View:
 
     @property
     def in_collective(self) -> bool:
-        """In a collective: a marked one, or DDP's all-reduce of the gradients (after its backward,
-        not moving)."""
+        """In a collective: a marked one, or DDP's gradient all-reduce (after its backward)."""
         return self.phase == Phase.COLLECTIVE or (
             self.phase == Phase.GRADIENT_SYNC and self.still > 1.0
         )
 
     @property
     def waiting(self) -> float:
-        """Seconds it has waited: in a collective, since it entered it; elsewhere, since it last
-        moved."""
+        """Seconds it has waited: in a collective, since it entered; else, since it moved."""
         return self.idle if self.phase == Phase.COLLECTIVE else self.still
 
     @property
     def collective(self) -> tuple[int, int, str, int]:
-        """Which collective it waits in: DDP's (after collective number ``coll``) or number
-        ``coll`` under its op and size."""
+        """Which collective it waits in: DDP's (after number ``coll``), or ``coll`` by op, size."""
         if self.phase == Phase.GRADIENT_SYNC:
             return 0, self.coll, "DDP's all-reduce of the gradients", -1
         return 1, self.coll, self.op, self.numel
@@ -207,8 +202,7 @@ def odd_ones(views: list[View]) -> list[View]:
 
 
 def disagreement_words(views: list[View], hosts: bool = False) -> str:
-    """One line for ranks that disagree on a collective: each rank with the collective it waits in
-    (or where it is blocked), and what to change; ``hosts``: with each rank's host."""
+    """One line for ranks that disagree on a collective, and what to change; ``hosts``: named."""
     groups: dict[tuple[int, int, str, int], list[View]] = {}
     for v in views:
         key = v.collective if v.in_collective else (2, v.step, v.doing(), -1)
@@ -307,8 +301,7 @@ class Link:
         self.ending = None
 
     def connect(self, store: Any, node: int, count: int, addr: str | None, every: float) -> None:
-        """Publish to the rendezvous round's ``store``, as node ``node`` of ``count`` at
-        ``addr``."""
+        """Publish to the round's ``store``, as node ``node`` of ``count`` at ``addr``."""
         self.close()
         self.node, self.multi = node, count > 1
         if addr and addr not in ("127.0.0.1", "::1", "localhost"):
@@ -323,8 +316,7 @@ class Link:
             self.exchange = None
 
     def trade(self, live: list[View]) -> set[int]:
-        """Publish ``live``; read the other nodes' ranks into :attr:`remote` while one of this
-        node's is half-way to its allowance. The ranks their agents named."""
+        """Publish ``live``; read the others' into :attr:`remote` while one is half idle."""
         if self.exchange is None:
             return set()
         want = any(v.idle > v.allowance / 2 for v in live)
@@ -400,8 +392,7 @@ def _aged(quiet: float, seconds: float) -> float:
 
 
 class Exchange:
-    """This node's summary to the store and the other nodes' from it, in a thread of the agent's
-    own: a store that is slow or gone holds up this thread, never the agent's poll."""
+    """The summaries to and from the store, in a thread of its own, off the agent's poll."""
 
     def __init__(
         self,
@@ -429,8 +420,7 @@ class Exchange:
             self._outgoing, self._want = data, want
 
     def views(self) -> tuple[list[View], set[int]]:
-        """The other nodes' ranks, aged by this node's clock since each publication was first read,
-        and the ranks their agents named."""
+        """The other nodes' ranks, aged by this node's clock, and the ranks their agents named."""
         now = self.clock()
         with self._lock:
             seen = list(self._seen.values())

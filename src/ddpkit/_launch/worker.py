@@ -45,8 +45,7 @@ K = TypeVar("K")
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> bool:
-    """Have Linux send ``sig`` to this process when its parent (the agent) dies: SIGKILL, since
-    nobody would report or restart anything. False where the call does not exist (not Linux)."""
+    """Have Linux SIGKILL this process when its parent (the agent) dies; False where not Linux."""
     parent = int(os.environ.get("DDPKIT_AGENT_PID", os.getppid()))
     if not set_parent_death_signal(sig):
         return False
@@ -61,11 +60,9 @@ NO_ANSWER = "(no answer within {wait:g} s: a process holding the GIL cannot answ
 _TOKEN = re.compile(r"[0-9a-f]{16}")
 _TOKENS_KEPT = 64  # an answer names the last requests its process read, its own among them
 _SKIPPED = (
-    "ddpkit/_launch/worker.py",
-    "ddpkit/_launch/forkserver.py",
-    "<frozen runpy>",
+    "ddpkit/_launch/worker.py", "ddpkit/_launch/forkserver.py", "<frozen runpy>",
     "elastic/multiprocessing",
-)
+)  # fmt: skip
 """Frames of the launch machinery, left out of a stack as shown."""
 
 
@@ -100,8 +97,8 @@ def serve_stacks(name: str | None = None) -> bool:
     folder = Path(folder_name)
     fifo = folder / f"stack-{pid}.fifo"
     # the one askers wait on, last
-    answers = [folder / f"{name or 'rank' + torchrun.rank_text(os.environ)}.txt"]
-    answers.append(folder / f"stack-{pid}.txt")
+    name = name or f"rank{torchrun.rank_text(os.environ)}"
+    answers = [folder / f"{name}.txt", folder / f"stack-{pid}.txt"]
     try:
         for path in (fifo, *answers):  # a dead process's of this pid, or an earlier attempt's
             fs.remove(path)
@@ -213,8 +210,7 @@ def request_stack(folder: Path, pid: int) -> str | None:
 
 
 def request_every_stack(folder: Path) -> int:
-    """Ask every process serving stack requests in ``folder`` (ranks and their loader workers),
-    without waiting; how many were asked."""
+    """Ask every process serving stack requests in ``folder``, without waiting; how many."""
     try:
         pids = [int(p.name[6:-5]) for p in folder.glob("stack-*.fifo") if p.name[6:-5].isdigit()]
     except OSError:

@@ -8,11 +8,6 @@ from ddpkit.distributed._seeding import mix_seed, rng_state, seed_rank, set_rng_
 from ddpkit.distributed._signals import pending_stop_signal
 
 __all__ = [
-    "Group",
-    "NotInitializedError",
-    "mix_seed",
-    "pending_stop_signal",
-    "rng_state",
-    "seed_rank",
+    "Group", "NotInitializedError", "mix_seed", "pending_stop_signal", "rng_state", "seed_rank",
     "set_rng_state",
-]
+]  # fmt: skip

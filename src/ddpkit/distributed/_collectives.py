@@ -19,8 +19,7 @@ Number = int | float
 
 
 def is_live(group: Group = None) -> bool:
-    """True when collectives on ``group`` run: a process group exists and this process is a
-    member."""
+    """True when collectives on ``group`` run: a process group, of which this is a member."""
     # a rank outside a new_group() holds torch's NON_GROUP_MEMBER sentinel in place of a group
     non_member: object = dist.GroupMember.NON_GROUP_MEMBER
     return dist.is_available() and dist.is_initialized() and (group is None or group != non_member)
@@ -34,8 +33,7 @@ def comm_device(group: Group = None) -> torch.device:
 
 
 def _watched(op: str, group: Group) -> AbstractContextManager[None]:
-    """The collective marked in this rank's progress record, on the world only (where every rank
-    counts the same sequence)."""
+    """The collective marked in this rank's progress record, on the world only."""
     return progress.collective(op) if group is None else nullcontext()
 
 
@@ -173,8 +171,7 @@ def _pickled(obj: Any, device: torch.device) -> torch.Tensor:
 
 
 def tensor_bytes(tensor: torch.Tensor) -> bytes:
-    """The bytes of a contiguous CPU tensor, without numpy (``tensor.numpy().tobytes()`` needs
-    it)."""
+    """The bytes of a contiguous CPU tensor, without numpy."""
     flat = tensor.reshape(-1).view(torch.uint8)
     data = bytearray(flat.numel())
     if data:
@@ -285,8 +282,7 @@ class MetricSums:
         self.counts: dict[str, int] = {}
 
     def update(self, name: str, values: torch.Tensor | Number, count: int | None = None) -> None:
-        """Add per-sample ``values`` (a tensor), or a pre-summed ``values`` over ``count``
-        samples."""
+        """Add per-sample ``values`` (a tensor), or ``values`` summed over ``count`` samples."""
         if count is None:
             if not isinstance(values, torch.Tensor):
                 raise ValueError(

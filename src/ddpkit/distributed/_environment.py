@@ -1,5 +1,4 @@
-"""Reading the launcher's environment: the ranks as the platform that started this process names
-them (:mod:`ddpkit.platforms`), and ``ddpkit run``'s ``DDPKIT_COLLECTIVE_TIMEOUT``."""
+"""The launcher's environment: the ranks (:mod:`ddpkit.platforms`), ``ddpkit run``'s timeout."""
 
 from __future__ import annotations
 
@@ -21,8 +20,7 @@ _SECONDS = f"use a number of seconds from {MIN_TIMEOUT:.0f} to {MAX_TIMEOUT:.0f}
 
 
 def check_seconds(option: str, value: float) -> float:
-    """``value`` when it is a usable number of seconds for ``option``; else a
-    :class:`ConfigError`."""
+    """``value`` if it is a usable number of seconds for ``option``, else a ConfigError."""
     if not (math.isfinite(value) and MIN_TIMEOUT <= value <= MAX_TIMEOUT):
         raise ConfigError(f"{option} {value}: {_SECONDS}")
     return value
@@ -37,8 +35,7 @@ def parse_seconds(option: str, text: str) -> float:
 
 
 def read_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
-    """Read rank, world size and rendezvous address from the launcher's environment variables
-    (:func:`ddpkit.platforms.read_world`), and the collective timeout ``ddpkit run`` set."""
+    """The ranks as the platform that started this process names them, and the timeout."""
     env = os.environ if env is None else env
     info = platforms.read_world(env)
     if "DDPKIT_COLLECTIVE_TIMEOUT" in env and info.launcher != "none":

@@ -1,5 +1,4 @@
-"""Groups of ranks: the job split once into groups that each train their own model with DDP (a
-search's candidates), made from the job's own store rather than a new store per group."""
+"""Groups of ranks: the job split once into groups that each train their own model."""
 
 from __future__ import annotations
 

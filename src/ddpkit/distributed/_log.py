@@ -21,8 +21,7 @@ def print0(*args: Any, group: Group = None, **kwargs: Any) -> None:
 
 
 class _RankFilter(logging.Filter):
-    """Tags each record with the rank in ``group``; with ``main_only``, keeps only rank 0's
-    records."""
+    """Tags each record with the rank in ``group``; ``main_only``: rank 0's records only."""
 
     def __init__(self, group: Group, main_only: bool) -> None:
         super().__init__()

@@ -136,14 +136,8 @@ def _write() -> None:
         return
     assert _ints is not None and _floats is not None
     _seq += 1
-    _ints[_OP], _ints[_PHASE], _ints[_STEP], _ints[_STEPS], _ints[_COLL], _ints[_NUMEL] = (
-        _op,
-        _phase,
-        _step,
-        _steps,
-        _coll,
-        _numel,
-    )
+    _ints[_OP], _ints[_PHASE], _ints[_STEP], _ints[_STEPS] = _op, _phase, _step, _steps
+    _ints[_COLL], _ints[_NUMEL] = _coll, _numel
     _floats[_STEP_AT], _floats[_LAST_STEP], _floats[_TIMEOUT] = _step_at, _last_step, _timeout
     _ints[_SEQ] = _seq
 
@@ -157,8 +151,7 @@ def collective_timeout(seconds: float) -> None:
 
 
 def watched() -> bool:
-    """Whether a launcher's agent reads this rank's marks (under ``ddpkit run``): elsewhere a mark
-    returns at once, and what only feeds marks need not run."""
+    """Whether an agent reads this rank's marks (``ddpkit run``); elsewhere a mark does nothing."""
     return _ints is not None or (not _opened and _open())
 
 
@@ -175,8 +168,7 @@ def mark(phase: int) -> None:
 
 
 def begin_step(step: int) -> None:
-    """This rank starts step ``step`` (the Trainer: its optimizer step); loaders' batches no longer
-    count steps."""
+    """This rank starts step ``step`` (the Trainer's); loaders' batches no longer count steps."""
     global _trainer_counts, _phase
     _trainer_counts = True
     _next_step(step)
@@ -251,8 +243,7 @@ TORCH_COLLECTIVES = (
     "all_to_all_single", "gather", "scatter", "broadcast_object_list", "scatter_object_list",
     "monitored_barrier",
 )  # fmt: skip
-"""The ``torch.distributed`` collectives :func:`watch_torch_collectives` marks (not
-``send``/``recv``)."""
+"""The collectives :func:`watch_torch_collectives` marks (not ``send``/``recv``)."""
 
 
 def _numel_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:

@@ -160,15 +160,9 @@ def init(
     if launch.local_rank == 0 and (uneven := torchrun.uneven_nodes(os.environ)):
         print(uneven, file=sys.stderr, flush=True)
     _runtime = Runtime(
-        launch.rank,
-        launch.local_rank,
-        launch.world_size,
-        launch.local_world_size,
-        dev,
-        pg_backend,
-        launch.launcher,
-        launch.restart_count,
-    )
+        launch.rank, launch.local_rank, launch.world_size, launch.local_world_size, dev,
+        pg_backend, launch.launcher, launch.restart_count,
+    )  # fmt: skip
     return _runtime
 
 
@@ -304,21 +298,12 @@ def _without_init() -> Runtime:
     launch = read_launch_env()
     if dist.is_available() and dist.is_initialized():
         backend = dist.get_backend()
-        device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if backend == "nccl"
-            else torch.device("cpu")
-        )
+        cuda = backend == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         return Runtime(
-            dist.get_rank(),
-            launch.local_rank,
-            dist.get_world_size(),
-            launch.local_world_size,
-            device,
-            backend,
-            launch.launcher,
-            launch.restart_count,
-        )
+            dist.get_rank(), launch.local_rank, dist.get_world_size(), launch.local_world_size,
+            device, backend, launch.launcher, launch.restart_count,
+        )  # fmt: skip
     if launch.world_size > 1:
         source = LAUNCHER_NAMES.get(launch.launcher, launch.launcher)
         raise NotInitializedError(
@@ -330,8 +315,7 @@ def _without_init() -> Runtime:
 
 
 def forget() -> None:
-    """Drop the runtime without touching process groups: for a forked child, whose parent's runtime
-    (and store connection) is not its."""
+    """Drop the runtime without touching process groups (a forked child's parent's is not its)."""
     global _runtime, _store_of, _group_store
     _runtime, _store_of, _group_store = None, None, None
 

@@ -1,5 +1,4 @@
-"""Seeding and RNG state: identical model initialisation on every rank, and states a snapshot can
-restore."""
+"""Seeding and RNG state: the same initial weights on every rank, states a snapshot restores."""
 
 from __future__ import annotations
 
@@ -71,8 +70,7 @@ def seed_rank(seed: int, rank: int) -> int:
 
 
 def cuda_in_use() -> bool:
-    """True when this process has initialised CUDA (its generators are then saved and seeded);
-    never initialises it, and False in a loader worker forked from a process that had."""
+    """True when this process initialised CUDA (never initialising it itself)."""
     return torch.cuda.is_initialized()
 
 

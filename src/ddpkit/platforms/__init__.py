@@ -58,8 +58,7 @@ def read_world(env: Mapping[str, str]) -> LaunchEnv:
 
 
 def launch_defaults(env: Mapping[str, str]) -> list[LaunchDefault]:
-    """The defaults of ``ddpkit run``'s options that any platform set in ``env``, in
-    :data:`PLATFORMS`'s order."""
+    """The defaults of ``ddpkit run``'s options any platform set in ``env``, in order."""
     return [default for platform in PLATFORMS for default in platform.launch_defaults(env)]
 
 
@@ -73,15 +72,9 @@ def scheduler(env: Mapping[str, str]) -> str | None:
 
 
 __all__ = [
-    "PLATFORMS",
-    "LaunchDefault",
-    "LaunchEnv",
-    "Platform",
-    "current",
-    "launch_defaults",
-    "read_world",
-    "scheduler",
-]
+    "PLATFORMS", "LaunchDefault", "LaunchEnv", "Platform", "current", "launch_defaults",
+    "read_world", "scheduler",
+]  # fmt: skip
 
 LAUNCH_VARIABLES = frozenset(
     {
@@ -91,8 +84,7 @@ LAUNCH_VARIABLES = frozenset(
     }
 )  # fmt: skip
 LAUNCH_PREFIXES = ("SLURM_", "TORCHELASTIC_", "PMI_", "PMIX_", "OMPI_")
-"""Variables through which a launcher or a scheduler tells a process where it sits in a job (and the
-prefixes of whole families of them)."""
+"""Variables (and prefixes) through which a launcher or scheduler places a process in a job."""
 
 
 def without_launch_env(env: Mapping[str, str]) -> dict[str, str]:

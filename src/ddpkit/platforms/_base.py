@@ -1,5 +1,4 @@
-"""What every platform gives: the :class:`Platform` protocol, the world it reads
-(:class:`LaunchEnv`) and the option defaults it hands ``ddpkit run`` (:class:`LaunchDefault`)."""
+"""What every platform gives: :class:`Platform`, its :class:`LaunchEnv` and defaults."""
 
 from __future__ import annotations
 
@@ -50,8 +49,7 @@ class Platform(Protocol):
     """The platform's name, as :attr:`LaunchEnv.launcher` holds it."""
 
     def detect(self, env: Mapping[str, str]) -> bool:
-        """Whether this platform started this process (asked in the order of
-        :data:`ddpkit.platforms.PLATFORMS`)."""
+        """Whether this platform started this process (asked in :data:`PLATFORMS`' order)."""
         ...
 
     def world(self, env: Mapping[str, str]) -> LaunchEnv:
@@ -65,12 +63,9 @@ class Platform(Protocol):
 
 
 LAUNCHER_NAMES = {
-    "torchrun": "torchrun/ddpkit run",
-    "slurm": "SLURM srun",
-    "mpi": "mpiexec",
-    "pytorchjob": "a PyTorchJob",
-    "ray": "Ray Train",
-}
+    "torchrun": "torchrun/ddpkit run", "slurm": "SLURM srun", "mpi": "mpiexec",
+    "pytorchjob": "a PyTorchJob", "ray": "Ray Train",
+}  # fmt: skip
 """Each launcher as messages name it."""
 
 
@@ -83,8 +78,7 @@ def read_int(env: Mapping[str, str], name: str) -> int:
 
 
 def checked(info: LaunchEnv) -> LaunchEnv:
-    """``info`` when its ranks and sizes fit together, else a :class:`ConfigError` naming the
-    launcher."""
+    """``info`` when its ranks and sizes fit together, else a ConfigError naming its launcher."""
     source = LAUNCHER_NAMES.get(info.launcher, info.launcher)
     if info.world_size < 1:
         raise ConfigError(f"world size {info.world_size} from {source} must be >= 1")

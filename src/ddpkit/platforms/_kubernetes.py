@@ -18,13 +18,10 @@ NAME = "pytorchjob"
 POD_ENV = "KUBERNETES_SERVICE_HOST"  # set in every container Kubernetes starts
 
 OPERATOR_VARS = {
-    "--nnodes": "PET_NNODES",
-    "--nproc": "PET_NPROC_PER_NODE",
-    "--node-rank": "PET_NODE_RANK",
-    "--rdzv-endpoint": "PET_RDZV_ENDPOINT",
-    "--rdzv-id": "PET_RDZV_ID",
+    "--nnodes": "PET_NNODES", "--nproc": "PET_NPROC_PER_NODE", "--node-rank": "PET_NODE_RANK",
+    "--rdzv-endpoint": "PET_RDZV_ENDPOINT", "--rdzv-id": "PET_RDZV_ID",
     "--max-restarts": "PET_MAX_RESTARTS",
-}
+}  # fmt: skip
 """``ddpkit run``'s options and the ``PET_*`` variables that give their defaults."""
 
 # What torchrun takes in each variable, so that a wrong one is named as the variable. [0-9] is ASCII
@@ -64,8 +61,7 @@ def in_pod(env: Mapping[str, str]) -> bool:
 
 
 def pod_variables(env: Mapping[str, str]) -> bool:
-    """The variables of a PyTorchJob pod started without torchrun: ``RANK``, ``WORLD_SIZE``,
-    ``MASTER_ADDR``, ``MASTER_PORT``, no ``LOCAL_RANK``, inside Kubernetes."""
+    """A PyTorchJob pod's without torchrun: ``RANK`` and the rest, no ``LOCAL_RANK``, in a pod."""
     return (
         in_pod(env)
         and "LOCAL_RANK" not in env
@@ -94,8 +90,7 @@ def world(env: Mapping[str, str]) -> LaunchEnv:
 
 
 def check_one_process_per_pod(env: Mapping[str, str]) -> None:
-    """Refuse a lone process in a pod meant for several (``nprocPerNode`` a number above 1, or an
-    elastic policy); a word (``auto``, ``cpu``, ``gpu``) counts one process a pod."""
+    """Refuse a lone process in a pod meant for several (``nprocPerNode`` above 1, elastic)."""
     nproc, nnodes = pet_value(env, "PET_NPROC_PER_NODE") or "1", pet_value(env, "PET_NNODES") or ""
     elastic = "PET_RDZV_ENDPOINT" in env or ":" in nnodes
     if not _one_process(nproc) or elastic:
@@ -191,8 +186,7 @@ def one_node(nnodes: str) -> bool:
 
 
 def _one_process(nproc: str) -> bool:
-    """``PET_NPROC_PER_NODE`` as the training-operator counts it in ``WORLD_SIZE``: a word is one
-    process a pod, a number is itself."""
+    """``PET_NPROC_PER_NODE`` as ``WORLD_SIZE`` counts it: a word is one process."""
     return not nproc.isdigit() or int(nproc) == 1
 
 

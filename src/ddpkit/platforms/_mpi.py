@@ -1,5 +1,4 @@
-"""MPI: ``mpiexec`` of Open MPI (``OMPI_COMM_WORLD_*``) or MPICH's Hydra (``PMI_*``), which name
-the ranks but no rendezvous address (:func:`rendezvous_address` agrees on one)."""
+"""MPI: Open MPI's or MPICH's ``mpiexec``, which name the ranks but no rendezvous address."""
 
 from __future__ import annotations
 
@@ -54,8 +53,7 @@ def launch_defaults(env: Mapping[str, str]) -> list[LaunchDefault]:
 
 
 def rendezvous_address() -> tuple[str, int]:
-    """Rank 0's host name and a port free there, agreed by every rank of an MPI job through
-    ``mpi4py``."""
+    """Rank 0's host name and a free port there, agreed by every rank through ``mpi4py``."""
     try:
         from mpi4py import MPI
     except ImportError:

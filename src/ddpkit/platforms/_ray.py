@@ -1,5 +1,4 @@
-"""Ray Train: its workers carry torchrun's variables and, as every Ray worker, the raylet's pid.
-Nothing here imports Ray."""
+"""Ray Train: its workers carry torchrun's variables and the raylet's pid. Imports no Ray."""
 
 from __future__ import annotations
 
@@ -17,8 +16,7 @@ def detect(env: Mapping[str, str]) -> bool:
 
 
 def world(env: Mapping[str, str]) -> LaunchEnv:
-    """torchrun's reading of the ranks, as launcher ``"ray"`` (:func:`ddpkit.init` counts the
-    restarts)."""
+    """torchrun's reading of the ranks, as launcher ``"ray"``."""
     return torchrun.world(env, launcher=NAME)
 
 

@@ -1,5 +1,4 @@
-"""SLURM: a task that ``srun`` started for a job step, its node list, the rendezvous port every task
-derives alone, the requeue count, and the CPUs SLURM granted the node."""
+"""SLURM: a step's task, its node list, its rendezvous port, requeues and granted CPUs."""
 
 from __future__ import annotations
 
@@ -69,8 +68,7 @@ def restarts(env: Mapping[str, str]) -> int:
 
 
 def cpus_granted(env: Mapping[str, str]) -> str | None:
-    """The CPUs SLURM granted this node's share of the job (``SLURM_CPUS_ON_NODE``) as set, or
-    None."""
+    """The CPUs SLURM granted this node (``SLURM_CPUS_ON_NODE``) as set, or None."""
     return env.get("SLURM_CPUS_ON_NODE")
 
 
@@ -117,8 +115,7 @@ PORT_BASE, PORT_JOBS, PORT_STEPS = 20000, 750, 16
 
 
 def port_of_step(env: Mapping[str, str]) -> int:
-    """The rendezvous port every task of a SLURM step derives alone from the job and step ids:
-    concurrent steps of one job differ, and so do jobs whose ids differ by less than 750."""
+    """The rendezvous port each task of a step derives from the job and step ids alone."""
     job = read_int(env, "SLURM_JOB_ID") if "SLURM_JOB_ID" in env else 0
     step = env.get("SLURM_STEP_ID", "0")
     # "²".isdigit(), and int() refuses it

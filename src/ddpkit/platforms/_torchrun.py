@@ -23,8 +23,7 @@ def detect(env: Mapping[str, str]) -> bool:
 
 
 def world(env: Mapping[str, str], launcher: str = NAME) -> LaunchEnv:
-    """The ranks as ``env://`` names them; ``launcher`` names who set them (``"ray"``: Ray
-    Train)."""
+    """The ranks as ``env://`` names them; ``launcher``: who set them (``"ray"``)."""
     present = [name for name in VARS if name in env]
     missing = [name for name in VARS if name not in env]
     if missing:
@@ -66,8 +65,7 @@ def launch_defaults(env: Mapping[str, str]) -> list[LaunchDefault]:
 
 
 def started_by_agent(env: Mapping[str, str]) -> bool:
-    """Started by torchrun's agent (``ddpkit run`` or torchrun), not by another launcher that
-    exports its variables."""
+    """Started by torchrun's agent, not by another launcher that exports its variables."""
     return "TORCHELASTIC_RUN_ID" in env
 
 
@@ -82,8 +80,7 @@ def error_file(env: Mapping[str, str]) -> str | None:
 
 
 def master_address(env: Mapping[str, str]) -> tuple[str, str] | None:
-    """(``MASTER_ADDR``, ``MASTER_PORT``) as set, where both are and the port is digits; else
-    None."""
+    """(``MASTER_ADDR``, ``MASTER_PORT``) where both are set and the port is digits."""
     addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT", "")
     return (addr, port) if addr and port.isdigit() else None
 
@@ -103,8 +100,7 @@ def option_variables(env: Mapping[str, str]) -> list[str]:
 
 
 def uneven_nodes(env: Mapping[str, str]) -> str | None:
-    """A warning when torchrun's nodes run different numbers of processes (a job that runs, most
-    often a typo on one node), told from this process's variables alone; else None."""
+    """A warning when torchrun's nodes run different numbers of processes (a typo?); else None."""
     try:
         nodes, world, here = (
             int(env[name]) for name in ("GROUP_WORLD_SIZE", "WORLD_SIZE", "LOCAL_WORLD_SIZE")

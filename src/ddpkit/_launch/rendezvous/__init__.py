@@ -89,8 +89,7 @@ def interface_of(ip: str) -> str | None:
 
 
 def node_address(endpoint: str) -> NodeAddress:
-    """Everything this node tells torchrun for ``endpoint``; raises :class:`ConfigError` on a bad
-    endpoint."""
+    """What this node tells torchrun for ``endpoint`` (a ConfigError for a bad one)."""
     host, port = split_endpoint(endpoint)
     host_ip = resolve(host)
     local = is_local_address(host_ip)
@@ -107,8 +106,7 @@ def _listening(ip: str, port: int) -> bool:
 
 
 def wait_reachable(ip: str, port: int, timeout: float) -> None:
-    """Wait until something accepts TCP connections at ``ip:port`` (the hosting node's agent, which
-    may start later), or fail after ``timeout`` seconds saying why."""
+    """Wait until something accepts connections at ``ip:port``, or fail after ``timeout`` s."""
     deadline = time.monotonic() + timeout
     last = "no answer"
     while True:

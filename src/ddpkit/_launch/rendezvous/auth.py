@@ -123,8 +123,7 @@ def _kubelet_secret(path: str, info: os.stat_result) -> bool:
 
 
 def _read_secret_file(path: str, source: str) -> tuple[bytes, os.stat_result]:
-    """(the stripped contents, the status) of the regular file at ``path``, checked to be one before
-    any read (a FIFO would block, a device read without end)."""
+    """(the stripped contents, the status) of the regular file at ``path``, checked first."""
     how = f"write the job's secret there ({MAKE_SECRET})"
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
@@ -212,16 +211,14 @@ def check_answer(key: bytes, ours: bytes, answer: bytes) -> tuple[bytes, Session
 
 
 def refuse(sock: socket.socket, words: bytes = _REFUSED) -> None:
-    """Tell a peer that failed the handshake so (a node with another secret then says what is
-    wrong), or that its handshake was evicted (:data:`EVICTED`), and close."""
+    """Tell a peer that failed the handshake (or was evicted: :data:`EVICTED`) so, and close."""
     with contextlib.suppress(OSError):
         sock.sendall(words)
     sock.close()
 
 
 def join_host(sock: socket.socket, key: bytes) -> Session:
-    """A node's side of the handshake; raises :class:`Refused` or :class:`NotARelay` naming what
-    went wrong."""
+    """A node's side of the handshake; :class:`Refused` or :class:`NotARelay` say what failed."""
     hello = _recv_upto(sock, len(HELLO) + _NONCE)
     if hello in _BUSY_WORDS:
         raise Busy(_BUSY_WORDS[hello])
@@ -247,8 +244,7 @@ def join_host(sock: socket.socket, key: bytes) -> Session:
 
 
 class FramedSocket:
-    """A socket whose every message bears an HMAC over its sequence number and bytes (no replay, no
-    reorder); one thread sends and one receives."""
+    """A socket whose every message bears an HMAC over its number and bytes; one sender."""
 
     def __init__(self, sock: socket.socket, session: Session) -> None:
         self.sock, self._session = sock, session
@@ -273,8 +269,7 @@ class FramedSocket:
 
 
 def splice(framed: FramedSocket, plain: socket.socket) -> None:
-    """Carry bytes both ways between ``plain`` and ``framed`` on two threads; when one way ends,
-    close both."""
+    """Carry bytes both ways between ``plain`` and ``framed``; when one way ends, close both."""
     # a store request is several small writes: Nagle's algorithm would hold each for an ACK
     for s in (framed.sock, plain):
         with contextlib.suppress(OSError):
@@ -303,8 +298,7 @@ def splice(framed: FramedSocket, plain: socket.socket) -> None:
 
 
 def _from_this_process(peer: tuple[str, int]) -> bool:
-    """True when the local TCP connection from ``peer`` was opened by a socket of this very
-    process."""
+    """True when the local connection from ``peer`` was opened by this very process."""
     for name in os.listdir("/proc/self/fd"):
         try:
             if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
@@ -322,8 +316,7 @@ def _from_this_process(peer: tuple[str, int]) -> bool:
 
 
 class RelayClient:
-    """A node's local end of the relay: a port on 127.0.0.1 for this process's store client (other
-    processes' connections are closed unanswered), carried to the host after the handshake."""
+    """A node's local end of the relay, for this process's store client alone."""
 
     def __init__(self, host: tuple[str, int], key: bytes) -> None:
         self._host, self._key = host, key
@@ -357,8 +350,7 @@ class RelayClient:
 
 
 def check_host(host: tuple[str, int], key: bytes) -> None:
-    """Handshake once with the rendezvous host: a wrong secret is one clear error before any
-    worker."""
+    """Handshake once with the host: a wrong secret is one clear error before any worker."""
     where = f"{host[0]}:{host[1]}"
     try:
         with socket.create_connection(host, timeout=HANDSHAKE_TIMEOUT) as sock:
@@ -442,8 +434,7 @@ class RelayServer:
         pending: int = PENDING,
         evict: bool = True,
     ) -> None:
-        """``evict=False`` turns a connection beyond ``pending`` away instead (a test's
-        control)."""
+        """``evict=False`` turns a connection beyond ``pending`` away (a test's control)."""
         self._store_port, self._key = store_port, key
         self._timeout, self._per_address, self._log_interval = (
             handshake_timeout,
@@ -471,8 +462,7 @@ class RelayServer:
         self._thread.start()
 
     def close(self) -> None:
-        """Stop listening and drop the unfinished handshakes (admitted peers keep their
-        connections)."""
+        """Stop listening and drop the unfinished handshakes (admitted peers stay)."""
         self._closed = True
         with contextlib.suppress(OSError):
             self._wake_w.send(b"x")
@@ -552,8 +542,7 @@ class RelayServer:
         return next(p for p in self._pending.values() if self._per[p.address] == heaviest)
 
     def _turn_away(self, conn: socket.socket, where: str, words: bytes, reason: str) -> None:
-        """Close a fresh connection with the words its node says (it has sent nothing, so no reset
-        eats them)."""
+        """Close a fresh connection with the words its node says (it sent nothing: no reset)."""
         self._note(where, reason)
         conn.setblocking(False)
         with contextlib.suppress(OSError):
@@ -622,8 +611,7 @@ class RelayServer:
                 del self._per[pending.address]
 
     def _note(self, where: str, reason: str, refused: bool = False) -> None:
-        """Say a dropped connection: the first from an address for each reason at once, then a count
-        of the further ones at most every ``log_interval`` seconds."""
+        """Say a dropped connection: at once per address and reason, then counted."""
         drops = self._drops.get((where, reason))
         if drops is None:
             if len(self._drops) >= _LOGGED_ADDRESSES:

@@ -17,13 +17,8 @@ from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
-from torch.distributed.elastic.rendezvous import (
-    rendezvous_handler_registry as handler_registry,
-)
-from torch.distributed.elastic.rendezvous.api import (
-    RendezvousConnectionError,
-    RendezvousStateError,
-)
+from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as handler_registry
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousStateError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousBackend,
     Token,
@@ -39,8 +34,7 @@ BACKEND = "ddpkit"
 
 @dataclass(frozen=True)
 class JobAccess:
-    """What one job's agent needs to open its rendezvous store; kept in this process, never in
-    torchrun's arguments or logs."""
+    """What one job's agent needs to open its store; never in torchrun's arguments or logs."""
 
     secret: bytes  # the job's secret (several nodes), or random bytes of this job (one node)
     relay_ip: str | None  # where the host's relay listens; None for a job on this machine only
