@@ -160,7 +160,7 @@ EXTRAS = (
     "ddpkit._launch.rendezvous.relay", "ddpkit._launch.rendezvous.auth", "ddpkit._launch.k8s",
     "ddpkit._launch.manifests", "ddpkit._launch.sbatch",
     "ddpkit.snapshot._memory", "ddpkit.tools", "ddpkit.search", "ddpkit.data._stream_sources",
-    "ddpkit.data._stream_loader",
+    "ddpkit.data._stream",
 )  # fmt: skip
 LOADED = "import sys\n{}\nprint(' '.join(sorted(m for m in sys.modules if m in {!r})))"
 
