@@ -1,16 +1,18 @@
-"""What seeding each sample from (seed, epoch, index) costs when a batch is loaded.
+"""What seeding each sample from (seed, epoch, index) costs when a batch is loaded in the main
+process.
 
 ``build_loader`` wraps the dataset in :class:`ddpkit.data.SeededSamples`: a batch is read as it is
-with the generators' states compared around it; once a sample has drawn, each sample is read with
-python's ``random``, numpy's global generator and torch's CPU generator seeded, and in the main
-process (``num_workers=0``) their states are saved before a batch and restored after. This loads the
-same batches with and without the wrapper, in interleaved rounds within one process, and reports per
-round the time to fetch one batch (``__getitems__`` of the keys, as the DataLoader's fetcher calls
-it), then the median over rounds of the difference and of the ratio seeded / plain.
+with the generators held (python's and torch's states read before and compared after, numpy's
+global functions pointed at a stand-in generator); once a sample has drawn, each sample is read with
+python's ``random``, numpy's global generator and torch's CPU generator seeded, and python's and
+torch's states are put back after the batch. This loads the same batches with and without the
+wrapper, in interleaved rounds within one process, and reports per round the time to fetch one
+batch (``__getitems__`` of a batch's keys, as the DataLoader's fetcher calls it), then the median
+over rounds of the difference and of the ratio seeded / plain.
 
 Two datasets: pytorch/examples' case of pairs of tensors in a list, read as they are (nothing draws:
-the state check per batch is all it costs), and an 8x8 image with a light augmentation (a random
-shift and noise, as the digits would get: every sample seeded).
+the watch is all it costs), and an 8x8 image with a light augmentation (a random shift and noise:
+every sample seeded).
 
     python bench/sample_seeding.py                  # batch 64, 200 rounds
 """
@@ -28,6 +30,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ddpkit.data import SeededSamples
+from ddpkit.data._sampler import EpochIndices
 
 
 class Pairs(Dataset):
@@ -77,11 +80,11 @@ def main() -> None:
         ("8x8 + augmentation", Augmented(4096)),
     ]:
         seeded = SeededSamples(data, seed=0)
-        keys = [(0, i) for i in range(a.batch_size)]
+        keys = EpochIndices(range(a.batch_size), 0)
         plain_ms, seeded_ms = [], []
         for r in range(a.rounds):
             pair = [
-                ("plain", lambda data=data, keys=keys: [data[i] for _, i in keys]),
+                ("plain", lambda data=data, keys=keys: [data[i] for i in keys]),
                 ("seeded", lambda seeded=seeded, keys=keys: seeded.__getitems__(keys)),
             ]
             # alternate the order: drift falls on both

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 import ddpkit
-from ddpkit.data._stream_loader import StreamSamples
+from ddpkit.data._stream import StreamSamples
 from ddpkit.data._stream_sources import JsonlStream
 
 

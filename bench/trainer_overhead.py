@@ -17,10 +17,8 @@ Two measures, both on rank 0:
 - epoch time: barrier to barrier, divided by the steps, so that the Trainer's once-per-epoch and
   every-N-steps work (loss agreement, logging, the end of the epoch) is in it too.
 Each is also given as the Trainer's extra microseconds per step (median of the per-round
-differences).
-
-The loaders: the same rounds time one epoch of ``build_loader`` and one of ``DataLoader`` +
-``DistributedSampler`` (same dataset, batch, no workers) with nothing else in the loop, per batch.
+differences). ``bench/loader_overhead.py`` pairs the Trainer with hand loops on three models in one
+job, over ``build_loader`` too.
 
     # 2 ranks, gloo, batch 64 per rank
     python bench/trainer_overhead.py
@@ -174,22 +172,9 @@ def bench(
         trainer.stopped_by = None  # as a new Trainer has it: fit() ends with the reason it stopped
         trainer.fit()
 
-    ours = ddpkit.build_loader(data, batch_size, num_workers=0)
-    theirs_sampler = DistributedSampler(data)
-    theirs = DataLoader(data, batch_size=batch_size, sampler=theirs_sampler)
-
-    def loader_epoch(which: DataLoader, epoch: int) -> float:
-        """Seconds per batch of one epoch of ``which`` alone (the batches are only fetched)."""
-        if which is theirs:
-            theirs_sampler.set_epoch(epoch)
-        start = time.perf_counter()
-        count = sum(1 for _ in which)
-        return (time.perf_counter() - start) / count
-
     timed(lambda: hand_loop(hand_model, hand_opt, loader, sampler, 0))  # warm-up, excluded
     timed(trainer_epoch)
-    loader_epoch(ours, 0), loader_epoch(theirs, 0)
-    hand, mine, load_ours, load_theirs = [], [], [], []
+    hand, mine = [], []
     for r in range(rounds):
         order = (
             [("hand", hand), ("trainer", mine)]
@@ -203,9 +188,6 @@ def bench(
                 )
             else:
                 out.append(timed(trainer_epoch))
-        pair = [(ours, load_ours), (theirs, load_theirs)]
-        for which, out in pair if r % 2 == 0 else pair[::-1]:
-            out.append(loader_epoch(which, r + 1))
     stalls = []
     for _ in range(5):
         ddpkit.barrier()
@@ -221,8 +203,6 @@ def bench(
         "pinned": pinned,
         "threads": threads,
         "steady_malloc": steady,
-        "load_ours": load_ours,
-        "load_theirs": load_theirs,
         "params": sum(p.numel() for p in net.parameters()),
     }
 
@@ -293,15 +273,6 @@ def main() -> None:
             f"  Trainer's extra time  {statistics.median(diffs):+.0f} us/step, 95% interval "
             f"{dlo:+.0f} to {dhi:+.0f} us (median of per-round differences)"
         )
-    ours = [t * 1e6 for t in res["load_ours"]]
-    theirs = [t * 1e6 for t in res["load_theirs"]]
-    diffs = sorted(o - t for o, t in zip(ours, theirs))
-    dlo, dhi = median_interval(diffs)
-    print(
-        f"loader alone (per batch, epoch / batches): build_loader {statistics.median(ours):.1f} "
-        f"us, DataLoader + DistributedSampler {statistics.median(theirs):.1f} us; build_loader's "
-        f"extra {statistics.median(diffs):+.1f} us/batch, 95% interval {dlo:+.1f} to {dhi:+.1f} us"
-    )
     print(
         f"snapshot stall: median {statistics.median(res['stall']) * 1000:.1f} ms "
         f"(gather RNG states + rank 0 writes {res['params'] * 4 / 1e6:.2f} MB "

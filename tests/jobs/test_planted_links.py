@@ -259,20 +259,20 @@ def test_a_stream_writes_nothing_outside_its_data_folder(tmp_path, kind):
 def _poisoned_index(path: Path) -> Path:
     """A line index beside ``path`` whose header matches the file (its checksum too), every line
     pointing at record 0."""
-    from ddpkit.data import _line_cache as line_cache
+    from ddpkit.data import _stream_sources as line_cache
     from ddpkit.data._stream_sources import content_digest, index_header
 
     lines = np.tile(np.array([[0, len(json.dumps({"id": 0}))]], np.int64), (64, 1))
     cached = path.with_name(f".{path.name}.lines")
     header = index_header(path.stat().st_size, content_digest(path))
-    header[1, 1] = line_cache.checksum(lines)
+    header[1, 1] = line_cache.index_checksum(lines)
     np.concatenate([header, lines]).tofile(cached)
     return cached
 
 
 @pytest.mark.parametrize("owner", ["this user", pytest.param("other user", marks=KINDS[-1].marks)])
 def test_a_planted_line_index_is_not_used_and_the_records_are_right(tmp_path, capfd, owner):
-    from ddpkit.data import _line_cache as line_cache
+    from ddpkit.data import _stream_sources as line_cache
     from ddpkit.data._stream_sources import JsonlStream, _scan_lines
 
     line_cache._told.clear()
@@ -305,7 +305,7 @@ def test_a_planted_line_index_is_not_used_and_the_records_are_right(tmp_path, ca
 
 
 def test_a_data_folder_others_can_write_to_keeps_its_index_in_memory(tmp_path, capfd):
-    from ddpkit.data import _line_cache as line_cache
+    from ddpkit.data import _stream_sources as line_cache
     from ddpkit.data._stream_sources import JsonlStream
 
     line_cache._told.clear()
@@ -393,7 +393,7 @@ def test_the_bench_writes_its_json_and_plot_only_inside_its_out_folder(tmp_path,
 def test_a_line_index_cut_to_its_header_is_rebuilt_not_read_as_no_records(tmp_path, capfd):
     # Consistent as far as offsets go (no lines at all), with the data file's size and time in its
     # header: only the checksum of the offsets tells it from the truth.
-    from ddpkit.data import _line_cache as line_cache
+    from ddpkit.data import _stream_sources as line_cache
     from ddpkit.data._stream_sources import JsonlStream
 
     line_cache._told.clear()
@@ -402,7 +402,7 @@ def test_a_line_index_cut_to_its_header_is_rebuilt_not_read_as_no_records(tmp_pa
     cached = path.with_name(f".{path.name}.lines")
     cached.write_bytes(cached.read_bytes()[:32])
     # control: no check but the sum
-    assert line_cache.consistent(np.zeros((0, 2), np.int64), path.stat().st_size)
+    assert line_cache.consistent_lines(np.zeros((0, 2), np.int64), path.stat().st_size)
     stream = JsonlStream(path)
     assert [r["id"] for r in stream.read(0, np.arange(64))] == list(range(64))
     assert "holds offsets that cannot be those of the file's lines" in capfd.readouterr().err

@@ -158,7 +158,7 @@ EXTRAS = (
     "ddpkit._launch.forkserver", "ddpkit._launch.rendezvous.backend",
     "ddpkit._launch.rendezvous.auth", "ddpkit._launch.k8s",
     "ddpkit._launch.sbatch", "ddpkit.snapshot._memory", "ddpkit.snapshot._slots",
-    "ddpkit.tools", "ddpkit.search", "ddpkit.data._stream_sources", "ddpkit.data._stream_loader",
+    "ddpkit.tools", "ddpkit.search", "ddpkit.data._stream_sources", "ddpkit.data._stream",
 )  # fmt: skip
 LOADED = "import sys\n{}\nprint(' '.join(sorted(m for m in sys.modules if m in {!r})))"
 

@@ -486,7 +486,7 @@ def test_a_journal_beyond_its_bound_is_refused_naming_it(tmp_path):
 
 def line_files(root: Path) -> Callable[[int], tuple[Path, np.ndarray, int]]:
     """A data file of n lines and its line index kept beside it, as the stream writes them."""
-    from ddpkit.data import _line_cache as line_cache
+    from ddpkit.data import _stream_sources as line_cache
 
     def make(n: int) -> tuple[Path, np.ndarray, int]:
         folder = root / f"l{n}"
@@ -496,7 +496,7 @@ def line_files(root: Path) -> Callable[[int], tuple[Path, np.ndarray, int]]:
         st = data.stat()
         header = np.array([[2, st.st_size], [st.st_mtime_ns, 0]], dtype=np.int64)
         lines = np.stack([np.arange(n) * 9, np.arange(n) * 9 + 8], axis=1).astype(np.int64)
-        line_cache.write(folder / ".data.jsonl.lines", header, lines)
+        line_cache.keep_index(folder / ".data.jsonl.lines", header, lines)
         return folder / ".data.jsonl.lines", header, st.st_size
 
     return make
@@ -504,22 +504,22 @@ def line_files(root: Path) -> Callable[[int], tuple[Path, np.ndarray, int]]:
 
 @pytest.mark.slow
 def test_the_line_index_is_read_in_time_linear_in_its_lines(tmp_path):
-    from ddpkit.data import _line_cache as line_cache
+    from ddpkit.data import _stream_sources as line_cache
 
     def read(args: tuple[Path, np.ndarray, int]) -> None:
-        assert line_cache.read(*args) is not None
+        assert line_cache.read_kept_index(*args) is not None
 
     assert_linear(read, line_files(tmp_path), 20_000)
 
 
 def test_a_line_index_of_more_lines_than_its_file_holds_is_not_used_naming_it(tmp_path, capsys):
-    from ddpkit.data import _line_cache as line_cache
+    from ddpkit.data import _stream_sources as line_cache
 
     cached, header, size = line_files(tmp_path)(8)
     # A line takes a byte and its newline: more than (size + 1) // 2 offsets cannot be the file's.
     lines = np.stack([np.arange(size) * 2, np.arange(size) * 2 + 1], axis=1).astype(np.int64)
-    line_cache.write(cached, header, lines)  # its checksum recomputed: only the bound can tell
-    assert line_cache.read(cached, header, size) is None
+    line_cache.keep_index(cached, header, lines)  # its checksum recomputed: only the bound can tell
+    assert line_cache.read_kept_index(cached, header, size) is None
     assert (
         f"in {cached.parent} is not used ({cached.name} holds offsets that cannot be"
         in capsys.readouterr().err

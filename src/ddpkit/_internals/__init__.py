@@ -16,14 +16,12 @@ operators (``tests/unit/internals/test_internals_seam.py`` enforces both).
 - :mod:`~ddpkit._internals.optim`: optimizers and learning-rate schedulers;
 - :mod:`~ddpkit._internals.modules`: ``torch.nn`` modules (BatchNorm's base, compiled and buffer
   internals);
-- :mod:`~ddpkit._internals.compiler`: ``torch.compile``'s configuration and its compiler probe, the
-  profiler's state, and the autograd engine's callbacks at a backward's end;
+- :mod:`~ddpkit._internals.compiler`: ``torch.compile``'s configuration and its compiler probe, and
+  the autograd engine's callbacks at a backward's end;
 - :mod:`~ddpkit._internals.optuna_journal`: Optuna's storages: a journal's operation codes, the
   storage a study writes through;
 - :mod:`~ddpkit._internals.ray_train`: Ray's key-value store, where each rank counts Ray Train's
-  restarts;
-- :mod:`~ddpkit._internals.rng`: random generators' states read as raw bytes, for the loader's watch
-  for draws.
+  restarts.
 """
 
 from __future__ import annotations
@@ -34,7 +32,7 @@ from ddpkit._internals.contract import Internal, problem
 
 MODULES = (
     "versions", "store", "dcp", "elastic", "interpreter", "optim", "compiler", "modules",
-    "optuna_journal", "ray_train", "rng",
+    "optuna_journal", "ray_train",
 )  # fmt: skip
 
 

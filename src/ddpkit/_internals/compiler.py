@@ -1,16 +1,11 @@
-"""``torch.compile``'s configuration, its C++ compiler probe, and two pieces of the autograd
-engine: the profiler's state and the callbacks run at a backward pass's end, which live in torch's
-private modules.
+"""``torch.compile``'s configuration, its C++ compiler probe, and a piece of the autograd engine:
+the callbacks run at a backward pass's end, which live in torch's private modules.
 
 - ``torch._dynamo``: imported once before forking ranks (DDP's constructor imports it, which takes
   seconds), and its ``config.optimize_ddp``, which splits a compiled DDP model's graph at bucket
   boundaries so that gradient all-reduces overlap the backward pass.
 - ``torch._inductor.cpp_builder.get_cpp_compiler``: the C++ compiler inductor builds CPU kernels
   with.
-- ``torch.autograd._profiler_enabled``: whether a profiler records in this process (torch's own
-  state, which every profiler sets: ``torch.profiler``, the legacy one, on-demand tracing), read in
-  ~50 ns (:func:`profiler_running`). ddpkit's loader annotates its batches only then, as the
-  DataLoader does always.
 - ``torch.autograd.Variable._execution_engine.queue_callback``: a function the engine calls once the
   backward pass it runs has computed and accumulated every gradient, before ``backward()`` returns
   (:func:`at_backward_end`); DDP and FSDP wait for their gradient collectives in callbacks queued
@@ -83,22 +78,6 @@ def _check_cpp_compiler() -> str | None:
     return None if callable(get_cpp_compiler) else "it is not a function"
 
 
-def profiler_running() -> bool:
-    """Whether a torch profiler records in this process; True where the function is gone
-    (annotating always is what torch's DataLoader does)."""
-    enabled = getattr(torch.autograd, "_profiler_enabled", None)
-    return True if enabled is None else bool(enabled())
-
-
-def _check_profiler_enabled() -> str | None:
-    enabled = getattr(torch.autograd, "_profiler_enabled", None)
-    if not callable(enabled):
-        return "torch.autograd has no _profiler_enabled"
-    return (
-        None if isinstance(enabled(), bool) else "torch.autograd._profiler_enabled() is not a bool"
-    )
-
-
 def _engine() -> Any:
     variable = getattr(torch.autograd, "Variable", None)
     return getattr(variable, "_execution_engine", None)
@@ -165,13 +144,6 @@ INTERNALS = [
         "torch",
         "compile=True on the CPU says at once when there is no C++ compiler",
         _check_cpp_compiler,
-    ),
-    Internal(
-        "torch.autograd._profiler_enabled",
-        "torch",
-        "the loader's batches in the main process are annotated for a profiler only while one "
-        "records (~17 us a batch saved otherwise); where it is gone, always",
-        _check_profiler_enabled,
     ),
     Internal(
         "torch.autograd.Variable._execution_engine.queue_callback",

@@ -2,22 +2,23 @@
 shard, and exact evaluation shards.
 
 Streams (:class:`Stream` and its adapters :class:`JsonlStream`, :class:`TokenStream`,
-:class:`IterableStream`) are an extra that needs numpy: the adapters are imported on first use, not
-by ``import ddpkit``.
+:class:`IterableStream`) are an extra that needs numpy: imported on first use, not by ``import
+ddpkit``.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from ddpkit.data._loader import (
+    SeededSamples,
     build_eval_loader,
     build_loader,
     check_map_style,
     default_num_workers,
     to_device,
 )
-from ddpkit.data._sample_seeding import SeededSamples
 from ddpkit.data._sampler import (
     EpochIndices,
     EvalShardSampler,
@@ -25,19 +26,20 @@ from ddpkit.data._sampler import (
     epoch_permutation,
     shard_bounds,
 )
-from ddpkit.data._stream import Stream
 
 if TYPE_CHECKING:
+    from ddpkit.data._stream import Stream
     from ddpkit.data._stream_sources import IterableStream, JsonlStream, TokenStream
 
-_STREAMS = ("IterableStream", "JsonlStream", "TokenStream")
+_LAZY = {
+    "Stream": "_stream",
+    **dict.fromkeys(("IterableStream", "JsonlStream", "TokenStream"), "_stream_sources"),
+}
 
 
 def __getattr__(name: str) -> Any:
-    if name in _STREAMS:
-        from ddpkit.data import _stream_sources
-
-        return getattr(_stream_sources, name)
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"ddpkit.data.{_LAZY[name]}"), name)
     raise AttributeError(f"module 'ddpkit.data' has no attribute {name!r}")
 
 

@@ -8,10 +8,8 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any, cast
 
-import torch
 from torch.utils.data import DataLoader
 
-from ddpkit._internals.compiler import profiler_running
 from ddpkit.data._fingerprint import (
     OnDataChange,
     changes,
@@ -19,7 +17,6 @@ from ddpkit.data._fingerprint import (
     dataset_items,
     refusal,
 )
-from ddpkit.data._sample_seeding import SeededSamples
 from ddpkit.data._sampler import ShardedBatchSampler
 from ddpkit.distributed import _progress as progress
 from ddpkit.distributed._progress import Phase
@@ -48,11 +45,9 @@ class ServeStacks:
 class EpochLoader(DataLoader):
     """A DataLoader over a :class:`~ddpkit.data.ShardedBatchSampler` that counts an epoch when an
     iteration has handed over its last batch: an iterator left before (a peek with
-    ``next(iter(loader))``, a ``break``) leaves the sampler where it was.
-
-    The sampler cannot tell by itself: the DataLoader's workers read it ahead of the batches they
-    return (``prefetch_factor`` per worker), so a short epoch's indices are all read by the time the
-    first batch is out.
+    ``next(iter(loader))``, a ``break``) leaves the sampler where it was. (The sampler cannot tell
+    by itself: the workers read it ahead of the batches they return.) Each ``next()`` marks the
+    stall watch's phases (``ddpkit.distributed._progress``).
 
     Its :meth:`state_dict` is where the loop stands (epoch, and samples of it handed over on all
     ranks) with the data's fingerprint (:mod:`ddpkit.data._fingerprint`); :meth:`load_state_dict`
@@ -72,17 +67,13 @@ class EpochLoader(DataLoader):
         self._pass: _CountedIterator | None = None
         self._fingerprint: dict[str, Any] | None = None
 
-    # a wrapper of the DataLoader's iterator
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         sampler = self.batch_sampler
         assert isinstance(sampler, ShardedBatchSampler)  # build_loader's
         sampler.counts_epochs = False
         # before the DataLoader reads the sampler, which it starts on now
         token = sampler.position_token()
-        batches = (
-            _Batches(self) if self.num_workers == 0 and not self.pin_memory else super().__iter__()
-        )
-        self._pass = _CountedIterator(batches, sampler, token)
+        self._pass = _CountedIterator(super().__iter__(), sampler, token)
         return self._pass
 
     def fingerprint(self) -> dict[str, Any]:
@@ -91,29 +82,27 @@ class EpochLoader(DataLoader):
         the world size aside. Computed once, at the first snapshot or resume."""
         if self._fingerprint is None:
             sampler = cast(ShardedBatchSampler, self.batch_sampler)
-            dataset = (
-                self.dataset.dataset if isinstance(self.dataset, SeededSamples) else self.dataset
-            )
-            self._fingerprint = sampler.fingerprint() | dataset_items(dataset)
+            self._fingerprint = sampler.fingerprint() | dataset_items(self.dataset)
         return self._fingerprint
+
+    def _steps_handed(self) -> int:
+        """Global batches of the sampler's epoch handed over: by the iteration under way, or before
+        the next ``iter()``."""
+        sampler = cast(ShardedBatchSampler, self.batch_sampler)
+        live = self._pass
+        if live is not None and live.token == sampler.position_token():
+            return live.first + live.handed
+        return sampler._first_step()
 
     def position(self) -> tuple[int, int]:
         """``(epoch, cursor)``: the epoch of the batches being handed over (or the next one), and
         its samples handed over so far on all ranks; an epoch handed over whole is the next epoch at
         cursor 0."""
         sampler = cast(ShardedBatchSampler, self.batch_sampler)
-        live = self._pass
-        if live is not None and live.token == sampler.position_token():
-            steps = live.first + live.handed
-            if steps >= sampler.steps_per_epoch:
-                return sampler.epoch + 1, 0
-            return sampler.epoch, steps * sampler.global_batch_size
-        epoch, first = sampler.epoch, sampler._first_step()
-        return (
-            (epoch + 1, 0)
-            if first >= sampler.steps_per_epoch
-            else (epoch, first * sampler.global_batch_size)
-        )
+        steps = self._steps_handed()
+        if steps >= sampler.steps_per_epoch:
+            return sampler.epoch + 1, 0
+        return sampler.epoch, steps * sampler.global_batch_size
 
     @property
     def epoch(self) -> int:
@@ -139,7 +128,7 @@ class EpochLoader(DataLoader):
         return (
             live is not None
             and live.token == sampler.position_token()
-            and live.first + live.handed >= sampler.steps_per_epoch
+            and (self._steps_handed() >= sampler.steps_per_epoch)
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -171,6 +160,8 @@ class EpochLoader(DataLoader):
 
 
 class _CountedIterator:
+    """A pass over the loader: the DataLoader's iterator, its batches counted and marked."""
+
     def __init__(
         self, batches: Iterator[Any], sampler: ShardedBatchSampler, token: tuple[int, int]
     ) -> None:
@@ -186,8 +177,7 @@ class _CountedIterator:
         return len(self.batches)  # type: ignore[arg-type]  # the DataLoader's iterator has one
 
     def __next__(self) -> Any:
-        # for the launcher's stall watch: a few hundred nanoseconds, no system call
-        progress.mark(Phase.DATA)
+        progress.mark(Phase.DATA)  # for the launcher's stall watch
         try:
             batch = next(self.batches)
         except StopIteration:
@@ -197,43 +187,3 @@ class _CountedIterator:
         self.handed += 1
         progress.batch_taken()
         return batch
-
-
-class _Batches:
-    """The DataLoader's own iteration in the main process (``num_workers=0``, no pinning): the
-    sampler's keys, read (``__getitems__`` where the dataset has it) and collated, and nothing else.
-
-    The DataLoader's iterator wraps each batch in a profiler annotation, ``record_function``, which
-    costs ~17 us a batch on the CPU CI machine (torch 2.13) whether or not a profiler runs: more
-    than the watch for draws of :mod:`ddpkit.data._sample_seeding`. Here the annotation is made only
-    while a profiler runs (:func:`~ddpkit._internals.compiler.profiler_running`), under the
-    DataLoader's name, so that a trace reads the same. Nothing else of that iterator applies to a
-    map-style dataset read by a batch sampler in this process: its base seed is drawn for workers,
-    from the loader's own generator.
-    """
-
-    def __init__(self, loader: DataLoader) -> None:
-        sampler = loader.batch_sampler
-        assert sampler is not None  # an EpochLoader's
-        self.keys = iter(sampler)
-        self.length = len(sampler)  # type: ignore[arg-type]  # a ShardedBatchSampler has one
-        dataset = loader.dataset
-        getitems = getattr(dataset, "__getitems__", None)
-        self.read: Callable[[list[Any]], Any] = (
-            getitems if getitems else lambda keys: [dataset[key] for key in keys]
-        )
-        self.collate = loader.collate_fn
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __iter__(self) -> _Batches:
-        return self
-
-    def __next__(self) -> Any:
-        if profiler_running():
-            with torch.autograd.profiler.record_function(
-                "enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__"
-            ):
-                return self.collate(self.read(next(self.keys)))
-        return self.collate(self.read(next(self.keys)))

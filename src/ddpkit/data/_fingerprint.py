@@ -1,26 +1,9 @@
-"""The data's fingerprint: everything that decides which sample comes at which step, kept in a
-loader's state and compared when a run resumes.
-
-A snapshot holds a global cursor (samples of the epoch already trained on). The cursor means
-something only over the order it was counted in: the dataset's length, the seed, shuffling,
-``drop_last``, the global batch (per-rank batch x world size), and for a stream its files in their
-order, their sizes and where their records lie, and the shuffle window. Resumed over data that
-changed in any of these, the same cursor points into another order: some samples are trained on
-twice in the epoch and others never, and nothing fails. So the loader records them
-(:meth:`~ddpkit.data._epoch_loader.EpochLoader.state_dict`) and a resume that finds one changed is
-refused before any step, naming each change, unless the run asks to restart the epoch on the new
-data (``on_data_change="restart_epoch"``).
-
-What decides it, beyond those settings, is the dataset's own layout: a ``Subset``'s indices, a
-``ConcatDataset``'s parts (:func:`dataset_items`), a stream's files by their content, an iterable's
-first records (:meth:`ddpkit.data._stream.Stream.fingerprint`). Each is kept as a digest: the
-fingerprint is saved after every step. What a map-style dataset returns for an index is not read
-(that is its items' contents, loaded by the workers, maybe from storage that costs by the byte): a
-dataset can say more through a ``fingerprint()`` method of its own, returning a dict of short
-values.
-
-The world size itself is not in it: the global order does not depend on it, and a run resumes at
-another world size with the same global batch.
+"""The data's fingerprint: everything that decides which sample comes at which step (the dataset's
+length or a stream's files and window, the seed, shuffle, drop_last and global batch, the dataset's
+own layout), kept in a loader's state and compared when a run resumes; a resume over changed data is
+refused, naming each change, unless it restarts the epoch (docs/data.md, "Resuming on the same
+data"). Each part is a short value or a digest: the fingerprint is saved after every step. The
+world size is not in it: the global order does not depend on it.
 """
 
 from __future__ import annotations

@@ -1,16 +1,16 @@
 """Loaders over a rank's shard: :func:`build_loader` for training, :func:`build_eval_loader` for
-exact evaluation.
-
-Random draws while loading (augmentation). :func:`build_loader` reads each sample that draws with
-python, numpy and torch seeded from ``(seed, epoch, index)`` (:class:`~ddpkit.data.SeededSamples`):
-a sample is augmented the same way whichever rank or loader worker loads it, at any world size and
-number of workers, and a resumed run draws what the uninterrupted one drew. Without it each worker
-runs its own stream on across epochs (persistent workers), which no snapshot can restore.
+exact evaluation, and :class:`SeededSamples`, which makes each sample's random draws while loading
+(augmentation) a function of ``(seed, epoch, index)``, whichever rank or loader worker loads it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sized
+import functools
+import itertools
+import operator
+import random
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence, Sized
 from typing import Any, cast
 
 import torch
@@ -18,14 +18,21 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from ddpkit._errors import ConfigError
 from ddpkit.data._epoch_loader import EpochLoader, ServeStacks
-from ddpkit.data._fingerprint import OnDataChange, check_on_data_change
-from ddpkit.data._sample_seeding import SeededSamples
-from ddpkit.data._sampler import EvalShardSampler, ShardedBatchSampler
-from ddpkit.data._stream import Stream
+from ddpkit.data._fingerprint import OnDataChange, check_on_data_change, dataset_items
+from ddpkit.data._sampler import EpochIndices, EvalShardSampler, ShardedBatchSampler
 from ddpkit.distributed import Group
 from ddpkit.distributed._runtime import get_runtime
 from ddpkit.distributed._seeding import stream_seed
 from ddpkit.platforms._cpus import cpu_count
+
+try:  # numpy is optional: seeded only where it is installed
+    import numpy as np
+except ImportError:  # pragma: no cover
+    np = None  # type: ignore[assignment]
+
+# whether this process uses CUDA (never initialising it; False in a forked loader worker): as
+# ddpkit.distributed._seeding.cuda_in_use
+cuda_in_use = torch.cuda.is_initialized
 
 
 def check_map_style(dataset: Any) -> None:
@@ -39,11 +46,10 @@ def check_map_style(dataset: Any) -> None:
         raise ConfigError(
             f"a {type(dataset).__name__} is not a map-style dataset (with __len__ and "
             "__getitem__): build_loader and the Trainer shard, shuffle and resume by sample "
-            "index, which a plain stream does not have. Wrap it in a stream of "
-            "ddpkit.data._stream_sources (JsonlStream, TokenStream, IterableStream(dataset, "
-            "num_records), which every rank and loader worker reads whole) or a "
-            "ddpkit.data._stream.Stream of your own with positional reads, or load it into a "
-            "map-style Dataset"
+            "index, which a plain stream does not have. Wrap it in a stream of ddpkit.data "
+            "(JsonlStream, TokenStream, IterableStream(dataset, num_records), which every rank "
+            "and loader worker reads whole) or a ddpkit.data.Stream of your own with positional "
+            "reads, or load it into a map-style Dataset"
         )
 
 
@@ -77,33 +83,26 @@ def build_loader(
 
     The loader gets its own ``torch.Generator``: without one, every ``iter()`` draws the workers'
     base seed from the global RNG, which shifts dropout masks and any other draw that follows.
-    ``seed_samples``: each sample is loaded with the RNGs seeded from ``(seed, epoch, index)`` (see
-    :class:`~ddpkit.data.SeededSamples`); False leaves the draws to each worker's own stream (or the
-    main process's), as a plain DataLoader does. A dataset whose reads provably draw nothing (a
-    ``TensorDataset``, pytorch/examples' list of samples) is read with no watch for draws.
+    ``seed_samples``: each sample is loaded with the generators seeded from ``(seed, epoch, index)``
+    (:class:`SeededSamples`); False leaves the draws to each worker's own stream (or the main
+    process's), as a plain DataLoader does.
 
-    ``loader.state_dict()`` is where the loop stands with the data's fingerprint (its length, or a
-    stream's files, sizes and window; the seed, shuffle, drop_last, the global batch);
+    ``loader.state_dict()`` is where the loop stands with the data's fingerprint;
     ``loader.load_state_dict(state)`` resumes there and refuses data that changed since, naming each
-    change. ``on_data_change="restart_epoch"`` accepts the change and trains the saved epoch again
-    from its first step (:class:`~ddpkit.data._epoch_loader.EpochLoader`).
+    change, unless ``on_data_change="restart_epoch"``
+    (:class:`~ddpkit.data._epoch_loader.EpochLoader`).
     """
     check_on_data_change(on_data_change)
-    if isinstance(dataset, Stream):
-        # numpy: imported only for a stream
-        from ddpkit.data._stream_loader import build_stream_loader
-
-        return build_stream_loader(
-            dataset,
-            batch_size,
-            loader_kwargs=_loader_kwargs(num_workers, pin_memory),
-            shuffle=shuffle,
-            seed=seed,
-            drop_last=drop_last,
-            collate_fn=collate_fn,
-            group=group,
-            seed_samples=seed_samples,
-            on_data_change=on_data_change,
+    kwargs: dict[str, Any] = dict(
+        collate_fn=collate_fn,
+        on_data_change=on_data_change,
+        **_loader_kwargs(num_workers, pin_memory),
+    )
+    # a Stream exists only once its module is imported (it needs numpy)
+    streams = sys.modules.get("ddpkit.data._stream")
+    if streams is not None and isinstance(dataset, streams.Stream):
+        return streams.build_stream_loader(
+            dataset, batch_size, kwargs, shuffle, seed, drop_last, group, seed_samples
         )
     check_map_style(dataset)
     sampler = ShardedBatchSampler(
@@ -115,17 +114,16 @@ def build_loader(
         group=group,
         keyed=seed_samples,
     )
-    generator = torch.Generator()
-    # per-rank worker seeds: ranks augment differently
-    generator.manual_seed(stream_seed("loader", seed, sampler.rank))
+    read = SeededSamples(dataset, seed) if seed_samples else dataset
     return EpochLoader(
-        SeededSamples(dataset, seed) if seed_samples else dataset,
-        batch_sampler=sampler,
-        collate_fn=collate_fn,
-        generator=generator,
-        on_data_change=on_data_change,
-        **_loader_kwargs(num_workers, pin_memory),
+        read, batch_sampler=sampler, generator=loader_generator(seed, sampler.rank), **kwargs
     )
+
+
+def loader_generator(seed: int, rank: int) -> torch.Generator:
+    """The loader's own generator, seeded per rank (its workers' base seeds: ranks augment
+    differently where samples are not seeded)."""
+    return torch.Generator().manual_seed(stream_seed("loader", seed, rank))
 
 
 def build_eval_loader(
@@ -154,7 +152,6 @@ def build_eval_loader(
 def batch_len(batch: Any) -> int:
     """The samples of a batch: the first dimension of its (first) tensor. What the Trainer divides a
     micro-batch's loss by, and what its speed counts, alike."""
-    # in the order of their frequency: the check against Mapping, an abstract class, costs most
     if isinstance(batch, (list, tuple)):
         return batch_len(batch[0])
     if isinstance(batch, torch.Tensor):
@@ -174,3 +171,202 @@ def to_device(batch: Any, device: torch.device, non_blocking: bool = True) -> An
         moved = [to_device(v, device, non_blocking) for v in batch]
         return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
     return batch
+
+
+# -- seeded samples -------------------------------------------------------------------------------
+
+
+class SeededSamples(Dataset):
+    """``dataset`` read at ``(epoch, index)`` keys, each sample's random draws seeded from
+    ``(seed, epoch, index)`` (:class:`SampleSeeder`): python's ``random``, numpy's global generator,
+    torch's CPU generator and, in a process that uses CUDA, the current device's (a sample drawing
+    on the GPU needs ``num_workers=0``: CUDA cannot be used in a forked loader worker).
+
+    A sample is read as ``dataset[index]``, as a DataLoader reads it: through the class's
+    ``__getitem__``, not one set on the instance. What it costs: docs/data.md, "Seeded samples".
+    """
+
+    def __init__(self, dataset: Dataset, seed: int) -> None:
+        self.dataset, self.seed = dataset, seed
+        self.seeder = SampleSeeder(seed)
+
+    def __len__(self) -> int:
+        # torch's Dataset declares no __len__; this one has it
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The dataset's layout (:func:`~ddpkit.data._fingerprint.dataset_items`)."""
+        return dataset_items(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        return self.__getitems__([key])[0]
+
+    def __getitems__(self, keys: EpochIndices | list[tuple[int, int]]) -> list[Any]:
+        """The samples of a batch's keys: the :class:`~ddpkit.data.EpochIndices` a keyed
+        :class:`~ddpkit.data.ShardedBatchSampler` yields, or ``(epoch, index)`` pairs."""
+        if isinstance(keys, EpochIndices):
+            items: list[int] = keys
+        elif all(isinstance(key, (tuple, list)) and len(key) == 2 for key in keys):
+            items = [index for _, index in keys]
+        else:
+            raise TypeError(
+                f"SeededSamples reads a batch's keys with their epoch; got {keys!r}: pass the "
+                "EpochIndices a keyed ShardedBatchSampler yields (a slice of one loses its epoch: "
+                "EpochIndices(batch[a:b], batch.epoch)) or (epoch, index) pairs"
+            )
+        return self.seeder.load(keys, functools.partial(operator.getitem, self.dataset), items)
+
+
+class SampleSeeder:
+    """Loads a batch so that each sample's random draws depend on ``(seed, epoch, index)`` only.
+
+    A batch is first read as it is, the generators held (:class:`Held`): if a sample drew, they are
+    put back and the batch is read again with each sample seeded (:func:`seed_sample`), and from
+    then on this process seeds every sample. ``read`` must give the same sample when called twice
+    (a dataset that counts its reads sees the first drawing batch of each process twice). In the
+    main process the generators are put back after a seeded batch: loading leaves the training
+    stream (dropout) where it was.
+    """
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.draws = False
+        """A sample drew in this process: seed each one before reading it."""
+
+    def load(
+        self,
+        keys: EpochIndices | Sequence[tuple[int, int]],
+        read: Callable[[Any], Any],
+        items: Sequence[Any],
+    ) -> list[Any]:
+        """``[read(item) for item in items]``, where ``items[k]`` is the sample of key ``keys[k]``:
+        ``keys`` a batch's :class:`~ddpkit.data.EpochIndices`, or ``(epoch, index)`` pairs."""
+        held = Held()
+        try:
+            if not self.draws:
+                out = [read(item) for item in items]
+                if not held.drawn():
+                    return out
+                self.draws = True
+                held.put_back()
+            out = []
+            for (epoch, index), item in zip(epoch_index_pairs(keys), items):
+                seed_sample(self.seed, epoch, index)
+                out.append(read(item))
+            return out
+        finally:
+            if self.draws:
+                held.put_back()
+            held.release_numpy()
+
+
+def epoch_index_pairs(
+    keys: EpochIndices | Iterable[tuple[int, int]],
+) -> Iterable[tuple[int, int]]:
+    """Each sample's ``(epoch, index)``."""
+    return zip(itertools.repeat(keys.epoch), keys) if isinstance(keys, EpochIndices) else keys
+
+
+def seed_sample(seed: int, epoch: int, index: int) -> None:
+    """Seed python, numpy, torch's CPU generator and, where this process uses CUDA, the current CUDA
+    device's generator for loading sample ``index`` of ``epoch``.
+
+    ``torch.default_generator.manual_seed``, not ``torch.manual_seed``, which also seeds every
+    accelerator backend (~200 us against ~1 us).
+    """
+    s = stream_seed("sample", seed, epoch, index)
+    random.seed(s)
+    if np is not None:
+        np.random.seed(s)
+    torch.default_generator.manual_seed(s)
+    if cuda_in_use():
+        torch.cuda.manual_seed(s)  # the current device's: where a sample's draws on the GPU go
+
+
+_WATCH_SEED = 20251127
+"""The seed of numpy's stand-in generator while a batch is read unseeded."""
+
+
+class _StandIn:
+    """This process's stand-in for numpy's global bit generator while a batch is read, and its
+    first words after ``seed(_WATCH_SEED)``."""
+
+    def __init__(self, npr: Any) -> None:
+        self.bitgen = npr.MT19937()
+        npr.RandomState(self.bitgen).seed(_WATCH_SEED)  # legacy seeding, as numpy.random.seed
+        self.fresh = self.bitgen.random_raw(16).tobytes()
+
+
+_stand_in: list[_StandIn] = []
+
+
+class Held:
+    """The generators a sample may draw from, held while a batch is read: python's and torch's
+    states (CPU and, where this process uses CUDA, the current device's) read, and numpy's global
+    bit generator swapped for a stand-in of this process's own (:class:`_StandIn`, freshly seeded).
+
+    Reading numpy's state costs ~65 us, the swap ~3 us: a draw from the stand-in (or a seed) shows
+    in its next 16 words. A normal that numpy's own generator had cached (it draws them in pairs)
+    is dropped by the swap. numpy < 1.25, without ``set_bit_generator``, has its state read.
+    """
+
+    def __init__(self) -> None:
+        self.python = random.getstate()
+        self.torch = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state() if cuda_in_use() else None
+        self.numpy: Any = None
+        """numpy's own bit generator while swapped out (its state, on numpy < 1.25)."""
+        npr: Any = np.random if np is not None else None
+        if npr is None:
+            return
+        if not hasattr(npr, "set_bit_generator"):
+            self.numpy = npr.get_state()
+            return
+        if not _stand_in:
+            _stand_in.append(_StandIn(npr))
+        self.numpy = npr.get_bit_generator()
+        npr.set_bit_generator(_stand_in[0].bitgen)
+        npr.seed(_WATCH_SEED)
+
+    def drawn(self) -> bool:
+        """A generator drew, was seeded or was set to another state since."""
+        py = random.getstate()
+        # A draw moves python's index but for a whole twist of 624 words, which renews every word:
+        # its index, cached normal and every 39th word tell (2**-512 for words that look random).
+        return (
+            py[1][-1] != self.python[1][-1]
+            or py[2] != self.python[2]
+            or py[1][::39] != self.python[1][::39]
+            or not torch.equal(torch.get_rng_state(), self.torch)
+            or (self.cuda is not None and not torch.equal(torch.cuda.get_rng_state(), self.cuda))
+            or self._numpy_drawn()
+        )
+
+    def _numpy_drawn(self) -> bool:
+        npr: Any = np.random if np is not None else None
+        if npr is None:
+            return False
+        if isinstance(self.numpy, tuple):  # numpy < 1.25
+            now = npr.get_state()
+            return bool(now[2:] != self.numpy[2:] or (now[1] != self.numpy[1]).any())
+        stand_in = _stand_in[0]
+        return bool(
+            npr.get_bit_generator() is not stand_in.bitgen
+            or stand_in.bitgen.random_raw(16).tobytes() != stand_in.fresh
+        )
+
+    def put_back(self) -> None:
+        """Python's and torch's states as they were."""
+        random.setstate(self.python)
+        torch.set_rng_state(self.torch)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda)
+
+    def release_numpy(self) -> None:
+        """numpy's own generator back in its place."""
+        npr: Any = np.random if np is not None else None
+        if isinstance(self.numpy, tuple):
+            npr.set_state(self.numpy)
+        elif self.numpy is not None:
+            npr.set_bit_generator(self.numpy)
+        self.numpy = None

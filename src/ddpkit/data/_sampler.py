@@ -1,21 +1,16 @@
 """Which samples each rank takes: a global order that does not depend on the world size, and exact
 evaluation shards.
 
-Training (:class:`ShardedBatchSampler`). The permutation of epoch ``e`` is a pure function of
-``(seed, e)``. It is cut into global batches of ``batch_size * world_size`` samples and rank ``r``
-takes the ``r``-th slice of each. Concatenating the ranks' slices of a step gives the same global
-batch at 1, 2 or 8 ranks, so a run can resume at another world size with the same global batch and
-see the same samples in the same steps.
-
-Evaluation (:class:`EvalShardSampler`). ``DistributedSampler`` pads the dataset to a multiple of the
-world size by repeating samples, so every metric counts some samples twice (pytorch/pytorch#25162).
-Here each rank takes a contiguous, unpadded share; shares differ by at most one sample and every
-sample is counted exactly once.
+Training (:class:`ShardedBatchSampler`): the permutation of epoch ``e``, a function of
+``(seed, e)``, cut into global batches of ``batch_size * world_size`` of which rank ``r`` takes the
+``r``-th slice. Evaluation (:class:`EvalShardSampler`): each rank a contiguous, unpadded share,
+every sample counted once (``DistributedSampler`` pads by repeating samples,
+pytorch/pytorch#25162).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sized
+from collections.abc import Iterable, Iterator, Sequence, Sized
 from typing import Any
 
 import torch
@@ -30,8 +25,7 @@ from ddpkit.distributed._seeding import stream_seed
 class EpochIndices(list[int]):
     """One batch's sample indices and the epoch they belong to: the keys a keyed sampler yields
     (``ShardedBatchSampler(keyed=True)``), which :class:`~ddpkit.data.SeededSamples` reads as the
-    ``(epoch, index)`` of each sample. One object a batch rather than a pair a sample: a batch is
-    read on the path of every step. A list's own operations (a slice, ``+``) give plain lists,
+    ``(epoch, index)`` of each sample. A list's own operations (a slice, ``+``) give plain lists,
     without the epoch."""
 
     __slots__ = ("epoch",)
@@ -74,18 +68,14 @@ def shard_bounds(n: int, parts: int, index: int) -> tuple[int, int]:
 class ShardedBatchSampler(Sampler[list[int]]):
     """Yields this rank's indices for each step of an epoch; the epoch advances by itself.
 
-    An iteration that runs to its end moves to the next epoch (no ``set_epoch`` to forget), so
-    ``for batch in loader`` in an epoch loop reshuffles. One left before its end does not count:
-    ``next(iter(loader))`` to peek at a batch, or a loop left with ``break``, leaves the position
-    where it was, and the next ``iter()`` yields the same epoch from the same place. Under
-    :func:`~ddpkit.build_loader` the loader counts an epoch when it has handed over its last batch,
-    since its workers read the sampler ahead of the batches (see :attr:`counts_epochs`).
+    An iteration that runs to its end moves to the next epoch (no ``set_epoch`` to forget); one left
+    before its end (a peek, a ``break``) leaves the position where it was. Under
+    :func:`~ddpkit.build_loader` the loader counts the epoch instead (:attr:`counts_epochs`).
     :meth:`set_position` moves to a global sample ``cursor`` inside an epoch, for resuming.
 
-    With ``drop_last=True`` (default) a last global batch smaller than ``batch_size * world_size``
-    is dropped, so every step has the same size at every world size. With ``drop_last=False`` it is
-    split as evenly as possible over the ranks (sizes differ by at most one); if it has fewer
-    samples than ranks it is dropped, since a rank without a sample cannot take a DDP step.
+    ``drop_last=True`` (default) drops a last global batch smaller than ``batch_size * world_size``;
+    ``False`` splits it as evenly as possible over the ranks, and drops it only when it has fewer
+    samples than ranks (a rank without a sample cannot take a DDP step).
     """
 
     def __init__(
@@ -132,10 +122,9 @@ class ShardedBatchSampler(Sampler[list[int]]):
         # set_position calls and ends of epochs: an end counts only if nothing moved since
         self._moves = 0
         self.counts_epochs = True
-        """Move to the next epoch when an iteration of this sampler runs to its end. A DataLoader
-        with workers reads its batch sampler ahead (``prefetch_factor`` batches a worker): the end
-        of that read is not the end of the batches handed over, so ``build_loader``'s loader sets
-        this False and calls :meth:`end_epoch` itself once its own iteration ends."""
+        """Move to the next epoch when an iteration of this sampler runs to its end. False under
+        ``build_loader``, whose workers read the sampler ahead of the batches handed over: the
+        loader calls :meth:`end_epoch` once its own pass ends."""
 
     @property
     def steps_per_epoch(self) -> int:
@@ -154,8 +143,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
         fewer samples)."""
         first = micro - micro % accum
         batches = min(first + accum, self.steps_per_epoch) - first
-        # Every batch of the epoch is full but its last, which holds what is left when it is one of
-        # the epoch's (steps_per_epoch): the sum of samples_in_batch over the step's batches.
+        # every batch is full but the epoch's last, which holds what is left
         global_batch = self.global_batch_size
         return min(batches * global_batch, self.num_samples - first * global_batch)
 
@@ -219,16 +207,13 @@ class ShardedBatchSampler(Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         token, epoch, first_step = self.position_token(), self.epoch, self._first_step()
         n, gbs = self.num_samples, self.global_batch_size
-        # One list per epoch, sliced per step: a tensor slice and .tolist() per step cost more (tiny
-        # models).
-        order = (
-            epoch_permutation(n, self.seed, epoch) if self.shuffle else torch.arange(n)
-        ).tolist()
+        order: Sequence[int] = (
+            epoch_permutation(n, self.seed, epoch).tolist() if self.shuffle else range(n)
+        )
         for step in range(first_step, self.steps_per_epoch):
             batch = order[step * gbs : min((step + 1) * gbs, n)]
             lo, hi = shard_bounds(len(batch), self.world_size, self.rank)
-            mine = batch[lo:hi]
-            yield EpochIndices(mine, epoch) if self.keyed else mine
+            yield EpochIndices(batch[lo:hi], epoch) if self.keyed else list(batch[lo:hi])
         if self.counts_epochs:
             self.end_epoch(token)
 

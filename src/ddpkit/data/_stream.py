@@ -1,48 +1,37 @@
-"""Streams: records read from files too big for memory, with the guarantees of map-style data.
+"""Streams: records read from files too big for memory, by position, with the guarantees of
+map-style data (docs/data.md, "Streams").
 
 A stream is ``N`` records in a natural order (its shards one after another), each readable by its
-position in its shard. The order of epoch ``e`` is a permutation of the ``N`` records, a pure
-function of ``(seed, e)``; :class:`StreamBatchSampler` cuts global positions ``0..N-1`` into global
-batches of ``batch_size x world_size`` and rank ``r`` takes slice ``r`` of each, as
-:class:`~ddpkit.data.ShardedBatchSampler` does with sample indices. So, as for map-style data:
+position in its shard. The order of epoch ``e`` is a permutation of the ``N`` records, a function
+of ``(seed, e)`` (:class:`StreamOrder`), cut into global batches of ``batch_size x world_size`` of
+which rank ``r`` takes slice ``r`` (:class:`StreamBatchSampler`). Loader workers never see a stream:
+the DataLoader reads a map-style view keyed by ``(epoch, position)`` (:class:`StreamSamples`), so
+each worker builds whole batches, returned in order; each record's ``transform`` runs seeded from
+``(seed, epoch, position)``.
 
-- each record is trained on once per epoch over all ranks and loader workers;
-- the Trainer's snapshot holds a global cursor, and a resume (after a SIGKILL, at any world size)
-  reads the order from that cursor on: nothing repeated or skipped, bitwise at the same world size;
-  the snapshot holds the files, their sizes and a digest of their contents, and the window too, and
-  a resume over changed ones is refused (:mod:`ddpkit.data._fingerprint`);
-- each record's ``transform`` runs with python, numpy and torch seeded from
-  ``(seed, epoch, position)``.
-
-Why no library. We tried the kept ones against the three guarantees (README, "Streams"). torchdata's
-``StatefulDataLoader`` saves each worker's iterator state, restorable only with as many workers and
-says nothing of ranks. webdataset splits shards by rank and worker and has no mid-epoch state.
-litdata assigns chunks to ranks and workers from the world size, so a fresh epoch's order changes
-with it, it needs its own chunk format, and its dependencies pull an unpinned torch.
-mosaicml-streaming comes closest (the same global batches at 2 and 3 ranks, and a resume at 3 ranks
-of a 2-rank state, in a probe with real processes: ``bench/stream_library_probe.py``), but it
-repeats records whenever the count does not divide over the ranks, needs its own format (a converted
-copy of every file), pins numpy below 2.2, imports transformers and torchvision, and coordinates a
-node's ranks through shared memory. A global order with a cursor is what ddpkit's samplers already
-do; a stream needs on top of it a positional read and an order that is not a list of all ``N``
-records, which is what this module adds.
-
-How a stream is ordered, sampled and loaded: :mod:`ddpkit.data._stream_loader`.
+Shuffling is two-level: the shards are permuted and their concatenation rotated by a random offset
+(both per epoch), cut into blocks of ``window`` records, the blocks permuted, and the records
+permuted within each block. A batch's reads fall in one or two blocks, and memory is
+``O(shards + N / window + window)``. A source that can only be iterated keeps its order of blocks.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
 
 from ddpkit._errors import ConfigError
+from ddpkit.data._epoch_loader import EpochLoader
 from ddpkit.data._fingerprint import shard_items
+from ddpkit.data._loader import SampleSeeder, loader_generator
+from ddpkit.data._sampler import EpochIndices, ShardedBatchSampler
 from ddpkit.distributed import Group
-
-# numpy only in annotations: the core imports without it (a stream's loading needs it)
-if TYPE_CHECKING:
-    import numpy as np
+from ddpkit.distributed._seeding import stream_seed
 
 DEFAULT_WINDOW = 8192
 """Records per shuffle block: the span of the reads of a global batch, and what
@@ -95,8 +84,7 @@ class Stream:
 
     def fingerprint(self) -> dict[str, Any]:
         """What decides which record comes at which position of an epoch, besides the seed and
-        shuffling: the stream's kind, records, window and shards
-        (:mod:`ddpkit.data._fingerprint`)."""
+        shuffling: the stream's kind, records, window and shards."""
         return {
             "stream": type(self).__name__,
             "records": len(self),
@@ -136,3 +124,152 @@ class Stream:
 
     def __getstate__(self) -> dict[str, Any]:
         return self.__dict__ | {"_local": {}}
+
+
+class StreamOrder:
+    """The records of ``epoch`` in order: position ``p`` (0..N-1) -> (shard, index in shard)."""
+
+    def __init__(self, stream: Stream, seed: int, epoch: int, shuffle: bool) -> None:
+        sizes = np.asarray(stream.shard_sizes, dtype=np.int64)
+        self.n, self.window, self.shuffle, self.epoch = (
+            int(sizes.sum()),
+            stream.window,
+            shuffle,
+            epoch,
+        )
+        self._keys = (seed, epoch)
+        self._tau: dict[int, np.ndarray] = {}
+        mixed = shuffle and stream.random_access
+        g = self._generator(0)
+        self.shard_order = _randperm(len(sizes), g) if mixed else np.arange(len(sizes))
+        self.rotation = int(torch.randint(max(self.n, 1), (1,), generator=g)) if mixed else 0
+        self._shard_starts = np.concatenate([[0], np.cumsum(sizes[self.shard_order])])
+        blocks = -(-self.n // self.window)
+        self.block_order = _randperm(blocks, self._generator(1)) if mixed else np.arange(blocks)
+        block_sizes = np.minimum(self.window, self.n - self.block_order * self.window)
+        self._block_starts = np.concatenate([[0], np.cumsum(block_sizes)])
+
+    def _generator(self, *keys: int) -> torch.Generator:
+        # Keys after the epoch keep these draws apart from the map-style epoch permutation's.
+        return torch.Generator().manual_seed(stream_seed("shuffle", *self._keys, *keys))
+
+    def _within(self, block: int) -> np.ndarray:
+        if block not in self._tau:
+            if len(self._tau) > 4:  # a batch spans a block or two: keep the last few
+                self._tau.pop(next(iter(self._tau)))
+            size = min(self.window, self.n - block * self.window)
+            self._tau[block] = _randperm(size, self._generator(2, block))
+        return self._tau[block]
+
+    def records(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(shard, index in shard) of the records at ``positions`` of this epoch."""
+        p = np.asarray(positions, dtype=np.int64)
+        if self.shuffle:
+            slot = np.searchsorted(self._block_starts, p, side="right") - 1
+            blocks, offsets = self.block_order[slot], p - self._block_starts[slot]
+            q = np.empty_like(p)
+            for block in np.unique(blocks):
+                mine = blocks == block
+                q[mine] = block * self.window + self._within(int(block))[offsets[mine]]
+            p = (q + self.rotation) % self.n
+        slot = np.searchsorted(self._shard_starts, p, side="right") - 1
+        return self.shard_order[slot], p - self._shard_starts[slot]
+
+
+def _randperm(n: int, generator: torch.Generator) -> np.ndarray:
+    return torch.randperm(n, generator=generator).numpy()
+
+
+def record_ids(stream: Stream, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
+    """The whole order of ``epoch`` as record numbers in the natural order (shard offset + index):
+    for tests and inspection, ``O(N)`` memory."""
+    shards, index = StreamOrder(stream, seed, epoch, shuffle).records(np.arange(len(stream)))
+    offsets = np.concatenate([[0], np.cumsum(np.asarray(stream.shard_sizes, dtype=np.int64))])
+    return offsets[shards] + index
+
+
+class StreamBatchSampler(ShardedBatchSampler):
+    """:class:`~ddpkit.data.ShardedBatchSampler` over global positions ``0..N-1`` in order (the
+    stream's order shuffles), keyed with their epoch: ranges, with no list of ``N``."""
+
+    def __init__(self, num_records: int, batch_size: int, **kwargs: Any) -> None:
+        super().__init__(num_records, batch_size, shuffle=False, keyed=True, **kwargs)
+
+
+class StreamSamples(Dataset):
+    """The map-style view a DataLoader reads: key ``(epoch, position)`` -> ``transform(record)``.
+
+    A batch's records are read shard by shard (one :meth:`Stream.read` each). With
+    ``seed_samples``, each ``transform`` draws as if run with the generators seeded from
+    ``(seed, epoch, position)`` (:class:`~ddpkit.data._loader.SampleSeeder`).
+    """
+
+    def __init__(self, stream: Stream, seed: int, shuffle: bool, seed_samples: bool = True) -> None:
+        self.stream, self.seed, self.shuffle, self.seed_samples = (
+            stream,
+            seed,
+            shuffle,
+            seed_samples,
+        )
+        self.seeder = SampleSeeder(seed)
+        self._order: StreamOrder | None = None
+
+    def __len__(self) -> int:
+        return len(self.stream)
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The stream's fingerprint, and whether it shuffles (the sampler over positions does
+        not)."""
+        return self.stream.fingerprint() | {"shuffle": self.shuffle}
+
+    def order(self, epoch: int) -> StreamOrder:
+        if self._order is None or self._order.epoch != epoch:
+            self._order = StreamOrder(self.stream, self.seed, epoch, self.shuffle)
+        return self._order
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        return self.__getitems__([key])[0]
+
+    def __getitems__(self, keys: EpochIndices | list[tuple[int, int]]) -> list[Any]:
+        if not isinstance(keys, EpochIndices):  # (epoch, position) pairs
+            # a batch never spans two epochs
+            keys = EpochIndices((p for _, p in keys), keys[0][0])
+        epoch = keys.epoch
+        positions = np.fromiter(keys, dtype=np.int64, count=len(keys))
+        shards, index = self.order(epoch).records(positions)
+        records: list[Any] = [None] * len(keys)
+        for shard in np.unique(shards):
+            mine = np.flatnonzero(shards == shard)
+            for k, record in zip(mine, self.stream.read(int(shard), index[mine])):
+                records[k] = record
+        transform = self.stream.transform
+        if transform is None:
+            return records
+        if not self.seed_samples:
+            return [transform(r) for r in records]
+        return self.seeder.load(keys, transform, records)
+
+
+def build_stream_loader(
+    stream: Stream,
+    batch_size: int,
+    loader_kwargs: dict[str, Any],
+    shuffle: bool,
+    seed: int,
+    drop_last: bool,
+    group: Group,
+    seed_samples: bool,
+) -> EpochLoader:
+    """What :func:`ddpkit.build_loader` returns for a stream (call that): the same arguments and
+    guarantees, with a ``batch_sampler`` (:class:`StreamBatchSampler`) the Trainer resumes by.
+    ``loader_kwargs``: the DataLoader's, as ``build_loader`` resolves them."""
+    sampler = StreamBatchSampler(
+        len(stream), batch_size, seed=seed, drop_last=drop_last, group=group
+    )
+    stream.check_loading(loader_kwargs["num_workers"], sampler.world_size, group)
+    return EpochLoader(
+        StreamSamples(stream, seed, shuffle, seed_samples),
+        batch_sampler=sampler,
+        generator=loader_generator(seed, sampler.rank),
+        **loader_kwargs,
+    )

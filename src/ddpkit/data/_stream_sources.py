@@ -4,6 +4,13 @@ iterated.
 Each is a :class:`~ddpkit.data._stream.Stream`: it knows its records' count per shard before
 reading, and reads records by position, so the loader gives every rank its slice of each global
 batch in the global order of ``(seed, epoch)``.
+
+A JSON Lines file's line index is kept beside it (``.NAME.lines``) and used only where it can be
+trusted: this user's file, in a folder others cannot write to (a sticky one excepted), not a link,
+its header naming the file's size and the digest of its content (hashed from the file's bytes each
+time), its offsets matching their checksum and consistent. Otherwise the index is built in memory,
+saying why once a folder. A source that can only be iterated is checked where that is cheap: its
+first records read twice when it is built, and compared across ranks when the loader is built.
 """
 
 from __future__ import annotations
@@ -11,6 +18,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
+import stat
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,11 +28,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from ddpkit import _fs as fs
 from ddpkit._errors import ConfigError
-from ddpkit.data import _line_cache as line_cache
-from ddpkit.data import _source_checks as source_checks
+from ddpkit.data._fingerprint import digest
 from ddpkit.data._stream import DEFAULT_WINDOW, Stream, Transform
 from ddpkit.distributed import Group
+from ddpkit.distributed._collectives import all_gather_object, tensor_bytes
 
 
 def _paths(paths: str | os.PathLike | Sequence[str | os.PathLike], what: str) -> list[Path]:
@@ -49,49 +60,39 @@ def indexed_lines(path: Path, cache: bool = True) -> tuple[np.ndarray, str]:
     """The line index of ``path`` (:func:`line_index`) and the digest of the bytes it was found in
     (:func:`content_digest`), both checked against the file's bytes now.
 
-    Built by one pass over the file (newlines found by numpy, 16 MiB at a time, the bytes hashed on
-    the way) and kept next to it as ``.<name>.lines`` (raw int64: a 2-row header of version, file
-    size, the content's digest and a checksum of the offsets, then the offsets; written atomically,
-    read memory-mapped, so the page cache shares it among ranks and workers). 16 bytes a line. Where
-    the folder is not writable, or the index there cannot be trusted
-    (:mod:`ddpkit.data._line_cache`), it stays in memory.
-
-    A kept index is used only for the bytes it was built from: the file is hashed (one pass, no
-    newline search) and the digest compared with the header's. Its size and modification time prove
-    nothing: a file rewritten at the same size with its time put back (``cp -p``, ``tar x``,
-    ``rsync -t``) read at the old offsets gives records cut in the wrong places. Cost: reading the
-    file once per process that builds a stream (``bench/data_fingerprint.py``), twice where a kept
-    index is stale.
+    Built by one pass over the file (newlines found by numpy, the bytes hashed on the way) and kept
+    next to it as ``.<name>.lines``: raw int64, a 2-row header (version, file size, the content's
+    digest, a checksum of the offsets) then the offsets, read memory-mapped. A kept index is used
+    only for the bytes it was built from (the file hashed again: a size and a modification time
+    prove nothing), and only where it can be trusted (the module's docstring); otherwise the index
+    stays in memory.
     """
     size = path.stat().st_size
     cached = path.with_name(f".{path.name}.lines")
     # else another user's index could be used
-    cache = cache and line_cache.trusted_folder(path.parent)
+    cache = cache and trusted_folder(path.parent)
     if cache and os.path.lexists(cached):
         content = content_digest(path)
-        if (table := line_cache.read(cached, index_header(size, content), size)) is not None:
+        if (table := read_kept_index(cached, index_header(size, content), size)) is not None:
             return table, content
     hasher = _content_hasher()
     lines = _scan_lines(path, hasher)
     content = hasher.hexdigest()[:16]
     if cache:
         # ranks building it at once each write it whole
-        line_cache.write(cached, index_header(size, content), lines)
+        keep_index(cached, index_header(size, content), lines)
     return lines, content
 
 
 def index_header(size: int, content: str) -> np.ndarray:
     """The header a kept line index of a file of ``size`` bytes and content digest ``content`` must
-    hold (its last item, the offsets' checksum, left 0: :func:`~ddpkit.data._line_cache.write` fills
-    it in)."""
+    hold (its last item, the offsets' checksum, left 0: :func:`keep_index` fills it in)."""
     as_int = int.from_bytes(bytes.fromhex(content), "little", signed=True)
     return np.array([[_INDEX_VERSION, size], [as_int, 0]], dtype=np.int64)
 
 
 def _content_hasher() -> Any:
-    # SHA-256 rather than the fingerprint's BLAKE2b: with the SHA extensions of current x86 and ARM
-    # cores it hashes about 3x faster (1.4 GB/s against 0.46 on the CI machine), and a file's digest
-    # is read at that speed.
+    # SHA-256, not the fingerprint's BLAKE2b: ~3x faster on cores with SHA extensions
     return hashlib.sha256()
 
 
@@ -126,6 +127,107 @@ def _scan_lines(path: Path, hasher: Any = None) -> np.ndarray:
         stops = np.concatenate([stops, [base]])
     lines = np.stack([starts, stops], axis=1)
     return lines[lines[:, 1] > lines[:, 0]]  # empty lines are no records
+
+
+_told: set[str] = set()
+
+
+def _say_once(folder: Path, why: str) -> None:
+    key = f"{folder}:{why}"
+    if key not in _told:
+        _told.add(key)
+        print(
+            f"ddpkit: the line index beside the data in {folder} is not used ({why}); it is built "
+            "in memory",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def trusted_folder(folder: Path) -> bool:
+    """Whether a line index kept in ``folder`` can be trusted and written (said once when not)."""
+    try:
+        st = os.stat(folder)
+    except OSError:
+        return False
+    owner = fs.other_owner(st)
+    if owner is not None:
+        _say_once(folder, f"the folder belongs to {fs.user_name(owner)} (uid {owner}), not to you")
+        return False
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+        _say_once(folder, "other users can write to the folder")
+        return False
+    return True
+
+
+def read_kept_index(cached: Path, header: np.ndarray, size: int) -> np.ndarray | None:
+    """The offsets kept in ``cached`` if it is this user's, matches ``header`` and is consistent,
+    else None."""
+    try:
+        st = os.lstat(cached)
+    except FileNotFoundError:
+        return None
+    owner = fs.other_owner(st)
+    if stat.S_ISLNK(st.st_mode) or owner is not None:
+        whose = (
+            "a symbolic link"
+            if owner is None
+            else f"a file of {fs.user_name(owner)} (uid {owner}), not yours"
+        )
+        _say_once(cached.parent, f"{cached.name} is {whose}")
+        return None
+    try:
+        # what was checked above, never through a link
+        fd = fs.open_fd(cached, os.O_RDONLY | os.O_NONBLOCK)
+    except (ConfigError, OSError) as err:
+        _say_once(cached.parent, f"{cached.name}: {err}")
+        return None
+    with os.fdopen(fd, "rb") as f:
+        length = os.fstat(fd).st_size
+        if length % 16 or length < 32:
+            return None
+        table = np.memmap(f, dtype=np.int64, mode="r").reshape(-1, 2)
+    if not (np.array_equal(table[0], header[0]) and table[1, 0] == header[1, 0]):
+        return None  # written for another version of the data file: rebuilt
+    lines = table[2:]
+    if table[1, 1] != index_checksum(lines) or not consistent_lines(lines, size):
+        _say_once(
+            cached.parent, f"{cached.name} holds offsets that cannot be those of the file's lines"
+        )
+        return None
+    return lines
+
+
+def index_checksum(lines: np.ndarray) -> int:
+    """The offsets' checksum kept in the header: the data fingerprint's digest of them
+    (:func:`~ddpkit.data._fingerprint.digest`, 8 bytes of BLAKE2b) as an int64."""
+    hex_digest = digest(np.ascontiguousarray(lines, dtype=np.int64).view(np.uint8).data)
+    return int(np.frombuffer(bytes.fromhex(hex_digest), dtype=np.int64)[0])
+
+
+def consistent_lines(lines: np.ndarray, size: int) -> bool:
+    """Non-empty lines ``[start, end)`` within ``size`` bytes, in order, each ending before the next
+    starts (a newline between them)."""
+    if len(lines) == 0:
+        return True
+    starts, ends = lines[:, 0], lines[:, 1]
+    return bool(
+        starts[0] >= 0
+        and ends[-1] <= size
+        and np.all(ends > starts)
+        and np.all(starts[1:] > ends[:-1])
+    )
+
+
+def keep_index(cached: Path, header: np.ndarray, lines: np.ndarray) -> None:
+    """Keep ``lines`` as ``cached`` under ``header`` (its checksum filled in); where that cannot be
+    done (a read-only folder) they stay in memory."""
+    table = np.concatenate([header, lines])
+    table[1, 1] = index_checksum(lines)
+    try:
+        fs.write_with(cached, table.tofile, root=cached.parent)
+    except (OSError, ConfigError):
+        pass
 
 
 def _runs(spans: list[list[int]], gap: int = 4096, most: int = 1 << 20) -> list[list[int]]:
@@ -261,29 +363,18 @@ class TokenStream(Stream):
 
 class IterableStream(Stream):
     """A source that can only be iterated, read front to back: the fallback for data without
-    positional reads.
+    positional reads (docs/data.md, "Which sources IterableStream reads").
 
-    Which sources work. Every rank and every loader worker reads the source from its start, every
-    epoch, and keeps its own batches; so each ``iter()``, in any process, must yield every record in
-    the same order:
-
-    - a re-iterable: a list, a torch ``IterableDataset`` whose ``__iter__`` starts again, a
-      ``datasets`` ``IterableDataset`` with ``num_workers=0`` (with loader workers it hands each a
-      share: refused);
-    - a callable returning a fresh iterator: ``IterableStream(make_records, n)``, ``make_records`` a
-      generator function (called once a pass).
-
-    Refused: an iterator that is its own iterable (a generator object: ``iter(x) is x``), spent
-    after one pass; a source whose first :data:`~ddpkit.data._source_checks.HEAD_RECORDS` records
-    differ between two passes here or between ranks (checked once, when the loader is built); one
-    that splits itself by rank or loader worker (it ends early: the read raises). Later differences
-    between processes cannot be seen.
+    Every rank and every loader worker reads the source from its start, every epoch (and after a
+    resume up to the cursor), keeping only its own batches and one or two ``window`` blocks of
+    records: each ``iter()``, in any process, must yield every record in the same order. A
+    re-iterable (a list, a torch ``IterableDataset`` that starts again) or a callable returning a
+    fresh iterator (``IterableStream(make_records, n)``). Refused: an iterator that is its own
+    iterable (spent after one pass), a source whose first :data:`HEAD_RECORDS` records differ
+    between two passes or between ranks, a ``datasets`` stream with loader workers. One that ends
+    early (split by rank or worker) raises at the read.
 
     ``num_records``: its length; without it (and without ``len()``) it is counted by one pass here.
-    Cost: each loader worker of each rank (or each rank's main process) reads the stream from its
-    start every epoch, and after a resume up to the cursor, keeping only its own batches; it holds
-    one to two ``window`` blocks of records. A source that ends early raises; records past
-    ``num_records`` are left out.
     """
 
     random_access = False
@@ -298,7 +389,7 @@ class IterableStream(Stream):
     ) -> None:
         super().__init__(transform=transform, window=window)
         self.dataset = dataset
-        self._calls = source_checks.is_factory(dataset)
+        self._calls = is_factory(dataset)
         if num_records is None:
             num_records = (
                 len(dataset)  # type: ignore[arg-type]
@@ -308,8 +399,8 @@ class IterableStream(Stream):
         if num_records < 0:
             raise ConfigError(f"num_records={num_records}: a stream's length cannot be negative")
         self.num_records = int(num_records)
-        self._head_count = min(self.num_records, source_checks.HEAD_RECORDS)
-        self._head = source_checks.head_digest(self._start, self._head_count)
+        self._head_count = min(self.num_records, HEAD_RECORDS)
+        self._head = head_digest(self._start, self._head_count)
 
     @property
     def shard_sizes(self) -> Sequence[int]:
@@ -327,9 +418,9 @@ class IterableStream(Stream):
         return [f"{name}: {self.num_records} records, first {self._head_count} {self._head}"]
 
     def check_loading(self, num_workers: int, world_size: int, group: Group) -> None:
-        source_checks.check_workers(self.dataset, num_workers)
+        check_workers(self.dataset, num_workers)
         if world_size > 1:
-            source_checks.check_same_order(self._head, self._head_count, group)
+            check_same_order(self._head, self._head_count, group)
 
     def read(self, shard: int, indices: np.ndarray) -> list[Any]:
         # Invariant: buffer holds records [base, next) of the pass that ``it`` makes. A batch needs
@@ -362,3 +453,121 @@ class IterableStream(Stream):
                 state["base"] += 1
             state["next"] += 1
         return [state["buffer"][i - state["base"]] for i in wanted]
+
+
+# -- checks of a source that can only be iterated -------------------------------------------------
+
+HEAD_RECORDS = 128
+"""Records read (twice, at construction) and compared across ranks (once, by ``build_loader``)."""
+
+FRESH_ITERATOR = (
+    "pass a callable that returns a fresh iterator (IterableStream(make_records, n), make_records "
+    "a generator function, not make_records()) or a re-iterable (a list, a torch Dataset)"
+)
+
+
+def is_factory(source: Any) -> bool:
+    """Whether a pass over ``source`` starts with ``iter(source())`` (a callable) rather than
+    ``iter(source)``. An iterator that is its own iterable (a generator object) is refused: a second
+    pass finds it spent."""
+    if not hasattr(source, "__iter__"):
+        if callable(source):
+            return True
+        raise ConfigError(
+            f"IterableStream: a {type(source).__name__} is neither iterable nor callable: "
+            f"{FRESH_ITERATOR}"
+        )
+    # A torch IterableDataset may return itself from __iter__ after rewinding: the second pass of
+    # head_digest shows whether it does.
+    if not isinstance(source, torch.utils.data.IterableDataset) and iter(source) is source:
+        raise ConfigError(
+            f"IterableStream: a {type(source).__name__} is its own iterator, spent after one pass, "
+            "and every epoch (and every loader worker) reads the source from its start: "
+            f"{FRESH_ITERATOR}"
+        )
+    return False
+
+
+def head_digest(start: Callable[[], Iterator[Any]], count: int) -> str:
+    """A digest of the first ``count`` records of a pass; refused if a pass yields fewer (a spent
+    iterator, or a length too large) or a second pass in this process differs."""
+    passes = []
+    for _ in range(2):
+        parts = [canonical(record) for _, record in zip(range(count), start())]
+        if len(parts) < count:
+            raise ConfigError(
+                f"IterableStream: a pass over the source yielded {len(parts)} records, num_records "
+                f"asks for at least {count}: every epoch and loader worker reads it from its "
+                f"start, so each pass must yield every record ({FRESH_ITERATOR}), and num_records "
+                "must not exceed its length"
+            )
+        passes.append(digest(b"\0".join(parts)))
+    if passes[0] != passes[1]:
+        raise ConfigError(
+            f"IterableStream: two passes over the source gave different first {count} records (or "
+            "orders): every epoch and loader worker reads it from its start, so each pass must "
+            f"yield the same records in the same order ({FRESH_ITERATOR}; seed any shuffle of its "
+            "own the same way on every pass)"
+        )
+    return passes[0]
+
+
+def canonical(value: Any) -> bytes:
+    """Bytes that are equal for equal records in any process: dicts and sets in a sorted order
+    (their own order follows each process's string hashing), tensors and arrays by dtype, shape and
+    contents."""
+    if value is None or isinstance(value, (str, bytes, int, float, bool)):
+        return repr(value).encode()
+    if isinstance(value, dict):
+        return (
+            b"{"
+            + b",".join(sorted(canonical(k) + b":" + canonical(v) for k, v in value.items()))
+            + b"}"
+        )
+    if isinstance(value, (set, frozenset)):
+        return b"set(" + b",".join(sorted(canonical(v) for v in value)) + b")"
+    if isinstance(value, (list, tuple)):
+        return b"[" + b",".join(canonical(v) for v in value) + b"]"
+    if isinstance(value, torch.Tensor):
+        flat = value.detach().cpu().contiguous().reshape(-1)
+        return f"{flat.dtype}{tuple(value.shape)}".encode() + tensor_bytes(flat)
+    if isinstance(value, np.ndarray):
+        return f"{value.dtype}{value.shape}".encode() + np.ascontiguousarray(value).tobytes()
+    try:
+        return pickle.dumps(value, protocol=4)
+    except Exception:  # an unpicklable record: compared by its type alone
+        return type(value).__qualname__.encode()
+
+
+def check_same_order(head: str, count: int, group: Group) -> None:
+    """Refuse, on every rank alike, a source whose first ``count`` records differ between ranks (one
+    all-gather of a 16-character digest)."""
+    heads = all_gather_object(head, group=group)
+    if len(set(heads)) > 1:
+        ranks = [r for r, h in enumerate(heads) if h != heads[0]]
+        raise ConfigError(
+            f"IterableStream: the source's first {count} records differ between ranks (rank 0's "
+            f"differ from rank {', '.join(map(str, ranks))}'s): every rank takes its share of one "
+            "global order, so every process must iterate the same records in the same order; a "
+            "source that iterates a set, shuffles with a seed of its own per process, or splits "
+            "itself by rank does not. Sort or seed it alike on every rank, or give ddpkit the "
+            "files (JsonlStream, TokenStream)"
+        )
+
+
+def splits_by_worker(source: Any) -> bool:
+    """A Hugging Face ``datasets`` ``IterableDataset`` (told by its module and ``n_shards``;
+    ``datasets`` need not be installed): it hands each loader worker a share of its shards, where
+    ddpkit needs all of it."""
+    return type(source).__module__.split(".")[0] == "datasets" and hasattr(source, "n_shards")
+
+
+def check_workers(source: Any, num_workers: int) -> None:
+    if num_workers > 0 and splits_by_worker(source):
+        raise ConfigError(
+            f"IterableStream: a datasets {type(source).__name__} splits itself among loader "
+            f"workers (get_worker_info()), so each of the {num_workers} workers would read a part "
+            "of the records where ddpkit reads them all in each: pass num_workers=0 "
+            "(build_loader, TrainerConfig), or give ddpkit the files (JsonlStream over its data "
+            "files, or the dataset loaded map-style)"
+        )

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
@@ -56,7 +56,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ddpkit._internals.compiler import at_backward_end
-from ddpkit.data._loader import batch_len
 from ddpkit.strategies._prepare import accumulation_of_a_parameter
 
 PHASES = ("data", "compute", "comm", "optimizer", "snapshot")
@@ -75,13 +74,13 @@ class StepTimings:
     """This rank's phase times since the last window's end (see the module's docstring).
 
     The Trainer calls :meth:`start_step`, :meth:`before_optimizer`, :meth:`after_optimizer` around
-    each step, iterates the loader through :meth:`loader`, and wraps snapshot work in :meth:`phase`.
+    each step, :meth:`data` for each batch it takes, and wraps snapshot work in :meth:`phase`.
     A step of several optimizers (``step_fn``) marks each optimizer step the same way, and each
     synchronising backward's end (:meth:`backward_returned`); what runs between them is
-    ``compute``, until :meth:`end_step`. Disabled, every call is a no-op and the loader is iterated
-    as is. ``compiled`` (the model runs under ``torch.compile``): DDP's broadcast of buffers before
-    the forward is not timed as ``comm`` (it stays in ``compute``). Without ``communicates`` (a
-    world of one) no ``comm`` is marked: the backward's end is where it returns.
+    ``compute``, until :meth:`end_step`. Disabled, every call is a no-op. ``compiled`` (the model
+    runs under ``torch.compile``): DDP's broadcast of buffers before the forward is not timed as
+    ``comm`` (it stays in ``compute``). Without ``communicates`` (a world of one) no ``comm`` is
+    marked: the backward's end is where it returns.
     """
 
     def __init__(
@@ -219,22 +218,11 @@ class StepTimings:
             self._span("comm", self._forward_start, self._mark())
             self._forward_start = None
 
-    def loader(self, batches: Iterable[Any]) -> Iterable[Any]:
-        """``batches``, its ``next()`` timed as ``data``; ``iter()`` is called now, as the caller
-        would."""
-        return self._timed(iter(batches)) if self.enabled else batches
-
-    def _timed(self, it: Iterator[Any]) -> Iterator[Any]:
-        seconds, clock = self.seconds, time.perf_counter
-        while True:
-            start = clock()
-            try:
-                batch = next(it)
-            except StopIteration:
-                return
-            seconds["data"] += clock() - start
-            self.samples += batch_len(batch)
-            yield batch
+    def data(self, seconds: float, samples: int) -> None:
+        """A batch taken from the loader: ``seconds`` waited in its ``next()``, and its samples."""
+        if self.enabled:
+            self.seconds["data"] += seconds
+            self.samples += samples
 
     def start_step(self) -> None:
         """Before the step reads its first micro-batch."""

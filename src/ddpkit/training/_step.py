@@ -2,35 +2,25 @@
 
 1. :func:`epoch_steps` cuts the rest of an epoch into optimizer steps of ``grad_accum_steps``
    micro-batches (fewer at an epoch's end), each with its divisor (:func:`loss_divisor`) and its
-   place in the global batch.
+   place in the global batch; it reads the loader's batches, timed as the step's ``data``.
 2. :class:`TrainStep` runs one: the gradients set to None; for each micro-batch, under the
    strategy's ``no_sync()`` but the last, the forward under autocast (:func:`autocast`), the loss
    into the :class:`~ddpkit.training._loss_window.LossWindow`, the loss divided by its divisor and
    backward (through the fp16 scaler, :func:`grad_scaler`); then :class:`OptimizerStep`: unscale,
    the strategy's verdict (clipping), the step or its skip, the scheduler.
 
-One rule says what a micro-batch's mean loss is divided by, for samples and for items (a language
-model's tokens, ``count_fn``) alike, :func:`loss_divisor`::
-
-    DDP averages the ranks' gradients and micro-batch gradients add up, so the
-    step's gradient is sum_i grad(mean_i) / d_i / world. With
-    d_i = total / (count_i * world) that is sum_i count_i * grad(mean_i) / total:
-    every sample (item) alike, whichever rank and micro-batch holds it.
-
-For samples ``total`` is known from the sampler; when every micro-batch is full, ``d_i`` is the
-number of micro-batches (exactly: integers). Averaging the ranks' means instead would weigh the
-samples of a rank with fewer more (an epoch's last, uneven batch). Items differ between
-micro-batches (padding, ``ignore_index``), so their total needs every rank's counts before the first
-backward: the step's micro-batches are read first (they are already in memory or prefetched),
-counted, and ONE all-reduce of one number per step, issued asynchronously, overlaps the first
-forward. Scaling the losses, not the gradients, needs no pass over the gradients and comes before
-the strategy's finiteness check and clipping.
+A micro-batch's mean loss is divided so that the step follows the mean over every sample (or item,
+``count_fn``) of the global batch, whichever rank and micro-batch holds it (:func:`loss_divisor`).
+Item counts differ between micro-batches, so their total needs every rank's counts before the first
+backward: one all-reduce of one number a step, which overlaps the first forward
+(:class:`WeightedStep`).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager, ExitStack, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -55,7 +45,6 @@ from ddpkit.training._loss_window import LossWindow
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-# Not frozen: a frozen dataclass sets each field through object.__setattr__, several us a step.
 @dataclass(slots=True)
 class MicroBatch:
     batch: Any
@@ -86,9 +75,13 @@ class Step:
 
 def loss_divisor(count: Any, world_size: int, total: Any) -> Any:
     """What a rank divides a micro-batch's mean loss over ``count`` samples (or items) by, so that
-    the step follows the mean over the ``total`` samples (items) of the step on all ranks (see the
-    module's docstring). Numbers for samples; float64 tensors for items (counts, exact up to
-    2**53)."""
+    the step follows the mean over the ``total`` samples (items) of the step on all ranks. Numbers
+    for samples; float64 tensors for items (counts, exact up to 2**53).
+
+    DDP averages the ranks' gradients and micro-batches' gradients add up, so the step's gradient is
+    ``sum_i grad(mean_i) / d_i / world``; with ``d_i = total / (count_i * world)`` that is
+    ``sum_i count_i * grad(mean_i) / total``. When every micro-batch is full, ``d_i`` is the number
+    of micro-batches, exactly."""
     return total / (count * world_size)
 
 
@@ -98,40 +91,45 @@ def epoch_steps(
     accum: int,
     first: int,
     device: torch.device | None = None,
+    timings: StepTimings | None = None,
 ) -> Iterator[Step]:
     """The steps of the rest of an epoch whose first untrained global batch is number ``first``;
-    ``batches`` is the loader's pass over them (moved to ``device`` when given). A step's
-    micro-batches must be read before the next step is asked for."""
+    ``batches`` is the loader's pass over them (moved to ``device`` when given; each ``next()`` is
+    ``timings``' ``data``). A step's micro-batches must be read before the next step is asked
+    for."""
     it = iter(batches)
     end, num_samples = sampler.steps_per_epoch, sampler.num_samples
-    world, micro_global = sampler.world_size, sampler.global_batch_size
     for start in range(first, end, accum):
         count = min(accum, end - start)
+        step_samples = sampler.samples_in_step(start, accum)
         yield Step(
-            _micro_batches(it, device, start, count, sampler.samples_in_step(start, accum), world),
+            _micro_batches(it, range(start, start + count), step_samples, sampler, device, timings),
             start,
             count,
-            min((start + count) * micro_global, num_samples),
+            min((start + count) * sampler.global_batch_size, num_samples),
             start + count == end,
         )
 
 
 def _micro_batches(
     it: Iterator[Any],
-    device: torch.device | None,
-    start: int,
-    count: int,
+    indices: range,
     step_samples: int,
-    world: int,
+    sampler: ShardedBatchSampler,
+    device: torch.device | None,
+    timings: StepTimings | None,
 ) -> Iterator[MicroBatch]:
-    last = start + count - 1
-    for index in range(start, start + count):
+    for index in indices:
+        began = time.perf_counter()
         batch = next(it)
+        waited = time.perf_counter() - began
+        n = batch_len(batch)
+        if timings is not None:
+            timings.data(waited, n)
         if device is not None:
             batch = to_device(batch, device)
-        n = batch_len(batch)
-        divisor = float(loss_divisor(n, world, step_samples))
-        yield MicroBatch(batch, n, divisor, index == last, index)
+        divisor = float(loss_divisor(n, sampler.world_size, step_samples))
+        yield MicroBatch(batch, n, divisor, index == indices[-1], index)
 
 
 class WeightedStep:
@@ -210,21 +208,15 @@ def grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler | 
 
 class OptimizerStep:
     """Clip and step when the synchronised gradients are finite; skip or stop everywhere alike when
-    not.
-
-    Every rank reaches the same decision: the verdict comes from the synchronised gradients (and,
-    under ``fsdp``, one all-reduce over the shards). ``grad_norm`` is the global norm of the last
-    step taken, before clipping (known only when clipping); ``step_norm`` that of the step just
-    done, where the strategy computed it (clipping, or fsdp), and ``lr`` the learning rate it used
-    (before a per-step scheduler moved it).
+    not: the verdict comes from the synchronised gradients (under ``fsdp``, one all-reduce over the
+    shards). ``grad_norm`` is the global norm of the last step taken, before clipping (known only
+    when clipping); ``step_norm`` that of the step just done, where the strategy computed it, and
+    ``lr`` the learning rate it used.
 
     ``counts``: the step advances the Trainer's step counter and updates the fp16 scaler (a step of
-    several optimizers does both once, after the last).
-
-    ``outside``: the parameters beside the optimizer's whose gradients a skip sets to None too, so
-    that no NaN stays; None: every parameter of the strategy's model (one optimizer). Under several
-    optimizers over one model, those of no optimizer: another optimizer's gradients wait for its own
-    verdict.
+    several optimizers does both once, after the last). ``outside``: the parameters beside the
+    optimizer's whose gradients a skip sets to None too; None: every parameter of the strategy's
+    model (one optimizer); under several optimizers over one model, those of no optimizer.
     """
 
     def __init__(
@@ -252,16 +244,10 @@ class OptimizerStep:
         optimizers, the step counts once in ``skipped_steps`` however many of them skipped."""
 
     def begin(self) -> None:
-        """Before the step's first forward: the gradients set to None.
-
-        Here rather than after the previous step: what reached the gradients in between (a
-        callback's backward through the model, as a GAN's generator step through its discriminator;
-        a script's backward before ``fit()``) was otherwise added to this step's, silently. The
-        forward still runs without them (where they are copies of their own rather than views into
-        DDP's buckets, peak memory is lower by their size), and ``on_step_end`` callbacks see the
-        step's own gradients. A check refusing leftover gradients instead would refuse that GAN
-        step, and cost the same pass over the parameters.
-        """
+        """Before the step's first forward: the gradients set to None, here rather than after the
+        previous step, so that what reached them in between (a callback's backward through the
+        model, a script's before ``fit()``) is not added to this step's, and ``on_step_end``
+        callbacks see the step's own."""
         self.strategy.optimizer.zero_grad(set_to_none=True)
         self.skipped = False
 
@@ -359,17 +345,14 @@ class TrainStep:
     ) -> None:
         self.config, self.strategy, self.optimizer_step = config, strategy, optimizer_step
         self.speed = speed
-        # fp32 (no autocast) and no global batch dropout: the forward enters no context
-        self.plain_forward = config.precision == "fp32" and not global_dropout
+        self.timings = speed.timings if speed is not None else None
         self.forward, self.batch_loss, self.autocast = forward, batch_loss, autocast
         self.window, self.sampler, self.scaler = window, sampler, scaler
         self.global_dropout, self.world_size, self.group = global_dropout, world_size, group
 
     def __call__(self, step: Step) -> bool:
         self.optimizer_step.begin()  # the gradients set to None before the step's first forward
-        # The timings are called only when on: a call that returns at once still costs its call.
-        speed = self.speed
-        timings = speed.timings if speed is not None and speed.enabled else None
+        speed, timings = self.speed, self.timings
         if timings is not None:
             timings.start_step()
         weighted = (
@@ -379,16 +362,14 @@ class TrainStep:
         )
         for micro in weighted or step.micro_batches:
             # the run's first micro-batch, once a peak is known: its forward and backward counted
-            counting = speed is not None and speed.to_count
-            if micro.last and not counting:  # its backward synchronises the gradients
-                self.micro_batch(micro, weighted, timings)
-                continue
-            with ExitStack() as around:
-                if speed is not None and counting:
-                    around.enter_context(speed.counting(micro.batch))
-                if not micro.last:
-                    around.enter_context(self.strategy.no_sync())
-                self.micro_batch(micro, weighted, timings)
+            counting = (
+                speed.counting(micro.batch)
+                if speed is not None and speed.to_count
+                else nullcontext()
+            )
+            # all but the last backward accumulate without synchronising the gradients
+            with counting, nullcontext() if micro.last else self.strategy.no_sync():
+                self.micro_batch(micro, weighted)
         if timings is not None:
             timings.before_optimizer()
         marks.mark(Phase.OPTIMIZER)  # for the launcher's stall watch (ddpkit._launch.watch)
@@ -399,18 +380,13 @@ class TrainStep:
         self.window.end_step(taken)
         return taken
 
-    def micro_batch(
-        self, micro: MicroBatch, weighted: WeightedStep | None, timings: StepTimings | None
-    ) -> None:
+    def micro_batch(self, micro: MicroBatch, weighted: WeightedStep | None) -> None:
         """Forward, loss and backward of one micro-batch."""
-        if self.plain_forward:
-            loss = self.batch_loss(self.forward, micro.batch)
-        else:
-            loss = self.micro_batch_loss(micro)
+        loss = self.micro_batch_loss(micro)
         self.window.add(loss, micro.samples)
         scaled = scale_loss(self.strategy.mark_nonfinite(loss), micro, weighted)
-        if micro.last and timings is not None:
-            timings.sync_backward(scaled)
+        if micro.last and self.timings is not None:
+            self.timings.sync_backward(scaled)
         (self.scaler.scale(scaled) if self.scaler else scaled).backward()
 
     def micro_batch_loss(self, micro: MicroBatch) -> torch.Tensor:

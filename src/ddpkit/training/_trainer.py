@@ -396,7 +396,7 @@ class Trainer:
         device = None if self._on_cpu else rt.device
         try:
             for step in epoch_steps(
-                self.speed.timings.loader(self.loader), self.sampler, accum, first, device
+                self.loader, self.sampler, accum, first, device, self.speed.timings
             ):
                 # for the launcher's stall watch (ddpkit._launch.watch)
                 marks.begin_step(self.step + 1)

@@ -14,8 +14,7 @@ import torch
 
 import ddpkit
 from ddpkit import ConfigError
-from ddpkit.data._stream import Stream
-from ddpkit.data._stream_loader import StreamOrder, record_ids
+from ddpkit.data._stream import Stream, StreamOrder, record_ids
 from ddpkit.data._stream_sources import IterableStream, JsonlStream, TokenStream, line_index
 from ddpkit.testing import run_job
 from tests.jobs.scripts.stream_job import N_RECORDS, naive_steps, read_steps, write_records

@@ -276,47 +276,107 @@ class Noisy(torch.utils.data.Dataset):
         return i, torch.rand(()).item(), float(np.random.rand()), random.random()
 
 
-def test_a_tensor_dataset_is_read_unwatched_by_the_one_proof_every_dataset_goes_through(
-    monkeypatch,
-):
-    """Every dataset is wrapped, and the proof decides what is watched: a ``TensorDataset`` (and a
-    subclass that keeps its ``__getitem__``, as the demo's digits) is read without the watch; one
-    read under a torch mode that draws is watched, and its draws seeded."""
-    import random
+class _Listed(torch.utils.data.Dataset):
+    """pytorch/examples' dataset: samples in a list, read as they are."""
 
-    import ddpkit.data._sample_seeding as sample_seeding
-    from ddpkit.data import SeededSamples
-    from ddpkit.demo import digits
+    def __init__(self, data) -> None:
+        self.data = data
 
-    assert isinstance(ddpkit.build_loader(Noisy(), 3, num_workers=0).dataset, SeededSamples)
-    for tensors in (TensorDataset(torch.arange(24)), digits("train")):
-        loader = ddpkit.build_loader(tensors, 3, num_workers=0)
-        assert isinstance(loader.dataset, SeededSamples)
-        with monkeypatch.context() as m:
-            m.setattr(sample_seeding, "draw_marks", _fail_if_watched)
-            plain = [repr(b) for b in ddpkit.build_loader(tensors, 3, num_workers=0)]
-        assert plain == [
-            repr(b) for b in ddpkit.build_loader(tensors, 3, num_workers=0, seed_samples=False)
-        ]
+    def __len__(self) -> int:
+        return len(self.data)
 
+    def __getitem__(self, index):
+        return self.data[index]
+
+
+class _DrawingList(list):
+    def __getitem__(self, index):
+        return super().__getitem__(index), __import__("random").random()
+
+
+class _DrawsOnLookup(_Listed):
+    def __getattribute__(self, name):
+        __import__("random").random()
+        return object.__getattribute__(self, name)
+
+
+class _Index:
+    """An index whose ``__index__`` draws."""
+
+    def __init__(self, i: int) -> None:
+        self.i = i
+
+    def __index__(self) -> int:
+        __import__("random").random()
+        return self.i
+
+
+def _drawing_under_a_torch_mode():
     from torch.overrides import TorchFunctionMode
 
     class Draws(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
-            random.random()
+            __import__("random").random()
             return func(*args, **(kwargs or {}))
 
-    tensors = TensorDataset(torch.arange(24))
-    watched = []
-    real = sample_seeding.draw_marks
-    monkeypatch.setattr(sample_seeding, "draw_marks", lambda: watched.append(1) or real())
-    with Draws():
-        next(iter(ddpkit.build_loader(tensors, 3, num_workers=0)))
-    assert watched  # control: under the mode the batch is watched
+    return Draws()
 
 
-def _fail_if_watched():
-    raise AssertionError("a batch of a dataset that cannot draw was watched")
+HIDDEN_DRAWS = {  # name: (the dataset, the batch's indices, a context the batch is read in)
+    "a TensorDataset": (lambda: TensorDataset(torch.arange(24)), [0, 1, 2], None),
+    "the tutorial's list": (
+        lambda: _Listed([torch.full((2,), float(i)) for i in range(24)]),
+        [0, 1, 2],
+        None,
+    ),  # fmt: skip
+    "a list subclass whose subscript draws": (
+        lambda: _Listed(_DrawingList(range(24))),
+        [0, 1, 2],
+        None,
+    ),  # fmt: skip
+    "an attribute lookup that draws": (lambda: _DrawsOnLookup(list(range(24))), [0, 1, 2], None),
+    "indices whose __index__ draws": (
+        lambda: _Listed(list(range(24))),
+        [_Index(0), _Index(1)],
+        None,
+    ),  # fmt: skip
+    "a TensorDataset under a torch mode that draws": (
+        lambda: TensorDataset(torch.arange(24)),
+        [0, 1, 2],
+        _drawing_under_a_torch_mode,
+    ),
+}
+
+
+@pytest.mark.parametrize("seeded", [True, False], ids=["seeded", "control-unseeded"])
+@pytest.mark.parametrize("name", list(HIDDEN_DRAWS))
+def test_every_dataset_is_watched_so_draws_hidden_in_its_reads_are_seeded(name, seeded):
+    """No dataset is read unwatched: a draw wherever it hides in a read (a list subclass, an
+    attribute lookup, an index, a torch mode) gives the seeded samples whatever the process's
+    stream, and loading leaves python's and torch's streams where they were. Control: read as they
+    are, the samples follow the process's stream."""
+    import contextlib
+    import random
+
+    from ddpkit.data import SeededSamples
+    from ddpkit.data._sampler import EpochIndices
+
+    make, indices, context = HIDDEN_DRAWS[name]
+    outs, moved = [], False
+    for g in (11, 22):
+        dataset = make()
+        random.seed(g), torch.manual_seed(g)
+        before = random.getstate(), torch.get_rng_state()
+        with context() if context else contextlib.nullcontext():
+            if seeded:
+                out = SeededSamples(dataset, seed=3).__getitems__(EpochIndices(indices, 0))
+            else:
+                out = [dataset[i] for i in indices]
+        after = random.getstate(), torch.get_rng_state()
+        moved = moved or after[0] != before[0] or not torch.equal(after[1], before[1])
+        outs.append(repr(out))
+    draws = "draw" in name
+    assert (outs[0] == outs[1] and not moved) is (seeded or not draws)
 
 
 def test_a_batchs_epoch_indices_and_its_epoch_index_pairs_read_the_same_draws():
@@ -363,22 +423,15 @@ def _pairs(batch):
     "dataset, kwargs",
     [(Noisy, {}), (Plain, {"seed_samples": False, "collate_fn": _pairs, "drop_last": False})],
 )
-def test_the_loaders_own_iteration_gives_the_dataloaders_batches(dataset, kwargs):
-    """In the main process the loader iterates itself (``_Batches``): the very batches the
-    DataLoader's iterator gives, with and without per-sample seeding, ``__getitems__`` or a
-    ``collate_fn``, over epochs."""
+def test_the_loaders_pass_gives_the_dataloaders_batches(dataset, kwargs):
+    """The loader's pass hands over the very batches the DataLoader's own iterator gives, with and
+    without per-sample seeding, ``__getitems__`` or a ``collate_fn``, over epochs."""
     from torch.utils.data import DataLoader
 
-    from ddpkit.data._epoch_loader import _Batches
-
-    # pin_memory=False: on a CUDA machine build_loader pins, and pinned batches take the
-    # DataLoader's iterator
     own = ddpkit.build_loader(dataset(), 3, num_workers=0, pin_memory=False, **kwargs)
     theirs = ddpkit.build_loader(dataset(), 3, num_workers=0, pin_memory=False, **kwargs)
     for _ in range(2):
-        it = iter(own)
-        assert isinstance(it.batches, _Batches)
-        mine = list(it)
+        mine = list(own)
         # the DataLoader's own iterator over the same dataset and sampler (which counts the epoch
         # itself, read outside the loader's pass)
         batches = list(DataLoader.__iter__(theirs))
@@ -388,31 +441,6 @@ def test_the_loaders_own_iteration_gives_the_dataloaders_batches(dataset, kwargs
             for x, y in zip(a, b):
                 assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, (x, y)
     assert own.epoch == theirs.epoch == 2
-
-
-def test_the_loaders_own_iteration_is_annotated_only_under_a_profiler(monkeypatch):
-    """The DataLoader's per-batch profiler annotation (~17 us a batch on the CPU) is made only while
-    a profiler runs, under the DataLoader's name, so that a trace reads the same."""
-    import torch.autograd.profiler as autograd_profiler
-    from torch.profiler import ProfilerActivity, profile
-    from torch.utils.data import DataLoader
-
-    name = "enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__"
-    loader = ddpkit.build_loader(
-        TensorDataset(torch.arange(24)), 4, num_workers=0, pin_memory=False
-    )
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        assert len(list(loader)) == 6
-    # each next(), the one that ends the pass too, as the DataLoader's
-    assert [e.count for e in prof.key_averages() if e.key == name] == [7]
-    made = []
-    real = autograd_profiler.record_function
-    monkeypatch.setattr(autograd_profiler, "record_function", lambda *a: made.append(a) or real(*a))
-    list(loader)
-    assert made == []
-    # Control: the DataLoader's iterator makes it for every batch, profiler or not.
-    list(DataLoader.__iter__(loader))
-    assert len(made) == 7
 
 
 @pytest.mark.parametrize("drop_last", [False, True])
@@ -476,13 +504,11 @@ def test_an_iteration_left_before_its_end_does_not_count_as_an_epoch():
 
 
 def test_a_dataset_that_draws_nothing_is_not_seeded(monkeypatch):
-    import ddpkit.data._sample_seeding as sample_seeding
+    import ddpkit.data._loader as loader_module
 
     seeded = []
-    real = sample_seeding.seed_sample
-    monkeypatch.setattr(
-        sample_seeding, "seed_sample", lambda *key: seeded.append(key) or real(*key)
-    )
+    real = loader_module.seed_sample
+    monkeypatch.setattr(loader_module, "seed_sample", lambda *key: seeded.append(key) or real(*key))
 
     # pytorch/examples' dataset: tensors in a list, read as they are
     class Plain(torch.utils.data.Dataset):
@@ -496,7 +522,7 @@ def test_a_dataset_that_draws_nothing_is_not_seeded(monkeypatch):
             return self.data[i]
 
     batches = list(ddpkit.build_loader(Plain(), 3, num_workers=0))
-    assert len(batches) == 8 and seeded == []  # ~15-40 us a sample saved
+    assert len(batches) == 8 and seeded == []
 
     class PutsBack(Plain):  # moves torch's generator and puts it back: its state is what it was
         def __getitem__(self, i: int):
@@ -550,7 +576,7 @@ def _another_numpy_state() -> tuple:
         lambda: __import__("numpy").random.rand(),
         lambda: __import__("numpy").random.randint(0, 2**31, size=624),
         lambda: torch.rand(()),
-        lambda: torch.randn(()),  # only the normal sample torch cached before the marks
+        lambda: torch.randn(()),  # only the normal sample torch cached before the batch
         lambda: torch.randn(3),
         lambda: torch.randint(0, 2**31, (624,)),
         # seeded again: the position moved back
@@ -558,30 +584,31 @@ def _another_numpy_state() -> tuple:
         lambda: __import__("random").seed(7),  # a dataset seeding the generators itself
         lambda: __import__("numpy").random.seed(7),
         lambda: __import__("numpy").random.set_state(_another_numpy_state()),
-        # only the normal sample numpy cached before the marks
         lambda: __import__("numpy").random.standard_normal(),
+        lambda: __import__("numpy").random.set_bit_generator(__import__("numpy").random.PCG64(1)),
     ],
 )
-def test_draw_marks_see_every_draw_and_put_the_generators_back(draw):
+def test_a_held_batch_sees_every_draw_and_puts_the_generators_back(draw):
+    """Every kind of draw, reseed or set state during a batch is seen, and the generators are put
+    back as they were: python's and torch's states, numpy's own generator's words and position (its
+    cached normal is dropped: the batch drew from a stand-in)."""
     import numpy as np
 
-    from ddpkit.data._sample_seeding import draw_marks, drawn_since, set_draw_marks
+    from ddpkit.data._loader import Held
     from ddpkit.distributed._seeding import rng_state
 
-    np.random.get_state()  # numpy.random imported: its generator is watched
     _cache_normals()
-    marks, full = draw_marks(), rng_state()
-    assert not drawn_since(marks)
-    first = draw()
-    assert drawn_since(marks)
-    set_draw_marks(marks)
-    assert not drawn_since(marks)
+    full = rng_state()
+    held = Held()
+    assert not held.drawn()
+    draw()
+    assert held.drawn()
+    held.put_back()
+    held.release_numpy()
     after = rng_state()
     assert after["python"] == full["python"] and torch.equal(after["torch"], full["torch"])
-    assert all(np.array_equal(a, b) for a, b in zip(after["numpy"][1:5], full["numpy"][1:5]))
-    if first is not None:
-        # the same draw again: the same state
-        assert np.array_equal(np.asarray(draw()), np.asarray(first))
+    assert all(np.array_equal(a, b) for a, b in zip(after["numpy"][1:3], full["numpy"][1:3]))
+    assert full["numpy"][3] == 1 and after["numpy"][3] == 0  # the cached normal, dropped
 
 
 @pytest.mark.parametrize("twists", [1, 2, 3])
@@ -591,126 +618,80 @@ def test_whole_twists_of_python_words_from_many_states_are_draws(twists):
     any state. Control: the index alone misses every one of them."""
     import random
 
-    from ddpkit.data._sample_seeding import changed, draw_marks
+    from ddpkit.data._loader import Held
 
     for seed in range(200):
         random.seed(seed)
         random.getrandbits(32 * (seed % 624 + 1))  # any index
-        marks = draw_marks()
+        held = Held()
         random.getrandbits(32 * 624 * twists)
-        after = draw_marks()
-        assert changed(marks, after), seed
-        assert marks[0][1][-1] == after[0][1][-1]  # control: the index came back
+        assert held.drawn(), seed
+        held.release_numpy()
+        assert held.python[1][-1] == random.getstate()[1][-1]  # control: the index came back
 
 
-def test_a_cached_numpy_normal_used_is_a_draw():
-    """numpy keeps the second of a pair of normal draws apart from its words: using it is a draw
-    too."""
-    import numpy as np
-
-    from ddpkit.data._sample_seeding import draw_marks, drawn_since
-
-    _cache_normals()
-    marks, words = draw_marks(), np.random.get_state()[1:3]
-    np.random.standard_normal()  # the cached one: the words do not move
-    assert all(np.array_equal(a, b) for a, b in zip(np.random.get_state()[1:3], words))
-    assert drawn_since(marks)
-
-
-def test_a_batch_that_imports_numpy_random_is_taken_as_drawing():
-    """Before ``numpy.random`` is imported there is no numpy generator to watch; importing it during
-    a batch (to draw from it) is seen, in a process that had not imported it."""
+def test_numpy_random_is_imported_before_a_batch_so_its_draws_are_seen():
+    """A batch that imports ``numpy.random`` to draw, in a process that had not imported it, draws
+    from the stand-in: the holding imported it first."""
     import subprocess
     import sys
 
     code = (
         "import sys\n"
-        "from ddpkit.data._sample_seeding import draw_marks, drawn_since\n"
-        "marks = draw_marks()\n"
-        "assert 'numpy.random' not in sys.modules and marks[1] is None\n"
+        "from ddpkit.data._loader import Held\n"
+        "assert 'numpy.random' not in sys.modules\n"
+        "held = Held()\n"
         "import numpy.random\n"
-        "assert drawn_since(marks)\n"
-        "quiet = draw_marks()\n"
-        "assert not drawn_since(quiet)\n"
+        "assert not held.drawn()\n"
+        "numpy.random.rand()\n"
+        "assert held.drawn()\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
-@pytest.mark.parametrize("weaken", ["index only", "no numpy", "no torch"])
-def test_control_a_weaker_comparison_misses_draws(weaken, monkeypatch):
-    """Control: the comparison is what sees each kind of draw; leaving out a part of it misses that
-    kind."""
+@pytest.mark.parametrize("kind", ["python", "numpy", "torch"])
+def test_each_kind_of_draw_is_seen_by_its_own_part_of_the_comparison(kind):
+    """Control: the comparison is what sees each kind of draw; the parts for the other generators
+    see nothing of it."""
     import random
 
     import numpy as np
 
-    from ddpkit.data import _sample_seeding as seeding
+    from ddpkit.data._loader import Held
 
-    np.random.get_state()
-    draw = {
-        "index only": lambda: [random.getrandbits(32) for _ in range(624)],
-        "no numpy": lambda: np.random.rand(),
-        "no torch": lambda: torch.rand(()),
-    }[weaken]
-    marks = seeding.draw_marks()
-    draw()
-    after = seeding.draw_marks()
-    assert seeding.changed(marks, after)
-    py0, npy0, cpu0, cuda0 = marks
-    py1, npy1, cpu1, cuda1 = after
-    if weaken == "index only":  # python's index alone: a whole twist brings it back
-        assert py0[1][-1] == py1[1][-1] and py0 != py1
-    elif weaken == "no numpy":
-        assert not seeding.changed((py0, None, cpu0, cuda0), (py1, None, cpu1, cuda1))
-    else:
-        assert not seeding.changed((py0, npy0, cpu0, cuda0), (py1, npy1, cpu0, cuda1))
+    held = Held()
+    {"python": random.random, "numpy": np.random.rand, "torch": lambda: torch.rand(())}[kind]()
+    assert held.drawn()
+    seen = {
+        "python": random.getstate() != held.python,
+        "numpy": held._numpy_drawn(),
+        "torch": not torch.equal(torch.get_rng_state(), held.torch),
+    }
+    held.put_back()
+    held.release_numpy()
+    assert seen == {k: k == kind for k in seen}
 
 
-def test_numpy_is_read_as_its_words_once_its_cache_is_seen_clear(monkeypatch):
-    """numpy's words are read through the bit generator's ctypes address; ``get_state`` (the slow
-    public read) only where the cached-normal flag is not known clear at those words. Control: a
-    normal cached meanwhile and a draw are each seen, through the words."""
+def test_another_bit_generator_is_set_aside_and_put_back():
+    """A bit generator other than MT19937 behind numpy's global functions: swapped out for the
+    batch and put back as it was."""
     import numpy as np
 
-    from ddpkit.data import _sample_seeding as seeding
-
-    np.random.seed(3)
-    slow = []
-    real = np.random.get_state
-    monkeypatch.setattr(np.random, "get_state", lambda *a, **k: slow.append(1) or real(*a, **k))
-    first = seeding.draw_marks()
-    reads = len(slow)
-    quiet = [seeding.draw_marks() for _ in range(5)]
-    # nothing drew: the words alone, no slow read
-    assert len(slow) == reads and first[1][0] == "words"
-    assert not any(seeding.changed(first, q) for q in quiet)
-    np.random.standard_normal()  # a pair drawn, the second kept apart: the words move
-    cached = seeding.draw_marks()
-    assert (
-        seeding.changed(first, cached) and cached[1][0] == "words+normal" and len(slow) == reads + 1
-    )
-    np.random.standard_normal()  # the kept one used: only the flag moves, read the slow way
-    assert seeding.changed(cached, seeding.draw_marks())
-
-
-def test_another_bit_generator_is_read_through_its_public_state():
-    """A bit generator other than MT19937 behind numpy's global functions: its public ``state`` is
-    compared."""
-    import numpy as np
-
-    from ddpkit.data import _sample_seeding as seeding
+    from ddpkit.data._loader import Held
 
     if not hasattr(np.random, "set_bit_generator"):
         pytest.skip("numpy < 1.25 has no set_bit_generator")
     saved = np.random.get_bit_generator()
-    np.random.set_bit_generator(np.random.PCG64(5))
+    own = np.random.PCG64(5)
+    np.random.set_bit_generator(own)
     try:
-        marks = seeding.draw_marks()
-        assert marks[1][0] == "state" and not seeding.drawn_since(marks)
+        state = own.state
+        held = Held()
+        assert not held.drawn()
         np.random.rand()
-        assert seeding.drawn_since(marks)
-        seeding.set_draw_marks(marks)
-        assert not seeding.drawn_since(marks)
+        assert held.drawn()
+        held.release_numpy()
+        assert np.random.get_bit_generator() is own and own.state == state
     finally:
         np.random.set_bit_generator(saved)
 
@@ -729,16 +710,17 @@ def _nothing_drawn_in_fork_rng() -> None:
         lambda: __import__("numpy").random.set_state(__import__("numpy").random.get_state()),
     ],
 )
-def test_draw_marks_see_no_draw_where_a_state_is_set_to_itself(put_back):
-    from ddpkit.data._sample_seeding import draw_marks, drawn_since
+def test_a_state_set_to_itself_is_no_draw(put_back):
+    from ddpkit.data._loader import Held
 
     # set_state writes its stack's bytes where no normal sample is cached: different each time
     for _ in range(20):
         torch.randn(())
         torch.randn(())  # a normal sample cached, then used: its stale value stays in the generator
-        marks = draw_marks()
+        held = Held()
         put_back()
-        assert not drawn_since(marks)
+        assert not held.drawn()
+        held.release_numpy()
 
 
 # -- the loader's state and the data's fingerprint -------------------------------------------------

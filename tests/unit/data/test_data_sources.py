@@ -14,7 +14,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 import ddpkit
 from ddpkit import ConfigError
-from ddpkit.data import _source_checks as source_checks
+from ddpkit.data import _stream_sources as source_checks
 from ddpkit.data._stream_sources import IterableStream, JsonlStream, TokenStream
 
 

@@ -30,9 +30,8 @@ from torch.utils.data import ConcatDataset, Dataset, Subset, TensorDataset
 import ddpkit
 from ddpkit import ConfigError
 from ddpkit.data._fingerprint import changes, digest, shard_items
-from ddpkit.data._source_checks import HEAD_RECORDS
-from ddpkit.data._stream_loader import StreamSamples
-from ddpkit.data._stream_sources import IterableStream, JsonlStream, _scan_lines
+from ddpkit.data._stream import StreamSamples
+from ddpkit.data._stream_sources import HEAD_RECORDS, IterableStream, JsonlStream, _scan_lines
 from tests.fuzz import examples
 
 FAST = examples(30)

@@ -17,11 +17,10 @@ from torch.utils.data import Dataset, TensorDataset
 
 import ddpkit
 import ddpkit.data
-import ddpkit.data._sample_seeding
 import ddpkit.distributed._seeding
 from ddpkit._errors import ConfigError
 from ddpkit._launch.launcher import flight_recorder_vars
-from ddpkit.data._sample_seeding import loading_rng_state, seed_sample, set_loading_rng_state
+from ddpkit.data._loader import Held, seed_sample
 from ddpkit.distributed._runtime import Runtime, _pick_backend, _pick_device
 from ddpkit.distributed._seeding import rng_state, set_rng_state, stream_seed
 from ddpkit.platforms._base import LaunchEnv
@@ -38,7 +37,7 @@ def two_gpus(monkeypatch):
 def cuda_in_use(monkeypatch):
     """This process "has initialised CUDA": its generators are recorded instead of touched."""
     calls: dict[str, list] = {"manual_seed": [], "set_rng_state": [], "set_rng_state_all": []}
-    for module in (ddpkit.distributed._seeding, ddpkit.data._sample_seeding):
+    for module in (ddpkit.distributed._seeding, ddpkit.data._loader):
         monkeypatch.setattr(module, "cuda_in_use", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "manual_seed", lambda s: calls["manual_seed"].append(s))
@@ -126,7 +125,7 @@ def test_the_cuda_generators_are_part_of_the_rng_state_once_cuda_is_in_use(cuda_
 
 
 def test_before_cuda_is_in_use_the_rng_state_has_no_cuda_part(monkeypatch):
-    for module in (ddpkit.distributed._seeding, ddpkit.data._sample_seeding):
+    for module in (ddpkit.distributed._seeding, ddpkit.data._loader):
         monkeypatch.setattr(module, "cuda_in_use", lambda: False)
     monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: pytest.fail("CUDA touched"))
     assert "cuda" not in rng_state()
@@ -159,22 +158,24 @@ def test_a_trainer_snapshot_holds_every_ranks_cuda_generators(cuda_in_use, tmp_p
 def test_a_sample_seeds_the_current_gpus_generator_where_cuda_is_in_use(cuda_in_use):
     seed_sample(5, 2, 11)
     assert cuda_in_use["manual_seed"] == [stream_seed("sample", 5, 2, 11)]
-    saved = loading_rng_state()
-    assert saved[3].tolist() == [7, 7]
-    set_loading_rng_state(saved)
+    held = Held()
+    assert held.cuda.tolist() == [7, 7]
+    held.put_back()
+    held.release_numpy()
     assert [s.tolist() for s in cuda_in_use["set_rng_state"]] == [[7, 7]]
 
 
 def test_a_process_without_cuda_in_use_leaves_the_gpu_alone(monkeypatch):
     # A forked loader worker of a GPU rank is such a process: CUDA would raise there.
-    for module in (ddpkit.distributed._seeding, ddpkit.data._sample_seeding):
+    for module in (ddpkit.distributed._seeding, ddpkit.data._loader):
         monkeypatch.setattr(module, "cuda_in_use", lambda: False)
     for name in ("manual_seed", "get_rng_state", "set_rng_state"):
         monkeypatch.setattr(torch.cuda, name, lambda *a, **k: pytest.fail("CUDA touched"))
     seed_sample(5, 2, 11)
-    saved = loading_rng_state()
-    assert saved[3] is None
-    set_loading_rng_state(saved)
+    held = Held()
+    assert held.cuda is None
+    held.put_back()
+    held.release_numpy()
 
 
 class _Indexed(Dataset):

@@ -170,6 +170,13 @@ class _SlowBackward(torch.autograd.Function):
         return grad, None
 
 
+def _taken(timings: StepTimings, batches: list[torch.Tensor]):
+    """The batches, each handed over to the step timings as the Trainer's step takes it."""
+    for batch in batches:
+        timings.data(0.0, batch.shape[0])
+        yield batch
+
+
 def _timed_step(mark: bool, communicates: bool = True) -> dict[str, float]:
     """One step of a model whose backward sleeps PAUSE in its middle (compute), and where a callback
     queued by a hook on the model's output sleeps PAUSE more, as FSDP queues its wait for the
@@ -184,7 +191,7 @@ def _timed_step(mark: bool, communicates: bool = True) -> dict[str, float]:
         at_backward_end(lambda: time.sleep(PAUSE))
 
     timings.start_step()
-    for x in timings.loader([torch.randn(2, 4)]):
+    for x in _taken(timings, [torch.randn(2, 4)]):
         out = second(_SlowBackward.apply(torch.tanh(first(x))))
         out.register_hook(queue_the_wait)
         loss = out.square().mean()
@@ -256,7 +263,7 @@ def _ddp_steps(
     steps = []
     for _ in range(2):
         timings.start_step()
-        for i, x in enumerate(timings.loader([torch.randn(2, 4), torch.randn(2, 4)])):
+        for i, x in enumerate(_taken(timings, [torch.randn(2, 4), torch.randn(2, 4)])):
             syncing[0] = i == 1
             with model.no_sync() if i == 0 else contextlib.nullcontext():
                 loss = model(x).square().mean()
@@ -350,7 +357,7 @@ def test_on_cuda_the_phases_are_read_from_events_on_the_device(mark):
 
     for _ in range(5):
         timings.start_step()
-        for i, batch in enumerate(timings.loader([x, x])):
+        for i, batch in enumerate(_taken(timings, [x, x])):
             out = model(batch)
             out.register_hook(queue_device_work)
             loss = out.square().mean()
