@@ -1,20 +1,8 @@
-"""Random generators' states read as raw bytes, where a public read copies them slowly: the loader's
-watch for draws (:mod:`ddpkit.data._sample_seeding`) reads them around every batch.
-
-- numpy's MT19937 bit generator: its words at the address the documented ctypes interface gives
-  (``BitGenerator.ctypes.state_address``), in the layout of numpy's ``mt19937_state`` struct (624
-  uint32 words, then the position as a C int): <1 us, where the public ``state`` property copies the
-  words one by one (~65 us). The layout is checked against that property once per bit generator
-  (:func:`mt19937_words`).
-- A tensor's bytes read at its ``data_ptr()`` (:func:`tensor_bytes`): ~3 us less than
-  ``.numpy().tobytes()``.
-- Whether torch runs Python code on a tensor's indexing (:func:`torch_runs_python`): a torch
-  function mode or a dispatch mode on its stacks (``_len_torch_function_stack``,
-  ``_len_torch_dispatch_stack``), the Python dispatcher enabled (its dispatch key in the thread's
-  included set), or ``torch.Tensor.__getitem__`` other than ``TensorBase``'s. Any of them may draw;
-  the loader then watches a dataset it would otherwise read unwatched
-  (``ddpkit.data._held_reads``). No public API tells.
-"""
+"""Random generators' states read as raw bytes for the loader's watch for draws
+(:mod:`ddpkit.data._sample_seeding`): numpy's MT19937 words at ``BitGenerator.ctypes.state_address``
+(checked against the public ``state`` once per bit generator), a tensor's bytes at its
+``data_ptr()``; and whether torch runs Python code on a tensor's indexing (a function or dispatch
+mode, the Python dispatcher, a patched ``__getitem__``), which no public API tells."""
 
 from __future__ import annotations
 
@@ -39,8 +27,7 @@ class MT19937Words:
 
     def __call__(self, bitgen: Any) -> bytes | None:
         """The state's bytes (the words, then the position); None where ``bitgen`` is not an MT19937
-        or its layout differs from the one read here (the caller then reads the public
-        ``state``)."""
+        or its layout differs."""
         if type(bitgen).__name__ != "MT19937":
             return None
         address = bitgen.ctypes.state_address
@@ -77,15 +64,14 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
 
 _C = torch._C
 _MODES = "torch._C._len_torch_function_stack, _len_torch_dispatch_stack, DispatchKey"
-# TensorBase is a C type: its own __getitem__ cannot be replaced, only torch.Tensor's shadowing it
+# TensorBase is a C type: only torch.Tensor's __getitem__ can shadow its own
 _INDEXING = vars(getattr(_C, "TensorBase", object)).get("__getitem__")
 _PYTHON_DISPATCHER: Any = getattr(getattr(_C, "DispatchKey", None), "PythonDispatcher", None)
 
 
 def torch_runs_python() -> bool:
-    """Indexing a tensor may run Python code in this thread: a torch function or dispatch mode, the
-    Python dispatcher, or a patched ``torch.Tensor.__getitem__``. True, with one warning, where
-    torch's private names for these are gone: then nothing is read unwatched."""
+    """Indexing a tensor may run Python code in this thread. True, with one warning, where torch's
+    private names for this are gone."""
     try:
         return bool(
             _C._len_torch_function_stack()

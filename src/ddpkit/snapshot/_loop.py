@@ -61,8 +61,7 @@ from ddpkit.snapshot._manager import SnapshotManager
 from ddpkit.snapshot._schedule import SnapshotSchedule
 from ddpkit.snapshot._state import NewRankState, RankStreams, TrainState
 from ddpkit.snapshot._trainer import STREAMS, restore
-from ddpkit.strategies._prepare import unwrap
-from ddpkit.strategies._prepared import LoopModel
+from ddpkit.strategies._prepare import LoopModel, unwrap
 
 if TYPE_CHECKING:  # the memory backend is imported when a loop asks for it (memory=True)
     from ddpkit.snapshot._memory.snapshots import MemorySnapshots

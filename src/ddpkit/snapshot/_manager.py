@@ -64,7 +64,7 @@ import torch.distributed as dist
 
 from ddpkit import _fs as fs
 from ddpkit._errors import ConfigError
-from ddpkit._internals.versions import require_torch
+from ddpkit._internals.versions import GROUP_SNAPSHOTS, require_torch
 from ddpkit.distributed import Group
 from ddpkit.distributed._collectives import broadcast_object, first_failure, gather_object
 from ddpkit.snapshot import _codec as codec
@@ -136,7 +136,7 @@ class SnapshotManager:
             require_torch(
                 "snapshots of a group of ranks that does not hold the job's rank 0 "
                 "(ddpkit.split_world, a search's candidates)",
-                (2, 7),
+                GROUP_SNAPSHOTS,
             )
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
