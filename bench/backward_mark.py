@@ -1,6 +1,6 @@
 """What marking the end of a DDP backward costs a step, two ways, under 2-rank DDP over gloo.
 
-The step timings (``ddpkit.tracking._timings``) mark the moment a step's last gradient is ready with
+The step timings (``ddpkit.tracking._speed``) mark the moment a step's last gradient is ready with
 a callback of the autograd engine, queued from a hook inside the backward. Two ways to queue it:
 
 - ``loss node``: a hook registered on the loss's node each step (what the timings do where DDP may

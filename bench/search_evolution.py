@@ -27,8 +27,8 @@ import statistics
 import optuna
 from optuna.trial import TrialState
 
-from ddpkit.search._evolution import EvolutionSampler
-from ddpkit.search._space import uniform
+from ddpkit.search._config import uniform
+from ddpkit.search._study import EvolutionSampler
 
 SPACE = {f"x{i}": uniform(-5.12, 5.12) for i in range(6)}
 

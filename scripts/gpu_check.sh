@@ -124,7 +124,7 @@ import functools, json, sys
 from types import SimpleNamespace
 from ddpkit._launch.spawn import spawn
 from ddpkit.tools._bench import _start_method, compare_data_parallel
-from ddpkit.tools._steptime import Knobs, measure_steps
+from ddpkit.tools._measure import Knobs, measure_steps
 
 
 def main():  # spawned ranks import this file again: nothing may run at import

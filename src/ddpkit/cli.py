@@ -79,9 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return importlib.import_module(COMMANDS[command][0]).main(rest)
     except ConfigError as err:
-        # A name given on the command line may hold bytes that are not text (kept by Python as
-        # surrogates):
-        # escaped, the message stays one printable line whatever stderr's encoding.
+        # a name given on the command line may hold bytes that are not text: escaped
         text = str(err).encode("utf-8", "backslashreplace").decode("utf-8")
         print(f"ddpkit {command}: error: {text}", file=sys.stderr)
         return 2
@@ -89,13 +87,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def entry() -> None:
     """The ``ddpkit`` console script (and ``python -m ddpkit.cli``): :func:`main`, then the exit.
-
-    ``ddpkit run`` ends without tearing its interpreter down. Once its workers have ended, it has
-    nothing left to write: its records are written whole (fsynced), and torch's agent has closed
-    the workers' log files, to which only the workers wrote. What a normal exit would add is the
-    teardown of every module of torch, ~0.6 s of each job's end here. It still ends as an
-    interpreter ends up to that point: the non-daemon threads joined, the ``atexit`` handlers run
-    (``logging``'s flush among them), the standard streams flushed."""
+    ``ddpkit run``, whose records are written whole once its workers ended, ends as an interpreter
+    ends (threads joined, ``atexit`` handlers run, streams flushed) without the teardown of torch's
+    modules."""
     code = main()
     if sys.argv[1:2] == ["run"]:
         from ddpkit._internals.interpreter import finalize_as_interpreter, finalize_problem

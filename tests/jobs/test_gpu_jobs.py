@@ -265,7 +265,7 @@ from types import SimpleNamespace
 import torch, torch._dynamo
 from ddpkit._launch.spawn import spawn
 from ddpkit.tools._bench import _start_method, compare_data_parallel
-from ddpkit.tools._steptime import Knobs, measure_steps
+from ddpkit.tools._measure import Knobs, measure_steps
 
 # As a workload script may: it initialises the CUDA driver here, which a forked rank then cannot
 # use.

@@ -364,8 +364,7 @@ def test_a_batch_script_is_written_only_inside_its_output_dir(tmp_path, kind):
 
 
 def _bench_outputs(folder: Path) -> None:
-    from ddpkit.tools._bench import write_outputs
-    from ddpkit.tools._bench_config import BenchConfig
+    from ddpkit.tools._bench import BenchConfig, write_outputs
 
     row = {"world_size": 2, "samples_per_s": 50.0}
     result = {

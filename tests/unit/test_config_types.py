@@ -18,7 +18,7 @@ from ddpkit import (
 )
 from ddpkit._errors import ConfigError, _hints, _matches
 from ddpkit.search import SearchConfig
-from ddpkit.tools._bench_config import BenchConfig
+from ddpkit.tools._bench import BenchConfig
 from ddpkit.tools._check import CheckConfig
 
 CONFIGS = [

@@ -228,8 +228,7 @@ def test_a_manifest_that_lies_with_a_valid_crc_is_refused_before_any_tensor_is_v
 @pytest.fixture
 def journal(tmp_path):
     from ddpkit.search._config import SearchConfig
-    from ddpkit.search._search_dir import JOURNAL
-    from ddpkit.search._study import open_study
+    from ddpkit.search._study import JOURNAL, open_study
 
     cfg = SearchConfig(n_trials=2, search_dir=str(tmp_path))
     study = open_study(cfg, {}, create=True)

@@ -335,8 +335,7 @@ def test_slot_manifest_and_values_lie_with_valid_crcs(tmp_path_factory, slot_byt
 @pytest.fixture(scope="module")
 def journal_bytes(tmp_path_factory) -> bytes:
     from ddpkit.search._config import SearchConfig
-    from ddpkit.search._search_dir import JOURNAL
-    from ddpkit.search._study import open_study
+    from ddpkit.search._study import JOURNAL, open_study
 
     folder = tmp_path_factory.mktemp("journal")
     study = open_study(SearchConfig(n_trials=3, search_dir=str(folder)), {}, create=True)
@@ -352,8 +351,7 @@ def journal_bytes(tmp_path_factory) -> bytes:
 @given(mutation=byte_mutation(900), whole_line=st.booleans())
 def test_journal_mutated(tmp_path_factory, journal_bytes, mutation, whole_line):
     from ddpkit.search._config import SearchConfig
-    from ddpkit.search._search_dir import JOURNAL, repair_journal
-    from ddpkit.search._study import open_study
+    from ddpkit.search._study import JOURNAL, open_study, repair_journal
 
     folder = tmp_path_factory.mktemp("j")
     data = mutate(journal_bytes, mutation)

@@ -408,8 +408,7 @@ def journal_maker(root: Path) -> Callable[[int], Path]:
 
 
 def read_journal(path: Path) -> None:
-    from ddpkit.search._search_dir import repair_journal
-    from ddpkit.search._study import check_journal
+    from ddpkit.search._study import check_journal, repair_journal
 
     repair_journal(path)
     try:
@@ -469,8 +468,7 @@ def test_a_journal_step_past_int_hashing_is_refused_naming_it(tmp_path):
 
 @needs_optuna
 def test_a_journal_beyond_its_bound_is_refused_naming_it(tmp_path):
-    from ddpkit.search._search_dir import JOURNAL_LIMIT, repair_journal
-    from ddpkit.search._study import check_journal
+    from ddpkit.search._study import JOURNAL_LIMIT, check_journal, repair_journal
 
     path = journal_of(tmp_path / "study.journal", reports(2))
     os.truncate(path, JOURNAL_LIMIT + 1)  # sparse: never read
@@ -528,8 +526,7 @@ def test_a_line_index_of_more_lines_than_its_file_holds_is_not_used_naming_it(tm
 
 @needs_optuna
 def test_a_journal_line_nested_too_deep_is_refused_naming_it(tmp_path):
-    from ddpkit.search._search_dir import repair_journal
-    from ddpkit.search._study import check_journal
+    from ddpkit.search._study import check_journal, repair_journal
 
     path = tmp_path / "study.journal"
     # a RecursionError in json before

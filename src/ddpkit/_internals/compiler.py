@@ -1,20 +1,7 @@
-"""``torch.compile``'s configuration, its C++ compiler probe, and a piece of the autograd engine:
-the callbacks run at a backward pass's end, which live in torch's private modules.
-
-- ``torch._dynamo``: imported once before forking ranks (DDP's constructor imports it, which takes
-  seconds), and its ``config.optimize_ddp``, which splits a compiled DDP model's graph at bucket
-  boundaries so that gradient all-reduces overlap the backward pass.
-- ``torch._inductor.cpp_builder.get_cpp_compiler``: the C++ compiler inductor builds CPU kernels
-  with.
-- ``torch.autograd.Variable._execution_engine.queue_callback``: a function the engine calls once the
-  backward pass it runs has computed and accumulated every gradient, before ``backward()`` returns
-  (:func:`at_backward_end`); DDP and FSDP wait for their gradient collectives in callbacks queued
-  the same way. The step timings mark the moment the step's last gradient is ready with it: a hook
-  on the loss and one callback a step, where a hook on every parameter costs one Python call per
-  parameter.
-- ``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`` and its backward: the CPU's fused
-  attention kernels, which torch's FLOP counter has no formula for (:func:`cpu_attention_ops`).
-"""
+"""``torch.compile``'s internals (``torch._dynamo`` and its ``config.optimize_ddp``, inductor's C++
+compiler probe), the autograd engine's
+``queue_callback`` (a callback at a backward's end, where DDP and FSDP queue their waits), and the
+CPU's fused attention kernels, which torch's FLOP counter has no formula for."""
 
 from __future__ import annotations
 
@@ -27,29 +14,25 @@ from ddpkit._errors import ConfigError
 from ddpkit._internals.contract import Internal
 
 DYNAMO = "torch._dynamo"
-"""The module a process imports once so that its forks find it imported (see
-:func:`import_dynamo`)."""
 
 
 def import_dynamo() -> Any:
-    """``torch._dynamo``, imported: constructing DDP or an optimizer imports it (~1 s); done once in
-    a process that forks ranks, every rank inherits it."""
+    """``torch._dynamo``, imported (DDP's constructor imports it, ~1 s): once in a process that
+    forks ranks, every rank inherits it."""
     import importlib
 
     return importlib.import_module(DYNAMO)
 
 
 def set_ddp_optimizer() -> None:
-    """Have Dynamo split a compiled DDP model's graph at its buckets (the default today; set, since
-    the overlap of all-reduces with the backward pass depends on it)."""
+    """Have Dynamo split a compiled DDP model's graph at its buckets, so that all-reduces overlap
+    the backward."""
     import_dynamo().config.optimize_ddp = True
 
 
 def cpp_compiler() -> str | None:
-    """The C++ compiler inductor would build CPU kernels with, or None when there is none.
-
-    A probe torch no longer has (an ImportError or AttributeError) is not taken as "no compiler": it
-    raises a ConfigError naming the internal and torch's version."""
+    """The C++ compiler inductor would build CPU kernels with, or None when there is none; a probe
+    torch no longer has is a ConfigError naming it."""
     try:
         from torch._inductor.cpp_builder import get_cpp_compiler
     except (ImportError, AttributeError) as err:
@@ -60,8 +43,7 @@ def cpp_compiler() -> str | None:
         ) from None
     try:
         return str(get_cpp_compiler())
-    # inductor raises its own error types (and may change them) when none is found
-    except Exception:
+    except Exception:  # inductor's own error types when none is found
         return None
 
 
@@ -85,11 +67,9 @@ def _engine() -> Any:
 
 def at_backward_end(callback: Callable[[], None]) -> bool:
     """Have the backward pass that runs now call ``callback`` once it has accumulated every
-    gradient, ahead of any callback queued later in it (DDP queues its wait for the all-reduces at
-    the last gradient); call it from a hook inside that backward. Returns False (nothing queued)
-    where torch no longer has the engine's ``queue_callback``, or where a backward under compiled
-    autograd refuses it (``torch._dynamo.config.compiled_autograd`` without ``fullgraph``: an
-    AssertionError): the callback is left out, and the backward goes on."""
+    gradient, ahead of any callback queued later in it; call it from a hook inside that backward.
+    False (nothing queued) where the engine has no ``queue_callback`` or refuses it (compiled
+    autograd)."""
     queue = getattr(_engine(), "queue_callback", None)
     if queue is None:
         return False

@@ -1,16 +1,7 @@
-"""torch.distributed.checkpoint's file-system storage, where ddpkit reaches past its public API.
-
-- ``FileSystemWriter.fs``: the file system a writer opens its files through; ddpkit's replaces it
-  (through :func:`set_file_system`) to keep the ``OSError`` of a failed write and to write through
-  :mod:`ddpkit._fs`.
-- ``FileSystem.create_stream`` / ``rename`` / ``mkdir`` / ``rm_file``: the methods that replacement
-  overrides.
-- ``_StorageInfo``: where an item lies in a data file (file, offset, length), which
-  ``FileSystemReader`` reads from ``Metadata.storage_data``; ddpkit builds it from its JSON index
-  (:func:`storage_info`), so that a resume never unpickles ``.metadata``. Its
-  ``transform_descriptors`` (torch 2.8 and later) name stream transforms a snapshot never uses
-  (:func:`transformed`).
-"""
+"""torch.distributed.checkpoint's file-system storage, where ddpkit reaches past its public API: a
+writer's file system (``FileSystemWriter.fs``, replaced to write through :mod:`ddpkit._fs`, and the
+methods the replacement overrides), and ``_StorageInfo``, built from ddpkit's JSON index so that a
+resume never unpickles ``.metadata``."""
 
 from __future__ import annotations
 
@@ -29,8 +20,8 @@ def storage_info(relative_path: str, offset: int, length: int) -> Any:
 
 
 def transformed(info: Any) -> bool:
-    """Whether an item was written through a stream transform (compression, ...): never one of
-    ddpkit's."""
+    """Whether an item was written through a stream transform (``transform_descriptors``, torch
+    2.8 and later): never one of ddpkit's."""
     return bool(getattr(info, "transform_descriptors", None))
 
 
@@ -66,14 +57,13 @@ def _check_writer_fs() -> str | None:
     )
 
 
+# the methods of FileSystem ddpkit's overrides, with the arguments DCP calls them with
 _OVERRIDDEN = {
     "create_stream": ["path", "mode"],
     "rename": ["path", "new_path"],
     "mkdir": ["path"],
     "rm_file": ["path"],
 }
-"""The methods of ``FileSystem`` ddpkit's file system overrides, with the arguments DCP calls them
-with."""
 
 
 def _check_file_system_methods() -> str | None:

@@ -1,20 +1,8 @@
-"""torchrun's elastic agent and its worker processes, where ddpkit reaches past their public API.
-
-- The agent's ``_monitor_workers`` and ``_shutdown`` (:class:`HookedAgent`): ddpkit's agent asks the
-  workers still running for their stacks before torchrun stops them after a failure, restarts
-  nothing after a pre-emption, and ends whatever the workers left behind. Its ``_pcontext`` (the
-  process context of the current attempt: each worker's ``Popen``) and ``_remaining_restarts``.
-- The process context's ``SubprocessHandler._popen`` and ``_stdout`` / ``_stderr`` (the log files it
-  opened for a worker), and ``api.get_subprocess_handler``, through which workers are forked from
-  ddpkit's server instead of started as new interpreters.
-- ``errors.get_error_handler``, the name by which torch's ``@record`` builds its error handler
-  (:func:`record_with`): a script's own ``@record`` writes its error file whole, through ddpkit's
-  handler.
-
-Each is checked when it is used. Where one is gone, the feature it serves is turned off with one
-warning naming it and torch's version: the fork server falls back to torch's own ``Popen`` (new
-interpreters, output where torchrun sends it), the agent's additions are left out, and the job runs
-as torchrun would run it.
+"""torchrun's elastic agent and its worker processes, where ddpkit reaches past their public API:
+the agent's ``_monitor_workers``, ``_shutdown``, ``_pcontext`` and ``_remaining_restarts``
+(:class:`HookedAgent`), the worker handler's ``_popen`` and log files (workers forked from ddpkit's
+server), and the name ``@record`` builds its error handler by. Each is checked when used; where one
+is gone, its feature is off with one warning, and the job runs as torchrun would run it.
 """
 
 from __future__ import annotations
@@ -37,9 +25,7 @@ def warn_once(internal: str, lost: str) -> None:
 
 
 def _agent_hooks_problem() -> str | None:
-    """Both hooks on torchrun's local agent; ``_monitor_workers`` taking the worker group
-    (``_shutdown``'s arguments are passed through as they come: they differ between torch
-    versions)."""
+    """Both hooks on torchrun's local agent; ``_monitor_workers`` taking the worker group."""
     for name in ("_monitor_workers", "_shutdown"):
         if not callable(getattr(LocalElasticAgent, name, None)):
             return f"LocalElasticAgent has no {name}"
@@ -53,8 +39,8 @@ def _agent_hooks_problem() -> str | None:
 
 class HookedAgent(LocalElasticAgent):
     """torchrun's local agent, calling :meth:`before_monitor`, :meth:`after_monitor` and
-    :meth:`after_shutdown` around its private steps. Where those steps are not the ones this class
-    was written against, the hooks are never called, and one warning says so at construction."""
+    :meth:`after_shutdown` around its private steps; where those differ, never, with one
+    warning."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -70,9 +56,7 @@ class HookedAgent(LocalElasticAgent):
     def run(self, *args: Any, **kwargs: Any) -> Any:
         self._monitored = False
         result = super().run(*args, **kwargs)
-        # torchrun's loop returns only with the result of a poll of the workers: a run that returned
-        # without going through _monitor_workers polled them through a step this class does not
-        # override.
+        # torchrun's loop returns only from a poll: one not through _monitor_workers went elsewhere
         if self.hooked and not self._monitored:
             warn_once(
                 "torch's LocalElasticAgent._monitor_workers (never called)",
@@ -125,8 +109,7 @@ class HookedAgent(LocalElasticAgent):
 
 def _check_agent_state() -> str | None:
     """``_start_workers`` keeps the attempt's process context in ``_pcontext``; the run loop
-    restarts only while ``_remaining_restarts`` is above 0 (setting it to 0 ends the job with the
-    current attempt)."""
+    restarts only while ``_remaining_restarts`` is above 0."""
     from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
 
     if "self._pcontext = " not in inspect.getsource(LocalElasticAgent._start_workers):
@@ -142,12 +125,8 @@ def _check_agent_state() -> str | None:
 
 def use_agent(launcher_api: Any, agent: type) -> None:
     """Have torchrun's ``launch_agent`` (``launcher_api``: ``torch.distributed.launcher.api``) build
-    ``agent``.
-
-    It builds its agent by the module-level name ``LocalElasticAgent``; swapping it in this process
-    (the launcher's) is the one way in short of copying ``launch_agent``. Where ``launch_agent`` no
-    longer builds it by that name, ddpkit's agent would never run: said once, and the job runs with
-    torchrun's."""
+    ``agent``, by swapping the module-level name it builds its agent by; where it no longer does,
+    said once, and the job runs with torchrun's."""
     problem = _check_launch_agent()
     if problem is not None:
         warn_once(
@@ -172,13 +151,9 @@ def _check_launch_agent() -> str | None:
 
 
 def record_with(handler: type) -> None:
-    """Have torch's ``@record``, applied from now on in this process (a script's own, on its
-    ``main``), use a ``handler()``.
-
-    ``record`` builds its handler by the name ``get_error_handler`` of its module when it decorates
-    a function; that name is public (``errors.__all__``), its use by ``record`` is not. Where that
-    changed, a script's ``@record`` writes with torch's handler (its file in place, truncated where
-    the worker is stopped mid-write): said once."""
+    """Have torch's ``@record``, applied from now on in this process (a script's own), use a
+    ``handler()``: ``record`` builds its handler by its module's name ``get_error_handler``. Where
+    that changed, a script's ``@record`` writes with torch's handler: said once."""
     from torch.distributed.elastic.multiprocessing import errors
 
     if _check_record_handler() is not None:
@@ -227,8 +202,7 @@ def set_handler_factory(factory: Callable[..., Any] | None) -> None:
 
 def log_files(handler: Any) -> tuple[Any, Any] | None:
     """The files a ``SubprocessHandler`` opened for its worker's output and errors (each None where
-    not redirected); None where the handler keeps them under other names (then ddpkit cannot
-    redirect a forked worker the same way, and must not fork it)."""
+    not redirected); None where the handler keeps them under other names (then no fork)."""
     if not (hasattr(handler, "_stdout") and hasattr(handler, "_stderr")):
         return None
     return handler._stdout, handler._stderr
@@ -238,9 +212,8 @@ def popen_override(
     base: type, popen: Callable[[Any, Any, Any], Any], bypassed: Callable[[], None] = lambda: None
 ) -> type:
     """A subclass of ``base`` (``SubprocessHandler``) whose ``_popen(args, env)`` is
-    ``popen(handler, args, env)``, which returns None to start the worker as torch does. A handler
-    whose ``__init__`` did not go through ``_popen`` (torch changed how it starts workers: torch's
-    own step started it) warns once and calls ``bypassed``."""
+    ``popen(handler, args, env)`` (None: as torch does). A handler whose ``__init__`` did not go
+    through ``_popen`` warns once and calls ``bypassed``."""
 
     class Handler(base):  # torchrun's class, given at run time
         def __init__(self, *args: Any, **kwargs: Any) -> None:

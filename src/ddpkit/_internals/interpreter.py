@@ -1,20 +1,8 @@
-"""The process's own machinery, below what Python's standard library offers: CPython's interpreter
-exit, Linux's ``prctl`` and the command-line memory, and the CUDA driver's state, through
-``ctypes``.
-
-- ``threading._shutdown`` and ``atexit._run_exitfuncs``: a worker forked from ddpkit's fork server
-  runs the script as ``__main__`` and must end as an interpreter ends (``Py_FinalizeEx``: join the
-  non-daemon threads, then the exit handlers) before ``os._exit``. Where either is gone, the
-  launcher forks no worker (they start as new interpreters), with one warning. ``ddpkit run``'s
-  own process ends the same way, without the teardown of torch's modules (:func:`ddpkit.cli.entry`);
-  where either is gone, with a normal exit.
-- ``prctl`` (``PR_SET_PDEATHSIG``, ``PR_SET_CHILD_SUBREAPER``, ``PR_SET_NAME``) from the C library:
-  no Python module exposes it.
-- The command line the kernel shows (``/proc/self/cmdline``) is the memory between ``arg_start`` and
-  ``arg_end`` of ``/proc/self/stat``; rewritten in place (through
-  ``/proc/self/mem``) so that ``ps`` and ``pkill -f`` tell a forked worker's guard from the worker.
-- ``cuDeviceGetCount`` from ``libcuda``: whether this process initialised the CUDA driver, without
-  doing it.
+"""The process's own machinery below Python's standard library: CPython's interpreter exit
+(``threading._shutdown``, ``atexit._run_exitfuncs``: how a forked worker, and ``ddpkit run``, end
+as an interpreter ends before ``os._exit``), Linux's ``prctl`` and the command-line memory
+(``/proc/self/stat``'s ``arg_start``..``arg_end``), and whether this process initialised the CUDA
+driver, through ``ctypes``.
 """
 
 from __future__ import annotations
@@ -67,11 +55,9 @@ def _command_line_memory() -> tuple[int, int] | None:
 
 
 def set_command_line(args: Sequence[str]) -> bool:
-    """Show ``args`` as this process's command line (``/proc/self/cmdline``, ``ps``), cut to the
-    room the process started with; False where it cannot. The kernel reads it from the memory
-    between ``arg_start`` and ``arg_end``, which holds the original ``argv`` strings (Python has its
-    own copies). Written through ``/proc/self/mem``, and only where that memory holds what
-    ``/proc/self/cmdline`` shows: a misread address is refused, never written over."""
+    """Show ``args`` as this process's command line (``ps``), cut to the room the process started
+    with; False where it cannot. Written through ``/proc/self/mem``, only where that memory holds
+    what ``/proc/self/cmdline`` shows."""
     where = _command_line_memory()
     if where is None:
         return False
@@ -92,12 +78,8 @@ def set_command_line(args: Sequence[str]) -> bool:
 
 
 def cuda_driver_initialised() -> bool:
-    """True when this process has initialised the CUDA driver (a fork of it could not use CUDA).
-
-    ``cuDeviceGetCount`` answers CUDA_ERROR_NOT_INITIALIZED (3) until ``cuInit`` has run, and
-    initialises nothing itself. Where no CUDA driver is loaded in this process, nothing was
-    initialised.
-    """
+    """True when this process has initialised the CUDA driver (a fork of it could not use CUDA):
+    ``cuDeviceGetCount`` answers CUDA_ERROR_NOT_INITIALIZED until ``cuInit`` ran."""
     try:
         with open("/proc/self/maps") as f:
             if "libcuda.so" not in f.read():
@@ -110,12 +92,8 @@ def cuda_driver_initialised() -> bool:
 
 def finalize_as_interpreter() -> None:
     """What ``Py_FinalizeEx`` does before the process ends, in its order: join the non-daemon
-    threads (after the callbacks ``concurrent.futures`` registers to stop its workers), run the
-    ``atexit`` handlers, then flush every file object still open (:func:`flush_open_files`), which
-    the teardown of the modules holding them would do, and the standard streams, whatever object
-    they are now.
-
-    Not called where either is missing (:func:`finalize_problem`)."""
+    threads, run the ``atexit`` handlers, flush every file object still open and the standard
+    streams. Not called where either is missing (:func:`finalize_problem`)."""
     threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
     flush_open_files()
@@ -130,13 +108,9 @@ _BUFFERED = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
 
 
 def flush_open_files() -> int:
-    """Flush every buffered file object of this process still open for writing; how many.
-
-    A process that ends with ``os._exit`` skips the teardown of its modules, in which a file held in
-    a module's global (a log a script opened once and never closed) is flushed as it is deleted:
-    without this, what it buffered would be lost. Found among the objects the garbage collector
-    tracks (file objects are), by exact type: ~50 ms over the ~170,000 objects of a process that
-    imported torch."""
+    """Flush every buffered file object of this process still open for writing (what the teardown
+    of a module holding one would do); how many. Found among the objects the garbage collector
+    tracks, by exact type."""
     gc.unfreeze()  # what a script froze (gc.freeze, before forking loader workers) is listed too
     flushed = 0
     for obj in gc.get_objects():
@@ -193,8 +167,7 @@ def _check_command_line() -> str | None:
 
 
 def _check_cuda_probe() -> str | None:
-    """Where this process has loaded the CUDA driver (else the probe is not used: nothing was
-    initialised)."""
+    """Where this process has loaded the CUDA driver (else the probe is not used)."""
     try:
         with open("/proc/self/maps") as f:
             if "libcuda.so" not in f.read():

@@ -1,12 +1,6 @@
-"""``torch.nn`` modules, where ddpkit reaches past their public API.
-
-- ``nn.modules.batchnorm._BatchNorm``: the base of ``BatchNorm1d/2d/3d``, which ddpkit's CPU
-  SyncBatchNorm subclasses (:class:`BatchNormBase`), with the ``_check_input_dim`` it asks a
-  subclass for.
-- ``OptimizedModule._orig_mod``: the module ``torch.compile`` wraps (:func:`compiled_inner`).
-- ``Module._buffers``: the dict a module keeps its buffers in; ddpkit's memory snapshots hold (dict,
-  name) pairs to find each buffer's current tensor in ~10 us a step (:func:`buffer_slots`).
-"""
+"""``torch.nn`` modules, where ddpkit reaches past their public API: BatchNorm's base
+``_BatchNorm`` (with the ``_check_input_dim`` it asks of a subclass), the module ``torch.compile``
+wraps (``_orig_mod``), and the dict a module keeps its buffers in (``_buffers``)."""
 
 from __future__ import annotations
 
@@ -38,7 +32,7 @@ def is_batchnorm(module: nn.Module) -> TypeGuard[nn.modules.batchnorm._BatchNorm
 
 def compiled_inner(module: nn.Module) -> nn.Module | None:
     """The module ``torch.compile`` wrapped, for its wrapper (None for any other module)."""
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # never imported here: it costs ~1 s
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # never imported here (~1 s)
     if eval_frame is None or not isinstance(module, eval_frame.OptimizedModule):
         return None
     inner = getattr(module, "_orig_mod", None)
@@ -47,7 +41,7 @@ def compiled_inner(module: nn.Module) -> nn.Module | None:
 
 def buffer_slots(module: nn.Module) -> list[tuple[dict[str, Any], str]]:
     """(the dict, the name) of each buffer of ``module`` and its submodules: ``slot[0][slot[1]]`` is
-    the buffer's tensor now, whatever ``load_state_dict`` or a step put there since."""
+    the buffer's tensor now."""
     return [(m._buffers, name) for m in module.modules() for name in m._buffers]
 
 
@@ -62,7 +56,6 @@ def _check_batchnorm() -> str | None:
 
 def _check_compiled() -> str | None:
     wrapped = nn.Linear(1, 1)
-    # wraps at once; compiles at the first call, which never comes here
     compiled: Any = torch.compile(wrapped)
     found = compiled_inner(compiled)
     return None if found is wrapped else "a compiled module's _orig_mod is not the module compiled"

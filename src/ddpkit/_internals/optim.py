@@ -1,14 +1,6 @@
-"""Optimizers, learning-rate schedulers and gradients, where ddpkit reaches past torch's public API.
-
-- An LR scheduler wraps its optimizer's ``step`` and marks it (``_wrapped_by_lr_sched``), and the
-  wrapper sets ``optimizer._opt_called`` when it runs: the scheduler warns "lr_scheduler.step()
-  before optimizer.step()" when the mark is missing. ddpkit moves a scheduler to the optimizer a
-  strategy built (ZeRO's), and gives that optimizer the same marks (:func:`mark_stepped_like`).
-- ``torch._amp_foreach_non_finite_check_and_unscale_``: the fused check GradScaler uses, one kernel
-  per device and dtype for "is any gradient inf or NaN" (:func:`any_non_finite`).
-- ``Tensor._values()``: the stored values of a sparse gradient (``nn.Embedding(sparse=True)``),
-  uncoalesced.
-"""
+"""Optimizers, schedulers and gradients, where ddpkit reaches past torch's public API: the marks an
+LR scheduler puts on its optimizer's step (``_wrapped_by_lr_sched``, ``_opt_called``), GradScaler's
+fused inf/NaN check, and a sparse gradient's stored values (``Tensor._values()``)."""
 
 from __future__ import annotations
 
@@ -22,8 +14,8 @@ _MARK = "_wrapped_by_lr_sched"
 
 
 def mark_stepped_like(old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
-    """Where a scheduler marked ``old.step``, wrap ``new.step`` the same way, so that the scheduler
-    moved to ``new`` does not warn that it stepped before the optimizer."""
+    """Where a scheduler marked ``old.step``, wrap ``new.step`` the same way: the scheduler moved to
+    ``new`` does not warn that it stepped first."""
     if not hasattr(old.step, _MARK):
         return
     step = new.step
@@ -50,8 +42,6 @@ def sparse_values(t: torch.Tensor) -> torch.Tensor:
 
 
 def _check_scheduler_marks() -> str | None:
-    # A scheduler on a throwaway optimizer: it marks the optimizer's step at construction, and the
-    # marked step sets _opt_called when it runs.
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
     torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: 1.0)
     if not hasattr(optimizer.step, _MARK):

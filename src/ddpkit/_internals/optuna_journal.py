@@ -1,19 +1,8 @@
-"""Optuna's storages, where ddpkit's search reaches past their public API.
-
-- ``optuna.storages.journal._storage.JournalOperation``: the operation codes of a journal's records.
-  Before Optuna reads a journal, :func:`ddpkit.search._study.check_journal` refuses a record whose
-  ``op_code`` is not one of them, naming the line (Optuna's own replay fails on it with a bare
-  ``AssertionError``, or skips it under ``python -O``).
-- ``optuna.storages.get_storage``: the storage object a study opened on a storage writes through
-  (Optuna puts a cache in front of an ``RDBStorage``). A search creates each trial with its tag in
-  one write through that object's public ``create_new_trial``; a write that went around the cache
-  would leave a trial the study's cache does not know.
-
-Optuna is an optional extra (``ddpkit[search]``): this module imports without it, its records are
-listed all the same, and their checks return None (nothing to check, nothing relies on them) where
-Optuna is not installed. :func:`ddpkit._internals.contract.version_of` then names it "not
-installed".
-"""
+"""Optuna's storages, where ddpkit's search reaches past their public API: a journal's operation
+codes (``JournalOperation``, which :func:`ddpkit.search._study.check_journal` checks each record
+against), the work of Optuna's replay of a journal, and the storage a study writes through
+(``get_storage``: one cache for the study and ddpkit's writes). Imports without Optuna; the checks
+then pass."""
 
 from __future__ import annotations
 
@@ -31,8 +20,7 @@ def journal_operations() -> frozenset[int]:
     return frozenset(int(op) for op in JournalOperation)
 
 
-# A step as Optuna reports it (an int >= 0) below 2**61 - 1, where Python's hash of an int
-# wraps: larger ones can share one hash, and a dict of them costs time quadratic in their number.
+# a step below 2**61 - 1, where Python's hash of an int wraps: larger ones can share one hash
 STEP_LIMIT = 2**61 - 1
 
 
@@ -41,13 +29,10 @@ _FINISHED = (1, 2, 3)  # TrialState COMPLETE, PRUNED, FAIL
 
 class ReplayWork:
     """The work of Optuna's replay of a journal (``JournalStorageReplayResult.apply_logs``, Optuna 3
-    to 5), counted from the records in constant time each, in entries copied or trials scanned.
-
-    Each record's work grows with those before it: a new study is compared with every study's name,
-    a trial's parameter is looked for in the study's trials up to the first that has it, and an
-    attribute, parameter or intermediate value copies the dict it goes into. A journal of 16,000
-    trials, each with a parameter of its own (5 MB), took 230 s to replay. Counts stand for dicts (a
-    key set twice counts twice): never less than the work done."""
+    to 5), counted in constant time a record, in entries copied or trials scanned: a new study is
+    compared with every study's name, a parameter looked for in the study's trials up to the first
+    that has it, and an attribute, parameter or value copies the dict it goes into. Never less than
+    the work done."""
 
     def __init__(self) -> None:
         self.total = 0
@@ -106,9 +91,7 @@ class ReplayWork:
 
 
 def study_storage(storage: Any) -> Any:
-    """The storage a study opened on ``storage`` writes through; pass it to ``optuna.create_study``
-    / ``load_study`` and write through it, so that the study and ddpkit's own writes share one
-    cache."""
+    """The storage a study opened on ``storage`` writes through (Optuna's cache before an RDB)."""
     import optuna
 
     return optuna.storages.get_storage(storage)
@@ -137,7 +120,6 @@ def _check_journal_operations() -> str | None:
     if not issubclass(JournalOperation, enum.IntEnum):
         return "JournalOperation is no IntEnum"
 
-    # a journal in memory: what Optuna writes, as ddpkit's check reads it
     class Records(BaseJournalBackend):
         def __init__(self) -> None:
             self.logs: list[dict[str, Any]] = []
@@ -195,7 +177,6 @@ def _check_study_storage() -> str | None:
             study_id = storage.get_study_id_from_name(study.study_name)
             template = create_trial(state=TrialState.RUNNING, user_attrs={"tag": 1})
             trial = optuna.Trial(study, storage.create_new_trial(study_id, template_trial=template))
-            # through the cache: refused if it does not know the trial
             trial.suggest_float("x", 0.0, 1.0)
             found = study.get_trials(deepcopy=False)
     finally:

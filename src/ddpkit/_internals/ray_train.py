@@ -1,15 +1,7 @@
-"""Ray, where ddpkit reaches past its public API.
-
-- ``ray.experimental.internal_kv._internal_kv_get`` / ``_internal_kv_put``: the cluster's key-value
-  store (in Ray's GCS, which outlives the workers). Ray Train restarts its whole worker group after
-  a failure (``FailureConfig(max_failures=N)``) but its context holds no count of those restarts;
-  each rank counts its own starts there, under the Ray job and the run's name, and the count before
-  this start is the runtime's ``restart_count`` (:func:`ddpkit.distributed._runtime.init`). Where
-  the store is not as relied on, the count stays 0 with one warning.
-
-Ray is optional (``ddpkit[ray]``): this module imports without it, and its check returns None where
-Ray is not installed. The check reads Ray's source and never imports Ray (see :func:`kv_source`).
-"""
+"""Ray's key-value store (``ray.experimental.internal_kv``, in the GCS, which outlives the
+workers), where each rank counts Ray Train's restarts of its worker group: the runtime's
+``restart_count``. Imports without Ray; the check reads Ray's source, never importing it (seconds,
+and threads of its own)."""
 
 from __future__ import annotations
 
@@ -25,11 +17,7 @@ _KV = "ray.experimental.internal_kv"
 
 def kv_source() -> Path | None:
     """The file of Ray's ``internal_kv`` module, found without importing Ray (None where Ray is not
-    installed).
-
-    Importing Ray takes seconds and starts threads of its own, in whatever process runs the checks
-    (``ddpkit env``, a launcher before it forks its workers): the check reads the module's source
-    instead."""
+    installed)."""
     spec = importlib.util.find_spec("ray")
     if spec is None or not spec.submodule_search_locations:
         return None
@@ -37,11 +25,8 @@ def kv_source() -> Path | None:
 
 
 def count_start(rank: int, job: str) -> int:
-    """How many times this rank of this Ray Train run started before (0 at the first start),
-    counting this one.
-
-    The key: the Ray job (``job``, :func:`ddpkit.platforms._ray.job_id`, one per driver), the run's
-    experiment name and the rank."""
+    """How many times this rank of this Ray Train run (``job``, its experiment name) started before,
+    counting this one; 0 with one warning where the store is not as relied on."""
     if problem := _check_kv():
         warn_lost(
             f"{_KV}._internal_kv_get/_put", "Ray", f"restart_count under Ray Train ({problem})"

@@ -1,16 +1,7 @@
-"""The TCPStore a launcher serves on a socket it bound itself, and torchrun's agent-store contract.
-
-ddpkit binds the store's listening socket itself (to one address, port chosen by the kernel or by
-the agent) and hands it to torch as ``master_listen_fd``. torch's libuv store backend, the default
-since 2.4, accepts such a socket only from torch 2.8 (before, it raises ``NotImplementedError``);
-the older, threaded backend has always accepted it, so below 2.8 that one serves the store. Both
-speak the same protocol: clients of either backend connect to it.
-
-``TORCHELASTIC_USE_AGENT_STORE=True`` in a worker's environment tells torch's ``env://`` rendezvous
-(which ``init_process_group`` uses) to connect to the store as a client on every rank, rank 0 too,
-rather than have rank 0 start one: read in ``torch.distributed.rendezvous``; not a documented
-variable.
-"""
+"""The TCPStore a launcher serves on a socket it bound itself (``master_listen_fd``; below
+:data:`~ddpkit._internals.versions.LIBUV_LISTEN_FD` by the threaded backend, which speaks the same
+protocol), and ``TORCHELASTIC_USE_AGENT_STORE``, an undocumented variable that has torch's ``env://``
+rendezvous connect to the store on every rank, rank 0 too."""
 
 from __future__ import annotations
 
@@ -20,12 +11,9 @@ from datetime import timedelta
 from typing import Any
 
 from ddpkit._internals.contract import Internal
-from ddpkit._internals.versions import torch_at_least
+from ddpkit._internals.versions import LIBUV_LISTEN_FD, torch_at_least
 
 AGENT_STORE_VARIABLE = "TORCHELASTIC_USE_AGENT_STORE"
-
-LIBUV_LISTEN_FD = (2, 8)
-"""The first torch whose libuv store backend serves on a socket handed to it."""
 
 
 def serve_store(listener_fd: int, host: str, port: int, timeout: timedelta) -> Any:

@@ -1,9 +1,5 @@
-"""The installed torch's version, and features refused below the version that has them.
-
-ddpkit supports torch from 2.6 (``pyproject.toml``). A feature that needs a newer torch asks
-:func:`require_torch` first, so a user on an older torch reads which version it needs rather than a
-``TypeError`` from inside torch.
-"""
+"""Which torch has a feature: the installed torch's version, the first version of each feature
+ddpkit gates, and :func:`require_torch`, which refuses a feature below its version by name."""
 
 from __future__ import annotations
 
@@ -16,11 +12,18 @@ from ddpkit._internals.contract import Internal
 
 FLOOR = (2, 6)
 """The oldest torch ddpkit is tested on (CI's floor cell)."""
+FSDP_ON_CPU = (2, 7)
+"""The first torch whose ``fully_shard`` runs on CPU tensors."""
+GROUP_SNAPSHOTS = (2, 7)
+"""The first torch whose distributed checkpoint saves from a group without the job's rank 0."""
+LIBUV_LISTEN_FD = (2, 8)
+"""The first torch whose libuv store backend serves on a socket handed to it."""
+FLIGHT_RECORDER_NAMES = (2, 8)
+"""The first torch that names the flight recorder's variables ``TORCH_FR_*``."""
 
 
 def parse_version(text: str) -> tuple[int, int]:
-    """``(major, minor)`` of a torch version string: ``2.6.0+cu124``, ``2.16.0a0+git1234``,
-    ``2.13.0``."""
+    """``(major, minor)`` of a torch version string: ``2.6.0+cu124``, ``2.16.0a0+git1234``."""
     found = re.match(r"\s*(\d+)\.(\d+)", text)
     if found is None:
         raise ValueError(f"not a torch version: {text!r}")

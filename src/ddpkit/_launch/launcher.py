@@ -106,11 +106,11 @@ def _run_torchrun(torchrun: Any, args: Any, quiet: range) -> None:
 
 
 def flight_recorder_vars() -> tuple[str, str]:
-    """The flight recorder's buffer size and dump file variables (``TORCH_FR_*`` from torch 2.8)."""
-    import torch
+    """The variables naming the flight recorder's buffer size and dump file: torch 2.8 renamed them
+    (``TORCH_FR_*``) and warns at every process start when the old names are set."""
+    from ddpkit._internals.versions import FLIGHT_RECORDER_NAMES, torch_at_least
 
-    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
-    if (major, minor) >= (2, 8):
+    if torch_at_least(FLIGHT_RECORDER_NAMES):
         return "TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE"
     return "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"
 

@@ -13,14 +13,6 @@ from ddpkit.demo._datasets import (
 from ddpkit.demo._models import DigitsCNN, TinyGPT
 
 __all__ = [
-    "CHARS",
-    "IGNORE_INDEX",
-    "DigitsCNN",
-    "TinyGPT",
-    "decode",
-    "digits",
-    "encode",
-    "mnist",
-    "python_source",
-    "toy_regression",
-]
+    "CHARS", "IGNORE_INDEX", "DigitsCNN", "TinyGPT", "decode", "digits", "encode", "mnist",
+    "python_source", "toy_regression",
+]  # fmt: skip

@@ -1,11 +1,5 @@
-"""Small datasets for the examples and tests: in memory, deterministic, never downloaded at run
-time.
-
-Every rank of a job builds the same dataset from the same arguments, so the samplers of
-:mod:`ddpkit.data` can shard it by index. Anything random here is drawn from a generator seeded by
-the ``seed`` argument, never from the global RNG: ranks seeded differently
-(``seed_everything(per_rank=True)``) must still agree on the data.
-"""
+"""Small datasets for the examples and tests: in memory, deterministic (drawn from the ``seed``
+argument, never the global RNG, so every rank builds the same), never downloaded at run time."""
 
 from __future__ import annotations
 
@@ -23,9 +17,7 @@ from torch.utils.data import TensorDataset
 
 _SPLITS = ("train", "test")
 
-MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
-"""Mean and standard deviation of the MNIST training pixels scaled to [0, 1]: the usual
-normalisation."""
+MNIST_MEAN, MNIST_STD = 0.1307, 0.3081  # of the MNIST training pixels scaled to [0, 1]
 
 _MNIST_FILES = {
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
@@ -36,16 +28,13 @@ _IDX_IMAGES, _IDX_LABELS = 2051, 2049
 
 
 class DemoDataset(TensorDataset):
-    """A ``TensorDataset`` whose fingerprint holds its content: the same sizes drawn another way (a
-    new split, other MNIST files) are different data to a resume, which then refuses or restarts the
-    epoch as ``on_data_change`` says (:mod:`ddpkit.data`), rather than resume on other samples."""
+    """A ``TensorDataset`` whose fingerprint holds its content: the same sizes drawn another way are
+    different data to a resume."""
 
     def fingerprint(self) -> dict[str, str]:
-        """Computed once, at a run's first snapshot or resume (a hash of the tensors' bytes)."""
+        """A hash of the tensors' bytes, each hashed where it lies."""
         from ddpkit.data._fingerprint import digest
 
-        # Each tensor hashed where it lies (MNIST's are 188 MB: no copy of its bytes), then the
-        # digests together.
         parts = "".join(digest(t.contiguous().reshape(-1).numpy().data) for t in self.tensors)
         shapes = ", ".join("x".join(map(str, t.shape)) for t in self.tensors)
         return {"dataset": f"{len(self)} samples ({shapes}), content {digest(parts.encode())}"}
@@ -57,22 +46,15 @@ def _check_split(split: str) -> None:
 
 
 def digits(split: str, seed: int = 0, test_fraction: float = 0.2) -> TensorDataset:
-    """scikit-learn's bundled handwritten digits: 1,797 8x8 images of 0-9, shipped with
-    scikit-learn.
-
-    Images are float32 of shape ``(1, 8, 8)``, scaled to [0, 1] and then normalised with the mean
-    and standard deviation of the train split's pixels; labels are int64. The split is stratified by
-    class and a function of ``(seed, test_fraction)`` alone, so "train" and "test" never share a
-    sample (360 test samples by default); each split keeps the bundled order.
-    """
+    """scikit-learn's bundled handwritten digits: 1,797 8x8 images of 0-9, float32 ``(1, 8, 8)``
+    normalised with the train split's statistics, int64 labels. The split is stratified by class and
+    a function of ``(seed, test_fraction)`` alone (360 test samples by default)."""
     _check_split(split)
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction={test_fraction}: must be between 0 and 1")
     pixels, labels = _bundled_digits()
     images = (pixels / 16.0).astype(np.float32).reshape(-1, 1, 8, 8)  # pixel values are 0..16
     train_idx, test_idx = _stratified_split(labels, test_fraction, seed)
-    # Statistics of the train split only: normalising with the test pixels would leak them into
-    # training.
     mean, std = images[train_idx].mean(), images[train_idx].std()
     idx = train_idx if split == "train" else test_idx
     x = (images[idx] - mean) / std
@@ -80,13 +62,8 @@ def digits(split: str, seed: int = 0, test_fraction: float = 0.2) -> TensorDatas
 
 
 def _bundled_digits() -> tuple[np.ndarray, np.ndarray]:
-    """The digits' pixels (float64, 0..16) and labels (int64), as ``sklearn.datasets.load_digits``
-    gives them.
-
-    Read from scikit-learn's own file, found without importing scikit-learn: its import takes about
-    2 s (it imports SciPy's statistics), paid by every rank of every job that trains on the
-    digits. Where the file is not at its usual place in the package, ``load_digits`` reads it.
-    """
+    """The digits' pixels (float64, 0..16) and labels (int64), as ``load_digits`` gives them: read
+    from scikit-learn's own file without importing scikit-learn (~2 s), else by ``load_digits``."""
     missing = (
         "ddpkit.demo._datasets.digits needs scikit-learn, which bundles the digits: pip install "
         "'ddpkit[examples]'"
@@ -113,13 +90,9 @@ def _bundled_digits() -> tuple[np.ndarray, np.ndarray]:
 def _stratified_split(
     labels: np.ndarray, test_fraction: float, seed: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(train, test) indices: ``ceil(test_fraction x n)`` test samples, each class giving its share
-    of them rounded down, the rest one each to the classes that rounding cut most (ties in a seeded
-    order); which of a class's samples go to test is a seeded draw. Indices in increasing order.
-
-    The draws come from numpy's ``Generator``, whose streams numpy may change in a new version: the
-    datasets' fingerprint holds their content (:class:`DemoDataset`), so a resume after such a
-    change is refused, or restarts the epoch, rather than resume on other samples."""
+    """(train, test) indices in increasing order: ``ceil(test_fraction x n)`` test samples, each
+    class giving its share rounded down, the rest one each to the classes rounding cut most (ties
+    in a seeded order); which of a class's samples go to test is a seeded draw."""
     rng = np.random.default_rng(seed)
     n_test = math.ceil(test_fraction * len(labels))
     classes, counts = np.unique(labels, return_counts=True)
@@ -133,7 +106,6 @@ def _stratified_split(
     share = counts * (n_test / len(labels))
     take = np.floor(share).astype(np.int64)
     cut = share - take
-    # np.lexsort sorts by its last key first: the largest cut, then a seeded tie-break.
     order = np.lexsort((rng.permutation(len(classes)), -cut))
     take[order[: n_test - int(take.sum())]] += 1
     test = np.zeros(len(labels), dtype=bool)
@@ -168,8 +140,6 @@ def _read_idx(path: Path, magic: int) -> np.ndarray:
 
 
 def _find(root: Path, name: str) -> Path | None:
-    # torchvision keeps its download in <root>/MNIST/raw: accept it so a seed's existing download
-    # works.
     for folder in (root, root / "MNIST" / "raw"):
         for candidate in (folder / name, folder / f"{name}.gz"):
             if candidate.is_file():
@@ -178,13 +148,9 @@ def _find(root: Path, name: str) -> Path | None:
 
 
 def mnist(root: str, split: str) -> TensorDataset:
-    """MNIST from the four standard IDX files in ``root`` (raw or ``.gz``), read with no extra
-    dependency.
-
-    Images are float32 of shape ``(N, 1, 28, 28)`` normalised with MNIST's usual mean 0.1307 and std
-    0.3081; labels are int64. Nothing is downloaded: fetch the files once, outside the job, into
-    ``root``.
-    """
+    """MNIST from the four standard IDX files in ``root`` or its ``MNIST/raw`` (raw or ``.gz``):
+    float32 ``(N, 1, 28, 28)`` normalised with MNIST's usual mean and std, int64 labels. Nothing is
+    downloaded."""
     _check_split(split)
     folder = Path(root).expanduser()
     names = _MNIST_FILES[split]
@@ -209,16 +175,13 @@ def mnist(root: str, split: str) -> TensorDataset:
 
 
 def toy_regression(size: int = 2048, in_features: int = 20, seed: int = 0) -> TensorDataset:
-    """``size`` samples ``(x, y)`` with ``y = x @ w + b + noise``: a linear model can learn it.
-
-    ``x`` is standard normal with ``in_features`` features, ``y`` has shape ``(1,)``; ``w`` and
-    ``b`` are fixed by ``seed`` (the same for every ``size``), and the noise has std 0.1, so the
-    best possible mean squared error is about 0.01.
-    """
+    """``size`` samples ``(x, y)`` with ``y = x @ w + b + noise``: ``x`` standard normal, ``w`` and
+    ``b`` fixed by ``seed`` (the same for every ``size``), noise of std 0.1 (best MSE about
+    0.01)."""
     if size < 1 or in_features < 1:
         raise ValueError(f"size={size}, in_features={in_features}: both must be >= 1")
     g = torch.Generator().manual_seed(seed)
-    # w first, so the map does not depend on size; scaled so that y has a variance near 1.
+    # w first, so the map does not depend on size; y's variance near 1
     w = torch.randn(in_features, 1, generator=g) / in_features**0.5
     b = torch.randn(1, generator=g)
     x = torch.randn(size, in_features, generator=g)
@@ -244,15 +207,9 @@ def decode(tokens: Iterable[int]) -> str:
 
 
 def python_source(split: str, block_size: int = 64, max_chars: int = 400_000) -> TensorDataset:
-    """Character-level next-token samples ``(tokens [T], labels [T])`` from Python's own standard
-    library sources (shipped with every Python: nothing is downloaded), ``T = block_size``.
-
-    The stdlib's top-level ``*.py`` files, in name order, are the documents; every tenth is in
-    ``test``, the others in ``train``, up to ``max_chars`` characters per split. A document is cut
-    into windows of ``block_size`` tokens; its last window is shorter, padded with labels
-    :data:`IGNORE_INDEX`, so samples hold different numbers of tokens that count. The text depends
-    on the Python version.
-    """
+    """Character-level next-token samples ``(tokens [T], labels [T])`` from the standard library's
+    top-level ``*.py`` files in name order (every tenth in ``test``), up to ``max_chars`` a split,
+    ``T = block_size``; a document's last window is padded with labels :data:`IGNORE_INDEX`."""
     _check_split(split)
     files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
     picked = [f for k, f in enumerate(files) if (k % 10 == 9) == (split == "test")]

@@ -1,6 +1,4 @@
-"""The demo models: the DDP tutorials' CNN (shared by the examples, the benchmarks and
-``ddpkit bench``'s default), the benchmarks' residual blocks, and a small GPT for the language-model
-example."""
+"""The demo models: the DDP tutorials' CNN, the benchmarks' residual blocks, and a small GPT."""
 
 from __future__ import annotations
 
@@ -10,12 +8,9 @@ from torch import nn
 
 class DigitsCNN(nn.Module):
     """Two conv(5x5) + BatchNorm + ReLU + max-pool blocks and one linear layer, as in the DDP
-    tutorials' MNIST example.
-
-    ``image_size`` is the side of the square input: 28 for MNIST, 8 for scikit-learn's digits.
-    ``channels`` (16 in the DDP tutorials) sets the first block's width, the second has twice as
-    many; ``dropout`` before the linear layer is off by default, as in the DDP tutorials.
-    """
+    tutorials' MNIST example. ``image_size``: 28 for MNIST, 8 for scikit-learn's digits;
+    ``channels``: the first block's width (the second's is twice); ``dropout`` before the linear
+    layer."""
 
     def __init__(
         self, image_size: int = 28, num_classes: int = 10, channels: int = 16, dropout: float = 0.0
@@ -40,9 +35,8 @@ class DigitsCNN(nn.Module):
 
 
 class Block(nn.Module):
-    """A residual MLP block (``x + W2 relu(W1 x)``, 4x wide inside): the unit of the large models of
-    the memory and snapshot benchmarks, and the class FSDP shards by
-    (``shard_blocks=["Block"]``)."""
+    """A residual MLP block (``x + W2 relu(W1 x)``, 4x wide inside): the benchmarks' unit, and the
+    class FSDP shards by (``shard_blocks=["Block"]``)."""
 
     def __init__(self, width: int) -> None:
         super().__init__()
@@ -93,12 +87,7 @@ class GPTBlock(nn.Module):
 class TinyGPT(nn.Module):
     """A small GPT-style decoder: token and position embeddings, ``layers`` :class:`GPTBlock`, a
     final LayerNorm and a head tied to the token embedding; ``forward(tokens [B, T])`` returns
-    logits ``[B, T, vocab]``.
-
-    The defaults (4 layers of width 64, 4 heads, 64 positions, a vocabulary of 98 characters) have
-    about 210K parameters; ``dropout`` is off by default, so N ranks train the same model as one
-    process.
-    """
+    logits ``[B, T, vocab]`` (about 210K parameters at the defaults)."""
 
     def __init__(
         self,

@@ -1,16 +1,7 @@
-"""Batch normalisation over the global batch on every backend.
-
-``torch.nn.SyncBatchNorm`` runs on CUDA only (DDP refuses it on CPU: "SyncBatchNorm layers only work
-with GPU modules"), so CPU jobs over gloo would silently normalise each rank's slice on its own.
-This module computes the same statistics with one differentiable all-reduce, on any device. On CUDA,
-ddpkit uses torch's own kernel.
-
-Forward: every rank sums ``x`` and ``x**2`` per channel and counts its elements; one all-reduce of
-the three gives the global mean and (biased) variance. Backward: the all-reduce's gradient is an
-all-reduce of the statistics' gradients over ranks, so each rank's input gradient holds the terms of
-every rank's loss, as when the whole batch is on one device; DDP's averaging of parameter gradients
-then yields the global mean.
-"""
+"""Batch normalisation over the global batch on every backend: ``torch.nn.SyncBatchNorm`` runs on
+CUDA only, so elsewhere one differentiable all-reduce of each channel's sum, sum of squares and
+count gives the global mean and variance (its backward all-reduces the statistics' gradients, so
+each rank's input gradient holds every rank's terms)."""
 
 from __future__ import annotations
 
@@ -26,8 +17,6 @@ from ddpkit.distributed._collectives import is_live
 
 
 class _AllReduceSum(torch.autograd.Function):
-    # torch.distributed.nn.functional.all_reduce does this too, but is deprecated in favour of a
-    # private module.
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, group: Group) -> torch.Tensor:
         ctx.group = group
@@ -53,8 +42,7 @@ class CPUSyncBatchNorm(BatchNormBase):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self.check_input(input)
-        # Only training syncs (as torch's SyncBatchNorm): evaluation runs on uneven shares, where a
-        # collective per forward would leave the rank with the extra batch waiting for the others.
+        # only training syncs: evaluation runs on uneven shares, without a collective per forward
         if (
             not self.training
             or not is_live(self.process_group)
@@ -63,9 +51,7 @@ class CPUSyncBatchNorm(BatchNormBase):
             return super().forward(input)
         factor = self._momentum_factor()
         dims = [0, *range(2, input.dim())]
-        # float64 for E[x^2] - E[x]^2: in float32 the difference loses digits when the mean is
-        # large.
-        x64 = input.double()
+        x64 = input.double()  # E[x^2] - E[x]^2 loses digits in float32 when the mean is large
         local = torch.cat(
             [x64.sum(dims), (x64 * x64).sum(dims), x64.new_tensor([input.numel() / input.shape[1]])]
         )

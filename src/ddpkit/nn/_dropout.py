@@ -1,17 +1,9 @@
-"""Dropout whose masks do not depend on how the global batch is split over ranks.
-
-``nn.Dropout`` draws each rank's mask from that rank's RNG, so a run at 2 ranks and one at 1 rank
-drop different units of the same sample: they cannot match, and a run resumed at another world size
-continues with other masks. Inside :func:`batch_layout` (the Trainer's forward with
-``global_batch_dropout``; :func:`global_batch` in a hand loop) every dropout draws the mask of the
-whole global micro-batch from a key every rank shares (seed, epoch, micro-step, layer, call) and
-keeps its own rows, so sample ``i`` of a global batch gets the same mask at any world size: a
-:class:`GlobalBatchDropout` layer, and every ``torch.nn.functional`` dropout the forward calls
-(``nn.Dropout``, ``nn.Dropout1d/2d/3d``, a script's own ``F.dropout``), taken by a
-:class:`~torch.overrides.TorchFunctionMode`. What draws its own mask out of reach (an attention
-kernel's ``dropout_p``: ``nn.MultiheadAttention`` and the Transformer layers, ``alpha_dropout``) is
-refused, naming it. The price: every rank draws ``world_size`` times the random numbers of its own
-mask, and the forward's torch calls pass through the mode.
+"""Dropout whose masks do not depend on how the global batch is split over ranks: inside
+:func:`batch_layout` every dropout (a :class:`GlobalBatchDropout`, and each functional dropout the
+forward calls, through a :class:`~torch.overrides.TorchFunctionMode`) draws the whole global
+micro-batch's mask from a key every rank shares and keeps its own rows, so a sample gets the same
+mask at any world size. Dropout drawn out of reach (an attention kernel's ``dropout_p``, alpha
+dropout) is refused, naming it.
 """
 
 from __future__ import annotations
@@ -49,8 +41,7 @@ _calls: dict[int, int] = {}
 
 
 FUNCTIONAL = -1
-"""The layer id of the dropouts a forward calls through ``torch.nn.functional`` (each call its own
-mask, by its order in the forward)."""
+"""The layer id of the dropouts a forward calls through ``torch.nn.functional``."""
 _CHANNELS = {F.dropout1d: 2, F.dropout2d: 3, F.dropout3d: 4}  # the input's dims with a batch
 
 
@@ -71,11 +62,8 @@ def step_layout(
     sampler: ShardedBatchSampler, micro: int, accum: int, seed: int, epoch: int
 ) -> BatchLayout:
     """This rank's place in the global batch of the optimizer step that global batch ``micro`` of
-    ``epoch`` belongs to, ``accum`` batches a step.
-
-    Keyed by the step, not the micro-batch, so the masks are the same with or without gradient
-    accumulation: sample ``p`` of a step's global batch gets row ``p`` of its mask.
-    """
+    ``epoch`` belongs to, ``accum`` batches a step: keyed by the step, so the masks are the same
+    with or without gradient accumulation."""
     size, offset = sampler.place_in_step(micro, accum)
     return BatchLayout(size, offset, key=stream_seed("dropout", seed, epoch, micro // accum))
 
@@ -89,8 +77,8 @@ def global_batch(loader: Any, accum_steps: int = 1) -> Iterator[None]:
             with ddpkit.nn.global_batch(loader):
                 loss = F.cross_entropy(model(x), y)
 
-    so that N ranks train what one process trains. ``accum_steps``: batches an optimizer step
-    (gradient accumulation). Refused before any batch of the epoch was handed over."""
+    ``accum_steps``: batches an optimizer step. Refused before any batch of the epoch was handed
+    over."""
     sampler = getattr(loader, "batch_sampler", None)
     if not isinstance(sampler, ShardedBatchSampler) or not hasattr(loader, "position"):
         raise ConfigError(
@@ -98,7 +86,7 @@ def global_batch(loader: Any, accum_steps: int = 1) -> Iterator[None]:
             "rank's place in the global batch"
         )
     epoch, cursor = loader.position()
-    if loader.finishing_epoch:  # its last batch handed over: position() says the next epoch
+    if loader.finishing_epoch:  # position() already says the next epoch
         epoch, index = epoch - 1, sampler.steps_per_epoch - 1
     else:
         index = cursor // sampler.global_batch_size - 1
@@ -152,8 +140,8 @@ class _Dropouts(TorchFunctionMode):
 def _masked(
     input: torch.Tensor, p: float, layer_id: int, dim: int, channels: bool = False
 ) -> torch.Tensor:
-    """``input`` with the global batch's mask for this rank's rows at ``dim`` (every element, or
-    with ``channels`` each sample's channel, dim 1, whole), scaled by ``1 / (1 - p)``."""
+    """``input`` with the global batch's mask for this rank's rows at ``dim`` (with ``channels``,
+    whole channels), scaled by ``1 / (1 - p)``."""
     layout = _layout
     assert layout is not None
     if not -input.dim() <= dim < input.dim():
@@ -197,14 +185,8 @@ def _masked(
 
 class GlobalBatchDropout(nn.Dropout):
     """``nn.Dropout`` with masks that are a function of the sample's place in the global batch.
-
-    ``batch_dim``: the input's dimension that holds the samples: 0 for batch-first tensors (the
-    default), 1 for sequence-first ones (``nn.LSTM`` / ``nn.GRU`` / ``nn.Transformer`` without
-    ``batch_first=True``). Its size must be this rank's number of samples in the micro-batch; any
-    other is refused, naming both. A tensor whose sequence length happens to equal that number
-    cannot be told from a batch-first one: ``batch_dim`` says which it is, and masks drawn along the
-    wrong dimension would be silently wrong (another sample's row).
-    """
+    ``batch_dim``: the input's dimension holding the samples (1 for sequence-first tensors); its
+    size must be this rank's samples in the micro-batch."""
 
     def __init__(self, p: float = 0.5, layer_id: int = 0, batch_dim: int = 0) -> None:
         super().__init__(p)
@@ -218,7 +200,7 @@ class GlobalBatchDropout(nn.Dropout):
 
 def uncovered(module: nn.Module) -> list[str]:
     """The submodules of ``module`` whose dropout global-batch dropout cannot reach, each with
-    what to change: attention whose kernel draws its own mask, alpha dropout."""
+    what to change."""
     found = []
     for name, m in module.named_modules():
         where = name or type(module).__name__
@@ -235,10 +217,8 @@ def uncovered(module: nn.Module) -> list[str]:
 
 def convert_dropout(module: nn.Module, batch_dim: int = 0) -> nn.Module:
     """Replace every ``nn.Dropout`` in ``module`` by a :class:`GlobalBatchDropout` whose inputs hold
-    the samples at ``batch_dim`` (in place; returns it). A :class:`GlobalBatchDropout` already there
-    is kept as it is. Refused, naming each, where the module holds a dropout global-batch dropout
-    cannot reach (:func:`uncovered`); the other kinds (``nn.Dropout1d/2d/3d``, functional dropout)
-    follow the layout through :func:`batch_layout`."""
+    the samples at ``batch_dim`` (in place; returns it). Refused, naming each, where the module
+    holds a dropout global-batch dropout cannot reach (:func:`uncovered`)."""
     if missed := uncovered(module):
         raise ConfigError(
             "global-batch dropout cannot cover the dropout of " + "; ".join(missed) + "; or turn "

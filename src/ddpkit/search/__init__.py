@@ -3,26 +3,18 @@
 ::
 
     def objective(candidate):  # runs on every rank of one group
-        params = candidate.params
-        model = Net(params["channels"])
-        config = TrainerConfig(
-            run_dir=str(candidate.run_dir), epochs=5, batch_size=params["batch"]
-        )
-        optimizer = SGD(model.parameters(), lr=params["lr"])
+        model = Net(candidate.params["channels"])
+        config = TrainerConfig(run_dir=str(candidate.run_dir), epochs=5, batch_size=64)
+        optimizer = SGD(model.parameters(), lr=candidate.params["lr"])
         trainer = Trainer(model, optimizer, train, config, val_data=val,
                           group=candidate.group, callbacks=[candidate])
         return trainer.fit()  # the metrics; config.metric is the result
 
-    space = {
-        "lr": uniform(1e-3, 1e-1, log=True),
-        "channels": choice([8, 16, 32]),
-        "batch": choice([32, 64]),
-    }
+    space = {"lr": uniform(1e-3, 1e-1, log=True), "channels": choice([8, 16, 32])}
     search(objective, space, SearchConfig(n_trials=20, group_size=2, metric="val/loss"))
 
-Launch it like any ddpkit job (``ddpkit run --nproc 4 search.py``, ``srun``, ``mpiexec``); every
-group of ``group_size`` ranks trains one candidate at a time. Needs ``pip install 'ddpkit[search]'``
-(Optuna).
+Launched like any ddpkit job; every group of ``group_size`` ranks trains one candidate at a time.
+Needs ``pip install 'ddpkit[search]'`` (Optuna).
 """
 
 try:
@@ -30,8 +22,7 @@ try:
 except ImportError as err:  # pragma: no cover - depends on the optional extra
     raise ImportError("ddpkit.search needs Optuna: pip install 'ddpkit[search]'") from err
 
-from ddpkit.search._config import SearchConfig
+from ddpkit.search._config import SearchConfig, choice, integer, uniform
 from ddpkit.search._engine import Candidate, search
-from ddpkit.search._space import choice, integer, uniform
 
 __all__ = ["Candidate", "SearchConfig", "choice", "integer", "search", "uniform"]

@@ -1,40 +1,26 @@
-"""The search loop: every group of ranks trains one candidate at a time until the budget is spent.
-
-Roles. The job is split once into groups of ``group_size`` ranks (:func:`ddpkit.split_world`). Rank
-0 of each group talks to the study (Optuna): it asks for a candidate, reports intermediate values,
-asks whether to prune and tells the result. Everything the group's ranks must agree on (the
-parameters, each prune decision, the outcome) reaches them by a broadcast on the group, so the ranks
-of a candidate never disagree. Groups never wait for each other until the budget is spent.
-
-Budget. A candidate is started only while the study holds fewer than ``n_trials`` trials of this
-search; the count and the ask happen under a file lock in ``search_dir``, so groups racing for the
-last candidate cannot both start one.
-
-Crashes. Each candidate trains in its own run directory (``search_dir/trial-NNNN``). When the
-launcher restarts the job after a rank died, the trials the dead job left running are handed to the
-groups again and resume from their own snapshots; completed trials are kept. A trial is created with
-its search's tag in one write to the study, so a kill while its parameters are drawn leaves a trial
-of this search, resumed like any other (its missing parameters drawn then). Each start of the search
-seeds its samplers apart (a start counter in the study), so a restart draws new candidates, and
-replaying the same starts replays the same draws.
-
-One job per search_dir (see :mod:`ddpkit.search._search_dir`), and an error of the machine (a full
-disk, a read-only file system) stops the search with that error: the trial is left running, to
-resume when the search is started again, not failed and counted against the budget.
+"""The search loop: the job split once into groups of ``group_size`` ranks, every group training
+one candidate at a time until the budget is spent (docs/hyperparameter-search.md). Rank 0 of each
+group talks to the study; what the group must agree on reaches its ranks by a broadcast on the
+group. An error of the machine stops the search and leaves its trial to resume.
 """
 
 from __future__ import annotations
 
+import csv
+import errno
+import functools
+import io
 import sys
 import traceback
+import warnings
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import optuna
 import torch.distributed as dist
-from optuna.trial import TrialState
+from optuna.trial import FrozenTrial, TrialState
 
 from ddpkit import _fs as fs
 from ddpkit._errors import ConfigError
@@ -42,21 +28,16 @@ from ddpkit.distributed._collectives import all_gather_object, broadcast_object
 from ddpkit.distributed._groups import split_world
 from ddpkit.distributed._log import print0
 from ddpkit.distributed._runtime import Runtime, get_runtime
-from ddpkit.search._config import SearchConfig
-from ddpkit.search._environment import environment_error
-from ddpkit.search._report import write_results
-from ddpkit.search._search_dir import (
-    SearchDirLock,
-    describe_storage,
-    trial_dir,
-)
-from ddpkit.search._space import to_distributions
+from ddpkit.search._config import SearchConfig, to_distributions
 from ddpkit.search._study import (
+    SearchDirLock,
     Start,
     begin_search,
+    describe_storage,
     next_trial,
     open_search_study,
     open_study,
+    trial_dir,
     trials_of,
 )
 
@@ -105,9 +86,7 @@ class Candidate:
             )
         if getattr(getattr(trainer, "config", None), "val_every_steps", None):
             step = int(metrics["step"])
-        # epochs completed; where max_steps stopped inside an epoch, the epoch begun (not the last
-        # one again)
-        else:
+        else:  # epochs completed, or the epoch begun where max_steps stopped inside one
             step = int(metrics["epoch"]) + (1 if getattr(trainer, "cursor", 0) else 0)
         self.report(metrics[self.metric], step)
 
@@ -144,10 +123,9 @@ def search(
     Trainer's metrics dict holding ``config.metric``. The candidate as a callback reports
     ``config.metric`` after each validation (or each epoch, for a metric of the training records),
     so the pruner can stop it. A candidate that diverges, raises or runs out of memory fails its
-    trial only; the group goes on to the next. An error of the machine (a full disk, a read-only
-    file system: see :mod:`ddpkit.search._environment`) stops the search with that error and leaves
-    the trial to resume when the search is started again. One job at a time per ``search_dir``; a
-    second is refused, naming the first.
+    trial only. An error of the machine (:data:`ENVIRONMENT_ERRNOS`) stops the search and leaves
+    the trial to resume. One job at a time per ``search_dir``; a second is refused, naming the
+    first.
     """
     distributions = to_distributions(space)
     rt = get_runtime()
@@ -158,8 +136,7 @@ def search(
             f"{config.group_size} processes"
         )
     fs.make_dirs(Path(config.search_dir))
-    # One rank takes search_dir and creates the study before the others open it; a refusal or an
-    # unreachable storage is an error on every rank rather than a hang on those waiting.
+    # rank 0 takes search_dir and creates the study first; its refusal is an error on every rank
     lock: SearchDirLock | None = None
     error: str | None = None
     begun: Start | None = None
@@ -191,7 +168,7 @@ def _search_on_groups(
     """Every group trains candidates until the budget is spent; returns once every group is done."""
     rt = get_runtime()
     grt = split_world(cfg.group_size)
-    # A study per process: the storage is shared, the samplers' random state is not.
+    # a study per process: the storage is shared, the samplers' random state is not
     handle = (
         open_search_study(
             cfg,
@@ -205,8 +182,7 @@ def _search_on_groups(
         else None
     )
     study = None if handle is None else handle.study
-    # The trials a killed job left running, shared out among the groups before any group asks for
-    # new ones.
+    # the trials a killed job left running, shared out before any group asks for new ones
     n_groups = rt.world_size // cfg.group_size
     mine = begun.leftover[grt.group_index :: n_groups]
     if begun.leftover:
@@ -216,11 +192,9 @@ def _search_on_groups(
         )
     search_dir = Path(cfg.search_dir)
     while True:
-        trial = (
-            next_trial(handle, cfg, distributions, begun.search_id, mine, search_dir)
-            if handle is not None
-            else None
-        )
+        trial = None
+        if handle is not None:
+            trial = next_trial(handle, cfg, distributions, begun.search_id, mine, search_dir)
         payload = broadcast_object(
             None if trial is None else (trial.number, trial.params), group=grt.group
         )
@@ -240,8 +214,7 @@ def _search_on_groups(
 def _run_candidate(
     objective: _Objective, candidate: Candidate, cfg: SearchConfig
 ) -> tuple[TrialState, float | None, str | None]:
-    """Train one candidate; the group agrees on how it ended (every rank learns every other's
-    outcome)."""
+    """Train one candidate; the group agrees on how it ended."""
     state, value, error = TrialState.COMPLETE, None, None
     try:
         result = objective(candidate)
@@ -258,14 +231,10 @@ def _run_candidate(
         if machine is not None:
             _stop_for_machine(candidate, machine, err)
             raise
-        # KeyboardInterrupt, SystemExit (Preempted): not the candidate's
-        if not isinstance(err, Exception):
+        if not isinstance(err, Exception):  # KeyboardInterrupt, SystemExit (Preempted)
             raise
-        # A failed candidate fails its trial, not the search.
-        state, error = (
-            TrialState.FAIL,
-            "".join(traceback.format_exception_only(type(err), err)).strip(),
-        )
+        state = TrialState.FAIL
+        error = "".join(traceback.format_exception_only(type(err), err)).strip()
         if "out of memory" in error.lower():
             error = f"out of memory: {error}"
         _free_accelerator_memory()
@@ -288,27 +257,27 @@ def _name_a_machine_error_between_trials(err: BaseException, cfg: SearchConfig) 
         "stopped by the machine" in note for note in getattr(err, "__notes__", ())
     ):
         return
-    message = (
+    _say(
+        err,
         f"ddpkit search: the study's storage ({describe_storage(cfg)}) could not be written: "
         f"{machine}. The search stops here; finished trials are kept, and it goes on from them "
-        "when started again once that is fixed"
+        "when started again once that is fixed",
     )
-    print(message, file=sys.stderr, flush=True)
-    if hasattr(err, "add_note"):
-        err.add_note(message)
 
 
 def _stop_for_machine(candidate: Candidate, machine: OSError, err: BaseException) -> None:
-    # No agreement with the group's other ranks first: they may be inside a collective of the
-    # training step, and this rank's exit is what ends them (the launcher stops the job when a rank
-    # fails). The trial is not told: it stays running in the study, and the next start of the search
-    # resumes it.
-    message = (
+    # No agreement with the group first: its ranks may be in a collective of the step, and this
+    # rank's exit ends them. The trial stays running in the study; the next start resumes it.
+    _say(
+        err,
         f"ddpkit search: trial {candidate.number} was stopped by the machine, not by the "
         f"candidate: {machine}. The search stops here; the trial is neither failed nor counted "
         "twice, and resumes from its last snapshot when the search is started again once that is "
-        "fixed"
+        "fixed",
     )
+
+
+def _say(err: BaseException, message: str) -> None:
     print(message, file=sys.stderr, flush=True)
     if hasattr(err, "add_note"):
         err.add_note(message)
@@ -335,21 +304,12 @@ def _progress(
 ) -> None:
     trials = trials_of(study, search_id)
     finished = sum(t.state.is_finished() for t in trials)
-    complete = [t for t in trials if t.state == TrialState.COMPLETE and t.value is not None]
-    best = (
-        (min if cfg.direction == "minimize" else max)(complete, key=lambda t: t.value)
-        if complete
-        else None
-    )
-    if state == TrialState.COMPLETE:
-        what = f"{cfg.metric} {value:.4g}"
-    else:
-        what = (
-            "pruned"
-            if state == TrialState.PRUNED
-            else f"failed: {(error or '?').splitlines()[0][:160]}"
-        )
-    best_text = f"best #{best.number} {best.value:.4g}" if best else "no complete trial yet"
+    best = best_trials(trials, cfg.direction, k=1)
+    what = {
+        TrialState.COMPLETE: f"{cfg.metric} {value or 0.0:.4g}",
+        TrialState.PRUNED: "pruned",
+    }.get(state, f"failed: {(error or '?').splitlines()[0][:160]}")
+    best_text = f"best #{best[0].number} {best[0].value:.4g}" if best else "no complete trial yet"
     print(
         f"[group {candidate.runtime.group_index}] trial {candidate.number} {what} | "
         f"{finished}/{cfg.n_trials} finished, {best_text} | {candidate.params}",
@@ -358,15 +318,136 @@ def _progress(
 
 
 def _wait_for_every_group() -> None:
-    """Wait until every group has finished its last candidate.
-
-    Groups end at different times, up to a whole candidate apart, which can be longer than the
-    process group's collective timeout; this barrier runs on a gloo group of its own whose timeout
-    is a day. Without it a group that finished first would tear down the job's process group under
-    the others.
-    """
+    """Wait until every group has finished its last candidate: groups end up to a candidate apart,
+    longer than a collective's timeout, so on a gloo group of its own whose timeout is a day."""
     if not dist.is_initialized():
         return
     waiting = dist.new_group(backend="gloo", timeout=timedelta(days=1))
     dist.barrier(group=waiting)
     dist.destroy_process_group(waiting)
+
+
+# -- errors of the machine -------------------------------------------------------------------------
+
+# Errors every candidate would meet: failing trials on them would spend the budget on nothing. Left
+# out: ENOMEM and EMFILE (a candidate's size or its loader can cause them), EACCES (the objective's
+# own path).
+ENVIRONMENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.ESTALE})
+
+
+def environment_error(err: BaseException) -> OSError | None:
+    """The error of the machine (:data:`ENVIRONMENT_ERRNOS`) behind ``err``, or None: looked for in
+    its causes and contexts, and in a CheckpointException's per-rank failures."""
+    todo: list[BaseException | None] = [err]
+    seen: set[int] = set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in ENVIRONMENT_ERRNOS:
+            return e
+        todo += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]
+        failures = getattr(e, "failures", None)  # CheckpointException: rank -> (error, traceback)
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+    return None
+
+
+# -- what a search leaves behind -------------------------------------------------------------------
+
+
+def best_trials(trials: list[FrozenTrial], direction: str, k: int = 5) -> list[FrozenTrial]:
+    complete = [t for t in trials if t.state == TrialState.COMPLETE and t.value is not None]
+    return sorted(complete, key=lambda t: cast(float, t.value), reverse=direction == "maximize")[:k]
+
+
+def write_csv(trials: list[FrozenTrial], path: Path) -> None:
+    params = sorted({name for t in trials for name in t.params})
+    text = io.StringIO(newline="")
+    w = csv.writer(text)
+    w.writerow(["number", "state", "value", *params, "epochs_reported", "seconds", "error"])
+    for t in sorted(trials, key=lambda t: t.number):
+        done, start = t.datetime_complete, t.datetime_start
+        seconds = (done - start).total_seconds() if done and start else ""
+        w.writerow(
+            [
+                t.number,
+                t.state.name,
+                "" if t.value is None else t.value,
+                *[t.params.get(p, "") for p in params],
+                len(t.intermediate_values),
+                f"{seconds:.2f}" if seconds != "" else "",
+                " / ".join(t.user_attrs.get("error", "").splitlines()),
+            ]
+        )
+    fs.write_atomic(path, text.getvalue().encode())
+
+
+def format_table(trials: list[FrozenTrial], metric: str) -> str:
+    if not trials:
+        return "no trial completed"
+    params = sorted({name for t in trials for name in t.params})
+    rows = [["trial", metric, *params]] + [
+        [str(t.number), f"{t.value:.4g}", *[_fmt(t.params.get(p)) for p in params]] for t in trials
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def save_plots(study: Any, out_dir: Path) -> list[Path]:
+    """Optimization history, parameter importances and intermediate values, as PNG (needs
+    matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import optuna.visualization.matplotlib as vis
+    except ImportError:
+        print("ddpkit search: no plots (pip install 'ddpkit[plot]' for matplotlib)")
+        return []
+    saved = []
+    plots: list[tuple[str, Callable[[Any], Any]]] = [
+        ("history", vis.plot_optimization_history),
+        ("importances", vis.plot_param_importances),
+        ("intermediate", vis.plot_intermediate_values),
+    ]
+    for name, draw in plots:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # Optuna marks its matplotlib plots experimental
+                ax = draw(study)
+            path = out_dir / f"{name}.png"
+            # into a file of ours, renamed over the name: never written through a link
+            fs.write_with(
+                path,
+                functools.partial(ax.figure.savefig, format="png", dpi=100, bbox_inches="tight"),
+            )
+            plt.close(ax.figure)
+            saved.append(path)
+        except (ValueError, RuntimeError) as err:  # e.g. importances need two complete trials
+            print(f"ddpkit search: no {name} plot ({err})")
+    return saved
+
+
+def write_results(study: Any, trials: list[FrozenTrial], config: Any) -> None:
+    out = Path(config.search_dir)
+    write_csv(trials, out / "trials.csv")
+    counts = {
+        s.name.lower(): sum(t.state == s for t in trials)
+        for s in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+    }
+    print(
+        f"ddpkit search: {len(trials)} trials ({', '.join(f'{n} {k}' for k, n in counts.items())})"
+    )
+    print(format_table(best_trials(trials, config.direction), config.metric))
+    saved = save_plots(study, out) if config.plots else []
+    print(
+        f"ddpkit search: trials in {out / 'trials.csv'}"
+        + (f", plots {', '.join(p.name for p in saved)}" if saved else "")
+    )

@@ -1,31 +1,46 @@
-"""The search's side of the Optuna study: opening it, its samplers and pruners, and the trials of
-this search.
+"""The search's side of the Optuna study and of ``search_dir``: opening the study, its samplers
+(Optuna's, and :class:`EvolutionSampler`) and pruners, the trials of this search, and the checks of
+what ``search_dir`` holds.
 
-Trials of a search carry its id (a study shared between searches through an RDB URL is counted and
-resumed for ours only); each start of the search is counted in the study and seeds the samplers
-apart; a trial is created with its tag in one write, so a kill while its parameters are drawn leaves
-a trial the next start resumes.
+Trials carry their search's id (a study shared through an RDB URL is counted and resumed for ours
+only); each start of a search is counted in the study and seeds the samplers apart; a trial is
+created with its tag in one write. World rank 0 holds an advisory lock on ``search_dir/.lock`` for
+the life of the search; a journal whose last record was cut is repaired, a damaged one refused;
+``trial-NNNN`` folders the study does not own are refused.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import socket
 import stat
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
+import numpy as np
 import optuna
+from optuna.distributions import (
+    BaseDistribution,
+    CategoricalDistribution,
+    FloatDistribution,
+    IntDistribution,
+)
+from optuna.samplers import BaseSampler, RandomSampler
+from optuna.search_space import IntersectionSearchSpace
 from optuna.storages.journal import BaseJournalBackend, JournalStorage
-from optuna.trial import TrialState
+from optuna.study import Study, StudyDirection
+from optuna.trial import FrozenTrial, TrialState
 
 from ddpkit import _fs as fs
 from ddpkit._errors import ConfigError
+from ddpkit._fs.lock import FolderLock
 from ddpkit._fs.lock import take as take_lock
 from ddpkit._internals.optuna_journal import (
     STEP_LIMIT,
@@ -35,26 +50,245 @@ from ddpkit._internals.optuna_journal import (
 )
 from ddpkit.distributed._seeding import mix_seed
 from ddpkit.search._config import SearchConfig
-from ddpkit.search._search_dir import (
-    JOURNAL,
-    SearchDirLock,
-    check_trial_dirs,
-    describe_storage,
-    refuse_large_journal,
-    repair_journal,
-)
 
-# Optuna's replay of a journal may cost at most this much work a record (ReplayWork: entries copied
-# or trials scanned, ~10-100 ns each), above a floor of a fraction of a second: a trial's k
-# intermediate values cost k**2 / 2 copies, so 2,000 in every trial are read, and any journal of up
-# to 16M entries' work.
+JOURNAL = "study.journal"
+# Optuna reads a journal whole and replays every record at each open: a GiB is a million trials.
+JOURNAL_LIMIT = 1 << 30
+# Optuna's replay may cost at most this much work a record (ReplayWork: entries copied or trials
+# scanned), above a floor of a fraction of a second.
 _REPLAY_PER_RECORD = 1024
 _REPLAY_FLOOR = 1 << 24
-# a trial's user attribute: which search (run of this job) it belongs to
-_SEARCH_KEY = "ddpkit_search"
-
-
+_SEARCH_KEY = "ddpkit_search"  # a trial's user attribute: the search it belongs to
 _STARTS_KEY = "ddpkit_starts"  # a study's user attribute: how many times a search was started on it
+_TRIAL_DIR = re.compile(r"trial-(\d+)")
+
+
+# -- search_dir ------------------------------------------------------------------------------------
+
+
+def trial_dir(search_dir: Path, number: int) -> Path:
+    return search_dir / f"trial-{number:04d}"
+
+
+class SearchDirLock(FolderLock):
+    """An exclusive advisory lock on ``search_dir/.lock`` naming its holder: the run directory's
+    lock, in the words of a search."""
+
+    def __init__(self, search_dir: str | os.PathLike) -> None:
+        super().__init__(
+            search_dir,
+            what="search_dir",
+            job="search job",
+            user="search",
+            hazard="a second job would take that job's live trials for trials a dead job left "
+            "running",
+        )
+
+
+def describe_storage(config: Any) -> str:
+    """Where the study lives, for messages."""
+    where = config.storage or str(Path(config.search_dir) / JOURNAL)
+    return f"study {config.study_name!r} ({where})"
+
+
+def repair_journal(path: Path) -> str | None:
+    """Make Optuna's journal readable again after a write was cut short; say what was done, or
+    None. Call it only while no process writes the journal (under :class:`SearchDirLock`).
+
+    Every prefix of whole records is a consistent study: the bytes after the last newline move to a
+    file beside it. A damaged line before the last is a :class:`ConfigError` naming it, the file
+    left as it is."""
+    # Optuna appends through an open() that follows links, to a file that must have one name
+    fs.check_owned(path, "the study's journal", follow=False)
+    fs.unshare(path)
+    if not path.is_file():
+        return None
+    refuse_large_journal(path, path.stat().st_size)
+    data = fs.read_bytes(path)
+    whole, _, tail = data.rpartition(b"\n")
+    lines = whole.split(b"\n") if whole else []
+    for number, line in enumerate(lines, start=1):
+        if not _is_record(line):
+            _refuse_damaged(path, number, len(lines) + bool(tail))
+    lock = path.with_name(path.name + ".lock")
+    if os.path.lexists(lock):
+        # Optuna's lock left by a killed writer: under the search_dir lock no writer is alive
+        fs.remove(lock)
+    if not tail:
+        return None
+    if _is_record(tail):
+        # written whole but for its newline, which Optuna needs to read the record
+        with fs.open_append(path) as f:
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        return (
+            f"ddpkit search: {path} ended without its last newline; the whole record before it "
+            "is kept"
+        )
+    aside = path.with_name(f"{path.name}.cut-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+    # first the copy, then the cut: a crash between them loses nothing
+    with fs.open_exclusive(aside) as f:
+        f.write(tail)
+        f.flush()
+        os.fsync(f.fileno())
+    fs.truncate(path, len(data) - len(tail))
+    return (
+        f"ddpkit search: {path} ended in a record cut short (a kill or a full disk while it was "
+        f"written); its {len(tail)} bytes were moved to {aside.name}, the {len(lines)} whole "
+        "records before it are kept"
+    )
+
+
+def refuse_large_journal(path: Path, size: int) -> None:
+    if size > JOURNAL_LIMIT:
+        raise ConfigError(
+            f"the study's journal {path} holds {size} bytes, more than the {JOURNAL_LIMIT} a "
+            "search reads: continue the search in another search_dir, or give it an RDB storage "
+            "(SearchConfig.storage)"
+        )
+
+
+def _is_record(line: bytes) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except (ValueError, RecursionError):
+        return False
+
+
+def _refuse_damaged(path: Path, number: int, total: int) -> None:
+    kept = number - 1
+    raise ConfigError(
+        f"the study's journal {path} is damaged at line {number} of {total} (not a whole record; a "
+        "write cut short, then others appended to it), and Optuna cannot read past it. Either "
+        f"keep the {kept} whole records before it (`head -n {kept} {path} > {path}.kept && mv "
+        f"{path} {path}.damaged && mv {path}.kept {path}`: the trials recorded after them are "
+        "dropped, and their trial-NNNN folders must be moved away too), or start the search "
+        "afresh in another search_dir"
+    )
+
+
+def check_trial_dirs(search_dir: Path, owned: set[int], study: str) -> None:
+    """Refuse ``trial-NNNN`` folders with content whose trial is not one of this search's ``owned``
+    trials: a new trial of that number would resume the old one's snapshots."""
+    strangers = []
+    for path in sorted(search_dir.glob("trial-*")):
+        match = _TRIAL_DIR.fullmatch(path.name)
+        if match:
+            fs.refuse_link(path)  # a trial's run directory is made here, never through a link
+        if match and int(match.group(1)) not in owned and path.is_dir() and any(path.iterdir()):
+            strangers.append(path.name)
+    if strangers:
+        listed = ", ".join(strangers[:6]) + (
+            f" and {len(strangers) - 6} more" if len(strangers) > 6 else ""
+        )
+        raise ConfigError(
+            f"search_dir {str(search_dir)!r} holds trial folders that no trial of this search in "
+            f"{study} owns: {listed}. They are another search's (its journal was emptied or "
+            "removed, or study_name changed), and a new trial of the same number would resume "
+            "that one's snapshots instead of training. Give this search another search_dir, or "
+            "move those folders out of this one (or delete them)"
+        )
+
+
+class _Replay(BaseJournalBackend):
+    """A journal's records in memory for Optuna to replay, counting those handed out (which record
+    a failure came from)."""
+
+    def __init__(self, records: list[dict[str, Any]]) -> None:
+        self.records, self.handed = records, 0
+
+    def read_logs(self, log_number_from: int) -> Iterator[dict[str, Any]]:
+        for record in self.records[log_number_from:]:
+            self.handed += 1
+            yield record
+
+    def append_logs(self, logs: list[dict[str, Any]]) -> None:
+        raise RuntimeError("a journal being checked is not written")
+
+
+def check_journal(path: Path) -> None:
+    """Refuse a journal Optuna would fail to read, naming the file, the line and what is wrong: not
+    an object, no known ``op_code`` or ``worker_id``, a bad step, more replay work than its budget,
+    or a record Optuna fails to replay. A last line without its newline is
+    :func:`repair_journal`'s."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO would block
+    except FileNotFoundError:
+        return
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError(
+                f"the study's journal {path} is not a regular file: give the search another "
+                "search_dir"
+            )
+        refuse_large_journal(path, os.fstat(fd).st_size)
+        data = f.read()
+    lines = data.split(b"\n")[:-1]  # whole lines only
+
+    def refuse(number: int, what: str) -> NoReturn:
+        raise ConfigError(
+            f"the study's journal {path} is damaged at line {number} of {len(lines)}: {what}. It "
+            "was not written so by Optuna (edited by hand?): put the line back as it was, or keep "
+            f"the {number - 1} records before it (`head -n {number - 1} {path} > {path}.kept`, "
+            f"then move {path}.kept over it), or start the search afresh in another search_dir"
+        )
+
+    replay = _Replay(_journal_records(path, lines, refuse))
+    try:
+        JournalStorage(replay)
+    except Exception as err:  # noqa: BLE001 - KeyError, TypeError, AssertionError: a bad record
+        refuse(replay.handed, f"Optuna cannot replay it ({type(err).__name__}: {str(err)[:200]})")
+
+
+def _journal_records(
+    path: Path, lines: list[bytes], refuse: Callable[[int, str], NoReturn]
+) -> list[dict[str, Any]]:
+    """Each line as a record Optuna can read, within the replay's budget; ``refuse`` otherwise."""
+    operations = journal_operations()
+    records = []
+    work, budget = ReplayWork(), _REPLAY_PER_RECORD * len(lines) + _REPLAY_FLOOR
+    for number, line in enumerate(lines, start=1):
+        try:
+            record = json.loads(line)
+        except (ValueError, RecursionError):
+            refuse(number, "not a JSON record")
+        if not isinstance(record, dict):
+            refuse(number, f"a JSON {type(record).__name__}, not an object")
+        op = record.get("op_code")
+        if type(op) is not int or op not in operations:
+            refuse(
+                number,
+                f"op_code {repr(op)[:40]} is not one of Optuna's operations (0 to "
+                f"{max(operations)})",
+            )
+        if not isinstance(record.get("worker_id"), str):
+            refuse(number, "it names no worker_id")
+        values = record.get("intermediate_values") if op == 4 else None
+        steps = (
+            [record.get("step")] if op == 7 else list(values) if isinstance(values, dict) else []
+        )
+        if not all(_step(s) for s in steps):
+            refuse(number, f"a step that is not an integer from 0 to {STEP_LIMIT - 1}")
+        if work.add(record) > budget:
+            raise ConfigError(
+                f"the study's journal {path} would cost Optuna more than {budget} steps to replay "
+                f"by line {number} (copies and scans that grow with the records before each; "
+                f"{len(lines)} records): continue the search in another search_dir, or give it an "
+                "RDB storage (SearchConfig.storage)"
+            )
+        records.append(record)
+    return records
+
+
+def _step(value: Any) -> bool:
+    """A step of an intermediate value (a record's int, or a create_trial's key: its string)."""
+    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) < 20:
+        value = int(value)
+    return type(value) is int and 0 <= value < STEP_LIMIT
+
+
+# -- the study -------------------------------------------------------------------------------------
 
 
 def new_sampler(
@@ -64,21 +298,14 @@ def new_sampler(
     start: int = 0,
     search_id: str = "",
 ) -> optuna.samplers.BaseSampler:
-    # Each group's sampler draws its own random numbers: with one seed everywhere, groups asking at
-    # the same time would draw the same "random" candidates. Each start of the search too: the
-    # samplers' random state is not in the study, so a restarted job (or a rerun with a larger
-    # budget) seeded as the first start was would draw the first start's candidates again. `start`
-    # is counted in the study, so the same starts replayed draw the same candidates. A study shared
-    # through a database may be started by several searches at once, which read the same count:
-    # each search's own id (kept in its search_dir) sets theirs apart.
+    """The sampler of one group at one start of the search: seeded apart by group and start (the
+    samplers' state is not in the study), and on a shared database by the search's own id."""
     shared = (search_id,) if cfg.storage is not None else ()
     seed = mix_seed(cfg.seed, "sampler", start, group_index, *shared)
     opts = dict(cfg.sampler_options)
     if cfg.sampler == "tpe":
         return optuna.samplers.TPESampler(seed=seed, **opts)
     if cfg.sampler == "evolution":
-        from ddpkit.search._evolution import EvolutionSampler
-
         return EvolutionSampler(seed=seed, **opts)
     if cfg.sampler == "nsga2":
         return optuna.samplers.NSGAIISampler(seed=seed, **opts)
@@ -107,8 +334,8 @@ def new_pruner(cfg: SearchConfig) -> optuna.pruners.BasePruner:
 
 
 def open_storage(cfg: SearchConfig) -> optuna.storages.BaseStorage:
-    """The storage a study of this search writes through (an RDB's behind the cache Optuna puts
-    before it)."""
+    """The storage a study of this search writes through (behind the cache Optuna puts before an
+    RDB)."""
     if cfg.storage is None:
         from optuna.storages.journal import JournalFileBackend
 
@@ -120,104 +347,9 @@ def open_storage(cfg: SearchConfig) -> optuna.storages.BaseStorage:
     )
 
 
-class _Replay(BaseJournalBackend):
-    """A journal's records in memory, for Optuna to replay: the number handed out so far tells which
-    record a failure of the replay came from (Optuna reads them lazily, one at a time)."""
-
-    def __init__(self, records: list[dict[str, Any]]) -> None:
-        self.records, self.handed = records, 0
-
-    def read_logs(self, log_number_from: int) -> Iterator[dict[str, Any]]:
-        for record in self.records[log_number_from:]:
-            self.handed += 1
-            yield record
-
-    def append_logs(self, logs: list[dict[str, Any]]) -> None:
-        raise RuntimeError("a journal being checked is not written")
-
-
-def check_journal(path: Path) -> None:
-    """Refuse a journal that Optuna would fail to read, naming the file, the line and what is wrong
-    with it: a record that is not an object, has no known ``op_code`` or ``worker_id``, or that
-    Optuna fails to replay (a trial of no study, a field missing). Without this, such a file fails
-    in Optuna's replay with a bare ``KeyError`` or ``AssertionError``. A last line without its
-    newline is :func:`repair_journal`'s."""
-    try:
-        # a FIFO would block a plain open
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ConfigError(
-                f"the study's journal {path} is not a regular file: give the search another "
-                "search_dir"
-            )
-        refuse_large_journal(path, os.fstat(fd).st_size)
-        data = f.read()
-    lines = data.split(b"\n")[:-1]  # whole lines only
-
-    def refuse(number: int, what: str) -> NoReturn:
-        raise ConfigError(
-            f"the study's journal {path} is damaged at line {number} of {len(lines)}: {what}. It "
-            "was not written so by Optuna (edited by hand?): put the line back as it was, or keep "
-            f"the {number - 1} records before it (`head -n {number - 1} {path} > {path}.kept`, "
-            f"then move {path}.kept over it), or start the search afresh in another search_dir"
-        )
-
-    operations = journal_operations()
-    records = []
-    work, budget = ReplayWork(), _REPLAY_PER_RECORD * len(lines) + _REPLAY_FLOOR
-    for number, line in enumerate(lines, start=1):
-        try:
-            record = json.loads(line)
-        except (ValueError, RecursionError):  # RecursionError: nested too deep
-            refuse(number, "not a JSON record")
-        if not isinstance(record, dict):
-            refuse(number, f"a JSON {type(record).__name__}, not an object")
-        op = record.get("op_code")
-        if type(op) is not int or op not in operations:
-            refuse(
-                number,
-                f"op_code {repr(op)[:40]} is not one of Optuna's operations (0 to "
-                f"{max(operations)})",
-            )
-        if not isinstance(record.get("worker_id"), str):
-            refuse(number, "it names no worker_id")
-        values = record.get("intermediate_values") if op == 4 else None
-        steps = (
-            [record.get("step")] if op == 7 else list(values) if isinstance(values, dict) else []
-        )
-        if not all(_step(s) for s in steps):
-            refuse(number, f"a step that is not an integer from 0 to {STEP_LIMIT - 1}")
-        if work.add(record) > budget:
-            raise ConfigError(
-                f"the study's journal {path} would cost Optuna more than {budget} steps to replay "
-                f"by line {number} (copies and scans that grow with the records before each; "
-                f"{len(lines)} records): continue the search in another search_dir, or give it an "
-                "RDB storage (SearchConfig.storage)"
-            )
-        records.append(record)
-    replay = _Replay(records)
-    try:
-        JournalStorage(replay)
-    except Exception as err:  # noqa: BLE001
-        # KeyError, TypeError, AssertionError...: each a bad record.
-        refuse(replay.handed, f"Optuna cannot replay it ({type(err).__name__}: {str(err)[:200]})")
-
-
-def _step(value: Any) -> bool:
-    """A step of an intermediate value (a record's int, or a create_trial's key: a string of
-    one)."""
-    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) < 20:
-        value = int(value)
-    return type(value) is int and 0 <= value < STEP_LIMIT
-
-
 @dataclass(frozen=True)
 class SearchStudy:
-    """A study as a group's rank 0 holds it: the study, the storage it writes through, and its id
-    there."""
+    """A study as a group's rank 0 holds it: the study, its storage, and its id there."""
 
     study: optuna.Study
     storage: optuna.storages.BaseStorage
@@ -264,8 +396,7 @@ def open_search_study(
         return SearchStudy(study, storage, storage.get_study_id_from_name(cfg.study_name))
     except ConfigError:
         raise
-    # sqlalchemy's OperationalError, a bad URL's ArgumentError, a locked journal...
-    except Exception as err:
+    except Exception as err:  # sqlalchemy's OperationalError, a bad URL, a locked journal...
         if cfg.storage is None:
             raise ConfigError(
                 f"cannot open the study {cfg.study_name!r} in its journal "
@@ -282,19 +413,17 @@ def open_search_study(
 
 @contextmanager
 def file_lock(path: Path) -> Iterator[None]:
-    # Groups count trials and ask under this lock: two groups racing for the last candidate of the
-    # budget would otherwise both see room for one more.
+    """Held while a group counts trials and asks: groups racing for the budget's last candidate
+    cannot both start one."""
     fd, _ = take_lock(path, wait=True)
     try:
         yield
     finally:
-        os.close(fd)  # drops the flock
+        os.close(fd)
 
 
 def read_search_id(cfg: SearchConfig) -> str:
-    # Trials of this search carry its id, so a study shared with other searches (an RDB URL) is
-    # counted and resumed for ours only. It lives in search_dir, so a restarted job is the same
-    # search.
+    """This search's id, kept in search_dir: a restarted job is the same search."""
     path = Path(cfg.search_dir) / "search_id"
     if not path.exists():
         fs.write_atomic(path, f"{socket.gethostname()}-{os.getpid()}-{time.time_ns()}\n".encode())
@@ -374,14 +503,8 @@ def next_trial(
 
 
 def created_trial(handle: SearchStudy, search_id: str) -> optuna.Trial:
-    """A new running trial of this search, created with its tag in one write to the storage.
-
-    ``study.ask()`` creates the trial and the tag would follow in a second write: a kill between the
-    two left a running trial of nobody's search, never resumed nor counted. (``enqueue_trial``
-    writes the tag with a waiting trial, but the ``ask`` that starts it takes the oldest waiting
-    trial of the study, which may be another search's.) Hence the storage's own ``create_new_trial``
-    from a template, and the trial built on its id.
-    """
+    """A new running trial of this search, created with its tag in one write to the storage (a
+    kill between ``study.ask()`` and a second write would leave a trial of nobody's search)."""
     template = optuna.trial.create_trial(
         state=TrialState.RUNNING, user_attrs={_SEARCH_KEY: search_id}
     )
@@ -395,14 +518,11 @@ def resumed_trial(
     frozen = next(t for t in handle.study.get_trials(deepcopy=False) if t.number == number)
     if frozen.state != TrialState.RUNNING:
         return None
-    # Optuna has no handle on an existing trial but its Trial, built from the storage's id of the
-    # trial.
     trial = optuna.Trial(
         handle.study,
         handle.storage.get_trial_id_from_study_id_trial_number(handle.study_id, number),
     )
-    # a trial killed while its parameters were drawn gets the rest now
-    draw_params(trial, distributions)
+    draw_params(trial, distributions)  # a trial killed while its parameters were drawn
     return trial
 
 
@@ -416,3 +536,91 @@ def draw_params(trial: optuna.Trial, distributions: dict[str, Any]) -> None:
             trial.suggest_int(name, d.low, d.high, step=d.step, log=d.log)
         else:
             trial.suggest_categorical(name, d.choices)
+
+
+class EvolutionSampler(BaseSampler):
+    """Propulate's asynchronous evolution (seed 003): each new candidate is bred from the candidates
+    finished so far whenever a worker asks, no generations to wait for. With probability
+    ``random_share`` a candidate is drawn at random; otherwise two parents are chosen by tournaments
+    among the ``top`` best, each parameter taken from either and mutated with probability
+    ``mutation_prob`` (a Gaussian step of ``mutation_scale`` of its range, in log space for log
+    distributions; choices drawn anew)."""
+
+    def __init__(
+        self,
+        *,
+        top: int = 8,
+        random_share: float = 0.2,
+        mutation_prob: float = 0.3,
+        mutation_scale: float = 0.1,
+        min_finished: int = 4,
+        seed: int | None = None,
+    ) -> None:
+        self.top, self.random_share, self.min_finished = top, random_share, min_finished
+        self.mutation_prob, self.mutation_scale = mutation_prob, mutation_scale
+        self._rng = np.random.default_rng(seed)
+        self._random = RandomSampler(seed=seed)
+        self._space = IntersectionSearchSpace()
+
+    def reseed_rng(self) -> None:
+        self._rng = np.random.default_rng()
+        self._random.reseed_rng()
+
+    def infer_relative_search_space(
+        self, study: Study, trial: FrozenTrial
+    ) -> dict[str, BaseDistribution]:
+        return self._space.calculate(study)
+
+    def sample_relative(
+        self, study: Study, trial: FrozenTrial, search_space: dict[str, BaseDistribution]
+    ) -> dict[str, Any]:
+        finished = [
+            t
+            for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            if t.value is not None
+        ]
+        if (
+            not search_space
+            or len(finished) < self.min_finished
+            or self._rng.random() < self.random_share
+        ):
+            return {}  # drawn at random by sample_independent
+        reverse = study.direction == StudyDirection.MAXIMIZE
+        best = sorted(finished, key=lambda t: cast(float, t.value), reverse=reverse)[: self.top]
+        mother, father = self._tournament(best), self._tournament(best)
+        child = {}
+        for name, dist in search_space.items():
+            parent = mother if self._rng.random() < 0.5 else father
+            value = parent.params.get(name)
+            if value is None:
+                continue
+            child[name] = (
+                self._mutate(value, dist) if self._rng.random() < self.mutation_prob else value
+            )
+        return child
+
+    def _tournament(self, ranked: Sequence[FrozenTrial], size: int = 2) -> FrozenTrial:
+        # ranked is best first: the lowest index among `size` draws wins.
+        return ranked[int(min(self._rng.integers(len(ranked), size=size)))]
+
+    def _mutate(self, value: Any, dist: BaseDistribution) -> Any:
+        if isinstance(dist, CategoricalDistribution):
+            return dist.choices[int(self._rng.integers(len(dist.choices)))]
+        assert isinstance(dist, (FloatDistribution, IntDistribution))
+        to, back = (math.log, math.exp) if dist.log else (float, float)
+        lo, hi = to(dist.low), to(dist.high)
+        x = min(max(to(value) + self._rng.normal(0.0, self.mutation_scale * (hi - lo)), lo), hi)
+        x = back(x)
+        if dist.step is not None:
+            x = dist.low + round((x - dist.low) / dist.step) * dist.step
+        x = min(max(x, dist.low), dist.high)
+        return int(round(x)) if isinstance(dist, IntDistribution) else x
+
+    def sample_independent(
+        self,
+        study: Study,
+        trial: FrozenTrial,
+        param_name: str,
+        param_distribution: BaseDistribution,
+    ) -> Any:
+        return self._random.sample_independent(study, trial, param_name, param_distribution)

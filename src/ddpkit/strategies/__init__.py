@@ -15,15 +15,9 @@ from torch import nn
 
 from ddpkit._errors import ConfigError
 from ddpkit.distributed._runtime import Runtime, get_runtime
-from ddpkit.strategies._base import (
-    GradientVerdict,
-    Strategy,
-    check_options,
-    rebind_scheduler,
-)
-from ddpkit.strategies._ddp import DDPConfig, DDPStrategy
+from ddpkit.strategies._base import GradientVerdict, Strategy, check_options, rebind_scheduler
+from ddpkit.strategies._ddp import DDPConfig, DDPStrategy, ZeroConfig, ZeroStrategy
 from ddpkit.strategies._fsdp import FSDPConfig, FSDPStrategy
-from ddpkit.strategies._zero import ZeroConfig, ZeroStrategy
 
 StrategyConfig = DDPConfig | ZeroConfig | FSDPConfig
 """A strategy and its options: what ``TrainerConfig.strategy`` and :func:`build_strategy` take (or a
@@ -86,16 +80,7 @@ def build_strategy(
 
 
 __all__ = [
-    "DDPConfig",
-    "DDPStrategy",
-    "FSDPConfig",
-    "FSDPStrategy",
-    "GradientVerdict",
-    "STRATEGIES",
-    "Strategy",
-    "StrategyConfig",
-    "ZeroConfig",
-    "ZeroStrategy",
-    "build_strategy",
+    "DDPConfig", "DDPStrategy", "FSDPConfig", "FSDPStrategy", "GradientVerdict", "STRATEGIES",
+    "Strategy", "StrategyConfig", "ZeroConfig", "ZeroStrategy", "build_strategy",
     "strategy_config",
-]
+]  # fmt: skip

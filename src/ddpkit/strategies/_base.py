@@ -121,13 +121,10 @@ def rebuild_optimizer(
     optimizer_class: Any = None,
     **extra: Any,
 ) -> torch.optim.Optimizer:
-    """An optimizer like ``optimizer`` (its class, defaults and parameter groups with their
-    hyperparameters) over new parameter objects: those ``fully_shard`` put in place of the
-    originals, or the same ones handed to a wrapper such as ``ZeroRedundancyOptimizer``
-    (``optimizer_class``).
-
-    ``names_by_id`` names the original parameters; ``params_by_name`` gives their replacements.
-    """
+    """An optimizer like ``optimizer`` (its class, defaults and parameter groups) over new
+    parameter objects (``fully_shard``'s), or handed to a wrapper (``optimizer_class``:
+    ``ZeroRedundancyOptimizer``). ``names_by_id`` names the original parameters;
+    ``params_by_name`` gives their replacements."""
     if optimizer.state:
         raise ConfigError(
             "the optimizer has already taken steps: with strategy 'zero' or 'fsdp' pass a fresh "
@@ -148,9 +145,7 @@ def rebuild_optimizer(
         new = optimizer_class(groups, optimizer_class=cls, **optimizer.defaults, **extra)
     else:
         new = cls(groups, **optimizer.defaults)
-    # The script still holds the optimizer it built: point its groups at the new parameters too, or
-    # it would keep the replaced (whole, unsharded) tensors alive, a full copy of the model per
-    # rank.
+    # the script's optimizer would keep the replaced (unsharded) tensors alive: repointed too
     for old_group, group in zip(optimizer.param_groups, groups):
         old_group["params"] = list(group["params"])
     return new
@@ -171,15 +166,9 @@ def rebind_scheduler(
 
 def separate_own(state: dict[str, Any], model: nn.Module, ignored: Any = ()) -> dict[str, Any]:
     """``state`` (``{"model": ..., "optim": ...}`` by parameter name) with each rank's own values
-    moved to its ``per_rank`` part: the model's buffers, and the parameters in ``ignored`` with
-    their optimizer state.
-
-    Under data parallelism a buffer has one name on every rank and a value of each rank's own:
-    BatchNorm without sync BatchNorm updates its running statistics from the rank's own batch (DDP
-    overwrites them with rank 0's only at the next synchronised forward pass), and fsdp leaves
-    buffers unsharded, each rank's own. Parameters DDP was told to ignore get each rank's own
-    gradients. Saved under one name, one rank's copy would be given to every rank on resume.
-    """
+    moved to its ``per_rank`` part: the model's buffers (BatchNorm's running statistics follow each
+    rank's batches), and the parameters in ``ignored`` (DDP's ignored ones) with their optimizer
+    state. Saved under one name, one rank's copy would be given to every rank on resume."""
     names = {name for name, _ in model.named_buffers()} | set(ignored)
     shared_model, own_model = _partition(state["model"], lambda key: key in names)
     # flattened optimizer state: state.<param>.<key>
@@ -193,6 +182,44 @@ def separate_own(state: dict[str, Any], model: nn.Module, ignored: Any = ()) -> 
         "optim": shared_optim,
         PER_RANK: {"model": own_model, "optim": own_optim},
     }
+
+
+def state_options(**kwargs: Any) -> Any:
+    """Options of torch's distributed state dicts: optimizer state keyed by parameter name, one
+    entry per tensor, so that ranks may hold different parameters and a load at another world size
+    finds each by name. (torch.distributed.checkpoint is imported when used: ~0.9 s.)"""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True, **kwargs)
+
+
+def read_state(module: nn.Module, optimizers: Any, ignored: Any = ()) -> dict[str, Any]:
+    """``module``'s and ``optimizers``' state through torch's distributed state dicts, each rank's
+    own values in its per-rank part (:func:`separate_own`). Give DDP's module, not DDP."""
+    from torch.distributed.checkpoint import state_dict as dsd
+
+    if optimizers:
+        model, optim = dsd.get_state_dict(module, optimizers, options=state_options())
+    else:
+        model, optim = dsd.get_model_state_dict(module, options=state_options()), {}
+    return separate_own({"model": model, "optim": optim}, module, ignored)
+
+
+def load_state(module: nn.Module, optimizers: Any, state: dict[str, Any]) -> None:
+    """Restore what :func:`read_state` returned (after a load into it, at any world size)."""
+    from torch.distributed.checkpoint import state_dict as dsd
+
+    state = join_own(state)
+    if not optimizers:
+        dsd.set_model_state_dict(module, state["model"], options=state_options())
+        return
+    dsd.set_state_dict(
+        module,
+        optimizers,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=state_options(),
+    )
 
 
 def join_own(state: dict[str, Any]) -> dict[str, Any]:

@@ -1,33 +1,40 @@
-"""Replicated data parallelism: DistributedDataParallel, its knobs, and the step verdict without a
-collective."""
+"""Data parallelism under DistributedDataParallel: its knobs and communication hooks, the step
+verdict without a collective, several models and optimizers under ``ddp``, and ``zero``, DDP with
+the optimizer state sharded over ranks (``ZeroRedundancyOptimizer``)."""
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations``: DDP checks a communication hook's annotations as
+# objects (``bucket: dist.GradBucket``).
+import dataclasses
 import math
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Mapping
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import asdict, dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, get_args
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpkit._errors import ConfigError, check_types
 from ddpkit._internals.optim import any_non_finite, sparse_values
+from ddpkit.distributed import Group
+from ddpkit.distributed._collectives import all_gather_object
 from ddpkit.distributed._runtime import Runtime
-from ddpkit.strategies import _hooks as hooks
-from ddpkit.strategies._base import GradientVerdict, join_own, separate_own
+from ddpkit.strategies._base import (
+    GradientVerdict,
+    join_own,
+    load_state,
+    read_state,
+    rebuild_optimizer,
+    separate_own,
+    state_options,
+)
 from ddpkit.strategies._prepare import GRADIENT_AS_BUCKET_VIEW, no_sync, prepare_model, unwrap
 
-
-def state_options(**kwargs: Any) -> Any:
-    """Options of torch's distributed state dicts: optimizer state keyed by parameter name, one
-    entry per tensor, so that ranks may hold different parameters (ZeRO) and a load at another world
-    size finds each by name. (torch.distributed.checkpoint is imported here, when used: it costs
-    ~0.9 s per process.)"""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(flatten_optimizer_state_dict=True, **kwargs)
+CommHook = Literal["fp16", "bf16", "powersgd", "parameter_server"]
+COMM_HOOKS: tuple[str, ...] = get_args(CommHook)
 
 
 @dataclass(kw_only=True)
@@ -46,8 +53,7 @@ class DDPConfig:
     the graph."""
     gradient_as_bucket_view: bool = GRADIENT_AS_BUCKET_VIEW
     """Gradients are views into the all-reduce buckets: no copy of the all-reduced gradients, and
-    no memory of their own (on by default, unlike torch's DDP: see
-    :data:`~ddpkit.strategies._prepare.GRADIENT_AS_BUCKET_VIEW`)."""
+    no memory of their own (on by default, unlike torch's DDP)."""
     find_unused_parameters: bool = False
     """Search the graph after every forward pass for parameters that get no gradient (costly);
     needed when some parameters are not used in a step. Without it such a step fails with the
@@ -55,12 +61,11 @@ class DDPConfig:
     broadcast_buffers: bool = True
     """Copy rank 0's buffers (BatchNorm running statistics) to every rank before each forward
     pass."""
-    comm_hook: Literal["fp16", "bf16", "powersgd", "parameter_server"] | None = None
+    comm_hook: CommHook | None = None
     """What DDP does with each gradient bucket instead of an all-reduce in fp32: ``fp16`` or
     ``bf16`` (all-reduce compressed to 16 bits), ``powersgd`` (low-rank compression with error
-    feedback), ``parameter_server`` (each bucket summed on a server rank and sent back; see
-    :mod:`ddpkit.strategies._hooks`). Compression changes the gradients: runs agree with plain DDP
-    within a tolerance, not bitwise."""
+    feedback), ``parameter_server`` (each bucket summed on a server rank and sent back).
+    Compression changes the gradients: runs agree with plain DDP within a tolerance, not bitwise."""
     powersgd_rank: int = 1
     """PowerSGD's matrix approximation rank (higher: more accurate, more traffic)."""
     powersgd_start_iter: int = 10
@@ -68,9 +73,9 @@ class DDPConfig:
 
     def __post_init__(self) -> None:
         check_types(self)
-        if self.comm_hook is not None and self.comm_hook not in hooks.COMM_HOOKS:
+        if self.comm_hook is not None and self.comm_hook not in COMM_HOOKS:
             raise ConfigError(
-                f"comm_hook={self.comm_hook!r}: pick one of {', '.join(hooks.COMM_HOOKS)} or None"
+                f"comm_hook={self.comm_hook!r}: pick one of {', '.join(COMM_HOOKS)} or None"
             )
         if self.powersgd_rank < 1 or self.powersgd_start_iter < 2:
             raise ConfigError("powersgd_rank must be >= 1 and powersgd_start_iter >= 2")
@@ -90,28 +95,70 @@ class DDPConfig:
             out["bucket_cap_mb"] = self.bucket_cap_mb
         return out
 
+    def register_hook(self, model: Any, process_group: Group) -> None:
+        """Register :attr:`comm_hook` on the DDP ``model`` (nothing without one)."""
+        if self.comm_hook == "fp16":
+            model.register_comm_hook(process_group, default_hooks.fp16_compress_hook)
+        elif self.comm_hook == "bf16":
+            model.register_comm_hook(process_group, bf16_compress)
+        elif self.comm_hook == "parameter_server":
+            model.register_comm_hook(process_group, parameter_server)
+        elif self.comm_hook == "powersgd":
+            # the error-feedback state lives in the hook, not in snapshots: a resume restarts the
+            # warm-up of plain all-reduces
+            state = powerSGD_hook.PowerSGDState(
+                process_group=process_group,
+                matrix_approximation_rank=self.powersgd_rank,
+                start_powerSGD_iter=self.powersgd_start_iter,
+            )
+            model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+
+
+def bf16_compress(
+    process_group: Group, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """All-reduce the bucket in bfloat16, divided by the world size first as torch's hooks do. The
+    arithmetic of torch's ``bf16_compress_hook``, which its CPU build refuses by name."""
+    group = process_group if process_group is not None else dist.group.WORLD
+    buffer = bucket.buffer()
+    compressed = buffer.to(torch.bfloat16).div_(dist.get_world_size(group))
+    future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+
+    def decompress(fut: torch.futures.Future[Any]) -> torch.Tensor:
+        buffer.copy_(fut.value()[0])
+        return buffer
+
+    return future.then(decompress)
+
+
+def parameter_server(
+    process_group: Group, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """The parameter-server pattern: the bucket's server rank (its index mod the world size) sums
+    every rank's copy and sends the mean back to all, synchronously inside backward. Equal to an
+    all-reduce up to the order of the additions; a recipe to compare, not a speed-up."""
+    group = process_group if process_group is not None else dist.group.WORLD
+    assert group is not None  # DDP runs its hooks only over a process group
+    world = dist.get_world_size(group)
+    server = dist.get_global_rank(group, bucket.index() % world)
+    buffer = bucket.buffer()
+    dist.reduce(buffer, dst=server, group=group)
+    dist.broadcast(buffer, src=server, group=group)
+    buffer.div_(world)
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(buffer)
+    return future
+
 
 def nan_gradient_if_nonfinite(
     loss: torch.Tensor, anchor: torch.Tensor | None, on_host: bool
 ) -> torch.Tensor:
-    """``loss``, made to give ``anchor`` (a parameter DDP all-reduces) a NaN gradient if its value
-    is not finite.
-
-    A non-finite loss can have finite gradients: ``loss + inf``, or a cross-entropy whose targets
-    are all ``ignore_index`` (0/0 = NaN, with zero gradients); the rank that computed it would know
-    and the others would not. Multiplying the loss by NaN is not enough, as masking ops (ReLU,
-    ignored targets) turn the NaN back into zeros on its way down. So the NaN goes straight into the
-    gradient of one element of ``anchor``; DDP's all-reduce then puts it into every rank's
-    gradients, and the verdict each rank reads from its own gradients covers every rank's loss.
-
-    ``on_host`` (CPU): reading the value is free and a tensor op is not, so a finite loss is
-    returned untouched. On an accelerator a read would wait for the device, so the term is always
-    added, as ``0 x anchor`` for a finite loss: the loss keeps its value, and the anchor's gradient
-    gets ``+0.0``.
-    """
+    """``loss``, made to give one element of ``anchor`` (a parameter DDP all-reduces) a NaN gradient
+    if its value is not finite: a non-finite loss can have finite gradients, and the all-reduce then
+    carries the NaN into every rank's verdict. ``on_host``: the value is read and a finite loss
+    returned untouched; on an accelerator ``0 x anchor`` is added instead, without a read."""
     if anchor is None:
         return loss
-    # the view of the anchor is built only for a bad loss: a few us per step saved on tiny models
     if on_host:
         return loss if math.isfinite(loss.item()) else loss + anchor.reshape(-1)[0] * float("nan")
     element = anchor.reshape(-1)[0]
@@ -120,33 +167,10 @@ def nan_gradient_if_nonfinite(
 
 
 class FiniteCheck:
-    """Whether no element of a step's gradients is NaN or inf: called with the gradients of
-    ``params`` (fewer where some have none).
-
-    torch's fused check-and-unscale (what GradScaler runs) reads every tensor in one call; with a
-    scale of 1 it leaves them bit for bit as they were. A norm (``get_total_norm``) would do too,
-    but costs five times as much on the CPU (measured in a training loop: ~40 vs ~210 us for the DDP
-    tutorials' CNN). A sum of each large tensor, which only reads, is faster alone (7.5 against
-    12.5 us hot for the 620 KB of ``bench/loader_overhead.py``'s MLP) but not inside its training
-    step (24 against 21 us), where the gradients are no longer in cache. With the gradients as
-    views side by side in DDP's bucket (ddpkit's default), one sum over each run of them, kept as
-    a layout, was 9 us a step faster on 2 ranks (95% interval 1 to 17, paired, the bench's MLP);
-    but a layout that sees every way a gradient can be swapped in place (``p.grad.data = t`` at the
-    same address, strided or of another dtype) must read each gradient's address, size, dtype and
-    contiguity every step, and with those reads the two were level (-2 us, 95% interval -9 to +6).
-    Left as it is.
-
-    What costs on a tiny model is what surrounds the kernel, so the per-step path does only per-step
-    work. The parameters' devices and dtypes are read once: when they are all one device and one
-    real dtype, the step's gradients go to the kernel in one call, as they are (a gradient of
-    another real dtype, which torch allows through ``grad_dtype``, is read all the same: the kernel
-    takes mixed dtypes). Its (found-inf flag, scale of 1) tensors are kept per device, the flag at
-    zero between calls (zeroed after a call that set it, not before every call). The kernel
-    refuses sparse gradients (``nn.Embedding(sparse=True)``: their stored values are checked,
-    uncoalesced, as summing could overflow) before it reads any tensor; after one refusal every
-    step takes the grouped path, as do complex parameters (checked as pairs of reals) and mixed
-    devices or dtypes.
-    """
+    """Whether no element of a step's gradients is NaN or inf, by torch's fused check-and-unscale
+    (what GradScaler runs; a scale of 1 leaves the gradients bit for bit): one call where the
+    parameters are one device and one real dtype, else grouped by device and dtype, with sparse
+    values and complex pairs read as reals. Its flag stays zero between calls."""
 
     def __init__(self, params: list[torch.Tensor]) -> None:
         kinds = {(p.device, p.dtype) for p in params}
@@ -185,10 +209,9 @@ class FiniteCheck:
 
 
 def stepped_parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The parameters whose gradients decide whether a step is taken: those the optimizer updates,
-    that need gradients, and that DDP all-reduces (identical on every rank, so every rank reaches
-    the same verdict). Parameters DDP was told to ignore are left out: their gradients are each
-    rank's own."""
+    """The parameters whose gradients decide a step: those the optimizer updates, that need
+    gradients, and that DDP all-reduces (identical on every rank, so every rank reaches the same
+    verdict)."""
     ignored = {
         id(p)
         for name, p in unwrap(model).named_parameters()
@@ -203,16 +226,11 @@ def stepped_parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -> li
 
 
 FINITE, NOT_FINITE = GradientVerdict(True, None), GradientVerdict(False, None)
-"""The verdicts without a norm: made once, not each step."""
 
 
 class DDPStrategy:
     """Every rank holds the whole model and optimizer; DDP all-reduces gradients during backward.
-
-    The step verdict costs no collective: once DDP has all-reduced them, the gradients are identical
-    on every rank, so each reaches the same decision from its own copy (one host sync per step, as a
-    GradScaler has).
-    """
+    The step verdict costs no collective: the all-reduced gradients are identical on every rank."""
 
     name = "ddp"
     replicated = True
@@ -227,39 +245,30 @@ class DDPStrategy:
         sync_batchnorm: bool = False,
         prepared: bool = False,
     ) -> None:
-        """``prepared``: ``model`` is already wrapped (one of
-        :class:`~ddpkit.strategies._several.SeveralModels`'s), this strategy only decides its
-        ``optimizer``'s steps."""
+        """``prepared``: ``model`` is already wrapped (one of :class:`SeveralModels`'s); this
+        strategy only decides its ``optimizer``'s steps."""
         self.config = config or DDPConfig()
         self.runtime = runtime
         kwargs = self.config.ddp_kwargs()
         if not prepared:
             model = prepare_model(model, sync_batchnorm=sync_batchnorm, runtime=runtime, **kwargs)
+            if runtime.distributed:
+                self.config.register_hook(model, runtime.group)
         self.model = model
         self.optimizer = optimizer
-        if self.config.comm_hook is not None and runtime.distributed and not prepared:
-            hooks.register(
-                self.model,
-                self.config.comm_hook,
-                runtime.group,
-                powersgd_rank=self.config.powersgd_rank,
-                powersgd_start_iter=self.config.powersgd_start_iter,
-            )
         self.on_host = runtime.device.type == "cpu"
         self.params = stepped_parameters(self.model, optimizer)
-        # where a non-finite loss puts its NaN
-        self.anchor = self.params[0] if self.params else None
+        self.anchor = self.params[0] if self.params else None  # where a bad loss puts its NaN
         self._finite = FiniteCheck(self.params)
-        # Without find_unused_parameters or static_graph, a parameter that gets no gradient stalls
-        # DDP's reducer, and torch's error arrives one forward pass later without naming it: check
-        # after backward.
+        # a parameter without a gradient stalls DDP's reducer, and torch's error comes a forward
+        # later without naming it: checked after backward
         self._check_unused = runtime.distributed and not (
             kwargs.get("find_unused_parameters") or kwargs.get("static_graph")
         )
         self._names = {id(p): n for n, p in unwrap(self.model).named_parameters()}
 
     def no_sync(self) -> AbstractContextManager[Any]:
-        return no_sync(self.model)  # DDP's when distributed
+        return no_sync(self.model)
 
     def mark_nonfinite(self, loss: torch.Tensor) -> torch.Tensor:
         return nan_gradient_if_nonfinite(loss, self.anchor, self.on_host)
@@ -286,8 +295,7 @@ class DDPStrategy:
         )
 
     def evaluation(self) -> AbstractContextManager[Any]:
-        # evaluate() calls the module inside DDP, whose forward runs no collective
-        return nullcontext()
+        return nullcontext()  # evaluate() calls the module inside DDP: no collective
 
     def join(self) -> AbstractContextManager[Any]:
         if not isinstance(self.model, DDP):  # not distributed
@@ -297,35 +305,253 @@ class DDPStrategy:
         return Join([self.model])
 
     def state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        # The module, not DDP: DDP's state_dict() is keyed as its module's
-        # (prepare.keys_of_the_module), and torch's get_state_dict asserts DDP's own names from a
-        # DDP.
-        model_state, optim_state = get_state_dict(
-            unwrap(self.model), self.optimizer, options=state_options()
-        )
-        # Parameters are replicated; buffers, and parameters DDP ignores, are each rank's own.
         ignored = getattr(self.model, "parameters_to_ignore", ())
-        return separate_own(
-            {"model": model_state, "optim": optim_state}, unwrap(self.model), ignored
-        )
+        return read_state(unwrap(self.model), self.optimizer, ignored)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        state = join_own(state)
-        set_state_dict(
-            unwrap(self.model),
-            self.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optim"],
-            options=state_options(),
-        )
+        load_state(unwrap(self.model), self.optimizer, state)
 
     def model_weights(self) -> dict[str, Any]:
         return unwrap(self.model).state_dict()  # replicated: every rank holds the whole model
 
     def full_state_dict(self) -> dict[str, Any]:
-        # Replicated: every rank's state is the whole state (with this rank's own buffers).
         return join_own(self.state_dict())
+
+
+class SeveralModels:
+    """Named models and named optimizers under ``ddp`` (a GAN, a student beside a frozen teacher,
+    two optimizers over one model). Each model with parameters to train is wrapped in its own DDP
+    (a frozen one only moves to the device); each optimizer gets its own verdict and clipping from a
+    :class:`DDPStrategy` over the model holding its parameters (:attr:`views`). A snapshot keys
+    every model and optimizer ``<model name>.<parameter>``."""
+
+    name = "ddp"
+    replicated = True
+
+    def __init__(
+        self,
+        models: Mapping[str, nn.Module],
+        optimizers: Mapping[str, torch.optim.Optimizer],
+        *,
+        runtime: Runtime,
+        config: DDPConfig | None = None,
+        sync_batchnorm: bool = False,
+    ) -> None:
+        self.config, self.runtime = config or DDPConfig(), runtime
+        kwargs = self.config.ddp_kwargs()
+        self.models: dict[str, nn.Module] = {}
+        for name, model in models.items():
+            if any(p.requires_grad for p in model.parameters()):
+                model = prepare_model(
+                    model, sync_batchnorm=sync_batchnorm, runtime=runtime, seed_ranks=False,
+                    **kwargs,
+                )  # fmt: skip
+                if runtime.distributed:
+                    self.config.register_hook(model, runtime.group)
+            else:  # frozen: DDP refuses a module with nothing to all-reduce
+                model = model.to(runtime.device)
+            self.models[name] = model
+        self.optimizers = dict(optimizers)
+        self.model: nn.Module = nn.ModuleDict(self.models)  # for the Trainer's walks over modules
+        self.modules = nn.ModuleDict({name: unwrap(m) for name, m in self.models.items()})
+        stepped = self._owners()
+        self.views = {name: self._view(name, opt) for name, opt in self.optimizers.items()}
+        # per optimizer, its model's parameters no optimizer holds: a skip clears their gradients
+        # with its own, and leaves another optimizer's over the same model
+        self.outside = {
+            name: [p for p in view.model.parameters() if id(p) not in stepped]
+            for name, view in self.views.items()
+        }
+        self.optimizer = next(iter(self.optimizers.values()))  # the learning rate the records show
+
+    def _owners(self) -> dict[int, str]:
+        """The optimizer holding each parameter, by ``id``; a parameter in two is refused."""
+        owners: dict[int, str] = {}
+        for name, optimizer in self.optimizers.items():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    first = owners.setdefault(id(p), name)
+                    if first != name:
+                        raise ConfigError(
+                            f"parameter {self._name_of(p)} is in optimizers {first!r} and "
+                            f"{name!r}: give each parameter to one optimizer (leave it out of "
+                            "one of them)"
+                        )
+        return owners
+
+    def _name_of(self, param: torch.Tensor) -> str:
+        for model_name, model in self.modules.items():
+            for name, p in model.named_parameters():
+                if p is param:
+                    return f"{model_name}.{name}"
+        return "(of no model)"
+
+    def _view(self, name: str, optimizer: torch.optim.Optimizer) -> DDPStrategy:
+        params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        holders = [m for m in self.models.values() if params <= {id(p) for p in m.parameters()}]
+        if not holders:
+            raise ConfigError(
+                f"optimizer {name!r} holds parameters of no single model: give each optimizer the "
+                "parameters of one model (two optimizers may share a model)"
+            )
+        return DDPStrategy(
+            holders[0], optimizer, runtime=self.runtime, config=self.config, prepared=True
+        )
+
+    def no_sync(self) -> AbstractContextManager[Any]:
+        stack = ExitStack()
+        for model in self.models.values():
+            stack.enter_context(no_sync(model))
+        return stack
+
+    def mark_nonfinite(self, loss: torch.Tensor) -> torch.Tensor:
+        return next(iter(self.views.values())).mark_nonfinite(loss)
+
+    def check_gradients(self, max_norm: float | None = None) -> GradientVerdict:
+        verdicts = [view.check_gradients(max_norm) for view in self.views.values()]
+        return GradientVerdict(all(v.finite for v in verdicts), None)
+
+    def evaluation(self) -> AbstractContextManager[Any]:
+        return nullcontext()
+
+    def join(self) -> AbstractContextManager[Any]:
+        return nullcontext()
+
+    def state_dict(self) -> dict[str, Any]:
+        return read_state(self.modules, list(self.optimizers.values()))
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        load_state(self.modules, list(self.optimizers.values()), state)
+
+    def model_weights(self) -> dict[str, Any]:
+        return self.modules.state_dict()
+
+    def full_state_dict(self) -> dict[str, Any]:
+        return join_own(self.state_dict())
+
+
+@dataclass(kw_only=True)
+class ZeroConfig(DDPConfig):
+    """The ``zero`` strategy: DDP's knobs (see :class:`DDPConfig`), and:"""
+
+    name: ClassVar[str] = "zero"
+
+    parameters_as_bucket_view: bool = False
+    """Pack each rank's parameters into one flat buffer per dtype, so the post-step broadcast sends
+    few large messages instead of one per parameter."""
+
+
+class ZeroStrategy:
+    """DDP's wrapping, no-sync and verdict (held, not inherited), with the optimizer rebuilt as a
+    ``ZeroRedundancyOptimizer`` of the same class, defaults and parameter groups."""
+
+    name = "zero"
+    replicated = False  # each rank's optimizer state is of the parameters it owns
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        runtime: Runtime,
+        config: ZeroConfig | None = None,
+        sync_batchnorm: bool = False,
+    ) -> None:
+        if not runtime.distributed:
+            raise ConfigError(
+                "strategy 'zero' shards over a process group: launch with `ddpkit run` (or "
+                "ddpkit.spawn), or use strategy 'ddp' for a single process"
+            )
+        self.config = config or ZeroConfig()
+        self.runtime = runtime
+        ddp_config = DDPConfig(
+            **{f.name: getattr(self.config, f.name) for f in dataclasses.fields(DDPConfig)}
+        )
+        self.ddp = DDPStrategy(
+            model, optimizer, runtime=runtime, config=ddp_config, sync_batchnorm=sync_batchnorm
+        )
+        self.model = self.ddp.model
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        names = {id(p): n for n, p in unwrap(self.model).named_parameters()}
+        zero = rebuild_optimizer(
+            optimizer,
+            dict(unwrap(self.model).named_parameters()),
+            names,
+            optimizer_class=ZeroRedundancyOptimizer,
+            process_group=runtime.group,
+            parameters_as_bucket_view=self.config.parameters_as_bucket_view,
+        )
+        assert isinstance(zero, ZeroRedundancyOptimizer)
+        self.optimizer = zero
+        self.ddp.optimizer = self.optimizer
+
+    def no_sync(self) -> AbstractContextManager[Any]:
+        return self.ddp.no_sync()
+
+    def mark_nonfinite(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.ddp.mark_nonfinite(loss)
+
+    def check_gradients(self, max_norm: float | None = None) -> GradientVerdict:
+        return self.ddp.check_gradients(max_norm)
+
+    def evaluation(self) -> AbstractContextManager[Any]:
+        return self.ddp.evaluation()
+
+    def join(self) -> AbstractContextManager[Any]:
+        # torch's Join([ddp_model, zero]) ends, but a joined rank steps the parameters it owns with
+        # its own stale gradients
+        raise ConfigError(
+            "strategy 'zero' cannot join uneven inputs correctly (the parameters a joined rank "
+            "owns would stop training): give every rank the same number of batches, or use "
+            "strategy 'ddp' with join()"
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Each rank's state of the parameters it owns, by name; the groups' hyperparameters (the
+        same on every rank); the parameters (replicated: their owner broadcasts them)."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        local = self.optimizer.optim
+        _copy_hyperparameters(self.optimizer.param_groups, local.param_groups)
+        return separate_own(
+            {
+                "model": unwrap(self.model).state_dict(),
+                "optim": get_optimizer_state_dict(
+                    unwrap(self.model), local, options=state_options()
+                ),
+                "param_groups": [
+                    {k: v for k, v in g.items() if k != "params"}
+                    for g in self.optimizer.param_groups
+                ],
+            },
+            unwrap(self.model),
+        )
+
+    def model_weights(self) -> dict[str, Any]:
+        return self.ddp.model_weights()
+
+    def full_state_dict(self) -> dict[str, Any]:
+        state = join_own(self.state_dict())
+        merged: dict[str, Any] = {}
+        for part in all_gather_object(state["optim"], group=self.runtime.group):
+            merged.update(part)
+        return {"model": state["model"], "optim": merged}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        state = join_own(state)
+        unwrap(self.model).load_state_dict(state["model"])
+        set_optimizer_state_dict(
+            unwrap(self.model), self.optimizer.optim, state["optim"], options=state_options()
+        )
+        for group, saved in zip(self.optimizer.param_groups, state["param_groups"], strict=True):
+            group.update(saved)
+        _copy_hyperparameters(self.optimizer.param_groups, self.optimizer.optim.param_groups)
+
+
+def _copy_hyperparameters(source: list[dict[str, Any]], target: list[dict[str, Any]]) -> None:
+    # ZeroRedundancyOptimizer copies them into the local optimizer only inside step()
+    for src, dst in zip(source, target, strict=True):
+        dst.update({k: v for k, v in src.items() if k != "params"})

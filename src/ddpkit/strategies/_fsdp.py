@@ -1,14 +1,7 @@
-"""Fully sharded data parallelism: ``torch.distributed.fsdp.fully_shard`` (FSDP2).
-
-Parameters, gradients and optimizer state are sharded over the group's ranks (each holds ``1/N`` of
-every sharded tensor, as a DTensor). A block's parameters are all-gathered just before its forward
-(and again before its backward) and freed after; its gradients are reduce-scattered, so each rank
-ends the backward pass with only its shard of them.
-
-A rank's shard is not the model: whether a step's gradients are finite, and their norm for clipping,
-are decided over all shards, with one all-reduce of two numbers per step (the sum of squares of this
-rank's gradient shard, and whether its loss was finite).
-"""
+"""Fully sharded data parallelism: ``torch.distributed.fsdp.fully_shard`` (FSDP2). Parameters,
+gradients and optimizer state are sharded over the group's ranks; whether a step's gradients are
+finite, and their norm for clipping, are decided over all shards with one all-reduce of two numbers
+a step."""
 
 from __future__ import annotations
 
@@ -23,19 +16,18 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit._errors import ConfigError, check_types
-from ddpkit._internals.versions import require_torch
+from ddpkit._internals.versions import FSDP_ON_CPU, require_torch
 from ddpkit.distributed._runtime import Runtime
 from ddpkit.nn._batchnorm import convert_sync_batchnorm
 from ddpkit.strategies._base import (
     GradientVerdict,
-    join_own,
+    load_state,
+    read_state,
     rebuild_optimizer,
-    separate_own,
+    state_options,
 )
-from ddpkit.strategies._ddp import state_options
 
-# torch.distributed.fsdp and DTensor are imported where used: with torch.distributed.checkpoint they
-# cost ~0.9 s per process, which `import ddpkit` (and every other strategy) need not pay.
+# torch.distributed.fsdp and DTensor are imported where used (~0.9 s a process)
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -106,18 +98,13 @@ def shard_model(model: nn.Module, mesh: Any, config: FSDPConfig) -> nn.Module:
             f"shard_blocks names {sorted(missing)}, which the model does not contain: its module "
             f"classes are {classes}"
         )
-    # The root's parameters are needed again at once by the backward pass: keep them gathered.
+    # the root's parameters are needed again at once by the backward: kept gathered
     fully_shard(model, reshard_after_forward=False, **kwargs)
     return model
 
 
-FSDP_ON_CPU = (2, 7)
-"""The first torch whose fully_shard runs on CPU tensors: before, it records events on CPU streams,
-which have no ``record_event``."""
-
-
 class FSDPStrategy:
-    """Sharded parameters, gradients and optimizer state; see the module docstring."""
+    """Sharded parameters, gradients and optimizer state."""
 
     name = "fsdp"
     replicated = False
@@ -151,9 +138,7 @@ class FSDPStrategy:
         model = model.to(runtime.device)
         if sync_batchnorm:
             model = convert_sync_batchnorm(model, runtime.device, runtime.group)
-        # Ranks start from rank 0's weights, as DDP makes them: fully_shard takes each rank's own
-        # copy as the source of its shard, so replicas that differ would silently give a model that
-        # no rank had.
+        # ranks start from rank 0's weights, as under DDP: each rank's copy is its shard's source
         for tensor in [*model.parameters(), *model.buffers()]:
             dist.broadcast(tensor.data, src=dist.get_global_rank(self.group, 0), group=self.group)
         from torch.distributed.device_mesh import DeviceMesh
@@ -167,8 +152,7 @@ class FSDPStrategy:
 
     @contextmanager
     def _unsynced(self) -> Iterator[None]:
-        # Gradients of these micro-batches stay unsharded and local; the last micro-batch's backward
-        # reduce-scatters their sum.
+        # gradients stay local; the last micro-batch's backward reduce-scatters their sum
         from torch.distributed.fsdp import FSDPModule
 
         root = self.model
@@ -183,8 +167,7 @@ class FSDPStrategy:
         return self._unsynced()
 
     def mark_nonfinite(self, loss: torch.Tensor) -> torch.Tensor:
-        # No NaN is planted in a gradient (a sharded parameter's gradient arrives by reduce-scatter,
-        # on one rank only): the flag rides on the verdict's all-reduce instead.
+        # the flag rides on the verdict's all-reduce (a shard's gradient is on one rank only)
         self._loss_flags.append(~torch.isfinite(loss.detach()).all())
         return loss
 
@@ -196,34 +179,29 @@ class FSDPStrategy:
             sumsq += norm.double() ** 2
         bad_losses = torch.stack(self._loss_flags).sum() if self._loss_flags else torch.zeros(())
         self._loss_flags.clear()
-        # Each element of a sharded gradient lives on exactly one rank, so the squares add up over
-        # ranks to the square of the global L2 norm; a NaN or inf in any shard makes the sum
-        # non-finite everywhere.
+        # each element lives on one rank: the squares add up to the square of the global norm
         totals = torch.stack([sumsq, bad_losses.to(device=device, dtype=torch.float64)])
         dist.all_reduce(totals, group=self.group)
         norm = totals[0].sqrt()
         if not math.isfinite(norm.item()) or totals[1].item():
             return GradientVerdict(False, norm)
         if max_norm is not None:
-            # torch's clip_grads_with_norm_ arithmetic, applied to the local shards.
+            # torch's clip_grads_with_norm_ arithmetic, on the local shards
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
             torch._foreach_mul_(local, coef.to(local[0].dtype) if local else coef)
         return GradientVerdict(True, norm)
 
     @contextmanager
     def _gathered(self) -> Iterator[None]:
-        # A sharded forward all-gathers each block's parameters, so ranks evaluating different
-        # numbers of batches (unpadded shards) would wait on each other forever. Gather every block
-        # once for the whole evaluation instead (the whole model in memory meanwhile), and keep it
-        # gathered across forwards.
+        # Every block gathered once for the whole evaluation: a sharded forward is a collective,
+        # and ranks evaluate different numbers of batches.
         from torch.distributed.fsdp import FSDPModule
 
         modules = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
         for module in modules:
             module.set_reshard_after_forward(False)
             module.unshard()
-        # Buffers (BatchNorm running statistics) are not sharded and follow each rank's own
-        # batches: evaluate rank 0's everywhere, as DDP does.
+        # buffers follow each rank's own batches: rank 0's everywhere, as under DDP
         for buffer in self.model.buffers():
             dist.broadcast(buffer.data, src=dist.get_global_rank(self.group, 0), group=self.group)
         try:
@@ -246,22 +224,12 @@ class FSDPStrategy:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model_state, optim_state = get_state_dict(
-            self.model, self.optimizer, options=state_options()
-        )
-        # Parameters and their optimizer state are DTensors (each rank saves its shard); buffers are
-        # not sharded and follow each rank's own batches.
-        return separate_own({"model": model_state, "optim": optim_state}, self.model)
+        return read_state(self.model, self.optimizer)  # parameters and their state are DTensors
 
     def model_weights(self) -> dict[str, Any]:
         """The whole model's weights on rank 0 of the group, on the CPU (collective: gathered from
         the shards)."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-        )
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         return get_model_state_dict(
             self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -275,16 +243,7 @@ class FSDPStrategy:
         return {"model": model_state, "optim": optim_state}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        state = join_own(state)
-        set_state_dict(
-            self.model,
-            self.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optim"],
-            options=state_options(),
-        )
+        load_state(self.model, self.optimizer, state)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,15 +1,12 @@
 """``ddpkit check``: do N ranks train the same model as one process on the same global batch? If
 not, why?
 
-The script's training (see :mod:`ddpkit.tools._workload`) runs for a few steps as one process with
-the global batch, and as N ranks (ddpkit.spawn, gloo on the CPU) with ``1/N`` of it each, DDP
-averaging the gradients. Step by step, the global loss, rank 0's all-reduced gradients and its
-weights after the step are compared.
-
-On a mismatch, each known cause has a switch that removes it (sync BatchNorm, global-batch dropout,
-...). The runs are repeated with every switch on; if they then agree, each switch is turned off in
-turn, and a cause is named when the mismatch comes back without its switch. The single process is
-run twice in every set-up, so non-determinism shows as the process disagreeing with itself.
+The script's training runs a few steps as one process with the global batch, and as N ranks (gloo
+on the CPU) with ``1/N`` of it each; step by step the global loss, rank 0's all-reduced gradients
+and its weights after the step are compared. Each known cause has a switch that removes it: on a
+mismatch the runs are repeated with every switch on, then with each turned off in turn, and a cause
+is named when the mismatch comes back without its switch. The single process runs twice in every
+set-up, so non-determinism shows as the process disagreeing with itself.
 """
 
 from __future__ import annotations
@@ -17,20 +14,17 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
+import math
 import sys
 import traceback
 from collections.abc import Iterator, Sequence, Sized
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
+from torch import nn
 from torch.utils.data import DataLoader, Dataset
-
-try:  # numpy is optional, as in ddpkit.distributed._seeding
-    import numpy as np
-except ImportError:  # pragma: no cover
-    np = None  # type: ignore[assignment]
 
 from ddpkit._errors import ConfigError, check_types
 from ddpkit._internals.compiler import import_dynamo
@@ -38,16 +32,22 @@ from ddpkit._launch.options import MAX_NPROC, split_argv
 from ddpkit._launch.spawn import spawn
 from ddpkit.data import ShardedBatchSampler, to_device
 from ddpkit.data._loader import batch_len
+from ddpkit.data._sample_seeding import loading_rng_state, seed_sample, set_loading_rng_state
 from ddpkit.distributed._collectives import all_gather_object, broadcast_object
 from ddpkit.distributed._runtime import get_runtime, init
 from ddpkit.distributed._seeding import mix_seed, seed_everything
 from ddpkit.nn._dropout import BatchLayout, batch_layout, convert_dropout
 from ddpkit.strategies._prepare import prepare_model, unwrap
-from ddpkit.tools._check_causes import CAUSES, SampleSeeded, deterministic, plain_tensors
-from ddpkit.tools._compare import QUANTITIES, Verdict, compare
-from ddpkit.tools._workload import BUILTINS, HOOK, load_workload
+from ddpkit.tools._workload import BUILTINS, HOOK, Workload, load_workload
 
-_KEYS = tuple(c.key for c in CAUSES)
+MAX_STEPS = 100_000
+SCRIPT_FAILED = 3
+"""The exit code when the script itself raised (0: the runs agree; 1: they differ; 2: bad
+options)."""
+QUANTITIES = ("loss", "grad", "weights")
+# A parameter whose gradient is this small next to the whole gradient gets only rounding noise (a
+# bias BatchNorm cancels), which Adam turns into full-size steps: left out of the weights.
+SILENT_GRADIENT = 1e-6
 
 
 @dataclass(kw_only=True)
@@ -57,15 +57,13 @@ class CheckConfig:
     script: str | None = None
     """The training script defining ``ddpkit_workload()``; None for the built-in digits CNN."""
     script_args: tuple[str, ...] = ()
-    """The script's own arguments (its ``sys.argv[1:]``), as ``ddpkit run`` passes them."""
+    """The script's own arguments (its ``sys.argv[1:]``)."""
     nproc: int = 2
     """Ranks of the distributed run (gloo on the CPU)."""
     steps: int = 4
     """Optimizer steps compared."""
     rtol: float = 1e-4
-    """Relative difference (``|a - b| / |b|`` over a whole tensor) beyond which two runs differ.
-    float32 sums in another order differ by ~1e-7 per step; this leaves room for a few steps of
-    Adam."""
+    """Relative difference (``|a - b| / |b|`` over a whole tensor) beyond which two runs differ."""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -86,17 +84,215 @@ class CheckConfig:
             raise ConfigError(f"--seed {self.seed}: use a whole number from 0 to 2**63 - 1")
 
 
-MAX_STEPS = 100_000
-SCRIPT_FAILED = 3
-"""``ddpkit check``'s exit code when the script itself raised: no comparison was made (0: the runs
-agree; 1: they differ; 2: bad options)."""
+# -- the causes and their switches -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Cause:
+    """A way N ranks can train another model than one process does, and its fix."""
+
+    key: str
+    """The switch that removes it."""
+    what: str
+    fix: str
+
+
+CAUSES: tuple[Cause, ...] = (
+    Cause(
+        "batchnorm",
+        "BatchNorm without global statistics: each rank normalises its own slice of the batch",
+        "sync_batchnorm=True (prepare_model(model, sync_batchnorm=True) or "
+        "TrainerConfig(sync_batchnorm=True))",
+    ),
+    Cause(
+        "dropout",
+        "dropout drawing per rank: each rank draws the masks of its own slice from its own RNG",
+        "global_batch_dropout=True (TrainerConfig), or the forward inside "
+        "`with ddpkit.nn.global_batch(loader):` in a hand-written loop",
+    ),
+    Cause(
+        "augmentation",
+        "augmentation drawing per rank: the dataset draws random numbers from the process's RNG, "
+        "so a sample is augmented differently at another world size",
+        "draw a sample's randomness from a generator seeded by the sample: "
+        "torch.Generator().manual_seed(ddpkit.distributed._seeding.mix_seed(seed, epoch, index)) "
+        "in __getitem__",
+    ),
+    Cause(
+        "data_order",
+        "a different data order: the ranks' batches are not the slices of the single process's "
+        "global batch",
+        "ddpkit.build_loader(dataset, batch_size, seed=...) (ShardedBatchSampler) with the same "
+        "seed on every rank",
+    ),
+    Cause(
+        "unused_parameters",
+        "unused parameters: some parameters get no gradient, and DDP waits for them",
+        "find_unused_parameters=True (prepare_model(model, find_unused_parameters=True) or "
+        "TrainerConfig(strategy=DDPConfig(find_unused_parameters=True))), or remove the unused "
+        "parameters",
+    ),
+    Cause(
+        "initial_state",
+        "initial weights that differ between ranks: tensors DDP does not broadcast (plain tensor "
+        "attributes, not parameters or buffers) start different on each rank",
+        "ddpkit.seed_everything(seed) with the same seed on every rank before building the model, "
+        "and self.register_buffer(name, tensor) so DDP broadcasts it",
+    ),
+    Cause(
+        "nondeterminism",
+        "non-deterministic ops: one process run twice from the same seed does not repeat itself",
+        "torch.use_deterministic_algorithms(True) (on CUDA also CUBLAS_WORKSPACE_CONFIG=:4096:8)",
+    ),
+    Cause(
+        "uneven_mean",
+        "a loss averaged per rank when samples (or the tokens a loss averages over) are uneven: "
+        "DDP averages the ranks' means, which is not the mean over the global batch when ranks "
+        "hold different numbers of them",
+        "drop_last=True (build_loader, TrainerConfig: every rank gets batch_size samples), or "
+        "weight each rank's mean loss by its share: loss * n_rank * world_size / n_global (per "
+        "token: the Trainer's count_fn)",
+    ),
+)
+_KEYS = tuple(c.key for c in CAUSES)
+
+
+class SampleSeeded(Dataset):
+    """Fetches sample ``i`` of epoch ``e`` with the generators seeded for it as ``build_loader``
+    seeds them, then restores them: a sample's augmentation belongs to the sample, not to the rank
+    that fetches it."""
+
+    def __init__(self, dataset: Dataset, seed: int) -> None:
+        self.dataset, self.seed, self.epoch = dataset, seed, 0
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> Any:
+        state = loading_rng_state()
+        seed_sample(self.seed, self.epoch, index)
+        try:
+            return self.dataset[index]
+        finally:
+            set_loading_rng_state(state)
+
+
+def plain_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Tensors a model keeps as plain attributes: DDP does not broadcast them."""
+    out = {}
+    for prefix, module in model.named_modules():
+        for name, value in vars(module).items():
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+                out[f"{prefix}.{name}" if prefix else name] = value
+    return out
+
+
+@contextmanager
+def deterministic(on: bool) -> Iterator[None]:
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(on or before)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+# -- comparing two runs ----------------------------------------------------------------------------
+
+
+def _rel(a: Any, b: Any) -> float:
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    if a.shape != b.shape:
+        return math.inf
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        return 0.0 if torch.equal(a.nan_to_num(), b.nan_to_num()) else math.inf
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+@dataclass
+class Comparison:
+    """How two runs of the same steps differ."""
+
+    diffs: list[dict[str, float]]
+    """Per step, the relative difference of each quantity."""
+    error: str | None = None
+    """What a run that raised raised."""
+    silent: int = 0
+    """Parameters left out of the weights' comparison (``SILENT_GRADIENT``)."""
+
+    def first(self, rtol: float) -> tuple[int, str, float] | None:
+        """(step, quantity, relative difference) of the first difference beyond ``rtol``."""
+        for step, d in enumerate(self.diffs):
+            for q in ("grad", "loss", "weights"):
+                if d[q] > rtol:
+                    return step, q, d[q]
+        return None
+
+    def worst(self) -> float:
+        return max((max(d.values()) for d in self.diffs), default=0.0)
+
+    def differs(self, rtol: float) -> bool:
+        return self.error is not None or self.first(rtol) is not None
+
+
+def _silent_mask(reference: dict[str, Any], steps: int) -> tuple[torch.Tensor | None, int]:
+    """The weights' elements to compare: those of parameters whose gradient was above rounding
+    noise at every step so far in the reference; and how many parameters are left out."""
+    sizes = reference.get("sizes")
+    if not sizes or not steps:
+        return None, 0
+    keep = []
+    for i in range(len(sizes)):
+        start = sum(sizes[:i])
+        alive = all(
+            float(g[start : start + sizes[i]].norm()) > SILENT_GRADIENT * float(g.norm())
+            for g in reference["grad"][:steps]
+        )
+        keep.append(alive)
+    mask = torch.cat([torch.full((n,), k) for n, k in zip(sizes, keep)])
+    return mask, keep.count(False)
+
+
+def compare(a: dict[str, Any], b: dict[str, Any]) -> Comparison:
+    """``a`` against ``b`` (the reference), step by step, over the steps both completed."""
+    n = min(len(a["loss"]), len(b["loss"]))
+    diffs = []
+    silent = 0
+    for i in range(n):
+        mask, silent = _silent_mask(b, i + 1)
+        wa, wb = a["weights"][i], b["weights"][i]
+        if mask is not None:
+            wa, wb = wa[mask], wb[mask]
+        diffs.append(
+            {
+                "loss": _rel(a["loss"][i], b["loss"][i]),
+                "grad": _rel(a["grad"][i], b["grad"][i]),
+                "weights": _rel(wa, wb),
+            }
+        )
+    return Comparison(diffs, a["error"] or b["error"], silent)
+
+
+@dataclass
+class Verdict:
+    """A set-up's outcome: the N-rank run against one process, and one process against itself."""
+
+    ranks: Comparison
+    repeat: Comparison
+
+    def differs(self, rtol: float) -> bool:
+        return self.ranks.differs(rtol) or self.repeat.differs(rtol)
+
+    def size(self) -> float:
+        if self.ranks.error or self.repeat.error:
+            return math.inf
+        return max(self.ranks.worst(), self.repeat.worst())
 
 
 # -- one training run ------------------------------------------------------------------------------
 
 
 def _batches(loader: Any, data: Dataset) -> Iterator[Any]:
-    # epoch after epoch (the loader runs in this process: no prefetching)
     for epoch in itertools.count():
         if isinstance(data, SampleSeeded):
             data.epoch = epoch
@@ -118,88 +314,91 @@ def train_steps(
     seed: int,
     args: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """Train ``steps`` steps with the switches in ``fixes`` on; this process's records (rank 0's are
-    compared).
-
-    Collective when there is a process group: every rank calls it with the same arguments.
-    """
-    rt = get_runtime()
+    """Train ``steps`` steps with the switches in ``fixes`` on; this process's records. Collective
+    where there is a process group. A script's error is recorded (a DDP error is a finding)."""
     records: dict[str, Any] = {q: [] for q in QUANTITIES}
     records["error"] = records["traceback"] = None
     records["differing_tensors"] = []
     with deterministic("nondeterminism" in fixes):
         try:
             seed_everything(seed)
-            w = load_workload(script, max(rt.world_size, 1), args)
+            w = load_workload(script, max(get_runtime().world_size, 1), args)
             batch = per_rank_batch or w.batch_size
-            model = w.model
-            if "dropout" in fixes:
-                convert_dropout(model)
-            plain = plain_tensors(model)
-            if "initial_state" in fixes:
-                for t in plain.values():
-                    t.copy_(broadcast_object(t))
-            digests = {name: float(t.double().sum()) for name, t in plain.items()}
-            every = all_gather_object(digests)
-            records["differing_tensors"] = sorted(
-                n for n in digests if any(d.get(n) != digests[n] for d in every)
-            )
-            ddp_kwargs: dict[str, Any] = (
-                {"find_unused_parameters": True} if "unused_parameters" in fixes else {}
-            )
-            model = prepare_model(
-                model, sync_batchnorm="batchnorm" in fixes or w.sync_batchnorm, **ddp_kwargs
-            )
-            optimizer = w.optimizer(model.parameters())
-            data = SampleSeeded(w.dataset, seed) if "augmentation" in fixes else w.dataset
-            if w.loader is None or "data_order" in fixes:
-                sampler = ShardedBatchSampler(
-                    cast(Sized, data), batch, seed=seed, drop_last=w.drop_last
-                )
-                loader: Any = DataLoader(data, batch_sampler=sampler, num_workers=0)
-            else:
-                loader = w.loader(data, batch, rt.rank, rt.world_size)
-            batches = _batches(loader, data)
+            model, optimizer, batches = _prepared(w, fixes, batch, seed, records)
             model.train()
             for step in range(steps):
-                batch = to_device(next(batches), rt.device)
-                # samples: each rank's place in the global batch
-                counts = all_gather_object(batch_len(batch))
-                # what each rank's mean loss is over: samples or tokens
-                items = all_gather_object(w.count(batch))
-                n, n_global = items[rt.rank], sum(items)
-                layout = BatchLayout(
-                    global_size=sum(counts), offset=sum(counts[: rt.rank]), key=mix_seed(seed, step)
-                )
-                with batch_layout(layout) if "dropout" in fixes else nullcontext():
-                    loss = w.loss(model, batch)
-                # Each rank's mean, weighted by its share: DDP's average over ranks is then the
-                # global mean. A workload that counts items (tokens) is weighted so always, as the
-                # Trainer's count_fn does.
-                weigh = "uneven_mean" in fixes or w.count_fn is not None
-                scaled = loss * (n * rt.world_size / n_global) if weigh else loss
-                optimizer.zero_grad(set_to_none=True)
-                scaled.backward()
-                params = list(unwrap(model).parameters())
-                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-                records["no_grad"] = sum(p.grad is None for p in params)
-                records["sizes"] = [p.numel() for p in params]
-                records["grad"].append(
-                    torch.cat([g.detach().reshape(-1).double().cpu() for g in grads])
-                )
-                # The global loss: each rank's mean times its samples, summed, over all samples.
-                records["loss"].append(sum(all_gather_object(loss.item() * n)) / n_global)
-                optimizer.step()
-                records["weights"].append(
-                    torch.cat([p.detach().reshape(-1).double().cpu() for p in params])
-                )
+                _step(w, model, optimizer, next(batches), fixes, mix_seed(seed, step), records)
         except ConfigError:
             raise
-        # a DDP error is a finding (e.g. unused parameters), not a crash of the check
         except Exception as err:
             records["error"] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}"
             records["traceback"] = traceback.format_exc()
     return records
+
+
+def _prepared(
+    w: Workload, fixes: frozenset[str], batch: int, seed: int, records: dict[str, Any]
+) -> tuple[nn.Module, torch.optim.Optimizer, Iterator[Any]]:
+    """The model inside DDP, its optimizer and the batches, with the switches in ``fixes``; notes
+    the tensors that differ between ranks once the model is built."""
+    rt = get_runtime()
+    model = w.model
+    if "dropout" in fixes:
+        convert_dropout(model)
+    plain = plain_tensors(model)
+    if "initial_state" in fixes:
+        for t in plain.values():
+            t.copy_(broadcast_object(t))
+    digests = {name: float(t.double().sum()) for name, t in plain.items()}
+    every = all_gather_object(digests)
+    records["differing_tensors"] = sorted(
+        n for n in digests if any(d.get(n) != digests[n] for d in every)
+    )
+    unused: dict[str, Any] = (
+        {"find_unused_parameters": True} if "unused_parameters" in fixes else {}
+    )
+    model = prepare_model(model, sync_batchnorm="batchnorm" in fixes or w.sync_batchnorm, **unused)
+    optimizer = w.optimizer(model.parameters())
+    data = SampleSeeded(w.dataset, seed) if "augmentation" in fixes else w.dataset
+    if w.loader is None or "data_order" in fixes:
+        sampler = ShardedBatchSampler(cast(Sized, data), batch, seed=seed, drop_last=w.drop_last)
+        loader: Any = DataLoader(data, batch_sampler=sampler, num_workers=0)
+    else:
+        loader = w.loader(data, batch, rt.rank, rt.world_size)
+    return model, optimizer, _batches(loader, data)
+
+
+def _step(
+    w: Workload,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Any,
+    fixes: frozenset[str],
+    key: int,
+    records: dict[str, Any],
+) -> None:
+    rt = get_runtime()
+    batch = to_device(batch, rt.device)
+    counts = all_gather_object(batch_len(batch))  # each rank's place in the global batch
+    items = all_gather_object(w.count(batch))  # what each rank's mean loss is over
+    n, n_global = items[rt.rank], sum(items)
+    layout = BatchLayout(global_size=sum(counts), offset=sum(counts[: rt.rank]), key=key)
+    with batch_layout(layout) if "dropout" in fixes else nullcontext():
+        loss = w.loss(model, batch)
+    # each rank's mean weighted by its share: DDP's average is then the global mean (always so for
+    # items counted by count_fn, as the Trainer does)
+    weigh = "uneven_mean" in fixes or w.count_fn is not None
+    scaled = loss * (n * rt.world_size / n_global) if weigh else loss
+    optimizer.zero_grad(set_to_none=True)
+    scaled.backward()
+    params = list(unwrap(model).parameters())
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    records["no_grad"] = sum(p.grad is None for p in params)
+    records["sizes"] = [p.numel() for p in params]
+    records["grad"].append(torch.cat([g.detach().reshape(-1).double().cpu() for g in grads]))
+    records["loss"].append(sum(all_gather_object(loss.item() * n)) / n_global)
+    optimizer.step()
+    records["weights"].append(torch.cat([p.detach().reshape(-1).double().cpu() for p in params]))
 
 
 def _ranks_run(
@@ -209,20 +408,16 @@ def _ranks_run(
     return [train_steps(script, fixes, steps, None, seed, args) for fixes in setups]
 
 
+# -- the check -------------------------------------------------------------------------------------
+
+
 def _failed(cfg: CheckConfig, where: str, trace: str) -> tuple[int, list[str]]:
-    """The script raised: its traceback, and no verdict on the ranks (a numerical comparison of a
-    run that did not happen would blame DDP for the script's own error)."""
+    """The script raised: its traceback, and no verdict on the ranks."""
     return SCRIPT_FAILED, [
         f"ddpkit check: FAILED: {cfg.script or 'the workload'} raised {where}; nothing was "
         "compared:",
         trace.rstrip(),
     ]
-
-
-# -- comparing -------------------------------------------------------------------------------------
-
-
-# -- the check -------------------------------------------------------------------------------------
 
 
 def _setups(keys: Sequence[str] = _KEYS) -> list[frozenset[str]]:
@@ -241,82 +436,67 @@ def run_check(cfg: CheckConfig) -> tuple[int, list[str]]:
 
 
 def _check(cfg: CheckConfig) -> tuple[int, list[str]]:
-    # DDP's constructor imports torch._dynamo, which takes seconds; imported once here, before
-    # ddpkit.spawn forks, every rank of every job inherits it.
-    import_dynamo()
-
-    # Bad input fails here, with its message, rather than inside every rank.
-    try:
+    import_dynamo()  # DDP's constructor imports it (seconds): once, before the forks
+    try:  # bad input fails here, not inside every rank
         w = load_workload(cfg.script, cfg.nproc, cfg.script_args)
     except (ConfigError, KeyboardInterrupt):
         raise
-    except BaseException:  # SystemExit too: a script's argparse error, say
+    except BaseException:  # SystemExit too: a script's argparse error
         return _failed(cfg, "while its workload was built", traceback.format_exc())
     global_batch = w.batch_size * cfg.nproc
-    reference = train_steps(
-        cfg.script, frozenset(), cfg.steps, global_batch, cfg.seed, cfg.script_args
-    )
+    one_process = functools.partial(
+        train_steps, cfg.script, steps=cfg.steps, per_rank_batch=global_batch, seed=cfg.seed,
+        args=cfg.script_args,
+    )  # fmt: skip
+    reference = one_process(frozenset())
     if reference["traceback"] is not None:
         return _failed(cfg, "in the 1-process run", reference["traceback"])
-    # A switch only where it can matter: find_unused_parameters, which DDP cannot honour for a
-    # forward whose output it cannot search for tensors (a SimpleNamespace), where a parameter
-    # went without a gradient.
+    # find_unused_parameters only where a parameter went without a gradient: DDP cannot honour it
+    # for an output it cannot search for tensors
     keys = [k for k in _KEYS if k != "unused_parameters" or reference.get("no_grad")]
     setups = _setups(keys)
-    if w.loader is None:
-        ShardedBatchSampler(
-            cast(Sized, w.dataset),
-            w.batch_size,
-            drop_last=w.drop_last,
-            rank=0,
-            world_size=cfg.nproc,
-        )  # checks the workload's sizes; a map-style dataset has a length
+    w.check_sizes(cfg.nproc)
     run = functools.partial(_ranks_run, cfg.script, setups, cfg.steps, cfg.seed, cfg.script_args)
     ranks = spawn(run, cfg.nproc)[0]
     verdicts = []
     for fixes, dist_run in zip(setups, ranks):
-        one = (
-            reference
-            if not fixes
-            else train_steps(cfg.script, fixes, cfg.steps, global_batch, cfg.seed, cfg.script_args)
-        )
-        # the reference itself failed: the script's error
-        if one["traceback"] is not None and not fixes:
-            return _failed(cfg, "in the 1-process run", one["traceback"])
-        # The repeat finds non-determinism; with deterministic algorithms on (all but two set-ups)
-        # it can only agree, unless deterministic mode does not cure it, which the all-on set-up
-        # shows.
+        one = reference if not fixes else one_process(fixes)
+        # with deterministic algorithms on the repeat can only agree, unless they do not cure it,
+        # which the all-on set-up shows
         repeat = "nondeterminism" not in fixes or fixes == frozenset(keys)
-        again = (
-            train_steps(cfg.script, fixes, cfg.steps, global_batch, cfg.seed, cfg.script_args)
-            if repeat
-            else one
-        )
+        again = one_process(fixes) if repeat else one
         verdicts.append(Verdict(compare(dist_run, one), compare(again, one)))
-        if fixes == frozenset():
-            base_one, base_ranks = one, dist_run
-    silent = verdicts[0].ranks.silent
     lines = [
         f"ddpkit check: {cfg.script or w.name}: 1 process (batch {global_batch}) vs {cfg.nproc} "
         f"ranks (batch {w.batch_size} each, gloo), {cfg.steps} steps, tolerance {cfg.rtol:g} "
         "relative",
         *([f"  workload: {w.extra['workload']}"] if "workload" in w.extra else []),
-        _table(base_one, base_ranks, verdicts[0], cfg),
+        _table(reference, ranks[0], verdicts[0], cfg),
     ]
-    if silent:
+    if verdicts[0].ranks.silent:
         lines.append(
-            f"({silent} parameter(s) with gradients at rounding level, e.g. a bias that BatchNorm "
-            "cancels, are left out of the weights' comparison: an adaptive optimizer such as Adam "
-            "turns their rounding noise into full-size steps)"
+            f"({verdicts[0].ranks.silent} parameter(s) with gradients at rounding level, e.g. a "
+            "bias that BatchNorm cancels, are left out of the weights' comparison: an adaptive "
+            "optimizer such as Adam turns their rounding noise into full-size steps)"
         )
-    base, fixed = verdicts[0], verdicts[1]
-    # with every known cause switched off: not a finding of DDP's
-    if ranks[1]["traceback"] is not None:
+    if ranks[1]["traceback"] is not None:  # every known cause switched off: not DDP's finding
         return _failed(
             cfg,
             f"in the {cfg.nproc}-rank run, with every known cause switched off",
             ranks[1]["traceback"],
         )
+    return _verdict(cfg, keys, verdicts, ranks[0], lines)
+
+
+def _verdict(
+    cfg: CheckConfig,
+    keys: list[str],
+    verdicts: list[Verdict],
+    base_ranks: dict[str, Any],
+    lines: list[str],
+) -> tuple[int, list[str]]:
+    """The exit code and the report's last lines: agreement, or the mismatch and its causes."""
+    base, fixed = verdicts[0], verdicts[1]
     if not base.differs(cfg.rtol):
         lines.append(
             f"OK: {cfg.nproc} ranks train the same model as one process "
@@ -336,21 +516,19 @@ def _check(cfg: CheckConfig) -> tuple[int, list[str]]:
         )
         return 1, lines
     causes = [c for c in CAUSES if c.key in keys]
-    found = [c for c, v in zip(causes, verdicts[2:]) if v.differs(cfg.rtol)]
+    found = [(c, v) for c, v in zip(causes, verdicts[2:]) if v.differs(cfg.rtol)]
     if not found:
         lines.append(
             "cause: the runs agree with every switch on, but no single switch brings the mismatch "
             "back (causes that each suffice alone); switches: " + ", ".join(keys)
         )
-        return 1, lines
-    for cause, v in zip(causes, verdicts[2:]):
-        if cause in found:
-            lines += [
-                f"cause: {cause.what}",
-                f"  fix: {cause.fix}",
-                "  evidence: every switch on, the runs agree (largest difference "
-                f"{fixed.size():.1e}); all but '{cause.key}', they differ ({_what(v, cfg)})",
-            ]
+    for cause, v in found:
+        lines += [
+            f"cause: {cause.what}",
+            f"  fix: {cause.fix}",
+            "  evidence: every switch on, the runs agree (largest difference "
+            f"{fixed.size():.1e}); all but '{cause.key}', they differ ({_what(v, cfg)})",
+        ]
     return 1, lines
 
 
@@ -420,8 +598,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=4, help="optimizer steps compared (default 4)")
     p.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance (default 1e-4)")
     p.add_argument("--seed", type=int, default=0)
-    # The script's own arguments follow it, as under `ddpkit run` (check's options go before the
-    # script).
+    # the script's own arguments follow it, as under `ddpkit run`
     ours, script_args = split_argv(
         sys.argv[1:] if argv is None else argv, {"--nproc", "--steps", "--rtol", "--seed"}
     )

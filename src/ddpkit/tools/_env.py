@@ -20,18 +20,13 @@ from ddpkit.platforms._cpus import cpu_count
 def _live_check(device: str | None) -> int:
     import ddpkit
 
-    # None: the device init() picks, cuda:LOCAL_RANK with nccl where GPUs are
     rt = ddpkit.init(device=device)
     return int(ddpkit.all_reduce(rt.rank + 1))
 
 
 def live_checks(gpus: int) -> list[tuple[str, int, str | None]]:
-    """The all-reduces ``ddpkit env`` runs: (backend, processes, device for ``ddpkit.init``).
-
-    gloo on 2 CPU processes everywhere; where GPUs are visible also nccl, one process per GPU up to
-    2 (nccl refuses two processes on one GPU, so one GPU gets a one-process check: communicator and
-    kernels, no peer).
-    """
+    """The all-reduces ``ddpkit env`` runs: (backend, processes, device for ``ddpkit.init``): gloo
+    on 2 CPU processes; where GPUs are visible nccl too, one process per GPU up to 2."""
     checks: list[tuple[str, int, str | None]] = [("gloo", 2, "cpu")]
     if gpus:
         checks.append(("nccl", min(gpus, 2), None))
@@ -46,40 +41,20 @@ def _gpu(index: int) -> str:
     )
 
 
-# Variables through which launchers, schedulers and the communication libraries are steered.
-_VARIABLES = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "NSLOTS",
-    "OMP_NUM_THREADS",
-    "MKL_NUM_THREADS",
-    "CUDA_VISIBLE_DEVICES",
-    "TORCH_DISTRIBUTED_DEBUG",
+_VARIABLES = tuple(
+    "RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT NSLOTS OMP_NUM_THREADS "
+    "MKL_NUM_THREADS CUDA_VISIBLE_DEVICES TORCH_DISTRIBUTED_DEBUG".split()
 )
-_PREFIXES = (
-    "SLURM_",
-    "TORCHELASTIC_",
-    "PET_",
-    "OMPI_COMM_WORLD_",
-    "PMI_",
-    "MPI_LOCAL",
-    "NCCL_",
-    "GLOO_",
-    "TORCH_NCCL_",
-    "DDPKIT_",
+_PREFIXES = tuple(
+    "SLURM_ TORCHELASTIC_ PET_ OMPI_COMM_WORLD_ PMI_ MPI_LOCAL NCCL_ GLOO_ TORCH_NCCL_ "
+    "DDPKIT_".split()
 )
 
 
 def distributed_variables(env: dict[str, str] | None = None) -> dict[str, str]:
     """The launcher, scheduler and communication variables set in ``env`` (this process's by
-    default)."""
+    default); a secret is reported as set, never shown."""
     env = dict(os.environ) if env is None else env
-    # A secret (DDPKIT_RDZV_SECRET) is reported as set, never shown: this output is pasted into bug
-    # reports.
     return {
         k: "(set, not shown)" if "SECRET" in k else env[k]
         for k in sorted(env)
@@ -104,9 +79,8 @@ def _memory() -> str:
 
 
 def internals_state() -> dict[str, str]:
-    """Each private name of torch, CPython, numpy or Optuna that ddpkit relies on: "ok", or what
-    differs in the installed version (and what a user gets for it), so that a new release's change
-    is seen at once."""
+    """Each private internal ddpkit relies on: "ok", or what differs in the installed version and
+    what a user gets for it."""
     from ddpkit._internals import all_internals
     from ddpkit._internals.contract import problem, version_of
 
@@ -120,9 +94,7 @@ def internals_state() -> dict[str, str]:
         if version.endswith("(not installed)"):
             state[internal.name] = f"not checked: {version}"
             continue
-        line = problem(internal)
-        # problem() names the internal first; the rest is the version, what differs and what it
-        # costs.
+        line = problem(internal)  # the internal's name, then what differs
         state[internal.name] = (
             "ok" if line is None else "DIFFERS " + line[len(internal.name) :].lstrip()
         )
@@ -134,8 +106,6 @@ def collect(live: bool = True) -> dict[str, Any]:
     from ddpkit._launch.options import resolve_nproc
     from ddpkit.data import default_num_workers
 
-    # The device count through NVML: unlike torch.cuda.is_available(), asking it leaves CUDA
-    # uninitialised.
     gpus = torch.cuda.device_count()
     cuda = gpus > 0 and torch.cuda.is_available()
     info: dict[str, Any] = {
@@ -181,8 +151,6 @@ def _run_live_check(nprocs: int, device: str | None) -> str:
 
     start = time.perf_counter()
     try:
-        # Importable, so it also runs where CUDA is initialised here and the processes must be
-        # spawned afresh.
         sums = spawn(functools.partial(_live_check, device), nprocs)
     except Exception as err:  # report, do not crash: this is a diagnostic
         return f"FAILED: {type(err).__name__}: {err}"
@@ -206,7 +174,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ns = parser.parse_args(argv)
     info = collect(live=not ns.no_live)
-    # a dict's key heads its own lines
     width = max(len(k) for k, v in info.items() if not isinstance(v, dict))
     for key, value in info.items():
         if isinstance(value, dict):

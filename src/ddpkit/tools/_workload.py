@@ -1,33 +1,30 @@
-"""What ``ddpkit bench`` and ``ddpkit check`` train: the user's model, data, loss and optimizer,
-named by one hook.
+"""What ``ddpkit bench`` and ``ddpkit check`` train: the user's model, data, loss and optimizer.
 
-A script hands its training to the tools by defining a function ``ddpkit_workload()``::
+A script names them with a function ``ddpkit_workload()``::
 
     def ddpkit_workload():
         model = Net()
         optimizer = lambda params: torch.optim.Adam(params, lr=1e-3)
         return model, train_set, F.cross_entropy, optimizer
 
-or, for more control, returning a :class:`Workload`. The tools call it once per run in every rank's
-process, after seeding every rank alike, so it must build a fresh model each time; the script's
-``if __name__ == "__main__":`` block is not run (the file is imported under another name).
-
-A script without the hook that trains with :class:`~ddpkit.Trainer` needs none: the tools run it,
-with its default arguments, up to the point where it builds the Trainer, and take the model,
-optimizer, data and loss it hands the Trainer (:mod:`ddpkit.tools._trainer_capture`). Built-in
-workloads are named instead of a script: ``digits`` (the default) and ``lm`` (the language-model
-example's small GPT).
+or returns a :class:`Workload`. The tools call it once per run in every rank's process, after
+seeding every rank alike; the script is imported under another name (its main block does not run).
+A script without the hook that builds a :class:`~ddpkit.Trainer` runs, with its arguments, up to
+that point, and what it hands the Trainer is the workload. Built-in workloads are named instead of
+a script: ``digits`` (the default) and ``lm`` (the language-model example's small GPT).
 """
 
 from __future__ import annotations
 
 import ast
 import importlib.util
+import runpy
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -35,14 +32,12 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ddpkit._errors import ConfigError
+from ddpkit.data import ShardedBatchSampler
 from ddpkit.data._loader import batch_len
 from ddpkit.training._batch_loss import BatchLossFn, LossFn
 from ddpkit.training._config import TrainerConfig
 from ddpkit.training._losses import cross_entropy
 from ddpkit.training._step import CountFn
-
-if TYPE_CHECKING:
-    from ddpkit.tools._trainer_capture import Captured
 
 HOOK = "ddpkit_workload"
 """The function a script defines for ``ddpkit bench script.py`` and ``ddpkit check script.py``."""
@@ -64,31 +59,28 @@ class Workload:
     dataset: Dataset
     """Training samples ``(inputs, targets)``; the same on every rank."""
     loss_fn: LossFn = F.cross_entropy
-    """``loss_fn(model(inputs), targets)``: a scalar, the mean over the batch as torch's losses
-    return it."""
+    """``loss_fn(model(inputs), targets)``: a scalar, the mean over the batch."""
     optimizer: OptimizerFactory = _adam
     """Builds the optimizer from the (wrapped) model's parameters."""
     batch_size: int = 32
     """Samples per rank per step; one process takes ``batch_size x ranks`` in ``ddpkit check``."""
     drop_last: bool = True
-    """For ddpkit's sampler: drop an epoch's last, smaller global batch (False splits it unevenly
-    over ranks)."""
+    """For ddpkit's sampler: drop an epoch's last, smaller global batch."""
     loader: LoaderFactory | None = None
-    """The script's own loader, ``loader(dataset, batch_size, rank, world_size)`` giving
-    ``(inputs, targets)`` batches; by default ddpkit's :class:`~ddpkit.data.ShardedBatchSampler`. It
-    is read in the training process (no loader workers) and iterated again when an epoch ends."""
+    """The script's own loader, ``loader(dataset, batch_size, rank, world_size)``, read in the
+    training process and iterated again when an epoch ends; by default ddpkit's
+    :class:`~ddpkit.data.ShardedBatchSampler`."""
     batch_loss_fn: BatchLossFn | None = None
     """``batch_loss_fn(model, batch)`` for batches other than ``(inputs, targets)``; replaces
     ``loss_fn``."""
     count_fn: CountFn | None = None
     """How many items (tokens) a batch's mean loss is over (the Trainer's ``count_fn``); None: its
-    samples. The check weighs each rank's mean by it, as the Trainer does."""
+    samples."""
     sync_batchnorm: bool = False
-    """The script normalises over the global batch (a Trainer's ``sync_batchnorm``): the check's
-    runs do too."""
+    """The script normalises over the global batch: the check's runs do too."""
     name: str = "workload"
     extra: dict[str, Any] = field(default_factory=dict)
-    """Free-form notes printed with the results (e.g. the dataset's name)."""
+    """Free-form notes printed with the results."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, nn.Module):
@@ -110,10 +102,18 @@ class Workload:
             return int(self.count_fn(batch))
         return batch_len(batch)
 
+    def check_sizes(self, world_size: int) -> None:
+        """Refuse a dataset that holds no global batch of ``world_size`` ranks, before any rank
+        starts (ddpkit's sampler only)."""
+        if self.loader is None:
+            data = cast(Sized, self.dataset)
+            ShardedBatchSampler(
+                data, self.batch_size, drop_last=self.drop_last, world_size=world_size, rank=0
+            )
+
 
 def digits_workload() -> Workload:
-    """The built-in default: the DDP tutorials' CNN on scikit-learn's 8x8 digits (1,437 training
-    images), Adam."""
+    """The DDP tutorials' CNN on scikit-learn's 8x8 digits, Adam."""
     from ddpkit.demo._datasets import digits
     from ddpkit.demo._models import DigitsCNN
 
@@ -126,9 +126,8 @@ def digits_workload() -> Workload:
 
 
 def lm_workload() -> Workload:
-    """The language-model example's small GPT (``examples/lm.py``'s defaults) on the stdlib's
-    sources, character by character, with the loss averaged over tokens (the last window of a file
-    is padded), AdamW."""
+    """``examples/lm.py``'s small GPT on the stdlib's sources, the loss averaged over tokens,
+    AdamW."""
     from ddpkit.demo._datasets import CHARS, IGNORE_INDEX, python_source
     from ddpkit.demo._models import TinyGPT
 
@@ -200,17 +199,13 @@ def _called(func: ast.expr) -> str:
 
 
 def load_workload(script: str | None, world_size: int = 1, args: Sequence[str] = ()) -> Workload:
-    """Call ``script``'s :data:`HOOK`, or capture what it hands a Trainer (for ``world_size``
-    ranks); or build a built-in workload, named by ``script`` (:data:`BUILTINS`; ``None`` is
-    :func:`digits_workload`). The script sees ``sys.argv == [script, *args]``."""
+    """``script``'s :data:`HOOK`'s workload, or that of the Trainer it builds (for ``world_size``
+    ranks); or a built-in one, named by ``script`` (``None``: :func:`digits_workload`). The script
+    sees ``sys.argv == [script, *args]``."""
     if script is None:
         return digits_workload()
     if script in BUILTINS and not Path(script).exists():
         return BUILTINS[script]()
-    # Imported here: it imports the Trainer (torch's compiler stack, seconds), which a built-in
-    # workload or a script's hook does not need.
-    from ddpkit.tools._trainer_capture import Captured, intercept
-
     has_hook, trainers = read_source(script)
     no_workload = (
         f"{script} defines no function {HOOK}() and builds no ddpkit.Trainer: add one that "
@@ -218,19 +213,20 @@ def load_workload(script: str | None, world_size: int = 1, args: Sequence[str] =
         f"ddpkit.tools._workload.Workload, or name a built-in workload ({', '.join(BUILTINS)}); "
         "see `ddpkit bench -h`"
     )
-    if not has_hook and not trainers:  # read from its source: nothing of it runs
+    if not has_hook and not trainers:
         raise ConfigError(f"{no_workload} (read from its source, which was not run)")
     imported = None
     try:
-        # A script that trains at import (no main guard) stops where it builds its Trainer.
+        # a script that trains at import (no main guard) stops where it builds its Trainer
         with intercept(script, args):
             hook = getattr(_load_script(script), HOOK, None)
     except Captured as found:
         hook, imported = None, found
     if not callable(hook):
-        captured = capture_trainer(script, world_size, imported, args)
-        if captured is None:
+        trainer = imported or run_until_trainer(script, args)
+        if trainer is None:
             raise ConfigError(no_workload)
+        captured = workload_of(trainer, script, world_size)
         if len(trainers) > 1:
             captured.extra["workload"] += (
                 f" (the first it builds; its source builds Trainers at lines "
@@ -259,20 +255,74 @@ def load_workload(script: str | None, world_size: int = 1, args: Sequence[str] =
     )
 
 
-def capture_trainer(
-    script: str, world_size: int, imported: Captured | None = None, args: Sequence[str] = ()
-) -> Workload | None:
-    """The workload of the Trainer ``script`` builds (``imported``: as it did when imported), or
-    None."""
-    from ddpkit.tools._trainer_capture import run_until_trainer
+# -- a script that only builds a Trainer -----------------------------------------------------------
 
-    found = imported or run_until_trainer(script, args)
-    return None if found is None else workload_of(found, script, world_size)
+
+class Captured(BaseException):
+    """Raised in place of building a Trainer (a BaseException: a script's ``except Exception``
+    does not swallow it); carries what the script gave it."""
+
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        super().__init__("a Trainer was built")
+        self.args, self.kwargs = args, kwargs
+
+
+@contextmanager
+def intercept(script: str, args: Sequence[str] = ()) -> Iterator[None]:
+    """Within: building a Trainer raises :class:`Captured`, an optimizer step is refused, and
+    ``sys.argv`` is ``[script, *args]``."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    # imported here: the Trainer imports torch's compiler stack, which a hook does not need
+    from ddpkit.training._trainer import Trainer
+
+    original, argv = Trainer.__init__, sys.argv
+
+    def capture(self: Trainer, *args: Any, **kwargs: Any) -> None:
+        raise Captured(args, kwargs)
+
+    def refuse_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+        raise ConfigError(
+            f"{script} takes an optimizer step before building a ddpkit.Trainer (a hand-written "
+            "loop): define ddpkit_workload() returning its model, data, loss and optimizer, and "
+            "keep the loop under `if __name__ == '__main__':`"
+        )
+
+    Trainer.__init__ = capture  # type: ignore[method-assign]  # restored below
+    hook = register_optimizer_step_pre_hook(refuse_step)
+    sys.argv = [script, *args]
+    try:
+        yield
+    finally:
+        Trainer.__init__ = original  # type: ignore[method-assign]
+        hook.remove()
+        sys.argv = argv
+
+
+def run_until_trainer(script: str, args: Sequence[str] = ()) -> Captured | None:
+    """Run ``script`` as ``__main__`` until it builds a Trainer; what it gave the Trainer (None: it
+    built none)."""
+    file = Path(script).resolve()
+    sys.path.insert(0, str(file.parent))
+    try:
+        with intercept(script, args):
+            runpy.run_path(str(file), run_name="__main__")
+    except Captured as found:
+        return found
+    except SystemExit as exit_:
+        given = f"with arguments {list(args)}" if args else "with no arguments"
+        raise ConfigError(
+            f"{script} exited ({exit_.code}) before building a Trainer, run {given}: pass the "
+            "arguments it needs after the script's name"
+        ) from None
+    finally:
+        sys.path.remove(str(file.parent))
+    return None
 
 
 def workload_of(found: Captured, script: str, world_size: int) -> Workload:
-    """The :class:`Workload` of a captured Trainer, with the per-rank micro-batch the
-    Trainer would use on ``world_size`` ranks."""
+    """The :class:`Workload` of a captured Trainer, with the per-rank micro-batch the Trainer would
+    use on ``world_size`` ranks. The scheduler is not stepped."""
     if found.kwargs.get("step_fn") is not None:
         raise ConfigError(
             f"{script}: its Trainer has a step_fn (several models and optimizers), which `ddpkit "
@@ -286,17 +336,15 @@ def workload_of(found: Captured, script: str, world_size: int) -> Workload:
         raise ConfigError(f"{script}: the Trainer it builds is given no {', '.join(missing)}")
     config: TrainerConfig = given["config"]
     optimizer = given["optimizer"]
-    per_rank = config.per_rank_batch(world_size)  # global_batch_size / (ranks x accumulation steps)
     return Workload(
         model=given["model"],
         dataset=given["train_data"],
         loss_fn=found.kwargs.get("loss_fn") or cross_entropy,
         batch_loss_fn=found.kwargs.get("batch_loss_fn"),
         count_fn=found.kwargs.get("count_fn"),
-        # The optimizer the script built holds the model's own parameters, which DDP wraps without
-        # copying.
+        # the script's optimizer holds the model's own parameters, which DDP wraps without copying
         optimizer=lambda params: optimizer,
-        batch_size=per_rank,
+        batch_size=config.per_rank_batch(world_size),
         drop_last=config.drop_last,
         sync_batchnorm=config.sync_batchnorm,
         name=Path(script).name,

@@ -1,11 +1,7 @@
 """``ddpkit plot RUN_DIR``: the training and validation curves of a run, from its ``metrics.jsonl``,
-to a PNG.
-
-One panel per quantity: the losses (training loss every ``LoggingConfig.every_steps``, its epoch
-mean, validation loss) together, then each other validation metric, then the learning rate, then the
-speed (samples and tokens a second, MFU, and each rank's busy time per step from the ``ranks``
-records); the x-axis is the optimizer step. Work redone after a crash appears twice in the records;
-the later record of a step is the one drawn. Needs matplotlib: ``pip install 'ddpkit[plot]'``.
+to a PNG: one panel per quantity (the losses together, each other validation metric, the learning
+rate, the speed, each rank's busy time) against the optimizer step; of a step recorded twice (work
+redone after a crash), the later record. Needs matplotlib: ``pip install 'ddpkit[plot]'``.
 """
 
 from __future__ import annotations
@@ -52,13 +48,7 @@ def read_curves(run_dir: str | Path) -> dict[str, dict[int, float]]:
             record = json.loads(line)
         except ValueError:
             continue  # a line cut short by a crash
-        if not isinstance(record, dict) or record.get("kind") not in (
-            "train",
-            "epoch",
-            "val",
-            "test",
-            "ranks",
-        ):
+        if not isinstance(record, dict) or record.get("kind") not in _KINDS:
             continue
         step = record.get("step")
         if not isinstance(step, int) or isinstance(step, bool):
@@ -67,25 +57,23 @@ def read_curves(run_dir: str | Path) -> dict[str, dict[int, float]]:
                 "a Trainer's metrics file; give the run directory of a Trainer run"
             )
         if record["kind"] == "ranks":
-            _rank_curves(curves, step, record.get("busy_ms"))
-            continue
-        for name, value in record.items():
-            if name in ("kind", "step", "time", "epoch") or isinstance(value, bool):
-                continue
-            if isinstance(value, (int, float)) and math.isfinite(value):
-                curves.setdefault(name, {})[step] = float(value)
-    return curves
-
-
-def _rank_curves(curves: dict[str, dict[int, float]], step: int, busy: object) -> None:
-    if isinstance(busy, list):
-        for rank, value in enumerate(busy):
+            busy = record.get("busy_ms")
+            named = {
+                f"busy_ms/rank{r}": v for r, v in enumerate(busy if isinstance(busy, list) else [])
+            }
+        else:
+            named = {k: v for k, v in record.items() if k not in ("kind", "step", "time", "epoch")}
+        for name, value in named.items():
             if (
                 isinstance(value, (int, float))
                 and not isinstance(value, bool)
                 and math.isfinite(value)
             ):
-                curves.setdefault(f"busy_ms/rank{rank}", {})[step] = float(value)
+                curves.setdefault(name, {})[step] = float(value)
+    return curves
+
+
+_KINDS = ("train", "epoch", "val", "test", "ranks")
 
 
 SPEED = ("samples_per_s", "tokens_per_s", "mfu")

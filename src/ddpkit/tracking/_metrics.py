@@ -1,5 +1,5 @@
-"""What the main rank writes about a run: metrics as JSON lines and CSV, and TensorBoard or a
-tracker if asked."""
+"""What the main rank writes and shows about a run: metrics as JSON lines and CSV (and TensorBoard
+or a tracker if asked), a progress bar or plain lines, and the summary at its end."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import math
 import multiprocessing.util
 import os
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,19 +18,13 @@ from ddpkit import _fs as fs
 
 
 class MetricsWriter:
-    """Appends records to ``run_dir/metrics.jsonl``, epoch summaries to ``run_dir/epochs.csv``.
+    """Appends records to ``run_dir/metrics.jsonl``, epoch summaries to ``run_dir/epochs.csv``, on
+    the main rank (elsewhere it does nothing). Files are opened for appending at the first record,
+    never through a link, and a file with a second name is first given a copy of its own.
 
-    Only the main rank writes; other ranks get a writer that does nothing, so call sites need no
-    rank test. Files are opened in append mode at the first record, not when the writer is made: a
-    resumed run continues the same files, and one with ``resume=False`` starts new ones once the
-    previous run's are moved aside (:func:`ddpkit.snapshot._run_dir.claim`). They are opened without
-    following a symbolic link, and a file with a second name (a run directory copied with
-    ``cp -al``) is first replaced by a copy of its own.
-
-    Its state (:meth:`state_dict`) is where the files end: a snapshot holds it, and a resume from
-    that snapshot moves the records written after it (which the resumed run writes again) to
-    ``metrics.rewound.jsonl``, so that ``metrics.jsonl`` reads as the uninterrupted run's, with its
-    ``resume`` events.
+    Its state (:meth:`state_dict`) is where the files end: a resume from a snapshot moves the loop's
+    records written after it to ``metrics.rewound.jsonl``, so that ``metrics.jsonl`` reads as the
+    uninterrupted run's.
     """
 
     FILES = ("metrics.jsonl", "epochs.csv")
@@ -61,7 +56,7 @@ class MetricsWriter:
         if not enabled:
             return
         fs.make_dirs(self.run_dir)
-        # A missing extra is named now, when the Trainer is built, not at the first record.
+        # a missing extra is named when the Trainer is built
         if tensorboard:
             _summary_writer()
         if loggers:
@@ -83,8 +78,7 @@ class MetricsWriter:
             from ddpkit.tracking._trackers import build
 
             self._loggers = build(self._logger_names, self.run_dir, self._params)
-            # Closed at exit, also in a process started by multiprocessing (ddpkit.spawn), where
-            # atexit hooks do not run; or when the writer is collected.
+            # closed at exit, also under multiprocessing (no atexit there), or when collected
             multiprocessing.util.Finalize(self, _close_all, args=(self._loggers,), exitpriority=10)
         return self._jsonl
 
@@ -160,10 +154,9 @@ class MetricsWriter:
         return sizes
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Cut each file back to its size in ``state``: the training loop's records written past it
-        (the resumed run writes them again) move to ``metrics.rewound.jsonl`` (:attr:`rewound`: how
-        many); the others stay (a stop, a pre-emption notice, an evaluation after ``fit()``, a
-        script's own records: not written again)."""
+        """Cut each file back to its size in ``state``: the loop's records written past it (written
+        again by the resumed run) move to ``metrics.rewound.jsonl`` (:attr:`rewound`: how many);
+        the others (a stop, a notice, a script's own records) stay."""
         self.rewound = 0
         if not self.enabled or not state:
             return
@@ -225,3 +218,92 @@ def _summary_writer() -> Any:
 def _close_all(loggers: list[Any]) -> None:
     for logger in loggers:
         logger.close()
+
+
+class Progress:
+    """A tqdm bar on the main rank when stdout is a terminal, otherwise a plain line each time
+    there is news: ``update()`` once per optimizer step, with a ``postfix`` (loss, speed) every so
+    many."""
+
+    def __init__(self, enabled: bool, total: int, desc: str, initial: int = 0) -> None:
+        self.enabled, self.total, self.desc = enabled, total, desc
+        self.count = initial
+        self._bar = None
+        if enabled and sys.stdout.isatty():
+            try:
+                from tqdm.auto import tqdm
+
+                self._bar = tqdm(
+                    total=total, initial=initial, desc=desc, dynamic_ncols=True, leave=True
+                )
+            except ImportError:
+                pass
+
+    def update(self, postfix: dict[str, Any] | None = None) -> None:
+        if not self.enabled:
+            return
+        self.count += 1
+        if self._bar is not None:
+            self._bar.update(1)
+        if not postfix:
+            return
+        text = " ".join(
+            f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in postfix.items()
+        )
+        if self._bar is not None:
+            self._bar.set_postfix_str(text, refresh=False)
+        else:
+            print(f"{self.desc} {self.count}/{self.total} {text}", flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def format_metrics(metrics: dict[str, Any]) -> str:
+    return " ".join(
+        f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()
+    )
+
+
+def run_summary(
+    reason: str,
+    state: Any,
+    last: dict[str, Any],
+    validation: Any,
+    run_dir: Path,
+    speed: str | None = None,
+) -> str:
+    """The end of a run in a few lines: why it stopped, the best epoch, the final metrics, where the
+    weights are. ``state``: where training ended (``cursor`` not 0 inside an epoch).
+    ``validation``: the run's :class:`~ddpkit.training._validation.Validation` (``best_weights``,
+    and ``latest_step``, whose ``val/...`` metrics may be older than the end). ``speed``: the ranks'
+    line (:meth:`~ddpkit.tracking._speed.RunSpeed.summary`), if any."""
+    best, validated_at = validation.best_weights, validation.latest_step
+    epoch, step = state.epoch, state.step
+    where = (
+        f"{step} optimizer steps, in epoch {epoch + 1}"
+        if state.cursor
+        else f"{epoch} epoch(s), {step} optimizer steps"
+    )
+    lines = [f"ddpkit: done ({reason}) after {where}"]
+    if best.enabled and best.value is not None:
+        at = f"step {best.step}" if best.at_step else f"epoch {best.epoch}"
+        lines.append(f"  best {best.metric} {best.value:.4g} at {at}: weights in {best.path}")
+    if last:
+        final = {k: v for k, v in last.items() if k not in ("epoch", "step")}
+        validated = {
+            k: final.pop(k)
+            for k in list(final)
+            if validated_at is not None and k.startswith("val/")
+        }
+        if final:
+            lines.append(f"  final: {format_metrics(final)}")
+        if validated:
+            lines.append(
+                f"  latest validation, at step {validated_at}: {format_metrics(validated)}"
+            )
+    if speed:
+        lines.append(speed)
+    lines.append(f"  run directory {run_dir}: snapshots/, metrics.jsonl, epochs.csv")
+    return "\n".join(lines)

@@ -1,20 +1,8 @@
 """MLflow and Weights & Biases: the records the CSV and TensorBoard get, sent to an experiment
-tracker too.
-
-``TrainerConfig(logging=LoggingConfig(trackers=("mlflow", "wandb")))``; each is an optional extra
-(``pip install 'ddpkit[mlflow]'``, ``'ddpkit[wandb]'``). Only the main rank logs. Both work without
-a server or an account:
-
-- MLflow logs to ``$MLFLOW_TRACKING_URI`` if set, else to a local SQLite store,
-  ``run_dir/mlflow.db`` (MLflow 3 refuses new file stores; browse it with
-  ``mlflow ui --backend-store-uri sqlite:///run_dir/mlflow.db``); experiment
-  ``$MLFLOW_EXPERIMENT_NAME`` or ``ddpkit``;
-- W&B logs online when it has an API key, and offline to ``run_dir/wandb`` otherwise (or with
-  ``WANDB_MODE=offline``; ``wandb sync`` uploads later); project ``$WANDB_PROJECT`` or ``ddpkit``.
-
-A resumed run continues the same tracker run: their ids are kept in ``run_dir/loggers.json``. Work
-redone after a crash is logged again at the same steps; MLflow keeps both values, W&B ignores steps
-lower than one it has seen (so it keeps the first).
+tracker too, from the main rank (``LoggingConfig(trackers=("mlflow", "wandb"))``, each an optional
+extra). Without a server or an account: MLflow logs to ``$MLFLOW_TRACKING_URI``, else to
+``run_dir/mlflow.db`` (SQLite); W&B logs online with an API key, else offline to ``run_dir/wandb``.
+A resumed run continues the same tracker run, its id kept in ``run_dir/loggers.json``.
 """
 
 from __future__ import annotations
@@ -60,9 +48,8 @@ class MLflowLogger:
             os.environ.get("MLFLOW_TRACKING_URI")
             or f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
         )
-        # SQLite writes it in place: a copied run's is its own
         if not os.environ.get("MLFLOW_TRACKING_URI"):
-            fs.unshare(run_dir / "mlflow.db")
+            fs.unshare(run_dir / "mlflow.db")  # SQLite writes in place: a copied run's is its own
         self.client = mlflow.MlflowClient(tracking_uri=uri)
         self.run_id = _ids(run_dir).get("mlflow")
         if self.run_id is None:
@@ -70,10 +57,11 @@ class MLflowLogger:
             found = self.client.get_experiment_by_name(name)
             experiment = found.experiment_id if found else self.client.create_experiment(name)
             self.run_id = self.client.create_run(experiment, run_name=run_dir.name).info.run_id
-            # MLflow's params are flat: a nested config's fields as `logging.every_steps`.
-            self.client.log_batch(
-                self.run_id, params=[Param(k, str(v)[:500]) for k, v in _flat(params).items()]
-            )
+            from ddpkit.snapshot._run_record import flat_config
+
+            # MLflow's params are flat: a nested config's fields as `logging.every_steps`
+            flat = [Param(k, str(v)[:500]) for k, v in flat_config(params).items()]
+            self.client.log_batch(self.run_id, params=flat)
             _remember(run_dir, "mlflow", self.run_id)
         else:
             self.client.update_run(self.run_id, status="RUNNING")
@@ -93,7 +81,7 @@ class WandbLogger:
         wandb = _need("wandb", "wandb")
         offline = not (os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE"))
         run_id = _ids(run_dir).get("wandb") or uuid.uuid4().hex[:8]
-        # Without a key wandb.init would ask for one on the terminal; offline it needs none.
+        # without a key wandb.init would ask for one on the terminal
         self.run = wandb.init(
             dir=str(run_dir),
             project=os.environ.get("WANDB_PROJECT", "ddpkit"),
@@ -116,16 +104,6 @@ def require(names: tuple[str, ...] | list[str]) -> None:
     """Import each logger's package now, so that a missing extra is named before training starts."""
     for name in names:
         _need(name, name)
-
-
-def _flat(params: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in params.items():
-        if isinstance(value, dict):
-            out |= _flat(value, f"{prefix}{key}.")
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def build(names: tuple[str, ...] | list[str], run_dir: Path, params: dict[str, Any]) -> list[Any]:

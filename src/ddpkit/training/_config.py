@@ -72,7 +72,7 @@ class LoggingConfig:
     all-reduce): a ``ranks`` record naming the slowest rank, samples (and tokens) a second, MFU
     where the device's peak is known. See docs/speed.md."""
     peak_flops: float | None = None
-    """One device's peak FLOP/s, for MFU on a device not in :mod:`ddpkit.tracking._flops`' table."""
+    """One device's peak FLOP/s, for MFU on a device not in :mod:`ddpkit.tracking._speed`' table."""
 
     def __post_init__(self) -> None:
         check_types(self)

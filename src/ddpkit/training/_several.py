@@ -34,9 +34,8 @@ from ddpkit.distributed import Group
 from ddpkit.snapshot._run_record import RunRecord
 from ddpkit.snapshot._state import TrainState
 from ddpkit.strategies import DDPConfig, strategy_config
-from ddpkit.strategies._several import SeveralModels
-from ddpkit.tracking._speed import Speed
-from ddpkit.tracking._timings import StepTimings
+from ddpkit.strategies._ddp import SeveralModels
+from ddpkit.tracking._speed import Speed, StepTimings
 from ddpkit.training._config import TrainerConfig
 from ddpkit.training._loss_window import LossWindow
 from ddpkit.training._step import MicroBatch, OptimizerStep, Step, scale_loss

@@ -36,8 +36,7 @@ from ddpkit.distributed._progress import Phase
 from ddpkit.nn._dropout import batch_layout, step_layout
 from ddpkit.snapshot._state import TrainState
 from ddpkit.strategies import Strategy
-from ddpkit.tracking._speed import Speed
-from ddpkit.tracking._timings import StepTimings
+from ddpkit.tracking._speed import Speed, StepTimings
 from ddpkit.training._batch_loss import BatchLoss, CountFn
 from ddpkit.training._config import TrainerConfig
 from ddpkit.training._loss_window import LossWindow

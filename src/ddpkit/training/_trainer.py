@@ -48,9 +48,8 @@ from ddpkit.snapshot._run_record import RunRecord, write_resolved_config
 from ddpkit.snapshot._snapshots import Snapshots, resumes
 from ddpkit.snapshot._state import RankStreams, TrainState
 from ddpkit.strategies import Strategy, build_strategy
-from ddpkit.strategies._several import SeveralModels
-from ddpkit.tracking._metrics import MetricsWriter
-from ddpkit.tracking._progress import Progress, run_summary
+from ddpkit.strategies._ddp import SeveralModels
+from ddpkit.tracking._metrics import MetricsWriter, Progress, run_summary
 from ddpkit.tracking._speed import Speed
 from ddpkit.training._batch_loss import BatchLoss, BatchLossFn, LossFn
 from ddpkit.training._callbacks import call, call_step_end, own_parts

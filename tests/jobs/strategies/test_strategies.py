@@ -17,7 +17,7 @@ import ddpkit
 import ddpkit.strategies
 from ddpkit._errors import ConfigError
 from ddpkit.strategies import DDPConfig, build_strategy, strategy_config
-from ddpkit.strategies import _hooks as hooks
+from ddpkit.strategies._ddp import bf16_compress
 from tests.jobs.scripts.train_job import train
 
 
@@ -313,7 +313,7 @@ def _bf16_hooks_on_gloo() -> tuple[str, list[list[float]]]:
 
     rt = ddpkit.init()
     verdict, grads = "registered", []
-    for hook in (bf16_compress_hook, hooks.bf16_compress):
+    for hook in (bf16_compress_hook, bf16_compress):
         torch.manual_seed(0)
         model = ddpkit.prepare_model(nn.Linear(4, 3), runtime=rt)
         try:

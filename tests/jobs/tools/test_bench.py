@@ -74,7 +74,7 @@ def test_bench_end_to_end_writes_table_json_and_plot(tmp_path):
 
 
 def _lm_steps():
-    from ddpkit.tools._steptime import Knobs, measure_steps
+    from ddpkit.tools._measure import Knobs, measure_steps
 
     return measure_steps("lm", Knobs(), 3, 1, False, False)
 

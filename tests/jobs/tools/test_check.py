@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 
 from ddpkit._errors import ConfigError
-from ddpkit.tools._check import CheckConfig, run_check
-from ddpkit.tools._check_causes import CAUSES
+from ddpkit.tools._check import CAUSES, CheckConfig, run_check
 from ddpkit.tools._workload import load_workload
 from tests.conftest import _clean_environ
 

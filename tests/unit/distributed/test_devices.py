@@ -234,7 +234,7 @@ def test_the_bench_spawns_gpu_jobs_afresh_and_forks_cpu_ones(monkeypatch):
 
 
 def test_the_all_reduce_span_on_a_gpu_is_read_from_cuda_events(monkeypatch):
-    from ddpkit.tools._steptime import _CommTimer
+    from ddpkit.tools._measure import _CommTimer
 
     class Event:
         clock = 0.0

@@ -154,7 +154,7 @@ def _metrics(folder: Path) -> None:
 
 
 def _journal(folder: Path) -> None:
-    from ddpkit.search._search_dir import repair_journal
+    from ddpkit.search._study import repair_journal
 
     repair_journal(folder / "study.journal")
     # Optuna's own append, by name, after the repair

@@ -15,9 +15,8 @@ from optuna.trial import TrialState
 import ddpkit
 from ddpkit._errors import ConfigError
 from ddpkit.search import SearchConfig, uniform
-from ddpkit.search._environment import environment_error
-from ddpkit.search._search_dir import repair_journal
-from ddpkit.search._study import new_sampler
+from ddpkit.search._engine import environment_error
+from ddpkit.search._study import new_sampler, repair_journal
 
 
 def test_a_search_space_optuna_rejects_is_a_clear_error():
@@ -26,7 +25,7 @@ def test_a_search_space_optuna_rejects_is_a_clear_error():
     with pytest.raises(ConfigError, match="log"):
         uniform(0.0, 1.0, log=True)
     with pytest.raises(ConfigError, match="parameter 'lr'"):
-        ddpkit.search._space.to_distributions({"lr": 0.1})
+        ddpkit.search._config.to_distributions({"lr": 0.1})
     with pytest.raises(ConfigError, match="sampler='grid' needs choices"):
         new_sampler(SearchConfig(n_trials=1, sampler="grid"), {"lr": uniform(0.1, 1.0)})
 

@@ -17,7 +17,7 @@ from optuna.trial import TrialState  # noqa: E402
 from ddpkit._internals import optuna_journal  # noqa: E402
 from ddpkit._internals.contract import problem  # noqa: E402
 from ddpkit.search import SearchConfig, choice, uniform  # noqa: E402
-from ddpkit.search._space import to_distributions  # noqa: E402
+from ddpkit.search._config import to_distributions  # noqa: E402
 from ddpkit.search._study import (  # noqa: E402
     _SEARCH_KEY,
     created_trial,

@@ -4,16 +4,16 @@ any rank starts."""
 import pytest
 
 from ddpkit._errors import ConfigError
-from ddpkit.tools import _allreduce as allreduce
 from ddpkit.tools import _predict as predict
-from ddpkit.tools._bench_config import BenchConfig
+from ddpkit.tools._bench import BenchConfig
+from ddpkit.tools._measure import DEFAULT_SIZES
 from ddpkit.tools._workload import load_workload
 
 
 def test_alpha_beta_fit_recovers_a_known_line():
     alpha, beta = 50e-6, 2e9
-    points = [(b, alpha + b / beta) for b in allreduce.DEFAULT_SIZES]
-    fit = allreduce.fit_alpha_beta(3, points)
+    points = [(b, alpha + b / beta) for b in DEFAULT_SIZES]
+    fit = predict.fit_alpha_beta(3, points)
     assert fit.alpha_s == pytest.approx(alpha, rel=1e-6)
     assert fit.beta_bytes_per_s == pytest.approx(beta, rel=1e-6)
     assert fit.bus_bandwidth == pytest.approx(beta * 4 / 3)  # nccl-tests: busbw = algbw x 2(n-1)/n
@@ -24,7 +24,7 @@ def test_the_measured_time_at_a_bucket_size_is_the_measurement_not_the_fit():
     # Measured at 8 ranks on 2 cores here: flat from 64 B to 1 MiB (the scheduler), steep at 16 MiB.
     points = [(4, 2.9e-3), (64, 16.0e-3), (1024, 18.7e-3), (16384, 16.6e-3), (65536, 20.3e-3)]
     points += [(1 << 20, 19.8e-3), (1 << 24, 64.9e-3)]
-    fit = allreduce.fit_alpha_beta(8, points)
+    fit = predict.fit_alpha_beta(8, points)
     assert fit.measured_seconds(65536) == 20.3e-3  # a size measured: its own time
     # half-way in log size: the geometric mean of the neighbours
     between = fit.measured_seconds(32768)
@@ -111,10 +111,10 @@ def _one_rank_on_the_cpu(step_s: float) -> dict:
 
 
 def test_on_the_cpu_the_prediction_takes_the_all_reduce_as_a_step_meets_it():
-    from ddpkit.tools._bench_predict import compute_seconds, predictions
+    from ddpkit.tools._predict import compute_seconds, predictions
 
     scaling = _one_rank_on_the_cpu(step_s=3.0e-3)
-    fits = {2: allreduce.fit_alpha_beta(2, [(4, 1e-4), (4000, 2e-4), (1 << 24, 1e-2)])}
+    fits = {2: predict.fit_alpha_beta(2, [(4, 1e-4), (4000, 2e-4), (1 << 24, 1e-2)])}
     one_rank = {4000: 0.05e-3}  # of the 1-rank wait of 0.2 ms: 0.15 ms is DDP's fixed cost
     assert compute_seconds(scaling) == pytest.approx(1.8e-3)
     (row,) = predictions(BenchConfig(nproc=2), scaling, fits, one_rank, {2: 0.7e-3})["this_machine"]

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from ddpkit._errors import ConfigError
-from ddpkit.tools._check import CheckConfig, run_check
-from ddpkit.tools._compare import compare
+from ddpkit.tools._check import CheckConfig, compare, run_check
 from ddpkit.tools._workload import load_workload
 
 SCRIPTS = Path(__file__).parents[2] / "jobs" / "scripts"

@@ -14,8 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from ddpkit.demo import CHARS, TinyGPT
-from ddpkit.tracking._flops import ATTENTION, FlopCount
-from ddpkit.tracking._timings import PHASES, StepTimings
+from ddpkit.tracking._speed import ATTENTION, PHASES, FlopCount, StepTimings
 
 FUSED = "aten._scaled_dot_product_flash_attention_for_cpu"
 

@@ -13,11 +13,19 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from ddpkit.tracking import _flops as flops
+from ddpkit.tracking import _speed as flops
 from ddpkit.tracking._curves import RANKS_PANEL, panels, read_curves
-from ddpkit.tracking._flops import FlopCount, device_peak, mfu, peak_flops
-from ddpkit.tracking._speed import Speed
-from ddpkit.tracking._timings import PHASES, RankTimes, RunSpeed, StepTimings
+from ddpkit.tracking._speed import (
+    PHASES,
+    FlopCount,
+    RankTimes,
+    RunSpeed,
+    Speed,
+    StepTimings,
+    device_peak,
+    mfu,
+    peak_flops,
+)
 
 
 def _forward_backward(model: nn.Module, x: torch.Tensor) -> None:

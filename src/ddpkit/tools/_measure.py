@@ -1,29 +1,15 @@
-"""One DDP job's step, timed part by part on every rank: data, forward, backward, exposed
-all-reduce, optimizer.
+"""What ``ddpkit bench`` times inside its ranks: a DDP step part by part (data, forward, backward,
+exposed all-reduce, optimizer, all-reduce span), and the backend's all-reduce alone.
 
-How communication is measured, two ways:
-
-- **exposed all-reduce**: every other timed step runs its backward under DDP's ``no_sync()`` (no
-  all-reduce; its gradients are dropped and no optimizer step follows). The exposed all-reduce is
-  the median backward with synchronisation minus the median backward without: the time the
-  all-reduce adds to the step.
-- **all-reduce span**: a DDP communication hook (torch's default ``allreduce_hook``, wrapped) stamps
-  the moment DDP launches the first bucket and the moment the last bucket's all-reduce completes;
-  their difference is the communication time of a step, hidden or not. On CUDA the stamps are CUDA
-  events: nccl's future completes on the host as soon as the all-reduce is queued, and its callback
-  runs on a stream that waits for the all-reduce, so an event recorded there marks the device's
-  completion (a host clock would time the launch). A hook written in Python costs the step itself:
-  its callback waits for the GIL on the backend's thread (0.4 to 0.6 ms a step over gloo at 2 ranks
-  here, nothing at 1). So the hook is registered only after the step and its parts are timed, and
-  the span comes from steps of its own.
-
-On CUDA every part ends with a device synchronisation, so its time is the device's, not the
-launch's.
+The exposed all-reduce is backward less backward under ``no_sync()`` (every other timed step); the
+span comes from a communication hook registered after the step is timed, in steps of its own (a
+hook in Python slows the step it times). On CUDA every part ends with a device synchronisation.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import statistics
 import time
@@ -38,31 +24,27 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpkit.data import build_loader, to_device
-from ddpkit.distributed._collectives import all_gather_object
+from ddpkit.distributed._collectives import all_gather_object, all_reduce, barrier, comm_device
 from ddpkit.distributed._runtime import init
 from ddpkit.distributed._seeding import seed_everything
-from ddpkit.platforms._cpus import cpu_count
 from ddpkit.strategies._prepare import GRADIENT_AS_BUCKET_VIEW, prepare_model
-from ddpkit.tools._workload import load_workload
+from ddpkit.tools._predict import BUCKET_CAP_MB
+from ddpkit.tools._workload import Workload, load_workload
 
 PARTS = ("data", "forward", "backward", "backward_no_sync", "optimizer", "step", "allreduce_span")
+DEFAULT_SIZES = tuple(4**k for k in range(1, 13))  # 4 B .. 16 MiB
 
 
 @dataclass(frozen=True, kw_only=True)
 class Knobs:
-    """The DDP and loader settings a timed run uses (the defaults are ``prepare_model``'s and the
-    bench's)."""
+    """The DDP and loader settings a timed run uses (the defaults are ``prepare_model``'s)."""
 
-    bucket_cap_mb: float = 25.0
-    """DDP's bucket size (MiB)."""
+    bucket_cap_mb: float = BUCKET_CAP_MB
     gradient_as_bucket_view: bool = GRADIENT_AS_BUCKET_VIEW
-    """Gradients are views into DDP's buckets: no copy out of the bucket, less memory."""
     static_graph: bool = False
-    """DDP may assume the same parameters get gradients in the same order every step."""
     num_workers: int = 0
-    """Loader worker processes per rank (0: the rank loads its own batches)."""
+    """Loader worker processes per rank."""
     pin_memory: bool = False
-    """Page-locked batches, for faster copies to a GPU (no effect on the CPU)."""
 
     def label(self) -> str:
         default = Knobs()
@@ -71,9 +53,9 @@ class Knobs:
 
 
 class _CommTimer:
-    """A DDP communication hook that all-reduces as DDP does and stamps the first launch and last
-    completion: host clock readings on the CPU, CUDA events (read after the step's synchronisation)
-    on a GPU."""
+    """A communication hook that all-reduces as DDP does and stamps the first launch and last
+    completion: host clock readings on the CPU, CUDA events on a GPU (recorded in the future's
+    callback, on a stream that waits for the all-reduce)."""
 
     def __init__(self, cuda: bool = False) -> None:
         self.cuda = cuda
@@ -84,7 +66,7 @@ class _CommTimer:
         if not self.cuda:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
-        event.record()  # on the current stream: in done(), one that waits for the all-reduce
+        event.record()
         return event
 
     def hook(self, state: Any, bucket: Any) -> torch.futures.Future:
@@ -97,7 +79,7 @@ class _CommTimer:
 
         return allreduce_hook(state, bucket).then(done)
 
-    # DDP checks a hook's annotations against the real types; this module's are strings (postponed).
+    # DDP checks a hook's annotations against the real types; this module's are strings.
     hook.__annotations__ = {
         "state": object,
         "bucket": dist.GradBucket,
@@ -105,8 +87,7 @@ class _CommTimer:
     }
 
     def take(self) -> float:
-        """The last step's span in seconds (0 if nothing was all-reduced); on CUDA, after a
-        synchronisation."""
+        """The last step's span in seconds (0 if nothing was all-reduced)."""
         first, last = self.first, self.last
         self.first, self.last = None, None
         if first is None or last is None:
@@ -116,12 +97,8 @@ class _CommTimer:
 
 
 def pin_to_core(rank: int, world: int) -> bool:
-    """Give each rank a core of its own when there are enough, so that ranks do not migrate between
-    cores.
-
-    Every thread of the process: the backend's threads, which run its collectives, were started with
-    the process group, and a thread's affinity is its own (a thread started later inherits its
-    starter's)."""
+    """Pin every thread of this process (the backend's included) to a core of its own, when there
+    are enough cores."""
     if not hasattr(os, "sched_setaffinity"):
         return False
     cores = sorted(os.sched_getaffinity(0))
@@ -142,12 +119,8 @@ def _cycle(loader: Any) -> Iterator[Any]:
 def measure_steps(
     script: str | None, knobs: Knobs, steps: int, warmup: int, split_comm: bool, pin: bool = True
 ) -> dict[str, Any]:
-    """Time ``steps`` DDP steps after ``warmup``; every rank's medians per part (collective: run on
-    every rank).
-
-    With ``split_comm``, as many ``no_sync()`` backward steps are interleaved (see the module's
-    docstring).
-    """
+    """Time ``steps`` DDP steps after ``warmup``; this rank's medians per part (collective). With
+    ``split_comm``, as many ``no_sync()`` backward steps are interleaved."""
     rt = init()
     pinned = pin_to_core(rt.rank, rt.world_size) if pin and rt.device.type == "cpu" else False
     seed_everything(0)
@@ -158,8 +131,7 @@ def measure_steps(
         static_graph=knobs.static_graph,
         gradient_as_bucket_view=knobs.gradient_as_bucket_view,
     )
-    assert isinstance(model, DDP)  # init() made a process group, so prepare_model wrapped the model
-    timer = _CommTimer(cuda=rt.device.type == "cuda")
+    assert isinstance(model, DDP)  # init() made a process group
     optimizer = w.optimizer(model.parameters())
     if w.loader is not None:
         loader: Any = w.loader(w.dataset, w.batch_size, rt.rank, rt.world_size)
@@ -168,24 +140,52 @@ def measure_steps(
             w.dataset, w.batch_size, num_workers=knobs.num_workers, pin_memory=knobs.pin_memory
         )
     batches = _cycle(loader)
-    cuda = rt.device.type == "cuda"
+    times = _timed_steps(w, model, optimizer, batches, rt.device, (steps, warmup), split_comm)
+    medians = {p: statistics.median(v) if v else None for p, v in times.items()}
+    return {
+        "rank": rt.rank,
+        "medians": medians,
+        "pinned": pinned,
+        "threads": torch.get_num_threads(),
+        "device": str(rt.device),
+        "backend": rt.backend,
+        "param_bytes": [
+            p.numel() * p.element_size() for p in model.parameters() if p.requires_grad
+        ],
+        "batch_size": w.batch_size,
+        "every_rank_step": all_gather_object(medians["step"]),
+        "step_samples": times["step"],
+    }
+
+
+def _timed_steps(
+    w: Workload,
+    model: DDP,
+    optimizer: torch.optim.Optimizer,
+    batches: Iterator[Any],
+    device: torch.device,
+    counts: tuple[int, int],
+    split_comm: bool,
+) -> dict[str, list[float]]:
+    """Each part's seconds per timed step; then, with the hook on, the all-reduce span."""
+    (steps, warmup), cuda = counts, device.type == "cuda"
 
     def now() -> float:
         if cuda:
-            torch.cuda.synchronize(rt.device)
+            torch.cuda.synchronize(device)
         return time.perf_counter()
 
+    timer = _CommTimer(cuda=cuda)
     times: dict[str, list[float]] = {p: [] for p in PARTS}
     model.train()
     timed = warmup + (2 * steps if split_comm else steps)
     span_steps = max(10, steps // 2) if split_comm else 0
     for i in range(timed + span_steps):
-        # the step is timed: now the span, in steps of its own (the module's docstring)
         if i == timed:
             model.register_comm_hook(None, timer.hook)
         no_sync = split_comm and warmup <= i < timed and (i - warmup) % 2 == 1
         t0 = now()
-        batch = to_device(next(batches), rt.device)
+        batch = to_device(next(batches), device)
         t1 = now()
         with model.no_sync() if no_sync else nullcontext():
             loss = w.loss(model, batch)
@@ -199,37 +199,21 @@ def measure_steps(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         t4 = now()
-        span = timer.take()  # every step, so that a span never reaches back into the step before
+        span = timer.take()  # every step: a span never reaches back into the step before
         if i > timed:  # the first step with the hook warms it up
             times["allreduce_span"].append(span)
         elif warmup <= i < timed:
-            for part, seconds in zip(
-                ("data", "forward", "backward", "optimizer", "step"),
-                (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0),
-            ):
+            parts = ("data", "forward", "backward", "optimizer", "step")
+            for part, seconds in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0)):
                 times[part].append(seconds)
-    medians = {p: statistics.median(v) if v else None for p, v in times.items()}
-    grad_bytes = [p.numel() * p.element_size() for p in model.parameters() if p.requires_grad]
-    return {
-        "rank": rt.rank,
-        "medians": medians,
-        "pinned": pinned,
-        "threads": torch.get_num_threads(),
-        "device": str(rt.device),
-        "backend": rt.backend,
-        "param_bytes": grad_bytes,
-        "batch_size": w.batch_size,
-        "every_rank_step": all_gather_object(medians["step"]),
-        "step_samples": times["step"],
-    }
+    return times
 
 
 def single_process_steps(
     script: str | None, data_parallel: bool, steps: int, warmup: int
 ) -> dict[str, Any]:
     """Median step of the workload on one GPU, or under ``nn.DataParallel`` over every visible GPU
-    with the per-GPU batch of a DDP rank (so the three compare at the same work per GPU). CUDA only;
-    no process group."""
+    at the per-GPU batch of a DDP rank. CUDA only; no process group."""
     seed_everything(0)
     w = load_workload(script)
     gpus = torch.cuda.device_count() if data_parallel else 1
@@ -256,5 +240,57 @@ def single_process_steps(
     return {"gpus": gpus, "step": statistics.median(out), "samples": w.batch_size * gpus}
 
 
-def cores() -> int:
-    return cpu_count()
+def measure_allreduce(
+    sizes: tuple[int, ...] = DEFAULT_SIZES, min_seconds: float = 0.02, repeats: int = 5
+) -> list[tuple[int, float]]:
+    """Seconds per float32 all-reduce of each size in bytes (collective): back to back, as
+    nccl-tests times them; the slowest rank's time, the fastest of ``repeats``."""
+    device = comm_device()
+    out = []
+    for nbytes in sizes:
+        x = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
+        for _ in range(3):
+            dist.all_reduce(x)
+        _sync(device)
+        t0 = time.perf_counter()
+        dist.all_reduce(x)
+        _sync(device)
+        # the same count on every rank, or ranks would enter different numbers of collectives
+        once = all_reduce(time.perf_counter() - t0, op="max")
+        iters = max(3, min(1000, math.ceil(min_seconds / max(once, 1e-7))))
+        times = []
+        for _ in range(repeats):
+            barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                dist.all_reduce(x)
+            _sync(device)
+            times.append(all_reduce((time.perf_counter() - t0) / iters, op="max"))
+        out.append((x.numel() * 4, min(times)))
+    return out
+
+
+def measure_in_step(
+    buckets: list[int], compute_s: float, steps: int = 60, warmup: int = 10
+) -> float:
+    """Seconds a step spends in the all-reduces of ``buckets`` when each step first computes for
+    ``compute_s`` on every rank, as a DDP step on the CPU does: the slowest rank's median
+    (collective)."""
+    x = torch.randn(128, 128)
+    tensors = [torch.ones(max(1, b // 4), dtype=torch.float32) for b in buckets]
+    times = []
+    for i in range(warmup + steps):
+        t = time.perf_counter()
+        while time.perf_counter() - t < compute_s:
+            x @ x
+        t0 = time.perf_counter()
+        for tensor in tensors:
+            dist.all_reduce(tensor)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return all_reduce(statistics.median(times), op="max")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
