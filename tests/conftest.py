@@ -3,6 +3,7 @@ ddpkit's module globals reset after each test."""
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
 import subprocess
@@ -105,6 +106,7 @@ DDPKIT_GLOBALS: dict[tuple[str, str], Any] = {
     ("ddpkit.distributed._progress", "_buf"): None,
     ("ddpkit.distributed._progress", "_ints"): None,
     ("ddpkit.distributed._progress", "_floats"): None,
+    ("ddpkit.data._loader", "_stand_in"): [],  # numpy's stand-in generator, made once
     ("ddpkit.nn._dropout", "_layout"): None,
     ("ddpkit.nn._dropout", "_calls"): {},
     ("ddpkit.snapshot._disk", "_groups"): {},
@@ -126,6 +128,8 @@ def _set_global(module: Any, name: str, value: Any) -> None:
     if isinstance(current, dict) and isinstance(value, dict):
         current.clear()  # in place: the module's functions hold this very dict
         current.update(value)
+    elif isinstance(current, list) and isinstance(value, list):
+        current[:] = value
     else:
         setattr(module, name, value)
 
@@ -138,7 +142,7 @@ def _reset_ddpkit_globals() -> Iterator[None]:
     for (module_name, name), _ in DDPKIT_GLOBALS.items():
         if module_name in sys.modules:
             value = getattr(sys.modules[module_name], name)
-            before[module_name, name] = dict(value) if isinstance(value, dict) else value
+            before[module_name, name] = copy.copy(value) if isinstance(value, (dict, list)) else value
     handlers = {sig: signal.getsignal(sig) for sig in _STOP_SIGNALS}
     dist = sys.modules.get("torch.distributed")
     had_group = dist is not None and dist.is_available() and dist.is_initialized()
@@ -155,7 +159,7 @@ def _reset_ddpkit_globals() -> Iterator[None]:
         if module_name in sys.modules:
             value = before.get((module_name, name), initial)
             _set_global(
-                sys.modules[module_name], name, dict(value) if isinstance(value, dict) else value
+                sys.modules[module_name], name, copy.copy(value) if isinstance(value, (dict, list)) else value
             )
 
 

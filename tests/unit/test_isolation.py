@@ -40,6 +40,7 @@ from ddpkit._launch import worker
 from ddpkit._launch import agent
 from ddpkit._launch import forkserver as forked
 from ddpkit._launch.rendezvous import backend
+from ddpkit.data import _loader as loader
 from ddpkit.nn import _dropout as dropout
 from ddpkit.snapshot import _disk as staging
 from ddpkit.tools import _workload as workload
@@ -56,6 +57,7 @@ def test_leaves_every_global_set(tmp_path):
     ENTERED.append(dropout.batch_layout(dropout.BatchLayout(global_size=4, offset=0, key=1)))
     ENTERED[-1].__enter__()
     dropout.GlobalBatchDropout(0.5).train()(torch.ones(2, 3))
+    loader.Held().release_numpy()
     staging._groups[(0,)] = "a writer group of a process group since destroyed"
     script = tmp_path / "script.py"
     script.write_text("def ddpkit_workload(): ...")

@@ -46,8 +46,7 @@ from ddpkit.snapshot._state import (
     SnapshotSchedule,
     TrainState,
 )
-from ddpkit.strategies._prepare import unwrap
-from ddpkit.strategies._prepared import LoopModel
+from ddpkit.strategies._prepare import LoopModel, unwrap
 
 if TYPE_CHECKING:  # the memory store is imported when a run asks for it
     from ddpkit.snapshot._memory import MemoryStore

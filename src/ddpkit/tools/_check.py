@@ -31,8 +31,7 @@ from ddpkit._internals.compiler import import_dynamo
 from ddpkit._launch.options import MAX_NPROC, split_argv
 from ddpkit._launch.spawn import spawn
 from ddpkit.data import ShardedBatchSampler, to_device
-from ddpkit.data._loader import batch_len
-from ddpkit.data._sample_seeding import loading_rng_state, seed_sample, set_loading_rng_state
+from ddpkit.data._loader import Held, batch_len, seed_sample
 from ddpkit.distributed._collectives import all_gather_object, broadcast_object
 from ddpkit.distributed._runtime import get_runtime, init
 from ddpkit.distributed._seeding import mix_seed, seed_everything
@@ -169,12 +168,13 @@ class SampleSeeded(Dataset):
         return len(self.dataset)  # type: ignore[arg-type]
 
     def __getitem__(self, index: int) -> Any:
-        state = loading_rng_state()
+        held = Held()  # numpy's global generator swapped for one seeded here
         seed_sample(self.seed, self.epoch, index)
         try:
             return self.dataset[index]
         finally:
-            set_loading_rng_state(state)
+            held.put_back()
+            held.release_numpy()
 
 
 def plain_tensors(model: nn.Module) -> dict[str, torch.Tensor]:

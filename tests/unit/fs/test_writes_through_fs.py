@@ -36,16 +36,6 @@ ALLOWED: dict[tuple[str, str], str] = {
         "_internals/interpreter.py",
         "open",
     ): "/proc/self/mem opened r+b to rename the process: its memory, not a file",
-    (
-        "_launch/worker.py",
-        "os.mkfifo",
-    ): "the stack server's FIFO, made relative to a descriptor of the stack folder (fs.folder: no "
-    "link followed) after any entry of its name was removed",
-    (
-        "_launch/worker.py",
-        "os.open",
-    ): "the stack server's FIFO, opened O_NOFOLLOW relative to the folder's descriptor and checked "
-    "a FIFO of this user's (fstat) before any read or write",
 }
 """``(module, call)``: why that module may make that call itself."""
 
