@@ -190,22 +190,27 @@ def tidy_log_dirs(root: str, run: Path, keep: int = 20) -> None:
 
 _DETAIL_PROBE = """
 import os, sys, tempfile, torch, torch.distributed as dist
+device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+if device.type == "cuda":
+    torch.cuda.set_device(device)
 path = os.path.join(tempfile.mkdtemp(), "store")
-dist.init_process_group("gloo", init_method="file://" + path, rank=0, world_size=1)
-model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
-model(torch.randn(3, 4)).sum().backward()
+backend = "nccl" if device.type == "cuda" else "gloo"
+dist.init_process_group(backend, init_method="file://" + path, rank=0, world_size=1)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2).to(device))
+model(torch.randn(3, 4, device=device)).sum().backward()
 dist.destroy_process_group()
 """
 
 
 def check_debug_collectives() -> None:
-    """Refuse ``--debug-collectives`` where its mode crashes DDP, tried first in a process alone."""
+    """Refuse ``--debug-collectives`` where its mode crashes DDP, tried first in a process alone on
+    the device the ranks take by default (a GPU where one is visible, over nccl)."""
     import subprocess
 
     from ddpkit.platforms import without_launch_env
 
     env = without_launch_env(os.environ)
-    env |= {"TORCH_DISTRIBUTED_DEBUG": "DETAIL", "CUDA_VISIBLE_DEVICES": ""}
+    env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     try:
         done = subprocess.run(
             [sys.executable, "-c", _DETAIL_PROBE], env=env, capture_output=True, timeout=120
