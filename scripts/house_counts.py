@@ -131,7 +131,7 @@ def job(run_dir):
     trainer.callbacks.append(Cycle())
     trainer.config.max_steps = 8
     trainer.fit()
-    step = (len(seen.files), len(seen.functions))
+    step, step_files = (len(seen.files), len(seen.functions)), set(seen.files)
     round_trip = Seen()
     sys.setprofile(round_trip)
     round_trip.on = True
@@ -141,8 +141,11 @@ def job(run_dir):
     again.snapshots.resume(again.load_state_dict)
     round_trip.on = False
     sys.setprofile(None)
+    short = lambda files: sorted(f[len(PACKAGE):] for f in files)
     return {"step_cycle_files": step[0], "step_cycle_functions": step[1],
-            "snapshot_round_trip_files": len(round_trip.files)} if rank == 0 else None
+            "snapshot_round_trip_files": len(round_trip.files),
+            "step_cycle_file_names": short(step_files),
+            "snapshot_round_trip_file_names": short(round_trip.files)} if rank == 0 else None
 
 
 out = ddpkit.spawn(job, 2, args=(tempfile.mkdtemp(),))
