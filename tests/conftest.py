@@ -142,7 +142,9 @@ def _reset_ddpkit_globals() -> Iterator[None]:
     for (module_name, name), _ in DDPKIT_GLOBALS.items():
         if module_name in sys.modules:
             value = getattr(sys.modules[module_name], name)
-            before[module_name, name] = copy.copy(value) if isinstance(value, (dict, list)) else value
+            before[module_name, name] = (
+                copy.copy(value) if isinstance(value, (dict, list)) else value
+            )
     handlers = {sig: signal.getsignal(sig) for sig in _STOP_SIGNALS}
     dist = sys.modules.get("torch.distributed")
     had_group = dist is not None and dist.is_available() and dist.is_initialized()
@@ -159,7 +161,9 @@ def _reset_ddpkit_globals() -> Iterator[None]:
         if module_name in sys.modules:
             value = before.get((module_name, name), initial)
             _set_global(
-                sys.modules[module_name], name, copy.copy(value) if isinstance(value, (dict, list)) else value
+                sys.modules[module_name],
+                name,
+                copy.copy(value) if isinstance(value, (dict, list)) else value,
             )
 
 

@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import gc
 import io
+import os
 import sys
 import threading
 import types
@@ -36,7 +37,7 @@ def prctl(option: int, value: int | str) -> bool:
     if not LINUX:
         return False
     arg: int | ctypes.c_char_p = (
-        ctypes.c_char_p(value.encode()) if isinstance(value, str) else value
+        ctypes.c_char_p(os.fsencode(value)) if isinstance(value, str) else value
     )
     libc = ctypes.CDLL(None, use_errno=True)
     return bool(libc.prctl(option, arg, 0, 0, 0) == 0)
@@ -63,7 +64,7 @@ def set_command_line(args: Sequence[str]) -> bool:
         return False
     start, end = where
     room = end - start
-    data = b"\0".join(a.encode() for a in args)[: room - 1] + b"\0"
+    data = b"\0".join(map(os.fsencode, args))[: room - 1] + b"\0"  # the bytes given
     try:
         with open("/proc/self/cmdline", "rb") as f:
             shown = f.read()

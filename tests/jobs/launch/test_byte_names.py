@@ -25,7 +25,10 @@ print("args", os.fsencode(sys.argv[2]).hex(), flush=True)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="byte names of a Linux file system")
-def test_a_script_its_arguments_and_its_run_directory_not_utf8_run(tmp_path, clean_env):
+@pytest.mark.parametrize("fork_server", ["off", "on"])
+def test_a_script_its_arguments_and_its_run_directory_not_utf8_run(
+    tmp_path, clean_env, fork_server
+):
     folder = os.fsencode(tmp_path)
     script = os.path.join(folder, b"sc\xe9.py")
     with open(script, "w") as f:
@@ -35,7 +38,9 @@ def test_a_script_its_arguments_and_its_run_directory_not_utf8_run(tmp_path, cle
     # every rank failed with this error)
     with pytest.raises(UnicodeEncodeError):
         os.fsdecode(run_dir).encode()
-    argv = [sys.executable.encode(), b"-m", b"ddpkit.cli", b"run", b"--nproc", b"2", script]
+    argv = [sys.executable.encode(), b"-m", b"ddpkit.cli", b"run", b"--nproc", b"2"]
+    # the fork server hands the arguments to each worker it forks, which shows them as its own
+    argv += [b"--fork-server", fork_server.encode(), script]
     done = subprocess.run(
         [*argv, run_dir, b"caf\xe9"], env=clean_env, cwd=tmp_path, capture_output=True,
         timeout=300,
