@@ -75,9 +75,11 @@ def _matches(value: Any, hint: Any) -> bool:
         return ok and (not args or all(_matches(v, args[0]) for v in value))
     if origin in (dict, collections.abc.Mapping):
         return isinstance(value, collections.abc.Mapping)
+    if origin is collections.abc.Callable or hint is collections.abc.Callable:
+        return callable(value)
     if isinstance(hint, type) and origin is None:
         return isinstance(value, hint)
-    return True  # a callable, a protocol: not checked here
+    return True  # a protocol: not checked here
 
 
 def _words(hint: Any) -> str:
@@ -90,6 +92,8 @@ def _words(hint: Any) -> str:
         return "one of " + ", ".join(repr(a) for a in get_args(hint))
     if origin in (tuple, list, collections.abc.Sequence):
         return "a list or tuple"
+    if origin is collections.abc.Callable or hint is collections.abc.Callable:
+        return "a callable"
     names = {bool: "True or False", int: "an int", float: "a number", str: "a str"}
     return names.get(hint, f"a {getattr(hint, '__name__', hint)}")
 

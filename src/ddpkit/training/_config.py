@@ -15,6 +15,7 @@ One typed config per concern, nested the way the run directory and the docs grou
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
@@ -110,6 +111,11 @@ class TrainerConfig:
     drop_last: bool = True
     num_workers: int | None = None
     """Loader workers per rank; default: cores per rank minus one."""
+    collate_fn: Callable[[list[Any]], Any] | None = None
+    """Merges a list of samples into a batch (a ``DataLoader``'s ``collate_fn``: padding
+    variable-length sequences) in the Trainer's loaders: training, validation and
+    ``trainer.evaluate()``; None: torch's default collate. Recorded by its ``__qualname__``, which a
+    resume compares."""
     on_data_change: OnDataChange = "error"
     """A resume over data changed in what decides which sample comes at which step (the dataset's
     length, a stream's files, their sizes and order, the window, seed, shuffle, drop_last, the
@@ -144,8 +150,9 @@ class TrainerConfig:
     sync_batchnorm: bool = False
     global_batch_dropout: bool = False
     """Replace ``nn.Dropout`` by :class:`~ddpkit.nn._dropout.GlobalBatchDropout`, whose masks do not
-    depend on the world size: with ``sync_batchnorm``, N ranks then train the same model as one
-    process, and a resume at another world size continues with the same masks."""
+    depend on the world size (every model's under ``step_fn``, in the micro-batches' loop: see
+    :mod:`ddpkit.training._several`): with ``sync_batchnorm``, N ranks then train the same model as
+    one process, and a resume at another world size continues with the same masks."""
     val_every_steps: int | None = None
     """Validate on ``val_data`` after every this many optimizer steps (counted over the run) instead
     of at epoch ends; early stopping then counts validations, and the best weights are a step's.
@@ -241,12 +248,18 @@ class TrainerConfig:
         return {
             "batch_size": self.per_rank_batch(world_size), "shuffle": self.shuffle,
             "seed": self.seed, "drop_last": self.drop_last, "num_workers": self.num_workers,
-            "seed_samples": self.seed_samples, "on_data_change": self.on_data_change,
+            "collate_fn": self.collate_fn, "seed_samples": self.seed_samples,
+            "on_data_change": self.on_data_change,
         }  # fmt: skip
 
     def to_json(self) -> dict[str, Any]:
         """The config as JSON values, nested as it is; the strategy as its name and options."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
+        if self.collate_fn is not None:
+            # its name: repr() holds an address, which differs from process to process
+            out["collate_fn"] = getattr(
+                self.collate_fn, "__qualname__", type(self.collate_fn).__qualname__
+            )
         # the config __post_init__ made of a name: returned as it is
         strategy = strategy_config(self.strategy)
         out["strategy"] = {"name": strategy.name, **asdict(strategy)}

@@ -17,12 +17,20 @@ The Trainer keeps doing what it does for one model: each micro-batch's loss divi
 non-finite verdict agreed on every rank, per optimizer, clipping per optimizer, schedulers per
 optimizer, snapshots of every model and optimizer, and each named loss's exact mean over the ranks
 in the records (``train/loss_d``).
+
+With ``global_batch_dropout``, every forward in the body of ``for batch in step.micro_batches():``
+runs inside the :func:`~ddpkit.nn._dropout.batch_layout` of that micro-batch's place in the step's
+global batch: each dropout a model draws there (every model's, functional ones too) is a function of
+the sample's place in the global batch, not of the rank. Within one micro-batch each layer's masks
+are counted by call, so two forwards through one layer draw two masks, and each pass over the
+micro-batches draws masks of its own. A forward outside the loop draws each rank's own masks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -30,7 +38,11 @@ import torch
 from torch import nn
 
 from ddpkit._errors import ConfigError
+from ddpkit.data._loader import batch_len
+from ddpkit.data._sampler import ShardedBatchSampler
 from ddpkit.distributed import Group
+from ddpkit.distributed._seeding import mix_seed
+from ddpkit.nn._dropout import batch_layout, convert_dropout, step_layout
 from ddpkit.snapshot._run_record import RunRecord
 from ddpkit.snapshot._state import TrainState
 from ddpkit.strategies import DDPConfig, strategy_config
@@ -58,6 +70,7 @@ class StepContext:
         self._unsynced: set[str] = set()
         # The optimizers some step.backward() named in this step: the ones it trains.
         self.trained: set[str] = set()
+        self._passes = 0  # passes over the micro-batches begun
 
     @property
     def step(self) -> int:
@@ -75,13 +88,15 @@ class StepContext:
         """This rank's micro-batches of the step; may be iterated again (a GAN's generator pass).
         The body of the loop runs under autocast, and, on all but the last micro-batch, under every
         model's ``no_sync()``: a forward pass and its backward must both be inside the loop, and
-        the loop must run to its end."""
+        the loop must run to its end. With ``global_batch_dropout``, under the micro-batch's global
+        batch layout too (:mod:`ddpkit.training._several`)."""
         owner = self._owner
+        passes, self._passes = self._passes, self._passes + 1
         try:
             for micro in self._micro:
                 self._at = micro
                 sync = nullcontext() if micro.last else owner.strategy.no_sync()
-                with sync, owner.autocast():
+                with sync, owner.autocast(), owner.dropout(micro, passes):
                     yield micro.batch
         finally:
             # Left early too (a break, zip with a shorter iterable, next(iter(...))): a backward
@@ -176,7 +191,8 @@ StepFn = Callable[[StepContext], Any]
 
 class ManualStep:
     """The Trainer's step with a ``step_fn``: calling it returns whether every optimizer step was
-    taken."""
+    taken. ``sampler``: the training loader's, which places each micro-batch in the global batch
+    (``global_batch_dropout``)."""
 
     def __init__(
         self,
@@ -191,6 +207,7 @@ class ManualStep:
         autocast: Callable[[], AbstractContextManager[Any]],
         log: Callable[[str, int, dict[str, Any]], None],
         group: Group,
+        sampler: ShardedBatchSampler,
         speed: Speed | None = None,
     ) -> None:
         self.speed = speed
@@ -206,6 +223,7 @@ class ManualStep:
             window,
         )
         self.autocast, self.device_type = autocast, strategy.runtime.device.type
+        self.config, self.sampler = config, sampler
         scheduler_of = schedulers if config.scheduler_interval == "step" else {}
         self.steps = {
             name: OptimizerStep(
@@ -223,6 +241,20 @@ class ManualStep:
         }
         # the first optimizer's norm and lr, for the records
         self.optimizer_step = next(iter(self.steps.values()))
+
+    def dropout(self, micro: MicroBatch, passes: int) -> AbstractContextManager[Any]:
+        """The global batch layout of ``micro`` in pass ``passes`` (from 0) over the step's
+        micro-batches, with ``global_batch_dropout``; else nothing."""
+        if not self.config.global_batch_dropout:
+            return nullcontext()
+        cfg = self.config
+        at = step_layout(
+            self.sampler, micro.index, cfg.grad_accum_steps, cfg.seed, self.state.epoch
+        )
+        if passes:
+            # a key of its own per pass, the same on every rank: every rank runs the same passes
+            at = replace(at, key=mix_seed(at.key, passes))
+        return batch_layout(replace(at, size=batch_len(micro.batch)))
 
     def __call__(self, step: Step) -> bool:
         if self.timings is not None:
@@ -294,6 +326,23 @@ def _check_scheduler(name: str, scheduler: Any, optimizers: Mapping[str, Any]) -
         )
 
 
+_OWN_LOSSES = "the step function computes each loss and passes it to step.backward(loss, name)"
+_IN_A_CALLBACK = "evaluate in a callback instead (on_epoch_end, with trainer.model['<name>'])"
+REFUSED = {
+    "val_data": _IN_A_CALLBACK,
+    "loss_fn": _OWN_LOSSES,
+    "batch_loss_fn": _OWN_LOSSES,
+    "metric_fn": _IN_A_CALLBACK,
+    "count_fn": (
+        "step.backward divides each micro-batch's mean loss by its share of the step's samples; "
+        "train one model with count_fn to weigh micro-batches by their tokens"
+    ),
+    "compile": "leave it off, or train one model with compile=True",
+    "snapshot memory": "leave SnapshotConfig(memory=...) off: snapshots go to disk",
+}
+"""What a Trainer with ``step_fn`` refuses, each with the way out."""
+
+
 def several_models(
     config: TrainerConfig,
     models: Any,
@@ -303,7 +352,9 @@ def several_models(
     refused: dict[str, Any],
 ) -> tuple[SeveralModels, Schedulers | None, RunRecord]:
     """The strategy, the schedulers as one, and the run's record of a Trainer with a ``step_fn``;
-    what such a step does not support is refused, naming the way out."""
+    what such a step does not support (``refused``: :data:`REFUSED`'s names and the values given)
+    is refused, naming the way out. With ``global_batch_dropout``, every model's ``nn.Dropout``
+    becomes a :class:`~ddpkit.nn.GlobalBatchDropout` with a layer id of its own over all models."""
     strategy = strategy_config(config.strategy)
     if strategy.name != "ddp":
         raise ConfigError(
@@ -332,10 +383,12 @@ def several_models(
         _check_scheduler(name, sched, optimizers)
     for what, value in refused.items():
         if value is not None and value is not False:
-            raise ConfigError(
-                f"{what} is not supported with step_fn: leave it out (evaluate in a callback "
-                "instead)"
-            )
+            raise ConfigError(f"{what} is not supported with step_fn: {REFUSED[what]}")
+    if config.global_batch_dropout:
+        # one layer-id space over all models: no two layers share a mask
+        converted = nn.ModuleDict(dict(models))
+        convert_dropout(converted)  # in place: a model that is a dropout itself is replaced
+        models = dict(converted.items())
     # The record (checked on resume) holds every optimizer's groups as the script built them, each
     # by its optimizer's name (not by its place in the dict: the same optimizers in another order
     # are the same run).

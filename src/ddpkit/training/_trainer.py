@@ -150,7 +150,6 @@ class Trainer:
                 "val_data": val_data, "loss_fn": loss_fn, "batch_loss_fn": batch_loss_fn,
                 "metric_fn": metric_fn, "count_fn": count_fn, "compile": config.compile,
                 "snapshot memory": config.snapshot.memory,
-                "global_batch_dropout": config.global_batch_dropout,
             }  # fmt: skip
             self.strategy, scheduler, record = several_models(
                 config, model, optimizer, scheduler, rt, refused
@@ -173,7 +172,7 @@ class Trainer:
         # and augmentations.
         seed_rank(config.seed, rt.rank)
         # every dropout of the forward follows the global batch (functional ones too)
-        self._global_dropout = config.global_batch_dropout and step_fn is None
+        self._global_dropout = config.global_batch_dropout
         self._on_cpu = rt.device.type == "cpu"
         self.scaler = grad_scaler(config.precision, rt.device)
         self.batch_loss = BatchLoss(loss_fn, batch_loss_fn, metric_fn, count_fn)
@@ -198,7 +197,7 @@ class Trainer:
         self._autocast = partial(autocast, config.precision, rt.device)
         self.evaluator = Evaluator(
             self.strategy, self.batch_loss.metrics, self._autocast, config.eval_batch_size,
-            config.num_workers, self.group,
+            config.num_workers, self.group, config.collate_fn,
         )  # fmt: skip
         self.validation = Validation.of(
             config, rt, val_data, evaluate=self.evaluator,
@@ -241,7 +240,7 @@ class Trainer:
                 config, cast(SeveralModels, self.strategy), step_fn, scaler=self.scaler,
                 state=self.state, schedulers=scheduler.schedulers if scheduler else {},
                 window=self._window, autocast=self._autocast, log=self.writer.log, group=self.group,
-                speed=self.speed,
+                speed=self.speed, sampler=self.sampler,
             )  # fmt: skip
             self.optimizer_step = self.train_step.optimizer_step
         self._epoch_start = time.perf_counter()

@@ -59,15 +59,18 @@ class Evaluator:
         batch_size: int,
         num_workers: int | None,
         group: Group,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
     ) -> None:
         self.strategy, self.metrics, self.autocast = strategy, metrics, autocast
         self.batch_size, self.num_workers, self.group = batch_size, num_workers, group
+        self.collate_fn = collate_fn
 
     def __call__(self, data: Dataset, prefix: str = "test") -> dict[str, float]:
         """The metrics over ``data``, named ``prefix/metric``."""
         loader = build_eval_loader(
-            data, self.batch_size, num_workers=self.num_workers, group=self.group
-        )
+            data, self.batch_size, num_workers=self.num_workers, collate_fn=self.collate_fn,
+            group=self.group,
+        )  # fmt: skip
         # fsdp: no collective per forward, as ranks' batch counts may differ
         with self.strategy.evaluation():
             results = evaluate(

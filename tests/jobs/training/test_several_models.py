@@ -1,7 +1,8 @@
 """A step of several models and optimizers (``Trainer(models, optimizers, ..., step_fn=...)``) on 2
 real gloo ranks: each optimizer's non-finite verdict agreed on every rank, clipping per optimizer,
-fp16's scaler shared by two optimizers, and a stop and resume that continues both models and both
-optimizers bit for bit."""
+fp16's scaler shared by two optimizers, a stop and resume that continues both models and both
+optimizers bit for bit, and global-batch dropout over several models training what one process
+trains. Also the Trainer's ``collate_fn``, in its training and validation loaders."""
 
 from __future__ import annotations
 
@@ -504,3 +505,128 @@ def test_a_step_functions_rhythm_by_step_step_resumes_bitwise(tmp_path, by):
     resumed = run_on_ranks(_rhythm_job, 2, (tmp_path / "stopped", None, by), timeout=300)
     # a counter of the script's own restarts at 0 in the resumed process: another rhythm
     assert bitwise(resumed[0], whole[0]) == (by == "step")
+
+
+# --- global-batch dropout in the step function ---------------------------------------------------
+
+
+class _Student(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.drop, self.head = nn.Linear(4, 16), nn.Dropout(0.3), nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(torch.tanh(self.body(x)))
+        return self.head(F.dropout(h, 0.2, self.training))  # the forward's own dropout
+
+
+def _distill(run_dir: Path, global_dropout: bool) -> dict[str, torch.Tensor]:
+    """A student distilled from a frozen teacher that keeps its dropout on; 2 micro-batches a
+    step, the teacher's targets in a first pass over them and the student in a second, and an
+    uneven last step (drop_last=False). The weights, by model."""
+    torch.manual_seed(0)
+    teacher = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Dropout(0.4), nn.Linear(16, 1))
+    teacher.requires_grad_(False)
+    student = _Student()
+
+    def step_fn(step) -> None:
+        t, s = step.models["teacher"], step.models["student"]
+        with torch.no_grad():
+            targets = [t(x) for (x,) in step.micro_batches()]
+        for (x,), target in zip(step.micro_batches(), targets):
+            step.backward(F.mse_loss(s(x), target), "student")
+        step.optimizer_step("student")
+
+    data = TensorDataset(torch.randn(56, 4, generator=torch.Generator().manual_seed(1)))
+    config = TrainerConfig(
+        run_dir=str(run_dir), epochs=2, global_batch_size=16, grad_accum_steps=2, seed=3,
+        drop_last=False, num_workers=0, global_batch_dropout=global_dropout,
+        logging=LoggingConfig(progress=False), snapshot=SnapshotConfig(every_epochs=0),
+    )  # fmt: skip
+    optimizers = {"student": torch.optim.SGD(student.parameters(), lr=0.2, momentum=0.9)}
+    trainer = Trainer(
+        {"teacher": teacher, "student": student}, optimizers, data, config, step_fn=step_fn
+    )
+    trainer.fit()
+    return {k: v.clone() for k, v in trainer.strategy.full_state_dict()["model"].items()}
+
+
+@pytest.mark.parametrize("how", ["covered", "control-per-rank"])
+def test_two_ranks_train_what_one_process_trains_with_dropout_in_a_step_function(tmp_path, how):
+    on = how == "covered"
+    one = _distill(tmp_path / "one", on)
+    two = run_on_ranks(_distill, 2, (tmp_path / "two", on), timeout=300)
+    dw = max(float((two[0][k] - one[k]).abs().max()) for k in one)
+    if on:
+        assert dw <= 1e-5, dw
+    else:  # each rank draws its own masks
+        assert dw > 1e-3, dw
+
+
+# --- the Trainer's collate_fn ---------------------------------------------------------------------
+
+
+class _Sequences(torch.utils.data.Dataset):
+    """Sequences of lengths 1 to ``n``, each with its mean as the target."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.seqs = [torch.randn(1 + i, generator=g) for i in range(n)]
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.seqs[i], self.seqs[i].mean()
+
+
+def pad(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, ...]:
+    """(padded sequences, lengths, targets)."""
+    seqs, targets = zip(*samples)
+    lengths = torch.tensor([len(s) for s in seqs])
+    return nn.utils.rnn.pad_sequence(list(seqs), batch_first=True), lengths, torch.stack(targets)
+
+
+class _MaskedMean(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Linear(1, 1)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        return self.scale((x.sum(1) / lengths).unsqueeze(1)).squeeze(1)
+
+
+def _padded_job(run_dir: Path, collate: Any) -> Any:
+    """Trains on variable-length sequences with validation; the error without ``collate``."""
+    torch.manual_seed(0)
+    model = _MaskedMean()
+    config = TrainerConfig(
+        run_dir=str(run_dir), epochs=2, batch_size=4, eval_batch_size=5, num_workers=0,
+        collate_fn=collate, logging=LoggingConfig(progress=False),
+    )  # fmt: skip
+    trainer = Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.3), _Sequences(32, 1), config,
+        val_data=_Sequences(12, 2), batch_loss_fn=lambda m, b: F.mse_loss(m(b[0], b[1]), b[2]),
+    )  # fmt: skip
+    try:
+        before = trainer.evaluate(_Sequences(12, 2), "val")["val/loss"]
+        last = trainer.fit()
+    except RuntimeError as err:
+        return str(err)
+    recorded = json.loads((run_dir / "config.json").read_text())["collate_fn"]
+    weights = {k: v.clone() for k, v in ddpkit.unwrap(trainer.model).state_dict().items()}
+    return {
+        "before": before, "after": last["val/loss"], "step": trainer.step, "weights": weights,
+        "recorded": recorded,
+    }  # fmt: skip
+
+
+def test_a_collate_fn_pads_variable_length_sequences_in_training_and_validation(tmp_path):
+    ranks = run_on_ranks(_padded_job, 2, (tmp_path / "pad", pad), timeout=300)
+    assert ranks[0]["step"] == 8 and ranks[0]["recorded"] == "pad"
+    assert ranks[0]["after"] < ranks[0]["before"]
+    assert all(torch.equal(v, ranks[1]["weights"][k]) for k, v in ranks[0]["weights"].items())
+    # Control: torch's default collate cannot stack sequences of different lengths.
+    plain = run_on_ranks(_padded_job, 2, (tmp_path / "plain", None), timeout=300)
+    assert all(isinstance(r, str) and "stack expects each tensor to be equal size" in r
+               for r in plain)  # fmt: skip

@@ -2,7 +2,8 @@
 refused when the Trainer is built (a parameter in two optimizers, a scheduler needing a metric or
 filed under another optimizer), or at the call that goes wrong (``evaluate()``, a loss that is not
 the micro-batch's mean, a backward after leaving ``micro_batches()``, an optimizer step whose
-gradients were never all-reduced), and a skip clears only its own optimizer's gradients."""
+gradients were never all-reduced), and a skip clears only its own optimizer's gradients. Under
+``global_batch_dropout`` each model and each pass over the micro-batches draws masks of its own."""
 
 from __future__ import annotations
 
@@ -354,3 +355,40 @@ def test_an_optimizer_a_step_does_not_name_is_left_out_though_another_loss_reach
 
     with pytest.raises(ConfigError, match=r"optimizer_step\('d'\) in a step with no step"):
         build(steps_d_on_gs_loss, "refused").fit()
+
+
+def test_global_batch_dropout_draws_a_mask_per_model_and_per_pass_and_again_on_a_rerun(tmp_path):
+    """Under ``global_batch_dropout`` each model's dropout has a layer id of its own, and each pass
+    over a step's micro-batches draws masks of its own; the same run draws the same masks."""
+
+    def run(name: str) -> tuple[list[int], list[torch.Tensor]]:
+        torch.manual_seed(0)
+        models = {m: nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5)) for m in ("a", "b")}
+        kept: list[torch.Tensor] = []
+
+        def step_fn(step: Any) -> None:
+            for _ in range(2):
+                for (x,) in step.micro_batches():
+                    for m in ("a", "b"):
+                        out = step.models[m](x)
+                        kept.append(out != 0)
+                        step.backward(out.pow(2).mean(), m)
+            step.optimizer_step("a")
+            step.optimizer_step("b")
+
+        config = TrainerConfig(
+            run_dir=str(tmp_path / name), epochs=1, batch_size=8, num_workers=0, max_steps=1,
+            global_batch_dropout=True, logging=LoggingConfig(progress=False),
+        )  # fmt: skip
+        optimizers = {m: torch.optim.SGD(models[m].parameters(), lr=0.1) for m in models}
+        built = ddpkit.Trainer(models, optimizers, DATA, config, step_fn=step_fn)
+        built.fit()
+        wrapped = built.strategy.models  # type: ignore[attr-defined]
+        layers = [ddpkit.unwrap(wrapped[m])[1] for m in ("a", "b")]
+        assert all(isinstance(d, ddpkit.nn.GlobalBatchDropout) for d in layers)
+        return [d.layer_id for d in layers], kept
+
+    ids, (a0, b0, a1, b1) = run("first")
+    assert ids[0] != ids[1]
+    assert not torch.equal(a0, b0) and not torch.equal(a0, a1) and not torch.equal(b0, b1)
+    assert all(map(torch.equal, run("again")[1], (a0, b0, a1, b1)))
