@@ -34,10 +34,8 @@ from torch.utils.data import Dataset
 from ddpkit._errors import ConfigError
 from ddpkit.data import ShardedBatchSampler
 from ddpkit.data._loader import batch_len
-from ddpkit.training._batch_loss import BatchLossFn, LossFn
 from ddpkit.training._config import TrainerConfig
-from ddpkit.training._losses import cross_entropy
-from ddpkit.training._step import CountFn
+from ddpkit.training._evaluation import BatchLossFn, CountFn, LossFn, cross_entropy
 
 HOOK = "ddpkit_workload"
 """The function a script defines for ``ddpkit bench script.py`` and ``ddpkit check script.py``."""

@@ -275,7 +275,7 @@ class StepTimings:
     def row(self, wall: float, items: float) -> list[float]:
         """This rank's phases in the window that ends here, its ``wall`` seconds, samples and
         ``items`` (tokens), for the window's agreement to gather (:meth:`LossWindow.agree
-        <ddpkit.training._loss_window.LossWindow.agree>`). The window's counts start afresh."""
+        <ddpkit.training._step.LossWindow.agree>`). The window's counts start afresh."""
         seconds = self._resolve()
         local = [seconds[p] for p in PHASES] + [wall, float(self.samples), float(items)]
         # in place: the loader's pass holds this dict

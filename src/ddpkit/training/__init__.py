@@ -6,8 +6,7 @@ from ddpkit.training._config import (
     LoggingConfig,
     TrainerConfig,
 )
-from ddpkit.training._step import loss_divisor
-from ddpkit.training._step_output import StepOutput, StopReason
+from ddpkit.training._step import StepOutput, StopReason, loss_divisor
 from ddpkit.training._trainer import Trainer
 
 __all__ = [

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ddpkit._errors import ConfigError
-from ddpkit.training._step_output import StepOutput
+from ddpkit.training._step import StepOutput
 
 # The hooks' ``trainer`` is a :class:`~ddpkit.Trainer`; it is not imported here (the Trainer imports
 # this module).
@@ -28,7 +28,7 @@ class Callback:
 
     def on_step_end(self, trainer: Trainer, taken: bool, output: StepOutput) -> None:
         """After each optimizer step; ``taken`` is False for a step skipped for non-finite
-        gradients. ``output`` (:class:`~ddpkit.training._step_output.StepOutput`): this rank's loss,
+        gradients. ``output`` (:class:`~ddpkit.training._step.StepOutput`): this rank's loss,
         the lr and the gradient norm of the step. The model's gradients are still the step's
         (synchronised; unscaled and clipped where the step did so); the next step sets them to None
         before its first forward, so a callback may backpropagate through the model (a GAN's

@@ -1,4 +1,5 @@
-"""Exact distributed evaluation: every sample counted once, metrics reduced as sums and counts.
+"""How a batch becomes a loss and metrics (:class:`BatchLoss`, the default cross-entropy), and
+exact distributed evaluation: every sample counted once, metrics reduced as sums and counts.
 
 Ranks hold shares that differ by up to one sample (see :mod:`ddpkit.data`), so they run different
 numbers of batches. Nothing collective may happen per batch: evaluation calls the unwrapped module
@@ -20,13 +21,13 @@ from torch.utils.data import DataLoader, Dataset
 
 from ddpkit._errors import ConfigError
 from ddpkit.data import build_eval_loader, to_device
+from ddpkit.data._loader import batch_len
 from ddpkit.distributed import Group
 from ddpkit.distributed import _progress as marks
 from ddpkit.distributed._collectives import MetricSums
 from ddpkit.distributed._progress import Phase
 from ddpkit.distributed._runtime import get_runtime
 from ddpkit.strategies._prepare import unwrap
-from ddpkit.training._losses import check_classification
 
 MetricFn = Callable[[nn.Module, Any], Mapping[str, Any]]
 """``metric_fn(model, batch)`` returns named per-sample values (shape ``[batch]``), or
@@ -154,3 +155,122 @@ def _sync_buffers(model: nn.Module) -> None:
         src = dist.get_global_rank(group, 0)
         for buffer in model.module.buffers():
             dist.broadcast(buffer.data, src=src, group=group)
+
+
+# -- The default loss: cross-entropy that refuses outputs it does not fit (a regression's one
+# column trains nothing at loss 0); shapes and dtypes only, so no wait for the device.
+
+_REGRESSION = (
+    "pass loss_fn=torch.nn.functional.mse_loss and metric_fn=ddpkit.regression_metrics "
+    "(or your own)"
+)
+
+
+def check_classification(
+    outputs: Any,
+    targets: Any,
+    where: str = "the default loss (cross-entropy)",
+    indices_only: bool = False,
+) -> None:
+    """Raise :class:`ConfigError` unless ``outputs`` are class scores and ``targets`` class indices
+    (or, unless ``indices_only``, class probabilities of the same shape)."""
+    fix = "pass metric_fn=ddpkit.regression_metrics (or your own)" if indices_only else _REGRESSION
+    if isinstance(outputs, Mapping):
+        raise ConfigError(
+            f"{where} needs a tensor of class scores, and the model returned a dict "
+            f"({', '.join(map(str, outputs))}): pass batch_loss_fn=lambda model, batch: ... that "
+            "computes the loss from the model's outputs, and metric_fn for validation"
+        )
+    if not isinstance(outputs, torch.Tensor) or not isinstance(targets, torch.Tensor):
+        raise ConfigError(
+            f"{where} needs (inputs, targets) batches and a model that returns a tensor, got "
+            f"outputs of type {type(outputs).__name__} and targets of type "
+            f"{type(targets).__name__}: pass batch_loss_fn"
+        )
+    if outputs.dim() < 2 or outputs.shape[1] < 2:
+        raise ConfigError(
+            f"{where} needs one score per class in dimension 1, and the model returns shape "
+            f"{tuple(outputs.shape)}: with one column the loss is 0 whatever the weights. For "
+            "regression, " + fix
+        )
+    if targets.is_floating_point() and (indices_only or targets.shape != outputs.shape):
+        wanted = "integer class indices" + (
+            "" if indices_only else " (or class probabilities shaped like the outputs)"
+        )
+        raise ConfigError(
+            f"{where} needs {wanted}, and the targets are "
+            f"{str(targets.dtype).removeprefix('torch.')} of shape {tuple(targets.shape)} for "
+            f"outputs of shape {tuple(outputs.shape)}. For regression, " + fix
+        )
+
+
+def cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``F.cross_entropy(outputs, targets)`` after :func:`check_classification`."""
+    check_classification(outputs, targets)
+    return F.cross_entropy(outputs, targets)
+
+
+# -- How the Trainer turns a batch into a loss, and into validation metrics.
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+BatchLossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+CountFn = Callable[[Any], "int | torch.Tensor"]
+"""``count_fn(batch)``: how many items (e.g. tokens whose label is not ignored) the batch's mean
+loss is over."""
+
+
+_BATCH_LOSS_FN = (
+    "the loss takes (inputs, targets) batches; pass batch_loss_fn=lambda model, batch: <the "
+    "batch's mean loss> to the Trainer (with metric_fn=lambda model, batch: {name: per-sample "
+    "values} for validation)"
+)
+
+
+class BatchLoss:
+    """How the Trainer turns a batch into a loss, and into validation metrics.
+
+    ``loss_fn(model(inputs), targets)`` for ``(inputs, targets)`` batches (cross-entropy by
+    default), or ``batch_loss_fn(model, batch)`` for any other batch. Metrics are
+    ``metric_fn(model, batch)``'s; by default loss and accuracy for classification, or, with a loss
+    of one's own, that loss weighted by batch size.
+
+    ``count_fn(batch)``: how many items (a language model's tokens whose labels count) the batch's
+    mean loss is over; each step then follows the mean over every item of its global batch, across
+    ranks and micro-batches (:func:`~ddpkit.training._step.loss_divisor`), and so do the training
+    loss records and the default validation loss.
+    """
+
+    def __init__(
+        self,
+        loss_fn: LossFn | None,
+        batch_loss_fn: BatchLossFn | None,
+        metric_fn: MetricFn | None,
+        count_fn: CountFn | None = None,
+    ) -> None:
+        if loss_fn is not None and batch_loss_fn is not None:
+            raise ConfigError(
+                "pass loss_fn (for (inputs, targets) batches) or batch_loss_fn, not both"
+            )
+        self.loss_fn = loss_fn or cross_entropy
+        self.batch_loss_fn = batch_loss_fn
+        default_metrics = (
+            classification_metrics if loss_fn is None and batch_loss_fn is None else None
+        )
+        self.metric_fn = metric_fn or default_metrics
+        self.count_fn = count_fn
+
+    def __call__(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        if self.batch_loss_fn is not None:
+            return self.batch_loss_fn(model, batch)
+        inputs, targets = inputs_and_targets(batch, _BATCH_LOSS_FN)
+        return self.loss_fn(model(inputs), targets)
+
+    def metrics(self, model: nn.Module, batch: Any) -> Mapping[str, Any]:
+        if self.metric_fn is not None:
+            return self.metric_fn(model, batch)
+        # A loss of one's own without a metric_fn: report the loss, weighted by batch size (exact
+        # for mean losses), or by its items (tokens) with count_fn.
+        loss = self(model, batch)
+        n = batch_len(batch) if self.count_fn is None else int(self.count_fn(batch))
+        return {"loss": (loss.detach().double() * n, n)}

@@ -18,12 +18,9 @@ non-finite verdict agreed on every rank, per optimizer, clipping per optimizer, 
 optimizer, snapshots of every model and optimizer, and each named loss's exact mean over the ranks
 in the records (``train/loss_d``).
 
-With ``global_batch_dropout``, every forward in the body of ``for batch in step.micro_batches():``
-runs inside the :func:`~ddpkit.nn._dropout.batch_layout` of that micro-batch's place in the step's
-global batch: each dropout a model draws there (every model's, functional ones too) is a function of
-the sample's place in the global batch, not of the rank. Within one micro-batch each layer's masks
-are counted by call, so two forwards through one layer draw two masks, and each pass over the
-micro-batches draws masks of its own. A forward outside the loop draws each rank's own masks.
+With ``global_batch_dropout``, each forward inside ``for batch in step.micro_batches():`` draws its
+dropout masks from that micro-batch's place in the global batch (docs/trainer.md); a forward outside
+the loop draws each rank's own.
 """
 
 from __future__ import annotations
@@ -49,8 +46,7 @@ from ddpkit.strategies import DDPConfig, strategy_config
 from ddpkit.strategies._ddp import SeveralModels
 from ddpkit.tracking._speed import Speed, StepTimings
 from ddpkit.training._config import TrainerConfig
-from ddpkit.training._loss_window import LossWindow
-from ddpkit.training._step import MicroBatch, OptimizerStep, Step, scale_loss
+from ddpkit.training._step import LossWindow, MicroBatch, OptimizerStep, Step, scale_loss
 from ddpkit.training._validation import metric_driven
 
 

@@ -51,24 +51,26 @@ from ddpkit.strategies import Strategy, build_strategy
 from ddpkit.strategies._ddp import SeveralModels
 from ddpkit.tracking._metrics import MetricsWriter, Progress, run_summary
 from ddpkit.tracking._speed import Speed
-from ddpkit.training._batch_loss import BatchLoss, BatchLossFn, LossFn
 from ddpkit.training._callbacks import call, call_step_end, own_parts
 from ddpkit.training._compiled import compile_for_training
 from ddpkit.training._config import TrainerConfig  # noqa: F401  (imported from here by scripts)
-from ddpkit.training._loss_window import EpochLoss, LossWindow
+from ddpkit.training._evaluation import BatchLoss, BatchLossFn, LossFn
 
 # StepContext: StepFn names it
 from ddpkit.training._several import ManualStep, StepFn, several_models
 from ddpkit.training._step import (
     CountFn,
+    EpochLoss,
+    LossWindow,
     OptimizerStep,
     Step,
+    StopReason,
     TrainStep,
     autocast,
     epoch_steps,
     grad_scaler,
+    step_output,
 )
-from ddpkit.training._step_output import StopReason, step_output
 from ddpkit.training._validation import Evaluator, Validation, check_metric_driven, metric_driven
 
 

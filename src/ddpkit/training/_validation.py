@@ -36,12 +36,11 @@ from ddpkit.distributed._collectives import broadcast_object
 from ddpkit.distributed._log import print0
 from ddpkit.distributed._runtime import Runtime
 from ddpkit.snapshot import _export as export
-from ddpkit.snapshot._export import BestWeights
+from ddpkit.snapshot._export import BestWeights, is_better
 from ddpkit.strategies._base import Strategy
-from ddpkit.training._config import TrainerConfig
-from ddpkit.training._early_stopping import EarlyStopping
+from ddpkit.training._config import EarlyStoppingConfig, TrainerConfig
 from ddpkit.training._evaluation import evaluate
-from ddpkit.training._step_output import StopReason
+from ddpkit.training._step import StopReason
 
 
 class Evaluator:
@@ -279,3 +278,49 @@ def check_metric_driven(config: TrainerConfig, scheduler: Any, val_data: Any) ->
             "EarlyStoppingConfig(metric='val/loss', patience=None) (patience=None: no early "
             "stopping)"
         )
+
+
+# -- Early stopping: ends training once the validation metric the best weights follow has not
+# improved for `patience` validations.
+
+
+class EarlyStopping:
+    """Counts validations without improvement of ``config.metric`` (one per epoch, unless
+    ``val_every_steps``); its state is part of every snapshot."""
+
+    def __init__(self, config: EarlyStoppingConfig) -> None:
+        self.config = config
+        self.best: float | None = None
+        """The best value of the metric so far."""
+        self.bad_epochs = 0
+        """Validations (epochs, by default) since it last improved; the name is kept for snapshots'
+        sake."""
+
+    @property
+    def should_stop(self) -> bool:
+        patience = self.config.patience
+        return (
+            self.config.metric is not None and patience is not None and self.bad_epochs >= patience
+        )
+
+    def update(self, metrics: Mapping[str, Any]) -> None:
+        """Take an epoch's metrics (the same on every rank, so every rank decides alike)."""
+        metric = self.config.metric
+        if metric is None:
+            return
+        if metric not in metrics:
+            raise ConfigError(
+                f"early_stopping.metric={metric!r} is not among the epoch's metrics "
+                f"{sorted(metrics)}: give the Trainer val_data, or name one of these"
+            )
+        value = float(metrics[metric])
+        if is_better(value, self.best, self.config.mode):
+            self.best, self.bad_epochs = value, 0
+        else:
+            self.bad_epochs += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "bad_epochs": self.bad_epochs}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best, self.bad_epochs = state["best"], int(state["bad_epochs"])

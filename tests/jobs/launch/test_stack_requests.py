@@ -39,7 +39,7 @@ import ddpkit
 from ddpkit import SnapshotConfig
 from ddpkit.training._callbacks import Callback
 from ddpkit.training._config import LoggingConfig, TrainerConfig
-from ddpkit.training._step_output import StopReason
+from ddpkit.training._step import StopReason
 from ddpkit.training._trainer import Trainer
 
 folder = Path(sys.argv[1])

@@ -17,7 +17,7 @@ from ddpkit.strategies._ddp import (
     nan_gradient_if_nonfinite as _nan_gradient_if_nonfinite,
 )
 from ddpkit.training._config import EarlyStoppingConfig, LoggingConfig, SnapshotConfig
-from ddpkit.training._loss_window import LossWindow as _LossWindow
+from ddpkit.training._step import LossWindow as _LossWindow
 from ddpkit.training._step import loss_divisor
 from ddpkit.training._trainer import TrainerConfig
 
@@ -272,7 +272,7 @@ def test_the_default_loss_refuses_a_regression_model(tmp_path):
 
 
 def test_the_default_loss_refuses_float_targets_and_a_dict_output(tmp_path):
-    from ddpkit.training._losses import cross_entropy
+    from ddpkit.training._evaluation import cross_entropy
 
     scores = torch.randn(4, 3)
     with pytest.raises(ConfigError, match="targets are float32 of shape \\(4,\\)"):

@@ -15,7 +15,7 @@ import ddpkit
 from ddpkit._errors import ConfigError
 from ddpkit.nn._dropout import BatchLayout, GlobalBatchDropout, batch_layout, convert_dropout
 from ddpkit.training._config import EarlyStoppingConfig, LoggingConfig, SnapshotConfig
-from ddpkit.training._step_output import StopReason
+from ddpkit.training._step import StopReason
 from ddpkit.training._trainer import TrainerConfig
 
 
