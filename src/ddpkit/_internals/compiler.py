@@ -5,6 +5,7 @@ CPU's fused attention kernels, which torch's FLOP counter has no formula for."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -105,6 +106,31 @@ def _check_cpu_attention() -> str | None:
     return f"torch.ops.aten has no {', '.join(missing)}" if missing else None
 
 
+def autograd_device_threads() -> bool:
+    """Whether this process's autograd engine started its device threads (torch names them
+    ``pt_autograd_<device>``, on a machine with a GPU, at the first backward, whatever the tensors'
+    device): a child forked after that cannot run a backward."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return False
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                if f.read().startswith("pt_autograd"):
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def _check_autograd_threads() -> str | None:
+    if not torch.cuda.is_available() or not os.path.isdir("/proc/self/task"):
+        return None  # no device threads to start, or no thread names to read
+    torch.ones(1, requires_grad=True).sum().backward()
+    return None if autograd_device_threads() else "no thread named pt_autograd_* after a backward"
+
+
 INTERNALS = [
     Internal(
         "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu",
@@ -131,5 +157,13 @@ INTERNALS = [
         "the step timings mark the moment a step's last gradient is ready with one call a "
         "backward; where it is gone, the gradients' synchronisation is counted as compute",
         _check_queue_callback,
+    ),
+    Internal(
+        "the autograd engine's device threads, named pt_autograd_<device>",
+        "torch",
+        "ddpkit.spawn starts its ranks as new interpreters, not forks, once a backward ran in the "
+        "caller on a machine with a GPU; where the name changed, it forks them and each rank's "
+        "backward fails as torch says",
+        _check_autograd_threads,
     ),
 ]

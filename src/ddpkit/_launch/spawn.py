@@ -17,6 +17,7 @@ import torch
 import torch.multiprocessing as mp
 
 from ddpkit._errors import ConfigError
+from ddpkit._internals.compiler import autograd_device_threads
 from ddpkit._internals.store import AGENT_STORE_VARIABLE
 from ddpkit.distributed import _runtime as runtime
 from ddpkit.platforms._cpus import cpu_count
@@ -73,7 +74,8 @@ def spawn(
     ranks as under torchrun. If any process raises, the others are stopped and the exception is
     raised here with that rank's traceback.
 
-    ``start_method`` is ``"fork"`` where it is safe (POSIX, CUDA not initialised here), so a
+    ``start_method`` is ``"fork"`` where it is safe (POSIX, CUDA not initialised here and no
+    backward run here on a machine with a GPU), so a
     function of a notebook cell works, else ``"spawn"``, which needs ``fn`` importable. A forked
     process runs one intra-op thread (OpenMP's pool does not survive ``fork``); pass
     ``start_method="spawn"`` for more. ``timeout`` (seconds): processes still running by then are
@@ -112,7 +114,13 @@ def spawn(
 def _start_method(method: str | None, threads: int | None, nprocs: int) -> tuple[str, int]:
     """(start method, threads per process): fork where it is safe, and one thread when forked."""
     if method is None:
-        forkable = "fork" in mp.get_all_start_methods() and not torch.cuda.is_initialized()
+        # A fork inherits neither CUDA's state nor the autograd engine's device threads: a child
+        # forked after either was started cannot use the GPU or run a backward.
+        forkable = (
+            "fork" in mp.get_all_start_methods()
+            and not torch.cuda.is_initialized()
+            and not autograd_device_threads()
+        )
         method = "fork" if forkable else "spawn"
     if method != "fork":
         return method, threads or max(1, cpu_count() // nprocs)

@@ -457,9 +457,7 @@ def _check(cfg: CheckConfig) -> tuple[int, list[str]]:
     setups = _setups(keys)
     w.check_sizes(cfg.nproc)
     run = functools.partial(_ranks_run, cfg.script, setups, cfg.steps, cfg.seed, cfg.script_args)
-    # The 1-process run above used autograd here: where CUDA is present, its engine then holds
-    # device threads that a forked child cannot use (torch refuses the child's backward).
-    ranks = spawn(run, cfg.nproc, start_method="spawn" if torch.cuda.is_available() else None)[0]
+    ranks = spawn(run, cfg.nproc)[0]  # new interpreters where the run above started GPU threads
     verdicts = []
     for fixes, dist_run in zip(setups, ranks):
         one = reference if not fixes else one_process(fixes)

@@ -10,6 +10,7 @@ test_gpu_*.py.
 from __future__ import annotations
 
 import io
+import os
 
 import pytest
 import torch
@@ -269,3 +270,34 @@ def test_debug_collectives_asks_for_the_flight_recorder():
     assert env["TORCH_DISTRIBUTED_DEBUG"] == "DETAIL"
     control = worker_env(LaunchConfig(script="t.py"), 2)
     assert not {buffer, "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_DISTRIBUTED_DEBUG"} & set(control)
+
+
+def test_spawn_starts_new_interpreters_once_the_autograd_engine_has_device_threads(monkeypatch):
+    # On a machine with a GPU, the first backward starts the autograd engine's device threads
+    # (pt_autograd_<device>): a forked child's backward then fails. Here a thread takes that name.
+    import threading
+
+    from ddpkit._internals.compiler import autograd_device_threads
+    from ddpkit._internals.interpreter import prctl
+    from ddpkit._launch import spawn
+
+    if not os.path.isdir("/proc/self/task"):
+        pytest.skip("thread names are read from /proc/self/task")
+    assert not autograd_device_threads()  # control: no such thread here (a CPU build)
+    assert spawn._start_method(None, None, 2)[0] == "fork"
+    named, done = threading.Event(), threading.Event()
+
+    def device_thread() -> None:
+        prctl(15, "pt_autograd_0")  # PR_SET_NAME: this thread's name
+        named.set()
+        done.wait()
+
+    thread = threading.Thread(target=device_thread)
+    thread.start()
+    try:
+        named.wait()
+        assert autograd_device_threads()
+        assert spawn._start_method(None, None, 2)[0] == "spawn"
+    finally:
+        done.set()
+        thread.join()
