@@ -64,7 +64,7 @@ PHASE_NAMES = {
     Phase.GRADIENT_SYNC: "after its backward: DDP's all-reduce of the gradients, or past it",
     Phase.EVALUATION: "evaluating (validation)",
     Phase.MAIN_FIRST: "alone in main_first()'s body (the others wait for it)",
-    Phase.EXPORT: "writing the best weights",
+    Phase.EXPORT: "writing the best or final weights",
 }
 
 OPS = (

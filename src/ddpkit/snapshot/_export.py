@@ -158,10 +158,11 @@ def save_final_weights(
     ``fmt`` is None. Every rank calls it: ``weights()`` may be a collective (fsdp)."""
     if fmt is not None:
         state = weights()
-        if is_main:
-            save_weights(
-                weights_path(run_dir, "final", fmt), state, fmt, {"epoch": epoch, "step": step}
-            )
+        if is_main:  # alone, while the others go on to fit()'s last agreement
+            with marks.phase(marks.Phase.EXPORT):
+                save_weights(
+                    weights_path(run_dir, "final", fmt), state, fmt, {"epoch": epoch, "step": step}
+                )
 
 
 # -- the best weights ------------------------------------------------------------------------------

@@ -362,7 +362,9 @@ def _prepared(
     data = SampleSeeded(w.dataset, seed) if "augmentation" in fixes else w.dataset
     if w.loader is None or "data_order" in fixes:
         sampler = ShardedBatchSampler(cast(Sized, data), batch, seed=seed, drop_last=w.drop_last)
-        loader: Any = DataLoader(data, batch_sampler=sampler, num_workers=0)
+        loader: Any = DataLoader(
+            data, batch_sampler=sampler, num_workers=0, collate_fn=w.collate_fn
+        )
     else:
         loader = w.loader(data, batch, rt.rank, rt.world_size)
     return model, optimizer, _batches(loader, data)

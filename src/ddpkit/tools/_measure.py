@@ -137,7 +137,11 @@ def measure_steps(
         loader: Any = w.loader(w.dataset, w.batch_size, rt.rank, rt.world_size)
     else:
         loader = build_loader(
-            w.dataset, w.batch_size, num_workers=knobs.num_workers, pin_memory=knobs.pin_memory
+            w.dataset,
+            w.batch_size,
+            num_workers=knobs.num_workers,
+            pin_memory=knobs.pin_memory,
+            collate_fn=w.collate_fn,
         )
     batches = _cycle(loader)
     times = _timed_steps(w, model, optimizer, batches, rt.device, (steps, warmup), split_comm)
@@ -222,7 +226,11 @@ def single_process_steps(
         model = torch.nn.DataParallel(model)
     optimizer = w.optimizer(model.parameters())
     loader = torch.utils.data.DataLoader(
-        w.dataset, batch_size=w.batch_size * gpus, shuffle=True, drop_last=True
+        w.dataset,
+        batch_size=w.batch_size * gpus,
+        shuffle=True,
+        drop_last=True,
+        collate_fn=w.collate_fn,
     )
     batches = _cycle(loader)
     device = torch.device("cuda", 0)

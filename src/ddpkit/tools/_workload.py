@@ -76,6 +76,8 @@ class Workload:
     samples."""
     sync_batchnorm: bool = False
     """The script normalises over the global batch: the check's runs do too."""
+    collate_fn: Callable[[list[Any]], Any] | None = None
+    """How ddpkit's loaders put samples into a batch; None: torch's default."""
     name: str = "workload"
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form notes printed with the results."""
@@ -345,6 +347,7 @@ def workload_of(found: Captured, script: str, world_size: int) -> Workload:
         batch_size=config.per_rank_batch(world_size),
         drop_last=config.drop_last,
         sync_batchnorm=config.sync_batchnorm,
+        collate_fn=config.collate_fn,
         name=Path(script).name,
         extra={"workload": "captured from the Trainer the script builds"},
     )

@@ -4,8 +4,9 @@ first argument picks how:
 
 - ``barrier``: rank 1 calls ``ddpkit.barrier()`` where rank 0 calls the step's
   ``ddpkit.all_reduce``: both wait in collective #AT, under different ops.
-- ``held``: rank 1 stops itself (SIGSTOP) inside the step's ``ddpkit.all_reduce``, once marked:
-  both wait in all_reduce #AT, one op, as in a collective the network holds up.
+- ``held``: rank 1 blocks inside the step's ``ddpkit.all_reduce``, once marked, without being
+  stopped: both wait in all_reduce #AT, one op, as in a collective the network holds up.
+- ``stopped``: the same, rank 1 stopping itself there (SIGSTOP).
 - ``exit``: rank 1 calls ``sys.exit(0)`` after step AT; rank 0 trains on.
 - ``none``: nothing; every rank trains to the end and exits 0.
 
@@ -16,6 +17,7 @@ steps.
 import os
 import signal
 import sys
+import threading
 
 import torch
 import torch.distributed as dist
@@ -27,7 +29,7 @@ at = int(sys.argv[2]) if len(sys.argv) > 2 else 5
 rt = ddpkit.init()
 parting = rt.rank == 1
 
-if mode == "held" and parting:
+if mode in ("held", "stopped") and parting:
     plain = dist.all_reduce
     calls = 0
 
@@ -37,7 +39,9 @@ if mode == "held" and parting:
         calls += 1
         if calls == at:
             print(f"rank 1 stops in all_reduce #{at}", flush=True)
-            os.kill(os.getpid(), signal.SIGSTOP)
+            if mode == "stopped":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            threading.Event().wait()  # held: asleep, as behind a network that holds it up
         return plain(*args, **kwargs)
 
     dist.all_reduce = all_reduce

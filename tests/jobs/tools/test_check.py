@@ -286,3 +286,54 @@ def test_a_script_of_several_trainings_names_the_one_it_checks(tmp_path):
     w = load_workload(str(script), 2, ["--epochs", "1"])
     note = w.extra["workload"]
     assert f"the first it builds; its source builds Trainers at lines {first}, {last}" in note, note
+
+
+_PADDED = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ddpkit
+
+
+class Ragged(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        return torch.randn(2 + i % 5, 4, generator=g), i % 3
+
+
+def pad(samples):
+    seqs, targets = zip(*samples)
+    return nn.utils.rnn.pad_sequence(list(seqs), batch_first=True), torch.tensor(targets)
+
+
+class Pooled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.linear(x.sum(1))  # padded zeros add nothing
+
+
+torch.manual_seed(0)
+model = Pooled()
+config = ddpkit.TrainerConfig(run_dir="runs/pad", epochs=1, batch_size=8, collate_fn=pad)
+ddpkit.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), Ragged(), config).fit()
+"""
+
+
+def test_a_trainer_scripts_collate_fn_builds_the_checks_batches(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    script = tmp_path / "padded.py"
+    script.write_text(_PADDED)
+    code, lines = run_check(CheckConfig(script=str(script), steps=2))
+    assert code == 0, "\n".join(lines)
+    # control: the same samples through torch's default collate cannot be stacked
+    script.write_text(_PADDED.replace(", collate_fn=pad", ""))
+    code, lines = run_check(CheckConfig(script=str(script), steps=2))
+    report = "\n".join(lines)
+    assert code == 3 and "stack expects each tensor to be equal size" in report, report
