@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from ddpkit.snapshot._folders import MARKER
 from ddpkit.testing import wait_until
 from tests.jobs.launch import netns
 from tests.jobs.launch.netns import ROOT
@@ -244,15 +245,11 @@ def _events(run_dir: Path) -> list[dict]:
     return [r for r in records if "event" in r]
 
 
-def _snapshot_logged(run_dir: Path, step: int) -> bool:
-    """Whether rank 0 has recorded its snapshot of ``step``: its save returned."""
-    with contextlib.suppress(FileNotFoundError):
-        # A record being written may be cut short (a long one is written in pieces): lines ended
-        # by their newline only.
-        lines = (run_dir / "metrics.jsonl").read_text().split("\n")[:-1]
-        records = [json.loads(line) for line in lines]
-        return any(r.get("event") == "snapshot" and r["step"] == step for r in records)
-    return False
+def _snapshot_whole(run_dir: Path, step: int) -> bool:
+    """Whether the snapshot of ``step`` is whole on disk: its marker, which rank 0 writes once every
+    rank's files are written (its ``snapshot`` event is recorded before the write, with the state
+    it holds)."""
+    return (run_dir / "snapshots" / f"step-{step:08d}" / MARKER).exists()
 
 
 def test_a_node_drained_for_preemption_gets_a_snapshot_at_once_then_resumes_to_the_same_bits(
@@ -283,11 +280,8 @@ def test_a_node_drained_for_preemption_gets_a_snapshot_at_once_then_resumes_to_t
         )
         assert drained.returncode == 0, drained.stderr[-3000:]
         left = max(0.0, deadline - time.monotonic())  # one deadline for both waits
-        # The snapshot's event, not its marker: rank 0 writes the marker, then tells every rank
-        # the write's outcome (a collective) and only then records the event. A node lost between
-        # the two leaves a whole snapshot with no record of it.
         wait_until(
-            lambda: _snapshot_logged(run_dir, 20),
+            lambda: _snapshot_whole(run_dir, 20),
             left,
             what="a snapshot after Ray's pre-emption notice",
             max_interval=SOON,
