@@ -1,7 +1,7 @@
 """``torch.compile``'s internals (``torch._dynamo`` and its ``config.optimize_ddp``, inductor's C++
 compiler probe), the autograd engine's
 ``queue_callback`` (a callback at a backward's end, where DDP and FSDP queue their waits), and the
-CPU's fused attention kernels, which torch's FLOP counter has no formula for."""
+CPU's fused attention kernels, which torch's FLOP counter has no formula for before 2.15."""
 
 from __future__ import annotations
 

@@ -487,7 +487,7 @@ ATTENTION: dict[Any, Any] = {
     if op is not None
 }
 """The standard count for the CPU's fused attention kernels, which ``FlopCounterMode`` counts
-nothing for (its ``custom_mapping``)."""
+nothing for before torch 2.15 and otherwise from 2.15 (its ``custom_mapping``)."""
 
 
 class FlopCount:

@@ -11,12 +11,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from ddpkit.demo import CHARS, TinyGPT
 from ddpkit.tracking._speed import ATTENTION, PHASES, FlopCount, StepTimings
 
 FUSED = "aten._scaled_dot_product_flash_attention_for_cpu"
+# torch's counter has a formula of its own for the fused kernels from 2.15 on (another count than
+# the standard one, which ddpkit's mapping keeps): the controls tell which torch they run on
+TORCH_COUNTS_FUSED = any(str(op) == FUSED for op in flop_registry)
 
 
 def _count(model: nn.Module, run: Any, *, math: bool, formula: bool = True) -> tuple[int, set]:
@@ -59,8 +62,11 @@ def test_attention_on_the_cpu_counts_the_standard_flops(layers, width, heads, le
     with counted.counting(samples=3):
         run(model).sum().backward()
     assert counted.flops == standard and counted.per_sample == standard / 3
-    # Control: the counter's own mapping leaves the fused kernels out.
+    # Control: the counter's own mapping leaves the fused kernels out (where it has no formula).
     without, _ = _count(model, run, math=False, formula=False)
+    if TORCH_COUNTS_FUSED:
+        assert without > 3 * length * 6 * n  # attention counted, by torch's own formula
+        return
     assert without == 3 * length * 6 * n < standard
     if (layers, width, heads, length) == (4, 64, 4, 64):
         assert without / standard == pytest.approx(0.861, abs=5e-4)
@@ -92,7 +98,8 @@ def test_the_fused_kernels_count_as_the_unfused_path(q_shape, kv_shape, options)
     math, math_ops = _count(nn.Module(), run, math=True)
     assert FUSED not in math_ops
     assert fused == math > 0
-    assert _count(nn.Module(), run, math=False, formula=False)[0] == 0  # control
+    control = _count(nn.Module(), run, math=False, formula=False)[0]
+    assert (control > 0) if TORCH_COUNTS_FUSED else (control == 0)  # without ddpkit's formula
 
 
 PAUSE = 0.2
