@@ -11,7 +11,9 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from torch.distributed.elastic.agent.server.api import WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from ddpkit._internals.contract import Internal, warn_lost
 
@@ -80,8 +82,27 @@ class HookedAgent(LocalElasticAgent):
             self.before_monitor(worker_group)
         result = super()._monitor_workers(worker_group)
         if self.hooked:
+            if result.state == WorkerState.FAILED:
+                self._add_stopped(worker_group, result)
             self.after_monitor(worker_group, result)
         return result
+
+    def _add_stopped(self, worker_group: Any, result: Any) -> None:
+        """Add to a failed poll's ``result.failures`` the workers torchrun stopped after it: torch
+        < 2.7 records only those that had exited when it polled, so a rank that raised a moment
+        later, or was ended by the agent's SIGTERM, would be missing from the summary."""
+        context = self.process_context()
+        error_files = getattr(context, "error_files", None) or {}
+        processes = self.worker_processes()
+        for w in worker_group.workers:
+            proc = processes.get(w.local_rank)
+            code = proc.poll() if proc is not None else None
+            if w.global_rank in result.failures or not code or w.local_rank not in error_files:
+                continue
+            result.failures[w.global_rank] = ProcessFailure(
+                local_rank=w.local_rank, pid=proc.pid, exitcode=code,
+                error_file=error_files[w.local_rank],
+            )  # fmt: skip
 
     def _shutdown(self, *args: Any, **kwargs: Any) -> None:
         super()._shutdown(*args, **kwargs)
