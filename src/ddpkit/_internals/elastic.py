@@ -96,8 +96,10 @@ class HookedAgent(LocalElasticAgent):
         processes = self.worker_processes()
         for w in worker_group.workers:
             proc = processes.get(w.local_rank)
-            code = proc.poll() if proc is not None else None
-            if w.global_rank in result.failures or not code or w.local_rank not in error_files:
+            if proc is None or w.global_rank in result.failures or w.local_rank not in error_files:
+                continue
+            code = proc.poll()
+            if not code:  # running, or exited with 0
                 continue
             result.failures[w.global_rank] = ProcessFailure(
                 local_rank=w.local_rank, pid=proc.pid, exitcode=code,
