@@ -87,7 +87,7 @@ class Trainer:
 
     ``step_fn`` (with ``model`` and ``optimizer`` dicts by name, ``scheduler`` one by optimizer
     name): a step of several models and optimizers written as one function (a GAN, distillation);
-    see :mod:`ddpkit.training._several`.
+    ``metric_fn(models, batch)`` then gets the models by name. See :mod:`ddpkit.training._several`.
 
     ``scheduler``: an LR scheduler, stepped every epoch or step (``scheduler_interval``); a
     metric-driven one (``ReduceLROnPlateau``) is stepped at each validation instead, with
