@@ -325,9 +325,12 @@ def workload_of(found: Captured, script: str, world_size: int) -> Workload:
     use on ``world_size`` ranks. The scheduler is not stepped."""
     if found.kwargs.get("step_fn") is not None:
         raise ConfigError(
-            f"{script}: its Trainer has a step_fn (several models and optimizers), which `ddpkit "
-            "check` and `ddpkit bench` do not run: they train one model with one loss; to check "
-            f"one of its models, define {HOOK}() returning it with its loss and optimizer"
+            f"{script}: its Trainer has a step_fn (several models and optimizers), and `ddpkit "
+            "check` and `ddpkit bench` train one model with one loss and one optimizer: to check "
+            f"one of its models, define {HOOK}() returning ddpkit.tools._workload.Workload(model="
+            "..., dataset=..., batch_loss_fn=lambda model, batch: <that model's mean loss, the "
+            "other models called inside, frozen>, optimizer=lambda params: ...); the Trainer's "
+            "sync_batchnorm=True and global_batch_dropout=True cover every trained model of a step"
         )
     names = ("model", "optimizer", "train_data", "config")
     given = dict(zip(names, found.args)) | {k: v for k, v in found.kwargs.items() if k in names}

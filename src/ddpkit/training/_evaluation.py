@@ -113,6 +113,8 @@ def evaluate(
         else build_eval_loader(cast(Dataset, data), batch_size, group=group)
     )
     module = unwrap(model)
+    if isinstance(module, nn.ModuleDict):  # several models by name (a step_fn Trainer's)
+        module = nn.ModuleDict({name: unwrap(m) for name, m in module.items()})
     _sync_buffers(model)
     device = get_runtime().device
     # a frozen BatchNorm stays in eval mode afterwards
@@ -144,17 +146,18 @@ def evaluate(
 
 
 def _sync_buffers(model: nn.Module) -> None:
-    """Give every rank rank 0's buffers (BatchNorm running statistics), as DDP's next forward would.
+    """Give every rank rank 0's buffers (BatchNorm running statistics) of every DDP in ``model``
+    (several models by name: each), as DDP's next forward would.
 
     After a training step each rank's running statistics hold its own last update; DDP copies rank
     0's at the start of the next forward, but evaluation calls the unwrapped module, so without this
     each rank would evaluate a slightly different model and the metrics would describe none of them.
     """
-    if isinstance(model, DDP) and model.broadcast_buffers:
-        group = model.process_group
-        src = dist.get_global_rank(group, 0)
-        for buffer in model.module.buffers():
-            dist.broadcast(buffer.data, src=src, group=group)
+    for ddp in model.modules():
+        if isinstance(ddp, DDP) and ddp.broadcast_buffers:
+            src = dist.get_global_rank(ddp.process_group, 0)
+            for buffer in ddp.module.buffers():
+                dist.broadcast(buffer.data, src=src, group=ddp.process_group)
 
 
 # -- The default loss: cross-entropy that refuses outputs it does not fit (a regression's one

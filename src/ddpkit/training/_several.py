@@ -21,6 +21,9 @@ in the records (``train/loss_d``).
 With ``global_batch_dropout``, each forward inside ``for batch in step.micro_batches():`` draws its
 dropout masks from that micro-batch's place in the global batch (docs/trainer.md); a forward outside
 the loop draws each rank's own.
+
+Validation (``val_data``, ``trainer.evaluate()``) calls ``metric_fn(models, batch)`` with the
+models by name, unwrapped and in eval mode: exact over every sample, as for one model.
 """
 
 from __future__ import annotations
@@ -46,8 +49,9 @@ from ddpkit.strategies import DDPConfig, strategy_config
 from ddpkit.strategies._ddp import SeveralModels
 from ddpkit.tracking._speed import Speed, StepTimings
 from ddpkit.training._config import TrainerConfig
+from ddpkit.training._evaluation import MetricFn
 from ddpkit.training._step import LossWindow, MicroBatch, OptimizerStep, Step, scale_loss
-from ddpkit.training._validation import metric_driven
+from ddpkit.training._validation import check_metric_driven, metric_driven
 
 
 class StepContext:
@@ -220,7 +224,12 @@ class ManualStep:
         )
         self.autocast, self.device_type = autocast, strategy.runtime.device.type
         self.config, self.sampler = config, sampler
-        scheduler_of = schedulers if config.scheduler_interval == "step" else {}
+        # a metric-driven one steps at validations, with its metric
+        scheduler_of = {
+            name: s
+            for name, s in schedulers.items()
+            if config.scheduler_interval == "step" and not metric_driven(s)
+        }
         self.steps = {
             name: OptimizerStep(
                 config,
@@ -285,14 +294,20 @@ class ManualStep:
 
 
 class Schedulers:
-    """The optimizers' schedulers as one, for the Trainer's epoch ends and snapshots."""
+    """The optimizers' schedulers as one, for the Trainer's epoch ends, validations and snapshots.
+    ``metric_driven``: one of them steps on a validation metric (``ReduceLROnPlateau``)."""
 
     def __init__(self, schedulers: Mapping[str, Any]) -> None:
         self.schedulers = dict(schedulers)
+        self.metric_driven = any(map(metric_driven, self.schedulers.values()))
 
-    def step(self) -> None:
+    def step(self, metrics: float | None = None) -> None:
+        """Step those that need no metric; with ``metrics`` (a validation's), the others."""
         for scheduler in self.schedulers.values():
-            scheduler.step()
+            if metrics is None and not metric_driven(scheduler):
+                scheduler.step()
+            elif metrics is not None and metric_driven(scheduler):
+                scheduler.step(metrics)
 
     def state_dict(self) -> dict[str, Any]:
         return {name: s.state_dict() for name, s in self.schedulers.items()}
@@ -303,8 +318,7 @@ class Schedulers:
 
 
 def _check_scheduler(name: str, scheduler: Any, optimizers: Mapping[str, Any]) -> None:
-    """Refuse a scheduler filed under another optimizer's name, or one that needs a metric (the
-    step of several models has no validation to give it one)."""
+    """Refuse a scheduler filed under another optimizer's name."""
     what = f"scheduler={{{name!r}: {type(scheduler).__name__}}}"
     target = getattr(scheduler, "optimizer", None)
     if target is not None and target is not optimizers[name]:
@@ -314,21 +328,16 @@ def _check_scheduler(name: str, scheduler: Any, optimizers: Mapping[str, Any]) -
             f"{what} was built with {built}, not {name!r}: file each scheduler under the name of "
             "the optimizer it was built with"
         )
-    if metric_driven(scheduler):
-        raise ConfigError(
-            f"{what} steps on a validation metric, and a Trainer with step_fn has no validation: "
-            "use a scheduler that steps without one, or leave it out of scheduler= and step it in "
-            "a callback that evaluates (extra_state={...} keeps its state in snapshots)"
-        )
 
 
+NO_METRIC_FN = (
+    "pass metric_fn=lambda models, batch: {name: per-sample values} (models: the models by name, "
+    "in eval mode): several models have no one forward to take a default loss from"
+)
 _OWN_LOSSES = "the step function computes each loss and passes it to step.backward(loss, name)"
-_IN_A_CALLBACK = "evaluate in a callback instead (on_epoch_end, with trainer.model['<name>'])"
 REFUSED = {
-    "val_data": _IN_A_CALLBACK,
     "loss_fn": _OWN_LOSSES,
     "batch_loss_fn": _OWN_LOSSES,
-    "metric_fn": _IN_A_CALLBACK,
     "count_fn": (
         "step.backward divides each micro-batch's mean loss by its share of the step's samples; "
         "train one model with count_fn to weigh micro-batches by their tokens"
@@ -346,11 +355,16 @@ def several_models(
     scheduler: Any,
     runtime: Any,
     refused: dict[str, Any],
-) -> tuple[SeveralModels, Schedulers | None, RunRecord]:
-    """The strategy, the schedulers as one, and the run's record of a Trainer with a ``step_fn``;
-    what such a step does not support (``refused``: :data:`REFUSED`'s names and the values given)
-    is refused, naming the way out. With ``global_batch_dropout``, every model's ``nn.Dropout``
-    becomes a :class:`~ddpkit.nn.GlobalBatchDropout` with a layer id of its own over all models."""
+    val_data: Any = None,
+    metric_fn: Callable[[dict[str, nn.Module], Any], Mapping[str, Any]] | None = None,
+) -> tuple[SeveralModels, Schedulers | None, RunRecord, MetricFn | None]:
+    """The strategy, the schedulers as one, the run's record and the evaluation's metric function
+    of a Trainer with a ``step_fn``; what such a step does not support (``refused``:
+    :data:`REFUSED`'s names and the values given) is refused, naming the way out.
+    ``metric_fn(models, batch)`` gets the models by name (a dict), unwrapped and in eval mode, and
+    returns what one model's ``metric_fn`` does (:data:`~ddpkit.training._evaluation.MetricFn`).
+    With ``global_batch_dropout``, every model's ``nn.Dropout`` becomes a
+    :class:`~ddpkit.nn.GlobalBatchDropout` with a layer id of its own over all models."""
     strategy = strategy_config(config.strategy)
     if strategy.name != "ddp":
         raise ConfigError(
@@ -377,6 +391,10 @@ def several_models(
         )
     for name, sched in (scheduler or {}).items():
         _check_scheduler(name, sched, optimizers)
+        if metric_driven(sched):
+            check_metric_driven(config, sched, val_data)
+    if val_data is not None and metric_fn is None:
+        raise ConfigError(f"val_data with step_fn needs a metric_fn: {NO_METRIC_FN}")
     for what, value in refused.items():
         if value is not None and value is not False:
             raise ConfigError(f"{what} is not supported with step_fn: {REFUSED[what]}")
@@ -401,4 +419,11 @@ def several_models(
         config=cast(DDPConfig, strategy),
         sync_batchnorm=config.sync_batchnorm,
     )
-    return built, Schedulers(scheduler) if scheduler else None, record
+    metrics = None
+    if metric_fn is not None:
+        by_name = metric_fn
+
+        def metrics(modules: nn.Module, batch: Any) -> Mapping[str, Any]:
+            return by_name(dict(cast(nn.ModuleDict, modules).items()), batch)
+
+    return built, Schedulers(scheduler) if scheduler else None, record, metrics

@@ -57,7 +57,7 @@ from ddpkit.training._config import TrainerConfig  # noqa: F401  (imported from 
 from ddpkit.training._evaluation import BatchLoss, BatchLossFn, LossFn
 
 # StepContext: StepFn names it
-from ddpkit.training._several import ManualStep, StepFn, several_models
+from ddpkit.training._several import NO_METRIC_FN, ManualStep, Schedulers, StepFn, several_models
 from ddpkit.training._step import (
     CountFn,
     EpochLoss,
@@ -87,7 +87,7 @@ class Trainer:
 
     ``step_fn`` (with ``model`` and ``optimizer`` dicts by name, ``scheduler`` one by optimizer
     name): a step of several models and optimizers written as one function (a GAN, distillation);
-    see :mod:`ddpkit.training._several`.
+    ``metric_fn(models, batch)`` then gets the models by name. See :mod:`ddpkit.training._several`.
 
     ``scheduler``: an LR scheduler, stepped every epoch or step (``scheduler_interval``); a
     metric-driven one (``ReduceLROnPlateau``) is stepped at each validation instead, with
@@ -118,7 +118,7 @@ class Trainer:
         scheduler: Any = None,
         loss_fn: LossFn | None = None,
         batch_loss_fn: BatchLossFn | None = None,
-        metric_fn: Callable[[nn.Module, Any], Mapping[str, Any]] | None = None,
+        metric_fn: Callable[[Any, Any], Mapping[str, Any]] | None = None,
         count_fn: CountFn | None = None,
         group: Group = None,
         callbacks: Sequence[Any] = (),
@@ -149,16 +149,18 @@ class Trainer:
             )
         else:  # several models and optimizers, by name (ddpkit.training._several)
             refused = {
-                "val_data": val_data, "loss_fn": loss_fn, "batch_loss_fn": batch_loss_fn,
-                "metric_fn": metric_fn, "count_fn": count_fn, "compile": config.compile,
-                "snapshot memory": config.snapshot.memory,
+                "loss_fn": loss_fn, "batch_loss_fn": batch_loss_fn, "count_fn": count_fn,
+                "compile": config.compile, "snapshot memory": config.snapshot.memory,
             }  # fmt: skip
-            self.strategy, scheduler, record = several_models(
-                config, model, optimizer, scheduler, rt, refused
+            self.strategy, scheduler, record, metric_fn = several_models(
+                config, model, optimizer, scheduler, rt, refused, val_data, metric_fn
             )
         self.model, self.optimizer = self.strategy.model, self.strategy.optimizer
         self.scheduler = scheduler
-        self._plateau = metric_driven(scheduler)
+        # stepped at each validation, with its metric (several models': those of them that are)
+        self._plateau = metric_driven(scheduler) or (
+            isinstance(scheduler, Schedulers) and scheduler.metric_driven
+        )
         if self._plateau:
             check_metric_driven(config, scheduler, val_data)
         self._forward = (
@@ -178,6 +180,7 @@ class Trainer:
         self._on_cpu = rt.device.type == "cpu"
         self.scaler = grad_scaler(config.precision, rt.device)
         self.batch_loss = BatchLoss(loss_fn, batch_loss_fn, metric_fn, count_fn)
+        self._metrics_given = metric_fn is not None
         self.train_data, self.val_data = train_data, val_data
         self.loader = build_loader(
             train_data, group=self.group, **config.loader_args(rt.world_size)
@@ -530,7 +533,9 @@ class Trainer:
             self._log_window()
         self.state.epoch += 1
         self.state.cursor = 0
-        if self.scheduler is not None and cfg.scheduler_interval == "epoch" and not self._plateau:
+        # (several models': those of them that need no metric)
+        epochly = cfg.scheduler_interval == "epoch" and not metric_driven(self.scheduler)
+        if self.scheduler is not None and epochly:
             self.scheduler.step()
         metrics: dict[str, float] = {"epoch": self.epoch, "step": self.step, "lr": self._lr()}
         # The mean over all the epoch's steps: a snapshot holds the sums so far, and each rank's
@@ -571,12 +576,8 @@ class Trainer:
     def evaluate(self, data: Dataset, prefix: str = "test") -> dict[str, float]:
         """Exact metrics over every sample of ``data`` (each counted once), named
         ``prefix/metric``."""
-        if self.step_fn is not None:
-            raise ConfigError(
-                "trainer.evaluate() is not supported with step_fn (several models have no one "
-                "forward and loss): evaluate in a callback instead (on_epoch_end, with "
-                "trainer.model['<name>'])"
-            )
+        if self.step_fn is not None and not self._metrics_given:
+            raise ConfigError(f"trainer.evaluate() with step_fn needs a metric_fn: {NO_METRIC_FN}")
         out = self.evaluator(data, prefix)
         if prefix != "val":
             self.writer.log(prefix, self.step, out)

@@ -29,7 +29,7 @@ EVERY = "last_step,validation,on_validation_end,on_epoch_end,disk_write,after_en
 KILLS = {
     "trainer": EVERY,
     "stream": EVERY,
-    # no validation data with a step function
+    # its step function variant is given no validation data
     "step_fn": "last_step,on_epoch_end,disk_write,after_end",
     # its disk save due at the epoch's end is deferred to the next step: epoch 3's is (step 15)
     "hand": "last_step,validation,disk_write,on_epoch_end,after_end",

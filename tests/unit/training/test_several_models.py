@@ -1,6 +1,7 @@
 """A step of several models and optimizers (``step_fn``) in one process: what it cannot train is
-refused when the Trainer is built (a parameter in two optimizers, a scheduler needing a metric or
-filed under another optimizer), or at the call that goes wrong (``evaluate()``, a loss that is not
+refused when the Trainer is built (a parameter in two optimizers, a scheduler needing a metric with
+no validation, or filed under another optimizer), or at the call that goes wrong (``evaluate()``
+without a ``metric_fn``, a loss that is not
 the micro-batch's mean, a backward after leaving ``micro_batches()``, an optimizer step whose
 gradients were never all-reduced), and a skip clears only its own optimizer's gradients. Under
 ``global_batch_dropout`` each model and each pass over the micro-batches draws masks of its own."""
@@ -84,7 +85,8 @@ def test_a_parameter_in_two_optimizers_is_refused_naming_it_and_both(tmp_path):
 def test_a_scheduler_needing_a_metric_or_filed_under_another_optimizer_is_refused(tmp_path):
     plateau = torch.optim.lr_scheduler.ReduceLROnPlateau
     step_lr = torch.optim.lr_scheduler.StepLR
-    with pytest.raises(ConfigError, match=r"scheduler=\{'head': ReduceLROnPlateau\} steps on a"):
+    no_val = r"scheduler=ReduceLROnPlateau steps on a validation metric: pass .*val_data="
+    with pytest.raises(ConfigError, match=no_val):
         body_head(tmp_path, scheduler=lambda o: {"head": plateau(o["head"])})
     # per step too: refused before the first step, not at it
     with pytest.raises(ConfigError, match="ReduceLROnPlateau"):
@@ -107,10 +109,12 @@ def test_a_scheduler_needing_a_metric_or_filed_under_another_optimizer_is_refuse
     assert optimizers["body"].param_groups[0]["lr"] == 0.1
 
 
-def test_evaluate_with_step_fn_is_refused_saying_to_evaluate_in_a_callback(tmp_path):
+def test_evaluate_with_step_fn_and_no_metric_fn_is_refused_saying_to_pass_one(tmp_path):
     _, _, built = body_head(tmp_path)
     built.fit()
-    with pytest.raises(ConfigError, match="evaluate in a callback"):
+    with pytest.raises(
+        ConfigError, match=r"needs a metric_fn: pass metric_fn=lambda models, batch"
+    ):
         built.evaluate(DATA)
     # Control: one model's Trainer evaluates the same data.
     model = nn.Linear(4, 1)
