@@ -65,7 +65,7 @@ def _bundled_digits() -> tuple[np.ndarray, np.ndarray]:
     """The digits' pixels (float64, 0..16) and labels (int64), as ``load_digits`` gives them: read
     from scikit-learn's own file without importing scikit-learn (~2 s), else by ``load_digits``."""
     missing = (
-        "ddpkit.demo._datasets.digits needs scikit-learn, which bundles the digits: pip install "
+        "ddpkit.demo.digits needs scikit-learn, which bundles the digits: pip install "
         "'ddpkit[examples]'"
     )
     try:

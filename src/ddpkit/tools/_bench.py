@@ -596,7 +596,7 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=__doc__,
         epilog=f"Your own training: a script defining {HOOK}() that returns (model, dataset, "
-        "loss_fn, optimizer_factory) or a ddpkit.tools._workload.Workload (batch_size per rank, "
+        "loss_fn, optimizer_factory) or a ddpkit.tools.Workload (batch_size per rank, "
         "loader, ...).",
     )
     p.add_argument(

@@ -114,7 +114,7 @@ CAUSES: tuple[Cause, ...] = (
         "augmentation drawing per rank: the dataset draws random numbers from the process's RNG, "
         "so a sample is augmented differently at another world size",
         "draw a sample's randomness from a generator seeded by the sample: "
-        "torch.Generator().manual_seed(ddpkit.distributed._seeding.mix_seed(seed, epoch, index)) "
+        "torch.Generator().manual_seed(ddpkit.distributed.mix_seed(seed, epoch, index)) "
         "in __getitem__",
     ),
     Cause(
@@ -586,7 +586,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "Exit code 0: they agree; 1: they differ beyond the tolerance (causes named when found); "
         f"{SCRIPT_FAILED}: the script raised (its traceback is shown).",
         epilog=f"The script defines {HOOK}() returning (model, dataset, loss_fn, "
-        "optimizer_factory) or a ddpkit.tools._workload.Workload, or builds a ddpkit.Trainer (run "
+        "optimizer_factory) or a ddpkit.tools.Workload, or builds a ddpkit.Trainer (run "
         "with its default arguments until then); without a script, the DDP tutorials' CNN on "
         "sklearn digits.",
     )

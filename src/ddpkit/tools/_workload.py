@@ -210,7 +210,7 @@ def load_workload(script: str | None, world_size: int = 1, args: Sequence[str] =
     no_workload = (
         f"{script} defines no function {HOOK}() and builds no ddpkit.Trainer: add one that "
         "returns (model, dataset, loss_fn, optimizer_factory) or a "
-        f"ddpkit.tools._workload.Workload, or name a built-in workload ({', '.join(BUILTINS)}); "
+        f"ddpkit.tools.Workload, or name a built-in workload ({', '.join(BUILTINS)}); "
         "see `ddpkit bench -h`"
     )
     if not has_hook and not trainers:
@@ -251,7 +251,7 @@ def load_workload(script: str | None, world_size: int = 1, args: Sequence[str] =
         )
     raise ConfigError(
         f"{script}: {HOOK}() returned {type(out).__name__}; return (model, dataset, loss_fn, "
-        "optimizer_factory) or a ddpkit.tools._workload.Workload"
+        "optimizer_factory) or a ddpkit.tools.Workload"
     )
 
 
@@ -327,7 +327,7 @@ def workload_of(found: Captured, script: str, world_size: int) -> Workload:
         raise ConfigError(
             f"{script}: its Trainer has a step_fn (several models and optimizers), and `ddpkit "
             "check` and `ddpkit bench` train one model with one loss and one optimizer: to check "
-            f"one of its models, define {HOOK}() returning ddpkit.tools._workload.Workload(model="
+            f"one of its models, define {HOOK}() returning ddpkit.tools.Workload(model="
             "..., dataset=..., batch_loss_fn=lambda model, batch: <that model's mean loss, the "
             "other models called inside, frozen>, optimizer=lambda params: ...); the Trainer's "
             "sync_batchnorm=True and global_batch_dropout=True cover every trained model of a step"
