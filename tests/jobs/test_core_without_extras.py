@@ -21,6 +21,8 @@ import torch
 from ddpkit.snapshot import _slots as slot
 from ddpkit.snapshot._slots import block_crcs
 
+pytestmark = pytest.mark.heavy
+
 HIDDEN = (
     "numpy", "sklearn", "optuna", "matplotlib", "tqdm", "tensorboard", "mlflow", "wandb",
     "safetensors", "mpi4py", "yaml", "ray",

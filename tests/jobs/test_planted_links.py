@@ -23,6 +23,8 @@ import pytest
 from ddpkit._errors import ConfigError
 from ddpkit.snapshot._disk import SnapshotWriteError
 
+pytestmark = pytest.mark.heavy
+
 VICTIM = b"a file of someone else's, outside the folder\n"
 THEIRS = b"another user's file\n"
 NOBODY = 65534

@@ -7,6 +7,8 @@ import importlib
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 import ddpkit
 
 PUBLIC = {
@@ -163,6 +165,7 @@ EXTRAS = (
 LOADED = "import sys\n{}\nprint(' '.join(sorted(m for m in sys.modules if m in {!r})))"
 
 
+@pytest.mark.heavy
 def test_import_ddpkit_loads_none_of_the_extras(run_python):
     done = run_python(LOADED.format("import ddpkit", EXTRAS))
     assert done.returncode == 0, done.stderr[-2000:]

@@ -8,7 +8,11 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from tests.tmpfs import fill, small_tmpfs
+
+pytestmark = pytest.mark.heavy
 
 MARK = """
 import os, sys

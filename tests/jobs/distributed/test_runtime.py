@@ -101,6 +101,7 @@ print(f"FREE-PORT: backend={rt.backend} world={rt.world_size} sum={ddpkit.all_re
 """
 
 
+@pytest.mark.heavy
 def test_port_in_use_fails_fast_with_explanation(run_python):
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
         busy.bind(("127.0.0.1", 0))
@@ -264,6 +265,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.heavy
 def test_init_again_after_shutdown(run_python):
     # shutdown() promises that init() may be called again. Under ddpkit._launch.spawn (and torchrun)
     # the rendezvous store outlives the group, so a second group must not read the first group's
@@ -317,6 +319,7 @@ def test_get_runtime_without_init_refuses_when_the_launcher_says_several_ranks()
         assert f"this is rank {r} of 2" in message and "call ddpkit.init()" in message
 
 
+@pytest.mark.heavy
 def test_get_runtime_without_init_in_plain_python_is_a_world_of_one(run_python):
     proc = run_python(
         "import ddpkit; rt = ddpkit.get_runtime(); print(rt.world_size, rt.distributed)"

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.heavy
+
 SCRIPT = """
 import os, sys, torch, ddpkit
 ddpkit.init()

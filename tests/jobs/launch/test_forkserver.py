@@ -19,9 +19,12 @@ from ddpkit.testing import wait_until
 from tests.jobs.launch.test_launcher import DDPKIT
 from tests.jobs.scripts.fork_probe_log import TEXT as UNCLOSED
 
-pytestmark = pytest.mark.skipif(
-    not sys.platform.startswith("linux"), reason="the fork server is Linux only"
-)
+pytestmark = [
+    pytest.mark.heavy,
+    pytest.mark.skipif(
+        not sys.platform.startswith("linux"), reason="the fork server is Linux only"
+    ),
+]
 
 PROBE = str(Path(__file__).parents[1] / "scripts" / "fork_probe.py")
 

@@ -15,6 +15,8 @@ import pytest
 
 from ddpkit.testing import wait_until, without_launch_env
 
+pytestmark = pytest.mark.heavy
+
 HELLO = str(Path(__file__).parents[1] / "scripts" / "hello.py")
 
 

@@ -16,9 +16,12 @@ import pytest
 from ddpkit._launch.proctree import descendants, kill_descendants
 from ddpkit.testing import wait_until
 
-pytestmark = pytest.mark.skipif(
-    not sys.platform.startswith("linux"), reason="process trees are read from /proc"
-)
+pytestmark = [
+    pytest.mark.heavy,
+    pytest.mark.skipif(
+        not sys.platform.startswith("linux"), reason="process trees are read from /proc"
+    ),
+]
 
 PROCTREE = Path(__file__).resolve().parents[3] / "src" / "ddpkit" / "_launch" / "proctree.py"
 LOAD = (

@@ -24,7 +24,10 @@ import pytest
 from ddpkit._launch import worker
 from ddpkit.testing import wait_until, without_launch_env
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="FIFOs and /proc")
+pytestmark = [
+    pytest.mark.heavy,
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="FIFOs and /proc"),
+]
 
 DDPKIT = [sys.executable, "-m", "ddpkit.cli"]
 

@@ -8,6 +8,7 @@ import functools
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 
 import ddpkit
@@ -29,6 +30,7 @@ def load(ckpt: SnapshotManager, size: int = 4):
     return found, sharded, extra
 
 
+@pytest.mark.heavy
 def test_a_crash_during_a_background_write_leaves_the_previous_snapshot(tmp_path, run_python):
     # SIGKILL from the writer thread while it writes step 6's marker (the training thread is already
     # past save()); the folder of step 6 has all its data but no marker, so step 3 is the newest

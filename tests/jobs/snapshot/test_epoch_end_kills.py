@@ -88,7 +88,10 @@ def events(run_dir: Path, name: str) -> list[dict]:
 
 @pytest.mark.parametrize(
     "variant",
-    ["trainer", *(pytest.param(v, marks=pytest.mark.slow) for v in ("stream", "step_fn", "hand"))],
+    [
+        pytest.param("trainer", marks=pytest.mark.heavy),
+        *(pytest.param(v, marks=pytest.mark.slow) for v in ("stream", "step_fn", "hand")),
+    ],
 )
 def test_a_kill_at_each_boundary_of_an_epochs_end_resumes_to_the_uninterrupted_run(
     tmp_path, env, variant

@@ -13,6 +13,8 @@ import pytest
 
 from ddpkit.testing import wait_until
 
+pytestmark = pytest.mark.heavy
+
 HAND = textwrap.dedent("""
     import sys, time, torch, ddpkit
     from pathlib import Path

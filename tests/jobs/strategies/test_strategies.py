@@ -68,6 +68,7 @@ def test_zero_trains_what_ddp_trains(tmp_path, ddp_reference, monkeypatch):
     assert rel_diff(stale["full"]["model"], plain["full"]["model"]) > 1e-3
 
 
+@pytest.mark.heavy
 def test_fsdp_fp32_trains_what_ddp_trains_and_bf16_differs(tmp_path, ddp_reference):
     # Per-block sharding: each Linear is its own unit, gathered and freed on its own.
     fsdp = run(

@@ -16,6 +16,8 @@ import torch
 import ddpkit
 from ddpkit.testing import assert_same_on_ranks, run_job, run_on_ranks, wait_until
 
+pytestmark = pytest.mark.heavy
+
 
 def _whoami() -> tuple[int, int, float]:
     rt = ddpkit.get_runtime()

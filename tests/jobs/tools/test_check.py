@@ -18,6 +18,8 @@ from ddpkit.tools._check import CAUSES, CheckConfig, run_check
 from ddpkit.tools._workload import load_workload
 from tests.conftest import _clean_environ
 
+pytestmark = pytest.mark.heavy
+
 SCRIPTS = Path(__file__).parents[1] / "scripts"
 
 

@@ -5,11 +5,14 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 import ddpkit
 from ddpkit.tracking._curves import RANKS_PANEL, panels, read_curves
 from tests.jobs.scripts.train_job import train
 
 
+@pytest.mark.heavy
 def test_ddpkit_plot_draws_a_trained_run(tmp_path, clean_env):
     ddpkit.spawn(
         lambda: train(

@@ -6,8 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from ddpkit.testing import run_job
 from tests.tmpfs import small_tmpfs
+
+pytestmark = pytest.mark.heavy
 
 JOB = Path(__file__).parents[1] / "scripts" / "full_disk_job.py"
 

@@ -15,6 +15,8 @@ import pytest
 from ddpkit import cli
 from ddpkit.tools import _bench as bench
 
+pytestmark = pytest.mark.heavy
+
 HELLO = str(Path(__file__).parents[2] / "jobs" / "scripts" / "hello.py")
 
 

@@ -630,6 +630,7 @@ def test_whole_twists_of_python_words_from_many_states_are_draws(twists):
         assert held.python[1][-1] == random.getstate()[1][-1]  # control: the index came back
 
 
+@pytest.mark.heavy
 def test_numpy_random_is_imported_before_a_batch_so_its_draws_are_seen():
     """A batch that imports ``numpy.random`` to draw, in a process that had not imported it, draws
     from the stand-in: the holding imported it first."""

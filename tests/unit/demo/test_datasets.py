@@ -101,6 +101,7 @@ def test_digits_without_sklearn_names_the_extra(monkeypatch):
         digits("train")
 
 
+@pytest.mark.heavy
 def test_digits_are_read_without_importing_sklearn_and_as_load_digits_gives_them(monkeypatch):
     """Every rank of a digits job reads them: scikit-learn's import (~2 s, SciPy's statistics
     with it) is not paid for a 500 kB file."""

@@ -316,6 +316,7 @@ def _take_and_hold(path: Path, start, taken, release) -> None:
     os.close(fd)
 
 
+@pytest.mark.heavy
 def test_of_eight_processes_racing_for_a_shared_lock_file_exactly_one_holds_it(tmp_path):
     # Real processes and the kernel's flock. The window the re-check after the lock closes is too
     # narrow for them to hit (take() without it: 0 rounds of 100 with two holders): the interleaving

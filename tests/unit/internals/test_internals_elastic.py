@@ -20,9 +20,12 @@ import pytest
 
 from ddpkit._internals import contract, elastic, interpreter
 
-pytestmark = pytest.mark.skipif(
-    not sys.platform.startswith("linux"), reason="the fork server is Linux only"
-)
+pytestmark = [
+    pytest.mark.heavy,
+    pytest.mark.skipif(
+        not sys.platform.startswith("linux"), reason="the fork server is Linux only"
+    ),
+]
 
 SCRIPTS = Path(__file__).parents[2] / "jobs" / "scripts"
 FORK_PROBE = str(SCRIPTS / "fork_probe.py")

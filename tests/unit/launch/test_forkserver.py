@@ -23,9 +23,12 @@ from ddpkit._launch.forkserver import (
 )
 from ddpkit._launch.options import build_parser, config_from_args
 
-pytestmark = pytest.mark.skipif(
-    not sys.platform.startswith("linux"), reason="the fork server is Linux only"
-)
+pytestmark = [
+    pytest.mark.heavy,
+    pytest.mark.skipif(
+        not sys.platform.startswith("linux"), reason="the fork server is Linux only"
+    ),
+]
 ROOT = Path(__file__).parents[3]
 
 

@@ -237,6 +237,7 @@ def test_log_folders_of_quiet_runs_are_removed_and_old_ones_pruned(tmp_path):
     assert sorted(p.name for p in root.iterdir()) == sorted([p.name for p in old[-20:]] + ["notes"])
 
 
+@pytest.mark.heavy
 def test_env_reports_versions_os_memory_and_the_distributed_variables(monkeypatch, capsys):
     from ddpkit import __version__
     from ddpkit.tools._env import main as env_main

@@ -97,6 +97,7 @@ def test_only_kubernetes_sets_launch_defaults_here():
     )
 
 
+@pytest.mark.heavy
 def test_importing_ddpkit_and_its_platforms_imports_neither_ray_nor_mpi4py():
     code = (
         "import sys, ddpkit, ddpkit.platforms; print(sorted({'ray', 'mpi4py'} & set(sys.modules)))"

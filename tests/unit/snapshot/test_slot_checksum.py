@@ -222,6 +222,7 @@ def test_the_block_size_is_within_crc32cs_distance_4_length():
     assert mslot.BLOCK * 8 <= 2**31 - 1 - 32 == 2_147_483_615
 
 
+@pytest.mark.heavy
 def test_import_ddpkit_does_not_load_the_crc_package():
     code = (
         "import sys, ddpkit, ddpkit.snapshot._slots; assert 'crc32c' not in sys.modules, 'loaded'"

@@ -201,6 +201,7 @@ def test_a_setting_json_cannot_hold_is_recorded_and_compared():
         _record(seen={(1, 2): 4}).check(record, "snapshot")
 
 
+@pytest.mark.heavy
 def test_a_setting_that_saves_resumes_in_any_process():
     """A set of strings iterates in another order under another hash seed, and NaN is not equal to
     itself: the record compares each setting by its fingerprint, so a run that saved resumes. Each
