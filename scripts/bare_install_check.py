@@ -21,7 +21,7 @@ import os, signal, sys
 import torch
 import ddpkit
 from ddpkit import SnapshotConfig, Trainer, TrainerConfig
-from ddpkit.training._callbacks import Callback
+from ddpkit.training._trainer import Callback
 
 EXTRAS = (
     "sklearn", "optuna", "matplotlib", "tqdm", "tensorboard", "mlflow", "wandb", "safetensors"

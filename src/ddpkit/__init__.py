@@ -33,7 +33,6 @@ from ddpkit.snapshot._snapshots import Snapshots
 from ddpkit.snapshot._state import SnapshotConfig
 from ddpkit.strategies import DDPConfig, FSDPConfig, ZeroConfig
 from ddpkit.strategies._prepare import no_sync, prepare_model, unwrap
-from ddpkit.training._callbacks import Callback
 from ddpkit.training._config import (
     EarlyStoppingConfig,
     LoggingConfig,
@@ -44,7 +43,7 @@ from ddpkit.training._evaluation import (
     evaluate,
     regression_metrics,
 )
-from ddpkit.training._trainer import Trainer
+from ddpkit.training._trainer import Callback, Trainer
 
 __version__ = "0.1.0"
 

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 import ddpkit
 from ddpkit import SnapshotConfig
-from ddpkit.training._callbacks import Callback
+from ddpkit.training._trainer import Callback
 from ddpkit.training._config import LoggingConfig, TrainerConfig
 from ddpkit.training._step import StopReason
 from ddpkit.training._trainer import Trainer
