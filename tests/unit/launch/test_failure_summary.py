@@ -161,3 +161,33 @@ def test_the_collective_a_rank_left_as_the_job_failed_is_kept_for_where_it_was()
     assert not agent_module._left_collective(waiting, record(Phase.DATA, 4, steps=6))
     assert not agent_module._left_collective(waiting, record(Phase.COLLECTIVE, 4))
     assert not agent_module._left_collective(None, record(Phase.USER, 4))
+
+
+def test_the_workers_torchrun_stopped_after_its_poll_are_in_the_summary(tmp_path):
+    # torch < 2.7 returns the failures of the workers that had exited when it polled: rank 0's. Rank
+    # 1 raised a moment later (its own error file), rank 2 was ended by the agent's SIGTERM, rank 3
+    # still runs (a stuck process torchrun gave up on), and rank 4 exited with 0.
+    agent, procs, group = _agent(tmp_path, nproc=5)
+    errors = {}
+    for local in range(5):
+        errors[local] = str(tmp_path / f"error{local}.json")
+    (tmp_path / "error1.json").write_text(
+        '{"message": {"message": "OSError: ddpkit: cannot write metrics.jsonl", '
+        '"extraInfo": {"py_callstack": "", "timestamp": "10"}}}'
+    )
+    context = SimpleNamespace(error_files=errors)
+    agent.process_context = lambda: context  # type: ignore[method-assign]
+    for local, code in {0: 1, 1: 1, 2: -15, 4: 0}.items():
+        procs[local].code = code
+    first = _failure(1, "OSError: ddpkit: cannot write metrics.jsonl", local_rank=0, pid=100)
+    result = SimpleNamespace(failures={0: first})
+    Agent._add_stopped(agent, group, result)
+    assert sorted(result.failures) == [0, 1, 2]
+    assert result.failures[0] is first  # the poll's own record is kept
+    assert result.failures[1].exitcode == 1 and result.failures[2].exitcode == -15
+    summary = summarize_failure(result)
+    assert "then rank 1 (local rank 1, pid 101): exit code 1: OSError: ddpkit: cannot" in summary
+    assert "then rank 2 (local rank 2, pid 102): killed by SIGTERM" in summary
+    # control: the poll's failures alone, as torch 2.6 returns them, name rank 0 only
+    alone = summarize_failure(SimpleNamespace(failures={0: first}))
+    assert "then rank" not in alone and "1 worker(s) failed" in alone
