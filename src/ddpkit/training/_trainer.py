@@ -125,6 +125,7 @@ class Trainer:
         extra_state: Mapping[str, Any] | None = None,
         step_fn: StepFn | None = None,
     ) -> None:
+        in_use = run_dir_lib.refuse_shared(config.run_dir, config.phase)
         # Rank, world size and "main" count in this group: the whole job, or one group of
         # split_world().
         self.config, self.runtime = config, get_runtime(group, member=True)
@@ -191,7 +192,7 @@ class Trainer:
         # each rank's losses since the ranks last agreed
         self._window = LossWindow(on_host=self._on_cpu)
         self.epoch_loss = EpochLoss()  # what they agreed on in this epoch
-        self.run_dir = Path(config.run_dir)
+        self.run_dir = config.phase_dir
         self.writer = MetricsWriter(
             self.run_dir,
             enabled=rt.is_main,
@@ -254,6 +255,7 @@ class Trainer:
         self._stop_signal, self.stopped_by = 0, None
         # Ray's warning of a node's loss
         self._notice = signals.preemption_notice(rt.launcher, self.group)
+        run_dir_lib.TRAINERS[self] = in_use
 
     # The counters, as the state holds them.
     epoch = property(lambda self: self.state.epoch, lambda self, v: setattr(self.state, "epoch", v))
@@ -287,14 +289,15 @@ class Trainer:
         """Train until ``epochs`` (or ``max_steps``, early stopping, or a stop signal); return the
         last epoch's metrics, with the latest validation's under ``val_every_steps``.
 
-        ``run_dir`` is locked for the duration (a second job on it is refused, naming this one). A
-        stop signal raises :class:`~ddpkit.Preempted` once the snapshot is saved, unless
-        ``raise_on_stop_signal=False``.
+        ``run_dir`` is locked for the duration (a second job on it is refused, naming this one;
+        with a ``phase``, until the process ends). A stop signal raises :class:`~ddpkit.Preempted`
+        once the snapshot is saved, unless ``raise_on_stop_signal=False``.
         """
         self._resuming = resumes(self.config.resume, self.runtime.restart_count)
         lock = run_dir_lib.claim(
-            self.run_dir, is_main=self.runtime.is_main, fresh=not self._resuming, group=self.group
-        )
+            self.run_dir, is_main=self.runtime.is_main, fresh=not self._resuming, group=self.group,
+            root=self.config.run_dir if self.config.phase else None,
+        )  # fmt: skip
         try:
             return self._fit()
         finally:
