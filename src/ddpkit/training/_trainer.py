@@ -291,7 +291,8 @@ class Trainer:
 
         ``run_dir`` is locked for the duration (a second job on it is refused, naming this one;
         with a ``phase``, until the process ends). A stop signal raises :class:`~ddpkit.Preempted`
-        once the snapshot is saved, unless ``raise_on_stop_signal=False``.
+        once the snapshot is saved, unless ``raise_on_stop_signal=False``. A run that finished,
+        resumed, trains nothing: its final state is restored, and its last epoch's metrics returned.
         """
         self._resuming = resumes(self.config.resume, self.runtime.restart_count)
         lock = run_dir_lib.claim(
@@ -329,6 +330,12 @@ class Trainer:
             self.stopped_by = StopReason.EARLY_STOPPING
         if cfg.max_steps is not None and self.step >= cfg.max_steps:
             self.stopped_by = StopReason.MAX_STEPS
+        # its final state restored (above): its final metrics are the records'
+        finished = self.resumed_from is not None and (
+            self.stopped_by is not None or self.epoch >= cfg.epochs
+        )
+        if finished:
+            last = broadcast_object(self.writer.last_epoch(), group=self.group)
         try:
             with signals.stop_signals(self._on_stop_signal):
                 while self.epoch < cfg.epochs and self.stopped_by is None:
@@ -360,7 +367,8 @@ class Trainer:
             self.validation.save_final_weights(self.epoch, self.step, self.stopped_by)
         self.wait_for_snapshot()  # the run's last snapshot is whole before fit() returns
         reason = self.stopped_by
-        self.writer.log("event", self.step, {"event": "stop", "reason": str(reason)})
+        done = {"resumed_finished": True} if finished else {}
+        self.writer.log("event", self.step, {"event": "stop", "reason": str(reason), **done})
         self.writer.flush()
         self._stop_on_fault(one_more=True)  # a write since the last agreement
         call(self.callbacks, "on_fit_end", self)
