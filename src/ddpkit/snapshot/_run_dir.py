@@ -2,13 +2,21 @@
 (:func:`fcntl.flock`) on ``run_dir/.lock`` for the life of ``fit()``, which the kernel drops however
 the process ends. A run directory of another user, or with a symbolic link where the run writes, is
 refused (:mod:`ddpkit._fs`); ``resume=False`` moves the previous run's files aside.
+
+The phases of one script (``TrainerConfig.phase``: ``run_dir/<phase>/``) share ``run_dir/.lock``:
+the first phase's ``fit()`` takes it and the process holds it until it ends, so that the later
+phases keep it and no other job takes the folder between them. Two live Trainers of a process
+may not share a phase, nor mix a phase and none, in one run directory (:func:`refuse_shared`).
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import time
+import weakref
 from pathlib import Path
+from typing import Any
 
 from ddpkit import _fs as fs
 from ddpkit._errors import ConfigError
@@ -43,37 +51,79 @@ RUN_FILES = (*PREVIOUS_RUN, "mlflow.db", "wandb")
 """What a run writes in its run directory (besides ``.lock``): none of it may be a symbolic link."""
 
 
+_HELD: dict[Path, RunDirLock] = {}
+"""The run directories of phases this process has locked, until it ends."""
+TRAINERS: weakref.WeakKeyDictionary[Any, tuple[Path, str | None]] = weakref.WeakKeyDictionary()
+"""Each live Trainer of this process, and the (run_dir, phase) it trains in."""
+
+
+def refuse_shared(run_dir: str | os.PathLike, phase: str | None) -> tuple[Path, str | None]:
+    """The key a Trainer registers under in :data:`TRAINERS`; a :class:`ConfigError` naming
+    ``phase=`` while another live Trainer of this process has ``run_dir`` with the same phase, or
+    with a phase where this one has none or the reverse. Two without a phase pass: the second
+    resumes the first's run, or the run record's check refuses it."""
+    root = Path(run_dir).resolve()
+
+    def others() -> list[str | None]:
+        same = [p for r, p in list(TRAINERS.values()) if r == root]
+        return [p for p in same if (phase and p == phase) or (p is None) != (phase is None)]
+
+    if others():
+        gc.collect()  # one that is unreachable, held only by a reference cycle, has ended
+    if clash := others():
+        other = f"phase={clash[0]!r}" if clash[0] else "no phase"
+        raise ConfigError(
+            f"run_dir {str(run_dir)!r} is already used by another Trainer of this process "
+            f"({other}): two trainings in one folder would resume each other's snapshots. Give "
+            "each training of the script its own TrainerConfig(phase=...) (it then writes in "
+            "run_dir/<phase>/: phase='teacher', phase='student'), or its own run_dir; to resume "
+            "a run in the same process, let go of its first Trainer (del trainer)"
+        )
+    return root, phase
+
+
 def claim(
-    run_dir: str | os.PathLike, *, is_main: bool, fresh: bool, group: Group = None
+    run_dir: str | os.PathLike,
+    *,
+    is_main: bool,
+    fresh: bool,
+    group: Group = None,
+    root: str | os.PathLike | None = None,
 ) -> RunDirLock | None:
     """Lock ``run_dir`` on the group's main rank; with ``fresh`` (``resume=False``) move the
     previous run aside. Refused on every rank (the main rank's verdict is broadcast) when the run
     directory or its ``snapshots/`` belongs to another user, or when anything the run writes there
-    is a symbolic link."""
+    is a symbolic link. ``root``: ``run_dir`` is a phase's folder in it, and the lock is ``root``'s,
+    held by this process until it ends (None is returned)."""
     lock: RunDirLock | None = None
     error: tuple[str, int | None] | None = None
     if is_main:
-        path = Path(run_dir)
-        lock = RunDirLock(path)
+        path, top = Path(run_dir), Path(root or run_dir)
+        held = _HELD.get(top.resolve())
+        taken = held or RunDirLock(top)
         try:
             # before the lock file is made: nothing is created in another user's folder
-            fs.check_owned(path, "run_dir", follow=True, kind="run_dir")
-            lock.acquire()
-            for name in RUN_FILES:
+            fs.check_owned(top, "run_dir", follow=True, kind="run_dir")
+            if held is None:
+                taken.acquire()
+            for name in RUN_FILES if path == top else ("", *RUN_FILES):
                 what = "the snapshots folder" if name == "snapshots" else ""
                 fs.check_owned(path / name, what, follow=False, kind="run_dir")
             if fresh:
                 _set_aside_previous_run(path)
+            if root is None and held is None:
+                lock = taken
+            else:
+                _HELD[top.resolve()] = taken
         except ConfigError as err:
-            lock.release()
-            lock, error = None, (str(err), None)
+            if held is None:
+                taken.release()
+            error = (str(err), None)
         except OSError as err:
             # stays an OSError on every rank: a search tells the machine's errors by their errno
-            lock.release()
-            lock, error = (
-                None,
-                (f"cannot take run_dir {str(path)!r}: {err.strerror or err}", err.errno),
-            )
+            if held is None:
+                taken.release()
+            error = (f"cannot take run_dir {str(path)!r}: {err.strerror or err}", err.errno)
     error = broadcast_object(error, group=group)
     if error is not None:
         message, code = error

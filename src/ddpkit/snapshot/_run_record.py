@@ -243,9 +243,10 @@ class RunRecord:
             raise ConfigError(
                 f"{snapshot} was taken by a run with another config than this one:\n  "
                 f"{listed}\nResuming it would continue that run, not train this one. Give this run "
-                "a new run_dir, or pass TrainerConfig(resume=False) to start afresh in this one "
-                "(the previous run's snapshots and records are moved aside), or change only what "
-                f"a resume may change ({allowed})"
+                "a new run_dir (another training of the same script: its own "
+                "TrainerConfig(phase=...)), or pass TrainerConfig(resume=False) to start afresh in "
+                "this one (the previous run's snapshots and records are moved aside), or change "
+                f"only what a resume may change ({allowed})"
             )
 
 

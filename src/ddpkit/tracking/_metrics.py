@@ -141,6 +141,19 @@ class MetricsWriter:
         except OSError as err:
             self.record_fault(self.run_dir / "epochs.csv", err)
 
+    def last_epoch(self) -> dict[str, Any]:
+        """The values of the newest ``epoch`` record (the main rank's; empty elsewhere), as the
+        epoch's end gave them to ``fit()``."""
+        path, last = self.run_dir / "metrics.jsonl", {}
+        for line in fs.read_bytes(path).splitlines() if self.enabled and path.exists() else ():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # a line cut short by a kill
+            if isinstance(record, dict) and record.get("kind") == "epoch":
+                last = record
+        return {k: v for k, v in last.items() if k not in ("kind", "time", "epoch_seconds")}
+
     def state_dict(self) -> dict[str, int]:
         """The size of each file now (the main rank's; empty on the others)."""
         if not self.enabled:

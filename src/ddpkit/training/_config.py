@@ -15,13 +15,16 @@ One typed config per concern, nested the way the run directory and the docs grou
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any, Literal
 
 from ddpkit._errors import ConfigError, check_types
 from ddpkit._errors import check_fields as _check
 from ddpkit.data._fingerprint import OnDataChange
+from ddpkit.snapshot._run_dir import RUN_FILES
 from ddpkit.snapshot._state import NEW_RANK_STATES, NewRankState, SnapshotConfig
 from ddpkit.strategies import StrategyConfig, strategy_config
 
@@ -95,6 +98,11 @@ class TrainerConfig:
     run_dir: str = "runs/default"
     """Folder for snapshots, metrics and the resolved config; a run resumes from the snapshots found
     here."""
+    phase: str | None = None
+    """One of several trainings in one script (a teacher, then students distilled from it): its
+    snapshots, records and files go to ``run_dir/<phase>/``, a plain folder name. ``fit()`` of a
+    phase that finished (the script run again after a restart) trains nothing: it restores the
+    phase's final state into the models and returns its final metrics."""
     epochs: int = 1
     max_steps: int | None = None
     """Stop after this many optimizer steps in all (a snapshot is taken first)."""
@@ -187,6 +195,14 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         check_types(self)
+        if self.phase is not None and (
+            not re.fullmatch(r"[\w-][\w.-]*", self.phase, re.ASCII) or self.phase in RUN_FILES
+        ):
+            raise ConfigError(
+                f"phase={self.phase!r}: give a plain folder name for run_dir/<phase>/ (letters, "
+                "digits, _ . -, not starting with a dot, not a name the run writes: "
+                f"{', '.join(RUN_FILES[:3])}, ...)"
+            )
         if (self.batch_size is None) == (self.global_batch_size is None):
             raise ConfigError("give exactly one of batch_size (per rank) and global_batch_size")
         self.strategy = strategy_config(self.strategy)  # names a bad strategy
@@ -229,6 +245,11 @@ class TrainerConfig:
                 f"grad_accum_steps={self.grad_accum_steps} micro-batches: pick a multiple of "
                 f"{self.grad_accum_steps} (times the world size)"
             )
+
+    @property
+    def phase_dir(self) -> Path:
+        """Where this training writes: ``run_dir/<phase>``, or ``run_dir`` without a phase."""
+        return Path(self.run_dir, self.phase or "")
 
     def per_rank_batch(self, world_size: int) -> int:
         if self.batch_size is not None:

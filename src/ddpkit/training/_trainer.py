@@ -203,6 +203,7 @@ class Trainer:
         extra_state: Mapping[str, Any] | None = None,
         step_fn: StepFn | None = None,
     ) -> None:
+        in_use = run_dir_lib.refuse_shared(config.run_dir, config.phase)
         # Rank, world size and "main" count in this group: the whole job, or one group of
         # split_world().
         self.config, self.runtime = config, get_runtime(group, member=True)
@@ -269,7 +270,7 @@ class Trainer:
         # each rank's losses since the ranks last agreed
         self._window = LossWindow(on_host=self._on_cpu)
         self.epoch_loss = EpochLoss()  # what they agreed on in this epoch
-        self.run_dir = Path(config.run_dir)
+        self.run_dir = config.phase_dir
         self.writer = MetricsWriter(
             self.run_dir,
             enabled=rt.is_main,
@@ -332,6 +333,7 @@ class Trainer:
         self._stop_signal, self.stopped_by = 0, None
         # Ray's warning of a node's loss
         self._notice = signals.preemption_notice(rt.launcher, self.group)
+        run_dir_lib.TRAINERS[self] = in_use
 
     # The counters, as the state holds them.
     epoch = property(lambda self: self.state.epoch, lambda self, v: setattr(self.state, "epoch", v))
@@ -365,14 +367,16 @@ class Trainer:
         """Train until ``epochs`` (or ``max_steps``, early stopping, or a stop signal); return the
         last epoch's metrics, with the latest validation's under ``val_every_steps``.
 
-        ``run_dir`` is locked for the duration (a second job on it is refused, naming this one). A
-        stop signal raises :class:`~ddpkit.Preempted` once the snapshot is saved, unless
-        ``raise_on_stop_signal=False``.
+        ``run_dir`` is locked for the duration (a second job on it is refused, naming this one;
+        with a ``phase``, until the process ends). A stop signal raises :class:`~ddpkit.Preempted`
+        once the snapshot is saved, unless ``raise_on_stop_signal=False``. A run that finished,
+        resumed, trains nothing: its final state is restored, and its last epoch's metrics returned.
         """
         self._resuming = resumes(self.config.resume, self.runtime.restart_count)
         lock = run_dir_lib.claim(
-            self.run_dir, is_main=self.runtime.is_main, fresh=not self._resuming, group=self.group
-        )
+            self.run_dir, is_main=self.runtime.is_main, fresh=not self._resuming, group=self.group,
+            root=self.config.run_dir if self.config.phase else None,
+        )  # fmt: skip
         try:
             return self._fit()
         finally:
@@ -404,6 +408,12 @@ class Trainer:
             self.stopped_by = StopReason.EARLY_STOPPING
         if cfg.max_steps is not None and self.step >= cfg.max_steps:
             self.stopped_by = StopReason.MAX_STEPS
+        # its final state restored (above): its final metrics are the records'
+        finished = self.resumed_from is not None and (
+            self.stopped_by is not None or self.epoch >= cfg.epochs
+        )
+        if finished:
+            last = broadcast_object(self.writer.last_epoch(), group=self.group)
         try:
             with signals.stop_signals(self._on_stop_signal):
                 while self.epoch < cfg.epochs and self.stopped_by is None:
@@ -435,7 +445,8 @@ class Trainer:
             self.validation.save_final_weights(self.epoch, self.step, self.stopped_by)
         self.wait_for_snapshot()  # the run's last snapshot is whole before fit() returns
         reason = self.stopped_by
-        self.writer.log("event", self.step, {"event": "stop", "reason": str(reason)})
+        done = {"resumed_finished": True} if finished else {}
+        self.writer.log("event", self.step, {"event": "stop", "reason": str(reason), **done})
         self.writer.flush()
         self._stop_on_fault(one_more=True)  # a write since the last agreement
         call(self.callbacks, "on_fit_end", self)

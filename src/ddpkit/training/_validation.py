@@ -131,7 +131,7 @@ class Validation:
         weights_format, notice = export.resolve_format(config.weights_format)
         if notice is not None:
             print0(notice, group=runtime.group)
-        run_dir = Path(config.run_dir)
+        run_dir = config.phase_dir
         if config.val_every_steps is not None and val_data is None:
             raise ConfigError(
                 f"val_every_steps={config.val_every_steps} needs validation data: pass "
