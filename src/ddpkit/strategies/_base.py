@@ -19,7 +19,8 @@ or a hand-written one, reads the same at every strategy::
 from __future__ import annotations
 
 import dataclasses
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -184,6 +185,20 @@ def separate_own(state: dict[str, Any], model: nn.Module, ignored: Any = ()) -> 
     }
 
 
+@contextmanager
+def made_up_state_cleared(optimizers: Any) -> Iterator[None]:
+    """Around a read of torch's distributed state dict of ``optimizers`` (one or a list): torch
+    gives an optimizer that has not stepped a state, by one step at lr 0 (Adam's step count 1),
+    which the next real step would train on; cleared again, so that a read changes nothing."""
+    listed = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+    empty = [opt for opt in listed if not opt.state]
+    try:
+        yield
+    finally:
+        for opt in empty:
+            opt.state.clear()
+
+
 def state_options(**kwargs: Any) -> Any:
     """Options of torch's distributed state dicts: optimizer state keyed by parameter name, one
     entry per tensor, so that ranks may hold different parameters and a load at another world size
@@ -199,7 +214,8 @@ def read_state(module: nn.Module, optimizers: Any, ignored: Any = ()) -> dict[st
     from torch.distributed.checkpoint import state_dict as dsd
 
     if optimizers:
-        model, optim = dsd.get_state_dict(module, optimizers, options=state_options())
+        with made_up_state_cleared(optimizers):
+            model, optim = dsd.get_state_dict(module, optimizers, options=state_options())
     else:
         model, optim = dsd.get_model_state_dict(module, options=state_options()), {}
     return separate_own({"model": model, "optim": optim}, module, ignored)

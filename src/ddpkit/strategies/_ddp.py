@@ -26,6 +26,7 @@ from ddpkit.strategies._base import (
     GradientVerdict,
     join_own,
     load_state,
+    made_up_state_cleared,
     read_state,
     rebuild_optimizer,
     separate_own,
@@ -514,12 +515,12 @@ class ZeroStrategy:
 
         local = self.optimizer.optim
         _copy_hyperparameters(self.optimizer.param_groups, local.param_groups)
+        with made_up_state_cleared(local):
+            optim = get_optimizer_state_dict(unwrap(self.model), local, options=state_options())
         return separate_own(
             {
                 "model": unwrap(self.model).state_dict(),
-                "optim": get_optimizer_state_dict(
-                    unwrap(self.model), local, options=state_options()
-                ),
+                "optim": optim,
                 "param_groups": [
                     {k: v for k, v in g.items() if k != "params"}
                     for g in self.optimizer.param_groups

@@ -22,6 +22,7 @@ from ddpkit.nn._batchnorm import convert_sync_batchnorm
 from ddpkit.strategies._base import (
     GradientVerdict,
     load_state,
+    made_up_state_cleared,
     read_state,
     rebuild_optimizer,
     state_options,
@@ -239,7 +240,8 @@ class FSDPStrategy:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         options = state_options(full_state_dict=True)
-        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=options)
+        with made_up_state_cleared(self.optimizer):
+            model_state, optim_state = get_state_dict(self.model, self.optimizer, options=options)
         return {"model": model_state, "optim": optim_state}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

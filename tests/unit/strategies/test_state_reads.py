@@ -1,0 +1,37 @@
+"""Reading a strategy's state changes nothing: torch's distributed state dicts give an optimizer
+that has not stepped a made-up state (one step at lr 0: Adam's step count 1, zero moments), which
+the next real step would train on; ddpkit clears it again after the read."""
+
+from __future__ import annotations
+
+import torch
+
+import ddpkit
+
+
+def _train(tmp_path, name: str, before=None) -> torch.Tensor:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
+    config = ddpkit.TrainerConfig(
+        run_dir=str(tmp_path / name), batch_size=8, logging=ddpkit.LoggingConfig(progress=False)
+    )
+    trainer = ddpkit.Trainer(model, torch.optim.Adam(model.parameters(), lr=0.01), data, config)
+    if before is not None:
+        before(trainer)
+    trainer.fit()
+    return model.weight.detach().clone()
+
+
+def test_a_state_read_before_the_first_step_leaves_training_as_it_was(tmp_path):
+    plain = _train(tmp_path, "plain")
+    read = _train(tmp_path, "read", lambda t: t.state_dict())
+    assert torch.equal(read, plain)
+
+
+def test_control_torchs_own_read_before_the_first_step_changes_adams_training(tmp_path):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    plain = _train(tmp_path, "plain")
+    made_up = _train(tmp_path, "made-up", lambda t: get_state_dict(t.model, t.optimizer))
+    assert (made_up - plain).abs().max() > 1e-4
