@@ -305,6 +305,12 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
     # DDP's constructor imports torch._dynamo (seconds): imported once before the forks
     import_dynamo()
     w = load_workload(cfg.script)  # bad input fails here, not inside every rank
+    if w.trainer is not None:
+        raise ConfigError(
+            f"{cfg.script}: its Trainer has a step_fn (several models and optimizers), and `ddpkit "
+            f"bench` times one model's step: define {HOOK}() returning a ddpkit.tools.Workload of "
+            "one of its models (`ddpkit check` runs the step_fn Trainer as it is)"
+        )
     w.check_sizes(cfg.nproc)
     log(f"measuring the step at 1..{cfg.nproc} ranks ({cfg.rounds} rounds)")
     scaling = measure_scaling(cfg, log)

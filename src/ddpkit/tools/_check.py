@@ -7,19 +7,27 @@ and its weights after the step are compared. Each known cause has a switch that 
 mismatch the runs are repeated with every switch on, then with each turned off in turn, and a cause
 is named when the mismatch comes back without its switch. The single process runs twice in every
 set-up, so non-determinism shows as the process disagreeing with itself.
+
+A script's Trainer with ``step_fn`` is run itself, its config holding the switches that apply to
+it; every model's weights are compared, by name, after each step, and its loss (gradients are not
+kept).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import io
 import itertools
 import math
+import shutil
 import sys
+import tempfile
 import traceback
 from collections.abc import Iterator, Sequence, Sized
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 import torch
@@ -154,6 +162,14 @@ CAUSES: tuple[Cause, ...] = (
     ),
 )
 _KEYS = tuple(c.key for c in CAUSES)
+STEP_FN_KEYS = ("batchnorm", "dropout", "augmentation", "initial_state", "nondeterminism")
+"""The switches a step_fn Trainer's check turns: its config's ``sync_batchnorm``,
+``global_batch_dropout`` and ``seed_samples``, a broadcast, deterministic algorithms."""
+NOT_SWITCHED = (
+    "not switched for a step_fn Trainer: data order (its sampler already slices the global batch), "
+    "uneven means (step.backward already weighs each micro-batch by its share), unused parameters "
+    "(its models' DDP options are the script's)"
+)
 
 
 class SampleSeeded(Dataset):
@@ -219,12 +235,14 @@ class Comparison:
     """What a run that raised raised."""
     silent: int = 0
     """Parameters left out of the weights' comparison (``SILENT_GRADIENT``)."""
+    model: list[str] = field(default_factory=list)
+    """Per step, the model whose weights differ most (a step_fn Trainer's, by name)."""
 
     def first(self, rtol: float) -> tuple[int, str, float] | None:
         """(step, quantity, relative difference) of the first difference beyond ``rtol``."""
         for step, d in enumerate(self.diffs):
             for q in ("grad", "loss", "weights"):
-                if d[q] > rtol:
+                if d.get(q, 0.0) > rtol:
                     return step, q, d[q]
         return None
 
@@ -254,23 +272,29 @@ def _silent_mask(reference: dict[str, Any], steps: int) -> tuple[torch.Tensor | 
 
 
 def compare(a: dict[str, Any], b: dict[str, Any]) -> Comparison:
-    """``a`` against ``b`` (the reference), step by step, over the steps both completed."""
+    """``a`` against ``b`` (the reference), step by step, over the steps both completed; the
+    weights of models by name (a step_fn Trainer's) model by model, the largest counted."""
     n = min(len(a["loss"]), len(b["loss"]))
     diffs = []
     silent = 0
+    worst_model = []
     for i in range(n):
         mask, silent = _silent_mask(b, i + 1)
         wa, wb = a["weights"][i], b["weights"][i]
         if mask is not None:
             wa, wb = wa[mask], wb[mask]
-        diffs.append(
-            {
-                "loss": _rel(a["loss"][i], b["loss"][i]),
-                "grad": _rel(a["grad"][i], b["grad"][i]),
-                "weights": _rel(wa, wb),
+        d = {"loss": _rel(a["loss"][i], b["loss"][i]), "weights": _rel(wa, wb)}
+        if i < min(len(a["grad"]), len(b["grad"])):  # a step_fn Trainer's are not kept
+            d["grad"] = _rel(a["grad"][i], b["grad"][i])
+        if a.get("models") and b.get("models"):
+            by_model = {
+                name: _rel(w, b["models"][i].get(name, torch.zeros(0)))
+                for name, w in a["models"][i].items()
             }
-        )
-    return Comparison(diffs, a["error"] or b["error"], silent)
+            worst_model.append(max(by_model, key=lambda name: by_model[name]))
+            d["weights"] = max(by_model.values())
+        diffs.append(d)
+    return Comparison(diffs, a["error"] or b["error"], silent, worst_model)
 
 
 @dataclass
@@ -324,6 +348,9 @@ def train_steps(
             seed_everything(seed)
             w = load_workload(script, max(get_runtime().world_size, 1), args)
             batch = per_rank_batch or w.batch_size
+            if w.trainer is not None:
+                _run_trainer(w, fixes, steps, batch, records)
+                return records
             model, optimizer, batches = _prepared(w, fixes, batch, seed, records)
             model.train()
             for step in range(steps):
@@ -345,15 +372,7 @@ def _prepared(
     model = w.model
     if "dropout" in fixes:
         convert_dropout(model)
-    plain = plain_tensors(model)
-    if "initial_state" in fixes:
-        for t in plain.values():
-            t.copy_(broadcast_object(t))
-    digests = {name: float(t.double().sum()) for name, t in plain.items()}
-    every = all_gather_object(digests)
-    records["differing_tensors"] = sorted(
-        n for n in digests if any(d.get(n) != digests[n] for d in every)
-    )
+    _same_start(model, fixes, records)
     unused: dict[str, Any] = (
         {"find_unused_parameters": True} if "unused_parameters" in fixes else {}
     )
@@ -368,6 +387,74 @@ def _prepared(
     else:
         loader = w.loader(data, batch, rt.rank, rt.world_size)
     return model, optimizer, _batches(loader, data)
+
+
+def _same_start(model: nn.Module, fixes: frozenset[str], records: dict[str, Any]) -> None:
+    """With ``initial_state`` in ``fixes``, rank 0's plain tensors broadcast; notes the tensors that
+    differ between ranks once the model is built."""
+    plain = plain_tensors(model)
+    if "initial_state" in fixes:
+        for t in plain.values():
+            t.copy_(broadcast_object(t))
+    digests = {name: float(t.double().sum()) for name, t in plain.items()}
+    every = all_gather_object(digests)
+    records["differing_tensors"] = sorted(
+        n for n in digests if any(d.get(n) != digests[n] for d in every)
+    )
+
+
+def _run_trainer(
+    w: Workload, fixes: frozenset[str], steps: int, batch: int, records: dict[str, Any]
+) -> None:
+    """Train the script's step_fn Trainer (``w.trainer``) ``steps`` steps with ``batch`` samples a
+    rank per micro-batch, the switches in ``fixes`` in its config, in a run directory of its own
+    that is removed after; records each step's global loss and every model's weights, by name."""
+    from ddpkit.training._trainer import Trainer  # its compiler stack, only where it runs
+
+    assert w.trainer is not None
+    rt = get_runtime()
+    kwargs = dict(zip(("model", "optimizer", "train_data", "config"), w.trainer.args))
+    kwargs |= w.trainer.kwargs
+    config = kwargs["config"]
+    _same_start(w.model, fixes, records)
+    where = broadcast_object(tempfile.mkdtemp(prefix="ddpkit-check-") if rt.is_main else "")
+    kwargs["config"] = replace(
+        config, run_dir=where, resume=False, max_steps=steps, epochs=max(config.epochs, steps),
+        batch_size=batch, global_batch_size=None, num_workers=0, weights_format=None,
+        sync_batchnorm=config.sync_batchnorm or "batchnorm" in fixes,
+        global_batch_dropout=config.global_batch_dropout or "dropout" in fixes,
+        seed_samples=config.seed_samples or "augmentation" in fixes,
+        logging=replace(config.logging, progress=False, tensorboard=False, trackers=()),
+        snapshot=replace(config.snapshot, every_steps=None, every_epochs=0),  # max_steps' only
+    )  # fmt: skip
+    kwargs["callbacks"] = [*kwargs.get("callbacks", ()), _Recorder(records)]
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # its progress and summary
+            Trainer(**kwargs).fit()
+        all_gather_object(None)  # every rank is done with the folder
+    finally:
+        if rt.is_main:
+            shutil.rmtree(where, ignore_errors=True)
+
+
+class _Recorder:
+    """A Trainer's callback: after each step, the global loss (every ``step.backward`` loss, by
+    samples) and every model's weights."""
+
+    def __init__(self, records: dict[str, Any]) -> None:
+        self.records = records
+        records["models"] = []
+
+    def on_step_end(self, trainer: Any, taken: bool, output: Any) -> None:
+        own = sum(float(loss) * float(n) for loss, n in zip(output.losses, output.sizes))
+        every = all_gather_object((own, float(output.samples)))
+        self.records["loss"].append(sum(s for s, _ in every) / max(sum(n for _, n in every), 1))
+        models = {
+            name: torch.cat([p.detach().reshape(-1).double().cpu() for p in unwrap(m).parameters()])
+            for name, m in trainer.strategy.models.items()
+        }
+        self.records["models"].append(models)
+        self.records["weights"].append(torch.cat(list(models.values())))
 
 
 def _step(
@@ -456,6 +543,8 @@ def _check(cfg: CheckConfig) -> tuple[int, list[str]]:
     # find_unused_parameters only where a parameter went without a gradient: DDP cannot honour it
     # for an output it cannot search for tensors
     keys = [k for k in _KEYS if k != "unused_parameters" or reference.get("no_grad")]
+    if w.trainer is not None:
+        keys = list(STEP_FN_KEYS)
     setups = _setups(keys)
     w.check_sizes(cfg.nproc)
     run = functools.partial(_ranks_run, cfg.script, setups, cfg.steps, cfg.seed, cfg.script_args)
@@ -473,6 +562,7 @@ def _check(cfg: CheckConfig) -> tuple[int, list[str]]:
         f"ranks (batch {w.batch_size} each, gloo), {cfg.steps} steps, tolerance {cfg.rtol:g} "
         "relative",
         *([f"  workload: {w.extra['workload']}"] if "workload" in w.extra else []),
+        *([f"  {NOT_SWITCHED}"] if w.trainer is not None else []),
         _table(reference, ranks[0], verdicts[0], cfg),
     ]
     if verdicts[0].ranks.silent:
@@ -558,8 +648,15 @@ def _describe_mismatch(v: Verdict, cfg: CheckConfig) -> str:
         first = c.first(cfg.rtol)
         if first is not None:
             step, q, d = first
-            sizes = ", ".join(f"{k} {c.diffs[step][k]:.1e}" for k in QUANTITIES)
-            parts.append(f"{label}: first differ at step {step} ({q} by {d:.1e} relative; {sizes})")
+            sizes = ", ".join(
+                f"{k} {c.diffs[step][k]:.1e}" for k in QUANTITIES if k in c.diffs[step]
+            )
+            if c.model:  # models by name: the one whose weights differ most
+                sizes += f" (most in model {c.model[step]!r})"
+            parts.append(
+                f"{label}: first differ at step {step} ({q} by {d:.1e} relative; {sizes}; largest "
+                f"{c.worst():.1e})"
+            )
         if c.error:
             parts.append(f"{label}: a run raised {c.error}")
     return "MISMATCH: " + "; ".join(dict.fromkeys(parts))
@@ -571,9 +668,10 @@ def _table(one: dict[str, Any], ranks: dict[str, Any], v: Verdict, cfg: CheckCon
         f"{'rel. diff: loss':>15}  {'gradients':>9}  {'weights':>9}"
     ]
     for i, d in enumerate(v.ranks.diffs):
+        grad = f"{d['grad']:.1e}" if "grad" in d else "-"  # a step_fn Trainer's: not kept
         rows.append(
             f"{i:>4}  {one['loss'][i]:>15.6f}  {ranks['loss'][i]:>15.6f}  {d['loss']:>15.1e}  "
-            f"{d['grad']:>9.1e}  {d['weights']:>9.1e}"
+            f"{grad:>9}  {d['weights']:>9.1e}"
         )
     return "\n".join(rows)
 

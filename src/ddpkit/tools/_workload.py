@@ -10,8 +10,9 @@ A script names them with a function ``ddpkit_workload()``::
 or returns a :class:`Workload`. The tools call it once per run in every rank's process, after
 seeding every rank alike; the script is imported under another name (its main block does not run).
 A script without the hook that builds a :class:`~ddpkit.Trainer` runs, with its arguments, up to
-that point, and what it hands the Trainer is the workload. Built-in workloads are named instead of
-a script: ``digits`` (the default) and ``lm`` (the language-model example's small GPT).
+that point, and what it hands the Trainer is the workload (with ``step_fn``: that Trainer, whole).
+Built-in workloads are named instead of a script: ``digits`` (the default) and ``lm`` (the
+language-model example's small GPT).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import ast
 import importlib.util
 import runpy
 import sys
-from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,6 +80,10 @@ class Workload:
     collate_fn: Callable[[list[Any]], Any] | None = None
     """How ddpkit's loaders put samples into a batch; None: torch's default."""
     name: str = "workload"
+    trainer: Captured | None = None
+    """A Trainer with ``step_fn`` as the script builds it (its arguments; ``model`` is then its
+    models in an ``nn.ModuleDict``): ``ddpkit check`` runs that Trainer, ``ddpkit bench`` refuses
+    it."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form notes printed with the results."""
 
@@ -322,35 +327,35 @@ def run_until_trainer(script: str, args: Sequence[str] = ()) -> Captured | None:
 
 def workload_of(found: Captured, script: str, world_size: int) -> Workload:
     """The :class:`Workload` of a captured Trainer, with the per-rank micro-batch the Trainer would
-    use on ``world_size`` ranks. The scheduler is not stepped."""
-    if found.kwargs.get("step_fn") is not None:
-        raise ConfigError(
-            f"{script}: its Trainer has a step_fn (several models and optimizers), and `ddpkit "
-            "check` and `ddpkit bench` train one model with one loss and one optimizer: to check "
-            f"one of its models, define {HOOK}() returning ddpkit.tools.Workload(model="
-            "..., dataset=..., batch_loss_fn=lambda model, batch: <that model's mean loss, the "
-            "other models called inside, frozen>, optimizer=lambda params: ...); the Trainer's "
-            "sync_batchnorm=True and global_batch_dropout=True cover every trained model of a step"
-        )
+    use on ``world_size`` ranks. The scheduler is not stepped. A Trainer with ``step_fn`` is kept
+    whole, in :attr:`Workload.trainer`."""
     names = ("model", "optimizer", "train_data", "config")
     given = dict(zip(names, found.args)) | {k: v for k, v in found.kwargs.items() if k in names}
     missing = [n for n in names if n not in given]
     if missing:
         raise ConfigError(f"{script}: the Trainer it builds is given no {', '.join(missing)}")
     config: TrainerConfig = given["config"]
+    common: dict[str, Any] = {
+        "dataset": given["train_data"], "batch_size": config.per_rank_batch(world_size),
+        "drop_last": config.drop_last, "sync_batchnorm": config.sync_batchnorm,
+        "collate_fn": config.collate_fn, "name": Path(script).name,
+    }  # fmt: skip
+    if found.kwargs.get("step_fn") is not None:
+        models = given["model"]
+        return Workload(
+            model=nn.ModuleDict(dict(models)) if isinstance(models, Mapping) else models,
+            trainer=found,
+            extra={"workload": "the Trainer the script builds, with its step_fn, run as it is"},
+            **common,
+        )
     optimizer = given["optimizer"]
     return Workload(
         model=given["model"],
-        dataset=given["train_data"],
         loss_fn=found.kwargs.get("loss_fn") or cross_entropy,
         batch_loss_fn=found.kwargs.get("batch_loss_fn"),
         count_fn=found.kwargs.get("count_fn"),
         # the script's optimizer holds the model's own parameters, which DDP wraps without copying
         optimizer=lambda params: optimizer,
-        batch_size=config.per_rank_batch(world_size),
-        drop_last=config.drop_last,
-        sync_batchnorm=config.sync_batchnorm,
-        collate_fn=config.collate_fn,
-        name=Path(script).name,
         extra={"workload": "captured from the Trainer the script builds"},
+        **common,
     )

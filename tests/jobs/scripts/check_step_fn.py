@@ -1,5 +1,6 @@
-"""A step function's Trainer (a student distilled from a frozen teacher) that ``ddpkit check``
-checks through its ``ddpkit_workload()``: the student, with the teacher inside its loss.
+"""A step function's Trainer (a student distilled from a frozen teacher) whose
+``ddpkit_workload()`` ``ddpkit check`` checks in its place: the student, with the teacher inside its
+loss.
 ``--batchnorm``: the student normalises each rank's slice of the batch (the check's control)."""
 
 import sys

@@ -1,6 +1,7 @@
-"""``ddpkit check`` on a step function's script through the ``ddpkit_workload()`` its refusal
-names (``tests/unit/tools/test_check.py``): a student distilled from a frozen teacher, the teacher
-inside the student's loss, checked with real ranks."""
+"""``ddpkit check`` on a step function's script that defines ``ddpkit_workload()``: the hook is
+checked, not the Trainer (a student distilled from a frozen teacher, the teacher inside the
+student's loss), with real ranks. Without a hook the Trainer itself is run
+(``test_check_gan.py``)."""
 
 from pathlib import Path
 

@@ -1,6 +1,6 @@
 """``ddpkit check`` with no rank started: bad arguments named, parameters with rounding-noise
 gradients left out of the comparison, a dataset smaller than one global batch refused, a Trainer
-with ``step_fn`` refused."""
+with ``step_fn`` kept whole for the check and refused by the bench."""
 
 from pathlib import Path
 
@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ddpkit._errors import ConfigError
+from ddpkit.tools._bench import BenchConfig, run_bench
 from ddpkit.tools._check import CheckConfig, compare, run_check
 from ddpkit.tools._workload import load_workload
 
@@ -79,14 +80,19 @@ trainer.fit()
 """
 
 
-def test_a_script_whose_trainer_has_a_step_fn_is_refused_naming_step_fn(tmp_path, monkeypatch):
+def test_a_step_fn_trainer_is_kept_whole_for_the_check_and_refused_by_the_bench(
+    tmp_path, monkeypatch
+):
     monkeypatch.chdir(tmp_path)
     script = tmp_path / "gan.py"
     script.write_text(_TWO_MODELS)
-    with pytest.raises(ConfigError, match=r"has a step_fn .* define ddpkit_workload\(\)") as err:
-        load_workload(str(script))
-    assert "returned a model" not in str(err.value)
-    # Control: the same script building one model's Trainer is checked from it.
+    workload = load_workload(str(script))
+    assert workload.trainer is not None and workload.trainer.kwargs["step_fn"] is not None
+    assert isinstance(workload.model, torch.nn.ModuleDict) and list(workload.model) == ["g", "d"]
+    with pytest.raises(ConfigError, match=r"has a step_fn .* define ddpkit_workload\(\)"):
+        run_bench(BenchConfig(script=str(script)))
+    # Control: the same script building one model's Trainer is checked from what it was given.
     workload = load_workload(str(script), args=("--one",))
+    assert workload.trainer is None
     assert isinstance(workload.model, torch.nn.Linear) and workload.model.in_features == 2
     assert not (tmp_path / "runs").exists()  # stopped where the Trainer would be built
