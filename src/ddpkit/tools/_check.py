@@ -21,19 +21,20 @@ import functools
 import io
 import itertools
 import math
-import shutil
 import sys
 import tempfile
 import traceback
 from collections.abc import Iterator, Sequence, Sized
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from ddpkit import _fs as fs
 from ddpkit._errors import ConfigError, check_types
 from ddpkit._internals.compiler import import_dynamo
 from ddpkit._launch.options import MAX_NPROC, split_argv
@@ -434,7 +435,8 @@ def _run_trainer(
         all_gather_object(None)  # every rank is done with the folder
     finally:
         if rt.is_main:
-            shutil.rmtree(where, ignore_errors=True)
+            with contextlib.suppress(OSError, ConfigError):
+                fs.remove_tree(Path(where))
 
 
 class _Recorder:
