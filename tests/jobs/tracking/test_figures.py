@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddpkit.testing import run_on_ranks
+from tests.jobs.scripts.several_val_job import gan_step  # the same noise width (4)
 
 STEPS, EVERY, VAL_EVERY = 12, 4, 6
 PER_RANK = 2  # samples per rank a step (a global batch of 4)
@@ -150,20 +151,6 @@ class Generator(nn.Module):
         if self.sleep:
             time.sleep(self.sleep)
         return self.body(z)
-
-
-def gan_step(step: Any) -> None:
-    g, d = step.models["g"], step.models["d"]
-    for (real,) in step.micro_batches():
-        fake = g(torch.randn(len(real), NOISE))
-        logits = d(torch.cat([real, fake.detach()]))
-        labels = torch.cat([torch.ones(len(real), 1), torch.zeros(len(real), 1)])
-        step.backward(F.binary_cross_entropy_with_logits(logits, labels), "d")
-    step.optimizer_step("d")
-    for (real,) in step.micro_batches():
-        logits = d(g(torch.randn(len(real), NOISE)))
-        step.backward(F.binary_cross_entropy_with_logits(logits, torch.ones_like(logits)), "g")
-    step.optimizer_step("g")
 
 
 def _several(run_dir: str, fed: bool) -> tuple[list[dict], str | None]:
