@@ -414,8 +414,7 @@ def _run_trainer(
 
     assert w.trainer is not None
     rt = get_runtime()
-    kwargs = dict(zip(("model", "optimizer", "train_data", "config"), w.trainer.args))
-    kwargs |= w.trainer.kwargs
+    kwargs = w.trainer.given
     config = kwargs["config"]
     _same_start(w.model, fixes, records)
     where = broadcast_object(tempfile.mkdtemp(prefix="ddpkit-check-") if rt.is_main else "")

@@ -271,6 +271,11 @@ class Captured(BaseException):
         super().__init__("a Trainer was built")
         self.args, self.kwargs = args, kwargs
 
+    @property
+    def given(self) -> dict[str, Any]:
+        """Every argument by name (the Trainer takes its first four by position too)."""
+        return dict(zip(("model", "optimizer", "train_data", "config"), self.args)) | self.kwargs
+
 
 @contextmanager
 def intercept(script: str, args: Sequence[str] = ()) -> Iterator[None]:
@@ -329,9 +334,8 @@ def workload_of(found: Captured, script: str, world_size: int) -> Workload:
     """The :class:`Workload` of a captured Trainer, with the per-rank micro-batch the Trainer would
     use on ``world_size`` ranks. The scheduler is not stepped. A Trainer with ``step_fn`` is kept
     whole, in :attr:`Workload.trainer`."""
-    names = ("model", "optimizer", "train_data", "config")
-    given = dict(zip(names, found.args)) | {k: v for k, v in found.kwargs.items() if k in names}
-    missing = [n for n in names if n not in given]
+    given = found.given
+    missing = [n for n in ("model", "optimizer", "train_data", "config") if n not in given]
     if missing:
         raise ConfigError(f"{script}: the Trainer it builds is given no {', '.join(missing)}")
     config: TrainerConfig = given["config"]
@@ -340,7 +344,7 @@ def workload_of(found: Captured, script: str, world_size: int) -> Workload:
         "drop_last": config.drop_last, "sync_batchnorm": config.sync_batchnorm,
         "collate_fn": config.collate_fn, "name": Path(script).name,
     }  # fmt: skip
-    if found.kwargs.get("step_fn") is not None:
+    if given.get("step_fn") is not None:
         models = given["model"]
         return Workload(
             model=nn.ModuleDict(dict(models)) if isinstance(models, Mapping) else models,
@@ -351,9 +355,9 @@ def workload_of(found: Captured, script: str, world_size: int) -> Workload:
     optimizer = given["optimizer"]
     return Workload(
         model=given["model"],
-        loss_fn=found.kwargs.get("loss_fn") or cross_entropy,
-        batch_loss_fn=found.kwargs.get("batch_loss_fn"),
-        count_fn=found.kwargs.get("count_fn"),
+        loss_fn=given.get("loss_fn") or cross_entropy,
+        batch_loss_fn=given.get("batch_loss_fn"),
+        count_fn=given.get("count_fn"),
         # the script's optimizer holds the model's own parameters, which DDP wraps without copying
         optimizer=lambda params: optimizer,
         extra={"workload": "captured from the Trainer the script builds"},
