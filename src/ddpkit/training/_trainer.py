@@ -236,11 +236,12 @@ class Trainer:
             )
         self.model, self.optimizer = self.strategy.model, self.strategy.optimizer
         self.scheduler = scheduler
-        # stepped at each validation, with its metric (several models': those of them that are)
+        # stepped at each validation, with its metric (several models': those of them that are,
+        # each checked by several_models)
         self._plateau = metric_driven(scheduler) or (
             isinstance(scheduler, Schedulers) and scheduler.metric_driven
         )
-        if self._plateau:
+        if self._plateau and step_fn is None:
             check_metric_driven(config, scheduler, val_data)
         self._forward = (
             compile_for_training(self.model, rt.device) if config.compile else self.model
