@@ -113,6 +113,7 @@ DDPKIT_GLOBALS: dict[tuple[str, str], Any] = {
     ("ddpkit.tools._workload", "_modules"): {},
     ("ddpkit._launch.worker", "_worker_store"): None,
     ("ddpkit._launch.worker", "_serving"): None,
+    ("ddpkit._launch.spawn", "_store"): None,
     ("ddpkit._launch.agent", "_answering"): None,
     ("ddpkit._launch.rendezvous.backend", "_jobs"): {},
     ("ddpkit._launch.rendezvous.backend", "_relays"): {},

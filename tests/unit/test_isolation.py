@@ -39,6 +39,7 @@ from ddpkit.distributed import _signals as signals
 from ddpkit._launch import worker
 from ddpkit._launch import agent
 from ddpkit._launch import forkserver as forked
+from ddpkit._launch import spawn
 from ddpkit._launch.rendezvous import backend
 from ddpkit.data import _loader as loader
 from ddpkit.nn import _dropout as dropout
@@ -65,6 +66,7 @@ def test_leaves_every_global_set(tmp_path):
     backend.register("run-1", backend.JobAccess(b"secret", None))
     backend._relays["run-1"] = []
     worker._worker_store = object()
+    spawn._store = object()  # rank 0's store server of ddpkit.spawn
     worker._serving = object()  # a stack server's state, as a worker keeps it
     agent._answering = object()  # the thread an agent answers stack requests from
     forked._server = object()  # stands for the job's fork server, as the agent keeps it

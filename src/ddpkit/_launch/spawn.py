@@ -11,6 +11,7 @@ import pickle
 import socket
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -18,9 +19,12 @@ import torch.multiprocessing as mp
 
 from ddpkit._errors import ConfigError
 from ddpkit._internals.compiler import autograd_device_threads
-from ddpkit._internals.store import AGENT_STORE_VARIABLE
+from ddpkit._internals.store import serve_store, use_agent_store
 from ddpkit.distributed import _runtime as runtime
 from ddpkit.platforms._cpus import cpu_count
+
+_store: Any = None
+"""Rank 0's store server, kept for the life of the process."""
 
 
 def _worker(
@@ -28,11 +32,18 @@ def _worker(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     nprocs: int,
-    port: int,
+    listener: socket.socket,
     threads: int,
     results: Any,
     pass_rank: bool,
 ) -> None:
+    global _store
+    port = listener.getsockname()[1]
+    if local_rank == 0:  # serves the job's store on the socket spawn() bound; every rank connects
+        _store = serve_store(listener.detach(), "127.0.0.1", port, timedelta(minutes=5))
+    else:
+        listener.close()
+    use_agent_store()
     os.environ.update(
         RANK=str(local_rank),
         LOCAL_RANK=str(local_rank),
@@ -42,7 +53,6 @@ def _worker(
         MASTER_PORT=str(port),
         OMP_NUM_THREADS=str(threads),
     )
-    os.environ.pop(AGENT_STORE_VARIABLE, None)
     os.environ.pop("GROUP_WORLD_SIZE", None)  # a torchrun job's node count, not this world's
     torch.set_num_threads(threads)
     runtime.forget()  # a forked child must not inherit the parent's runtime
@@ -91,17 +101,18 @@ def spawn(
         raise ValueError(f"nprocs={nprocs}: spawn needs at least one process")
     _check_call(fn, args, pass_rank)
     start_method, threads = _start_method(start_method, threads_per_process, nprocs)
-    # Rank 0 hosts the store, not this process: a child forked while a store thread here holds
-    # glibc's resolver lock would hang in its own connect.
-    port = _free_port()
+    # Rank 0 serves the store, not this process (a child forked while a store thread here holds
+    # glibc's resolver lock would hang in its own connect), on a socket bound and listening here:
+    # a port found free and bound later could be taken in between by another job.
     results = mp.get_context(start_method).SimpleQueue()
-    context = mp.start_processes(
-        _worker,
-        args=(fn, args, nprocs, port, threads, results, pass_rank),
-        nprocs=nprocs,
-        join=False,
-        start_method=start_method,
-    )
+    with socket.create_server(("127.0.0.1", 0), backlog=1024) as listener:
+        context = mp.start_processes(
+            _worker,
+            args=(fn, args, nprocs, listener, threads, results, pass_rank),
+            nprocs=nprocs,
+            join=False,
+            start_method=start_method,
+        )
     try:
         return _results(context, results, nprocs, timeout)
     finally:
@@ -182,9 +193,3 @@ def _check_call(fn: Callable[..., Any], args: tuple[Any, ...], pass_rank: bool) 
     raise ConfigError(
         f"{name}{signature} cannot be called as {how} with args={args!r}: change args"
     )
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
