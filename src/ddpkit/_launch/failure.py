@@ -22,6 +22,8 @@ def _describe(
         if failure.exitcode < 0
         else f"exit code {failure.exitcode}"
     )
+    if _cut_short(failure):
+        how = f"raised, then the launcher's {failure.signal_name()} cut its exit short"
     if stall is not None and rank in stall.ranks:
         how = (
             f"ended by the stall watch ({how})"
@@ -85,6 +87,12 @@ def _peer_lost(failure: Any) -> bool:
 
 # the signal the launcher sends its workers: a worker ended by it is a consequence
 _OUR_SIGNALS = (-signal.SIGTERM,)
+
+
+def _cut_short(failure: Any) -> bool:
+    """A rank that recorded its exception and was ended by the launcher's signal while its
+    interpreter wound down: another rank's exit was polled first, and the agent stopped the rest."""
+    return failure.exitcode in _OUR_SIGNALS and bool(_recorded(failure)[0])
 
 
 def cause(failures: dict[int, Any], stall: watch.Stall | None = None) -> tuple[int, Any]:
@@ -175,6 +183,8 @@ def exit_code(err: BaseException, stall: watch.Stall | None = None) -> int:
     if preempted(failures):
         return PREEMPTED_EXIT_CODE
     _, failure = cause(failures, stall)
+    if _cut_short(failure):
+        return 1  # its exception ended the job, not the signal that came as it exited
     if failure.exitcode < 0:
         return 128 - failure.exitcode  # as a shell reports death by signal
     return failure.exitcode or 1

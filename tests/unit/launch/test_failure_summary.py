@@ -9,6 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from ddpkit._launch import agent as agent_module
+from ddpkit._launch import failure
 from ddpkit._launch import watch
 from ddpkit._launch.agent import Agent
 from ddpkit._launch.failure import Left, summarize_failure
@@ -191,3 +192,21 @@ def test_the_workers_torchrun_stopped_after_its_poll_are_in_the_summary(tmp_path
     # control: the poll's failures alone, as torch 2.6 returns them, name rank 0 only
     alone = summarize_failure(SimpleNamespace(failures={0: first}))
     assert "then rank" not in alone and "1 worker(s) failed" in alone
+
+
+def test_a_rank_that_raised_and_was_cut_short_by_the_launchers_sigterm_sets_the_exit_code():
+    # Rank 1 raised and recorded it; while its interpreter wound down, rank 0's lost-peer error was
+    # polled first and the agent's SIGTERM ended rank 1. The job failed of rank 1's exception: exit
+    # code 1, as when rank 1's own exit is polled first.
+    lost = _failure(1, LOST, local_rank=0, pid=100)
+    raised = _failure(-15, "ValueError: planned failure on rank 1", local_rank=1, pid=101)
+    err = SimpleNamespace(failures={0: lost, 1: raised})
+    assert failure.exit_code(err) == 1
+    summary = summarize_failure(err)
+    assert "first: rank 1 (local rank 1, pid 101): raised, then the launcher's" in summary
+    assert "ValueError: planned failure on rank 1" in summary
+    # control: ended by SIGTERM with nothing recorded (a scheduler's signal to every process): the
+    # shell's code for a death by SIGTERM
+    quiet = SimpleNamespace(failures={0: _failure(-15, local_rank=0), 1: _failure(-15, local_rank=1)})
+    assert failure.exit_code(quiet) == 128 + 15
+    assert "killed by signal 15" in summarize_failure(quiet)
