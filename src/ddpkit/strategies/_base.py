@@ -218,7 +218,33 @@ def read_state(module: nn.Module, optimizers: Any, ignored: Any = ()) -> dict[st
             model, optim = dsd.get_state_dict(module, optimizers, options=state_options())
     else:
         model, optim = dsd.get_model_state_dict(module, options=state_options()), {}
-    return separate_own({"model": model, "optim": optim}, module, ignored)
+    state = separate_own({"model": model, "optim": optim}, module, ignored)
+    return with_unstepped(state, optimizers)
+
+
+UNSTEPPED = "unstepped"
+"""The key of a strategy's state that lists the optimizers (by position) that had not stepped when
+it was read: their state in it is torch's made-up one, cleared again after a load. Always present
+(a disk snapshot is read into the state a fresh strategy gives, key by key)."""
+
+
+def with_unstepped(state: dict[str, Any], optimizers: Any) -> dict[str, Any]:
+    """``state`` with :data:`UNSTEPPED`: the optimizers of ``optimizers`` that have not stepped."""
+    listed = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+    return {
+        **state,
+        UNSTEPPED: [i for i, opt in enumerate(listed) if opt is not None and not opt.state],
+    }
+
+
+@contextmanager
+def unstepped_cleared(optimizers: Any, state: dict[str, Any]) -> Iterator[None]:
+    """Around a load of ``state`` into ``optimizers``: the optimizers that had not stepped when it
+    was read (:data:`UNSTEPPED`) end with no state, as torch's load makes one up for each."""
+    listed = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+    yield
+    for i in state.get(UNSTEPPED, ()):
+        listed[i].state.clear()
 
 
 def load_state(module: nn.Module, optimizers: Any, state: dict[str, Any]) -> None:
@@ -229,13 +255,14 @@ def load_state(module: nn.Module, optimizers: Any, state: dict[str, Any]) -> Non
     if not optimizers:
         dsd.set_model_state_dict(module, state["model"], options=state_options())
         return
-    dsd.set_state_dict(
-        module,
-        optimizers,
-        model_state_dict=state["model"],
-        optim_state_dict=state["optim"],
-        options=state_options(),
-    )
+    with unstepped_cleared(optimizers, state):
+        dsd.set_state_dict(
+            module,
+            optimizers,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=state_options(),
+        )
 
 
 def join_own(state: dict[str, Any]) -> dict[str, Any]:

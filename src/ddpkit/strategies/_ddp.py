@@ -31,6 +31,8 @@ from ddpkit.strategies._base import (
     rebuild_optimizer,
     separate_own,
     state_options,
+    unstepped_cleared,
+    with_unstepped,
 )
 from ddpkit.strategies._prepare import GRADIENT_AS_BUCKET_VIEW, no_sync, prepare_model, unwrap
 
@@ -517,7 +519,7 @@ class ZeroStrategy:
         _copy_hyperparameters(self.optimizer.param_groups, local.param_groups)
         with made_up_state_cleared(local):
             optim = get_optimizer_state_dict(unwrap(self.model), local, options=state_options())
-        return separate_own(
+        state = separate_own(
             {
                 "model": unwrap(self.model).state_dict(),
                 "optim": optim,
@@ -528,6 +530,9 @@ class ZeroStrategy:
             },
             unwrap(self.model),
         )
+        # a rank that owns no parameter never has state: only an owner can tell
+        owns = any(group["params"] for group in local.param_groups)
+        return with_unstepped(state, local) if owns else state
 
     def model_weights(self) -> dict[str, Any]:
         return self.ddp.model_weights()
@@ -544,9 +549,10 @@ class ZeroStrategy:
 
         state = join_own(state)
         unwrap(self.model).load_state_dict(state["model"])
-        set_optimizer_state_dict(
-            unwrap(self.model), self.optimizer.optim, state["optim"], options=state_options()
-        )
+        with unstepped_cleared(self.optimizer.optim, state):
+            set_optimizer_state_dict(
+                unwrap(self.model), self.optimizer.optim, state["optim"], options=state_options()
+            )
         for group, saved in zip(self.optimizer.param_groups, state["param_groups"], strict=True):
             group.update(saved)
         _copy_hyperparameters(self.optimizer.param_groups, self.optimizer.optim.param_groups)

@@ -333,6 +333,42 @@ def test_a_run_stopped_by_max_steps_resumes_both_models_and_optimizers_bitwise(t
     assert all(expected in r for r in refused), refused
 
 
+def late_g_step(step) -> None:
+    """The GAN's step, with the generator's Adam stepping from step 3 on (``n_critic`` style)."""
+    if step.step >= 3:
+        gan_step(step)
+        return
+    for (real,) in step.micro_batches():
+        fake = step.models["g"](torch.randn(len(real), NOISE)).detach()
+        logits = step.models["d"](torch.cat([real, fake]))
+        labels = torch.cat([torch.ones(len(real), 1), torch.zeros(len(real), 1)])
+        step.backward(F.binary_cross_entropy_with_logits(logits, labels), "d")
+    step.optimizer_step("d")
+
+
+def _late_g_job(run_dir: Path, max_steps: int | None, forget_marker: bool) -> dict[str, Any]:
+    trainer = build(run_dir, step_fn=late_g_step, max_steps=max_steps)
+    if forget_marker:  # control: the snapshot's state as torch reads it (g's Adam made up: step 1)
+        load = trainer.strategy.load_state_dict
+        trainer.strategy.load_state_dict = lambda s: load(  # type: ignore[method-assign]
+            {k: v for k, v in s.items() if k != "unstepped"}
+        )
+    trainer.fit()
+    return state(trainer)
+
+
+def test_a_resume_from_a_snapshot_before_an_optimizers_first_step_is_bitwise(tmp_path):
+    # stopped at step 2, before g's Adam ever stepped: its state in the snapshot is torch's
+    # made-up one, which the resume must not train on
+    whole = run_on_ranks(_late_g_job, 2, (tmp_path / "whole", None, False), timeout=300)
+    run_on_ranks(_late_g_job, 2, (tmp_path / "stopped", 2, False), timeout=300)
+    resumed = run_on_ranks(_late_g_job, 2, (tmp_path / "stopped", None, False), timeout=300)
+    assert bitwise(resumed[0], whole[0]) and bitwise(resumed[1], whole[1])
+    run_on_ranks(_late_g_job, 2, (tmp_path / "control", 2, False), timeout=300)
+    control = run_on_ranks(_late_g_job, 2, (tmp_path / "control", None, True), timeout=300)
+    assert not bitwise(control[0], whole[0])
+
+
 def _changed_lr_job(run_dir: Path) -> str:
     try:
         build(run_dir, d_lr=0.07).fit()

@@ -4,6 +4,8 @@ the next real step would train on; ddpkit clears it again after the read."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 import ddpkit
@@ -34,4 +36,23 @@ def test_control_torchs_own_read_before_the_first_step_changes_adams_training(tm
 
     plain = _train(tmp_path, "plain")
     made_up = _train(tmp_path, "made-up", lambda t: get_state_dict(t.model, t.optimizer))
+    assert (made_up - plain).abs().max() > 1e-4
+
+
+def _resumed_from_a_state_read_before_the_first_step(tmp_path, name: str, keep_marker: bool):
+    source = {}  # a copy: the state holds the live tensors, which the source's training changes
+    _train(tmp_path, f"{name}-source", lambda t: source.update(state=copy.deepcopy(t.state_dict())))
+    state = source["state"]
+    if not keep_marker:  # control: the read's state as torch gives it (Adam's made-up step 1)
+        state = {k: v for k, v in state.items() if k != "strategy"}
+        state["strategy"] = {
+            k: v for k, v in source["state"]["strategy"].items() if k != "unstepped"
+        }
+    return _train(tmp_path, name, lambda t: t.load_state_dict(state))
+
+
+def test_a_resume_from_a_state_read_before_the_first_step_trains_as_an_uninterrupted_run(tmp_path):
+    plain = _train(tmp_path, "plain")
+    assert torch.equal(_resumed_from_a_state_read_before_the_first_step(tmp_path, "r", True), plain)
+    made_up = _resumed_from_a_state_read_before_the_first_step(tmp_path, "control", False)
     assert (made_up - plain).abs().max() > 1e-4
