@@ -324,8 +324,9 @@ class DDPStrategy:
 class SeveralModels:
     """Named models and named optimizers under ``ddp`` (a GAN, a student beside a frozen teacher,
     two optimizers over one model). Each model with parameters to train is wrapped in its own DDP
-    (a frozen one only moves to the device); each optimizer gets its own verdict and clipping from a
-    :class:`DDPStrategy` over the model holding its parameters (:attr:`views`). A snapshot keys
+    (a frozen one gets rank 0's weights and buffers as DDP gives them: :func:`prepare_model`);
+    each optimizer gets its own verdict and clipping from a :class:`DDPStrategy` over the model
+    holding its parameters (:attr:`views`). A snapshot keys
     every model and optimizer ``<model name>.<parameter>``."""
 
     name = "ddp"
@@ -344,15 +345,11 @@ class SeveralModels:
         kwargs = self.config.ddp_kwargs()
         self.models: dict[str, nn.Module] = {}
         for name, model in models.items():
-            if any(p.requires_grad for p in model.parameters()):
-                model = prepare_model(
-                    model, sync_batchnorm=sync_batchnorm, runtime=runtime, seed_ranks=False,
-                    **kwargs,
-                )  # fmt: skip
-                if runtime.distributed:
-                    self.config.register_hook(model, runtime.group)
-            else:  # frozen: DDP refuses a module with nothing to all-reduce
-                model = model.to(runtime.device)
+            model = prepare_model(
+                model, sync_batchnorm=sync_batchnorm, runtime=runtime, seed_ranks=False, **kwargs
+            )
+            if isinstance(model, DDP):  # not a frozen one
+                self.config.register_hook(model, runtime.group)
             self.models[name] = model
         self.optimizers = dict(optimizers)
         self.model: nn.Module = nn.ModuleDict(self.models)  # for the Trainer's walks over modules

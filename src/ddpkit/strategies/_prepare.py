@@ -9,6 +9,7 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -39,7 +40,9 @@ def prepare_model(
     seed_ranks: bool = True,
     **ddp_kwargs: Any,
 ) -> nn.Module:
-    """Move ``model`` to this rank's device and wrap it in ``DistributedDataParallel``.
+    """Move ``model`` to this rank's device and wrap it in ``DistributedDataParallel``; a model with
+    no parameter to train (a frozen teacher), which DDP refuses, gets rank 0's weights and buffers
+    as DDP would give them, unwrapped.
 
     ``sync_batchnorm`` normalises BatchNorm layers over the global batch (torch's SyncBatchNorm on
     CUDA, :class:`~ddpkit.nn.CPUSyncBatchNorm` elsewhere). Other keyword arguments go to DDP
@@ -60,7 +63,9 @@ def prepare_model(
     model = model.to(rt.device)
     if sync_batchnorm and rt.distributed:
         model = convert_sync_batchnorm(model, rt.device, process_group)
-    if rt.distributed:
+    if rt.distributed and not any(p.requires_grad for p in model.parameters()):
+        _frozen_in_step(model, process_group, ddp_kwargs.get("broadcast_buffers", True))
+    elif rt.distributed:
         device_ids = [rt.device.index] if rt.device.type == "cuda" else None
         ddp_kwargs.setdefault("gradient_as_bucket_view", GRADIENT_AS_BUCKET_VIEW)
         model = DDP(model, device_ids=device_ids, process_group=process_group, **ddp_kwargs)
@@ -70,6 +75,23 @@ def prepare_model(
         rank = rt.rank if process_group is rt.group else get_runtime(process_group).rank
         seed_rank(torch.initial_seed(), rank)
     return model
+
+
+def _frozen_in_step(model: nn.Module, group: Group, broadcast_buffers: bool) -> None:
+    """What DDP does for a model it would refuse (no parameter to train: a frozen teacher): rank
+    0's parameters and buffers now, and with ``broadcast_buffers`` its buffers before each forward
+    in training mode (BatchNorm's running statistics would drift apart, one per rank's batches)."""
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    for tensor in [*model.parameters(), *model.buffers()]:
+        dist.broadcast(tensor.data, src, group=group)
+    if broadcast_buffers and next(model.buffers(), None) is not None:
+
+        def broadcast(module: nn.Module, _args: Any) -> None:
+            if module.training:
+                for buffer in module.buffers():
+                    dist.broadcast(buffer, src, group=group)
+
+        model.register_forward_pre_hook(broadcast)
 
 
 def mark_gradient_sync(ddp: DDP) -> None:

@@ -431,6 +431,59 @@ def test_a_frozen_teacher_and_two_optimizers_over_one_model(tmp_path):
     assert all(names <= set(r) for r in records(tmp_path, "train"))
 
 
+def _bn_teacher_job(run_dir: Path, sync_batchnorm: bool, by_hand: bool) -> dict[str, Any]:
+    """A frozen teacher with BatchNorm left in training mode, built unlike on each rank (seeded by
+    rank); ``by_hand``: the control, the teacher's forwards outside ddpkit. Its state and its
+    BatchNorm's class on this rank."""
+    rank = ddpkit.init().rank
+    torch.manual_seed(rank)
+    teacher = nn.Sequential(nn.Linear(2, 4), nn.BatchNorm1d(4)).requires_grad_(False)
+    ddpkit.seed_everything(0)
+    student = nn.Linear(2, 4)
+    data = TensorDataset(torch.randn(64, 2, generator=torch.Generator().manual_seed(1)))
+    if by_hand:
+        for (x,) in torch.utils.data.DataLoader(data, batch_size=8):
+            teacher(x[rank::2])
+    else:
+
+        def step_fn(step) -> None:
+            for (x,) in step.micro_batches():
+                with torch.no_grad():
+                    target = step.models["teacher"](x)
+                step.backward(F.mse_loss(step.models["student"](x), target), "student")
+            step.optimizer_step("student")
+
+        config = TrainerConfig(
+            run_dir=str(run_dir), epochs=1, batch_size=8, num_workers=0,
+            sync_batchnorm=sync_batchnorm, logging=LoggingConfig(progress=False),
+        )  # fmt: skip
+        optimizers = {"student": torch.optim.SGD(student.parameters(), lr=0.1)}
+        models = {"teacher": teacher, "student": student}
+        trainer = Trainer(models, optimizers, data, config, step_fn=step_fn)
+        trainer.fit()
+        teacher = trainer.strategy.models["teacher"]  # type: ignore[attr-defined]
+    return {
+        "state": {k: v.clone() for k, v in teacher.state_dict().items()},
+        "norm": type(teacher[1]).__name__,
+    }
+
+
+@pytest.mark.parametrize("sync_batchnorm", [False, True], ids=["broadcast", "sync"])
+def test_a_frozen_teachers_weights_and_batchnorm_statistics_are_the_same_on_every_rank(
+    tmp_path, sync_batchnorm
+):
+    ranks = run_on_ranks(_bn_teacher_job, 2, (tmp_path, sync_batchnorm, False), timeout=300)
+    # rank 0's weights everywhere; its running statistics too under SyncBatchNorm, else (as DDP's
+    # own) rank 0's before each forward, each rank's batch after it
+    weights = ("0.weight", "0.bias", "1.weight", "1.bias")
+    same = [k for k in ranks[0]["state"] if torch.equal(ranks[0]["state"][k], ranks[1]["state"][k])]
+    assert set(same) == set(ranks[0]["state"]) if sync_batchnorm else set(weights) <= set(same)
+    assert ranks[0]["norm"] == ("CPUSyncBatchNorm" if sync_batchnorm else "BatchNorm1d")
+    # control: the same teacher's forwards on each rank's batches, outside ddpkit, drift apart
+    apart = run_on_ranks(_bn_teacher_job, 2, (tmp_path, False, True), timeout=300)
+    assert not any(torch.equal(apart[0]["state"][k], apart[1]["state"][k]) for k in weights[:2])
+
+
 # --- two optimizers over one model: a skip of one -------------------------------------------------
 
 
