@@ -93,7 +93,10 @@ class FolderLock:
 
     def release(self) -> None:
         if self._fd is not None:
-            os.close(self._fd)  # closing the last descriptor drops the flock
+            # Unlocked, not only closed: a process forked meanwhile (a loader worker) holds a copy
+            # of the descriptor, and with it the lock, until it exits.
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
             self._fd = None
 
     def __enter__(self) -> FolderLock:
