@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import collections.abc
 import functools
+import inspect
+import numbers
 import signal
 import types
 import typing
-from typing import Any, Literal, Union, get_args, get_origin
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 PREEMPTED_EXIT_CODE = 75
 """Exit code of a run stopped by SIGTERM/SIGUSR1 after saving its snapshot: ``EX_TEMPFAIL`` of
@@ -26,23 +31,62 @@ def check_types(config: Any) -> None:
     value and what the field takes. Run first in a config's ``__post_init__``: its own checks
     compare values, which a string or None would make a bare ``TypeError``."""
     for name, hint in _hints(type(config)).items():  # type: ignore[arg-type]
-        value = getattr(config, name)
-        if not _matches(value, hint):
-            takes = _words(hint)
-            kind = type(value).__name__
-            shown = repr(value) if len(repr(value)) <= 40 else ""
-            article = "an" if kind[0] in "aeiou" else "a"
-            got = "None" if value is None else f"{article} {kind} {shown}".rstrip()
-            # a command line's value, not converted
-            hint_str = (
-                " (argparse gives strings: pass type=int or type=float)"
-                if isinstance(value, str) and ("int" in takes or "number" in takes)
-                else ""
-            )
-            raise ConfigError(
-                f"{type(config).__name__}({name}={value!r}): {name} takes {takes}, got {got}"
-                f"{hint_str}"
-            )
+        _check_value(type(config).__name__, name, getattr(config, name), hint)
+
+
+def checked_arguments(fn: F) -> F:
+    """``fn`` (a front door: ``build_loader``, ``Snapshots``) refusing a number, flag or name not
+    of its annotated type as :func:`check_types` refuses a config's field, before it runs.
+    Arguments annotated with other classes (a dataset, a model) are left to ``fn``."""
+    signature = inspect.signature(fn)
+    name = fn.__qualname__.removesuffix(".__init__")
+
+    @functools.wraps(fn)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        hints = _argument_hints(fn)
+        for arg, value in signature.bind(*args, **kwargs).arguments.items():
+            if arg in hints:
+                _check_value(name, arg, value, hints[arg])
+        return fn(*args, **kwargs)
+
+    return checked  # type: ignore[return-value]
+
+
+@functools.cache
+def _argument_hints(fn: Callable[..., Any]) -> dict[str, Any]:
+    hints = {}
+    for arg, annotation in fn.__annotations__.items():
+        try:  # a name imported for type checking only stays unchecked
+            hints[arg] = typing.get_type_hints(
+                types.SimpleNamespace(__annotations__={arg: annotation}), fn.__globals__
+            )[arg]
+        except Exception:  # noqa: BLE001, S112
+            continue
+    return {arg: hint for arg, hint in hints.items() if arg != "return" and _plain(hint)}
+
+
+def _plain(hint: Any) -> bool:
+    """A hint of numbers, flags, strings, None and literals only."""
+    if get_origin(hint) in (Union, types.UnionType):
+        return all(_plain(arg) for arg in get_args(hint))
+    return get_origin(hint) is Literal or hint in (int, float, bool, str, type(None))
+
+
+def _check_value(owner: str, name: str, value: Any, hint: Any) -> None:
+    if _matches(value, hint):
+        return
+    takes = _words(hint)
+    kind = type(value).__name__
+    shown = repr(value) if len(repr(value)) <= 40 else ""
+    article = "an" if kind[0] in "aeiou" else "a"
+    got = "None" if value is None else f"{article} {kind} {shown}".rstrip()
+    # a command line's value, not converted
+    hint_str = (
+        " (argparse gives strings: pass type=int or type=float)"
+        if isinstance(value, str) and ("int" in takes or "number" in takes)
+        else ""
+    )
+    raise ConfigError(f"{owner}({name}={value!r}): {name} takes {takes}, got {got}{hint_str}")
 
 
 @functools.cache
@@ -65,10 +109,10 @@ def _matches(value: Any, hint: Any) -> bool:
         return any(value == arg and type(value) is type(arg) for arg in get_args(hint))
     if hint is bool:
         return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is int:  # numpy's integers too
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
     if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+        return isinstance(value, numbers.Real) and not isinstance(value, bool)
     if origin in (tuple, list, collections.abc.Sequence):
         args = [a for a in get_args(hint) if a is not Ellipsis]
         ok = isinstance(value, (tuple, list)) and not isinstance(value, str)

@@ -5,6 +5,7 @@ inside ddpkit (argparse's strings, ``None`` for "off" where a number is needed).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import ddpkit._errors as errors
 from ddpkit import (
@@ -90,3 +91,44 @@ def test_control_without_the_type_check_some_values_end_in_a_bare_type_error(mon
         except TypeError:
             bare.append(make)
     assert len(bare) == 3  # what the users met
+
+
+def test_the_front_doors_refuse_numbers_flags_and_names_of_another_type_in_words(tmp_path):
+    import torch
+
+    from ddpkit import Snapshots, build_loader
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.utils.data.TensorDataset(torch.randn(8, 2))
+    doors = {
+        "Snapshots": (
+            Snapshots.__init__,
+            lambda **kw: Snapshots(tmp_path / "run", model=model, optimizer=optimizer, **kw),
+        ),
+        "build_loader": (build_loader, lambda **kw: build_loader(data, **({"batch_size": 2} | kw))),
+    }
+    wrong, tried = [], 0
+    for door, (fn, call) in doors.items():
+        for name, hint in errors._argument_hints(inspect.unwrap(fn)).items():
+            for value in WRONG:
+                if _matches(value, hint):
+                    continue
+                tried += 1
+                try:
+                    call(**{name: value})
+                    wrong.append(f"{door}({name}={value!r}): accepted")
+                except ConfigError as refused:
+                    if not str(refused).startswith(f"{door}({name}="):
+                        wrong.append(f"{door}({name}={value!r}): {refused}")
+                except Exception as err:  # noqa: BLE001  (anything else is the defect)
+                    wrong.append(f"{door}({name}={value!r}): {type(err).__name__}: {err}")
+    assert not wrong, "\n".join(wrong)
+    assert tried > 60
+    # control: unchecked, a string batch size ends in a bare TypeError inside ddpkit
+    try:
+        inspect.unwrap(build_loader)(data, "2")
+    except TypeError as bare:
+        assert "not supported between" in str(bare)
+    else:
+        raise AssertionError("an unchecked build_loader took batch_size='2'")

@@ -16,9 +16,9 @@ from typing import Any, cast
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from ddpkit._errors import ConfigError
+from ddpkit._errors import ConfigError, checked_arguments
 from ddpkit.data._epoch_loader import EpochLoader, ServeStacks
-from ddpkit.data._fingerprint import OnDataChange, check_on_data_change, dataset_items
+from ddpkit.data._fingerprint import OnDataChange, dataset_items
 from ddpkit.data._sampler import EpochIndices, EvalShardSampler, ShardedBatchSampler
 from ddpkit.distributed import Group
 from ddpkit.distributed._runtime import get_runtime
@@ -65,6 +65,7 @@ def _loader_kwargs(num_workers: int | None, pin_memory: bool | None) -> dict[str
     return {"num_workers": workers, "pin_memory": pin, "persistent_workers": workers > 0}
 
 
+@checked_arguments
 def build_loader(
     dataset: Dataset,
     batch_size: int,
@@ -92,7 +93,6 @@ def build_loader(
     change, unless ``on_data_change="restart_epoch"``
     (:class:`~ddpkit.data._epoch_loader.EpochLoader`).
     """
-    check_on_data_change(on_data_change)
     kwargs: dict[str, Any] = dict(
         collate_fn=collate_fn,
         on_data_change=on_data_change,

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
-from ddpkit._errors import ConfigError, Preempted
+from ddpkit._errors import ConfigError, Preempted, checked_arguments
 from ddpkit.data._epoch_loader import EpochLoader
 from ddpkit.data._fingerprint import refusal
 from ddpkit.distributed import _signals as signals
@@ -111,6 +111,7 @@ class Snapshots:
     world size (default: the loader's seed, else 0).
     """
 
+    @checked_arguments
     def __init__(
         self,
         run_dir: str | Path,
@@ -131,14 +132,13 @@ class Snapshots:
         seed: int | None = None,
         runtime: Runtime | None = None,
     ) -> None:
-        for name, value in (
-            ("every_steps", every_steps),
-            ("keep", keep),
-            ("memory_every_steps", memory_every_steps),
-            ("signals_every_steps", signals_every_steps),
-        ):
-            if value is not None and value < 1:
-                raise ConfigError(f"Snapshots({name}={value}): give {name} >= 1")
+        # checks every_steps, keep and the rest, naming a wrong one (a string from argparse too)
+        config = SnapshotConfig(
+            every_steps=every_steps, every_epochs=0, keep=keep, async_write=async_write,
+            memory=memory, memory_every_steps=memory_every_steps,
+        )  # fmt: skip
+        if signals_every_steps < 1:
+            raise ConfigError(f"Snapshots(signals_every_steps={signals_every_steps}): give >= 1")
         if loader is not None and not isinstance(loader, EpochLoader):
             raise ConfigError(
                 "Snapshots(loader=...) takes a ddpkit.build_loader loader, not "
@@ -164,10 +164,6 @@ class Snapshots:
         )  # fmt: skip
         bare = strategy.bare if isinstance(strategy, LoopModel) else unwrap(strategy.model)
         record = RunRecord.of_loop([n for n in states if n != STREAMS], list(own or {}), bare)
-        config = SnapshotConfig(
-            every_steps=every_steps, every_epochs=0, keep=keep, async_write=async_write,
-            memory=memory, memory_every_steps=memory_every_steps,
-        )  # fmt: skip
         # One job at a time on a run directory, whichever front door writes it (the Trainer's
         # fit() takes the same lock): a second would resume from and prune this one's snapshots.
         self._lock = claim(run_dir, is_main=rt.is_main, fresh=False, group=rt.group)

@@ -76,10 +76,6 @@ class DDPConfig:
 
     def __post_init__(self) -> None:
         check_types(self)
-        if self.comm_hook is not None and self.comm_hook not in COMM_HOOKS:
-            raise ConfigError(
-                f"comm_hook={self.comm_hook!r}: pick one of {', '.join(COMM_HOOKS)} or None"
-            )
         if self.powersgd_rank < 1 or self.powersgd_start_iter < 2:
             raise ConfigError("powersgd_rank must be >= 1 and powersgd_start_iter >= 2")
         if self.bucket_cap_mb is not None and self.bucket_cap_mb <= 0:

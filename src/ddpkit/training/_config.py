@@ -25,7 +25,7 @@ from ddpkit._errors import ConfigError, check_types
 from ddpkit._errors import check_fields as _check
 from ddpkit.data._fingerprint import OnDataChange
 from ddpkit.snapshot._run_dir import RUN_FILES
-from ddpkit.snapshot._state import NEW_RANK_STATES, NewRankState, SnapshotConfig
+from ddpkit.snapshot._state import NewRankState, SnapshotConfig
 from ddpkit.strategies import StrategyConfig, strategy_config
 
 
@@ -49,7 +49,6 @@ class EarlyStoppingConfig:
         _check(
             self,
             {
-                "mode": self.mode in ("min", "max"),
                 "patience": self.patience is None or self.patience >= 1,
             },
         )
@@ -206,13 +205,6 @@ class TrainerConfig:
         if (self.batch_size is None) == (self.global_batch_size is None):
             raise ConfigError("give exactly one of batch_size (per rank) and global_batch_size")
         self.strategy = strategy_config(self.strategy)  # names a bad strategy
-        for name, cls in (
-            ("snapshot", SnapshotConfig),
-            ("early_stopping", EarlyStoppingConfig),
-            ("logging", LoggingConfig),
-        ):
-            if not isinstance(getattr(self, name), cls):
-                raise ConfigError(f"{name}={getattr(self, name)!r}: give a {cls.__name__}(...)")
         if self.strategy.name == "fsdp" and self.precision == "fp16":
             raise ConfigError(
                 "precision='fp16' (a GradScaler) is not supported with strategy 'fsdp': use "
@@ -223,18 +215,12 @@ class TrainerConfig:
             {
                 "epochs": self.epochs >= 1,
                 "grad_accum_steps": self.grad_accum_steps >= 1,
-                "precision": self.precision in ("fp32", "bf16", "fp16"),
-                "scheduler_interval": self.scheduler_interval in ("epoch", "step"),
-                "on_nonfinite": self.on_nonfinite in ("stop", "skip"),
                 "max_steps": self.max_steps is None or self.max_steps >= 1,
                 "batch_size": self.batch_size is None or self.batch_size >= 1,
                 "global_batch_size": self.global_batch_size is None or self.global_batch_size >= 1,
                 "eval_batch_size": self.eval_batch_size >= 1,
                 "num_workers": self.num_workers is None or self.num_workers >= 0,
-                "on_data_change": self.on_data_change in ("error", "restart_epoch"),
-                "new_rank_state": self.new_rank_state in NEW_RANK_STATES,
                 "val_every_steps": self.val_every_steps is None or self.val_every_steps >= 1,
-                "weights_format": self.weights_format in ("safetensors", "pt", None),
             },
         )
         # The world size is known only when the Trainer is built; the accumulation steps are known

@@ -9,8 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from ddpkit._launch import agent as agent_module
-from ddpkit._launch import failure
-from ddpkit._launch import watch
+from ddpkit._launch import failure, watch
 from ddpkit._launch.agent import Agent
 from ddpkit._launch.failure import Left, summarize_failure
 from ddpkit.distributed._progress import MAGIC, RECORD, Phase
@@ -207,6 +206,8 @@ def test_a_rank_that_raised_and_was_cut_short_by_the_launchers_sigterm_sets_the_
     assert "ValueError: planned failure on rank 1" in summary
     # control: ended by SIGTERM with nothing recorded (a scheduler's signal to every process): the
     # shell's code for a death by SIGTERM
-    quiet = SimpleNamespace(failures={0: _failure(-15, local_rank=0), 1: _failure(-15, local_rank=1)})
+    quiet = SimpleNamespace(
+        failures={0: _failure(-15, local_rank=0), 1: _failure(-15, local_rank=1)}
+    )
     assert failure.exit_code(quiet) == 128 + 15
     assert "killed by signal 15" in summarize_failure(quiet)
