@@ -9,7 +9,7 @@ import math
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import asdict, dataclass
-from typing import Any, ClassVar, Literal, get_args
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,6 @@ from ddpkit.strategies._base import (
 from ddpkit.strategies._prepare import GRADIENT_AS_BUCKET_VIEW, no_sync, prepare_model, unwrap
 
 CommHook = Literal["fp16", "bf16", "powersgd", "parameter_server"]
-COMM_HOOKS: tuple[str, ...] = get_args(CommHook)
 
 
 @dataclass(kw_only=True)
