@@ -55,7 +55,7 @@ def checked_arguments(fn: F) -> F:
 @functools.cache
 def _argument_hints(fn: Callable[..., Any]) -> dict[str, Any]:
     hints = {}
-    for arg, annotation in fn.__annotations__.items():
+    for arg, annotation in getattr(fn, "__annotations__", {}).items():
         try:  # a name imported for type checking only stays unchecked
             hints[arg] = typing.get_type_hints(
                 types.SimpleNamespace(__annotations__={arg: annotation}), fn.__globals__

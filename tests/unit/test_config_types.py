@@ -126,9 +126,44 @@ def test_the_front_doors_refuse_numbers_flags_and_names_of_another_type_in_words
     assert not wrong, "\n".join(wrong)
     assert tried > 60
     # control: unchecked, a string batch size ends in a bare TypeError inside ddpkit
+    from ddpkit.data import ShardedBatchSampler
+
     try:
-        inspect.unwrap(build_loader)(data, "2")
+        inspect.unwrap(ShardedBatchSampler.__init__)(object.__new__(ShardedBatchSampler), 8, "2")
     except TypeError as bare:
         assert "not supported between" in str(bare)
     else:
-        raise AssertionError("an unchecked build_loader took batch_size='2'")
+        raise AssertionError("an unchecked sampler took batch_size='2'")
+
+
+# called every step or batch: a check of their arguments would cost each one
+HOT = {"all_reduce", "broadcast_object", "to_device", "get_runtime", "EpochIndices", "shard_bounds"}
+# its own check names torch's argument order (mp.spawn takes args second); made by ddpkit, not users
+OWN_CHECK = {"spawn", "Preempted", "Candidate"}
+
+
+def test_every_public_callable_with_number_flag_or_name_arguments_checks_them():
+    import ddpkit
+    import ddpkit.data
+    import ddpkit.nn
+    import ddpkit.search
+    import ddpkit.snapshot
+    import ddpkit.strategies
+    import ddpkit.tracking
+
+    unchecked = []
+    for module in (ddpkit, ddpkit.data, ddpkit.nn, ddpkit.search, ddpkit.snapshot,
+                   ddpkit.strategies, ddpkit.tracking):  # fmt: skip
+        for name in module.__all__:
+            obj = getattr(module, name)
+            if dataclasses.is_dataclass(obj) or name in HOT | OWN_CHECK:
+                continue  # a config: check_types
+            fn = obj.__init__ if inspect.isclass(obj) else obj
+            if not callable(fn) or not errors._argument_hints(inspect.unwrap(fn)):
+                continue
+            if not any(
+                getattr(f, "__code__", None) is errors.checked_arguments(len).__code__
+                for f in (fn, getattr(fn, "__wrapped__", None))
+            ):
+                unchecked.append(f"{module.__name__}.{name}")
+    assert not unchecked, ", ".join(unchecked)

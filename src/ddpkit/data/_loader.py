@@ -53,6 +53,7 @@ def check_map_style(dataset: Any) -> None:
         )
 
 
+@checked_arguments
 def default_num_workers(local_world_size: int | None = None) -> int:
     """Loader workers per rank: the cores of each rank minus one (for the rank itself)."""
     procs = local_world_size or get_runtime().local_world_size
@@ -126,6 +127,7 @@ def loader_generator(seed: int, rank: int) -> torch.Generator:
     return torch.Generator().manual_seed(stream_seed("loader", seed, rank))
 
 
+@checked_arguments
 def build_eval_loader(
     dataset: Dataset,
     batch_size: int,
@@ -186,6 +188,7 @@ class SeededSamples(Dataset):
     ``__getitem__``, not one set on the instance. What it costs: docs/data.md, "Seeded samples".
     """
 
+    @checked_arguments
     def __init__(self, dataset: Dataset, seed: int) -> None:
         self.dataset, self.seed = dataset, seed
         self.seeder = SampleSeeder(seed)

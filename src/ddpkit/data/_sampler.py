@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
-from ddpkit._errors import ConfigError
+from ddpkit._errors import ConfigError, checked_arguments
 from ddpkit.distributed import Group
 from ddpkit.distributed._runtime import get_runtime
 from ddpkit.distributed._seeding import stream_seed
@@ -48,6 +48,7 @@ def _position(group: Group) -> tuple[int, int]:
     return (rt.rank, rt.world_size) if rt.rank >= 0 else (0, 1)
 
 
+@checked_arguments
 def epoch_permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
     """The order of the ``n`` samples in ``epoch``: a function of ``(seed, epoch)`` alone."""
     g = torch.Generator()
@@ -78,6 +79,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
     samples than ranks (a rank without a sample cannot take a DDP step).
     """
 
+    @checked_arguments
     def __init__(
         self,
         dataset: Sized | int,

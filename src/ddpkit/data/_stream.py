@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from ddpkit._errors import ConfigError
+from ddpkit._errors import ConfigError, checked_arguments
 from ddpkit.data._epoch_loader import EpochLoader
 from ddpkit.data._fingerprint import shard_items
 from ddpkit.data._loader import SampleSeeder, loader_generator
@@ -56,6 +56,7 @@ class Stream:
     """False for a source read front to back only: the order then keeps its blocks in the source's
     order."""
 
+    @checked_arguments
     def __init__(self, *, transform: Transform | None = None, window: int = DEFAULT_WINDOW) -> None:
         if window < 1:
             raise ConfigError(f"window={window}: the shuffle window must hold at least one record")

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ddpkit import _fs as fs
-from ddpkit._errors import ConfigError
+from ddpkit._errors import ConfigError, checked_arguments
 from ddpkit.data._fingerprint import digest
 from ddpkit.data._stream import DEFAULT_WINDOW, Stream, Transform
 from ddpkit.distributed import Group
@@ -258,6 +258,7 @@ class JsonlStream(Stream):
     :func:`json_record` by default). Lines are found by :func:`line_index`; nearby lines of a batch
     are read with one ``pread``."""
 
+    @checked_arguments
     def __init__(
         self,
         paths: str | os.PathLike | Sequence[str | os.PathLike],
@@ -314,6 +315,7 @@ class TokenStream(Stream):
     ``r[1:]``.
     """
 
+    @checked_arguments
     def __init__(
         self,
         paths: str | os.PathLike | Sequence[str | os.PathLike],
@@ -379,6 +381,7 @@ class IterableStream(Stream):
 
     random_access = False
 
+    @checked_arguments
     def __init__(
         self,
         dataset: Iterable[Any] | Callable[[], Iterable[Any]],

@@ -11,6 +11,7 @@ from typing import Any, Literal, TypeVar
 import torch
 import torch.distributed as dist
 
+from ddpkit._errors import checked_arguments
 from ddpkit.distributed import _progress as progress
 from ddpkit.distributed._runtime import Group, get_runtime
 
@@ -47,6 +48,7 @@ def barrier(group: Group = None) -> None:
                 dist.barrier(group)
 
 
+@checked_arguments
 @contextmanager
 def main_first(local: bool = False, group: Group = None) -> Iterator[None]:
     """Run the body on rank 0 first while the others wait, then on the others: for work done once

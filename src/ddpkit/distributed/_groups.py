@@ -6,10 +6,11 @@ import dataclasses
 
 import torch.distributed as dist
 
-from ddpkit._errors import ConfigError
+from ddpkit._errors import ConfigError, checked_arguments
 from ddpkit.distributed._runtime import Runtime, get_runtime
 
 
+@checked_arguments
 def split_world(group_size: int) -> Runtime:
     """Split the job into groups of ``group_size`` consecutive ranks (on one node where they fit);
     return this rank's group as a Runtime, whose ``group`` every ``group=`` of ddpkit takes.

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ddpkit._errors import checked_arguments
 from ddpkit.distributed._collectives import is_live
 from ddpkit.distributed._runtime import Group, get_runtime
 
@@ -34,6 +35,7 @@ class _RankFilter(logging.Filter):
         return not self.main_only or rank == 0
 
 
+@checked_arguments
 def get_logger(
     name: str = "ddpkit", all_ranks: bool = False, group: Group = None
 ) -> logging.Logger:

@@ -14,7 +14,7 @@ from typing import Any, TypeAlias
 import torch
 import torch.distributed as dist
 
-from ddpkit._errors import ConfigError
+from ddpkit._errors import ConfigError, checked_arguments
 from ddpkit._internals import ray_train
 from ddpkit.distributed import _progress as progress
 from ddpkit.distributed._environment import read_launch_env
@@ -119,6 +119,7 @@ def _init_method(launch: LaunchEnv) -> str:
     return "env://"
 
 
+@checked_arguments
 def init(
     backend: str | None = None,
     *,
@@ -320,6 +321,7 @@ def forget() -> None:
     _runtime, _store_of, _group_store = None, None, None
 
 
+@checked_arguments
 def shutdown(*, wait_for_peers: bool = True) -> None:
     """Destroy the process group (if any) and forget the runtime, so :func:`init` may be called
     again. Every rank calls it, and it returns once all have; ``wait_for_peers=False`` is for a

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ddpkit._errors import checked_arguments
 from ddpkit.distributed._runtime import Group, get_runtime
 
 try:  # numpy is optional: seed and save it only when it is installed
@@ -40,6 +41,7 @@ def stream_seed(stream: str, seed: int, *keys: int) -> int:
     return mix_seed(stream, seed, *keys)
 
 
+@checked_arguments
 def seed_everything(seed: int, per_rank: bool = False, group: Group = None) -> int:
     """Seed python, numpy and torch (CPU and every CUDA device); return the seed used.
 

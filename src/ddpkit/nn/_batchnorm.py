@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddpkit._errors import checked_arguments
 from ddpkit._internals.modules import BatchNormBase, is_batchnorm
 from ddpkit.distributed import Group
 from ddpkit.distributed._collectives import is_live
@@ -34,6 +35,7 @@ class _AllReduceSum(torch.autograd.Function):
 class CPUSyncBatchNorm(BatchNormBase):
     """``BatchNorm{1,2,3}d`` whose training statistics span all ranks of ``process_group``."""
 
+    @checked_arguments
     def __init__(
         self, num_features: int, *args: Any, process_group: Group = None, **kwargs: Any
     ) -> None:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ddpkit._errors import ConfigError
+from ddpkit._errors import ConfigError, checked_arguments
 from ddpkit.data._sampler import ShardedBatchSampler, shard_bounds
 from ddpkit.distributed._seeding import mix_seed, stream_seed
 
@@ -68,6 +68,7 @@ def step_layout(
     return BatchLayout(size, offset, key=stream_seed("dropout", seed, epoch, micro // accum))
 
 
+@checked_arguments
 @contextmanager
 def global_batch(loader: Any, accum_steps: int = 1) -> Iterator[None]:
     """Every dropout of the block (a hand loop's forward) draws the masks of the global batch the
@@ -188,6 +189,7 @@ class GlobalBatchDropout(nn.Dropout):
     ``batch_dim``: the input's dimension holding the samples (1 for sequence-first tensors); its
     size must be this rank's samples in the micro-batch."""
 
+    @checked_arguments
     def __init__(self, p: float = 0.5, layer_id: int = 0, batch_dim: int = 0) -> None:
         super().__init__(p)
         self.layer_id, self.batch_dim = layer_id, batch_dim
@@ -215,6 +217,7 @@ def uncovered(module: nn.Module) -> list[str]:
     return found
 
 
+@checked_arguments
 def convert_dropout(module: nn.Module, batch_dim: int = 0) -> nn.Module:
     """Replace every ``nn.Dropout`` in ``module`` by a :class:`GlobalBatchDropout` whose inputs hold
     the samples at ``batch_dim`` (in place; returns it). Refused, naming each, where the module

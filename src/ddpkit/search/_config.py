@@ -14,7 +14,7 @@ from optuna.distributions import (
     IntDistribution,
 )
 
-from ddpkit._errors import ConfigError, check_types
+from ddpkit._errors import ConfigError, check_types, checked_arguments
 
 Sampler = Literal["tpe", "evolution", "nsga2", "cmaes", "random", "grid"]
 SAMPLERS: tuple[str, ...] = get_args(Sampler)
@@ -67,6 +67,7 @@ class SearchConfig:
                 )
 
 
+@checked_arguments
 def uniform(
     low: float, high: float, *, log: bool = False, step: float | None = None
 ) -> FloatDistribution:
@@ -74,6 +75,7 @@ def uniform(
     return _checked("uniform", FloatDistribution, low, high, log=log, step=step)
 
 
+@checked_arguments
 def integer(low: int, high: int, *, log: bool = False, step: int = 1) -> IntDistribution:
     """An integer in ``[low, high]``."""
     return _checked("integer", IntDistribution, low, high, log=log, step=step)

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit import _fs as fs
-from ddpkit._errors import ConfigError
+from ddpkit._errors import ConfigError, checked_arguments
 from ddpkit._internals.versions import require_torch
 from ddpkit.distributed import Group
 from ddpkit.distributed._collectives import broadcast_object, first_failure, gather_object
@@ -81,6 +81,7 @@ class DiskStore:
     before their marker, go). ``async_write``: :meth:`save` returns once the state is copied to
     host memory, and a thread writes it, its collectives on a gloo group of its own."""
 
+    @checked_arguments
     def __init__(
         self,
         folder: str | Path,

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpkit._errors import ConfigError
+from ddpkit._errors import ConfigError, checked_arguments
 from ddpkit.distributed._runtime import Runtime, get_runtime
 from ddpkit.strategies._base import GradientVerdict, Strategy, check_options, rebind_scheduler
 from ddpkit.strategies._ddp import DDPConfig, DDPStrategy, ZeroConfig, ZeroStrategy
@@ -50,6 +50,7 @@ def strategy_config(
     return check_options(STRATEGIES[strategy][0], strategy, dict(options or {}))
 
 
+@checked_arguments
 def build_strategy(
     strategy: str | StrategyConfig,
     model: nn.Module,

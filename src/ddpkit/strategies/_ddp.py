@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddpkit._errors import ConfigError, check_types
+from ddpkit._errors import ConfigError, check_types, checked_arguments
 from ddpkit._internals.optim import any_non_finite, sparse_values
 from ddpkit.distributed import Group
 from ddpkit.distributed._collectives import all_gather_object
@@ -233,6 +233,7 @@ class DDPStrategy:
     name = "ddp"
     replicated = True
 
+    @checked_arguments
     def __init__(
         self,
         model: nn.Module,
@@ -443,6 +444,7 @@ class ZeroStrategy:
     name = "zero"
     replicated = False  # each rank's optimizer state is of the parameters it owns
 
+    @checked_arguments
     def __init__(
         self,
         model: nn.Module,

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit._errors import ConfigError, check_types
+from ddpkit._errors import ConfigError, check_types, checked_arguments
 from ddpkit._internals.versions import FSDP_ON_CPU, require_torch
 from ddpkit.distributed._runtime import Runtime
 from ddpkit.nn._batchnorm import convert_sync_batchnorm
@@ -110,6 +110,7 @@ class FSDPStrategy:
     name = "fsdp"
     replicated = False
 
+    @checked_arguments
     def __init__(
         self,
         model: nn.Module,

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddpkit._errors import ConfigError
+from ddpkit._errors import ConfigError, checked_arguments
 from ddpkit._internals.compiler import at_backward_end
 from ddpkit._internals.modules import compiled_inner
 from ddpkit.distributed import Group
@@ -31,6 +31,7 @@ Bitwise torch's default where gradients are set to None between steps (docs/trai
 that calls ``p.grad.detach_()`` passes ``gradient_as_bucket_view=False``."""
 
 
+@checked_arguments
 def prepare_model(
     model: nn.Module,
     *,

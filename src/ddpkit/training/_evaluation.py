@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
-from ddpkit._errors import ConfigError
+from ddpkit._errors import ConfigError, checked_arguments
 from ddpkit.data import build_eval_loader, to_device
 from ddpkit.data._loader import batch_len
 from ddpkit.distributed import Group
@@ -91,6 +91,7 @@ def regression_metrics(model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
+@checked_arguments
 def evaluate(
     model: nn.Module,
     data: Dataset | Iterable[Any],
