@@ -23,7 +23,7 @@ def _describe(
         else f"exit code {failure.exitcode}"
     )
     if _cut_short(failure):
-        how = f"raised, then the launcher's {failure.signal_name()} cut its exit short"
+        how = f"raised, then {failure.signal_name()} ended it as it exited"
     if stall is not None and rank in stall.ranks:
         how = (
             f"ended by the stall watch ({how})"
@@ -90,9 +90,10 @@ _OUR_SIGNALS = (-signal.SIGTERM,)
 
 
 def _cut_short(failure: Any) -> bool:
-    """A rank that recorded its exception and was ended by the launcher's signal while its
-    interpreter wound down: another rank's exit was polled first, and the agent stopped the rest."""
-    return failure.exitcode in _OUR_SIGNALS and bool(_recorded(failure)[0])
+    """A rank that recorded its exception and was ended by a signal as its interpreter wound down
+    (another rank's exit was polled first and the agent stopped the rest; a thread kept it alive
+    until the agent's SIGKILL): the exception is what ended it."""
+    return failure.exitcode < 0 and bool(_recorded(failure)[0])
 
 
 def cause(failures: dict[int, Any], stall: watch.Stall | None = None) -> tuple[int, Any]:

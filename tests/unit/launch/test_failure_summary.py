@@ -202,7 +202,10 @@ def test_a_rank_that_raised_and_was_cut_short_by_the_launchers_sigterm_sets_the_
     err = SimpleNamespace(failures={0: lost, 1: raised})
     assert failure.exit_code(err) == 1
     summary = summarize_failure(err)
-    assert "first: rank 1 (local rank 1, pid 101): raised, then the launcher's" in summary
+    assert "first: rank 1 (local rank 1, pid 101): raised, then signal 15 ended it" in summary
+    # or the agent's SIGKILL, a thread keeping it alive past the SIGTERM's grace
+    killed = _failure(-9, "ValueError: planned failure on rank 1", local_rank=1, pid=101)
+    assert failure.exit_code(SimpleNamespace(failures={0: lost, 1: killed})) == 1
     assert "ValueError: planned failure on rank 1" in summary
     # control: ended by SIGTERM with nothing recorded (a scheduler's signal to every process): the
     # shell's code for a death by SIGTERM
