@@ -476,15 +476,7 @@ def open_folder(fallback: Path) -> Path:
         if room.f_bavail * room.f_frsize < ROOM:
             raise memory_folder.FolderUnavailable(f"{root} has no room for the ranks' records")
         base = memory_folder.private_base(root)
-        nonce = f"progress-{secrets.token_hex(8)}"
-        tmp = base / f".{nonce}"
-        fs.make_dir(tmp, root=base, mode=0o700)
-        pid = os.getpid()
-        fs.write_atomic(
-            tmp / "owner", f"{pid} {memory_folder.start_time(pid)}\n".encode(), root=base
-        )
-        folder = base / nonce
-        fs.rename(tmp, folder, root=base)
+        folder = memory_folder.owned_folder(base, f"progress-{secrets.token_hex(8)}", os.getpid())
     except (OSError, memory_folder.FolderUnavailable):
         folder = fallback
         fs.make_dirs(folder)

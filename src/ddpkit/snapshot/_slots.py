@@ -136,18 +136,23 @@ def open_job_folder(pid: int | None = None) -> Path | None:
         base = private_base(root)
         sweep_stale(base)
         nonce = secrets.token_hex(8)
-        # renamed into place once its owner is written: a sweep never sees a folder without one
-        tmp = base / f".{nonce}"
-        fs.make_dir(tmp, root=base, mode=0o700)
-        fs.write_atomic(tmp / "owner", f"{pid} {start_time(pid)}\n".encode(), root=base)
-        folder = base / nonce
-        fs.rename(tmp, folder, root=base)
+        folder = owned_folder(base, nonce, pid)
     except (OSError, FolderUnavailable, ConfigError) as err:
         os.environ[UNAVAILABLE_ENV] = str(err)
         return None
     os.environ[DIR_ENV] = str(folder)
     os.environ[KEY_ENV] = nonce
     return folder
+
+
+def owned_folder(base: Path, name: str, pid: int) -> Path:
+    """``base/name``, private, renamed into place once its owner (``pid`` and its start time) is
+    written in it: a sweep never sees a folder without one."""
+    tmp = base / f".{name}"
+    fs.make_dir(tmp, root=base, mode=0o700)
+    fs.write_atomic(tmp / "owner", f"{pid} {start_time(pid)}\n".encode(), root=base)
+    fs.rename(tmp, base / name, root=base)
+    return base / name
 
 
 def close_job_folder() -> None:
