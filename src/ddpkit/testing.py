@@ -23,8 +23,10 @@ same value (a model's weights after a step, a sampler's order): the property DDP
         assert run_on_ranks(one_step, world_size=2) == [0, 1]
 
 :func:`run_job` runs a script the way a user starts it, under ``ddpkit run`` in a fresh process,
-from an environment without the variables of any job the tests themselves run in; :func:`wait_until`
-waits, with a deadline, for what a running job makes true (a file it writes, a process it ends)::
+from an environment without the variables of any job the tests themselves run in; :func:`start_job`
+starts it the same way and returns at once, for a test that signals the job or reads its logs while
+it runs; :func:`wait_until` waits, with a deadline, for what a running job makes true (a file it
+writes, a process it ends)::
 
     from ddpkit.testing import run_job
 
@@ -44,7 +46,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -59,15 +61,7 @@ __all__ = [
     "assert_same_on_ranks",
     "run_job",
     "run_on_ranks",
-    "wait_until",
-    "without_launch_env",
-]
-
-__all__ = [
-    "LAUNCH_VARIABLES",
-    "assert_same_on_ranks",
-    "run_job",
-    "run_on_ranks",
+    "start_job",
     "wait_until",
     "without_launch_env",
 ]
@@ -181,17 +175,63 @@ def without_launch_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     return platforms.without_launch_env(os.environ if env is None else env)
 
 
-def run_job(
-    script: str | os.PathLike[str],
+def start_job(
+    script: str | os.PathLike[str] | None,
     *args: str,
     nproc: int = 2,
     launcher_args: Sequence[str] = (),
+    command: str = "run",
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+    **popen: Any,
+) -> subprocess.Popen[str]:
+    """Start ``ddpkit COMMAND --nproc NPROC *launcher_args script *args`` and return its
+    :class:`subprocess.Popen` at once: for a test that acts on the job while it runs (signals it,
+    reads its logs, waits for a file it writes).
+
+    ``command`` is ``"run"`` by default; ``"check"`` and ``"bench"`` take the same form.
+    ``script=None`` gives none (the command's built-in workload), and then no ``args``. The
+    launcher starts from ``env`` (default: this process's environment) less the variables of an
+    enclosing job (:func:`without_launch_env`), in a session of its own: ``os.killpg(proc.pid,
+    signal.SIGKILL)`` ends its whole process group, and the workers end with the launcher. Output
+    is text, on pipes unless ``stdout``/``stderr`` send it elsewhere (a file,
+    ``subprocess.STDOUT``); other keyword arguments (``stdin``, ``preexec_fn``) go to
+    :class:`subprocess.Popen`. The caller waits for the process, and reads the pipes meanwhile
+    (``proc.communicate``)::
+
+        with open(tmp_path / "job.log", "w") as log:
+            proc = start_job("train.py", str(run_dir), stdout=log, stderr=subprocess.STDOUT)
+        wait_until(lambda: (run_dir / "metrics.jsonl").exists(), what="the first records")
+        proc.send_signal(signal.SIGTERM)  # a pre-emption: the Trainer saves and exits 75
+        assert proc.wait(timeout=120) == 75
+    """
+    if nproc < 1:
+        raise ValueError(f"nproc={nproc}; give the number of worker processes, 1 or more")
+    if script is None and args:
+        raise ValueError(f"script=None with arguments {list(args)}: give the script they are for")
+    argv = [sys.executable, "-m", "ddpkit.cli", command, "--nproc", str(nproc), *launcher_args]
+    argv += [] if script is None else [os.fspath(script), *args]
+    popen.setdefault("stdout", subprocess.PIPE)
+    popen.setdefault("stderr", subprocess.PIPE)
+    # A session of its own: the launcher's process group can be signalled, or killed, whole, and
+    # nothing the job started outlives the test.
+    return subprocess.Popen(
+        argv, env=without_launch_env(env), cwd=cwd, text=True, start_new_session=True, **popen
+    )
+
+
+def run_job(
+    script: str | os.PathLike[str] | None,
+    *args: str,
+    nproc: int = 2,
+    launcher_args: Sequence[str] = (),
+    command: str = "run",
     env: Mapping[str, str] | None = None,
     cwd: str | os.PathLike[str] | None = None,
     timeout: float = 300.0,
 ) -> subprocess.CompletedProcess[str]:
-    """``ddpkit run --nproc NPROC *launcher_args script *args`` as a fresh process; its exit status
-    and output.
+    """``ddpkit COMMAND --nproc NPROC *launcher_args script *args`` as a fresh process
+    (:func:`start_job`, ``ddpkit run`` by default); its exit status and output.
 
     The launcher starts from ``env`` (default: this process's environment) less the variables of an
     enclosing job (:func:`without_launch_env`), so a test run under a launcher starts a job of its
@@ -202,31 +242,18 @@ def run_job(
 
         done = run_job("train.py", "--epochs", "2", launcher_args=("--max-restarts", "1"))
         assert done.returncode == 0, done.stderr[-3000:]
+        checked = run_job("my_script.py", command="check", launcher_args=("--steps", "2"))
     """
-    if nproc < 1:
-        raise ValueError(f"run_job: nproc={nproc}; give the number of worker processes, 1 or more")
-    argv = [
-        sys.executable,
-        "-m",
-        "ddpkit.cli",
-        "run",
-        "--nproc",
-        str(nproc),
-        *launcher_args,
-        os.fspath(script),
-    ]
-    argv += list(args)
-    # A session of its own: on a timeout the launcher and every process under it are killed as one
-    # group, and nothing the job started outlives the test.
-    proc = subprocess.Popen(
-        argv,
-        env=without_launch_env(env),
+    proc = start_job(
+        script,
+        *args,
+        nproc=nproc,
+        launcher_args=launcher_args,
+        command=command,
+        env=env,
         cwd=cwd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
     )
+    argv = cast("list[str]", proc.args)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from ddpkit.testing import run_job
 from tests.device_support import (
     DDPKIT,
     GPUS,
@@ -41,22 +42,11 @@ def _uuid(name: str) -> str:
 def test_a_job_gets_its_device_and_backend_and_exact_collectives_there(device, clean_env, tmp_path):
     n = nprocs(device)
     env = device_env(clean_env, device)
-    out = run(
-        [
-            *DDPKIT,
-            "run",
-            "--nproc",
-            str(n),
-            "--log-dir",
-            str(tmp_path / "logs"),
-            PROBE,
-            "info",
-            str(tmp_path),
-        ],
-        env,
+    logs = ["--log-dir", str(tmp_path / "logs")]
+    out = run_job(
+        PROBE, "info", str(tmp_path), nproc=n, launcher_args=logs, env=env, cwd=tmp_path,
         timeout=240,
-        cwd=tmp_path,
-    )
+    )  # fmt: skip
     assert out.returncode == 0, out.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(n)]
     total = n * (n + 1) / 2
@@ -78,22 +68,10 @@ def test_a_job_gets_its_device_and_backend_and_exact_collectives_there(device, c
         assert len({seen["uuid"] for seen in ranks}) == n
         # Control: one process more than there are GPUs is refused before any rank trains, naming
         # the fix.
-        out = run(
-            [
-                *DDPKIT,
-                "run",
-                "--nproc",
-                str(n + 1),
-                "--log-dir",
-                str(tmp_path / "logs"),
-                PROBE,
-                "info",
-                str(tmp_path),
-            ],
-            env,
+        out = run_job(
+            PROBE, "info", str(tmp_path), nproc=n + 1, launcher_args=logs, env=env, cwd=tmp_path,
             timeout=240,
-            cwd=tmp_path,
-        )
+        )  # fmt: skip
         assert out.returncode != 0
         assert f"{n + 1} processes on this node but only {n} GPU(s) visible" in out.stderr, (
             out.stderr[-3000:]
@@ -132,21 +110,9 @@ def test_rank_r_runs_on_the_rth_gpu_of_cuda_visible_devices(clean_env, tmp_path)
         "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
         "CUDA_VISIBLE_DEVICES": ",".join(map(str, order)),
     }
-    out = run(
-        [
-            *DDPKIT,
-            "run",
-            "--nproc",
-            "2",
-            "--log-dir",
-            str(tmp_path / "logs"),
-            PROBE,
-            "info",
-            str(tmp_path),
-        ],
-        env,
-        timeout=240,
-        cwd=tmp_path,
+    logs = ["--log-dir", str(tmp_path / "logs")]
+    out = run_job(
+        PROBE, "info", str(tmp_path), launcher_args=logs, env=env, cwd=tmp_path, timeout=240
     )
     assert out.returncode == 0, out.stderr[-4000:]
     for r, physical in enumerate(order):
@@ -165,23 +131,9 @@ def test_debug_collectives_writes_the_nccl_flight_record_of_a_hang(clean_env, tm
 
     def hang(*flags: str) -> tuple:
         logs = tmp_path / ("with" if flags else "without")
-        out = run(
-            [
-                *DDPKIT,
-                "run",
-                "--nproc",
-                "1",
-                "--collective-timeout",
-                "5",
-                "--log-dir",
-                str(logs),
-                *flags,
-                PROBE,
-                "hang",
-            ],
-            env,
-            timeout=240,
-            cwd=tmp_path,
+        options = ["--collective-timeout", "5", "--log-dir", str(logs), *flags]
+        out = run_job(
+            PROBE, "hang", nproc=1, launcher_args=options, env=env, cwd=tmp_path, timeout=240
         )
         return out, sorted(logs.glob("*/stacks/nccl_trace_rank_*"))
 
@@ -244,15 +196,16 @@ def test_ddpkit_check_runs_on_a_gpu_machine_and_still_names_a_cause(clean_env):
     # rank), so a GPU machine must not change its verdicts: a correct script passes, and a mistake
     # is named (control).
     env = device_env(clean_env, "cuda")
-    out = run(
-        [*DDPKIT, "check", "--steps", "2", str(SCRIPTS / "check_correct.py")], env, timeout=300
+    steps = ["--steps", "2"]
+    out = run_job(
+        SCRIPTS / "check_correct.py", command="check", launcher_args=steps, env=env, timeout=300
     )
     assert out.returncode == 0 and "OK: 2 ranks train the same model" in out.stdout, (
         out.stdout + out.stderr[-2000:]
     )
     assert "gloo" in out.stdout.splitlines()[0]
-    out = run(
-        [*DDPKIT, "check", "--steps", "2", str(SCRIPTS / "check_dropout.py")], env, timeout=300
+    out = run_job(
+        SCRIPTS / "check_dropout.py", command="check", launcher_args=steps, env=env, timeout=300
     )
     assert out.returncode == 1 and "cause: dropout drawing per rank" in out.stdout, (
         out.stdout + out.stderr[-2000:]
@@ -316,24 +269,10 @@ def test_bench_measures_ddp_one_gpu_and_data_parallel_on_cuda(clean_env, run_pyt
 @requires_2_gpus
 @pytest.mark.timeout(420)
 def test_bench_predicts_nccl_step_times_and_reports_its_error(clean_env, tmp_path):
-    out = run(
-        [
-            *DDPKIT,
-            "bench",
-            "--nproc",
-            "2",
-            "--rounds",
-            "1",
-            "--steps",
-            "20",
-            "--warmup",
-            "5",
-            "--no-knobs",
-            "--out",
-            str(tmp_path / "bench"),
-        ],
-        device_env(clean_env, "cuda"),
-        timeout=400,
+    options = ["--rounds", "1", "--steps", "20", "--warmup", "5", "--no-knobs"]
+    options += ["--out", str(tmp_path / "bench")]
+    out = run_job(
+        None, command="bench", launcher_args=options, env=device_env(clean_env, "cuda"), timeout=400
     )
     assert out.returncode == 0, out.stderr[-4000:]
     result = json.loads((tmp_path / "bench" / "bench.json").read_text())

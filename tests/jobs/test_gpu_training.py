@@ -14,15 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.device_support import (
-    CUDA_MARKS,
-    DDPKIT,
-    SCRIPTS,
-    device_env,
-    device_params,
-    nprocs,
-    run,
-)
+from ddpkit.testing import run_job
+from tests.device_support import CUDA_MARKS, SCRIPTS, device_env, device_params, nprocs
 from tests.jobs.scripts.train_job import N_SAMPLES
 from tests.trainer_checks import (
     assert_each_sample_once,
@@ -37,27 +30,16 @@ JOB = str(SCRIPTS / "device_train_job.py")
 
 def _train(tmp: Path, name: str, device: str, env: dict, *args: str) -> dict:
     (tmp / f"{name}-log").mkdir()
-    out = run(
-        [
-            *DDPKIT,
-            "run",
-            "--nproc",
-            str(nprocs(device)),
-            "--max-restarts",
-            "2",
-            "--log-dir",
-            str(tmp / "logs"),
-            JOB,
-            str(tmp / name),
-            "--out",
-            str(tmp / f"{name}.pt"),
-            "--sample-log",
-            str(tmp / f"{name}-log"),
-            *args,
-        ],
-        env,
-        timeout=300,
-        cwd=tmp,
+    job = [
+        str(tmp / name),
+        "--out",
+        str(tmp / f"{name}.pt"),
+        "--sample-log",
+        str(tmp / f"{name}-log"),
+    ]
+    options = ["--max-restarts", "2", "--log-dir", str(tmp / "logs")]
+    out = run_job(
+        JOB, *job, *args, nproc=nprocs(device), launcher_args=options, env=env, cwd=tmp, timeout=300
     )
     assert out.returncode == 0, out.stderr[-4000:]
     return torch.load(tmp / f"{name}.pt", map_location="cpu", weights_only=False)

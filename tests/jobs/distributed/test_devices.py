@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from ddpkit._launch.launcher import flight_recorder_vars
-from tests.device_support import DDPKIT, SCRIPTS, device_env, run
+from ddpkit.testing import run_job
+from tests.device_support import SCRIPTS, device_env
 
 PROBE = str(SCRIPTS / "device_probe.py")
 
@@ -21,12 +22,10 @@ def test_the_flight_record_goes_to_the_runs_stacks_folder_and_the_summary_names_
     env = device_env(clean_env, "cpu")
     logs = tmp_path / "logs"
 
-    def job(*args: str):
-        return run(
-            [*DDPKIT, "run", "--nproc", "1", "--log-dir", str(logs), *args],
-            env,
-            timeout=120,
-            cwd=tmp_path,
+    def job(mode: str, *flags: str):
+        options = ["--log-dir", str(logs), *flags]
+        return run_job(
+            PROBE, mode, nproc=1, launcher_args=options, env=env, cwd=tmp_path, timeout=120
         )
 
     from ddpkit._errors import ConfigError
@@ -35,10 +34,10 @@ def test_the_flight_record_goes_to_the_runs_stacks_folder_and_the_summary_names_
     try:
         check_debug_collectives()
     except ConfigError as refused:  # this torch's DETAIL mode crashes DDP: refused before a start
-        out = job("--debug-collectives", PROBE, "env")
+        out = job("env", "--debug-collectives")
         assert out.returncode != 0 and str(refused) in out.stderr, out.stderr[-3000:]
         pytest.skip(f"--debug-collectives is refused on this torch: {refused}")
-    out = job("--debug-collectives", PROBE, "env")
+    out = job("env", "--debug-collectives")
     assert out.returncode == 0, out.stderr[-3000:]
     seen = json.loads(out.stdout.splitlines()[-1])
     buffer, dump_file = flight_recorder_vars()
@@ -52,10 +51,10 @@ def test_the_flight_record_goes_to_the_runs_stacks_folder_and_the_summary_names_
     )
     # A rank that fails after writing its record (as nccl's watchdog does on a timeout): the summary
     # names it.
-    out = job("--debug-collectives", PROBE, "dump-and-fail")
+    out = job("dump-and-fail", "--debug-collectives")
     assert out.returncode == 3
     (record,) = logs.glob("*/stacks/nccl_trace_rank_0")
     assert f"nccl flight recorder of rank 0: {record}" in out.stderr, out.stderr[-3000:]
     # Control: without the option nothing asks for the recorder.
-    out = job(PROBE, "env")
+    out = job("env")
     assert out.returncode == 0 and set(json.loads(out.stdout.splitlines()[-1]).values()) == {None}

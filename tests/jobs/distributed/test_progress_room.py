@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from ddpkit.testing import run_job
 from tests.tmpfs import fill, small_tmpfs
 
 pytestmark = pytest.mark.heavy
@@ -51,11 +52,9 @@ def test_ddpkit_run_puts_the_records_on_disk_when_shared_memory_is_nearly_full(t
 
     with small_tmpfs(tmp_path / "shm", "64k") as shm:
         fill(shm, leave=4096)  # room for the job's folder, not for a page a rank
-        done = subprocess.run(
-            [sys.executable, "-m", "ddpkit.cli", "run", "--nproc", "2", STALL_JOB, "none", "3",
-             "1", "4"],
-            env=clean_env | {"DDPKIT_MEMORY_ROOT": str(shm)}, cwd=tmp_path, capture_output=True,
-            text=True, timeout=240,
+        done = run_job(
+            STALL_JOB, "none", "3", "1", "4", env=clean_env | {"DDPKIT_MEMORY_ROOT": str(shm)},
+            cwd=tmp_path, timeout=240,
         )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert "rank 0 done after 4 steps" in done.stdout

@@ -3,16 +3,17 @@ the stall watch's tests and ``bench/stall_watch_latency.py``."""
 
 from __future__ import annotations
 
+import os
 import re
-import subprocess
-import sys
+import signal
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ddpkit.testing import start_job
+
 STALL_JOB = str(Path(__file__).parents[1] / "scripts" / "stall_job.py")
-DDPKIT = [sys.executable, "-m", "ddpkit.cli"]
 
 
 @dataclass
@@ -48,14 +49,7 @@ def run_stall_job(
 ) -> Outcome:
     """``ddpkit run --nproc 2 LAUNCHER_ARGS stall_job.py JOB_ARGS`` in ``cwd``, its stderr timed
     line by line."""
-    proc = subprocess.Popen(
-        [*DDPKIT, "run", "--nproc", "2", *launcher_args, STALL_JOB, *job_args],
-        env=env,
-        cwd=cwd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_job(STALL_JOB, *job_args, launcher_args=launcher_args, env=env, cwd=cwd)
     lines: list[str] = []
     named: list[float] = []
     stdout: list[str] = []
@@ -78,7 +72,7 @@ def run_stall_job(
         proc.wait(timeout=timeout)
     finally:
         if proc.poll() is None:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
     ended = time.time()
     for reader in readers:
         reader.join(timeout=10)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.testing import without_launch_env
+from ddpkit.testing import run_job, without_launch_env
 
 pytestmark = [
     pytest.mark.slow,
@@ -28,14 +28,10 @@ JOB = str(Path(__file__).with_name("disagree_job.py"))
 def _run(tmp_path: Path, mode: str, *launcher: str) -> tuple[subprocess.CompletedProcess, float]:
     env = {k: v for k, v in without_launch_env().items() if not k.startswith("DDPKIT_STALL")}
     start = time.monotonic()
-    out = subprocess.run(
-        [sys.executable, "-m", "ddpkit.cli", "run", "--nproc", "2", *launcher, JOB, mode],
-        env=env | {"PYTHONUNBUFFERED": "1"},
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
+    out = run_job(
+        JOB, mode, launcher_args=launcher, env=env | {"PYTHONUNBUFFERED": "1"}, cwd=tmp_path,
         timeout=180,
-    )
+    )  # fmt: skip
     return out, time.monotonic() - start
 
 

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.testing import wait_until
-from tests.jobs.launch.test_launcher import DDPKIT
+from ddpkit.testing import start_job, wait_until
 from tests.jobs.scripts.fork_probe_log import TEXT as UNCLOSED
 
 pytestmark = [
@@ -56,15 +55,17 @@ def job(
             )
 
     folder.mkdir(exist_ok=True)
-    return subprocess.run(
-        DDPKIT + ["run", "--nproc", "2", "--fork-server", "on", *options, PROBE, str(folder), mode],
-        env=env,
-        input=stdin,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        preexec_fn=dispositions,
-    )
+    proc = start_job(
+        PROBE, str(folder), mode, launcher_args=["--fork-server", "on", *options], env=env,
+        stdin=subprocess.PIPE, preexec_fn=dispositions,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(stdin, timeout=120)
+    finally:
+        if proc.poll() is None:  # past the timeout: the job and all it started
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def found(folder: Path, rank: int, attempt: int = 0) -> dict:
@@ -210,9 +211,9 @@ def test_a_launcher_killed_at_any_instant_of_the_start_leaves_no_process(clean_e
         folder = tmp_path / f"trial{trial}"
         folder.mkdir()
         with open(tmp_path / f"trial{trial}.log", "w") as log:
-            proc = subprocess.Popen(
-                DDPKIT + ["run", "--nproc", "2", "--fork-server", "on", PROBE, str(folder), "hold"],
-                env=clean_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            proc = start_job(
+                PROBE, str(folder), "hold", launcher_args=["--fork-server", "on"], env=clean_env,
+                stdout=log, stderr=subprocess.STDOUT,
             )  # fmt: skip
         started = _processes_naming(str(folder))
         # the instant of the kill, anywhere in the start

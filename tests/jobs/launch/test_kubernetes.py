@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from ddpkit._launch import k8s
-from ddpkit.testing import wait_until
+from ddpkit.testing import run_job, wait_until
 from tests.jobs.launch import netns
 from tests.jobs.launch.netns import DDPKIT, ROOT
 from tests.trainer_checks import bitwise_equal
@@ -61,21 +61,8 @@ def reference(tmp_path_factory):
     """The same job on one node of two processes: the bits every Kubernetes job must end on."""
     tmp = tmp_path_factory.mktemp("reference")
     (tmp / "log").mkdir()
-    cmd = [
-        *DDPKIT,
-        "run",
-        "--nproc",
-        "2",
-        JOB,
-        str(tmp / "run"),
-        "--log",
-        str(tmp / "log"),
-        "--out",
-        "ref.pt",
-    ]
-    out = subprocess.run(
-        cmd, env=netns.clean_env(), cwd=tmp, capture_output=True, text=True, timeout=300
-    )
+    job = [str(tmp / "run"), "--log", str(tmp / "log"), "--out", "ref.pt"]
+    out = run_job(JOB, *job, env=netns.clean_env(), cwd=tmp, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return torch.load(tmp / "ref.pt", weights_only=False)
 

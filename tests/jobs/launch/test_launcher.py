@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.testing import wait_until, without_launch_env
+from ddpkit.testing import run_job, start_job, wait_until, without_launch_env
 
 pytestmark = pytest.mark.heavy
 
@@ -41,12 +41,13 @@ def _in_tmp_path(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
 
 
-def run(args: list[str], env: dict[str, str], timeout: float = 90) -> subprocess.CompletedProcess:
-    return subprocess.run(DDPKIT + args, env=env, capture_output=True, text=True, timeout=timeout)
+def cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """The ``ddpkit`` command as given: for what starts no job (``ddpkit env``, a bad option)."""
+    return subprocess.run(DDPKIT + args, env=env, capture_output=True, text=True, timeout=90)
 
 
 def test_rank_zero_output_by_default(clean_env):
-    out = run(["run", "--nproc", "2", HELLO, "a", "b"], clean_env)
+    out = run_job(HELLO, "a", "b", env=clean_env, timeout=90)
     assert out.returncode == 0, out.stderr
     lines = [line for line in out.stdout.splitlines() if line.startswith("hello")]
     assert lines == ["hello rank=0 world=2 attempt=0 sum=3 threads=1 words=['a', 'b']"]
@@ -82,13 +83,7 @@ def test_ddpkit_run_ends_after_its_exit_handlers_without_the_interpreters_teardo
     clean_env, tmp_path
 ):
     env = _exit_probe_env(clean_env, tmp_path / "probe")
-    proc = subprocess.Popen(
-        [*DDPKIT, "run", "--nproc", "2", HELLO, "a"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_job(HELLO, "a", env=env)
     out, err = proc.communicate(timeout=90)
     assert proc.returncode == 0, err[-3000:]
     # rank 0's line reached the pipe: the launcher's standard output was flushed before it ended
@@ -117,7 +112,7 @@ def test_ddpkit_run_ends_after_its_exit_handlers_without_the_interpreters_teardo
 def test_more_than_ten_processes_keep_rank_zero_alone_on_the_terminal(clean_env, tmp_path):
     # torchrun's --redirects pattern takes one-digit local ranks: "1:3,...,11:3" was a ValueError
     # before any worker started. The map now goes to torchrun's logs spec.
-    out = run(["run", "--nproc", "12", "--oversubscribe", HELLO], clean_env, timeout=240)
+    out = run_job(HELLO, nproc=12, launcher_args=["--oversubscribe"], env=clean_env, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [line for line in out.stdout.splitlines() if line.startswith("hello")]
     assert lines == ["hello rank=0 world=12 attempt=0 sum=78 threads=1 words=[]"]
@@ -126,7 +121,7 @@ def test_more_than_ten_processes_keep_rank_zero_alone_on_the_terminal(clean_env,
 
 
 def test_all_ranks_output_is_prefixed(clean_env):
-    out = run(["run", "--nproc", "3", "--all-ranks", HELLO], clean_env)
+    out = run_job(HELLO, nproc=3, launcher_args=["--all-ranks"], env=clean_env, timeout=90)
     assert out.returncode == 0, out.stderr
     for r in range(3):
         assert f"[rank {r}] hello rank={r} world=3" in out.stdout
@@ -139,7 +134,7 @@ PIECES = str(Path(__file__).parents[1] / "scripts" / "pieces.py")
 def test_all_ranks_tags_whole_lines_not_pieces(clean_env):
     # Two ranks print lines in pieces at the same time: each tagged line must be a whole line of one
     # rank.
-    out = run(["run", "--nproc", "2", "--all-ranks", PIECES], clean_env)
+    out = run_job(PIECES, launcher_args=["--all-ranks"], env=clean_env, timeout=90)
     assert out.returncode == 0, out.stderr
     tagged = [line for line in out.stdout.splitlines() if line.startswith("[rank ")]
     for r in range(2):
@@ -165,7 +160,7 @@ def test_all_ranks_tags_whole_lines_not_pieces(clean_env):
 
 
 def test_failure_summary_names_rank_exception_and_line(clean_env, tmp_path):
-    out = run(["run", "--nproc", "2", HELLO, "--fail-rank", "1"], clean_env)
+    out = run_job(HELLO, "--fail-rank", "1", env=clean_env, timeout=90)
     assert out.returncode == 1
     summary = out.stderr[out.stderr.index("ddpkit run:") :]
     assert "first: rank 1 (local rank 1" in summary
@@ -204,7 +199,7 @@ def test_a_scripts_own_record_writes_through_the_workers_handler(clean_env, tmp_
     exits with a code of its own."""
     script = tmp_path / "recorded.py"
     script.write_text(_RECORDED)
-    out = run(["run", "--nproc", "2", str(script)], clean_env)
+    out = run_job(script, env=clean_env, timeout=90)
     assert out.returncode == 3, out.stderr
     assert "record's handler: WholeErrorFile" in out.stdout
     summary = out.stderr[out.stderr.index("ddpkit run:") :]
@@ -214,29 +209,21 @@ def test_a_scripts_own_record_writes_through_the_workers_handler(clean_env, tmp_
 
 @pytest.mark.slow  # a whole job with a restart or several launches: seconds each
 def test_restart_after_failure_resumes_the_job(clean_env):
-    out = run(
-        ["run", "--nproc", "2", "--max-restarts", "1", HELLO, "--fail-first-attempt"], clean_env
-    )
+    out = run_job(
+        HELLO, "--fail-first-attempt", launcher_args=["--max-restarts", "1"], env=clean_env,
+        timeout=90,
+    )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "hello rank=0 world=2 attempt=0" in out.stdout
     assert "hello rank=0 world=2 attempt=1" in out.stdout
     # control: without restarts the same job fails
-    out = run(["run", "--nproc", "2", HELLO, "--fail-first-attempt"], clean_env)
+    out = run_job(HELLO, "--fail-first-attempt", env=clean_env, timeout=90)
     assert out.returncode != 0 and "planned failure on the first attempt" in out.stderr
 
 
 @pytest.mark.slow  # a whole job with a restart or several launches: seconds each
 def test_two_jobs_at_once_on_one_machine(clean_env):
-    jobs = [
-        subprocess.Popen(
-            DDPKIT + ["run", "--nproc", "2", HELLO, f"job{i}"],
-            env=clean_env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(2)
-    ]
+    jobs = [start_job(HELLO, f"job{i}", env=clean_env) for i in range(2)]
     for i, job in enumerate(jobs):
         stdout, stderr = job.communicate(timeout=90)
         assert job.returncode == 0, stderr
@@ -244,13 +231,13 @@ def test_two_jobs_at_once_on_one_machine(clean_env):
 
 
 def test_bad_flag_is_a_clear_error_not_a_stack(clean_env):
-    out = run(["run", "--nproc", "gpu", HELLO], clean_env)
+    out = cli(["run", "--nproc", "gpu", HELLO], clean_env)
     assert out.returncode == 2
     assert "--nproc gpu but no GPU is visible" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_env_command_reports_and_checks(clean_env):
-    out = run(["env"], clean_env)
+    out = cli(["env"], clean_env)
     assert out.returncode == 0, out.stderr
     assert "torch" in out.stdout and "gloo available" in out.stdout
     assert "live check (2 processes, gloo all-reduce)  ok" in out.stdout
@@ -260,17 +247,17 @@ def test_script_arguments_that_look_like_launcher_options_reach_the_script(clean
     # Prefixes of ddpkit's and torchrun's options (--log-dir, --max-restarts, --node-rank,
     # --master-addr) and --nproc itself, after the script: all of them belong to the script.
     args = ["--log", "5", "--max", "1", "--node", "x", "--master", "y", "--nproc", "3"]
-    out = run(["run", "--nproc", "2", PROBE, "args", *args], clean_env)
+    out = run_job(PROBE, "args", *args, env=clean_env, timeout=90)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"rank=0 argv={args}" in out.stdout
 
 
 def test_missing_script_is_an_error_before_any_worker_starts(clean_env, tmp_path):
-    out = run(["run", "--nproc", "2", "nothere.py"], clean_env)
+    out = run_job("nothere.py", env=clean_env, timeout=90)
     assert out.returncode == 2
     assert "script 'nothere.py' not found" in out.stderr and "Traceback" not in out.stderr
     assert not (tmp_path / "ddpkit-logs").exists()  # no worker, no log folder
-    out = run(["run", "-m", "no_such_module_here"], clean_env)
+    out = run_job("no_such_module_here", launcher_args=["-m"], env=clean_env, timeout=90)
     assert out.returncode == 2 and "no module named 'no_such_module_here'" in out.stderr
 
 
@@ -278,7 +265,7 @@ def test_missing_script_is_an_error_before_any_worker_starts(clean_env, tmp_path
 def test_a_script_that_forgot_init_fails_instead_of_training_copies(clean_env):
     # Without ddpkit.init(), each of the two ranks used to build a loader over the whole data set,
     # train its own copy and exit 0 ("trained on 12 samples" twice).
-    out = run(["run", "--nproc", "2", PROBE, "no-init"], clean_env)
+    out = run_job(PROBE, "no-init", env=clean_env, timeout=90)
     assert out.returncode == 1, out.stdout
     assert "trained on" not in out.stdout
     assert (
@@ -298,7 +285,8 @@ def test_preempted_exit_code_passes_through_without_a_restart(clean_env, code):
     """75, or the code asked for (``--preempted-exit-code 143``: a PyTorchJob's ExitCode policy
     retries it)."""
     flags = [] if code is None else ["--preempted-exit-code", str(code)]
-    out = run(["run", "--nproc", "2", "--max-restarts", "2", *flags, PROBE, "preempted"], clean_env)
+    options = ["--max-restarts", "2", *flags]
+    out = run_job(PROBE, "preempted", launcher_args=options, env=clean_env, timeout=90)
     assert out.returncode == (code or 75), out.stderr[-3000:]
     assert "rank=0 attempt=0" in out.stdout and "attempt=1" not in out.stdout, out.stderr
     assert f"stopped by a signal after saving a snapshot (exit code {code or 75})" in out.stderr
@@ -309,7 +297,7 @@ def test_no_temporary_folders_left_behind(clean_env, tmp_path):
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     clean_env["TMPDIR"] = str(tmp)
-    out = run(["run", "--nproc", "2", HELLO], clean_env)
+    out = run_job(HELLO, env=clean_env, timeout=90)
     assert out.returncode == 0, out.stderr
     # torchrun's default was a torchelastic_* folder in TMPDIR per run, never removed. Rank 1's
     # output is in the run's own folder instead. torchinductor_<user> is torch's compile cache, kept
@@ -345,13 +333,22 @@ def _gone(pid: int) -> bool:
     return state in ("Z", "X")  # a zombie has ended; only its parent has not collected it yet
 
 
-def _start(argv: list[str], env: dict[str, str]) -> subprocess.Popen:
-    """Start ``argv``, whose last argument is a folder, with its output in FOLDER.log (not a pipe:
-    workers that outlive the launcher would hold a pipe open)."""
-    with open(Path(argv[-1]).with_suffix(".log"), "w") as log:
+def _start(
+    job: list[str], env: dict[str, str], *launcher_args: str, torchrun: list[str] | None = None
+) -> subprocess.Popen:
+    """Start ``job`` (a script and its arguments, the last a folder) under ``ddpkit run --nproc 2
+    LAUNCHER_ARGS``, or under ``torchrun LAUNCHER_ARGS`` where that command is given, with its
+    output in FOLDER.log (not a pipe: workers that outlive the launcher would hold a pipe open)."""
+    with open(Path(job[-1]).with_suffix(".log"), "w") as log:
+        if torchrun is None:
+            return start_job(
+                job[0], *job[1:], launcher_args=launcher_args, env=env, stdout=log,
+                stderr=subprocess.STDOUT,
+            )  # fmt: skip
         return subprocess.Popen(
-            argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
+            [*torchrun, *launcher_args, *job], env=env, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
 
 
 def _output(proc: subprocess.Popen, timeout: float = 60) -> str:
@@ -364,12 +361,14 @@ def _output(proc: subprocess.Popen, timeout: float = 60) -> str:
 )
 @pytest.mark.slow
 def test_workers_die_with_a_sigkilled_launcher(clean_env, tmp_path):
-    def survivors(argv: list[str], tag: str) -> tuple[list[int], int]:
+    def survivors(
+        tag: str, *launcher_args: str, torchrun: list[str] | None = None
+    ) -> tuple[list[int], int]:
         """The processes of the job alive after its launcher was SIGKILLed (killed now), and its
         fork servers."""
         folder = tmp_path / tag
         folder.mkdir()
-        proc = _start(argv + [PROBE, "pids", str(folder)], clean_env)
+        proc = _start([PROBE, "pids", str(folder)], clean_env, *launcher_args, torchrun=torchrun)
         pids = _wait_for_files([folder / "rank0.pid", folder / "rank1.pid"], proc)
         servers = _fork_servers(proc.pid)
         pids += servers
@@ -382,8 +381,8 @@ def test_workers_die_with_a_sigkilled_launcher(clean_env, tmp_path):
         return alive, len(servers)
 
     # Both workers and the fork server (on: a job without restarts starts none by default).
-    assert survivors(DDPKIT + ["run", "--nproc", "2", "--fork-server", "on"], "ddpkit") == ([], 1)
-    assert survivors(DDPKIT + ["run", "--nproc", "2"], "ddpkit-no-server") == ([], 0)
+    assert survivors("ddpkit", "--fork-server", "on") == ([], 1)
+    assert survivors("ddpkit-no-server") == ([], 0)
     # Control: under torchrun's agent alone the workers outlive it (they would train on, orphaned).
     torchrun = [
         sys.executable,
@@ -393,7 +392,7 @@ def test_workers_die_with_a_sigkilled_launcher(clean_env, tmp_path):
         "--nproc-per-node",
         "2",
     ]
-    assert len(survivors(torchrun, "torchrun")[0]) == 2
+    assert len(survivors("torchrun", torchrun=torchrun)[0]) == 2
 
 
 def _fork_servers(parent: int) -> list[int]:
@@ -451,10 +450,12 @@ def test_what_the_workers_start_ends_with_them(how, clean_env, tmp_path):
     probe = [PROBE, "family", "fail-first" if how == "restart" else how]
     restarts = ["--max-restarts", "1"] if how == "restart" else []
 
-    def job(launcher: list[str], tag: str, env: dict[str, str]) -> tuple[str, list[int]]:
+    def job(
+        tag: str, env: dict[str, str], torchrun: list[str] | None = None
+    ) -> tuple[str, list[int]]:
         folder = tmp_path / tag
         folder.mkdir()
-        proc = _start(launcher + restarts + probe + [str(folder)], env)
+        proc = _start([*probe, str(folder)], env, *restarts, torchrun=torchrun)
         try:
             out = _output(proc, timeout=120)
         finally:  # a job that hung: leave nothing behind
@@ -466,13 +467,15 @@ def test_what_the_workers_start_ends_with_them(how, clean_env, tmp_path):
         assert len(_family(folder)) == 3 * 2 * (2 if how == "restart" else 1), out[-3000:]
         return out, alive
 
-    out, alive = job(DDPKIT + ["run", "--nproc", "2"], "ddpkit", clean_env)
+    out, alive = job("ddpkit", clean_env)
     assert alive == []
     if how == "restart":  # gone before the second attempt started, not only at the end
         assert "rank=0 attempt=1 alive from the attempt before: [] of 6" in out, out[-3000:]
     # Control: under torchrun's agent they outlive the job. (Its restarted workers hang on the
     # shared store unless it is switched off, as ddpkit run does.)
-    out, alive = job(TORCHRUN, "torchrun", clean_env | {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    out, alive = job(
+        "torchrun", clean_env | {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}, torchrun=TORCHRUN
+    )
     assert len(alive) >= 4, alive  # at least the forked and the detached children of both workers
     if how == "restart":
         assert "rank=0 attempt=1 alive from the attempt before: []" not in out, out[-3000:]
@@ -483,10 +486,10 @@ def test_what_the_workers_start_ends_with_them(how, clean_env, tmp_path):
 )
 @pytest.mark.slow
 def test_what_the_workers_start_dies_with_a_sigkilled_launcher(clean_env, tmp_path):
-    def survivors(launcher: list[str], tag: str) -> list[int]:
+    def survivors(tag: str, torchrun: list[str] | None = None) -> list[int]:
         folder = tmp_path / tag
         folder.mkdir()
-        proc = _start(launcher + [PROBE, "family", "hold", str(folder)], clean_env)
+        proc = _start([PROBE, "family", "hold", str(folder)], clean_env, torchrun=torchrun)
         try:
 
             def both_ranks_started() -> bool:
@@ -506,9 +509,9 @@ def test_what_the_workers_start_dies_with_a_sigkilled_launcher(clean_env, tmp_pa
                 _family(folder) + [int(p.read_text()) for p in folder.glob("*.worker")]
             )
 
-    assert survivors(DDPKIT + ["run", "--nproc", "2"], "ddpkit") == []
+    assert survivors("ddpkit") == []
     # Control: under torchrun's agent all six outlive it (as do the workers themselves).
-    assert len(survivors(TORCHRUN, "torchrun")) == 6
+    assert len(survivors("torchrun", torchrun=TORCHRUN)) == 6
 
 
 @pytest.mark.slow
@@ -518,7 +521,7 @@ def test_sigusr1_to_the_launcher_reaches_the_workers(clean_env, tmp_path):
     # the job.
     folder = tmp_path / "ddpkit"
     folder.mkdir()
-    proc = _start(DDPKIT + ["run", "--nproc", "2", PROBE, "hold-usr1", str(folder)], clean_env)
+    proc = _start([PROBE, "hold-usr1", str(folder)], clean_env)
     _wait_for_files([folder / "rank0.pid", folder / "rank1.pid"], proc)
     os.kill(proc.pid, signal.SIGUSR1)
     out = _output(proc)
@@ -537,8 +540,9 @@ def test_sigusr1_to_the_launcher_reaches_the_workers(clean_env, tmp_path):
         "2",
     ]
     proc = _start(
-        torchrun + ["-m", "ddpkit._launch.worker", PROBE, "hold-usr1", str(folder)], clean_env
-    )
+        ["-m", "ddpkit._launch.worker", PROBE, "hold-usr1", str(folder)], clean_env,
+        torchrun=torchrun,
+    )  # fmt: skip
     pids = _wait_for_files([folder / "rank0.pid", folder / "rank1.pid"], proc)
     os.kill(proc.pid, signal.SIGUSR1)
     proc.wait(timeout=60)
@@ -554,7 +558,7 @@ def test_sigusr1_before_the_trainer_listens_does_not_kill_a_worker(clean_env, tm
     # dying.
     folder = tmp_path / "ddpkit"
     folder.mkdir()
-    proc = _start(DDPKIT + ["run", "--nproc", "2", PROBE, "hold-usr1", str(folder)], clean_env)
+    proc = _start([PROBE, "hold-usr1", str(folder)], clean_env)
     pids = _wait_for_files([folder / "rank0.pid", folder / "rank1.pid"], proc)
     for pid in pids:
         os.kill(pid, signal.SIGUSR1)
@@ -567,8 +571,8 @@ def test_sigusr1_before_the_trainer_listens_does_not_kill_a_worker(clean_env, tm
 def test_a_hang_ends_within_the_bound_with_every_ranks_stack(clean_env):
     # Rank 1 sleeps in user code while rank 0 waits for it in an all-reduce.
     start = time.monotonic()
-    out = run(
-        ["run", "--nproc", "2", "--collective-timeout", "5", PROBE, "hang"], clean_env, timeout=120
+    out = run_job(
+        PROBE, "hang", launcher_args=["--collective-timeout", "5"], env=clean_env, timeout=120
     )
     elapsed = time.monotonic() - start
     assert out.returncode == 1, out.stderr[-3000:]
@@ -609,37 +613,27 @@ def test_mismatched_collectives_are_named_by_the_stall_watch_or_debug_collective
     from ddpkit._errors import ConfigError
     from ddpkit._launch.launcher import check_debug_collectives
 
-    out = run(
-        ["run", "--nproc", "2", "--stall-timeout", "3", "--collective-timeout", "20", PROBE,
-         "mismatch"],
-        clean_env,
-        timeout=120,
-    )  # fmt: skip
+    watch = ["--stall-timeout", "3", "--collective-timeout", "20"]
+    out = run_job(PROBE, "mismatch", launcher_args=watch, env=clean_env, timeout=120)
     assert out.returncode != 0
     assert "ranks disagree on their collectives: rank 0 in all_reduce #1 of 3 elements" in (
         out.stderr
     ), out.stderr[-3000:]
     # Control: the watch off, gloo gives no such diagnosis (it fails on sizes, or waits out the
     # bound).
-    out = run(
-        ["run", "--nproc", "2", "--stall-timeout", "0", "--collective-timeout", "5", PROBE,
-         "mismatch"],
-        clean_env,
-        timeout=120,
-    )  # fmt: skip
+    off = ["--stall-timeout", "0", "--collective-timeout", "5"]
+    out = run_job(PROBE, "mismatch", launcher_args=off, env=clean_env, timeout=120)
     assert out.returncode != 0 and "disagree" not in out.stderr
     try:
         check_debug_collectives()
     except ConfigError as refused:
-        out = run(["run", "--nproc", "2", "--debug-collectives", PROBE, "mismatch"], clean_env)
+        out = run_job(
+            PROBE, "mismatch", launcher_args=["--debug-collectives"], env=clean_env, timeout=90
+        )
         assert out.returncode != 0 and str(refused) in out.stderr, out.stderr[-3000:]
         return
-    out = run(
-        ["run", "--nproc", "2", "--debug-collectives", "--collective-timeout", "10", PROBE,
-         "mismatch"],
-        clean_env,
-        timeout=120,
-    )  # fmt: skip
+    debug = ["--debug-collectives", "--collective-timeout", "10"]
+    out = run_job(PROBE, "mismatch", launcher_args=debug, env=clean_env, timeout=120)
     assert out.returncode == 1
     assert (
         "Detected mismatch between collectives" in out.stderr
@@ -654,10 +648,7 @@ def test_sigterm_to_the_launcher_lets_the_workers_save_and_exit_75(clean_env, tm
     # whatever they did.
     folder = tmp_path / "ddpkit"
     folder.mkdir()
-    proc = _start(
-        DDPKIT + ["run", "--nproc", "2", "--max-restarts", "2", PROBE, "hold-term", str(folder)],
-        clean_env,
-    )
+    proc = _start([PROBE, "hold-term", str(folder)], clean_env, "--max-restarts", "2")
     _wait_for_files([folder / "rank0.pid", folder / "rank1.pid"], proc)
     os.kill(proc.pid, signal.SIGTERM)
     out = _output(proc)
@@ -676,8 +667,9 @@ def test_sigterm_to_the_launcher_lets_the_workers_save_and_exit_75(clean_env, tm
         "2",
     ]
     proc = _start(
-        torchrun + ["-m", "ddpkit._launch.worker", PROBE, "hold-term", str(folder)], clean_env
-    )
+        ["-m", "ddpkit._launch.worker", PROBE, "hold-term", str(folder)], clean_env,
+        torchrun=torchrun,
+    )  # fmt: skip
     _wait_for_files([folder / "rank0.pid", folder / "rank1.pid"], proc)
     os.kill(proc.pid, signal.SIGTERM)
     out = _output(proc)
@@ -705,9 +697,7 @@ def _documented_kill_recipe() -> list[str]:
 def test_the_documented_kill_recipe_kills_a_worker_and_the_job_restarts(clean_env, tmp_path):
     folder = tmp_path / "pids"
     folder.mkdir()
-    proc = _start(
-        [*DDPKIT, "run", "--nproc", "2", "--max-restarts", "1", KILL_JOB, str(folder)], clean_env
-    )
+    proc = _start([KILL_JOB, str(folder)], clean_env, "--max-restarts", "1")
     try:
         workers = _wait_for_files([folder / f"attempt0-rank{r}.pid" for r in (0, 1)], proc)
         killed = subprocess.run(
@@ -736,7 +726,7 @@ def test_a_worker_sees_the_users_omp_threads_for_mkl_too(clean_env, tmp_path):
         "mkl={os.environ.get('MKL_NUM_THREADS')}\")\nddpkit.shutdown()\n"
     )
     clean_env.pop("MKL_NUM_THREADS", None)
-    out = run(["run", "--nproc", "2", str(script)], {**clean_env, "OMP_NUM_THREADS": "3"})
+    out = run_job(script, env={**clean_env, "OMP_NUM_THREADS": "3"}, timeout=90)
     assert out.returncode == 0, out.stderr
     # (the user's own MKL_NUM_THREADS: test_launcher unit)
     assert "rank=0 omp=3 mkl=3" in out.stdout, out.stdout

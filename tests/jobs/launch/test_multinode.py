@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.testing import wait_until
+from ddpkit.testing import run_job, wait_until
 from tests.jobs.launch import netns
 from tests.jobs.launch.netns import DDPKIT, ROOT, SECRET
 
@@ -62,27 +62,18 @@ def test_two_nodes_train_the_digits_to_the_weights_of_one_node(nodes, tmp_path):
     assert codes == [0, 0], logs
     assert "test accuracy" in logs[ns_a] + logs[ns_b]
 
-    one = subprocess.run(
-        DDPKIT + ["run", "--nproc", "2", DIGITS, "--run-dir", "runs/one", "--epochs", "1"],
-        cwd=tmp_path,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
+    one = run_job(
+        DIGITS, "--run-dir", "runs/one", "--epochs", "1", env=_env(), cwd=tmp_path, timeout=300
     )
     assert one.returncode == 0, one.stderr[-3000:]
     assert _same(_weights(tmp_path / "runs/two"), _weights(tmp_path / "runs/one"))
 
     # Control: equality is not a given. The same one-node job at another intra-op thread count (all
     # else equal) sums in another order and ends on different weights.
-    other = subprocess.run(
-        DDPKIT + ["run", "--nproc", "2", DIGITS, "--run-dir", "runs/threads", "--epochs", "1"],
-        cwd=tmp_path,
-        env=_env(threads=2),
-        capture_output=True,
-        text=True,
+    other = run_job(
+        DIGITS, "--run-dir", "runs/threads", "--epochs", "1", env=_env(threads=2), cwd=tmp_path,
         timeout=300,
-    )
+    )  # fmt: skip
     assert other.returncode == 0, other.stderr[-3000:]
     assert not _same(_weights(tmp_path / "runs/threads"), _weights(tmp_path / "runs/one"))
 

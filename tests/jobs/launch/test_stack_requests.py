@@ -22,14 +22,12 @@ from pathlib import Path
 import pytest
 
 from ddpkit._launch import worker
-from ddpkit.testing import wait_until, without_launch_env
+from ddpkit.testing import start_job, wait_until, without_launch_env
 
 pytestmark = [
     pytest.mark.heavy,
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="FIFOs and /proc"),
 ]
-
-DDPKIT = [sys.executable, "-m", "ddpkit.cli"]
 
 # A Trainer that snapshots every step in its background thread (a thread started and ended at each
 # step) until the test creates FOLDER/stop. OLD_HANDLER=1: the old request's answer, faulthandler on
@@ -170,26 +168,31 @@ def env() -> dict[str, str]:
 
 
 def _start(
-    tmp_path: Path, job: str, env: dict[str, str], *launcher: str, old: bool = False
+    tmp_path: Path,
+    job: str,
+    env: dict[str, str],
+    *launcher: str,
+    nproc: int = 2,
+    old: bool = False,
 ) -> tuple[subprocess.Popen, Path]:
-    """``ddpkit run --nproc 2 LAUNCHER job.py FOLDER`` (the old agent where ``old``), in
+    """``ddpkit run --nproc NPROC LAUNCHER job.py FOLDER`` (the old agent where ``old``), in
     ``tmp_path``, with ``FOLDER`` made for the job."""
     folder = tmp_path / "job"
     folder.mkdir(parents=True)
     script = tmp_path / "job.py"
     script.write_text(job)
-    argv = [sys.executable, "-c", OLD_LAUNCHER] if old else DDPKIT
-    if "--nproc" not in launcher:
-        launcher = ("--nproc", "2", *launcher)
+    if not old:
+        proc = start_job(
+            script, str(folder), nproc=nproc, launcher_args=launcher, env=env, cwd=tmp_path,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        return proc, folder
     proc = subprocess.Popen(
-        [*argv, "run", *launcher, str(script), str(folder)],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+        [sys.executable, "-c", OLD_LAUNCHER, "run", "--nproc", str(nproc), *launcher, str(script),
+         str(folder)],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
-    )
+    )  # fmt: skip
     return proc, folder
 
 
@@ -392,7 +395,7 @@ def test_stack_requests_at_a_workers_start_and_end_never_kill_it(tmp_path, env, 
 
 @pytest.mark.parametrize("loader", ["build_loader", "plain"])
 def test_a_loader_workers_stack_can_be_asked_for_by_its_pid(tmp_path, env, loader):
-    proc, folder = _start(tmp_path, LOADER_JOB, env | {"LOADER": loader}, "--nproc", "1")
+    proc, folder = _start(tmp_path, LOADER_JOB, env | {"LOADER": loader}, nproc=1)
     try:
         (pid,) = _running(proc, [folder / "loader.pid"], "the loader worker's pid")
         stacks = _stack_dir(proc, tmp_path)

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,6 +15,7 @@ import pytest
 import torch
 
 from ddpkit.snapshot import _slots as memory_folder
+from ddpkit.testing import run_job
 from tests.jobs.scripts.hand_loop_job import EPOCHS, GLOBAL_BATCH, N_SAMPLES
 
 JOB = str(Path(__file__).parents[1] / "scripts" / "hand_loop_job.py")
@@ -28,19 +27,9 @@ def launch(
     tmp: Path, name: str, *args: str, nproc: int = 2, env: dict, run: str | None = None
 ) -> list[dict]:
     """Run the job (one restart allowed) on ``nproc`` ranks; each rank's result."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "ddpkit.cli",
-        "run",
-        "--nproc",
-        str(nproc),
-        "--max-restarts",
-        "1",
-        JOB,
-    ]
-    cmd += [str(tmp / (run or name)), "--out", str(tmp / name), *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    job = [str(tmp / (run or name)), "--out", str(tmp / name), *args]
+    restart = ["--max-restarts", "1"]
+    proc = run_job(JOB, *job, nproc=nproc, launcher_args=restart, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [torch.load(tmp / f"{name}-rank{r}.pt", weights_only=False) for r in range(nproc)]
 

@@ -24,7 +24,7 @@ from ddpkit.snapshot import _slots as mf
 from ddpkit.snapshot import _slots as ms
 from ddpkit.snapshot import _slots as mslot
 from ddpkit.testing import run_job as launch
-from ddpkit.testing import wait_until
+from ddpkit.testing import start_job, wait_until
 from tests.jobs.scripts.train_job import N_SAMPLES
 from tests.tmpfs import small_tmpfs
 from tests.trainer_checks import (
@@ -112,20 +112,12 @@ def job_args(tmp: Path, name: str, *args: str) -> list[str]:
     ]
 
 
-def job_cmd(tmp: Path, name: str, *args: str, restarts: int = 2) -> list[str]:
-    """The launcher's command line, for the tests that signal or kill it while it runs."""
-    launcher = (
-        sys.executable,
-        "-m",
-        "ddpkit.cli",
-        "run",
-        "--nproc",
-        "2",
-        "--max-restarts",
-        str(restarts),
-        JOB,
-    )
-    return [*launcher, *job_args(tmp, name, *args)]
+def start(tmp: Path, name: str, *args: str, env: dict, **streams: int) -> subprocess.Popen:
+    """The job started in ``tmp``, two restarts allowed, for the tests that signal or kill the
+    launcher while it runs; ``streams``: where its ``stdout`` and ``stderr`` go."""
+    restart = ("--max-restarts", "2")
+    job = job_args(tmp, name, *args)
+    return start_job(JOB, *job, launcher_args=restart, env=env, cwd=tmp, **streams)
 
 
 def run_job(
@@ -321,14 +313,7 @@ def test_the_job_folder_goes_when_the_job_ends_normally_on_failure_and_on_sigter
     assert "planned failure in user code on rank 1" in out and job_folders(tmp_path) == []
     # SIGTERM to the launcher mid-training: the workers save to disk and exit 75; the folder goes
     # too.
-    proc = subprocess.Popen(
-        job_cmd(tmp_path, "stopped", "--epochs", "30"),
-        env=job_env,
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = start(tmp_path, "stopped", "--epochs", "30", env=job_env, stderr=subprocess.STDOUT)
     wait_until(lambda: steps_done(tmp_path / "stopped-log") >= 3, what="3 steps of the job")
     folders = job_folders(tmp_path)
     slots = sorted(p.name.split("-", 1)[1] for p in folders[0].glob("*.slot")) if folders else []
@@ -348,13 +333,10 @@ def test_the_job_folder_goes_when_the_job_ends_normally_on_failure_and_on_sigter
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_sigkilled_launchers_folder_is_never_loaded_and_the_next_job_sweeps_it(tmp_path, job_env):
-    proc = subprocess.Popen(
-        job_cmd(tmp_path, "run", "--epochs", "30"),
-        env=job_env,
-        cwd=tmp_path,
-        stdout=subprocess.DEVNULL,
+    proc = start(
+        tmp_path, "run", "--epochs", "30", env=job_env, stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-    )
+    )  # fmt: skip
     wait_until(lambda: steps_done(tmp_path / "run-log") >= 5, what="5 steps of the job")
     # the launcher (the agent) dies without clean-up; its workers die with it (parent-death signal)
     proc.kill()
@@ -403,23 +385,8 @@ def test_two_jobs_on_one_node_keep_their_own_folders(tmp_path, job_env, plain_re
     reference = use_reference(plain_reference, tmp_path)
     # Job A is killed only after job B has started (its agent sweeps stale folders) and finished.
     done = tmp_path / "b-finished"
-    a = subprocess.Popen(
-        job_cmd(
-            tmp_path,
-            "a",
-            "--kill-rank",
-            "1",
-            "--kill-after-step",
-            "20",
-            "--kill-when-file",
-            str(done),
-        ),
-        env=job_env,
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    kill = ("--kill-rank", "1", "--kill-after-step", "20", "--kill-when-file", str(done))
+    a = start(tmp_path, "a", *kill, env=job_env, stderr=subprocess.STDOUT)
     wait_until(lambda: steps_done(tmp_path / "a-log") >= 20, what="20 steps of job A")
     run_job(tmp_path, "b", "--epochs", "1", env=job_env)
     assert len(job_folders(tmp_path)) == 1  # A's, still there; B's is gone

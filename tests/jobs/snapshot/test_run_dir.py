@@ -8,13 +8,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 import ddpkit
-from ddpkit.testing import run_job, wait_until
+from ddpkit.testing import run_job, start_job, wait_until
 from tests.jobs.scripts.train_job import train
 
 LOCK_JOB = str(Path(__file__).parents[1] / "scripts" / "lock_job.py")
@@ -70,27 +69,7 @@ def _start_holder(tmp_path: Path, run_dir: Path, env: dict) -> tuple[subprocess.
     ready, go = tmp_path / "ready", tmp_path / "go"
     ready.unlink(missing_ok=True)
     go.unlink(missing_ok=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "ddpkit.cli",
-        "run",
-        "--nproc",
-        "2",
-        LOCK_JOB,
-        str(run_dir),
-        "--hold",
-        str(ready),
-        str(go),
-    ]
-    holder = subprocess.Popen(
-        cmd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    holder = start_job(LOCK_JOB, str(run_dir), "--hold", str(ready), str(go), env=env)
 
     def began() -> str:  # the holder's rank 0 says when fit() has begun
         assert holder.poll() is None, holder.communicate()[1][-3000:]

@@ -1,10 +1,12 @@
 """ddpkit.testing, as a user's test suite calls it: real processes over gloo, results per rank, a
 failing rank's error, a hang bounded, and the same-on-every-rank check with its control; a script
 under the launcher, started clean of an enclosing job's variables, and killed whole past its
-timeout."""
+timeout; the same started without waiting, in a session of its own that the test can signal."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -14,7 +16,7 @@ import pytest
 import torch
 
 import ddpkit
-from ddpkit.testing import assert_same_on_ranks, run_job, run_on_ranks, wait_until
+from ddpkit.testing import assert_same_on_ranks, run_job, run_on_ranks, start_job, wait_until
 
 pytestmark = pytest.mark.heavy
 
@@ -152,9 +154,9 @@ def test_a_script_runs_under_the_launcher_on_its_own_ranks_with_its_arguments(tm
 def test_control_the_launcher_started_from_the_enclosing_environment_passes_its_job_on(
     tmp_path, clean_env
 ):
-    """What run_job's cleaning prevents: started as is, the launcher hands the enclosing job's
-    variables to the workers (the scheduler's job id and core grant, read by ddpkit as this
-    job's)."""
+    """What the cleaning of run_job and start_job prevents: started as is, the launcher hands the
+    enclosing job's variables to the workers (the scheduler's job id and core grant, read by ddpkit
+    as this job's)."""
     (tmp_path / "where.py").write_text(WHERE)
     argv = [
         sys.executable,
@@ -179,6 +181,68 @@ def test_a_failing_job_returns_its_exit_status_and_output(tmp_path, clean_env):
     hello = Path(__file__).parents[1] / "scripts" / "hello.py"
     done = run_job(hello, "--fail-rank", "1", nproc=2, env=clean_env, timeout=240)
     assert done.returncode != 0 and "planned failure on rank 1" in done.stdout + done.stderr
+
+
+# A job that says what it inherited, leaves its pid, and runs until it is killed.
+HOLD = """
+import os, sys, time
+from pathlib import Path
+import ddpkit
+rt = ddpkit.init()
+inherited = sorted(k for k in ("SLURM_JOB_ID", "NSLOTS", "OUTER_NOTE") if k in os.environ)
+print(f"rank={rt.rank} world={rt.world_size} inherited={inherited}", flush=True)
+Path(sys.argv[1], f"{rt.rank}.tmp").write_text(str(os.getpid()))
+Path(sys.argv[1], f"{rt.rank}.tmp").rename(Path(sys.argv[1], f"{rt.rank}.pid"))
+time.sleep(600)  # until the test kills the job
+"""
+
+
+def test_a_started_job_runs_clean_while_the_test_watches_and_one_killpg_ends_it(
+    tmp_path, clean_env
+):
+    (tmp_path / "hold.py").write_text(HOLD)
+    log = tmp_path / "job.log"
+    with open(log, "w") as out:
+        proc = start_job(
+            tmp_path / "hold.py",
+            str(tmp_path),
+            env=clean_env | ENCLOSING,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+
+        def started() -> list[int]:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            pids = [int(p.read_text()) for p in sorted(tmp_path.glob("*.pid"))]
+            return pids if len(pids) == 2 and "rank=0 world=2" in log.read_text() else []
+
+        pids = wait_until(started, 240, what=lambda: f"both workers\n{log.read_text()[-3000:]}")
+        assert proc.args[1:6] == ["-m", "ddpkit.cli", "run", "--nproc", "2"]
+        # the launcher leads a session of its own: one killpg reaches it
+        assert os.getsid(proc.pid) == proc.pid
+        os.killpg(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    # its workers end with it (the launcher's parent-death signal)
+    wait_until(lambda: all(map(_gone, pids)), 30, what=lambda: f"the workers {pids} to end")
+    # rank 0's line, in the file given for the output, without the enclosing job's variables
+    assert "rank=0 world=2 inherited=['OUTER_NOTE']" in log.read_text(), log.read_text()[-3000:]
+
+
+def test_a_started_job_that_fails_gives_its_exit_status_and_output_on_the_pipes(clean_env):
+    hello = Path(__file__).parents[1] / "scripts" / "hello.py"
+    proc = start_job(hello, "--fail-rank", "1", env=clean_env)
+    try:
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode != 0 and "planned failure on rank 1" in out + err
 
 
 def _gone(pid: int) -> bool:

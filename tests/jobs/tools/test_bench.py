@@ -1,12 +1,11 @@
 """``ddpkit bench`` end to end at 1-2 ranks: the table, the JSON and the plot it writes."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from ddpkit.testing import run_job
 from tests.conftest import _clean_environ
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -15,31 +14,10 @@ ROOT = Path(__file__).resolve().parents[3]
 @pytest.mark.slow  # several jobs end to end
 def test_bench_end_to_end_writes_table_json_and_plot(tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ddpkit.cli",
-            "bench",
-            "--nproc",
-            "2",
-            "--steps",
-            "6",
-            "--warmup",
-            "2",
-            "--rounds",
-            "1",
-            "--no-knobs",
-            "--predict",
-            "1,2,16",
-            "--out",
-            str(out),
-        ],
-        cwd=ROOT,
-        env=_clean_environ(),
-        capture_output=True,
-        text=True,
-        timeout=180,
+    options = ["--steps", "6", "--warmup", "2", "--rounds", "1", "--no-knobs"]
+    options += ["--predict", "1,2,16", "--out", str(out)]
+    proc = run_job(
+        None, command="bench", launcher_args=options, env=_clean_environ(), cwd=ROOT, timeout=180
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     text = proc.stdout

@@ -8,12 +8,12 @@ unexplained, with a non-zero exit.
 """
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from ddpkit._errors import ConfigError
+from ddpkit.testing import run_job
 from ddpkit.tools._check import CAUSES, CheckConfig, run_check
 from ddpkit.tools._workload import load_workload
 from tests.conftest import _clean_environ
@@ -69,22 +69,7 @@ def test_a_mistake_outside_the_list_is_unexplained_and_fails():
 
 
 def test_the_command_exits_non_zero_and_names_the_fix():
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ddpkit.cli",
-            "check",
-            "--steps",
-            "2",
-            str(SCRIPTS / "check_batchnorm.py"),
-        ],
-        cwd=ROOT,
-        env=_clean_environ(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = _check_cli(SCRIPTS / "check_batchnorm.py")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "fix: sync_batchnorm=True" in proc.stdout, proc.stdout
 
@@ -165,9 +150,10 @@ def ddpkit_workload():
 
 
 def _check_cli(script: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "ddpkit.cli", "check", "--steps", "2", str(script), *args],
-        cwd=ROOT, env=_clean_environ(), capture_output=True, text=True, timeout=120,
+    """``ddpkit check --nproc 2 --steps 2 SCRIPT ARGS`` from the checkout."""
+    return run_job(
+        script, *args, command="check", launcher_args=("--steps", "2"), env=_clean_environ(),
+        cwd=ROOT, timeout=120,
     )  # fmt: skip
 
 

@@ -15,13 +15,13 @@ import datetime as dt
 import json
 import pathlib
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from ddpkit.testing import run_job
 from tests.trainer_checks import bitwise_equal
 
 JOB = str(Path(__file__).parents[1] / "scripts" / "codec_job.py")
@@ -29,16 +29,9 @@ JOB = str(Path(__file__).parents[1] / "scripts" / "codec_job.py")
 
 def run(tmp: Path, name: str, *args: str, env: dict) -> subprocess.CompletedProcess:
     (tmp / f"{name}-log").mkdir()
-    cmd = [sys.executable, "-m", "ddpkit.cli", "run", "--nproc", "2", "--max-restarts", "1", JOB]
-    cmd += [
-        str(tmp / name),
-        "--out",
-        str(tmp / f"{name}.pt"),
-        "--log",
-        str(tmp / f"{name}-log"),
-        *args,
-    ]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp)
+    job = [str(tmp / name), "--out", str(tmp / f"{name}.pt"), "--log", str(tmp / f"{name}-log")]
+    restart = ("--max-restarts", "1")
+    return run_job(JOB, *job, *args, launcher_args=restart, env=env, cwd=tmp, timeout=300)
 
 
 def launch(tmp: Path, name: str, *args: str, env: dict) -> tuple[dict, list[dict]]:

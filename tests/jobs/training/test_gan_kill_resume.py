@@ -4,13 +4,12 @@ do."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from ddpkit.testing import run_job
 
 JOB = str(Path(__file__).parents[1] / "scripts" / "gan_job.py")
 
@@ -18,23 +17,9 @@ JOB = str(Path(__file__).parents[1] / "scripts" / "gan_job.py")
 def launch(
     tmp: Path, name: str, kill_rank: int, kill_step: int, forget: bool = False
 ) -> tuple[list, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
-    }
-    cmd = [sys.executable, "-m", "ddpkit.cli", "run", "--nproc", "2", "--max-restarts", "1", JOB]
-    cmd += [
-        str(tmp / name),
-        str(kill_rank),
-        str(kill_step),
-        str(int(forget)),
-        "--",
-        "--run-dir",
-        str(tmp / f"{name}-run"),
-    ]
-    cmd += ["--epochs", "3"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    job = [str(tmp / name), str(kill_rank), str(kill_step), str(int(forget)), "--"]
+    job += ["--run-dir", str(tmp / f"{name}-run"), "--epochs", "3"]
+    proc = run_job(JOB, *job, launcher_args=("--max-restarts", "1"), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [torch.load(tmp / f"{name}.rank{r}", weights_only=False) for r in (0, 1)], proc.stdout
 

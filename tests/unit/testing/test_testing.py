@@ -132,3 +132,12 @@ def test_run_job_refuses_a_job_of_no_process_before_starting_one():
 
     with pytest.raises(ValueError, match="nproc=0; give the number of worker processes"):
         run_job("train.py", nproc=0)
+
+
+def test_start_job_refuses_no_process_or_arguments_without_a_script_before_starting_one():
+    from ddpkit.testing import start_job
+
+    with pytest.raises(ValueError, match="nproc=0; give the number of worker processes"):
+        start_job("train.py", nproc=0)
+    with pytest.raises(ValueError, match=r"script=None with arguments \['--lr'\]"):
+        start_job(None, "--lr", command="bench")
