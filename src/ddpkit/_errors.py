@@ -43,8 +43,12 @@ def checked_arguments(fn: F) -> F:
 
     @functools.wraps(fn)
     def checked(*args: Any, **kwargs: Any) -> Any:
+        try:
+            bound = signature.bind(*args, **kwargs).arguments
+        except TypeError:  # a missing or unknown argument: Python's own message, naming fn
+            bound = {}
         hints = _argument_hints(fn)
-        for arg, value in signature.bind(*args, **kwargs).arguments.items():
+        for arg, value in bound.items():
             if arg in hints:
                 _check_value(name, arg, value, hints[arg])
         return fn(*args, **kwargs)

@@ -65,7 +65,7 @@ def prepare_model(
     if sync_batchnorm and rt.distributed:
         model = convert_sync_batchnorm(model, rt.device, process_group)
     if rt.distributed and not any(p.requires_grad for p in model.parameters()):
-        _frozen_in_step(model, process_group, ddp_kwargs.get("broadcast_buffers", True))
+        _synced_like_ddp(model, process_group, ddp_kwargs.get("broadcast_buffers", True))
     elif rt.distributed:
         device_ids = [rt.device.index] if rt.device.type == "cuda" else None
         ddp_kwargs.setdefault("gradient_as_bucket_view", GRADIENT_AS_BUCKET_VIEW)
@@ -78,7 +78,7 @@ def prepare_model(
     return model
 
 
-def _frozen_in_step(model: nn.Module, group: Group, broadcast_buffers: bool) -> None:
+def _synced_like_ddp(model: nn.Module, group: Group, broadcast_buffers: bool) -> None:
     """What DDP does for a model it would refuse (no parameter to train: a frozen teacher): rank
     0's parameters and buffers now, and with ``broadcast_buffers`` its buffers before each forward
     in training mode (BatchNorm's running statistics would drift apart, one per rank's batches)."""
