@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections.abc
 import functools
 import inspect
-import numbers
 import signal
 import types
 import typing
@@ -113,10 +112,10 @@ def _matches(value: Any, hint: Any) -> bool:
         return any(value == arg and type(value) is type(arg) for arg in get_args(hint))
     if hint is bool:
         return isinstance(value, bool)
-    if hint is int:  # numpy's integers too
-        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
     if hint is float:
-        return isinstance(value, numbers.Real) and not isinstance(value, bool)
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
     if origin in (tuple, list, collections.abc.Sequence):
         args = [a for a in get_args(hint) if a is not Ellipsis]
         ok = isinstance(value, (tuple, list)) and not isinstance(value, str)

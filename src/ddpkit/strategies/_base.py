@@ -19,7 +19,7 @@ or a hand-written one, reads the same at every strategy::
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -209,13 +209,15 @@ def state_options(**kwargs: Any) -> Any:
 
 
 def read_state(module: nn.Module, optimizers: Any, ignored: Any = ()) -> dict[str, Any]:
-    """``module``'s and ``optimizers``' state through torch's distributed state dicts, each rank's
-    own values in its per-rank part (:func:`separate_own`). Give DDP's module, not DDP."""
+    """``module``'s and ``optimizers``' state (one, a list, or a dict by name) through torch's
+    distributed state dicts, each rank's own values in its per-rank part (:func:`separate_own`).
+    Give DDP's module, not DDP."""
     from torch.distributed.checkpoint import state_dict as dsd
 
-    if optimizers:
-        with made_up_state_cleared(optimizers):
-            model, optim = dsd.get_state_dict(module, optimizers, options=state_options())
+    listed = [opt for _, opt in _labelled(optimizers)]
+    if listed:
+        with made_up_state_cleared(listed):
+            model, optim = dsd.get_state_dict(module, listed, options=state_options())
     else:
         model, optim = dsd.get_model_state_dict(module, options=state_options()), {}
     state = separate_own({"model": model, "optim": optim}, module, ignored)
@@ -223,28 +225,32 @@ def read_state(module: nn.Module, optimizers: Any, ignored: Any = ()) -> dict[st
 
 
 UNSTEPPED = "unstepped"
-"""The key of a strategy's state that lists the optimizers (by position) that had not stepped when
-it was read: their state in it is torch's made-up one, cleared again after a load. Always present
-(a disk snapshot is read into the state a fresh strategy gives, key by key)."""
+"""The key of a strategy's state that lists the optimizers (by name, else by position) that had not
+stepped when it was read: their state in it is torch's made-up one, cleared again after a load.
+Always present (a disk snapshot is read into the state a fresh strategy gives, key by key)."""
+
+
+def _labelled(optimizers: Any) -> list[tuple[Any, Any]]:
+    if isinstance(optimizers, Mapping):
+        return list(optimizers.items())
+    listed = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+    return [(i, opt) for i, opt in enumerate(listed) if opt is not None]
 
 
 def with_unstepped(state: dict[str, Any], optimizers: Any) -> dict[str, Any]:
     """``state`` with :data:`UNSTEPPED`: the optimizers of ``optimizers`` that have not stepped."""
-    listed = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
-    return {
-        **state,
-        UNSTEPPED: [i for i, opt in enumerate(listed) if opt is not None and not opt.state],
-    }
+    return {**state, UNSTEPPED: [k for k, opt in _labelled(optimizers) if not opt.state]}
 
 
 @contextmanager
 def unstepped_cleared(optimizers: Any, state: dict[str, Any]) -> Iterator[None]:
     """Around a load of ``state`` into ``optimizers``: the optimizers that had not stepped when it
     was read (:data:`UNSTEPPED`) end with no state, as torch's load makes one up for each."""
-    listed = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
     yield
-    for i in state.get(UNSTEPPED, ()):
-        listed[i].state.clear()
+    unstepped = set(state.get(UNSTEPPED, ()))
+    for label, opt in _labelled(optimizers):
+        if label in unstepped:
+            opt.state.clear()
 
 
 def load_state(module: nn.Module, optimizers: Any, state: dict[str, Any]) -> None:
@@ -252,13 +258,14 @@ def load_state(module: nn.Module, optimizers: Any, state: dict[str, Any]) -> Non
     from torch.distributed.checkpoint import state_dict as dsd
 
     state = join_own(state)
-    if not optimizers:
+    listed = [opt for _, opt in _labelled(optimizers)]
+    if not listed:
         dsd.set_model_state_dict(module, state["model"], options=state_options())
         return
     with unstepped_cleared(optimizers, state):
         dsd.set_state_dict(
             module,
-            optimizers,
+            listed,
             model_state_dict=state["model"],
             optim_state_dict=state["optim"],
             options=state_options(),

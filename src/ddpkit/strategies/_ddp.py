@@ -414,10 +414,10 @@ class SeveralModels:
         return nullcontext()
 
     def state_dict(self) -> dict[str, Any]:
-        return read_state(self.modules, list(self.optimizers.values()))
+        return read_state(self.modules, self.optimizers)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        load_state(self.modules, list(self.optimizers.values()), state)
+        load_state(self.modules, self.optimizers, state)
 
     def model_weights(self) -> dict[str, Any]:
         return self.modules.state_dict()

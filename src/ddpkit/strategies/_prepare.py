@@ -43,7 +43,7 @@ def prepare_model(
 ) -> nn.Module:
     """Move ``model`` to this rank's device and wrap it in ``DistributedDataParallel``; a model with
     no parameter to train (a frozen teacher), which DDP refuses, gets rank 0's weights and buffers
-    as DDP would give them, unwrapped.
+    as DDP's constructor gives them, unwrapped.
 
     ``sync_batchnorm`` normalises BatchNorm layers over the global batch (torch's SyncBatchNorm on
     CUDA, :class:`~ddpkit.nn.CPUSyncBatchNorm` elsewhere). Other keyword arguments go to DDP
@@ -65,7 +65,7 @@ def prepare_model(
     if sync_batchnorm and rt.distributed:
         model = convert_sync_batchnorm(model, rt.device, process_group)
     if rt.distributed and not any(p.requires_grad for p in model.parameters()):
-        _synced_like_ddp(model, process_group, ddp_kwargs.get("broadcast_buffers", True))
+        _rank_zeros_state(model, process_group)
     elif rt.distributed:
         device_ids = [rt.device.index] if rt.device.type == "cuda" else None
         ddp_kwargs.setdefault("gradient_as_bucket_view", GRADIENT_AS_BUCKET_VIEW)
@@ -78,21 +78,13 @@ def prepare_model(
     return model
 
 
-def _synced_like_ddp(model: nn.Module, group: Group, broadcast_buffers: bool) -> None:
-    """What DDP does for a model it would refuse (no parameter to train: a frozen teacher): rank
-    0's parameters and buffers now, and with ``broadcast_buffers`` its buffers before each forward
-    in training mode (BatchNorm's running statistics would drift apart, one per rank's batches)."""
+def _rank_zeros_state(model: nn.Module, group: Group) -> None:
+    """Rank 0's parameters and buffers on every rank, as DDP's constructor gives them, for a model
+    DDP refuses (no parameter to train: a frozen teacher). No broadcast before each forward: a
+    teacher runs under ``no_grad``, where DDP sends none either."""
     src = dist.get_global_rank(group, 0) if group is not None else 0
     for tensor in [*model.parameters(), *model.buffers()]:
         dist.broadcast(tensor.data, src, group=group)
-    if broadcast_buffers and next(model.buffers(), None) is not None:
-
-        def broadcast(module: nn.Module, _args: Any) -> None:
-            if module.training:
-                for buffer in module.buffers():
-                    dist.broadcast(buffer, src, group=group)
-
-        model.register_forward_pre_hook(broadcast)
 
 
 def mark_gradient_sync(ddp: DDP) -> None:

@@ -56,3 +56,26 @@ def test_a_resume_from_a_state_read_before_the_first_step_trains_as_an_uninterru
     assert torch.equal(_resumed_from_a_state_read_before_the_first_step(tmp_path, "r", True), plain)
     made_up = _resumed_from_a_state_read_before_the_first_step(tmp_path, "control", False)
     assert (made_up - plain).abs().max() > 1e-4
+
+
+def test_the_optimizers_that_had_not_stepped_are_named_and_cleared_by_name_in_any_order():
+    from ddpkit.strategies._base import unstepped_cleared, with_unstepped
+
+    g, d = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
+    optimizers = {"g": torch.optim.Adam(g.parameters()), "d": torch.optim.Adam(d.parameters())}
+    d(torch.randn(3, 2)).sum().backward()
+    optimizers["d"].step()
+    state = with_unstepped({}, optimizers)
+    assert state["unstepped"] == ["g"]
+    # a resume whose dict lists them the other way round: g's made-up state goes, d's stays
+    swapped = {"d": optimizers["d"], "g": optimizers["g"]}
+    optimizers["g"].state[next(iter(g.parameters()))] = {"step": torch.tensor(1.0)}
+    with unstepped_cleared(swapped, state):
+        pass
+    assert not optimizers["g"].state and optimizers["d"].state
+    # control: by position, the swapped order clears d, which had stepped, and keeps g's made-up one
+    by_position = with_unstepped({}, list(optimizers.values()))
+    optimizers["g"].state[next(iter(g.parameters()))] = {"step": torch.tensor(1.0)}
+    with unstepped_cleared(list(swapped.values()), by_position):
+        pass
+    assert optimizers["g"].state and not optimizers["d"].state
