@@ -17,13 +17,12 @@ from ddpkit._launch import watch
 def _describe(
     rank: int, failure: Any, stall: watch.Stall | None = None, disagreement: str = ""
 ) -> str:
-    how = (
-        f"killed by {failure.signal_name()}"
-        if failure.exitcode < 0
-        else f"exit code {failure.exitcode}"
-    )
     if _cut_short(failure):
         how = f"raised, then {failure.signal_name()} ended it as it exited"
+    elif failure.exitcode < 0:
+        how = f"killed by {failure.signal_name()}"
+    else:
+        how = f"exit code {failure.exitcode}"
     if stall is not None and rank in stall.ranks:
         how = (
             f"ended by the stall watch ({how})"

@@ -186,17 +186,19 @@ def separate_own(state: dict[str, Any], model: nn.Module, ignored: Any = ()) -> 
 
 
 @contextmanager
-def made_up_state_cleared(optimizers: Any) -> Iterator[None]:
-    """Around a read of torch's distributed state dict of ``optimizers`` (one or a list): torch
-    gives an optimizer that has not stepped a state, by one step at lr 0 (Adam's step count 1),
-    which the next real step would train on; cleared again, so that a read changes nothing."""
-    listed = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
-    empty = [opt for opt in listed if not opt.state]
+def made_up_state_cleared(optimizers: Any) -> Iterator[list[Any]]:
+    """Around a read of torch's distributed state dict of ``optimizers`` (one, a list, or a dict by
+    name): torch gives an optimizer that has not stepped a state, by one step at lr 0 (Adam's step
+    count 1), which the next real step would train on; cleared again, so that a read changes
+    nothing. Yields those optimizers' names (positions where they have none): :data:`UNSTEPPED`."""
+    labelled = _labelled(optimizers)
+    unstepped = [label for label, opt in labelled if not opt.state]
     try:
-        yield
+        yield unstepped
     finally:
-        for opt in empty:
-            opt.state.clear()
+        for label, opt in labelled:
+            if label in unstepped:
+                opt.state.clear()
 
 
 def state_options(**kwargs: Any) -> Any:
@@ -215,13 +217,13 @@ def read_state(module: nn.Module, optimizers: Any, ignored: Any = ()) -> dict[st
     from torch.distributed.checkpoint import state_dict as dsd
 
     listed = [opt for _, opt in _labelled(optimizers)]
-    if listed:
-        with made_up_state_cleared(listed):
+    with made_up_state_cleared(optimizers) as unstepped:
+        if listed:
             model, optim = dsd.get_state_dict(module, listed, options=state_options())
-    else:
-        model, optim = dsd.get_model_state_dict(module, options=state_options()), {}
+        else:
+            model, optim = dsd.get_model_state_dict(module, options=state_options()), {}
     state = separate_own({"model": model, "optim": optim}, module, ignored)
-    return with_unstepped(state, optimizers)
+    return {**state, UNSTEPPED: unstepped}
 
 
 UNSTEPPED = "unstepped"
@@ -235,11 +237,6 @@ def _labelled(optimizers: Any) -> list[tuple[Any, Any]]:
         return list(optimizers.items())
     listed = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
     return [(i, opt) for i, opt in enumerate(listed) if opt is not None]
-
-
-def with_unstepped(state: dict[str, Any], optimizers: Any) -> dict[str, Any]:
-    """``state`` with :data:`UNSTEPPED`: the optimizers of ``optimizers`` that have not stepped."""
-    return {**state, UNSTEPPED: [k for k, opt in _labelled(optimizers) if not opt.state]}
 
 
 @contextmanager

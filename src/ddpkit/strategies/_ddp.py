@@ -23,6 +23,7 @@ from ddpkit.distributed import Group
 from ddpkit.distributed._collectives import all_gather_object
 from ddpkit.distributed._runtime import Runtime
 from ddpkit.strategies._base import (
+    UNSTEPPED,
     GradientVerdict,
     join_own,
     load_state,
@@ -32,7 +33,6 @@ from ddpkit.strategies._base import (
     separate_own,
     state_options,
     unstepped_cleared,
-    with_unstepped,
 )
 from ddpkit.strategies._prepare import GRADIENT_AS_BUCKET_VIEW, no_sync, prepare_model, unwrap
 
@@ -511,7 +511,7 @@ class ZeroStrategy:
 
         local = self.optimizer.optim
         _copy_hyperparameters(self.optimizer.param_groups, local.param_groups)
-        with made_up_state_cleared(local):
+        with made_up_state_cleared(local) as unstepped:
             optim = get_optimizer_state_dict(unwrap(self.model), local, options=state_options())
         state = separate_own(
             {
@@ -526,7 +526,7 @@ class ZeroStrategy:
         )
         # a rank that owns no parameter never has state: only an owner can tell
         owns = any(group["params"] for group in local.param_groups)
-        return with_unstepped(state, local) if owns else state
+        return {**state, UNSTEPPED: unstepped} if owns else state
 
     def model_weights(self) -> dict[str, Any]:
         return self.ddp.model_weights()

@@ -59,7 +59,11 @@ def test_a_resume_from_a_state_read_before_the_first_step_trains_as_an_uninterru
 
 
 def test_the_optimizers_that_had_not_stepped_are_named_and_cleared_by_name_in_any_order():
-    from ddpkit.strategies._base import unstepped_cleared, with_unstepped
+    from ddpkit.strategies._base import UNSTEPPED, made_up_state_cleared, unstepped_cleared
+
+    def with_unstepped(state, optimizers):
+        with made_up_state_cleared(optimizers) as unstepped:
+            return {**state, UNSTEPPED: unstepped}
 
     g, d = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
     optimizers = {"g": torch.optim.Adam(g.parameters()), "d": torch.optim.Adam(d.parameters())}
