@@ -112,6 +112,7 @@ DDPKIT_GLOBALS: dict[tuple[str, str], Any] = {
     ("ddpkit.snapshot._disk", "_groups"): {},
     ("ddpkit.tools._workload", "_modules"): {},
     ("ddpkit._launch.worker", "_worker_store"): None,
+    ("ddpkit._launch.recover", "_links"): [],
     ("ddpkit._launch.worker", "_serving"): None,
     ("ddpkit._launch.spawn", "_store"): None,
     ("ddpkit._launch.agent", "_answering"): None,

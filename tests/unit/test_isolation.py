@@ -36,7 +36,7 @@ from ddpkit.distributed import _progress as progress
 from ddpkit.distributed import _runtime as runtime
 from ddpkit.distributed import _seeding as seeding
 from ddpkit.distributed import _signals as signals
-from ddpkit._launch import worker
+from ddpkit._launch import recover, worker
 from ddpkit._launch import agent
 from ddpkit._launch import forkserver as forked
 from ddpkit._launch import spawn
@@ -66,6 +66,7 @@ def test_leaves_every_global_set(tmp_path):
     backend.register("run-1", backend.JobAccess(b"secret", None))
     backend._relays["run-1"] = []
     worker._worker_store = object()
+    recover._links.append((99, "socket:[1]"))  # a group's links noted by a recovering worker
     spawn._store = object()  # rank 0's store server of ddpkit.spawn
     worker._serving = object()  # a stack server's state, as a worker keeps it
     agent._answering = object()  # the thread an agent answers stack requests from

@@ -8,13 +8,16 @@ is gone, its feature is off with one warning, and the job runs as torchrun would
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from torch.distributed.elastic.agent.server.api import WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
+from ddpkit import _fs as fs
 from ddpkit._internals.contract import Internal, warn_lost
 
 
@@ -76,8 +79,17 @@ class HookedAgent(LocalElasticAgent):
     def after_shutdown(self) -> None:
         """Called after the agent stopped the workers."""
 
+    def intercept(self, worker_group: Any) -> bool:
+        """Called before each poll: True to answer it "healthy" without torchrun's look (a failure
+        being recovered in place)."""
+        return False
+
     def _monitor_workers(self, worker_group: Any) -> Any:
         self._monitored = True
+        if self.hooked and self.intercept(worker_group):
+            from torch.distributed.elastic.agent.server.api import RunResult
+
+            return RunResult(state=WorkerState.HEALTHY)
         if self.hooked:
             self.before_monitor(worker_group)
         result = super()._monitor_workers(worker_group)
@@ -125,9 +137,49 @@ class HookedAgent(LocalElasticAgent):
         """How many more times torchrun restarts the workers after a failure."""
         return int(getattr(self, "_remaining_restarts", 0))
 
+    def use_restart(self) -> None:
+        """Count one restart (a recovery in place) against ``--max-restarts``."""
+        self._remaining_restarts = self.restarts_left() - 1
+
+    def restarts_used(self) -> int:
+        """Restarts so far: the workers' ``TORCHELASTIC_RESTART_COUNT``, as torchrun computes it."""
+        return int(self._worker_group.spec.max_restarts) - self.restarts_left()
+
+    def replace_worker(self, worker: Any, env: dict[str, str]) -> None:
+        """Start a new process for ``worker`` (of the worker group), whose process exited, with its
+        variables and ``env``, in the current attempt's process context; its output goes on in the
+        same files, the exited one's kept beside them (``.N``)."""
+        from torch.distributed.elastic.multiprocessing import api
+
+        context, local = self.process_context(), worker.local_rank
+        for log in log_files(context.subprocess_handlers[local]) or ():
+            if log is not None:
+                log.close()
+        for path in (context.stdouts.get(local), context.stderrs.get(local)):
+            if path and os.path.exists(path):
+                fs.rename(Path(path), Path(f"{path}.{self.restarts_used()}"))
+        numa = {"numa_options": context._numa_options} if hasattr(context, "_numa_options") else {}
+        context.subprocess_handlers[local] = api.get_subprocess_handler(
+            entrypoint=context.entrypoint, args=context.args[local],
+            env={**context.envs[local], **env}, stdout=context.stdouts[local],
+            stderr=context.stderrs[local], local_rank_id=local, **numa,
+        )  # fmt: skip
+        worker.id = context.subprocess_handlers[local].proc.pid  # torchrun compares the pids
+        context._running_local_ranks.add(local)
+        context._failures.pop(local, None)
+
     def stop_restarting(self) -> None:
         """Restart no worker after this: the job ends with the current attempt."""
         self._remaining_restarts = 0
+
+
+def abort_nccl_groups() -> None:
+    """Abort this process's NCCL groups (a failure is being recovered in place); nothing where
+    the default group is not NCCL's."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend()):
+        dist.distributed_c10d._abort_process_group()
 
 
 def _check_agent_state() -> str | None:
@@ -273,7 +325,45 @@ def _check_handler() -> str | None:
     return None
 
 
+def _check_replace_worker() -> str | None:
+    """A worker replaced in its attempt's process context: ``SubprocessContext`` polls
+    ``_running_local_ranks`` and records ``_failures``; the agent's worker group knows its spec."""
+    from torch.distributed.elastic.multiprocessing.api import SubprocessContext
+
+    poll = inspect.getsource(SubprocessContext._capture_process_failures) + inspect.getsource(
+        SubprocessContext._poll
+    )
+    for name in ("self._running_local_ranks", "self._failures", "self.subprocess_handlers"):
+        if name not in poll:
+            return f"SubprocessContext no longer polls {name}"
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+
+    if "self._worker_group" not in inspect.getsource(SimpleElasticAgent.__init__):
+        return "SimpleElasticAgent no longer keeps self._worker_group"
+    return None
+
+
+def _check_abort() -> str | None:
+    import torch.distributed as dist
+
+    found = callable(getattr(dist.distributed_c10d, "_abort_process_group", None))
+    return None if found else "torch.distributed has no _abort_process_group"
+
+
 INTERNALS = [
+    Internal(
+        "torch.distributed.elastic SubprocessContext._running_local_ranks / _failures, "
+        "LocalElasticAgent._worker_group",
+        "torch",
+        "--recover in-place (a replacement for a failed worker, the others kept)",
+        _check_replace_worker,
+    ),
+    Internal(
+        "torch.distributed.distributed_c10d._abort_process_group",
+        "torch",
+        "--recover in-place on NCCL (a rank's collectives ended at once)",
+        _check_abort,
+    ),
     Internal(
         "torch.distributed.elastic LocalElasticAgent._monitor_workers / _shutdown",
         "torch",

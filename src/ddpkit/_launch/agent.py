@@ -23,7 +23,7 @@ from ddpkit import _fs as fs
 from ddpkit._errors import PREEMPTED_EXIT_CODE, ConfigError
 from ddpkit._internals.elastic import HookedAgent, use_agent
 from ddpkit._launch import forkserver as forked
-from ddpkit._launch import say, watch, worker
+from ddpkit._launch import recover, say, watch, worker
 from ddpkit._launch import watch_nodes as nodes
 from ddpkit._launch.failure import Left, preempted, summarize_failure
 from ddpkit._launch.proctree import kill_descendants
@@ -39,6 +39,7 @@ class Agent(HookedAgent):
 
     current: Agent | None = None
     policy = watch.StallPolicy(floor=0)  # set by install()
+    in_place: recover.InPlace | None = None  # set by install() where --recover in-place applies
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -60,7 +61,23 @@ class Agent(HookedAgent):
         self._polls = 0
         self._exits_of: int | None = None
         self._exit_seen: dict[int, int] = {}  # local rank -> the poll that first saw it exited
+        self._whole_restart: int | None = None  # the attempt in-place recovery gave up on
         Agent.current = self
+
+    def intercept(self, worker_group: Any) -> bool:
+        attempt = id(self.process_context())
+        if self.in_place is None or self._whole_restart == attempt:
+            return False
+        if self.in_place.poll(self, worker_group):
+            return True
+        if self.in_place.ended:  # torchrun takes this attempt over
+            self.in_place.ended = False
+            self._whole_restart = attempt
+        return False
+
+    def replace_worker(self, worker: Any, env: dict[str, str]) -> None:
+        super().replace_worker(worker, env)
+        self._watched = self._exits_of = self._stacks_asked = None  # the stall watch starts anew
 
     def before_monitor(self, worker_group: Any) -> None:
         self._stacks_before_teardown(worker_group)
@@ -135,13 +152,16 @@ class Agent(HookedAgent):
 
     def summary(self, failed: Any) -> str:
         """The summary of a failed attempt (torchrun's result or error), with what it saw."""
-        return summarize_failure(
+        text = summarize_failure(
             failed,
             stall=self.stall,
             where=self.where,
             left=self.left,
             disagreement=self.disagreement,
         )
+        if self.in_place is not None and self.in_place.fallback:
+            text += f"\n  not recovered in place: {self.in_place.fallback}"
+        return text
 
     def _stacks_before_teardown(self, worker_group: Any) -> None:
         # torchrun stops the other workers in the poll that finds a failed one: ask them for their
@@ -369,6 +389,7 @@ def install(
     display: Sequence[str] = (),
     stall: watch.StallPolicy | None = None,
     run_dir: Path | None = None,
+    in_place: recover.InPlace | None = None,
 ) -> None:
     """Make torchrun's ``launch_agent`` (of ``launcher_api``) build :class:`Agent` with the stall
     watch's policy ``stall``, and forward signals to its workers; with ``fork_server``, start the
@@ -380,6 +401,7 @@ def install(
     _forward_signals()
     if fork_server:
         forked.install(preload, display)
+    Agent.in_place = in_place
     # made by the agent, which outlives every attempt: a restarted worker finds its state there
     if os.environ.get(memory_folder.OFF_ENV) != "0":
         memory_folder.open_job_folder()
@@ -399,5 +421,6 @@ def uninstall() -> None:
         signal.signal(sig, signal.SIG_IGN)
     forked.uninstall()
     Agent.current = None
+    Agent.in_place = None
     memory_folder.close_job_folder()
     watch.close_folder()

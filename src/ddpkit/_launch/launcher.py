@@ -18,7 +18,7 @@ from typing import Any
 
 from ddpkit import _fs as fs
 from ddpkit._errors import ConfigError
-from ddpkit._launch import agent, failure, proctree, say, tail, watch
+from ddpkit._launch import agent, failure, proctree, recover, say, tail, watch
 from ddpkit._launch.options import (
     LaunchConfig,
     build_parser,
@@ -310,7 +310,10 @@ def launch(cfg: LaunchConfig) -> int:
     if hasattr(args, "signals_to_handle"):  # torchrun's SIGTERM handling would stop the workers
         args.signals_to_handle = agent.TORCHRUN_SIGNALS
     display = [cfg.script, *cfg.script_args]
-    agent.install(launcher_api, cfg.uses_fork_server, cfg.preload, display, stall, run_dir)
+    in_place = in_place_recovery(cfg, run_dir)
+    agent.install(
+        launcher_api, cfg.uses_fork_server, cfg.preload, display, stall, run_dir, in_place
+    )
     if cfg.all_ranks:
         tail.install()
     try:
@@ -333,6 +336,21 @@ def launch(cfg: LaunchConfig) -> int:
         proctree.kill_descendants()  # whatever the workers left behind, however the job ended
     tidy_log_dirs(cfg.log_dir, run_dir)
     return 0
+
+
+def in_place_recovery(cfg: LaunchConfig, run_dir: Path) -> recover.InPlace | None:
+    """The agent's side of ``--recover in-place``, where it applies; else None."""
+    if cfg.recover != "in-place":
+        return None
+    if cfg.restarts < 1:
+        raise ConfigError(
+            "--recover in-place recovers as many failures as --max-restarts allows: pass "
+            "--max-restarts N (N >= 1)"
+        )
+    if cfg.networked:
+        recover.say_unavailable("it covers the workers of one node")
+        return None
+    return recover.prepare(run_dir)
 
 
 def collective_seconds(cfg: LaunchConfig) -> float:

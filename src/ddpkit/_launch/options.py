@@ -47,6 +47,8 @@ class LaunchConfig:
     join_timeout: float = 120.0
     collective_timeout: float | None = None
     max_restarts: int | None = None
+    recover: Literal["restart", "in-place"] = "restart"
+    """After a failure: restart every worker, or recover in place (docs/recovery.md)."""
     debug_collectives: bool = False
     all_ranks: bool = False
     log_dir: str = "ddpkit-logs"
@@ -109,6 +111,8 @@ class LaunchConfig:
     def _check_names(self) -> None:
         if self.on_stall not in ("end", "warn"):
             raise ConfigError(f"--on-stall {self.on_stall[:40]!r}: use end or warn")
+        if self.recover not in ("restart", "in-place"):
+            raise ConfigError(f"--recover {self.recover!r}: use restart or in-place")
         if self.fork_server not in ("auto", "on", "off"):
             raise ConfigError(f"--fork-server {self.fork_server!r}: use auto, on or off")
         for name in self.preload:
@@ -311,6 +315,7 @@ worker's code."""
 EXAMPLES = """examples:
   ddpkit run --nproc 2 train.py --lr 0.1
   ddpkit run --max-restarts 3 train.py                  # restart all workers after a failure
+  ddpkit run --max-restarts 3 --recover in-place train.py  # replace the failed worker alone
   export DDPKIT_RDZV_SECRET=<the same 64 hex digits on every node>
   ddpkit run --nnodes 2 --rdzv-endpoint node1:29400 train.py      # on node1 and on node2
   ddpkit run --nnodes 1:4 --rdzv-endpoint node1:29400 train.py    # elastic: 1 to 4 nodes"""
@@ -350,6 +355,10 @@ OPTIONS = [
              "diagnosis)"),
     argument("--max-restarts", type=int, default=None,
              help="restarts of all workers after a failure (default 0; 3 for an elastic job)"),
+    argument("--recover", default="restart",
+             help="after a failure, restart every worker (default), or in-place: the others keep "
+             "their processes, a failed one is replaced, and every rank resumes from the copies "
+             "in memory (one node; counted in --max-restarts)"),
     argument("--preempted-exit-code", type=int, default=PREEMPTED_EXIT_CODE,
              help=f"exit code after a stop signal and a snapshot (default {PREEMPTED_EXIT_CODE})"),
     argument("--log-dir", default="ddpkit-logs",

@@ -36,7 +36,9 @@ from ddpkit._errors import ConfigError
 from ddpkit._internals.elastic import record_with
 from ddpkit._internals.interpreter import current_frames
 from ddpkit._internals.store import agent_store_in_use, serve_store, use_agent_store
+from ddpkit._launch import recover
 from ddpkit._launch.proctree import set_parent_death_signal, start_guard
+from ddpkit.distributed._environment import recovery_record
 from ddpkit.distributed._progress import watch_torch_collectives
 from ddpkit.distributed._signals import hold_stop_signals
 from ddpkit.platforms import _torchrun as torchrun
@@ -275,7 +277,9 @@ def serve_worker_store() -> Any:
     connect to it as a client, also where a script makes its process group itself."""
     global _worker_store
     master = torchrun.master_address(os.environ)
-    if master is None or agent_store_in_use():
+    if master is None or agent_store_in_use() or recovery_record() is not None:
+        if recovery_record() is not None:  # a replacement: the agent serves the store now
+            use_agent_store()
         return None  # no store to serve: the agent serves it, or this is not a job of ddpkit run
     addr, port = master
     if torchrun.is_rank_zero(os.environ):
@@ -327,10 +331,19 @@ def _ignore_warnings_at_exit() -> None:
 @functools.partial(record, error_handler=WholeErrorFile())
 def _run(target: str, as_module: bool) -> None:
     serve_worker_store()
-    if as_module:
-        runpy.run_module(target, run_name="__main__", alter_sys=True)
-    else:
-        runpy.run_path(target, run_name="__main__")
+    while True:
+        try:
+            if as_module:
+                runpy.run_module(target, run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(target, run_name="__main__")
+            return
+        except BaseException as error:  # noqa: BLE001 -- a recovering job's rank runs again
+            failed = error
+        # out of the handler: the failed step's frames, and the groups they hold, are released
+        if recover.leave(failed) is None:
+            raise failed
+        del failed
 
 
 def main() -> None:
@@ -349,6 +362,9 @@ def main() -> None:
     serve_stacks()
     watch_torch_collectives()  # marked for the stall watch
     record_with(WholeErrorFile)  # a script's own @record writes the agent's file whole too
+    if recover.folder() is not None:
+        recover.note_links()
+        recover.watch_incidents(threading.Event())
     target = argv[0]
     sys.argv = argv
     # as `python script.py`: the script's folder first on the import path

@@ -6,6 +6,7 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import replace
+from typing import Any
 
 from ddpkit import platforms
 from ddpkit._errors import ConfigError
@@ -42,3 +43,24 @@ def read_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
         seconds = parse_seconds("DDPKIT_COLLECTIVE_TIMEOUT", env["DDPKIT_COLLECTIVE_TIMEOUT"])
         info = replace(info, collective_timeout=seconds)
     return info
+
+
+RECOVERED_ENV = "DDPKIT_RECOVERED"
+"""In a worker running again after an in-place recovery (or replacing a rank): the path of the
+agent's record of it (``ddpkit._launch.recover``)."""
+
+
+def recovery_record(env: Mapping[str, str] | None = None) -> dict[str, Any] | None:
+    """The agent's record of the in-place recovery this worker runs in (``recovery``, ``replaced``
+    ranks, ``restart_count``, and the times it was ``seen``, the ranks had ``left``, and it was
+    ``decided``); None outside one."""
+    import json
+
+    path = (os.environ if env is None else env).get(RECOVERED_ENV)
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import os
 import sys
@@ -76,6 +77,7 @@ SHUTDOWN_BARRIER_TIMEOUT = timedelta(seconds=30)
 _generation = 0  # process groups this process has created, for their store prefixes
 # (how it was reached, the rendezvous store), kept across init()s
 _store_of: tuple[Any, Any] | None = None
+joined_at = 0.0  # time.time() when this process last made the job's process group
 _group_store: Any = None  # the store of the process group init() made, for shutdown()'s barrier
 
 
@@ -195,6 +197,8 @@ def _join(launch: LaunchEnv, backend: str, dev: torch.device, timeout: timedelta
         )
     except (RuntimeError, dist.DistError) as err:
         raise _explain_init_error(err, launch) from err
+    global joined_at
+    joined_at = time.time()
     atexit.register(_destroy_at_exit)
     progress.collective_timeout(timeout.total_seconds())  # what the stall watch must beat
 
@@ -357,6 +361,21 @@ def _destroy() -> None:
         dist.destroy_process_group()
     _runtime = None
     _group_store = None
+
+
+def forget_for_recovery() -> None:
+    """Destroy the process group of a worker that left a failed step (no barrier: a peer is gone)
+    and forget the runtime and the rendezvous store, so that :func:`init` meets the other ranks
+    afresh (``ddpkit run --recover in-place``)."""
+    global _store_of, _generation
+    import gc
+
+    global _runtime, _group_store
+    with contextlib.suppress(Exception):  # a group whose connections were cut: no settling
+        dist.destroy_process_group()
+    _runtime = _group_store = _store_of = None
+    _generation = 0
+    gc.collect()  # the failed step's DDP reducer and work objects, with the group they hold
 
 
 def _destroy_at_exit() -> None:

@@ -89,6 +89,11 @@ def is_rank_zero(env: Mapping[str, str]) -> bool:
     return env.get("RANK") == "0"
 
 
+def attempt_env(restart_count: int, master_port: int) -> dict[str, str]:
+    """The variables that change for an attempt started in place: its count and the store's port."""
+    return {"TORCHELASTIC_RESTART_COUNT": str(restart_count), "MASTER_PORT": str(master_port)}
+
+
 def rank_text(env: Mapping[str, str]) -> str:
     """``RANK`` as set (``"0"`` where unset), for a file name."""
     return env.get("RANK", "0")

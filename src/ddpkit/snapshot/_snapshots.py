@@ -20,6 +20,7 @@ run before any tensor is read.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ from ddpkit.data._epoch_loader import EpochLoader
 from ddpkit.data._fingerprint import refusal
 from ddpkit.distributed import _signals as signals
 from ddpkit.distributed._collectives import all_reduce
+from ddpkit.distributed._environment import recovery_record
 from ddpkit.distributed._log import print0
 from ddpkit.distributed._runtime import Runtime, get_runtime
 from ddpkit.snapshot._disk import STREAMS, DiskStore
@@ -408,9 +410,11 @@ class Snapshots:
         """Restore every part from the newest whole snapshot, if any (every rank), through ``load``
         (default :meth:`load_state_dict`); return the step to go on from (0 when there is none).
         Refused by name before any tensor is read when the snapshot is another run's."""
+        started = time.time()
         got = self._restore(load or self.load_state_dict)
         if got is None:
             return 0
+        restored = time.time()
         if got.disk:
             self.schedule.written(self.position())  # already on disk
         if self._precision is not None:
@@ -433,6 +437,20 @@ class Snapshots:
             # records written after the snapshot, moved to metrics.rewound.jsonl
             "rewound_records": getattr(self.states.get("records"), "rewound", 0),
         })  # fmt: skip
+        if (recovery := recovery_record()) is not None:  # ddpkit run --recover in-place
+            from ddpkit.distributed import _runtime
+
+            seen, left, decided = recovery["seen"], recovery["left"], recovery["decided"]
+            self.log("event", t.step, {
+                "event": "recover", "recovery": recovery["recovery"],
+                "replaced": recovery["replaced"], "step": t.step, "source": got.source,
+                "seconds": {  # rank 0's: from the failure seen by the agent to the state loaded
+                    "leave": round(left - seen, 4), "decide": round(decided - left, 4),
+                    "regroup": round(_runtime.joined_at - decided, 4),
+                    "restore": round(restored - started, 4),
+                    "total": round(restored - seen, 4),
+                },
+            })  # fmt: skip
         return t.step
 
     def _restore(self, load: Load) -> Resumed | None:

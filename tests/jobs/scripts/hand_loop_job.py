@@ -130,6 +130,7 @@ def main() -> None:
     parser.add_argument("--stop-after", type=int)
     args = parser.parse_args()
     rt = ddpkit.init()
+    Path(f"{args.out}-pid-rank{rt.rank}-attempt{rt.restart_count}").write_text(str(os.getpid()))
     result = train(
         args.run_dir,
         batch_size=args.batch_size or GLOBAL_BATCH // rt.world_size,

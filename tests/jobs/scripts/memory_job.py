@@ -9,6 +9,7 @@ and the controls: memory off, and no copy of every rank's own part on its peers.
 
     python -m tests.jobs.scripts.memory_job RUN_DIR --log DIR [--kill-rank R --kill-after-step S]
         [--kill-delay SECONDS] [--kill-in-copy S] [--no-memory] [--disk-every-steps N] [--out FILE]
+        [--kill-again R S] [--kill-in-restore R] [--sleep-at R S SECONDS]
 """
 
 from __future__ import annotations
@@ -54,6 +55,15 @@ class StepRecord:
         self.file.write(f"{rt.restart_count} {trainer.step}\n")
         if a.hold_after_step is not None and trainer.step == a.hold_after_step:
             _wait_for(a.hold_file)  # every rank waits while the test takes a node away
+        if (
+            a.sleep_at is not None
+            and rt.restart_count == 0
+            and (rt.rank, trainer.step) == tuple(a.sleep_at[:2])
+        ):
+            time.sleep(a.sleep_at[2])  # a long pause of this rank's own (not a collective)
+        again = a.kill_again is not None and rt.restart_count == 1
+        if again and (rt.rank, trainer.step) == tuple(a.kill_again):
+            _sigkill(a.log, f"again-rank{rt.rank}-after-step{trainer.step}")
         if rt.restart_count == 0 and rt.rank == a.kill_rank and trainer.step == a.kill_after_step:
             # the test says when: another job has come and gone meanwhile
             if a.kill_when_file is not None:
@@ -83,6 +93,20 @@ def kill_inside_copy(step: int, log: str) -> Any:
 
     ddpkit.snapshot._slots.copy_tensors = dying_copy
     return dying_copy
+
+
+def kill_inside_restore(rank: int, log: str) -> None:
+    """SIGKILL global rank ``rank`` in the middle of its load of a copy in memory, on the second
+    attempt (a replacement or a survivor loading the state after the first failure)."""
+    memory = ddpkit.snapshot._memory.MemoryStore
+    load = memory._read
+
+    def dying_read(self, choice, snapshots):
+        if snapshots.runtime.restart_count == 1 and snapshots.runtime.rank == rank:
+            _sigkill(log, f"in-restore-rank{rank}")
+        return load(self, choice, snapshots)
+
+    memory._read = dying_read  # type: ignore[method-assign]
 
 
 def parse_args() -> argparse.Namespace:
@@ -115,6 +139,29 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--raise-at", type=int, nargs=2, metavar=("RANK", "STEP"), default=None)
     p.add_argument("--disk-every-steps", type=int, default=None)
+    p.add_argument(
+        "--kill-again",
+        type=int,
+        nargs=2,
+        metavar=("RANK", "STEP"),
+        default=None,
+        help="on the second attempt, SIGKILL RANK after STEP",
+    )
+    p.add_argument(
+        "--kill-in-restore",
+        type=int,
+        default=None,
+        metavar="RANK",
+        help="on the second attempt, SIGKILL RANK as it loads the copy in memory",
+    )
+    p.add_argument(
+        "--sleep-at",
+        type=float,
+        nargs=3,
+        metavar=("RANK", "STEP", "SECONDS"),
+        default=None,
+        help="on the first attempt, RANK pauses after STEP",
+    )
     p.add_argument("--augment", action="store_true")
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--no-sync-bn", action="store_true")
@@ -130,6 +177,8 @@ def main() -> None:
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     Path(a.log, f"pid-rank{rank}-attempt{attempt}").write_text(str(os.getpid()))
     dying = None
+    if a.kill_in_restore is not None:
+        kill_inside_restore(a.kill_in_restore, a.log)
     if a.kill_in_copy is not None and rank == a.kill_in_copy_rank:
         dying = kill_inside_copy(a.kill_in_copy, a.log)
 

@@ -1,0 +1,384 @@
+"""In-place recovery (``ddpkit run --recover in-place``, docs/recovery.md): when a worker fails, the
+others keep their processes. The agent (:class:`InPlace`) names the failure in a file of the job's
+recovery folder; every running worker cuts its own collective connections (:func:`sever`), so that
+its pending or next collective fails at once, tears its process group down and says it waits; once
+every rank is waiting or gone, the agent forks a replacement for each rank that exited and says go;
+then every rank runs the script's ``__main__`` again from the start, which resumes from the copies
+in shared memory (``Snapshots(memory=True)``, the Trainer's ``SnapshotConfig(memory=True)``). Where
+that cannot proceed (a rank does not leave its step in time, one finished, no restart is left) the
+agent says end, and the job restarts whole as without the option, saying why.
+
+The files, in ``$DDPKIT_RECOVER_DIR``: ``incident-G`` (the agent: recovery G is under way),
+``wait-G.RANK`` (a worker: it left, with its error), ``go-G`` (the agent: run again, with what was
+replaced and when) or ``end-G`` (the agent: fail as without the option, with why).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ddpkit import _fs as fs
+from ddpkit._errors import PREEMPTED_EXIT_CODE, ConfigError, Preempted
+from ddpkit.distributed._environment import RECOVERED_ENV as GO_ENV
+from ddpkit.platforms import _torchrun as torchrun
+
+DIR_ENV = "DDPKIT_RECOVER_DIR"
+"""The job's recovery folder; set by the agent where ``--recover in-place`` applies."""
+LEAVE_TIMEOUT = 30.0
+"""Seconds every rank gets to leave its step once a failure is seen; past them, a whole restart
+(``$DDPKIT_RECOVER_TIMEOUT`` sets another)."""
+TIMEOUT_ENV = "DDPKIT_RECOVER_TIMEOUT"
+POLL = 0.005  # seconds between a waiting worker's looks at the folder
+
+# -- in the workers --------------------------------------------------------------------------------
+
+
+def folder() -> Path | None:
+    """The job's recovery folder, where this worker recovers in place; else None."""
+    path = os.environ.get(DIR_ENV)
+    return Path(path) if path else None
+
+
+_links: list[tuple[int, str]] = []  # (fd, "socket:[inode]") made while a process group was made
+_handled = 0  # the last recovery this worker cut its links for
+_handling = threading.Lock()
+
+
+def _sever_for(generation: int) -> None:
+    """:func:`sever` once for recovery ``generation``, from whichever thread comes first: once the
+    ranks meet again, a late cut would sever the new group's connections."""
+    global _handled
+    with _handling:
+        if _handled < generation:
+            _handled = generation
+            sever()
+
+
+def _sockets() -> dict[int, str]:
+    out = {}
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError, ValueError):
+                target = os.readlink(f"/proc/self/fd/{name}")
+                if target.startswith("socket:"):
+                    out[int(name)] = target
+    return out
+
+
+def _noting_links(make: Any) -> Any:
+    """``make`` (torch's ``init_process_group`` or ``new_group``), noting the sockets it opened:
+    gloo's connections to the other ranks, which :func:`sever` cuts."""
+
+    @functools.wraps(make)
+    def made(*args: Any, **kwargs: Any) -> Any:
+        before = _sockets()
+        try:
+            return make(*args, **kwargs)
+        finally:
+            _links.extend((fd, t) for fd, t in _sockets().items() if before.get(fd) != t)
+
+    made.__wrapped_by_ddpkit__ = True  # type: ignore[attr-defined]
+    return made
+
+
+def note_links() -> None:
+    """Have every process group this worker makes note its sockets (once per process)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    for name in ("init_process_group", "new_group"):
+        fn = getattr(c10d, name)
+        if not getattr(fn, "__wrapped_by_ddpkit__", False):
+            wrapped = _noting_links(fn)
+            setattr(c10d, name, wrapped)
+            setattr(dist, name, wrapped)
+
+
+def sever() -> None:
+    """Fail at once every peer's pending and next collective with this worker, and this worker's
+    next one: every worker cuts its links when a failure is named, so a rank waiting on any other
+    is let go by that rank's cut.
+
+    Gloo has no way to interrupt a collective that waits on a peer (its ``abort`` leaves the wait
+    to its timeout, and destroying the group does not close the connections a waiting peer reads):
+    the connections its groups opened are shut down (not their listeners: gloo aborts the process
+    when accept() fails), which ends the peer's reads with an error. NCCL's groups are aborted. The
+    store's connections are left alone."""
+    from ddpkit._internals.elastic import abort_nccl_groups
+
+    address = torchrun.master_address(os.environ)
+    master = int(address[1]) if address else -2
+    for fd, target in _links:
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/self/fd/{fd}") != target:
+                continue  # closed since, and the number taken by another file
+            s = socket.socket(fileno=os.dup(fd))
+            try:
+                ports = {_port(s.getsockname)} | {_port(s.getpeername)}
+                # not a listener: gloo aborts the process when its accept() fails
+                listening = s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+                if master not in ports and not listening:
+                    s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            finally:
+                s.close()
+    _links.clear()
+    with contextlib.suppress(Exception):  # a group already broken
+        abort_nccl_groups()
+
+
+def _port(name: Any) -> int:
+    try:
+        address = name()
+    except OSError:
+        return -1
+    return address[1] if isinstance(address, tuple) else -1
+
+
+def watch_incidents(stop: threading.Event) -> None:
+    """A daemon thread that severs this worker's collectives when the agent names a failure."""
+    where = folder()
+    if where is None:
+        return
+
+    def run() -> None:
+        while not stop.wait(0.02):
+            named = [p.name[len("incident-") :] for p in where.glob("incident-*")]
+            newest = max((int(g) for g in named if g.isdigit()), default=0)
+            if newest > _handled:  # once per recovery: the file stays until the agent says go
+                _sever_for(newest)
+
+    threading.Thread(target=run, name="ddpkit-recover", daemon=True).start()
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(fs.read_bytes(path))
+    except (OSError, ConfigError, ValueError):
+        return None
+
+
+def leave(error: BaseException) -> dict[str, Any] | None:
+    """After the script raised ``error`` in a recovering job: cut and tear down this worker's
+    process group, say so to the agent and wait for its word; the ``go`` record to run again by,
+    or None (``end``): the error goes on as without in-place recovery."""
+    from ddpkit.distributed import _runtime
+
+    where = folder()
+    if where is None or not _recoverable(error):
+        return None
+    generation = _next_generation()
+    left = time.time()
+    _sever_for(generation)
+    _runtime.forget_for_recovery()
+    rank = torchrun.rank_text(os.environ)
+    text = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+    record = {"rank": int(rank), "pid": os.getpid(), "error": text, "left": left}
+    record["torn_down"] = time.time()
+    fs.write_atomic(where / f"wait-{generation}.{rank}", json.dumps(record).encode())
+    go, end = where / f"go-{generation}", where / f"end-{generation}"
+    while True:
+        if (found := _read_json(go)) is not None:
+            os.environ[GO_ENV] = str(go)
+            os.environ.update(torchrun.attempt_env(found["restart_count"], found["master_port"]))
+            return found
+        if end.exists():
+            return None
+        time.sleep(POLL)
+
+
+def _next_generation() -> int:
+    """The recovery this failure starts: one past the last ``go`` in the folder."""
+    where = folder()
+    assert where is not None
+    done = [int(p.name[3:]) for p in where.glob("go-*") if p.name[3:].isdigit()]
+    return max(done, default=0) + 1
+
+
+def _recoverable(error: BaseException) -> bool:
+    """A success (``sys.exit(0)``), a pre-emption and Ctrl-C end the worker as they would."""
+    if isinstance(error, KeyboardInterrupt):
+        return False
+    if isinstance(error, SystemExit):
+        return error.code not in (None, 0, PREEMPTED_EXIT_CODE)
+    return not isinstance(error, Preempted)
+
+
+# -- in the agent ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Incident:
+    """A failure being recovered: recovery ``generation``, seen at ``seen`` (time.time())."""
+
+    generation: int
+    seen: float
+    replaced: dict[int, int] = field(default_factory=dict)  # global rank -> exit code
+
+
+class InPlace:
+    """The agent's side: polled before torchrun's look at the workers (:meth:`poll`)."""
+
+    def __init__(self, where: Path, timeout: float = LEAVE_TIMEOUT) -> None:
+        self.folder = where
+        self.incident: Incident | None = None
+        self.generation = 0
+        self.fallback = ""
+        """Why the last failure was not recovered in place (empty where it was)."""
+        self.ended = False
+        """Set when an incident ends without recovery: torchrun takes the attempt over."""
+        self.timeout = timeout
+        self.store: Any = None  # the workers' store after a recovery, served by the agent
+
+    def poll(self, agent: Any, group: Any) -> bool:
+        """True while a failure is recovered in place: torchrun must not look at the workers."""
+        processes = agent.worker_processes()
+        codes = {w.global_rank: processes[w.local_rank].poll() for w in group.workers}
+        waiting = self._waiting()
+        if self.incident is None:
+            failed = {r for r, c in codes.items() if c not in (None, 0)}
+            if not failed and not waiting:
+                return False
+            self.incident = Incident(self.generation + 1, time.time())
+            self.fallback = ""
+            fs.write_atomic(self.folder / f"incident-{self.incident.generation}", b"")
+        incident = self.incident
+        why = self._why_not(codes, agent)
+        if why:
+            return self._end(why)
+        exited = {r: c for r, c in codes.items() if c is not None}
+        if set(exited) | set(waiting) != set(codes):
+            if time.time() - incident.seen > self.timeout:
+                late = sorted(set(codes) - set(exited) - set(waiting))
+                return self._end(
+                    f"rank(s) {', '.join(map(str, late))} did not leave their step within "
+                    f"{self.timeout:g} s of the failure"
+                )
+            return True
+        incident.replaced = exited
+        self._go(agent, group, waiting)
+        return True
+
+    def _why_not(self, codes: dict[int, int | None], agent: Any) -> str:
+        if any(c == PREEMPTED_EXIT_CODE for c in codes.values()):
+            return "a rank was pre-empted"
+        if any(c == 0 for c in codes.values()):
+            return "a rank had already finished"
+        if agent.restarts_left() < 1:
+            return "no restart left (--max-restarts)"
+        if agent.stall is not None:
+            return "the stall watch ended the attempt"
+        return ""
+
+    def _serve_store(self, agent: Any) -> int:
+        """Serve a new store for the workers on their ``MASTER_ADDR`` alone (the last one this agent
+        served goes); its port."""
+        from datetime import timedelta
+
+        from ddpkit._internals.store import serve_store
+
+        address = torchrun.master_address(agent.process_context().envs[0])
+        host = address[0] if address else "127.0.0.1"
+        listener = socket.create_server((socket.gethostbyname(host), 0), backlog=1024)
+        port = listener.getsockname()[1]
+        self.store = serve_store(listener.detach(), host, port, timedelta(minutes=5))
+        return int(port)
+
+    def _waiting(self) -> dict[int, dict[str, Any]]:
+        generation = self.generation + 1
+        out = {}
+        for path in self.folder.glob(f"wait-{generation}.*"):
+            record = _read_json(path)
+            if record is not None:
+                out[int(record["rank"])] = record
+        return out
+
+    def _end(self, why: str) -> bool:
+        """End the incident: the waiting ranks fail as without the option; torchrun takes over."""
+        assert self.incident is not None
+        self.fallback, self.ended = why, True
+        fs.write_atomic(self.folder / f"end-{self.incident.generation}", why.encode())
+        self._close_incident()
+        return False
+
+    def _close_incident(self) -> None:
+        assert self.incident is not None
+        self.generation = self.incident.generation
+        with contextlib.suppress(OSError, ConfigError):
+            fs.remove(self.folder / f"incident-{self.generation}")
+        self.incident = None
+
+    def _go(self, agent: Any, group: Any, waiting: dict[int, dict[str, Any]]) -> None:
+        assert self.incident is not None
+        incident = self.incident
+        agent.use_restart()
+        restart_count = agent.restarts_used()
+        by_rank = {w.global_rank: w for w in group.workers}
+        go = {
+            "recovery": incident.generation,
+            "restart_count": restart_count,
+            "replaced": sorted(incident.replaced),
+            # the failure's first sign: the agent's look, or a rank's leaving before it
+            "seen": min([incident.seen] + [r["left"] for r in waiting.values()]),
+            "left": max((r["torn_down"] for r in waiting.values()), default=incident.seen),
+            "decided": time.time(),
+        }
+        # A fresh store for the ranks to meet in, served here: the one they met in holds the old
+        # groups' addresses under the keys the new ones use, and its server may be the lost rank.
+        go["master_port"] = self._serve_store(agent)
+        path = self.folder / f"go-{incident.generation}"
+        fs.write_atomic(path, json.dumps(go).encode())  # before a replacement can look for it
+        for rank in incident.replaced:
+            agent.replace_worker(by_rank[rank], {
+                GO_ENV: str(path), **torchrun.attempt_env(restart_count, go["master_port"]),
+            })  # fmt: skip
+        kinds = [f"rank {r} ({_ended(c)})" for r, c in sorted(incident.replaced.items())]
+        kept = sorted(waiting)
+        from ddpkit._launch import say
+
+        say(
+            f"recovering in place (recovery {incident.generation}, "
+            f"{agent.restarts_left()} restart(s) left): "
+            + (f"replaced {', '.join(kinds)}; " if kinds else "")
+            + (f"rank(s) {', '.join(map(str, kept))} go on in their processes" if kept else "")
+        )
+        self._close_incident()
+
+
+def _ended(code: int) -> str:
+    if code < 0:
+        import signal
+
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def prepare(run_dir: Path) -> InPlace:
+    """The agent's side, its folder made in ``run_dir`` and its path set for the workers."""
+    from ddpkit.distributed._environment import parse_seconds
+
+    text = os.environ.get(TIMEOUT_ENV)
+    timeout = parse_seconds(TIMEOUT_ENV, text) if text else LEAVE_TIMEOUT
+    where = run_dir / "recover"
+    fs.make_dirs(where, root=run_dir)
+    os.environ[DIR_ENV] = str(where)
+    return InPlace(where, timeout)
+
+
+def say_unavailable(why: str) -> None:
+    from ddpkit._launch import say
+
+    say(f"--recover in-place: {why}; a failure restarts every worker")

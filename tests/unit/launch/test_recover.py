@@ -1,0 +1,144 @@
+"""In-place recovery's parts: cutting a worker's collective links with real gloo processes (and the
+control: gloo's own abort leaves the wait), and the agent's decisions on a fake worker group (pure
+logic: which ranks are replaced, when it waits, when it gives the failure back and why)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ddpkit._errors import PREEMPTED_EXIT_CODE, ConfigError
+from ddpkit._launch import recover
+from ddpkit.testing import run_on_ranks
+
+
+def _pending_all_reduce(cut: bool) -> str:
+    """Rank 0 starts an all-reduce on a new group that rank 1 never joins; rank 1 cuts its links to
+    the group (``cut``), or aborts it as gloo offers (the control, which cuts them after rank 0 has
+    looked). How rank 0's all-reduce stood once rank 1 had done so."""
+    dist.barrier()  # the default group's links made (gloo may make them at first use): not cut
+    recover.note_links()
+    group = dist.new_group(backend="gloo")
+    if dist.get_rank() == 1:
+        if cut:
+            recover.sever()
+        else:
+            group._get_backend(torch.device("cpu")).abort()
+        dist.barrier()  # done: rank 0 looks
+        if not cut:
+            dist.barrier()  # rank 0 has looked
+            recover.sever()
+        return ""
+    work = dist.all_reduce(torch.ones(4), group=group, async_op=True)
+    dist.barrier()
+    looked = "pending" if not work.is_completed() else "completed"
+    if not cut:
+        dist.barrier()
+    try:
+        work.wait()
+    except RuntimeError:
+        return f"{looked}, then raised" if not cut else "raised"
+    return "completed"
+
+
+def test_cutting_a_ranks_links_ends_its_peers_pending_gloo_collective_and_abort_does_not():
+    assert run_on_ranks(_pending_all_reduce, 2, (True,))[0] == "raised"
+    # Control: after gloo's abort on rank 1, rank 0 still waits; rank 1's cut ends it.
+    assert run_on_ranks(_pending_all_reduce, 2, (False,))[0] == "pending, then raised"
+
+
+class FakeAgent:
+    """The agent as :class:`~ddpkit._launch.recover.InPlace` sees it: each rank's exit code."""
+
+    def __init__(self, codes: dict[int, int | None], restarts: int = 2) -> None:
+        self.codes, self.restarts, self.max, self.replaced = codes, restarts, restarts, []
+        self.stall = None
+
+    def worker_processes(self):
+        return {r: SimpleNamespace(poll=lambda r=r: self.codes[r]) for r in self.codes}
+
+    def restarts_left(self) -> int:
+        return self.restarts
+
+    def use_restart(self) -> None:
+        self.restarts -= 1
+
+    def restarts_used(self) -> int:
+        return self.max - self.restarts
+
+    def replace_worker(self, worker, env) -> None:
+        self.replaced.append((worker.global_rank, env["TORCHELASTIC_RESTART_COUNT"]))
+        self.codes[worker.global_rank] = None
+
+    def process_context(self):
+        return SimpleNamespace(envs={0: {"MASTER_ADDR": "127.0.0.1"}})
+
+
+def group(n: int) -> SimpleNamespace:
+    return SimpleNamespace(workers=[SimpleNamespace(global_rank=r, local_rank=r) for r in range(n)])
+
+
+def wait(folder: Path, rank: int, generation: int = 1) -> None:
+    record = {"rank": rank, "pid": 1, "error": "x", "left": 1.0, "torn_down": 2.0}
+    (folder / f"wait-{generation}.{rank}").write_text(json.dumps(record))
+
+
+def test_the_agent_replaces_the_exited_rank_once_every_other_rank_waits(tmp_path, capsys):
+    agent, place = FakeAgent({0: None, 1: -9, 2: None}), recover.InPlace(tmp_path)
+    assert place.poll(agent, group(3))  # rank 1 killed: torchrun must not look
+    assert (tmp_path / "incident-1").exists() and agent.replaced == []
+    wait(tmp_path, 0)
+    assert place.poll(agent, group(3)) and agent.replaced == []  # rank 2 has not left yet
+    wait(tmp_path, 2)
+    assert place.poll(agent, group(3))
+    go = json.loads((tmp_path / "go-1").read_text())
+    assert go["replaced"] == [1] and go["restart_count"] == 1 and agent.replaced == [(1, "1")]
+    assert not (tmp_path / "incident-1").exists() and agent.restarts == 1
+    assert "replaced rank 1 (killed by SIGKILL); rank(s) 0, 2 go on" in capsys.readouterr().err
+    assert not place.poll(agent, group(3))  # all running again: torchrun looks
+
+
+@pytest.mark.parametrize(
+    ("codes", "restarts", "why"),
+    [
+        ({0: None, 1: -9, 2: PREEMPTED_EXIT_CODE}, 2, "a rank was pre-empted"),
+        ({0: None, 1: -9, 2: 0}, 2, "a rank had already finished"),
+        ({0: None, 1: -9, 2: None}, 0, "no restart left"),
+    ],
+)
+def test_the_agent_gives_the_failure_back_to_torchrun_saying_why(tmp_path, codes, restarts, why):
+    agent, place = FakeAgent(codes, restarts), recover.InPlace(tmp_path)
+    assert not place.poll(agent, group(3))
+    assert why in place.fallback and (tmp_path / "end-1").read_text() == place.fallback
+    assert agent.replaced == [] and place.ended
+
+
+def test_a_rank_that_does_not_leave_in_time_ends_the_recovery_naming_it(tmp_path):
+    agent, place = FakeAgent({0: None, 1: -9}), recover.InPlace(tmp_path, timeout=0.0)
+    assert not place.poll(agent, group(2))
+    assert place.fallback == "rank(s) 0 did not leave their step within 0 s of the failure"
+    # Control: with time left, the agent waits for it.
+    agent, place = FakeAgent({0: None, 1: -9}), recover.InPlace(tmp_path / "x", timeout=60.0)
+    (tmp_path / "x").mkdir()
+    assert place.poll(agent, group(2)) and not place.fallback
+
+
+def test_in_place_recovery_needs_a_restart_budget_and_one_node(tmp_path, capsys):
+    from ddpkit._launch.launcher import in_place_recovery
+    from ddpkit._launch.options import LaunchConfig
+
+    with pytest.raises(ConfigError, match="--max-restarts N"):
+        in_place_recovery(LaunchConfig(script="x.py", recover="in-place"), tmp_path)
+    cfg = LaunchConfig(
+        script="x.py", recover="in-place", max_restarts=1, nnodes="2",
+        rdzv_endpoint="127.0.0.1:29400",
+    )  # fmt: skip
+    assert in_place_recovery(cfg, tmp_path) is None
+    assert "it covers the workers of one node" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="recover"):
+        LaunchConfig(script="x.py", recover="sideways")  # type: ignore[arg-type]
