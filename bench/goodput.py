@@ -11,6 +11,9 @@ variants:
   tutorials);
 - ``memory``: the same with the snapshots in memory on (``SnapshotConfig(memory=True)``: every step,
   unless that stalls a step more than 5%);
+- ``memory-in-place``: ``memory`` with ``ddpkit run --recover in-place``: the other ranks keep their
+  processes, the killed one is replaced, every rank runs the script again from the copies in memory
+  (docs/recovery.md);
 - ``memory-new-interpreters``: ``memory`` with ``ddpkit run --fork-server off``: every worker of
   every attempt a new interpreter that imports torch, as under torchrun (the other ddpkit variants
   fork their workers from the job's fork server, :mod:`ddpkit._launch.forkserver`).
@@ -39,6 +42,7 @@ changes.
     python bench/goodput.py  # T=60 s, 30000 samples x 20 epochs, every variant
     python bench/goodput.py --interval 30 --epochs 5 --variants memory,tutorial
     python bench/goodput.py --interval 30 --nproc 8 --variants memory --failures-only
+    python bench/goodput.py --interval 30 --nproc 8 --epochs 2 --variants memory,memory-in-place
 """
 
 from __future__ import annotations
@@ -157,6 +161,7 @@ def command(variant: str, folder: Path, timeline: Path, a: argparse.Namespace) -
         ]
         return launch + torchrun + job + ["--mode", "tutorial"]
     ddpkit = ["ddpkit", *(["--fork-server", "off"] if variant == "memory-new-interpreters" else [])]
+    ddpkit += ["--recover", "in-place"] if variant == "memory-in-place" else []
     ddpkit += [
         "--nproc",
         str(a.nproc),

@@ -36,12 +36,16 @@ def one(n: int, in_place: bool, folder: Path) -> dict:
     cmd += ["-m", "tests.jobs.scripts.memory_job", str(folder / "run"), "--log", str(folder)]
     cmd += ["--kill-rank", str(n - 1), "--kill-after-step", "9", "--no-sync-bn"]
     done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    (folder / "output.txt").write_text(done.stdout + done.stderr)
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
     killed = next(folder.glob("killed-*")).stat().st_mtime
     records = [json.loads(line) for line in (folder / "run" / "metrics.jsonl").open()]
     resumed = next(r for r in records if r.get("event") == "resume")
     recover = next((r for r in records if r.get("event") == "recover"), None)
+    if in_place and recover is None:  # given back to the whole-job restart: the output says why
+        why = [line for line in done.stderr.splitlines() if "not recovered in place" in line]
+        print(f"  {n} ranks, {folder.name}: not recovered in place ({why})")
     return {"kill to loaded": resumed["time"] - killed, "phases": recover and recover["seconds"]}
 
 
@@ -61,10 +65,8 @@ def main() -> None:
         whole, place = (
             statistics.median(r["kill to loaded"] for r in got[k]) for k in (False, True)
         )
-        phases = {
-            k: round(statistics.median(r["phases"][k] for r in got[True]), 3)
-            for k in got[True][0]["phases"]
-        }
+        recovered = [r["phases"] for r in got[True] if r["phases"] is not None]
+        phases = {k: round(statistics.median(p[k] for p in recovered), 3) for k in recovered[0]}
         print(f"{n:>5} {whole:>13.3f}s {place:>8.3f}s {place / whole:>6.2f}  {phases}")
 
 

@@ -73,6 +73,12 @@ class Agent(HookedAgent):
         if self.in_place.ended:  # torchrun takes this attempt over
             self.in_place.ended = False
             self._whole_restart = attempt
+            if self.in_place.late:  # where the ranks that did not leave their step are
+                pids = {w.global_rank: w.id for w in worker_group.workers}
+                _ask_for_stacks({r: pids[r] for r in self.in_place.late}, self.in_place.late)
+                folder = _stack_dir()
+                for line in stacks(folder, self.in_place.late) if folder else []:
+                    say(line.strip() if line.startswith("  rank") else line)
         return False
 
     def replace_worker(self, worker: Any, env: dict[str, str]) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import json
 import os
 import socket
@@ -180,12 +181,16 @@ def leave(error: BaseException) -> dict[str, Any] | None:
     generation = _next_generation()
     left = time.time()
     _sever_for(generation)
+    severed = time.time()
     _runtime.forget_for_recovery()
     rank = torchrun.rank_text(os.environ)
     text = f"{type(error).__name__}: {error}".splitlines()[0][:300]
     record = {"rank": int(rank), "pid": os.getpid(), "error": text, "left": left}
-    record["torn_down"] = time.time()
+    record |= {"severed": severed, "torn_down": time.time()}
     fs.write_atomic(where / f"wait-{generation}.{rank}", json.dumps(record).encode())
+    # While the agent decides and a replacement starts: free what the failed run held (its model,
+    # optimizer and their device memory are in reference cycles), before the script runs again.
+    gc.collect()
     go, end = where / f"go-{generation}", where / f"end-{generation}"
     while True:
         if (found := _read_json(go)) is not None:
@@ -237,6 +242,8 @@ class InPlace:
         """Why the last failure was not recovered in place (empty where it was)."""
         self.ended = False
         """Set when an incident ends without recovery: torchrun takes the attempt over."""
+        self.late: list[int] = []
+        """The ranks that did not leave their step in time, when that ended the incident."""
         self.timeout = timeout
         self.store: Any = None  # the workers' store after a recovery, served by the agent
 
@@ -250,7 +257,7 @@ class InPlace:
             if not failed and not waiting:
                 return False
             self.incident = Incident(self.generation + 1, time.time())
-            self.fallback = ""
+            self.fallback, self.late = "", []
             fs.write_atomic(self.folder / f"incident-{self.incident.generation}", b"")
         incident = self.incident
         why = self._why_not(codes, agent)
@@ -259,7 +266,7 @@ class InPlace:
         exited = {r: c for r, c in codes.items() if c is not None}
         if set(exited) | set(waiting) != set(codes):
             if time.time() - incident.seen > self.timeout:
-                late = sorted(set(codes) - set(exited) - set(waiting))
+                late = self.late = sorted(set(codes) - set(exited) - set(waiting))
                 return self._end(
                     f"rank(s) {', '.join(map(str, late))} did not leave their step within "
                     f"{self.timeout:g} s of the failure"

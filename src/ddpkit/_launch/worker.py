@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import gc
 import json
 import multiprocessing.util
 import os
@@ -365,6 +366,9 @@ def main() -> None:
     if recover.folder() is not None:
         recover.note_links()
         recover.watch_incidents(threading.Event())
+        # what is loaded now (torch, ddpkit) lives as long as the process: the collection after a
+        # failure (recover.leave) then looks only at what the script made
+        gc.freeze()
     target = argv[0]
     sys.argv = argv
     # as `python script.py`: the script's folder first on the import path

@@ -367,15 +367,12 @@ def forget_for_recovery() -> None:
     """Destroy the process group of a worker that left a failed step (no barrier: a peer is gone)
     and forget the runtime and the rendezvous store, so that :func:`init` meets the other ranks
     afresh (``ddpkit run --recover in-place``)."""
-    global _store_of, _generation
-    import gc
+    global _runtime, _group_store, _store_of, _generation
 
-    global _runtime, _group_store
     with contextlib.suppress(Exception):  # a group whose connections were cut: no settling
         dist.destroy_process_group()
     _runtime = _group_store = _store_of = None
     _generation = 0
-    gc.collect()  # the failed step's DDP reducer and work objects, with the group they hold
 
 
 def _destroy_at_exit() -> None:

@@ -156,6 +156,7 @@ def test_a_rank_that_does_not_leave_its_step_in_time_makes_the_job_restart_whole
     args = ["--sleep-at", "0", "8", "60", "--kill-rank", "1", "--kill-after-step", "8"]
     final, out = run(tmp_path, "late", *args, env=env)
     assert "not recovered in place: rank(s) 0 did not leave their step within 1 s" in out, out
+    assert "in on_step_end" in out, out  # where rank 0 was, from its stack
     ran = pids(tmp_path / "late-log")
     assert all(ran[r][1] != ran[r][0] for r in (0, 1)), ran  # a whole-job restart
     assert recoveries(tmp_path / "late") == []
