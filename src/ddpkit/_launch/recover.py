@@ -29,11 +29,10 @@ from typing import Any
 
 from ddpkit import _fs as fs
 from ddpkit._errors import PREEMPTED_EXIT_CODE, ConfigError, Preempted
+from ddpkit.distributed._environment import RECOVER_DIR_ENV as DIR_ENV
 from ddpkit.distributed._environment import RECOVERED_ENV as GO_ENV
 from ddpkit.platforms import _torchrun as torchrun
 
-DIR_ENV = "DDPKIT_RECOVER_DIR"
-"""The job's recovery folder; set by the agent where ``--recover in-place`` applies."""
 LEAVE_TIMEOUT = 30.0
 """Seconds every rank gets to leave its step once a failure is seen; past them, a whole restart
 (``$DDPKIT_RECOVER_TIMEOUT`` sets another)."""
@@ -353,11 +352,11 @@ class InPlace:
         kept = sorted(waiting)
         from ddpkit._launch import say
 
+        done = [f"replaced {', '.join(kinds)}"] if kinds else []
+        done += [f"rank(s) {', '.join(map(str, kept))} go on in their processes"] if kept else []
         say(
             f"recovering in place (recovery {incident.generation}, "
-            f"{agent.restarts_left()} restart(s) left): "
-            + (f"replaced {', '.join(kinds)}; " if kinds else "")
-            + (f"rank(s) {', '.join(map(str, kept))} go on in their processes" if kept else "")
+            f"{agent.restarts_left()} restart(s) left): {'; '.join(done)}"
         )
         self._close_incident()
 

@@ -20,6 +20,7 @@ run before any tensor is read.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from ddpkit.data._epoch_loader import EpochLoader
 from ddpkit.data._fingerprint import refusal
 from ddpkit.distributed import _signals as signals
 from ddpkit.distributed._collectives import all_reduce
-from ddpkit.distributed._environment import recovery_record
+from ddpkit.distributed._environment import RECOVER_DIR_ENV, recovery_record
 from ddpkit.distributed._log import print0
 from ddpkit.distributed._runtime import Runtime, get_runtime
 from ddpkit.snapshot._disk import STREAMS, DiskStore
@@ -237,6 +238,12 @@ class Snapshots:
             from ddpkit.snapshot._memory import open_memory
 
             self.memory = open_memory(self, config.memory_every_steps)
+        elif os.environ.get(RECOVER_DIR_ENV) and runtime.restart_count == 0:
+            self._warn(
+                "ddpkit: ddpkit run --recover in-place, but no copies in memory "
+                "(SnapshotConfig(memory=True), or Snapshots(memory=True)): a recovery resumes from "
+                "the newest snapshot on disk, or from the start"
+            )
 
     @property
     def steps(self) -> int:

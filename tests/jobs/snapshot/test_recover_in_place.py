@@ -19,7 +19,7 @@ from ddpkit.testing import run_job
 from tests.jobs.snapshot import test_memory_snapshots as memory
 from tests.jobs.snapshot.test_hand_loop import JOB as HAND_JOB
 from tests.jobs.snapshot.test_hand_loop import STEPS as HAND_STEPS
-from tests.jobs.snapshot.test_hand_loop import same_bits
+from tests.jobs.snapshot.test_hand_loop import newest_snapshot, same_bits
 from tests.jobs.snapshot.test_memory_snapshots import (
     JOB,
     SEED,
@@ -172,11 +172,14 @@ def test_a_hand_loop_is_recovered_in_place_bitwise(tmp_path, clean_env):
     kill_rank, kill_step = rng.randrange(2), rng.randrange(2, HAND_STEPS)
     what = f"rank {kill_rank} killed after step {kill_step} (seed {SEED})"
 
+    outputs = {}
+
     def hand(name: str, *args: str, recover=IN_PLACE) -> list[dict]:
         job = [str(tmp_path / name), "--out", str(tmp_path / name), *args]
         launcher = ["--max-restarts", "1", *recover]
         proc = run_job(HAND_JOB, *job, launcher_args=launcher, env=env, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
+        outputs[name] = proc.stdout + proc.stderr
         return [torch.load(tmp_path / f"{name}-rank{r}.pt", weights_only=False) for r in (0, 1)]
 
     def ran(name: str) -> dict[int, list[int]]:
@@ -195,7 +198,13 @@ def test_a_hand_loop_is_recovered_in_place_bitwise(tmp_path, clean_env):
     other = 1 - kill_rank
     pid = ran("in-place")
     assert pid[other][0] == pid[other][1] and pid[kill_rank][0] != pid[kill_rank][1], (what, pid)
+    assert "no copies in memory" not in outputs["in-place"]
     # Control: the whole-job restart replaces the process of the rank that was not killed too.
     hand("whole", *kill, recover=())
     pid = ran("whole")
     assert pid[other][0] != pid[other][1], pid
+    # Without copies in memory the job says so, and a recovery resumes from the disk's snapshot.
+    disk = hand("disk", "--kill-rank", str(kill_rank), "--kill-step", str(kill_step))
+    assert "--recover in-place, but no copies in memory" in outputs["disk"]
+    assert all(same_bits(disk[r], reference[r]) for r in (0, 1)), what
+    assert disk[0]["resumed_from"] == newest_snapshot(kill_step), what
