@@ -166,6 +166,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--no-sync-bn", action="store_true")
     p.add_argument("--strategy", default="ddp")
+    p.add_argument("--global-batch", type=int, default=24)
     return p.parse_args()
 
 
@@ -207,6 +208,7 @@ def main() -> None:
         sync_batchnorm=not a.no_sync_bn,
         catch_preempted=False,
         strategy=a.strategy,
+        global_batch=a.global_batch,
         event=("raise", *a.raise_at) if a.raise_at else None,
     )
     ddpkit.shutdown()
