@@ -11,6 +11,7 @@ import json
 import os
 import socket
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,16 @@ def take(path: Path, *, wait: bool) -> tuple[int, bool]:
                 raise
 
 
+_HELD: weakref.WeakSet[FolderLock] = weakref.WeakSet()  # the locks this process holds
+
+
+def release_all() -> None:
+    """Release every folder lock this process holds: a failed run of a script that runs again in
+    this process (``ddpkit run --recover in-place``) claims its folders anew."""
+    for lock in list(_HELD):
+        lock.release()
+
+
 class FolderLock:
     """An exclusive advisory lock on ``folder/.lock``. For the message of a job that finds it taken:
     ``what`` names the folder (``run_dir``), ``job`` and ``user`` the kind of job in it (``job``,
@@ -90,6 +101,7 @@ class FolderLock:
         record = {"host": socket.gethostname(), "pid": os.getpid(), "since": since}
         os.pwrite(fd, json.dumps(record).encode(), 0)
         self._fd = fd
+        _HELD.add(self)
 
     def release(self) -> None:
         if self._fd is not None:
@@ -98,6 +110,7 @@ class FolderLock:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
+            _HELD.discard(self)
 
     def __enter__(self) -> FolderLock:
         self.acquire()

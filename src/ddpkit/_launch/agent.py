@@ -73,13 +73,23 @@ class Agent(HookedAgent):
         if self.in_place.ended:  # torchrun takes this attempt over
             self.in_place.ended = False
             self._whole_restart = attempt
-            if self.in_place.late:  # where the ranks that did not leave their step are
-                pids = {w.global_rank: w.id for w in worker_group.workers}
-                _ask_for_stacks({r: pids[r] for r in self.in_place.late}, self.in_place.late)
-                folder = _stack_dir()
-                for line in stacks(folder, self.in_place.late) if folder else []:
-                    say(line.strip() if line.startswith("  rank") else line)
         return False
+
+    def stop_late(self, ranks: list[int], worker_group: Any, waited: float) -> None:
+        """SIGKILL the workers of ``ranks``, which did not leave their step within ``waited``
+        seconds of a failure recovered in place, saying where each was (its stack)."""
+        say(
+            f"rank(s) {', '.join(map(str, ranks))} did not leave their step within {waited:g} s "
+            "of the failure: killed, to be replaced"
+        )
+        pids = {w.global_rank: w.id for w in worker_group.workers}
+        folder = _stack_dir()
+        where = worker.ask_stacks(folder, {r: pids[r] for r in ranks}) if folder else {}
+        for rank, frames in where.items():
+            say(f"rank {rank} was at (innermost first):")
+            for frame in frames:
+                say(f"  {frame}")
+        _kill([pids[r] for r in ranks])
 
     def replace_worker(self, worker: Any, env: dict[str, str]) -> None:
         super().replace_worker(worker, env)

@@ -5,8 +5,9 @@ its pending or next collective fails at once, tears its process group down and s
 every rank is waiting or gone, the agent forks a replacement for each rank that exited and says go;
 then every rank runs the script's ``__main__`` again from the start, which resumes from the copies
 in shared memory (``Snapshots(memory=True)``, the Trainer's ``SnapshotConfig(memory=True)``). Where
-that cannot proceed (a rank does not leave its step in time, one finished, no restart is left) the
-agent says end, and the job restarts whole as without the option, saying why.
+that cannot proceed (a rank was pre-empted or finished, no restart is left) the agent says end, and
+the job restarts whole as without the option, saying why; a rank that does not leave its step in
+time is killed and replaced with the ranks that exited.
 
 The files, in ``$DDPKIT_RECOVER_DIR``: ``incident-G`` (the agent: recovery G is under way),
 ``wait-G.RANK`` (a worker: it left, with its error), ``go-G`` (the agent: run again, with what was
@@ -23,19 +24,21 @@ import os
 import socket
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ddpkit import _fs as fs
 from ddpkit._errors import PREEMPTED_EXIT_CODE, ConfigError, Preempted
+from ddpkit._fs import lock
 from ddpkit.distributed._environment import RECOVER_DIR_ENV as DIR_ENV
 from ddpkit.distributed._environment import RECOVERED_ENV as GO_ENV
 from ddpkit.platforms import _torchrun as torchrun
 
-LEAVE_TIMEOUT = 30.0
-"""Seconds every rank gets to leave its step once a failure is seen; past them, a whole restart
-(``$DDPKIT_RECOVER_TIMEOUT`` sets another)."""
+LEAVE_TIMEOUT = 10.0
+"""Seconds every rank gets to leave its step once a failure is seen; a rank still in it then is
+killed and replaced (``$DDPKIT_RECOVER_TIMEOUT`` sets another)."""
 TIMEOUT_ENV = "DDPKIT_RECOVER_TIMEOUT"
 POLL = 0.005  # seconds between a waiting worker's looks at the folder
 
@@ -179,6 +182,11 @@ def leave(error: BaseException) -> dict[str, Any] | None:
         return None
     generation = _next_generation()
     left = time.time()
+    # The failed run's folder locks go first (a Snapshots the script did not close, kept by its
+    # signal handler, holds one), then its locals (its loader's workers, its model), not when the
+    # collector finds them: the traceback keeps its lines.
+    lock.release_all()
+    traceback.clear_frames(error.__traceback__)
     _sever_for(generation)
     severed = time.time()
     _runtime.forget_for_recovery()
@@ -210,8 +218,9 @@ def _next_generation() -> int:
 
 
 def _recoverable(error: BaseException) -> bool:
-    """A success (``sys.exit(0)``), a pre-emption and Ctrl-C end the worker as they would."""
-    if isinstance(error, KeyboardInterrupt):
+    """A success (``sys.exit(0)``), a pre-emption, Ctrl-C and a refused configuration (the same
+    again at every run) end the worker as they would."""
+    if isinstance(error, (KeyboardInterrupt, ConfigError)):
         return False
     if isinstance(error, SystemExit):
         return error.code not in (None, 0, PREEMPTED_EXIT_CODE)
@@ -228,6 +237,7 @@ class Incident:
     generation: int
     seen: float
     replaced: dict[int, int] = field(default_factory=dict)  # global rank -> exit code
+    stopped: list[int] = field(default_factory=list)  # ranks killed for not leaving in time
 
 
 class InPlace:
@@ -241,8 +251,7 @@ class InPlace:
         """Why the last failure was not recovered in place (empty where it was)."""
         self.ended = False
         """Set when an incident ends without recovery: torchrun takes the attempt over."""
-        self.late: list[int] = []
-        """The ranks that did not leave their step in time, when that ended the incident."""
+
         self.timeout = timeout
         self.store: Any = None  # the workers' store after a recovery, served by the agent
 
@@ -256,7 +265,7 @@ class InPlace:
             if not failed and not waiting:
                 return False
             self.incident = Incident(self.generation + 1, time.time())
-            self.fallback, self.late = "", []
+            self.fallback = ""
             fs.write_atomic(self.folder / f"incident-{self.incident.generation}", b"")
         incident = self.incident
         why = self._why_not(codes, agent)
@@ -264,12 +273,11 @@ class InPlace:
             return self._end(why)
         exited = {r: c for r, c in codes.items() if c is not None}
         if set(exited) | set(waiting) != set(codes):
-            if time.time() - incident.seen > self.timeout:
-                late = self.late = sorted(set(codes) - set(exited) - set(waiting))
-                return self._end(
-                    f"rank(s) {', '.join(map(str, late))} did not leave their step within "
-                    f"{self.timeout:g} s of the failure"
-                )
+            late = sorted(set(codes) - set(exited) - set(waiting) - set(incident.stopped))
+            if late and time.time() - incident.seen > self.timeout:
+                # Its state is in memory like the others': it is replaced, not waited for.
+                incident.stopped += late
+                agent.stop_late(late, group, self.timeout)
             return True
         incident.replaced = exited
         self._go(agent, group, waiting)

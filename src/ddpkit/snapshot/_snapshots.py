@@ -238,11 +238,12 @@ class Snapshots:
             from ddpkit.snapshot._memory import open_memory
 
             self.memory = open_memory(self, config.memory_every_steps)
-        elif os.environ.get(RECOVER_DIR_ENV) and runtime.restart_count == 0:
-            self._warn(
-                "ddpkit: ddpkit run --recover in-place, but no copies in memory "
-                "(SnapshotConfig(memory=True), or Snapshots(memory=True)): a recovery resumes from "
-                "the newest snapshot on disk, or from the start"
+        elif os.environ.get(RECOVER_DIR_ENV):
+            raise ConfigError(
+                "ddpkit run --recover in-place resumes every rank from the copies in memory, and "
+                "this run keeps none: pass memory=True (SnapshotConfig(memory=True) for the "
+                "Trainer, Snapshots(..., memory=True) for a loop), or run without --recover "
+                "in-place"
             )
 
     @property

@@ -58,6 +58,7 @@ class FakeAgent:
     def __init__(self, codes: dict[int, int | None], restarts: int = 2) -> None:
         self.codes, self.restarts, self.max, self.replaced = codes, restarts, restarts, []
         self.stall = None
+        self.stopped: list[list[int]] = []
 
     def worker_processes(self):
         return {r: SimpleNamespace(poll=lambda r=r: self.codes[r]) for r in self.codes}
@@ -74,6 +75,9 @@ class FakeAgent:
     def replace_worker(self, worker, env) -> None:
         self.replaced.append((worker.global_rank, env["TORCHELASTIC_RESTART_COUNT"]))
         self.codes[worker.global_rank] = None
+
+    def stop_late(self, ranks, group, waited) -> None:
+        self.stopped.append(ranks)
 
     def process_context(self):
         return SimpleNamespace(envs={0: {"MASTER_ADDR": "127.0.0.1"}})
@@ -118,14 +122,16 @@ def test_the_agent_gives_the_failure_back_to_torchrun_saying_why(tmp_path, codes
     assert agent.replaced == [] and place.ended
 
 
-def test_a_rank_that_does_not_leave_in_time_ends_the_recovery_naming_it(tmp_path):
+def test_a_rank_that_does_not_leave_in_time_is_stopped_and_replaced(tmp_path):
     agent, place = FakeAgent({0: None, 1: -9}), recover.InPlace(tmp_path, timeout=0.0)
-    assert not place.poll(agent, group(2))
-    assert place.fallback == "rank(s) 0 did not leave their step within 0 s of the failure"
+    assert place.poll(agent, group(2)) and agent.stopped == [[0]]
+    agent.codes[0] = -9  # the agent's SIGKILL
+    assert place.poll(agent, group(2)) and agent.stopped == [[0]]  # once
+    assert json.loads((tmp_path / "go-1").read_text())["replaced"] == [0, 1]
     # Control: with time left, the agent waits for it.
-    agent, place = FakeAgent({0: None, 1: -9}), recover.InPlace(tmp_path / "x", timeout=60.0)
     (tmp_path / "x").mkdir()
-    assert place.poll(agent, group(2)) and not place.fallback
+    agent, place = FakeAgent({0: None, 1: -9}), recover.InPlace(tmp_path / "x", timeout=60.0)
+    assert place.poll(agent, group(2)) and agent.stopped == [] and not place.fallback
 
 
 def test_in_place_recovery_needs_a_restart_budget_and_one_node(tmp_path, capsys):
@@ -142,3 +148,19 @@ def test_in_place_recovery_needs_a_restart_budget_and_one_node(tmp_path, capsys)
     assert "it covers the workers of one node" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="recover"):
         LaunchConfig(script="x.py", recover="sideways")  # type: ignore[arg-type]
+
+
+def test_a_failed_runs_folder_locks_are_released_for_the_run_again(tmp_path):
+    from ddpkit._fs import lock
+
+    def claim() -> lock.FolderLock:
+        held = lock.FolderLock(tmp_path, what="run_dir", job="job", user="run", hazard="h")
+        held.acquire()
+        return held
+
+    first = claim()  # a Snapshots the failed run left open holds it
+    with pytest.raises(ConfigError, match="in use by another job"):  # control: not released
+        claim()
+    lock.release_all()
+    claim().release()
+    assert first._fd is None
