@@ -9,9 +9,9 @@ that cannot proceed (a rank was pre-empted or finished, no restart is left) the 
 the job restarts whole as without the option, saying why; a rank that does not leave its step in
 time is killed and replaced with the ranks that exited.
 
-The files, in ``$DDPKIT_RECOVER_DIR``: ``incident-G`` (the agent: recovery G is under way),
-``wait-G.RANK`` (a worker: it left, with its error), ``go-G`` (the agent: run again, with what was
-replaced and when) or ``end-G`` (the agent: fail as without the option, with why).
+The files, in ``$DDPKIT_RECOVER_DIR``: ``incident`` (the agent: recovery G, the file's content, is
+under way), ``wait-G.RANK`` (a worker: it left, with its error), ``go-G`` (the agent: run again,
+with what was replaced and when) or ``end-G`` (the agent: fail as without the option, with why).
 """
 
 from __future__ import annotations
@@ -107,32 +107,30 @@ def note_links() -> None:
 
 
 def sever() -> None:
-    """Fail at once every peer's pending and next collective with this worker, and this worker's
-    next one: every worker cuts its links when a failure is named, so a rank waiting on any other
-    is let go by that rank's cut.
+    """Fail at once every peer's pending and next collective with this worker, this worker's next
+    one, and its waits on the store: every worker cuts its links when a failure is named, so a rank
+    waiting on any other is let go by that rank's cut.
 
     Gloo has no way to interrupt a collective that waits on a peer (its ``abort`` leaves the wait
     to its timeout, and destroying the group does not close the connections a waiting peer reads):
     the connections its groups opened are shut down (not their listeners: gloo aborts the process
-    when accept() fails), which ends the peer's reads with an error. NCCL's groups are aborted. The
-    store's connections are left alone."""
+    when accept() fails), which ends the peer's reads with an error. A group being made waits on the
+    store for the other ranks' addresses, one of which never comes: this worker's connections to the
+    job's store are shut down too (the ranks meet again in a new one). NCCL's groups are aborted."""
     from ddpkit._internals.elastic import abort_nccl_groups
 
     address = torchrun.master_address(os.environ)
-    master = int(address[1]) if address else -2
-    for fd, target in _links:
+    store = (socket.gethostbyname(address[0]), int(address[1])) if address else None
+    links = dict(_links)
+    for fd, target in _sockets().items():
         with contextlib.suppress(OSError):
-            if os.readlink(f"/proc/self/fd/{fd}") != target:
-                continue  # closed since, and the number taken by another file
             s = socket.socket(fileno=os.dup(fd))
             try:
-                ports = {_port(s.getsockname)} | {_port(s.getpeername)}
                 # not a listener: gloo aborts the process when its accept() fails
-                listening = s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
-                if master not in ports and not listening:
+                if s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    continue
+                if links.get(fd) == target or (store is not None and _peer(s) == store):
                     s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
             finally:
                 s.close()
     _links.clear()
@@ -140,12 +138,16 @@ def sever() -> None:
         abort_nccl_groups()
 
 
-def _port(name: Any) -> int:
+def _peer(s: socket.socket) -> tuple[str, int] | None:
+    """The socket's peer address, None where it has none."""
     try:
-        address = name()
+        address = s.getpeername()
     except OSError:
-        return -1
-    return address[1] if isinstance(address, tuple) else -1
+        return None
+    if not isinstance(address, tuple):
+        return None
+    host = address[0].removeprefix("::ffff:")  # an IPv4 peer of an IPv6 socket (torch's store)
+    return host, address[1]
 
 
 def watch_incidents(stop: threading.Event) -> None:
@@ -155,11 +157,14 @@ def watch_incidents(stop: threading.Event) -> None:
         return
 
     def run() -> None:
+        incident = where / "incident"
         while not stop.wait(0.02):
-            named = [p.name[len("incident-") :] for p in where.glob("incident-*")]
-            newest = max((int(g) for g in named if g.isdigit()), default=0)
-            if newest > _handled:  # once per recovery: the file stays until the agent says go
-                _sever_for(newest)
+            if not os.path.exists(incident):  # a stat: every 20 ms in every worker
+                continue
+            with contextlib.suppress(OSError, ValueError, ConfigError):
+                newest = int(fs.read_bytes(incident) or b"0")
+                if newest > _handled:  # once per recovery: the file stays until the agent decides
+                    _sever_for(newest)
 
     threading.Thread(target=run, name="ddpkit-recover", daemon=True).start()
 
@@ -266,7 +271,7 @@ class InPlace:
                 return False
             self.incident = Incident(self.generation + 1, time.time())
             self.fallback = ""
-            fs.write_atomic(self.folder / f"incident-{self.incident.generation}", b"")
+            fs.write_atomic(self.folder / "incident", str(self.incident.generation).encode())
         incident = self.incident
         why = self._why_not(codes, agent)
         if why:
@@ -329,7 +334,7 @@ class InPlace:
         assert self.incident is not None
         self.generation = self.incident.generation
         with contextlib.suppress(OSError, ConfigError):
-            fs.remove(self.folder / f"incident-{self.generation}")
+            fs.remove(self.folder / "incident")
         self.incident = None
 
     def _go(self, agent: Any, group: Any, waiting: dict[int, dict[str, Any]]) -> None:

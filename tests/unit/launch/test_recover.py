@@ -5,6 +5,7 @@ logic: which ranks are replaced, when it waits, when it gives the failure back a
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -24,6 +25,8 @@ def _pending_all_reduce(cut: bool) -> str:
     dist.barrier()  # the default group's links made (gloo may make them at first use): not cut
     recover.note_links()
     group = dist.new_group(backend="gloo")
+    # the store's connections are not cut here (the test's end waits on the store)
+    os.environ["MASTER_PORT"] = "1"
     if dist.get_rank() == 1:
         if cut:
             recover.sever()
@@ -95,14 +98,14 @@ def wait(folder: Path, rank: int, generation: int = 1) -> None:
 def test_the_agent_replaces_the_exited_rank_once_every_other_rank_waits(tmp_path, capsys):
     agent, place = FakeAgent({0: None, 1: -9, 2: None}), recover.InPlace(tmp_path)
     assert place.poll(agent, group(3))  # rank 1 killed: torchrun must not look
-    assert (tmp_path / "incident-1").exists() and agent.replaced == []
+    assert (tmp_path / "incident").read_text() == "1" and agent.replaced == []
     wait(tmp_path, 0)
     assert place.poll(agent, group(3)) and agent.replaced == []  # rank 2 has not left yet
     wait(tmp_path, 2)
     assert place.poll(agent, group(3))
     go = json.loads((tmp_path / "go-1").read_text())
     assert go["replaced"] == [1] and go["restart_count"] == 1 and agent.replaced == [(1, "1")]
-    assert not (tmp_path / "incident-1").exists() and agent.restarts == 1
+    assert not (tmp_path / "incident").exists() and agent.restarts == 1
     assert "replaced rank 1 (killed by SIGKILL); rank(s) 0, 2 go on" in capsys.readouterr().err
     assert not place.poll(agent, group(3))  # all running again: torchrun looks
 
@@ -164,3 +167,30 @@ def test_a_failed_runs_folder_locks_are_released_for_the_run_again(tmp_path):
     lock.release_all()
     claim().release()
     assert first._fd is None
+
+
+def _group_never_joined(cut: bool) -> str:
+    """Rank 0 makes a new group rank 1 never joins (it waits on the store for rank 1's address);
+    another thread of rank 0 cuts its links (``cut``). How rank 0's ``new_group`` ended."""
+    import datetime
+    import threading
+
+    dist.barrier()
+    if dist.get_rank() == 1:
+        dist.barrier()
+        return ""
+    if cut:
+        threading.Thread(target=recover.sever, daemon=True).start()  # before or during: the same
+    try:
+        dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=3))
+        ended = "made"
+    except Exception as err:  # noqa: BLE001 -- torch's error types vary by version
+        ended = "timed out" if "timeout" in str(err).lower() or "timed out" in str(err) else "cut"
+    dist.barrier()
+    return ended
+
+
+def test_a_group_being_made_is_let_go_by_the_cut_of_the_stores_connections():
+    assert run_on_ranks(_group_never_joined, 2, (True,))[0] == "cut"
+    # Control: without the cut it waits on the store until the group's timeout.
+    assert run_on_ranks(_group_never_joined, 2, (False,))[0] == "timed out"
