@@ -628,15 +628,19 @@ def stage(value: Any, cache: Any) -> Any:
     return copy.deepcopy(value)
 
 
-_groups: dict[tuple[int, ...], Any] = {}
+_groups: dict[tuple[int, ...], Any] = {}  # ranks -> (the world it was made in, the group)
 
 
 def writer_group(group: Group) -> Any:
     """A gloo group over the ranks of ``group`` for the background writer: two threads issuing
     collectives on one group could pair a checkpoint message with another rank's all-reduce. Made
-    once per set of ranks, by those ranks alone (a group of :func:`~ddpkit.split_world` must not
-    need the rest of the job)."""
-    ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
-    if ranks not in _groups:
-        _groups[ranks] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
-    return _groups[ranks]
+    once per set of ranks and world, by those ranks alone (a group of :func:`~ddpkit.split_world`
+    must not need the rest of the job); a world made again (``ddpkit.shutdown()`` then ``init()``,
+    a recovery in place) gets new ones, as its other ranks do."""
+    world = dist.group.WORLD
+    ranks = tuple(dist.get_process_group_ranks(group if group is not None else world))
+    made = _groups.get(ranks)
+    if made is None or made[0] is not world:
+        group = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+        made = _groups[ranks] = (world, group)
+    return made[1]

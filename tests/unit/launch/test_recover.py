@@ -194,3 +194,22 @@ def test_a_group_being_made_is_let_go_by_the_cut_of_the_stores_connections():
     assert run_on_ranks(_group_never_joined, 2, (True,))[0] == "cut"
     # Control: without the cut it waits on the store until the group's timeout.
     assert run_on_ranks(_group_never_joined, 2, (False,))[0] == "timed out"
+
+
+def _writer_groups_across_worlds() -> tuple[bool, float]:
+    import ddpkit
+    from ddpkit.snapshot._disk import writer_group
+
+    first = writer_group(None)
+    ddpkit.shutdown()
+    ddpkit.init(backend="gloo")
+    second = writer_group(None)
+    t = torch.ones(1)
+    dist.all_reduce(t, group=second)  # the group of the world made again works
+    return second is first, float(t)
+
+
+def test_a_world_made_again_gets_new_writer_groups():
+    # A recovery in place (and shutdown() then init()) makes the world again: a writer group cached
+    # from the first one would pair this rank with connections that are gone.
+    assert run_on_ranks(_writer_groups_across_worlds, 2) == [(False, 2.0), (False, 2.0)]
