@@ -32,6 +32,7 @@ from typing import Any
 from ddpkit import _fs as fs
 from ddpkit._errors import PREEMPTED_EXIT_CODE, ConfigError, Preempted
 from ddpkit._fs import lock
+from ddpkit._launch import say
 from ddpkit.distributed._environment import RECOVER_DIR_ENV as DIR_ENV
 from ddpkit.distributed._environment import RECOVERED_ENV as GO_ENV
 from ddpkit.platforms import _torchrun as torchrun
@@ -150,7 +151,7 @@ def _peer(s: socket.socket) -> tuple[str, int] | None:
     return host, address[1]
 
 
-def watch_incidents(stop: threading.Event) -> None:
+def watch_incidents() -> None:
     """A daemon thread that severs this worker's collectives when the agent names a failure."""
     where = folder()
     if where is None:
@@ -158,7 +159,8 @@ def watch_incidents(stop: threading.Event) -> None:
 
     def run() -> None:
         incident = where / "incident"
-        while not stop.wait(0.02):
+        while True:
+            time.sleep(0.02)
             if not os.path.exists(incident):  # a stat: every 20 ms in every worker
                 continue
             with contextlib.suppress(OSError, ValueError, ConfigError):
@@ -363,8 +365,6 @@ class InPlace:
             })  # fmt: skip
         kinds = [f"rank {r} ({_ended(c)})" for r, c in sorted(incident.replaced.items())]
         kept = sorted(waiting)
-        from ddpkit._launch import say
-
         done = [f"replaced {', '.join(kinds)}"] if kinds else []
         done += [f"rank(s) {', '.join(map(str, kept))} go on in their processes"] if kept else []
         say(
@@ -375,14 +375,9 @@ class InPlace:
 
 
 def _ended(code: int) -> str:
-    if code < 0:
-        import signal
+    from ddpkit._launch.launcher import signal_name  # the launcher imports this module
 
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
+    return f"killed by {signal_name(-code)}" if code < 0 else f"exit code {code}"
 
 
 def prepare(run_dir: Path) -> InPlace:
@@ -398,6 +393,4 @@ def prepare(run_dir: Path) -> InPlace:
 
 
 def say_unavailable(why: str) -> None:
-    from ddpkit._launch import say
-
     say(f"--recover in-place: {why}; a failure restarts every worker")

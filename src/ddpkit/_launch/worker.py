@@ -365,7 +365,7 @@ def main() -> None:
     record_with(WholeErrorFile)  # a script's own @record writes the agent's file whole too
     if recover.folder() is not None:
         recover.note_links()
-        recover.watch_incidents(threading.Event())
+        recover.watch_incidents()
         # what is loaded now (torch, ddpkit) lives as long as the process: the collection after a
         # failure (recover.leave) then looks only at what the script made
         gc.freeze()

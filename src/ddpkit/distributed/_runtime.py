@@ -352,12 +352,13 @@ def _store_barrier(world_size: int) -> None:
         pass  # a peer is gone or the store with it: nothing left to protect
 
 
-def _destroy() -> None:
+def _destroy(settle: bool = True) -> None:
     global _runtime, _group_store
     if dist.is_initialized():
         # A gloo worker thread may still hold a finished collective's tensors; released while the
         # interpreter finalises, they abort it (pytorch#179291). No handle to wait on: settle.
-        time.sleep(0.1)
+        if settle:
+            time.sleep(0.1)
         dist.destroy_process_group()
     _runtime = None
     _group_store = None
@@ -367,12 +368,10 @@ def forget_for_recovery() -> None:
     """Destroy the process group of a worker that left a failed step (no barrier: a peer is gone)
     and forget the runtime and the rendezvous store, so that :func:`init` meets the other ranks
     afresh (``ddpkit run --recover in-place``)."""
-    global _runtime, _group_store, _store_of, _generation
-
-    with contextlib.suppress(Exception):  # a group whose connections were cut: no settling
-        dist.destroy_process_group()
-    _runtime = _group_store = _store_of = None
-    _generation = 0
+    global _store_of, _generation
+    with contextlib.suppress(Exception):  # a group whose connections were cut: the interpreter
+        _destroy(settle=False)  # goes on, so no settling
+    _store_of, _generation = None, 0
 
 
 def _destroy_at_exit() -> None:

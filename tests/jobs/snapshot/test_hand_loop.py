@@ -24,11 +24,18 @@ SEED = int(os.environ.get("DDPKIT_KILL_SEED", time.time_ns() % 100_000))
 
 
 def launch(
-    tmp: Path, name: str, *args: str, nproc: int = 2, env: dict, run: str | None = None
+    tmp: Path,
+    name: str,
+    *args: str,
+    nproc: int = 2,
+    env: dict,
+    run: str | None = None,
+    launcher: tuple[str, ...] = (),
 ) -> list[dict]:
-    """Run the job (one restart allowed) on ``nproc`` ranks; each rank's result."""
+    """Run the job (one restart allowed, and ``launcher``'s options) on ``nproc`` ranks; each
+    rank's result."""
     job = [str(tmp / (run or name)), "--out", str(tmp / name), *args]
-    restart = ["--max-restarts", "1"]
+    restart = ["--max-restarts", "1", *launcher]
     proc = run_job(JOB, *job, nproc=nproc, launcher_args=restart, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [torch.load(tmp / f"{name}-rank{r}.pt", weights_only=False) for r in range(nproc)]

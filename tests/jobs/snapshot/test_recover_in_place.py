@@ -19,6 +19,7 @@ from ddpkit.testing import run_job
 from tests.jobs.snapshot import test_memory_snapshots as memory
 from tests.jobs.snapshot.test_hand_loop import JOB as HAND_JOB
 from tests.jobs.snapshot.test_hand_loop import STEPS as HAND_STEPS
+from tests.jobs.snapshot.test_hand_loop import launch as hand_job
 from tests.jobs.snapshot.test_hand_loop import same_bits
 from tests.jobs.snapshot.test_memory_snapshots import (
     JOB,
@@ -173,11 +174,7 @@ def test_a_hand_loop_is_recovered_in_place_bitwise(tmp_path, clean_env):
     what = f"rank {kill_rank} killed after step {kill_step} (seed {SEED})"
 
     def hand(name: str, *args: str, recover=IN_PLACE) -> list[dict]:
-        job = [str(tmp_path / name), "--out", str(tmp_path / name), *args]
-        launcher = ["--max-restarts", "1", *recover]
-        proc = run_job(HAND_JOB, *job, launcher_args=launcher, env=env, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return [torch.load(tmp_path / f"{name}-rank{r}.pt", weights_only=False) for r in (0, 1)]
+        return hand_job(tmp_path, name, *args, env=env, launcher=recover)
 
     def ran(name: str) -> dict[int, list[int]]:
         return {
