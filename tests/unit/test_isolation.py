@@ -43,6 +43,7 @@ from ddpkit._launch import spawn
 from ddpkit._launch.rendezvous import backend
 from ddpkit.data import _loader as loader
 from ddpkit.nn import _dropout as dropout
+from ddpkit.platforms import _mpi as mpi
 from ddpkit.snapshot import _disk as staging
 from ddpkit.tools import _workload as workload
 from tests.conftest import DDPKIT_GLOBALS
@@ -65,9 +66,9 @@ def test_leaves_every_global_set(tmp_path):
     workload._load_script(str(script))
     backend.register("run-1", backend.JobAccess(b"secret", None))
     backend._relays["run-1"] = []
-    worker._worker_store = object()
     recover._links.append((99, "socket:[1]"))  # a group's links noted by a recovering worker
     spawn._store = object()  # rank 0's store server of ddpkit.spawn
+    mpi._served = object()  # rank 0's store server of an mpiexec job
     worker._serving = object()  # a stack server's state, as a worker keeps it
     agent._answering = object()  # the thread an agent answers stack requests from
     forked._server = object()  # stands for the job's fork server, as the agent keeps it

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import socket
 from datetime import timedelta
 from typing import Any
 
@@ -30,6 +31,22 @@ def serve_store(listener_fd: int, host: str, port: int, timeout: timedelta) -> A
         master_listen_fd=listener_fd,
         **kwargs,
     )
+
+
+def serve_new_store(
+    host: str, timeout: timedelta, bind: str | None = None, port: int = 0
+) -> tuple[Any, int]:
+    """A master TCPStore for clients that reach it at ``host``, on ``port`` (0: one the system
+    picks), and that port. It listens on ``bind`` (default: ``host``'s address alone).
+
+    The socket stays bound from the port's choice on. A port found free, closed and bound again
+    later (torch's ``get_free_port``) can be taken in between: the system gives the same range of
+    ports to other programs' outgoing connections.
+    """
+    address = socket.gethostbyname(host) if bind is None else bind
+    listener = socket.create_server((address, port), backlog=1024)
+    port = int(listener.getsockname()[1])
+    return serve_store(listener.detach(), host, port, timeout), port
 
 
 def use_agent_store(environ: Any = os.environ) -> None:
@@ -64,7 +81,7 @@ INTERNALS = [
     Internal(
         f"torch.distributed.rendezvous: {AGENT_STORE_VARIABLE}",
         "torch",
-        "every rank connects to the store that rank 0's worker (or the agent) serves on one "
+        "every rank connects to the store that the agent (or rank 0 of ddpkit.spawn) serves on one "
         "address; without it rank 0's init_process_group would start a second store on every "
         "interface",
         _check_agent_store,

@@ -155,8 +155,8 @@ def worker_env(cfg: LaunchConfig, nproc: int, node: NodeAddress | None = None) -
         env["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
     if cfg.all_ranks:
         env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = "[rank ${rank}] "
-    # The workers' store is served by global rank 0 on MASTER_ADDR (ddpkit._launch.worker), fresh
-    # at each attempt: restarted workers never wait on a dead peer's address.
+    # Not torch's store shared by every attempt: the agent serves a fresh one at each round
+    # (rendezvous.backend.WorkersStoreHandler); restarted workers never read a dead peer's address.
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     return env
 

@@ -306,14 +306,13 @@ class InPlace:
         served goes); its port."""
         from datetime import timedelta
 
-        from ddpkit._internals.store import serve_store
+        from ddpkit._internals.store import serve_new_store
 
         address = torchrun.master_address(agent.process_context().envs[0])
         host = address[0] if address else "127.0.0.1"
-        listener = socket.create_server((socket.gethostbyname(host), 0), backlog=1024)
-        port = listener.getsockname()[1]
-        self.store = serve_store(listener.detach(), host, port, timedelta(minutes=5))
-        return int(port)
+        self.store = None
+        self.store, port = serve_new_store(host, timedelta(minutes=5))
+        return port
 
     def _waiting(self) -> dict[int, dict[str, Any]]:
         generation = self.generation + 1

@@ -1,8 +1,8 @@
 """What ``ddpkit run`` starts in each worker (``python -m ddpkit._launch.worker [-m] TARGET
 ARGS...``): the user's script, its exception recorded for the launcher, after the worker has tied
 its life to the agent's, forked its guard (:mod:`ddpkit._launch.proctree`), held SIGUSR1 until a
-Trainer listens, started answering stack requests (:func:`serve_stacks`), and, on global rank 0,
-started serving the workers' store on ``MASTER_ADDR`` alone.
+Trainer listens, and started answering stack requests (:func:`serve_stacks`). The workers' store
+is the agent's (:class:`~ddpkit._launch.rendezvous.backend.WorkersStoreHandler`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import re
 import runpy
 import secrets
 import signal
-import socket
 import sys
 import threading
 import time
@@ -28,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
@@ -36,10 +35,8 @@ from ddpkit import _fs as fs
 from ddpkit._errors import ConfigError
 from ddpkit._internals.elastic import record_with
 from ddpkit._internals.interpreter import current_frames
-from ddpkit._internals.store import agent_store_in_use, serve_store, use_agent_store
 from ddpkit._launch import recover
 from ddpkit._launch.proctree import set_parent_death_signal, start_guard
-from ddpkit.distributed._environment import recovery_record
 from ddpkit.distributed._progress import watch_torch_collectives
 from ddpkit.distributed._signals import hold_stop_signals
 from ddpkit.platforms import _torchrun as torchrun
@@ -269,36 +266,6 @@ def main_frames(dump: str) -> list[str]:
     return frames
 
 
-_worker_store: Any = None  # the store global rank 0 serves, as long as the process lives
-
-
-def serve_worker_store() -> Any:
-    """On global rank 0, serve the workers' TCPStore on ``MASTER_ADDR:MASTER_PORT``, bound to that
-    address only (torch's env:// rendezvous listens on every interface), and have every rank
-    connect to it as a client, also where a script makes its process group itself."""
-    global _worker_store
-    master = torchrun.master_address(os.environ)
-    if master is None or agent_store_in_use() or recovery_record() is not None:
-        if recovery_record() is not None:  # a replacement: the agent serves the store now
-            use_agent_store()
-        return None  # no store to serve: the agent serves it, or this is not a job of ddpkit run
-    addr, port = master
-    if torchrun.is_rank_zero(os.environ):
-        from datetime import timedelta
-
-        try:
-            listener = socket.create_server((socket.gethostbyname(addr), int(port)), backlog=1024)
-        except OSError as err:
-            raise ConfigError(
-                f"rank 0 cannot serve the workers' store at {addr}:{port} ({err.strerror}): the "
-                "agent picked this port as free, and another program took it since, or "
-                "--local-addr is not an address of this node; run the job again"
-            ) from None
-        _worker_store = serve_store(listener.detach(), addr, int(port), timedelta(minutes=5))
-    use_agent_store()
-    return _worker_store
-
-
 class WholeErrorFile(ErrorHandler):
     """torch's error handler, its file (``TORCHELASTIC_ERROR_FILE``) written whole or not at all: a
     truncated one, from a worker stopped as torch wrote it in place, ended the agent's poll with a
@@ -331,7 +298,6 @@ def _ignore_warnings_at_exit() -> None:
 
 @functools.partial(record, error_handler=WholeErrorFile())
 def _run(target: str, as_module: bool) -> None:
-    serve_worker_store()
     while True:
         try:
             if as_module:

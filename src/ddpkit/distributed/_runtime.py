@@ -114,8 +114,7 @@ def _pick_backend(device: torch.device, backend: str | None) -> str:
 
 def _init_method(launch: LaunchEnv) -> str:
     if launch.launcher == "mpi" and (launch.master_addr is None or launch.master_port is None):
-        addr, port = mpi.rendezvous_address()
-        return f"tcp://{launch.master_addr or addr}:{launch.master_port or port}"
+        return "mpi://"  # mpi.rendezvous_store()
     if launch.launcher in ("slurm", "mpi", "pytorchjob"):
         return f"tcp://{launch.master_addr}:{launch.master_port}"
     return "env://"
@@ -223,7 +222,11 @@ def _rendezvous_store(launch: LaunchEnv, timeout: timedelta) -> Any:
     global _store_of
     key = (_init_method(launch), launch.rank, launch.world_size)
     if _store_of is None or _store_of[0] != key:
-        store, _, _ = next(dist.rendezvous(key[0], launch.rank, launch.world_size, timeout=timeout))
+        if key[0] == "mpi://":
+            store = mpi.rendezvous_store(launch, timeout)
+        else:
+            rendezvous = dist.rendezvous(key[0], launch.rank, launch.world_size, timeout=timeout)
+            store = next(rendezvous)[0]
         _store_of = (key, store)
     return _store_of[1]
 

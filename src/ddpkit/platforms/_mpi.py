@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
 
 from ddpkit._errors import ConfigError
+from ddpkit._internals.store import serve_new_store
 from ddpkit.platforms import _slurm as slurm
 from ddpkit.platforms._base import LaunchDefault, LaunchEnv, checked, read_int
 
@@ -39,7 +42,7 @@ def world(env: Mapping[str, str]) -> LaunchEnv:
             world_size=world_size,
             local_world_size=read_int(env, local_size_var) if local_size_var in env else 1,
             launcher=NAME,
-            # if exported; else rendezvous_address()
+            # if exported; else rendezvous_store()
             master_addr=env.get("MASTER_ADDR"),
             master_port=read_int(env, "MASTER_PORT") if "MASTER_PORT" in env else None,
             restart_count=slurm.restarts(env),
@@ -52,8 +55,14 @@ def launch_defaults(env: Mapping[str, str]) -> list[LaunchDefault]:
     return []
 
 
-def rendezvous_address() -> tuple[str, int]:
-    """Rank 0's host name and a free port there, agreed by every rank through ``mpi4py``."""
+_served: Any = None  # rank 0's store server, kept for the life of the process
+
+
+def rendezvous_store(launch: LaunchEnv, timeout: timedelta) -> Any:
+    """The job's store, served by rank 0 on a port it binds and keeps (``MASTER_PORT`` if exported),
+    its address (rank 0's host name unless ``MASTER_ADDR`` says) sent to every rank through
+    ``mpi4py``. For an ``mpiexec`` job that does not export both."""
+    global _served
     try:
         from mpi4py import MPI
     except ImportError:
@@ -64,9 +73,20 @@ def rendezvous_address() -> tuple[str, int]:
         ) from None
     import socket
 
+    import torch.distributed as dist
+
     address = None
-    if MPI.COMM_WORLD.Get_rank() == 0:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            address = (socket.gethostname(), s.getsockname()[1])
-    return MPI.COMM_WORLD.bcast(address, root=0)
+    if launch.rank == 0:
+        host = launch.master_addr or socket.gethostname()
+        try:  # on every interface, as torch's
+            _served, port = serve_new_store(host, timeout, bind="", port=launch.master_port or 0)
+        except OSError as err:
+            raise ConfigError(
+                f"rank 0 cannot serve the job's store on port {launch.master_port} "
+                f"({err.strerror}): export another MASTER_PORT, or none"
+            ) from None
+        address = (host, port)
+    host, port = MPI.COMM_WORLD.bcast(address, root=0)
+    if launch.rank == 0:
+        return _served
+    return dist.TCPStore(host, port, launch.world_size, is_master=False, timeout=timeout)

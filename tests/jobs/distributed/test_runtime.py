@@ -91,11 +91,14 @@ except ddpkit.ConfigError as err:
 except Exception as err:
     print(f"BUSY-PORT: {type(err).__name__}: {err}")
 
-# Control: the same launch on a free port starts (a world of one needs no other process).
-probe = socket.socket()
-probe.bind(("127.0.0.1", 0))
-os.environ["MASTER_PORT"] = str(probe.getsockname()[1])
-probe.close()
+# Control: the same launch on a free port starts (a world of one needs no other process). The
+# port is below the range the system gives outgoing connections, which would take one found free.
+low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+for port in range(low - 1, 1024, -1):
+    with socket.socket() as probe:
+        if probe.connect_ex(("127.0.0.1", port)) != 0:
+            break
+os.environ["MASTER_PORT"] = str(port)
 rt = ddpkit.init()
 print(f"FREE-PORT: backend={rt.backend} world={rt.world_size} sum={ddpkit.all_reduce(2)}")
 """

@@ -44,7 +44,7 @@ from ddpkit._launch.rendezvous.auth import (
     join_host,
     load_secret,
 )
-from ddpkit._launch.rendezvous.backend import SignedStateBackend
+from ddpkit._launch.rendezvous.backend import SignedStateBackend, WorkersStoreHandler
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 
@@ -131,6 +131,48 @@ def test_control_the_same_forgery_runs_code_under_torchs_c10d_backend(tmp_path):
     with pytest.raises(Exception):  # noqa: B017 - the unpickled object is a file, not a state: torch fails after the fact
         handler.num_nodes_waiting()
     assert (tmp_path / "pwned").exists()
+
+
+def _listening(port: int) -> bool:
+    with contextlib.closing(socket.socket()) as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_the_workers_store_is_bound_before_its_port_is_published_and_new_each_round():
+    store = _loopback_store()
+    handler = WorkersStoreHandler(
+        create_handler(store, _signed(store), _params(store)), "127.0.0.1"
+    )
+    try:
+        first = handler.next_rendezvous().bootstrap_store_info
+        # Listening when the agent learns the port: no window for another program to take it.
+        assert first.master_addr == "127.0.0.1" and _listening(first.master_port)
+        client = dist.TCPStore(
+            "127.0.0.1", first.master_port, is_master=False, timeout=timedelta(seconds=10)
+        )
+        client.set("rank 3's address", "a worker of the first attempt")
+        second = handler.next_rendezvous().bootstrap_store_info  # a restart's round
+        assert second.master_port != first.master_port and _listening(second.master_port)
+        assert not _listening(first.master_port)  # the first attempt's store has ended
+        client = dist.TCPStore(
+            "127.0.0.1", second.master_port, is_master=False, timeout=timedelta(seconds=10)
+        )
+        assert not client.check(["rank 3's address"])  # no key of the attempt before
+    finally:
+        handler.shutdown()
+    assert not _listening(second.master_port)
+
+
+def test_control_torchs_rendezvous_publishes_a_port_nobody_holds(monkeypatch):
+    # What rank 0's worker had to bind seconds later, after the agent had started every worker.
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    store = _loopback_store()
+    handler = create_handler(store, _signed(store), _params(store))
+    try:
+        published = handler.next_rendezvous().bootstrap_store_info.master_port
+        assert not _listening(published)
+    finally:
+        handler.shutdown()
 
 
 @pytest.fixture

@@ -18,14 +18,19 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as handler_registry
-from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousStateError
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousConnectionError,
+    RendezvousInfo,
+    RendezvousStateError,
+    RendezvousStoreInfo,
+)
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousBackend,
     Token,
     create_handler,
 )
 
-from ddpkit._internals.store import serve_store
+from ddpkit._internals.store import serve_new_store
 from ddpkit._launch import say
 from ddpkit._launch.rendezvous.auth import RelayClient, RelayServer, derive
 
@@ -64,7 +69,60 @@ def _create_handler(params: RendezvousParameters) -> RendezvousHandler:
         )
     store = _open_store(params, access)
     backend = SignedStateBackend(store, params.run_id, derive(access.secret, "state"))
-    return create_handler(store, backend, params)
+    return WorkersStoreHandler(create_handler(store, backend, params), params.local_addr)
+
+
+class WorkersStoreHandler(RendezvousHandler):
+    """torch's dynamic rendezvous, whose node of rank 0 also serves, for each round, the store the
+    workers meet in (their ``MASTER_ADDR:MASTER_PORT``): on that node's address alone, on a socket
+    bound before its port is published, and new at every round, so that restarted workers never
+    read a dead peer's address.
+
+    torch would publish a port it found free and closed, for rank 0's worker to bind seconds later;
+    on a busy machine another program's connection took it in between ("Address already in use").
+    """
+
+    _KEY = "ddpkit/workers_store"
+
+    def __init__(self, inner: RendezvousHandler, local_addr: str | None) -> None:
+        self._inner = inner
+        self._addr = local_addr or socket.getfqdn()  # the address torch gives this node
+        self._store: Any = None
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        info = self._inner.next_rendezvous()
+        store = info.store  # this round's keys only
+        old, self._store = self._store, None  # the last round's store ends once the new one serves
+        if info.rank == 0:
+            self._store, port = serve_new_store(self._addr, timedelta(minutes=5))
+            store.set(self._KEY, f"{port} {self._addr}")
+        del old
+        served, addr = store.get(self._KEY).decode().split(" ", 1)
+        master = RendezvousStoreInfo(master_addr=addr, master_port=int(served))
+        return RendezvousInfo(store, info.rank, info.world_size, master)
+
+    @property
+    def use_agent_store(self) -> bool:
+        return True  # every worker is a client of the store above, rank 0 too
+
+    def get_backend(self) -> str:
+        return self._inner.get_backend()
+
+    def get_run_id(self) -> str:
+        return self._inner.get_run_id()
+
+    def is_closed(self) -> bool:
+        return self._inner.is_closed()
+
+    def set_closed(self) -> None:
+        self._inner.set_closed()
+
+    def num_nodes_waiting(self) -> int:
+        return self._inner.num_nodes_waiting()
+
+    def shutdown(self) -> bool:
+        self._store = None
+        return self._inner.shutdown()
 
 
 def _open_store(params: RendezvousParameters, access: JobAccess) -> dist.TCPStore:
@@ -73,9 +131,7 @@ def _open_store(params: RendezvousParameters, access: JobAccess) -> dist.TCPStor
     timeout = timedelta(seconds=params.get_as_int("read_timeout", 60) or 60)
     relays = _relays.setdefault(params.run_id, [])
     if access.relay_ip is None or params.get_as_bool("is_host", True):
-        listener = socket.create_server(("127.0.0.1", 0), backlog=1024)
-        local_port = listener.getsockname()[1]
-        store = serve_store(listener.detach(), "127.0.0.1", local_port, timeout)
+        store, local_port = serve_new_store("127.0.0.1", timeout)
         if access.relay_ip is not None:
             try:
                 relays.append(
