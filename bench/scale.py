@@ -7,7 +7,9 @@ group, Trainer built, first step), a copy in memory, a restart after a SIGKILL o
 (detected, torn down, rendezvous, spawned, ... first step: ``bench/goodput.py``'s stages), a disk
 snapshot saved synchronously (values gathered, planned, written, indexed, marked) and asynchronously
 (the stall), found and loaded (found and verified, planned, read), an exact evaluation, and
-``split_world(2)`` (a search's groups of 2).
+``split_world(2)`` (a search's groups of 2). ``--variants whole,in-place`` runs each job again under
+``--recover in-place``: the recovery's phases (detect, leave, decide, regroup, restore; the
+``recover`` record of ``metrics.jsonl``) and its kill to first step, beside the whole restart's.
 
 The machine has fewer cores than the larger worlds have ranks. A stage's wall clock then counts the
 waits for a core: with every rank busy, n ranks on c cores take n/c times one rank's work, an
@@ -21,6 +23,7 @@ docs/scale.md).
     python bench/scale.py --quick                      # 2 and 4 ranks, 10 and 1,000 tensors
     python bench/scale.py --sizes 2,4,8 --tensors 1000 --dir /tmp/scale
     python bench/scale.py --report --dir /tmp/scale    # the tables again, from the runs in --dir
+    python bench/scale.py --sizes 2,8,32 --tensors 10 --repeats 2 --variants whole,in-place
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ _spec.loader.exec_module(goodput)
 
 LAUNCH_STAGES = ["rendezvous", "proc_start", "script", "imports", "init", "built", "first_step"]
 # the agent's, not each rank's
-AGENT_STAGES = {"rendezvous", "proc_start", "detected", "torn_down", "spawned"}
+AGENT_STAGES = {"rendezvous", "proc_start", "detected", "torn_down", "spawned", "detect", "decide"}
+IN_PLACE = "-in-place"  # the folder of a job run with --recover in-place
 # Two-sided 95% quantiles of Student's t by degrees of freedom (a fit of k sizes has k - 2).
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306}
 
@@ -57,8 +61,8 @@ T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8:
 # -- one job ---------------------------------------------------------------------------------------
 
 
-def run(n: int, tensors: int, a: argparse.Namespace, root: Path) -> dict:
-    folder = root / f"n{n}-t{tensors}"
+def run(n: int, tensors: int, a: argparse.Namespace, root: Path, in_place: bool = False) -> dict:
+    folder = root / f"n{n}-t{tensors}{IN_PLACE if in_place else ''}"
     folder.mkdir(parents=True, exist_ok=True)
     timeline = folder / "timeline.jsonl"
     timeline.unlink(missing_ok=True)
@@ -75,6 +79,7 @@ def run(n: int, tensors: int, a: argparse.Namespace, root: Path) -> dict:
         "--log-dir",
         str(folder / "logs"),
     ]
+    cmd += ["--recover", "in-place"] if in_place else []
     cmd += [str(JOB), str(folder / "run"), "--timeline", str(timeline), "--tensors", str(tensors)]
     cmd += ["--steps", str(a.steps), "--repeats", str(a.repeats)]
     t0 = time.time()
@@ -116,11 +121,27 @@ def measure(folder: Path) -> dict[str, dict[str, float]]:
         previous = t
     out["launch to first step"] = {"wall": previous - result["launched"]}
 
-    # The restart: goodput's stages, kill to first step.
+    # The restart: goodput's stages, kill to first step. In place: the recovery's own phases.
     recovery = next(
         (r for r in goodput.analyse(folder / "timeline.jsonl")["recoveries"] if r["whole"]), None
     )
-    if recovery is not None:
+    phase = "recovery in place" if folder.name.endswith(IN_PLACE) else "restart"
+    record = next((r for r in _records(folder) if r.get("event") == "recover"), None)
+    if recovery is not None and record is not None:
+        kill = recovery["t"]
+        go = json.loads(next(folder.glob("logs/*/recover/go-1")).read_text())
+        seconds = record["seconds"]  # rank 0's, from the failure seen to the state loaded
+        parts = ("leave", "decide", "regroup", "restore")
+        out[f"{phase}: detect"] = {"wall": go["seen"] - kill}
+        for name in parts:
+            out[f"{phase}: {name}"] = {"wall": seconds[name]}
+        # the script run again up to its resume, and the first step after it
+        out[f"{phase}: rebuild"] = {"wall": seconds["total"] - sum(seconds[p] for p in parts)}
+        out[f"{phase}: first_step"] = {
+            "wall": recovery["seconds"] - (go["seen"] - kill) - seconds["total"]
+        }
+        out[f"{phase} to first step"] = {"wall": recovery["seconds"]}
+    elif recovery is not None and phase == "restart":
         before = 0.0
         for stage in goodput.STAGES:
             at = recovery["stages"].get(stage)
@@ -167,7 +188,7 @@ def measure(folder: Path) -> dict[str, dict[str, float]]:
     # the workers one by one). An estimate of the wall clock with a core a rank; it counts a rank's
     # waits for the others as work.
     share = min(1.0, (os.cpu_count() or 1) / result["n"])
-    for phase in ("launch", "restart"):
+    for phase in ("launch", "restart", "recovery in place"):
         total = 0.0
         for name, cost in out.items():
             if name.startswith(f"{phase}: "):
@@ -178,6 +199,22 @@ def measure(folder: Path) -> dict[str, dict[str, float]]:
         if f"{phase} to first step" in out:
             out[f"{phase} to first step"]["share"] = total
     return out
+
+
+def _records(folder: Path) -> list[dict]:
+    path = folder / "run" / "metrics.jsonl"
+    return [json.loads(line) for line in path.open()] if path.exists() else []
+
+
+def in_place(folder: Path, stopped: list[str]) -> dict[str, dict[str, float]]:
+    """The recovery's costs of the same job run under ``--recover in-place`` in ``folder``, if it
+    was; a job that failed is added to ``stopped``."""
+    if not (folder / "result.json").exists():
+        return {}
+    if json.loads((folder / "result.json").read_text())["exit"] != 0:
+        stopped.append(f"in place: see {folder / 'output.txt'}")
+        return {}
+    return {k: v for k, v in measure(folder).items() if k.startswith("recovery in place")}
 
 
 def summary(by_rank: dict[int, list[float]]) -> dict[str, float]:
@@ -213,6 +250,7 @@ def fit(points: list[tuple[int, float]]) -> tuple[float, float, float] | None:
 HEADLINE = [
     "launch to first step",
     "restart to first step",
+    "recovery in place to first step",
     "memory copy",
     "save (whole)",
     "save: values gathered",
@@ -265,7 +303,7 @@ def report(
             if result["exit"] != 0:
                 stopped.append(f"{n} ranks: exit {result['exit']} (see {folder / 'output.txt'})")
                 continue
-            measured[n] = measure(folder)
+            measured[n] = measure(folder) | in_place(root / f"n{n}-t{tensors}{IN_PLACE}", stopped)
         if not measured:
             continue
         ns = sorted(measured)
@@ -344,6 +382,7 @@ def plot(
     shown = [
         "launch to first step",
         "restart to first step",
+        "recovery in place to first step",
         "save (whole)",
         "load (whole)",
         "memory copy",
@@ -361,7 +400,7 @@ def plot(
             if (folder / "result.json").exists() and json.loads(
                 (folder / "result.json").read_text()
             )["exit"] == 0:
-                measured[n] = measure(folder)
+                measured[n] = measure(folder) | in_place(Path(f"{folder}{IN_PLACE}"), [])
         for name in shown:
             pts = [
                 (n, m[name]["cpu" if "cpu" in m[name] else "share"])
@@ -405,6 +444,11 @@ def main() -> None:
     p.add_argument(
         "--beyond", default="1024,16384", help="world sizes to extrapolate each fitted cost to"
     )
+    p.add_argument(
+        "--variants",
+        default="whole",
+        help="whole (torchrun's restart of every worker), in-place (--recover in-place), or both",
+    )
     a = p.parse_args()
     if a.quick:
         a.sizes, a.tensors, a.repeats = "2,4", "10,1000", 2
@@ -414,10 +458,12 @@ def main() -> None:
     )
     root = Path(a.dir or tempfile.mkdtemp(prefix="scale-"))
     if not a.report:
+        variants = a.variants.split(",")
         for tensors in tensor_counts:
             for n in sizes:
-                result = run(n, tensors, a, root)
-                print(json.dumps(result), flush=True)
+                for in_place in [v == "in-place" for v in variants]:  # alternated: same load
+                    result = run(n, tensors, a, root, in_place)
+                    print(json.dumps(result), flush=True)
                 if result["exit"] != 0:
                     print(
                         f"{n} ranks x {tensors} tensors stopped: {result['exit']}; larger worlds "
