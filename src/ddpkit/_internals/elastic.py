@@ -330,8 +330,10 @@ def _check_replace_worker() -> str | None:
     ``_running_local_ranks`` and records ``_failures``; the agent's worker group knows its spec."""
     from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 
-    poll = inspect.getsource(SubprocessContext._capture_process_failures) + inspect.getsource(
-        SubprocessContext._poll
+    poll = "".join(  # _poll itself until torch 2.8 or so, then a method it calls
+        inspect.getsource(getattr(SubprocessContext, name))
+        for name in ("_poll", "_capture_process_failures")
+        if hasattr(SubprocessContext, name)
     )
     for name in ("self._running_local_ranks", "self._failures", "self.subprocess_handlers"):
         if name not in poll:

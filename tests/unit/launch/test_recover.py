@@ -20,18 +20,23 @@ from ddpkit.testing import run_on_ranks
 
 def _pending_all_reduce(cut: bool) -> str:
     """Rank 0 starts an all-reduce on a new group that rank 1 never joins; rank 1 cuts its links to
-    the group (``cut``), or aborts it as gloo offers (the control, which cuts them after rank 0 has
-    looked). How rank 0's all-reduce stood once rank 1 had done so."""
+    the group (``cut``), or aborts it as gloo offers, or destroys it (the control, which cuts them
+    after rank 0 has looked). How rank 0's all-reduce stood once rank 1 had done so."""
     dist.barrier()  # the default group's links made (gloo may make them at first use): not cut
     recover.note_links()
     group = dist.new_group(backend="gloo")
+    dist.barrier()  # both ranks have made the group: a cut while rank 0 still makes it fails that
     # the store's connections are not cut here (the test's end waits on the store)
     os.environ["MASTER_PORT"] = "1"
     if dist.get_rank() == 1:
         if cut:
             recover.sever()
-        else:
-            group._get_backend(torch.device("cpu")).abort()
+        else:  # gloo's abort, where it has one (torch 2.7 on); before, the group destroyed
+            backend = group._get_backend(torch.device("cpu"))
+            if hasattr(backend, "abort"):
+                backend.abort()
+            else:
+                dist.destroy_process_group(group)
         dist.barrier()  # done: rank 0 looks
         if not cut:
             dist.barrier()  # rank 0 has looked
