@@ -54,10 +54,6 @@ def use_agent_store(environ: Any = os.environ) -> None:
     environ[AGENT_STORE_VARIABLE] = "True"
 
 
-def agent_store_in_use(environ: Any = os.environ) -> bool:
-    return environ.get(AGENT_STORE_VARIABLE) == "True"
-
-
 def _check_agent_store() -> str | None:
     import importlib
 

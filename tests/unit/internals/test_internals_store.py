@@ -3,6 +3,7 @@ torch."""
 
 from __future__ import annotations
 
+import os
 import socket
 from datetime import timedelta
 
@@ -77,11 +78,20 @@ def test_below_its_version_libuv_refuses_a_handed_socket_which_is_why_the_gate_e
         socket.socket(fileno=fd).close()
 
 
-def test_the_agent_store_variable_is_set_and_read_as_torchs_rendezvous_reads_it() -> None:
+def test_the_agent_store_variable_is_set_and_read_as_torchs_rendezvous_reads_it(
+    monkeypatch,
+) -> None:
+    import importlib
+
+    rendezvous = importlib.import_module(
+        "torch.distributed.rendezvous"
+    )  # the module, not its function
     environ: dict[str, str] = {}
-    assert not store.agent_store_in_use(environ)
+    monkeypatch.setattr(os, "environ", environ)  # torch reads os.environ at each call
+    assert not rendezvous._torchelastic_use_agent_store()
     store.use_agent_store(environ)
-    assert environ == {"TORCHELASTIC_USE_AGENT_STORE": "True"} and store.agent_store_in_use(environ)
+    assert environ == {"TORCHELASTIC_USE_AGENT_STORE": "True"}
+    assert rendezvous._torchelastic_use_agent_store()
 
 
 def test_every_store_internal_holds_on_this_torch() -> None:
