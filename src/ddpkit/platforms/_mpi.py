@@ -75,18 +75,21 @@ def rendezvous_store(launch: LaunchEnv, timeout: timedelta) -> Any:
 
     import torch.distributed as dist
 
-    address = None
+    address: tuple[str, int] | str | None = None
     if launch.rank == 0:
         host = launch.master_addr or socket.gethostname()
         try:  # on every interface, as torch's
             _served, port = serve_new_store(host, timeout, bind="", port=launch.master_port or 0)
-        except OSError as err:
-            raise ConfigError(
+            address = (host, port)
+        except OSError as err:  # sent to every rank, which would else wait for rank 0 forever
+            address = (
                 f"rank 0 cannot serve the job's store on port {launch.master_port} "
                 f"({err.strerror}): export another MASTER_PORT, or none"
-            ) from None
-        address = (host, port)
-    host, port = MPI.COMM_WORLD.bcast(address, root=0)
+            )
+    address = MPI.COMM_WORLD.bcast(address, root=0)
+    if isinstance(address, str):
+        raise ConfigError(address)
+    host, port = address
     if launch.rank == 0:
         return _served
     return dist.TCPStore(host, port, launch.world_size, is_master=False, timeout=timeout)

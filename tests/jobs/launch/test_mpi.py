@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +41,28 @@ def test_mpiexec_ranks_form_one_job(clean_env):
         ("1", "2", "mpi"),
     ], out.stdout
     assert out.stdout.count("sum=3") == 2
+
+
+@pytest.mark.skipif(
+    MPIEXEC is None, reason="no mpiexec: pip install -e '.[mpi]' (MPICH and mpi4py)"
+)
+def test_a_busy_master_port_stops_every_rank_with_one_line(clean_env):
+    pytest.importorskip("mpi4py", reason="pip install -e '.[mpi]'")
+    with socket.create_server(("", 0)) as busy:
+        env = clean_env | {
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{clean_env.get('PATH', '')}",
+            "MASTER_PORT": str(busy.getsockname()[1]),  # exported without MASTER_ADDR
+        }
+        out = subprocess.run(
+            [MPIEXEC, "-n", "2", sys.executable, PROBE, "info"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert out.returncode != 0
+    # rank 0's error reaches rank 1 too, which would else wait for rank 0's address forever
+    assert out.stderr.count("export another MASTER_PORT, or none") == 2, out.stderr[-3000:]
 
 
 SEARCH_JOB = str(Path(__file__).parents[1] / "scripts" / "search_job.py")

@@ -163,6 +163,19 @@ def test_the_workers_store_is_bound_before_its_port_is_published_and_new_each_ro
     assert not _listening(second.master_port)
 
 
+def test_a_local_addr_not_of_this_node_is_named_when_the_workers_store_cannot_bind():
+    store = _loopback_store()
+    # 192.0.2.1: TEST-NET-1, never an address of this machine
+    handler = WorkersStoreHandler(
+        create_handler(store, _signed(store), _params(store)), "192.0.2.1"
+    )
+    try:
+        with pytest.raises(ConfigError, match="--local-addr must be an address of this node"):
+            handler.next_rendezvous()
+    finally:
+        handler.shutdown()
+
+
 def test_control_torchs_rendezvous_publishes_a_port_nobody_holds(monkeypatch):
     # What rank 0's worker had to bind seconds later, after the agent had started every worker.
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")

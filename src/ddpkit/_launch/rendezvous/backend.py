@@ -30,6 +30,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     create_handler,
 )
 
+from ddpkit._errors import ConfigError
 from ddpkit._internals.store import serve_new_store
 from ddpkit._launch import say
 from ddpkit._launch.rendezvous.auth import RelayClient, RelayServer, derive
@@ -94,7 +95,13 @@ class WorkersStoreHandler(RendezvousHandler):
         store = info.store  # this round's keys only
         old, self._store = self._store, None  # the last round's store ends once the new one serves
         if info.rank == 0:
-            self._store, port = serve_new_store(self._addr, timedelta(minutes=5))
+            try:
+                self._store, port = serve_new_store(self._addr, timedelta(minutes=5))
+            except OSError as err:
+                raise ConfigError(
+                    f"cannot serve the workers' store on {self._addr} ({err.strerror}): "
+                    "--local-addr must be an address of this node"
+                ) from None
             store.set(self._KEY, f"{port} {self._addr}")
         del old
         served, addr = store.get(self._KEY).decode().split(" ", 1)
