@@ -19,21 +19,24 @@ PROBE = str(Path(__file__).parents[1] / "scripts" / "launch_probe.py")
 MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
 
 
-@pytest.mark.skipif(
-    MPIEXEC is None, reason="no mpiexec: pip install -e '.[mpi]' (MPICH and mpi4py)"
-)
-def test_mpiexec_ranks_form_one_job(clean_env):
+def _probe(env: dict) -> subprocess.CompletedProcess:
+    """``mpiexec -n 2`` of the launch probe's ``info`` (mpiexec and mpi4py from this venv)."""
     pytest.importorskip("mpi4py", reason="pip install -e '.[mpi]'")
-    env = clean_env | {
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{clean_env.get('PATH', '')}"
-    }
-    out = subprocess.run(
+    env = env | {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"}
+    return subprocess.run(
         [MPIEXEC, "-n", "2", sys.executable, PROBE, "info"],
         env=env,
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+@pytest.mark.skipif(
+    MPIEXEC is None, reason="no mpiexec: pip install -e '.[mpi]' (MPICH and mpi4py)"
+)
+def test_mpiexec_ranks_form_one_job(clean_env):
+    out = _probe(clean_env)
     assert out.returncode == 0, out.stderr[-3000:]
     # Before, each rank ran as a world of one (both "rank=0 world=1").
     assert sorted(re.findall(r"rank=(\d) world=(\d) launcher=(\w+)", out.stdout)) == [
@@ -47,19 +50,8 @@ def test_mpiexec_ranks_form_one_job(clean_env):
     MPIEXEC is None, reason="no mpiexec: pip install -e '.[mpi]' (MPICH and mpi4py)"
 )
 def test_a_busy_master_port_stops_every_rank_with_one_line(clean_env):
-    pytest.importorskip("mpi4py", reason="pip install -e '.[mpi]'")
-    with socket.create_server(("", 0)) as busy:
-        env = clean_env | {
-            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{clean_env.get('PATH', '')}",
-            "MASTER_PORT": str(busy.getsockname()[1]),  # exported without MASTER_ADDR
-        }
-        out = subprocess.run(
-            [MPIEXEC, "-n", "2", sys.executable, PROBE, "info"],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+    with socket.create_server(("", 0)) as busy:  # MASTER_PORT exported without MASTER_ADDR
+        out = _probe(clean_env | {"MASTER_PORT": str(busy.getsockname()[1])})
     assert out.returncode != 0
     # rank 0's error reaches rank 1 too, which would else wait for rank 0's address forever
     assert out.stderr.count("export another MASTER_PORT, or none") == 2, out.stderr[-3000:]
