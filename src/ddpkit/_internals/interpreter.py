@@ -15,6 +15,7 @@ import io
 import os
 import sys
 import threading
+import types
 from collections.abc import Sequence
 
 from ddpkit._internals.contract import Internal, warn_lost
@@ -186,7 +187,23 @@ def finalize_problem() -> str | None:
     return _check_threading() or _check_atexit()
 
 
+def current_frames() -> dict[int, types.FrameType]:
+    """Every thread's current frame by thread ident (``sys._current_frames``): read holding the GIL,
+    so no thread moves its frames meanwhile."""
+    return sys._current_frames()
+
+
+def _check_current_frames() -> str | None:
+    return None if callable(getattr(sys, "_current_frames", None)) else "sys has no _current_frames"
+
+
 INTERNALS = [
+    Internal(
+        "sys._current_frames",
+        "CPython",
+        "a stack request is answered with every thread's frames; where it is gone, none",
+        _check_current_frames,
+    ),
     Internal(
         "threading._shutdown",
         "CPython",

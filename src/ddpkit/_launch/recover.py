@@ -310,8 +310,7 @@ class InPlace:
 
         address = torchrun.master_address(agent.process_context().envs[0])
         host = address[0] if address else "127.0.0.1"
-        self.store = None
-        self.store, port = serve_new_store(host, timedelta(minutes=5))
+        self.store, port = serve_new_store(host, timedelta(minutes=5))  # the last one ends now
         return port
 
     def _waiting(self) -> dict[int, dict[str, Any]]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import faulthandler
 import functools
 import gc
 import json
@@ -20,7 +19,6 @@ import runpy
 import secrets
 import signal
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -28,6 +26,7 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import TypeVar
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
@@ -35,6 +34,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, recor
 from ddpkit import _fs as fs
 from ddpkit._errors import ConfigError
 from ddpkit._internals.elastic import record_with
+from ddpkit._internals.interpreter import current_frames
 from ddpkit._launch import recover
 from ddpkit._launch.proctree import set_parent_death_signal, start_guard
 from ddpkit.distributed._progress import watch_torch_collectives
@@ -143,6 +143,7 @@ def _close(serving: _Serving) -> None:
 
 def _serve(serving: _Serving) -> None:
     asked: deque[str] = deque(maxlen=_TOKENS_KEPT)
+    me = threading.get_ident()
     while True:
         try:
             data = os.read(serving.fd, 4096)
@@ -152,7 +153,7 @@ def _serve(serving: _Serving) -> None:
             return
         asked.extend(t for t in data.decode("ascii", "replace").split() if _TOKEN.fullmatch(t))
         try:
-            text = f"stacks of pid {serving.pid}, asked by: {' '.join(asked)}\n" + format_stacks()
+            text = f"stacks of pid {serving.pid}, asked by: {' '.join(asked)}\n" + format_stacks(me)
             with serving.lock:
                 if serving.closed:
                     return
@@ -162,38 +163,30 @@ def _serve(serving: _Serving) -> None:
             continue
 
 
-def format_stacks() -> str:
-    """Every thread's Python stack but the caller's, main thread first, each innermost first (at
-    most 100 frames), in faulthandler's layout with the threads' names.
-
-    faulthandler walks the frames in C, holding the GIL from the first to the last: a walk in
-    Python (``sys._current_frames``) lets other threads run between its steps, and reading the
-    frame a thread had just left killed the process (SIGSEGV, CPython 3.11)."""
-    with tempfile.TemporaryFile() as out:
-        faulthandler.dump_traceback(out.fileno(), all_threads=True)
-        out.seek(0)
-        dump = out.read().decode(errors="replace")
+def format_stacks(skip: int | None = None, limit: int = 100) -> str:
+    """Every thread's Python stack but ``skip``'s (a thread ident), main thread first, each
+    innermost first (at most ``limit`` frames), in faulthandler's layout; read holding the GIL."""
+    frames = current_frames()
     names = {t.ident: t.name for t in threading.enumerate()}
     main = threading.main_thread().ident
-    blocks: dict[int, str] = {}
-    for block in dump.strip().split("\n\n"):
-        first, _, frames = block.partition("\n")
-        head = re.fullmatch(
-            r"(Current thread|Thread) 0x([0-9a-f]+) \(most recent call first\):", first
-        )
-        if head is None or head[1] == "Current thread":
-            continue  # the caller's own
-        ident = int(head[2], 16)
-        title = (
-            f"Main thread 0x{ident:016x}"
-            if ident == main
-            else (f"Thread 0x{ident:016x} {names.get(ident, '?')!r}")
-        )
-        blocks[ident] = f"{title} (most recent call first):\n{frames}"
-    text = [blocks[i] for i in sorted(blocks, key=lambda i: i != main)]
-    if main not in blocks:
-        text.insert(0, "Main thread: no Python frame (the interpreter is ending)")
-    return "\n\n".join(text) + "\n"
+    blocks = []
+    for ident in sorted(frames, key=lambda i: i != main):
+        if ident == skip:
+            continue
+        head = "Main thread" if ident == main else "Thread"
+        name = "" if ident == main else f" {names.get(ident, '?')!r}"
+        lines = [f"{head} 0x{ident:016x}{name} (most recent call first):"]
+        frame: FrameType | None = frames[ident]
+        while frame is not None and len(lines) <= limit:
+            code = frame.f_code
+            lines.append(f'  File "{code.co_filename}", line {frame.f_lineno} in {code.co_name}')
+            frame = frame.f_back
+        if frame is not None:
+            lines.append("  ...")
+        blocks.append("\n".join(lines))
+    if main not in frames:
+        blocks.insert(0, "Main thread: no Python frame (the interpreter is ending)")
+    return "\n\n".join(blocks) + "\n"
 
 
 def request_stack(folder: Path, pid: int) -> str | None:
