@@ -228,10 +228,10 @@ def test_a_manifest_that_lies_with_a_valid_crc_is_refused_before_any_tensor_is_v
 @pytest.fixture
 def journal(tmp_path):
     from ddpkit.search._config import SearchConfig
-    from ddpkit.search._study import JOURNAL, open_study
+    from ddpkit.search._study import JOURNAL, open_search_study
 
     cfg = SearchConfig(n_trials=2, search_dir=str(tmp_path))
-    study = open_study(cfg, {}, create=True)
+    study = open_search_study(cfg, {}, create=True).study
     study.set_user_attr("a", 1)
     study.ask()
     return cfg, tmp_path / JOURNAL
@@ -248,14 +248,14 @@ def journal(tmp_path):
     ids=["empty", "unknown-op", "missing-fields", "list"],
 )
 def test_a_hand_edited_journal_is_refused_naming_the_file_and_line(journal, line, what):
-    from ddpkit.search._study import open_study
+    from ddpkit.search._study import open_search_study
 
     cfg, path = journal
     lines = path.read_bytes().split(b"\n")[:-1]
     lines.insert(2, line)  # the third of five lines
     path.write_bytes(b"\n".join(lines) + b"\n")
     with pytest.raises(ConfigError) as info:
-        open_study(cfg, {}, create=False)
+        open_search_study(cfg, {}, create=False)
     message = str(info.value)
     assert f"journal {path} is damaged at line 3 of {len(lines)}: {what}" in message, message
     assert "database server" not in message

@@ -335,10 +335,12 @@ def test_slot_manifest_and_values_lie_with_valid_crcs(tmp_path_factory, slot_byt
 @pytest.fixture(scope="module")
 def journal_bytes(tmp_path_factory) -> bytes:
     from ddpkit.search._config import SearchConfig
-    from ddpkit.search._study import JOURNAL, open_study
+    from ddpkit.search._study import JOURNAL, open_search_study
 
     folder = tmp_path_factory.mktemp("journal")
-    study = open_study(SearchConfig(n_trials=3, search_dir=str(folder)), {}, create=True)
+    study = open_search_study(
+        SearchConfig(n_trials=3, search_dir=str(folder)), {}, create=True
+    ).study
     for i in range(2):
         trial = study.ask()
         trial.suggest_float("lr", 1e-3, 1.0)
@@ -351,7 +353,7 @@ def journal_bytes(tmp_path_factory) -> bytes:
 @given(mutation=byte_mutation(900), whole_line=st.booleans())
 def test_journal_mutated(tmp_path_factory, journal_bytes, mutation, whole_line):
     from ddpkit.search._config import SearchConfig
-    from ddpkit.search._study import JOURNAL, open_study, repair_journal
+    from ddpkit.search._study import JOURNAL, open_search_study, repair_journal
 
     folder = tmp_path_factory.mktemp("j")
     data = mutate(journal_bytes, mutation)
@@ -360,7 +362,9 @@ def test_journal_mutated(tmp_path_factory, journal_bytes, mutation, whole_line):
     (folder / JOURNAL).write_bytes(data)
     try:
         repair_journal(folder / JOURNAL)  # what a search does first, under its lock
-        study = open_study(SearchConfig(n_trials=3, search_dir=str(folder)), {}, create=True)
+        study = open_search_study(
+            SearchConfig(n_trials=3, search_dir=str(folder)), {}, create=True
+        ).study
     except ConfigError as err:
         assert str(folder / JOURNAL) in str(err), f"{mutation}: a refusal that names no file: {err}"
         return

@@ -14,7 +14,7 @@ from optuna.distributions import (
     IntDistribution,
 )
 
-from ddpkit._errors import ConfigError, check_types, checked_arguments
+from ddpkit._errors import ConfigError, check_fields, check_types, checked_arguments
 
 Sampler = Literal["tpe", "evolution", "nsga2", "cmaes", "random", "grid"]
 SAMPLERS: tuple[str, ...] = get_args(Sampler)
@@ -53,18 +53,16 @@ class SearchConfig:
 
     def __post_init__(self) -> None:
         check_types(self)
-        checks = {
-            "n_trials": self.n_trials >= 1,
-            "group_size": self.group_size >= 1,
-            "direction": self.direction in ("minimize", "maximize"),
-            "sampler": self.sampler in SAMPLERS,
-            "pruner": self.pruner in PRUNERS,
-        }
-        for name, ok in checks.items():
-            if not ok:
-                raise ConfigError(
-                    f"{name}={getattr(self, name)!r} is not valid: see SearchConfig.{name}"
-                )
+        check_fields(
+            self,
+            {
+                "n_trials": self.n_trials >= 1,
+                "group_size": self.group_size >= 1,
+                "direction": self.direction in ("minimize", "maximize"),
+                "sampler": self.sampler in SAMPLERS,
+                "pruner": self.pruner in PRUNERS,
+            },
+        )
 
 
 @checked_arguments

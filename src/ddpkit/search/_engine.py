@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import errno
 import functools
+import gc
 import io
 import sys
 import traceback
@@ -19,24 +20,24 @@ from pathlib import Path
 from typing import Any, cast
 
 import optuna
+import torch
 import torch.distributed as dist
 from optuna.trial import FrozenTrial, TrialState
 
 from ddpkit import _fs as fs
 from ddpkit._errors import ConfigError
+from ddpkit._fs.lock import FolderLock
 from ddpkit.distributed._collectives import all_gather_object, broadcast_object
 from ddpkit.distributed._groups import split_world
 from ddpkit.distributed._log import print0
 from ddpkit.distributed._runtime import Runtime, get_runtime
 from ddpkit.search._config import SearchConfig, to_distributions
 from ddpkit.search._study import (
-    SearchDirLock,
     Start,
     begin_search,
     describe_storage,
     next_trial,
     open_search_study,
-    open_study,
     trial_dir,
     trials_of,
 )
@@ -117,15 +118,11 @@ def search(
 ) -> optuna.Study:
     """Run the search on every rank of the job; return the study (on every rank).
 
-    ``objective(candidate)`` builds and trains one candidate on ``candidate.group`` with
-    ``candidate.params`` (with the Trainer: ``Trainer(..., group=candidate.group,
-    callbacks=[candidate])``, its run_dir ``candidate.run_dir``) and returns the metric, or the
-    Trainer's metrics dict holding ``config.metric``. The candidate as a callback reports
-    ``config.metric`` after each validation (or each epoch, for a metric of the training records),
-    so the pruner can stop it. A candidate that diverges, raises or runs out of memory fails its
-    trial only. An error of the machine (:data:`ENVIRONMENT_ERRNOS`) stops the search and leaves
-    the trial to resume. One job at a time per ``search_dir``; a second is refused, naming the
-    first.
+    ``objective(candidate)`` trains one candidate on ``candidate.group`` with ``candidate.params``
+    (a Trainer: ``group=candidate.group, callbacks=[candidate]``, run_dir ``candidate.run_dir``)
+    and returns the metric, or the Trainer's metrics dict holding ``config.metric``. A candidate
+    that diverges, raises or runs out of memory fails its trial only; an error of the machine
+    (:data:`ENVIRONMENT_ERRNOS`) stops the search. A second job on ``search_dir`` is refused.
     """
     distributions = to_distributions(space)
     rt = get_runtime()
@@ -137,7 +134,7 @@ def search(
         )
     fs.make_dirs(Path(config.search_dir))
     # rank 0 takes search_dir and creates the study first; its refusal is an error on every rank
-    lock: SearchDirLock | None = None
+    lock: FolderLock | None = None
     error: str | None = None
     begun: Start | None = None
     if rt.is_main:
@@ -151,7 +148,7 @@ def search(
     try:
         _search_on_groups(objective, distributions, config, begun)
         if rt.is_main:
-            final = open_study(config, distributions, create=False)
+            final = open_search_study(config, distributions, create=False).study
             write_results(final, trials_of(final, begun.search_id), config)
     except BaseException as err:
         _name_a_machine_error_between_trials(err, config)
@@ -159,7 +156,7 @@ def search(
     finally:
         if lock is not None:
             lock.release()
-    return open_study(config, distributions, create=False)
+    return open_search_study(config, distributions, create=False).study
 
 
 def _search_on_groups(
@@ -168,20 +165,11 @@ def _search_on_groups(
     """Every group trains candidates until the budget is spent; returns once every group is done."""
     rt = get_runtime()
     grt = split_world(cfg.group_size)
-    # a study per process: the storage is shared, the samplers' random state is not
-    handle = (
-        open_search_study(
-            cfg,
-            distributions,
-            create=False,
-            group_index=grt.group_index,
-            start=begun.start,
-            search_id=begun.search_id,
-        )  # fmt: skip
-        if grt.is_main
-        else None
-    )
-    study = None if handle is None else handle.study
+    handle = None
+    if grt.is_main:  # a study per process: the storage is shared, the samplers' state is not
+        handle = open_search_study(
+            cfg, distributions, False, grt.group_index, begun.start, begun.search_id
+        )
     # the trials a killed job left running, shared out before any group asks for new ones
     n_groups = rt.world_size // cfg.group_size
     mine = begun.leftover[grt.group_index :: n_groups]
@@ -203,11 +191,11 @@ def _search_on_groups(
         number, params = payload
         candidate = Candidate(number, params, grt, trial_dir(search_dir, number), trial, cfg.metric)
         state, value, error = _run_candidate(objective, candidate, cfg)
-        if study is not None and trial is not None:  # the group's rank 0
+        if handle is not None and trial is not None:  # the group's rank 0
             if error:
                 trial.set_user_attr("error", error[-2000:])
-            study.tell(number, value if state == TrialState.COMPLETE else None, state=state)
-            _progress(study, cfg, begun.search_id, candidate, state, value, error)
+            handle.study.tell(number, value if state == TrialState.COMPLETE else None, state=state)
+            _progress(handle.study, cfg, begun.search_id, candidate, state, value, error)
     _wait_for_every_group()
 
 
@@ -229,7 +217,15 @@ def _run_candidate(
     except BaseException as err:
         machine = environment_error(err)
         if machine is not None:
-            _stop_for_machine(candidate, machine, err)
+            # no agreement with the group first: its ranks may be in a collective of the step, and
+            # this rank's exit ends them. The trial stays running; the next start resumes it.
+            _say(
+                err,
+                f"ddpkit search: trial {candidate.number} was stopped by the machine, not by the "
+                f"candidate: {machine}. The search stops here; the trial is neither failed nor "
+                "counted twice, and resumes from its last snapshot when the search is started "
+                "again once that is fixed",
+            )
             raise
         if not isinstance(err, Exception):  # KeyboardInterrupt, SystemExit (Preempted)
             raise
@@ -237,7 +233,9 @@ def _run_candidate(
         error = "".join(traceback.format_exception_only(type(err), err)).strip()
         if "out of memory" in error.lower():
             error = f"out of memory: {error}"
-        _free_accelerator_memory()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     outcomes = all_gather_object((state.name, value, error), group=candidate.group)
     errors = [e for _, _, e in outcomes if e]
     if errors:
@@ -250,8 +248,8 @@ def _run_candidate(
 
 
 def _name_a_machine_error_between_trials(err: BaseException, cfg: SearchConfig) -> None:
-    """A full disk (or another error of the machine) met by the study's own writes, between trials:
-    say so in one line; a trial it met inside was named by :func:`_stop_for_machine` already."""
+    """An error of the machine met by the study's own writes, between trials: say so in one line
+    (one met inside a trial was named by :func:`_run_candidate`)."""
     machine = environment_error(err)
     if machine is None or any(
         "stopped by the machine" in note for note in getattr(err, "__notes__", ())
@@ -265,32 +263,10 @@ def _name_a_machine_error_between_trials(err: BaseException, cfg: SearchConfig) 
     )
 
 
-def _stop_for_machine(candidate: Candidate, machine: OSError, err: BaseException) -> None:
-    # No agreement with the group first: its ranks may be in a collective of the step, and this
-    # rank's exit ends them. The trial stays running in the study; the next start resumes it.
-    _say(
-        err,
-        f"ddpkit search: trial {candidate.number} was stopped by the machine, not by the "
-        f"candidate: {machine}. The search stops here; the trial is neither failed nor counted "
-        "twice, and resumes from its last snapshot when the search is started again once that is "
-        "fixed",
-    )
-
-
 def _say(err: BaseException, message: str) -> None:
     print(message, file=sys.stderr, flush=True)
     if hasattr(err, "add_note"):
         err.add_note(message)
-
-
-def _free_accelerator_memory() -> None:
-    import gc
-
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def _progress(
@@ -319,7 +295,7 @@ def _progress(
 
 def _wait_for_every_group() -> None:
     """Wait until every group has finished its last candidate: groups end up to a candidate apart,
-    longer than a collective's timeout, so on a gloo group of its own whose timeout is a day."""
+    longer than a collective's timeout, so on a gloo group whose timeout is a day."""
     if not dist.is_initialized():
         return
     waiting = dist.new_group(backend="gloo", timeout=timedelta(days=1))
@@ -329,9 +305,7 @@ def _wait_for_every_group() -> None:
 
 # -- errors of the machine -------------------------------------------------------------------------
 
-# Errors every candidate would meet: failing trials on them would spend the budget on nothing. Left
-# out: ENOMEM and EMFILE (a candidate's size or its loader can cause them), EACCES (the objective's
-# own path).
+# Errors every candidate would meet: failing trials on them would spend the budget on nothing.
 ENVIRONMENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.ESTALE})
 
 

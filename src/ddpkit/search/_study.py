@@ -1,13 +1,6 @@
-"""The search's side of the Optuna study and of ``search_dir``: opening the study, its samplers
-(Optuna's, and :class:`EvolutionSampler`) and pruners, the trials of this search, and the checks of
-what ``search_dir`` holds.
-
-Trials carry their search's id (a study shared through an RDB URL is counted and resumed for ours
-only); each start of a search is counted in the study and seeds the samplers apart; a trial is
-created with its tag in one write. World rank 0 holds an advisory lock on ``search_dir/.lock`` for
-the life of the search; a journal whose last record was cut is repaired, a damaged one refused;
-``trial-NNNN`` folders the study does not own are refused.
-"""
+"""The search's side of the Optuna study and of ``search_dir``: the study, its samplers and
+pruners, this search's trials, and the checks of what ``search_dir`` holds
+(docs/hyperparameter-search.md)."""
 
 from __future__ import annotations
 
@@ -19,7 +12,6 @@ import socket
 import stat
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn, cast
@@ -52,10 +44,8 @@ from ddpkit.distributed._seeding import mix_seed
 from ddpkit.search._config import SearchConfig
 
 JOURNAL = "study.journal"
-# Optuna reads a journal whole and replays every record at each open: a GiB is a million trials.
-JOURNAL_LIMIT = 1 << 30
-# Optuna's replay may cost at most this much work a record (ReplayWork: entries copied or trials
-# scanned), above a floor of a fraction of a second.
+JOURNAL_LIMIT = 1 << 30  # Optuna reads a journal whole and replays it at each open
+# the most replay work (ReplayWork) a record may cost, above a floor
 _REPLAY_PER_RECORD = 1024
 _REPLAY_FLOOR = 1 << 24
 _SEARCH_KEY = "ddpkit_search"  # a trial's user attribute: the search it belongs to
@@ -70,19 +60,15 @@ def trial_dir(search_dir: Path, number: int) -> Path:
     return search_dir / f"trial-{number:04d}"
 
 
-class SearchDirLock(FolderLock):
-    """An exclusive advisory lock on ``search_dir/.lock`` naming its holder: the run directory's
-    lock, in the words of a search."""
-
-    def __init__(self, search_dir: str | os.PathLike) -> None:
-        super().__init__(
-            search_dir,
-            what="search_dir",
-            job="search job",
-            user="search",
-            hazard="a second job would take that job's live trials for trials a dead job left "
-            "running",
-        )
+def search_dir_lock(search_dir: Path) -> FolderLock:
+    """An exclusive advisory lock on ``search_dir/.lock`` naming its holder."""
+    return FolderLock(
+        search_dir,
+        what="search_dir",
+        job="search job",
+        user="search",
+        hazard="a second job would take that job's live trials for trials a dead job left running",
+    )
 
 
 def describe_storage(config: Any) -> str:
@@ -92,12 +78,9 @@ def describe_storage(config: Any) -> str:
 
 
 def repair_journal(path: Path) -> str | None:
-    """Make Optuna's journal readable again after a write was cut short; say what was done, or
-    None. Call it only while no process writes the journal (under :class:`SearchDirLock`).
-
-    Every prefix of whole records is a consistent study: the bytes after the last newline move to a
-    file beside it. A damaged line before the last is a :class:`ConfigError` naming it, the file
-    left as it is."""
+    """Make Optuna's journal readable again after a write was cut short (the bytes after the last
+    newline move to a file beside it); say what was done, or None. Call it only under
+    :func:`search_dir_lock`. A damaged line before the last is a :class:`ConfigError` naming it."""
     # Optuna appends through an open() that follows links, to a file that must have one name
     fs.check_owned(path, "the study's journal", follow=False)
     fs.unshare(path)
@@ -169,8 +152,7 @@ def _refuse_damaged(path: Path, number: int, total: int) -> None:
 
 
 def check_trial_dirs(search_dir: Path, owned: set[int], study: str) -> None:
-    """Refuse ``trial-NNNN`` folders with content whose trial is not one of this search's ``owned``
-    trials: a new trial of that number would resume the old one's snapshots."""
+    """Refuse ``trial-NNNN`` folders with content whose trial is not one of ``owned``."""
     strangers = []
     for path in sorted(search_dir.glob("trial-*")):
         match = _TRIAL_DIR.fullmatch(path.name)
@@ -192,8 +174,7 @@ def check_trial_dirs(search_dir: Path, owned: set[int], study: str) -> None:
 
 
 class _Replay(BaseJournalBackend):
-    """A journal's records in memory for Optuna to replay, counting those handed out (which record
-    a failure came from)."""
+    """A journal's records in memory for Optuna to replay, counting those handed out."""
 
     def __init__(self, records: list[dict[str, Any]]) -> None:
         self.records, self.handed = records, 0
@@ -208,10 +189,8 @@ class _Replay(BaseJournalBackend):
 
 
 def check_journal(path: Path) -> None:
-    """Refuse a journal Optuna would fail to read, naming the file, the line and what is wrong: not
-    an object, no known ``op_code`` or ``worker_id``, a bad step, more replay work than its budget,
-    or a record Optuna fails to replay. A last line without its newline is
-    :func:`repair_journal`'s."""
+    """Refuse a journal Optuna would fail to read (a bad record, more replay work than its budget,
+    a record Optuna fails to replay), naming the file, the line and what is wrong."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO would block
     except FileNotFoundError:
@@ -298,19 +277,18 @@ def new_sampler(
     start: int = 0,
     search_id: str = "",
 ) -> optuna.samplers.BaseSampler:
-    """The sampler of one group at one start of the search: seeded apart by group and start (the
-    samplers' state is not in the study), and on a shared database by the search's own id."""
+    """The sampler of one group at one start of the search, seeded apart by group and start (and,
+    on a shared database, by the search's own id)."""
     shared = (search_id,) if cfg.storage is not None else ()
     seed = mix_seed(cfg.seed, "sampler", start, group_index, *shared)
-    opts = dict(cfg.sampler_options)
-    if cfg.sampler == "tpe":
-        return optuna.samplers.TPESampler(seed=seed, **opts)
-    if cfg.sampler == "evolution":
-        return EvolutionSampler(seed=seed, **opts)
-    if cfg.sampler == "nsga2":
-        return optuna.samplers.NSGAIISampler(seed=seed, **opts)
-    if cfg.sampler == "cmaes":
-        return optuna.samplers.CmaEsSampler(seed=seed, **opts)
+    samplers: dict[str, Callable[..., BaseSampler]] = {
+        "tpe": optuna.samplers.TPESampler,
+        "evolution": EvolutionSampler,
+        "nsga2": optuna.samplers.NSGAIISampler,
+        "cmaes": optuna.samplers.CmaEsSampler,
+    }
+    if cfg.sampler in samplers:
+        return samplers[cfg.sampler](seed=seed, **cfg.sampler_options)
     if cfg.sampler == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     grid = {}
@@ -334,8 +312,7 @@ def new_pruner(cfg: SearchConfig) -> optuna.pruners.BasePruner:
 
 
 def open_storage(cfg: SearchConfig) -> optuna.storages.BaseStorage:
-    """The storage a study of this search writes through (behind the cache Optuna puts before an
-    RDB)."""
+    """The storage a study of this search writes through (Optuna's cache before an RDB)."""
     if cfg.storage is None:
         from optuna.storages.journal import JournalFileBackend
 
@@ -354,16 +331,6 @@ class SearchStudy:
     study: optuna.Study
     storage: optuna.storages.BaseStorage
     study_id: int
-
-
-def open_study(
-    cfg: SearchConfig,
-    distributions: dict[str, Any],
-    create: bool,
-    group_index: int = 0,
-    start: int = 0,
-) -> optuna.Study:
-    return open_search_study(cfg, distributions, create, group_index, start).study
 
 
 def open_search_study(
@@ -411,17 +378,6 @@ def open_search_study(
         ) from None
 
 
-@contextmanager
-def file_lock(path: Path) -> Iterator[None]:
-    """Held while a group counts trials and asks: groups racing for the budget's last candidate
-    cannot both start one."""
-    fd, _ = take_lock(path, wait=True)
-    try:
-        yield
-    finally:
-        os.close(fd)
-
-
 def read_search_id(cfg: SearchConfig) -> str:
     """This search's id, kept in search_dir: a restarted job is the same search."""
     path = Path(cfg.search_dir) / "search_id"
@@ -441,8 +397,7 @@ def trials_of(
 
 
 def count_start(study: optuna.Study) -> int:
-    """This start's number (0 for the first start of a search on this study); counts it in the
-    study."""
+    """This start's number (0 for the first on this study); counts it in the study."""
     start = int(study.user_attrs.get(_STARTS_KEY, 0))
     study.set_user_attr(_STARTS_KEY, start + 1)
     return start
@@ -450,27 +405,26 @@ def count_start(study: optuna.Study) -> int:
 
 @dataclass(frozen=True)
 class Start:
-    """What world rank 0 found in search_dir and the study, for every rank."""
+    """What world rank 0 found, for every rank: the search's id, the starts before this one on the
+    study (they seed the samplers), and this search's trials a stopped job left running."""
 
     search_id: str
     start: int
-    """How many times a search was started on this study before this one: seeds the samplers."""
     leftover: list[int]
-    """Numbers of this search's trials a stopped job left running."""
 
 
-def begin_search(cfg: SearchConfig, distributions: dict[str, Any]) -> tuple[SearchDirLock, Start]:
+def begin_search(cfg: SearchConfig, distributions: dict[str, Any]) -> tuple[FolderLock, Start]:
     """On world rank 0: take search_dir for this job, repair or refuse what is wrong in it, count
     this start."""
     search_dir = Path(cfg.search_dir)
-    lock = SearchDirLock(search_dir)
+    lock = search_dir_lock(search_dir)
     lock.acquire()
     try:
         if cfg.storage is None:
             note = repair_journal(search_dir / JOURNAL)
             if note:
                 print(note, flush=True)
-        study = open_study(cfg, distributions, create=True)
+        study = open_search_study(cfg, distributions, create=True).study
         search_id = read_search_id(cfg)
         ours = trials_of(study, search_id)
         check_trial_dirs(search_dir, {t.number for t in ours}, describe_storage(cfg))
@@ -494,17 +448,20 @@ def next_trial(
         trial = resumed_trial(handle, leftover.pop(0), distributions)
         if trial is not None:
             return trial
-    with file_lock(search_dir / ".ask.lock"):
+    # held while the group counts and asks: groups racing for the last candidate cannot both start
+    fd, _ = take_lock(search_dir / ".ask.lock", wait=True)
+    try:
         if len(trials_of(handle.study, search_id)) >= cfg.n_trials:
             return None
         trial = created_trial(handle, search_id)
         draw_params(trial, distributions)
+    finally:
+        os.close(fd)
     return trial
 
 
 def created_trial(handle: SearchStudy, search_id: str) -> optuna.Trial:
-    """A new running trial of this search, created with its tag in one write to the storage (a
-    kill between ``study.ask()`` and a second write would leave a trial of nobody's search)."""
+    """A new running trial of this search, created with its tag in one write to the storage."""
     template = optuna.trial.create_trial(
         state=TrialState.RUNNING, user_attrs={_SEARCH_KEY: search_id}
     )
@@ -527,8 +484,7 @@ def resumed_trial(
 
 
 def draw_params(trial: optuna.Trial, distributions: dict[str, Any]) -> None:
-    """Suggest every parameter of the space (as ``study.ask(distributions)`` does); one drawn before
-    is kept."""
+    """Suggest every parameter of the space (as ``study.ask(distributions)``); one drawn is kept."""
     for name, d in distributions.items():
         if isinstance(d, optuna.distributions.FloatDistribution):
             trial.suggest_float(name, d.low, d.high, step=d.step, log=d.log)
@@ -539,12 +495,11 @@ def draw_params(trial: optuna.Trial, distributions: dict[str, Any]) -> None:
 
 
 class EvolutionSampler(BaseSampler):
-    """Propulate's asynchronous evolution (seed 003): each new candidate is bred from the candidates
-    finished so far whenever a worker asks, no generations to wait for. With probability
-    ``random_share`` a candidate is drawn at random; otherwise two parents are chosen by tournaments
-    among the ``top`` best, each parameter taken from either and mutated with probability
-    ``mutation_prob`` (a Gaussian step of ``mutation_scale`` of its range, in log space for log
-    distributions; choices drawn anew)."""
+    """Propulate's asynchronous evolution: each new candidate is bred from those finished so far.
+    With probability ``random_share`` a candidate is random; otherwise two parents are chosen by
+    tournaments among the ``top`` best, each parameter taken from either and mutated with
+    probability ``mutation_prob`` (a Gaussian step of ``mutation_scale`` of its range, in log space
+    for log distributions; choices drawn anew)."""
 
     def __init__(
         self,
