@@ -148,22 +148,27 @@ def gather_tensors(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
     if not is_live(group):
         return tensor
     with _watched("gather_tensors", group):
-        device = comm_device(group)
-        local = tensor.detach().to(device)
-        sizes = torch.tensor([local.shape[0]], device=device)
-        all_sizes = [torch.zeros_like(sizes) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(all_sizes, sizes, group=group)
-        longest = int(max(s.item() for s in all_sizes))
-        # all_gather needs equal shapes: pad to the longest, then cut each rank's padding away.
-        padded = local.new_zeros((longest, *local.shape[1:]))
-        padded[: local.shape[0]] = local
-        chunks = [torch.zeros_like(padded) for _ in all_sizes]
-        dist.all_gather(chunks, padded, group=group)
-        return torch.cat([c[: int(s.item())] for c, s in zip(chunks, all_sizes)]).to(tensor.device)
+        local = tensor.detach().to(comm_device(group))
+        return torch.cat(_all_gather_uneven(local, group)).to(tensor.device)
 
 
-# Objects travel as pickled bytes in uint8 tensors, read back without numpy (which torch's own
-# object collectives need).
+def _all_gather_uneven(local: torch.Tensor, group: Group) -> list[torch.Tensor]:
+    """Every rank's ``local``, whose lengths along dim 0 may differ, in rank order."""
+    device = local.device
+    sizes = [
+        torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))
+    ]
+    dist.all_gather(sizes, torch.tensor([local.shape[0]], device=device), group=group)
+    lengths = [int(s.item()) for s in sizes]
+    # all_gather needs equal shapes: padded to the longest, the padding cut away after
+    padded = local.new_zeros((max(lengths), *local.shape[1:]))
+    padded[: local.shape[0]] = local
+    chunks = [torch.empty_like(padded) for _ in lengths]
+    dist.all_gather(chunks, padded, group=group)
+    return [chunk[:n] for chunk, n in zip(chunks, lengths)]
+
+
+# Objects travel as pickled bytes in uint8 tensors, read back without numpy.
 
 
 def _pickled(obj: Any, device: torch.device) -> torch.Tensor:
@@ -186,26 +191,13 @@ def _unpickled(payload: torch.Tensor) -> Any:
 
 
 def all_gather_object(obj: T, group: Group = None) -> list[T]:
-    """Every rank's picklable ``obj``, in rank order, on every rank (as torch's
-    ``all_gather_object``, whose ``gather_object`` sends them to one rank only); without a process
-    group, ``[obj]``."""
+    """Every rank's picklable ``obj``, in rank order, on every rank; without a process group,
+    ``[obj]``."""
     if not is_live(group):
         return [obj]
     with _watched("all_gather_object", group):
-        device = comm_device(group)
-        mine = _pickled(obj, device)
-        sizes = [
-            torch.zeros(1, dtype=torch.int64, device=device)
-            for _ in range(dist.get_world_size(group))
-        ]
-        dist.all_gather(sizes, torch.tensor([mine.numel()], device=device), group=group)
-        lengths = [int(s.item()) for s in sizes]
-        # all_gather needs equal shapes: padded to the longest, the padding cut away after
-        padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
-        padded[: mine.numel()] = mine
-        chunks = [torch.empty_like(padded) for _ in lengths]
-        dist.all_gather(chunks, padded, group=group)
-        return [_unpickled(chunk[:n].cpu()) for chunk, n in zip(chunks, lengths)]
+        chunks = _all_gather_uneven(_pickled(obj, comm_device(group)), group)
+        return [_unpickled(chunk.cpu()) for chunk in chunks]
 
 
 def gather_object(obj: T, dst: int = 0, group: Group = None) -> list[T] | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Mapping
@@ -12,8 +13,8 @@ from ddpkit import platforms
 from ddpkit._errors import ConfigError
 from ddpkit.platforms._base import LaunchEnv
 
-# The range of --join-timeout and --collective-timeout: torch keeps milliseconds, and overflows
-# past 30 days; below a second the process group's own setup times out.
+# The range of --join-timeout and --collective-timeout: torch overflows past 30 days; below a second
+# the process group's own setup times out.
 MAX_TIMEOUT = 30 * 24 * 3600.0
 MIN_TIMEOUT = 1.0
 
@@ -53,11 +54,8 @@ agent's record of it (``ddpkit._launch.recover``)."""
 
 
 def recovery_record(env: Mapping[str, str] | None = None) -> dict[str, Any] | None:
-    """The agent's record of the in-place recovery this worker runs in (``recovery``, ``replaced``
-    ranks, ``restart_count``, and the times it was ``seen``, the ranks had ``left``, and it was
-    ``decided``); None outside one."""
-    import json
-
+    """The agent's record of the in-place recovery this worker runs in (``recovery``, ``replaced``,
+    ``restart_count``, the times ``seen``, ``left``, ``decided``); None outside one."""
     path = (os.environ if env is None else env).get(RECOVERED_ENV)
     if not path:
         return None

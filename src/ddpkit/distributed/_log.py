@@ -30,8 +30,7 @@ class _RankFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         rank = get_runtime(self.group).rank
-        # a field of its own on the record, read by the format as %(rank)s
-        record.__dict__["rank"] = rank
+        record.__dict__["rank"] = rank  # read by the format as %(rank)s
         return not self.main_only or rank == 0
 
 

@@ -237,12 +237,8 @@ class collective:  # noqa: N801  (used as a function: `with progress.collective(
 
 _depth = 0  # collectives entered and not yet left (nested: one inside another)
 
-TORCH_COLLECTIVES = (
-    "all_reduce", "all_gather", "all_gather_object", "gather_object", "barrier", "broadcast",
-    "reduce", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
-    "all_to_all_single", "gather", "scatter", "broadcast_object_list", "scatter_object_list",
-    "monitored_barrier",
-)  # fmt: skip
+_DDPKITS_OWN = ("collective", "gather_tensors", "broadcast_object", "first_failure", "shutdown")
+TORCH_COLLECTIVES = tuple(op for op in OPS if op not in _DDPKITS_OWN)
 """The collectives :func:`watch_torch_collectives` marks (not ``send``/``recv``)."""
 
 

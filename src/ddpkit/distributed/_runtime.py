@@ -131,10 +131,9 @@ def init(
 
     The same under ``ddpkit run``, torchrun, SLURM ``srun``, :func:`ddpkit.spawn`, and plain
     ``python`` (a world of one with no process group). The device is ``cuda:LOCAL_RANK`` when CUDA
-    is there, else the CPU; the backend follows the device (nccl for CUDA, gloo for CPU) unless
-    ``backend`` names one. ``timeout`` bounds every collective: by default the launcher's
-    ``--collective-timeout``, else ``DEFAULT_TIMEOUT`` (5 minutes). Calling it again returns the
-    same runtime; asking then for another backend or device is an error.
+    is there, else the CPU; the backend follows it (nccl, gloo) unless ``backend`` names one.
+    ``timeout`` bounds every collective (default: the launcher's ``--collective-timeout``, else 5
+    minutes). Called again, it returns the same runtime; another backend or device is an error.
     """
     global _runtime
     if _runtime is not None:
@@ -203,9 +202,8 @@ def _join(launch: LaunchEnv, backend: str, dev: torch.device, timeout: timedelta
 
 
 def bound_device(dev: torch.device, backend: str) -> dict[str, Any]:
-    """``init_process_group``'s ``device_id`` for a rank whose collectives run through NCCL: its
-    own GPU, where torch would otherwise pick one from ``LOCAL_RANK`` (another rank's, for
-    ``device='cuda:1'`` on local rank 0: "Duplicate GPU detected"). Nothing on the CPU or gloo."""
+    """``init_process_group``'s ``device_id`` for a rank on NCCL: its own GPU, where torch would
+    pick one from ``LOCAL_RANK`` ("Duplicate GPU detected"). Nothing on the CPU or gloo."""
     if dev.type != "cuda" or "nccl" not in backend:
         return {}
     return {
@@ -216,9 +214,8 @@ def bound_device(dev: torch.device, backend: str) -> dict[str, Any]:
 
 
 def _rendezvous_store(launch: LaunchEnv, timeout: timedelta) -> Any:
-    """The job's rendezvous store, made once per process and kept for every later init(): a new
-    store server on the old one's port, after a shutdown(), could be reached by a peer as the old
-    one goes."""
+    """The job's rendezvous store, made once per process and kept for every later init() (a new
+    server on the old one's port could be reached by a peer as the old one goes)."""
     global _store_of
     key = (_init_method(launch), launch.rank, launch.world_size)
     if _store_of is None or _store_of[0] != key:
@@ -280,12 +277,9 @@ def get_runtime(group: Group = None, member: bool = False) -> Runtime:
 
     ``group`` is a group of :func:`~ddpkit.split_world` (returned as it is), a process group made by
     hand (its rank and size; -1 for both on a process outside it), or None for the whole job.
-    ``member``: a process outside ``group`` is refused (a Trainer's group).
-
-    Before :func:`init`, plain ``python`` is a world of one on the CPU, and a process group the
-    script made itself is taken as it is. Under a launcher that started several ranks, with no
-    process group, it raises :class:`~ddpkit.distributed._runtime.NotInitializedError` rather than
-    train one copy per rank (joining the job is a collective no hidden call can promise).
+    ``member``: a process outside ``group`` is refused. Before :func:`init`, plain ``python`` is a
+    world of one on the CPU and a process group the script made is taken as it is; under a launcher
+    of several ranks it raises :class:`NotInitializedError` (joining is a collective).
     """
     if isinstance(group, Runtime):
         if member and group.rank < 0:
@@ -341,8 +335,8 @@ def shutdown(*, wait_for_peers: bool = True) -> None:
 
 def _store_barrier(world_size: int) -> None:
     """Wait (bounded) until every rank has reached shutdown(), through the store: a rank that
-    destroyed its group as soon as its last collective returned could close a connection a peer
-    still reads ("Connection closed by peer"), and a barrier over the group has the same race."""
+    destroyed its group at once could close a connection a peer still reads, and a barrier over the
+    group has the same race."""
     store = _group_store
     if store is None or world_size < 2:
         return

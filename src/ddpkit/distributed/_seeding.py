@@ -52,23 +52,22 @@ def seed_everything(seed: int, per_rank: bool = False, group: Group = None) -> i
     """
     if per_rank:
         seed = seed + get_runtime(group).rank
-    random.seed(seed)
-    if np is not None:
-        np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)  # also seeds every CUDA device
-    return seed
+    return _seed_all(seed)
 
 
 def seed_rank(seed: int, rank: int) -> int:
     """Seed python, numpy and torch (CPU and every CUDA device) with rank ``rank``'s own stream of
     ``seed``; return the seed used. Called once the weights are the same on every rank, so that
     ranks draw different dropout masks and augmentations; a world of one draws as rank 0 of N."""
-    rank_seed = stream_seed("rank", seed, rank)
-    random.seed(rank_seed)
+    return _seed_all(stream_seed("rank", seed, rank))
+
+
+def _seed_all(seed: int) -> int:
+    random.seed(seed)
     if np is not None:
-        np.random.seed(rank_seed)
-    torch.manual_seed(rank_seed)  # also seeds every CUDA device
-    return rank_seed
+        np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+    return seed
 
 
 def cuda_in_use() -> bool:

@@ -16,8 +16,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # _runtime imports this module
     from ddpkit.distributed._runtime import Group
 
-HELD_SIGNALS = (signal.SIGUSR1,)
-
 _pending: signal.Signals | None = None
 
 
@@ -29,11 +27,9 @@ def _remember(signum: int, frame: FrameType | None) -> None:
 def hold_stop_signals() -> None:
     """Remember SIGUSR1 instead of dying of it, where the process still has its default action
     (a handler of the program's own is left; from a thread other than the main one, nothing)."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    for sig in HELD_SIGNALS:
-        if signal.getsignal(sig) is signal.SIG_DFL:
-            signal.signal(sig, _remember)
+    if threading.current_thread() is threading.main_thread():
+        if signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL:
+            signal.signal(signal.SIGUSR1, _remember)
 
 
 def pending_stop_signal(clear: bool = False) -> signal.Signals | None:
@@ -48,9 +44,8 @@ def pending_stop_signal(clear: bool = False) -> signal.Signals | None:
 
 @contextmanager
 def stop_signals(on_signal: Callable[[int], None]) -> Iterator[None]:
-    """Inside the block, call ``on_signal(signum)`` on SIGTERM and SIGUSR1 (a scheduler's warning
-    before pre-emption) instead of their usual action; the handlers in place before are put back on
-    leaving, however the block ends. A signal held by :func:`hold_stop_signals` before the block is
+    """Inside the block, call ``on_signal(signum)`` on SIGTERM and SIGUSR1 instead of their usual
+    action, the handlers before put back on leaving; a signal held by :func:`hold_stop_signals` is
     passed on at once. From a thread other than the main one, signals are left alone."""
     previous: dict[int, Any] = {}
     for sig in (signal.SIGTERM, signal.SIGUSR1):
@@ -70,18 +65,16 @@ def stop_signals(on_signal: Callable[[int], None]) -> Iterator[None]:
 
 
 def pass_on(signum: int) -> None:
-    """Deliver ``signum`` (0: none) again, to the handlers in place now that ``fit()`` has put back
-    its own: a stop signal too late to stop training is not lost for what runs next."""
+    """Deliver ``signum`` (0: none) again to the handlers ``fit()`` put back: a stop signal too late
+    to stop training is not lost for what runs next."""
     if signum:
         signal.raise_signal(signum)
 
 
 def preemption_notice(launcher: str, group: Group = None) -> Callable[[], str | None] | None:
-    """Where the launcher warns of a pre-emption by a call rather than a signal (Ray Train 2.60 and
-    newer, whose training thread gets no signal): a function that asks it, returning the notice in
-    words (None while there is none); None where there is nothing to ask. The call is a barrier
-    across Ray's workers: every rank must make it at the same point (a Trainer's agreements), so a
-    group of :func:`~ddpkit.split_world` does not ask."""
+    """Where the launcher warns of a pre-emption by a call (Ray Train 2.60 and newer): a function
+    that asks it, returning the notice in words or None; None where there is nothing to ask. The
+    call is a barrier across Ray's workers, so a group of :func:`~ddpkit.split_world` never asks."""
     if launcher != "ray" or group is not None:
         return None
     import ray.train
