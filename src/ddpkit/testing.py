@@ -1,38 +1,10 @@
-"""Test your own distributed code the way ddpkit tests its own: real processes, real collectives, in
-one call.
+"""Test your own distributed code the way ddpkit tests its own: real processes, real collectives
+(docs/runtime.md, "Testing your own code under ranks").
 
-:func:`run_on_ranks` runs a function on N processes of the CPU joined over gloo, each with
-:func:`ddpkit.init` already called, and returns what each rank returned; a rank that raises fails
-the call with its traceback, and a hang fails it after ``timeout`` seconds instead of blocking the
-test run. :func:`assert_same_on_ranks` checks, inside such a function, that every rank holds the
-same value (a model's weights after a step, a sampler's order): the property DDP training rests on::
-
-    import torch, ddpkit
-    from ddpkit.testing import assert_same_on_ranks, run_on_ranks
-
-    def one_step():
-        model = ddpkit.prepare_model(torch.nn.Linear(4, 1))
-        rank = ddpkit.get_runtime().rank
-        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(rank))  # per rank
-        model(x).pow(2).mean().backward()  # DDP averages the gradients over the ranks
-        torch.optim.SGD(model.parameters(), lr=0.1).step()
-        assert_same_on_ranks(ddpkit.unwrap(model).state_dict())
-        return rank
-
-    def test_ranks_stay_in_step():
-        assert run_on_ranks(one_step, world_size=2) == [0, 1]
-
-:func:`run_job` runs a script the way a user starts it, under ``ddpkit run`` in a fresh process,
-from an environment without the variables of any job the tests themselves run in; :func:`start_job`
-starts it the same way and returns at once, for a test that signals the job or reads its logs while
-it runs; :func:`wait_until` waits, with a deadline, for what a running job makes true (a file it
-writes, a process it ends)::
-
-    from ddpkit.testing import run_job
-
-    def test_the_job_trains(tmp_path):
-        done = run_job("train.py", "--out", str(tmp_path), nproc=2)
-        assert done.returncode == 0, done.stderr[-3000:]
+:func:`run_on_ranks` runs a function on N CPU processes joined over gloo and returns what each rank
+returned; :func:`assert_same_on_ranks` checks that every rank holds the same value. :func:`run_job`
+runs a script under ``ddpkit run`` in a fresh process, :func:`start_job` starts it and returns at
+once, and :func:`wait_until` waits, with a deadline, for what a running job makes true.
 """
 
 from __future__ import annotations
@@ -83,14 +55,11 @@ def run_on_ranks(
     collective_timeout: float = 30.0,
 ) -> list[Any]:
     """``fn(*args)`` on ``world_size`` local CPU processes joined over gloo; each rank's result, in
-    rank order.
+    rank order. A rank that raises fails the call with its traceback.
 
-    Inside ``fn`` the process group is up (:func:`ddpkit.get_runtime` says the rank). The processes
-    are forked, so ``fn`` may be a local function or a lambda; once this process has initialised
-    CUDA they are started afresh instead (CUDA does not survive a fork), and ``fn`` and ``args``
-    must then be picklable (a function of a module). A collective that waits ``collective_timeout``
-    seconds for a rank raises on the rank that waits; the whole call is bounded by ``timeout``
-    (:func:`ddpkit.spawn`).
+    The processes are forked (``fn`` may be a lambda); once this process has initialised CUDA they
+    start afresh, and ``fn`` and ``args`` must be picklable. A collective waits at most
+    ``collective_timeout`` seconds; the whole call is bounded by ``timeout``.
     """
     return spawn(
         functools.partial(_on_rank, fn, args, collective_timeout), world_size, timeout=timeout
@@ -135,10 +104,9 @@ def _differences(a: Any, b: Any, path: str = "value") -> list[str]:
 
 def assert_same_on_ranks(value: Any, group: Group = None) -> None:
     """Raise :class:`AssertionError` on every rank unless every rank of ``group`` holds the same
-    ``value``: tensors bit for bit (a NaN equals the same NaN; their shape and dtype too), nested in
-    dicts, lists and tuples (named ones too), floats with NaN equal to NaN, other values by ``==``
-    (or their pickled bytes where ``==`` gives an array). The message names the first rank that
-    differs from rank 0 and where. A collective: every rank calls it."""
+    ``value``: tensors bit for bit (shape and dtype too), nested in dicts, lists and tuples, NaN
+    equal to NaN, other values by ``==`` (or their pickled bytes). The message names the first rank
+    that differs from rank 0 and where. A collective: every rank calls it."""
     every = all_gather_object(_on_cpu(value), group=group)
     for rank, theirs in enumerate(every[1:], start=1):
         differ = _differences(every[0], theirs)
@@ -152,8 +120,8 @@ def assert_same_on_ranks(value: Any, group: Group = None) -> None:
 
 
 def _on_cpu(value: Any) -> Any:
-    """``value`` with every tensor on the CPU: gathered as it is, a CUDA tensor would be unpickled
-    onto the sender's GPU on every other rank."""
+    """``value`` with every tensor on the CPU (a CUDA tensor would be unpickled onto the sender's
+    GPU)."""
     if isinstance(value, torch.Tensor):
         return value.detach().cpu()
     if isinstance(value, Mapping):
@@ -170,7 +138,7 @@ LAUNCH_VARIABLES = platforms.LAUNCH_VARIABLES
 
 
 def without_launch_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """A copy of ``env`` (default: ``os.environ``) without :data:`LAUNCH_VARIABLES` and without any
+    """A copy of ``env`` (default: ``os.environ``) without :data:`LAUNCH_VARIABLES` and any
     ``SLURM_*``, ``TORCHELASTIC_*``, ``PMI_*``, ``PMIX_*`` or ``OMPI_*`` variable."""
     return platforms.without_launch_env(os.environ if env is None else env)
 
@@ -185,25 +153,14 @@ def start_job(
     cwd: str | os.PathLike[str] | None = None,
     **popen: Any,
 ) -> subprocess.Popen[str]:
-    """Start ``ddpkit COMMAND --nproc NPROC *launcher_args script *args`` and return its
-    :class:`subprocess.Popen` at once: for a test that acts on the job while it runs (signals it,
-    reads its logs, waits for a file it writes).
+    """Start ``ddpkit COMMAND --nproc NPROC *launcher_args script *args`` (``command``: ``"run"``,
+    ``"check"`` or ``"bench"``; ``script=None``: the command's built-in workload, no ``args``) and
+    return its :class:`subprocess.Popen` at once.
 
-    ``command`` is ``"run"`` by default; ``"check"`` and ``"bench"`` take the same form.
-    ``script=None`` gives none (the command's built-in workload), and then no ``args``. The
-    launcher starts from ``env`` (default: this process's environment) less the variables of an
-    enclosing job (:func:`without_launch_env`), in a session of its own: ``os.killpg(proc.pid,
-    signal.SIGKILL)`` ends its whole process group, and the workers end with the launcher. Output
-    is text, on pipes unless ``stdout``/``stderr`` send it elsewhere (a file,
-    ``subprocess.STDOUT``); other keyword arguments (``stdin``, ``preexec_fn``) go to
-    :class:`subprocess.Popen`. The caller waits for the process, and reads the pipes meanwhile
-    (``proc.communicate``)::
-
-        with open(tmp_path / "job.log", "w") as log:
-            proc = start_job("train.py", str(run_dir), stdout=log, stderr=subprocess.STDOUT)
-        wait_until(lambda: (run_dir / "metrics.jsonl").exists(), what="the first records")
-        proc.send_signal(signal.SIGTERM)  # a pre-emption: the Trainer saves and exits 75
-        assert proc.wait(timeout=120) == 75
+    The launcher starts from ``env`` (default: this process's) less an enclosing job's variables
+    (:func:`without_launch_env`), in a session of its own (``os.killpg(proc.pid, ...)`` ends it
+    whole). Output is text, on pipes unless ``stdout``/``stderr`` say otherwise; other keyword
+    arguments go to :class:`subprocess.Popen`. The caller waits for it and reads the pipes.
     """
     if nproc < 1:
         raise ValueError(f"nproc={nproc}; give the number of worker processes, 1 or more")
@@ -213,8 +170,6 @@ def start_job(
     argv += [] if script is None else [os.fspath(script), *args]
     popen.setdefault("stdout", subprocess.PIPE)
     popen.setdefault("stderr", subprocess.PIPE)
-    # A session of its own: the launcher's process group can be signalled, or killed, whole, and
-    # nothing the job started outlives the test.
     return subprocess.Popen(
         argv, env=without_launch_env(env), cwd=cwd, text=True, start_new_session=True, **popen
     )
@@ -230,19 +185,11 @@ def run_job(
     cwd: str | os.PathLike[str] | None = None,
     timeout: float = 300.0,
 ) -> subprocess.CompletedProcess[str]:
-    """``ddpkit COMMAND --nproc NPROC *launcher_args script *args`` as a fresh process
-    (:func:`start_job`, ``ddpkit run`` by default); its exit status and output.
+    """Run the job of :func:`start_job` to its end; its exit status and output (text).
 
-    The launcher starts from ``env`` (default: this process's environment) less the variables of an
-    enclosing job (:func:`without_launch_env`), so a test run under a launcher starts a job of its
-    own. ``launcher_args`` go before the script (``("--max-restarts", "1")``; end them with ``"-m"``
-    to run a module). Output is captured as text. A job still running after ``timeout`` seconds is
-    killed with everything it started (launcher, workers, their children) and :class:`TimeoutError`
-    is raised with the end of its output::
-
-        done = run_job("train.py", "--epochs", "2", launcher_args=("--max-restarts", "1"))
-        assert done.returncode == 0, done.stderr[-3000:]
-        checked = run_job("my_script.py", command="check", launcher_args=("--steps", "2"))
+    ``launcher_args`` go before the script (end them with ``"-m"`` to run a module). A job still
+    running after ``timeout`` seconds is killed with everything it started, and
+    :class:`TimeoutError` is raised with the end of its output.
     """
     proc = start_job(
         script,
@@ -280,15 +227,9 @@ def wait_until(
     max_interval: float = 0.5,
 ) -> T:
     """Call ``predicate`` until it returns a true value, and return that value; after ``timeout``
-    seconds, raise :class:`TimeoutError` naming ``what`` and the last value ``predicate`` returned.
-
-    The waits between calls start at ``interval`` and double up to ``max_interval``: a condition
-    that comes soon is seen soon, a long wait does not spin. An exception ``predicate`` raises (a
-    process it checks has died) ends the wait at once. ``what`` may be a function, called at the
-    timeout: the message can then carry what was true by then (the end of a log)::
-
-        wait_until(lambda: (run_dir / "step-6").exists(), 60, what="the snapshot at step 6")
-        pids = wait_until(lambda: sorted(folder.glob("*.pid")), what="the pid files")
+    seconds, raise :class:`TimeoutError` naming ``what`` (or what a callable ``what`` returns) and
+    the last value. The waits start at ``interval`` and double up to ``max_interval``; an exception
+    ``predicate`` raises ends the wait at once.
     """
     # NaN fails every comparison
     if not (timeout >= 0 and interval > 0 and max_interval >= interval):
