@@ -1,7 +1,5 @@
-"""``torch.compile``'s internals (``torch._dynamo`` and its ``config.optimize_ddp``, inductor's C++
-compiler probe), the autograd engine's
-``queue_callback`` (a callback at a backward's end, where DDP and FSDP queue their waits), and the
-CPU's fused attention kernels, which torch's FLOP counter has no formula for before 2.15."""
+"""``torch.compile``'s internals (``torch._dynamo``, inductor's C++ compiler probe), the autograd
+engine's ``queue_callback`` and device threads, and the CPU's fused attention kernels."""
 
 from __future__ import annotations
 
@@ -18,8 +16,7 @@ DYNAMO = "torch._dynamo"
 
 
 def import_dynamo() -> Any:
-    """``torch._dynamo``, imported (DDP's constructor imports it, ~1 s): once in a process that
-    forks ranks, every rank inherits it."""
+    """``torch._dynamo``, imported (~1 s; DDP's constructor imports it)."""
     import importlib
 
     return importlib.import_module(DYNAMO)
@@ -67,10 +64,8 @@ def _engine() -> Any:
 
 
 def at_backward_end(callback: Callable[[], None]) -> bool:
-    """Have the backward pass that runs now call ``callback`` once it has accumulated every
-    gradient, ahead of any callback queued later in it; call it from a hook inside that backward.
-    False (nothing queued) where the engine has no ``queue_callback`` or refuses it (compiled
-    autograd)."""
+    """Have the backward pass that runs now (call it from a hook inside it) call ``callback`` once
+    every gradient is accumulated; False where the engine lacks ``queue_callback`` or refuses it."""
     queue = getattr(_engine(), "queue_callback", None)
     if queue is None:
         return False
@@ -107,9 +102,8 @@ def _check_cpu_attention() -> str | None:
 
 
 def autograd_device_threads() -> bool:
-    """Whether this process's autograd engine started its device threads (torch names them
-    ``pt_autograd_<device>``, on a machine with a GPU, at the first backward, whatever the tensors'
-    device): a child forked after that cannot run a backward."""
+    """Whether this process's autograd engine started its device threads (``pt_autograd_*``, at the
+    first backward on a machine with a GPU): a child forked after that cannot run a backward."""
     try:
         tasks = os.listdir("/proc/self/task")
     except OSError:

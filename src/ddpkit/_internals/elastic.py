@@ -1,9 +1,6 @@
-"""torchrun's elastic agent and its worker processes, where ddpkit reaches past their public API:
-the agent's ``_monitor_workers``, ``_shutdown``, ``_pcontext`` and ``_remaining_restarts``
-(:class:`HookedAgent`), the worker handler's ``_popen`` and log files (workers forked from ddpkit's
-server), and the name ``@record`` builds its error handler by. Each is checked when used; where one
-is gone, its feature is off with one warning, and the job runs as torchrun would run it.
-"""
+"""torchrun's elastic agent and its worker processes, where ddpkit reaches past their public API
+(:class:`HookedAgent`, the worker handler's ``_popen`` and log files, ``@record``'s handler). Where
+one is gone, its feature is off with one warning, and the job runs as torchrun would run it."""
 
 from __future__ import annotations
 
@@ -28,6 +25,11 @@ def warn_once(internal: str, lost: str) -> None:
 
 # -- the agent -------------------------------------------------------------------------------------
 
+_AGENT_ADDS = (
+    "what ddpkit adds to torchrun's agent (stack dumps after a failure, no restart after a "
+    "pre-emption, the cleanup of what workers left)"
+)
+
 
 def _agent_hooks_problem() -> str | None:
     """Both hooks on torchrun's local agent; ``_monitor_workers`` taking the worker group."""
@@ -43,20 +45,15 @@ def _agent_hooks_problem() -> str | None:
 
 
 class HookedAgent(LocalElasticAgent):
-    """torchrun's local agent, calling :meth:`before_monitor`, :meth:`after_monitor` and
-    :meth:`after_shutdown` around its private steps; where those differ, never, with one
-    warning."""
+    """torchrun's local agent, calling the hooks below around its private steps (where those
+    differ, never, with one warning)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         problem = _agent_hooks_problem()
         self.hooked = problem is None
         if problem is not None:
-            warn_once(
-                "torch's LocalElasticAgent._monitor_workers/_shutdown",
-                "what ddpkit adds to torchrun's agent (stack dumps after a failure, no restart "
-                "after a pre-emption, the cleanup of what workers left)",
-            )
+            warn_once("torch's LocalElasticAgent._monitor_workers/_shutdown", _AGENT_ADDS)
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
         self._monitored = False
@@ -100,9 +97,8 @@ class HookedAgent(LocalElasticAgent):
         return result
 
     def _add_stopped(self, worker_group: Any, result: Any) -> None:
-        """Add to a failed poll's ``result.failures`` the workers torchrun stopped after it: torch
-        < 2.7 records only those that had exited when it polled, so a rank that raised a moment
-        later, or was ended by the agent's SIGTERM, would be missing from the summary."""
+        """Add to a failed poll's ``result.failures`` the workers torchrun stopped after it (torch
+        < 2.7 records only those that had exited when it polled)."""
         context = self.process_context()
         error_files = getattr(context, "error_files", None) or {}
         processes = self.worker_processes()
@@ -128,8 +124,7 @@ class HookedAgent(LocalElasticAgent):
         return getattr(self, "_pcontext", None)
 
     def worker_processes(self) -> dict[int, Any]:
-        """Local rank -> the ``Popen`` (or ddpkit's forked stand-in) of each worker of the current
-        attempt."""
+        """Local rank -> the ``Popen`` (or forked stand-in) of each worker of the attempt."""
         handlers = getattr(self.process_context(), "subprocess_handlers", None) or {}
         return {local: handler.proc for local, handler in handlers.items()}
 
@@ -146,9 +141,8 @@ class HookedAgent(LocalElasticAgent):
         return int(self._worker_group.spec.max_restarts) - self.restarts_left()
 
     def replace_worker(self, worker: Any, env: dict[str, str]) -> None:
-        """Start a new process for ``worker`` (of the worker group), whose process exited, with its
-        variables and ``env``, in the current attempt's process context; its output goes on in the
-        same files, the exited one's kept beside them (``.N``)."""
+        """Start a new process for ``worker``, whose process exited, with its variables and ``env``,
+        in the attempt's process context; the exited one's logs are kept beside (``.N``)."""
         from torch.distributed.elastic.multiprocessing import api
 
         context, local = self.process_context(), worker.local_rank
@@ -174,8 +168,7 @@ class HookedAgent(LocalElasticAgent):
 
 
 def abort_nccl_groups() -> None:
-    """Abort this process's NCCL groups (a failure is being recovered in place); nothing where
-    the default group is not NCCL's."""
+    """Abort this process's NCCL groups (a recovery in place); nothing where they are not NCCL's."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend()):
@@ -183,8 +176,7 @@ def abort_nccl_groups() -> None:
 
 
 def _check_agent_state() -> str | None:
-    """``_start_workers`` keeps the attempt's process context in ``_pcontext``; the run loop
-    restarts only while ``_remaining_restarts`` is above 0."""
+    """``_pcontext`` set by ``_start_workers``; restarts counted down in ``_remaining_restarts``."""
     from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
 
     if "self._pcontext = " not in inspect.getsource(LocalElasticAgent._start_workers):
@@ -199,16 +191,11 @@ def _check_agent_state() -> str | None:
 
 
 def use_agent(launcher_api: Any, agent: type) -> None:
-    """Have torchrun's ``launch_agent`` (``launcher_api``: ``torch.distributed.launcher.api``) build
-    ``agent``, by swapping the module-level name it builds its agent by; where it no longer does,
-    said once, and the job runs with torchrun's."""
+    """Have torchrun's ``launch_agent`` (of ``launcher_api``) build ``agent``, by swapping the
+    module-level name it builds its agent by; where it no longer does, said once."""
     problem = _check_launch_agent()
     if problem is not None:
-        warn_once(
-            "torch's launcher.api.LocalElasticAgent",
-            "what ddpkit adds to torchrun's agent (stack dumps after a failure, no restart after a "
-            "pre-emption, the cleanup of what workers left)",
-        )
+        warn_once("torch's launcher.api.LocalElasticAgent", _AGENT_ADDS)
     launcher_api.LocalElasticAgent = agent
 
 
@@ -226,9 +213,8 @@ def _check_launch_agent() -> str | None:
 
 
 def record_with(handler: type) -> None:
-    """Have torch's ``@record``, applied from now on in this process (a script's own), use a
-    ``handler()``: ``record`` builds its handler by its module's name ``get_error_handler``. Where
-    that changed, a script's ``@record`` writes with torch's handler: said once."""
+    """Have torch's ``@record``, applied from now on in this process, build ``handler()`` (by its
+    module's name ``get_error_handler``); where that changed, said once."""
     from torch.distributed.elastic.multiprocessing import errors
 
     if _check_record_handler() is not None:
@@ -277,7 +263,7 @@ def set_handler_factory(factory: Callable[..., Any] | None) -> None:
 
 def log_files(handler: Any) -> tuple[Any, Any] | None:
     """The files a ``SubprocessHandler`` opened for its worker's output and errors (each None where
-    not redirected); None where the handler keeps them under other names (then no fork)."""
+    not redirected); None where it keeps them under other names."""
     if not (hasattr(handler, "_stdout") and hasattr(handler, "_stderr")):
         return None
     return handler._stdout, handler._stderr
@@ -286,9 +272,8 @@ def log_files(handler: Any) -> tuple[Any, Any] | None:
 def popen_override(
     base: type, popen: Callable[[Any, Any, Any], Any], bypassed: Callable[[], None] = lambda: None
 ) -> type:
-    """A subclass of ``base`` (``SubprocessHandler``) whose ``_popen(args, env)`` is
-    ``popen(handler, args, env)`` (None: as torch does). A handler whose ``__init__`` did not go
-    through ``_popen`` warns once and calls ``bypassed``."""
+    """A subclass of ``base`` whose ``_popen(args, env)`` is ``popen(handler, args, env)`` (None: as
+    torch does); one whose ``__init__`` bypassed ``_popen`` warns once and calls ``bypassed``."""
 
     class Handler(base):  # torchrun's class, given at run time
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -326,8 +311,8 @@ def _check_handler() -> str | None:
 
 
 def _check_replace_worker() -> str | None:
-    """A worker replaced in its attempt's process context: ``SubprocessContext`` polls
-    ``_running_local_ranks`` and records ``_failures``; the agent's worker group knows its spec."""
+    """``SubprocessContext`` polls ``_running_local_ranks`` and records ``_failures``; the agent
+    keeps its worker group."""
     from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 
     poll = "".join(  # _poll itself until torch 2.8 or so, then a method it calls

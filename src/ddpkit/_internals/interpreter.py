@@ -1,9 +1,6 @@
 """The process's own machinery below Python's standard library: CPython's interpreter exit
-(``threading._shutdown``, ``atexit._run_exitfuncs``: how a forked worker, and ``ddpkit run``, end
-as an interpreter ends before ``os._exit``), Linux's ``prctl`` and the command-line memory
-(``/proc/self/stat``'s ``arg_start``..``arg_end``), and whether this process initialised the CUDA
-driver, through ``ctypes``.
-"""
+(``threading._shutdown``, ``atexit._run_exitfuncs``), Linux's ``prctl`` and the command-line memory,
+and whether this process initialised the CUDA driver, through ``ctypes``."""
 
 from __future__ import annotations
 
@@ -57,8 +54,8 @@ def _command_line_memory() -> tuple[int, int] | None:
 
 def set_command_line(args: Sequence[str]) -> bool:
     """Show ``args`` as this process's command line (``ps``), cut to the room the process started
-    with; False where it cannot. Written through ``/proc/self/mem``, only where that memory holds
-    what ``/proc/self/cmdline`` shows."""
+    with, through ``/proc/self/mem`` where it holds what ``/proc/self/cmdline`` shows; False
+    where it cannot."""
     where = _command_line_memory()
     if where is None:
         return False
@@ -79,8 +76,8 @@ def set_command_line(args: Sequence[str]) -> bool:
 
 
 def cuda_driver_initialised() -> bool:
-    """True when this process has initialised the CUDA driver (a fork of it could not use CUDA):
-    ``cuDeviceGetCount`` answers CUDA_ERROR_NOT_INITIALIZED until ``cuInit`` ran."""
+    """True when this process has initialised the CUDA driver (``cuDeviceGetCount`` fails until
+    ``cuInit`` ran)."""
     try:
         with open("/proc/self/maps") as f:
             if "libcuda.so" not in f.read():
@@ -93,8 +90,7 @@ def cuda_driver_initialised() -> bool:
 
 def finalize_as_interpreter() -> None:
     """What ``Py_FinalizeEx`` does before the process ends, in its order: join the non-daemon
-    threads, run the ``atexit`` handlers, flush every file object still open and the standard
-    streams. Not called where either is missing (:func:`finalize_problem`)."""
+    threads, run the ``atexit`` handlers, flush the files still open and the standard streams."""
     threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
     flush_open_files()
@@ -104,14 +100,12 @@ def finalize_as_interpreter() -> None:
             stream.flush()
 
 
-# Buffered file objects: what the teardown would flush. The raw FileIO holds no buffer.
 _BUFFERED = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
 
 
 def flush_open_files() -> int:
-    """Flush every buffered file object of this process still open for writing (what the teardown
-    of a module holding one would do); how many. Found among the objects the garbage collector
-    tracks, by exact type."""
+    """Flush every buffered file object still open for writing (found among the objects the garbage
+    collector tracks, by exact type); how many."""
     gc.unfreeze()  # what a script froze (gc.freeze, before forking loader workers) is listed too
     flushed = 0
     for obj in gc.get_objects():
@@ -188,8 +182,7 @@ def finalize_problem() -> str | None:
 
 
 def current_frames() -> dict[int, types.FrameType]:
-    """Every thread's current frame by thread ident (``sys._current_frames``): read holding the GIL,
-    so no thread moves its frames meanwhile."""
+    """Every thread's current frame by thread ident (``sys._current_frames``)."""
     return sys._current_frames()
 
 

@@ -1,8 +1,6 @@
 """Optuna's storages, where ddpkit's search reaches past their public API: a journal's operation
-codes (``JournalOperation``, which :func:`ddpkit.search._study.check_journal` checks each record
-against), the work of Optuna's replay of a journal, and the storage a study writes through
-(``get_storage``: one cache for the study and ddpkit's writes). Imports without Optuna; the checks
-then pass."""
+codes, the work of Optuna's replay of a journal, and the storage a study writes through
+(``get_storage``). Imports without Optuna; the checks then pass."""
 
 from __future__ import annotations
 
@@ -28,11 +26,8 @@ _FINISHED = (1, 2, 3)  # TrialState COMPLETE, PRUNED, FAIL
 
 
 class ReplayWork:
-    """The work of Optuna's replay of a journal (``JournalStorageReplayResult.apply_logs``, Optuna 3
-    to 5), counted in constant time a record, in entries copied or trials scanned: a new study is
-    compared with every study's name, a parameter looked for in the study's trials up to the first
-    that has it, and an attribute, parameter or value copies the dict it goes into. Never less than
-    the work done."""
+    """The work of Optuna's replay of a journal (``JournalStorageReplayResult.apply_logs``), counted
+    in constant time a record, in entries copied or trials scanned; never less than the work."""
 
     def __init__(self) -> None:
         self.total = 0
@@ -48,8 +43,7 @@ class ReplayWork:
         self._first: dict[tuple[int, str], int] = {}
 
     def add(self, record: dict[str, Any]) -> int:
-        """Count ``record`` (already checked to have a known ``op_code``); the work of all so
-        far."""
+        """Count ``record`` (of a known ``op_code``); the work of all so far."""
         op, trial = record["op_code"], record.get("trial_id")
         study: Any = record.get("study_id")
         live = (

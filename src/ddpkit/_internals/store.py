@@ -37,12 +37,8 @@ def serve_new_store(
     host: str, timeout: timedelta, bind: str | None = None, port: int = 0
 ) -> tuple[Any, int]:
     """A master TCPStore for clients that reach it at ``host``, on ``port`` (0: one the system
-    picks), and that port. It listens on ``bind`` (default: ``host``'s address alone).
-
-    The socket stays bound from the port's choice on. A port found free, closed and bound again
-    later (torch's ``get_free_port``) can be taken in between: the system gives the same range of
-    ports to other programs' outgoing connections.
-    """
+    picks), and that port; it listens on ``bind`` (default: ``host``'s address alone). The socket
+    stays bound from the port's choice on (a port found free and bound later can be taken)."""
     address = socket.gethostbyname(host) if bind is None else bind
     listener = socket.create_server((address, port), backlog=1024)
     port = int(listener.getsockname()[1])

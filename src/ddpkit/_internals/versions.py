@@ -14,8 +14,6 @@ FLOOR = (2, 6)
 """The oldest torch ddpkit is tested on (CI's floor cell)."""
 FSDP_ON_CPU = (2, 7)
 """The first torch whose ``fully_shard`` runs on CPU tensors."""
-GROUP_SNAPSHOTS = (2, 7)
-"""The first torch whose distributed checkpoint saves from a group without the job's rank 0."""
 LIBUV_LISTEN_FD = (2, 8)
 """The first torch whose libuv store backend serves on a socket handed to it."""
 FLIGHT_RECORDER_NAMES = (2, 8)
