@@ -79,13 +79,16 @@ def cuda_driver_initialised() -> bool:
     """True when this process has initialised the CUDA driver (``cuDeviceGetCount`` fails until
     ``cuInit`` ran)."""
     try:
-        with open("/proc/self/maps") as f:
-            if "libcuda.so" not in f.read():
-                return False
-        count = ctypes.c_int()
-        return bool(ctypes.CDLL("libcuda.so.1").cuDeviceGetCount(ctypes.byref(count)) == 0)
+        lib = _loaded_libcuda()
+        return lib is not None and bool(lib.cuDeviceGetCount(ctypes.byref(ctypes.c_int())) == 0)
     except OSError:
         return False
+
+
+def _loaded_libcuda() -> ctypes.CDLL | None:
+    """``libcuda.so.1``, where this process has loaded it."""
+    with open("/proc/self/maps") as f:
+        return ctypes.CDLL("libcuda.so.1") if "libcuda.so" in f.read() else None
 
 
 def finalize_as_interpreter() -> None:
@@ -118,16 +121,9 @@ def flush_open_files() -> int:
     return flushed
 
 
-def _check_threading() -> str | None:
-    return None if callable(getattr(threading, "_shutdown", None)) else "threading has no _shutdown"
-
-
-def _check_atexit() -> str | None:
-    return (
-        None
-        if callable(getattr(atexit, "_run_exitfuncs", None))
-        else "atexit has no _run_exitfuncs"
-    )
+def _lacks(module: types.ModuleType, name: str) -> str | None:
+    """What differs where ``module`` has no function ``name`` (None: it has)."""
+    return None if callable(getattr(module, name, None)) else f"{module.__name__} has no {name}"
 
 
 def _check_prctl() -> str | None:
@@ -164,21 +160,16 @@ def _check_command_line() -> str | None:
 def _check_cuda_probe() -> str | None:
     """Where this process has loaded the CUDA driver (else the probe is not used)."""
     try:
-        with open("/proc/self/maps") as f:
-            if "libcuda.so" not in f.read():
-                return None
-        return (
-            None
-            if callable(ctypes.CDLL("libcuda.so.1").cuDeviceGetCount)
-            else "libcuda has no cuDeviceGetCount"
-        )
+        lib = _loaded_libcuda()
+        found = lib is None or callable(lib.cuDeviceGetCount)
+        return None if found else "libcuda has no cuDeviceGetCount"
     except (OSError, AttributeError) as err:
         return f"libcuda.so.1's cuDeviceGetCount cannot be found: {err}"
 
 
 def finalize_problem() -> str | None:
     """Why :func:`finalize_as_interpreter` cannot run here (None: it can)."""
-    return _check_threading() or _check_atexit()
+    return _lacks(threading, "_shutdown") or _lacks(atexit, "_run_exitfuncs")
 
 
 def current_frames() -> dict[int, types.FrameType]:
@@ -186,29 +177,25 @@ def current_frames() -> dict[int, types.FrameType]:
     return sys._current_frames()
 
 
-def _check_current_frames() -> str | None:
-    return None if callable(getattr(sys, "_current_frames", None)) else "sys has no _current_frames"
-
-
 INTERNALS = [
     Internal(
         "sys._current_frames",
         "CPython",
         "a stack request is answered with every thread's frames; where it is gone, none",
-        _check_current_frames,
+        lambda: _lacks(sys, "_current_frames"),
     ),
     Internal(
         "threading._shutdown",
         "CPython",
         "a forked worker, and `ddpkit run` as it ends, join their non-daemon threads as the "
         "interpreter does at exit",
-        _check_threading,
+        lambda: _lacks(threading, "_shutdown"),
     ),
     Internal(
         "atexit._run_exitfuncs",
         "CPython",
         "a forked worker, and `ddpkit run`, run their atexit handlers before they end",
-        _check_atexit,
+        lambda: _lacks(atexit, "_run_exitfuncs"),
     ),
     Internal(
         "libc prctl (ctypes)",

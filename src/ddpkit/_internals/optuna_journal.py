@@ -5,6 +5,8 @@ codes, the work of Optuna's replay of a journal, and the storage a study writes 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
@@ -100,6 +102,17 @@ def _optuna() -> ModuleType | None:
         return None
 
 
+@contextmanager
+def _quiet(optuna: ModuleType) -> Iterator[None]:
+    """Optuna's logging at WARNING for the block, put back after."""
+    verbosity = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        yield
+    finally:
+        optuna.logging.set_verbosity(verbosity)
+
+
 def _check_journal_operations() -> str | None:
     if _optuna() is None:
         return None
@@ -127,9 +140,7 @@ def _check_journal_operations() -> str | None:
     import optuna
 
     records = Records()
-    verbosity = optuna.logging.get_verbosity()
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    try:
+    with _quiet(optuna):
         study = optuna.create_study(storage=JournalStorage(records))
         study.set_user_attr("a", 1)
         trial = study.ask()
@@ -137,8 +148,6 @@ def _check_journal_operations() -> str | None:
         trial.set_user_attr("b", 2)
         trial.report(0.5, 1)
         study.tell(trial, 0.5)
-    finally:
-        optuna.logging.set_verbosity(verbosity)
     codes = {int(op) for op in JournalOperation}
     unknown = sorted({r.get("op_code") for r in records.logs} - codes, key=repr)
     if unknown:
@@ -159,22 +168,17 @@ def _check_study_storage() -> str | None:
     get_storage = getattr(optuna.storages, "get_storage", None)
     if not callable(get_storage):
         return "optuna.storages has no get_storage"
-    verbosity = optuna.logging.get_verbosity()
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            storage = get_storage(optuna.storages.RDBStorage("sqlite:///:memory:"))
-            if get_storage(storage) is not storage:
-                return "get_storage does not return the storage it made unchanged"
-            study = optuna.create_study(storage=storage)
-            study_id = storage.get_study_id_from_name(study.study_name)
-            template = create_trial(state=TrialState.RUNNING, user_attrs={"tag": 1})
-            trial = optuna.Trial(study, storage.create_new_trial(study_id, template_trial=template))
-            trial.suggest_float("x", 0.0, 1.0)
-            found = study.get_trials(deepcopy=False)
-    finally:
-        optuna.logging.set_verbosity(verbosity)
+    with _quiet(optuna), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        storage = get_storage(optuna.storages.RDBStorage("sqlite:///:memory:"))
+        if get_storage(storage) is not storage:
+            return "get_storage does not return the storage it made unchanged"
+        study = optuna.create_study(storage=storage)
+        study_id = storage.get_study_id_from_name(study.study_name)
+        template = create_trial(state=TrialState.RUNNING, user_attrs={"tag": 1})
+        trial = optuna.Trial(study, storage.create_new_trial(study_id, template_trial=template))
+        trial.suggest_float("x", 0.0, 1.0)
+        found = study.get_trials(deepcopy=False)
     if [(t.number, t.state, t.user_attrs, set(t.params)) for t in found] != [
         (0, TrialState.RUNNING, {"tag": 1}, {"x"})
     ]:
