@@ -47,10 +47,7 @@ from ddpkit.training._trainer import Callback, Trainer
 
 __version__ = "0.1.0"
 
-# What scripts call. The rest of the public API (samplers, RNG state, sync BatchNorm layers,
-# snapshots) is in the ``__all__`` of its subpackage, e.g. ``ddpkit.data.ShardedBatchSampler``; a
-# module or package whose name starts with an underscore is internal. tests/unit/test_api.py keeps
-# these lists from drifting.
+# What scripts call; the rest is in each subpackage's ``__all__`` (docs/runtime.md).
 __all__ = [
     # the job
     "init",

@@ -14,10 +14,8 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 F = TypeVar("F", bound=Callable[..., Any])
 
 PREEMPTED_EXIT_CODE = 75
-"""Exit code of a run stopped by SIGTERM/SIGUSR1 after saving its snapshot: ``EX_TEMPFAIL`` of
-``sysexits.h`` ("try again later"). A batch script tells "pre-empted, requeue me" (75) from
-"finished" (0) and "failed" (other) by it; ``ddpkit run`` passes it through without counting it as a
-failure to restart."""
+"""Exit code of a run stopped by SIGTERM/SIGUSR1 after saving its snapshot (``EX_TEMPFAIL``: "try
+again later"); ``ddpkit run`` passes it through without counting it as a failure to restart."""
 
 
 class ConfigError(ValueError):
@@ -27,8 +25,7 @@ class ConfigError(ValueError):
 def check_types(config: Any) -> None:
     """Raise a ``ConfigError`` naming the first field of the dataclass ``config`` whose value is
     not of its annotated type (an int for a float is fine, a bool for an int is not), with the
-    value and what the field takes. Run first in a config's ``__post_init__``: its own checks
-    compare values, which a string or None would make a bare ``TypeError``."""
+    value and what the field takes. Run first in a config's ``__post_init__``."""
     for name, hint in _hints(type(config)).items():  # type: ignore[arg-type]
         _check_value(type(config).__name__, name, getattr(config, name), hint)
 
@@ -156,12 +153,8 @@ def check_fields(config: Any, checks: dict[str, bool]) -> None:
 
 class Preempted(SystemExit):
     """Raised by ``Trainer.fit()`` when a stop signal ended training early, once the snapshot is on
-    disk.
-
-    A ``SystemExit``: uncaught, the process exits with :data:`~ddpkit._errors.PREEMPTED_EXIT_CODE`
-    and no traceback, so a script that ignores it cannot go on to evaluate and exit 0 as if training
-    were complete. A script that wants to do something first catches it and re-raises.
-    """
+    disk. A ``SystemExit``: uncaught, the process exits with
+    :data:`~ddpkit._errors.PREEMPTED_EXIT_CODE` and no traceback."""
 
     def __init__(self, step: int, signal_name: str) -> None:
         super().__init__(PREEMPTED_EXIT_CODE)

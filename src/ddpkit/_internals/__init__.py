@@ -1,10 +1,6 @@
 """Every place ddpkit touches private code of torch, CPython, numpy, Optuna or Ray, and nowhere
-else. Each module lists what it touches as :class:`~ddpkit._internals.contract.Internal` records
-(``INTERNALS``), each with a check of the shape relied on; outside this package ddpkit uses public
-APIs only (``tests/unit/internals/test_internals_seam.py``). One module per owner: ``versions``
-(which torch has a feature), ``store``, ``dcp``, ``elastic`` (torchrun's agent and workers),
-``interpreter`` (CPython's process), ``optim``, ``modules`` (``torch.nn``), ``compiler``
-(``torch.compile``, the autograd engine), ``optuna_journal``, ``ray_train``.
+else: each module lists what it touches as :class:`~ddpkit._internals.contract.Internal` records
+(``INTERNALS``), each with a check of the shape relied on. One module per owner (:data:`MODULES`).
 """
 
 from __future__ import annotations

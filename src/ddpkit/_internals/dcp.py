@@ -1,7 +1,6 @@
 """torch.distributed.checkpoint's file-system storage, where ddpkit reaches past its public API: a
-writer's file system (``FileSystemWriter.fs``, replaced to write through :mod:`ddpkit._fs`, and the
-methods the replacement overrides), and ``_StorageInfo``, built from ddpkit's JSON index so that a
-resume never unpickles ``.metadata``."""
+writer's file system (``FileSystemWriter.fs``, and the methods ddpkit's overrides), and
+``_StorageInfo``, built from ddpkit's JSON index."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""Ray's key-value store (``ray.experimental.internal_kv``, in the GCS, which outlives the
-workers), where each rank counts Ray Train's restarts of its worker group: the runtime's
-``restart_count``. Imports without Ray; the check reads Ray's source, never importing it (seconds,
-and threads of its own)."""
+"""Ray's key-value store (``ray.experimental.internal_kv``, which outlives the workers), where each
+rank counts Ray Train's restarts of its worker group. Imports without Ray; the check reads Ray's
+source, never importing it."""
 
 from __future__ import annotations
 

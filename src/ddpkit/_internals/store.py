@@ -1,7 +1,6 @@
-"""The TCPStore a launcher serves on a socket it bound itself (``master_listen_fd``; below
-:data:`~ddpkit._internals.versions.LIBUV_LISTEN_FD` by the threaded backend, which speaks the same
-protocol), and ``TORCHELASTIC_USE_AGENT_STORE``, an undocumented variable that has torch's ``env://``
-rendezvous connect to the store on every rank, rank 0 too."""
+"""The TCPStore a launcher serves on a socket it bound itself (``master_listen_fd``), and
+``TORCHELASTIC_USE_AGENT_STORE``, which has torch's ``env://`` rendezvous connect to the store on
+every rank, rank 0 too."""
 
 from __future__ import annotations
 

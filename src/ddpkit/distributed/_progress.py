@@ -1,10 +1,6 @@
-"""Where this rank is: its step, phase and collectives, in a record the launcher's agent reads
-without a collective (:mod:`ddpkit._launch.watch`).
-
-Under ``ddpkit run`` each rank maps one page, ``rank<RANK>.progress`` in the folder the agent names
-(:data:`DIR_ENV`); a mark is a few plain stores into it. Outside ``ddpkit run`` a mark returns at
-once. Who marks and what the agent makes of it: docs/launcher.md, "When a job hangs".
-"""
+"""Where this rank is: its step, phase and collectives, in a page ``rank<RANK>.progress`` (in the
+folder :data:`DIR_ENV`) that ``ddpkit run``'s agent reads (docs/launcher.md, "When a job hangs");
+a mark is a few plain stores into it. Outside ``ddpkit run`` a mark returns at once."""
 
 from __future__ import annotations
 
@@ -143,9 +139,8 @@ def _write() -> None:
 
 
 def collective_timeout(seconds: float) -> None:
-    """The process group waits this long in a collective before it fails (the stall watch names a
-    rank before then). Written with the rank's next mark: a record made before its first mark would
-    let a rank's work before it count as a stall."""
+    """The process group's collective timeout, written with the rank's next mark (a record made
+    before its first mark would let a rank's work before it count as a stall)."""
     global _timeout
     _timeout = seconds
 

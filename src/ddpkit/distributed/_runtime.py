@@ -363,8 +363,7 @@ def _destroy(settle: bool = True) -> None:
 
 def forget_for_recovery() -> None:
     """Destroy the process group of a worker that left a failed step (no barrier: a peer is gone)
-    and forget the runtime and the rendezvous store, so that :func:`init` meets the other ranks
-    afresh (``ddpkit run --recover in-place``)."""
+    and forget the runtime and the rendezvous store, so that :func:`init` meets the ranks afresh."""
     global _store_of, _generation
     with contextlib.suppress(Exception):  # a group whose connections were cut: the interpreter
         _destroy(settle=False)  # goes on, so no settling

@@ -43,22 +43,17 @@ def stream_seed(stream: str, seed: int, *keys: int) -> int:
 
 @checked_arguments
 def seed_everything(seed: int, per_rank: bool = False, group: Group = None) -> int:
-    """Seed python, numpy and torch (CPU and every CUDA device); return the seed used.
-
-    The same seed on every rank makes model initialisation identical everywhere; once the model is
-    wrapped, :func:`~ddpkit.prepare_model` gives each rank its own streams (:func:`seed_rank`).
-    ``per_rank=True`` adds the rank to the seed, so ranks draw differently from here on (for
-    reinforcement learning environments).
-    """
+    """Seed python, numpy and torch (CPU and every CUDA device); return the seed used. The same
+    seed on every rank makes the initial weights identical; ``per_rank=True`` adds the rank to the
+    seed, so ranks draw differently from here on."""
     if per_rank:
         seed = seed + get_runtime(group).rank
     return _seed_all(seed)
 
 
 def seed_rank(seed: int, rank: int) -> int:
-    """Seed python, numpy and torch (CPU and every CUDA device) with rank ``rank``'s own stream of
-    ``seed``; return the seed used. Called once the weights are the same on every rank, so that
-    ranks draw different dropout masks and augmentations; a world of one draws as rank 0 of N."""
+    """Seed python, numpy and torch with rank ``rank``'s own stream of ``seed`` (once the weights
+    are the same on every rank: ranks then draw different dropout masks); return the seed used."""
     return _seed_all(stream_seed("rank", seed, rank))
 
 

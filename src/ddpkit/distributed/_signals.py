@@ -1,8 +1,5 @@
-"""Stop signals: SIGUSR1 (a scheduler's warning before it ends the job, as SLURM's
-``--signal=USR1@90``) held until ``Trainer.fit()`` listens, rather than killing the process with
-its default action; the handlers ``fit()`` installs; and a launcher's warning by a call
-(:func:`preemption_notice`). SIGTERM keeps its default outside ``fit()``.
-"""
+"""Stop signals: SIGUSR1 (a scheduler's warning) held until ``Trainer.fit()`` listens, the handlers
+``fit()`` installs, and a launcher's warning by a call (:func:`preemption_notice`)."""
 
 from __future__ import annotations
 
