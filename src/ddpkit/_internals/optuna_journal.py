@@ -86,6 +86,25 @@ class ReplayWork:
         return self.total
 
 
+def memory_journal(records: list[dict[str, Any]]) -> Any:
+    """A journal backend over ``records`` in memory, counting in ``handed`` the records read."""
+    from optuna.storages.journal import BaseJournalBackend
+
+    class MemoryJournal(BaseJournalBackend):
+        def __init__(self) -> None:
+            self.records, self.handed = records, 0
+
+        def read_logs(self, log_number_from: int) -> Iterator[dict[str, Any]]:
+            for record in self.records[log_number_from:]:
+                self.handed += 1
+                yield record
+
+        def append_logs(self, logs: list[dict[str, Any]]) -> None:
+            self.records += logs
+
+    return MemoryJournal()
+
+
 def study_storage(storage: Any) -> Any:
     """The storage a study opened on ``storage`` writes through (Optuna's cache before an RDB)."""
     import optuna
@@ -118,7 +137,7 @@ def _check_journal_operations() -> str | None:
         return None
     import enum
 
-    from optuna.storages.journal import BaseJournalBackend, JournalStorage
+    from optuna.storages.journal import JournalStorage
 
     try:
         from optuna.storages.journal._storage import JournalOperation
@@ -127,19 +146,9 @@ def _check_journal_operations() -> str | None:
     if not issubclass(JournalOperation, enum.IntEnum):
         return "JournalOperation is no IntEnum"
 
-    class Records(BaseJournalBackend):
-        def __init__(self) -> None:
-            self.logs: list[dict[str, Any]] = []
-
-        def read_logs(self, log_number_from: int) -> list[dict[str, Any]]:
-            return self.logs[log_number_from:]
-
-        def append_logs(self, logs: list[dict[str, Any]]) -> None:
-            self.logs += logs
-
     import optuna
 
-    records = Records()
+    records = memory_journal([])
     with _quiet(optuna):
         study = optuna.create_study(storage=JournalStorage(records))
         study.set_user_attr("a", 1)
@@ -149,10 +158,10 @@ def _check_journal_operations() -> str | None:
         trial.report(0.5, 1)
         study.tell(trial, 0.5)
     codes = {int(op) for op in JournalOperation}
-    unknown = sorted({r.get("op_code") for r in records.logs} - codes, key=repr)
+    unknown = sorted({r.get("op_code") for r in records.records} - codes, key=repr)
     if unknown:
         return f"Optuna wrote op_code {unknown}, not members of JournalOperation"
-    if not all(isinstance(r.get("worker_id"), str) for r in records.logs):
+    if not all(isinstance(r.get("worker_id"), str) for r in records.records):
         return "a journal record has no worker_id string"
     return None
 

@@ -11,7 +11,7 @@ import re
 import socket
 import stat
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn, cast
@@ -26,7 +26,7 @@ from optuna.distributions import (
 )
 from optuna.samplers import BaseSampler, RandomSampler
 from optuna.search_space import IntersectionSearchSpace
-from optuna.storages.journal import BaseJournalBackend, JournalStorage
+from optuna.storages.journal import JournalStorage
 from optuna.study import Study, StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
@@ -38,6 +38,7 @@ from ddpkit._internals.optuna_journal import (
     STEP_LIMIT,
     ReplayWork,
     journal_operations,
+    memory_journal,
     study_storage,
 )
 from ddpkit.distributed._seeding import mix_seed
@@ -173,21 +174,6 @@ def check_trial_dirs(search_dir: Path, owned: set[int], study: str) -> None:
         )
 
 
-class _Replay(BaseJournalBackend):
-    """A journal's records in memory for Optuna to replay, counting those handed out."""
-
-    def __init__(self, records: list[dict[str, Any]]) -> None:
-        self.records, self.handed = records, 0
-
-    def read_logs(self, log_number_from: int) -> Iterator[dict[str, Any]]:
-        for record in self.records[log_number_from:]:
-            self.handed += 1
-            yield record
-
-    def append_logs(self, logs: list[dict[str, Any]]) -> None:
-        raise RuntimeError("a journal being checked is not written")
-
-
 def check_journal(path: Path) -> None:
     """Refuse a journal Optuna would fail to read (a bad record, more replay work than its budget,
     a record Optuna fails to replay), naming the file, the line and what is wrong."""
@@ -213,7 +199,7 @@ def check_journal(path: Path) -> None:
             f"then move {path}.kept over it), or start the search afresh in another search_dir"
         )
 
-    replay = _Replay(_journal_records(path, lines, refuse))
+    replay = memory_journal(_journal_records(path, lines, refuse))
     try:
         JournalStorage(replay)
     except Exception as err:  # noqa: BLE001 - KeyError, TypeError, AssertionError: a bad record
@@ -364,17 +350,16 @@ def open_search_study(
     except ConfigError:
         raise
     except Exception as err:  # sqlalchemy's OperationalError, a bad URL, a locked journal...
+        said = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
         if cfg.storage is None:
             raise ConfigError(
                 f"cannot open the study {cfg.study_name!r} in its journal "
-                f"{Path(cfg.search_dir) / JOURNAL}: {type(err).__name__}: "
-                f"{str(err).splitlines()[0] if str(err) else ''}"
+                f"{Path(cfg.search_dir) / JOURNAL}: {said}"
             ) from None
         raise ConfigError(
-            f"cannot open the study {cfg.study_name!r} in storage {cfg.storage or cfg.search_dir}: "
-            f"{type(err).__name__}: {str(err).splitlines()[0]}. Check the storage URL and that its "
-            "database server is running and reachable, or leave storage unset (a journal file in "
-            "search_dir)"
+            f"cannot open the study {cfg.study_name!r} in storage {cfg.storage}: {said}. Check "
+            "the storage URL and that its database server is running and reachable, or leave "
+            "storage unset (a journal file in search_dir)"
         ) from None
 
 
