@@ -16,7 +16,6 @@ from ddpkit.distributed import _progress as progress
 from ddpkit.distributed._runtime import Group, get_runtime
 
 T = TypeVar("T")
-Number = int | float
 
 
 def is_live(group: Group = None) -> bool:
@@ -275,7 +274,7 @@ class MetricSums:
         self.sums: dict[str, torch.Tensor] = {}
         self.counts: dict[str, int] = {}
 
-    def update(self, name: str, values: torch.Tensor | Number, count: int | None = None) -> None:
+    def update(self, name: str, values: torch.Tensor | float, count: int | None = None) -> None:
         """Add per-sample ``values`` (a tensor), or ``values`` summed over ``count`` samples."""
         if count is None:
             if not isinstance(values, torch.Tensor):

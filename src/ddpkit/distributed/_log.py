@@ -21,19 +21,6 @@ def print0(*args: Any, group: Group = None, **kwargs: Any) -> None:
         builtins.print(*args, **kwargs)
 
 
-class _RankFilter(logging.Filter):
-    """Tags each record with the rank in ``group``; ``main_only``: rank 0's records only."""
-
-    def __init__(self, group: Group, main_only: bool) -> None:
-        super().__init__()
-        self.group, self.main_only = group, main_only
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        rank = get_runtime(self.group).rank
-        record.__dict__["rank"] = rank  # read by the format as %(rank)s
-        return not self.main_only or rank == 0
-
-
 @checked_arguments
 def get_logger(
     name: str = "ddpkit", all_ranks: bool = False, group: Group = None
@@ -47,7 +34,13 @@ def get_logger(
         handler = logging.StreamHandler()
         fmt = "[rank %(rank)s] %(message)s" if all_ranks else "%(message)s"
         handler.setFormatter(logging.Formatter(fmt))
-        handler.addFilter(_RankFilter(group, main_only=not all_ranks))
+
+        def tag_rank(record: logging.LogRecord) -> bool:
+            rank = get_runtime(group).rank
+            record.__dict__["rank"] = rank  # read by the format as %(rank)s
+            return all_ranks or rank == 0
+
+        handler.addFilter(tag_rank)
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
         logger.propagate = False

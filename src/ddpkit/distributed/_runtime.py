@@ -197,7 +197,8 @@ def _join(launch: LaunchEnv, backend: str, dev: torch.device, timeout: timedelta
         raise _explain_init_error(err, launch) from err
     global joined_at
     joined_at = time.time()
-    atexit.register(_destroy_at_exit)
+    # for scripts that do not call shutdown(); no barrier: at exit a peer may have failed
+    atexit.register(_destroy)
     progress.collective_timeout(timeout.total_seconds())  # what the stall watch must beat
 
 
@@ -368,9 +369,3 @@ def forget_for_recovery() -> None:
     with contextlib.suppress(Exception):  # a group whose connections were cut: the interpreter
         _destroy(settle=False)  # goes on, so no settling
     _store_of, _generation = None, 0
-
-
-def _destroy_at_exit() -> None:
-    # For scripts that do not call shutdown(); no barrier: at exit a peer may have failed.
-    if dist.is_initialized():
-        _destroy()
