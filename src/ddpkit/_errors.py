@@ -162,8 +162,7 @@ class Preempted(SystemExit):
 
     @classmethod
     def by(cls, signum: int, step: int) -> Preempted:
-        """Stopped by signal ``signum`` (0: one that reached another rank) after optimizer step
-        ``step``."""
+        """Stopped by signal ``signum`` (0: one to another rank) after optimizer step ``step``."""
         return cls(step, signal.Signals(signum).name if signum else "a signal to another rank")
 
     def __str__(self) -> str:

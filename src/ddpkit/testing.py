@@ -120,8 +120,7 @@ def assert_same_on_ranks(value: Any, group: Group = None) -> None:
 
 
 def _on_cpu(value: Any) -> Any:
-    """``value`` with every tensor on the CPU (a CUDA tensor would be unpickled onto the sender's
-    GPU)."""
+    """``value`` with every tensor on the CPU (unpickled, a CUDA one goes to the sender's GPU)."""
     if isinstance(value, torch.Tensor):
         return value.detach().cpu()
     if isinstance(value, Mapping):

@@ -23,8 +23,7 @@ def import_dynamo() -> Any:
 
 
 def set_ddp_optimizer() -> None:
-    """Have Dynamo split a compiled DDP model's graph at its buckets, so that all-reduces overlap
-    the backward."""
+    """Have Dynamo split a compiled DDP model's graph at its buckets (all-reduces overlap)."""
     import_dynamo().config.optimize_ddp = True
 
 

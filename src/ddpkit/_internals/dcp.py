@@ -11,16 +11,14 @@ from ddpkit._internals.contract import Internal
 
 
 def storage_info(relative_path: str, offset: int, length: int) -> Any:
-    """The ``_StorageInfo`` of an item at ``offset`` in data file ``relative_path``, ``length``
-    bytes long."""
+    """The ``_StorageInfo`` of ``length`` bytes at ``offset`` in data file ``relative_path``."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
     return _StorageInfo(relative_path, offset, length)
 
 
 def transformed(info: Any) -> bool:
-    """Whether an item was written through a stream transform (``transform_descriptors``, torch
-    2.8 and later): never one of ddpkit's."""
+    """Whether an item was written through a stream transform (never one of ddpkit's)."""
     return bool(getattr(info, "transform_descriptors", None))
 
 

@@ -77,8 +77,7 @@ class HookedAgent(LocalElasticAgent):
         """Called after the agent stopped the workers."""
 
     def intercept(self, worker_group: Any) -> bool:
-        """Called before each poll: True to answer it "healthy" without torchrun's look (a failure
-        being recovered in place)."""
+        """Called before each poll: True to answer it "healthy" without torchrun's look."""
         return False
 
     def _monitor_workers(self, worker_group: Any) -> Any:
@@ -237,8 +236,7 @@ def _check_record_handler() -> str | None:
 
 
 def subprocess_handler_base() -> type | None:
-    """torchrun's ``SubprocessHandler``, where workers can be started through a subclass of it (else
-    None)."""
+    """torchrun's ``SubprocessHandler``, where workers can start through a subclass of it."""
     from torch.distributed.elastic.multiprocessing import api
 
     base = getattr(api, "SubprocessHandler", None)
@@ -253,8 +251,7 @@ def subprocess_handler_base() -> type | None:
 
 
 def set_handler_factory(factory: Callable[..., Any] | None) -> None:
-    """Have torchrun's process context make each worker's handler with ``factory`` (None: torch's
-    own)."""
+    """Have torchrun make each worker's handler with ``factory`` (None: torch's own)."""
     from torch.distributed.elastic.multiprocessing import api
     from torch.distributed.elastic.multiprocessing.subprocess_handler import get_subprocess_handler
 
@@ -311,8 +308,7 @@ def _check_handler() -> str | None:
 
 
 def _check_replace_worker() -> str | None:
-    """``SubprocessContext`` polls ``_running_local_ranks`` and records ``_failures``; the agent
-    keeps its worker group."""
+    """``SubprocessContext`` polls ``_running_local_ranks``; the agent keeps its worker group."""
     from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 
     poll = "".join(  # _poll itself until torch 2.8 or so, then a method it calls

@@ -41,8 +41,7 @@ def prctl(option: int, value: int | str) -> bool:
 
 
 def _command_line_memory() -> tuple[int, int] | None:
-    """``arg_start`` and ``arg_end`` of this process (fields 48 and 49 of ``/proc/self/stat``), or
-    None."""
+    """``arg_start`` and ``arg_end`` of this process (from ``/proc/self/stat``), or None."""
     try:
         with open("/proc/self/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
@@ -76,8 +75,7 @@ def set_command_line(args: Sequence[str]) -> bool:
 
 
 def cuda_driver_initialised() -> bool:
-    """True when this process has initialised the CUDA driver (``cuDeviceGetCount`` fails until
-    ``cuInit`` ran)."""
+    """True when this process has initialised the CUDA driver."""
     try:
         lib = _loaded_libcuda()
         return lib is not None and bool(lib.cuDeviceGetCount(ctypes.byref(ctypes.c_int())) == 0)

@@ -14,8 +14,7 @@ from ddpkit._internals.contract import Internal
 
 
 class BatchNormBase(nn.modules.batchnorm._BatchNorm):
-    """torch's base of the BatchNorm layers, for inputs of any number of dimensions from 2
-    (``N, C, ...``)."""
+    """torch's base of the BatchNorm layers, for inputs of 2 or more dimensions (``N, C, ...``)."""
 
     def check_input(self, input: torch.Tensor) -> None:
         self._check_input_dim(input)
@@ -40,8 +39,7 @@ def compiled_inner(module: nn.Module) -> nn.Module | None:
 
 
 def buffer_slots(module: nn.Module) -> list[tuple[dict[str, Any], str]]:
-    """(the dict, the name) of each buffer of ``module`` and its submodules: ``slot[0][slot[1]]`` is
-    the buffer's tensor now."""
+    """(the dict, the name) of each buffer of ``module``: ``slot[0][slot[1]]`` is its tensor."""
     return [(m._buffers, name) for m in module.modules() for name in m._buffers]
 
 

@@ -14,8 +14,7 @@ _MARK = "_wrapped_by_lr_sched"
 
 
 def mark_stepped_like(old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
-    """Where a scheduler marked ``old.step``, wrap ``new.step`` the same way: the scheduler moved to
-    ``new`` does not warn that it stepped first."""
+    """Where a scheduler marked ``old.step``, wrap ``new.step`` the same way."""
     if not hasattr(old.step, _MARK):
         return
     step = new.step
@@ -36,8 +35,7 @@ def any_non_finite(group: list[torch.Tensor], flag: torch.Tensor, one: torch.Ten
 
 
 def sparse_values(t: torch.Tensor) -> torch.Tensor:
-    """The stored values of a sparse tensor, uncoalesced (coalescing would sum, and could
-    overflow)."""
+    """The stored values of a sparse tensor, uncoalesced (coalescing sums, and could overflow)."""
     return t._values()
 
 

@@ -15,8 +15,7 @@ _KV = "ray.experimental.internal_kv"
 
 
 def kv_source() -> Path | None:
-    """The file of Ray's ``internal_kv`` module, found without importing Ray (None where Ray is not
-    installed)."""
+    """The file of Ray's ``internal_kv`` module, found without importing Ray (or None)."""
     spec = importlib.util.find_spec("ray")
     if spec is None or not spec.submodule_search_locations:
         return None

@@ -36,8 +36,7 @@ def torch_at_least(version: tuple[int, int]) -> bool:
 
 
 def require_torch(feature: str, version: tuple[int, int], instead: str = "") -> None:
-    """Raise a ConfigError naming ``feature``, the torch it needs and the one installed, below
-    ``version``."""
+    """Raise a ConfigError naming ``feature`` and the torch it needs, below ``version``."""
     if TORCH_VERSION >= version:
         return
     needed = ".".join(map(str, version))

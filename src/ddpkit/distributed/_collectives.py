@@ -142,8 +142,7 @@ def gather_values(values: Mapping[str, Any], group: Group = None) -> list[dict[s
 
 
 def gather_tensors(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
-    """Concatenate every rank's ``tensor`` along dim 0 in rank order; ranks may hold different
-    lengths (all predictions for an AUC or a confusion matrix)."""
+    """Concatenate every rank's ``tensor`` along dim 0 in rank order (lengths may differ)."""
     if not is_live(group):
         return tensor
     with _watched("gather_tensors", group):

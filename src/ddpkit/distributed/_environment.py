@@ -49,8 +49,7 @@ def read_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
 RECOVER_DIR_ENV = "DDPKIT_RECOVER_DIR"
 """The job's recovery folder, set by ``ddpkit run --recover in-place`` where it applies."""
 RECOVERED_ENV = "DDPKIT_RECOVERED"
-"""In a worker running again after an in-place recovery (or replacing a rank): the path of the
-agent's record of it (``ddpkit._launch.recover``)."""
+"""The path of the agent's record of the in-place recovery a worker runs in."""
 
 
 def recovery_record(env: Mapping[str, str] | None = None) -> dict[str, Any] | None:

@@ -25,8 +25,7 @@ def print0(*args: Any, group: Group = None, **kwargs: Any) -> None:
 def get_logger(
     name: str = "ddpkit", all_ranks: bool = False, group: Group = None
 ) -> logging.Logger:
-    """A logger whose records are kept on rank 0 of ``group`` only, unless ``all_ranks`` (then
-    tagged with the rank in ``group``)."""
+    """A logger kept on rank 0 of ``group`` only, unless ``all_ranks`` (records tagged by rank)."""
     if group is not None and is_live(group):
         name = f"{name}.group{'-'.join(map(str, dist.get_process_group_ranks(group)))}"
     logger = logging.getLogger(name if not all_ranks else f"{name}.all_ranks")

@@ -27,8 +27,7 @@ from ddpkit.platforms import _torchrun as torchrun
 from ddpkit.platforms._base import LAUNCHER_NAMES, LaunchEnv
 
 Group: TypeAlias = dist.ProcessGroup | None
-"""A process group, or None for the world (the default group): what every ``group=`` of ddpkit
-takes."""
+"""A process group, or None for the whole job: what every ``group=`` of ddpkit takes."""
 
 # a hung collective surfaces in minutes, not after torch's 30 (gloo) or 10 (nccl)
 DEFAULT_TIMEOUT = timedelta(minutes=5)
@@ -44,21 +43,18 @@ class Runtime:
     local_world_size: int
     device: torch.device
     backend: str | None
-    """The process group's backend, or None for a world of one run as plain ``python`` (no process
-    group)."""
+    """The process group's backend, or None for a world of one (no process group)."""
     launcher: str = "none"
     restart_count: int = 0
     """How many times the launcher has restarted this job's workers after a failure."""
     group: Group = field(default=None, compare=False)
-    """The process group that ``rank``, ``world_size`` and ``is_main`` count in: None for the whole
-    job, or a group of :func:`ddpkit.split_world`."""
+    """The process group ``rank`` and ``world_size`` count in (None: the whole job)."""
     group_index: int = 0
     """Which group of :func:`ddpkit.split_world` this is (0 for the whole job)."""
 
     @property
     def is_main(self) -> bool:
-        """True on rank 0 of the runtime's group: the rank that prints, logs and writes that group's
-        files."""
+        """True on rank 0 of the runtime's group: the rank that prints, logs and writes files."""
         return self.rank == 0
 
     @property

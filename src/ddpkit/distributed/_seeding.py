@@ -34,8 +34,7 @@ epoch and step), ``reseed`` (after a resume at another world size, by step and r
 
 
 def stream_seed(stream: str, seed: int, *keys: int) -> int:
-    """The seed of ``stream`` (one of :data:`STREAMS`) for ``keys``; the name is hashed in, so two
-    streams never share a seed whatever their keys."""
+    """The seed of ``stream`` (one of :data:`STREAMS`) for ``keys``, never another stream's."""
     if stream not in STREAMS:
         raise ValueError(f"unknown random stream {stream!r}: one of {STREAMS}")
     return mix_seed(stream, seed, *keys)

@@ -22,16 +22,14 @@ def _remember(signum: int, frame: FrameType | None) -> None:
 
 
 def hold_stop_signals() -> None:
-    """Remember SIGUSR1 instead of dying of it, where the process still has its default action
-    (a handler of the program's own is left; from a thread other than the main one, nothing)."""
+    """Remember SIGUSR1 instead of dying of it, where it has its default action (main thread)."""
     if threading.current_thread() is threading.main_thread():
         if signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL:
             signal.signal(signal.SIGUSR1, _remember)
 
 
 def pending_stop_signal(clear: bool = False) -> signal.Signals | None:
-    """The stop signal received while only :func:`hold_stop_signals`'s handler was listening, if
-    any; ``clear=True`` forgets it once read, so that one signal stops one ``fit()``."""
+    """The stop signal held by :func:`hold_stop_signals`, if any; ``clear=True`` forgets it."""
     global _pending
     sig = _pending
     if clear:

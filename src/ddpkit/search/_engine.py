@@ -248,8 +248,7 @@ def _run_candidate(
 
 
 def _name_a_machine_error_between_trials(err: BaseException, cfg: SearchConfig) -> None:
-    """An error of the machine met by the study's own writes, between trials: say so in one line
-    (one met inside a trial was named by :func:`_run_candidate`)."""
+    """An error of the machine met by the study's own writes, between trials: said in one line."""
     machine = environment_error(err)
     if machine is None or any(
         "stopped by the machine" in note for note in getattr(err, "__notes__", ())
@@ -294,8 +293,8 @@ def _progress(
 
 
 def _wait_for_every_group() -> None:
-    """Wait until every group has finished its last candidate: groups end up to a candidate apart,
-    longer than a collective's timeout, so on a gloo group whose timeout is a day."""
+    """Wait for every group's last candidate: groups end up to a candidate apart, past a
+    collective's timeout, so on a gloo group whose timeout is a day."""
     if not dist.is_initialized():
         return
     waiting = dist.new_group(backend="gloo", timeout=timedelta(days=1))
@@ -310,8 +309,7 @@ ENVIRONMENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.E
 
 
 def environment_error(err: BaseException) -> OSError | None:
-    """The error of the machine (:data:`ENVIRONMENT_ERRNOS`) behind ``err``, or None: looked for in
-    its causes and contexts, and in a CheckpointException's per-rank failures."""
+    """The error of the machine behind ``err`` (in its causes, contexts, rank failures), or None."""
     todo: list[BaseException | None] = [err]
     seen: set[int] = set()
     while todo:
@@ -374,8 +372,7 @@ def _fmt(v: Any) -> str:
 
 
 def save_plots(study: Any, out_dir: Path) -> list[Path]:
-    """Optimization history, parameter importances and intermediate values, as PNG (needs
-    matplotlib)."""
+    """Optuna's history, importances and intermediate values, as PNG (needs matplotlib)."""
     try:
         import matplotlib
 

@@ -399,8 +399,7 @@ class Start:
 
 
 def begin_search(cfg: SearchConfig, distributions: dict[str, Any]) -> tuple[FolderLock, Start]:
-    """On world rank 0: take search_dir for this job, repair or refuse what is wrong in it, count
-    this start."""
+    """On world rank 0: take search_dir, repair or refuse what is wrong in it, count this start."""
     search_dir = Path(cfg.search_dir)
     lock = search_dir_lock(search_dir)
     lock.acquire()
