@@ -34,9 +34,9 @@ def _check_storage_info() -> str | None:
     if info is None or not dataclasses.is_dataclass(info):
         return "torch.distributed.checkpoint.filesystem has no _StorageInfo dataclass"
     names = [f.name for f in dataclasses.fields(info)][:3]
-    return (
-        None if names == ["relative_path", "offset", "length"] else f"its first fields are {names}"
-    )
+    if names != ["relative_path", "offset", "length"]:
+        return f"its first fields are {names}"
+    return None
 
 
 def _check_writer_fs() -> str | None:
@@ -47,11 +47,9 @@ def _check_writer_fs() -> str | None:
 
     with tempfile.TemporaryDirectory() as folder:
         found = getattr(FileSystemWriter(folder), "fs", None)
-    return (
-        None
-        if isinstance(found, FileSystem)
-        else f"a FileSystemWriter's .fs is {type(found).__name__}"
-    )
+    if not isinstance(found, FileSystem):
+        return f"a FileSystemWriter's .fs is {type(found).__name__}"
+    return None
 
 
 # the methods of FileSystem ddpkit's overrides, with the arguments DCP calls them with

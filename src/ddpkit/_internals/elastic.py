@@ -37,11 +37,9 @@ def _agent_hooks_problem() -> str | None:
         if not callable(getattr(LocalElasticAgent, name, None)):
             return f"LocalElasticAgent has no {name}"
     found = list(inspect.signature(LocalElasticAgent._monitor_workers).parameters)
-    return (
-        None
-        if found == ["self", "worker_group"]
-        else f"LocalElasticAgent._monitor_workers takes {found}"
-    )
+    if found != ["self", "worker_group"]:
+        return f"LocalElasticAgent._monitor_workers takes {found}"
+    return None
 
 
 class HookedAgent(LocalElasticAgent):

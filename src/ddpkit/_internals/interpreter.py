@@ -148,11 +148,9 @@ def _check_command_line() -> str | None:
             held = mem.read(end - start)
     except OSError as err:
         return f"the command line's memory cannot be read through /proc/self/mem ({err})"
-    return (
-        None
-        if held == shown
-        else "/proc/self/cmdline is not the memory between arg_start and arg_end"
-    )
+    if held != shown:
+        return "/proc/self/cmdline is not the memory between arg_start and arg_end"
+    return None
 
 
 def _check_cuda_probe() -> str | None:

@@ -47,9 +47,9 @@ def _check_batchnorm() -> str | None:
     base = getattr(nn.modules.batchnorm, "_BatchNorm", None)
     if base is None or not issubclass(nn.BatchNorm2d, base):
         return "nn.modules.batchnorm._BatchNorm is not the base of BatchNorm2d"
-    return (
-        None if callable(getattr(base, "_check_input_dim", None)) else "it asks no _check_input_dim"
-    )
+    if not callable(getattr(base, "_check_input_dim", None)):
+        return "it asks no _check_input_dim"
+    return None
 
 
 def _check_compiled() -> str | None:
@@ -62,11 +62,9 @@ def _check_compiled() -> str | None:
 def _check_buffers() -> str | None:
     module = nn.BatchNorm1d(2)
     slots = buffer_slots(module)
-    return (
-        None
-        if slots and all(d[name] is getattr(module, name) for d, name in slots)
-        else "_buffers is not where buffers are"
-    )
+    if not slots or any(d[name] is not getattr(module, name) for d, name in slots):
+        return "_buffers is not where buffers are"
+    return None
 
 
 INTERNALS = [

@@ -45,11 +45,9 @@ def _check_scheduler_marks() -> str | None:
     if not hasattr(optimizer.step, _MARK):
         return f"a scheduler no longer marks its optimizer's step with {_MARK}"
     optimizer.step()
-    return (
-        None
-        if getattr(optimizer, "_opt_called", False)
-        else "the marked step no longer sets _opt_called"
-    )
+    if not getattr(optimizer, "_opt_called", False):
+        return "the marked step no longer sets _opt_called"
+    return None
 
 
 def _check_fused_check() -> str | None:
@@ -65,11 +63,9 @@ def _check_sparse_values() -> str | None:
     t = torch.sparse_coo_tensor(
         torch.tensor([[0, 0]]), torch.tensor([1.0, 2.0]), (3,), check_invariants=False
     )  # two at one index: uncoalesced
-    return (
-        None
-        if t._values().tolist() == [1.0, 2.0]
-        else "_values() of an uncoalesced tensor is not its stored values"
-    )
+    if t._values().tolist() != [1.0, 2.0]:
+        return "_values() of an uncoalesced tensor is not its stored values"
+    return None
 
 
 INTERNALS = [

@@ -53,11 +53,9 @@ def _check_agent_store() -> str | None:
     import importlib
 
     source = inspect.getsource(importlib.import_module("torch.distributed.rendezvous"))
-    return (
-        None
-        if AGENT_STORE_VARIABLE in source
-        else f"torch.distributed.rendezvous no longer reads {AGENT_STORE_VARIABLE}"
-    )
+    if AGENT_STORE_VARIABLE not in source:
+        return f"torch.distributed.rendezvous no longer reads {AGENT_STORE_VARIABLE}"
+    return None
 
 
 def _check_listen_fd() -> str | None:
