@@ -1,16 +1,8 @@
 """ddpkit: correct, fast, fault-tolerant DistributedDataParallel training for PyTorch.
 
-A single-device script becomes a DDP script with a handful of calls::
-
-    rt = ddpkit.init()                                   # rank, world size, device, backend
-    model = ddpkit.prepare_model(Net())                  # to the device, inside DDP
-    loader = ddpkit.build_loader(train_set, batch_size=64)
-    for epoch in range(epochs):
-        for x, y in loader:                              # the epoch advances by itself
-            ...
-        ddpkit.print0(ddpkit.evaluate(model, test_set))  # exact: every sample counted once
-
-and runs with ``ddpkit run script.py``, ``torchrun``, ``srun`` or plain ``python``.
+A single-device script becomes a DDP script with a handful of calls (``init``, ``prepare_model``,
+``build_loader``, ``evaluate``, docs/getting-started.md), and runs with ``ddpkit run script.py``,
+``torchrun``, ``srun`` or plain ``python``.
 """
 
 from ddpkit._errors import ConfigError, Preempted

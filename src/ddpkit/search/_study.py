@@ -371,14 +371,9 @@ def read_search_id(cfg: SearchConfig) -> str:
     return fs.read_bytes(path).decode().strip()
 
 
-def trials_of(
-    study: optuna.Study, search_id: str, states: tuple[TrialState, ...] | None = None
-) -> list[Any]:
-    return [
-        t
-        for t in study.get_trials(deepcopy=False, states=states)
-        if t.user_attrs.get(_SEARCH_KEY) == search_id
-    ]
+def trials_of(study: optuna.Study, search_id: str) -> list[Any]:
+    trials = study.get_trials(deepcopy=False)
+    return [t for t in trials if t.user_attrs.get(_SEARCH_KEY) == search_id]
 
 
 def count_start(study: optuna.Study) -> int:
