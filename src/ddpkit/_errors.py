@@ -31,9 +31,8 @@ def check_types(config: Any) -> None:
 
 
 def checked_arguments(fn: F) -> F:
-    """``fn`` (a front door: ``build_loader``, ``Snapshots``) refusing a number, flag or name not
-    of its annotated type as :func:`check_types` refuses a config's field, before it runs.
-    Arguments annotated with other classes (a dataset, a model) are left to ``fn``."""
+    """``fn`` refusing a number, flag or name not of its annotated type, as :func:`check_types`
+    does, before it runs; arguments of other classes (a dataset, a model) are left to ``fn``."""
     signature = inspect.signature(fn)
     name = fn.__qualname__.removesuffix(".__init__")
 

@@ -1,6 +1,5 @@
 """What ddpkit relies on in another project's private code (:class:`Internal`), and the words for
-what differs: each record's ``check`` looks at the shape relied on without side effects; the tests
-and ``ddpkit env`` run them all, naming the installed version."""
+what differs."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """torch.distributed.checkpoint's file-system storage, where ddpkit reaches past its public API: a
-writer's file system (``FileSystemWriter.fs``, and the methods ddpkit's overrides), and
-``_StorageInfo``, built from ddpkit's JSON index."""
+writer's file system (``FileSystemWriter.fs``) and ``_StorageInfo``."""
 
 from __future__ import annotations
 

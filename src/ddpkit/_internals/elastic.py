@@ -1,6 +1,5 @@
-"""torchrun's elastic agent and its worker processes, where ddpkit reaches past their public API
-(:class:`HookedAgent`, the worker handler's ``_popen`` and log files, ``@record``'s handler). Where
-one is gone, its feature is off with one warning, and the job runs as torchrun would run it."""
+"""torchrun's elastic agent and its worker processes, where ddpkit reaches past their public API.
+Where one is gone, its feature is off with one warning, and the job runs as torchrun runs it."""
 
 from __future__ import annotations
 

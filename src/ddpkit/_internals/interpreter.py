@@ -1,6 +1,5 @@
-"""The process's own machinery below Python's standard library: CPython's interpreter exit
-(``threading._shutdown``, ``atexit._run_exitfuncs``), Linux's ``prctl`` and the command-line memory,
-and whether this process initialised the CUDA driver, through ``ctypes``."""
+"""The process's own machinery below Python's standard library: CPython's interpreter exit, and,
+through ``ctypes``, Linux's ``prctl``, the command-line memory and the CUDA driver's state."""
 
 from __future__ import annotations
 

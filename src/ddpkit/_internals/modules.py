@@ -1,6 +1,5 @@
-"""``torch.nn`` modules, where ddpkit reaches past their public API: BatchNorm's base
-``_BatchNorm`` (with the ``_check_input_dim`` it asks of a subclass), the module ``torch.compile``
-wraps (``_orig_mod``), and the dict a module keeps its buffers in (``_buffers``)."""
+"""``torch.nn`` modules, where ddpkit reaches past their public API: ``_BatchNorm``, a compiled
+module's ``_orig_mod`` and a module's ``_buffers``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Optimizers, schedulers and gradients, where ddpkit reaches past torch's public API: the marks an
-LR scheduler puts on its optimizer's step (``_wrapped_by_lr_sched``, ``_opt_called``), GradScaler's
-fused inf/NaN check, and a sparse gradient's stored values (``Tensor._values()``)."""
+"""Optimizers, schedulers and gradients, where ddpkit reaches past torch's public API: a
+scheduler's marks on its optimizer's step, the fused inf/NaN check, a sparse tensor's values."""
 
 from __future__ import annotations
 

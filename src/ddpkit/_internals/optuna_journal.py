@@ -1,6 +1,5 @@
-"""Optuna's storages, where ddpkit's search reaches past their public API: a journal's operation
-codes, the work of Optuna's replay of a journal, and the storage a study writes through
-(``get_storage``). Imports without Optuna; the checks then pass."""
+"""Optuna's storages, where ddpkit's search reaches past their public API: a journal's records and
+their replay, and the storage a study writes through. Imports without Optuna (the checks pass)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Ray's key-value store (``ray.experimental.internal_kv``, which outlives the workers), where each
-rank counts Ray Train's restarts of its worker group. Imports without Ray; the check reads Ray's
-source, never importing it."""
+"""Ray's key-value store, where each rank counts Ray Train's restarts of its worker group. Imports
+without Ray; the check reads Ray's source, never importing it."""
 
 from __future__ import annotations
 

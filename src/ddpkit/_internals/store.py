@@ -1,6 +1,5 @@
-"""The TCPStore a launcher serves on a socket it bound itself (``master_listen_fd``), and
-``TORCHELASTIC_USE_AGENT_STORE``, which has torch's ``env://`` rendezvous connect to the store on
-every rank, rank 0 too."""
+"""The TCPStore a launcher serves on a socket it bound itself, and ``TORCHELASTIC_USE_AGENT_STORE``
+(torch's ``env://`` rendezvous connects to the store on every rank, rank 0 too)."""
 
 from __future__ import annotations
 

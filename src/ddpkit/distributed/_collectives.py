@@ -50,9 +50,8 @@ def barrier(group: Group = None) -> None:
 @checked_arguments
 @contextmanager
 def main_first(local: bool = False, group: Group = None) -> Iterator[None]:
-    """Run the body on rank 0 first while the others wait, then on the others: for work done once
-    before the others read it (a download, a cache). With ``local=True`` local rank 0 of every node
-    goes first (node-local disks). If the first rank raises, the launcher stops the others."""
+    """Run the body on rank 0 first while the others wait (on local rank 0 of every node with
+    ``local=True``), then on the others. If the first rank raises, the launcher stops the others."""
     first = get_runtime().is_local_main if local else get_runtime(group).is_main
     if not first:
         barrier(group)

@@ -12,9 +12,8 @@ from ddpkit.distributed._runtime import Runtime, get_runtime
 
 @checked_arguments
 def split_world(group_size: int) -> Runtime:
-    """Split the job into groups of ``group_size`` consecutive ranks (on one node where they fit);
-    return this rank's group as a Runtime, whose ``group`` every ``group=`` of ddpkit takes.
-    Collective: every rank calls it, once, with the same size."""
+    """Split the job into groups of ``group_size`` consecutive ranks; return this rank's group as a
+    Runtime. Collective: every rank calls it, once, with the same size."""
     rt = get_runtime()
     if group_size < 1 or rt.world_size % group_size:
         raise ConfigError(

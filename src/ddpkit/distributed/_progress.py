@@ -203,8 +203,7 @@ def phase(p: int) -> Iterator[None]:
 
 class collective:  # noqa: N801  (used as a function: `with progress.collective("all_reduce"):`)
     """In collective ``op`` (of ``numel`` elements, -1: not said), the next in this rank's
-    sequence; a collective inside another counts once, as the outer one. A class rather than a
-    generator: it costs a third as much."""
+    sequence; a collective inside another counts once, as the outer one."""
 
     __slots__ = ("before", "outer")
 
@@ -271,9 +270,8 @@ def _watched_call(op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def watch_torch_collectives() -> list[str]:
-    """Mark the world's collectives called through ``torch.distributed`` as ddpkit's own are (the
-    op, its number, its first tensor's size), under ``ddpkit run`` only, once. Returns the ops
-    wrapped: those of :data:`TORCH_COLLECTIVES` this torch has."""
+    """Mark the world's collectives called through ``torch.distributed`` as ddpkit's own are, under
+    ``ddpkit run`` only, once; return the ops of :data:`TORCH_COLLECTIVES` this torch has."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 

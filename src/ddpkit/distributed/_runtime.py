@@ -321,9 +321,8 @@ def forget() -> None:
 
 @checked_arguments
 def shutdown(*, wait_for_peers: bool = True) -> None:
-    """Destroy the process group (if any) and forget the runtime, so :func:`init` may be called
-    again. Every rank calls it, and it returns once all have; ``wait_for_peers=False`` is for a
-    rank that failed, whose peers may never come."""
+    """Destroy the process group (if any) and forget the runtime; every rank calls it, and it
+    returns once all have (``wait_for_peers=False``: a failed rank's peers may never come)."""
     global _runtime
     if wait_for_peers and dist.is_initialized() and _runtime is not None:
         _store_barrier(_runtime.world_size)
@@ -331,9 +330,8 @@ def shutdown(*, wait_for_peers: bool = True) -> None:
 
 
 def _store_barrier(world_size: int) -> None:
-    """Wait (bounded) until every rank has reached shutdown(), through the store: a rank that
-    destroyed its group at once could close a connection a peer still reads, and a barrier over the
-    group has the same race."""
+    """Wait (bounded) until every rank has reached shutdown(), through the store (docs/runtime.md:
+    a barrier over the group would race with the group's teardown)."""
     store = _group_store
     if store is None or world_size < 2:
         return

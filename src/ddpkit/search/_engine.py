@@ -1,8 +1,5 @@
-"""The search loop: the job split once into groups of ``group_size`` ranks, every group training
-one candidate at a time until the budget is spent (docs/hyperparameter-search.md). Rank 0 of each
-group talks to the study; what the group must agree on reaches its ranks by a broadcast on the
-group. An error of the machine stops the search and leaves its trial to resume.
-"""
+"""The search loop: every group of ``group_size`` ranks trains one candidate at a time until the
+budget is spent; rank 0 of each group talks to the study (docs/hyperparameter-search.md)."""
 
 from __future__ import annotations
 
