@@ -145,8 +145,12 @@ def init(
         seconds = launch.collective_timeout
         timeout = timedelta(seconds=seconds) if seconds else DEFAULT_TIMEOUT
     dev = _pick_device(launch, device)
-    if launch.launcher == "none":
-        _runtime = _alone(dev, backend)
+    if launch.launcher == "none":  # a world of one, no process group
+        if not (dist.is_available() and dist.is_initialized()):  # nor a group made by hand
+            kubernetes.check_not_alone_in_torchrun_pod(os.environ)
+        if backend is not None:
+            _pick_backend(dev, backend)  # nccl without GPUs refused, as a real launch would
+        _runtime = Runtime(0, 0, 1, 1, dev, None, "none")
         return _runtime
     pg_backend = _pick_backend(dev, backend)
     hold_stop_signals()  # a scheduler's warning (SLURM --signal=USR1) before fit() listens
@@ -161,15 +165,6 @@ def init(
         pg_backend, launch.launcher, launch.restart_count,
     )  # fmt: skip
     return _runtime
-
-
-def _alone(dev: torch.device, backend: str | None) -> Runtime:
-    """The runtime of a process no launcher started: a world of one, no process group."""
-    if not (dist.is_available() and dist.is_initialized()):  # nor a group made by hand
-        kubernetes.check_not_alone_in_torchrun_pod(os.environ)
-    if backend is not None:
-        _pick_backend(dev, backend)  # nccl without GPUs refused, as a real launch would
-    return Runtime(0, 0, 1, 1, dev, None, "none")
 
 
 def _join(launch: LaunchEnv, backend: str, dev: torch.device, timeout: timedelta) -> None:
