@@ -24,8 +24,7 @@ class ConfigError(ValueError):
 
 def check_types(config: Any) -> None:
     """Raise a ``ConfigError`` naming the first field of the dataclass ``config`` whose value is
-    not of its annotated type (an int for a float is fine, a bool for an int is not), with the
-    value and what the field takes. Run first in a config's ``__post_init__``."""
+    not of its annotated type (an int for a float is fine, a bool for an int is not)."""
     for name, hint in _hints(type(config)).items():  # type: ignore[arg-type]
         _check_value(type(config).__name__, name, getattr(config, name), hint)
 

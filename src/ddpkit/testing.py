@@ -1,10 +1,7 @@
 """Test your own distributed code the way ddpkit tests its own: real processes, real collectives
-(docs/runtime.md, "Testing your own code under ranks").
-
-:func:`run_on_ranks` runs a function on N CPU processes joined over gloo and returns what each rank
-returned; :func:`assert_same_on_ranks` checks that every rank holds the same value. :func:`run_job`
-runs a script under ``ddpkit run`` in a fresh process, :func:`start_job` starts it and returns at
-once, and :func:`wait_until` waits, with a deadline, for what a running job makes true.
+(docs/runtime.md, "Testing your own code under ranks"): functions run on ranks
+(:func:`run_on_ranks`, :func:`assert_same_on_ranks`) and scripts run as jobs (:func:`run_job`,
+:func:`start_job`, :func:`wait_until`).
 """
 
 from __future__ import annotations
@@ -55,11 +52,9 @@ def run_on_ranks(
     collective_timeout: float = 30.0,
 ) -> list[Any]:
     """``fn(*args)`` on ``world_size`` local CPU processes joined over gloo; each rank's result, in
-    rank order. A rank that raises fails the call with its traceback.
-
-    The processes are forked (``fn`` may be a lambda); once this process has initialised CUDA they
-    start afresh, and ``fn`` and ``args`` must be picklable. A collective waits at most
-    ``collective_timeout`` seconds; the whole call is bounded by ``timeout``.
+    rank order. A rank that raises fails the call with its traceback. Forked (``fn`` may be a
+    lambda) unless this process initialised CUDA (then ``fn`` and ``args`` must be picklable). A
+    collective waits at most ``collective_timeout`` seconds, the call at most ``timeout``.
     """
     return spawn(
         functools.partial(_on_rank, fn, args, collective_timeout), world_size, timeout=timeout
@@ -157,9 +152,8 @@ def start_job(
     return its :class:`subprocess.Popen` at once.
 
     The launcher starts from ``env`` (default: this process's) less an enclosing job's variables
-    (:func:`without_launch_env`), in a session of its own (``os.killpg(proc.pid, ...)`` ends it
-    whole). Output is text, on pipes unless ``stdout``/``stderr`` say otherwise; other keyword
-    arguments go to :class:`subprocess.Popen`. The caller waits for it and reads the pipes.
+    (:func:`without_launch_env`), in a session of its own. Output is text, on pipes unless
+    ``stdout``/``stderr`` say otherwise; other keyword arguments go to :class:`subprocess.Popen`.
     """
     if nproc < 1:
         raise ValueError(f"nproc={nproc}; give the number of worker processes, 1 or more")

@@ -52,8 +52,7 @@ def _command_line_memory() -> tuple[int, int] | None:
 
 def set_command_line(args: Sequence[str]) -> bool:
     """Show ``args`` as this process's command line (``ps``), cut to the room the process started
-    with, through ``/proc/self/mem`` where it holds what ``/proc/self/cmdline`` shows; False
-    where it cannot."""
+    with, through ``/proc/self/mem``; False where it cannot."""
     where = _command_line_memory()
     if where is None:
         return False

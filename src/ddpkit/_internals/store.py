@@ -34,9 +34,8 @@ def serve_store(listener_fd: int, host: str, port: int, timeout: timedelta) -> A
 def serve_new_store(
     host: str, timeout: timedelta, bind: str | None = None, port: int = 0
 ) -> tuple[Any, int]:
-    """A master TCPStore for clients that reach it at ``host``, on ``port`` (0: one the system
-    picks), and that port; it listens on ``bind`` (default: ``host``'s address alone). The socket
-    stays bound from the port's choice on (a port found free and bound later can be taken)."""
+    """A master TCPStore and its port, for clients that reach it at ``host``; it listens on ``bind``
+    (default: ``host``'s address) and ``port`` (0: the system picks, the socket bound from then)."""
     address = socket.gethostbyname(host) if bind is None else bind
     listener = socket.create_server((address, port), backlog=1024)
     port = int(listener.getsockname()[1])

@@ -267,11 +267,10 @@ _NOT_A_MEMBER = (
 def get_runtime(group: Group = None, member: bool = False) -> Runtime:
     """Who this process is: its :class:`Runtime` in the job, or with ``group``, in that group.
 
-    ``group`` is a group of :func:`~ddpkit.split_world` (returned as it is), a process group made by
-    hand (its rank and size; -1 for both on a process outside it), or None for the whole job.
-    ``member``: a process outside ``group`` is refused. Before :func:`init`, plain ``python`` is a
-    world of one on the CPU and a process group the script made is taken as it is; under a launcher
-    of several ranks it raises :class:`NotInitializedError` (joining is a collective).
+    ``group``: a group of :func:`~ddpkit.split_world`, a process group made by hand (rank and size
+    -1 outside it; refused there with ``member``), or None for the whole job. Before :func:`init`,
+    plain ``python`` is a world of one and a process group the script made is taken as it is;
+    under a launcher of several ranks it raises :class:`NotInitializedError`.
     """
     if isinstance(group, Runtime):
         if member and group.rank < 0:

@@ -39,9 +39,8 @@ def pending_stop_signal(clear: bool = False) -> signal.Signals | None:
 
 @contextmanager
 def stop_signals(on_signal: Callable[[int], None]) -> Iterator[None]:
-    """Inside the block, call ``on_signal(signum)`` on SIGTERM and SIGUSR1 instead of their usual
-    action, the handlers before put back on leaving; a signal held by :func:`hold_stop_signals` is
-    passed on at once. From a thread other than the main one, signals are left alone."""
+    """Inside the block (main thread only), call ``on_signal(signum)`` on SIGTERM and SIGUSR1, and
+    at once for a signal :func:`hold_stop_signals` held; the handlers before are put back after."""
     previous: dict[int, Any] = {}
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         try:

@@ -116,10 +116,9 @@ def search(
     """Run the search on every rank of the job; return the study (on every rank).
 
     ``objective(candidate)`` trains one candidate on ``candidate.group`` with ``candidate.params``
-    (a Trainer: ``group=candidate.group, callbacks=[candidate]``, run_dir ``candidate.run_dir``)
     and returns the metric, or the Trainer's metrics dict holding ``config.metric``. A candidate
-    that diverges, raises or runs out of memory fails its trial only; an error of the machine
-    (:data:`ENVIRONMENT_ERRNOS`) stops the search. A second job on ``search_dir`` is refused.
+    that fails fails its trial only; an error of the machine (:data:`ENVIRONMENT_ERRNOS`) stops the
+    search. A second job on ``search_dir`` is refused.
     """
     distributions = to_distributions(space)
     rt = get_runtime()

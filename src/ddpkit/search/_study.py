@@ -474,11 +474,10 @@ def draw_params(trial: optuna.Trial, distributions: dict[str, Any]) -> None:
 
 
 class EvolutionSampler(BaseSampler):
-    """Propulate's asynchronous evolution: each new candidate is bred from those finished so far.
-    With probability ``random_share`` a candidate is random; otherwise two parents are chosen by
-    tournaments among the ``top`` best, each parameter taken from either and mutated with
-    probability ``mutation_prob`` (a Gaussian step of ``mutation_scale`` of its range, in log space
-    for log distributions; choices drawn anew)."""
+    """Propulate's asynchronous evolution: a candidate is random with probability ``random_share``,
+    else bred from two parents chosen by tournaments among the ``top`` finished, each parameter
+    taken from either and mutated with probability ``mutation_prob`` (a Gaussian step of
+    ``mutation_scale`` of its range, in log space for log distributions; choices drawn anew)."""
 
     def __init__(
         self,
