@@ -178,7 +178,7 @@ def _search_on_groups(
     while True:
         trial = None
         if handle is not None:
-            trial = next_trial(handle, cfg, distributions, begun.search_id, mine, search_dir)
+            trial = next_trial(handle, cfg, distributions, begun.search_id, mine)
         payload = broadcast_object(
             None if trial is None else (trial.number, trial.params), group=grt.group
         )

@@ -420,7 +420,6 @@ def next_trial(
     distributions: dict[str, Any],
     search_id: str,
     leftover: list[int],
-    search_dir: Path,
 ) -> optuna.Trial | None:
     """The next candidate's trial for this group, or None when the budget is spent."""
     while leftover:
@@ -428,7 +427,7 @@ def next_trial(
         if trial is not None:
             return trial
     # held while the group counts and asks: groups racing for the last candidate cannot both start
-    fd, _ = take_lock(search_dir / ".ask.lock", wait=True)
+    fd, _ = take_lock(Path(cfg.search_dir) / ".ask.lock", wait=True)
     try:
         if len(trials_of(handle.study, search_id)) >= cfg.n_trials:
             return None
