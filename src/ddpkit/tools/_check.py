@@ -260,14 +260,11 @@ def _silent_mask(reference: dict[str, Any], steps: int) -> tuple[torch.Tensor | 
     sizes = reference.get("sizes")
     if not sizes or not steps:
         return None, 0
-    keep = []
-    for i in range(len(sizes)):
-        start = sum(sizes[:i])
-        alive = all(
-            float(g[start : start + sizes[i]].norm()) > SILENT_GRADIENT * float(g.norm())
-            for g in reference["grad"][:steps]
-        )
-        keep.append(alive)
+    grads = reference["grad"][:steps]
+    keep = [
+        all(float(g[end - n : end].norm()) > SILENT_GRADIENT * float(g.norm()) for g in grads)
+        for n, end in zip(sizes, itertools.accumulate(sizes))
+    ]
     mask = torch.cat([torch.full((n,), k) for n, k in zip(sizes, keep)])
     return mask, keep.count(False)
 
@@ -374,10 +371,11 @@ def _prepared(
     if "dropout" in fixes:
         convert_dropout(model)
     _same_start(model, fixes, records)
-    unused: dict[str, Any] = (
-        {"find_unused_parameters": True} if "unused_parameters" in fixes else {}
+    model = prepare_model(
+        model,
+        sync_batchnorm="batchnorm" in fixes or w.sync_batchnorm,
+        find_unused_parameters="unused_parameters" in fixes,
     )
-    model = prepare_model(model, sync_batchnorm="batchnorm" in fixes or w.sync_batchnorm, **unused)
     optimizer = w.optimizer(model.parameters())
     data = SampleSeeded(w.dataset, seed) if "augmentation" in fixes else w.dataset
     if w.loader is None or "data_order" in fixes:
@@ -707,15 +705,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "ddpkit check [-h] [--nproc NPROC] [--steps STEPS] [--rtol RTOL] [--seed SEED] "
         "[script [ARGS ...]]"
     )
-    a = p.parse_args(ours)
-    cfg = CheckConfig(
-        script=a.script,
-        script_args=tuple(script_args),
-        nproc=a.nproc,
-        steps=a.steps,
-        rtol=a.rtol,
-        seed=a.seed,
-    )
+    # the options' names are CheckConfig's fields
+    cfg = CheckConfig(script_args=tuple(script_args), **vars(p.parse_args(ours)))
     code, lines = run_check(cfg)
     print("\n".join(lines), flush=True)
     return code

@@ -170,23 +170,6 @@ def straggler_seconds(step_samples: list[float], n: int, draws: int = 2000, seed
     return max(0.0, slowest - statistics.median(step_samples))
 
 
-@dataclass(frozen=True)
-class Prediction:
-    world_size: int
-    nodes: int
-    link: str
-    step_s: float
-    compute_s: float
-    exposed_comm_s: float
-    """The all-reduce backward does not hide, with DDP's fixed cost of finishing a reduction."""
-    samples_per_s: float
-    efficiency: float
-    """Throughput over ``n`` times the one-rank throughput."""
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-
 def predict(
     *,
     n: int,
@@ -197,28 +180,28 @@ def predict(
     allreduce_s: Callable[[float], float],
     link: str,
     nodes: int = 1,
-    compute_scale: float = 1.0,
     overlap: bool = True,
     fixed_sync_s: float = 0.0,
-) -> Prediction:
-    """Step time and efficiency at ``n`` ranks: one rank's step plus the exposed all-reduce."""
+) -> dict[str, Any]:
+    """Step time and efficiency at ``n`` ranks: one rank's step plus the exposed all-reduce (what
+    backward does not hide, with DDP's fixed cost of finishing a reduction); efficiency is the
+    throughput over ``n`` times the one-rank throughput."""
     if n < 1:
         raise ConfigError(f"world size {n}: must be >= 1")
     exposed = fixed_sync_s
     if n > 1:
-        exposed += exposed_seconds(buckets, backward_s * compute_scale, allreduce_s, overlap)
-    compute = one_rank_step_s * compute_scale
-    step = compute + exposed
-    return Prediction(
-        world_size=n,
-        nodes=nodes,
-        link=link,
-        step_s=step,
-        compute_s=compute,
-        exposed_comm_s=exposed,
-        samples_per_s=n * batch_size / step,
-        efficiency=(one_rank_step_s + fixed_sync_s) / step,
-    )
+        exposed += exposed_seconds(buckets, backward_s, allreduce_s, overlap)
+    step = one_rank_step_s + exposed
+    return {
+        "world_size": n,
+        "nodes": nodes,
+        "link": link,
+        "step_s": step,
+        "compute_s": one_rank_step_s,
+        "exposed_comm_s": exposed,
+        "samples_per_s": n * batch_size / step,
+        "efficiency": (one_rank_step_s + fixed_sync_s) / step,
+    }
 
 
 def link_for(
@@ -300,7 +283,7 @@ def _here(
     fits: dict[int, AllReduceFit],
     in_step: dict[int, float],
     compute: float,
-    model: Callable[..., Prediction],
+    model: Callable[..., dict[str, Any]],
     total_bytes: int,
 ) -> list[dict[str, Any]]:
     on_cpu = scaling[1]["device"] == "cpu"
@@ -321,15 +304,11 @@ def _here(
             overlap=not on_cpu,
         )
         measured = scaling[n]["parts"]["step"]
-        rows.append(
-            p.to_json()
-            | {
-                "measured_step_s": measured,
-                "error": p.step_s / measured - 1,
-                "straggler_s": straggle,
-                "allreduce_in_step_s": in_step.get(n) if in_step else None,
-            }
-        )
+        p["measured_step_s"] = measured
+        p["error"] = p["step_s"] / measured - 1
+        p["straggler_s"] = straggle
+        p["allreduce_in_step_s"] = in_step.get(n)
+        rows.append(p)
     return rows
 
 
@@ -337,7 +316,7 @@ def _larger(
     cfg: BenchConfig,
     intra: Interconnect,
     compute: float,
-    model: Callable[..., Prediction],
+    model: Callable[..., dict[str, Any]],
     on_cpu: bool,
 ) -> dict[str, Any]:
     larger = {}
@@ -355,7 +334,7 @@ def _larger(
                     link=link.name,
                     nodes=nodes,
                     overlap=not on_cpu or link.name != "measured",
-                ).to_json()
+                )
             )
         larger[name] = {"link": asdict(inter), "rows": rows}
     return larger

@@ -40,11 +40,8 @@ class MetricsWriter:
     ) -> None:
         self.enabled = enabled
         self.run_dir = Path(run_dir)
-        self._tensorboard, self._logger_names, self._params = (
-            tensorboard,
-            tuple(loggers),
-            params or {},
-        )
+        self._tensorboard, self._logger_names = tensorboard, tuple(loggers)
+        self._params = params or {}
         self._jsonl: IO[str] | None = None
         self._started = False  # TensorBoard and the loggers made (once: each is a run of its own)
         self._tb = None
@@ -260,9 +257,7 @@ class Progress:
             self._bar.update(1)
         if not postfix:
             return
-        text = " ".join(
-            f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in postfix.items()
-        )
+        text = format_metrics(postfix)
         if self._bar is not None:
             self._bar.set_postfix_str(text, refresh=False)
         else:

@@ -1,11 +1,6 @@
 """How fast a run goes: each rank's phases (data, compute, comm, optimizer, snapshot) per log
 window and the rank that holds the others up, samples (and tokens) a second, and MFU from the FLOPs
-of a sample and the device's peak (docs/speed.md).
-
-``comm`` is the wait after a step's last gradient is ready until ``backward()`` returns, plus DDP's
-broadcast of buffers before the forward; a rank's busy time is all its phases but ``comm``. The
-ranks' phases travel in the loss's agreement at each window's end (no collective of their own). On
-CUDA, ``compute``, ``comm`` and ``optimizer`` come from CUDA events on the current stream.
+of a sample and the device's peak. What each phase holds and how it is marked: docs/speed.md.
 """
 
 from __future__ import annotations
@@ -47,12 +42,8 @@ class StepTimings:
     A step of several optimizers marks each optimizer step the same way, and each synchronising
     backward's end (:meth:`backward_returned`), until :meth:`end_step`. Disabled, every call is a
     no-op. ``compiled``: DDP's buffer broadcast stays in ``compute``. Without ``communicates`` (a
-    world of one) no ``comm`` is marked.
-
-    The step's last gradient is marked by a callback at the backward's end, queued ahead of DDP's
-    and FSDP's waits: under DDP by a hook on one parameter's gradient accumulation, armed for the
-    synchronising backward (checked once against the loss's node, which gives way to it unless the
-    anchor is accumulated in a nested backward); elsewhere by a hook on the loss's node each step.
+    world of one) no ``comm`` is marked. How the step's last gradient is marked (an anchor
+    parameter's hook under DDP, else the loss's node): docs/speed.md.
     """
 
     def __init__(
@@ -152,9 +143,8 @@ class StepTimings:
         self._anchor_at = time.perf_counter()
 
     def _check_anchor(self) -> None:
-        """After the first synchronising backward, marked both ways: the anchor's callback runs
-        after the loss node's unless it was accumulated in a nested backward (reentrant
-        checkpointing), which ends early; then the loss's node marks every step."""
+        """After the first synchronising backward, marked both ways: an anchor that marked before
+        the loss's node (a nested backward) is dropped, and the loss's node marks every step."""
         outer, anchor = self._outer_at, self._anchor_at
         self._outer_at = self._anchor_at = None
         if outer is None:  # the loss had no node: nothing to check against yet
@@ -189,11 +179,8 @@ class StepTimings:
             self._last_grad, self._armed = None, False
 
     def _compute_from(self, start: Any) -> None:
-        self._start, self._data_before, self._comm_before = (
-            start,
-            self.seconds["data"],
-            self.seconds["comm"],
-        )
+        self._start = start
+        self._data_before, self._comm_before = self.seconds["data"], self.seconds["comm"]
         self._stepping = True
 
     def backward_returned(self) -> None:
@@ -331,10 +318,6 @@ class RankTimes:
         return [sum(self.ms[p][r] for p in BUSY) for r in range(len(self.step_ms))]
 
     def slowest(self) -> Slowest:
-        return self._slowest
-
-    @cached_property
-    def _slowest(self) -> Slowest:
         busy = self.busy_ms
         rank = max(range(len(busy)), key=busy.__getitem__)
         if len(busy) == 1:
@@ -396,16 +379,14 @@ class RunSpeed:
             self.slow_windows[slowest.rank] = self.slow_windows.get(slowest.rank, 0) + 1
 
     def summary(self) -> str | None:
-        """A line for the run's summary: the slowest rank over the run, its excess and phase."""
-        if not self.busy:
+        """A line for the run's summary: the slowest rank over the run, its excess and phase; None
+        for fewer than 2 ranks."""
+        if len(self.busy) < 2:
             return None
         total = RankTimes(
             ms=self.phases, step_ms=self.step_ms, wall=0.0, samples=0.0, items=0.0
         ).slowest()
-        named = self.slow_windows.get(total.rank, 0)
-        if len(self.busy) == 1:
-            return None
-        windows = f"slow in {named} of {self.windows} windows"
+        windows = f"slow in {self.slow_windows.get(total.rank, 0)} of {self.windows} windows"
         if total.slow:
             return (
                 f"  slowest rank {total.rank}: {total.ratio:.2f}x the other ranks' median busy "
