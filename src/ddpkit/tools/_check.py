@@ -1,16 +1,6 @@
 """``ddpkit check``: do N ranks train the same model as one process on the same global batch? If
-not, why?
-
-The script's training runs a few steps as one process with the global batch, and as N ranks (gloo
-on the CPU) with ``1/N`` of it each; step by step the global loss, rank 0's all-reduced gradients
-and its weights after the step are compared. Each known cause has a switch that removes it: on a
-mismatch the runs are repeated with every switch on, then with each turned off in turn, and a cause
-is named when the mismatch comes back without its switch. The single process runs twice in every
-set-up, so non-determinism shows as the process disagreeing with itself.
-
-A script's Trainer with ``step_fn`` is run itself, its config holding the switches that apply to
-it; every model's weights are compared, by name, after each step, and its loss (gradients are not
-kept).
+not, why? Each known cause has a switch that removes it; a cause is named when the mismatch comes
+back without its switch (docs/bench-and-check.md).
 """
 
 from __future__ import annotations
@@ -90,9 +80,6 @@ class CheckConfig:
             )
         if not 0 <= self.seed < 2**63:  # torch.manual_seed takes 64 bits
             raise ConfigError(f"--seed {self.seed}: use a whole number from 0 to 2**63 - 1")
-
-
-# -- the causes and their switches -----------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -214,9 +201,6 @@ def deterministic(on: bool) -> Iterator[None]:
         torch.use_deterministic_algorithms(before)
 
 
-# -- comparing two runs ----------------------------------------------------------------------------
-
-
 def _rel(a: Any, b: Any) -> float:
     a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
     if a.shape != b.shape:
@@ -309,9 +293,6 @@ class Verdict:
         if self.ranks.error or self.repeat.error:
             return math.inf
         return max(self.ranks.worst(), self.repeat.worst())
-
-
-# -- one training run ------------------------------------------------------------------------------
 
 
 def _batches(loader: Any, data: Dataset) -> Iterator[Any]:
@@ -494,9 +475,6 @@ def _ranks_run(
 ) -> list[dict[str, Any]]:
     init(device="cpu")  # gloo on the CPU: any number of ranks fits on one machine
     return [train_steps(script, fixes, steps, None, seed, args) for fixes in setups]
-
-
-# -- the check -------------------------------------------------------------------------------------
 
 
 def _failed(cfg: CheckConfig, where: str, trace: str) -> tuple[int, list[str]]:

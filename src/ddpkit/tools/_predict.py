@@ -24,9 +24,6 @@ FIRST_BUCKET_BYTES = 1 * MIB  # torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES
 BUCKET_CAP_MB = 25.0  # DDP's default bucket_cap_mb
 
 
-# -- the all-reduce alone --------------------------------------------------------------------------
-
-
 def busbw_factor(n: int) -> float:
     """nccl-tests' bus bandwidth over algorithm bandwidth at ``n`` ranks."""
     return 2 * (n - 1) / n
@@ -90,9 +87,6 @@ def fit_alpha_beta(world_size: int, points: list[tuple[int, float]]) -> AllReduc
     # noise can make a coefficient slightly negative; a physical fit has both >= 0
     alpha, inv_beta = max(float(sol[0]), 0.0), float(sol[1])
     return AllReduceFit(world_size, alpha, 1.0 / max(inv_beta, 1e-30), tuple(points))
-
-
-# -- the ring model --------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -218,9 +212,6 @@ def link_for(
         max(intra.hop_latency_s, inter.hop_latency_s),
     )
     return ring, nodes
-
-
-# -- the bench's predictions -----------------------------------------------------------------------
 
 
 def compute_seconds(scaling: dict[int, dict[str, Any]]) -> float:

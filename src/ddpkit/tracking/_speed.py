@@ -23,8 +23,6 @@ from ddpkit._internals.compiler import at_backward_end, cpu_attention_ops
 from ddpkit.data._loader import batch_len
 from ddpkit.strategies._prepare import accumulation_of_a_parameter
 
-# -- each rank's phases ----------------------------------------------------------------------------
-
 PHASES = ("data", "compute", "comm", "optimizer", "snapshot")
 BUSY = ("data", "compute", "optimizer", "snapshot")  # a rank's own work; comm is waiting
 SLOW_RATIO = 1.2
@@ -398,8 +396,6 @@ class RunSpeed:
         )
 
 
-# -- FLOPs and peaks -------------------------------------------------------------------------------
-
 _T = 1e12
 
 # Dense tensor-core peaks in TFLOPS (fp16 and bf16 with fp32 accumulation) from the vendors'
@@ -500,9 +496,6 @@ def mfu(
     if not flops_per_sample or not peak:
         return None
     return flops_per_sample * samples_per_s / (peak * devices)
-
-
-# -- the run's speed -------------------------------------------------------------------------------
 
 
 @dataclass
