@@ -275,13 +275,11 @@ def compare_data_parallel(cfg: BenchConfig) -> dict[str, Any]:
             "processes is measured above"
         }
 
-    def one_process(data_parallel: bool) -> dict[str, Any]:
-        job = functools.partial(
-            single_process_steps, cfg.script, data_parallel, cfg.steps, cfg.warmup
-        )
-        return _run(job, 1)
-
-    return {"single_gpu": one_process(False), "data_parallel": one_process(True)}
+    job = functools.partial(single_process_steps, cfg.script, steps=cfg.steps, warmup=cfg.warmup)
+    return {
+        "single_gpu": _run(functools.partial(job, data_parallel=False), 1),
+        "data_parallel": _run(functools.partial(job, data_parallel=True), 1),
+    }
 
 
 def _conditions(cfg: BenchConfig, scaling: dict[int, dict[str, Any]]) -> dict[str, Any]:
@@ -622,6 +620,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{name}", type=int, default=getattr(BenchConfig, name))
     p.add_argument(
         "--predict",
+        dest="predict_sizes",
         type=_sizes,
         default=BenchConfig.predict_sizes,
         metavar="N,N,...",
@@ -659,13 +658,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    a = _parser().parse_args(argv)
-    fields = "nproc steps warmup rounds gpus_per_node intra interconnect bandwidth_gbps latency_us"
-    fields += " knobs out pin"
-    cfg = BenchConfig(
-        script=a.script, predict_sizes=a.predict, **{f: getattr(a, f) for f in fields.split()}
-    )
-    check_out(a.out, a.overwrite)
+    a = vars(_parser().parse_args(argv))  # BenchConfig's fields, and --overwrite
+    overwrite = a.pop("overwrite")
+    cfg = BenchConfig(**a)
+    check_out(cfg.out, overwrite)
     result = run_bench(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
     print("\n".join(report(result)))
     for path in write_outputs(cfg, result):

@@ -175,8 +175,7 @@ def _timed_steps(
     (steps, warmup), cuda = counts, device.type == "cuda"
 
     def now() -> float:
-        if cuda:
-            torch.cuda.synchronize(device)
+        _sync(device)
         return time.perf_counter()
 
     timer = _CommTimer(cuda=cuda)

@@ -234,14 +234,12 @@ class StepTimings:
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Time the body as ``name`` (host time: snapshot work waits for what it copies)."""
-        if not self.enabled:
-            yield
-            return
         start = time.perf_counter()
         try:
             yield
         finally:
-            self.seconds[name] += time.perf_counter() - start
+            if self.enabled:
+                self.seconds[name] += time.perf_counter() - start
 
     def _resolve(self) -> dict[str, float]:
         """The window's phase seconds; on CUDA, waits for the window's last event."""
@@ -351,23 +349,20 @@ def _rounded(values: list[float]) -> list[float]:
 
 
 class RunSpeed:
-    """The run's slowest rank over all its windows: busy ms summed per rank, and the windows each
+    """The run's slowest rank over all its windows: phase ms summed per rank, and the windows each
     named slow."""
 
     def __init__(self) -> None:
-        self.busy: list[float] = []
         self.phases: dict[str, list[float]] = {}
         self.step_ms: list[float] = []
         self.slow_windows: dict[int, int] = {}
         self.windows = 0
 
     def add(self, times: RankTimes, steps: int) -> None:
-        if not self.busy:
-            self.busy = [0.0] * len(times.step_ms)
+        if not self.step_ms:
             self.phases = {p: [0.0] * len(times.step_ms) for p in PHASES}
             self.step_ms = [0.0] * len(times.step_ms)
-        for r, v in enumerate(times.busy_ms):
-            self.busy[r] += v * steps
+        for r in range(len(self.step_ms)):
             self.step_ms[r] += times.step_ms[r] * steps
             for p in PHASES:
                 self.phases[p][r] += times.ms[p][r] * steps
@@ -379,7 +374,7 @@ class RunSpeed:
     def summary(self) -> str | None:
         """A line for the run's summary: the slowest rank over the run, its excess and phase; None
         for fewer than 2 ranks."""
-        if len(self.busy) < 2:
+        if len(self.step_ms) < 2:
             return None
         total = RankTimes(
             ms=self.phases, step_ms=self.step_ms, wall=0.0, samples=0.0, items=0.0
@@ -395,8 +390,6 @@ class RunSpeed:
             f"median busy time); {windows}"
         )
 
-
-_T = 1e12
 
 # Dense tensor-core peaks in TFLOPS (fp16 and bf16 with fp32 accumulation) from the vendors'
 # datasheets, "with sparsity" figures halved: H100 and H200 (SXM, PCIe, NVL), A100, L4, A10 (for
@@ -423,7 +416,7 @@ def peak_flops(device_name: str, dtype: str) -> float | None:
     for pattern, peaks in _PEAKS:
         if re.search(pattern, device_name, flags=re.IGNORECASE):
             peak = peaks.get(dtype)
-            return None if peak is None else peak * _T
+            return None if peak is None else peak * 1e12  # TFLOPS
     return None
 
 
