@@ -40,8 +40,7 @@ from ddpkit.tools._workload import BUILTINS, HOOK, Workload, load_workload
 
 MAX_STEPS = 100_000
 SCRIPT_FAILED = 3
-"""The exit code when the script itself raised (0: the runs agree; 1: they differ; 2: bad
-options)."""
+"""The exit code when the script raised (0: the runs agree; 1: they differ; 2: bad options)."""
 QUANTITIES = ("loss", "grad", "weights")
 # A parameter whose gradient is this small next to the whole gradient gets only rounding noise (a
 # bias BatchNorm cancels), which Adam turns into full-size steps: left out of the weights.

@@ -79,8 +79,7 @@ def _memory() -> str:
 
 
 def internals_state() -> dict[str, str]:
-    """Each private internal ddpkit relies on: "ok", or what differs in the installed version and
-    what a user gets for it."""
+    """Each private internal ddpkit relies on: "ok", or what differs and what a user gets for it."""
     from ddpkit._internals import all_internals
     from ddpkit._internals.contract import problem, version_of
 

@@ -97,8 +97,7 @@ class _CommTimer:
 
 
 def pin_to_core(rank: int, world: int) -> bool:
-    """Pin every thread of this process (the backend's included) to a core of its own, when there
-    are enough cores."""
+    """Pin every thread of this process (the backend's too) to a core of its own, if enough."""
     if not hasattr(os, "sched_setaffinity"):
         return False
     cores = sorted(os.sched_getaffinity(0))

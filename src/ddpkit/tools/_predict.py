@@ -201,8 +201,7 @@ def predict(
 def link_for(
     n: int, gpus_per_node: int, intra: Interconnect, inter: Interconnect
 ) -> tuple[Interconnect, int]:
-    """The ring's link at ``n`` ranks: ``intra`` within one node; across nodes the slower of both
-    (lower bandwidth, higher latency)."""
+    """The ring's link at ``n`` ranks: ``intra`` within a node; across nodes the slower of both."""
     nodes = -(-n // gpus_per_node)
     if nodes == 1:
         return intra, 1
@@ -215,8 +214,7 @@ def link_for(
 
 
 def compute_seconds(scaling: dict[int, dict[str, Any]]) -> float:
-    """One rank's step without the wait at the end of its backward (backward less backward under
-    no_sync)."""
+    """One rank's step less the wait at its backward's end (backward less no_sync backward)."""
     one = scaling[1]["parts"]
     return one["step"] - max(0.0, one["backward"] - one.get("backward_no_sync", one["backward"]))
 

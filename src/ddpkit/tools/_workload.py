@@ -58,11 +58,9 @@ class Workload:
     training process and iterated again when an epoch ends; by default ddpkit's
     :class:`~ddpkit.data.ShardedBatchSampler`."""
     batch_loss_fn: BatchLossFn | None = None
-    """``batch_loss_fn(model, batch)`` for batches other than ``(inputs, targets)``; replaces
-    ``loss_fn``."""
+    """``batch_loss_fn(model, batch)``, in place of ``loss_fn``, for any other batch shape."""
     count_fn: CountFn | None = None
-    """How many items (tokens) a batch's mean loss is over (the Trainer's ``count_fn``); None: its
-    samples."""
+    """The items (tokens) a batch's mean loss is over (Trainer's ``count_fn``); None: samples."""
     sync_batchnorm: bool = False
     """The script normalises over the global batch: the check's runs do too."""
     collate_fn: Callable[[list[Any]], Any] | None = None
@@ -96,8 +94,7 @@ class Workload:
         return batch_len(batch)
 
     def check_sizes(self, world_size: int) -> None:
-        """Refuse a dataset that holds no global batch of ``world_size`` ranks, before any rank
-        starts (ddpkit's sampler only)."""
+        """Refuse, before any rank starts, data without a global batch of ``world_size`` ranks."""
         if self.loader is None:
             data = cast(Sized, self.dataset)
             ShardedBatchSampler(
@@ -119,8 +116,7 @@ def digits_workload() -> Workload:
 
 
 def lm_workload() -> Workload:
-    """``examples/lm.py``'s small GPT on the stdlib's sources, the loss averaged over tokens,
-    AdamW."""
+    """``examples/lm.py``'s small GPT on the stdlib's sources, the loss a token mean, AdamW."""
     from ddpkit.demo._datasets import CHARS, IGNORE_INDEX, python_source
     from ddpkit.demo._models import TinyGPT
 
@@ -288,8 +284,7 @@ def intercept(script: str, args: Sequence[str] = ()) -> Iterator[None]:
 
 
 def run_until_trainer(script: str, args: Sequence[str] = ()) -> Captured | None:
-    """Run ``script`` as ``__main__`` until it builds a Trainer; what it gave the Trainer (None: it
-    built none)."""
+    """Run ``script`` as ``__main__`` until it builds a Trainer; what it gave it (None: none)."""
     try:
         with intercept(script, args):
             runpy.run_path(str(Path(script).resolve()), run_name="__main__")

@@ -145,8 +145,7 @@ def plot(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
 
 def _check_out(path: Path, formats: dict[str, str], given: bool) -> str:
-    """The image format of ``path`` (its extension), or a :class:`ConfigError` naming what to
-    change."""
+    """The image format of ``path`` (its extension); a :class:`ConfigError` names what to change."""
     option = "-o" if given else "the default output"
     try:
         path.is_dir() or path.parent.is_dir()

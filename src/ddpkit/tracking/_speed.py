@@ -198,8 +198,7 @@ class StepTimings:
         self._mid = self._end_compute()
 
     def _end_compute(self) -> Any:
-        """The compute since :meth:`_compute_from` ends now: its span less the data and comm in it;
-        the mark of now."""
+        """The compute since :meth:`_compute_from` ends now (less the data and comm in it); now."""
         now = self._mark()
         self._stepping = False
         data = self.seconds["data"] - self._data_before
@@ -266,19 +265,6 @@ class StepTimings:
         self.samples = 0
         return local
 
-    @staticmethod
-    def times(table: list[list[float]], wall: float, steps: int) -> RankTimes:
-        """Every rank's :meth:`row`, in rank order, per step of a window of ``steps`` steps."""
-        per_step = 1000 / max(steps, 1)
-        ms = {p: [row[i] * per_step for row in table] for i, p in enumerate(PHASES)}
-        return RankTimes(
-            ms=ms,
-            step_ms=[row[len(PHASES)] * per_step for row in table],
-            wall=wall,
-            samples=sum(row[len(PHASES) + 1] for row in table),
-            items=sum(row[len(PHASES) + 2] for row in table),
-        )
-
 
 @dataclass(frozen=True)
 class Slowest:
@@ -298,8 +284,7 @@ class Slowest:
 
 @dataclass(frozen=True)
 class RankTimes:
-    """A window's phases per rank, in ms per step (lists in rank order), and the samples of all
-    ranks."""
+    """A window's phases per rank in ms per step (lists in rank order); all ranks' samples."""
 
     ms: dict[str, list[float]]
     step_ms: list[float]
@@ -421,16 +406,14 @@ def peak_flops(device_name: str, dtype: str) -> float | None:
 
 
 def matmul_dtype(precision: str) -> str:
-    """The dtype the matmuls of a run at ``TrainerConfig.precision`` run in: fp32 ones in TF32 where
-    allowed."""
+    """The dtype of a run's matmuls at ``TrainerConfig.precision``: fp32 in TF32 where allowed."""
     if precision in ("bf16", "fp16"):
         return precision
     return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 
 def device_peak(device: torch.device, precision: str) -> float | None:
-    """The peak FLOP/s of ``device`` at ``precision``; None on the CPU and for a GPU not in the
-    table."""
+    """The peak FLOP/s of ``device`` at ``precision``; None on the CPU or a GPU not in the table."""
     if device.type != "cuda":
         return None
     return peak_flops(torch.cuda.get_device_name(device), matmul_dtype(precision))
@@ -461,8 +444,7 @@ nothing for before torch 2.15 and otherwise from 2.15 (its ``custom_mapping``)."
 
 
 class FlopCount:
-    """The FLOPs of one micro-batch's forward and backward, counted once, and the samples they were
-    for."""
+    """The FLOPs of one micro-batch's forward and backward, counted once, and its samples."""
 
     def __init__(self) -> None:
         self.flops: float | None = None
@@ -474,8 +456,7 @@ class FlopCount:
 
     @contextmanager
     def counting(self, samples: int) -> Iterator[None]:
-        """Count what runs inside (a forward and its backward) as the FLOPs of ``samples``
-        samples."""
+        """Count what runs inside (a forward and its backward) as ``samples`` samples' FLOPs."""
         with FlopCounterMode(display=False, custom_mapping=ATTENTION) as counter:
             yield
         self.flops, self.samples = float(counter.get_total_flops()), samples
@@ -484,8 +465,7 @@ class FlopCount:
 def mfu(
     flops_per_sample: float | None, samples_per_s: float, peak: float | None, devices: int
 ) -> float | None:
-    """Model FLOPs utilisation: the FLOP/s the samples needed over the peak of ``devices``
-    devices."""
+    """Model FLOPs utilisation: the FLOP/s the samples needed over ``devices`` devices' peak."""
     if not flops_per_sample or not peak:
         return None
     return flops_per_sample * samples_per_s / (peak * devices)
@@ -564,18 +544,24 @@ class Speed:
         return self.timings.row(wall, items or 0.0) if self.enabled else []
 
     def times(self, table: list[list[float]], wall: float, steps: int) -> RankTimes | None:
-        """Every rank's phases in the window, from every rank's :meth:`row` (in rank order); None
+        """Every rank's :meth:`row` (in rank order), per step of a window of ``steps`` steps; None
         when off."""
         if not self.enabled:
             return None
-        times = StepTimings.times(table, wall, steps)
+        per_step = 1000 / max(steps, 1)
+        times = RankTimes(
+            ms={p: [row[i] * per_step for row in table] for i, p in enumerate(PHASES)},
+            step_ms=[row[len(PHASES)] * per_step for row in table],
+            wall=wall,
+            samples=sum(row[len(PHASES) + 1] for row in table),
+            items=sum(row[len(PHASES) + 2] for row in table),
+        )
         if steps:
             self.run.add(times, steps)
         return times
 
     def rates(self, times: RankTimes, tokens: bool) -> dict[str, float]:
-        """Samples (and tokens, with ``tokens``) a second over all ranks, and MFU where it is
-        known."""
+        """Samples (and tokens, with ``tokens``) a second over all ranks, and MFU where known."""
         seconds = max(times.wall, 1e-9)
         out = {"samples_per_s": times.samples / seconds}
         if tokens:
