@@ -65,18 +65,14 @@ class CheckConfig:
 
     def __post_init__(self) -> None:
         check_types(self)
-        if self.nproc < 2:
-            raise ConfigError(f"--nproc {self.nproc}: compare with at least 2 ranks")
-        if self.steps < 1:
-            raise ConfigError(f"--steps {self.steps}: run at least one step")
+        if not 2 <= self.nproc <= MAX_NPROC:
+            raise ConfigError(f"--nproc {self.nproc}: compare with 2 to {MAX_NPROC} ranks")
+        if not 1 <= self.steps <= MAX_STEPS:
+            raise ConfigError(
+                f"--steps {self.steps}: run 1 to {MAX_STEPS}; a difference shows in the first few"
+            )
         if not 0 < self.rtol < 1:
             raise ConfigError(f"--rtol {self.rtol}: give a relative tolerance between 0 and 1")
-        if self.nproc > MAX_NPROC:
-            raise ConfigError(f"--nproc {self.nproc}: at most {MAX_NPROC} ranks")
-        if self.steps > MAX_STEPS:
-            raise ConfigError(
-                f"--steps {self.steps}: at most {MAX_STEPS}; a difference shows in the first few"
-            )
         if not 0 <= self.seed < 2**63:  # torch.manual_seed takes 64 bits
             raise ConfigError(f"--seed {self.seed}: use a whole number from 0 to 2**63 - 1")
 

@@ -24,7 +24,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpkit.data import build_loader, to_device
-from ddpkit.distributed._collectives import all_gather_object, all_reduce, barrier, comm_device
+from ddpkit.distributed._collectives import all_reduce, barrier, comm_device
 from ddpkit.distributed._runtime import init
 from ddpkit.distributed._seeding import seed_everything
 from ddpkit.strategies._prepare import GRADIENT_AS_BUCKET_VIEW, prepare_model
@@ -146,7 +146,6 @@ def measure_steps(
     times = _timed_steps(w, model, optimizer, batches, rt.device, (steps, warmup), split_comm)
     medians = {p: statistics.median(v) if v else None for p, v in times.items()}
     return {
-        "rank": rt.rank,
         "medians": medians,
         "pinned": pinned,
         "threads": torch.get_num_threads(),
@@ -156,7 +155,6 @@ def measure_steps(
             p.numel() * p.element_size() for p in model.parameters() if p.requires_grad
         ],
         "batch_size": w.batch_size,
-        "every_rank_step": all_gather_object(medians["step"]),
         "step_samples": times["step"],
     }
 

@@ -153,15 +153,7 @@ class MetricsWriter:
 
     def state_dict(self) -> dict[str, int]:
         """The size of each file now (the main rank's; empty on the others)."""
-        if not self.enabled:
-            return {}
-        sizes = {}
-        for name in self.FILES:
-            try:
-                sizes[name] = os.stat(self.run_dir / name, follow_symlinks=False).st_size
-            except FileNotFoundError:
-                sizes[name] = 0
-        return sizes
+        return {name: _size(self.run_dir / name) for name in self.FILES} if self.enabled else {}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Cut each file back to its size in ``state``: the loop's records written past it (written
@@ -173,11 +165,7 @@ class MetricsWriter:
         self.close()
         for name in self.FILES:
             path, size = self.run_dir / name, int(state.get(name, 0))
-            try:
-                now = os.stat(path, follow_symlinks=False).st_size
-            except FileNotFoundError:
-                continue
-            if now <= size:
+            if _size(path) <= size:  # none, or nothing past the snapshot
                 continue
             kept = b""
             if name == "metrics.jsonl":
@@ -199,6 +187,14 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+
+def _size(path: Path) -> int:
+    """The size of the file at ``path`` (not through a link); 0 when there is none."""
+    try:
+        return os.stat(path, follow_symlinks=False).st_size
+    except FileNotFoundError:
+        return 0
 
 
 _LOOP_KINDS = ("train", "epoch", "val", "ranks", "event")
