@@ -15,7 +15,7 @@ import sys
 import tempfile
 import traceback
 from collections.abc import Iterator, Sequence, Sized
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
@@ -176,26 +176,6 @@ class SampleSeeded(Dataset):
             held.release_numpy()
 
 
-def plain_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Tensors a model keeps as plain attributes: DDP does not broadcast them."""
-    out = {}
-    for prefix, module in model.named_modules():
-        for name, value in vars(module).items():
-            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
-                out[f"{prefix}.{name}" if prefix else name] = value
-    return out
-
-
-@contextmanager
-def deterministic(on: bool) -> Iterator[None]:
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(on or before)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(before)
-
-
 def _rel(a: Any, b: Any) -> float:
     a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
     if a.shape != b.shape:
@@ -317,23 +297,26 @@ def train_steps(
     records: dict[str, Any] = {q: [] for q in QUANTITIES}
     records["error"] = records["traceback"] = None
     records["differing_tensors"] = []
-    with deterministic("nondeterminism" in fixes):
-        try:
-            seed_everything(seed)
-            w = load_workload(script, max(get_runtime().world_size, 1), args)
-            batch = per_rank_batch or w.batch_size
-            if w.trainer is not None:
-                _run_trainer(w, fixes, steps, batch, records)
-                return records
-            model, optimizer, batches = _prepared(w, fixes, batch, seed, records)
-            model.train()
-            for step in range(steps):
-                _step(w, model, optimizer, next(batches), fixes, mix_seed(seed, step), records)
-        except ConfigError:
-            raise
-        except Exception as err:
-            records["error"] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}"
-            records["traceback"] = traceback.format_exc()
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms("nondeterminism" in fixes or before)
+    try:
+        seed_everything(seed)
+        w = load_workload(script, max(get_runtime().world_size, 1), args)
+        batch = per_rank_batch or w.batch_size
+        if w.trainer is not None:
+            _run_trainer(w, fixes, steps, batch, records)
+            return records
+        model, optimizer, batches = _prepared(w, fixes, batch, seed, records)
+        model.train()
+        for step in range(steps):
+            _step(w, model, optimizer, next(batches), fixes, mix_seed(seed, step), records)
+    except ConfigError:
+        raise
+    except Exception as err:
+        records["error"] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}"
+        records["traceback"] = traceback.format_exc()
+    finally:
+        torch.use_deterministic_algorithms(before)
     return records
 
 
@@ -367,7 +350,12 @@ def _prepared(
 def _same_start(model: nn.Module, fixes: frozenset[str], records: dict[str, Any]) -> None:
     """With ``initial_state`` in ``fixes``, rank 0's plain tensors broadcast; notes the tensors that
     differ between ranks once the model is built."""
-    plain = plain_tensors(model)
+    plain = {  # tensors kept as plain attributes: DDP does not broadcast them
+        f"{prefix}.{name}" if prefix else name: value
+        for prefix, module in model.named_modules()
+        for name, value in vars(module).items()
+        if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter)
+    }
     if "initial_state" in fixes:
         for t in plain.values():
             t.copy_(broadcast_object(t))
