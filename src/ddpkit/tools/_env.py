@@ -51,17 +51,6 @@ _PREFIXES = tuple(
 )
 
 
-def distributed_variables(env: dict[str, str] | None = None) -> dict[str, str]:
-    """The launcher, scheduler and communication variables set in ``env`` (this process's by
-    default); a secret is reported as set, never shown."""
-    env = dict(os.environ) if env is None else env
-    return {
-        k: "(set, not shown)" if "SECRET" in k else env[k]
-        for k in sorted(env)
-        if k in _VARIABLES or k.startswith(_PREFIXES)
-    }
-
-
 def _version(module: str) -> str:
     try:
         return __import__(module).__version__
@@ -126,7 +115,13 @@ def collect(live: bool = True) -> dict[str, Any]:
         "cpu cores (usable)": cpu_count(),
         "scheduler": scheduler(os.environ) or "none detected",
     }
-    info["distributed variables set"] = distributed_variables() or "none"
+    # the launcher's, scheduler's and communication's; a secret is reported as set, never shown
+    variables = {
+        k: "(set, not shown)" if "SECRET" in k else v
+        for k, v in sorted(os.environ.items())
+        if k in _VARIABLES or k.startswith(_PREFIXES)
+    }
+    info["distributed variables set"] = variables or "none"
     nproc = resolve_nproc("auto")
     info["ddpkit run --nproc auto"] = nproc
     info["loader workers per rank"] = default_num_workers(nproc)
