@@ -620,7 +620,6 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{name}", type=int, default=getattr(BenchConfig, name))
     p.add_argument(
         "--predict",
-        dest="predict_sizes",
         type=_sizes,
         default=BenchConfig.predict_sizes,
         metavar="N,N,...",
@@ -658,9 +657,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    a = vars(_parser().parse_args(argv))  # BenchConfig's fields, and --overwrite
+    a = vars(_parser().parse_args(argv))  # BenchConfig's fields, --predict and --overwrite
     overwrite = a.pop("overwrite")
-    cfg = BenchConfig(**a)
+    cfg = BenchConfig(predict_sizes=a.pop("predict"), **a)
     check_out(cfg.out, overwrite)
     result = run_bench(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
     print("\n".join(report(result)))
