@@ -27,10 +27,7 @@ def _live_check(device: str | None) -> int:
 def live_checks(gpus: int) -> list[tuple[str, int, str | None]]:
     """The all-reduces ``ddpkit env`` runs: (backend, processes, device for ``ddpkit.init``): gloo
     on 2 CPU processes; where GPUs are visible nccl too, one process per GPU up to 2."""
-    checks: list[tuple[str, int, str | None]] = [("gloo", 2, "cpu")]
-    if gpus:
-        checks.append(("nccl", min(gpus, 2), None))
-    return checks
+    return [("gloo", 2, "cpu"), *([("nccl", min(gpus, 2), None)] if gpus else [])]
 
 
 def _gpu(index: int) -> str:
