@@ -274,7 +274,6 @@ def compare_data_parallel(cfg: BenchConfig) -> dict[str, Any]:
             "of one process, and one GPU has nothing to compare with; DDP over gloo on CPU "
             "processes is measured above"
         }
-
     job = functools.partial(single_process_steps, cfg.script, steps=cfg.steps, warmup=cfg.warmup)
     return {
         "single_gpu": _run(functools.partial(job, data_parallel=False), 1),
@@ -292,7 +291,7 @@ def _conditions(cfg: BenchConfig, scaling: dict[int, dict[str, Any]]) -> dict[st
         "python": platform.python_version(),
         "torch": torch.__version__,
         "device": scaling[1]["device"],
-        "backend": scaling[2]["backend"] if 2 in scaling else scaling[1]["backend"],
+        "backend": scaling[2]["backend"],  # nproc >= 2: the backend between ranks
         "threads_per_rank": 1,
         "pinned_ranks": {n: s["pinned"] for n, s in scaling.items()},
         "config": asdict(cfg),

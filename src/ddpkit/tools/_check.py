@@ -14,7 +14,7 @@ import math
 import sys
 import tempfile
 import traceback
-from collections.abc import Iterator, Sequence, Sized
+from collections.abc import Iterable, Iterator, Sequence, Sized
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -412,10 +412,7 @@ class _Recorder:
         own = sum(float(loss) * float(n) for loss, n in zip(output.losses, output.sizes))
         every = all_gather_object((own, float(output.samples)))
         self.records["loss"].append(sum(s for s, _ in every) / max(sum(n for _, n in every), 1))
-        models = {
-            name: torch.cat([p.detach().reshape(-1).double().cpu() for p in unwrap(m).parameters()])
-            for name, m in trainer.strategy.models.items()
-        }
+        models = {n: _flat(unwrap(m).parameters()) for n, m in trainer.strategy.models.items()}
         self.records["models"].append(models)
         self.records["weights"].append(torch.cat(list(models.values())))
 
@@ -447,10 +444,15 @@ def _step(
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     records["no_grad"] = sum(p.grad is None for p in params)
     records["sizes"] = [p.numel() for p in params]
-    records["grad"].append(torch.cat([g.detach().reshape(-1).double().cpu() for g in grads]))
+    records["grad"].append(_flat(grads))
     records["loss"].append(sum(all_gather_object(loss.item() * n)) / n_global)
     optimizer.step()
-    records["weights"].append(torch.cat([p.detach().reshape(-1).double().cpu() for p in params]))
+    records["weights"].append(_flat(params))
+
+
+def _flat(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The tensors flattened into one, in float64 on the CPU (compared across runs)."""
+    return torch.cat([t.detach().reshape(-1).double().cpu() for t in tensors])
 
 
 def _ranks_run(

@@ -2,8 +2,8 @@
 exposed all-reduce, optimizer, all-reduce span), and the backend's all-reduce alone.
 
 The exposed all-reduce is backward less backward under ``no_sync()`` (every other timed step); the
-span comes from a communication hook registered after the step is timed, in steps of its own (a
-hook in Python slows the step it times). On CUDA every part ends with a device synchronisation.
+span comes from a communication hook, in steps of their own after the timed ones (docs:
+bench-and-check.md). On CUDA every part ends with a device synchronisation.
 """
 
 from __future__ import annotations
