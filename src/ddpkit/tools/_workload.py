@@ -219,14 +219,8 @@ def load_workload(script: str | None, world_size: int = 1, args: Sequence[str] =
     if isinstance(out, Workload):
         return out
     if isinstance(out, tuple) and len(out) == 4:
-        model, dataset, loss_fn, optimizer = out
-        return Workload(
-            model=model,
-            dataset=dataset,
-            loss_fn=loss_fn,
-            optimizer=optimizer,
-            name=Path(script).name,
-        )
+        given = dict(zip(("model", "dataset", "loss_fn", "optimizer"), out))
+        return Workload(**given, name=Path(script).name)
     raise ConfigError(
         f"{script}: {HOOK}() returned {type(out).__name__}; return (model, dataset, loss_fn, "
         "optimizer_factory) or a ddpkit.tools.Workload"
