@@ -434,8 +434,7 @@ def _step(
     layout = BatchLayout(global_size=sum(counts), offset=sum(counts[: rt.rank]), key=key)
     with batch_layout(layout) if "dropout" in fixes else nullcontext():
         loss = w.loss(model, batch)
-    # each rank's mean weighted by its share: DDP's average is then the global mean (always so for
-    # items counted by count_fn, as the Trainer does)
+    # each rank's mean weighted by its share: DDP's average is the global mean (count_fn: always)
     weigh = "uneven_mean" in fixes or w.count_fn is not None
     scaled = loss * (n * rt.world_size / n_global) if weigh else loss
     optimizer.zero_grad(set_to_none=True)

@@ -95,8 +95,7 @@ class MetricsWriter:
         except OSError as err:
             self.record_fault(self.run_dir / "metrics.jsonl", err)
             return
-        # Events, and the per-rank lists of a "ranks" record, are not curves; the speed is in the
-        # train records.
+        # events, and the per-rank lists of "ranks" records, are not curves
         if kind in ("event", "ranks") or not (self._tb is not None or self._loggers):
             return
         scalars = {  # epoch and step are the x-axes, not curves
