@@ -86,11 +86,9 @@ class BenchConfig:
         for name in ("steps", "warmup", "rounds"):
             if getattr(self, name) > MAX_STEPS:
                 raise ConfigError(f"--{name} {getattr(self, name)}: at most {MAX_STEPS}")
-        if self.nproc > MAX_NPROC or self.gpus_per_node > MAX_NPROC:
-            name = "nproc" if self.nproc > MAX_NPROC else "gpus-per-node"
-            raise ConfigError(
-                f"--{name} {max(self.nproc, self.gpus_per_node)}: at most {MAX_NPROC}"
-            )
+        for name in ("nproc", "gpus_per_node"):
+            if (value := getattr(self, name)) > MAX_NPROC:
+                raise ConfigError(f"--{name.replace('_', '-')} {value}: at most {MAX_NPROC}")
         if max(self.predict_sizes, default=1) > MAX_WORLD:
             raise ConfigError(
                 f"--predict {max(self.predict_sizes)}: world sizes of at most {MAX_WORLD}"
