@@ -174,7 +174,5 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"  {name}{separator}{setting}")
         else:
             print(f"{key:<{width}}  {value}")
-    failed = [
-        k for k, v in info.items() if k.startswith("live check") and not str(v).startswith("ok")
-    ]
-    return 1 if failed else 0
+    live = [str(v) for k, v in info.items() if k.startswith("live check")]
+    return 0 if all(v.startswith("ok") for v in live) else 1
