@@ -16,8 +16,6 @@ from typing import Any
 
 from ddpkit import _fs as fs
 
-LOGGERS = ("mlflow", "wandb")
-
 
 def _ids(run_dir: Path) -> dict[str, str]:
     path = run_dir / "loggers.json"
