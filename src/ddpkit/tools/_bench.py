@@ -38,6 +38,7 @@ from ddpkit._errors import ConfigError, check_types
 from ddpkit._internals.compiler import import_dynamo
 from ddpkit._launch.options import MAX_NPROC
 from ddpkit._launch.spawn import spawn
+from ddpkit.distributed._runtime import init
 from ddpkit.platforms._cpus import cpu_count
 from ddpkit.strategies._prepare import GRADIENT_AS_BUCKET_VIEW
 from ddpkit.tools import _measure as measure
@@ -195,8 +196,6 @@ def measure_allreduce(
 def _sweep_at(
     sizes: tuple[int, ...], pin: bool, buckets: list[int], compute_s: float
 ) -> tuple[list[tuple[int, float]], float | None]:
-    from ddpkit.distributed._runtime import init
-
     rt = init()
     cpu = rt.device.type == "cpu"
     if pin and cpu:  # placed as the steps' ranks are
