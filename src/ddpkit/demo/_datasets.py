@@ -15,8 +15,6 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-_SPLITS = ("train", "test")
-
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081  # of the MNIST training pixels scaled to [0, 1]
 
 _MNIST_FILES = {
@@ -41,7 +39,7 @@ class DemoDataset(TensorDataset):
 
 
 def _check_split(split: str) -> None:
-    if split not in _SPLITS:
+    if split not in ("train", "test"):
         raise ValueError(f"split={split!r}: use 'train' or 'test'")
 
 

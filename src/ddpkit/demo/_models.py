@@ -68,8 +68,7 @@ class CausalSelfAttention(nn.Module):
 
 
 class GPTBlock(nn.Module):
-    """Pre-norm transformer block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))`` with a 4x wide GELU
-    MLP."""
+    """Pre-norm transformer block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))`` (4x wide, GELU)."""
 
     def __init__(self, width: int, heads: int, dropout: float) -> None:
         super().__init__()
@@ -128,8 +127,7 @@ class TinyGPT(nn.Module):
         temperature: float = 0.8,
         generator: torch.Generator | None = None,
     ) -> torch.Tensor:
-        """Extend ``tokens [B, T]`` by ``new_tokens`` sampled ones (the last ``block_size`` tokens
-        as context)."""
+        """Extend ``tokens [B, T]`` by ``new_tokens`` sampled ones (context: ``block_size``)."""
         for _ in range(new_tokens):
             logits = self(tokens[:, -self.block_size :])[:, -1] / temperature
             nxt = torch.multinomial(torch.softmax(logits.float(), dim=-1), 1, generator=generator)

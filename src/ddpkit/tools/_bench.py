@@ -38,6 +38,7 @@ from ddpkit._errors import ConfigError, check_types
 from ddpkit._internals.compiler import import_dynamo
 from ddpkit._launch.options import MAX_NPROC
 from ddpkit._launch.spawn import spawn
+from ddpkit.distributed._runtime import init
 from ddpkit.platforms._cpus import cpu_count
 from ddpkit.strategies._prepare import GRADIENT_AS_BUCKET_VIEW
 from ddpkit.tools import _measure as measure
@@ -86,11 +87,9 @@ class BenchConfig:
         for name in ("steps", "warmup", "rounds"):
             if getattr(self, name) > MAX_STEPS:
                 raise ConfigError(f"--{name} {getattr(self, name)}: at most {MAX_STEPS}")
-        if self.nproc > MAX_NPROC or self.gpus_per_node > MAX_NPROC:
-            name = "nproc" if self.nproc > MAX_NPROC else "gpus-per-node"
-            raise ConfigError(
-                f"--{name} {max(self.nproc, self.gpus_per_node)}: at most {MAX_NPROC}"
-            )
+        for name in ("nproc", "gpus_per_node"):
+            if (value := getattr(self, name)) > MAX_NPROC:
+                raise ConfigError(f"--{name.replace('_', '-')} {value}: at most {MAX_NPROC}")
         if max(self.predict_sizes, default=1) > MAX_WORLD:
             raise ConfigError(
                 f"--predict {max(self.predict_sizes)}: world sizes of at most {MAX_WORLD}"
@@ -197,8 +196,6 @@ def measure_allreduce(
 def _sweep_at(
     sizes: tuple[int, ...], pin: bool, buckets: list[int], compute_s: float
 ) -> tuple[list[tuple[int, float]], float | None]:
-    from ddpkit.distributed._runtime import init
-
     rt = init()
     cpu = rt.device.type == "cpu"
     if pin and cpu:  # placed as the steps' ranks are
@@ -274,14 +271,11 @@ def compare_data_parallel(cfg: BenchConfig) -> dict[str, Any]:
             "of one process, and one GPU has nothing to compare with; DDP over gloo on CPU "
             "processes is measured above"
         }
-
-    def one_process(data_parallel: bool) -> dict[str, Any]:
-        job = functools.partial(
-            single_process_steps, cfg.script, data_parallel, cfg.steps, cfg.warmup
-        )
-        return _run(job, 1)
-
-    return {"single_gpu": one_process(False), "data_parallel": one_process(True)}
+    job = functools.partial(single_process_steps, cfg.script, steps=cfg.steps, warmup=cfg.warmup)
+    return {
+        "single_gpu": _run(functools.partial(job, data_parallel=False), 1),
+        "data_parallel": _run(functools.partial(job, data_parallel=True), 1),
+    }
 
 
 def _conditions(cfg: BenchConfig, scaling: dict[int, dict[str, Any]]) -> dict[str, Any]:
@@ -294,7 +288,7 @@ def _conditions(cfg: BenchConfig, scaling: dict[int, dict[str, Any]]) -> dict[st
         "python": platform.python_version(),
         "torch": torch.__version__,
         "device": scaling[1]["device"],
-        "backend": scaling[2]["backend"] if 2 in scaling else scaling[1]["backend"],
+        "backend": scaling[2]["backend"],  # nproc >= 2: the backend between ranks
         "threads_per_rank": 1,
         "pinned_ranks": {n: s["pinned"] for n, s in scaling.items()},
         "config": asdict(cfg),
@@ -659,13 +653,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    a = _parser().parse_args(argv)
-    fields = "nproc steps warmup rounds gpus_per_node intra interconnect bandwidth_gbps latency_us"
-    fields += " knobs out pin"
-    cfg = BenchConfig(
-        script=a.script, predict_sizes=a.predict, **{f: getattr(a, f) for f in fields.split()}
-    )
-    check_out(a.out, a.overwrite)
+    a = vars(_parser().parse_args(argv))  # BenchConfig's fields, --predict and --overwrite
+    overwrite = a.pop("overwrite")
+    cfg = BenchConfig(predict_sizes=a.pop("predict"), **a)
+    check_out(cfg.out, overwrite)
     result = run_bench(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
     print("\n".join(report(result)))
     for path in write_outputs(cfg, result):

@@ -1,16 +1,6 @@
 """``ddpkit check``: do N ranks train the same model as one process on the same global batch? If
-not, why?
-
-The script's training runs a few steps as one process with the global batch, and as N ranks (gloo
-on the CPU) with ``1/N`` of it each; step by step the global loss, rank 0's all-reduced gradients
-and its weights after the step are compared. Each known cause has a switch that removes it: on a
-mismatch the runs are repeated with every switch on, then with each turned off in turn, and a cause
-is named when the mismatch comes back without its switch. The single process runs twice in every
-set-up, so non-determinism shows as the process disagreeing with itself.
-
-A script's Trainer with ``step_fn`` is run itself, its config holding the switches that apply to
-it; every model's weights are compared, by name, after each step, and its loss (gradients are not
-kept).
+not, why? Each known cause has a switch that removes it; a cause is named when the mismatch comes
+back without its switch (docs/bench-and-check.md).
 """
 
 from __future__ import annotations
@@ -24,8 +14,8 @@ import math
 import sys
 import tempfile
 import traceback
-from collections.abc import Iterator, Sequence, Sized
-from contextlib import contextmanager, nullcontext
+from collections.abc import Iterable, Iterator, Sequence, Sized
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
@@ -50,8 +40,7 @@ from ddpkit.tools._workload import BUILTINS, HOOK, Workload, load_workload
 
 MAX_STEPS = 100_000
 SCRIPT_FAILED = 3
-"""The exit code when the script itself raised (0: the runs agree; 1: they differ; 2: bad
-options)."""
+"""The exit code when the script raised (0: the runs agree; 1: they differ; 2: bad options)."""
 QUANTITIES = ("loss", "grad", "weights")
 # A parameter whose gradient is this small next to the whole gradient gets only rounding noise (a
 # bias BatchNorm cancels), which Adam turns into full-size steps: left out of the weights.
@@ -76,23 +65,16 @@ class CheckConfig:
 
     def __post_init__(self) -> None:
         check_types(self)
-        if self.nproc < 2:
-            raise ConfigError(f"--nproc {self.nproc}: compare with at least 2 ranks")
-        if self.steps < 1:
-            raise ConfigError(f"--steps {self.steps}: run at least one step")
+        if not 2 <= self.nproc <= MAX_NPROC:
+            raise ConfigError(f"--nproc {self.nproc}: compare with 2 to {MAX_NPROC} ranks")
+        if not 1 <= self.steps <= MAX_STEPS:
+            raise ConfigError(
+                f"--steps {self.steps}: run 1 to {MAX_STEPS}; a difference shows in the first few"
+            )
         if not 0 < self.rtol < 1:
             raise ConfigError(f"--rtol {self.rtol}: give a relative tolerance between 0 and 1")
-        if self.nproc > MAX_NPROC:
-            raise ConfigError(f"--nproc {self.nproc}: at most {MAX_NPROC} ranks")
-        if self.steps > MAX_STEPS:
-            raise ConfigError(
-                f"--steps {self.steps}: at most {MAX_STEPS}; a difference shows in the first few"
-            )
         if not 0 <= self.seed < 2**63:  # torch.manual_seed takes 64 bits
             raise ConfigError(f"--seed {self.seed}: use a whole number from 0 to 2**63 - 1")
-
-
-# -- the causes and their switches -----------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -194,29 +176,6 @@ class SampleSeeded(Dataset):
             held.release_numpy()
 
 
-def plain_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Tensors a model keeps as plain attributes: DDP does not broadcast them."""
-    out = {}
-    for prefix, module in model.named_modules():
-        for name, value in vars(module).items():
-            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
-                out[f"{prefix}.{name}" if prefix else name] = value
-    return out
-
-
-@contextmanager
-def deterministic(on: bool) -> Iterator[None]:
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(on or before)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(before)
-
-
-# -- comparing two runs ----------------------------------------------------------------------------
-
-
 def _rel(a: Any, b: Any) -> float:
     a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
     if a.shape != b.shape:
@@ -260,14 +219,11 @@ def _silent_mask(reference: dict[str, Any], steps: int) -> tuple[torch.Tensor | 
     sizes = reference.get("sizes")
     if not sizes or not steps:
         return None, 0
-    keep = []
-    for i in range(len(sizes)):
-        start = sum(sizes[:i])
-        alive = all(
-            float(g[start : start + sizes[i]].norm()) > SILENT_GRADIENT * float(g.norm())
-            for g in reference["grad"][:steps]
-        )
-        keep.append(alive)
+    grads = reference["grad"][:steps]
+    keep = [
+        all(float(g[end - n : end].norm()) > SILENT_GRADIENT * float(g.norm()) for g in grads)
+        for n, end in zip(sizes, itertools.accumulate(sizes))
+    ]
     mask = torch.cat([torch.full((n,), k) for n, k in zip(sizes, keep)])
     return mask, keep.count(False)
 
@@ -314,9 +270,6 @@ class Verdict:
         return max(self.ranks.worst(), self.repeat.worst())
 
 
-# -- one training run ------------------------------------------------------------------------------
-
-
 def _batches(loader: Any, data: Dataset) -> Iterator[Any]:
     for epoch in itertools.count():
         if isinstance(data, SampleSeeded):
@@ -344,23 +297,26 @@ def train_steps(
     records: dict[str, Any] = {q: [] for q in QUANTITIES}
     records["error"] = records["traceback"] = None
     records["differing_tensors"] = []
-    with deterministic("nondeterminism" in fixes):
-        try:
-            seed_everything(seed)
-            w = load_workload(script, max(get_runtime().world_size, 1), args)
-            batch = per_rank_batch or w.batch_size
-            if w.trainer is not None:
-                _run_trainer(w, fixes, steps, batch, records)
-                return records
-            model, optimizer, batches = _prepared(w, fixes, batch, seed, records)
-            model.train()
-            for step in range(steps):
-                _step(w, model, optimizer, next(batches), fixes, mix_seed(seed, step), records)
-        except ConfigError:
-            raise
-        except Exception as err:
-            records["error"] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}"
-            records["traceback"] = traceback.format_exc()
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms("nondeterminism" in fixes or before)
+    try:
+        seed_everything(seed)
+        w = load_workload(script, max(get_runtime().world_size, 1), args)
+        batch = per_rank_batch or w.batch_size
+        if w.trainer is not None:
+            _run_trainer(w, fixes, steps, batch, records)
+            return records
+        model, optimizer, batches = _prepared(w, fixes, batch, seed, records)
+        model.train()
+        for step in range(steps):
+            _step(w, model, optimizer, next(batches), fixes, mix_seed(seed, step), records)
+    except ConfigError:
+        raise
+    except Exception as err:
+        records["error"] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}"
+        records["traceback"] = traceback.format_exc()
+    finally:
+        torch.use_deterministic_algorithms(before)
     return records
 
 
@@ -374,10 +330,11 @@ def _prepared(
     if "dropout" in fixes:
         convert_dropout(model)
     _same_start(model, fixes, records)
-    unused: dict[str, Any] = (
-        {"find_unused_parameters": True} if "unused_parameters" in fixes else {}
+    model = prepare_model(
+        model,
+        sync_batchnorm="batchnorm" in fixes or w.sync_batchnorm,
+        find_unused_parameters="unused_parameters" in fixes,
     )
-    model = prepare_model(model, sync_batchnorm="batchnorm" in fixes or w.sync_batchnorm, **unused)
     optimizer = w.optimizer(model.parameters())
     data = SampleSeeded(w.dataset, seed) if "augmentation" in fixes else w.dataset
     if w.loader is None or "data_order" in fixes:
@@ -393,7 +350,12 @@ def _prepared(
 def _same_start(model: nn.Module, fixes: frozenset[str], records: dict[str, Any]) -> None:
     """With ``initial_state`` in ``fixes``, rank 0's plain tensors broadcast; notes the tensors that
     differ between ranks once the model is built."""
-    plain = plain_tensors(model)
+    plain = {  # tensors kept as plain attributes: DDP does not broadcast them
+        f"{prefix}.{name}" if prefix else name: value
+        for prefix, module in model.named_modules()
+        for name, value in vars(module).items()
+        if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter)
+    }
     if "initial_state" in fixes:
         for t in plain.values():
             t.copy_(broadcast_object(t))
@@ -450,10 +412,7 @@ class _Recorder:
         own = sum(float(loss) * float(n) for loss, n in zip(output.losses, output.sizes))
         every = all_gather_object((own, float(output.samples)))
         self.records["loss"].append(sum(s for s, _ in every) / max(sum(n for _, n in every), 1))
-        models = {
-            name: torch.cat([p.detach().reshape(-1).double().cpu() for p in unwrap(m).parameters()])
-            for name, m in trainer.strategy.models.items()
-        }
+        models = {n: _flat(unwrap(m).parameters()) for n, m in trainer.strategy.models.items()}
         self.records["models"].append(models)
         self.records["weights"].append(torch.cat(list(models.values())))
 
@@ -475,8 +434,7 @@ def _step(
     layout = BatchLayout(global_size=sum(counts), offset=sum(counts[: rt.rank]), key=key)
     with batch_layout(layout) if "dropout" in fixes else nullcontext():
         loss = w.loss(model, batch)
-    # each rank's mean weighted by its share: DDP's average is then the global mean (always so for
-    # items counted by count_fn, as the Trainer does)
+    # each rank's mean weighted by its share: DDP's average is the global mean (count_fn: always)
     weigh = "uneven_mean" in fixes or w.count_fn is not None
     scaled = loss * (n * rt.world_size / n_global) if weigh else loss
     optimizer.zero_grad(set_to_none=True)
@@ -485,10 +443,15 @@ def _step(
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     records["no_grad"] = sum(p.grad is None for p in params)
     records["sizes"] = [p.numel() for p in params]
-    records["grad"].append(torch.cat([g.detach().reshape(-1).double().cpu() for g in grads]))
+    records["grad"].append(_flat(grads))
     records["loss"].append(sum(all_gather_object(loss.item() * n)) / n_global)
     optimizer.step()
-    records["weights"].append(torch.cat([p.detach().reshape(-1).double().cpu() for p in params]))
+    records["weights"].append(_flat(params))
+
+
+def _flat(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The tensors flattened into one, in float64 on the CPU (compared across runs)."""
+    return torch.cat([t.detach().reshape(-1).double().cpu() for t in tensors])
 
 
 def _ranks_run(
@@ -496,9 +459,6 @@ def _ranks_run(
 ) -> list[dict[str, Any]]:
     init(device="cpu")  # gloo on the CPU: any number of ranks fits on one machine
     return [train_steps(script, fixes, steps, None, seed, args) for fixes in setups]
-
-
-# -- the check -------------------------------------------------------------------------------------
 
 
 def _failed(cfg: CheckConfig, where: str, trace: str) -> tuple[int, list[str]]:
@@ -707,15 +667,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "ddpkit check [-h] [--nproc NPROC] [--steps STEPS] [--rtol RTOL] [--seed SEED] "
         "[script [ARGS ...]]"
     )
-    a = p.parse_args(ours)
-    cfg = CheckConfig(
-        script=a.script,
-        script_args=tuple(script_args),
-        nproc=a.nproc,
-        steps=a.steps,
-        rtol=a.rtol,
-        seed=a.seed,
-    )
+    # the options' names are CheckConfig's fields
+    cfg = CheckConfig(script_args=tuple(script_args), **vars(p.parse_args(ours)))
     code, lines = run_check(cfg)
     print("\n".join(lines), flush=True)
     return code

@@ -27,10 +27,7 @@ def _live_check(device: str | None) -> int:
 def live_checks(gpus: int) -> list[tuple[str, int, str | None]]:
     """The all-reduces ``ddpkit env`` runs: (backend, processes, device for ``ddpkit.init``): gloo
     on 2 CPU processes; where GPUs are visible nccl too, one process per GPU up to 2."""
-    checks: list[tuple[str, int, str | None]] = [("gloo", 2, "cpu")]
-    if gpus:
-        checks.append(("nccl", min(gpus, 2), None))
-    return checks
+    return [("gloo", 2, "cpu"), *([("nccl", min(gpus, 2), None)] if gpus else [])]
 
 
 def _gpu(index: int) -> str:
@@ -51,17 +48,6 @@ _PREFIXES = tuple(
 )
 
 
-def distributed_variables(env: dict[str, str] | None = None) -> dict[str, str]:
-    """The launcher, scheduler and communication variables set in ``env`` (this process's by
-    default); a secret is reported as set, never shown."""
-    env = dict(os.environ) if env is None else env
-    return {
-        k: "(set, not shown)" if "SECRET" in k else env[k]
-        for k in sorted(env)
-        if k in _VARIABLES or k.startswith(_PREFIXES)
-    }
-
-
 def _version(module: str) -> str:
     try:
         return __import__(module).__version__
@@ -79,8 +65,7 @@ def _memory() -> str:
 
 
 def internals_state() -> dict[str, str]:
-    """Each private internal ddpkit relies on: "ok", or what differs in the installed version and
-    what a user gets for it."""
+    """Each private internal ddpkit relies on: "ok", or what differs and what a user gets for it."""
     from ddpkit._internals import all_internals
     from ddpkit._internals.contract import problem, version_of
 
@@ -127,7 +112,13 @@ def collect(live: bool = True) -> dict[str, Any]:
         "cpu cores (usable)": cpu_count(),
         "scheduler": scheduler(os.environ) or "none detected",
     }
-    info["distributed variables set"] = distributed_variables() or "none"
+    # the launcher's, scheduler's and communication's; a secret is reported as set, never shown
+    variables = {
+        k: "(set, not shown)" if "SECRET" in k else v
+        for k, v in sorted(os.environ.items())
+        if k in _VARIABLES or k.startswith(_PREFIXES)
+    }
+    info["distributed variables set"] = variables or "none"
     nproc = resolve_nproc("auto")
     info["ddpkit run --nproc auto"] = nproc
     info["loader workers per rank"] = default_num_workers(nproc)
@@ -183,7 +174,5 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"  {name}{separator}{setting}")
         else:
             print(f"{key:<{width}}  {value}")
-    failed = [
-        k for k, v in info.items() if k.startswith("live check") and not str(v).startswith("ok")
-    ]
-    return 1 if failed else 0
+    live = [str(v) for k, v in info.items() if k.startswith("live check")]
+    return 0 if all(v.startswith("ok") for v in live) else 1

@@ -2,8 +2,8 @@
 exposed all-reduce, optimizer, all-reduce span), and the backend's all-reduce alone.
 
 The exposed all-reduce is backward less backward under ``no_sync()`` (every other timed step); the
-span comes from a communication hook registered after the step is timed, in steps of its own (a
-hook in Python slows the step it times). On CUDA every part ends with a device synchronisation.
+span comes from a communication hook, in steps of their own after the timed ones (docs:
+bench-and-check.md). On CUDA every part ends with a device synchronisation.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpkit.data import build_loader, to_device
-from ddpkit.distributed._collectives import all_gather_object, all_reduce, barrier, comm_device
+from ddpkit.distributed._collectives import all_reduce, barrier, comm_device
 from ddpkit.distributed._runtime import init
 from ddpkit.distributed._seeding import seed_everything
 from ddpkit.strategies._prepare import GRADIENT_AS_BUCKET_VIEW, prepare_model
@@ -97,8 +97,7 @@ class _CommTimer:
 
 
 def pin_to_core(rank: int, world: int) -> bool:
-    """Pin every thread of this process (the backend's included) to a core of its own, when there
-    are enough cores."""
+    """Pin every thread of this process (the backend's too) to a core of its own, if enough."""
     if not hasattr(os, "sched_setaffinity"):
         return False
     cores = sorted(os.sched_getaffinity(0))
@@ -147,7 +146,6 @@ def measure_steps(
     times = _timed_steps(w, model, optimizer, batches, rt.device, (steps, warmup), split_comm)
     medians = {p: statistics.median(v) if v else None for p, v in times.items()}
     return {
-        "rank": rt.rank,
         "medians": medians,
         "pinned": pinned,
         "threads": torch.get_num_threads(),
@@ -157,7 +155,6 @@ def measure_steps(
             p.numel() * p.element_size() for p in model.parameters() if p.requires_grad
         ],
         "batch_size": w.batch_size,
-        "every_rank_step": all_gather_object(medians["step"]),
         "step_samples": times["step"],
     }
 
@@ -175,8 +172,7 @@ def _timed_steps(
     (steps, warmup), cuda = counts, device.type == "cuda"
 
     def now() -> float:
-        if cuda:
-            torch.cuda.synchronize(device)
+        _sync(device)
         return time.perf_counter()
 
     timer = _CommTimer(cuda=cuda)

@@ -24,9 +24,6 @@ FIRST_BUCKET_BYTES = 1 * MIB  # torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES
 BUCKET_CAP_MB = 25.0  # DDP's default bucket_cap_mb
 
 
-# -- the all-reduce alone --------------------------------------------------------------------------
-
-
 def busbw_factor(n: int) -> float:
     """nccl-tests' bus bandwidth over algorithm bandwidth at ``n`` ranks."""
     return 2 * (n - 1) / n
@@ -90,9 +87,6 @@ def fit_alpha_beta(world_size: int, points: list[tuple[int, float]]) -> AllReduc
     # noise can make a coefficient slightly negative; a physical fit has both >= 0
     alpha, inv_beta = max(float(sol[0]), 0.0), float(sol[1])
     return AllReduceFit(world_size, alpha, 1.0 / max(inv_beta, 1e-30), tuple(points))
-
-
-# -- the ring model --------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -170,23 +164,6 @@ def straggler_seconds(step_samples: list[float], n: int, draws: int = 2000, seed
     return max(0.0, slowest - statistics.median(step_samples))
 
 
-@dataclass(frozen=True)
-class Prediction:
-    world_size: int
-    nodes: int
-    link: str
-    step_s: float
-    compute_s: float
-    exposed_comm_s: float
-    """The all-reduce backward does not hide, with DDP's fixed cost of finishing a reduction."""
-    samples_per_s: float
-    efficiency: float
-    """Throughput over ``n`` times the one-rank throughput."""
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-
 def predict(
     *,
     n: int,
@@ -197,35 +174,34 @@ def predict(
     allreduce_s: Callable[[float], float],
     link: str,
     nodes: int = 1,
-    compute_scale: float = 1.0,
     overlap: bool = True,
     fixed_sync_s: float = 0.0,
-) -> Prediction:
-    """Step time and efficiency at ``n`` ranks: one rank's step plus the exposed all-reduce."""
+) -> dict[str, Any]:
+    """Step time and efficiency at ``n`` ranks: one rank's step plus the exposed all-reduce (what
+    backward does not hide, with DDP's fixed cost of finishing a reduction); efficiency is the
+    throughput over ``n`` times the one-rank throughput."""
     if n < 1:
         raise ConfigError(f"world size {n}: must be >= 1")
     exposed = fixed_sync_s
     if n > 1:
-        exposed += exposed_seconds(buckets, backward_s * compute_scale, allreduce_s, overlap)
-    compute = one_rank_step_s * compute_scale
-    step = compute + exposed
-    return Prediction(
-        world_size=n,
-        nodes=nodes,
-        link=link,
-        step_s=step,
-        compute_s=compute,
-        exposed_comm_s=exposed,
-        samples_per_s=n * batch_size / step,
-        efficiency=(one_rank_step_s + fixed_sync_s) / step,
-    )
+        exposed += exposed_seconds(buckets, backward_s, allreduce_s, overlap)
+    step = one_rank_step_s + exposed
+    return {
+        "world_size": n,
+        "nodes": nodes,
+        "link": link,
+        "step_s": step,
+        "compute_s": one_rank_step_s,
+        "exposed_comm_s": exposed,
+        "samples_per_s": n * batch_size / step,
+        "efficiency": (one_rank_step_s + fixed_sync_s) / step,
+    }
 
 
 def link_for(
     n: int, gpus_per_node: int, intra: Interconnect, inter: Interconnect
 ) -> tuple[Interconnect, int]:
-    """The ring's link at ``n`` ranks: ``intra`` within one node; across nodes the slower of both
-    (lower bandwidth, higher latency)."""
+    """The ring's link at ``n`` ranks: ``intra`` within a node; across nodes the slower of both."""
     nodes = -(-n // gpus_per_node)
     if nodes == 1:
         return intra, 1
@@ -237,12 +213,8 @@ def link_for(
     return ring, nodes
 
 
-# -- the bench's predictions -----------------------------------------------------------------------
-
-
 def compute_seconds(scaling: dict[int, dict[str, Any]]) -> float:
-    """One rank's step without the wait at the end of its backward (backward less backward under
-    no_sync)."""
+    """One rank's step less the wait at its backward's end (backward less no_sync backward)."""
     one = scaling[1]["parts"]
     return one["step"] - max(0.0, one["backward"] - one.get("backward_no_sync", one["backward"]))
 
@@ -300,7 +272,7 @@ def _here(
     fits: dict[int, AllReduceFit],
     in_step: dict[int, float],
     compute: float,
-    model: Callable[..., Prediction],
+    model: Callable[..., dict[str, Any]],
     total_bytes: int,
 ) -> list[dict[str, Any]]:
     on_cpu = scaling[1]["device"] == "cpu"
@@ -321,15 +293,11 @@ def _here(
             overlap=not on_cpu,
         )
         measured = scaling[n]["parts"]["step"]
-        rows.append(
-            p.to_json()
-            | {
-                "measured_step_s": measured,
-                "error": p.step_s / measured - 1,
-                "straggler_s": straggle,
-                "allreduce_in_step_s": in_step.get(n) if in_step else None,
-            }
-        )
+        p["measured_step_s"] = measured
+        p["error"] = p["step_s"] / measured - 1
+        p["straggler_s"] = straggle
+        p["allreduce_in_step_s"] = in_step.get(n)
+        rows.append(p)
     return rows
 
 
@@ -337,7 +305,7 @@ def _larger(
     cfg: BenchConfig,
     intra: Interconnect,
     compute: float,
-    model: Callable[..., Prediction],
+    model: Callable[..., dict[str, Any]],
     on_cpu: bool,
 ) -> dict[str, Any]:
     larger = {}
@@ -355,7 +323,7 @@ def _larger(
                     link=link.name,
                     nodes=nodes,
                     overlap=not on_cpu or link.name != "measured",
-                ).to_json()
+                )
             )
         larger[name] = {"link": asdict(inter), "rows": rows}
     return larger

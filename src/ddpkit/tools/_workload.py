@@ -1,18 +1,6 @@
-"""What ``ddpkit bench`` and ``ddpkit check`` train: the user's model, data, loss and optimizer.
-
-A script names them with a function ``ddpkit_workload()``::
-
-    def ddpkit_workload():
-        model = Net()
-        optimizer = lambda params: torch.optim.Adam(params, lr=1e-3)
-        return model, train_set, F.cross_entropy, optimizer
-
-or returns a :class:`Workload`. The tools call it once per run in every rank's process, after
-seeding every rank alike; the script is imported under another name (its main block does not run).
-A script without the hook that builds a :class:`~ddpkit.Trainer` runs, with its arguments, up to
-that point, and what it hands the Trainer is the workload (with ``step_fn``: that Trainer, whole).
-Built-in workloads are named instead of a script: ``digits`` (the default) and ``lm`` (the
-language-model example's small GPT).
+"""What ``ddpkit bench`` and ``ddpkit check`` train: the user's model, data, loss and optimizer,
+from a script's ``ddpkit_workload()`` (its main block not run), from the Trainer a script without
+it builds, or a built-in workload (docs/bench-and-check.md).
 """
 
 from __future__ import annotations
@@ -70,11 +58,9 @@ class Workload:
     training process and iterated again when an epoch ends; by default ddpkit's
     :class:`~ddpkit.data.ShardedBatchSampler`."""
     batch_loss_fn: BatchLossFn | None = None
-    """``batch_loss_fn(model, batch)`` for batches other than ``(inputs, targets)``; replaces
-    ``loss_fn``."""
+    """``batch_loss_fn(model, batch)``, in place of ``loss_fn``, for any other batch shape."""
     count_fn: CountFn | None = None
-    """How many items (tokens) a batch's mean loss is over (the Trainer's ``count_fn``); None: its
-    samples."""
+    """The items (tokens) a batch's mean loss is over (Trainer's ``count_fn``); None: samples."""
     sync_batchnorm: bool = False
     """The script normalises over the global batch: the check's runs do too."""
     collate_fn: Callable[[list[Any]], Any] | None = None
@@ -108,8 +94,7 @@ class Workload:
         return batch_len(batch)
 
     def check_sizes(self, world_size: int) -> None:
-        """Refuse a dataset that holds no global batch of ``world_size`` ranks, before any rank
-        starts (ddpkit's sampler only)."""
+        """Refuse, before any rank starts, data without a global batch of ``world_size`` ranks."""
         if self.loader is None:
             data = cast(Sized, self.dataset)
             ShardedBatchSampler(
@@ -131,8 +116,7 @@ def digits_workload() -> Workload:
 
 
 def lm_workload() -> Workload:
-    """``examples/lm.py``'s small GPT on the stdlib's sources, the loss averaged over tokens,
-    AdamW."""
+    """``examples/lm.py``'s small GPT on the stdlib's sources, the loss a token mean, AdamW."""
     from ddpkit.demo._datasets import CHARS, IGNORE_INDEX, python_source
     from ddpkit.demo._models import TinyGPT
 
@@ -157,19 +141,14 @@ _modules: dict[str, Any] = {}
 
 
 def _load_script(path: str) -> Any:
+    """The script at ``path``, imported once; the caller holds :func:`intercept`."""
     file = Path(path).resolve()
     if str(file) in _modules:
         return _modules[str(file)]
-    if not file.is_file():
-        raise ConfigError(f"{path}: no such file; give the training script that defines {HOOK}()")
     spec = importlib.util.spec_from_file_location(f"_ddpkit_workload_{len(_modules)}", file)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(file.parent))  # the script's own imports of its neighbours
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(file.parent))
+    spec.loader.exec_module(module)
     _modules[str(file)] = module
     return module
 
@@ -188,19 +167,13 @@ def read_source(path: str) -> tuple[bool, list[int]]:
         isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == HOOK
         for node in tree.body
     )
-    trainers = sorted(
+    trainers = sorted(  # Trainer(...) (a Name's id) and ddpkit.Trainer(...) (an Attribute's attr)
         node.lineno
         for node in ast.walk(tree)
-        if isinstance(node, ast.Call) and _called(node.func).endswith("Trainer")
+        if isinstance(node, ast.Call)
+        and getattr(node.func, "id", getattr(node.func, "attr", "")).endswith("Trainer")
     )
     return hook, trainers
-
-
-def _called(func: ast.expr) -> str:
-    """The name a call calls: ``Trainer`` for ``Trainer(...)`` and ``ddpkit.Trainer(...)``."""
-    if isinstance(func, ast.Name):
-        return func.id
-    return func.attr if isinstance(func, ast.Attribute) else ""
 
 
 def load_workload(script: str | None, world_size: int = 1, args: Sequence[str] = ()) -> Workload:
@@ -246,21 +219,12 @@ def load_workload(script: str | None, world_size: int = 1, args: Sequence[str] =
     if isinstance(out, Workload):
         return out
     if isinstance(out, tuple) and len(out) == 4:
-        model, dataset, loss_fn, optimizer = out
-        return Workload(
-            model=model,
-            dataset=dataset,
-            loss_fn=loss_fn,
-            optimizer=optimizer,
-            name=Path(script).name,
-        )
+        given = dict(zip(("model", "dataset", "loss_fn", "optimizer"), out))
+        return Workload(**given, name=Path(script).name)
     raise ConfigError(
         f"{script}: {HOOK}() returned {type(out).__name__}; return (model, dataset, loss_fn, "
         "optimizer_factory) or a ddpkit.tools.Workload"
     )
-
-
-# -- a script that only builds a Trainer -----------------------------------------------------------
 
 
 class Captured(BaseException):
@@ -279,8 +243,9 @@ class Captured(BaseException):
 
 @contextmanager
 def intercept(script: str, args: Sequence[str] = ()) -> Iterator[None]:
-    """Within: building a Trainer raises :class:`Captured`, an optimizer step is refused, and
-    ``sys.argv`` is ``[script, *args]``."""
+    """Within: building a Trainer raises :class:`Captured`, an optimizer step is refused,
+    ``sys.argv`` is ``[script, *args]`` and the script's folder leads ``sys.path`` (its own imports
+    of its neighbours)."""
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     # imported here: the Trainer imports torch's compiler stack, which a hook does not need
@@ -301,22 +266,22 @@ def intercept(script: str, args: Sequence[str] = ()) -> Iterator[None]:
     Trainer.__init__ = capture  # type: ignore[method-assign]  # restored below
     hook = register_optimizer_step_pre_hook(refuse_step)
     sys.argv = [script, *args]
+    folder = str(Path(script).resolve().parent)
+    sys.path.insert(0, folder)
     try:
         yield
     finally:
         Trainer.__init__ = original  # type: ignore[method-assign]
         hook.remove()
         sys.argv = argv
+        sys.path.remove(folder)
 
 
 def run_until_trainer(script: str, args: Sequence[str] = ()) -> Captured | None:
-    """Run ``script`` as ``__main__`` until it builds a Trainer; what it gave the Trainer (None: it
-    built none)."""
-    file = Path(script).resolve()
-    sys.path.insert(0, str(file.parent))
+    """Run ``script`` as ``__main__`` until it builds a Trainer; what it gave it (None: none)."""
     try:
         with intercept(script, args):
-            runpy.run_path(str(file), run_name="__main__")
+            runpy.run_path(str(Path(script).resolve()), run_name="__main__")
     except Captured as found:
         return found
     except SystemExit as exit_:
@@ -325,8 +290,6 @@ def run_until_trainer(script: str, args: Sequence[str] = ()) -> Captured | None:
             f"{script} exited ({exit_.code}) before building a Trainer, run {given}: pass the "
             "arguments it needs after the script's name"
         ) from None
-    finally:
-        sys.path.remove(str(file.parent))
     return None
 
 

@@ -27,13 +27,10 @@ def read_curves(run_dir: str | Path) -> dict[str, dict[int, float]]:
         raise ConfigError(
             f"RUN_DIR {str(run_dir)[:80]!r}...: {err.strerror}: give the run directory"
         ) from None
-    if not path.exists():
-        raise ConfigError(
-            f"no {path}: give the run directory of a Trainer run (TrainerConfig.run_dir)"
-        )
     if not path.is_file():
+        what = f"{path} is not a file" if path.exists() else f"no {path}"
         raise ConfigError(
-            f"{path} is not a file: give the run directory of a Trainer run (TrainerConfig.run_dir)"
+            f"{what}: give the run directory of a Trainer run (TrainerConfig.run_dir)"
         )
     try:
         text = path.read_text(encoding="utf-8")
@@ -64,11 +61,7 @@ def read_curves(run_dir: str | Path) -> dict[str, dict[int, float]]:
         else:
             named = {k: v for k, v in record.items() if k not in ("kind", "step", "time", "epoch")}
         for name, value in named.items():
-            if (
-                isinstance(value, (int, float))
-                and not isinstance(value, bool)
-                and math.isfinite(value)
-            ):
+            if type(value) in (int, float) and math.isfinite(value):  # JSON's numbers, not bool
                 curves.setdefault(name, {})[step] = float(value)
     return curves
 
@@ -145,8 +138,7 @@ def plot(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
 
 def _check_out(path: Path, formats: dict[str, str], given: bool) -> str:
-    """The image format of ``path`` (its extension), or a :class:`ConfigError` naming what to
-    change."""
+    """The image format of ``path`` (its extension); a :class:`ConfigError` names what to change."""
     option = "-o" if given else "the default output"
     try:
         path.is_dir() or path.parent.is_dir()

@@ -40,11 +40,8 @@ class MetricsWriter:
     ) -> None:
         self.enabled = enabled
         self.run_dir = Path(run_dir)
-        self._tensorboard, self._logger_names, self._params = (
-            tensorboard,
-            tuple(loggers),
-            params or {},
-        )
+        self._tensorboard, self._logger_names = tensorboard, tuple(loggers)
+        self._params = params or {}
         self._jsonl: IO[str] | None = None
         self._started = False  # TensorBoard and the loggers made (once: each is a run of its own)
         self._tb = None
@@ -98,8 +95,7 @@ class MetricsWriter:
         except OSError as err:
             self.record_fault(self.run_dir / "metrics.jsonl", err)
             return
-        # Events, and the per-rank lists of a "ranks" record, are not curves; the speed is in the
-        # train records.
+        # events, and the per-rank lists of "ranks" records, are not curves
         if kind in ("event", "ranks") or not (self._tb is not None or self._loggers):
             return
         scalars = {  # epoch and step are the x-axes, not curves
@@ -156,15 +152,7 @@ class MetricsWriter:
 
     def state_dict(self) -> dict[str, int]:
         """The size of each file now (the main rank's; empty on the others)."""
-        if not self.enabled:
-            return {}
-        sizes = {}
-        for name in self.FILES:
-            try:
-                sizes[name] = os.stat(self.run_dir / name, follow_symlinks=False).st_size
-            except FileNotFoundError:
-                sizes[name] = 0
-        return sizes
+        return {name: _size(self.run_dir / name) for name in self.FILES} if self.enabled else {}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Cut each file back to its size in ``state``: the loop's records written past it (written
@@ -176,11 +164,7 @@ class MetricsWriter:
         self.close()
         for name in self.FILES:
             path, size = self.run_dir / name, int(state.get(name, 0))
-            try:
-                now = os.stat(path, follow_symlinks=False).st_size
-            except FileNotFoundError:
-                continue
-            if now <= size:
+            if _size(path) <= size:  # none, or nothing past the snapshot
                 continue
             kept = b""
             if name == "metrics.jsonl":
@@ -202,6 +186,14 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+
+def _size(path: Path) -> int:
+    """The size of the file at ``path`` (not through a link); 0 when there is none."""
+    try:
+        return os.stat(path, follow_symlinks=False).st_size
+    except FileNotFoundError:
+        return 0
 
 
 _LOOP_KINDS = ("train", "epoch", "val", "ranks", "event")
@@ -260,9 +252,7 @@ class Progress:
             self._bar.update(1)
         if not postfix:
             return
-        text = " ".join(
-            f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in postfix.items()
-        )
+        text = format_metrics(postfix)
         if self._bar is not None:
             self._bar.set_postfix_str(text, refresh=False)
         else:

@@ -1,11 +1,6 @@
 """How fast a run goes: each rank's phases (data, compute, comm, optimizer, snapshot) per log
 window and the rank that holds the others up, samples (and tokens) a second, and MFU from the FLOPs
-of a sample and the device's peak (docs/speed.md).
-
-``comm`` is the wait after a step's last gradient is ready until ``backward()`` returns, plus DDP's
-broadcast of buffers before the forward; a rank's busy time is all its phases but ``comm``. The
-ranks' phases travel in the loss's agreement at each window's end (no collective of their own). On
-CUDA, ``compute``, ``comm`` and ``optimizer`` come from CUDA events on the current stream.
+of a sample and the device's peak. What each phase holds and how it is marked: docs/speed.md.
 """
 
 from __future__ import annotations
@@ -28,8 +23,6 @@ from ddpkit._internals.compiler import at_backward_end, cpu_attention_ops
 from ddpkit.data._loader import batch_len
 from ddpkit.strategies._prepare import accumulation_of_a_parameter
 
-# -- each rank's phases ----------------------------------------------------------------------------
-
 PHASES = ("data", "compute", "comm", "optimizer", "snapshot")
 BUSY = ("data", "compute", "optimizer", "snapshot")  # a rank's own work; comm is waiting
 SLOW_RATIO = 1.2
@@ -47,12 +40,8 @@ class StepTimings:
     A step of several optimizers marks each optimizer step the same way, and each synchronising
     backward's end (:meth:`backward_returned`), until :meth:`end_step`. Disabled, every call is a
     no-op. ``compiled``: DDP's buffer broadcast stays in ``compute``. Without ``communicates`` (a
-    world of one) no ``comm`` is marked.
-
-    The step's last gradient is marked by a callback at the backward's end, queued ahead of DDP's
-    and FSDP's waits: under DDP by a hook on one parameter's gradient accumulation, armed for the
-    synchronising backward (checked once against the loss's node, which gives way to it unless the
-    anchor is accumulated in a nested backward); elsewhere by a hook on the loss's node each step.
+    world of one) no ``comm`` is marked. How the step's last gradient is marked (an anchor
+    parameter's hook under DDP, else the loss's node): docs/speed.md.
     """
 
     def __init__(
@@ -152,9 +141,8 @@ class StepTimings:
         self._anchor_at = time.perf_counter()
 
     def _check_anchor(self) -> None:
-        """After the first synchronising backward, marked both ways: the anchor's callback runs
-        after the loss node's unless it was accumulated in a nested backward (reentrant
-        checkpointing), which ends early; then the loss's node marks every step."""
+        """After the first synchronising backward, marked both ways: an anchor that marked before
+        the loss's node (a nested backward) is dropped, and the loss's node marks every step."""
         outer, anchor = self._outer_at, self._anchor_at
         self._outer_at = self._anchor_at = None
         if outer is None:  # the loss had no node: nothing to check against yet
@@ -189,11 +177,8 @@ class StepTimings:
             self._last_grad, self._armed = None, False
 
     def _compute_from(self, start: Any) -> None:
-        self._start, self._data_before, self._comm_before = (
-            start,
-            self.seconds["data"],
-            self.seconds["comm"],
-        )
+        self._start = start
+        self._data_before, self._comm_before = self.seconds["data"], self.seconds["comm"]
         self._stepping = True
 
     def backward_returned(self) -> None:
@@ -213,8 +198,7 @@ class StepTimings:
         self._mid = self._end_compute()
 
     def _end_compute(self) -> Any:
-        """The compute since :meth:`_compute_from` ends now: its span less the data and comm in it;
-        the mark of now."""
+        """The compute since :meth:`_compute_from` ends now (less the data and comm in it); now."""
         now = self._mark()
         self._stepping = False
         data = self.seconds["data"] - self._data_before
@@ -249,14 +233,12 @@ class StepTimings:
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Time the body as ``name`` (host time: snapshot work waits for what it copies)."""
-        if not self.enabled:
-            yield
-            return
         start = time.perf_counter()
         try:
             yield
         finally:
-            self.seconds[name] += time.perf_counter() - start
+            if self.enabled:
+                self.seconds[name] += time.perf_counter() - start
 
     def _resolve(self) -> dict[str, float]:
         """The window's phase seconds; on CUDA, waits for the window's last event."""
@@ -283,19 +265,6 @@ class StepTimings:
         self.samples = 0
         return local
 
-    @staticmethod
-    def times(table: list[list[float]], wall: float, steps: int) -> RankTimes:
-        """Every rank's :meth:`row`, in rank order, per step of a window of ``steps`` steps."""
-        per_step = 1000 / max(steps, 1)
-        ms = {p: [row[i] * per_step for row in table] for i, p in enumerate(PHASES)}
-        return RankTimes(
-            ms=ms,
-            step_ms=[row[len(PHASES)] * per_step for row in table],
-            wall=wall,
-            samples=sum(row[len(PHASES) + 1] for row in table),
-            items=sum(row[len(PHASES) + 2] for row in table),
-        )
-
 
 @dataclass(frozen=True)
 class Slowest:
@@ -315,8 +284,7 @@ class Slowest:
 
 @dataclass(frozen=True)
 class RankTimes:
-    """A window's phases per rank, in ms per step (lists in rank order), and the samples of all
-    ranks."""
+    """A window's phases per rank in ms per step (lists in rank order); all ranks' samples."""
 
     ms: dict[str, list[float]]
     step_ms: list[float]
@@ -331,10 +299,6 @@ class RankTimes:
         return [sum(self.ms[p][r] for p in BUSY) for r in range(len(self.step_ms))]
 
     def slowest(self) -> Slowest:
-        return self._slowest
-
-    @cached_property
-    def _slowest(self) -> Slowest:
         busy = self.busy_ms
         rank = max(range(len(busy)), key=busy.__getitem__)
         if len(busy) == 1:
@@ -370,23 +334,20 @@ def _rounded(values: list[float]) -> list[float]:
 
 
 class RunSpeed:
-    """The run's slowest rank over all its windows: busy ms summed per rank, and the windows each
+    """The run's slowest rank over all its windows: phase ms summed per rank, and the windows each
     named slow."""
 
     def __init__(self) -> None:
-        self.busy: list[float] = []
         self.phases: dict[str, list[float]] = {}
         self.step_ms: list[float] = []
         self.slow_windows: dict[int, int] = {}
         self.windows = 0
 
     def add(self, times: RankTimes, steps: int) -> None:
-        if not self.busy:
-            self.busy = [0.0] * len(times.step_ms)
+        if not self.step_ms:
             self.phases = {p: [0.0] * len(times.step_ms) for p in PHASES}
             self.step_ms = [0.0] * len(times.step_ms)
-        for r, v in enumerate(times.busy_ms):
-            self.busy[r] += v * steps
+        for r in range(len(self.step_ms)):
             self.step_ms[r] += times.step_ms[r] * steps
             for p in PHASES:
                 self.phases[p][r] += times.ms[p][r] * steps
@@ -396,16 +357,14 @@ class RunSpeed:
             self.slow_windows[slowest.rank] = self.slow_windows.get(slowest.rank, 0) + 1
 
     def summary(self) -> str | None:
-        """A line for the run's summary: the slowest rank over the run, its excess and phase."""
-        if not self.busy:
+        """A line for the run's summary: the slowest rank over the run, its excess and phase; None
+        for fewer than 2 ranks."""
+        if len(self.step_ms) < 2:
             return None
         total = RankTimes(
             ms=self.phases, step_ms=self.step_ms, wall=0.0, samples=0.0, items=0.0
         ).slowest()
-        named = self.slow_windows.get(total.rank, 0)
-        if len(self.busy) == 1:
-            return None
-        windows = f"slow in {named} of {self.windows} windows"
+        windows = f"slow in {self.slow_windows.get(total.rank, 0)} of {self.windows} windows"
         if total.slow:
             return (
                 f"  slowest rank {total.rank}: {total.ratio:.2f}x the other ranks' median busy "
@@ -416,10 +375,6 @@ class RunSpeed:
             f"median busy time); {windows}"
         )
 
-
-# -- FLOPs and peaks -------------------------------------------------------------------------------
-
-_T = 1e12
 
 # Dense tensor-core peaks in TFLOPS (fp16 and bf16 with fp32 accumulation) from the vendors'
 # datasheets, "with sparsity" figures halved: H100 and H200 (SXM, PCIe, NVL), A100, L4, A10 (for
@@ -446,21 +401,19 @@ def peak_flops(device_name: str, dtype: str) -> float | None:
     for pattern, peaks in _PEAKS:
         if re.search(pattern, device_name, flags=re.IGNORECASE):
             peak = peaks.get(dtype)
-            return None if peak is None else peak * _T
+            return None if peak is None else peak * 1e12  # TFLOPS
     return None
 
 
 def matmul_dtype(precision: str) -> str:
-    """The dtype the matmuls of a run at ``TrainerConfig.precision`` run in: fp32 ones in TF32 where
-    allowed."""
+    """The dtype of a run's matmuls at ``TrainerConfig.precision``: fp32 in TF32 where allowed."""
     if precision in ("bf16", "fp16"):
         return precision
     return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 
 def device_peak(device: torch.device, precision: str) -> float | None:
-    """The peak FLOP/s of ``device`` at ``precision``; None on the CPU and for a GPU not in the
-    table."""
+    """The peak FLOP/s of ``device`` at ``precision``; None on the CPU or a GPU not in the table."""
     if device.type != "cuda":
         return None
     return peak_flops(torch.cuda.get_device_name(device), matmul_dtype(precision))
@@ -491,8 +444,7 @@ nothing for before torch 2.15 and otherwise from 2.15 (its ``custom_mapping``)."
 
 
 class FlopCount:
-    """The FLOPs of one micro-batch's forward and backward, counted once, and the samples they were
-    for."""
+    """The FLOPs of one micro-batch's forward and backward, counted once, and its samples."""
 
     def __init__(self) -> None:
         self.flops: float | None = None
@@ -504,8 +456,7 @@ class FlopCount:
 
     @contextmanager
     def counting(self, samples: int) -> Iterator[None]:
-        """Count what runs inside (a forward and its backward) as the FLOPs of ``samples``
-        samples."""
+        """Count what runs inside (a forward and its backward) as ``samples`` samples' FLOPs."""
         with FlopCounterMode(display=False, custom_mapping=ATTENTION) as counter:
             yield
         self.flops, self.samples = float(counter.get_total_flops()), samples
@@ -514,14 +465,10 @@ class FlopCount:
 def mfu(
     flops_per_sample: float | None, samples_per_s: float, peak: float | None, devices: int
 ) -> float | None:
-    """Model FLOPs utilisation: the FLOP/s the samples needed over the peak of ``devices``
-    devices."""
+    """Model FLOPs utilisation: the FLOP/s the samples needed over ``devices`` devices' peak."""
     if not flops_per_sample or not peak:
         return None
     return flops_per_sample * samples_per_s / (peak * devices)
-
-
-# -- the run's speed -------------------------------------------------------------------------------
 
 
 @dataclass
@@ -597,18 +544,24 @@ class Speed:
         return self.timings.row(wall, items or 0.0) if self.enabled else []
 
     def times(self, table: list[list[float]], wall: float, steps: int) -> RankTimes | None:
-        """Every rank's phases in the window, from every rank's :meth:`row` (in rank order); None
+        """Every rank's :meth:`row` (in rank order), per step of a window of ``steps`` steps; None
         when off."""
         if not self.enabled:
             return None
-        times = StepTimings.times(table, wall, steps)
+        per_step = 1000 / max(steps, 1)
+        times = RankTimes(
+            ms={p: [row[i] * per_step for row in table] for i, p in enumerate(PHASES)},
+            step_ms=[row[len(PHASES)] * per_step for row in table],
+            wall=wall,
+            samples=sum(row[len(PHASES) + 1] for row in table),
+            items=sum(row[len(PHASES) + 2] for row in table),
+        )
         if steps:
             self.run.add(times, steps)
         return times
 
     def rates(self, times: RankTimes, tokens: bool) -> dict[str, float]:
-        """Samples (and tokens, with ``tokens``) a second over all ranks, and MFU where it is
-        known."""
+        """Samples (and tokens, with ``tokens``) a second over all ranks, and MFU where known."""
         seconds = max(times.wall, 1e-9)
         out = {"samples_per_s": times.samples / seconds}
         if tokens:

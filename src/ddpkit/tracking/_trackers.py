@@ -16,8 +16,6 @@ from typing import Any
 
 from ddpkit import _fs as fs
 
-LOGGERS = ("mlflow", "wandb")
-
 
 def _ids(run_dir: Path) -> dict[str, str]:
     path = run_dir / "loggers.json"
@@ -44,11 +42,9 @@ class MLflowLogger:
         from mlflow.entities import Metric, Param
 
         self._metric = Metric
-        uri = (
-            os.environ.get("MLFLOW_TRACKING_URI")
-            or f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
-        )
-        if not os.environ.get("MLFLOW_TRACKING_URI"):
+        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        if not uri:
+            uri = f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
             fs.unshare(run_dir / "mlflow.db")  # SQLite writes in place: a copied run's is its own
         self.client = mlflow.MlflowClient(tracking_uri=uri)
         self.run_id = _ids(run_dir).get("mlflow")
