@@ -1,5 +1,5 @@
 """``torch.nn`` modules, where ddpkit reaches past their public API: ``_BatchNorm``, a compiled
-module's ``_orig_mod`` and a module's ``_buffers``."""
+module's ``_orig_mod``, a module's ``_buffers``, and the buckets DDP rebuilds after its first step."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ import sys
 from typing import Any, TypeGuard
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddpkit._internals.contract import Internal
+from ddpkit._internals.contract import Internal, warn_lost
 
 
 class BatchNormBase(nn.modules.batchnorm._BatchNorm):
@@ -40,6 +42,100 @@ def compiled_inner(module: nn.Module) -> nn.Module | None:
 def buffer_slots(module: nn.Module) -> list[tuple[dict[str, Any], str]]:
     """(the dict, the name) of each buffer of ``module``: ``slot[0][slot[1]]`` is its tensor."""
     return [(m._buffers, name) for m in module.modules() for name in m._buffers]
+
+
+class _RebuiltBuckets:
+    """The comm hook of :func:`reduce_in_rebuilt_buckets`, and the order the gradients of this
+    step became ready in (parameter ids), recorded until the first step that all-reduces."""
+
+    def __init__(self, ddp: DDP) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        self.ddp, self.allreduce = ddp, allreduce_hook
+        self.ready: list[int] = []
+        self.seen = self.registered = False
+        params = [p for p in ddp.module.parameters() if p.requires_grad]
+        self.most = 4 * len(params)  # a wrapper dropped before its first step records no more
+        self.handles = [p.register_post_accumulate_grad_hook(self._ready) for p in params]
+        self.handles.append(ddp.register_forward_pre_hook(self._forward))
+
+    def _ready(self, param: torch.Tensor) -> None:
+        if len(self.ready) < self.most:
+            self.ready.append(id(param))
+
+    def _forward(self, module: nn.Module, args: Any) -> None:
+        if not self.registered:  # at the first forward: a hook the caller registered comes first
+            self.registered = True
+            if self.ddp._comm_hooks or self.ddp._get_ddp_logging_data().get("comm_hook"):
+                self.seen = True
+            else:
+                self.ddp.register_comm_hook(self.ddp.process_group, self.hook)
+        if self.seen:  # the first all-reducing step is over: DDP's buckets are rebuilt
+            for handle in self.handles:
+                handle.remove()
+            self.handles.clear()
+        self.ready.clear()
+
+    def hook(self, group, bucket):  # type: ignore[no-untyped-def]  # DDP reads no string annotation
+        if not self.handles:
+            return self.allreduce(group, bucket)
+        self.seen = True
+        # DDP's first all-reducing step gives every gradient of a dtype in one bucket, in the
+        # parameters' order: reduced here in the buckets the reducer builds from this step's
+        # ready order, each divided and summed as allreduce_hook does.
+        params, buffer = bucket.parameters(), bucket.buffer()
+        where = {id(p): i for i, p in enumerate(params)}
+        order = [where[i] for i in self.ready if i in where]
+        if sorted(order) != list(range(len(params))) or buffer.is_sparse:
+            return self.allreduce(group, bucket)  # a gradient accumulated twice, or none
+        cap = self.ddp.bucket_bytes_cap
+        first = dist._DEFAULT_FIRST_BUCKET_BYTES if self.ddp.bucket_bytes_cap_default else cap
+        layout, _ = dist._compute_bucket_assignment_by_size(
+            [params[i] for i in order], [first, cap], [False] * len(order), order
+        )
+        views = buffer.split([p.numel() for p in params])
+        for indices in layout:
+            flat = torch.cat([views[i] for i in indices]).div_(dist.get_world_size(group))
+            dist.all_reduce(flat, group=group)
+            for i, part in zip(indices, flat.split([views[i].numel() for i in indices])):
+                views[i].copy_(part)
+        done: torch.futures.Future = torch.futures.Future()
+        done.set_result(buffer)
+        return done
+
+
+def reduce_in_rebuilt_buckets(ddp: DDP) -> None:
+    """Make every step of ``ddp`` all-reduce each gradient in the buckets DDP rebuilds after its
+    first step, that first step included, so that a model wrapped anew (a resumed run) sums each
+    gradient in the same order as one wrapped once. DDP's first step reduces every gradient in one
+    bucket in the parameters' order and rebuilds its buckets from the order the gradients became
+    ready; a ring all-reduce over 3 ranks or more sums an element in an order set by its place in
+    its bucket, so that step would differ in the last bits. A comm hook (torch's
+    ``allreduce_hook`` after the first step) does it; nothing where the caller registers a comm
+    hook of its own before the first forward, where DDP never rebuilds
+    (``find_unused_parameters``, per-bucket sizes), or where torch lacks what it relies on."""
+    if ddp.find_unused_parameters or getattr(ddp, "bucket_bytes_cap_list", None):
+        return
+    if _check_rebuilt_buckets() is not None:
+        warn_lost("DDP's bucket rebuild", "torch", "the first step reduced in rebuilt buckets")
+        return
+    _RebuiltBuckets(ddp)
+
+
+def _check_rebuilt_buckets() -> str | None:
+    layout = dist._compute_bucket_assignment_by_size(
+        [torch.zeros(2), torch.zeros(3)], [1 << 20], [False, False], [1, 0]
+    )
+    if layout[0] != [[1, 0]]:
+        return f"_compute_bucket_assignment_by_size gives {layout[0]} where [[1, 0]] was meant"
+    missing = [
+        name
+        for name in ("_comm_hooks", "_get_ddp_logging_data", "bucket_bytes_cap_default")
+        if not hasattr(DDP, name) and name not in DDP.__init__.__code__.co_names
+    ]
+    if missing or not isinstance(getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", None), int):
+        return f"DDP lacks {missing or '_DEFAULT_FIRST_BUCKET_BYTES'}"
+    return None
 
 
 def _check_batchnorm() -> str | None:
@@ -78,6 +174,13 @@ INTERNALS = [
         "torch",
         "unwrap() and no_sync() see through torch.compile's wrapper",
         _check_compiled,
+    ),
+    Internal(
+        "torch.distributed._compute_bucket_assignment_by_size, DDP._comm_hooks",
+        "torch",
+        "a model wrapped anew in DDP (a resumed run) reduces its first step in the buckets of the "
+        "run it resumes: bitwise at 3 ranks and more; where it is gone, within rounding",
+        _check_rebuilt_buckets,
     ),
     Internal(
         "torch.nn.Module._buffers",

@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpkit._errors import ConfigError, checked_arguments
 from ddpkit._internals.compiler import at_backward_end
-from ddpkit._internals.modules import compiled_inner
+from ddpkit._internals.modules import compiled_inner, reduce_in_rebuilt_buckets
 from ddpkit.distributed import Group
 from ddpkit.distributed import _progress as marks
 from ddpkit.distributed._progress import Phase
@@ -56,6 +56,10 @@ def prepare_model(
     ``torch.initial_seed()`` and its rank in the group, so ranks draw different dropout masks; a
     world of one draws as rank 0.
 
+    Every step all-reduces each gradient in the buckets DDP rebuilds after its first step, the
+    first step included: a model wrapped anew to resume sums as the uninterrupted run did, bitwise
+    at any world size, unless a comm hook of the caller's is registered before the first forward.
+
     ``state_dict()`` has the module's keys at every world size (without DDP's ``module.``), and
     ``load_state_dict`` takes them (and DDP's): a checkpoint loads at any world size.
     """
@@ -70,6 +74,7 @@ def prepare_model(
         device_ids = [rt.device.index] if rt.device.type == "cuda" else None
         ddp_kwargs.setdefault("gradient_as_bucket_view", GRADIENT_AS_BUCKET_VIEW)
         model = DDP(model, device_ids=device_ids, process_group=process_group, **ddp_kwargs)
+        reduce_in_rebuilt_buckets(model)
         keys_of_the_module(model)
         mark_gradient_sync(model)
     if seed_ranks:  # after DDP's broadcast: the weights are rank 0's everywhere
