@@ -284,7 +284,7 @@ class Trainer:
             self.strategy, self.batch_loss.metrics, self._autocast, config.eval_batch_size,
             config.num_workers, self.group, config.collate_fn,
         )  # fmt: skip
-        self.validation = Validation.of(
+        self.validation = Validation(
             config, rt, val_data, evaluate=self.evaluator,
             model_weights=self.strategy.model_weights, log=self.writer.log,
             plateau=scheduler if self._plateau else None,
