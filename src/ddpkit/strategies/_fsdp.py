@@ -27,6 +27,7 @@ from ddpkit.strategies._base import (
     rebuild_optimizer,
     state_options,
 )
+from ddpkit.strategies._prepare import rank_zeros
 
 # torch.distributed.fsdp and DTensor are imported where used (~0.9 s a process)
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -141,8 +142,7 @@ class FSDPStrategy:
         if sync_batchnorm:
             model = convert_sync_batchnorm(model, runtime.device, runtime.group)
         # ranks start from rank 0's weights, as under DDP: each rank's copy is its shard's source
-        for tensor in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(tensor.data, src=dist.get_global_rank(self.group, 0), group=self.group)
+        rank_zeros([*model.parameters(), *model.buffers()], self.group)
         from torch.distributed.device_mesh import DeviceMesh
 
         mesh = DeviceMesh.from_group(self.group, runtime.device.type)
@@ -204,8 +204,7 @@ class FSDPStrategy:
             module.set_reshard_after_forward(False)
             module.unshard()
         # buffers follow each rank's own batches: rank 0's everywhere, as under DDP
-        for buffer in self.model.buffers():
-            dist.broadcast(buffer.data, src=dist.get_global_rank(self.group, 0), group=self.group)
+        rank_zeros(self.model.buffers(), self.group)
         try:
             yield
         finally:

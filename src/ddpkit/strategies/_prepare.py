@@ -4,7 +4,7 @@ out; and a hand-written loop's models and optimizers as a snapshot holds them.""
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -65,7 +65,9 @@ def prepare_model(
     if sync_batchnorm and rt.distributed:
         model = convert_sync_batchnorm(model, rt.device, process_group)
     if rt.distributed and not any(p.requires_grad for p in model.parameters()):
-        _rank_zeros_state(model, process_group)
+        # as DDP's constructor gives them; no broadcast before each forward (a frozen teacher runs
+        # under no_grad, where DDP sends none either)
+        rank_zeros([*model.parameters(), *model.buffers()], process_group)
     elif rt.distributed:
         device_ids = [rt.device.index] if rt.device.type == "cuda" else None
         ddp_kwargs.setdefault("gradient_as_bucket_view", GRADIENT_AS_BUCKET_VIEW)
@@ -78,12 +80,10 @@ def prepare_model(
     return model
 
 
-def _rank_zeros_state(model: nn.Module, group: Group) -> None:
-    """Rank 0's parameters and buffers on every rank, as DDP's constructor gives them, for a model
-    DDP refuses (no parameter to train: a frozen teacher). No broadcast before each forward: a
-    teacher runs under ``no_grad``, where DDP sends none either."""
+def rank_zeros(tensors: Iterable[torch.Tensor], group: Group) -> None:
+    """Give every rank of ``group`` rank 0's values of ``tensors`` (collective)."""
     src = dist.get_global_rank(group, 0) if group is not None else 0
-    for tensor in [*model.parameters(), *model.buffers()]:
+    for tensor in tensors:
         dist.broadcast(tensor.data, src, group=group)
 
 

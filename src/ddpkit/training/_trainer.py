@@ -1,22 +1,13 @@
 """The Trainer: DDP epochs with exact metrics, atomic snapshots, and resume that continues bit for
-bit.
-
-Built on the same primitives a hand-written loop uses (:func:`~ddpkit.prepare_model` through a
-strategy, :class:`~ddpkit.data.ShardedBatchSampler`, :func:`~ddpkit.evaluate`,
-:mod:`ddpkit.snapshot`); nothing here is needed to write a loop by hand. The loop reads::
+bit (docs/trainer.md). Built on the primitives a hand-written loop uses; the loop reads::
 
     for step in epoch_steps(...):       # each optimizer step's micro-batches
-        taken = self.train_step(step)   # forward/backward on each, the optimizer step
+        taken = self.train_step(step)   # forward/backward on each, the optimizer step (_step)
         self._after_step(step, taken)   # log, agree, snapshot, stop?
 
-The step itself, from the loader's micro-batches to ``optimizer.step()``, is
-:mod:`ddpkit.training._step`: all micro-batches but the last under the strategy's ``no_sync()``,
-each loss divided by its divisor in the step (:func:`~ddpkit.training._step.loss_divisor`), so the
-step follows the mean over samples (or tokens), not over ranks;
-:class:`~ddpkit.training._step.OptimizerStep` takes, skips or stops it on every rank alike. Every
-``logging.every_steps`` steps and at an epoch's end one small all-reduce gives the exact mean
-training loss and spreads a stop signal any rank received, so that all ranks save and stop after the
-same step.
+Every ``logging.every_steps`` steps and at an epoch's end one small all-gather gives the exact mean
+training loss and spreads a stop signal any rank received: all ranks save and stop after the same
+step.
 """
 
 from __future__ import annotations
@@ -73,10 +64,8 @@ from ddpkit.training._step import (
 )
 from ddpkit.training._validation import Evaluator, Validation, check_metric_driven, metric_driven
 
-# -- Callbacks: what the Trainer does not do, added without subclassing it. A callback is any object
-# with some of the methods of Callback; the Trainer calls those it has, on every rank, in the order
-# given, between collectives it makes on every rank of its group: a callback may make collectives
-# of its own as long as it makes the same ones on every rank.
+# The Trainer calls a callback's hooks on every rank, in order, between its own collectives: a
+# callback may make collectives of its own if it makes the same ones on every rank.
 
 
 class Callback:
@@ -251,9 +240,7 @@ class Trainer:
             self.model, rt.device, enabled=log.step_timings, precision=config.precision,
             world_size=rt.world_size, peak_flops=log.peak_flops, compiled=config.compile,
         )  # fmt: skip
-        # Scripts seed every rank alike so that models start identical; the strategy has now made
-        # them identical, and with one seed everywhere ranks would also draw identical dropout masks
-        # and augmentations.
+        # the models are now identical: each rank gets its own streams (dropout, augmentation)
         seed_rank(config.seed, rt.rank)
         # every dropout of the forward follows the global batch (functional ones too)
         self._global_dropout = config.global_batch_dropout
@@ -567,9 +554,8 @@ class Trainer:
             self._notice = None
             self.snapshots.schedule.notice = notice
             self.writer.log("event", self.step, {"event": "preemption_notice", "notice": notice})
-        # The window ends here on each rank, before the agreement: a rank's wall time is its own,
-        # not the wait for the slowest rank's arrival; that wait is the next window's. On a GPU,
-        # once the device has done the window's work (the agreement would wait for it anyway).
+        # The window ends here, before the agreement (the wait for the slowest rank is the next
+        # window's); on a GPU once the device has done its work.
         if self.runtime.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
         end = time.perf_counter()
@@ -577,9 +563,8 @@ class Trainer:
         tokens = self.batch_loss.count_fn is not None
         # Every rank's phases travel in the agreement's one collective, at window ends only.
         row = self.speed.row(wall, float(sum(window.sizes)) if tokens else None)
-        fault = self.writer.fault[1] or 1 if self.writer.fault else 0
         agreed = window.agree(
-            self.runtime.device, bool(self._stop_signal), self.group, row, fault=fault
+            self.runtime.device, bool(self._stop_signal), self.group, row, fault=self._fault()
         )
         if agreed.fault:
             self._stop_on_fault()
@@ -692,10 +677,8 @@ class Trainer:
         the file, the reason and where a restart resumes from (collective: every rank calls it;
         ``one_more``: the ranks first agree on it, past their last agreement)."""
         group = self.group
-        if one_more:
-            fault = self.writer.fault[1] or 1 if self.writer.fault else 0
-            if not all_reduce(float(fault), op="max", group=group):
-                return
+        if one_more and not all_reduce(float(self._fault()), op="max", group=group):
+            return
         path, errno, reason = broadcast_object(self.writer.fault, group=group) or ("?", 0, "")
         done = self.snapshots.schedule.saved_at
         where = (
@@ -708,6 +691,10 @@ class Trainer:
             f"ddpkit: cannot write {path} ({reason}): every rank stops at step {self.step}; free "
             f"room there, and a restart resumes from {where}",
         )
+
+    def _fault(self) -> int:
+        """The errno of this rank's failed write of the run directory (0: none)."""
+        return self.writer.fault[1] or 1 if self.writer.fault else 0
 
     def _lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
