@@ -6,6 +6,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterable, Mapping
 from contextlib import AbstractContextManager, nullcontext
+from functools import partial
 from typing import Any
 
 import torch
@@ -26,9 +27,7 @@ from ddpkit.strategies._base import load_state, read_state
 
 GRADIENT_AS_BUCKET_VIEW = True
 """DDP's ``gradient_as_bucket_view`` where the caller does not set it (torch's default is False):
-each gradient is a view into the bucket DDP all-reduces, with no copy and no memory of its own.
-Bitwise torch's default where gradients are set to None between steps (docs/trainer.md); a script
-that calls ``p.grad.detach_()`` passes ``gradient_as_bucket_view=False``."""
+docs/trainer.md, "Gradients as views into DDP's buckets"."""
 
 
 @checked_arguments
@@ -89,10 +88,8 @@ def rank_zeros(tensors: Iterable[torch.Tensor], group: Group) -> None:
 
 def mark_gradient_sync(ddp: DDP) -> None:
     """Under ``ddpkit run``, mark the end of each backward through ``ddp``, where DDP waits for the
-    gradients' all-reduce (:data:`~ddpkit.distributed._progress.Phase.GRADIENT_SYNC`): the rank
-    waiting there is then ahead of one stalled in its forward, which the stall watch names. A hook
-    on one parameter's gradient accumulation queues the mark ahead of DDP's wait; none where DDP
-    does not require every gradient (:func:`accumulation_of_a_parameter`)."""
+    gradients' all-reduce (``Phase.GRADIENT_SYNC``, for the stall watch), by a hook on one
+    parameter's gradient accumulation (:func:`accumulation_of_a_parameter`)."""
     node = accumulation_of_a_parameter(ddp)
     if node is None or not marks.watched():
         return
@@ -120,11 +117,7 @@ def accumulation_of_a_parameter(model: nn.Module) -> Any:
 def _accumulating(_grad_outputs: Any) -> None:
     # under compiled autograd the engine's callbacks are refused: that backward goes unmarked
     if not torch.compiler.is_compiling():
-        at_backward_end(_gradients_computed)
-
-
-def _gradients_computed() -> None:
-    marks.mark(Phase.GRADIENT_SYNC)
+        at_backward_end(partial(marks.mark, Phase.GRADIENT_SYNC))
 
 
 def keys_of_the_module(ddp: DDP) -> None:
