@@ -225,10 +225,8 @@ class SampleSeeder:
 
     A batch is first read as it is, the generators held (:class:`Held`): if a sample drew, they are
     put back and the batch is read again with each sample seeded (:func:`seed_sample`), and from
-    then on this process seeds every sample. ``read`` must give the same sample when called twice
-    (a dataset that counts its reads sees the first drawing batch of each process twice). In the
-    main process the generators are put back after a seeded batch: loading leaves the training
-    stream (dropout) where it was.
+    then on this process seeds every sample. ``read`` must give the same sample when called twice.
+    The generators are put back after a seeded batch.
     """
 
     def __init__(self, seed: int) -> None:
@@ -272,11 +270,8 @@ def epoch_index_pairs(
 
 def seed_sample(seed: int, epoch: int, index: int) -> None:
     """Seed python, numpy, torch's CPU generator and, where this process uses CUDA, the current CUDA
-    device's generator for loading sample ``index`` of ``epoch``.
-
-    ``torch.default_generator.manual_seed``, not ``torch.manual_seed``, which also seeds every
-    accelerator backend (~200 us against ~1 us).
-    """
+    device's generator for loading sample ``index`` of ``epoch`` (not ``torch.manual_seed``, which
+    seeds every accelerator backend)."""
     s = stream_seed("sample", seed, epoch, index)
     random.seed(s)
     if np is not None:
@@ -306,11 +301,8 @@ _stand_in: list[_StandIn] = []
 class Held:
     """The generators a sample may draw from, held while a batch is read: python's and torch's
     states (CPU and, where this process uses CUDA, the current device's) read, and numpy's global
-    bit generator swapped for a stand-in of this process's own (:class:`_StandIn`, freshly seeded).
-
-    Reading numpy's state costs ~65 us, the swap ~3 us: a draw from the stand-in (or a seed) shows
-    in its next 16 words. A normal that numpy's own generator had cached (it draws them in pairs)
-    is dropped by the swap. numpy < 1.25, without ``set_bit_generator``, has its state read.
+    bit generator swapped for a stand-in (:class:`_StandIn`, freshly seeded), whose next 16 words
+    show a draw or a seed (docs/data.md, "Seeded samples"). numpy < 1.25 has its state read.
     """
 
     def __init__(self) -> None:

@@ -153,9 +153,8 @@ class ShardedBatchSampler(Sampler[list[int]]):
         """:meth:`samples_in_step`, and where this rank's first sample of global batch ``micro``
         sits among them (samples numbered batch after batch, and rank after rank within a batch)."""
         rank_offset, _ = shard_bounds(self.samples_in_batch(micro), self.world_size, self.rank)
-        return self.samples_in_step(micro, accum), (
-            micro % accum
-        ) * self.global_batch_size + rank_offset
+        offset = (micro % accum) * self.global_batch_size + rank_offset
+        return self.samples_in_step(micro, accum), offset
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch the next ``iter()`` yields (``DistributedSampler``'s method, kept for
