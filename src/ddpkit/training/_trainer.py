@@ -45,8 +45,6 @@ from ddpkit.tracking._speed import Speed
 from ddpkit.training._compiled import compile_for_training
 from ddpkit.training._config import TrainerConfig  # noqa: F401  (imported from here by scripts)
 from ddpkit.training._evaluation import BatchLoss, BatchLossFn, LossFn
-
-# StepContext: StepFn names it
 from ddpkit.training._several import NO_METRIC_FN, ManualStep, Schedulers, StepFn, several_models
 from ddpkit.training._step import (
     CountFn,
@@ -119,8 +117,7 @@ def own_parts(
 ) -> dict[str, Any]:
     """What each rank keeps its own of in a snapshot: its unagreed losses (``window``), the
     callbacks that have a ``state_dict``/``load_state_dict`` (under their ``state_key`` attribute,
-    or their class name), and the script's ``extra_state``. Each rank saves and gets back its own: a
-    best-so-far value or a hidden state may differ between ranks."""
+    or their class name), and the script's ``extra_state``."""
     parts: dict[str, Any] = {"loss_window": window}
     for cb in callbacks:
         if _stateful(cb):
@@ -193,8 +190,7 @@ class Trainer:
         step_fn: StepFn | None = None,
     ) -> None:
         in_use = run_dir_lib.refuse_shared(config.run_dir, config.phase)
-        # Rank, world size and "main" count in this group: the whole job, or one group of
-        # split_world().
+        # rank, world size and "main" count in this group (the job, or one of split_world())
         self.config, self.runtime = config, get_runtime(group, member=True)
         rt = self.runtime
         self.group = rt.group
@@ -205,8 +201,7 @@ class Trainer:
         if step_fn is None:
             # the lr as asked, before any scheduler step
             record = RunRecord.of(config, optimizer, model)
-            # The strategy wraps the model (and, for zero and fsdp, rebuilds the optimizer over what
-            # it shards, pointing the scheduler at the new one).
+            # zero and fsdp rebuild the optimizer over what they shard (the scheduler follows)
             self.strategy = build_strategy(
                 config.strategy,
                 model,
@@ -225,8 +220,7 @@ class Trainer:
             )
         self.model, self.optimizer = self.strategy.model, self.strategy.optimizer
         self.scheduler = scheduler
-        # stepped at each validation, with its metric (several models': those of them that are,
-        # each checked by several_models)
+        # stepped at each validation, with its metric (several models': checked by several_models)
         self._plateau = metric_driven(scheduler) or (
             isinstance(scheduler, Schedulers) and scheduler.metric_driven
         )
@@ -278,8 +272,7 @@ class Trainer:
         )  # fmt: skip
         self.early_stopping = self.validation.early_stopping
         self.best_weights = self.validation.best_weights
-        # A resume on changed data is refused, naming the change: the loader's state holds the
-        # data's fingerprint. `own`: what each rank saves of its own.
+        # `own`: what each rank saves of its own
         own = own_parts(self._window, self.callbacks, extra_state)
         streams = RankStreams(
             rt, self.generator, config.seed, self.state, own=own,
@@ -417,8 +410,7 @@ class Trainer:
             if self.stopped_by is None:
                 self.stopped_by = StopReason.EPOCHS
         except BaseException as err:
-            # The launcher's failure summary shows the end of the traceback, notes included (Python
-            # >= 3.11).
+            # the launcher's failure summary shows the traceback's end, notes included (3.11+)
             if hasattr(err, "add_note"):
                 err.add_note(
                     f"ddpkit: rank {rt.rank} failed in epoch {self.epoch}, at optimizer step "
@@ -499,11 +491,9 @@ class Trainer:
             count = self.state.step  # a callback may move it
         if cfg.max_steps is not None and count >= cfg.max_steps:
             self.stopped_by = StopReason.MAX_STEPS
-        # Before the step's snapshot (below, or fit's), whose early-stopping state then counts this
-        # validation:
+        # before the step's snapshot, whose early-stopping state then counts this validation
         if self.validation.due(count, taken):
-            # Not training: left out of the window's wall time, its time in a record of its own.
-            # Each rank leaves out its own, entered after the same step's gradients' all-reduce.
+            # left out of the window's wall time, its time in a record of its own
             with self.speed.aside() as took, self._run_dir_write(self.best_weights.path):
                 self.validation.after_step(self.epoch, count)
             val = {"epoch": self.epoch, "step": count, **self.validation.latest}
@@ -532,10 +522,8 @@ class Trainer:
 
     def _snapshot(self, count: int, taken: bool, disk: bool, *, in_window: bool = True) -> None:
         """The snapshots due where the run stands now, once everything of the step (or of the
-        epoch's end) is done: a copy is then a state an uninterrupted run passes through, and a
-        resume from it does only what comes after it; a kill before them resumes from the copy
-        before, doing this step and what followed it again, once. ``in_window``: timed as the log
-        window's (not at an epoch's end, whose window is recorded)."""
+        epoch's end) is done: a copy is a state an uninterrupted run passes through. ``in_window``:
+        timed as the log window's (not at an epoch's end, whose window is recorded)."""
         timed = self.speed.timings.phase("snapshot") if in_window else nullcontext()
         with timed:
             if disk:
@@ -599,8 +587,7 @@ class Trainer:
 
     def _end_epoch(self) -> dict[str, float]:
         cfg = self.config
-        # resumed from a copy taken after the epoch's last step, before its agreement (a version
-        # that copied there)
+        # resumed from a copy taken after the epoch's last step, before its agreement
         if self._window.tried:
             self._log_window()
         self.state.epoch += 1
@@ -610,8 +597,7 @@ class Trainer:
         if self.scheduler is not None and epochly:
             self.scheduler.step()
         metrics: dict[str, float] = {"epoch": self.epoch, "step": self.step, "lr": self._lr()}
-        # The mean over all the epoch's steps: a snapshot holds the sums so far, and each rank's
-        # unagreed losses.
+        # the mean over all the epoch's steps (a snapshot holds the sums so far)
         metrics["train/epoch_loss"] = self.epoch_loss.mean
         self.epoch_loss.reset()
         if self.val_data is not None and self.validation.at_epoch_end:
@@ -622,8 +608,7 @@ class Trainer:
                 self.validation.update(metrics, self.epoch, self.step)
             if self.early_stopping.should_stop:
                 self.stopped_by = StopReason.EARLY_STOPPING
-        # The records and callbacks get the epoch's time too; fit() returns only what the training
-        # determines.
+        # the records and callbacks get the epoch's time too; fit() returns the metrics alone
         timed = metrics | {"epoch_seconds": seconds}
         self.writer.epoch_end(self.step, timed)
         print0(
@@ -656,15 +641,13 @@ class Trainer:
         return out
 
     def _on_stop_signal(self, signum: int) -> None:
-        # Only a flag: the next agreement spreads it, and every rank saves and stops after the same
-        # step.
+        # only a flag: the next agreement spreads it, so every rank stops after the same step
         self._stop_signal = signum
 
     @contextmanager
     def _run_dir_write(self, path: Path) -> Iterator[None]:
         """A write of the run directory that only the main rank makes: failed (a full disk), it is
-        kept for the ranks' next agreement, which stops every rank together (:meth:`_stop_on_fault`)
-        rather than this rank alone while the others wait for it."""
+        kept for the ranks' next agreement, which stops every rank (:meth:`_stop_on_fault`)."""
         try:
             yield
         except OSError as err:
