@@ -6,11 +6,11 @@ exact evaluation, and :class:`SeededSamples`, which makes each sample's random d
 from __future__ import annotations
 
 import functools
-import itertools
 import operator
 import random
 import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence, Sized
+from collections.abc import Callable, Mapping, Sequence, Sized
+from itertools import repeat
 from typing import Any, cast
 
 import torch
@@ -251,7 +251,8 @@ class SampleSeeder:
                 self.draws = True
                 held.put_back()
             out = []
-            for (epoch, index), item in zip(epoch_index_pairs(keys), items):
+            pairs = zip(repeat(keys.epoch), keys) if isinstance(keys, EpochIndices) else keys
+            for (epoch, index), item in zip(pairs, items):
                 seed_sample(self.seed, epoch, index)
                 out.append(read(item))
             return out
@@ -259,13 +260,6 @@ class SampleSeeder:
             if self.draws:
                 held.put_back()
             held.release_numpy()
-
-
-def epoch_index_pairs(
-    keys: EpochIndices | Iterable[tuple[int, int]],
-) -> Iterable[tuple[int, int]]:
-    """Each sample's ``(epoch, index)``."""
-    return zip(itertools.repeat(keys.epoch), keys) if isinstance(keys, EpochIndices) else keys
 
 
 def seed_sample(seed: int, epoch: int, index: int) -> None:

@@ -274,7 +274,13 @@ class DDPStrategy:
     def check_gradients(self, max_norm: float | None = None) -> GradientVerdict:
         grads = [g for p in self.params if (g := p.grad) is not None]  # each .grad read once
         if self._check_unused and len(grads) < len(self.params):
-            self._raise_unused()
+            unused = [self._names.get(id(p), "?") for p in self.params if p.grad is None]
+            raise ConfigError(
+                f"parameter(s) {', '.join(unused)} got no gradient in this step, so DDP cannot "
+                "finish its all-reduce: pass strategy=DDPConfig(find_unused_parameters=True) (or "
+                "static_graph=True when the same parameters are unused every step), or leave them "
+                "out of the optimizer and set requires_grad=False"
+            )
         if max_norm is None:
             return FINITE if self._finite(grads) else NOT_FINITE
         norm = torch.nn.utils.get_total_norm(grads)
@@ -282,15 +288,6 @@ class DDPStrategy:
             return GradientVerdict(False, norm)
         torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, norm)
         return GradientVerdict(True, norm)
-
-    def _raise_unused(self) -> None:
-        unused = [self._names.get(id(p), "?") for p in self.params if p.grad is None]
-        raise ConfigError(
-            f"parameter(s) {', '.join(unused)} got no gradient in this step, so DDP cannot finish "
-            "its all-reduce: pass strategy=DDPConfig(find_unused_parameters=True) (or "
-            "static_graph=True when the same parameters are unused every step), or leave them out "
-            "of the optimizer and set requires_grad=False"
-        )
 
     def evaluation(self) -> AbstractContextManager[Any]:
         return nullcontext()  # evaluate() calls the module inside DDP: no collective
@@ -365,19 +362,14 @@ class SeveralModels:
                 for p in group["params"]:
                     first = owners.setdefault(id(p), name)
                     if first != name:
+                        named = self.modules.named_parameters()
+                        where = next((n for n, q in named if q is p), "(of no model)")
                         raise ConfigError(
-                            f"parameter {self._name_of(p)} is in optimizers {first!r} and "
+                            f"parameter {where} is in optimizers {first!r} and "
                             f"{name!r}: give each parameter to one optimizer (leave it out of "
                             "one of them)"
                         )
         return owners
-
-    def _name_of(self, param: torch.Tensor) -> str:
-        for model_name, model in self.modules.items():
-            for name, p in model.named_parameters():
-                if p is param:
-                    return f"{model_name}.{name}"
-        return "(of no model)"
 
     def _view(self, name: str, optimizer: torch.optim.Optimizer) -> DDPStrategy:
         params = {id(p) for group in optimizer.param_groups for p in group["params"]}

@@ -361,17 +361,8 @@ class TrainStep:
         return taken
 
     def micro_batch(self, micro: MicroBatch, weighted: WeightedStep | None) -> None:
-        """Forward, loss and backward of one micro-batch."""
-        loss = self.micro_batch_loss(micro)
-        self.window.add(loss, micro.samples)
-        scaled = scale_loss(self.strategy.mark_nonfinite(loss), micro, weighted)
-        if micro.last:
-            self.timings.sync_backward(scaled)
-        (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-
-    def micro_batch_loss(self, micro: MicroBatch) -> torch.Tensor:
-        """The forward and loss under autocast and the global batch's dropout layout, where they
-        apply."""
+        """Forward (under autocast and the global batch's dropout layout, where they apply), loss
+        and backward of one micro-batch."""
         epoch = self.optimizer_step.state.epoch
         dropout = (
             dropout_layout(self.sampler, micro, self.config, epoch, 0)
@@ -379,7 +370,12 @@ class TrainStep:
             else nullcontext()
         )
         with self.autocast(), dropout:
-            return self.batch_loss(self.forward, micro.batch)
+            loss = self.batch_loss(self.forward, micro.batch)
+        self.window.add(loss, micro.samples)
+        scaled = scale_loss(self.strategy.mark_nonfinite(loss), micro, weighted)
+        if micro.last:
+            self.timings.sync_backward(scaled)
+        (self.scaler.scale(scaled) if self.scaler else scaled).backward()
 
 
 # -- A rank's training losses between two agreements of the ranks.
