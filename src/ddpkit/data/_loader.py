@@ -81,13 +81,10 @@ def build_loader(
     seed_samples: bool = True,
     on_data_change: OnDataChange = "error",
 ) -> EpochLoader:
-    """A training loader over this rank's shard; ``batch_size`` is per rank.
-
-    The loader gets its own ``torch.Generator``: without one, every ``iter()`` draws the workers'
-    base seed from the global RNG, which shifts dropout masks and any other draw that follows.
+    """A training loader over this rank's shard; ``batch_size`` is per rank. It has its own
+    ``torch.Generator``, so an ``iter()`` draws nothing from the global RNG.
     ``seed_samples``: each sample is loaded with the generators seeded from ``(seed, epoch, index)``
-    (:class:`SeededSamples`); False leaves the draws to each worker's own stream (or the main
-    process's), as a plain DataLoader does.
+    (:class:`SeededSamples`); False leaves the draws to each loading process's own stream.
 
     ``loader.state_dict()`` is where the loop stands with the data's fingerprint;
     ``loader.load_state_dict(state)`` resumes there and refuses data that changed since, naming each

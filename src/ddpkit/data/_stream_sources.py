@@ -66,7 +66,7 @@ def indexed_lines(path: Path, cache: bool = True) -> tuple[np.ndarray, str]:
         content = content_digest(path)
         if (table := read_kept_index(cached, index_header(size, content), size)) is not None:
             return table, content
-    hasher = _content_hasher()
+    hasher = hashlib.sha256()  # not the fingerprint's BLAKE2b: faster with SHA extensions
     lines = _scan_lines(path, hasher)
     content = hasher.hexdigest()[:16]
     if cache:
@@ -82,13 +82,9 @@ def index_header(size: int, content: str) -> np.ndarray:
     return np.array([[_INDEX_VERSION, size], [as_int, 0]], dtype=np.int64)
 
 
-def _content_hasher() -> Any:
-    return hashlib.sha256()  # not the fingerprint's BLAKE2b: faster with SHA extensions
-
-
 def content_digest(path: Path) -> str:
     """A short hex digest (16 characters) of the bytes of ``path``, read in one pass."""
-    hasher = _content_hasher()
+    hasher = hashlib.sha256()
     with open(path, "rb", buffering=0) as f:
         buffer = memoryview(bytearray(_CHUNK))
         while n := f.readinto(buffer):

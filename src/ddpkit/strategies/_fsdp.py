@@ -153,7 +153,7 @@ class FSDPStrategy:
         self._loss_flags: list[torch.Tensor] = []
 
     @contextmanager
-    def _unsynced(self) -> Iterator[None]:
+    def no_sync(self) -> Iterator[None]:
         # gradients stay local; the last micro-batch's backward reduce-scatters their sum
         from torch.distributed.fsdp import FSDPModule
 
@@ -164,9 +164,6 @@ class FSDPStrategy:
             yield
         finally:
             root.set_requires_gradient_sync(True)
-
-    def no_sync(self) -> AbstractContextManager[Any]:
-        return self._unsynced()
 
     def mark_nonfinite(self, loss: torch.Tensor) -> torch.Tensor:
         # the flag rides on the verdict's all-reduce (a shard's gradient is on one rank only)
@@ -194,7 +191,7 @@ class FSDPStrategy:
         return GradientVerdict(True, norm)
 
     @contextmanager
-    def _gathered(self) -> Iterator[None]:
+    def evaluation(self) -> Iterator[None]:
         # Every block gathered once for the whole evaluation: a sharded forward is a collective,
         # and ranks evaluate different numbers of batches.
         from torch.distributed.fsdp import FSDPModule
@@ -213,9 +210,6 @@ class FSDPStrategy:
                 module.set_reshard_after_forward(
                     False if module is self.model else self.config.reshard_after_forward
                 )
-
-    def evaluation(self) -> AbstractContextManager[Any]:
-        return self._gathered()
 
     def join(self) -> AbstractContextManager[Any]:
         raise ConfigError(
