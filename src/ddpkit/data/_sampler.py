@@ -1,12 +1,6 @@
-"""Which samples each rank takes: a global order that does not depend on the world size, and exact
-evaluation shards.
-
-Training (:class:`ShardedBatchSampler`): the permutation of epoch ``e``, a function of
-``(seed, e)``, cut into global batches of ``batch_size * world_size`` of which rank ``r`` takes the
-``r``-th slice. Evaluation (:class:`EvalShardSampler`): each rank a contiguous, unpadded share,
-every sample counted once (``DistributedSampler`` pads by repeating samples,
-pytorch/pytorch#25162).
-"""
+"""Which samples each rank takes: a global order that does not depend on the world size
+(:class:`ShardedBatchSampler`), and exact evaluation shards (:class:`EvalShardSampler`, unpadded,
+where ``DistributedSampler`` pads by repeating samples, pytorch/pytorch#25162)."""
 
 from __future__ import annotations
 
