@@ -9,6 +9,7 @@ checksum and consistent. Otherwise the index is built in memory, saying why once
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -210,10 +211,8 @@ def keep_index(cached: Path, header: np.ndarray, lines: np.ndarray) -> None:
     done (a read-only folder) they stay in memory."""
     table = np.concatenate([header, lines])
     table[1, 1] = index_checksum(lines)
-    try:
+    with contextlib.suppress(OSError, ConfigError):
         fs.write_with(cached, table.tofile, root=cached.parent)
-    except (OSError, ConfigError):
-        pass
 
 
 def _runs(spans: list[list[int]], gap: int = 4096, most: int = 1 << 20) -> list[list[int]]:

@@ -9,7 +9,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
 
@@ -36,14 +36,10 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 @dataclass(slots=True)
 class MicroBatch:
     batch: Any
-    samples: int
-    """This rank's samples in it (its items, such as tokens, under ``count_fn``)."""
-    divisor: float
-    """What its mean loss is divided by (:func:`loss_divisor`)."""
-    last: bool
-    """The step's last micro-batch: its backward synchronises the gradients."""
-    index: int
-    """Its global batch's number in the epoch."""
+    samples: int  # this rank's samples in it (its items, such as tokens, under count_fn)
+    divisor: float  # what its mean loss is divided by (loss_divisor)
+    last: bool  # the step's last micro-batch: its backward synchronises the gradients
+    index: int  # its global batch's number in the epoch
 
 
 @dataclass(slots=True)
@@ -52,12 +48,9 @@ class Step:
     trains."""
 
     micro_batches: Iterator[MicroBatch]
-    first: int
-    """The number, in the epoch, of its first global batch."""
-    count: int
-    """How many micro-batches it has."""
-    cursor: int
-    """The epoch's cursor once the step is taken: samples trained on, over all ranks."""
+    first: int  # the number, in the epoch, of its first global batch
+    count: int  # how many micro-batches it has
+    cursor: int  # the epoch's cursor once the step is taken: samples trained on, over all ranks
     last_in_epoch: bool
 
 
@@ -326,17 +319,13 @@ class TrainStep:
         batch_loss: BatchLoss,
         window: LossWindow,
         sampler: ShardedBatchSampler,
-        scaler: torch.amp.GradScaler | None,
-        global_dropout: bool,
-        world_size: int,
-        group: Group,
         speed: Speed,
     ) -> None:
+        """``optimizer_step``'s scaler and group are the step's."""
         self.config, self.strategy, self.optimizer_step = config, strategy, optimizer_step
         self.speed, self.timings = speed, speed.timings
         self.forward, self.batch_loss, self.autocast = forward, batch_loss, autocast
-        self.window, self.sampler, self.scaler = window, sampler, scaler
-        self.global_dropout, self.world_size, self.group = global_dropout, world_size, group
+        self.window, self.sampler, self.scaler = window, sampler, optimizer_step.scaler
 
     def __call__(self, step: Step) -> bool:
         self.optimizer_step.begin()  # the gradients set to None before the step's first forward
@@ -344,7 +333,9 @@ class TrainStep:
         weighted = (
             None
             if self.batch_loss.count_fn is None
-            else WeightedStep(step, self.batch_loss.count_fn, self.world_size, self.group)
+            else WeightedStep(
+                step, self.batch_loss.count_fn, self.sampler.world_size, self.optimizer_step.group
+            )
         )
         for micro in weighted or step.micro_batches:
             # the run's first micro-batch, once a peak is known: its forward and backward counted
@@ -366,7 +357,7 @@ class TrainStep:
         epoch = self.optimizer_step.state.epoch
         dropout = (
             dropout_layout(self.sampler, micro, self.config, epoch, 0)
-            if self.global_dropout
+            if self.config.global_batch_dropout
             else nullcontext()
         )
         with self.autocast(), dropout:
@@ -389,12 +380,9 @@ class Agreed:
     loss_sum: float
     samples: float
     stop: bool
-    means: dict[str, float] = field(default_factory=dict)
-    """The mean of each named loss (a step of several models: each ``backward(loss, name)``'s)."""
-    rows: list[list[float]] = field(default_factory=list)
-    """Every rank's ``row`` passed to :meth:`LossWindow.agree`, in rank order."""
-    fault: int = 0
-    """The errno of a failed write of the run directory on some rank (0: none)."""
+    means: dict[str, float]  # of each named loss (a step of several models)
+    rows: list[list[float]]  # every rank's row passed to LossWindow.agree, in rank order
+    fault: int  # the errno of a failed write of the run directory on some rank (0: none)
 
     @property
     def mean(self) -> float:

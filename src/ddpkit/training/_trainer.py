@@ -236,8 +236,6 @@ class Trainer:
         )  # fmt: skip
         # the models are now identical: each rank gets its own streams (dropout, augmentation)
         seed_rank(config.seed, rt.rank)
-        # every dropout of the forward follows the global batch (functional ones too)
-        self._global_dropout = config.global_batch_dropout
         self._on_cpu = rt.device.type == "cpu"
         self.scaler = grad_scaler(config.precision, rt.device)
         self.batch_loss = BatchLoss(loss_fn, batch_loss_fn, metric_fn, count_fn)
@@ -297,8 +295,7 @@ class Trainer:
         self.train_step: TrainStep | ManualStep = TrainStep(
             config, self.strategy, self.optimizer_step, forward=self._forward,
             autocast=self._autocast, batch_loss=self.batch_loss, window=self._window,
-            sampler=self.sampler, scaler=self.scaler, global_dropout=self._global_dropout,
-            world_size=rt.world_size, group=self.group, speed=self.speed,
+            sampler=self.sampler, speed=self.speed,
         )  # fmt: skip
         if step_fn is not None:
             self.train_step = ManualStep(
