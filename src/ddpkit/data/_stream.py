@@ -100,8 +100,7 @@ class Stream:
         close_fn: Callable[[Any], None] = lambda h: None,
     ) -> Any:
         """This process's handle on ``shard``, opened by ``open_fn`` on first use; the least
-        recently used is closed beyond :data:`OPEN_SHARDS` (thousands of shards would exhaust a
-        process's file descriptors)."""
+        recently used is closed beyond :data:`OPEN_SHARDS`."""
         handles = self.local()
         if shard in handles:
             handles[shard] = handles.pop(shard)  # most recently used last
@@ -175,12 +174,9 @@ def record_ids(stream: Stream, seed: int, epoch: int, shuffle: bool = True) -> n
 
 
 class StreamSamples(Dataset):
-    """The map-style view a DataLoader reads: key ``(epoch, position)`` -> ``transform(record)``.
-
-    A batch's records are read shard by shard (one :meth:`Stream.read` each). With
-    ``seed_samples``, each ``transform`` draws as if run with the generators seeded from
-    ``(seed, epoch, position)`` (:class:`~ddpkit.data._loader.SampleSeeder`).
-    """
+    """The map-style view a DataLoader reads: key ``(epoch, position)`` -> ``transform(record)``,
+    a batch's records read shard by shard; with ``seed_samples``, each ``transform`` seeded from
+    ``(seed, epoch, position)`` (:class:`~ddpkit.data._loader.SampleSeeder`)."""
 
     def __init__(self, stream: Stream, seed: int, shuffle: bool, seed_samples: bool = True) -> None:
         self.stream, self.seed = stream, seed

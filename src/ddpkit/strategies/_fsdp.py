@@ -29,7 +29,7 @@ from ddpkit.strategies._base import (
 )
 from ddpkit.strategies._prepare import rank_zeros
 
-# torch.distributed.fsdp and DTensor are imported where used (~0.9 s a process)
+# torch.distributed.fsdp and DTensor are imported where used (slow to import)
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 

@@ -2,7 +2,7 @@
 bit (docs/trainer.md). Built on the primitives a hand-written loop uses; the loop reads::
 
     for step in epoch_steps(...):       # each optimizer step's micro-batches
-        taken = self.train_step(step)   # forward/backward on each, the optimizer step (_step)
+        taken = self.train_step(step)   # forward/backward on each, the optimizer step
         self._after_step(step, taken)   # log, agree, snapshot, stop?
 
 Every ``logging.every_steps`` steps and at an epoch's end one small all-gather gives the exact mean
