@@ -54,7 +54,7 @@ class LoggingConfig:
     """What the main rank records and shows while training."""
 
     every_steps: int = 20
-    """How often ranks agree (one small all-reduce) on the mean training loss, which is then logged,
+    """How often ranks agree (one small all-gather) on the mean training loss, which is then logged,
     and on a SIGTERM/SIGUSR1 received by any rank: a stop signal is acted on within this many
     steps."""
     progress: bool = True
@@ -148,9 +148,8 @@ class TrainerConfig:
     sync_batchnorm: bool = False
     global_batch_dropout: bool = False
     """Replace ``nn.Dropout`` by :class:`~ddpkit.nn._dropout.GlobalBatchDropout`, whose masks do not
-    depend on the world size (every model's under ``step_fn``, in the micro-batches' loop: see
-    :mod:`ddpkit.training._several`): with ``sync_batchnorm``, N ranks then train the same model as
-    one process, and a resume at another world size continues with the same masks."""
+    depend on the world size (every model's under ``step_fn``): with ``sync_batchnorm``, N ranks
+    then train the same model as one process, and a resume at another world size too."""
     val_every_steps: int | None = None
     """Validate on ``val_data`` after every this many optimizer steps (counted over the run) instead
     of at epoch ends; early stopping then counts validations, and the best weights are a step's.
@@ -171,9 +170,8 @@ class TrainerConfig:
     starts afresh."""
     raise_on_stop_signal: bool = True
     """After a SIGTERM/SIGUSR1 stopped training and the snapshot is saved, ``fit()`` raises
-    :class:`ddpkit.Preempted` (uncaught: exit code 75, "pre-empted, requeue me"), so a script cannot
-    go on as if training were complete. False: ``fit()`` returns, with
-    ``trainer.stopped_by == "signal"``."""
+    :class:`ddpkit.Preempted` (uncaught: exit code 75, "pre-empted, requeue me"). False: ``fit()``
+    returns, with ``trainer.stopped_by == "signal"``."""
     strategy: str | StrategyConfig = "ddp"
     """How the model is spread over ranks: ``ddp`` (replicated), ``zero`` (DDP with optimizer state
     sharded), ``fsdp`` (parameters, gradients and optimizer state sharded), by name or as its config

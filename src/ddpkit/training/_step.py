@@ -276,17 +276,12 @@ class OptimizerStep:
             if self.counts:
                 self.scaler.update()  # the scaler saw the inf/NaN in unscale_: it lowers its scale
             if not bad_ranks:  # fp16 overflow with finite losses: routine, the scaler's business
-                self.log(
-                    "event",
-                    state.step,
-                    {"event": "fp16_overflow", "scale": self.scaler.get_scale()},
-                )
+                scale = self.scaler.get_scale()
+                self.log("event", state.step, {"event": "fp16_overflow", "scale": scale})
                 return False
-        what = (
-            f"non-finite loss on {bad_ranks} rank(s)"
-            if bad_ranks
-            else "non-finite gradients (losses finite)"
-        )
+        what = "non-finite gradients (losses finite)"
+        if bad_ranks:
+            what = f"non-finite loss on {bad_ranks} rank(s)"
         if self.config.on_nonfinite == "stop":
             raise FloatingPointError(
                 f"{what} at optimizer step {state.step} (epoch {state.epoch}); every rank stops "
