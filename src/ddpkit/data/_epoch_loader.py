@@ -44,14 +44,10 @@ class ServeStacks:
 
 class EpochLoader(DataLoader):
     """A DataLoader over a :class:`~ddpkit.data.ShardedBatchSampler` that counts an epoch when an
-    iteration has handed over its last batch: an iterator left before (a peek with
-    ``next(iter(loader))``, a ``break``) leaves the sampler where it was. (The sampler cannot tell
-    by itself: the workers read it ahead of the batches they return.) Each ``next()`` marks the
-    stall watch's phases (``ddpkit.distributed._progress``).
-
-    Its :meth:`state_dict` is where the loop stands (epoch, and samples of it handed over on all
-    ranks) with the data's fingerprint (:mod:`ddpkit.data._fingerprint`); :meth:`load_state_dict`
-    resumes from it, refusing data that changed since, unless ``on_data_change="restart_epoch"``.
+    iteration has handed over its last batch (the workers read the sampler ahead of the batches):
+    an iterator left before (a peek, a ``break``) leaves the sampler where it was. Each ``next()``
+    marks the stall watch's phases. :meth:`state_dict`: where the loop stands, with the data's
+    fingerprint (:mod:`ddpkit.data._fingerprint`).
     """
 
     def __init__(self, *args: Any, on_data_change: OnDataChange = "error", **kwargs: Any) -> None:
@@ -78,8 +74,7 @@ class EpochLoader(DataLoader):
 
     def fingerprint(self) -> dict[str, Any]:
         """What decides which sample comes at which step: the sampler's settings and the dataset's
-        layout (a stream's files and window, a ``Subset``'s indices, a ``ConcatDataset``'s parts),
-        the world size aside. Computed once, at the first snapshot or resume."""
+        layout, the world size aside. Computed once, at the first snapshot or resume."""
         if self._fingerprint is None:
             sampler = cast(ShardedBatchSampler, self.batch_sampler)
             self._fingerprint = sampler.fingerprint() | dataset_items(self.dataset)

@@ -21,9 +21,7 @@ or train the snapshot's epoch again from its first step on the new data (``"rest
 ON_DATA_CHANGE: tuple[str, ...] = ("error", "restart_epoch")
 
 LISTED_SHARDS = 64
-"""Shards described one by one in a fingerprint; beyond that, the list is kept as one digest (the
-fingerprint is saved with every snapshot, in memory after every step, where thousands of lines would
-cost)."""
+"""Shards described one by one in a fingerprint; beyond that, the list is kept as one digest."""
 
 LISTED_CHANGES = 6
 """Changes named in a refusal; the rest are counted."""

@@ -6,11 +6,11 @@ exact evaluation, and :class:`SeededSamples`, which makes each sample's random d
 from __future__ import annotations
 
 import functools
-import itertools
 import operator
 import random
 import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence, Sized
+from collections.abc import Callable, Mapping, Sequence, Sized
+from itertools import repeat
 from typing import Any, cast
 
 import torch
@@ -81,13 +81,10 @@ def build_loader(
     seed_samples: bool = True,
     on_data_change: OnDataChange = "error",
 ) -> EpochLoader:
-    """A training loader over this rank's shard; ``batch_size`` is per rank.
-
-    The loader gets its own ``torch.Generator``: without one, every ``iter()`` draws the workers'
-    base seed from the global RNG, which shifts dropout masks and any other draw that follows.
+    """A training loader over this rank's shard; ``batch_size`` is per rank. It has its own
+    ``torch.Generator``, so an ``iter()`` draws nothing from the global RNG.
     ``seed_samples``: each sample is loaded with the generators seeded from ``(seed, epoch, index)``
-    (:class:`SeededSamples`); False leaves the draws to each worker's own stream (or the main
-    process's), as a plain DataLoader does.
+    (:class:`SeededSamples`); False leaves the draws to each loading process's own stream.
 
     ``loader.state_dict()`` is where the loop stands with the data's fingerprint;
     ``loader.load_state_dict(state)`` resumes there and refuses data that changed since, naming each
@@ -225,10 +222,8 @@ class SampleSeeder:
 
     A batch is first read as it is, the generators held (:class:`Held`): if a sample drew, they are
     put back and the batch is read again with each sample seeded (:func:`seed_sample`), and from
-    then on this process seeds every sample. ``read`` must give the same sample when called twice
-    (a dataset that counts its reads sees the first drawing batch of each process twice). In the
-    main process the generators are put back after a seeded batch: loading leaves the training
-    stream (dropout) where it was.
+    then on this process seeds every sample. ``read`` must give the same sample when called twice.
+    The generators are put back after a seeded batch.
     """
 
     def __init__(self, seed: int) -> None:
@@ -253,7 +248,8 @@ class SampleSeeder:
                 self.draws = True
                 held.put_back()
             out = []
-            for (epoch, index), item in zip(epoch_index_pairs(keys), items):
+            pairs = zip(repeat(keys.epoch), keys) if isinstance(keys, EpochIndices) else keys
+            for (epoch, index), item in zip(pairs, items):
                 seed_sample(self.seed, epoch, index)
                 out.append(read(item))
             return out
@@ -263,20 +259,10 @@ class SampleSeeder:
             held.release_numpy()
 
 
-def epoch_index_pairs(
-    keys: EpochIndices | Iterable[tuple[int, int]],
-) -> Iterable[tuple[int, int]]:
-    """Each sample's ``(epoch, index)``."""
-    return zip(itertools.repeat(keys.epoch), keys) if isinstance(keys, EpochIndices) else keys
-
-
 def seed_sample(seed: int, epoch: int, index: int) -> None:
     """Seed python, numpy, torch's CPU generator and, where this process uses CUDA, the current CUDA
-    device's generator for loading sample ``index`` of ``epoch``.
-
-    ``torch.default_generator.manual_seed``, not ``torch.manual_seed``, which also seeds every
-    accelerator backend (~200 us against ~1 us).
-    """
+    device's generator for loading sample ``index`` of ``epoch`` (not ``torch.manual_seed``, which
+    seeds every accelerator backend)."""
     s = stream_seed("sample", seed, epoch, index)
     random.seed(s)
     if np is not None:
@@ -306,11 +292,8 @@ _stand_in: list[_StandIn] = []
 class Held:
     """The generators a sample may draw from, held while a batch is read: python's and torch's
     states (CPU and, where this process uses CUDA, the current device's) read, and numpy's global
-    bit generator swapped for a stand-in of this process's own (:class:`_StandIn`, freshly seeded).
-
-    Reading numpy's state costs ~65 us, the swap ~3 us: a draw from the stand-in (or a seed) shows
-    in its next 16 words. A normal that numpy's own generator had cached (it draws them in pairs)
-    is dropped by the swap. numpy < 1.25, without ``set_bit_generator``, has its state read.
+    bit generator swapped for a stand-in (:class:`_StandIn`, freshly seeded), whose next 16 words
+    show a draw or a seed (docs/data.md, "Seeded samples"). numpy < 1.25 has its state read.
     """
 
     def __init__(self) -> None:

@@ -1,12 +1,6 @@
-"""Which samples each rank takes: a global order that does not depend on the world size, and exact
-evaluation shards.
-
-Training (:class:`ShardedBatchSampler`): the permutation of epoch ``e``, a function of
-``(seed, e)``, cut into global batches of ``batch_size * world_size`` of which rank ``r`` takes the
-``r``-th slice. Evaluation (:class:`EvalShardSampler`): each rank a contiguous, unpadded share,
-every sample counted once (``DistributedSampler`` pads by repeating samples,
-pytorch/pytorch#25162).
-"""
+"""Which samples each rank takes: a global order that does not depend on the world size
+(:class:`ShardedBatchSampler`), and exact evaluation shards (:class:`EvalShardSampler`, unpadded,
+where ``DistributedSampler`` pads by repeating samples, pytorch/pytorch#25162)."""
 
 from __future__ import annotations
 
@@ -153,9 +147,8 @@ class ShardedBatchSampler(Sampler[list[int]]):
         """:meth:`samples_in_step`, and where this rank's first sample of global batch ``micro``
         sits among them (samples numbered batch after batch, and rank after rank within a batch)."""
         rank_offset, _ = shard_bounds(self.samples_in_batch(micro), self.world_size, self.rank)
-        return self.samples_in_step(micro, accum), (
-            micro % accum
-        ) * self.global_batch_size + rank_offset
+        offset = (micro % accum) * self.global_batch_size + rank_offset
+        return self.samples_in_step(micro, accum), offset
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch the next ``iter()`` yields (``DistributedSampler``'s method, kept for

@@ -1,18 +1,7 @@
 """Streams: records read from files too big for memory, by position, with the guarantees of
-map-style data (docs/data.md, "Streams").
-
-A stream is ``N`` records in a natural order (its shards one after another), each readable by its
-position in its shard. The order of epoch ``e`` is a permutation of the ``N`` records, a function
-of ``(seed, e)`` (:class:`StreamOrder`), cut into global batches of ``batch_size x world_size`` of
-which rank ``r`` takes slice ``r`` (:class:`StreamBatchSampler`). Loader workers never see a stream:
-the DataLoader reads a map-style view keyed by ``(epoch, position)`` (:class:`StreamSamples`), so
-each worker builds whole batches, returned in order; each record's ``transform`` runs seeded from
-``(seed, epoch, position)``.
-
-Shuffling is two-level: the shards are permuted and their concatenation rotated by a random offset
-(both per epoch), cut into blocks of ``window`` records, the blocks permuted, and the records
-permuted within each block. A batch's reads fall in one or two blocks, and memory is
-``O(shards + N / window + window)``. A source that can only be iterated keeps its order of blocks.
+map-style data (docs/data.md, "Streams"). The order of epoch ``e`` is a function of ``(seed, e)``
+(:class:`StreamOrder`, a two-level shuffle); the DataLoader reads a map-style view keyed by
+``(epoch, position)`` (:class:`StreamSamples`), so each loader worker builds whole batches.
 """
 
 from __future__ import annotations
@@ -111,8 +100,7 @@ class Stream:
         close_fn: Callable[[Any], None] = lambda h: None,
     ) -> Any:
         """This process's handle on ``shard``, opened by ``open_fn`` on first use; the least
-        recently used is closed beyond :data:`OPEN_SHARDS` (thousands of shards would exhaust a
-        process's file descriptors)."""
+        recently used is closed beyond :data:`OPEN_SHARDS`."""
         handles = self.local()
         if shard in handles:
             handles[shard] = handles.pop(shard)  # most recently used last
@@ -132,12 +120,8 @@ class StreamOrder:
 
     def __init__(self, stream: Stream, seed: int, epoch: int, shuffle: bool) -> None:
         sizes = np.asarray(stream.shard_sizes, dtype=np.int64)
-        self.n, self.window, self.shuffle, self.epoch = (
-            int(sizes.sum()),
-            stream.window,
-            shuffle,
-            epoch,
-        )
+        self.n, self.window = int(sizes.sum()), stream.window
+        self.shuffle, self.epoch = shuffle, epoch
         self._keys = (seed, epoch)
         self._tau: dict[int, np.ndarray] = {}
         mixed = shuffle and stream.random_access
@@ -189,29 +173,14 @@ def record_ids(stream: Stream, seed: int, epoch: int, shuffle: bool = True) -> n
     return offsets[shards] + index
 
 
-class StreamBatchSampler(ShardedBatchSampler):
-    """:class:`~ddpkit.data.ShardedBatchSampler` over global positions ``0..N-1`` in order (the
-    stream's order shuffles), keyed with their epoch: ranges, with no list of ``N``."""
-
-    def __init__(self, num_records: int, batch_size: int, **kwargs: Any) -> None:
-        super().__init__(num_records, batch_size, shuffle=False, keyed=True, **kwargs)
-
-
 class StreamSamples(Dataset):
-    """The map-style view a DataLoader reads: key ``(epoch, position)`` -> ``transform(record)``.
-
-    A batch's records are read shard by shard (one :meth:`Stream.read` each). With
-    ``seed_samples``, each ``transform`` draws as if run with the generators seeded from
-    ``(seed, epoch, position)`` (:class:`~ddpkit.data._loader.SampleSeeder`).
-    """
+    """The map-style view a DataLoader reads: key ``(epoch, position)`` -> ``transform(record)``,
+    a batch's records read shard by shard; with ``seed_samples``, each ``transform`` seeded from
+    ``(seed, epoch, position)`` (:class:`~ddpkit.data._loader.SampleSeeder`)."""
 
     def __init__(self, stream: Stream, seed: int, shuffle: bool, seed_samples: bool = True) -> None:
-        self.stream, self.seed, self.shuffle, self.seed_samples = (
-            stream,
-            seed,
-            shuffle,
-            seed_samples,
-        )
+        self.stream, self.seed = stream, seed
+        self.shuffle, self.seed_samples = shuffle, seed_samples
         self.seeder = SampleSeeder(seed)
         self._order: StreamOrder | None = None
 
@@ -262,10 +231,16 @@ def build_stream_loader(
     seed_samples: bool,
 ) -> EpochLoader:
     """What :func:`ddpkit.build_loader` returns for a stream (call that): the same arguments and
-    guarantees, with a ``batch_sampler`` (:class:`StreamBatchSampler`) the Trainer resumes by.
-    ``loader_kwargs``: the DataLoader's, as ``build_loader`` resolves them."""
-    sampler = StreamBatchSampler(
-        len(stream), batch_size, seed=seed, drop_last=drop_last, group=group
+    guarantees. ``loader_kwargs``: the DataLoader's, as ``build_loader`` resolves them."""
+    # over global positions in order (the stream's order shuffles), keyed with their epoch
+    sampler = ShardedBatchSampler(
+        len(stream),
+        batch_size,
+        shuffle=False,
+        seed=seed,
+        drop_last=drop_last,
+        group=group,
+        keyed=True,
     )
     stream.check_loading(loader_kwargs["num_workers"], sampler.world_size, group)
     return EpochLoader(

@@ -1,20 +1,15 @@
 """Streams of files and iterables: JSON Lines files, flat token files, and a source that can only be
-iterated.
-
-Each is a :class:`~ddpkit.data._stream.Stream`: it knows its records' count per shard before
-reading, and reads records by position, so the loader gives every rank its slice of each global
-batch in the global order of ``(seed, epoch)``.
+iterated (docs/data.md, "Streams").
 
 A JSON Lines file's line index is kept beside it (``.NAME.lines``) and used only where it can be
 trusted: this user's file, in a folder others cannot write to (a sticky one excepted), not a link,
-its header naming the file's size and the digest of its content (hashed from the file's bytes each
-time), its offsets matching their checksum and consistent. Otherwise the index is built in memory,
-saying why once a folder. A source that can only be iterated is checked where that is cheap: its
-first records read twice when it is built, and compared across ranks when the loader is built.
+its header naming the file's size and the digest of its content, its offsets matching their
+checksum and consistent. Otherwise the index is built in memory, saying why once a folder.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -60,12 +55,9 @@ def indexed_lines(path: Path, cache: bool = True) -> tuple[np.ndarray, str]:
     """The line index of ``path`` (:func:`line_index`) and the digest of the bytes it was found in
     (:func:`content_digest`), both checked against the file's bytes now.
 
-    Built by one pass over the file (newlines found by numpy, the bytes hashed on the way) and kept
-    next to it as ``.<name>.lines``: raw int64, a 2-row header (version, file size, the content's
-    digest, a checksum of the offsets) then the offsets, read memory-mapped. A kept index is used
-    only for the bytes it was built from (the file hashed again: a size and a modification time
-    prove nothing), and only where it can be trusted (the module's docstring); otherwise the index
-    stays in memory.
+    Built by one pass over the file and kept next to it as ``.<name>.lines``: raw int64, a 2-row
+    header (version, file size, the content's digest, a checksum of the offsets) then the offsets,
+    read memory-mapped; used only for the bytes it was built from, where it can be trusted.
     """
     size = path.stat().st_size
     cached = path.with_name(f".{path.name}.lines")
@@ -75,7 +67,7 @@ def indexed_lines(path: Path, cache: bool = True) -> tuple[np.ndarray, str]:
         content = content_digest(path)
         if (table := read_kept_index(cached, index_header(size, content), size)) is not None:
             return table, content
-    hasher = _content_hasher()
+    hasher = hashlib.sha256()  # not the fingerprint's BLAKE2b: faster with SHA extensions
     lines = _scan_lines(path, hasher)
     content = hasher.hexdigest()[:16]
     if cache:
@@ -91,14 +83,9 @@ def index_header(size: int, content: str) -> np.ndarray:
     return np.array([[_INDEX_VERSION, size], [as_int, 0]], dtype=np.int64)
 
 
-def _content_hasher() -> Any:
-    # SHA-256, not the fingerprint's BLAKE2b: ~3x faster on cores with SHA extensions
-    return hashlib.sha256()
-
-
 def content_digest(path: Path) -> str:
     """A short hex digest (16 characters) of the bytes of ``path``, read in one pass."""
-    hasher = _content_hasher()
+    hasher = hashlib.sha256()
     with open(path, "rb", buffering=0) as f:
         buffer = memoryview(bytearray(_CHUNK))
         while n := f.readinto(buffer):
@@ -224,10 +211,8 @@ def keep_index(cached: Path, header: np.ndarray, lines: np.ndarray) -> None:
     done (a read-only folder) they stay in memory."""
     table = np.concatenate([header, lines])
     table[1, 1] = index_checksum(lines)
-    try:
+    with contextlib.suppress(OSError, ConfigError):
         fs.write_with(cached, table.tofile, root=cached.parent)
-    except (OSError, ConfigError):
-        pass
 
 
 def _runs(spans: list[list[int]], gap: int = 4096, most: int = 1 << 20) -> list[list[int]]:
@@ -328,11 +313,8 @@ class TokenStream(Stream):
         super().__init__(transform=transform, window=window)
         if seq_len < 1:
             raise ConfigError(f"seq_len={seq_len}: a record needs at least one token")
-        self.paths, self.seq_len, self.dtype = (
-            _paths(paths, "TokenStream"),
-            seq_len,
-            np.dtype(dtype),
-        )
+        self.paths, self.seq_len = _paths(paths, "TokenStream"), seq_len
+        self.dtype = np.dtype(dtype)
         self._tokens = []
         for p in self.paths:
             size = p.stat().st_size
@@ -364,19 +346,11 @@ class TokenStream(Stream):
 
 
 class IterableStream(Stream):
-    """A source that can only be iterated, read front to back: the fallback for data without
-    positional reads (docs/data.md, "Which sources IterableStream reads").
-
-    Every rank and every loader worker reads the source from its start, every epoch (and after a
-    resume up to the cursor), keeping only its own batches and one or two ``window`` blocks of
-    records: each ``iter()``, in any process, must yield every record in the same order. A
-    re-iterable (a list, a torch ``IterableDataset`` that starts again) or a callable returning a
-    fresh iterator (``IterableStream(make_records, n)``). Refused: an iterator that is its own
-    iterable (spent after one pass), a source whose first :data:`HEAD_RECORDS` records differ
-    between two passes or between ranks, a ``datasets`` stream with loader workers. One that ends
-    early (split by rank or worker) raises at the read.
-
-    ``num_records``: its length; without it (and without ``len()``) it is counted by one pass here.
+    """A source that can only be iterated, read front to back from its start by every rank and
+    loader worker, every epoch: each ``iter()`` must yield every record in the same order (a
+    re-iterable, or a callable returning a fresh iterator). What is refused: docs/data.md, "Which
+    sources IterableStream reads". ``num_records``: its length; without it (and without ``len()``)
+    it is counted by one pass here.
     """
 
     random_access = False
@@ -558,15 +532,11 @@ def check_same_order(head: str, count: int, group: Group) -> None:
         )
 
 
-def splits_by_worker(source: Any) -> bool:
-    """A Hugging Face ``datasets`` ``IterableDataset`` (told by its module and ``n_shards``;
-    ``datasets`` need not be installed): it hands each loader worker a share of its shards, where
-    ddpkit needs all of it."""
-    return type(source).__module__.split(".")[0] == "datasets" and hasattr(source, "n_shards")
-
-
 def check_workers(source: Any, num_workers: int) -> None:
-    if num_workers > 0 and splits_by_worker(source):
+    """Refuse loader workers for a Hugging Face ``datasets`` ``IterableDataset`` (told by its module
+    and ``n_shards``), which hands each worker a share of its shards."""
+    datasets = type(source).__module__.split(".")[0] == "datasets" and hasattr(source, "n_shards")
+    if num_workers > 0 and datasets:
         raise ConfigError(
             f"IterableStream: a datasets {type(source).__name__} splits itself among loader "
             f"workers (get_worker_info()), so each of the {num_workers} workers would read a part "

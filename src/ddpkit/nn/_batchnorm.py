@@ -51,7 +51,6 @@ class CPUSyncBatchNorm(BatchNormBase):
             or dist.get_world_size(self.process_group) == 1
         ):
             return super().forward(input)
-        factor = self._momentum_factor()
         dims = [0, *range(2, input.dim())]
         x64 = input.double()  # E[x^2] - E[x]^2 loses digits in float32 when the mean is large
         local = torch.cat(
@@ -64,8 +63,11 @@ class CPUSyncBatchNorm(BatchNormBase):
         var = total[c : 2 * c] / count - mean * mean
         if self.track_running_stats:
             running_mean, running_var = self.running_mean, self.running_var
+            tracked = self.num_batches_tracked
             # registered with track_running_stats
-            assert running_mean is not None and running_var is not None
+            assert running_mean is not None and running_var is not None and tracked is not None
+            tracked.add_(1)
+            factor = 1.0 / float(tracked) if self.momentum is None else self.momentum
             with torch.no_grad():
                 unbiased = var * count / (count - 1).clamp(min=1)
                 running_mean.mul_(1 - factor).add_(mean.to(running_mean.dtype), alpha=factor)
@@ -76,14 +78,6 @@ class CPUSyncBatchNorm(BatchNormBase):
         if self.affine:
             out = out * self.weight.reshape(shape) + self.bias.reshape(shape)
         return out
-
-    def _momentum_factor(self) -> float:
-        if not (self.training and self.track_running_stats):
-            return 0.0
-        tracked = self.num_batches_tracked
-        assert tracked is not None  # registered with track_running_stats
-        tracked.add_(1)
-        return 1.0 / float(tracked) if self.momentum is None else self.momentum
 
 
 def convert_sync_batchnorm(

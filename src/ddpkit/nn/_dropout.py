@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -98,7 +98,7 @@ def global_batch(loader: Any, accum_steps: int = 1) -> Iterator[None]:
         )
     layout = step_layout(sampler, index, accum_steps, sampler.seed, epoch)
     start, end = shard_bounds(sampler.samples_in_batch(index), sampler.world_size, sampler.rank)
-    with batch_layout(BatchLayout(layout.global_size, layout.offset, layout.key, end - start)):
+    with batch_layout(replace(layout, size=end - start)):
         yield
 
 
@@ -151,21 +151,12 @@ def _masked(
             f"{tuple(input.shape)}, which has no dimension {dim}: give the batch's dimension as "
             "batch_dim"
         )
-    n = input.shape[dim]
-    if (
-        n != (layout.size if layout.size is not None else n)
-        or layout.offset + n > layout.global_size
-    ):
-        expected = (
-            layout.size
-            if layout.size is not None
-            else f"at most {layout.global_size - layout.offset}"
-        )
-        where = (
-            "a functional dropout"
-            if layer_id == FUNCTIONAL
-            else f"GlobalBatchDropout(layer_id={layer_id})"
-        )
+    n, room = input.shape[dim], layout.global_size - layout.offset
+    if n > room or layout.size not in (None, n):
+        expected = layout.size if layout.size is not None else f"at most {room}"
+        where = f"GlobalBatchDropout(layer_id={layer_id})"
+        if layer_id == FUNCTIONAL:
+            where = "a functional dropout"
         raise ConfigError(
             f"{where} got an input of shape {tuple(input.shape)} whose size at batch_dim={dim} is "
             f"{n}, where this rank's micro-batch has {expected} samples: for sequence-first "

@@ -1,10 +1,6 @@
 """How a model is spread over ranks: ``ddp`` (replicated), ``zero`` (sharded optimizer state),
-``fsdp`` (all sharded). Each is one class behind :class:`~ddpkit.strategies._base.Strategy`, with a
-typed config next to it.
-
-A hand-written loop builds one with :func:`build_strategy` and uses the same pieces the Trainer
-does.
-"""
+``fsdp`` (all sharded), each a :class:`~ddpkit.strategies._base.Strategy` with a typed config; a
+hand-written loop builds one with :func:`build_strategy`."""
 
 from __future__ import annotations
 

@@ -1,20 +1,7 @@
-"""The seam between the training loop and how the model is distributed.
-
-A strategy owns everything that changes between replicated DDP, DDP with a sharded optimizer (ZeRO)
-and fully sharded data parallelism (FSDP): wrapping the model, skipping synchronisation on
-micro-batches, which parameters a step updates, whether the step's gradients are finite and what
-their global norm is, clipping, uneven inputs, and the state a snapshot holds. The Trainer's loop,
-or a hand-written one, reads the same at every strategy::
-
-    strategy.optimizer.zero_grad(set_to_none=True)     # before the step's first forward
-    for micro_batch in step:
-        with strategy.no_sync() if not last else nullcontext():
-            loss = loss_fn(strategy.model, micro_batch)
-            strategy.mark_nonfinite(loss).backward()
-    verdict = strategy.check_gradients(max_norm=1.0)   # clips when finite
-    if verdict.finite:
-        strategy.optimizer.step()
-"""
+"""The seam between the training loop and how the model is distributed: a strategy owns wrapping
+the model, skipping synchronisation on micro-batches, the step's verdict (finite gradients, their
+global norm, clipping), uneven inputs, and the state a snapshot holds; a loop reads the same at
+every strategy (docs/strategies.md, "In a loop of your own")."""
 
 from __future__ import annotations
 
@@ -167,9 +154,8 @@ def rebind_scheduler(
 
 def separate_own(state: dict[str, Any], model: nn.Module, ignored: Any = ()) -> dict[str, Any]:
     """``state`` (``{"model": ..., "optim": ...}`` by parameter name) with each rank's own values
-    moved to its ``per_rank`` part: the model's buffers (BatchNorm's running statistics follow each
-    rank's batches), and the parameters in ``ignored`` (DDP's ignored ones) with their optimizer
-    state. Saved under one name, one rank's copy would be given to every rank on resume."""
+    moved to its ``per_rank`` part: the model's buffers (BatchNorm's running statistics), and the
+    parameters in ``ignored`` (DDP's ignored ones) with their optimizer state."""
     names = {name for name, _ in model.named_buffers()} | set(ignored)
     shared_model, own_model = _partition(state["model"], lambda key: key in names)
     # flattened optimizer state: state.<param>.<key>
@@ -188,9 +174,8 @@ def separate_own(state: dict[str, Any], model: nn.Module, ignored: Any = ()) -> 
 @contextmanager
 def made_up_state_cleared(optimizers: Any) -> Iterator[list[Any]]:
     """Around a read of torch's distributed state dict of ``optimizers`` (one, a list, or a dict by
-    name): torch gives an optimizer that has not stepped a state, by one step at lr 0 (Adam's step
-    count 1), which the next real step would train on; cleared again, so that a read changes
-    nothing. Yields those optimizers' names (positions where they have none): :data:`UNSTEPPED`."""
+    name): the state torch makes up for an optimizer that has not stepped (Adam's step count 1) is
+    cleared again. Yields those optimizers' names (else positions): :data:`UNSTEPPED`."""
     labelled = _labelled(optimizers)
     unstepped = [label for label, opt in labelled if not opt.state]
     try:
@@ -203,8 +188,7 @@ def made_up_state_cleared(optimizers: Any) -> Iterator[list[Any]]:
 
 def state_options(**kwargs: Any) -> Any:
     """Options of torch's distributed state dicts: optimizer state keyed by parameter name, one
-    entry per tensor, so that ranks may hold different parameters and a load at another world size
-    finds each by name. (torch.distributed.checkpoint is imported when used: ~0.9 s.)"""
+    entry per tensor, so that a load at another world size finds each by name."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     return StateDictOptions(flatten_optimizer_state_dict=True, **kwargs)
@@ -228,8 +212,7 @@ def read_state(module: nn.Module, optimizers: Any, ignored: Any = ()) -> dict[st
 
 UNSTEPPED = "unstepped"
 """The key of a strategy's state that lists the optimizers (by name, else by position) that had not
-stepped when it was read: their state in it is torch's made-up one, cleared again after a load.
-Always present (a disk snapshot is read into the state a fresh strategy gives, key by key)."""
+stepped when it was read, whose made-up state is cleared after a load. Always present."""
 
 
 def _labelled(optimizers: Any) -> list[tuple[Any, Any]]:
@@ -280,6 +263,5 @@ def join_own(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def _partition(values: dict[str, Any], own: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    return {k: v for k, v in values.items() if not own(k)}, {
-        k: v for k, v in values.items() if own(k)
-    }
+    mine = {k: v for k, v in values.items() if own(k)}
+    return {k: v for k, v in values.items() if k not in mine}, mine

@@ -115,8 +115,8 @@ class DDPConfig:
 def bf16_compress(
     process_group: Group, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
-    """All-reduce the bucket in bfloat16, divided by the world size first as torch's hooks do. The
-    arithmetic of torch's ``bf16_compress_hook``, which its CPU build refuses by name."""
+    """All-reduce the bucket in bfloat16, divided by the world size first: torch's
+    ``bf16_compress_hook``, which its CPU build refuses."""
     group = process_group if process_group is not None else dist.group.WORLD
     buffer = bucket.buffer()
     compressed = buffer.to(torch.bfloat16).div_(dist.get_world_size(group))
@@ -165,10 +165,9 @@ def nan_gradient_if_nonfinite(
 
 
 class FiniteCheck:
-    """Whether no element of a step's gradients is NaN or inf, by torch's fused check-and-unscale
-    (what GradScaler runs; a scale of 1 leaves the gradients bit for bit): one call where the
-    parameters are one device and one real dtype, else grouped by device and dtype, with sparse
-    values and complex pairs read as reals. Its flag stays zero between calls."""
+    """Whether no element of a step's gradients is NaN or inf, by torch's fused check-and-unscale at
+    a scale of 1: one call where the parameters are one device and one real dtype, else grouped by
+    device and dtype (sparse values and complex pairs read as reals)."""
 
     def __init__(self, params: list[torch.Tensor]) -> None:
         kinds = {(p.device, p.dtype) for p in params}
@@ -275,7 +274,13 @@ class DDPStrategy:
     def check_gradients(self, max_norm: float | None = None) -> GradientVerdict:
         grads = [g for p in self.params if (g := p.grad) is not None]  # each .grad read once
         if self._check_unused and len(grads) < len(self.params):
-            self._raise_unused()
+            unused = [self._names.get(id(p), "?") for p in self.params if p.grad is None]
+            raise ConfigError(
+                f"parameter(s) {', '.join(unused)} got no gradient in this step, so DDP cannot "
+                "finish its all-reduce: pass strategy=DDPConfig(find_unused_parameters=True) (or "
+                "static_graph=True when the same parameters are unused every step), or leave them "
+                "out of the optimizer and set requires_grad=False"
+            )
         if max_norm is None:
             return FINITE if self._finite(grads) else NOT_FINITE
         norm = torch.nn.utils.get_total_norm(grads)
@@ -283,15 +288,6 @@ class DDPStrategy:
             return GradientVerdict(False, norm)
         torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, norm)
         return GradientVerdict(True, norm)
-
-    def _raise_unused(self) -> None:
-        unused = [self._names.get(id(p), "?") for p in self.params if p.grad is None]
-        raise ConfigError(
-            f"parameter(s) {', '.join(unused)} got no gradient in this step, so DDP cannot finish "
-            "its all-reduce: pass strategy=DDPConfig(find_unused_parameters=True) (or "
-            "static_graph=True when the same parameters are unused every step), or leave them out "
-            "of the optimizer and set requires_grad=False"
-        )
 
     def evaluation(self) -> AbstractContextManager[Any]:
         return nullcontext()  # evaluate() calls the module inside DDP: no collective
@@ -318,11 +314,9 @@ class DDPStrategy:
 
 
 class SeveralModels:
-    """Named models and named optimizers under ``ddp`` (a GAN, a student beside a frozen teacher,
-    two optimizers over one model). Each model with parameters to train is wrapped in its own DDP
-    (a frozen one gets rank 0's weights and buffers as DDP gives them: :func:`prepare_model`);
-    each optimizer gets its own verdict and clipping from a :class:`DDPStrategy` over the model
-    holding its parameters (:attr:`views`). A snapshot keys
+    """Named models and named optimizers under ``ddp``: each model with parameters to train in its
+    own DDP (:func:`prepare_model`), each optimizer with its own verdict and clipping from a
+    :class:`DDPStrategy` over the model holding its parameters (:attr:`views`). A snapshot keys
     every model and optimizer ``<model name>.<parameter>``."""
 
     name = "ddp"
@@ -368,19 +362,14 @@ class SeveralModels:
                 for p in group["params"]:
                     first = owners.setdefault(id(p), name)
                     if first != name:
+                        named = self.modules.named_parameters()
+                        where = next((n for n, q in named if q is p), "(of no model)")
                         raise ConfigError(
-                            f"parameter {self._name_of(p)} is in optimizers {first!r} and "
+                            f"parameter {where} is in optimizers {first!r} and "
                             f"{name!r}: give each parameter to one optimizer (leave it out of "
                             "one of them)"
                         )
         return owners
-
-    def _name_of(self, param: torch.Tensor) -> str:
-        for model_name, model in self.modules.items():
-            for name, p in model.named_parameters():
-                if p is param:
-                    return f"{model_name}.{name}"
-        return "(of no model)"
 
     def _view(self, name: str, optimizer: torch.optim.Optimizer) -> DDPStrategy:
         params = {id(p) for group in optimizer.param_groups for p in group["params"]}
@@ -437,8 +426,8 @@ class ZeroConfig(DDPConfig):
     few large messages instead of one per parameter."""
 
 
-class ZeroStrategy:
-    """DDP's wrapping, no-sync and verdict (held, not inherited), with the optimizer rebuilt as a
+class ZeroStrategy(DDPStrategy):
+    """DDP's wrapping, no-sync and verdict, with the optimizer rebuilt as a
     ``ZeroRedundancyOptimizer`` of the same class, defaults and parameter groups."""
 
     name = "zero"
@@ -459,15 +448,14 @@ class ZeroStrategy:
                 "strategy 'zero' shards over a process group: launch with `ddpkit run` (or "
                 "ddpkit.spawn), or use strategy 'ddp' for a single process"
             )
-        self.config = config or ZeroConfig()
-        self.runtime = runtime
+        zero_config = config or ZeroConfig()
         ddp_config = DDPConfig(
-            **{f.name: getattr(self.config, f.name) for f in dataclasses.fields(DDPConfig)}
+            **{f.name: getattr(zero_config, f.name) for f in dataclasses.fields(DDPConfig)}
         )
-        self.ddp = DDPStrategy(
+        super().__init__(
             model, optimizer, runtime=runtime, config=ddp_config, sync_batchnorm=sync_batchnorm
         )
-        self.model = self.ddp.model
+        self.config = zero_config
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         names = {id(p): n for n, p in unwrap(self.model).named_parameters()}
@@ -477,23 +465,10 @@ class ZeroStrategy:
             names,
             optimizer_class=ZeroRedundancyOptimizer,
             process_group=runtime.group,
-            parameters_as_bucket_view=self.config.parameters_as_bucket_view,
+            parameters_as_bucket_view=zero_config.parameters_as_bucket_view,
         )
         assert isinstance(zero, ZeroRedundancyOptimizer)
-        self.optimizer = zero
-        self.ddp.optimizer = self.optimizer
-
-    def no_sync(self) -> AbstractContextManager[Any]:
-        return self.ddp.no_sync()
-
-    def mark_nonfinite(self, loss: torch.Tensor) -> torch.Tensor:
-        return self.ddp.mark_nonfinite(loss)
-
-    def check_gradients(self, max_norm: float | None = None) -> GradientVerdict:
-        return self.ddp.check_gradients(max_norm)
-
-    def evaluation(self) -> AbstractContextManager[Any]:
-        return self.ddp.evaluation()
+        self.optimizer = self.zero = zero
 
     def join(self) -> AbstractContextManager[Any]:
         # torch's Join([ddp_model, zero]) ends, but a joined rank steps the parameters it owns with
@@ -509,8 +484,8 @@ class ZeroStrategy:
         same on every rank); the parameters (replicated: their owner broadcasts them)."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        local = self.optimizer.optim
-        _copy_hyperparameters(self.optimizer.param_groups, local.param_groups)
+        local = self.zero.optim
+        _copy_hyperparameters(self.zero.param_groups, local.param_groups)
         with made_up_state_cleared(local) as unstepped:
             optim = get_optimizer_state_dict(unwrap(self.model), local, options=state_options())
         state = separate_own(
@@ -518,8 +493,7 @@ class ZeroStrategy:
                 "model": unwrap(self.model).state_dict(),
                 "optim": optim,
                 "param_groups": [
-                    {k: v for k, v in g.items() if k != "params"}
-                    for g in self.optimizer.param_groups
+                    {k: v for k, v in g.items() if k != "params"} for g in self.zero.param_groups
                 ],
             },
             unwrap(self.model),
@@ -527,9 +501,6 @@ class ZeroStrategy:
         # a rank that owns no parameter never has state: only an owner can tell
         owns = any(group["params"] for group in local.param_groups)
         return {**state, UNSTEPPED: unstepped} if owns else state
-
-    def model_weights(self) -> dict[str, Any]:
-        return self.ddp.model_weights()
 
     def full_state_dict(self) -> dict[str, Any]:
         state = join_own(self.state_dict())
@@ -543,13 +514,13 @@ class ZeroStrategy:
 
         state = join_own(state)
         unwrap(self.model).load_state_dict(state["model"])
-        with unstepped_cleared(self.optimizer.optim, state):
+        with unstepped_cleared(self.zero.optim, state):
             set_optimizer_state_dict(
-                unwrap(self.model), self.optimizer.optim, state["optim"], options=state_options()
+                unwrap(self.model), self.zero.optim, state["optim"], options=state_options()
             )
-        for group, saved in zip(self.optimizer.param_groups, state["param_groups"], strict=True):
+        for group, saved in zip(self.zero.param_groups, state["param_groups"], strict=True):
             group.update(saved)
-        _copy_hyperparameters(self.optimizer.param_groups, self.optimizer.optim.param_groups)
+        _copy_hyperparameters(self.zero.param_groups, self.zero.optim.param_groups)
 
 
 def _copy_hyperparameters(source: list[dict[str, Any]], target: list[dict[str, Any]]) -> None:

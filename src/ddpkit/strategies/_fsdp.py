@@ -27,8 +27,9 @@ from ddpkit.strategies._base import (
     rebuild_optimizer,
     state_options,
 )
+from ddpkit.strategies._prepare import rank_zeros
 
-# torch.distributed.fsdp and DTensor are imported where used (~0.9 s a process)
+# torch.distributed.fsdp and DTensor are imported where used (slow to import)
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -141,8 +142,7 @@ class FSDPStrategy:
         if sync_batchnorm:
             model = convert_sync_batchnorm(model, runtime.device, runtime.group)
         # ranks start from rank 0's weights, as under DDP: each rank's copy is its shard's source
-        for tensor in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(tensor.data, src=dist.get_global_rank(self.group, 0), group=self.group)
+        rank_zeros([*model.parameters(), *model.buffers()], self.group)
         from torch.distributed.device_mesh import DeviceMesh
 
         mesh = DeviceMesh.from_group(self.group, runtime.device.type)
@@ -153,7 +153,7 @@ class FSDPStrategy:
         self._loss_flags: list[torch.Tensor] = []
 
     @contextmanager
-    def _unsynced(self) -> Iterator[None]:
+    def no_sync(self) -> Iterator[None]:
         # gradients stay local; the last micro-batch's backward reduce-scatters their sum
         from torch.distributed.fsdp import FSDPModule
 
@@ -164,9 +164,6 @@ class FSDPStrategy:
             yield
         finally:
             root.set_requires_gradient_sync(True)
-
-    def no_sync(self) -> AbstractContextManager[Any]:
-        return self._unsynced()
 
     def mark_nonfinite(self, loss: torch.Tensor) -> torch.Tensor:
         # the flag rides on the verdict's all-reduce (a shard's gradient is on one rank only)
@@ -194,7 +191,7 @@ class FSDPStrategy:
         return GradientVerdict(True, norm)
 
     @contextmanager
-    def _gathered(self) -> Iterator[None]:
+    def evaluation(self) -> Iterator[None]:
         # Every block gathered once for the whole evaluation: a sharded forward is a collective,
         # and ranks evaluate different numbers of batches.
         from torch.distributed.fsdp import FSDPModule
@@ -204,8 +201,7 @@ class FSDPStrategy:
             module.set_reshard_after_forward(False)
             module.unshard()
         # buffers follow each rank's own batches: rank 0's everywhere, as under DDP
-        for buffer in self.model.buffers():
-            dist.broadcast(buffer.data, src=dist.get_global_rank(self.group, 0), group=self.group)
+        rank_zeros(self.model.buffers(), self.group)
         try:
             yield
         finally:
@@ -214,9 +210,6 @@ class FSDPStrategy:
                 module.set_reshard_after_forward(
                     False if module is self.model else self.config.reshard_after_forward
                 )
-
-    def evaluation(self) -> AbstractContextManager[Any]:
-        return self._gathered()
 
     def join(self) -> AbstractContextManager[Any]:
         raise ConfigError(

@@ -4,8 +4,9 @@ out; and a hand-written loop's models and optimizers as a snapshot holds them.""
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from contextlib import AbstractContextManager, nullcontext
+from functools import partial
 from typing import Any
 
 import torch
@@ -26,9 +27,7 @@ from ddpkit.strategies._base import load_state, read_state
 
 GRADIENT_AS_BUCKET_VIEW = True
 """DDP's ``gradient_as_bucket_view`` where the caller does not set it (torch's default is False):
-each gradient is a view into the bucket DDP all-reduces, with no copy and no memory of its own.
-Bitwise torch's default where gradients are set to None between steps (docs/trainer.md); a script
-that calls ``p.grad.detach_()`` passes ``gradient_as_bucket_view=False``."""
+docs/trainer.md, "Gradients as views into DDP's buckets"."""
 
 
 @checked_arguments
@@ -69,7 +68,9 @@ def prepare_model(
     if sync_batchnorm and rt.distributed:
         model = convert_sync_batchnorm(model, rt.device, process_group)
     if rt.distributed and not any(p.requires_grad for p in model.parameters()):
-        _rank_zeros_state(model, process_group)
+        # as DDP's constructor gives them; no broadcast before each forward (a frozen teacher runs
+        # under no_grad, where DDP sends none either)
+        rank_zeros([*model.parameters(), *model.buffers()], process_group)
     elif rt.distributed:
         device_ids = [rt.device.index] if rt.device.type == "cuda" else None
         ddp_kwargs.setdefault("gradient_as_bucket_view", GRADIENT_AS_BUCKET_VIEW)
@@ -83,21 +84,17 @@ def prepare_model(
     return model
 
 
-def _rank_zeros_state(model: nn.Module, group: Group) -> None:
-    """Rank 0's parameters and buffers on every rank, as DDP's constructor gives them, for a model
-    DDP refuses (no parameter to train: a frozen teacher). No broadcast before each forward: a
-    teacher runs under ``no_grad``, where DDP sends none either."""
+def rank_zeros(tensors: Iterable[torch.Tensor], group: Group) -> None:
+    """Give every rank of ``group`` rank 0's values of ``tensors`` (collective)."""
     src = dist.get_global_rank(group, 0) if group is not None else 0
-    for tensor in [*model.parameters(), *model.buffers()]:
+    for tensor in tensors:
         dist.broadcast(tensor.data, src, group=group)
 
 
 def mark_gradient_sync(ddp: DDP) -> None:
     """Under ``ddpkit run``, mark the end of each backward through ``ddp``, where DDP waits for the
-    gradients' all-reduce (:data:`~ddpkit.distributed._progress.Phase.GRADIENT_SYNC`): the rank
-    waiting there is then ahead of one stalled in its forward, which the stall watch names. A hook
-    on one parameter's gradient accumulation queues the mark ahead of DDP's wait; none where DDP
-    does not require every gradient (:func:`accumulation_of_a_parameter`)."""
+    gradients' all-reduce (``Phase.GRADIENT_SYNC``, for the stall watch), by a hook on one
+    parameter's gradient accumulation (:func:`accumulation_of_a_parameter`)."""
     node = accumulation_of_a_parameter(ddp)
     if node is None or not marks.watched():
         return
@@ -125,11 +122,7 @@ def accumulation_of_a_parameter(model: nn.Module) -> Any:
 def _accumulating(_grad_outputs: Any) -> None:
     # under compiled autograd the engine's callbacks are refused: that backward goes unmarked
     if not torch.compiler.is_compiling():
-        at_backward_end(_gradients_computed)
-
-
-def _gradients_computed() -> None:
-    marks.mark(Phase.GRADIENT_SYNC)
+        at_backward_end(partial(marks.mark, Phase.GRADIENT_SYNC))
 
 
 def keys_of_the_module(ddp: DDP) -> None:

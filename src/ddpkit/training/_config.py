@@ -46,12 +46,7 @@ class EarlyStoppingConfig:
 
     def __post_init__(self) -> None:
         check_types(self)
-        _check(
-            self,
-            {
-                "patience": self.patience is None or self.patience >= 1,
-            },
-        )
+        _check(self, {"patience": self.patience is None or self.patience >= 1})
 
 
 @dataclass(kw_only=True)
@@ -59,7 +54,7 @@ class LoggingConfig:
     """What the main rank records and shows while training."""
 
     every_steps: int = 20
-    """How often ranks agree (one small all-reduce) on the mean training loss, which is then logged,
+    """How often ranks agree (one small all-gather) on the mean training loss, which is then logged,
     and on a SIGTERM/SIGUSR1 received by any rank: a stop signal is acted on within this many
     steps."""
     progress: bool = True
@@ -138,10 +133,8 @@ class TrainerConfig:
     (the loss window) decides for itself."""
     seed_samples: bool = True
     """Each sample's random draws while loading (augmentation) depend on ``(seed, epoch, index)``
-    only, whichever rank or worker loads it (:class:`~ddpkit.data.SeededSamples`); a dataset that
-    draws nothing costs a state check per batch. False leaves the draws to each loading process's
-    own stream, as a plain DataLoader does: no check at all, and no bitwise resume of
-    augmentation."""
+    only, whichever rank or worker loads it (:class:`~ddpkit.data.SeededSamples`). False leaves the
+    draws to each loading process's own stream, as a plain DataLoader does."""
     grad_accum_steps: int = 1
     clip_grad_norm: float | None = None
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -150,16 +143,13 @@ class TrainerConfig:
     skipped by the scaler, which lowers its scale; it is logged as ``fp16_overflow`` and is not
     counted as a non-finite loss."""
     compile: bool = False
-    """``torch.compile`` the training forward, after the strategy wrapped the model (under ``ddp``
-    and ``zero`` with Dynamo's DDP optimizer, whose graph breaks at the buckets keep the all-reduce
-    overlapping the backward): see :mod:`ddpkit.training._compiled`. On the CPU inductor needs a C++
-    compiler."""
+    """``torch.compile`` the training forward, after the strategy wrapped the model
+    (docs/language-models.md); on the CPU inductor needs a C++ compiler."""
     sync_batchnorm: bool = False
     global_batch_dropout: bool = False
     """Replace ``nn.Dropout`` by :class:`~ddpkit.nn._dropout.GlobalBatchDropout`, whose masks do not
-    depend on the world size (every model's under ``step_fn``, in the micro-batches' loop: see
-    :mod:`ddpkit.training._several`): with ``sync_batchnorm``, N ranks then train the same model as
-    one process, and a resume at another world size continues with the same masks."""
+    depend on the world size (every model's under ``step_fn``): with ``sync_batchnorm``, N ranks
+    then train the same model as one process, and a resume at another world size too."""
     val_every_steps: int | None = None
     """Validate on ``val_data`` after every this many optimizer steps (counted over the run) instead
     of at epoch ends; early stopping then counts validations, and the best weights are a step's.
@@ -180,9 +170,8 @@ class TrainerConfig:
     starts afresh."""
     raise_on_stop_signal: bool = True
     """After a SIGTERM/SIGUSR1 stopped training and the snapshot is saved, ``fit()`` raises
-    :class:`ddpkit.Preempted` (uncaught: exit code 75, "pre-empted, requeue me"), so a script cannot
-    go on as if training were complete. False: ``fit()`` returns, with
-    ``trainer.stopped_by == "signal"``."""
+    :class:`ddpkit.Preempted` (uncaught: exit code 75, "pre-empted, requeue me"). False: ``fit()``
+    returns, with ``trainer.stopped_by == "signal"``."""
     strategy: str | StrategyConfig = "ddp"
     """How the model is spread over ranks: ``ddp`` (replicated), ``zero`` (DDP with optimizer state
     sharded), ``fsdp`` (parameters, gradients and optimizer state sharded), by name or as its config
@@ -223,8 +212,7 @@ class TrainerConfig:
                 "val_every_steps": self.val_every_steps is None or self.val_every_steps >= 1,
             },
         )
-        # The world size is known only when the Trainer is built; the accumulation steps are known
-        # now.
+        # (the world size is known only when the Trainer is built)
         if self.global_batch_size is not None and self.global_batch_size % self.grad_accum_steps:
             raise ConfigError(
                 f"global_batch_size={self.global_batch_size} does not divide into "

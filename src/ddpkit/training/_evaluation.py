@@ -10,10 +10,10 @@ reduces once at the end.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import nullcontext
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -27,7 +27,7 @@ from ddpkit.distributed import _progress as marks
 from ddpkit.distributed._collectives import MetricSums
 from ddpkit.distributed._progress import Phase
 from ddpkit.distributed._runtime import get_runtime
-from ddpkit.strategies._prepare import unwrap
+from ddpkit.strategies._prepare import rank_zeros, unwrap
 
 MetricFn = Callable[[nn.Module, Any], Mapping[str, Any]]
 """``metric_fn(model, batch)`` returns named per-sample values (shape ``[batch]``), or
@@ -41,12 +41,9 @@ _METRIC_FN = (
 
 def inputs_and_targets(batch: Any, remedy: str) -> tuple[Any, Any]:
     """``batch`` as ``(inputs, targets)``, each a tensor or a sequence of them (the inputs may be a
-    dict); else a ConfigError that says what the batch is and ends with ``remedy``. Unpacking a dict
-    of two keys would give the keys (strings), which fail later inside the model; of three keys,
-    Python's "too many values to unpack"."""
+    dict, which goes to the model whole); else a ConfigError that says what the batch is and ends
+    with ``remedy``."""
     pair = isinstance(batch, (list, tuple)) and len(batch) == 2
-    # The inputs go to model(inputs) whole: a dict of them is the model's business, a dict of
-    # targets is not.
     if (
         pair
         and isinstance(batch[0], (torch.Tensor, list, tuple, Mapping))
@@ -130,10 +127,7 @@ def evaluate(
             for batch in loader:
                 marks.mark(Phase.EVALUATION)
                 batch = to_device(batch, device)
-                if autocast is not None:
-                    with autocast():
-                        values = metric_fn(module, batch)
-                else:
+                with autocast() if autocast is not None else nullcontext():
                     values = metric_fn(module, batch)
                 for name, value in values.items():
                     if isinstance(value, tuple):
@@ -147,18 +141,11 @@ def evaluate(
 
 
 def _sync_buffers(model: nn.Module) -> None:
-    """Give every rank rank 0's buffers (BatchNorm running statistics) of every DDP in ``model``
-    (several models by name: each), as DDP's next forward would.
-
-    After a training step each rank's running statistics hold its own last update; DDP copies rank
-    0's at the start of the next forward, but evaluation calls the unwrapped module, so without this
-    each rank would evaluate a slightly different model and the metrics would describe none of them.
-    """
+    """Rank 0's buffers (BatchNorm's running statistics) in every DDP of ``model``, as DDP's next
+    forward gives them: evaluation calls the unwrapped module, which holds each rank's own."""
     for ddp in model.modules():
         if isinstance(ddp, DDP) and ddp.broadcast_buffers:
-            src = dist.get_global_rank(ddp.process_group, 0)
-            for buffer in ddp.module.buffers():
-                dist.broadcast(buffer.data, src=src, group=ddp.process_group)
+            rank_zeros(ddp.module.buffers(), ddp.process_group)
 
 
 # -- The default loss: cross-entropy that refuses outputs it does not fit (a regression's one
@@ -232,18 +219,11 @@ _BATCH_LOSS_FN = (
 
 
 class BatchLoss:
-    """How the Trainer turns a batch into a loss, and into validation metrics.
-
+    """How the Trainer turns a batch into a loss, and into validation metrics:
     ``loss_fn(model(inputs), targets)`` for ``(inputs, targets)`` batches (cross-entropy by
-    default), or ``batch_loss_fn(model, batch)`` for any other batch. Metrics are
-    ``metric_fn(model, batch)``'s; by default loss and accuracy for classification, or, with a loss
-    of one's own, that loss weighted by batch size.
-
-    ``count_fn(batch)``: how many items (a language model's tokens whose labels count) the batch's
-    mean loss is over; each step then follows the mean over every item of its global batch, across
-    ranks and micro-batches (:func:`~ddpkit.training._step.loss_divisor`), and so do the training
-    loss records and the default validation loss.
-    """
+    default), or ``batch_loss_fn(model, batch)``. Metrics are ``metric_fn(model, batch)``'s; by
+    default loss and accuracy for classification, or the loss of one's own weighted by batch size
+    (by its items under ``count_fn``: docs/language-models.md)."""
 
     def __init__(
         self,

@@ -1,36 +1,12 @@
-"""A step of several models and optimizers, written by the user in one function.
-
-``Trainer({"g": G, "d": D}, {"g": opt_g, "d": opt_d}, data, config, step_fn=gan_step)`` calls
-``gan_step(step)`` once per optimizer step, with ``step`` a :class:`StepContext`::
-
-    def gan_step(step):
-        for real in step.micro_batches():      # no_sync but on the last, autocast
-            fake = step.models["g"](noise(real))
-            step.backward(d_loss(step.models["d"], real, fake.detach()), "d")
-        step.optimizer_step("d")               # unscale, verdict, clip, step
-        for real in step.micro_batches():
-            step.backward(g_loss(step.models["d"], step.models["g"](noise(real))), "g")
-        step.optimizer_step("g")
-
-The Trainer keeps doing what it does for one model: each micro-batch's loss divided by its divisor
-(:func:`~ddpkit.training._step.loss_divisor`), the fp16 scaler (one, updated once per step), the
-non-finite verdict agreed on every rank, per optimizer, clipping per optimizer, schedulers per
-optimizer, snapshots of every model and optimizer, and each named loss's exact mean over the ranks
-in the records (``train/loss_d``).
-
-With ``global_batch_dropout``, each forward inside ``for batch in step.micro_batches():`` draws its
-dropout masks from that micro-batch's place in the global batch (docs/trainer.md); a forward outside
-the loop draws each rank's own.
-
-Validation (``val_data``, ``trainer.evaluate()``) calls ``metric_fn(models, batch)`` with the
-models by name, unwrapped and in eval mode: exact over every sample, as for one model.
-"""
+"""A step of several models and optimizers, written by the user in one function: ``Trainer({"g":
+G, "d": D}, {"g": opt_g, "d": opt_d}, data, config, step_fn=gan_step)`` calls ``gan_step(step)``
+once per optimizer step, with ``step`` a :class:`StepContext` (docs/trainer.md, "Several models and
+optimizers")."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -38,11 +14,9 @@ import torch
 from torch import nn
 
 from ddpkit._errors import ConfigError
-from ddpkit.data._loader import batch_len
 from ddpkit.data._sampler import ShardedBatchSampler
 from ddpkit.distributed import Group
-from ddpkit.distributed._seeding import mix_seed
-from ddpkit.nn._dropout import batch_layout, convert_dropout, step_layout
+from ddpkit.nn._dropout import convert_dropout
 from ddpkit.snapshot._run_record import RunRecord
 from ddpkit.snapshot._state import TrainState
 from ddpkit.strategies import DDPConfig, strategy_config
@@ -50,7 +24,14 @@ from ddpkit.strategies._ddp import SeveralModels
 from ddpkit.tracking._speed import Speed, StepTimings
 from ddpkit.training._config import TrainerConfig
 from ddpkit.training._evaluation import MetricFn
-from ddpkit.training._step import LossWindow, MicroBatch, OptimizerStep, Step, scale_loss
+from ddpkit.training._step import (
+    LossWindow,
+    MicroBatch,
+    OptimizerStep,
+    Step,
+    dropout_layout,
+    scale_loss,
+)
 from ddpkit.training._validation import check_metric_driven, metric_driven
 
 
@@ -74,9 +55,7 @@ class StepContext:
 
     @property
     def step(self) -> int:
-        """This step's number: the optimizer steps taken before it, counted over the run (a resume
-        goes on counting), as ``trainer.step`` reads before the step: a WGAN's ``step.step %
-        n_critic``."""
+        """The optimizer steps taken before this one, over the run (a resume goes on counting)."""
         return self._owner.state.step
 
     @property
@@ -85,18 +64,22 @@ class StepContext:
         return self._owner.state.epoch
 
     def micro_batches(self) -> Iterator[Any]:
-        """This rank's micro-batches of the step; may be iterated again (a GAN's generator pass).
-        The body of the loop runs under autocast, and, on all but the last micro-batch, under every
-        model's ``no_sync()``: a forward pass and its backward must both be inside the loop, and
-        the loop must run to its end. With ``global_batch_dropout``, under the micro-batch's global
-        batch layout too (:mod:`ddpkit.training._several`)."""
-        owner = self._owner
+        """This rank's micro-batches of the step; may be iterated again. The loop's body runs under
+        autocast, the global batch's dropout layout and, on all but the last micro-batch, every
+        model's ``no_sync()``: a forward and its backward both belong inside it, and the loop must
+        run to its end."""
+        owner, epoch = self._owner, self._owner.state.epoch
         passes, self._passes = self._passes, self._passes + 1
         try:
             for micro in self._micro:
                 self._at = micro
                 sync = nullcontext() if micro.last else owner.strategy.no_sync()
-                with sync, owner.autocast(), owner.dropout(micro, passes):
+                dropout = (
+                    dropout_layout(owner.sampler, micro, owner.config, epoch, passes)
+                    if owner.config.global_batch_dropout
+                    else nullcontext()
+                )
+                with sync, owner.autocast(), dropout:
                     yield micro.batch
         finally:
             # Left early too (a break, zip with a shorter iterable, next(iter(...))): a backward
@@ -136,14 +119,13 @@ class StepContext:
         for name in names:
             loss = owner.strategy.views[name].mark_nonfinite(loss)
         scaled = scale_loss(loss, micro, None)
-        timings = owner.timings if micro.last else None  # its backward synchronises
-        if timings is not None:
-            timings.sync_backward(scaled)
+        if micro.last:  # its backward synchronises
+            owner.timings.sync_backward(scaled)
         # backward runs in the forward's dtypes anyway
         with torch.autocast(owner.device_type, enabled=False):
             (owner.scaler.scale(scaled) if owner.scaler else scaled).backward()
-        if timings is not None:
-            timings.backward_returned()
+        if micro.last:
+            owner.timings.backward_returned()
 
     def optimizer_step(self, name: str) -> bool:
         """Unscale (fp16), the verdict on every rank alike, clip (``clip_grad_norm``, this
@@ -156,18 +138,14 @@ class StepContext:
                 f"step.optimizer_step({name!r}): once a step, for one of {sorted(owner.steps)}"
             )
         if name not in self.trained:
-            # Its gradients, if any, come from a backward its verdict did not see (another
-            # optimizer's loss, or loss.backward() past step.backward: a non-finite loss of one
-            # rank would go unseen).
+            # its gradients, if any, come from a backward its verdict did not see
             raise ConfigError(
                 f"step.optimizer_step({name!r}) in a step with no step.backward(..., {name!r}): "
                 f"run its loss's backward through step.backward(loss, {name!r}), or leave the call "
                 f"out on the steps that do not train {name!r} (a WGAN's generator between its "
                 "critic's steps)"
             )
-        if name in self._unsynced:
-            # Every rank is here alike: the same step function over the same number of
-            # micro-batches.
+        if name in self._unsynced:  # every rank alike: the same step function and micro-batches
             raise RuntimeError(
                 f"step.optimizer_step({name!r}): the step's last micro-batch had no "
                 f"step.backward(..., {name!r}) after one under no_sync(), so the gradients of "
@@ -175,13 +153,10 @@ class StepContext:
                 "batch in step.micro_batches():` to its end (no break), with a backward on every "
                 "micro-batch"
             )
-        timings = owner.timings
-        if timings is not None:
-            timings.before_optimizer()
+        owner.timings.before_optimizer()
         taken = self.taken[name] = owner.steps[name](owner.window)
         self.optimizers[name].zero_grad(set_to_none=True)
-        if timings is not None:
-            timings.after_optimizer(more=True)
+        owner.timings.after_optimizer(more=True)
         return taken
 
 
@@ -208,20 +183,12 @@ class ManualStep:
         log: Callable[[str, int, dict[str, Any]], None],
         group: Group,
         sampler: ShardedBatchSampler,
-        speed: Speed | None = None,
+        speed: Speed,
     ) -> None:
-        self.speed = speed
-        self.timings: StepTimings | None = speed.timings if speed and speed.enabled else None
-        """The step's phases, as :class:`~ddpkit.training._step.TrainStep` records them: the
-        backwards and what runs between the optimizer steps are ``compute``, each synchronising
-        backward's wait after its last gradient ``comm``, each optimizer step ``optimizer``."""
-        self.strategy, self.step_fn, self.scaler, self.state, self.window = (
-            strategy,
-            step_fn,
-            scaler,
-            state,
-            window,
-        )
+        # the backwards and what runs between the optimizer steps are timed as `compute`
+        self.timings: StepTimings = speed.timings
+        self.strategy, self.step_fn, self.scaler = strategy, step_fn, scaler
+        self.state, self.window = state, window
         self.autocast, self.device_type = autocast, strategy.runtime.device.type
         self.config, self.sampler = config, sampler
         # a metric-driven one steps at validations, with its metric
@@ -247,34 +214,15 @@ class ManualStep:
         # the first optimizer's norm and lr, for the records
         self.optimizer_step = next(iter(self.steps.values()))
 
-    def dropout(self, micro: MicroBatch, passes: int) -> AbstractContextManager[Any]:
-        """The global batch layout of ``micro`` in pass ``passes`` (from 0) over the step's
-        micro-batches, with ``global_batch_dropout``; else nothing."""
-        if not self.config.global_batch_dropout:
-            return nullcontext()
-        cfg = self.config
-        at = step_layout(
-            self.sampler, micro.index, cfg.grad_accum_steps, cfg.seed, self.state.epoch
-        )
-        if passes:
-            # a key of its own per pass, the same on every rank: every rank runs the same passes
-            at = replace(at, key=mix_seed(at.key, passes))
-        return batch_layout(replace(at, size=batch_len(micro.batch)))
-
     def __call__(self, step: Step) -> bool:
-        if self.timings is not None:
-            self.timings.start_step()
+        self.timings.start_step()
         for optimizer_step in self.steps.values():
             optimizer_step.begin()
         context = StepContext(self, list(step.micro_batches))
         self.step_fn(context)
-        if self.timings is not None:
-            self.timings.end_step()
-        # An optimizer no step.backward() named in this step is not stepped, nor is its scheduler:
-        # a WGAN's generator between its critic's steps, or a discriminator the generator's loss
-        # reached (its gradients from that loss are not its own; the next step sets them to None).
-        # One that a backward named must step: its gradients would have no verdict, and a NaN from
-        # one rank would reach the next step.
+        self.timings.end_step()
+        # One that a backward named must step: unstepped, a NaN of one rank would reach the next
+        # step without a verdict. One no backward named is left out (a WGAN's generator).
         unstepped = sorted(context.trained - set(context.taken))
         if unstepped:
             raise RuntimeError(
@@ -317,19 +265,6 @@ class Schedulers:
             s.load_state_dict(state[name])
 
 
-def _check_scheduler(name: str, scheduler: Any, optimizers: Mapping[str, Any]) -> None:
-    """Refuse a scheduler filed under another optimizer's name."""
-    what = f"scheduler={{{name!r}: {type(scheduler).__name__}}}"
-    target = getattr(scheduler, "optimizer", None)
-    if target is not None and target is not optimizers[name]:
-        owner = next((n for n, o in optimizers.items() if o is target), None)
-        built = f"optimizer {owner!r}" if owner else "an optimizer the Trainer is not given"
-        raise ConfigError(
-            f"{what} was built with {built}, not {name!r}: file each scheduler under the name of "
-            "the optimizer it was built with"
-        )
-
-
 NO_METRIC_FN = (
     "pass metric_fn=lambda models, batch: {name: per-sample values} (models: the models by name, "
     "in eval mode): several models have no one forward to take a default loss from"
@@ -359,12 +294,8 @@ def several_models(
     metric_fn: Callable[[dict[str, nn.Module], Any], Mapping[str, Any]] | None = None,
 ) -> tuple[SeveralModels, Schedulers | None, RunRecord, MetricFn | None]:
     """The strategy, the schedulers as one, the run's record and the evaluation's metric function
-    of a Trainer with a ``step_fn``; what such a step does not support (``refused``:
-    :data:`REFUSED`'s names and the values given) is refused, naming the way out.
-    ``metric_fn(models, batch)`` gets the models by name (a dict), unwrapped and in eval mode, and
-    returns what one model's ``metric_fn`` does (:data:`~ddpkit.training._evaluation.MetricFn`).
-    With ``global_batch_dropout``, every model's ``nn.Dropout`` becomes a
-    :class:`~ddpkit.nn.GlobalBatchDropout` with a layer id of its own over all models."""
+    of a Trainer with a ``step_fn``; ``refused`` (:data:`REFUSED`'s names and the values given) is
+    refused, naming the way out. ``metric_fn(models, batch)`` gets the models by name, unwrapped."""
     strategy = strategy_config(config.strategy)
     if strategy.name != "ddp":
         raise ConfigError(
@@ -390,7 +321,14 @@ def several_models(
             f"scheduler names {unknown} name no optimizer: use names among {sorted(optimizers)}"
         )
     for name, sched in (scheduler or {}).items():
-        _check_scheduler(name, sched, optimizers)
+        target = getattr(sched, "optimizer", None)
+        if target is not None and target is not optimizers[name]:  # filed under another's name
+            owner = next((n for n, o in optimizers.items() if o is target), None)
+            made = f"optimizer {owner!r}" if owner else "an optimizer the Trainer is not given"
+            raise ConfigError(
+                f"scheduler={{{name!r}: {type(sched).__name__}}} was built with {made}, not "
+                f"{name!r}: file each scheduler under the name of the optimizer it was built with"
+            )
         if metric_driven(sched):
             check_metric_driven(config, sched, val_data)
     if val_data is not None and metric_fn is None:
@@ -403,9 +341,7 @@ def several_models(
         converted = nn.ModuleDict(dict(models))
         convert_dropout(converted)  # in place: a model that is a dropout itself is replaced
         models = dict(converted.items())
-    # The record (checked on resume) holds every optimizer's groups as the script built them, each
-    # by its optimizer's name (not by its place in the dict: the same optimizers in another order
-    # are the same run).
+    # The record (checked on resume) holds every optimizer's groups, by the optimizer's name.
     groups = SimpleNamespace(
         param_groups=[g for opt in optimizers.values() for g in opt.param_groups]
     )

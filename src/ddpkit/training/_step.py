@@ -1,23 +1,7 @@
-"""The training step: a batch from the loader to ``optimizer.step()``, in the order it runs.
-
-1. :func:`epoch_steps` cuts the rest of an epoch into optimizer steps of ``grad_accum_steps``
-   micro-batches (fewer at an epoch's end), each with its divisor (:func:`loss_divisor`) and its
-   place in the global batch; it reads the loader's batches, timed as the step's ``data``.
-2. :class:`TrainStep` runs one: the gradients set to None; for each micro-batch, under the
-   strategy's ``no_sync()`` but the last, the forward under autocast (:func:`autocast`), the loss
-   into the :class:`~ddpkit.training._step.LossWindow`, the loss divided by its divisor and
-   backward (through the fp16 scaler, :func:`grad_scaler`); then :class:`OptimizerStep`: unscale,
-   the strategy's verdict (clipping), the step or its skip, the scheduler.
-
-3. The :class:`LossWindow` keeps the rank's losses on the device until the ranks agree on them
-   every log interval; each step's :class:`StepOutput` is what ``on_step_end`` gets.
-
-A micro-batch's mean loss is divided so that the step follows the mean over every sample (or item,
-``count_fn``) of the global batch, whichever rank and micro-batch holds it (:func:`loss_divisor`).
-Item counts differ between micro-batches, so their total needs every rank's counts before the first
-backward: one all-reduce of one number a step, which overlaps the first forward
-(:class:`WeightedStep`).
-"""
+"""The training step, from the loader's micro-batches (:func:`epoch_steps`) to
+``optimizer.step()`` (:class:`TrainStep`, :class:`OptimizerStep`), and the losses the ranks agree
+on (:class:`LossWindow`). Each micro-batch's mean loss is divided so that the step follows the mean
+over every sample (or item, ``count_fn``) of the global batch (:func:`loss_divisor`)."""
 
 from __future__ import annotations
 
@@ -25,7 +9,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
 
@@ -38,6 +22,7 @@ from ddpkit.distributed import Group
 from ddpkit.distributed import _progress as marks
 from ddpkit.distributed._collectives import all_reduce, comm_device, gather_values, is_live
 from ddpkit.distributed._progress import Phase
+from ddpkit.distributed._seeding import mix_seed
 from ddpkit.nn._dropout import batch_layout, step_layout
 from ddpkit.snapshot._state import TrainState
 from ddpkit.strategies import Strategy
@@ -51,14 +36,10 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 @dataclass(slots=True)
 class MicroBatch:
     batch: Any
-    samples: int
-    """This rank's samples in it (its items, such as tokens, under ``count_fn``)."""
-    divisor: float
-    """What its mean loss is divided by (:func:`loss_divisor`)."""
-    last: bool
-    """The step's last micro-batch: its backward synchronises the gradients."""
-    index: int
-    """Its global batch's number in the epoch."""
+    samples: int  # this rank's samples in it (its items, such as tokens, under count_fn)
+    divisor: float  # what its mean loss is divided by (loss_divisor)
+    last: bool  # the step's last micro-batch: its backward synchronises the gradients
+    index: int  # its global batch's number in the epoch
 
 
 @dataclass(slots=True)
@@ -67,12 +48,9 @@ class Step:
     trains."""
 
     micro_batches: Iterator[MicroBatch]
-    first: int
-    """The number, in the epoch, of its first global batch."""
-    count: int
-    """How many micro-batches it has."""
-    cursor: int
-    """The epoch's cursor once the step is taken: samples trained on, over all ranks."""
+    first: int  # the number, in the epoch, of its first global batch
+    count: int  # how many micro-batches it has
+    cursor: int  # the epoch's cursor once the step is taken: samples trained on, over all ranks
     last_in_epoch: bool
 
 
@@ -93,8 +71,8 @@ def epoch_steps(
     sampler: ShardedBatchSampler,
     accum: int,
     first: int,
-    device: torch.device | None = None,
-    timings: StepTimings | None = None,
+    device: torch.device | None,
+    timings: StepTimings,
 ) -> Iterator[Step]:
     """The steps of the rest of an epoch whose first untrained global batch is number ``first``;
     ``batches`` is the loader's pass over them (moved to ``device`` when given; each ``next()`` is
@@ -120,15 +98,13 @@ def _micro_batches(
     step_samples: int,
     sampler: ShardedBatchSampler,
     device: torch.device | None,
-    timings: StepTimings | None,
+    timings: StepTimings,
 ) -> Iterator[MicroBatch]:
     for index in indices:
         began = time.perf_counter()
         batch = next(it)
-        waited = time.perf_counter() - began
         n = batch_len(batch)
-        if timings is not None:
-            timings.data(waited, n)
+        timings.data(time.perf_counter() - began, n)
         if device is not None:
             batch = to_device(batch, device)
         divisor = float(loss_divisor(n, sampler.world_size, step_samples))
@@ -136,12 +112,8 @@ def _micro_batches(
 
 
 class WeightedStep:
-    """A step's micro-batches with their item counts (``count_fn``), the all-reduce of the step's
-    total in flight.
-
-    Iterating yields the micro-batches with ``samples`` the item count; :meth:`divisor` of a
-    micro-batch waits for the total only when its loss is about to be scaled, so the all-reduce
-    overlaps the first forward.
+    """A step's micro-batches with their item counts (``count_fn``) as ``samples``, the all-reduce
+    of the step's total in flight: :meth:`divisor` waits for it, so it overlaps the first forward.
     """
 
     def __init__(self, step: Step, count_fn: CountFn, world_size: int, group: Group = None) -> None:
@@ -183,6 +155,19 @@ def scale_loss(
     return loss / micro.divisor if micro.divisor != 1 else loss  # 1: the loss as it is, bit for bit
 
 
+def dropout_layout(
+    sampler: ShardedBatchSampler, micro: MicroBatch, config: TrainerConfig, epoch: int, passes: int
+) -> AbstractContextManager[Any]:
+    """The global batch's dropout layout of ``micro`` in pass ``passes`` (from 0) over its step's
+    micro-batches (``global_batch_dropout``): each sample's mask from its place in the global
+    batch."""
+    at = step_layout(sampler, micro.index, config.grad_accum_steps, config.seed, epoch)
+    if passes:
+        # a key of its own per pass, the same on every rank: every rank runs the same passes
+        at = replace(at, key=mix_seed(at.key, passes))
+    return batch_layout(replace(at, size=batch_len(micro.batch)))
+
+
 def _as_count(value: Any) -> torch.Tensor:
     # float64: counts stay exact up to 2**53 items, where float32 would round above 2**24.
     if isinstance(value, torch.Tensor):
@@ -211,15 +196,12 @@ def grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler | 
 
 class OptimizerStep:
     """Clip and step when the synchronised gradients are finite; skip or stop everywhere alike when
-    not: the verdict comes from the synchronised gradients (under ``fsdp``, one all-reduce over the
-    shards). ``grad_norm`` is the global norm of the last step taken, before clipping (known only
-    when clipping); ``step_norm`` that of the step just done, where the strategy computed it, and
-    ``lr`` the learning rate it used.
+    not. ``grad_norm``: the global norm of the last step taken, before clipping (when clipping);
+    ``step_norm``: that of the step just done, where the strategy computed it; ``lr``: its rate.
 
-    ``counts``: the step advances the Trainer's step counter and updates the fp16 scaler (a step of
-    several optimizers does both once, after the last). ``outside``: the parameters beside the
-    optimizer's whose gradients a skip sets to None too; None: every parameter of the strategy's
-    model (one optimizer); under several optimizers over one model, those of no optimizer.
+    ``counts``: the step advances the step counter and updates the fp16 scaler (a step of several
+    optimizers does both once, after the last). ``outside``: the parameters beside the optimizer's
+    whose gradients a skip sets to None too (None: every parameter of the strategy's model).
     """
 
     def __init__(
@@ -247,16 +229,13 @@ class OptimizerStep:
         optimizers, the step counts once in ``skipped_steps`` however many of them skipped."""
 
     def begin(self) -> None:
-        """Before the step's first forward: the gradients set to None, here rather than after the
-        previous step, so that what reached them in between (a callback's backward through the
-        model, a script's before ``fit()``) is not added to this step's, and ``on_step_end``
-        callbacks see the step's own."""
+        """Before the step's first forward: the gradients set to None (what reached them since the
+        previous step, a callback's backward, is not added to this step's)."""
         self.strategy.optimizer.zero_grad(set_to_none=True)
         self.skipped = False
 
     def __call__(self, window: LossWindow) -> bool:
-        """True if the step was taken. The verdict costs a host sync per step (as a GradScaler's
-        does)."""
+        """True if the step was taken."""
         cfg, optimizer = self.config, self.strategy.optimizer
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)  # clip and check true gradients, not scaled ones
@@ -297,17 +276,12 @@ class OptimizerStep:
             if self.counts:
                 self.scaler.update()  # the scaler saw the inf/NaN in unscale_: it lowers its scale
             if not bad_ranks:  # fp16 overflow with finite losses: routine, the scaler's business
-                self.log(
-                    "event",
-                    state.step,
-                    {"event": "fp16_overflow", "scale": self.scaler.get_scale()},
-                )
+                scale = self.scaler.get_scale()
+                self.log("event", state.step, {"event": "fp16_overflow", "scale": scale})
                 return False
-        what = (
-            f"non-finite loss on {bad_ranks} rank(s)"
-            if bad_ranks
-            else "non-finite gradients (losses finite)"
-        )
+        what = "non-finite gradients (losses finite)"
+        if bad_ranks:
+            what = f"non-finite loss on {bad_ranks} rank(s)"
         if self.config.on_nonfinite == "stop":
             raise FloatingPointError(
                 f"{what} at optimizer step {state.step} (epoch {state.epoch}); every rank stops "
@@ -340,75 +314,54 @@ class TrainStep:
         batch_loss: BatchLoss,
         window: LossWindow,
         sampler: ShardedBatchSampler,
-        scaler: torch.amp.GradScaler | None,
-        global_dropout: bool,
-        world_size: int,
-        group: Group,
-        speed: Speed | None = None,
+        speed: Speed,
     ) -> None:
+        """``optimizer_step``'s scaler and group are the step's."""
         self.config, self.strategy, self.optimizer_step = config, strategy, optimizer_step
-        self.speed = speed
-        self.timings = speed.timings if speed is not None else None
+        self.speed, self.timings = speed, speed.timings
         self.forward, self.batch_loss, self.autocast = forward, batch_loss, autocast
-        self.window, self.sampler, self.scaler = window, sampler, scaler
-        self.global_dropout, self.world_size, self.group = global_dropout, world_size, group
+        self.window, self.sampler, self.scaler = window, sampler, optimizer_step.scaler
 
     def __call__(self, step: Step) -> bool:
         self.optimizer_step.begin()  # the gradients set to None before the step's first forward
-        speed, timings = self.speed, self.timings
-        if timings is not None:
-            timings.start_step()
+        self.timings.start_step()
         weighted = (
             None
             if self.batch_loss.count_fn is None
-            else WeightedStep(step, self.batch_loss.count_fn, self.world_size, self.group)
+            else WeightedStep(
+                step, self.batch_loss.count_fn, self.sampler.world_size, self.optimizer_step.group
+            )
         )
         for micro in weighted or step.micro_batches:
             # the run's first micro-batch, once a peak is known: its forward and backward counted
-            counting = (
-                speed.counting(micro.batch)
-                if speed is not None and speed.to_count
-                else nullcontext()
-            )
+            counting = self.speed.counting(micro.batch)
             # all but the last backward accumulate without synchronising the gradients
             with counting, nullcontext() if micro.last else self.strategy.no_sync():
                 self.micro_batch(micro, weighted)
-        if timings is not None:
-            timings.before_optimizer()
+        self.timings.before_optimizer()
         marks.mark(Phase.OPTIMIZER)  # for the launcher's stall watch (ddpkit._launch.watch)
         taken = self.optimizer_step(self.window)
         marks.mark(Phase.USER)
-        if timings is not None:
-            timings.after_optimizer()
+        self.timings.after_optimizer()
         self.window.end_step(taken)
         return taken
 
     def micro_batch(self, micro: MicroBatch, weighted: WeightedStep | None) -> None:
-        """Forward, loss and backward of one micro-batch."""
-        loss = self.micro_batch_loss(micro)
+        """Forward (under autocast and the global batch's dropout layout, where they apply), loss
+        and backward of one micro-batch."""
+        epoch = self.optimizer_step.state.epoch
+        dropout = (
+            dropout_layout(self.sampler, micro, self.config, epoch, 0)
+            if self.config.global_batch_dropout
+            else nullcontext()
+        )
+        with self.autocast(), dropout:
+            loss = self.batch_loss(self.forward, micro.batch)
         self.window.add(loss, micro.samples)
         scaled = scale_loss(self.strategy.mark_nonfinite(loss), micro, weighted)
-        if micro.last and self.timings is not None:
+        if micro.last:
             self.timings.sync_backward(scaled)
         (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-
-    def micro_batch_loss(self, micro: MicroBatch) -> torch.Tensor:
-        """The forward and loss under autocast and the global batch's dropout layout, where they
-        apply."""
-        if not self.global_dropout:
-            with self.autocast():
-                return self.batch_loss(self.forward, micro.batch)
-        # each sample's mask from its place in the global batch
-        cfg = self.config
-        at = step_layout(
-            self.sampler,
-            micro.index,
-            cfg.grad_accum_steps,
-            cfg.seed,
-            self.optimizer_step.state.epoch,
-        )
-        with self.autocast(), batch_layout(replace(at, size=batch_len(micro.batch))):
-            return self.batch_loss(self.forward, micro.batch)
 
 
 # -- A rank's training losses between two agreements of the ranks.
@@ -422,12 +375,9 @@ class Agreed:
     loss_sum: float
     samples: float
     stop: bool
-    means: dict[str, float] = field(default_factory=dict)
-    """The mean of each named loss (a step of several models: each ``backward(loss, name)``'s)."""
-    rows: list[list[float]] = field(default_factory=list)
-    """Every rank's ``row`` passed to :meth:`LossWindow.agree`, in rank order."""
-    fault: int = 0
-    """The errno of a failed write of the run directory on some rank (0: none)."""
+    means: dict[str, float]  # of each named loss (a step of several models)
+    rows: list[list[float]]  # every rank's row passed to LossWindow.agree, in rank order
+    fault: int  # the errno of a failed write of the run directory on some rank (0: none)
 
     @property
     def mean(self) -> float:
@@ -436,13 +386,8 @@ class Agreed:
 
 class LossWindow:
     """This rank's training losses since the ranks last agreed on the mean; a skipped step's are
-    dropped.
-
-    On an accelerator the losses stay tensors until the ranks agree: reading each would wait for the
-    device. On the CPU (``on_host``) their values are read at once: a read is free there, and
-    keeping the tiny tensors alive between steps fragments the heap the next steps' activations are
-    allocated from.
-    """
+    dropped. On an accelerator they stay tensors until the agreement (a read waits for the device);
+    ``on_host`` (the CPU), their values are read at once."""
 
     def __init__(self, on_host: bool) -> None:
         self.on_host = on_host
@@ -545,13 +490,9 @@ class LossWindow:
         fault: int = 0,
     ) -> Agreed:
         """The global loss sum and sample count since the last agreement, whether any rank must
-        stop, and every rank's ``row`` (the window's step timings).
-
-        Collective (one small all-gather): every rank calls it after the same steps. One all-gather
-        of every rank's sums and row costs what an all-reduce of the sums does (a few numbers: the
-        latency is the cost), and saves a second collective for the rows. The totals are summed
-        from the table in rank order, the same on every rank.
-        """
+        stop, and every rank's ``row`` (the window's step timings). Collective (one small
+        all-gather): every rank calls it after the same steps; the totals are summed in rank order,
+        the same on every rank."""
         mine: dict[str, Any] = {
             "loss": self.local_sum(device),
             "samples": sum(self.sizes),
@@ -584,8 +525,7 @@ class LossWindow:
 @dataclass
 class EpochLoss:
     """The sums agreed so far in the current epoch: loss x samples (or items), and samples; the same
-    on every rank. Part of every snapshot, so that a run resumed inside an epoch reports the mean
-    over all its steps."""
+    on every rank, and in every snapshot."""
 
     loss_sum: float = 0.0
     samples: float = 0.0
@@ -606,10 +546,6 @@ class EpochLoss:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loss_sum, self.samples = float(state["loss_sum"]), float(state["samples"])
-
-
-# -- What on_step_end callbacks learn about the optimizer step just done, at no cost in
-# communication: this rank's own loss, the step's learning rate, the global gradient norm.
 
 
 class StopReason(str, Enum):
@@ -665,8 +601,7 @@ class StepOutput:
 def step_output(
     taken: bool, state: TrainState, optimizer_step: OptimizerStep, window: LossWindow
 ) -> StepOutput:
-    """The step just done, from the pieces of the Trainer that know it (read after the window ended
-    the step)."""
+    """The step just done (read after the window ended the step)."""
     losses, sizes = window.last_step
     norm = optimizer_step.step_norm
     return StepOutput(

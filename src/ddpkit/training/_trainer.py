@@ -1,22 +1,13 @@
 """The Trainer: DDP epochs with exact metrics, atomic snapshots, and resume that continues bit for
-bit.
-
-Built on the same primitives a hand-written loop uses (:func:`~ddpkit.prepare_model` through a
-strategy, :class:`~ddpkit.data.ShardedBatchSampler`, :func:`~ddpkit.evaluate`,
-:mod:`ddpkit.snapshot`); nothing here is needed to write a loop by hand. The loop reads::
+bit (docs/trainer.md). Built on the primitives a hand-written loop uses; the loop reads::
 
     for step in epoch_steps(...):       # each optimizer step's micro-batches
         taken = self.train_step(step)   # forward/backward on each, the optimizer step
         self._after_step(step, taken)   # log, agree, snapshot, stop?
 
-The step itself, from the loader's micro-batches to ``optimizer.step()``, is
-:mod:`ddpkit.training._step`: all micro-batches but the last under the strategy's ``no_sync()``,
-each loss divided by its divisor in the step (:func:`~ddpkit.training._step.loss_divisor`), so the
-step follows the mean over samples (or tokens), not over ranks;
-:class:`~ddpkit.training._step.OptimizerStep` takes, skips or stops it on every rank alike. Every
-``logging.every_steps`` steps and at an epoch's end one small all-reduce gives the exact mean
-training loss and spreads a stop signal any rank received, so that all ranks save and stop after the
-same step.
+Every ``logging.every_steps`` steps and at an epoch's end one small all-gather gives the exact mean
+training loss and spreads a stop signal any rank received: all ranks save and stop after the same
+step.
 """
 
 from __future__ import annotations
@@ -54,8 +45,6 @@ from ddpkit.tracking._speed import Speed
 from ddpkit.training._compiled import compile_for_training
 from ddpkit.training._config import TrainerConfig  # noqa: F401  (imported from here by scripts)
 from ddpkit.training._evaluation import BatchLoss, BatchLossFn, LossFn
-
-# StepContext: StepFn names it
 from ddpkit.training._several import NO_METRIC_FN, ManualStep, Schedulers, StepFn, several_models
 from ddpkit.training._step import (
     CountFn,
@@ -73,10 +62,8 @@ from ddpkit.training._step import (
 )
 from ddpkit.training._validation import Evaluator, Validation, check_metric_driven, metric_driven
 
-# -- Callbacks: what the Trainer does not do, added without subclassing it. A callback is any object
-# with some of the methods of Callback; the Trainer calls those it has, on every rank, in the order
-# given, between collectives it makes on every rank of its group: a callback may make collectives
-# of its own as long as it makes the same ones on every rank.
+# The Trainer calls a callback's hooks on every rank, in order, between its own collectives: a
+# callback may make collectives of its own if it makes the same ones on every rank.
 
 
 class Callback:
@@ -130,8 +117,7 @@ def own_parts(
 ) -> dict[str, Any]:
     """What each rank keeps its own of in a snapshot: its unagreed losses (``window``), the
     callbacks that have a ``state_dict``/``load_state_dict`` (under their ``state_key`` attribute,
-    or their class name), and the script's ``extra_state``. Each rank saves and gets back its own: a
-    best-so-far value or a hidden state may differ between ranks."""
+    or their class name), and the script's ``extra_state``."""
     parts: dict[str, Any] = {"loss_window": window}
     for cb in callbacks:
         if _stateful(cb):
@@ -204,8 +190,7 @@ class Trainer:
         step_fn: StepFn | None = None,
     ) -> None:
         in_use = run_dir_lib.refuse_shared(config.run_dir, config.phase)
-        # Rank, world size and "main" count in this group: the whole job, or one group of
-        # split_world().
+        # rank, world size and "main" count in this group (the job, or one of split_world())
         self.config, self.runtime = config, get_runtime(group, member=True)
         rt = self.runtime
         self.group = rt.group
@@ -216,8 +201,7 @@ class Trainer:
         if step_fn is None:
             # the lr as asked, before any scheduler step
             record = RunRecord.of(config, optimizer, model)
-            # The strategy wraps the model (and, for zero and fsdp, rebuilds the optimizer over what
-            # it shards, pointing the scheduler at the new one).
+            # zero and fsdp rebuild the optimizer over what they shard (the scheduler follows)
             self.strategy = build_strategy(
                 config.strategy,
                 model,
@@ -236,8 +220,7 @@ class Trainer:
             )
         self.model, self.optimizer = self.strategy.model, self.strategy.optimizer
         self.scheduler = scheduler
-        # stepped at each validation, with its metric (several models': those of them that are,
-        # each checked by several_models)
+        # stepped at each validation, with its metric (several models': checked by several_models)
         self._plateau = metric_driven(scheduler) or (
             isinstance(scheduler, Schedulers) and scheduler.metric_driven
         )
@@ -251,12 +234,8 @@ class Trainer:
             self.model, rt.device, enabled=log.step_timings, precision=config.precision,
             world_size=rt.world_size, peak_flops=log.peak_flops, compiled=config.compile,
         )  # fmt: skip
-        # Scripts seed every rank alike so that models start identical; the strategy has now made
-        # them identical, and with one seed everywhere ranks would also draw identical dropout masks
-        # and augmentations.
+        # the models are now identical: each rank gets its own streams (dropout, augmentation)
         seed_rank(config.seed, rt.rank)
-        # every dropout of the forward follows the global batch (functional ones too)
-        self._global_dropout = config.global_batch_dropout
         self._on_cpu = rt.device.type == "cpu"
         self.scaler = grad_scaler(config.precision, rt.device)
         self.batch_loss = BatchLoss(loss_fn, batch_loss_fn, metric_fn, count_fn)
@@ -284,15 +263,14 @@ class Trainer:
             self.strategy, self.batch_loss.metrics, self._autocast, config.eval_batch_size,
             config.num_workers, self.group, config.collate_fn,
         )  # fmt: skip
-        self.validation = Validation.of(
+        self.validation = Validation(
             config, rt, val_data, evaluate=self.evaluator,
             model_weights=self.strategy.model_weights, log=self.writer.log,
             plateau=scheduler if self._plateau else None,
         )  # fmt: skip
         self.early_stopping = self.validation.early_stopping
         self.best_weights = self.validation.best_weights
-        # A resume on changed data is refused, naming the change: the loader's state holds the
-        # data's fingerprint. `own`: what each rank saves of its own.
+        # `own`: what each rank saves of its own
         own = own_parts(self._window, self.callbacks, extra_state)
         streams = RankStreams(
             rt, self.generator, config.seed, self.state, own=own,
@@ -317,8 +295,7 @@ class Trainer:
         self.train_step: TrainStep | ManualStep = TrainStep(
             config, self.strategy, self.optimizer_step, forward=self._forward,
             autocast=self._autocast, batch_loss=self.batch_loss, window=self._window,
-            sampler=self.sampler, scaler=self.scaler, global_dropout=self._global_dropout,
-            world_size=rt.world_size, group=self.group, speed=self.speed,
+            sampler=self.sampler, speed=self.speed,
         )  # fmt: skip
         if step_fn is not None:
             self.train_step = ManualStep(
@@ -430,8 +407,7 @@ class Trainer:
             if self.stopped_by is None:
                 self.stopped_by = StopReason.EPOCHS
         except BaseException as err:
-            # The launcher's failure summary shows the end of the traceback, notes included (Python
-            # >= 3.11).
+            # the launcher's failure summary shows the traceback's end, notes included (3.11+)
             if hasattr(err, "add_note"):
                 err.add_note(
                     f"ddpkit: rank {rt.rank} failed in epoch {self.epoch}, at optimizer step "
@@ -512,11 +488,9 @@ class Trainer:
             count = self.state.step  # a callback may move it
         if cfg.max_steps is not None and count >= cfg.max_steps:
             self.stopped_by = StopReason.MAX_STEPS
-        # Before the step's snapshot (below, or fit's), whose early-stopping state then counts this
-        # validation:
+        # before the step's snapshot, whose early-stopping state then counts this validation
         if self.validation.due(count, taken):
-            # Not training: left out of the window's wall time, its time in a record of its own.
-            # Each rank leaves out its own, entered after the same step's gradients' all-reduce.
+            # left out of the window's wall time, its time in a record of its own
             with self.speed.aside() as took, self._run_dir_write(self.best_weights.path):
                 self.validation.after_step(self.epoch, count)
             val = {"epoch": self.epoch, "step": count, **self.validation.latest}
@@ -545,10 +519,8 @@ class Trainer:
 
     def _snapshot(self, count: int, taken: bool, disk: bool, *, in_window: bool = True) -> None:
         """The snapshots due where the run stands now, once everything of the step (or of the
-        epoch's end) is done: a copy is then a state an uninterrupted run passes through, and a
-        resume from it does only what comes after it; a kill before them resumes from the copy
-        before, doing this step and what followed it again, once. ``in_window``: timed as the log
-        window's (not at an epoch's end, whose window is recorded)."""
+        epoch's end) is done: a copy is a state an uninterrupted run passes through. ``in_window``:
+        timed as the log window's (not at an epoch's end, whose window is recorded)."""
         timed = self.speed.timings.phase("snapshot") if in_window else nullcontext()
         with timed:
             if disk:
@@ -567,9 +539,8 @@ class Trainer:
             self._notice = None
             self.snapshots.schedule.notice = notice
             self.writer.log("event", self.step, {"event": "preemption_notice", "notice": notice})
-        # The window ends here on each rank, before the agreement: a rank's wall time is its own,
-        # not the wait for the slowest rank's arrival; that wait is the next window's. On a GPU,
-        # once the device has done the window's work (the agreement would wait for it anyway).
+        # The window ends here, before the agreement (the wait for the slowest rank is the next
+        # window's); on a GPU once the device has done its work.
         if self.runtime.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
         end = time.perf_counter()
@@ -577,9 +548,8 @@ class Trainer:
         tokens = self.batch_loss.count_fn is not None
         # Every rank's phases travel in the agreement's one collective, at window ends only.
         row = self.speed.row(wall, float(sum(window.sizes)) if tokens else None)
-        fault = self.writer.fault[1] or 1 if self.writer.fault else 0
         agreed = window.agree(
-            self.runtime.device, bool(self._stop_signal), self.group, row, fault=fault
+            self.runtime.device, bool(self._stop_signal), self.group, row, fault=self._fault()
         )
         if agreed.fault:
             self._stop_on_fault()
@@ -614,8 +584,7 @@ class Trainer:
 
     def _end_epoch(self) -> dict[str, float]:
         cfg = self.config
-        # resumed from a copy taken after the epoch's last step, before its agreement (a version
-        # that copied there)
+        # resumed from a copy taken after the epoch's last step, before its agreement
         if self._window.tried:
             self._log_window()
         self.state.epoch += 1
@@ -625,8 +594,7 @@ class Trainer:
         if self.scheduler is not None and epochly:
             self.scheduler.step()
         metrics: dict[str, float] = {"epoch": self.epoch, "step": self.step, "lr": self._lr()}
-        # The mean over all the epoch's steps: a snapshot holds the sums so far, and each rank's
-        # unagreed losses.
+        # the mean over all the epoch's steps (a snapshot holds the sums so far)
         metrics["train/epoch_loss"] = self.epoch_loss.mean
         self.epoch_loss.reset()
         if self.val_data is not None and self.validation.at_epoch_end:
@@ -637,8 +605,7 @@ class Trainer:
                 self.validation.update(metrics, self.epoch, self.step)
             if self.early_stopping.should_stop:
                 self.stopped_by = StopReason.EARLY_STOPPING
-        # The records and callbacks get the epoch's time too; fit() returns only what the training
-        # determines.
+        # the records and callbacks get the epoch's time too; fit() returns the metrics alone
         timed = metrics | {"epoch_seconds": seconds}
         self.writer.epoch_end(self.step, timed)
         print0(
@@ -671,15 +638,13 @@ class Trainer:
         return out
 
     def _on_stop_signal(self, signum: int) -> None:
-        # Only a flag: the next agreement spreads it, and every rank saves and stops after the same
-        # step.
+        # only a flag: the next agreement spreads it, so every rank stops after the same step
         self._stop_signal = signum
 
     @contextmanager
     def _run_dir_write(self, path: Path) -> Iterator[None]:
         """A write of the run directory that only the main rank makes: failed (a full disk), it is
-        kept for the ranks' next agreement, which stops every rank together (:meth:`_stop_on_fault`)
-        rather than this rank alone while the others wait for it."""
+        kept for the ranks' next agreement, which stops every rank (:meth:`_stop_on_fault`)."""
         try:
             yield
         except OSError as err:
@@ -692,10 +657,8 @@ class Trainer:
         the file, the reason and where a restart resumes from (collective: every rank calls it;
         ``one_more``: the ranks first agree on it, past their last agreement)."""
         group = self.group
-        if one_more:
-            fault = self.writer.fault[1] or 1 if self.writer.fault else 0
-            if not all_reduce(float(fault), op="max", group=group):
-                return
+        if one_more and not all_reduce(float(self._fault()), op="max", group=group):
+            return
         path, errno, reason = broadcast_object(self.writer.fault, group=group) or ("?", 0, "")
         done = self.snapshots.schedule.saved_at
         where = (
@@ -708,6 +671,10 @@ class Trainer:
             f"ddpkit: cannot write {path} ({reason}): every rank stops at step {self.step}; free "
             f"room there, and a restart resumes from {where}",
         )
+
+    def _fault(self) -> int:
+        """The errno of this rank's failed write of the run directory (0: none)."""
+        return self.writer.fault[1] or 1 if self.writer.fault else 0
 
     def _lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])

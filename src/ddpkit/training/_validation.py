@@ -1,28 +1,13 @@
-"""When to validate, and what a validation decides: early stopping and the best weights, one metric
-and one comparison, decided alike everywhere.
-
-The metrics are agreed over ranks (:func:`~ddpkit.evaluate` is exact), so every rank takes the same
-decisions; only rank 0 writes the best weights, but every rank joins gathering them (a collective
-under ``fsdp``).
-
-By default the Trainer validates at the end of each epoch. With ``TrainerConfig.val_every_steps
-= N`` it validates after every N-th optimizer step instead (counted over the whole run, not within
-an epoch), and early stopping counts validations, not epochs: ``patience`` validations without
-improvement end the run, and the best weights record the step they were taken at.
-
-Exact on resume: a validation is due at a step count, which a snapshot restores, and it runs before
-any snapshot of that step is written, so the early-stopping state a snapshot holds already counts
-the validation of its own step. A run killed and resumed validates at the same steps as an
-uninterrupted one, gets the same values (the weights at those steps are the same, bit for bit) and
-so picks the same best step.
-"""
+"""When to validate, and what a validation decides: early stopping and the best weights, from
+metrics agreed over ranks, so every rank decides alike (docs/trainer.md, "Validation every N
+steps"). Only rank 0 writes the best weights, but every rank joins gathering them (a collective
+under ``fsdp``)."""
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,9 +31,8 @@ from ddpkit.training._step import StopReason
 class Evaluator:
     """Exact metrics of a Trainer's model over a dataset (every sample counted once): its own
     evaluation loader, the strategy's evaluation mode, the run's metrics and precision. It holds the
-    Trainer's parts, never the Trainer: a Trainer -> validation -> Trainer cycle would keep a
-    finished Trainer alive until a garbage collection, which then shuts its loader's workers down in
-    whatever thread it runs (a snapshot writer's, stalled for seconds)."""
+    Trainer's parts, never the Trainer: a reference cycle would leave a finished Trainer's loader
+    workers to a garbage collection, in whatever thread it runs (a snapshot writer's)."""
 
     def __init__(
         self,
@@ -84,35 +68,6 @@ class Validation:
 
     def __init__(
         self,
-        early_stopping: EarlyStopping,
-        best_weights: BestWeights,
-        model_weights: Callable[[], Mapping[str, torch.Tensor]],
-        log: Callable[[str, int, dict[str, Any]], None],
-        every_steps: int | None = None,
-        evaluate: Callable[[], dict[str, float]] | None = None,
-    ) -> None:
-        """``evaluate``: the validation's metrics (an :class:`Evaluator` on the validation data),
-        needed with ``every_steps``."""
-        self.early_stopping, self.best_weights = early_stopping, best_weights
-        self.model_weights, self.log = model_weights, log
-        self.every_steps, self.evaluate = every_steps, evaluate
-        self.latest: dict[str, Any] = {}
-        """The latest step-wise validation's metrics (``val/...``), which ``fit()`` returns with the
-        epoch's."""
-        self.latest_step: int | None = None
-        # of best.pt's companion and of the final weights (see `of`)
-        self.weights_format: str | None = None
-        self.run_dir: Path | None = None
-        self.is_main = True
-        self.group: Group = None
-        self.plateau: Any = None
-        """A metric-driven LR scheduler, stepped with each validation's value of the early-stopping
-        metric (before any snapshot of the step, so that snapshots hold its state after the
-        step)."""
-
-    @classmethod
-    def of(
-        cls,
         config: TrainerConfig,
         runtime: Runtime,
         val_data: Any,
@@ -121,44 +76,42 @@ class Validation:
         model_weights: Callable[[], Mapping[str, torch.Tensor]],
         log: Callable[[str, int, dict[str, Any]], None],
         plateau: Any = None,
-    ) -> Validation:
+    ) -> None:
         """A Trainer's validation and weights files as ``config`` asks: early stopping, ``best.pt``
         and, in ``config.weights_format``, ``best.safetensors`` (or ``best_weights.pt``) and the
         final weights. ``evaluate(val_data, "val")`` gives a validation's metrics. ``plateau``: a
         metric-driven LR scheduler (``ReduceLROnPlateau``), stepped at each validation with
-        ``early_stopping.metric``'s value."""
+        ``early_stopping.metric``'s value (before any snapshot of the step)."""
         # safetensors, or .pt without it
-        weights_format, notice = export.resolve_format(config.weights_format)
+        self.weights_format, notice = export.resolve_format(config.weights_format)
         if notice is not None:
             print0(notice, group=runtime.group)
-        run_dir = config.phase_dir
         if config.val_every_steps is not None and val_data is None:
             raise ConfigError(
                 f"val_every_steps={config.val_every_steps} needs validation data: pass "
                 "Trainer(..., val_data=...), or leave val_every_steps at None"
             )
+        self.run_dir, self.is_main, self.group = config.phase_dir, runtime.is_main, runtime.group
         es = config.early_stopping
-        best = BestWeights(
-            run_dir / "best.pt",
+        self.early_stopping = EarlyStopping(es)
+        self.best_weights = BestWeights(
+            self.run_dir / "best.pt",
             es.metric,
             es.mode,
             enabled=runtime.is_main,
-            export_path=export.weights_path(run_dir, "best", weights_format)
-            if weights_format
+            export_path=export.weights_path(self.run_dir, "best", self.weights_format)
+            if self.weights_format
             else None,
-            export_format=weights_format,
+            export_format=self.weights_format,
         )
-        best.at_step = config.val_every_steps is not None
-        validate = partial(evaluate, val_data, "val") if val_data is not None else None
-        out = cls(EarlyStopping(es), best, model_weights, log, config.val_every_steps, validate)
-        out.plateau = plateau
-        out.weights_format, out.run_dir, out.is_main, out.group = (
-            weights_format,
-            run_dir,
-            runtime.is_main,
-            runtime.group,
-        )
-        return out
+        self.best_weights.at_step = config.val_every_steps is not None
+        self.model_weights, self.log, self.plateau = model_weights, log, plateau
+        self.every_steps = config.val_every_steps
+        self.evaluate = partial(evaluate, val_data, "val") if val_data is not None else None
+        self.latest: dict[str, Any] = {}
+        """The latest step-wise validation's metrics (``val/...``), which ``fit()`` returns with the
+        epoch's."""
+        self.latest_step: int | None = None
 
     @property
     def at_epoch_end(self) -> bool:
@@ -225,7 +178,7 @@ class Validation:
         """Validate now (the step is due): record the metrics as a ``val`` record at ``step`` and
         count them (``early_stopping.should_stop`` then says whether training must stop); the
         metrics, with ``epoch`` and ``step``."""
-        assert self.evaluate is not None  # `of` refuses every_steps without validation data
+        assert self.evaluate is not None  # __init__ refuses every_steps without validation data
         metrics = self.evaluate()
         self.latest, self.latest_step = dict(metrics), step
         self.log("val", step, {"epoch": epoch, **metrics})
@@ -240,7 +193,7 @@ class Validation:
         """``final.safetensors`` (or ``final_weights.pt``) in the run directory, when training ends:
         not after a stop signal, which is not an end. Every rank calls it (gathering the weights is
         a collective under fsdp)."""
-        if self.run_dir is not None and stopped_by != StopReason.SIGNAL:
+        if stopped_by != StopReason.SIGNAL:
             export.save_final_weights(
                 self.model_weights,
                 self.run_dir,
