@@ -1,16 +1,12 @@
 """The memory store: after optimizer steps, each rank's state goes into its slots in the job's
 folder in shared memory (:mod:`ddpkit.snapshot._slots`), which outlives the worker; a restarted job
 resumes from the newest step every rank holds there, when it is newer than the disk's newest
-snapshot.
+snapshot (docs/snapshots.md, "Snapshots in memory").
 
-A save copies what a disk snapshot holds, with no collective: the strategy's tensors (copied from
-the live parameters and optimizer state, whose list is rebuilt only when one of them is replaced),
-the optimizer's hyper-parameters, the other parts' states and the rank's own streams. Every step by
-default; after :data:`TUNE_AFTER` saves, every N steps where the copy held the loop longer than
-:data:`STALL_BUDGET` of a step (the same N on every rank). With peers (``ddp`` across nodes) every
-save also gathers every rank's own part into every rank's slot, so that the rank of a replacement
-node gets its state from a surviving rank; under ``zero`` and ``fsdp`` a lost node resumes from
-disk.
+A save copies what a disk snapshot holds, with no collective (but with peers: ``ddp`` across nodes
+also gathers every rank's own part into every rank's slot). Every step by default; after
+:data:`TUNE_AFTER` saves, every N steps where the copy held the loop longer than
+:data:`STALL_BUDGET` of a step (the same N on every rank).
 """
 
 from __future__ import annotations
@@ -156,7 +152,7 @@ class MemoryStore:
         group: Group,
     ) -> None:
         self.schedule, self.slots, self.peers, self.group = schedule, slots, peers, group
-        self.every_steps = every_steps or 1  # the schedule holds it
+        schedule.memory_every_steps = every_steps or 1
         self._tuned = every_steps is not None
         self._starts: list[float] = []  # perf_counter at each save, until the interval is chosen
         self._calls = 0
@@ -172,14 +168,6 @@ class MemoryStore:
         self._skipped: set[tuple[int, ...]] = set()
         self.stalls: list[float] = []
         """Seconds each save held the training loop."""
-
-    @property
-    def every_steps(self) -> int:
-        return self.schedule.memory_every_steps
-
-    @every_steps.setter
-    def every_steps(self, value: int) -> None:
-        self.schedule.memory_every_steps = value
 
     # -- saving ------------------------------------------------------------------------------------
 
@@ -231,8 +219,8 @@ class MemoryStore:
             box = torch.tensor([wanted])
             dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self.group)
             wanted = float(box)
-        self.every_steps = int(wanted)
-        record = {"event": "memory_snapshots", "every_steps": self.every_steps}
+        self.schedule.memory_every_steps = int(wanted)
+        record = {"event": "memory_snapshots", "every_steps": int(wanted)}
         record |= {"stall_ms": round(1e3 * stall, 3), "step_ms": round(1e3 * step, 3)}
         snapshots.log("event", snapshots.train.step, record)
 
@@ -282,15 +270,10 @@ class MemoryStore:
         aliases = all(t.untyped_storage().data_ptr() in storages for t in tensors)
         hyper_only = all(_hyperparams_only(p) for p, _ in values)
         ident = plan.ident + 1 if plan else 0
+        kept = [] if hyper_only else values
+        signature = watch.signature()
         self._plan = _Plan(
-            paths,
-            tensors,
-            own,
-            [] if hyper_only else values,
-            aliases and hyper_only,
-            watch,
-            watch.signature(),
-            ident,
+            paths, tensors, own, kept, aliases and hyper_only, watch, signature, ident
         )
         return self._plan
 
@@ -591,12 +574,6 @@ def _hyperparams_only(path: KeyPath) -> bool:
     return len(path) == 2 and path[0] == "optim" and str(path[1]).startswith("param_groups.")
 
 
-def _optimizers(optimizer: Any) -> list[Any]:
-    # ZeroRedundancyOptimizer keeps its rank's parameters' state in its local optimizer, ``.optim``
-    found = [optimizer, getattr(optimizer, "optim", None)]
-    return list({id(o): o for o in found if o is not None}.values())
-
-
 class _Watch:
     """A cheap test that the live objects a plan copies from are still those: the parameters'
     storage (a script may set ``p.data``), each buffer object, and the optimizer's state tensors
@@ -606,7 +583,9 @@ class _Watch:
         module = unwrap(strategy.model)
         self.params = list(module.parameters())
         self.buffers = buffer_slots(module)
-        self.optimizers = _optimizers(strategy.optimizer)
+        # ZeroRedundancyOptimizer keeps its rank's parameters' state in its local optimizer, .optim
+        found = [strategy.optimizer, getattr(strategy.optimizer, "optim", None)]
+        self.optimizers = list({id(o): o for o in found if o is not None}.values())
 
     def _states(self) -> list[Any]:
         return [

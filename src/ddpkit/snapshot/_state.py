@@ -57,16 +57,12 @@ class TrainState:
 
 class RankStreams:
     """Every rank's own state: its random streams (python, numpy, torch CPU and CUDA), its loader's
-    generator, and ``own`` parts, objects with ``state_dict()`` / ``load_state_dict()`` of which
-    each rank keeps its own (the unagreed training losses, the callbacks' and the script's
-    ``extra_state``).
-
-    ``state_dict()`` gathers them (a collective). At the same world size each rank gets its own
-    back; at another, each stream is reseeded from ``(seed, step, rank)``, and an own part gets
-    every old rank's state through its ``load_rank_states(states, rank)``, else old rank ``r``'s,
-    and a rank beyond the old world what ``new_rank_state`` says (the part's own attribute first):
-    ``refuse``, ``copy`` (rank 0's) or ``fresh`` (with a warning; :attr:`fresh_parts`), never
-    silently fresh.
+    generator, and ``own`` parts (objects with ``state_dict()`` / ``load_state_dict()`` each rank
+    keeps its own of). ``state_dict()`` gathers them (a collective). At another world size each
+    stream is reseeded from ``(seed, step, rank)``, and an own part gets every old rank's state
+    through its ``load_rank_states(states, rank)``, else old rank ``r``'s, and a rank beyond the old
+    world what ``new_rank_state`` says (the part's own attribute first): ``refuse``, ``copy`` (rank
+    0's) or ``fresh`` (with a warning; :attr:`fresh_parts`).
     """
 
     def __init__(
@@ -110,7 +106,10 @@ class RankStreams:
             mine = state["ranks"][rt.rank]
             set_rng_state(mine["rng"])
             self.generator.set_state(mine["loader_generator"])
-            self._load_own(mine)
+            self._check_own(mine)
+            for name, part in self.own.items():
+                if "own" in mine:
+                    part.load_state_dict(mine["own"][name])
             return
         # needs the counters loaded first
         seed = stream_seed("reseed", self.seed, self.train.step, rt.rank)
@@ -174,17 +173,11 @@ class RankStreams:
                 "extra_state names"
             )
 
-    def _load_own(self, mine: Mapping[str, Any]) -> None:
-        self._check_own(mine)
-        for name, part in self.own.items():
-            if "own" in mine:
-                part.load_state_dict(mine["own"][name])
-
 
 def _own(value: Any, name: str) -> Any:
-    """A copy of a part's ``state_dict()`` as a load gives it back (:func:`codec.copied`: tensors on
-    the CPU, no type lost). A value the codec cannot hold is left for the snapshot to refuse on
-    every rank together, by name, where refusing here would leave the other ranks waiting."""
+    """A copy of a part's ``state_dict()`` as a load gives it back (:func:`codec.copied`). A value
+    the codec cannot hold is left for the snapshot to refuse on every rank together: refused here,
+    on one rank, it would leave the other ranks waiting."""
     try:
         return codec.copied(value, f"own.{name}")
     except codec.UnsupportedValue:
@@ -243,11 +236,13 @@ class SnapshotSchedule:
     every_steps: int | None = None
     every_epochs: int = 1
     memory_every_steps: int = 1
-    """The interval of the copies in memory, once chosen."""
+    """The interval of the copies in memory (:class:`~ddpkit.snapshot._memory.MemoryStore` sets
+    it once chosen)."""
     notice: str | None = None
     """A pre-emption notice not yet acted on: the next :meth:`after_step` or :meth:`at_epoch_end` is
     due."""
-    _saved_at: tuple[int, int, int] | None = field(default=None, repr=False)
+    saved_at: tuple[int, int, int] | None = field(default=None, repr=False)
+    """The position (epoch, step, cursor) last written to disk, or ``None``."""
 
     @classmethod
     def of(cls, config: SnapshotConfig) -> SnapshotSchedule:
@@ -291,13 +286,8 @@ class SnapshotSchedule:
         """Whether ``position`` has not been written yet (a save there is then due); false after
         :meth:`written` of the same position, so that an epoch end and a stop at the same step write
         once."""
-        return position != self._saved_at
-
-    @property
-    def saved_at(self) -> tuple[int, int, int] | None:
-        """The position (epoch, step, batch) last written to disk, or ``None``."""
-        return self._saved_at
+        return position != self.saved_at
 
     def written(self, position: tuple[int, int, int]) -> None:
         """``position`` is on disk (saved, or the snapshot a run resumed from)."""
-        self._saved_at, self.notice = position, None
+        self.saved_at, self.notice = position, None
