@@ -8,13 +8,9 @@ files hold tensors (:mod:`ddpkit.snapshot._dcp`), every other value goes through
 :mod:`ddpkit.snapshot._codec` into ``values.pt`` and each rank's ``rank{r}.pt``, and a value the
 codec cannot hold is refused on every rank before any file is written. A write that fails (a full
 disk) raises :class:`SnapshotWriteError` on every rank, naming the error, the file and the previous
-snapshot, which stays whole.
-
-Where each value of a state goes: tensors to DCP, other values to ``values.pt``. A state's
-:data:`~ddpkit.strategies._base.PER_RANK` part holds what has one name on every rank but is each
-rank's own (BatchNorm's statistics without sync BatchNorm): rank 0's copy is saved in the shared
-key's place, rank ``r``'s under ``per_rank.rank<r>``. At the same world size each rank loads its own
-copy back; at another, every rank loads rank 0's, as DDP's broadcast would give.
+snapshot, which stays whole. A state's :data:`~ddpkit.strategies._base.PER_RANK` part (each
+rank's own buffers) is saved as rank 0's in the shared key's place, rank ``r``'s under
+``per_rank.rank<r>`` (:func:`stored_path`).
 """
 
 from __future__ import annotations
@@ -51,9 +47,7 @@ from ddpkit.strategies._base import PER_RANK
 if TYPE_CHECKING:
     from ddpkit.snapshot._snapshots import Resumed, Snapshots
 
-# torch.distributed.checkpoint (and ddpkit.snapshot._dcp, built on it) is imported where it is
-# used: it pulls in sympy, ~0.9 s that `import ddpkit` and the launcher need not pay.
-
+# torch.distributed.checkpoint (and ddpkit.snapshot._dcp) is imported where it is used (sympy)
 STREAMS = "rng"
 """The part of a snapshot's states that holds each rank's random streams (a RankStreams)."""
 KeyPath = tuple[Any, ...]
@@ -129,9 +123,6 @@ class DiskStore:
             snapshots.train.step, sharded, extra, replicated=snapshots.strategy.replicated, own=own
         )
 
-    def newest(self, warn: Callable[[str], None]) -> Found | None:
-        return self.latest(warn)
-
     def load_step(
         self, found: Found, snapshots: Snapshots, load: Callable[[dict[str, Any]], None]
     ) -> Resumed:
@@ -142,9 +133,8 @@ class DiskStore:
             found, snapshots.strategy.state_dict, "cpu", lambda saved: snapshots.check(saved, where)
         )
         streams = extra["states"].get(STREAMS)
-        if (
-            streams is not None
-        ):  # this rank's own file at the same world size; every rank's at another
+        # this rank's own file at the same world size; every rank's at another
+        if streams is not None:
             size, rank = streams["world_size"], snapshots.runtime.rank
             wanted = [rank] if size == snapshots.runtime.world_size else list(range(size))
             ranks: list[Any] = [None] * size
@@ -371,10 +361,6 @@ class DiskStore:
         """Snapshot folders with a marker, newest first; not yet verified."""
         return folders.candidates(self.folder)
 
-    def verify(self, found: Found) -> str | None:
-        """None if ``found`` is whole, else what is wrong with it."""
-        return folders.verify(found, required=(VALUES,))
-
     def _prune(self, newest: int) -> None:
         folders.prune(self.folder, self.keep_last, newest)
 
@@ -389,7 +375,7 @@ class DiskStore:
                 if problem == folders.PARTIAL:  # a killed write's debris: the next prune's
                     continue
                 if problem is None:
-                    problem = self.verify(found)
+                    problem = folders.verify(found, required=(VALUES,))
                 if problem is None:
                     choice = found
                     break
@@ -400,6 +386,8 @@ class DiskStore:
         if self.distributed:
             choice = broadcast_object(choice, group=self.group)
         return choice
+
+    newest = latest  # the name of the front door's Store
 
     def load(
         self,
@@ -451,25 +439,21 @@ class DiskStore:
 
         from ddpkit.snapshot import _dcp
 
-        if not self.distributed:
-            quiet_single_process_warning()
         # No collective where torch has no_dist (2.7 on): a read needs no other rank's plan. Either
         # way one all-reduce of the outcome makes a rank's failure every rank's, never a hang.
         local = self.distributed and "no_dist" in inspect.signature(dcp.load).parameters
+        if not self.distributed or local:  # no_dist loads "in a single process": it does
+            quiet_single_process_warning()
         failure: str | None = None
         error: BaseException | None = None
         try:
-            with warnings.catch_warnings():  # no_dist loads "in a single process": it does
-                warnings.filterwarnings(
-                    "ignore", message="torch.distributed is disabled, unavailable or"
-                )
-                dcp.load(
-                    tensors,
-                    storage_reader=_dcp.Reader(found.path, index),
-                    planner=_dcp.TensorsOnlyPlanner(),
-                    process_group=self.group,
-                    **({"no_dist": True} if local else {}),
-                )
+            dcp.load(
+                tensors,
+                storage_reader=_dcp.Reader(found.path, index),
+                planner=_dcp.TensorsOnlyPlanner(),
+                process_group=self.group,
+                **({"no_dist": True} if local else {}),
+            )
         except CheckpointException as err:  # a BaseException: every rank's traceback
             collective = self.distributed and not local
             failure = _dcp.first_rank_failure(err, self._rank if collective else None)
@@ -496,9 +480,9 @@ SnapshotManager = DiskStore
 
 @functools.cache
 def quiet_single_process_warning() -> None:
-    """Filter DCP's warning, at every save and load in a world of one, that it assumes "the intent
-    is to save in a single process": it is. A filter of the process (the save runs in the writer's
-    thread), from ddpkit's first such save or load on."""
+    """Filter DCP's warning, at every save and load in a world of one (or with ``no_dist``), that it
+    assumes "the intent is to save in a single process": it is. A filter of the process (the save
+    runs in the writer's thread)."""
     warnings.filterwarnings(
         "ignore",
         message="torch.distributed is disabled, unavailable or uninitialized, assuming the intent "
@@ -578,9 +562,8 @@ def differences(values: dict[KeyPath, Any], common: dict[KeyPath, Any]) -> dict[
 
 def writer_of_shared(sizes: list[tuple[KeyPath, int]], ranks: int) -> dict[KeyPath, int]:
     """Which rank writes each tensor that every one of ``ranks`` ranks holds alike: the largest
-    first, each to the rank with the fewest bytes so far (ties to the lower rank). Every rank
-    computes the same answer with no communication, so DCP's first rank plans each tensor once
-    rather than ranks x tensors. Sound only where the tensors are the same on every rank."""
+    first, each to the rank with the fewest bytes so far (ties to the lower rank); the same on every
+    rank, with no communication (docs/snapshots.md)."""
     loads = [(0, r) for r in range(ranks)]  # a heap of (bytes so far, rank)
     writer = {}
     for path, nbytes in sorted(sizes, key=lambda item: (-item[1], str(item[0]))):
@@ -595,8 +578,7 @@ def writer_of_shared(sizes: list[tuple[KeyPath, int]], ranks: int) -> dict[KeyPa
 
 def stage(value: Any, cache: Any) -> Any:
     """``value`` copied into host memory, reusing the tensors of ``cache`` (the previous copy) where
-    they fit: a fresh allocation's page faults cost more than the copy. DTensors keep their
-    placement; their local shard is copied."""
+    they fit. DTensors keep their placement; their local shard is copied."""
     if isinstance(value, dict):
         cache = cache if isinstance(cache, dict) else {}
         return {k: stage(v, cache.get(k)) for k, v in value.items()}
