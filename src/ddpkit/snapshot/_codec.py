@@ -21,6 +21,7 @@ import fractions
 import hashlib
 import io
 import json
+import math
 import pathlib
 import re
 import struct
@@ -95,12 +96,21 @@ class Spec:
 
     @property
     def nbytes(self) -> int:
-        if 0 in self.shape:  # before a product of the other sizes, which a manifest may make large
-            return 0
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * DTYPES[self.dtype].itemsize
+        # 0 before a product of the other sizes, which a manifest may make large
+        return 0 if 0 in self.shape else math.prod(self.shape) * DTYPES[self.dtype].itemsize
+
+
+def capped_numel(sizes: Sequence[int], cap: int) -> int:
+    """The product of ``sizes``, or ``cap + 1`` once past ``cap`` (a product of thousands of large
+    sizes takes quadratic time)."""
+    if 0 in sizes:
+        return 0
+    n = 1
+    for s in sizes:
+        n *= s
+        if n > cap:
+            return cap + 1
+    return n
 
 
 def layout(tensors: Sequence[torch.Tensor]) -> tuple[list[Spec], int]:
@@ -135,13 +145,7 @@ def checked_specs(raw: Any, region_size: int) -> list[Spec]:
             raise ValueError(f"tensor {i} has a shape that is not a list of sizes")
         if type(offset) is not int or offset < 0 or offset % ALIGN:
             raise ValueError(f"tensor {i} has an offset that is not an aligned position")
-        # stopped once past the region: a product of thousands of large sizes is quadratic
-        nbytes = 0 if 0 in shape else DTYPES[dtype].itemsize
-        for n in shape if nbytes else ():
-            nbytes *= n
-            if nbytes > region_size:
-                break
-        if offset + nbytes > region_size:
+        if offset + capped_numel(shape, region_size) * DTYPES[dtype].itemsize > region_size:
             raise ValueError(
                 f"tensor {i} ({dtype}{str(shape)[:80]} at {offset}) lies past the end of the data "
                 f"region ({region_size} bytes)"
@@ -383,20 +387,16 @@ def encode(value: Any, tensors: list[torch.Tensor], where: str = "") -> Any:
 
 def copied(value: Any, where: str = "") -> Any:
     """``value`` as a load gives it back, its tensors detached copies on the CPU: what a snapshot
-    keeps of a state that goes on changing (a rank's own parts, copied when a snapshot is taken),
-    of the types and values a resume gives, by construction (an ``OrderedDict`` stays one, an
-    ``nn.Parameter`` keeps its ``requires_grad``). Refuses what :func:`encode` refuses."""
+    keeps of a state that goes on changing. Refuses what :func:`encode` refuses."""
     tensors: list[torch.Tensor] = []
     skeleton = encode(value, tensors, where)
     return decode(skeleton, [t.detach().to("cpu", copy=True) for t in tensors])
 
 
 def fingerprint(value: Any) -> str:
-    """A text of ``value`` that two values share exactly when they are equal, in any process: what
-    a resume compares the settings a run asks for by. Tensors and arrays by dtype, shape and every
-    element (``str()`` of a tensor shows 4 digits: 0.01003 read as 0.01), sets and the pairs of a
-    dict in a sorted order (a set's order changes with the hash seed, from one process to the
-    next), NaN equal to itself. A value the codec cannot hold is known by its type alone."""
+    """A text of ``value`` that two values share exactly when they are equal, in any process:
+    tensors and arrays by every element, sets and dicts in a sorted order (a set's order changes
+    with the hash seed), NaN equal to itself; a value the codec cannot hold, by type and repr."""
     tensors: list[torch.Tensor] = []
     try:
         skeleton = encode(value, tensors)
@@ -512,7 +512,7 @@ def _dec(s: Any, tensors: Sequence[torch.Tensor], depth: int = 0) -> Any:
     if tag == "l":
         return [_dec(x, tensors, d) for x in body]
     if tag == "d":
-        return dict(_distinct_hashes([(_dec(k, tensors, d), _dec(v, tensors, d)) for k, v in body]))
+        return dict(_decoded_pairs(body, tensors, d))
     if tag == "i":
         packed = _index(body[0], tensors)
         if packed.dtype != torch.int64:
@@ -537,8 +537,11 @@ def _dec(s: Any, tensors: Sequence[torch.Tensor], depth: int = 0) -> Any:
 
 HASH_COLLISIONS = 64
 """Keys of one set or dict sharing a hash, at most: a table of n keys of one hash takes n x n
-steps to build, and a file of such keys (integers k x (2**61 - 1), which Python hashes alike) would
-hold a resume for minutes; no value a script keeps has so many."""
+steps to build (integers k x (2**61 - 1), which Python hashes alike, would hold a resume)."""
+
+
+def _decoded_pairs(body: Any, tensors: Sequence[torch.Tensor], d: int) -> list[tuple[Any, Any]]:
+    return _distinct_hashes([(_dec(k, tensors, d), _dec(v, tensors, d)) for k, v in body])
 
 
 def _distinct_hashes(pairs: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
@@ -553,29 +556,21 @@ def _distinct_hashes(pairs: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
 
 
 def _decode_other(tag: str, body: Any, tensors: Sequence[torch.Tensor], d: int) -> Any:
-    pairs = lambda: _distinct_hashes(  # noqa: E731
-        [(_dec(k, tensors, d), _dec(v, tensors, d)) for k, v in body]
-    )
     if tag == "c":
         return complex(_dec(body[0], tensors, d), _dec(body[1], tensors, d))
     if tag in ("b", "ba"):
         data = base64.b64decode(body, validate=True)
         return data if tag == "b" else bytearray(data)
     if tag == "o":
-        return collections.OrderedDict(pairs())
+        return collections.OrderedDict(_decoded_pairs(body, tensors, d))
     if tag == "dd":
-        return collections.defaultdict(
-            _FACTORIES[body[0]] if body[0] else None,
-            _distinct_hashes([(_dec(k, tensors, d), _dec(v, tensors, d)) for k, v in body[1]]),
-        )
+        factory = _FACTORIES[body[0]] if body[0] else None
+        return collections.defaultdict(factory, _decoded_pairs(body[1], tensors, d))
     if tag == "ct":
-        return collections.Counter(dict(pairs()))
-    if tag == "s":
-        return {k for k, _ in _distinct_hashes([(_dec(x, tensors, d), None) for x in body])}
-    if tag == "fs":
-        return frozenset(
-            k for k, _ in _distinct_hashes([(_dec(x, tensors, d), None) for x in body])
-        )
+        return collections.Counter(dict(_decoded_pairs(body, tensors, d)))
+    if tag in ("s", "fs"):
+        keys = [k for k, _ in _distinct_hashes([(_dec(x, tensors, d), None) for x in body])]
+        return set(keys) if tag == "s" else frozenset(keys)
     if tag == "q":
         return collections.deque((_dec(x, tensors, d) for x in body[1]), body[0])
     if tag == "r":
@@ -667,10 +662,8 @@ def decode_blob(data: bytes | memoryview) -> Any:
 
 
 def alone(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a tensor that owns exactly its bytes, a copy where it does not. torch.save writes a
-    view's whole storage, and writes a storage that is not a whole number of elements (a tensor
-    viewing a byte buffer) into a file that torch.load then refuses ("record size does not
-    match")."""
+    """``t`` as a tensor that owns exactly its bytes, a copy where it does not: torch.save writes a
+    view's whole storage, and a storage of a part of an element makes a file torch.load refuses."""
     t = t.detach().resolve_conj().resolve_neg()
     if t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes:
         return t
@@ -688,9 +681,8 @@ def file_bytes(skeleton: Any, tensors: Sequence[torch.Tensor]) -> bytes:
 
 
 def _stored_only(file: Path) -> None:
-    """Refuse a value file with a compressed entry: ``torch.save`` stores its entries as they are,
-    and a deflated one (a megabyte that inflates to gigabytes) would make every rank that reads it
-    allocate what it inflates to."""
+    """Refuse a value file with a compressed entry (a megabyte that inflates to gigabytes):
+    ``torch.save`` stores its entries as they are."""
     try:
         with zipfile.ZipFile(file) as archive:
             entries = archive.infolist()

@@ -1,13 +1,8 @@
 """A snapshot folder's torch.distributed.checkpoint (DCP) files, written and read without
-unpickling.
-
-torch's ``FileSystemReader`` unpickles the index (``.metadata``), and DCP's default load planner
-every non-tensor item: whoever can write a snapshot folder could run code in the job that resumes
-from it. So a snapshot's DCP part holds tensors only, its index is also written as JSON
-(``metadata.json``), checked (:func:`index_from_json`, :func:`check_chunks`) and read instead, and
-each tensor is read with ``weights_only``. ``.metadata`` stays for torch's own tools, which unpickle
-it: use them only on snapshots you trust. Writes go through a file system that keeps a failed
-write's ``OSError`` (torch's zip writer turns a full disk into ``unexpected pos 704 vs 598``).
+unpickling: tensors only, the index also written as JSON (``metadata.json``), checked
+(:func:`index_from_json`, :func:`check_chunks`) and read instead of the pickled ``.metadata``.
+Writes go through a file system that keeps a failed write's ``OSError`` (torch's zip writer turns a
+full disk into ``unexpected pos 704 vs 598``).
 """
 
 from __future__ import annotations
@@ -43,6 +38,7 @@ from ddpkit import _fs as fs
 from ddpkit._errors import ConfigError
 from ddpkit._internals.dcp import set_file_system, storage_info, transformed
 from ddpkit.snapshot import _folders as folders
+from ddpkit.snapshot._codec import capped_numel
 from ddpkit.snapshot._folders import INDEX, read_bounded
 
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -253,21 +249,7 @@ def describe(failures: list[tuple[int, Failure]]) -> str:
 # -- the chunks of a tensor ------------------------------------------------------------------------
 
 _NUMEL_LIMIT = 2**63 - 1  # a tensor's number of elements is an int64 in torch
-# FSDP splits along dim 0, a DTensor along one dimension per mesh dimension (three at most known);
-# the check costs 2**(dimensions split) corners a chunk
-_SPLIT_DIMS = 4
-
-
-def _numel(sizes: torch.Size) -> int:
-    """The product of ``sizes``, or ``_NUMEL_LIMIT + 1`` once past it (quadratic time otherwise)."""
-    if 0 in sizes:
-        return 0
-    n = 1
-    for s in sizes:
-        n *= s
-        if n > _NUMEL_LIMIT:
-            return _NUMEL_LIMIT + 1
-    return n
+_SPLIT_DIMS = 4  # the check costs 2**(dimensions split) corners a chunk
 
 
 def _corners(
@@ -285,15 +267,12 @@ def _corners(
 def check_chunks(
     fqn: str, size: torch.Size, chunks: list[ChunkStorageMetadata]
 ) -> list[ChunkStorageMetadata]:
-    """The chunks of a tensor cover it exactly once: each inside its shape, none overlapping
-    another, their volumes adding up to its number of elements (else DCP would leave a part
-    uncovered as the fresh model's, without a word). Returns the chunks that hold elements. In O(m
-    log m) for the m corners of the chunks (docs/snapshots.md, "Reading a folder"): a box's
-    indicator is the signed sum of the orthants at its 2**k corners, and orthants of distinct
-    corners are independent, so the chunks tile the tensor exactly when the weights of equal corners
-    cancel, the tensor's counted negatively; the first corner left with a weight is an element
-    covered twice (> 0) or never."""
-    numel = _numel(size)
+    """The chunks of a tensor cover it exactly once (else DCP would leave a part uncovered as the
+    fresh model's, without a word); returns the chunks that hold elements. In O(m log m) for the m
+    corners of the chunks: they tile the tensor exactly when the signed weights of equal corners
+    cancel, the tensor's counted negatively (docs/snapshots.md, "Reading a folder"); the first
+    corner left with a weight is an element covered twice (> 0) or never."""
+    numel = capped_numel(size, _NUMEL_LIMIT)
     if numel > _NUMEL_LIMIT:
         raise BadIndex(f"tensor {fqn!r} of shape {list(size)[:8]} has more than 2**63 - 1 elements")
     full, total = [], 0
@@ -307,7 +286,9 @@ def check_chunks(
                 f"tensor {fqn!r} of shape {list(size)} has a chunk at {list(chunk.offsets)} of "
                 f"{list(chunk.sizes)} that lies outside it"
             )
-        volume = _numel(chunk.sizes)  # inside the tensor: at most its number of elements
+        volume = capped_numel(
+            chunk.sizes, _NUMEL_LIMIT
+        )  # inside the tensor: at most its number of elements
         if volume:
             full.append(chunk)
             total += volume
@@ -433,8 +414,7 @@ def _tensor_entries(
         )
         holding.extend((fqn, tuple(c.offsets)) for c in full)
         empty.extend((fqn, tuple(c.offsets)) for c in chunks if 0 in c.sizes)
-    # Found by sorting, never by hashing: an int tuple's hash is not salted, and offsets chosen to
-    # collide would make each lookup scan all the others.
+    # found by sorting, never by hashing: offsets chosen to collide would make lookups quadratic
     return state, sorted(holding), sorted(empty)
 
 
