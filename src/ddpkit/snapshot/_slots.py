@@ -1,19 +1,13 @@
 """What snapshots in memory keep on a node: the job's folder in shared memory, each rank's two slot
-files in it, and a slot's format and checks (docs/snapshots.md, "Snapshots in memory").
-
-The agent of ``ddpkit run`` makes one folder per job and node (:func:`open_job_folder`; mode 700, a
-random name its workers learn from :data:`DIR_ENV`) and removes it when the job ends, however it
-ends; a SIGKILLed launcher's folder is swept by the next job (:func:`sweep_stale`). Layout::
+files in it, and a slot's format and checks (docs/snapshots.md, "Snapshots in memory"). Layout::
 
     <root>/ddpkit-memory-<uid>/<nonce>/owner                  the agent's pid and start time
     <root>/ddpkit-memory-<uid>/<nonce>/<run>-rank<r>-<i>.slot  rank r's slots 0 and 1
 
-A save overwrites the older of a rank's two slots (:class:`Slots`). A slot is a commit record (its
-parts' offsets, lengths and checksums between ``begin`` and ``end`` generation numbers), a JSON
-manifest (the tensors' layout, what a resume checks), the JSON values, and the raw tensors with a
-CRC-32C per MiB (:func:`block_crcs`). ``begin`` is written first and ``end`` last: a slot counts
-only when they are equal, so a kill during a copy leaves the other slot the newest whole one. A
-whole slot that does not check raises :class:`BadSlot` naming the file before any tensor is viewed.
+A slot is a commit record (its parts' offsets, lengths and checksums between ``begin`` and ``end``
+generation numbers), a JSON manifest (the tensors' layout, what a resume checks), the JSON values,
+and the raw tensors with a CRC-32C per MiB (:func:`block_crcs`). A slot counts only when ``begin``
+(written first) equals ``end`` (written last).
 """
 
 from __future__ import annotations
@@ -27,7 +21,7 @@ import secrets
 import stat
 import struct
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -276,49 +270,41 @@ def read_slot(path: Path, data: bool = False) -> tuple[Record, dict, dict, bytes
         if data:
             with os.fdopen(os.dup(fd), "rb") as f:  # a loop of reads: one read stops at 2 GiB
                 return parse_slot(f.read(), str(path))
-        record = Record.unpack(os.pread(fd, HEADER, 0))
-        if record is None or not record.whole:
-            return None
-        _check_parts(record, os.fstat(fd).st_size, str(path))
-        parts = [os.pread(fd, length, off) for off, length, _ in (record.manifest, record.values)]
+        size = os.fstat(fd).st_size
+        return _parse(
+            os.pread(fd, HEADER, 0), size, lambda o, n: os.pread(fd, n, o), b"", str(path)
+        )
     finally:
         os.close(fd)
-    return _checked(record, parts, b"", str(path))
 
 
 def parse_slot(data: bytes, name: str = "a slot") -> tuple[Record, dict, dict, bytes] | None:
     """:func:`read_slot` of a slot's bytes (read from its file, or sent by a peer; ``name`` says
     which, in a :class:`BadSlot`)."""
-    record = Record.unpack(data[:HEADER])
+    return _parse(data[:HEADER], len(data), lambda o, n: data[o : o + n], data, name)
+
+
+def _parse(
+    head: bytes, size: int, read: Callable[[int, int], bytes], data: bytes, name: str
+) -> tuple[Record, dict, dict, bytes] | None:
+    """The parts of a slot of ``size`` bytes whose record is ``head``, read by ``read(offset,
+    length)``; ``data``: all its bytes, whose layout and checksums are then checked too."""
+    record = Record.unpack(head)
     if record is None or not record.whole:
         return None
-    _check_parts(record, len(data), name)
-    parts = [data[off : off + length] for off, length, _ in (record.manifest, record.values)]
-    return _checked(record, parts, data, name)
-
-
-def _check_parts(record: Record, size: int, name: str) -> None:
-    """The manifest and values lie inside the slot and within :data:`PART_LIMIT` (the record has no
-    checksum of its own: its lengths are read before anything vouches for them)."""
-    for what, (off, length, _) in (("manifest", record.manifest), ("values", record.values)):
+    parts = []
+    # the record has no checksum of its own: its lengths are checked before anything is read
+    for what, (off, length, crc) in (("manifest", record.manifest), ("values", record.values)):
         if length > PART_LIMIT:
             raise BadSlot(
                 f"{name}: its {what} holds {length} bytes, more than the {PART_LIMIT} a slot's may"
             )
-        if off + length > size:
-            raise BadSlot(f"{name}: its {what} lies past the end of the file")
-
-
-def _checked(
-    record: Record, parts: list[bytes], data: bytes, name: str
-) -> tuple[Record, dict, dict, bytes]:
-    for what, (_, length, crc), raw in zip(
-        ("manifest", "values"), (record.manifest, record.values), parts
-    ):
-        if len(raw) != length:
+        raw = read(off, length) if off + length <= size else None
+        if raw is None or len(raw) != length:
             raise BadSlot(f"{name}: its {what} lies past the end of the file")
         if zlib.crc32(raw) != crc:
             raise BadSlot(f"{name}: its {what} fail their CRC-32")
+        parts.append(raw)
     try:
         manifest, values = json.loads(parts[0]) if data else {}, json.loads(parts[1])
     except (ValueError, RecursionError) as err:
@@ -328,13 +314,6 @@ def _checked(
     if data:
         _check_data(data, record, manifest, name)
     return record, manifest, values, data
-
-
-def _region(data: bytes | memoryview, record: Record) -> torch.Tensor:
-    off, length, _ = record.data
-    if length == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer(bytearray(data[off : off + length]), dtype=torch.uint8)
 
 
 def _check_data(data: bytes, record: Record, manifest: dict, name: str) -> None:
@@ -350,7 +329,7 @@ def _check_data(data: bytes, record: Record, manifest: dict, name: str) -> None:
     if manifest.get("data_size") != length:
         raise BadSlot(f"{name}: its manifest's data size is not its record's ({length} bytes)")
     try:
-        specs(manifest, length)
+        checked_specs(manifest.get("specs"), length)
     except ValueError as err:
         raise BadSlot(f"{name}: {err}") from None
     table = bytes(data[off + length : end])
@@ -362,18 +341,15 @@ def _check_data(data: bytes, record: Record, manifest: dict, name: str) -> None:
         )
 
 
-def specs(manifest: dict, region_size: int) -> list[Spec]:
-    """The manifest's tensor layout, each checked to lie inside a region of ``region_size``
-    bytes."""
-    return checked_specs(manifest.get("specs"), region_size)
-
-
 def tensors_of(data: bytes | memoryview, record: Record, manifest: dict) -> list[torch.Tensor]:
     """Copies of a slot's tensors, from :func:`read_slot`'s checked parts: each its own tensor
     (``torch.set_rng_state`` reads a tensor's storage from its start)."""
-    region = _region(data, record)
+    off, length, _ = record.data
+    region = torch.empty(0, dtype=torch.uint8)
+    if length:
+        region = torch.frombuffer(bytearray(data[off : off + length]), dtype=torch.uint8)
     try:
-        layout = specs(manifest, region.numel())
+        layout = checked_specs(manifest.get("specs"), length)
     except ValueError as err:
         raise BadSlot(str(err)) from None
     return [v.clone() for v in views(region, layout)]
@@ -388,12 +364,9 @@ class Found:
 
     path: Path
     rank: int
-    generation: int
     step: int
     position: tuple[int, ...]
-    world_size: int
     peers: bool
-    job: str
 
 
 class _Slot:
@@ -559,11 +532,7 @@ class Slots:
             ):
                 self.damaged.append(f"{path}: its values do not say which rank and step it holds")
                 continue
-            peers = bool(values.get("peers"))
-            position = tuple(position)
-            out.append(
-                Found(path, rank, record.end, step, position, self.world_size, peers, self.job)
-            )
+            out.append(Found(path, rank, step, tuple(position), bool(values.get("peers"))))
         return out
 
     def discard_except(self, keep: Path | None = None) -> None:
