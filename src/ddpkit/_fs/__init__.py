@@ -1,11 +1,7 @@
-"""The one way ddpkit writes, replaces, truncates, renames and deletes files and folders.
-
-Every function works relative to a verified folder descriptor: the folder the caller names
-(``root``) is opened as given and must be this user's (or a sticky folder of root's such as
-``/tmp``); each folder below it and the file itself are opened with ``O_NOFOLLOW`` and must be this
-user's. A file replaced whole is written to a new temporary beside it and renamed over its name.
-Call these through the package (``fs.write_atomic(...)``): a test can then stand in for one of
-them. The rules and their reasons: docs/snapshots.md.
+"""The one way ddpkit writes, replaces, truncates, renames and deletes files and folders: relative
+to a verified folder descriptor, never through a link, only into this user's files and folders
+(the rules and their reasons: docs/snapshots.md). Call these through the package
+(``fs.write_atomic(...)``): a test can then stand in for one of them.
 """
 
 from __future__ import annotations
@@ -103,12 +99,6 @@ def link_message(path: Path | str) -> str:
     )
 
 
-def _not_a_folder(path: Path) -> ConfigError:
-    return ConfigError(
-        f"{str(path)!r} is not a folder: move it away, or give this job another folder"
-    )
-
-
 @contextmanager
 def folder(path: Path, *, root: Path | None = None, create: bool = False) -> Iterator[int]:
     """A descriptor of the folder ``path``: ``root`` (``path`` itself by default) opened as given,
@@ -129,7 +119,9 @@ def folder(path: Path, *, root: Path | None = None, create: bool = False) -> Ite
     try:
         fd = os.open(base, _FOLDER)
     except NotADirectoryError:
-        raise _not_a_folder(base) from None
+        raise ConfigError(
+            f"{str(base)!r} is not a folder: move it away, or give this job another folder"
+        ) from None
     try:
         st = os.fstat(fd)
         if not _shared_scratch(st):
@@ -403,32 +395,28 @@ def remove_tree(path: Path, *, root: Path | None = None) -> None:
             st = os.stat(path.name, dir_fd=dir_fd, follow_symlinks=False)
             _refuse_other_owner(st, path, "folder")
             if stat.S_ISDIR(st.st_mode):
-                inner = os.open(path.name, _FOLDER | os.O_NOFOLLOW, dir_fd=dir_fd)
-                try:
-                    _empty(inner)
-                finally:
-                    os.close(inner)
-                with contextlib.suppress(OSError):
-                    os.rmdir(path.name, dir_fd=dir_fd)
+                _empty(dir_fd, path.name)
             elif stat.S_ISLNK(st.st_mode):
                 os.unlink(path.name, dir_fd=dir_fd)
     except FileNotFoundError:
         return
 
 
-def _empty(dir_fd: int) -> None:
-    """Delete what the folder ``dir_fd`` holds, by descriptors; best effort."""
-    for entry in os.scandir(dir_fd):
-        with contextlib.suppress(OSError):
-            if entry.is_dir(follow_symlinks=False):
-                inner = os.open(entry.name, _FOLDER | os.O_NOFOLLOW, dir_fd=dir_fd)
-                try:
-                    _empty(inner)
-                finally:
-                    os.close(inner)
-                os.rmdir(entry.name, dir_fd=dir_fd)
-            else:
-                os.unlink(entry.name, dir_fd=dir_fd)
+def _empty(dir_fd: int, name: str) -> None:
+    """Delete the folder ``name`` of ``dir_fd`` and what it holds, by descriptors; best effort once
+    it is opened."""
+    inner = os.open(name, _FOLDER | os.O_NOFOLLOW, dir_fd=dir_fd)
+    try:
+        for entry in os.scandir(inner):
+            with contextlib.suppress(OSError):
+                if entry.is_dir(follow_symlinks=False):
+                    _empty(inner, entry.name)
+                else:
+                    os.unlink(entry.name, dir_fd=inner)
+    finally:
+        os.close(inner)
+    with contextlib.suppress(OSError):
+        os.rmdir(name, dir_fd=dir_fd)
 
 
 def rename(src: Path, dst: Path, *, root: Path | None = None) -> None:

@@ -1,13 +1,9 @@
-"""The one codec of a snapshot's values, for the disk (``values.pt``, ``rank{N}.pt``) and the memory
-(a slot, the blobs ranks exchange) alike: what a save accepts, a load gives back as an equal value
-of the same type, and nothing is ever unpickled.
-
-A value becomes a JSON *skeleton* whose tensors (and numpy arrays, as bytes) are set aside in a list
-and referenced by index (:func:`encode`; :func:`decode` is its inverse). Containers are tagged, so
-that tuples stay tuples and dict keys keep their types and order. The types it holds are listed in
-docs/snapshots.md ("What a snapshot can hold"); anything else raises :class:`UnsupportedValue` at
-the save, naming its place in the state, its type and the way out. A slot's or a blob's tensors lie
-raw in one byte region, each at an aligned offset (:class:`Spec`).
+"""The one codec of a snapshot's values, for the disk and the memory alike: a value becomes a
+tagged JSON *skeleton* whose tensors (and numpy arrays, as bytes) are set aside in a list and
+referenced by index (:func:`encode`; :func:`decode` is its inverse, and never unpickles). The
+types it holds: docs/snapshots.md ("What a snapshot can hold"); anything else raises
+:class:`UnsupportedValue` at the save. A slot's or a blob's tensors lie raw in one byte region
+(:class:`Spec`).
 """
 
 from __future__ import annotations

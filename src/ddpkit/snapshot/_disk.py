@@ -1,16 +1,9 @@
 """The disk store: snapshots as ``run_dir/snapshots/step-N/`` folders, written by every rank through
-torch.distributed.checkpoint (DCP) and made whole by a marker rank 0 writes last.
-
-A folder counts only once its marker (:mod:`ddpkit.snapshot._folders`) is written, after every
-rank's files are on disk: a process killed at any instant leaves the previous snapshot the newest
-whole one. DCP reshards on load, so a snapshot of N ranks resumes on M. Nothing is unpickled: DCP's
-files hold tensors (:mod:`ddpkit.snapshot._dcp`), every other value goes through
-:mod:`ddpkit.snapshot._codec` into ``values.pt`` and each rank's ``rank{r}.pt``, and a value the
-codec cannot hold is refused on every rank before any file is written. A write that fails (a full
-disk) raises :class:`SnapshotWriteError` on every rank, naming the error, the file and the previous
-snapshot, which stays whole. A state's :data:`~ddpkit.strategies._base.PER_RANK` part (each
-rank's own buffers) is saved as rank 0's in the shared key's place, rank ``r``'s under
-``per_rank.rank<r>`` (:func:`stored_path`).
+torch.distributed.checkpoint (DCP, tensors only: :mod:`ddpkit.snapshot._dcp`) and the codec (other
+values: ``values.pt``, each rank's ``rank{r}.pt``), made whole by a marker rank 0 writes last
+(:mod:`ddpkit.snapshot._folders`). A failed write raises :class:`SnapshotWriteError` on every rank.
+A state's :data:`~ddpkit.strategies._base.PER_RANK` part is saved as rank 0's in the shared key's
+place, rank ``r``'s under ``per_rank.rank<r>`` (:func:`stored_path`).
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """A snapshot folder's files: its name, the marker that makes it whole, the marker's check, the
-prune, and the value files (``values.pt``, ``rank{r}.pt``).
-
-A folder is trusted by what it holds, never by its name: ``step-N`` is the snapshot of step N only
-if it is a folder of its own (not a link), named as :func:`folder_name` names it, and its marker
-records step N. The marker is read as data that may lie: every name it lists must be a plain file
-name of the folder, and every file a regular one, opened without following a link and read no
-further than the size the marker gives (``../../dev/zero`` would otherwise be read for ever).
+prune, and the value files (``values.pt``, ``rank{r}.pt``). A folder is trusted by what it holds,
+never by its name; the marker is read as data that may lie: a plain file name of the folder for
+each entry, each file regular, never read past the size the marker gives (docs/snapshots.md).
 """
 
 from __future__ import annotations

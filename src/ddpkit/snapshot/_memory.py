@@ -1,12 +1,7 @@
-"""The memory store: after optimizer steps, each rank's state goes into its slots in the job's
-folder in shared memory (:mod:`ddpkit.snapshot._slots`), which outlives the worker; a restarted job
-resumes from the newest step every rank holds there, when it is newer than the disk's newest
-snapshot (docs/snapshots.md, "Snapshots in memory").
-
-A save copies what a disk snapshot holds, with no collective (but with peers: ``ddp`` across nodes
-also gathers every rank's own part into every rank's slot). Every step by default; after
-:data:`TUNE_AFTER` saves, every N steps where the copy held the loop longer than
-:data:`STALL_BUDGET` of a step (the same N on every rank).
+"""The memory store: after optimizer steps, each rank's state goes into its slots in shared memory
+(:mod:`ddpkit.snapshot._slots`), with no collective but with peers (``ddp`` across nodes: every
+rank's own part gathered into every rank's slot); a restarted job resumes from the newest step
+every rank holds there (docs/snapshots.md, "Snapshots in memory").
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""A run directory belongs to one job at a time: the group's rank 0 holds an advisory lock
-(:func:`fcntl.flock`) on ``run_dir/.lock`` for the life of ``fit()``, which the kernel drops however
-the process ends. A run directory of another user, or with a symbolic link where the run writes, is
-refused (:mod:`ddpkit._fs`); ``resume=False`` moves the previous run's files aside.
-
-The phases of one script (``TrainerConfig.phase``: ``run_dir/<phase>/``) share ``run_dir/.lock``:
-the first phase's ``fit()`` takes it and the process holds it until it ends, so that the later
-phases keep it and no other job takes the folder between them. Two live Trainers of a process
-may not share a phase, nor mix a phase and none, in one run directory (:func:`refuse_shared`).
+"""A run directory belongs to one job at a time: the group's rank 0 holds ``run_dir/.lock``
+(:mod:`ddpkit._fs.lock`) for the life of ``fit()``; the phases of one script
+(``run_dir/<phase>/``) share it, held by the process until it ends, so that no other job takes the
+folder between them. ``resume=False`` moves the previous run's files aside.
 """
 
 from __future__ import annotations

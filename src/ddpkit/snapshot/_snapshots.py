@@ -1,20 +1,7 @@
-"""The one front door of snapshots: :class:`Snapshots` saves and resumes a hand-written loop, and
-the Trainer, which builds one (:meth:`Snapshots.of_trainer`) and calls it::
-
-    snapshots = ddpkit.Snapshots("runs/x", model=model, optimizer=opt, loader=loader,
-                                 every_steps=100)
-    snapshots.resume()  # the newest whole snapshot, if any: every part restored
-    for epoch in range(loader.epoch, epochs):
-        for i, (x, y) in enumerate(loader, start=loader.batch_in_epoch):
-            ...  # forward, backward, opt.step()
-            snapshots.step()  # counts the step; saves when due, stops at a signal
-    snapshots.close()  # the last write whole; the signal handlers put back
-
-Two stores keep the snapshots behind one interface (:class:`Store`): the disk
-(:mod:`ddpkit.snapshot._disk`) and, with ``memory=True`` under ``ddpkit run``, shared memory
-(:mod:`ddpkit.snapshot._memory`). A resume chooses between them in one place
-(:meth:`Snapshots.resume`), and one check (:meth:`Snapshots.check`) refuses a snapshot of another
-run before any tensor is read.
+"""The one front door of snapshots: :class:`Snapshots` saves and resumes a hand-written loop
+(docs/snapshots.md), and the Trainer, which builds one (:meth:`Snapshots.of_trainer`). Two stores
+keep the snapshots behind one interface (:class:`Store`): the disk (:mod:`ddpkit.snapshot._disk`)
+and, with ``memory=True`` under ``ddpkit run``, shared memory (:mod:`ddpkit.snapshot._memory`).
 """
 
 from __future__ import annotations
@@ -97,7 +84,7 @@ class Store(Protocol):
 
 
 class Snapshots:
-    """Saves and resumes a hand-written loop (see the module docstring); every rank builds it and
+    """Saves and resumes a hand-written loop (docs/snapshots.md); every rank builds it and
     calls every method after the same steps (saving and resuming are collectives).
 
     ``model``: a :func:`~ddpkit.prepare_model` result (or the bare module), several by name
@@ -344,9 +331,7 @@ class Snapshots:
         return self
 
     def __exit__(self, kind: object, *exc: object) -> None:
-        if (
-            kind is not None
-        ):  # the epoch's end may have failed half-way: not a position to resume at
+        if kind is not None:  # the epoch's end may have failed half-way: no position to resume at
             self._deferred = False
         self.close()
 

@@ -1,12 +1,7 @@
 """Where training stands, and when a snapshot of it is due: the counters (:class:`TrainState`),
-every rank's own state (:class:`RankStreams`: its random streams, and the parts each rank keeps its
-own of), the snapshot settings (:class:`SnapshotConfig`) and every decision "is a snapshot due now?"
-(:class:`SnapshotSchedule`).
-
-A step's snapshot that falls on an epoch's last step is taken at the epoch's end instead, after its
-validation and the scheduler's step, whether or not that epoch's end is due on its own; the same
-position (epoch, step, cursor) is never written twice. A launcher's notice of a coming pre-emption
-(:func:`ddpkit.distributed._signals.preemption_notice`) makes the next snapshot due at once.
+every rank's own state (:class:`RankStreams`), the snapshot settings (:class:`SnapshotConfig`) and
+every decision "is a snapshot due now?" (:class:`SnapshotSchedule`: a step's snapshot that falls on
+an epoch's last step is taken at the epoch's end; a pre-emption notice makes the next one due).
 """
 
 from __future__ import annotations
