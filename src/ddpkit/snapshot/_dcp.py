@@ -61,24 +61,19 @@ class _ErrnoKeepingStream:
     def __init__(self, stream: Any, path: Path, failures: list[tuple[Path, OSError]]) -> None:
         self._stream, self._path, self._failures = stream, path, failures
 
-    def _keep(self, call: Any, *args: Any) -> Any:
-        try:
-            return call(*args)
-        except OSError as err:
-            self._failures.append((self._path, err))
-            raise
-
-    def write(self, data: Any) -> int:
-        return self._keep(self._stream.write, data)
-
-    def flush(self) -> None:
-        self._keep(self._stream.flush)
-
-    def close(self) -> None:
-        self._keep(self._stream.close)
-
     def __getattr__(self, name: str) -> Any:  # tell, fileno, seek...: the file's own
-        return getattr(self._stream, name)
+        call = getattr(self._stream, name)
+        if name not in ("write", "flush", "close"):
+            return call
+
+        def kept(*args: Any) -> Any:
+            try:
+                return call(*args)
+            except OSError as err:
+                self._failures.append((self._path, err))
+                raise
+
+        return kept
 
 
 class _ErrnoKeepingFileSystem(FileSystem):

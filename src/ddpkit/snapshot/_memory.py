@@ -241,7 +241,20 @@ class MemoryStore:
             tensors.append(self._gather_peers(blob))
         key = (plan.ident, tuple((t.dtype, t.shape) for t in tensors[len(plan.tensors) :]))
         if key != self._layout or self._manifest is None:
-            self._layout, self._manifest = key, self._make_manifest(plan, tensors, snapshots)
+            specs, size = codec.layout(tensors)
+            if self._check is None:  # what a resume checks before it loads, as a disk's record
+                self._check = codec.encode(snapshots.record.state_dict(), [])
+            self._layout, self._manifest = (
+                key,
+                {
+                    "paths": [list(p) for p in plan.paths],
+                    "own": plan.own,
+                    "n_plan": len(plan.tensors),
+                    "specs": [[s.dtype, list(s.shape), s.offset] for s in specs],
+                    "data_size": size,
+                    "check": self._check,
+                },
+            )
         values = {"step": position[1], "position": list(position), "peers": self.peers}
         self.slots.save(values | {"values": skeleton}, tensors, self._manifest, key)
 
@@ -271,21 +284,6 @@ class MemoryStore:
             paths, tensors, own, kept, aliases and hyper_only, watch, signature, ident
         )
         return self._plan
-
-    def _make_manifest(
-        self, plan: _Plan, tensors: list[torch.Tensor], snapshots: Snapshots
-    ) -> dict[str, Any]:
-        specs, size = codec.layout(tensors)
-        if self._check is None:  # what a resume checks before it loads, as a disk snapshot's record
-            self._check = codec.encode(snapshots.record.state_dict(), [])
-        return {
-            "paths": [list(p) for p in plan.paths],
-            "own": plan.own,
-            "n_plan": len(plan.tensors),
-            "specs": [[s.dtype, list(s.shape), s.offset] for s in specs],
-            "data_size": size,
-            "check": self._check,
-        }
 
     def _gather_peers(self, mine: bytes | None) -> torch.Tensor:
         """Every rank's own part, gathered into a [world, 8 + capacity] uint8 tensor (each row: its
