@@ -48,7 +48,7 @@ def folder_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def _open_regular(path: Path, dir_fd: int | None = None) -> int:
+def open_regular(path: Path, dir_fd: int | None = None) -> int:
     """A descriptor of the regular file ``path`` (the name ``path.name`` in the folder ``dir_fd``,
     when given): not through a link (ELOOP), never waiting on a FIFO."""
     fd = os.open(
@@ -63,9 +63,9 @@ def _open_regular(path: Path, dir_fd: int | None = None) -> int:
 
 
 def read_bounded(path: Path, limit: int, dir_fd: int | None = None) -> bytes:
-    """The bytes of the regular file ``path`` (in ``dir_fd``: :func:`_open_regular`), if it holds at
+    """The bytes of the regular file ``path`` (in ``dir_fd``: :func:`open_regular`), if it holds at
     most ``limit``; ``OSError`` otherwise."""
-    fd = _open_regular(path, dir_fd)
+    fd = open_regular(path, dir_fd)
     try:
         size = os.fstat(fd).st_size
         if size > limit:
@@ -78,7 +78,7 @@ def read_bounded(path: Path, limit: int, dir_fd: int | None = None) -> bytes:
 def sha256(path: Path, size: int | None = None) -> str:
     """The SHA-256 of the regular file ``path``: of its first ``size`` bytes, when given."""
     h = hashlib.sha256()
-    fd = _open_regular(path)
+    fd = open_regular(path)
     with os.fdopen(fd, "rb") as f:
         left = size if size is not None else os.fstat(fd).st_size
         while left > 0 and (chunk := f.read(min(left, 1 << 22))):
@@ -164,7 +164,7 @@ def candidates(folder: Path) -> list[Found]:
 
 
 def _read_marker(path: Path, dir_fd: int | None = None) -> Any:
-    """The marker at ``path`` (in ``dir_fd``: :func:`_open_regular`), parsed; ``ValueError``
+    """The marker at ``path`` (in ``dir_fd``: :func:`open_regular`), parsed; ``ValueError``
     (naming it) if it cannot be read."""
     try:
         return json.loads(read_bounded(path, _MARKER_LIMIT, dir_fd))

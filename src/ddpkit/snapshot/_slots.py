@@ -33,6 +33,7 @@ from ddpkit._errors import ConfigError
 from ddpkit.distributed._collectives import tensor_bytes
 from ddpkit.platforms import _torchrun as torchrun
 from ddpkit.snapshot._codec import Spec, checked_specs, views
+from ddpkit.snapshot._folders import NotRegular, open_regular
 
 ROOT_ENV = "DDPKIT_MEMORY_ROOT"
 """Where the agent makes the job's folder (default ``/dev/shm``)."""
@@ -260,13 +261,12 @@ def read_slot(path: Path, data: bool = False) -> tuple[Record, dict, dict, bytes
     CRC checked (a resume looks at every slot of the node); with it, the manifest's layout and the
     data region's checksums too. A whole slot that does not check raises :class:`BadSlot`."""
     try:
-        # O_NONBLOCK: a FIFO planted under a slot's name opens at once; fstat then refuses it
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = open_regular(path)
+    except NotRegular:
+        raise BadSlot(f"{path} is not a regular file") from None
     except OSError:
         return None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise BadSlot(f"{path} is not a regular file")
         if data:
             with os.fdopen(os.dup(fd), "rb") as f:  # a loop of reads: one read stops at 2 GiB
                 return parse_slot(f.read(), str(path))
@@ -432,14 +432,8 @@ class Slots:
         with the JSON-able ``values`` into the older slot; :class:`MemoryUnavailable` if memory is
         full."""
         slot = self._target()
-        values = {
-            "job": self.job,
-            "run": self.run,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            **values,
-        }
-        value_bytes = json.dumps(values).encode()
+        ids = {"job": self.job, "run": self.run, "rank": self.rank, "world_size": self.world_size}
+        value_bytes = json.dumps(ids | values).encode()
         if slot.layout_id != layout_id or len(value_bytes) > slot.values_capacity:
             self._map(slot, manifest, layout_id, len(value_bytes))
         fd = slot.fd
