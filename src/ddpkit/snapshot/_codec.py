@@ -66,8 +66,6 @@ _PATHS = {
 _TORCH_DTYPES = {str(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 
 
-# -- tensors in a byte region ----------------------------------------------------------------------
-
 ALIGN = 64
 """Each tensor of a data region starts at a multiple of this many bytes."""
 _NAMES = (
@@ -155,9 +153,6 @@ def views(region: torch.Tensor, specs: Sequence[Spec]) -> list[torch.Tensor]:
     return [
         region[s.offset : s.offset + s.nbytes].view(DTYPES[s.dtype]).view(s.shape) for s in specs
     ]
-
-
-# -- values ----------------------------------------------------------------------------------------
 
 
 class UnsupportedValue(ConfigError):
@@ -617,9 +612,6 @@ MALFORMED = (ValueError, KeyError, IndexError, TypeError, AttributeError, Recurs
 """What :func:`decode` (and reading a value file or a blob) raises for data that no save writes."""
 
 
-# -- a blob: what ranks exchange -------------------------------------------------------------------
-
-
 def encode_blob(value: Any, where: str = "") -> bytes:
     """``value`` as one self-contained byte string (JSON skeleton and raw tensors): what ranks
     exchange."""
@@ -652,9 +644,6 @@ def decode_blob(data: bytes | memoryview) -> Any:
     )
     specs = checked_specs(head.get("s"), region.numel())
     return decode(head["v"], [v.clone() for v in views(region, specs)])
-
-
-# -- a value file of a disk snapshot ---------------------------------------------------------------
 
 
 def alone(t: torch.Tensor) -> torch.Tensor:

@@ -51,9 +51,6 @@ class BadIndex(ValueError):
     """The JSON index is not one :func:`index_to_json` wrote: what is wrong with it."""
 
 
-# -- writing ---------------------------------------------------------------------------------------
-
-
 class _ErrnoKeepingStream:
     """A file whose failed writes are recorded (path, OSError) before torch's serializer can swallow
     them."""
@@ -177,9 +174,6 @@ def index_to_json(metadata: Metadata) -> dict[str, Any]:
     }
 
 
-# -- why a write failed ----------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Failure:
     """One rank's part in a failed write."""
@@ -240,8 +234,6 @@ def describe(failures: list[tuple[int, Failure]]) -> str:
         return f"{whats.pop()} ({', '.join(where(r, f) for r, f in failures)})"
     return "; ".join(f"{where(r, f)}: {f.what}" for r, f in failures)
 
-
-# -- the chunks of a tensor ------------------------------------------------------------------------
 
 _NUMEL_LIMIT = 2**63 - 1  # a tensor's number of elements is an int64 in torch
 _SPLIT_DIMS = 4  # the check costs 2**(dimensions split) corners a chunk
@@ -328,9 +320,6 @@ def _first_residual(corners: list[tuple[tuple[int, ...], int]]) -> tuple[Any, in
         if weight:
             return point, weight
     return None
-
-
-# -- reading ---------------------------------------------------------------------------------------
 
 
 def _ints(value: Any, what: str) -> list[int]:

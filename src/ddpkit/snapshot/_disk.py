@@ -108,8 +108,6 @@ class DiskStore:
     def _size(self) -> int:
         return dist.get_world_size(self.group) if self.distributed else 1
 
-    # -- the store of the front door (ddpkit.snapshot._snapshots.Store) ----------------------------
-
     def save_step(self, snapshots: Snapshots) -> None:
         sharded, extra, own = snapshots.disk_parts()
         self.save(
@@ -143,8 +141,6 @@ class DiskStore:
         found = self.candidates() if self._rank == 0 else []
         step = found[0].step if found else -1
         return broadcast_object(step, group=self.group) if self.distributed else step
-
-    # -- writing -----------------------------------------------------------------------------------
 
     def save(
         self,
@@ -348,8 +344,6 @@ class DiskStore:
                 f"ddpkit: writing a snapshot in the background failed: {err!r}"
             ) from err
 
-    # -- finding and loading -----------------------------------------------------------------------
-
     def candidates(self) -> list[Found]:
         """Snapshot folders with a marker, newest first; not yet verified."""
         return folders.candidates(self.folder)
@@ -483,9 +477,6 @@ def quiet_single_process_warning() -> None:
     )
 
 
-# -- where each value of a state goes --------------------------------------------------------------
-
-
 def leaves(tree: dict[str, Any], prefix: KeyPath = ()) -> Iterator[tuple[KeyPath, Any]]:
     """(path, value) of every value of a nested dict that is not itself a dict."""
     for key, value in tree.items():
@@ -564,9 +555,6 @@ def writer_of_shared(sizes: list[tuple[KeyPath, int]], ranks: int) -> dict[KeyPa
         writer[path] = r
         heapq.heappush(loads, (written + nbytes, r))
     return writer
-
-
-# -- the copy an asynchronous save writes ----------------------------------------------------------
 
 
 def stage(value: Any, cache: Any) -> Any:

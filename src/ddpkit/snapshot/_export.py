@@ -149,9 +149,6 @@ def save_final_weights(
                 )
 
 
-# -- the best weights ------------------------------------------------------------------------------
-
-
 def is_better(value: float, best: float | None, mode: str) -> bool:
     """True if ``value`` improves on ``best`` (None: nothing yet) in direction ``mode`` (``min`` or
     ``max``). An equal value does not: an epoch retrained after a crash gives the same value

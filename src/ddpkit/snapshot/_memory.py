@@ -164,8 +164,6 @@ class MemoryStore:
         self.stalls: list[float] = []
         """Seconds each save held the training loop."""
 
-    # -- saving ------------------------------------------------------------------------------------
-
     def save_step(self, snapshots: Snapshots) -> None:
         """Copy this step's state into the older slot; every rank calls it after the same steps
         (collective with peers, and when the interval is chosen). Memory full: one warning, and the
@@ -324,8 +322,6 @@ class MemoryStore:
             self.slots.remove()
         else:
             self.slots.close()
-
-    # -- resuming ----------------------------------------------------------------------------------
 
     def newest(self, warn: Callable[[str], None] | None = None) -> Choice | None:
         """Where every rank can resume from memory, the newest position not passed over

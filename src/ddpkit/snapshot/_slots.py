@@ -74,9 +74,6 @@ class BadSlot(ValueError):
     """A whole slot that does not check: its message names the slot and what is wrong."""
 
 
-# -- the job's folder ------------------------------------------------------------------------------
-
-
 def start_time(pid: int) -> str | None:
     """The start time of process ``pid`` in clock ticks since boot (with the pid, a process's
     identity: pids are reused), or None if it is gone."""
@@ -189,9 +186,6 @@ def run_key(run_dir: str | os.PathLike) -> str:
     slots."""
     # a path's own bytes: a name that is not UTF-8 is a name all the same
     return hashlib.sha256(os.fsencode(Path(run_dir).absolute())).hexdigest()[:16]
-
-
-# -- a slot's format -------------------------------------------------------------------------------
 
 
 def block_crcs(region: Any) -> bytes:
@@ -353,9 +347,6 @@ def tensors_of(data: bytes | memoryview, record: Record, manifest: dict) -> list
     except ValueError as err:
         raise BadSlot(str(err)) from None
     return [v.clone() for v in views(region, layout)]
-
-
-# -- a rank's two slots ----------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)

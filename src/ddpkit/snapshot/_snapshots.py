@@ -244,8 +244,6 @@ class Snapshots:
             self.train.epoch, self.train.cursor = self.loader.position()
         return self.train.position
 
-    # -- saving ------------------------------------------------------------------------------------
-
     def step(self) -> bool:
         """Count one optimizer step of a hand loop and save when one is due: every ``every_steps``,
         or when any rank got a stop signal (then raise :class:`~ddpkit.Preempted` once the snapshot
@@ -338,8 +336,6 @@ class Snapshots:
     def _on_signal(self, signum: int) -> None:
         self._signal = signum  # only a flag: the next agreement spreads it
 
-    # -- the state ---------------------------------------------------------------------------------
-
     def state_dict(self, streams: bool = True) -> dict[str, Any]:
         """Everything the next step needs; collective, as every rank's streams are gathered.
         ``streams=False``: each rank's streams left out (``"rng"`` holds the world size alone), with
@@ -396,8 +392,6 @@ class Snapshots:
         # to fp16 from another precision: a fresh GradScaler, which the snapshot has no state of
         to_fp16 = self._precision is not None and self._precision[1] == "fp16"
         self._fresh = frozenset({"scaler"}) if to_fp16 else frozenset()
-
-    # -- resuming ----------------------------------------------------------------------------------
 
     def resume(self, load: Load | None = None) -> int:
         """Restore every part from the newest whole snapshot, if any (every rank), through ``load``

@@ -179,8 +179,6 @@ def _own(value: Any, name: str) -> Any:
         return value
 
 
-# -- when a snapshot is due ------------------------------------------------------------------------
-
 _ALWAYS_SAVED = ("max_steps", "signal", "early_stopping")
 """Stops (``ddpkit.training.StopReason``) that snapshot whatever the intervals: a restart must find
 where they stopped."""
