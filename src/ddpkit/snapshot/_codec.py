@@ -249,8 +249,7 @@ def _tensor(value: torch.Tensor, tensors: list[torch.Tensor]) -> Any:
 
 
 def _dtype_name(dtype: Any) -> str:
-    # By its character, not its .str: 'q' (longlong) and 'l' (int64) are both '<i8', of two scalar
-    # types.
+    # by its character: 'q' (longlong) and 'l' (int64) are both '<i8', of two scalar types
     return dtype.str if dtype.kind in "mMUS" else dtype.str[0] + dtype.char
 
 
@@ -278,7 +277,6 @@ def _float(value: float) -> Any:
 
 
 def _enc(value: Any, tensors: list[torch.Tensor], depth: int = 0) -> Any:
-    # The order of the tests is the memory snapshots' stall: the common kinds first.
     kind = type(value)
     if kind is str or kind is bool or value is None:
         return value
@@ -392,8 +390,7 @@ def fingerprint(value: Any) -> str:
     try:
         skeleton = encode(value, tensors)
     except UnsupportedValue:
-        # Its repr, less the addresses a default repr shows (another in every process): an enum
-        # member, a named tuple, every entry beside the value that is not held.
+        # its repr, less the addresses a default repr shows (another in every process)
         shown = re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))
         return f"<a {type(value).__module__}.{type(value).__qualname__}: {shown}>"
     return json.dumps(_canonical(skeleton, tensors), sort_keys=True)

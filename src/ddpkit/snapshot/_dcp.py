@@ -118,10 +118,8 @@ class Writer(FileSystemWriter):
         set_file_system(self, _ErrnoKeepingFileSystem(self.failures))
 
     def finish(self, metadata: Metadata, results: list[list[Any]]) -> None:
-        # pickles the index, with where each item went, to .metadata
-        super().finish(metadata, results)
-        # Where each item went is taken from the results, not from ``metadata``: torch 2.13 fills it
-        # into the object it is given, earlier versions into a copy of it.
+        super().finish(metadata, results)  # the pickled index, .metadata
+        # where each item went, from the results: torch 2.13 fills it into ``metadata``, not before
         where = {result.index: result.storage_data for per_rank in results for result in per_rank}
         metadata = dataclasses.replace(metadata, storage_data=where)
         try:
@@ -439,20 +437,9 @@ def _storage_entries(
     return storage
 
 
-def read_index(folder: Path) -> Metadata:
-    """The checked index of a snapshot folder (:func:`index_from_json`); ``OSError`` if it is
-    missing."""
-    raw = read_bounded(folder / INDEX, _INDEX_LIMIT)
-    try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError) as err:  # RecursionError: nested too deep
-        raise BadIndex(f"it is not JSON ({err})") from None
-    return index_from_json(data)
-
-
 class Reader(FileSystemReader):
-    """DCP's file reader over an index already read and checked (:func:`read_index`): ``.metadata``
-    is never opened. Tensors are read by torch with ``weights_only=True``."""
+    """DCP's file reader over an index already read and checked (:func:`read_marked_index`):
+    ``.metadata`` is never opened. Tensors are read by torch with ``weights_only=True``."""
 
     def __init__(self, path: Path, index: Metadata) -> None:
         super().__init__(path)
@@ -460,8 +447,7 @@ class Reader(FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
-            # DCP retries with a rank's own index when the global one fails; snapshots have no such
-            # file.
+            # DCP retries with a rank's own index when the global one fails: there is none
             raise BadIndex("snapshot folders have one index, not one per rank")
         return self._index
 
@@ -480,12 +466,15 @@ def read_marked_index(folder: Path) -> Any:
     """DCP's index of the snapshot, from JSON, refused by name unless the marker lists it and every
     file it reads."""
     try:
-        # The index, and every data file it reads from, were checked against the marker (by rank 0,
-        # in latest()) only if the marker lists them.
+        # checked against the marker (by rank 0, in latest()) only if the marker lists them
         files = folders.listed(folders.Found(0, folder))
         if folders.INDEX not in files:
             raise BadIndex(f"{folders.MARKER} does not list it")
-        index = read_index(folder)
+        try:
+            data = json.loads(read_bounded(folder / INDEX, _INDEX_LIMIT))
+        except (ValueError, RecursionError) as err:  # RecursionError: nested too deep
+            raise BadIndex(f"it is not JSON ({err})") from None
+        index = index_from_json(data)
         for info in index.storage_data.values():
             if info.relative_path not in files:
                 raise BadIndex(

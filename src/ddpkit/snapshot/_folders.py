@@ -258,10 +258,8 @@ def prune(folder_path: Path, keep_last: int, newest: int) -> None:
     whole = [found for found, problem in entries if problem is None]
     keep = {f.path.name for f in whole[:keep_last]}
     partial = {found.path.name for found, problem in entries if problem == PARTIAL}
-    # Every deletion goes through a descriptor of the folder opened without following links, and
-    # each entry is lstat-ed: a link named like a snapshot (to another run's, say) loses only
-    # itself, never what it points to; a snapshots/ that is itself a link is refused (ELOOP), not
-    # pruned.
+    # By a descriptor opened without following links, each entry lstat-ed: a link named like a
+    # snapshot loses only itself; a snapshots/ that is itself a link is refused (ELOOP).
     folder = os.open(folder_path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
         for name in os.listdir(folder):
@@ -281,9 +279,7 @@ def prune(folder_path: Path, keep_last: int, newest: int) -> None:
                     pass
                 finally:
                     os.close(step)
-                # rmtree walks by descriptors and unlinks links inside without following them;
-                # through dir_fd from Python 3.11, by path before (the entry was lstat-ed as a
-                # folder just above).
+                # rmtree never follows links inside; dir_fd from Python 3.11, by path before
                 if sys.version_info >= (3, 11):
                     shutil.rmtree(name, dir_fd=folder, ignore_errors=True)
                 else:

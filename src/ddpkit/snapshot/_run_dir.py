@@ -110,15 +110,12 @@ def claim(
                 lock = taken
             else:
                 _HELD[top.resolve()] = taken
-        except ConfigError as err:
+        except (ConfigError, OSError) as err:
             if held is None:
                 taken.release()
             error = (str(err), None)
-        except OSError as err:
-            # stays an OSError on every rank: a search tells the machine's errors by their errno
-            if held is None:
-                taken.release()
-            error = (f"cannot take run_dir {str(path)!r}: {err.strerror or err}", err.errno)
+            if isinstance(err, OSError):  # an OSError on every rank: a search tells it by errno
+                error = (f"cannot take run_dir {str(path)!r}: {err.strerror or err}", err.errno)
     error = broadcast_object(error, group=group)
     if error is not None:
         message, code = error
@@ -129,8 +126,7 @@ def claim(
 
 
 def _set_aside_previous_run(run_dir: Path) -> None:
-    # left, an old run's later snapshots would be resumed first; the folder they go to is laid out
-    # as a run directory: `ddpkit plot` draws it
+    # left, an old run's later snapshots would be resumed first
     snapshots = run_dir / "snapshots"
     present = [
         name

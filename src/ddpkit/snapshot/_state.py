@@ -90,8 +90,7 @@ class RankStreams:
     def state_dict(self) -> dict[str, Any]:
         return {
             "world_size": self.runtime.world_size,
-            # Every rank's on every rank (Trainer.state_dict); a disk snapshot has each rank write
-            # its own instead.
+            # every rank's on every rank; a disk snapshot has each rank write its own instead
             "ranks": all_gather_object(self.mine(), group=self.runtime.group),
         }
 
@@ -116,8 +115,7 @@ class RankStreams:
         if "own" not in ranks[0]:
             return
         policies = {name: self._policy(part) for name, part in self.own.items()}
-        # Decided alike on every rank (the same parts, the same world sizes), so that all refuse or
-        # none does.
+        # decided alike on every rank, so that all refuse or none does
         refused = sorted(n for n, p in policies.items() if p == "refuse")
         if rt.world_size > len(ranks) and refused:
             raise ConfigError(
