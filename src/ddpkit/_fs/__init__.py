@@ -25,8 +25,7 @@ _IN_PLACE = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_TRUNC
 
 Linked = Literal["refuse", "replace"]
 """What an open to write does with a file that has other hard links: ``"refuse"`` (a
-:class:`ConfigError` naming it), or ``"replace"`` (the name first gets a copy of its own, made
-beside it and renamed over it; for records a copied folder goes on with)."""
+:class:`ConfigError` naming it), or ``"replace"`` (the name first gets a copy of its own)."""
 
 
 def user_name(uid: int) -> str:
@@ -308,8 +307,7 @@ def truncate(path: Path, size: int, *, root: Path | None = None, linked: Linked 
 
 def temporary(dir_fd: int, name: str, mode: int, flags: int = os.O_WRONLY) -> tuple[str, int]:
     """(name, descriptor) of a new file beside ``name`` in ``dir_fd``: an unpredictable name,
-    created with ``O_EXCL`` (never an existing file, nor a link planted under a name we would
-    use)."""
+    created with ``O_EXCL`` (never an existing file, nor a planted link)."""
     while True:
         tmp = f".{name}.{secrets.token_hex(8)}.tmp"
         try:
@@ -323,9 +321,8 @@ def temporary(dir_fd: int, name: str, mode: int, flags: int = os.O_WRONLY) -> tu
 def write_with(
     path: Path, write: Callable[[IO[bytes]], object], *, root: Path | None = None, mode: int = 0o644
 ) -> None:
-    """Replace ``path`` by what ``write(file)`` writes, whole or not at all: for libraries that
-    write to a file object (``savefig``, ``torch.save``, ``ndarray.tofile``). A new file in the same
-    folder, fsynced, renamed."""
+    """Replace ``path`` by what ``write(file)`` writes (``savefig``, ``torch.save``), whole or not
+    at all: a new file in the same folder, fsynced, renamed."""
     path = Path(path)
     with folder(path.parent, root=root, create=True) as dir_fd:
         tmp, fd = temporary(dir_fd, path.name, mode)

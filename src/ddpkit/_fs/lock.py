@@ -1,7 +1,5 @@
 """A folder that belongs to one job at a time: an advisory :func:`fcntl.flock` on ``FOLDER/.lock``,
-held by the main rank for the life of the job (the kernel drops it however the process ends), with
-the holder's name written in once it is ours. A ``.lock`` shared with another folder (``cp -al``)
-is given a new file, only while the old one is held.
+held by the main rank for the life of the job, with the holder's name written in once it is ours.
 """
 
 from __future__ import annotations

@@ -52,8 +52,7 @@ class BadIndex(ValueError):
 
 
 class _ErrnoKeepingStream:
-    """A file whose failed writes are recorded (path, OSError) before torch's serializer can swallow
-    them."""
+    """A file that records a failed write's path and OSError before torch's serializer hides it."""
 
     def __init__(self, stream: Any, path: Path, failures: list[tuple[Path, OSError]]) -> None:
         self._stream, self._path, self._failures = stream, path, failures
@@ -100,8 +99,7 @@ class _ErrnoKeepingFileSystem(FileSystem):
 
 
 def _open_stream(path: Path, mode: str) -> IO[bytes]:
-    """A file of a snapshot, opened never through a link and only if it is this user's regular
-    file."""
+    """A file of a snapshot: this user's regular file, opened never through a link."""
     flags = {"rb": os.O_RDONLY, "wb": os.O_WRONLY | os.O_CREAT | os.O_TRUNC}.get(mode)
     if flags is None:
         raise ValueError(f"{path}: mode {mode!r} is not one a snapshot file is opened in")
@@ -130,8 +128,7 @@ class Writer(FileSystemWriter):
 
 
 def index_to_json(metadata: Metadata) -> dict[str, Any]:
-    """The parts of DCP's ``Metadata`` a load needs, as JSON values. Non-tensor items are refused:
-    they would be pickles."""
+    """The parts of DCP's ``Metadata`` a load needs, as JSON values; non-tensor items refused."""
     tensors = {}
     for fqn, md in metadata.state_dict_metadata.items():
         if not isinstance(md, TensorStorageMetadata):
@@ -453,8 +450,7 @@ class Reader(FileSystemReader):
 
 
 class TensorsOnlyPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, minus its unpickling of non-tensor items (the index admits none;
-    this stops one that got through anyway)."""
+    """DCP's default load planner, without its unpickling of non-tensor items (none is indexed)."""
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         raise BadIndex(

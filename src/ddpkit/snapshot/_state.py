@@ -74,8 +74,7 @@ class RankStreams:
         self.own: dict[str, Any] = dict(own or {})
         self.new_rank_state, self.warn = new_rank_state, warn
         self.reseeded_from: int | None = None
-        """The world size of the snapshot whose streams were reseeded rather than restored, if
-        so."""
+        """The world size of a snapshot whose streams were reseeded rather than restored."""
         self.fresh_parts: list[str] = []
         """Own parts this rank started afresh at another world size."""
 
@@ -168,9 +167,8 @@ class RankStreams:
 
 
 def _own(value: Any, name: str) -> Any:
-    """A copy of a part's ``state_dict()`` as a load gives it back (:func:`codec.copied`). A value
-    the codec cannot hold is left for the snapshot to refuse on every rank together: refused here,
-    on one rank, it would leave the other ranks waiting."""
+    """A copy of a part's ``state_dict()`` as a load gives it back (:func:`codec.copied`); a value
+    the codec cannot hold is left for the snapshot to refuse on every rank together."""
     try:
         return codec.copied(value, f"own.{name}")
     except codec.UnsupportedValue:
@@ -178,8 +176,7 @@ def _own(value: Any, name: str) -> Any:
 
 
 _ALWAYS_SAVED = ("max_steps", "signal", "early_stopping")
-"""Stops (``ddpkit.training.StopReason``) that snapshot whatever the intervals: a restart must find
-where they stopped."""
+"""Stops (``ddpkit.training.StopReason``) that snapshot whatever the intervals."""
 
 
 @dataclass(kw_only=True)
@@ -221,14 +218,12 @@ class SnapshotConfig:
 
 @dataclass
 class SnapshotSchedule:
-    """Says when a snapshot (on disk, or in memory) is due; every rank asks with the same values and
-    gets the same answer, so every rank saves after the same steps."""
+    """Says when a snapshot (on disk, or in memory) is due: the same answer on every rank."""
 
     every_steps: int | None = None
     every_epochs: int = 1
     memory_every_steps: int = 1
-    """The interval of the copies in memory (:class:`~ddpkit.snapshot._memory.MemoryStore` sets
-    it once chosen)."""
+    """The interval of the copies in memory (the memory store sets it once chosen)."""
     notice: str | None = None
     """A pre-emption notice not yet acted on: the next :meth:`after_step` or :meth:`at_epoch_end` is
     due."""
@@ -274,9 +269,8 @@ class SnapshotSchedule:
         return taken and step % self.memory_every_steps == 0
 
     def new_position(self, position: tuple[int, int, int]) -> bool:
-        """Whether ``position`` has not been written yet (a save there is then due); false after
-        :meth:`written` of the same position, so that an epoch end and a stop at the same step write
-        once."""
+        """Whether ``position`` has not been written yet (:meth:`written`): an epoch end and a stop
+        at the same step write once."""
         return position != self.saved_at
 
     def written(self, position: tuple[int, int, int]) -> None:
