@@ -35,8 +35,7 @@ from ddpkit._errors import ConfigError
 from ddpkit.distributed._collectives import tensor_bytes
 
 FORMAT = 3
-"""The format of a disk snapshot's value files; a file of another is refused by name, never read as
-this one."""
+"""The format of a disk snapshot's value files; a file of another is refused by name."""
 
 _INT64 = 1 << 63
 MAX_DEPTH = 100
@@ -95,8 +94,7 @@ class Spec:
 
 
 def capped_numel(sizes: Sequence[int], cap: int) -> int:
-    """The product of ``sizes``, or ``cap + 1`` once past ``cap`` (a product of thousands of large
-    sizes takes quadratic time)."""
+    """The product of ``sizes``, or ``cap + 1`` once past ``cap`` (else it takes quadratic time)."""
     if 0 in sizes:
         return 0
     n = 1
@@ -156,8 +154,7 @@ def views(region: torch.Tensor, specs: Sequence[Spec]) -> list[torch.Tensor]:
 
 
 class UnsupportedValue(ConfigError):
-    """A value of a state that a snapshot cannot hold; the message names where it is and what to
-    do."""
+    """A value a snapshot cannot hold; the message names where it is and what to do."""
 
 
 class FormatError(ValueError):
@@ -610,8 +607,7 @@ MALFORMED = (ValueError, KeyError, IndexError, TypeError, AttributeError, Recurs
 
 
 def encode_blob(value: Any, where: str = "") -> bytes:
-    """``value`` as one self-contained byte string (JSON skeleton and raw tensors): what ranks
-    exchange."""
+    """``value`` as one byte string (JSON skeleton and raw tensors): what ranks exchange."""
     tensors: list[torch.Tensor] = []
     skeleton = encode(value, tensors, where)
     specs, size = layout(tensors)
@@ -654,8 +650,7 @@ def alone(t: torch.Tensor) -> torch.Tensor:
 
 def file_bytes(skeleton: Any, tensors: Sequence[torch.Tensor]) -> bytes:
     """The contents of a value file: an encoded value (:func:`encode`) as ``torch.save`` of plain
-    data (the format, the skeleton as JSON text, the tensors), which loads with
-    ``torch.load(weights_only=True)``."""
+    data (the format, the skeleton as JSON text, the tensors): ``torch.load(weights_only=True)``."""
     buffer = io.BytesIO()
     text = json.dumps(skeleton, separators=(",", ":"))
     torch.save({"format": FORMAT, "values": text, "tensors": [alone(t) for t in tensors]}, buffer)

@@ -27,8 +27,7 @@ FORMATS = ("safetensors", "pt")
 
 def weights_path(run_dir: Path, which: str, fmt: str) -> Path:
     """Where a run writes its ``final`` or ``best`` weights: ``final.safetensors``,
-    ``best.safetensors``, or ``final_weights.pt``, ``best_weights.pt`` (``best.pt`` is the best
-    weights with their metric, in a dict)."""
+    ``best.safetensors``, or ``final_weights.pt``, ``best_weights.pt``."""
     return run_dir / (f"{which}.safetensors" if fmt == "safetensors" else f"{which}_weights.pt")
 
 
@@ -37,9 +36,8 @@ def safetensors_available() -> bool:
 
 
 def resolve_format(requested: str | None) -> tuple[str | None, str | None]:
-    """The format a run writes its weights in, and a notice when it is not the one asked for:
-    ``safetensors`` without the package falls back to ``pt`` (the weights are still written, with
-    torch alone)."""
+    """The format a run writes its weights in, and a notice when it is not the one asked for
+    (``safetensors`` without the package falls back to ``pt``)."""
     if requested == "safetensors" and not safetensors_available():
         return "pt", (
             "ddpkit: the safetensors package is not installed, so the weights files are written "
@@ -151,8 +149,7 @@ def save_final_weights(
 
 def is_better(value: float, best: float | None, mode: str) -> bool:
     """True if ``value`` improves on ``best`` (None: nothing yet) in direction ``mode`` (``min`` or
-    ``max``). An equal value does not: an epoch retrained after a crash gives the same value
-    again."""
+    ``max``); an equal value does not (an epoch retrained after a crash gives it again)."""
     return best is None or (value < best if mode == "min" else value > best)
 
 
@@ -182,8 +179,7 @@ class BestWeights:
         self.at_step = False  # the best is a step's (validation every N steps): the summary says so
 
     def load(self) -> None:
-        """Take the best so far from the file: for a resumed run only (a fresh one replaces a stale
-        file)."""
+        """Take the best so far from the file (for a resumed run only)."""
         if self.enabled and self.path.exists():
             saved = torch.load(self.path, weights_only=True)
             if saved.get("metric") == self.metric:
@@ -201,8 +197,7 @@ class BestWeights:
         step: int,
     ) -> bool:
         """Save ``weights()`` if ``metrics[metric]`` beats the best so far; True if it did. Every
-        rank calls it: ``weights()`` may be a collective (the whole model gathered from its
-        shards)."""
+        rank calls it: ``weights()`` may be a collective (fsdp)."""
         metric = self.metric
         if metric is None:  # not tracking
             return False

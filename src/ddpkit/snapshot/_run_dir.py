@@ -21,8 +21,7 @@ from ddpkit.distributed._collectives import broadcast_object
 
 
 class RunDirLock(FolderLock):
-    """An exclusive advisory lock on ``run_dir/.lock``, naming its holder (host, pid) inside the
-    file."""
+    """An exclusive advisory lock on ``run_dir/.lock``, naming its holder (host, pid) inside."""
 
     def __init__(self, run_dir: str | os.PathLike) -> None:
         super().__init__(
@@ -40,8 +39,8 @@ PREVIOUS_RUN = (
     "final_weights.pt", "metrics.jsonl", "metrics.rewound.jsonl", "epochs.csv", "tensorboard",
     "loggers.json", "config.json", "curves.png",
 )  # fmt: skip
-"""What ``resume=False`` moves aside: the previous run's state and records, which the new run's
-would otherwise join at the same steps. ``mlflow.db`` and ``wandb/`` hold many runs: they stay."""
+"""What ``resume=False`` moves aside: the previous run's state and records (``mlflow.db`` and
+``wandb/`` hold many runs: they stay)."""
 RUN_FILES = (*PREVIOUS_RUN, "mlflow.db", "wandb")
 """What a run writes in its run directory (besides ``.lock``): none of it may be a symbolic link."""
 

@@ -1,7 +1,5 @@
 """What a run was built with, recorded in every snapshot, and the one check that a snapshot resumes
-only that run (:meth:`RunRecord.check`): a rerun with another learning rate, a resized layer or
-another activation on a run directory that holds snapshots is refused, naming every difference,
-rather than "resumed" with exit code 0.
+only that run (:meth:`RunRecord.check`), naming every difference.
 """
 
 from __future__ import annotations
@@ -83,8 +81,7 @@ def optimizer_hparams(optimizer: torch.optim.Optimizer) -> list[dict[str, Any] |
 
 
 def tensor_shapes(state: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
-    """(shape, dtype) of each tensor of a state dict; a sharded tensor (DTensor) gives its global
-    shape."""
+    """(shape, dtype) of each tensor of a state dict (a DTensor's global shape)."""
     return {
         k: (tuple(v.shape), str(v.dtype).removeprefix("torch."))
         for k, v in state.items()
@@ -300,8 +297,7 @@ def _shape(entry: tuple) -> str:
 def write_resolved_config(
     run_dir: Path, config: Any, runtime: Runtime, per_rank_batch: int
 ) -> None:
-    """``run_dir/config.json`` (rank 0): the resolved config, with the world size, per-rank batch
-    and versions."""
+    """``run_dir/config.json`` (rank 0): the resolved config, world size, batch and versions."""
     if not runtime.is_main:
         return
     resolved = config.to_json() | {
