@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import errno
 import io
 import itertools
 import json
@@ -17,7 +16,6 @@ import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -41,7 +39,6 @@ from ddpkit.snapshot import _folders as folders
 from ddpkit.snapshot._codec import capped_numel
 from ddpkit.snapshot._folders import INDEX, read_bounded
 
-_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 _DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
 # JSON of a tensor's place per chunk: ~200 bytes each; a GiB is millions of chunks
 _INDEX_LIMIT = 1 << 30
@@ -167,67 +164,6 @@ def index_to_json(metadata: Metadata) -> dict[str, Any]:
         "storage": storage,
         "paths": paths,
     }
-
-
-@dataclass(frozen=True)
-class Failure:
-    """One rank's part in a failed write."""
-
-    what: str
-    file: str | None = None  # relative to the snapshot's folder when inside it
-    disk_full: bool = False
-    errno: int | None = None  # the OS error's number, when the failure was one
-
-
-def os_failure(err: OSError, file: Any, folder: Path) -> Failure:
-    file = Path(err.filename or file)
-    shown = str(file.relative_to(folder)) if file.is_relative_to(folder) else str(file)
-    what = "no space left on device" if err.errno == errno.ENOSPC else (err.strerror or str(err))
-    return Failure(what, shown, err.errno in _DISK_FULL, err.errno)
-
-
-def rank_failure(
-    err: BaseException, kept: list[tuple[Path, OSError]], rank: int, folder: Path
-) -> Failure | None:
-    """This rank's part in a failed write: the first OS error its files met (torch's serializer
-    replaces a full disk's by a position mismatch), else its own exception; None when DCP reports
-    other ranks' only."""
-    if kept:
-        return os_failure(kept[0][1], kept[0][0], folder)
-    # DCP's CheckpointException: every failed rank's exception
-    failures = getattr(err, "failures", None)
-    if isinstance(failures, dict) and failures:
-        if rank not in failures:
-            return None
-        err = failures[rank][0]
-    if isinstance(err, OSError):
-        return os_failure(err, folder, folder)
-    text = str(err).strip().splitlines()
-    return Failure(f"{type(err).__name__}: {text[0] if text else ''}")
-
-
-def first_rank_failure(err: BaseException, rank: int | None) -> str:
-    """The lowest failed rank's exception in DCP's ``CheckpointException`` (rank of the group ->
-    (exception, traceback)), as one line; the rank named where it is not ``rank`` (None: a load with
-    no collective, whose failures are this rank's own)."""
-    failures = err.failures  # type: ignore[attr-defined]
-    origin = min(failures)
-    first = failures[origin][0]
-    named = "" if rank is None or origin == rank else f" (on rank {origin})"
-    return f"{type(first).__name__}: {first}{named}"
-
-
-def describe(failures: list[tuple[int, Failure]]) -> str:
-    """``no space left on device (rank 0 writing __0_0.distcp, rank 1 writing __1_0.distcp)``, or
-    each rank's own reason where they differ."""
-
-    def where(rank: int, f: Failure) -> str:
-        return f"rank {rank} writing {f.file}" if f.file else f"rank {rank}"
-
-    whats = {f.what for _, f in failures}
-    if len(whats) == 1:
-        return f"{whats.pop()} ({', '.join(where(r, f) for r, f in failures)})"
-    return "; ".join(f"{where(r, f)}: {f.what}" for r, f in failures)
 
 
 _NUMEL_LIMIT = 2**63 - 1  # a tensor's number of elements is an int64 in torch

@@ -9,6 +9,7 @@ place, rank ``r``'s under ``per_rank.rank<r>`` (:func:`stored_path`).
 from __future__ import annotations
 
 import copy
+import errno
 import functools
 import heapq
 import importlib.util
@@ -21,6 +22,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -60,6 +62,70 @@ def _raise(failed: Failed) -> NoReturn:
         raise SnapshotWriteError(message)
     # rebuilt on every rank: a search tells a full disk from a mistake by the cause's errno
     raise SnapshotWriteError(message) from OSError(code, os.strerror(code), filename)
+
+
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One rank's part in a failed write."""
+
+    what: str
+    file: str | None = None  # relative to the snapshot's folder when inside it
+    disk_full: bool = False
+    errno: int | None = None  # the OS error's number, when the failure was one
+
+
+def os_failure(err: OSError, file: Any, folder: Path) -> Failure:
+    file = Path(err.filename or file)
+    shown = str(file.relative_to(folder)) if file.is_relative_to(folder) else str(file)
+    what = "no space left on device" if err.errno == errno.ENOSPC else (err.strerror or str(err))
+    return Failure(what, shown, err.errno in _DISK_FULL, err.errno)
+
+
+def rank_failure(
+    err: BaseException, kept: list[tuple[Path, OSError]], rank: int, folder: Path
+) -> Failure | None:
+    """This rank's part in a failed write: the first OS error its files met (torch's serializer
+    replaces a full disk's by a position mismatch), else its own exception; None when DCP reports
+    other ranks' only."""
+    if kept:
+        return os_failure(kept[0][1], kept[0][0], folder)
+    # DCP's CheckpointException: every failed rank's exception
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        if rank not in failures:
+            return None
+        err = failures[rank][0]
+    if isinstance(err, OSError):
+        return os_failure(err, folder, folder)
+    text = str(err).strip().splitlines()
+    return Failure(f"{type(err).__name__}: {text[0] if text else ''}")
+
+
+def first_rank_failure(err: BaseException, rank: int | None) -> str:
+    """The lowest failed rank's exception in DCP's ``CheckpointException`` (rank of the group ->
+    (exception, traceback)), as one line; the rank named where it is not ``rank`` (None: a load with
+    no collective, whose failures are this rank's own)."""
+    failures = err.failures  # type: ignore[attr-defined]
+    origin = min(failures)
+    first = failures[origin][0]
+    named = "" if rank is None or origin == rank else f" (on rank {origin})"
+    return f"{type(first).__name__}: {first}{named}"
+
+
+def describe(failures: list[tuple[int, Failure]]) -> str:
+    """``no space left on device (rank 0 writing __0_0.distcp, rank 1 writing __1_0.distcp)``, or
+    each rank's own reason where they differ."""
+
+    def where(rank: int, f: Failure) -> str:
+        return f"rank {rank} writing {f.file}" if f.file else f"rank {rank}"
+
+    whats = {f.what for _, f in failures}
+    if len(whats) == 1:
+        return f"{whats.pop()} ({', '.join(where(r, f) for r, f in failures)})"
+    return "; ".join(f"{where(r, f)}: {f.what}" for r, f in failures)
 
 
 class DiskStore:
@@ -218,15 +284,13 @@ class DiskStore:
     def _clear(self, path: Path, step: int) -> Failed | None:
         """Rank 0: make ``path`` an empty folder (the debris of a killed write of this step, perhaps
         of another world size, goes); the failure if it cannot."""
-        from ddpkit.snapshot import _dcp
-
         try:
             fs.remove_tree(path, root=self.folder)
             fs.make_dirs(path, root=self.folder)
         except OSError as err:
-            return self._failure(path, step, [(0, _dcp.os_failure(err, path, self.folder))])
+            return self._failure(path, step, [(0, os_failure(err, path, self.folder))])
         except ConfigError as err:  # a link or another user's folder where the snapshots go
-            return self._failure(path, step, [(0, _dcp.Failure(str(err)))])
+            return self._failure(path, step, [(0, Failure(str(err)))])
         return None
 
     def _write_in_background(self, *args: Any) -> None:
@@ -269,7 +333,7 @@ class DiskStore:
                 mine += [path / ".metadata", path / INDEX, path / VALUES]
             digests = digest(mine)
         except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
-            failed, failure = True, _dcp.rank_failure(err, writer.failures, rank, path)
+            failed, failure = True, rank_failure(err, writer.failures, rank, path)
             if not writer.failures and not isinstance(err, OSError):
                 traceback.print_exc()  # not the machine's fault: where it came from
         part = (digests, failure, failed)
@@ -283,12 +347,10 @@ class DiskStore:
 
     def _finish(self, path: Path, step: int, parts: list[tuple[dict, Any, bool]]) -> Failed | None:
         """Rank 0, once every rank is done with ``path``: the marker, or the failure."""
-        from ddpkit.snapshot import _dcp
-
         failures = [(r, f) for r, (_, f, _) in enumerate(parts) if f is not None]
         if any(failed for _, _, failed in parts):
             failures = failures or [
-                (0, _dcp.Failure("the write failed on another rank; see its traceback"))
+                (0, Failure("the write failed on another rank; see its traceback"))
             ]
         else:
             files = {name: d for digests, _, _ in parts for name, d in digests.items()}
@@ -296,7 +358,7 @@ class DiskStore:
             try:
                 fs.write_atomic(path / MARKER, json.dumps(marker, indent=1).encode())
             except OSError as err:
-                failures = [(0, _dcp.os_failure(err, path / MARKER, path))]
+                failures = [(0, os_failure(err, path / MARKER, path))]
             else:
                 self._prune(newest=step)
                 return None
@@ -306,8 +368,6 @@ class DiskStore:
     def _failure(self, path: Path, step: int, failures: list[tuple[int, Any]]) -> Failed:
         """What every rank raises: what failed where, what is left, and the first OS error's number
         and file, if a rank met one."""
-        from ddpkit.snapshot import _dcp
-
         previous = next((f for f in self.candidates() if f.step != step), None)
         if previous is not None:
             kept = (
@@ -323,7 +383,7 @@ class DiskStore:
                 "run another run_dir"
             )
         message = (
-            f"ddpkit: snapshot {path} was not written: {_dcp.describe(failures)}. Its partial "
+            f"ddpkit: snapshot {path} was not written: {describe(failures)}. Its partial "
             f"folder is removed; {kept}{advice}"
         )
         os_error = next((f for _, f in failures if f.errno is not None), None)
@@ -374,7 +434,8 @@ class DiskStore:
             choice = broadcast_object(choice, group=self.group)
         return choice
 
-    newest = latest  # the name of the front door's Store
+    def newest(self, warn: Callable[[str], None]) -> Found | None:  # the front door's name
+        return self.latest(warn)
 
     def load(
         self,
@@ -443,7 +504,7 @@ class DiskStore:
             )
         except CheckpointException as err:  # a BaseException: every rank's traceback
             collective = self.distributed and not local
-            failure = _dcp.first_rank_failure(err, self._rank if collective else None)
+            failure = first_rank_failure(err, self._rank if collective else None)
             error = err
         except Exception as err:
             if not local:

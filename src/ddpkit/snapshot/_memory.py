@@ -28,7 +28,7 @@ from ddpkit.distributed._environment import read_launch_env
 from ddpkit.distributed._runtime import DEFAULT_TIMEOUT
 from ddpkit.snapshot import _codec as codec
 from ddpkit.snapshot import _slots as slots_lib
-from ddpkit.snapshot._disk import STREAMS, KeyPath, leaves
+from ddpkit.snapshot._disk import STREAMS, KeyPath, leaves, set_at
 from ddpkit.snapshot._snapshots import Damaged, Resumed, Snapshots
 from ddpkit.strategies._base import PER_RANK
 from ddpkit.strategies._prepare import unwrap
@@ -359,10 +359,7 @@ class MemoryStore:
                 with torch.no_grad():
                     local(value).copy_(saved[path])
         for path, value in dynamic["strategy_values"]:
-            node = state
-            for key in path[:-1]:
-                node = node[key]
-            node[path[-1]] = value
+            set_at(state, path, value)
         ranks: list[Any] = [None] * self.world_size
         ranks[self.rank] = own  # the streams read only this rank's entry at the same world size
         streams = {STREAMS: {"world_size": self.world_size, "ranks": ranks}}
