@@ -52,8 +52,7 @@ Failed = tuple[str, "int | None", "str | None"]
 
 class SnapshotWriteError(RuntimeError):
     """A snapshot could not be written; the message names why, where, and the snapshot a restart
-    resumes from. When an OS error was the reason (a full disk), it is the ``__cause__``, on every
-    rank."""
+    resumes from. An OS error (a full disk) is the ``__cause__``, on every rank."""
 
 
 def _raise(failed: Failed) -> NoReturn:
@@ -217,14 +216,12 @@ class DiskStore:
         replicated: bool = False,
         own: Any = None,
     ) -> None:
-        """Snapshot ``step``: ``state`` (every rank's own part, for DCP: its tensors, shards and the
-        per-rank part; its other values go to ``values.pt``) and ``extra`` (rank 0's, in
-        ``values.pt``). ``replicated``: the tensors of ``state`` outside its per-rank part are the
-        same on every rank, and each rank writes a share of them. ``own``: values of this rank
-        alone, in a file of its own (:meth:`read_own`).
-
-        Returns once the state is safe from the training loop: written, or copied to host memory
-        with the write under way (``async_write``); :class:`SnapshotWriteError` if it is not."""
+        """Snapshot ``step``: ``state`` (every rank's own part: tensors to DCP, other values to
+        ``values.pt``) and ``extra`` (rank 0's, in ``values.pt``). ``replicated``: the tensors of
+        ``state`` outside its per-rank part are the same on every rank, each rank writing a share.
+        ``own``: values of this rank alone, in a file of its own (:meth:`read_own`). Returns once
+        the state is written, or copied to host memory (``async_write``); else
+        :class:`SnapshotWriteError`."""
         self.wait()
         path = self.folder / folder_name(step)
         tensors, values = stored_parts(state, self._rank, self._size if replicated else 1)
@@ -528,9 +525,8 @@ SnapshotManager = DiskStore
 
 @functools.cache
 def quiet_single_process_warning() -> None:
-    """Filter DCP's warning, at every save and load in a world of one (or with ``no_dist``), that it
-    assumes "the intent is to save in a single process": it is. A filter of the process (the save
-    runs in the writer's thread)."""
+    """Filter DCP's warning that it assumes "the intent is to save in a single process" (a world of
+    one, or ``no_dist``): it is. A filter of the process (the save runs in the writer's thread)."""
     warnings.filterwarnings(
         "ignore",
         message="torch.distributed is disabled, unavailable or uninitialized, assuming the intent "
@@ -656,11 +652,10 @@ _groups: dict[tuple[int, ...], Any] = {}  # ranks -> (the world it was made in, 
 
 
 def writer_group(group: Group) -> Any:
-    """A gloo group over the ranks of ``group`` for the background writer: two threads issuing
-    collectives on one group could pair a checkpoint message with another rank's all-reduce. Made
-    once per set of ranks and world, by those ranks alone (a group of :func:`~ddpkit.split_world`
-    must not need the rest of the job); a world made again (``ddpkit.shutdown()`` then ``init()``,
-    a recovery in place) gets new ones, as its other ranks do."""
+    """A gloo group over the ranks of ``group`` for the background writer (two threads issuing
+    collectives on one group could pair a checkpoint message with another rank's all-reduce). Made
+    once per set of ranks and world, by those ranks alone (a :func:`~ddpkit.split_world` group must
+    not wait for the rest of the job); a world made again gets new ones."""
     world = dist.group.WORLD
     ranks = tuple(dist.get_process_group_ranks(group if group is not None else world))
     made = _groups.get(ranks)

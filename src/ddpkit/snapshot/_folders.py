@@ -291,9 +291,7 @@ def prune(folder_path: Path, keep_last: int, newest: int) -> None:
 VALUES = "values.pt"
 """The file of a state's values other than DCP's tensors (every rank's, and rank 0's ``extra``)."""
 OWN = "rank{}.pt"
-"""The file of one rank's own values (``SnapshotManager.save``'s ``own``: its random streams, the
-callbacks' state), by rank. It and :data:`VALUES` are written and read by
-:mod:`ddpkit.snapshot._codec`."""
+"""The file of one rank's own values (``SnapshotManager.save``'s ``own``), by rank."""
 INDEX = "metadata.json"
 """DCP's index of a snapshot, as JSON (:mod:`ddpkit.snapshot._dcp` writes and reads it)."""
 
@@ -337,8 +335,7 @@ def read_values(folder: Path, map_location: Any) -> dict[str, Any]:
 
 def read_own(found: Found, ranks: list[int], map_location: Any) -> list[Any]:
     """The :data:`OWN` files of ``ranks`` in ``found``, each decoded by the codec; refused by name
-    where the marker does not list one (the marker's files are checked against their digests before
-    a resume)."""
+    where the marker (whose files were checked) does not list one."""
     try:
         files = listed(found)
     except ValueError as err:

@@ -56,8 +56,8 @@ def _warn(message: str) -> None:
 
 def open_memory(snapshots: Snapshots, every_steps: int | None) -> MemoryStore | None:
     """The memory store of ``snapshots`` when the agent of ``ddpkit run`` made the job a memory
-    folder on every node, else None, with one line saying why. Collective (one all-reduce): every
-    rank decides alike. ``every_steps``: a copy every N steps; None: chosen (see the module)."""
+    folder on every node, else None, with one line saying why; collective (one all-reduce).
+    ``every_steps``: a copy every N steps; None: chosen (:meth:`MemoryStore._choose_interval`)."""
     rt = snapshots.runtime
     folder, job = os.environ.get(slots_lib.DIR_ENV), slots_lib.job_key()
     why = (
@@ -116,9 +116,9 @@ class Choice:
 
 
 def choose(offers: list[dict[str, list]], disk_step: int = -1) -> Choice | None:
-    """The newest position every rank can resume from, newer than ``disk_step``, or None.
-    ``offers[r]``: rank r's ``own`` positions and ``peers`` positions (states that carry every
-    rank's own part). Pure: every rank computes the same answer from the same offers."""
+    """The newest position every rank can resume from, newer than ``disk_step``, or None (the same
+    on every rank). ``offers[r]``: rank r's ``own`` positions and ``peers`` positions (states that
+    carry every rank's own part)."""
     own = [{tuple(p) for p in o["own"]} for o in offers]
     peers = [{tuple(p) for p in o["peers"]} for o in offers]
     for position in sorted(set().union(*own, *peers), reverse=True):
@@ -134,8 +134,8 @@ def choose(offers: list[dict[str, list]], disk_step: int = -1) -> Choice | None:
 
 
 class MemoryStore:
-    """The snapshots in memory of one run (:func:`open_memory`); see the module docstring.
-    ``peers``: also keep every rank's own part in every rank's slot."""
+    """The snapshots in memory of one run (:func:`open_memory`). ``peers``: also keep every rank's
+    own part in every rank's slot."""
 
     def __init__(
         self,
@@ -316,8 +316,7 @@ class MemoryStore:
         """Nothing is ever in flight: a copy is whole when :meth:`save_step` returns."""
 
     def close(self, remove: bool) -> None:
-        """Unmap the slots; ``remove``: delete them too (the run finished: its last state is on
-        disk)."""
+        """Unmap the slots; ``remove``: delete them too (the run finished)."""
         if remove:
             self.slots.remove()
         else:
@@ -325,8 +324,7 @@ class MemoryStore:
 
     def newest(self, warn: Callable[[str], None] | None = None) -> Choice | None:
         """Where every rank can resume from memory, the newest position not passed over
-        (collective). Whole slots that do not check are left out, and named through ``warn``
-        once."""
+        (collective); whole slots that do not check are left out, named through ``warn`` once."""
         skipped = self._skipped
         found = [f for f in self.slots.found() if f.position not in skipped]
         offer = {
@@ -378,8 +376,7 @@ class MemoryStore:
         return Resumed(f"memory{donor}", f"memory{donor}", disk=False)
 
     def forget(self, keep: Choice | None = None) -> None:
-        """Only the state resumed from (none after a resume from disk) may be found again: a later
-        restart never picks a slot of an abandoned course."""
+        """Only the state resumed from (none after a resume from disk) may be found again."""
         path = None
         if keep is not None:
             found = self.slots.found()
@@ -555,8 +552,7 @@ def _check_values(dynamic: dict[str, Any], groups: int) -> None:
 
 def _hyperparams_only(path: KeyPath) -> bool:
     """The non-tensor values of a strategy's state that the saved parameter groups restore (the
-    flattened optimizer's ``param_groups.<name>.<key>``); any other makes every save read the whole
-    state afresh."""
+    flattened optimizer's ``param_groups.<name>.<key>``)."""
     return len(path) == 2 and path[0] == "optim" and str(path[1]).startswith("param_groups.")
 
 

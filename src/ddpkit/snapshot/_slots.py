@@ -66,8 +66,7 @@ class FolderUnavailable(RuntimeError):
 
 
 class MemoryUnavailable(RuntimeError):
-    """Shared memory cannot hold the snapshot (full, or the folder gone); disk snapshots carry on
-    alone."""
+    """Shared memory cannot hold the snapshot (full, or the folder gone)."""
 
 
 class BadSlot(ValueError):
@@ -75,8 +74,8 @@ class BadSlot(ValueError):
 
 
 def start_time(pid: int) -> str | None:
-    """The start time of process ``pid`` in clock ticks since boot (with the pid, a process's
-    identity: pids are reused), or None if it is gone."""
+    """The start time of process ``pid`` in clock ticks since boot (with the pid, its identity), or
+    None if it is gone."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
@@ -93,8 +92,8 @@ def _owner_alive(folder: Path) -> bool:
 
 
 def private_base(root: Path) -> Path:
-    """``root/ddpkit-memory-<uid>``, made with mode 700; refused if it is a link, or someone else's:
-    another user could otherwise plant slots for this user's jobs to load."""
+    """``root/ddpkit-memory-<uid>``, made with mode 700; refused if it is a link, or someone else's
+    (who could plant slots for this user's jobs to load)."""
     base = root / f"ddpkit-memory-{os.getuid()}"
     with contextlib.suppress(FileExistsError):
         fs.make_dir(base, mode=0o700)
@@ -106,14 +105,11 @@ def private_base(root: Path) -> Path:
     return base
 
 
-def sweep_stale(base: Path) -> list[Path]:
-    """Remove the folders under ``base`` whose agent is dead; return them."""
-    removed = []
+def sweep_stale(base: Path) -> None:
+    """Remove the folders under ``base`` whose agent is dead."""
     for folder in base.iterdir() if base.is_dir() else []:
         if folder.is_dir() and not folder.is_symlink() and not _owner_alive(folder):
             fs.remove_tree(folder, root=base)
-            removed.append(folder)
-    return removed
 
 
 def open_job_folder(pid: int | None = None) -> Path | None:
@@ -165,7 +161,7 @@ def job_key() -> str | None:
 
 def room_warning(folder: str | os.PathLike[str], need: int) -> str | None:
     """A warning when the file system of ``folder`` has less free room than ``need`` bytes (a
-    container's 64 MiB ``/dev/shm``), said at the start of a run rather than at its first save."""
+    container's 64 MiB ``/dev/shm``)."""
     try:
         info = os.statvfs(folder)
     except OSError:
@@ -182,17 +178,14 @@ def room_warning(folder: str | os.PathLike[str], need: int) -> str | None:
 
 
 def run_key(run_dir: str | os.PathLike) -> str:
-    """A short hash of the run directory's absolute path: two Trainers of one job never share
-    slots."""
-    # a path's own bytes: a name that is not UTF-8 is a name all the same
+    """A short hash of the run directory's absolute path (its bytes: it may not be UTF-8)."""
     return hashlib.sha256(os.fsencode(Path(run_dir).absolute())).hexdigest()[:16]
 
 
 def block_crcs(region: Any) -> bytes:
     """The table a slot keeps after its data region: the CRC-32C of each :data:`BLOCK` bytes of
-    ``region`` (a contiguous CPU tensor, bytes or a memoryview), little-endian uint32s in order.
-    CRC-32C keeps Hamming distance 4 up to 2,147,483,615 bits (Koopman): every change of up to 3
-    bits, and every burst of up to 32, within a block moves its entry (docs/snapshots.md)."""
+    ``region`` (a contiguous CPU tensor, bytes or a memoryview), little-endian uint32s in order
+    (why CRC-32C per MiB: docs/snapshots.md)."""
     import crc32c  # not at `import ddpkit`
 
     view = _bytes_of(region)
@@ -336,7 +329,7 @@ def _check_data(data: bytes, record: Record, manifest: dict, name: str) -> None:
 
 
 def tensors_of(data: bytes | memoryview, record: Record, manifest: dict) -> list[torch.Tensor]:
-    """Copies of a slot's tensors, from :func:`read_slot`'s checked parts: each its own tensor
+    """Copies of a slot's tensors, from :func:`read_slot`'s checked parts, each its own tensor
     (``torch.set_rng_state`` reads a tensor's storage from its start)."""
     off, length, _ = record.data
     region = torch.empty(0, dtype=torch.uint8)
@@ -394,8 +387,7 @@ class Slots:
         self.slots = [_Slot(self.folder / f"{run}-rank{rank}-{i}.slot") for i in (0, 1)]
         self.generation = 0
         self.damaged: list[str] = []
-        """What :meth:`found` last found wrong with whole slots it left out, each naming its
-        file."""
+        """What :meth:`found` last found wrong with whole slots it left out, naming each file."""
         for slot in self.slots:
             try:
                 got = read_slot(slot.path)

@@ -63,9 +63,8 @@ class Damaged(RuntimeError):
 
 
 class Store(Protocol):
-    """What the front door asks of a store of snapshots (:class:`~ddpkit.snapshot._disk.DiskStore`,
-    :class:`~ddpkit.snapshot._memory.MemoryStore`). Every rank calls every method after the same
-    steps."""
+    """What the front door asks of a store of snapshots (the disk's, the memory's); every rank calls
+    every method after the same steps."""
 
     def save_step(self, snapshots: Snapshots) -> None:
         """Keep the state of ``snapshots``' parts at its step."""
@@ -219,8 +218,7 @@ class Snapshots:
         self._signal, self._stopping, self._deferred = 0, False, False
         self._signals = contextlib.ExitStack()
         self.memory: MemoryStore | None = None
-        """The copies in shared memory (``memory=True``; None where the job has no memory
-        folder)."""
+        """The copies in shared memory (``memory=True``; None where the job has no folder)."""
         if config.memory:  # a restart resumes from them even under resume=False: see Trainer.fit
             from ddpkit.snapshot._memory import open_memory
 
@@ -486,7 +484,7 @@ class Snapshots:
 
 def resumes(resume: bool, restart_count: int) -> bool:
     """Whether ``fit()`` resumes from the run's snapshots: when the config asks, and always on a
-    restart: ``resume=False`` means "this job starts afresh", which its first attempt did."""
+    restart (``resume=False`` means "this job starts afresh", which its first attempt did)."""
     return resume or restart_count > 0
 
 
