@@ -270,12 +270,8 @@ def open_append(
     path: Path, *, read: bool = False, root: Path | None = None, linked: Linked = "refuse"
 ) -> IO[str]:
     """A text file opened to append to (made if missing; ``read``: readable from the start)."""
-    fd = open_fd(
-        path,
-        (os.O_RDWR if read else os.O_WRONLY) | os.O_APPEND | os.O_CREAT,
-        root=root,
-        linked=linked,
-    )
+    flags = (os.O_RDWR if read else os.O_WRONLY) | os.O_APPEND | os.O_CREAT
+    fd = open_fd(path, flags, root=root, linked=linked)
     return os.fdopen(fd, "a+" if read else "a", buffering=1, newline="" if read else None)
 
 

@@ -237,11 +237,8 @@ def _by_optimizer(groups: list[Any]) -> dict[Any, list[Any]]:
 def _group_differences(old: list[Any], new: list[Any], show: Callable[[Any], str]) -> list[str]:
     """Each difference of two records' param groups, those of several optimizers paired by name."""
     was_by, now_by = _by_optimizer(old), _by_optimizer(new)
-    out = []
-    for name in [n for n in was_by if n not in now_by]:
-        out.append(f"optimizer {name}: in the snapshot, not now")
-    for name in [n for n in now_by if n not in was_by]:
-        out.append(f"optimizer {name}: now, not in the snapshot")
+    out = [f"optimizer {n}: in the snapshot, not now" for n in was_by if n not in now_by]
+    out += [f"optimizer {n}: now, not in the snapshot" for n in now_by if n not in was_by]
     for name in [n for n in now_by if n in was_by]:
         out += _groups_of_one(name, was_by[name], now_by[name], show)
     return out

@@ -48,14 +48,12 @@ OPTIONAL = frozenset({"records"})
 
 @dataclass(frozen=True)
 class Resumed:
-    """Where a resume took the run's state from."""
+    """Where a resume took the run's state from: ``source`` as said to the user, ``file`` as the
+    ``resume`` event names it, and whether it was read from ``disk`` (or from memory)."""
 
     source: str
-    """The folder, or the copy in memory, as said to the user."""
     file: str
-    """Its name in the ``resume`` event."""
     disk: bool
-    """Read from disk (the position is then on disk already), or from memory."""
 
 
 class Damaged(RuntimeError):

@@ -19,8 +19,7 @@ from ddpkit.distributed._seeding import rng_state, set_rng_state, stream_seed
 from ddpkit.snapshot import _codec as codec
 
 NewRankState = Literal["refuse", "copy", "fresh"]
-"""What a rank beyond a snapshot's world size gets of a part each rank keeps its own of
-(``TrainerConfig.new_rank_state``)."""
+"""What a rank beyond a snapshot's world size gets of a part each rank keeps its own of."""
 NEW_RANK_STATES: tuple[str, ...] = ("refuse", "copy", "fresh")
 
 
@@ -33,8 +32,7 @@ class TrainState:
     step: int = 0
     """Optimizer steps taken."""
     cursor: int = 0
-    """Samples of the current epoch already trained on, over all ranks (a whole number of global
-    batches)."""
+    """Samples of the current epoch already trained on, over all ranks (whole global batches)."""
     skipped_steps: int = 0
     """Steps skipped for a non-finite loss or non-finite gradients (not fp16 overflows)."""
 
