@@ -503,8 +503,6 @@ def _dec(s: Any, tensors: Sequence[torch.Tensor], depth: int = 0) -> Any:
         if packed.dtype != torch.int64:
             raise ValueError("packed ints that are not int64")
         return tuple(packed.tolist()) if body[1] else packed.tolist()
-    if tag == "I":
-        return int(body, 16)
     if tag == "n":
         np = _numpy()
         dtype = np.dtype(body[0])
@@ -517,7 +515,10 @@ def _dec(s: Any, tensors: Sequence[torch.Tensor], depth: int = 0) -> Any:
         return _array(body, tensors)
     if tag == "P":
         return torch.nn.Parameter(_index(body[0], tensors), requires_grad=bool(body[1]))
-    return _decode_other(tag, body, tensors, d)
+    decoder = _DECODERS.get(tag)
+    if decoder is None:
+        raise ValueError(f"an unknown tag {tag!r:.20}")
+    return decoder(body, tensors, d)
 
 
 HASH_COLLISIONS = 64
@@ -540,53 +541,46 @@ def _distinct_hashes(pairs: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
     return pairs
 
 
-def _decode_other(tag: str, body: Any, tensors: Sequence[torch.Tensor], d: int) -> Any:
-    if tag == "c":
-        return complex(_dec(body[0], tensors, d), _dec(body[1], tensors, d))
-    if tag in ("b", "ba"):
-        data = base64.b64decode(body, validate=True)
-        return data if tag == "b" else bytearray(data)
-    if tag == "o":
-        return collections.OrderedDict(_decoded_pairs(body, tensors, d))
-    if tag == "dd":
-        factory = _FACTORIES[body[0]] if body[0] else None
-        return collections.defaultdict(factory, _decoded_pairs(body[1], tensors, d))
-    if tag == "ct":
-        return collections.Counter(dict(_decoded_pairs(body, tensors, d)))
-    if tag in ("s", "fs"):
-        keys = [k for k, _ in _distinct_hashes([(_dec(x, tensors, d), None) for x in body])]
-        return set(keys) if tag == "s" else frozenset(keys)
-    if tag == "q":
-        return collections.deque((_dec(x, tensors, d) for x in body[1]), body[0])
-    if tag == "r":
-        return range(*(_dec(x, tensors, d) for x in body))
-    if tag == "p":
-        return _PATHS[body[0]](body[1])
-    if tag == "DT":
-        year, month, day, hour, minute, second, micro, fold, tz = body
-        return dt.datetime(
-            year, month, day, hour, minute, second, micro, tzinfo=_untz(tz), fold=fold
-        )
-    if tag == "D":
-        return dt.date(*body)
-    if tag == "T":
-        hour, minute, second, micro, fold, tz = body
-        return dt.time(hour, minute, second, micro, tzinfo=_untz(tz), fold=fold)
-    if tag == "TD":
-        return dt.timedelta(*body)
-    if tag == "dec":
-        return decimal.Decimal(body)
-    if tag == "fr":
-        return fractions.Fraction(_dec(body[0], tensors, d), _dec(body[1], tensors, d))
-    if tag == "uuid":
-        return uuid.UUID(hex=body)
-    if tag == "dt":
-        return _TORCH_DTYPES[body]
-    if tag == "dv":
-        return torch.device(body)
-    if tag == "sz":
-        return torch.Size(body)
-    raise ValueError(f"an unknown tag {tag!r:.20}")
+def _datetime(body: Any) -> dt.datetime:
+    year, month, day, hour, minute, second, micro, fold, tz = body
+    return dt.datetime(year, month, day, hour, minute, second, micro, tzinfo=_untz(tz), fold=fold)
+
+
+def _time(body: Any) -> dt.time:
+    hour, minute, second, micro, fold, tz = body
+    return dt.time(hour, minute, second, micro, tzinfo=_untz(tz), fold=fold)
+
+
+def _keys(body: Any, tensors: Sequence[torch.Tensor], d: int) -> list[Any]:
+    return [k for k, _ in _distinct_hashes([(_dec(x, tensors, d), None) for x in body])]
+
+
+_DECODERS: dict[str, Any] = {  # the inverse of _ENCODERS: (body, tensors, depth) -> value
+    "I": lambda b, t, d: int(b, 16),
+    "c": lambda b, t, d: complex(_dec(b[0], t, d), _dec(b[1], t, d)),
+    "b": lambda b, t, d: base64.b64decode(b, validate=True),
+    "ba": lambda b, t, d: bytearray(base64.b64decode(b, validate=True)),
+    "o": lambda b, t, d: collections.OrderedDict(_decoded_pairs(b, t, d)),
+    "dd": lambda b, t, d: collections.defaultdict(
+        _FACTORIES[b[0]] if b[0] else None, _decoded_pairs(b[1], t, d)
+    ),
+    "ct": lambda b, t, d: collections.Counter(dict(_decoded_pairs(b, t, d))),
+    "s": lambda b, t, d: set(_keys(b, t, d)),
+    "fs": lambda b, t, d: frozenset(_keys(b, t, d)),
+    "q": lambda b, t, d: collections.deque((_dec(x, t, d) for x in b[1]), b[0]),
+    "r": lambda b, t, d: range(*(_dec(x, t, d) for x in b)),
+    "p": lambda b, t, d: _PATHS[b[0]](b[1]),
+    "DT": lambda b, t, d: _datetime(b),
+    "D": lambda b, t, d: dt.date(*b),
+    "T": lambda b, t, d: _time(b),
+    "TD": lambda b, t, d: dt.timedelta(*b),
+    "dec": lambda b, t, d: decimal.Decimal(b),
+    "fr": lambda b, t, d: fractions.Fraction(_dec(b[0], t, d), _dec(b[1], t, d)),
+    "uuid": lambda b, t, d: uuid.UUID(hex=b),
+    "dt": lambda b, t, d: _TORCH_DTYPES[b],
+    "dv": lambda b, t, d: torch.device(b),
+    "sz": lambda b, t, d: torch.Size(b),
+}
 
 
 def decode(skeleton: Any, tensors: Sequence[torch.Tensor]) -> Any:
