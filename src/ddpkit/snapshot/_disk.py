@@ -86,9 +86,8 @@ def os_failure(err: OSError, file: Any, folder: Path) -> Failure:
 def rank_failure(
     err: BaseException, kept: list[tuple[Path, OSError]], rank: int, folder: Path
 ) -> Failure | None:
-    """This rank's part in a failed write: the first OS error its files met (torch's serializer
-    replaces a full disk's by a position mismatch), else its own exception; None when DCP reports
-    other ranks' only."""
+    """This rank's part in a failed write: the first OS error its files met, else its own
+    exception; None when DCP reports other ranks' only."""
     if kept:
         return os_failure(kept[0][1], kept[0][0], folder)
     # DCP's CheckpointException: every failed rank's exception
@@ -104,9 +103,8 @@ def rank_failure(
 
 
 def first_rank_failure(err: BaseException, rank: int | None) -> str:
-    """The lowest failed rank's exception in DCP's ``CheckpointException`` (rank of the group ->
-    (exception, traceback)), as one line; the rank named where it is not ``rank`` (None: a load with
-    no collective, whose failures are this rank's own)."""
+    """The lowest failed rank's exception in DCP's ``CheckpointException``, as one line, naming
+    that rank where it is not ``rank`` (None: a load with no collective, this rank's own)."""
     failures = err.failures  # type: ignore[attr-defined]
     origin = min(failures)
     first = failures[origin][0]
@@ -129,9 +127,8 @@ def describe(failures: list[tuple[int, Failure]]) -> str:
 
 class DiskStore:
     """Writes and finds the snapshots of one folder, for the ranks of ``group``; every rank calls
-    every method. ``keep_last``: whole snapshots kept (older ones, and the debris of writes killed
-    before their marker, go). ``async_write``: :meth:`save` returns once the state is copied to
-    host memory, and a thread writes it, its collectives on a gloo group of its own."""
+    every method. ``keep_last``: whole snapshots kept. ``async_write``: :meth:`save` returns once
+    the state is copied to host memory, and a thread writes it (on a gloo group of its own)."""
 
     @checked_arguments
     def __init__(
@@ -201,8 +198,7 @@ class DiskStore:
         return Resumed(where, found.path.name, disk=True)
 
     def newest_marked(self) -> int:
-        """The step of the newest folder with a marker, not verified (-1: none); the same on every
-        rank."""
+        """The step of the newest folder with a marker, not verified (-1: none), on every rank."""
         found = self.candidates() if self._rank == 0 else []
         step = found[0].step if found else -1
         return broadcast_object(step, group=self.group) if self.distributed else step
@@ -409,9 +405,8 @@ class DiskStore:
         folders.prune(self.folder, self.keep_last, newest)
 
     def latest(self, warn: Callable[[str], None] = print) -> Found | None:
-        """The newest whole snapshot, the same on every rank (rank 0 checks the files and tells the
-        others). A damaged one, and anything newer named like one that is none, is named through
-        ``warn`` and passed over."""
+        """The newest whole snapshot, the same on every rank (rank 0 checks the files); a damaged
+        one, and a newer stray, is named through ``warn`` and passed over."""
         self.wait()
         choice = None
         if self._rank == 0:
@@ -442,10 +437,9 @@ class DiskStore:
         check: Callable[[dict[str, Any]], None] | None = None,
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         """``(state, extra)`` of a snapshot. ``template()`` gives the current state, whose tensors
-        DCP fills in place with this world size's parts and whose other values are replaced by the
-        saved ones. ``check(extra)`` runs before any tensor is read and may refuse the snapshot. A
-        folder holding anything but what the codec writes is refused by name. Each rank reads with
-        no collective; one rank's failure is raised on every rank."""
+        DCP fills in place and whose other values are replaced by the saved ones. ``check(extra)``
+        runs before any tensor is read and may refuse it. Each rank reads with no collective; one
+        rank's failure is raised on every rank."""
         from ddpkit.snapshot import _dcp
 
         saved = folders.read_values(found.path, map_location)
@@ -576,8 +570,8 @@ def stored_parts(
     state: dict[str, Any], rank: int, replicated_over: int = 1
 ) -> tuple[dict[str, Any], dict[KeyPath, Any]]:
     """The tensors of ``state`` as DCP saves them (nested, at their :func:`stored_path`), and its
-    other values by stored path. ``replicated_over``: the ranks that hold the same shared tensors;
-    each then keeps only its :func:`writer_of_shared` share of them."""
+    other values by stored path; over ``replicated_over`` ranks, the :func:`writer_of_shared`
+    share of the shared tensors only."""
     # (stored path, value, whether it is of the per-rank part)
     items = [(stored_path(p, rank), v, p[0] == PER_RANK) for p, v in leaves(state)]
     tensors = [(p, v, own) for p, v, own in items if isinstance(v, torch.Tensor)]
@@ -603,8 +597,7 @@ def differences(values: dict[KeyPath, Any], common: dict[KeyPath, Any]) -> dict[
 
 def writer_of_shared(sizes: list[tuple[KeyPath, int]], ranks: int) -> dict[KeyPath, int]:
     """Which rank writes each tensor that every one of ``ranks`` ranks holds alike: the largest
-    first, each to the rank with the fewest bytes so far (ties to the lower rank); the same on every
-    rank, with no communication (docs/snapshots.md)."""
+    first, each to the rank with the fewest bytes so far (ties to the lower rank)."""
     loads = [(0, r) for r in range(ranks)]  # a heap of (bytes so far, rank)
     writer = {}
     for path, nbytes in sorted(sizes, key=lambda item: (-item[1], str(item[0]))):

@@ -88,8 +88,7 @@ def sha256(path: Path, size: int | None = None) -> str:
 
 
 def plain_name(name: object) -> bool:
-    """True for the name of a file directly inside a folder: no separator, not ``.`` or ``..``, no
-    NUL."""
+    """True for the name of a file directly inside a folder: no ``/`` or NUL, not ``.``, ``..``."""
     return (
         isinstance(name, str)
         and name not in ("", ".", "..")
@@ -106,8 +105,7 @@ def digest(paths: list[Path]) -> dict[str, dict[str, Any]]:
 def scan(folder: Path) -> list[tuple[Found, str | None]]:
     """Every entry of ``folder`` named ``step-N``, newest first (by N), with what keeps it from
     being the snapshot of step N: None for a snapshot (not yet verified), :data:`PARTIAL` for a
-    folder without a marker, else why it is none (a stray: never loaded, never counted as one).
-    Each entry is looked at through a descriptor opened without following links."""
+    folder without a marker, else why it is a stray (never loaded, never counted as a snapshot)."""
     try:
         top = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except (FileNotFoundError, NotADirectoryError):
@@ -126,8 +124,7 @@ def scan(folder: Path) -> list[tuple[Found, str | None]]:
 
 
 def _not_a_snapshot(top: int, path: Path, step: int) -> str | None:
-    """Why ``path``, an entry of the folder ``top``, is not the snapshot of ``step``
-    (:func:`scan`)."""
+    """Why ``path``, an entry of the folder ``top``, is not the snapshot of ``step``."""
     name = path.name
     try:
         mode = os.stat(name, dir_fd=top, follow_symlinks=False).st_mode
@@ -250,10 +247,9 @@ def verify(found: Found, required: tuple[str, ...] = ()) -> str | None:
 
 
 def prune(folder_path: Path, keep_last: int, newest: int) -> None:
-    """Remove snapshots older than the newest ``keep_last``, and the debris of killed writes (a
-    folder without a marker, of any step). An entry named like a snapshot that is none (a stray,
-    :func:`scan`) never counts among those kept: older than ``newest``, it goes as an old snapshot
-    would (a link loses only itself); newer, it is left, and named at every resume."""
+    """Remove snapshots older than the newest ``keep_last``, and the debris of killed writes (any
+    step). A stray (:func:`scan`) never counts among those kept: older than ``newest``, it goes (a
+    link loses only itself); newer, it is left, and named at every resume."""
     entries = scan(folder_path)
     whole = [found for found, problem in entries if problem is None]
     keep = {f.path.name for f in whole[:keep_last]}

@@ -1,7 +1,6 @@
 """Where training stands, and when a snapshot of it is due: the counters (:class:`TrainState`),
 every rank's own state (:class:`RankStreams`), the snapshot settings (:class:`SnapshotConfig`) and
-every decision "is a snapshot due now?" (:class:`SnapshotSchedule`: a step's snapshot that falls on
-an epoch's last step is taken at the epoch's end; a pre-emption notice makes the next one due).
+every decision "is a snapshot due now?" (:class:`SnapshotSchedule`).
 """
 
 from __future__ import annotations
