@@ -93,8 +93,7 @@ def open_memory(snapshots: Snapshots, every_steps: int | None) -> MemoryStore | 
 
 
 def _gloo_group(group: Group) -> Any:
-    """A gloo group over the ranks of ``group`` (the peers' gather, the agreement, a donor's send),
-    bounded by the job's collective timeout rather than gloo's 30 minutes."""
+    """A gloo group over the ranks of ``group``, bounded by the job's collective timeout."""
     seconds = read_launch_env().collective_timeout
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
     timeout = timedelta(seconds=seconds) if seconds else DEFAULT_TIMEOUT
@@ -167,8 +166,8 @@ class MemoryStore:
     def save_step(self, snapshots: Snapshots) -> None:
         """Copy this step's state into the older slot; every rank calls it after the same steps
         (collective with peers, and when the interval is chosen). Memory full: one warning, and the
-        copies stop on this rank, with peers on every rank. A value the codec cannot hold raises
-        before the slot is touched: a run that cannot be resumed stops at its first step."""
+        copies stop on this rank (with peers, on every rank). A value the codec cannot hold raises
+        before the slot is touched."""
         self._calls += 1
         if self._leave_next:
             self._leave_next = False
@@ -197,8 +196,7 @@ class MemoryStore:
 
     def _choose_interval(self, snapshots: Snapshots) -> None:
         """Every ``N`` steps, the smallest ``N`` whose stall stays within :data:`STALL_BUDGET` of a
-        step, from the saves so far (the first two, which map the slots, left out); every rank takes
-        the largest (one all-reduce)."""
+        step (the first two saves, which map the slots, left out); the largest over the ranks."""
         self._tuned = True
         stalls = sorted(self.stalls[2:])
         # a step: the time between two saves one step apart, less the save itself
@@ -285,9 +283,8 @@ class MemoryStore:
 
     def _gather_peers(self, mine: bytes | None) -> torch.Tensor:
         """Every rank's own part, gathered into a [world, 8 + capacity] uint8 tensor (each row: its
-        length, its blob). A blob longer than the agreed capacity shows in the lengths, and the
-        gather is repeated once with more. ``mine=None`` (length -1): this rank stops saving, and
-        every other raises :class:`PeerStopped`."""
+        length, its blob), gathered again with more capacity where a blob is longer. ``mine=None``
+        (length -1): this rank stops saving, and every other raises :class:`PeerStopped`."""
         self._gathered = True
         while True:
             row = torch.zeros(8 + self._peer_capacity, dtype=torch.uint8)
@@ -410,8 +407,7 @@ class MemoryStore:
 
     def _read(self, choice: Choice, snapshots: Snapshots) -> tuple[Any, Any, Any]:
         """The state at ``choice``, from this rank's slot or the donor's (collective when there is a
-        donor), checked before anything is put into the run:
-        :class:`~ddpkit.snapshot._slots.BadSlot` naming the slot and what is wrong."""
+        donor), checked before anything is put into the run; ``BadSlot`` naming the slot if not."""
         found = {(f.rank, f.position): f for f in self.slots.found()}
         mine = found.get((self.rank, choice.position))
         data = None
@@ -470,8 +466,7 @@ class MemoryStore:
         from_peer: bool,
     ) -> tuple[dict[KeyPath, torch.Tensor], dict[str, Any], Any]:
         """The slot's tensors by path, its values and this rank's own part, checked against the run
-        (:meth:`Snapshots.check`) and against the strategy's state (every tensor there, of its shape
-        and dtype) before anything is put into it."""
+        (:meth:`Snapshots.check`) and the strategy's state (every tensor, its shape and dtype)."""
         if values.get("run") != self.slots.run or values.get("world_size") != self.world_size:
             raise RuntimeError("ddpkit: a memory snapshot of another run was offered; refusing it")
         tensors = slots_lib.tensors_of(data, record, manifest)
@@ -558,8 +553,7 @@ def _hyperparams_only(path: KeyPath) -> bool:
 
 class _Watch:
     """A cheap test that the live objects a plan copies from are still those: the parameters'
-    storage (a script may set ``p.data``), each buffer object, and the optimizer's state tensors
-    (created at the first step, replaced by ``load_state_dict``)."""
+    storage (a script may set ``p.data``), each buffer, and the optimizer's state tensors."""
 
     def __init__(self, strategy: Any) -> None:
         module = unwrap(strategy.model)

@@ -113,9 +113,8 @@ def sweep_stale(base: Path) -> None:
 
 
 def open_job_folder(pid: int | None = None) -> Path | None:
-    """Make this job's folder (the agent, once per job), sweep stale ones first, and export it to
-    the workers; None, with the reason in :data:`UNAVAILABLE_ENV`, when the memory file system is
-    missing or not usable."""
+    """Make this job's folder (the agent, once per job, stale ones swept first) and export it to the
+    workers; None, with the reason in :data:`UNAVAILABLE_ENV`, where memory is not usable."""
     root = Path(os.environ.get(ROOT_ENV, "/dev/shm"))
     pid = os.getpid() if pid is None else pid
     try:
@@ -153,8 +152,7 @@ def close_job_folder() -> None:
 
 
 def job_key() -> str | None:
-    """This job's key as the agent set it: its nonce, with torchrun's run id; None outside
-    ``ddpkit run``."""
+    """This job's key: the agent's nonce, with torchrun's run id; None outside ``ddpkit run``."""
     nonce = os.environ.get(KEY_ENV)
     return f"{torchrun.run_id(os.environ)}:{nonce}" if nonce else None
 
@@ -245,8 +243,8 @@ class Record:
 def read_slot(path: Path, data: bool = False) -> tuple[Record, dict, dict, bytes] | None:
     """(record, manifest, values, the file's bytes if ``data`` else b"") of a whole slot file, or
     None if it is not whole. Without ``data`` only the record and values are read and the manifest's
-    CRC checked (a resume looks at every slot of the node); with it, the manifest's layout and the
-    data region's checksums too. A whole slot that does not check raises :class:`BadSlot`."""
+    CRC checked; with it, the manifest's layout and the data's checksums too. A whole slot that does
+    not check raises :class:`BadSlot`."""
     try:
         fd = open_regular(path)
     except NotRegular:
@@ -374,8 +372,8 @@ class _Slot:
 
 
 class Slots:
-    """This rank's two slots for one run directory, in the job's folder on this node. No collective:
-    every method acts on this rank's files alone (:meth:`found` lists every rank's)."""
+    """This rank's two slots for one run directory, in the job's folder on this node; no collective
+    (:meth:`found` lists every rank's)."""
 
     def __init__(
         self, folder: str | os.PathLike, *, job: str, run: str, rank: int, world_size: int
@@ -411,9 +409,8 @@ class Slots:
         manifest: dict[str, Any],
         layout_id: object,
     ) -> None:
-        """Commit ``tensors`` (laid out as ``manifest["specs"]``, a layout named by ``layout_id``)
-        with the JSON-able ``values`` into the older slot; :class:`MemoryUnavailable` if memory is
-        full."""
+        """Commit ``tensors`` (laid out as ``manifest["specs"]``, named ``layout_id``) with the
+        JSON-able ``values`` into the older slot; :class:`MemoryUnavailable` if memory is full."""
         slot = self._target()
         ids = {"job": self.job, "run": self.run, "rank": self.rank, "world_size": self.world_size}
         value_bytes = json.dumps(ids | values).encode()
@@ -513,8 +510,7 @@ class Slots:
         return out
 
     def discard_except(self, keep: Path | None = None) -> None:
-        """Make this rank's slots not whole, except ``keep``: after a resume only the state resumed
-        from may be found again, never a slot of an abandoned course."""
+        """Make this rank's slots not whole, except ``keep`` (the state resumed from)."""
         for slot in self.slots:
             if slot.path == keep or not slot.path.exists():
                 continue

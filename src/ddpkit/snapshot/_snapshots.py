@@ -243,8 +243,7 @@ class Snapshots:
     def step(self) -> bool:
         """Count one optimizer step of a hand loop and save when one is due: every ``every_steps``,
         or when any rank got a stop signal (then raise :class:`~ddpkit.Preempted` once the snapshot
-        is whole). A save due at an epoch's last batch is taken after the next step: taken there, a
-        resume would skip the code after the loop over the batches. True if it saved."""
+        is whole); a save due at an epoch's last batch waits for the next step. True if it saved."""
         self.train.step += 1
         step = self.train.step
         if step % self.signals_every_steps == 0 and not self._stopping:
@@ -437,9 +436,8 @@ class Snapshots:
         return t.step
 
     def _restore(self, load: Load) -> Resumed | None:
-        """The one place a resume chooses its store: the newest state in memory when it is newer
-        than the disk's newest whole snapshot, else that snapshot; a state in memory some rank finds
-        damaged is passed over by every rank. Collective."""
+        """The one place a resume chooses its store (collective): the newest state in memory when it
+        is newer than the disk's newest whole snapshot, else that snapshot."""
         disk, memory, warn = self.disk, self.memory, self._warn
         found, verified, marked = None, False, None
         while memory is not None:
