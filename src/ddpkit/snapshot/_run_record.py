@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -160,14 +160,10 @@ class RunRecord:
         return cls({}, [], shapes, module_types(model), None, sorted(parts), sorted(own))
 
     def state_dict(self) -> dict[str, Any]:
-        state = {
-            "config": self.config,
-            "optimizer_hparams": self.optimizer_hparams,
-            "model_shapes": self.model_shapes,
-            "module_types": self.module_types,
-            "optimizer_settings": self.optimizer_settings,
-        }
-        return state if self.parts is None else state | {"parts": self.parts, "own": self.own}
+        state = {f.name: getattr(self, f.name) for f in fields(self)}
+        if self.parts is None:  # a Trainer's record: no parts of a hand loop
+            del state["parts"], state["own"]
+        return state
 
     def precision_change(self, saved: Mapping[str, Any]) -> tuple[str, str] | None:
         """``(snapshot's precision, this run's)`` when they differ, else None: a resume may change
