@@ -11,6 +11,7 @@ from __future__ import annotations
 import array
 import base64
 import collections
+import contextlib
 import datetime as dt
 import decimal
 import fractions
@@ -291,12 +292,8 @@ def _enc(value: Any, tensors: list[torch.Tensor], depth: int = 0) -> Any:
     if kind is tuple or kind is list:
         # Python's RNG state is a tuple of 625 ints: packed as one int64 tensor
         if len(value) >= 32 and set(map(type, value)) == {int}:
-            try:
-                packed = array.array("q", value)
-            except OverflowError:
-                packed = None
-            if packed is not None:
-                tensors.append(torch.frombuffer(packed, dtype=torch.int64))
+            with contextlib.suppress(OverflowError):  # an int beyond int64: one by one
+                tensors.append(torch.frombuffer(array.array("q", value), dtype=torch.int64))
                 return {"i": [len(tensors) - 1, kind is tuple]}
         return {"u" if kind is tuple else "l": [_enc(x, tensors, d) for x in value]}
     if isinstance(value, torch.Tensor):
@@ -342,9 +339,7 @@ def _advice(value: Any) -> str:
         return "a tuple or a dict"
     if hasattr(type(value), "__dataclass_fields__"):
         return "a dict (dataclasses.asdict)"
-    if type(value).__module__ == "enum" or any(
-        c.__module__ == "enum" for c in type(value).__mro__[1:]
-    ):
+    if any(c.__module__ == "enum" for c in type(value).__mro__):
         return "its .value"
     return "a list, a dict or a str"
 
