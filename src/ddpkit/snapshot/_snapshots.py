@@ -140,9 +140,7 @@ class Snapshots:
             states["loader"] = loader
         states |= _named(_listed(scheduler, "scheduler"), "scheduler")
         states |= {f"extra.{k}": v for k, v in _listed_map(extra, "extra").items()}
-        generator = loader.generator if loader is not None else None
-        if generator is None:
-            generator = torch.Generator()
+        generator = getattr(loader, "generator", None) or torch.Generator()
         if seed is None:
             seed = getattr(loader.batch_sampler, "seed", 0) if loader is not None else 0
         states[STREAMS] = RankStreams(
