@@ -373,7 +373,8 @@ class MemoryStore:
         return Resumed(f"memory{donor}", f"memory{donor}", disk=False)
 
     def forget(self, keep: Choice | None = None) -> None:
-        """Only the state resumed from (none after a resume from disk) may be found again."""
+        """Only the state resumed from (none after a resume from disk) may be found again: a later
+        restart never picks a slot of an abandoned course."""
         path = None
         if keep is not None:
             found = self.slots.found()

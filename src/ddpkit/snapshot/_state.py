@@ -165,7 +165,8 @@ class RankStreams:
 
 def _own(value: Any, name: str) -> Any:
     """A copy of a part's ``state_dict()`` as a load gives it back (:func:`codec.copied`); a value
-    the codec cannot hold is left for the snapshot to refuse on every rank together."""
+    the codec cannot hold is left for the snapshot to refuse on every rank together (refused here,
+    on one rank, it would leave the others waiting)."""
     try:
         return codec.copied(value, f"own.{name}")
     except codec.UnsupportedValue:
