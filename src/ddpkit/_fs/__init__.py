@@ -100,9 +100,8 @@ def link_message(path: Path | str) -> str:
 
 @contextmanager
 def folder(path: Path, *, root: Path | None = None, create: bool = False) -> Iterator[int]:
-    """A descriptor of the folder ``path``: ``root`` (``path`` itself by default) opened as given,
-    each folder below it opened with ``O_NOFOLLOW`` (made first with ``create``); every one of them
-    this user's."""
+    """A descriptor of the folder ``path``, this user's: ``root`` (``path`` by default) opened as
+    given, each folder below it with ``O_NOFOLLOW`` (made first with ``create``)."""
     path = Path(path)
     base = Path(root) if root is not None else path
     try:
@@ -244,8 +243,7 @@ def open_fd(
     linked: Linked = "refuse",
 ) -> int:
     """``os.open`` of a regular file of this user at ``path``, never through a link; opened to
-    write, a file with other hard links is refused or replaced by a copy first, as ``linked`` says
-    (:data:`Linked`)."""
+    write, one with other hard links is refused or replaced by a copy first (:data:`Linked`)."""
     path = Path(path)
     with folder(path.parent, root=root) as dir_fd:
         return open_in(dir_fd, path, flags, mode, linked)
@@ -277,7 +275,7 @@ def open_append(
 
 def unshare(path: Path, *, root: Path | None = None) -> None:
     """Where the file at ``path`` has other hard links, give the name a copy of its own (absent is
-    fine): for a file a library then opens in place by its name (Optuna appends to its journal)."""
+    fine), before a library opens it in place by its name."""
     with contextlib.suppress(FileNotFoundError):
         os.close(open_fd(path, os.O_WRONLY, linked="replace", root=root))
 

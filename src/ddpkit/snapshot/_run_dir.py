@@ -85,10 +85,9 @@ def claim(
     root: str | os.PathLike | None = None,
 ) -> RunDirLock | None:
     """Lock ``run_dir`` on the group's main rank; with ``fresh`` (``resume=False``) move the
-    previous run aside. Refused on every rank (the main rank's verdict is broadcast) when the run
-    directory or its ``snapshots/`` belongs to another user, or when anything the run writes there
-    is a symbolic link. ``root``: ``run_dir`` is a phase's folder in it, and the lock is ``root``'s,
-    held by this process until it ends (None is returned)."""
+    previous run aside. Refused on every rank when the run directory or what the run writes there
+    is another user's or a symbolic link. ``root``: ``run_dir`` is a phase's folder in it, and the
+    lock is ``root``'s, held by this process until it ends (None is returned)."""
     lock: RunDirLock | None = None
     error: tuple[str, int | None] | None = None
     if is_main:
