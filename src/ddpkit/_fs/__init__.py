@@ -378,8 +378,8 @@ def remove_empty_dir(path: Path, *, root: Path | None = None) -> None:
 
 
 def remove_tree(path: Path, *, root: Path | None = None) -> None:
-    """Delete the folder ``path`` and what it holds, never following a link inside it; a link at
-    ``path`` is removed itself, a file there is left; another user's folder is refused."""
+    """Delete the folder ``path`` and what it holds, never following a link (a link at ``path`` is
+    removed itself, a file there is left); another user's folder is refused."""
     path = Path(path)
     try:
         with folder(path.parent, root=root) as dir_fd:

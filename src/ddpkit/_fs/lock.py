@@ -19,8 +19,7 @@ from ddpkit._errors import ConfigError
 
 def take(path: Path, *, wait: bool) -> tuple[int, bool]:
     """A descriptor of the lock file ``path`` (made if missing), and whether this process now holds
-    the lock on it: an exclusive :func:`fcntl.flock`, waited for with ``wait``. Not held, the caller
-    reads the holder's name from the descriptor and closes it."""
+    its exclusive :func:`fcntl.flock` (waited for with ``wait``); if not, the caller closes it."""
     path = Path(path)
     with fs.folder(path.parent) as dir_fd:
         while True:

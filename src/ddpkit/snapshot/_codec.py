@@ -345,9 +345,8 @@ def _advice(value: Any) -> str:
 
 
 def encode(value: Any, tensors: list[torch.Tensor], where: str = "") -> Any:
-    """A JSON-able skeleton of ``value`` whose tensors are appended to ``tensors`` and referenced by
-    index. Raises :class:`UnsupportedValue` naming the first value it cannot hold, as a path under
-    ``where``."""
+    """A JSON-able skeleton of ``value`` whose tensors are appended to ``tensors``, by index;
+    :class:`UnsupportedValue` naming the first value it cannot hold, as a path under ``where``."""
     try:
         return _enc(value, tensors)
     except _Refused as refused:
@@ -579,9 +578,8 @@ _DECODERS: dict[str, Any] = {  # the inverse of _ENCODERS: (body, tensors, depth
 
 
 def decode(skeleton: Any, tensors: Sequence[torch.Tensor]) -> Any:
-    """The inverse of :func:`encode`. A skeleton that no save writes raises ``ValueError``,
-    ``KeyError``, ``IndexError``, ``TypeError``, ``AttributeError`` or ``RecursionError`` (never
-    runs code)."""
+    """The inverse of :func:`encode`; a skeleton that no save writes raises one of
+    :data:`MALFORMED` (and never runs code)."""
     try:
         return _dec(skeleton, tensors)
     # Fraction(1, 0), Decimal("x"), torch.device("x")
@@ -647,8 +645,7 @@ def file_bytes(skeleton: Any, tensors: Sequence[torch.Tensor]) -> bytes:
 
 
 def _stored_only(file: Path) -> None:
-    """Refuse a value file with a compressed entry (a megabyte that inflates to gigabytes):
-    ``torch.save`` stores its entries as they are."""
+    """Refuse a value file with a compressed entry (``torch.save`` writes none)."""
     try:
         with zipfile.ZipFile(file) as archive:
             entries = archive.infolist()

@@ -272,9 +272,8 @@ def _among(ordered: list[Any], key: Any) -> bool:
 
 
 def index_from_json(data: Any) -> Metadata:
-    """DCP's ``Metadata`` from :func:`index_to_json`'s output, checked: tensors only, files of this
-    folder only (``__R_N.distcp``), sizes and offsets as integers. Raises :class:`BadIndex` naming
-    the problem."""
+    """DCP's ``Metadata`` from :func:`index_to_json`'s output, checked (tensors only, files of this
+    folder only, sizes and offsets as integers); :class:`BadIndex` naming the problem."""
     if (
         not isinstance(data, dict)
         or not isinstance(data.get("tensors"), dict)
@@ -395,8 +394,7 @@ class TensorsOnlyPlanner(DefaultLoadPlanner):
 
 
 def read_marked_index(folder: Path) -> Any:
-    """DCP's index of the snapshot, from JSON, refused by name unless the marker lists it and every
-    file it reads."""
+    """DCP's index of the snapshot, refused unless the marker lists it and every file it reads."""
     try:
         # checked against the marker (by rank 0, in latest()) only if the marker lists them
         files = folders.listed(folders.Found(0, folder))

@@ -91,9 +91,8 @@ def _safetensors_dtypes() -> frozenset[torch.dtype]:
 def save_weights(
     path: Path, state: Mapping[str, Any], fmt: str, metadata: Mapping[str, Any] | None = None
 ) -> None:
-    """Write ``state`` (a plain state dict) to ``path`` in format ``fmt``, whole or not at all (a
-    new file renamed over the name), with ``metadata`` (JSON values) in a safetensors file's header
-    (a ``pt`` file holds the state dict alone). Call it on one rank."""
+    """Write ``state`` (a plain state dict) to ``path`` in format ``fmt``, whole or not at all, with
+    ``metadata`` (JSON values) in a safetensors file's header (not in a ``pt`` file). One rank."""
     tensors, tied = plain_tensors(state)
     if fmt == "pt":
         buffer = io.BytesIO()
@@ -154,8 +153,7 @@ def is_better(value: float, best: float | None, mode: str) -> bool:
 
 
 class BestWeights:
-    """Writes ``path`` when ``metric`` improves (``mode`` ``min`` or ``max``); only where
-    ``enabled`` (rank 0)."""
+    """Writes ``path`` when ``metric`` improves (``mode`` ``min`` or ``max``), where ``enabled``."""
 
     def __init__(
         self,

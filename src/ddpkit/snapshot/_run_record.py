@@ -65,9 +65,8 @@ def optimizer_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, str]]
 
 
 def optimizer_hparams(optimizer: torch.optim.Optimizer) -> list[dict[str, Any] | None]:
-    """The same as JSON values (``str()`` of what JSON does not hold), as snapshots recorded them
-    before :func:`optimizer_settings`: compared only with those. None for a group that JSON refuses
-    (a dict with tuple keys)."""
+    """The same as JSON values (``str()`` of others), as snapshots before :func:`optimizer_settings`
+    recorded them, and compared only with those; None for a group that JSON refuses."""
     out: list[dict[str, Any] | None] = []
     for group in optimizer.param_groups:
         values = {k: v for k, v in group.items() if k not in _OPTIMIZER_IMPLEMENTATION}
@@ -143,8 +142,7 @@ class RunRecord:
         named: Mapping[str, torch.optim.Optimizer] | None = None,
     ) -> RunRecord:
         """The record of a run: ``optimizer`` as the script built it (before any scheduler step),
-        ``model`` unwrapped; ``named``: the optimizers by name of a step of several, whose settings
-        are compared by name."""
+        ``model`` unwrapped; ``named``: several optimizers by name, compared by name."""
         return cls(
             config.to_json(),
             optimizer_hparams(optimizer),

@@ -134,7 +134,7 @@ def open_job_folder(pid: int | None = None) -> Path | None:
 
 def owned_folder(base: Path, name: str, pid: int) -> Path:
     """``base/name``, private, renamed into place once its owner (``pid`` and its start time) is
-    written in it: a sweep never sees a folder without one."""
+    written in it (a sweep never sees a folder without one)."""
     tmp = base / f".{name}"
     fs.make_dir(tmp, root=base, mode=0o700)
     fs.write_atomic(tmp / "owner", f"{pid} {start_time(pid)}\n".encode(), root=base)

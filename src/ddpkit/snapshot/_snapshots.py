@@ -170,9 +170,8 @@ class Snapshots:
         log: Callable[[str, int, dict[str, Any]], None],
         print0: Callable[[str], None],
     ) -> Snapshots:
-        """The Trainer's: ``states``, its parts by name (``"train"``, its
-        :class:`~ddpkit.snapshot._state.TrainState`, first; None where it has none), ``"rng"``
-        among them; ``log(kind, step, record)`` writes a record."""
+        """The Trainer's: ``states``, its parts by name (``"train"`` first, ``"rng"`` among them,
+        None where it has none); ``log(kind, step, record)`` writes a record."""
         self = cls.__new__(cls)
         self.loader, self._lock = None, None  # fit() holds the run directory
         parts = {k: v for k, v in states.items() if v is not None}
@@ -344,8 +343,8 @@ class Snapshots:
         }
 
     def disk_parts(self) -> tuple[dict[str, Any], dict[str, Any], Any]:
-        """What a disk snapshot writes (no collective): the strategy's state (DCP's part), the rest
-        (rank 0's ``values.pt``), and this rank's own streams, in a file of its own."""
+        """What a disk snapshot writes (no collective): the strategy's state, the rest (rank 0's
+        ``values.pt``), and this rank's own streams."""
         state = self.state_dict(streams=False)
         return state.pop("strategy"), state, self.streams.mine()
 
