@@ -1,11 +1,7 @@
-"""The one way ddpkit writes, replaces, truncates, renames and deletes files and folders.
-
-Every function works relative to a verified folder descriptor: the folder the caller names
-(``root``) is opened as given and must be this user's (or a sticky folder of root's such as
-``/tmp``); each folder below it and the file itself are opened with ``O_NOFOLLOW`` and must be this
-user's. A file replaced whole is written to a new temporary beside it and renamed over its name.
-Call these through the package (``fs.write_atomic(...)``): a test can then stand in for one of
-them. The rules and their reasons: docs/snapshots.md.
+"""The one way ddpkit writes, replaces, truncates, renames and deletes files and folders: relative
+to a verified folder descriptor, never through a link, only into this user's files and folders
+(the rules and their reasons: docs/snapshots.md). Call these through the package
+(``fs.write_atomic(...)``): a test can then stand in for one of them.
 """
 
 from __future__ import annotations
@@ -29,8 +25,7 @@ _IN_PLACE = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_TRUNC
 
 Linked = Literal["refuse", "replace"]
 """What an open to write does with a file that has other hard links: ``"refuse"`` (a
-:class:`ConfigError` naming it), or ``"replace"`` (the name first gets a copy of its own, made
-beside it and renamed over it; for records a copied folder goes on with)."""
+:class:`ConfigError` naming it), or ``"replace"`` (the name first gets a copy of its own)."""
 
 
 def user_name(uid: int) -> str:
@@ -103,17 +98,10 @@ def link_message(path: Path | str) -> str:
     )
 
 
-def _not_a_folder(path: Path) -> ConfigError:
-    return ConfigError(
-        f"{str(path)!r} is not a folder: move it away, or give this job another folder"
-    )
-
-
 @contextmanager
 def folder(path: Path, *, root: Path | None = None, create: bool = False) -> Iterator[int]:
-    """A descriptor of the folder ``path``: ``root`` (``path`` itself by default) opened as given,
-    each folder below it opened with ``O_NOFOLLOW`` (made first with ``create``); every one of them
-    this user's."""
+    """A descriptor of the folder ``path``, this user's: ``root`` (``path`` by default) opened as
+    given, each folder below it with ``O_NOFOLLOW`` (made first with ``create``)."""
     path = Path(path)
     base = Path(root) if root is not None else path
     try:
@@ -129,7 +117,9 @@ def folder(path: Path, *, root: Path | None = None, create: bool = False) -> Ite
     try:
         fd = os.open(base, _FOLDER)
     except NotADirectoryError:
-        raise _not_a_folder(base) from None
+        raise ConfigError(
+            f"{str(base)!r} is not a folder: move it away, or give this job another folder"
+        ) from None
     try:
         st = os.fstat(fd)
         if not _shared_scratch(st):
@@ -253,8 +243,7 @@ def open_fd(
     linked: Linked = "refuse",
 ) -> int:
     """``os.open`` of a regular file of this user at ``path``, never through a link; opened to
-    write, a file with other hard links is refused or replaced by a copy first, as ``linked`` says
-    (:data:`Linked`)."""
+    write, one with other hard links is refused or replaced by a copy first (:data:`Linked`)."""
     path = Path(path)
     with folder(path.parent, root=root) as dir_fd:
         return open_in(dir_fd, path, flags, mode, linked)
@@ -279,18 +268,14 @@ def open_append(
     path: Path, *, read: bool = False, root: Path | None = None, linked: Linked = "refuse"
 ) -> IO[str]:
     """A text file opened to append to (made if missing; ``read``: readable from the start)."""
-    fd = open_fd(
-        path,
-        (os.O_RDWR if read else os.O_WRONLY) | os.O_APPEND | os.O_CREAT,
-        root=root,
-        linked=linked,
-    )
+    flags = (os.O_RDWR if read else os.O_WRONLY) | os.O_APPEND | os.O_CREAT
+    fd = open_fd(path, flags, root=root, linked=linked)
     return os.fdopen(fd, "a+" if read else "a", buffering=1, newline="" if read else None)
 
 
 def unshare(path: Path, *, root: Path | None = None) -> None:
     """Where the file at ``path`` has other hard links, give the name a copy of its own (absent is
-    fine): for a file a library then opens in place by its name (Optuna appends to its journal)."""
+    fine), before a library opens it in place by its name."""
     with contextlib.suppress(FileNotFoundError):
         os.close(open_fd(path, os.O_WRONLY, linked="replace", root=root))
 
@@ -316,8 +301,7 @@ def truncate(path: Path, size: int, *, root: Path | None = None, linked: Linked 
 
 def temporary(dir_fd: int, name: str, mode: int, flags: int = os.O_WRONLY) -> tuple[str, int]:
     """(name, descriptor) of a new file beside ``name`` in ``dir_fd``: an unpredictable name,
-    created with ``O_EXCL`` (never an existing file, nor a link planted under a name we would
-    use)."""
+    created with ``O_EXCL`` (never an existing file, nor a planted link)."""
     while True:
         tmp = f".{name}.{secrets.token_hex(8)}.tmp"
         try:
@@ -331,9 +315,8 @@ def temporary(dir_fd: int, name: str, mode: int, flags: int = os.O_WRONLY) -> tu
 def write_with(
     path: Path, write: Callable[[IO[bytes]], object], *, root: Path | None = None, mode: int = 0o644
 ) -> None:
-    """Replace ``path`` by what ``write(file)`` writes, whole or not at all: for libraries that
-    write to a file object (``savefig``, ``torch.save``, ``ndarray.tofile``). A new file in the same
-    folder, fsynced, renamed."""
+    """Replace ``path`` by what ``write(file)`` writes (``savefig``, ``torch.save``), whole or not
+    at all: a new file in the same folder, fsynced, renamed."""
     path = Path(path)
     with folder(path.parent, root=root, create=True) as dir_fd:
         tmp, fd = temporary(dir_fd, path.name, mode)
@@ -395,40 +378,36 @@ def remove_empty_dir(path: Path, *, root: Path | None = None) -> None:
 
 
 def remove_tree(path: Path, *, root: Path | None = None) -> None:
-    """Delete the folder ``path`` and what it holds, never following a link inside it; a link at
-    ``path`` is removed itself, a file there is left; another user's folder is refused."""
+    """Delete the folder ``path`` and what it holds, never following a link (a link at ``path`` is
+    removed itself, a file there is left); another user's folder is refused."""
     path = Path(path)
     try:
         with folder(path.parent, root=root) as dir_fd:
             st = os.stat(path.name, dir_fd=dir_fd, follow_symlinks=False)
             _refuse_other_owner(st, path, "folder")
             if stat.S_ISDIR(st.st_mode):
-                inner = os.open(path.name, _FOLDER | os.O_NOFOLLOW, dir_fd=dir_fd)
-                try:
-                    _empty(inner)
-                finally:
-                    os.close(inner)
-                with contextlib.suppress(OSError):
-                    os.rmdir(path.name, dir_fd=dir_fd)
+                _empty(dir_fd, path.name)
             elif stat.S_ISLNK(st.st_mode):
                 os.unlink(path.name, dir_fd=dir_fd)
     except FileNotFoundError:
         return
 
 
-def _empty(dir_fd: int) -> None:
-    """Delete what the folder ``dir_fd`` holds, by descriptors; best effort."""
-    for entry in os.scandir(dir_fd):
-        with contextlib.suppress(OSError):
-            if entry.is_dir(follow_symlinks=False):
-                inner = os.open(entry.name, _FOLDER | os.O_NOFOLLOW, dir_fd=dir_fd)
-                try:
-                    _empty(inner)
-                finally:
-                    os.close(inner)
-                os.rmdir(entry.name, dir_fd=dir_fd)
-            else:
-                os.unlink(entry.name, dir_fd=dir_fd)
+def _empty(dir_fd: int, name: str) -> None:
+    """Delete the folder ``name`` of ``dir_fd`` and what it holds, by descriptors; best effort once
+    it is opened."""
+    inner = os.open(name, _FOLDER | os.O_NOFOLLOW, dir_fd=dir_fd)
+    try:
+        for entry in os.scandir(inner):
+            with contextlib.suppress(OSError):
+                if entry.is_dir(follow_symlinks=False):
+                    _empty(inner, entry.name)
+                else:
+                    os.unlink(entry.name, dir_fd=inner)
+    finally:
+        os.close(inner)
+    with contextlib.suppress(OSError):
+        os.rmdir(name, dir_fd=dir_fd)
 
 
 def rename(src: Path, dst: Path, *, root: Path | None = None) -> None:

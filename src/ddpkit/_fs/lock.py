@@ -1,7 +1,5 @@
 """A folder that belongs to one job at a time: an advisory :func:`fcntl.flock` on ``FOLDER/.lock``,
-held by the main rank for the life of the job (the kernel drops it however the process ends), with
-the holder's name written in once it is ours. A ``.lock`` shared with another folder (``cp -al``)
-is given a new file, only while the old one is held.
+held by the main rank for the life of the job, with the holder's name written in once it is ours.
 """
 
 from __future__ import annotations
@@ -21,8 +19,7 @@ from ddpkit._errors import ConfigError
 
 def take(path: Path, *, wait: bool) -> tuple[int, bool]:
     """A descriptor of the lock file ``path`` (made if missing), and whether this process now holds
-    the lock on it: an exclusive :func:`fcntl.flock`, waited for with ``wait``. Not held, the caller
-    reads the holder's name from the descriptor and closes it."""
+    its exclusive :func:`fcntl.flock` (waited for with ``wait``); if not, the caller closes it."""
     path = Path(path)
     with fs.folder(path.parent) as dir_fd:
         while True:

@@ -1,13 +1,9 @@
-"""The one codec of a snapshot's values, for the disk (``values.pt``, ``rank{N}.pt``) and the memory
-(a slot, the blobs ranks exchange) alike: what a save accepts, a load gives back as an equal value
-of the same type, and nothing is ever unpickled.
-
-A value becomes a JSON *skeleton* whose tensors (and numpy arrays, as bytes) are set aside in a list
-and referenced by index (:func:`encode`; :func:`decode` is its inverse). Containers are tagged, so
-that tuples stay tuples and dict keys keep their types and order. The types it holds are listed in
-docs/snapshots.md ("What a snapshot can hold"); anything else raises :class:`UnsupportedValue` at
-the save, naming its place in the state, its type and the way out. A slot's or a blob's tensors lie
-raw in one byte region, each at an aligned offset (:class:`Spec`).
+"""The one codec of a snapshot's values, for the disk and the memory alike: a value becomes a
+tagged JSON *skeleton* whose tensors (and numpy arrays, as bytes) are set aside in a list and
+referenced by index (:func:`encode`; :func:`decode` is its inverse, and never unpickles). The
+types it holds: docs/snapshots.md ("What a snapshot can hold"); anything else raises
+:class:`UnsupportedValue` at the save. A slot's or a blob's tensors lie raw in one byte region
+(:class:`Spec`).
 """
 
 from __future__ import annotations
@@ -15,12 +11,14 @@ from __future__ import annotations
 import array
 import base64
 import collections
+import contextlib
 import datetime as dt
 import decimal
 import fractions
 import hashlib
 import io
 import json
+import math
 import pathlib
 import re
 import struct
@@ -38,8 +36,7 @@ from ddpkit._errors import ConfigError
 from ddpkit.distributed._collectives import tensor_bytes
 
 FORMAT = 3
-"""The format of a disk snapshot's value files; a file of another is refused by name, never read as
-this one."""
+"""The format of a disk snapshot's value files; a file of another is refused by name."""
 
 _INT64 = 1 << 63
 MAX_DEPTH = 100
@@ -69,8 +66,6 @@ _PATHS = {
 _TORCH_DTYPES = {str(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 
 
-# -- tensors in a byte region ----------------------------------------------------------------------
-
 ALIGN = 64
 """Each tensor of a data region starts at a multiple of this many bytes."""
 _NAMES = (
@@ -95,12 +90,20 @@ class Spec:
 
     @property
     def nbytes(self) -> int:
-        if 0 in self.shape:  # before a product of the other sizes, which a manifest may make large
-            return 0
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * DTYPES[self.dtype].itemsize
+        # 0 before a product of the other sizes, which a manifest may make large
+        return 0 if 0 in self.shape else math.prod(self.shape) * DTYPES[self.dtype].itemsize
+
+
+def capped_numel(sizes: Sequence[int], cap: int) -> int:
+    """The product of ``sizes``, or ``cap + 1`` once past ``cap`` (else it takes quadratic time)."""
+    if 0 in sizes:
+        return 0
+    n = 1
+    for s in sizes:
+        n *= s
+        if n > cap:
+            return cap + 1
+    return n
 
 
 def layout(tensors: Sequence[torch.Tensor]) -> tuple[list[Spec], int]:
@@ -135,13 +138,7 @@ def checked_specs(raw: Any, region_size: int) -> list[Spec]:
             raise ValueError(f"tensor {i} has a shape that is not a list of sizes")
         if type(offset) is not int or offset < 0 or offset % ALIGN:
             raise ValueError(f"tensor {i} has an offset that is not an aligned position")
-        # stopped once past the region: a product of thousands of large sizes is quadratic
-        nbytes = 0 if 0 in shape else DTYPES[dtype].itemsize
-        for n in shape if nbytes else ():
-            nbytes *= n
-            if nbytes > region_size:
-                break
-        if offset + nbytes > region_size:
+        if offset + capped_numel(shape, region_size) * DTYPES[dtype].itemsize > region_size:
             raise ValueError(
                 f"tensor {i} ({dtype}{str(shape)[:80]} at {offset}) lies past the end of the data "
                 f"region ({region_size} bytes)"
@@ -157,12 +154,8 @@ def views(region: torch.Tensor, specs: Sequence[Spec]) -> list[torch.Tensor]:
     ]
 
 
-# -- values ----------------------------------------------------------------------------------------
-
-
 class UnsupportedValue(ConfigError):
-    """A value of a state that a snapshot cannot hold; the message names where it is and what to
-    do."""
+    """A value a snapshot cannot hold; the message names where it is and what to do."""
 
 
 class FormatError(ValueError):
@@ -254,8 +247,7 @@ def _tensor(value: torch.Tensor, tensors: list[torch.Tensor]) -> Any:
 
 
 def _dtype_name(dtype: Any) -> str:
-    # By its character, not its .str: 'q' (longlong) and 'l' (int64) are both '<i8', of two scalar
-    # types.
+    # by its character: 'q' (longlong) and 'l' (int64) are both '<i8', of two scalar types
     return dtype.str if dtype.kind in "mMUS" else dtype.str[0] + dtype.char
 
 
@@ -283,7 +275,6 @@ def _float(value: float) -> Any:
 
 
 def _enc(value: Any, tensors: list[torch.Tensor], depth: int = 0) -> Any:
-    # The order of the tests is the memory snapshots' stall: the common kinds first.
     kind = type(value)
     if kind is str or kind is bool or value is None:
         return value
@@ -301,12 +292,8 @@ def _enc(value: Any, tensors: list[torch.Tensor], depth: int = 0) -> Any:
     if kind is tuple or kind is list:
         # Python's RNG state is a tuple of 625 ints: packed as one int64 tensor
         if len(value) >= 32 and set(map(type, value)) == {int}:
-            try:
-                packed = array.array("q", value)
-            except OverflowError:
-                packed = None
-            if packed is not None:
-                tensors.append(torch.frombuffer(packed, dtype=torch.int64))
+            with contextlib.suppress(OverflowError):  # an int beyond int64: one by one
+                tensors.append(torch.frombuffer(array.array("q", value), dtype=torch.int64))
                 return {"i": [len(tensors) - 1, kind is tuple]}
         return {"u" if kind is tuple else "l": [_enc(x, tensors, d) for x in value]}
     if isinstance(value, torch.Tensor):
@@ -352,17 +339,14 @@ def _advice(value: Any) -> str:
         return "a tuple or a dict"
     if hasattr(type(value), "__dataclass_fields__"):
         return "a dict (dataclasses.asdict)"
-    if type(value).__module__ == "enum" or any(
-        c.__module__ == "enum" for c in type(value).__mro__[1:]
-    ):
+    if any(c.__module__ == "enum" for c in type(value).__mro__):
         return "its .value"
     return "a list, a dict or a str"
 
 
 def encode(value: Any, tensors: list[torch.Tensor], where: str = "") -> Any:
-    """A JSON-able skeleton of ``value`` whose tensors are appended to ``tensors`` and referenced by
-    index. Raises :class:`UnsupportedValue` naming the first value it cannot hold, as a path under
-    ``where``."""
+    """A JSON-able skeleton of ``value`` whose tensors are appended to ``tensors``, by index;
+    :class:`UnsupportedValue` naming the first value it cannot hold, as a path under ``where``."""
     try:
         return _enc(value, tensors)
     except _Refused as refused:
@@ -383,26 +367,21 @@ def encode(value: Any, tensors: list[torch.Tensor], where: str = "") -> Any:
 
 def copied(value: Any, where: str = "") -> Any:
     """``value`` as a load gives it back, its tensors detached copies on the CPU: what a snapshot
-    keeps of a state that goes on changing (a rank's own parts, copied when a snapshot is taken),
-    of the types and values a resume gives, by construction (an ``OrderedDict`` stays one, an
-    ``nn.Parameter`` keeps its ``requires_grad``). Refuses what :func:`encode` refuses."""
+    keeps of a state that goes on changing. Refuses what :func:`encode` refuses."""
     tensors: list[torch.Tensor] = []
     skeleton = encode(value, tensors, where)
     return decode(skeleton, [t.detach().to("cpu", copy=True) for t in tensors])
 
 
 def fingerprint(value: Any) -> str:
-    """A text of ``value`` that two values share exactly when they are equal, in any process: what
-    a resume compares the settings a run asks for by. Tensors and arrays by dtype, shape and every
-    element (``str()`` of a tensor shows 4 digits: 0.01003 read as 0.01), sets and the pairs of a
-    dict in a sorted order (a set's order changes with the hash seed, from one process to the
-    next), NaN equal to itself. A value the codec cannot hold is known by its type alone."""
+    """A text of ``value`` that two values share exactly when they are equal, in any process:
+    tensors and arrays by every element, sets and dicts in a sorted order (a set's order changes
+    with the hash seed), NaN equal to itself; a value the codec cannot hold, by type and repr."""
     tensors: list[torch.Tensor] = []
     try:
         skeleton = encode(value, tensors)
     except UnsupportedValue:
-        # Its repr, less the addresses a default repr shows (another in every process): an enum
-        # member, a named tuple, every entry beside the value that is not held.
+        # its repr, less the addresses a default repr shows (another in every process)
         shown = re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))
         return f"<a {type(value).__module__}.{type(value).__qualname__}: {shown}>"
     return json.dumps(_canonical(skeleton, tensors), sort_keys=True)
@@ -512,14 +491,12 @@ def _dec(s: Any, tensors: Sequence[torch.Tensor], depth: int = 0) -> Any:
     if tag == "l":
         return [_dec(x, tensors, d) for x in body]
     if tag == "d":
-        return dict(_distinct_hashes([(_dec(k, tensors, d), _dec(v, tensors, d)) for k, v in body]))
+        return dict(_decoded_pairs(body, tensors, d))
     if tag == "i":
         packed = _index(body[0], tensors)
         if packed.dtype != torch.int64:
             raise ValueError("packed ints that are not int64")
         return tuple(packed.tolist()) if body[1] else packed.tolist()
-    if tag == "I":
-        return int(body, 16)
     if tag == "n":
         np = _numpy()
         dtype = np.dtype(body[0])
@@ -532,13 +509,19 @@ def _dec(s: Any, tensors: Sequence[torch.Tensor], depth: int = 0) -> Any:
         return _array(body, tensors)
     if tag == "P":
         return torch.nn.Parameter(_index(body[0], tensors), requires_grad=bool(body[1]))
-    return _decode_other(tag, body, tensors, d)
+    decoder = _DECODERS.get(tag)
+    if decoder is None:
+        raise ValueError(f"an unknown tag {tag!r:.20}")
+    return decoder(body, tensors, d)
 
 
 HASH_COLLISIONS = 64
 """Keys of one set or dict sharing a hash, at most: a table of n keys of one hash takes n x n
-steps to build, and a file of such keys (integers k x (2**61 - 1), which Python hashes alike) would
-hold a resume for minutes; no value a script keeps has so many."""
+steps to build (integers k x (2**61 - 1), which Python hashes alike, would hold a resume)."""
+
+
+def _decoded_pairs(body: Any, tensors: Sequence[torch.Tensor], d: int) -> list[tuple[Any, Any]]:
+    return _distinct_hashes([(_dec(k, tensors, d), _dec(v, tensors, d)) for k, v in body])
 
 
 def _distinct_hashes(pairs: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
@@ -552,67 +535,51 @@ def _distinct_hashes(pairs: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
     return pairs
 
 
-def _decode_other(tag: str, body: Any, tensors: Sequence[torch.Tensor], d: int) -> Any:
-    pairs = lambda: _distinct_hashes(  # noqa: E731
-        [(_dec(k, tensors, d), _dec(v, tensors, d)) for k, v in body]
-    )
-    if tag == "c":
-        return complex(_dec(body[0], tensors, d), _dec(body[1], tensors, d))
-    if tag in ("b", "ba"):
-        data = base64.b64decode(body, validate=True)
-        return data if tag == "b" else bytearray(data)
-    if tag == "o":
-        return collections.OrderedDict(pairs())
-    if tag == "dd":
-        return collections.defaultdict(
-            _FACTORIES[body[0]] if body[0] else None,
-            _distinct_hashes([(_dec(k, tensors, d), _dec(v, tensors, d)) for k, v in body[1]]),
-        )
-    if tag == "ct":
-        return collections.Counter(dict(pairs()))
-    if tag == "s":
-        return {k for k, _ in _distinct_hashes([(_dec(x, tensors, d), None) for x in body])}
-    if tag == "fs":
-        return frozenset(
-            k for k, _ in _distinct_hashes([(_dec(x, tensors, d), None) for x in body])
-        )
-    if tag == "q":
-        return collections.deque((_dec(x, tensors, d) for x in body[1]), body[0])
-    if tag == "r":
-        return range(*(_dec(x, tensors, d) for x in body))
-    if tag == "p":
-        return _PATHS[body[0]](body[1])
-    if tag == "DT":
-        year, month, day, hour, minute, second, micro, fold, tz = body
-        return dt.datetime(
-            year, month, day, hour, minute, second, micro, tzinfo=_untz(tz), fold=fold
-        )
-    if tag == "D":
-        return dt.date(*body)
-    if tag == "T":
-        hour, minute, second, micro, fold, tz = body
-        return dt.time(hour, minute, second, micro, tzinfo=_untz(tz), fold=fold)
-    if tag == "TD":
-        return dt.timedelta(*body)
-    if tag == "dec":
-        return decimal.Decimal(body)
-    if tag == "fr":
-        return fractions.Fraction(_dec(body[0], tensors, d), _dec(body[1], tensors, d))
-    if tag == "uuid":
-        return uuid.UUID(hex=body)
-    if tag == "dt":
-        return _TORCH_DTYPES[body]
-    if tag == "dv":
-        return torch.device(body)
-    if tag == "sz":
-        return torch.Size(body)
-    raise ValueError(f"an unknown tag {tag!r:.20}")
+def _datetime(body: Any) -> dt.datetime:
+    year, month, day, hour, minute, second, micro, fold, tz = body
+    return dt.datetime(year, month, day, hour, minute, second, micro, tzinfo=_untz(tz), fold=fold)
+
+
+def _time(body: Any) -> dt.time:
+    hour, minute, second, micro, fold, tz = body
+    return dt.time(hour, minute, second, micro, tzinfo=_untz(tz), fold=fold)
+
+
+def _keys(body: Any, tensors: Sequence[torch.Tensor], d: int) -> list[Any]:
+    return [k for k, _ in _distinct_hashes([(_dec(x, tensors, d), None) for x in body])]
+
+
+_DECODERS: dict[str, Any] = {  # the inverse of _ENCODERS: (body, tensors, depth) -> value
+    "I": lambda b, t, d: int(b, 16),
+    "c": lambda b, t, d: complex(_dec(b[0], t, d), _dec(b[1], t, d)),
+    "b": lambda b, t, d: base64.b64decode(b, validate=True),
+    "ba": lambda b, t, d: bytearray(base64.b64decode(b, validate=True)),
+    "o": lambda b, t, d: collections.OrderedDict(_decoded_pairs(b, t, d)),
+    "dd": lambda b, t, d: collections.defaultdict(
+        _FACTORIES[b[0]] if b[0] else None, _decoded_pairs(b[1], t, d)
+    ),
+    "ct": lambda b, t, d: collections.Counter(dict(_decoded_pairs(b, t, d))),
+    "s": lambda b, t, d: set(_keys(b, t, d)),
+    "fs": lambda b, t, d: frozenset(_keys(b, t, d)),
+    "q": lambda b, t, d: collections.deque((_dec(x, t, d) for x in b[1]), b[0]),
+    "r": lambda b, t, d: range(*(_dec(x, t, d) for x in b)),
+    "p": lambda b, t, d: _PATHS[b[0]](b[1]),
+    "DT": lambda b, t, d: _datetime(b),
+    "D": lambda b, t, d: dt.date(*b),
+    "T": lambda b, t, d: _time(b),
+    "TD": lambda b, t, d: dt.timedelta(*b),
+    "dec": lambda b, t, d: decimal.Decimal(b),
+    "fr": lambda b, t, d: fractions.Fraction(_dec(b[0], t, d), _dec(b[1], t, d)),
+    "uuid": lambda b, t, d: uuid.UUID(hex=b),
+    "dt": lambda b, t, d: _TORCH_DTYPES[b],
+    "dv": lambda b, t, d: torch.device(b),
+    "sz": lambda b, t, d: torch.Size(b),
+}
 
 
 def decode(skeleton: Any, tensors: Sequence[torch.Tensor]) -> Any:
-    """The inverse of :func:`encode`. A skeleton that no save writes raises ``ValueError``,
-    ``KeyError``, ``IndexError``, ``TypeError``, ``AttributeError`` or ``RecursionError`` (never
-    runs code)."""
+    """The inverse of :func:`encode`; a skeleton that no save writes raises one of
+    :data:`MALFORMED` (and never runs code)."""
     try:
         return _dec(skeleton, tensors)
     # Fraction(1, 0), Decimal("x"), torch.device("x")
@@ -626,12 +593,8 @@ MALFORMED = (ValueError, KeyError, IndexError, TypeError, AttributeError, Recurs
 """What :func:`decode` (and reading a value file or a blob) raises for data that no save writes."""
 
 
-# -- a blob: what ranks exchange -------------------------------------------------------------------
-
-
 def encode_blob(value: Any, where: str = "") -> bytes:
-    """``value`` as one self-contained byte string (JSON skeleton and raw tensors): what ranks
-    exchange."""
+    """``value`` as one byte string (JSON skeleton and raw tensors): what ranks exchange."""
     tensors: list[torch.Tensor] = []
     skeleton = encode(value, tensors, where)
     specs, size = layout(tensors)
@@ -663,14 +626,9 @@ def decode_blob(data: bytes | memoryview) -> Any:
     return decode(head["v"], [v.clone() for v in views(region, specs)])
 
 
-# -- a value file of a disk snapshot ---------------------------------------------------------------
-
-
 def alone(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a tensor that owns exactly its bytes, a copy where it does not. torch.save writes a
-    view's whole storage, and writes a storage that is not a whole number of elements (a tensor
-    viewing a byte buffer) into a file that torch.load then refuses ("record size does not
-    match")."""
+    """``t`` as a tensor that owns exactly its bytes, a copy where it does not: torch.save writes a
+    view's whole storage, and a storage of a part of an element makes a file torch.load refuses."""
     t = t.detach().resolve_conj().resolve_neg()
     if t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes:
         return t
@@ -679,8 +637,7 @@ def alone(t: torch.Tensor) -> torch.Tensor:
 
 def file_bytes(skeleton: Any, tensors: Sequence[torch.Tensor]) -> bytes:
     """The contents of a value file: an encoded value (:func:`encode`) as ``torch.save`` of plain
-    data (the format, the skeleton as JSON text, the tensors), which loads with
-    ``torch.load(weights_only=True)``."""
+    data (the format, the skeleton as JSON text, the tensors): ``torch.load(weights_only=True)``."""
     buffer = io.BytesIO()
     text = json.dumps(skeleton, separators=(",", ":"))
     torch.save({"format": FORMAT, "values": text, "tensors": [alone(t) for t in tensors]}, buffer)
@@ -688,9 +645,7 @@ def file_bytes(skeleton: Any, tensors: Sequence[torch.Tensor]) -> bytes:
 
 
 def _stored_only(file: Path) -> None:
-    """Refuse a value file with a compressed entry: ``torch.save`` stores its entries as they are,
-    and a deflated one (a megabyte that inflates to gigabytes) would make every rank that reads it
-    allocate what it inflates to."""
+    """Refuse a value file with a compressed entry (``torch.save`` writes none)."""
     try:
         with zipfile.ZipFile(file) as archive:
             entries = archive.infolist()

@@ -1,20 +1,14 @@
 """A snapshot folder's torch.distributed.checkpoint (DCP) files, written and read without
-unpickling.
-
-torch's ``FileSystemReader`` unpickles the index (``.metadata``), and DCP's default load planner
-every non-tensor item: whoever can write a snapshot folder could run code in the job that resumes
-from it. So a snapshot's DCP part holds tensors only, its index is also written as JSON
-(``metadata.json``), checked (:func:`index_from_json`, :func:`check_chunks`) and read instead, and
-each tensor is read with ``weights_only``. ``.metadata`` stays for torch's own tools, which unpickle
-it: use them only on snapshots you trust. Writes go through a file system that keeps a failed
-write's ``OSError`` (torch's zip writer turns a full disk into ``unexpected pos 704 vs 598``).
+unpickling: tensors only, the index also written as JSON (``metadata.json``), checked
+(:func:`index_from_json`, :func:`check_chunks`) and read instead of the pickled ``.metadata``.
+Writes go through a file system that keeps a failed write's ``OSError`` (torch's zip writer turns a
+full disk into ``unexpected pos 704 vs 598``).
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
-import errno
 import io
 import itertools
 import json
@@ -22,7 +16,6 @@ import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -43,9 +36,9 @@ from ddpkit import _fs as fs
 from ddpkit._errors import ConfigError
 from ddpkit._internals.dcp import set_file_system, storage_info, transformed
 from ddpkit.snapshot import _folders as folders
+from ddpkit.snapshot._codec import capped_numel
 from ddpkit.snapshot._folders import INDEX, read_bounded
 
-_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 _DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
 # JSON of a tensor's place per chunk: ~200 bytes each; a GiB is millions of chunks
 _INDEX_LIMIT = 1 << 30
@@ -55,34 +48,25 @@ class BadIndex(ValueError):
     """The JSON index is not one :func:`index_to_json` wrote: what is wrong with it."""
 
 
-# -- writing ---------------------------------------------------------------------------------------
-
-
 class _ErrnoKeepingStream:
-    """A file whose failed writes are recorded (path, OSError) before torch's serializer can swallow
-    them."""
+    """A file that records a failed write's path and OSError before torch's serializer hides it."""
 
     def __init__(self, stream: Any, path: Path, failures: list[tuple[Path, OSError]]) -> None:
         self._stream, self._path, self._failures = stream, path, failures
 
-    def _keep(self, call: Any, *args: Any) -> Any:
-        try:
-            return call(*args)
-        except OSError as err:
-            self._failures.append((self._path, err))
-            raise
-
-    def write(self, data: Any) -> int:
-        return self._keep(self._stream.write, data)
-
-    def flush(self) -> None:
-        self._keep(self._stream.flush)
-
-    def close(self) -> None:
-        self._keep(self._stream.close)
-
     def __getattr__(self, name: str) -> Any:  # tell, fileno, seek...: the file's own
-        return getattr(self._stream, name)
+        call = getattr(self._stream, name)
+        if name not in ("write", "flush", "close"):
+            return call
+
+        def kept(*args: Any) -> Any:
+            try:
+                return call(*args)
+            except OSError as err:
+                self._failures.append((self._path, err))
+                raise
+
+        return kept
 
 
 class _ErrnoKeepingFileSystem(FileSystem):
@@ -112,8 +96,7 @@ class _ErrnoKeepingFileSystem(FileSystem):
 
 
 def _open_stream(path: Path, mode: str) -> IO[bytes]:
-    """A file of a snapshot, opened never through a link and only if it is this user's regular
-    file."""
+    """A file of a snapshot: this user's regular file, opened never through a link."""
     flags = {"rb": os.O_RDONLY, "wb": os.O_WRONLY | os.O_CREAT | os.O_TRUNC}.get(mode)
     if flags is None:
         raise ValueError(f"{path}: mode {mode!r} is not one a snapshot file is opened in")
@@ -130,10 +113,8 @@ class Writer(FileSystemWriter):
         set_file_system(self, _ErrnoKeepingFileSystem(self.failures))
 
     def finish(self, metadata: Metadata, results: list[list[Any]]) -> None:
-        # pickles the index, with where each item went, to .metadata
-        super().finish(metadata, results)
-        # Where each item went is taken from the results, not from ``metadata``: torch 2.13 fills it
-        # into the object it is given, earlier versions into a copy of it.
+        super().finish(metadata, results)  # the pickled index, .metadata
+        # where each item went, from the results: torch 2.13 fills it into ``metadata``, not before
         where = {result.index: result.storage_data for per_rank in results for result in per_rank}
         metadata = dataclasses.replace(metadata, storage_data=where)
         try:
@@ -144,8 +125,7 @@ class Writer(FileSystemWriter):
 
 
 def index_to_json(metadata: Metadata) -> dict[str, Any]:
-    """The parts of DCP's ``Metadata`` a load needs, as JSON values. Non-tensor items are refused:
-    they would be pickles."""
+    """The parts of DCP's ``Metadata`` a load needs, as JSON values; non-tensor items refused."""
     tensors = {}
     for fqn, md in metadata.state_dict_metadata.items():
         if not isinstance(md, TensorStorageMetadata):
@@ -186,88 +166,8 @@ def index_to_json(metadata: Metadata) -> dict[str, Any]:
     }
 
 
-# -- why a write failed ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Failure:
-    """One rank's part in a failed write."""
-
-    what: str
-    file: str | None = None  # relative to the snapshot's folder when inside it
-    disk_full: bool = False
-    errno: int | None = None  # the OS error's number, when the failure was one
-
-
-def os_failure(err: OSError, file: Any, folder: Path) -> Failure:
-    file = Path(err.filename or file)
-    shown = str(file.relative_to(folder)) if file.is_relative_to(folder) else str(file)
-    what = "no space left on device" if err.errno == errno.ENOSPC else (err.strerror or str(err))
-    return Failure(what, shown, err.errno in _DISK_FULL, err.errno)
-
-
-def rank_failure(
-    err: BaseException, kept: list[tuple[Path, OSError]], rank: int, folder: Path
-) -> Failure | None:
-    """This rank's part in a failed write: the first OS error its files met (torch's serializer
-    replaces a full disk's by a position mismatch), else its own exception; None when DCP reports
-    other ranks' only."""
-    if kept:
-        return os_failure(kept[0][1], kept[0][0], folder)
-    # DCP's CheckpointException: every failed rank's exception
-    failures = getattr(err, "failures", None)
-    if isinstance(failures, dict) and failures:
-        if rank not in failures:
-            return None
-        err = failures[rank][0]
-    if isinstance(err, OSError):
-        return os_failure(err, folder, folder)
-    text = str(err).strip().splitlines()
-    return Failure(f"{type(err).__name__}: {text[0] if text else ''}")
-
-
-def first_rank_failure(err: BaseException, rank: int | None) -> str:
-    """The lowest failed rank's exception in DCP's ``CheckpointException`` (rank of the group ->
-    (exception, traceback)), as one line; the rank named where it is not ``rank`` (None: a load with
-    no collective, whose failures are this rank's own)."""
-    failures = err.failures  # type: ignore[attr-defined]
-    origin = min(failures)
-    first = failures[origin][0]
-    named = "" if rank is None or origin == rank else f" (on rank {origin})"
-    return f"{type(first).__name__}: {first}{named}"
-
-
-def describe(failures: list[tuple[int, Failure]]) -> str:
-    """``no space left on device (rank 0 writing __0_0.distcp, rank 1 writing __1_0.distcp)``, or
-    each rank's own reason where they differ."""
-
-    def where(rank: int, f: Failure) -> str:
-        return f"rank {rank} writing {f.file}" if f.file else f"rank {rank}"
-
-    whats = {f.what for _, f in failures}
-    if len(whats) == 1:
-        return f"{whats.pop()} ({', '.join(where(r, f) for r, f in failures)})"
-    return "; ".join(f"{where(r, f)}: {f.what}" for r, f in failures)
-
-
-# -- the chunks of a tensor ------------------------------------------------------------------------
-
 _NUMEL_LIMIT = 2**63 - 1  # a tensor's number of elements is an int64 in torch
-# FSDP splits along dim 0, a DTensor along one dimension per mesh dimension (three at most known);
-# the check costs 2**(dimensions split) corners a chunk
-_SPLIT_DIMS = 4
-
-
-def _numel(sizes: torch.Size) -> int:
-    """The product of ``sizes``, or ``_NUMEL_LIMIT + 1`` once past it (quadratic time otherwise)."""
-    if 0 in sizes:
-        return 0
-    n = 1
-    for s in sizes:
-        n *= s
-        if n > _NUMEL_LIMIT:
-            return _NUMEL_LIMIT + 1
-    return n
+_SPLIT_DIMS = 4  # the check costs 2**(dimensions split) corners a chunk
 
 
 def _corners(
@@ -285,15 +185,12 @@ def _corners(
 def check_chunks(
     fqn: str, size: torch.Size, chunks: list[ChunkStorageMetadata]
 ) -> list[ChunkStorageMetadata]:
-    """The chunks of a tensor cover it exactly once: each inside its shape, none overlapping
-    another, their volumes adding up to its number of elements (else DCP would leave a part
-    uncovered as the fresh model's, without a word). Returns the chunks that hold elements. In O(m
-    log m) for the m corners of the chunks (docs/snapshots.md, "Reading a folder"): a box's
-    indicator is the signed sum of the orthants at its 2**k corners, and orthants of distinct
-    corners are independent, so the chunks tile the tensor exactly when the weights of equal corners
-    cancel, the tensor's counted negatively; the first corner left with a weight is an element
-    covered twice (> 0) or never."""
-    numel = _numel(size)
+    """The chunks of a tensor cover it exactly once (else DCP would leave a part uncovered as the
+    fresh model's, without a word); returns the chunks that hold elements. In O(m log m) for the m
+    corners of the chunks: they tile the tensor exactly when the signed weights of equal corners
+    cancel, the tensor's counted negatively (docs/snapshots.md, "Reading a folder"); the first
+    corner left with a weight is an element covered twice (> 0) or never."""
+    numel = capped_numel(size, _NUMEL_LIMIT)
     if numel > _NUMEL_LIMIT:
         raise BadIndex(f"tensor {fqn!r} of shape {list(size)[:8]} has more than 2**63 - 1 elements")
     full, total = [], 0
@@ -307,7 +204,9 @@ def check_chunks(
                 f"tensor {fqn!r} of shape {list(size)} has a chunk at {list(chunk.offsets)} of "
                 f"{list(chunk.sizes)} that lies outside it"
             )
-        volume = _numel(chunk.sizes)  # inside the tensor: at most its number of elements
+        volume = capped_numel(
+            chunk.sizes, _NUMEL_LIMIT
+        )  # inside the tensor: at most its number of elements
         if volume:
             full.append(chunk)
             total += volume
@@ -354,9 +253,6 @@ def _first_residual(corners: list[tuple[tuple[int, ...], int]]) -> tuple[Any, in
     return None
 
 
-# -- reading ---------------------------------------------------------------------------------------
-
-
 def _ints(value: Any, what: str) -> list[int]:
     if not isinstance(value, list) or not all(type(v) is int and v >= 0 for v in value):
         raise BadIndex(f"{what} is not a list of non-negative integers")
@@ -376,9 +272,8 @@ def _among(ordered: list[Any], key: Any) -> bool:
 
 
 def index_from_json(data: Any) -> Metadata:
-    """DCP's ``Metadata`` from :func:`index_to_json`'s output, checked: tensors only, files of this
-    folder only (``__R_N.distcp``), sizes and offsets as integers. Raises :class:`BadIndex` naming
-    the problem."""
+    """DCP's ``Metadata`` from :func:`index_to_json`'s output, checked (tensors only, files of this
+    folder only, sizes and offsets as integers); :class:`BadIndex` naming the problem."""
     if (
         not isinstance(data, dict)
         or not isinstance(data.get("tensors"), dict)
@@ -433,8 +328,7 @@ def _tensor_entries(
         )
         holding.extend((fqn, tuple(c.offsets)) for c in full)
         empty.extend((fqn, tuple(c.offsets)) for c in chunks if 0 in c.sizes)
-    # Found by sorting, never by hashing: an int tuple's hash is not salted, and offsets chosen to
-    # collide would make each lookup scan all the others.
+    # found by sorting, never by hashing: offsets chosen to collide would make lookups quadratic
     return state, sorted(holding), sorted(empty)
 
 
@@ -475,20 +369,9 @@ def _storage_entries(
     return storage
 
 
-def read_index(folder: Path) -> Metadata:
-    """The checked index of a snapshot folder (:func:`index_from_json`); ``OSError`` if it is
-    missing."""
-    raw = read_bounded(folder / INDEX, _INDEX_LIMIT)
-    try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError) as err:  # RecursionError: nested too deep
-        raise BadIndex(f"it is not JSON ({err})") from None
-    return index_from_json(data)
-
-
 class Reader(FileSystemReader):
-    """DCP's file reader over an index already read and checked (:func:`read_index`): ``.metadata``
-    is never opened. Tensors are read by torch with ``weights_only=True``."""
+    """DCP's file reader over an index already read and checked (:func:`read_marked_index`):
+    ``.metadata`` is never opened. Tensors are read by torch with ``weights_only=True``."""
 
     def __init__(self, path: Path, index: Metadata) -> None:
         super().__init__(path)
@@ -496,15 +379,13 @@ class Reader(FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
-            # DCP retries with a rank's own index when the global one fails; snapshots have no such
-            # file.
+            # DCP retries with a rank's own index when the global one fails: there is none
             raise BadIndex("snapshot folders have one index, not one per rank")
         return self._index
 
 
 class TensorsOnlyPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, minus its unpickling of non-tensor items (the index admits none;
-    this stops one that got through anyway)."""
+    """DCP's default load planner, without its unpickling of non-tensor items (none is indexed)."""
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         raise BadIndex(
@@ -513,15 +394,17 @@ class TensorsOnlyPlanner(DefaultLoadPlanner):
 
 
 def read_marked_index(folder: Path) -> Any:
-    """DCP's index of the snapshot, from JSON, refused by name unless the marker lists it and every
-    file it reads."""
+    """DCP's index of the snapshot, refused unless the marker lists it and every file it reads."""
     try:
-        # The index, and every data file it reads from, were checked against the marker (by rank 0,
-        # in latest()) only if the marker lists them.
+        # checked against the marker (by rank 0, in latest()) only if the marker lists them
         files = folders.listed(folders.Found(0, folder))
         if folders.INDEX not in files:
             raise BadIndex(f"{folders.MARKER} does not list it")
-        index = read_index(folder)
+        try:
+            data = json.loads(read_bounded(folder / INDEX, _INDEX_LIMIT))
+        except (ValueError, RecursionError) as err:  # RecursionError: nested too deep
+            raise BadIndex(f"it is not JSON ({err})") from None
+        index = index_from_json(data)
         for info in index.storage_data.values():
             if info.relative_path not in files:
                 raise BadIndex(

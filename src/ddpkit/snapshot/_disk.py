@@ -1,25 +1,15 @@
 """The disk store: snapshots as ``run_dir/snapshots/step-N/`` folders, written by every rank through
-torch.distributed.checkpoint (DCP) and made whole by a marker rank 0 writes last.
-
-A folder counts only once its marker (:mod:`ddpkit.snapshot._folders`) is written, after every
-rank's files are on disk: a process killed at any instant leaves the previous snapshot the newest
-whole one. DCP reshards on load, so a snapshot of N ranks resumes on M. Nothing is unpickled: DCP's
-files hold tensors (:mod:`ddpkit.snapshot._dcp`), every other value goes through
-:mod:`ddpkit.snapshot._codec` into ``values.pt`` and each rank's ``rank{r}.pt``, and a value the
-codec cannot hold is refused on every rank before any file is written. A write that fails (a full
-disk) raises :class:`SnapshotWriteError` on every rank, naming the error, the file and the previous
-snapshot, which stays whole.
-
-Where each value of a state goes: tensors to DCP, other values to ``values.pt``. A state's
-:data:`~ddpkit.strategies._base.PER_RANK` part holds what has one name on every rank but is each
-rank's own (BatchNorm's statistics without sync BatchNorm): rank 0's copy is saved in the shared
-key's place, rank ``r``'s under ``per_rank.rank<r>``. At the same world size each rank loads its own
-copy back; at another, every rank loads rank 0's, as DDP's broadcast would give.
+torch.distributed.checkpoint (DCP, tensors only: :mod:`ddpkit.snapshot._dcp`) and the codec (other
+values: ``values.pt``, each rank's ``rank{r}.pt``), made whole by a marker rank 0 writes last
+(:mod:`ddpkit.snapshot._folders`). A failed write raises :class:`SnapshotWriteError` on every rank.
+A state's :data:`~ddpkit.strategies._base.PER_RANK` part is saved as rank 0's in the shared key's
+place, rank ``r``'s under ``per_rank.rank<r>`` (:func:`stored_path`).
 """
 
 from __future__ import annotations
 
 import copy
+import errno
 import functools
 import heapq
 import importlib.util
@@ -32,6 +22,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -51,9 +42,7 @@ from ddpkit.strategies._base import PER_RANK
 if TYPE_CHECKING:
     from ddpkit.snapshot._snapshots import Resumed, Snapshots
 
-# torch.distributed.checkpoint (and ddpkit.snapshot._dcp, built on it) is imported where it is
-# used: it pulls in sympy, ~0.9 s that `import ddpkit` and the launcher need not pay.
-
+# torch.distributed.checkpoint (and ddpkit.snapshot._dcp) is imported where it is used (sympy)
 STREAMS = "rng"
 """The part of a snapshot's states that holds each rank's random streams (a RankStreams)."""
 KeyPath = tuple[Any, ...]
@@ -63,8 +52,7 @@ Failed = tuple[str, "int | None", "str | None"]
 
 class SnapshotWriteError(RuntimeError):
     """A snapshot could not be written; the message names why, where, and the snapshot a restart
-    resumes from. When an OS error was the reason (a full disk), it is the ``__cause__``, on every
-    rank."""
+    resumes from. An OS error (a full disk) is the ``__cause__``, on every rank."""
 
 
 def _raise(failed: Failed) -> NoReturn:
@@ -75,11 +63,72 @@ def _raise(failed: Failed) -> NoReturn:
     raise SnapshotWriteError(message) from OSError(code, os.strerror(code), filename)
 
 
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One rank's part in a failed write."""
+
+    what: str
+    file: str | None = None  # relative to the snapshot's folder when inside it
+    disk_full: bool = False
+    errno: int | None = None  # the OS error's number, when the failure was one
+
+
+def os_failure(err: OSError, file: Any, folder: Path) -> Failure:
+    file = Path(err.filename or file)
+    shown = str(file.relative_to(folder)) if file.is_relative_to(folder) else str(file)
+    what = "no space left on device" if err.errno == errno.ENOSPC else (err.strerror or str(err))
+    return Failure(what, shown, err.errno in _DISK_FULL, err.errno)
+
+
+def rank_failure(
+    err: BaseException, kept: list[tuple[Path, OSError]], rank: int, folder: Path
+) -> Failure | None:
+    """This rank's part in a failed write: the first OS error its files met, else its own
+    exception; None when DCP reports other ranks' only."""
+    if kept:
+        return os_failure(kept[0][1], kept[0][0], folder)
+    # DCP's CheckpointException: every failed rank's exception
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        if rank not in failures:
+            return None
+        err = failures[rank][0]
+    if isinstance(err, OSError):
+        return os_failure(err, folder, folder)
+    text = str(err).strip().splitlines()
+    return Failure(f"{type(err).__name__}: {text[0] if text else ''}")
+
+
+def first_rank_failure(err: BaseException, rank: int | None) -> str:
+    """The lowest failed rank's exception in DCP's ``CheckpointException``, as one line, naming
+    that rank where it is not ``rank`` (None: a load with no collective, this rank's own)."""
+    failures = err.failures  # type: ignore[attr-defined]
+    origin = min(failures)
+    first = failures[origin][0]
+    named = "" if rank is None or origin == rank else f" (on rank {origin})"
+    return f"{type(first).__name__}: {first}{named}"
+
+
+def describe(failures: list[tuple[int, Failure]]) -> str:
+    """``no space left on device (rank 0 writing __0_0.distcp, rank 1 writing __1_0.distcp)``, or
+    each rank's own reason where they differ."""
+
+    def where(rank: int, f: Failure) -> str:
+        return f"rank {rank} writing {f.file}" if f.file else f"rank {rank}"
+
+    whats = {f.what for _, f in failures}
+    if len(whats) == 1:
+        return f"{whats.pop()} ({', '.join(where(r, f) for r, f in failures)})"
+    return "; ".join(f"{where(r, f)}: {f.what}" for r, f in failures)
+
+
 class DiskStore:
     """Writes and finds the snapshots of one folder, for the ranks of ``group``; every rank calls
-    every method. ``keep_last``: whole snapshots kept (older ones, and the debris of writes killed
-    before their marker, go). ``async_write``: :meth:`save` returns once the state is copied to
-    host memory, and a thread writes it, its collectives on a gloo group of its own."""
+    every method. ``keep_last``: whole snapshots kept. ``async_write``: :meth:`save` returns once
+    the state is copied to host memory, and a thread writes it (on a gloo group of its own)."""
 
     @checked_arguments
     def __init__(
@@ -121,16 +170,11 @@ class DiskStore:
     def _size(self) -> int:
         return dist.get_world_size(self.group) if self.distributed else 1
 
-    # -- the store of the front door (ddpkit.snapshot._snapshots.Store) ----------------------------
-
     def save_step(self, snapshots: Snapshots) -> None:
         sharded, extra, own = snapshots.disk_parts()
         self.save(
             snapshots.train.step, sharded, extra, replicated=snapshots.strategy.replicated, own=own
         )
-
-    def newest(self, warn: Callable[[str], None]) -> Found | None:
-        return self.latest(warn)
 
     def load_step(
         self, found: Found, snapshots: Snapshots, load: Callable[[dict[str, Any]], None]
@@ -142,9 +186,8 @@ class DiskStore:
             found, snapshots.strategy.state_dict, "cpu", lambda saved: snapshots.check(saved, where)
         )
         streams = extra["states"].get(STREAMS)
-        if (
-            streams is not None
-        ):  # this rank's own file at the same world size; every rank's at another
+        # this rank's own file at the same world size; every rank's at another
+        if streams is not None:
             size, rank = streams["world_size"], snapshots.runtime.rank
             wanted = [rank] if size == snapshots.runtime.world_size else list(range(size))
             ranks: list[Any] = [None] * size
@@ -155,13 +198,10 @@ class DiskStore:
         return Resumed(where, found.path.name, disk=True)
 
     def newest_marked(self) -> int:
-        """The step of the newest folder with a marker, not verified (-1: none); the same on every
-        rank."""
+        """The step of the newest folder with a marker, not verified (-1: none), on every rank."""
         found = self.candidates() if self._rank == 0 else []
         step = found[0].step if found else -1
         return broadcast_object(step, group=self.group) if self.distributed else step
-
-    # -- writing -----------------------------------------------------------------------------------
 
     def save(
         self,
@@ -172,14 +212,12 @@ class DiskStore:
         replicated: bool = False,
         own: Any = None,
     ) -> None:
-        """Snapshot ``step``: ``state`` (every rank's own part, for DCP: its tensors, shards and the
-        per-rank part; its other values go to ``values.pt``) and ``extra`` (rank 0's, in
-        ``values.pt``). ``replicated``: the tensors of ``state`` outside its per-rank part are the
-        same on every rank, and each rank writes a share of them. ``own``: values of this rank
-        alone, in a file of its own (:meth:`read_own`).
-
-        Returns once the state is safe from the training loop: written, or copied to host memory
-        with the write under way (``async_write``); :class:`SnapshotWriteError` if it is not."""
+        """Snapshot ``step``: ``state`` (every rank's own part: tensors to DCP, other values to
+        ``values.pt``) and ``extra`` (rank 0's, in ``values.pt``). ``replicated``: the tensors of
+        ``state`` outside its per-rank part are the same on every rank, each rank writing a share.
+        ``own``: values of this rank alone, in a file of its own (:meth:`read_own`). Returns once
+        the state is written, or copied to host memory (``async_write``); else
+        :class:`SnapshotWriteError`."""
         self.wait()
         path = self.folder / folder_name(step)
         tensors, values = stored_parts(state, self._rank, self._size if replicated else 1)
@@ -239,15 +277,13 @@ class DiskStore:
     def _clear(self, path: Path, step: int) -> Failed | None:
         """Rank 0: make ``path`` an empty folder (the debris of a killed write of this step, perhaps
         of another world size, goes); the failure if it cannot."""
-        from ddpkit.snapshot import _dcp
-
         try:
             fs.remove_tree(path, root=self.folder)
             fs.make_dirs(path, root=self.folder)
         except OSError as err:
-            return self._failure(path, step, [(0, _dcp.os_failure(err, path, self.folder))])
+            return self._failure(path, step, [(0, os_failure(err, path, self.folder))])
         except ConfigError as err:  # a link or another user's folder where the snapshots go
-            return self._failure(path, step, [(0, _dcp.Failure(str(err)))])
+            return self._failure(path, step, [(0, Failure(str(err)))])
         return None
 
     def _write_in_background(self, *args: Any) -> None:
@@ -290,7 +326,7 @@ class DiskStore:
                 mine += [path / ".metadata", path / INDEX, path / VALUES]
             digests = digest(mine)
         except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
-            failed, failure = True, _dcp.rank_failure(err, writer.failures, rank, path)
+            failed, failure = True, rank_failure(err, writer.failures, rank, path)
             if not writer.failures and not isinstance(err, OSError):
                 traceback.print_exc()  # not the machine's fault: where it came from
         part = (digests, failure, failed)
@@ -304,12 +340,10 @@ class DiskStore:
 
     def _finish(self, path: Path, step: int, parts: list[tuple[dict, Any, bool]]) -> Failed | None:
         """Rank 0, once every rank is done with ``path``: the marker, or the failure."""
-        from ddpkit.snapshot import _dcp
-
         failures = [(r, f) for r, (_, f, _) in enumerate(parts) if f is not None]
         if any(failed for _, _, failed in parts):
             failures = failures or [
-                (0, _dcp.Failure("the write failed on another rank; see its traceback"))
+                (0, Failure("the write failed on another rank; see its traceback"))
             ]
         else:
             files = {name: d for digests, _, _ in parts for name, d in digests.items()}
@@ -317,7 +351,7 @@ class DiskStore:
             try:
                 fs.write_atomic(path / MARKER, json.dumps(marker, indent=1).encode())
             except OSError as err:
-                failures = [(0, _dcp.os_failure(err, path / MARKER, path))]
+                failures = [(0, os_failure(err, path / MARKER, path))]
             else:
                 self._prune(newest=step)
                 return None
@@ -327,8 +361,6 @@ class DiskStore:
     def _failure(self, path: Path, step: int, failures: list[tuple[int, Any]]) -> Failed:
         """What every rank raises: what failed where, what is left, and the first OS error's number
         and file, if a rank met one."""
-        from ddpkit.snapshot import _dcp
-
         previous = next((f for f in self.candidates() if f.step != step), None)
         if previous is not None:
             kept = (
@@ -344,7 +376,7 @@ class DiskStore:
                 "run another run_dir"
             )
         message = (
-            f"ddpkit: snapshot {path} was not written: {_dcp.describe(failures)}. Its partial "
+            f"ddpkit: snapshot {path} was not written: {describe(failures)}. Its partial "
             f"folder is removed; {kept}{advice}"
         )
         os_error = next((f for _, f in failures if f.errno is not None), None)
@@ -365,23 +397,16 @@ class DiskStore:
                 f"ddpkit: writing a snapshot in the background failed: {err!r}"
             ) from err
 
-    # -- finding and loading -----------------------------------------------------------------------
-
     def candidates(self) -> list[Found]:
         """Snapshot folders with a marker, newest first; not yet verified."""
         return folders.candidates(self.folder)
-
-    def verify(self, found: Found) -> str | None:
-        """None if ``found`` is whole, else what is wrong with it."""
-        return folders.verify(found, required=(VALUES,))
 
     def _prune(self, newest: int) -> None:
         folders.prune(self.folder, self.keep_last, newest)
 
     def latest(self, warn: Callable[[str], None] = print) -> Found | None:
-        """The newest whole snapshot, the same on every rank (rank 0 checks the files and tells the
-        others). A damaged one, and anything newer named like one that is none, is named through
-        ``warn`` and passed over."""
+        """The newest whole snapshot, the same on every rank (rank 0 checks the files); a damaged
+        one, and a newer stray, is named through ``warn`` and passed over."""
         self.wait()
         choice = None
         if self._rank == 0:
@@ -389,7 +414,7 @@ class DiskStore:
                 if problem == folders.PARTIAL:  # a killed write's debris: the next prune's
                     continue
                 if problem is None:
-                    problem = self.verify(found)
+                    problem = folders.verify(found, required=(VALUES,))
                 if problem is None:
                     choice = found
                     break
@@ -401,6 +426,9 @@ class DiskStore:
             choice = broadcast_object(choice, group=self.group)
         return choice
 
+    def newest(self, warn: Callable[[str], None]) -> Found | None:  # the front door's name
+        return self.latest(warn)
+
     def load(
         self,
         found: Found,
@@ -409,10 +437,9 @@ class DiskStore:
         check: Callable[[dict[str, Any]], None] | None = None,
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         """``(state, extra)`` of a snapshot. ``template()`` gives the current state, whose tensors
-        DCP fills in place with this world size's parts and whose other values are replaced by the
-        saved ones. ``check(extra)`` runs before any tensor is read and may refuse the snapshot. A
-        folder holding anything but what the codec writes is refused by name. Each rank reads with
-        no collective; one rank's failure is raised on every rank."""
+        DCP fills in place and whose other values are replaced by the saved ones. ``check(extra)``
+        runs before any tensor is read and may refuse it. Each rank reads with no collective; one
+        rank's failure is raised on every rank."""
         from ddpkit.snapshot import _dcp
 
         saved = folders.read_values(found.path, map_location)
@@ -451,28 +478,24 @@ class DiskStore:
 
         from ddpkit.snapshot import _dcp
 
-        if not self.distributed:
-            quiet_single_process_warning()
         # No collective where torch has no_dist (2.7 on): a read needs no other rank's plan. Either
         # way one all-reduce of the outcome makes a rank's failure every rank's, never a hang.
         local = self.distributed and "no_dist" in inspect.signature(dcp.load).parameters
+        if not self.distributed or local:  # no_dist loads "in a single process": it does
+            quiet_single_process_warning()
         failure: str | None = None
         error: BaseException | None = None
         try:
-            with warnings.catch_warnings():  # no_dist loads "in a single process": it does
-                warnings.filterwarnings(
-                    "ignore", message="torch.distributed is disabled, unavailable or"
-                )
-                dcp.load(
-                    tensors,
-                    storage_reader=_dcp.Reader(found.path, index),
-                    planner=_dcp.TensorsOnlyPlanner(),
-                    process_group=self.group,
-                    **({"no_dist": True} if local else {}),
-                )
+            dcp.load(
+                tensors,
+                storage_reader=_dcp.Reader(found.path, index),
+                planner=_dcp.TensorsOnlyPlanner(),
+                process_group=self.group,
+                **({"no_dist": True} if local else {}),
+            )
         except CheckpointException as err:  # a BaseException: every rank's traceback
             collective = self.distributed and not local
-            failure = _dcp.first_rank_failure(err, self._rank if collective else None)
+            failure = first_rank_failure(err, self._rank if collective else None)
             error = err
         except Exception as err:
             if not local:
@@ -496,17 +519,13 @@ SnapshotManager = DiskStore
 
 @functools.cache
 def quiet_single_process_warning() -> None:
-    """Filter DCP's warning, at every save and load in a world of one, that it assumes "the intent
-    is to save in a single process": it is. A filter of the process (the save runs in the writer's
-    thread), from ddpkit's first such save or load on."""
+    """Filter DCP's warning that it assumes "the intent is to save in a single process" (a world of
+    one, or ``no_dist``): it is. A filter of the process (the save runs in the writer's thread)."""
     warnings.filterwarnings(
         "ignore",
         message="torch.distributed is disabled, unavailable or uninitialized, assuming the intent "
         "is to",
     )
-
-
-# -- where each value of a state goes --------------------------------------------------------------
 
 
 def leaves(tree: dict[str, Any], prefix: KeyPath = ()) -> Iterator[tuple[KeyPath, Any]]:
@@ -551,8 +570,8 @@ def stored_parts(
     state: dict[str, Any], rank: int, replicated_over: int = 1
 ) -> tuple[dict[str, Any], dict[KeyPath, Any]]:
     """The tensors of ``state`` as DCP saves them (nested, at their :func:`stored_path`), and its
-    other values by stored path. ``replicated_over``: the ranks that hold the same shared tensors;
-    each then keeps only its :func:`writer_of_shared` share of them."""
+    other values by stored path; over ``replicated_over`` ranks, the :func:`writer_of_shared`
+    share of the shared tensors only."""
     # (stored path, value, whether it is of the per-rank part)
     items = [(stored_path(p, rank), v, p[0] == PER_RANK) for p, v in leaves(state)]
     tensors = [(p, v, own) for p, v, own in items if isinstance(v, torch.Tensor)]
@@ -578,9 +597,7 @@ def differences(values: dict[KeyPath, Any], common: dict[KeyPath, Any]) -> dict[
 
 def writer_of_shared(sizes: list[tuple[KeyPath, int]], ranks: int) -> dict[KeyPath, int]:
     """Which rank writes each tensor that every one of ``ranks`` ranks holds alike: the largest
-    first, each to the rank with the fewest bytes so far (ties to the lower rank). Every rank
-    computes the same answer with no communication, so DCP's first rank plans each tensor once
-    rather than ranks x tensors. Sound only where the tensors are the same on every rank."""
+    first, each to the rank with the fewest bytes so far (ties to the lower rank)."""
     loads = [(0, r) for r in range(ranks)]  # a heap of (bytes so far, rank)
     writer = {}
     for path, nbytes in sorted(sizes, key=lambda item: (-item[1], str(item[0]))):
@@ -590,13 +607,9 @@ def writer_of_shared(sizes: list[tuple[KeyPath, int]], ranks: int) -> dict[KeyPa
     return writer
 
 
-# -- the copy an asynchronous save writes ----------------------------------------------------------
-
-
 def stage(value: Any, cache: Any) -> Any:
     """``value`` copied into host memory, reusing the tensors of ``cache`` (the previous copy) where
-    they fit: a fresh allocation's page faults cost more than the copy. DTensors keep their
-    placement; their local shard is copied."""
+    they fit. DTensors keep their placement; their local shard is copied."""
     if isinstance(value, dict):
         cache = cache if isinstance(cache, dict) else {}
         return {k: stage(v, cache.get(k)) for k, v in value.items()}
@@ -632,11 +645,10 @@ _groups: dict[tuple[int, ...], Any] = {}  # ranks -> (the world it was made in, 
 
 
 def writer_group(group: Group) -> Any:
-    """A gloo group over the ranks of ``group`` for the background writer: two threads issuing
-    collectives on one group could pair a checkpoint message with another rank's all-reduce. Made
-    once per set of ranks and world, by those ranks alone (a group of :func:`~ddpkit.split_world`
-    must not need the rest of the job); a world made again (``ddpkit.shutdown()`` then ``init()``,
-    a recovery in place) gets new ones, as its other ranks do."""
+    """A gloo group over the ranks of ``group`` for the background writer (two threads issuing
+    collectives on one group could pair a checkpoint message with another rank's all-reduce). Made
+    once per set of ranks and world, by those ranks alone (a :func:`~ddpkit.split_world` group must
+    not wait for the rest of the job); a world made again gets new ones."""
     world = dist.group.WORLD
     ranks = tuple(dist.get_process_group_ranks(group if group is not None else world))
     made = _groups.get(ranks)

@@ -1,15 +1,7 @@
-"""The model's weights for use outside ddpkit: ``final.safetensors`` (or ``final_weights.pt``), and
-the best epoch's in ``best.pt`` and ``best.safetensors``.
-
-Each file is the plain model's state dict, under the names its modules give, whole, written on one
-rank by a rename over the name (:meth:`~ddpkit.strategies.Strategy.model_weights` unwraps DDP and
-gathers fsdp's shards). ``safetensors`` files load with ``safetensors.torch.load_file`` (a dtype the
-installed safetensors cannot write and read back is refused at the save, by name); ``pt`` files with
-``torch.load(path, weights_only=True)``. A tied weight (an embedding shared with the output layer)
-is written under both names, the second as a copy, so that the file loads strictly into a fresh
-model; the metadata's ``tied`` entry names each copy. ``best.pt`` holds the best weights with their
-``epoch``, ``step``, ``metric`` and ``value``: a resumed run reads the best value from it, so none
-of this lives in the snapshots, which keep only the newest ``SnapshotConfig.keep``.
+"""The model's weights for use outside ddpkit (docs/snapshots.md, "Weights for use outside
+ddpkit"): ``final.safetensors`` (or ``final_weights.pt``), and the best epoch's in ``best.pt`` and
+``best.safetensors``, each the plain model's state dict written whole on one rank. ``best.pt`` also
+holds the best ``epoch``, ``step``, ``metric`` and ``value``, which a resumed run reads back.
 """
 
 from __future__ import annotations
@@ -35,8 +27,7 @@ FORMATS = ("safetensors", "pt")
 
 def weights_path(run_dir: Path, which: str, fmt: str) -> Path:
     """Where a run writes its ``final`` or ``best`` weights: ``final.safetensors``,
-    ``best.safetensors``, or ``final_weights.pt``, ``best_weights.pt`` (``best.pt`` is the best
-    weights with their metric, in a dict)."""
+    ``best.safetensors``, or ``final_weights.pt``, ``best_weights.pt``."""
     return run_dir / (f"{which}.safetensors" if fmt == "safetensors" else f"{which}_weights.pt")
 
 
@@ -45,9 +36,8 @@ def safetensors_available() -> bool:
 
 
 def resolve_format(requested: str | None) -> tuple[str | None, str | None]:
-    """The format a run writes its weights in, and a notice when it is not the one asked for:
-    ``safetensors`` without the package falls back to ``pt`` (the weights are still written, with
-    torch alone)."""
+    """The format a run writes its weights in, and a notice when it is not the one asked for
+    (``safetensors`` without the package falls back to ``pt``)."""
     if requested == "safetensors" and not safetensors_available():
         return "pt", (
             "ddpkit: the safetensors package is not installed, so the weights files are written "
@@ -81,8 +71,8 @@ def plain_tensors(state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], di
 
 @functools.cache
 def _safetensors_dtypes() -> frozenset[torch.dtype]:
-    """The dtypes that the installed safetensors writes and reads back as they were: some it writes
-    and then cannot read (float8_e8m0fnu), some it refuses with a bare KeyError (complex128)."""
+    """The dtypes that the installed safetensors writes and reads back as they were (not
+    float8_e8m0fnu, complex128)."""
     from safetensors.torch import load, save
 
     found = set()
@@ -98,17 +88,17 @@ def _safetensors_dtypes() -> frozenset[torch.dtype]:
     return frozenset(found)
 
 
-def weights_bytes(
-    state: Mapping[str, Any], fmt: str, metadata: Mapping[str, Any] | None = None
-) -> bytes:
-    """The file's contents: ``state`` (a plain state dict) in format ``fmt``, with ``metadata``
-    (JSON values; in a safetensors file's header, in a ``pt`` file nowhere: it holds the state dict
-    alone)."""
+def save_weights(
+    path: Path, state: Mapping[str, Any], fmt: str, metadata: Mapping[str, Any] | None = None
+) -> None:
+    """Write ``state`` (a plain state dict) to ``path`` in format ``fmt``, whole or not at all, with
+    ``metadata`` (JSON values) in a safetensors file's header (not in a ``pt`` file). One rank."""
     tensors, tied = plain_tensors(state)
     if fmt == "pt":
         buffer = io.BytesIO()
         torch.save(tensors, buffer)
-        return buffer.getvalue()
+        fs.write_atomic(path, buffer.getvalue())
+        return
     if fmt != "safetensors":
         raise ConfigError(f"weights_format={fmt!r} is not valid: give one of {FORMATS} (or None)")
     from safetensors.torch import save
@@ -123,16 +113,7 @@ def weights_bytes(
     header = {"format": "pt"} | {k: json.dumps(v) for k, v in (metadata or {}).items()}
     if tied:
         header["tied"] = json.dumps(tied)
-    return save(tensors, metadata=header)
-
-
-def save_weights(
-    path: Path, state: Mapping[str, Any], fmt: str, metadata: Mapping[str, Any] | None = None
-) -> None:
-    """Write ``state`` to ``path`` whole or not at all (a new file renamed over the name; a link
-    there is replaced, never written through). Call it on one rank."""
-    data = weights_bytes(state, fmt, metadata)
-    fs.write_atomic(path, data)  # its folder made first where missing
+    fs.write_atomic(path, save(tensors, metadata=header))
 
 
 def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
@@ -165,19 +146,14 @@ def save_final_weights(
                 )
 
 
-# -- the best weights ------------------------------------------------------------------------------
-
-
 def is_better(value: float, best: float | None, mode: str) -> bool:
     """True if ``value`` improves on ``best`` (None: nothing yet) in direction ``mode`` (``min`` or
-    ``max``). An equal value does not: an epoch retrained after a crash gives the same value
-    again."""
+    ``max``); an equal value does not (an epoch retrained after a crash gives it again)."""
     return best is None or (value < best if mode == "min" else value > best)
 
 
 class BestWeights:
-    """Writes ``path`` when ``metric`` improves (``mode`` ``min`` or ``max``); only where
-    ``enabled`` (rank 0)."""
+    """Writes ``path`` when ``metric`` improves (``mode`` ``min`` or ``max``), where ``enabled``."""
 
     def __init__(
         self,
@@ -188,7 +164,7 @@ class BestWeights:
         export_path: Path | None = None,
         export_format: str | None = None,
     ) -> None:
-        """``export_path``: also write the weights alone there, in ``export_format``."""
+        # export_path: also write the weights alone there, in export_format
         self.path, self.metric, self.mode = Path(path), metric, mode
         self.export_path, self.export_format = export_path, export_format
         # Every rank tracks the best value (the epoch's metrics are agreed, so every rank decides
@@ -198,13 +174,10 @@ class BestWeights:
         self.value: float | None = None
         self.epoch: int | None = None
         self.step: int | None = None
-        self.at_step = False
-        """The best is a step's rather than an epoch's (validation every N steps): the summary says
-        so."""
+        self.at_step = False  # the best is a step's (validation every N steps): the summary says so
 
     def load(self) -> None:
-        """Take the best so far from the file: for a resumed run only (a fresh one replaces a stale
-        file)."""
+        """Take the best so far from the file (for a resumed run only)."""
         if self.enabled and self.path.exists():
             saved = torch.load(self.path, weights_only=True)
             if saved.get("metric") == self.metric:
@@ -222,8 +195,7 @@ class BestWeights:
         step: int,
     ) -> bool:
         """Save ``weights()`` if ``metrics[metric]`` beats the best so far; True if it did. Every
-        rank calls it: ``weights()`` may be a collective (the whole model gathered from its
-        shards)."""
+        rank calls it: ``weights()`` may be a collective (fsdp)."""
         metric = self.metric
         if metric is None:  # not tracking
             return False

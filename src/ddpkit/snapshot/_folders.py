@@ -1,11 +1,7 @@
 """A snapshot folder's files: its name, the marker that makes it whole, the marker's check, the
-prune, and the value files (``values.pt``, ``rank{r}.pt``).
-
-A folder is trusted by what it holds, never by its name: ``step-N`` is the snapshot of step N only
-if it is a folder of its own (not a link), named as :func:`folder_name` names it, and its marker
-records step N. The marker is read as data that may lie: every name it lists must be a plain file
-name of the folder, and every file a regular one, opened without following a link and read no
-further than the size the marker gives (``../../dev/zero`` would otherwise be read for ever).
+prune, and the value files (``values.pt``, ``rank{r}.pt``). A folder is trusted by what it holds,
+never by its name; the marker is read as data that may lie: a plain file name of the folder for
+each entry, each file regular, never read past the size the marker gives (docs/snapshots.md).
 """
 
 from __future__ import annotations
@@ -52,7 +48,7 @@ def folder_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def _open_regular(path: Path, dir_fd: int | None = None) -> int:
+def open_regular(path: Path, dir_fd: int | None = None) -> int:
     """A descriptor of the regular file ``path`` (the name ``path.name`` in the folder ``dir_fd``,
     when given): not through a link (ELOOP), never waiting on a FIFO."""
     fd = os.open(
@@ -67,9 +63,9 @@ def _open_regular(path: Path, dir_fd: int | None = None) -> int:
 
 
 def read_bounded(path: Path, limit: int, dir_fd: int | None = None) -> bytes:
-    """The bytes of the regular file ``path`` (in ``dir_fd``: :func:`_open_regular`), if it holds at
+    """The bytes of the regular file ``path`` (in ``dir_fd``: :func:`open_regular`), if it holds at
     most ``limit``; ``OSError`` otherwise."""
-    fd = _open_regular(path, dir_fd)
+    fd = open_regular(path, dir_fd)
     try:
         size = os.fstat(fd).st_size
         if size > limit:
@@ -82,7 +78,7 @@ def read_bounded(path: Path, limit: int, dir_fd: int | None = None) -> bytes:
 def sha256(path: Path, size: int | None = None) -> str:
     """The SHA-256 of the regular file ``path``: of its first ``size`` bytes, when given."""
     h = hashlib.sha256()
-    fd = _open_regular(path)
+    fd = open_regular(path)
     with os.fdopen(fd, "rb") as f:
         left = size if size is not None else os.fstat(fd).st_size
         while left > 0 and (chunk := f.read(min(left, 1 << 22))):
@@ -92,8 +88,7 @@ def sha256(path: Path, size: int | None = None) -> str:
 
 
 def plain_name(name: object) -> bool:
-    """True for the name of a file directly inside a folder: no separator, not ``.`` or ``..``, no
-    NUL."""
+    """True for the name of a file directly inside a folder: no ``/`` or NUL, not ``.``, ``..``."""
     return (
         isinstance(name, str)
         and name not in ("", ".", "..")
@@ -110,8 +105,7 @@ def digest(paths: list[Path]) -> dict[str, dict[str, Any]]:
 def scan(folder: Path) -> list[tuple[Found, str | None]]:
     """Every entry of ``folder`` named ``step-N``, newest first (by N), with what keeps it from
     being the snapshot of step N: None for a snapshot (not yet verified), :data:`PARTIAL` for a
-    folder without a marker, else why it is none (a stray: never loaded, never counted as one).
-    Each entry is looked at through a descriptor opened without following links."""
+    folder without a marker, else why it is a stray (never loaded, never counted as a snapshot)."""
     try:
         top = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except (FileNotFoundError, NotADirectoryError):
@@ -130,8 +124,7 @@ def scan(folder: Path) -> list[tuple[Found, str | None]]:
 
 
 def _not_a_snapshot(top: int, path: Path, step: int) -> str | None:
-    """Why ``path``, an entry of the folder ``top``, is not the snapshot of ``step``
-    (:func:`scan`)."""
+    """Why ``path``, an entry of the folder ``top``, is not the snapshot of ``step``."""
     name = path.name
     try:
         mode = os.stat(name, dir_fd=top, follow_symlinks=False).st_mode
@@ -168,7 +161,7 @@ def candidates(folder: Path) -> list[Found]:
 
 
 def _read_marker(path: Path, dir_fd: int | None = None) -> Any:
-    """The marker at ``path`` (in ``dir_fd``: :func:`_open_regular`), parsed; ``ValueError``
+    """The marker at ``path`` (in ``dir_fd``: :func:`open_regular`), parsed; ``ValueError``
     (naming it) if it cannot be read."""
     try:
         return json.loads(read_bounded(path, _MARKER_LIMIT, dir_fd))
@@ -254,18 +247,15 @@ def verify(found: Found, required: tuple[str, ...] = ()) -> str | None:
 
 
 def prune(folder_path: Path, keep_last: int, newest: int) -> None:
-    """Remove snapshots older than the newest ``keep_last``, and the debris of killed writes (a
-    folder without a marker, of any step). An entry named like a snapshot that is none (a stray,
-    :func:`scan`) never counts among those kept: older than ``newest``, it goes as an old snapshot
-    would (a link loses only itself); newer, it is left, and named at every resume."""
+    """Remove snapshots older than the newest ``keep_last``, and the debris of killed writes (any
+    step). A stray (:func:`scan`) never counts among those kept: older than ``newest``, it goes (a
+    link loses only itself); newer, it is left, and named at every resume."""
     entries = scan(folder_path)
     whole = [found for found, problem in entries if problem is None]
     keep = {f.path.name for f in whole[:keep_last]}
     partial = {found.path.name for found, problem in entries if problem == PARTIAL}
-    # Every deletion goes through a descriptor of the folder opened without following links, and
-    # each entry is lstat-ed: a link named like a snapshot (to another run's, say) loses only
-    # itself, never what it points to; a snapshots/ that is itself a link is refused (ELOOP), not
-    # pruned.
+    # By a descriptor opened without following links, each entry lstat-ed: a link named like a
+    # snapshot loses only itself; a snapshots/ that is itself a link is refused (ELOOP).
     folder = os.open(folder_path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
         for name in os.listdir(folder):
@@ -285,9 +275,7 @@ def prune(folder_path: Path, keep_last: int, newest: int) -> None:
                     pass
                 finally:
                     os.close(step)
-                # rmtree walks by descriptors and unlinks links inside without following them;
-                # through dir_fd from Python 3.11, by path before (the entry was lstat-ed as a
-                # folder just above).
+                # rmtree never follows links inside; dir_fd from Python 3.11, by path before
                 if sys.version_info >= (3, 11):
                     shutil.rmtree(name, dir_fd=folder, ignore_errors=True)
                 else:
@@ -299,9 +287,7 @@ def prune(folder_path: Path, keep_last: int, newest: int) -> None:
 VALUES = "values.pt"
 """The file of a state's values other than DCP's tensors (every rank's, and rank 0's ``extra``)."""
 OWN = "rank{}.pt"
-"""The file of one rank's own values (``SnapshotManager.save``'s ``own``: its random streams, the
-callbacks' state), by rank. It and :data:`VALUES` are written and read by
-:mod:`ddpkit.snapshot._codec`."""
+"""The file of one rank's own values (``SnapshotManager.save``'s ``own``), by rank."""
 INDEX = "metadata.json"
 """DCP's index of a snapshot, as JSON (:mod:`ddpkit.snapshot._dcp` writes and reads it)."""
 
@@ -345,8 +331,7 @@ def read_values(folder: Path, map_location: Any) -> dict[str, Any]:
 
 def read_own(found: Found, ranks: list[int], map_location: Any) -> list[Any]:
     """The :data:`OWN` files of ``ranks`` in ``found``, each decoded by the codec; refused by name
-    where the marker does not list one (the marker's files are checked against their digests before
-    a resume)."""
+    where the marker (whose files were checked) does not list one."""
     try:
         files = listed(found)
     except ValueError as err:

@@ -1,16 +1,7 @@
-"""The memory store: after optimizer steps, each rank's state goes into its slots in the job's
-folder in shared memory (:mod:`ddpkit.snapshot._slots`), which outlives the worker; a restarted job
-resumes from the newest step every rank holds there, when it is newer than the disk's newest
-snapshot.
-
-A save copies what a disk snapshot holds, with no collective: the strategy's tensors (copied from
-the live parameters and optimizer state, whose list is rebuilt only when one of them is replaced),
-the optimizer's hyper-parameters, the other parts' states and the rank's own streams. Every step by
-default; after :data:`TUNE_AFTER` saves, every N steps where the copy held the loop longer than
-:data:`STALL_BUDGET` of a step (the same N on every rank). With peers (``ddp`` across nodes) every
-save also gathers every rank's own part into every rank's slot, so that the rank of a replacement
-node gets its state from a surviving rank; under ``zero`` and ``fsdp`` a lost node resumes from
-disk.
+"""The memory store: after optimizer steps, each rank's state goes into its slots in shared memory
+(:mod:`ddpkit.snapshot._slots`), with no collective but with peers (``ddp`` across nodes: every
+rank's own part gathered into every rank's slot); a restarted job resumes from the newest step
+every rank holds there (docs/snapshots.md, "Snapshots in memory").
 """
 
 from __future__ import annotations
@@ -37,7 +28,7 @@ from ddpkit.distributed._environment import read_launch_env
 from ddpkit.distributed._runtime import DEFAULT_TIMEOUT
 from ddpkit.snapshot import _codec as codec
 from ddpkit.snapshot import _slots as slots_lib
-from ddpkit.snapshot._disk import STREAMS, KeyPath, leaves
+from ddpkit.snapshot._disk import STREAMS, KeyPath, leaves, set_at
 from ddpkit.snapshot._snapshots import Damaged, Resumed, Snapshots
 from ddpkit.strategies._base import PER_RANK
 from ddpkit.strategies._prepare import unwrap
@@ -65,8 +56,8 @@ def _warn(message: str) -> None:
 
 def open_memory(snapshots: Snapshots, every_steps: int | None) -> MemoryStore | None:
     """The memory store of ``snapshots`` when the agent of ``ddpkit run`` made the job a memory
-    folder on every node, else None, with one line saying why. Collective (one all-reduce): every
-    rank decides alike. ``every_steps``: a copy every N steps; None: chosen (see the module)."""
+    folder on every node, else None, with one line saying why; collective (one all-reduce).
+    ``every_steps``: a copy every N steps; None: chosen (:meth:`MemoryStore._choose_interval`)."""
     rt = snapshots.runtime
     folder, job = os.environ.get(slots_lib.DIR_ENV), slots_lib.job_key()
     why = (
@@ -102,8 +93,7 @@ def open_memory(snapshots: Snapshots, every_steps: int | None) -> MemoryStore | 
 
 
 def _gloo_group(group: Group) -> Any:
-    """A gloo group over the ranks of ``group`` (the peers' gather, the agreement, a donor's send),
-    bounded by the job's collective timeout rather than gloo's 30 minutes."""
+    """A gloo group over the ranks of ``group``, bounded by the job's collective timeout."""
     seconds = read_launch_env().collective_timeout
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
     timeout = timedelta(seconds=seconds) if seconds else DEFAULT_TIMEOUT
@@ -125,9 +115,9 @@ class Choice:
 
 
 def choose(offers: list[dict[str, list]], disk_step: int = -1) -> Choice | None:
-    """The newest position every rank can resume from, newer than ``disk_step``, or None.
-    ``offers[r]``: rank r's ``own`` positions and ``peers`` positions (states that carry every
-    rank's own part). Pure: every rank computes the same answer from the same offers."""
+    """The newest position every rank can resume from, newer than ``disk_step``, or None (the same
+    on every rank). ``offers[r]``: rank r's ``own`` positions and ``peers`` positions (states that
+    carry every rank's own part)."""
     own = [{tuple(p) for p in o["own"]} for o in offers]
     peers = [{tuple(p) for p in o["peers"]} for o in offers]
     for position in sorted(set().union(*own, *peers), reverse=True):
@@ -143,8 +133,8 @@ def choose(offers: list[dict[str, list]], disk_step: int = -1) -> Choice | None:
 
 
 class MemoryStore:
-    """The snapshots in memory of one run (:func:`open_memory`); see the module docstring.
-    ``peers``: also keep every rank's own part in every rank's slot."""
+    """The snapshots in memory of one run (:func:`open_memory`). ``peers``: also keep every rank's
+    own part in every rank's slot."""
 
     def __init__(
         self,
@@ -156,7 +146,7 @@ class MemoryStore:
         group: Group,
     ) -> None:
         self.schedule, self.slots, self.peers, self.group = schedule, slots, peers, group
-        self.every_steps = every_steps or 1  # the schedule holds it
+        schedule.memory_every_steps = every_steps or 1
         self._tuned = every_steps is not None
         self._starts: list[float] = []  # perf_counter at each save, until the interval is chosen
         self._calls = 0
@@ -173,21 +163,11 @@ class MemoryStore:
         self.stalls: list[float] = []
         """Seconds each save held the training loop."""
 
-    @property
-    def every_steps(self) -> int:
-        return self.schedule.memory_every_steps
-
-    @every_steps.setter
-    def every_steps(self, value: int) -> None:
-        self.schedule.memory_every_steps = value
-
-    # -- saving ------------------------------------------------------------------------------------
-
     def save_step(self, snapshots: Snapshots) -> None:
         """Copy this step's state into the older slot; every rank calls it after the same steps
         (collective with peers, and when the interval is chosen). Memory full: one warning, and the
-        copies stop on this rank, with peers on every rank. A value the codec cannot hold raises
-        before the slot is touched: a run that cannot be resumed stops at its first step."""
+        copies stop on this rank (with peers, on every rank). A value the codec cannot hold raises
+        before the slot is touched."""
         self._calls += 1
         if self._leave_next:
             self._leave_next = False
@@ -216,8 +196,7 @@ class MemoryStore:
 
     def _choose_interval(self, snapshots: Snapshots) -> None:
         """Every ``N`` steps, the smallest ``N`` whose stall stays within :data:`STALL_BUDGET` of a
-        step, from the saves so far (the first two, which map the slots, left out); every rank takes
-        the largest (one all-reduce)."""
+        step (the first two saves, which map the slots, left out); the largest over the ranks."""
         self._tuned = True
         stalls = sorted(self.stalls[2:])
         # a step: the time between two saves one step apart, less the save itself
@@ -231,8 +210,8 @@ class MemoryStore:
             box = torch.tensor([wanted])
             dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self.group)
             wanted = float(box)
-        self.every_steps = int(wanted)
-        record = {"event": "memory_snapshots", "every_steps": self.every_steps}
+        self.schedule.memory_every_steps = int(wanted)
+        record = {"event": "memory_snapshots", "every_steps": int(wanted)}
         record |= {"stall_ms": round(1e3 * stall, 3), "step_ms": round(1e3 * step, 3)}
         snapshots.log("event", snapshots.train.step, record)
 
@@ -258,7 +237,20 @@ class MemoryStore:
             tensors.append(self._gather_peers(blob))
         key = (plan.ident, tuple((t.dtype, t.shape) for t in tensors[len(plan.tensors) :]))
         if key != self._layout or self._manifest is None:
-            self._layout, self._manifest = key, self._make_manifest(plan, tensors, snapshots)
+            specs, size = codec.layout(tensors)
+            if self._check is None:  # what a resume checks before it loads, as a disk's record
+                self._check = codec.encode(snapshots.record.state_dict(), [])
+            self._layout, self._manifest = (
+                key,
+                {
+                    "paths": [list(p) for p in plan.paths],
+                    "own": plan.own,
+                    "n_plan": len(plan.tensors),
+                    "specs": [[s.dtype, list(s.shape), s.offset] for s in specs],
+                    "data_size": size,
+                    "check": self._check,
+                },
+            )
         values = {"step": position[1], "position": list(position), "peers": self.peers}
         self.slots.save(values | {"values": skeleton}, tensors, self._manifest, key)
 
@@ -282,38 +274,17 @@ class MemoryStore:
         aliases = all(t.untyped_storage().data_ptr() in storages for t in tensors)
         hyper_only = all(_hyperparams_only(p) for p, _ in values)
         ident = plan.ident + 1 if plan else 0
+        kept = [] if hyper_only else values
+        signature = watch.signature()
         self._plan = _Plan(
-            paths,
-            tensors,
-            own,
-            [] if hyper_only else values,
-            aliases and hyper_only,
-            watch,
-            watch.signature(),
-            ident,
+            paths, tensors, own, kept, aliases and hyper_only, watch, signature, ident
         )
         return self._plan
 
-    def _make_manifest(
-        self, plan: _Plan, tensors: list[torch.Tensor], snapshots: Snapshots
-    ) -> dict[str, Any]:
-        specs, size = codec.layout(tensors)
-        if self._check is None:  # what a resume checks before it loads, as a disk snapshot's record
-            self._check = codec.encode(snapshots.record.state_dict(), [])
-        return {
-            "paths": [list(p) for p in plan.paths],
-            "own": plan.own,
-            "n_plan": len(plan.tensors),
-            "specs": [[s.dtype, list(s.shape), s.offset] for s in specs],
-            "data_size": size,
-            "check": self._check,
-        }
-
     def _gather_peers(self, mine: bytes | None) -> torch.Tensor:
         """Every rank's own part, gathered into a [world, 8 + capacity] uint8 tensor (each row: its
-        length, its blob). A blob longer than the agreed capacity shows in the lengths, and the
-        gather is repeated once with more. ``mine=None`` (length -1): this rank stops saving, and
-        every other raises :class:`PeerStopped`."""
+        length, its blob), gathered again with more capacity where a blob is longer. ``mine=None``
+        (length -1): this rank stops saving, and every other raises :class:`PeerStopped`."""
         self._gathered = True
         while True:
             row = torch.zeros(8 + self._peer_capacity, dtype=torch.uint8)
@@ -342,19 +313,15 @@ class MemoryStore:
         """Nothing is ever in flight: a copy is whole when :meth:`save_step` returns."""
 
     def close(self, remove: bool) -> None:
-        """Unmap the slots; ``remove``: delete them too (the run finished: its last state is on
-        disk)."""
+        """Unmap the slots; ``remove``: delete them too (the run finished)."""
         if remove:
             self.slots.remove()
         else:
             self.slots.close()
 
-    # -- resuming ----------------------------------------------------------------------------------
-
     def newest(self, warn: Callable[[str], None] | None = None) -> Choice | None:
         """Where every rank can resume from memory, the newest position not passed over
-        (collective). Whole slots that do not check are left out, and named through ``warn``
-        once."""
+        (collective); whole slots that do not check are left out, named through ``warn`` once."""
         skipped = self._skipped
         found = [f for f in self.slots.found() if f.position not in skipped]
         offer = {
@@ -387,10 +354,7 @@ class MemoryStore:
                 with torch.no_grad():
                     local(value).copy_(saved[path])
         for path, value in dynamic["strategy_values"]:
-            node = state
-            for key in path[:-1]:
-                node = node[key]
-            node[path[-1]] = value
+            set_at(state, path, value)
         ranks: list[Any] = [None] * self.world_size
         ranks[self.rank] = own  # the streams read only this rank's entry at the same world size
         streams = {STREAMS: {"world_size": self.world_size, "ranks": ranks}}
@@ -444,8 +408,7 @@ class MemoryStore:
 
     def _read(self, choice: Choice, snapshots: Snapshots) -> tuple[Any, Any, Any]:
         """The state at ``choice``, from this rank's slot or the donor's (collective when there is a
-        donor), checked before anything is put into the run:
-        :class:`~ddpkit.snapshot._slots.BadSlot` naming the slot and what is wrong."""
+        donor), checked before anything is put into the run; ``BadSlot`` naming the slot if not."""
         found = {(f.rank, f.position): f for f in self.slots.found()}
         mine = found.get((self.rank, choice.position))
         data = None
@@ -504,8 +467,7 @@ class MemoryStore:
         from_peer: bool,
     ) -> tuple[dict[KeyPath, torch.Tensor], dict[str, Any], Any]:
         """The slot's tensors by path, its values and this rank's own part, checked against the run
-        (:meth:`Snapshots.check`) and against the strategy's state (every tensor there, of its shape
-        and dtype) before anything is put into it."""
+        (:meth:`Snapshots.check`) and the strategy's state (every tensor, its shape and dtype)."""
         if values.get("run") != self.slots.run or values.get("world_size") != self.world_size:
             raise RuntimeError("ddpkit: a memory snapshot of another run was offered; refusing it")
         tensors = slots_lib.tensors_of(data, record, manifest)
@@ -586,27 +548,21 @@ def _check_values(dynamic: dict[str, Any], groups: int) -> None:
 
 def _hyperparams_only(path: KeyPath) -> bool:
     """The non-tensor values of a strategy's state that the saved parameter groups restore (the
-    flattened optimizer's ``param_groups.<name>.<key>``); any other makes every save read the whole
-    state afresh."""
+    flattened optimizer's ``param_groups.<name>.<key>``)."""
     return len(path) == 2 and path[0] == "optim" and str(path[1]).startswith("param_groups.")
-
-
-def _optimizers(optimizer: Any) -> list[Any]:
-    # ZeroRedundancyOptimizer keeps its rank's parameters' state in its local optimizer, ``.optim``
-    found = [optimizer, getattr(optimizer, "optim", None)]
-    return list({id(o): o for o in found if o is not None}.values())
 
 
 class _Watch:
     """A cheap test that the live objects a plan copies from are still those: the parameters'
-    storage (a script may set ``p.data``), each buffer object, and the optimizer's state tensors
-    (created at the first step, replaced by ``load_state_dict``)."""
+    storage (a script may set ``p.data``), each buffer, and the optimizer's state tensors."""
 
     def __init__(self, strategy: Any) -> None:
         module = unwrap(strategy.model)
         self.params = list(module.parameters())
         self.buffers = buffer_slots(module)
-        self.optimizers = _optimizers(strategy.optimizer)
+        # ZeroRedundancyOptimizer keeps its rank's parameters' state in its local optimizer, .optim
+        found = [strategy.optimizer, getattr(strategy.optimizer, "optim", None)]
+        self.optimizers = list({id(o): o for o in found if o is not None}.values())
 
     def _states(self) -> list[Any]:
         return [

@@ -1,12 +1,7 @@
-"""A run directory belongs to one job at a time: the group's rank 0 holds an advisory lock
-(:func:`fcntl.flock`) on ``run_dir/.lock`` for the life of ``fit()``, which the kernel drops however
-the process ends. A run directory of another user, or with a symbolic link where the run writes, is
-refused (:mod:`ddpkit._fs`); ``resume=False`` moves the previous run's files aside.
-
-The phases of one script (``TrainerConfig.phase``: ``run_dir/<phase>/``) share ``run_dir/.lock``:
-the first phase's ``fit()`` takes it and the process holds it until it ends, so that the later
-phases keep it and no other job takes the folder between them. Two live Trainers of a process
-may not share a phase, nor mix a phase and none, in one run directory (:func:`refuse_shared`).
+"""A run directory belongs to one job at a time: the group's rank 0 holds ``run_dir/.lock``
+(:mod:`ddpkit._fs.lock`) for the life of ``fit()``; the phases of one script
+(``run_dir/<phase>/``) share it, held by the process until it ends, so that no other job takes the
+folder between them. ``resume=False`` moves the previous run's files aside.
 """
 
 from __future__ import annotations
@@ -26,8 +21,7 @@ from ddpkit.distributed._collectives import broadcast_object
 
 
 class RunDirLock(FolderLock):
-    """An exclusive advisory lock on ``run_dir/.lock``, naming its holder (host, pid) inside the
-    file."""
+    """An exclusive advisory lock on ``run_dir/.lock``, naming its holder (host, pid) inside."""
 
     def __init__(self, run_dir: str | os.PathLike) -> None:
         super().__init__(
@@ -45,8 +39,8 @@ PREVIOUS_RUN = (
     "final_weights.pt", "metrics.jsonl", "metrics.rewound.jsonl", "epochs.csv", "tensorboard",
     "loggers.json", "config.json", "curves.png",
 )  # fmt: skip
-"""What ``resume=False`` moves aside: the previous run's state and records, which the new run's
-would otherwise join at the same steps. ``mlflow.db`` and ``wandb/`` hold many runs: they stay."""
+"""What ``resume=False`` moves aside: the previous run's state and records (``mlflow.db`` and
+``wandb/`` hold many runs: they stay)."""
 RUN_FILES = (*PREVIOUS_RUN, "mlflow.db", "wandb")
 """What a run writes in its run directory (besides ``.lock``): none of it may be a symbolic link."""
 
@@ -91,10 +85,9 @@ def claim(
     root: str | os.PathLike | None = None,
 ) -> RunDirLock | None:
     """Lock ``run_dir`` on the group's main rank; with ``fresh`` (``resume=False``) move the
-    previous run aside. Refused on every rank (the main rank's verdict is broadcast) when the run
-    directory or its ``snapshots/`` belongs to another user, or when anything the run writes there
-    is a symbolic link. ``root``: ``run_dir`` is a phase's folder in it, and the lock is ``root``'s,
-    held by this process until it ends (None is returned)."""
+    previous run aside. Refused on every rank when the run directory or what the run writes there
+    is another user's or a symbolic link. ``root``: ``run_dir`` is a phase's folder in it, and the
+    lock is ``root``'s, held by this process until it ends (None is returned)."""
     lock: RunDirLock | None = None
     error: tuple[str, int | None] | None = None
     if is_main:
@@ -115,15 +108,12 @@ def claim(
                 lock = taken
             else:
                 _HELD[top.resolve()] = taken
-        except ConfigError as err:
+        except (ConfigError, OSError) as err:
             if held is None:
                 taken.release()
             error = (str(err), None)
-        except OSError as err:
-            # stays an OSError on every rank: a search tells the machine's errors by their errno
-            if held is None:
-                taken.release()
-            error = (f"cannot take run_dir {str(path)!r}: {err.strerror or err}", err.errno)
+            if isinstance(err, OSError):  # an OSError on every rank: a search tells it by errno
+                error = (f"cannot take run_dir {str(path)!r}: {err.strerror or err}", err.errno)
     error = broadcast_object(error, group=group)
     if error is not None:
         message, code = error
@@ -134,8 +124,7 @@ def claim(
 
 
 def _set_aside_previous_run(run_dir: Path) -> None:
-    # left, an old run's later snapshots would be resumed first; the folder they go to is laid out
-    # as a run directory: `ddpkit plot` draws it
+    # left, an old run's later snapshots would be resumed first
     snapshots = run_dir / "snapshots"
     present = [
         name

@@ -1,7 +1,5 @@
 """What a run was built with, recorded in every snapshot, and the one check that a snapshot resumes
-only that run (:meth:`RunRecord.check`): a rerun with another learning rate, a resized layer or
-another activation on a run directory that holds snapshots is refused, naming every difference,
-rather than "resumed" with exit code 0.
+only that run (:meth:`RunRecord.check`), naming every difference.
 """
 
 from __future__ import annotations
@@ -9,7 +7,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +31,7 @@ RESUMABLE_CHANGES = frozenset({
     "strategy.reshard_after_forward",
 })  # fmt: skip
 """Config fields a resume may change: when and how the run stops, records and saves, and how fast
-the strategy communicates, not what the next step computes. (``batch_size`` and
-``global_batch_size`` are checked as the global batch they make, which may stay the same at another
-world size.) ``num_workers`` is here because a sample's random draws are a function of
-``(seed, epoch, index)``, not of the worker that loads it."""
+the strategy communicates, not what the next step computes (docs/snapshots.md)."""
 
 # precision: see precision_change
 _NOT_COMPARED = frozenset({"batch_size", "global_batch_size", "precision"})
@@ -60,14 +55,8 @@ def named_settings(optimizers: Mapping[str, torch.optim.Optimizer]) -> list[dict
 
 
 def optimizer_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, str]]:
-    """The hyper-parameters of each param group as the script built them, and the group sizes, each
-    as its :func:`~ddpkit.snapshot._codec.fingerprint`: equal exactly when the values are (a tensor
-    lr to its last bit, a set whatever the hash seed, NaN to itself).
-
-    Taken when the Trainer is built, before any step: a scheduler has moved ``lr`` by the time a
-    snapshot is written, so the value a resumed run asks for is compared with the value the first
-    run asked for.
-    """
+    """The hyper-parameters of each param group as the script built them (before any scheduler
+    step), and the group sizes, each as its :func:`~ddpkit.snapshot._codec.fingerprint`."""
     return [
         {k: codec.fingerprint(v) for k, v in group.items() if k not in _OPTIMIZER_IMPLEMENTATION}
         | {"params": codec.fingerprint(len(group["params"]))}
@@ -76,9 +65,8 @@ def optimizer_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, str]]
 
 
 def optimizer_hparams(optimizer: torch.optim.Optimizer) -> list[dict[str, Any] | None]:
-    """The same as JSON values (``str()`` of what JSON does not hold), as snapshots recorded them
-    before :func:`optimizer_settings`: compared only with those. None for a group that JSON refuses
-    (a dict with tuple keys)."""
+    """The same as JSON values (``str()`` of others), as snapshots before :func:`optimizer_settings`
+    recorded them, and compared only with those; None for a group that JSON refuses."""
     out: list[dict[str, Any] | None] = []
     for group in optimizer.param_groups:
         values = {k: v for k, v in group.items() if k not in _OPTIMIZER_IMPLEMENTATION}
@@ -92,8 +80,7 @@ def optimizer_hparams(optimizer: torch.optim.Optimizer) -> list[dict[str, Any] |
 
 
 def tensor_shapes(state: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
-    """(shape, dtype) of each tensor of a state dict; a sharded tensor (DTensor) gives its global
-    shape."""
+    """(shape, dtype) of each tensor of a state dict (a DTensor's global shape)."""
     return {
         k: (tuple(v.shape), str(v.dtype).removeprefix("torch."))
         for k, v in state.items()
@@ -102,15 +89,9 @@ def tensor_shapes(state: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], 
 
 
 def module_types(model: torch.nn.Module) -> dict[str, str]:
-    """The class name of every submodule by name (``""``: the model itself).
-
-    What a resume checks its model's structure against: the same shapes with another activation, or
-    another normalisation, would load and train on silently. Hyper-parameters a module holds (a
-    dropout rate, a negative slope) are not part of it, nor the module a class is defined in: a
-    script's classes are in ``__main__`` when it is run and in its own module when imported. fsdp's
-    ``fully_shard`` swaps each sharded module's class for a subclass (``FSDPLinear``); the class the
-    script built is recorded.
-    """
+    """The class name of every submodule by name (``""``: the model itself), not its module (a
+    script's classes are in ``__main__`` when it is run); under fsdp, the class before
+    ``fully_shard`` swapped it for a subclass (``FSDPLinear``)."""
     # imported only where fsdp is used: costs ~0.9 s
     fsdp = sys.modules.get("torch.distributed.fsdp")
     sharded = getattr(fsdp, "FSDPModule", None)
@@ -161,8 +142,7 @@ class RunRecord:
         named: Mapping[str, torch.optim.Optimizer] | None = None,
     ) -> RunRecord:
         """The record of a run: ``optimizer`` as the script built it (before any scheduler step),
-        ``model`` unwrapped; ``named``: the optimizers by name of a step of several, whose settings
-        are compared by name."""
+        ``model`` unwrapped; ``named``: several optimizers by name, compared by name."""
         return cls(
             config.to_json(),
             optimizer_hparams(optimizer),
@@ -178,26 +158,14 @@ class RunRecord:
         return cls({}, [], shapes, module_types(model), None, sorted(parts), sorted(own))
 
     def state_dict(self) -> dict[str, Any]:
-        state = {
-            "config": self.config,
-            "optimizer_hparams": self.optimizer_hparams,
-            "model_shapes": self.model_shapes,
-            "module_types": self.module_types,
-            "optimizer_settings": self.optimizer_settings,
-        }
-        return state if self.parts is None else state | {"parts": self.parts, "own": self.own}
+        state = {f.name: getattr(self, f.name) for f in fields(self)}
+        if self.parts is None:  # a Trainer's record: no parts of a hand loop
+            del state["parts"], state["own"]
+        return state
 
     def precision_change(self, saved: Mapping[str, Any]) -> tuple[str, str] | None:
-        """``(snapshot's precision, this run's)`` when they differ, else None.
-
-        A resume may change the precision: the snapshot holds fp32 weights and optimizer state under
-        every precision (autocast computes in bf16/fp16 but keeps the parameters in fp32), so the
-        next step is well defined, only not the one the snapshot's run would have taken: such a
-        resume is not bitwise. fp16's GradScaler is the one part that comes or goes: from fp16 it is
-        dropped (the gradients it unscaled are plain gradients); to fp16 a fresh one starts at its
-        initial scale. What stays refused is what the record checks apart from the config: a model
-        whose parameters themselves changed dtype (``model.half()``).
-        """
+        """``(snapshot's precision, this run's)`` when they differ, else None: a resume may change
+        it, not bitwise (docs/snapshots.md, "What a resume may change")."""
         old = (saved.get("config") or {}).get("precision")
         new = self.config.get("precision")
         if old is None or old == new:
@@ -221,9 +189,11 @@ class RunRecord:
             problems += _group_differences(settings, self.optimizer_settings, str)
         elif saved.get("optimizer_hparams") is not None:  # a snapshot from before the settings
             problems += _group_differences(saved["optimizer_hparams"], self.optimizer_hparams, repr)
-        problems += _model_differences(saved.get("model_shapes") or {}, self.model_shapes)
+        problems += _model_differences(
+            saved.get("model_shapes") or {}, self.model_shapes, "", _shape
+        )
         if saved.get("module_types") is not None:
-            problems += _module_differences(saved["module_types"], self.module_types)
+            problems += _model_differences(saved["module_types"], self.module_types, "submodules ")
         for what in ("parts", "own"):
             was, now = saved.get(what), getattr(self, what)
             if (was is not None or now is not None) and was != now:
@@ -261,11 +231,8 @@ def _by_optimizer(groups: list[Any]) -> dict[Any, list[Any]]:
 def _group_differences(old: list[Any], new: list[Any], show: Callable[[Any], str]) -> list[str]:
     """Each difference of two records' param groups, those of several optimizers paired by name."""
     was_by, now_by = _by_optimizer(old), _by_optimizer(new)
-    out = []
-    for name in [n for n in was_by if n not in now_by]:
-        out.append(f"optimizer {name}: in the snapshot, not now")
-    for name in [n for n in now_by if n not in was_by]:
-        out.append(f"optimizer {name}: now, not in the snapshot")
+    out = [f"optimizer {n}: in the snapshot, not now" for n in was_by if n not in now_by]
+    out += [f"optimizer {n}: now, not in the snapshot" for n in now_by if n not in was_by]
     for name in [n for n in now_by if n in was_by]:
         out += _groups_of_one(name, was_by[name], now_by[name], show)
     return out
@@ -297,42 +264,31 @@ def _listed(names: list[str]) -> str:
     return ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
 
 
-def _module_differences(old: Mapping[str, str], new: Mapping[str, str]) -> list[str]:
+def _model_differences(
+    old: Mapping[str, Any], new: Mapping[str, Any], kind: str = "", show: Callable[[Any], str] = str
+) -> list[str]:
+    """Names of the model only now or only in the snapshot, and those ``show``-n otherwise."""
     out = []
     missing, extra = sorted(new.keys() - old.keys()), sorted(old.keys() - new.keys())
     if missing:
-        out.append(f"model: submodules not in the snapshot: {_listed(missing)}")
+        out.append(f"model: {kind}not in the snapshot: {_listed(missing)}")
     if extra:
-        out.append(f"model: submodules only in the snapshot: {_listed(extra)}")
-    for name in [n for n in new if n in old and old[n] != new[n]]:
-        out.append(
-            f"model {name or '(the model itself)'}: {old[name]} in the snapshot, {new[name]} now"
-        )
-    return out
-
-
-def _model_differences(old: Mapping[str, tuple], new: Mapping[str, tuple]) -> list[str]:
-    out = []
-    missing, extra = sorted(new.keys() - old.keys()), sorted(old.keys() - new.keys())
-    if missing:
-        out.append(f"model: not in the snapshot: {_listed(missing)}")
-    if extra:
-        out.append(f"model: only in the snapshot: {_listed(extra)}")
+        out.append(f"model: {kind}only in the snapshot: {_listed(extra)}")
     for name in sorted(old.keys() & new.keys()):
-        (old_shape, old_dtype), (shape, dtype) = old[name], new[name]
-        if tuple(old_shape) != tuple(shape) or old_dtype != dtype:
-            out.append(
-                f"model {name}: {tuple(old_shape)} {old_dtype} in the snapshot, {tuple(shape)} "
-                f"{dtype} now"
-            )
+        was, now = show(old[name]), show(new[name])
+        if was != now:
+            out.append(f"model {name or '(the model itself)'}: {was} in the snapshot, {now} now")
     return out
+
+
+def _shape(entry: tuple) -> str:
+    return f"{tuple(entry[0])} {entry[1]}"
 
 
 def write_resolved_config(
     run_dir: Path, config: Any, runtime: Runtime, per_rank_batch: int
 ) -> None:
-    """``run_dir/config.json`` (rank 0): the resolved config, with the world size, per-rank batch
-    and versions."""
+    """``run_dir/config.json`` (rank 0): the resolved config, world size, batch and versions."""
     if not runtime.is_main:
         return
     resolved = config.to_json() | {

@@ -1,19 +1,13 @@
 """What snapshots in memory keep on a node: the job's folder in shared memory, each rank's two slot
-files in it, and a slot's format and checks (docs/snapshots.md, "Snapshots in memory").
-
-The agent of ``ddpkit run`` makes one folder per job and node (:func:`open_job_folder`; mode 700, a
-random name its workers learn from :data:`DIR_ENV`) and removes it when the job ends, however it
-ends; a SIGKILLed launcher's folder is swept by the next job (:func:`sweep_stale`). Layout::
+files in it, and a slot's format and checks (docs/snapshots.md, "Snapshots in memory"). Layout::
 
     <root>/ddpkit-memory-<uid>/<nonce>/owner                  the agent's pid and start time
     <root>/ddpkit-memory-<uid>/<nonce>/<run>-rank<r>-<i>.slot  rank r's slots 0 and 1
 
-A save overwrites the older of a rank's two slots (:class:`Slots`). A slot is a commit record (its
-parts' offsets, lengths and checksums between ``begin`` and ``end`` generation numbers), a JSON
-manifest (the tensors' layout, what a resume checks), the JSON values, and the raw tensors with a
-CRC-32C per MiB (:func:`block_crcs`). ``begin`` is written first and ``end`` last: a slot counts
-only when they are equal, so a kill during a copy leaves the other slot the newest whole one. A
-whole slot that does not check raises :class:`BadSlot` naming the file before any tensor is viewed.
+A slot is a commit record (its parts' offsets, lengths and checksums between ``begin`` and ``end``
+generation numbers), a JSON manifest (the tensors' layout, what a resume checks), the JSON values,
+and the raw tensors with a CRC-32C per MiB (:func:`block_crcs`). A slot counts only when ``begin``
+(written first) equals ``end`` (written last).
 """
 
 from __future__ import annotations
@@ -27,7 +21,7 @@ import secrets
 import stat
 import struct
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +33,7 @@ from ddpkit._errors import ConfigError
 from ddpkit.distributed._collectives import tensor_bytes
 from ddpkit.platforms import _torchrun as torchrun
 from ddpkit.snapshot._codec import Spec, checked_specs, views
+from ddpkit.snapshot._folders import NotRegular, open_regular
 
 ROOT_ENV = "DDPKIT_MEMORY_ROOT"
 """Where the agent makes the job's folder (default ``/dev/shm``)."""
@@ -71,20 +66,16 @@ class FolderUnavailable(RuntimeError):
 
 
 class MemoryUnavailable(RuntimeError):
-    """Shared memory cannot hold the snapshot (full, or the folder gone); disk snapshots carry on
-    alone."""
+    """Shared memory cannot hold the snapshot (full, or the folder gone)."""
 
 
 class BadSlot(ValueError):
     """A whole slot that does not check: its message names the slot and what is wrong."""
 
 
-# -- the job's folder ------------------------------------------------------------------------------
-
-
 def start_time(pid: int) -> str | None:
-    """The start time of process ``pid`` in clock ticks since boot (with the pid, a process's
-    identity: pids are reused), or None if it is gone."""
+    """The start time of process ``pid`` in clock ticks since boot (with the pid, its identity), or
+    None if it is gone."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
@@ -101,8 +92,8 @@ def _owner_alive(folder: Path) -> bool:
 
 
 def private_base(root: Path) -> Path:
-    """``root/ddpkit-memory-<uid>``, made with mode 700; refused if it is a link, or someone else's:
-    another user could otherwise plant slots for this user's jobs to load."""
+    """``root/ddpkit-memory-<uid>``, made with mode 700; refused if it is a link, or someone else's
+    (who could plant slots for this user's jobs to load)."""
     base = root / f"ddpkit-memory-{os.getuid()}"
     with contextlib.suppress(FileExistsError):
         fs.make_dir(base, mode=0o700)
@@ -114,20 +105,16 @@ def private_base(root: Path) -> Path:
     return base
 
 
-def sweep_stale(base: Path) -> list[Path]:
-    """Remove the folders under ``base`` whose agent is dead; return them."""
-    removed = []
+def sweep_stale(base: Path) -> None:
+    """Remove the folders under ``base`` whose agent is dead."""
     for folder in base.iterdir() if base.is_dir() else []:
         if folder.is_dir() and not folder.is_symlink() and not _owner_alive(folder):
             fs.remove_tree(folder, root=base)
-            removed.append(folder)
-    return removed
 
 
 def open_job_folder(pid: int | None = None) -> Path | None:
-    """Make this job's folder (the agent, once per job), sweep stale ones first, and export it to
-    the workers; None, with the reason in :data:`UNAVAILABLE_ENV`, when the memory file system is
-    missing or not usable."""
+    """Make this job's folder (the agent, once per job, stale ones swept first) and export it to the
+    workers; None, with the reason in :data:`UNAVAILABLE_ENV`, where memory is not usable."""
     root = Path(os.environ.get(ROOT_ENV, "/dev/shm"))
     pid = os.getpid() if pid is None else pid
     try:
@@ -147,7 +134,7 @@ def open_job_folder(pid: int | None = None) -> Path | None:
 
 def owned_folder(base: Path, name: str, pid: int) -> Path:
     """``base/name``, private, renamed into place once its owner (``pid`` and its start time) is
-    written in it: a sweep never sees a folder without one."""
+    written in it (a sweep never sees a folder without one)."""
     tmp = base / f".{name}"
     fs.make_dir(tmp, root=base, mode=0o700)
     fs.write_atomic(tmp / "owner", f"{pid} {start_time(pid)}\n".encode(), root=base)
@@ -165,15 +152,14 @@ def close_job_folder() -> None:
 
 
 def job_key() -> str | None:
-    """This job's key as the agent set it: its nonce, with torchrun's run id; None outside
-    ``ddpkit run``."""
+    """This job's key: the agent's nonce, with torchrun's run id; None outside ``ddpkit run``."""
     nonce = os.environ.get(KEY_ENV)
     return f"{torchrun.run_id(os.environ)}:{nonce}" if nonce else None
 
 
 def room_warning(folder: str | os.PathLike[str], need: int) -> str | None:
     """A warning when the file system of ``folder`` has less free room than ``need`` bytes (a
-    container's 64 MiB ``/dev/shm``), said at the start of a run rather than at its first save."""
+    container's 64 MiB ``/dev/shm``)."""
     try:
         info = os.statvfs(folder)
     except OSError:
@@ -190,20 +176,14 @@ def room_warning(folder: str | os.PathLike[str], need: int) -> str | None:
 
 
 def run_key(run_dir: str | os.PathLike) -> str:
-    """A short hash of the run directory's absolute path: two Trainers of one job never share
-    slots."""
-    # a path's own bytes: a name that is not UTF-8 is a name all the same
+    """A short hash of the run directory's absolute path (its bytes: it may not be UTF-8)."""
     return hashlib.sha256(os.fsencode(Path(run_dir).absolute())).hexdigest()[:16]
-
-
-# -- a slot's format -------------------------------------------------------------------------------
 
 
 def block_crcs(region: Any) -> bytes:
     """The table a slot keeps after its data region: the CRC-32C of each :data:`BLOCK` bytes of
-    ``region`` (a contiguous CPU tensor, bytes or a memoryview), little-endian uint32s in order.
-    CRC-32C keeps Hamming distance 4 up to 2,147,483,615 bits (Koopman): every change of up to 3
-    bits, and every burst of up to 32, within a block moves its entry (docs/snapshots.md)."""
+    ``region`` (a contiguous CPU tensor, bytes or a memoryview), little-endian uint32s in order
+    (why CRC-32C per MiB: docs/snapshots.md)."""
     import crc32c  # not at `import ddpkit`
 
     view = _bytes_of(region)
@@ -263,62 +243,53 @@ class Record:
 def read_slot(path: Path, data: bool = False) -> tuple[Record, dict, dict, bytes] | None:
     """(record, manifest, values, the file's bytes if ``data`` else b"") of a whole slot file, or
     None if it is not whole. Without ``data`` only the record and values are read and the manifest's
-    CRC checked (a resume looks at every slot of the node); with it, the manifest's layout and the
-    data region's checksums too. A whole slot that does not check raises :class:`BadSlot`."""
+    CRC checked; with it, the manifest's layout and the data's checksums too. A whole slot that does
+    not check raises :class:`BadSlot`."""
     try:
-        # O_NONBLOCK: a FIFO planted under a slot's name opens at once; fstat then refuses it
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = open_regular(path)
+    except NotRegular:
+        raise BadSlot(f"{path} is not a regular file") from None
     except OSError:
         return None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise BadSlot(f"{path} is not a regular file")
         if data:
             with os.fdopen(os.dup(fd), "rb") as f:  # a loop of reads: one read stops at 2 GiB
                 return parse_slot(f.read(), str(path))
-        record = Record.unpack(os.pread(fd, HEADER, 0))
-        if record is None or not record.whole:
-            return None
-        _check_parts(record, os.fstat(fd).st_size, str(path))
-        parts = [os.pread(fd, length, off) for off, length, _ in (record.manifest, record.values)]
+        size = os.fstat(fd).st_size
+        return _parse(
+            os.pread(fd, HEADER, 0), size, lambda o, n: os.pread(fd, n, o), b"", str(path)
+        )
     finally:
         os.close(fd)
-    return _checked(record, parts, b"", str(path))
 
 
 def parse_slot(data: bytes, name: str = "a slot") -> tuple[Record, dict, dict, bytes] | None:
     """:func:`read_slot` of a slot's bytes (read from its file, or sent by a peer; ``name`` says
     which, in a :class:`BadSlot`)."""
-    record = Record.unpack(data[:HEADER])
+    return _parse(data[:HEADER], len(data), lambda o, n: data[o : o + n], data, name)
+
+
+def _parse(
+    head: bytes, size: int, read: Callable[[int, int], bytes], data: bytes, name: str
+) -> tuple[Record, dict, dict, bytes] | None:
+    """The parts of a slot of ``size`` bytes whose record is ``head``, read by ``read(offset,
+    length)``; ``data``: all its bytes, whose layout and checksums are then checked too."""
+    record = Record.unpack(head)
     if record is None or not record.whole:
         return None
-    _check_parts(record, len(data), name)
-    parts = [data[off : off + length] for off, length, _ in (record.manifest, record.values)]
-    return _checked(record, parts, data, name)
-
-
-def _check_parts(record: Record, size: int, name: str) -> None:
-    """The manifest and values lie inside the slot and within :data:`PART_LIMIT` (the record has no
-    checksum of its own: its lengths are read before anything vouches for them)."""
-    for what, (off, length, _) in (("manifest", record.manifest), ("values", record.values)):
+    parts = []
+    # the record has no checksum of its own: its lengths are checked before anything is read
+    for what, (off, length, crc) in (("manifest", record.manifest), ("values", record.values)):
         if length > PART_LIMIT:
             raise BadSlot(
                 f"{name}: its {what} holds {length} bytes, more than the {PART_LIMIT} a slot's may"
             )
-        if off + length > size:
-            raise BadSlot(f"{name}: its {what} lies past the end of the file")
-
-
-def _checked(
-    record: Record, parts: list[bytes], data: bytes, name: str
-) -> tuple[Record, dict, dict, bytes]:
-    for what, (_, length, crc), raw in zip(
-        ("manifest", "values"), (record.manifest, record.values), parts
-    ):
-        if len(raw) != length:
+        raw = read(off, length) if off + length <= size else None
+        if raw is None or len(raw) != length:
             raise BadSlot(f"{name}: its {what} lies past the end of the file")
         if zlib.crc32(raw) != crc:
             raise BadSlot(f"{name}: its {what} fail their CRC-32")
+        parts.append(raw)
     try:
         manifest, values = json.loads(parts[0]) if data else {}, json.loads(parts[1])
     except (ValueError, RecursionError) as err:
@@ -328,13 +299,6 @@ def _checked(
     if data:
         _check_data(data, record, manifest, name)
     return record, manifest, values, data
-
-
-def _region(data: bytes | memoryview, record: Record) -> torch.Tensor:
-    off, length, _ = record.data
-    if length == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer(bytearray(data[off : off + length]), dtype=torch.uint8)
 
 
 def _check_data(data: bytes, record: Record, manifest: dict, name: str) -> None:
@@ -350,7 +314,7 @@ def _check_data(data: bytes, record: Record, manifest: dict, name: str) -> None:
     if manifest.get("data_size") != length:
         raise BadSlot(f"{name}: its manifest's data size is not its record's ({length} bytes)")
     try:
-        specs(manifest, length)
+        checked_specs(manifest.get("specs"), length)
     except ValueError as err:
         raise BadSlot(f"{name}: {err}") from None
     table = bytes(data[off + length : end])
@@ -362,24 +326,18 @@ def _check_data(data: bytes, record: Record, manifest: dict, name: str) -> None:
         )
 
 
-def specs(manifest: dict, region_size: int) -> list[Spec]:
-    """The manifest's tensor layout, each checked to lie inside a region of ``region_size``
-    bytes."""
-    return checked_specs(manifest.get("specs"), region_size)
-
-
 def tensors_of(data: bytes | memoryview, record: Record, manifest: dict) -> list[torch.Tensor]:
-    """Copies of a slot's tensors, from :func:`read_slot`'s checked parts: each its own tensor
+    """Copies of a slot's tensors, from :func:`read_slot`'s checked parts, each its own tensor
     (``torch.set_rng_state`` reads a tensor's storage from its start)."""
-    region = _region(data, record)
+    off, length, _ = record.data
+    region = torch.empty(0, dtype=torch.uint8)
+    if length:
+        region = torch.frombuffer(bytearray(data[off : off + length]), dtype=torch.uint8)
     try:
-        layout = specs(manifest, region.numel())
+        layout = checked_specs(manifest.get("specs"), length)
     except ValueError as err:
         raise BadSlot(str(err)) from None
     return [v.clone() for v in views(region, layout)]
-
-
-# -- a rank's two slots ----------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -388,12 +346,9 @@ class Found:
 
     path: Path
     rank: int
-    generation: int
     step: int
     position: tuple[int, ...]
-    world_size: int
     peers: bool
-    job: str
 
 
 class _Slot:
@@ -417,8 +372,8 @@ class _Slot:
 
 
 class Slots:
-    """This rank's two slots for one run directory, in the job's folder on this node. No collective:
-    every method acts on this rank's files alone (:meth:`found` lists every rank's)."""
+    """This rank's two slots for one run directory, in the job's folder on this node; no collective
+    (:meth:`found` lists every rank's)."""
 
     def __init__(
         self, folder: str | os.PathLike, *, job: str, run: str, rank: int, world_size: int
@@ -430,8 +385,7 @@ class Slots:
         self.slots = [_Slot(self.folder / f"{run}-rank{rank}-{i}.slot") for i in (0, 1)]
         self.generation = 0
         self.damaged: list[str] = []
-        """What :meth:`found` last found wrong with whole slots it left out, each naming its
-        file."""
+        """What :meth:`found` last found wrong with whole slots it left out, naming each file."""
         for slot in self.slots:
             try:
                 got = read_slot(slot.path)
@@ -455,18 +409,11 @@ class Slots:
         manifest: dict[str, Any],
         layout_id: object,
     ) -> None:
-        """Commit ``tensors`` (laid out as ``manifest["specs"]``, a layout named by ``layout_id``)
-        with the JSON-able ``values`` into the older slot; :class:`MemoryUnavailable` if memory is
-        full."""
+        """Commit ``tensors`` (laid out as ``manifest["specs"]``, named ``layout_id``) with the
+        JSON-able ``values`` into the older slot; :class:`MemoryUnavailable` if memory is full."""
         slot = self._target()
-        values = {
-            "job": self.job,
-            "run": self.run,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            **values,
-        }
-        value_bytes = json.dumps(values).encode()
+        ids = {"job": self.job, "run": self.run, "rank": self.rank, "world_size": self.world_size}
+        value_bytes = json.dumps(ids | values).encode()
         if slot.layout_id != layout_id or len(value_bytes) > slot.values_capacity:
             self._map(slot, manifest, layout_id, len(value_bytes))
         fd = slot.fd
@@ -559,16 +506,11 @@ class Slots:
             ):
                 self.damaged.append(f"{path}: its values do not say which rank and step it holds")
                 continue
-            peers = bool(values.get("peers"))
-            position = tuple(position)
-            out.append(
-                Found(path, rank, record.end, step, position, self.world_size, peers, self.job)
-            )
+            out.append(Found(path, rank, step, tuple(position), bool(values.get("peers"))))
         return out
 
     def discard_except(self, keep: Path | None = None) -> None:
-        """Make this rank's slots not whole, except ``keep``: after a resume only the state resumed
-        from may be found again, never a slot of an abandoned course."""
+        """Make this rank's slots not whole, except ``keep`` (the state resumed from)."""
         for slot in self.slots:
             if slot.path == keep or not slot.path.exists():
                 continue

@@ -1,20 +1,7 @@
-"""The one front door of snapshots: :class:`Snapshots` saves and resumes a hand-written loop, and
-the Trainer, which builds one (:meth:`Snapshots.of_trainer`) and calls it::
-
-    snapshots = ddpkit.Snapshots("runs/x", model=model, optimizer=opt, loader=loader,
-                                 every_steps=100)
-    snapshots.resume()  # the newest whole snapshot, if any: every part restored
-    for epoch in range(loader.epoch, epochs):
-        for i, (x, y) in enumerate(loader, start=loader.batch_in_epoch):
-            ...  # forward, backward, opt.step()
-            snapshots.step()  # counts the step; saves when due, stops at a signal
-    snapshots.close()  # the last write whole; the signal handlers put back
-
-Two stores keep the snapshots behind one interface (:class:`Store`): the disk
-(:mod:`ddpkit.snapshot._disk`) and, with ``memory=True`` under ``ddpkit run``, shared memory
-(:mod:`ddpkit.snapshot._memory`). A resume chooses between them in one place
-(:meth:`Snapshots.resume`), and one check (:meth:`Snapshots.check`) refuses a snapshot of another
-run before any tensor is read.
+"""The one front door of snapshots: :class:`Snapshots` saves and resumes a hand-written loop
+(docs/snapshots.md), and the Trainer, which builds one (:meth:`Snapshots.of_trainer`). Two stores
+keep the snapshots behind one interface (:class:`Store`): the disk (:mod:`ddpkit.snapshot._disk`)
+and, with ``memory=True`` under ``ddpkit run``, shared memory (:mod:`ddpkit.snapshot._memory`).
 """
 
 from __future__ import annotations
@@ -61,14 +48,12 @@ OPTIONAL = frozenset({"records"})
 
 @dataclass(frozen=True)
 class Resumed:
-    """Where a resume took the run's state from."""
+    """Where a resume took the run's state from: ``source`` as said to the user, ``file`` as the
+    ``resume`` event names it, and whether it was read from ``disk`` (or from memory)."""
 
     source: str
-    """The folder, or the copy in memory, as said to the user."""
     file: str
-    """Its name in the ``resume`` event."""
     disk: bool
-    """Read from disk (the position is then on disk already), or from memory."""
 
 
 class Damaged(RuntimeError):
@@ -76,9 +61,8 @@ class Damaged(RuntimeError):
 
 
 class Store(Protocol):
-    """What the front door asks of a store of snapshots (:class:`~ddpkit.snapshot._disk.DiskStore`,
-    :class:`~ddpkit.snapshot._memory.MemoryStore`). Every rank calls every method after the same
-    steps."""
+    """What the front door asks of a store of snapshots (the disk's, the memory's); every rank calls
+    every method after the same steps."""
 
     def save_step(self, snapshots: Snapshots) -> None:
         """Keep the state of ``snapshots``' parts at its step."""
@@ -97,7 +81,7 @@ class Store(Protocol):
 
 
 class Snapshots:
-    """Saves and resumes a hand-written loop (see the module docstring); every rank builds it and
+    """Saves and resumes a hand-written loop (docs/snapshots.md); every rank builds it and
     calls every method after the same steps (saving and resuming are collectives).
 
     ``model``: a :func:`~ddpkit.prepare_model` result (or the bare module), several by name
@@ -156,9 +140,7 @@ class Snapshots:
             states["loader"] = loader
         states |= _named(_listed(scheduler, "scheduler"), "scheduler")
         states |= {f"extra.{k}": v for k, v in _listed_map(extra, "extra").items()}
-        generator = loader.generator if loader is not None else None
-        if generator is None:
-            generator = torch.Generator()
+        generator = getattr(loader, "generator", None) or torch.Generator()
         if seed is None:
             seed = getattr(loader.batch_sampler, "seed", 0) if loader is not None else 0
         states[STREAMS] = RankStreams(
@@ -188,9 +170,8 @@ class Snapshots:
         log: Callable[[str, int, dict[str, Any]], None],
         print0: Callable[[str], None],
     ) -> Snapshots:
-        """The Trainer's: ``states``, its parts by name (``"train"``, its
-        :class:`~ddpkit.snapshot._state.TrainState`, first; None where it has none), ``"rng"``
-        among them; ``log(kind, step, record)`` writes a record."""
+        """The Trainer's: ``states``, its parts by name (``"train"`` first, ``"rng"`` among them,
+        None where it has none); ``log(kind, step, record)`` writes a record."""
         self = cls.__new__(cls)
         self.loader, self._lock = None, None  # fit() holds the run directory
         parts = {k: v for k, v in states.items() if v is not None}
@@ -232,8 +213,7 @@ class Snapshots:
         self._signal, self._stopping, self._deferred = 0, False, False
         self._signals = contextlib.ExitStack()
         self.memory: MemoryStore | None = None
-        """The copies in shared memory (``memory=True``; None where the job has no memory
-        folder)."""
+        """The copies in shared memory (``memory=True``; None where the job has no folder)."""
         if config.memory:  # a restart resumes from them even under resume=False: see Trainer.fit
             from ddpkit.snapshot._memory import open_memory
 
@@ -257,13 +237,10 @@ class Snapshots:
             self.train.epoch, self.train.cursor = self.loader.position()
         return self.train.position
 
-    # -- saving ------------------------------------------------------------------------------------
-
     def step(self) -> bool:
         """Count one optimizer step of a hand loop and save when one is due: every ``every_steps``,
         or when any rank got a stop signal (then raise :class:`~ddpkit.Preempted` once the snapshot
-        is whole). A save due at an epoch's last batch is taken after the next step: taken there, a
-        resume would skip the code after the loop over the batches. True if it saved."""
+        is whole); a save due at an epoch's last batch waits for the next step. True if it saved."""
         self.train.step += 1
         step = self.train.step
         if step % self.signals_every_steps == 0 and not self._stopping:
@@ -344,16 +321,12 @@ class Snapshots:
         return self
 
     def __exit__(self, kind: object, *exc: object) -> None:
-        if (
-            kind is not None
-        ):  # the epoch's end may have failed half-way: not a position to resume at
+        if kind is not None:  # the epoch's end may have failed half-way: no position to resume at
             self._deferred = False
         self.close()
 
     def _on_signal(self, signum: int) -> None:
         self._signal = signum  # only a flag: the next agreement spreads it
-
-    # -- the state ---------------------------------------------------------------------------------
 
     def state_dict(self, streams: bool = True) -> dict[str, Any]:
         """Everything the next step needs; collective, as every rank's streams are gathered.
@@ -370,8 +343,8 @@ class Snapshots:
         }
 
     def disk_parts(self) -> tuple[dict[str, Any], dict[str, Any], Any]:
-        """What a disk snapshot writes (no collective): the strategy's state (DCP's part), the rest
-        (rank 0's ``values.pt``), and this rank's own streams, in a file of its own."""
+        """What a disk snapshot writes (no collective): the strategy's state, the rest (rank 0's
+        ``values.pt``), and this rank's own streams."""
         state = self.state_dict(streams=False)
         return state.pop("strategy"), state, self.streams.mine()
 
@@ -411,8 +384,6 @@ class Snapshots:
         # to fp16 from another precision: a fresh GradScaler, which the snapshot has no state of
         to_fp16 = self._precision is not None and self._precision[1] == "fp16"
         self._fresh = frozenset({"scaler"}) if to_fp16 else frozenset()
-
-    # -- resuming ----------------------------------------------------------------------------------
 
     def resume(self, load: Load | None = None) -> int:
         """Restore every part from the newest whole snapshot, if any (every rank), through ``load``
@@ -462,9 +433,8 @@ class Snapshots:
         return t.step
 
     def _restore(self, load: Load) -> Resumed | None:
-        """The one place a resume chooses its store: the newest state in memory when it is newer
-        than the disk's newest whole snapshot, else that snapshot; a state in memory some rank finds
-        damaged is passed over by every rank. Collective."""
+        """The one place a resume chooses its store (collective): the newest state in memory when it
+        is newer than the disk's newest whole snapshot, else that snapshot."""
         disk, memory, warn = self.disk, self.memory, self._warn
         found, verified, marked = None, False, None
         while memory is not None:
@@ -507,7 +477,7 @@ class Snapshots:
 
 def resumes(resume: bool, restart_count: int) -> bool:
     """Whether ``fit()`` resumes from the run's snapshots: when the config asks, and always on a
-    restart: ``resume=False`` means "this job starts afresh", which its first attempt did."""
+    restart (``resume=False`` means "this job starts afresh", which its first attempt did)."""
     return resume or restart_count > 0
 
 

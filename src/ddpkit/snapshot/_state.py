@@ -1,12 +1,6 @@
 """Where training stands, and when a snapshot of it is due: the counters (:class:`TrainState`),
-every rank's own state (:class:`RankStreams`: its random streams, and the parts each rank keeps its
-own of), the snapshot settings (:class:`SnapshotConfig`) and every decision "is a snapshot due now?"
-(:class:`SnapshotSchedule`).
-
-A step's snapshot that falls on an epoch's last step is taken at the epoch's end instead, after its
-validation and the scheduler's step, whether or not that epoch's end is due on its own; the same
-position (epoch, step, cursor) is never written twice. A launcher's notice of a coming pre-emption
-(:func:`ddpkit.distributed._signals.preemption_notice`) makes the next snapshot due at once.
+every rank's own state (:class:`RankStreams`), the snapshot settings (:class:`SnapshotConfig`) and
+every decision "is a snapshot due now?" (:class:`SnapshotSchedule`).
 """
 
 from __future__ import annotations
@@ -24,8 +18,7 @@ from ddpkit.distributed._seeding import rng_state, set_rng_state, stream_seed
 from ddpkit.snapshot import _codec as codec
 
 NewRankState = Literal["refuse", "copy", "fresh"]
-"""What a rank beyond a snapshot's world size gets of a part each rank keeps its own of
-(``TrainerConfig.new_rank_state``)."""
+"""What a rank beyond a snapshot's world size gets of a part each rank keeps its own of."""
 NEW_RANK_STATES: tuple[str, ...] = ("refuse", "copy", "fresh")
 
 
@@ -38,8 +31,7 @@ class TrainState:
     step: int = 0
     """Optimizer steps taken."""
     cursor: int = 0
-    """Samples of the current epoch already trained on, over all ranks (a whole number of global
-    batches)."""
+    """Samples of the current epoch already trained on, over all ranks (whole global batches)."""
     skipped_steps: int = 0
     """Steps skipped for a non-finite loss or non-finite gradients (not fp16 overflows)."""
 
@@ -57,16 +49,12 @@ class TrainState:
 
 class RankStreams:
     """Every rank's own state: its random streams (python, numpy, torch CPU and CUDA), its loader's
-    generator, and ``own`` parts, objects with ``state_dict()`` / ``load_state_dict()`` of which
-    each rank keeps its own (the unagreed training losses, the callbacks' and the script's
-    ``extra_state``).
-
-    ``state_dict()`` gathers them (a collective). At the same world size each rank gets its own
-    back; at another, each stream is reseeded from ``(seed, step, rank)``, and an own part gets
-    every old rank's state through its ``load_rank_states(states, rank)``, else old rank ``r``'s,
-    and a rank beyond the old world what ``new_rank_state`` says (the part's own attribute first):
-    ``refuse``, ``copy`` (rank 0's) or ``fresh`` (with a warning; :attr:`fresh_parts`), never
-    silently fresh.
+    generator, and ``own`` parts (objects with ``state_dict()`` / ``load_state_dict()`` each rank
+    keeps its own of). ``state_dict()`` gathers them (a collective). At another world size each
+    stream is reseeded from ``(seed, step, rank)``, and an own part gets every old rank's state
+    through its ``load_rank_states(states, rank)``, else old rank ``r``'s, and a rank beyond the old
+    world what ``new_rank_state`` says (the part's own attribute first): ``refuse``, ``copy`` (rank
+    0's) or ``fresh`` (with a warning; :attr:`fresh_parts`).
     """
 
     def __init__(
@@ -83,8 +71,7 @@ class RankStreams:
         self.own: dict[str, Any] = dict(own or {})
         self.new_rank_state, self.warn = new_rank_state, warn
         self.reseeded_from: int | None = None
-        """The world size of the snapshot whose streams were reseeded rather than restored, if
-        so."""
+        """The world size of a snapshot whose streams were reseeded rather than restored."""
         self.fresh_parts: list[str] = []
         """Own parts this rank started afresh at another world size."""
 
@@ -99,8 +86,7 @@ class RankStreams:
     def state_dict(self) -> dict[str, Any]:
         return {
             "world_size": self.runtime.world_size,
-            # Every rank's on every rank (Trainer.state_dict); a disk snapshot has each rank write
-            # its own instead.
+            # every rank's on every rank; a disk snapshot has each rank write its own instead
             "ranks": all_gather_object(self.mine(), group=self.runtime.group),
         }
 
@@ -110,7 +96,10 @@ class RankStreams:
             mine = state["ranks"][rt.rank]
             set_rng_state(mine["rng"])
             self.generator.set_state(mine["loader_generator"])
-            self._load_own(mine)
+            self._check_own(mine)
+            for name, part in self.own.items():
+                if "own" in mine:
+                    part.load_state_dict(mine["own"][name])
             return
         # needs the counters loaded first
         seed = stream_seed("reseed", self.seed, self.train.step, rt.rank)
@@ -122,8 +111,7 @@ class RankStreams:
         if "own" not in ranks[0]:
             return
         policies = {name: self._policy(part) for name, part in self.own.items()}
-        # Decided alike on every rank (the same parts, the same world sizes), so that all refuse or
-        # none does.
+        # decided alike on every rank, so that all refuse or none does
         refused = sorted(n for n, p in policies.items() if p == "refuse")
         if rt.world_size > len(ranks) and refused:
             raise ConfigError(
@@ -174,28 +162,19 @@ class RankStreams:
                 "extra_state names"
             )
 
-    def _load_own(self, mine: Mapping[str, Any]) -> None:
-        self._check_own(mine)
-        for name, part in self.own.items():
-            if "own" in mine:
-                part.load_state_dict(mine["own"][name])
-
 
 def _own(value: Any, name: str) -> Any:
-    """A copy of a part's ``state_dict()`` as a load gives it back (:func:`codec.copied`: tensors on
-    the CPU, no type lost). A value the codec cannot hold is left for the snapshot to refuse on
-    every rank together, by name, where refusing here would leave the other ranks waiting."""
+    """A copy of a part's ``state_dict()`` as a load gives it back (:func:`codec.copied`); a value
+    the codec cannot hold is left for the snapshot to refuse on every rank together (refused here,
+    on one rank, it would leave the others waiting)."""
     try:
         return codec.copied(value, f"own.{name}")
     except codec.UnsupportedValue:
         return value
 
 
-# -- when a snapshot is due ------------------------------------------------------------------------
-
 _ALWAYS_SAVED = ("max_steps", "signal", "early_stopping")
-"""Stops (``ddpkit.training.StopReason``) that snapshot whatever the intervals: a restart must find
-where they stopped."""
+"""Stops (``ddpkit.training.StopReason``) that snapshot whatever the intervals."""
 
 
 @dataclass(kw_only=True)
@@ -237,17 +216,17 @@ class SnapshotConfig:
 
 @dataclass
 class SnapshotSchedule:
-    """Says when a snapshot (on disk, or in memory) is due; every rank asks with the same values and
-    gets the same answer, so every rank saves after the same steps."""
+    """Says when a snapshot (on disk, or in memory) is due: the same answer on every rank."""
 
     every_steps: int | None = None
     every_epochs: int = 1
     memory_every_steps: int = 1
-    """The interval of the copies in memory, once chosen."""
+    """The interval of the copies in memory (the memory store sets it once chosen)."""
     notice: str | None = None
     """A pre-emption notice not yet acted on: the next :meth:`after_step` or :meth:`at_epoch_end` is
     due."""
-    _saved_at: tuple[int, int, int] | None = field(default=None, repr=False)
+    saved_at: tuple[int, int, int] | None = field(default=None, repr=False)
+    """The position (epoch, step, cursor) last written to disk, or ``None``."""
 
     @classmethod
     def of(cls, config: SnapshotConfig) -> SnapshotSchedule:
@@ -288,16 +267,10 @@ class SnapshotSchedule:
         return taken and step % self.memory_every_steps == 0
 
     def new_position(self, position: tuple[int, int, int]) -> bool:
-        """Whether ``position`` has not been written yet (a save there is then due); false after
-        :meth:`written` of the same position, so that an epoch end and a stop at the same step write
-        once."""
-        return position != self._saved_at
-
-    @property
-    def saved_at(self) -> tuple[int, int, int] | None:
-        """The position (epoch, step, batch) last written to disk, or ``None``."""
-        return self._saved_at
+        """Whether ``position`` has not been written yet (:meth:`written`): an epoch end and a stop
+        at the same step write once."""
+        return position != self.saved_at
 
     def written(self, position: tuple[int, int, int]) -> None:
         """``position`` is on disk (saved, or the snapshot a run resumed from)."""
-        self._saved_at, self.notice = position, None
+        self.saved_at, self.notice = position, None
