@@ -1,5 +1,5 @@
 """``torch.nn`` modules, where ddpkit reaches past their public API: ``_BatchNorm``, a compiled
-module's ``_orig_mod``, a module's ``_buffers``, and the buckets DDP rebuilds after its first step."""
+module's ``_orig_mod``, a module's ``_buffers``, and the buckets DDP rebuilds after a first step."""
 
 from __future__ import annotations
 
