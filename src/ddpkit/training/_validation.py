@@ -142,9 +142,8 @@ class Validation:
             (best.value, best.epoch, best.step), group=group
         )
 
-    def update(self, metrics: Mapping[str, Any], epoch: int, step: int) -> bool:
-        """Count the metrics towards early stopping, keep the weights if best; True when training
-        must stop."""
+    def update(self, metrics: Mapping[str, Any], epoch: int, step: int) -> None:
+        """Count the metrics towards early stopping, keep the weights if best."""
         self.early_stopping.update(metrics)
         metric = self.early_stopping.config.metric
         if self.plateau is not None and metric is not None:
@@ -160,7 +159,6 @@ class Validation:
             if best.export_path is not None and best.export_format is not None:
                 event["weights"] = best.export_path.name
             self.log("event", step, event)
-        return self.early_stopping.should_stop
 
     def inside_epoch(self, epoch: int, step: int) -> dict[str, Any]:
         """``max_steps`` stopped the run inside an epoch: validate there, and count it towards the
@@ -174,10 +172,9 @@ class Validation:
         self.log("val", step, metrics)
         return metrics
 
-    def after_step(self, epoch: int, step: int) -> dict[str, Any]:
+    def after_step(self, epoch: int, step: int) -> None:
         """Validate now (the step is due): record the metrics as a ``val`` record at ``step`` and
-        count them (``early_stopping.should_stop`` then says whether training must stop); the
-        metrics, with ``epoch`` and ``step``."""
+        count them (``early_stopping.should_stop`` then says whether training must stop)."""
         assert self.evaluate is not None  # __init__ refuses every_steps without validation data
         metrics = self.evaluate()
         self.latest, self.latest_step = dict(metrics), step
@@ -187,7 +184,6 @@ class Validation:
             group=self.group,
         )
         self.update(metrics, epoch, step)
-        return {"epoch": epoch, "step": step, **metrics}
 
     def save_final_weights(self, epoch: int, step: int, stopped_by: str | None) -> None:
         """``final.safetensors`` (or ``final_weights.pt``) in the run directory, when training ends:
