@@ -7,7 +7,7 @@ the optimizer state sharded over ranks (``ZeroRedundancyOptimizer``)."""
 import math
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, ExitStack, nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -80,11 +80,8 @@ class DDPConfig:
             raise ConfigError(f"bucket_cap_mb={self.bucket_cap_mb} must be positive")
 
     def ddp_kwargs(self) -> dict[str, Any]:
-        out = {
-            k: v
-            for k, v in asdict(self).items()
-            if k in ("static_graph", "gradient_as_bucket_view", "find_unused_parameters")
-        }
+        names = ("static_graph", "gradient_as_bucket_view", "find_unused_parameters")
+        out: dict[str, Any] = {k: getattr(self, k) for k in names}
         # passed only when changed: torch 2.13 warns that the name is deprecated
         if not self.broadcast_buffers:
             out["broadcast_buffers"] = False

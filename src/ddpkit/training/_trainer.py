@@ -60,7 +60,12 @@ from ddpkit.training._step import (
     grad_scaler,
     step_output,
 )
-from ddpkit.training._validation import Evaluator, Validation, check_metric_driven, metric_driven
+from ddpkit.training._validation import (
+    Validation,
+    check_metric_driven,
+    evaluate_with,
+    metric_driven,
+)
 
 # The Trainer calls a callback's hooks on every rank, in order, between its own collectives: a
 # callback may make collectives of its own if it makes the same ones on every rank.
@@ -273,10 +278,9 @@ class Trainer:
             params=config.to_json(),
         )
         self._autocast = partial(autocast, config.precision, rt.device)
-        self.evaluator = Evaluator(
-            self.strategy, self.batch_loss.metrics, self._autocast, config.eval_batch_size,
-            config.num_workers, self.group, config.collate_fn,
-        )  # fmt: skip
+        self.evaluator = partial(
+            evaluate_with, self.strategy, self.batch_loss.metrics, self._autocast, config, rt.group
+        )
         self.validation = Validation(
             config, rt, val_data, evaluate=self.evaluator,
             model_weights=self.strategy.model_weights, log=self.writer.log,

@@ -28,38 +28,27 @@ from ddpkit.training._evaluation import evaluate
 from ddpkit.training._step import StopReason
 
 
-class Evaluator:
-    """Exact metrics of a Trainer's model over a dataset (every sample counted once): its own
-    evaluation loader, the strategy's evaluation mode, the run's metrics and precision. It holds the
-    Trainer's parts, never the Trainer: a reference cycle would leave a finished Trainer's loader
-    workers to a garbage collection, in whatever thread it runs (a snapshot writer's)."""
-
-    def __init__(
-        self,
-        strategy: Strategy,
-        metrics: Callable[[nn.Module, Any], Mapping[str, Any]],
-        autocast: Callable[[], Any],
-        batch_size: int,
-        num_workers: int | None,
-        group: Group,
-        collate_fn: Callable[[list[Any]], Any] | None = None,
-    ) -> None:
-        self.strategy, self.metrics, self.autocast = strategy, metrics, autocast
-        self.batch_size, self.num_workers, self.group = batch_size, num_workers, group
-        self.collate_fn = collate_fn
-
-    def __call__(self, data: Dataset, prefix: str = "test") -> dict[str, float]:
-        """The metrics over ``data``, named ``prefix/metric``."""
-        loader = build_eval_loader(
-            data, self.batch_size, num_workers=self.num_workers, collate_fn=self.collate_fn,
-            group=self.group,
-        )  # fmt: skip
-        # fsdp: no collective per forward, as ranks' batch counts may differ
-        with self.strategy.evaluation():
-            results = evaluate(
-                self.strategy.model, loader, self.metrics, group=self.group, autocast=self.autocast
-            )
-        return {f"{prefix}/{k}": v for k, v in results.items()}
+def evaluate_with(
+    strategy: Strategy,
+    metrics: Callable[[nn.Module, Any], Mapping[str, Any]],
+    autocast: Callable[[], Any],
+    config: TrainerConfig,
+    group: Group,
+    data: Dataset,
+    prefix: str = "test",
+) -> dict[str, float]:
+    """Exact metrics of a Trainer's model over ``data`` (every sample counted once), named
+    ``prefix/metric``: its own evaluation loader, the strategy's evaluation mode, the run's metrics
+    and precision. Bound to the Trainer's parts, never the Trainer: a reference cycle would leave a
+    finished Trainer's loader workers to a garbage collection, in whatever thread it runs."""
+    loader = build_eval_loader(
+        data, config.eval_batch_size, num_workers=config.num_workers,
+        collate_fn=config.collate_fn, group=group,
+    )  # fmt: skip
+    # fsdp: no collective per forward, as ranks' batch counts may differ
+    with strategy.evaluation():
+        results = evaluate(strategy.model, loader, metrics, group=group, autocast=autocast)
+    return {f"{prefix}/{k}": v for k, v in results.items()}
 
 
 class Validation:
@@ -72,7 +61,7 @@ class Validation:
         runtime: Runtime,
         val_data: Any,
         *,
-        evaluate: Evaluator,
+        evaluate: Callable[[Dataset, str], dict[str, float]],
         model_weights: Callable[[], Mapping[str, torch.Tensor]],
         log: Callable[[str, int, dict[str, Any]], None],
         plateau: Any = None,
