@@ -28,7 +28,7 @@ import ddpkit
 from ddpkit.demo._datasets import CHARS
 from ddpkit.demo._models import TinyGPT
 from ddpkit.strategies._prepare import prepare_model
-from ddpkit.training._compiled import compile_for_training
+from ddpkit.training._trainer import compile_for_training
 
 
 def _steps(model, optimizer, x, y, steps: int, cuda: bool) -> list[float]:

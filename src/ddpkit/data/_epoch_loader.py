@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any, cast
 
 from torch.utils.data import DataLoader
@@ -23,23 +24,18 @@ from ddpkit.distributed._progress import Phase
 from ddpkit.platforms import _torchrun as torchrun
 
 
-class ServeStacks:
+def serve_stacks(worker_id: int, then: Callable[[int], None] | None = None) -> None:
     """A loader's ``worker_init_fn``: under ``ddpkit run`` the loader worker answers stack requests
     (:func:`ddpkit._launch.worker.serve_stacks`, as ``rank<RANK>-loader<ID>``), then ``then`` (the
     user's own ``worker_init_fn``, if any) runs."""
+    if os.environ.get("DDPKIT_STACK_DIR"):  # under ddpkit run (ddpkit._launch.worker)
+        from ddpkit._launch.worker import serve_stacks
 
-    def __init__(self, then: Callable[[int], None] | None = None) -> None:
-        self.then = then
-
-    def __call__(self, worker_id: int) -> None:
-        if os.environ.get("DDPKIT_STACK_DIR"):  # under ddpkit run (ddpkit._launch.worker)
-            from ddpkit._launch.worker import serve_stacks
-
-            # the worker loads its data all the same; asked, it does not answer
-            with contextlib.suppress(Exception):
-                serve_stacks(f"rank{torchrun.rank_text(os.environ) or 0}-loader{worker_id}")
-        if self.then is not None:
-            self.then(worker_id)
+        # the worker loads its data all the same; asked, it does not answer
+        with contextlib.suppress(Exception):
+            serve_stacks(f"rank{torchrun.rank_text(os.environ) or 0}-loader{worker_id}")
+    if then is not None:
+        then(worker_id)
 
 
 class EpochLoader(DataLoader):
@@ -54,7 +50,7 @@ class EpochLoader(DataLoader):
         """``DataLoader``'s arguments, with a :class:`~ddpkit.data.ShardedBatchSampler` as
         ``batch_sampler``."""
         check_on_data_change(on_data_change)
-        kwargs["worker_init_fn"] = ServeStacks(kwargs.get("worker_init_fn"))
+        kwargs["worker_init_fn"] = partial(serve_stacks, then=kwargs.get("worker_init_fn"))
         super().__init__(*args, **kwargs)
         self.on_data_change = on_data_change
         self.data_changes: list[str] = []
@@ -80,14 +76,19 @@ class EpochLoader(DataLoader):
             self._fingerprint = sampler.fingerprint() | dataset_items(self.dataset)
         return self._fingerprint
 
+    def _live(self) -> _CountedIterator | None:
+        """The iteration under way over the sampler's current position, if any."""
+        live = self._pass
+        token = cast(ShardedBatchSampler, self.batch_sampler).position_token()
+        return live if live is not None and live.token == token else None
+
     def _steps_handed(self) -> int:
         """Global batches of the sampler's epoch handed over: by the iteration under way, or before
         the next ``iter()``."""
-        sampler = cast(ShardedBatchSampler, self.batch_sampler)
-        live = self._pass
-        if live is not None and live.token == sampler.position_token():
+        live = self._live()
+        if live is not None:
             return live.first + live.handed
-        return sampler._first_step()
+        return cast(ShardedBatchSampler, self.batch_sampler)._first_step()
 
     def position(self) -> tuple[int, int]:
         """``(epoch, cursor)``: the epoch of the batches being handed over (or the next one), and
@@ -118,13 +119,8 @@ class EpochLoader(DataLoader):
         """The iteration under way has handed over its epoch's last batch and not yet ended: the
         code after the loop over the batches (an epoch scheduler, an evaluation) has not run, though
         :meth:`position` already says the next epoch."""
-        sampler = cast(ShardedBatchSampler, self.batch_sampler)
-        live = self._pass
-        return (
-            live is not None
-            and live.token == sampler.position_token()
-            and (self._steps_handed() >= sampler.steps_per_epoch)
-        )
+        steps = cast(ShardedBatchSampler, self.batch_sampler).steps_per_epoch
+        return self._live() is not None and self._steps_handed() >= steps
 
     def state_dict(self) -> dict[str, Any]:
         """Where the loop stands (:meth:`position`) and the data's fingerprint: save it with the

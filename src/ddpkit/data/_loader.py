@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from ddpkit._errors import ConfigError, checked_arguments
-from ddpkit.data._epoch_loader import EpochLoader, ServeStacks
+from ddpkit.data._epoch_loader import EpochLoader, serve_stacks
 from ddpkit.data._fingerprint import OnDataChange, dataset_items
 from ddpkit.data._sampler import EpochIndices, EvalShardSampler, ShardedBatchSampler
 from ddpkit.distributed import Group
@@ -143,7 +143,7 @@ def build_eval_loader(
         sampler=EvalShardSampler(cast(Sized, dataset), group=group),
         collate_fn=collate_fn,
         generator=torch.Generator(),
-        worker_init_fn=ServeStacks(),
+        worker_init_fn=serve_stacks,
         **_loader_kwargs(num_workers, pin_memory),
     )
 

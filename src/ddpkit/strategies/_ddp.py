@@ -4,11 +4,10 @@ the optimizer state sharded over ranks (``ZeroRedundancyOptimizer``)."""
 
 # No ``from __future__ import annotations``: DDP checks a communication hook's annotations as
 # objects (``bucket: dist.GradBucket``).
-import dataclasses
 import math
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, ExitStack, nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -81,11 +80,8 @@ class DDPConfig:
             raise ConfigError(f"bucket_cap_mb={self.bucket_cap_mb} must be positive")
 
     def ddp_kwargs(self) -> dict[str, Any]:
-        out = {
-            k: v
-            for k, v in asdict(self).items()
-            if k in ("static_graph", "gradient_as_bucket_view", "find_unused_parameters")
-        }
+        names = ("static_graph", "gradient_as_bucket_view", "find_unused_parameters")
+        out: dict[str, Any] = {k: getattr(self, k) for k in names}
         # passed only when changed: torch 2.13 warns that the name is deprecated
         if not self.broadcast_buffers:
             out["broadcast_buffers"] = False
@@ -94,14 +90,11 @@ class DDPConfig:
         return out
 
     def register_hook(self, model: Any, process_group: Group) -> None:
-        """Register :attr:`comm_hook` on the DDP ``model`` (nothing without one)."""
-        if self.comm_hook == "fp16":
-            model.register_comm_hook(process_group, default_hooks.fp16_compress_hook)
-        elif self.comm_hook == "bf16":
-            model.register_comm_hook(process_group, bf16_compress)
-        elif self.comm_hook == "parameter_server":
-            model.register_comm_hook(process_group, parameter_server)
-        elif self.comm_hook == "powersgd":
+        """Register :attr:`comm_hook` on ``model`` when it is a DDP (not a frozen model, nor one
+        process's)."""
+        if self.comm_hook is None or not isinstance(model, DDP):
+            return
+        if self.comm_hook == "powersgd":
             # the error-feedback state lives in the hook, not in snapshots: a resume restarts the
             # warm-up of plain all-reduces
             state = powerSGD_hook.PowerSGDState(
@@ -110,6 +103,13 @@ class DDPConfig:
                 start_powerSGD_iter=self.powersgd_start_iter,
             )
             model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        else:
+            hooks = {
+                "fp16": default_hooks.fp16_compress_hook,
+                "bf16": bf16_compress,
+                "parameter_server": parameter_server,
+            }
+            model.register_comm_hook(process_group, hooks[self.comm_hook])
 
 
 def bf16_compress(
@@ -250,8 +250,7 @@ class DDPStrategy:
         kwargs = self.config.ddp_kwargs()
         if not prepared:
             model = prepare_model(model, sync_batchnorm=sync_batchnorm, runtime=runtime, **kwargs)
-            if runtime.distributed:
-                self.config.register_hook(model, runtime.group)
+            self.config.register_hook(model, runtime.group)
         self.model = model
         self.optimizer = optimizer
         self.on_host = runtime.device.type == "cpu"
@@ -338,8 +337,7 @@ class SeveralModels:
             model = prepare_model(
                 model, sync_batchnorm=sync_batchnorm, runtime=runtime, seed_ranks=False, **kwargs
             )
-            if isinstance(model, DDP):  # not a frozen one
-                self.config.register_hook(model, runtime.group)
+            self.config.register_hook(model, runtime.group)
             self.models[name] = model
         self.optimizers = dict(optimizers)
         self.model: nn.Module = nn.ModuleDict(self.models)  # for the Trainer's walks over modules
@@ -449,13 +447,9 @@ class ZeroStrategy(DDPStrategy):
                 "ddpkit.spawn), or use strategy 'ddp' for a single process"
             )
         zero_config = config or ZeroConfig()
-        ddp_config = DDPConfig(
-            **{f.name: getattr(zero_config, f.name) for f in dataclasses.fields(DDPConfig)}
-        )
         super().__init__(
-            model, optimizer, runtime=runtime, config=ddp_config, sync_batchnorm=sync_batchnorm
+            model, optimizer, runtime=runtime, config=zero_config, sync_batchnorm=sync_batchnorm
         )
-        self.config = zero_config
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         names = {id(p): n for n, p in unwrap(self.model).named_parameters()}

@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ddpkit._errors import PREEMPTED_EXIT_CODE, ConfigError, Preempted
+from ddpkit._internals.compiler import cpp_compiler, set_ddp_optimizer
 from ddpkit.data import ShardedBatchSampler, build_loader
 from ddpkit.distributed import Group
 from ddpkit.distributed import _progress as marks
@@ -42,7 +43,6 @@ from ddpkit.strategies import Strategy, build_strategy
 from ddpkit.strategies._ddp import SeveralModels
 from ddpkit.tracking._metrics import MetricsWriter, Progress, run_summary
 from ddpkit.tracking._speed import Speed
-from ddpkit.training._compiled import compile_for_training
 from ddpkit.training._config import TrainerConfig  # noqa: F401  (imported from here by scripts)
 from ddpkit.training._evaluation import BatchLoss, BatchLossFn, LossFn
 from ddpkit.training._several import NO_METRIC_FN, ManualStep, Schedulers, StepFn, several_models
@@ -60,7 +60,12 @@ from ddpkit.training._step import (
     grad_scaler,
     step_output,
 )
-from ddpkit.training._validation import Evaluator, Validation, check_metric_driven, metric_driven
+from ddpkit.training._validation import (
+    Validation,
+    check_metric_driven,
+    evaluate_with,
+    metric_driven,
+)
 
 # The Trainer calls a callback's hooks on every rank, in order, between its own collectives: a
 # callback may make collectives of its own if it makes the same ones on every rank.
@@ -136,6 +141,20 @@ def own_parts(
             )
         parts[f"extra:{name}"] = obj
     return parts
+
+
+def compile_for_training(model: nn.Module, device: torch.device) -> Any:
+    """``TrainerConfig(compile=True)``: ``torch.compile(model)`` (the strategy's wrapped module)
+    with Dynamo's DDP optimizer on, so that each bucket's all-reduce still overlaps the backward
+    (docs/language-models.md). Only the training forward is compiled."""
+    if device.type == "cpu" and cpp_compiler() is None:
+        raise ConfigError(
+            "compile=True on the CPU needs a C++ compiler (inductor builds its kernels with one) "
+            "and none was found: install g++ (apt-get install g++) or set CXX, or leave "
+            "compile=False"
+        )
+    set_ddp_optimizer()
+    return torch.compile(model)
 
 
 class Trainer:
@@ -240,7 +259,7 @@ class Trainer:
         self.scaler = grad_scaler(config.precision, rt.device)
         self.batch_loss = BatchLoss(loss_fn, batch_loss_fn, metric_fn, count_fn)
         self._metrics_given = metric_fn is not None
-        self.train_data, self.val_data = train_data, val_data
+        self.val_data = val_data
         self.loader = build_loader(
             train_data, group=self.group, **config.loader_args(rt.world_size)
         )
@@ -259,10 +278,9 @@ class Trainer:
             params=config.to_json(),
         )
         self._autocast = partial(autocast, config.precision, rt.device)
-        self.evaluator = Evaluator(
-            self.strategy, self.batch_loss.metrics, self._autocast, config.eval_batch_size,
-            config.num_workers, self.group, config.collate_fn,
-        )  # fmt: skip
+        self.evaluator = partial(
+            evaluate_with, self.strategy, self.batch_loss.metrics, self._autocast, config, rt.group
+        )
         self.validation = Validation(
             config, rt, val_data, evaluate=self.evaluator,
             model_weights=self.strategy.model_weights, log=self.writer.log,
@@ -288,16 +306,18 @@ class Trainer:
             print0=partial(print0, group=self.group),
         )  # fmt: skip
         self.memory = self.snapshots.memory  # copies in shared memory after steps (None: off)
-        self.optimizer_step = OptimizerStep(
-            config, self.strategy, scheduler=None if self._plateau else scheduler,
-            scaler=self.scaler, state=self.state, log=self.writer.log, group=self.group,
-        )  # fmt: skip
-        self.train_step: TrainStep | ManualStep = TrainStep(
-            config, self.strategy, self.optimizer_step, forward=self._forward,
-            autocast=self._autocast, batch_loss=self.batch_loss, window=self._window,
-            sampler=self.sampler, speed=self.speed,
-        )  # fmt: skip
-        if step_fn is not None:
+        self.train_step: TrainStep | ManualStep
+        if step_fn is None:
+            self.optimizer_step = OptimizerStep(
+                config, self.strategy, scheduler=None if self._plateau else scheduler,
+                scaler=self.scaler, state=self.state, log=self.writer.log, group=self.group,
+            )  # fmt: skip
+            self.train_step = TrainStep(
+                config, self.strategy, self.optimizer_step, forward=self._forward,
+                autocast=self._autocast, batch_loss=self.batch_loss, window=self._window,
+                sampler=self.sampler, speed=self.speed,
+            )  # fmt: skip
+        else:
             self.train_step = ManualStep(
                 config, cast(SeveralModels, self.strategy), step_fn, scaler=self.scaler,
                 state=self.state, schedulers=scheduler.schedulers if scheduler else {},

@@ -28,38 +28,27 @@ from ddpkit.training._evaluation import evaluate
 from ddpkit.training._step import StopReason
 
 
-class Evaluator:
-    """Exact metrics of a Trainer's model over a dataset (every sample counted once): its own
-    evaluation loader, the strategy's evaluation mode, the run's metrics and precision. It holds the
-    Trainer's parts, never the Trainer: a reference cycle would leave a finished Trainer's loader
-    workers to a garbage collection, in whatever thread it runs (a snapshot writer's)."""
-
-    def __init__(
-        self,
-        strategy: Strategy,
-        metrics: Callable[[nn.Module, Any], Mapping[str, Any]],
-        autocast: Callable[[], Any],
-        batch_size: int,
-        num_workers: int | None,
-        group: Group,
-        collate_fn: Callable[[list[Any]], Any] | None = None,
-    ) -> None:
-        self.strategy, self.metrics, self.autocast = strategy, metrics, autocast
-        self.batch_size, self.num_workers, self.group = batch_size, num_workers, group
-        self.collate_fn = collate_fn
-
-    def __call__(self, data: Dataset, prefix: str = "test") -> dict[str, float]:
-        """The metrics over ``data``, named ``prefix/metric``."""
-        loader = build_eval_loader(
-            data, self.batch_size, num_workers=self.num_workers, collate_fn=self.collate_fn,
-            group=self.group,
-        )  # fmt: skip
-        # fsdp: no collective per forward, as ranks' batch counts may differ
-        with self.strategy.evaluation():
-            results = evaluate(
-                self.strategy.model, loader, self.metrics, group=self.group, autocast=self.autocast
-            )
-        return {f"{prefix}/{k}": v for k, v in results.items()}
+def evaluate_with(
+    strategy: Strategy,
+    metrics: Callable[[nn.Module, Any], Mapping[str, Any]],
+    autocast: Callable[[], Any],
+    config: TrainerConfig,
+    group: Group,
+    data: Dataset,
+    prefix: str = "test",
+) -> dict[str, float]:
+    """Exact metrics of a Trainer's model over ``data`` (every sample counted once), named
+    ``prefix/metric``: its own evaluation loader, the strategy's evaluation mode, the run's metrics
+    and precision. Bound to the Trainer's parts, never the Trainer: a reference cycle would leave a
+    finished Trainer's loader workers to a garbage collection, in whatever thread it runs."""
+    loader = build_eval_loader(
+        data, config.eval_batch_size, num_workers=config.num_workers,
+        collate_fn=config.collate_fn, group=group,
+    )  # fmt: skip
+    # fsdp: no collective per forward, as ranks' batch counts may differ
+    with strategy.evaluation():
+        results = evaluate(strategy.model, loader, metrics, group=group, autocast=autocast)
+    return {f"{prefix}/{k}": v for k, v in results.items()}
 
 
 class Validation:
@@ -72,7 +61,7 @@ class Validation:
         runtime: Runtime,
         val_data: Any,
         *,
-        evaluate: Evaluator,
+        evaluate: Callable[[Dataset, str], dict[str, float]],
         model_weights: Callable[[], Mapping[str, torch.Tensor]],
         log: Callable[[str, int, dict[str, Any]], None],
         plateau: Any = None,
@@ -142,9 +131,8 @@ class Validation:
             (best.value, best.epoch, best.step), group=group
         )
 
-    def update(self, metrics: Mapping[str, Any], epoch: int, step: int) -> bool:
-        """Count the metrics towards early stopping, keep the weights if best; True when training
-        must stop."""
+    def update(self, metrics: Mapping[str, Any], epoch: int, step: int) -> None:
+        """Count the metrics towards early stopping, keep the weights if best."""
         self.early_stopping.update(metrics)
         metric = self.early_stopping.config.metric
         if self.plateau is not None and metric is not None:
@@ -160,7 +148,6 @@ class Validation:
             if best.export_path is not None and best.export_format is not None:
                 event["weights"] = best.export_path.name
             self.log("event", step, event)
-        return self.early_stopping.should_stop
 
     def inside_epoch(self, epoch: int, step: int) -> dict[str, Any]:
         """``max_steps`` stopped the run inside an epoch: validate there, and count it towards the
@@ -174,10 +161,9 @@ class Validation:
         self.log("val", step, metrics)
         return metrics
 
-    def after_step(self, epoch: int, step: int) -> dict[str, Any]:
+    def after_step(self, epoch: int, step: int) -> None:
         """Validate now (the step is due): record the metrics as a ``val`` record at ``step`` and
-        count them (``early_stopping.should_stop`` then says whether training must stop); the
-        metrics, with ``epoch`` and ``step``."""
+        count them (``early_stopping.should_stop`` then says whether training must stop)."""
         assert self.evaluate is not None  # __init__ refuses every_steps without validation data
         metrics = self.evaluate()
         self.latest, self.latest_step = dict(metrics), step
@@ -187,7 +173,6 @@ class Validation:
             group=self.group,
         )
         self.update(metrics, epoch, step)
-        return {"epoch": epoch, "step": step, **metrics}
 
     def save_final_weights(self, epoch: int, step: int, stopped_by: str | None) -> None:
         """``final.safetensors`` (or ``final_weights.pt``) in the run directory, when training ends:

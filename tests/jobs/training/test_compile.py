@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import ddpkit
+from ddpkit._internals.compiler import cpp_compiler
 from ddpkit.testing import run_job
-from ddpkit.training._compiled import cpp_compiler
 from tests.conftest import _clean_environ
 from tests.jobs.scripts.token_loss_job import train
 from tests.trainer_checks import bitwise_equal
