@@ -46,7 +46,7 @@ from ddpkit.tools import _predict as predict
 from ddpkit.tools._measure import Knobs, measure_steps, single_process_steps
 from ddpkit.tools._predict import MS
 from ddpkit.tools._workload import BUILTINS, HOOK, MAX_STEPS, load_workload
-from ddpkit.tracking._curves import shown
+from ddpkit.tracking._curves import refuse_bad_name, shown
 
 MAX_WORLD = 1_000_000  # the largest world size --predict extrapolates to
 OUTPUTS = ("bench.json", "bench.png")
@@ -541,12 +541,7 @@ def check_out(out: str, overwrite: bool) -> None:
     """Refuse, before anything is measured, an ``--out`` the results could not be written to, or
     one holding an earlier bench's results (unless ``overwrite``)."""
     path = Path(out)
-    try:
-        path.exists()
-    except OSError as err:  # a name longer than the file system allows
-        raise ConfigError(
-            f"--out {out[:80]!r}... ({len(out)} characters): {err.strerror}: give another --out"
-        ) from None
+    refuse_bad_name(path, "--out", "give another --out")
     if path.exists() and not path.is_dir():
         raise ConfigError(
             f"--out {out!r} is a file: give a folder for bench.json and bench.png (made if missing)"
