@@ -4,6 +4,7 @@ pruners, this search's trials, and the checks of what ``search_dir`` holds
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -93,7 +94,8 @@ def repair_journal(path: Path) -> str | None:
     lines = whole.split(b"\n") if whole else []
     for number, line in enumerate(lines, start=1):
         if not _is_record(line):
-            _refuse_damaged(path, number, len(lines) + bool(tail))
+            what = "not a whole record; a write cut short, then others appended to it"
+            _refuse_damaged(path, len(lines) + bool(tail), number, what)
     lock = path.with_name(path.name + ".lock")
     if os.path.lexists(lock):
         # Optuna's lock left by a killed writer: under the search_dir lock no writer is alive
@@ -140,15 +142,15 @@ def _is_record(line: bytes) -> bool:
         return False
 
 
-def _refuse_damaged(path: Path, number: int, total: int) -> None:
+def _refuse_damaged(path: Path, total: int, number: int, what: str) -> NoReturn:
     kept = number - 1
     raise ConfigError(
-        f"the study's journal {path} is damaged at line {number} of {total} (not a whole record; a "
-        "write cut short, then others appended to it), and Optuna cannot read past it. Either "
-        f"keep the {kept} whole records before it (`head -n {kept} {path} > {path}.kept && mv "
-        f"{path} {path}.damaged && mv {path}.kept {path}`: the trials recorded after them are "
-        "dropped, and their trial-NNNN folders must be moved away too), or start the search "
-        "afresh in another search_dir"
+        f"the study's journal {path} is damaged at line {number} of {total}: {what}, and Optuna "
+        "cannot read past it. Put the line back as it was if it was edited, or keep the "
+        f"{kept} whole records before it (`head -n {kept} {path} > {path}.kept && mv {path} "
+        f"{path}.damaged && mv {path}.kept {path}`: the trials recorded after them are dropped, "
+        "and their trial-NNNN folders must be moved away too), or start the search afresh in "
+        "another search_dir"
     )
 
 
@@ -190,15 +192,7 @@ def check_journal(path: Path) -> None:
         refuse_large_journal(path, os.fstat(fd).st_size)
         data = f.read()
     lines = data.split(b"\n")[:-1]  # whole lines only
-
-    def refuse(number: int, what: str) -> NoReturn:
-        raise ConfigError(
-            f"the study's journal {path} is damaged at line {number} of {len(lines)}: {what}. It "
-            "was not written so by Optuna (edited by hand?): put the line back as it was, or keep "
-            f"the {number - 1} records before it (`head -n {number - 1} {path} > {path}.kept`, "
-            f"then move {path}.kept over it), or start the search afresh in another search_dir"
-        )
-
+    refuse = functools.partial(_refuse_damaged, path, len(lines))
     replay = memory_journal(_journal_records(path, lines, refuse))
     try:
         JournalStorage(replay)

@@ -44,11 +44,10 @@ from ddpkit.strategies._prepare import GRADIENT_AS_BUCKET_VIEW
 from ddpkit.tools import _measure as measure
 from ddpkit.tools import _predict as predict
 from ddpkit.tools._measure import Knobs, measure_steps, single_process_steps
-from ddpkit.tools._workload import BUILTINS, HOOK, load_workload
-from ddpkit.tracking._curves import shown
+from ddpkit.tools._predict import MS
+from ddpkit.tools._workload import BUILTINS, HOOK, MAX_STEPS, load_workload
+from ddpkit.tracking._curves import refuse_bad_name, shown
 
-MS = 1e3
-MAX_STEPS = 100_000  # the most --steps, --warmup or --rounds
 MAX_WORLD = 1_000_000  # the largest world size --predict extrapolates to
 OUTPUTS = ("bench.json", "bench.png")
 
@@ -90,9 +89,10 @@ class BenchConfig:
         for name in ("nproc", "gpus_per_node"):
             if (value := getattr(self, name)) > MAX_NPROC:
                 raise ConfigError(f"--{name.replace('_', '-')} {value}: at most {MAX_NPROC}")
-        if max(self.predict_sizes, default=1) > MAX_WORLD:
+        if not self.predict_sizes or not all(1 <= n <= MAX_WORLD for n in self.predict_sizes):
             raise ConfigError(
-                f"--predict {max(self.predict_sizes)}: world sizes of at most {MAX_WORLD}"
+                f"--predict {','.join(map(str, self.predict_sizes))}: give world sizes from 1 to "
+                f"{MAX_WORLD}, such as 1,2,4,8"
             )
         self._check_links()
         gpus = torch.cuda.device_count()
@@ -541,12 +541,7 @@ def check_out(out: str, overwrite: bool) -> None:
     """Refuse, before anything is measured, an ``--out`` the results could not be written to, or
     one holding an earlier bench's results (unless ``overwrite``)."""
     path = Path(out)
-    try:
-        path.exists()
-    except OSError as err:  # a name longer than the file system allows
-        raise ConfigError(
-            f"--out {out[:80]!r}... ({len(out)} characters): {err.strerror}: give another --out"
-        ) from None
+    refuse_bad_name(path, "--out", "give another --out")
     if path.exists() and not path.is_dir():
         raise ConfigError(
             f"--out {out!r} is a file: give a folder for bench.json and bench.png (made if missing)"
@@ -582,12 +577,9 @@ def write_outputs(cfg: BenchConfig, result: dict[str, Any]) -> list[str]:
 
 def _sizes(text: str) -> tuple[int, ...]:
     try:
-        sizes = tuple(int(v) for v in text.split(","))
+        return tuple(int(v) for v in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: give world sizes as 1,2,4,8") from None
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: world sizes must be >= 1")
-    return sizes
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -612,8 +604,8 @@ def _parser() -> argparse.ArgumentParser:
         default=gpus if gpus >= 2 else 2,
         help="largest world size measured here (default: the GPUs, or 2 CPU processes)",
     )
-    for name in ("steps", "warmup", "rounds"):
-        p.add_argument(f"--{name}", type=int, default=getattr(BenchConfig, name))
+    for name in ("steps", "warmup", "rounds", "gpus_per_node"):
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(BenchConfig, name))
     p.add_argument(
         "--predict",
         type=_sizes,
@@ -621,7 +613,6 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N,N,...",
         help="world sizes to predict (default 1,2,4,...,256)",
     )
-    p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument(
         "--intra", default="measured", help="link within a node: measured (default) or a preset"
     )

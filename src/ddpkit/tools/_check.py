@@ -36,9 +36,8 @@ from ddpkit.distributed._runtime import get_runtime, init
 from ddpkit.distributed._seeding import mix_seed, seed_everything
 from ddpkit.nn._dropout import BatchLayout, batch_layout, convert_dropout
 from ddpkit.strategies._prepare import prepare_model, unwrap
-from ddpkit.tools._workload import BUILTINS, HOOK, Workload, load_workload
+from ddpkit.tools._workload import BUILTINS, HOOK, MAX_STEPS, Workload, load_workload
 
-MAX_STEPS = 100_000
 SCRIPT_FAILED = 3
 """The exit code when the script raised (0: the runs agree; 1: they differ; 2: bad options)."""
 QUANTITIES = ("loss", "grad", "weights")

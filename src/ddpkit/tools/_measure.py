@@ -244,11 +244,9 @@ def single_process_steps(
     return {"gpus": gpus, "step": statistics.median(out), "samples": w.batch_size * gpus}
 
 
-def measure_allreduce(
-    sizes: tuple[int, ...] = DEFAULT_SIZES, min_seconds: float = 0.02, repeats: int = 5
-) -> list[tuple[int, float]]:
+def measure_allreduce(sizes: tuple[int, ...]) -> list[tuple[int, float]]:
     """Seconds per float32 all-reduce of each size in bytes (collective): back to back, as
-    nccl-tests times them; the slowest rank's time, the fastest of ``repeats``."""
+    nccl-tests times them, for at least 20 ms; the slowest rank's time, the fastest of 5."""
     device = comm_device()
     out = []
     for nbytes in sizes:
@@ -261,9 +259,9 @@ def measure_allreduce(
         _sync(device)
         # the same count on every rank, or ranks would enter different numbers of collectives
         once = all_reduce(time.perf_counter() - t0, op="max")
-        iters = max(3, min(1000, math.ceil(min_seconds / max(once, 1e-7))))
+        iters = max(3, min(1000, math.ceil(0.02 / max(once, 1e-7))))
         times = []
-        for _ in range(repeats):
+        for _ in range(5):
             barrier()
             t0 = time.perf_counter()
             for _ in range(iters):
@@ -274,23 +272,21 @@ def measure_allreduce(
     return out
 
 
-def measure_in_step(
-    buckets: list[int], compute_s: float, steps: int = 60, warmup: int = 10
-) -> float:
+def measure_in_step(buckets: list[int], compute_s: float) -> float:
     """Seconds a step spends in the all-reduces of ``buckets`` when each step first computes for
-    ``compute_s`` on every rank, as a DDP step on the CPU does: the slowest rank's median
-    (collective)."""
+    ``compute_s`` on every rank, as a DDP step on the CPU does: the slowest rank's median of 60
+    steps after 10 (collective)."""
     x = torch.randn(128, 128)
     tensors = [torch.ones(max(1, b // 4), dtype=torch.float32) for b in buckets]
     times = []
-    for i in range(warmup + steps):
+    for i in range(70):
         t = time.perf_counter()
         while time.perf_counter() - t < compute_s:
             x @ x
         t0 = time.perf_counter()
         for tensor in tensors:
             dist.all_reduce(tensor)
-        if i >= warmup:
+        if i >= 10:
             times.append(time.perf_counter() - t0)
     return all_reduce(statistics.median(times), op="max")
 

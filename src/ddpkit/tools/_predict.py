@@ -13,8 +13,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ddpkit._errors import ConfigError
-
 if TYPE_CHECKING:
     from ddpkit.tools._bench import BenchConfig
 
@@ -180,8 +178,6 @@ def predict(
     """Step time and efficiency at ``n`` ranks: one rank's step plus the exposed all-reduce (what
     backward does not hide, with DDP's fixed cost of finishing a reduction); efficiency is the
     throughput over ``n`` times the one-rank throughput."""
-    if n < 1:
-        raise ConfigError(f"world size {n}: must be >= 1")
     exposed = fixed_sync_s
     if n > 1:
         exposed += exposed_seconds(buckets, backward_s, allreduce_s, overlap)

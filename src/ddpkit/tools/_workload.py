@@ -28,6 +28,7 @@ from ddpkit.training._evaluation import BatchLossFn, CountFn, LossFn, cross_entr
 
 HOOK = "ddpkit_workload"
 """The function a script defines for ``ddpkit bench script.py`` and ``ddpkit check script.py``."""
+MAX_STEPS = 100_000  # the most steps (and warm-up steps, rounds) bench or check runs
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 LoaderFactory = Callable[[Dataset, int, int, int], Iterable[Any]]

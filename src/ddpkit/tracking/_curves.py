@@ -21,12 +21,7 @@ def read_curves(run_dir: str | Path) -> dict[str, dict[int, float]]:
     """``{name: {step: value}}`` for every numeric value of the train, epoch and test records, and
     each rank's busy time per step (``busy_ms/rank0``, ...) from the ``ranks`` records."""
     path = Path(run_dir) / "metrics.jsonl"
-    try:
-        path.exists()
-    except OSError as err:  # a name longer than the file system allows
-        raise ConfigError(
-            f"RUN_DIR {str(run_dir)[:80]!r}...: {err.strerror}: give the run directory"
-        ) from None
+    refuse_bad_name(path, "RUN_DIR", "give the run directory")
     if not path.is_file():
         what = f"{path} is not a file" if path.exists() else f"no {path}"
         raise ConfigError(
@@ -140,15 +135,7 @@ def plot(run_dir: str | Path, out: str | Path | None = None) -> Path:
 def _check_out(path: Path, formats: dict[str, str], given: bool) -> str:
     """The image format of ``path`` (its extension); a :class:`ConfigError` names what to change."""
     option = "-o" if given else "the default output"
-    try:
-        path.is_dir() or path.parent.is_dir()
-    except OSError as err:  # a name longer than the file system allows
-        text = (
-            str(path)
-            if len(str(path)) <= 80
-            else f"{str(path)[:80]}... ({len(str(path))} characters)"
-        )
-        raise ConfigError(f"{option} {text!r}: {err.strerror}: give a shorter file name") from None
+    refuse_bad_name(path, option, "give a shorter file name")
     if path.is_dir():
         raise ConfigError(
             f"{option} {str(path)!r} is a folder: give a file name, e.g. "
@@ -166,6 +153,18 @@ def _check_out(path: Path, formats: dict[str, str], given: bool) -> str:
             f"({', '.join('.' + k for k in sorted(formats))})"
         )
     return kind
+
+
+def refuse_bad_name(path: Path, option: str, fix: str) -> None:
+    """A :class:`ConfigError` naming ``option`` and ``fix`` when the file system refuses ``path``'s
+    name (one longer than it allows)."""
+    try:
+        path.exists()
+    except OSError as err:
+        text = str(path)
+        if len(text) > 80:
+            text = f"{text[:80]}... ({len(text)} characters)"
+        raise ConfigError(f"{option} {text!r}: {err.strerror}: {fix}") from None
 
 
 def shown(path: str | Path) -> str:
