@@ -4,6 +4,7 @@ module's ``_orig_mod``, a module's ``_buffers``, and the buckets DDP rebuilds af
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any, TypeGuard
 
 import torch
@@ -53,11 +54,24 @@ class _RebuiltBuckets:
 
         self.ddp, self.allreduce = ddp, allreduce_hook
         self.ready: list[int] = []
-        self.seen = self.registered = False
+        self.seen = self.registered = self.ours = False
         params = [p for p in ddp.module.parameters() if p.requires_grad]
         self.most = 4 * len(params)  # a wrapper dropped before its first step records no more
         self.handles = [p.register_post_accumulate_grad_hook(self._ready) for p in params]
         self.handles.append(ddp.register_forward_pre_hook(self._forward))
+        self.inner: tuple[object, Callable[..., Any]] | None = None
+        # DDP takes one comm hook: the caller's registrations come here (an instance attribute
+        # shadows the method)
+        vars(ddp)["register_comm_hook"] = self.register
+
+    def register(self, state: object, hook: Callable[..., Any]) -> None:
+        """``ddp.register_comm_hook``: before the first forward, torch's own (none of this one's
+        then); after it, ``hook`` serves every bucket from then on in place of this one's."""
+        self.seen = self.registered = True
+        if self.ours:
+            self.inner = (state, hook)
+        else:
+            DDP.register_comm_hook(self.ddp, state, hook)
 
     def _ready(self, param: torch.Tensor) -> None:
         if len(self.ready) < self.most:
@@ -69,7 +83,8 @@ class _RebuiltBuckets:
             if self.ddp._comm_hooks or self.ddp._get_ddp_logging_data().get("comm_hook"):
                 self.seen = True
             else:
-                self.ddp.register_comm_hook(self.ddp.process_group, self.hook)
+                DDP.register_comm_hook(self.ddp, self.ddp.process_group, self.hook)
+                self.ours = True
         if self.seen:  # the first all-reducing step is over: DDP's buckets are rebuilt
             for handle in self.handles:
                 handle.remove()
@@ -77,6 +92,8 @@ class _RebuiltBuckets:
         self.ready.clear()
 
     def hook(self, group, bucket):  # type: ignore[no-untyped-def]  # DDP reads no string annotation
+        if self.inner is not None:
+            return self.inner[1](self.inner[0], bucket)
         if not self.handles:
             return self.allreduce(group, bucket)
         self.seen = True
@@ -111,9 +128,10 @@ def reduce_in_rebuilt_buckets(ddp: DDP) -> None:
     bucket in the parameters' order and rebuilds its buckets from the order the gradients became
     ready; a ring all-reduce over 3 ranks or more sums an element in an order set by its place in
     its bucket, so that step would differ in the last bits. A comm hook (torch's
-    ``allreduce_hook`` after the first step) does it; nothing where the caller registers a comm
-    hook of its own before the first forward, where DDP never rebuilds
-    (``find_unused_parameters``, per-bucket sizes), or where torch lacks what it relies on."""
+    ``allreduce_hook`` after the first step) does it; a comm hook the caller registers before the
+    first forward replaces it, one registered later serves the buckets from then on. Nothing where
+    DDP never rebuilds (``find_unused_parameters``, per-bucket sizes), or where torch lacks what it
+    relies on."""
     if ddp.find_unused_parameters or getattr(ddp, "bucket_bytes_cap_list", None):
         return
     if _check_rebuilt_buckets() is not None:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import TensorDataset
 
@@ -221,3 +222,30 @@ def _verdicts() -> list[tuple[bool, bool]]:
 def test_every_ranks_verdict_on_the_bucket_views_sees_either_ranks_inf():
     for steps in run_on_ranks(_verdicts, 2):
         assert [finite for finite, _ in steps] == [not bad for _, bad in steps]
+
+
+def _hooked_later() -> list[int]:
+    """Two steps, then a comm hook of the caller's counting the buckets it serves, two more."""
+    torch.manual_seed(0)
+    model = ddpkit.prepare_model(nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 2)))
+    served = []
+
+    def counting(state, bucket):
+        served.append(bucket.index())
+        return default_hooks.allreduce_hook(state, bucket)
+
+    for step in range(4):
+        if step == 2:
+            # control: DDP's own registration refuses a second hook
+            with pytest.raises(RuntimeError, match="can only be called once"):
+                DDP.register_comm_hook(model, None, counting)
+            model.register_comm_hook(None, counting)
+        model(torch.randn(4, 8)).sum().backward()
+    assert_same_on_ranks([p.grad for p in model.parameters()])
+    return served
+
+
+def test_a_comm_hook_registered_after_the_first_forward_serves_the_steps_after_it():
+    # prepare_model's own hook is registered at the first forward; the caller's, registered at
+    # step 2, serves steps 2 and 3 in its place
+    assert run_on_ranks(_hooked_later, 2) == [[0, 0]] * 2
