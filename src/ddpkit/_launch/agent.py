@@ -1,9 +1,6 @@
 """torchrun's elastic agent as ``ddpkit run`` runs it (:class:`Agent`, installed by
-:func:`install`): a pre-empted worker stops the job rather than restart it; SIGTERM and SIGUSR1
-reach the workers and SIGUSR2 asks them for their stacks, never ending the launcher; the stall
-watch, the workers' stacks and a failure summary before each restart; every process the workers
-started ended with them; the fork server; and the job's folder in shared memory.
-"""
+:func:`install`): pre-emption, signals, the stall watch, stacks and failure summaries, the fork
+server, and the job's folder in shared memory (docs/launcher.md)."""
 
 from __future__ import annotations
 
@@ -26,7 +23,7 @@ from ddpkit._launch import forkserver as forked
 from ddpkit._launch import recover, say, watch, worker
 from ddpkit._launch import watch_nodes as nodes
 from ddpkit._launch.failure import Left, preempted, summarize_failure
-from ddpkit._launch.proctree import kill_descendants
+from ddpkit._launch.proctree import kill_descendants, send
 from ddpkit.distributed._progress import Phase
 from ddpkit.snapshot import _slots as memory_folder
 
@@ -46,12 +43,8 @@ class Agent(HookedAgent):
         self._stacks_asked: int | None = None
         self._watched: int | None = None
         self._published_to: Any = None
-        folder, stacks = os.environ.get(watch.DIR_ENV), os.environ.get("DDPKIT_STACK_DIR")
-        self.watch = (
-            watch.Watch(Path(folder), self.policy, Path(stacks) if stacks else None)
-            if folder
-            else None
-        )
+        folder = os.environ.get(watch.DIR_ENV)
+        self.watch = watch.Watch(Path(folder), self.policy, _stack_dir()) if folder else None
         # when the last attempt failed: each rank's step and phase, the workers that exited 0
         # while the others went on, the line on ranks in one collective under different ops
         self.where = ""
@@ -89,7 +82,7 @@ class Agent(HookedAgent):
             say(f"rank {rank} was at (innermost first):")
             for frame in frames:
                 say(f"  {frame}")
-        _kill([pids[r] for r in ranks])
+        send([pids[r] for r in ranks], signal.SIGKILL)
 
     def replace_worker(self, worker: Any, env: dict[str, str]) -> None:
         super().replace_worker(worker, env)
@@ -200,10 +193,12 @@ class Agent(HookedAgent):
             _ask_for_stacks(running, [w.global_rank for w in worker_group.workers])
         if any(code is not None and code != 0 for code in codes.values()):
             # torchrun's SIGTERM, then 30 s: a stopped process would hold the job's end that long
-            for local, proc in self.worker_processes().items():
-                if codes.get(local) is None and watch.process_state(proc.pid).startswith("stopped"):
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(proc.pid, signal.SIGKILL)
+            stopped = [
+                proc.pid
+                for local, proc in self.worker_processes().items()
+                if codes.get(local) is None and watch.process_state(proc.pid).startswith("stopped")
+            ]
+            send(stopped, signal.SIGKILL)
 
     def _note_exits(self, codes: dict[int, int | None]) -> None:
         """Note the poll that first saw each worker of this attempt exited."""
@@ -341,10 +336,10 @@ def _forward_signals() -> None:
         if agent is None or not pids:  # no workers yet (rendezvous) or any more: stop now
             raise SystemExit(128 + signum)
         agent.stop_restarting()
-        timer = threading.Timer(TERM_GRACE, _kill, (pids,))
+        timer = threading.Timer(TERM_GRACE, send, (pids, signal.SIGKILL))
         timer.daemon = True
         timer.start()
-        _send(pids, signum)
+        send(pids, signum)
 
     # torchrun's process context installs its handlers at each start: keep it off SIGTERM
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = TORCHRUN_SIGNALS
@@ -381,21 +376,9 @@ def _answer() -> None:
                     worker.request_every_stack(folder)
             else:
                 agent = Agent.current
-                _send(agent.worker_pids() if agent is not None else [], signum)
+                send(agent.worker_pids() if agent is not None else [], signum)
         except Exception:  # noqa: BLE001  (an attempt ending as it is read: none left to reach)
             continue
-
-
-def _send(pids: list[int], signum: int) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signum)
-
-
-def _kill(pids: list[int]) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
 
 
 def install(

@@ -1,7 +1,5 @@
-"""The summary of a failed ``ddpkit run`` job, and the code it exits with: :func:`cause` picks the
-failure that ended the job among its consequences, :func:`summarize_failure` says it first, with
-what the agent saw. Printed at a job's end and before each restart.
-"""
+"""The summary of a failed ``ddpkit run`` job and its exit code: :func:`cause` picks the failure
+that ended the job, :func:`summarize_failure` says it first."""
 
 from __future__ import annotations
 

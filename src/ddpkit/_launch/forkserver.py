@@ -1,12 +1,6 @@
-"""The fork server: a process that imported torch once for the job, from which ``ddpkit run``
-forks each worker, so that a restart skips the interpreter's start and torch's import.
-
-The server (started as ``python -u -m ddpkit._launch.forkserver FD AGENT_PID PRELOAD -- WORKER
-COMMAND...``) forks, through an intermediate that exits, a worker the agent (a child subreaper)
-adopts, and that starts as a new interpreter would (docs/launcher.md, "Fast restarts"). The agent's
-side (:class:`ForkServer`, :func:`install`) stands in for the ``Popen`` of torchrun's
-``SubprocessHandler``; where the server cannot serve, the worker is a new interpreter.
-"""
+"""The fork server (docs/launcher.md, "Fast restarts"): a process that imported torch once for the
+job, from which ``ddpkit run`` forks each worker; the agent's side (:class:`ForkServer`,
+:func:`install`) stands in for the ``Popen`` of torchrun's ``SubprocessHandler``."""
 
 from __future__ import annotations
 

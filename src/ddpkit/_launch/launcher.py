@@ -1,7 +1,4 @@
-"""``ddpkit run``: an argument builder over torchrun's elastic agent (``torch.distributed.run``),
-with defaults for what users trip over and one readable summary when a worker fails
-(docs/launcher.md).
-"""
+"""``ddpkit run``: an argument builder over torchrun's elastic agent (docs/launcher.md)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""``ddpkit run``'s options (:class:`LaunchConfig`, the checks of each value), and the command lines
-of ``ddpkit run``, ``sbatch`` and ``k8s``: each a table of options, split from its script's own
-arguments, turned into its config by :func:`config_from`; ``ddpkit run``'s defaults from a
-platform's environment (:func:`with_environment_defaults`)."""
+"""The options and command lines of ``ddpkit run``, ``sbatch`` and ``k8s``, each a table of options
+split from its script's arguments and turned into its config (:func:`config_from`)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""Ending every process a worker started, however the worker ended (torchrun signals a worker's
-process group only while the worker runs). The agent is a child subreaper, so that orphans stay
-below it for :func:`kill_descendants`; each worker forks a guard (:func:`start_guard`) that, once
-the worker dies, kills its process group and every process carrying its mark (:data:`MARK`).
-Linux only; elsewhere these calls do nothing.
-"""
+"""Ending every process a worker started, however it ended (docs/launcher.md, "Inside each worker"):
+the agent as a child subreaper (:func:`kill_descendants`) and each worker's guard
+(:func:`start_guard`). Linux only; elsewhere these calls do nothing."""
 
 from __future__ import annotations
 
@@ -36,6 +33,13 @@ def set_parent_death_signal(sig: int) -> bool:
 def become_subreaper() -> bool:
     """Make this process adopt its descendants' orphans; False where Linux does not."""
     return prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+def send(pids: Iterable[int], sig: int) -> None:
+    """Send ``sig`` to each of ``pids``, skipping those gone or not ours."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
 
 
 def _stat(pid: int) -> tuple[str, int, int, int] | None:
@@ -186,9 +190,7 @@ def kill_descendants(
         live = [pid for pid in descendants(root) if pid not in keep]
         if not live:
             break
-        for pid in live:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
+        send(live, signal.SIGKILL)
         killed += live
         _wait_gone(live, deadline)
         if root == os.getpid():
@@ -223,9 +225,7 @@ def kill_worker_tree(group: int | None, mark: str, timeout: float = 10.0) -> lis
                 found.append(pid)
         if not found:
             break
-        for pid in found:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
+        send(found, signal.SIGKILL)
         killed += found
         _wait_gone(found, deadline)
     return killed

@@ -1,17 +1,6 @@
-"""In-place recovery (``ddpkit run --recover in-place``, docs/recovery.md): when a worker fails, the
-others keep their processes. The agent (:class:`InPlace`) names the failure in a file of the job's
-recovery folder; every running worker cuts its own collective connections (:func:`sever`), so that
-its pending or next collective fails at once, tears its process group down and says it waits; once
-every rank is waiting or gone, the agent forks a replacement for each rank that exited and says go;
-then every rank runs the script's ``__main__`` again from the start, which resumes from the copies
-in shared memory (``Snapshots(memory=True)``, the Trainer's ``SnapshotConfig(memory=True)``). Where
-that cannot proceed (a rank was pre-empted or finished, no restart is left) the agent says end, and
-the job restarts whole as without the option, saying why; a rank that does not leave its step in
-time is killed and replaced with the ranks that exited.
-
-The files, in ``$DDPKIT_RECOVER_DIR``: ``incident`` (the agent: recovery G, the file's content, is
-under way), ``wait-G.RANK`` (a worker: it left, with its error), ``go-G`` (the agent: run again,
-with what was replaced and when) or ``end-G`` (the agent: fail as without the option, with why).
+"""In-place recovery (``ddpkit run --recover in-place``, docs/recovery.md): the workers' side
+(:func:`leave`, :func:`sever`) and the agent's (:class:`InPlace`), which talk through files in
+``$DDPKIT_RECOVER_DIR``.
 """
 
 from __future__ import annotations
@@ -109,15 +98,8 @@ def note_links() -> None:
 
 def sever() -> None:
     """Fail at once every peer's pending and next collective with this worker, this worker's next
-    one, and its waits on the store: every worker cuts its links when a failure is named, so a rank
-    waiting on any other is let go by that rank's cut.
-
-    Gloo has no way to interrupt a collective that waits on a peer (its ``abort`` leaves the wait
-    to its timeout, and destroying the group does not close the connections a waiting peer reads):
-    the connections its groups opened are shut down (not their listeners: gloo aborts the process
-    when accept() fails), which ends the peer's reads with an error. A group being made waits on the
-    store for the other ranks' addresses, one of which never comes: this worker's connections to the
-    job's store are shut down too (the ranks meet again in a new one). NCCL's groups are aborted."""
+    one, and its waits on the store: shut down the sockets its gloo groups opened (gloo's ``abort``
+    does not end a peer's wait) and its connections to the job's store; abort NCCL's groups."""
     from ddpkit._internals.elastic import abort_nccl_groups
 
     address = torchrun.master_address(os.environ)
@@ -258,7 +240,6 @@ class InPlace:
         """Why the last failure was not recovered in place (empty where it was)."""
         self.ended = False
         """Set when an incident ends without recovery: torchrun takes the attempt over."""
-
         self.timeout = timeout
         self.store: Any = None  # the workers' store after a recovery, served by the agent
 

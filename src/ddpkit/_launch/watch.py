@@ -1,11 +1,6 @@
-"""The agent's stall watch: a rank that stops making progress while the others wait for it, named in
-seconds, with every rank's state and stack, and killed (``on_stall="end"``).
-
-The agent reads its node's ranks' progress records (:mod:`ddpkit.distributed._progress`) and what
-each process does (its CPU time and I/O), and judges with the other nodes' ranks
-(:mod:`ddpkit._launch.watch_nodes`). The rules and what is said: docs/launcher.md, "When a job
-hangs".
-"""
+"""The agent's stall watch: a rank that stops making progress while the others wait for it, named
+with every rank's state and stack, and killed (``on_stall="end"``). The rules: docs/launcher.md,
+"When a job hangs"; across nodes: :mod:`ddpkit._launch.watch_nodes`."""
 
 from __future__ import annotations
 
@@ -271,10 +266,12 @@ class Watch:
         if now < deadline and not self.link.heard(stall.ranks):
             return
         self.link.ending = None
-        for r in self.ranks.values():
-            if r.rank in stall.ranks or process_state(r.pid).startswith("stopped"):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(r.pid, signal.SIGKILL)
+        ended = [
+            r.pid
+            for r in self.ranks.values()
+            if r.rank in stall.ranks or process_state(r.pid).startswith("stopped")
+        ]
+        proctree.send(ended, signal.SIGKILL)
 
     def _wait(
         self, waited: list[View], overdue: list[View], live: list[View], now: float
@@ -308,9 +305,7 @@ class Watch:
             return None
         stall = Stall([v.rank for v in live], headline, lines)
         self.stall = stall
-        for v in live:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(v.pid, signal.SIGKILL)
+        proctree.send([v.pid for v in live], signal.SIGKILL)
         return stall
 
     def _say_slow(self, slow: list[_Rank], waited: float, now: float) -> None:

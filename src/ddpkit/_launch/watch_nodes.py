@@ -1,9 +1,6 @@
-"""The stall watch across nodes: each node's agent publishes a summary of its ranks to the job's
-rendezvous store (one key per node, from a thread of its own), reads the others' while one of its
-ranks is idle, and judges the same view by the same rule (:func:`judge`, :func:`decide`): the agent
-of a stalled rank's node names it; the others say they wait for it. Durations are aged by the
-reader's own clock from when it first saw a publication, never compared across machines.
-"""
+"""The stall watch across nodes: each agent publishes its ranks to the job's rendezvous store and
+judges the job's view by one rule (:func:`judge`, :func:`decide`). Durations are aged by the
+reader's own clock, never compared across machines."""
 
 from __future__ import annotations
 

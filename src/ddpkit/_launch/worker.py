@@ -1,9 +1,6 @@
 """What ``ddpkit run`` starts in each worker (``python -m ddpkit._launch.worker [-m] TARGET
-ARGS...``): the user's script, its exception recorded for the launcher, after the worker has tied
-its life to the agent's, forked its guard (:mod:`ddpkit._launch.proctree`), held SIGUSR1 until a
-Trainer listens, and started answering stack requests (:func:`serve_stacks`). The workers' store
-is the agent's (:class:`~ddpkit._launch.rendezvous.backend.WorkersStoreHandler`).
-"""
+ARGS...``): the user's script, its exception recorded for the launcher, with the worker tied to the
+agent, its guard, SIGUSR1 held and stack requests answered (:func:`serve_stacks`)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Every platform ddpkit reads, one module each; nothing outside this package reads their variables.
-
-Each platform is a :class:`~ddpkit.platforms._base.Platform`: ``NAME``, ``detect(env)``,
-``world(env)`` (its :class:`~ddpkit.platforms._base.LaunchEnv`) and ``launch_defaults(env)`` (the
-defaults of ``ddpkit run``'s options it set). :func:`current` asks them in the order of
-:data:`PLATFORMS`.
-"""
+"""Every platform ddpkit reads, one module each, each a :class:`~ddpkit.platforms._base.Platform`;
+nothing outside this package reads their variables. :func:`current` asks them in the order of
+:data:`PLATFORMS`."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""What Kubernetes' training operators tell a pod: a PyTorchJob pod run without torchrun (the
-platform ``"pytorchjob"``: ``RANK``, ``WORLD_SIZE``, no ``LOCAL_RANK``, inside Kubernetes), and the
-``PET_*`` variables (torchrun's options) and JobSet's ``JOB_COMPLETION_INDEX`` that ``ddpkit run``
-takes as its options' defaults. Which operator sets what: docs/kubernetes-and-ray.md.
-"""
+"""What Kubernetes' training operators tell a pod: a PyTorchJob pod run without torchrun (platform
+``"pytorchjob"``), and the ``PET_*`` and ``JOB_COMPLETION_INDEX`` variables that ``ddpkit run``
+takes as defaults (docs/kubernetes-and-ray.md)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
 """What each node of a multi-node job tells torchrun about itself, worked out from the endpoint with
-the kernel's own routing (torchrun's guesses from host names hang across networks): whether it hosts
-the rendezvous (``is_host``), its address as the others reach it (``--local-addr``), and the
-interface that carries it (``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``). The rendezvous itself:
-:mod:`~ddpkit._launch.rendezvous.backend`, :mod:`~ddpkit._launch.rendezvous.auth`.
-"""
+the kernel's routing: whether it hosts the rendezvous, its address as the others reach it, and the
+interface that carries it."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""Letting only a job's own nodes into its rendezvous: the job's secret, and a relay that checks it.
-
-Under ``ddpkit run`` the rendezvous store listens on 127.0.0.1 only. Other nodes reach it through
-the relay on the endpoint's port (:class:`RelayServer`), which has a peer prove it holds the job's
-secret (an HMAC-SHA256 challenge-response, both ways) before one byte of its reaches the store, then
-carries the store's traffic in frames that each bear an HMAC of the session (:class:`FramedSocket`).
-On the other nodes the agent's store client talks to a local end (:class:`RelayClient`). Nothing is
-encrypted. Why, and what a flood of connections can and cannot do: docs/many-machines.md.
-"""
+"""Letting only a job's own nodes into its rendezvous (docs/many-machines.md, "Who gets in"): the
+job's secret; the host's relay (:class:`RelayServer`), which has a peer prove it holds the secret
+before one byte reaches the store, then carries HMAC-tagged frames (:class:`FramedSocket`); a
+node's local end (:class:`RelayClient`). Nothing is encrypted."""
 
 from __future__ import annotations
 

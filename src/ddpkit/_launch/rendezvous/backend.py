@@ -1,8 +1,6 @@
-"""The rendezvous ``ddpkit run`` gives torchrun's agent (``--rdzv-backend ddpkit``): torch's
-dynamic rendezvous on a store served on 127.0.0.1, reached across nodes only through the relay
-(:mod:`~ddpkit._launch.rendezvous.auth`), its state stored with an HMAC tag of the job
-(:class:`SignedStateBackend`).
-"""
+"""The rendezvous ``ddpkit run`` gives torchrun's agent (``--rdzv-backend ddpkit``): torch's dynamic
+rendezvous on a store served on 127.0.0.1, reached across nodes through the relay, its state
+HMAC-tagged (:class:`SignedStateBackend`)."""
 
 from __future__ import annotations
 
