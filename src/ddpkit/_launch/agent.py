@@ -45,8 +45,7 @@ class Agent(HookedAgent):
         self._published_to: Any = None
         folder = os.environ.get(watch.DIR_ENV)
         self.watch = watch.Watch(Path(folder), self.policy, _stack_dir()) if folder else None
-        # when the last attempt failed: each rank's step and phase, the workers that exited 0
-        # while the others went on, the line on ranks in one collective under different ops
+        # what the last failed attempt showed (for its summary)
         self.where = ""
         self.left: list[Left] = []
         self.disagreement = ""
@@ -137,8 +136,7 @@ class Agent(HookedAgent):
             if failed and self.watch.stall is None and not preempted(result.failures):
                 self.watch.read()  # a stall's headline says where they were
                 for g, r in self.watch.ranks.items():
-                    # a failed collective hands the rank back to its phase before: say the
-                    # collective it was last seen waiting in
+                    # a failed collective hands the rank back to its phase before
                     if _left_collective(self._collectives.get(g), r.record):
                         r.record = self._collectives[g]
                 self.where = self.watch.where()
@@ -173,9 +171,8 @@ class Agent(HookedAgent):
         return text
 
     def _stacks_before_teardown(self, worker_group: Any) -> None:
-        # torchrun stops the other workers in the poll that finds a failed one: ask them for their
-        # stacks first. Only after an exception, whose time is in its error file: a worker killed
-        # by a signal is stamped when torchrun polls, and a delay would make it look later.
+        # torchrun stops the other workers in the poll that finds a failed one: ask their stacks
+        # first, only after an exception (a delay would stamp a killed worker later than it died)
         codes = {local: proc.poll() for local, proc in self.worker_processes().items()}
         self._polls += 1
         self._note_exits(codes)

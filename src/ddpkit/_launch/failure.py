@@ -118,7 +118,6 @@ def cause(failures: dict[int, Any], stall: watch.Stall | None = None) -> tuple[i
 
 def summarize_failure(
     err: Any,
-    tail: int = 12,
     stall: watch.Stall | None = None,
     where: str = "",
     left: Sequence[Left] = (),
@@ -145,7 +144,7 @@ def summarize_failure(
         lines.append(f"  {stall.headline.removeprefix('ddpkit run: ')}")
     elif message:
         lines.append(f"  {message}")
-        lines += ["  traceback (last lines):"] + [f"    {line}" for line in stack[-tail:]]
+        lines += ["  traceback (last lines):"] + [f"    {line}" for line in stack[-12:]]
     elif first.exitcode < 0:
         lines.append(
             "  no Python exception: the process was killed (out of memory? the scheduler? a "

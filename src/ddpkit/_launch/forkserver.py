@@ -209,8 +209,7 @@ def _fork_worker(
     """Fork a worker through an intermediate; its pid once adopted, and the pipe it waits on."""
     pid_read, pid_write = os.pipe()
     go_read, go_write = os.pipe()
-    # Blocked, not only ignored: the agent may signal the worker before it has its own
-    # dispositions, and a blocked signal stays pending until it does.
+    # blocked: a signal sent before the worker has its own dispositions stays pending until then
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, JOB_SIGNALS)
     intermediate = -1
     try:
@@ -297,9 +296,6 @@ def main(argv: Sequence[str]) -> None:
         sock.close()
 
 
-# -- the agent's side ------------------------------------------------------------------------------
-
-
 READY_TIMEOUT = 300.0  # seconds the first worker waits for the server's imports
 
 _WORKER_COMMAND = ("-u", "-m", "ddpkit._launch.worker")
@@ -358,17 +354,9 @@ class ForkServer:
         self.failed: list[str] = []
         self._ready: bool | None = None
         modules = ",".join(dict.fromkeys([*PRELOAD, *preload]))
+        command = [sys.executable, "-u", "-m", "ddpkit._launch.forkserver", str(theirs.fileno())]
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-u",
-                "-m",
-                "ddpkit._launch.forkserver",
-                str(theirs.fileno()),
-                str(os.getpid()),
-                modules,
-            ]
-            + ["--", *display],
+            [*command, str(os.getpid()), modules, "--", *display],
             pass_fds=[theirs.fileno()],
             stdin=subprocess.DEVNULL,
             # out of reach of signals to the job's process group; it dies with the agent
@@ -409,14 +397,8 @@ class ForkServer:
             return None
         # what a new interpreter started now would inherit: the signals ignored, the mask
         blocked = sorted(int(signum) for signum in signal.pthread_sigmask(signal.SIG_BLOCK, []))
-        request = {
-            "argv": list(argv),
-            "env": env,
-            "cwd": cwd,
-            "ignored": ignored_signals(),
-            "blocked": blocked,
-        }
-        message = json.dumps(request).encode()
+        request = {"argv": list(argv), "env": env, "cwd": cwd, "blocked": blocked}
+        message = json.dumps(request | {"ignored": ignored_signals()}).encode()
         try:
             socket.send_fds(self.sock, [message], list(files))
         except OSError as err:
@@ -466,12 +448,6 @@ _server: ForkServer | None = None
 
 
 def current() -> ForkServer | None:
-    return _server
-
-
-def start(preload: Sequence[str] = (), display: Sequence[str] = ()) -> ForkServer:
-    global _server
-    _server = ForkServer(preload, display)
     return _server
 
 
@@ -553,7 +529,9 @@ def install(preload: Sequence[str] = (), display: Sequence[str] = ()) -> ForkSer
         return None
     forked = handler_class(base)
     set_handler_factory(lambda *args, **kwargs: forked(*args, **kwargs))
-    return start(preload, display)
+    global _server
+    _server = ForkServer(preload, display)
+    return _server
 
 
 def uninstall() -> None:

@@ -67,8 +67,7 @@ class LaunchConfig:
     def _check_sizes(self) -> None:
         if self.max_restarts is not None and not 0 <= self.max_restarts <= MAX_RESTARTS:
             raise ConfigError(f"--max-restarts {self.max_restarts}: use 0 to {MAX_RESTARTS}")
-        # ASCII digits, and few: int() of thousands of digits raises, and a huge count would be
-        # built into torchrun's per-rank arguments before anything else looked at it
+        # ASCII digits, and few: int() of thousands of digits raises
         if self.nproc not in ("auto", "gpu") and not (
             re.fullmatch("[0-9]{1,6}", self.nproc) and 0 < int(self.nproc) <= MAX_NPROC
         ):
@@ -188,6 +187,11 @@ def _is_host(text: str) -> bool:
     )
 
 
+def shown(text: str, limit: int = 80) -> str:
+    """``text`` quoted for a one-line message, cut to ``limit`` characters."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
+
+
 def resolve_nproc(nproc: str, oversubscribe: bool = False) -> int:
     """Processes per node for ``--nproc``: GPUs visible, or on a CPU-only machine one per core up
     to 8. A number above :data:`OVERSUBSCRIBE_FACTOR` per core (or per GPU) is refused unless
@@ -213,8 +217,6 @@ def resolve_nproc(nproc: str, oversubscribe: bool = False) -> int:
         )
     return count
 
-
-# -- command lines ---------------------------------------------------------------------------------
 
 Option = tuple[tuple[str, ...], dict[str, Any]]
 """One argument of a command: its names and ``add_argument``'s keywords."""
@@ -318,8 +320,7 @@ EXAMPLES = """examples:
   ddpkit run --nnodes 2 --rdzv-endpoint node1:29400 train.py      # on node1 and on node2
   ddpkit run --nnodes 1:4 --rdzv-endpoint node1:29400 train.py    # elastic: 1 to 4 nodes"""
 
-# Seconds are checked by LaunchConfig, not argparse: one line naming the valid range for inf, nan,
-# 1e30 or x.
+# seconds are checked by LaunchConfig, not argparse: one line naming the valid range
 OPTIONS = [
     argument("--nproc", default="auto",
              help="processes per node: auto (default), gpu, or a number"),

@@ -32,8 +32,6 @@ killed and replaced (``$DDPKIT_RECOVER_TIMEOUT`` sets another)."""
 TIMEOUT_ENV = "DDPKIT_RECOVER_TIMEOUT"
 POLL = 0.005  # seconds between a waiting worker's looks at the folder
 
-# -- in the workers --------------------------------------------------------------------------------
-
 
 def folder() -> Path | None:
     """The job's recovery folder, where this worker recovers in place; else None."""
@@ -171,9 +169,7 @@ def leave(error: BaseException) -> dict[str, Any] | None:
         return None
     generation = _next_generation()
     left = time.time()
-    # The failed run's folder locks go first (a Snapshots the script did not close, kept by its
-    # signal handler, holds one), then its locals (its loader's workers, its model), not when the
-    # collector finds them: the traceback keeps its lines.
+    # the failed run's folder locks and locals (loader workers, model) go now, not when collected
     lock.release_all()
     traceback.clear_frames(error.__traceback__)
     _sever_for(generation)
@@ -184,8 +180,7 @@ def leave(error: BaseException) -> dict[str, Any] | None:
     record = {"rank": int(rank), "pid": os.getpid(), "error": text, "left": left}
     record |= {"severed": severed, "torn_down": time.time()}
     fs.write_atomic(where / f"wait-{generation}.{rank}", json.dumps(record).encode())
-    # While the agent decides and a replacement starts: free what the failed run held (its model,
-    # optimizer and their device memory are in reference cycles), before the script runs again.
+    # free what the failed run held (model, optimizer, device memory: in reference cycles)
     gc.collect()
     go, end = where / f"go-{generation}", where / f"end-{generation}"
     while True:
@@ -214,9 +209,6 @@ def _recoverable(error: BaseException) -> bool:
     if isinstance(error, SystemExit):
         return error.code not in (None, 0, PREEMPTED_EXIT_CODE)
     return not isinstance(error, Preempted)
-
-
-# -- in the agent ----------------------------------------------------------------------------------
 
 
 @dataclass
@@ -333,8 +325,7 @@ class InPlace:
             "left": max((r["torn_down"] for r in waiting.values()), default=incident.seen),
             "decided": time.time(),
         }
-        # A fresh store for the ranks to meet in, served here: the one they met in holds the old
-        # groups' addresses under the keys the new ones use, and its server may be the lost rank.
+        # a fresh store: the old one holds the old groups' keys, and its server may be the lost rank
         go["master_port"] = self._serve_store(agent)
         path = self.folder / f"go-{incident.generation}"
         fs.write_atomic(path, json.dumps(go).encode())  # before a replacement can look for it

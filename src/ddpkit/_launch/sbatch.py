@@ -19,7 +19,7 @@ from pathlib import Path
 from ddpkit import _fs as fs
 from ddpkit._errors import PREEMPTED_EXIT_CODE, ConfigError
 from ddpkit._launch import options
-from ddpkit._launch.options import argument
+from ddpkit._launch.options import argument, shown
 
 
 @dataclass(kw_only=True)
@@ -169,11 +169,6 @@ def time_limit_seconds(text: str) -> int | None:
     return seconds or None  # SLURM reads a limit of 0 as none
 
 
-def _shown(text: str, limit: int = 80) -> str:
-    """``text`` quoted for a one-line message, cut to ``limit`` characters."""
-    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
-
-
 def _sbatch_value(text: str) -> str:
     """``text`` as one argument on an #SBATCH line (split at spaces, quoted as a shell reads it)."""
     if re.fullmatch(r"[A-Za-z0-9_./%:=,@+-]+", text):
@@ -214,15 +209,7 @@ def batch_script(cfg: BatchConfig) -> str:
         "export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-${OMP_NUM_THREADS:-1}}",
         'echo "ddpkit: job $SLURM_JOB_ID attempt $((${SLURM_RESTART_COUNT:-0} + 1)) on '
         '$SLURM_JOB_NODELIST"',
-        " ".join(
-            [
-                "srun",
-                shlex.quote(cfg.python),
-                "-u",
-                shlex.quote(cfg.script),
-                *map(shlex.quote, cfg.script_args),
-            ]
-        ),
+        "srun " + shlex.join([cfg.python, "-u", cfg.script, *cfg.script_args]),
         "code=$?",
         f"if [ $code -eq {PREEMPTED_EXIT_CODE} ]; then",
         '  echo "ddpkit: pre-empted after saving a snapshot; requeueing job $SLURM_JOB_ID"',
@@ -239,16 +226,16 @@ def submit(cfg: BatchConfig, dry_run: bool = False) -> tuple[Path, str | None]:
     try:
         found = Path(cfg.script).is_file()
     except OSError as err:  # a name too long for the file system
-        raise ConfigError(f"script {_shown(cfg.script)}: {err.strerror}: check the path") from None
+        raise ConfigError(f"script {shown(cfg.script)}: {err.strerror}: check the path") from None
     if not found:
         raise ConfigError(
-            f"script {_shown(cfg.script)} not found (from {os.getcwd()}): check the path"
+            f"script {shown(cfg.script)} not found (from {os.getcwd()}): check the path"
         )
     out = Path(cfg.output_dir)
     try:
         if out.exists() and not out.is_dir():
             raise ConfigError(
-                f"--output-dir {_shown(cfg.output_dir)} is a file: give a folder for the batch "
+                f"--output-dir {shown(cfg.output_dir)} is a file: give a folder for the batch "
                 "script and the job's output (it is created if missing)"
             )
         fs.make_dirs(out)
@@ -257,7 +244,7 @@ def submit(cfg: BatchConfig, dry_run: bool = False) -> tuple[Path, str | None]:
         fs.write_atomic(path, batch_script(cfg).encode("utf-8", "surrogateescape"))
     except OSError as err:  # /proc, a read-only file system, a name too long
         raise ConfigError(
-            f"--output-dir {_shown(cfg.output_dir)}: cannot write the batch script there "
+            f"--output-dir {shown(cfg.output_dir)}: cannot write the batch script there "
             f"({err.strerror or err}): give a folder you can write to"
         ) from None
     if dry_run:

@@ -101,9 +101,8 @@ def spawn(
         raise ValueError(f"nprocs={nprocs}: spawn needs at least one process")
     _check_call(fn, args, pass_rank)
     start_method, threads = _start_method(start_method, threads_per_process, nprocs)
-    # Rank 0 serves the store, not this process (a child forked while a store thread here holds
-    # glibc's resolver lock would hang in its own connect), on a socket bound and listening here:
-    # a port found free and bound later could be taken in between by another job.
+    # Rank 0 serves the store (a child forked while a store thread here holds glibc's resolver lock
+    # hangs), on a socket bound here: a port found free and bound later could be taken meanwhile.
     results = mp.get_context(start_method).SimpleQueue()
     with socket.create_server(("127.0.0.1", 0), backlog=1024) as listener:
         context = mp.start_processes(
@@ -125,8 +124,7 @@ def spawn(
 def _start_method(method: str | None, threads: int | None, nprocs: int) -> tuple[str, int]:
     """(start method, threads per process): fork where it is safe, and one thread when forked."""
     if method is None:
-        # A fork inherits neither CUDA's state nor the autograd engine's device threads: a child
-        # forked after either was started cannot use the GPU or run a backward.
+        # a child forked after CUDA or autograd's device threads started cannot use them
         forkable = (
             "fork" in mp.get_all_start_methods()
             and not torch.cuda.is_initialized()

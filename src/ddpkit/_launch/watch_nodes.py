@@ -8,7 +8,6 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -391,15 +390,8 @@ def _aged(quiet: float, seconds: float) -> float:
 class Exchange:
     """The summaries to and from the store, in a thread of its own, off the agent's poll."""
 
-    def __init__(
-        self,
-        store: Any,
-        node: int,
-        nodes: int,
-        every: float,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.store, self.node, self.nodes, self.clock = store, node, nodes, clock
+    def __init__(self, store: Any, node: int, nodes: int, every: float) -> None:
+        self.store, self.node, self.nodes, self.clock = store, node, nodes, time.monotonic
         # past 10 nodes the interval grows: at most ~20 reads a second at the store's host
         self.every = max(every, 0.05 * nodes)
         self.failures = 0

@@ -287,8 +287,7 @@ class WholeErrorFile(ErrorHandler):
 
 
 def _ignore_warnings_at_exit() -> None:
-    # once the script has ended, a SIGUSR1 (its handler reset as the interpreter exits) would kill
-    # a worker that finished
+    # a SIGUSR1 after the script (its handler reset at exit) would kill a worker that finished
     with contextlib.suppress(ValueError):  # not the main thread
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
@@ -329,8 +328,7 @@ def main() -> None:
     if recover.folder() is not None:
         recover.note_links()
         recover.watch_incidents()
-        # what is loaded now (torch, ddpkit) lives as long as the process: the collection after a
-        # failure (recover.leave) then looks only at what the script made
+        # what is loaded now lives as long as the process: recover.leave's collection skips it
         gc.freeze()
     target = argv[0]
     sys.argv = argv

@@ -22,8 +22,7 @@ OPERATOR_VARS = {
 }  # fmt: skip
 """``ddpkit run``'s options and the ``PET_*`` variables that give their defaults."""
 
-# What torchrun takes in each variable, so that a wrong one is named as the variable. [0-9] is ASCII
-# only: int("٣") is 3, and "²".isdigit() is True while int("²") raises.
+# what torchrun takes in each variable; [0-9]: ASCII only (int("٣") is 3, int("²") raises)
 _VALUE_FORMS = {
     "PET_NNODES": ("[0-9]+(:[0-9]+)?", "use a number of nodes, or MIN:MAX for an elastic job"),
     "PET_NPROC_PER_NODE": ("[0-9]+|auto|gpu|cpu", "use a number of processes, auto, gpu or cpu"),

@@ -12,8 +12,7 @@ NAME = "slurm"
 
 
 def detect(env: Mapping[str, str]) -> bool:
-    # A batch script or a salloc shell carries SLURM_PROCID and SLURM_NTASKS too; only a task that
-    # srun started for a step has SLURM_STEP_ID (an `srun --pty bash` step is a world of one).
+    # a batch script or salloc shell has SLURM_PROCID too; only an srun step's task has STEP_ID
     return "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "SLURM_STEP_ID" in env
 
 
@@ -109,8 +108,7 @@ def _tasks_on_node(tasks_per_node: str, node_id: int) -> int:
     return counts[min(node_id, len(counts) - 1)]
 
 
-# Below Linux's ephemeral range (32768-60999), whose ports any client socket may take before rank 0
-# binds it.
+# below Linux's ephemeral range (32768-60999), whose ports a client socket may take first
 PORT_BASE, PORT_JOBS, PORT_STEPS = 20000, 750, 16
 
 

@@ -33,8 +33,7 @@ HELLO = b"ddpkit rendezvous relay 1\n"
 _NONCE = 32
 _TAG = 32  # HMAC-SHA256
 _REFUSED = b"refused: not this job's secret".ljust(_TAG, b"\n")
-# The relay's words, in place of its proof to a peer whose handshake it evicted, and in place of
-# HELLO to a connection beyond its unfinished handshakes from one address, or of all of them.
+# the relay's words for an evicted handshake (in place of its proof) and a full relay (of HELLO)
 EVICTED = b"evicted: the relay is full".ljust(_TAG, b"\n")
 BUSY = b"ddpkit rendezvous relay busy: "
 BUSY_ADDRESS = BUSY + b"address\n"
@@ -184,12 +183,6 @@ class Session:
 
     send_key: bytes
     recv_key: bytes
-
-
-def greeting() -> tuple[bytes, bytes]:
-    """(the relay's nonce, the first bytes it sends a peer)."""
-    ours = secrets.token_bytes(_NONCE)
-    return ours, HELLO + ours
 
 
 def check_answer(key: bytes, ours: bytes, answer: bytes) -> tuple[bytes, Session]:
@@ -373,8 +366,6 @@ def check_host(host: tuple[str, int], key: bytes) -> None:
         ) from None
 
 
-# -- the rendezvous host's relay -------------------------------------------------------------------
-
 PER_ADDRESS = 8  # unfinished handshakes one address may hold
 PENDING = 512  # unfinished handshakes of all addresses (a socket each, no thread)
 LOG_INTERVAL = 60.0  # seconds between two lines about the connections dropped from one address
@@ -430,12 +421,8 @@ class RelayServer:
         evict: bool = True,
     ) -> None:
         """``evict=False`` turns a connection beyond ``pending`` away (a test's control)."""
-        self._store_port, self._key = store_port, key
-        self._timeout, self._per_address, self._log_interval = (
-            handshake_timeout,
-            per_address,
-            log_interval,
-        )
+        self._store_port, self._key, self._timeout = store_port, key, handshake_timeout
+        self._per_address, self._log_interval = per_address, log_interval
         if pending < 1:
             raise ValueError(
                 f"pending={pending}: the relay holds at least one unfinished handshake"
@@ -517,10 +504,10 @@ class RelayServer:
                     victim.address, f"evicted: {self._cap} unfinished handshakes of all addresses"
                 )
                 refuse(victim.sock, EVICTED)
-            nonce, hello = greeting()
+            nonce = secrets.token_bytes(_NONCE)
             conn.setblocking(False)
             try:
-                conn.send(hello)  # a fresh connection's buffer holds these few bytes whole
+                conn.send(HELLO + nonce)  # a fresh connection's buffer holds these few bytes whole
             except OSError:
                 conn.close()
                 continue

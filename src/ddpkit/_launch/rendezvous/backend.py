@@ -185,8 +185,7 @@ class SignedStateBackend(RendezvousBackend):
         sealed = self._seal(state)
         current = self._open(self._call("compare_set", self._name, token or self._EMPTY, sealed))
         if current is None and token is not None:
-            # emptied under this node (a forged value replaced): torch would take None for
-            # "written" and go on with a state nobody stored
+            # emptied (a forged value replaced): torch would take None for "written"
             current = self._open(self._call("compare_set", self._name, self._EMPTY, sealed))
         if current is None:
             return None
