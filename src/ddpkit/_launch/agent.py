@@ -182,12 +182,16 @@ class Agent(HookedAgent):
             if code is not None and code > 0 and code != PREEMPTED_EXIT_CODE
         }
         attempt = id(self.process_context())
-        if failed and self._stacks_asked != attempt:
+        folder = _stack_dir()
+        if failed and self._stacks_asked != attempt and folder is not None:
             self._stacks_asked = attempt
+            for w in worker_group.workers:  # this node's earlier answers go first
+                with contextlib.suppress(OSError, ConfigError):
+                    fs.remove(folder / f"rank{w.global_rank}.txt")
             running = {
                 w.global_rank: w.id for w in worker_group.workers if codes.get(w.local_rank) is None
             }
-            _ask_for_stacks(running, [w.global_rank for w in worker_group.workers])
+            worker.ask_stacks(folder, running)  # their answers awaited 3 s at most
         if any(code is not None and code != 0 for code in codes.values()):
             # torchrun's SIGTERM, then 30 s: a stopped process would hold the job's end that long
             stopped = [
@@ -251,7 +255,11 @@ class Agent(HookedAgent):
         ]
         server = forked.current()  # serves the next attempt's workers too
         kill_descendants(keep=unreaped + ([server.pid] if server is not None else []))
-        _sweep_stack_requests()
+        folder = _stack_dir()  # the ended workers' FIFOs and answers by pid go
+        with contextlib.suppress(OSError):
+            for path in folder.glob("stack-*") if folder is not None else []:
+                with contextlib.suppress(OSError, ConfigError):
+                    fs.remove(path)
 
     def worker_pids(self) -> list[int]:
         pcontext = self.process_context()
@@ -272,30 +280,6 @@ def _left_collective(before: watch.Record | None, after: watch.Record | None) ->
 def _stack_dir() -> Path | None:
     folder = os.environ.get(worker.STACK_DIR_ENV)
     return Path(folder) if folder else None
-
-
-def _ask_for_stacks(running: dict[int, int], ranks: Sequence[int], wait: float = 3.0) -> None:
-    """Ask the workers still running (global rank -> pid) for their stacks, and wait (``wait``
-    seconds at most) for their answers in ``rank<N>.txt``; this node's ``ranks``' earlier answers
-    are removed first."""
-    folder = _stack_dir()
-    if folder is None:
-        return
-    for rank in ranks:
-        with contextlib.suppress(OSError, ConfigError):
-            fs.remove(folder / f"rank{rank}.txt")
-    worker.ask_stacks(folder, running, wait)
-
-
-def _sweep_stack_requests() -> None:
-    """Once the workers and all they started have ended: remove their FIFOs and answers by pid."""
-    folder = _stack_dir()
-    if folder is None:
-        return
-    with contextlib.suppress(OSError):
-        for path in folder.glob("stack-*"):
-            with contextlib.suppress(OSError, ConfigError):
-                fs.remove(path)
 
 
 def stacks(folder: Path, ranks: Sequence[int], lines: int = 14) -> list[str]:
@@ -341,7 +325,13 @@ def _forward_signals() -> None:
     # torchrun's process context installs its handlers at each start: keep it off SIGTERM
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = TORCHRUN_SIGNALS
     signal.signal(signal.SIGTERM, terminate)
-    _answer_requests()
+    # SIGUSR1 (to the workers) and SIGUSR2 (a stack request) acted on from a thread of its own
+    global _answering
+    if _answering is None:
+        _answering = threading.Thread(target=_answer, name="ddpkit-signals", daemon=True)
+        _answering.start()
+    for sig in REQUESTS:
+        signal.signal(sig, _note_request)
 
 
 _requests: queue.SimpleQueue[int] = queue.SimpleQueue()
@@ -351,16 +341,6 @@ _answering: threading.Thread | None = None
 def _note_request(signum: int, frame: Any) -> None:
     # only noted: a handler that used the agent, wherever the main thread was, could use it freed
     _requests.put_nowait(signum)
-
-
-def _answer_requests() -> None:
-    """Act on SIGUSR1 (to the workers) and SIGUSR2 (a stack request) from a thread of its own."""
-    global _answering
-    if _answering is None:
-        _answering = threading.Thread(target=_answer, name="ddpkit-signals", daemon=True)
-        _answering.start()
-    for sig in REQUESTS:
-        signal.signal(sig, _note_request)
 
 
 def _answer() -> None:

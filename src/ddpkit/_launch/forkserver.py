@@ -498,11 +498,6 @@ def _fork(handler: Any, args: Sequence[str], env: dict[str, str]) -> Any:
     return ForkedProcess(pid, args) if pid is not None else None
 
 
-def handler_class(base: type) -> type:
-    """torchrun's ``SubprocessHandler`` (``base``) with workers forked from the server."""
-    return popen_override(base, _fork, bypassed=stop)  # a server no worker comes from is stopped
-
-
 def _is_worker_command(args: Sequence[str]) -> bool:
     """``python -u -m ddpkit._launch.worker ...`` with this very interpreter."""
     return (
@@ -527,7 +522,7 @@ def install(preload: Sequence[str] = (), display: Sequence[str] = ()) -> ForkSer
             "threading._shutdown/atexit._run_exitfuncs", "forking workers from the job's server"
         )
         return None
-    forked = handler_class(base)
+    forked = popen_override(base, _fork, bypassed=stop)  # a server no worker comes from is stopped
     set_handler_factory(lambda *args, **kwargs: forked(*args, **kwargs))
     global _server
     _server = ForkServer(preload, display)

@@ -325,7 +325,9 @@ def in_place_recovery(cfg: LaunchConfig, run_dir: Path) -> recover.InPlace | Non
             "--max-restarts N (N >= 1)"
         )
     if cfg.networked:
-        recover.say_unavailable("it covers the workers of one node")
+        say(
+            "--recover in-place: it covers the workers of one node; a failure restarts every worker"
+        )
         return None
     return recover.prepare(run_dir)
 

@@ -167,7 +167,9 @@ def leave(error: BaseException) -> dict[str, Any] | None:
     where = folder()
     if where is None or not _recoverable(error):
         return None
-    generation = _next_generation()
+    # one past the last ``go`` in the folder
+    done = [int(p.name[3:]) for p in where.glob("go-*") if p.name[3:].isdigit()]
+    generation = max(done, default=0) + 1
     left = time.time()
     # the failed run's folder locks and locals (loader workers, model) go now, not when collected
     lock.release_all()
@@ -191,14 +193,6 @@ def leave(error: BaseException) -> dict[str, Any] | None:
         if end.exists():
             return None
         time.sleep(POLL)
-
-
-def _next_generation() -> int:
-    """The recovery this failure starts: one past the last ``go`` in the folder."""
-    where = folder()
-    assert where is not None
-    done = [int(p.name[3:]) for p in where.glob("go-*") if p.name[3:].isdigit()]
-    return max(done, default=0) + 1
 
 
 def _recoverable(error: BaseException) -> bool:
@@ -333,7 +327,12 @@ class InPlace:
             agent.replace_worker(by_rank[rank], {
                 GO_ENV: str(path), **torchrun.attempt_env(restart_count, go["master_port"]),
             })  # fmt: skip
-        kinds = [f"rank {r} ({_ended(c)})" for r, c in sorted(incident.replaced.items())]
+        from ddpkit._launch.launcher import signal_name  # the launcher imports this module
+
+        kinds = [
+            f"rank {r} (killed by {signal_name(-c)})" if c < 0 else f"rank {r} (exit code {c})"
+            for r, c in sorted(incident.replaced.items())
+        ]
         kept = sorted(waiting)
         done = [f"replaced {', '.join(kinds)}"] if kinds else []
         done += [f"rank(s) {', '.join(map(str, kept))} go on in their processes"] if kept else []
@@ -342,12 +341,6 @@ class InPlace:
             f"{agent.restarts_left()} restart(s) left): {'; '.join(done)}"
         )
         self._close_incident()
-
-
-def _ended(code: int) -> str:
-    from ddpkit._launch.launcher import signal_name  # the launcher imports this module
-
-    return f"killed by {signal_name(-code)}" if code < 0 else f"exit code {code}"
 
 
 def prepare(run_dir: Path) -> InPlace:
@@ -360,7 +353,3 @@ def prepare(run_dir: Path) -> InPlace:
     fs.make_dirs(where, root=run_dir)
     os.environ[DIR_ENV] = str(where)
     return InPlace(where, timeout)
-
-
-def say_unavailable(why: str) -> None:
-    say(f"--recover in-place: {why}; a failure restarts every worker")

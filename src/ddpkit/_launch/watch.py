@@ -115,10 +115,6 @@ class _Rank:
     def quiet(self, now: float) -> float:
         return max(0.0, now - max(self.changed_at, self.moved_at))
 
-    def median_step(self) -> float:
-        """Of the steps seen ending, the first left out (it warms up, with an allowance)."""
-        return statistics.median(self.durations) if self.durations else 0.0
-
 
 @dataclass(frozen=True)
 class Stall:
@@ -198,7 +194,9 @@ class Watch:
 
     def allowance(self, r: _Rank) -> float:
         p = self.policy
-        allowed = max(p.floor, p.factor * r.median_step())
+        # the median of the steps seen ending, the first left out (it warms up, with an allowance)
+        median = statistics.median(r.durations) if r.durations else 0.0
+        allowed = max(p.floor, p.factor * median)
         first = r.record is None or r.record.steps <= 1
         if first or r.record is not None and r.record.phase in LONG_PHASES:
             allowed = max(allowed, p.long_factor * p.floor)
@@ -357,8 +355,9 @@ class Watch:
         waiting = [v for v in others if v.phase == Phase.COLLECTIVE and v.coll > rec.coll]
         if waiting:
             op, seq = waiting[0].op, waiting[0].coll
+            who = [f"{v.rank} (host {v.host})" if self.link.multi else str(v.rank) for v in waiting]
             lines.append(
-                f"  collective {op} #{seq}: rank(s) {', '.join(self._who(v) for v in waiting)} "
+                f"  collective {op} #{seq}: rank(s) {', '.join(who)} "
                 f"wait in it; {names} ha{'ve' if len(stalled) > 1 else 's'} not arrived (entered "
                 f"{rec.coll} collective(s))"
             )
@@ -369,9 +368,6 @@ class Watch:
             ending if self.policy.on_stall == "end" else "  the job goes on (--on-stall warn)"
         )
         return Stall([r.rank for r in stalled], headline, lines)
-
-    def _who(self, v: View) -> str:
-        return f"{v.rank} (host {v.host})" if self.link.multi else str(v.rank)
 
     def _rank_lines(self, views: list[View], now: float) -> list[str]:
         """A line per rank, with its stack (this node's) or where its agent last saw it."""

@@ -8,7 +8,7 @@ import json
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ddpkit.distributed._progress import OPS, PHASE_NAMES, Phase
@@ -383,10 +383,6 @@ def decode(data: bytes) -> Summary | None:
     return Summary(node, host, count, named, waiting, views) if doc.get("v") == 2 else None
 
 
-def _aged(quiet: float, seconds: float) -> float:
-    return quiet + seconds if quiet >= 0 else quiet
-
-
 class Exchange:
     """The summaries to and from the store, in a thread of its own, off the agent's poll."""
 
@@ -417,10 +413,9 @@ class Exchange:
         named: set[int] = set()
         for summary, at in seen:
             named |= summary.named
+            age = now - at
             views += [
-                View(
-                    **{**v.__dict__, "idle": v.idle + (now - at), "quiet": _aged(v.quiet, now - at)}
-                )
+                replace(v, idle=v.idle + age, quiet=v.quiet + age if v.quiet >= 0 else v.quiet)
                 if v.marked
                 else v
                 for v in summary.views

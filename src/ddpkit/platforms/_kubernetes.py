@@ -57,17 +57,13 @@ def in_pod(env: Mapping[str, str]) -> bool:
     return POD_ENV in env
 
 
-def pod_variables(env: Mapping[str, str]) -> bool:
+def detect(env: Mapping[str, str]) -> bool:
     """A PyTorchJob pod's without torchrun: ``RANK`` and the rest, no ``LOCAL_RANK``, in a pod."""
     return (
         in_pod(env)
         and "LOCAL_RANK" not in env
         and all(name in env for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
     )
-
-
-def detect(env: Mapping[str, str]) -> bool:
-    return pod_variables(env)
 
 
 def world(env: Mapping[str, str]) -> LaunchEnv:

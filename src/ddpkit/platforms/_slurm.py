@@ -66,11 +66,6 @@ def restarts(env: Mapping[str, str]) -> int:
     return read_int(env, "SLURM_RESTART_COUNT") if env.get("SLURM_RESTART_COUNT") else 0
 
 
-def cpus_granted(env: Mapping[str, str]) -> str | None:
-    """The CPUs SLURM granted this node (``SLURM_CPUS_ON_NODE``) as set, or None."""
-    return env.get("SLURM_CPUS_ON_NODE")
-
-
 def expand_hostlist(hostlist: str) -> list[str]:
     """Expand a SLURM node list such as ``gpu[01-03,07],login1`` or ``rack[1-2]-n[01-02]`` into host
     names (``scontrol show hostnames`` without SLURM's binaries)."""

@@ -85,10 +85,6 @@ def master_address(env: Mapping[str, str]) -> tuple[str, str] | None:
     return (addr, port) if addr and port.isdigit() else None
 
 
-def is_rank_zero(env: Mapping[str, str]) -> bool:
-    return env.get("RANK") == "0"
-
-
 def attempt_env(restart_count: int, master_port: int) -> dict[str, str]:
     """The variables that change for an attempt started in place: its count and the store's port."""
     return {"TORCHELASTIC_RESTART_COUNT": str(restart_count), "MASTER_PORT": str(master_port)}
