@@ -19,6 +19,7 @@ from ddpkit._launch import agent, failure, proctree, recover, say, tail, watch
 from ddpkit._launch.options import (
     LaunchConfig,
     build_parser,
+    check_script,
     config_from_args,
     parse_seconds,
     resolve_nproc,
@@ -240,20 +241,8 @@ def check_target(cfg: LaunchConfig) -> None:
                 f"no module named {shown(cfg.script)} (run with -m): check the name and PYTHONPATH"
             )
         return
-    try:
-        is_file = Path(cfg.script).is_file()
-        problem = "not found"
-    except (OSError, ValueError) as err:  # a name too long for the file system, a NUL byte
-        is_file, problem = False, f"cannot be read ({getattr(err, 'strerror', None) or err})"
-    if not is_file:
-        raise ConfigError(
-            f"script {shown(cfg.script)} {problem} (from {os.getcwd()}): check the path"
-            + (
-                "; to run a module, pass -m"
-                if "/" not in cfg.script and not cfg.script.endswith(".py")
-                else ""
-            )
-        )
+    module_like = "/" not in cfg.script and not cfg.script.endswith(".py")
+    check_script(cfg.script, "; to run a module, pass -m" if module_like else "")
 
 
 def launch(cfg: LaunchConfig) -> int:

@@ -6,9 +6,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import ipaddress
+import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from ddpkit import platforms
@@ -190,6 +192,18 @@ def _is_host(text: str) -> bool:
 def shown(text: str, limit: int = 80) -> str:
     """``text`` quoted for a one-line message, cut to ``limit`` characters."""
     return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
+
+
+def check_script(script: str, hint: str = "") -> None:
+    """Refuse a ``script`` that is not a file, naming it, the current folder and ``hint``."""
+    try:
+        found, problem = Path(script).is_file(), "not found"
+    except (OSError, ValueError) as err:  # a name too long for the file system, a NUL byte
+        found, problem = False, f"cannot be read ({getattr(err, 'strerror', None) or err})"
+    if not found:
+        raise ConfigError(
+            f"script {shown(script)} {problem} (from {os.getcwd()}): check the path{hint}"
+        )
 
 
 def resolve_nproc(nproc: str, oversubscribe: bool = False) -> int:

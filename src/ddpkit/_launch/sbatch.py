@@ -137,9 +137,7 @@ def _check_text(option: str, value: str) -> None:
         )
 
 
-_TIME = re.compile(
-    r"([0-9]+)-([0-9]+)(?::([0-9]+)(?::([0-9]+))?)?|([0-9]+)(?::([0-9]+)(?::([0-9]+))?)?"
-)
+_TIME = re.compile(r"(?:([0-9]+)-)?([0-9]+)(?::([0-9]+)(?::([0-9]+))?)?")
 
 
 def time_limit_seconds(text: str) -> int | None:
@@ -154,16 +152,11 @@ def time_limit_seconds(text: str) -> int | None:
             f"--time {text!r}: use MINUTES, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS as SLURM "
             "does"
         )
-    given = match.groups()
-    days, d_hours, d_minutes, d_seconds, a, b, c = (int(g or 0) for g in given)
-    if given[0] is not None:
-        seconds = days * 86400 + d_hours * 3600 + d_minutes * 60 + d_seconds
-    elif given[6] is not None:
-        seconds = a * 3600 + b * 60 + c  # HH:MM:SS
-    elif given[5] is not None:
-        seconds = a * 60 + b  # MM:SS
-    else:
-        seconds = a * 60  # minutes
+    days, *clock = match.groups()
+    numbers = [int(n) for n in clock if n is not None]
+    # after D-: H[:MIN[:SEC]]; alone: MIN, MIN:SEC or H:MIN:SEC
+    weights = (3600, 60, 1) if days is not None or len(numbers) == 3 else (60, 1)
+    seconds = int(days or 0) * 86400 + sum(w * n for w, n in zip(weights, numbers, strict=False))
     if seconds > _MAX_TIME:
         raise ConfigError(f"--time {text[:40]!r}: at most 365 days; for no limit give UNLIMITED")
     return seconds or None  # SLURM reads a limit of 0 as none
@@ -223,14 +216,7 @@ def batch_script(cfg: BatchConfig) -> str:
 
 def submit(cfg: BatchConfig, dry_run: bool = False) -> tuple[Path, str | None]:
     """Write ``OUTPUT_DIR/NAME.sbatch`` and, unless ``dry_run``, submit it; (path, job id)."""
-    try:
-        found = Path(cfg.script).is_file()
-    except OSError as err:  # a name too long for the file system
-        raise ConfigError(f"script {shown(cfg.script)}: {err.strerror}: check the path") from None
-    if not found:
-        raise ConfigError(
-            f"script {shown(cfg.script)} not found (from {os.getcwd()}): check the path"
-        )
+    options.check_script(cfg.script)
     out = Path(cfg.output_dir)
     try:
         if out.exists() and not out.is_dir():

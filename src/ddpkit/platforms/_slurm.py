@@ -17,12 +17,9 @@ def detect(env: Mapping[str, str]) -> bool:
 
 
 def world(env: Mapping[str, str]) -> LaunchEnv:
-    world_size = (
-        read_int(env, "SLURM_NTASKS")
-        if "SLURM_STEP_NUM_TASKS" not in env
-        else read_int(env, "SLURM_STEP_NUM_TASKS")
-    )
-    node_id = read_int(env, "SLURM_NODEID") if "SLURM_NODEID" in env else 0
+    tasks = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
+    world_size = read_int(env, tasks)
+    node_id = read_int(env, "SLURM_NODEID", 0)
     per_node = (
         env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or str(world_size)
     )
@@ -35,7 +32,7 @@ def world(env: Mapping[str, str]) -> LaunchEnv:
     return checked(
         LaunchEnv(
             rank=read_int(env, "SLURM_PROCID"),
-            local_rank=read_int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
+            local_rank=read_int(env, "SLURM_LOCALID", 0),
             world_size=world_size,
             local_world_size=_tasks_on_node(per_node, node_id),
             launcher=NAME,
@@ -109,7 +106,7 @@ PORT_BASE, PORT_JOBS, PORT_STEPS = 20000, 750, 16
 
 def port_of_step(env: Mapping[str, str]) -> int:
     """The rendezvous port each task of a step derives from the job and step ids alone."""
-    job = read_int(env, "SLURM_JOB_ID") if "SLURM_JOB_ID" in env else 0
+    job = read_int(env, "SLURM_JOB_ID", 0)
     step = env.get("SLURM_STEP_ID", "0")
     # "²".isdigit(), and int() refuses it
     step_id = int(step) if step.isascii() and step.isdigit() else 0
