@@ -132,22 +132,22 @@ class ManifestConfig:
         if self.cpu is not None:
             quantity("--cpu", self.cpu)
         memory = None if self.memory is None else quantity("--memory", self.memory, whole=True)
-        shm = None if self.shm_size is None else quantity("--shm-size", self.shm_size, whole=True)
+        given = self.shm_size is not None
         if self.shm_size is None:  # within the memory it counts against
             half = None if memory is None else memory / 2
             self.shm_size = (
                 "8Gi" if half is None or half >= 8 * 2**30 else f"{max(1, int(half // 2**20))}Mi"
             )
-            # half of a tiny --memory rounds up to 1Mi, more than the limit itself
-            if memory is not None and quantity("--shm-size", self.shm_size, whole=True) > memory:
-                raise ConfigError(
-                    f"--memory {self.memory} is less than the default /dev/shm of {self.shm_size}, "
-                    "which counts against it: raise --memory, or give a smaller --shm-size"
-                )
-        elif memory is not None and shm is not None and shm > memory:
+        # (half of a tiny --memory rounds up to 1Mi, more than the limit itself)
+        shm = quantity("--shm-size", self.shm_size, whole=True)
+        if memory is not None and shm > memory:
             raise ConfigError(
                 f"--shm-size {self.shm_size} is more than --memory {self.memory}, which /dev/shm "
                 "counts against: raise --memory or lower --shm-size"
+                if given
+                else f"--memory {self.memory} is less than the default /dev/shm of "
+                f"{self.shm_size}, which counts against it: raise --memory, or give a smaller "
+                "--shm-size"
             )
         if not 0 <= self.gpus_per_node <= 64:
             raise ConfigError(f"--gpus-per-node {self.gpus_per_node}: use 0 to 64")

@@ -62,7 +62,6 @@ class LaunchConfig:
 
     def __post_init__(self) -> None:
         self._check_sizes()
-        self._check_places()
         self._check_times()
         self._check_names()
 
@@ -80,8 +79,6 @@ class LaunchConfig:
         node_range(self.nnodes)
         if not 1 <= self.preempted_exit_code <= 255:
             raise ConfigError(f"--preempted-exit-code {self.preempted_exit_code}: use 1 to 255")
-
-    def _check_places(self) -> None:
         if self.max_nodes > 1 and not self.rdzv_endpoint:
             raise ConfigError(
                 f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT reachable from every node"

@@ -15,6 +15,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -268,18 +269,6 @@ class InPlace:
             return "the stall watch ended the attempt"
         return ""
 
-    def _serve_store(self, agent: Any) -> int:
-        """Serve a new store for the workers on their ``MASTER_ADDR`` alone (the last one this agent
-        served goes); its port."""
-        from datetime import timedelta
-
-        from ddpkit._internals.store import serve_new_store
-
-        address = torchrun.master_address(agent.process_context().envs[0])
-        host = address[0] if address else "127.0.0.1"
-        self.store, port = serve_new_store(host, timedelta(minutes=5))  # the last one ends now
-        return port
-
     def _waiting(self) -> dict[int, dict[str, Any]]:
         generation = self.generation + 1
         out = {}
@@ -319,8 +308,13 @@ class InPlace:
             "left": max((r["torn_down"] for r in waiting.values()), default=incident.seen),
             "decided": time.time(),
         }
-        # a fresh store: the old one holds the old groups' keys, and its server may be the lost rank
-        go["master_port"] = self._serve_store(agent)
+        # a fresh store (the old one holds the old groups' keys, its server may be the lost rank),
+        # on the workers' MASTER_ADDR alone; the last one this agent served ends now
+        from ddpkit._internals.store import serve_new_store
+
+        address = torchrun.master_address(agent.process_context().envs[0])
+        host = address[0] if address else "127.0.0.1"
+        self.store, go["master_port"] = serve_new_store(host, timedelta(minutes=5))
         path = self.folder / f"go-{incident.generation}"
         fs.write_atomic(path, json.dumps(go).encode())  # before a replacement can look for it
         for rank in incident.replaced:

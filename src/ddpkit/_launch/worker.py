@@ -78,14 +78,10 @@ _fork_hook = False
 
 
 def serve_stacks(name: str | None = None) -> bool:
-    """Answer stack requests (:func:`ask_stacks`) from a daemon thread of this process, for as long
-    as it lives; False where nothing serves them (no ``$DDPKIT_STACK_DIR``, or it cannot be used).
-
-    The thread blocks on a FIFO of this user's, ``stack-<pid>.fifo``; on each request it writes
-    every thread's Python stack (:func:`format_stacks`) whole to ``stack-<pid>.txt`` and to
-    ``<name>.txt`` (default ``rank<RANK>``). Nothing is signalled: a request can never kill the
-    process. One whose main thread holds the GIL does not answer.
-    """
+    """Answer stack requests (:func:`ask_stacks`) on the FIFO ``stack-<pid>.fifo`` from a daemon
+    thread, writing every thread's stack (:func:`format_stacks`) to ``stack-<pid>.txt`` and
+    ``<name>.txt`` (default ``rank<RANK>``); False where nothing serves them (no
+    ``$DDPKIT_STACK_DIR``, or it cannot be used). Nothing is signalled."""
     global _serving, _fork_hook
     pid = os.getpid()
     folder_name = os.environ.get(STACK_DIR_ENV)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ddpkit.platforms import _cpus as cpus
 from ddpkit.platforms import _kubernetes as kubernetes
 from ddpkit.platforms import _mpi as mpi
 from ddpkit.platforms import _ray as ray
@@ -60,9 +59,9 @@ def launch_defaults(env: Mapping[str, str]) -> list[LaunchDefault]:
 
 def scheduler(env: Mapping[str, str]) -> str | None:
     """The batch scheduler this process runs under, if any: ``"slurm"`` or ``"sge"``."""
-    if slurm.in_job(env):
+    if slurm.job_id(env) is not None:  # a step's task, a batch script, a salloc shell
         return "slurm"
-    if cpus.in_sge_job(env):
+    if "SGE_TASK_ID" in env or "NSLOTS" in env or "JOB_ID" in env and "SGE_ROOT" in env:
         return "sge"
     return None
 

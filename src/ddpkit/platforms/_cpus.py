@@ -9,10 +9,6 @@ import os
 from collections.abc import Mapping
 
 
-def in_sge_job(env: Mapping[str, str]) -> bool:
-    return "SGE_TASK_ID" in env or "NSLOTS" in env or "JOB_ID" in env and "SGE_ROOT" in env
-
-
 def cpu_count(env: Mapping[str, str] | None = None) -> int:
     """Cores this process may use: the scheduler's grant (SGE ``NSLOTS``, ``SLURM_CPUS_ON_NODE``),
     else its affinity within its cgroup's CPU quota (a container's CPU limit, rounded up)."""

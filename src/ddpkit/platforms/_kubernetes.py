@@ -187,11 +187,8 @@ def resolve_options(
     given: Mapping[str, str], defaults: list[LaunchDefault]
 ) -> tuple[dict[str, str], list[LaunchDefault]]:
     """(the options to add to the command line, the defaults taken) from the options the user
-    ``given`` (option -> value as typed) and the environment's ``defaults``.
-
-    A default the user gave with another value is refused, naming both. ``JOB_COMPLETION_INDEX`` is
-    a node rank only for a job of fixed size across several nodes where none is typed; a job of one
-    node takes no endpoint (nor rendezvous id, nor node rank) from the environment."""
+    ``given`` (option -> value as typed) and the environment's ``defaults``; a default the user
+    gave with another value is refused, naming both."""
     taken: list[LaunchDefault] = []
     for default in defaults:
         typed = given.get(default.option)
@@ -209,6 +206,8 @@ def resolve_options(
                 "the job's spec so that they agree"
             )
     nnodes = given.get("--nnodes") or next((t.value for t in taken if t.option == "--nnodes"), "1")
+    # JOB_COMPLETION_INDEX is a node rank only for a job of fixed size across several nodes; a job
+    # of one node takes no endpoint (nor rendezvous id, nor node rank) from the environment
     fixed_size_nodes = ":" not in nnodes and not one_node(nnodes)
     taken = [t for t in taken if t.source != "JOB_COMPLETION_INDEX" or fixed_size_nodes]
     if one_node(nnodes) and "--rdzv-endpoint" not in given:

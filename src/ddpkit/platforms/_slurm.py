@@ -53,11 +53,6 @@ def job_id(env: Mapping[str, str]) -> str | None:
     return env.get("SLURM_JOB_ID")
 
 
-def in_job(env: Mapping[str, str]) -> bool:
-    """Inside a SLURM job (a step's task, a batch script, a salloc shell)."""
-    return "SLURM_JOB_ID" in env
-
-
 def restarts(env: Mapping[str, str]) -> int:
     """How many times SLURM requeued the job (``SLURM_RESTART_COUNT``), 0 outside SLURM."""
     return read_int(env, "SLURM_RESTART_COUNT") if env.get("SLURM_RESTART_COUNT") else 0

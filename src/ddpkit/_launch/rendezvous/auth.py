@@ -464,10 +464,10 @@ class RelayServer:
                             self._read(pending)
                 now = time.monotonic()
                 for pending in [p for p in self._pending.values() if p.deadline <= now]:
-                    self._drop(
-                        pending,
-                        f"no complete handshake within {self._timeout:g} s (slow or silent)",
-                    )
+                    self._forget(pending)
+                    why = f"no complete handshake within {self._timeout:g} s (slow or silent)"
+                    self._note(pending.address, why)  # said before the peer sees the close
+                    pending.sock.close()
         finally:
             for pending in list(self._pending.values()):
                 self._forget(pending)
@@ -578,11 +578,6 @@ class RelayServer:
         self._forget(pending)
         self._note(pending.address, "it does not hold the job's secret", refused=True)
         refuse(pending.sock)
-
-    def _drop(self, pending: _Pending, reason: str) -> None:
-        self._forget(pending)
-        self._note(pending.address, reason)  # said before the peer sees the close
-        pending.sock.close()
 
     def _forget(self, pending: _Pending) -> None:
         with contextlib.suppress(KeyError, ValueError):

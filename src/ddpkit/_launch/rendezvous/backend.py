@@ -72,14 +72,9 @@ def _create_handler(params: RendezvousParameters) -> RendezvousHandler:
 
 
 class WorkersStoreHandler(RendezvousHandler):
-    """torch's dynamic rendezvous, whose node of rank 0 also serves, for each round, the store the
-    workers meet in (their ``MASTER_ADDR:MASTER_PORT``): on that node's address alone, on a socket
-    bound before its port is published, and new at every round, so that restarted workers never
-    read a dead peer's address.
-
-    torch would publish a port it found free and closed, for rank 0's worker to bind seconds later;
-    on a busy machine another program's connection took it in between ("Address already in use").
-    """
+    """torch's dynamic rendezvous, whose node of rank 0 also serves, new at every round, the store
+    the workers meet in (``MASTER_ADDR:MASTER_PORT``), on its address alone, on a socket bound
+    before its port is published (torch publishes a free port that another program may take)."""
 
     _KEY = "ddpkit/workers_store"
 
