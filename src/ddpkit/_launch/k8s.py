@@ -511,20 +511,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         build_parser(), OPTIONS, sys.argv[1:] if argv is None else argv
     )
     cfg = options.config_from(ManifestConfig, ns, script_args)
-    text = to_yaml(manifests(cfg))
-    if ns.dry_run:
-        print("".join(f"# {line}\n" for line in notes(cfg, None)) + text, end="")
+    path = None if ns.dry_run else Path(ns.output or f"{cfg.name}.k8s.yaml")
+    said = notes(cfg, None if path is None else str(path))
+    text = "".join(f"# {line}\n" for line in said) + to_yaml(manifests(cfg))
+    if path is None:
+        print(text, end="")
         return 0
-    path = Path(ns.output or f"{cfg.name}.k8s.yaml")
     try:
-        fs.write_atomic(
-            path, ("".join(f"# {line}\n" for line in notes(cfg, str(path))) + text).encode()
-        )
+        fs.write_atomic(path, text.encode())
     except OSError as err:
         raise ConfigError(
             f"--output {str(path)[:80]!r}: cannot write there ({err.strerror or err})"
         ) from None
     print(f"manifest: {path}")
-    for line in notes(cfg, str(path)):
+    for line in said:
         print(f"  {line}")
     return 0

@@ -165,7 +165,7 @@ def tidy_log_dirs(root: str, run: Path, keep: int = 20) -> None:
         for p in Path(root).glob("*-*-*")
         if p.is_dir() and re.fullmatch(r"\d{8}-\d{6}-\d+", p.name)
     )
-    for old in ours[:-keep] if len(ours) > keep else []:
+    for old in ours[:-keep]:
         fs.remove_tree(old)
     with contextlib.suppress(OSError):
         fs.remove_empty_dir(Path(root))

@@ -46,21 +46,10 @@ class BatchConfig:
     workdir: str = field(default_factory=os.getcwd)
 
     def __post_init__(self) -> None:
-        for name in ("nodes", "signal_lead"):
-            if getattr(self, name) < (1 if name == "nodes" else 0):
-                raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)}: too small")
-        if self.signal_lead > 65535:  # sbatch's --signal takes at most 65535 s
-            raise ConfigError(f"--signal-lead {self.signal_lead}: SLURM allows at most 65535 s")
-        if self.gpus_per_node < 0:
-            raise ConfigError(f"--gpus-per-node {self.gpus_per_node}: must be >= 0")
-        for name in ("ntasks_per_node", "cpus_per_task"):
+        for name, low, high in _RANGES:  # sbatch's --signal takes at most 65535 s
             value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} {value}: must be >= 1")
-        for name in ("nodes", "gpus_per_node", "ntasks_per_node", "cpus_per_task"):
-            value = getattr(self, name)
-            if value is not None and value > _MAX_COUNT:
-                raise ConfigError(f"--{name.replace('_', '-')} {value}: at most {_MAX_COUNT}")
+            if value is not None and not low <= value <= high:
+                raise ConfigError(f"--{name.replace('_', '-')} {value}: use {low} to {high}")
         for option, value in self._texts():
             _check_text(option, value)
         limit = time_limit_seconds(self.time) if self.time is not None else None
@@ -114,6 +103,13 @@ class BatchConfig:
 
 
 _MAX_COUNT = 100_000
+_RANGES = (
+    ("nodes", 1, _MAX_COUNT),
+    ("signal_lead", 0, 65535),
+    ("gpus_per_node", 0, _MAX_COUNT),
+    ("ntasks_per_node", 1, _MAX_COUNT),
+    ("cpus_per_task", 1, _MAX_COUNT),
+)
 _MAX_TIME = 365 * 86400
 _JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,199}")
 _SCRIPT_SINGLE_LINE = {

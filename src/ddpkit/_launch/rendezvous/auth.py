@@ -147,14 +147,6 @@ def _tag(key: bytes, *parts: bytes) -> bytes:
     return hmac.new(key, b"".join(parts), hashlib.sha256).digest()
 
 
-def _recv_upto(sock: socket.socket, n: int) -> bytes:
-    """``n`` bytes, or fewer where the other end closed first."""
-    try:
-        return _recv_exact(sock, n)
-    except EOFError as err:
-        return err.args[1]
-
-
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
     buf = bytearray()
     while len(buf) < n:
@@ -207,7 +199,10 @@ def refuse(sock: socket.socket, words: bytes = _REFUSED) -> None:
 
 def join_host(sock: socket.socket, key: bytes) -> Session:
     """A node's side of the handshake; :class:`Refused` or :class:`NotARelay` say what failed."""
-    hello = _recv_upto(sock, len(HELLO) + _NONCE)
+    try:
+        hello = _recv_exact(sock, len(HELLO) + _NONCE)
+    except EOFError as err:  # fewer: the other end closed first
+        hello = err.args[1]
     if hello in _BUSY_WORDS:
         raise Busy(_BUSY_WORDS[hello])
     if len(hello) < len(HELLO) + _NONCE:
