@@ -71,18 +71,14 @@ def preload(modules: Sequence[str]) -> tuple[list[str], str | None]:
     own = [m for m in modules if m not in PRELOAD]
     threads = os_threads()
     load(own)
+    why = None
     if cuda_driver_initialised():
-        return failed, "the CUDA driver was initialised while importing " + ", ".join(
-            [*PRELOAD, *own]
-        )
-    if threading.active_count() > 1:
-        return failed, f"{threading.active_count() - 1} Python thread(s) started while importing"
-    if os_threads() > threads:
-        return (
-            failed,
-            f"{os_threads() - threads} thread(s) started while importing {', '.join(own)}",
-        )
-    return failed, None
+        why = "the CUDA driver was initialised while importing " + ", ".join([*PRELOAD, *own])
+    elif threading.active_count() > 1:
+        why = f"{threading.active_count() - 1} Python thread(s) started while importing"
+    elif os_threads() > threads:
+        why = f"{os_threads() - threads} thread(s) started while importing {', '.join(own)}"
+    return failed, why
 
 
 def exit_status(code: Any) -> int:

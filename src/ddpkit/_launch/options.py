@@ -421,13 +421,12 @@ def config_from_args(ns: argparse.Namespace, script_args: Sequence[str] = ()) ->
     )
 
 
-def typed_options(ours: Sequence[str], value_options: set[str] | None = None) -> dict[str, str]:
-    """The value options typed in ``ours`` (``--opt value``, ``--opt=value``): option -> value."""
-    value_options = RUN_VALUE_OPTIONS if value_options is None else value_options
+def typed_options(ours: Sequence[str]) -> dict[str, str]:
+    """``ddpkit run``'s value options typed in ``ours`` (``--opt value``, ``--opt=value``)."""
     typed, i = {}, 0
     while i < len(ours) - 1:  # the last token is the script
         name, eq, value = ours[i].partition("=")
-        if name in value_options:
+        if name in RUN_VALUE_OPTIONS:
             typed[name] = value if eq else ours[i + 1]
             i += 0 if eq else 1
         i += 1

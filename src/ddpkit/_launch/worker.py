@@ -41,17 +41,6 @@ from ddpkit.platforms import _torchrun as torchrun
 K = TypeVar("K")
 
 
-def die_with_parent(sig: int = signal.SIGKILL) -> bool:
-    """Have Linux SIGKILL this process when its parent (the agent) dies; False where not Linux."""
-    parent = int(os.environ.get("DDPKIT_AGENT_PID", os.getppid()))
-    if not set_parent_death_signal(sig):
-        return False
-    # the parent may have died before prctl: then no signal will come
-    if os.getppid() != parent:
-        os.kill(os.getpid(), sig)
-    return True
-
-
 STACK_DIR_ENV = "DDPKIT_STACK_DIR"  # where workers serve stack requests (set by the launcher)
 NO_ANSWER = "(no answer within {wait:g} s: a process holding the GIL cannot answer)"
 _TOKEN = re.compile(r"[0-9a-f]{16}")
@@ -260,25 +249,16 @@ def main_frames(dump: str) -> list[str]:
 
 
 class WholeErrorFile(ErrorHandler):
-    """torch's error handler, its file (``TORCHELASTIC_ERROR_FILE``) written whole or not at all: a
-    truncated one, from a worker stopped as torch wrote it in place, ended the agent's poll with a
-    JSON error. The same record in torch's format; a script's own ``@record`` writes through it
-    too."""
+    """torch's error handler, its file (``TORCHELASTIC_ERROR_FILE``) written whole or not at all (a
+    truncated one ends the agent's poll), in torch's format; a script's own ``@record`` too."""
 
     def record_exception(self, e: BaseException) -> None:
         path = torchrun.error_file(os.environ)
         if not path:
             super().record_exception(e)  # torch logs it
             return
-        record = {
-            "message": {
-                "message": f"{type(e).__name__}: {e}",
-                "extraInfo": {
-                    "py_callstack": traceback.format_exc(),
-                    "timestamp": str(int(time.time())),
-                },
-            }
-        }
+        info = {"py_callstack": traceback.format_exc(), "timestamp": str(int(time.time()))}
+        record = {"message": {"message": f"{type(e).__name__}: {e}", "extraInfo": info}}
         fs.write_atomic(Path(path), json.dumps(record).encode())
 
 
@@ -312,7 +292,10 @@ def main() -> None:
         argv = argv[1:]
     if not argv:
         raise SystemExit("usage: python -m ddpkit._launch.worker [-m] TARGET [ARGS...]")
-    die_with_parent()
+    # SIGKILLed when the agent dies (Linux); if it died before prctl, no signal will come
+    agent = int(os.environ.get("DDPKIT_AGENT_PID", os.getppid()))
+    if set_parent_death_signal(signal.SIGKILL) and os.getppid() != agent:
+        os.kill(os.getpid(), signal.SIGKILL)
     start_guard()
     hold_stop_signals()
     atexit.register(_ignore_warnings_at_exit)  # run after the script's own exit handlers
