@@ -5,7 +5,6 @@ with kubectl; nothing is sent to a cluster. What each holds and why: docs/kubern
 
 from __future__ import annotations
 
-import argparse
 import math
 import posixpath
 import re
@@ -26,13 +25,8 @@ KINDS: tuple[str, ...] = get_args(Kind)
 PORT = 29500  # the rendezvous port on pod 0: torchrun's default, and Trainer's
 SECRET_KEY = "rdzv-secret"
 SECRET_DIR = "/etc/ddpkit/rdzv"
-SECRET_MODE = 0o440
-"""The Secret volume's ``defaultMode``: with the pod's ``fsGroup`` (:data:`FS_GROUP`), readable by
-the pod's containers whichever user they run as, and by no other user; the file the reader
-(:func:`ddpkit._launch.rendezvous.auth.load_secret`) accepts."""
+SECRET_MODE = 0o440  # with the pods' fsGroup: their containers' alone, as load_secret accepts
 FS_GROUP = 2000
-SECRET_NAMES = (SECRET_ENV,)
-"""Read as the secret itself: never in a manifest, which whoever can ``get`` it reads."""
 # The operators set their variables in the container of this name only.
 CONTAINER = {"trainjob": "node", "pytorchjob": "pytorch", "jobset": "node"}
 PYTORCHJOB_PREEMPTED = 128 + 15  # SIGTERM's code, which a PyTorchJob's ExitCode policy retries
@@ -192,7 +186,7 @@ class ManifestConfig:
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", item):
                 raise ConfigError(f"--env {item[:60]!r}: use NAME=VALUE")
             name = item.partition("=")[0]
-            if name in SECRET_NAMES:
+            if name == SECRET_ENV:  # never in a manifest, which whoever can `get` it reads
                 raise ConfigError(
                     f"--env {name}=...: the manifest would hold the rendezvous secret in clear, "
                     "for anyone who can read the job; drop it: the pods read the secret from the "
@@ -501,15 +495,10 @@ OPTIONS = [
 ]  # fmt: skip
 
 
-def build_parser() -> argparse.ArgumentParser:
-    usage = "ddpkit k8s --image IMAGE [options] SCRIPT [ARGS...]"
-    return options.command_parser("ddpkit k8s", usage, DESCRIPTION, EXAMPLES, OPTIONS)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    ns, script_args = options.parse_command(
-        build_parser(), OPTIONS, sys.argv[1:] if argv is None else argv
-    )
+    usage = "ddpkit k8s --image IMAGE [options] SCRIPT [ARGS...]"
+    parser = options.command_parser("ddpkit k8s", usage, DESCRIPTION, EXAMPLES, OPTIONS)
+    ns, script_args = options.parse_command(parser, OPTIONS, sys.argv[1:] if argv is None else argv)
     cfg = options.config_from(ManifestConfig, ns, script_args)
     path = None if ns.dry_run else Path(ns.output or f"{cfg.name}.k8s.yaml")
     said = notes(cfg, None if path is None else str(path))

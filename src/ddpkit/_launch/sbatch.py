@@ -5,7 +5,6 @@ Trainer saves and exits 75, and the script then requeues the job (docs/many-mach
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import shlex
@@ -276,15 +275,10 @@ OPTIONS = [
 ]  # fmt: skip
 
 
-def build_parser() -> argparse.ArgumentParser:
-    usage = "ddpkit sbatch [options] SCRIPT [ARGS...]"
-    return options.command_parser("ddpkit sbatch", usage, DESCRIPTION, EXAMPLES, OPTIONS)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    ns, script_args = options.parse_command(
-        build_parser(), OPTIONS, sys.argv[1:] if argv is None else argv
-    )
+    usage = "ddpkit sbatch [options] SCRIPT [ARGS...]"
+    parser = options.command_parser("ddpkit sbatch", usage, DESCRIPTION, EXAMPLES, OPTIONS)
+    ns, script_args = options.parse_command(parser, OPTIONS, sys.argv[1:] if argv is None else argv)
     cfg = options.config_from(BatchConfig, ns, script_args, sbatch_options=ns.sbatch_option)
     path, job = submit(cfg, dry_run=ns.dry_run)
     print(f"batch script: {path}")

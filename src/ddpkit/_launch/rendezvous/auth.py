@@ -485,19 +485,13 @@ class RelayServer:
                 self._turn_away(conn, where, BUSY_ADDRESS, "too many unfinished handshakes at once")
                 continue
             if len(self._pending) >= self._cap:
+                full = f"{self._cap} unfinished handshakes of all addresses"
                 if not self._evict:
-                    self._turn_away(
-                        conn,
-                        where,
-                        BUSY_FULL,
-                        f"{self._cap} unfinished handshakes of all addresses",
-                    )
+                    self._turn_away(conn, where, BUSY_FULL, full)
                     continue
                 victim = self._victim()
                 self._forget(victim)
-                self._note(
-                    victim.address, f"evicted: {self._cap} unfinished handshakes of all addresses"
-                )
+                self._note(victim.address, f"evicted: {full}")
                 refuse(victim.sock, EVICTED)
             nonce = secrets.token_bytes(_NONCE)
             conn.setblocking(False)
@@ -549,12 +543,8 @@ class RelayServer:
             self._refuse(pending)
             return
         self._forget(pending)
-        threading.Thread(
-            target=self._connect,
-            args=(pending.sock, proof, session),
-            daemon=True,
-            name="ddpkit-relay",
-        ).start()
+        args = (pending.sock, proof, session)
+        threading.Thread(target=self._connect, args=args, daemon=True, name="ddpkit-relay").start()
 
     def _connect(self, conn: socket.socket, proof: bytes, session: Session) -> None:
         """Send the relay's proof and carry the admitted peer's traffic to the store."""
