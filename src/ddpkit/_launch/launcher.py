@@ -67,9 +67,8 @@ def torchrun_argv(
         argv += ["--rdzv-conf", ",".join(conf + cfg.rdzv_conf)]
     if cfg.node_rank is not None:
         argv += ["--node-rank", str(cfg.node_rank)]
-    local_addr = _local_addr(cfg, node)
-    if local_addr:
-        argv += ["--local-addr", local_addr]
+    if cfg.local_addr or node is not None or not cfg.networked:  # the workers' MASTER_ADDR
+        argv += ["--local-addr", cfg.local_addr or (node.local_addr if node else LOOPBACK)]
     if run_log_dir:
         argv += ["--log-dir", run_log_dir]
     if cfg.all_ranks:
@@ -101,15 +100,6 @@ def flight_recorder_vars() -> tuple[str, str]:
     if torch_at_least(FLIGHT_RECORDER_NAMES):
         return "TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE"
     return "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"
-
-
-def _local_addr(cfg: LaunchConfig, node: NodeAddress | None) -> str | None:
-    """This node's address for torchrun, the workers' MASTER_ADDR: on one node, loopback."""
-    if cfg.local_addr:
-        return cfg.local_addr
-    if node is not None:
-        return node.local_addr
-    return None if cfg.networked else LOOPBACK
 
 
 def worker_env(cfg: LaunchConfig, nproc: int, node: NodeAddress | None = None) -> dict[str, str]:

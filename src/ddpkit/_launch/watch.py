@@ -40,6 +40,8 @@ MOVED = (5, 4096)
 WINDOW = 2.0
 EVIDENCE_AFTER = 1.0  # seconds a record stays unchanged before the rank's activity is read
 LONG_SHARE = 0.5  # the long allowance is at most this share of the collective timeout
+STEP_FACTOR = 10.0  # a rank gets at least this many times its median step
+LONG_FACTOR = 10.0  # LONG_PHASES get LONG_FACTOR x the floor (LONG_SHARE of the timeout at most)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,10 +50,6 @@ class StallPolicy:
 
     floor: float = DEFAULT_FLOOR
     """Seconds without progress a rank always gets; 0 turns the watch off."""
-    factor: float = 10.0
-    """A rank gets at least this many times its median step."""
-    long_factor: float = 10.0
-    """:data:`LONG_PHASES` get ``long_factor x floor`` (:data:`LONG_SHARE` of the timeout)."""
     collective_timeout: float | None = None
     on_stall: str = "end"
     """``end``: kill the stalled rank, so the job ends (or restarts); ``warn``: only say so."""
@@ -196,10 +194,10 @@ class Watch:
         p = self.policy
         # the median of the steps seen ending, the first left out (it warms up, with an allowance)
         median = statistics.median(r.durations) if r.durations else 0.0
-        allowed = max(p.floor, p.factor * median)
+        allowed = max(p.floor, STEP_FACTOR * median)
         first = r.record is None or r.record.steps <= 1
         if first or r.record is not None and r.record.phase in LONG_PHASES:
-            allowed = max(allowed, p.long_factor * p.floor)
+            allowed = max(allowed, LONG_FACTOR * p.floor)
         # named before the waiting ranks' collectives fail
         timeout = self._timeout(r)
         return min(allowed, LONG_SHARE * timeout) if timeout is not None else allowed
