@@ -113,21 +113,16 @@ class Agent(HookedAgent):
         running = {
             w.global_rank for w in worker_group.workers if processes[w.local_rank].poll() is None
         }
-        if self.watch.poll(running) is not None:
-            self._say_disagreement(running)
+        if self.watch.poll(running) is not None:  # named: say if they wait in different ops
+            now = self.watch.clock()
+            views = [self.watch.view(r, now) for g, r in self.watch.ranks.items() if g in running]
+            disagree = nodes.disagreement(views + self.watch.link.remote)
+            if disagree:
+                self.disagreement = nodes.disagreement_words(disagree, self.watch.link.multi)
+                say(self.disagreement)
         for g, r in self.watch.ranks.items():
             if r.record is not None and r.record.phase == Phase.COLLECTIVE:
                 self._collectives[g] = r.record
-
-    def _say_disagreement(self, running: set[int]) -> None:
-        """Once the stall watch named ranks: say if they wait in one collective under two ops."""
-        assert self.watch is not None
-        now = self.watch.clock()
-        views = [self.watch.view(r, now) for g, r in self.watch.ranks.items() if g in running]
-        disagree = nodes.disagreement(views + self.watch.link.remote)
-        if disagree:
-            self.disagreement = nodes.disagreement_words(disagree, self.watch.link.multi)
-            say(self.disagreement)
 
     def after_monitor(self, worker_group: Any, result: Any) -> None:
         failed = result.state == WorkerState.FAILED

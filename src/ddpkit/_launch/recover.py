@@ -244,8 +244,11 @@ class InPlace:
             fs.write_atomic(self.folder / "incident", str(self.incident.generation).encode())
         incident = self.incident
         why = self._why_not(codes, agent)
-        if why:
-            return self._end(why)
+        if why:  # the waiting ranks fail as without the option; torchrun takes over
+            self.fallback, self.ended = why, True
+            fs.write_atomic(self.folder / f"end-{incident.generation}", why.encode())
+            self._close_incident()
+            return False
         exited = {r: c for r, c in codes.items() if c is not None}
         if set(exited) | set(waiting) != set(codes):
             late = sorted(set(codes) - set(exited) - set(waiting) - set(incident.stopped))
@@ -270,21 +273,8 @@ class InPlace:
         return ""
 
     def _waiting(self) -> dict[int, dict[str, Any]]:
-        generation = self.generation + 1
-        out = {}
-        for path in self.folder.glob(f"wait-{generation}.*"):
-            record = _read_json(path)
-            if record is not None:
-                out[int(record["rank"])] = record
-        return out
-
-    def _end(self, why: str) -> bool:
-        """End the incident: the waiting ranks fail as without the option; torchrun takes over."""
-        assert self.incident is not None
-        self.fallback, self.ended = why, True
-        fs.write_atomic(self.folder / f"end-{self.incident.generation}", why.encode())
-        self._close_incident()
-        return False
+        paths = self.folder.glob(f"wait-{self.generation + 1}.*")
+        return {int(r["rank"]): r for r in map(_read_json, paths) if r is not None}
 
     def _close_incident(self) -> None:
         assert self.incident is not None

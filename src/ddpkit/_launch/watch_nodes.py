@@ -262,12 +262,8 @@ class Waiting:
 
     def overdue(self, waited_for: list[View], named: set[int], now: float) -> list[View]:
         """The ranks waited for longer than the grace that their agents have not named."""
-        current = {v.rank for v in waited_for}
-        for rank in list(self.since):
-            if rank not in current:
-                del self.since[rank]  # it moved: a wait starts again
-        for v in waited_for:
-            self.since.setdefault(v.rank, now)
+        # a rank no longer waited for moved: a wait starts again
+        self.since = {v.rank: self.since.get(v.rank, now) for v in waited_for}
         return [
             v for v in waited_for if v.rank not in named and now - self.since[v.rank] > self.grace
         ]
