@@ -174,16 +174,9 @@ def batch_script(cfg: BatchConfig) -> str:
         f"#SBATCH --nodes={cfg.nodes}",
         f"#SBATCH --ntasks-per-node={cfg.tasks_per_node}",
     ]
-    if cfg.gpus_per_node:
-        lines.append(f"#SBATCH --gpus-per-node={cfg.gpus_per_node}")
-    if cfg.cpus_per_task:
-        lines.append(f"#SBATCH --cpus-per-task={cfg.cpus_per_task}")
-    if cfg.time:
-        lines.append(f"#SBATCH --time={cfg.time}")
-    if cfg.partition:
-        lines.append(f"#SBATCH --partition={cfg.partition}")
-    if cfg.account:
-        lines.append(f"#SBATCH --account={cfg.account}")
+    for name in ("gpus_per_node", "cpus_per_task", "time", "partition", "account"):
+        if getattr(cfg, name):
+            lines.append(f"#SBATCH --{name.replace('_', '-')}={getattr(cfg, name)}")
     lines += [
         # To the tasks (not B:, the batch shell): the Trainer in each rank saves and exits 75.
         f"#SBATCH --signal=USR1@{cfg.signal_lead}",
