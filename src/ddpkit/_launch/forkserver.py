@@ -37,7 +37,7 @@ from ddpkit._internals.interpreter import (
     warn_interpreter_once,
 )
 from ddpkit._launch import say
-from ddpkit._launch.proctree import parent_of, set_parent_death_signal, wait_exit
+from ddpkit._launch.proctree import parent_of, send, set_parent_death_signal, wait_exit
 
 PRELOAD = ("torch", "torch.distributed", DYNAMO, "ddpkit.training._trainer")
 """Imported before the first fork (Dynamo: what an optimizer or DDP imports)."""
@@ -328,8 +328,7 @@ class ForkedProcess:
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, sig)
+            send([self.pid], sig)
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
@@ -358,11 +357,8 @@ class ForkServer:
             # out of reach of signals to the job's process group; it dies with the agent
             start_new_session=True,
         )
+        self.pid = self.proc.pid
         theirs.close()
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
 
     def ready(self, timeout: float = READY_TIMEOUT) -> bool:
         """Wait for the server's imports; True when it forks workers."""

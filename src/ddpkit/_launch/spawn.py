@@ -85,11 +85,10 @@ def spawn(
     raised here with that rank's traceback.
 
     ``start_method`` is ``"fork"`` where it is safe (POSIX, CUDA not initialised here and no
-    backward run here on a machine with a GPU), so a
-    function of a notebook cell works, else ``"spawn"``, which needs ``fn`` importable. A forked
-    process runs one intra-op thread (OpenMP's pool does not survive ``fork``); pass
-    ``start_method="spawn"`` for more. ``timeout`` (seconds): processes still running by then are
-    killed, and :class:`TimeoutError` names them; None waits as long as they run.
+    backward run here on a machine with a GPU), so a function of a notebook cell works, else
+    ``"spawn"``, which needs ``fn`` importable. A forked process runs one intra-op thread (OpenMP's
+    pool does not survive ``fork``); pass ``start_method="spawn"`` for more. ``timeout`` (seconds):
+    processes still running by then are killed, and :class:`TimeoutError` names them.
     """
     if not isinstance(nprocs, int) or not isinstance(args, tuple):
         raise ConfigError(
@@ -105,12 +104,9 @@ def spawn(
     # hangs), on a socket bound here: a port found free and bound later could be taken meanwhile.
     results = mp.get_context(start_method).SimpleQueue()
     with socket.create_server(("127.0.0.1", 0), backlog=1024) as listener:
+        worker_args = (fn, args, nprocs, listener, threads, results, pass_rank)
         context = mp.start_processes(
-            _worker,
-            args=(fn, args, nprocs, listener, threads, results, pass_rank),
-            nprocs=nprocs,
-            join=False,
-            start_method=start_method,
+            _worker, worker_args, nprocs, join=False, start_method=start_method
         )
     try:
         return _results(context, results, nprocs, timeout)
