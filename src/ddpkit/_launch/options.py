@@ -241,13 +241,9 @@ def argument(*names: str, **kwargs: Any) -> Option:
 def command_parser(
     prog: str, usage: str, description: str, epilog: str, options: Sequence[Option]
 ) -> argparse.ArgumentParser:
+    formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(
-        prog=prog,
-        usage=usage,
-        description=description,
-        epilog=epilog,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        allow_abbrev=False,
+        prog, usage, description, epilog, formatter_class=formatter, allow_abbrev=False
     )
     for names, kwargs in options:
         parser.add_argument(*names, **kwargs)

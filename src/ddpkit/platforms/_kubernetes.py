@@ -87,16 +87,13 @@ def check_one_process_per_pod(env: Mapping[str, str]) -> None:
     nproc, nnodes = pet_value(env, "PET_NPROC_PER_NODE") or "1", pet_value(env, "PET_NNODES") or ""
     elastic = "PET_RDZV_ENDPOINT" in env or ":" in nnodes
     if not _one_process(nproc) or elastic:
+        why = f"PET_NPROC_PER_NODE={nproc}"
+        if elastic:
+            why = f"an elastic policy, PET_NNODES={nnodes[:20]}"
         raise ConfigError(
-            "this pod's PyTorchJob starts torchrun's processes ("
-            + (
-                f"an elastic policy, PET_NNODES={nnodes[:20]}"
-                if elastic
-                else f"PET_NPROC_PER_NODE={nproc}"
-            )
-            + "), but this process was started alone: make the container's command `ddpkit run "
-            "train.py` (or torchrun), which reads the PET_* variables"
-            + ("" if elastic else ", or set nprocPerNode to 1")
+            f"this pod's PyTorchJob starts torchrun's processes ({why}), but this process was "
+            "started alone: make the container's command `ddpkit run train.py` (or torchrun), "
+            "which reads the PET_* variables" + ("" if elastic else ", or set nprocPerNode to 1")
         )
 
 
