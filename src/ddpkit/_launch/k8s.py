@@ -231,13 +231,8 @@ def command(cfg: ManifestConfig) -> list[str]:
 
 
 def _resources(cfg: ManifestConfig) -> dict[str, Any]:
-    amounts: dict[str, Any] = {}
-    if cfg.cpu:
-        amounts["cpu"] = cfg.cpu
-    if cfg.memory:
-        amounts["memory"] = cfg.memory
-    if cfg.gpus_per_node:
-        amounts["nvidia.com/gpu"] = cfg.gpus_per_node
+    given = {"cpu": cfg.cpu, "memory": cfg.memory, "nvidia.com/gpu": cfg.gpus_per_node}
+    amounts = {name: value for name, value in given.items() if value}
     return {"limits": amounts, "requests": dict(amounts)} if amounts else {}
 
 
@@ -248,12 +243,8 @@ def volumes(cfg: ManifestConfig) -> tuple[list[dict[str, Any]], list[dict[str, A
     ]
     mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"}]
     if cfg.nodes > 1:
-        vols.append(
-            {
-                "name": "rdzv-secret",
-                "secret": {"secretName": cfg.secret_name, "defaultMode": SECRET_MODE},
-            }
-        )
+        secret = {"secretName": cfg.secret_name, "defaultMode": SECRET_MODE}
+        vols.append({"name": "rdzv-secret", "secret": secret})
         mounts.append({"name": "rdzv-secret", "mountPath": SECRET_DIR, "readOnly": True})
     if cfg.pvc:
         vols.append({"name": "runs", "persistentVolumeClaim": {"claimName": cfg.pvc}})
@@ -262,22 +253,16 @@ def volumes(cfg: ManifestConfig) -> tuple[list[dict[str, Any]], list[dict[str, A
 
 
 def environment(cfg: ManifestConfig) -> list[dict[str, str]]:
-    env = [
-        {"name": name, "value": value}
-        for name, _, value in (item.partition("=") for item in cfg.env)
-    ]
+    pairs = (item.partition("=") for item in cfg.env)
+    env = [{"name": name, "value": value} for name, _, value in pairs]
     if cfg.nodes > 1:
         env.append({"name": SECRET_FILE_ENV, "value": f"{SECRET_DIR}/{SECRET_KEY}"})
     return env
 
 
 def container(cfg: ManifestConfig) -> dict[str, Any]:
-    vols, mounts = volumes(cfg)
-    spec: dict[str, Any] = {
-        "name": CONTAINER[cfg.kind],
-        "image": cfg.image,
-        "command": command(cfg),
-    }
+    spec: dict[str, Any] = {"name": CONTAINER[cfg.kind], "image": cfg.image}
+    spec["command"] = command(cfg)
     if env := environment(cfg):
         spec["env"] = env
     # the operator takes MASTER_PORT from the master's port of this name
@@ -287,7 +272,7 @@ def container(cfg: ManifestConfig) -> dict[str, Any]:
         spec["ports"] = [{"name": "rdzv", "containerPort": PORT}]
     if resources := _resources(cfg):
         spec["resources"] = resources
-    spec["volumeMounts"] = mounts
+    spec["volumeMounts"] = volumes(cfg)[1]
     return spec
 
 
