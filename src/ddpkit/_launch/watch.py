@@ -379,11 +379,9 @@ class Watch:
         for v in sorted(views, key=lambda v: v.rank):
             remote = v.node != self.link.node
             state = v.state_words() if remote else process_state(v.pid)
-            where = (
-                f"step {v.step}, {v.doing()}, {v.idle:.0f} s since its last mark"
-                if v.marked
-                else "no mark yet"
-            )
+            where = "no mark yet"
+            if v.marked:
+                where = f"step {v.step}, {v.doing()}, {v.idle:.0f} s since its last mark"
             if remote:
                 where += " (as its node's agent last published it)"
             lines.append(
@@ -392,8 +390,7 @@ class Watch:
             )
             if not remote and state.startswith("stopped"):
                 lines.append("    (a stopped process cannot answer for its stack)")
-            for frame in dumps.get(v.rank, []) if not remote else []:
-                lines.append(f"    {frame}")
+            lines += [f"    {frame}" for frame in dumps.get(v.rank, [])]  # this node's ranks'
             if not remote and v.phase == Phase.DATA:
                 lines += self._loader_lines(v.pid)
         return lines

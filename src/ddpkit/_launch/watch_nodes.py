@@ -8,6 +8,7 @@ import json
 import socket
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -184,16 +185,12 @@ def odd_ones(views: list[View]) -> list[View]:
     """Of ranks that disagree on a collective, those to name: the ranks behind, in a collective the
     others went past; where all wait in collectives, those off the one most ranks are in (of equal
     counts, the lowest rank's). Every node picks the same ranks from the same view."""
-    if not views:
-        return []
     if not all(v.in_collective for v in views):
         lowest = min(v.position for v in views)
         return [v for v in views if v.position == lowest]
-    counts: dict[tuple[int, int, str, int], int] = {}
-    for v in views:
-        counts[v.collective] = counts.get(v.collective, 0) + 1
+    counts = Counter(v.collective for v in views)
     # views are by rank: max() keeps the first of the highest count, the lowest rank's on a tie
-    common = max(counts, key=lambda key: counts[key])
+    common = max(counts, key=counts.__getitem__)
     return [v for v in views if v.collective != common]
 
 
