@@ -74,10 +74,9 @@ def interface_of(ip: str) -> str | None:
     """The interface whose IPv4 address is ``ip``."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         for _, name in socket.if_nameindex():
+            request = struct.pack("256s", name.encode()[:15])
             try:
-                packed = fcntl.ioctl(
-                    s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15])
-                )
+                packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, request)
             except OSError:
                 continue  # no IPv4 address on this interface
             if socket.inet_ntoa(packed[20:24]) == ip:
