@@ -31,7 +31,6 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 from ddpkit._errors import ConfigError
 from ddpkit._internals.store import serve_new_store
 from ddpkit._launch import say
-from ddpkit._launch.rendezvous import split_endpoint
 from ddpkit._launch.rendezvous.auth import RelayClient, RelayServer, derive
 
 BACKEND = "ddpkit"
@@ -127,7 +126,8 @@ class WorkersStoreHandler(RendezvousHandler):
 
 
 def _open_store(params: RendezvousParameters, access: JobAccess) -> dist.TCPStore:
-    host, port = split_endpoint(params.endpoint)
+    host, _, port_text = params.endpoint.rpartition(":")
+    host, port = host.strip("[]"), int(port_text)
     timeout = timedelta(seconds=params.get_as_int("read_timeout", 60) or 60)
     relays = _relays.setdefault(params.run_id, [])
     if access.relay_ip is None or params.get_as_bool("is_host", True):
