@@ -86,10 +86,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def entry() -> None:
-    """The ``ddpkit`` console script (and ``python -m ddpkit.cli``): :func:`main`, then the exit.
-    ``ddpkit run``, whose records are written whole once its workers ended, ends as an interpreter
-    ends (threads joined, ``atexit`` handlers run, streams flushed) without the teardown of torch's
-    modules."""
+    """The ``ddpkit`` console script (and ``python -m ddpkit.cli``): :func:`main`, then the exit;
+    ``ddpkit run`` ends as an interpreter ends, without the teardown of torch's modules."""
     code = main()
     if sys.argv[1:2] == ["run"]:
         from ddpkit._internals.interpreter import finalize_as_interpreter, finalize_problem

@@ -1,9 +1,6 @@
 """torchrun's elastic agent as ``ddpkit run`` runs it (:class:`Agent`, installed by
-:func:`install`): a pre-empted worker stops the job rather than restart it; SIGTERM and SIGUSR1
-reach the workers and SIGUSR2 asks them for their stacks, never ending the launcher; the stall
-watch, the workers' stacks and a failure summary before each restart; every process the workers
-started ended with them; the fork server; and the job's folder in shared memory.
-"""
+:func:`install`): pre-emption, signals, the stall watch, stacks and failure summaries, the fork
+server, and the job's folder in shared memory (docs/launcher.md)."""
 
 from __future__ import annotations
 
@@ -26,7 +23,7 @@ from ddpkit._launch import forkserver as forked
 from ddpkit._launch import recover, say, watch, worker
 from ddpkit._launch import watch_nodes as nodes
 from ddpkit._launch.failure import Left, preempted, summarize_failure
-from ddpkit._launch.proctree import kill_descendants
+from ddpkit._launch.proctree import kill_descendants, send
 from ddpkit.distributed._progress import Phase
 from ddpkit.snapshot import _slots as memory_folder
 
@@ -46,14 +43,9 @@ class Agent(HookedAgent):
         self._stacks_asked: int | None = None
         self._watched: int | None = None
         self._published_to: Any = None
-        folder, stacks = os.environ.get(watch.DIR_ENV), os.environ.get("DDPKIT_STACK_DIR")
-        self.watch = (
-            watch.Watch(Path(folder), self.policy, Path(stacks) if stacks else None)
-            if folder
-            else None
-        )
-        # when the last attempt failed: each rank's step and phase, the workers that exited 0
-        # while the others went on, the line on ranks in one collective under different ops
+        folder = os.environ.get(watch.DIR_ENV)
+        self.watch = watch.Watch(Path(folder), self.policy, _stack_dir()) if folder else None
+        # what the last failed attempt showed (for its summary)
         self.where = ""
         self.left: list[Left] = []
         self.disagreement = ""
@@ -89,7 +81,7 @@ class Agent(HookedAgent):
             say(f"rank {rank} was at (innermost first):")
             for frame in frames:
                 say(f"  {frame}")
-        _kill([pids[r] for r in ranks])
+        send([pids[r] for r in ranks], signal.SIGKILL)
 
     def replace_worker(self, worker: Any, env: dict[str, str]) -> None:
         super().replace_worker(worker, env)
@@ -121,21 +113,16 @@ class Agent(HookedAgent):
         running = {
             w.global_rank for w in worker_group.workers if processes[w.local_rank].poll() is None
         }
-        if self.watch.poll(running) is not None:
-            self._say_disagreement(running)
+        if self.watch.poll(running) is not None:  # named: say if they wait in different ops
+            now = self.watch.clock()
+            views = [self.watch.view(r, now) for g, r in self.watch.ranks.items() if g in running]
+            disagree = nodes.disagreement(views + self.watch.link.remote)
+            if disagree:
+                self.disagreement = nodes.disagreement_words(disagree, self.watch.link.multi)
+                say(self.disagreement)
         for g, r in self.watch.ranks.items():
             if r.record is not None and r.record.phase == Phase.COLLECTIVE:
                 self._collectives[g] = r.record
-
-    def _say_disagreement(self, running: set[int]) -> None:
-        """Once the stall watch named ranks: say if they wait in one collective under two ops."""
-        assert self.watch is not None
-        now = self.watch.clock()
-        views = [self.watch.view(r, now) for g, r in self.watch.ranks.items() if g in running]
-        disagree = nodes.disagreement(views + self.watch.link.remote)
-        if disagree:
-            self.disagreement = nodes.disagreement_words(disagree, self.watch.link.multi)
-            say(self.disagreement)
 
     def after_monitor(self, worker_group: Any, result: Any) -> None:
         failed = result.state == WorkerState.FAILED
@@ -144,8 +131,7 @@ class Agent(HookedAgent):
             if failed and self.watch.stall is None and not preempted(result.failures):
                 self.watch.read()  # a stall's headline says where they were
                 for g, r in self.watch.ranks.items():
-                    # a failed collective hands the rank back to its phase before: say the
-                    # collective it was last seen waiting in
+                    # a failed collective hands the rank back to its phase before
                     if _left_collective(self._collectives.get(g), r.record):
                         r.record = self._collectives[g]
                 self.where = self.watch.where()
@@ -180,9 +166,8 @@ class Agent(HookedAgent):
         return text
 
     def _stacks_before_teardown(self, worker_group: Any) -> None:
-        # torchrun stops the other workers in the poll that finds a failed one: ask them for their
-        # stacks first. Only after an exception, whose time is in its error file: a worker killed
-        # by a signal is stamped when torchrun polls, and a delay would make it look later.
+        # torchrun stops the other workers in the poll that finds a failed one: ask their stacks
+        # first, only after an exception (a delay would stamp a killed worker later than it died)
         codes = {local: proc.poll() for local, proc in self.worker_processes().items()}
         self._polls += 1
         self._note_exits(codes)
@@ -192,18 +177,24 @@ class Agent(HookedAgent):
             if code is not None and code > 0 and code != PREEMPTED_EXIT_CODE
         }
         attempt = id(self.process_context())
-        if failed and self._stacks_asked != attempt:
+        folder = _stack_dir()
+        if failed and self._stacks_asked != attempt and folder is not None:
             self._stacks_asked = attempt
+            for w in worker_group.workers:  # this node's earlier answers go first
+                with contextlib.suppress(OSError, ConfigError):
+                    fs.remove(folder / f"rank{w.global_rank}.txt")
             running = {
                 w.global_rank: w.id for w in worker_group.workers if codes.get(w.local_rank) is None
             }
-            _ask_for_stacks(running, [w.global_rank for w in worker_group.workers])
+            worker.ask_stacks(folder, running)  # their answers awaited 3 s at most
         if any(code is not None and code != 0 for code in codes.values()):
             # torchrun's SIGTERM, then 30 s: a stopped process would hold the job's end that long
-            for local, proc in self.worker_processes().items():
-                if codes.get(local) is None and watch.process_state(proc.pid).startswith("stopped"):
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(proc.pid, signal.SIGKILL)
+            stopped = [
+                proc.pid
+                for local, proc in self.worker_processes().items()
+                if codes.get(local) is None and watch.process_state(proc.pid).startswith("stopped")
+            ]
+            send(stopped, signal.SIGKILL)
 
     def _note_exits(self, codes: dict[int, int | None]) -> None:
         """Note the poll that first saw each worker of this attempt exited."""
@@ -259,7 +250,11 @@ class Agent(HookedAgent):
         ]
         server = forked.current()  # serves the next attempt's workers too
         kill_descendants(keep=unreaped + ([server.pid] if server is not None else []))
-        _sweep_stack_requests()
+        folder = _stack_dir()  # the ended workers' FIFOs and answers by pid go
+        with contextlib.suppress(OSError):
+            for path in folder.glob("stack-*") if folder is not None else []:
+                with contextlib.suppress(OSError, ConfigError):
+                    fs.remove(path)
 
     def worker_pids(self) -> list[int]:
         pcontext = self.process_context()
@@ -280,30 +275,6 @@ def _left_collective(before: watch.Record | None, after: watch.Record | None) ->
 def _stack_dir() -> Path | None:
     folder = os.environ.get(worker.STACK_DIR_ENV)
     return Path(folder) if folder else None
-
-
-def _ask_for_stacks(running: dict[int, int], ranks: Sequence[int], wait: float = 3.0) -> None:
-    """Ask the workers still running (global rank -> pid) for their stacks, and wait (``wait``
-    seconds at most) for their answers in ``rank<N>.txt``; this node's ``ranks``' earlier answers
-    are removed first."""
-    folder = _stack_dir()
-    if folder is None:
-        return
-    for rank in ranks:
-        with contextlib.suppress(OSError, ConfigError):
-            fs.remove(folder / f"rank{rank}.txt")
-    worker.ask_stacks(folder, running, wait)
-
-
-def _sweep_stack_requests() -> None:
-    """Once the workers and all they started have ended: remove their FIFOs and answers by pid."""
-    folder = _stack_dir()
-    if folder is None:
-        return
-    with contextlib.suppress(OSError):
-        for path in folder.glob("stack-*"):
-            with contextlib.suppress(OSError, ConfigError):
-                fs.remove(path)
 
 
 def stacks(folder: Path, ranks: Sequence[int], lines: int = 14) -> list[str]:
@@ -341,15 +312,21 @@ def _forward_signals() -> None:
         if agent is None or not pids:  # no workers yet (rendezvous) or any more: stop now
             raise SystemExit(128 + signum)
         agent.stop_restarting()
-        timer = threading.Timer(TERM_GRACE, _kill, (pids,))
+        timer = threading.Timer(TERM_GRACE, send, (pids, signal.SIGKILL))
         timer.daemon = True
         timer.start()
-        _send(pids, signum)
+        send(pids, signum)
 
     # torchrun's process context installs its handlers at each start: keep it off SIGTERM
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = TORCHRUN_SIGNALS
     signal.signal(signal.SIGTERM, terminate)
-    _answer_requests()
+    # SIGUSR1 (to the workers) and SIGUSR2 (a stack request) acted on from a thread of its own
+    global _answering
+    if _answering is None:
+        _answering = threading.Thread(target=_answer, name="ddpkit-signals", daemon=True)
+        _answering.start()
+    for sig in REQUESTS:
+        signal.signal(sig, _note_request)
 
 
 _requests: queue.SimpleQueue[int] = queue.SimpleQueue()
@@ -359,16 +336,6 @@ _answering: threading.Thread | None = None
 def _note_request(signum: int, frame: Any) -> None:
     # only noted: a handler that used the agent, wherever the main thread was, could use it freed
     _requests.put_nowait(signum)
-
-
-def _answer_requests() -> None:
-    """Act on SIGUSR1 (to the workers) and SIGUSR2 (a stack request) from a thread of its own."""
-    global _answering
-    if _answering is None:
-        _answering = threading.Thread(target=_answer, name="ddpkit-signals", daemon=True)
-        _answering.start()
-    for sig in REQUESTS:
-        signal.signal(sig, _note_request)
 
 
 def _answer() -> None:
@@ -381,21 +348,9 @@ def _answer() -> None:
                     worker.request_every_stack(folder)
             else:
                 agent = Agent.current
-                _send(agent.worker_pids() if agent is not None else [], signum)
+                send(agent.worker_pids() if agent is not None else [], signum)
         except Exception:  # noqa: BLE001  (an attempt ending as it is read: none left to reach)
             continue
-
-
-def _send(pids: list[int], signum: int) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signum)
-
-
-def _kill(pids: list[int]) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
 
 
 def install(

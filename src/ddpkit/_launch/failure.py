@@ -1,7 +1,5 @@
-"""The summary of a failed ``ddpkit run`` job, and the code it exits with: :func:`cause` picks the
-failure that ended the job among its consequences, :func:`summarize_failure` says it first, with
-what the agent saw. Printed at a job's end and before each restart.
-"""
+"""The summary of a failed ``ddpkit run`` job and its exit code: :func:`cause` picks the failure
+that ended the job, :func:`summarize_failure` says it first."""
 
 from __future__ import annotations
 
@@ -24,11 +22,7 @@ def _describe(
     else:
         how = f"exit code {failure.exitcode}"
     if stall is not None and rank in stall.ranks:
-        how = (
-            f"ended by the stall watch ({how})"
-            if disagreement
-            else f"stalled, ended by the stall watch ({how})"
-        )
+        how = f"{'' if disagreement else 'stalled, '}ended by the stall watch ({how})"
     return f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid}): {how}"
 
 
@@ -47,17 +41,17 @@ def _left_line(left: Sequence[Left], first_rank: int) -> str:
     if len(left) == 1:
         one = left[0]
         at = f" at step {one.step}" if one.step is not None else ""
-        who = f"rank {one.rank} (local rank {one.local_rank}, pid {one.pid}) left the job"
+        who = f"rank {one.rank} (local rank {one.local_rank}, pid {one.pid})"
     else:
         at = ""
         who = "ranks " + ", ".join(
             f"{g.rank}" + (f" (step {g.step})" if g.step is not None else "") for g in left
         )
-        who += " left the job"
     return (
-        f"ddpkit run: {who} with exit code 0{at} while the others went on; rank {first_rank} then "
-        "failed (below): a script that returns, or calls sys.exit(0), on some ranks only leaves "
-        "the others to fail in their next collective; end every rank at the same step"
+        f"ddpkit run: {who} left the job with exit code 0{at} while the others went on; rank "
+        f"{first_rank} then failed (below): a script that returns, or calls sys.exit(0), on some "
+        "ranks only leaves the others to fail in their next collective; end every rank at the same "
+        "step"
     )
 
 
@@ -120,7 +114,6 @@ def cause(failures: dict[int, Any], stall: watch.Stall | None = None) -> tuple[i
 
 def summarize_failure(
     err: Any,
-    tail: int = 12,
     stall: watch.Stall | None = None,
     where: str = "",
     left: Sequence[Left] = (),
@@ -147,7 +140,7 @@ def summarize_failure(
         lines.append(f"  {stall.headline.removeprefix('ddpkit run: ')}")
     elif message:
         lines.append(f"  {message}")
-        lines += ["  traceback (last lines):"] + [f"    {line}" for line in stack[-tail:]]
+        lines += ["  traceback (last lines):"] + [f"    {line}" for line in stack[-12:]]
     elif first.exitcode < 0:
         lines.append(
             "  no Python exception: the process was killed (out of memory? the scheduler? a "

@@ -1,12 +1,6 @@
-"""The fork server: a process that imported torch once for the job, from which ``ddpkit run``
-forks each worker, so that a restart skips the interpreter's start and torch's import.
-
-The server (started as ``python -u -m ddpkit._launch.forkserver FD AGENT_PID PRELOAD -- WORKER
-COMMAND...``) forks, through an intermediate that exits, a worker the agent (a child subreaper)
-adopts, and that starts as a new interpreter would (docs/launcher.md, "Fast restarts"). The agent's
-side (:class:`ForkServer`, :func:`install`) stands in for the ``Popen`` of torchrun's
-``SubprocessHandler``; where the server cannot serve, the worker is a new interpreter.
-"""
+"""The fork server (docs/launcher.md, "Fast restarts"): a process that imported torch once for the
+job, from which ``ddpkit run`` forks each worker; the agent's side (:class:`ForkServer`,
+:func:`install`) stands in for the ``Popen`` of torchrun's ``SubprocessHandler``."""
 
 from __future__ import annotations
 
@@ -43,7 +37,7 @@ from ddpkit._internals.interpreter import (
     warn_interpreter_once,
 )
 from ddpkit._launch import say
-from ddpkit._launch.proctree import parent_of, set_parent_death_signal, wait_exit
+from ddpkit._launch.proctree import parent_of, send, set_parent_death_signal, wait_exit
 
 PRELOAD = ("torch", "torch.distributed", DYNAMO, "ddpkit.training._trainer")
 """Imported before the first fork (Dynamo: what an optimizer or DDP imports)."""
@@ -77,18 +71,14 @@ def preload(modules: Sequence[str]) -> tuple[list[str], str | None]:
     own = [m for m in modules if m not in PRELOAD]
     threads = os_threads()
     load(own)
+    why = None
     if cuda_driver_initialised():
-        return failed, "the CUDA driver was initialised while importing " + ", ".join(
-            [*PRELOAD, *own]
-        )
-    if threading.active_count() > 1:
-        return failed, f"{threading.active_count() - 1} Python thread(s) started while importing"
-    if os_threads() > threads:
-        return (
-            failed,
-            f"{os_threads() - threads} thread(s) started while importing {', '.join(own)}",
-        )
-    return failed, None
+        why = "the CUDA driver was initialised while importing " + ", ".join([*PRELOAD, *own])
+    elif threading.active_count() > 1:
+        why = f"{threading.active_count() - 1} Python thread(s) started while importing"
+    elif os_threads() > threads:
+        why = f"{os_threads() - threads} thread(s) started while importing {', '.join(own)}"
+    return failed, why
 
 
 def exit_status(code: Any) -> int:
@@ -215,8 +205,7 @@ def _fork_worker(
     """Fork a worker through an intermediate; its pid once adopted, and the pipe it waits on."""
     pid_read, pid_write = os.pipe()
     go_read, go_write = os.pipe()
-    # Blocked, not only ignored: the agent may signal the worker before it has its own
-    # dispositions, and a blocked signal stays pending until it does.
+    # blocked: a signal sent before the worker has its own dispositions stays pending until then
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, JOB_SIGNALS)
     intermediate = -1
     try:
@@ -303,9 +292,6 @@ def main(argv: Sequence[str]) -> None:
         sock.close()
 
 
-# -- the agent's side ------------------------------------------------------------------------------
-
-
 READY_TIMEOUT = 300.0  # seconds the first worker waits for the server's imports
 
 _WORKER_COMMAND = ("-u", "-m", "ddpkit._launch.worker")
@@ -342,8 +328,7 @@ class ForkedProcess:
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, sig)
+            send([self.pid], sig)
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
@@ -364,27 +349,16 @@ class ForkServer:
         self.failed: list[str] = []
         self._ready: bool | None = None
         modules = ",".join(dict.fromkeys([*PRELOAD, *preload]))
+        command = [sys.executable, "-u", "-m", "ddpkit._launch.forkserver", str(theirs.fileno())]
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-u",
-                "-m",
-                "ddpkit._launch.forkserver",
-                str(theirs.fileno()),
-                str(os.getpid()),
-                modules,
-            ]
-            + ["--", *display],
+            [*command, str(os.getpid()), modules, "--", *display],
             pass_fds=[theirs.fileno()],
             stdin=subprocess.DEVNULL,
             # out of reach of signals to the job's process group; it dies with the agent
             start_new_session=True,
         )
+        self.pid = self.proc.pid
         theirs.close()
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
 
     def ready(self, timeout: float = READY_TIMEOUT) -> bool:
         """Wait for the server's imports; True when it forks workers."""
@@ -415,14 +389,8 @@ class ForkServer:
             return None
         # what a new interpreter started now would inherit: the signals ignored, the mask
         blocked = sorted(int(signum) for signum in signal.pthread_sigmask(signal.SIG_BLOCK, []))
-        request = {
-            "argv": list(argv),
-            "env": env,
-            "cwd": cwd,
-            "ignored": ignored_signals(),
-            "blocked": blocked,
-        }
-        message = json.dumps(request).encode()
+        request = {"argv": list(argv), "env": env, "cwd": cwd, "blocked": blocked}
+        message = json.dumps(request | {"ignored": ignored_signals()}).encode()
         try:
             socket.send_fds(self.sock, [message], list(files))
         except OSError as err:
@@ -475,12 +443,6 @@ def current() -> ForkServer | None:
     return _server
 
 
-def start(preload: Sequence[str] = (), display: Sequence[str] = ()) -> ForkServer:
-    global _server
-    _server = ForkServer(preload, display)
-    return _server
-
-
 def stop() -> None:
     global _server
     if _server is not None:
@@ -528,11 +490,6 @@ def _fork(handler: Any, args: Sequence[str], env: dict[str, str]) -> Any:
     return ForkedProcess(pid, args) if pid is not None else None
 
 
-def handler_class(base: type) -> type:
-    """torchrun's ``SubprocessHandler`` (``base``) with workers forked from the server."""
-    return popen_override(base, _fork, bypassed=stop)  # a server no worker comes from is stopped
-
-
 def _is_worker_command(args: Sequence[str]) -> bool:
     """``python -u -m ddpkit._launch.worker ...`` with this very interpreter."""
     return (
@@ -557,9 +514,11 @@ def install(preload: Sequence[str] = (), display: Sequence[str] = ()) -> ForkSer
             "threading._shutdown/atexit._run_exitfuncs", "forking workers from the job's server"
         )
         return None
-    forked = handler_class(base)
+    forked = popen_override(base, _fork, bypassed=stop)  # a server no worker comes from is stopped
     set_handler_factory(lambda *args, **kwargs: forked(*args, **kwargs))
-    return start(preload, display)
+    global _server
+    _server = ForkServer(preload, display)
+    return _server
 
 
 def uninstall() -> None:

@@ -5,7 +5,6 @@ with kubectl; nothing is sent to a cluster. What each holds and why: docs/kubern
 
 from __future__ import annotations
 
-import argparse
 import math
 import posixpath
 import re
@@ -26,13 +25,8 @@ KINDS: tuple[str, ...] = get_args(Kind)
 PORT = 29500  # the rendezvous port on pod 0: torchrun's default, and Trainer's
 SECRET_KEY = "rdzv-secret"
 SECRET_DIR = "/etc/ddpkit/rdzv"
-SECRET_MODE = 0o440
-"""The Secret volume's ``defaultMode``: with the pod's ``fsGroup`` (:data:`FS_GROUP`), readable by
-the pod's containers whichever user they run as, and by no other user; the file the reader
-(:func:`ddpkit._launch.rendezvous.auth.load_secret`) accepts."""
+SECRET_MODE = 0o440  # with the pods' fsGroup: their containers' alone, as load_secret accepts
 FS_GROUP = 2000
-SECRET_NAMES = (SECRET_ENV,)
-"""Read as the secret itself: never in a manifest, which whoever can ``get`` it reads."""
 # The operators set their variables in the container of this name only.
 CONTAINER = {"trainjob": "node", "pytorchjob": "pytorch", "jobset": "node"}
 PYTORCHJOB_PREEMPTED = 128 + 15  # SIGTERM's code, which a PyTorchJob's ExitCode policy retries
@@ -132,22 +126,22 @@ class ManifestConfig:
         if self.cpu is not None:
             quantity("--cpu", self.cpu)
         memory = None if self.memory is None else quantity("--memory", self.memory, whole=True)
-        shm = None if self.shm_size is None else quantity("--shm-size", self.shm_size, whole=True)
+        given = self.shm_size is not None
         if self.shm_size is None:  # within the memory it counts against
             half = None if memory is None else memory / 2
             self.shm_size = (
                 "8Gi" if half is None or half >= 8 * 2**30 else f"{max(1, int(half // 2**20))}Mi"
             )
-            # half of a tiny --memory rounds up to 1Mi, more than the limit itself
-            if memory is not None and quantity("--shm-size", self.shm_size, whole=True) > memory:
-                raise ConfigError(
-                    f"--memory {self.memory} is less than the default /dev/shm of {self.shm_size}, "
-                    "which counts against it: raise --memory, or give a smaller --shm-size"
-                )
-        elif memory is not None and shm is not None and shm > memory:
+        # (half of a tiny --memory rounds up to 1Mi, more than the limit itself)
+        shm = quantity("--shm-size", self.shm_size, whole=True)
+        if memory is not None and shm > memory:
             raise ConfigError(
                 f"--shm-size {self.shm_size} is more than --memory {self.memory}, which /dev/shm "
                 "counts against: raise --memory or lower --shm-size"
+                if given
+                else f"--memory {self.memory} is less than the default /dev/shm of "
+                f"{self.shm_size}, which counts against it: raise --memory, or give a smaller "
+                "--shm-size"
             )
         if not 0 <= self.gpus_per_node <= 64:
             raise ConfigError(f"--gpus-per-node {self.gpus_per_node}: use 0 to 64")
@@ -192,7 +186,7 @@ class ManifestConfig:
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", item):
                 raise ConfigError(f"--env {item[:60]!r}: use NAME=VALUE")
             name = item.partition("=")[0]
-            if name in SECRET_NAMES:
+            if name == SECRET_ENV:  # never in a manifest, which whoever can `get` it reads
                 raise ConfigError(
                     f"--env {name}=...: the manifest would hold the rendezvous secret in clear, "
                     "for anyone who can read the job; drop it: the pods read the secret from the "
@@ -237,13 +231,8 @@ def command(cfg: ManifestConfig) -> list[str]:
 
 
 def _resources(cfg: ManifestConfig) -> dict[str, Any]:
-    amounts: dict[str, Any] = {}
-    if cfg.cpu:
-        amounts["cpu"] = cfg.cpu
-    if cfg.memory:
-        amounts["memory"] = cfg.memory
-    if cfg.gpus_per_node:
-        amounts["nvidia.com/gpu"] = cfg.gpus_per_node
+    given = {"cpu": cfg.cpu, "memory": cfg.memory, "nvidia.com/gpu": cfg.gpus_per_node}
+    amounts = {name: value for name, value in given.items() if value}
     return {"limits": amounts, "requests": dict(amounts)} if amounts else {}
 
 
@@ -254,12 +243,8 @@ def volumes(cfg: ManifestConfig) -> tuple[list[dict[str, Any]], list[dict[str, A
     ]
     mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"}]
     if cfg.nodes > 1:
-        vols.append(
-            {
-                "name": "rdzv-secret",
-                "secret": {"secretName": cfg.secret_name, "defaultMode": SECRET_MODE},
-            }
-        )
+        secret = {"secretName": cfg.secret_name, "defaultMode": SECRET_MODE}
+        vols.append({"name": "rdzv-secret", "secret": secret})
         mounts.append({"name": "rdzv-secret", "mountPath": SECRET_DIR, "readOnly": True})
     if cfg.pvc:
         vols.append({"name": "runs", "persistentVolumeClaim": {"claimName": cfg.pvc}})
@@ -268,22 +253,16 @@ def volumes(cfg: ManifestConfig) -> tuple[list[dict[str, Any]], list[dict[str, A
 
 
 def environment(cfg: ManifestConfig) -> list[dict[str, str]]:
-    env = [
-        {"name": name, "value": value}
-        for name, _, value in (item.partition("=") for item in cfg.env)
-    ]
+    pairs = (item.partition("=") for item in cfg.env)
+    env = [{"name": name, "value": value} for name, _, value in pairs]
     if cfg.nodes > 1:
         env.append({"name": SECRET_FILE_ENV, "value": f"{SECRET_DIR}/{SECRET_KEY}"})
     return env
 
 
 def container(cfg: ManifestConfig) -> dict[str, Any]:
-    vols, mounts = volumes(cfg)
-    spec: dict[str, Any] = {
-        "name": CONTAINER[cfg.kind],
-        "image": cfg.image,
-        "command": command(cfg),
-    }
+    spec: dict[str, Any] = {"name": CONTAINER[cfg.kind], "image": cfg.image}
+    spec["command"] = command(cfg)
     if env := environment(cfg):
         spec["env"] = env
     # the operator takes MASTER_PORT from the master's port of this name
@@ -293,7 +272,7 @@ def container(cfg: ManifestConfig) -> dict[str, Any]:
         spec["ports"] = [{"name": "rdzv", "containerPort": PORT}]
     if resources := _resources(cfg):
         spec["resources"] = resources
-    spec["volumeMounts"] = mounts
+    spec["volumeMounts"] = volumes(cfg)[1]
     return spec
 
 
@@ -501,30 +480,24 @@ OPTIONS = [
 ]  # fmt: skip
 
 
-def build_parser() -> argparse.ArgumentParser:
-    usage = "ddpkit k8s --image IMAGE [options] SCRIPT [ARGS...]"
-    return options.command_parser("ddpkit k8s", usage, DESCRIPTION, EXAMPLES, OPTIONS)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    ns, script_args = options.parse_command(
-        build_parser(), OPTIONS, sys.argv[1:] if argv is None else argv
-    )
+    usage = "ddpkit k8s --image IMAGE [options] SCRIPT [ARGS...]"
+    parser = options.command_parser("ddpkit k8s", usage, DESCRIPTION, EXAMPLES, OPTIONS)
+    ns, script_args = options.parse_command(parser, OPTIONS, sys.argv[1:] if argv is None else argv)
     cfg = options.config_from(ManifestConfig, ns, script_args)
-    text = to_yaml(manifests(cfg))
-    if ns.dry_run:
-        print("".join(f"# {line}\n" for line in notes(cfg, None)) + text, end="")
+    path = None if ns.dry_run else Path(ns.output or f"{cfg.name}.k8s.yaml")
+    said = notes(cfg, None if path is None else str(path))
+    text = "".join(f"# {line}\n" for line in said) + to_yaml(manifests(cfg))
+    if path is None:
+        print(text, end="")
         return 0
-    path = Path(ns.output or f"{cfg.name}.k8s.yaml")
     try:
-        fs.write_atomic(
-            path, ("".join(f"# {line}\n" for line in notes(cfg, str(path))) + text).encode()
-        )
+        fs.write_atomic(path, text.encode())
     except OSError as err:
         raise ConfigError(
             f"--output {str(path)[:80]!r}: cannot write there ({err.strerror or err})"
         ) from None
     print(f"manifest: {path}")
-    for line in notes(cfg, str(path)):
+    for line in said:
         print(f"  {line}")
     return 0

@@ -1,7 +1,4 @@
-"""``ddpkit run``: an argument builder over torchrun's elastic agent (``torch.distributed.run``),
-with defaults for what users trip over and one readable summary when a worker fails
-(docs/launcher.md).
-"""
+"""``ddpkit run``: an argument builder over torchrun's elastic agent (docs/launcher.md)."""
 
 from __future__ import annotations
 
@@ -22,9 +19,11 @@ from ddpkit._launch import agent, failure, proctree, recover, say, tail, watch
 from ddpkit._launch.options import (
     LaunchConfig,
     build_parser,
+    check_script,
     config_from_args,
     parse_seconds,
     resolve_nproc,
+    shown,
     split_argv,
     with_environment_defaults,
 )
@@ -54,15 +53,8 @@ def torchrun_argv(
     across nodes at the endpoint, ``node`` being this node's address there."""
     from ddpkit._launch.rendezvous.backend import BACKEND
 
-    argv = [
-        "--nproc-per-node",
-        str(nproc),
-        "--max-restarts",
-        str(cfg.restarts),
-        "--rdzv-backend",
-        BACKEND,
-    ]
-    argv += ["--rdzv-id", rdzv_id(cfg)]
+    argv = ["--nproc-per-node", str(nproc), "--max-restarts", str(cfg.restarts)]
+    argv += ["--rdzv-backend", BACKEND, "--rdzv-id", rdzv_id(cfg)]
     if not cfg.networked:
         argv += ["--nnodes", "1", "--rdzv-endpoint", f"{LOOPBACK}:0"]
         conf = []
@@ -75,19 +67,14 @@ def torchrun_argv(
         argv += ["--rdzv-conf", ",".join(conf + cfg.rdzv_conf)]
     if cfg.node_rank is not None:
         argv += ["--node-rank", str(cfg.node_rank)]
-    local_addr = _local_addr(cfg, node)
-    if local_addr:
-        argv += ["--local-addr", local_addr]
+    if cfg.local_addr or node is not None or not cfg.networked:  # the workers' MASTER_ADDR
+        argv += ["--local-addr", cfg.local_addr or (node.local_addr if node else LOOPBACK)]
     if run_log_dir:
         argv += ["--log-dir", run_log_dir]
     if cfg.all_ranks:
         argv += ["--tee", "3"]
-    argv += (
-        ["-m", "ddpkit._launch.worker"]
-        + (["-m"] if cfg.module else [])
-        + [cfg.script, *cfg.script_args]
-    )
-    return argv
+    worker = ["-m", "ddpkit._launch.worker", *(["-m"] if cfg.module else [])]
+    return argv + worker + [cfg.script, *cfg.script_args]
 
 
 def _run_torchrun(torchrun: Any, args: Any, quiet: range) -> None:
@@ -115,21 +102,6 @@ def flight_recorder_vars() -> tuple[str, str]:
     return "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"
 
 
-def _local_addr(cfg: LaunchConfig, node: NodeAddress | None) -> str | None:
-    """This node's address for torchrun, the workers' MASTER_ADDR: on one node, loopback."""
-    if cfg.local_addr:
-        return cfg.local_addr
-    if node is not None:
-        return node.local_addr
-    return None if cfg.networked else LOOPBACK
-
-
-def _interface(cfg: LaunchConfig, node: NodeAddress | None) -> str | None:
-    if node is not None:
-        return node.interface
-    return None if cfg.networked else interface_of(LOOPBACK)
-
-
 def worker_env(cfg: LaunchConfig, nproc: int, node: NodeAddress | None = None) -> dict[str, str]:
     """Variables the agent passes to the workers."""
     # the user's OMP_NUM_THREADS wins, and MKL follows it (it reads its own variable first)
@@ -140,9 +112,11 @@ def worker_env(cfg: LaunchConfig, nproc: int, node: NodeAddress | None = None) -
         "MKL_NUM_THREADS": os.environ.get("MKL_NUM_THREADS") or omp,
         "DDPKIT_AGENT_PID": str(os.getpid()),
     }
-    # Else gloo and nccl take the host name's interface: across nodes often unrouted (the first
-    # collective hangs), on one node open to the network. The user's choice wins.
-    interface = _interface(cfg, node)
+    # else gloo and nccl take the host name's interface: often unrouted (the first collective hangs)
+    if node is not None:
+        interface = node.interface
+    else:
+        interface = None if cfg.networked else interface_of(LOOPBACK)
     if interface:
         for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
             env[name] = os.environ.get(name, interface)
@@ -155,8 +129,7 @@ def worker_env(cfg: LaunchConfig, nproc: int, node: NodeAddress | None = None) -
         env["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
     if cfg.all_ranks:
         env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = "[rank ${rank}] "
-    # Not torch's store shared by every attempt: the agent serves a fresh one at each round
-    # (rendezvous.backend.WorkersStoreHandler); restarted workers never read a dead peer's address.
+    # the agent serves a fresh store each round (WorkersStoreHandler): none of a dead peer's address
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     return env
 
@@ -182,7 +155,7 @@ def tidy_log_dirs(root: str, run: Path, keep: int = 20) -> None:
         for p in Path(root).glob("*-*-*")
         if p.is_dir() and re.fullmatch(r"\d{8}-\d{6}-\d+", p.name)
     )
-    for old in ours[:-keep] if len(ours) > keep else []:
+    for old in ours[:-keep]:
         fs.remove_tree(old)
     with contextlib.suppress(OSError):
         fs.remove_empty_dir(Path(root))
@@ -255,28 +228,11 @@ def check_target(cfg: LaunchConfig) -> None:
             sys.path.pop(0)
         if not found:
             raise ConfigError(
-                f"no module named {_shown(cfg.script)} (run with -m): check the name and PYTHONPATH"
+                f"no module named {shown(cfg.script)} (run with -m): check the name and PYTHONPATH"
             )
         return
-    try:
-        is_file = Path(cfg.script).is_file()
-        problem = "not found"
-    except (OSError, ValueError) as err:  # a name too long for the file system, a NUL byte
-        is_file, problem = False, f"cannot be read ({getattr(err, 'strerror', None) or err})"
-    if not is_file:
-        raise ConfigError(
-            f"script {_shown(cfg.script)} {problem} (from {os.getcwd()}): check the path"
-            + (
-                "; to run a module, pass -m"
-                if "/" not in cfg.script and not cfg.script.endswith(".py")
-                else ""
-            )
-        )
-
-
-def _shown(text: str, limit: int = 80) -> str:
-    """``text`` quoted for a one-line message, cut to ``limit`` characters."""
-    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
+    module_like = "/" not in cfg.script and not cfg.script.endswith(".py")
+    check_script(cfg.script, "; to run a module, pass -m" if module_like else "")
 
 
 def launch(cfg: LaunchConfig) -> int:
@@ -348,7 +304,9 @@ def in_place_recovery(cfg: LaunchConfig, run_dir: Path) -> recover.InPlace | Non
             "--max-restarts N (N >= 1)"
         )
     if cfg.networked:
-        recover.say_unavailable("it covers the workers of one node")
+        say(
+            "--recover in-place: it covers the workers of one node; a failure restarts every worker"
+        )
         return None
     return recover.prepare(run_dir)
 
@@ -407,8 +365,7 @@ def report_failure(cfg: LaunchConfig, err: Any, run_dir: Path) -> int:
     ours = agent.Agent.current
     named = ours.stall if ours is not None else None
     lines = [ours.summary(err) if ours is not None else failure.summarize_failure(err)]
-    # the stacks this node's running workers wrote at the first failure (shown already, when the
-    # stall watch named a rank)
+    # the stacks the running workers wrote at the first failure (the stall watch showed its own)
     stacks = run_dir / "stacks"
     if named is None:
         files = stacks.glob("rank*.txt")
@@ -429,8 +386,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ours, from_env = with_environment_defaults(ours, os.environ)
         if from_env:
             print(from_env, file=sys.stderr, flush=True)
-    # torchrun reads any PET_* as the default of an option: what was meant for ddpkit run is in
-    # its options now, and nothing else of an operator's is left for torchrun behind them
+    # torchrun reads any PET_* as an option's default: ddpkit run's options hold what they meant
     for name in torchrun.option_variables(os.environ):
         del os.environ[name]
     return launch(config_from_args(parser.parse_args(ours), script_args))

@@ -1,16 +1,16 @@
-"""``ddpkit run``'s options (:class:`LaunchConfig`, the checks of each value), and the command lines
-of ``ddpkit run``, ``sbatch`` and ``k8s``: each a table of options, split from its script's own
-arguments, turned into its config by :func:`config_from`; ``ddpkit run``'s defaults from a
-platform's environment (:func:`with_environment_defaults`)."""
+"""The options and command lines of ``ddpkit run``, ``sbatch`` and ``k8s``, each a table of options
+split from its script's arguments and turned into its config (:func:`config_from`)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import ipaddress
+import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from ddpkit import platforms
@@ -62,15 +62,13 @@ class LaunchConfig:
 
     def __post_init__(self) -> None:
         self._check_sizes()
-        self._check_places()
         self._check_times()
         self._check_names()
 
     def _check_sizes(self) -> None:
         if self.max_restarts is not None and not 0 <= self.max_restarts <= MAX_RESTARTS:
             raise ConfigError(f"--max-restarts {self.max_restarts}: use 0 to {MAX_RESTARTS}")
-        # ASCII digits, and few: int() of thousands of digits raises, and a huge count would be
-        # built into torchrun's per-rank arguments before anything else looked at it
+        # ASCII digits, and few: int() of thousands of digits raises
         if self.nproc not in ("auto", "gpu") and not (
             re.fullmatch("[0-9]{1,6}", self.nproc) and 0 < int(self.nproc) <= MAX_NPROC
         ):
@@ -81,8 +79,6 @@ class LaunchConfig:
         node_range(self.nnodes)
         if not 1 <= self.preempted_exit_code <= 255:
             raise ConfigError(f"--preempted-exit-code {self.preempted_exit_code}: use 1 to 255")
-
-    def _check_places(self) -> None:
         if self.max_nodes > 1 and not self.rdzv_endpoint:
             raise ConfigError(
                 f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT reachable from every node"
@@ -190,6 +186,23 @@ def _is_host(text: str) -> bool:
     )
 
 
+def shown(text: str, limit: int = 80) -> str:
+    """``text`` quoted for a one-line message, cut to ``limit`` characters."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
+
+
+def check_script(script: str, hint: str = "") -> None:
+    """Refuse a ``script`` that is not a file, naming it, the current folder and ``hint``."""
+    try:
+        found, problem = Path(script).is_file(), "not found"
+    except (OSError, ValueError) as err:  # a name too long for the file system, a NUL byte
+        found, problem = False, f"cannot be read ({getattr(err, 'strerror', None) or err})"
+    if not found:
+        raise ConfigError(
+            f"script {shown(script)} {problem} (from {os.getcwd()}): check the path{hint}"
+        )
+
+
 def resolve_nproc(nproc: str, oversubscribe: bool = False) -> int:
     """Processes per node for ``--nproc``: GPUs visible, or on a CPU-only machine one per core up
     to 8. A number above :data:`OVERSUBSCRIBE_FACTOR` per core (or per GPU) is refused unless
@@ -216,8 +229,6 @@ def resolve_nproc(nproc: str, oversubscribe: bool = False) -> int:
     return count
 
 
-# -- command lines ---------------------------------------------------------------------------------
-
 Option = tuple[tuple[str, ...], dict[str, Any]]
 """One argument of a command: its names and ``add_argument``'s keywords."""
 C = TypeVar("C")
@@ -230,13 +241,9 @@ def argument(*names: str, **kwargs: Any) -> Option:
 def command_parser(
     prog: str, usage: str, description: str, epilog: str, options: Sequence[Option]
 ) -> argparse.ArgumentParser:
+    formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(
-        prog=prog,
-        usage=usage,
-        description=description,
-        epilog=epilog,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        allow_abbrev=False,
+        prog, usage, description, epilog, formatter_class=formatter, allow_abbrev=False
     )
     for names, kwargs in options:
         parser.add_argument(*names, **kwargs)
@@ -320,8 +327,7 @@ EXAMPLES = """examples:
   ddpkit run --nnodes 2 --rdzv-endpoint node1:29400 train.py      # on node1 and on node2
   ddpkit run --nnodes 1:4 --rdzv-endpoint node1:29400 train.py    # elastic: 1 to 4 nodes"""
 
-# Seconds are checked by LaunchConfig, not argparse: one line naming the valid range for inf, nan,
-# 1e30 or x.
+# seconds are checked by LaunchConfig, not argparse: one line naming the valid range
 OPTIONS = [
     argument("--nproc", default="auto",
              help="processes per node: auto (default), gpu, or a number"),
@@ -411,13 +417,12 @@ def config_from_args(ns: argparse.Namespace, script_args: Sequence[str] = ()) ->
     )
 
 
-def typed_options(ours: Sequence[str], value_options: set[str] | None = None) -> dict[str, str]:
-    """The value options typed in ``ours`` (``--opt value``, ``--opt=value``): option -> value."""
-    value_options = RUN_VALUE_OPTIONS if value_options is None else value_options
+def typed_options(ours: Sequence[str]) -> dict[str, str]:
+    """``ddpkit run``'s value options typed in ``ours`` (``--opt value``, ``--opt=value``)."""
     typed, i = {}, 0
     while i < len(ours) - 1:  # the last token is the script
         name, eq, value = ours[i].partition("=")
-        if name in value_options:
+        if name in RUN_VALUE_OPTIONS:
             typed[name] = value if eq else ours[i + 1]
             i += 0 if eq else 1
         i += 1

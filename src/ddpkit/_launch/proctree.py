@@ -1,9 +1,6 @@
-"""Ending every process a worker started, however the worker ended (torchrun signals a worker's
-process group only while the worker runs). The agent is a child subreaper, so that orphans stay
-below it for :func:`kill_descendants`; each worker forks a guard (:func:`start_guard`) that, once
-the worker dies, kills its process group and every process carrying its mark (:data:`MARK`).
-Linux only; elsewhere these calls do nothing.
-"""
+"""Ending every process a worker started, however it ended (docs/launcher.md, "Inside each worker"):
+the agent as a child subreaper (:func:`kill_descendants`) and each worker's guard
+(:func:`start_guard`). Linux only; elsewhere these calls do nothing."""
 
 from __future__ import annotations
 
@@ -13,7 +10,7 @@ import select
 import signal
 import time
 import warnings
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 from ddpkit._internals.interpreter import (
     LINUX,
@@ -36,6 +33,13 @@ def set_parent_death_signal(sig: int) -> bool:
 def become_subreaper() -> bool:
     """Make this process adopt its descendants' orphans; False where Linux does not."""
     return prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+def send(pids: Iterable[int], sig: int) -> None:
+    """Send ``sig`` to each of ``pids``, skipping those gone or not ours."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
 
 
 def _stat(pid: int) -> tuple[str, int, int, int] | None:
@@ -156,19 +160,16 @@ def _wait_gone(pids: Iterable[int], deadline: float) -> None:
                 time.sleep(0.01)
 
 
-def _reap(pids: Iterable[int]) -> None:
-    for pid in pids:
-        with contextlib.suppress(ChildProcessError, OSError):
-            os.waitpid(pid, os.WNOHANG)
-
-
-def _own_zombies(keep: Collection[int]) -> list[int]:
-    me = os.getpid()
-    return [
-        pid
-        for pid in _all_pids()
-        if pid not in keep and (s := _stat(pid)) is not None and s[1] == me and s[0] == "Z"
-    ]
+def _kill_until_gone(find: Callable[[], list[int]], timeout: float) -> list[int]:
+    """SIGKILL the pids ``find`` returns, again until it returns none (``timeout`` s at most), and
+    wait until they are gone; the pids killed."""
+    deadline = time.monotonic() + timeout
+    killed: list[int] = []
+    while time.monotonic() < deadline and (found := find()):
+        send(found, signal.SIGKILL)
+        killed += found
+        _wait_gone(found, deadline)
+    return killed
 
 
 def kill_descendants(
@@ -179,22 +180,13 @@ def kill_descendants(
     ``Popen`` has to read). Returns the pids killed."""
     if not LINUX:
         return []
-    root = os.getpid() if root is None else root
-    deadline = time.monotonic() + timeout
-    killed: list[int] = []
-    while time.monotonic() < deadline:
-        live = [pid for pid in descendants(root) if pid not in keep]
-        if not live:
-            break
-        for pid in live:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-        killed += live
-        _wait_gone(live, deadline)
-        if root == os.getpid():
-            _reap(_own_zombies(keep))
-    if root == os.getpid():
-        _reap(_own_zombies(keep))
+    me = os.getpid()
+    root = me if root is None else root
+    killed = _kill_until_gone(lambda: [p for p in descendants(root) if p not in keep], timeout)
+    for pid in _all_pids() if root == me else []:
+        if pid not in keep and (s := _stat(pid)) is not None and s[1] == me and s[0] == "Z":
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitpid(pid, os.WNOHANG)
     return killed
 
 
@@ -211,24 +203,18 @@ def kill_worker_tree(group: int | None, mark: str, timeout: float = 10.0) -> lis
     environment holds ``MARK=mark`` (what it started with ``exec``, in any group), this one
     excepted."""
     me, entry = os.getpid(), f"{MARK}={mark}".encode()
-    deadline = time.monotonic() + timeout
-    killed: list[int] = []
-    while time.monotonic() < deadline:
-        found = []
-        for pid in _all_pids():
-            stat = _stat(pid)
-            if pid == me or stat is None or stat[0] in ("Z", "X"):
-                continue
-            if stat[2] == group or _marked(pid, entry):
-                found.append(pid)
-        if not found:
-            break
-        for pid in found:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-        killed += found
-        _wait_gone(found, deadline)
-    return killed
+
+    def found() -> list[int]:
+        return [
+            pid
+            for pid in _all_pids()
+            if pid != me
+            and (stat := _stat(pid)) is not None
+            and stat[0] not in ("Z", "X")
+            and (stat[2] == group or _marked(pid, entry))
+        ]
+
+    return _kill_until_gone(found, timeout)
 
 
 GUARD_TITLE = "ddpkit-guard"  # the guard's command line, then its worker's pid

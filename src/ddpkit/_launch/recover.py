@@ -1,17 +1,6 @@
-"""In-place recovery (``ddpkit run --recover in-place``, docs/recovery.md): when a worker fails, the
-others keep their processes. The agent (:class:`InPlace`) names the failure in a file of the job's
-recovery folder; every running worker cuts its own collective connections (:func:`sever`), so that
-its pending or next collective fails at once, tears its process group down and says it waits; once
-every rank is waiting or gone, the agent forks a replacement for each rank that exited and says go;
-then every rank runs the script's ``__main__`` again from the start, which resumes from the copies
-in shared memory (``Snapshots(memory=True)``, the Trainer's ``SnapshotConfig(memory=True)``). Where
-that cannot proceed (a rank was pre-empted or finished, no restart is left) the agent says end, and
-the job restarts whole as without the option, saying why; a rank that does not leave its step in
-time is killed and replaced with the ranks that exited.
-
-The files, in ``$DDPKIT_RECOVER_DIR``: ``incident`` (the agent: recovery G, the file's content, is
-under way), ``wait-G.RANK`` (a worker: it left, with its error), ``go-G`` (the agent: run again,
-with what was replaced and when) or ``end-G`` (the agent: fail as without the option, with why).
+"""In-place recovery (``ddpkit run --recover in-place``, docs/recovery.md): the workers' side
+(:func:`leave`, :func:`sever`) and the agent's (:class:`InPlace`), which talk through files in
+``$DDPKIT_RECOVER_DIR``.
 """
 
 from __future__ import annotations
@@ -26,6 +15,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +32,6 @@ LEAVE_TIMEOUT = 10.0
 killed and replaced (``$DDPKIT_RECOVER_TIMEOUT`` sets another)."""
 TIMEOUT_ENV = "DDPKIT_RECOVER_TIMEOUT"
 POLL = 0.005  # seconds between a waiting worker's looks at the folder
-
-# -- in the workers --------------------------------------------------------------------------------
 
 
 def folder() -> Path | None:
@@ -109,15 +97,8 @@ def note_links() -> None:
 
 def sever() -> None:
     """Fail at once every peer's pending and next collective with this worker, this worker's next
-    one, and its waits on the store: every worker cuts its links when a failure is named, so a rank
-    waiting on any other is let go by that rank's cut.
-
-    Gloo has no way to interrupt a collective that waits on a peer (its ``abort`` leaves the wait
-    to its timeout, and destroying the group does not close the connections a waiting peer reads):
-    the connections its groups opened are shut down (not their listeners: gloo aborts the process
-    when accept() fails), which ends the peer's reads with an error. A group being made waits on the
-    store for the other ranks' addresses, one of which never comes: this worker's connections to the
-    job's store are shut down too (the ranks meet again in a new one). NCCL's groups are aborted."""
+    one, and its waits on the store: shut down the sockets its gloo groups opened (gloo's ``abort``
+    does not end a peer's wait) and its connections to the job's store; abort NCCL's groups."""
     from ddpkit._internals.elastic import abort_nccl_groups
 
     address = torchrun.master_address(os.environ)
@@ -187,11 +168,11 @@ def leave(error: BaseException) -> dict[str, Any] | None:
     where = folder()
     if where is None or not _recoverable(error):
         return None
-    generation = _next_generation()
+    # one past the last ``go`` in the folder
+    done = [int(p.name[3:]) for p in where.glob("go-*") if p.name[3:].isdigit()]
+    generation = max(done, default=0) + 1
     left = time.time()
-    # The failed run's folder locks go first (a Snapshots the script did not close, kept by its
-    # signal handler, holds one), then its locals (its loader's workers, its model), not when the
-    # collector finds them: the traceback keeps its lines.
+    # the failed run's folder locks and locals (loader workers, model) go now, not when collected
     lock.release_all()
     traceback.clear_frames(error.__traceback__)
     _sever_for(generation)
@@ -202,8 +183,7 @@ def leave(error: BaseException) -> dict[str, Any] | None:
     record = {"rank": int(rank), "pid": os.getpid(), "error": text, "left": left}
     record |= {"severed": severed, "torn_down": time.time()}
     fs.write_atomic(where / f"wait-{generation}.{rank}", json.dumps(record).encode())
-    # While the agent decides and a replacement starts: free what the failed run held (its model,
-    # optimizer and their device memory are in reference cycles), before the script runs again.
+    # free what the failed run held (model, optimizer, device memory: in reference cycles)
     gc.collect()
     go, end = where / f"go-{generation}", where / f"end-{generation}"
     while True:
@@ -216,14 +196,6 @@ def leave(error: BaseException) -> dict[str, Any] | None:
         time.sleep(POLL)
 
 
-def _next_generation() -> int:
-    """The recovery this failure starts: one past the last ``go`` in the folder."""
-    where = folder()
-    assert where is not None
-    done = [int(p.name[3:]) for p in where.glob("go-*") if p.name[3:].isdigit()]
-    return max(done, default=0) + 1
-
-
 def _recoverable(error: BaseException) -> bool:
     """A success (``sys.exit(0)``), a pre-emption, Ctrl-C and a refused configuration (the same
     again at every run) end the worker as they would."""
@@ -232,9 +204,6 @@ def _recoverable(error: BaseException) -> bool:
     if isinstance(error, SystemExit):
         return error.code not in (None, 0, PREEMPTED_EXIT_CODE)
     return not isinstance(error, Preempted)
-
-
-# -- in the agent ----------------------------------------------------------------------------------
 
 
 @dataclass
@@ -258,7 +227,6 @@ class InPlace:
         """Why the last failure was not recovered in place (empty where it was)."""
         self.ended = False
         """Set when an incident ends without recovery: torchrun takes the attempt over."""
-
         self.timeout = timeout
         self.store: Any = None  # the workers' store after a recovery, served by the agent
 
@@ -276,8 +244,11 @@ class InPlace:
             fs.write_atomic(self.folder / "incident", str(self.incident.generation).encode())
         incident = self.incident
         why = self._why_not(codes, agent)
-        if why:
-            return self._end(why)
+        if why:  # the waiting ranks fail as without the option; torchrun takes over
+            self.fallback, self.ended = why, True
+            fs.write_atomic(self.folder / f"end-{incident.generation}", why.encode())
+            self._close_incident()
+            return False
         exited = {r: c for r, c in codes.items() if c is not None}
         if set(exited) | set(waiting) != set(codes):
             late = sorted(set(codes) - set(exited) - set(waiting) - set(incident.stopped))
@@ -301,34 +272,9 @@ class InPlace:
             return "the stall watch ended the attempt"
         return ""
 
-    def _serve_store(self, agent: Any) -> int:
-        """Serve a new store for the workers on their ``MASTER_ADDR`` alone (the last one this agent
-        served goes); its port."""
-        from datetime import timedelta
-
-        from ddpkit._internals.store import serve_new_store
-
-        address = torchrun.master_address(agent.process_context().envs[0])
-        host = address[0] if address else "127.0.0.1"
-        self.store, port = serve_new_store(host, timedelta(minutes=5))  # the last one ends now
-        return port
-
     def _waiting(self) -> dict[int, dict[str, Any]]:
-        generation = self.generation + 1
-        out = {}
-        for path in self.folder.glob(f"wait-{generation}.*"):
-            record = _read_json(path)
-            if record is not None:
-                out[int(record["rank"])] = record
-        return out
-
-    def _end(self, why: str) -> bool:
-        """End the incident: the waiting ranks fail as without the option; torchrun takes over."""
-        assert self.incident is not None
-        self.fallback, self.ended = why, True
-        fs.write_atomic(self.folder / f"end-{self.incident.generation}", why.encode())
-        self._close_incident()
-        return False
+        paths = self.folder.glob(f"wait-{self.generation + 1}.*")
+        return {int(r["rank"]): r for r in map(_read_json, paths) if r is not None}
 
     def _close_incident(self) -> None:
         assert self.incident is not None
@@ -352,16 +298,25 @@ class InPlace:
             "left": max((r["torn_down"] for r in waiting.values()), default=incident.seen),
             "decided": time.time(),
         }
-        # A fresh store for the ranks to meet in, served here: the one they met in holds the old
-        # groups' addresses under the keys the new ones use, and its server may be the lost rank.
-        go["master_port"] = self._serve_store(agent)
+        # a fresh store (the old one holds the old groups' keys, its server may be the lost rank),
+        # on the workers' MASTER_ADDR alone; the last one this agent served ends now
+        from ddpkit._internals.store import serve_new_store
+
+        address = torchrun.master_address(agent.process_context().envs[0])
+        host = address[0] if address else "127.0.0.1"
+        self.store, go["master_port"] = serve_new_store(host, timedelta(minutes=5))
         path = self.folder / f"go-{incident.generation}"
         fs.write_atomic(path, json.dumps(go).encode())  # before a replacement can look for it
         for rank in incident.replaced:
             agent.replace_worker(by_rank[rank], {
                 GO_ENV: str(path), **torchrun.attempt_env(restart_count, go["master_port"]),
             })  # fmt: skip
-        kinds = [f"rank {r} ({_ended(c)})" for r, c in sorted(incident.replaced.items())]
+        from ddpkit._launch.launcher import signal_name  # the launcher imports this module
+
+        kinds = [
+            f"rank {r} (killed by {signal_name(-c)})" if c < 0 else f"rank {r} (exit code {c})"
+            for r, c in sorted(incident.replaced.items())
+        ]
         kept = sorted(waiting)
         done = [f"replaced {', '.join(kinds)}"] if kinds else []
         done += [f"rank(s) {', '.join(map(str, kept))} go on in their processes"] if kept else []
@@ -370,12 +325,6 @@ class InPlace:
             f"{agent.restarts_left()} restart(s) left): {'; '.join(done)}"
         )
         self._close_incident()
-
-
-def _ended(code: int) -> str:
-    from ddpkit._launch.launcher import signal_name  # the launcher imports this module
-
-    return f"killed by {signal_name(-code)}" if code < 0 else f"exit code {code}"
 
 
 def prepare(run_dir: Path) -> InPlace:
@@ -388,7 +337,3 @@ def prepare(run_dir: Path) -> InPlace:
     fs.make_dirs(where, root=run_dir)
     os.environ[DIR_ENV] = str(where)
     return InPlace(where, timeout)
-
-
-def say_unavailable(why: str) -> None:
-    say(f"--recover in-place: {why}; a failure restarts every worker")

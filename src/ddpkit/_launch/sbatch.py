@@ -5,7 +5,6 @@ Trainer saves and exits 75, and the script then requeues the job (docs/many-mach
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import shlex
@@ -19,7 +18,7 @@ from pathlib import Path
 from ddpkit import _fs as fs
 from ddpkit._errors import PREEMPTED_EXIT_CODE, ConfigError
 from ddpkit._launch import options
-from ddpkit._launch.options import argument
+from ddpkit._launch.options import argument, shown
 
 
 @dataclass(kw_only=True)
@@ -46,21 +45,10 @@ class BatchConfig:
     workdir: str = field(default_factory=os.getcwd)
 
     def __post_init__(self) -> None:
-        for name in ("nodes", "signal_lead"):
-            if getattr(self, name) < (1 if name == "nodes" else 0):
-                raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)}: too small")
-        if self.signal_lead > 65535:  # sbatch's --signal takes at most 65535 s
-            raise ConfigError(f"--signal-lead {self.signal_lead}: SLURM allows at most 65535 s")
-        if self.gpus_per_node < 0:
-            raise ConfigError(f"--gpus-per-node {self.gpus_per_node}: must be >= 0")
-        for name in ("ntasks_per_node", "cpus_per_task"):
+        for name, low, high in _RANGES:  # sbatch's --signal takes at most 65535 s
             value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} {value}: must be >= 1")
-        for name in ("nodes", "gpus_per_node", "ntasks_per_node", "cpus_per_task"):
-            value = getattr(self, name)
-            if value is not None and value > _MAX_COUNT:
-                raise ConfigError(f"--{name.replace('_', '-')} {value}: at most {_MAX_COUNT}")
+            if value is not None and not low <= value <= high:
+                raise ConfigError(f"--{name.replace('_', '-')} {value}: use {low} to {high}")
         for option, value in self._texts():
             _check_text(option, value)
         limit = time_limit_seconds(self.time) if self.time is not None else None
@@ -114,6 +102,13 @@ class BatchConfig:
 
 
 _MAX_COUNT = 100_000
+_RANGES = (
+    ("nodes", 1, _MAX_COUNT),
+    ("signal_lead", 0, 65535),
+    ("gpus_per_node", 0, _MAX_COUNT),
+    ("ntasks_per_node", 1, _MAX_COUNT),
+    ("cpus_per_task", 1, _MAX_COUNT),
+)
 _MAX_TIME = 365 * 86400
 _JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,199}")
 _SCRIPT_SINGLE_LINE = {
@@ -137,9 +132,7 @@ def _check_text(option: str, value: str) -> None:
         )
 
 
-_TIME = re.compile(
-    r"([0-9]+)-([0-9]+)(?::([0-9]+)(?::([0-9]+))?)?|([0-9]+)(?::([0-9]+)(?::([0-9]+))?)?"
-)
+_TIME = re.compile(r"(?:([0-9]+)-)?([0-9]+)(?::([0-9]+)(?::([0-9]+))?)?")
 
 
 def time_limit_seconds(text: str) -> int | None:
@@ -154,24 +147,14 @@ def time_limit_seconds(text: str) -> int | None:
             f"--time {text!r}: use MINUTES, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS as SLURM "
             "does"
         )
-    given = match.groups()
-    days, d_hours, d_minutes, d_seconds, a, b, c = (int(g or 0) for g in given)
-    if given[0] is not None:
-        seconds = days * 86400 + d_hours * 3600 + d_minutes * 60 + d_seconds
-    elif given[6] is not None:
-        seconds = a * 3600 + b * 60 + c  # HH:MM:SS
-    elif given[5] is not None:
-        seconds = a * 60 + b  # MM:SS
-    else:
-        seconds = a * 60  # minutes
+    days, *clock = match.groups()
+    numbers = [int(n) for n in clock if n is not None]
+    # after D-: H[:MIN[:SEC]]; alone: MIN, MIN:SEC or H:MIN:SEC
+    weights = (3600, 60, 1) if days is not None or len(numbers) == 3 else (60, 1)
+    seconds = int(days or 0) * 86400 + sum(w * n for w, n in zip(weights, numbers, strict=False))
     if seconds > _MAX_TIME:
         raise ConfigError(f"--time {text[:40]!r}: at most 365 days; for no limit give UNLIMITED")
     return seconds or None  # SLURM reads a limit of 0 as none
-
-
-def _shown(text: str, limit: int = 80) -> str:
-    """``text`` quoted for a one-line message, cut to ``limit`` characters."""
-    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
 
 
 def _sbatch_value(text: str) -> str:
@@ -191,16 +174,9 @@ def batch_script(cfg: BatchConfig) -> str:
         f"#SBATCH --nodes={cfg.nodes}",
         f"#SBATCH --ntasks-per-node={cfg.tasks_per_node}",
     ]
-    if cfg.gpus_per_node:
-        lines.append(f"#SBATCH --gpus-per-node={cfg.gpus_per_node}")
-    if cfg.cpus_per_task:
-        lines.append(f"#SBATCH --cpus-per-task={cfg.cpus_per_task}")
-    if cfg.time:
-        lines.append(f"#SBATCH --time={cfg.time}")
-    if cfg.partition:
-        lines.append(f"#SBATCH --partition={cfg.partition}")
-    if cfg.account:
-        lines.append(f"#SBATCH --account={cfg.account}")
+    for name in ("gpus_per_node", "cpus_per_task", "time", "partition", "account"):
+        if getattr(cfg, name):
+            lines.append(f"#SBATCH --{name.replace('_', '-')}={getattr(cfg, name)}")
     lines += [
         # To the tasks (not B:, the batch shell): the Trainer in each rank saves and exits 75.
         f"#SBATCH --signal=USR1@{cfg.signal_lead}",
@@ -214,15 +190,7 @@ def batch_script(cfg: BatchConfig) -> str:
         "export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-${OMP_NUM_THREADS:-1}}",
         'echo "ddpkit: job $SLURM_JOB_ID attempt $((${SLURM_RESTART_COUNT:-0} + 1)) on '
         '$SLURM_JOB_NODELIST"',
-        " ".join(
-            [
-                "srun",
-                shlex.quote(cfg.python),
-                "-u",
-                shlex.quote(cfg.script),
-                *map(shlex.quote, cfg.script_args),
-            ]
-        ),
+        "srun " + shlex.join([cfg.python, "-u", cfg.script, *cfg.script_args]),
         "code=$?",
         f"if [ $code -eq {PREEMPTED_EXIT_CODE} ]; then",
         '  echo "ddpkit: pre-empted after saving a snapshot; requeueing job $SLURM_JOB_ID"',
@@ -236,19 +204,12 @@ def batch_script(cfg: BatchConfig) -> str:
 
 def submit(cfg: BatchConfig, dry_run: bool = False) -> tuple[Path, str | None]:
     """Write ``OUTPUT_DIR/NAME.sbatch`` and, unless ``dry_run``, submit it; (path, job id)."""
-    try:
-        found = Path(cfg.script).is_file()
-    except OSError as err:  # a name too long for the file system
-        raise ConfigError(f"script {_shown(cfg.script)}: {err.strerror}: check the path") from None
-    if not found:
-        raise ConfigError(
-            f"script {_shown(cfg.script)} not found (from {os.getcwd()}): check the path"
-        )
+    options.check_script(cfg.script)
     out = Path(cfg.output_dir)
     try:
         if out.exists() and not out.is_dir():
             raise ConfigError(
-                f"--output-dir {_shown(cfg.output_dir)} is a file: give a folder for the batch "
+                f"--output-dir {shown(cfg.output_dir)} is a file: give a folder for the batch "
                 "script and the job's output (it is created if missing)"
             )
         fs.make_dirs(out)
@@ -257,7 +218,7 @@ def submit(cfg: BatchConfig, dry_run: bool = False) -> tuple[Path, str | None]:
         fs.write_atomic(path, batch_script(cfg).encode("utf-8", "surrogateescape"))
     except OSError as err:  # /proc, a read-only file system, a name too long
         raise ConfigError(
-            f"--output-dir {_shown(cfg.output_dir)}: cannot write the batch script there "
+            f"--output-dir {shown(cfg.output_dir)}: cannot write the batch script there "
             f"({err.strerror or err}): give a folder you can write to"
         ) from None
     if dry_run:
@@ -307,15 +268,10 @@ OPTIONS = [
 ]  # fmt: skip
 
 
-def build_parser() -> argparse.ArgumentParser:
-    usage = "ddpkit sbatch [options] SCRIPT [ARGS...]"
-    return options.command_parser("ddpkit sbatch", usage, DESCRIPTION, EXAMPLES, OPTIONS)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    ns, script_args = options.parse_command(
-        build_parser(), OPTIONS, sys.argv[1:] if argv is None else argv
-    )
+    usage = "ddpkit sbatch [options] SCRIPT [ARGS...]"
+    parser = options.command_parser("ddpkit sbatch", usage, DESCRIPTION, EXAMPLES, OPTIONS)
+    ns, script_args = options.parse_command(parser, OPTIONS, sys.argv[1:] if argv is None else argv)
     cfg = options.config_from(BatchConfig, ns, script_args, sbatch_options=ns.sbatch_option)
     path, job = submit(cfg, dry_run=ns.dry_run)
     print(f"batch script: {path}")

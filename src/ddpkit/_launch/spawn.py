@@ -85,11 +85,10 @@ def spawn(
     raised here with that rank's traceback.
 
     ``start_method`` is ``"fork"`` where it is safe (POSIX, CUDA not initialised here and no
-    backward run here on a machine with a GPU), so a
-    function of a notebook cell works, else ``"spawn"``, which needs ``fn`` importable. A forked
-    process runs one intra-op thread (OpenMP's pool does not survive ``fork``); pass
-    ``start_method="spawn"`` for more. ``timeout`` (seconds): processes still running by then are
-    killed, and :class:`TimeoutError` names them; None waits as long as they run.
+    backward run here on a machine with a GPU), so a function of a notebook cell works, else
+    ``"spawn"``, which needs ``fn`` importable. A forked process runs one intra-op thread (OpenMP's
+    pool does not survive ``fork``); pass ``start_method="spawn"`` for more. ``timeout`` (seconds):
+    processes still running by then are killed, and :class:`TimeoutError` names them.
     """
     if not isinstance(nprocs, int) or not isinstance(args, tuple):
         raise ConfigError(
@@ -101,17 +100,13 @@ def spawn(
         raise ValueError(f"nprocs={nprocs}: spawn needs at least one process")
     _check_call(fn, args, pass_rank)
     start_method, threads = _start_method(start_method, threads_per_process, nprocs)
-    # Rank 0 serves the store, not this process (a child forked while a store thread here holds
-    # glibc's resolver lock would hang in its own connect), on a socket bound and listening here:
-    # a port found free and bound later could be taken in between by another job.
+    # Rank 0 serves the store (a child forked while a store thread here holds glibc's resolver lock
+    # hangs), on a socket bound here: a port found free and bound later could be taken meanwhile.
     results = mp.get_context(start_method).SimpleQueue()
     with socket.create_server(("127.0.0.1", 0), backlog=1024) as listener:
+        worker_args = (fn, args, nprocs, listener, threads, results, pass_rank)
         context = mp.start_processes(
-            _worker,
-            args=(fn, args, nprocs, listener, threads, results, pass_rank),
-            nprocs=nprocs,
-            join=False,
-            start_method=start_method,
+            _worker, worker_args, nprocs, join=False, start_method=start_method
         )
     try:
         return _results(context, results, nprocs, timeout)
@@ -125,8 +120,7 @@ def spawn(
 def _start_method(method: str | None, threads: int | None, nprocs: int) -> tuple[str, int]:
     """(start method, threads per process): fork where it is safe, and one thread when forked."""
     if method is None:
-        # A fork inherits neither CUDA's state nor the autograd engine's device threads: a child
-        # forked after either was started cannot use the GPU or run a backward.
+        # a child forked after CUDA or autograd's device threads started cannot use them
         forkable = (
             "fork" in mp.get_all_start_methods()
             and not torch.cuda.is_initialized()

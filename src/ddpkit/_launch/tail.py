@@ -1,9 +1,6 @@
 """``--all-ranks``: each rank's output tagged ``[rank N]`` by whole lines, in place of torchrun's
-reader, which tags whatever ``readline()`` finds at the end of the file (a line printed in pieces
-comes out as several, mixed with other ranks'). A line redrawn with ``\\r`` (a progress bar) is
-written as a terminal shows it, and while it is redrawn at most every :data:`PROGRESS_EVERY`
-seconds.
-"""
+reader (which tags what ``readline()`` finds); a line redrawn with ``\\r`` is shown as a terminal
+shows it, at most every :data:`PROGRESS_EVERY` seconds."""
 
 from __future__ import annotations
 

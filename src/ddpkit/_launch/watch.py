@@ -1,11 +1,6 @@
-"""The agent's stall watch: a rank that stops making progress while the others wait for it, named in
-seconds, with every rank's state and stack, and killed (``on_stall="end"``).
-
-The agent reads its node's ranks' progress records (:mod:`ddpkit.distributed._progress`) and what
-each process does (its CPU time and I/O), and judges with the other nodes' ranks
-(:mod:`ddpkit._launch.watch_nodes`). The rules and what is said: docs/launcher.md, "When a job
-hangs".
-"""
+"""The agent's stall watch: a rank that stops making progress while the others wait for it, named
+with every rank's state and stack, and killed (``on_stall="end"``). The rules: docs/launcher.md,
+"When a job hangs"; across nodes: :mod:`ddpkit._launch.watch_nodes`."""
 
 from __future__ import annotations
 
@@ -45,6 +40,8 @@ MOVED = (5, 4096)
 WINDOW = 2.0
 EVIDENCE_AFTER = 1.0  # seconds a record stays unchanged before the rank's activity is read
 LONG_SHARE = 0.5  # the long allowance is at most this share of the collective timeout
+STEP_FACTOR = 10.0  # a rank gets at least this many times its median step
+LONG_FACTOR = 10.0  # LONG_PHASES get LONG_FACTOR x the floor (LONG_SHARE of the timeout at most)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,10 +50,6 @@ class StallPolicy:
 
     floor: float = DEFAULT_FLOOR
     """Seconds without progress a rank always gets; 0 turns the watch off."""
-    factor: float = 10.0
-    """A rank gets at least this many times its median step."""
-    long_factor: float = 10.0
-    """:data:`LONG_PHASES` get ``long_factor x floor`` (:data:`LONG_SHARE` of the timeout)."""
     collective_timeout: float | None = None
     on_stall: str = "end"
     """``end``: kill the stalled rank, so the job ends (or restarts); ``warn``: only say so."""
@@ -119,10 +112,6 @@ class _Rank:
 
     def quiet(self, now: float) -> float:
         return max(0.0, now - max(self.changed_at, self.moved_at))
-
-    def median_step(self) -> float:
-        """Of the steps seen ending, the first left out (it warms up, with an allowance)."""
-        return statistics.median(self.durations) if self.durations else 0.0
 
 
 @dataclass(frozen=True)
@@ -203,10 +192,12 @@ class Watch:
 
     def allowance(self, r: _Rank) -> float:
         p = self.policy
-        allowed = max(p.floor, p.factor * r.median_step())
+        # the median of the steps seen ending, the first left out (it warms up, with an allowance)
+        median = statistics.median(r.durations) if r.durations else 0.0
+        allowed = max(p.floor, STEP_FACTOR * median)
         first = r.record is None or r.record.steps <= 1
         if first or r.record is not None and r.record.phase in LONG_PHASES:
-            allowed = max(allowed, p.long_factor * p.floor)
+            allowed = max(allowed, LONG_FACTOR * p.floor)
         # named before the waiting ranks' collectives fail
         timeout = self._timeout(r)
         return min(allowed, LONG_SHARE * timeout) if timeout is not None else allowed
@@ -271,10 +262,12 @@ class Watch:
         if now < deadline and not self.link.heard(stall.ranks):
             return
         self.link.ending = None
-        for r in self.ranks.values():
-            if r.rank in stall.ranks or process_state(r.pid).startswith("stopped"):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(r.pid, signal.SIGKILL)
+        ended = [
+            r.pid
+            for r in self.ranks.values()
+            if r.rank in stall.ranks or process_state(r.pid).startswith("stopped")
+        ]
+        proctree.send(ended, signal.SIGKILL)
 
     def _wait(
         self, waited: list[View], overdue: list[View], live: list[View], now: float
@@ -308,9 +301,7 @@ class Watch:
             return None
         stall = Stall([v.rank for v in live], headline, lines)
         self.stall = stall
-        for v in live:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(v.pid, signal.SIGKILL)
+        proctree.send([v.pid for v in live], signal.SIGKILL)
         return stall
 
     def _say_slow(self, slow: list[_Rank], waited: float, now: float) -> None:
@@ -362,8 +353,9 @@ class Watch:
         waiting = [v for v in others if v.phase == Phase.COLLECTIVE and v.coll > rec.coll]
         if waiting:
             op, seq = waiting[0].op, waiting[0].coll
+            who = [f"{v.rank} (host {v.host})" if self.link.multi else str(v.rank) for v in waiting]
             lines.append(
-                f"  collective {op} #{seq}: rank(s) {', '.join(self._who(v) for v in waiting)} "
+                f"  collective {op} #{seq}: rank(s) {', '.join(who)} "
                 f"wait in it; {names} ha{'ve' if len(stalled) > 1 else 's'} not arrived (entered "
                 f"{rec.coll} collective(s))"
             )
@@ -374,9 +366,6 @@ class Watch:
             ending if self.policy.on_stall == "end" else "  the job goes on (--on-stall warn)"
         )
         return Stall([r.rank for r in stalled], headline, lines)
-
-    def _who(self, v: View) -> str:
-        return f"{v.rank} (host {v.host})" if self.link.multi else str(v.rank)
 
     def _rank_lines(self, views: list[View], now: float) -> list[str]:
         """A line per rank, with its stack (this node's) or where its agent last saw it."""
@@ -390,11 +379,9 @@ class Watch:
         for v in sorted(views, key=lambda v: v.rank):
             remote = v.node != self.link.node
             state = v.state_words() if remote else process_state(v.pid)
-            where = (
-                f"step {v.step}, {v.doing()}, {v.idle:.0f} s since its last mark"
-                if v.marked
-                else "no mark yet"
-            )
+            where = "no mark yet"
+            if v.marked:
+                where = f"step {v.step}, {v.doing()}, {v.idle:.0f} s since its last mark"
             if remote:
                 where += " (as its node's agent last published it)"
             lines.append(
@@ -403,8 +390,7 @@ class Watch:
             )
             if not remote and state.startswith("stopped"):
                 lines.append("    (a stopped process cannot answer for its stack)")
-            for frame in dumps.get(v.rank, []) if not remote else []:
-                lines.append(f"    {frame}")
+            lines += [f"    {frame}" for frame in dumps.get(v.rank, [])]  # this node's ranks'
             if not remote and v.phase == Phase.DATA:
                 lines += self._loader_lines(v.pid)
         return lines

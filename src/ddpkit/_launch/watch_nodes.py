@@ -1,9 +1,6 @@
-"""The stall watch across nodes: each node's agent publishes a summary of its ranks to the job's
-rendezvous store (one key per node, from a thread of its own), reads the others' while one of its
-ranks is idle, and judges the same view by the same rule (:func:`judge`, :func:`decide`): the agent
-of a stalled rank's node names it; the others say they wait for it. Durations are aged by the
-reader's own clock from when it first saw a publication, never compared across machines.
-"""
+"""The stall watch across nodes: each agent publishes its ranks to the job's rendezvous store and
+judges the job's view by one rule (:func:`judge`, :func:`decide`). Durations are aged by the
+reader's own clock, never compared across machines."""
 
 from __future__ import annotations
 
@@ -11,8 +8,8 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ddpkit.distributed._progress import OPS, PHASE_NAMES, Phase
@@ -188,16 +185,12 @@ def odd_ones(views: list[View]) -> list[View]:
     """Of ranks that disagree on a collective, those to name: the ranks behind, in a collective the
     others went past; where all wait in collectives, those off the one most ranks are in (of equal
     counts, the lowest rank's). Every node picks the same ranks from the same view."""
-    if not views:
-        return []
     if not all(v.in_collective for v in views):
         lowest = min(v.position for v in views)
         return [v for v in views if v.position == lowest]
-    counts: dict[tuple[int, int, str, int], int] = {}
-    for v in views:
-        counts[v.collective] = counts.get(v.collective, 0) + 1
+    counts = Counter(v.collective for v in views)
     # views are by rank: max() keeps the first of the highest count, the lowest rank's on a tie
-    common = max(counts, key=lambda key: counts[key])
+    common = max(counts, key=counts.__getitem__)
     return [v for v in views if v.collective != common]
 
 
@@ -266,12 +259,8 @@ class Waiting:
 
     def overdue(self, waited_for: list[View], named: set[int], now: float) -> list[View]:
         """The ranks waited for longer than the grace that their agents have not named."""
-        current = {v.rank for v in waited_for}
-        for rank in list(self.since):
-            if rank not in current:
-                del self.since[rank]  # it moved: a wait starts again
-        for v in waited_for:
-            self.since.setdefault(v.rank, now)
+        # a rank no longer waited for moved: a wait starts again
+        self.since = {v.rank: self.since.get(v.rank, now) for v in waited_for}
         return [
             v for v in waited_for if v.rank not in named and now - self.since[v.rank] > self.grace
         ]
@@ -387,22 +376,11 @@ def decode(data: bytes) -> Summary | None:
     return Summary(node, host, count, named, waiting, views) if doc.get("v") == 2 else None
 
 
-def _aged(quiet: float, seconds: float) -> float:
-    return quiet + seconds if quiet >= 0 else quiet
-
-
 class Exchange:
     """The summaries to and from the store, in a thread of its own, off the agent's poll."""
 
-    def __init__(
-        self,
-        store: Any,
-        node: int,
-        nodes: int,
-        every: float,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.store, self.node, self.nodes, self.clock = store, node, nodes, clock
+    def __init__(self, store: Any, node: int, nodes: int, every: float) -> None:
+        self.store, self.node, self.nodes, self.clock = store, node, nodes, time.monotonic
         # past 10 nodes the interval grows: at most ~20 reads a second at the store's host
         self.every = max(every, 0.05 * nodes)
         self.failures = 0
@@ -428,10 +406,9 @@ class Exchange:
         named: set[int] = set()
         for summary, at in seen:
             named |= summary.named
+            age = now - at
             views += [
-                View(
-                    **{**v.__dict__, "idle": v.idle + (now - at), "quiet": _aged(v.quiet, now - at)}
-                )
+                replace(v, idle=v.idle + age, quiet=v.quiet + age if v.quiet >= 0 else v.quiet)
                 if v.marked
                 else v
                 for v in summary.views

@@ -1,9 +1,6 @@
 """What ``ddpkit run`` starts in each worker (``python -m ddpkit._launch.worker [-m] TARGET
-ARGS...``): the user's script, its exception recorded for the launcher, after the worker has tied
-its life to the agent's, forked its guard (:mod:`ddpkit._launch.proctree`), held SIGUSR1 until a
-Trainer listens, and started answering stack requests (:func:`serve_stacks`). The workers' store
-is the agent's (:class:`~ddpkit._launch.rendezvous.backend.WorkersStoreHandler`).
-"""
+ARGS...``): the user's script, its exception recorded for the launcher, with the worker tied to the
+agent, its guard, SIGUSR1 held and stack requests answered (:func:`serve_stacks`)."""
 
 from __future__ import annotations
 
@@ -44,17 +41,6 @@ from ddpkit.platforms import _torchrun as torchrun
 K = TypeVar("K")
 
 
-def die_with_parent(sig: int = signal.SIGKILL) -> bool:
-    """Have Linux SIGKILL this process when its parent (the agent) dies; False where not Linux."""
-    parent = int(os.environ.get("DDPKIT_AGENT_PID", os.getppid()))
-    if not set_parent_death_signal(sig):
-        return False
-    # the parent may have died before prctl: then no signal will come
-    if os.getppid() != parent:
-        os.kill(os.getpid(), sig)
-    return True
-
-
 STACK_DIR_ENV = "DDPKIT_STACK_DIR"  # where workers serve stack requests (set by the launcher)
 NO_ANSWER = "(no answer within {wait:g} s: a process holding the GIL cannot answer)"
 _TOKEN = re.compile(r"[0-9a-f]{16}")
@@ -81,14 +67,10 @@ _fork_hook = False
 
 
 def serve_stacks(name: str | None = None) -> bool:
-    """Answer stack requests (:func:`ask_stacks`) from a daemon thread of this process, for as long
-    as it lives; False where nothing serves them (no ``$DDPKIT_STACK_DIR``, or it cannot be used).
-
-    The thread blocks on a FIFO of this user's, ``stack-<pid>.fifo``; on each request it writes
-    every thread's Python stack (:func:`format_stacks`) whole to ``stack-<pid>.txt`` and to
-    ``<name>.txt`` (default ``rank<RANK>``). Nothing is signalled: a request can never kill the
-    process. One whose main thread holds the GIL does not answer.
-    """
+    """Answer stack requests (:func:`ask_stacks`) on the FIFO ``stack-<pid>.fifo`` from a daemon
+    thread, writing every thread's stack (:func:`format_stacks`) to ``stack-<pid>.txt`` and
+    ``<name>.txt`` (default ``rank<RANK>``); False where nothing serves them (no
+    ``$DDPKIT_STACK_DIR``, or it cannot be used). Nothing is signalled."""
     global _serving, _fork_hook
     pid = os.getpid()
     folder_name = os.environ.get(STACK_DIR_ENV)
@@ -267,31 +249,21 @@ def main_frames(dump: str) -> list[str]:
 
 
 class WholeErrorFile(ErrorHandler):
-    """torch's error handler, its file (``TORCHELASTIC_ERROR_FILE``) written whole or not at all: a
-    truncated one, from a worker stopped as torch wrote it in place, ended the agent's poll with a
-    JSON error. The same record in torch's format; a script's own ``@record`` writes through it
-    too."""
+    """torch's error handler, its file (``TORCHELASTIC_ERROR_FILE``) written whole or not at all (a
+    truncated one ends the agent's poll), in torch's format; a script's own ``@record`` too."""
 
     def record_exception(self, e: BaseException) -> None:
         path = torchrun.error_file(os.environ)
         if not path:
             super().record_exception(e)  # torch logs it
             return
-        record = {
-            "message": {
-                "message": f"{type(e).__name__}: {e}",
-                "extraInfo": {
-                    "py_callstack": traceback.format_exc(),
-                    "timestamp": str(int(time.time())),
-                },
-            }
-        }
+        info = {"py_callstack": traceback.format_exc(), "timestamp": str(int(time.time()))}
+        record = {"message": {"message": f"{type(e).__name__}: {e}", "extraInfo": info}}
         fs.write_atomic(Path(path), json.dumps(record).encode())
 
 
 def _ignore_warnings_at_exit() -> None:
-    # once the script has ended, a SIGUSR1 (its handler reset as the interpreter exits) would kill
-    # a worker that finished
+    # a SIGUSR1 after the script (its handler reset at exit) would kill a worker that finished
     with contextlib.suppress(ValueError):  # not the main thread
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
@@ -320,7 +292,10 @@ def main() -> None:
         argv = argv[1:]
     if not argv:
         raise SystemExit("usage: python -m ddpkit._launch.worker [-m] TARGET [ARGS...]")
-    die_with_parent()
+    # SIGKILLed when the agent dies (Linux); if it died before prctl, no signal will come
+    agent = int(os.environ.get("DDPKIT_AGENT_PID", os.getppid()))
+    if set_parent_death_signal(signal.SIGKILL) and os.getppid() != agent:
+        os.kill(os.getpid(), signal.SIGKILL)
     start_guard()
     hold_stop_signals()
     atexit.register(_ignore_warnings_at_exit)  # run after the script's own exit handlers
@@ -332,8 +307,7 @@ def main() -> None:
     if recover.folder() is not None:
         recover.note_links()
         recover.watch_incidents()
-        # what is loaded now (torch, ddpkit) lives as long as the process: the collection after a
-        # failure (recover.leave) then looks only at what the script made
+        # what is loaded now lives as long as the process: recover.leave's collection skips it
         gc.freeze()
     target = argv[0]
     sys.argv = argv

@@ -1,16 +1,11 @@
-"""Every platform ddpkit reads, one module each; nothing outside this package reads their variables.
-
-Each platform is a :class:`~ddpkit.platforms._base.Platform`: ``NAME``, ``detect(env)``,
-``world(env)`` (its :class:`~ddpkit.platforms._base.LaunchEnv`) and ``launch_defaults(env)`` (the
-defaults of ``ddpkit run``'s options it set). :func:`current` asks them in the order of
-:data:`PLATFORMS`.
-"""
+"""Every platform ddpkit reads, one module each, each a :class:`~ddpkit.platforms._base.Platform`;
+nothing outside this package reads their variables. :func:`current` asks them in the order of
+:data:`PLATFORMS`."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ddpkit.platforms import _cpus as cpus
 from ddpkit.platforms import _kubernetes as kubernetes
 from ddpkit.platforms import _mpi as mpi
 from ddpkit.platforms import _ray as ray
@@ -64,9 +59,9 @@ def launch_defaults(env: Mapping[str, str]) -> list[LaunchDefault]:
 
 def scheduler(env: Mapping[str, str]) -> str | None:
     """The batch scheduler this process runs under, if any: ``"slurm"`` or ``"sge"``."""
-    if slurm.in_job(env):
+    if slurm.job_id(env) is not None:  # a step's task, a batch script, a salloc shell
         return "slurm"
-    if cpus.in_sge_job(env):
+    if "SGE_TASK_ID" in env or "NSLOTS" in env or "JOB_ID" in env and "SGE_ROOT" in env:
         return "sge"
     return None
 

@@ -69,7 +69,10 @@ LAUNCHER_NAMES = {
 """Each launcher as messages name it."""
 
 
-def read_int(env: Mapping[str, str], name: str) -> int:
+def read_int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
+    """``env[name]`` as an integer (``default`` where unset and given), else a ConfigError."""
+    if name not in env and default is not None:
+        return default
     value = env[name]
     try:
         return int(value)

@@ -8,18 +8,12 @@ import math
 import os
 from collections.abc import Mapping
 
-from ddpkit.platforms import _slurm as slurm
-
-
-def in_sge_job(env: Mapping[str, str]) -> bool:
-    return "SGE_TASK_ID" in env or "NSLOTS" in env or "JOB_ID" in env and "SGE_ROOT" in env
-
 
 def cpu_count(env: Mapping[str, str] | None = None) -> int:
     """Cores this process may use: the scheduler's grant (SGE ``NSLOTS``, ``SLURM_CPUS_ON_NODE``),
     else its affinity within its cgroup's CPU quota (a container's CPU limit, rounded up)."""
     env = os.environ if env is None else env
-    for granted in (env.get("NSLOTS"), slurm.cpus_granted(env)):
+    for granted in (env.get("NSLOTS"), env.get("SLURM_CPUS_ON_NODE")):
         if granted is not None and granted.isascii() and granted.isdigit() and int(granted) > 0:
             return int(granted)
     try:

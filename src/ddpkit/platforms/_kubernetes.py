@@ -1,8 +1,6 @@
-"""What Kubernetes' training operators tell a pod: a PyTorchJob pod run without torchrun (the
-platform ``"pytorchjob"``: ``RANK``, ``WORLD_SIZE``, no ``LOCAL_RANK``, inside Kubernetes), and the
-``PET_*`` variables (torchrun's options) and JobSet's ``JOB_COMPLETION_INDEX`` that ``ddpkit run``
-takes as its options' defaults. Which operator sets what: docs/kubernetes-and-ray.md.
-"""
+"""What Kubernetes' training operators tell a pod: a PyTorchJob pod run without torchrun (platform
+``"pytorchjob"``), and the ``PET_*`` and ``JOB_COMPLETION_INDEX`` variables that ``ddpkit run``
+takes as defaults (docs/kubernetes-and-ray.md)."""
 
 from __future__ import annotations
 
@@ -24,8 +22,7 @@ OPERATOR_VARS = {
 }  # fmt: skip
 """``ddpkit run``'s options and the ``PET_*`` variables that give their defaults."""
 
-# What torchrun takes in each variable, so that a wrong one is named as the variable. [0-9] is ASCII
-# only: int("٣") is 3, and "²".isdigit() is True while int("²") raises.
+# what torchrun takes in each variable; [0-9]: ASCII only (int("٣") is 3, int("²") raises)
 _VALUE_FORMS = {
     "PET_NNODES": ("[0-9]+(:[0-9]+)?", "use a number of nodes, or MIN:MAX for an elastic job"),
     "PET_NPROC_PER_NODE": ("[0-9]+|auto|gpu|cpu", "use a number of processes, auto, gpu or cpu"),
@@ -60,17 +57,13 @@ def in_pod(env: Mapping[str, str]) -> bool:
     return POD_ENV in env
 
 
-def pod_variables(env: Mapping[str, str]) -> bool:
+def detect(env: Mapping[str, str]) -> bool:
     """A PyTorchJob pod's without torchrun: ``RANK`` and the rest, no ``LOCAL_RANK``, in a pod."""
     return (
         in_pod(env)
         and "LOCAL_RANK" not in env
         and all(name in env for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
     )
-
-
-def detect(env: Mapping[str, str]) -> bool:
-    return pod_variables(env)
 
 
 def world(env: Mapping[str, str]) -> LaunchEnv:
@@ -94,16 +87,13 @@ def check_one_process_per_pod(env: Mapping[str, str]) -> None:
     nproc, nnodes = pet_value(env, "PET_NPROC_PER_NODE") or "1", pet_value(env, "PET_NNODES") or ""
     elastic = "PET_RDZV_ENDPOINT" in env or ":" in nnodes
     if not _one_process(nproc) or elastic:
+        why = f"PET_NPROC_PER_NODE={nproc}"
+        if elastic:
+            why = f"an elastic policy, PET_NNODES={nnodes[:20]}"
         raise ConfigError(
-            "this pod's PyTorchJob starts torchrun's processes ("
-            + (
-                f"an elastic policy, PET_NNODES={nnodes[:20]}"
-                if elastic
-                else f"PET_NPROC_PER_NODE={nproc}"
-            )
-            + "), but this process was started alone: make the container's command `ddpkit run "
-            "train.py` (or torchrun), which reads the PET_* variables"
-            + ("" if elastic else ", or set nprocPerNode to 1")
+            f"this pod's PyTorchJob starts torchrun's processes ({why}), but this process was "
+            "started alone: make the container's command `ddpkit run train.py` (or torchrun), "
+            "which reads the PET_* variables" + ("" if elastic else ", or set nprocPerNode to 1")
         )
 
 
@@ -194,11 +184,8 @@ def resolve_options(
     given: Mapping[str, str], defaults: list[LaunchDefault]
 ) -> tuple[dict[str, str], list[LaunchDefault]]:
     """(the options to add to the command line, the defaults taken) from the options the user
-    ``given`` (option -> value as typed) and the environment's ``defaults``.
-
-    A default the user gave with another value is refused, naming both. ``JOB_COMPLETION_INDEX`` is
-    a node rank only for a job of fixed size across several nodes where none is typed; a job of one
-    node takes no endpoint (nor rendezvous id, nor node rank) from the environment."""
+    ``given`` (option -> value as typed) and the environment's ``defaults``; a default the user
+    gave with another value is refused, naming both."""
     taken: list[LaunchDefault] = []
     for default in defaults:
         typed = given.get(default.option)
@@ -216,6 +203,8 @@ def resolve_options(
                 "the job's spec so that they agree"
             )
     nnodes = given.get("--nnodes") or next((t.value for t in taken if t.option == "--nnodes"), "1")
+    # JOB_COMPLETION_INDEX is a node rank only for a job of fixed size across several nodes; a job
+    # of one node takes no endpoint (nor rendezvous id, nor node rank) from the environment
     fixed_size_nodes = ":" not in nnodes and not one_node(nnodes)
     taken = [t for t in taken if t.source != "JOB_COMPLETION_INDEX" or fixed_size_nodes]
     if one_node(nnodes) and "--rdzv-endpoint" not in given:

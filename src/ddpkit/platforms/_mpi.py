@@ -38,9 +38,9 @@ def world(env: Mapping[str, str]) -> LaunchEnv:
     return checked(
         LaunchEnv(
             rank=read_int(env, rank_var),
-            local_rank=read_int(env, local_var) if local_var in env else 0,
+            local_rank=read_int(env, local_var, 0),
             world_size=world_size,
-            local_world_size=read_int(env, local_size_var) if local_size_var in env else 1,
+            local_world_size=read_int(env, local_size_var, 1),
             launcher=NAME,
             # if exported; else rendezvous_store()
             master_addr=env.get("MASTER_ADDR"),

@@ -12,18 +12,14 @@ NAME = "slurm"
 
 
 def detect(env: Mapping[str, str]) -> bool:
-    # A batch script or a salloc shell carries SLURM_PROCID and SLURM_NTASKS too; only a task that
-    # srun started for a step has SLURM_STEP_ID (an `srun --pty bash` step is a world of one).
+    # a batch script or salloc shell has SLURM_PROCID too; only an srun step's task has STEP_ID
     return "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "SLURM_STEP_ID" in env
 
 
 def world(env: Mapping[str, str]) -> LaunchEnv:
-    world_size = (
-        read_int(env, "SLURM_NTASKS")
-        if "SLURM_STEP_NUM_TASKS" not in env
-        else read_int(env, "SLURM_STEP_NUM_TASKS")
-    )
-    node_id = read_int(env, "SLURM_NODEID") if "SLURM_NODEID" in env else 0
+    tasks = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
+    world_size = read_int(env, tasks)
+    node_id = read_int(env, "SLURM_NODEID", 0)
     per_node = (
         env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or str(world_size)
     )
@@ -36,7 +32,7 @@ def world(env: Mapping[str, str]) -> LaunchEnv:
     return checked(
         LaunchEnv(
             rank=read_int(env, "SLURM_PROCID"),
-            local_rank=read_int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
+            local_rank=read_int(env, "SLURM_LOCALID", 0),
             world_size=world_size,
             local_world_size=_tasks_on_node(per_node, node_id),
             launcher=NAME,
@@ -57,19 +53,9 @@ def job_id(env: Mapping[str, str]) -> str | None:
     return env.get("SLURM_JOB_ID")
 
 
-def in_job(env: Mapping[str, str]) -> bool:
-    """Inside a SLURM job (a step's task, a batch script, a salloc shell)."""
-    return "SLURM_JOB_ID" in env
-
-
 def restarts(env: Mapping[str, str]) -> int:
     """How many times SLURM requeued the job (``SLURM_RESTART_COUNT``), 0 outside SLURM."""
     return read_int(env, "SLURM_RESTART_COUNT") if env.get("SLURM_RESTART_COUNT") else 0
-
-
-def cpus_granted(env: Mapping[str, str]) -> str | None:
-    """The CPUs SLURM granted this node (``SLURM_CPUS_ON_NODE``) as set, or None."""
-    return env.get("SLURM_CPUS_ON_NODE")
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
@@ -109,14 +95,13 @@ def _tasks_on_node(tasks_per_node: str, node_id: int) -> int:
     return counts[min(node_id, len(counts) - 1)]
 
 
-# Below Linux's ephemeral range (32768-60999), whose ports any client socket may take before rank 0
-# binds it.
+# below Linux's ephemeral range (32768-60999), whose ports a client socket may take first
 PORT_BASE, PORT_JOBS, PORT_STEPS = 20000, 750, 16
 
 
 def port_of_step(env: Mapping[str, str]) -> int:
     """The rendezvous port each task of a step derives from the job and step ids alone."""
-    job = read_int(env, "SLURM_JOB_ID") if "SLURM_JOB_ID" in env else 0
+    job = read_int(env, "SLURM_JOB_ID", 0)
     step = env.get("SLURM_STEP_ID", "0")
     # "²".isdigit(), and int() refuses it
     step_id = int(step) if step.isascii() and step.isdigit() else 0

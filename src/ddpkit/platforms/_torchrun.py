@@ -43,18 +43,11 @@ def world(env: Mapping[str, str], launcher: str = NAME) -> LaunchEnv:
             rank=read_int(env, "RANK"),
             local_rank=read_int(env, "LOCAL_RANK"),
             world_size=world_size,
-            local_world_size=read_int(env, "LOCAL_WORLD_SIZE")
-            if "LOCAL_WORLD_SIZE" in env
-            else world_size,
+            local_world_size=read_int(env, "LOCAL_WORLD_SIZE", world_size),
             launcher=launcher,
             master_addr=env["MASTER_ADDR"],
             master_port=read_int(env, "MASTER_PORT"),
-            restart_count=(
-                read_int(env, "TORCHELASTIC_RESTART_COUNT")
-                if "TORCHELASTIC_RESTART_COUNT" in env
-                else 0
-            )
-            + slurm.restarts(env),
+            restart_count=read_int(env, "TORCHELASTIC_RESTART_COUNT", 0) + slurm.restarts(env),
         )
     )
 
@@ -83,10 +76,6 @@ def master_address(env: Mapping[str, str]) -> tuple[str, str] | None:
     """(``MASTER_ADDR``, ``MASTER_PORT``) where both are set and the port is digits."""
     addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT", "")
     return (addr, port) if addr and port.isdigit() else None
-
-
-def is_rank_zero(env: Mapping[str, str]) -> bool:
-    return env.get("RANK") == "0"
 
 
 def attempt_env(restart_count: int, master_port: int) -> dict[str, str]:

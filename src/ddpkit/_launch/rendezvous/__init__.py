@@ -1,9 +1,6 @@
 """What each node of a multi-node job tells torchrun about itself, worked out from the endpoint with
-the kernel's own routing (torchrun's guesses from host names hang across networks): whether it hosts
-the rendezvous (``is_host``), its address as the others reach it (``--local-addr``), and the
-interface that carries it (``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``). The rendezvous itself:
-:mod:`~ddpkit._launch.rendezvous.backend`, :mod:`~ddpkit._launch.rendezvous.auth`.
-"""
+the kernel's routing: whether it hosts the rendezvous, its address as the others reach it, and the
+interface that carries it."""
 
 from __future__ import annotations
 
@@ -77,10 +74,9 @@ def interface_of(ip: str) -> str | None:
     """The interface whose IPv4 address is ``ip``."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         for _, name in socket.if_nameindex():
+            request = struct.pack("256s", name.encode()[:15])
             try:
-                packed = fcntl.ioctl(
-                    s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15])
-                )
+                packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, request)
             except OSError:
                 continue  # no IPv4 address on this interface
             if socket.inet_ntoa(packed[20:24]) == ip:

@@ -1,12 +1,7 @@
-"""Letting only a job's own nodes into its rendezvous: the job's secret, and a relay that checks it.
-
-Under ``ddpkit run`` the rendezvous store listens on 127.0.0.1 only. Other nodes reach it through
-the relay on the endpoint's port (:class:`RelayServer`), which has a peer prove it holds the job's
-secret (an HMAC-SHA256 challenge-response, both ways) before one byte of its reaches the store, then
-carries the store's traffic in frames that each bear an HMAC of the session (:class:`FramedSocket`).
-On the other nodes the agent's store client talks to a local end (:class:`RelayClient`). Nothing is
-encrypted. Why, and what a flood of connections can and cannot do: docs/many-machines.md.
-"""
+"""Letting only a job's own nodes into its rendezvous (docs/many-machines.md, "Who gets in"): the
+job's secret; the host's relay (:class:`RelayServer`), which has a peer prove it holds the secret
+before one byte reaches the store, then carries HMAC-tagged frames (:class:`FramedSocket`); a
+node's local end (:class:`RelayClient`). Nothing is encrypted."""
 
 from __future__ import annotations
 
@@ -38,8 +33,7 @@ HELLO = b"ddpkit rendezvous relay 1\n"
 _NONCE = 32
 _TAG = 32  # HMAC-SHA256
 _REFUSED = b"refused: not this job's secret".ljust(_TAG, b"\n")
-# The relay's words, in place of its proof to a peer whose handshake it evicted, and in place of
-# HELLO to a connection beyond its unfinished handshakes from one address, or of all of them.
+# the relay's words for an evicted handshake (in place of its proof) and a full relay (of HELLO)
 EVICTED = b"evicted: the relay is full".ljust(_TAG, b"\n")
 BUSY = b"ddpkit rendezvous relay busy: "
 BUSY_ADDRESS = BUSY + b"address\n"
@@ -153,14 +147,6 @@ def _tag(key: bytes, *parts: bytes) -> bytes:
     return hmac.new(key, b"".join(parts), hashlib.sha256).digest()
 
 
-def _recv_upto(sock: socket.socket, n: int) -> bytes:
-    """``n`` bytes, or fewer where the other end closed first."""
-    try:
-        return _recv_exact(sock, n)
-    except EOFError as err:
-        return err.args[1]
-
-
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
     buf = bytearray()
     while len(buf) < n:
@@ -191,12 +177,6 @@ class Session:
     recv_key: bytes
 
 
-def greeting() -> tuple[bytes, bytes]:
-    """(the relay's nonce, the first bytes it sends a peer)."""
-    ours = secrets.token_bytes(_NONCE)
-    return ours, HELLO + ours
-
-
 def check_answer(key: bytes, ours: bytes, answer: bytes) -> tuple[bytes, Session]:
     """The relay's side of the handshake, given the peer's :data:`ANSWER`: (the relay's proof to
     send back, the session). Raises :class:`Refused` when the peer does not hold ``key`` (the caller
@@ -219,7 +199,10 @@ def refuse(sock: socket.socket, words: bytes = _REFUSED) -> None:
 
 def join_host(sock: socket.socket, key: bytes) -> Session:
     """A node's side of the handshake; :class:`Refused` or :class:`NotARelay` say what failed."""
-    hello = _recv_upto(sock, len(HELLO) + _NONCE)
+    try:
+        hello = _recv_exact(sock, len(HELLO) + _NONCE)
+    except EOFError as err:  # fewer: the other end closed first
+        hello = err.args[1]
     if hello in _BUSY_WORDS:
         raise Busy(_BUSY_WORDS[hello])
     if len(hello) < len(HELLO) + _NONCE:
@@ -378,8 +361,6 @@ def check_host(host: tuple[str, int], key: bytes) -> None:
         ) from None
 
 
-# -- the rendezvous host's relay -------------------------------------------------------------------
-
 PER_ADDRESS = 8  # unfinished handshakes one address may hold
 PENDING = 512  # unfinished handshakes of all addresses (a socket each, no thread)
 LOG_INTERVAL = 60.0  # seconds between two lines about the connections dropped from one address
@@ -435,12 +416,8 @@ class RelayServer:
         evict: bool = True,
     ) -> None:
         """``evict=False`` turns a connection beyond ``pending`` away (a test's control)."""
-        self._store_port, self._key = store_port, key
-        self._timeout, self._per_address, self._log_interval = (
-            handshake_timeout,
-            per_address,
-            log_interval,
-        )
+        self._store_port, self._key, self._timeout = store_port, key, handshake_timeout
+        self._per_address, self._log_interval = per_address, log_interval
         if pending < 1:
             raise ValueError(
                 f"pending={pending}: the relay holds at least one unfinished handshake"
@@ -482,10 +459,10 @@ class RelayServer:
                             self._read(pending)
                 now = time.monotonic()
                 for pending in [p for p in self._pending.values() if p.deadline <= now]:
-                    self._drop(
-                        pending,
-                        f"no complete handshake within {self._timeout:g} s (slow or silent)",
-                    )
+                    self._forget(pending)
+                    why = f"no complete handshake within {self._timeout:g} s (slow or silent)"
+                    self._note(pending.address, why)  # said before the peer sees the close
+                    pending.sock.close()
         finally:
             for pending in list(self._pending.values()):
                 self._forget(pending)
@@ -508,24 +485,18 @@ class RelayServer:
                 self._turn_away(conn, where, BUSY_ADDRESS, "too many unfinished handshakes at once")
                 continue
             if len(self._pending) >= self._cap:
+                full = f"{self._cap} unfinished handshakes of all addresses"
                 if not self._evict:
-                    self._turn_away(
-                        conn,
-                        where,
-                        BUSY_FULL,
-                        f"{self._cap} unfinished handshakes of all addresses",
-                    )
+                    self._turn_away(conn, where, BUSY_FULL, full)
                     continue
                 victim = self._victim()
                 self._forget(victim)
-                self._note(
-                    victim.address, f"evicted: {self._cap} unfinished handshakes of all addresses"
-                )
+                self._note(victim.address, f"evicted: {full}")
                 refuse(victim.sock, EVICTED)
-            nonce, hello = greeting()
+            nonce = secrets.token_bytes(_NONCE)
             conn.setblocking(False)
             try:
-                conn.send(hello)  # a fresh connection's buffer holds these few bytes whole
+                conn.send(HELLO + nonce)  # a fresh connection's buffer holds these few bytes whole
             except OSError:
                 conn.close()
                 continue
@@ -572,12 +543,8 @@ class RelayServer:
             self._refuse(pending)
             return
         self._forget(pending)
-        threading.Thread(
-            target=self._connect,
-            args=(pending.sock, proof, session),
-            daemon=True,
-            name="ddpkit-relay",
-        ).start()
+        args = (pending.sock, proof, session)
+        threading.Thread(target=self._connect, args=args, daemon=True, name="ddpkit-relay").start()
 
     def _connect(self, conn: socket.socket, proof: bytes, session: Session) -> None:
         """Send the relay's proof and carry the admitted peer's traffic to the store."""
@@ -596,11 +563,6 @@ class RelayServer:
         self._forget(pending)
         self._note(pending.address, "it does not hold the job's secret", refused=True)
         refuse(pending.sock)
-
-    def _drop(self, pending: _Pending, reason: str) -> None:
-        self._forget(pending)
-        self._note(pending.address, reason)  # said before the peer sees the close
-        pending.sock.close()
 
     def _forget(self, pending: _Pending) -> None:
         with contextlib.suppress(KeyError, ValueError):

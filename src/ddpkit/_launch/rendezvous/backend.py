@@ -1,8 +1,6 @@
-"""The rendezvous ``ddpkit run`` gives torchrun's agent (``--rdzv-backend ddpkit``): torch's
-dynamic rendezvous on a store served on 127.0.0.1, reached across nodes only through the relay
-(:mod:`~ddpkit._launch.rendezvous.auth`), its state stored with an HMAC tag of the job
-(:class:`SignedStateBackend`).
-"""
+"""The rendezvous ``ddpkit run`` gives torchrun's agent (``--rdzv-backend ddpkit``): torch's dynamic
+rendezvous on a store served on 127.0.0.1, reached across nodes through the relay, its state
+HMAC-tagged (:class:`SignedStateBackend`)."""
 
 from __future__ import annotations
 
@@ -74,14 +72,9 @@ def _create_handler(params: RendezvousParameters) -> RendezvousHandler:
 
 
 class WorkersStoreHandler(RendezvousHandler):
-    """torch's dynamic rendezvous, whose node of rank 0 also serves, for each round, the store the
-    workers meet in (their ``MASTER_ADDR:MASTER_PORT``): on that node's address alone, on a socket
-    bound before its port is published, and new at every round, so that restarted workers never
-    read a dead peer's address.
-
-    torch would publish a port it found free and closed, for rank 0's worker to bind seconds later;
-    on a busy machine another program's connection took it in between ("Address already in use").
-    """
+    """torch's dynamic rendezvous, whose node of rank 0 also serves, new at every round, the store
+    the workers meet in (``MASTER_ADDR:MASTER_PORT``), on its address alone, on a socket bound
+    before its port is published (torch publishes a free port that another program may take)."""
 
     _KEY = "ddpkit/workers_store"
 
@@ -187,8 +180,7 @@ class SignedStateBackend(RendezvousBackend):
         sealed = self._seal(state)
         current = self._open(self._call("compare_set", self._name, token or self._EMPTY, sealed))
         if current is None and token is not None:
-            # emptied under this node (a forged value replaced): torch would take None for
-            # "written" and go on with a state nobody stored
+            # emptied (a forged value replaced): torch would take None for "written"
             current = self._open(self._call("compare_set", self._name, self._EMPTY, sealed))
         if current is None:
             return None
