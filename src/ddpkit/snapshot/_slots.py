@@ -105,13 +105,6 @@ def private_base(root: Path) -> Path:
     return base
 
 
-def sweep_stale(base: Path) -> None:
-    """Remove the folders under ``base`` whose agent is dead."""
-    for folder in base.iterdir() if base.is_dir() else []:
-        if folder.is_dir() and not folder.is_symlink() and not _owner_alive(folder):
-            fs.remove_tree(folder, root=base)
-
-
 def open_job_folder(pid: int | None = None) -> Path | None:
     """Make this job's folder (the agent, once per job, stale ones swept first) and export it to the
     workers; None, with the reason in :data:`UNAVAILABLE_ENV`, where memory is not usable."""
@@ -121,7 +114,9 @@ def open_job_folder(pid: int | None = None) -> Path | None:
         if not root.is_dir():
             raise FolderUnavailable(f"{root} does not exist")
         base = private_base(root)
-        sweep_stale(base)
+        for stale in base.iterdir():  # the folders of agents that are gone
+            if stale.is_dir() and not stale.is_symlink() and not _owner_alive(stale):
+                fs.remove_tree(stale, root=base)
         nonce = secrets.token_hex(8)
         folder = owned_folder(base, nonce, pid)
     except (OSError, FolderUnavailable, ConfigError) as err:
