@@ -36,7 +36,7 @@ from ddpkit.distributed import Group
 from ddpkit.distributed._collectives import broadcast_object, first_failure, gather_object
 from ddpkit.snapshot import _codec as codec
 from ddpkit.snapshot import _folders as folders
-from ddpkit.snapshot._folders import INDEX, MARKER, OWN, VALUES, Found, digest, folder_name
+from ddpkit.snapshot._folders import INDEX, MARKER, OWN, VALUES, Found, folder_name
 from ddpkit.strategies._base import PER_RANK
 
 if TYPE_CHECKING:
@@ -313,7 +313,9 @@ class DiskStore:
             if rank == 0:
                 fs.write_atomic(path / VALUES, extra)
                 mine += [path / ".metadata", path / INDEX, path / VALUES]
-            digests = digest(mine)
+            digests = {
+                p.name: {"size": p.stat().st_size, "sha256": folders.sha256(p)} for p in mine
+            }
         except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
             failed, failure = True, rank_failure(err, writer.failures, rank, path)
             if not writer.failures and not isinstance(err, OSError):
@@ -388,7 +390,7 @@ class DiskStore:
 
     def candidates(self) -> list[Found]:
         """Snapshot folders with a marker, newest first; not yet verified."""
-        return folders.candidates(self.folder)
+        return [found for found, problem in folders.scan(self.folder) if problem is None]
 
     def latest(self, warn: Callable[[str], None] = print) -> Found | None:
         """The newest whole snapshot, the same on every rank (rank 0 checks the files); a damaged

@@ -276,7 +276,11 @@ class MemoryStore:
                 values.append((path, value))
         # reusable only when every tensor is a live one: a copy made by state_dict() goes stale
         aliases = all(t.untyped_storage().data_ptr() in storages for t in tensors)
-        hyper_only = all(_hyperparams_only(p) for p, _ in values)
+        # the optimizer's param_groups.<name>.<key>: the saved parameter groups restore them
+        hyper_only = all(
+            len(p) == 2 and p[0] == "optim" and str(p[1]).startswith("param_groups.")
+            for p, _ in values
+        )
         ident = plan.ident + 1 if plan else 0
         kept = [] if hyper_only else values
         signature = watch.signature()
@@ -533,12 +537,6 @@ def _check_values(dynamic: dict[str, Any], groups: int) -> None:
         raise slots_lib.BadSlot(
             "its values are not the counters, parameter groups and states a save writes"
         )
-
-
-def _hyperparams_only(path: KeyPath) -> bool:
-    """The non-tensor values of a strategy's state that the saved parameter groups restore (the
-    flattened optimizer's ``param_groups.<name>.<key>``)."""
-    return len(path) == 2 and path[0] == "optim" and str(path[1]).startswith("param_groups.")
 
 
 class _Watch:
