@@ -40,11 +40,6 @@ def other_owner(st: os.stat_result) -> int | None:
     return st.st_uid if st.st_uid != os.geteuid() else None
 
 
-def _shared_scratch(st: os.stat_result) -> bool:
-    # /tmp, /dev/shm: root's, writable by all, sticky (no one removes another's files there)
-    return st.st_uid == 0 and stat.S_ISDIR(st.st_mode) and bool(st.st_mode & stat.S_ISVTX)
-
-
 def _refuse_other_owner(
     st: os.stat_result, path: Path | str, what: str, kind: str = "folder"
 ) -> None:
@@ -119,7 +114,8 @@ def folder(path: Path, *, root: Path | None = None, create: bool = False) -> Ite
         ) from None
     try:
         st = os.fstat(fd)
-        if not _shared_scratch(st):
+        # root's and sticky (/tmp, /dev/shm): no one removes another's files there
+        if not (st.st_uid == 0 and st.st_mode & stat.S_ISVTX):
             _refuse_other_owner(st, base, "folder")
         here = base
         for part in parts:
