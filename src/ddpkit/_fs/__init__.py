@@ -40,28 +40,20 @@ def other_owner(st: os.stat_result) -> int | None:
     return st.st_uid if st.st_uid != os.geteuid() else None
 
 
-def _shared_scratch(st: os.stat_result) -> bool:
-    # /tmp, /dev/shm: root's, writable by all, sticky (no one removes another's files there)
-    return st.st_uid == 0 and stat.S_ISDIR(st.st_mode) and bool(st.st_mode & stat.S_ISVTX)
-
-
-def owner_message(path: Path | str, uid: int, what: str = "", kind: str = "folder") -> str:
-    """Why ``path`` (a ``what`` in a ``kind`` the user names) of user ``uid`` is refused."""
+def _refuse_other_owner(
+    st: os.stat_result, path: Path | str, what: str, kind: str = "folder"
+) -> None:
+    """Refuse ``path`` (a ``what`` in a ``kind`` the user names) when another user owns it."""
+    uid = other_owner(st)
+    if uid is None:
+        return
     me = os.geteuid()
     owner, you = user_name(uid), user_name(me)
-    return (
+    raise ConfigError(
         f"{what + ' ' if what else ''}{str(path)!r} belongs to {owner} (uid {uid}), not to you "
         f"({you}, uid {me}): ddpkit writes only into folders of its own user. Give this job a "
         f"{kind} of your own, or have {owner} hand it over (chown -R {you} {str(path)!r})"
     )
-
-
-def _refuse_other_owner(
-    st: os.stat_result, path: Path | str, what: str, kind: str = "folder"
-) -> None:
-    uid = other_owner(st)
-    if uid is not None:
-        raise ConfigError(owner_message(path, uid, what, kind))
 
 
 def check_owned(path: Path, what: str, *, follow: bool, kind: str = "folder") -> None:
@@ -122,7 +114,8 @@ def folder(path: Path, *, root: Path | None = None, create: bool = False) -> Ite
         ) from None
     try:
         st = os.fstat(fd)
-        if not _shared_scratch(st):
+        # root's and sticky (/tmp, /dev/shm): no one removes another's files there
+        if not (st.st_uid == 0 and st.st_mode & stat.S_ISVTX):
             _refuse_other_owner(st, base, "folder")
         here = base
         for part in parts:
@@ -151,14 +144,6 @@ def folder(path: Path, *, root: Path | None = None, create: bool = False) -> Ite
 def _not_a_file(path: Path) -> ConfigError:
     return ConfigError(
         f"{str(path)!r} is not a regular file: move it away, or give this job another folder"
-    )
-
-
-def hard_link_message(path: Path | str, links: int) -> str:
-    return (
-        f"{str(path)!r} has {links - 1} other hard link{'s' if links > 2 else ''} (a folder copied "
-        "with cp -al?): ddpkit writes in place only into a file of one name, never through a "
-        "link. Remove it once no job uses it, or give this job another folder"
     )
 
 
@@ -191,7 +176,13 @@ def open_in(
         if linked is not None and other_names(st) and flags & _IN_PLACE:
             # checked on the descriptor that is written, not on the name
             if linked != "replace":
-                raise ConfigError(hard_link_message(path, st.st_nlink))
+                links = st.st_nlink - 1
+                raise ConfigError(
+                    f"{str(path)!r} has {links} other hard link{'s' if links > 1 else ''} (a "
+                    "folder copied with cp -al?): ddpkit writes in place only into a file of one "
+                    "name, never through a link. Remove it once no job uses it, or give this job "
+                    "another folder"
+                )
             _replace_by_copy(dir_fd, path, st, copy=not flags & os.O_TRUNC)
             os.close(fd)
             return open_in(dir_fd, path, flags, mode)  # a link made to the copy since is refused
@@ -338,14 +329,9 @@ def write_atomic(path: Path, data: bytes, *, root: Path | None = None, mode: int
     write_with(path, lambda f: f.write(data), root=root, mode=mode)
 
 
-def make_dirs(path: Path, *, root: Path | None = None, mode: int = 0o777) -> None:
+def make_dirs(path: Path, *, root: Path | None = None) -> None:
     """Make ``path`` and the folders above it up to ``root``, none of them through a link."""
-    path = Path(path)
-    if root is None:
-        os.makedirs(path, mode, exist_ok=True)
-        with folder(path):
-            return
-    with folder(path, root=root, create=True):
+    with folder(Path(path), root=root, create=True):
         return
 
 

@@ -36,7 +36,7 @@ from ddpkit.distributed import Group
 from ddpkit.distributed._collectives import broadcast_object, first_failure, gather_object
 from ddpkit.snapshot import _codec as codec
 from ddpkit.snapshot import _folders as folders
-from ddpkit.snapshot._folders import INDEX, MARKER, OWN, VALUES, Found, digest, folder_name
+from ddpkit.snapshot._folders import INDEX, MARKER, OWN, VALUES, Found, folder_name
 from ddpkit.strategies._base import PER_RANK
 
 if TYPE_CHECKING:
@@ -72,7 +72,6 @@ class Failure:
 
     what: str
     file: str | None = None  # relative to the snapshot's folder when inside it
-    disk_full: bool = False
     errno: int | None = None  # the OS error's number, when the failure was one
 
 
@@ -80,7 +79,7 @@ def os_failure(err: OSError, file: Any, folder: Path) -> Failure:
     file = Path(err.filename or file)
     shown = str(file.relative_to(folder)) if file.is_relative_to(folder) else str(file)
     what = "no space left on device" if err.errno == errno.ENOSPC else (err.strerror or str(err))
-    return Failure(what, shown, err.errno in _DISK_FULL, err.errno)
+    return Failure(what, shown, err.errno)
 
 
 def rank_failure(
@@ -100,16 +99,6 @@ def rank_failure(
         return os_failure(err, folder, folder)
     text = str(err).strip().splitlines()
     return Failure(f"{type(err).__name__}: {text[0] if text else ''}")
-
-
-def first_rank_failure(err: BaseException, rank: int | None) -> str:
-    """The lowest failed rank's exception in DCP's ``CheckpointException``, as one line, naming
-    that rank where it is not ``rank`` (None: a load with no collective, this rank's own)."""
-    failures = err.failures  # type: ignore[attr-defined]
-    origin = min(failures)
-    first = failures[origin][0]
-    named = "" if rank is None or origin == rank else f" (on rank {origin})"
-    return f"{type(first).__name__}: {first}{named}"
 
 
 def describe(failures: list[tuple[int, Failure]]) -> str:
@@ -324,7 +313,9 @@ class DiskStore:
             if rank == 0:
                 fs.write_atomic(path / VALUES, extra)
                 mine += [path / ".metadata", path / INDEX, path / VALUES]
-            digests = digest(mine)
+            digests = {
+                p.name: {"size": p.stat().st_size, "sha256": folders.sha256(p)} for p in mine
+            }
         except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
             failed, failure = True, rank_failure(err, writer.failures, rank, path)
             if not writer.failures and not isinstance(err, OSError):
@@ -353,7 +344,7 @@ class DiskStore:
             except OSError as err:
                 failures = [(0, os_failure(err, path / MARKER, path))]
             else:
-                self._prune(newest=step)
+                folders.prune(self.folder, self.keep_last, newest=step)
                 return None
         fs.remove_tree(path, root=self.folder)  # every rank is past its writes
         return self._failure(path, step, failures)
@@ -370,7 +361,7 @@ class DiskStore:
         else:
             kept = "there is no earlier snapshot: a restart starts from the beginning"
         advice = ""
-        if any(f.disk_full for _, f in failures):
+        if any(f.errno in _DISK_FULL for _, f in failures):
             advice = (
                 ". Free space there, keep fewer snapshots (SnapshotConfig.keep), or give the "
                 "run another run_dir"
@@ -399,10 +390,7 @@ class DiskStore:
 
     def candidates(self) -> list[Found]:
         """Snapshot folders with a marker, newest first; not yet verified."""
-        return folders.candidates(self.folder)
-
-    def _prune(self, newest: int) -> None:
-        folders.prune(self.folder, self.keep_last, newest)
+        return [found for found, problem in folders.scan(self.folder) if problem is None]
 
     def latest(self, warn: Callable[[str], None] = print) -> Found | None:
         """The newest whole snapshot, the same on every rank (rank 0 checks the files); a damaged
@@ -426,8 +414,7 @@ class DiskStore:
             choice = broadcast_object(choice, group=self.group)
         return choice
 
-    def newest(self, warn: Callable[[str], None]) -> Found | None:  # the front door's name
-        return self.latest(warn)
+    newest = latest  # the front door's name
 
     def load(
         self,
@@ -494,9 +481,12 @@ class DiskStore:
                 **({"no_dist": True} if local else {}),
             )
         except CheckpointException as err:  # a BaseException: every rank's traceback
-            collective = self.distributed and not local
-            failure = first_rank_failure(err, self._rank if collective else None)
-            error = err
+            origin = min(err.failures)
+            first = err.failures[origin][0]
+            # the lowest failed rank's, named where a collective load makes it another rank's
+            other = self.distributed and not local and origin != self._rank
+            named = f" (on rank {origin})" if other else ""
+            failure, error = f"{type(first).__name__}: {first}{named}", err
         except Exception as err:
             if not local:
                 raise

@@ -98,10 +98,6 @@ def plain_name(name: object) -> bool:
     )
 
 
-def digest(paths: list[Path]) -> dict[str, dict[str, Any]]:
-    return {p.name: {"size": p.stat().st_size, "sha256": sha256(p)} for p in paths}
-
-
 def scan(folder: Path) -> list[tuple[Found, str | None]]:
     """Every entry of ``folder`` named ``step-N``, newest first (by N), with what keeps it from
     being the snapshot of step N: None for a snapshot (not yet verified), :data:`PARTIAL` for a
@@ -153,11 +149,6 @@ def _not_a_snapshot(top: int, path: Path, step: int) -> str | None:
     finally:
         os.close(fd)
     return _step_problem(marker, step)
-
-
-def candidates(folder: Path) -> list[Found]:
-    """Snapshot folders of ``folder`` (:func:`scan`), newest first; not yet verified."""
-    return [found for found, problem in scan(folder) if problem is None]
 
 
 def _read_marker(path: Path, dir_fd: int | None = None) -> Any:

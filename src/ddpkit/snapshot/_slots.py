@@ -105,13 +105,6 @@ def private_base(root: Path) -> Path:
     return base
 
 
-def sweep_stale(base: Path) -> None:
-    """Remove the folders under ``base`` whose agent is dead."""
-    for folder in base.iterdir() if base.is_dir() else []:
-        if folder.is_dir() and not folder.is_symlink() and not _owner_alive(folder):
-            fs.remove_tree(folder, root=base)
-
-
 def open_job_folder(pid: int | None = None) -> Path | None:
     """Make this job's folder (the agent, once per job, stale ones swept first) and export it to the
     workers; None, with the reason in :data:`UNAVAILABLE_ENV`, where memory is not usable."""
@@ -121,7 +114,9 @@ def open_job_folder(pid: int | None = None) -> Path | None:
         if not root.is_dir():
             raise FolderUnavailable(f"{root} does not exist")
         base = private_base(root)
-        sweep_stale(base)
+        for stale in base.iterdir():  # the folders of agents that are gone
+            if stale.is_dir() and not stale.is_symlink() and not _owner_alive(stale):
+                fs.remove_tree(stale, root=base)
         nonce = secrets.token_hex(8)
         folder = owned_folder(base, nonce, pid)
     except (OSError, FolderUnavailable, ConfigError) as err:
@@ -326,18 +321,18 @@ def _check_data(data: bytes, record: Record, manifest: dict, name: str) -> None:
         )
 
 
+def _specs(manifest: dict) -> list[Spec]:
+    return [Spec(dtype, tuple(shape), offset) for dtype, shape, offset in manifest["specs"]]
+
+
 def tensors_of(data: bytes | memoryview, record: Record, manifest: dict) -> list[torch.Tensor]:
-    """Copies of a slot's tensors, from :func:`read_slot`'s checked parts, each its own tensor
-    (``torch.set_rng_state`` reads a tensor's storage from its start)."""
+    """Copies of a slot's tensors, from :func:`read_slot`'s checked parts (its layout checked),
+    each its own tensor (``torch.set_rng_state`` reads a tensor's storage from its start)."""
     off, length, _ = record.data
     region = torch.empty(0, dtype=torch.uint8)
     if length:
         region = torch.frombuffer(bytearray(data[off : off + length]), dtype=torch.uint8)
-    try:
-        layout = checked_specs(manifest.get("specs"), length)
-    except ValueError as err:
-        raise BadSlot(str(err)) from None
-    return [v.clone() for v in views(region, layout)]
+    return [v.clone() for v in views(region, _specs(manifest))]
 
 
 @dataclass(frozen=True)
@@ -445,7 +440,6 @@ class Slots:
         before they are mapped, so a full memory is an error here, never SIGBUS in a copy."""
         slot.close()
         slot.manifest_bytes = json.dumps(manifest).encode()
-        specs = [Spec(d, tuple(shape), o) for d, shape, o in manifest["specs"]]
         data_size = manifest["data_size"]
         slot.values_capacity = max(1 << 16, 4 * values_len)
         slot.values_offset = _round(HEADER + len(slot.manifest_bytes), 4096)
@@ -475,7 +469,7 @@ class Slots:
         mapped = torch.empty(0, dtype=torch.uint8).set_(storage)  # type: ignore[arg-type]
         slot.fd, slot.layout_id = fd, layout_id
         slot.region = mapped[slot.data_offset : slot.data_offset + data_size]
-        slot.dests = views(slot.region, specs)
+        slot.dests = views(slot.region, _specs(manifest))
         slot.record = None
 
     def found(self) -> list[Found]:

@@ -14,7 +14,7 @@ import pytest
 from ddpkit import _fs as run_files
 from ddpkit._errors import ConfigError
 from ddpkit.snapshot import _folders as folders
-from ddpkit.snapshot._disk import MARKER, SnapshotManager
+from ddpkit.snapshot._disk import MARKER
 from ddpkit.snapshot._run_dir import RunDirLock, claim
 from ddpkit.tracking._metrics import MetricsWriter
 
@@ -116,7 +116,7 @@ def test_pruning_removes_a_link_named_like_an_old_snapshot_never_what_it_points_
     _snapshot_folder(own / "step-00000002", 2)
     _snapshot_folder(own / "step-00000005", 5)
     (own / "step-00000001").symlink_to(other, target_is_directory=True)
-    SnapshotManager(own, keep_last=1)._prune(newest=5)
+    folders.prune(own, 1, newest=5)
     # the other run's snapshot is whole
     assert sorted(os.listdir(other)) == ["__0_0.distcp", MARKER]
     # the link and this run's old snapshot are pruned
@@ -136,7 +136,7 @@ def test_pruning_removes_an_old_snapshot_whole_and_nothing_its_links_point_to(
     _snapshot_folder(own / "step-00000005", 5)
     link(own / "step-00000002", "file-link", victim)
     link(own / "step-00000002" / "sub", "folder-link", victim.parent)
-    SnapshotManager(own, keep_last=1)._prune(newest=5)
+    folders.prune(own, 1, newest=5)
     assert sorted(os.listdir(own)) == ["step-00000005"]  # the old snapshot is gone, links and all
     assert sorted(os.listdir(own / "step-00000005")) == ["__0_0.distcp", MARKER]
     assert sorted(os.listdir(victim.parent)) == ["victim.txt"] and victim.read_text() == VICTIM_TEXT
@@ -148,7 +148,7 @@ def test_pruning_refuses_a_snapshots_folder_that_is_a_link(tmp_path):
     _snapshot_folder(other / "step-00000002", 2)
     link(tmp_path / "run", "snapshots", other)
     with pytest.raises(OSError):
-        SnapshotManager(tmp_path / "run" / "snapshots", keep_last=1)._prune(newest=2)
+        folders.prune(tmp_path / "run" / "snapshots", 1, newest=2)
     assert sorted(os.listdir(other)) == ["step-00000001", "step-00000002"]
     assert sorted(os.listdir(other / "step-00000001")) == ["__0_0.distcp", MARKER]
 
