@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,12 +23,7 @@ import torch.distributed as dist
 from ddpkit._errors import ConfigError
 from ddpkit._internals.modules import buffer_slots
 from ddpkit.distributed import Group
-from ddpkit.distributed._collectives import (
-    all_gather_object,
-    all_reduce,
-    broadcast_object,
-    tensor_bytes,
-)
+from ddpkit.distributed._collectives import all_gather_object, all_reduce, tensor_bytes
 from ddpkit.distributed._environment import read_launch_env
 from ddpkit.distributed._runtime import DEFAULT_TIMEOUT
 from ddpkit.snapshot import _codec as codec
@@ -420,14 +416,14 @@ class MemoryStore:
         found = {(f.rank, f.position): f for f in self.slots.found()}
         mine = found.get((self.rank, choice.position))
         data = None
-        if choice.donor is not None:  # the donor's slot file, on every rank (over the gloo group)
-            sent = b""
+        if choice.donor is not None:
+            donor_slot = None
             if self.rank == choice.donor:
                 held = sorted(
                     (r, f) for (r, p), f in found.items() if p == choice.position and f.peers
                 )
-                sent = held[0][1].path.read_bytes() if held else b""
-            data = broadcast_object(sent, src=choice.donor, group=self.group)
+                donor_slot = held[0][1].path if held else None
+            data = self._broadcast_slot(donor_slot, choice.donor)
         if mine is not None:
             got = slots_lib.read_slot(mine.path, data=True)
             name = str(mine.path)
@@ -448,6 +444,21 @@ class MemoryStore:
             raise slots_lib.BadSlot(
                 f"{name}: its values are not what a save writes ({type(err).__name__}: {err})"
             ) from None
+
+    def _broadcast_slot(self, path: Path | None, donor: int) -> bytes:
+        """The donor's slot file, on every rank (over the gloo group)."""
+        data = path.read_bytes() if path is not None else b""
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        assert self.group is not None  # a donor exists only where there are several ranks
+        src = dist.get_global_rank(self.group, donor)
+        dist.broadcast(size, src=src, group=self.group)
+        buf = (
+            torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            if data
+            else torch.empty(int(size), dtype=torch.uint8)
+        )
+        dist.broadcast(buf, src=src, group=self.group)
+        return tensor_bytes(buf)
 
     def _checked(
         self,
