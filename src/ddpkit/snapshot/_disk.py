@@ -414,7 +414,9 @@ class DiskStore:
             choice = broadcast_object(choice, group=self.group)
         return choice
 
-    newest = latest  # the front door's name
+    def newest(self, warn: Callable[[str], None] = print) -> Found | None:
+        """The front door's name for :meth:`latest` (a call, so a patch of ``latest`` is seen)."""
+        return self.latest(warn)
 
     def load(
         self,
