@@ -16,7 +16,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -184,9 +183,8 @@ def test_every_option_refuses_hostile_values_in_one_line_or_accepts_them(
     problems = []
     for option in options:
         for name, value in hostile_values(tmp_path).items():
-            started, environ = time.monotonic(), dict(os.environ)
+            environ = dict(os.environ)
             kind, code, err = _outcome([command, option, value, *rest], capsys)
-            took = time.monotonic() - started
             # `ddpkit run` sets its workers' variables here, and drops the secret
             os.environ.clear()
             os.environ.update(environ)
@@ -200,8 +198,6 @@ def test_every_option_refuses_hostile_values_in_one_line_or_accepts_them(
                 problems.append(
                     f"{option} {name}: exit {code}, not one line naming the option: {err[-300:]!r}"
                 )
-            elif took > SECONDS:
-                problems.append(f"{option} {name}: took {took:.1f} s")
             elif kind == "accepted" and name == "huge" and (command, option) not in NAMES:
                 problems.append(
                     f"{option} {name}: accepted 10^30 - 1, which no count or duration should be"
@@ -222,9 +218,8 @@ def test_every_positional_argument_refuses_hostile_values_in_one_line_or_accepts
     assert len(positionals) == 1, positionals
     problems = []
     for name, value in hostile_values(tmp_path).items():
-        started, environ = time.monotonic(), dict(os.environ)
+        environ = dict(os.environ)
         kind, code, err = _outcome([command, *POSITIONAL[command], value], capsys)
-        took = time.monotonic() - started
         os.environ.clear()
         os.environ.update(environ)
         lines = err.strip().splitlines()
@@ -234,8 +229,6 @@ def test_every_positional_argument_refuses_hostile_values_in_one_line_or_accepts
             problems.append(
                 f"{positionals[0].dest} {name}: exit {code}, not a one-line error: {err[-300:]!r}"
             )
-        elif took > SECONDS:
-            problems.append(f"{positionals[0].dest} {name}: took {took:.1f} s")
     assert not problems, "\n".join(problems)
 
 

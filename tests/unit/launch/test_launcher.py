@@ -4,7 +4,6 @@ log folders, the texts it prints, and how the cause of a failure is told."""
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -164,13 +163,11 @@ def test_nproc_is_bounded_before_anything_is_built(nproc, capsys, monkeypatch):
         raise AssertionError("torchrun's arguments were built")
 
     monkeypatch.setattr(launcher, "torchrun_argv", built)
-    started = time.monotonic()
     assert main(["run", "--nproc", nproc, HELLO]) == 2
     err = capsys.readouterr().err
     assert (
         err.count("\n") == 1 and "--nproc" in err and "from 1 to 1024" in err and len(err) < 300
     ), err
-    assert time.monotonic() - started < 5
 
 
 def test_nproc_above_four_per_core_needs_oversubscribe(monkeypatch, capsys):

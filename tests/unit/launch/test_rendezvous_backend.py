@@ -17,7 +17,6 @@ import stat
 import subprocess
 import sys
 import threading
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -319,23 +318,22 @@ def test_a_genuine_node_joins_while_another_address_holds_64_slow_silent_or_garb
     dripping.start()
     local = RelayClient(server.address, derive(SECRET, "relay"))
     try:
-        started = time.monotonic()
         check_host(server.address, derive(SECRET, "relay"))  # the launcher's own check
         client = dist.TCPStore(
             "127.0.0.1", local.port, is_master=False, timeout=timedelta(seconds=10)
         )
         client.set("from-node", "1")
         assert store.get("from-node") == b"1"
-        assert time.monotonic() - started < 2.0  # not queued behind the held connections
         err = capfd.readouterr().err
         assert "from 127.0.0.2" in err and "too many unfinished handshakes" in err, err
+        # served while every hostile peer is still held: not queued behind their deadline
+        assert "no complete handshake" not in err, err
         # The slow peers, still sending, are dropped at the deadline of the whole handshake.
         for sock in slow[:PER_ADDRESS]:
             sock.settimeout(10)
             with contextlib.suppress(ConnectionResetError):
                 while sock.recv(4096):
                     pass
-        assert time.monotonic() - started < 3.0 + 3.0
         assert (
             "dropped a connection to the rendezvous from 127.0.0.2: no complete handshake within 3 "
             "s" in (capfd.readouterr().err)
