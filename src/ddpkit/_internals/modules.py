@@ -4,6 +4,7 @@ module's ``_orig_mod``, a module's ``_buffers``, and the buckets DDP rebuilds af
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeGuard
 
@@ -52,12 +53,15 @@ class _RebuiltBuckets:
     def __init__(self, ddp: DDP) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-        self.ddp, self.allreduce = ddp, allreduce_hook
+        # the model holds this (its comm hook, its registration), this holds the model weakly
+        self.ddp, self.allreduce = weakref.ref(ddp), allreduce_hook
         self.ready: list[int] = []
         self.seen = self.registered = self.ours = False
         params = [p for p in ddp.module.parameters() if p.requires_grad]
-        self.most = 4 * len(params)  # a wrapper dropped before its first step records no more
+        self.most = 4 * len(params)
         self.handles = [p.register_post_accumulate_grad_hook(self._ready) for p in params]
+        # a wrapper dropped before its first step leaves no hook on the parameters
+        weakref.finalize(ddp, _remove, self.handles)
         self.handles.append(ddp.register_forward_pre_hook(self._forward))
         self.inner: tuple[object, Callable[..., Any]] | None = None
         # DDP takes one comm hook: the caller's registrations come here (an instance attribute
@@ -67,28 +71,34 @@ class _RebuiltBuckets:
     def register(self, state: object, hook: Callable[..., Any]) -> None:
         """``ddp.register_comm_hook``: before the first forward, torch's own (none of this one's
         then); after it, ``hook`` serves every bucket from then on in place of this one's."""
+        ddp = self.ddp()
+        assert ddp is not None  # called on it
         self.seen = self.registered = True
-        if self.ours:
-            self.inner = (state, hook)
-        else:
-            DDP.register_comm_hook(self.ddp, state, hook)
+        if not self.ours:
+            DDP.register_comm_hook(ddp, state, hook)
+            return
+        ddp._check_comm_hook(hook)
+        if self.inner is not None:
+            raise RuntimeError(
+                "register_comm_hook can only be called once (DDP takes one comm hook): register "
+                "yours once, before the model's first forward"
+            )
+        self.inner = (state, hook)
 
     def _ready(self, param: torch.Tensor) -> None:
         if len(self.ready) < self.most:
             self.ready.append(id(param))
 
-    def _forward(self, module: nn.Module, args: Any) -> None:
+    def _forward(self, ddp: DDP, args: Any) -> None:
         if not self.registered:  # at the first forward: a hook the caller registered comes first
             self.registered = True
-            if self.ddp._comm_hooks or self.ddp._get_ddp_logging_data().get("comm_hook"):
+            if ddp._comm_hooks or ddp._get_ddp_logging_data().get("comm_hook"):
                 self.seen = True
             else:
-                DDP.register_comm_hook(self.ddp, self.ddp.process_group, self.hook)
+                DDP.register_comm_hook(ddp, ddp.process_group, self.hook)
                 self.ours = True
         if self.seen:  # the first all-reducing step is over: DDP's buckets are rebuilt
-            for handle in self.handles:
-                handle.remove()
-            self.handles.clear()
+            _remove(self.handles)
         self.ready.clear()
 
     def hook(self, group, bucket):  # type: ignore[no-untyped-def]  # DDP reads no string annotation
@@ -98,17 +108,24 @@ class _RebuiltBuckets:
             return self.allreduce(group, bucket)
         self.seen = True
         # DDP's first all-reducing step gives every gradient of a dtype in one bucket, in the
-        # parameters' order: reduced here in the buckets the reducer builds from this step's
-        # ready order, each divided and summed as allreduce_hook does.
+        # parameters' order: reduced here in the buckets the reducer builds from rank 0's ready
+        # order (DDP rebuilds from rank 0's too), each divided and summed as allreduce_hook does.
+        # Every rank takes rank 0's order: a rank laying out its own would issue other all-reduces.
         params, buffer = bucket.parameters(), bucket.buffer()
         where = {id(p): i for i, p in enumerate(params)}
-        order = [where[i] for i in self.ready if i in where]
-        if sorted(order) != list(range(len(params))) or buffer.is_sparse:
-            return self.allreduce(group, bucket)  # a gradient accumulated twice, or none
-        cap = self.ddp.bucket_bytes_cap
-        first = dist._DEFAULT_FIRST_BUCKET_BYTES if self.ddp.bucket_bytes_cap_default else cap
+        mine = [where[i] for i in self.ready if i in where]
+        whole = sorted(mine) == list(range(len(params))) and not buffer.is_sparse
+        order = torch.tensor(mine if whole else [-1] * len(params), device=buffer.device)
+        dist.broadcast(order, 0 if group is None else dist.get_global_rank(group, 0), group=group)
+        if order[0] < 0:
+            return self.allreduce(group, bucket)  # rank 0 saw a gradient accumulated twice
+        ranked = order.tolist()
+        ddp = self.ddp()
+        assert ddp is not None  # its backward runs
+        cap = ddp.bucket_bytes_cap
+        first = dist._DEFAULT_FIRST_BUCKET_BYTES if ddp.bucket_bytes_cap_default else cap
         layout, _ = dist._compute_bucket_assignment_by_size(
-            [params[i] for i in order], [first, cap], [False] * len(order), order
+            [params[i] for i in ranked], [first, cap], [False] * len(ranked), ranked
         )
         views = buffer.split([p.numel() for p in params])
         for indices in layout:
@@ -121,6 +138,12 @@ class _RebuiltBuckets:
         return done
 
 
+def _remove(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
+
+
 def reduce_in_rebuilt_buckets(ddp: DDP) -> None:
     """Make every step of ``ddp`` all-reduce each gradient in the buckets DDP rebuilds after its
     first step, that first step included, so that a model wrapped anew (a resumed run) sums each
@@ -130,9 +153,14 @@ def reduce_in_rebuilt_buckets(ddp: DDP) -> None:
     its bucket, so that step would differ in the last bits. A comm hook (torch's
     ``allreduce_hook`` after the first step) does it; a comm hook the caller registers before the
     first forward replaces it, one registered later serves the buckets from then on. Nothing where
-    DDP never rebuilds (``find_unused_parameters``, per-bucket sizes), or where torch lacks what it
-    relies on."""
-    if ddp.find_unused_parameters or getattr(ddp, "bucket_bytes_cap_list", None):
+    DDP rebuilds later or never (``static_graph``, ``find_unused_parameters``, per-bucket sizes),
+    under compiled autograd's reducer, or where torch lacks what it relies on."""
+    if (
+        ddp.find_unused_parameters
+        or ddp.static_graph
+        or getattr(ddp, "bucket_bytes_cap_list", None)
+        or getattr(ddp, "_use_python_reducer", False)
+    ):
         return
     if _check_rebuilt_buckets() is not None:
         warn_lost("DDP's bucket rebuild", "torch", "the first step reduced in rebuilt buckets")

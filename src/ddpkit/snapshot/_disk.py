@@ -470,18 +470,20 @@ class DiskStore:
         # No collective where torch has no_dist (2.7 on): a read needs no other rank's plan. Either
         # way one all-reduce of the outcome makes a rank's failure every rank's, never a hang.
         local = self.distributed and "no_dist" in inspect.signature(dcp.load).parameters
-        if not self.distributed or local:  # no_dist loads "in a single process": it does
+        if not self.distributed:
             quiet_single_process_warning()
         failure: str | None = None
         error: BaseException | None = None
         try:
-            dcp.load(
-                tensors,
-                storage_reader=_dcp.Reader(found.path, index),
-                planner=_dcp.TensorsOnlyPlanner(),
-                process_group=self.group,
-                **({"no_dist": True} if local else {}),
-            )
+            with warnings.catch_warnings():  # no_dist loads "in a single process": it does
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load(
+                    tensors,
+                    storage_reader=_dcp.Reader(found.path, index),
+                    planner=_dcp.TensorsOnlyPlanner(),
+                    process_group=self.group,
+                    **({"no_dist": True} if local else {}),
+                )
         except CheckpointException as err:  # a BaseException: every rank's traceback
             origin = min(err.failures)
             first = err.failures[origin][0]

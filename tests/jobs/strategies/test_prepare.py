@@ -249,3 +249,44 @@ def test_a_comm_hook_registered_after_the_first_forward_serves_the_steps_after_i
     # prepare_model's own hook is registered at the first forward; the caller's, registered at
     # step 2, serves steps 2 and 3 in its place
     assert run_on_ranks(_hooked_later, 2) == [[0, 0]] * 2
+
+
+class _RankOrdered(nn.Module):
+    """Two layers run in an order that depends on the rank: their gradients become ready in
+    another order on each rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 4), nn.Linear(8, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first, then = (self.a, self.b) if ddpkit.get_runtime().rank % 2 else (self.b, self.a)
+        y = first(x).sum(1)
+        return y + then(x).sum(1)
+
+
+def _first_step_of_rank_ordered(wrap) -> tuple[list[torch.Tensor], list[str]]:
+    torch.manual_seed(0)
+    module = _RankOrdered()
+    ready: list[str] = []
+    for name, p in module.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda _p, name=name: ready.append(name))
+    model = wrap(module, None)
+    model(torch.randn(4, 8, generator=torch.Generator().manual_seed(ddpkit.get_runtime().rank)))
+    model(torch.randn(4, 8)).sum().backward()
+    return [p.grad.clone() for p in model.parameters()], ready
+
+
+def _rank_ordered() -> dict[str, tuple[list[torch.Tensor], list[str]]]:
+    return {
+        name: _first_step_of_rank_ordered(w)
+        for name, w in (("ddpkit", _prepared), ("torch", _torchs))
+    }
+
+
+def test_ranks_whose_gradients_are_ready_in_other_orders_sum_the_first_step_alike():
+    out = run_on_ranks(_rank_ordered, 2)
+    # the hazard is there: each rank's gradients became ready in another order
+    assert out[0]["ddpkit"][1] != out[1]["ddpkit"][1]
+    for rank in out:  # every rank laid its first step out as rank 0 did: torch's sums, bitwise
+        assert all(torch.equal(a, b) for a, b in zip(rank["ddpkit"][0], out[0]["torch"][0]))
