@@ -82,6 +82,7 @@ PORT_IN_USE = """
 import os, socket, time
 import ddpkit
 
+start = time.monotonic()
 try:
     ddpkit.init()
     print("BUSY-PORT: no error")
