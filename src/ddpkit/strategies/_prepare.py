@@ -16,7 +16,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpkit._errors import ConfigError, checked_arguments
 from ddpkit._internals.compiler import at_backward_end
-from ddpkit._internals.modules import compiled_inner, reduce_in_rebuilt_buckets
+from ddpkit._internals.modules import compiled_inner
+from ddpkit._internals.optim import reduce_in_rebuilt_buckets
 from ddpkit.distributed import Group
 from ddpkit.distributed import _progress as marks
 from ddpkit.distributed._progress import Phase
