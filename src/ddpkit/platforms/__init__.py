@@ -27,19 +27,12 @@ class _Alone:
     def world(env: Mapping[str, str]) -> LaunchEnv:
         return LaunchEnv()
 
-    @staticmethod
-    def launch_defaults(env: Mapping[str, str]) -> list[LaunchDefault]:
-        return []
-
 
 none = _Alone()
 
 PLATFORMS: tuple[Platform, ...] = (kubernetes, ray, torchrun, mpi, slurm, none)
-"""The platforms in the order :func:`current` asks them, the first that detects itself winning: a
-PyTorchJob pod without torchrun (no ``LOCAL_RANK``, which torchrun's reading would refuse); Ray
-Train, whose workers carry torchrun's variables; torchrun (``srun ddpkit run`` and ``mpiexec ddpkit
-run`` are torchrun's ranks); MPI before SLURM (under ``mpiexec`` in a SLURM job, ``SLURM_PROCID``
-counts nodes); SLURM; else a world of one."""
+"""The platforms in the order :func:`current` asks them, the first that detects itself winning (why
+this order: docs/runtime.md)."""
 
 
 def current(env: Mapping[str, str]) -> Platform:
@@ -53,8 +46,9 @@ def read_world(env: Mapping[str, str]) -> LaunchEnv:
 
 
 def launch_defaults(env: Mapping[str, str]) -> list[LaunchDefault]:
-    """The defaults of ``ddpkit run``'s options any platform set in ``env``, in order."""
-    return [default for platform in PLATFORMS for default in platform.launch_defaults(env)]
+    """The defaults of ``ddpkit run``'s options set in ``env``: a Kubernetes operator's ``PET_*``
+    and JobSet's ``JOB_COMPLETION_INDEX`` (the other launchers start their ranks themselves)."""
+    return kubernetes.launch_defaults(env)
 
 
 def scheduler(env: Mapping[str, str]) -> str | None:

@@ -1,4 +1,5 @@
-"""What every platform gives: :class:`Platform`, its :class:`LaunchEnv` and defaults."""
+"""What every platform gives, :class:`Platform` and its :class:`LaunchEnv`; and
+:class:`LaunchDefault`, an option of ``ddpkit run`` an operator set (Kubernetes')."""
 
 from __future__ import annotations
 
@@ -55,10 +56,6 @@ class Platform(Protocol):
     def world(self, env: Mapping[str, str]) -> LaunchEnv:
         """This process's place in the job (:class:`~ddpkit._errors.ConfigError` naming the variable
         to fix); asked only where :func:`detect` said yes."""
-        ...
-
-    def launch_defaults(self, env: Mapping[str, str]) -> list[LaunchDefault]:
-        """The defaults of ``ddpkit run``'s options this platform set (most set none)."""
         ...
 
 

@@ -113,11 +113,11 @@ def check_not_alone_in_torchrun_pod(env: Mapping[str, str]) -> None:
     )
 
 
-def launch_defaults(env: Mapping[str, str], cpu_count: int | None = None) -> list[LaunchDefault]:
+def launch_defaults(env: Mapping[str, str]) -> list[LaunchDefault]:
     """``ddpkit run``'s option defaults from the ``PET_*`` variables and JobSet's
-    ``JOB_COMPLETION_INDEX`` (``PET_NPROC_PER_NODE=cpu``: ``cpu_count`` processes, by default this
-    pod's cores). A :class:`ConfigError` for a rendezvous backend ``ddpkit run`` cannot stand in
-    for, or a value torchrun would not take either."""
+    ``JOB_COMPLETION_INDEX`` (``PET_NPROC_PER_NODE=cpu``: one process per core this pod may use). A
+    :class:`ConfigError` for a rendezvous backend ``ddpkit run`` cannot stand in for, or a value
+    torchrun would not take either."""
     backend = env.get("PET_RDZV_BACKEND")
     if backend is not None and backend not in _RDZV_BACKENDS:
         raise ConfigError(
@@ -130,7 +130,7 @@ def launch_defaults(env: Mapping[str, str], cpu_count: int | None = None) -> lis
         value = pet_value(env, name) if name in _VALUE_FORMS else env.get(name, "").strip() or None
         if value is not None:
             if name == "PET_NPROC_PER_NODE" and value == "cpu":  # torchrun: one per core
-                value = str(cpus.cpu_count(env) if cpu_count is None else cpu_count)
+                value = str(cpus.cpu_count(env))
             found.append(LaunchDefault(option, value, name))
     if env.get("PET_RDZV_CONF", "").strip():
         found += _rdzv_conf(env["PET_RDZV_CONF"])

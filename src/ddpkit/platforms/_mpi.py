@@ -9,7 +9,7 @@ from typing import Any
 from ddpkit._errors import ConfigError
 from ddpkit._internals.store import serve_new_store
 from ddpkit.platforms import _slurm as slurm
-from ddpkit.platforms._base import LaunchDefault, LaunchEnv, checked, read_int
+from ddpkit.platforms._base import LaunchEnv, checked, read_int
 
 NAME = "mpi"
 
@@ -31,15 +31,13 @@ def detect(env: Mapping[str, str]) -> bool:
 
 def world(env: Mapping[str, str]) -> LaunchEnv:
     variant = _variant(env)
-    if variant is None:
-        raise ConfigError("no MPI rank variable is set: launch the job with mpiexec")
+    assert variant is not None  # asked only where detect() said yes
     rank_var, size_var, local_var, local_size_var = variant
-    world_size = read_int(env, size_var)
     return checked(
         LaunchEnv(
             rank=read_int(env, rank_var),
             local_rank=read_int(env, local_var, 0),
-            world_size=world_size,
+            world_size=read_int(env, size_var),
             local_world_size=read_int(env, local_size_var, 1),
             launcher=NAME,
             # if exported; else rendezvous_store()
@@ -48,11 +46,6 @@ def world(env: Mapping[str, str]) -> LaunchEnv:
             restart_count=slurm.restarts(env),
         )
     )
-
-
-def launch_defaults(env: Mapping[str, str]) -> list[LaunchDefault]:
-    """None: mpiexec starts the ranks itself."""
-    return []
 
 
 _served: Any = None  # rank 0's store server, kept for the life of the process

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from ddpkit.platforms import _torchrun as torchrun
-from ddpkit.platforms._base import LaunchDefault, LaunchEnv
+from ddpkit.platforms._base import LaunchEnv
 
 NAME = "ray"
 
@@ -18,11 +18,6 @@ def detect(env: Mapping[str, str]) -> bool:
 def world(env: Mapping[str, str]) -> LaunchEnv:
     """torchrun's reading of the ranks, as launcher ``"ray"``."""
     return torchrun.world(env, launcher=NAME)
-
-
-def launch_defaults(env: Mapping[str, str]) -> list[LaunchDefault]:
-    """None: Ray Train starts its workers itself, never through ``ddpkit run``."""
-    return []
 
 
 def job_id(env: Mapping[str, str]) -> str:

@@ -6,7 +6,7 @@ import re
 from collections.abc import Mapping
 
 from ddpkit._errors import ConfigError
-from ddpkit.platforms._base import LaunchDefault, LaunchEnv, checked, read_int
+from ddpkit.platforms._base import LaunchEnv, checked, read_int
 
 NAME = "slurm"
 
@@ -43,11 +43,6 @@ def world(env: Mapping[str, str]) -> LaunchEnv:
     )
 
 
-def launch_defaults(env: Mapping[str, str]) -> list[LaunchDefault]:
-    """None: ``ddpkit run`` asks SLURM only for the rendezvous id (:func:`job_id`) and the CPUs."""
-    return []
-
-
 def job_id(env: Mapping[str, str]) -> str | None:
     """The job's id (``SLURM_JOB_ID``), the same on every node of the job; None outside SLURM."""
     return env.get("SLURM_JOB_ID")
@@ -61,13 +56,8 @@ def restarts(env: Mapping[str, str]) -> int:
 def expand_hostlist(hostlist: str) -> list[str]:
     """Expand a SLURM node list such as ``gpu[01-03,07],login1`` or ``rack[1-2]-n[01-02]`` into host
     names (``scontrol show hostnames`` without SLURM's binaries)."""
-    items, depth, start = [], 0, 0
-    for i, ch in enumerate(hostlist + ","):
-        depth += {"[": 1, "]": -1}.get(ch, 0)
-        if ch == "," and depth == 0:
-            items.append(hostlist[start:i])
-            start = i + 1
-    return [host for item in items if item for host in _expand_one(item)]
+    items = re.findall(r"(?:[^,\[]|\[[^\]]*\]?)+", hostlist)  # split at commas outside brackets
+    return [host for item in items for host in _expand_one(item)]
 
 
 def _expand_one(name: str) -> list[str]:

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 from ddpkit._errors import ConfigError
 from ddpkit.platforms import _slurm as slurm
-from ddpkit.platforms._base import LaunchDefault, LaunchEnv, checked, read_int
+from ddpkit.platforms._base import LaunchEnv, checked, read_int
 
 NAME = "torchrun"
 
@@ -50,11 +50,6 @@ def world(env: Mapping[str, str], launcher: str = NAME) -> LaunchEnv:
             restart_count=read_int(env, "TORCHELASTIC_RESTART_COUNT", 0) + slurm.restarts(env),
         )
     )
-
-
-def launch_defaults(env: Mapping[str, str]) -> list[LaunchDefault]:
-    """None: the ``PET_*`` an operator sets are read with Kubernetes."""
-    return []
 
 
 def started_by_agent(env: Mapping[str, str]) -> bool:

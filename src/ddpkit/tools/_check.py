@@ -5,7 +5,6 @@ back without its switch (docs/bench-and-check.md).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import io
@@ -27,10 +26,11 @@ from torch.utils.data import DataLoader, Dataset
 from ddpkit import _fs as fs
 from ddpkit._errors import ConfigError, check_types
 from ddpkit._internals.compiler import import_dynamo
-from ddpkit._launch.options import MAX_NPROC, split_argv
+from ddpkit._launch import options
+from ddpkit._launch.options import MAX_NPROC, argument
 from ddpkit._launch.spawn import spawn
 from ddpkit.data import ShardedBatchSampler, to_device
-from ddpkit.data._loader import Held, batch_len, seed_sample
+from ddpkit.data._loader import SampleSeeder, batch_len
 from ddpkit.distributed._collectives import all_gather_object, broadcast_object
 from ddpkit.distributed._runtime import get_runtime, init
 from ddpkit.distributed._seeding import mix_seed, seed_everything
@@ -155,24 +155,18 @@ NOT_SWITCHED = (
 
 
 class SampleSeeded(Dataset):
-    """Fetches sample ``i`` of epoch ``e`` with the generators seeded for it as ``build_loader``
-    seeds them, then restores them: a sample's augmentation belongs to the sample, not to the rank
-    that fetches it."""
+    """Fetches sample ``i`` of epoch ``e`` seeded as ``build_loader`` seeds it (by plain index, for
+    a script's own loader): a sample's augmentation belongs to the sample, not to the rank that
+    fetches it."""
 
     def __init__(self, dataset: Dataset, seed: int) -> None:
-        self.dataset, self.seed, self.epoch = dataset, seed, 0
+        self.dataset, self.seeder, self.epoch = dataset, SampleSeeder(seed), 0
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
 
     def __getitem__(self, index: int) -> Any:
-        held = Held()  # numpy's global generator swapped for one seeded here
-        seed_sample(self.seed, self.epoch, index)
-        try:
-            return self.dataset[index]
-        finally:
-            held.put_back()
-            held.release_numpy()
+        return self.seeder.load([(self.epoch, index)], self.dataset.__getitem__, [index])[0]
 
 
 def _rel(a: Any, b: Any) -> float:
@@ -636,39 +630,32 @@ def _table(one: dict[str, Any], ranks: dict[str, Any], v: Verdict, cfg: CheckCon
     return "\n".join(rows)
 
 
+OPTIONS = [
+    argument("--nproc", type=int, default=2, help="ranks of the distributed run (default 2)"),
+    argument("--steps", type=int, default=4, help="optimizer steps compared (default 4)"),
+    argument("--rtol", type=float, default=1e-4, help="relative tolerance (default 1e-4)"),
+    argument("--seed", type=int, default=0),
+    argument("script", nargs="?", help=f"a training script that defines {HOOK}() or builds a "
+             "ddpkit.Trainer, or a built-in workload: " + ", ".join(BUILTINS)),
+]  # fmt: skip
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="ddpkit check",
-        description="Train a few steps as one process and as N ranks on the same global batch, "
-        "compare losses, gradients and weights step by step, and name the cause of a difference. "
-        "Exit code 0: they agree; 1: they differ beyond the tolerance (causes named when found); "
+    parser = options.command_parser(
+        "ddpkit check",
+        "ddpkit check [options] [SCRIPT [ARGS...]]",
+        "Train a few steps as one process and as N ranks on the same global batch, compare\n"
+        "losses, gradients and weights step by step, and name the cause of a difference. Exit\n"
+        "code 0: they agree; 1: they differ beyond the tolerance (causes named when found);\n"
         f"{SCRIPT_FAILED}: the script raised (its traceback is shown).",
-        epilog=f"The script defines {HOOK}() returning (model, dataset, loss_fn, "
-        "optimizer_factory) or a ddpkit.tools.Workload, or builds a ddpkit.Trainer (run "
-        "with its default arguments until then); without a script, the DDP tutorials' CNN on "
-        "sklearn digits.",
+        f"The script defines {HOOK}() returning (model, dataset, loss_fn, optimizer_factory)\n"
+        "or a ddpkit.tools.Workload, or builds a ddpkit.Trainer (run with its default arguments\n"
+        "until then); without a script, the DDP tutorials' CNN on sklearn digits.",
+        OPTIONS,
     )
-    p.add_argument(
-        "script",
-        nargs="?",
-        help=f"a training script that defines {HOOK}() or builds a ddpkit.Trainer, or a built-in "
-        "workload: " + ", ".join(BUILTINS),
-    )
-    p.add_argument("--nproc", type=int, default=2, help="ranks of the distributed run (default 2)")
-    p.add_argument("--steps", type=int, default=4, help="optimizer steps compared (default 4)")
-    p.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance (default 1e-4)")
-    p.add_argument("--seed", type=int, default=0)
     # the script's own arguments follow it, as under `ddpkit run`
-    ours, script_args = split_argv(
-        sys.argv[1:] if argv is None else argv, {"--nproc", "--steps", "--rtol", "--seed"}
-    )
-    p.usage = (
-        "ddpkit check [-h] [--nproc NPROC] [--steps STEPS] [--rtol RTOL] [--seed SEED] "
-        "[script [ARGS ...]]"
-    )
-    # the options' names are CheckConfig's fields
-    cfg = CheckConfig(script_args=tuple(script_args), **vars(p.parse_args(ours)))
-    code, lines = run_check(cfg)
+    ns, script_args = options.parse_command(parser, OPTIONS, sys.argv[1:] if argv is None else argv)
+    code, lines = run_check(options.config_from(CheckConfig, ns, script_args))
     print("\n".join(lines), flush=True)
     return code
 

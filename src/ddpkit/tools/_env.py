@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpkit.platforms import scheduler
+from ddpkit.platforms import LAUNCH_PREFIXES, LAUNCH_VARIABLES, scheduler
 from ddpkit.platforms._cpus import cpu_count
 
 
@@ -38,14 +38,10 @@ def _gpu(index: int) -> str:
     )
 
 
-_VARIABLES = tuple(
-    "RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT NSLOTS OMP_NUM_THREADS "
-    "MKL_NUM_THREADS CUDA_VISIBLE_DEVICES TORCH_DISTRIBUTED_DEBUG".split()
-)
-_PREFIXES = tuple(
-    "SLURM_ TORCHELASTIC_ PET_ OMPI_COMM_WORLD_ PMI_ MPI_LOCAL NCCL_ GLOO_ TORCH_NCCL_ "
-    "DDPKIT_".split()
-)
+_VARIABLES = LAUNCH_VARIABLES | {
+    "OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "TORCH_DISTRIBUTED_DEBUG"
+}  # fmt: skip
+_PREFIXES = (*LAUNCH_PREFIXES, "PET_", "MPI_LOCAL", "NCCL_", "GLOO_", "TORCH_NCCL_", "DDPKIT_")
 
 
 def _version(module: str) -> str:

@@ -16,10 +16,11 @@ import time
 from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -161,14 +162,15 @@ def measure_steps(
 
 def _timed_steps(
     w: Workload,
-    model: DDP,
+    model: nn.Module,
     optimizer: torch.optim.Optimizer,
     batches: Iterator[Any],
     device: torch.device,
     counts: tuple[int, int],
     split_comm: bool,
 ) -> dict[str, list[float]]:
-    """Each part's seconds per timed step; then, with the hook on, the all-reduce span."""
+    """Each part's seconds per timed step; then, with the hook on, the all-reduce span. Only with
+    ``split_comm`` is ``model`` a DDP's (``no_sync``, the hook)."""
     (steps, warmup), cuda = counts, device.type == "cuda"
 
     def now() -> float:
@@ -182,12 +184,12 @@ def _timed_steps(
     span_steps = max(10, steps // 2) if split_comm else 0
     for i in range(timed + span_steps):
         if i == timed:
-            model.register_comm_hook(None, timer.hook)
+            cast(DDP, model).register_comm_hook(None, timer.hook)
         no_sync = split_comm and warmup <= i < timed and (i - warmup) % 2 == 1
         t0 = now()
         batch = to_device(next(batches), device)
         t1 = now()
-        with model.no_sync() if no_sync else nullcontext():
+        with cast(DDP, model).no_sync() if no_sync else nullcontext():
             loss = w.loss(model, batch)
             t2 = now()
             loss.backward()
@@ -228,20 +230,10 @@ def single_process_steps(
         drop_last=True,
         collate_fn=w.collate_fn,
     )
-    batches = _cycle(loader)
-    device = torch.device("cuda", 0)
-    out = []
-    for i in range(warmup + steps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        loss = w.loss(model, to_device(next(batches), device))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        if i >= warmup:
-            out.append(time.perf_counter() - t0)
-    return {"gpus": gpus, "step": statistics.median(out), "samples": w.batch_size * gpus}
+    # timed as DDP's steps are, parts synchronised
+    device, counts = torch.device("cuda", 0), (steps, warmup)
+    times = _timed_steps(w, model, optimizer, _cycle(loader), device, counts, split_comm=False)
+    return {"gpus": gpus, "step": statistics.median(times["step"]), "samples": w.batch_size * gpus}
 
 
 def measure_allreduce(sizes: tuple[int, ...]) -> list[tuple[int, float]]:

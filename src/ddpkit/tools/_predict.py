@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import random
 import statistics
 from collections.abc import Callable
@@ -127,8 +128,6 @@ def bucket_sizes(param_bytes: list[int], bucket_cap_mb: float = BUCKET_CAP_MB) -
 
 
 def ring_seconds(nbytes: float, n: int, link: Interconnect) -> float:
-    if n == 1:
-        return 0.0
     return 2 * (n - 1) * link.hop_latency_s + 2 * (n - 1) / n * nbytes / link.busbw_bytes_per_s
 
 
@@ -178,9 +177,8 @@ def predict(
     """Step time and efficiency at ``n`` ranks: one rank's step plus the exposed all-reduce (what
     backward does not hide, with DDP's fixed cost of finishing a reduction); efficiency is the
     throughput over ``n`` times the one-rank throughput."""
-    exposed = fixed_sync_s
-    if n > 1:
-        exposed += exposed_seconds(buckets, backward_s, allreduce_s, overlap)
+    # at one rank every all-reduce takes no time (the ring's), and nothing is exposed
+    exposed = fixed_sync_s + exposed_seconds(buckets, backward_s, allreduce_s, overlap)
     step = one_rank_step_s + exposed
     return {
         "world_size": n,
@@ -213,10 +211,6 @@ def compute_seconds(scaling: dict[int, dict[str, Any]]) -> float:
     """One rank's step less the wait at its backward's end (backward less no_sync backward)."""
     one = scaling[1]["parts"]
     return one["step"] - max(0.0, one["backward"] - one.get("backward_no_sync", one["backward"]))
-
-
-def _share(nbytes: float, total_s: float, total_bytes: int) -> float:
-    return total_s * nbytes / total_bytes
 
 
 def predictions(
@@ -280,7 +274,7 @@ def _here(
         if on_cpu and n in in_step:
             # the buckets' all-reduce as a step meets it, shared out by bytes: on the CPU none of
             # it is hidden behind backward
-            allreduce_s = functools.partial(_share, total_s=in_step[n], total_bytes=total_bytes)
+            allreduce_s = functools.partial(operator.mul, in_step[n] / total_bytes)  # s/byte
         p = model(
             n=n,
             one_rank_step_s=compute + straggle,

@@ -6,7 +6,6 @@ it builds, or a built-in workload (docs/bench-and-check.md).
 from __future__ import annotations
 
 import ast
-import importlib.util
 import runpy
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
@@ -111,7 +110,6 @@ def digits_workload() -> Workload:
     return Workload(
         model=DigitsCNN(image_size=8),
         dataset=digits("train"),
-        batch_size=32,
         name="DDP tutorials' CNN on sklearn digits",
     )
 
@@ -138,20 +136,16 @@ def lm_workload() -> Workload:
 BUILTINS: dict[str, Callable[[], Workload]] = {"digits": digits_workload, "lm": lm_workload}
 """Workloads named instead of a script."""
 
-_modules: dict[str, Any] = {}
+_modules: dict[str, dict[str, Any]] = {}
 
 
-def _load_script(path: str) -> Any:
-    """The script at ``path``, imported once; the caller holds :func:`intercept`."""
-    file = Path(path).resolve()
-    if str(file) in _modules:
-        return _modules[str(file)]
-    spec = importlib.util.spec_from_file_location(f"_ddpkit_workload_{len(_modules)}", file)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    _modules[str(file)] = module
-    return module
+def _load_script(path: str) -> dict[str, Any]:
+    """The globals of the script at ``path``, run once, not as ``__main__`` (as
+    :func:`run_until_trainer` runs it); the caller holds :func:`intercept`."""
+    file = str(Path(path).resolve())
+    if file not in _modules:
+        _modules[file] = runpy.run_path(file, run_name="_ddpkit_workload")
+    return _modules[file]
 
 
 def read_source(path: str) -> tuple[bool, list[int]]:
@@ -198,7 +192,7 @@ def load_workload(script: str | None, world_size: int = 1, args: Sequence[str] =
     try:
         # a script that trains at import (no main guard) stops where it builds its Trainer
         with intercept(script, args):
-            hook = getattr(_load_script(script), HOOK, None)
+            hook = _load_script(script).get(HOOK)
     except Captured as found:
         hook, imported = None, found
     if not callable(hook):

@@ -292,7 +292,8 @@ def test_no_operator_variables_change_nothing():
 
 
 def test_torchruns_cpu_process_count_is_one_per_core():
-    defaults = k8s.launch_defaults({"PET_NPROC_PER_NODE": "cpu"}, cpu_count=6)
+    # the cores this pod may use: here a scheduler's grant
+    defaults = k8s.launch_defaults({"PET_NPROC_PER_NODE": "cpu", "NSLOTS": "6"})
     assert [(d.option, d.value) for d in defaults] == [("--nproc", "6")]
 
 
