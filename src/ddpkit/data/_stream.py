@@ -189,12 +189,10 @@ class StreamSamples(Dataset):
         return self._order
 
     def __getitem__(self, key: tuple[int, int]) -> Any:
-        return self.__getitems__([key])[0]
+        return self.__getitems__(EpochIndices([key[1]], key[0]))[0]
 
-    def __getitems__(self, keys: EpochIndices | list[tuple[int, int]]) -> list[Any]:
-        if not isinstance(keys, EpochIndices):  # (epoch, position) pairs
-            # a batch never spans two epochs
-            keys = EpochIndices((p for _, p in keys), keys[0][0])
+    def __getitems__(self, keys: EpochIndices) -> list[Any]:
+        """The samples of a batch's keys (the loader's sampler is keyed: an epoch's positions)."""
         epoch = keys.epoch
         positions = np.fromiter(keys, dtype=np.int64, count=len(keys))
         shards, index = self.order(epoch).records(positions)
