@@ -339,14 +339,14 @@ def test_a_planted_temporary_of_the_old_fixed_name_is_never_written(tmp_path):
     ],
 )
 def test_a_line_index_that_cannot_be_the_files_is_rebuilt(tmp_path, table):
-    from ddpkit.data._stream_sources import line_index
+    from ddpkit.data._stream_sources import indexed_lines
 
     path = tmp_path / "a.jsonl"
     path.write_text('{"id": 0}\n{"id": 1}\n')
     st = path.stat()
     header = np.array([[1, st.st_size], [st.st_mtime_ns, 0]], np.int64)
     np.concatenate([header, np.array(table, np.int64)]).tofile(tmp_path / ".a.jsonl.lines")
-    assert line_index(path).tolist() == [[0, 9], [10, 19]]
+    assert indexed_lines(path)[0].tolist() == [[0, 9], [10, 19]]
 
 
 # -- a batch script, the bench's outputs -----------------------------------------------------------

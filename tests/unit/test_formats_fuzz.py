@@ -378,12 +378,12 @@ def test_journal_mutated(tmp_path_factory, journal_bytes, mutation, whole_line):
 
 @pytest.fixture(scope="module")
 def stream_file(tmp_path_factory) -> tuple[Path, bytes, np.ndarray]:
-    from ddpkit.data._stream_sources import _scan_lines, line_index
+    from ddpkit.data._stream_sources import _scan_lines, indexed_lines
 
     folder = tmp_path_factory.mktemp("stream")
     path = folder / "data.jsonl"
     path.write_text("".join(json.dumps({"i": i, "x": "y" * (i % 7)}) + "\n" for i in range(64)))
-    line_index(path)  # writes the cached index
+    indexed_lines(path)[0]  # writes the cached index
     cached = folder / ".data.jsonl.lines"
     return path, cached.read_bytes() if cached.exists() else b"", _scan_lines(path)
 
@@ -392,7 +392,7 @@ def stream_file(tmp_path_factory) -> tuple[Path, bytes, np.ndarray]:
 @FAST
 @given(mutation=byte_mutation(1100))
 def test_line_index_mutated(tmp_path_factory, stream_file, mutation):
-    from ddpkit.data._stream_sources import line_index
+    from ddpkit.data._stream_sources import indexed_lines
 
     source, cache, truth = stream_file
     if not cache:
@@ -402,7 +402,7 @@ def test_line_index_mutated(tmp_path_factory, stream_file, mutation):
     shutil.copy2(source, path)  # the same size and modification time: the header still matches
     (folder / f".{path.name}.lines").write_bytes(mutate(cache, mutation))
     try:
-        got = line_index(path)
+        got = indexed_lines(path)[0]
     except (ConfigError, ValueError, OSError) as err:
         assert path.name in str(err), f"{mutation}: a refusal that names no file: {err}"
         return

@@ -14,7 +14,6 @@ from torch.utils.data import DataLoader
 from ddpkit.data._fingerprint import (
     OnDataChange,
     changes,
-    check_on_data_change,
     dataset_items,
     refusal,
 )
@@ -48,8 +47,7 @@ class EpochLoader(DataLoader):
 
     def __init__(self, *args: Any, on_data_change: OnDataChange = "error", **kwargs: Any) -> None:
         """``DataLoader``'s arguments, with a :class:`~ddpkit.data.ShardedBatchSampler` as
-        ``batch_sampler``."""
-        check_on_data_change(on_data_change)
+        ``batch_sampler``; made by :func:`~ddpkit.build_loader`, which checks them."""
         kwargs["worker_init_fn"] = partial(serve_stacks, then=kwargs.get("worker_init_fn"))
         super().__init__(*args, **kwargs)
         self.on_data_change = on_data_change

@@ -18,22 +18,11 @@ OnDataChange = Literal["error", "restart_epoch"]
 """What a resume does when the data's fingerprint differs from the snapshot's: refuse (``"error"``),
 or train the snapshot's epoch again from its first step on the new data (``"restart_epoch"``)."""
 
-ON_DATA_CHANGE: tuple[str, ...] = ("error", "restart_epoch")
-
 LISTED_SHARDS = 64
 """Shards described one by one in a fingerprint; beyond that, the list is kept as one digest."""
 
 LISTED_CHANGES = 6
 """Changes named in a refusal; the rest are counted."""
-
-
-def check_on_data_change(value: str) -> None:
-    if value not in ON_DATA_CHANGE:
-        raise ConfigError(
-            f"on_data_change={value!r}: pass 'error' (refuse a resume on changed data) or "
-            "'restart_epoch' (train the snapshot's epoch again from its first step on the new "
-            "data)"
-        )
 
 
 def digest(data: bytes | memoryview) -> str:

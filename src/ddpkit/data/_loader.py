@@ -22,17 +22,13 @@ from ddpkit.data._fingerprint import OnDataChange, dataset_items
 from ddpkit.data._sampler import EpochIndices, EvalShardSampler, ShardedBatchSampler
 from ddpkit.distributed import Group
 from ddpkit.distributed._runtime import get_runtime
-from ddpkit.distributed._seeding import stream_seed
+from ddpkit.distributed._seeding import cuda_in_use, stream_seed
 from ddpkit.platforms._cpus import cpu_count
 
 try:  # numpy is optional: seeded only where it is installed
     import numpy as np
 except ImportError:  # pragma: no cover
     np = None  # type: ignore[assignment]
-
-# whether this process uses CUDA (never initialising it; False in a forked loader worker): as
-# ddpkit.distributed._seeding.cuda_in_use
-cuda_in_use = torch.cuda.is_initialized
 
 
 def check_map_style(dataset: Any) -> None:
@@ -91,37 +87,38 @@ def build_loader(
     change, unless ``on_data_change="restart_epoch"``
     (:class:`~ddpkit.data._epoch_loader.EpochLoader`).
     """
-    kwargs: dict[str, Any] = dict(
-        collate_fn=collate_fn,
-        on_data_change=on_data_change,
-        **_loader_kwargs(num_workers, pin_memory),
-    )
+    kwargs = _loader_kwargs(num_workers, pin_memory)
     # a Stream exists only once its module is imported (it needs numpy)
     streams = sys.modules.get("ddpkit.data._stream")
-    if streams is not None and isinstance(dataset, streams.Stream):
-        return streams.build_stream_loader(
-            dataset, batch_size, kwargs, shuffle, seed, drop_last, group, seed_samples
-        )
-    check_map_style(dataset)
+    stream: Any = dataset if streams and isinstance(dataset, streams.Stream) else None
+    if stream is None:
+        check_map_style(dataset)
+    # a stream's sampler goes over global positions in order (the stream's order shuffles)
     sampler = ShardedBatchSampler(
-        cast(Sized, dataset),  # check_map_style made sure it has a length
+        cast(Sized, dataset),  # check_map_style made sure it has a length; a stream has one
         batch_size,
-        shuffle=shuffle,
+        shuffle=shuffle and stream is None,
         seed=seed,
         drop_last=drop_last,
         group=group,
-        keyed=seed_samples,
+        keyed=seed_samples or stream is not None,
     )
-    read = SeededSamples(dataset, seed) if seed_samples else dataset
+    if stream is not None:
+        stream.check_loading(kwargs["num_workers"], sampler.world_size, group)
+        read = sys.modules["ddpkit.data._stream"].StreamSamples(stream, seed, shuffle, seed_samples)
+    else:
+        read = SeededSamples(dataset, seed) if seed_samples else dataset
+    # its own generator, seeded per rank (its workers' base seeds: ranks augment differently where
+    # samples are not seeded)
+    generator = torch.Generator().manual_seed(stream_seed("loader", seed, sampler.rank))
     return EpochLoader(
-        read, batch_sampler=sampler, generator=loader_generator(seed, sampler.rank), **kwargs
+        read,
+        batch_sampler=sampler,
+        generator=generator,
+        collate_fn=collate_fn,
+        on_data_change=on_data_change,
+        **kwargs,
     )
-
-
-def loader_generator(seed: int, rank: int) -> torch.Generator:
-    """The loader's own generator, seeded per rank (its workers' base seeds: ranks augment
-    differently where samples are not seeded)."""
-    return torch.Generator().manual_seed(stream_seed("loader", seed, rank))
 
 
 @checked_arguments

@@ -15,10 +15,9 @@ import torch
 from torch.utils.data import Dataset
 
 from ddpkit._errors import ConfigError, checked_arguments
-from ddpkit.data._epoch_loader import EpochLoader
 from ddpkit.data._fingerprint import shard_items
-from ddpkit.data._loader import SampleSeeder, loader_generator
-from ddpkit.data._sampler import EpochIndices, ShardedBatchSampler
+from ddpkit.data._loader import SampleSeeder
+from ddpkit.data._sampler import EpochIndices
 from ddpkit.distributed import Group
 from ddpkit.distributed._seeding import stream_seed
 
@@ -165,14 +164,6 @@ def _randperm(n: int, generator: torch.Generator) -> np.ndarray:
     return torch.randperm(n, generator=generator).numpy()
 
 
-def record_ids(stream: Stream, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
-    """The whole order of ``epoch`` as record numbers in the natural order (shard offset + index):
-    for tests and inspection, ``O(N)`` memory."""
-    shards, index = StreamOrder(stream, seed, epoch, shuffle).records(np.arange(len(stream)))
-    offsets = np.concatenate([[0], np.cumsum(np.asarray(stream.shard_sizes, dtype=np.int64))])
-    return offsets[shards] + index
-
-
 class StreamSamples(Dataset):
     """The map-style view a DataLoader reads: key ``(epoch, position)`` -> ``transform(record)``,
     a batch's records read shard by shard; with ``seed_samples``, each ``transform`` seeded from
@@ -198,12 +189,10 @@ class StreamSamples(Dataset):
         return self._order
 
     def __getitem__(self, key: tuple[int, int]) -> Any:
-        return self.__getitems__([key])[0]
+        return self.__getitems__(EpochIndices([key[1]], key[0]))[0]
 
-    def __getitems__(self, keys: EpochIndices | list[tuple[int, int]]) -> list[Any]:
-        if not isinstance(keys, EpochIndices):  # (epoch, position) pairs
-            # a batch never spans two epochs
-            keys = EpochIndices((p for _, p in keys), keys[0][0])
+    def __getitems__(self, keys: EpochIndices) -> list[Any]:
+        """The samples of a batch's keys (the loader's sampler is keyed: an epoch's positions)."""
         epoch = keys.epoch
         positions = np.fromiter(keys, dtype=np.int64, count=len(keys))
         shards, index = self.order(epoch).records(positions)
@@ -218,34 +207,3 @@ class StreamSamples(Dataset):
         if not self.seed_samples:
             return [transform(r) for r in records]
         return self.seeder.load(keys, transform, records)
-
-
-def build_stream_loader(
-    stream: Stream,
-    batch_size: int,
-    loader_kwargs: dict[str, Any],
-    shuffle: bool,
-    seed: int,
-    drop_last: bool,
-    group: Group,
-    seed_samples: bool,
-) -> EpochLoader:
-    """What :func:`ddpkit.build_loader` returns for a stream (call that): the same arguments and
-    guarantees. ``loader_kwargs``: the DataLoader's, as ``build_loader`` resolves them."""
-    # over global positions in order (the stream's order shuffles), keyed with their epoch
-    sampler = ShardedBatchSampler(
-        len(stream),
-        batch_size,
-        shuffle=False,
-        seed=seed,
-        drop_last=drop_last,
-        group=group,
-        keyed=True,
-    )
-    stream.check_loading(loader_kwargs["num_workers"], sampler.world_size, group)
-    return EpochLoader(
-        StreamSamples(stream, seed, shuffle, seed_samples),
-        batch_sampler=sampler,
-        generator=loader_generator(seed, sampler.rank),
-        **loader_kwargs,
-    )

@@ -45,14 +45,9 @@ def _paths(paths: str | os.PathLike | Sequence[str | os.PathLike], what: str) ->
 _INDEX_VERSION = 3
 
 
-def line_index(path: Path, cache: bool = True) -> np.ndarray:
-    """``(L, 2)`` start and end byte offsets of the ``L`` non-empty lines of ``path`` (end excludes
-    ``\\n``): :func:`indexed_lines` without the content's digest."""
-    return indexed_lines(path, cache)[0]
-
-
 def indexed_lines(path: Path, cache: bool = True) -> tuple[np.ndarray, str]:
-    """The line index of ``path`` (:func:`line_index`) and the digest of the bytes it was found in
+    """The line index of ``path`` (``(L, 2)`` start and end byte offsets of its ``L`` non-empty
+    lines, end excluding ``\\n``) and the digest of the bytes it was found in
     (:func:`content_digest`), both checked against the file's bytes now.
 
     Built by one pass over the file and kept next to it as ``.<name>.lines``: raw int64, a 2-row
@@ -240,8 +235,8 @@ _DECODER = json.JSONDecoder()
 
 class JsonlStream(Stream):
     """JSON Lines files, one shard each, a record per non-empty line (``decode(bytes)``,
-    :func:`json_record` by default). Lines are found by :func:`line_index`; nearby lines of a batch
-    are read with one ``pread``."""
+    :func:`json_record` by default). Lines are found by :func:`indexed_lines`; nearby lines of a
+    batch are read with one ``pread``."""
 
     @checked_arguments
     def __init__(

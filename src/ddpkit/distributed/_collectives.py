@@ -199,32 +199,16 @@ def all_gather_object(obj: T, group: Group = None) -> list[T]:
 
 def gather_object(obj: T, dst: int = 0, group: Group = None) -> list[T] | None:
     """Every rank's picklable ``obj``, in rank order, on rank ``dst`` of ``group`` (None on the
-    others), as torch's ``gather_object``; without a process group, ``[obj]``."""
+    others): torch's ``gather_object``, which reads the objects back through numpy (a caller's
+    runs need it: the disk snapshots of several ranks); without a process group, ``[obj]``."""
     if not is_live(group):
         return [obj]
     with _watched("gather_object", group):
-        device = comm_device(group)
-        size = dist.get_world_size(group)
         receiver = dist.get_rank(group) == dst
+        out: list[Any] | None = [None] * dist.get_world_size(group) if receiver else None
         global_dst = dist.get_global_rank(group, dst) if group is not None else dst
-        mine = _pickled(obj, device)
-        sizes = (
-            [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(size)]
-            if receiver
-            else None
-        )
-        length = torch.tensor([mine.numel()], device=device)
-        dist.gather(length, sizes, dst=global_dst, group=group)
-        # gather needs equal shapes: the longest, from rank dst to the others
-        longest = torch.tensor([max(int(s.item()) for s in sizes) if sizes else 0], device=device)
-        dist.broadcast(longest, src=global_dst, group=group)
-        padded = torch.zeros(int(longest.item()), dtype=torch.uint8, device=device)
-        padded[: mine.numel()] = mine
-        chunks = [torch.empty_like(padded) for _ in range(size)] if receiver else None
-        dist.gather(padded, chunks, dst=global_dst, group=group)
-        if chunks is None or sizes is None:
-            return None
-        return [_unpickled(chunk[: int(n.item())].cpu()) for chunk, n in zip(chunks, sizes)]
+        dist.gather_object(obj, out, dst=global_dst, group=group)
+        return out
 
 
 def first_failure(mine: str | None, group: Group = None) -> str | None:

@@ -143,16 +143,16 @@ def search(
         raise ConfigError(str(error))
     try:
         _search_on_groups(objective, distributions, config, begun)
+        study = open_search_study(config, distributions, create=False).study
         if rt.is_main:
-            final = open_search_study(config, distributions, create=False).study
-            write_results(final, trials_of(final, begun.search_id), config)
+            write_results(study, trials_of(study, begun.search_id), config)
     except BaseException as err:
         _name_a_machine_error_between_trials(err, config)
         raise
     finally:
         if lock is not None:
             lock.release()
-    return open_search_study(config, distributions, create=False).study
+    return study
 
 
 def _search_on_groups(

@@ -74,11 +74,7 @@ class StepContext:
             for micro in self._micro:
                 self._at = micro
                 sync = nullcontext() if micro.last else owner.strategy.no_sync()
-                dropout = (
-                    dropout_layout(owner.sampler, micro, owner.config, epoch, passes)
-                    if owner.config.global_batch_dropout
-                    else nullcontext()
-                )
+                dropout = dropout_layout(owner.sampler, micro, owner.config, epoch, passes)
                 with sync, owner.autocast(), dropout:
                     yield micro.batch
         finally:

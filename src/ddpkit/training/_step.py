@@ -129,7 +129,7 @@ class WeightedStep:
 
     def __iter__(self) -> Iterator[MicroBatch]:
         for micro, count in zip(self.micro, self.counts):
-            # a count: int or a 0-dim tensor
+            # a 0-dim float64 tensor (_as_count), read by divisor()
             yield replace(micro, samples=count)  # type: ignore[arg-type]
 
     def divisor(self, micro: MicroBatch) -> torch.Tensor:
@@ -137,12 +137,8 @@ class WeightedStep:
         if self._work is not None:
             self._work.wait()
             self._work = None
-        count = (
-            micro.samples
-            if isinstance(micro.samples, torch.Tensor)
-            else torch.tensor(micro.samples)
-        )
-        return loss_divisor(count.to(self.total.device, torch.float64), self.world_size, self.total)
+        count = micro.samples.to(self.total.device)  # type: ignore[attr-defined]
+        return loss_divisor(count, self.world_size, self.total)
 
 
 def scale_loss(
@@ -159,8 +155,10 @@ def dropout_layout(
     sampler: ShardedBatchSampler, micro: MicroBatch, config: TrainerConfig, epoch: int, passes: int
 ) -> AbstractContextManager[Any]:
     """The global batch's dropout layout of ``micro`` in pass ``passes`` (from 0) over its step's
-    micro-batches (``global_batch_dropout``): each sample's mask from its place in the global
-    batch."""
+    micro-batches: each sample's mask from its place in the global batch; nothing without
+    ``global_batch_dropout``."""
+    if not config.global_batch_dropout:
+        return nullcontext()
     at = step_layout(sampler, micro.index, config.grad_accum_steps, config.seed, epoch)
     if passes:
         # a key of its own per pass, the same on every rank: every rank runs the same passes
@@ -350,12 +348,7 @@ class TrainStep:
         """Forward (under autocast and the global batch's dropout layout, where they apply), loss
         and backward of one micro-batch."""
         epoch = self.optimizer_step.state.epoch
-        dropout = (
-            dropout_layout(self.sampler, micro, self.config, epoch, 0)
-            if self.config.global_batch_dropout
-            else nullcontext()
-        )
-        with self.autocast(), dropout:
+        with self.autocast(), dropout_layout(self.sampler, micro, self.config, epoch, 0):
             loss = self.batch_loss(self.forward, micro.batch)
         self.window.add(loss, micro.samples)
         scaled = scale_loss(self.strategy.mark_nonfinite(loss), micro, weighted)

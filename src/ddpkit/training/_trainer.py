@@ -41,7 +41,7 @@ from ddpkit.snapshot._snapshots import Snapshots, resumes
 from ddpkit.snapshot._state import RankStreams, TrainState
 from ddpkit.strategies import Strategy, build_strategy
 from ddpkit.strategies._ddp import SeveralModels
-from ddpkit.tracking._metrics import MetricsWriter, Progress, run_summary
+from ddpkit.tracking._metrics import MetricsWriter, Progress, format_metrics, run_summary
 from ddpkit.tracking._speed import Speed
 from ddpkit.training._config import TrainerConfig  # noqa: F401  (imported from here by scripts)
 from ddpkit.training._evaluation import BatchLoss, BatchLossFn, LossFn
@@ -471,8 +471,7 @@ class Trainer:
         cfg, rt = self.config, self.runtime
         accum = cfg.grad_accum_steps
         self.sampler.set_position(self.epoch, self.cursor)
-        # (an epoch's last global batch may be partial: a cursor at the epoch's end leaves no step)
-        first = -(-self.cursor // self.sampler.global_batch_size)
+        first = self.sampler._first_step()  # none left at a cursor past a partial last batch
         progress = Progress(
             rt.is_main and cfg.logging.progress,
             total=-(-self.sampler.steps_per_epoch // accum),
@@ -628,12 +627,7 @@ class Trainer:
         # the records and callbacks get the epoch's time too; fit() returns the metrics alone
         timed = metrics | {"epoch_seconds": seconds}
         self.writer.epoch_end(self.step, timed)
-        print0(
-            " ".join(
-                f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in timed.items()
-            ),
-            group=self.group,
-        )
+        print0(format_metrics(timed), group=self.group)
         if self.val_data is not None and self.validation.at_epoch_end:  # once recorded and counted
             val = {
                 k: v for k, v in metrics.items() if k.startswith("val/") or k in ("epoch", "step")

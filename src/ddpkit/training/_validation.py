@@ -23,6 +23,7 @@ from ddpkit.distributed._runtime import Runtime
 from ddpkit.snapshot import _export as export
 from ddpkit.snapshot._export import BestWeights, is_better
 from ddpkit.strategies._base import Strategy
+from ddpkit.tracking._metrics import format_metrics
 from ddpkit.training._config import EarlyStoppingConfig, TrainerConfig
 from ddpkit.training._evaluation import evaluate
 from ddpkit.training._step import StopReason
@@ -168,10 +169,7 @@ class Validation:
         metrics = self.evaluate()
         self.latest, self.latest_step = dict(metrics), step
         self.log("val", step, {"epoch": epoch, **metrics})
-        print0(
-            " ".join([f"step {step}", *(f"{k} {v:.4g}" for k, v in metrics.items())]),
-            group=self.group,
-        )
+        print0(f"step {step} {format_metrics(metrics)}", group=self.group)
         self.update(metrics, epoch, step)
 
     def save_final_weights(self, epoch: int, step: int, stopped_by: str | None) -> None:

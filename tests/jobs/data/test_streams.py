@@ -14,8 +14,8 @@ import torch
 
 import ddpkit
 from ddpkit import ConfigError
-from ddpkit.data._stream import Stream, StreamOrder, record_ids
-from ddpkit.data._stream_sources import IterableStream, JsonlStream, TokenStream, line_index
+from ddpkit.data._stream import Stream, StreamOrder
+from ddpkit.data._stream_sources import IterableStream, JsonlStream, TokenStream, indexed_lines
 from ddpkit.testing import run_job
 from tests.jobs.scripts.stream_job import N_RECORDS, naive_steps, read_steps, write_records
 from tests.trainer_checks import (
@@ -29,6 +29,14 @@ from tests.trainer_checks import (
 
 JOB = str(Path(__file__).parents[1] / "scripts" / "stream_job.py")
 GLOBAL_BATCH = 24  # 12 a rank at 2 ranks, 8 at 3
+
+
+def record_ids(stream: Stream, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
+    """The whole order of ``epoch`` as record numbers in the natural order (shard offset +
+    index)."""
+    shards, index = StreamOrder(stream, seed, epoch, shuffle).records(np.arange(len(stream)))
+    offsets = np.concatenate([[0], np.cumsum(np.asarray(stream.shard_sizes, dtype=np.int64))])
+    return offsets[shards] + index
 
 
 class Sized(Stream):
@@ -99,7 +107,7 @@ def test_jsonl_index_is_cached_next_to_the_file_and_rebuilt_when_it_changes(tmp_
     assert len(stream) == 3
     assert stream.read(0, np.array([2, 0, 1])) == [{"id": 2}, {"id": 0}, {"id": 1}]
     cached = tmp_path / ".a.jsonl.lines"
-    assert cached.is_file() and np.array_equal(line_index(path), stream.lines[0])
+    assert cached.is_file() and np.array_equal(indexed_lines(path)[0], stream.lines[0])
     with open(path, "a") as f:
         f.write('\n{"id": 3}\n')
     assert len(JsonlStream(path)) == 4  # size and mtime changed: rebuilt
