@@ -59,23 +59,18 @@ def _refuse_other_owner(
 def check_owned(path: Path, what: str, *, follow: bool, kind: str = "folder") -> None:
     """Refuse ``path`` if it belongs to another user (and, unless ``follow``, if it is a link);
     absent is fine. ``kind``: the option that names the folder, for the message (``run_dir``)."""
+    if not follow:
+        refuse_link(path)
     try:
         st = os.stat(path) if follow else os.lstat(path)
     except FileNotFoundError:
         return
-    if not follow:
-        refuse_link(path, st)
     _refuse_other_owner(st, path, what, kind)
 
 
-def refuse_link(path: Path, st: os.stat_result | None = None) -> None:
+def refuse_link(path: Path) -> None:
     """Refuse ``path`` if it is a symbolic link; absent is fine."""
-    if st is None:
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            return
-    if stat.S_ISLNK(st.st_mode):
+    if os.path.islink(path):
         raise ConfigError(link_message(path))
 
 

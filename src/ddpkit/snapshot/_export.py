@@ -116,16 +116,6 @@ def save_weights(
     fs.write_atomic(path, save(tensors, metadata=header))
 
 
-def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    """Read a file :func:`save_weights` wrote, by its suffix (``.safetensors`` or ``.pt``)."""
-    path = Path(path)
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        return load_file(str(path))
-    return torch.load(path, weights_only=True, map_location="cpu")
-
-
 def save_final_weights(
     weights: Callable[[], Mapping[str, Any]],
     run_dir: Path,

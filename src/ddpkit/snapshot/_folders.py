@@ -200,16 +200,12 @@ def _files(marker: Any) -> dict[str, dict[str, Any]]:
 
 
 def verify(found: Found, required: tuple[str, ...] = ()) -> str | None:
-    """None if ``found`` is whole (its marker records its step and lists ``required`` among its
-    files), else what is wrong with it."""
+    """None if ``found`` (a snapshot :func:`scan` found) is whole: its marker lists ``required``
+    among its files, each of the size and SHA-256 it gives; else what is wrong with it."""
     try:
-        marker = _read_marker(found.path / MARKER)
-        files = _files(marker)
+        files = listed(found)
     except ValueError as err:
         return str(err)
-    problem = _step_problem(marker, found.step)
-    if problem is not None:
-        return problem
     for name in required:
         if name not in files:
             return f"has a {MARKER} that does not list {name}"
