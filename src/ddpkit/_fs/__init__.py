@@ -364,14 +364,19 @@ def remove_tree(path: Path, *, root: Path | None = None) -> None:
     path = Path(path)
     try:
         with folder(path.parent, root=root) as dir_fd:
-            st = os.stat(path.name, dir_fd=dir_fd, follow_symlinks=False)
-            _refuse_other_owner(st, path, "folder")
-            if stat.S_ISDIR(st.st_mode):
-                _empty(dir_fd, path.name)
-            elif stat.S_ISLNK(st.st_mode):
-                os.unlink(path.name, dir_fd=dir_fd)
+            remove_tree_in(dir_fd, path)
     except FileNotFoundError:
         return
+
+
+def remove_tree_in(dir_fd: int, path: Path) -> None:
+    """:func:`remove_tree` of ``path.name`` in the folder ``dir_fd``."""
+    st = os.stat(path.name, dir_fd=dir_fd, follow_symlinks=False)
+    _refuse_other_owner(st, path, "folder")
+    if stat.S_ISDIR(st.st_mode):
+        _empty(dir_fd, path.name)
+    elif stat.S_ISLNK(st.st_mode):
+        os.unlink(path.name, dir_fd=dir_fd)
 
 
 def _empty(dir_fd: int, name: str) -> None:

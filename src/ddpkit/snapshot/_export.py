@@ -159,8 +159,7 @@ class BestWeights:
         self.export_path, self.export_format = export_path, export_format
         # Every rank tracks the best value (the epoch's metrics are agreed, so every rank decides
         # alike and can join the gather of sharded weights); only an enabled rank writes the file.
-        self.tracking = metric is not None
-        self.enabled = enabled and self.tracking
+        self.enabled = enabled and metric is not None
         self.value: float | None = None
         self.epoch: int | None = None
         self.step: int | None = None
