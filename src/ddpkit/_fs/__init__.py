@@ -59,23 +59,18 @@ def _refuse_other_owner(
 def check_owned(path: Path, what: str, *, follow: bool, kind: str = "folder") -> None:
     """Refuse ``path`` if it belongs to another user (and, unless ``follow``, if it is a link);
     absent is fine. ``kind``: the option that names the folder, for the message (``run_dir``)."""
+    if not follow:
+        refuse_link(path)
     try:
         st = os.stat(path) if follow else os.lstat(path)
     except FileNotFoundError:
         return
-    if not follow:
-        refuse_link(path, st)
     _refuse_other_owner(st, path, what, kind)
 
 
-def refuse_link(path: Path, st: os.stat_result | None = None) -> None:
+def refuse_link(path: Path) -> None:
     """Refuse ``path`` if it is a symbolic link; absent is fine."""
-    if st is None:
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            return
-    if stat.S_ISLNK(st.st_mode):
+    if os.path.islink(path):
         raise ConfigError(link_message(path))
 
 
@@ -369,14 +364,19 @@ def remove_tree(path: Path, *, root: Path | None = None) -> None:
     path = Path(path)
     try:
         with folder(path.parent, root=root) as dir_fd:
-            st = os.stat(path.name, dir_fd=dir_fd, follow_symlinks=False)
-            _refuse_other_owner(st, path, "folder")
-            if stat.S_ISDIR(st.st_mode):
-                _empty(dir_fd, path.name)
-            elif stat.S_ISLNK(st.st_mode):
-                os.unlink(path.name, dir_fd=dir_fd)
+            remove_tree_in(dir_fd, path)
     except FileNotFoundError:
         return
+
+
+def remove_tree_in(dir_fd: int, path: Path) -> None:
+    """:func:`remove_tree` of ``path.name`` in the folder ``dir_fd``."""
+    st = os.stat(path.name, dir_fd=dir_fd, follow_symlinks=False)
+    _refuse_other_owner(st, path, "folder")
+    if stat.S_ISDIR(st.st_mode):
+        _empty(dir_fd, path.name)
+    elif stat.S_ISLNK(st.st_mode):
+        os.unlink(path.name, dir_fd=dir_fd)
 
 
 def _empty(dir_fd: int, name: str) -> None:

@@ -12,6 +12,7 @@ import dataclasses
 import io
 import itertools
 import json
+import math
 import os
 import re
 from collections.abc import Iterator
@@ -176,10 +177,7 @@ def _corners(
     """(corner, weight) of the box ``chunk`` in the dimensions ``split`` (:func:`check_chunks`)."""
     ends = [((chunk.offsets[k], 1), (chunk.offsets[k] + chunk.sizes[k], -1)) for k in split]
     for combo in itertools.product(*ends):
-        weight = sign
-        for _, w in combo:
-            weight *= w
-        yield tuple(p for p, _ in combo), weight
+        yield tuple(p for p, _ in combo), sign * math.prod(w for _, w in combo)
 
 
 def check_chunks(
@@ -243,12 +241,8 @@ def check_chunks(
 
 def _first_residual(corners: list[tuple[tuple[int, ...], int]]) -> tuple[Any, int] | None:
     """The first of the sorted ``corners`` whose weights do not cancel, with its weight."""
-    i = 0
-    while i < len(corners):
-        point, weight, i = corners[i][0], corners[i][1], i + 1
-        while i < len(corners) and corners[i][0] == point:
-            weight, i = weight + corners[i][1], i + 1
-        if weight:
+    for point, equal in itertools.groupby(corners, key=lambda c: c[0]):
+        if weight := sum(w for _, w in equal):
             return point, weight
     return None
 

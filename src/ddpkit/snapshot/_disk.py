@@ -190,7 +190,7 @@ class DiskStore:
         """The step of the newest folder with a marker, not verified (-1: none), on every rank."""
         found = self.candidates() if self._rank == 0 else []
         step = found[0].step if found else -1
-        return broadcast_object(step, group=self.group) if self.distributed else step
+        return broadcast_object(step, group=self.group)
 
     def save(
         self,
@@ -213,15 +213,12 @@ class DiskStore:
         own_bytes = self._check_values(values, extra, own)
         # Rank 0 empties the folder before its word reaches the others. Every rank's non-tensor
         # values go to values.pt: rank 0's whole, of the others only what differs from rank 0's.
-        word = (self._clear(path, step), values) if self._rank == 0 else None
-        if self.distributed:
-            word = broadcast_object(word, group=self.group)
-        assert word is not None
-        cleared, common = word
+        word: Any = (self._clear(path, step), values) if self._rank == 0 else None
+        cleared, common = broadcast_object(word, group=self.group)
         if cleared is not None:
             _raise(cleared)
         differing = differences(values, common)
-        every_rank = gather_object(differing, group=self.group) if self.distributed else [differing]
+        every_rank = gather_object(differing, group=self.group)
         extra_bytes = b""
         if self._rank == 0:
             held: list[torch.Tensor] = []
@@ -257,8 +254,7 @@ class DiskStore:
                 own_bytes = codec.file_bytes(codec.encode(own, held, "own"), held)
         except codec.UnsupportedValue as err:
             refusal = str(err)
-        if self.distributed:
-            refusal = first_failure(refusal, group=self.group)
+        refusal = first_failure(refusal, group=self.group)
         if refusal is not None:
             raise codec.UnsupportedValue(refusal)
         return own_bytes
@@ -321,10 +317,9 @@ class DiskStore:
             if not writer.failures and not isinstance(err, OSError):
                 traceback.print_exc()  # not the machine's fault: where it came from
         part = (digests, failure, failed)
-        parts = gather_object(part, group=group) if self.distributed else [part]
+        parts = gather_object(part, group=group)
         failed_write = self._finish(path, step, parts) if parts is not None else None
-        if self.distributed:
-            failed_write = broadcast_object(failed_write, group=group)
+        failed_write = broadcast_object(failed_write, group=group)
         if failed_write is not None:
             _raise(failed_write)
         self.last_write_seconds = time.perf_counter() - t0
@@ -410,13 +405,7 @@ class DiskStore:
                     f"ddpkit: skipping snapshot {found.path}: it {problem}; trying the one before "
                     "it"
                 )
-        if self.distributed:
-            choice = broadcast_object(choice, group=self.group)
-        return choice
-
-    def newest(self, warn: Callable[[str], None] = print) -> Found | None:
-        """The front door's name for :meth:`latest` (a call, so a patch of ``latest`` is seen)."""
-        return self.latest(warn)
+        return broadcast_object(choice, group=self.group)
 
     def load(
         self,
@@ -470,20 +459,18 @@ class DiskStore:
         # No collective where torch has no_dist (2.7 on): a read needs no other rank's plan. Either
         # way one all-reduce of the outcome makes a rank's failure every rank's, never a hang.
         local = self.distributed and "no_dist" in inspect.signature(dcp.load).parameters
-        if not self.distributed:
+        if local or not self.distributed:
             quiet_single_process_warning()
         failure: str | None = None
         error: BaseException | None = None
         try:
-            with warnings.catch_warnings():  # no_dist loads "in a single process": it does
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.load(
-                    tensors,
-                    storage_reader=_dcp.Reader(found.path, index),
-                    planner=_dcp.TensorsOnlyPlanner(),
-                    process_group=self.group,
-                    **({"no_dist": True} if local else {}),
-                )
+            dcp.load(
+                tensors,
+                storage_reader=_dcp.Reader(found.path, index),
+                planner=_dcp.TensorsOnlyPlanner(),
+                process_group=self.group,
+                **({"no_dist": True} if local else {}),
+            )
         except CheckpointException as err:  # a BaseException: every rank's traceback
             origin = min(err.failures)
             first = err.failures[origin][0]

@@ -116,16 +116,6 @@ def save_weights(
     fs.write_atomic(path, save(tensors, metadata=header))
 
 
-def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    """Read a file :func:`save_weights` wrote, by its suffix (``.safetensors`` or ``.pt``)."""
-    path = Path(path)
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        return load_file(str(path))
-    return torch.load(path, weights_only=True, map_location="cpu")
-
-
 def save_final_weights(
     weights: Callable[[], Mapping[str, Any]],
     run_dir: Path,
@@ -169,8 +159,7 @@ class BestWeights:
         self.export_path, self.export_format = export_path, export_format
         # Every rank tracks the best value (the epoch's metrics are agreed, so every rank decides
         # alike and can join the gather of sharded weights); only an enabled rank writes the file.
-        self.tracking = metric is not None
-        self.enabled = enabled and self.tracking
+        self.enabled = enabled and metric is not None
         self.value: float | None = None
         self.epoch: int | None = None
         self.step: int | None = None

@@ -6,18 +6,18 @@ each entry, each file regular, never read past the size the marker gives (docs/s
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import pickle
 import re
-import shutil
 import stat
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ddpkit import _fs as fs
 from ddpkit._errors import ConfigError
 from ddpkit.snapshot import _codec as codec
 
@@ -200,16 +200,12 @@ def _files(marker: Any) -> dict[str, dict[str, Any]]:
 
 
 def verify(found: Found, required: tuple[str, ...] = ()) -> str | None:
-    """None if ``found`` is whole (its marker records its step and lists ``required`` among its
-    files), else what is wrong with it."""
+    """None if ``found`` (a snapshot :func:`scan` found) is whole: its marker lists ``required``
+    among its files, each of the size and SHA-256 it gives; else what is wrong with it."""
     try:
-        marker = _read_marker(found.path / MARKER)
-        files = _files(marker)
+        files = listed(found)
     except ValueError as err:
         return str(err)
-    problem = _step_problem(marker, found.step)
-    if problem is not None:
-        return problem
     for name in required:
         if name not in files:
             return f"has a {MARKER} that does not list {name}"
@@ -242,35 +238,24 @@ def prune(folder_path: Path, keep_last: int, newest: int) -> None:
     step). A stray (:func:`scan`) never counts among those kept: older than ``newest``, it goes (a
     link loses only itself); newer, it is left, and named at every resume."""
     entries = scan(folder_path)
-    whole = [found for found, problem in entries if problem is None]
-    keep = {f.path.name for f in whole[:keep_last]}
-    partial = {found.path.name for found, problem in entries if problem == PARTIAL}
-    # By a descriptor opened without following links, each entry lstat-ed: a link named like a
-    # snapshot loses only itself; a snapshots/ that is itself a link is refused (ELOOP).
+    keep = [found.path.name for found, problem in entries if problem is None][:keep_last]
+    # By a descriptor opened without following links: a snapshots/ that is itself a link is
+    # refused (ELOOP); a link named like a snapshot loses only itself (fs.remove_tree_in).
     folder = os.open(folder_path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
-        for name in os.listdir(folder):
-            match = _FOLDER.match(name)
-            if not match or name in keep or (int(match.group(1)) >= newest and name not in partial):
+        for found, problem in entries:
+            name = found.path.name
+            if name in keep or (found.step >= newest and problem != PARTIAL):
                 continue
-            mode = os.stat(name, dir_fd=folder, follow_symlinks=False).st_mode
-            if stat.S_ISLNK(mode):
-                os.unlink(name, dir_fd=folder)
-            elif stat.S_ISDIR(mode):
-                # Marker first: a prune killed half-way leaves a folder without one (ignored), never
-                # a marker whose files are gone.
+            # Marker first: a prune killed half-way leaves a folder without one (ignored), never a
+            # marker whose files are gone.
+            with contextlib.suppress(OSError):  # a link (ELOOP) or a file has no marker of its own
                 step = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=folder)
                 try:
                     os.unlink(MARKER, dir_fd=step)
-                except FileNotFoundError:
-                    pass
                 finally:
                     os.close(step)
-                # rmtree never follows links inside; dir_fd from Python 3.11, by path before
-                if sys.version_info >= (3, 11):
-                    shutil.rmtree(name, dir_fd=folder, ignore_errors=True)
-                else:
-                    shutil.rmtree(os.path.join(folder_path, name), ignore_errors=True)
+            fs.remove_tree_in(folder, found.path)
     finally:
         os.close(folder)
 

@@ -14,7 +14,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,7 +22,12 @@ import torch.distributed as dist
 from ddpkit._errors import ConfigError
 from ddpkit._internals.modules import buffer_slots
 from ddpkit.distributed import Group
-from ddpkit.distributed._collectives import all_gather_object, all_reduce, tensor_bytes
+from ddpkit.distributed._collectives import (
+    all_gather_object,
+    all_reduce,
+    broadcast_object,
+    tensor_bytes,
+)
 from ddpkit.distributed._environment import read_launch_env
 from ddpkit.distributed._runtime import DEFAULT_TIMEOUT
 from ddpkit.snapshot import _codec as codec
@@ -74,9 +78,7 @@ def open_memory(snapshots: Snapshots, every_steps: int | None) -> MemoryStore | 
         except slots_lib.MemoryUnavailable as err:
             why = str(err)
     # a node whose agent made no folder turns them off everywhere
-    everywhere = (
-        all_reduce(float(slots is not None), op="min", group=rt.group) if rt.distributed else 1.0
-    )
+    everywhere = all_reduce(float(slots is not None), op="min", group=rt.group)
     if slots is None or not everywhere:
         reason = why if slots is None else "another rank has no memory folder"
         if rt.is_main or folder:  # one line for the job, and one from each rank that had a folder
@@ -205,13 +207,10 @@ class MemoryStore:
         )
         stall = stalls[len(stalls) // 2] if stalls else 0.0
         step = max(gaps[len(gaps) // 2], 1e-9) if gaps else 1.0
-        wanted = float(max(1, math.ceil(stall / (STALL_BUDGET * step))))
-        if self.group is not None:
-            box = torch.tensor([wanted])
-            dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self.group)
-            wanted = float(box)
-        self.schedule.memory_every_steps = int(wanted)
-        record = {"event": "memory_snapshots", "every_steps": int(wanted)}
+        wanted = max(1, math.ceil(stall / (STALL_BUDGET * step)))
+        wanted = int(all_reduce(wanted, op="max", group=self.group))
+        self.schedule.memory_every_steps = wanted
+        record = {"event": "memory_snapshots", "every_steps": wanted}
         record |= {"stall_ms": round(1e3 * stall, 3), "step_ms": round(1e3 * step, 3)}
         snapshots.log("event", snapshots.train.step, record)
 
@@ -323,7 +322,7 @@ class MemoryStore:
         else:
             self.slots.close()
 
-    def newest(self, warn: Callable[[str], None] | None = None) -> Choice | None:
+    def latest(self, warn: Callable[[str], None] | None = None) -> Choice | None:
         """Where every rank can resume from memory, the newest position not passed over
         (collective); whole slots that do not check are left out, named through ``warn`` once."""
         skipped = self._skipped
@@ -333,9 +332,7 @@ class MemoryStore:
             "peers": sorted({f.position for f in found if f.peers}),
             "damaged": self.slots.damaged if not skipped else [],
         }
-        offers: list[Any] = (
-            all_gather_object(offer, group=self.group) if self.group is not None else [offer]
-        )
+        offers: list[Any] = all_gather_object(offer, group=self.group)
         damaged = sorted({text for o in offers for text in o["damaged"]})
         if damaged and warn is not None:
             warn(f"ddpkit: skipping damaged snapshots in memory: {'; '.join(damaged)}")
@@ -400,9 +397,7 @@ class MemoryStore:
             problem = ("config", str(err))
         except RuntimeError as err:
             problem = ("refused", str(err))
-        problems: list[Any] = (
-            all_gather_object(problem, group=self.group) if self.group is not None else [problem]
-        )
+        problems: list[Any] = all_gather_object(problem, group=self.group)
         for kind, text in filter(None, problems):
             if kind == "config":
                 raise ConfigError(text)
@@ -416,14 +411,10 @@ class MemoryStore:
         found = {(f.rank, f.position): f for f in self.slots.found()}
         mine = found.get((self.rank, choice.position))
         data = None
-        if choice.donor is not None:
-            donor_slot = None
-            if self.rank == choice.donor:
-                held = sorted(
-                    (r, f) for (r, p), f in found.items() if p == choice.position and f.peers
-                )
-                donor_slot = held[0][1].path if held else None
-            data = self._broadcast_slot(donor_slot, choice.donor)
+        if choice.donor is not None:  # the donor sends a slot that holds every rank's own part
+            held = [f for (_, p), f in sorted(found.items()) if p == choice.position and f.peers]
+            sent = held[0].path.read_bytes() if held and self.rank == choice.donor else b""
+            data = broadcast_object(sent, src=choice.donor, group=self.group)
         if mine is not None:
             got = slots_lib.read_slot(mine.path, data=True)
             name = str(mine.path)
@@ -444,21 +435,6 @@ class MemoryStore:
             raise slots_lib.BadSlot(
                 f"{name}: its values are not what a save writes ({type(err).__name__}: {err})"
             ) from None
-
-    def _broadcast_slot(self, path: Path | None, donor: int) -> bytes:
-        """The donor's slot file, on every rank (over the gloo group)."""
-        data = path.read_bytes() if path is not None else b""
-        size = torch.tensor([len(data)], dtype=torch.int64)
-        assert self.group is not None  # a donor exists only where there are several ranks
-        src = dist.get_global_rank(self.group, donor)
-        dist.broadcast(size, src=src, group=self.group)
-        buf = (
-            torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            if data
-            else torch.empty(int(size), dtype=torch.uint8)
-        )
-        dist.broadcast(buf, src=src, group=self.group)
-        return tensor_bytes(buf)
 
     def _checked(
         self,

@@ -32,7 +32,7 @@ from ddpkit import _fs as fs
 from ddpkit._errors import ConfigError
 from ddpkit.distributed._collectives import tensor_bytes
 from ddpkit.platforms import _torchrun as torchrun
-from ddpkit.snapshot._codec import Spec, checked_specs, views
+from ddpkit.snapshot._codec import checked_specs, views
 from ddpkit.snapshot._folders import NotRegular, open_regular
 
 ROOT_ENV = "DDPKIT_MEMORY_ROOT"
@@ -321,10 +321,6 @@ def _check_data(data: bytes, record: Record, manifest: dict, name: str) -> None:
         )
 
 
-def _specs(manifest: dict) -> list[Spec]:
-    return [Spec(dtype, tuple(shape), offset) for dtype, shape, offset in manifest["specs"]]
-
-
 def tensors_of(data: bytes | memoryview, record: Record, manifest: dict) -> list[torch.Tensor]:
     """Copies of a slot's tensors, from :func:`read_slot`'s checked parts (its layout checked),
     each its own tensor (``torch.set_rng_state`` reads a tensor's storage from its start)."""
@@ -332,7 +328,7 @@ def tensors_of(data: bytes | memoryview, record: Record, manifest: dict) -> list
     region = torch.empty(0, dtype=torch.uint8)
     if length:
         region = torch.frombuffer(bytearray(data[off : off + length]), dtype=torch.uint8)
-    return [v.clone() for v in views(region, _specs(manifest))]
+    return [v.clone() for v in views(region, checked_specs(manifest["specs"], length))]
 
 
 @dataclass(frozen=True)
@@ -469,7 +465,7 @@ class Slots:
         mapped = torch.empty(0, dtype=torch.uint8).set_(storage)  # type: ignore[arg-type]
         slot.fd, slot.layout_id = fd, layout_id
         slot.region = mapped[slot.data_offset : slot.data_offset + data_size]
-        slot.dests = views(slot.region, _specs(manifest))
+        slot.dests = views(slot.region, checked_specs(manifest["specs"], data_size))
         slot.record = None
 
     def found(self) -> list[Found]:

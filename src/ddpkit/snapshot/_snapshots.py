@@ -67,7 +67,7 @@ class Store(Protocol):
     def save_step(self, snapshots: Snapshots) -> None:
         """Keep the state of ``snapshots``' parts at its step."""
 
-    def newest(self, warn: Callable[[str], None]) -> Any:
+    def latest(self, warn: Callable[[str], None]) -> Any:
         """The newest whole state every rank can take, the same on every rank, or None; damaged ones
         are named through ``warn`` and passed over."""
 
@@ -246,10 +246,7 @@ class Snapshots:
         if step % self.signals_every_steps == 0 and not self._stopping:
             # one rank's signal reaches every rank here, after the same step
             flag = float(self._signal > 0)
-            rt = self.runtime
-            self._stopping = bool(
-                all_reduce(flag, op="max", group=rt.group) if rt.distributed else flag
-            )
+            self._stopping = bool(all_reduce(flag, op="max", group=self.runtime.group))
         finishing = self.loader is not None and self.loader.finishing_epoch
         if self.in_memory_due(step, True) and not finishing:
             self.save_in_memory()
@@ -438,12 +435,12 @@ class Snapshots:
         disk, memory, warn = self.disk, self.memory, self._warn
         found, verified, marked = None, False, None
         while memory is not None:
-            held = memory.newest(warn)
+            held = memory.latest(warn)
             if held is None:
                 break
             marked = disk.newest_marked() if marked is None else marked
             if not verified and held.step <= marked:  # a snapshot on disk may be as new: verify
-                found, verified = disk.newest(warn), True
+                found, verified = disk.latest(warn), True
             if found is not None and held.step <= found.step:
                 break
             try:
@@ -456,7 +453,7 @@ class Snapshots:
         if memory is not None:
             memory.forget()
         if not verified:
-            found = disk.newest(warn)
+            found = disk.latest(warn)
         return None if found is None else disk.load_step(found, self, load)
 
     def _warn_precision_change(self, old: str, new: str) -> None:

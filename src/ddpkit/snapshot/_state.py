@@ -98,8 +98,7 @@ class RankStreams:
             self.generator.set_state(mine["loader_generator"])
             self._check_own(mine)
             for name, part in self.own.items():
-                if "own" in mine:
-                    part.load_state_dict(mine["own"][name])
+                part.load_state_dict(mine["own"][name])
             return
         # needs the counters loaded first
         seed = stream_seed("reseed", self.seed, self.train.step, rt.rank)
@@ -108,8 +107,6 @@ class RankStreams:
         self.reseeded_from = state["world_size"]
         ranks = state["ranks"]
         self._check_own(ranks[0])
-        if "own" not in ranks[0]:
-            return
         policies = {name: self._policy(part) for name, part in self.own.items()}
         # decided alike on every rank, so that all refuse or none does
         refused = sorted(n for n, p in policies.items() if p == "refuse")
@@ -151,9 +148,7 @@ class RankStreams:
         return str(policy)
 
     def _check_own(self, mine: Mapping[str, Any]) -> None:
-        saved = mine.get("own")
-        if saved is None:  # a snapshot of a version without own parts: they start afresh
-            return
+        saved = mine["own"]
         missing = sorted(set(self.own) - set(saved))
         if missing:
             raise ConfigError(

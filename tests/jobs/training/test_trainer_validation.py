@@ -91,10 +91,10 @@ def test_a_killed_run_validates_at_the_same_steps_and_picks_the_same_best_as_an_
 
 
 def _strict_load(path: Path):
-    from ddpkit.snapshot._export import load_weights
+    from safetensors.torch import load_file
 
     model = build_model()
-    model.load_state_dict(load_weights(path), strict=True)
+    model.load_state_dict(load_file(path), strict=True)
     return model
 
 

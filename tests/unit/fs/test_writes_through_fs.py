@@ -21,13 +21,8 @@ ALLOWED: dict[tuple[str, str], str] = {
     (
         "snapshot/_folders.py",
         "os.unlink",
-    ): "prune: relative to a descriptor of snapshots/ opened O_NOFOLLOW, "
-    "each entry lstat-ed first (a link loses only itself)",
-    (
-        "snapshot/_folders.py",
-        "shutil.rmtree",
-    ): "prune: rmtree(name, dir_fd=) of an entry lstat-ed as a folder; "
-    "rmtree walks by descriptors and never follows a link",
+    ): "prune: the marker first, relative to a descriptor of its step folder opened O_NOFOLLOW "
+    "(a link has none); the folder then goes by ddpkit._fs.remove_tree_in",
     (
         "_launch/forkserver.py",
         "os.open",

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -123,14 +122,7 @@ def test_pruning_removes_a_link_named_like_an_old_snapshot_never_what_it_points_
     assert sorted(os.listdir(own)) == ["step-00000005"]
 
 
-@pytest.mark.parametrize("python", ["3.11", "3.10"])
-def test_pruning_removes_an_old_snapshot_whole_and_nothing_its_links_point_to(
-    tmp_path, victim, monkeypatch, python
-):
-    if python == "3.10":
-        # shutil.rmtree takes dir_fd from Python 3.11 on; before, the prune removes the folder by
-        # its path.
-        monkeypatch.setattr(folders, "sys", SimpleNamespace(version_info=(3, 10, 0)))
+def test_pruning_removes_an_old_snapshot_whole_and_nothing_its_links_point_to(tmp_path, victim):
     own = tmp_path / "run" / "snapshots"
     _snapshot_folder(own / "step-00000002", 2)
     _snapshot_folder(own / "step-00000005", 5)

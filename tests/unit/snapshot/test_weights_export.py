@@ -59,7 +59,6 @@ def test_the_pt_format_is_the_state_dict_itself(tmp_path):
     loaded = torch.load(path, weights_only=True)
     TiedLM().load_state_dict(loaded, strict=True)
     assert loaded.keys() == model.state_dict().keys()
-    assert export.load_weights(path).keys() == loaded.keys()
 
 
 def test_views_of_one_buffer_are_copied_apart(tmp_path):
@@ -68,7 +67,9 @@ def test_views_of_one_buffer_are_copied_apart(tmp_path):
     state = {"q": fused[0], "k": fused[1], "v": fused[2]}
     path = tmp_path / "w.safetensors"
     export.save_weights(path, state, "safetensors")
-    loaded = export.load_weights(path)
+    from safetensors.torch import load_file
+
+    loaded = load_file(path)
     assert all(torch.equal(loaded[k], state[k]) for k in state)
 
 

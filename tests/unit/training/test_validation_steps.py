@@ -11,7 +11,6 @@ from torch import nn
 
 import ddpkit
 from ddpkit._errors import ConfigError
-from ddpkit.snapshot._export import load_weights
 from ddpkit.training._config import EarlyStoppingConfig, LoggingConfig
 from ddpkit.training._trainer import TrainerConfig
 
@@ -53,7 +52,9 @@ def test_validation_every_3_steps_across_epoch_ends(tmp_path, capsys):
     best = torch.load(tmp_path / "best.pt", weights_only=True)
     assert best["value"] == min(val.values()) and val[best["step"]] == best["value"]
     assert f"best val/loss {best['value']:.4g} at step {best['step']}" in capsys.readouterr().out
-    final = load_weights(tmp_path / "final.safetensors")
+    from safetensors.torch import load_file
+
+    final = load_file(tmp_path / "final.safetensors")
     assert all(
         torch.equal(final[k], v) for k, v in ddpkit.unwrap(trainer.model).state_dict().items()
     )
