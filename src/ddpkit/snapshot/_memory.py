@@ -25,7 +25,6 @@ from ddpkit.distributed import Group
 from ddpkit.distributed._collectives import (
     all_gather_object,
     all_reduce,
-    broadcast_object,
     tensor_bytes,
 )
 from ddpkit.distributed._environment import read_launch_env
@@ -414,7 +413,7 @@ class MemoryStore:
         if choice.donor is not None:  # the donor sends a slot that holds every rank's own part
             held = [f for (_, p), f in sorted(found.items()) if p == choice.position and f.peers]
             sent = held[0].path.read_bytes() if held and self.rank == choice.donor else b""
-            data = broadcast_object(sent, src=choice.donor, group=self.group)
+            data = self._broadcast_bytes(sent, choice.donor)
         if mine is not None:
             got = slots_lib.read_slot(mine.path, data=True)
             name = str(mine.path)
@@ -435,6 +434,18 @@ class MemoryStore:
             raise slots_lib.BadSlot(
                 f"{name}: its values are not what a save writes ({type(err).__name__}: {err})"
             ) from None
+
+    def _broadcast_bytes(self, data: bytes, donor: int) -> bytes:
+        """The donor's ``data`` on every rank, sent as it is: ``broadcast_object`` would pickle a
+        second copy of the slot (the model and optimizer state) on the donor."""
+        assert self.group is not None  # a donor exists only where there are several ranks
+        src = dist.get_global_rank(self.group, donor)
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        dist.broadcast(size, src=src, group=self.group)
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else None
+        buf = torch.empty(int(size), dtype=torch.uint8) if buf is None else buf
+        dist.broadcast(buf, src=src, group=self.group)
+        return tensor_bytes(buf)
 
     def _checked(
         self,
