@@ -44,7 +44,8 @@ def _agent(tmp_path: Path, nproc: int = 2):
     context = object()
     agent.worker_processes = lambda: procs  # type: ignore[method-assign]
     agent.process_context = lambda: context  # type: ignore[method-assign]
-    agent.watch = SimpleNamespace(folder=tmp_path)  # type: ignore[assignment]
+    agent.watch = watch.Watch(tmp_path, watch.StallPolicy(floor=0), None)
+    agent.watch.start_attempt({r: (r, 100 + r) for r in range(nproc)})
     agent._polls, agent._exits_of, agent._exit_seen = 0, None, {}
     group = SimpleNamespace(
         workers=[SimpleNamespace(local_rank=r, global_rank=r) for r in range(nproc)]
