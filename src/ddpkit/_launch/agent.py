@@ -47,7 +47,6 @@ class Agent(HookedAgent):
         # what the last failed attempt showed (for its summary)
         self.where = ""
         self.left: list[Left] = []
-        self._collectives: dict[int, watch.Record] = {}  # a rank's last record in a collective
         self._polls = 0
         self._exits_of: int | None = None
         self._exit_seen: dict[int, int] = {}  # local rank -> the poll that first saw it exited
@@ -93,7 +92,6 @@ class Agent(HookedAgent):
         attempt = id(self.process_context())
         if self._watched != attempt and processes:
             self._watched = attempt
-            self._collectives.clear()
             self.watch.start_attempt(
                 {
                     w.global_rank: (w.local_rank, processes[w.local_rank].pid)
@@ -110,11 +108,8 @@ class Agent(HookedAgent):
         running = {
             w.global_rank for w in worker_group.workers if processes[w.local_rank].poll() is None
         }
-        if self.watch.poll(running) is not None and self.watch.disagreement:
-            say(self.watch.disagreement)  # named, and they wait in different ops
-        for g, r in self.watch.ranks.items():
-            if r.record is not None and r.record.phase == Phase.COLLECTIVE:
-                self._collectives[g] = r.record
+        if (stall := self.watch.poll(running)) is not None and stall.disagreement:
+            say(stall.disagreement)  # named, and they wait in different ops
 
     def after_monitor(self, worker_group: Any, result: Any) -> None:
         failed = result.state == WorkerState.FAILED
@@ -122,10 +117,10 @@ class Agent(HookedAgent):
         if self.watch is not None and (failed or result.state == WorkerState.SUCCEEDED):
             if failed and self.watch.stall is None and not preempted(result.failures):
                 self.watch.read()  # a stall's headline says where they were
-                for g, r in self.watch.ranks.items():
+                for r in self.watch.ranks.values():
                     # a failed collective hands the rank back to its phase before
-                    if _left_collective(self._collectives.get(g), r.record):
-                        r.record = self._collectives[g]
+                    if _left_collective(r.collective, r.record):
+                        r.record = r.collective
                 self.where = self.watch.where()
             self.watch.disconnect()  # the other nodes no longer count this node's ranks
             self._published_to = None
@@ -151,7 +146,6 @@ class Agent(HookedAgent):
             stall=self.stall,
             where=self.where,
             left=self.left,
-            disagreement=self.watch.disagreement if self.watch is not None else "",
         )
         if self.in_place is not None and self.in_place.fallback:
             text += f"\n  not recovered in place: {self.in_place.fallback}"

@@ -110,16 +110,18 @@ class _Rank:
     moved_at: float = 0.0  # when its CPU time or I/O last moved
     samples: deque[tuple[float, int, int]] = field(default_factory=deque)  # (when, ticks, bytes)
     slow_said: float = 0.0  # when it was last named slow
+    collective: Record | None = None  # its last record in a collective
 
     def quiet(self, now: float) -> float:
         return max(0.0, now - max(self.changed_at, self.moved_at))
 
 
-@dataclass(frozen=True)
+@dataclass
 class Stall:
     ranks: list[int]  # global
     headline: str  # which rank, for how long, doing what, and where the others wait
     report: list[str]  # the headline and a line per rank, with stacks
+    disagreement: str = ""  # the line on ranks off one collective, where they are
 
 
 class Watch:
@@ -138,7 +140,6 @@ class Watch:
         self.activity = activity
         self.ranks: dict[int, _Rank] = {}
         self.stall: Stall | None = None
-        self.disagreement = ""  # the line on ranks off one collective, when a stall was named
         self.host = socket.gethostname()
         self.node = 0
         self.multi = False  # several nodes: hosts are named
@@ -163,7 +164,7 @@ class Watch:
             g: _Rank(g, local, pid, changed_at=now, moved_at=now)
             for g, (local, pid) in workers.items()
         }
-        self.stall, self.disagreement, self.ending = None, "", None
+        self.stall, self.ending = None, None
         self.awaited = []
         for noted in (self.named, self.said, self.since, self._warned):
             noted.clear()
@@ -226,6 +227,8 @@ class Watch:
                 if record.steps > 2 and (r.record is None or record.steps != r.record.steps):
                     r.durations.append(record.last_step)
             r.record = record
+            if record.phase == Phase.COLLECTIVE:
+                r.collective = record
             self._read_activity(r, now)
 
     def _read_activity(self, r: _Rank, now: float) -> None:
@@ -263,7 +266,7 @@ class Watch:
             return r.record.timeout
         return self.policy.collective_timeout
 
-    def view(self, r: _Rank, now: float, state: str = "") -> View:
+    def view(self, r: _Rank, now: float) -> View:
         rec = r.record
         step, coll, phase, op, numel = (
             (rec.step, rec.coll, rec.phase, rec.op, rec.numel)
@@ -272,7 +275,8 @@ class Watch:
         )
         return View(
             r.rank, self.node, self.host, r.local_rank, r.pid, step, coll, phase, op,
-            now - r.changed_at, self.allowance(r), state, quiet=r.quiet(now), numel=numel,
+            now - r.changed_at, self.allowance(r), state_code(r.pid), quiet=r.quiet(now),
+            numel=numel,
         )  # fmt: skip
 
     def poll(self, running: set[int]) -> Stall | None:
@@ -285,7 +289,7 @@ class Watch:
             return None
         self._next_poll = now + POLL_EVERY
         self.read()
-        live = [self.view(r, now, state_code(r.pid)) for g, r in self.ranks.items() if g in running]
+        live = [self.view(r, now) for g, r in self.ranks.items() if g in running]
         named = self._trade(live)
         verdict = nodes.decide(self.node, live + self.remote, named)
         overdue = self.overdue(verdict.waited_for, named, now)
@@ -299,7 +303,7 @@ class Watch:
         else:
             return None
         if stall is not None and (odd := nodes.disagreement(live + self.remote)):
-            self.disagreement = nodes.disagreement_words(odd, self.multi)
+            stall.disagreement = nodes.disagreement_words(odd, self.multi)
         return stall
 
     def _name(self, stalled: list[_Rank], live: list[View], now: float) -> Stall | None:
@@ -355,7 +359,7 @@ class Watch:
             if end
             else "  its node's agent names it, with its state and stack, and ends the job"
         )
-        lines = [headline, said, *self._rank_lines(live, now)]
+        lines = [headline, said, *self._rank_lines(now, live)]
         print("\n".join(lines), file=sys.stderr, flush=True)
         self.said |= {v.rank for v in waited}
         self.awaited = waited
@@ -380,13 +384,12 @@ class Watch:
         headline = (
             f"ddpkit run: {names} slow: the other ranks have waited {waited:.1f} s for "
             f"{'it' if len(slow) == 1 else 'them'} (allowed {allowance:.1f} s); it runs (its CPU "
-            f"or I/O moved {first.quiet(now):.1f} s ago), {process_state(first.pid)}, at step "
+            f"or I/O moved {first.quiet(now):.1f} s ago), {rec.state_words()}, at step "
             f"{rec.step}, {rec.doing()}; not ended"
         )
         if timeout:
             headline += f" (the collective timeout, {timeout:.0f} s, ends the job if it lasts)"
-        views = [self.view(r, now) for r in self.ranks.values()] + self.remote
-        print("\n".join([headline, *self._rank_lines(views, now)]), file=sys.stderr, flush=True)
+        print("\n".join([headline, *self._rank_lines(now)]), file=sys.stderr, flush=True)
 
     def _at(self, v: View) -> str:
         host = f" on host {v.host}" if self.multi else ""
@@ -396,7 +399,6 @@ class Watch:
         names = ", ".join(f"rank {r.rank}" for r in stalled)
         first = stalled[0]
         rec = self.view(first, now)
-        state = process_state(first.pid)
         skip = {s.rank for s in stalled}
         others = [
             self.view(r, now)
@@ -409,7 +411,7 @@ class Watch:
         where = f" on host {self.host}" if self.multi else ""
         headline = (
             f"ddpkit run: {names} stalled: no progress for {first.quiet(now):.1f} s (allowed "
-            f"{self.allowance(first):.1f} s){where}, {state}, at step {rec.step}, {rec.doing()}"
+            f"{rec.allowance:.1f} s){where}, {rec.state_words()}, at step {rec.step}, {rec.doing()}"
             + (f"; {ahead}" if ahead else "")
         )
         lines = [headline]
@@ -422,24 +424,23 @@ class Watch:
                 f"wait in it; {names} ha{'ve' if len(stalled) > 1 else 's'} not arrived (entered "
                 f"{rec.coll} collective(s))"
             )
-        views = [self.view(r, now) for r in self.ranks.values()] + self.remote
-        lines += self._rank_lines(views, now)
+        lines += self._rank_lines(now)
         ending = f"  ending the job: {names} killed (SIGKILL); --on-stall warn only says so"
         lines.append(
             ending if self.policy.on_stall == "end" else "  the job goes on (--on-stall warn)"
         )
         return Stall([r.rank for r in stalled], headline, lines)
 
-    def _rank_lines(self, views: list[View], now: float) -> list[str]:
-        """A line per rank, with its stack (this node's) or where its agent last saw it."""
-        mine = [self.ranks[v.rank] for v in views if v.node == self.node and v.rank in self.ranks]
-        dumps = self._stacks(
-            {r.rank: r.pid for r in mine if not process_state(r.pid).startswith("stopped")}
-        )
+    def _rank_lines(self, now: float, views: list[View] | None = None) -> list[str]:
+        """A line per rank (``views``, by default every rank of the job's), with its stack (this
+        node's) or where its agent last saw it."""
+        if views is None:
+            views = [self.view(r, now) for r in self.ranks.values()] + self.remote
+        mine = [v for v in views if v.node == self.node and v.rank in self.ranks]
+        dumps = self._stacks({v.rank: v.pid for v in mine if not v.stopped})
         lines = []
         for v in sorted(views, key=lambda v: v.rank):
             remote = v.node != self.node
-            state = v.state_words() if remote else process_state(v.pid)
             where = "no mark yet"
             if v.marked:
                 where = f"step {v.step}, {v.doing()}, {v.idle:.0f} s since its last mark"
@@ -447,9 +448,9 @@ class Watch:
                 where += " (as its node's agent last published it)"
             lines.append(
                 f"  rank {v.rank} (local rank {v.local_rank}, host {v.host}, pid {v.pid}): "
-                f"{state}; {where}"
+                f"{v.state_words()}; {where}"
             )
-            if not remote and state.startswith("stopped"):
+            if not remote and v.stopped:
                 lines.append("    (a stopped process cannot answer for its stack)")
             lines += [f"    {frame}" for frame in dumps.get(v.rank, [])]  # this node's ranks'
             if not remote and v.phase == Phase.DATA:
