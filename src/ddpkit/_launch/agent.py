@@ -141,12 +141,7 @@ class Agent(HookedAgent):
 
     def summary(self, failed: Any) -> str:
         """The summary of a failed attempt (torchrun's result or error), with what it saw."""
-        text = summarize_failure(
-            failed,
-            stall=self.stall,
-            where=self.where,
-            left=self.left,
-        )
+        text = summarize_failure(failed, stall=self.stall, where=self.where, left=self.left)
         if self.in_place is not None and self.in_place.fallback:
             text += f"\n  not recovered in place: {self.in_place.fallback}"
         return text
