@@ -21,7 +21,6 @@ from ddpkit._errors import PREEMPTED_EXIT_CODE, ConfigError
 from ddpkit._internals.elastic import HookedAgent, use_agent
 from ddpkit._launch import forkserver as forked
 from ddpkit._launch import recover, say, watch, worker
-from ddpkit._launch import watch_nodes as nodes
 from ddpkit._launch.failure import Left, preempted, summarize_failure
 from ddpkit._launch.proctree import kill_descendants, send
 from ddpkit.distributed._progress import Phase
@@ -48,8 +47,6 @@ class Agent(HookedAgent):
         # what the last failed attempt showed (for its summary)
         self.where = ""
         self.left: list[Left] = []
-        self.disagreement = ""
-        self._collectives: dict[int, watch.Record] = {}  # a rank's last record in a collective
         self._polls = 0
         self._exits_of: int | None = None
         self._exit_seen: dict[int, int] = {}  # local rank -> the poll that first saw it exited
@@ -95,8 +92,6 @@ class Agent(HookedAgent):
         attempt = id(self.process_context())
         if self._watched != attempt and processes:
             self._watched = attempt
-            self.disagreement = ""
-            self._collectives.clear()
             self.watch.start_attempt(
                 {
                     w.global_rank: (w.local_rank, processes[w.local_rank].pid)
@@ -113,16 +108,8 @@ class Agent(HookedAgent):
         running = {
             w.global_rank for w in worker_group.workers if processes[w.local_rank].poll() is None
         }
-        if self.watch.poll(running) is not None:  # named: say if they wait in different ops
-            now = self.watch.clock()
-            views = [self.watch.view(r, now) for g, r in self.watch.ranks.items() if g in running]
-            disagree = nodes.disagreement(views + self.watch.link.remote)
-            if disagree:
-                self.disagreement = nodes.disagreement_words(disagree, self.watch.link.multi)
-                say(self.disagreement)
-        for g, r in self.watch.ranks.items():
-            if r.record is not None and r.record.phase == Phase.COLLECTIVE:
-                self._collectives[g] = r.record
+        if (stall := self.watch.poll(running)) is not None and stall.disagreement:
+            say(stall.disagreement)  # named, and they wait in different ops
 
     def after_monitor(self, worker_group: Any, result: Any) -> None:
         failed = result.state == WorkerState.FAILED
@@ -130,10 +117,10 @@ class Agent(HookedAgent):
         if self.watch is not None and (failed or result.state == WorkerState.SUCCEEDED):
             if failed and self.watch.stall is None and not preempted(result.failures):
                 self.watch.read()  # a stall's headline says where they were
-                for g, r in self.watch.ranks.items():
+                for r in self.watch.ranks.values():
                     # a failed collective hands the rank back to its phase before
-                    if _left_collective(self._collectives.get(g), r.record):
-                        r.record = self._collectives[g]
+                    if _left_collective(r.collective, r.record):
+                        r.record = r.collective
                 self.where = self.watch.where()
             self.watch.disconnect()  # the other nodes no longer count this node's ranks
             self._published_to = None
@@ -154,13 +141,7 @@ class Agent(HookedAgent):
 
     def summary(self, failed: Any) -> str:
         """The summary of a failed attempt (torchrun's result or error), with what it saw."""
-        text = summarize_failure(
-            failed,
-            stall=self.stall,
-            where=self.where,
-            left=self.left,
-            disagreement=self.disagreement,
-        )
+        text = summarize_failure(failed, stall=self.stall, where=self.where, left=self.left)
         if self.in_place is not None and self.in_place.fallback:
             text += f"\n  not recovered in place: {self.in_place.fallback}"
         return text
@@ -217,13 +198,11 @@ class Agent(HookedAgent):
             default=self._polls,
         )
         marks: dict[int, watch.Record] = {}
-        for w in worker_group.workers:
-            proc = processes.get(w.local_rank)
-            if self.watch is None or proc is None:
-                continue
-            record = watch.read_record(self.watch.folder / f"rank{w.global_rank}.progress")
-            if record is not None and record.pid == proc.pid and record.step >= 0:
-                marks[w.global_rank] = record
+        if self.watch is not None:
+            self.watch.read()  # this attempt's records: its workers' pids
+            marks = {
+                g: r.record for g, r in self.watch.ranks.items() if r.record and r.record.step >= 0
+            }
         left = []
         for w in worker_group.workers:
             seen = self._exit_seen.get(w.local_rank)

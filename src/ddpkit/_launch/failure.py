@@ -13,7 +13,7 @@ from ddpkit._launch import watch
 
 
 def _describe(
-    rank: int, failure: Any, stall: watch.Stall | None = None, disagreement: str = ""
+    rank: int, failure: Any, stall: watch.Stall | None = None, first: bool = False
 ) -> str:
     if _cut_short(failure):
         how = f"raised, then {failure.signal_name()} ended it as it exited"
@@ -22,7 +22,9 @@ def _describe(
     else:
         how = f"exit code {failure.exitcode}"
     if stall is not None and rank in stall.ranks:
-        how = f"{'' if disagreement else 'stalled, '}ended by the stall watch ({how})"
+        how = (
+            f"{'' if first and stall.disagreement else 'stalled, '}ended by the stall watch ({how})"
+        )
     return f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid}): {how}"
 
 
@@ -117,26 +119,24 @@ def summarize_failure(
     stall: watch.Stall | None = None,
     where: str = "",
     left: Sequence[Left] = (),
-    disagreement: str = "",
 ) -> str:
     """The failed ranks: the cause (:func:`cause`) with its exception and the end of its traceback,
     then the rest. ``stall``: what the stall watch named; ``where``: each rank's step and phase at
     its last mark; ``left``: the ranks that exited with code 0 while the others went on, said
-    first; ``disagreement``: the stall watch's line on ranks off one collective."""
+    first."""
     failures: dict[int, Any] = getattr(err, "failures", {})
     if not failures:
         return f"ddpkit run: the job failed: {err}"
     first_rank, first = cause(failures, stall)
-    named = stall is not None and first_rank in stall.ranks
     lines = [_left_line(left, first_rank)] if left else []
     lines.append(
         f"ddpkit run: {len(failures)} worker(s) failed; first: "
-        f"{_describe(first_rank, first, stall, disagreement if named else '')}"
+        f"{_describe(first_rank, first, stall, first=True)}"
     )
     message, stack = _recorded(first)
     if stall is not None and first_rank in stall.ranks:
-        if disagreement:
-            lines.append(f"  {disagreement}")
+        if stall.disagreement:
+            lines.append(f"  {stall.disagreement}")
         lines.append(f"  {stall.headline.removeprefix('ddpkit run: ')}")
     elif message:
         lines.append(f"  {message}")

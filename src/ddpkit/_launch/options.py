@@ -15,7 +15,7 @@ from typing import Any, Literal, TypeVar
 
 from ddpkit import platforms
 from ddpkit._errors import PREEMPTED_EXIT_CODE, ConfigError
-from ddpkit.distributed._environment import check_seconds, parse_seconds
+from ddpkit.distributed._environment import parse_seconds
 from ddpkit.platforms import _kubernetes as kubernetes
 from ddpkit.platforms._cpus import cpu_count
 
@@ -61,8 +61,7 @@ class LaunchConfig:
     oversubscribe: bool = False
 
     def __post_init__(self) -> None:
-        self._check_sizes()
-        self._check_times()
+        self._check_sizes()  # the seconds: as parsed (config_from_args)
         self._check_names()
 
     def _check_sizes(self) -> None:
@@ -93,16 +92,6 @@ class LaunchConfig:
                 f"--local-addr {self.local_addr[:80]!r}: give this node's IP address or host name "
                 "as the other nodes reach it"
             )
-
-    def _check_times(self) -> None:
-        if self.collective_timeout is not None:
-            check_seconds("--collective-timeout", self.collective_timeout)
-        check_seconds("--join-timeout", self.join_timeout)
-        if self.stall_timeout is not None and self.stall_timeout != 0:
-            try:
-                check_seconds("--stall-timeout", self.stall_timeout)
-            except ConfigError as err:
-                raise ConfigError(f"{err}; or 0 to turn the stall watch off") from None
 
     def _check_names(self) -> None:
         if self.on_stall not in ("end", "warn"):

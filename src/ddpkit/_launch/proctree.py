@@ -42,6 +42,18 @@ def send(pids: Iterable[int], sig: int) -> None:
             os.kill(pid, sig)
 
 
+def sockets() -> dict[int, str]:
+    """This process's sockets: descriptor -> ``socket:[inode]``."""
+    out = {}
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError, ValueError):
+                target = os.readlink(f"/proc/self/fd/{name}")
+                if target.startswith("socket:"):
+                    out[int(name)] = target
+    return out
+
+
 def _stat(pid: int) -> tuple[str, int, int, int] | None:
     """(state, parent, process group, start time in ticks) of ``pid``; None once gone."""
     try:

@@ -23,6 +23,7 @@ from ddpkit import _fs as fs
 from ddpkit._errors import PREEMPTED_EXIT_CODE, ConfigError, Preempted
 from ddpkit._fs import lock
 from ddpkit._launch import say
+from ddpkit._launch.proctree import sockets
 from ddpkit.distributed._environment import RECOVER_DIR_ENV as DIR_ENV
 from ddpkit.distributed._environment import RECOVERED_ENV as GO_ENV
 from ddpkit.platforms import _torchrun as torchrun
@@ -55,28 +56,17 @@ def _sever_for(generation: int) -> None:
             sever()
 
 
-def _sockets() -> dict[int, str]:
-    out = {}
-    with contextlib.suppress(OSError):
-        for name in os.listdir("/proc/self/fd"):
-            with contextlib.suppress(OSError, ValueError):
-                target = os.readlink(f"/proc/self/fd/{name}")
-                if target.startswith("socket:"):
-                    out[int(name)] = target
-    return out
-
-
 def _noting_links(make: Any) -> Any:
     """``make`` (torch's ``init_process_group`` or ``new_group``), noting the sockets it opened:
     gloo's connections to the other ranks, which :func:`sever` cuts."""
 
     @functools.wraps(make)
     def made(*args: Any, **kwargs: Any) -> Any:
-        before = _sockets()
+        before = sockets()
         try:
             return make(*args, **kwargs)
         finally:
-            _links.extend((fd, t) for fd, t in _sockets().items() if before.get(fd) != t)
+            _links.extend((fd, t) for fd, t in sockets().items() if before.get(fd) != t)
 
     made.__wrapped_by_ddpkit__ = True  # type: ignore[attr-defined]
     return made
@@ -104,7 +94,7 @@ def sever() -> None:
     address = torchrun.master_address(os.environ)
     store = (socket.gethostbyname(address[0]), int(address[1])) if address else None
     links = dict(_links)
-    for fd, target in _sockets().items():
+    for fd, target in sockets().items():
         with contextlib.suppress(OSError):
             s = socket.socket(fileno=os.dup(fd))
             try:

@@ -8,6 +8,7 @@ import contextlib
 import os
 import secrets
 import signal
+import socket
 import statistics
 import sys
 import time
@@ -109,16 +110,18 @@ class _Rank:
     moved_at: float = 0.0  # when its CPU time or I/O last moved
     samples: deque[tuple[float, int, int]] = field(default_factory=deque)  # (when, ticks, bytes)
     slow_said: float = 0.0  # when it was last named slow
+    collective: Record | None = None  # its last record in a collective
 
     def quiet(self, now: float) -> float:
         return max(0.0, now - max(self.changed_at, self.moved_at))
 
 
-@dataclass(frozen=True)
+@dataclass
 class Stall:
     ranks: list[int]  # global
     headline: str  # which rank, for how long, doing what, and where the others wait
     report: list[str]  # the headline and a line per rank, with stacks
+    disagreement: str = ""  # the line on ranks off one collective, where they are
 
 
 class Watch:
@@ -137,9 +140,22 @@ class Watch:
         self.activity = activity
         self.ranks: dict[int, _Rank] = {}
         self.stall: Stall | None = None
-        self.link = nodes.Link(max(nodes.GRACE, policy.floor))
+        self.host = socket.gethostname()
+        self.node = 0
+        self.multi = False  # several nodes: hosts are named
+        self.exchange: nodes.Exchange | None = None
+        self.remote: list[View] = []  # the other nodes' ranks, while this node reads them
+        self.grace = max(nodes.GRACE, policy.floor)
+        """Seconds a remote rank this node saw stalled may go unnamed by its own agent (which
+        alone can read its state, ask for its stack and kill it) before this node ends the job."""
+        self.named: set[int] = set()  # this node's ranks its agent named
+        self.said: set[int] = set()  # the other nodes' ranks this node said its own wait for
+        self.awaited: list[View] = []  # those, as last seen (for the job's summary)
+        self.since: dict[int, float] = {}  # a remote rank -> when this node first saw it stalled
+        self.ending: tuple[Stall, float] | None = None  # the stall named here, and its deadline
         self._warned: set[tuple[int, ...]] = set()
         self._next_poll = 0.0
+        self._published = 0
 
     def start_attempt(self, workers: dict[int, tuple[int, int]]) -> None:
         """A new attempt's workers: global rank -> (local rank, pid)."""
@@ -148,17 +164,57 @@ class Watch:
             g: _Rank(g, local, pid, changed_at=now, moved_at=now)
             for g, (local, pid) in workers.items()
         }
-        self.stall = None
-        self.link.reset()
-        self._warned.clear()
+        self.stall, self.ending = None, None
+        self.awaited = []
+        for noted in (self.named, self.said, self.since, self._warned):
+            noted.clear()
 
     def connect(self, store: Any, node: int, count: int, addr: str | None = None) -> None:
         """Publish this node's ranks (node ``node`` of ``count``, at ``addr``) to ``store``."""
-        self.link.connect(store, node, count if self.policy.on else 1, addr, POLL_EVERY)
+        self.disconnect()
+        self.node, self.multi = node, count > 1 and self.policy.on
+        if addr and addr not in ("127.0.0.1", "::1", "localhost"):
+            self.host = f"{socket.gethostname()} ({addr})"
+        if self.multi:
+            self.exchange = nodes.Exchange(store, node, count, POLL_EVERY)
 
     def disconnect(self) -> None:
         """Say that this node's ranks have exited, and stop publishing."""
-        self.link.close()
+        if self.exchange is not None:
+            last = nodes.encode(self.node, self.host, self._published + 1, self.named, [])
+            self.exchange.close(last)
+            self.exchange = None
+
+    def _trade(self, live: list[View]) -> set[int]:
+        """Publish ``live``; read the others' into :attr:`remote` while one is half idle; the
+        ranks the other nodes' agents named."""
+        if self.exchange is None:
+            return set()
+        want = any(v.idle > v.allowance / 2 for v in live)
+        self._publish(live, want)
+        self.remote, named = self.exchange.views() if want else ([], set())
+        return named
+
+    def _publish(self, live: list[View], want: bool) -> None:
+        if self.exchange is not None:
+            self._published += 1
+            summary = nodes.encode(
+                self.node, self.host, self._published, self.named, live, self.said
+            )
+            self.exchange.publish(summary, want)
+
+    def heard(self, ranks: list[int]) -> bool:
+        """Whether every other node read has said its ranks wait for ``ranks``."""
+        heard = self.exchange.heard() if self.exchange is not None else {}
+        return all(set(ranks) <= said for said in heard.values())
+
+    def overdue(self, waited_for: list[View], named: set[int], now: float) -> list[View]:
+        """The remote ranks waited for past :attr:`grace` that their agents have not named."""
+        # a rank no longer waited for moved: a wait starts again
+        self.since = {v.rank: self.since.get(v.rank, now) for v in waited_for}
+        return [
+            v for v in waited_for if v.rank not in named and now - self.since[v.rank] > self.grace
+        ]
 
     def read(self) -> None:
         now = self.clock()
@@ -171,6 +227,8 @@ class Watch:
                 if record.steps > 2 and (r.record is None or record.steps != r.record.steps):
                     r.durations.append(record.last_step)
             r.record = record
+            if record.phase == Phase.COLLECTIVE:
+                r.collective = record
             self._read_activity(r, now)
 
     def _read_activity(self, r: _Rank, now: float) -> None:
@@ -208,7 +266,7 @@ class Watch:
             return r.record.timeout
         return self.policy.collective_timeout
 
-    def view(self, r: _Rank, now: float, state: str = "") -> View:
+    def view(self, r: _Rank, now: float) -> View:
         rec = r.record
         step, coll, phase, op, numel = (
             (rec.step, rec.coll, rec.phase, rec.op, rec.numel)
@@ -216,52 +274,61 @@ class Watch:
             else (-1, 0, 0, "collective", -1)
         )
         return View(
-            r.rank, self.link.node, self.link.host, r.local_rank, r.pid, step, coll, phase, op,
-            now - r.changed_at, self.allowance(r), state, quiet=r.quiet(now), numel=numel,
+            r.rank, self.node, self.host, r.local_rank, r.pid, step, coll, phase, op,
+            now - r.changed_at, self.allowance(r), state_code(r.pid), quiet=r.quiet(now),
+            numel=numel,
         )  # fmt: skip
 
     def poll(self, running: set[int]) -> Stall | None:
         """Read the records (every :data:`POLL_EVERY` s); the stall among ``running``, said once."""
         now = self.clock()
-        if self.link.ending is not None:
+        if self.ending is not None:
             self._end_when_heard(now)
             return None
         if not self.policy.on or self.stall is not None or now < self._next_poll:
             return None
         self._next_poll = now + POLL_EVERY
         self.read()
-        live = [self.view(r, now, state_code(r.pid)) for g, r in self.ranks.items() if g in running]
-        named = self.link.trade(live)
-        verdict = nodes.decide(self.link.node, live + self.link.remote, named)
-        overdue = self.link.waiting.overdue(verdict.waited_for, named, now)
+        live = [self.view(r, now) for g, r in self.ranks.items() if g in running]
+        named = self._trade(live)
+        verdict = nodes.decide(self.node, live + self.remote, named)
+        overdue = self.overdue(verdict.waited_for, named, now)
         if verdict.waited_for and not verdict.stalled:
-            return self._wait(verdict.waited_for, overdue, live, now)
-        if verdict.slow and not verdict.stalled:
+            stall = self._wait(verdict.waited_for, overdue, live, now)
+        elif verdict.stalled:
+            stall = self._name([self.ranks[v.rank] for v in verdict.stalled], live, now)
+        elif verdict.slow:
             self._say_slow([self.ranks[v.rank] for v in verdict.slow], verdict.waited, now)
-        if not verdict.stalled:
             return None
-        stalled = [self.ranks[v.rank] for v in verdict.stalled]
+        else:
+            return None
+        if stall is not None and (odd := nodes.disagreement(live + self.remote)):
+            stall.disagreement = nodes.disagreement_words(odd, self.multi)
+        return stall
+
+    def _name(self, stalled: list[_Rank], live: list[View], now: float) -> Stall | None:
+        """Name this node's ``stalled`` ranks once, and end them (``on_stall="end"``)."""
         key = (stalled[0].rank, stalled[0].record.seq if stalled[0].record else 0)
         if key in self._warned:
             return None
         self._warned.add(key)
-        self.link.named |= {r.rank for r in stalled}
+        self.named |= {r.rank for r in stalled}
         stall = self._describe(stalled, now)
         print("\n".join(stall.report), file=sys.stderr, flush=True)
         if self.policy.on_stall == "end":
             self.stall = stall
-            self.link.ending = (stall, now + nodes.HEARD_WAIT)
-            self.link.publish(live, want=True)  # that it named them, at once
+            self.ending = (stall, now + nodes.HEARD_WAIT)
+            self._publish(live, want=True)  # that it named them, at once
             self._end_when_heard(now)
         return stall
 
     def _end_when_heard(self, now: float) -> None:
         """Kill the named ranks once the others said where theirs wait, or ``HEARD_WAIT`` s on."""
-        assert self.link.ending is not None
-        stall, deadline = self.link.ending
-        if now < deadline and not self.link.heard(stall.ranks):
+        assert self.ending is not None
+        stall, deadline = self.ending
+        if now < deadline and not self.heard(stall.ranks):
             return
-        self.link.ending = None
+        self.ending = None
         ended = [
             r.pid
             for r in self.ranks.values()
@@ -287,16 +354,16 @@ class Watch:
         )
         end = self.policy.on_stall == "end" and bool(overdue)
         said = (
-            f"  its node's agent has not named it {self.link.waiting.grace:.0f} s after this node "
+            f"  its node's agent has not named it {self.grace:.0f} s after this node "
             "saw it stalled; ending this node's workers (SIGKILL), and the job with them"
             if end
             else "  its node's agent names it, with its state and stack, and ends the job"
         )
-        lines = [headline, said, *self._rank_lines(live, now)]
+        lines = [headline, said, *self._rank_lines(now, live)]
         print("\n".join(lines), file=sys.stderr, flush=True)
-        self.link.said |= {v.rank for v in waited}
-        self.link.awaited = waited
-        self.link.publish(live, want=True)
+        self.said |= {v.rank for v in waited}
+        self.awaited = waited
+        self._publish(live, want=True)
         if not end:
             return None
         stall = Stall([v.rank for v in live], headline, lines)
@@ -317,68 +384,63 @@ class Watch:
         headline = (
             f"ddpkit run: {names} slow: the other ranks have waited {waited:.1f} s for "
             f"{'it' if len(slow) == 1 else 'them'} (allowed {allowance:.1f} s); it runs (its CPU "
-            f"or I/O moved {first.quiet(now):.1f} s ago), {process_state(first.pid)}, at step "
+            f"or I/O moved {first.quiet(now):.1f} s ago), {rec.state_words()}, at step "
             f"{rec.step}, {rec.doing()}; not ended"
         )
         if timeout:
             headline += f" (the collective timeout, {timeout:.0f} s, ends the job if it lasts)"
-        views = [self.view(r, now) for r in self.ranks.values()] + self.link.remote
-        print("\n".join([headline, *self._rank_lines(views, now)]), file=sys.stderr, flush=True)
+        print("\n".join([headline, *self._rank_lines(now)]), file=sys.stderr, flush=True)
 
     def _at(self, v: View) -> str:
-        host = f" on host {v.host}" if self.link.multi else ""
+        host = f" on host {v.host}" if self.multi else ""
         return f"rank {v.rank}{host} at step {v.step}, {v.doing()}"
 
     def _describe(self, stalled: list[_Rank], now: float) -> Stall:
         names = ", ".join(f"rank {r.rank}" for r in stalled)
         first = stalled[0]
         rec = self.view(first, now)
-        state = process_state(first.pid)
         skip = {s.rank for s in stalled}
         others = [
             self.view(r, now)
             for r in self.ranks.values()
             if r.rank not in skip and r.record is not None
         ]
-        others += [v for v in self.link.remote if v.marked]
+        others += [v for v in self.remote if v.marked]
         others.sort(key=lambda v: v.rank)
         ahead = "; ".join(self._at(v) for v in others)
-        where = f" on host {self.link.host}" if self.link.multi else ""
+        where = f" on host {self.host}" if self.multi else ""
         headline = (
             f"ddpkit run: {names} stalled: no progress for {first.quiet(now):.1f} s (allowed "
-            f"{self.allowance(first):.1f} s){where}, {state}, at step {rec.step}, {rec.doing()}"
+            f"{rec.allowance:.1f} s){where}, {rec.state_words()}, at step {rec.step}, {rec.doing()}"
             + (f"; {ahead}" if ahead else "")
         )
         lines = [headline]
         waiting = [v for v in others if v.phase == Phase.COLLECTIVE and v.coll > rec.coll]
         if waiting:
             op, seq = waiting[0].op, waiting[0].coll
-            who = [f"{v.rank} (host {v.host})" if self.link.multi else str(v.rank) for v in waiting]
+            who = [f"{v.rank} (host {v.host})" if self.multi else str(v.rank) for v in waiting]
             lines.append(
                 f"  collective {op} #{seq}: rank(s) {', '.join(who)} "
                 f"wait in it; {names} ha{'ve' if len(stalled) > 1 else 's'} not arrived (entered "
                 f"{rec.coll} collective(s))"
             )
-        views = [self.view(r, now) for r in self.ranks.values()] + self.link.remote
-        lines += self._rank_lines(views, now)
+        lines += self._rank_lines(now)
         ending = f"  ending the job: {names} killed (SIGKILL); --on-stall warn only says so"
         lines.append(
             ending if self.policy.on_stall == "end" else "  the job goes on (--on-stall warn)"
         )
         return Stall([r.rank for r in stalled], headline, lines)
 
-    def _rank_lines(self, views: list[View], now: float) -> list[str]:
-        """A line per rank, with its stack (this node's) or where its agent last saw it."""
-        mine = [
-            self.ranks[v.rank] for v in views if v.node == self.link.node and v.rank in self.ranks
-        ]
-        dumps = self._stacks(
-            {r.rank: r.pid for r in mine if not process_state(r.pid).startswith("stopped")}
-        )
+    def _rank_lines(self, now: float, views: list[View] | None = None) -> list[str]:
+        """A line per rank (``views``, by default every rank of the job's), with its stack (this
+        node's) or where its agent last saw it."""
+        if views is None:
+            views = [self.view(r, now) for r in self.ranks.values()] + self.remote
+        mine = [v for v in views if v.node == self.node and v.rank in self.ranks]
+        dumps = self._stacks({v.rank: v.pid for v in mine if not v.stopped})
         lines = []
         for v in sorted(views, key=lambda v: v.rank):
-            remote = v.node != self.link.node
-            state = v.state_words() if remote else process_state(v.pid)
+            remote = v.node != self.node
             where = "no mark yet"
             if v.marked:
                 where = f"step {v.step}, {v.doing()}, {v.idle:.0f} s since its last mark"
@@ -386,9 +448,9 @@ class Watch:
                 where += " (as its node's agent last published it)"
             lines.append(
                 f"  rank {v.rank} (local rank {v.local_rank}, host {v.host}, pid {v.pid}): "
-                f"{state}; {where}"
+                f"{v.state_words()}; {where}"
             )
-            if not remote and state.startswith("stopped"):
+            if not remote and v.stopped:
                 lines.append("    (a stopped process cannot answer for its stack)")
             lines += [f"    {frame}" for frame in dumps.get(v.rank, [])]  # this node's ranks'
             if not remote and v.phase == Phase.DATA:
@@ -413,10 +475,10 @@ class Watch:
         """Each rank's last mark in one line, with the other nodes' ranks this node's waited for."""
         now = self.clock()
         views = [self.view(r, now) for r in self.ranks.values() if r.record is not None]
-        views += self.link.awaited
+        views += self.awaited
         said = " (stalled: this node's ranks waited for it)"
         return "; ".join(
-            self._at(v) + (said if v.node != self.link.node else "")
+            self._at(v) + (said if v.node != self.node else "")
             for v in sorted(views, key=lambda v: v.rank)
         )
 

@@ -5,7 +5,6 @@ reader's own clock, never compared across machines."""
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from collections import Counter
@@ -134,6 +133,7 @@ class Judged:
     slow: list[View] = field(default_factory=list)  # waited for past their allowance, still running
     disagree: list[View] = field(default_factory=list)  # every rank, off one collective
     waited: float = 0.0  # how long the others have waited for them
+    waited_for: list[View] = field(default_factory=list)  # other nodes' stalled ranks (decide)
 
 
 def judge(views: list[View]) -> Judged:
@@ -225,105 +225,20 @@ def _collective_words(key: tuple[int, int, str, int], numbered: bool) -> str:
     return f"in {op}{' #' + str(coll) if numbered else ''}{size}"
 
 
-@dataclass(frozen=True)
-class Verdict:
-    stalled: list[View]  # this node's ranks to name and end
-    waited_for: list[View]  # other nodes' stalled ranks, for which this node's idle ranks wait
-    disagree: list[View] = field(default_factory=list)  # every rank, when they disagree
-    slow: list[View] = field(default_factory=list)  # this node's slow ranks: named, not ended
-    waited: float = 0.0
-
-
-def decide(node: int, views: list[View], named: frozenset[int] | set[int] = frozenset()) -> Verdict:
+def decide(node: int, views: list[View], named: frozenset[int] | set[int] = frozenset()) -> Judged:
     """What node ``node``'s agent does with the job's ``views``: name its own stalled and slow
     ranks; say which other node's stalled ranks its own wait for, once they are idle past their
     allowance too, or once that rank's agent has named it (``named``)."""
     j = judge(views)
-    mine = [v for v in j.stalled if v.node == node]
     idle_here = any(v.over for v in views if v.node == node and v not in j.stalled)
-    theirs = [
-        v for v in views if v.node != node and (v in j.stalled and idle_here or v.rank in named)
-    ]
-    slow = [v for v in j.slow if v.node == node]
-    return Verdict(mine, theirs, j.disagree, slow, j.waited)
-
-
-@dataclass
-class Waiting:
-    """A waiting node's decision to end the job itself: when a remote rank it saw stalled has not
-    been named by its own agent (which alone can read its state, ask for its stack and kill it)
-    within ``grace`` seconds, that agent cannot act (killed, stuck, cut off)."""
-
-    grace: float
-    since: dict[int, float]  # rank -> when this node first saw it stalled
-
-    def overdue(self, waited_for: list[View], named: set[int], now: float) -> list[View]:
-        """The ranks waited for longer than the grace that their agents have not named."""
-        # a rank no longer waited for moved: a wait starts again
-        self.since = {v.rank: self.since.get(v.rank, now) for v in waited_for}
-        return [
-            v for v in waited_for if v.rank not in named and now - self.since[v.rank] > self.grace
-        ]
-
-
-class Link:
-    """One node's side of the exchange: what it has published, what it read, and what it said."""
-
-    def __init__(self, grace: float) -> None:
-        self.host = socket.gethostname()
-        self.node = 0
-        self.multi = False  # several nodes: hosts are named
-        self.exchange: Exchange | None = None
-        self.remote: list[View] = []  # the other nodes' ranks, while this node reads them
-        self.named: set[int] = set()  # this node's ranks its agent named
-        self.said: set[int] = set()  # the other nodes' ranks this node said its own wait for
-        self.awaited: list[View] = []  # those, as last seen (for the job's summary)
-        self.waiting = Waiting(grace, {})
-        self.ending: tuple[Any, float] | None = None  # the stall named here, and its deadline
-        self._count = 0
-
-    def reset(self) -> None:
-        self.named.clear()
-        self.said.clear()
-        self.awaited = []
-        self.waiting.since.clear()
-        self.ending = None
-
-    def connect(self, store: Any, node: int, count: int, addr: str | None, every: float) -> None:
-        """Publish to the round's ``store``, as node ``node`` of ``count`` at ``addr``."""
-        self.close()
-        self.node, self.multi = node, count > 1
-        if addr and addr not in ("127.0.0.1", "::1", "localhost"):
-            self.host = f"{socket.gethostname()} ({addr})"
-        if count > 1:
-            self.exchange = Exchange(store, node, count, every)
-
-    def close(self) -> None:
-        """Say that this node's ranks have exited, and stop publishing."""
-        if self.exchange is not None:
-            self.exchange.close(encode(self.node, self.host, self._count + 1, self.named, []))
-            self.exchange = None
-
-    def trade(self, live: list[View]) -> set[int]:
-        """Publish ``live``; read the others' into :attr:`remote` while one is half idle."""
-        if self.exchange is None:
-            return set()
-        want = any(v.idle > v.allowance / 2 for v in live)
-        self.publish(live, want)
-        self.remote, named = self.exchange.views() if want else ([], set())
-        return named
-
-    def publish(self, live: list[View], want: bool) -> None:
-        if self.exchange is not None:
-            self._count += 1
-            self.exchange.publish(
-                encode(self.node, self.host, self._count, self.named, live, self.said), want
-            )
-
-    def heard(self, ranks: list[int]) -> bool:
-        """Whether every other node read has said its ranks wait for ``ranks``."""
-        heard = self.exchange.heard() if self.exchange is not None else {}
-        return all(set(ranks) <= said for said in heard.values())
+    return replace(
+        j,
+        stalled=[v for v in j.stalled if v.node == node],
+        slow=[v for v in j.slow if v.node == node],
+        waited_for=[
+            v for v in views if v.node != node and (v in j.stalled and idle_here or v.rank in named)
+        ],
+    )
 
 
 @dataclass(frozen=True)

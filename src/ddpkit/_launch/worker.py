@@ -63,7 +63,6 @@ class _Serving:
 
 
 _serving: _Serving | None = None  # this process's, once it serves
-_fork_hook = False
 
 
 def serve_stacks(name: str | None = None) -> bool:
@@ -71,7 +70,7 @@ def serve_stacks(name: str | None = None) -> bool:
     thread, writing every thread's stack (:func:`format_stacks`) to ``stack-<pid>.txt`` and
     ``<name>.txt`` (default ``rank<RANK>``); False where nothing serves them (no
     ``$DDPKIT_STACK_DIR``, or it cannot be used). Nothing is signalled."""
-    global _serving, _fork_hook
+    global _serving
     pid = os.getpid()
     folder_name = os.environ.get(STACK_DIR_ENV)
     if not folder_name or (_serving is not None and _serving.pid == pid):
@@ -90,10 +89,6 @@ def serve_stacks(name: str | None = None) -> bool:
     if fd is None:
         return False
     serving = _serving = _Serving(pid, fd, fifo, answers)
-    if not _fork_hook:
-        # a forked child inherits the descriptor, not the thread: a reader that never answers
-        os.register_at_fork(after_in_child=_forget_in_child)
-        _fork_hook = True
     atexit.register(_close, serving)
     # a loader worker ends through multiprocessing's finalizers, not atexit's
     multiprocessing.util.Finalize(None, _close, args=(serving,), exitpriority=0)
@@ -107,6 +102,10 @@ def _forget_in_child() -> None:
         with contextlib.suppress(OSError):
             os.close(_serving.fd)
         _serving = None
+
+
+# a forked child inherits the descriptor, not the thread: a reader that never answers
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _close(serving: _Serving) -> None:

@@ -44,7 +44,8 @@ def _agent(tmp_path: Path, nproc: int = 2):
     context = object()
     agent.worker_processes = lambda: procs  # type: ignore[method-assign]
     agent.process_context = lambda: context  # type: ignore[method-assign]
-    agent.watch = SimpleNamespace(folder=tmp_path)  # type: ignore[assignment]
+    agent.watch = watch.Watch(tmp_path, watch.StallPolicy(floor=0), None)
+    agent.watch.start_attempt({r: (r, 100 + r) for r in range(nproc)})
     agent._polls, agent._exits_of, agent._exit_seen = 0, None, {}
     group = SimpleNamespace(
         workers=[SimpleNamespace(local_rank=r, global_rank=r) for r in range(nproc)]
@@ -76,7 +77,7 @@ def test_a_rank_that_exits_0_while_the_others_go_on_is_said_before_the_survivors
     left = agent._left_early(group)
     assert left == [Left(1, 1, 101, 5)], left
     err = SimpleNamespace(failures={0: _failure(1, LOST)})
-    summary = summarize_failure(err, left=left, disagreement="")
+    summary = summarize_failure(err, left=left)
     first, second = summary.splitlines()[:2]
     assert first.startswith(
         "ddpkit run: rank 1 (local rank 1, pid 101) left the job with exit code 0 at step 5 while "
@@ -99,7 +100,7 @@ def test_no_such_line_when_the_rank_that_exited_0_had_not_left_early(tmp_path):
     _polls(agent, procs, {}, {1: 0}, {0: 1})
     assert agent._left_early(group) == []
     err = SimpleNamespace(failures={0: _failure(1, "OSError: disk full")})
-    assert "left the job" not in summarize_failure(err, left=[], disagreement="")
+    assert "left the job" not in summarize_failure(err, left=[])
     # Behind, but it exited after the failure (a script that catches its collective's error and
     # returns): not the cause.
     _mark(tmp_path, 1, step=5, coll=5)
@@ -126,7 +127,7 @@ def test_a_success_says_nothing_of_ranks_that_left(tmp_path, monkeypatch):
     # Every rank exits 0: torchrun reports a success, and the agent keeps no ranks that left.
     agent, procs, group = _agent(tmp_path)
     _polls(agent, procs, {}, {1: 0}, {0: 0})
-    agent._collectives, agent._published_to = {}, None
+    agent._published_to = None
     agent.watch = None
     agent.after_monitor(group, SimpleNamespace(state=agent_module.WorkerState.SUCCEEDED))
     assert agent.left == []
@@ -140,13 +141,15 @@ def test_ranks_that_disagreed_on_a_collective_are_said_in_the_summary():
         [],
     )
     words = "ranks disagree on collective #2: rank 0 in all_gather, rank 1 in barrier: ..."
+    stall.disagreement = words
     err = SimpleNamespace(failures={1: _failure(-9, local_rank=1), 0: _failure(-15, LOST)})
-    lines = summarize_failure(err, stall=stall, left=[], disagreement=words).splitlines()
+    lines = summarize_failure(err, stall=stall, left=[]).splitlines()
     assert lines[0].endswith("first: rank 1 (local rank 1, pid 100): ended by the stall watch "
                              "(killed by signal 9)"), lines  # fmt: skip
     assert lines[1] == f"  {words}" and lines[2].startswith("  rank 1 stalled:"), lines
     # control: a plain stall keeps its words
-    lines = summarize_failure(err, stall=stall, left=[], disagreement="").splitlines()
+    stall.disagreement = ""
+    lines = summarize_failure(err, stall=stall, left=[]).splitlines()
     assert "stalled, ended by the stall watch" in lines[0] and "disagree" not in "\n".join(lines)
 
 

@@ -46,17 +46,17 @@ def test_the_stalled_ranks_node_names_it_and_the_waiting_node_names_whom_it_wait
     assert on_a.stalled == [] and on_a.waited_for == [STALLED]
     # Control: each node judging its own ranks alone (the watch before it read the other nodes'
     # summaries) names nobody on either node.
-    assert decide(1, [STALLED]) == watch_nodes.Verdict([], [])
-    assert decide(0, [WAITING]) == watch_nodes.Verdict([], [])
+    assert decide(1, [STALLED]) == watch_nodes.Judged()
+    assert decide(0, [WAITING]) == watch_nodes.Judged()
 
 
 def test_no_verdict_within_the_allowance_nor_when_all_are_at_one_place():
     assert decide(1, [WAITING, view(1, 1, step=5, idle=2.9)]).stalled == []
     # a long evaluation everywhere
     same = [view(0, 0, step=5, idle=100.0), view(1, 1, step=5, idle=100.0)]
-    assert decide(0, same) == decide(1, same) == watch_nodes.Verdict([], [])
+    assert decide(0, same) == decide(1, same) == watch_nodes.Judged()
     unmarked = [WAITING, view(1, 1, step=-1, idle=100.0)]  # a rank not yet at its first mark
-    assert decide(0, unmarked) == watch_nodes.Verdict([], [])
+    assert decide(0, unmarked) == watch_nodes.Judged()
 
 
 def test_a_rank_nobody_waits_for_is_not_stalled():
@@ -99,8 +99,9 @@ def test_a_summary_is_small_and_reads_back():
         assert decode(bad) is None, bad
 
 
-def test_the_waiting_node_ends_the_job_only_when_the_stalled_ranks_agent_stays_silent():
-    waiting = watch_nodes.Waiting(10.0, {})
+def test_the_waiting_node_ends_the_job_only_when_the_stalled_ranks_agent_stays_silent(tmp_path):
+    waiting = watch.Watch(tmp_path, watch.StallPolicy(floor=3.0), None)
+    assert waiting.grace == 10.0
     assert waiting.overdue([STALLED], set(), 100.0) == []
     assert waiting.overdue([STALLED], {1}, 111.0) == []  # its agent named it: left to that agent
     assert waiting.overdue([STALLED], set(), 109.0) == []  # within the grace
@@ -190,7 +191,7 @@ def test_two_nodes_watches_name_the_rank_and_the_wait(store, tmp_path, capsys):
     for node in (0, 1):
         w = watch.Watch(tmp_path / f"n{node}", policy, None, clock=clock, activity=_still)
         w.start_attempt({node: (0, 100 + node)})
-        w.link.host = f"host{node}"
+        w.host = f"host{node}"
         watches.append(w)
     _record(tmp_path / "n0", 0, step=6, seq=30)
     _record(tmp_path / "n1", 1, step=5, seq=25)
@@ -209,7 +210,7 @@ def test_two_nodes_watches_name_the_rank_and_the_wait(store, tmp_path, capsys):
 
     for n, w in enumerate(watches):
         w.connect(store, n, 2)
-        w.link.exchange.every = 0.05  # type: ignore[union-attr]
+        w.exchange.every = 0.05  # type: ignore[union-attr]
     try:
         _until(lambda: bool(poll_all(1005.0)) and all(w._warned for w in watches))
         err = capsys.readouterr().err
@@ -243,8 +244,10 @@ class _Heard:
         return self._heard
 
 
-def test_the_named_ranks_agent_ends_it_once_every_other_node_has_said_where_its_ranks_wait():
-    link = watch_nodes.Link(10.0)
+def test_the_named_ranks_agent_ends_it_once_every_other_node_has_said_where_its_ranks_wait(
+    tmp_path,
+):
+    link = watch.Watch(tmp_path, watch.StallPolicy(), None)
     assert link.heard([1])  # one node: nobody to hear
     link.exchange = _Heard({0: frozenset(), 2: frozenset({1})})  # type: ignore[assignment]
     assert not link.heard([1])  # node 0 has not said so yet
@@ -272,7 +275,7 @@ def test_a_waiting_node_ends_its_own_workers_when_the_stalled_ranks_agent_stays_
         (tmp_path / "rank0.progress").write_bytes(data)
         store.set(watch_nodes.KEY.format(1), encode(1, "host1", 1, named, [STALLED]))
         w.connect(store, 0, 2)
-        w.link.exchange.every = 0.05  # type: ignore[union-attr]
+        w.exchange.every = 0.05  # type: ignore[union-attr]
 
         def poll(t: float):
             clock.now = t
@@ -280,7 +283,7 @@ def test_a_waiting_node_ends_its_own_workers_when_the_stalled_ranks_agent_stays_
             return w.poll({0})
 
         poll(1000.0)
-        _until(lambda: (poll(1004.0), w.link.said)[1] == {1})  # said once it read node 1's summary
+        _until(lambda: (poll(1004.0), w.said)[1] == {1})  # said once it read node 1's summary
         assert poll(1004.0 + 9.0) is None and child.poll() is None  # within the grace
         stall = poll(1004.0 + 10.5)
         if named:
@@ -328,7 +331,7 @@ def test_ranks_in_one_collective_under_different_ops_are_named_at_once():
     # Control: every rank in the same op (a collective the network holds up) is left to the
     # collective timeout, as before.
     same = [_in(0, 0, "all_gather"), _in(1, 0, "all_gather")]
-    assert decide(0, same) == watch_nodes.Verdict([], [])
+    assert decide(0, same) == watch_nodes.Judged()
     # Within the allowance (rank 1 has just entered): nothing yet.
     assert decide(0, [_in(0, 0, "all_gather"), _in(1, 0, "barrier", idle=2.0)]).stalled == []
 
@@ -356,7 +359,7 @@ def test_ranks_that_disagree_across_nodes_are_named_by_their_node_and_waited_for
     assert "rank 0 (host host0) in all_gather, rank 1 (host host1) in barrier" in words, words
     # Control: the same op on both nodes, all idle: neither node names nor waits.
     same = [_in(0, 0, "all_gather"), _in(1, 1, "all_gather")]
-    assert decide(0, same) == decide(1, same) == watch_nodes.Verdict([], [])
+    assert decide(0, same) == decide(1, same) == watch_nodes.Judged()
 
 
 # -- verdicts from evidence: who waits, and whether the rank waited for can progress ---------------
@@ -383,7 +386,7 @@ def test_work_every_rank_does_finished_a_few_seconds_apart_is_no_stall():
     # rank 1 is still in a 35 s pause every rank took; rank 0 finished it 2 s ago and waits
     finished = _w(0, step=5, idle=2.0, phase=Phase.COLLECTIVE, coll=9)
     pausing = _w(1, step=5, idle=35.0, quiet=35.0, phase=Phase.USER, coll=8)
-    assert decide(0, [finished, pausing]) == watch_nodes.Verdict([], [], [], [], 2.0)
+    assert decide(0, [finished, pausing]) == watch_nodes.Judged(waited=2.0)
     # control: rank 0 waiting past rank 1's allowance: rank 1 is named
     assert decide(0, [_w(0, step=5, idle=3.5, phase=Phase.COLLECTIVE, coll=9), pausing]).stalled
 
@@ -420,7 +423,7 @@ def test_one_op_of_different_sizes_disagrees_and_of_one_size_is_left_to_the_time
     ]
     assert [v.rank for v in decide(0, job).disagree] == [0, 1]
     same = [job[0], _w(1, step=5, idle=5.0, phase=Phase.COLLECTIVE, coll=3, numel=3)]
-    assert decide(0, same) == watch_nodes.Verdict([], [])
+    assert decide(0, same) == watch_nodes.Judged()
 
 
 def test_the_rank_behind_in_a_collective_the_others_went_past_while_they_block_disagrees():
