@@ -166,7 +166,18 @@ def finalize_problem() -> str | None:
     return _lacks(threading, "_shutdown") or _lacks(atexit, "_run_exitfuncs")
 
 
+def current_frames() -> dict[int, types.FrameType]:
+    """Every thread's current frame by thread ident (``sys._current_frames``)."""
+    return sys._current_frames()
+
+
 INTERNALS = [
+    Internal(
+        "sys._current_frames",
+        "CPython",
+        "a stack request is answered with every thread's frames; where it is gone, none",
+        lambda: _lacks(sys, "_current_frames"),
+    ),
     Internal(
         "threading._shutdown",
         "CPython",

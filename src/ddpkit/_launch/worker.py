@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import faulthandler
 import functools
 import gc
 import json
@@ -17,7 +16,6 @@ import runpy
 import secrets
 import signal
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -25,6 +23,7 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import TypeVar
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
@@ -32,6 +31,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, recor
 from ddpkit import _fs as fs
 from ddpkit._errors import ConfigError
 from ddpkit._internals.elastic import record_with
+from ddpkit._internals.interpreter import current_frames
 from ddpkit._launch import recover
 from ddpkit._launch.proctree import set_parent_death_signal, start_guard
 from ddpkit.distributed._progress import watch_torch_collectives
@@ -144,31 +144,30 @@ def _serve(serving: _Serving) -> None:
             continue
 
 
-def format_stacks(skip: int | None = None) -> str:
+def format_stacks(skip: int | None = None, limit: int = 100) -> str:
     """Every thread's Python stack but ``skip``'s (a thread ident), main thread first, each
-    innermost first (at most 100 frames), in faulthandler's layout with the threads' names."""
-    # faulthandler reads each thread's frames in C while this thread holds the GIL, so no thread
-    # moves meanwhile. Walking them from Python (sys._current_frames, f_back) lets the GIL go
-    # between frames: CPython 3.11 can then crash in PyFrame_GetBack (python/cpython#111363).
-    with tempfile.TemporaryFile() as dump:
-        faulthandler.dump_traceback(dump, all_threads=True)
-        dump.seek(0)
-        text = dump.read().decode(errors="replace")
+    innermost first (at most ``limit`` frames), in faulthandler's layout; read holding the GIL."""
+    frames = current_frames()
     names = {t.ident: t.name for t in threading.enumerate()}
     main = threading.main_thread().ident
     blocks = []
-    for block in text.strip("\n").split("\n\n"):
-        head, _, frames = block.partition("\n")
-        found = re.search(r"hread 0x([0-9a-f]+)", head)
-        ident = int(found.group(1), 16) if found else None
-        if ident is None or ident == skip:
+    for ident in sorted(frames, key=lambda i: i != main):
+        if ident == skip:
             continue
-        name = "Main thread" if ident == main else f"Thread {names.get(ident, '?')!r}"
-        head = f"{name} 0x{ident:016x} (most recent call first):"
-        blocks.append((ident != main, f"{head}\n{frames}"))
-    if main != skip and all(later for later, _ in blocks):
-        blocks.insert(0, (False, "Main thread: no Python frame (the interpreter is ending)"))
-    return "\n\n".join(block for _, block in sorted(blocks, key=lambda b: b[0])) + "\n"
+        head = "Main thread" if ident == main else "Thread"
+        name = "" if ident == main else f" {names.get(ident, '?')!r}"
+        lines = [f"{head} 0x{ident:016x}{name} (most recent call first):"]
+        frame: FrameType | None = frames[ident]
+        while frame is not None and len(lines) <= limit:
+            code = frame.f_code
+            lines.append(f'  File "{code.co_filename}", line {frame.f_lineno} in {code.co_name}')
+            frame = frame.f_back
+        if frame is not None:
+            lines.append("  ...")
+        blocks.append("\n".join(lines))
+    if main not in frames:
+        blocks.insert(0, "Main thread: no Python frame (the interpreter is ending)")
+    return "\n\n".join(blocks) + "\n"
 
 
 def request_stack(folder: Path, pid: int) -> str | None:
