@@ -76,10 +76,7 @@ def _runs(spans: list[list[int]], gap: int = 4096, most: int = 1 << 20) -> list[
 def json_record(raw: bytes) -> Any:
     """A line's JSON value (``json.loads`` of bytes first guesses their encoding; JSON Lines are
     UTF-8)."""
-    return _DECODER.decode(raw.decode("utf-8"))
-
-
-_DECODER = json.JSONDecoder()
+    return json.loads(raw.decode("utf-8"))
 
 
 class JsonlStream(Stream):
