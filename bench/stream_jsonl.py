@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 import ddpkit
+from ddpkit.data import EpochIndices
 from ddpkit.data._stream import StreamSamples
 from ddpkit.data._stream_sources import JsonlStream
 
@@ -61,7 +62,7 @@ def by_position(stream: JsonlStream, shuffle: bool, batch: int) -> int:
     samples = StreamSamples(stream, seed=0, shuffle=shuffle)
     n = len(stream)
     for start in range(0, n, batch):
-        samples.__getitems__([(0, p) for p in range(start, min(start + batch, n))])
+        samples.__getitems__(EpochIndices(range(start, min(start + batch, n)), 0))
     return n
 
 
