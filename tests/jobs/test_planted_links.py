@@ -5,8 +5,8 @@ of another user. The job is run again, and the file outside (and the other user'
 byte-identical, and any refusal one line that names the path and why.
 
 Kinds: a Trainer run (snapshots, weights, best.pt, records, curves), a search (its lock, journal,
-trials.csv and plots), a JSON Lines stream (its line index beside the data), a batch script, and the
-bench's outputs.
+trials.csv and plots), a JSON Lines stream (which writes nothing: an index planted beside its data
+is never read), a batch script, and the bench's outputs.
 """
 
 from __future__ import annotations
@@ -255,68 +255,65 @@ def test_a_stream_writes_nothing_outside_its_data_folder(tmp_path, kind):
             _records(folder)
         _stream(folder)
 
-    each_path_planted(tmp_path, kind, job, {".data.jsonl.lines"}, inputs=("data.jsonl",))
+    # Nothing but its input: the line index is built in memory, so no path is there to plant.
+    assert each_path_planted(tmp_path, kind, job, set(), inputs=("data.jsonl",)) == []
+    assert written(tmp_path / "clean") == {"data.jsonl": False}
 
 
-def _poisoned_index(path: Path) -> Path:
-    """A line index beside ``path`` whose header matches the file (its checksum too), every line
-    pointing at record 0."""
-    from ddpkit.data import _stream_sources as line_cache
-    from ddpkit.data._stream_sources import content_digest, index_header
+def _poisoned_index(path: Path, lines: np.ndarray) -> Path:
+    """A line index beside ``path`` as the previous cache kept it (version 3): its header names the
+    file's size and content digest, and holds the offsets' checksum."""
+    from ddpkit.data._fingerprint import digest
+    from ddpkit.data._stream_sources import indexed_lines
 
-    lines = np.tile(np.array([[0, len(json.dumps({"id": 0}))]], np.int64), (64, 1))
+    content = int.from_bytes(bytes.fromhex(indexed_lines(path)[1]), "little", signed=True)
+    checksum = np.frombuffer(bytes.fromhex(digest(lines.view(np.uint8).data)), np.int64)[0]
     cached = path.with_name(f".{path.name}.lines")
-    header = index_header(path.stat().st_size, content_digest(path))
-    header[1, 1] = line_cache.index_checksum(lines)
+    header = np.array([[3, path.stat().st_size], [content, checksum]], np.int64)
     np.concatenate([header, lines]).tofile(cached)
     return cached
 
 
 @pytest.mark.parametrize("owner", ["this user", pytest.param("other user", marks=KINDS[-1].marks)])
 def test_a_planted_line_index_is_not_used_and_the_records_are_right(tmp_path, capfd, owner):
-    from ddpkit.data import _stream_sources as line_cache
-    from ddpkit.data._stream_sources import JsonlStream, _scan_lines
+    from ddpkit.data._stream_sources import JsonlStream, indexed_lines
 
-    line_cache._told.clear()
     path = _records(tmp_path / "data")
-    cached = _poisoned_index(path)
+    # every line pointing at record 0
+    lines = np.tile(np.array([[0, len(json.dumps({"id": 0}))]], np.int64), (64, 1))
+    cached = _poisoned_index(path, lines)
     if owner == "other user":
         os.chown(cached, NOBODY, NOBODY)
-    # Control: the index as planted is what the old code used (its header matches): every record is
-    # record 0.
+    # Control: the index as planted is what the previous cache used (its header matches): every
+    # record is record 0.
     table = np.fromfile(cached, np.int64).reshape(-1, 2)
-    assert table[0, 1] == path.stat().st_size and not np.array_equal(table[2:], _scan_lines(path))
+    assert table[0, 1] == path.stat().st_size and not np.array_equal(
+        table[2:], indexed_lines(path)[0]
+    )
+    planted = cached.read_bytes()
     stream = JsonlStream(path)
     assert [r["id"] for r in stream.read(0, np.arange(64))] == list(range(64))
-    err = capfd.readouterr().err
-    why = (
-        "holds offsets that cannot be those of the file's lines"
-        if owner == "this user"
-        else "nobody (uid"
-    )
-    assert (
-        f"ddpkit: the line index beside the data in {tmp_path / 'data'} is not used ({cached.name}"
-        in err
-    )
-    assert why in err and err.count("\n") == 1, err
-    JsonlStream(path)
-    assert "is not used" not in capfd.readouterr().err  # said once
-    # Rebuilt, a file of this user's (the other user's was renamed over: never written into).
-    assert cached.stat().st_uid == os.geteuid()
-    assert np.array_equal(np.fromfile(cached, np.int64).reshape(-1, 2)[2:], _scan_lines(path))
+    assert capfd.readouterr().err == ""
+    assert cached.read_bytes() == planted  # never read, never written
 
 
-def test_a_data_folder_others_can_write_to_keeps_its_index_in_memory(tmp_path, capfd):
-    from ddpkit.data import _stream_sources as line_cache
+@pytest.mark.parametrize(
+    "table",
+    [
+        [[0, 9], [5, 18]],  # overlapping
+        [[10, 19], [0, 9]],  # out of order
+        [[0, 9], [10, 10_000]],  # past the end of the file
+        [[0, 0], [10, 19]],  # an empty line
+        [],  # cut to its header: no records
+    ],
+)
+def test_a_line_index_that_cannot_be_the_files_is_not_read(tmp_path, table):
     from ddpkit.data._stream_sources import JsonlStream
 
-    line_cache._told.clear()
-    path = _records(tmp_path / "data")
-    os.chmod(path.parent, 0o777)
-    assert len(JsonlStream(path)) == 64 and not path.with_name(".data.jsonl.lines").exists()
-    assert "other users can write to the folder" in capfd.readouterr().err
-    os.chmod(path.parent, 0o755)  # control: a folder of this user alone keeps it
-    assert len(JsonlStream(path)) == 64 and path.with_name(".data.jsonl.lines").is_file()
+    path = tmp_path / "a.jsonl"
+    path.write_text('{"id": 0}\n{"id": 1}\n')
+    _poisoned_index(path, np.array(table, np.int64).reshape(-1, 2))
+    assert JsonlStream(path).lines[0].tolist() == [[0, 9], [10, 19]]
 
 
 def test_a_planted_temporary_of_the_old_fixed_name_is_never_written(tmp_path):
@@ -327,26 +324,6 @@ def test_a_planted_temporary_of_the_old_fixed_name_is_never_written(tmp_path):
     (path.parent / f".data.jsonl.lines.{os.getpid()}.tmp").symlink_to(outside.file)
     assert len(JsonlStream(path)) == 64
     outside.check("the temporary", None)
-
-
-@pytest.mark.parametrize(
-    "table",
-    [
-        [[0, 9], [5, 18]],  # overlapping
-        [[10, 19], [0, 9]],  # out of order
-        [[0, 9], [10, 10_000]],  # past the end of the file
-        [[0, 0], [10, 19]],  # an empty line
-    ],
-)
-def test_a_line_index_that_cannot_be_the_files_is_rebuilt(tmp_path, table):
-    from ddpkit.data._stream_sources import indexed_lines
-
-    path = tmp_path / "a.jsonl"
-    path.write_text('{"id": 0}\n{"id": 1}\n')
-    st = path.stat()
-    header = np.array([[1, st.st_size], [st.st_mtime_ns, 0]], np.int64)
-    np.concatenate([header, np.array(table, np.int64)]).tofile(tmp_path / ".a.jsonl.lines")
-    assert indexed_lines(path)[0].tolist() == [[0, 9], [10, 19]]
 
 
 # -- a batch script, the bench's outputs -----------------------------------------------------------
@@ -389,24 +366,6 @@ def _bench_outputs(folder: Path) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_bench_writes_its_json_and_plot_only_inside_its_out_folder(tmp_path, kind):
     each_path_planted(tmp_path, kind, _bench_outputs, {"bench.json", "bench.png"})
-
-
-def test_a_line_index_cut_to_its_header_is_rebuilt_not_read_as_no_records(tmp_path, capfd):
-    # Consistent as far as offsets go (no lines at all), with the data file's size and time in its
-    # header: only the checksum of the offsets tells it from the truth.
-    from ddpkit.data import _stream_sources as line_cache
-    from ddpkit.data._stream_sources import JsonlStream
-
-    line_cache._told.clear()
-    path = _records(tmp_path / "data")
-    JsonlStream(path)  # builds and keeps the index
-    cached = path.with_name(f".{path.name}.lines")
-    cached.write_bytes(cached.read_bytes()[:32])
-    # control: no check but the sum
-    assert line_cache.consistent_lines(np.zeros((0, 2), np.int64), path.stat().st_size)
-    stream = JsonlStream(path)
-    assert [r["id"] for r in stream.read(0, np.arange(64))] == list(range(64))
-    assert "holds offsets that cannot be those of the file's lines" in capfd.readouterr().err
 
 
 # -- a run directory copied with cp -al ------------------------------------------------------------

@@ -378,31 +378,34 @@ def test_journal_mutated(tmp_path_factory, journal_bytes, mutation, whole_line):
 
 @pytest.fixture(scope="module")
 def stream_file(tmp_path_factory) -> tuple[Path, bytes, np.ndarray]:
-    from ddpkit.data._stream_sources import _scan_lines, indexed_lines
+    """A data file, a line index as the previous cache kept it beside the file (a header of
+    version, size, content digest and checksum, then the offsets), and its true line index."""
+    from ddpkit.data._fingerprint import digest
+    from ddpkit.data._stream_sources import indexed_lines
 
     folder = tmp_path_factory.mktemp("stream")
     path = folder / "data.jsonl"
     path.write_text("".join(json.dumps({"i": i, "x": "y" * (i % 7)}) + "\n" for i in range(64)))
-    indexed_lines(path)[0]  # writes the cached index
-    cached = folder / ".data.jsonl.lines"
-    return path, cached.read_bytes() if cached.exists() else b"", _scan_lines(path)
+    truth, content = indexed_lines(path)
+    as_int = int.from_bytes(bytes.fromhex(content), "little", signed=True)
+    checksum = np.frombuffer(bytes.fromhex(digest(truth.view(np.uint8).data)), np.int64)[0]
+    header = [[3, path.stat().st_size], [as_int, checksum]]
+    return path, np.concatenate([np.array(header, np.int64), truth]).tobytes(), truth
 
 
 @pytest.mark.timeout(60)
 @FAST
 @given(mutation=byte_mutation(1100))
 def test_line_index_mutated(tmp_path_factory, stream_file, mutation):
-    from ddpkit.data._stream_sources import indexed_lines
+    from ddpkit.data._stream_sources import JsonlStream
 
     source, cache, truth = stream_file
-    if not cache:
-        pytest.skip("the line index is not cached in this folder")
     folder = tmp_path_factory.mktemp("l")
     path = folder / source.name
-    shutil.copy2(source, path)  # the same size and modification time: the header still matches
+    shutil.copy2(source, path)  # the same size, time and content: the header still matches
     (folder / f".{path.name}.lines").write_bytes(mutate(cache, mutation))
     try:
-        got = indexed_lines(path)[0]
+        got = JsonlStream(path).lines[0]
     except (ConfigError, ValueError, OSError) as err:
         assert path.name in str(err), f"{mutation}: a refusal that names no file: {err}"
         return

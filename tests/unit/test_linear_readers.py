@@ -482,46 +482,36 @@ def test_a_journal_beyond_its_bound_is_refused_naming_it(tmp_path):
 # -- the stream line index -------------------------------------------------------------------------
 
 
-def line_files(root: Path) -> Callable[[int], tuple[Path, np.ndarray, int]]:
-    """A data file of n lines and its line index kept beside it, as the stream writes them."""
-    from ddpkit.data import _stream_sources as line_cache
+def line_files(root: Path) -> Callable[[int], Path]:
+    """A data file of n lines (a stream builds its line index from it at every open)."""
 
-    def make(n: int) -> tuple[Path, np.ndarray, int]:
+    def make(n: int) -> Path:
         folder = root / f"l{n}"
         folder.mkdir(mode=0o700)
         data = folder / "data.jsonl"
         data.write_bytes(b'{"i": 0}\n' * n)
-        st = data.stat()
-        header = np.array([[2, st.st_size], [st.st_mtime_ns, 0]], dtype=np.int64)
-        lines = np.stack([np.arange(n) * 9, np.arange(n) * 9 + 8], axis=1).astype(np.int64)
-        line_cache.keep_index(folder / ".data.jsonl.lines", header, lines)
-        return folder / ".data.jsonl.lines", header, st.st_size
+        return data
 
     return make
 
 
 @pytest.mark.slow
-def test_the_line_index_is_read_in_time_linear_in_its_lines(tmp_path):
-    from ddpkit.data import _stream_sources as line_cache
+def test_the_line_index_is_built_in_time_linear_in_its_lines(tmp_path):
+    from ddpkit.data._stream_sources import indexed_lines
 
-    def read(args: tuple[Path, np.ndarray, int]) -> None:
-        assert line_cache.read_kept_index(*args) is not None
-
-    assert_linear(read, line_files(tmp_path), 20_000)
+    assert_linear(indexed_lines, line_files(tmp_path), 20_000)
 
 
-def test_a_line_index_of_more_lines_than_its_file_holds_is_not_used_naming_it(tmp_path, capsys):
-    from ddpkit.data import _stream_sources as line_cache
+def test_a_line_index_of_more_lines_than_its_file_holds_is_never_read(tmp_path):
+    from ddpkit.data._stream_sources import JsonlStream
 
-    cached, header, size = line_files(tmp_path)(8)
+    data = line_files(tmp_path)(8)
+    size = data.stat().st_size
     # A line takes a byte and its newline: more than (size + 1) // 2 offsets cannot be the file's.
     lines = np.stack([np.arange(size) * 2, np.arange(size) * 2 + 1], axis=1).astype(np.int64)
-    line_cache.keep_index(cached, header, lines)  # its checksum recomputed: only the bound can tell
-    assert line_cache.read_kept_index(cached, header, size) is None
-    assert (
-        f"in {cached.parent} is not used ({cached.name} holds offsets that cannot be"
-        in capsys.readouterr().err
-    )
+    header = np.array([[3, size], [0, 0]], dtype=np.int64)
+    np.concatenate([header, lines]).tofile(data.with_name(".data.jsonl.lines"))
+    assert len(JsonlStream(data)) == 8
 
 
 @needs_optuna

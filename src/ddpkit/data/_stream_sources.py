@@ -1,21 +1,13 @@
 """Streams of files and iterables: JSON Lines files, flat token files, and a source that can only be
 iterated (docs/data.md, "Streams").
-
-A JSON Lines file's line index is kept beside it (``.NAME.lines``) and used only where it can be
-trusted: this user's file, in a folder others cannot write to (a sticky one excepted), not a link,
-its header naming the file's size and the digest of its content, its offsets matching their
-checksum and consistent. Otherwise the index is built in memory, saying why once a folder.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import pickle
-import stat
-import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,7 +15,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from ddpkit import _fs as fs
 from ddpkit._errors import ConfigError, checked_arguments
 from ddpkit.data._fingerprint import digest
 from ddpkit.data._stream import DEFAULT_WINDOW, Stream, Transform
@@ -41,66 +32,20 @@ def _paths(paths: str | os.PathLike | Sequence[str | os.PathLike], what: str) ->
     return found
 
 
-# 3: the header holds the digest of the file's content, not its modification time
-_INDEX_VERSION = 3
-
-
-def indexed_lines(path: Path, cache: bool = True) -> tuple[np.ndarray, str]:
+def indexed_lines(path: Path) -> tuple[np.ndarray, str]:
     """The line index of ``path`` (``(L, 2)`` start and end byte offsets of its ``L`` non-empty
-    lines, end excluding ``\\n``) and the digest of the bytes it was found in
-    (:func:`content_digest`), both checked against the file's bytes now.
-
-    Built by one pass over the file and kept next to it as ``.<name>.lines``: raw int64, a 2-row
-    header (version, file size, the content's digest, a checksum of the offsets) then the offsets,
-    read memory-mapped; used only for the bytes it was built from, where it can be trusted.
+    lines, end excluding ``\\n``) and a short hex digest (16 characters) of the bytes it was found
+    in, both from one pass over the file at every open. Not kept beside the file: the digest needs
+    that pass anyway, and finding the newlines on the way adds a third to it (docs/data.md).
     """
-    size = path.stat().st_size
-    cached = path.with_name(f".{path.name}.lines")
-    # else another user's index could be used
-    cache = cache and trusted_folder(path.parent)
-    if cache and os.path.lexists(cached):
-        content = content_digest(path)
-        if (table := read_kept_index(cached, index_header(size, content), size)) is not None:
-            return table, content
     hasher = hashlib.sha256()  # not the fingerprint's BLAKE2b: faster with SHA extensions
-    lines = _scan_lines(path, hasher)
-    content = hasher.hexdigest()[:16]
-    if cache:
-        # ranks building it at once each write it whole
-        keep_index(cached, index_header(size, content), lines)
-    return lines, content
-
-
-def index_header(size: int, content: str) -> np.ndarray:
-    """The header a kept line index of a file of ``size`` bytes and content digest ``content`` must
-    hold (its last item, the offsets' checksum, left 0: :func:`keep_index` fills it in)."""
-    as_int = int.from_bytes(bytes.fromhex(content), "little", signed=True)
-    return np.array([[_INDEX_VERSION, size], [as_int, 0]], dtype=np.int64)
-
-
-def content_digest(path: Path) -> str:
-    """A short hex digest (16 characters) of the bytes of ``path``, read in one pass."""
-    hasher = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        buffer = memoryview(bytearray(_CHUNK))
-        while n := f.readinto(buffer):
-            hasher.update(buffer[:n])
-    return str(hasher.hexdigest()[:16])
-
-
-_CHUNK = 1 << 24
-
-
-def _scan_lines(path: Path, hasher: Any = None) -> np.ndarray:
-    """The line index of ``path`` found in its bytes (``hasher`` updated with them on the way)."""
     ends = []
     with open(path, "rb", buffering=0) as f:
-        base = 0
-        while chunk := f.read(_CHUNK):
-            if hasher is not None:
-                hasher.update(chunk)
-            ends.append(np.flatnonzero(np.frombuffer(chunk, np.uint8) == 10) + base)
-            base += len(chunk)
+        buffer, base = memoryview(bytearray(_CHUNK)), 0
+        while n := f.readinto(buffer):
+            hasher.update(buffer[:n])
+            ends.append(np.flatnonzero(np.frombuffer(buffer, np.uint8, n) == 10) + base)
+            base += n
     stops = np.concatenate([*ends, np.zeros(0, np.int64)]).astype(np.int64)
     starts = np.concatenate([[0], stops + 1])
     if starts[-1] >= base:  # the file ends with a newline: no line after it
@@ -108,106 +53,10 @@ def _scan_lines(path: Path, hasher: Any = None) -> np.ndarray:
     else:
         stops = np.concatenate([stops, [base]])
     lines = np.stack([starts, stops], axis=1)
-    return lines[lines[:, 1] > lines[:, 0]]  # empty lines are no records
+    return lines[lines[:, 1] > lines[:, 0]], hasher.hexdigest()[:16]  # empty lines are no records
 
 
-_told: set[str] = set()
-
-
-def _say_once(folder: Path, why: str) -> None:
-    key = f"{folder}:{why}"
-    if key not in _told:
-        _told.add(key)
-        print(
-            f"ddpkit: the line index beside the data in {folder} is not used ({why}); it is built "
-            "in memory",
-            file=sys.stderr,
-            flush=True,
-        )
-
-
-def trusted_folder(folder: Path) -> bool:
-    """Whether a line index kept in ``folder`` can be trusted and written (said once when not)."""
-    try:
-        st = os.stat(folder)
-    except OSError:
-        return False
-    owner = fs.other_owner(st)
-    if owner is not None:
-        _say_once(folder, f"the folder belongs to {fs.user_name(owner)} (uid {owner}), not to you")
-        return False
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
-        _say_once(folder, "other users can write to the folder")
-        return False
-    return True
-
-
-def read_kept_index(cached: Path, header: np.ndarray, size: int) -> np.ndarray | None:
-    """The offsets kept in ``cached`` if it is this user's, matches ``header`` and is consistent,
-    else None."""
-    try:
-        st = os.lstat(cached)
-    except FileNotFoundError:
-        return None
-    owner = fs.other_owner(st)
-    if stat.S_ISLNK(st.st_mode) or owner is not None:
-        whose = (
-            "a symbolic link"
-            if owner is None
-            else f"a file of {fs.user_name(owner)} (uid {owner}), not yours"
-        )
-        _say_once(cached.parent, f"{cached.name} is {whose}")
-        return None
-    try:
-        # what was checked above, never through a link
-        fd = fs.open_fd(cached, os.O_RDONLY | os.O_NONBLOCK)
-    except (ConfigError, OSError) as err:
-        _say_once(cached.parent, f"{cached.name}: {err}")
-        return None
-    with os.fdopen(fd, "rb") as f:
-        length = os.fstat(fd).st_size
-        if length % 16 or length < 32:
-            return None
-        table = np.memmap(f, dtype=np.int64, mode="r").reshape(-1, 2)
-    if not (np.array_equal(table[0], header[0]) and table[1, 0] == header[1, 0]):
-        return None  # written for another version of the data file: rebuilt
-    lines = table[2:]
-    if table[1, 1] != index_checksum(lines) or not consistent_lines(lines, size):
-        _say_once(
-            cached.parent, f"{cached.name} holds offsets that cannot be those of the file's lines"
-        )
-        return None
-    return lines
-
-
-def index_checksum(lines: np.ndarray) -> int:
-    """The offsets' checksum kept in the header: the data fingerprint's digest of them
-    (:func:`~ddpkit.data._fingerprint.digest`, 8 bytes of BLAKE2b) as an int64."""
-    hex_digest = digest(np.ascontiguousarray(lines, dtype=np.int64).view(np.uint8).data)
-    return int(np.frombuffer(bytes.fromhex(hex_digest), dtype=np.int64)[0])
-
-
-def consistent_lines(lines: np.ndarray, size: int) -> bool:
-    """Non-empty lines ``[start, end)`` within ``size`` bytes, in order, each ending before the next
-    starts (a newline between them)."""
-    if len(lines) == 0:
-        return True
-    starts, ends = lines[:, 0], lines[:, 1]
-    return bool(
-        starts[0] >= 0
-        and ends[-1] <= size
-        and np.all(ends > starts)
-        and np.all(starts[1:] > ends[:-1])
-    )
-
-
-def keep_index(cached: Path, header: np.ndarray, lines: np.ndarray) -> None:
-    """Keep ``lines`` as ``cached`` under ``header`` (its checksum filled in); where that cannot be
-    done (a read-only folder) they stay in memory."""
-    table = np.concatenate([header, lines])
-    table[1, 1] = index_checksum(lines)
-    with contextlib.suppress(OSError, ConfigError):
-        fs.write_with(cached, table.tofile, root=cached.parent)
+_CHUNK = 1 << 24
 
 
 def _runs(spans: list[list[int]], gap: int = 4096, most: int = 1 << 20) -> list[list[int]]:
@@ -227,16 +76,14 @@ def _runs(spans: list[list[int]], gap: int = 4096, most: int = 1 << 20) -> list[
 def json_record(raw: bytes) -> Any:
     """A line's JSON value (``json.loads`` of bytes first guesses their encoding; JSON Lines are
     UTF-8)."""
-    return _DECODER.decode(raw.decode("utf-8"))
-
-
-_DECODER = json.JSONDecoder()
+    return json.loads(raw.decode("utf-8"))
 
 
 class JsonlStream(Stream):
     """JSON Lines files, one shard each, a record per non-empty line (``decode(bytes)``,
     :func:`json_record` by default). Lines are found by :func:`indexed_lines`; nearby lines of a
-    batch are read with one ``pread``."""
+    batch are read with one ``pread``. ``cache_index`` is ignored, kept for scripts that pass it:
+    the line index is built in memory at every open."""
 
     @checked_arguments
     def __init__(
@@ -251,7 +98,7 @@ class JsonlStream(Stream):
         super().__init__(transform=transform, window=window)
         self.paths = _paths(paths, "JsonlStream")
         self.decode = decode
-        indexed = [indexed_lines(p, cache_index) for p in self.paths]
+        indexed = [indexed_lines(p) for p in self.paths]
         self.lines = [lines for lines, _ in indexed]
         self._contents = [content for _, content in indexed]
         self._bytes = [p.stat().st_size for p in self.paths]

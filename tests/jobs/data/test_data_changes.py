@@ -50,7 +50,7 @@ def stream_loader(
     source: tuple[list[str], int], per_rank: int = PER_RANK, workers: int = 0, **kwargs
 ):
     paths, window = source
-    stream = JsonlStream(paths, window=window, cache_index=False)
+    stream = JsonlStream(paths, window=window)
     return ddpkit.build_loader(
         stream, per_rank, seed=SEED, num_workers=workers, collate_fn=ids_only, **kwargs
     )
@@ -264,7 +264,7 @@ def fit_stream(
         run_dir=str(run_dir), epochs=1, max_steps=max_steps, global_batch_size=16, num_workers=0,
         seed=SEED, logging=ddpkit.LoggingConfig(progress=False), on_data_change=on_data_change,
     )  # fmt: skip
-    stream = JsonlStream(paths, transform=as_sample, window=32, cache_index=False)
+    stream = JsonlStream(paths, transform=as_sample, window=32)
     trainer = ddpkit.Trainer(
         model, torch.optim.SGD(model.parameters(), lr=0.1), stream, config, batch_loss_fn=batch_loss
     )

@@ -15,7 +15,7 @@ import torch
 import ddpkit
 from ddpkit import ConfigError
 from ddpkit.data._stream import Stream, StreamOrder
-from ddpkit.data._stream_sources import IterableStream, JsonlStream, TokenStream, indexed_lines
+from ddpkit.data._stream_sources import IterableStream, JsonlStream, TokenStream
 from ddpkit.testing import run_job
 from tests.jobs.scripts.stream_job import N_RECORDS, naive_steps, read_steps, write_records
 from tests.trainer_checks import (
@@ -99,19 +99,19 @@ def test_the_order_keeps_a_few_block_permutations_not_one_of_every_record():
 # -- the adapters ----------------------------------------------------------------------------------
 
 
-def test_jsonl_index_is_cached_next_to_the_file_and_rebuilt_when_it_changes(tmp_path):
+def test_jsonl_index_is_built_at_every_open_and_kept_nowhere(tmp_path):
     path = tmp_path / "a.jsonl"
     # a blank line, CRLF, no final newline
     path.write_text('{"id": 0}\n\n{"id": 1}\r\n   {"id": 2}')
     stream = JsonlStream(path)
     assert len(stream) == 3
     assert stream.read(0, np.array([2, 0, 1])) == [{"id": 2}, {"id": 0}, {"id": 1}]
-    cached = tmp_path / ".a.jsonl.lines"
-    assert cached.is_file() and np.array_equal(indexed_lines(path)[0], stream.lines[0])
+    assert stream.lines[0].tolist() == [[0, 9], [11, 21], [22, 34]]
+    assert [p.name for p in tmp_path.iterdir()] == ["a.jsonl"]
     with open(path, "a") as f:
         f.write('\n{"id": 3}\n')
-    assert len(JsonlStream(path)) == 4  # size and mtime changed: rebuilt
-    assert len(JsonlStream(path, cache_index=False)) == 4
+    assert len(JsonlStream(path)) == 4
+    assert len(JsonlStream(path, cache_index=False)) == 4  # accepted, no longer needed
 
 
 def test_a_stream_of_many_shards_keeps_few_files_open(tmp_path):
@@ -119,7 +119,7 @@ def test_a_stream_of_many_shards_keeps_few_files_open(tmp_path):
     for shard in range(70):
         paths.append(tmp_path / f"part{shard:02d}.jsonl")
         paths[-1].write_text("".join(json.dumps({"id": 3 * shard + i}) + "\n" for i in range(3)))
-    stream = JsonlStream(paths, cache_index=False)
+    stream = JsonlStream(paths)
     got = [r["id"] for shard in range(70) for r in stream.read(shard, np.array([2, 0, 1]))]
     assert got == [3 * s + i for s in range(70) for i in (2, 0, 1)]
     assert len(stream.local()) == 64 and 0 not in stream.local() and 69 in stream.local()

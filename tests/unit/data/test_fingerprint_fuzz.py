@@ -31,7 +31,7 @@ import ddpkit
 from ddpkit import ConfigError
 from ddpkit.data._fingerprint import changes, digest, shard_items
 from ddpkit.data._stream import StreamSamples
-from ddpkit.data._stream_sources import HEAD_RECORDS, IterableStream, JsonlStream, _scan_lines
+from ddpkit.data._stream_sources import HEAD_RECORDS, IterableStream, JsonlStream, indexed_lines
 from tests.fuzz import examples
 
 FAST = examples(30)
@@ -48,7 +48,7 @@ def _old_jsonl_shard(path: Path) -> str:
     st_ = path.stat()
     key = (str(path), st_.st_size, st_.st_mtime_ns)
     if key not in _OLD_INDEX:
-        _OLD_INDEX[key] = _scan_lines(path)
+        _OLD_INDEX[key] = indexed_lines(path)[0]
     lines = _OLD_INDEX[key]
     line_digest = digest(np.ascontiguousarray(lines, dtype=np.int64).view(np.uint8).data)
     return f"{path.name}: {len(lines)} records, {st_.st_size} bytes, line index {line_digest}"
@@ -262,7 +262,7 @@ def test_a_rewritten_jsonl_file_is_refused_and_read_where_its_records_now_lie(
     write_records(path, pads, values)
     before = ddpkit.build_loader(JsonlStream(path, window=4), 1, num_workers=0, collate_fn=list)
     state, old = one_step(before), old_fingerprint(before)
-    assert path.with_name(".data.jsonl.lines").is_file()  # kept: the next stream finds it
+    assert not path.with_name(".data.jsonl.lines").exists()  # built at every open, kept nowhere
     at = data.draw(st.integers(0, n - 2))
     if kind == "content":
         values[at] = data.draw(st.integers(0, 999).filter(lambda v: v != values[at]))
