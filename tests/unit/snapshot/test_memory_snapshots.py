@@ -237,3 +237,19 @@ def test_a_rank_without_state_is_served_by_a_rank_that_holds_every_ranks_part():
     assert choose([_offer([a, b]), _offer([a, b]), _offer()], -1) is None
     # A rank that took another's place holds that rank's slots with peers only: it is served too.
     assert choose([_offer([], [b]), _offer()], -1) == Choice(b, 0, (0, 1))
+
+
+def test_the_stall_watchs_records_go_in_the_job_folder_even_with_memory_snapshots_off(
+    tmp_path, monkeypatch
+):
+    from ddpkit._launch import watch
+
+    monkeypatch.setenv(mf.ROOT_ENV, str(tmp_path))
+    for name in (mf.DIR_ENV, mf.KEY_ENV, mf.UNAVAILABLE_ENV, watch.DIR_ENV):
+        monkeypatch.delenv(name, raising=False)
+    job = mf.open_job_folder(memory=False)
+    assert job is not None and mf.DIR_ENV not in os.environ and mf.KEY_ENV not in os.environ
+    watch.open_folder(job, tmp_path / "disk")
+    assert os.environ[watch.DIR_ENV] == str(job / "progress") and (job / "progress").is_dir()
+    mf.close_job_folder()
+    assert not job.exists()
