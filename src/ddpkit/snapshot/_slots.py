@@ -31,6 +31,7 @@ import torch
 
 from ddpkit import _fs as fs
 from ddpkit._errors import ConfigError
+from ddpkit._launch.proctree import start_time
 from ddpkit.distributed._collectives import tensor_bytes
 from ddpkit.platforms import _torchrun as torchrun
 from ddpkit.snapshot._codec import checked_specs, views
@@ -74,20 +75,10 @@ class BadSlot(ValueError):
     """A whole slot that does not check: its message names the slot and what is wrong."""
 
 
-def start_time(pid: int) -> str | None:
-    """The start time of process ``pid`` in clock ticks since boot (with the pid, its identity), or
-    None if it is gone."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return text.rsplit(")", 1)[1].split()[19]  # field 22; the command name in (...) may hold spaces
-
-
 def _owner_alive(folder: Path) -> bool:
     try:
         pid, started = (folder / "owner").read_text().split()
-        return start_time(int(pid)) == started
+        return start_time(int(pid)) == int(started)
     except (OSError, ValueError):
         return False
 

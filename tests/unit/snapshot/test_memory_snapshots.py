@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from ddpkit._errors import ConfigError
+from ddpkit._launch import proctree
 from ddpkit.snapshot import _codec as codec
 from ddpkit.snapshot import _codec as region
 from ddpkit.snapshot import _slots as mf
@@ -179,7 +180,7 @@ def test_the_job_folder_is_private_and_stale_folders_of_dead_agents_are_swept(
     stale, live = base / "stale", base / "live"
     for folder, pid in ((stale, dead.pid), (live, os.getppid())):
         folder.mkdir()
-        (folder / "owner").write_text(f"{pid} {mf.start_time(pid)}\n")
+        (folder / "owner").write_text(f"{pid} {proctree.start_time(pid)}\n")
         (folder / "run-rank0-0.slot").write_bytes(b"x")
     folder = mf.open_job_folder()
     assert folder is not None and folder.parent == base and os.environ[mf.DIR_ENV] == str(folder)
