@@ -368,8 +368,6 @@ class Exchange:
             present = others
         else:
             present = [n for n in others if self.store.check([KEY.format(n)])]
-        if not present:
-            return
         values = self.store.multi_get([KEY.format(n) for n in present])  # one round trip
         now = self.clock()
         for n, raw in zip(present, values, strict=True):
